@@ -1,0 +1,88 @@
+"""Time the algorithm math: compute_loss forward + backward per algorithm and the M2PO solver.
+
+Not a test. Example: `python bench/algorithm_math.py` (1M tokens, B=1024, T=1024) or
+`python bench/algorithm_math.py --tokens 4096 --reps 2` (the CI smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import relax.algorithms as A
+from relax.algorithms import LossBatch, compute_loss
+from relax.algorithms import functional as F
+
+
+def timed(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_batch(B: int, T: int, device: torch.device, dtype: torch.dtype) -> LossBatch:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).to(dtype)
+    old = -torch.rand(B, T, generator=g, dtype=dtype) * 3
+    return LossBatch(
+        logp=(old + 0.1 * torch.randn(B, T, generator=g, dtype=dtype)).to(device).requires_grad_(),
+        old_logp=old.to(device),
+        advantages=torch.randn(B, T, generator=g, dtype=dtype).to(device),
+        mask=mask.to(device),
+        ref_logp=(old + 0.05 * torch.randn(B, T, generator=g, dtype=dtype)).to(device),
+        rollout_logp=(old + 0.05 * torch.randn(B, T, generator=g, dtype=dtype)).to(device),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1024 * 1024, help="tokens per batch (B*T)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="T")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    T = min(args.seq_len, args.tokens)
+    B = max(1, args.tokens // T)
+    batch = make_batch(B, T, device, dtype)
+    n_tokens = float(batch.mask.sum())
+    print(f"B={B} T={T} tokens={B * T} valid={int(n_tokens)} device={device} dtype={args.dtype} reps={args.reps}")
+    print(f"{'what':<42}{'median ms':>12}{'Mtok/s':>10}")
+
+    def row(what: str, seconds: float) -> None:
+        print(f"{what:<42}{seconds * 1e3:>12.2f}{B * T / seconds / 1e6:>10.1f}")
+
+    for name in A.names():
+        cfg = A.get(name).config_cls(use_tis=True)
+
+        def step(cfg=cfg) -> None:
+            batch.logp.grad = None
+            loss, _ = compute_loss(cfg, batch, per_token=True, denominator=n_tokens)
+            loss.backward()
+
+        row(f"compute_loss fwd+bwd {name}", timed(step, args.reps, device))
+
+    def solver() -> None:
+        F.m2po_clip_bounds(batch.logp, batch.old_logp, batch.advantages, batch.mask, 1e-4, 0.0, 0.0)
+
+    row("m2po_clip_bounds", timed(solver, args.reps, device))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""CISPO: group-relative advantages, a clipped and stop-gradient importance weight on `A * logp`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
+from relax.algorithms.grpo import group_relative_advantages
+
+
+@dataclass(frozen=True)
+class CISPOConfig(AlgorithmConfig):
+    name: str = "cispo"
+
+
+def policy_loss(
+    cfg: CISPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """`-sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * logp`.
+
+    `clipped` marks tokens whose weight was capped (for pg_clipfrac); their gradient is not zeroed.
+    """
+    loss = F.cispo_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
+    with torch.no_grad():
+        ratio = torch.exp(logp - old_logp)
+        clipped = (ratio < 1.0 - cfg.eps_clip) | (ratio > 1.0 + cfg.clip_high)
+    return PolicyLossOutput(loss=loss, clipped=clipped)
+
+
+register(
+    Algorithm(
+        name="cispo",
+        config_cls=CISPOConfig,
+        compute_advantages=group_relative_advantages,
+        policy_loss=policy_loss,
+        summary="keeps a bounded gradient for tokens outside the trust region; use it when PPO clipping "
+        "discards too much signal (often with eps_clip_high=10, use_tis and a small KL loss)",
+    )
+)

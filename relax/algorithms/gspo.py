@@ -1,0 +1,36 @@
+"""GSPO: group-relative advantages, PPO-Clip on a per-sequence importance ratio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
+from relax.algorithms.grpo import group_relative_advantages
+
+
+@dataclass(frozen=True)
+class GSPOConfig(AlgorithmConfig):
+    name: str = "gspo"
+
+
+def policy_loss(
+    cfg: GSPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """PPO-Clip with `s = exp(masked_mean_t(logp - old_logp))` for every token of a response."""
+    loss, clipped = F.gspo_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.clip_high)
+    return PolicyLossOutput(loss=loss, clipped=clipped)
+
+
+register(
+    Algorithm(
+        name="gspo",
+        config_cls=GSPOConfig,
+        compute_advantages=group_relative_advantages,
+        policy_loss=policy_loss,
+        summary="one importance ratio per response; use it when token-level ratios are noisy (long "
+        "responses, mixture-of-experts policies)",
+    )
+)

@@ -1,0 +1,88 @@
+"""PPO: a learned critic, GAE advantages and returns, PPO-Clip for the actor, clipped value loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
+from relax.algorithms.grpo import check_range, float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.loss import VALUE_CLIPFRAC, VALUE_LOSS
+
+
+@dataclass(frozen=True)
+class PPOConfig(AlgorithmConfig):
+    name: str = "ppo"
+    gamma: float = 1.0  # GAE discount
+    lambd: float = 1.0  # GAE lambda
+    value_clip: float = 0.2  # critic value clipping range
+    num_critic_only_steps: int = 0  # initial steps that train only the critic
+    critic_lr: Optional[float] = None  # None: train.lr
+
+
+def compute_advantages(cfg: PPOConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """GAE over token rewards: `R` on the last valid token, minus `kl_coef * (old_logp - ref_logp)` per
+    token when `kl_coef > 0`. `normalize_advantages` whitens the advantages (not the returns)."""
+    if inputs.values is None:
+        raise ValueError("PPO advantages need the critic's values (AdvantageInputs.values)")
+    r = float_rewards(inputs).to(inputs.values.dtype)
+    if cfg.kl_coef > 0:
+        if inputs.old_logp is None or inputs.ref_logp is None:
+            raise ValueError(f"kl_coef={cfg.kl_coef} needs AdvantageInputs.old_logp and ref_logp")
+        k1 = F.kl_estimate(inputs.old_logp, inputs.ref_logp, "k1")
+        r = F.token_rewards(r, inputs.mask) - cfg.kl_coef * k1 * (inputs.mask != 0).to(r.dtype)
+    adv, returns = F.gae(r, inputs.values, inputs.mask, cfg.gamma, cfg.lambd)
+    if cfg.normalize_advantages:
+        adv = F.global_token_normalize(adv, inputs.mask)
+    return AdvantageOutput(advantages=adv, returns=returns)
+
+
+def check(cfg: Any) -> list[Violation]:
+    a = cfg.algorithm
+    out: list[Violation] = []
+    if not cfg.cluster.colocate:
+        out.append(
+            violation(
+                "cluster.colocate",
+                "colocate=false is not supported: PPO runs synchronous colocate only (actor, rollout and "
+                "critic share devices)",
+            )
+        )
+    out += check_range(a.gamma, "algorithm.gamma", 0.0, 1.0, "it is the GAE discount factor")
+    out += check_range(a.lambd, "algorithm.lambd", 0.0, 1.0, "it is the GAE lambda")
+    if not a.value_clip > 0:
+        out.append(violation("algorithm.value_clip", f"value_clip={a.value_clip} must be > 0: the critic's clip range"))
+    if a.num_critic_only_steps < 0:
+        out.append(
+            violation(
+                "algorithm.num_critic_only_steps",
+                f"num_critic_only_steps={a.num_critic_only_steps} must be >= 0: it counts the initial critic-only "
+                "steps",
+            )
+        )
+    if a.critic_lr is not None and not a.critic_lr > 0:
+        out.append(
+            violation(
+                "algorithm.critic_lr",
+                f"critic_lr={a.critic_lr} must be > 0: it is a learning rate (null uses train.lr)",
+            )
+        )
+    return out
+
+
+register(
+    Algorithm(
+        name="ppo",
+        config_cls=PPOConfig,
+        compute_advantages=compute_advantages,
+        policy_loss=ppo_clip_policy_loss,
+        summary="actor-critic with per-token credit assignment; use it when a learned value baseline helps "
+        "(one sample per prompt, long responses) and you can afford a critic",
+        requires_critic=True,
+        supports_async=False,
+        group_relative=False,
+        metrics=(VALUE_LOSS, VALUE_CLIPFRAC),
+        check=check,
+    )
+)

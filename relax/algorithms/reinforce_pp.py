@@ -1,0 +1,67 @@
+"""REINFORCE++: KL-shaped token returns, global token normalization, PPO-Clip."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
+from relax.algorithms.grpo import check_range, float_rewards, ppo_clip_policy_loss, violation
+
+
+@dataclass(frozen=True)
+class ReinforcePPConfig(AlgorithmConfig):
+    name: str = "reinforce_pp"
+    kl_coef: float = 0.01  # reward-side k1 KL shaping; must be > 0
+    gamma: float = 1.0  # return discount
+
+
+def compute_advantages(cfg: ReinforcePPConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """`r_t = mask_t (-kl_coef (old_logp_t - ref_logp_t) + [last] R)`, `G_t = sum_{u>=t} gamma^(u-t) r_u`,
+    then whitening over every valid token of the batch."""
+    if inputs.old_logp is None or inputs.ref_logp is None:
+        raise ValueError("REINFORCE++ advantages need AdvantageInputs.old_logp and ref_logp (KL-shaped rewards)")
+    r = float_rewards(inputs).to(inputs.old_logp.dtype)
+    returns = F.reinforce_pp_returns(r, inputs.mask, inputs.old_logp, inputs.ref_logp, cfg.kl_coef, cfg.gamma)
+    return AdvantageOutput(advantages=F.global_token_normalize(returns, inputs.mask))
+
+
+def check(cfg: Any) -> list[Violation]:
+    a = cfg.algorithm
+    out: list[Violation] = []
+    if not a.kl_coef > 0:
+        out.append(
+            violation(
+                "algorithm.kl_coef",
+                f"kl_coef={a.kl_coef} must be > 0: REINFORCE++ puts its KL penalty into the token rewards",
+            )
+        )
+    if a.use_kl_loss:
+        out.append(
+            violation(
+                "algorithm.use_kl_loss",
+                "use_kl_loss=true is not allowed: REINFORCE++ has its KL in the shaped reward (kl_coef); "
+                "for a separate KL loss use reinforce_pp_baseline",
+            )
+        )
+    out += check_range(a.gamma, "algorithm.gamma", 0.0, 1.0, "it is the return discount")
+    return out
+
+
+register(
+    Algorithm(
+        name="reinforce_pp",
+        config_cls=ReinforcePPConfig,
+        compute_advantages=compute_advantages,
+        policy_loss=ppo_clip_policy_loss,
+        summary="critic-free, token-level KL-shaped returns with batch-wide normalization; use it when one "
+        "sample per prompt is all you can afford",
+        requires_reference=True,
+        supports_async=False,
+        group_relative=False,
+        per_token_loss=False,
+        per_token_loss_required=True,
+        check=check,
+    )
+)

@@ -1,0 +1,60 @@
+"""REINFORCE++-baseline: group-mean baseline, global token normalization, PPO-Clip, KL as a k2 loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
+from relax.algorithms.grpo import float_rewards, ppo_clip_policy_loss, violation
+
+
+@dataclass(frozen=True)
+class ReinforcePPBaselineConfig(AlgorithmConfig):
+    name: str = "reinforce_pp_baseline"
+    kl_loss_type: str = "k2"  # the only KL this estimator supports (as a loss, never in the advantage)
+
+
+def compute_advantages(cfg: ReinforcePPBaselineConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """`C = R - mean_g` on every valid token, then whitening over every valid token of the batch."""
+    c = F.group_mean_baseline(float_rewards(inputs), inputs.group_size)
+    return AdvantageOutput(advantages=F.global_token_normalize(F.broadcast_to_tokens(c, inputs.mask), inputs.mask))
+
+
+def check(cfg: Any) -> list[Violation]:
+    a = cfg.algorithm
+    out: list[Violation] = []
+    if a.kl_coef != 0:
+        out.append(
+            violation(
+                "algorithm.kl_coef",
+                f"kl_coef={a.kl_coef} must be 0: REINFORCE++-baseline keeps KL out of the advantage; "
+                "use use_kl_loss with kl_loss_type=k2",
+            )
+        )
+    if a.use_kl_loss and a.kl_loss_type != "k2":
+        out.append(
+            violation(
+                "algorithm.kl_loss_type",
+                f"kl_loss_type={a.kl_loss_type!r} must be 'k2': REINFORCE++-baseline's KL loss is the k2 estimator",
+                "algorithm.use_kl_loss",
+            )
+        )
+    return out
+
+
+register(
+    Algorithm(
+        name="reinforce_pp_baseline",
+        config_cls=ReinforcePPBaselineConfig,
+        compute_advantages=compute_advantages,
+        policy_loss=ppo_clip_policy_loss,
+        summary="group-mean baseline with batch-wide normalization; use it as a critic-free alternative "
+        "to GRPO that does not divide by a per-group std",
+        supports_async=False,
+        per_token_loss=False,
+        per_token_loss_required=True,
+        check=check,
+    )
+)

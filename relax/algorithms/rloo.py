@@ -1,0 +1,111 @@
+"""RLOO: leave-one-out baseline, unclipped REINFORCE loss, one synchronous update per rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import (
+    AdvantageInputs,
+    AdvantageOutput,
+    Algorithm,
+    AlgorithmConfig,
+    PolicyLossOutput,
+    Violation,
+    register,
+)
+from relax.algorithms.grpo import float_rewards, violation
+
+
+@dataclass(frozen=True)
+class RLOOConfig(AlgorithmConfig):
+    name: str = "rloo"
+
+
+def compute_advantages(cfg: RLOOConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """`A_i = G/(G-1) * (R_i - mean_g)` on every valid token; the rollout/rloo/* diagnostics as metrics."""
+    r = float_rewards(inputs)
+    adv = F.broadcast_to_tokens(F.rloo_advantages(r, inputs.group_size), inputs.mask)
+    G = inputs.group_size
+    metrics = F.rloo_diagnostics(
+        r,
+        torch.arange(r.numel(), device=r.device) // G,
+        (inputs.mask != 0).sum(-1),
+        G,
+    )
+    return AdvantageOutput(advantages=adv, metrics=metrics)
+
+
+def policy_loss(
+    cfg: RLOOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """`-sg(A) * logp`; never clips (pg_clipfrac is 0)."""
+    return PolicyLossOutput(loss=F.reinforce_loss(logp, advantages), clipped=None)
+
+
+def check(cfg: Any) -> list[Violation]:
+    a, train = cfg.algorithm, cfg.train
+    out: list[Violation] = []
+    if a.kl_coef != 0:
+        out.append(
+            violation(
+                "algorithm.kl_coef",
+                f"kl_coef={a.kl_coef} must be 0: reward-side KL shaping is not implemented for RLOO; "
+                "use use_kl_loss with kl_loss_coef (and a train.ref_load checkpoint)",
+            )
+        )
+    if not a.normalize_rewards:
+        out.append(
+            violation(
+                "algorithm.normalize_rewards",
+                "normalize_rewards=false is not allowed: RLOO's leave-one-out transformation runs in the "
+                "normalized-reward path",
+            )
+        )
+    if a.normalize_advantages:
+        out.append(
+            violation(
+                "algorithm.normalize_advantages",
+                "normalize_advantages=true is not allowed: whitening would change RLOO's unbiased "
+                "leave-one-out advantages and make them depend on the data-parallel partition",
+            )
+        )
+    if train.use_dynamic_global_batch_size:
+        out.append(
+            violation(
+                "train.use_dynamic_global_batch_size",
+                "use_dynamic_global_batch_size=true is not allowed: RLOO needs fixed-size rollout batches "
+                "(exactly one optimizer update per rollout)",
+            )
+        )
+    if a.use_kl_loss and not train.ref_load:
+        out.append(
+            violation(
+                "train.ref_load",
+                f"ref_load={train.ref_load!r} must name a reference checkpoint when algorithm.use_kl_loss=true: "
+                "RLOO's KL loss is measured against that checkpoint",
+                "algorithm.use_kl_loss",
+            )
+        )
+    return out
+
+
+register(
+    Algorithm(
+        name="rloo",
+        config_cls=RLOOConfig,
+        compute_advantages=compute_advantages,
+        policy_loss=policy_loss,
+        summary="unbiased leave-one-out baseline, no ratio or clipping; use it for strictly on-policy "
+        "synchronous training with one update per rollout",
+        supports_async=False,
+        supports_multi_step=False,
+        per_token_loss=True,
+        per_token_loss_required=True,
+        metrics=F.RLOO_METRICS,
+        check=check,
+    )
+)

@@ -1,0 +1,50 @@
+"""SAPO: group-relative advantages with a smooth sigmoid gate instead of a hard clip."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, Violation, register
+from relax.algorithms.grpo import group_relative_advantages, violation
+
+
+@dataclass(frozen=True)
+class SAPOConfig(AlgorithmConfig):
+    name: str = "sapo"
+    tau_pos: float = 1.0  # gate temperature where A > 0
+    tau_neg: float = 1.05  # gate temperature where A <= 0 (higher: stronger suppression)
+
+
+def policy_loss(
+    cfg: SAPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """`-(4/tau) * sigmoid(tau * (ratio - 1)) * A`; never hard-clips."""
+    return PolicyLossOutput(loss=F.sapo_loss(logp, old_logp, advantages, cfg.tau_pos, cfg.tau_neg), clipped=None)
+
+
+def check(cfg: Any) -> list[Violation]:
+    a = cfg.algorithm
+    out: list[Violation] = []
+    for key in ("tau_pos", "tau_neg"):
+        value = getattr(a, key)
+        if not value > 0:
+            message = f"{key}={value} must be > 0: it is the sigmoid gate's temperature"
+            out.append(violation(f"algorithm.{key}", message))
+    return out
+
+
+register(
+    Algorithm(
+        name="sapo",
+        config_cls=SAPOConfig,
+        compute_advantages=group_relative_advantages,
+        policy_loss=policy_loss,
+        summary="a soft, differentiable trust region; use it when hard clipping makes training unstable "
+        "or wastes gradient",
+        check=check,
+    )
+)

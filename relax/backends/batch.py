@@ -1,0 +1,73 @@
+"""The tensors that move between roles. CPU tensors; every backend speaks these and nothing else.
+
+Layout: prompts are LEFT-padded to a common width P and responses RIGHT-padded to a common width T,
+so every response starts at column P of `sequences()`. Per-token tensors of the algorithms ([N, T])
+are aligned with `response_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class Samples:
+    """What a rollout returns: N responses, the responses of one prompt consecutive."""
+
+    prompt_ids: torch.Tensor  # [N, P] long, left-padded
+    prompt_mask: torch.Tensor  # [N, P] 1 on real prompt tokens
+    response_ids: torch.Tensor  # [N, T] long, right-padded
+    response_mask: torch.Tensor  # [N, T] 1 on generated tokens (the stop token included)
+    rollout_logp: torch.Tensor  # [N, T] log-prob of each sampled token under the rollout engine
+    finish_reason: list[str]  # "stop" | "length" per response
+    weight_version: int = 0
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [N, P+T], attention_mask [N, P+T]) of prompt followed by response."""
+        ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)
+        mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        return ids, mask
+
+    def select(self, index: torch.Tensor | slice) -> "Samples":
+        """Rows `index` of every tensor (a micro-batch, a shard)."""
+        if isinstance(index, slice):
+            rows = list(range(len(self)))[index]
+        else:
+            rows = index.tolist()
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out[f.name] = value[index]
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in rows]
+            else:
+                out[f.name] = value
+        return type(self)(**out)
+
+
+@dataclass
+class TrainBatch(Samples):
+    """Samples plus what the algorithm computed for them; optional tensors are [N, T]."""
+
+    rewards: Optional[torch.Tensor] = None  # [N]
+    advantages: Optional[torch.Tensor] = None
+    old_logp: Optional[torch.Tensor] = None
+    ref_logp: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None  # PPO critic targets
+    old_values: Optional[torch.Tensor] = None  # PPO critic values at rollout time
+    extras: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_samples(cls, samples: Samples, **tensors: Optional[torch.Tensor]) -> "TrainBatch":
+        base = {f.name: getattr(samples, f.name) for f in fields(Samples)}
+        return cls(**base, **tensors)
+
+    def with_(self, **changes) -> "TrainBatch":
+        return replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Entry points (relax-train, ...): argument handling only; the work happens in relax.runner."""

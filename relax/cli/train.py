@@ -1,0 +1,145 @@
+"""`relax-train`: Hydra's main around the runner. No logic beyond turning errors into messages."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+USAGE_EXIT = 2  # bad config or command line, as argparse does
+
+
+def _fail(message: str) -> None:
+    print(f"relax-train: error: {message}", file=sys.stderr)
+    sys.exit(USAGE_EXIT)
+
+
+def _hydra_error_message(exc: BaseException) -> str:
+    """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'")."""
+    parts = [str(exc).strip()]
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and len(parts) < 4:
+        text = str(cause).strip()
+        if text and text not in parts[-1]:
+            parts.append(text)
+        cause = cause.__cause__ or cause.__context__
+    keep = []
+    for line in "\n".join(parts).splitlines():
+        if line.strip().startswith("Config search path"):
+            break  # Hydra's search-path dump: noise for a user
+        if line.strip().endswith("_schema") or "$VALUE" in line or line.strip().startswith(("object_type=",
+                                                                                          "reference_type=")):
+            continue  # internal schema nodes and OmegaConf's template lines
+        keep.append(line)
+    return "\n".join(keep).strip()
+
+
+def _group_options(conf: Path) -> dict[str, list[str]]:
+    return {
+        d.name: sorted(p.stem for p in d.glob("*.yaml"))
+        for d in sorted(conf.iterdir())
+        if d.is_dir() and any(d.glob("*.yaml"))
+    }
+
+
+def help_text() -> str:
+    from relax import algorithms
+    from relax.config import conf_dir
+
+    conf = conf_dir()
+    lines = [
+        "relax-train: RL post-training of language models, composed by Hydra.",
+        "",
+        "Usage: relax-train [GROUP=OPTION ...] [key=value ...] [dry_run=true]",
+        "       relax-train -m GROUP=A,B key=1,2 ...      (sweep: one job per combination)",
+        "",
+        "Config groups (default in brackets):",
+    ]
+    defaults = {"algorithm": "grpo", "model": "tiny", "cluster": "local", "rollout": "embedded", "data": "digits"}
+    for group, options in _group_options(conf).items():
+        shown = [f"[{o}]" if o == defaults.get(group) else o for o in options]
+        lines.append(f"  {group:<10} {', '.join(shown)}")
+    lines += ["", "Algorithms:"]
+    for name in algorithms.names():
+        lines.append(f"  {name:<22} {algorithms.get(name).summary}")
+    lines += [
+        "",
+        "Other keys: train.*, rollout.*, model.*, cluster.*, data.*, tracking.*, seed, dry_run.",
+        "  relax-train --cfg job               print the composed config",
+        "  relax-train ... dry_run=true        validate, print the plan, start nothing",
+        "  relax-train --hydra-help            Hydra's own flags",
+        f"Config files: {conf}",
+    ]
+    return "\n".join(lines)
+
+
+def _precheck(overrides: list[str]) -> None:
+    """Compose and validate once before Hydra's main runs, so that every mistake is one clear message."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.config import ConfigError, load_config
+
+    plain = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        load_config(plain)
+    except ConfigError as exc:
+        n = len(exc.violations)
+        _fail(f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}")
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        _fail(_hydra_error_message(exc))
+
+
+def _run(dc) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from relax.config import ConfigError, to_relax_config
+
+    try:
+        cfg = to_relax_config(dc)
+    except ConfigError as exc:
+        _fail(f"invalid config:\n{exc}")
+    from relax.runner.plan import build_plan
+
+    plan = build_plan(cfg)
+    if cfg.dry_run:
+        from relax.runner.summary import config_summary
+
+        print(config_summary(cfg))
+        print()
+        print(plan.render())
+        print("\ndry run: config valid; nothing started.")
+        return
+    from relax.runner.errors import RunError
+    from relax.runner.train import run
+
+    try:
+        run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
+    except RunError as exc:
+        _fail(str(exc))
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if any(a in ("-h", "--help") for a in args):
+        print(help_text())
+        return
+    from relax.config import conf_dir, register_configs
+
+    try:
+        conf = conf_dir()
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+    register_configs()
+    hydra_flags = {"-m", "--multirun", "-c", "--cfg", "-p", "--package", "--info", "--hydra-help", "-i",
+                   "--shell-completion", "-sc", "--resolve", "--version", "--config-name", "-cn",
+                   "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun"}
+    if not any(a.split("=")[0] in hydra_flags for a in args):
+        _precheck(args)
+
+    import hydra
+
+    hydra.main(config_path=str(conf), config_name="config", version_base=None)(_run)()
+
+
+if __name__ == "__main__":
+    main()

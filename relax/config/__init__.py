@@ -1,0 +1,19 @@
+"""Structured configs, their Hydra registration, resolution and validation."""
+
+from relax.config.compose import compose, conf_dir, load_config, resolve, to_relax_config
+from relax.config.schema import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    RelaxConfig,
+    RolloutConfig,
+    TrackingConfig,
+    TrainConfig,
+)
+from relax.config.store import register_configs
+from relax.config.validate import ConfigError, validate
+
+__all__ = [
+    "ClusterConfig", "ConfigError", "DataConfig", "ModelConfig", "RelaxConfig", "RolloutConfig", "TrackingConfig",
+    "TrainConfig", "compose", "conf_dir", "load_config", "register_configs", "resolve", "to_relax_config", "validate",
+]

@@ -1,0 +1,143 @@
+"""The schema of a Relax experiment: every default lives here (or on an algorithm's config class).
+
+YAML files in `conf/` only choose and override. A field whose default is `None` is derived when the
+config is resolved (see `relax.config.resolve`); its comment says from what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from relax.algorithms.base import AlgorithmConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which policy model. `source=config` builds a randomly initialised model from the fields below."""
+
+    name: str = "tiny"
+    source: str = "config"  # config | hf | gguf
+    path: Optional[str] = None  # hf: a local directory, None -> $MODEL_DIR/<name>; gguf: a .gguf file
+    dtype: str = "auto"  # auto (bf16 where the device has fast bf16, else fp32) | float32 | bfloat16
+    gradient_checkpointing: bool = False
+    # Architecture of a `source=config` model (Qwen3 layout).
+    arch: str = "qwen3"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    max_position_embeddings: int = 512
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where roles run. GPU counts are totals over the cluster; 0 GPUs means CPU roles."""
+
+    name: str = "local"
+    address: Optional[str] = None  # Ray address to join; None starts a local Ray instance
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_node: Optional[int] = None  # None: this machine's CPU count
+    colocate: bool = True  # actor, rollout, reference (and critic) share the actor's devices
+    actor_gpus: int = 0
+    rollout_gpus: int = 0  # used only when colocate=false
+    critic_gpus: Optional[int] = None  # None: the actor's count (colocated with it)
+    rollout_gpus_per_engine: int = 1
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: str = "embedded"  # embedded | sglang
+    rollout_batch_size: int = 8  # prompts per rollout
+    n_samples_per_prompt: int = 8  # group size G
+    max_response_len: int = 8
+    max_prompt_len: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    partial_rollout: bool = False
+    num_replicas: int = 1
+    eval_n_samples_per_prompt: int = 1
+    eval_temperature: float = 0.0  # 0 means greedy in evaluation only
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    backend: str = "torch"  # torch | megatron
+    global_batch_size: Optional[int] = None  # None: samples per rollout / num_steps_per_rollout
+    micro_batch_size: int = 8
+    num_steps_per_rollout: Optional[int] = None  # None: samples per rollout / global_batch_size (or 1)
+    num_rollout: int = 60
+    lr: float = 1e-6
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    clip_grad: float = 1.0
+    calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
+    use_dynamic_global_batch_size: bool = False
+    mode: str = "sync"  # sync | fully_async | hybrid
+    max_staleness: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    dynamic_context_parallel: bool = False
+    ref_load: Optional[str] = None  # reference weights; None: the policy's initial weights
+    save_interval: int = 0  # 0: save only at the end
+    save_dir: Optional[str] = None  # None: <hydra run dir>/checkpoints
+    save: bool = True
+    resume: Optional[str] = None  # auto (latest in save_dir) | a checkpoint directory
+    eval_interval: int = 0  # 0: no evaluation
+    critic_lr: Optional[float] = None  # None: algorithm.critic_lr, else lr
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts and their reward. `path=None` uses the synthetic `task`."""
+
+    name: str = "digits"
+    # Where prompts come from when path is None: digits | arithmetic (synthetic) | gsm8k (prepared from $DATA_DIR)
+    # | file (data.path is required)
+    task: str = "digits"
+    path: Optional[str] = None  # JSONL or Parquet file of prompts
+    eval_path: Optional[str] = None
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    reward: str = "digits"  # digits | arithmetic | math | package.module:function
+    apply_chat_template: bool = True
+    num_prompts: int = 4096  # synthetic tasks: how many prompts to generate
+    num_eval_prompts: int = 64  # eval prompts: generated (synthetic) or the first N of the eval file; 0: none
+    shuffle: bool = True
+    # Prompts longer than rollout.max_prompt_len (in tokens, after the chat template): drop (skip them and
+    # count them in dataset.num_dropped) | error (fail at start naming the file and line).
+    prompt_overflow: str = "drop"
+    # Text prepended as a system message to string prompts when the chat template is applied; None: none.
+    system_prompt: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "relax"
+    run_name: Optional[str] = None
+    arm: Optional[str] = None  # None: derived from the swept keys (sweeps) or the algorithm
+    progress: bool = True  # live progress line in the terminal
+
+
+@dataclass(frozen=True)
+class RelaxConfig:
+    algorithm: Any = field(default_factory=AlgorithmConfig)  # an AlgorithmConfig subclass
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    seed: int = 1
+    dry_run: bool = False

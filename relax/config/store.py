@@ -1,0 +1,52 @@
+"""Registers the schema dataclasses in Hydra's ConfigStore so that `conf/` YAML files can extend them.
+
+Frozen dataclasses become read-only OmegaConf nodes, which Hydra cannot merge overrides into; the
+stored nodes are therefore made writable here. Freezing comes back when the composed config is
+turned into `RelaxConfig` instances (`relax.config.compose.to_relax_config`).
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from relax import algorithms
+from relax.config import schema
+
+# group -> schema dataclass; each YAML option of the group starts with `defaults: [<group>_schema]`
+GROUP_SCHEMAS = {
+    "model": schema.ModelConfig,
+    "cluster": schema.ClusterConfig,
+    "rollout": schema.RolloutConfig,
+    "data": schema.DataConfig,
+}
+
+
+def _writable(cls: type) -> DictConfig:
+    node = OmegaConf.structured(cls)
+
+    def clear(n) -> None:
+        n._set_flag("readonly", None)
+        if isinstance(n, DictConfig):
+            for key in n.keys():
+                clear(n._get_node(key))
+        elif isinstance(n, ListConfig):
+            for i in range(len(n)):
+                clear(n._get_node(i))
+
+    clear(node)
+    return node
+
+
+def schema_name(group: str, option: str | None = None) -> str:
+    return f"{option or group}_schema"
+
+
+def register_configs() -> None:
+    """Idempotent: (re)stores every schema node, including algorithms registered after import."""
+    cs = ConfigStore.instance()
+    cs.store(name="relax_schema", node=_writable(schema.RelaxConfig))
+    for group, cls in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=schema_name(group), node=_writable(cls))
+    for name in algorithms.names():
+        cs.store(group="algorithm", name=schema_name("algorithm", name), node=_writable(algorithms.get(name).config_cls))

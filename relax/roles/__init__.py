@@ -1,0 +1,1 @@
+"""One Ray actor class per role: actor, rollout, reference, critic."""

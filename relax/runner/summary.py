@@ -1,0 +1,39 @@
+"""Short human summaries of a resolved config (dry run, start of a run)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax import algorithms
+from relax.config.schema import RelaxConfig
+
+
+def _changed(obj) -> str:
+    """Fields of an algorithm config that differ from the shared base defaults, plus its own keys."""
+    base = {f.name for f in dataclasses.fields(algorithms.AlgorithmConfig)}
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name == "name":
+            continue
+        if f.name not in base or value != f.default:
+            out.append(f"{f.name}={value}")
+    return " ".join(out)
+
+
+def config_summary(cfg: RelaxConfig) -> str:
+    a, m, ro, t, d = cfg.algorithm, cfg.model, cfg.rollout, cfg.train, cfg.data
+    model = m.path or m.name
+    lines = [
+        f"algorithm  {a.name}  {_changed(a)}".rstrip(),
+        f"model      {model} (source={m.source}, dtype={m.dtype})",
+        f"data       {d.name} (reward={d.reward})",
+        f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
+        f"max_response_len={ro.max_response_len}, temperature={ro.temperature}",
+        f"train      {t.backend}: {t.num_rollout} rollouts, global_batch_size={t.global_batch_size}, "
+        f"micro_batch_size={t.micro_batch_size}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
+        f"per_token_loss={t.calculate_per_token_loss}, mode={t.mode}",
+        f"tracking   {cfg.tracking.uri if cfg.tracking.enabled else 'off'} (experiment {cfg.tracking.experiment})",
+        f"seed       {cfg.seed}",
+    ]
+    return "\n".join(lines)

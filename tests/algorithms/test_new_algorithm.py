@@ -1,0 +1,106 @@
+"""The worked example of docs/adding-an-algorithm.md: a tenth algorithm, registered only for this test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from relax.algorithms import (
+    AdvantageInputs,
+    AdvantageOutput,
+    Algorithm,
+    AlgorithmConfig,
+    LossBatch,
+    PolicyLossOutput,
+    Violation,
+    compute_loss,
+    get,
+    names,
+    register,
+    unregister,
+)
+from relax.algorithms import functional as F
+
+# ---- the module of the worked example (relax/algorithms/vanilla_pg.py) ----
+
+
+@dataclass(frozen=True)
+class VanillaPGConfig(AlgorithmConfig):
+    name: str = "vanilla_pg"
+    adv_scale: float = 1.0  # multiplies the advantages
+
+
+def compute_advantages(cfg: VanillaPGConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """`A = adv_scale * (R - mean_g)` on every valid token."""
+    a = cfg.adv_scale * F.group_mean_baseline(inputs.rewards.float(), inputs.group_size)
+    return AdvantageOutput(advantages=F.broadcast_to_tokens(a, inputs.mask))
+
+
+def policy_loss(
+    cfg: VanillaPGConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """Unclipped importance-weighted policy gradient: `-ratio * A`."""
+    return PolicyLossOutput(loss=-torch.exp(logp - old_logp) * advantages, clipped=None)
+
+
+def check(cfg: Any) -> list[Violation]:
+    a = cfg.algorithm
+    if a.adv_scale > 0:
+        return []
+    return [Violation(("algorithm.adv_scale",), f"adv_scale={a.adv_scale} must be > 0: it scales the advantages")]
+
+
+VANILLA_PG = Algorithm(
+    name="vanilla_pg",
+    config_cls=VanillaPGConfig,
+    compute_advantages=compute_advantages,
+    policy_loss=policy_loss,
+    summary="unclipped policy gradient with a group-mean baseline; use it as a teaching example",
+    supports_async=False,
+    check=check,
+)
+
+# ---- the test ----
+
+
+@pytest.fixture
+def vanilla_pg():
+    register(VANILLA_PG)
+    try:
+        yield get("vanilla_pg")
+    finally:
+        unregister("vanilla_pg")
+
+
+def test_tenth_algorithm_through_the_registry_and_compute_loss(vanilla_pg):
+    assert "vanilla_pg" in names()
+    cfg = VanillaPGConfig(adv_scale=2.0)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    adv = vanilla_pg.compute_advantages(cfg, AdvantageInputs(torch.tensor([1.0, 0.0]), mask, 2)).advantages
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]))
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, metrics = compute_loss(
+        cfg, LossBatch(logp=logp, old_logp=torch.zeros(2, 3), advantages=adv, mask=mask), per_token=True, denominator=5
+    )
+    torch.testing.assert_close(loss, torch.tensor((-1 - 1 + 1 + 1 + 1) / 5))
+    assert metrics["train/pg_clipfrac"].item() == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv / 5)
+    from types import SimpleNamespace
+
+    assert vanilla_pg.check(SimpleNamespace(algorithm=cfg)) == []
+    assert vanilla_pg.check(SimpleNamespace(algorithm=VanillaPGConfig(adv_scale=0.0)))[0].fields == (
+        "algorithm.adv_scale",
+    )
+
+
+def test_registering_a_name_twice_fails(vanilla_pg):
+    with pytest.raises(ValueError):
+        register(Algorithm("vanilla_pg", VanillaPGConfig, compute_advantages, policy_loss, "dup"))
+
+
+def test_unregistered_afterwards():
+    assert "vanilla_pg" not in names()

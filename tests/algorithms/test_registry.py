@@ -1,0 +1,242 @@
+"""The registry: entries, flags, defaults, per-algorithm checks, advantages hooks, import isolation."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import relax.algorithms as A
+from relax.algorithms import AdvantageInputs
+from relax.algorithms import functional as F
+from relax.config.schema import RelaxConfig
+
+D = torch.float64
+ALL = ["cispo", "grpo", "gspo", "m2po", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "sapo"]
+
+
+def make_cfg(name, algorithm=None, **sections):
+    cfg = RelaxConfig(algorithm=A.get(name).config_cls(**(algorithm or {})))
+    for section, overrides in sections.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **overrides)})
+    return cfg
+
+
+def test_all_algorithms_registered():
+    assert set(ALL) <= set(A.names())
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_entry_and_default_config(name):
+    algo = A.get(name)
+    assert algo.name == name
+    cfg = algo.config_cls()
+    assert isinstance(cfg, A.AlgorithmConfig) and cfg.name == name
+    assert dataclasses.is_dataclass(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.eps_clip = 0.3  # type: ignore[misc]
+    assert algo.summary and "\n" not in algo.summary
+    assert algo.check(make_cfg(name)) == []
+
+
+def test_get_unknown_lists_known():
+    with pytest.raises(KeyError, match="grpo"):
+        A.get("nope")
+
+
+def test_capability_flags():
+    flags = {n: A.get(n) for n in ALL}
+    assert [n for n in ALL if flags[n].requires_critic] == ["ppo"]
+    assert {n for n in ALL if not flags[n].supports_async} == {"rloo", "ppo", "reinforce_pp", "reinforce_pp_baseline"}
+    assert [n for n in ALL if not flags[n].supports_context_parallel] == ["m2po"]
+    assert [n for n in ALL if not flags[n].supports_multi_step] == ["rloo"]
+    assert {n for n in ALL if not flags[n].group_relative} == {"ppo", "reinforce_pp"}
+    assert (flags["rloo"].per_token_loss, flags["rloo"].per_token_loss_required) == (True, True)
+    for n in ("reinforce_pp", "reinforce_pp_baseline"):
+        assert (flags[n].per_token_loss, flags[n].per_token_loss_required) == (False, True)
+    assert "train/ppo_kl_m2_before" in flags["m2po"].metrics
+    assert "rollout/rloo/dropped_group_frac" in flags["rloo"].metrics
+
+
+def test_config_defaults_from_seed_doc():
+    assert (A.PPOConfig.gamma, A.PPOConfig.lambd, A.PPOConfig.value_clip) == (1.0, 1.0, 0.2)
+    assert (A.PPOConfig.num_critic_only_steps, A.PPOConfig.critic_lr) == (0, None)
+    assert (A.SAPOConfig.tau_pos, A.SAPOConfig.tau_neg) == (1.0, 1.05)
+    assert (A.M2POConfig.kl2_budget, A.M2POConfig.miniclip_low, A.M2POConfig.miniclip_high) == (0.01, 0.3, 0.5)
+    assert A.ReinforcePPConfig.kl_coef > 0 and A.ReinforcePPConfig.gamma == 1.0
+    assert A.ReinforcePPBaselineConfig.kl_loss_type == "k2"
+
+
+VIOLATIONS = [
+    ("rloo", {"kl_coef": 0.1}, {}, "algorithm.kl_coef"),
+    ("rloo", {"normalize_rewards": False}, {}, "algorithm.normalize_rewards"),
+    ("rloo", {"normalize_advantages": True}, {}, "algorithm.normalize_advantages"),
+    ("rloo", {}, {"train": {"use_dynamic_global_batch_size": True}}, "train.use_dynamic_global_batch_size"),
+    ("rloo", {"use_kl_loss": True, "kl_loss_coef": 0.01}, {}, "train.ref_load"),
+    ("m2po", {"eps_clip": 0.3}, {}, "algorithm.eps_clip"),
+    ("m2po", {"eps_clip_high": 0.28}, {}, "algorithm.eps_clip_high"),
+    ("m2po", {"kl2_budget": 0.0}, {}, "algorithm.kl2_budget"),
+    ("m2po", {"miniclip_low": 1.0}, {}, "algorithm.miniclip_low"),
+    ("m2po", {"miniclip_low": -0.1}, {}, "algorithm.miniclip_low"),
+    ("m2po", {"miniclip_high": -0.1}, {}, "algorithm.miniclip_high"),
+    ("ppo", {}, {"cluster": {"colocate": False}}, "cluster.colocate"),
+    ("ppo", {"gamma": 1.5}, {}, "algorithm.gamma"),
+    ("ppo", {"lambd": -0.1}, {}, "algorithm.lambd"),
+    ("ppo", {"value_clip": 0.0}, {}, "algorithm.value_clip"),
+    ("ppo", {"num_critic_only_steps": -1}, {}, "algorithm.num_critic_only_steps"),
+    ("ppo", {"critic_lr": 0.0}, {}, "algorithm.critic_lr"),
+    ("reinforce_pp", {"kl_coef": 0.0}, {}, "algorithm.kl_coef"),
+    ("reinforce_pp", {"use_kl_loss": True}, {}, "algorithm.use_kl_loss"),
+    ("reinforce_pp", {"gamma": 1.01}, {}, "algorithm.gamma"),
+    ("reinforce_pp_baseline", {"kl_coef": 0.01}, {}, "algorithm.kl_coef"),
+    ("reinforce_pp_baseline", {"use_kl_loss": True, "kl_loss_type": "k3"}, {}, "algorithm.kl_loss_type"),
+    ("sapo", {"tau_pos": 0.0}, {}, "algorithm.tau_pos"),
+    ("sapo", {"tau_neg": -1.0}, {}, "algorithm.tau_neg"),
+]
+
+
+@pytest.mark.parametrize("name,algorithm,sections,field", VIOLATIONS)
+def test_each_rule_names_its_field(name, algorithm, sections, field):
+    violations = A.get(name).check(make_cfg(name, algorithm, **sections))
+    assert len(violations) == 1, violations
+    v = violations[0]
+    assert isinstance(v, A.Violation)
+    assert field in v.fields
+    key = field.rsplit(".", 1)[-1]
+    assert key in v.message and ":" in v.message
+
+
+def test_rules_that_pass():
+    assert A.get("rloo").check(make_cfg("rloo", {"use_kl_loss": True}, train={"ref_load": "/ckpt/ref"})) == []
+    assert A.get("reinforce_pp_baseline").check(make_cfg("reinforce_pp_baseline", {"use_kl_loss": True})) == []
+    assert A.get("ppo").check(make_cfg("ppo", {"gamma": 0.0, "lambd": 0.95, "critic_lr": 1e-5})) == []
+
+
+def test_rloo_kl_message_has_value_and_reason():
+    (v,) = A.get("rloo").check(make_cfg("rloo", {"kl_coef": 0.1}))
+    assert "kl_coef=0.1 must be 0" in v.message and "use_kl_loss" in v.message
+
+
+def test_check_accepts_duck_typed_config():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(algorithm=A.SAPOConfig(tau_pos=-1.0))
+    assert A.get("sapo").check(cfg)[0].fields == ("algorithm.tau_pos",)
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def inputs(rewards, mask, group_size, **kw):
+    return AdvantageInputs(
+        rewards=torch.tensor(rewards, dtype=D), mask=torch.tensor(mask, dtype=D), group_size=group_size, **kw
+    )
+
+
+MASK4 = [[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]]
+
+
+def test_grpo_family_advantages_broadcast_and_mask():
+    for name in ("grpo", "cispo", "gspo", "sapo", "m2po"):
+        out = A.get(name).compute_advantages(A.get(name).config_cls(), inputs([0.0, 1.0, 2.0, 2.0], MASK4, 2))
+        a = 1 / (2**-0.5 + 1e-6) * 0.5
+        torch.testing.assert_close(
+            out.advantages, torch.tensor([[-a, -a, 0], [a, 0, 0], [0, 0, 0], [0, 0, 0]], dtype=D)
+        )
+
+
+def test_grpo_raw_rewards_and_whitening_switches():
+    grpo = A.get("grpo")
+    out = grpo.compute_advantages(A.GRPOConfig(normalize_rewards=False), inputs([0.0, 1.0, 2.0, 2.0], MASK4, 2))
+    torch.testing.assert_close(out.advantages[:, 0], torch.tensor([0.0, 1.0, 2.0, 0.0], dtype=D))
+    out = grpo.compute_advantages(A.GRPOConfig(normalize_advantages=True), inputs([0.0, 1.0, 2.0, 5.0], MASK4, 2))
+    valid = torch.tensor(MASK4, dtype=D) > 0
+    assert out.advantages[valid].mean().abs() < 1e-9
+    assert (out.advantages[valid].var(unbiased=False) - 1).abs() < 1e-6
+
+
+def test_rloo_advantages_hook():
+    out = A.get("rloo").compute_advantages(A.RLOOConfig(), inputs([0.0, 1.0, 2.0, 2.0], MASK4, 2))
+    torch.testing.assert_close(out.advantages, torch.tensor([[-1, -1, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]], dtype=D))
+    assert out.metrics["rollout/rloo/empty_response_frac"] == 0.25
+    assert out.metrics["rollout/rloo/zero_adv_group_frac"] == 0.5
+
+
+def test_reinforce_pp_baseline_hook_is_normalized_group_mean():
+    out = A.get("reinforce_pp_baseline").compute_advantages(
+        A.ReinforcePPBaselineConfig(), inputs([0.0, 1.0, 2.0, 5.0], MASK4, 2)
+    )
+    c = torch.tensor([-0.5, 0.5, -1.5, 1.5], dtype=D)
+    tok = c[:, None] * torch.tensor(MASK4, dtype=D)
+    torch.testing.assert_close(out.advantages, F.global_token_normalize(tok, torch.tensor(MASK4, dtype=D)))
+
+
+def test_reinforce_pp_hook():
+    old = torch.full((4, 3), -1.0, dtype=D)
+    ref = torch.full((4, 3), -1.5, dtype=D)
+    cfg = A.ReinforcePPConfig(kl_coef=0.1, gamma=1.0)
+    out = A.get("reinforce_pp").compute_advantages(
+        cfg, inputs([1.0, 0.0, 1.0, 1.0], MASK4, 1, old_logp=old, ref_logp=ref)
+    )
+    m = torch.tensor(MASK4, dtype=D)
+    ret = F.reinforce_pp_returns(torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D), m, old, ref, 0.1, 1.0)
+    torch.testing.assert_close(out.advantages, F.global_token_normalize(ret, m))
+
+
+def test_ppo_hook_gae_and_kl_penalty():
+    values = torch.tensor([[0.5, 0.25, 0.0]] * 4, dtype=D)
+    m = torch.tensor(MASK4, dtype=D)
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)
+    out = A.get("ppo").compute_advantages(
+        A.PPOConfig(gamma=0.9, lambd=0.8), inputs(r.tolist(), MASK4, 1, values=values)
+    )
+    adv, ret = F.gae(r, values, m, 0.9, 0.8)
+    torch.testing.assert_close(out.advantages, adv)
+    torch.testing.assert_close(out.returns, ret)
+    old = torch.zeros(4, 3, dtype=D)
+    ref = torch.full((4, 3), -1.0, dtype=D)  # k1 = 1 on every token
+    cfg = A.PPOConfig(kl_coef=0.5)
+    out = A.get("ppo").compute_advantages(cfg, inputs(r.tolist(), MASK4, 1, values=values, old_logp=old, ref_logp=ref))
+    # gamma = lambda = 1: A_t = sum of token rewards from t on - V_t
+    torch.testing.assert_close(out.advantages[0], torch.tensor([1 - 1.0 - 0.5, 1 - 0.5 - 0.25, 0], dtype=D))
+    with pytest.raises(ValueError):
+        A.get("ppo").compute_advantages(A.PPOConfig(), inputs(r.tolist(), MASK4, 1))
+
+
+# ---------------------------------------------------------------------------------------------- isolation
+
+
+def test_import_pulls_no_heavy_frameworks():
+    code = (
+        "import sys, relax.algorithms\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('ray', 'hydra', 'omegaconf', 'mlflow', 'transformers')]\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_advantages_ignore_masked_tokens(name):
+    g = torch.Generator().manual_seed(7)
+    m = torch.tensor(MASK4, dtype=D)
+    kw = {
+        "old_logp": -torch.rand(4, 3, generator=g, dtype=D),
+        "ref_logp": -torch.rand(4, 3, generator=g, dtype=D),
+        "values": torch.randn(4, 3, generator=g, dtype=D),
+    }
+    rewards = [0.0, 1.0, 3.0, 1.0]
+    cfg = A.get(name).config_cls()
+    a = A.get(name).compute_advantages(cfg, inputs(rewards, MASK4, 2, **kw))
+    garbage = {k: torch.where(m > 0, v, torch.full_like(v, 9.0)) for k, v in kw.items()}
+    b = A.get(name).compute_advantages(cfg, inputs(rewards, MASK4, 2, **garbage))
+    torch.testing.assert_close(a.advantages, b.advantages)
+    assert torch.all(a.advantages[m == 0] == 0)
+    assert torch.isfinite(a.advantages).all()
+    if a.returns is not None:
+        torch.testing.assert_close(a.returns, b.returns)
