@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,7 +19,8 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 def conf_dir() -> Path:
     """The `conf/` directory of this checkout (Relax is installed editable: `pip install -e .`)."""
     if not (CONF_DIR / "config.yaml").is_file():
-        raise FileNotFoundError(f"Relax's config directory {CONF_DIR} is missing; install Relax with `pip install -e .`")
+        raise FileNotFoundError(f"Relax's config directory {CONF_DIR} is missing; "
+                                "install Relax with `pip install -e .`")
     return CONF_DIR
 
 
@@ -35,7 +36,8 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
     elif steps is None:
         steps = max(1, samples // gbs) if gbs > 0 else 1
     per_token = algo.per_token_loss if t.calculate_per_token_loss is None else t.calculate_per_token_loss
-    train = dataclasses.replace(t, global_batch_size=gbs, num_steps_per_rollout=steps, calculate_per_token_loss=per_token)
+    train = dataclasses.replace(t, global_batch_size=gbs, num_steps_per_rollout=steps,
+                                calculate_per_token_loss=per_token)
     return dataclasses.replace(cfg, train=train)
 
 

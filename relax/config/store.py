@@ -49,4 +49,5 @@ def register_configs() -> None:
     for group, cls in GROUP_SCHEMAS.items():
         cs.store(group=group, name=schema_name(group), node=_writable(cls))
     for name in algorithms.names():
-        cs.store(group="algorithm", name=schema_name("algorithm", name), node=_writable(algorithms.get(name).config_cls))
+        node = _writable(algorithms.get(name).config_cls)
+        cs.store(group="algorithm", name=schema_name("algorithm", name), node=node)

@@ -122,10 +122,12 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
 
 def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     ro, t = cfg.rollout, cfg.train
-    if not all(isinstance(x, int) and x > 0 for x in (t.global_batch_size, t.micro_batch_size, t.num_steps_per_rollout)):
+    sizes = (t.global_batch_size, t.micro_batch_size, t.num_steps_per_rollout)
+    if not all(isinstance(x, int) and x > 0 for x in sizes):
         return  # already reported by _ranges
     samples = ro.rollout_batch_size * ro.n_samples_per_prompt
-    product = f"rollout.rollout_batch_size * rollout.n_samples_per_prompt ({ro.rollout_batch_size}*{ro.n_samples_per_prompt}={samples})"
+    product = (f"rollout.rollout_batch_size * rollout.n_samples_per_prompt "
+               f"({ro.rollout_batch_size}*{ro.n_samples_per_prompt}={samples})")
     if not algo.supports_multi_step:
         r.require(
             t.num_steps_per_rollout == 1,
@@ -152,7 +154,8 @@ def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     r.require(
         t.global_batch_size % (t.micro_batch_size * dp) == 0,
         ("train.global_batch_size", "train.micro_batch_size"),
-        f"train.global_batch_size={t.global_batch_size} must be divisible by train.micro_batch_size * data-parallel size "
+        f"train.global_batch_size={t.global_batch_size} must be divisible by "
+        "train.micro_batch_size * data-parallel size "
         f"({t.micro_batch_size}*{dp}={t.micro_batch_size * dp})",
     )
 
@@ -188,7 +191,8 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     elif t.backend == "megatron" and c.actor_gpus > 0:
         mp = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
         r.require(c.actor_gpus % mp == 0, ("cluster.actor_gpus", "train.tensor_parallel_size"),
-                  f"cluster.actor_gpus={c.actor_gpus} must be divisible by tensor*pipeline*context parallel size ({mp})")
+                  f"cluster.actor_gpus={c.actor_gpus} must be divisible by "
+                  f"tensor*pipeline*context parallel size ({mp})")
     if ro.backend == "sglang":
         r.require(total > 0, "rollout.backend", "rollout.backend=sglang needs GPUs; this cluster has none "
                   "(use rollout=embedded or a GPU cluster option such as cluster=1xgpu)")
