@@ -34,7 +34,7 @@ class Samples:
         mask = torch.cat([self.prompt_mask, self.response_mask], dim=1)
         return ids, mask
 
-    def select(self, index: torch.Tensor | slice) -> "Samples":
+    def select(self, index: torch.Tensor | slice) -> Samples:
         """Rows `index` of every tensor (a micro-batch, a shard)."""
         if isinstance(index, slice):
             rows = list(range(len(self)))[index]
@@ -65,9 +65,32 @@ class TrainBatch(Samples):
     extras: dict = field(default_factory=dict)
 
     @classmethod
-    def from_samples(cls, samples: Samples, **tensors: Optional[torch.Tensor]) -> "TrainBatch":
+    def from_samples(cls, samples: Samples, **tensors: Optional[torch.Tensor]) -> TrainBatch:
         base = {f.name: getattr(samples, f.name) for f in fields(Samples)}
         return cls(**base, **tensors)
 
-    def with_(self, **changes) -> "TrainBatch":
+    def with_(self, **changes) -> TrainBatch:
         return replace(self, **changes)
+
+
+def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    extra = width - x.shape[1]
+    if extra == 0:
+        return x
+    pad = torch.full((x.shape[0], extra), value, dtype=x.dtype)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def concat_samples(parts: list[Samples], pad_token_id: int = 0) -> Samples:
+    """Stack Samples of several engines, re-padding prompts (left) and responses (right) to common widths."""
+    P = max(p.prompt_ids.shape[1] for p in parts)
+    T = max(p.response_ids.shape[1] for p in parts)
+    return Samples(
+        prompt_ids=torch.cat([_pad_to(p.prompt_ids, P, pad_token_id, True) for p in parts]),
+        prompt_mask=torch.cat([_pad_to(p.prompt_mask, P, 0, True) for p in parts]),
+        response_ids=torch.cat([_pad_to(p.response_ids, T, pad_token_id, False) for p in parts]),
+        response_mask=torch.cat([_pad_to(p.response_mask, T, 0, False) for p in parts]),
+        rollout_logp=torch.cat([_pad_to(p.rollout_logp, T, 0.0, False) for p in parts]),
+        finish_reason=[r for p in parts for r in p.finish_reason],
+        weight_version=min(p.weight_version for p in parts),
+    )

@@ -127,6 +127,8 @@ class TrackingConfig:
     experiment: str = "relax"
     run_name: Optional[str] = None
     arm: Optional[str] = None  # None: derived from the swept keys (sweeps) or the algorithm
+    sweep_id: Optional[str] = None  # set by the sweep launcher for each job of a multirun
+    parent_run_id: Optional[str] = None  # the sweep's parent MLflow run (set by the launcher)
     progress: bool = True  # live progress line in the terminal
 
 

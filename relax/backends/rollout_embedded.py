@@ -1,0 +1,275 @@
+"""The embedded rollout engine: a batched sampler with a KV cache around a Hugging Face causal LM.
+
+Why not `model.generate`: RL rollouts are many short samples from a few prompts, on CPUs or one GPU.
+This engine (1) prefills each distinct prompt once and copies its cache to the n samples of its group,
+(2) for Llama-family models (llama, qwen2, qwen3) runs its own decode step over the model's own modules
+with a preallocated KV cache, grouped-query attention without repeating K/V and a precomputed padding
+mask (no per-step mask building, no cache concatenation), (3) computes logits at the last position only,
+(4) drops finished rows from the batch, and (5) stops as soon as every row has finished. Other
+architectures fall back to the model's own forward with a `DynamicCache` (same results, less speed).
+
+Layout of the result (`Samples`): prompts left-padded to P, responses right-padded to T (the longest
+response), `response_mask` 1 on generated tokens including the stop token. `rollout_logp` is defined in
+`relax.backends.sampling`: full-vocabulary log-softmax at `temperature` (1 for greedy).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from relax.backends.batch import Samples
+from relax.backends.sampling import sample_tokens
+
+_FAST_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _LlamaFamilyDecoder:
+    """Prefill/decode over a Llama-family model's own modules with a static KV cache [B, Hkv, L, D] per layer."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.base = model.model
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        attn0 = self.base.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.scale = attn0.scaling
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        cfg = getattr(model, "config", None)
+        if getattr(cfg, "model_type", None) not in _FAST_MODEL_TYPES or not hasattr(model, "model"):
+            return False
+        if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+            return False  # sliding-window layers: leave them to the model's own forward
+        return all(hasattr(model.model, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Prefill left-padded prompts [B, P] into a cache with room for `max_len` tokens; last logits [B, V]."""
+        B, P = prompt_ids.shape
+        w = self.base.embed_tokens.weight
+        shape = (B, self.n_kv, max_len, self.head_dim)
+        self.k = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.base.layers]
+        self.v = [torch.empty(shape, dtype=w.dtype, device=w.device) for _ in self.base.layers]
+        self.kv_mask = torch.ones(B, max_len, dtype=torch.bool, device=w.device)  # which slots a row attends to
+        self.kv_mask[:, :P] = prompt_mask.bool()
+        self.pos = prompt_mask.long().sum(-1)  # position of the next token of each row
+        self.len = P
+        positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.ones(P, P, dtype=torch.bool, device=w.device).tril()
+        eye = torch.eye(P, dtype=torch.bool, device=w.device)  # padding queries see themselves: no NaN rows
+        mask = (causal & self.kv_mask[:, None, :P]) | eye
+        return self._forward(prompt_ids, positions, mask[:, None])
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per row [B]; logits [B, V] for the next one."""
+        logits = self._forward(tokens[:, None], self.pos[:, None], self.kv_mask[:, None, None, : self.len + 1])
+        self.pos = self.pos + 1
+        return logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the batch (repeat a row to fork it)."""
+        self.k = [c.index_select(0, rows) for c in self.k]
+        self.v = [c.index_select(0, rows) for c in self.v]
+        self.kv_mask = self.kv_mask.index_select(0, rows)
+        self.pos = self.pos.index_select(0, rows)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, S = ids.shape
+        start, end = (0, S) if S > 1 else (self.len, self.len + 1)
+        x = self.base.embed_tokens(ids)
+        cos, sin = self.base.rotary_emb(x, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        for i, layer in enumerate(self.base.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(B, S, self.n_heads, self.head_dim)
+            k = attn.k_proj(h).view(B, S, self.n_kv, self.head_dim)
+            v = attn.v_proj(h).view(B, S, self.n_kv, self.head_dim)
+            if hasattr(attn, "q_norm"):  # qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k[i][:, :, start:end] = k
+            self.v[i][:, :, start:end] = v
+            keys, values = self.k[i][:, :, :end], self.v[i][:, :, :end]
+            if S == 1:  # one query: fold the query heads of a K/V head into the query axis, no K/V copies
+                q = q.reshape(B, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = o.reshape(B, self.n_heads, S, self.head_dim).transpose(1, 2).reshape(B, S, -1)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if S == 1:
+            self.len += 1
+        return self.model.lm_head(self.base.norm(x[:, -1]))
+
+
+class _GenericDecoder:
+    """Any causal LM through its own forward, a `DynamicCache` and a growing 2-D attention mask."""
+
+    def __init__(self, model: nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self._new_cache = lambda: DynamicCache(config=model.config)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_len: int) -> torch.Tensor:
+        self.cache = self._new_cache()
+        self.mask = prompt_mask.long()
+        self.pos = self.mask.sum(-1)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        return self._forward(prompt_ids, positions)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        logits = self._forward(tokens[:, None], self.pos[:, None])
+        self.pos = self.pos + 1
+        return logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask.index_select(0, rows)
+        self.pos = self.pos.index_select(0, rows)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        kwargs = {self._cache_kw: self.cache}
+        out = self.model(
+            input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        return out.logits[:, -1]
+
+
+class EmbeddedEngine:
+    """Batched sampling from `model` (an HF causal LM the caller built), returning `Samples`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+        fast_path: Optional[bool] = None,
+        drop_finished: bool = True,
+    ):
+        """`dtype`/`device` move the model in place; `fast_path=None` uses the Llama-family path when supported."""
+        if dtype is not None or device is not None:
+            model.to(device=device, dtype=dtype)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = int(pad_token_id)
+        self.drop_finished = drop_finished
+        supported = _LlamaFamilyDecoder.supports(model)
+        if fast_path and not supported:
+            raise ValueError(f"fast_path=True: model_type {getattr(model.config, 'model_type', None)!r} unsupported")
+        self.fast_path = supported if fast_path is None else fast_path
+        self.weight_version = 0
+
+    def _decoder(self):
+        return _LlamaFamilyDecoder(self.model) if self.fast_path else _GenericDecoder(self.model)
+
+    @torch.inference_mode()
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Copy `state_dict` into the existing parameters and buffers (strict key match), then set the version."""
+        targets = self.model.state_dict(keep_vars=True)
+        unexpected = sorted(k for k in state_dict if k not in targets)
+        given = {id(targets[k]) for k in state_dict if k in targets}
+        # a tied weight (lm_head = embeddings) may come under either of its names
+        missing = sorted(k for k, v in targets.items() if k not in state_dict and id(v) not in given)
+        if missing or unexpected:
+            raise KeyError(f"load_weights: missing keys {missing}, unexpected keys {unexpected}")
+        for key, tensor in state_dict.items():
+            target = targets[key]
+            if target.shape != tensor.shape:
+                raise ValueError(f"load_weights: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+        self.weight_version = int(version)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n_samples_per_prompt: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int,
+    ) -> Samples:
+        """Sample `n_samples_per_prompt` responses per prompt (a group's responses consecutive)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        if max_new_tokens < 1 or n_samples_per_prompt < 1:
+            raise ValueError("generate: max_new_tokens and n_samples_per_prompt must be >= 1")
+        dev, n = self.device, n_samples_per_prompt
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, P - len(p) :] = 1
+        N, T = len(prompts) * n, max_new_tokens
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
+
+        decoder = self._decoder()
+        logits = decoder.start(ids.to(dev), mask.to(dev), P + T)  # each distinct prompt once
+        if n > 1:
+            fork = torch.arange(len(prompts), device=dev).repeat_interleave(n)
+            decoder.keep(fork)
+            logits = logits.index_select(0, fork)
+
+        out_ids = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=dev)
+        out_logp = torch.zeros(N, T, dtype=torch.float32, device=dev)
+        lengths = torch.full((N,), T, dtype=torch.long, device=dev)
+        stopped = torch.zeros(N, dtype=torch.bool, device=dev)
+        rows = torch.arange(N, device=dev)  # batch row -> output row
+        for t in range(T):
+            tokens, logp = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+            out_ids[rows, t] = tokens
+            out_logp[rows, t] = logp
+            done = torch.isin(tokens, eos) & ~stopped[rows]
+            if done.any():
+                stopped[rows[done]] = True
+                lengths[rows[done]] = t + 1
+                if bool(done.all()):
+                    break
+                if self.drop_finished:  # a smaller batch from now on
+                    live = (~done).nonzero().squeeze(-1)
+                    rows = rows[live]
+                    decoder.keep(live)
+                    tokens = tokens[live]
+            if t + 1 < T:
+                logits = decoder.step(tokens)
+        width = int(lengths.max())
+        resp_mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).long()
+        out_ids = out_ids[:, :width].masked_fill(resp_mask == 0, self.pad_token_id)
+        out_logp = out_logp[:, :width] * resp_mask
+        return Samples(
+            prompt_ids=ids.repeat_interleave(n, dim=0),
+            prompt_mask=mask.repeat_interleave(n, dim=0),
+            response_ids=out_ids.cpu(),
+            response_mask=resp_mask.cpu(),
+            rollout_logp=out_logp.cpu(),
+            finish_reason=["stop" if s else "length" for s in stopped.tolist()],
+            weight_version=self.weight_version,
+        )

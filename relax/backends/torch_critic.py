@@ -1,0 +1,184 @@
+"""The embedded PPO critic: the policy's backbone plus a scalar value head, trained with the clipped value loss.
+
+Values are aligned with `token_logprobs`: the value of response token t is read from the hidden state
+at position P-1+t, the state before token t is generated. The value head runs in fp32 (outside
+autocast); the backbone follows the same precision rule as the policy.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.loss import compute_value_loss
+from relax.backends.batch import Samples, TrainBatch
+from relax.backends.models import build_model, pick_device, response_hidden_states
+from relax.backends.torch_train import (
+    TorchTrainer,
+    available_cpus,
+    micro_batches,
+    trimmed_sequences,
+)
+from relax.config.schema import ModelConfig, TrainConfig
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_GRAD_NORM = "critic/grad_norm"
+CRITIC_LR = "critic/lr"
+
+
+def critic_lr(train_cfg: TrainConfig, algo_cfg: Optional[AlgorithmConfig]) -> float:
+    """train.critic_lr, else algorithm.critic_lr (PPO), else train.lr."""
+    for lr in (train_cfg.critic_lr, getattr(algo_cfg, "critic_lr", None)):
+        if lr is not None:
+            return float(lr)
+    return float(train_cfg.lr)
+
+
+class CriticModel(torch.nn.Module):
+    """A causal LM's backbone (its lm_head unused) and Linear(hidden, 1), zero-initialised (V = 0 at start)."""
+
+    def __init__(self, lm: PreTrainedModel) -> None:
+        super().__init__()
+        self.lm = lm
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, device=lm.device, dtype=torch.float32)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_start: int,
+        response_len: int,
+        autocast: Any = None,
+    ) -> torch.Tensor:
+        """Values [N, T] fp32: value_head(hidden state at P-1+t)."""
+        ctx = autocast if autocast is not None else torch.autocast(input_ids.device.type, enabled=False)
+        with ctx:
+            h = response_hidden_states(self.lm.base_model, input_ids, attention_mask, response_start, response_len)
+        with torch.autocast(input_ids.device.type, enabled=False):
+            return self.value_head(h.float()).squeeze(-1)
+
+
+class TorchCritic(TorchTrainer):
+    """PPO critic trainer of the embedded backend; same calling conventions as `TorchPolicy`."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        algo_cfg: Optional[AlgorithmConfig] = None,
+        *,
+        vocab_size: int,
+        pad_token_id: int,
+        seed: int,
+        total_steps: Optional[int] = None,
+        device: Optional[torch.device | str] = None,
+        num_threads: Optional[int] = None,
+        model: Optional[PreTrainedModel] = None,
+    ) -> None:
+        """The backbone is built like the policy's (same `seed` gives the policy's initial weights);
+        lr = train.critic_lr, else algo_cfg.critic_lr, else train.lr."""
+        device = torch.device(device) if device is not None else pick_device()
+        if device.type == "cpu":
+            torch.set_num_threads(num_threads or available_cpus())
+        if model is None:
+            model = build_model(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=torch.float32, device=device)
+        else:
+            model = model.to(device=device, dtype=torch.float32)
+        self.critic = CriticModel(model)
+        super().__init__(
+            self.critic,
+            model_cfg,
+            train_cfg,
+            lr=critic_lr(train_cfg, algo_cfg),
+            device=device,
+            total_steps=total_steps,
+        )
+
+    def _values(self, mb: Samples) -> tuple[torch.Tensor, int]:
+        ids, mask, P, T = trimmed_sequences(mb)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return self.critic(ids, mask, P, T, autocast=self.autocast()), T
+
+    @torch.no_grad()
+    def compute_values(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
+        """V(state before response token t), [N, T] fp32 on the CPU, 0 where masked."""
+        self.critic.eval()
+        N, T = samples.response_ids.shape
+        out = torch.zeros(N, T, dtype=torch.float32)
+        for rows in micro_batches(N, micro_batch_size):
+            values, t = self._values(samples.select(rows))
+            out[rows, :t] = values.float().cpu()
+        return out * samples.response_mask.to(out.dtype)
+
+    def train_step(
+        self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, micro_batch_size: int
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped value loss towards `batch.returns`.
+
+        `batch.old_values` (values at rollout time) anchor the clipping; when absent the current values
+        (detached) are used, i.e. no clipping. Returns critic/value_loss, critic/value_clipfrac,
+        critic/grad_norm (before clipping), critic/lr.
+        """
+        if batch.returns is None:
+            raise ValueError("critic train_step needs batch.returns")
+        self.critic.train()
+        N = len(batch)
+        denominator = float(batch.response_mask.float().sum()) if per_token else float(N)
+        totals: dict[str, torch.Tensor] = {}
+        self.optimizer.zero_grad(set_to_none=True)
+        for rows in micro_batches(N, micro_batch_size):
+            mb = batch.select(rows)
+            values, t = self._values(mb)
+
+            def cut(x: torch.Tensor, t: int = t) -> torch.Tensor:
+                return x[:, :t].to(self.device).float()
+
+            old = cut(mb.old_values) if mb.old_values is not None else values.detach()
+            loss, metrics = compute_value_loss(
+                algo_cfg,
+                values,
+                old,
+                cut(mb.returns),
+                cut(mb.response_mask),
+                per_token=per_token,
+                denominator=denominator,
+            )
+            loss.backward()
+            for name, value in metrics.items():
+                value = value.detach().float()
+                totals[name] = totals[name] + value if name in totals else value
+        out = {name: float(value) for name, value in totals.items()}
+        grad_norm, lr = self._optimizer_step()
+        out[CRITIC_GRAD_NORM] = grad_norm
+        out[CRITIC_LR] = lr
+        return out
+
+    # ---- checkpoints: HF backbone + value head -----------------------------------------------------
+
+    def _hf_model(self) -> PreTrainedModel:
+        return self.critic.lm
+
+    def _extra_files(self) -> tuple[str, ...]:
+        return (VALUE_HEAD_FILE,)
+
+    def _extra_save(self, directory: Path) -> None:
+        head = {k: v.detach().cpu().contiguous() for k, v in self.critic.value_head.state_dict().items()}
+        save_file(head, str(directory / VALUE_HEAD_FILE))
+
+    def _extra_load(self, directory: Path) -> None:
+        path = directory / VALUE_HEAD_FILE
+        if path.is_file():
+            self.critic.value_head.load_state_dict(load_file(str(path), device=str(self.device)))
+        # else: a policy (or HF) checkpoint as the critic's initial backbone; the head stays zero
+
+    def load_backbone(self, directory: str | os.PathLike) -> None:
+        """Initialise the backbone from a policy/HF checkpoint directory (value head and optimizer untouched)."""
+        self.load_checkpoint(directory, load_optimizer=False)

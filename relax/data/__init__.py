@@ -1,0 +1,42 @@
+"""Prompt data for Relax: tokenizers and model paths, prompt datasets and sampling, synthetic tasks,
+GSM8K preparation. Layer 2: imports only relax.config / relax.algorithms from Relax."""
+
+from relax.data.datasets import (
+    DataError,
+    PromptDataset,
+    PromptItem,
+    PromptSampler,
+    build_datasets,
+    load_prompt_file,
+    read_records,
+    render_prompt,
+)
+from relax.data.gsm8k import prepare_gsm8k
+from relax.data.tasks import generate_task
+from relax.data.tokenizer import (
+    CHATML_TEMPLATE,
+    ModelPathError,
+    build_tiny_tokenizer,
+    ensure_pad_token,
+    load_tokenizer,
+    resolve_model_path,
+)
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "DataError",
+    "ModelPathError",
+    "PromptDataset",
+    "PromptItem",
+    "PromptSampler",
+    "build_datasets",
+    "build_tiny_tokenizer",
+    "ensure_pad_token",
+    "generate_task",
+    "load_prompt_file",
+    "load_tokenizer",
+    "prepare_gsm8k",
+    "read_records",
+    "render_prompt",
+    "resolve_model_path",
+]

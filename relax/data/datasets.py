@@ -1,0 +1,335 @@
+"""Prompt datasets and the prompt sampler.
+
+Files are JSONL (one JSON object per line) or Parquet, with the prompt under `data.prompt_key` and the
+label under `data.label_key`. A prompt is a string or a chat message list (`[{"role", "content"}, ...]`).
+Everything is checked when the dataset is built, so malformed data fails at start with a `DataError`
+naming the file and line, never halfway through training.
+
+Prompts longer than `rollout.max_prompt_len` tokens (after the chat template) are, per
+`data.prompt_overflow`, dropped and counted in `PromptDataset.num_dropped` (default; a warning is logged;
+all prompts dropped is an error) or rejected with an error naming the first offending line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Malformed or unusable data; the message names the file and line (or the config field)."""
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt ready for rollout: token ids after the chat template, the label for the reward, the
+    prompt text the ids encode, and where it came from (`file:line` or `task:index`)."""
+
+    prompt_ids: list[int]
+    label: str
+    prompt_text: str
+    index: int
+    source: str = ""
+
+
+Record = tuple[dict[str, Any], str]  # a raw record and its location for error messages
+
+
+def _check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str, str]]]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and prompt:
+        messages = []
+        for m in prompt:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: {key!r} must be a string or a list of {{'role': str, 'content': str}} "
+                                f"messages, got element {m!r}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        return messages
+    raise DataError(f"{where}: {key!r} must be a string or a non-empty chat message list, got {type(prompt).__name__}")
+
+
+def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
+    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"data file {p} does not exist")
+    records: list[Record] = []
+    if p.suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as e:
+            raise DataError(f"{p}: cannot read Parquet: {e}") from e
+        records = [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+    else:
+        with open(p, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{p}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+                if not isinstance(obj, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                records.append((obj, where))
+    if not records:
+        raise DataError(f"data file {p} is empty (no records)")
+    for obj, where in records:
+        for key, field in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+            if key not in obj or obj[key] is None:
+                raise DataError(f"{where}: missing key {key!r} ({field}); record has keys {sorted(obj)}")
+        _check_prompt(obj[prompt_key], where, prompt_key)
+    return records
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(
+    prompt: Union[str, list[dict[str, str]]],
+    tokenizer: Any,
+    apply_chat_template: bool = True,
+    system_prompt: Optional[str] = None,
+) -> tuple[str, bool]:
+    """The prompt text the model sees and whether the chat template produced it.
+
+    With a template (and `apply_chat_template`): the messages (a string becomes one user message, after
+    an optional system message) rendered with `add_generation_prompt=True`. Without: the string itself,
+    or a message list's contents joined by newlines.
+    """
+    if apply_chat_template and has_chat_template(tokenizer):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system_prompt and isinstance(prompt, str):
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text, True
+    if isinstance(prompt, str):
+        return prompt, False
+    return "\n".join(m["content"] for m in prompt), False
+
+
+def tokenize_prompt(text: str, tokenizer: Any, templated: bool) -> list[int]:
+    """Token ids of a prompt text. A templated text already holds its special tokens, so none are added."""
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+class PromptDataset(Sequence[PromptItem]):
+    """Tokenized prompts with labels. `num_dropped`: prompts skipped for exceeding `max_prompt_len`."""
+
+    def __init__(self, items: list[PromptItem], name: str = "", num_dropped: int = 0):
+        self.items = items
+        self.name = name
+        self.num_dropped = num_dropped
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:  # type: ignore[override]
+        return self.items[i]
+
+    def __repr__(self) -> str:
+        return f"PromptDataset({self.name!r}, {len(self)} prompts, {self.num_dropped} dropped)"
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Sequence[Record],
+        tokenizer: Any,
+        prompt_key: str = "prompt",
+        label_key: str = "label",
+        apply_chat_template: bool = True,
+        max_prompt_len: Optional[int] = None,
+        prompt_overflow: str = "drop",
+        system_prompt: Optional[str] = None,
+        name: str = "",
+    ) -> PromptDataset:
+        """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`)."""
+        if prompt_overflow not in ("drop", "error"):
+            raise DataError(f"data.prompt_overflow={prompt_overflow!r}: must be drop | error")
+        cache: dict[str, tuple[str, list[int]]] = {}
+        items: list[PromptItem] = []
+        dropped = 0
+        for obj, where in records:
+            prompt = _check_prompt(obj.get(prompt_key), where, prompt_key)
+            label = obj.get(label_key)
+            if label is None:
+                raise DataError(f"{where}: missing key {label_key!r} (data.label_key)")
+            cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+            if cache_key not in cache:
+                text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt)
+                cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated))
+            text, ids = cache[cache_key]
+            if max_prompt_len is not None and len(ids) > max_prompt_len:
+                if prompt_overflow == "error":
+                    raise DataError(f"{where}: prompt has {len(ids)} tokens > rollout.max_prompt_len={max_prompt_len} "
+                                    "(raise rollout.max_prompt_len or set data.prompt_overflow=drop)")
+                dropped += 1
+                continue
+            items.append(PromptItem(list(ids), str(label), text, len(items), where))
+        if dropped:
+            logger.warning("%s: dropped %d of %d prompts longer than rollout.max_prompt_len=%s tokens",
+                           name, dropped, len(records), max_prompt_len)
+        if not items:
+            raise DataError(f"{name}: no prompts left: all {len(records)} exceed rollout.max_prompt_len="
+                            f"{max_prompt_len} tokens")
+        return cls(items, name=name, num_dropped=dropped)
+
+
+def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = None,
+                     max_prompt_len: Optional[int] = None, limit: Optional[int] = None) -> PromptDataset:
+    """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig)."""
+    opts = _data_options(data_cfg)
+    records = read_records(path, opts["prompt_key"], opts["label_key"])
+    if limit is not None:
+        records = records[:limit]
+    return PromptDataset.from_records(records, tokenizer, max_prompt_len=max_prompt_len, name=str(path), **opts)
+
+
+def _data_options(data_cfg: Any) -> dict[str, Any]:
+    def get(name: str, default: Any) -> Any:
+        return getattr(data_cfg, name, default) if data_cfg is not None else default
+
+    return {
+        "prompt_key": get("prompt_key", "prompt"),
+        "label_key": get("label_key", "label"),
+        "apply_chat_template": get("apply_chat_template", True),
+        "prompt_overflow": get("prompt_overflow", "drop"),
+        "system_prompt": get("system_prompt", None),
+    }
+
+
+def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[PromptDataset]]:
+    """(train, eval or None) from `cfg.data`, `cfg.rollout.max_prompt_len` and `cfg.seed`.
+
+    Sources, in order: `data.path` (eval: `data.eval_path`; required when `data.task=file`);
+    `data.task=gsm8k` (prepared from $DATA_DIR, eval: its test split); else the synthetic `data.task`
+    (digits | arithmetic) with `data.num_prompts` train and `data.num_eval_prompts` eval prompts.
+    Eval sets hold at most `data.num_eval_prompts` prompts (the first ones of a file); 0 means no eval set.
+    """
+    from relax.data.tasks import generate_task
+
+    data = cfg.data
+    max_len = cfg.rollout.max_prompt_len
+    seed = cfg.seed
+    n_eval = data.num_eval_prompts
+    opts = _data_options(data)
+    train_path: Optional[Any] = data.path
+    eval_path: Optional[Any] = data.eval_path
+    if train_path is None and data.task == "file":
+        raise DataError(f"data.task=file (data={data.name}): data.path is not set; "
+                        "pass data.path=/path/to/prompts.jsonl")
+    if train_path is None and data.task == "gsm8k":
+        from relax.data.gsm8k import prepare_gsm8k
+
+        prepared = prepare_gsm8k()
+        if "train" not in prepared:
+            raise DataError("data.task=gsm8k: no GSM8K train split found under $DATA_DIR")
+        train_path = prepared["train"]
+        eval_path = eval_path or prepared.get("test")
+    if train_path is not None:
+        train = load_prompt_file(train_path, tokenizer, data, max_len)
+        evals = None
+        if eval_path is not None and n_eval > 0:
+            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval)
+        return train, evals
+    opts.update(prompt_key="prompt", label_key="label")
+    records = [(r, f"{data.task}:train:{i}") for i, r in enumerate(generate_task(data.task, data.num_prompts, seed))]
+    if not records:
+        raise DataError(f"data.num_prompts={data.num_prompts}: must be > 0")
+    train = PromptDataset.from_records(records, tokenizer, max_prompt_len=max_len, name=f"{data.task}/train", **opts)
+    evals = None
+    if n_eval > 0:
+        ev = [(r, f"{data.task}:eval:{i}") for i, r in enumerate(generate_task(data.task, n_eval, seed, "eval"))]
+        evals = PromptDataset.from_records(ev, tokenizer, max_prompt_len=max_len, name=f"{data.task}/eval", **opts)
+    return train, evals
+
+
+class PromptSampler:
+    """Batches of `batch_size` prompts per step, forever.
+
+    Each epoch visits every prompt once in an order drawn from (seed, epoch) (or file order when
+    `shuffle=False`); a batch that reaches the end of an epoch continues with the next epoch's order, so
+    nothing is skipped. `state_dict()` is (epoch, position): a sampler restored from it yields exactly the
+    batches the original would have yielded next.
+    """
+
+    def __init__(self, dataset: Sequence[Any], batch_size: int, seed: int = 0, shuffle: bool = True):
+        if len(dataset) == 0:
+            raise DataError("PromptSampler: the dataset is empty")
+        if batch_size <= 0:
+            raise ValueError(f"PromptSampler: batch_size must be > 0, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def order(self, epoch: int) -> list[int]:
+        """Dataset indices in the order epoch `epoch` visits them."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch])
+        return rng.permutation(len(self.dataset)).tolist()
+
+    def _current_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            self._order = self.order(self.epoch)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> list[Any]:
+        """The next `batch_size` items, advancing (epoch, position)."""
+        batch = []
+        while len(batch) < self.batch_size:
+            order = self._current_order()
+            take = min(self.batch_size - len(batch), len(order) - self.position)
+            batch.extend(self.dataset[i] for i in order[self.position:self.position + take])
+            self.position += take
+            if self.position >= len(order):
+                self.epoch += 1
+                self.position = 0
+        return batch
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        while True:
+            yield self.next_batch()
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return len(self.dataset) / self.batch_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the sampler is: enough to resume exactly (plus checks that the data did not change)."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
+                "dataset_size": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; a different dataset size or seed would replay different prompts: an error."""
+        size = state.get("dataset_size", len(self.dataset))
+        if size != len(self.dataset):
+            raise DataError(f"PromptSampler: checkpoint was taken with {size} prompts, the dataset now has "
+                            f"{len(self.dataset)}; resuming would not replay the same prompts")
+        if state.get("seed", self.seed) != self.seed or state.get("shuffle", self.shuffle) != self.shuffle:
+            raise DataError(f"PromptSampler: checkpoint seed/shuffle ({state.get('seed')}, {state.get('shuffle')}) "
+                            f"differ from the current ({self.seed}, {self.shuffle})")
+        position = int(state["position"])
+        if not 0 <= position < len(self.dataset):
+            raise DataError(f"PromptSampler: position {position} out of range for {len(self.dataset)} prompts")
+        self.epoch = int(state["epoch"])
+        self.position = position

@@ -1,0 +1,78 @@
+"""Synthetic tasks, generated deterministically from the seed (no files, no download).
+
+- `digits` (default): prompt "repeat 7", label "7". Made for a tiny randomly initialised model and the
+  tiny tokenizer: learnable from scratch by RL in ~60 steps with responses of <= 8 tokens, and a random
+  policy already earns partial reward (see `relax.rewards.digits`). There are only 10 distinct prompts,
+  so its eval split is an independent draw from the same distribution (same prompts, different order).
+- `arithmetic`: "What is 3 + 4? Put the final answer in \\boxed{}." with label "7" (sums of single digits
+  and non-negative differences): 155 distinct problems, split so that eval problems never occur in train.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
+ARITHMETIC_EVAL_SHARE = 0.2  # share of the distinct arithmetic problems held out for evaluation
+TASKS = ("digits", "arithmetic")
+
+
+def _record(prompt: str, label: str) -> dict[str, Any]:
+    return {"prompt": prompt, "label": label}
+
+
+def digits_prompt(digit: int) -> str:
+    """The digits task prompt for one digit."""
+    return f"repeat {digit}"
+
+
+def generate_digits(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """`num` records {"prompt": "repeat d", "label": "d"}, d uniform over 0-9, from (seed, split)."""
+    rng = random.Random(f"digits:{seed}:{split}")
+    out = []
+    for _ in range(num):
+        d = rng.randrange(10)
+        out.append(_record(digits_prompt(d), str(d)))
+    return out
+
+
+def arithmetic_problems() -> list[tuple[int, str, int, int]]:
+    """Every distinct problem (a, op, b, answer): a + b and a - b with a >= b, single digits."""
+    problems = []
+    for a in range(10):
+        for b in range(10):
+            problems.append((a, "+", b, a + b))
+            if a >= b:
+                problems.append((a, "-", b, a - b))
+    return problems
+
+
+def generate_arithmetic(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """`num` single-digit arithmetic records, drawn with replacement from this split's problems.
+
+    The distinct problems are partitioned once per seed (ARITHMETIC_EVAL_SHARE held out for eval), so an
+    eval problem never appears in train.
+    """
+    problems = arithmetic_problems()
+    random.Random(f"arithmetic-split:{seed}").shuffle(problems)
+    n_eval = max(1, int(len(problems) * ARITHMETIC_EVAL_SHARE))
+    pool = problems[:n_eval] if split == "eval" else problems[n_eval:]
+    rng = random.Random(f"arithmetic:{seed}:{split}")
+    out = []
+    for _ in range(num):
+        a, op, b, ans = pool[rng.randrange(len(pool))]
+        out.append(_record(ARITHMETIC_TEMPLATE.format(a=a, op=op, b=b), str(ans)))
+    return out
+
+
+def generate_task(task: str, num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """Records of a synthetic task (`digits` | `arithmetic`) for `split` (`train` | `eval`)."""
+    if num < 0:
+        raise ValueError(f"number of prompts must be >= 0, got {num}")
+    if task == "digits":
+        return generate_digits(num, seed, split)
+    if task == "arithmetic":
+        return generate_arithmetic(num, seed, split)
+    raise ValueError(f"data.task={task!r}: unknown synthetic task; expected one of {list(TASKS)} "
+                     "(or gsm8k, or set data.path to a JSONL/Parquet file)")

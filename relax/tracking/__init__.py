@@ -1,0 +1,22 @@
+"""Experiment tracking: one MLflow run per training job, config params and tags, the terminal progress line.
+
+Layer 2: imports relax.config and relax.algorithms at most. MLflow itself is imported lazily, when a
+run starts, so importing this package stays cheap.
+"""
+
+from relax.tracking.mlflow_run import NullTracker, RunTracker, Tracker, resolve_tracking_uri, start_tracker
+from relax.tracking.params import STANDARD_TAG_KEYS, flatten_config, standard_tags
+from relax.tracking.progress import Progress, summary
+
+__all__ = [
+    "STANDARD_TAG_KEYS",
+    "NullTracker",
+    "Progress",
+    "RunTracker",
+    "Tracker",
+    "flatten_config",
+    "resolve_tracking_uri",
+    "standard_tags",
+    "start_tracker",
+    "summary",
+]

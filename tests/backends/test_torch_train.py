@@ -1,0 +1,196 @@
+"""The embedded policy trainer: micro-batch invariance, clipping, lr schedule, learning, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from relax.algorithms import GRPOConfig, RLOOConfig
+from relax.backends.models import build_model, token_logprobs
+from relax.backends.torch_train import GRAD_NORM, LR, TorchPolicy, lr_factor
+from relax.config.schema import ModelConfig
+
+VOCAB, PAD = 32, 0
+
+
+def policy(model_cfg, train_cfg, seed: int = 0, **kw) -> TorchPolicy:
+    return TorchPolicy(model_cfg, train_cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=seed, device="cpu", **kw)
+
+
+def grads(p: TorchPolicy) -> dict[str, torch.Tensor]:
+    return {n: w.grad.clone() for n, w in p.model.named_parameters() if w.grad is not None}
+
+
+def test_compute_logprobs_matches_untrimmed_forward(tiny_model_cfg, train_cfg, make_samples):
+    p = policy(tiny_model_cfg, train_cfg)
+    # no row uses the first prompt column or the last response column: both get trimmed
+    samples = make_samples(n=5, P=6, T=5, seed=3, full_row=False)
+    samples.prompt_mask[:, 0] = 0
+    samples.response_mask[:, -1] = 0
+    ids, mask = samples.sequences()
+    with torch.no_grad():
+        ref = token_logprobs(p.model.eval(), ids, mask, 6, 5) * samples.response_mask
+    for mbs in (1, 2, 5):
+        out = p.compute_logprobs(samples, micro_batch_size=mbs)
+        assert out.shape == (5, 5) and out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert (out[samples.response_mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_micro_batch_split_gives_the_same_gradients_and_update(tiny_model_cfg, train_cfg, make_batch, per_token):
+    base = make_batch(n=8, P=5, T=4, seed=4)
+    ref = policy(tiny_model_cfg, train_cfg)
+    old = ref.compute_logprobs(base, micro_batch_size=8) - 0.05 * base.response_mask  # some ratios clip
+    batch = base.with_(old_logp=old)
+    cfg = GRPOConfig(eps_clip=0.03)
+    results = {}
+    for mbs in (2, 8):
+        p = policy(tiny_model_cfg, train_cfg)
+        metrics = p.accumulate_gradients(batch, cfg, per_token=per_token, micro_batch_size=mbs)
+        results[mbs] = (metrics, grads(p), p)
+    (m2, g2, p2), (m8, g8, p8) = results[2], results[8]
+    assert g2.keys() == g8.keys() and len(g2) > 0
+    for name in g2:
+        torch.testing.assert_close(g2[name], g8[name], atol=1e-6, rtol=1e-4)
+    assert m2.keys() == m8.keys()
+    for name in m2:
+        assert m2[name] == pytest.approx(m8[name], rel=1e-5, abs=1e-7), name
+    assert 0 < m8["train/pg_clipfrac"] < 1
+    # whole step: same update from both splits
+    p2.train_step(batch, cfg, per_token=per_token, micro_batch_size=2)
+    p8.train_step(batch, cfg, per_token=per_token, micro_batch_size=8)
+    for (n, a), (_, b) in zip(p2.model.named_parameters(), p8.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_grad_clipping_caps_the_norm_and_reports_the_pre_clip_norm(tiny_model_cfg, train_cfg, make_batch):
+    p = policy(tiny_model_cfg, dataclasses.replace(train_cfg, clip_grad=1e-3))
+    batch = make_batch(n=4, seed=5)
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        seen.append(math.sqrt(sum(float(w.grad.pow(2).sum()) for w in p.model.parameters() if w.grad is not None)))
+
+    p.optimizer.register_step_pre_hook(record)
+    metrics = p.train_step(batch, RLOOConfig(), per_token=True, micro_batch_size=4)
+    assert metrics[GRAD_NORM] > 1e-2
+    assert seen[0] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_lr_factor_by_hand():
+    kw = dict(warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
+    assert [lr_factor(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    # after warmup: progress = (step - 2) / 8
+    assert lr_factor(2, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_factor(4, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert lr_factor(6, schedule="cosine", **kw) == pytest.approx(0.55)
+    assert lr_factor(10, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_factor(4, schedule="linear", **kw) == pytest.approx(1 - 0.9 * 0.25)
+    assert lr_factor(50, schedule="linear", **kw) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        lr_factor(0, schedule="step", **kw)
+
+
+def test_trainer_reports_the_scheduled_lr_per_step(tiny_model_cfg, train_cfg, make_batch):
+    cfg = dataclasses.replace(train_cfg, lr=0.01, lr_schedule="linear", warmup_steps=1, min_lr_ratio=0.0)
+    p = policy(tiny_model_cfg, cfg, total_steps=5)
+    batch = make_batch(n=2, seed=6)
+    lrs = [p.train_step(batch, RLOOConfig(), per_token=True, micro_batch_size=2)[LR] for _ in range(4)]
+    assert lrs == pytest.approx([0.01, 0.01, 0.01 * 0.75, 0.01 * 0.5])
+    assert p.step == 4
+
+
+def test_positive_advantages_raise_the_logprob_of_sampled_tokens(tiny_model_cfg, train_cfg, make_batch):
+    p = policy(tiny_model_cfg, dataclasses.replace(train_cfg, lr=1e-2))
+    base = make_batch(n=8, seed=7)
+    batch = base.with_(advantages=base.response_mask.float(), old_logp=p.compute_logprobs(base, 8))
+    mask = batch.response_mask.bool()
+    before = p.compute_logprobs(batch, 8)[mask].mean()
+    losses = [p.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=4)["train/loss"] for _ in range(4)]
+    after = p.compute_logprobs(batch, 8)[mask].mean()
+    assert after > before + 0.05
+    assert losses[-1] < losses[0]
+
+
+def test_entropy_bonus_path_and_entropy_metric(tiny_model_cfg, train_cfg, make_batch):
+    batch = make_batch(n=4, seed=8)
+    with_bonus = policy(tiny_model_cfg, train_cfg).accumulate_gradients(
+        batch, GRPOConfig(entropy_coef=0.01), per_token=True, micro_batch_size=2
+    )
+    measured = policy(tiny_model_cfg, train_cfg).accumulate_gradients(
+        batch, GRPOConfig(), per_token=True, micro_batch_size=2
+    )
+    assert with_bonus["train/entropy"] == pytest.approx(measured["train/entropy"], rel=1e-5)
+    assert 0 < measured["train/entropy"] <= math.log(VOCAB) + 1e-4
+    quiet = policy(tiny_model_cfg, train_cfg).accumulate_gradients(
+        batch, GRPOConfig(), per_token=True, micro_batch_size=2, report_entropy=False
+    )
+    assert "train/entropy" not in quiet
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(tiny_model_cfg, train_cfg, make_batch):
+    p = policy(dataclasses.replace(tiny_model_cfg, dtype="bfloat16"), train_cfg)
+    assert p.compute_dtype == torch.bfloat16
+    batch = make_batch(n=4, seed=9)
+    metrics = p.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=2)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert all(w.dtype == torch.float32 for w in p.model.parameters())
+    assert p.compute_logprobs(batch, 4).dtype == torch.float32
+
+
+def test_rollout_state_dict_and_load_weights(tiny_model_cfg, train_cfg, make_batch):
+    a, b = policy(tiny_model_cfg, train_cfg, seed=0), policy(tiny_model_cfg, train_cfg, seed=1)
+    batch = make_batch(n=4, seed=10)
+    a.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=4)
+    sd = a.state_dict_for_rollout()
+    assert all(t.device.type == "cpu" for t in sd.values())
+    assert sd["lm_head.weight"] is sd["model.embed_tokens.weight"]  # tied: one tensor
+    b.load_weights(sd)
+    torch.testing.assert_close(b.compute_logprobs(batch, 4), a.compute_logprobs(batch, 4), atol=0, rtol=0)
+    b.load_weights({k: v for k, v in sd.items() if k != "lm_head.weight"})  # tied key may be left out
+    with pytest.raises(KeyError, match="missing"):
+        b.load_weights({k: v for k, v in sd.items() if k != "model.norm.weight"})
+
+
+def test_checkpoint_round_trip(tiny_model_cfg, train_cfg, make_batch, tmp_path):
+    cfg = dataclasses.replace(train_cfg, lr_schedule="cosine", warmup_steps=1)
+    a = policy(tiny_model_cfg, cfg, seed=0)
+    batch = make_batch(n=4, seed=11)
+    for _ in range(2):
+        a.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=2)
+    a.save_checkpoint(tmp_path / "ckpt")
+    files = {f.name for f in (tmp_path / "ckpt").iterdir()}
+    assert {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt"} <= files
+    for name in ("optimizer.pt", "scheduler.pt"):
+        torch.load(tmp_path / "ckpt" / name, weights_only=True)
+
+    b = policy(tiny_model_cfg, cfg, seed=5)
+    b.load_checkpoint(tmp_path / "ckpt")
+    assert b.step == a.step == 2
+    for (n, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(x, y), n
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    for i in sa["state"]:
+        for k in sa["state"][i]:
+            assert torch.equal(sa["state"][i][k], sb["state"][i][k])
+    assert sa["param_groups"][0]["lr"] == sb["param_groups"][0]["lr"]
+    ma = a.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=2)
+    mb = b.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=2)
+    assert ma == mb
+    for (n, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(x, y), n
+
+    # the checkpoint is a plain HF directory: build_model(source=hf) reads it
+    hf = build_model(ModelConfig(source="hf", path=str(tmp_path / "ckpt")), VOCAB, PAD, seed=0, device="cpu")
+    ids, mask = batch.sequences()
+    c = policy(tiny_model_cfg, cfg, seed=7)
+    c.load_checkpoint(tmp_path / "ckpt", load_optimizer=False)
+    with torch.no_grad():
+        hf_logp = token_logprobs(hf.eval(), ids, mask, 5, 4) * batch.response_mask
+    torch.testing.assert_close(hf_logp, c.compute_logprobs(batch, 4), atol=1e-5, rtol=1e-5)
+    with pytest.raises(FileNotFoundError):
+        b.load_checkpoint(tmp_path / "missing")

