@@ -1,0 +1,124 @@
+"""End-to-end training on a real local Ray with the tiny model: every algorithm, learning, resume, failures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from relax.config import load_config
+from relax.runner.errors import RunError
+from relax.runner.train import run
+
+pytestmark = pytest.mark.slow
+
+# the metrics each algorithm must log besides the common ones (names as the trainers define them)
+ALGORITHM_CASES = {
+    "grpo": ([], ["train/pg_clipfrac"]),
+    "rloo": ([], ["rollout/rloo/baseline_mean", "rollout/rloo/adv_abs_mean", "rollout/rloo/no_signal_frac",
+                  "rollout/rloo/empty_response_frac", "rollout/rloo/zero_adv_group_frac",
+                  "rollout/rloo/dropped_group_frac"]),
+    "ppo": (["algorithm.num_critic_only_steps=1"], ["critic/value_loss", "critic/value_clipfrac"]),
+    "cispo": (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.001", "algorithm.use_tis=true"],
+              ["train/kl_loss"]),
+    "gspo": ([], ["train/pg_clipfrac"]),
+    "sapo": ([], ["train/pg_loss"]),
+    "m2po": (["train.num_steps_per_rollout=2"], ["train/ppo_kl_m2_before", "train/ppo_kl_m2_after"]),
+    "reinforce_pp": ([], ["train/ppo_kl"]),
+    "reinforce_pp_baseline": (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"], ["train/kl_loss"]),
+}
+COMMON = ["rollout/raw_reward", "rollout/response_len", "rollout/truncated_frac", "rollout/reward_errors",
+          "train/loss", "train/grad_norm", "train/lr", "perf/step_time", "perf/rollout_time", "perf/train_time",
+          "perf/weight_sync_time", "perf/tokens_per_s"]
+
+
+@pytest.mark.parametrize("name", list(ALGORITHM_CASES))
+def test_every_algorithm_trains_end_to_end(name, ray_local, small_run, tmp_path):
+    extra, expected = ALGORITHM_CASES[name]
+    cfg = load_config(small_run(f"algorithm={name}", *extra))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert [step for step, _ in result.history] == [0, 1]
+    last = result.history[-1][1]
+    missing = [k for k in COMMON + expected if k not in last]
+    assert not missing, missing
+    if name == "ppo":  # num_critic_only_steps=1: the first step trains only the critic
+        first = result.history[0][1]
+        assert first["train/critic_only"] == 1.0 and "train/pg_loss" not in first and "critic/value_loss" in first
+        assert "train/pg_loss" in last
+    assert (tmp_path / "ckpt" / "step_000002" / "policy" / "model.safetensors").is_file()
+
+
+def test_run_is_recorded_in_mlflow(ray_local, small_run, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    cfg = load_config(small_run("algorithm=rloo", "seed=3"))
+    result = run(cfg, output_dir=tmp_path / "out")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    mlrun = client.get_run(result.run_id)
+    assert mlrun.info.status == "FINISHED"
+    assert mlrun.data.tags["algorithm"] == "rloo" and mlrun.data.tags["seed"] == "3"
+    assert mlrun.data.params["rollout.n_samples_per_prompt"] == "4"
+    history = client.get_metric_history(result.run_id, "rollout/raw_reward")
+    assert sorted(m.step for m in history) == [0, 1]
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(result.series("rollout/raw_reward"))
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.yaml", "plan.txt"} <= artifacts
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_reward_rises_on_the_default_task(name, ray_local, tmp_path):
+    """Fixed seed and steps: the mean reward of the last 5 steps is clearly above the first 5."""
+    cfg = load_config([f"algorithm={name}", "train.num_rollout=20", "seed=1", "tracking.enabled=false",
+                       "tracking.progress=false", "train.save=false"])
+    result = run(cfg, output_dir=tmp_path / "out")
+    rewards = result.series("rollout/raw_reward")
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.08, rewards
+
+
+def test_resume_equals_uninterrupted(ray_local, small_run, tmp_path):
+    keys = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/grad_norm", "train/pg_clipfrac"]
+    full = run(load_config(small_run("train.save_interval=2", steps=4)), output_dir=tmp_path / "a")
+    checkpoint = tmp_path / "ckpt" / "step_000002"
+    assert json.loads((checkpoint / "state.json").read_text())["step"] == 2
+    resumed = run(load_config(small_run(f"train.resume={checkpoint}", f"train.save_dir={tmp_path}/ckpt2", steps=4)),
+                  output_dir=tmp_path / "b")
+    assert [s for s, _ in resumed.history] == [2, 3]
+    for (step_a, a), (step_b, b) in zip(full.history[2:], resumed.history, strict=True):
+        assert step_a == step_b
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step_a, key)
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(ray_local, small_run, tmp_path):
+    result = run(load_config(small_run("train.resume=auto", steps=1)), output_dir=tmp_path / "out")
+    assert [s for s, _ in result.history] == [0]
+
+
+def test_a_raising_reward_function_is_counted_not_fatal(ray_local, small_run, tmp_path):
+    cfg = load_config(small_run("data.reward=flaky_reward:reward"))
+    result = run(cfg, output_dir=tmp_path / "out")
+    errors = result.series("rollout/reward_errors")
+    assert len(errors) == 2 and all(e > 0 for e in errors)  # some responses raised ...
+    assert all(0 < e < 16 for e in errors)  # ... and the others were scored
+
+
+def test_malformed_data_fails_before_ray_with_file_and_line(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "repeat 1", "label": "1"}\n{"prompt": "repeat 2", "label": \n')
+    cfg = load_config(["data=jsonl", f"data.path={bad}", "tracking.enabled=false"])
+    with pytest.raises(RunError, match=r"prompts\.jsonl.*2"):
+        run(cfg, output_dir=tmp_path / "out")
+
+
+def test_cli_reports_bad_data_without_traceback(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"question": "no prompt key"}\n')
+    out = subprocess.run([sys.executable, "-m", "relax.cli.train", "data=jsonl", f"data.path={bad}"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "prompts.jsonl" in out.stderr and "prompt" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # failed before tracking started
