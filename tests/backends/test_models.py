@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -60,10 +59,8 @@ def test_build_model_config_is_deterministic_by_seed(tiny_model_cfg):
     ],
 )
 def test_missing_model_path_fails_fast(cfg):
-    t0 = time.perf_counter()
     with pytest.raises(FileNotFoundError, match="nonexistent"):
         build_model(cfg, VOCAB, PAD, seed=0, dtype=torch.float32, device="cpu")
-    assert time.perf_counter() - t0 < 1.0
 
 
 def test_hf_directory_without_config_is_rejected(tmp_path):
