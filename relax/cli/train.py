@@ -13,6 +13,24 @@ def _fail(message: str) -> None:
     sys.exit(USAGE_EXIT)
 
 
+class JobError(Exception):
+    """A config or run error of one job of a sweep: raised (not exit) so the launcher records it and goes on."""
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _job_fail(message: str) -> None:
+    """Single run: message on stderr, exit 2. Sweep job: raise JobError for the launcher's table."""
+    if _in_sweep():
+        raise JobError(message)
+    _fail(message)
+
+
 def _hydra_error_message(exc: BaseException) -> str:
     """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'")."""
     parts = [str(exc).strip()]
@@ -89,7 +107,8 @@ def _precheck(overrides: list[str]) -> None:
         _fail(_hydra_error_message(exc))
 
 
-def _run(dc) -> None:
+def _run(dc) -> object:
+    """Hydra's task function; returns the runner's result (a sweep's table shows its final reward)."""
     from hydra.core.hydra_config import HydraConfig
 
     from relax.config import ConfigError, to_relax_config
@@ -97,7 +116,7 @@ def _run(dc) -> None:
     try:
         cfg = to_relax_config(dc)
     except ConfigError as exc:
-        _fail(f"invalid config:\n{exc}")
+        _job_fail(f"invalid config:\n{exc}")
     from relax.runner.plan import build_plan
 
     plan = build_plan(cfg)
@@ -108,14 +127,15 @@ def _run(dc) -> None:
         print()
         print(plan.render())
         print("\ndry run: config valid; nothing started.")
-        return
+        return None
     from relax.runner.errors import RunError
     from relax.runner.train import run
 
     try:
-        run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
+        return run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
     except RunError as exc:
-        _fail(str(exc))
+        _job_fail(str(exc))
+    return None
 
 
 def main() -> None:

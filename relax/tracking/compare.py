@@ -163,7 +163,8 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                     continue
                 finals[_seed_key(r)] = value  # later runs (same seed) replace earlier ones
             if missing:
-                comp.notes.append(f"{metric}: arm {arm} has no values for seed(s) {', '.join(missing)}")
+                comp.notes.append(f"{metric}: arm {arm} has no values for seed(s) "
+                                  f"{', '.join(sorted(missing, key=_natural))}")
             finals_by_arm[arm] = finals
             mean, std = mean_std(list(finals.values()))
             if len(finals) == 1:
@@ -383,8 +384,12 @@ def plot_curves(comp: Comparison, path: Path, *, band: str = "minmax", title: st
     import numpy as np
 
     metrics = comp.metrics or [DEFAULT_METRIC]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
+    ncols = min(3, len(metrics))
+    nrows = math.ceil(len(metrics) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
+    for ax in axes.flat[len(metrics):]:
+        ax.set_visible(False)
+    for ax, metric in zip(axes.flat, metrics, strict=False):
         for arm in comp.arms:
             per_step: dict[int, list[float]] = {}
             for r in comp.runs:

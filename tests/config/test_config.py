@@ -218,11 +218,13 @@ def test_yaml_files_do_not_restate_defaults():
         group = path.parent.name if path.parent != conf_dir() else None
         text = path.read_text()
         data = yaml.safe_load(text) or {}
+        chosen = [v for d in data.get("defaults") or [] if isinstance(d, dict) for k, v in d.items()
+                  if k.split()[-1].lstrip("/") == "algorithm"]  # an experiment's `override /algorithm: X`
         data.pop("defaults", None)
         data.pop("hydra", None)
         if group and "@package _global_" not in text:
             data = {group: data}
-        algorithm = path.stem if group == "algorithm" else "grpo"
+        algorithm = path.stem if group == "algorithm" else (chosen[0] if chosen else "grpo")
         for key, value in _leaves(data):
             if key.endswith(".name"):
                 continue  # option names are labels, not defaults

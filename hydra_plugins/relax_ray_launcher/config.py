@@ -1,0 +1,31 @@
+"""The launcher's options, registered as `hydra/launcher=relax_ray` (set them as `hydra.launcher.<name>=...`)."""
+
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class RelaxRayLauncherConf:
+    _target_: str = "hydra_plugins.relax_ray_launcher.launcher.RelaxRayLauncher"
+    # Ray to join; None: the config's cluster.address, else a local Ray instance started for the sweep.
+    address: Optional[str] = None
+    # Jobs running at once; None: as many as fit num_cpus / num_gpus each into the cluster's resources.
+    max_concurrent_jobs: Optional[int] = None
+    # Resources one job needs, used to size the concurrency. The job's roles request their own Ray
+    # resources, so the launcher's task reserves none (a reservation would be counted twice).
+    num_cpus: float = 1.0
+    num_gpus: Optional[float] = None  # None: the job's cluster.num_nodes * cluster.gpus_per_node
+    # "module:function" called with each job's composed config (without `hydra`) before any job starts;
+    # whatever it raises marks the job invalid and the sweep stops with exit code 2. None: no check.
+    precheck: Optional[str] = "relax.config:to_relax_config"
+    # Create the MLflow parent run (and the sqlite store) when the config has a `tracking` node.
+    tracking: bool = True
+    # Extra ray.init() keyword arguments for a local Ray instance (e.g. num_cpus).
+    ray_init: dict[str, Any] = field(default_factory=dict)
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="relax_ray", node=RelaxRayLauncherConf,
+                             provider="relax_ray_launcher")

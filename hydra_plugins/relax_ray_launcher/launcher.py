@@ -1,0 +1,361 @@
+"""A Hydra `Launcher` that runs the jobs of a multirun concurrently as Ray tasks.
+
+Why our own: hydra-ray-launcher pins cloudpickle<3 and an old Ray API, stops at the first failed job
+and knows nothing of MLflow. This one, per sweep:
+1. composes every job's config and runs `precheck` on each (Relax: full validation), reporting all
+   invalid jobs at once (exit 2) before anything starts;
+2. creates the MLflow parent run (and so the sqlite store: jobs never race to create its schema) and
+   adds `tracking.parent_run_id`, `tracking.sweep_id` and `tracking.arm` to each job's overrides;
+3. runs each job with Hydra's `run_job` in its own Ray worker process (`max_calls=1`), at most
+   `max_concurrent_jobs` at a time, on the Ray cluster (joined, or started locally); a failing job is
+   recorded and the others go on;
+4. prints a table of jobs and ends the parent run FINISHED, or FAILED if any job failed.
+"""
+
+
+import importlib
+import logging
+import math
+import os
+import sys
+import textwrap
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.errors import CompactHydraException
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from hydra_plugins.relax_ray_launcher.sweep import JobRow, derive_arms, format_table, new_sweep_id, tracking_overrides
+
+log = logging.getLogger(__name__)
+INVALID_CONFIG_EXIT = 2  # as relax-train's single-run validation
+REWARD_METRIC = "rollout/raw_reward"
+
+
+class SweepJobsFailed(CompactHydraException):
+    """Returned as the value of failed jobs: Hydra's sweeper raises it and prints just this message (exit 1)."""
+
+
+@dataclass
+class _Outcome:
+    index: int
+    ret: Optional[JobReturn]
+    error: Optional[str]
+    start: float
+    end: float
+
+
+def _error_text(exc: BaseException) -> str:
+    """A job's failure for the table: the message of a user error, the traceback of anything else."""
+    if type(exc).__name__ in ("JobError", "ConfigError", "RunError"):
+        return str(exc)
+    tb = exc.__traceback__
+    while tb is not None and f"{os.sep}hydra{os.sep}" in tb.tb_frame.f_code.co_filename:
+        tb = tb.tb_next  # Hydra's run_job: not the user's problem
+    return "".join(traceback.format_exception(type(exc), exc, tb)).strip()
+
+
+def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
+                 task_function: TaskFunction, singleton_state: dict[Any, Any], cwd: str) -> _Outcome:
+    """Body of one Ray task: one Hydra job, as Hydra's own launchers run it (fresh process, same cwd)."""
+    start = time.time()
+    os.chdir(cwd)  # relative paths (outputs, sqlite store) mean the same as for the launcher
+    setup_globals()
+    Singleton.set_state(singleton_state)
+    sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
+    with open_dict(sweep_config):
+        sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{index}"
+        sweep_config.hydra.job.num = index
+    HydraConfig.instance().set_config(sweep_config)
+    ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
+                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    error = None
+    if ret.status == JobStatus.FAILED:
+        error = _error_text(ret._return_value)
+        ret._return_value = None  # exceptions may not pickle; the text travels instead
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return _Outcome(index, ret, error, start, time.time())
+
+
+def _overrides_tag(job: Sequence[str]) -> str:
+    """The `overrides` tag the job's run carries (relax.runner.session writes it the same way)."""
+    from relax.tracking.params import overrides_text
+
+    return overrides_text(list(job))
+
+
+def _result_field(value: Any, name: str) -> Any:
+    """`name` of a job's return value: a dict key or an attribute (relax-train returns a RunResult)."""
+    if isinstance(value, dict):
+        return value.get(name)
+    return getattr(value, name, None)
+
+
+def _load_callable(path: str) -> Callable[[DictConfig], Any]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class RelaxRayLauncher(Launcher):
+    def __init__(self, address: Optional[str] = None, max_concurrent_jobs: Optional[int] = None,
+                 num_cpus: float = 1.0, num_gpus: Optional[float] = None,
+                 precheck: Optional[str] = None, tracking: bool = True,
+                 ray_init: Optional[dict[str, Any]] = None) -> None:
+        self.address = address
+        self.max_concurrent_jobs = max_concurrent_jobs
+        self.num_cpus = num_cpus
+        self.num_gpus = num_gpus
+        self.precheck = precheck
+        self.tracking = tracking
+        self.ray_init = dict(ray_init or {})
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+        self.task_function: Optional[TaskFunction] = None
+        self.sweep_id: Optional[str] = None
+        self.parent = None  # relax.tracking.Tracker of the sweep's parent run
+        self.started_ray = False
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
+
+    # ------------------------------------------------------------------ launch
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Run the batch; returns one JobReturn per job, in order (failed ones hold a SweepJobsFailed)."""
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        jobs = [list(o) for o in job_overrides]
+        indices = [initial_job_idx + i for i in range(len(jobs))]
+        self.sweep_id = self.sweep_id or new_sweep_id()
+        arms = self._arms(jobs)
+        tracked = self._tracking_enabled()
+        sweep_id = self.sweep_id if tracked else None
+        self._precheck(jobs, arms, indices, sweep_id)
+        parent_id = self._start_parent() if tracked else None
+        full = [job + tracking_overrides(sweep_id=sweep_id, parent_run_id=parent_id, arm=arm if tracked else None)
+                for job, arm in zip(jobs, arms, strict=True)]
+        print(f"Sweep {self.sweep_id}: {len(jobs)} jobs" + (f", MLflow parent run {parent_id}" if parent_id else ""),
+              flush=True)
+        outcomes: dict[int, _Outcome] = {}
+        status = "FAILED"
+        try:
+            self._run_all(full, indices, jobs, outcomes)
+            status = "FINISHED" if all(o.error is None for o in outcomes.values()) else "FAILED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self._stop_ray()  # also flushes the jobs' forwarded output, so the table comes last
+            rows = self._rows(jobs, indices, outcomes, parent_id)
+            print(format_table(rows, sweep_id=self.sweep_id, parent_run_id=parent_id), flush=True)
+            if self.parent is not None:
+                self.parent.finish(status)
+        return self._returns(full, indices, outcomes, rows)
+
+    # ------------------------------------------------------------------ steps
+    def _tracking_enabled(self) -> bool:
+        assert self.config is not None
+        if OmegaConf.select(self.config, "dry_run", default=False):
+            return False  # a dry run starts nothing, so it records nothing either
+        return bool(self.tracking and OmegaConf.select(self.config, "tracking.enabled", default=False))
+
+    def _compose(self, overrides: Sequence[str]) -> DictConfig:
+        """A job's config as its task function will see it (without the `hydra` node)."""
+        assert self.config is not None and self.hydra_context is not None
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    def _arms(self, jobs: list[list[str]]) -> list[Optional[str]]:
+        """Derived arms, except where the job's config already names one (`tracking.arm` set by the user)."""
+        derived = derive_arms(jobs)
+        arms = []
+        for job, arm in zip(jobs, derived, strict=True):
+            user_arm = OmegaConf.select(self._compose(job), "tracking.arm", default=None) if arm else None
+            arms.append(None if user_arm else arm)
+        return arms
+
+    def _precheck(self, jobs: list[list[str]], arms: list[Optional[str]], indices: list[int],
+                  sweep_id: Optional[str]) -> None:
+        """Compose and check every job before any starts; all invalid jobs are reported at once (exit 2)."""
+        if not self.precheck:
+            return
+        check = _load_callable(self.precheck)
+        problems = []
+        for index, job, arm in zip(indices, jobs, arms, strict=True):
+            extra = tracking_overrides(sweep_id=sweep_id, parent_run_id=None, arm=arm) if sweep_id else []
+            try:
+                check(self._compose(job + extra))
+            except Exception as exc:  # noqa: BLE001 - any failure makes the job invalid
+                text = textwrap.indent(textwrap.dedent(str(exc).strip("\n")), "  ")
+                problems.append(f"job {index} ({' '.join(filter_overrides(job))}):\n{text}")
+        if problems:
+            n = len(problems)
+            print(f"relax-train: error: invalid config in {n} of {len(jobs)} sweep job{'s' if len(jobs) > 1 else ''}"
+                  f" (nothing started):\n" + "\n".join(problems), file=sys.stderr)
+            sys.exit(INVALID_CONFIG_EXIT)
+
+    def _start_parent(self) -> Optional[str]:
+        """The sweep's MLflow parent run, created once per sweep (this also creates a new sqlite store)."""
+        if self.parent is not None:
+            return self.parent.run_id
+        from relax.config.schema import TrackingConfig
+        from relax.tracking.mlflow_run import Tracker
+        from relax.tracking.params import TAG_OVERRIDES, TAG_SWEEP_ID
+
+        assert self.config is not None
+        tc = TrackingConfig(uri=str(OmegaConf.select(self.config, "tracking.uri")),
+                            experiment=str(OmegaConf.select(self.config, "tracking.experiment")))
+        overrides = " ".join(self.config.hydra.overrides.task)
+        self.parent = Tracker.start(tc, run_name=f"sweep-{self.sweep_id}",
+                                    tags={TAG_SWEEP_ID: str(self.sweep_id), TAG_OVERRIDES: overrides or "(none)"},
+                                    background=False, announce=False)
+        return self.parent.run_id
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        assert self.config is not None
+        # RAY_ADDRESS: set for a driver that Ray Jobs started (relax-submit), so a submitted sweep joins its cluster
+        address = (self.address or OmegaConf.select(self.config, "cluster.address", default=None)
+                   or os.environ.get("RAY_ADDRESS") or None)
+        kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        if address is None:
+            kwargs["num_cpus"] = max(os.cpu_count() or 1, 2)
+        kwargs.update(self.ray_init)
+        ray.init(address=address, **kwargs)
+        self.started_ray = True
+
+    def _stop_ray(self) -> None:
+        import ray
+
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        elif ray.is_initialized():
+            time.sleep(1.0)  # a joined cluster: give the forwarded job output a moment to arrive
+        self.started_ray = False
+
+    def _concurrency(self, n_jobs: int) -> int:
+        """max_concurrent_jobs, else how many jobs fit the cluster's CPUs and GPUs (at least 1)."""
+        import ray
+
+        if self.max_concurrent_jobs:
+            return max(1, min(self.max_concurrent_jobs, n_jobs))
+        assert self.config is not None
+        resources = ray.cluster_resources()
+        fits = [n_jobs]
+        if self.num_cpus and self.num_cpus > 0:
+            fits.append(int(resources.get("CPU", 1) // self.num_cpus))
+        gpus = self.num_gpus
+        if gpus is None:
+            nodes = OmegaConf.select(self.config, "cluster.num_nodes", default=1) or 1
+            gpus = nodes * (OmegaConf.select(self.config, "cluster.gpus_per_node", default=0) or 0)
+        if gpus and gpus > 0:
+            fits.append(int(resources.get("GPU", 0) // gpus))
+        return max(1, min(fits))
+
+    def _run_all(self, full: list[list[str]], indices: list[int], jobs: list[list[str]],
+                 outcomes: dict[int, _Outcome]) -> None:
+        import ray
+
+        assert self.config is not None and self.hydra_context is not None
+        self._init_ray()
+        limit = self._concurrency(len(full))
+        print(f"Running at most {limit} job(s) at once on Ray ({ray.cluster_resources().get('CPU', 0):g} CPUs, "
+              f"{ray.cluster_resources().get('GPU', 0):g} GPUs)", flush=True)
+        remote = ray.remote(num_cpus=0, num_gpus=0, max_calls=1, max_retries=0)(_execute_job)
+        state = Singleton.get_state()
+        cwd = os.getcwd()
+        pending = list(range(len(full)))
+        running: dict[Any, int] = {}
+        submitted: dict[int, float] = {}
+        try:
+            while pending or running:
+                while pending and len(running) < limit:
+                    k = pending.pop(0)
+                    ref = remote.remote(indices[k], full[k], self.hydra_context, self.config, self.task_function,
+                                        state, cwd)
+                    running[ref] = k
+                    submitted[k] = time.time()
+                    log.info(f"\t#{indices[k]} : {' '.join(filter_overrides(jobs[k]))}")
+                done, _ = ray.wait(list(running), num_returns=1)
+                for ref in done:
+                    k = running.pop(ref)
+                    try:
+                        outcome = ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001 - a crashed worker, an unpicklable result ...
+                        outcome = _Outcome(indices[k], None, f"{type(exc).__name__}: {exc}", submitted[k], time.time())
+                    outcomes[indices[k]] = outcome
+                    state_word = "finished" if outcome.error is None else "FAILED"
+                    print(f"job {indices[k]} {state_word} in {outcome.end - outcome.start:.0f} s: "
+                          f"{' '.join(filter_overrides(jobs[k]))}", flush=True)
+        except KeyboardInterrupt:
+            for ref in running:
+                ray.cancel(ref, force=True)
+            raise
+
+    def _rows(self, jobs: list[list[str]], indices: list[int], outcomes: dict[int, _Outcome],
+              parent_id: Optional[str]) -> list[JobRow]:
+        runs = self._child_runs(parent_id)
+        rows = []
+        for job, index in zip(jobs, indices, strict=True):
+            text = " ".join(filter_overrides(job))
+            o = outcomes.get(index)
+            if o is None:
+                rows.append(JobRow(index, text, "KILLED"))
+                continue
+            run = runs.pop(_overrides_tag(job), None) if runs else None
+            value = o.ret.return_value if o.ret is not None and o.error is None else None
+            reward = _result_field(value, "final_reward")  # relax-train: mean of the last 10 steps
+            run_id = _result_field(value, "run_id") or (run.info.run_id if run is not None else None)
+            if not isinstance(reward, (int, float)) and run is not None and REWARD_METRIC in run.data.metrics:
+                reward = run.data.metrics[REWARD_METRIC]  # the last logged value
+            reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None
+            rows.append(JobRow(index, text, "FINISHED" if o.error is None else "FAILED", run_id, reward,
+                               o.end - o.start, o.error))
+        return rows
+
+    def _child_runs(self, parent_id: Optional[str]) -> dict[str, Any]:
+        """The jobs' MLflow runs by their overrides tag (best effort: the table shows '-' when unknown)."""
+        if parent_id is None or self.parent is None:
+            return {}
+        from relax.tracking.mlflow_run import PARENT_RUN_ID_TAG
+        from relax.tracking.params import TAG_OVERRIDES
+
+        try:
+            found = self.parent.client.search_runs([self.parent.experiment_id],
+                                                   filter_string=f"tags.`{PARENT_RUN_ID_TAG}` = '{parent_id}'",
+                                                   max_results=5000)
+        except Exception as exc:  # noqa: BLE001 - the table is still useful without run ids
+            log.warning(f"could not list the sweep's runs: {exc}")
+            return {}
+        return {r.data.tags.get(TAG_OVERRIDES, ""): r for r in sorted(found, key=lambda r: r.info.start_time)}
+
+    def _returns(self, full: list[list[str]], indices: list[int], outcomes: dict[int, _Outcome],
+                 rows: list[JobRow]) -> list[JobReturn]:
+        failed = [r for r in rows if r.status != "FINISHED"]
+        message = (f"{len(failed)} of {len(rows)} sweep jobs failed (job {', '.join(str(r.index) for r in failed)}; "
+                   "see the table above)")
+        out = []
+        for overrides, index in zip(full, indices, strict=True):
+            o = outcomes.get(index)
+            ret = o.ret if o is not None and o.ret is not None else JobReturn(overrides=list(overrides))
+            if o is None or o.error is not None:
+                ret.status = JobStatus.FAILED
+                ret._return_value = SweepJobsFailed(message)
+            out.append(ret)
+        return out

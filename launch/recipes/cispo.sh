@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# CISPO on the GRPO recipe (Qwen3-4B, 8 GPUs) with the recommended values (conf/experiment/cispo.yaml).
+#   MODEL_DIR=/models DATA_DIR=/data EXP_DIR=/exp bash launch/recipes/cispo.sh
+# Environment: see _common.sh (MODEL_DIR, DATA_DIR, EXP_DIR, ADVANTAGE_ESTIMATOR, SEED, MODEL_PATH).
+set -euo pipefail
+source "$(dirname "$0")/_common.sh"
+run_recipe cispo "$@"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# RLOO vs GRPO on this CPU (tiny model, digits task): the sweep, 2 arms x 2 seeds, then the comparison.
+#   bash launch/recipes/rloo_vs_grpo_cpu.sh [more overrides, e.g. train.num_rollout=10]
+# EXP_DIR (optional) holds the runs and the MLflow store; default: the current directory.
+set -euo pipefail
+uri="sqlite:///mlflow.db"
+extra=()
+if [[ -n "${EXP_DIR:-}" ]]; then
+  mkdir -p "${EXP_DIR}"
+  exp_dir=$(cd "${EXP_DIR}" && pwd)
+  uri="sqlite:///${exp_dir}/mlflow.db"
+  extra+=("hydra.sweep.dir=${exp_dir}/rloo_vs_grpo_cpu/multirun/\${now:%Y-%m-%d_%H-%M-%S}" "tracking.uri=${uri}")
+fi
+set -x
+relax-train -m +experiment=rloo_vs_grpo_cpu algorithm=rloo,grpo seed=1,2 "${extra[@]}" "$@" || true  # compare what finished
+relax-compare --uri "${uri}" --control algorithm=grpo

@@ -1,0 +1,79 @@
+"""`relax-compare`: the arms of an experiment side by side, from MLflow. Logic: relax.tracking.compare."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+USAGE_EXIT = 2
+
+
+def _tags(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        key, sep, value = v.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--tag expects KEY=VALUE, got {v!r}")
+        out[key] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="relax-compare",
+        description="Compare the arms of an experiment: final values over seeds, paired differences to a control "
+                    "arm with bootstrap CIs, learning curves (PNG) and a CSV, logged back to MLflow. "
+                    "With no selector: the most recent sweep in the store.",
+    )
+    p.add_argument("--uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: %(default)s)")
+    sel = p.add_argument_group("which runs")
+    sel.add_argument("--experiment", help="MLflow experiment name")
+    sel.add_argument("--sweep", help="sweep id (the sweep_id tag that relax-train -m sets)")
+    sel.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="tag filter (repeatable)")
+    sel.add_argument("--run-ids", nargs="+", default=[], metavar="RUN_ID", help="these runs only")
+    sel.add_argument("--include-unfinished", action="store_true", help="keep FAILED/KILLED/RUNNING runs")
+    how = p.add_argument_group("how")
+    how.add_argument("--by", default="arm", help="tag or param to group runs by (default: %(default)s)")
+    how.add_argument("--metrics", nargs="+", default=None, metavar="METRIC",
+                     help="default: rollout/raw_reward and every eval/* present")
+    how.add_argument("--last-k", type=int, default=10, help="final value = mean of the last K steps (default: 10)")
+    how.add_argument("--control", help="control arm: paired differences by seed against it")
+    how.add_argument("--bootstrap", type=int, default=10_000, metavar="N", help="bootstrap resamples (10000)")
+    how.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed (default: 0)")
+    how.add_argument("--band", choices=("minmax", "std"), default="minmax", help="band around the mean curve")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=None, help="directory for compare.csv and compare.png "
+                                                             "(default: compare/<sweep id or time>)")
+    out.add_argument("--no-log", action="store_true", help="do not log the CSV and PNG to MLflow")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        tags = _tags(args.tag)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    if args.last_k < 1:
+        parser.error("--last-k must be >= 1")
+    from relax.tracking.compare import CompareError, compare
+
+    try:
+        result = compare(uri=args.uri, experiment=args.experiment, sweep=args.sweep, tags=tags,
+                         run_ids=args.run_ids, by=args.by, metrics=args.metrics, last_k=args.last_k,
+                         control=args.control, n_boot=args.bootstrap, seed=args.seed, band=args.band,
+                         out_dir=args.out, log=not args.no_log, include_unfinished=args.include_unfinished)
+    except CompareError as exc:
+        print(f"relax-compare: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
+    print(result.text)
+    print()
+    print(f"wrote {result.csv_path} and {result.png_path}" +
+          (f"; logged to MLflow run {result.logged_to} (artifacts/compare/)" if result.logged_to else ""))
+
+
+if __name__ == "__main__":
+    main()

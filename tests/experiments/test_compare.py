@@ -1,0 +1,131 @@
+"""relax-compare's statistics against hand-computed values, on an MLflow store built here."""
+
+import csv
+import math
+import re
+import time
+
+import pytest
+
+from relax.cli.compare import main as compare_main
+from relax.tracking.compare import (
+    CompareError,
+    bootstrap_ci,
+    compare,
+    final_value,
+    mean_std,
+)
+
+# arm -> seed -> history of rollout/raw_reward over steps 0..4; with last_k=2 the final is the mean of steps 3, 4
+HISTORIES = {
+    "A": {"1": [0, 0, 0, 1, 3], "2": [0, 0, 0, 2, 4], "3": [0, 0, 0, 4, 4]},  # finals 2, 3, 4
+    "B": {"1": [0, 0, 0, 3, 5], "2": [0, 0, 0, 4, 6], "3": [0, 0, 0, 7, 7]},  # finals 4, 5, 7
+    "C": {"1": [1, 1, 1, 1, 1], "4": [2, 2, 2, 2, 2]},  # seed 4 has no control pair
+    "D": {"2": [0, 0, 0, 0, 1]},  # a single seed
+}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from mlflow import MlflowClient
+
+    tmp = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("cmp", artifact_location=str(tmp / "artifacts"))
+    t0 = int(time.time() * 1000) - 100_000
+    old = client.create_run(exp, tags={"sweep_id": "S0"}, start_time=t0)  # an older sweep
+    client.set_terminated(old.info.run_id, "FINISHED")
+    parent = client.create_run(exp, tags={"sweep_id": "S1"}, start_time=t0 + 1000)
+    pid = parent.info.run_id
+    for i, (arm, seeds) in enumerate(HISTORIES.items()):
+        for seed, values in seeds.items():
+            run = client.create_run(exp, start_time=t0 + 2000 + i, tags={
+                "mlflow.parentRunId": pid, "sweep_id": "S1", "arm": arm, "seed": seed, "algorithm": arm.lower()})
+            for step, v in enumerate(values):
+                client.log_metric(run.info.run_id, "rollout/raw_reward", v, step=step)
+            if arm == "A":
+                client.log_metric(run.info.run_id, "eval/reward", 0.5, step=4)
+            client.set_terminated(run.info.run_id, "FINISHED")
+    failed = client.create_run(exp, start_time=t0 + 3000, tags={
+        "mlflow.parentRunId": pid, "sweep_id": "S1", "arm": "B", "seed": "9"})
+    client.log_metric(failed.info.run_id, "rollout/raw_reward", 100.0, step=0)
+    client.set_terminated(failed.info.run_id, "FAILED")
+    client.set_terminated(pid, "FINISHED")
+    return tmp, uri, pid
+
+
+def test_statistics_helpers():
+    assert final_value([(0, 0.0), (1, 1.0), (2, 3.0)], 2) == 2.0
+    assert final_value([(2, 3.0), (0, 0.0), (1, 1.0)], 10) == pytest.approx(4 / 3)  # fewer steps than K
+    assert math.isnan(final_value([], 3))
+    assert mean_std([2.0, 3.0, 4.0]) == (3.0, 1.0)
+    m, s = mean_std([1.0])
+    assert m == 1.0 and math.isnan(s)
+    lo, hi = bootstrap_ci([2.0, 2.0, 3.0], n_boot=5000, seed=3)
+    assert 2.0 <= lo <= 7 / 3 <= hi <= 3.0
+    assert bootstrap_ci([2.0, 2.0, 3.0], n_boot=5000, seed=3) == (lo, hi)  # reproducible
+
+
+def test_compare_against_hand_computed_values(store, tmp_path):
+    tmp, uri, pid = store
+    r = compare(uri=uri, control="A", last_k=2, n_boot=4000, seed=11, out_dir=tmp_path / "out")
+    comp = r.comparison
+    assert comp.metrics == ["rollout/raw_reward", "eval/reward"]  # the default: reward and every eval/* present
+    stats = {(s.metric, s.arm): s for s in comp.stats}
+    a, b = stats[("rollout/raw_reward", "A")], stats[("rollout/raw_reward", "B")]
+    assert (a.n, a.mean, a.std) == (3, 3.0, 1.0)
+    assert b.n == 3 and b.mean == pytest.approx(16 / 3) and b.std == pytest.approx(math.sqrt(7 / 3))
+    assert b.seeds == ["1", "2", "3"]  # the FAILED seed-9 run is left out
+    diffs = {(d.metric, d.arm): d for d in comp.diffs}
+    d = diffs[("rollout/raw_reward", "B")]
+    assert d.n_pairs == 3 and d.mean == pytest.approx(7 / 3)  # (4-2) + (5-3) + (7-4) over 3
+    assert 2.0 <= d.ci_low <= 7 / 3 <= d.ci_high <= 3.0
+    again = compare(uri=uri, control="A", last_k=2, n_boot=4000, seed=11, out_dir=tmp_path / "again", log=False)
+    d2 = {(x.metric, x.arm): x for x in again.comparison.diffs}[("rollout/raw_reward", "B")]
+    assert (d2.ci_low, d2.ci_high) == (d.ci_low, d.ci_high)
+    c = diffs[("rollout/raw_reward", "C")]
+    assert c.n_pairs == 1 and c.mean == pytest.approx(1 - 2) and c.ci_low == c.ci_high == c.mean
+    notes = "\n".join(comp.notes)
+    assert "is FAILED: left out" in notes
+    assert "arm D has a single seed" in notes
+    assert "arms C and A have different seed sets (4 only in C; 2, 3 only in A)" in notes
+    assert "eval/reward: arm B has no values for seed(s) 1, 2, 3" in notes
+    # the outputs, also logged on the sweep's parent run
+    assert r.csv_path.is_file() and r.png_path.stat().st_size > 1000
+    rows = list(csv.DictReader(open(r.csv_path)))
+    row = next(x for x in rows if x["metric"] == "rollout/raw_reward" and x["arm"] == "B")
+    assert float(row["mean"]) == pytest.approx(16 / 3, rel=1e-5) and float(row["diff_mean"]) == pytest.approx(7 / 3,
+                                                                                                             rel=1e-5)
+    assert r.logged_to == pid
+    from mlflow import MlflowClient
+
+    names = {f.path for f in MlflowClient(tracking_uri=uri).list_artifacts(pid, "compare")}
+    assert names == {"compare/compare.csv", "compare/compare.png"}
+
+
+def test_cli_prints_tables_and_notes(store, tmp_path, capsys):
+    tmp, uri, pid = store
+    compare_main(["--uri", uri, "--sweep", "S1", "--control", "A", "--last-k", "2", "--bootstrap", "500",
+                  "--metrics", "rollout/raw_reward", "eval/missing", "--out", str(tmp_path), "--no-log"])
+    out = capsys.readouterr().out
+    assert "A (control)  3        3.0000  1.0000  1,2,3" in out
+    assert "note: metric eval/missing is in none of the selected runs" in out
+    assert re.search(r"^  B\s+3\s+\+2\.3333\s+\+2\.\d+\s+\+[23]\.\d+\s+1,2,3$", out, re.M), out
+
+
+def test_selection_errors_are_messages(store, tmp_path, capsys):
+    tmp, uri, _ = store
+    with pytest.raises(CompareError, match="control arm 'Z'"):
+        compare(uri=uri, control="Z", out_dir=tmp_path, log=False)
+    with pytest.raises(CompareError, match="no runs match"):
+        compare(uri=uri, tags={"arm": "nope"}, out_dir=tmp_path, log=False)
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--uri", f"sqlite:///{tmp_path}/none.db"])
+    assert exc.value.code == 2 and "no tracking store" in capsys.readouterr().err
+
+
+def test_group_by_a_param_or_tag(store, tmp_path):
+    _, uri, _ = store
+    r = compare(uri=uri, by="algorithm", last_k=2, out_dir=tmp_path, log=False, metrics=["rollout/raw_reward"])
+    assert r.comparison.arms == ["a", "b", "c", "d"]

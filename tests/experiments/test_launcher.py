@@ -1,0 +1,87 @@
+"""The Ray sweep launcher on a dummy Hydra app: jobs overlap in time, one failing job does not stop the
+others, invalid jobs are all reported before anything starts, and MLflow gets a parent run with children."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+APP = Path(__file__).with_name("dummy_app.py")
+
+
+def _sweep(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(APP), "-m", *overrides], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """4 jobs (lr x seed), 2 at a time, each sleeping 3 s; the job lr=0.2 seed=2 raises."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    proc = _sweep(tmp, "lr=0.1,0.2", "seed=1,2", "fail_seed=2", "fail_lr=0.2", "sleep_s=3",
+                  "hydra.launcher.max_concurrent_jobs=2")
+    return tmp, proc
+
+
+def test_jobs_run_in_parallel_and_a_failure_does_not_stop_the_others(sweep):
+    tmp, proc = sweep
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # the sweep reports its failed job
+    records = [json.loads(p.read_text()) for p in sorted((tmp / "times").glob("*.json"))]
+    assert sorted(r["num"] for r in records) == [0, 1, 2, 3], out  # every job ran, the failing one included
+    # at most 2 at once, and some pair overlapped in time
+    spans = sorted((r["start"], r["end"]) for r in records)
+    overlaps = [(a, b) for i, a in enumerate(spans) for b in spans[i + 1:] if b[0] < a[1]]
+    assert overlaps, spans
+    for t in [s for s, _ in spans]:
+        assert sum(1 for s, e in spans if s <= t < e) <= 2
+    assert len({r["pid"] for r in records}) == 4  # one fresh worker process per job
+    # the table
+    table = out[out.index("3 of 4 jobs finished"):]
+    rows = [line.split() for line in table.splitlines() if line[:1].isdigit() and " lr=" in line]
+    status = {r[0]: next(w for w in r if w in ("FINISHED", "FAILED")) for r in rows}
+    assert status == {"0": "FINISHED", "1": "FINISHED", "2": "FINISHED", "3": "FAILED"}
+    assert "RuntimeError: boom (seed=2)" in table
+    assert "1 of 4 sweep jobs failed" in proc.stderr
+
+
+def test_mlflow_parent_and_children(sweep):
+    from mlflow import MlflowClient
+
+    tmp, proc = sweep
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    exp = client.get_experiment_by_name("dummy")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 4, proc.stdout
+    parent = parents[0]
+    sweep_id = parent.data.tags["sweep_id"]
+    assert parent.info.status == "FAILED"  # one job failed
+    assert parent.data.tags["overrides"] == "lr=0.1,0.2 seed=1,2 fail_seed=2 fail_lr=0.2 sleep_s=3"
+    assert parent.info.start_time <= min(c.info.start_time for c in children)
+    by_overrides = {c.data.tags["overrides"]: c for c in children}
+    assert set(by_overrides) == {f"lr={lr} seed={s} fail_seed=2 fail_lr=0.2 sleep_s=3" for lr in (0.1, 0.2)
+                                 for s in (1, 2)}
+    for text, c in by_overrides.items():
+        assert c.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert c.data.tags["sweep_id"] == sweep_id
+        lr, seed = text.split()[0], text.split()[1]
+        assert c.data.tags["arm"] == lr  # the swept key other than seed
+        assert c.data.tags["seed"] == seed.split("=")[1]
+        assert c.info.run_id in proc.stdout  # the table names the run
+    assert by_overrides["lr=0.2 seed=2 fail_seed=2 fail_lr=0.2 sleep_s=3"].info.status == "FAILED"
+
+
+def test_invalid_jobs_are_all_reported_before_anything_starts(tmp_path):
+    proc = _sweep(tmp_path, "lr=0.1,-1,-2", "seed=1", "sleep_s=30", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "invalid config in 2 of 3 sweep jobs" in proc.stderr
+    assert "job 1 (lr=-1 seed=1 sleep_s=30)" in proc.stderr and "job 2 (lr=-2" in proc.stderr
+    assert "lr=-1 must be >= 0" in proc.stderr
+    assert not (tmp_path / "times").exists()  # nothing ran
+    assert not (tmp_path / "mlflow.db").exists()  # no parent run either

@@ -1,0 +1,70 @@
+"""The launcher's pure parts: arm names, per-job overrides, the table; the sweep tags of a run."""
+
+from types import SimpleNamespace
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from hydra_plugins.relax_ray_launcher.sweep import (
+    JobRow,
+    derive_arms,
+    format_table,
+    quote,
+    swept_keys,
+    tracking_overrides,
+)
+from relax.tracking.params import TAG_OVERRIDES, TAG_SWEEP_ID, overrides_text, standard_tags
+
+
+def test_arm_is_the_swept_keys_other_than_seed():
+    jobs = [["algorithm=rloo", "seed=1", "train.lr=1"], ["algorithm=rloo", "seed=2", "train.lr=1"],
+            ["algorithm=grpo", "seed=1", "train.lr=1"], ["algorithm=grpo", "seed=2", "train.lr=1"]]
+    assert swept_keys(jobs) == ["algorithm"]
+    assert derive_arms(jobs) == ["algorithm=rloo", "algorithm=rloo", "algorithm=grpo", "algorithm=grpo"]
+
+
+def test_several_swept_keys_are_joined_with_a_comma():
+    jobs = [["algorithm=m2po", "algorithm.kl2_budget=0.01", "seed=1"],
+            ["algorithm=m2po", "algorithm.kl2_budget=0.02", "seed=1"],
+            ["algorithm=grpo", "+algorithm.kl2_budget=0.02", "seed=1"]]
+    assert derive_arms(jobs) == ["algorithm=m2po,algorithm.kl2_budget=0.01", "algorithm=m2po,algorithm.kl2_budget=0.02",
+                                 "algorithm=grpo,algorithm.kl2_budget=0.02"]
+
+
+def test_a_seed_only_sweep_has_no_arm():
+    assert derive_arms([["seed=1", "algorithm=rloo"], ["seed=2", "algorithm=rloo"]]) == [None, None]
+
+
+def test_tracking_overrides_survive_hydra_parsing():
+    arm = "algorithm=m2po,algorithm.kl2_budget=0.02 it's"
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(tracking_overrides(sweep_id="s-1", parent_run_id="abc", arm=arm))
+    values = {o.key_or_group: o.value() for o in parsed}
+    assert values == {"tracking.parent_run_id": "abc", "tracking.sweep_id": "s-1", "tracking.arm": arm}
+    assert not any(o.is_sweep_override() for o in parsed)
+    assert quote("a") == "'a'"
+
+
+def test_table_lists_every_job_and_the_errors():
+    text = format_table([JobRow(1, "seed=2", "FAILED", None, None, 3.0, "boom"),
+                         JobRow(0, "seed=1", "FINISHED", "r0", 0.5, 12.0)], sweep_id="S", parent_run_id="P")
+    lines = text.splitlines()
+    assert "1 of 2 jobs finished" in lines[0] and "P" in lines[0]
+    assert lines[3].split()[:3] == ["0", "seed=1", "FINISHED"] and "r0" in lines[3] and "0.5000" in lines[3]
+    assert lines[4].split()[:3] == ["1", "seed=2", "FAILED"]
+    assert lines[-1] == "job 1 failed: boom"
+
+
+def test_standard_tags_carry_the_sweep_id_only_in_a_sweep():
+    cfg = SimpleNamespace(algorithm=SimpleNamespace(name="rloo"), model=SimpleNamespace(name="tiny"), seed=3,
+                          data=SimpleNamespace(name="digits"), cluster=SimpleNamespace(name="local"),
+                          tracking=SimpleNamespace(arm=None, sweep_id=None))
+    assert TAG_SWEEP_ID not in standard_tags(cfg) and standard_tags(cfg)["arm"] == "rloo"
+    cfg.tracking = SimpleNamespace(arm="algorithm=rloo", sweep_id="S")
+    tags = standard_tags(cfg)
+    assert tags[TAG_SWEEP_ID] == "S" and tags["arm"] == "algorithm=rloo" and tags["seed"] == "3"
+
+
+def test_overrides_tag_leaves_out_the_launcher_bookkeeping():
+    assert TAG_OVERRIDES == "overrides"
+    assert overrides_text(["algorithm=rloo", "seed=1", "tracking.parent_run_id='x'", "tracking.sweep_id='s'",
+                           "tracking.arm='algorithm=rloo'"]) == "algorithm=rloo seed=1"
