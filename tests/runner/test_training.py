@@ -62,7 +62,8 @@ def test_run_is_recorded_in_mlflow(ray_local, small_run, tmp_path):
     assert mlrun.data.params["rollout.n_samples_per_prompt"] == "4"
     history = client.get_metric_history(result.run_id, "rollout/raw_reward")
     assert sorted(m.step for m in history) == [0, 1]
-    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(result.series("rollout/raw_reward"))
+    logged = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert logged == pytest.approx(result.series("rollout/raw_reward"))
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.yaml", "plan.txt"} <= artifacts
 
