@@ -158,7 +158,12 @@ def main() -> None:
 
     import hydra
 
-    hydra.main(config_path=str(conf), config_name="config", version_base=None)(_run)()
+    try:
+        hydra.main(config_path=str(conf), config_name="config", version_base=None)(_run)()
+    except KeyboardInterrupt:
+        print("\nrelax-train: interrupted; Ray and its processes stopped, the MLflow run is marked KILLED",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,30 @@ def test_cli_reports_bad_data_without_traceback(tmp_path):
     assert "prompts.jsonl" in out.stderr and "prompt" in out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "mlflow.db").exists()  # failed before tracking started
+
+
+def test_ctrl_c_stops_ray_and_marks_the_run_killed(tmp_path):
+    import signal
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.train", "train.num_rollout=1000", "train.save=false"],
+                                cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + 180
+            while "step " not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert "step " in log.read_text(), log.read_text()[-2000:]
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 130
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert "interrupted" in text and "Traceback" not in text
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["KILLED"]
