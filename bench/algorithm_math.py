@@ -47,14 +47,19 @@ def make_batch(B: int, T: int, device: torch.device, dtype: torch.dtype) -> Loss
     )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024 * 1024, help="tokens per batch (B*T)")
     parser.add_argument("--seq-len", type=int, default=1024, help="T")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    args = parser.parse_args()
+    return parser
+
+
+def run(args: argparse.Namespace, log=print) -> dict[str, float]:
+    """{what: median seconds} of every row, printed as it goes."""
+    results: dict[str, float] = {}
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -62,11 +67,12 @@ def main() -> None:
     B = max(1, args.tokens // T)
     batch = make_batch(B, T, device, dtype)
     n_tokens = float(batch.mask.sum())
-    print(f"B={B} T={T} tokens={B * T} valid={int(n_tokens)} device={device} dtype={args.dtype} reps={args.reps}")
-    print(f"{'what':<42}{'median ms':>12}{'Mtok/s':>10}")
+    log(f"B={B} T={T} tokens={B * T} valid={int(n_tokens)} device={device} dtype={args.dtype} reps={args.reps}")
+    log(f"{'what':<42}{'median ms':>12}{'Mtok/s':>10}")
 
     def row(what: str, seconds: float) -> None:
-        print(f"{what:<42}{seconds * 1e3:>12.2f}{B * T / seconds / 1e6:>10.1f}")
+        results[what] = seconds
+        log(f"{what:<42}{seconds * 1e3:>12.2f}{B * T / seconds / 1e6:>10.1f}")
 
     for name in A.names():
         cfg = A.get(name).config_cls(use_tis=True)
@@ -82,6 +88,11 @@ def main() -> None:
         F.m2po_clip_bounds(batch.logp, batch.old_logp, batch.advantages, batch.mask, 1e-4, 0.0, 0.0)
 
     row("m2po_clip_bounds", timed(solver, args.reps, device))
+    return results
+
+
+def main() -> None:
+    run(parser().parse_args())
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def load_model(name: str) -> torch.nn.Module:
     raise SystemExit(f"--model {name}: expected tiny or smollm2")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
     ap.add_argument("--batch", type=int, default=16, help="distinct prompts")
@@ -61,7 +61,11 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Both sides, alternating: {"engine": [tok/s, ...], "generate": [...], "ratios": [...], "fast_path": bool}."""
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -106,15 +110,23 @@ def main() -> None:
             fn(rep + 1)
             rates[name].append(n_tokens / (time.perf_counter() - t0))
 
+    ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
+    return {**rates, "ratios": ratios, "fast_path": engine.fast_path, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    args = parser().parse_args()
+    r = run(args)
+    rates = {k: r[k] for k in ("engine", "generate")}
     print(
         f"model={args.model} batch={args.batch}x{args.n_samples} prompt={args.prompt_len} new={args.new_tokens} "
-        f"engine={args.dtype} generate={args.generate_dtype or args.dtype} threads={torch.get_num_threads()} "
-        f"engine_path={'fast' if engine.fast_path else 'generic'}"
+        f"engine={args.dtype} generate={args.generate_dtype or args.dtype} threads={r['threads']} "
+        f"engine_path={'fast' if r['fast_path'] else 'generic'}"
     )
-    for name, r in rates.items():
-        spread = f"min {min(r):.1f} max {max(r):.1f}"
-        print(f"{name:>9}: median {statistics.median(r):8.1f} tok/s ({spread}, {len(r)} reps)")
-    ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
+    for name, rate in rates.items():
+        spread = f"min {min(rate):.1f} max {max(rate):.1f}"
+        print(f"{name:>9}: median {statistics.median(rate):8.1f} tok/s ({spread}, {len(rate)} reps)")
+    ratios = r["ratios"]
     print(f"    ratio: median {statistics.median(ratios):.2f}x (per-rep {', '.join(f'{x:.2f}' for x in ratios)})")
 
 

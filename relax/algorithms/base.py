@@ -104,6 +104,7 @@ class Algorithm:
     supports_context_parallel: bool = True
     supports_multi_step: bool = True  # train.num_steps_per_rollout > 1
     group_relative: bool = True  # needs rollout.n_samples_per_prompt >= 2
+    rowwise_loss: bool = True  # a micro-batch's loss is the sum of its rows' (trainers may regroup rows)
     per_token_loss: bool = False  # value of train.calculate_per_token_loss when left unset
     per_token_loss_required: bool = False  # an explicit other value is an error
     metrics: tuple[str, ...] = ()  # metric names this algorithm adds

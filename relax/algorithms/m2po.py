@@ -91,6 +91,7 @@ register(
         summary="adaptive clipping from a second-moment budget; use it for off-policy data: fully-async "
         "training with large staleness or reusing a rollout for several updates",
         supports_context_parallel=False,
+        rowwise_loss=False,  # clip bounds are solved over all tokens of a micro-batch
         metrics=(M2_BEFORE, M2_AFTER),
         check=check,
     )

@@ -24,6 +24,7 @@ class Samples:
     rollout_logp: torch.Tensor  # [N, T] log-prob of each sampled token under the rollout engine
     finish_reason: list[str]  # "stop" | "length" per response
     weight_version: int = 0
+    engine_time: float = 0.0  # seconds the rollout engine(s) spent generating these (0: not measured)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -93,4 +94,5 @@ def concat_samples(parts: list[Samples], pad_token_id: int = 0) -> Samples:
         rollout_logp=torch.cat([_pad_to(p.rollout_logp, T, 0.0, False) for p in parts]),
         finish_reason=[r for p in parts for r in p.finish_reason],
         weight_version=min(p.weight_version for p in parts),
+        engine_time=max(p.engine_time for p in parts),  # engines run side by side
     )

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from relax import algorithms
 from relax.algorithms.base import AlgorithmConfig, LossBatch
 from relax.algorithms.loss import ENTROPY, compute_loss
 from relax.backends.batch import Samples, TrainBatch
@@ -74,6 +75,18 @@ def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     for start in range(0, n, micro_batch_size):
         yield slice(start, min(n, start + micro_batch_size))
+
+
+def length_sorted_micro_batches(samples: Samples, micro_batch_size: int) -> list[torch.Tensor]:
+    """Row indices of micro-batches after sorting the rows by their real length (prompt + response), longest first.
+
+    Each micro-batch is then trimmed (`trimmed_sequences`) to its own longest row, so rows of similar length
+    share a micro-batch and little compute goes to padding. Only for per-row quantities (log-probs, losses that
+    add over rows); the result equals the unsorted one up to float rounding.
+    """
+    lengths = samples.prompt_mask.sum(-1) + samples.response_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
 
 
 def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -275,7 +288,7 @@ class TorchPolicy(TorchTrainer):
         self.model.eval()
         N, T = samples.response_ids.shape
         out = torch.zeros(N, T, dtype=torch.float32)
-        for rows in micro_batches(N, micro_batch_size):
+        for rows in length_sorted_micro_batches(samples, micro_batch_size):
             mb = samples.select(rows)
             logp, _, t = self._forward(mb, entropy="none")
             out[rows, :t] = logp.float().cpu()
@@ -324,7 +337,13 @@ class TorchPolicy(TorchTrainer):
         entropy_mode = "grad" if algo_cfg.entropy_coef > 0 else ("metric" if report_entropy else "none")
         totals: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in micro_batches(N, micro_batch_size):
+        # Rows sorted by length cut padding; only where a micro-batch's loss is the sum of its rows' losses
+        # (not M2PO, whose clip bounds are solved over a micro-batch's tokens).
+        if algorithms.get(algo_cfg.name).rowwise_loss:
+            splits = length_sorted_micro_batches(batch, micro_batch_size)
+        else:
+            splits = list(micro_batches(N, micro_batch_size))
+        for rows in splits:
             mb = batch.select(rows)
             logp, ent, t = self._forward(mb, entropy=entropy_mode)
 
@@ -358,19 +377,23 @@ class TorchPolicy(TorchTrainer):
 
     # ---- weights for other roles -----------------------------------------------------------------
 
-    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
-        """Current weights as CPU tensors keyed like the HF model's state_dict (fp32).
+    def state_dict_for_rollout(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """Current weights as CPU tensors keyed like the HF model's state_dict (fp32, or floating tensors in `dtype`).
 
-        On a CPU device these ALIAS the live parameters (no copy): the next train_step changes them in
-        place, so a consumer in the same process must copy (load_state_dict does). Tied weights are
-        copied off a GPU once and shared.
+        On a CPU device and without a cast these ALIAS the live parameters (no copy): the next train_step
+        changes them in place, so a consumer in the same process must copy (load_state_dict does). Tied
+        weights are copied (and cast) once and shared. Casting here to the rollout engine's dtype gives the
+        engine exactly the values its own copy_ would (same rounding) and halves the bytes shipped for bf16.
         """
         out: dict[str, torch.Tensor] = {}
         seen: dict[int, torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():
             ptr = tensor.data_ptr()
             if ptr not in seen:
-                seen[ptr] = tensor.detach().to("cpu")
+                t = tensor.detach()
+                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                    t = t.to(device="cpu", dtype=dtype)
+                seen[ptr] = t.to("cpu")
             out[name] = seen[ptr]
         return out
 

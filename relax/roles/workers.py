@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,10 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
+
+# Seconds spent inside the actor's train_step (forward, backward, optimizer), measured in the actor process;
+# summed over the optimizer steps of a rollout. perf/overhead_time (relax.runner.train) subtracts it.
+ACTOR_COMPUTE_TIME = "perf/actor_compute_time"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,11 @@ class PolicyWorker:
         if weights_dir:  # a reference checkpoint (train.ref_load): a Hugging Face directory
             model_cfg = dataclasses.replace(model_cfg, source="hf", path=weights_dir)
         self.cfg = cfg
+        self.rollout_dtype = None  # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
+        if not weights_dir:
+            from relax.backends.models import pick_device, pick_dtype
+
+            self.rollout_dtype = pick_dtype(cfg.model, pick_device())
         self.policy = TorchPolicy(model_cfg, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
                                   seed=cfg.seed, num_threads=threads,
                                   total_steps=cfg.train.num_rollout * cfg.train.num_steps_per_rollout)
@@ -59,11 +69,15 @@ class PolicyWorker:
         return self.policy.compute_logprobs(samples, self.cfg.train.micro_batch_size)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
-                                      micro_batch_size=self.cfg.train.micro_batch_size)
+        t0 = time.perf_counter()
+        out = self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
+                                     micro_batch_size=self.cfg.train.micro_batch_size)
+        out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
+        return out
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.policy.state_dict_for_rollout()
+        """The weights for the rollout engines, already in their dtype (bf16 halves what Ray ships)."""
+        return self.policy.state_dict_for_rollout(dtype=self.rollout_dtype)
 
     def save(self, directory: str) -> None:
         self.policy.save_checkpoint(directory)
@@ -93,13 +107,17 @@ class RolloutWorker:
 
     def generate(self, prompts: list[list[int]], *, seed: int, evaluation: bool = False) -> Samples:
         ro = self.cfg.rollout
+        t0 = time.perf_counter()
         if evaluation:
-            return self.engine.generate(prompts, n_samples_per_prompt=ro.eval_n_samples_per_prompt,
-                                        max_new_tokens=ro.max_response_len,
-                                        temperature=ro.eval_temperature, top_p=1.0, top_k=-1, seed=seed)
-        return self.engine.generate(prompts, n_samples_per_prompt=ro.n_samples_per_prompt,
-                                    max_new_tokens=ro.max_response_len, temperature=ro.temperature,
-                                    top_p=ro.top_p, top_k=ro.top_k, seed=seed)
+            out = self.engine.generate(prompts, n_samples_per_prompt=ro.eval_n_samples_per_prompt,
+                                       max_new_tokens=ro.max_response_len,
+                                       temperature=ro.eval_temperature, top_p=1.0, top_k=-1, seed=seed)
+        else:
+            out = self.engine.generate(prompts, n_samples_per_prompt=ro.n_samples_per_prompt,
+                                       max_new_tokens=ro.max_response_len, temperature=ro.temperature,
+                                       top_p=ro.top_p, top_k=ro.top_k, seed=seed)
+        out.engine_time = time.perf_counter() - t0
+        return out
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(state_dict, version)

@@ -15,6 +15,7 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.roles.workers import (
+    ACTOR_COMPUTE_TIME,
     AdvantagesWorker,
     CriticWorker,
     ModelInfo,
@@ -26,10 +27,13 @@ from relax.runner import checkpoint
 from relax.runner.errors import RunError
 from relax.runner.plan import Plan
 
+_SUMMED = {ACTOR_COMPUTE_TIME}  # times add up over the optimizer steps of a rollout; other metrics average
+
 
 def _average(metrics: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for m in metrics for k in m}
-    return {k: sum(m[k] for m in metrics if k in m) / sum(1 for m in metrics if k in m) for k in keys}
+    return {k: sum(m[k] for m in metrics if k in m) / (1 if k in _SUMMED else sum(1 for m in metrics if k in m))
+            for k in keys}
 
 
 class Cluster:

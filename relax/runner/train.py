@@ -16,6 +16,7 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
+from relax.roles.workers import ACTOR_COMPUTE_TIME
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster
 from relax.runner.errors import RunError
@@ -28,6 +29,12 @@ ROLLOUT_TIME = "perf/rollout_time"
 TRAIN_TIME = "perf/train_time"
 SYNC_TIME = "perf/weight_sync_time"
 TOKENS_PER_S = "perf/tokens_per_s"
+# Inside the rollout engine (the generation itself), measured in the engine's process.
+ROLLOUT_ENGINE_TIME = "perf/rollout_engine_time"
+# Step time not spent in generation or in the actor's train_step (forward, backward, optimizer): Ray calls,
+# moving samples and weights, rewards, advantages, log-prob/value calls of other roles, evaluation.
+OVERHEAD_TIME = "perf/overhead_time"
+OVERHEAD_FRACTION = "perf/overhead_fraction"
 REWARD = "rollout/raw_reward"
 
 
@@ -130,12 +137,17 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
             if cfg.train.eval_interval and eval_set is not None and (step + 1) % cfg.train.eval_interval == 0:
                 metrics.update(_evaluate(cfg, cluster, tokenizer, reward_fn, eval_set))
             n_tokens = float(samples.response_mask.sum())
+            step_time = time.perf_counter() - t0
+            overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
             metrics.update({
                 ROLLOUT_TIME: t_rollout - t0,
+                ROLLOUT_ENGINE_TIME: samples.engine_time,
                 TRAIN_TIME: t_train - t_train0,
                 SYNC_TIME: t_sync - t_train,
-                STEP_TIME: time.perf_counter() - t0,
-                TOKENS_PER_S: n_tokens / max(time.perf_counter() - t0, 1e-9),
+                STEP_TIME: step_time,
+                OVERHEAD_TIME: overhead,
+                OVERHEAD_FRACTION: overhead / max(step_time, 1e-9),
+                TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
             })
             session.log(metrics, step)
             last = step + 1 == cfg.train.num_rollout

@@ -1,0 +1,110 @@
+"""What every benchmark of the suite shares: machine description, alternating timing, statistics."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def machine_info() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from relax.backends.models import cpu_has_fast_bf16
+    from relax.backends.torch_train import available_cpus
+
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = "not installed"
+    mem = "n/a"
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpu": cpu_model(),
+        "cores (usable)": str(available_cpus()),
+        "memory": mem,
+        "bf16 matmul (AVX512-BF16/AMX)": str(cpu_has_fast_bf16()),
+        "gpu": gpu,
+        "torch threads": str(torch.get_num_threads()),
+        "python / torch / transformers / trl": f"{platform.python_version()} / {torch.__version__} / "
+        f"{transformers.__version__} / {trl_version}",
+        "load average (1/5/15 min) at start": load_average(),
+    }
+
+
+@dataclass
+class Series:
+    """Repeated measurements of one side (values: a rate or a duration, as named by `unit`)."""
+
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else float("nan")
+
+    @property
+    def spread(self) -> str:
+        if not self.values:
+            return "n/a"
+        return f"{min(self.values):.3g}-{max(self.values):.3g} (n={len(self.values)})"
+
+
+def alternate(sides: dict[str, Callable[[int], float]], reps: int, warmup: bool = True) -> dict[str, Series]:
+    """Run each side `reps` times, alternating the order every repetition (ABBA...), after one warm-up each.
+
+    Each callable takes the repetition index and returns its measurement (for example samples/s).
+    """
+    names = list(sides)
+    if warmup:
+        for name in names:
+            sides[name](-1)
+    out = {name: Series() for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            out[name].values.append(sides[name](rep))
+    return out
+
+
+def ratio_series(a: Series, b: Series) -> Series:
+    """Per-repetition ratios a/b (repetitions of both sides ran next to each other)."""
+    return Series([x / y for x, y in zip(a.values, b.values, strict=False) if y > 0])
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0

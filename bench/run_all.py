@@ -1,0 +1,272 @@
+"""The Relax performance suite: every benchmark, both sides side by side, one report.
+
+    python -m bench                      # full suite (~30-60 min on 2 CPU cores), writes docs/performance.md
+    python -m bench --quick              # smaller sizes, fewer repetitions (~10 min)
+    python -m bench --smoke --out /tmp/perf.md   # tiny sizes only, seconds (what tests/bench runs)
+    python -m bench --only rollout,math  # some sections: rl, rollout, train, overhead, math
+
+Each comparison runs both sides in the same process, alternating, several repetitions; the report gives
+medians, min-max spreads and the load average before and after each section (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import Series, load_average, machine_info
+
+SECTIONS = ("rl", "rollout", "train", "overhead", "math")
+TARGETS = {
+    "rl": "Relax samples/s >= 2x TRL, both sizes, same precision",
+    "rollout": "engine tokens/s >= 2x HF generate",
+    "train": "135M train phase >= 50% of measured matmul FLOP/s",
+    "overhead": "overhead <= 5% of a step",
+    "math": "1M-token M2PO solve < 50 ms",
+}
+
+
+@dataclass
+class Settings:
+    rl_runs: list[tuple[str, str, dict]]  # (model, dtype, kwargs of rl_vs_trl.compare)
+    rollout_runs: list[dict]
+    train_runs: list[dict]
+    overhead_runs: list[tuple[list[str], int]]
+    math_tokens: int
+    math_reps: int
+
+
+def settings(mode: str) -> Settings:
+    if mode == "smoke":
+        rl = dict(prompts=2, group=2, completion_len=4, micro=4, blocks=1, steps_per_block=2)
+        return Settings(
+            rl_runs=[("tiny", "float32", rl)],
+            rollout_runs=[dict(model="tiny", batch=4, n_samples=2, prompt_len=8, new_tokens=4, reps=1,
+                               dtype="float32")],
+            train_runs=[dict(model_name="tiny", dtype="float32", rows=4, prompt_len=8, response_len=8, micro=4,
+                             reps=1, mm_size=256)],
+            overhead_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+                             "rollout.max_response_len=4", "train.micro_batch_size=4"], 2)],
+            math_tokens=4096, math_reps=1,
+        )
+    quick = mode == "quick"
+    tiny = dict(prompts=8, group=8, completion_len=8, micro=8, blocks=2 if quick else 3, steps_per_block=4)
+    smol = dict(prompts=2 if quick else 4, group=4, completion_len=16 if quick else 32, micro=8,
+                blocks=2 if quick else 3, steps_per_block=2)
+    rl_runs = [("tiny", "float32", tiny), ("smollm2_135m", "bfloat16", smol)]
+    if not quick:
+        rl_runs.append(("smollm2_135m", "float32", dict(smol, completion_len=16)))
+    reps = 3 if quick else 5
+    return Settings(
+        rl_runs=rl_runs,
+        rollout_runs=[
+            dict(model="tiny", batch=16, n_samples=4, prompt_len=32, new_tokens=64, reps=reps, dtype="float32"),
+            dict(model="smollm2", batch=4 if quick else 8, n_samples=4, prompt_len=32, new_tokens=32, reps=reps,
+                 dtype="bfloat16"),
+        ],
+        train_runs=[dict(model_name="smollm2_135m", dtype="bfloat16", rows=8 if quick else 16, prompt_len=32,
+                         response_len=64,
+                         micro=8, reps=reps, mm_size=2048)]
+        + ([] if quick else [dict(model_name="smollm2_135m", dtype="float32", rows=8, prompt_len=32,
+                                  response_len=64, micro=8, reps=3, mm_size=2048)]),
+        overhead_runs=[(["model=tiny"], 8 if quick else 12)]
+        + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
+                               "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
+        math_tokens=1024 * 1024, math_reps=3 if quick else 5,
+    )
+
+
+@dataclass
+class Report:
+    mode: str
+    machine: dict[str, str]
+    command: str
+    sections: dict[str, list[str]] = field(default_factory=dict)  # name -> markdown lines
+    loads: dict[str, tuple[str, str]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def fmt(s: Series, scale: float = 1.0, digits: int = 1) -> str:
+    if not s.values:
+        return "n/a"
+    return (f"{s.median * scale:.{digits}f} ({min(s.values) * scale:.{digits}f}-{max(s.values) * scale:.{digits}f}"
+            f", n={len(s.values)})")
+
+
+def section_rl(st: Settings, log) -> list[str]:
+    from bench import rl_vs_trl
+
+    lines = ["| model | precision | samples/step x tokens | Relax samples/s | TRL samples/s | ratio Relax/TRL | "
+             "Relax phases (s): rollout / reward+adv / train / sync |", "|---|---|---|---|---|---|---|"]
+    for model, dtype, kw in st.rl_runs:
+        r = rl_vs_trl.compare(model, dtype, log=log, **kw)
+        ph = r["relax_phases_s"]
+        lines.append(f"| {model} | {dtype} | {r['samples_per_step']} x {r['completion_len']} | {fmt(r['relax'], 1, 2)}"
+                     f" | {fmt(r['trl'], 1, 2)} | **{fmt(r['ratio'], 1, 2)}** | {ph['rollout']:.2f} / "
+                     f"{ph['reward+adv']:.3f} / {ph['train']:.2f} / {ph['sync']:.3f} |")
+        cmd = (f"python bench/rl_vs_trl.py --model {model} --dtype {dtype} --prompts {kw['prompts']} --group "
+               f"{kw['group']} --completion-len {kw['completion_len']} --micro {kw['micro']} --blocks {kw['blocks']}"
+               f" --steps-per-block {kw['steps_per_block']}")
+        lines.append(f"| | | `{cmd}` | | | | |")
+    return lines
+
+
+def section_rollout(st: Settings, log) -> list[str]:
+    from bench import rollout_vs_generate as rvg
+
+    lines = ["| model | dtype | prompts x samples, prompt + new tokens | engine tok/s | generate tok/s | ratio |",
+             "|---|---|---|---|---|---|"]
+    for kw in st.rollout_runs:
+        argv = ["--model", kw["model"], "--batch", str(kw["batch"]), "--n-samples", str(kw["n_samples"]),
+                "--prompt-len", str(kw["prompt_len"]), "--new-tokens", str(kw["new_tokens"]), "--reps",
+                str(kw["reps"]), "--dtype", kw["dtype"]]
+        r = rvg.run(rvg.parser().parse_args(argv))
+        e, g, q = Series(r["engine"]), Series(r["generate"]), Series(r["ratios"])
+        log(f"  [rollout {kw['model']}] engine {e.median:.0f} tok/s, generate {g.median:.0f}, ratio {q.median:.2f}")
+        lines.append(f"| {kw['model']} | {kw['dtype']} | {kw['batch']} x {kw['n_samples']}, {kw['prompt_len']} + "
+                     f"{kw['new_tokens']} | {fmt(e, 1, 0)} | {fmt(g, 1, 0)} | **{fmt(q, 1, 2)}** |")
+        lines.append(f"| | | `python bench/rollout_vs_generate.py {' '.join(argv)}` | | | |")
+    return lines
+
+
+def section_train(st: Settings, log) -> list[str]:
+    from bench import train_mfu
+
+    lines = ["| model | precision (matmul dtype) | tokens/step | matmul params | train GFLOP/s | matmul GFLOP/s "
+             "| fraction |", "|---|---|---|---|---|---|---|"]
+    for kw in st.train_runs:
+        r = train_mfu.measure(log=log, **kw)
+        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}) | {r['tokens']} ({r['rows']} rows, micro "
+                     f"{r['micro']}) | {r['matmul_params'] / 1e6:.1f}M | {fmt(r['achieved'], 1e-9)} | "
+                     f"{fmt(r['limit'], 1e-9)} | **{fmt(r['fraction'], 100, 0)}%** |")
+        lines.append(f"| | `python bench/train_mfu.py --model {kw['model_name']} --dtype {kw['dtype']} --rows "
+                     f"{kw['rows']} --prompt-len {kw['prompt_len']} --response-len {kw['response_len']} --micro "
+                     f"{kw['micro']} --reps {kw['reps']} --mm-size {kw['mm_size']}` | | | | | |")
+    return lines
+
+
+def section_overhead(st: Settings, log) -> list[str]:
+    from bench import overhead
+
+    lines = ["| run (Ray loop, `relax.runner.train.run`) | step s | samples/s | engine s | actor train_step s | "
+             "overhead s | overhead share | start-up s |", "|---|---|---|---|---|---|---|---|"]
+    for overrides, steps in st.overhead_runs:
+        r = overhead.measure(overrides, steps, log=log)
+        lines.append(f"| `{' '.join(overrides)}` ({steps} steps, first dropped) | {fmt(r['step'], 1, 2)} | "
+                     f"{fmt(r['samples_per_s'], 1, 1)} | {r['engine_s']:.2f} | {r['compute_s']:.2f} | "
+                     f"{r['overhead_s']:.3f} | **{fmt(r['fraction'], 100, 1)}%** | {r['startup_s']:.1f} |")
+        lines.append(f"| `python bench/overhead.py --model {overrides[0].split('=')[1]} --steps {steps} "
+                     f"{' '.join(overrides[1:])}` | | | | | | | |")
+    return lines
+
+
+def section_math(st: Settings, log) -> list[str]:
+    from bench import algorithm_math
+
+    args = algorithm_math.parser().parse_args(["--tokens", str(st.math_tokens), "--reps", str(st.math_reps)])
+    res = algorithm_math.run(args, log=log)
+    lines = ["| what | median ms |", "|---|---|"]
+    lines += [f"| {k} | {'**' if 'm2po_clip' in k else ''}{v * 1e3:.2f}{'**' if 'm2po_clip' in k else ''} |"
+              for k, v in res.items()]
+    lines.append(f"\n`python bench/algorithm_math.py --tokens {st.math_tokens} --reps {st.math_reps}`")
+    return lines
+
+
+RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "overhead": section_overhead,
+           "math": section_math}
+TITLES = {
+    "rl": "RL step throughput: Relax GRPO vs TRL GRPOTrainer (in-process, same work)",
+    "rollout": "Rollout engine vs Hugging Face `generate`",
+    "train": "Train phase vs the machine's matmul limit",
+    "overhead": "Overhead of the real Ray loop",
+    "math": "Algorithm math",
+}
+
+
+def render(rep: Report, notes: str) -> str:
+    out = ["# Relax performance", "",
+           f"Generated by `{rep.command}` (mode: {rep.mode}). Regenerate with `python -m bench` "
+           "(`--quick` for a shorter run). Numbers are medians with (min-max, n) over alternating repetitions.", "",
+           "## Machine", "", "| | |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in rep.machine.items()]
+    out += ["", "GPU rows: no GPU was available to this run; the suite runs the torch backend on one GPU when "
+            "present (`python -m bench --only rollout,train,overhead,math`; TRL's CPU comparison is skipped there) "
+            "— GPU results: not measured.", "", "## Targets", ""]
+    out += [f"- **{TITLES[k].split(':')[0]}**: {v}" for k, v in TARGETS.items()]
+    for name in SECTIONS:
+        if name not in rep.sections and name not in rep.errors:
+            continue
+        out += ["", f"## {TITLES[name]}", ""]
+        if name in rep.loads:
+            out += [f"Load average before / after: {rep.loads[name][0]} ; {rep.loads[name][1]}", ""]
+        if name in rep.errors:
+            out += ["```", rep.errors[name].strip(), "```"]
+        else:
+            out += rep.sections[name]
+    if notes:
+        out += ["", notes.strip()]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true")
+    mode.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--out", default=None, help="report path (default docs/performance.md; smoke: required)")
+    ap.add_argument("--notes", default=str(Path(__file__).with_name("notes.md")),
+                    help="markdown appended to the report (analysis, profiles)")
+    a = ap.parse_args(argv)
+    m = "smoke" if a.smoke else "quick" if a.quick else "full"
+    if m == "smoke" and a.out is None:
+        ap.error("--smoke needs --out (it must not overwrite docs/performance.md)")
+    out = Path(a.out or Path(__file__).resolve().parents[1] / "docs" / "performance.md")
+    only = [s.strip() for s in a.only.split(",") if s.strip()]
+    if bad := [s for s in only if s not in SECTIONS]:
+        ap.error(f"--only: unknown section(s) {bad}; expected some of {SECTIONS}")
+    import torch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if torch.cuda.is_available() and "rl" in only:
+        only.remove("rl")  # TRL's comparison is a CPU benchmark here
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    rep = Report(mode=m, machine=machine_info(), command=cmd.strip())
+    st = settings(m)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t_all = time.perf_counter()
+    for name in only:
+        before = load_average()
+        log(f"== {name} (load {before})")
+        t0 = time.perf_counter()
+        try:
+            rep.sections[name] = RUNNERS[name](st, log)
+        except Exception:  # one broken section must not lose the others
+            rep.errors[name] = traceback.format_exc()
+            log(rep.errors[name])
+        rep.loads[name] = (before, load_average())
+        log(f"   {name}: {time.perf_counter() - t0:.0f}s")
+    rep.machine["load average (1/5/15 min) at end"] = load_average()
+    rep.machine["suite wall time"] = f"{time.perf_counter() - t_all:.0f} s"
+    notes = Path(a.notes).read_text() if a.notes and Path(a.notes).is_file() and m != "smoke" else ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(rep, notes))
+    log(f"report: {out}")
+    if rep.errors:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
