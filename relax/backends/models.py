@@ -115,6 +115,8 @@ def build_model(
         path = resolve_model_path(model_cfg)
         kwargs = dict(local_files_only=True, dtype=dtype, attn_implementation="sdpa")
         if model_cfg.source == "gguf":
+            # de-quantised to fp32 whatever is asked; asking for fp32 avoids transformers' casting warning
+            kwargs["dtype"] = torch.float32
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
             model = model.to(dtype=dtype)  # GGUF de-quantises to fp32 whatever was asked
         else:

@@ -7,6 +7,7 @@ The driver never touches a model; it only holds actor handles. Ray is started fo
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -47,6 +48,8 @@ class Cluster:
         import ray
 
         if not ray.is_initialized():
+            # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
+            os.environ.setdefault("TQDM_DISABLE", "1")
             address = self.cfg.cluster.address
             kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
                           configure_logging=True)
