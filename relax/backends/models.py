@@ -108,7 +108,7 @@ def build_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen3ForCausalLM(config)
-        model = model.to(dtype=dtype)
+        cast_parameters(model, dtype)
     elif model_cfg.source in ("hf", "gguf"):
         from transformers import AutoModelForCausalLM
 
@@ -118,7 +118,7 @@ def build_model(
             # de-quantised to fp32 whatever is asked; asking for fp32 avoids transformers' casting warning
             kwargs["dtype"] = torch.float32
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
-            model = model.to(dtype=dtype)  # GGUF de-quantises to fp32 whatever was asked
+            cast_parameters(model, dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         n_embed = model.get_input_embeddings().weight.shape[0]
@@ -132,6 +132,13 @@ def build_model(
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model.to(device)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast weights only: buffers such as RoPE's inv_freq stay fp32, as the trainer's are, so that rollout and
+    trainer log-probs differ only by the weights' precision."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -127,3 +127,13 @@ def test_gguf_smollm2_loads_offline():
     with torch.no_grad():
         logp = token_logprobs(model, ids, mask, 5, 3)
     assert logp.shape == (2, 3) and torch.isfinite(logp).all() and (logp <= 0).all()
+
+
+def test_bf16_model_keeps_rope_buffers_in_fp32(tiny_model_cfg):
+    model = build_model(tiny_model_cfg, VOCAB, PAD, seed=0, dtype=torch.bfloat16, device="cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    inv_freq = [b for name, b in model.named_buffers() if name.endswith("inv_freq")]
+    assert inv_freq and all(b.dtype == torch.float32 for b in inv_freq)
+    fp32 = build_model(tiny_model_cfg, VOCAB, PAD, seed=0, dtype=torch.float32, device="cpu")
+    ref = [b for name, b in fp32.named_buffers() if name.endswith("inv_freq")]
+    assert all(torch.equal(a, b) for a, b in zip(inv_freq, ref, strict=True))
