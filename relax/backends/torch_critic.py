@@ -18,11 +18,11 @@ from transformers import PreTrainedModel
 from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_value_loss
 from relax.backends.batch import Samples, TrainBatch
-from relax.backends.models import build_model, pick_device, response_hidden_states
+from relax.backends.models import pick_device, response_hidden_states
 from relax.backends.torch_train import (
     TorchTrainer,
-    available_cpus,
     micro_batches,
+    trainable_model,
     trimmed_sequences,
 )
 from relax.config.schema import ModelConfig, TrainConfig
@@ -86,12 +86,8 @@ class TorchCritic(TorchTrainer):
         """The backbone is built like the policy's (same `seed` gives the policy's initial weights);
         lr = train.critic_lr, else algo_cfg.critic_lr, else train.lr."""
         device = torch.device(device) if device is not None else pick_device()
-        if device.type == "cpu":
-            torch.set_num_threads(num_threads or available_cpus())
-        if model is None:
-            model = build_model(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=torch.float32, device=device)
-        else:
-            model = model.to(device=device, dtype=torch.float32)
+        model = trainable_model(model_cfg, vocab_size, pad_token_id, seed=seed, device=device, num_threads=num_threads,
+                                model=model)
         self.critic = CriticModel(model)
         super().__init__(
             self.critic,

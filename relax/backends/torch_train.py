@@ -128,6 +128,16 @@ def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> No
         model.load_state_dict(state_dict, strict=False)
 
 
+def trainable_model(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int, *, seed: int, device: torch.device,
+                    num_threads: Optional[int], model: Optional[PreTrainedModel]) -> PreTrainedModel:
+    """The fp32 master copy a trainer owns (built from `model_cfg` unless given), with the CPU thread count set."""
+    if device.type == "cpu":
+        torch.set_num_threads(num_threads or available_cpus())
+    if model is None:
+        return build_model(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=torch.float32, device=device)
+    return model.to(device=device, dtype=torch.float32)
+
+
 class TorchTrainer:
     """What the policy and the critic share: device, precision, AdamW, lr schedule, clipping, checkpoints."""
 
@@ -259,12 +269,8 @@ class TorchPolicy(TorchTrainer):
         `num_threads`: torch CPU threads (default: the CPUs this process may use; process-wide setting).
         `model`: an already built model to train instead of building one from `model_cfg`."""
         device = torch.device(device) if device is not None else pick_device()
-        if device.type == "cpu":
-            torch.set_num_threads(num_threads or available_cpus())
-        if model is None:
-            model = build_model(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=torch.float32, device=device)
-        else:
-            model = model.to(device=device, dtype=torch.float32)
+        model = trainable_model(model_cfg, vocab_size, pad_token_id, seed=seed, device=device, num_threads=num_threads,
+                                model=model)
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
 
     def _forward(self, mb: Samples, *, entropy: str) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
