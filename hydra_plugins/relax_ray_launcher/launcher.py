@@ -35,10 +35,11 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.relax_ray_launcher.sweep import JobRow, derive_arms, format_table, new_sweep_id, tracking_overrides
+from relax.metrics import RAW_REWARD
 
 log = logging.getLogger(__name__)
 INVALID_CONFIG_EXIT = 2  # as relax-train's single-run validation
-REWARD_METRIC = "rollout/raw_reward"
+REWARD_METRIC = RAW_REWARD
 
 
 class SweepJobsFailed(CompactHydraException):

@@ -14,6 +14,16 @@ from typing import Optional
 
 import torch
 
+from relax.metrics import (
+    RLOO_ADV_ABS_MEAN,
+    RLOO_BASELINE_MEAN,
+    RLOO_DROPPED_GROUP_FRAC,
+    RLOO_EMPTY_RESPONSE_FRAC,
+    RLOO_METRICS,
+    RLOO_NO_SIGNAL_FRAC,
+    RLOO_ZERO_ADV_GROUP_FRAC,
+)
+
 __all__ = [
     "grpo_advantages",
     "rloo_advantages",
@@ -392,20 +402,6 @@ def reduce_loss(
 # --------------------------------------------------------------------------------------------------
 # RLOO diagnostics
 
-RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"
-RLOO_ADV_ABS_MEAN = "rollout/rloo/adv_abs_mean"
-RLOO_NO_SIGNAL_FRAC = "rollout/rloo/no_signal_frac"
-RLOO_EMPTY_RESPONSE_FRAC = "rollout/rloo/empty_response_frac"
-RLOO_ZERO_ADV_GROUP_FRAC = "rollout/rloo/zero_adv_group_frac"
-RLOO_DROPPED_GROUP_FRAC = "rollout/rloo/dropped_group_frac"
-RLOO_METRICS = (
-    RLOO_BASELINE_MEAN,
-    RLOO_ADV_ABS_MEAN,
-    RLOO_NO_SIGNAL_FRAC,
-    RLOO_EMPTY_RESPONSE_FRAC,
-    RLOO_ZERO_ADV_GROUP_FRAC,
-    RLOO_DROPPED_GROUP_FRAC,
-)
 
 
 def rloo_diagnostics(

@@ -15,15 +15,7 @@ import torch
 
 from relax.algorithms import functional as F
 from relax.algorithms.base import AlgorithmConfig, LossBatch, get
-
-PG_LOSS = "train/pg_loss"
-PG_CLIPFRAC = "train/pg_clipfrac"
-PPO_KL = "train/ppo_kl"
-KL_LOSS = "train/kl_loss"
-ENTROPY = "train/entropy"
-LOSS = "train/loss"
-VALUE_LOSS = "critic/value_loss"
-VALUE_CLIPFRAC = "critic/value_clipfrac"
+from relax.metrics import ENTROPY, KL_LOSS, LOSS, PG_CLIPFRAC, PG_LOSS, PPO_KL, VALUE_CLIPFRAC, VALUE_LOSS
 
 __all__ = [
     "compute_loss",

@@ -11,9 +11,7 @@ import torch
 from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, Violation, register
 from relax.algorithms.grpo import group_relative_advantages, violation
-
-M2_BEFORE = "train/ppo_kl_m2_before"
-M2_AFTER = "train/ppo_kl_m2_after"
+from relax.metrics import M2_AFTER, M2_BEFORE
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,9 @@ from relax.backends.torch_train import (
     trimmed_sequences,
 )
 from relax.config.schema import ModelConfig, TrainConfig
+from relax.metrics import CRITIC_GRAD_NORM, CRITIC_LR
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-CRITIC_GRAD_NORM = "critic/grad_norm"
-CRITIC_LR = "critic/lr"
 
 
 def critic_lr(train_cfg: TrainConfig, algo_cfg: Optional[AlgorithmConfig]) -> float:

@@ -30,9 +30,8 @@ from relax.algorithms.loss import ENTROPY, compute_loss
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import build_model, entropy_from_logprobs, pick_device, pick_dtype, response_logprobs_all
 from relax.config.schema import ModelConfig, TrainConfig
+from relax.metrics import GRAD_NORM, LR
 
-GRAD_NORM = "train/grad_norm"
-LR = "train/lr"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"

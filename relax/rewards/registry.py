@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from relax.metrics import REWARD_ERRORS
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
 
@@ -27,7 +28,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 # Metric name of the count of failed reward calls (an exception, a non-number or a non-finite value).
-REWARD_ERRORS_METRIC = "rollout/reward_errors"
+REWARD_ERRORS_METRIC = REWARD_ERRORS
 
 
 class RewardSpecError(ValueError):

@@ -17,10 +17,10 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
+from relax.metrics import ACTOR_COMPUTE_TIME
 
 # Seconds spent inside the actor's train_step (forward, backward, optimizer), measured in the actor process;
 # summed over the optimizer steps of a rollout. perf/overhead_time (relax.runner.train) subtracts it.
-ACTOR_COMPUTE_TIME = "perf/actor_compute_time"
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import torch
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch, concat_samples
 from relax.config.schema import RelaxConfig
+from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY
 from relax.roles.workers import (
-    ACTOR_COMPUTE_TIME,
     AdvantagesWorker,
     CriticWorker,
     ModelInfo,
@@ -175,7 +175,7 @@ class Cluster:
             metrics.append(merged)
         out = _average(metrics)
         if critic_only:
-            out["train/critic_only"] = 1.0
+            out[CRITIC_ONLY] = 1.0
         return out
 
     def sync_weights(self, version: int) -> None:

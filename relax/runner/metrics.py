@@ -6,15 +6,16 @@ import torch
 
 from relax.algorithms import functional as F
 from relax.backends.batch import Samples
-
-RAW_REWARD = "rollout/raw_reward"
-RESPONSE_LEN = "rollout/response_len"
-TRUNCATED_FRAC = "rollout/truncated_frac"
-REWARD_ERRORS = "rollout/reward_errors"
-EVAL_REWARD = "eval/reward"
-EVAL_RESPONSE_LEN = "eval/response_len"
-EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
-EVAL_REWARD_ERRORS = "eval/reward_errors"
+from relax.metrics import (
+    EVAL_RESPONSE_LEN,
+    EVAL_REWARD,
+    EVAL_REWARD_ERRORS,
+    EVAL_TRUNCATED_FRAC,
+    RAW_REWARD,
+    RESPONSE_LEN,
+    REWARD_ERRORS,
+    TRUNCATED_FRAC,
+)
 
 
 def _basic(samples: Samples, rewards: torch.Tensor) -> tuple[float, float, float]:

@@ -16,7 +16,17 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
-from relax.roles.workers import ACTOR_COMPUTE_TIME
+from relax.metrics import (
+    ACTOR_COMPUTE_TIME,
+    OVERHEAD_FRACTION,
+    OVERHEAD_TIME,
+    ROLLOUT_ENGINE_TIME,
+    ROLLOUT_TIME,
+    STEP_TIME,
+    SYNC_TIME,
+    TOKENS_PER_S,
+    TRAIN_TIME,
+)
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster
 from relax.runner.errors import RunError
@@ -24,18 +34,9 @@ from relax.runner.metrics import eval_metrics, rollout_metrics
 from relax.runner.plan import Plan
 from relax.runner.session import RunResult, Session
 
-STEP_TIME = "perf/step_time"
-ROLLOUT_TIME = "perf/rollout_time"
-TRAIN_TIME = "perf/train_time"
-SYNC_TIME = "perf/weight_sync_time"
-TOKENS_PER_S = "perf/tokens_per_s"
 # Inside the rollout engine (the generation itself), measured in the engine's process.
-ROLLOUT_ENGINE_TIME = "perf/rollout_engine_time"
 # Step time not spent in generation or in the actor's train_step (forward, backward, optimizer): Ray calls,
 # moving samples and weights, rewards, advantages, log-prob/value calls of other roles, evaluation.
-OVERHEAD_TIME = "perf/overhead_time"
-OVERHEAD_FRACTION = "perf/overhead_fraction"
-REWARD = "rollout/raw_reward"
 
 
 def _prepare(cfg: RelaxConfig):

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from relax.metrics import EVAL_PREFIX, RAW_REWARD
 from relax.tracking.mlflow_run import PARENT_RUN_ID_TAG, quiet_mlflow_logging, resolve_tracking_uri
 from relax.tracking.params import TAG_ARM, TAG_SEED, TAG_SWEEP_ID
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-DEFAULT_METRIC = "rollout/raw_reward"
-EVAL_PREFIX = "eval/"
+DEFAULT_METRIC = RAW_REWARD
 COMPARE_TAG = "relax.compare"  # runs created by relax-compare itself (never selected as arms)
 NO_VALUE = "(none)"
 

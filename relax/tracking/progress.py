@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, TextIO
 
-DEFAULT_REWARD_KEY = "rollout/raw_reward"
-DEFAULT_STEP_TIME_KEY = "perf/step_time"
+from relax.metrics import RAW_REWARD, STEP_TIME
+
+DEFAULT_REWARD_KEY = RAW_REWARD
+DEFAULT_STEP_TIME_KEY = STEP_TIME
 
 
 def format_duration(seconds: Optional[float]) -> str:

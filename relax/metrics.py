@@ -1,0 +1,75 @@
+"""Every metric name Relax logs, defined once.
+
+Imported by the algorithms, backends, roles, runner, tracking, `relax-compare` and the sweep launcher,
+so a name cannot drift between the code that computes a value and the code that reads it. Pure
+constants: this module imports nothing and sits below every layer.
+
+Prefixes: `rollout/` (the generated batch and its rewards), `train/` (the actor's optimizer step),
+`critic/` (PPO's value model), `eval/` (evaluation prompts), `perf/` (times and throughput).
+"""
+
+# ---- rollout: the generated batch and its rewards
+RAW_REWARD = "rollout/raw_reward"  # mean reward of the scored responses
+RESPONSE_LEN = "rollout/response_len"
+TRUNCATED_FRAC = "rollout/truncated_frac"  # responses that hit max_response_len
+REWARD_ERRORS = "rollout/reward_errors"  # reward calls that raised or returned a non-finite value
+REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left out of the loss (reward errors)
+# train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
+TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
+TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
+
+# RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
+RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"
+RLOO_ADV_ABS_MEAN = "rollout/rloo/adv_abs_mean"
+RLOO_NO_SIGNAL_FRAC = "rollout/rloo/no_signal_frac"
+RLOO_EMPTY_RESPONSE_FRAC = "rollout/rloo/empty_response_frac"
+RLOO_ZERO_ADV_GROUP_FRAC = "rollout/rloo/zero_adv_group_frac"
+RLOO_DROPPED_GROUP_FRAC = "rollout/rloo/dropped_group_frac"
+RLOO_METRICS = (
+    RLOO_BASELINE_MEAN,
+    RLOO_ADV_ABS_MEAN,
+    RLOO_NO_SIGNAL_FRAC,
+    RLOO_EMPTY_RESPONSE_FRAC,
+    RLOO_ZERO_ADV_GROUP_FRAC,
+    RLOO_DROPPED_GROUP_FRAC,
+)
+
+# ---- train: the actor's optimizer step (losses reduced as configured; diagnostics are shares/means of valid tokens)
+PG_LOSS = "train/pg_loss"
+PG_CLIPFRAC = "train/pg_clipfrac"
+PPO_KL = "train/ppo_kl"
+KL_LOSS = "train/kl_loss"
+ENTROPY = "train/entropy"
+LOSS = "train/loss"
+GRAD_NORM = "train/grad_norm"
+LR = "train/lr"
+CRITIC_ONLY = "train/critic_only"  # 1 on PPO's critic-only warm-up steps
+M2_BEFORE = "train/ppo_kl_m2_before"
+M2_AFTER = "train/ppo_kl_m2_after"
+
+# ---- critic (PPO)
+VALUE_LOSS = "critic/value_loss"
+VALUE_CLIPFRAC = "critic/value_clipfrac"
+CRITIC_GRAD_NORM = "critic/grad_norm"
+CRITIC_LR = "critic/lr"
+
+# ---- eval
+EVAL_PREFIX = "eval/"
+EVAL_REWARD = "eval/reward"
+EVAL_RESPONSE_LEN = "eval/response_len"
+EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
+EVAL_REWARD_ERRORS = "eval/reward_errors"
+
+# ---- perf
+STEP_TIME = "perf/step_time"
+ROLLOUT_TIME = "perf/rollout_time"
+TRAIN_TIME = "perf/train_time"
+SYNC_TIME = "perf/weight_sync_time"
+TOKENS_PER_S = "perf/tokens_per_s"
+ROLLOUT_ENGINE_TIME = "perf/rollout_engine_time"  # inside the rollout engine (the generation itself)
+# Seconds inside the actor's train_step (forward, backward, optimizer), summed over a rollout's optimizer steps.
+ACTOR_COMPUTE_TIME = "perf/actor_compute_time"
+# Step time not spent in generation or in the actor's train_step: Ray calls, moving samples and weights,
+# rewards, advantages, log-prob/value calls of other roles, evaluation.
+OVERHEAD_TIME = "perf/overhead_time"
+OVERHEAD_FRACTION = "perf/overhead_fraction"
