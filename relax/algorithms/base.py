@@ -61,6 +61,8 @@ class AdvantageInputs:
     old_logp: Optional[torch.Tensor] = None  # [N, T]
     ref_logp: Optional[torch.Tensor] = None  # [N, T]
     values: Optional[torch.Tensor] = None  # [N, T] critic values (PPO)
+    # [N] bool: the response ended with a stop token, which `mask` counts as its last token (None: unknown)
+    stopped: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -72,16 +74,25 @@ class AdvantageOutput:
 
 @dataclass
 class PolicyLossOutput:
-    """Per-token policy loss before TIS, KL, entropy and reduction (applied by shared code)."""
+    """Per-token policy loss before TIS, KL, entropy and reduction (applied by shared code).
+
+    `metrics` hold means over valid tokens: of this micro-batch, or of the whole optimizer step when
+    computed from the step statistics. `compute_loss` weights each by the micro-batch's share of the
+    step's valid tokens, so that the micro-batches' values add up to the step's.
+    """
 
     loss: torch.Tensor  # [B, T]
     clipped: Optional[torch.Tensor] = None  # [B, T] bool; None: the loss never clips
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+StepStatistics = dict[str, float]
 AdvantageFn = Callable[[Any, AdvantageInputs], AdvantageOutput]
-# (config, logp, old_logp, advantages, mask) -> PolicyLossOutput
-PolicyLossFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], PolicyLossOutput]
+# (config, logp, old_logp, advantages, mask) -> PolicyLossOutput; an algorithm with `step_statistics`
+# also receives the keyword argument `stats` (the StepStatistics of the whole optimizer step).
+PolicyLossFn = Callable[..., PolicyLossOutput]
+# (config, logp, old_logp, advantages, mask) -> StepStatistics, over every valid token of the whole step
+StepStatisticsFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], StepStatistics]
 CheckFn = Callable[[Any], list[Violation]]
 
 
@@ -89,9 +100,23 @@ def no_checks(cfg: Any) -> list[Violation]:
     return []
 
 
+def no_critic_only_steps(cfg: Any) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class Algorithm:
-    """A registry entry. `check` receives the whole resolved RelaxConfig (duck-typed)."""
+    """A registry entry. `check` receives the whole resolved RelaxConfig (duck-typed).
+
+    `step_statistics`, when set, computes what the policy loss needs from the whole optimizer step (every
+    micro-batch and data-parallel rank) rather than from one micro-batch, e.g. M2PO's clip bounds. Its
+    inputs are the detached `logp`, `old_logp`, `advantages` and `mask` of every valid token of the step
+    (any shape; masked entries are ignored). A trainer then runs two passes (`needs_step_statistics`): a
+    no-grad log-prob pass over all micro-batches that collects those tokens and calls `step_statistics`
+    once, then the loss pass, which hands the result to `compute_loss` as `LossBatch.stats`. A
+    data-parallel trainer all-gathers the collected tokens of every rank before the call, so that each
+    rank computes the same statistics. `policy_loss` then receives them as the keyword argument `stats`.
+    """
 
     name: str
     config_cls: type[AlgorithmConfig]
@@ -104,11 +129,21 @@ class Algorithm:
     supports_context_parallel: bool = True
     supports_multi_step: bool = True  # train.num_steps_per_rollout > 1
     group_relative: bool = True  # needs rollout.n_samples_per_prompt >= 2
-    rowwise_loss: bool = True  # a micro-batch's loss is the sum of its rows' (trainers may regroup rows)
+    step_statistics: Optional[StepStatisticsFn] = None
     per_token_loss: bool = False  # value of train.calculate_per_token_loss when left unset
     per_token_loss_required: bool = False  # an explicit other value is an error
     metrics: tuple[str, ...] = ()  # metric names this algorithm adds
+    # AlgorithmConfig fields this algorithm never reads -> why: validation rejects a value other than the config
+    # class's default, so that a sweep over an ignored field cannot produce arms that differ only in their labels.
+    ignores: dict[str, str] = field(default_factory=dict)
     check: CheckFn = no_checks
+    # How many initial rollouts train only the critic (PPO's warm-up), read from the algorithm's config.
+    critic_only_steps: Callable[[Any], int] = no_critic_only_steps
+
+    @property
+    def needs_step_statistics(self) -> bool:
+        """Whether a trainer must run the statistics pass over the whole step before the loss pass."""
+        return self.step_statistics is not None
 
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -151,4 +186,7 @@ class LossBatch:
     mask: torch.Tensor  # [B, T]
     ref_logp: Optional[torch.Tensor] = None  # [B, T] when a KL loss needs it
     rollout_logp: Optional[torch.Tensor] = None  # [B, T] rollout engine's log-probs (TIS)
-    entropy: Optional[torch.Tensor] = None  # [B, T] when entropy_coef > 0
+    entropy: Optional[torch.Tensor] = None  # [B, T] when entropy_coef > 0 (or to report it)
+    # The algorithm's step_statistics over the whole optimizer step (None: computed from this batch alone,
+    # i.e. this batch is the whole step). Only read by algorithms with `step_statistics`.
+    stats: Optional[StepStatistics] = None

@@ -25,7 +25,7 @@ def policy_loss(
     """
     loss = F.cispo_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
     with torch.no_grad():
-        ratio = torch.exp(logp - old_logp)
+        ratio = F.exp_log_ratio(logp - old_logp)
         clipped = (ratio < 1.0 - cfg.eps_clip) | (ratio > 1.0 + cfg.clip_high)
     return PolicyLossOutput(loss=loss, clipped=clipped)
 
@@ -36,7 +36,10 @@ register(
         config_cls=CISPOConfig,
         compute_advantages=group_relative_advantages,
         policy_loss=policy_loss,
+        ignores={"kl_coef": "reward-side KL shaping is not part of CISPO; use use_kl_loss with kl_loss_coef"},
         summary="keeps a bounded gradient for tokens outside the trust region; use it when PPO clipping "
         "discards too much signal (often with eps_clip_high=10, use_tis and a small KL loss)",
+        # The seed's objective divides the group's summed token terms by 1 / sum_i |o_i|: the global token mean.
+        per_token_loss=True,
     )
 )

@@ -80,6 +80,7 @@ register(
         config_cls=GRPOConfig,
         compute_advantages=group_relative_advantages,
         policy_loss=ppo_clip_policy_loss,
+        ignores={"kl_coef": "reward-side KL shaping is not part of GRPO; use use_kl_loss with kl_loss_coef"},
         summary="the default: group-relative rewards, PPO-Clip; use it when you have a verifiable reward "
         "and several samples per prompt",
     )

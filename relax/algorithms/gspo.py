@@ -30,6 +30,7 @@ register(
         config_cls=GSPOConfig,
         compute_advantages=group_relative_advantages,
         policy_loss=policy_loss,
+        ignores={"kl_coef": "reward-side KL shaping is not part of GSPO; use use_kl_loss with kl_loss_coef"},
         summary="one importance ratio per response; use it when token-level ratios are noisy (long "
         "responses, mixture-of-experts policies)",
     )

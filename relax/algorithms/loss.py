@@ -2,14 +2,16 @@
 
 `compute_loss` looks the algorithm up by `cfg.name`, takes its per-token policy loss and applies,
 identically for every algorithm: truncated importance sampling (`use_tis`), the KL loss
-(`use_kl_loss`), the entropy bonus (`entropy_coef`) and the reduction. The caller passes the
-denominator of the whole optimizer step, so that the returned losses and metrics of the micro-batches
-add up to the loss and metrics of the whole batch however it is split.
+(`use_kl_loss`), the entropy bonus (`entropy_coef`) and the reduction. The caller passes the loss
+denominator and the valid-token count of the whole optimizer step, so that the returned losses and
+metrics of the micro-batches add up to the loss and metrics of the whole batch however it is split.
+Masked tokens are replaced by zeros before any arithmetic, so whatever they hold (even NaN or inf)
+never reaches a loss, a gradient or a metric.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -20,7 +22,6 @@ from relax.metrics import ENTROPY, KL_LOSS, LOSS, PG_CLIPFRAC, PG_LOSS, PPO_KL, 
 __all__ = [
     "compute_loss",
     "compute_value_loss",
-    "micro_batch_share",
     "PG_LOSS",
     "PG_CLIPFRAC",
     "PPO_KL",
@@ -32,70 +33,107 @@ __all__ = [
 ]
 
 
-def _denominator(denominator: float) -> float:
-    d = float(denominator)
+def _positive(count: float) -> float:
+    d = float(count)
     return d if d > 0 else 1.0
 
 
-def micro_batch_share(mask: torch.Tensor, *, per_token: bool, denominator: float) -> float:
-    """This micro-batch's weight in the step: valid tokens (per token) or responses, over `denominator`."""
-    n = float((mask != 0).sum().item()) if per_token else float(mask.shape[0])
-    return n / _denominator(denominator)
+def _step_tokens(mask: torch.Tensor, per_token: bool, denominator: float, num_tokens: Optional[float]) -> float:
+    """The step's valid-token count: `num_tokens`, else `denominator` (per token), else this batch's count."""
+    if num_tokens is not None:
+        return _positive(num_tokens)
+    if per_token:
+        return _positive(denominator)
+    return _positive((mask != 0).sum().item())
+
+
+def _zero_masked(x: Optional[torch.Tensor], keep: torch.Tensor) -> Optional[torch.Tensor]:
+    """`x` with 0 on masked tokens (gradient exactly 0 there, whatever they held)."""
+    return None if x is None else torch.where(keep, x, torch.zeros_like(x))
 
 
 def compute_loss(
-    cfg: AlgorithmConfig, batch: LossBatch, *, per_token: bool, denominator: float
+    cfg: AlgorithmConfig,
+    batch: LossBatch,
+    *,
+    per_token: bool,
+    denominator: float,
+    num_tokens: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch and its metrics (detached, pre-weighted so they add over micro-batches).
 
-    `per_token=True`: `denominator` is the number of valid tokens of the whole optimizer step and each
-    term is `sum(mask * x) / denominator`. `per_token=False`: `denominator` is the number of responses
+    Losses: `per_token=True`: `denominator` is the number of valid tokens of the whole optimizer step and
+    each term is `sum(mask * x) / denominator`. `per_token=False`: `denominator` is the number of responses
     of the step and each term is `sum_b(token mean of row b) / denominator`.
 
     `loss = reduce(w * pg) + kl_loss_coef * reduce(kl) - entropy_coef * reduce(entropy)` where `pg` is the
     algorithm's per-token policy loss, `w = min(exp(old_logp - rollout_logp), tis_clip)` (detached) when
-    `use_tis` else 1, and `kl = kl_estimate(logp, ref_logp, kl_loss_type)` when `use_kl_loss`.
+    `use_tis` else 1, and `kl = kl_estimate(logp, ref_logp, kl_loss_type)` when `use_kl_loss`. Metrics
+    `train/pg_loss`, `train/kl_loss`, `train/loss` are these (reduced) terms.
+
+    Diagnostics, whatever the reduction, are means over the valid tokens of the whole step:
+    `sum(mask * x) / num_tokens` for `train/pg_clipfrac` (x = clipped), `train/ppo_kl`
+    (x = old_logp - logp), `train/entropy`; the algorithm's own metrics are weighted by
+    `(valid tokens of this batch) / num_tokens`. `num_tokens` is the valid-token count of the whole step
+    (every micro-batch and rank); None means `denominator` when `per_token`, else this batch's count
+    (this batch is the whole step).
+
+    Algorithms with `step_statistics` (M2PO) use `batch.stats`, the statistics of the whole step; when it
+    is None they are computed from this batch alone (correct only when this batch is the whole step).
     """
     algorithm = get(cfg.name)
-    denom = _denominator(denominator)
-    mask = batch.mask
+    denom = _positive(denominator)
+    tokens = _step_tokens(batch.mask, per_token, denominator, num_tokens)
+    keep = batch.mask != 0
+    mask = keep.to(batch.logp.dtype)
+    logp = _zero_masked(batch.logp, keep)
+    old_logp = _zero_masked(batch.old_logp, keep)
+    advantages = _zero_masked(batch.advantages, keep)
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
         return F.masked_sum_reduce(x, mask, per_token, denom)
 
-    out = algorithm.policy_loss(cfg, batch.logp, batch.old_logp, batch.advantages, mask)
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return F.masked_sum_reduce(x, mask, True, tokens)
+
+    if algorithm.needs_step_statistics:
+        stats = batch.stats
+        if stats is None:
+            stats = algorithm.step_statistics(cfg, logp.detach(), old_logp, advantages, mask)
+        out = algorithm.policy_loss(cfg, logp, old_logp, advantages, mask, stats=stats)
+    else:
+        out = algorithm.policy_loss(cfg, logp, old_logp, advantages, mask)
     pg = out.loss
     if cfg.use_tis:
         if batch.rollout_logp is None:
             raise ValueError("use_tis=true needs LossBatch.rollout_logp (the rollout engine's log-probs)")
-        pg = pg * F.tis_weights(batch.old_logp, batch.rollout_logp, cfg.tis_clip)
+        pg = pg * F.tis_weights(old_logp, _zero_masked(batch.rollout_logp, keep), cfg.tis_clip)
     pg_loss = reduce(pg)
     total = pg_loss
 
     metrics: dict[str, torch.Tensor] = {PG_LOSS: pg_loss.detach()}
     with torch.no_grad():
         if out.clipped is not None:
-            metrics[PG_CLIPFRAC] = reduce(out.clipped.to(pg.dtype))
+            metrics[PG_CLIPFRAC] = token_mean(out.clipped.to(pg.dtype))
         else:
             metrics[PG_CLIPFRAC] = torch.zeros((), dtype=pg.dtype, device=pg.device)
-        metrics[PPO_KL] = reduce((batch.old_logp - batch.logp).detach())
-        if out.metrics:
-            share = micro_batch_share(mask, per_token=per_token, denominator=denom)
-            for name, value in out.metrics.items():
-                metrics[name] = torch.as_tensor(value, dtype=pg.dtype, device=pg.device).detach() * share
+        metrics[PPO_KL] = token_mean(old_logp - logp.detach())
+        share = mask.sum() / tokens
+        for name, value in out.metrics.items():
+            metrics[name] = torch.as_tensor(value, dtype=pg.dtype, device=pg.device).detach() * share
 
     if cfg.use_kl_loss:
         if batch.ref_logp is None:
             raise ValueError("use_kl_loss=true needs LossBatch.ref_logp (the reference model's log-probs)")
-        kl = reduce(F.kl_estimate(batch.logp, batch.ref_logp, cfg.kl_loss_type))
+        kl = reduce(F.kl_estimate(logp, _zero_masked(batch.ref_logp, keep), cfg.kl_loss_type))
         total = total + cfg.kl_loss_coef * kl
         metrics[KL_LOSS] = kl.detach()
 
     if batch.entropy is not None:
-        entropy = reduce(batch.entropy)
+        entropy = _zero_masked(batch.entropy, keep)
         if cfg.entropy_coef:
-            total = total - cfg.entropy_coef * entropy
-        metrics[ENTROPY] = entropy.detach()
+            total = total - cfg.entropy_coef * reduce(entropy)
+        metrics[ENTROPY] = token_mean(entropy.detach())
     elif cfg.entropy_coef:
         raise ValueError(f"entropy_coef={cfg.entropy_coef} needs LossBatch.entropy")
 
@@ -112,16 +150,22 @@ def compute_value_loss(
     *,
     per_token: bool,
     denominator: float,
+    num_tokens: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO critic loss of one micro-batch: `reduce(0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))`.
 
-    `c = cfg.value_clip`; same reduction and denominator contract as `compute_loss`. Metrics:
-    `critic/value_loss` and `critic/value_clipfrac` (share of valid tokens where the clipped error is larger).
+    `c = cfg.value_clip`; same reduction, denominator and `num_tokens` contract as `compute_loss`. Metrics:
+    `critic/value_loss` (reduced like the loss) and `critic/value_clipfrac`, the share of the step's valid
+    tokens with `|V - V_old| > c` whose clipped error is the larger (a diagnostic: `/ num_tokens`).
     """
-    denom = _denominator(denominator)
+    denom = _positive(denominator)
+    tokens = _step_tokens(mask, per_token, denominator, num_tokens)
+    keep = mask != 0
+    valid = keep.to(values.dtype)
+    values, old_values, returns = (_zero_masked(x, keep) for x in (values, old_values, returns))
     clip = float(cfg.value_clip)
-    loss = F.masked_sum_reduce(F.value_loss(values, old_values, returns, clip), mask, per_token, denom)
+    loss = F.masked_sum_reduce(F.value_loss(values, old_values, returns, clip), valid, per_token, denom)
     with torch.no_grad():
         clipped = F.value_clipped_mask(values, old_values, returns, clip).to(values.dtype)
-        clipfrac = F.masked_sum_reduce(clipped, mask, per_token, denom)
+        clipfrac = F.masked_sum_reduce(clipped, valid, True, tokens)
     return loss, {VALUE_LOSS: loss.detach(), VALUE_CLIPFRAC: clipfrac}

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from relax.algorithms import functional as F
-from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, Violation, register
+from relax.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    PolicyLossOutput,
+    StepStatistics,
+    Violation,
+    register,
+)
 from relax.algorithms.grpo import group_relative_advantages, violation
 from relax.metrics import M2_AFTER, M2_BEFORE
 
@@ -22,40 +28,39 @@ class M2POConfig(AlgorithmConfig):
     miniclip_high: float = 0.5  # the upper clip margin is never tighter than this
 
 
-def policy_loss(
+EPS_LOW = "eps_low"
+EPS_HIGH = "eps_high"
+
+
+def step_statistics(
     cfg: M2POConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> PolicyLossOutput:
-    """PPO-Clip with `m2po_clip_bounds` (solved over this micro-batch's valid tokens)."""
+) -> StepStatistics:
+    """`m2po_clip_bounds` over every valid token of the whole optimizer step: the harmful set, the water
+    filling and both M2 metrics -> {eps_low, eps_high, train/ppo_kl_m2_before, train/ppo_kl_m2_after}."""
     eps_low, eps_high, before, after = F.m2po_clip_bounds(
         logp, old_logp, advantages, mask, cfg.kl2_budget, cfg.miniclip_low, cfg.miniclip_high
     )
-    loss, clipped = F.ppo_clip_loss(logp, old_logp, advantages, eps_low, eps_high)
-    metrics = {
-        M2_BEFORE: torch.tensor(before, dtype=loss.dtype, device=loss.device),
-        M2_AFTER: torch.tensor(after, dtype=loss.dtype, device=loss.device),
-    }
+    return {EPS_LOW: eps_low, EPS_HIGH: eps_high, M2_BEFORE: before, M2_AFTER: after}
+
+
+def policy_loss(
+    cfg: M2POConfig,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    stats: StepStatistics,
+) -> PolicyLossOutput:
+    """PPO-Clip with the bounds of `stats` (`step_statistics` of the whole step); the M2 metrics are the step's."""
+    loss, clipped = F.ppo_clip_loss(logp, old_logp, advantages, stats[EPS_LOW], stats[EPS_HIGH])
+    metrics = {name: torch.tensor(stats[name], dtype=loss.dtype, device=loss.device) for name in (M2_BEFORE, M2_AFTER)}
     return PolicyLossOutput(loss=loss, clipped=clipped, metrics=metrics)
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
 
 
 def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
     out: list[Violation] = []
-    for key in ("eps_clip", "eps_clip_high"):
-        value = getattr(a, key)
-        if value != _DEFAULTS[key]:
-            out.append(
-                violation(
-                    f"algorithm.{key}",
-                    f"{key}={value} has no effect: M2PO derives its clip bounds from kl2_budget and ignores "
-                    f"eps_clip/eps_clip_high; leave it at {_DEFAULTS[key]} and set miniclip_low/miniclip_high "
-                    "for the bounds' floors",
-                    "algorithm.miniclip_low",
-                    "algorithm.miniclip_high",
-                )
-            )
     if not a.kl2_budget > 0:
         out.append(
             violation(
@@ -86,10 +91,16 @@ register(
         config_cls=M2POConfig,
         compute_advantages=group_relative_advantages,
         policy_loss=policy_loss,
+        ignores={
+            "kl_coef": "reward-side KL shaping is not part of M2PO; use use_kl_loss with kl_loss_coef",
+            "eps_clip": "M2PO derives its clip bounds from kl2_budget; set miniclip_low/miniclip_high for their floors",
+            "eps_clip_high": "M2PO derives its clip bounds from kl2_budget; set miniclip_low/miniclip_high for their "
+            "floors",
+        },
         summary="adaptive clipping from a second-moment budget; use it for off-policy data: fully-async "
         "training with large staleness or reusing a rollout for several updates",
         supports_context_parallel=False,
-        rowwise_loss=False,  # clip bounds are solved over all tokens of a micro-batch
+        step_statistics=step_statistics,  # the harmful set and bounds are the whole optimizer step's
         metrics=(M2_BEFORE, M2_AFTER),
         check=check,
     )

@@ -45,7 +45,7 @@ def check(cfg: Any) -> list[Violation]:
         out.append(
             violation(
                 "cluster.colocate",
-                "colocate=false is not supported: PPO runs synchronous colocate only (actor, rollout and "
+                "cluster.colocate=false is not supported: PPO runs synchronous colocate only (actor, rollout and "
                 "critic share devices)",
             )
         )
@@ -77,9 +77,14 @@ register(
         config_cls=PPOConfig,
         compute_advantages=compute_advantages,
         policy_loss=ppo_clip_policy_loss,
+        ignores={
+            "normalize_rewards": "PPO's GAE uses the raw rewards",
+            "std_normalization": "PPO's GAE uses the raw rewards",
+        },
         summary="actor-critic with per-token credit assignment; use it when a learned value baseline helps "
         "(one sample per prompt, long responses) and you can afford a critic",
         requires_critic=True,
+        critic_only_steps=lambda cfg: cfg.num_critic_only_steps,
         supports_async=False,
         group_relative=False,
         metrics=(VALUE_LOSS, VALUE_CLIPFRAC),

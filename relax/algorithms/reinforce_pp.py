@@ -15,6 +15,7 @@ class ReinforcePPConfig(AlgorithmConfig):
     name: str = "reinforce_pp"
     kl_coef: float = 0.01  # reward-side k1 KL shaping; must be > 0
     gamma: float = 1.0  # return discount
+    normalize_advantages: bool = True  # always: the global token normalization is part of the estimator
 
 
 def compute_advantages(cfg: ReinforcePPConfig, inputs: AdvantageInputs) -> AdvantageOutput:
@@ -27,9 +28,18 @@ def compute_advantages(cfg: ReinforcePPConfig, inputs: AdvantageInputs) -> Advan
     return AdvantageOutput(advantages=F.global_token_normalize(returns, inputs.mask))
 
 
+def check_always_normalized(cfg: Any, name: str) -> list[Violation]:
+    """REINFORCE++ (both) whiten their advantages over the batch's valid tokens by definition."""
+    if cfg.algorithm.normalize_advantages:
+        return []
+    return [violation("algorithm.normalize_advantages",
+                      f"normalize_advantages=false is not allowed: {name} always applies the global token "
+                      "normalization (it is part of the estimator)")]
+
+
 def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
-    out: list[Violation] = []
+    out: list[Violation] = check_always_normalized(cfg, "REINFORCE++")
     if not a.kl_coef > 0:
         out.append(
             violation(
@@ -55,6 +65,10 @@ register(
         config_cls=ReinforcePPConfig,
         compute_advantages=compute_advantages,
         policy_loss=ppo_clip_policy_loss,
+        ignores={
+            "normalize_rewards": "REINFORCE++ shapes the raw reward into token returns",
+            "std_normalization": "REINFORCE++ shapes the raw reward into token returns",
+        },
         summary="critic-free, token-level KL-shaped returns with batch-wide normalization; use it when one "
         "sample per prompt is all you can afford",
         requires_reference=True,

@@ -8,11 +8,13 @@ from typing import Any
 from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
 from relax.algorithms.grpo import float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.reinforce_pp import check_always_normalized
 
 
 @dataclass(frozen=True)
 class ReinforcePPBaselineConfig(AlgorithmConfig):
     name: str = "reinforce_pp_baseline"
+    normalize_advantages: bool = True  # always: the global token normalization is part of the estimator
     kl_loss_type: str = "k2"  # the only KL this estimator supports (as a loss, never in the advantage)
 
 
@@ -24,15 +26,7 @@ def compute_advantages(cfg: ReinforcePPBaselineConfig, inputs: AdvantageInputs) 
 
 def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
-    out: list[Violation] = []
-    if a.kl_coef != 0:
-        out.append(
-            violation(
-                "algorithm.kl_coef",
-                f"kl_coef={a.kl_coef} must be 0: REINFORCE++-baseline keeps KL out of the advantage; "
-                "use use_kl_loss with kl_loss_type=k2",
-            )
-        )
+    out: list[Violation] = check_always_normalized(cfg, "REINFORCE++-baseline")
     if a.use_kl_loss and a.kl_loss_type != "k2":
         out.append(
             violation(
@@ -50,6 +44,11 @@ register(
         config_cls=ReinforcePPBaselineConfig,
         compute_advantages=compute_advantages,
         policy_loss=ppo_clip_policy_loss,
+        ignores={
+            "kl_coef": "REINFORCE++-baseline keeps KL out of the advantage; use use_kl_loss with kl_loss_type=k2",
+            "normalize_rewards": "REINFORCE++-baseline's baseline is the plain group mean",
+            "std_normalization": "REINFORCE++-baseline never divides by a std",
+        },
         summary="group-mean baseline with batch-wide normalization; use it as a critic-free alternative "
         "to GRPO that does not divide by a per-group std",
         supports_async=False,

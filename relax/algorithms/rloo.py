@@ -26,15 +26,25 @@ class RLOOConfig(AlgorithmConfig):
 
 
 def compute_advantages(cfg: RLOOConfig, inputs: AdvantageInputs) -> AdvantageOutput:
-    """`A_i = G/(G-1) * (R_i - mean_g)` on every valid token; the rollout/rloo/* diagnostics as metrics."""
+    """`A_i = G/(G-1) * (R_i - mean_g)` on every valid token; the rollout/rloo/* diagnostics as metrics.
+
+    A response is empty when it has no generated token before its stop token: its valid-token count minus 1
+    where `inputs.stopped` (the mask counts the stop token). Without `stopped` a response is empty only when
+    it has no valid token at all (a lone stop token then counts as a response of length 1).
+    """
     r = float_rewards(inputs)
     adv = F.broadcast_to_tokens(F.rloo_advantages(r, inputs.group_size), inputs.mask)
     G = inputs.group_size
+    lengths = (inputs.mask != 0).sum(-1)
+    generated = None
+    if inputs.stopped is not None:
+        generated = lengths - inputs.stopped.to(device=lengths.device, dtype=lengths.dtype)
     metrics = F.rloo_diagnostics(
         r,
         torch.arange(r.numel(), device=r.device) // G,
-        (inputs.mask != 0).sum(-1),
+        lengths,
         G,
+        generated_lengths=generated,
     )
     return AdvantageOutput(advantages=adv, metrics=metrics)
 
@@ -49,14 +59,6 @@ def policy_loss(
 def check(cfg: Any) -> list[Violation]:
     a, train = cfg.algorithm, cfg.train
     out: list[Violation] = []
-    if a.kl_coef != 0:
-        out.append(
-            violation(
-                "algorithm.kl_coef",
-                f"kl_coef={a.kl_coef} must be 0: reward-side KL shaping is not implemented for RLOO; "
-                "use use_kl_loss with kl_loss_coef (and a train.ref_load checkpoint)",
-            )
-        )
     if not a.normalize_rewards:
         out.append(
             violation(
@@ -99,6 +101,14 @@ register(
         config_cls=RLOOConfig,
         compute_advantages=compute_advantages,
         policy_loss=policy_loss,
+        ignores={
+            "kl_coef": "reward-side KL shaping is not implemented for RLOO; use use_kl_loss with kl_loss_coef "
+            "(and a train.ref_load checkpoint)",
+            "eps_clip": "RLOO's loss has no importance ratio to clip",
+            "eps_clip_high": "RLOO's loss has no importance ratio to clip",
+            "use_rollout_logprobs": "RLOO's loss has no ratio to an old policy",
+            "std_normalization": "RLOO's leave-one-out advantage never divides by a std",
+        },
         summary="unbiased leave-one-out baseline, no ratio or clipping; use it for strictly on-policy "
         "synchronous training with one update per rollout",
         supports_async=False,

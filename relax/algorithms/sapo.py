@@ -43,6 +43,11 @@ register(
         config_cls=SAPOConfig,
         compute_advantages=group_relative_advantages,
         policy_loss=policy_loss,
+        ignores={
+            "kl_coef": "reward-side KL shaping is not part of SAPO; use use_kl_loss with kl_loss_coef",
+            "eps_clip": "SAPO gates the ratio with a sigmoid (tau_pos/tau_neg) instead of clipping it",
+            "eps_clip_high": "SAPO gates the ratio with a sigmoid (tau_pos/tau_neg) instead of clipping it",
+        },
         summary="a soft, differentiable trust region; use it when hard clipping makes training unstable "
         "or wastes gradient",
         check=check,

@@ -36,6 +36,30 @@ def test_grpo_zero_variance_group_gives_zero():
     assert torch.all(a[4:] != 0)
 
 
+@pytest.mark.parametrize("value", [0.1, 5.3])
+def test_equal_rewards_give_exactly_zero_advantages_in_fp32(value):
+    # fp32 rounding of the mean used to give -0.0074 (0.1) and +0.316 (5.3) after the std division
+    r = torch.full((8,), value)
+    for a in (F.grpo_advantages(r, 8), F.grpo_advantages(r, 4, std_normalization=False),
+              F.rloo_advantages(r, 8), F.group_mean_baseline(r, 2)):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, torch.zeros(8))
+    # a group with signal next to a constant one: exact zeros there, the float64 formula here
+    mixed = torch.tensor([value] * 4 + [0.0, 1.0, 0.0, 1.0])
+    a = F.grpo_advantages(mixed, 4)
+    assert torch.equal(a[:4], torch.zeros(4))
+    std = math.sqrt(1 / 3)  # Bessel std of [0, 1, 0, 1]
+    close(a[4:], [-0.5 / (std + 1e-6), 0.5 / (std + 1e-6)] * 2, tol=1e-6)
+    close(F.rloo_advantages(mixed, 4)[4:], [-2 / 3, 2 / 3] * 2)
+
+
+def test_global_token_normalize_constant_fp32_is_exactly_zero():
+    values = torch.full((3, 5), 0.1)
+    mask = torch.ones(3, 5)
+    mask[1, 3:] = 0
+    assert torch.equal(F.global_token_normalize(values, mask), torch.zeros(3, 5))
+
+
 def test_grpo_single_group_and_group_of_one():
     close(F.grpo_advantages(t([1.0, 3.0]), 2), [-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6)])
     close(F.grpo_advantages(t([1.0, 3.0]), 1), [0.0, 0.0])
@@ -209,12 +233,44 @@ def test_m2po_negative_advantages_are_harmful_when_ratio_below_one():
     close(before, 0.09)
 
 
+def test_value_clipped_mask_needs_the_clip_to_be_exceeded():
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(512, 128, generator=g)
+    old = v + (torch.rand(512, 128, generator=g) * 2 - 1) * 0.2  # |V - V_old| <= 0.2 (up to rounding)
+    ret = torch.randn(512, 128, generator=g)
+    within = (v - old).abs() <= 0.2
+    assert not F.value_clipped_mask(v, old, ret, 0.2)[within].any()
+    assert torch.equal(F.value_loss(v, old, ret, 0.2)[within], (0.5 * (v - ret) ** 2)[within])
+
+
 def test_value_loss_hand():
     v = t([[1.0, 0.6, 0.0]])
     old = t([[0.5, 1.0, 1.0]])
     ret = t([[0.0, 0.9, 0.0]])
     close(F.value_loss(v, old, ret, 0.2), [[0.5, 0.045, 0.32]])
     assert F.value_clipped_mask(v, old, ret, 0.2).tolist() == [[False, False, True]]
+
+
+def test_exp_log_ratio_is_exp_inside_the_clamp_and_finite_outside():
+    x = t([-100.0, -20.0, -1.0, 0.0, 3.0, 20.0, 100.0], torch.float32).requires_grad_()
+    r = F.exp_log_ratio(x)
+    close(r, [math.exp(-20), math.exp(-20), math.exp(-1), 1.0, math.exp(3), math.exp(20), math.exp(20)], tol=1e-6)
+    r.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert x.grad[0] == 0 and x.grad[-1] == 0  # beyond the clamp the gradient is 0, not NaN
+
+
+def test_k3_clamp_of_x_changes_no_value_and_no_gradient():
+    # reference without any inner clamp, in float64 (exp(40) is finite there)
+    x = torch.linspace(-40.0, 40.0, 8001, dtype=D)
+    ref = t(x.tolist()).requires_grad_()
+    want = (torch.exp(-ref) - 1 + ref).clamp(-10, 10)
+    want.sum().backward()
+    got_x = t(x.tolist()).requires_grad_()
+    got = F.kl_estimate(got_x, torch.zeros_like(got_x), "k3")
+    got.sum().backward()
+    assert torch.equal(got, want.detach())
+    assert torch.equal(got_x.grad, ref.grad)
 
 
 def test_kl_estimates_hand():
@@ -260,6 +316,16 @@ def test_rloo_diagnostics_hand():
         "rollout/rloo/dropped_group_frac": 1 / 3,
     }
     assert out == pytest.approx(expected)
+
+
+def test_rloo_diagnostics_generated_lengths_decide_emptiness():
+    # valid-token counts include the stop token: a lone <eos> is length 1 but generated length 0
+    out = F.rloo_diagnostics(
+        t([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), torch.tensor([1, 3, 1, 2]), 2,
+        generated_lengths=torch.tensor([0, 2, 1, 1]),
+    )
+    assert out["rollout/rloo/empty_response_frac"] == 1 / 4
+    assert out["rollout/rloo/no_signal_frac"] == 0.0  # still over valid tokens
 
 
 def test_rloo_diagnostics_float_noise_counts_as_zero():
