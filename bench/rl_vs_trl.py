@@ -71,7 +71,7 @@ class RelaxInProcess:
         items = self.sampler.next_batch()
         samples = self.rollout.generate([it.prompt_ids for it in items], seed=1000 + self.n_step)
         t1 = time.perf_counter()
-        rewards, _ = _score(self.tokenizer, self.reward_fn, samples, [it.label for it in items for _ in range(G)])
+        rewards = torch.tensor(_score(cfg, self.tokenizer, self.reward_fn, samples, items, G).rewards)
         mask = samples.response_mask.float()
         out = compute_advantages(cfg.algorithm, AdvantageInputs(rewards, mask, G, samples.rollout_logp, None, None))
         batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=out.advantages)

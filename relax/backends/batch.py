@@ -25,6 +25,7 @@ class Samples:
     finish_reason: list[str]  # "stop" | "length" per response
     weight_version: int = 0
     engine_time: float = 0.0  # seconds the rollout engine(s) spent generating these (0: not measured)
+    dropped_mass: float = 0.0  # mean probability mass top-k/top-p removed per drawn token (relax.backends.sampling)
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -95,4 +96,6 @@ def concat_samples(parts: list[Samples], pad_token_id: int = 0) -> Samples:
         finish_reason=[r for p in parts for r in p.finish_reason],
         weight_version=min(p.weight_version for p in parts),
         engine_time=max(p.engine_time for p in parts),  # engines run side by side
+        dropped_mass=sum(p.dropped_mass * float(p.response_mask.sum()) for p in parts)
+        / max(1.0, float(sum(p.response_mask.sum() for p in parts))),
     )

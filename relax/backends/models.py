@@ -118,6 +118,7 @@ def build_model(
             # de-quantised to fp32 whatever is asked; asking for fp32 avoids transformers' casting warning
             kwargs["dtype"] = torch.float32
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+            forget_gguf_quantization(model)
             cast_parameters(model, dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
@@ -132,6 +133,15 @@ def build_model(
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model.to(device)
+
+
+def forget_gguf_quantization(model: PreTrainedModel) -> None:
+    """A GGUF model is de-quantized on load; drop transformers' quantizer marks so that it saves (checkpoints,
+    exports) as the plain model it now is, not as an unserializable "quantized" one."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -169,11 +179,14 @@ def response_logprobs_all(
     attention_mask: torch.Tensor,
     response_start: int,
     response_len: int,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """fp32 log-softmax [N, T, V] of the distributions that produced response tokens 0 .. T-1.
 
-    One forward over prompt+response with position ids from the mask (left padding). Logits are
-    computed only at positions P-1 .. P+T-2 (`logits_to_keep`), so the prompt never costs an
+    The distribution is `softmax(logits / temperature)`, the one the rollout engine samples from (before any
+    top-k/top-p truncation; see `relax.backends.sampling`), so trainer, reference and rollout log-probs are of
+    the same distribution. One forward over prompt+response with position ids from the mask (left padding).
+    Logits are computed only at positions P-1 .. P+T-2 (`logits_to_keep`), so the prompt never costs an
     [N, L, V] tensor; under autocast they come out in bf16 and are upcast before the log-softmax.
     """
     P, T = response_start, response_len
@@ -187,8 +200,10 @@ def response_logprobs_all(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
         logits_to_keep=T + 1,  # positions P-1 .. P+T-1; the last one predicts past the response
-    ).logits[:, :-1]
-    return torch.log_softmax(logits.float(), dim=-1)
+    ).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
 
 
 def token_logprobs(
@@ -199,6 +214,7 @@ def token_logprobs(
     response_len: int,
     *,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log p(response token t | prefix) as [N, T] fp32 (and the entropy [N, T] of that distribution).
 
@@ -206,7 +222,7 @@ def token_logprobs(
     response right-padded, response at column P = `response_start`). Masked positions hold finite
     values of no meaning. Runs under whatever autocast/grad mode the caller set.
     """
-    logp_all = response_logprobs_all(model, input_ids, attention_mask, response_start, response_len)
+    logp_all = response_logprobs_all(model, input_ids, attention_mask, response_start, response_len, temperature)
     logp = logp_all.gather(-1, input_ids[:, response_start:].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp

@@ -243,10 +243,13 @@ class EmbeddedEngine:
         lengths = torch.full((N,), T, dtype=torch.long, device=dev)
         stopped = torch.zeros(N, dtype=torch.bool, device=dev)
         rows = torch.arange(N, device=dev)  # batch row -> output row
+        dropped_mass = torch.zeros((), dtype=torch.float32, device=dev)  # summed over drawn tokens
         for t in range(T):
-            tokens, logp = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+            tokens, logp, dropped = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                  generator=gen)
             out_ids[rows, t] = tokens
             out_logp[rows, t] = logp
+            dropped_mass += dropped.sum()
             done = torch.isin(tokens, eos) & ~stopped[rows]
             if done.any():
                 stopped[rows[done]] = True
@@ -272,4 +275,5 @@ class EmbeddedEngine:
             rollout_logp=out_logp.cpu(),
             finish_reason=["stop" if s else "length" for s in stopped.tolist()],
             weight_version=self.weight_version,
+            dropped_mass=float(dropped_mass) / max(1, int(lengths.sum())),
         )

@@ -1,14 +1,30 @@
 """Token sampling for the embedded rollout engine: temperature, top-k, top-p, and the log-prob we report.
 
 Reported log-prob: log-softmax(logits / temperature) over the FULL vocabulary at the sampled token,
-before any top-k/top-p truncation (temperature 0 reports temperature 1). With temperature 1 this is
-exactly what the trainer computes for the same token, so truncated importance sampling compares like
-with like; truncation only changes which tokens get drawn.
+before any top-k/top-p truncation (temperature 0 reports temperature 1). The trainer, the reference and
+the old-policy recomputation use exactly this distribution (`relax.backends.models.response_logprobs_all`
+with the rollout temperature), so on-policy ratios are 1 and truncated importance sampling compares like
+with like.
+
+Top-k/top-p: the sampler draws from the truncated, renormalised distribution, but the log-probs on both
+sides stay full-vocabulary (the choice verl and slime make; renormalising in the trainer would need the
+same sort over the vocabulary at every position of every training forward). The gap is measured, not
+hidden: `Sampled.dropped_mass` is the probability mass the truncation removed at each drawn token, logged
+as `rollout/sampling_dropped_mass` (0 without truncation). When it is large, the rollout policy differs
+from the policy the loss assumes; lower it with a larger top_p / top_k.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [B] drawn token ids
+    logp: torch.Tensor  # [B] full-vocabulary log-prob at the temperature (see the module docstring)
+    dropped_mass: torch.Tensor  # [B] probability mass removed by top-k/top-p at this step (0 without them)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -47,9 +63,10 @@ def sample_tokens(
     top_k: int,
     top_p: float,
     generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], log-probs [B]) drawn from `logits` [B, V] (any dtype; the math runs in fp32)."""
+) -> Sampled:
+    """Tokens drawn from `logits` [B, V] (any dtype; the math runs in fp32), with their log-probs."""
     logits = logits.float()
+    dropped = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
     if temperature == 0.0:
         tokens = logits.argmax(-1)
         logp_all = torch.log_softmax(logits, -1)
@@ -58,8 +75,10 @@ def sample_tokens(
             logits = logits / temperature
         logp_all = torch.log_softmax(logits, -1)
         if top_k > 0 or top_p < 1.0:
-            probs = filter_logits(logits, top_k, top_p).softmax(-1)
+            kept = filter_logits(logits, top_k, top_p)
+            probs = kept.softmax(-1)
+            dropped = (1.0 - torch.logsumexp(kept, -1).sub(torch.logsumexp(logits, -1)).exp()).clamp(min=0.0)
         else:
             probs = logp_all.exp()
         tokens = draw(probs, generator)
-    return tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+    return Sampled(tokens, logp_all.gather(-1, tokens[:, None]).squeeze(-1), dropped)

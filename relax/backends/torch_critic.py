@@ -22,6 +22,7 @@ from relax.backends.models import pick_device, response_hidden_states
 from relax.backends.torch_train import (
     TorchTrainer,
     micro_batches,
+    step_denominators,
     trainable_model,
     trimmed_sequences,
 )
@@ -32,11 +33,9 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def critic_lr(train_cfg: TrainConfig, algo_cfg: Optional[AlgorithmConfig]) -> float:
-    """train.critic_lr, else algorithm.critic_lr (PPO), else train.lr."""
-    for lr in (train_cfg.critic_lr, getattr(algo_cfg, "critic_lr", None)):
-        if lr is not None:
-            return float(lr)
-    return float(train_cfg.lr)
+    """algorithm.critic_lr (PPO's one source for the critic's learning rate), else train.lr."""
+    lr = getattr(algo_cfg, "critic_lr", None)
+    return float(train_cfg.lr if lr is None else lr)
 
 
 class CriticModel(torch.nn.Module):
@@ -83,7 +82,7 @@ class TorchCritic(TorchTrainer):
         model: Optional[PreTrainedModel] = None,
     ) -> None:
         """The backbone is built like the policy's (same `seed` gives the policy's initial weights);
-        lr = train.critic_lr, else algo_cfg.critic_lr, else train.lr."""
+        lr = algo_cfg.critic_lr, else train.lr."""
         device = torch.device(device) if device is not None else pick_device()
         model = trainable_model(model_cfg, vocab_size, pad_token_id, seed=seed, device=device, num_threads=num_threads,
                                 model=model)
@@ -119,14 +118,14 @@ class TorchCritic(TorchTrainer):
         """One optimizer step of the clipped value loss towards `batch.returns`.
 
         `batch.old_values` (values at rollout time) anchor the clipping; when absent the current values
-        (detached) are used, i.e. no clipping. Returns critic/value_loss, critic/value_clipfrac,
-        critic/grad_norm (before clipping), critic/lr.
+        (detached) are used, i.e. no clipping. Returns critic/value_loss (reduced as configured),
+        critic/value_clipfrac (share of the step's valid tokens), critic/grad_norm (before clipping), critic/lr.
         """
         if batch.returns is None:
             raise ValueError("critic train_step needs batch.returns")
         self.critic.train()
         N = len(batch)
-        denominator = float(batch.response_mask.float().sum()) if per_token else float(N)
+        denominator, num_tokens = step_denominators(batch.response_mask, per_token)
         totals: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for rows in micro_batches(N, micro_batch_size):
@@ -145,10 +144,11 @@ class TorchCritic(TorchTrainer):
                 cut(mb.response_mask),
                 per_token=per_token,
                 denominator=denominator,
+                num_tokens=num_tokens,
             )
             loss.backward()
             for name, value in metrics.items():
-                value = value.detach().float()
+                value = value.detach().double()
                 totals[name] = totals[name] + value if name in totals else value
         out = {name: float(value) for name, value in totals.items()}
         grad_norm, lr = self._optimizer_step()

@@ -25,12 +25,13 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
 from relax import algorithms
+from relax.algorithms import functional as F
 from relax.algorithms.base import AlgorithmConfig, LossBatch
 from relax.algorithms.loss import ENTROPY, compute_loss
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import build_model, entropy_from_logprobs, pick_device, pick_dtype, response_logprobs_all
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import GRAD_NORM, LR
+from relax.metrics import GRAD_NORM, LR, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_ROLLOUT_RATIO_MAX
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -102,6 +103,55 @@ def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int
     ids = torch.cat([samples.prompt_ids[:, first:], samples.response_ids[:, :T]], dim=1)
     mask = torch.cat([samples.prompt_mask[:, first:], samples.response_mask[:, :T]], dim=1)
     return ids, mask, P - first, T
+
+
+def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[float, float]:
+    """(loss denominator, valid tokens) of an optimizer step: the valid tokens (per-token reduction) or the
+    responses that have any (per-response reduction; a response left out of the loss has none)."""
+    valid = response_mask != 0
+    num_tokens = float(valid.sum())
+    return (num_tokens if per_token else float(valid.any(-1).sum())), num_tokens
+
+
+def autocast(device: torch.device, compute_dtype: torch.dtype):
+    """bf16 autocast when the compute dtype is bf16, else nothing (fp32)."""
+    if compute_dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute_dtype)
+
+
+def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.device, compute_dtype: torch.dtype,
+                     temperature: float, entropy: str = "none") -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+    """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch, trimmed of all-padding columns.
+
+    Log-probs of `softmax(logits / temperature)`, the rollout's sampling distribution. entropy: "grad" (with a
+    gradient) | "metric" (detached) | "none".
+    """
+    ids, mask, P, T = trimmed_sequences(mb)
+    ids, mask = ids.to(device), mask.to(device)
+    with autocast(device, compute_dtype):
+        logp_all = response_logprobs_all(model, ids, mask, P, T, temperature)
+    logp = logp_all.gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if entropy == "grad":
+        ent = entropy_from_logprobs(logp_all)
+    elif entropy == "metric":
+        with torch.no_grad():
+            ent = entropy_from_logprobs(logp_all.detach())
+    return logp, ent, T
+
+
+@torch.no_grad()
+def micro_batched_logprobs(model: torch.nn.Module, samples: Samples, micro_batch_size: int, *, device: torch.device,
+                           compute_dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """log p(response tokens) under `model`, [N, T] fp32 on the CPU, 0 where masked (length-sorted micro-batches)."""
+    N, T = samples.response_ids.shape
+    out = torch.zeros(N, T, dtype=torch.float32)
+    for rows in length_sorted_micro_batches(samples, micro_batch_size):
+        logp, _, t = forward_logprobs(model, samples.select(rows), device=device, compute_dtype=compute_dtype,
+                                      temperature=temperature)
+        out[rows, :t] = logp.float().cpu()
+    return out * samples.response_mask.to(out.dtype)
 
 
 def load_safetensors_dir(directory: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
@@ -182,9 +232,7 @@ class TorchTrainer:
 
     def autocast(self):
         """bf16 autocast when the compute dtype is bf16, else nothing (fp32)."""
-        if self.compute_dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+        return autocast(self.device, self.compute_dtype)
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip, step the optimizer (unless the gradient is not finite) and the schedule: (pre-clip norm, lr)."""
@@ -263,41 +311,29 @@ class TorchPolicy(TorchTrainer):
         device: Optional[torch.device | str] = None,
         num_threads: Optional[int] = None,
         model: Optional[PreTrainedModel] = None,
+        temperature: float = 1.0,
     ) -> None:
         """`total_steps`: optimizer steps of the run, for cosine/linear schedules (default: from train_cfg).
         `num_threads`: torch CPU threads (default: the CPUs this process may use; process-wide setting).
-        `model`: an already built model to train instead of building one from `model_cfg`."""
+        `model`: an already built model to train instead of building one from `model_cfg`.
+        `temperature`: the rollout's sampling temperature; every log-prob is of `softmax(logits / temperature)`."""
         device = torch.device(device) if device is not None else pick_device()
         model = trainable_model(model_cfg, vocab_size, pad_token_id, seed=seed, device=device, num_threads=num_threads,
                                 model=model)
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
+        self.temperature = float(temperature)
 
     def _forward(self, mb: Samples, *, entropy: str) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
         """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch; entropy: "grad" | "metric" | "none"."""
-        ids, mask, P, T = trimmed_sequences(mb)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        with self.autocast():
-            logp_all = response_logprobs_all(self.model, ids, mask, P, T)
-        logp = logp_all.gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
-        ent = None
-        if entropy == "grad":
-            ent = entropy_from_logprobs(logp_all)
-        elif entropy == "metric":
-            with torch.no_grad():
-                ent = entropy_from_logprobs(logp_all.detach())
-        return logp, ent, T
+        return forward_logprobs(self.model, mb, device=self.device, compute_dtype=self.compute_dtype,
+                                temperature=self.temperature, entropy=entropy)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
         """log p(response tokens) under the current weights, [N, T] fp32 on the CPU, 0 where masked."""
         self.model.eval()
-        N, T = samples.response_ids.shape
-        out = torch.zeros(N, T, dtype=torch.float32)
-        for rows in length_sorted_micro_batches(samples, micro_batch_size):
-            mb = samples.select(rows)
-            logp, _, t = self._forward(mb, entropy="none")
-            out[rows, :t] = logp.float().cpu()
-        return out * samples.response_mask.to(out.dtype)
+        return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
+                                      compute_dtype=self.compute_dtype, temperature=self.temperature)
 
     def train_step(
         self,
@@ -307,17 +343,25 @@ class TorchPolicy(TorchTrainer):
         per_token: bool,
         micro_batch_size: int,
         report_entropy: bool = True,
+        rollout_mismatch: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over `batch` (gradient accumulation over micro-batches).
 
-        old_logp: `batch.rollout_logp` when `algo_cfg.use_rollout_logprobs`, else `batch.old_logp`, else
-        the current log-probs detached (exactly on-policy). Entropy gets a gradient only when
-        `entropy_coef > 0`; otherwise it is only measured (`report_entropy`). Returns the loss metrics
-        summed over micro-batches (each already divided by the whole step's denominator) plus
+        `rollout_mismatch`: the weights are those that generated the batch (the first optimizer step of a
+        synchronous rollout): report `rollout/train_rollout_logp_abs_diff` (mean |trainer log-prob - rollout
+        log-prob| over valid tokens) and `rollout/train_rollout_ratio_max` (max exp(trainer - rollout)) from the
+        log-probs this step computes anyway.
+
+        old_logp: `batch.old_logp` (the runner's `old_logprobs` decides what it is), else the current log-probs
+        detached (an exactly on-policy batch). Entropy gets a gradient only when
+        `entropy_coef > 0`; otherwise it is only measured (`report_entropy`). Returns the metrics of
+        `compute_loss` summed over micro-batches (losses reduced as configured, diagnostics as means over the
+        valid tokens of the whole step; see `relax.algorithms.compute_loss`) plus
         `train/grad_norm` (before clipping) and `train/lr` (the lr this step used).
         """
         out = self.accumulate_gradients(
-            batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size, report_entropy=report_entropy
+            batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size, report_entropy=report_entropy,
+            rollout_mismatch=rollout_mismatch,
         )
         grad_norm, lr = self._optimizer_step()
         out[GRAD_NORM] = grad_norm
@@ -332,53 +376,103 @@ class TorchPolicy(TorchTrainer):
         per_token: bool,
         micro_batch_size: int,
         report_entropy: bool = True,
+        rollout_mismatch: bool = False,
     ) -> dict[str, float]:
-        """The forward/backward half of `train_step`: fresh gradients of the whole batch's loss in `.grad`."""
+        """The forward/backward half of `train_step`: fresh gradients of the whole batch's loss in `.grad`.
+
+        Rows are sorted by length into micro-batches (less padding); each micro-batch's loss is the sum of its
+        rows' losses given the step's denominators, so the split changes nothing but float rounding. For an
+        algorithm with `step_statistics` (M2PO), a no-grad log-prob pass over all micro-batches comes first
+        and its statistics of the whole step go to every micro-batch's loss (`LossBatch.stats`).
+        """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
+        algorithm = algorithms.get(algo_cfg.name)
         self.model.train()
-        N = len(batch)
-        denominator = float(batch.response_mask.float().sum()) if per_token else float(N)
+        denominator, num_tokens = step_denominators(batch.response_mask, per_token)
         entropy_mode = "grad" if algo_cfg.entropy_coef > 0 else ("metric" if report_entropy else "none")
         totals: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        # Rows sorted by length cut padding; only where a micro-batch's loss is the sum of its rows' losses
-        # (not M2PO, whose clip bounds are solved over a micro-batch's tokens).
-        if algorithms.get(algo_cfg.name).rowwise_loss:
-            splits = length_sorted_micro_batches(batch, micro_batch_size)
-        else:
-            splits = list(micro_batches(N, micro_batch_size))
+        splits = length_sorted_micro_batches(batch, micro_batch_size)
+        stats = self._step_statistics(batch, algo_cfg, splits) if algorithm.needs_step_statistics else None
+        abs_diff, ratio_max = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for rows in splits:
             mb = batch.select(rows)
             logp, ent, t = self._forward(mb, entropy=entropy_mode)
-
-            def cut(x: Optional[torch.Tensor], t: int = t) -> Optional[torch.Tensor]:
-                return None if x is None else x[:, :t].to(self.device).float()
-
-            if algo_cfg.use_rollout_logprobs:
-                old = cut(mb.rollout_logp)
-            elif mb.old_logp is not None:
-                old = cut(mb.old_logp)
-            else:
-                old = logp.detach()
-            loss_batch = LossBatch(
-                logp=logp,
-                old_logp=old,
-                advantages=cut(mb.advantages),
-                mask=cut(mb.response_mask),
-                ref_logp=cut(mb.ref_logp),
-                rollout_logp=cut(mb.rollout_logp),
-                entropy=ent,
+            loss_batch = self._loss_batch(mb, algo_cfg, logp, t, entropy=ent, stats=stats)
+            if rollout_mismatch:
+                with torch.no_grad():
+                    valid = loss_batch.mask != 0
+                    d = (logp.detach().float() - loss_batch.rollout_logp)[valid].double()
+                    if d.numel():
+                        abs_diff += d.abs().sum().cpu()
+                        ratio_max = torch.maximum(ratio_max, F.exp_log_ratio(d).max().cpu())
+            loss, metrics = compute_loss(
+                algo_cfg, loss_batch, per_token=per_token, denominator=denominator, num_tokens=num_tokens
             )
-            loss, metrics = compute_loss(algo_cfg, loss_batch, per_token=per_token, denominator=denominator)
             loss.backward()
             for name, value in metrics.items():
-                value = value.detach().float()
+                value = value.detach().double()
                 totals[name] = totals[name] + value if name in totals else value
         out = {name: float(value) for name, value in totals.items()}
+        if rollout_mismatch:
+            out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(abs_diff) / max(num_tokens, 1.0)
+            out[TRAIN_ROLLOUT_RATIO_MAX] = float(ratio_max)
         if entropy_mode == "none":
             out.pop(ENTROPY, None)
         return out
+
+    def _loss_batch(
+        self,
+        mb: TrainBatch,
+        algo_cfg: AlgorithmConfig,
+        logp: torch.Tensor,
+        t: int,
+        *,
+        entropy: Optional[torch.Tensor] = None,
+        stats: Optional[dict[str, float]] = None,
+    ) -> LossBatch:
+        """A micro-batch's loss inputs cut to its `t` response columns, on the device, fp32.
+
+        old_logp: `mb.old_logp`, else `logp` detached (an exactly on-policy batch).
+        """
+
+        def cut(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if x is None else x[:, :t].to(self.device).float()
+
+        old = cut(mb.old_logp) if mb.old_logp is not None else logp.detach()
+        return LossBatch(
+            logp=logp,
+            old_logp=old,
+            advantages=cut(mb.advantages),
+            mask=cut(mb.response_mask),
+            ref_logp=cut(mb.ref_logp),
+            rollout_logp=cut(mb.rollout_logp),
+            entropy=entropy,
+            stats=stats,
+        )
+
+    @torch.no_grad()
+    def _step_statistics(
+        self, batch: TrainBatch, algo_cfg: AlgorithmConfig, splits: list[torch.Tensor]
+    ) -> dict[str, float]:
+        """The algorithm's `step_statistics` over every valid token of the step: a no-grad pass over `splits`.
+
+        The forward runs exactly as in the loss pass (train mode, same micro-batches, same precision), so the
+        statistics see the log-probs the loss will see. A data-parallel trainer all-gathers the three token
+        vectors of every rank here, before the call, and every rank then computes the same statistics.
+        """
+        logps, olds, advs = [], [], []
+        for rows in splits:
+            mb = batch.select(rows)
+            logp, _, t = self._forward(mb, entropy="none")
+            lb = self._loss_batch(mb, algo_cfg, logp.float(), t)
+            keep = lb.mask != 0
+            logps.append(lb.logp[keep])
+            olds.append(lb.old_logp[keep])
+            advs.append(lb.advantages[keep])
+        logp, old, adv = torch.cat(logps), torch.cat(olds), torch.cat(advs)
+        return algorithms.get(algo_cfg.name).step_statistics(algo_cfg, logp, old, adv, torch.ones_like(logp))
 
     # ---- weights for other roles -----------------------------------------------------------------
 

@@ -205,3 +205,31 @@ def _load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     except OSError as e:
         logger.warning("could not cache the tokenizer of %s under %s: %s", path, cached.parent, e)
     return tokenizer
+
+
+def _ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Token ids that end a response: the tokenizer's EOS plus the model's `generation_config.json` eos ids.
+
+    Chat models stop on their end-of-turn token (e.g. Qwen3's `<|im_end|>`), which their generation config
+    lists while the tokenizer's EOS may be another token (`<|endoftext|>`). A GGUF file carries one EOS (the
+    tokenizer's). Never empty.
+    """
+    ids = _ids(tokenizer.eos_token_id)
+    if _field(model_cfg, "source", "config") == "hf":
+        path = resolve_model_path(model_cfg)
+        if path is not None and (path / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            ids |= _ids(GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id)
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token and the model no generation_config eos_token_id: "
+                         "responses could never stop")
+    return tuple(sorted(ids))

@@ -28,7 +28,6 @@ def randomise_head(c: TorchCritic, seed: int = 0) -> None:
 
 
 def test_critic_lr_resolution(train_cfg):
-    assert critic_lr(dataclasses.replace(train_cfg, critic_lr=0.5), PPOConfig(critic_lr=0.2)) == 0.5
     assert critic_lr(train_cfg, PPOConfig(critic_lr=0.2)) == 0.2
     assert critic_lr(train_cfg, GRPOConfig()) == train_cfg.lr
     assert critic_lr(train_cfg, None) == train_cfg.lr
@@ -117,3 +116,22 @@ def test_critic_checkpoint_round_trip_and_policy_backbone(tiny_model_cfg, train_
     for (n, x), (_, y) in zip(p.model.named_parameters(), c.critic.lm.named_parameters(), strict=True):
         assert torch.equal(x, y), n
     assert (c.critic.value_head.weight == 0).all()
+
+
+def test_value_clipfrac_is_a_token_share_with_per_response_loss(tiny_model_cfg, train_cfg, make_batch):
+    base = make_batch(n=8, seed=7)
+    mask = base.response_mask.bool()
+    assert len(set(mask.sum(-1).tolist())) > 1  # uneven response lengths
+    c = critic(tiny_model_cfg, train_cfg)
+    randomise_head(c)
+    values = c.compute_values(base, 8)
+    g = torch.Generator().manual_seed(8)
+    old_values = values + 0.3 * torch.randn(8, 4, generator=g)
+    returns = values + torch.randn(8, 4, generator=g)
+    metrics = c.train_step(base.with_(returns=returns, old_values=old_values), PPOConfig(value_clip=0.2),
+                           per_token=False, micro_batch_size=3)
+    delta = values - old_values
+    clipped_v = old_values + delta.clamp(-0.2, 0.2)
+    clipped = (delta.abs() > 0.2) & ((clipped_v - returns) ** 2 > (values - returns) ** 2) & mask
+    assert 0 < clipped.sum() < mask.sum()
+    assert metrics["critic/value_clipfrac"] == pytest.approx(float(clipped.sum() / mask.sum()), abs=1e-6)

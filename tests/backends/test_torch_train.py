@@ -8,10 +8,21 @@ import math
 import pytest
 import torch
 
-from relax.algorithms import GRPOConfig, RLOOConfig
+from relax.algorithms import (
+    Algorithm,
+    AlgorithmConfig,
+    GRPOConfig,
+    M2POConfig,
+    PolicyLossOutput,
+    RLOOConfig,
+    get,
+    register,
+    unregister,
+)
 from relax.backends.models import build_model, token_logprobs
 from relax.backends.torch_train import GRAD_NORM, LR, TorchPolicy, lr_factor
 from relax.config.schema import ModelConfig
+from relax.metrics import M2_AFTER, M2_BEFORE
 
 VOCAB, PAD = 32, 0
 
@@ -194,3 +205,119 @@ def test_checkpoint_round_trip(tiny_model_cfg, train_cfg, make_batch, tmp_path):
     torch.testing.assert_close(hf_logp, c.compute_logprobs(batch, 4), atol=1e-5, rtol=1e-5)
     with pytest.raises(FileNotFoundError):
         b.load_checkpoint(tmp_path / "missing")
+
+
+def brute_m2po(d: list[float], a: list[float], budget: float, lo_floor: float, hi_floor: float):
+    """The spec's M2PO bounds by bisection over the valid tokens' (log-ratio, advantage) pairs."""
+    sq = [x * x for x, y in zip(d, a, strict=True) if (y > 0 and x > 0) or (y < 0 and x < 0)]
+    if not sq:
+        return math.inf, math.inf, 0.0, 0.0
+    m2 = sum(sq) / len(sq)
+    if m2 <= budget:
+        return math.inf, math.inf, m2, m2
+    lo, hi = 0.0, max(sq)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(min(x, mid) for x in sq) < len(sq) * budget else (lo, mid)
+    tau = math.sqrt((lo + hi) / 2)
+    after = sum(min(x, tau * tau) for x in sq) / len(sq)
+    return max(1 - math.exp(-tau), lo_floor), max(math.exp(tau) - 1, hi_floor), m2, after
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_m2po_step_statistics_cover_the_whole_step(tiny_model_cfg, train_cfg, make_batch, per_token):
+    base = make_batch(n=8, P=5, T=4, seed=12)
+    probe = policy(tiny_model_cfg, train_cfg)
+    logp = probe.compute_logprobs(base, micro_batch_size=8)
+    g = torch.Generator().manual_seed(13)
+    old = (logp + 0.2 * torch.randn(8, 4, generator=g)) * base.response_mask  # ratios far from 1: bounds bind
+    batch = base.with_(old_logp=old)
+    cfg = M2POConfig(kl2_budget=0.005, miniclip_low=0.01, miniclip_high=0.01)
+    results = {}
+    for mbs in (2, 8):
+        p = policy(tiny_model_cfg, train_cfg)
+        results[mbs] = (p.accumulate_gradients(batch, cfg, per_token=per_token, micro_batch_size=mbs), grads(p))
+    (m2, g2), (m8, g8) = results[2], results[8]
+    for name in g2:
+        torch.testing.assert_close(g2[name], g8[name], atol=1e-6, rtol=1e-4)
+    for name in (M2_BEFORE, M2_AFTER, "train/loss", "train/pg_clipfrac"):
+        assert m2[name] == pytest.approx(m8[name], rel=1e-6, abs=1e-9), name
+
+    # the statistics are the spec's water filling over every valid token of the batch
+    mask = batch.response_mask.bool()
+    d, a = (logp - old)[mask].double(), batch.advantages[mask].double()
+    lo, hi, before, after = brute_m2po(d.tolist(), a.tolist(), 0.005, 0.01, 0.01)
+    assert before > 0.005  # clipping is active
+    assert m8[M2_BEFORE] == pytest.approx(before, rel=1e-5)
+    assert m8[M2_AFTER] == pytest.approx(after, rel=1e-5)
+    # and the loss is PPO-Clip with those bounds, reduced as configured
+    ratio = torch.exp(logp - old).double()
+    adv = batch.advantages.double()
+    pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - lo, 1 + hi) * adv) * mask
+    if per_token:
+        want = pg.sum() / mask.sum()
+    else:
+        want = (pg.sum(-1) / mask.sum(-1)).mean()
+    assert m8["train/loss"] == pytest.approx(float(want), rel=1e-5)
+    clipped = ((-ratio.clamp(1 - lo, 1 + hi) * adv > -ratio * adv) & mask).sum() / mask.sum()
+    assert m8["train/pg_clipfrac"] == pytest.approx(float(clipped))
+
+
+def test_diagnostics_are_token_means_with_per_response_loss(tiny_model_cfg, train_cfg, make_batch):
+    batch = make_batch(n=8, P=5, T=4, seed=14)
+    mask = batch.response_mask.bool()
+    assert len(set(mask.sum(-1).tolist())) > 1  # uneven response lengths
+    p = policy(tiny_model_cfg, train_cfg)
+    logp = p.compute_logprobs(batch, micro_batch_size=8)
+    g = torch.Generator().manual_seed(15)
+    old = (logp + 0.1 * torch.randn(8, 4, generator=g)) * batch.response_mask
+    metrics = p.accumulate_gradients(batch.with_(old_logp=old), GRPOConfig(eps_clip=0.05), per_token=False,
+                                     micro_batch_size=3)
+    ratio = torch.exp(logp - old)
+    adv = batch.advantages
+    clipped = (-ratio.clamp(0.95, 1.05) * adv > -ratio * adv) & mask
+    assert metrics["train/pg_clipfrac"] == pytest.approx(float(clipped.sum() / mask.sum()), abs=1e-6)
+    assert metrics["train/ppo_kl"] == pytest.approx(float((old - logp)[mask].mean()), abs=1e-6)
+    per_response = float(((clipped.sum(-1) / mask.sum(-1))).mean())
+    assert metrics["train/pg_clipfrac"] != pytest.approx(per_response)  # the two definitions differ here
+
+
+def test_step_statistics_hook_sees_every_valid_token_once(tiny_model_cfg, train_cfg, make_batch):
+    """A temporary algorithm with `step_statistics`: the trainer calls it once per step, on all valid tokens."""
+    calls: list[int] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class StepMeanConfig(AlgorithmConfig):
+        name: str = "step_mean_pg"
+
+    def step_statistics(cfg, logp, old_logp, advantages, mask):
+        calls.append(int((mask != 0).sum()))
+        keep = mask != 0
+        return {"mean_adv": float(advantages[keep].double().mean())}
+
+    def policy_loss(cfg, logp, old_logp, advantages, mask, *, stats):
+        return PolicyLossOutput(loss=-(advantages - stats["mean_adv"]) * logp)
+
+    register(Algorithm("step_mean_pg", StepMeanConfig, get("grpo").compute_advantages, policy_loss, "test only",
+                       step_statistics=step_statistics))
+    try:
+        batch = make_batch(n=8, seed=16)
+        mask = batch.response_mask.bool()
+        results = {}
+        for mbs in (3, 8):
+            p = policy(tiny_model_cfg, train_cfg)
+            p.accumulate_gradients(batch, StepMeanConfig(), per_token=True, micro_batch_size=mbs)
+            results[mbs] = grads(p)
+        assert calls == [int(mask.sum())] * 2
+        for name in results[8]:
+            torch.testing.assert_close(results[3][name], results[8][name], atol=1e-6, rtol=1e-4)
+        # the gradient is that of -(A - mean_step(A)) * logp over the step's tokens
+        p = policy(tiny_model_cfg, train_cfg)
+        ids, attn = batch.sequences()
+        centered = (batch.advantages - batch.advantages[mask].mean()) * batch.response_mask
+        p.model.train()
+        (-(centered * token_logprobs(p.model, ids, attn, 5, 4)).sum() / mask.sum()).backward()
+        for name, g in grads(p).items():
+            torch.testing.assert_close(results[8][name], g, atol=1e-6, rtol=1e-4)
+    finally:
+        unregister("step_mean_pg")

@@ -91,3 +91,20 @@ def test_smollm2_gguf_tokenizer_loads_offline(monkeypatch, tmp_path):
     cached = load_tokenizer(cfg)
     assert cached(text, add_special_tokens=False)["input_ids"] == ids
     assert cached.chat_template == tok.chat_template and cached.pad_token == tok.pad_token
+
+
+def test_stop_ids_include_the_generation_configs_eos(tmp_path):
+    """A chat model stops on its end-of-turn token: generation_config.json's eos ids join the tokenizer's EOS."""
+    import json
+
+    from relax.data.tokenizer import stop_token_ids
+
+    tok = build_tiny_tokenizer()
+    tok.save_pretrained(str(tmp_path))
+    cfg = ModelConfig(source="hf", path=str(tmp_path))
+    assert stop_token_ids(cfg, load_tokenizer(cfg)) == (2,)  # no generation_config.json: the tokenizer's EOS
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert stop_token_ids(cfg, load_tokenizer(cfg)) == (2, 7)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert stop_token_ids(cfg, load_tokenizer(cfg)) == (2, 9)
+    assert stop_token_ids(ModelConfig(), tok) == (tok.eos_token_id,)
