@@ -89,11 +89,12 @@ class TrainConfig:
     dynamic_context_parallel: bool = False
     ref_load: Optional[str] = None  # reference weights; None: the policy's initial weights
     save_interval: int = 0  # 0: save only at the end
-    save_dir: Optional[str] = None  # None: <hydra run dir>/checkpoints
+    # None: <cwd>/checkpoints/<tracking.experiment>/<run name> (run name: tracking.run_name, else <arm>-seed<seed>)
+    save_dir: Optional[str] = None
     save: bool = True
-    resume: Optional[str] = None  # auto (latest in save_dir) | a checkpoint directory
+    keep_checkpoints: int = 2  # committed checkpoints kept in save_dir (>= 1); older ones are removed
+    resume: Optional[str] = None  # auto (latest in save_dir, fresh if none) | a checkpoint directory
     eval_interval: int = 0  # 0: no evaluation
-    critic_lr: Optional[float] = None  # None: algorithm.critic_lr, else lr
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,10 @@ class DataConfig:
     # Prompts longer than rollout.max_prompt_len (in tokens, after the chat template): drop (skip them and
     # count them in dataset.num_dropped) | error (fail at start naming the file and line).
     prompt_overflow: str = "drop"
+    # A reward call that raises or returns a non-finite value: drop_group (leave its whole group out of the
+    # statistics and the loss, counted in rollout/reward_errors and rollout/reward_dropped_frac) | raise (stop
+    # the run with the traceback of the first failure).
+    reward_error: str = "drop_group"
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.
     system_prompt: Optional[str] = None
 

@@ -41,6 +41,18 @@ def data_parallel_size(cfg: RelaxConfig) -> int:
     return max(1, cfg.cluster.actor_gpus // max(1, model_parallel))
 
 
+def needs_reference(cfg: RelaxConfig) -> str | None:
+    """Why a reference model is needed, or None: only a KL term needs one (the plan starts it when this says so)."""
+    a = cfg.algorithm
+    if algorithms.get(a.name).requires_reference:
+        return f"{a.name} requires it"
+    if a.use_kl_loss:
+        return f"KL loss ({a.kl_loss_type})"
+    if a.kl_coef != 0:
+        return "reward-side KL (kl_coef)"
+    return None
+
+
 class _Rules:
     """Collects violations; `require(ok, fields, message)` reads like the rule it states."""
 
@@ -95,9 +107,11 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
         r.positive(f"train.{key}", getattr(t, key))
     for key in ("clip_grad", "weight_decay", "warmup_steps", "save_interval", "eval_interval", "max_staleness"):
         r.non_negative(f"train.{key}", getattr(t, key))
+    r.positive("train.keep_checkpoints", t.keep_checkpoints)
+    for key in ("adam_beta1", "adam_beta2"):
+        value = getattr(t, key)
+        r.require(0 <= value < 1, f"train.{key}", f"train.{key}={value} must be in [0, 1)")
     r.require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    if t.critic_lr is not None:
-        r.positive("train.critic_lr", t.critic_lr)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
         r.positive(f"train.{key}", getattr(t, key))
     r.choice("model.source", m.source, MODEL_SOURCES)
@@ -111,12 +125,15 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
             f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
             f"model.num_key_value_heads={m.num_key_value_heads}",
         )
+        r.require(m.head_dim % 2 == 0, "model.head_dim",
+                  f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs of dimensions")
     for key in ("num_nodes",):
         r.positive(f"cluster.{key}", getattr(c, key))
     for key in ("gpus_per_node", "actor_gpus", "rollout_gpus"):
         r.non_negative(f"cluster.{key}", getattr(c, key))
     if c.cpus_per_node is not None:
         r.positive("cluster.cpus_per_node", c.cpus_per_node)
+    r.choice("data.reward_error", cfg.data.reward_error, ("drop_group", "raise"))
     r.require(cfg.seed >= 0, "seed", f"seed={cfg.seed} must be >= 0")
 
 
@@ -161,25 +178,55 @@ def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
 
 
 def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
+    """GPU counts the runner can place (the rule is in `relax.runner.plan`): every process of a role uses at
+    most one device; colocated roles share the actor's one GPU; apart, each GPU of a role holds the same
+    number of its processes."""
     c, t, ro = cfg.cluster, cfg.train, cfg.rollout
     total = c.num_nodes * c.gpus_per_node
     critic_gpus = (c.actor_gpus if c.critic_gpus is None else c.critic_gpus) if algo.requires_critic else 0
     needed = c.actor_gpus if c.colocate else c.actor_gpus + c.rollout_gpus + critic_gpus
+    apart = "" if c.colocate else f" + cluster.rollout_gpus={c.rollout_gpus}" + (
+        f" + critic {critic_gpus} (cluster.critic_gpus)" if algo.requires_critic else "")
     r.require(
         needed <= total,
-        ("cluster.actor_gpus", "cluster.rollout_gpus", "cluster.num_nodes", "cluster.gpus_per_node"),
-        f"the roles need {needed} GPUs (actor {c.actor_gpus}"
-        + ("" if c.colocate else f" + rollout {c.rollout_gpus} + critic {critic_gpus}")
-        + f") but the cluster has {c.num_nodes} node(s) * {c.gpus_per_node} GPUs = {total}",
+        ("cluster.actor_gpus", "cluster.num_nodes", "cluster.gpus_per_node")
+        + (() if c.colocate else ("cluster.rollout_gpus", "cluster.critic_gpus")),
+        f"the roles need {needed} GPU(s): cluster.actor_gpus={c.actor_gpus}{apart}, but the cluster has "
+        f"cluster.num_nodes * cluster.gpus_per_node = {c.num_nodes}*{c.gpus_per_node} = {total}",
     )
+    r.require(c.num_nodes == 1 or c.address is not None, ("cluster.num_nodes", "cluster.address"),
+              f"cluster.num_nodes={c.num_nodes} needs cluster.address (an existing Ray cluster, see launch/README.md): "
+              "without it relax-train starts a local Ray instance on this one machine")
+    r.require(c.colocate or total > 0, ("cluster.colocate", "cluster.gpus_per_node"),
+              "cluster.colocate=false has no effect without GPUs (cluster.gpus_per_node=0): on a CPU cluster every "
+              "role takes turns on all cores")
+    if c.colocate:
+        r.require(c.rollout_gpus == 0, ("cluster.rollout_gpus", "cluster.colocate"),
+                  f"cluster.rollout_gpus={c.rollout_gpus} has no effect with cluster.colocate=true: the rollout "
+                  "replicas share the actor's GPU; set cluster.colocate=false to give them GPUs of their own")
+    if c.critic_gpus is not None:
+        r.require(algo.requires_critic, "cluster.critic_gpus",
+                  f"cluster.critic_gpus={c.critic_gpus} has no effect: algorithm={algo.name} has no critic")
+        r.require(not (algo.requires_critic and c.colocate), ("cluster.critic_gpus", "cluster.colocate"),
+                  f"cluster.critic_gpus={c.critic_gpus} has no effect with cluster.colocate=true: the critic "
+                  "shares the actor's GPU")
     if total > 0:
         r.require(c.actor_gpus > 0, "cluster.actor_gpus", "cluster.actor_gpus=0 on a GPU cluster: the actor has no GPU")
         if not c.colocate:
             r.require(c.rollout_gpus > 0, "cluster.rollout_gpus",
                       "cluster.rollout_gpus=0 with cluster.colocate=false: the rollout role has no GPU")
-        if algo.requires_critic:
-            r.require(critic_gpus > 0, "cluster.critic_gpus",
-                      f"algorithm={algo.name} needs a critic but cluster.critic_gpus={c.critic_gpus} gives it no GPU")
+            r.require(c.rollout_gpus <= 0 or ro.num_replicas % c.rollout_gpus == 0,
+                      ("rollout.num_replicas", "cluster.rollout_gpus"),
+                      f"rollout.num_replicas={ro.num_replicas} must be a multiple of cluster.rollout_gpus="
+                      f"{c.rollout_gpus}: a rollout engine runs on one GPU (or a share of one) and every rollout "
+                      "GPU holds the same number of engines")
+            if algo.requires_critic:
+                r.require(critic_gpus > 0, "cluster.critic_gpus",
+                          f"algorithm={algo.name} needs a critic but cluster.critic_gpus={c.critic_gpus} "
+                          "gives it no GPU")
+                r.require(t.backend != "torch" or critic_gpus <= 1, ("cluster.critic_gpus", "train.backend"),
+                          f"train.backend=torch trains the critic on one device but cluster.critic_gpus="
+                          f"{critic_gpus}")
     if t.backend == "torch":
         r.require(c.actor_gpus <= 1, ("train.backend", "cluster.actor_gpus"),
                   f"train.backend=torch trains on one device but cluster.actor_gpus={c.actor_gpus}; "
@@ -232,6 +279,104 @@ def _flags(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
               "use either reward-side KL or a KL loss, not both")
 
 
+# What this build runs; options for the rest validate their values but are rejected here, before start, with
+# what is available instead. When a backend or mode is built, its line goes.
+NOT_BUILT = "is not available in this build"
+
+
+def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
+    """Options that are planned (asynchronous modes, Megatron, SGLang) but have nothing behind them yet."""
+    t, ro, c = cfg.train, cfg.rollout, cfg.cluster
+    r.require(t.mode == "sync", "train.mode",
+              f"train.mode={t.mode} {NOT_BUILT}: only train.mode=sync (generate -> train -> sync weights) runs")
+    r.require(t.max_staleness == 0, "train.max_staleness",
+              f"train.max_staleness={t.max_staleness} {NOT_BUILT}: it needs train.mode=fully_async; "
+              "synchronous training is on-policy (0)")
+    r.require(not ro.partial_rollout, "rollout.partial_rollout",
+              f"rollout.partial_rollout=true {NOT_BUILT}: it needs asynchronous training")
+    r.require(not t.use_dynamic_global_batch_size, "train.use_dynamic_global_batch_size",
+              f"train.use_dynamic_global_batch_size=true {NOT_BUILT}: every optimizer step takes "
+              "train.global_batch_size samples")
+    r.require(t.backend == "torch", "train.backend",
+              f"train.backend={t.backend} {NOT_BUILT}: use train.backend=torch (one device, any Hugging Face "
+              "causal LM)")
+    r.require(not t.dynamic_context_parallel, "train.dynamic_context_parallel",
+              f"train.dynamic_context_parallel=true {NOT_BUILT}: it needs train.backend=megatron")
+    r.require(ro.backend == "embedded", "rollout.backend",
+              f"rollout.backend={ro.backend} {NOT_BUILT}: use rollout=embedded (the built-in batched sampler, "
+              "CPU or one GPU)")
+    r.require(c.rollout_gpus_per_engine == 1, "cluster.rollout_gpus_per_engine",
+              f"cluster.rollout_gpus_per_engine={c.rollout_gpus_per_engine} {NOT_BUILT}: it sets the tensor "
+              "parallelism of SGLang engines; an embedded engine runs on one device")
+
+
+def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
+    """Algorithm fields that would be accepted and then not read: rejected, never silently ignored."""
+    a = cfg.algorithm
+    defaults = type(a)()
+
+    def changed(key: str) -> bool:
+        return getattr(a, key) != getattr(defaults, key)
+
+    for key, why in algo.ignores.items():
+        r.require(not changed(key), f"algorithm.{key}",
+                  f"algorithm={algo.name}: algorithm.{key}={getattr(a, key)} has no effect: {why}; "
+                  f"leave it at {getattr(defaults, key)}")
+    r.require(a.use_tis or not changed("tis_clip"), ("algorithm.tis_clip", "algorithm.use_tis"),
+              f"algorithm.tis_clip={a.tis_clip} has no effect without algorithm.use_tis=true")
+    r.require(a.use_kl_loss or not changed("kl_loss_type"), ("algorithm.kl_loss_type", "algorithm.use_kl_loss"),
+              f"algorithm.kl_loss_type={a.kl_loss_type} has no effect without algorithm.use_kl_loss=true")
+    if "std_normalization" not in algo.ignores:
+        r.require(a.normalize_rewards or not changed("std_normalization"),
+                  ("algorithm.std_normalization", "algorithm.normalize_rewards"),
+                  f"algorithm.std_normalization={a.std_normalization} has no effect with "
+                  "algorithm.normalize_rewards=false (the raw rewards are used)")
+
+
+def _changed(section: object, key: str) -> bool:
+    """Whether a schema field differs from its dataclass default."""
+    return getattr(section, key) != getattr(type(section)(), key)
+
+
+def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
+    """Schema fields that only act together with another setting: set without it, they are rejected."""
+    m, d, t, ro = cfg.model, cfg.data, cfg.train, cfg.rollout
+
+    def unused(section: object, prefix: str, keys: tuple[str, ...], when: bool, why: str) -> None:
+        for key in keys:
+            if when and _changed(section, key):
+                r.require(False, f"{prefix}.{key}", f"{prefix}.{key}={getattr(section, key)!r} has no effect: {why}")
+
+    unused(m, "model", ("arch", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "intermediate_size", "max_position_embeddings"), m.source != "config",
+           f"the architecture of model.source={m.source} comes from its files (these fields build source=config)")
+    unused(m, "model", ("path",), m.source == "config", "model.source=config builds the model from its fields")
+    r.choice("model.arch", m.arch, ("qwen3",))
+    if m.source == "config":
+        need = ro.max_prompt_len + ro.max_response_len
+        r.require(need <= m.max_position_embeddings, ("model.max_position_embeddings", "rollout.max_prompt_len"),
+                  f"rollout.max_prompt_len + rollout.max_response_len ({need}) exceeds "
+                  f"model.max_position_embeddings={m.max_position_embeddings}")
+    synthetic = d.path is None and d.task in ("digits", "arithmetic")
+    unused(d, "data", ("num_prompts",), not synthetic, "it sizes the synthetic tasks (data.task=digits|arithmetic "
+           "without data.path)")
+    unused(d, "data", ("prompt_key", "label_key"), d.path is None, "it names the fields of data.path's records")
+    r.require(d.path is None or d.task == "file", ("data.path", "data.task"),
+              f"data.path is set but data.task={d.task}: prompts come from data.path only with data.task=file "
+              "(data=jsonl)")
+    r.require(t.ref_load is None or needs_reference(cfg) is not None, "train.ref_load",
+              f"train.ref_load={t.ref_load} has no effect: no KL term needs a reference model "
+              "(set algorithm.use_kl_loss=true with a kl_loss_coef, or an algorithm with reward-side KL)")
+    no_eval = t.eval_interval == 0
+    why_eval = "train.eval_interval=0 runs no evaluation"
+    unused(d, "data", ("eval_path", "num_eval_prompts"), no_eval, why_eval)
+    unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature"), no_eval, why_eval)
+    unused(t, "train", ("min_lr_ratio",), t.lr_schedule == "constant",
+           "train.lr_schedule=constant never decays (use cosine or linear)")
+    unused(t, "train", ("save_interval", "save_dir", "keep_checkpoints"), not t.save,
+           "train.save=false writes no checkpoint")
+
+
 def validate(cfg: RelaxConfig) -> list[Violation]:
     """All violations of `cfg` (resolved), generic ones first, then the algorithm's own."""
     r = _Rules()
@@ -243,6 +388,9 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _batches(cfg, algo, r)
     _resources(cfg, algo, r)
     _flags(cfg, algo, r)
+    _ignored(cfg, algo, r)
+    _unused_in_context(cfg, r)
+    _not_built(cfg, r)
     for v in algo.check(cfg):
         prefix = f"algorithm={algo.name}: "
         r.found.append(v if v.message.startswith(prefix) else Violation(v.fields, prefix + v.message))

@@ -1,0 +1,89 @@
+"""Options with nothing behind them, and algorithm fields an algorithm never reads, are rejected before start."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax import algorithms
+from relax.config import ConfigError, load_config
+
+NOT_BUILT = [
+    ("train.mode=fully_async", "train.mode"),
+    ("train.mode=hybrid", "train.mode"),
+    ("train.max_staleness=2", "train.max_staleness"),
+    ("rollout.partial_rollout=true", "rollout.partial_rollout"),
+    ("train.use_dynamic_global_batch_size=true", "train.use_dynamic_global_batch_size"),
+    ("train.backend=megatron", "train.backend"),
+    ("train.dynamic_context_parallel=true", "train.dynamic_context_parallel"),
+    ("rollout=sglang", "rollout.backend"),
+    ("cluster.rollout_gpus_per_engine=2", "cluster.rollout_gpus_per_engine"),
+]
+
+
+def rejected_fields(overrides: list[str]) -> set[str]:
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    return {f for v in err.value.violations for f in v.fields}
+
+
+@pytest.mark.parametrize("override,field", NOT_BUILT)
+def test_options_not_in_this_build_are_rejected(override, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(["algorithm=m2po", override])  # m2po supports async: the rejection is the build's, not its
+    messages = [v.message for v in err.value.violations if field in v.fields]
+    assert any("not available in this build" in m for m in messages), str(err.value)
+
+
+def test_every_unbuilt_option_is_reported_at_once():
+    fields = rejected_fields(["algorithm=m2po"] + [o for o, _ in NOT_BUILT if o != "train.mode=hybrid"])
+    assert {f for _, f in NOT_BUILT} <= fields
+
+
+def ignored_cases():
+    for name in algorithms.names():
+        algo = algorithms.get(name)
+        defaults = algo.config_cls()
+        for key in algo.ignores:
+            value = getattr(defaults, key)
+            other = {bool: lambda v: not v, float: lambda v: v + 0.05, type(None): lambda v: 0.25}[type(value)](value)
+            yield name, key, other
+
+
+@pytest.mark.parametrize("name,key,value", list(ignored_cases()))
+def test_a_field_the_algorithm_ignores_is_rejected(name, key, value):
+    fields = rejected_fields([f"algorithm={name}", f"algorithm.{key}={str(value).lower()}"])
+    assert f"algorithm.{key}" in fields
+
+
+def test_kl_coef_only_where_the_algorithm_uses_it():
+    for name in ("grpo", "rloo", "cispo", "gspo", "sapo", "m2po", "reinforce_pp_baseline"):
+        assert "kl_coef" in algorithms.get(name).ignores, name
+    for name in ("ppo", "reinforce_pp"):  # GAE's token rewards and REINFORCE++'s returns read it
+        assert "kl_coef" not in algorithms.get(name).ignores, name
+    load_config(["algorithm=ppo", "algorithm.kl_coef=0.05"])
+    with pytest.raises(ConfigError, match=r"algorithm.kl_coef=0.05 has no effect"):
+        load_config(["algorithm=grpo", "algorithm.kl_coef=0.05"])
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["algorithm.tis_clip=3.0"], "algorithm.tis_clip"),
+    (["algorithm.kl_loss_type=k2"], "algorithm.kl_loss_type"),
+    (["algorithm.normalize_rewards=false", "algorithm.std_normalization=false"], "algorithm.std_normalization"),
+    (["algorithm=reinforce_pp", "algorithm.normalize_advantages=false"], "algorithm.normalize_advantages"),
+    (["algorithm=reinforce_pp_baseline", "algorithm.normalize_advantages=false"], "algorithm.normalize_advantages"),
+])
+def test_fields_without_effect_in_context_are_rejected(overrides, field):
+    assert field in rejected_fields(overrides)
+
+
+def test_the_same_fields_are_accepted_where_they_act():
+    load_config(["algorithm.use_tis=true", "algorithm.tis_clip=3.0"])
+    load_config(["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01", "algorithm.kl_loss_type=k2"])
+    load_config(["algorithm.std_normalization=false"])  # Dr. GRPO
+    load_config(["algorithm=m2po", "algorithm.miniclip_low=0.2"])
+
+
+def test_one_source_for_the_critic_learning_rate():
+    with pytest.raises(Exception, match="critic_lr"):
+        load_config(["algorithm=ppo", "train.critic_lr=1e-5"])  # not a field: Hydra rejects it
+    assert load_config(["algorithm=ppo", "algorithm.critic_lr=1e-5"]).algorithm.critic_lr == 1e-5
