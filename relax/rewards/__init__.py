@@ -1,13 +1,13 @@
 """Rewards: `get_reward_fn(spec)` picks a function `fn(response: str, label: str) -> float`;
-`score_responses` applies it to a batch, turning failures into 0 and a count."""
+`score_responses` applies it to a batch and records which calls failed."""
 
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, extract_boxed, math_reward
 from relax.rewards.registry import (
     BUILTIN_REWARDS,
-    REWARD_ERRORS_METRIC,
     RewardFn,
     RewardSpecError,
+    Scores,
     accepts_prompt,
     get_reward_fn,
     score_responses,
@@ -15,9 +15,9 @@ from relax.rewards.registry import (
 
 __all__ = [
     "BUILTIN_REWARDS",
-    "REWARD_ERRORS_METRIC",
     "RewardFn",
     "RewardSpecError",
+    "Scores",
     "accepts_prompt",
     "arithmetic_reward",
     "digits_reward",

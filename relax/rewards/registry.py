@@ -11,10 +11,11 @@ import importlib
 import inspect
 import logging
 import math
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Optional
 
-from relax.metrics import REWARD_ERRORS
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
 
@@ -26,9 +27,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
     "math": math_reward,
 }
-
-# Metric name of the count of failed reward calls (an exception, a non-number or a non-finite value).
-REWARD_ERRORS_METRIC = REWARD_ERRORS
 
 
 class RewardSpecError(ValueError):
@@ -74,25 +72,36 @@ def accepts_prompt(fn: RewardFn) -> bool:
     return any(p.name == "prompt" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+@dataclass
+class Scores:
+    """Rewards of a batch of responses. A failed call (it raised, or returned a non-number or a non-finite
+    value) has `failed[i]` True and `rewards[i]` 0.0, a placeholder that must never be trained on as real."""
+
+    rewards: list[float] = field(default_factory=list)
+    failed: list[bool] = field(default_factory=list)
+    first_error: Optional[str] = None  # the traceback of the first failure
+
+    @property
+    def errors(self) -> int:
+        return sum(self.failed)
+
+
 def score_responses(
     fn: RewardFn,
     responses: Sequence[str],
     labels: Sequence[str],
     prompts: Optional[Sequence[str]] = None,
-) -> tuple[list[float], int]:
-    """Score each (response, label) pair; returns (rewards, n_errors).
+) -> Scores:
+    """Score each (response, label) pair; a failing call is recorded in `Scores.failed`, never raised.
 
-    A call that raises, or returns a non-number (bool counts as a number) or a non-finite value, scores 0.0
-    and is counted in n_errors (reported as `rollout/reward_errors`): one bad sample never kills the run.
-    `prompts` are passed as `prompt=` to functions that accept it.
+    `prompts` are passed as `prompt=` to functions that accept it (`accepts_prompt`).
     """
     if len(responses) != len(labels):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(labels)} labels")
     if prompts is not None and len(prompts) != len(responses):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(prompts)} prompts")
     pass_prompt = prompts is not None and accepts_prompt(fn)
-    rewards: list[float] = []
-    n_errors = 0
+    out = Scores()
     for i, (response, label) in enumerate(zip(responses, labels, strict=True)):
         try:
             value = fn(response, label, prompt=prompts[i]) if pass_prompt else fn(response, label)
@@ -103,14 +112,16 @@ def score_responses(
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"returned non-finite {value}")
+            out.rewards.append(value)
+            out.failed.append(False)
         except Exception as e:
-            n_errors += 1
-            if n_errors == 1:
-                logger.warning("reward function %s failed (scored 0): %s: %s", getattr(fn, "__name__", fn),
-                               type(e).__name__, e)
-            value = 0.0
-        rewards.append(value)
-    return rewards, n_errors
+            if out.first_error is None:
+                out.first_error = traceback.format_exc()
+                logger.warning("reward function %s failed on a response (its group is left out of the loss): "
+                               "%s: %s", getattr(fn, "__name__", fn), type(e).__name__, e)
+            out.rewards.append(0.0)
+            out.failed.append(True)
+    return out
 
 
 def _is_scalar_number(value: object) -> bool:

@@ -41,25 +41,40 @@ def _threads(n: int | None) -> None:
     hf_logging.disable_progress_bar()
 
 
-class PolicyWorker:
-    """The actor (trains) or the reference (log-probs only, never stepped)."""
+class ReferenceWorker:
+    """The reference policy: a frozen model that only computes log-probs (no optimizer, no gradients)."""
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
-                 weights_dir: str | None = None):
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
         _threads(threads)
-        from relax.backends.torch_train import TorchPolicy
+        from relax.backends.torch_reference import TorchReference
 
         model_cfg = cfg.model
-        if weights_dir:  # a reference checkpoint (train.ref_load): a Hugging Face directory
-            model_cfg = dataclasses.replace(model_cfg, source="hf", path=weights_dir)
+        if cfg.train.ref_load:  # a reference checkpoint: a Hugging Face directory
+            model_cfg = dataclasses.replace(model_cfg, source="hf", path=cfg.train.ref_load)
         self.cfg = cfg
-        self.rollout_dtype = None  # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
-        if not weights_dir:
-            from relax.backends.models import pick_device, pick_dtype
+        self.reference = TorchReference(model_cfg, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
+                                        seed=cfg.seed, temperature=cfg.rollout.temperature, num_threads=threads)
 
-            self.rollout_dtype = pick_dtype(cfg.model, pick_device())
-        self.policy = TorchPolicy(model_cfg, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
-                                  seed=cfg.seed, num_threads=threads,
+    def ping(self) -> str:
+        return "ok"
+
+    def logprobs(self, samples: Samples) -> torch.Tensor:
+        return self.reference.compute_logprobs(samples, self.cfg.train.micro_batch_size)
+
+
+class PolicyWorker:
+    """The actor: trains the policy and ships its weights to the rollout engines."""
+
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
+        _threads(threads)
+        from relax.backends.models import pick_device, pick_dtype
+        from relax.backends.torch_train import TorchPolicy
+
+        self.cfg = cfg
+        # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
+        self.rollout_dtype = pick_dtype(cfg.model, pick_device())
+        self.policy = TorchPolicy(cfg.model, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
+                                  seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature,
                                   total_steps=cfg.train.num_rollout * cfg.train.num_steps_per_rollout)
 
     def ping(self) -> str:
@@ -68,10 +83,12 @@ class PolicyWorker:
     def logprobs(self, samples: Samples) -> torch.Tensor:
         return self.policy.compute_logprobs(samples, self.cfg.train.micro_batch_size)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, *, rollout_mismatch: bool = False) -> dict[str, float]:
+        """One optimizer step; `rollout_mismatch` on the first step of a rollout (see TorchPolicy.train_step)."""
         t0 = time.perf_counter()
         out = self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
-                                     micro_batch_size=self.cfg.train.micro_batch_size)
+                                     micro_batch_size=self.cfg.train.micro_batch_size,
+                                     rollout_mismatch=rollout_mismatch)
         out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
         return out
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
@@ -27,6 +26,7 @@ from relax.metrics import (
     TOKENS_PER_S,
     TRAIN_TIME,
 )
+from relax.rewards.registry import Scores
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster
 from relax.runner.errors import RunError
@@ -34,15 +34,11 @@ from relax.runner.metrics import eval_metrics, rollout_metrics
 from relax.runner.plan import Plan
 from relax.runner.session import RunResult, Session
 
-# Inside the rollout engine (the generation itself), measured in the engine's process.
-# Step time not spent in generation or in the actor's train_step (forward, backward, optimizer): Ray calls,
-# moving samples and weights, rewards, advantages, log-prob/value calls of other roles, evaluation.
-
 
 def _prepare(cfg: RelaxConfig):
     """Tokenizer, datasets and reward function: the user-input failures, before any process starts."""
     from relax.data.datasets import DataError, PromptSampler, build_datasets
-    from relax.data.tokenizer import load_tokenizer, resolve_model_path
+    from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
     from relax.rewards.registry import get_reward_fn
     from relax.roles.workers import ModelInfo
 
@@ -52,32 +48,78 @@ def _prepare(cfg: RelaxConfig):
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, tokenizer)
         reward_fn = get_reward_fn(cfg.data.reward)
+        info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_ids=stop_token_ids(cfg.model, tokenizer))
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
         raise RunError(str(exc)) from None
-    if cfg.train.backend != "torch" or cfg.rollout.backend != "embedded":
-        raise RunError(f"train.backend={cfg.train.backend} / rollout.backend={cfg.rollout.backend}: this build runs "
-                       "train.backend=torch with rollout=embedded; "
-                       "the Megatron and SGLang backends are not available yet")
-    eos = tokenizer.eos_token_id
-    eos_ids = tuple(sorted({eos} if isinstance(eos, int) else set(eos or [])))
-    info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)
     sampler = PromptSampler(train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
     return tokenizer, sampler, eval_set, reward_fn, info
 
 
-def _score(tokenizer, reward_fn, samples: Samples, labels: list[str]) -> tuple[torch.Tensor, int]:
+def _score(cfg: RelaxConfig, tokenizer, reward_fn, samples: Samples, items: list, n: int) -> Scores:
+    """Decode the responses and score them against their prompt's label; `data.reward_error=raise` stops the run
+    at the first failing call, with its traceback."""
     from relax.rewards.registry import score_responses
 
     texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
              for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
-    rewards, errors = score_responses(reward_fn, texts, labels)
-    return torch.tensor(rewards, dtype=torch.float32), errors
+    labels = [item.label for item in items for _ in range(n)]
+    prompts = [item.prompt_text for item in items for _ in range(n)]
+    scores = score_responses(reward_fn, texts, labels, prompts)
+    if scores.first_error is not None and cfg.data.reward_error == "raise":
+        raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
+    return scores
 
 
-def _needs_old_logp(cfg: RelaxConfig) -> bool:
-    """Recompute old log-probs unless the batch is exactly on-policy and nothing else reads them."""
+def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster) -> torch.Tensor | None:
+    """The one place that decides which log-probs are "old" (the policy that produced the batch).
+
+    - `algorithm.use_rollout_logprobs`: the rollout engine's own log-probs.
+    - Otherwise the actor recomputes them at the weights that generated the batch, when anything reads them
+      before the first optimizer step changes the weights: a second optimizer step on the same rollout, TIS, or
+      reward-side KL (REINFORCE++, PPO).
+    - Otherwise None: the batch is exactly on-policy for its one optimizer step, and the trainer uses its own
+      current log-probs, detached (the same values, without a second forward pass).
+    """
     a = cfg.algorithm
-    return cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.kl_coef != 0 or cfg.train.mode != "sync"
+    if a.use_rollout_logprobs:
+        return samples.rollout_logp
+    if cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.kl_coef != 0:
+        return cluster.actor_logprobs(samples)
+    return None
+
+
+def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
+    """[N] bool: the responses of groups in which every reward call succeeded. A group with a failed call is left
+    out whole (its statistics would compare real rewards with a placeholder)."""
+    bad = torch.tensor(failed, dtype=torch.bool).view(-1, group_size).any(-1)
+    return (~bad).repeat_interleave(group_size)
+
+
+def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples, rewards: torch.Tensor,
+                keep: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
+    """Old, reference log-probs and values as the plan needs them, then the algorithm's advantages over the kept
+    groups (`keep` [N] bool). Left-out responses get a zero mask, so no loss, statistic or denominator sees them.
+    Returns the batch and the advantage hook's metrics."""
+    G = cfg.rollout.n_samples_per_prompt
+    old_logp = old_logprobs(cfg, samples, cluster)
+    ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") else None
+    values = cluster.values(samples) if plan.has("critic") else None
+    rows = keep.nonzero().squeeze(-1)
+    mask = samples.response_mask * keep[:, None].to(samples.response_mask.dtype)
+
+    def kept(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[rows]
+
+    stopped = torch.tensor([r == "stop" for r in samples.finish_reason])
+    out = cluster.advantages(cfg.algorithm, AdvantageInputs(rewards[rows], mask[rows].float(), G, kept(old_logp),
+                                                            kept(ref_logp), kept(values), stopped=stopped[rows]))
+    full = torch.zeros(mask.shape, dtype=out.advantages.dtype)
+    returns = None if out.returns is None else full.clone().index_copy_(0, rows, out.returns)
+    batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=full.index_copy_(0, rows, out.advantages),
+                                    old_logp=old_logp, ref_logp=ref_logp, returns=returns, old_values=values)
+    batch.response_mask = mask
+    return batch, out.metrics
 
 
 def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictconfig=None) -> RunResult:
@@ -87,18 +129,14 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
     plan = plan or build_plan(cfg)
 
     tokenizer, sampler, eval_set, reward_fn, info = _prepare(cfg)
-    algo = algorithms.get(cfg.algorithm.name)
     G = cfg.rollout.n_samples_per_prompt
-    save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else output_dir / "checkpoints"
+    checkpoints = checkpoint.Checkpoints(cfg)  # save dir, lock, resume point (config checked) before anything starts
 
-    with Session(cfg, plan, output_dir, dictconfig) as session, Cluster(cfg, plan, info) as cluster:
-        start_step = 0
-        resume_from = checkpoint.find(cfg.train.resume, save_dir)
-        if resume_from is not None:
-            state = cluster.load(resume_from)
-            sampler.load_state_dict(state["sampler"])
-            start_step = state["step"]
-            session.note(f"resumed from {resume_from} at step {start_step}")
+    with checkpoints, Session(cfg, plan, output_dir, dictconfig, checkpoints) as session, \
+            Cluster(cfg, plan, info) as cluster:
+        start_step = session.start_step
+        if checkpoints.resume is not None:
+            sampler.load_state_dict(cluster.load(checkpoints.resume.path)["sampler"])
         cluster.sync_weights(version=start_step)
 
         for step in range(start_step, cfg.train.num_rollout):
@@ -109,29 +147,20 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
             prompts = [item.prompt_ids for item in batch_items]
             samples = cluster.generate(prompts, seed=cfg.seed * 100_003 + step)
             t_rollout = time.perf_counter()
-            # 2. rewards
-            labels = [item.label for item in batch_items for _ in range(G)]
-            rewards, errors = _score(tokenizer, reward_fn, samples, labels)
-            metrics.update(rollout_metrics(samples, rewards, errors, G, algo.name))
-            # 3. log-probs and values the algorithm needs
-            mask = samples.response_mask.float()
-            old_logp = None
-            if cfg.algorithm.use_rollout_logprobs:
-                old_logp = samples.rollout_logp
-            elif _needs_old_logp(cfg):
-                old_logp = cluster.actor_logprobs(samples)
-            ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") else None
-            values = cluster.values(samples) if plan.has("critic") else None
-            # 4. advantages
-            adv_old = old_logp if old_logp is not None else samples.rollout_logp
-            out = cluster.advantages(cfg.algorithm, AdvantageInputs(rewards, mask, G, adv_old, ref_logp, values))
-            metrics.update(out.metrics)
-            batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=out.advantages, old_logp=old_logp,
-                                            ref_logp=ref_logp, returns=out.returns, old_values=values)
-            # 5. optimizer steps over the global batch(es)
-            t_train0 = time.perf_counter()
-            metrics.update(cluster.train(batch, step))
-            t_train = time.perf_counter()
+            # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
+            scores = _score(cfg, tokenizer, reward_fn, samples, batch_items, G)
+            rewards = torch.tensor(scores.rewards, dtype=torch.float32)
+            keep = kept_groups(scores.failed, G)
+            metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
+            t_train0 = t_train = time.perf_counter()
+            if keep.any():  # a rollout whose every group was left out trains nothing (Adam would still move)
+                # 3-4. the log-probs and values the algorithm needs, then advantages
+                batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep)
+                metrics.update(advantage_metrics)
+                # 5. optimizer steps over the global batch(es)
+                t_train0 = time.perf_counter()
+                metrics.update(cluster.train(batch, step))
+                t_train = time.perf_counter()
             # 6. weights to the rollout engines
             cluster.sync_weights(version=step + 1)
             t_sync = time.perf_counter()
@@ -154,14 +183,12 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
             last = step + 1 == cfg.train.num_rollout
             interval = cfg.train.save_interval
             if cfg.train.save and (last or (interval and (step + 1) % interval == 0)):
-                cluster.save(save_dir, step + 1, {"sampler": sampler.state_dict(), "step": step + 1})
+                session.save_checkpoint(cluster, step + 1, {"sampler": sampler.state_dict(), "step": step + 1})
         return session.finish()
 
 
 def _evaluate(cfg: RelaxConfig, cluster: Cluster, tokenizer, reward_fn, eval_set) -> dict[str, float]:
     prompts = [item.prompt_ids for item in eval_set]
     samples = cluster.generate(prompts, seed=cfg.seed, evaluation=True)
-    n = cfg.rollout.eval_n_samples_per_prompt
-    labels = [item.label for item in eval_set for _ in range(n)]
-    rewards, errors = _score(tokenizer, reward_fn, samples, labels)
-    return eval_metrics(samples, rewards, errors)
+    scores = _score(cfg, tokenizer, reward_fn, samples, list(eval_set), cfg.rollout.eval_n_samples_per_prompt)
+    return eval_metrics(samples, scores)

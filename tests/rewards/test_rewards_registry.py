@@ -70,15 +70,19 @@ def test_not_callable(user_module):
 
 
 def test_score_responses_counts_errors(user_module):
-    rewards, errors = score_responses(get_reward_fn(f"{user_module}:boom"), ["a", "b"], ["1", "2"])
-    assert rewards == [0.0, 0.0] and errors == 2
+    scores = score_responses(get_reward_fn(f"{user_module}:boom"), ["a", "b"], ["1", "2"])
+    assert scores.rewards == [0.0, 0.0] and scores.failed == [True, True] and scores.errors == 2
+    assert scores.first_error.startswith("Traceback") and "boom" in scores.first_error
     labels = ["1", "nan", "str", "none", "inf"]
-    rewards, errors = score_responses(get_reward_fn(f"{user_module}:weird"), ["x"] * 5, labels)
-    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0] and errors == 4
+    scores = score_responses(get_reward_fn(f"{user_module}:weird"), ["x"] * 5, labels)
+    rewards, errors = scores.rewards, scores.errors
+    assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0] and errors == 4 and scores.failed == [False] + [True] * 4
     assert all(math.isfinite(r) for r in rewards)
-    rewards, errors = score_responses(digits_reward, ["7", "3"], ["7", "7"])
+    scores = score_responses(digits_reward, ["7", "3"], ["7", "7"])
+    rewards, errors = scores.rewards, scores.errors
     assert rewards == [1.0, 0.5] and errors == 0
-    rewards, errors = score_responses(lambda r, label: True, ["a"], ["b"])
+    scores = score_responses(lambda r, label: True, ["a"], ["b"])
+    rewards, errors = scores.rewards, scores.errors
     assert rewards == [1.0] and errors == 0 and isinstance(rewards[0], float)
     with pytest.raises(ValueError, match="labels"):
         score_responses(digits_reward, ["7"], [])
@@ -86,8 +90,10 @@ def test_score_responses_counts_errors(user_module):
 
 def test_prompt_kwarg_passed_when_accepted(user_module):
     fn = get_reward_fn(f"{user_module}:with_prompt")
-    rewards, errors = score_responses(fn, ["x", "x"], ["7", "7"], prompts=["repeat 7", "repeat 3"])
+    scores = score_responses(fn, ["x", "x"], ["7", "7"], prompts=["repeat 7", "repeat 3"])
+    rewards, errors = scores.rewards, scores.errors
     assert rewards == [1.0, 0.0] and errors == 0
     # Functions without a prompt parameter are called with (response, label) only.
-    rewards, errors = score_responses(digits_reward, ["7"], ["7"], prompts=["repeat 7"])
+    scores = score_responses(digits_reward, ["7"], ["7"], prompts=["repeat 7"])
+    rewards, errors = scores.rewards, scores.errors
     assert rewards == [1.0] and errors == 0

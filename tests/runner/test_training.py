@@ -98,12 +98,28 @@ def test_resume_auto_without_checkpoint_starts_fresh(ray_local, small_run, tmp_p
     assert [s for s, _ in result.history] == [0]
 
 
-def test_a_raising_reward_function_is_counted_not_fatal(ray_local, small_run, tmp_path):
-    cfg = load_config(small_run("data.reward=flaky_reward:reward"))
+def test_a_raising_reward_function_drops_its_group_and_is_counted(ray_local, small_run, tmp_path):
+    cfg = load_config(small_run("data.reward=flaky_reward:reward", "rollout.max_response_len=3"))
     result = run(cfg, output_dir=tmp_path / "out")
-    errors = result.series("rollout/reward_errors")
-    assert len(errors) == 2 and all(e > 0 for e in errors)  # some responses raised ...
-    assert all(0 < e < 16 for e in errors)  # ... and the others were scored
+    for _, m in result.history:
+        errors, dropped = m["rollout/reward_errors"], m["rollout/reward_dropped_frac"]
+        assert 0 < errors < 16  # some responses raised, the others were scored
+        assert (dropped * 16) % 4 == 0 and dropped * 16 >= errors  # whole groups of 4 are left out
+        if dropped < 1:
+            assert "train/pg_loss" in m
+
+
+def test_reward_error_raise_stops_with_the_traceback(ray_local, small_run, tmp_path):
+    cfg = load_config(small_run("data.reward=flaky_reward:reward", "data.reward_error=raise"))
+    with pytest.raises(RunError, match=r"(?s)data.reward_error=raise.*Traceback.*odd-length"):
+        run(cfg, output_dir=tmp_path / "out")
+
+
+def test_a_failed_call_leaves_out_its_whole_group():
+    from relax.runner.train import kept_groups
+
+    keep = kept_groups([False, False, True, False, False, False], 2)
+    assert keep.tolist() == [True, True, False, False, True, True]
 
 
 def test_malformed_data_fails_before_ray_with_file_and_line(tmp_path):
