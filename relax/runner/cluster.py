@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch, concat_samples
 from relax.config.schema import RelaxConfig
@@ -21,12 +22,13 @@ from relax.roles.workers import (
     CriticWorker,
     ModelInfo,
     PolicyWorker,
+    ReferenceWorker,
     RolloutWorker,
     compute_advantages,
 )
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
-from relax.runner.plan import Plan
+from relax.runner.plan import ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 
 _SUMMED = {ACTOR_COMPUTE_TIME}  # times add up over the optimizer steps of a rollout; other metrics average
 
@@ -50,16 +52,39 @@ class Cluster:
         if not ray.is_initialized():
             # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
             os.environ.setdefault("TQDM_DISABLE", "1")
+            import json
+            import sys
+
             address = self.cfg.cluster.address
             kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
                           configure_logging=True)
+            env_address = os.environ.get("RAY_ADDRESS") or None
+            if address is None and env_address is not None:
+                # A Ray job's driver (relax-submit) gets RAY_ADDRESS from Ray's job supervisor; ray.init() would join
+                # that cluster anyway and then refuse num_cpus/num_gpus. Join it on purpose, and say so.
+                try:
+                    job_id = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")["metadata"][
+                        "job_submission_id"]
+                except (ValueError, KeyError, TypeError):
+                    job_id = None
+                why = (f"this process runs inside Ray job {job_id}" if job_id is not None
+                       else "RAY_ADDRESS is set")
+                print(f"Ray: cluster.address is unset and {why}: joining the Ray cluster at {env_address} "
+                      "(RAY_ADDRESS), not starting a local Ray instance", file=sys.stderr, flush=True)
+                address = env_address
             if address is None:
+                if self.plan.total_gpus and not torch.cuda.is_available():
+                    raise RunError(f"cluster={self.cfg.cluster.name} plans {self.plan.total_gpus} GPU(s) on a local "
+                                   "Ray instance, but torch sees no CUDA device on this machine; use cluster=local "
+                                   "(CPU) or run on a GPU machine")
                 kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
                 kwargs["num_gpus"] = self.plan.total_gpus or None
             try:
                 ray.init(address=address, **kwargs)
             except (ConnectionError, ValueError, RuntimeError) as exc:
-                raise RunError(f"cannot start or join Ray (cluster.address={address}): {exc}") from None
+                source = "" if address == self.cfg.cluster.address else f" from RAY_ADDRESS={address}"
+                raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{source}): "
+                               f"{exc}") from None
             self.started_ray = True
         try:
             self._start_roles()
@@ -68,32 +93,57 @@ class Cluster:
             raise
         return self
 
-    def _remote(self, cls, role: str, *args, **kwargs):
+    def _remote(self, cls, role: str, replica: int, *args, **kwargs):
+        """One process of `role`, with exactly the Ray options of `plan.ray_options` (the placement rule)."""
         import ray
 
-        r = self.plan.role(role)
-        actor = ray.remote(cls).options(num_cpus=r.cpus, num_gpus=r.gpus, max_concurrency=1).remote(*args, **kwargs)
+        options = ray_options(self.plan, role, replica, self.placement_group, self.hide_gpus)
+        actor = ray.remote(cls).options(**options).remote(*args, **kwargs)
         self.actors.append(actor)
+        self.processes.append(f"{role}[{replica}]" if self.plan.role(role).replicas > 1 else role)
         return actor
 
-    def _start_roles(self) -> None:
+    def _start_roles(self, timeout_s: float | None = None) -> None:
+        """Reserve the plan's placement group, start every role and wait (bounded) until each answers."""
         import ray
 
         cfg, info, threads = self.cfg, self.info, self.plan.cpu_threads
-        self.actor = self._remote(PolicyWorker, "actor", cfg, info, threads=threads)
-        replicas = self.plan.role("rollout").replicas
-        self.rollouts = [self._remote(RolloutWorker, "rollout", cfg, info, threads=threads) for _ in range(replicas)]
-        self.reference = None
-        if self.plan.has("reference"):
-            self.reference = self._remote(PolicyWorker, "reference", cfg, info, threads=threads,
-                                          weights_dir=cfg.train.ref_load)
-        self.critic = self._remote(CriticWorker, "critic", cfg, info, threads=threads) if self.plan.has("critic") \
-            else None
-        self.adv = self._remote(AdvantagesWorker, "advantages") if self.plan.has("advantages") else None
+        self.processes: list[str] = []  # names of self.actors' processes
+        self.hide_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.placement_group = reserve(self.plan)  # None on a CPU cluster
         try:
-            ray.get([a.ping.remote() for a in self.actors])
+            self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads)
+            replicas = self.plan.role("rollout").replicas
+            self.rollouts = [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads)
+                             for i in range(replicas)]
+            self.reference = None
+            if self.plan.has("reference"):
+                self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads)
+            self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads) \
+                if self.plan.has("critic") else None
+            self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
+            pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
+            timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
+            ready, waiting = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
+            ray.get(ready)
+            if waiting:
+                raise RunError(f"role(s) {', '.join(pings[w] for w in waiting)} did not start within {timeout:g} s "
+                               f"(Ray has {ray.available_resources()} available)")
         except ray.exceptions.RayActorError as exc:
+            self._release_placement()
             raise RunError(f"a role failed to start: {exc}") from None
+        except BaseException:
+            self._release_placement()
+            raise
+
+    def _release_placement(self) -> None:
+        """Remove the plan's placement group (and with it any actor still in it); for __exit__ as well."""
+        if getattr(self, "placement_group", None) is None:
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)
+        self.placement_group = None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
@@ -104,6 +154,8 @@ class Cluster:
             except Exception:  # already dead
                 pass
         self.actors = []
+        if ray.is_initialized():
+            self._release_placement()  # a joined cluster gets its GPUs back before the next run of this process
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
             self.started_ray = False
@@ -160,7 +212,7 @@ class Cluster:
 
         steps = self.cfg.train.num_steps_per_rollout
         size = self.cfg.train.global_batch_size
-        critic_only = step < getattr(self.cfg.algorithm, "num_critic_only_steps", 0)
+        critic_only = step < algorithms.get(self.cfg.algorithm.name).critic_only_steps(self.cfg.algorithm)
         metrics = []
         for k in range(steps):
             chunk = batch.select(slice(k * size, (k + 1) * size))
@@ -168,7 +220,8 @@ class Cluster:
             if self.critic is not None:
                 refs.append(self.critic.train_step.remote(chunk))
             if not critic_only:
-                refs.append(self.actor.train_step.remote(chunk))
+                # the first optimizer step runs at the weights that generated the rollout: measure the mismatch
+                refs.append(self.actor.train_step.remote(chunk, rollout_mismatch=k == 0))
             merged: dict[str, float] = {}
             for m in ray.get(refs):
                 merged.update(m)
@@ -184,15 +237,16 @@ class Cluster:
         weights = self.actor.weights.remote()  # an ObjectRef: each engine fetches it from the object store
         ray.get([r.load_weights.remote(weights, version) for r in self.rollouts])
 
-    def save(self, save_dir: Path, step: int, state: dict) -> Path:
+    def save(self, checkpoints: checkpoint.Checkpoints, step: int, state: dict) -> Path:
+        """Write the roles' weights and optimizer states to a staging directory, then commit it atomically."""
         import ray
 
-        staging = checkpoint.staging_dir(save_dir, step)
+        staging = checkpoints.staging(step)
         refs = [self.actor.save.remote(str(staging / "policy"))]
         if self.critic is not None:
             refs.append(self.critic.save.remote(str(staging / "critic")))
         ray.get(refs)
-        return checkpoint.commit(staging, checkpoint.step_dir(save_dir, step), state)
+        return checkpoints.commit(staging, step, state)
 
     def load(self, path: Path) -> dict:
         import ray

@@ -1,21 +1,49 @@
 """The service graph of a config: which roles exist, how many replicas, which devices, who shares.
 
-Pure: computed from the resolved config alone, printed by `dry_run=true` and used as-is by the Ray
-runner to create placement groups and actors, so what a user reads is what runs.
+Pure: computed from the resolved, validated config alone, printed by `dry_run=true` and used as-is by the
+Ray runner (`ray_options`, `reserve`), so what a user reads is what runs.
+
+Placement rule. Every process of a role uses at most one device (the torch trainer, the embedded engine).
+- CPU cluster (no GPUs): every role takes turns on all of the machine's cores; each process asks Ray for a
+  token share of one CPU (`SHARE`), so the whole graph fits on any machine. No placement group.
+- GPU cluster: one placement group (strategy PACK) of one-GPU bundles.
+  - `cluster.colocate=true`: bundle 0 is the actor's GPU, and actor, rollout replicas, reference and critic
+    share it through fractional GPU requests (`SHARE`: 0.5 + 0.25 split over the replicas + 0.1 + 0.1),
+    never the sum of whole GPUs: `cluster=1xgpu` runs on a machine with one GPU. The single bundle pins them
+    to the same device; Ray sets CUDA_VISIBLE_DEVICES for each, so every one of them sees that GPU.
+  - `cluster.colocate=false`: bundle 0 is the actor's GPU (shared with the reference when there is one),
+    then `cluster.rollout_gpus` bundles each holding `num_replicas / rollout_gpus` engines that split it,
+    then the critic's GPU.
+  - the advantages role computes on the CPU and sits in bundle 0 with no GPU.
+  Roles that ask for no GPU are kept off the GPUs (an empty CUDA_VISIBLE_DEVICES) so that they run where
+  the plan says. A process never spans GPUs or nodes, so a group that fits the cluster's GPUs fits its
+  nodes. Configs this rule cannot place (several GPUs per process, a multi-node cluster without an address)
+  are rejected by `relax.config.validate` before anything starts.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 from relax import algorithms
 from relax.config.schema import RelaxConfig
-from relax.config.validate import data_parallel_size
+from relax.config.validate import data_parallel_size, needs_reference
+from relax.runner.errors import RunError
 
-# Colocated CPU roles take turns on all cores (sync mode); their Ray requests are token fractions
-# so that every role fits on any machine, and torch in each role uses `cpu_threads` threads.
-CPU_SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "critic": 0.1, "advantages": 0.05}
+# The share of a shared device each role asks Ray for: of one CPU (every role, in turns; torch in each role
+# uses `cpu_threads` threads) and of one GPU (roles sharing a GPU). A role's replicas split its share.
+SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "critic": 0.1, "advantages": 0.05}
+GPU_ROLES = ("actor", "rollout", "reference", "critic")  # advantages computes on the CPU
+PLACEMENT_STRATEGY = "PACK"  # bundles on as few nodes as possible; each bundle (one GPU) is on one node
+PLACEMENT_TIMEOUT_S = 300.0  # how long the runner waits for the GPUs of the placement group
+ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its model and answer
+
+
+def _share(x: float) -> float:
+    """A Ray resource quantity: at most 4 decimals (Ray's precision), rounded down so shares never overflow."""
+    return math.floor(x * 10_000 + 1e-9) / 10_000
 
 
 @dataclass(frozen=True)
@@ -23,10 +51,14 @@ class RolePlan:
     role: str
     replicas: int
     backend: str
-    gpus: float  # per replica
+    gpus: float  # per replica (Ray request)
     cpus: float  # per replica (Ray request)
     colocated_with: str | None
     why: str
+    bundles: tuple[int, ...] = ()  # placement-group bundle of each replica; () without a placement group
+
+    def bundle(self, replica: int) -> int | None:
+        return self.bundles[replica] if self.bundles else None
 
 
 @dataclass(frozen=True)
@@ -38,6 +70,7 @@ class Plan:
     cpu_threads: int
     ray_address: str | None
     data_parallel_size: int
+    bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a CPU cluster
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -50,63 +83,147 @@ class Plan:
         where = self.ray_address or "a local Ray instance started for this run"
         lines = [
             f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {where}",
-            f"  {'role':<11}{'replicas':>8}  {'backend':<10}{'GPUs':>6}{'CPUs':>6}  {'placement':<24}why",
+            f"  {'role':<11}{'replicas':>8}  {'backend':<10}{'GPUs':>7}{'CPUs':>7}  {'placement':<31}why",
         ]
         for r in self.roles:
-            placement = f"shares {r.colocated_with}'s devices" if r.colocated_with else "own devices"
-            lines.append(
-                f"  {r.role:<11}{r.replicas:>8}  {r.backend:<10}{r.gpus:>6g}{r.cpus:>6g}  {placement:<24}{r.why}"
-            )
+            lines.append(f"  {r.role:<11}{r.replicas:>8}  {r.backend:<10}{r.gpus:>7g}{r.cpus:>7g}  "
+                         f"{_placement(r):<31}{r.why}")
+        if self.bundles:
+            runs: list[tuple[int, int, dict[str, float]]] = []  # consecutive equal bundles, shown once
+            for i, b in enumerate(self.bundles):
+                if runs and runs[-1][2] == b:
+                    runs[-1] = (runs[-1][0], i, b)
+                else:
+                    runs.append((i, i, b))
+            parts = ", ".join(f"[{a}{'' if a == z else f'-{z}'}] " + " ".join(f"{k} {v:g}" for k, v in b.items())
+                              for a, z, b in runs)
+            lines.append(f"  placement group ({PLACEMENT_STRATEGY}): {parts}; GPU requests per process, "
+                         "shares of one GPU")
+        else:
+            lines.append("  no GPUs: every role takes turns on the CPU cores (its CPU request is a share, not a core)")
         return "\n".join(lines)
 
 
-def needs_reference(cfg: RelaxConfig) -> str | None:
-    """Why a reference model is needed, or None: only a KL term needs one."""
-    a = cfg.algorithm
-    if algorithms.get(a.name).requires_reference:
-        return f"{a.name} requires it"
-    if a.use_kl_loss:
-        return f"KL loss ({a.kl_loss_type})"
-    if a.kl_coef != 0:
-        return "reward-side KL (kl_coef)"
-    return None
+def _placement(r: RolePlan) -> str:
+    if not r.bundles:
+        return "CPU cores, shared"
+    where = sorted(set(r.bundles))
+    text = f"bundle {where[0]}" if len(where) == 1 else f"bundles {where[0]}-{where[-1]}"
+    if r.colocated_with:
+        return f"{text}, shares {r.colocated_with}'s GPU"
+    return text + (" (no GPU)" if not r.gpus else "")
 
 
 def build_plan(cfg: RelaxConfig) -> Plan:
+    """The plan of a validated config (see the module docstring for the placement rule)."""
     algo = algorithms.get(cfg.algorithm.name)
     c, t, ro = cfg.cluster, cfg.train, cfg.rollout
     total = c.num_nodes * c.gpus_per_node
-    gpu = total > 0
-    colocate = c.colocate
-
-    def share(role: str, own_gpus: float) -> tuple[float, float]:
-        if gpu:
-            return (own_gpus, 1.0)
-        return (0.0, CPU_SHARE[role])
-
-    roles = [
-        RolePlan("actor", 1, t.backend, *share("actor", c.actor_gpus), None,
-                 f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout, dp={data_parallel_size(cfg)})"),
-    ]
-    if colocate:
-        rollout_gpus = 0.0 if not gpu else round(c.actor_gpus / ro.num_replicas, 3)
-        rollout_where = "actor"
-    else:
-        rollout_gpus = c.rollout_gpus / ro.num_replicas
-        rollout_where = None
-    roles.append(RolePlan("rollout", ro.num_replicas, ro.backend, rollout_gpus if gpu else 0.0,
-                          share("rollout", 0)[1], rollout_where,
-                          f"{ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples per rollout"))
+    n = ro.num_replicas
     why_ref = needs_reference(cfg)
-    if why_ref:
-        ref = t.ref_load or "the initial policy weights"
-        roles.append(RolePlan("reference", 1, t.backend, 0.0, share("reference", 0)[1], "actor",
-                              f"{why_ref}; weights: {ref}"))
-    if algo.requires_critic:
-        critic_gpus = c.actor_gpus if c.critic_gpus is None else c.critic_gpus
-        roles.append(RolePlan("critic", 1, t.backend, (critic_gpus if not colocate else 0.0) if gpu else 0.0,
-                              share("critic", 0)[1], "actor" if colocate else None, "value model for GAE"))
-        roles.append(RolePlan("advantages", 1, "cpu", 0.0, CPU_SHARE["advantages"], None,
-                              "GAE advantages and returns from critic values"))
+    why = {
+        "actor": f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout, dp={data_parallel_size(cfg)})",
+        "rollout": f"{ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples per rollout",
+        "reference": f"{why_ref}; weights: {t.ref_load or 'the initial policy weights'}",
+        "critic": "value model for GAE",
+        "advantages": "GAE advantages and returns from critic values",
+    }
+    names = ["actor", "rollout"] + (["reference"] if why_ref else []) + \
+        (["critic", "advantages"] if algo.requires_critic else [])
+    backend = {"actor": t.backend, "rollout": ro.backend, "reference": t.backend, "critic": t.backend,
+               "advantages": "cpu"}
+    replicas = {name: n if name == "rollout" else 1 for name in names}
+    cpus = {name: _share(SHARE[name] / replicas[name]) for name in names}
+    # whose devices a role shares: the reference always the actor's (a frozen copy of the policy)
+    shares = {"reference": "actor"}
+    if c.colocate:
+        shares.update(rollout="actor", critic="actor")
+
+    bundles: list[dict[str, float]] = []
+    where: dict[str, tuple[int, ...]] = {}
+    gpus = dict.fromkeys(names, 0.0)
+    if total > 0:
+        if c.actor_gpus != 1:
+            raise ValueError(f"cluster.actor_gpus={c.actor_gpus}: this build places one actor process on one GPU; "
+                             "validate the config first")
+        on_actor_gpu = [x for x in names if x in GPU_ROLES and (x == "actor" or shares.get(x) == "actor")]
+        alone = on_actor_gpu == ["actor"]
+        for x in on_actor_gpu:
+            gpus[x] = 1.0 if alone else _share(SHARE[x] / replicas[x])
+        bundles.append({"GPU": 1.0})
+        for x in names:
+            if x == "advantages" or x in on_actor_gpu:
+                where[x] = (0,) * replicas[x]
+        if "rollout" not in on_actor_gpu:
+            per_gpu = n // c.rollout_gpus  # validation: num_replicas is a multiple of rollout_gpus
+            gpus["rollout"] = _share(1.0 / per_gpu)
+            where["rollout"] = tuple(len(bundles) + i // per_gpu for i in range(n))
+            bundles.extend({"GPU": 1.0} for _ in range(c.rollout_gpus))
+        if "critic" in names and "critic" not in on_actor_gpu:
+            gpus["critic"] = 1.0
+            where["critic"] = (len(bundles),)
+            bundles.append({"GPU": 1.0})
+        for x in names:  # each bundle also holds the CPU shares of its processes
+            for b in where[x]:
+                bundles[b]["CPU"] = round(bundles[b].get("CPU", 0.0) + cpus[x], 4)
+
+    roles = tuple(RolePlan(x, replicas[x], backend[x], gpus[x], cpus[x], shares.get(x), why[x], where.get(x, ()))
+                  for x in names)
     threads = c.cpus_per_node or os.cpu_count() or 1
-    return Plan(algo.name, t.mode, tuple(roles), total, threads, c.address, data_parallel_size(cfg))
+    # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
+    address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
+    return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles))
+
+
+# ---------------------------------------------------------------------- the plan on Ray
+
+
+def ray_options(plan: Plan, role: str, replica: int = 0, placement_group=None, hide_gpus: bool = False) -> dict:
+    """The options the runner passes to `ray.remote(cls).options(...)` for one process of `role`.
+
+    `placement_group`: the one `reserve(plan)` returned (None on a CPU cluster). `hide_gpus`: the Ray cluster
+    has GPUs; a process that asks for none then gets an empty CUDA_VISIBLE_DEVICES and computes on the CPU,
+    as planned (Ray leaves the variable alone for such processes).
+    """
+    r = plan.role(role)
+    if r is None:
+        raise KeyError(f"the plan has no {role!r} role")
+    options: dict = dict(num_cpus=r.cpus, num_gpus=r.gpus, max_concurrency=1)
+    bundle = r.bundle(replica)
+    if bundle is not None:
+        if placement_group is None:
+            raise ValueError(f"the plan places {role} in a placement group: pass reserve(plan)'s group")
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle)
+    if hide_gpus and not r.gpus:
+        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    return options
+
+
+def reserve(plan: Plan, timeout_s: float | None = None):
+    """Create the plan's placement group and wait (bounded) until Ray holds it; None without one.
+
+    Fails at once when the Ray cluster has fewer GPUs (or a smaller GPU node) than the bundles need, and
+    after `timeout_s` (default PLACEMENT_TIMEOUT_S) when the GPUs exist but stay busy.
+    """
+    if not plan.bundles:
+        return None
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    have = ray.cluster_resources()
+    need_gpus = sum(b.get("GPU", 0.0) for b in plan.bundles)
+    wanted = "; ".join(f"[{i}] {b}" for i, b in enumerate(plan.bundles))
+    if have.get("GPU", 0.0) < need_gpus or have.get("CPU", 0.0) < sum(b.get("CPU", 0.0) for b in plan.bundles):
+        raise RunError(f"the plan needs {need_gpus:g} GPU(s) in bundles {wanted} but the Ray cluster has "
+                       f"{have.get('GPU', 0):g} GPU(s) and {have.get('CPU', 0):g} CPU(s); check cluster.address, "
+                       "cluster.num_nodes and cluster.gpus_per_node")
+    pg = placement_group([dict(b) for b in plan.bundles], strategy=PLACEMENT_STRATEGY)
+    timeout = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
+    if not pg.wait(timeout):
+        remove_placement_group(pg)
+        raise RunError(f"Ray could not reserve the plan's bundles {wanted} within {timeout:g} s "
+                       f"(available now: {ray.available_resources()}); other jobs may hold the GPUs")
+    return pg

@@ -1,0 +1,244 @@
+"""Every cluster option and every recipe either starts on the cluster it names or is rejected before start.
+
+A config is composed as `relax-train` composes it, planned by `build_plan`, and started by the runner's own
+`Cluster._start_roles` (so `plan.reserve` and `plan.ray_options`, exactly what runs) with lightweight
+placeholder actors in place of the workers, on a local Ray instance declared with exactly the GPUs the
+cluster option names (Ray schedules GPU requests on declared GPUs on a CPU machine). Every wait is bounded.
+
+Multi-node options would be declared as their total on one node: every process asks for one GPU or a share
+of one, each placement-group bundle is one GPU and the group's strategy is PACK (not STRICT_PACK), so a
+group that fits the total fits the nodes; nothing ever needs two GPUs of one node together. As shipped,
+`cluster=multinode` (like `cluster=8xgpu`) trains with Megatron, which is not built: it is rejected.
+
+Ray starts once per declared GPU count (cases are ordered by it), on loopback, without a dashboard.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import relax.runner.cluster as cluster_module
+from relax.config.compose import conf_dir, load_config
+from relax.config.validate import ConfigError
+from relax.runner.cluster import Cluster
+from relax.runner.errors import RunError
+from relax.runner.plan import build_plan, reserve
+
+CPUS = 2  # the fewest CPUs of a Ray instance relax-train starts (max(cpu threads, 2))
+START_TIMEOUT_S = 90.0  # placeholders start in seconds; a plan Ray cannot place fails here, never hangs
+KL = ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"]
+TORCH_ON_8 = ["cluster=8xgpu", "train.backend=torch", "cluster.actor_gpus=1"]
+
+# (overrides: the first names the option, declared GPUs of the cluster)
+STARTS = [
+    (["cluster=local"], 0),
+    (["+experiment=rloo_vs_grpo_cpu"], 0),
+    (["+experiment=smollm2_arithmetic_cpu"], 0),
+    (["cluster=1xgpu"], 1),
+    (["+experiment=rloo_qwen3_0.6b_gsm8k"], 1),
+    (["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3", *KL], 1),  # every role on the one GPU
+    ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=2", "rollout.num_replicas=4", *KL], 8),
+]
+
+# (overrides, a field the message must name)
+REJECTED = [
+    (["cluster=8xgpu"], "train.backend"),  # Megatron on 8 GPUs: not built
+    (["cluster=multinode"], "train.backend"),
+    (["+experiment=grpo_qwen3_4b"], "train.backend"),
+    (["+experiment=cispo"], "train.backend"),
+    (["+experiment=gspo"], "train.backend"),
+    (["+experiment=m2po"], "train.backend"),
+    (["+experiment=sapo"], "train.backend"),
+    (["+experiment=ppo_qwen35_9b"], "train.backend"),
+    (["cluster=8xgpu", "train.backend=torch"], "cluster.actor_gpus"),  # torch: one device, not 8
+    (["cluster=1xgpu", "train.backend=megatron"], "train.backend"),
+    (["cluster=1xgpu", "cluster.num_nodes=2"], "cluster.address"),  # a local Ray is one machine
+    (["cluster=1xgpu", "cluster.rollout_gpus=1"], "cluster.rollout_gpus"),  # ignored when colocated
+    (["cluster=1xgpu", "algorithm=ppo", "cluster.critic_gpus=1"], "cluster.critic_gpus"),
+    (["cluster.critic_gpus=1"], "cluster.critic_gpus"),  # grpo has no critic
+    (["cluster=local", "cluster.actor_gpus=1"], "cluster.actor_gpus"),  # no GPUs to give
+    (["cluster=local", "cluster.colocate=false"], "cluster.colocate"),  # CPU roles share the cores anyway
+    ([*TORCH_ON_8, "cluster.colocate=false"], "cluster.rollout_gpus"),
+    ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=2", "rollout.num_replicas=3"],
+     "rollout.num_replicas"),  # 3 engines cannot split 2 GPUs evenly
+    ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=3", "rollout.num_replicas=3",
+      "algorithm=ppo"], "cluster.colocate"),  # PPO runs colocated only
+]
+
+
+def _id(case) -> str:
+    return " ".join(case[0])
+
+
+def _placeholder():
+    """A stand-in for every worker class: takes the worker's arguments, reports where Ray put it.
+
+    Defined in a function so that Ray ships it by value (workers need not import this test module)."""
+
+    class Placeholder:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def ping(self) -> str:
+            return "ok"
+
+        def where(self, device: bool = False) -> dict:
+            import os
+
+            import ray
+
+            ctx = ray.get_runtime_context()
+            out = {"gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+                   "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "node": ctx.get_node_id()}
+            if device:
+                from relax.backends.models import pick_device
+
+                out["device"] = pick_device().type
+            return out
+
+    return Placeholder
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """start(gpus): a local Ray declared with `gpus` GPUs, restarted only when the count changes."""
+    import ray
+
+    state: dict[str, int] = {}
+    if ray.is_initialized():
+        ray.shutdown()
+
+    def start(gpus: int):
+        if state.get("gpus") != gpus or not ray.is_initialized():
+            if ray.is_initialized():
+                ray.shutdown()
+            ray.init(num_cpus=CPUS, num_gpus=gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     logging_level="WARNING", log_to_driver=False)
+            state["gpus"] = gpus
+        return ray
+
+    yield start
+    ray.shutdown()
+
+
+def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
+    """Start the plan of `cfg` with placeholders through Cluster._start_roles; where each process landed."""
+    import ray
+
+    worker = _placeholder()
+    for name in ("PolicyWorker", "ReferenceWorker", "RolloutWorker", "CriticWorker", "AdvantagesWorker"):
+        monkeypatch.setattr(cluster_module, name, worker)
+    # the workers' arguments stay behind: unpickling a RelaxConfig would import torch in every placeholder
+    forwarded = SimpleNamespace(train=SimpleNamespace(ref_load=cfg.train.ref_load))
+    cluster = Cluster(forwarded, build_plan(cfg), info=None)
+    try:
+        cluster._start_roles(timeout_s=START_TIMEOUT_S)
+        where = ray.get([a.where.remote(device) for a in cluster.actors], timeout=START_TIMEOUT_S)
+        return dict(zip(cluster.processes, where, strict=True))
+    finally:
+        cluster.__exit__(None, None, None)  # kills the actors (Ray stays: the cluster did not start it)
+        cluster._release_placement()
+
+
+def test_every_option_and_recipe_has_a_case():
+    named = {c[0][0] for c in STARTS + REJECTED}
+    options = {f"cluster={p.stem}" for p in (conf_dir() / "cluster").glob("*.yaml")}
+    options |= {f"+experiment={p.stem}" for p in (conf_dir() / "experiment").glob("*.yaml")}
+    assert options - named == set(), "add each new cluster option or recipe to STARTS or REJECTED"
+
+
+@pytest.mark.parametrize("case", REJECTED, ids=_id)
+def test_rejected_before_start_naming_the_fields(case):
+    overrides, field = case
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    hits = [v for v in err.value.violations if field in v.fields]
+    assert hits, f"no violation names {field}: {err.value}"
+    assert all(field.split(".")[-1] in v.message for v in hits), [v.message for v in hits]
+
+
+@pytest.mark.slow
+def test_too_few_gpus_fail_at_once_with_the_bundles(local_ray, monkeypatch):
+    local_ray(0)
+    plan = build_plan(load_config(["cluster=1xgpu"]))
+    t0 = time.perf_counter()
+    with pytest.raises(RunError, match=r"needs 1 GPU\(s\).*has 0 GPU"):
+        reserve(plan, timeout_s=60)
+    assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", STARTS, ids=_id)
+def test_starts_on_the_cluster_it_names(case, local_ray, monkeypatch):
+    overrides, declared = case
+    cfg = load_config(overrides)
+    c = cfg.cluster
+    assert c.num_nodes * c.gpus_per_node == declared
+    plan = build_plan(cfg)
+    assert sum(r.replicas * r.gpus for r in plan.roles) <= declared
+    local_ray(declared)
+    where = _start(cfg, monkeypatch)
+
+    assert len(where) == sum(r.replicas for r in plan.roles)  # every process of every role, started
+    gpu_of = {name: w["gpu_ids"] for name, w in where.items()}
+    if declared == 0:
+        assert all(not ids for ids in gpu_of.values())
+        return
+    for r in plan.roles:  # every process that asks for a GPU got exactly one; the others none, and see none
+        names = [n for n in where if n == r.role or n.startswith(f"{r.role}[")]
+        for n in names:
+            assert len(gpu_of[n]) == (1 if r.gpus else 0), (n, gpu_of[n])
+            assert where[n]["visible"] == ",".join(gpu_of[n])
+    actor_gpu = gpu_of["actor"]
+    for r in plan.roles:
+        if r.colocated_with == "actor" and r.gpus:  # colocated: the actor's very GPU
+            assert all(gpu_of[n] == actor_gpu for n in where if n == r.role or n.startswith(f"{r.role}["))
+    if not c.colocate:  # apart: rollout engines split their own GPUs evenly, none on the actor's
+        engines = [gpu_of[n][0] for n in where if n.startswith("rollout")]
+        assert actor_gpu[0] not in engines
+        per_gpu = {g: engines.count(g) for g in engines}
+        assert len(per_gpu) == c.rollout_gpus and set(per_gpu.values()) == {cfg.rollout.num_replicas // c.rollout_gpus}
+
+
+def test_colocated_roles_on_one_gpu_request_shares_not_the_sum():
+    """The rule itself: colocated GPU roles sum to at most one GPU, in one bundle."""
+    cfg = load_config(["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3"])
+    plan = build_plan(cfg)
+    assert plan.bundles == ({"GPU": 1.0, "CPU": plan.bundles[0]["CPU"]},)
+    assert all(r.bundles == (0,) * r.replicas for r in plan.roles)
+    assert 0 < sum(r.replicas * r.gpus for r in plan.roles) <= 1.0
+    assert all(0 < r.gpus < 1 for r in plan.roles if r.role != "advantages")
+    assert plan.role("advantages").gpus == 0
+    assert sum(r.replicas * r.cpus for r in plan.roles) <= plan.bundles[0]["CPU"] + 1e-9
+    assert "placement group" in plan.render()
+
+
+@pytest.mark.slow
+def test_busy_gpus_fail_after_the_timeout(local_ray):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray = local_ray(STARTS[-1][1])  # the Ray instance of the last start case: all its GPUs taken
+    plan = build_plan(load_config(["cluster=1xgpu"]))
+    holder = placement_group([{"GPU": ray.cluster_resources()["GPU"]}])
+    assert holder.wait(30)
+    try:
+        with pytest.raises(RunError, match="could not reserve"):
+            reserve(plan, timeout_s=1.0)
+    finally:
+        remove_placement_group(holder)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_colocated_roles_compute_on_the_gpu(local_ray, monkeypatch):
+    """On a real GPU: every colocated role, with its share of the GPU, sees it and picks device cuda."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    local_ray(1)
+    where = _start(load_config(["cluster=1xgpu", "algorithm=ppo"]), monkeypatch, device=True)
+    assert {n: w["device"] for n, w in where.items()} == {
+        "actor": "cuda", "rollout": "cuda", "critic": "cuda", "advantages": "cpu"}
