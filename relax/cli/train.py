@@ -84,6 +84,8 @@ def help_text() -> str:
         "Other keys: train.*, rollout.*, model.*, cluster.*, data.*, tracking.*, seed, dry_run.",
         "  relax-train --cfg job               print the composed config",
         "  relax-train ... dry_run=true        validate, print the plan, start nothing",
+        "  relax-train ... train.resume=auto   continue from the last checkpoint of this experiment and run name",
+        "                                      (checkpoints/<tracking.experiment>/<run name>, same MLflow run)",
         "  relax-train --hydra-help            Hydra's own flags",
         f"Config files: {conf}",
     ]

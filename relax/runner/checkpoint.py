@@ -1,45 +1,127 @@
-"""Checkpoint directories: written under a temporary name, then renamed, so none is ever half-written.
+"""Checkpoints of a run: where they live, how they commit atomically, and which checkpoint a resume may continue.
 
-Layout of `<save_dir>/step_000040/`: `policy/` (HF format, safetensors, plus optimizer and scheduler
-state), `critic/` (PPO), `state.json` (step, data position). Generation and data order are derived
-from (seed, step), so no other RNG state is needed to resume exactly.
+Where: `train.save_dir`, else `<cwd>/checkpoints/<tracking.experiment>/<run name>` (see `default_save_dir`):
+a stable place per experiment and run name, so that `train.resume=auto` finds it again from the same
+directory without naming it. The run name is `tracking.run_name`, else `<arm>-seed<seed>` (the arm is
+`tracking.arm`, else the algorithm name; a sweep's launcher sets the arm from the swept keys).
+
+Layout of `<save_dir>/step_000040/`: `policy/` (HF format, safetensors, plus optimizer and scheduler state),
+`critic/` (PPO), `config.yaml` (the resolved config, for people) and `state.json`: the step, the sampler's
+position, the MLflow run id, the tracker's counters, the flattened config (what a resume is checked against),
+the lineage (one id per run from its fresh start, kept across resumes) and the commit sequence number.
+Generation and data order are derived from (seed, step), so no other RNG state is needed to resume exactly.
+
+Commit: everything is written to `.tmp-step_NNNNNN/`, every file and directory is fsync'ed, the directory is
+renamed to `step_NNNNNN/` and the parent fsync'ed; only then are older checkpoints removed (the newest
+`train.keep_checkpoints` of the run are kept). A directory starting with "." is never a checkpoint: a kill
+during a save leaves a `.tmp-` directory that resume ignores and the next run in that directory deletes.
+"Latest" is the most recently committed checkpoint (highest sequence number), not the highest step.
+
+One run at a time per directory: the run holds an exclusive `flock` on `<save_dir>/.lock` (released by the
+kernel when the process dies, `kill -9` included). `<save_dir>/run.json` names the MLflow run of the last job
+there, so that the next job can mark it KILLED if it was killed before its first checkpoint (see Session).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import re
 import shutil
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
 
+from relax.config.schema import RelaxConfig
 from relax.runner.errors import RunError
 
 PREFIX = "step_"
 STATE = "state.json"
+CONFIG = "config.yaml"
+STAGING_PREFIX = ".tmp-"
+REPLACED_PREFIX = ".old-"
+LOCK = ".lock"
+RUN_FILE = "run.json"  # the MLflow run of the job that last used the directory (see Checkpoints.record_run)
+
+# Config fields that may differ between a checkpoint and the run that continues it: they change how long the
+# run goes on, where and how often it saves, what the terminal shows, or which cluster/sweep it runs in, but
+# not what a step computes. Any other difference makes a resume refuse (see `config_differences`).
+RESUMABLE_CHANGES: tuple[str, ...] = (
+    "train.resume",
+    "train.num_rollout",
+    "train.save",
+    "train.save_interval",
+    "train.save_dir",
+    "train.keep_checkpoints",
+    "tracking.progress",
+    "tracking.parent_run_id",
+    "tracking.sweep_id",
+    "cluster.address",
+    "dry_run",
+)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^\w.=,+-]+", "_", text).strip("._") or "run"
+
+
+def run_name(cfg: RelaxConfig) -> str:
+    """The run's name for its checkpoint directory: `tracking.run_name`, else `<arm>-seed<seed>`."""
+    if cfg.tracking.run_name:
+        return str(cfg.tracking.run_name)
+    arm = cfg.tracking.arm or cfg.algorithm.name
+    return f"{arm}-seed{cfg.seed}"
+
+
+def default_save_dir(cfg: RelaxConfig, cwd: Optional[Path] = None) -> Path:
+    """`<cwd>/checkpoints/<tracking.experiment>/<run name>` (each part made filesystem-safe)."""
+    base = Path(os.getcwd() if cwd is None else cwd)
+    return base / "checkpoints" / _slug(cfg.tracking.experiment) / _slug(run_name(cfg))
+
+
+def resolve_save_dir(cfg: RelaxConfig, cwd: Optional[Path] = None) -> Path:
+    """`train.save_dir` made absolute (against `cwd`), else `default_save_dir`."""
+    if cfg.train.save_dir:
+        path = Path(os.path.expanduser(cfg.train.save_dir))
+        return path if path.is_absolute() else Path(os.getcwd() if cwd is None else cwd) / path
+    return default_save_dir(cfg, cwd)
 
 
 def step_dir(save_dir: Path, step: int) -> Path:
     return save_dir / f"{PREFIX}{step:06d}"
 
 
-def staging_dir(save_dir: Path, step: int) -> Path:
-    path = save_dir / f".tmp-{PREFIX}{step:06d}"
-    if path.exists():
-        shutil.rmtree(path)  # left over from an interrupted save
-    path.mkdir(parents=True)
-    return path
+def read_state(path: Path) -> dict:
+    return json.loads((path / STATE).read_text())
 
 
-def commit(staging: Path, final: Path, state: dict) -> Path:
-    (staging / STATE).write_text(json.dumps(state, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
-    return final
+def _committed(save_dir: Path) -> list[tuple[Path, dict]]:
+    """Committed checkpoints (a `step_*` directory with a readable state.json), oldest commit first."""
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for path in save_dir.glob(f"{PREFIX}*"):
+        try:
+            state = read_state(path)
+        except (OSError, ValueError):
+            continue  # not a checkpoint (no or unreadable state.json)
+        found.append((path, state))
+    found.sort(key=lambda ps: (ps[1].get("sequence", 0), ps[1].get("step", 0), ps[0].name))
+    return found
+
+
+def committed(save_dir: Path) -> list[Path]:
+    return [p for p, _ in _committed(save_dir)]
 
 
 def latest(save_dir: Path) -> Path | None:
-    done = sorted(p for p in save_dir.glob(f"{PREFIX}*") if (p / STATE).is_file()) if save_dir.is_dir() else []
-    return done[-1] if done else None
+    """The most recently committed checkpoint of `save_dir`, or None."""
+    done = _committed(save_dir)
+    return done[-1][0] if done else None
 
 
 def find(resume: str | None, save_dir: Path) -> Path | None:
@@ -48,7 +130,7 @@ def find(resume: str | None, save_dir: Path) -> Path | None:
         return None
     if resume == "auto":
         return latest(save_dir)
-    path = Path(resume)
+    path = Path(os.path.expanduser(resume))
     if not (path / STATE).is_file():
         found = latest(path)
         if found is None:
@@ -57,5 +139,217 @@ def find(resume: str | None, save_dir: Path) -> Path | None:
     return path
 
 
-def read_state(path: Path) -> dict:
-    return json.loads((path / STATE).read_text())
+def config_differences(saved: Mapping[str, str], current: Mapping[str, str],
+                       allowed: tuple[str, ...] = RESUMABLE_CHANGES) -> tuple[dict, dict]:
+    """(refused, allowed) differences between two flattened configs: `{field: (checkpoint value, now)}`.
+
+    A field missing on one side counts as a difference (value None there).
+    """
+    refused, ok = {}, {}
+    for key in sorted(set(saved) | set(current)):
+        before, now = saved.get(key), current.get(key)
+        if before != now:
+            (ok if key in allowed else refused)[key] = (before, now)
+    return refused, ok
+
+
+def _flat(cfg: RelaxConfig) -> dict[str, str]:
+    from relax.tracking.params import flatten_config
+
+    return flatten_config(cfg)
+
+
+@dataclass
+class ResumePoint:
+    """A checkpoint a run continues, its state, and the (allowed) config fields that changed since it was written."""
+
+    path: Path
+    state: dict
+    changed: dict = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self.state.get("mlflow_run_id")
+
+    @property
+    def lineage(self) -> Optional[str]:
+        return self.state.get("lineage")
+
+    @property
+    def tracker_state(self) -> dict:
+        return self.state.get("tracker") or {}
+
+
+def resume_point(cfg: RelaxConfig, save_dir: Path) -> ResumePoint | None:
+    """The checkpoint `train.resume` designates, checked against `cfg`; RunError naming the fields if it differs."""
+    path = find(cfg.train.resume, save_dir)
+    if path is None:
+        return None
+    state = read_state(path)
+    saved = state.get("config")
+    if saved is None:  # written before checkpoints recorded their config
+        print(f"relax-train: warning: checkpoint {path} records no config; continuing it unchecked", file=sys.stderr)
+        return ResumePoint(path, state)
+    refused, changed = config_differences(saved, _flat(cfg))
+    if refused:
+        lines = "\n".join(f"  {key}: {before} -> {now}" for key, (before, now) in refused.items())
+        n = len(refused)
+        raise RunError(
+            f"train.resume={cfg.train.resume}: checkpoint {path} was written with a different config, so this run "
+            f"cannot continue it ({n} field{'s differ' if n > 1 else ' differs'}, checkpoint -> now):\n{lines}\n"
+            f"Only {', '.join(RESUMABLE_CHANGES)} may change on resume. Run with the checkpoint's values to continue "
+            f"it, or start a new run elsewhere (tracking.run_name=... or train.save_dir=...)."
+        )
+    return ResumePoint(path, state, changed)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so that a committed checkpoint survives a power cut."""
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def _write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Checkpoints:
+    """The checkpoint directory of one run: its lock, what the run resumes from, atomic commits and pruning.
+
+    Use as a context manager around the run. Entering locks the directory (when the run saves or resumes
+    from it), deletes what interrupted saves left behind, and finds and checks the resume point (`resume`).
+    """
+
+    def __init__(self, cfg: RelaxConfig, cwd: Optional[Path] = None):
+        self.cfg = cfg
+        self.save_dir = resolve_save_dir(cfg, cwd)
+        self.keep = cfg.train.keep_checkpoints  # >= 1 (validation)
+        self.resume: ResumePoint | None = None
+        self.lineage = uuid.uuid4().hex
+        self.previous_run_id: Optional[str] = None  # the MLflow run of the last job in this directory
+        self._lock_fd: Optional[int] = None
+
+    @property
+    def uses_dir(self) -> bool:
+        return bool(self.cfg.train.save) or self.cfg.train.resume == "auto"
+
+    def __enter__(self) -> Checkpoints:
+        if self.uses_dir:
+            self._lock()
+            self._clean()
+            try:
+                self.previous_run_id = json.loads((self.save_dir / RUN_FILE).read_text()).get("mlflow_run_id")
+            except (OSError, ValueError, AttributeError):
+                self.previous_run_id = None
+        try:
+            self.resume = resume_point(self.cfg, self.save_dir)
+        except BaseException:
+            self._unlock()
+            raise
+        if self.resume is not None and self.resume.lineage:
+            self.lineage = self.resume.lineage
+        elif self.cfg.train.save:
+            others = committed(self.save_dir)
+            if others:
+                print(f"relax-train: note: {self.save_dir} holds {len(others)} checkpoint(s) of an earlier run; this "
+                      "fresh run replaces them at its first checkpoint (train.resume=auto would continue it)",
+                      file=sys.stderr)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._unlock()
+
+    def _lock(self) -> None:
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.save_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RunError(f"checkpoint directory {self.save_dir} is in use by another running relax-train (it "
+                           f"holds {self.save_dir / LOCK}); give this run another tracking.run_name or "
+                           "train.save_dir") from None
+        self._lock_fd = fd
+
+    @property
+    def locked(self) -> bool:
+        return self._lock_fd is not None
+
+    def record_run(self, run_id: Optional[str]) -> None:
+        """Note the job's MLflow run in the directory, so that a later job there can close it if this one is killed
+        before its first checkpoint (the lock proves that whoever wrote it is gone)."""
+        if not self.locked or run_id is None:
+            return
+        tmp = self.save_dir / f"{STAGING_PREFIX}{RUN_FILE}"
+        _write(tmp, json.dumps({"mlflow_run_id": run_id, "lineage": self.lineage}))
+        tmp.replace(self.save_dir / RUN_FILE)
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
+
+    def _clean(self) -> None:
+        """Delete the half-written (`.tmp-`) and half-replaced (`.old-`) directories of an interrupted save."""
+        for prefix in (STAGING_PREFIX, REPLACED_PREFIX):
+            for path in self.save_dir.glob(f"{prefix}{PREFIX}*"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------ saving
+    def staging(self, step: int) -> Path:
+        """An empty `.tmp-step_NNNNNN/` to write the checkpoint of `step` into."""
+        path = self.save_dir / f"{STAGING_PREFIX}{PREFIX}{step:06d}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, staging: Path, step: int, state: dict) -> Path:
+        """Complete `staging` with state.json and config.yaml, make it durable, rename it, then prune older ones."""
+        from omegaconf import OmegaConf
+
+        existing = _committed(self.save_dir)
+        sequence = 1 + max((s.get("sequence", 0) for _, s in existing), default=0)
+        full = {**state, "step": step, "lineage": self.lineage, "sequence": sequence, "config": _flat(self.cfg)}
+        _write(staging / CONFIG, OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        _write(staging / STATE, json.dumps(full, indent=2))
+        _fsync_tree(staging)
+        final = step_dir(self.save_dir, step)
+        replaced = None
+        if final.exists():  # the same step again (resumed from an older checkpoint): move the old one aside first
+            replaced = self.save_dir / f"{REPLACED_PREFIX}{final.name}"
+            if replaced.exists():
+                shutil.rmtree(replaced)
+            final.rename(replaced)
+        staging.rename(final)
+        _fsync(self.save_dir)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` checkpoints of this run; remove older ones and those of earlier runs."""
+        kept = 0
+        for path, state in reversed(_committed(self.save_dir)):
+            if state.get("lineage") == self.lineage and kept < self.keep:
+                kept += 1
+                continue
+            shutil.rmtree(path, ignore_errors=True)

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from relax.config.schema import RelaxConfig
+from relax.runner.checkpoint import Checkpoints, ResumePoint
+from relax.runner.errors import RunError
 from relax.runner.metrics import RAW_REWARD
 from relax.runner.plan import Plan
+
+# Seconds between background writes of buffered metrics to MLflow (besides every 10 steps and before each
+# checkpoint). An environment variable so that it can be changed for a run without changing its config.
+FLUSH_INTERVAL_ENV = "RELAX_MLFLOW_FLUSH_S"
+DEFAULT_FLUSH_INTERVAL_S = 15.0
+
+
+def flush_interval_s() -> float:
+    text = os.environ.get(FLUSH_INTERVAL_ENV)
+    if text is None or text.strip() == "":
+        return DEFAULT_FLUSH_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise RunError(f"{FLUSH_INTERVAL_ENV}={text!r} must be a number of seconds > 0")
+    return value
 
 
 def _hydra_overrides() -> list[str]:
@@ -19,6 +40,15 @@ def _hydra_overrides() -> list[str]:
     if not HydraConfig.initialized():
         return []
     return list(HydraConfig.get().overrides.task)
+
+
+def resume_text(resume: ResumePoint) -> str:
+    """The `relax.resumed` tag: where the run was last continued from, and the config fields that changed."""
+    text = f"step {resume.step} from {resume.path}"
+    changed = [f"{k}: {a} -> {b}" for k, (a, b) in resume.changed.items() if k != "train.resume"]
+    if changed:
+        text += "; changed: " + ", ".join(changed)
+    return text
 
 
 @dataclass
@@ -34,17 +64,27 @@ class RunResult:
 
 
 class Session:
-    def __init__(self, cfg: RelaxConfig, plan: Plan, output_dir: Path, dictconfig=None):
+    """The MLflow run (new, or reopened when resuming a checkpoint that names one), progress and summary.
+
+    `checkpoints` (a `relax.runner.checkpoint.Checkpoints`, entered) says where checkpoints go and what the
+    run resumes from; `save_checkpoint` commits one only after the metrics it covers are in the store.
+    """
+
+    def __init__(self, cfg: RelaxConfig, plan: Plan, output_dir: Path, dictconfig=None,
+                 checkpoints: Checkpoints | None = None):
         self.cfg, self.plan, self.output_dir, self.dictconfig = cfg, plan, output_dir, dictconfig
+        self.checkpoints = checkpoints
+        self.resume = checkpoints.resume if checkpoints is not None else None
+        self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
-        self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) as logged
-        self.steps = 0
+        self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) as logged by this process
+        self.steps = self.start_step
 
     def __enter__(self) -> Session:
         from omegaconf import OmegaConf
 
         from relax.runner.summary import config_summary
-        from relax.tracking.mlflow_run import NullTracker, Tracker
+        from relax.tracking.mlflow_run import RESUMED_TAG, NullTracker, Tracker, close_orphan_run
         from relax.tracking.params import TAG_OVERRIDES, flatten_config, overrides_text, standard_tags
         from relax.tracking.progress import Progress
 
@@ -52,22 +92,49 @@ class Session:
         self.t0 = time.perf_counter()
         print(config_summary(cfg), file=sys.stderr)
         print(self.plan.render(), file=sys.stderr)
+        resume = self.resume
+        reopen = cfg.tracking.enabled and resume is not None and resume.run_id is not None
         if cfg.tracking.enabled:
+            flush_s = flush_interval_s()
             tags = standard_tags(cfg)
             overrides = _hydra_overrides()
-            if overrides:
+            if overrides and not reopen:  # a reopened run keeps the overrides it was started with
                 tags[TAG_OVERRIDES] = overrides_text(overrides)
-            self.tracker = Tracker.start(cfg.tracking, run_name=cfg.tracking.run_name, tags=tags,
-                                         params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id)
+            if reopen:
+                tags[RESUMED_TAG] = resume_text(resume)
+                try:
+                    self.tracker = Tracker.reopen(cfg.tracking, resume.run_id, from_step=resume.step, tags=tags,
+                                                  keep_history=(RAW_REWARD,), flush_interval_s=flush_s)
+                except LookupError as exc:
+                    raise RunError(f"cannot continue checkpoint {resume.path}: {exc}") from None
+                counts = resume.tracker_state.get("nonfinite_counts") or {}
+                self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
+                self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
+            else:
+                self.tracker = Tracker.start(cfg.tracking, run_name=cfg.tracking.run_name, tags=tags,
+                                             params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id,
+                                             flush_interval_s=flush_s)
         else:
             self.tracker = NullTracker()
         self.tracker.__enter__()
+        if self.checkpoints is not None and cfg.tracking.enabled:
+            previous = self.checkpoints.previous_run_id
+            if previous and previous != self.tracker.run_id:
+                # the last job in this directory holds no lock any more: it is gone; if it was killed before its
+                # first checkpoint (nothing to resume), its run would stay RUNNING forever
+                if close_orphan_run(self.tracker, previous):
+                    print(f"MLflow run {previous} of the last job in {self.checkpoints.save_dir} was still RUNNING "
+                          "(that job was killed); marked KILLED", file=sys.stderr, flush=True)
+            self.checkpoints.record_run(self.tracker.run_id)
         resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-        self.tracker.log_text(resolved, "config.yaml")
-        self.tracker.log_text(self.plan.render() + "\n", "plan.txt")
+        if not reopen:  # a reopened run keeps the config and plan it started with (they are the same but for
+            self.tracker.log_text(resolved, "config.yaml")  # the fields in the relax.resumed tag)
+            self.tracker.log_text(self.plan.render() + "\n", "plan.txt")
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.yaml").write_text(resolved)
-        self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress)
+        if resume is not None:
+            print(f"resuming from {resume.path} at step {resume.step}", file=sys.stderr, flush=True)
+        self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress, start_step=self.start_step)
         return self
 
     def note(self, message: str) -> None:
@@ -80,6 +147,21 @@ class Session:
             self.rewards.append(metrics[RAW_REWARD])
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
+
+    def save_checkpoint(self, cluster, step: int, state: dict) -> Path | None:
+        """Flush the metrics of every step so far to the store, then write and commit the checkpoint of `step`.
+
+        If the store refuses the metrics, no checkpoint is committed (it would cover steps whose metrics a
+        kill could still lose): a note says so and training goes on; the next checkpoint tries again.
+        """
+        try:
+            self.tracker.flush()
+        except Exception as exc:
+            self.note(f"checkpoint at step {step} not written: the metrics it covers are not in MLflow yet ({exc})")
+            return None
+        state = {**state, "mlflow_run_id": self.tracker.run_id,
+                 "tracker": {"nonfinite_counts": dict(self.tracker.nonfinite_counts)}}
+        return cluster.save(self.checkpoints, step, state)
 
     def finish(self) -> RunResult:
         """Flush tracking and print the summary (final = mean reward of the last 10 steps)."""

@@ -12,6 +12,12 @@ but plots and cross-run aggregates (relax-compare) are spoiled by it. They are n
 key's count is kept in `Tracker.nonfinite_counts`, a warning is logged the first time a key turns
 non-finite, and at `finish` the tag `relax.nonfinite_metrics` lists them (e.g. `train/loss=3`).
 `nonfinite="log"` writes them as MLflow stores them (NaN as NaN, +-inf clamped to +-max float).
+
+Durability and resume: `flush()` returns once everything logged before it is in the store, so the runner
+flushes before it commits a checkpoint (a checkpoint never covers a step whose metrics could still be lost).
+A job killed with `kill -9` loses only what was buffered after its last flush; the resumed job recomputes
+those steps from the checkpoint and `Tracker.reopen` continues the same run, writing each (key, step) that
+the store does not hold yet and skipping those it does, so each step of each key is recorded exactly once.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARENT_RUN_ID_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 NONFINITE_TAG = "relax.nonfinite_metrics"
 TRACKING_URI_TAG = "relax.tracking_uri"
+RESUMED_TAG = "relax.resumed"  # a reopened run: at which step and from where it was last continued
 NONFINITE_MODES = ("skip", "log")
 
 _MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store stays unreachable
@@ -186,7 +193,10 @@ class Tracker:
         self._closing = False
         self._flush_failures = 0
         self._warned_after_finish = False
-        self.stats = {"batches": 0, "metrics": 0, "write_s": 0.0}
+        self.stats = {"batches": 0, "metrics": 0, "write_s": 0.0, "already_recorded": 0}
+        # step -> keys the store already holds at that step (a reopened run's steps being recomputed; see `reopen`)
+        self._recorded: dict[int, set[str]] = {}
+        self.recorded_history: dict[str, list[tuple[int, float]]] = {}  # reopen(keep_history=...): earlier values
         self._wake = threading.Event()
         self._stop = False
         self._writer: Optional[threading.Thread] = None
@@ -283,18 +293,100 @@ class Tracker:
             )
         return tracker
 
+    @classmethod
+    def reopen(
+        cls,
+        tracking_cfg: TrackingConfig,
+        run_id: str,
+        *,
+        from_step: int = 0,
+        tags: Optional[Mapping[str, str]] = None,
+        keep_history: Sequence[str] = (),
+        flush_every_steps: int = 10,
+        flush_interval_s: float = 15.0,
+        nonfinite: str = "skip",
+        background: bool = True,
+        announce: bool = True,
+        stream: Optional[TextIO] = None,
+    ) -> Tracker:
+        """Continue the existing run `run_id` (a resumed training job): status back to RUNNING, same metrics.
+
+        Steps from `from_step` on are recomputed by the resumed job, and some of them may already be in
+        the store (written by the killed process after its last checkpoint). The steps each key already
+        has from `from_step` on are read once here (one query per key), and `log_metrics` does not write
+        those (key, step) pairs again, so every step of every key is recorded exactly once; the value kept
+        is the first one written. `keep_history` keys get their earlier values in `recorded_history`
+        (e.g. the reward, for the end-of-run summary). Params are not logged again (MLflow params are
+        immutable). LookupError if the run is not in the store or is deleted.
+        """
+        quiet_mlflow_logging()
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        uri = resolve_tracking_uri(tracking_cfg.uri)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
+            client = MlflowClient(tracking_uri=uri)
+            try:
+                run = client.get_run(run_id)
+            except MlflowException as exc:
+                raise LookupError(f"MLflow run {run_id} is not in the store {uri}: {exc.message}") from None
+        if run.info.lifecycle_stage == "deleted":
+            raise LookupError(f"MLflow run {run_id} in {uri} is deleted; restore it (mlflow runs restore --run-id "
+                              f"{run_id}) to continue it")
+        tracker = cls(
+            client,
+            run_id,
+            run.info.experiment_id,
+            uri,
+            flush_every_steps=flush_every_steps,
+            flush_interval_s=flush_interval_s,
+            nonfinite=nonfinite,
+            background=background,
+        )
+        try:
+            keep = set(keep_history)
+            # the highest step of each key (MLflow's latest metrics): keys that stop before from_step need no query
+            last_step = {m.key: m.step for m in getattr(run.data, "_metric_objs", ())}
+            for key in run.data.metrics:
+                if key not in keep and last_step.get(key, from_step) < from_step:
+                    continue
+                history = client.get_metric_history(run_id, key)
+                for m in history:
+                    if m.step >= from_step:
+                        tracker._recorded.setdefault(int(m.step), set()).add(key)
+                if key in keep:
+                    tracker.recorded_history[key] = sorted((int(m.step), m.value) for m in history
+                                                           if m.step < from_step)
+            tracker._retry(lambda: client.update_run(run_id, status="RUNNING"))
+            if tags:
+                tracker.set_tags(tags)
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        if announce:
+            print(
+                f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in experiment "
+                f"{tracking_cfg.experiment!r} at {uri}; view: {tracker.ui_command()}",
+                file=stream if stream is not None else sys.stderr,
+                flush=True,
+            )
+        return tracker
+
     # ---------------------------------------------------------------- logging
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Buffer `metrics` at `step` (cheap); they reach the store at the next flush.
 
         Values may be anything `float()` accepts (Python/numpy numbers, 1-element tensors). A bad key
-        raises ValueError here, at its first use, rather than failing a later batch.
+        raises ValueError here, at its first use, rather than failing a later batch. In a reopened run,
+        (key, step) pairs the store already holds are not written again (see `reopen`).
         """
         ts = int(time.time() * 1000)
         with self._lock:
             if self._closing:
                 self._warn_after_finish("log_metrics")
                 return
+            recorded = self._recorded.get(step) if self._recorded else None
             for key, value in metrics.items():
                 if key not in self._known_keys:
                     _validate_metric_key(key)
@@ -306,6 +398,9 @@ class Tracker:
                     self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
                     if self.nonfinite == "skip":
                         continue
+                if recorded is not None and key in recorded:
+                    self.stats["already_recorded"] += 1  # logged before a kill, recomputed after the resume
+                    continue
                 self._buffer.append((key, v, ts, int(step)))
             if step != self._last_step:
                 self._last_step = step
@@ -556,6 +651,22 @@ class NullTracker:
             self.finish("FINISHED")
         else:
             self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+
+def close_orphan_run(tracker: Tracker, run_id: str) -> bool:
+    """Mark `run_id` KILLED if it is still RUNNING (its process is known to be dead); True if it was.
+
+    Best effort, in the store of `tracker`: a run that is not there (another store) is left alone.
+    """
+    try:
+        run = tracker.client.get_run(run_id)
+        if run.info.status != "RUNNING":
+            return False
+        tracker.client.set_terminated(run_id, status="KILLED")
+    except Exception as exc:  # MlflowException: not in this store
+        logger.info("could not close the earlier run %s: %s", run_id, exc)
+        return False
+    return True
 
 
 def start_tracker(tracking_cfg: TrackingConfig, **kwargs: Any) -> Tracker | NullTracker:
