@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="relax-compare",
         description="Compare the arms of an experiment: final values over seeds, paired differences to a control "
-                    "arm with bootstrap CIs, learning curves (PNG) and a CSV, logged back to MLflow. "
+                    "arm with 95% CIs (Student t below 5 seed pairs, else bootstrap), learning curves (PNG) and a CSV, "
+                    "logged back to MLflow. "
                     "With no selector: the most recent sweep in the store.",
     )
     p.add_argument("--uri", default="sqlite:///mlflow.db", help="MLflow tracking URI (default: %(default)s)")
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="default: rollout/raw_reward and every eval/* present")
     how.add_argument("--last-k", type=int, default=10, help="final value = mean of the last K steps (default: 10)")
     how.add_argument("--control", help="control arm: paired differences by seed against it")
-    how.add_argument("--bootstrap", type=int, default=10_000, metavar="N", help="bootstrap resamples (10000)")
+    how.add_argument("--bootstrap", type=int, default=10_000, metavar="N",
+                     help="bootstrap resamples, used from 5 seed pairs on (10000)")
     how.add_argument("--seed", type=int, default=0, help="bootstrap RNG seed (default: 0)")
     how.add_argument("--band", choices=("minmax", "std"), default="minmax", help="band around the mean curve")
     out = p.add_argument_group("output")

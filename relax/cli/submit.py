@@ -9,6 +9,16 @@ entrypoint is `python -m relax.cli.train`, i.e. relax-train, which works from th
 whether or not Relax is installed on the nodes. With Ray's token authentication (Ray >= 2.52; on
 by default for local clusters since 2.59) the client sends the token found in RAY_AUTH_TOKEN,
 RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, see launch/README.md.
+
+Where the run's records go: the job's driver starts in Ray's temporary copy of the working_dir, which
+Ray deletes with the job's runtime environment, so anything relax-train writes relative to it (the
+default `sqlite:///mlflow.db`, Hydra's `outputs/`, the checkpoints) would be lost. With `--exp-dir DIR`
+(default: $EXP_DIR), an absolute directory on storage the cluster's nodes share, the job runs
+relax-train in DIR (created if missing; the code still comes from the uploaded working_dir), so the
+MLflow store, outputs and checkpoints land in DIR exactly as a local run in DIR would write them.
+Without it, every place the run writes to must be absolute (or an MLflow server URI): a relative
+`tracking.uri`, `train.save_dir` (or none) or `hydra.run.dir`/`hydra.sweep.dir` is refused before
+anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 USAGE_EXIT = 2
 FORWARDED_ENV = ("MODEL_DIR", "DATA_DIR", "EXP_DIR", "RLOO_DATA_CACHE_DIR", "HF_HOME")
@@ -27,6 +37,9 @@ FORWARDED_ENV = ("MODEL_DIR", "DATA_DIR", "EXP_DIR", "RLOO_DATA_CACHE_DIR", "HF_
 EXCLUDES = [".git", "**/__pycache__", "outputs", "multirun", "mlruns", "mlflow.db", "compare", "*.egg-info",
             ".pytest_cache", ".ruff_cache", "**/checkpoints", "*.pt", "*.safetensors", "*.gguf"]
 TRAIN_ENTRYPOINT = "python -m relax.cli.train"
+EXP_DIR_ENV = "EXP_DIR"
+# Hydra's sweep flags; any other flag (--cfg, --info, ...) makes relax-train print instead of run: nothing to check.
+_MULTIRUN_FLAGS = ("-m", "--multirun")
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
 
 
@@ -50,16 +63,136 @@ def parse_env(items: list[str], environ: Optional[dict[str, str]] = None) -> dic
     return env
 
 
+def _first_of_sweeps(overrides: list[str]) -> list[str]:
+    """The overrides of the sweep's first job (`seed=1,2` -> `seed=1`); interval and glob sweeps are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    out = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if not o.is_sweep_override():
+            out.append(o.input_line)
+            continue
+        try:
+            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+        except (HydraException, StopIteration):
+            pass
+    return out
+
+
+def storage_settings(overrides: list[str], conf: Path) -> dict[str, Any]:
+    """What `relax-train <overrides>` would use for the keys that decide where it writes, composed by Hydra from
+    `conf` (the conf/ that travels with the job) as relax-train composes it: recipes included, for a sweep its
+    first job. Values are resolved where possible (`${oc.env:...}`, `${now:...}`), else left as written."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from relax.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name="config", overrides=_first_of_sweeps(overrides), return_hydra_config=True)
+    out: dict[str, Any] = {}
+    for key in ("dry_run", "tracking.enabled", "tracking.uri", "train.save", "train.save_dir", "hydra.run.dir",
+                "hydra.sweep.dir"):
+        parent, _, leaf = key.rpartition(".")
+        raw = OmegaConf.to_container(OmegaConf.select(cfg, parent) if parent else cfg, resolve=False).get(leaf)
+        value = raw
+        if isinstance(raw, str) and "${" in raw:
+            try:
+                value = OmegaConf.select(cfg, key, throw_on_missing=False)
+            except Exception:  # noqa: BLE001 - an interpolation that only the cluster can resolve
+                pass
+        out[key] = value
+        if value != raw:
+            out[key + ".raw"] = raw  # shown in messages: `outputs/${now:%Y-%m-%d}`, not today's date
+    return out
+
+
+def _is_relative_path(value: str) -> bool:
+    # "~" is not expanded (neither by Hydra nor for train.save_dir); "${...}": an interpolation resolved on the cluster
+    return not value.startswith(("/", "${"))
+
+
+def _is_relative_store(uri: str) -> bool:
+    """A store that `resolve_tracking_uri` puts under the current directory (sqlite:///x.db, file:x, a plain path)."""
+    from relax.tracking.mlflow_run import resolve_tracking_uri
+
+    if uri.startswith("${"):
+        return False
+    return resolve_tracking_uri(uri, cwd="/nonexistent-a") != resolve_tracking_uri(uri, cwd="/nonexistent-b")
+
+
+def storage_problems(settings: dict[str, Any], *, sweep: bool) -> list[str]:
+    """Each place a submitted run without --exp-dir would write inside the job's temporary working_dir."""
+    if settings.get("dry_run"):
+        return []
+
+    def shown(key: str) -> str:
+        return f"{key}={settings.get(key + '.raw', settings.get(key))}"
+
+    problems = []
+    uri = settings.get("tracking.uri")
+    if settings.get("tracking.enabled", True) and isinstance(uri, str) and _is_relative_store(uri):
+        problems.append(f"{shown('tracking.uri')}: a relative MLflow store; give an absolute one "
+                        "(sqlite:////shared/exp/mlflow.db) or a server (http://HOST:5000)")
+    save_dir = settings.get("train.save_dir")
+    if settings.get("train.save", True):
+        if save_dir is None:
+            problems.append("train.save_dir is unset: its default is relative to where relax-train runs; give an "
+                            "absolute directory (train.save_dir=/shared/exp/checkpoints) or train.save=false")
+        elif _is_relative_path(str(save_dir)):
+            problems.append(f"{shown('train.save_dir')}: relative; give an absolute directory")
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    run_dir = settings.get(key)
+    if run_dir is not None and _is_relative_path(str(run_dir)):
+        problems.append(f"{shown(key)}: relative (Hydra's output directory: the resolved config and logs); give an "
+                        "absolute directory")
+    return problems
+
+
+def _hydra_conf(working_dir: Path) -> Path:
+    """The conf/ relax-train will compose on the cluster: the uploaded one, else the installed one."""
+    if (working_dir / "conf" / "config.yaml").is_file():
+        return working_dir / "conf"
+    from relax.config import conf_dir
+
+    return conf_dir()
+
+
+def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
+    """storage_problems of `relax-train <overrides>`; [] for a Hydra command that inspects rather than runs
+    (--cfg, --info, ...). Raises ValueError when the config does not compose (the job would fail the same way)."""
+    if any(o.startswith("-") and o not in _MULTIRUN_FLAGS for o in overrides):
+        return []
+    sweep = any(o in _MULTIRUN_FLAGS for o in overrides)
+    plain = [o for o in overrides if o not in _MULTIRUN_FLAGS]
+    try:
+        settings = storage_settings(plain, _hydra_conf(working_dir))
+    except Exception as exc:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types
+        raise ValueError(f"relax-train {' '.join(plain)}: the config does not compose: {exc}") from None
+    return storage_problems(settings, sweep=sweep)
+
+
 def build_submission(overrides: list[str], *, working_dir: Path, env: dict[str, str],
                      entrypoint: Optional[str] = None, submission_id: Optional[str] = None,
-                     entrypoint_num_cpus: Optional[float] = None) -> dict[str, Any]:
-    """Keyword arguments of `JobSubmissionClient.submit_job` (kept apart from the network call to test it)."""
+                     entrypoint_num_cpus: Optional[float] = None, exp_dir: Optional[str] = None) -> dict[str, Any]:
+    """Keyword arguments of `JobSubmissionClient.submit_job` (kept apart from the network call to test it).
+
+    `exp_dir`: relax-train runs there (mkdir -p, cd), importing Relax from the working_dir (PYTHONPATH).
+    """
     command = entrypoint or TRAIN_ENTRYPOINT
+    if exp_dir is not None:
+        quoted = shlex.quote(exp_dir)
+        command = f'export PYTHONPATH="$PWD${{PYTHONPATH:+:$PYTHONPATH}}" && mkdir -p {quoted} && cd {quoted} && ' \
+                  + command
     if overrides:
         command += " " + " ".join(shlex.quote(o) for o in overrides)
     runtime_env: dict[str, Any] = {"working_dir": str(working_dir), "excludes": list(EXCLUDES)}
-    if env:
-        runtime_env["env_vars"] = dict(env)
+    # Ray's job supervisor sets PYTHONUNBUFFERED=1 for the driver (2.60); stated here too, so that the job's log
+    # (progress lines, summary) streams whatever Ray runs the job. `--env PYTHONUNBUFFERED=...` still wins.
+    env = {"PYTHONUNBUFFERED": "1", **env}
+    runtime_env["env_vars"] = dict(env)
     payload: dict[str, Any] = {"entrypoint": command, "runtime_env": runtime_env}
     if submission_id:
         payload["submission_id"] = submission_id
@@ -68,10 +201,45 @@ def build_submission(overrides: list[str], *, working_dir: Path, env: dict[str, 
     return payload
 
 
-async def _follow(client: Any, job_id: str) -> None:
+async def _follow(client: Any, job_id: str, out: TextIO) -> int:
+    """Stream the job's log (from its start) to `out` until Ray closes the stream; returns the characters written."""
+    written = 0
     async for lines in client.tail_job_logs(job_id):
-        sys.stdout.write(lines)
-        sys.stdout.flush()
+        out.write(lines)
+        out.flush()
+        written += len(lines)
+    return written
+
+
+def catch_up(client: Any, job_id: str, written: int, out: TextIO) -> int:
+    """Write the part of the job's log past the first `written` characters; returns the new count.
+
+    The log stream (a websocket) can end before the job does, e.g. cut by a proxy or an idle timeout during a
+    long silent phase; the job's log file is complete, so what the stream missed (progress lines, the final
+    summary) is fetched from it instead of being lost.
+    """
+    try:
+        logs = client.get_job_logs(job_id)
+    except Exception:  # noqa: BLE001 - a server going away: nothing more to show
+        return written
+    if len(logs) > written:
+        out.write(logs[written:])
+        out.flush()
+        return len(logs)
+    return written
+
+
+def follow_to_the_end(client: Any, job_id: str, out: TextIO = sys.stdout, poll_s: float = 2.0) -> str:
+    """Stream the job's log, then whatever the stream missed, until the job is terminal; returns its status."""
+    import time
+
+    written = asyncio.run(_follow(client, job_id, out))
+    while True:
+        status = str(client.get_job_status(job_id)).split(".")[-1]
+        written = catch_up(client, job_id, written, out)
+        if status in EXIT_CODES:
+            return status
+        time.sleep(poll_s)
 
 
 def submit_with_retry(client: Any, payload: dict[str, Any], wait_s: float = 90.0) -> str:
@@ -86,21 +254,6 @@ def submit_with_retry(client: Any, payload: dict[str, Any], wait_s: float = 90.0
             if "try again later" not in str(exc) or time.monotonic() - t0 > wait_s:
                 raise
             time.sleep(2.0)
-
-
-def wait_for_status(client: Any, job_id: str, poll_s: float = 1.0, timeout_s: Optional[float] = None) -> str:
-    """Poll until the job is terminal; returns its status name."""
-    import time
-
-    t0 = time.monotonic()
-    while True:
-        status = str(client.get_job_status(job_id))
-        status = status.split(".")[-1]
-        if status in EXIT_CODES:
-            return status
-        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
-            return status
-        time.sleep(poll_s)
 
 
 def exit_code(client: Any, job_id: str, status: str) -> int:
@@ -143,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--working-dir", type=Path, default=None,
                    help="directory uploaded as the job's working_dir (default: this Relax checkout, else the cwd)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="environment variable (repeatable)")
+    p.add_argument("--exp-dir", default=None, metavar="DIR",
+                   help="absolute directory on the cluster's shared storage where relax-train runs and writes its "
+                        "MLflow store, outputs and checkpoints (default: $EXP_DIR); without it every output path "
+                        "must be absolute")
     p.add_argument("--entrypoint", default=None,
                    help=f"command instead of `{TRAIN_ENTRYPOINT}`; the overrides are appended to it")
     p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks one)")
@@ -163,8 +320,34 @@ def main(argv: Optional[list[str]] = None) -> None:
     working_dir = (args.working_dir or default_working_dir()).resolve()
     if not working_dir.is_dir():
         parser.error(f"--working-dir {working_dir} is not a directory")
+    exp_dir = args.exp_dir or os.environ.get(EXP_DIR_ENV) or None
+    if args.entrypoint is not None:
+        if args.exp_dir:
+            parser.error("--exp-dir applies to relax-train, not to --entrypoint")
+        exp_dir = None
+    elif exp_dir is not None:
+        source = "--exp-dir" if args.exp_dir else EXP_DIR_ENV
+        if not exp_dir.startswith("/"):
+            print(f"relax-submit: error: {source}={exp_dir}: must be an absolute directory on the cluster's shared "
+                  "storage (a relative one would be inside the job's temporary working_dir)", file=sys.stderr)
+            sys.exit(USAGE_EXIT)
+    else:
+        try:
+            problems = check_storage(args.overrides, working_dir=working_dir)
+        except ValueError as exc:
+            print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
+            sys.exit(USAGE_EXIT)
+        if problems:
+            print("relax-submit: error: in a Ray job relax-train starts in Ray's temporary copy of the working_dir, "
+                  "deleted with the job; these would be written there and lost:\n"
+                  + "\n".join(f"  {p}" for p in problems)
+                  + f"\nUse --exp-dir DIR (or {EXP_DIR_ENV}=DIR), an absolute directory on storage the cluster's "
+                  "nodes share: relax-train then runs in DIR and writes everything there. Or make each of the above "
+                  "absolute. Nothing was submitted.", file=sys.stderr)
+            sys.exit(USAGE_EXIT)
     payload = build_submission(args.overrides, working_dir=working_dir, env=env, entrypoint=args.entrypoint,
-                               submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus)
+                               submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus,
+                               exp_dir=exp_dir)
     if args.dry_run:
         import json
 
@@ -182,16 +365,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"relax-submit: error: cannot submit to {args.address}: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT)
     print(f"submitted job {job_id} to {args.address}: {payload['entrypoint']}", flush=True)
+    if exp_dir is not None:
+        print(f"records, outputs and checkpoints: {exp_dir} (on the cluster)", flush=True)
     if args.no_follow:
         print(f"follow it with: ray job logs --address {args.address} --follow {job_id}")
         return
     try:
-        asyncio.run(_follow(client, job_id))
+        status = follow_to_the_end(client, job_id)
     except KeyboardInterrupt:
         print(f"\nstopped following; the job goes on. Stop it with: ray job stop --address {args.address} {job_id}",
               file=sys.stderr)
         sys.exit(130)
-    status = wait_for_status(client, job_id)
     code = exit_code(client, job_id, status)
     print(f"job {job_id}: {status} (exit code {code})", file=sys.stderr)
     sys.exit(code)

@@ -7,9 +7,12 @@ Statistics, per metric:
 - a run's *final value* is the mean of its last `last_k` logged steps (a single last step is noisy);
 - per arm: mean and sample standard deviation (ddof=1) of the final values over seeds, and n;
 - against a control arm: differences `arm - control` paired by the `seed` tag (same seed, same data
-  order and initial weights, so most seed-to-seed noise cancels), their mean, and a percentile
-  bootstrap 95% confidence interval of that mean (`n_boot` resamples of the pairs, numpy
-  `default_rng(seed)`, so the interval is reproducible).
+  order and initial weights, so most seed-to-seed noise cancels), their mean, and a 95% confidence
+  interval of that mean. With n >= MIN_BOOTSTRAP_PAIRS (5) pairs: a percentile bootstrap (`n_boot`
+  resamples of the pairs, numpy `default_rng(seed)`, so the interval is reproducible). With 2..4
+  pairs a bootstrap can only resample a handful of numbers (its interval is about their range, too
+  narrow), so the interval is Student's t: mean +- t_{0.975, n-1} * sd / sqrt(n), the t quantile
+  computed here exactly (no scipy). With one pair there is no interval ("n too small").
 Anything that makes a number impossible or weak (a missing metric, one seed, unpaired seeds) becomes a
 note line, never an exception.
 """
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 DEFAULT_METRIC = RAW_REWARD
+MIN_BOOTSTRAP_PAIRS = 5  # fewer pairs: Student t interval instead of the bootstrap
+CI_BOOTSTRAP = "bootstrap"
+CI_TOO_SMALL = "n too small"
 COMPARE_TAG = "relax.compare"  # runs created by relax-compare itself (never selected as arms)
 NO_VALUE = "(none)"
 
@@ -72,9 +78,10 @@ class PairedDiff:
     control: str
     n_pairs: int
     mean: float
-    ci_low: float
+    ci_low: float  # NaN when n_pairs == 1
     ci_high: float
     seeds: list[str]
+    ci_method: str = CI_BOOTSTRAP  # "bootstrap", "t, <dof> dof" or "n too small"
 
 
 @dataclass
@@ -127,6 +134,74 @@ def bootstrap_ci(values: Sequence[float], *, n_boot: int = 10_000, seed: int = 0
     alpha = (1 - level) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
     return float(lo), float(hi)
+
+
+def t_two_sided_probability(t: float, dof: int) -> float:
+    """P(|T| <= t) for Student's t with `dof` (a positive integer) degrees of freedom.
+
+    Exact finite sums of Abramowitz & Stegun 26.7.3 (odd dof) and 26.7.4 (even dof) in
+    theta = atan(t / sqrt(dof)); no special functions needed.
+    """
+    if dof < 1:
+        raise ValueError(f"dof must be >= 1, got {dof}")
+    if t <= 0:
+        return 0.0
+    if math.isinf(t):
+        return 1.0
+    theta = math.atan(t / math.sqrt(dof))
+    s, c = math.sin(theta), math.cos(theta)
+    if dof % 2 == 1:
+        total, term = 0.0, c  # c + (2/3) c^3 + (2*4)/(3*5) c^5 + ... up to c^(dof-2)
+        for k in range(1, (dof - 1) // 2 + 1):
+            total += term
+            term *= (2 * k) / (2 * k + 1) * c * c
+        return min(1.0, 2.0 / math.pi * (theta + s * total))
+    total, term = 0.0, 1.0  # 1 + (1/2) c^2 + (1*3)/(2*4) c^4 + ... up to c^(dof-2)
+    for k in range(1, dof // 2 + 1):
+        total += term
+        term *= (2 * k - 1) / (2 * k) * c * c
+    return min(1.0, s * total)
+
+
+def t_quantile(level: float, dof: int) -> float:
+    """The two-sided critical value t with P(|T| <= t) = `level` (t_{0.975, dof} for level 0.95), by bisection."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    lo, hi = 0.0, 1.0
+    while t_two_sided_probability(hi, dof) < level:
+        lo, hi = hi, hi * 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_two_sided_probability(mid, dof) < level:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def t_interval(values: Sequence[float], *, level: float = 0.95) -> tuple[float, float]:
+    """Student t interval of the mean: mean +- t_{(1+level)/2, n-1} * sd / sqrt(n); NaNs for fewer than 2 values."""
+    n = len(values)
+    if n < 2:
+        return float("nan"), float("nan")
+    mean, sd = mean_std(values)
+    half = t_quantile(level, n - 1) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def paired_interval(diffs: Sequence[float], *, n_boot: int = 10_000, seed: int = 0,
+                    level: float = 0.95) -> tuple[float, float, str]:
+    """The interval of the mean paired difference and how it was made (see the module docstring)."""
+    n = len(diffs)
+    if n < 2:
+        return float("nan"), float("nan"), CI_TOO_SMALL
+    if n < MIN_BOOTSTRAP_PAIRS:
+        lo, hi = t_interval(diffs, level=level)
+        return lo, hi, f"t, {n - 1} dof"
+    lo, hi = bootstrap_ci(diffs, n_boot=n_boot, seed=seed, level=level)
+    return lo, hi, CI_BOOTSTRAP
 
 
 def _seed_key(run: RunData) -> str:
@@ -197,10 +272,11 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                 comp.notes.append(f"{metric}: arm {arm} shares no seed with {control}: no paired difference")
                 continue
             diffs = [mine[s] - base[s] for s in common]
-            lo, hi = bootstrap_ci(diffs, n_boot=n_boot, seed=seed)
+            lo, hi, how = paired_interval(diffs, n_boot=n_boot, seed=seed)
             if len(diffs) == 1:
-                comp.notes.append(f"{metric}: {arm} vs {control} has one pair: the interval is a single point")
-            comp.diffs.append(PairedDiff(metric, arm, control, len(diffs), sum(diffs) / len(diffs), lo, hi, common))
+                comp.notes.append(f"{metric}: {arm} vs {control} has one pair: n too small for an interval")
+            comp.diffs.append(PairedDiff(metric, arm, control, len(diffs), sum(diffs) / len(diffs), lo, hi, common,
+                                         how))
     return comp
 
 
@@ -346,15 +422,21 @@ def render(comp: Comparison, *, title: str = "") -> str:
             ["  (no values)"]
         diffs = [d for d in comp.diffs if d.metric == metric]
         if diffs:
-            lines.append(f"  paired by seed vs control {comp.control}: mean difference and bootstrap 95% CI "
-                         f"({comp.n_boot} resamples)")
+            lines.append(f"  paired by seed vs control {comp.control}: mean difference and 95% CI (Student t with "
+                         f"n-1 dof below {MIN_BOOTSTRAP_PAIRS} pairs, else percentile bootstrap of {comp.n_boot} "
+                         "resamples)")
             rows = [(d.arm, str(d.n_pairs), _fmt(d.mean, True), _fmt(d.ci_low, True), _fmt(d.ci_high, True),
-                     ",".join(d.seeds)) for d in diffs]
-            lines += ["  " + x for x in _table(("arm", "pairs", "diff", "ci low", "ci high", "seeds"), rows)]
+                     d.ci_method, ",".join(d.seeds)) for d in diffs]
+            lines += ["  " + x for x in _table(("arm", "n pairs", "diff", "ci low", "ci high", "interval", "seeds"),
+                                               rows)]
     if comp.notes:
         lines.append("")
         lines += [f"note: {n}" for n in comp.notes]
     return "\n".join(lines)
+
+
+def _csv_num(x: float) -> str:
+    return "" if math.isnan(x) else f"{x:.6g}"
 
 
 def write_csv(comp: Comparison, path: Path) -> Path:
@@ -364,14 +446,15 @@ def write_csv(comp: Comparison, path: Path) -> Path:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["metric", "arm", "is_control", "n_seeds", "mean", "std", "seeds", "finals", "last_k",
-                    "control", "n_pairs", "diff_mean", "diff_ci_low", "diff_ci_high"])
+                    "control", "n_pairs", "diff_mean", "diff_ci_low", "diff_ci_high", "diff_ci_method"])
         for s in comp.stats:
             d = diffs.get((s.metric, s.arm))
             finals = ";".join(f"{k}={s.finals[k]:.6g}" for k in s.seeds)
             w.writerow([s.metric, s.arm, s.arm == comp.control, s.n, f"{s.mean:.6g}",
                         "" if math.isnan(s.std) else f"{s.std:.6g}", ";".join(s.seeds), finals, comp.last_k,
                         comp.control or "", d.n_pairs if d else "", f"{d.mean:.6g}" if d else "",
-                        f"{d.ci_low:.6g}" if d else "", f"{d.ci_high:.6g}" if d else ""])
+                        _csv_num(d.ci_low) if d else "", _csv_num(d.ci_high) if d else "",
+                        d.ci_method if d else ""])
     return path
 
 

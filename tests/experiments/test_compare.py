@@ -14,6 +14,10 @@ from relax.tracking.compare import (
     compare,
     final_value,
     mean_std,
+    paired_interval,
+    t_interval,
+    t_quantile,
+    t_two_sided_probability,
 )
 
 # arm -> seed -> history of rollout/raw_reward over steps 0..4; with last_k=2 the final is the mean of steps 3, 4
@@ -67,6 +71,57 @@ def test_statistics_helpers():
     assert bootstrap_ci([2.0, 2.0, 3.0], n_boot=5000, seed=3) == (lo, hi)  # reproducible
 
 
+# Two-sided critical values t_{1-alpha/2, dof} from printed tables (e.g. NIST/SEMATECH e-Handbook 1.3.6.7.2).
+T_TABLE_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 10: 2.228, 30: 2.042}
+T_TABLE_99 = {1: 63.657, 2: 9.925, 3: 5.841, 10: 3.169}
+
+
+def test_t_quantile_against_tables_and_closed_forms():
+    for dof, t in T_TABLE_95.items():
+        assert t_quantile(0.95, dof) == pytest.approx(t, abs=6e-4), dof
+    for dof, t in T_TABLE_99.items():
+        assert t_quantile(0.99, dof) == pytest.approx(t, abs=6e-4), dof
+    # closed forms: dof 1 is the Cauchy distribution, t = tan(pi (p - 1/2)); dof 2: t = (2p - 1) / sqrt(2 p (1 - p))
+    p = 0.975
+    assert t_quantile(0.95, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)
+    assert t_quantile(0.95, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-9)
+    assert t_quantile(0.95, 1000) == pytest.approx(1.962, abs=1e-3)  # tends to the normal's 1.960
+
+
+def _t_density_integral(t: float, dof: int, n: int = 20_000) -> float:
+    """P(|T| <= t) by Simpson's rule on the t density (Gamma functions), independent of the A&S sums."""
+    c = math.exp(math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2)) / math.sqrt(dof * math.pi)
+    h = t / n
+    f = [c * (1 + (i * h) ** 2 / dof) ** (-(dof + 1) / 2) for i in range(n + 1)]
+    return 2 * h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+
+@pytest.mark.parametrize("dof", [1, 2, 3, 4, 5, 8])
+def test_t_probability_against_numerical_integration(dof):
+    for t in (0.3, 1.0, 2.5, 6.0):
+        assert t_two_sided_probability(t, dof) == pytest.approx(_t_density_integral(t, dof), abs=1e-9)
+    assert t_two_sided_probability(0.0, dof) == 0.0
+
+
+def test_paired_interval_by_number_of_pairs():
+    # n = 3, hand computation: mean 7/3, sd = sqrt(((−1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3), se = sd / sqrt(3) = 1/3
+    lo, hi, how = paired_interval([2.0, 2.0, 3.0])
+    assert how == "t, 2 dof"
+    assert (lo, hi) == pytest.approx((7 / 3 - 4.302653 / 3, 7 / 3 + 4.302653 / 3), abs=1e-6)
+    assert t_interval([2.0, 2.0, 3.0]) == (lo, hi)
+    # n = 2: differences 1 and 3, mean 2, sd sqrt(2), se 1: 2 +- 12.706
+    lo, hi, how = paired_interval([1.0, 3.0])
+    assert how == "t, 1 dof" and (lo, hi) == pytest.approx((2 - 12.7062, 2 + 12.7062), abs=1e-4)
+    # n = 1: no interval
+    lo, hi, how = paired_interval([0.5])
+    assert how == "n too small" and math.isnan(lo) and math.isnan(hi)
+    # n >= 5: the percentile bootstrap, as bootstrap_ci computes it
+    five = [0.1, 0.4, -0.2, 0.3, 0.25]
+    lo, hi, how = paired_interval(five, n_boot=3000, seed=5)
+    assert how == "bootstrap" and (lo, hi) == bootstrap_ci(five, n_boot=3000, seed=5)
+    assert min(five) <= lo < sum(five) / 5 < hi <= max(five)
+
+
 def test_compare_against_hand_computed_values(store, tmp_path):
     tmp, uri, pid = store
     r = compare(uri=uri, control="A", last_k=2, n_boot=4000, seed=11, out_dir=tmp_path / "out")
@@ -80,23 +135,28 @@ def test_compare_against_hand_computed_values(store, tmp_path):
     diffs = {(d.metric, d.arm): d for d in comp.diffs}
     d = diffs[("rollout/raw_reward", "B")]
     assert d.n_pairs == 3 and d.mean == pytest.approx(7 / 3)  # (4-2) + (5-3) + (7-4) over 3
-    assert 2.0 <= d.ci_low <= 7 / 3 <= d.ci_high <= 3.0
-    again = compare(uri=uri, control="A", last_k=2, n_boot=4000, seed=11, out_dir=tmp_path / "again", log=False)
-    d2 = {(x.metric, x.arm): x for x in again.comparison.diffs}[("rollout/raw_reward", "B")]
-    assert (d2.ci_low, d2.ci_high) == (d.ci_low, d.ci_high)
+    # 3 pairs (< 5): Student t with 2 dof on the differences 2, 2, 3 (hand computation in the test above)
+    assert d.ci_method == "t, 2 dof"
+    assert (d.ci_low, d.ci_high) == pytest.approx((7 / 3 - 4.302653 / 3, 7 / 3 + 4.302653 / 3), abs=1e-6)
     c = diffs[("rollout/raw_reward", "C")]
-    assert c.n_pairs == 1 and c.mean == pytest.approx(1 - 2) and c.ci_low == c.ci_high == c.mean
+    assert c.n_pairs == 1 and c.mean == pytest.approx(1 - 2) and c.ci_method == "n too small"
+    assert math.isnan(c.ci_low) and math.isnan(c.ci_high)
     notes = "\n".join(comp.notes)
     assert "is FAILED: left out" in notes
     assert "arm D has a single seed" in notes
     assert "arms C and A have different seed sets (4 only in C; 2, 3 only in A)" in notes
     assert "eval/reward: arm B has no values for seed(s) 1, 2, 3" in notes
+    assert "rollout/raw_reward: C vs A has one pair: n too small for an interval" in notes
     # the outputs, also logged on the sweep's parent run
     assert r.csv_path.is_file() and r.png_path.stat().st_size > 1000
     rows = list(csv.DictReader(open(r.csv_path)))
     row = next(x for x in rows if x["metric"] == "rollout/raw_reward" and x["arm"] == "B")
     assert float(row["mean"]) == pytest.approx(16 / 3, rel=1e-5) and float(row["diff_mean"]) == pytest.approx(7 / 3,
                                                                                                              rel=1e-5)
+    assert row["diff_ci_method"] == "t, 2 dof" and float(row["diff_ci_low"]) == pytest.approx(0.899116, rel=1e-5)
+    row = next(x for x in rows if x["metric"] == "rollout/raw_reward" and x["arm"] == "C")
+    assert (row["n_pairs"], row["diff_ci_low"], row["diff_ci_high"], row["diff_ci_method"]) == ("1", "", "",
+                                                                                               "n too small")
     assert r.logged_to == pid
     from mlflow import MlflowClient
 
@@ -111,7 +171,11 @@ def test_cli_prints_tables_and_notes(store, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "A (control)  3        3.0000  1.0000  1,2,3" in out
     assert "note: metric eval/missing is in none of the selected runs" in out
-    assert re.search(r"^  B\s+3\s+\+2\.3333\s+\+2\.\d+\s+\+[23]\.\d+\s+1,2,3$", out, re.M), out
+    assert "arm  n pairs  diff     ci low   ci high  interval     seeds" in out
+    # 7/3 -+ 4.302653/3 = 0.8991, 3.7676 (t, 2 dof); C has one pair: no interval
+    assert re.search(r"^  B\s+3\s+\+2\.3333\s+\+0\.8991\s+\+3\.7676\s+t, 2 dof\s+1,2,3$", out, re.M), out
+    assert re.search(r"^  C\s+1\s+-1\.0000\s+-\s+-\s+n too small\s+1$", out, re.M), out
+    assert "Student t with n-1 dof below 5 pairs" in out
 
 
 def test_selection_errors_are_messages(store, tmp_path, capsys):

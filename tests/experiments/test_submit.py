@@ -1,6 +1,7 @@
 """relax-submit: the Ray Jobs payload, and a real submission to a local Ray head with token authentication."""
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -16,9 +17,13 @@ from relax.cli.submit import (
     EXCLUDES,
     TRAIN_ENTRYPOINT,
     build_submission,
+    check_storage,
     default_working_dir,
     enable_token_auth,
+    follow_to_the_end,
+    main,
     parse_env,
+    storage_problems,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,11 +37,129 @@ def test_payload_runs_relax_train_with_the_checkout_and_env(tmp_path):
                          working_dir=tmp_path, env=env, submission_id="job-1")
     assert p["entrypoint"] == (f"{TRAIN_ENTRYPOINT} algorithm=rloo model=qwen3_0.6b cluster=8xgpu "
                                "'data.system_prompt=Be brief'")
-    assert p["runtime_env"] == {"working_dir": str(tmp_path), "excludes": EXCLUDES, "env_vars": env}
+    assert p["runtime_env"] == {"working_dir": str(tmp_path), "excludes": EXCLUDES,
+                                "env_vars": {"PYTHONUNBUFFERED": "1", **env}}
     assert p["submission_id"] == "job-1"
     assert default_working_dir() == REPO
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_env(["novalue"], environ={})
+    # --exp-dir: relax-train runs in that directory, importing Relax from the uploaded working_dir
+    p = build_submission(["seed=2"], working_dir=tmp_path, env={}, exp_dir="/shared/my exp")
+    assert p["entrypoint"] == ('export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" && mkdir -p \'/shared/my exp\' && '
+                               f"cd '/shared/my exp' && {TRAIN_ENTRYPOINT} seed=2")
+    local = tmp_path / "exp dir"
+    p = build_submission(["seed=2"], working_dir=tmp_path, env={}, exp_dir=str(local))
+    out = subprocess.run(["bash", "-c", p["entrypoint"].replace(TRAIN_ENTRYPOINT, "echo \"$PWD|$PYTHONPATH\" #")],
+                         cwd=tmp_path, capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert out.stdout.strip() == f"{local}|{tmp_path}" and local.is_dir()
+
+
+# ---------------------------------------------------------------------- where a submitted run writes
+ABSOLUTE = {"dry_run": False, "tracking.enabled": True, "tracking.uri": "sqlite:////shared/exp/mlflow.db",
+            "train.save": True, "train.save_dir": "/shared/exp/ckpt", "hydra.run.dir": "/shared/exp/out/${now:%H}",
+            "hydra.sweep.dir": "/shared/exp/multirun"}
+
+
+def test_storage_rules():
+    assert storage_problems(ABSOLUTE, sweep=False) == []
+    for uri in ("http://mlflow:5000", "https://x/mlflow", "databricks", "file:///shared/mlruns", "/shared/mlruns",
+                "postgresql://u@db/mlflow"):
+        assert storage_problems({**ABSOLUTE, "tracking.uri": uri}, sweep=False) == [], uri
+    for uri in ("sqlite:///mlflow.db", "sqlite:///sub/m.db", "file:mlruns", "mlruns", "./mlruns"):
+        (problem,) = storage_problems({**ABSOLUTE, "tracking.uri": uri}, sweep=False)
+        assert problem.startswith(f"tracking.uri={uri}: a relative MLflow store"), uri
+    assert storage_problems({**ABSOLUTE, "tracking.uri": "mlruns", "tracking.enabled": False}, sweep=False) == []
+    (problem,) = storage_problems({**ABSOLUTE, "train.save_dir": "ckpt"}, sweep=False)
+    assert problem.startswith("train.save_dir=ckpt: relative")
+    (problem,) = storage_problems({**ABSOLUTE, "train.save_dir": "~/ckpt"}, sweep=False)  # no one expands "~"
+    assert problem.startswith("train.save_dir=~/ckpt: relative")
+    (problem,) = storage_problems({**ABSOLUTE, "train.save_dir": None}, sweep=False)
+    assert problem.startswith("train.save_dir is unset")
+    assert storage_problems({**ABSOLUTE, "train.save_dir": None, "train.save": False}, sweep=False) == []
+    (problem,) = storage_problems({**ABSOLUTE, "hydra.run.dir": "outputs/x"}, sweep=False)
+    assert problem.startswith("hydra.run.dir=outputs/x: relative")
+    assert storage_problems({**ABSOLUTE, "hydra.run.dir": "outputs/x"}, sweep=True) == []  # a sweep: sweep.dir
+    (problem,) = storage_problems({**ABSOLUTE, "hydra.sweep.dir": "multirun/x"}, sweep=True)
+    assert problem.startswith("hydra.sweep.dir=multirun/x: relative")
+    assert storage_problems({**ABSOLUTE, "tracking.uri": "mlruns", "dry_run": True}, sweep=False) == []
+
+
+def test_storage_check_composes_what_relax_train_composes():
+    # the defaults of conf/ and relax.config: everything relative
+    problems = check_storage(["train.num_rollout=4"], working_dir=REPO)
+    assert [p.split("=")[0].split(" ")[0] for p in problems] == ["tracking.uri", "train.save_dir", "hydra.run.dir"]
+    assert "hydra.run.dir=outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}: relative" in problems[2]  # as written in conf/
+    good = ["tracking.uri=http://mlflow:5000", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out"]
+    assert check_storage(["+experiment=rloo_vs_grpo_cpu", *good], working_dir=REPO) == []
+    # a sweep: the first job's values are composed, and Hydra's sweep dir is the one checked
+    problems = check_storage(["-m", "algorithm=rloo,grpo", "seed=1,2", "train.save_dir=ckpt,/abs",
+                              "tracking.uri=http://mlflow:5000"], working_dir=REPO)
+    assert [p.split(":")[0] for p in problems] == ["train.save_dir=ckpt", "hydra.sweep.dir=multirun/${now"]
+    assert check_storage(["algorithm=rloo", "dry_run=true"], working_dir=REPO) == []
+    assert check_storage(["--cfg", "job"], working_dir=REPO) == []  # prints the config, runs nothing
+    with pytest.raises(ValueError, match="does not compose.*nokey"):
+        check_storage(["nokey=1"], working_dir=REPO)
+
+
+def test_submit_refuses_relative_outputs_before_contacting_the_cluster(monkeypatch, capsys):
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    closed = "http://127.0.0.1:9"  # nothing listens: a submission attempt would fail with "cannot submit"
+    with pytest.raises(SystemExit) as exc:
+        main(["--address", closed, "--", "train.num_rollout=4"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "cannot submit" not in err and "Nothing was submitted." in err
+    for field in ("tracking.uri=sqlite:///mlflow.db", "train.save_dir is unset", "hydra.run.dir=outputs/"):
+        assert field in err, err
+    assert "--exp-dir DIR" in err
+    # a relative --exp-dir or EXP_DIR is refused too
+    with pytest.raises(SystemExit) as exc:
+        main(["--address", closed, "--exp-dir", "exp", "--", "train.num_rollout=4"])
+    assert exc.value.code == 2 and "--exp-dir=exp: must be an absolute directory" in capsys.readouterr().err
+    monkeypatch.setenv("EXP_DIR", "rel/exp")
+    with pytest.raises(SystemExit) as exc:
+        main(["--address", closed, "--", "train.num_rollout=4"])
+    assert exc.value.code == 2 and "EXP_DIR=rel/exp: must be an absolute directory" in capsys.readouterr().err
+    # an absolute EXP_DIR (forwarded to the job as well) is where relax-train runs
+    monkeypatch.setenv("EXP_DIR", "/shared/exp")
+    main(["--dry-run", "--", "train.num_rollout=4"])
+    out = capsys.readouterr().out
+    assert "mkdir -p /shared/exp && cd /shared/exp && python -m relax.cli.train train.num_rollout=4" in out
+    assert '"EXP_DIR": "/shared/exp"' in out
+    # every output absolute: accepted without an experiment directory
+    monkeypatch.delenv("EXP_DIR")
+    main(["--dry-run", "--", "tracking.uri=http://mlflow:5000", "train.save_dir=/s/ckpt", "hydra.run.dir=/s/out"])
+    assert '"entrypoint": "python -m relax.cli.train tracking.uri=' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--entrypoint", "true"])
+    assert exc.value.code == 2
+
+
+class _CutStream:
+    """A Jobs client whose log stream ends after the header while the job goes on (a dropped websocket)."""
+
+    def __init__(self, log: str, cut: int):
+        self.log, self.cut, self.polls = log, cut, 0
+
+    async def tail_job_logs(self, job_id):
+        yield self.log[: self.cut]
+
+    def get_job_status(self, job_id):
+        self.polls += 1
+        return "JobStatus.RUNNING" if self.polls < 3 else "JobStatus.SUCCEEDED"
+
+    def get_job_logs(self, job_id):
+        return self.log[: self.cut + 10 * self.polls] if self.polls < 3 else self.log
+
+
+def test_what_the_log_stream_missed_is_printed_from_the_job_log():
+    import io
+
+    log = "algorithm  grpo\n" + "".join(f"step {i}/4 | reward 0.{i}\n" for i in range(1, 5)) + "Relax run finished\n"
+    client = _CutStream(log, cut=16)
+    out = io.StringIO()
+    assert follow_to_the_end(client, "job", out, poll_s=0) == "SUCCEEDED"
+    assert out.getvalue() == log  # every line once, in order
 
 
 def test_token_auth_is_turned_on_when_a_token_is_available(tmp_path, monkeypatch):
@@ -75,7 +198,7 @@ def ray_head(tmp_path_factory):
             proc.kill()
             pytest.fail("the Ray head did not start:\n" + (tmp / "head.log").read_text())
         time.sleep(0.5)
-    yield url, token, tmp
+    yield url, token, tmp, gcs
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=60)
@@ -85,7 +208,7 @@ def ray_head(tmp_path_factory):
 
 
 def _submit(args, *, token, home, timeout=180):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "EXP_DIR"}
     env["HOME"] = str(home)  # no ~/.ray/auth_token of the user's
     if token:
         env["RAY_AUTH_TOKEN"] = token
@@ -95,7 +218,7 @@ def _submit(args, *, token, home, timeout=180):
 
 @pytest.mark.slow
 def test_submit_follows_logs_and_returns_the_job_exit_code(ray_head, tmp_path):
-    url, token, home = ray_head
+    url, token, home, _ = ray_head
     (tmp_path / "marker.txt").write_text("from the working dir")
     code = "import sys; print(open('marker.txt').read()); sys.exit(3)"
     proc = _submit(["--address", url, "--working-dir", str(tmp_path), "--entrypoint", f'python -c "{code}"'],
@@ -108,7 +231,7 @@ def test_submit_follows_logs_and_returns_the_job_exit_code(ray_head, tmp_path):
 
 @pytest.mark.slow
 def test_submit_relax_train_from_the_checkout(ray_head):
-    url, token, home = ray_head
+    url, token, home, _ = ray_head
     proc = _submit(["--address", url, "--env", "RELAX_TEST=1", "--", "algorithm=rloo", "dry_run=true"],
                    token=token, home=home)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -117,8 +240,58 @@ def test_submit_relax_train_from_the_checkout(ray_head):
 
 @pytest.mark.slow
 def test_submit_without_the_token_is_refused(ray_head, tmp_path):
-    url, _, home = ray_head
+    url, _, home, _ = ray_head
     proc = _submit(["--address", url, "--working-dir", str(tmp_path), "--no-follow", "--entrypoint", "true"],
                    token=None, home=tmp_path)
     assert proc.returncode == 2
     assert "relax-submit: error: cannot submit" in proc.stderr and "uthentication" in proc.stderr
+
+
+@pytest.mark.slow
+def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_streams_its_progress(ray_head, tmp_path):
+    """relax-train as a Ray job, with no cluster.address: it joins the job's cluster (the default cluster=local
+    would start its own Ray), writes MLflow and checkpoints under --exp-dir (not in the job's working_dir, which
+    Ray deletes), and its log shows the progress lines and the final summary as a local run prints them."""
+    from mlflow import MlflowClient
+
+    url, token, home, gcs = ray_head
+    exp = tmp_path / "exp"
+    proc = _submit(["--address", url, "--exp-dir", str(exp), "--", "train.num_rollout=2",
+                    "tracking.experiment=submitted"], token=token, home=home, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "SUCCEEDED (exit code 0)" in proc.stderr
+    # 1. joined the head's cluster, and said so
+    joined = re.search(r"^Ray: cluster\.address is unset and this process runs inside Ray job (\S+): joining the Ray "
+                       r"cluster at (\S+) \(RAY_ADDRESS\)", out, re.M)
+    assert joined, out
+    assert joined.group(2).endswith(f":{gcs}")  # the head's GCS port (Ray names the host by its IP); a Ray of its
+    # own would have started a GCS on another port, and the default cluster=local would have failed on num_cpus
+    assert re.search(rf"^submitted job {re.escape(joined.group(1))} ", out, re.M)
+    # 3. the live log as a local run prints it (not a TTY: whole lines, the first and the last step), then the summary
+    assert re.search(r"^step 1/2  50% \| reward \S+ \| step \S+s \| elapsed \S+ \| eta \S+$", out, re.M), out
+    assert re.search(r"^step 2/2 100% \| reward \S+ .*\| eta 0:00$", out, re.M), out
+    assert "\r" not in out
+    summary = out[out.index("Relax run finished"):]
+    assert re.search(r"^  final reward +\S+$", summary, re.M) and re.search(r"^  steps +2$", summary, re.M)
+    # 2. the record and the checkpoint are in the experiment directory, read after the job (and its runtime env) ended
+    db = exp / "mlflow.db"
+    assert f"mlflow ui --backend-store-uri sqlite:///{db}" in summary
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("submitted").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_id in summary
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "rollout/raw_reward")] == [0, 1]
+    assert run.info.artifact_uri.startswith(str(exp))
+    assert {f.path for f in client.list_artifacts(run.info.run_id)} >= {"config.yaml", "plan.txt"}
+    outputs = Path(re.search(r"^  outputs +(\S+)$", summary, re.M).group(1))
+    assert outputs.is_relative_to(exp) and (outputs / "config.resolved.yaml").is_file()
+    checkpoints = [p for p in exp.rglob("step_000002") if p.is_dir()]
+    assert len(checkpoints) == 1 and (checkpoints[0] / "policy").is_dir(), sorted(map(str, exp.rglob("*")))
+    # nothing of the run was written into the job's working_dir (Ray's copy of the checkout, shared by the jobs
+    # that upload the same files: the dry run of another test may leave Hydra's outputs/<date>/.hydra there)
+    copies = [p for p in (home / "ray").glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()]
+    assert copies
+    for copy in copies:
+        written = [p for pattern in ("mlflow.db", "mlruns", "checkpoints", "step_*", "config.resolved.yaml")
+                   for p in copy.rglob(pattern)]
+        assert not written, written
