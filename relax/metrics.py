@@ -17,6 +17,7 @@ REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left o
 # train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
+SAMPLING_DROPPED_MASS = "rollout/sampling_dropped_mass"  # probability mass top-k/top-p removed per drawn token
 
 # RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
 RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"
