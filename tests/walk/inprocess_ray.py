@@ -1,0 +1,89 @@
+"""A stand-in for the `ray` module that runs roles in this process, for the schema walk only.
+
+The walk runs the real training loop (`relax.runner.train.run`) once per config field; starting Ray's
+actor processes for each of those runs would take most of CI's budget. This stand-in keeps the loop, the
+roles and the backends real and replaces only the transport: `ray.remote(cls).options(...).remote(...)`
+builds the role object here, `handle.method.remote(...)` calls it, `ray.get` returns the value. End-to-end
+tests elsewhere run the same loop on a real Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+from typing import Any
+
+
+class _Method:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def options(self, **_: Any) -> _Method:
+        return self
+
+
+class _Handle:
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
+class _RemoteClass:
+    def __init__(self, cls):
+        self._cls = cls
+
+    def options(self, **_: Any) -> _RemoteClass:
+        return self
+
+    def remote(self, *args, **kwargs) -> _Handle:
+        return _Handle(self._cls(*args, **kwargs))
+
+
+def _get(value, timeout=None):
+    return value
+
+
+def _wait(values, num_returns=1, timeout=None, **_: Any):
+    return list(values), []
+
+
+class _Exceptions(types.SimpleNamespace):
+    pass
+
+
+def fake_ray() -> types.ModuleType:
+    ray = types.ModuleType("ray")
+    ray.remote = lambda cls=None, **_: _RemoteClass(cls) if cls is not None else (lambda c: _RemoteClass(c))
+    ray.get = _get
+    ray.wait = _wait
+    ray.put = lambda value: value
+    ray.kill = lambda actor, **_: None
+    ray.is_initialized = lambda: True
+    ray.init = lambda *a, **k: None
+    ray.shutdown = lambda: None
+    ray.cluster_resources = lambda: {"CPU": float(os.cpu_count() or 1)}
+    ray.available_resources = ray.cluster_resources
+    ray.exceptions = _Exceptions(RayActorError=RuntimeError, GetTimeoutError=TimeoutError, RayTaskError=RuntimeError,
+                                 ActorDiedError=RuntimeError)
+    return ray
+
+
+@contextlib.contextmanager
+def inprocess_ray():
+    """Replace `ray` in sys.modules while the block runs (the runner imports it inside its functions)."""
+    saved = {k: v for k, v in sys.modules.items() if k == "ray" or k.startswith("ray.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["ray"] = fake_ray()
+    try:
+        yield
+    finally:
+        del sys.modules["ray"]
+        sys.modules.update(saved)

@@ -1,0 +1,329 @@
+"""Every option either changes what runs or is rejected before start: a walk over every config field.
+
+For each field of the schema (`RelaxConfig` and its sections) and of every algorithm's config class, the walk
+sets one non-default value and asserts that either validation rejects the config, or a short run of the real
+training loop records something different from the same run with the default: its service-graph plan, its
+metrics, its checkpoint files and saved model config, its MLflow run, its output. A field added to the schema
+is walked automatically; one that is accepted and ignored fails here.
+
+The runs use the real loop, roles and backends in this process (`inprocess_ray`, the transport only is
+replaced; see tests/runner for the same loop on a real Ray). Runs are deterministic, so "different" is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from inprocess_ray import inprocess_ray
+
+from relax import algorithms
+from relax.config import ConfigError, load_config
+from relax.config.schema import RelaxConfig
+
+pytestmark = pytest.mark.slow
+
+# A short, fast run of the default experiment: every section at work (rollout, rewards, advantages, two optimizer
+# steps per rollout so that off-policy terms bind, checkpoints, MLflow), two rollouts.
+BASE = [
+    "train.num_rollout=2",
+    "rollout.rollout_batch_size=2",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_response_len=4",
+    "train.micro_batch_size=4",
+    "train.lr=0.02",
+    "data.num_prompts=32",
+    "train.save_interval=2",
+    "model.dtype=float32",  # bf16 kernels on tiny shapes are slower than fp32 on CPUs
+    "cluster.cpus_per_node=1",  # one torch thread: the tiny model gains nothing from more
+]
+# Algorithms that allow it get two optimizer steps per rollout, so that clipping and ratios bind.
+MULTI_STEP = ["train.num_steps_per_rollout=2"]
+
+# Values for fields where "default + a little" would not bind: limits, bounds and thresholds show their effect
+# only where they are reached, so the walk sets them where they are.
+VALUES: dict[str, Any] = {
+    "rollout.max_prompt_len": 10,  # the digits prompts are 11 tokens: all are dropped, the run says so at start
+    "train.clip_grad": 0.001,
+    "algorithm.eps_clip": 0.01,
+    "algorithm.eps_clip_high": 0.01,
+    "algorithm.kl2_budget": 1e-6,
+    "algorithm.miniclip_low": 0.9,
+    "algorithm.miniclip_high": 0.001,
+    "algorithm.value_clip": 1e-4,
+    "algorithm.tis_clip": 0.5,
+    "algorithm.kl_coef": 0.5,
+    "model.dtype": "bfloat16",
+    "model.name": "tiny-walk",
+    "model.arch": "llama",
+    "model.source": "hf",  # from $MODEL_DIR/<name>, which the walk does not provide: the run says so at start
+    "model.path": "some/model",
+    "cluster.cpus_per_node": 2,
+    "cluster.critic_gpus": 1,
+    "data.prompt_key": "question",
+    "data.label_key": "answer",
+    "algorithm.kl_loss_type": ("k2", "k1"),  # the first that differs from the algorithm's default
+    "algorithm.kl_loss_coef": 0.3,
+    "algorithm.critic_lr": 0.01,
+    "model.max_position_embeddings": 1024,
+    "cluster.name": "walk",
+    "cluster.address": "auto",
+    "data.name": "walk",
+    "data.task": "arithmetic",
+    "data.reward": "arithmetic",
+    "data.prompt_overflow": "error",
+    "data.reward_error": "raise",
+    "data.system_prompt": "Answer with one digit.",
+    "data.path": "prompts.jsonl",
+    "data.eval_path": "prompts.jsonl",
+    "train.lr_schedule": "cosine",
+    "train.save_dir": "elsewhere",
+    "train.resume": "auto",
+    "train.ref_load": "ref_model",
+    "tracking.uri": "sqlite:///other.db",
+    "tracking.experiment": "walk",
+    "tracking.run_name": "walk-run",
+    "tracking.arm": "walk-arm",
+    "tracking.sweep_id": "walk-sweep",
+    "tracking.parent_run_id": "0123456789abcdef",
+    "train.keep_checkpoints": 1,
+    "train.warmup_steps": 2,  # a warmup of 1 step is no warmup: the first step's factor is (0 + 1) / 1
+    "train.backend": "megatron",
+    "train.mode": "fully_async",
+    "rollout.backend": "sglang",
+    "train.calculate_per_token_loss": True,  # grpo's default is false
+    "train.global_batch_size": 8,
+    "train.num_steps_per_rollout": 1,
+    "train.adam_beta1": 0.5,
+    "train.adam_beta2": 0.9,
+}
+# Settings a field acts together with (documented with the field); the walk runs both the default and the
+# changed value in this context. A field that only acts in a context is rejected outside it by validation.
+CONTEXT: dict[str, list[str]] = {
+    "data.prompt_overflow": ["rollout.max_prompt_len=10"],
+    "data.reward_error": ["data.reward=walk_reward:reward"],
+    "train.min_lr_ratio": ["train.lr_schedule=cosine"],
+    "train.keep_checkpoints": ["train.save_interval=1"],
+    "algorithm.tis_clip": ["algorithm.use_tis=true"],
+    "algorithm.kl_loss_coef": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
+    "algorithm.kl_loss_type": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
+}
+# Fields whose effect is on resources, not on a run's records; each with the probe that observes it.
+PROBES = {
+    "model.gradient_checkpointing": "probe_gradient_checkpointing",
+    "train.micro_batch_size": "probe_micro_batches",
+}
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name == "algorithm":
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(default):
+            out += leaf_fields(type(default), f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", default))
+    return out
+
+
+def algorithm_fields(name: str) -> list[tuple[str, Any]]:
+    cls = algorithms.get(name).config_cls
+    return [(f"algorithm.{f.name}", f.default) for f in dataclasses.fields(cls) if f.name != "name"]
+
+
+def other_value(key: str, value: Any) -> Any:
+    if key in VALUES:
+        candidates = VALUES[key] if isinstance(VALUES[key], tuple) else (VALUES[key],)
+        return next(c for c in candidates if c != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 2 if value else 0.05
+    raise AssertionError(f"the walk has no non-default value for {key}={value!r}: add one to VALUES")
+
+
+def override(key: str, value: Any) -> str:
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}"
+
+
+def base_for(algorithm: str) -> list[str]:
+    extra = MULTI_STEP if algorithms.get(algorithm).supports_multi_step else []
+    return [f"algorithm={algorithm}", *BASE, *extra]
+
+
+class Workspace:
+    """A directory per run: the run's cwd, so that relative outputs (mlflow.db, checkpoints) land in it."""
+
+    def __init__(self, root: Path):
+        from mlflow.tracking import MlflowClient
+
+        self.root, self.n = root, 0
+        # An empty MLflow store, created once and copied into each run's directory: creating a sqlite store
+        # runs every schema migration, seconds per run.
+        self.store = root / "template.db"
+        MlflowClient(f"sqlite:///{self.store}").search_experiments()
+
+    def new(self) -> Path:
+        self.n += 1
+        path = self.root / f"run{self.n}"
+        path.mkdir()
+        shutil.copyfile(self.store, path / "mlflow.db")
+        (path / "prompts.jsonl").write_text("".join(f'{{"prompt": "repeat {d}", "label": "{d}"}}\n' for d in range(8)))
+        return path
+
+
+def observe(overrides: list[str], cwd: Path) -> dict[str, Any] | str:
+    """What a user can see of `relax-train <overrides>`: "rejected", or the records of a short run."""
+    try:
+        cfg = load_config(overrides)
+    except (ConfigError, Exception) as exc:  # validation, or Hydra refusing the key or value
+        if isinstance(exc, ConfigError) or type(exc).__module__.startswith(("hydra", "omegaconf")):
+            return "rejected"
+        raise
+    from relax.runner.errors import RunError
+    from relax.runner.plan import build_plan
+    from relax.runner.train import run
+
+    plan_obj = build_plan(cfg)
+    plan = plan_obj.render()
+    if cfg.dry_run:
+        return {"plan": plan, "dry_run": True}  # relax-train prints the plan and starts nothing (tests/cli)
+    err = io.StringIO()
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        with inprocess_ray(), contextlib.redirect_stderr(err):
+            result = run(cfg, plan_obj, output_dir=cwd / "out")
+    except RunError as exc:
+        return {"plan": plan, "error": str(exc).splitlines()[0]}
+    finally:
+        os.chdir(old)
+    history = [(step, {k: v for k, v in m.items() if not k.startswith("perf/")}) for step, m in result.history]
+    files = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file() and "out" not in p.parts
+                   and not p.name.endswith((".db-journal", ".lock")) and "mlruns" not in p.parts)
+    configs = sorted((str(p.relative_to(cwd)), p.read_text()) for p in cwd.rglob("config.json"))
+    return {"plan": plan, "history": history, "files": files, "model_configs": configs,
+            "mlflow": mlflow_record(cfg, result.run_id, cwd), "progress": "step " in err.getvalue()}
+
+
+def mlflow_record(cfg: RelaxConfig, run_id: str | None, cwd: Path) -> Any:
+    if run_id is None:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    uri = cfg.tracking.uri
+    client = MlflowClient(uri if "://" not in uri or not uri.startswith("sqlite:///") or uri.startswith("sqlite:////")
+                          else f"sqlite:///{cwd / uri.removeprefix('sqlite:///')}")
+    run = client.get_run(run_id)
+    # each run has its own directory: paths are recorded relative to it
+    tags = {k: v.replace(str(cwd), "<cwd>") for k, v in run.data.tags.items()
+            if not k.startswith("mlflow.") or k == "mlflow.parentRunId"}
+    tags.pop("mlflow.runName", None)
+    # MLflow names an unnamed run at random: only a chosen name is a record of the config
+    name = run.info.run_name if run.info.run_name == cfg.tracking.run_name else "<generated>"
+    return {"experiment": client.get_experiment(run.info.experiment_id).name, "run_name": name, "tags": tags}
+
+
+def probe_gradient_checkpointing(overrides: list[str], cwd: Path) -> Any:
+    from relax.backends.torch_train import TorchPolicy
+
+    cfg = load_config(overrides)
+    policy = TorchPolicy(cfg.model, cfg.train, vocab_size=40, pad_token_id=0, seed=cfg.seed)
+    return policy.model.is_gradient_checkpointing
+
+
+def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
+    """Micro-batches bound memory: the actor's forward passes of one train step (the loss itself is split-free)."""
+    import torch
+
+    from relax.backends.batch import TrainBatch
+    from relax.backends.torch_train import TorchPolicy
+
+    cfg = load_config(overrides)
+    policy = TorchPolicy(cfg.model, cfg.train, vocab_size=40, pad_token_id=0, seed=cfg.seed)
+    calls = []
+    policy.model.register_forward_hook(lambda *a: calls.append(1))
+    n = 8
+    batch = TrainBatch(prompt_ids=torch.full((n, 3), 5), prompt_mask=torch.ones(n, 3, dtype=torch.long),
+                       response_ids=torch.full((n, 2), 6), response_mask=torch.ones(n, 2, dtype=torch.long),
+                       rollout_logp=torch.zeros(n, 2), finish_reason=["stop"] * n, advantages=torch.ones(n, 2))
+    policy.train_step(batch, cfg.algorithm, per_token=True, micro_batch_size=cfg.train.micro_batch_size)
+    return len(calls)
+
+
+def cases() -> list[tuple[str, str, Any]]:
+    out = [("grpo", key, value) for key, value in leaf_fields(RelaxConfig)]
+    for name in algorithms.names():
+        out += [(name, key, value) for key, value in algorithm_fields(name)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return Workspace(tmp_path_factory.mktemp("walk"))
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {}
+
+
+def setup(key: str, cwd: Path, overrides: list[str]) -> None:
+    """What a field needs to exist before the run: a checkpoint to resume, a reference model to load."""
+    if key == "train.resume":
+        observe(overrides[:] + ["train.num_rollout=1", "train.save_interval=1"], cwd)
+    if key == "train.ref_load":
+        from relax.backends.models import build_model
+
+        cfg = load_config(overrides)
+        build_model(cfg.model, 40, 0, seed=99).save_pretrained(str(cwd / "ref_model"))
+
+
+@pytest.mark.parametrize("algorithm,key,default", cases(), ids=lambda x: str(x))
+def test_every_field_is_rejected_or_changes_the_run(algorithm, key, default, workspace, baselines):
+    value = other_value(key, default)
+    base = base_for(algorithm) + CONTEXT.get(key, [])
+    changed_overrides = [o for o in base if not o.startswith(f"{key}=")] + [override(key, value)]
+    if key in PROBES:
+        probe = globals()[PROBES[key]]
+        changed = observe(changed_overrides, workspace.new())
+        if changed == "rejected":
+            return
+        assert probe(base, workspace.new()) != probe(changed_overrides, workspace.new()), key
+        return
+    changed_dir = workspace.new()
+    setup(key, changed_dir, base)
+    changed = observe(changed_overrides, changed_dir)
+    if changed == "rejected":
+        return
+    cache_key = (algorithm, tuple(CONTEXT.get(key, [])), key in ("train.resume", "train.ref_load"))
+    if cache_key not in baselines or key in ("train.resume", "train.ref_load"):
+        base_dir = workspace.new()
+        setup(key, base_dir, base)
+        baselines[cache_key] = observe(base, base_dir)
+    reference = baselines[cache_key]
+    assert reference != "rejected", f"the walk's base config is invalid: {base}"
+    assert changed != reference, f"{key}={value} (algorithm={algorithm}) was accepted and changed nothing observable"
+
+
+def test_the_walk_sees_an_ignored_field(workspace, monkeypatch):
+    """The negative control: were PPO's rejection of std_normalization (which its GAE never reads) removed, the
+    runs with and without it would record exactly the same things, and the walk above would fail."""
+    from relax.algorithms import base
+
+    ppo = algorithms.get("ppo")
+    monkeypatch.setitem(base._REGISTRY, "ppo", dataclasses.replace(ppo, ignores={}))
+    overrides = base_for("ppo")
+    assert observe(overrides, workspace.new()) == observe(overrides + ["algorithm.std_normalization=false"],
+                                                          workspace.new())
