@@ -249,7 +249,7 @@ class EmbeddedEngine:
                                                   generator=gen)
             out_ids[rows, t] = tokens
             out_logp[rows, t] = logp
-            dropped_mass += dropped.sum()
+            dropped_mass += dropped[~stopped[rows]].sum()  # tokens of rows still generating (drop_finished=False)
             done = torch.isin(tokens, eos) & ~stopped[rows]
             if done.any():
                 stopped[rows[done]] = True

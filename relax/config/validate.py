@@ -370,11 +370,21 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
     no_eval = t.eval_interval == 0
     why_eval = "train.eval_interval=0 runs no evaluation"
     unused(d, "data", ("eval_path", "num_eval_prompts"), no_eval, why_eval)
+    unused(d, "data", ("eval_path",), d.path is None and d.task in ("digits", "arithmetic"),
+           f"data.task={d.task} generates its own eval prompts (data.num_eval_prompts)")
+    unused(d, "data", ("system_prompt",), not d.apply_chat_template,
+           "the system prompt is a message of the chat template (data.apply_chat_template=false)")
+    if not no_eval:
+        r.require(d.num_eval_prompts > 0, ("train.eval_interval", "data.num_eval_prompts"),
+                  f"train.eval_interval={t.eval_interval} needs eval prompts, but data.num_eval_prompts=0")
+        r.require(d.task != "file" or d.eval_path is not None, ("train.eval_interval", "data.eval_path"),
+                  f"train.eval_interval={t.eval_interval} needs eval prompts: set data.eval_path for data.task=file")
     unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature"), no_eval, why_eval)
     unused(t, "train", ("min_lr_ratio",), t.lr_schedule == "constant",
            "train.lr_schedule=constant never decays (use cosine or linear)")
-    unused(t, "train", ("save_interval", "save_dir", "keep_checkpoints"), not t.save,
-           "train.save=false writes no checkpoint")
+    unused(t, "train", ("save_interval", "keep_checkpoints"), not t.save, "train.save=false writes no checkpoint")
+    unused(t, "train", ("save_dir",), not t.save and t.resume is None,
+           "train.save=false writes no checkpoint and train.resume is unset")
 
 
 def validate(cfg: RelaxConfig) -> list[Violation]:

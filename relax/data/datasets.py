@@ -106,13 +106,19 @@ def render_prompt(
 ) -> tuple[str, bool]:
     """The prompt text the model sees and whether the chat template produced it.
 
-    With a template (and `apply_chat_template`): the messages (a string becomes one user message, after
-    an optional system message) rendered with `add_generation_prompt=True`. Without: the string itself,
-    or a message list's contents joined by newlines.
+    With a template (and `apply_chat_template`): the messages (a string becomes one user message) after
+    `system_prompt` as a system message, rendered with `add_generation_prompt=True`. Without: the string
+    itself, or a message list's contents joined by newlines. A `system_prompt` that cannot apply (no template,
+    or a message list with its own system message) is a ValueError, never silently dropped.
     """
+    if system_prompt and not (apply_chat_template and has_chat_template(tokenizer)):
+        raise ValueError("data.system_prompt needs the chat template (data.apply_chat_template=true and a tokenizer "
+                         "with a template)")
     if apply_chat_template and has_chat_template(tokenizer):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system_prompt and isinstance(prompt, str):
+        if system_prompt:
+            if any(m.get("role") == "system" for m in messages):
+                raise ValueError("data.system_prompt is set but this prompt has its own system message")
             messages.insert(0, {"role": "system", "content": system_prompt})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return text, True
@@ -169,7 +175,10 @@ class PromptDataset(Sequence[PromptItem]):
                 raise DataError(f"{where}: missing key {label_key!r} (data.label_key)")
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
             if cache_key not in cache:
-                text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt)
+                try:
+                    text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt)
+                except ValueError as exc:
+                    raise DataError(f"{where}: {exc}") from None
                 cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated))
             text, ids = cache[cache_key]
             if max_prompt_len is not None and len(ids) > max_prompt_len:

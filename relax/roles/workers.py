@@ -19,9 +19,6 @@ from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
 
-# Seconds spent inside the actor's train_step (forward, backward, optimizer), measured in the actor process;
-# summed over the optimizer steps of a rollout. perf/overhead_time (relax.runner.train) subtracts it.
-
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -13,8 +13,9 @@ Generation and data order are derived from (seed, step), so no other RNG state i
 
 Commit: everything is written to `.tmp-step_NNNNNN/`, every file and directory is fsync'ed, the directory is
 renamed to `step_NNNNNN/` and the parent fsync'ed; only then are older checkpoints removed (the newest
-`train.keep_checkpoints` of the run are kept). A directory starting with "." is never a checkpoint: a kill
-during a save leaves a `.tmp-` directory that resume ignores and the next run in that directory deletes.
+`train.keep_checkpoints` of the run are kept; a fresh run first moves the checkpoints of earlier runs in its
+directory to `earlier/<lineage>/`, deleting nothing of theirs). A directory starting with "." is never a
+checkpoint: a kill during a save leaves a `.tmp-` directory that resume ignores and the next run there deletes.
 "Latest" is the most recently committed checkpoint (highest sequence number), not the highest step.
 
 One run at a time per directory: the run holds an exclusive `flock` on `<save_dir>/.lock` (released by the
@@ -45,11 +46,13 @@ CONFIG = "config.yaml"
 STAGING_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".old-"
 LOCK = ".lock"
+EARLIER = "earlier"  # checkpoints of earlier runs, set aside by a fresh run in the same directory
 RUN_FILE = "run.json"  # the MLflow run of the job that last used the directory (see Checkpoints.record_run)
 
 # Config fields that may differ between a checkpoint and the run that continues it: they change how long the
 # run goes on, where and how often it saves, what the terminal shows, or which cluster/sweep it runs in, but
-# not what a step computes. Any other difference makes a resume refuse (see `config_differences`).
+# not what a step computes (except that num_rollout sets the length of a cosine/linear lr schedule). Any other
+# difference makes a resume refuse (see `config_differences`).
 RESUMABLE_CHANGES: tuple[str, ...] = (
     "train.resume",
     "train.num_rollout",
@@ -266,12 +269,27 @@ class Checkpoints:
         if self.resume is not None and self.resume.lineage:
             self.lineage = self.resume.lineage
         elif self.cfg.train.save:
-            others = committed(self.save_dir)
-            if others:
-                print(f"relax-train: note: {self.save_dir} holds {len(others)} checkpoint(s) of an earlier run; this "
-                      "fresh run replaces them at its first checkpoint (train.resume=auto would continue it)",
-                      file=sys.stderr)
+            self._set_aside_earlier_runs()
         return self
+
+    def _set_aside_earlier_runs(self) -> None:
+        """A fresh run where earlier runs left checkpoints: move them to `earlier/<lineage>/` (a rename, nothing is
+        deleted), so that this run's checkpoints never mix with theirs and `resume=auto` continues this run."""
+        moved: dict[Path, int] = {}
+        for path, state in _committed(self.save_dir):
+            target = self.save_dir / EARLIER / str(state.get("lineage") or "unknown")
+            target.mkdir(parents=True, exist_ok=True)
+            dest = target / path.name
+            if dest.exists():
+                dest = target / f"{path.name}-{uuid.uuid4().hex[:8]}"
+            path.rename(dest)
+            moved[target] = moved.get(target, 0) + 1
+        for target, n in moved.items():
+            _fsync(target)
+            print(f"relax-train: note: this fresh run moved {n} checkpoint(s) of an earlier run in {self.save_dir} to "
+                  f"{target} (train.resume={target} continues that run)", file=sys.stderr)
+        if moved:
+            _fsync(self.save_dir)
 
     def __exit__(self, *exc: Any) -> None:
         self._unlock()
@@ -346,10 +364,15 @@ class Checkpoints:
         return final
 
     def _prune(self) -> None:
-        """Keep the newest `keep` checkpoints of this run; remove older ones and those of earlier runs."""
+        """Keep the newest `keep` checkpoints of this run and remove its older ones: each is first renamed out of
+        the `step_*` namespace, so a kill during the removal never leaves a half-deleted "committed" checkpoint."""
         kept = 0
         for path, state in reversed(_committed(self.save_dir)):
-            if state.get("lineage") == self.lineage and kept < self.keep:
+            if state.get("lineage") != self.lineage:
+                continue
+            if kept < self.keep:
                 kept += 1
                 continue
-            shutil.rmtree(path, ignore_errors=True)
+            doomed = path.with_name(f"{REPLACED_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+            path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)

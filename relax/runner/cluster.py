@@ -73,10 +73,11 @@ class Cluster:
                       "(RAY_ADDRESS), not starting a local Ray instance", file=sys.stderr, flush=True)
                 address = env_address
             if address is None:
-                if self.plan.total_gpus and not torch.cuda.is_available():
+                have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                if self.plan.total_gpus > have:
                     raise RunError(f"cluster={self.cfg.cluster.name} plans {self.plan.total_gpus} GPU(s) on a local "
-                                   "Ray instance, but torch sees no CUDA device on this machine; use cluster=local "
-                                   "(CPU) or run on a GPU machine")
+                                   f"Ray instance, but torch sees {have} CUDA device(s) on this machine; use "
+                                   "cluster=local (CPU) or a cluster option that fits the machine")
                 kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
                 kwargs["num_gpus"] = self.plan.total_gpus or None
             try:
@@ -216,6 +217,8 @@ class Cluster:
         metrics = []
         for k in range(steps):
             chunk = batch.select(slice(k * size, (k + 1) * size))
+            if not bool(chunk.response_mask.any()):
+                continue  # every group of this global batch was left out: no optimizer step (Adam would still move)
             refs = []
             if self.critic is not None:
                 refs.append(self.critic.train_step.remote(chunk))

@@ -21,7 +21,7 @@ from relax.rewards.registry import Scores
 
 
 def _basic(samples: Samples, rewards: torch.Tensor, scored: torch.Tensor) -> tuple[float, float, float]:
-    """(mean reward of the responses whose reward call succeeded, mean response length, truncated share)."""
+    """(mean reward of the `scored` responses (NaN if none), mean response length, truncated share)."""
     lengths = samples.response_mask.sum(1).float()
     truncated = sum(r == "length" for r in samples.finish_reason) / max(len(samples), 1)
     reward = float(rewards[scored].mean()) if bool(scored.any()) else float("nan")
@@ -29,7 +29,8 @@ def _basic(samples: Samples, rewards: torch.Tensor, scored: torch.Tensor) -> tup
 
 
 def rollout_metrics(samples: Samples, rewards: torch.Tensor, kept: torch.Tensor, errors: int) -> dict[str, float]:
-    """`kept` [N] bool: responses of groups that train (the others had a failed reward call in their group)."""
+    """`kept` [N] bool: responses of groups that train (the others had a failed reward call in their group);
+    `rollout/raw_reward` is their mean."""
     reward, length, truncated = _basic(samples, rewards, kept)
     return {RAW_REWARD: reward, RESPONSE_LEN: length, TRUNCATED_FRAC: truncated, REWARD_ERRORS: float(errors),
             REWARD_DROPPED_FRAC: 1.0 - float(kept.float().mean()), SAMPLING_DROPPED_MASS: samples.dropped_mass}

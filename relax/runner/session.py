@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -143,7 +144,7 @@ class Session:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log_metrics(metrics, step)
         self.history.append((step, dict(metrics)))
-        if RAW_REWARD in metrics:
+        if math.isfinite(metrics.get(RAW_REWARD, math.nan)):  # NaN: every response of the step was left out
             self.rewards.append(metrics[RAW_REWARD])
         self.steps = step + 1
         self.progress.update(step + 1, metrics)

@@ -47,6 +47,9 @@ def _prepare(cfg: RelaxConfig):
             resolve_model_path(cfg.model)
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, tokenizer)
+        if cfg.train.eval_interval and eval_set is None:
+            raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval prompts "
+                            "(data.eval_path, or a test split for gsm8k)")
         reward_fn = get_reward_fn(cfg.data.reward)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
@@ -153,7 +156,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
             keep = kept_groups(scores.failed, G)
             metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
             t_train0 = t_train = time.perf_counter()
-            if keep.any():  # a rollout whose every group was left out trains nothing (Adam would still move)
+            if keep.any():  # a rollout whose every group was left out trains nothing (no advantages, no step)
                 # 3-4. the log-probs and values the algorithm needs, then advantages
                 batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep)
                 metrics.update(advantage_metrics)

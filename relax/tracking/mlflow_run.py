@@ -285,12 +285,8 @@ class Tracker:
             tracker.finish("FAILED")
             raise
         if announce:
-            print(
-                f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment {tracking_cfg.experiment!r}"
-                f" at {uri}; view: {tracker.ui_command()}",
-                file=stream if stream is not None else sys.stderr,
-                flush=True,
-            )
+            tracker._announce(f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment "
+                              f"{tracking_cfg.experiment!r} at {uri}", stream)
         return tracker
 
     @classmethod
@@ -365,13 +361,12 @@ class Tracker:
             tracker.finish("FAILED")
             raise
         if announce:
-            print(
-                f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in experiment "
-                f"{tracking_cfg.experiment!r} at {uri}; view: {tracker.ui_command()}",
-                file=stream if stream is not None else sys.stderr,
-                flush=True,
-            )
+            tracker._announce(f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in "
+                              f"experiment {tracking_cfg.experiment!r} at {uri}", stream)
         return tracker
+
+    def _announce(self, text: str, stream: Optional[TextIO]) -> None:
+        print(f"{text}; view: {self.ui_command()}", file=stream if stream is not None else sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- logging
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

@@ -71,6 +71,13 @@ def test_kl_coef_only_where_the_algorithm_uses_it():
     (["algorithm.normalize_rewards=false", "algorithm.std_normalization=false"], "algorithm.std_normalization"),
     (["algorithm=reinforce_pp", "algorithm.normalize_advantages=false"], "algorithm.normalize_advantages"),
     (["algorithm=reinforce_pp_baseline", "algorithm.normalize_advantages=false"], "algorithm.normalize_advantages"),
+    (["train.eval_interval=5", "data.num_eval_prompts=0"], "data.num_eval_prompts"),
+    (["train.eval_interval=5", "data=jsonl", "data.path=p.jsonl"], "data.eval_path"),
+    (["train.eval_interval=5", "data.eval_path=p.jsonl"], "data.eval_path"),
+    (["data.apply_chat_template=false", "data.system_prompt=hi"], "data.system_prompt"),
+    (["train.save=false", "train.save_dir=/tmp/x"], "train.save_dir"),
+    (["train.ref_load=/tmp/ref"], "train.ref_load"),
+    (["train.min_lr_ratio=0.1"], "train.min_lr_ratio"),
 ])
 def test_fields_without_effect_in_context_are_rejected(overrides, field):
     assert field in rejected_fields(overrides)
@@ -81,6 +88,8 @@ def test_the_same_fields_are_accepted_where_they_act():
     load_config(["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01", "algorithm.kl_loss_type=k2"])
     load_config(["algorithm.std_normalization=false"])  # Dr. GRPO
     load_config(["algorithm=m2po", "algorithm.miniclip_low=0.2"])
+    load_config(["train.save=false", "train.resume=auto", "train.save_dir=/tmp/x"])  # continue without saving
+    load_config(["train.eval_interval=5", "data=jsonl", "data.path=p.jsonl", "data.eval_path=e.jsonl"])
 
 
 def test_one_source_for_the_critic_learning_rate():

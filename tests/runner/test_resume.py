@@ -101,19 +101,22 @@ def test_a_half_written_checkpoint_is_ignored_by_resume_and_cleaned(tmp_path):
         assert names(save_dir) == ["step_000002"]  # the temp dir is gone
 
 
-def test_a_fresh_run_replaces_an_earlier_runs_checkpoints_at_its_first_commit(tmp_path, capsys):
-    cfg = load_config([])
+def test_a_fresh_run_sets_an_earlier_runs_checkpoints_aside_and_deletes_nothing(tmp_path, capsys):
+    cfg = load_config(["train.keep_checkpoints=1"])
     with Checkpoints(cfg, tmp_path) as first:
         fake_save(first, 4)
-        fake_save(first, 6)
     with Checkpoints(cfg, tmp_path) as second:  # train.resume unset: a new run in the same place
         assert second.resume is None and second.lineage != first.lineage
-        assert "replaces them at its first checkpoint" in capsys.readouterr().err
-        assert checkpoint.latest(second.save_dir).name == "step_000006"  # until then, still the earlier run's
+        aside = second.save_dir / "earlier" / first.lineage
+        assert f"to {aside}" in capsys.readouterr().err
+        assert names(aside) == ["step_000004"] and checkpoint.latest(second.save_dir) is None
         fake_save(second, 2)
-        # the latest checkpoint is the newest commit, not the highest step
-        assert names(second.save_dir) == ["step_000002"]
+        fake_save(second, 4)  # same step name as the earlier run's: no clash, it is elsewhere
+        assert [n for n in names(second.save_dir) if n.startswith("step_")] == ["step_000004"]  # its own pruned
         assert checkpoint.read_state(checkpoint.latest(second.save_dir))["lineage"] == second.lineage
+    assert checkpoint.read_state(aside / "step_000004")["lineage"] == first.lineage  # the earlier run is intact
+    with Checkpoints(load_config(["train.keep_checkpoints=1", f"train.resume={aside}"]), tmp_path) as again:
+        assert again.resume.path == aside / "step_000004"
 
 
 def test_the_same_step_again_replaces_the_old_checkpoint(tmp_path):
