@@ -18,6 +18,13 @@ REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left o
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
 SAMPLING_DROPPED_MASS = "rollout/sampling_dropped_mass"  # probability mass top-k/top-p removed per drawn token
+# Staleness of a response: the trainer's version at its step minus the version of the response's oldest token.
+STALENESS_MEAN = "rollout/staleness_mean"  # over the batch's responses
+STALENESS_MAX = "rollout/staleness_max"
+STALENESS_HIST = "rollout/staleness_hist/"  # + s for s in 0..train.max_staleness: share of responses with staleness s
+PARTIAL_FRAC = "rollout/partial_frac"  # share of responses whose tokens come from more than one weight version
+# tokens generated before an interruption (partial rollout): older than their response's last version
+ABORTED_TOKENS = "rollout/aborted_tokens"
 
 # RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
 RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"
@@ -74,3 +81,7 @@ ACTOR_COMPUTE_TIME = "perf/actor_compute_time"
 # rewards, advantages, log-prob/value calls of other roles, evaluation.
 OVERHEAD_TIME = "perf/overhead_time"
 OVERHEAD_FRACTION = "perf/overhead_fraction"
+# Asynchronous pipelining (every mode logs them; in sync each side waits for the other by design):
+TRAIN_IDLE_FRAC = "perf/train_idle_frac"  # share of the step the loop waited for its rollout batch
+ROLLOUT_IDLE_FRAC = "perf/rollout_idle_frac"  # share of the time since the last step the engines did not generate
+BUFFER_SIZE = "perf/buffer_size"  # samples generated ahead, waiting for their step, when a step takes its batch

@@ -16,6 +16,7 @@ response), `response_mask` 1 on generated tokens including the stop token. `roll
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -23,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from relax.backends.batch import Samples
-from relax.backends.sampling import sample_tokens
+from relax.backends.sampling import counter_uniforms, sample_tokens
 
 _FAST_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+_STOP, _LENGTH, _ABORT = 1, 2, 3
+_FINISH = {_STOP: "stop", _LENGTH: "length", _ABORT: "abort"}  # Samples.finish_reason of each end
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,11 +73,12 @@ class _LlamaFamilyDecoder:
         causal = torch.ones(P, P, dtype=torch.bool, device=w.device).tril()
         eye = torch.eye(P, dtype=torch.bool, device=w.device)  # padding queries see themselves: no NaN rows
         mask = (causal & self.kv_mask[:, None, :P]) | eye
-        return self._forward(prompt_ids, positions, mask[:, None])
+        return self._forward(prompt_ids, positions, mask[:, None], prefill=True)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row [B]; logits [B, V] for the next one."""
-        logits = self._forward(tokens[:, None], self.pos[:, None], self.kv_mask[:, None, None, : self.len + 1])
+        logits = self._forward(tokens[:, None], self.pos[:, None], self.kv_mask[:, None, None, : self.len + 1],
+                               prefill=False)
         self.pos = self.pos + 1
         return logits
 
@@ -85,9 +89,11 @@ class _LlamaFamilyDecoder:
         self.kv_mask = self.kv_mask.index_select(0, rows)
         self.pos = self.pos.index_select(0, rows)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
+                 prefill: bool) -> torch.Tensor:
+        """Prefill (the prompts, cache slots 0..S-1; S may be 1) or one decode step (slot `self.len`)."""
         B, S = ids.shape
-        start, end = (0, S) if S > 1 else (self.len, self.len + 1)
+        start, end = (0, S) if prefill else (self.len, self.len + 1)
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, positions)
         cos, sin = cos[:, None], sin[:, None]
@@ -105,7 +111,7 @@ class _LlamaFamilyDecoder:
             self.k[i][:, :, start:end] = k
             self.v[i][:, :, start:end] = v
             keys, values = self.k[i][:, :, :end], self.v[i][:, :, :end]
-            if S == 1:  # one query: fold the query heads of a K/V head into the query axis, no K/V copies
+            if not prefill:  # one query: fold the query heads of a K/V head into the query axis, no K/V copies
                 q = q.reshape(B, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
             else:
@@ -113,7 +119,7 @@ class _LlamaFamilyDecoder:
             o = o.reshape(B, self.n_heads, S, self.head_dim).transpose(1, 2).reshape(B, S, -1)
             x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if S == 1:
+        if not prefill:
             self.len += 1
         return self.model.lm_head(self.base.norm(x[:, -1]))
 
@@ -214,8 +220,20 @@ class EmbeddedEngine:
         top_p: float = 1.0,
         top_k: int = -1,
         seed: int,
+        sample_ids: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
+        budgets: Optional[torch.Tensor] = None,
+        should_abort: Optional[Callable[[], bool]] = None,
     ) -> Samples:
-        """Sample `n_samples_per_prompt` responses per prompt (a group's responses consecutive)."""
+        """Sample `n_samples_per_prompt` responses per prompt (a group's responses consecutive).
+
+        Row r (prompt r // n) draws its tokens from the random stream of (`seed`, `sample_ids[r]`), the token at
+        response position `positions[r] + t` with the uniform of that position (`counter_uniforms`), so a sample
+        is the same in any batch. Defaults: sample ids 0..N-1, positions 0. `budgets` [N]: per-row limits on new
+        tokens (default `max_new_tokens`; a row that reaches its budget ends with "length"). `should_abort`,
+        checked after every token, interrupts generation: the rows still running end with "abort" and keep the
+        tokens drawn so far (partial rollout continues them from there).
+        """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         if max_new_tokens < 1 or n_samples_per_prompt < 1:
@@ -228,7 +246,13 @@ class EmbeddedEngine:
             ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, P - len(p) :] = 1
         N, T = len(prompts) * n, max_new_tokens
-        gen = torch.Generator(device=dev).manual_seed(seed)
+        sample_ids = torch.arange(N) if sample_ids is None else torch.as_tensor(sample_ids, dtype=torch.long)
+        positions = torch.zeros(N, dtype=torch.long) if positions is None else torch.as_tensor(positions).long()
+        budgets = torch.full((N,), T, dtype=torch.long) if budgets is None else torch.as_tensor(budgets).long()
+        if not (len(sample_ids) == len(positions) == len(budgets) == N):
+            raise ValueError(f"generate: sample_ids, positions and budgets need {N} rows (prompts x samples)")
+        if bool((budgets < 1).any()) or bool((budgets > T).any()):
+            raise ValueError(f"generate: budgets must be in [1, max_new_tokens={T}]")
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
 
         decoder = self._decoder()
@@ -240,40 +264,51 @@ class EmbeddedEngine:
 
         out_ids = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=dev)
         out_logp = torch.zeros(N, T, dtype=torch.float32, device=dev)
-        lengths = torch.full((N,), T, dtype=torch.long, device=dev)
-        stopped = torch.zeros(N, dtype=torch.bool, device=dev)
-        rows = torch.arange(N, device=dev)  # batch row -> output row
+        lengths = torch.zeros(N, dtype=torch.long)
+        status = torch.zeros(N, dtype=torch.long)  # 0 running, then one of _FINISH
+        rows = torch.arange(N)  # batch row -> output row (CPU)
         dropped_mass = torch.zeros((), dtype=torch.float32, device=dev)  # summed over drawn tokens
         for t in range(T):
+            u = counter_uniforms(seed, sample_ids[rows], positions[rows] + t)
             tokens, logp, dropped = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                  generator=gen)
-            out_ids[rows, t] = tokens
-            out_logp[rows, t] = logp
-            dropped_mass += dropped[~stopped[rows]].sum()  # tokens of rows still generating (drop_finished=False)
-            done = torch.isin(tokens, eos) & ~stopped[rows]
-            if done.any():
-                stopped[rows[done]] = True
-                lengths[rows[done]] = t + 1
-                if bool(done.all()):
-                    break
-                if self.drop_finished:  # a smaller batch from now on
-                    live = (~done).nonzero().squeeze(-1)
-                    rows = rows[live]
-                    decoder.keep(live)
-                    tokens = tokens[live]
+                                                  uniforms=u)
+            out_ids[rows.to(dev), t] = tokens
+            out_logp[rows.to(dev), t] = logp
+            live = status[rows] == 0  # rows still generating (all of them with drop_finished)
+            dropped_mass += dropped[live.to(dev)].sum()
+            hit_eos = torch.isin(tokens, eos).cpu() & live
+            hit_budget = (budgets[rows] <= t + 1) & live & ~hit_eos
+            status[rows[hit_eos]] = _STOP
+            status[rows[hit_budget]] = _LENGTH
+            lengths[rows[hit_eos | hit_budget]] = t + 1
+            running = status[rows] == 0
+            if not bool(running.any()):
+                break
+            if should_abort is not None and should_abort():
+                status[rows[running]] = _ABORT
+                lengths[rows[running]] = t + 1
+                break
+            done = (hit_eos | hit_budget)
+            if self.drop_finished and bool(done.any()):  # a smaller batch from now on
+                live_rows = running.nonzero().squeeze(-1)
+                rows = rows[live_rows]
+                decoder.keep(live_rows.to(dev))
+                tokens = tokens[live_rows.to(dev)]
             if t + 1 < T:
                 logits = decoder.step(tokens)
         width = int(lengths.max())
-        resp_mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).long()
-        out_ids = out_ids[:, :width].masked_fill(resp_mask == 0, self.pad_token_id)
-        out_logp = out_logp[:, :width] * resp_mask
+        resp_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        out_ids = out_ids[:, :width].cpu().masked_fill(resp_mask == 0, self.pad_token_id)
+        out_logp = out_logp[:, :width].cpu() * resp_mask
         return Samples(
             prompt_ids=ids.repeat_interleave(n, dim=0),
             prompt_mask=mask.repeat_interleave(n, dim=0),
-            response_ids=out_ids.cpu(),
-            response_mask=resp_mask.cpu(),
-            rollout_logp=out_logp.cpu(),
-            finish_reason=["stop" if s else "length" for s in stopped.tolist()],
+            response_ids=out_ids,
+            response_mask=resp_mask,
+            rollout_logp=out_logp,
+            finish_reason=[_FINISH[s] for s in status.tolist()],
             weight_version=self.weight_version,
             dropped_mass=float(dropped_mass) / max(1, int(lengths.sum())),
+            sample_id=sample_ids.clone(),
+            token_version=resp_mask * self.weight_version,
         )

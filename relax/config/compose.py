@@ -36,8 +36,9 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
     elif steps is None:
         steps = max(1, samples // gbs) if gbs > 0 else 1
     per_token = algo.per_token_loss if t.calculate_per_token_loss is None else t.calculate_per_token_loss
+    staleness = t.max_staleness if t.max_staleness is not None else (0 if t.mode == "sync" else 1)
     train = dataclasses.replace(t, global_batch_size=gbs, num_steps_per_rollout=steps,
-                                calculate_per_token_loss=per_token)
+                                calculate_per_token_loss=per_token, max_staleness=staleness)
     return dataclasses.replace(cfg, train=train)
 
 

@@ -58,7 +58,12 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
+    # fully_async: a weight update interrupts the responses in flight, which continue from their prefix with the
+    # new weights (each token records its version)
     partial_rollout: bool = False
+    partial_rollout_max_aborts: int = 4  # interruptions of one rollout batch at most; later updates wait for it
+    # leave the tokens of older versions than their response's last (an interrupted prefix) out of the loss
+    mask_offpolicy_in_partial_rollout: bool = False
     num_replicas: int = 1
     eval_n_samples_per_prompt: int = 1
     eval_temperature: float = 0.0  # 0 means greedy in evaluation only
@@ -81,8 +86,10 @@ class TrainConfig:
     clip_grad: float = 1.0
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     use_dynamic_global_batch_size: bool = False
-    mode: str = "sync"  # sync | fully_async | hybrid
-    max_staleness: int = 0
+    mode: str = "sync"  # sync | fully_async | hybrid (docs/training.md, "Training modes")
+    # Largest trainer_version - token_version a trained token may have. None: 0 (sync), 1 (hybrid, fully_async).
+    max_staleness: Optional[int] = None
+    weight_sync_interval: int = 1  # fully_async: publish weights to the rollout every N steps (<= max_staleness + 1)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1

@@ -105,8 +105,12 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     for key in ("global_batch_size", "micro_batch_size", "num_steps_per_rollout", "num_rollout", "lr"):
         r.positive(f"train.{key}", getattr(t, key))
-    for key in ("clip_grad", "weight_decay", "warmup_steps", "save_interval", "eval_interval", "max_staleness"):
+    for key in ("clip_grad", "weight_decay", "warmup_steps", "save_interval", "eval_interval"):
         r.non_negative(f"train.{key}", getattr(t, key))
+    if t.max_staleness is not None:
+        r.non_negative("train.max_staleness", t.max_staleness)
+    r.positive("train.weight_sync_interval", t.weight_sync_interval)
+    r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
     r.positive("train.keep_checkpoints", t.keep_checkpoints)
     for key in ("adam_beta1", "adam_beta2"):
         value = getattr(t, key)
@@ -245,14 +249,53 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                   "(use rollout=embedded or a GPU cluster option such as cluster=1xgpu)")
 
 
+def _modes(cfg: RelaxConfig, r: _Rules) -> None:
+    """What each train.mode means for staleness, weight sync and partial rollout (docs/training.md)."""
+    t, ro, c = cfg.train, cfg.rollout, cfg.cluster
+    s = t.max_staleness
+    if s is None or t.mode not in MODES:
+        return
+    if t.mode == "sync":
+        r.require(s == 0, ("train.max_staleness", "train.mode"),
+                  f"train.max_staleness={s} needs train.mode=fully_async: train.mode=sync trains on-policy (0)")
+    if t.mode == "hybrid":
+        r.require(s == 1, ("train.max_staleness", "train.mode"),
+                  f"train.max_staleness={s}: train.mode=hybrid is one step off-policy by construction (1); "
+                  "use train.mode=fully_async for another bound")
+    if t.mode != "fully_async":
+        r.require(t.weight_sync_interval == 1, ("train.weight_sync_interval", "train.mode"),
+                  f"train.weight_sync_interval={t.weight_sync_interval} needs train.mode=fully_async: "
+                  f"train.mode={t.mode} publishes the weights after every step")
+    else:
+        r.require(t.weight_sync_interval <= s + 1, ("train.weight_sync_interval", "train.max_staleness"),
+                  f"train.weight_sync_interval={t.weight_sync_interval} must be <= train.max_staleness + 1 ({s + 1}): "
+                  "with rarer weight updates the rollout could never generate within the staleness bound")
+        gpus = c.num_nodes * c.gpus_per_node
+        r.require(gpus == 0 or not c.colocate, ("train.mode", "cluster.colocate"),
+                  "train.mode=fully_async runs the rollout continuously on GPUs of its own: set cluster.colocate=false "
+                  "and cluster.rollout_gpus (or use train.mode=hybrid to share the actor's GPUs)")
+    if t.mode == "hybrid":
+        r.require(c.colocate, ("train.mode", "cluster.colocate"),
+                  "train.mode=hybrid pipelines colocated roles (cluster.colocate=true); use train.mode=fully_async "
+                  "for a rollout on GPUs of its own")
+    if ro.partial_rollout:
+        r.require(t.mode == "fully_async", ("rollout.partial_rollout", "train.mode"),
+                  f"rollout.partial_rollout=true needs train.mode=fully_async (train.mode={t.mode} never updates "
+                  "weights during a rollout)")
+        r.require(t.mode != "fully_async" or s > 0, ("rollout.partial_rollout", "train.max_staleness"),
+                  "rollout.partial_rollout=true has no effect with train.max_staleness=0: no weight update arrives "
+                  "while a rollout batch generates")
+
+
 def _flags(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     """Rules that follow from the algorithm's capability flags."""
     a, ro, t = cfg.algorithm, cfg.rollout, cfg.train
     name = f"algorithm={algo.name}"
     if not algo.supports_async:
         r.require(t.mode == "sync", "train.mode",
-                  f"{name}: train.mode={t.mode} is not supported: {algo.name} trains synchronously only")
-        r.require(t.max_staleness == 0, "train.max_staleness",
+                  f"{name}: train.mode={t.mode} is not supported: {algo.name} trains synchronously only "
+                  "(it has no off-policy correction for stale rollouts)")
+        r.require(t.mode != "sync" or not t.max_staleness, "train.max_staleness",
                   f"{name}: train.max_staleness={t.max_staleness} must be 0: {algo.name} has no off-policy correction "
                   "for stale rollouts")
         r.require(not ro.partial_rollout, "rollout.partial_rollout",
@@ -285,15 +328,8 @@ NOT_BUILT = "is not available in this build"
 
 
 def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
-    """Options that are planned (asynchronous modes, Megatron, SGLang) but have nothing behind them yet."""
+    """Options that are planned (Megatron, SGLang, dynamic batch sizes) but have nothing behind them yet."""
     t, ro, c = cfg.train, cfg.rollout, cfg.cluster
-    r.require(t.mode == "sync", "train.mode",
-              f"train.mode={t.mode} {NOT_BUILT}: only train.mode=sync (generate -> train -> sync weights) runs")
-    r.require(t.max_staleness == 0, "train.max_staleness",
-              f"train.max_staleness={t.max_staleness} {NOT_BUILT}: it needs train.mode=fully_async; "
-              "synchronous training is on-policy (0)")
-    r.require(not ro.partial_rollout, "rollout.partial_rollout",
-              f"rollout.partial_rollout=true {NOT_BUILT}: it needs asynchronous training")
     r.require(not t.use_dynamic_global_batch_size, "train.use_dynamic_global_batch_size",
               f"train.use_dynamic_global_batch_size=true {NOT_BUILT}: every optimizer step takes "
               "train.global_batch_size samples")
@@ -380,6 +416,8 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(d.task != "file" or d.eval_path is not None, ("train.eval_interval", "data.eval_path"),
                   f"train.eval_interval={t.eval_interval} needs eval prompts: set data.eval_path for data.task=file")
     unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature"), no_eval, why_eval)
+    unused(ro, "rollout", ("partial_rollout_max_aborts", "mask_offpolicy_in_partial_rollout"), not ro.partial_rollout,
+           "it acts on partial rollout (rollout.partial_rollout=true)")
     unused(t, "train", ("min_lr_ratio",), t.lr_schedule == "constant",
            "train.lr_schedule=constant never decays (use cosine or linear)")
     unused(t, "train", ("save_interval", "keep_checkpoints"), not t.save, "train.save=false writes no checkpoint")
@@ -397,6 +435,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _ranges(cfg, r)
     _batches(cfg, algo, r)
     _resources(cfg, algo, r)
+    _modes(cfg, r)
     _flags(cfg, algo, r)
     _ignored(cfg, algo, r)
     _unused_in_context(cfg, r)

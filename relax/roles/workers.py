@@ -18,6 +18,7 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
+from relax.roles.versions import WeightVersions
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,20 @@ class PolicyWorker:
                                   seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature,
                                   total_steps=cfg.train.num_rollout * cfg.train.num_steps_per_rollout)
 
+        # weights of published versions that stale samples may still come from (asynchronous modes)
+        self.versions = WeightVersions(self.policy.model.state_dict, keep=cfg.train.max_staleness or 0)
+
     def ping(self) -> str:
         return "ok"
 
-    def logprobs(self, samples: Samples) -> torch.Tensor:
-        return self.policy.compute_logprobs(samples, self.cfg.train.micro_batch_size)
+    def logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
+        """Log-probs of the response tokens [N, T]: with `current` (the trainer's version now), each token's under the
+        weights of the version that generated it (see `WeightVersions`); without, every token's under the current
+        weights."""
+        mbs = self.cfg.train.micro_batch_size
+        if current is None:
+            return self.policy.compute_logprobs(samples, mbs)
+        return self.versions.logprobs(samples, current, lambda part: self.policy.compute_logprobs(part, mbs))
 
     def train_step(self, batch: TrainBatch, *, rollout_mismatch: bool = False) -> dict[str, float]:
         """One optimizer step; `rollout_mismatch` on the first step of a rollout (see TorchPolicy.train_step)."""
@@ -89,8 +99,12 @@ class PolicyWorker:
         out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
         return out
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The weights for the rollout engines, already in their dtype (bf16 halves what Ray ships)."""
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """The weights for the rollout engines, already in their dtype (bf16 halves what Ray ships). With
+        `version` and train.max_staleness > 0, a copy is kept for `logprobs` of samples that version generates,
+        as long as they can still be trained (versions older than `version - max_staleness` are dropped)."""
+        if version is not None:
+            self.versions.remember(version)
         return self.policy.state_dict_for_rollout(dtype=self.rollout_dtype)
 
     def save(self, directory: str) -> None:
@@ -101,7 +115,11 @@ class PolicyWorker:
 
 
 class RolloutWorker:
-    """One embedded rollout engine replica."""
+    """One embedded rollout engine replica.
+
+    With partial rollout the runner calls `abort` while `generate`/`resume` runs (a Ray actor with two
+    threads); every other call comes from one thread at a time.
+    """
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
         _threads(threads)
@@ -115,23 +133,48 @@ class RolloutWorker:
         self.cfg = cfg
         self.engine = EmbeddedEngine(model, eos_token_ids=list(info.eos_token_ids), pad_token_id=info.pad_token_id,
                                      device=device)
+        self._abort: int | None = None  # the generation id `abort` asked to interrupt
 
     def ping(self) -> str:
         return "ok"
 
-    def generate(self, prompts: list[list[int]], *, seed: int, evaluation: bool = False) -> Samples:
+    def _sampling(self, evaluation: bool) -> dict:
         ro = self.cfg.rollout
-        t0 = time.perf_counter()
         if evaluation:
-            out = self.engine.generate(prompts, n_samples_per_prompt=ro.eval_n_samples_per_prompt,
-                                       max_new_tokens=ro.max_response_len,
-                                       temperature=ro.eval_temperature, top_p=1.0, top_k=-1, seed=seed)
-        else:
-            out = self.engine.generate(prompts, n_samples_per_prompt=ro.n_samples_per_prompt,
-                                       max_new_tokens=ro.max_response_len, temperature=ro.temperature,
-                                       top_p=ro.top_p, top_k=ro.top_k, seed=seed)
+            return dict(max_new_tokens=ro.max_response_len, temperature=ro.eval_temperature, top_p=1.0, top_k=-1)
+        return dict(max_new_tokens=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k)
+
+    def _should_abort(self, gen_id: int | None):
+        return None if gen_id is None else (lambda: self._abort == gen_id)
+
+    def generate(self, prompts: list[list[int]], *, seed: int, evaluation: bool = False,
+                 sample_ids: torch.Tensor | None = None, gen_id: int | None = None) -> Samples:
+        """Responses to `prompts` (n_samples_per_prompt each, or eval_n_samples_per_prompt), drawn from the random
+        streams of (`seed`, `sample_ids`); `gen_id` names the call for `abort` (None: not interruptible)."""
+        n = self.cfg.rollout.eval_n_samples_per_prompt if evaluation else self.cfg.rollout.n_samples_per_prompt
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, n_samples_per_prompt=n, seed=seed, sample_ids=sample_ids,
+                                   should_abort=self._should_abort(gen_id), **self._sampling(evaluation))
         out.engine_time = time.perf_counter() - t0
         return out
+
+    def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
+        """Continue interrupted responses (`partial`, finish_reason "abort") with the current weights: each row's
+        prompt and response so far are prefilled, and its random stream continues where it stopped."""
+        from relax.backends.batch import continuation, extend_responses
+
+        t0 = time.perf_counter()
+        job = continuation(partial, self.cfg.rollout.max_response_len)
+        sampling = self._sampling(evaluation=False)
+        sampling["max_new_tokens"] = int(job.budgets.max())
+        more = self.engine.generate(job.prompts, seed=seed, sample_ids=job.sample_ids, positions=job.positions,
+                                    budgets=job.budgets, should_abort=self._should_abort(gen_id), **sampling)
+        more.engine_time = time.perf_counter() - t0
+        return extend_responses(partial, more, pad_token_id=self.engine.pad_token_id)
+
+    def abort(self, gen_id: int) -> None:
+        """Interrupt generation `gen_id` after its current token (no effect once it has returned)."""
+        self._abort = gen_id
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(state_dict, version)

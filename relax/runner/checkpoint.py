@@ -6,10 +6,12 @@ directory without naming it. The run name is `tracking.run_name`, else `<arm>-se
 `tracking.arm`, else the algorithm name; a sweep's launcher sets the arm from the swept keys).
 
 Layout of `<save_dir>/step_000040/`: `policy/` (HF format, safetensors, plus optimizer and scheduler state),
-`critic/` (PPO), `config.yaml` (the resolved config, for people) and `state.json`: the step, the sampler's
-position, the MLflow run id, the tracker's counters, the flattened config (what a resume is checked against),
-the lineage (one id per run from its fresh start, kept across resumes) and the commit sequence number.
-Generation and data order are derived from (seed, step), so no other RNG state is needed to resume exactly.
+`critic/` (PPO), `config.yaml` (the resolved config, for people), `rollout.pt` (the rollout stream: batches
+generated but not yet trained, the batch in flight with its partial responses, the next step to generate) and
+`state.json`: the step, the sampler's position, the MLflow run id, the tracker's counters, the flattened config
+(what a resume is checked against), the lineage (one id per run from its fresh start, kept across resumes) and
+the commit sequence number. Every sample draws from the random stream of (seed, sample id, position), so no
+other RNG state is needed to resume exactly.
 
 Commit: everything is written to `.tmp-step_NNNNNN/`, every file and directory is fsync'ed, the directory is
 renamed to `step_NNNNNN/` and the parent fsync'ed; only then are older checkpoints removed (the newest
@@ -47,6 +49,7 @@ STAGING_PREFIX = ".tmp-"
 REPLACED_PREFIX = ".old-"
 LOCK = ".lock"
 EARLIER = "earlier"  # checkpoints of earlier runs, set aside by a fresh run in the same directory
+ROLLOUT_STATE = "rollout.pt"  # the rollout stream: buffered batches, the batch in flight, partial responses
 RUN_FILE = "run.json"  # the MLflow run of the job that last used the directory (see Checkpoints.record_run)
 
 # Config fields that may differ between a checkpoint and the run that continues it: they change how long the
@@ -100,6 +103,22 @@ def step_dir(save_dir: Path, step: int) -> Path:
 
 def read_state(path: Path) -> dict:
     return json.loads((path / STATE).read_text())
+
+
+def write_rollout_state(directory: Path, state: dict) -> None:
+    """The rollout stream's state (`RolloutStream.state_dict`: tensors, lists, numbers, strings) into a checkpoint."""
+    import torch
+
+    torch.save(state, directory / ROLLOUT_STATE)
+
+
+def read_rollout_state(path: Path) -> dict | None:
+    """The rollout stream's state of checkpoint `path`, None if it has none. Loaded with `weights_only=True`: a
+    checkpoint file cannot run code."""
+    import torch
+
+    file = path / ROLLOUT_STATE
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 def _committed(save_dir: Path) -> list[tuple[Path, dict]]:

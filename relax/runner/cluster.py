@@ -108,19 +108,19 @@ class Cluster:
         """Reserve the plan's placement group, start every role and wait (bounded) until each answers."""
         import ray
 
-        cfg, info, threads = self.cfg, self.info, self.plan.cpu_threads
+        cfg, info, threads = self.cfg, self.info, self.plan.threads
         self.processes: list[str] = []  # names of self.actors' processes
         self.hide_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.placement_group = reserve(self.plan)  # None on a CPU cluster
         try:
-            self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads)
+            self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
             replicas = self.plan.role("rollout").replicas
-            self.rollouts = [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads)
+            self.rollouts = [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads("rollout"))
                              for i in range(replicas)]
             self.reference = None
             if self.plan.has("reference"):
-                self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads)
-            self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads) \
+                self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
+            self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads("critic")) \
                 if self.plan.has("critic") else None
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
             pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
@@ -162,33 +162,54 @@ class Cluster:
             self.started_ray = False
 
     # ------------------------------------------------------------------ calls
-    def generate(self, prompts: list[list[int]], *, seed: int, evaluation: bool = False) -> Samples:
+    # ---- the rollout engines (relax.runner.rollout_stream.Engines)
+    def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
+                 evaluation: bool = False) -> Samples:
+        """Responses to `prompts`, a group each, rows in `sample_ids` order. Prompts are dealt to the replicas in
+        turn (balancing lengths); each sample draws from its own random stream, so the split changes nothing."""
+        import ray
+
+        n, G = len(self.rollouts), len(sample_ids) // len(prompts)
+        groups = sample_ids.view(len(prompts), G)
+        refs = [r.generate.remote(prompts[i::n], seed=seed, evaluation=evaluation, sample_ids=groups[i::n].reshape(-1),
+                                  gen_id=gen_id)
+                for i, r in enumerate(self.rollouts) if prompts[i::n]]
+        return self._merge(ray.get(refs))
+
+    def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
+        """Interrupted responses continued with the engines' current weights, rows in `partial`'s order."""
         import ray
 
         n = len(self.rollouts)
-        shards = [prompts[i::n] for i in range(n)] if n > 1 else [prompts]
-        # strided shards balance prompt lengths across engines; each engine keeps its groups consecutive
-        refs = [r.generate.remote(s, seed=seed + 7919 * i, evaluation=evaluation)
-                for i, (r, s) in enumerate(zip(self.rollouts, shards, strict=True)) if s]
-        parts = ray.get(refs)
-        if n == 1:
-            return parts[0]
-        # put responses back in prompt order: shard i holds prompts i, i+n, ...
-        merged = concat_samples(parts)
-        per_prompt = len(merged) // len(prompts)
-        order, offsets = [], [0]
-        for p in parts[:-1]:
-            offsets.append(offsets[-1] + len(p))
-        for j in range(len(prompts)):
-            shard, k = j % n, j // n
-            start = offsets[shard] + k * per_prompt
-            order.extend(range(start, start + per_prompt))
-        return merged.select(torch.tensor(order))
+        refs = [r.resume.remote(partial.select(slice(i, None, n)), seed=seed, gen_id=gen_id)
+                for i, r in enumerate(self.rollouts) if i < len(partial)]
+        return self._merge(ray.get(refs))
 
-    def actor_logprobs(self, samples: Samples) -> torch.Tensor:
+    def _merge(self, parts: list[Samples]) -> Samples:
+        if len(parts) == 1:
+            return parts[0]
+        merged = concat_samples(parts, self.info.pad_token_id)
+        return merged.select(torch.argsort(merged.sample_id))
+
+    def abort(self, gen_id: int) -> None:
+        for r in self.rollouts:
+            r.abort.remote(gen_id)
+
+    def load_weights(self, weights, version: int) -> None:
         import ray
 
-        return ray.get(self.actor.logprobs.remote(samples))
+        ray.get([r.load_weights.remote(weights, version) for r in self.rollouts])
+
+    def weights(self, version: int):
+        """The actor's current weights (of `version`) for the engines: an ObjectRef, taken before the actor's next
+        step (calls to the actor run in order), that each engine fetches from the object store."""
+        return self.actor.weights.remote(version)
+
+    def actor_logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
+        """The actor's log-probs of `samples`; with `current` (its version now), at each token's own version."""
+        import ray
+
+        return ray.get(self.actor.logprobs.remote(samples, current))
 
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
         import ray
@@ -223,8 +244,9 @@ class Cluster:
             if self.critic is not None:
                 refs.append(self.critic.train_step.remote(chunk))
             if not critic_only:
-                # the first optimizer step runs at the weights that generated the rollout: measure the mismatch
-                refs.append(self.actor.train_step.remote(chunk, rollout_mismatch=k == 0))
+                # the first optimizer step of an on-policy batch without old log-probs runs at the weights that
+                # generated it: it measures the train/rollout mismatch (otherwise the runner does, from old_logp)
+                refs.append(self.actor.train_step.remote(chunk, rollout_mismatch=k == 0 and batch.old_logp is None))
             merged: dict[str, float] = {}
             for m in ray.get(refs):
                 merged.update(m)
@@ -234,17 +256,14 @@ class Cluster:
             out[CRITIC_ONLY] = 1.0
         return out
 
-    def sync_weights(self, version: int) -> None:
-        import ray
-
-        weights = self.actor.weights.remote()  # an ObjectRef: each engine fetches it from the object store
-        ray.get([r.load_weights.remote(weights, version) for r in self.rollouts])
-
-    def save(self, checkpoints: checkpoint.Checkpoints, step: int, state: dict) -> Path:
-        """Write the roles' weights and optimizer states to a staging directory, then commit it atomically."""
+    def save(self, checkpoints: checkpoint.Checkpoints, step: int, state: dict, rollout: dict | None = None) -> Path:
+        """Write the roles' weights and optimizer states (and `rollout`, the rollout stream's state) to a staging
+        directory, then commit it atomically."""
         import ray
 
         staging = checkpoints.staging(step)
+        if rollout is not None:
+            checkpoint.write_rollout_state(staging, rollout)
         refs = [self.actor.save.remote(str(staging / "policy"))]
         if self.critic is not None:
             refs.append(self.critic.save.remote(str(staging / "critic")))

@@ -71,15 +71,34 @@ class Plan:
     ray_address: str | None
     data_parallel_size: int
     bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a CPU cluster
+    interruptible_rollout: bool = False  # partial rollout: weight updates interrupt generation
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
+
+    def threads(self, role: str) -> int:
+        """Torch CPU threads of one process of `role`. In sync mode roles take turns and each uses every core; in
+        the asynchronous modes the rollout generates while the other roles compute, so the rollout replicas
+        share half of the cores and the other roles the other half (idle thread pools would otherwise steal
+        cores from the busy role)."""
+        if self.mode == "sync":
+            return self.cpu_threads
+        rollout = max(1, self.cpu_threads // 2)
+        if role == "rollout":
+            return max(1, rollout // self.role("rollout").replicas)
+        return max(1, self.cpu_threads - rollout)
 
     def has(self, name: str) -> bool:
         return self.role(name) is not None
 
     def render(self) -> str:
-        device = f"{self.total_gpus} GPU(s)" if self.total_gpus else f"CPU, {self.cpu_threads} threads per role"
+        if self.total_gpus:
+            device = f"{self.total_gpus} GPU(s)"
+        elif self.mode == "sync":
+            device = f"CPU, {self.cpu_threads} threads per role"
+        else:
+            device = (f"CPU, {self.threads('rollout')} thread(s) per rollout replica, {self.threads('actor')} per "
+                      "other role")
         where = self.ray_address or "a local Ray instance started for this run"
         lines = [
             f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {where}",
@@ -172,7 +191,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     threads = c.cpus_per_node or os.cpu_count() or 1
     # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
     address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
-    return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles))
+    return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
+                interruptible_rollout=ro.partial_rollout)
 
 
 # ---------------------------------------------------------------------- the plan on Ray
@@ -188,7 +208,9 @@ def ray_options(plan: Plan, role: str, replica: int = 0, placement_group=None, h
     r = plan.role(role)
     if r is None:
         raise KeyError(f"the plan has no {role!r} role")
-    options: dict = dict(num_cpus=r.cpus, num_gpus=r.gpus, max_concurrency=1)
+    # a second thread for the rollout lets `abort` reach an engine while it generates (partial rollout)
+    concurrency = 2 if role == "rollout" and plan.interruptible_rollout else 1
+    options: dict = dict(num_cpus=r.cpus, num_gpus=r.gpus, max_concurrency=concurrency)
     bundle = r.bundle(replica)
     if bundle is not None:
         if placement_group is None:

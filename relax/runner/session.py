@@ -149,7 +149,7 @@ class Session:
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
 
-    def save_checkpoint(self, cluster, step: int, state: dict) -> Path | None:
+    def save_checkpoint(self, cluster, step: int, state: dict, rollout: dict | None = None) -> Path | None:
         """Flush the metrics of every step so far to the store, then write and commit the checkpoint of `step`.
 
         If the store refuses the metrics, no checkpoint is committed (it would cover steps whose metrics a
@@ -162,7 +162,7 @@ class Session:
             return None
         state = {**state, "mlflow_run_id": self.tracker.run_id,
                  "tracker": {"nonfinite_counts": dict(self.tracker.nonfinite_counts)}}
-        return cluster.save(self.checkpoints, step, state)
+        return cluster.save(self.checkpoints, step, state, rollout)
 
     def finish(self) -> RunResult:
         """Flush tracking and print the summary (final = mean reward of the last 10 steps)."""

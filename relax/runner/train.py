@@ -1,4 +1,4 @@
-"""The synchronous training recipe, top to bottom: rollout -> rewards -> advantages -> train -> sync.
+"""The training recipe, top to bottom: rollout -> rewards -> advantages -> train -> publish weights.
 
 Everything that can fail because of user input (model path, data, reward function) is checked
 before Ray starts. Roles are Ray actors created from the plan; the loop below only calls their
@@ -17,22 +17,34 @@ from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
+    BUFFER_SIZE,
     OVERHEAD_FRACTION,
     OVERHEAD_TIME,
     ROLLOUT_ENGINE_TIME,
+    ROLLOUT_IDLE_FRAC,
     ROLLOUT_TIME,
     STEP_TIME,
     SYNC_TIME,
     TOKENS_PER_S,
+    TRAIN_IDLE_FRAC,
     TRAIN_TIME,
 )
 from relax.rewards.registry import Scores
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster
 from relax.runner.errors import RunError
-from relax.runner.metrics import eval_metrics, rollout_metrics
+from relax.runner.metrics import (
+    eval_metrics,
+    latest_version_mask,
+    rollout_metrics,
+    rollout_mismatch,
+    staleness_metrics,
+)
 from relax.runner.plan import Plan
+from relax.runner.rollout_stream import RolloutStream
 from relax.runner.session import RunResult, Session
+
+EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the training samples of the same ids
 
 
 def _prepare(cfg: RelaxConfig):
@@ -74,21 +86,23 @@ def _score(cfg: RelaxConfig, tokenizer, reward_fn, samples: Samples, items: list
     return scores
 
 
-def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster) -> torch.Tensor | None:
+def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int) -> torch.Tensor | None:
     """The one place that decides which log-probs are "old" (the policy that produced the batch).
 
     - `algorithm.use_rollout_logprobs`: the rollout engine's own log-probs.
-    - Otherwise the actor recomputes them at the weights that generated the batch, when anything reads them
-      before the first optimizer step changes the weights: a second optimizer step on the same rollout, TIS, or
-      reward-side KL (REINFORCE++, PPO).
+    - Otherwise the actor recomputes them, each token at the weights that generated it (the trainer's version
+      `step`, or an older one for stale samples of the asynchronous modes), when anything reads them before the
+      first optimizer step would: stale tokens, a second optimizer step on the same rollout, TIS, or reward-side
+      KL (REINFORCE++, PPO).
     - Otherwise None: the batch is exactly on-policy for its one optimizer step, and the trainer uses its own
       current log-probs, detached (the same values, without a second forward pass).
     """
     a = cfg.algorithm
     if a.use_rollout_logprobs:
         return samples.rollout_logp
-    if cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.kl_coef != 0:
-        return cluster.actor_logprobs(samples)
+    stale = bool((samples.versions()[samples.response_mask.bool()] < step).any())
+    if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.kl_coef != 0:
+        return cluster.actor_logprobs(samples, step)
     return None
 
 
@@ -100,16 +114,19 @@ def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
 
 
 def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples, rewards: torch.Tensor,
-                keep: torch.Tensor) -> tuple[TrainBatch, dict[str, float]]:
+                keep: torch.Tensor, step: int) -> tuple[TrainBatch, dict[str, float]]:
     """Old, reference log-probs and values as the plan needs them, then the algorithm's advantages over the kept
     groups (`keep` [N] bool). Left-out responses get a zero mask, so no loss, statistic or denominator sees them.
-    Returns the batch and the advantage hook's metrics."""
+    Returns the batch and the metrics of the advantage hook (and of the train/rollout mismatch, when the actor
+    recomputed the old log-probs)."""
     G = cfg.rollout.n_samples_per_prompt
-    old_logp = old_logprobs(cfg, samples, cluster)
+    old_logp = old_logprobs(cfg, samples, cluster, step)
     ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") else None
     values = cluster.values(samples) if plan.has("critic") else None
     rows = keep.nonzero().squeeze(-1)
     mask = samples.response_mask * keep[:, None].to(samples.response_mask.dtype)
+    if cfg.rollout.mask_offpolicy_in_partial_rollout:  # tokens of older versions than their response's last
+        mask = mask * latest_version_mask(samples)
 
     def kept(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[rows]
@@ -122,11 +139,20 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=full.index_copy_(0, rows, out.advantages),
                                     old_logp=old_logp, ref_logp=ref_logp, returns=returns, old_values=values)
     batch.response_mask = mask
-    return batch, out.metrics
+    metrics = dict(out.metrics)
+    if old_logp is not None and not cfg.algorithm.use_rollout_logprobs:
+        metrics.update(rollout_mismatch(old_logp, samples.rollout_logp, mask))
+    return batch, metrics
 
 
 def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictconfig=None) -> RunResult:
-    """Train `cfg` to the end (or resume it); returns the logged history and the reward summary."""
+    """Train `cfg` to the end (or resume it); returns the logged history and the reward summary.
+
+    The rollout side runs in a `RolloutStream` whatever the mode: it generates the batch of each step with the
+    weights its mode allows (sync: the current ones; hybrid: one step old; fully_async: up to max_staleness
+    steps old), ahead of the loop where the mode allows, and the loop takes them in step order.
+    """
+    from relax.data.datasets import PromptItem
     from relax.runner.plan import build_plan
 
     plan = plan or build_plan(cfg)
@@ -138,60 +164,100 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
     with checkpoints, Session(cfg, plan, output_dir, dictconfig, checkpoints) as session, \
             Cluster(cfg, plan, info) as cluster:
         start_step = session.start_step
+        stream = RolloutStream(cfg, cluster, sampler.next_batch, start_step=start_step,
+                               pad_token_id=info.pad_token_id)
         if checkpoints.resume is not None:
             sampler.load_state_dict(cluster.load(checkpoints.resume.path)["sampler"])
-        cluster.sync_weights(version=start_step)
+            saved = checkpoint.read_rollout_state(checkpoints.resume.path)
+            if saved is not None:
+                stream.load_state_dict(saved, lambda d: PromptItem(**d))
+        stream.publish(start_step, cluster.weights(start_step))
+        pace = Pace(stream)
 
-        for step in range(start_step, cfg.train.num_rollout):
-            t0 = time.perf_counter()
-            metrics: dict[str, float] = {}
-            # 1. rollout
-            batch_items = sampler.next_batch()
-            prompts = [item.prompt_ids for item in batch_items]
-            samples = cluster.generate(prompts, seed=cfg.seed * 100_003 + step)
-            t_rollout = time.perf_counter()
-            # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
-            scores = _score(cfg, tokenizer, reward_fn, samples, batch_items, G)
-            rewards = torch.tensor(scores.rewards, dtype=torch.float32)
-            keep = kept_groups(scores.failed, G)
-            metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
-            t_train0 = t_train = time.perf_counter()
-            if keep.any():  # a rollout whose every group was left out trains nothing (no advantages, no step)
-                # 3-4. the log-probs and values the algorithm needs, then advantages
-                batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep)
-                metrics.update(advantage_metrics)
-                # 5. optimizer steps over the global batch(es)
-                t_train0 = time.perf_counter()
-                metrics.update(cluster.train(batch, step))
-                t_train = time.perf_counter()
-            # 6. weights to the rollout engines
-            cluster.sync_weights(version=step + 1)
-            t_sync = time.perf_counter()
-            if cfg.train.eval_interval and eval_set is not None and (step + 1) % cfg.train.eval_interval == 0:
-                metrics.update(_evaluate(cfg, cluster, tokenizer, reward_fn, eval_set))
-            n_tokens = float(samples.response_mask.sum())
-            step_time = time.perf_counter() - t0
-            overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
-            metrics.update({
-                ROLLOUT_TIME: t_rollout - t0,
-                ROLLOUT_ENGINE_TIME: samples.engine_time,
-                TRAIN_TIME: t_train - t_train0,
-                SYNC_TIME: t_sync - t_train,
-                STEP_TIME: step_time,
-                OVERHEAD_TIME: overhead,
-                OVERHEAD_FRACTION: overhead / max(step_time, 1e-9),
-                TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
-            })
-            session.log(metrics, step)
-            last = step + 1 == cfg.train.num_rollout
-            interval = cfg.train.save_interval
-            if cfg.train.save and (last or (interval and (step + 1) % interval == 0)):
-                session.save_checkpoint(cluster, step + 1, {"sampler": sampler.state_dict(), "step": step + 1})
+        with stream:
+            for step in range(start_step, cfg.train.num_rollout):
+                t0 = time.perf_counter()
+                metrics: dict[str, float] = {}
+                # 1. the rollout of this step (generated by the stream, as far ahead as the mode allows)
+                job, samples, waited = stream.take(step)
+                t_rollout = time.perf_counter()
+                metrics.update(staleness_metrics(samples, step, cfg.train.max_staleness))
+                # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
+                scores = _score(cfg, tokenizer, reward_fn, samples, job.items, G)
+                rewards = torch.tensor(scores.rewards, dtype=torch.float32)
+                keep = kept_groups(scores.failed, G)
+                metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
+                t_train0 = t_train = time.perf_counter()
+                if keep.any():  # a rollout whose every group was left out trains nothing (no advantages, no step)
+                    # 3-4. the log-probs and values the algorithm needs, then advantages
+                    batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep, step)
+                    metrics.update(advantage_metrics)
+                    # 5. optimizer steps over the global batch(es)
+                    t_train0 = time.perf_counter()
+                    metrics.update(cluster.train(batch, step))
+                    t_train = time.perf_counter()
+                # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
+                evaluate = bool(cfg.train.eval_interval) and eval_set is not None \
+                    and (step + 1) % cfg.train.eval_interval == 0
+                if (step + 1) % cfg.train.weight_sync_interval == 0 or evaluate:
+                    stream.publish(step + 1, cluster.weights(step + 1))
+                t_sync = time.perf_counter()
+                if evaluate:
+                    metrics.update(_evaluate(cfg, cluster, stream, tokenizer, reward_fn, eval_set))
+                n_tokens = float(samples.response_mask.sum())
+                step_time = time.perf_counter() - t0
+                overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
+                metrics.update(pace.metrics(waited, step_time))
+                metrics.update({
+                    ROLLOUT_TIME: t_rollout - t0,
+                    ROLLOUT_ENGINE_TIME: samples.engine_time,
+                    TRAIN_TIME: t_train - t_train0,
+                    SYNC_TIME: t_sync - t_train,
+                    STEP_TIME: step_time,
+                    OVERHEAD_TIME: overhead,
+                    OVERHEAD_FRACTION: overhead / max(step_time, 1e-9),
+                    TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
+                })
+                session.log(metrics, step)
+                last = step + 1 == cfg.train.num_rollout
+                interval = cfg.train.save_interval
+                if cfg.train.save and (last or (interval and (step + 1) % interval == 0)):
+                    with stream.paused():  # the batches generated ahead and the one in flight go with it
+                        stream.save_old_logprobs(cluster.actor_logprobs, step + 1)
+                        session.save_checkpoint(cluster, step + 1, {"sampler": sampler.state_dict(), "step": step + 1},
+                                                rollout=stream.state_dict())
         return session.finish()
 
 
-def _evaluate(cfg: RelaxConfig, cluster: Cluster, tokenizer, reward_fn, eval_set) -> dict[str, float]:
+class Pace:
+    """How busy each side of the loop was: `perf/train_idle_frac` (the loop waiting for its rollout),
+    `perf/rollout_idle_frac` (the engines not generating), `perf/buffer_size` (samples generated ahead)."""
+
+    def __init__(self, stream: RolloutStream):
+        self.stream = stream
+        self.t, self.busy = time.perf_counter(), stream.busy_s
+
+    def metrics(self, waited: float, step_time: float) -> dict[str, float]:
+        now, busy = time.perf_counter(), self.stream.busy_s
+        wall = max(now - self.t, 1e-9)
+        out = {TRAIN_IDLE_FRAC: min(1.0, waited / max(step_time, 1e-9)),
+               ROLLOUT_IDLE_FRAC: min(1.0, max(0.0, 1.0 - (busy - self.busy) / wall)),
+               BUFFER_SIZE: float(self.stream.buffered_samples())}
+        self.t, self.busy = now, busy
+        return out
+
+
+def _evaluate(cfg: RelaxConfig, cluster: Cluster, stream: RolloutStream, tokenizer, reward_fn,
+              eval_set) -> dict[str, float]:
+    """Evaluation prompts with the newest weights, between two calls of the rollout stream; each eval sample has
+    a fixed random stream (common random numbers from one evaluation to the next)."""
+    from relax.runner.rollout_stream import sample_ids
+
     prompts = [item.prompt_ids for item in eval_set]
-    samples = cluster.generate(prompts, seed=cfg.seed, evaluation=True)
-    scores = _score(cfg, tokenizer, reward_fn, samples, list(eval_set), cfg.rollout.eval_n_samples_per_prompt)
+    n = cfg.rollout.eval_n_samples_per_prompt
+    with stream.paused():
+        stream.load_newest()
+        samples = cluster.generate(prompts, sample_ids(0, len(prompts), n), seed=cfg.seed + EVAL_SEED_OFFSET,
+                                   evaluation=True)
+    scores = _score(cfg, tokenizer, reward_fn, samples, list(eval_set), n)
     return eval_metrics(samples, scores)

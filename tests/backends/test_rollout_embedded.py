@@ -161,7 +161,7 @@ def test_filter_logits_keeps_the_nucleus():
 
 def test_draw_follows_the_distribution_and_never_picks_zero_probability():
     probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(20000, 1)
-    tokens = draw(probs, torch.Generator().manual_seed(0))
+    tokens = draw(probs, torch.rand(len(probs), generator=torch.Generator().manual_seed(0)).clamp_(min=1e-9))
     freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
     torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
     assert freq[[0, 2, 5]].sum() == 0
@@ -222,3 +222,61 @@ def test_bad_arguments():
         eng.generate([[1], []], max_new_tokens=2, seed=0)
     with pytest.raises(ValueError):
         eng.generate([[1]], max_new_tokens=0, seed=0)
+
+
+# ---- per-sample random streams and interrupted responses (partial rollout)
+
+
+@FAST
+def test_a_sample_is_the_same_whatever_batch_it_is_in(fast):
+    """A sample's tokens depend on (seed, sample id, position) and the weights only: generated alone, with other
+    prompts, or on another replica, it is the same response."""
+    eng = engine(fast)
+    ids = torch.arange(100, 100 + 2 * len(PROMPTS))
+    together = eng.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=6, seed=5, sample_ids=ids)
+    for k, prompt in enumerate(PROMPTS):
+        alone = eng.generate([prompt], n_samples_per_prompt=2, max_new_tokens=6, seed=5,
+                             sample_ids=ids[2 * k:2 * k + 2])
+        assert responses(alone) == responses(together)[2 * k:2 * k + 2]
+    assert together.sample_id.tolist() == ids.tolist()
+    other = eng.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=6, seed=5, sample_ids=ids + 1000)
+    assert responses(other) != responses(together)
+
+
+def test_an_interrupted_response_continues_from_its_prefix_with_the_new_weights():
+    from relax.backends.batch import continuation, extend_responses
+
+    eng = engine()
+    ids = torch.arange(len(PROMPTS))
+    whole = eng.generate(PROMPTS, max_new_tokens=8, seed=3, sample_ids=ids)
+    ticks = iter(range(100))
+    cut = eng.generate(PROMPTS, max_new_tokens=8, seed=3, sample_ids=ids, should_abort=lambda: next(ticks) == 2)
+    assert cut.finish_reason == ["abort"] * len(PROMPTS) and cut.response_mask.sum(1).tolist() == [3] * len(PROMPTS)
+    assert torch.equal(cut.response_ids, whole.response_ids[:, :3])
+
+    # the same weights: the continuation is the uninterrupted response (same random stream, same context)
+    job = continuation(cut, 8)
+    more = eng.generate(job.prompts, max_new_tokens=int(job.budgets.max()), seed=3, sample_ids=job.sample_ids,
+                        positions=job.positions, budgets=job.budgets)
+    same = extend_responses(cut, more)
+    assert responses(same) == responses(whole)
+    torch.testing.assert_close(same.rollout_logp, whole.rollout_logp, atol=1e-5, rtol=0)
+
+    # new weights (version 1): the prefix keeps version 0, the rest is sampled from the new model given the prefix
+    eng.load_weights(tiny_model(seed=1).state_dict(), version=1)
+    more = eng.generate(job.prompts, max_new_tokens=int(job.budgets.max()), seed=3, sample_ids=job.sample_ids,
+                        positions=job.positions, budgets=job.budgets)
+    mixed = extend_responses(cut, more)
+    assert mixed.response_mask.sum(1).tolist() == [8] * len(PROMPTS)
+    assert mixed.versions()[:, :3].eq(0).all() and mixed.versions()[:, 3:].eq(1).all()
+    new_model = tiny_model(seed=1)
+    for i, (prompt, resp) in enumerate(zip(PROMPTS, responses(mixed), strict=True)):
+        assert resp[:3] == responses(whole)[i][:3]
+        expected = brute_logp(new_model, prompt + resp[:3], resp[3:])
+        torch.testing.assert_close(mixed.rollout_logp[i, 3:], expected, atol=1e-4, rtol=0)
+
+
+def test_budgets_end_rows_early_with_length():
+    eng = engine()
+    s = eng.generate(PROMPTS, max_new_tokens=6, seed=0, budgets=torch.tensor([1, 6, 3, 2]))
+    assert s.response_mask.sum(1).tolist() == [1, 6, 3, 2] and s.finish_reason == ["length"] * 4

@@ -37,6 +37,7 @@ STARTS = [
     (["cluster=local"], 0),
     (["+experiment=rloo_vs_grpo_cpu"], 0),
     (["+experiment=smollm2_arithmetic_cpu"], 0),
+    (["+experiment=m2po_staleness_cpu"], 0),
     (["cluster=1xgpu"], 1),
     (["+experiment=rloo_qwen3_0.6b_gsm8k"], 1),
     (["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3", *KL], 1),  # every role on the one GPU

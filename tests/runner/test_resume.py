@@ -1,8 +1,9 @@
 """Checkpoints and resume: the default location, atomic commits, the config check, and `kill -9` + resume=auto.
 
 The end-to-end test runs `relax-train` as a user does: a subprocess on a real local Ray and a real MLflow sqlite
-store, killed with SIGKILL between two checkpoints, then continued with `train.resume=auto`; the record and the
-final weights are compared with those of an uninterrupted run of the same seed.
+store, in the hybrid mode (a batch generated ahead is in every checkpoint), killed with SIGKILL between two
+checkpoints, then continued with `train.resume=auto`; the record and the final weights are compared with those of
+an uninterrupted run of the same seed.
 """
 
 from __future__ import annotations
@@ -247,8 +248,11 @@ def test_a_job_killed_before_its_first_checkpoint_does_not_stay_running(tmp_path
 
 STEPS = 6
 PER_STEP = 2 * 4  # reward calls per step: rollout_batch_size * n_samples_per_prompt
+# hybrid: the rollout of step k + 1 is generated (with the weights of step k) while step k trains, so a checkpoint
+# holds a batch generated ahead, which the resumed run must train exactly as the uninterrupted one does
 RUN_ARGS = [f"train.num_rollout={STEPS}", "train.save_interval=2", "rollout.rollout_batch_size=2",
-            "rollout.n_samples_per_prompt=4", "tracking.progress=false", "data.reward=hold_reward:reward"]
+            "rollout.n_samples_per_prompt=4", "tracking.progress=false", "data.reward=hold_reward:reward",
+            "train.mode=hybrid"]
 KEY = "train/loss"
 HERE = Path(__file__).resolve().parent  # hold_reward.py
 

@@ -96,6 +96,7 @@ VALUES: dict[str, Any] = {
     "train.warmup_steps": 2,  # a warmup of 1 step is no warmup: the first step's factor is (0 + 1) / 1
     "train.backend": "megatron",
     "train.mode": "fully_async",
+    "train.max_staleness": 1,  # derived (None); 1 in sync is rejected: sync is on-policy
     "rollout.backend": "sglang",
     "train.calculate_per_token_loss": True,  # grpo's default is false
     "train.global_batch_size": 8,

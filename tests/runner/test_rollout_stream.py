@@ -1,0 +1,220 @@
+"""The rollout stream against a fake engine with random timings: the staleness bound, the version rule of each
+mode, partial rollout (prefixes continued, versions recorded), and a checkpoint's state restored mid-run.
+
+The fake engine generates token t of sample i as `token(i, t)`, so a response continued after any number of
+interruptions can be checked token by token; its length is a function of the sample id.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from relax.backends.batch import Samples, continuation, extend_responses
+from relax.config import load_config
+from relax.runner.rollout_stream import RolloutStream, version_window
+
+MAX_LEN = 6
+
+
+def token(sample_id: int, t: int) -> int:
+    return 1 + (sample_id * 7 + t * 3) % 50
+
+
+def length(sample_id: int) -> int:
+    return 1 + sample_id % MAX_LEN
+
+
+class FakeEngines:
+    """In-process engines: one token per row per tick, a random sleep per tick, interruptible like the real one."""
+
+    def __init__(self, rng: random.Random, tick_s: float = 0.002):
+        self.rng, self.tick_s = rng, tick_s
+        self.version = -1
+        self.aborted: set[int] = set()
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def _run(self, prompts: list[list[int]], ids: torch.Tensor, start: torch.Tensor, gen_id) -> Samples:
+        N = len(ids)
+        T = MAX_LEN
+        out = torch.zeros(N, T, dtype=torch.long)
+        n_done = torch.zeros(N, dtype=torch.long)
+        finish = [""] * N
+        for t in range(T):
+            time.sleep(self.rng.random() * self.tick_s)
+            for i in range(N):
+                if finish[i]:
+                    continue
+                pos = int(start[i]) + t
+                out[i, t] = token(int(ids[i]), pos)
+                n_done[i] = t + 1
+                if pos + 1 >= length(int(ids[i])):
+                    finish[i] = "stop"
+            if all(finish):
+                break
+            if gen_id is not None and gen_id in self.aborted:
+                finish = [f or "abort" for f in finish]
+                break
+        width = int(n_done.max())
+        mask = (torch.arange(width)[None] < n_done[:, None]).long()
+        P = max(len(p) for p in prompts)
+        return Samples(prompt_ids=torch.tensor([[0] * (P - len(p)) + p for p in prompts]),
+                       prompt_mask=torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]),
+                       response_ids=out[:, :width] * mask, response_mask=mask,
+                       rollout_logp=-mask.float(), finish_reason=finish, weight_version=self.version,
+                       sample_id=ids.clone(), token_version=mask * self.version)
+
+    def generate(self, prompts, sample_ids, *, seed, gen_id):
+        with self.lock:
+            self.calls += 1
+            G = len(sample_ids) // len(prompts)
+            rows = [p for p in prompts for _ in range(G)]
+            return self._run(rows, sample_ids, torch.zeros(len(sample_ids), dtype=torch.long), gen_id)
+
+    def resume(self, partial, *, seed, gen_id):
+        with self.lock:
+            self.calls += 1
+            job = continuation(partial, MAX_LEN)
+            more = self._run(job.prompts, job.sample_ids, job.positions, gen_id)
+            return extend_responses(partial, more)
+
+    def abort(self, gen_id):
+        self.aborted.add(gen_id)
+
+    def load_weights(self, weights, version):
+        with self.lock:
+            assert weights == f"w{version}"
+            time.sleep(self.rng.random() * self.tick_s)
+            self.version = version
+
+
+class Prompts:
+    def __init__(self):
+        self.drawn = 0
+
+    def __call__(self):
+        from relax.data.datasets import PromptItem
+
+        self.drawn += 1
+        return [PromptItem([self.drawn, i + 1], "label", "text", i) for i in range(2)]
+
+
+def config(mode: str, staleness: int | None = None, *, partial: bool = False, interval: int = 1, steps: int = 8,
+           aborts: int = 4):
+    overrides = ["algorithm=m2po", f"train.mode={mode}", f"train.num_rollout={steps}", "rollout.rollout_batch_size=2",
+                 "rollout.n_samples_per_prompt=4", f"train.weight_sync_interval={interval}"]
+    if staleness is not None:
+        overrides.append(f"train.max_staleness={staleness}")
+    if partial:
+        overrides += ["rollout.partial_rollout=true", f"rollout.partial_rollout_max_aborts={aborts}"]
+    return load_config(overrides)
+
+
+def train(cfg, stream: RolloutStream, rng: random.Random, *, start: int = 0, stop: int | None = None,
+          tick_s: float = 0.004) -> list[Samples]:
+    """The loop's side: take each step's batch, "train" for a random time, publish per weight_sync_interval."""
+    taken = []
+    for step in range(start, stop if stop is not None else cfg.train.num_rollout):
+        job, samples, _ = stream.take(step)
+        assert job.step == step
+        taken.append(samples)
+        time.sleep(rng.random() * tick_s)
+        if (step + 1) % cfg.train.weight_sync_interval == 0:
+            stream.publish(step + 1, f"w{step + 1}")
+    return taken
+
+
+def check_batch(cfg, step: int, samples: Samples) -> None:
+    """Every response complete and exactly the fake engine's tokens; versions never beyond the bound."""
+    G, B = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
+    assert samples.sample_id.tolist() == list(range(step * B * G, (step + 1) * B * G))  # nothing lost or repeated
+    assert "abort" not in samples.finish_reason
+    versions = samples.versions()
+    for i, sid in enumerate(samples.sample_id.tolist()):
+        n = int(samples.response_mask[i].sum())
+        assert n == length(sid)
+        assert samples.response_ids[i, :n].tolist() == [token(sid, t) for t in range(n)]
+        v = versions[i, :n]
+        assert bool((v[1:] >= v[:-1]).all())  # versions only grow along a response
+        lo, hi = version_window(cfg.train.mode, step, cfg.train.max_staleness)
+        assert step - int(v.min()) <= cfg.train.max_staleness  # the staleness bound, per token
+        assert lo <= int(v.min()) and int(v.max()) <= hi
+
+
+CASES = [("sync", None, False, 1), ("hybrid", None, False, 1), ("fully_async", 0, False, 1),
+         ("fully_async", 1, False, 1), ("fully_async", 3, False, 1), ("fully_async", 3, False, 4),
+         ("fully_async", 2, True, 1), ("fully_async", 3, True, 2)]
+
+
+@pytest.mark.parametrize("mode,staleness,partial,interval", CASES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_staleness_bound_and_versions_hold_under_random_timings(mode, staleness, partial, interval, seed):
+    cfg = config(mode, staleness, partial=partial, interval=interval)
+    rng = random.Random(seed)
+    engines = FakeEngines(random.Random(seed + 100), tick_s=rng.choice([0.0005, 0.002, 0.006]))
+    stream = RolloutStream(cfg, engines, Prompts(), start_step=0)
+    stream.publish(0, "w0")
+    with stream:
+        taken = train(cfg, stream, rng, tick_s=rng.choice([0.0005, 0.004, 0.02]))
+    for step, samples in enumerate(taken):
+        check_batch(cfg, step, samples)
+    if mode == "sync":
+        assert all(int(s.versions()[s.response_mask.bool()].max()) == i for i, s in enumerate(taken))
+    if mode == "hybrid":
+        assert [int(s.versions()[s.response_mask.bool()].max()) for s in taken] == [0] + list(range(7))
+
+
+def test_partial_rollout_continues_prefixes_with_newer_versions():
+    """A slow engine and a fast trainer: weight updates arrive mid-batch, the batch is interrupted (at most
+    max_aborts times) and its responses span versions, each token recorded with its own."""
+    cfg = config("fully_async", 3, partial=True, aborts=2, steps=6)
+    engines = FakeEngines(random.Random(0), tick_s=0.03)
+    stream = RolloutStream(cfg, engines, Prompts(), start_step=0)
+    stream.publish(0, "w0")
+    with stream:
+        taken = train(cfg, stream, random.Random(1), tick_s=0.0)
+    for step, samples in enumerate(taken):
+        check_batch(cfg, step, samples)
+    assert stream.aborts > 0
+    spans = [len(set(s.versions()[i][s.response_mask[i].bool()].tolist())) for s in taken for i in range(len(s))]
+    assert max(spans) > 1 and max(spans) <= 1 + 2  # an interrupted job continues at most max_aborts times
+
+
+def test_a_restored_stream_continues_with_nothing_lost_or_repeated():
+    """Pause mid-run, save the state, stop; a new stream from that state yields exactly the batches left: the
+    buffered ones unchanged, the job in flight continued from its partial responses."""
+    cfg = config("fully_async", 3, partial=True, steps=8)
+    rng = random.Random(3)
+    prompts = Prompts()
+    engines = FakeEngines(random.Random(4), tick_s=0.01)
+    stream = RolloutStream(cfg, engines, prompts, start_step=0)
+    stream.publish(0, "w0")
+    with stream:
+        first = train(cfg, stream, rng, stop=3)
+        time.sleep(0.05)  # let the pump run ahead
+        with stream.paused():
+            state = stream.state_dict()
+            drawn = prompts.drawn
+    buffered = {d["step"]: d["samples"] for d in state["buffer"]}
+    assert buffered, "the pump ran ahead of the loop"
+    assert state["next_step"] == 3 + len(buffered)  # the job in flight, if any, is next_step
+
+    from relax.data.datasets import PromptItem
+
+    resumed_prompts = Prompts()
+    resumed_prompts.drawn = drawn  # the sampler position is restored with the checkpoint
+    again = RolloutStream(cfg, FakeEngines(random.Random(5)), resumed_prompts, start_step=3)
+    again.load_state_dict(state, lambda d: PromptItem(**d))
+    again.publish(3, "w3")
+    with again:
+        rest = train(cfg, again, rng, start=3)
+    for step, samples in enumerate(first + rest):
+        check_batch(cfg, step, samples)
+    for step, saved in buffered.items():  # what was generated before the stop is trained as it was
+        assert torch.equal(rest[step - 3].response_ids, saved["response_ids"])
+        assert torch.equal(rest[step - 3].versions(), saved["token_version"])
