@@ -3,7 +3,7 @@
     python -m bench                      # full suite (~30-60 min on 2 CPU cores), writes docs/performance.md
     python -m bench --quick              # smaller sizes, fewer repetitions (~10 min)
     python -m bench --smoke --out /tmp/perf.md   # tiny sizes only, seconds (what tests/bench runs)
-    python -m bench --only rollout,math  # some sections: rl, rollout, train, overhead, math
+    python -m bench --only rollout,math  # some sections: rl, rollout, train, overhead, modes, math
 
 Each comparison runs both sides in the same process, alternating, several repetitions; the report gives
 medians, min-max spreads and the load average before and after each section (the machine may be shared).
@@ -21,12 +21,13 @@ from pathlib import Path
 
 from bench.common import Series, load_average, machine_info
 
-SECTIONS = ("rl", "rollout", "train", "overhead", "math")
+SECTIONS = ("rl", "rollout", "train", "overhead", "modes", "math")
 TARGETS = {
     "rl": "Relax samples/s >= 2x TRL, both sizes, same precision",
     "rollout": "engine tokens/s >= 2x HF generate",
     "train": "135M train phase >= 50% of measured matmul FLOP/s",
     "overhead": "overhead <= 5% of a step",
+    "modes": "fully_async >= 1.6x sync samples/s when rollout and train are balanced, 2+ cores",
     "math": "1M-token M2PO solve < 50 ms",
 }
 
@@ -37,11 +38,14 @@ class Settings:
     rollout_runs: list[dict]
     train_runs: list[dict]
     overhead_runs: list[tuple[list[str], int]]
+    modes_runs: list[tuple[list[str], int, int]]  # (work overrides, steps, reps) of bench/async_modes.py
     math_tokens: int
     math_reps: int
 
 
 def settings(mode: str) -> Settings:
+    from bench import async_modes
+
     if mode == "smoke":
         rl = dict(prompts=2, group=2, completion_len=4, micro=4, blocks=1, steps_per_block=2)
         return Settings(
@@ -52,6 +56,8 @@ def settings(mode: str) -> Settings:
                              reps=1, mm_size=256)],
             overhead_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
                              "rollout.max_response_len=4", "train.micro_batch_size=4"], 2)],
+            modes_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+                          "rollout.max_response_len=4", "train.micro_batch_size=4"], 3, 1)],
             math_tokens=4096, math_reps=1,
         )
     quick = mode == "quick"
@@ -77,6 +83,7 @@ def settings(mode: str) -> Settings:
         overhead_runs=[(["model=tiny"], 8 if quick else 12)]
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
+        modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2)],
         math_tokens=1024 * 1024, math_reps=3 if quick else 5,
     )
 
@@ -165,6 +172,23 @@ def section_overhead(st: Settings, log) -> list[str]:
     return lines
 
 
+def section_modes(st: Settings, log) -> list[str]:
+    from bench import async_modes
+
+    lines = ["| work (Ray loop) | mode | samples/s | vs sync | train idle | rollout idle | sync phases (s): rollout / "
+             "train |", "|---|---|---|---|---|---|---|"]
+    for work, steps, reps in st.modes_runs:
+        r = async_modes.compare(work, steps, reps, warmup=1 if steps <= 3 else 2, log=log)
+        phases = f"{r['sync']['rollout_s'].median:.2f} / {r['sync']['train_s'].median:.2f}"
+        for mode in async_modes.MODES:
+            m = r[mode]
+            lines.append(f"| `{' '.join(work)}` | {mode} ({' '.join(async_modes.MODES[mode])}) | "
+                         f"{fmt(m['samples_per_s'], 1, 1)} | **{fmt(r['speedup'][mode], 1, 2)}** | "
+                         f"{m['train_idle'].median:.0%} | {m['rollout_idle'].median:.0%} | {phases} |")
+        lines.append(f"| `python bench/async_modes.py --steps {steps} --reps {reps} {' '.join(work)}` | | | | | | |")
+    return lines
+
+
 def section_math(st: Settings, log) -> list[str]:
     from bench import algorithm_math
 
@@ -178,12 +202,13 @@ def section_math(st: Settings, log) -> list[str]:
 
 
 RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "overhead": section_overhead,
-           "math": section_math}
+           "modes": section_modes, "math": section_math}
 TITLES = {
     "rl": "RL step throughput: Relax GRPO vs TRL GRPOTrainer (in-process, same work)",
     "rollout": "Rollout engine vs Hugging Face `generate`",
     "train": "Train phase vs the machine's matmul limit",
     "overhead": "Overhead of the real Ray loop",
+    "modes": "Training modes: sync vs hybrid vs fully_async (Ray loop, same work)",
     "math": "Algorithm math",
 }
 
