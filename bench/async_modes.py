@@ -59,11 +59,13 @@ def run_once(overrides: list[str], steps: int, warmup: int) -> dict:
             "rollout_idle": med(ROLLOUT_IDLE_FRAC), "rollout_s": med(ROLLOUT_TIME), "train_s": med(TRAIN_TIME)}
 
 
-def compare(work: list[str], steps: int, reps: int, warmup: int = 2, log=print) -> dict:
-    """{mode: {"samples_per_s": Series, "train_idle": Series, ...}, "speedup": {mode: Series vs sync}}."""
-    out: dict = {m: {} for m in MODES}
+def compare(work: list[str], steps: int, reps: int, warmup: int = 2, log=print,
+            modes: tuple[str, ...] = tuple(MODES)) -> dict:
+    """{mode: {"samples_per_s": Series, "train_idle": Series, ...}, "speedup": {mode: Series vs sync}} for `modes`
+    (sync among them)."""
+    out: dict = {m: {} for m in modes}
     for rep in range(reps):
-        order = list(MODES) if rep % 2 == 0 else list(reversed(MODES))
+        order = list(modes) if rep % 2 == 0 else list(reversed(modes))
         for mode in order:
             r = run_once([*work, *MODES[mode]], steps, warmup)
             for key, value in r.items():
@@ -72,7 +74,7 @@ def compare(work: list[str], steps: int, reps: int, warmup: int = 2, log=print) 
                 f"rollout idle {r['rollout_idle']:.0%}")
     sync = out["sync"]["samples_per_s"].values
     out["speedup"] = {m: Series([a / b for a, b in zip(out[m]["samples_per_s"].values, sync, strict=True)])
-                      for m in MODES}
+                      for m in modes}
     return out
 
 

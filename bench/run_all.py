@@ -38,7 +38,8 @@ class Settings:
     rollout_runs: list[dict]
     train_runs: list[dict]
     overhead_runs: list[tuple[list[str], int]]
-    modes_runs: list[tuple[list[str], int, int]]  # (work overrides, steps, reps) of bench/async_modes.py
+    # (work overrides, steps, reps, modes) of bench/async_modes.py
+    modes_runs: list[tuple[list[str], int, int, tuple[str, ...]]]
     math_tokens: int
     math_reps: int
 
@@ -57,7 +58,7 @@ def settings(mode: str) -> Settings:
             overhead_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
                              "rollout.max_response_len=4", "train.micro_batch_size=4"], 2)],
             modes_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
-                          "rollout.max_response_len=4", "train.micro_batch_size=4"], 3, 1)],
+                          "rollout.max_response_len=4", "train.micro_batch_size=4"], 3, 1, ("sync", "fully_async"))],
             math_tokens=4096, math_reps=1,
         )
     quick = mode == "quick"
@@ -83,7 +84,7 @@ def settings(mode: str) -> Settings:
         overhead_runs=[(["model=tiny"], 8 if quick else 12)]
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
-        modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2)],
+        modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))],
         math_tokens=1024 * 1024, math_reps=3 if quick else 5,
     )
 
@@ -177,10 +178,10 @@ def section_modes(st: Settings, log) -> list[str]:
 
     lines = ["| work (Ray loop) | mode | samples/s | vs sync | train idle | rollout idle | sync phases (s): rollout / "
              "train |", "|---|---|---|---|---|---|---|"]
-    for work, steps, reps in st.modes_runs:
-        r = async_modes.compare(work, steps, reps, warmup=1 if steps <= 3 else 2, log=log)
+    for work, steps, reps, modes in st.modes_runs:
+        r = async_modes.compare(work, steps, reps, warmup=1 if steps <= 3 else 2, log=log, modes=modes)
         phases = f"{r['sync']['rollout_s'].median:.2f} / {r['sync']['train_s'].median:.2f}"
-        for mode in async_modes.MODES:
+        for mode in modes:
             m = r[mode]
             lines.append(f"| `{' '.join(work)}` | {mode} ({' '.join(async_modes.MODES[mode])}) | "
                          f"{fmt(m['samples_per_s'], 1, 1)} | **{fmt(r['speedup'][mode], 1, 2)}** | "

@@ -100,6 +100,7 @@ class TrainConfig:
     save_dir: Optional[str] = None
     save: bool = True
     keep_checkpoints: int = 2  # committed checkpoints kept in save_dir (>= 1); older ones are removed
+    save_hf: bool = False  # megatron: each checkpoint also holds the policy as a Hugging Face directory (hf/)
     resume: Optional[str] = None  # auto (latest in save_dir, fresh if none) | a checkpoint directory
     eval_interval: int = 0  # 0: no evaluation
 

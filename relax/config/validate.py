@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from relax import algorithms
 from relax.algorithms.base import Violation
+from relax.config.megatron_rules import megatron_violations
 from relax.config.schema import RelaxConfig
 
 TRAIN_BACKENDS = ("torch", "megatron")
@@ -39,6 +40,15 @@ def data_parallel_size(cfg: RelaxConfig) -> int:
         return 1
     model_parallel = cfg.train.tensor_parallel_size * cfg.train.pipeline_parallel_size * cfg.train.context_parallel_size
     return max(1, cfg.cluster.actor_gpus // max(1, model_parallel))
+
+
+def actor_world_size(cfg: RelaxConfig) -> int:
+    """Processes of the actor: 1 for the torch backend; tp x pp x cp x dp Megatron ranks (one per GPU, or on
+    the CPU cores: tp x pp)."""
+    if cfg.train.backend != "megatron":
+        return 1
+    t = cfg.train
+    return t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size * data_parallel_size(cfg)
 
 
 def needs_reference(cfg: RelaxConfig) -> str | None:
@@ -228,17 +238,20 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                 r.require(critic_gpus > 0, "cluster.critic_gpus",
                           f"algorithm={algo.name} needs a critic but cluster.critic_gpus={c.critic_gpus} "
                           "gives it no GPU")
-                r.require(t.backend != "torch" or critic_gpus <= 1, ("cluster.critic_gpus", "train.backend"),
-                          f"train.backend=torch trains the critic on one device but cluster.critic_gpus="
+                r.require(critic_gpus <= 1, "cluster.critic_gpus",
+                          f"the critic trains on the torch backend, on one device, but cluster.critic_gpus="
                           f"{critic_gpus}")
     if t.backend == "torch":
         r.require(c.actor_gpus <= 1, ("train.backend", "cluster.actor_gpus"),
                   f"train.backend=torch trains on one device but cluster.actor_gpus={c.actor_gpus}; "
                   "use train.backend=megatron for several GPUs")
-        for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(t, key)
             r.require(value == 1, f"train.{key}",
                       f"train.{key}={value} needs train.backend=megatron (the torch backend has no model parallelism)")
+        r.require(t.context_parallel_size == 1, "train.context_parallel_size",
+                  f"train.context_parallel_size={t.context_parallel_size} {NOT_BUILT}: neither backend has context "
+                  "parallelism (megatron-core's needs Transformer Engine's attention)")
     elif t.backend == "megatron" and c.actor_gpus > 0:
         mp = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
         r.require(c.actor_gpus % mp == 0, ("cluster.actor_gpus", "train.tensor_parallel_size"),
@@ -328,16 +341,14 @@ NOT_BUILT = "is not available in this build"
 
 
 def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
-    """Options that are planned (Megatron, SGLang, dynamic batch sizes) but have nothing behind them yet."""
+    """Options that are planned (SGLang, dynamic batch sizes) but have nothing behind them yet."""
     t, ro, c = cfg.train, cfg.rollout, cfg.cluster
     r.require(not t.use_dynamic_global_batch_size, "train.use_dynamic_global_batch_size",
               f"train.use_dynamic_global_batch_size=true {NOT_BUILT}: every optimizer step takes "
               "train.global_batch_size samples")
-    r.require(t.backend == "torch", "train.backend",
-              f"train.backend={t.backend} {NOT_BUILT}: use train.backend=torch (one device, any Hugging Face "
-              "causal LM)")
     r.require(not t.dynamic_context_parallel, "train.dynamic_context_parallel",
-              f"train.dynamic_context_parallel=true {NOT_BUILT}: it needs train.backend=megatron")
+              f"train.dynamic_context_parallel=true {NOT_BUILT}: it needs context parallelism, which "
+              "train.backend=megatron does not have here (megatron-core's needs Transformer Engine's attention)")
     r.require(ro.backend == "embedded", "rollout.backend",
               f"rollout.backend={ro.backend} {NOT_BUILT}: use rollout=embedded (the built-in batched sampler, "
               "CPU or one GPU)")
@@ -420,7 +431,10 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
            "it acts on partial rollout (rollout.partial_rollout=true)")
     unused(t, "train", ("min_lr_ratio",), t.lr_schedule == "constant",
            "train.lr_schedule=constant never decays (use cosine or linear)")
-    unused(t, "train", ("save_interval", "keep_checkpoints"), not t.save, "train.save=false writes no checkpoint")
+    unused(t, "train", ("save_interval", "keep_checkpoints", "save_hf"), not t.save,
+           "train.save=false writes no checkpoint")
+    unused(t, "train", ("save_hf",), t.backend == "torch",
+           "the torch backend's checkpoints hold the policy as a Hugging Face directory already (policy/)")
     unused(t, "train", ("save_dir",), not t.save and t.resume is None,
            "train.save=false writes no checkpoint and train.resume is unset")
 
@@ -440,6 +454,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _ignored(cfg, algo, r)
     _unused_in_context(cfg, r)
     _not_built(cfg, r)
+    r.found.extend(megatron_violations(cfg))
     for v in algo.check(cfg):
         prefix = f"algorithm={algo.name}: "
         r.found.append(v if v.message.startswith(prefix) else Violation(v.fields, prefix + v.message))

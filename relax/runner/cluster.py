@@ -17,6 +17,7 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY
+from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.workers import (
     AdvantagesWorker,
     CriticWorker,
@@ -112,8 +113,12 @@ class Cluster:
         self.processes: list[str] = []  # names of self.actors' processes
         self.hide_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.placement_group = reserve(self.plan)  # None on a CPU cluster
+        timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
         try:
-            self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
+            if cfg.train.backend == "megatron":
+                self.actor = self._megatron_actor(timeout)
+            else:
+                self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
             replicas = self.plan.role("rollout").replicas
             self.rollouts = [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads("rollout"))
                              for i in range(replicas)]
@@ -124,7 +129,6 @@ class Cluster:
                 if self.plan.has("critic") else None
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
             pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
-            timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
             ready, waiting = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
             ray.get(ready)
             if waiting:
@@ -136,6 +140,26 @@ class Cluster:
         except BaseException:
             self._release_placement()
             raise
+
+    def _megatron_actor(self, timeout: float):
+        """The Megatron actor: one Ray actor per rank with the plan's options (a rank per actor GPU, or on the CPU
+        cores), joined in one process group; driven like an actor handle (`group.remote`)."""
+        import ray
+
+        world = self.plan.role("actor").replicas
+        options = [ray_options(self.plan, "actor", i, self.placement_group, self.hide_gpus) for i in range(world)]
+        try:
+            group = MegatronActorGroup(self.cfg, self.info, world_size=world, rank_options=options,
+                                       threads=self.plan.threads("actor"), setup_timeout_s=timeout,
+                                       rank_cls=MegatronRank)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"the {world} Megatron rank(s) of the actor did not start within {timeout:g} s "
+                           f"(Ray has {ray.available_resources()} available)") from None
+        except ray.exceptions.RayTaskError as exc:  # e.g. a model the backend cannot build at this parallelism
+            raise RunError(f"the Megatron actor failed to start: {exc.cause!r}") from None
+        self.actors.extend(group.ranks)
+        self.processes.extend(f"actor[{i}]" if world > 1 else "actor" for i in range(world))
+        return group.remote
 
     def _release_placement(self) -> None:
         """Remove the plan's placement group (and with it any actor still in it); for __exit__ as well."""
@@ -265,6 +289,8 @@ class Cluster:
         if rollout is not None:
             checkpoint.write_rollout_state(staging, rollout)
         refs = [self.actor.save.remote(str(staging / "policy"))]
+        if self.cfg.train.save_hf:  # the Megatron policy as a Hugging Face directory too
+            refs.append(self.actor.save_hf.remote(str(staging / "hf")))
         if self.critic is not None:
             refs.append(self.critic.save.remote(str(staging / "critic")))
         ray.get(refs)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from relax import algorithms
 from relax.config.schema import RelaxConfig
-from relax.config.validate import data_parallel_size, needs_reference
+from relax.config.validate import actor_world_size, data_parallel_size, needs_reference
 from relax.runner.errors import RunError
 
 # The share of a shared device each role asks Ray for: of one CPU (every role, in turns; torch in each role
@@ -81,12 +81,13 @@ class Plan:
         the asynchronous modes the rollout generates while the other roles compute, so the rollout replicas
         share half of the cores and the other roles the other half (idle thread pools would otherwise steal
         cores from the busy role)."""
+        ranks = self.role("actor").replicas if role == "actor" else 1  # Megatron ranks compute at once
         if self.mode == "sync":
-            return self.cpu_threads
+            return max(1, self.cpu_threads // ranks)
         rollout = max(1, self.cpu_threads // 2)
         if role == "rollout":
             return max(1, rollout // self.role("rollout").replicas)
-        return max(1, self.cpu_threads - rollout)
+        return max(1, (self.cpu_threads - rollout) // ranks)
 
     def has(self, name: str) -> bool:
         return self.role(name) is not None
@@ -94,11 +95,9 @@ class Plan:
     def render(self) -> str:
         if self.total_gpus:
             device = f"{self.total_gpus} GPU(s)"
-        elif self.mode == "sync":
-            device = f"CPU, {self.cpu_threads} threads per role"
         else:
-            device = (f"CPU, {self.threads('rollout')} thread(s) per rollout replica, {self.threads('actor')} per "
-                      "other role")
+            device = "CPU, torch threads per process: " + ", ".join(
+                f"{r.role} {self.threads(r.role)}" for r in self.roles if r.role != "advantages")
         where = self.ray_address or "a local Ray instance started for this run"
         lines = [
             f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {where}",
@@ -119,7 +118,9 @@ class Plan:
             lines.append(f"  placement group ({PLACEMENT_STRATEGY}): {parts}; GPU requests per process, "
                          "shares of one GPU")
         else:
-            lines.append("  no GPUs: every role takes turns on the CPU cores (its CPU request is a share, not a core)")
+            turns = ("every role takes turns on the CPU cores" if self.mode == "sync" else
+                     "the rollout generates while the other roles compute, on the same CPU cores")
+            lines.append(f"  no GPUs: {turns} (a CPU request is a share, not a core)")
         return "\n".join(lines)
 
 
@@ -149,9 +150,14 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     }
     names = ["actor", "rollout"] + (["reference"] if why_ref else []) + \
         (["critic", "advantages"] if algo.requires_critic else [])
-    backend = {"actor": t.backend, "rollout": ro.backend, "reference": t.backend, "critic": t.backend,
+    # the reference (a frozen copy of the policy) and the critic run on the torch backend, one device each
+    backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "critic": "torch",
                "advantages": "cpu"}
-    replicas = {name: n if name == "rollout" else 1 for name in names}
+    world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)
+    if t.backend == "megatron":
+        why["actor"] = (f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout): megatron ranks "
+                        f"tp={t.tensor_parallel_size} x pp={t.pipeline_parallel_size} x dp={data_parallel_size(cfg)}")
+    replicas = {name: n if name == "rollout" else (world if name == "actor" else 1) for name in names}
     cpus = {name: _share(SHARE[name] / replicas[name]) for name in names}
     # whose devices a role shares: the reference always the actor's (a frozen copy of the policy)
     shares = {"reference": "actor"}
@@ -162,16 +168,22 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     where: dict[str, tuple[int, ...]] = {}
     gpus = dict.fromkeys(names, 0.0)
     if total > 0:
-        if c.actor_gpus != 1:
-            raise ValueError(f"cluster.actor_gpus={c.actor_gpus}: this build places one actor process on one GPU; "
-                             "validate the config first")
+        if c.actor_gpus != world:
+            raise ValueError(f"cluster.actor_gpus={c.actor_gpus}: this build places one actor process (rank) on "
+                             f"each actor GPU, {world} here; validate the config first")
         on_actor_gpu = [x for x in names if x in GPU_ROLES and (x == "actor" or shares.get(x) == "actor")]
         alone = on_actor_gpu == ["actor"]
+        # a rank per actor GPU; colocated rollout engines spread over those GPUs, the reference and critic on the first
+        per_bundle = {x: -(-replicas[x] // world) if x == "rollout" else 1 for x in on_actor_gpu}
         for x in on_actor_gpu:
-            gpus[x] = 1.0 if alone else _share(SHARE[x] / replicas[x])
-        bundles.append({"GPU": 1.0})
+            gpus[x] = 1.0 if alone else _share(SHARE[x] / (per_bundle[x] if x != "actor" else 1))
+        bundles.extend({"GPU": 1.0} for _ in range(world))
         for x in names:
-            if x == "advantages" or x in on_actor_gpu:
+            if x == "actor":
+                where[x] = tuple(range(world))
+            elif x == "rollout" and x in on_actor_gpu:
+                where[x] = tuple(i % world for i in range(replicas[x]))
+            elif x == "advantages" or x in on_actor_gpu:
                 where[x] = (0,) * replicas[x]
         if "rollout" not in on_actor_gpu:
             per_gpu = n // c.rollout_gpus  # validation: num_replicas is a multiple of rollout_gpus

@@ -56,7 +56,9 @@ def _prepare(cfg: RelaxConfig):
 
     try:
         if cfg.model.source != "config":
-            resolve_model_path(cfg.model)
+            path = resolve_model_path(cfg.model)
+            if cfg.train.backend == "megatron":
+                _check_megatron_model(cfg, path)
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, tokenizer)
         if cfg.train.eval_interval and eval_set is None:
@@ -69,6 +71,21 @@ def _prepare(cfg: RelaxConfig):
         raise RunError(str(exc)) from None
     sampler = PromptSampler(train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
     return tokenizer, sampler, eval_set, reward_fn, info
+
+
+def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
+    """The architecture and parallel sizes of a model read from files, for the Megatron backend, before Ray starts
+    (raises ValueError naming what is unsupported)."""
+    from transformers import AutoConfig
+
+    from relax.backends.megatron.model import arch_from_hf_config, check_parallel_sizes
+
+    if cfg.model.source == "gguf":
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    check_parallel_sizes(arch_from_hf_config(config), tp=cfg.train.tensor_parallel_size,
+                         pp=cfg.train.pipeline_parallel_size)
 
 
 def _score(cfg: RelaxConfig, tokenizer, reward_fn, samples: Samples, items: list, n: int) -> Scores:

@@ -9,8 +9,8 @@ from relax.config import ConfigError, load_config
 
 NOT_BUILT = [
     ("train.use_dynamic_global_batch_size=true", "train.use_dynamic_global_batch_size"),
-    ("train.backend=megatron", "train.backend"),
     ("train.dynamic_context_parallel=true", "train.dynamic_context_parallel"),
+    ("train.context_parallel_size=2", "train.context_parallel_size"),
     ("rollout=sglang", "rollout.backend"),
     ("cluster.rollout_gpus_per_engine=2", "cluster.rollout_gpus_per_engine"),
 ]

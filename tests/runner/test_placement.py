@@ -42,20 +42,23 @@ STARTS = [
     (["+experiment=rloo_qwen3_0.6b_gsm8k"], 1),
     (["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3", *KL], 1),  # every role on the one GPU
     ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=2", "rollout.num_replicas=4", *KL], 8),
+    (["cluster=8xgpu"], 8),  # 8 Megatron ranks, one per GPU; the rollout engine and reference on the first
+    (["+experiment=grpo_qwen3_4b"], 8),
+    (["+experiment=ppo_qwen35_9b"], 8),
+    (["cluster=8xgpu", "train.tensor_parallel_size=2", "rollout.num_replicas=8"], 8),  # engines spread over GPUs
+    (["cluster=8xgpu", "cluster.gpus_per_node=12", "cluster.colocate=false", "cluster.rollout_gpus=4",
+      "rollout.num_replicas=4", "train.mode=fully_async"], 12),  # the rollout on GPUs of its own
 ]
+# Valid, but not started here: multinode joins an existing multi-node Ray cluster (cluster.address); the other
+# recipes place exactly as grpo_qwen3_4b (their algorithm is all that differs), which starts above.
+VALID_ONLY = [(["cluster=multinode"], 16), (["+experiment=cispo"], 8), (["+experiment=gspo"], 8),
+              (["+experiment=m2po"], 8), (["+experiment=sapo"], 8)]
 
 # (overrides, a field the message must name)
 REJECTED = [
-    (["cluster=8xgpu"], "train.backend"),  # Megatron on 8 GPUs: not built
-    (["cluster=multinode"], "train.backend"),
-    (["+experiment=grpo_qwen3_4b"], "train.backend"),
-    (["+experiment=cispo"], "train.backend"),
-    (["+experiment=gspo"], "train.backend"),
-    (["+experiment=m2po"], "train.backend"),
-    (["+experiment=sapo"], "train.backend"),
-    (["+experiment=ppo_qwen35_9b"], "train.backend"),
     (["cluster=8xgpu", "train.backend=torch"], "cluster.actor_gpus"),  # torch: one device, not 8
-    (["cluster=1xgpu", "train.backend=megatron"], "train.backend"),
+    (["cluster=8xgpu", "train.tensor_parallel_size=3"], "cluster.actor_gpus"),  # 8 GPUs are not tp x dp
+    (["cluster=8xgpu", "train.context_parallel_size=2"], "train.context_parallel_size"),  # needs TE attention
     (["cluster=1xgpu", "cluster.num_nodes=2"], "cluster.address"),  # a local Ray is one machine
     (["cluster=1xgpu", "cluster.rollout_gpus=1"], "cluster.rollout_gpus"),  # ignored when colocated
     (["cluster=1xgpu", "algorithm=ppo", "cluster.critic_gpus=1"], "cluster.critic_gpus"),
@@ -84,6 +87,12 @@ def _placeholder():
             pass
 
         def ping(self) -> str:
+            return "ok"
+
+        def rendezvous(self) -> tuple[str, int]:  # a Megatron rank's start-up
+            return "127.0.0.1", 0
+
+        def setup(self, addr: str, port: int) -> str:
             return "ok"
 
         def where(self, device: bool = False) -> dict:
@@ -130,10 +139,15 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
     import ray
 
     worker = _placeholder()
-    for name in ("PolicyWorker", "ReferenceWorker", "RolloutWorker", "CriticWorker", "AdvantagesWorker"):
+    for name in ("PolicyWorker", "ReferenceWorker", "RolloutWorker", "CriticWorker", "AdvantagesWorker",
+                 "MegatronRank"):
         monkeypatch.setattr(cluster_module, name, worker)
     # the workers' arguments stay behind: unpickling a RelaxConfig would import torch in every placeholder
-    forwarded = SimpleNamespace(train=SimpleNamespace(ref_load=cfg.train.ref_load))
+    t = cfg.train
+    forwarded = SimpleNamespace(train=SimpleNamespace(ref_load=t.ref_load, backend=t.backend,
+                                                      tensor_parallel_size=t.tensor_parallel_size,
+                                                      pipeline_parallel_size=t.pipeline_parallel_size),
+                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus))
     cluster = Cluster(forwarded, build_plan(cfg), info=None)
     try:
         cluster._start_roles(timeout_s=START_TIMEOUT_S)
@@ -145,10 +159,19 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
 
 
 def test_every_option_and_recipe_has_a_case():
-    named = {c[0][0] for c in STARTS + REJECTED}
+    named = {c[0][0] for c in STARTS + REJECTED + VALID_ONLY}
     options = {f"cluster={p.stem}" for p in (conf_dir() / "cluster").glob("*.yaml")}
     options |= {f"+experiment={p.stem}" for p in (conf_dir() / "experiment").glob("*.yaml")}
     assert options - named == set(), "add each new cluster option or recipe to STARTS or REJECTED"
+
+
+@pytest.mark.parametrize("case", VALID_ONLY, ids=_id)
+def test_valid_for_the_cluster_it_names(case):
+    overrides, declared = case
+    cfg = load_config(overrides)
+    assert cfg.cluster.num_nodes * cfg.cluster.gpus_per_node == declared
+    plan = build_plan(cfg)
+    assert len(plan.bundles) <= declared and sum(r.replicas * r.gpus for r in plan.roles) <= declared
 
 
 @pytest.mark.parametrize("case", REJECTED, ids=_id)
@@ -193,13 +216,17 @@ def test_starts_on_the_cluster_it_names(case, local_ray, monkeypatch):
         for n in names:
             assert len(gpu_of[n]) == (1 if r.gpus else 0), (n, gpu_of[n])
             assert where[n]["visible"] == ",".join(gpu_of[n])
-    actor_gpu = gpu_of["actor"]
+    actor = plan.role("actor")
+    ranks = ["actor"] if actor.replicas == 1 else [f"actor[{i}]" for i in range(actor.replicas)]
+    gpu_of_bundle = {actor.bundle(i): gpu_of[n] for i, n in enumerate(ranks)}  # one actor rank per GPU
+    assert len({tuple(g) for g in gpu_of_bundle.values()}) == actor.replicas
     for r in plan.roles:
-        if r.colocated_with == "actor" and r.gpus:  # colocated: the actor's very GPU
-            assert all(gpu_of[n] == actor_gpu for n in where if n == r.role or n.startswith(f"{r.role}["))
+        if r.colocated_with == "actor" and r.gpus:  # colocated: the very GPU of the actor rank of its bundle
+            names = [r.role] if r.replicas == 1 else [f"{r.role}[{i}]" for i in range(r.replicas)]
+            assert all(gpu_of[n] == gpu_of_bundle[r.bundle(i)] for i, n in enumerate(names)), r.role
     if not c.colocate:  # apart: rollout engines split their own GPUs evenly, none on the actor's
         engines = [gpu_of[n][0] for n in where if n.startswith("rollout")]
-        assert actor_gpu[0] not in engines
+        assert not {g[0] for g in gpu_of_bundle.values()} & set(engines)
         per_gpu = {g: engines.count(g) for g in engines}
         assert len(per_gpu) == c.rollout_gpus and set(per_gpu.values()) == {cfg.rollout.num_replicas // c.rollout_gpus}
 

@@ -186,7 +186,7 @@ class RecordingCluster:
     def __init__(self, uri: str):
         self.uri, self.seen = uri, {}
 
-    def save(self, ckpts: Checkpoints, step: int, state: dict) -> Path:
+    def save(self, ckpts: Checkpoints, step: int, state: dict, rollout: dict | None = None) -> Path:
         from mlflow import MlflowClient
 
         history = MlflowClient(self.uri).get_metric_history(state["mlflow_run_id"], "x")

@@ -1,0 +1,190 @@
+"""Run megatron-core on CPU processes (gloo): redirect the few CUDA-only call sites it has, nothing else.
+
+megatron-core 0.16.1 trains on CPU with the local (non-Transformer-Engine) layer spec, except for a handful of
+call sites that name CUDA outright. `enable()`:
+- replaces the module-global `torch` of exactly the modules in `REDIRECTED_MODULES` by `_TorchOnCpu`, which
+  forwards every attribute to torch except `torch.cuda.current_device()` (-> the CPU device),
+  `torch.cuda.synchronize()` (-> no-op), tensor factories called with `device="cuda"` (-> CPU) and
+  `torch.autocast("cuda", ...)` (-> CPU autocast);
+- replaces `clip_grad_by_total_norm_fp32` where the optimizer imported it by the same in-place scaling without
+  its assertion that gradients are `torch.cuda.FloatTensor`s;
+- while (and only while) the constructor of the distributed optimizer or of the bf16/fp16 optimizer wrapper
+  runs, makes `torch.Tensor.type()` of a CPU tensor answer with the CUDA name those constructors check for;
+- while `LanguageModule.setup_embeddings_and_output_layer` runs (tied embeddings with PP > 1), makes
+  `tensor.cuda()` return the tensor itself.
+
+Nothing is changed when CUDA is available: GPU runs use megatron-core untouched. `CALL_SITES` records, per
+redirected module, how many lines match `CUDA_PATTERN` in the pinned megatron-core; tests/megatron compares it
+with the installed sources, so an upgrade that adds or moves one fails a test instead of failing on a GPU-less
+machine at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+# module -> number of lines matching CUDA_PATTERN in megatron-core 0.16.1 (checked by tests/megatron).
+CALL_SITES: dict[str, int] = {
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": 3,  # inv_freq on torch.cuda.current_device()
+    # GlobalMemoryBuffer (the attention's matmul buffer) on torch.cuda.current_device(), and 9 sites off the CPU
+    # path (symmetric memory, NVTX/straggler tools, a packed-sequence helper, a parameter-hash check)
+    "megatron.core.utils": 10,
+    "megatron.core.transformer.utils": 2,  # default causal / sliding-window masks on "cuda"
+    # total_num_tokens = torch.zeros(..., device="cuda"); torch.autocast("cuda", ...) when enable_autocast
+    "megatron.core.pipeline_parallel.schedules": 4,
+    "megatron.core.pipeline_parallel.p2p_communication": 8,  # shape tensors, torch.cuda.synchronize() (PP > 1)
+    "megatron.core.distributed.param_and_grad_buffer": 4,  # grad/param buffers on torch.cuda.current_device()
+    # loss-scale / overflow buffers on 'cuda'; Float16OptimizerWithFloat16Params.__init__'s tensor-type checks;
+    # two `.cuda()` calls off the CPU path (CPU-offload helpers)
+    "megatron.core.optimizer.optimizer": 9,
+    # DistributedOptimizer.__init__'s tensor-type checks, its buffers on torch.cuda.current_device(); a
+    # `.cuda()` in the DP-zero state gather (not used: checkpoints use the per-rank dp-reshardable state)
+    "megatron.core.optimizer.distrib_optimizer": 6,
+    # setup_embeddings_and_output_layer's weight.data.cuda() (made a no-op while it runs; see enable())
+    "megatron.core.models.common.language_module.language_module": 1,
+    # norm / zero-count buffers on 'cuda' (redirected) and the 'torch.cuda.FloatTensor' assertion (replaced)
+    "megatron.core.optimizer.clip_grads": 6,
+}
+REDIRECTED_MODULES: tuple[str, ...] = tuple(CALL_SITES)
+# What counts as a CUDA-only call site in those modules.
+CUDA_PATTERN = re.compile(
+    r"torch\.cuda\.current_device\(\)|torch\.cuda\.synchronize\(\)|device=[\"']cuda[\"']|autocast\([\"']cuda[\"']"
+    r"|'torch\.cuda\.\w+Tensor'|\.cuda\(\)"
+)
+# Modules whose `clip_grad_by_total_norm_fp32` (imported from clip_grads) is replaced.
+_CLIP_IMPORTERS = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads")
+# (module, class) whose __init__ runs with CUDA tensor-type names for CPU tensors.
+_TYPE_CHECKING_INITS = (("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+                        ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"))
+# With tied embeddings and PP > 1 the last stage's copy of the embedding is synchronised by
+# LanguageModule.setup_embeddings_and_output_layer, which moves it with `weight.data.cuda()`: a no-op there.
+_EMBEDDING_SYNC = ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+                   "setup_embeddings_and_output_layer")
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+_CPU = torch.device("cpu")
+
+
+def _cpu(device: Any) -> Any:
+    return _CPU if device is not None and torch.device(device).type == "cuda" else device
+
+
+class _CudaOnCpu:
+    """`torch.cuda` as the redirected modules see it."""
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """`torch` as the redirected modules see it: factories with device="cuda" build CPU tensors."""
+
+    cuda = _CudaOnCpu()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+
+            def factory(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+                return attr(*args, device=_cpu(device), **kwargs)
+
+            return factory
+        if name == "autocast":
+
+            def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
+                return attr("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+            return autocast
+        return attr
+
+
+def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                  use_decoupled_grad: bool = False) -> None:
+    """megatron-core's clip_grad_by_total_norm_fp32 (scale every gradient in place by max_norm / total_norm
+    when that is < 1), without its assertion that gradients are CUDA tensors."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+@contextmanager
+def _cuda_type_names() -> Iterator[None]:
+    """`tensor.type()` of a CPU tensor reads 'torch.cuda.FloatTensor' (etc.) inside the block."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    """`tensor.cuda()` returns the tensor itself inside the block."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _within(context: Callable[[], Any], method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return method(*args, **kwargs)
+
+    return wrapped
+
+
+_enabled = False
+
+
+def needed() -> bool:
+    """Whether the redirect applies: no CUDA device in this process."""
+    return not torch.cuda.is_available()
+
+
+def enable() -> bool:
+    """Install the redirect (idempotent) when CUDA is absent; returns whether it is active."""
+    global _enabled
+    if _enabled or not needed():
+        return _enabled
+    shim = _TorchOnCpu()
+    for name in REDIRECTED_MODULES:
+        module = importlib.import_module(name)
+        module.torch = shim  # type: ignore[attr-defined]
+    for name in _CLIP_IMPORTERS:
+        importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    for name, cls_name in _TYPE_CHECKING_INITS:
+        cls = getattr(importlib.import_module(name), cls_name)
+        cls.__init__ = _within(_cuda_type_names, cls.__init__)
+    cls = getattr(importlib.import_module(_EMBEDDING_SYNC[0]), _EMBEDDING_SYNC[1])
+    setattr(cls, _EMBEDDING_SYNC[2], _within(_tensor_cuda_is_identity, getattr(cls, _EMBEDDING_SYNC[2])))
+    _enabled = True
+    return True

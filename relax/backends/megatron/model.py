@@ -1,0 +1,215 @@
+"""Megatron-core GPTModel built from a Hugging Face config: the Qwen3 layout and the Llama layout (SmolLM2).
+
+Layer spec: megatron-core's local (non-Transformer-Engine) spec, with RMSNorm and, for Qwen3, per-head q/k
+RMSNorm. It runs wherever torch does (CPU processes over gloo as well as GPUs); Transformer Engine is not used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_ARCHS = ("qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the model builder and the converter need to know of an architecture (HF names in comments)."""
+
+    arch: str  # "qwen3" | "llama" (config.model_type)
+    vocab_size: int  # rows of the HF embedding
+    hidden_size: int
+    num_layers: int  # num_hidden_layers
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
+        return self.arch == "qwen3"
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rows Megatron holds: a multiple of the tensor-parallel size (extra rows are never sampled)."""
+        return int(math.ceil(self.vocab_size / tp) * tp)
+
+
+def _rope_theta(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ValueError(f"{config.model_type}: rope_type={rope_type!r} is not supported by the Megatron backend "
+                         "(only plain RoPE)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"{config.model_type}: the config has no rope_theta")
+    return float(theta)
+
+
+def arch_from_hf_config(config: Any) -> ArchSpec:
+    """The ArchSpec of a transformers config; ValueError for an architecture the backend does not build."""
+    arch = getattr(config, "model_type", None)
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"model architecture {arch!r} is not supported by train.backend=megatron "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    if arch == "llama" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
+        raise ValueError("llama: attention_bias/mlp_bias=true is not supported by the Megatron converter")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{arch}: hidden_act={config.hidden_act!r} is not supported (only silu)")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ArchSpec(
+        arch=arch,
+        vocab_size=int(config.vocab_size),
+        hidden_size=int(config.hidden_size),
+        num_layers=int(config.num_hidden_layers),
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(config.intermediate_size),
+        rope_theta=_rope_theta(config),
+        rms_norm_eps=float(config.rms_norm_eps),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=int(config.max_position_embeddings),
+    )
+
+
+def check_parallel_sizes(spec: ArchSpec, *, tp: int, pp: int) -> None:
+    """ValueError unless TP divides the attention and key/value heads and PP divides the layers."""
+    problems = []
+    if spec.num_attention_heads % tp or spec.num_key_value_heads % tp:
+        problems.append(f"train.tensor_parallel_size={tp} must divide num_attention_heads="
+                        f"{spec.num_attention_heads} and num_key_value_heads={spec.num_key_value_heads}")
+    if spec.num_layers % pp:
+        problems.append(f"train.pipeline_parallel_size={pp} must divide num_layers={spec.num_layers}")
+    if problems:
+        raise ValueError(f"{spec.arch} model: " + "; ".join(problems))
+
+
+def transformer_config(
+    spec: ArchSpec,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    autocast_dtype: Optional[torch.dtype] = None,
+    use_cpu_initialization: bool = True,
+) -> Any:
+    """The megatron TransformerConfig of `spec`: no dropout, no fusions, no bias, per-token loss scaling.
+
+    `params_dtype` bf16 makes Megatron keep bf16 parameters with fp32 master weights in the optimizer (GPU
+    only); `autocast_dtype` runs the forward under autocast with fp32 parameters instead. Weights are loaded by
+    the converter afterwards (`perform_initialization=False`).
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=use_cpu_initialization,
+        perform_initialization=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        enable_autocast=autocast_dtype is not None,
+        autocast_dtype=autocast_dtype,
+        attention_softmax_in_fp32=True,
+        calculate_per_token_loss=True,
+        # pipeline stages exchange each micro-batch's shape first (micro-batches are trimmed to their own length)
+        variable_seq_lengths=pp > 1,
+        moe_token_dispatcher_type="alltoall",  # no MoE here; the default (allgather) refuses variable lengths
+    )
+
+
+def build_gpt_model(spec: ArchSpec, config: Any, *, tp: int, pre_process: bool = True,
+                    post_process: bool = True) -> Any:
+    """A GPTModel (one pipeline stage: `pre_process` holds the embedding, `post_process` the output layer)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"),
+        vocab_size=spec.padded_vocab_size(tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+        parallel_output=True,
+    )
+    mark_tensor_parallel(model)
+    return model
+
+
+def mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Give tensor-parallel weights megatron's `tensor_model_parallel` / `partition_dim` attributes.
+
+    megatron-core sets them only while initialising weights (`perform_initialization=True`); without them the
+    gradient norm counts a sharded weight on tensor-parallel rank 0 only (as if it were replicated), which
+    under-reports `train/grad_norm` and mis-clips at TP > 1.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from relax.backends.megatron.convert import tp_partition_dim
+
+    for name, param in model.named_parameters():
+        dim = tp_partition_dim(name)
+        if dim is not None and not getattr(param, "tensor_model_parallel", False):
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(param, attr):
+                    delattr(param, attr)
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+
+
+def freeze_padding_embedding(model: torch.nn.Module, padding_idx: int | None) -> None:
+    """Give the input embedding Hugging Face's `padding_idx` semantics: no gradient flows into the embedding
+    row of `padding_idx` from its lookups (HF models build `nn.Embedding(..., padding_idx=config.pad_token_id)`).
+
+    Without this a pad token inside a sequence (a model may sample it) gets its lookup gradient, and HF's
+    zero-initialised pad row makes that gradient huge (the first RMSNorm of a zero vector), unlike the torch
+    backend. The output layer's gradient (tied or not) is untouched, as in HF. No-op on stages without the
+    embedding or when the model has no pad token.
+    """
+    embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if embedding is None or padding_idx is None:
+        return
+
+    def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            keep = (inputs[0] != padding_idx).unsqueeze(-1).to(output.dtype)  # [b, s, 1], as the output [b, s, h]
+            output.register_hook(lambda grad: grad * keep)
+
+    embedding.register_forward_hook(hook)

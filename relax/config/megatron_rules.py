@@ -1,0 +1,60 @@
+"""Rules of `train.backend=megatron` that a config can be checked against before anything starts.
+
+Pure: reads the config and the algorithm registry, imports no backend (megatron-core's presence is looked up
+with `importlib.util.find_spec`, not imported). A model read from files (`model.source=hf`) is checked again by
+the backend when it starts, against the model's own config.json (heads, layers, architecture).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from relax.algorithms.base import Violation
+from relax.config.schema import RelaxConfig
+
+MEGATRON_ARCHS = ("qwen3", "llama")
+INSTALL_HINT = "pip install -e '.[megatron]'"
+
+
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported here (without importing it)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no `megatron` package at all
+        return False
+
+
+def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
+    """Every broken rule of the Megatron backend ([] unless `train.backend=megatron`)."""
+    t, m = cfg.train, cfg.model
+    if t.backend != "megatron":
+        return []
+    out: list[Violation] = []
+
+    def require(ok: bool, fields: str | tuple[str, ...], message: str) -> None:
+        if not ok:
+            out.append(Violation(fields=(fields,) if isinstance(fields, str) else fields, message=message))
+
+    require(megatron_installed(), "train.backend",
+            f"train.backend=megatron needs megatron-core, which is not installed: {INSTALL_HINT}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
+        value = getattr(t, key)
+        require(value >= 1, f"train.{key}", f"train.{key}={value} must be >= 1")
+    tp, pp = max(1, t.tensor_parallel_size), max(1, t.pipeline_parallel_size)
+    require(m.arch in MEGATRON_ARCHS, "model.arch",
+            f"model.arch={m.arch!r} is not supported by train.backend=megatron (supported: "
+            f"{', '.join(MEGATRON_ARCHS)}; Qwen3.5 and MoE architectures have no converter yet)")
+    if m.source == "config":
+        require(m.num_attention_heads % tp == 0 and m.num_key_value_heads % tp == 0,
+                ("train.tensor_parallel_size", "model.num_attention_heads", "model.num_key_value_heads"),
+                f"train.tensor_parallel_size={tp} must divide model.num_attention_heads={m.num_attention_heads} "
+                f"and model.num_key_value_heads={m.num_key_value_heads}: each tensor-parallel rank holds whole "
+                f"query groups")
+        require(m.num_layers % pp == 0, ("train.pipeline_parallel_size", "model.num_layers"),
+                f"train.pipeline_parallel_size={pp} must divide model.num_layers={m.num_layers}: pipeline stages "
+                f"hold equal numbers of layers")
+    require(t.context_parallel_size == 1, "train.context_parallel_size",
+            f"train.context_parallel_size={t.context_parallel_size} is not supported by train.backend=megatron: "
+            "megatron-core's context parallelism needs Transformer Engine's attention, and this backend uses the "
+            "local (non-TE) layer spec so that the same code runs on CPU and GPU")
+    return out

@@ -1,0 +1,250 @@
+"""The actor role on the Megatron backend: one Ray actor per trainer rank, behind the PolicyWorker interface.
+
+`MegatronActorGroup` starts `world_size` rank actors (in a placement group's bundles when given, one GPU
+each on a GPU cluster), lets rank 0 pick the rendezvous address, and then forwards every PolicyWorker call to
+all ranks (they are collectives) and returns rank 0's answer. It is a plain class: the driver can hold it, or
+the runner can wrap it in `ray.remote(...)` like the other roles (it then needs no resources of its own: the
+ranks hold them).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from relax.backends.batch import Samples, TrainBatch
+from relax.config.schema import RelaxConfig
+from relax.metrics import ACTOR_COMPUTE_TIME
+from relax.roles.versions import WeightVersions
+from relax.roles.workers import ModelInfo, _threads
+
+SETUP_TIMEOUT_S = 900.0
+QUIET_WARNINGS = (r"(Apex is not installed|Transformer Engine and Apex are not installed|full scope is deprecated"
+                  r"|When using async grad allreduce)")
+
+
+class MegatronRank:
+    """One rank of the Megatron trainer (a Ray actor): process group, megatron parallel state, MegatronPolicy."""
+
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, rank: int, world_size: int,
+                 threads: Optional[int] = None, use_distributed_optimizer: bool = False) -> None:
+        _threads(threads or (None if torch.cuda.is_available() else 1))
+        # megatron-core's notes about optional packages this backend does not use (Apex, Transformer Engine)
+        warnings.filterwarnings("ignore", category=UserWarning, message=QUIET_WARNINGS)
+        self.cfg, self.info = cfg, info
+        self.rank, self.world_size = rank, world_size
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.policy: Any = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, port) for the process group: this node's IP and a port free on it (rank 0 only)."""
+        import ray
+
+        from relax.backends.megatron.parallel import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> str:
+        """Join the process group and build the policy (all ranks at once: it is a rendezvous)."""
+        from relax.backends.megatron import parallel
+        from relax.backends.megatron.policy import MegatronPolicy
+        from relax.backends.models import pick_device, pick_dtype
+
+        cfg, t = self.cfg, self.cfg.train
+        parallel.initialize(self.rank, self.world_size, master_addr=master_addr, master_port=master_port,
+                            tensor_parallel_size=t.tensor_parallel_size,
+                            pipeline_parallel_size=t.pipeline_parallel_size, seed=cfg.seed)
+        device = pick_device()
+        compute = pick_dtype(cfg.model, device)
+        # GPUs: Megatron's mixed precision (bf16 parameters, fp32 master weights and gradients); CPU: fp32
+        # parameters with bf16 autocast where the torch backend would use it.
+        params_dtype = compute if device.type == "cuda" else torch.float32
+        self.rollout_dtype = compute
+        self.policy = MegatronPolicy(
+            cfg.model, t, vocab_size=self.info.vocab_size, pad_token_id=self.info.pad_token_id, seed=cfg.seed,
+            total_steps=t.num_rollout * (t.num_steps_per_rollout or 1), temperature=cfg.rollout.temperature,
+            use_distributed_optimizer=self.use_distributed_optimizer, params_dtype=params_dtype,
+        )
+        module = self.policy._module()  # this rank's shards: what a kept version copies
+        self.versions = WeightVersions(lambda: {k: p.data for k, p in module.named_parameters()},
+                                       keep=t.max_staleness or 0)
+        return "ok"
+
+    def ping(self) -> str:
+        return "ok"
+
+    def logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
+        """As PolicyWorker.logprobs: with `current`, each token under the weights of its own version."""
+        mbs = self.cfg.train.micro_batch_size
+        if current is None:
+            return self.policy.compute_logprobs(samples, mbs)
+        return self.versions.logprobs(samples, current, lambda part: self.policy.compute_logprobs(part, mbs))
+
+    def train_step(self, batch: TrainBatch, rollout_mismatch: bool = False) -> dict[str, float]:
+        t0 = time.perf_counter()
+        out = self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
+                                     micro_batch_size=self.cfg.train.micro_batch_size,
+                                     rollout_mismatch=rollout_mismatch)
+        out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
+        return out
+
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        if version is not None:
+            self.versions.remember(version)
+        return self.policy.state_dict_for_rollout(dtype=self.rollout_dtype)
+
+    def save(self, directory: str) -> None:
+        self.policy.save_checkpoint(directory)
+
+    def load(self, directory: str) -> None:
+        self.policy.load_checkpoint(directory)
+
+    def save_hf(self, directory: str) -> None:
+        self.policy.save_hf(directory)
+
+    def shutdown(self) -> None:
+        from relax.backends.megatron import parallel
+
+        parallel.shutdown()
+
+
+class MegatronActorGroup:
+    """The actor role as TP x PP x DP Ray actors; the PolicyWorker interface, answered by rank 0."""
+
+    def __init__(
+        self,
+        cfg: RelaxConfig,
+        info: ModelInfo,
+        *,
+        world_size: Optional[int] = None,
+        placement_group: Any = None,
+        bundle_indices: Optional[list[int]] = None,
+        num_gpus_per_rank: Optional[float] = None,
+        num_cpus_per_rank: float = 1,
+        threads: Optional[int] = None,
+        use_distributed_optimizer: Optional[bool] = None,
+        setup_timeout_s: float = SETUP_TIMEOUT_S,
+        rank_options: Optional[list[dict[str, Any]]] = None,
+        rank_cls: type = MegatronRank,
+    ) -> None:
+        """`world_size`: ranks (default: `cluster.actor_gpus` on a GPU cluster, else TP x PP).
+        `placement_group`/`bundle_indices`: rank i goes to bundle `bundle_indices[i]` (default i).
+        `num_gpus_per_rank`: default 1 when `cluster.actor_gpus > 0`, else 0 (CPU ranks over gloo).
+        `use_distributed_optimizer`: default: when there is more than one data-parallel rank.
+        `rank_options`: the Ray options of each rank (the runner's plan), instead of the four above.
+        `rank_cls`: the class each rank runs (tests substitute a placeholder)."""
+        import ray
+
+        t = cfg.train
+        model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size
+        if world_size is None:
+            world_size = cfg.cluster.actor_gpus if cfg.cluster.actor_gpus > 0 else model_parallel
+        if world_size % model_parallel:
+            raise ValueError(f"world size {world_size} is not a multiple of train.tensor_parallel_size * "
+                             f"train.pipeline_parallel_size = {model_parallel}")
+        if use_distributed_optimizer is None:
+            use_distributed_optimizer = world_size // model_parallel > 1
+        gpus = num_gpus_per_rank if num_gpus_per_rank is not None else (1 if cfg.cluster.actor_gpus > 0 else 0)
+        remote = ray.remote(rank_cls)
+        self.ranks = []
+        self._others: list = []  # refs of ranks 1.. of earlier calls, checked for errors on the next call
+        self.remote = _RemoteMethods(self)
+        for rank in range(world_size):
+            options: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=gpus)
+            if rank_options is not None:
+                options = dict(rank_options[rank])
+            elif placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                bundle = bundle_indices[rank] if bundle_indices is not None else rank
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle)
+            self.ranks.append(remote.options(**options).remote(
+                cfg, info, rank=rank, world_size=world_size, threads=threads,
+                use_distributed_optimizer=use_distributed_optimizer))
+        try:
+            addr, port = ray.get(self.ranks[0].rendezvous.remote(), timeout=setup_timeout_s)
+            ray.get([r.setup.remote(addr, port) for r in self.ranks], timeout=setup_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start `method` on every rank (a collective); rank 0's ObjectRef. The other ranks' results are checked
+        for errors at the next call (a failed rank also fails rank 0's collective)."""
+        import ray
+
+        if self._others:
+            done, self._others = ray.wait(self._others, num_returns=len(self._others), timeout=0)
+            ray.get(done)  # raises the error of a rank that failed
+        args = tuple(ray.put(a) if isinstance(a, Samples) else a for a in args)  # one copy for every rank
+        refs = [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
+        self._others.extend(refs[1:])
+        return refs[0]
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on every rank and wait for all of them; rank 0's result."""
+        import ray
+
+        first = self.call(method, *args, **kwargs)
+        out = ray.get(first)
+        ray.get(self._others)
+        self._others = []
+        return out
+
+    def ping(self) -> str:
+        return self._all("ping")
+
+    def logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
+        return self._all("logprobs", samples, current)
+
+    def train_step(self, batch: TrainBatch, *, rollout_mismatch: bool = False) -> dict[str, float]:
+        """One optimizer step over the whole batch (every rank takes its data-parallel rows); rank 0's metrics."""
+        return self._all("train_step", batch, rollout_mismatch)
+
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """HF-layout weights in the rollout dtype, gathered on rank 0 (tied `lm_head.weight` left out); with
+        `version`, every rank keeps a copy of its shards for the old log-probs of that version's samples."""
+        return self._all("weights", version)
+
+    def save(self, directory: str) -> None:
+        self._all("save", directory)
+
+    def load(self, directory: str) -> None:
+        self._all("load", directory)
+
+    def save_hf(self, directory: str) -> None:
+        """A Hugging Face checkpoint of the current weights (loadable by AutoModelForCausalLM.from_pretrained)."""
+        self._all("save_hf", directory)
+
+    def kill(self) -> None:
+        """End every rank's process (no collective: works when a rank is dead or hung)."""
+        import ray
+
+        for r in self.ranks:
+            try:
+                ray.kill(r)
+            except Exception:  # already gone
+                pass
+        self.ranks = []
+
+
+class _RemoteMethods:
+    """`group.remote.<method>.remote(...)`: the group called like a Ray actor handle (an ObjectRef of rank 0's
+    result), so that the runner drives the Megatron actor exactly as the torch one."""
+
+    def __init__(self, group: MegatronActorGroup):
+        self._group = group
+
+    def __getattr__(self, method: str) -> Any:
+        group = self._group
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any, **kwargs: Any) -> Any:
+                return group.call(method, *args, **kwargs)
+
+        return _Method

@@ -1,0 +1,242 @@
+"""One rank of a multi-process Megatron check: `python ranks.py SCENARIO RANK WORLD PORT OUTDIR`.
+
+Each scenario runs several checks in one launch (a rank process spends seconds importing megatron-core) and
+rank 0 writes the measured values to OUTDIR/result.json; tests/megatron/test_megatron_cpu.py asserts on them.
+Reference values come from the torch backend (TorchPolicy / transformers) in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "backends")]
+
+from conftest import random_batch, random_samples  # noqa: E402  (tests/backends/conftest.py)
+
+from relax.algorithms.grpo import GRPOConfig  # noqa: E402
+from relax.backends.batch import TrainBatch  # noqa: E402
+from relax.backends.megatron import convert, parallel  # noqa: E402
+from relax.backends.megatron.policy import MegatronPolicy  # noqa: E402
+from relax.backends.models import build_model  # noqa: E402
+from relax.backends.torch_train import TorchPolicy  # noqa: E402
+from relax.config.schema import ModelConfig, TrainConfig  # noqa: E402
+
+VOCAB = 33  # not a multiple of 2: TP=2 exercises the vocabulary padding
+PAD = 0
+SEED = 3
+MODEL = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                    max_position_embeddings=64)
+TRAIN = TrainConfig(lr=1e-2, clip_grad=1.0, num_rollout=3, lr_schedule="cosine", warmup_steps=1)
+STEPS = 3
+
+
+def batches(n: int = 8) -> list[TrainBatch]:
+    """Off-policy batches (old_logp given, so the ratio is not 1) of random left/right-padded rows, with the pad
+    token also as a real token (a policy may sample it): HF never trains the pad row's embedding on its lookups."""
+    out = []
+    for s in range(STEPS):
+        b = random_batch(n, P=5, T=4, seed=10 + s)
+        b.prompt_ids[0, -1] = PAD  # the last prompt token is real in every row (prompts are left-padded)
+        b.response_ids[1, 0] = PAD  # so is the first response token
+        old = -torch.rand(b.response_ids.shape, generator=torch.Generator().manual_seed(s)) - 2.0
+        out.append(b.with_(old_logp=old * b.response_mask, rollout_logp=old * b.response_mask))
+    return out
+
+
+def megatron_logits(policy: MegatronPolicy, ids: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [B, L, VOCAB] of unpadded rows (gathered over tensor parallelism)."""
+    policy.model.eval()
+    ids = ids.to(policy.device)
+    with torch.no_grad():
+        out = policy.model(ids, torch.arange(ids.shape[1], device=ids.device).expand_as(ids), None)
+    parts = policy._gather_tensor("output_layer.weight", out)
+    return torch.cat(parts, dim=-1)[..., :VOCAB]
+
+
+def logits_checks(policy: MegatronPolicy, res: dict) -> None:
+    hf = build_model(MODEL, VOCAB, PAD, seed=SEED).eval()
+    hf.set_attn_implementation("eager")  # megatron's local attention is the eager computation
+    ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    res["logits_max_diff"] = float((megatron_logits(policy, ids).cpu() - ref).abs().max())
+    # negative control: the same weights with k and v swapped in the conversion
+    state = dict(hf.state_dict())
+    for i in range(MODEL.num_layers):
+        k, v = f"model.layers.{i}.self_attn.k_proj.weight", f"model.layers.{i}.self_attn.v_proj.weight"
+        state[k], state[v] = state[v], state[k]
+    state.pop("lm_head.weight")
+    swapped = convert.hf_to_megatron(policy.spec, state.__getitem__, tp_rank=policy.tp_rank, tp_size=policy.tp)
+    good = {convert.local_to_global(k, 0): v.clone() for k, v in policy._module().state_dict().items()
+            if not k.endswith("_extra_state")}
+    policy._load_megatron(policy._module(), swapped)
+    res["negative_control_diff"] = float((megatron_logits(policy, ids).cpu() - ref).abs().max())
+    policy._load_megatron(policy._module(), good)
+
+
+def train_parity(policy: MegatronPolicy, torch_policy: TorchPolicy, algo, res: dict, prefix: str,
+                 *, per_token: bool, mbs: int, ckpt_dir: str | None = None) -> None:
+    """STEPS steps of both backends on the same batches; per-step metrics side by side. With `ckpt_dir`, the
+    Megatron trainer saves before the last step, and the last step is redone after loading that checkpoint."""
+    rows = []
+    for i, b in enumerate(batches()):
+        if ckpt_dir is not None and i == STEPS - 1:
+            policy.save_checkpoint(ckpt_dir)
+        m = policy.train_step(b, algo, per_token=per_token, micro_batch_size=mbs, rollout_mismatch=i == 0)
+        t = torch_policy.train_step(b, algo, per_token=per_token, micro_batch_size=mbs, rollout_mismatch=i == 0)
+        rows.append({"megatron": m, "torch": t})
+    res[prefix] = rows
+    if ckpt_dir is not None:
+        after = policy.state_dict_for_rollout()
+        policy.load_checkpoint(ckpt_dir)
+        redo = policy.train_step(batches()[-1], algo, per_token=per_token, micro_batch_size=mbs)
+        res[prefix + "_resume"] = {"first": rows[-1]["megatron"], "again": redo}
+        again = policy.state_dict_for_rollout()
+        if again:
+            res[prefix + "_resume_weight_diff"] = max(float((after[k] - again[k]).abs().max()) for k in after)
+
+
+def scenario_tp2(rank: int, out: Path, res: dict) -> None:
+    """TP=2: logits/negative control, log-prob and gradient parity, 3-step train, weight sync, resume, export."""
+    algo = GRPOConfig()
+    policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, temperature=0.7)
+    torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, temperature=0.7,
+                               num_threads=1)
+    logits_checks(policy, res)
+    samples = random_samples(7, 6, 5, seed=1, vocab=VOCAB)
+    res["logprob_max_diff"] = float((policy.compute_logprobs(samples, 3)
+                                     - torch_policy.compute_logprobs(samples, 3)).abs().max())
+    b = batches()[0]
+    policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=3)
+    torch_policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=3)
+    grads = policy.gradients_hf()
+    if rank == 0:
+        ref = {n: p.grad for n, p in torch_policy.model.named_parameters()}
+        res["grad_rel_diff"] = {n: float((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12))
+                                for n in grads}
+        res["grad_keys_missing"] = sorted(set(ref) - set(grads))
+    torch_policy.optimizer.zero_grad(set_to_none=True)
+    train_parity(policy, torch_policy, algo, res, "train", per_token=True, mbs=3,
+                 ckpt_dir=str(out / "ckpt"))
+    # weight sync -> the embedded rollout engine: its rollout log-probs equal the trainer's
+    weights = policy.state_dict_for_rollout(torch.float32)
+    trainer_logp = None
+    if rank == 0:
+        from relax.backends.rollout_embedded import EmbeddedEngine
+
+        engine = EmbeddedEngine(build_model(MODEL, VOCAB, PAD, seed=SEED + 1), eos_token_ids=[1], pad_token_id=PAD)
+        engine.load_weights(weights, version=1)
+        gen = engine.generate([[3, 4, 5], [6, 7]], n_samples_per_prompt=3, max_new_tokens=5, temperature=0.7,
+                              seed=0)
+        torch.save(gen, out / "gen.pt")
+    torch.distributed.barrier()
+    gen = torch.load(out / "gen.pt", weights_only=False)
+    trainer_logp = policy.compute_logprobs(gen, 4)
+    if rank == 0:
+        res["rollout_vs_trainer_logp_max_diff"] = float((trainer_logp - gen.rollout_logp * gen.response_mask)
+                                                        .abs().max())
+    # HF export
+    policy.save_hf(out / "hf")
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(out / "hf"), dtype=torch.float32).eval()
+        sd = loaded.state_dict()
+        res["export_weight_max_diff"] = max(float((sd[k] - v).abs().max()) for k, v in weights.items())
+        ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            res["export_tied"] = bool(loaded.config.tie_word_embeddings)
+            ref = loaded(input_ids=ids).logits
+        res["export_logits_max_diff"] = float((megatron_logits(policy, ids).cpu() - ref).abs().max())
+    else:
+        megatron_logits(policy, torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5)))
+
+
+def scenario_dp2(rank: int, out: Path, res: dict) -> None:
+    """TP=1 x DP=2 with the distributed optimizer: exact logits, GRPO and M2PO training parity, resume."""
+    from relax.algorithms.m2po import M2POConfig
+
+    policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED,
+                            use_distributed_optimizer=True)
+    torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+    logits_checks(policy, res)
+    train_parity(policy, torch_policy, GRPOConfig(), res, "train", per_token=True, mbs=3,
+                 ckpt_dir=str(out / "ckpt"))
+    policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+    train_parity(policy, torch_policy, M2POConfig(), res, "m2po", per_token=True, mbs=2)
+
+
+def scenario_pp2(rank: int, out: Path, res: dict) -> None:
+    """PP=2 (1F1B schedule, tied embedding copied to the last stage): log-probs, 3-step train, gathered weights."""
+    algo = GRPOConfig()
+    policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+    samples = random_samples(7, 6, 5, seed=1, vocab=VOCAB)
+    res["logprob_max_diff"] = float((policy.compute_logprobs(samples, 3)
+                                     - torch_policy.compute_logprobs(samples, 3)).abs().max())
+    train_parity(policy, torch_policy, algo, res, "train", per_token=True, mbs=3)
+    weights = policy.state_dict_for_rollout()
+    if rank == 0:
+        ref = torch_policy.state_dict_for_rollout()
+        res["weight_keys_missing"] = sorted(set(ref) - set(weights) - {"lm_head.weight"})
+        res["weight_max_diff"] = max(float((weights[k] - ref[k]).abs().max()) for k in weights)
+
+
+def scenario_gpu(rank: int, out: Path, res: dict) -> None:
+    """CUDA/NCCL (tests/gpu): fp32 logits, log-prob and 3-step parity with the torch backend on the same GPU,
+    then a 3-step train with bf16 parameters (Megatron's mixed precision) against the torch backend's autocast."""
+    policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    hf = build_model(MODEL, VOCAB, PAD, seed=SEED, device=policy.device).eval()
+    ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(policy.device)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    res["logits_max_diff"] = float((megatron_logits(policy, ids) - ref).abs().max())
+    samples = random_samples(7, 6, 5, seed=1, vocab=VOCAB)
+    res["logprob_max_diff"] = float((policy.compute_logprobs(samples, 3)
+                                     - torch_policy.compute_logprobs(samples, 3)).abs().max())
+    train_parity(policy, torch_policy, GRPOConfig(), res, "train", per_token=True, mbs=3)
+    bf16 = dataclasses.replace(MODEL, dtype="bfloat16")
+    policy = MegatronPolicy(bf16, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, params_dtype=torch.bfloat16,
+                            use_distributed_optimizer=policy.dp > 1)
+    torch_policy = TorchPolicy(bf16, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    train_parity(policy, torch_policy, GRPOConfig(), res, "train_bf16", per_token=True, mbs=3)
+
+
+def main() -> None:
+    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    out = Path(out)
+    tp, pp = {"tp2": (2, 1), "dp2": (1, 1), "pp2": (1, 2), "gpu": (world, 1)}[scenario]
+    os.environ["LOCAL_RANK"] = str(rank)  # one GPU per rank where there are GPUs
+    parallel.initialize(rank, world, master_addr="127.0.0.1", master_port=port, tensor_parallel_size=tp,
+                        pipeline_parallel_size=pp, seed=SEED, timeout_s=300)
+    res: dict = {}
+    try:
+        scenarios = {"tp2": scenario_tp2, "dp2": scenario_dp2, "pp2": scenario_pp2, "gpu": scenario_gpu}
+        scenarios[scenario](rank, out, res)
+    except Exception:
+        res["error"] = traceback.format_exc()
+        (out / f"error{rank}.txt").write_text(res["error"])
+        raise
+    finally:
+        if rank == 0:
+            (out / "result.json").write_text(json.dumps(res, default=float))
+    parallel.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,230 @@
+"""The Megatron-core backend on CPU processes over gloo, against the torch backend and transformers.
+
+Two multi-process launches (tests/megatron/ranks.py) check many things each:
+- `tp2` (TP=2, DP=1, vocabulary padded 33 -> 34): logits vs transformers, the k/v-swap negative control,
+  log-prob and post-finalize gradient parity, a 3-step train equal to TorchPolicy's, checkpoint resume, weight
+  sync into the embedded rollout engine, HF export.
+- `dp2` (TP=1, DP=2, distributed optimizer; then the plain optimizer with M2PO): exact logits at TP=1, 3-step
+  GRPO and M2PO trains equal to TorchPolicy's (M2PO's step statistics all-gathered over data parallelism),
+  resume with the distributed optimizer's per-rank state.
+- `pp2` (PP=2, 1F1B schedule, tied embedding copied to the last stage): log-probs, a 3-step train equal to
+  TorchPolicy's, weights gathered from both stages.
+
+Tolerances (fp32): logits 1e-5 absolute at TP=2 (exactly 0 at TP=1 against transformers' eager attention);
+per-step losses, entropy and gradient norm 1e-4 relative: the two backends sum the same float terms in a
+different order (vocab-parallel log-softmax, tensor-parallel matmul partial sums, data-parallel gradient sums),
+observed differences are around 1e-7.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                or importlib.util.find_spec("megatron.core") is None,
+                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+RANKS = Path(__file__).with_name("ranks.py")
+REL = 1e-4
+LAUNCH_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(scenario: str, world: int, out: Path) -> dict:
+    """Run `world` rank processes of `scenario`; rank 0's results."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(RANKS), scenario, str(r), str(world), str(port), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    result = json.loads((out / "result.json").read_text()) if (out / "result.json").is_file() else {}
+    if any(p.returncode for p in procs) or "error" in result:
+        tail = "\n".join(f"--- rank {r} ---\n{log[-3000:]}" for r, log in enumerate(logs))
+        pytest.fail(f"scenario {scenario} failed:\n{result.get('error', '')}\n{tail}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory) -> dict:
+    return launch("tp2", 2, tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory) -> dict:
+    return launch("dp2", 2, tmp_path_factory.mktemp("dp2"))
+
+
+def assert_same_steps(rows: list[dict], keys: tuple[str, ...]) -> None:
+    for i, row in enumerate(rows):
+        for k in keys:
+            m, t = row["megatron"][k], row["torch"][k]
+            assert m == pytest.approx(t, rel=REL, abs=1e-7), f"step {i} {k}: megatron {m} vs torch {t}"
+
+
+STEP_KEYS = ("train/pg_loss", "train/grad_norm", "train/entropy", "train/loss", "train/pg_clipfrac",
+             "train/ppo_kl", "train/lr")
+
+
+# ---- TP=2 --------------------------------------------------------------------------------------------
+
+
+def test_tp2_logits_match_transformers_and_negative_control_does_not(tp2):
+    assert tp2["logits_max_diff"] < 1e-5
+    assert tp2["negative_control_diff"] > 0.1  # k and v swapped: a conversion bug of that kind is visible
+
+
+def test_tp2_logprobs_and_finalized_gradients_match_torch(tp2):
+    assert tp2["logprob_max_diff"] < 1e-5
+    assert tp2["grad_keys_missing"] == []
+    # q/k-norm gradients are partial per TP rank until finalize_model_grads reduces them: checked here too
+    worst = max(tp2["grad_rel_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < REL, worst
+
+
+def test_tp2_three_steps_equal_torch_backend(tp2):
+    assert len(tp2["train"]) == 3
+    assert_same_steps(tp2["train"], STEP_KEYS)
+    first = tp2["train"][0]
+    assert first["megatron"]["rollout/train_rollout_logp_abs_diff"] == pytest.approx(
+        first["torch"]["rollout/train_rollout_logp_abs_diff"], rel=REL)
+
+
+def test_tp2_checkpoint_resume_repeats_the_step(tp2):
+    assert tp2["train_resume"]["again"] == pytest.approx(tp2["train_resume"]["first"], rel=1e-6)
+    assert tp2["train_resume_weight_diff"] == 0.0
+
+
+def test_tp2_weight_sync_gives_the_rollout_engine_the_trainers_logprobs(tp2):
+    assert tp2["rollout_vs_trainer_logp_max_diff"] < 1e-5
+
+
+def test_tp2_hf_export_round_trip(tp2):
+    assert tp2["export_tied"] is True
+    assert tp2["export_weight_max_diff"] == 0.0
+    assert tp2["export_logits_max_diff"] < 1e-5
+
+
+# ---- TP=1 x DP=2 ------------------------------------------------------------------------------------
+
+
+def test_tp1_logits_exactly_equal_transformers(dp2):
+    assert dp2["logits_max_diff"] == 0.0
+    assert dp2["negative_control_diff"] > 0.1
+
+
+def test_dp2_distributed_optimizer_three_steps_equal_torch_backend(dp2):
+    assert_same_steps(dp2["train"], STEP_KEYS)
+    assert dp2["train"][0]["megatron"]["rollout/train_rollout_ratio_max"] == pytest.approx(
+        dp2["train"][0]["torch"]["rollout/train_rollout_ratio_max"], rel=REL)
+
+
+def test_dp2_m2po_step_statistics_over_data_parallel_ranks(dp2):
+    assert_same_steps(dp2["m2po"], STEP_KEYS + ("train/ppo_kl_m2_before", "train/ppo_kl_m2_after"))
+
+
+def test_dp2_distributed_optimizer_resume(dp2):
+    assert dp2["train_resume"]["again"] == pytest.approx(dp2["train_resume"]["first"], rel=1e-6)
+    assert dp2["train_resume_weight_diff"] == 0.0
+
+
+# ---- PP=2 -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> dict:
+    return launch("pp2", 2, tmp_path_factory.mktemp("pp2"))
+
+
+def test_pp2_logprobs_train_and_weight_gather(pp2):
+    assert pp2["logprob_max_diff"] < 1e-5
+    assert_same_steps(pp2["train"], STEP_KEYS)
+    assert pp2["weight_keys_missing"] == []
+    # after 3 Adam steps at lr 1e-2 (Adam's normalisation magnifies float-rounding differences of tiny gradients)
+    assert pp2["weight_max_diff"] < 1e-3
+
+
+# ---- single process ---------------------------------------------------------------------------------
+
+
+def test_cpu_redirect_call_sites_match_installed_megatron_core():
+    """An upgrade of megatron-core that adds, removes or moves a CUDA-only call site in a redirected module
+    fails here: re-audit cpu_compat (and the modules it lists) before trusting CPU runs again."""
+    from relax.backends.megatron import cpu_compat
+
+    found = {}
+    for module in cpu_compat.REDIRECTED_MODULES:
+        source = Path(importlib.util.find_spec(module).origin).read_text()
+        found[module] = sum(1 for line in source.splitlines() if cpu_compat.CUDA_PATTERN.search(line))
+    assert found == cpu_compat.CALL_SITES
+    import megatron.core
+
+    assert megatron.core.__version__ == "0.16.1", "cpu_compat was audited against megatron-core 0.16.1"
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'megatron = \["megatron-core==0\.16\.1"\]', pyproject)
+
+
+def _tiny_hf(arch: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=33, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, max_position_embeddings=64)
+    torch.manual_seed(0)
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=8, tie_word_embeddings=True, **common))
+    return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))  # SmolLM2-135M's layout
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_converter_round_trip_per_tensor_parallel_rank(arch):
+    from relax.backends.megatron import convert
+    from relax.backends.megatron.model import arch_from_hf_config
+
+    model = _tiny_hf(arch)
+    spec = arch_from_hf_config(model.config)
+    state = dict(model.state_dict())
+    if spec.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    for tp in (1, 2):
+        shards = [convert.hf_to_megatron(spec, state.__getitem__, tp_rank=r, tp_size=tp) for r in range(tp)]
+        assert shards[0]["embedding.word_embeddings.weight"].shape[0] == spec.padded_vocab_size(tp) // tp
+        back = convert.megatron_to_hf(spec, shards)
+        assert sorted(back) == sorted(state)
+        for k, v in state.items():
+            assert torch.equal(back[k], v), (tp, k)
+    assert ("output_layer.weight" in shards[0]) == (not spec.tie_word_embeddings)
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in shards[0]) == (arch == "qwen3")
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import MistralConfig
+
+    from relax.backends.megatron.model import arch_from_hf_config, check_parallel_sizes
+
+    with pytest.raises(ValueError, match="'mistral'"):
+        arch_from_hf_config(MistralConfig())
+    spec = arch_from_hf_config(_tiny_hf("qwen3").config)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide"):
+        check_parallel_sizes(spec, tp=4, pp=1)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 must divide"):
+        check_parallel_sizes(spec, tp=1, pp=3)
