@@ -23,3 +23,18 @@ run_recipe() {
   echo "+ relax-train ${args[*]} $*" >&2
   exec relax-train "${args[@]}" "$@"
 }
+
+# For the sweep scripts: sets `uri` (the MLflow store) and `extra` (sweep directory and store overrides) from
+# EXP_DIR (default: the current directory holds both).
+sweep_dirs() {
+  local name=$1
+  uri="sqlite:///mlflow.db"
+  extra=()
+  if [[ -n "${EXP_DIR:-}" ]]; then
+    mkdir -p "${EXP_DIR}"
+    local exp_dir
+    exp_dir=$(cd "${EXP_DIR}" && pwd)
+    uri="sqlite:///${exp_dir}/mlflow.db"
+    extra+=("hydra.sweep.dir=${exp_dir}/${name}/multirun/\${now:%Y-%m-%d_%H-%M-%S}" "tracking.uri=${uri}")
+  fi
+}

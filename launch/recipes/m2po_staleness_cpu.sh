@@ -4,14 +4,8 @@
 #   bash launch/recipes/m2po_staleness_cpu.sh [more overrides, e.g. train.num_rollout=20]
 # EXP_DIR (optional) holds the runs and the MLflow store; default: the current directory.
 set -euo pipefail
-uri="sqlite:///mlflow.db"
-extra=()
-if [[ -n "${EXP_DIR:-}" ]]; then
-  mkdir -p "${EXP_DIR}"
-  exp_dir=$(cd "${EXP_DIR}" && pwd)
-  uri="sqlite:///${exp_dir}/mlflow.db"
-  extra+=("hydra.sweep.dir=${exp_dir}/m2po_staleness_cpu/multirun/\${now:%Y-%m-%d_%H-%M-%S}" "tracking.uri=${uri}")
-fi
+source "$(dirname "$0")/_common.sh"
+sweep_dirs m2po_staleness_cpu
 set -x
 relax-train -m +experiment=m2po_staleness_cpu algorithm=grpo,m2po train.max_staleness=0,2,4 "${extra[@]}" "$@" || true
 relax-train -m +experiment=m2po_staleness_cpu algorithm=m2po train.max_staleness=4 \

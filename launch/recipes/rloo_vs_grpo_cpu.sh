@@ -3,14 +3,8 @@
 #   bash launch/recipes/rloo_vs_grpo_cpu.sh [more overrides, e.g. train.num_rollout=10]
 # EXP_DIR (optional) holds the runs and the MLflow store; default: the current directory.
 set -euo pipefail
-uri="sqlite:///mlflow.db"
-extra=()
-if [[ -n "${EXP_DIR:-}" ]]; then
-  mkdir -p "${EXP_DIR}"
-  exp_dir=$(cd "${EXP_DIR}" && pwd)
-  uri="sqlite:///${exp_dir}/mlflow.db"
-  extra+=("hydra.sweep.dir=${exp_dir}/rloo_vs_grpo_cpu/multirun/\${now:%Y-%m-%d_%H-%M-%S}" "tracking.uri=${uri}")
-fi
+source "$(dirname "$0")/_common.sh"
+sweep_dirs rloo_vs_grpo_cpu
 set -x
 relax-train -m +experiment=rloo_vs_grpo_cpu algorithm=rloo,grpo seed=1,2 "${extra[@]}" "$@" || true  # compare what finished
 relax-compare --uri "${uri}" --control algorithm=grpo
