@@ -1,0 +1,167 @@
+"""`relax-serve`: Relax's embedded rollout engine as an SGLang-compatible HTTP server.
+
+    relax-serve --port 30000 [--host 127.0.0.1] [--threads N] [--weight-version V] [model=tiny ...]
+    relax-serve --port 30000 --config resolved_config.json
+
+The model is the one `relax-train` with the same overrides would build (or the one a resolved config JSON, as
+`dataclasses.asdict(cfg)` writes it, describes). See `relax.backends.sglang.server` for the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import threading
+import types
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from relax.config import RelaxConfig
+
+USAGE_EXIT = 2
+
+
+def _fail(message: str, code: int = USAGE_EXIT) -> NoReturn:
+    print(f"relax-serve: error: {' '.join(message.split())}", file=sys.stderr)
+    sys.exit(code)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump
+        _fail(f"{message} (see relax-serve --help)")
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    """`value` (parsed JSON) as the annotated type `tp`: dataclasses built field by field, lists to tuples where a
+    tuple is expected, ints to floats where a float is."""
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _convert(options[0], value, where) if len(options) == 1 else value
+    if dataclasses.is_dataclass(tp):
+        return _dataclass(tp, value, where)
+    if origin is tuple or tp is tuple:
+        return tuple(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _dataclass(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'the config'}: expected a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where or 'the config'}: unknown key(s) {', '.join(unknown)} for {cls.__name__}")
+    prefix = f"{where}." if where else ""
+    return cls(**{name: _convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()})
+
+
+def config_from_json(path: str | Path) -> RelaxConfig:
+    """The `RelaxConfig` of a JSON file written from `dataclasses.asdict(cfg)` of a resolved config, validated.
+
+    Missing keys take their defaults; unknown keys are errors (ValueError naming them), as are violations of the
+    config rules (`relax.config.ConfigError`).
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--config {path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a JSON object")
+    from relax import algorithms
+    from relax.config import RelaxConfig, resolve
+    from relax.config.validate import check
+
+    algo = data.pop("algorithm", None)
+    cfg = _dataclass(RelaxConfig, data, "")
+    if algo is not None:
+        if not isinstance(algo, dict) or not isinstance(algo.get("name"), str):
+            raise ValueError("algorithm: expected an object with a name")
+        algo_cls = algorithms.get(algo["name"]).config_cls
+        cfg = dataclasses.replace(cfg, algorithm=_dataclass(algo_cls, algo, "algorithm"))
+    return check(resolve(cfg))
+
+
+def _load(args: argparse.Namespace) -> RelaxConfig:
+    """The config of the command line; exits 2 with one line on a bad one."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.cli.train import _hydra_error_message
+    from relax.config import ConfigError, load_config
+
+    try:
+        if args.config:
+            return config_from_json(args.config)
+        return load_config(args.overrides)
+    except ConfigError as exc:
+        _fail("invalid config: " + "; ".join(v.message for v in exc.violations))
+    except (HydraException, OmegaConfBaseException) as exc:
+        _fail(_hydra_error_message(exc))
+    except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
+        _fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, start the server, serve until SIGINT/SIGTERM."""
+    parser = _Parser(prog="relax-serve", description="Relax's embedded rollout engine behind SGLang's HTTP protocol.")
+    parser.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--config", default=None, help="a resolved RelaxConfig as JSON (dataclasses.asdict)")
+    parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for relax-train (model=tiny ...)")
+    args = parser.parse_intermixed_args(argv)
+    if args.config and args.overrides:
+        _fail("give either --config or overrides, not both")
+    if args.threads is not None and args.threads < 1:
+        _fail(f"--threads={args.threads}: must be >= 1")
+    cfg = _load(args)
+
+    from relax.backends.models import resolve_model_path
+    from relax.backends.sglang.server import EmbeddedServer
+
+    if cfg.model.source != "config":
+        try:
+            resolve_model_path(cfg.model)  # a missing model directory or file: a usage error, before binding
+        except (FileNotFoundError, ValueError) as exc:
+            _fail(str(exc))
+    server = EmbeddedServer(cfg, host=args.host, port=args.port, threads=args.threads,
+                            weight_version=args.weight_version)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+    except OSError as exc:
+        _fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    try:
+        while not stop.is_set():
+            try:
+                server.wait_ready(0.5)
+                break
+            except TimeoutError:
+                continue
+    except RuntimeError as exc:
+        server.shutdown()
+        _fail(str(exc), code=1)
+    if not stop.is_set():
+        print(f"relax-serve: listening on {server.url}", flush=True)
+        stop.wait()
+    server.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,592 @@
+"""SGLang's HTTP protocol, checked against a running server: by default Relax's embedded server (`relax-serve`,
+started here on the tiny model), or any server at $SGLANG_URL, for example a real SGLang:
+
+    python -m sglang.launch_server --model-path /models/Qwen3-0.6B --port 30000 --host 127.0.0.1
+    SGLANG_URL=http://127.0.0.1:30000 pytest tests/sglang/test_conformance.py
+
+Against $SGLANG_URL the tests that need to know the model or the embedded server's internals are skipped: health
+while loading, log-probs against the trainer's, the weight updates (they load the tiny model's weights and compare
+log-probs with a local copy), memory release, a retracted request's queue state, the CLI and its config file, and
+the embedded server's own choices (n>1 samples with one sampling_seed differ, ignore_eos disables stop_token_ids,
+unsupported fields answer 400). The rest (shapes, finish reasons, stop tokens, greedy and seeded determinism,
+pause/abort/continue, abort by rid, flush_cache, the router) runs against either; where it waits for the embedded
+server's queue state it sleeps instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from relax.backends.sglang import wire
+
+REPO = Path(__file__).resolve().parents[2]
+OVERRIDES = ["model=tiny", "model.dtype=float32", "model.max_position_embeddings=4096"]
+EXTERNAL = os.environ.get("SGLANG_URL")
+embedded_only = pytest.mark.skipif(bool(EXTERNAL), reason="needs the embedded server (knows its model)")
+PROMPT = [1, 12, 13, 5]  # token ids >= 1 (0 is the tiny model's pad token)
+LONG = 3000  # max_new_tokens of a request that runs long enough to be aborted (seconds on CPU)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{proc.args[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:] if log else ''}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"{url} not healthy within {timeout} s:\n{log.read_text()[-3000:] if log else ''}")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    from relax.config import load_config
+
+    return load_config(OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def launched(cfg, tmp_path_factory):
+    """relax-serve started from the resolved config as JSON (not waited for); None against $SGLANG_URL."""
+    if EXTERNAL:
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("serve")
+    config = tmp / "config.json"
+    config.write_text(json.dumps(dataclasses.asdict(cfg)))
+    port = free_port()
+    log = tmp / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
+                                 "--config", str(config)], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "relax-serve: listening on" in log.read_text()
+
+
+@pytest.fixture(scope="module")
+def url(launched):
+    """The server under test, healthy: $SGLANG_URL or the launched relax-serve."""
+    if EXTERNAL:
+        return EXTERNAL.rstrip("/")
+    proc, base, log = launched
+    wait_http(f"{base}/health", 120, proc, log)
+    return base
+
+
+@pytest.fixture(scope="module")
+def models(cfg):
+    """Local copies of the served model: its initial weights, and other weights (another seed) to load."""
+    from relax.backends.models import build_model
+    from relax.data.tokenizer import load_tokenizer, stop_token_ids
+
+    tok = load_tokenizer(cfg.model)
+    build = lambda seed: build_model(cfg.model, len(tok), tok.pad_token_id, seed=seed).eval()  # noqa: E731
+    return {"initial": build(cfg.seed), "other": build(cfg.seed + 1), "eos": stop_token_ids(cfg.model, tok)}
+
+
+def post(url: str, path: str, body: dict | None = None, timeout: float = 120) -> requests.Response:
+    return requests.post(f"{url}{path}", json=body or {}, timeout=timeout)
+
+
+def generate(url: str, input_ids, timeout: float = 120, **kw) -> dict | list:
+    r = post(url, "/generate", {"input_ids": input_ids, **kw}, timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(url: str, prompt=PROMPT, n: int = 8, **kw) -> list[int]:
+    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    return generate(url, prompt, sampling_params=sp, **kw)["output_ids"]
+
+
+def state(url: str) -> dict:
+    return requests.get(f"{url}/get_server_info", timeout=10).json()["internal_states"][0]
+
+
+def wait_for(url: str, predicate, timeout: float = 30) -> None:
+    """Until the embedded server's state satisfies `predicate` (against another server: a fixed pause)."""
+    if EXTERNAL:
+        time.sleep(1.0)
+        return
+    deadline = time.monotonic() + timeout
+    while not predicate(state(url)):
+        assert time.monotonic() < deadline, f"server state never matched: {state(url)}"
+        time.sleep(0.01)
+
+
+def in_thread(fn, *args, **kw):
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args, **kw)
+    pool.shutdown(wait=False)
+    return future
+
+
+@torch.no_grad()
+def trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    from relax.backends.models import token_logprobs
+
+    ids = torch.tensor([prompt + response])
+    return token_logprobs(model, ids, torch.ones_like(ids), len(prompt), len(response), temperature=temperature)[0]
+
+
+def logps(answer: dict) -> list[float]:
+    return [p[0] for p in answer["meta_info"]["output_token_logprobs"]]
+
+
+def served_by(url: str, model, other) -> bool:
+    """Whether the server's log-probs of a seeded sample are `model`'s (and not `other`'s)."""
+    out = generate(url, PROMPT, sampling_params={"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 8},
+                   return_logprob=True)
+    mine = trainer_logprobs(model, PROMPT, out["output_ids"], 1.0)
+    theirs = trainer_logprobs(other, PROMPT, out["output_ids"], 1.0)
+    assert (mine - theirs).abs().max() > 1e-2, "the two models must differ"
+    return bool(torch.allclose(torch.tensor(logps(out)), mine, atol=1e-4))
+
+
+# ---------------------------------------------------------------------------------------------------- health, info
+
+
+@embedded_only
+def test_health_is_503_while_the_model_loads_then_200(cfg, monkeypatch, launched):
+    """In process (relax-serve starts meanwhile): loading is held until /health answered 503."""
+    from relax.backends.sglang.server import EmbeddedServer
+
+    gate = threading.Event()
+    build = EmbeddedServer._build
+    monkeypatch.setattr(EmbeddedServer, "_build", lambda self: (gate.wait(30), build(self)))
+    server = EmbeddedServer(cfg, port=0)
+    server.start()
+    try:
+        for path in ("/health", "/health_generate"):
+            assert requests.get(server.url + path, timeout=5).status_code == 503
+        assert post(server.url, "/generate", {"input_ids": PROMPT}).status_code == 503
+        gate.set()
+        server.wait_ready(60)
+        for path in ("/health", "/health_generate"):
+            assert requests.get(server.url + path, timeout=30).status_code == 200
+    finally:
+        gate.set()
+        server.shutdown()
+
+
+def test_info_endpoints(url):
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    assert requests.get(f"{url}/health_generate", timeout=30).status_code == 200
+    for path in ("/get_model_info", "/model_info"):
+        info = requests.get(url + path, timeout=10).json()
+        assert info["is_generation"] is True and {"model_path", "tokenizer_path", "weight_version"} <= set(info)
+    for path in ("/get_server_info", "/server_info"):
+        info = requests.get(url + path, timeout=10).json()
+        assert {"model_path", "weight_version"} <= set(info)
+    assert "weight_version" in requests.get(f"{url}/get_weight_version", timeout=10).json()
+
+
+# -------------------------------------------------------------------------------------------------------- generate
+
+
+def test_answer_shapes_single_batch_and_n(url):
+    one = generate(url, PROMPT, sampling_params={"max_new_tokens": 4}, return_logprob=True)
+    assert isinstance(one, dict) and {"text", "output_ids", "meta_info"} <= set(one)
+    meta = one["meta_info"]
+    assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == len(one["output_ids"])
+    assert {"id", "finish_reason", "cached_tokens", "weight_version", "e2e_latency"} <= set(meta)
+    pairs = meta["output_token_logprobs"]
+    assert [p[1] for p in pairs] == one["output_ids"] and all(p[0] <= 0 for p in pairs)
+
+    batch = generate(url, [PROMPT, PROMPT[:2]], sampling_params={"max_new_tokens": 3})
+    assert isinstance(batch, list) and [b["meta_info"]["prompt_tokens"] for b in batch] == [4, 2]
+    n3 = generate(url, PROMPT, sampling_params={"max_new_tokens": 3, "n": 3})
+    assert isinstance(n3, list) and len(n3) == 3
+    both = generate(url, [PROMPT, PROMPT[:2]], sampling_params={"max_new_tokens": 3, "n": 2})
+    assert [b["meta_info"]["prompt_tokens"] for b in both] == [4, 4, 2, 2]  # an input's samples consecutive
+
+
+def test_unknown_fields_are_ignored(url):
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "model": "whatever", "log_metrics": False,
+            "return_text_in_logprobs": True, "stream": False, "something_new": {"a": 1}}
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+
+
+def test_max_new_tokens_and_finish_reason_length(url):
+    out = generate(url, PROMPT, sampling_params={"max_new_tokens": 5, "ignore_eos": True})
+    assert len(out["output_ids"]) == 5
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_stop_token_ids_end_the_output_with_the_stop_token(url):
+    sp = {"max_new_tokens": 12, "sampling_seed": 21, "no_stop_trim": True}
+    free = generate(url, PROMPT, sampling_params={**sp, "ignore_eos": True})["output_ids"]  # no stop at all
+    stop = free[3]
+    j = free.index(stop)
+    out = generate(url, PROMPT, sampling_params={**sp, "stop_token_ids": [stop]})
+    got, finish = out["output_ids"], out["meta_info"]["finish_reason"]
+    assert 1 <= len(got) <= j + 1 and got == free[: len(got)]  # the model's own EOS may come first
+    assert finish == {"type": "stop", "matched": got[-1]}
+    if len(got) == j + 1:
+        assert got[-1] == stop
+
+
+@embedded_only
+def test_eos_stops_unless_ignore_eos_which_ignores_every_stop_token(url, models):
+    eos = models["eos"][0]
+    sp = {"max_new_tokens": 12, "sampling_seed": 21, "ignore_eos": True}
+    free = generate(url, PROMPT, sampling_params=sp)["output_ids"]
+    out = generate(url, PROMPT, sampling_params={**sp, "stop_token_ids": [free[0]]})
+    assert out["output_ids"] == free and out["meta_info"]["finish_reason"]["type"] == "length"
+    sampled = generate(url, PROMPT, sampling_params={"max_new_tokens": 40, "sampling_seed": 3, "n": 6})
+    stopped = [s for s in sampled if s["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert stopped, "the tiny model draws its EOS within 40 tokens"
+    assert all(s["output_ids"][-1] == eos == s["meta_info"]["finish_reason"]["matched"] for s in stopped)
+    assert all(eos not in s["output_ids"][:-1] for s in sampled)
+
+
+def test_greedy_is_deterministic_in_any_batch(url):
+    alone = greedy(url)
+    assert greedy(url) == alone
+    batch = generate(url, [[1, 7, 8], PROMPT, [1, 20]], sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                          "ignore_eos": True})
+    assert batch[1]["output_ids"] == alone
+
+
+def test_sampling_seed_gives_the_same_tokens_whatever_runs_beside(url):
+    sp = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1234, "n": 2}
+    alone = generate(url, PROMPT, sampling_params=sp, return_logprob=True)
+    blocker = in_thread(generate, url, [1, 9], sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+    others = [
+        ([1, 7, 8, 9, 10, 11], {**sp, "sampling_seed": 99, "n": 3}),
+        ([1, 30], {**sp, "sampling_seed": 5, "n": 1, "max_new_tokens": 40}),
+        (PROMPT, {**sp, "sampling_seed": 1235}),
+        ([1, 2, 3], {**sp, "temperature": 0.7, "top_p": 0.9}),
+    ]
+    futures = [in_thread(generate, url, ids, sampling_params=p) for ids, p in others]
+    again = generate(url, PROMPT, sampling_params=sp, return_logprob=True)
+    for f in futures + [blocker]:
+        f.result()
+    assert [a["output_ids"] for a in again] == [a["output_ids"] for a in alone]
+    for a, b in zip(again, alone, strict=True):
+        assert logps(a) == pytest.approx(logps(b), abs=1e-5)
+
+
+@embedded_only
+def test_sample_k_of_a_seed_is_its_own_stream_and_sample_0_is_the_seed_alone(url):
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 77}
+    pair = generate(url, PROMPT, sampling_params={**sp, "n": 2})
+    single = generate(url, PROMPT, sampling_params=sp)
+    assert pair[0]["output_ids"] == single["output_ids"] != pair[1]["output_ids"]
+    unseeded = generate(url, PROMPT, sampling_params={**sp, "sampling_seed": None, "n": 2})
+    assert unseeded[0]["output_ids"] != unseeded[1]["output_ids"]
+
+
+@embedded_only
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_logprobs_are_the_trainers_on_policy_logprobs(url, models, temperature, top_p):
+    out = generate(url, PROMPT, sampling_params={"max_new_tokens": 12, "temperature": temperature, "top_p": top_p,
+                                                 "ignore_eos": True, "sampling_seed": 11}, return_logprob=True)
+    expected = trainer_logprobs(models["initial"], PROMPT, out["output_ids"], temperature or 1.0)
+    assert logps(out) == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+@embedded_only
+@pytest.mark.parametrize("field, value", [
+    ("stream", True), ("logprob_start_len", 0), ("top_logprobs_num", 2), ("return_hidden_states", True)])
+def test_unsupported_request_fields_answer_400_naming_them(url, field, value):
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"]
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "stop": ["\n"]}})
+    assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
+    r = post(url, "/generate", {"input_ids": [10_000], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------------------------------ pause, abort, flush
+
+
+def test_pause_abort_returns_partial_output_and_holds_new_requests_until_continue(url):
+    long = in_thread(generate, url, PROMPT, sampling_params={"max_new_tokens": LONG, "ignore_eos": True},
+                     return_logprob=True)
+    wait_for(url, lambda s: s["#running-req"] >= 1)
+    assert post(url, "/pause_generation", {"mode": "abort"}).status_code == 200
+    out = long.result(timeout=60)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(out["output_ids"]) < LONG and len(logps(out)) == len(out["output_ids"])
+    held = in_thread(generate, url, PROMPT, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    time.sleep(0.5)
+    assert not held.done(), "a request sent while paused waits for /continue_generation"
+    assert post(url, "/continue_generation", {}).status_code == 200
+    assert held.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_request_by_rid_leaves_cobatched_requests_unchanged(url):
+    sp = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 4242}
+    reference = generate(url, PROMPT, sampling_params=sp, return_logprob=True)
+    assert post(url, "/pause_generation", {"mode": "retract"}).status_code == 200  # both start in one batch
+    victim = in_thread(generate, url, [1, 17, 18], sampling_params={**sp, "max_new_tokens": LONG, "sampling_seed": 1},
+                       rid="victim-rid", return_logprob=True)
+    other = in_thread(generate, url, PROMPT, sampling_params=sp, rid="other-rid", return_logprob=True)
+    wait_for(url, lambda s: s["#queue-req"] == 2)
+    assert post(url, "/continue_generation", {}).status_code == 200
+    wait_for(url, lambda s: s["#running-rows"] == 2)
+    assert post(url, "/abort_request", {"rid": "victim-rid"}).status_code == 200
+    aborted, kept = victim.result(timeout=60), other.result(timeout=60)
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < 300, "aborted while the other request was running"
+    assert kept["meta_info"]["finish_reason"]["type"] == "length"
+    assert kept["output_ids"] == reference["output_ids"]
+    assert logps(kept) == pytest.approx(logps(reference), abs=1e-5)
+
+
+@embedded_only
+def test_pause_retract_continues_from_the_prefix_after_continue(url):
+    sp = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 31}
+    reference = generate(url, PROMPT, sampling_params=sp)
+    running = in_thread(generate, url, PROMPT, sampling_params=sp)
+    wait_for(url, lambda s: s["#running-rows"] == 1)
+    assert post(url, "/pause_generation", {"mode": "retract"}).status_code == 200
+    assert state(url)["#queue-req"] == 1 and not running.done()
+    assert post(url, "/continue_generation", {}).status_code == 200
+    assert running.result(timeout=60)["output_ids"] == reference["output_ids"]
+    r = post(url, "/pause_generation", {"mode": "sideways"})
+    assert r.status_code == 400 and "sideways" in r.text
+
+
+def test_flush_cache_fails_while_busy_then_succeeds(url):
+    assert post(url, "/flush_cache").status_code == 200
+    long = in_thread(generate, url, PROMPT, sampling_params={"max_new_tokens": LONG, "ignore_eos": True})
+    wait_for(url, lambda s: s["#running-req"] >= 1)
+    assert post(url, "/flush_cache").status_code == 400
+    assert post(url, "/abort_request", {"abort_all": True}).status_code == 200
+    assert long.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
+    deadline = time.monotonic() + 30
+    while post(url, "/flush_cache").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------------------- weights
+
+
+def state_dict(model) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v.detach().clone()) for k, v in model.state_dict().items()]
+
+
+def push_tensors(url: str, named, *, bucket_bytes: int, flattened: bool, version: str) -> None:
+    groups = list(wire.buckets(named, bucket_bytes))
+    for i, bucket in enumerate(groups):
+        obj = wire.flatten_bucket(bucket) if flattened else bucket
+        body = {"serialized_named_tensors": [wire.serialize(obj)],
+                "load_format": "flattened_bucket" if flattened else None, "flush_cache": i == len(groups) - 1,
+                "weight_version": version if i == len(groups) - 1 else None}
+        r = post(url, "/update_weights_from_tensor", body)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        del obj  # kept alive until the server answered
+
+
+def version(url: str) -> str:
+    return requests.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"]
+
+
+@pytest.fixture
+def restore(url, models):
+    """Load the initial weights back after a test that changed them."""
+    yield
+    post(url, "/continue_generation")
+    post(url, "/resume_memory_occupation", {"tags": None})
+    push_tensors(url, state_dict(models["initial"]), bucket_bytes=1 << 30, flattened=True, version="initial")
+    assert served_by(url, models["initial"], models["other"])
+
+
+@embedded_only
+def test_update_weights_from_tensor_in_buckets_changes_outputs_and_version(url, models, restore):
+    initial, other = models["initial"], models["other"]
+    assert served_by(url, initial, other)
+    push_tensors(url, state_dict(other), bucket_bytes=20_000, flattened=True, version="7")  # several buckets
+    assert version(url) == "7" and served_by(url, other, initial)
+    out = generate(url, PROMPT, sampling_params={"max_new_tokens": 2}, return_logprob=True)
+    assert out["meta_info"]["weight_version"] == "7"
+    push_tensors(url, state_dict(initial), bucket_bytes=30_000, flattened=False, version="8")  # plain (name, tensor)
+    assert version(url) == "8" and served_by(url, initial, other)
+
+
+@embedded_only
+def test_a_partial_update_loads_and_a_bad_name_or_shape_fails_naming_it(url, models, restore):
+    baseline = greedy(url)
+    one = [("model.norm.weight", torch.randn(64, generator=torch.Generator().manual_seed(0)))]
+    push_tensors(url, one, bucket_bytes=1 << 20, flattened=True, version="partial")
+    assert version(url) == "partial" and greedy(url) != baseline
+    for bad, needle in ([("model.nope.weight", torch.zeros(3))], "model.nope.weight"), \
+                       ([("model.norm.weight", torch.zeros(3))], "model.norm.weight: shape"):
+        body = {"serialized_named_tensors": [wire.serialize(wire.flatten_bucket(one + bad))],
+                "load_format": "flattened_bucket", "weight_version": "bad"}
+        r = post(url, "/update_weights_from_tensor", body)
+        assert r.status_code == 400 and r.json()["success"] is False and needle in r.json()["message"]
+    assert version(url) == "partial"  # all or nothing
+    r = post(url, "/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]})
+    assert r.status_code == 400 and "base64" in r.json()["message"]
+
+
+@embedded_only
+def test_update_weights_from_distributed_through_a_gloo_group(url, models, restore):
+    other = models["other"]
+    port = free_port()
+    join = in_thread(post, url, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "conformance", "backend": "gloo"})
+    group = wire.init_update_group("127.0.0.1", port, 0, 2, "conformance", "gloo", 60)
+    try:
+        assert join.result(timeout=60).status_code == 200
+        named = state_dict(other)
+        body = {"names": [k for k, _ in named], "dtypes": [str(v.dtype).removeprefix("torch.") for _, v in named],
+                "shapes": [list(v.shape) for _, v in named], "group_name": "conformance", "weight_version": "dist"}
+        answer = in_thread(post, url, "/update_weights_from_distributed", body)
+        for _, tensor in named:
+            torch.distributed.broadcast(tensor, src=0, group=group)
+        r = answer.result(timeout=60)
+        assert r.status_code == 200 and r.json()["success"], r.text
+    finally:
+        r = post(url, "/destroy_weights_update_group", {"group_name": "conformance"})
+        wire.destroy_update_group(group)
+    assert r.status_code == 200
+    assert version(url) == "dist" and served_by(url, other, models["initial"])
+    r = post(url, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                       "group_name": "conformance"})
+    assert r.status_code == 400 and "conformance" in r.json()["message"]
+
+
+@embedded_only
+def test_update_weights_from_disk(url, models, restore, tmp_path):
+    models["other"].save_pretrained(tmp_path / "other")
+    r = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "other"), "weight_version": "disk"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert version(url) == "disk" and served_by(url, models["other"], models["initial"])
+    r = post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert r.status_code == 400 and "safetensors" in r.json()["message"]
+
+
+@embedded_only
+def test_release_rejects_work_until_resume_and_a_weight_load(url, models, restore):
+    baseline = greedy(url)
+    assert post(url, "/release_memory_occupation", {"tags": None}).status_code == 200
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and "resume_memory_occupation" in r.text
+    named = state_dict(models["initial"])
+    body = {"serialized_named_tensors": [wire.serialize(wire.flatten_bucket(named))],
+            "load_format": "flattened_bucket"}
+    r = post(url, "/update_weights_from_tensor", body)
+    assert r.status_code == 400 and "resume_memory_occupation" in r.json()["message"]
+    assert post(url, "/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    push_tensors(url, named, bucket_bytes=1 << 30, flattened=True, version="reloaded")
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400, "the KV cache is still released"
+    assert post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    assert greedy(url) == baseline and version(url) == "reloaded" and served_by(url, models["initial"], models["other"])
+
+
+# -------------------------------------------------------------------------------------------------------- router
+
+
+def test_generate_through_the_real_sglang_router(url, tmp_path):
+    port = free_port()
+    log = tmp_path / "router.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                 "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
+                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                                stdout=out, stderr=subprocess.STDOUT, env=env())
+    router = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{router}/health", 60, proc, log)
+        assert post(router, "/workers", {"url": url}).status_code in (200, 202)
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+        deadline = time.monotonic() + 30
+        while (r := post(router, "/generate", body)).status_code != 200:  # until the worker is registered
+            assert time.monotonic() < deadline, f"{r.status_code} {r.text}\n{log.read_text()[-2000:]}"
+            time.sleep(0.1)
+        assert r.json()["output_ids"] == greedy(url)
+        seeded = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "sampling_seed": 5, "n": 1},
+                  "return_logprob": True}
+        via_router = post(router, "/generate", seeded).json()
+        direct = post(url, "/generate", seeded).json()
+        assert via_router["output_ids"] == direct["output_ids"]
+        assert logps(via_router) == pytest.approx(logps(direct), abs=1e-5)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ----------------------------------------------------------------------------------------------------------- CLI
+
+
+@embedded_only
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from relax.cli.serve import main
+
+    light = [["--port", "0", "--config", str(tmp_path / "missing.json")], ["--port", "0", "--threads", "0"]]
+    procs = [subprocess.Popen([sys.executable, "-m", "relax.cli.serve", *c], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO) for c in light]
+    in_process = [["--port", "0", "bogus_key=1"], ["--port", "0", "--config", "x.json", "model=tiny"],
+                  ["--port", "0", "model.source=hf", f"model.path={tmp_path / 'no_model'}"],
+                  ["--port", "0", "--bogus-flag"]]
+    errors = []
+    for argv in in_process:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        errors.append((exit_info.value.code, capsys.readouterr().err))
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        errors.append((proc.returncode, err))
+    needles = ["bogus_key", "either", "no_model", "--bogus-flag", "missing.json", "--threads"]
+    for (code, err), needle in zip(errors, needles, strict=True):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0].startswith("relax-serve: error:") and needle in lines[0], err
+
+
+@embedded_only
+def test_config_json_round_trip_and_unknown_keys(cfg, tmp_path):
+    from relax.cli.serve import config_from_json
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(dataclasses.asdict(cfg)))
+    assert config_from_json(path) == cfg
+    data = dataclasses.asdict(cfg)
+    data["model"]["colour"] = "red"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="model: unknown key.*colour"):
+        config_from_json(path)
