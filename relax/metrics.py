@@ -85,3 +85,8 @@ OVERHEAD_FRACTION = "perf/overhead_fraction"
 TRAIN_IDLE_FRAC = "perf/train_idle_frac"  # share of the step the loop waited for its rollout batch
 ROLLOUT_IDLE_FRAC = "perf/rollout_idle_frac"  # share of the time since the last step the engines did not generate
 BUFFER_SIZE = "perf/buffer_size"  # samples generated ahead, waiting for their step, when a step takes its batch
+
+# ---- faults (rollout=sglang: the engine manager, relax.runner.sglang_engines)
+FAULT_RESTARTS_ROLLOUT = "fault/restarts/rollout"  # rollout engine servers replaced so far in this run (cumulative)
+ENGINE_RETRIES = "rollout/engine_retries"  # /generate requests sent again after a failure, in this step
+WEIGHT_BUCKETS = "perf/weight_sync_buckets"  # buckets of the last weight update

@@ -25,7 +25,8 @@ class Samples:
     finish_reason: list[str]  # "stop" | "length" per response ("abort": interrupted, to be continued)
     weight_version: int = 0
     engine_time: float = 0.0  # seconds the rollout engine(s) spent generating these (0: not measured)
-    dropped_mass: float = 0.0  # mean probability mass top-k/top-p removed per drawn token (relax.backends.sampling)
+    # mean probability mass top-k/top-p removed per drawn token (relax.backends.sampling); NaN: not reported
+    dropped_mass: float = 0.0
     # [N] long: which sample each row is (prompt draw index * group size + index in the group); it keys the
     # sample's random stream (relax.backends.sampling.counter_uniforms). None: not tracked.
     sample_id: Optional[torch.Tensor] = None

@@ -49,6 +49,33 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class SGLangConfig:
+    """rollout=sglang: engines speaking SGLang's HTTP protocol behind sglang-router (docs/training.md, "SGLang")."""
+
+    # What to launch, one server per rollout replica: sglang (python -m sglang.launch_server, GPUs) | embedded
+    # (relax-serve: Relax's own engine behind the same protocol, CPU or GPU). Unused with `urls`.
+    server: str = "sglang"
+    # Servers already running (http://host:port each): none is launched, and num_replicas must be len(urls).
+    urls: Optional[list[str]] = None
+    host: str = "127.0.0.1"  # where launched servers and the router listen (loopback: single-node clusters)
+    router_policy: str = "cache_aware"  # cache_aware | round_robin | random | power_of_two
+    # How the trainer's weights reach the servers: tensor (update_weights_from_tensor, shared memory or CUDA IPC:
+    # servers on the trainer's node) | distributed (init_weights_update_group + a broadcast). None: tensor when
+    # cluster.colocate, distributed otherwise.
+    weight_sync: Optional[str] = None
+    bucket_mb: int = 256  # weights travel in flattened buckets of at most this many MiB
+    # cluster.colocate with train.mode=sync: servers release their memory while the actor trains, and resume it
+    # (then get the new weights) before the next rollout
+    release_memory: bool = True
+    startup_timeout_s: float = 600.0  # a server (or the router) not healthy within this fails the start
+    request_timeout_s: float = 600.0  # one /generate call; a request that fails is retried until this passes
+    health_check_interval_s: float = 5.0
+    health_failures: int = 3  # consecutive failed health checks that declare a server dead (then restarted)
+    max_engine_restarts: int = 3  # restarts of servers in one run before it stops
+    extra_args: Optional[list[str]] = None  # appended to `python -m sglang.launch_server` (server=sglang only)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     backend: str = "embedded"  # embedded | sglang
     rollout_batch_size: int = 8  # prompts per rollout
@@ -67,6 +94,7 @@ class RolloutConfig:
     num_replicas: int = 1
     eval_n_samples_per_prompt: int = 1
     eval_temperature: float = 0.0  # 0 means greedy in evaluation only
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout.backend=sglang only
 
 
 @dataclass(frozen=True)

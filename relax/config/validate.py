@@ -7,6 +7,8 @@ just the first, so a user fixes a config in one go.
 
 from __future__ import annotations
 
+import dataclasses
+
 from relax import algorithms
 from relax.algorithms.base import Violation
 from relax.config.megatron_rules import megatron_violations
@@ -229,7 +231,7 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
         if not c.colocate:
             r.require(c.rollout_gpus > 0, "cluster.rollout_gpus",
                       "cluster.rollout_gpus=0 with cluster.colocate=false: the rollout role has no GPU")
-            r.require(c.rollout_gpus <= 0 or ro.num_replicas % c.rollout_gpus == 0,
+            r.require(c.rollout_gpus <= 0 or ro.num_replicas % c.rollout_gpus == 0 or c.rollout_gpus_per_engine > 1,
                       ("rollout.num_replicas", "cluster.rollout_gpus"),
                       f"rollout.num_replicas={ro.num_replicas} must be a multiple of cluster.rollout_gpus="
                       f"{c.rollout_gpus}: a rollout engine runs on one GPU (or a share of one) and every rollout "
@@ -257,9 +259,85 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
         r.require(c.actor_gpus % mp == 0, ("cluster.actor_gpus", "train.tensor_parallel_size"),
                   f"cluster.actor_gpus={c.actor_gpus} must be divisible by "
                   f"tensor*pipeline*context parallel size ({mp})")
-    if ro.backend == "sglang":
-        r.require(total > 0, "rollout.backend", "rollout.backend=sglang needs GPUs; this cluster has none "
-                  "(use rollout=embedded or a GPU cluster option such as cluster=1xgpu)")
+    sg = ro.sglang
+    if ro.backend == "sglang" and sg.server == "sglang" and sg.urls is None:
+        r.require(total > 0, ("rollout.sglang.server", "cluster.gpus_per_node"),
+                  "rollout.sglang.server=sglang launches SGLang servers, which need GPUs; this cluster has none: use "
+                  "rollout.sglang.server=embedded (Relax's engine behind SGLang's protocol, runs on CPU), servers "
+                  "already running (rollout.sglang.urls) or a GPU cluster option such as cluster=1xgpu")
+    tp = c.rollout_gpus_per_engine
+    if tp != 1:
+        launches_sglang = ro.backend == "sglang" and sg.server == "sglang" and sg.urls is None
+        r.require(launches_sglang, "cluster.rollout_gpus_per_engine",
+                  f"cluster.rollout_gpus_per_engine={tp} sets the tensor parallelism of launched SGLang servers "
+                  "(rollout=sglang with rollout.sglang.server=sglang); the embedded engine runs on one device")
+        if launches_sglang:
+            r.require(not c.colocate, ("cluster.rollout_gpus_per_engine", "cluster.colocate"),
+                      f"cluster.rollout_gpus_per_engine={tp} with cluster.colocate=true {NOT_BUILT}: a colocated "
+                      "engine shares one actor GPU; use cluster.colocate=false with cluster.rollout_gpus = "
+                      "rollout.num_replicas * rollout_gpus_per_engine")
+            r.require(c.colocate or c.rollout_gpus == ro.num_replicas * tp,
+                      ("cluster.rollout_gpus", "cluster.rollout_gpus_per_engine", "rollout.num_replicas"),
+                      f"cluster.rollout_gpus={c.rollout_gpus} must be rollout.num_replicas * "
+                      f"cluster.rollout_gpus_per_engine = {ro.num_replicas}*{tp} (a tensor-parallel engine gets "
+                      "GPUs of its own)")
+
+
+def _sglang(cfg: RelaxConfig, r: _Rules) -> None:
+    """rollout.sglang: its values, and its fields set where nothing reads them."""
+    ro, c, sg = cfg.rollout, cfg.cluster, cfg.rollout.sglang
+    if ro.backend != "sglang":
+        for f in dataclasses.fields(sg):
+            r.require(not _changed(sg, f.name), f"rollout.sglang.{f.name}",
+                      f"rollout.sglang.{f.name}={getattr(sg, f.name)!r} has no effect: rollout.backend={ro.backend} "
+                      "(use rollout=sglang)")
+        return
+    r.choice("rollout.sglang.server", sg.server, ("sglang", "embedded"))
+    r.choice("rollout.sglang.router_policy", sg.router_policy, ("cache_aware", "round_robin", "random", "power_of_two"))
+    r.require(sg.router_policy != "power_of_two" or ro.num_replicas >= 2,
+              ("rollout.sglang.router_policy", "rollout.num_replicas"),
+              "rollout.sglang.router_policy=power_of_two picks the less loaded of two servers: it needs "
+              "rollout.num_replicas >= 2 (sglang-router refuses to start otherwise)")
+    if sg.weight_sync is not None:
+        r.choice("rollout.sglang.weight_sync", sg.weight_sync, ("tensor", "distributed"))
+    for key in ("bucket_mb", "health_failures"):
+        r.require(getattr(sg, key) >= 1, f"rollout.sglang.{key}",
+                  f"rollout.sglang.{key}={getattr(sg, key)} must be >= 1")
+    r.require(sg.max_engine_restarts >= 0, "rollout.sglang.max_engine_restarts",
+              f"rollout.sglang.max_engine_restarts={sg.max_engine_restarts} must be >= 0")
+    for key in ("startup_timeout_s", "request_timeout_s", "health_check_interval_s"):
+        r.require(getattr(sg, key) > 0, f"rollout.sglang.{key}", f"rollout.sglang.{key}={getattr(sg, key)} must be > 0")
+    if sg.urls is not None:
+        r.require(len(sg.urls) > 0, "rollout.sglang.urls", "rollout.sglang.urls=[] names no server (leave it unset "
+                  "to launch servers)")
+        bad = [u for u in sg.urls if not (isinstance(u, str) and u.startswith(("http://", "https://")))]
+        r.require(not bad, "rollout.sglang.urls", f"rollout.sglang.urls: {bad} are not http(s):// URLs")
+        r.require(not sg.urls or ro.num_replicas == len(sg.urls), ("rollout.num_replicas", "rollout.sglang.urls"),
+                  f"rollout.num_replicas={ro.num_replicas} but rollout.sglang.urls names {len(sg.urls)} server(s): "
+                  f"set rollout.num_replicas={len(sg.urls)}")
+        for key in ("server", "extra_args", "startup_timeout_s"):
+            r.require(not _changed(sg, key), f"rollout.sglang.{key}",
+                      f"rollout.sglang.{key}={getattr(sg, key)!r} has no effect: rollout.sglang.urls names servers "
+                      "that are already running (nothing is launched)")
+    elif sg.server == "embedded":
+        r.require(sg.extra_args is None, "rollout.sglang.extra_args",
+                  f"rollout.sglang.extra_args={sg.extra_args} has no effect: they are arguments of "
+                  "sglang.launch_server (rollout.sglang.server=sglang)")
+    else:
+        r.require(cfg.model.source == "hf", ("rollout.sglang.server", "model.source"),
+                  f"rollout.sglang.server=sglang loads the model from a Hugging Face directory (model.source=hf), "
+                  f"not model.source={cfg.model.source}; use rollout.sglang.server=embedded for this model")
+    r.require(sg.release_memory or (c.colocate and cfg.train.mode == "sync"), "rollout.sglang.release_memory",
+              "rollout.sglang.release_memory=false has no effect: servers release their memory only when colocated "
+              "with the actor in train.mode=sync")
+    r.require(c.num_nodes == 1 or sg.host not in ("127.0.0.1", "localhost") or sg.urls is not None,
+              ("rollout.sglang.host", "cluster.num_nodes"),
+              f"rollout.sglang.host={sg.host} is loopback but cluster.num_nodes={c.num_nodes}: servers on other "
+              "nodes could not be reached; set rollout.sglang.host=0.0.0.0")
+    sync = sg.weight_sync or ("tensor" if c.colocate else "distributed")
+    r.require(sync != "tensor" or c.num_nodes == 1 or c.colocate, ("rollout.sglang.weight_sync", "cluster.num_nodes"),
+              "rollout.sglang.weight_sync=tensor shares memory with servers on the trainer's node, but "
+              f"cluster.colocate=false on {c.num_nodes} nodes may place them elsewhere; use weight_sync=distributed")
 
 
 def _modes(cfg: RelaxConfig, r: _Rules) -> None:
@@ -341,20 +419,14 @@ NOT_BUILT = "is not available in this build"
 
 
 def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
-    """Options that are planned (SGLang, dynamic batch sizes) but have nothing behind them yet."""
-    t, ro, c = cfg.train, cfg.rollout, cfg.cluster
+    """Options that are planned (dynamic batch sizes, context parallelism) but have nothing behind them yet."""
+    t, _ro, _c = cfg.train, cfg.rollout, cfg.cluster
     r.require(not t.use_dynamic_global_batch_size, "train.use_dynamic_global_batch_size",
               f"train.use_dynamic_global_batch_size=true {NOT_BUILT}: every optimizer step takes "
               "train.global_batch_size samples")
     r.require(not t.dynamic_context_parallel, "train.dynamic_context_parallel",
               f"train.dynamic_context_parallel=true {NOT_BUILT}: it needs context parallelism, which "
               "train.backend=megatron does not have here (megatron-core's needs Transformer Engine's attention)")
-    r.require(ro.backend == "embedded", "rollout.backend",
-              f"rollout.backend={ro.backend} {NOT_BUILT}: use rollout=embedded (the built-in batched sampler, "
-              "CPU or one GPU)")
-    r.require(c.rollout_gpus_per_engine == 1, "cluster.rollout_gpus_per_engine",
-              f"cluster.rollout_gpus_per_engine={c.rollout_gpus_per_engine} {NOT_BUILT}: it sets the tensor "
-              "parallelism of SGLang engines; an embedded engine runs on one device")
 
 
 def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
@@ -453,6 +525,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _flags(cfg, algo, r)
     _ignored(cfg, algo, r)
     _unused_in_context(cfg, r)
+    _sglang(cfg, r)
     _not_built(cfg, r)
     r.found.extend(megatron_violations(cfg))
     for v in algo.check(cfg):

@@ -14,10 +14,11 @@ import torch
 
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
-from relax.backends.batch import Samples, TrainBatch, concat_samples
+from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
+from relax.roles.sglang_server import EngineServer
 from relax.roles.workers import (
     AdvantagesWorker,
     CriticWorker,
@@ -28,8 +29,10 @@ from relax.roles.workers import (
     compute_advantages,
 )
 from relax.runner import checkpoint
+from relax.runner.engines import ReplicaEngines
 from relax.runner.errors import RunError
 from relax.runner.plan import ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
+from relax.runner.sglang_engines import SGLangEngines
 
 _SUMMED = {ACTOR_COMPUTE_TIME}  # times add up over the optimizer steps of a rollout; other metrics average
 
@@ -120,8 +123,13 @@ class Cluster:
             else:
                 self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
             replicas = self.plan.role("rollout").replicas
-            self.rollouts = [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads("rollout"))
-                             for i in range(replicas)]
+            self.engines = None
+            if cfg.rollout.backend == "sglang":
+                engines = self._sglang_engines()
+            else:
+                engines = ReplicaEngines([self._remote(RolloutWorker, "rollout", i, cfg, info,
+                                                       threads=threads("rollout")) for i in range(replicas)],
+                                         info.pad_token_id)
             self.reference = None
             if self.plan.has("reference"):
                 self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
@@ -134,12 +142,30 @@ class Cluster:
             if waiting:
                 raise RunError(f"role(s) {', '.join(pings[w] for w in waiting)} did not start within {timeout:g} s "
                                f"(Ray has {ray.available_resources()} available)")
+            self.engines = engines.start() if isinstance(engines, SGLangEngines) else engines
         except ray.exceptions.RayActorError as exc:
             self._release_placement()
             raise RunError(f"a role failed to start: {exc}") from None
         except BaseException:
             self._release_placement()
             raise
+
+    def _sglang_engines(self) -> SGLangEngines:
+        """rollout=sglang: engine servers on the plan's rollout resources (or the given URLs) behind the router."""
+        import tempfile
+
+        sg, info = self.cfg.rollout.sglang, self.info
+        log_dir = Path(tempfile.mkdtemp(prefix="relax-sglang-"))
+        threads = self.plan.threads("rollout")
+
+        def start_server(i: int):
+            return self._remote(EngineServer, "rollout", i, self.cfg, i, threads=threads, log_dir=str(log_dir))
+
+        engines = SGLangEngines(self.cfg, eos_token_ids=info.eos_token_ids, pad_token_id=info.pad_token_id,
+                                log_dir=log_dir, start_server=None if sg.urls is not None else start_server)
+        if sg.urls is None:
+            engines.servers = [start_server(i) for i in range(self.cfg.rollout.num_replicas)]
+        return engines
 
     def _megatron_actor(self, timeout: float):
         """The Megatron actor: one Ray actor per rank with the plan's options (a rank per actor GPU, or on the CPU
@@ -173,6 +199,9 @@ class Cluster:
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
 
+        if getattr(self, "engines", None) is not None:
+            self.engines.close()
+            self.engines = None
         for actor in self.actors:
             try:
                 ray.kill(actor)
@@ -186,43 +215,25 @@ class Cluster:
             self.started_ray = False
 
     # ------------------------------------------------------------------ calls
-    # ---- the rollout engines (relax.runner.rollout_stream.Engines)
+    # ---- the rollout engines (relax.runner.rollout_stream.Engines): embedded replicas or SGLang servers
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
                  evaluation: bool = False) -> Samples:
-        """Responses to `prompts`, a group each, rows in `sample_ids` order. Prompts are dealt to the replicas in
-        turn (balancing lengths); each sample draws from its own random stream, so the split changes nothing."""
-        import ray
-
-        n, G = len(self.rollouts), len(sample_ids) // len(prompts)
-        groups = sample_ids.view(len(prompts), G)
-        refs = [r.generate.remote(prompts[i::n], seed=seed, evaluation=evaluation, sample_ids=groups[i::n].reshape(-1),
-                                  gen_id=gen_id)
-                for i, r in enumerate(self.rollouts) if prompts[i::n]]
-        return self._merge(ray.get(refs))
+        """Responses to `prompts`, a group each, rows in `sample_ids` order."""
+        return self.engines.generate(prompts, sample_ids, seed=seed, gen_id=gen_id, evaluation=evaluation)
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
         """Interrupted responses continued with the engines' current weights, rows in `partial`'s order."""
-        import ray
-
-        n = len(self.rollouts)
-        refs = [r.resume.remote(partial.select(slice(i, None, n)), seed=seed, gen_id=gen_id)
-                for i, r in enumerate(self.rollouts) if i < len(partial)]
-        return self._merge(ray.get(refs))
-
-    def _merge(self, parts: list[Samples]) -> Samples:
-        if len(parts) == 1:
-            return parts[0]
-        merged = concat_samples(parts, self.info.pad_token_id)
-        return merged.select(torch.argsort(merged.sample_id))
+        return self.engines.resume(partial, seed=seed, gen_id=gen_id)
 
     def abort(self, gen_id: int) -> None:
-        for r in self.rollouts:
-            r.abort.remote(gen_id)
+        self.engines.abort(gen_id)
 
     def load_weights(self, weights, version: int) -> None:
-        import ray
+        self.engines.load_weights(weights, version)
 
-        ray.get([r.load_weights.remote(weights, version) for r in self.rollouts])
+    def engine_metrics(self) -> dict[str, float]:
+        """The engines' own counters for this step (restarts, retries, weight buckets; none for embedded)."""
+        return self.engines.metrics()
 
     def weights(self, version: int):
         """The actor's current weights (of `version`) for the engines: an ObjectRef, taken before the actor's next

@@ -40,8 +40,11 @@ def rollout_metrics(samples: Samples, rewards: torch.Tensor, kept: torch.Tensor,
     """`kept` [N] bool: responses of groups that train (the others had a failed reward call in their group);
     `rollout/raw_reward` is their mean."""
     reward, length, truncated = _basic(samples, rewards, kept)
-    return {RAW_REWARD: reward, RESPONSE_LEN: length, TRUNCATED_FRAC: truncated, REWARD_ERRORS: float(errors),
-            REWARD_DROPPED_FRAC: 1.0 - float(kept.float().mean()), SAMPLING_DROPPED_MASS: samples.dropped_mass}
+    out = {RAW_REWARD: reward, RESPONSE_LEN: length, TRUNCATED_FRAC: truncated, REWARD_ERRORS: float(errors),
+           REWARD_DROPPED_FRAC: 1.0 - float(kept.float().mean())}
+    if samples.dropped_mass == samples.dropped_mass:  # NaN: the engine does not report it (SGLang servers)
+        out[SAMPLING_DROPPED_MASS] = samples.dropped_mass
+    return out
 
 
 def eval_metrics(samples: Samples, scores: Scores) -> dict[str, float]:

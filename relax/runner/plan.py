@@ -151,6 +151,9 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     names = ["actor", "rollout"] + (["reference"] if why_ref else []) + \
         (["critic", "advantages"] if algo.requires_critic else [])
     # the reference (a frozen copy of the policy) and the critic run on the torch backend, one device each
+    if ro.backend == "sglang":
+        servers = "the servers at rollout.sglang.urls" if ro.sglang.urls else f"{ro.sglang.server} servers"
+        why["rollout"] += f"; {servers} behind sglang-router"
     backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "critic": "torch",
                "advantages": "cpu"}
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)
@@ -185,7 +188,12 @@ def build_plan(cfg: RelaxConfig) -> Plan:
                 where[x] = tuple(i % world for i in range(replicas[x]))
             elif x == "advantages" or x in on_actor_gpu:
                 where[x] = (0,) * replicas[x]
-        if "rollout" not in on_actor_gpu:
+        if "rollout" not in on_actor_gpu and c.rollout_gpus_per_engine > 1:
+            tp = c.rollout_gpus_per_engine  # tensor-parallel SGLang engines: a bundle of tp GPUs each (validated)
+            gpus["rollout"] = float(tp)
+            where["rollout"] = tuple(len(bundles) + i for i in range(n))
+            bundles.extend({"GPU": float(tp)} for _ in range(n))
+        elif "rollout" not in on_actor_gpu:
             per_gpu = n // c.rollout_gpus  # validation: num_replicas is a multiple of rollout_gpus
             gpus["rollout"] = _share(1.0 / per_gpu)
             where["rollout"] = tuple(len(bundles) + i // per_gpu for i in range(n))

@@ -225,6 +225,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                 step_time = time.perf_counter() - t0
                 overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
                 metrics.update(pace.metrics(waited, step_time))
+                metrics.update(cluster.engine_metrics())
                 metrics.update({
                     ROLLOUT_TIME: t_rollout - t0,
                     ROLLOUT_ENGINE_TIME: samples.engine_time,

@@ -11,8 +11,6 @@ NOT_BUILT = [
     ("train.use_dynamic_global_batch_size=true", "train.use_dynamic_global_batch_size"),
     ("train.dynamic_context_parallel=true", "train.dynamic_context_parallel"),
     ("train.context_parallel_size=2", "train.context_parallel_size"),
-    ("rollout=sglang", "rollout.backend"),
-    ("cluster.rollout_gpus_per_engine=2", "cluster.rollout_gpus_per_engine"),
 ]
 
 

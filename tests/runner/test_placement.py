@@ -147,8 +147,9 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
     forwarded = SimpleNamespace(train=SimpleNamespace(ref_load=t.ref_load, backend=t.backend,
                                                       tensor_parallel_size=t.tensor_parallel_size,
                                                       pipeline_parallel_size=t.pipeline_parallel_size),
-                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus))
-    cluster = Cluster(forwarded, build_plan(cfg), info=None)
+                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus),
+                                rollout=SimpleNamespace(backend=cfg.rollout.backend))
+    cluster = Cluster(forwarded, build_plan(cfg), info=SimpleNamespace(pad_token_id=0))
     try:
         cluster._start_roles(timeout_s=START_TIMEOUT_S)
         where = ray.get([a.where.remote(device) for a in cluster.actors], timeout=START_TIMEOUT_S)

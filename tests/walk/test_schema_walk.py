@@ -98,6 +98,13 @@ VALUES: dict[str, Any] = {
     "train.mode": "fully_async",
     "train.max_staleness": 1,  # derived (None); 1 in sync is rejected: sync is on-policy
     "rollout.backend": "sglang",
+    # rollout.sglang.* act with rollout=sglang only (rejected here; their effects: tests/sglang/test_options.py)
+    "rollout.sglang.server": "embedded",
+    "rollout.sglang.urls": "[http://127.0.0.1:30000]",
+    "rollout.sglang.host": "0.0.0.0",
+    "rollout.sglang.router_policy": "round_robin",
+    "rollout.sglang.weight_sync": "distributed",
+    "rollout.sglang.extra_args": "[--mem-fraction-static,0.5]",
     "train.calculate_per_token_loss": True,  # grpo's default is false
     "train.global_batch_size": 8,
     "train.num_steps_per_rollout": 1,

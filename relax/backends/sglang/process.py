@@ -1,0 +1,86 @@
+"""Server processes (SGLang engines, relax-serve, the router): start, wait until healthy, stop, read the log."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+
+class StartupError(RuntimeError):
+    """A server process exited or did not become healthy; the message carries the end of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (the server binds it a moment later; a clash fails its start loudly)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the process that started it dies (kill -9 included)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the parent's stop() is the only cleanup
+        pass
+
+
+def start_process(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start `cmd` with stdout and stderr appended to `log_path`; it dies with this process."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent,
+                                start_new_session=True)
+
+
+def log_tail(log_path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, *, what: str, log_path: Path) -> None:
+    """Poll `url` until it answers 200; fail early when `proc` exits, and after `timeout_s`, with the log's end."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise StartupError(f"{what} exited with code {proc.returncode} before it was healthy; "
+                               f"log {log_path}:\n{log_tail(log_path)}")
+        try:
+            r = requests.get(url, timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as exc:
+            last = type(exc).__name__
+        time.sleep(0.1)
+    raise StartupError(f"{what} at {url} was not healthy within {timeout_s:g} s (last: {last}); "
+                       f"log {log_path}:\n{log_tail(log_path)}")
+
+
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group, SIGKILL after `grace_s`."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait(grace_s)

@@ -1,0 +1,87 @@
+"""One rollout engine server (an SGLang server, or `relax-serve`) as a Ray actor's child process.
+
+The Ray actor holds the engine's resources (its GPUs, or CPU share, in the plan's placement group) and starts
+the server on its node; the server dies with the actor (kill -9 included). The driver talks to the server over
+HTTP (`relax.runner.sglang_engines`), never through this actor, except to start, inspect and stop it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from relax.backends.sglang.process import free_port, log_tail, start_process, stop_process, wait_healthy
+from relax.config.schema import RelaxConfig
+
+
+def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path) -> list[str]:
+    """The command that starts the engine server of `cfg.rollout.sglang.server` on `host:port`."""
+    sg = cfg.rollout.sglang
+    if sg.server == "embedded":
+        cmd = [sys.executable, "-m", "relax.cli.serve", "--host", host, "--port", str(port), "--config",
+               str(config_path)]
+        return cmd + (["--threads", str(threads)] if threads else [])
+    c = cfg.cluster
+    from relax.backends.models import resolve_model_path
+
+    # the weights the actor ships are in the rollout dtype: bf16 on GPUs unless model.dtype says otherwise
+    dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(resolve_model_path(cfg.model)),
+           "--host", host, "--dtype", dtype,
+           "--port", str(port), "--tp-size", str(c.rollout_gpus_per_engine), "--base-gpu-id", "0",
+           "--random-seed", str(cfg.seed), "--trust-remote-code"]
+    if c.colocate:  # the actor shares the GPU: SGLang may take only part of it, and releases it while training
+        cmd += ["--mem-fraction-static", "0.4", "--enable-memory-saver"]
+    return cmd + list(sg.extra_args or [])
+
+
+class EngineServer:
+    """Starts and watches one engine server process; `start` returns its URL once `/health` answers 200."""
+
+    def __init__(self, cfg: RelaxConfig, index: int, *, threads: int | None, log_dir: str):
+        self.cfg, self.index, self.threads = cfg, index, threads
+        self.log_dir = Path(log_dir)
+        self.log_path = self.log_dir / f"engine{index}-{os.getpid()}.log"
+        self.proc = None
+        self.url: str | None = None
+
+    def ping(self) -> str:
+        return "ok"
+
+    def start(self) -> str:
+        sg = self.cfg.rollout.sglang
+        if sg.server == "sglang" and importlib.util.find_spec("sglang") is None:
+            raise RuntimeError(f"rollout.sglang.server=sglang: the package sglang is not installed on this node "
+                               f"(python {sys.executable}); install it with `pip install sglang` (GPU nodes), or use "
+                               "rollout.sglang.server=embedded")
+        import ray
+
+        host = sg.host
+        port = free_port(host)
+        address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else ray.util.get_node_ip_address()
+        self.url = f"http://{address}:{port}"
+        config_path = self.log_dir / f"engine{self.index}-{os.getpid()}.json"
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(json.dumps(dataclasses.asdict(self.cfg)))
+        env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
+        cmd = server_command(self.cfg, host=host, port=port, threads=self.threads, config_path=config_path)
+        self.proc = start_process(cmd, self.log_path, env=env)
+        wait_healthy(self.url + "/health", self.proc, sg.startup_timeout_s, what=f"rollout engine {self.index}",
+                     log_path=self.log_path)
+        return self.url
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def log(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+    def stop(self) -> None:
+        stop_process(self.proc)

@@ -1,0 +1,344 @@
+"""rollout=sglang: engine servers behind sglang-router, driven over SGLang's HTTP protocol.
+
+`SGLangEngines` implements `relax.runner.rollout_stream.Engines` like the embedded replicas do:
+
+- start: one server per rollout replica (`EngineServer` Ray actors placed by the plan, each starting
+  `sglang.launch_server` or `relax-serve`), or the servers at `rollout.sglang.urls`; the router in front;
+- generate / resume: one `/generate` request per sample through the router (`relax.backends.sglang.client`);
+  `resume` continues interrupted responses from prompt + prefix with `max_new_tokens` reduced;
+- abort (partial rollout): `/pause_generation {"mode": "abort"}` on every server; the responses in flight come
+  back with their partial tokens; `load_weights` then flushes the cache, updates, and `/continue_generation`;
+- load_weights: the published weights to every server (`relax.backends.sglang.weight_sync`), tagged with their
+  version, which every answer reports back (`Samples.token_version`); colocated in sync mode the servers release
+  their memory after each rollout and resume it before the next update;
+- faults: a watchdog thread polls each server's `/health`; after `health_failures` misses in a row the server is
+  taken out of the router, replaced (a new actor and process), given the current weights and put back. Requests
+  it was answering fail and are retried through the router; a retried request has the same `sampling_seed`, so
+  no sample is lost or generated twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import requests
+import torch
+
+from relax.backends.batch import Samples, continuation, extend_responses
+from relax.backends.sglang.client import (
+    EngineRequestError,
+    GenerateClient,
+    Sampling,
+    generate_payload,
+    parse_answer,
+    post,
+    sample_seed,
+    to_samples,
+)
+from relax.backends.sglang.process import wait_healthy
+from relax.backends.sglang.router import Router
+from relax.backends.sglang.weight_sync import BroadcastSync, push_tensors
+from relax.config.schema import RelaxConfig
+from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, WEIGHT_BUCKETS
+from relax.runner.errors import RunError
+
+
+class SGLangEngines:
+    """`start_server(i)` returns a new `EngineServer` actor for replica i (None: `rollout.sglang.urls`)."""
+
+    def __init__(self, cfg: RelaxConfig, *, eos_token_ids: tuple[int, ...], pad_token_id: int, log_dir: Path,
+                 start_server: Callable[[int], object] | None):
+        self.cfg, self.sg = cfg, cfg.rollout.sglang
+        self.eos_token_ids, self.pad_token_id = tuple(eos_token_ids), pad_token_id
+        self.log_dir, self.start_server = Path(log_dir), start_server
+        self.servers: list = []
+        self.urls: list[str] = []
+        self.router: Router | None = None
+        self.broadcast: BroadcastSync | None = None
+        c = cfg.cluster
+        self.sync = self.sg.weight_sync or ("tensor" if c.colocate else "distributed")
+        self.release = c.colocate and cfg.train.mode == "sync" and self.sg.release_memory
+        self.bucket_bytes = self.sg.bucket_mb << 20
+        self._lock = threading.RLock()  # weight pushes, memory release and replacing a server
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._failed: RunError | None = None
+        self._last: tuple[dict[str, torch.Tensor], int] | None = None  # the weights the servers should hold
+        self._version = 0  # what the servers hold (their initial weights are version 0)
+        self._released = False  # the servers' memory is released (colocated, sync mode, between rollouts)
+        self._paused = False  # /pause_generation was sent (partial rollout) and not yet continued
+        self._gen: int | None = None  # the generation running now
+        self._aborted: int | None = None  # the generation `abort` named
+        self.restarts = 0
+        self._retries_seen = 0
+        self._buckets = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> SGLangEngines:
+        import ray
+
+        sg = self.sg
+        if sg.urls is not None:
+            self.urls = list(sg.urls)
+            for u in self.urls:
+                wait_healthy(u + "/health", None, sg.request_timeout_s, what=f"the SGLang server at {u}",
+                             log_path=Path("(not started by Relax: see that server's own log)"))
+        else:
+            if not self.servers:
+                self.servers = [self.start_server(i) for i in range(self.cfg.rollout.num_replicas)]
+            self.urls = self._started([s.start.remote() for s in self.servers])
+        self.router = Router(host=sg.host, policy=sg.router_policy, log_path=self.log_dir / "router.log",
+                             startup_timeout_s=sg.startup_timeout_s, request_timeout_s=sg.request_timeout_s).start()
+        for u in self.urls:
+            self.router.add(u)
+        self.client = GenerateClient(self.router.url, request_timeout_s=sg.request_timeout_s)
+        if self.sync == "distributed":
+            host = sg.host if sg.host in ("127.0.0.1", "localhost") else ray.util.get_node_ip_address()
+            self.broadcast = BroadcastSync(self.urls, master_address=host, backend="gloo",
+                                           tp_size=self.cfg.cluster.rollout_gpus_per_engine,
+                                           timeout_s=sg.request_timeout_s)
+        self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
+        self._watchdog.start()
+        return self
+
+    def _started(self, refs: list) -> list[str]:
+        """The URLs of servers being started (`EngineServer.start` refs), or a RunError with the failing log."""
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.sg.startup_timeout_s + 60)
+        except ray.exceptions.RayTaskError as exc:
+            raise RunError(f"a rollout engine server failed to start: {exc.cause}") from None
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"the rollout engine servers did not start within {self.sg.startup_timeout_s:g} s "
+                           f"(rollout.sglang.startup_timeout_s); logs in {self.log_dir}") from None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=10)
+        if self.sg.urls is not None and self._released and self._failed is None and self._last is not None:
+            with self._lock:  # servers the user started stay usable: resident, with the last weights
+                self._make_ready(push=True)
+        if self.broadcast is not None:
+            self.broadcast.close()
+        if self.router is not None:
+            self.router.stop()
+        if self.servers:  # their processes, before Ray kills the actors (which would take them down too)
+            import ray
+
+            ray.wait([s.stop.remote() for s in self.servers], num_returns=len(self.servers), timeout=15)
+
+    # ------------------------------------------------------------------ Engines
+    def _sampling(self, evaluation: bool) -> Sampling:
+        ro = self.cfg.rollout
+        if evaluation:
+            return Sampling(ro.max_response_len, ro.eval_temperature, 1.0, -1, self.eos_token_ids)
+        return Sampling(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k, self.eos_token_ids)
+
+    def _run(self, rows: list[list[int]], budgets: list[int], seeds: list[int], sample_ids: torch.Tensor,
+             sampling: Sampling, gen_id: int | None) -> Samples:
+        """One request per row through the router, answers as `Samples` rows in the same order."""
+        self._raise_if_failed()
+        self._gen = gen_id
+        if gen_id is None or gen_id != self._aborted:
+            self.client.unpause()
+        with self._lock:
+            self._make_ready()
+        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s)
+                    for r, b, s in zip(rows, budgets, seeds, strict=True)]
+        t0 = time.perf_counter()
+        try:
+            answers = self.client.generate(payloads)
+        except Exception as exc:
+            self._raise_if_failed()
+            raise RunError(f"rollout=sglang: {exc}") from None
+        finally:
+            self._gen = None
+        self._raise_if_failed()  # a server declared dead meanwhile: its requests may have come back empty
+        out = to_samples(rows, [parse_answer(a, self._version) for a in answers], sample_ids=sample_ids,
+                         pad_token_id=self.pad_token_id, engine_time=time.perf_counter() - t0)
+        if self.release:
+            with self._lock:
+                self._each("/release_memory_occupation", {})
+                self._released = True
+        return out
+
+    def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
+                 evaluation: bool = False) -> Samples:
+        G = len(sample_ids) // len(prompts)
+        rows = [p for p in prompts for _ in range(G)]
+        sampling = self._sampling(evaluation)
+        seeds = [sample_seed(seed, int(s), 0) for s in sample_ids]
+        return self._run(rows, [sampling.max_new_tokens] * len(rows), seeds, sample_ids, sampling, gen_id)
+
+    def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
+        job = continuation(partial, self.cfg.rollout.max_response_len)
+        seeds = [sample_seed(seed, int(s), int(p)) for s, p in zip(job.sample_ids, job.positions, strict=True)]
+        more = self._run(job.prompts, [int(b) for b in job.budgets], seeds, job.sample_ids, self._sampling(False),
+                         gen_id)
+        return extend_responses(partial, more, pad_token_id=self.pad_token_id)
+
+    def abort(self, gen_id: int) -> None:
+        """Interrupt generation `gen_id`: requests not sent yet return empty, the servers abort the rest (their
+        answers carry the partial tokens); nothing more is generated until the next weight update or call."""
+        self._aborted = gen_id
+        self.client.pause()
+        if self._gen == gen_id:
+            with self._lock:
+                self._each("/pause_generation", {"mode": "abort"})
+                self._paused = True
+                self._each("/abort_request", {"abort_all": True})  # requests that reached a paused server
+
+    def load_weights(self, weights, version: int) -> None:
+        """`weights` (a state dict, or the actor's ObjectRef of one) of `version` to every server."""
+        import ray
+
+        if isinstance(weights, ray.ObjectRef):
+            weights = ray.get(weights)
+        with self._lock:
+            self._last = (weights, int(version))
+            self._make_ready(push=True)
+
+    def metrics(self) -> dict[str, float]:
+        retries = self.client.retries
+        out = {FAULT_RESTARTS_ROLLOUT: float(self.restarts), ENGINE_RETRIES: float(retries - self._retries_seen)}
+        if self._buckets:
+            out[WEIGHT_BUCKETS] = float(self._buckets)
+        self._retries_seen = retries
+        return out
+
+    # ------------------------------------------------------------------ weights and memory (under self._lock)
+    def _make_ready(self, push: bool = False) -> None:
+        """Servers resident, holding `self._last`, not paused."""
+        if self._released:
+            if self._last is None:
+                raise RunError("rollout=sglang: the servers released their memory before any weights were published")
+            self._each("/resume_memory_occupation", {})
+            self._released = False
+            push = self._last is not None
+        if self._paused:
+            self._flush()
+        if push or (self._last is not None and self._last[1] != self._version):
+            self._push(self.urls)
+        if self._paused:
+            self._each("/continue_generation", {})
+            self._paused = False
+
+    def _push(self, urls: list[str]) -> None:
+        """`self._last` to the servers at `urls`; a server that died meanwhile is left to the watchdog, which gives
+        its replacement the weights."""
+        weights, version = self._last
+        named = list(weights.items())
+        for attempt in range(2):
+            try:
+                if self.sync == "tensor":
+                    self._buckets = push_tensors(urls, named, version, bucket_bytes=self.bucket_bytes,
+                                                 tp_size=self.cfg.cluster.rollout_gpus_per_engine,
+                                                 timeout_s=self.sg.request_timeout_s)
+                else:
+                    self._buckets = self.broadcast.push(named, version, bucket_bytes=self.bucket_bytes)
+                break
+            except Exception:
+                live = [u for u in urls if self._healthy(u)]
+                if attempt or live == urls:
+                    raise
+                urls = live
+                if self.broadcast is not None:
+                    self.broadcast.close()
+                    self.broadcast.urls = live
+        self._version = version
+
+    def _flush(self) -> None:
+        """`/flush_cache` on every server, polling while a server still finishes requests (HTTP 400)."""
+        deadline = time.monotonic() + self.sg.request_timeout_s
+        for url in self.urls:
+            while self._healthy(url):
+                r = requests.post(url + "/flush_cache", json={}, timeout=60)
+                if r.status_code == 200:
+                    break
+                if time.monotonic() > deadline:
+                    raise RunError(f"rollout=sglang: {url}/flush_cache still busy (HTTP {r.status_code}) after "
+                                   f"{self.sg.request_timeout_s:g} s")
+                time.sleep(0.05)
+
+    def _each(self, path: str, body: dict) -> None:
+        """POST to every server; one that does not answer at all is dead and left to the watchdog."""
+        for url in self.urls:
+            try:
+                post(url, path, body, timeout=self.sg.request_timeout_s)
+            except EngineRequestError:
+                if self._healthy(url):
+                    raise
+
+    # ------------------------------------------------------------------ faults
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    def _alive(self, i: int, url: str) -> bool:
+        """Whether replica i answers: `/health`, except while the servers' memory is released (SGLang's `/health`
+        generates a token, which a released server cannot), when the process of a launched server must be alive."""
+        if not self._released:
+            return self._healthy(url)
+        if not self.servers:
+            return True  # a server the user started: checked again once resumed
+        import ray
+
+        try:
+            return bool(ray.get(self.servers[i].alive.remote(), timeout=max(5.0, self.sg.health_check_interval_s)))
+        except Exception:  # the actor died, or does not answer
+            return False
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            return requests.get(url + "/health", timeout=max(5.0, self.sg.health_check_interval_s)).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _watch(self) -> None:
+        misses = [0] * len(self.urls)
+        while not self._stop.wait(self.sg.health_check_interval_s):
+            for i, url in enumerate(list(self.urls)):
+                misses[i] = 0 if self._alive(i, url) else misses[i] + 1
+                if misses[i] >= self.sg.health_failures and self._failed is None:
+                    misses[i] = 0
+                    try:
+                        self._replace(i, url)
+                    except Exception as exc:  # noqa: BLE001 - the loop reports it at its next rollout call
+                        self._failed = exc if isinstance(exc, RunError) else RunError(
+                            f"rollout=sglang: replacing the engine at {url} failed: {exc}")
+                        self.client.pause()
+
+    def _replace(self, i: int, url: str) -> None:
+        """Take the dead server at `url` (replica i) out of the router and put a new one in its place."""
+        import ray
+
+        self.router.remove(url)
+        print(f"rollout=sglang: the engine at {url} missed {self.sg.health_failures} health checks; replacing it",
+              flush=True)
+        if not self.servers:
+            raise RunError(f"rollout=sglang: the server at {url} (rollout.sglang.urls) stopped answering /health; "
+                           "Relax did not start it and cannot restart it")
+        if self.restarts >= self.sg.max_engine_restarts:
+            raise RunError(f"rollout=sglang: the engine at {url} died and rollout.sglang.max_engine_restarts="
+                           f"{self.sg.max_engine_restarts} restarts are used up; engine logs in {self.log_dir}")
+        self.restarts += 1
+        ray.kill(self.servers[i])
+        self.servers[i] = self.start_server(i)
+        new = self._started([self.servers[i].start.remote()])[0]
+        with self._lock:
+            self.urls[i] = new
+            if self.broadcast is not None:
+                self.broadcast.close()
+                self.broadcast.urls = list(self.urls)
+            if self._last is not None:
+                self._push(self.urls if self.broadcast is not None else [new])
+            if self._released:
+                post(new, "/release_memory_occupation", {}, timeout=self.sg.request_timeout_s)
+            if self._paused:
+                post(new, "/pause_generation", {"mode": "abort"}, timeout=self.sg.request_timeout_s)
+        self.router.add(new)

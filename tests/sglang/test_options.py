@@ -1,0 +1,184 @@
+"""What each `rollout.sglang.*` option does, observed on the engine manager (`SGLangEngines`) driving a real
+relax-serve process over HTTP, through the real router (the schema walk rejects these options outside rollout=sglang;
+this file shows their effect inside it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from relax.backends.models import build_model
+from relax.backends.sglang.client import EngineRequestError, GenerateClient
+from relax.backends.sglang.process import StartupError, free_port, start_process, wait_healthy
+from relax.backends.sglang.router import Router
+from relax.config import load_config
+from relax.data.tokenizer import load_tokenizer, stop_token_ids
+from relax.metrics import WEIGHT_BUCKETS
+from relax.roles.sglang_server import server_command
+from relax.runner.errors import RunError
+from relax.runner.sglang_engines import SGLangEngines
+
+# big enough for several 1 MiB buckets (about 8 MB in fp32)
+MODEL = ["model=tiny", "model.dtype=float32", "model.hidden_size=256", "model.intermediate_size=1024",
+         "model.head_dim=64"]
+
+
+def config(url: str, *extra: str):
+    return load_config([*MODEL, "rollout=sglang", f"rollout.sglang.urls=[{url}]", "rollout.sglang.bucket_mb=1",
+                        "rollout.max_response_len=6", *extra])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One relax-serve for the module (the servers a run names in rollout.sglang.urls are started by the user)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    cfg = config(f"http://127.0.0.1:{port}")
+    (tmp / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    proc = start_process([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
+                          "--config", str(tmp / "cfg.json")], tmp / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=tmp / "serve.log")
+    yield url, proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def weights(server):
+    cfg = config(server[0])
+    tok = load_tokenizer(cfg.model)
+    other = build_model(cfg.model, len(tok), tok.pad_token_id, seed=cfg.seed + 7)
+    return {k: v.detach().clone() for k, v in other.state_dict().items()}, stop_token_ids(cfg.model, tok), \
+        tok.pad_token_id
+
+
+def engines_for(cfg, eos, pad, tmp_path: Path) -> SGLangEngines:
+    return SGLangEngines(cfg, eos_token_ids=eos, pad_token_id=pad, log_dir=tmp_path, start_server=None).start()
+
+
+PROMPTS = [[1, 12, 13, 5], [1, 7, 9]]
+IDS = torch.arange(2 * 8)  # 2 prompts x n_samples_per_prompt (8)
+
+
+def direct_generate(url: str) -> int:
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
+    return requests.post(url + "/generate", json=body, timeout=60).status_code
+
+
+@pytest.mark.parametrize("sync", ["tensor", "distributed"])
+def test_weight_sync_modes_buckets_versions_and_memory_release(sync, server, weights, tmp_path):
+    url, _ = server
+    state, eos, pad = weights
+    engines = engines_for(config(url, f"rollout.sglang.weight_sync={sync}"), eos, pad, tmp_path)
+    try:
+        first = engines.generate(PROMPTS, IDS, seed=3)
+        # one version for all (the server's: 0 as started, or what an earlier test left there)
+        assert first.response_ids.shape[0] == 16
+        assert len(set(first.token_version[first.response_mask.bool()].tolist())) == 1
+        # colocated, sync mode: released after the rollout; the server refuses to generate until resumed
+        assert direct_generate(url) == 400
+        engines.load_weights(state, 5)
+        assert engines.metrics()[WEIGHT_BUCKETS] > 1  # rollout.sglang.bucket_mb=1 splits 8 MB of weights
+        second = engines.generate(PROMPTS, IDS, seed=3)
+        assert second.weight_version == 5 and set(second.token_version[second.response_mask.bool()].tolist()) == {5}
+        assert not torch.equal(first.rollout_logp, second.rollout_logp)
+        again = engines.generate(PROMPTS, IDS, seed=3)  # released in between: resumed and given version 5 again
+        assert torch.equal(again.response_ids, second.response_ids)
+        # the server batches whatever arrives together: the same numbers up to float rounding of other batch shapes
+        torch.testing.assert_close(again.rollout_logp, second.rollout_logp, atol=1e-5, rtol=0)
+    finally:
+        engines.close()
+
+
+def test_release_memory_false_keeps_the_servers_resident(server, weights, tmp_path):
+    url, _ = server
+    state, eos, pad = weights
+    engines = engines_for(config(url, "rollout.sglang.release_memory=false"), eos, pad, tmp_path)
+    try:
+        engines.load_weights(state, 1)
+        engines.generate(PROMPTS, IDS, seed=3)
+        assert direct_generate(url) == 200
+    finally:
+        engines.close()
+
+
+def test_commands_follow_server_host_policy_tp_and_extra_args(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    cfg = load_config(["rollout=sglang", "cluster=8xgpu", "model=qwen3_0.6b", "model.source=hf",
+                       f"model.path={tmp_path / 'm'}",
+                       "cluster.colocate=false", "cluster.actor_gpus=4", "cluster.rollout_gpus=4",
+                       "rollout.num_replicas=2", "cluster.rollout_gpus_per_engine=2", "rollout.sglang.host=0.0.0.0",
+                       "rollout.sglang.extra_args=[--mem-fraction-static,0.5]"])
+    cmd = server_command(cfg, host="0.0.0.0", port=1234, threads=None, config_path=tmp_path / "c.json")
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-2:] == ["--mem-fraction-static", "0.5"]
+    assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--model-path") + 1] == str(tmp_path / "m")
+    assert "--enable-memory-saver" not in cmd  # not colocated: nothing to release
+    embedded = load_config(["rollout=sglang", "rollout.sglang.server=embedded"])
+    cmd = server_command(embedded, host="127.0.0.1", port=1234, threads=2, config_path=tmp_path / "c.json")
+    assert cmd[1:3] == ["-m", "relax.cli.serve"] and cmd[cmd.index("--threads") + 1] == "2"
+    router = Router(host="127.0.0.1", policy="round_robin", log_path=tmp_path / "r.log", startup_timeout_s=1,
+                    request_timeout_s=1)
+    assert router.command()[router.command().index("--policy") + 1] == "round_robin"
+
+
+def test_request_timeout_bounds_the_retries():
+    client = GenerateClient(f"http://127.0.0.1:{free_port()}", request_timeout_s=1.0)  # nobody listens
+    t0 = time.monotonic()
+    with pytest.raises(EngineRequestError, match="request_timeout_s"):
+        client.generate([{"input_ids": [1, 2]}])
+    assert 1.0 <= time.monotonic() - t0 < 10 and client.retries > 1
+
+
+def test_startup_timeout_fails_with_the_servers_log(tmp_path):
+    proc = start_process([sys.executable, "-c", "print('loading forever', flush=True); import time; time.sleep(60)"],
+                         tmp_path / "slow.log")
+    try:
+        with pytest.raises(StartupError, match="(?s)not healthy within 1 s.*loading forever"):
+            wait_healthy(f"http://127.0.0.1:{free_port()}/health", proc, 1.0, what="engine",
+                         log_path=tmp_path / "slow.log")
+    finally:
+        proc.kill()
+
+
+def test_a_given_server_that_dies_stops_the_run_with_its_url(weights, tmp_path):
+    """Health checks every health_check_interval_s; after health_failures misses the server is declared dead, and
+    one from rollout.sglang.urls cannot be restarted."""
+    state, eos, pad = weights
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = config(url, "rollout.sglang.health_check_interval_s=0.2", "rollout.sglang.health_failures=2")
+    (tmp_path / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    proc = start_process([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
+                          "--config", str(tmp_path / "cfg.json")], tmp_path / "serve.log")
+    engines = None
+    try:
+        wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=tmp_path / "serve.log")
+        engines = engines_for(cfg, eos, pad, tmp_path)
+        engines.load_weights(state, 1)
+        engines.generate(PROMPTS, IDS, seed=1)
+        proc.kill()
+        proc.wait()
+        with pytest.raises(RunError, match=f"{url}.*cannot restart"):
+            engines.generate(PROMPTS, IDS, seed=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if engines is not None:
+            engines.close()
+
+
+def test_a_server_that_exits_at_start_names_its_exit_code(tmp_path):
+    proc = start_process([sys.executable, "-c", "raise SystemExit('bad model directory')"], tmp_path / "bad.log")
+    with pytest.raises(StartupError, match="(?s)exited with code 1.*bad model directory"):
+        wait_healthy(f"http://127.0.0.1:{free_port()}/health", proc, 30, what="engine", log_path=tmp_path / "bad.log")
+    assert proc.wait() == 1 and isinstance(proc, subprocess.Popen)
