@@ -1,0 +1,271 @@
+"""The embedded server's scheduler (`relax.backends.sglang.server`): the rows waiting for and running in the engine,
+the engine calls that generate them, aborts, pauses, and who holds the engine (a batch, or a weight operation).
+
+One thread collects every waiting request and generates them together, one `EmbeddedEngine.generate` call per set
+of rows whose sampling settings (temperature, top_p, top_k, stop tokens) agree; requests that arrive meanwhile wait
+for the next batch. An abort (`/abort_request`, `/pause_generation`) interrupts the engine after the current token:
+the aborted rows return their tokens so far with finish_reason abort, the other rows continue from their prefix with
+their own random streams (the tokens they would have drawn anyway). "retract" and "in_place" pauses keep the
+interrupted rows waiting until `/continue_generation`; they continue from their prefix then, with the weights loaded
+at that time (the answer reports that version). Weight updates, memory release and resume wait for the running batch
+(and its continuations), so the tokens of one batch come from one weight version, the `weight_version` its answers
+report. The engine keeps no cache between batches: `flush_cache` has nothing to flush; it answers 400 while a
+request runs or waits (200 while generation is paused and no batch runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+
+from relax.backends.sglang.request import NotReady, Request, Row
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class Scheduler:
+    """Runs the rows of submitted requests on one `EmbeddedEngine`; every state change happens under `cv`.
+
+    `version()` is the weight version now (read as each engine call starts). `start(engine)` starts the scheduling
+    thread; `stop()` aborts every row and ends it.
+    """
+
+    def __init__(self, version: Callable[[], str]):
+        self.cv = threading.Condition()
+        self.engine: Any = None
+        self._version = version
+        self._queue: list[Row] = []  # rows waiting for the engine (retracted rows first)
+        self._batch: list[Row] = []  # rows of the batch the scheduler is running
+        self._active: set[int] = set()  # ids of the rows inside the current engine call
+        self._interrupt = False  # read by the engine after every token
+        self._owner: Optional[str] = None  # who uses the engine/model now: "generate" or a weight operation
+        self._ops_waiting = 0  # weight operations waiting for the engine: no new batch starts meanwhile
+        self._paused: Optional[str] = None
+        self.released: set[str] = set()  # memory tags released (/release_memory_occupation): nothing runs
+        self.stopping = False
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self, engine: Any) -> threading.Thread:
+        """Start scheduling on `engine`; returns the (daemon) thread."""
+        self.engine = engine
+        thread = threading.Thread(target=self._schedule, name="relax-serve-scheduler", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Abort every row (their answers say so) and end the scheduling thread."""
+        with self.cv:
+            self.stopping = True
+            self.abort_where(lambda r: True, "the server is shutting down")
+            self.cv.notify_all()
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> None:
+        """Queue the unfinished rows of `request` (NotReady while shutting down)."""
+        with self.cv:
+            if self.stopping:
+                raise NotReady("the server is shutting down")
+            waiting = [r for r in request.rows if r.finish is None]
+            if not waiting:
+                request.done.set()
+            self._queue.extend(waiting)
+            self.cv.notify_all()
+
+    def _finish(self, row: Row, finish: dict) -> None:
+        """Record a row's end (caller holds the lock); its request answers once every row ended."""
+        if row.finish is not None:
+            return
+        row.finish = finish
+        if all(r.finish is not None for r in row.request.rows):
+            row.request.done.set()
+
+    def abort_where(self, match: Callable[[Row], bool], message: str) -> int:
+        """Abort the matching rows: queued ones end now, running ones after the engine's current token."""
+        with self.cv:
+            hits = 0
+            keep = []
+            for row in self._queue:
+                if match(row):
+                    self._finish(row, {"type": "abort", "message": message})
+                    hits += 1
+                else:
+                    keep.append(row)
+            self._queue = keep
+            for row in self._batch:
+                if row.finish is None and match(row):
+                    row.abort = row.abort or message
+                    hits += 1
+                    if id(row) in self._active:
+                        self._interrupt = True
+            self.cv.notify_all()
+            return hits
+
+    # ------------------------------------------------------------------------------------- pause, continue, state
+
+    def pause(self, mode: str) -> None:
+        """Pause generation (`mode` one of PAUSE_MODES); returns once no engine call runs."""
+        with self.cv:
+            self._paused = mode
+            if mode == "abort":
+                self.abort_where(lambda r: True, "aborted by /pause_generation")
+            elif self._active:
+                self._interrupt = True
+            while self._owner == "generate":  # returns once no engine call runs
+                self.cv.wait()
+
+    def unpause(self) -> None:
+        """Continue generation: held and waiting rows run again."""
+        with self.cv:
+            self._paused = None
+            self.cv.notify_all()
+
+    def held(self) -> bool:
+        """Whether generation is held on purpose (paused, or memory released)."""
+        with self.cv:
+            return self._paused is not None or bool(self.released)
+
+    def idle(self) -> bool:
+        """Whether no batch runs and no request waits to run (waiting while paused counts as idle)."""
+        with self.cv:
+            return self._owner != "generate" and (not self._queue or self._paused is not None)
+
+    def waiting(self) -> bool:
+        """Whether requests wait to run (generation not paused)."""
+        with self.cv:
+            return bool(self._queue) and self._paused is None
+
+    def state(self) -> dict:
+        """The queue and running counts, pause and memory state (server_info's internal_states)."""
+        with self.cv:
+            queued = len({id(r.request) for r in self._queue})
+            running = len({id(r.request) for r in self._batch if r.finish is None})
+            return {"#queue-req": queued, "#running-req": running, "#running-rows": len(self._active),
+                    "paused": self._paused, "memory_released": sorted(self.released)}
+
+    def set_released(self, tags: set[str], released: bool) -> None:
+        """Record memory tags as released (nothing runs meanwhile) or resumed."""
+        with self.cv:
+            if released:
+                self.released |= tags
+            else:
+                self.released -= tags
+                self.cv.notify_all()
+
+    @contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Hold the model for `what`: waits for the running batch (and its continuations); no batch starts."""
+        with self.cv:
+            self._ops_waiting += 1
+            try:
+                while self._owner is not None and not self.stopping:
+                    self.cv.wait()
+            finally:
+                self._ops_waiting -= 1
+            if self.stopping:
+                raise NotReady("the server is shutting down")
+            self._owner = what
+        try:
+            yield
+        finally:
+            with self.cv:
+                self._owner = None
+                self.cv.notify_all()
+
+    # ---------------------------------------------------------------------------------------------- the thread
+
+    def _can_run(self) -> bool:
+        return (bool(self._queue) and self._paused is None and not self.released and self._owner is None
+                and self._ops_waiting == 0)
+
+    def _schedule(self) -> None:
+        while True:
+            with self.cv:
+                while not self.stopping and not self._can_run():
+                    self.cv.wait()
+                if self.stopping:
+                    return
+                batch, self._queue = self._queue, []
+                self._batch, self._owner = batch, "generate"
+            try:
+                self._run_batch(batch)
+            except Exception as exc:
+                logger.exception("generation failed")
+                with self.cv:
+                    for row in batch:
+                        if row.finish is None:
+                            row.request.error = f"generation failed: {type(exc).__name__}: {exc}"
+                            self._finish(row, {"type": "abort", "message": row.request.error})
+            finally:
+                with self.cv:
+                    self._batch, self._active, self._owner = [], set(), None
+                    self.cv.notify_all()
+
+    def _run_batch(self, batch: list[Row]) -> None:
+        """Generate `batch` to the end: engine calls per sampling key; interrupted rows that were not aborted
+        continue from their prefix (or wait, when generation was paused with retract/in_place)."""
+        pending, held = batch, []
+        while pending:
+            groups: dict[tuple, list[Row]] = {}
+            for row in pending:
+                groups.setdefault(row.key, []).append(row)
+            pending = []
+            for key, rows in groups.items():
+                with self.cv:
+                    live = []
+                    for row in rows:
+                        if row.finish is not None:
+                            continue
+                        if row.abort is not None:
+                            self._finish(row, {"type": "abort", "message": row.abort})
+                        elif self._paused is not None or self.stopping:
+                            held.append(row)
+                        else:
+                            live.append(row)
+                    if not live:
+                        continue
+                    self._interrupt = False
+                    self._active = {id(r) for r in live}
+                    version = self._version()
+                out = self._engine_call(key, live)
+                with self.cv:
+                    self._active = set()
+                    for i, row in enumerate(live):
+                        n = int(out.response_mask[i].sum())
+                        row.tokens.extend(out.response_ids[i, :n].tolist())
+                        row.logps.extend(out.rollout_logp[i, :n].tolist())
+                        row.version = version
+                        reason = out.finish_reason[i]
+                        if reason == "stop":
+                            self._finish(row, {"type": "stop", "matched": row.tokens[-1]})
+                        elif reason == "length":
+                            self._finish(row, {"type": "length", "length": row.max_new})
+                        elif row.abort is not None:
+                            self._finish(row, {"type": "abort", "message": row.abort})
+                        elif self._paused is not None or self.stopping:
+                            held.append(row)
+                        else:
+                            pending.append(row)  # interrupted for another row's abort: continue now
+        with self.cv:
+            for row in held:
+                if row.abort is not None:
+                    self._finish(row, {"type": "abort", "message": row.abort})
+            self._queue[:0] = [r for r in held if r.finish is None]
+
+    def _engine_call(self, key: tuple, rows: list[Row]) -> Any:
+        temperature, top_p, top_k, stops = key
+        budgets = [r.max_new - len(r.tokens) for r in rows]
+        self.engine.eos_token_ids = list(stops)  # only this thread generates
+        return self.engine.generate(
+            [r.prompt + r.tokens for r in rows], max_new_tokens=max(budgets), temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=0, sample_ids=torch.tensor([r.stream for r in rows], dtype=torch.long),
+            positions=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long),
+            budgets=torch.tensor(budgets, dtype=torch.long), should_abort=lambda: self._interrupt)
