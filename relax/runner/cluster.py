@@ -123,13 +123,12 @@ class Cluster:
             else:
                 self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
             replicas = self.plan.role("rollout").replicas
-            self.engines = None
             if cfg.rollout.backend == "sglang":
-                engines = self._sglang_engines()
+                self.engines = self._sglang_engines()
             else:
-                engines = ReplicaEngines([self._remote(RolloutWorker, "rollout", i, cfg, info,
-                                                       threads=threads("rollout")) for i in range(replicas)],
-                                         info.pad_token_id)
+                self.engines = ReplicaEngines([self._remote(RolloutWorker, "rollout", i, cfg, info,
+                                                            threads=threads("rollout")) for i in range(replicas)],
+                                              info.pad_token_id)
             self.reference = None
             if self.plan.has("reference"):
                 self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
@@ -142,7 +141,7 @@ class Cluster:
             if waiting:
                 raise RunError(f"role(s) {', '.join(pings[w] for w in waiting)} did not start within {timeout:g} s "
                                f"(Ray has {ray.available_resources()} available)")
-            self.engines = engines.start() if isinstance(engines, SGLangEngines) else engines
+            self.engines.start()  # SGLang: the servers, once their actors answer, and the router
         except ray.exceptions.RayActorError as exc:
             self._release_placement()
             raise RunError(f"a role failed to start: {exc}") from None

@@ -18,6 +18,9 @@ class ReplicaEngines:
     def __init__(self, replicas: list, pad_token_id: int):
         self.replicas, self.pad_token_id = replicas, pad_token_id
 
+    def start(self) -> ReplicaEngines:
+        return self  # the replicas are Ray actors the cluster started and pinged
+
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
                  evaluation: bool = False) -> Samples:
         import ray
