@@ -3,7 +3,7 @@
     python -m bench                      # full suite (~30-60 min on 2 CPU cores), writes docs/performance.md
     python -m bench --quick              # smaller sizes, fewer repetitions (~10 min)
     python -m bench --smoke --out /tmp/perf.md   # tiny sizes only, seconds (what tests/bench runs)
-    python -m bench --only rollout,math  # some sections: rl, rollout, train, overhead, modes, math
+    python -m bench --only rollout,math  # some sections: rl, rollout, train, overhead, modes, sglang, math
 
 Each comparison runs both sides in the same process, alternating, several repetitions; the report gives
 medians, min-max spreads and the load average before and after each section (the machine may be shared).
@@ -21,13 +21,14 @@ from pathlib import Path
 
 from bench.common import Series, load_average, machine_info
 
-SECTIONS = ("rl", "rollout", "train", "overhead", "modes", "math")
+SECTIONS = ("rl", "rollout", "train", "overhead", "modes", "sglang", "math")
 TARGETS = {
     "rl": "Relax samples/s >= 2x TRL, both sizes, same precision",
     "rollout": "engine tokens/s >= 2x HF generate",
     "train": "135M train phase >= 50% of measured matmul FLOP/s",
     "overhead": "overhead <= 5% of a step",
     "modes": "fully_async >= 1.6x sync samples/s when rollout and train are balanced, 2+ cores",
+    "sglang": "no target: the request shape of rollout=sglang, measured (per sample vs per prompt)",
     "math": "1M-token M2PO solve < 50 ms",
 }
 
@@ -40,6 +41,7 @@ class Settings:
     overhead_runs: list[tuple[list[str], int]]
     # (work overrides, steps, reps, modes) of bench/async_modes.py
     modes_runs: list[tuple[list[str], int, int, tuple[str, ...]]]
+    sglang_runs: list[tuple[list[str], dict]]  # (model overrides, kwargs of bench/sglang_requests.compare)
     math_tokens: int
     math_reps: int
 
@@ -59,6 +61,7 @@ def settings(mode: str) -> Settings:
                              "rollout.max_response_len=4", "train.micro_batch_size=4"], 2)],
             modes_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
                           "rollout.max_response_len=4", "train.micro_batch_size=4"], 3, 1, ("sync", "fully_async"))],
+            sglang_runs=[(["model=tiny"], dict(prompts=2, group=2, new_tokens=4, reps=1))],
             math_tokens=4096, math_reps=1,
         )
     quick = mode == "quick"
@@ -85,6 +88,8 @@ def settings(mode: str) -> Settings:
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
         modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))],
+        sglang_runs=[(["model=tiny"], dict(prompts=8, group=8, new_tokens=32, reps=reps)),
+                     (["model=smollm2_135m", "model.source=gguf"], dict(prompts=4, group=8, new_tokens=32, reps=3))],
         math_tokens=1024 * 1024, math_reps=3 if quick else 5,
     )
 
@@ -190,6 +195,22 @@ def section_modes(st: Settings, log) -> list[str]:
     return lines
 
 
+def section_sglang(st: Settings, log) -> list[str]:
+    from bench import sglang_requests
+
+    lines = ["| model | prompts x group x new tokens | in-process engine tok/s | per sample (HTTP) tok/s | per prompt, "
+             "n=group (HTTP) tok/s | per sample / in-process | per sample / per prompt |",
+             "|---|---|---|---|---|---|---|"]
+    for overrides, kw in st.sglang_runs:
+        r = sglang_requests.compare(overrides, threads=2, log=log, **kw)
+        lines.append(f"| `{' '.join(overrides)}` | {kw['prompts']} x {kw['group']} x {kw['new_tokens']} | "
+                     f"{fmt(r['in_process'], 1, 0)} | {fmt(r['per_sample'], 1, 0)} | {fmt(r['per_prompt'], 1, 0)} | "
+                     f"{fmt(r['per_sample_vs_in_process'], 1, 2)} | **{fmt(r['per_sample_vs_per_prompt'], 1, 2)}** |")
+        lines.append(f"| `python bench/sglang_requests.py --prompts {kw['prompts']} --group {kw['group']} --new-tokens "
+                     f"{kw['new_tokens']} --reps {kw['reps']} {' '.join(overrides)}` | | | | | | |")
+    return lines
+
+
 def section_math(st: Settings, log) -> list[str]:
     from bench import algorithm_math
 
@@ -203,13 +224,14 @@ def section_math(st: Settings, log) -> list[str]:
 
 
 RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "overhead": section_overhead,
-           "modes": section_modes, "math": section_math}
+           "modes": section_modes, "sglang": section_sglang, "math": section_math}
 TITLES = {
     "rl": "RL step throughput: Relax GRPO vs TRL GRPOTrainer (in-process, same work)",
     "rollout": "Rollout engine vs Hugging Face `generate`",
     "train": "Train phase vs the machine's matmul limit",
     "overhead": "Overhead of the real Ray loop",
     "modes": "Training modes: sync vs hybrid vs fully_async (Ray loop, same work)",
+    "sglang": "rollout=sglang requests: per sample vs per prompt, through the router to relax-serve",
     "math": "Algorithm math",
 }
 
