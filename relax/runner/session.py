@@ -85,7 +85,7 @@ class Session:
         from omegaconf import OmegaConf
 
         from relax.runner.summary import config_summary
-        from relax.tracking.mlflow_run import RESUMED_TAG, NullTracker, Tracker, close_orphan_run
+        from relax.tracking.mlflow_run import RESUMED_TAG, NullTracker, Tracker, TrackingUnavailable, close_orphan_run
         from relax.tracking.params import TAG_OVERRIDES, flatten_config, overrides_text, standard_tags
         from relax.tracking.progress import Progress
 
@@ -97,6 +97,7 @@ class Session:
         reopen = cfg.tracking.enabled and resume is not None and resume.run_id is not None
         if cfg.tracking.enabled:
             flush_s = flush_interval_s()
+            spool_dir = self.spool_dir()
             tags = standard_tags(cfg)
             overrides = _hydra_overrides()
             if overrides and not reopen:  # a reopened run keeps the overrides it was started with
@@ -105,16 +106,20 @@ class Session:
                 tags[RESUMED_TAG] = resume_text(resume)
                 try:
                     self.tracker = Tracker.reopen(cfg.tracking, resume.run_id, from_step=resume.step, tags=tags,
-                                                  keep_history=(RAW_REWARD,), flush_interval_s=flush_s)
-                except LookupError as exc:
+                                                  keep_history=(RAW_REWARD,), flush_interval_s=flush_s,
+                                                  spool_dir=spool_dir)
+                except (LookupError, TrackingUnavailable) as exc:
                     raise RunError(f"cannot continue checkpoint {resume.path}: {exc}") from None
                 counts = resume.tracker_state.get("nonfinite_counts") or {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
                 self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
             else:
-                self.tracker = Tracker.start(cfg.tracking, run_name=cfg.tracking.run_name, tags=tags,
-                                             params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id,
-                                             flush_interval_s=flush_s)
+                try:
+                    self.tracker = Tracker.start(cfg.tracking, run_name=cfg.tracking.run_name, tags=tags,
+                                                 params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id,
+                                                 flush_interval_s=flush_s, spool_dir=spool_dir)
+                except TrackingUnavailable as exc:  # before training: a wrong URI is the user's to fix
+                    raise RunError(str(exc)) from None
         else:
             self.tracker = NullTracker()
         self.tracker.__enter__()
@@ -138,6 +143,13 @@ class Session:
         self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress, start_step=self.start_step)
         return self
 
+    def spool_dir(self) -> Path:
+        """Where the MLflow writes of an outage are spooled: the (locked) checkpoint directory, found again by a
+        resume, else the job's output directory."""
+        if self.checkpoints is not None and self.checkpoints.uses_dir:
+            return self.checkpoints.save_dir
+        return self.output_dir
+
     def note(self, message: str) -> None:
         self.progress.write(message)
 
@@ -150,10 +162,12 @@ class Session:
         self.progress.update(step + 1, metrics)
 
     def save_checkpoint(self, cluster, step: int, state: dict, rollout: dict | None = None) -> Path | None:
-        """Flush the metrics of every step so far to the store, then write and commit the checkpoint of `step`.
+        """Flush the metrics of every step so far, then write and commit the checkpoint of `step`.
 
-        If the store refuses the metrics, no checkpoint is committed (it would cover steps whose metrics a
-        kill could still lose): a note says so and training goes on; the next checkpoint tries again.
+        Flushed means in the store, or, while the store is unavailable, in the run's spool on disk (replayed by
+        this run later, or by the job that resumes from this checkpoint). If neither takes them, no checkpoint is
+        committed (it would cover steps whose metrics a kill could still lose): a note says so and training goes
+        on; the next checkpoint tries again.
         """
         try:
             self.tracker.flush()

@@ -4,7 +4,14 @@ Layer 2: imports relax.config and relax.algorithms at most. MLflow itself is imp
 run starts, so importing this package stays cheap.
 """
 
-from relax.tracking.mlflow_run import NullTracker, RunTracker, Tracker, resolve_tracking_uri, start_tracker
+from relax.tracking.mlflow_run import (
+    NullTracker,
+    RunTracker,
+    Tracker,
+    TrackingUnavailable,
+    resolve_tracking_uri,
+    start_tracker,
+)
 from relax.tracking.params import STANDARD_TAG_KEYS, flatten_config, standard_tags
 from relax.tracking.progress import Progress, summary
 
@@ -14,6 +21,7 @@ __all__ = [
     "Progress",
     "RunTracker",
     "Tracker",
+    "TrackingUnavailable",
     "flatten_config",
     "resolve_tracking_uri",
     "standard_tags",

@@ -18,6 +18,23 @@ flushes before it commits a checkpoint (a checkpoint never covers a step whose m
 A job killed with `kill -9` loses only what was buffered after its last flush; the resumed job recomputes
 those steps from the checkpoint and `Tracker.reopen` continues the same run, writing each (key, step) that
 the store does not hold yet and skipping those it does, so each step of each key is recorded exactly once.
+
+The store unavailable mid-run (sqlite locked, a tracking server down or timing out): training goes on. A write
+that fails with a store error (metrics, params, tags, artifacts, the final run status) is appended to the run's
+local spool (`relax.tracking.spool_file`: JSONL, fsync'ed; `spool_dir`, the checkpoint directory under relax-train),
+and so is every later write while the spool is not empty, each step (metrics go to disk at every step then).
+One warning names the store and the spool the first time; later failures are only counted (`stats`). Each step
+(and the writer every `flush_interval_s`) first replays the spool in order, with the original steps and
+timestamps, never writing a value twice; once it is empty, writes go to the store again. `flush()` returns when
+everything is in the store or in the spool, so checkpoints keep being committed during an outage. At `finish`
+the spool is replayed with retries for up to `final_replay_s`; if the store is still down the run ends anyway
+and prints where the spool is and the command that loads it later (`python -m relax.tracking.spool <file>`).
+
+The store unavailable at the start (the run cannot be created, or a resumed run cannot be read): `start` and
+`reopen` raise `TrackingUnavailable` naming the URI, before anything is trained. A wrong `tracking.uri` is a
+configuration error and must fail early; there is no run yet that a spool could belong to, and retrying a
+store that is down before the first step only delays that answer (MLflow itself already waits: sqlite's 20 s
+busy timeout, its HTTP client's retries). Only an outage after the run exists is survived.
 """
 
 from __future__ import annotations
@@ -36,6 +53,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TextIO, TypeVar
 
 from relax.tracking.params import truncate_value
+from relax.tracking.spool_file import (
+    REPLAY_COMMAND,
+    SPOOL_PREFIX,
+    SPOOL_SUFFIX,
+    ReplayResult,
+    Spool,
+    is_rejection,
+    is_store_error,
+    short_error,
+    spool_path,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -56,10 +84,38 @@ TRACKING_URI_TAG = "relax.tracking_uri"
 RESUMED_TAG = "relax.resumed"  # a reopened run: at which step and from where it was last continued
 NONFINITE_MODES = ("skip", "log")
 
-_MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store stays unreachable
-_WRITE_ATTEMPTS = 3  # sqlite may be briefly locked by a sibling job of a multirun
+_MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store keeps failing with a non-store error
+_WRITE_ATTEMPTS = 3  # reopen's status update (writes that can be spooled are tried once: the spool retries)
+DEFAULT_FINAL_REPLAY_S = 30.0  # how long `finish` keeps trying to replay a spool before leaving it on disk
 
 T = TypeVar("T")
+
+
+class TrackingUnavailable(RuntimeError):
+    """The store cannot be reached when a run starts or is reopened (see the module docstring)."""
+
+
+def _unavailable_at_start(uri: str, exc: BaseException, what: str) -> TrackingUnavailable:
+    return TrackingUnavailable(
+        f"MLflow store {uri} is unavailable when {what} ({short_error(exc)}); nothing was trained. Check tracking.uri "
+        "(a wrong URI fails here, before training) or bring the store up, then run again. (A store that goes away "
+        "during a run does not stop it: its writes are spooled to local disk and replayed.)"
+    )
+
+
+class _StoreNoiseFilter(logging.Filter):
+    """Drops what MLflow and urllib3 log at every failed write (the tracker reports an outage once itself)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if record.name == "mlflow.store.db.utils":
+            return not msg.startswith("SQLAlchemy database error")
+        if record.name.startswith("urllib3"):
+            return not (msg.startswith("Retrying") and "/mlflow/" in record.getMessage())
+        return True
+
+
+_NOISE_FILTER = _StoreNoiseFilter()
 
 
 class RunTracker(Protocol):
@@ -86,6 +142,10 @@ def quiet_mlflow_logging() -> None:
     """
     for name in ("mlflow.store.db.utils", "mlflow.store.tracking.sqlalchemy_store", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("mlflow.store.db.utils", "urllib3.connectionpool"):
+        log = logging.getLogger(name)
+        if _NOISE_FILTER not in log.filters:
+            log.addFilter(_NOISE_FILTER)
 
 
 def resolve_tracking_uri(uri: str, cwd: Optional[str] = None) -> str:
@@ -125,6 +185,12 @@ def sqlite_path(uri: str) -> Optional[str]:
     return path if path and path != ":memory:" else None
 
 
+def default_spool_dir(uri: str) -> str:
+    """Where a run's spool goes when no `spool_dir` is given: next to a sqlite database, else the working directory."""
+    db = sqlite_path(uri)
+    return os.path.dirname(db) if db else os.getcwd()
+
+
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
@@ -155,7 +221,8 @@ class Tracker:
 
     With `background=True` (the default) a daemon thread does the writes, so the training thread only
     appends to a list (microseconds); `background=False` writes inside the `log_metrics` call that makes
-    a flush due (deterministic, for tests). `stats` counts batches, metrics and seconds spent writing.
+    a flush due (deterministic, for tests). `stats` counts batches, metrics and seconds spent writing, and
+    for outages: store errors, records spooled and replayed. `spool` is the run's spool (see the module docstring).
     """
 
     def __init__(
@@ -169,6 +236,9 @@ class Tracker:
         flush_interval_s: float = 15.0,
         nonfinite: str = "skip",
         background: bool = True,
+        spool_dir: Optional[str | os.PathLike[str]] = None,
+        final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
+        stream: Optional[TextIO] = None,
     ) -> None:
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
@@ -191,9 +261,17 @@ class Tracker:
         self._lock = threading.RLock()  # guards the buffer; held only for list operations
         self._write_lock = threading.Lock()  # one writer at a time; taken before _lock, never inside it
         self._closing = False
+        self._in_flight = False  # the writer holds metrics taken from the buffer, not yet in the store or spool
         self._flush_failures = 0
         self._warned_after_finish = False
-        self.stats = {"batches": 0, "metrics": 0, "write_s": 0.0, "already_recorded": 0}
+        self.stats = {"batches": 0, "metrics": 0, "write_s": 0.0, "already_recorded": 0,
+                      "store_errors": 0, "spooled_records": 0, "replayed_records": 0}
+        # writes the store could not take, until they are replayed (the file appears with the first one)
+        self.spool = Spool(spool_path(spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
+        self.final_replay_s = final_replay_s
+        self._stream = stream
+        self._outage_warned = False
+        self._rejection_warned = False
         # step -> keys the store already holds at that step (a reopened run's steps being recomputed; see `reopen`)
         self._recorded: dict[int, set[str]] = {}
         self.recorded_history: dict[str, list[tuple[int, float]]] = {}  # reopen(keep_history=...): earlier values
@@ -221,12 +299,16 @@ class Tracker:
         background: bool = True,
         announce: bool = True,
         stream: Optional[TextIO] = None,
+        spool_dir: Optional[str | os.PathLike[str]] = None,
+        final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
     ) -> Tracker:
         """Open a new run in `tracking_cfg.experiment` (created if missing) at the resolved `tracking_cfg.uri`.
 
         `run_name` overrides `tracking_cfg.run_name` (both None: MLflow picks a name). `parent_run_id`
         sets `mlflow.parentRunId`, which nests this run under a sweep's parent run in the UI. With
         `announce`, one line naming the run, the store and the UI command is printed to `stream` (stderr).
+        `spool_dir` holds the run's spool during an outage (default: `default_spool_dir`); spools of earlier
+        runs of the same store left there are replayed first. TrackingUnavailable if the store cannot be reached.
         """
         quiet_mlflow_logging()
         from mlflow import MlflowClient
@@ -235,37 +317,45 @@ class Tracker:
 
         uri = resolve_tracking_uri(tracking_cfg.uri)
         db = sqlite_path(uri)
-        if db is not None:
-            os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
-        with warnings.catch_warnings():  # the store's creation: SQLAlchemy deprecation noise from MLflow's models
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
-            client = MlflowClient(tracking_uri=uri)
-            experiment = client.get_experiment_by_name(tracking_cfg.experiment)
-        if experiment is None:
-            # Keep artifacts next to the database (MLflow's default is ./mlruns of whatever the cwd is).
-            slug = re.sub(r"[^\w.-]+", "_", tracking_cfg.experiment).strip("._") or "experiment"
-            artifact_location = os.path.join(os.path.dirname(db), "mlruns", slug) if db else None
-            try:
-                experiment_id = client.create_experiment(tracking_cfg.experiment, artifact_location=artifact_location)
-            except MlflowException:  # created meanwhile by a sibling job
+        try:
+            if db is not None:
+                os.makedirs(os.path.dirname(db) or ".", exist_ok=True)
+            with warnings.catch_warnings():  # the store's creation: SQLAlchemy deprecation noise from MLflow's models
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
+                client = MlflowClient(tracking_uri=uri)
                 experiment = client.get_experiment_by_name(tracking_cfg.experiment)
-                if experiment is None:
-                    raise
+            if experiment is None:
+                # Keep artifacts next to the database (MLflow's default is ./mlruns of whatever the cwd is).
+                slug = re.sub(r"[^\w.-]+", "_", tracking_cfg.experiment).strip("._") or "experiment"
+                artifact_location = os.path.join(os.path.dirname(db), "mlruns", slug) if db else None
+                try:
+                    experiment_id = client.create_experiment(tracking_cfg.experiment,
+                                                             artifact_location=artifact_location)
+                except MlflowException as exc:  # created meanwhile by a sibling job
+                    experiment = client.get_experiment_by_name(tracking_cfg.experiment)
+                    if experiment is None:
+                        raise exc from None
+                    experiment_id = experiment.experiment_id
+            else:
+                if experiment.lifecycle_stage == "deleted":
+                    raise RuntimeError(
+                        f"MLflow experiment {tracking_cfg.experiment!r} (id {experiment.experiment_id}) is deleted "
+                        f"in {uri}; restore it (mlflow experiments restore --experiment-id "
+                        f"{experiment.experiment_id}) or choose another tracking.experiment"
+                    )
                 experiment_id = experiment.experiment_id
-        else:
-            if experiment.lifecycle_stage == "deleted":
-                raise RuntimeError(
-                    f"MLflow experiment {tracking_cfg.experiment!r} (id {experiment.experiment_id}) is deleted in "
-                    f"{uri}; restore it (mlflow experiments restore --experiment-id {experiment.experiment_id}) "
-                    "or choose another tracking.experiment"
-                )
-            experiment_id = experiment.experiment_id
 
-        system_tags = {k: str(v) for k, v in resolve_tags({}).items()}  # user, source, git commit
-        system_tags[TRACKING_URI_TAG] = uri
-        if parent_run_id is not None:
-            system_tags[PARENT_RUN_ID_TAG] = parent_run_id
-        run = client.create_run(experiment_id, tags=system_tags, run_name=run_name or tracking_cfg.run_name)
+            system_tags = {k: str(v) for k, v in resolve_tags({}).items()}  # user, source, git commit
+            system_tags[TRACKING_URI_TAG] = uri
+            if parent_run_id is not None:
+                system_tags[PARENT_RUN_ID_TAG] = parent_run_id
+            run = client.create_run(experiment_id, tags=system_tags, run_name=run_name or tracking_cfg.run_name)
+        except Exception as exc:
+            if is_store_error(exc) and not is_rejection(exc):
+                raise _unavailable_at_start(uri, exc, "the run starts") from exc
+            raise
+        if spool_dir is not None:
+            replay_leftover_spools(client, uri, spool_dir)
         tracker = cls(
             client,
             run.info.run_id,
@@ -275,6 +365,9 @@ class Tracker:
             flush_interval_s=flush_interval_s,
             nonfinite=nonfinite,
             background=background,
+            spool_dir=spool_dir,
+            final_replay_s=final_replay_s,
+            stream=stream,
         )
         try:
             if tags:
@@ -304,6 +397,8 @@ class Tracker:
         background: bool = True,
         announce: bool = True,
         stream: Optional[TextIO] = None,
+        spool_dir: Optional[str | os.PathLike[str]] = None,
+        final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
     ) -> Tracker:
         """Continue the existing run `run_id` (a resumed training job): status back to RUNNING, same metrics.
 
@@ -313,23 +408,38 @@ class Tracker:
         those (key, step) pairs again, so every step of every key is recorded exactly once; the value kept
         is the first one written. `keep_history` keys get their earlier values in `recorded_history`
         (e.g. the reward, for the end-of-run summary). Params are not logged again (MLflow params are
-        immutable). LookupError if the run is not in the store or is deleted.
+        immutable). A spool the killed job left in `spool_dir` is replayed before all that. LookupError if
+        the run is not in the store or is deleted; TrackingUnavailable if the store cannot be reached (or the
+        spool not replayed).
         """
         quiet_mlflow_logging()
         from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
 
         uri = resolve_tracking_uri(tracking_cfg.uri)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
-            client = MlflowClient(tracking_uri=uri)
-            try:
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
+                client = MlflowClient(tracking_uri=uri)
                 run = client.get_run(run_id)
-            except MlflowException as exc:
+        except Exception as exc:
+            if is_rejection(exc):  # the store answered: no such run
                 raise LookupError(f"MLflow run {run_id} is not in the store {uri}: {exc.message}") from None
+            if is_store_error(exc):
+                raise _unavailable_at_start(uri, exc, f"run {run_id} is reopened") from exc
+            raise
         if run.info.lifecycle_stage == "deleted":
             raise LookupError(f"MLflow run {run_id} in {uri} is deleted; restore it (mlflow runs restore --run-id "
                               f"{run_id}) to continue it")
+        leftover = Spool(spool_path(spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
+        if leftover.pending:  # written by the job that was killed, before the recorded steps are read below
+            result = leftover.replay(client, run_id, attempts=None, deadline_s=final_replay_s)
+            leftover.close()
+            if not result.done:
+                raise _unavailable_at_start(uri, result.error or RuntimeError("replay failed"),
+                                            f"the spool {leftover.path} of run {run_id} is replayed")
+            logger.info("replayed %d records of %s into run %s", result.records, leftover.path, run_id)
+            run = client.get_run(run_id)  # the replayed metrics count as recorded below
+        leftover.remove_if_done()
         tracker = cls(
             client,
             run_id,
@@ -339,6 +449,9 @@ class Tracker:
             flush_interval_s=flush_interval_s,
             nonfinite=nonfinite,
             background=background,
+            spool_dir=spool_dir,
+            final_replay_s=final_replay_s,
+            stream=stream,
         )
         try:
             keep = set(keep_history)
@@ -357,6 +470,12 @@ class Tracker:
             tracker._retry(lambda: client.update_run(run_id, status="RUNNING"))
             if tags:
                 tracker.set_tags(tags)
+        except Exception as exc:
+            if is_store_error(exc) and not is_rejection(exc):  # down again: leave the run as the killed job did
+                tracker._abandon()
+                raise _unavailable_at_start(uri, exc, f"run {run_id} is reopened") from exc
+            tracker.finish("FAILED")
+            raise
         except BaseException:
             tracker.finish("FAILED")
             raise
@@ -374,7 +493,8 @@ class Tracker:
 
         Values may be anything `float()` accepts (Python/numpy numbers, 1-element tensors). A bad key
         raises ValueError here, at its first use, rather than failing a later batch. In a reopened run,
-        (key, step) pairs the store already holds are not written again (see `reopen`).
+        (key, step) pairs the store already holds are not written again (see `reopen`). During an outage
+        they go to the spool file before this returns.
         """
         ts = int(time.time() * 1000)
         with self._lock:
@@ -400,17 +520,21 @@ class Tracker:
             if step != self._last_step:
                 self._last_step = step
                 self._steps_since_flush += 1
+            spooling = self.spool.pending > 0
             due = (
-                self._steps_since_flush >= self.flush_every_steps
+                spooling  # an outage: each step goes to disk now, and the spool is replayed
+                or self._steps_since_flush >= self.flush_every_steps
                 or time.monotonic() - self._last_flush >= self.flush_interval_s
                 or len(self._buffer) >= 10 * MAX_METRICS_PER_BATCH
             )
         if not due:
             return
-        if self._writer is not None:
-            self._wake.set()
-            return
         try:
+            if spooling:
+                self._spool_buffer()
+            if self._writer is not None:
+                self._wake.set()
+                return
             self._drain()
         except Exception as exc:  # never let the store stop training; retried at the next flush
             self._flush_failed(exc)
@@ -423,37 +547,91 @@ class Tracker:
         logger.warning("MLflow flush failed (%d so far), will retry: %s", self._flush_failures, exc)
 
     def flush(self) -> None:
-        """Write all buffered metrics now (raises if the store refuses them; they stay buffered)."""
-        if not self._closing:
-            self._drain()
+        """Put everything logged so far into the store, or (during an outage) into the spool on disk.
+
+        Either way it is durable when this returns. Raises only if neither takes it (e.g. the disk is full) or
+        for an error that is not the store's; the metrics then stay buffered.
+        """
+        if self._closing:
+            return
+        if self.spool.pending and self._writer is not None:
+            self._spool_buffer()  # durable now; the writer replays without holding up the caller
+            if self._in_flight:  # but earlier metrics are being written straight to the store: wait for the outcome
+                with self._write_lock:
+                    pass
+            self._wake.set()
+            return
+        self._drain()
+
+    def _spool_buffer(self) -> None:
+        """Move the buffered metrics to the spool (fsync'ed); on failure they stay buffered."""
+        with self._lock:
+            if not self._buffer:
+                return
+            self.spool.append("metrics", {"metrics": [list(m) for m in self._buffer]})
+            self.stats["spooled_records"] += 1
+            self._buffer = []
+            self._steps_since_flush = 0
+            self._last_flush = time.monotonic()
 
     def _drain(self) -> None:
-        """Write the buffer in chunks of MLflow's batch limit; on failure the unwritten rest goes back in front."""
+        """Write the buffer in chunks of MLflow's batch limit, or to the spool during an outage.
+
+        A store error moves the unwritten rest (and whatever was logged meanwhile) to the spool; any other
+        error puts it back in front of the buffer and is raised.
+        """
         from mlflow.entities import Metric
 
         with self._write_lock:
+            if self.spool.pending:
+                self._spool_buffer()
+                self._replay()
+                return
             with self._lock:
                 pending, self._buffer = self._buffer, []
                 self._steps_since_flush = 0
                 self._last_flush = time.monotonic()
+                self._in_flight = bool(pending)
             done = 0
             try:
                 for chunk in _chunks(pending, MAX_METRICS_PER_BATCH):
                     t = time.perf_counter()
                     metrics = [Metric(key=k, value=v, timestamp=ts, step=s) for k, v, ts, s in chunk]
-                    self._retry(lambda m=metrics: self.client.log_batch(self.run_id, metrics=m, synchronous=True))
+                    self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
                     done += len(chunk)
                     self.stats["batches"] += 1
                     self.stats["metrics"] += len(chunk)
                     self.stats["write_s"] += time.perf_counter() - t
-            except Exception:
+            except Exception as exc:
+                rest = pending[done:]
+                if is_store_error(exc):
+                    try:
+                        with self._lock:
+                            # the failed chunk may be partly in the store: replay compares it with the store first
+                            for part, uncertain in ((rest[:MAX_METRICS_PER_BATCH], True),
+                                                    (rest[MAX_METRICS_PER_BATCH:], False)):
+                                if part:
+                                    self.spool.append("metrics", {"metrics": [list(m) for m in part]},
+                                                      uncertain=uncertain)
+                                    self.stats["spooled_records"] += 1
+                                    rest = rest[len(part):]
+                            self._spool_buffer()  # logged meanwhile: after them
+                    except Exception:
+                        pass  # the spool failed too (disk): keep them in memory, raise the store's error below
+                    else:
+                        self._store_failed(exc)
+                        if is_rejection(exc):  # the store is up: set the refused record aside, write the rest
+                            self._replay()
+                        return
                 with self._lock:
-                    self._buffer[:0] = pending[done:]
+                    self._buffer[:0] = rest
                     if len(self._buffer) > _MAX_BUFFERED_METRICS:
                         dropped = len(self._buffer) - _MAX_BUFFERED_METRICS
                         del self._buffer[:dropped]
                         logger.warning("dropped the %d oldest buffered metric values", dropped)
                 raise
+            finally:
+                self._in_flight = False  # written, spooled or back in the buffer
 
     def _writer_loop(self) -> None:
         while True:
@@ -461,7 +639,7 @@ class Tracker:
             self._wake.clear()
             if self._stop:
                 return
-            if self._buffer:
+            if self._buffer or self.spool.pending:
                 try:
                     self._drain()
                 except Exception as exc:
@@ -478,43 +656,111 @@ class Tracker:
                     raise
                 time.sleep(0.2 * (attempt + 1))
 
+    # ---------------------------------------------------------------- outages
+    def _store_failed(self, exc: BaseException) -> None:
+        """Count a store error; the first one of the run is the only one that is reported."""
+        self.stats["store_errors"] += 1
+        if self._outage_warned or is_rejection(exc):
+            return
+        self._outage_warned = True
+        logger.warning(
+            "MLflow store %s is unavailable (%s); training goes on: the writes of run %s are kept in %s and replayed "
+            "when the store is back (this warning is not repeated)", self.uri, short_error(exc), self.run_id,
+            self.spool.path)
+
+    def _store_write(self, op: str, payload: dict[str, Any], write: Any) -> None:
+        """A write other than metrics: to the store, or to the spool while it holds records or the store fails.
+
+        A refusal of the store (an invalid value) is raised, as any error that is not the store's.
+        """
+        uncertain = False
+        if not self.spool.pending:
+            try:
+                write()
+                return
+            except Exception as exc:
+                if not is_store_error(exc) or is_rejection(exc):
+                    raise
+                self._store_failed(exc)
+                uncertain = True
+        with self._lock:
+            if op == "artifact":
+                self.spool.append_artifact(payload["path"], payload["artifact_path"])
+            else:
+                self.spool.append(op, payload, uncertain=uncertain)
+            self.stats["spooled_records"] += 1
+        self._wake.set()
+
+    def _replay(self, *, attempts: Optional[int] = 1, deadline_s: Optional[float] = None) -> ReplayResult:
+        """Replay the spool (in order, no value twice); delete it once everything is in the store."""
+        result = self.spool.replay(self.client, self.run_id, attempts=attempts, deadline_s=deadline_s)
+        self.stats["replayed_records"] += result.records
+        if result.error is not None:
+            self.stats["store_errors"] += result.attempts
+        if result.set_aside and not self._rejection_warned:
+            self._rejection_warned = True
+            logger.warning("MLflow store %s refused %d spooled write(s) of run %s; they are kept in %s", self.uri,
+                           result.set_aside, self.run_id, self.spool.rejected_path)
+        if result.done:
+            with self._lock:  # no append can come in between
+                if self.spool.remove_if_done() and result.records:
+                    logger.info("MLflow store %s is back: %d spooled writes of run %s replayed", self.uri,
+                                result.records, self.run_id)
+        return result
+
+    def _abandon(self) -> None:
+        """Drop this tracker without writing anything (the run is left as it is in the store)."""
+        with self._lock:
+            self._closing = True
+        atexit.unregister(self._at_exit)
+        if self._writer is not None:
+            self._stop = True
+            self._wake.set()
+            self._writer.join()
+        self.spool.close()
+
+    # ---------------------------------------------------------------- params, tags, artifacts
     def log_params(self, params: Mapping[str, str]) -> None:
         """Log params (immutable in MLflow: re-logging a key with another value fails), 100 per call."""
-        from mlflow.entities import Param
-
         from relax.tracking.params import PARAM_VALUE_MAX_LEN
 
         if self._closed("log_params"):
             return
-        self._write_params_tags(
-            params=[Param(str(k), truncate_value(str(v), PARAM_VALUE_MAX_LEN)) for k, v in params.items()]
-        )
+        self._write_items("params", [(str(k), truncate_value(str(v), PARAM_VALUE_MAX_LEN)) for k, v in params.items()])
 
-    def _write_params_tags(self, params: Sequence[Any] = (), tags: Sequence[Any] = ()) -> None:
-        for chunk in _chunks(list(params), MAX_PARAMS_TAGS_PER_BATCH):
-            self._retry(lambda c=chunk: self.client.log_batch(self.run_id, params=list(c), synchronous=True))
-        for chunk in _chunks(list(tags), MAX_PARAMS_TAGS_PER_BATCH):
-            self._retry(lambda c=chunk: self.client.log_batch(self.run_id, tags=list(c), synchronous=True))
+    def _write_items(self, op: str, items: Sequence[tuple[str, str]]) -> None:
+        """Params or tags, 100 per log_batch call (or one spool record)."""
+        from mlflow.entities import Param, RunTag
+
+        cls: Any = Param if op == "params" else RunTag
+        done = 0
+
+        def write() -> None:
+            nonlocal done
+            for chunk in _chunks(items[done:], MAX_PARAMS_TAGS_PER_BATCH):
+                self.client.log_batch(self.run_id, **{op: [cls(k, v) for k, v in chunk]}, synchronous=True)
+                done += len(chunk)
+
+        if items:
+            self._store_write(op, {"items": [list(i) for i in items]}, write)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set (or overwrite) run tags, 100 per call; values longer than MLflow's limit are truncated."""
-        from mlflow.entities import RunTag
-
         if self._closed("set_tags"):
             return
-        self._write_params_tags(
-            tags=[RunTag(str(k), truncate_value(str(v), MAX_TAG_VALUE_LEN)) for k, v in tags.items()]
-        )
+        self._write_items("tags", [(str(k), truncate_value(str(v), MAX_TAG_VALUE_LEN)) for k, v in tags.items()])
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store `text` as the artifact `artifact_file` (e.g. "config.yaml", "plan.txt")."""
         if not self._closed("log_text"):
-            self.client.log_text(self.run_id, text, artifact_file)
+            self._store_write("text", {"text": text, "artifact_file": artifact_file},
+                              lambda: self.client.log_text(self.run_id, text, artifact_file))
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         """Copy a local file or directory into the run's artifacts (under `artifact_path` if given)."""
         if not self._closed("log_artifact"):
-            self.client.log_artifact(self.run_id, path, artifact_path)
+            self._store_write("artifact", {"path": path, "artifact_path": artifact_path},
+                              lambda: self.client.log_artifact(self.run_id, path, artifact_path))
 
     def _closed(self, what: str) -> bool:
         if self._closing:
@@ -531,7 +777,9 @@ class Tracker:
     def finish(self, status: str = "FINISHED") -> None:
         """Flush and end the run with `status` (FINISHED, FAILED or KILLED). Later calls do nothing.
 
-        The run is terminated even if the final flush fails; that error is raised afterwards.
+        After an outage the spool is replayed, with retries for up to `final_replay_s`; if the store is still
+        down, the run ends all the same and the spool's path and the command that replays it are printed.
+        Store errors are not raised; another error of the final flush is, after the run is ended.
         """
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
@@ -548,15 +796,26 @@ class Tracker:
         try:
             self._drain()
             if self.nonfinite_counts:
-                from mlflow.entities import RunTag
-
                 counts = ", ".join(f"{k}={n}" for k, n in sorted(self.nonfinite_counts.items()))
-                self._write_params_tags(tags=[RunTag(NONFINITE_TAG, truncate_value(counts, MAX_TAG_VALUE_LEN))])
+                self._write_items("tags", [(NONFINITE_TAG, truncate_value(counts, MAX_TAG_VALUE_LEN))])
         except Exception as exc:
             error = exc
             logger.warning("final MLflow flush of run %s failed: %s", self.run_id, exc)
         self.status = status
-        self._retry(lambda: self.client.set_terminated(self.run_id, status=status))
+        end_time = int(time.time() * 1000)
+        self._store_write("terminate", {"status": status, "end_time": end_time},
+                          lambda: self.client.set_terminated(self.run_id, status=status, end_time=end_time))
+        if self.spool.pending:
+            result = self._replay(attempts=None, deadline_s=self.final_replay_s)
+            if not result.done:
+                print(
+                    f"MLflow store {self.uri} is still unavailable at the end of run {self.run_id} "
+                    f"({short_error(result.error) if result.error else 'replay failed'}): nothing is lost, "
+                    f"{self.spool.describe()} are kept in {self.spool.path}. Once the store is back, load them "
+                    f"with:\n    {REPLAY_COMMAND} {shlex.quote(str(self.spool.path))}\n(add --uri URI if the store "
+                    "has moved; running it twice writes nothing twice)",
+                    file=self._stream if self._stream is not None else sys.stderr, flush=True)
+        self.spool.close()
         if error is not None:
             raise error
 
@@ -662,6 +921,32 @@ def close_orphan_run(tracker: Tracker, run_id: str) -> bool:
         logger.info("could not close the earlier run %s: %s", run_id, exc)
         return False
     return True
+
+
+def replay_leftover_spools(client: MlflowClient, uri: str, spool_dir: str | os.PathLike[str]) -> None:
+    """Best effort: replay the spools of earlier runs of store `uri` left in `spool_dir` (the store was down at
+    their end); those that still fail stay, with a warning."""
+    from pathlib import Path
+
+    for path in sorted(Path(spool_dir).glob(f"{SPOOL_PREFIX}*{SPOOL_SUFFIX}")):
+        if path.name.endswith(".rejected.jsonl"):
+            continue
+        try:
+            spool = Spool(path)
+            if spool.uri != uri:
+                continue
+            if spool.pending:
+                result = spool.replay(client)
+                if not result.done:
+                    logger.warning("could not replay the spool %s left by run %s (%s); replay it later with: %s %s",
+                                   path, spool.run_id, short_error(result.error) if result.error else "?",
+                                   REPLAY_COMMAND, shlex.quote(str(path)))
+                    continue
+                logger.warning("replayed the spool %s that run %s left (%d records)", path, spool.run_id,
+                               result.records)
+            spool.remove_if_done()
+        except Exception as exc:  # never stop a new run for an old spool
+            logger.warning("could not replay the spool %s: %s", path, short_error(exc))
 
 
 def start_tracker(tracking_cfg: TrackingConfig, **kwargs: Any) -> Tracker | NullTracker:
