@@ -14,6 +14,7 @@ RESPONSE_LEN = "rollout/response_len"
 TRUNCATED_FRAC = "rollout/truncated_frac"  # responses that hit max_response_len
 REWARD_ERRORS = "rollout/reward_errors"  # reward calls that raised or returned a non-finite value
 REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left out of the loss (reward errors)
+REWARD_TIMEOUTS = "rollout/reward_timeouts"  # reward calls stopped after data.reward_timeout_s (also reward errors)
 # train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
@@ -54,12 +55,21 @@ LR = "train/lr"
 CRITIC_ONLY = "train/critic_only"  # 1 on PPO's critic-only warm-up steps
 M2_BEFORE = "train/ppo_kl_m2_before"
 M2_AFTER = "train/ppo_kl_m2_after"
+# Optimizer steps skipped because the loss or the gradient norm was not finite (weights, optimizer state and lr
+# schedule left as they were): 0/1 from a trainer's step; the runner logs the count over the rollout's steps.
+SKIPPED_STEPS = "train/skipped_steps"
+# Logged with a skipped step only: parameter tensors whose gradient holds a NaN/inf (per shard on Megatron), and
+# NaN/inf values at valid tokens of the step's batch (advantages, log-probs, returns, values): bad data or bad weights.
+NONFINITE_GRAD_TENSORS = "train/nonfinite_grad_tensors"
+NONFINITE_BATCH_VALUES = "train/nonfinite_batch_values"
 
 # ---- critic (PPO)
 VALUE_LOSS = "critic/value_loss"
 VALUE_CLIPFRAC = "critic/value_clipfrac"
 CRITIC_GRAD_NORM = "critic/grad_norm"
 CRITIC_LR = "critic/lr"
+CRITIC_SKIPPED_STEPS = "critic/skipped_steps"  # as train/skipped_steps, for the critic's optimizer
+CRITIC_NONFINITE_GRAD_TENSORS = "critic/nonfinite_grad_tensors"
 
 # ---- eval
 EVAL_PREFIX = "eval/"

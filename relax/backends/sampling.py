@@ -12,6 +12,12 @@ same sort over the vocabulary at every position of every training forward). The 
 hidden: `Sampled.dropped_mass` is the probability mass the truncation removed at each drawn token, logged
 as `rollout/sampling_dropped_mass` (0 without truncation). When it is large, the rollout policy differs
 from the policy the loss assumes; lower it with a larger top_p / top_k.
+
+Non-finite logits: a row whose logits hold a NaN or +inf (or are all -inf) has no distribution to draw from, and
+drawing anyway would return arbitrary tokens with NaN log-probs that train as if real. `sample_tokens` raises
+`NonFiniteLogitsError` instead, naming the cause (the weights, since every row of every batch goes through the
+same weights, and the trainers never apply a non-finite step): the run stops rather than learn from garbage.
+The check costs one max-reduction over the log-probs per drawn token.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+
+class NonFiniteLogitsError(FloatingPointError):
+    """The model produced logits with NaN or +inf (or only -inf) for some row: its weights are broken."""
 
 
 class Sampled(NamedTuple):
@@ -93,16 +103,22 @@ def sample_tokens(
     uniforms: torch.Tensor,
 ) -> Sampled:
     """Tokens drawn from `logits` [B, V] (any dtype; the math runs in fp32) with one uniform per row
-    (`uniforms` [B], see `counter_uniforms`; unused when greedy), with their log-probs."""
+    (`uniforms` [B], see `counter_uniforms`; unused when greedy), with their log-probs.
+
+    Raises `NonFiniteLogitsError` when a row's logits hold a NaN or +inf or are all -inf (module docstring)."""
     logits = logits.float()
     dropped = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if temperature != 0.0 and temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    bad = torch.isnan(logp_all.amax(-1))  # NaN or +inf logits, or all -inf, make the whole row NaN
+    if bool(bad.any()):
+        raise NonFiniteLogitsError(
+            f"the policy's logits are not finite (NaN, +inf or all -inf) in {int(bad.sum())} of {len(bad)} rows: "
+            "its weights are broken (e.g. a diverged update: lower train.lr); refusing to sample from them")
     if temperature == 0.0:
         tokens = logits.argmax(-1)
-        logp_all = torch.log_softmax(logits, -1)
     else:
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp_all = torch.log_softmax(logits, -1)
         if top_k > 0 or top_p < 1.0:
             kept = filter_logits(logits, top_k, top_p)
             probs = kept.softmax(-1)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from relax.algorithms.base import AlgorithmConfig
@@ -27,7 +27,14 @@ from relax.backends.torch_train import (
     trimmed_sequences,
 )
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import CRITIC_GRAD_NORM, CRITIC_LR
+from relax.metrics import (
+    CRITIC_GRAD_NORM,
+    CRITIC_LR,
+    CRITIC_NONFINITE_GRAD_TENSORS,
+    CRITIC_SKIPPED_STEPS,
+    NONFINITE_BATCH_VALUES,
+    VALUE_LOSS,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -119,7 +126,9 @@ class TorchCritic(TorchTrainer):
 
         `batch.old_values` (values at rollout time) anchor the clipping; when absent the current values
         (detached) are used, i.e. no clipping. Returns critic/value_loss (reduced as configured),
-        critic/value_clipfrac (share of the step's valid tokens), critic/grad_norm (before clipping), critic/lr.
+        critic/value_clipfrac (share of the step's valid tokens), critic/grad_norm (before clipping), critic/lr and
+        critic/skipped_steps: a step whose value loss or gradient norm is not finite is skipped, leaving weights,
+        optimizer and schedule unchanged (as the policy's, see `relax.backends.torch_train`).
         """
         if batch.returns is None:
             raise ValueError("critic train_step needs batch.returns")
@@ -151,9 +160,13 @@ class TorchCritic(TorchTrainer):
                 value = value.detach().double()
                 totals[name] = totals[name] + value if name in totals else value
         out = {name: float(value) for name, value in totals.items()}
-        grad_norm, lr = self._optimizer_step()
+        grad_norm, lr, info = self._optimizer_step(out.get(VALUE_LOSS, 0.0), batch, who="critic")
         out[CRITIC_GRAD_NORM] = grad_norm
         out[CRITIC_LR] = lr
+        out[CRITIC_SKIPPED_STEPS] = info["skipped"]
+        if info["skipped"]:
+            out[CRITIC_NONFINITE_GRAD_TENSORS] = info["grad_tensors"]
+            out[NONFINITE_BATCH_VALUES] = info["batch_values"]
         return out
 
     # ---- checkpoints: HF backbone + value head -----------------------------------------------------
@@ -169,9 +182,15 @@ class TorchCritic(TorchTrainer):
         save_file(head, str(directory / VALUE_HEAD_FILE))
 
     def _extra_load(self, directory: Path) -> None:
+        from relax.backends.torch_train import CheckpointFileError, load_safetensors_file
+
         path = directory / VALUE_HEAD_FILE
         if path.is_file():
-            self.critic.value_head.load_state_dict(load_file(str(path), device=str(self.device)))
+            head = load_safetensors_file(path, device=str(self.device))
+            try:
+                self.critic.value_head.load_state_dict(head)
+            except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+                raise CheckpointFileError(f"checkpoint file {path} does not fit this critic: {e}") from None
         # else: a policy (or HF) checkpoint as the critic's initial backbone; the head stays zero
 
     def load_backbone(self, directory: str | os.PathLike) -> None:

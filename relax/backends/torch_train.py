@@ -8,14 +8,22 @@ bf16 9.9 s; pure bf16 parameters were slower than autocast (and lose small updat
 
 One `train_step` is one optimizer step over a global batch, accumulated over micro-batches; the loss
 denominator is the whole step's, so the split never changes the update (up to float rounding).
+
+A step whose loss or gradient norm is not finite is skipped: no optimizer update and no lr schedule step, so
+weights, Adam moments and step count, and the schedule stay exactly as they were; it reports
+`train/skipped_steps` 1 with the batch's and the gradients' non-finite counts, and logs a warning (the runner
+stops the run after `train.max_skipped_steps` in a row).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from collections.abc import Iterator
+import pickle
+import re
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -31,11 +39,21 @@ from relax.algorithms.loss import ENTROPY, compute_loss
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import build_model, entropy_from_logprobs, pick_device, pick_dtype, response_logprobs_all
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import GRAD_NORM, LR, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_ROLLOUT_RATIO_MAX
+from relax.metrics import (
+    GRAD_NORM,
+    LOSS,
+    LR,
+    NONFINITE_BATCH_VALUES,
+    NONFINITE_GRAD_TENSORS,
+    SKIPPED_STEPS,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+    TRAIN_ROLLOUT_RATIO_MAX,
+)
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
+logger = logging.getLogger(__name__)
 
 
 def available_cpus() -> int:
@@ -68,6 +86,28 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, 
 def default_total_steps(train_cfg: TrainConfig) -> int:
     """Optimizer steps of a run: num_rollout * num_steps_per_rollout (1 when still unresolved)."""
     return max(1, train_cfg.num_rollout * (train_cfg.num_steps_per_rollout or 1))
+
+
+def nonfinite_batch_values(batch: TrainBatch) -> int:
+    """NaN/inf values at the valid tokens of a batch's float inputs (advantages, log-probs, returns, values)."""
+    valid = batch.response_mask != 0
+    tensors = (batch.advantages, batch.old_logp, batch.ref_logp, batch.rollout_logp, batch.returns, batch.old_values)
+    return sum(int((~torch.isfinite(x[valid])).sum()) for x in tensors if x is not None and x.shape == valid.shape)
+
+
+def nonfinite_grad_tensors(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> tuple[int, Optional[str]]:
+    """(how many of the (name, gradient) pairs hold a NaN/inf, the first such name); None gradients are skipped."""
+    bad = [name for name, grad in named if grad is not None and not bool(torch.isfinite(grad).all())]
+    return len(bad), (bad[0] if bad else None)
+
+
+def skip_warning(who: str, applied: int, in_a_row: int, loss: float, grad_norm: float, bad_grads: int,
+                 first_bad: Optional[str], bad_values: int) -> str:
+    """The log line of a skipped optimizer step (`applied` steps so far, `in_a_row` skipped including this one)."""
+    where = f" (first: {first_bad})" if first_bad else ""
+    return (f"{who}: optimizer step skipped ({in_a_row} in a row, {applied} applied so far), weights and optimizer "
+            f"state unchanged: loss={loss}, grad_norm={grad_norm}; non-finite gradients in {bad_grads} parameter "
+            f"tensor(s){where}; {bad_values} non-finite value(s) in the batch")
 
 
 def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
@@ -154,6 +194,38 @@ def micro_batched_logprobs(model: torch.nn.Module, samples: Samples, micro_batch
     return out * samples.response_mask.to(out.dtype)
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint file that is damaged, truncated, or holds more than tensors and plain values; names the file."""
+
+
+def load_tensor_file(path: str | os.PathLike, *, map_location: Any = None, mmap: bool = False) -> Any:
+    """What `torch.save` wrote to `path`, loaded with `weights_only=True`: tensors and plain Python values only, so
+    a tampered file cannot run code. CheckpointFileError naming the file when it is refused or damaged."""
+    try:
+        return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        operand = re.search(r"Unsupported operand \d+", text)
+        if operand:  # not even a pickle torch.save writes
+            raise CheckpointFileError(f"checkpoint file {path} is damaged or truncated: not a torch.save file "
+                                      f"({operand.group()})") from None
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        detail = f"refused global {found.group(1)}" if found else "refused by the weights-only unpickler"
+        raise CheckpointFileError(f"checkpoint file {path} holds objects other than tensors and plain values "
+                                  f"({detail}); it was not loaded (loading it could run code)") from None
+    except Exception as e:  # a truncated or overwritten zip archive, a bad record, ...
+        raise CheckpointFileError(f"checkpoint file {path} is damaged or truncated: "
+                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+
+
+def load_safetensors_file(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; CheckpointFileError naming the file when it is damaged or truncated."""
+    try:
+        return load_file(str(path), device=device)
+    except Exception as e:  # SafetensorError (header, sizes), OSError
+        raise CheckpointFileError(f"checkpoint file {path} is damaged or truncated: {e}") from None
+
+
 def load_safetensors_dir(directory: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """All tensors of the *.safetensors files of a directory (sharded or not), except files in `exclude`."""
     files = sorted(p for p in Path(directory).glob("*.safetensors") if p.name not in exclude)
@@ -161,7 +233,7 @@ def load_safetensors_dir(directory: str | os.PathLike, exclude: tuple[str, ...] 
         raise FileNotFoundError(f"no *.safetensors file in checkpoint directory {str(directory)!r}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        state.update(load_safetensors_file(f))
     return state
 
 
@@ -224,6 +296,7 @@ class TorchTrainer:
             )
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+        self.skipped_in_a_row = 0  # optimizer steps skipped since the last applied one (for the log)
 
     @property
     def step(self) -> int:
@@ -234,17 +307,31 @@ class TorchTrainer:
         """bf16 autocast when the compute dtype is bf16, else nothing (fp32)."""
         return autocast(self.device, self.compute_dtype)
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip, step the optimizer (unless the gradient is not finite) and the schedule: (pre-clip norm, lr)."""
+    def _optimizer_step(self, loss: float, batch: TrainBatch,
+                        who: str = "policy") -> tuple[float, float, dict[str, float]]:
+        """Clip and step the optimizer and the schedule, unless `loss` or the gradient norm is not finite: then
+        nothing changes (weights, Adam state, schedule) and the step is skipped.
+
+        Returns (pre-clip norm, lr of this step, {"skipped": 0/1, and on a skip "grad_tensors", "batch_values":
+        the non-finite counts}).
+        """
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if math.isfinite(grad_norm):
+        info: dict[str, float] = {"skipped": 0.0}
+        if math.isfinite(grad_norm) and math.isfinite(loss):
             self.optimizer.step()
+            self.scheduler.step()
+            self.skipped_in_a_row = 0
+        else:
+            self.skipped_in_a_row += 1
+            bad, first = nonfinite_grad_tensors((n, p.grad) for n, p in self.model.named_parameters())
+            values = nonfinite_batch_values(batch)
+            info = {"skipped": 1.0, "grad_tensors": float(bad), "batch_values": float(values)}
+            logger.warning(skip_warning(who, self.step, self.skipped_in_a_row, loss, grad_norm, bad, first, values))
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return grad_norm, lr
+        return grad_norm, lr, info
 
     # ---- weights and checkpoints -------------------------------------------------------------------
 
@@ -272,22 +359,32 @@ class TorchTrainer:
         (directory / STATE_FILE).write_text(json.dumps({"step": self.step}))
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
-        """Restore what `save_checkpoint` wrote (weights always; optimizer and schedule unless told not to)."""
+        """Restore what `save_checkpoint` wrote (weights always; optimizer and schedule unless told not to).
+
+        Every file is read (safetensors, `weights_only` torch files) before anything is restored, so a damaged or
+        tampered file (CheckpointFileError naming it) leaves the trainer as it was."""
         directory = Path(directory)
         if not directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
-        load_into(self._hf_model(), load_safetensors_dir(directory, exclude=self._extra_files()))
-        self._extra_load(directory)
+        weights = load_safetensors_dir(directory, exclude=self._extra_files())
+        states: dict[str, Any] = {}
         if load_optimizer:
             for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
                 if not (directory / name).is_file():
                     raise FileNotFoundError(
                         f"checkpoint {str(directory)!r} has no {name} (load_optimizer=False skips it)"
                     )
-            self.optimizer.load_state_dict(
-                torch.load(directory / OPTIMIZER_FILE, weights_only=True, map_location=self.device)
-            )
-            self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
+            states[OPTIMIZER_FILE] = load_tensor_file(directory / OPTIMIZER_FILE, map_location=self.device)
+            states[SCHEDULER_FILE] = load_tensor_file(directory / SCHEDULER_FILE)
+        self._extra_load(directory)
+        load_into(self._hf_model(), weights)
+        for name, target in ((OPTIMIZER_FILE, self.optimizer), (SCHEDULER_FILE, self.scheduler)):
+            if name in states:
+                try:
+                    target.load_state_dict(states[name])
+                except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                    raise CheckpointFileError(f"checkpoint file {directory / name} does not fit this trainer: "
+                                              f"{type(e).__name__}: {e}") from None
 
     def _extra_files(self) -> tuple[str, ...]:
         return ()
@@ -357,15 +454,21 @@ class TorchPolicy(TorchTrainer):
         `entropy_coef > 0`; otherwise it is only measured (`report_entropy`). Returns the metrics of
         `compute_loss` summed over micro-batches (losses reduced as configured, diagnostics as means over the
         valid tokens of the whole step; see `relax.algorithms.compute_loss`) plus
-        `train/grad_norm` (before clipping) and `train/lr` (the lr this step used).
+        `train/grad_norm` (before clipping), `train/lr` (the lr this step used) and `train/skipped_steps` (1 when
+        the loss or the gradient norm was not finite and the step was skipped, see the module docstring; then also
+        `train/nonfinite_grad_tensors` and `train/nonfinite_batch_values`).
         """
         out = self.accumulate_gradients(
             batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size, report_entropy=report_entropy,
             rollout_mismatch=rollout_mismatch,
         )
-        grad_norm, lr = self._optimizer_step()
+        grad_norm, lr, info = self._optimizer_step(out.get(LOSS, 0.0), batch)
         out[GRAD_NORM] = grad_norm
         out[LR] = lr
+        out[SKIPPED_STEPS] = info["skipped"]
+        if info["skipped"]:
+            out[NONFINITE_GRAD_TENSORS] = info["grad_tensors"]
+            out[NONFINITE_BATCH_VALUES] = info["batch_values"]
         return out
 
     def accumulate_gradients(

@@ -34,10 +34,12 @@ def _job_fail(message: str) -> None:
 def _hydra_error_message(exc: BaseException) -> str:
     """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'")."""
     parts = [str(exc).strip()]
+    if getattr(exc, "override", None):  # OverrideParseException: name the override the grammar refused
+        parts[0] = f"cannot parse override {exc.override!r}: {parts[0]}"  # type: ignore[attr-defined]
     cause = exc.__cause__ or exc.__context__
     while cause is not None and len(parts) < 4:
         text = str(cause).strip()
-        if text and text not in parts[-1]:
+        if text and text != "None" and text not in parts[-1]:
             parts.append(text)
         cause = cause.__cause__ or cause.__context__
     keep = []
@@ -130,13 +132,17 @@ def _run(dc) -> object:
         print(plan.render())
         print("\ndry run: config valid; nothing started.")
         return None
+    from relax.backends.torch_train import CheckpointFileError
+    from relax.data.datasets import DataError
     from relax.runner.errors import RunError
     from relax.runner.train import run
 
     try:
         return run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
-    except RunError as exc:
+    except (RunError, DataError) as exc:  # DataError: a resume whose prompts differ from the checkpoint's
         _job_fail(str(exc))
+    except CheckpointFileError as exc:  # a role refused a checkpoint file (on Ray: the cause of a RayTaskError)
+        _job_fail(str(getattr(exc, "cause", exc)))
     return None
 
 

@@ -112,6 +112,10 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     clip_grad: float = 1.0
+    # An optimizer step whose loss or gradient norm is not finite is skipped (weights, optimizer state and lr schedule
+    # unchanged; counted in train/skipped_steps); this many skipped in a row stop the run (exit 2), keeping the
+    # checkpoints committed so far.
+    max_skipped_steps: int = 3
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     use_dynamic_global_batch_size: bool = False
     mode: str = "sync"  # sync | fully_async | hybrid (docs/training.md, "Training modes")
@@ -157,6 +161,9 @@ class DataConfig:
     # statistics and the loss, counted in rollout/reward_errors and rollout/reward_dropped_frac) | raise (stop
     # the run with the traceback of the first failure).
     reward_error: str = "drop_group"
+    # Seconds one reward call may take; a slower call is stopped and counts as a failed call (see reward_error).
+    # Calls then run in worker processes (a hung one is killed); None: no limit, calls run in the driver.
+    reward_timeout_s: Optional[float] = 60.0
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.
     system_prompt: Optional[str] = None
 

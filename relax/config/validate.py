@@ -124,6 +124,7 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.positive("train.weight_sync_interval", t.weight_sync_interval)
     r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
     r.positive("train.keep_checkpoints", t.keep_checkpoints)
+    r.positive("train.max_skipped_steps", t.max_skipped_steps)
     for key in ("adam_beta1", "adam_beta2"):
         value = getattr(t, key)
         r.require(0 <= value < 1, f"train.{key}", f"train.{key}={value} must be in [0, 1)")
@@ -150,6 +151,9 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     if c.cpus_per_node is not None:
         r.positive("cluster.cpus_per_node", c.cpus_per_node)
     r.choice("data.reward_error", cfg.data.reward_error, ("drop_group", "raise"))
+    r.choice("data.prompt_overflow", cfg.data.prompt_overflow, ("drop", "error"))
+    if cfg.data.reward_timeout_s is not None:
+        r.positive("data.reward_timeout_s", cfg.data.reward_timeout_s)
     r.require(cfg.seed >= 0, "seed", f"seed={cfg.seed} must be >= 0")
 
 

@@ -15,8 +15,10 @@ from relax.data.gsm8k import prepare_gsm8k
 from relax.data.tasks import generate_task
 from relax.data.tokenizer import (
     CHATML_TEMPLATE,
+    ModelFileError,
     ModelPathError,
     build_tiny_tokenizer,
+    check_model_files,
     ensure_pad_token,
     load_tokenizer,
     resolve_model_path,
@@ -25,12 +27,14 @@ from relax.data.tokenizer import (
 __all__ = [
     "CHATML_TEMPLATE",
     "DataError",
+    "ModelFileError",
     "ModelPathError",
     "PromptDataset",
     "PromptItem",
     "PromptSampler",
     "build_datasets",
     "build_tiny_tokenizer",
+    "check_model_files",
     "ensure_pad_token",
     "generate_task",
     "load_prompt_file",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,32 +59,20 @@ def _check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str
 
 
 def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
-    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages."""
+    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages.
+
+    Values are data, never code: JSON is parsed with `json.loads`, Parquet read with pyarrow (no extension type is
+    unpickled), and no field is imported, evaluated or unpickled here or later.
+    """
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise DataError(f"data file {p} is a directory, not a JSONL or Parquet file")
     if not p.is_file():
         raise DataError(f"data file {p} does not exist")
-    records: list[Record] = []
     if p.suffix in (".parquet", ".pq"):
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(p).to_pylist()
-        except Exception as e:
-            raise DataError(f"{p}: cannot read Parquet: {e}") from e
-        records = [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+        records = _read_parquet(p)
     else:
-        with open(p, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{p}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                records.append((obj, where))
+        records = _read_jsonl(p)
     if not records:
         raise DataError(f"data file {p} is empty (no records)")
     for obj, where in records:
@@ -92,6 +81,53 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
                 raise DataError(f"{where}: missing key {key!r} ({field}); record has keys {sorted(obj)}")
         _check_prompt(obj[prompt_key], where, prompt_key)
     return records
+
+
+def _read_parquet(p: Path) -> list[Record]:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    if _version(pyarrow.__version__) < (14, 0, 1):  # CVE-2023-47248: older pyarrow unpickles extension types
+        raise DataError(f"{p}: reading Parquet needs pyarrow>=14.0.1 (older versions can run code from a Parquet "
+                        f"file), found {pyarrow.__version__}")
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except Exception as e:
+        raise DataError(f"{p}: cannot read Parquet: {e}") from None
+    return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+
+
+def _read_jsonl(p: Path) -> list[Record]:
+    records: list[Record] = []
+    try:
+        with open(p, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{p}:{lineno}"
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    hint = " (it looks like Parquet: name it *.parquet)" if raw.startswith(b"PAR1") else ""
+                    raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                    f"data files are UTF-8 JSONL or Parquet{hint}") from None
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{where}: invalid JSON (nested too deeply)") from None
+                if not isinstance(obj, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                records.append((obj, where))
+    except OSError as e:
+        raise DataError(f"data file {p} cannot be read: {e.strerror or e}") from None
+    return records
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as "14.0.1" or "15.0.0.dev12"."""
+    return tuple(int(m.group()) if (m := re.match(r"\d+", part)) else 0 for part in text.split(".")[:3])
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -337,8 +373,13 @@ class PromptSampler:
         if state.get("seed", self.seed) != self.seed or state.get("shuffle", self.shuffle) != self.shuffle:
             raise DataError(f"PromptSampler: checkpoint seed/shuffle ({state.get('seed')}, {state.get('shuffle')}) "
                             f"differ from the current ({self.seed}, {self.shuffle})")
-        position = int(state["position"])
-        if not 0 <= position < len(self.dataset):
-            raise DataError(f"PromptSampler: position {position} out of range for {len(self.dataset)} prompts")
-        self.epoch = int(state["epoch"])
+        try:
+            epoch, position = int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"PromptSampler: the checkpoint's sampler state is damaged ({type(e).__name__}: {e})") \
+                from None
+        if not 0 <= position < len(self.dataset) or epoch < 0:
+            raise DataError(f"PromptSampler: position {position} (epoch {epoch}) out of range for "
+                            f"{len(self.dataset)} prompts")
+        self.epoch = epoch
         self.position = position

@@ -9,6 +9,7 @@ directory, `source=gguf` a .gguf file (default: the SmolLM2-135M-Instruct file s
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -51,6 +52,17 @@ logger = logging.getLogger(__name__)
 
 class ModelPathError(FileNotFoundError):
     """The model's weights/tokenizer could not be found locally (nothing is ever downloaded)."""
+
+
+class ModelFileError(ValueError):
+    """A model file is there but unusable (not JSON, not GGUF, no weights, a tokenizer that does not load); the
+    message names `model.path` and the file."""
+
+
+# Weight files `transformers.AutoModelForCausalLM.from_pretrained` reads from a directory.
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+GGUF_MAGIC = b"GGUF"
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -144,6 +156,41 @@ def resolve_model_path(model_cfg: Any) -> Optional[Path]:
     raise ValueError(f"model.source={source!r}: must be one of config | hf | gguf")
 
 
+def check_model_files(model_cfg: Any) -> Optional[Path]:
+    """The model path of `model_cfg` (None for `source=config`), after checking without loading anything that its
+    files can be a model: `hf`: config.json is a JSON object and a weight file (`HF_WEIGHT_FILES`) is there;
+    `gguf`: the file starts with the GGUF magic. Raises ModelPathError / ModelFileError naming the file."""
+    path = resolve_model_path(model_cfg)
+    source = _field(model_cfg, "source", "config")
+    if path is None:
+        return None
+    if source == "hf":
+        config = path / "config.json"
+        if not config.is_file():
+            raise ModelPathError(f"model.source=hf: model.path={str(path)!r} has no config.json (expected a local "
+                                 "Hugging Face model directory)")
+        try:
+            parsed = json.loads(config.read_bytes())
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"model.source=hf: {config} is not valid JSON ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ModelFileError(f"model.source=hf: {config} is not a JSON object")
+        if not any((path / name).is_file() for name in HF_WEIGHT_FILES):
+            raise ModelFileError(f"model.source=hf: model.path={str(path)!r} has no weights (none of "
+                                 f"{', '.join(HF_WEIGHT_FILES)})")
+    elif source == "gguf":
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(len(GGUF_MAGIC))
+        except OSError as e:
+            raise ModelFileError(f"model.source=gguf: cannot read model.path={str(path)!r}: "
+                                 f"{e.strerror or e}") from None
+        if magic != GGUF_MAGIC:
+            raise ModelFileError(f"model.source=gguf: model.path={str(path)!r} is not a GGUF file (it does not start "
+                                 f"with {GGUF_MAGIC!r})")
+    return path
+
+
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """Batching needs a pad token; fall back to eos (pad positions are masked out anyway)."""
     if tokenizer.pad_token is None:
@@ -164,10 +211,15 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         return build_tiny_tokenizer()
     path = resolve_model_path(model_cfg)
     assert path is not None
-    if source == "hf":
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    else:
-        tokenizer = _load_gguf_tokenizer(path)
+    try:
+        if source == "hf":
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        else:
+            tokenizer = _load_gguf_tokenizer(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # transformers' errors of bad files
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelFileError(f"model.source={source}: cannot load the tokenizer of model.path={str(path)!r}: "
+                             f"{type(e).__name__}: {detail}") from None
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
     return ensure_pad_token(tokenizer)
@@ -228,7 +280,12 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
         if path is not None and (path / "generation_config.json").is_file():
             from transformers import GenerationConfig
 
-            ids |= _ids(GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id)
+            try:
+                ids |= _ids(GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id)
+            except (OSError, ValueError, TypeError) as e:
+                raise ModelFileError(f"model.source=hf: {path / 'generation_config.json'} cannot be read: "
+                                     f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                                     ) from None
     if not ids:
         raise ValueError("the tokenizer has no EOS token and the model no generation_config eos_token_id: "
                          "responses could never stop")

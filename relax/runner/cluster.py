@@ -16,7 +16,7 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
-from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY
+from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY, CRITIC_SKIPPED_STEPS, SKIPPED_STEPS
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.sglang_server import EngineServer
 from relax.roles.workers import (
@@ -34,7 +34,8 @@ from relax.runner.errors import RunError
 from relax.runner.plan import ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.sglang_engines import SGLangEngines
 
-_SUMMED = {ACTOR_COMPUTE_TIME}  # times add up over the optimizer steps of a rollout; other metrics average
+# times and skipped-step counts add up over the optimizer steps of a rollout; other metrics average
+_SUMMED = {ACTOR_COMPUTE_TIME, SKIPPED_STEPS, CRITIC_SKIPPED_STEPS}
 
 
 def _average(metrics: list[dict[str, float]]) -> dict[str, float]:

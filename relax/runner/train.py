@@ -7,27 +7,37 @@ methods and moves `Samples` / `TrainBatch` between them.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
+from relax.backends.sampling import NonFiniteLogitsError
 from relax.config.schema import RelaxConfig
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
+    CRITIC_GRAD_NORM,
+    CRITIC_SKIPPED_STEPS,
+    GRAD_NORM,
+    LOSS,
     OVERHEAD_FRACTION,
     OVERHEAD_TIME,
+    REWARD_TIMEOUTS,
     ROLLOUT_ENGINE_TIME,
     ROLLOUT_IDLE_FRAC,
     ROLLOUT_TIME,
+    SKIPPED_STEPS,
     STEP_TIME,
     SYNC_TIME,
     TOKENS_PER_S,
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
+    VALUE_LOSS,
 )
 from relax.rewards.registry import Scores
 from relax.runner import checkpoint
@@ -50,13 +60,13 @@ EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the
 def _prepare(cfg: RelaxConfig):
     """Tokenizer, datasets and reward function: the user-input failures, before any process starts."""
     from relax.data.datasets import DataError, PromptSampler, build_datasets
-    from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
+    from relax.data.tokenizer import check_model_files, load_tokenizer, stop_token_ids
     from relax.rewards.registry import get_reward_fn
     from relax.roles.workers import ModelInfo
 
     try:
         if cfg.model.source != "config":
-            path = resolve_model_path(cfg.model)
+            path = check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
             if cfg.train.backend == "megatron":
                 _check_megatron_model(cfg, path)
         tokenizer = load_tokenizer(cfg.model)
@@ -97,7 +107,7 @@ def _score(cfg: RelaxConfig, tokenizer, reward_fn, samples: Samples, items: list
              for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     labels = [item.label for item in items for _ in range(n)]
     prompts = [item.prompt_text for item in items for _ in range(n)]
-    scores = score_responses(reward_fn, texts, labels, prompts)
+    scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
     if scores.first_error is not None and cfg.data.reward_error == "raise":
         raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
     return scores
@@ -128,6 +138,54 @@ def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
     out whole (its statistics would compare real rewards with a placeholder)."""
     bad = torch.tensor(failed, dtype=torch.bool).view(-1, group_size).any(-1)
     return (~bad).repeat_interleave(group_size)
+
+
+def optimizer_steps(cfg: RelaxConfig, batch: TrainBatch) -> int:
+    """The optimizer steps `Cluster.train` takes on a rollout's batch: its global batches with a valid token."""
+    size = cfg.train.global_batch_size
+    return sum(bool(batch.response_mask[k * size:(k + 1) * size].any()) for k in range(cfg.train.num_steps_per_rollout))
+
+
+class SkippedSteps:
+    """Optimizer steps the trainers skipped (their loss or gradient norm was not finite; weights, optimizer state and
+    lr schedule stay as they were), counted per rollout and in a row: `train.max_skipped_steps` in a row stop the run.
+
+    A trainer reports 0/1 per optimizer step and `Cluster.train` sums them over the rollout's steps. In a partly
+    skipped rollout the skipped steps are taken to be its last ones (a diverged trainer keeps failing), so a run
+    with several optimizer steps per rollout may stop up to that many steps early.
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def count(self, metrics: dict[str, float], steps: int) -> None:
+        """Add this rollout's skipped optimizer steps (of its `steps`) to the run of skips in a row."""
+        skipped = 0
+        for key in (SKIPPED_STEPS, CRITIC_SKIPPED_STEPS):  # the policy's and the critic's (PPO) optimizer
+            if key in metrics:
+                skipped = max(skipped, int(metrics[key]))
+        self.in_a_row = self.in_a_row + skipped if skipped == steps else skipped
+
+    def check(self, step: int, metrics: dict[str, float], checkpoints: checkpoint.Checkpoints) -> None:
+        """Raise RunError once `train.max_skipped_steps` optimizer steps in a row were skipped."""
+        if self.in_a_row < self.limit:
+            return
+        values = ", ".join(f"{k}={metrics[k]:g}" for k in (LOSS, GRAD_NORM, VALUE_LOSS, CRITIC_GRAD_NORM)
+                           if k in metrics)
+        last = checkpoint.latest(checkpoints.save_dir) if checkpoints.uses_dir else None
+        kept = f"the last checkpoint is {last}" if last is not None else "no checkpoint was committed before it"
+        raise RunError(f"step {step}: {self.in_a_row} optimizer step(s) in a row were skipped because the loss or the "
+                       f"gradient norm is not finite ({values}); train.max_skipped_steps={self.limit}. The weights "
+                       f"are those of the last applied step; {kept}. Lower train.lr or check the rewards.")
+
+
+@contextlib.contextmanager
+def _refusing_broken_weights(step: int) -> Iterator[None]:
+    """The rollout engine's refusal to sample from non-finite logits, as the run's error (on Ray its cause)."""
+    try:
+        yield
+    except NonFiniteLogitsError as exc:
+        raise RunError(f"step {step}: the rollout engine stopped: {getattr(exc, 'cause', exc)}") from None
 
 
 def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples, rewards: torch.Tensor,
@@ -190,13 +248,15 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                 stream.load_state_dict(saved, lambda d: PromptItem(**d))
         stream.publish(start_step, cluster.weights(start_step))
         pace = Pace(stream)
+        skipped = SkippedSteps(cfg.train.max_skipped_steps)
 
         with stream:
             for step in range(start_step, cfg.train.num_rollout):
                 t0 = time.perf_counter()
                 metrics: dict[str, float] = {}
                 # 1. the rollout of this step (generated by the stream, as far ahead as the mode allows)
-                job, samples, waited = stream.take(step)
+                with _refusing_broken_weights(step):
+                    job, samples, waited = stream.take(step)
                 t_rollout = time.perf_counter()
                 metrics.update(staleness_metrics(samples, step, cfg.train.max_staleness))
                 # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
@@ -204,14 +264,16 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                 rewards = torch.tensor(scores.rewards, dtype=torch.float32)
                 keep = kept_groups(scores.failed, G)
                 metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
+                metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
                 t_train0 = t_train = time.perf_counter()
                 if keep.any():  # a rollout whose every group was left out trains nothing (no advantages, no step)
                     # 3-4. the log-probs and values the algorithm needs, then advantages
                     batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep, step)
                     metrics.update(advantage_metrics)
-                    # 5. optimizer steps over the global batch(es)
+                    # 5. optimizer steps over the global batch(es); a non-finite one is skipped and counted
                     t_train0 = time.perf_counter()
                     metrics.update(cluster.train(batch, step))
+                    skipped.count(metrics, optimizer_steps(cfg, batch))
                     t_train = time.perf_counter()
                 # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
                 evaluate = bool(cfg.train.eval_interval) and eval_set is not None \
@@ -220,7 +282,8 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                     stream.publish(step + 1, cluster.weights(step + 1))
                 t_sync = time.perf_counter()
                 if evaluate:
-                    metrics.update(_evaluate(cfg, cluster, stream, tokenizer, reward_fn, eval_set))
+                    with _refusing_broken_weights(step):
+                        metrics.update(_evaluate(cfg, cluster, stream, tokenizer, reward_fn, eval_set))
                 n_tokens = float(samples.response_mask.sum())
                 step_time = time.perf_counter() - t0
                 overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
@@ -237,6 +300,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                     TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
                 })
                 session.log(metrics, step)
+                skipped.check(step, metrics, checkpoints)  # stops before a checkpoint of this step is written
                 last = step + 1 == cfg.train.num_rollout
                 interval = cfg.train.save_interval
                 if cfg.train.save and (last or (interval and (step + 1) % interval == 0)):

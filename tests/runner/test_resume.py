@@ -252,6 +252,7 @@ PER_STEP = 2 * 4  # reward calls per step: rollout_batch_size * n_samples_per_pr
 # holds a batch generated ahead, which the resumed run must train exactly as the uninterrupted one does
 RUN_ARGS = [f"train.num_rollout={STEPS}", "train.save_interval=2", "rollout.rollout_batch_size=2",
             "rollout.n_samples_per_prompt=4", "tracking.progress=false", "data.reward=hold_reward:reward",
+            "data.reward_timeout_s=null",  # the reward runs in the driver: its call count holds the run
             "train.mode=hybrid"]
 KEY = "train/loss"
 HERE = Path(__file__).resolve().parent  # hold_reward.py

@@ -31,7 +31,9 @@ def test_grpo_learns_through_two_embedded_servers_behind_the_router_and_survives
     import kill_engine_reward
 
     cfg = load_config([*SGLANG, "algorithm=grpo", "train.num_rollout=20", "seed=1", "model.dtype=float32",
-                       "data.reward=kill_engine_reward:reward", "tracking.enabled=false",
+                       "data.reward=kill_engine_reward:reward",
+                       "data.reward_timeout_s=null",  # the reward runs in this process (its count is the test's)
+                       "tracking.enabled=false",
                        "tracking.progress=false", "train.save=false"])
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == list(range(20))

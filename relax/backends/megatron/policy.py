@@ -17,14 +17,19 @@ Methods and return conventions are those of `relax.backends.torch_train.TorchPol
   target logit all-reduced over the tensor-parallel group); vocabulary rows added to make the vocabulary
   divisible by TP are excluded.
 - Optimizer: megatron-core's (`get_megatron_optimizer`, Adam with decoupled weight decay, optionally the
-  distributed optimizer), lr set each step from `relax.backends.torch_train.lr_factor`; a step whose gradient
-  norm is not finite is skipped, as in the torch backend. Megatron applies no weight decay to 1-D parameters
-  (norm weights); the torch backend decays every parameter (the same with the default weight_decay=0).
+  distributed optimizer), lr set each step from `relax.backends.torch_train.lr_factor`. Megatron applies no weight
+  decay to 1-D parameters (norm weights); the torch backend decays every parameter (the same with the default
+  weight_decay=0).
+- Non-finite steps: as in the torch backend, a step whose loss or gradient norm is not finite is skipped (no
+  optimizer update, no lr schedule step, `train/skipped_steps` 1). Every rank decides the same: the loss is the
+  whole batch's (all-reduced, broadcast from the last stage) and the norm is reduced over the model-parallel group,
+  and a skip flag is max-reduced over all ranks of the trainer besides, so that no rank steps while another skips.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -34,7 +39,7 @@ from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from relax import algorithms
 from relax.algorithms import functional as F
@@ -51,13 +56,31 @@ from relax.backends.megatron.model import (
     transformer_config,
 )
 from relax.backends.models import build_model, pick_dtype, resolve_model_path
-from relax.backends.torch_train import default_total_steps, length_sorted_micro_batches, lr_factor, step_denominators
+from relax.backends.torch_train import (
+    default_total_steps,
+    length_sorted_micro_batches,
+    lr_factor,
+    nonfinite_batch_values,
+    nonfinite_grad_tensors,
+    skip_warning,
+    step_denominators,
+)
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import GRAD_NORM, LR, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TRAIN_ROLLOUT_RATIO_MAX
+from relax.metrics import (
+    GRAD_NORM,
+    LOSS,
+    LR,
+    NONFINITE_BATCH_VALUES,
+    NONFINITE_GRAD_TENSORS,
+    SKIPPED_STEPS,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+    TRAIN_ROLLOUT_RATIO_MAX,
+)
 
 MODEL_FILE = "model_tp{tp}_pp{pp}_dp{dp}.safetensors"
 OPTIMIZER_FILE = "optimizer_tp{tp}_pp{pp}_dp{dp}.pt"
 STATE_FILE = "trainer_state.json"
+logger = logging.getLogger(__name__)
 
 
 def _group_size(group: Any) -> int:
@@ -247,6 +270,7 @@ class MegatronPolicy:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model.no_sync
         self.step = 0
+        self.skipped_in_a_row = 0  # optimizer steps skipped since the last applied one (for the log)
 
     # ---- construction ---------------------------------------------------------------------------------
 
@@ -484,18 +508,36 @@ class MegatronPolicy:
                 out.pop(ENTROPY, None)
         return self._broadcast_from_last_stage(out)
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Set the scheduled lr, clip and step (unless the gradient norm is not finite): (pre-clip norm, lr)."""
+    def _skip_on_every_rank(self, skip: bool) -> bool:
+        """True on every rank when any rank of the trainer would skip the step (a max-reduced flag)."""
+        flag = torch.tensor([1.0 if skip else 0.0], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def _nonfinite_grad_tensors(self) -> tuple[int, Optional[str]]:
+        """Parameter shards whose gradient holds a NaN/inf, summed over the model-parallel group (a collective),
+        and this rank's first such name."""
+        bad, first = nonfinite_grad_tensors((n, getattr(p, "main_grad", p.grad))
+                                            for n, p in self._module().named_parameters())
+        count = torch.tensor([float(bad)], device=self.device)
+        torch.distributed.all_reduce(count, group=self.ps.get_model_parallel_group())
+        return int(count.item()), first
+
+    def _optimizer_step(self, loss: float, batch: TrainBatch) -> tuple[float, float, dict[str, float]]:
+        """Set the scheduled lr, clip and step, unless the loss or the gradient norm is not finite on any rank: then
+        nothing changes (weights, optimizer state, step count) on every rank. Returns (pre-clip norm, lr, {"skipped":
+        0/1, and on a skip "grad_tensors", "batch_values": the non-finite counts})."""
         from megatron.core.optimizer import optimizer as mopt
 
         lr = self.train_cfg.lr * lr_factor(self.step, schedule=self.train_cfg.lr_schedule,
                                            warmup_steps=self.train_cfg.warmup_steps, total_steps=self.total_steps,
                                            min_lr_ratio=self.train_cfg.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        if not found_inf and math.isfinite(grad_norm):
+        info: dict[str, float] = {"skipped": 0.0}
+        if not self._skip_on_every_rank(bool(found_inf) or not math.isfinite(grad_norm) or not math.isfinite(loss)):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             if self.train_cfg.clip_grad > 0:
                 chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
                 for opt in chained:
@@ -504,10 +546,19 @@ class MegatronPolicy:
                         mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.train_cfg.clip_grad,
                                                           total_norm=grad_norm)
             self.optimizer.step_with_ready_grads()
+            self.step += 1
+            self.skipped_in_a_row = 0
+        else:
+            self.skipped_in_a_row += 1
+            bad, first = self._nonfinite_grad_tensors()
+            values = nonfinite_batch_values(batch)
+            info = {"skipped": 1.0, "grad_tensors": float(bad), "batch_values": float(values)}
+            if torch.distributed.get_rank() == 0:
+                logger.warning(skip_warning("policy", self.step, self.skipped_in_a_row, loss, grad_norm, bad, first,
+                                            values))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.step += 1
-        return grad_norm, lr
+        return grad_norm, lr, info
 
     def train_step(
         self,
@@ -520,10 +571,14 @@ class MegatronPolicy:
         rollout_mismatch: bool = False,
     ) -> dict[str, float]:
         """One optimizer step over the whole `batch` (see `TorchPolicy.train_step`); every rank returns the
-        step's metrics, including `train/grad_norm` (before clipping) and `train/lr`."""
+        step's metrics, including `train/grad_norm` (before clipping), `train/lr` and `train/skipped_steps`."""
         out = self.accumulate_gradients(batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size,
                                         report_entropy=report_entropy, rollout_mismatch=rollout_mismatch)
-        out[GRAD_NORM], out[LR] = self._optimizer_step()
+        out[GRAD_NORM], out[LR], info = self._optimizer_step(out.get(LOSS, 0.0), batch)
+        out[SKIPPED_STEPS] = info["skipped"]
+        if info["skipped"]:
+            out[NONFINITE_GRAD_TENSORS] = info["grad_tensors"]
+            out[NONFINITE_BATCH_VALUES] = info["batch_values"]
         return out
 
     # ---- weights --------------------------------------------------------------------------------------
@@ -627,22 +682,36 @@ class MegatronPolicy:
         torch.distributed.barrier()
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
-        """Restore what `save_checkpoint` wrote (weights always; optimizer state and step unless told not to)."""
+        """Restore what `save_checkpoint` wrote (weights always; optimizer state and step unless told not to).
+
+        Every rank reads its files first (safetensors, and the optimizer state with `weights_only=True`: tensors and
+        plain values only, so a tampered file cannot run code); if any rank cannot, every rank raises (the one that
+        failed with a CheckpointFileError naming its file) and nothing is restored. A collective."""
+        from relax.backends.torch_train import CheckpointFileError, load_safetensors_file, load_tensor_file
+
         directory = Path(directory)
-        state_file = directory / STATE_FILE
-        if not state_file.is_file():
-            raise FileNotFoundError(f"{str(directory)!r} is not a Megatron checkpoint (no {STATE_FILE})")
-        meta = json.loads(state_file.read_text())
-        sizes = (meta["tensor_parallel_size"], meta["pipeline_parallel_size"], meta["data_parallel_size"])
-        if sizes != (self.tp, self.pp, self.dp):
-            raise ValueError(f"checkpoint {str(directory)!r} was written with TP/PP/DP={sizes}, this trainer has "
-                             f"{(self.tp, self.pp, self.dp)}; export it with save_hf to change the layout")
         names = self._rank_names()
-        weights = load_file(str(directory / MODEL_FILE.format(**{**names, "dp": 0})))
+        error: Optional[Exception] = None
+        try:
+            meta = self._read_checkpoint_meta(directory)
+            weights = load_safetensors_file(directory / MODEL_FILE.format(**{**names, "dp": 0}))
+            if load_optimizer:
+                opt_file = directory / OPTIMIZER_FILE.format(**names)
+                opt_state = load_tensor_file(opt_file, map_location=self.device)
+                if not isinstance(opt_state, dict) or not isinstance(opt_state.get("common"), dict) or (
+                        self.use_distributed_optimizer and not isinstance(opt_state.get("param_state"), list)):
+                    raise CheckpointFileError(f"checkpoint file {opt_file} is not this trainer's optimizer state")
+        except (CheckpointFileError, FileNotFoundError, ValueError) as e:
+            error = e
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item() > 0:
+            raise CheckpointFileError(f"checkpoint {str(directory)!r}: another rank of the trainer could not read "
+                                      "its files (its error names them); nothing was restored")
         self._load_megatron(self._module(), {k: v.to(self.params_dtype) for k, v in weights.items()})
         if load_optimizer:  # restores the optimizer's main (fp32) weights with its moments
-            opt_state = torch.load(directory / OPTIMIZER_FILE.format(**names), weights_only=False,
-                                   map_location=self.device)
             self.optimizer.load_state_dict(opt_state["common"])
             if self.use_distributed_optimizer:
                 chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
@@ -658,3 +727,21 @@ class MegatronPolicy:
         else:  # the loaded weights become the optimizer's main weights
             self.optimizer.reload_model_params()
         torch.distributed.barrier()
+
+    def _read_checkpoint_meta(self, directory: Path) -> dict[str, Any]:
+        """`trainer_state.json` of a checkpoint, checked against this trainer's TP/PP/DP sizes."""
+        from relax.backends.torch_train import CheckpointFileError
+
+        state_file = directory / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"{str(directory)!r} is not a Megatron checkpoint (no {STATE_FILE})")
+        try:
+            meta = json.loads(state_file.read_bytes())
+            sizes = (meta["tensor_parallel_size"], meta["pipeline_parallel_size"], meta["data_parallel_size"])
+            int(meta["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointFileError(f"checkpoint file {state_file} is damaged: {type(e).__name__}: {e}") from None
+        if sizes != (self.tp, self.pp, self.dp):
+            raise ValueError(f"checkpoint {str(directory)!r} was written with TP/PP/DP={sizes}, this trainer has "
+                             f"{(self.tp, self.pp, self.dp)}; export it with save_hf to change the layout")
+        return meta

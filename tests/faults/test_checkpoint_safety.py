@@ -1,0 +1,350 @@
+"""Checkpoints are data, never code: a tampered or truncated checkpoint is refused with one message naming the file.
+
+Two lines of defence, both tested here:
+- the driver (`relax.runner.checkpoint.verify`, run when a resume is set up, before Ray, tracking or any role starts)
+  checks every file against the size and SHA-256 that state.json recorded at commit, or, for a checkpoint written
+  before manifests, parses every file a loader reads (safetensors headers, weights-only torch files, JSON);
+- every loader (`TorchPolicy` / `TorchCritic.load_checkpoint`, `MegatronPolicy.load_checkpoint`,
+  `read_rollout_state`) reads torch files with `weights_only=True` and names the file it refuses.
+
+"Nothing executed" is checked with a pickle whose `__reduce__` would create a marker file when unpickled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax.backends.torch_train import CheckpointFileError, TorchPolicy
+from relax.config import load_config
+from relax.config.schema import ModelConfig
+from relax.runner import checkpoint
+from relax.runner.checkpoint import Checkpoints
+from relax.runner.errors import RunError
+
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the raw-pickle files' protocol
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB, PAD = 40, 0  # the tiny tokenizer's vocabulary and pad id
+TINY = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                   max_position_embeddings=64)
+
+
+class RunsCode:
+    """Unpickling this creates `marker` (via `builtins.open`): what a malicious checkpoint file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def write_malicious(path: Path, marker: Path, *, zip_format: bool = True) -> None:
+    """A torch file (`torch.save`'s zip format) or a raw pickle that would run code when loaded unsafely."""
+    payload = {"state": {0: {"exp_avg": RunsCode(marker)}}, "param_groups": []}
+    if zip_format:
+        torch.save(payload, path)
+    else:
+        path.write_bytes(pickle.dumps(payload))
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def policy() -> TorchPolicy:
+    return TorchPolicy(TINY, load_config([]).train, vocab_size=VOCAB, pad_token_id=PAD, seed=0, num_threads=1)
+
+
+def params(p: TorchPolicy) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in p.model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------------ the loaders
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["torch-save", "raw-pickle"])
+def test_a_pickle_that_runs_code_as_optimizer_file_is_refused_and_nothing_restored(tmp_path, zip_format):
+    marker = tmp_path / "PWNED"
+    trainer = policy()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    write_malicious(tmp_path / "ckpt" / "optimizer.pt", marker, zip_format=zip_format)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)  # differs from the checkpoint's weights
+    before = params(trainer)
+    with pytest.raises(CheckpointFileError, match=r"optimizer\.pt") as info:
+        trainer.load_checkpoint(tmp_path / "ckpt")
+    assert not marker.exists()  # nothing was executed
+    assert "objects other than tensors" in str(info.value) or "damaged" in str(info.value)
+    after = params(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # every file is read before anything is restored
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt"])
+def test_a_truncated_file_is_refused_naming_it(tmp_path, name):
+    trainer = policy()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    truncate(tmp_path / "ckpt" / name)
+    with pytest.raises(CheckpointFileError, match=rf"{name.replace('.', '[.]')} is damaged or truncated"):
+        trainer.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_an_intact_checkpoint_still_loads(tmp_path):
+    trainer = policy()
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    other = policy()
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.zero_()
+    other.load_checkpoint(tmp_path / "ckpt")
+    want, got = params(trainer), params(other)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_the_critics_value_head_is_checked_too(tmp_path):
+    from relax.backends.torch_critic import VALUE_HEAD_FILE, TorchCritic
+
+    critic = TorchCritic(TINY, load_config([]).train, vocab_size=VOCAB, pad_token_id=PAD, seed=0, num_threads=1)
+    with torch.no_grad():
+        for p in critic.critic.value_head.parameters():
+            p.normal_()
+    saved = {k: v.clone() for k, v in critic.critic.state_dict().items()}
+    critic.save_checkpoint(tmp_path / "critic")
+    with torch.no_grad():
+        for p in critic.critic.parameters():
+            p.zero_()
+    critic.load_checkpoint(tmp_path / "critic")  # intact: backbone and value head restored
+    assert all(torch.equal(v, critic.critic.state_dict()[k]) for k, v in saved.items())
+    truncate(tmp_path / "critic" / VALUE_HEAD_FILE)
+    with pytest.raises(CheckpointFileError, match=VALUE_HEAD_FILE.replace(".", "[.]")):
+        critic.load_checkpoint(tmp_path / "critic")
+
+
+def test_the_rollout_state_is_loaded_weights_only(tmp_path):
+    marker = tmp_path / "PWNED"
+    write_malicious(tmp_path / checkpoint.ROLLOUT_STATE, marker)
+    with pytest.raises(RunError, match=r"rollout\.pt holds objects other than tensors"):
+        checkpoint.read_rollout_state(tmp_path)
+    assert not marker.exists()
+    truncate(tmp_path / checkpoint.ROLLOUT_STATE)
+    with pytest.raises(RunError, match=r"rollout\.pt is damaged or truncated"):
+        checkpoint.read_rollout_state(tmp_path)
+
+
+# ------------------------------------------------------------------------- the driver, before anything starts
+
+OVERRIDES = ["tracking.progress=false", "train.lr=0.002"]
+
+
+def committed_checkpoint(cwd: Path, *, manifest: bool = True) -> Path:
+    """A committed checkpoint as a run writes it (policy files, rollout state, state.json) at the default location
+    of `OVERRIDES` under `cwd`. Without `manifest`: as written before checkpoints listed their files."""
+    cfg = load_config(OVERRIDES)
+    trainer = TorchPolicy(cfg.model, cfg.train, vocab_size=VOCAB, pad_token_id=PAD, seed=0, num_threads=1)
+    with Checkpoints(cfg, cwd) as ckpts:
+        staging = ckpts.staging(2)
+        trainer.save_checkpoint(staging / "policy")
+        checkpoint.write_rollout_state(staging, {"next_step": 2, "ahead": [torch.zeros(3)], "partial": []})
+        path = ckpts.commit(staging, 2, {"sampler": {"epoch": 0, "position": 8}, "mlflow_run_id": None})
+    if not manifest:
+        state = json.loads((path / checkpoint.STATE).read_text())
+        del state[checkpoint.FILES]
+        (path / checkpoint.STATE).write_text(json.dumps(state))
+    return path
+
+
+def resume(cwd: Path) -> None:
+    with Checkpoints(load_config([*OVERRIDES, "train.resume=auto"]), cwd):
+        pass
+
+
+def test_commit_records_every_file_and_an_intact_checkpoint_resumes(tmp_path):
+    path = committed_checkpoint(tmp_path)
+    files = json.loads((path / checkpoint.STATE).read_text())[checkpoint.FILES]
+    assert {"policy/model.safetensors", "policy/optimizer.pt", "policy/scheduler.pt", "rollout.pt",
+            "config.yaml"} <= set(files)
+    assert all(len(e["sha256"]) == 64 and e["size"] > 0 for e in files.values())
+    with Checkpoints(load_config([*OVERRIDES, "train.resume=auto"]), tmp_path) as ckpts:
+        assert ckpts.resume.path == path and ckpts.resume.step == 2
+
+
+def _flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, file, says", [
+    (truncate, "state.json", "is damaged (not JSON"),
+    (lambda f: f.write_text("[1, 2]"), "state.json", "is damaged (not a JSON object with an integer 'step')"),
+    (truncate, "policy/model.safetensors", "is damaged: "),
+    (truncate, "policy/optimizer.pt", "is damaged: "),
+    (truncate, "rollout.pt", "is damaged: "),
+    (_flip_a_byte, "policy/model.safetensors", "was changed after the checkpoint was committed"),
+    (lambda f: f.unlink(), "policy/scheduler.pt", "is missing"),
+    (lambda f: f.write_bytes(b"\0" * 16), "policy/extra.safetensors", "is not part of the checkpoint as committed"),
+], ids=["state-truncated", "state-not-object", "weights-truncated", "optimizer-truncated", "rollout-truncated",
+        "weights-bit-flip", "scheduler-deleted", "file-added"])
+def test_a_damaged_checkpoint_is_refused_before_anything_starts(tmp_path, damage, file, says):
+    path = committed_checkpoint(tmp_path)
+    damage(path / file)
+    with pytest.raises(RunError) as info:
+        resume(tmp_path)
+    message = str(info.value)
+    assert f"{path / file} {says}" in message and "Nothing was loaded" in message
+    if says == "is damaged: ":
+        assert "bytes, " in message and "when it was committed (truncated)" in message
+
+
+def test_a_malicious_optimizer_file_is_refused_by_its_checksum(tmp_path):
+    path = committed_checkpoint(tmp_path)
+    marker = tmp_path / "PWNED"
+    write_malicious(path / "policy" / "optimizer.pt", marker)
+    with pytest.raises(RunError, match=r"policy/optimizer\.pt"):
+        resume(tmp_path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("zip_format", [True, False], ids=["torch-save", "raw-pickle"])
+def test_without_a_manifest_a_malicious_file_is_refused_by_format_without_running_it(tmp_path, zip_format):
+    path = committed_checkpoint(tmp_path, manifest=False)
+    marker = tmp_path / "PWNED"
+    write_malicious(path / "policy" / "optimizer.pt", marker, zip_format=zip_format)
+    with pytest.raises(RunError, match=r"policy/optimizer\.pt") as info:
+        resume(tmp_path)
+    assert not marker.exists()
+    assert "objects other than tensors" in str(info.value) or "damaged" in str(info.value)
+
+
+@pytest.mark.parametrize("file", ["policy/model.safetensors", "policy/scheduler.pt", "rollout.pt",
+                                  "policy/trainer_state.json"])
+def test_without_a_manifest_a_truncated_file_is_refused_naming_it(tmp_path, file):
+    path = committed_checkpoint(tmp_path, manifest=False)
+    resume(tmp_path)  # intact: resumes
+    truncate(path / file)
+    with pytest.raises(RunError, match="damaged or truncated") as info:
+        resume(tmp_path)
+    assert str(path / file) in str(info.value)
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_relax_train_refuses_a_tampered_checkpoint_in_one_message(tmp_path, manifest):
+    """As a user sees it: exit 2, one message naming the file, no traceback, nothing started, nothing executed."""
+    path = committed_checkpoint(tmp_path, manifest=manifest)
+    marker = tmp_path / "PWNED"
+    write_malicious(path / "policy" / "optimizer.pt", marker)
+    out = subprocess.run([sys.executable, "-m", "relax.cli.train", *OVERRIDES, "train.resume=auto"],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert str(path / "policy" / "optimizer.pt") in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not marker.exists()
+    assert not (tmp_path / "mlflow.db").exists()  # refused before tracking (and Ray) started
+
+
+@pytest.mark.slow
+def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path):
+    """The second line: state.json rewritten to list the tampered file (its checksums recomputed), so the driver's
+    check passes; the actor (a Ray role) refuses the file with weights_only, and relax-train shows its message."""
+    path = committed_checkpoint(tmp_path)
+    marker = tmp_path / "PWNED"
+    write_malicious(path / "policy" / "optimizer.pt", marker)
+    state = json.loads((path / checkpoint.STATE).read_text())
+    state[checkpoint.FILES] = checkpoint.manifest(path)
+    (path / checkpoint.STATE).write_text(json.dumps(state))
+    out = subprocess.run([sys.executable, "-m", "relax.cli.train", *OVERRIDES, "train.resume=auto"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"{path / 'policy' / 'optimizer.pt'} holds objects other than tensors" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------------- Megatron
+
+MEGATRON_SCRIPT = textwrap.dedent("""
+    import os, pickle, sys, warnings
+    warnings.filterwarnings("ignore")
+    from pathlib import Path
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path.cwd() / "tests" / "backends"))
+    from conftest import random_batch  # tests/backends/conftest.py
+    from relax.algorithms.grpo import GRPOConfig
+    from relax.backends.megatron import parallel
+    from relax.backends.megatron.policy import MegatronPolicy
+    from relax.backends.torch_train import CheckpointFileError
+    from relax.config.schema import ModelConfig, TrainConfig
+
+    out, port = Path(sys.argv[1]), int(sys.argv[2])
+    model = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                        max_position_embeddings=64)
+    parallel.initialize(0, 1, master_addr="127.0.0.1", master_port=port, seed=0, timeout_s=120)
+
+    class RunsCode:
+        def __reduce__(self):
+            return (open, (str(out / "PWNED"), "w"))
+
+    for dist in (False, True):
+        policy = MegatronPolicy(model, TrainConfig(), vocab_size=33, pad_token_id=0, seed=0,
+                                use_distributed_optimizer=dist)
+        policy.train_step(random_batch(8, seed=1), GRPOConfig(), per_token=True, micro_batch_size=4)
+        ckpt = out / f"ckpt{int(dist)}"
+        policy.save_checkpoint(ckpt)
+        policy.load_checkpoint(ckpt)  # the optimizer state loads with weights_only=True
+        opt = ckpt / "optimizer_tp0_pp0_dp0.pt"
+        saved = opt.read_bytes()
+        torch.save({"common": RunsCode()}, opt)
+        try:
+            policy.load_checkpoint(ckpt)
+            print("LOADED-MALICIOUS")
+        except CheckpointFileError as e:
+            print("REFUSED", e)
+        opt.write_bytes(saved[: len(saved) // 2])
+        try:
+            policy.load_checkpoint(ckpt)
+        except CheckpointFileError as e:
+            print("REFUSED", e)
+        (ckpt / "trainer_state.json").write_text("{")
+        try:
+            policy.load_checkpoint(ckpt)
+        except CheckpointFileError as e:
+            print("REFUSED", e)
+    parallel.shutdown()
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+                    reason="megatron-core is not installed")
+def test_megatron_checkpoints_load_weights_only_and_refuse_tampered_files(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "megatron_load.py"
+    script.write_text(MEGATRON_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED")]
+    assert "LOADED-MALICIOUS" not in out.stdout and len(refused) == 6, out.stdout
+    assert not (tmp_path / "PWNED").exists()
+    for dist in (0, 1):
+        ckpt = tmp_path / f"ckpt{dist}"
+        opt, meta = ckpt / "optimizer_tp0_pp0_dp0.pt", ckpt / "trainer_state.json"
+        assert f"{opt} holds objects other than tensors" in refused[3 * dist]
+        assert f"{opt} is damaged or truncated" in refused[3 * dist + 1]
+        assert f"{meta} is damaged" in refused[3 * dist + 2]

@@ -1,0 +1,36 @@
+"""Reward calls with a time limit: a hung call fails (its worker process is killed and replaced), others score."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from relax.rewards.registry import RewardSpecError, RewardWorkers, get_reward_fn, score_responses
+
+
+def test_hung_calls_fail_within_the_limit_and_the_others_score():
+    fn = get_reward_fn("fault_rewards:hangs")  # hangs when the character codes sum to a multiple of 5
+    responses = ["7", "17", "7a", "x7", "3", "2"]
+    t0 = time.perf_counter()
+    scores = score_responses(fn, responses, ["7"] * 6, timeout_s=0.3)
+    took = time.perf_counter() - t0
+    assert scores.failed == [True, False, False, True, False, True]
+    assert scores.rewards == [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert scores.timeouts == scores.errors == 3
+    assert "timed out: longer than data.reward_timeout_s=0.3 s" in scores.first_error
+    assert took < 10, took  # three hung calls on replaced workers, not an hour each
+    again = score_responses(fn, ["17"] * 4, ["7"] * 4, timeout_s=0.3)  # the workers are reused, all healthy
+    assert again.failed == [False] * 4 and again.timeouts == 0
+
+
+def test_a_raising_call_keeps_its_traceback_and_is_no_timeout():
+    scores = score_responses(get_reward_fn("fault_rewards:raises"), ["ab", "abc"], ["a", "a"], timeout_s=5)
+    assert scores.failed == [False, True] and scores.timeouts == 0
+    assert "Traceback" in scores.first_error and "odd-length" in scores.first_error
+
+
+def test_an_unpicklable_function_is_refused_with_the_way_out():
+    with pytest.raises(RewardSpecError, match=r"data\.reward_timeout_s=null"):
+        RewardWorkers(lambda r, label: 1.0)
+    assert score_responses(lambda r, label: 1.0, ["a"], ["b"]).rewards == [1.0]  # no limit: called in the driver
