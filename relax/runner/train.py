@@ -60,15 +60,16 @@ EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the
 def _prepare(cfg: RelaxConfig):
     """Tokenizer, datasets and reward function: the user-input failures, before any process starts."""
     from relax.data.datasets import DataError, PromptSampler, build_datasets
-    from relax.data.tokenizer import check_model_files, load_tokenizer, stop_token_ids
+    from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
     from relax.rewards.registry import get_reward_fn
     from relax.roles.workers import ModelInfo
 
     try:
         if cfg.model.source != "config":
-            path = check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
-            if cfg.train.backend == "megatron":
+            path = resolve_model_path(cfg.model)
+            if cfg.train.backend == "megatron":  # the architecture first: the most specific message
                 _check_megatron_model(cfg, path)
+            check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
         tokenizer = load_tokenizer(cfg.model)
         train_set, eval_set = build_datasets(cfg, tokenizer)
         if cfg.train.eval_interval and eval_set is None:
