@@ -96,7 +96,15 @@ TRAIN_IDLE_FRAC = "perf/train_idle_frac"  # share of the step the loop waited fo
 ROLLOUT_IDLE_FRAC = "perf/rollout_idle_frac"  # share of the time since the last step the engines did not generate
 BUFFER_SIZE = "perf/buffer_size"  # samples generated ahead, waiting for their step, when a step takes its batch
 
-# ---- faults (rollout=sglang: the engine manager, relax.runner.sglang_engines)
-FAULT_RESTARTS_ROLLOUT = "fault/restarts/rollout"  # rollout engine servers replaced so far in this run (cumulative)
+# ---- faults (docs/operations.md)
+# rollout engines (SGLang servers or embedded replicas) replaced so far in this run (cumulative)
+FAULT_RESTARTS_ROLLOUT = "fault/restarts/rollout"
+FAULT_RESTARTS = "fault/restarts"  # service-graph restarts so far in this run (cumulative; train.max_restarts)
+FAULT_CHECKPOINT_FAILURES = "fault/checkpoint_failures"  # checkpoints not written so far (train.save_failures)
 ENGINE_RETRIES = "rollout/engine_retries"  # /generate requests sent again after a failure, in this step
 WEIGHT_BUCKETS = "perf/weight_sync_buckets"  # buckets of the last weight update
+
+
+def fault_restarts(role: str) -> str:
+    """Service-graph restarts caused by `role` (actor, reference, critic, advantages) so far in this run."""
+    return f"{FAULT_RESTARTS}/{role}"

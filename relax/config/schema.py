@@ -46,6 +46,10 @@ class ClusterConfig:
     rollout_gpus: int = 0  # used only when colocate=false
     critic_gpus: Optional[int] = None  # None: the actor's count (colocated with it)
     rollout_gpus_per_engine: int = 1
+    # A role process that sends no heartbeat, or whose running call makes no progress (decode steps, micro-batches),
+    # for this many seconds is declared hung and stopped like a crashed one (see train.max_restarts). None: no
+    # watchdog, and the driver waits on the roles without a bound.
+    heartbeat_timeout_s: Optional[float] = 300.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,16 @@ class TrainConfig:
     # unchanged; counted in train/skipped_steps); this many skipped in a row stop the run (exit 2), keeping the
     # checkpoints committed so far.
     max_skipped_steps: int = 3
+    # A role process that dies or hangs restarts the whole service graph from the latest checkpoint (step 0 without
+    # one), in the same relax-train invocation and MLflow run, at most this many times in a run; 0: stop at the
+    # first. (A dead embedded rollout replica is replaced in place, counted against the same limit.)
+    max_restarts: int = 3
+    # A checkpoint that cannot be written (disk full, unwritable, I/O error): stop (the run stops with the error,
+    # the previous checkpoint intact) | continue (noted, counted in fault/checkpoint_failures, training goes on).
+    save_failures: str = "stop"
+    # Ctrl-C or SIGTERM (preemption): finish the current step, write a checkpoint, then stop (MLflow run KILLED,
+    # exit 130 / 143); a second signal stops at once. false: stop at once (the last checkpoint stays the latest).
+    save_on_preempt: bool = True
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     use_dynamic_global_batch_size: bool = False
     mode: str = "sync"  # sync | fully_async | hybrid (docs/training.md, "Training modes")

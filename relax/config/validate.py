@@ -20,6 +20,7 @@ MODES = ("sync", "fully_async", "hybrid")
 MODEL_SOURCES = ("config", "hf", "gguf")
 DTYPES = ("auto", "float32", "bfloat16")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+SAVE_FAILURES = ("stop", "continue")
 KL_TYPES = ("k1", "k2", "k3")
 
 
@@ -125,6 +126,14 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
     r.positive("train.keep_checkpoints", t.keep_checkpoints)
     r.positive("train.max_skipped_steps", t.max_skipped_steps)
+    r.non_negative("train.max_restarts", t.max_restarts)
+    r.choice("train.save_failures", t.save_failures, SAVE_FAILURES)
+    r.require(t.save or t.save_failures == "stop", ("train.save_failures", "train.save"),
+              f"train.save_failures={t.save_failures} has no effect with train.save=false")
+    r.require(t.save or t.save_on_preempt, ("train.save_on_preempt", "train.save"),
+              "train.save_on_preempt=false has no effect with train.save=false (no checkpoint is written)")
+    if c.heartbeat_timeout_s is not None:
+        r.positive("cluster.heartbeat_timeout_s", c.heartbeat_timeout_s)
     for key in ("adam_beta1", "adam_beta2"):
         value = getattr(t, key)
         r.require(0 <= value < 1, f"train.{key}", f"train.{key}={value} must be in [0, 1)")
