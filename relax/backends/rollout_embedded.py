@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from relax.backends import progress
 from relax.backends.batch import Samples
 from relax.backends.sampling import counter_uniforms, sample_tokens
 
@@ -282,6 +283,7 @@ class EmbeddedEngine:
             status[rows[hit_budget]] = _LENGTH
             lengths[rows[hit_eos | hit_budget]] = t + 1
             running = status[rows] == 0
+            progress.tick()
             if not bool(running.any()):
                 break
             if should_abort is not None and should_abort():

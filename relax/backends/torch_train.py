@@ -36,8 +36,10 @@ from relax import algorithms
 from relax.algorithms import functional as F
 from relax.algorithms.base import AlgorithmConfig, LossBatch
 from relax.algorithms.loss import ENTROPY, compute_loss
+from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import build_model, entropy_from_logprobs, pick_device, pick_dtype, response_logprobs_all
+from relax.backends.write_errors import os_write_errors, torch_save
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import (
     GRAD_NORM,
@@ -114,6 +116,7 @@ def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
     for start in range(0, n, micro_batch_size):
+        progress.tick()
         yield slice(start, min(n, start + micro_batch_size))
 
 
@@ -188,6 +191,7 @@ def micro_batched_logprobs(model: torch.nn.Module, samples: Samples, micro_batch
     N, T = samples.response_ids.shape
     out = torch.zeros(N, T, dtype=torch.float32)
     for rows in length_sorted_micro_batches(samples, micro_batch_size):
+        progress.tick()
         logp, _, t = forward_logprobs(model, samples.select(rows), device=device, compute_dtype=compute_dtype,
                                       temperature=temperature)
         out[rows, :t] = logp.float().cpu()
@@ -348,15 +352,18 @@ class TorchTrainer:
         """HF model (config.json + safetensors) plus optimizer and scheduler state, into `directory`.
 
         The optimizer/scheduler files hold only tensors and plain Python values, so they load with
-        `torch.load(..., weights_only=True)`. The caller writes to a temporary directory and renames.
+        `torch.load(..., weights_only=True)`. The caller writes to a temporary directory and renames. A write that
+        fails at the OS level (disk full, unwritable) raises a plain OSError naming its errno and path
+        (`relax.backends.write_errors`), whichever library did the write.
         """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self._hf_model().save_pretrained(str(directory))
-        self._extra_save(directory)
-        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
-        torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
-        (directory / STATE_FILE).write_text(json.dumps({"step": self.step}))
+        with os_write_errors(directory):
+            directory.mkdir(parents=True, exist_ok=True)
+            self._hf_model().save_pretrained(str(directory))
+            self._extra_save(directory)
+            torch_save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+            torch_save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
+            (directory / STATE_FILE).write_text(json.dumps({"step": self.step}))
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
         """Restore what `save_checkpoint` wrote (weights always; optimizer and schedule unless told not to).
@@ -500,6 +507,7 @@ class TorchPolicy(TorchTrainer):
         stats = self._step_statistics(batch, algo_cfg, splits) if algorithm.needs_step_statistics else None
         abs_diff, ratio_max = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for rows in splits:
+            progress.tick()
             mb = batch.select(rows)
             logp, ent, t = self._forward(mb, entropy=entropy_mode)
             loss_batch = self._loss_batch(mb, algo_cfg, logp, t, entropy=ent, stats=stats)

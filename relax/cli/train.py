@@ -166,9 +166,14 @@ def main() -> None:
 
     import hydra
 
+    from relax.runner.preempt import Preempted
+
     try:
         hydra.main(config_path=str(conf), config_name="config", version_base=None)(_run)()
-    except KeyboardInterrupt:
+    except Preempted as exc:  # Ctrl-C or SIGTERM during the run: exit 128 + the signal (130, 143)
+        print(f"relax-train: {exc}. Ray and its processes stopped, the MLflow run is marked KILLED", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C outside the run (composing the config, starting)
         print("\nrelax-train: interrupted; Ray and its processes stopped, the MLflow run is marked KILLED",
               file=sys.stderr)
         sys.exit(130)

@@ -18,10 +18,12 @@ import torch
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
+from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
 from relax.roles.workers import ModelInfo, _threads
 
 SETUP_TIMEOUT_S = 900.0
+CALL_TIMEOUT_S = 3600.0  # the group's own blocking methods (direct use); the runner bounds its waits by heartbeats
 QUIET_WARNINGS = (r"(Apex is not installed|Transformer Engine and Apex are not installed|full scope is deprecated"
                   r"|When using async grad allreduce)")
 
@@ -30,7 +32,9 @@ class MegatronRank:
     """One rank of the Megatron trainer (a Ray actor): process group, megatron parallel state, MegatronPolicy."""
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, rank: int, world_size: int,
-                 threads: Optional[int] = None, use_distributed_optimizer: bool = False) -> None:
+                 threads: Optional[int] = None, use_distributed_optimizer: bool = False,
+                 heartbeat: Optional[HeartbeatLink] = None) -> None:
+        start_heartbeat(self, heartbeat)
         _threads(threads or (None if torch.cuda.is_available() else 1))
         # megatron-core's notes about optional packages this backend does not use (Apex, Transformer Engine)
         warnings.filterwarnings("ignore", category=UserWarning, message=QUIET_WARNINGS)
@@ -129,13 +133,17 @@ class MegatronActorGroup:
         setup_timeout_s: float = SETUP_TIMEOUT_S,
         rank_options: Optional[list[dict[str, Any]]] = None,
         rank_cls: type = MegatronRank,
+        heartbeats: Optional[list[Optional[HeartbeatLink]]] = None,
+        call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         """`world_size`: ranks (default: `cluster.actor_gpus` on a GPU cluster, else TP x PP).
         `placement_group`/`bundle_indices`: rank i goes to bundle `bundle_indices[i]` (default i).
         `num_gpus_per_rank`: default 1 when `cluster.actor_gpus > 0`, else 0 (CPU ranks over gloo).
         `use_distributed_optimizer`: default: when there is more than one data-parallel rank.
         `rank_options`: the Ray options of each rank (the runner's plan), instead of the four above.
-        `rank_cls`: the class each rank runs (tests substitute a placeholder)."""
+        `rank_cls`: the class each rank runs (tests substitute a placeholder).
+        `heartbeats`: each rank's heartbeat link (`relax.roles.heartbeat`), or None.
+        `call_timeout_s`: the bound of the group's own methods (`ping`, `train_step`, ...) on their answers."""
         import ray
 
         t = cfg.train
@@ -151,6 +159,7 @@ class MegatronActorGroup:
         remote = ray.remote(rank_cls)
         self.ranks = []
         self._others: list = []  # refs of ranks 1.. of earlier calls, checked for errors on the next call
+        self.call_timeout_s = call_timeout_s
         self.remote = _RemoteMethods(self)
         for rank in range(world_size):
             options: dict[str, Any] = dict(num_cpus=num_cpus_per_rank, num_gpus=gpus)
@@ -164,7 +173,8 @@ class MegatronActorGroup:
                     placement_group=placement_group, placement_group_bundle_index=bundle)
             self.ranks.append(remote.options(**options).remote(
                 cfg, info, rank=rank, world_size=world_size, threads=threads,
-                use_distributed_optimizer=use_distributed_optimizer))
+                use_distributed_optimizer=use_distributed_optimizer,
+                heartbeat=heartbeats[rank] if heartbeats is not None else None))
         try:
             addr, port = ray.get(self.ranks[0].rendezvous.remote(), timeout=setup_timeout_s)
             ray.get([r.setup.remote(addr, port) for r in self.ranks], timeout=setup_timeout_s)
@@ -179,19 +189,20 @@ class MegatronActorGroup:
 
         if self._others:
             done, self._others = ray.wait(self._others, num_returns=len(self._others), timeout=0)
-            ray.get(done)  # raises the error of a rank that failed
+            ray.get(done, timeout=60)  # finished: raises the error of a rank that failed
         args = tuple(ray.put(a) if isinstance(a, Samples) else a for a in args)  # one copy for every rank
         refs = [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
         self._others.extend(refs[1:])
         return refs[0]
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call `method` on every rank and wait for all of them; rank 0's result."""
+        """Call `method` on every rank and wait for all of them; rank 0's result. For direct use of the group (tests,
+        notebooks): the runner calls `remote` and waits through its watchdog (`relax.runner.watchdog`)."""
         import ray
 
         first = self.call(method, *args, **kwargs)
-        out = ray.get(first)
-        ray.get(self._others)
+        out = ray.get(first, timeout=self.call_timeout_s)
+        ray.get(self._others, timeout=self.call_timeout_s)
         self._others = []
         return out
 

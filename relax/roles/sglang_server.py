@@ -16,6 +16,7 @@ from pathlib import Path
 
 from relax.backends.sglang.process import free_port, log_tail, start_process, stop_process, wait_healthy
 from relax.config.schema import RelaxConfig
+from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 
 
 def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path) -> list[str]:
@@ -42,7 +43,9 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
 class EngineServer:
     """Starts and watches one engine server process; `start` returns its URL once `/health` answers 200."""
 
-    def __init__(self, cfg: RelaxConfig, index: int, *, threads: int | None, log_dir: str):
+    def __init__(self, cfg: RelaxConfig, index: int, *, threads: int | None, log_dir: str,
+                 heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)  # the actor's own liveness; the server's is its /health (the manager's)
         self.cfg, self.index, self.threads = cfg, index, threads
         self.log_dir = Path(log_dir)
         self.log_path = self.log_dir / f"engine{index}-{os.getpid()}.log"

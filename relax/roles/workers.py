@@ -18,6 +18,7 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
+from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
 
 
@@ -42,7 +43,9 @@ def _threads(n: int | None) -> None:
 class ReferenceWorker:
     """The reference policy: a frozen model that only computes log-probs (no optimizer, no gradients)."""
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
         _threads(threads)
         from relax.backends.torch_reference import TorchReference
 
@@ -63,7 +66,9 @@ class ReferenceWorker:
 class PolicyWorker:
     """The actor: trains the policy and ships its weights to the rollout engines."""
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
         _threads(threads)
         from relax.backends.models import pick_device, pick_dtype
         from relax.backends.torch_train import TorchPolicy
@@ -121,7 +126,9 @@ class RolloutWorker:
     threads); every other call comes from one thread at a time.
     """
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
         _threads(threads)
         from relax.backends.models import build_model, pick_device, pick_dtype
         from relax.backends.rollout_embedded import EmbeddedEngine
@@ -184,7 +191,9 @@ class RolloutWorker:
 class CriticWorker:
     """PPO's value model."""
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None):
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
         _threads(threads)
         from relax.backends.torch_critic import TorchCritic
 
@@ -217,6 +226,9 @@ def compute_advantages(algo_cfg, inputs: AdvantageInputs) -> AdvantageOutput:
 
 class AdvantagesWorker:
     """PPO's advantages service: GAE from critic values, off the driver."""
+
+    def __init__(self, *, heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
 
     def ping(self) -> str:
         return "ok"

@@ -7,7 +7,8 @@ directory without naming it. The run name is `tracking.run_name`, else `<arm>-se
 
 Layout of `<save_dir>/step_000040/`: `policy/` (HF format, safetensors, plus optimizer and scheduler state),
 `critic/` (PPO), `config.yaml` (the resolved config, for people), `rollout.pt` (the rollout stream: batches
-generated but not yet trained, the batch in flight with its partial responses, the next step to generate) and
+generated but not yet trained, the batch in flight with its partial responses, the next step to generate),
+`ledger.jsonl` (the samples steps 0..39 trained, `relax.runner.ledger`, added through `Checkpoints.attachments`) and
 `state.json`: the step, the sampler's position, the MLflow run id, the tracker's counters, the flattened config
 (what a resume is checked against), the lineage (one id per run from its fresh start, kept across resumes) and
 the commit sequence number. Every sample draws from the random stream of (seed, sample id, position), so no
@@ -41,7 +42,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,10 +133,11 @@ def read_state(path: Path) -> dict:
 
 
 def write_rollout_state(directory: Path, state: dict) -> None:
-    """The rollout stream's state (`RolloutStream.state_dict`: tensors, lists, numbers, strings) into a checkpoint."""
-    import torch
+    """The rollout stream's state (`RolloutStream.state_dict`: tensors, lists, numbers, strings) into a checkpoint (a
+    failed write raises an OSError naming the file)."""
+    from relax.backends.write_errors import torch_save
 
-    torch.save(state, directory / ROLLOUT_STATE)
+    torch_save(state, directory / ROLLOUT_STATE)
 
 
 def read_rollout_state(path: Path) -> dict | None:
@@ -401,6 +403,10 @@ class Checkpoints:
         self.lineage = uuid.uuid4().hex
         self.previous_run_id: Optional[str] = None  # the MLflow run of the last job in this directory
         self._lock_fd: Optional[int] = None
+        # Files the run adds to every checkpoint it commits, whoever calls `commit`: {file name: the text of the
+        # checkpoint of step -> str}, written into the staging directory before its manifest (so a resume checks
+        # them like every other file). Session adds the sample ledger.
+        self.attachments: dict[str, Callable[[int], str]] = {}
 
     @property
     def uses_dir(self) -> bool:
@@ -484,21 +490,35 @@ class Checkpoints:
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ saving
+    def staging_path(self, step: int) -> Path:
+        """`.tmp-step_NNNNNN/`: where the checkpoint of `step` is written before its commit."""
+        return self.save_dir / f"{STAGING_PREFIX}{PREFIX}{step:06d}"
+
+    def discard(self, step: int) -> bool:
+        """Remove what a failed save of `step` left in its staging directory (committed checkpoints are never
+        touched); True if nothing of it is left."""
+        path = self.staging_path(step)
+        shutil.rmtree(path, ignore_errors=True)
+        return not path.exists()
+
     def staging(self, step: int) -> Path:
         """An empty `.tmp-step_NNNNNN/` to write the checkpoint of `step` into."""
-        path = self.save_dir / f"{STAGING_PREFIX}{PREFIX}{step:06d}"
+        path = self.staging_path(step)
         if path.exists():
             shutil.rmtree(path)
         path.mkdir(parents=True)
         return path
 
     def commit(self, staging: Path, step: int, state: dict) -> Path:
-        """Complete `staging` with state.json and config.yaml, make it durable, rename it, then prune older ones."""
+        """Complete `staging` with the attachments, state.json and config.yaml, make it durable, rename it, then prune
+        older ones."""
         from omegaconf import OmegaConf
 
         existing = _committed(self.save_dir)
         sequence = 1 + max((_int(s.get("sequence")) for _, s in existing), default=0)
         full = {**state, "step": step, "lineage": self.lineage, "sequence": sequence, "config": _flat(self.cfg)}
+        for name, text in self.attachments.items():
+            _write(staging / name, text(step))
         _write(staging / CONFIG, OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
         full[FILES] = manifest(staging)
         _write(staging / STATE, json.dumps(full, indent=2))
@@ -510,7 +530,12 @@ class Checkpoints:
             if replaced.exists():
                 shutil.rmtree(replaced)
             final.rename(replaced)
-        staging.rename(final)
+        try:
+            staging.rename(final)
+        except OSError:
+            if replaced is not None:  # the checkpoint it was to replace stays committed
+                replaced.rename(final)
+            raise
         _fsync(self.save_dir)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)

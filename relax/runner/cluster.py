@@ -6,8 +6,11 @@ The driver never touches a model; it only holds actor handles. Ray is started fo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
+import uuid
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY, CRITIC_SKIPPED_STEPS, SKIPPED_STEPS
+from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.sglang_server import EngineServer
 from relax.roles.workers import (
@@ -30,9 +34,10 @@ from relax.roles.workers import (
 )
 from relax.runner import checkpoint
 from relax.runner.engines import ReplicaEngines
-from relax.runner.errors import RunError
+from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.sglang_engines import SGLangEngines
+from relax.runner.watchdog import Watchdog
 
 # times and skipped-step counts add up over the optimizer steps of a rollout; other metrics average
 _SUMMED = {ACTOR_COMPUTE_TIME, SKIPPED_STEPS, CRITIC_SKIPPED_STEPS}
@@ -44,10 +49,66 @@ def _average(metrics: list[dict[str, float]]) -> dict[str, float]:
             for k in keys}
 
 
+class RayRuntime:
+    """Ray for a run: a local instance started (`cluster=local`, shut down on exit, Ctrl-C included) or the cluster
+    at `cluster.address` (or RAY_ADDRESS) joined. Lives across restarts of the service graph."""
+
+    def __init__(self, cfg: RelaxConfig, plan: Plan):
+        self.cfg, self.plan, self.started = cfg, plan, False
+
+    def __enter__(self) -> RayRuntime:
+        import ray
+
+        if ray.is_initialized():
+            return self
+        # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        address = self.cfg.cluster.address
+        kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
+                      configure_logging=True)
+        env_address = os.environ.get("RAY_ADDRESS") or None
+        if address is None and env_address is not None:
+            # A Ray job's driver (relax-submit) gets RAY_ADDRESS from Ray's job supervisor; ray.init() would join
+            # that cluster anyway and then refuse num_cpus/num_gpus. Join it on purpose, and say so.
+            try:
+                job_id = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")["metadata"][
+                    "job_submission_id"]
+            except (ValueError, KeyError, TypeError):
+                job_id = None
+            why = (f"this process runs inside Ray job {job_id}" if job_id is not None
+                   else "RAY_ADDRESS is set")
+            print(f"Ray: cluster.address is unset and {why}: joining the Ray cluster at {env_address} "
+                  "(RAY_ADDRESS), not starting a local Ray instance", file=sys.stderr, flush=True)
+            address = env_address
+        if address is None:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if self.plan.total_gpus > have:
+                raise RunError(f"cluster={self.cfg.cluster.name} plans {self.plan.total_gpus} GPU(s) on a local "
+                               f"Ray instance, but torch sees {have} CUDA device(s) on this machine; use "
+                               "cluster=local (CPU) or a cluster option that fits the machine")
+            kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
+            kwargs["num_gpus"] = self.plan.total_gpus or None
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            source = "" if address == self.cfg.cluster.address else f" from RAY_ADDRESS={address}"
+            raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{source}): "
+                           f"{exc}") from None
+        self.started = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+        self.started = False
+
+
 class Cluster:
     def __init__(self, cfg: RelaxConfig, plan: Plan, info: ModelInfo):
         self.cfg, self.plan, self.info = cfg, plan, info
-        self.started_ray = False
+        self._ray: RayRuntime | None = None  # when this cluster started Ray itself
         self.actors: list = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -55,43 +116,7 @@ class Cluster:
         import ray
 
         if not ray.is_initialized():
-            # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
-            os.environ.setdefault("TQDM_DISABLE", "1")
-            import json
-            import sys
-
-            address = self.cfg.cluster.address
-            kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
-                          configure_logging=True)
-            env_address = os.environ.get("RAY_ADDRESS") or None
-            if address is None and env_address is not None:
-                # A Ray job's driver (relax-submit) gets RAY_ADDRESS from Ray's job supervisor; ray.init() would join
-                # that cluster anyway and then refuse num_cpus/num_gpus. Join it on purpose, and say so.
-                try:
-                    job_id = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")["metadata"][
-                        "job_submission_id"]
-                except (ValueError, KeyError, TypeError):
-                    job_id = None
-                why = (f"this process runs inside Ray job {job_id}" if job_id is not None
-                       else "RAY_ADDRESS is set")
-                print(f"Ray: cluster.address is unset and {why}: joining the Ray cluster at {env_address} "
-                      "(RAY_ADDRESS), not starting a local Ray instance", file=sys.stderr, flush=True)
-                address = env_address
-            if address is None:
-                have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-                if self.plan.total_gpus > have:
-                    raise RunError(f"cluster={self.cfg.cluster.name} plans {self.plan.total_gpus} GPU(s) on a local "
-                                   f"Ray instance, but torch sees {have} CUDA device(s) on this machine; use "
-                                   "cluster=local (CPU) or a cluster option that fits the machine")
-                kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
-                kwargs["num_gpus"] = self.plan.total_gpus or None
-            try:
-                ray.init(address=address, **kwargs)
-            except (ConnectionError, ValueError, RuntimeError) as exc:
-                source = "" if address == self.cfg.cluster.address else f" from RAY_ADDRESS={address}"
-                raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{source}): "
-                               f"{exc}") from None
-            self.started_ray = True
+            self._ray = RayRuntime(self.cfg, self.plan).__enter__()
         try:
             self._start_roles()
         except BaseException:
@@ -100,14 +125,37 @@ class Cluster:
         return self
 
     def _remote(self, cls, role: str, replica: int, *args, **kwargs):
-        """One process of `role`, with exactly the Ray options of `plan.ray_options` (the placement rule)."""
+        """One process of `role`, with exactly the Ray options of `plan.ray_options` (the placement rule), sending
+        heartbeats under its process name."""
         import ray
 
+        name = self._process_name(role, replica)
         options = ray_options(self.plan, role, replica, self.placement_group, self.hide_gpus)
-        actor = ray.remote(cls).options(**options).remote(*args, **kwargs)
+        actor = ray.remote(cls).options(**options).remote(*args, heartbeat=self._link(name), **kwargs)
         self.actors.append(actor)
-        self.processes.append(f"{role}[{replica}]" if self.plan.role(role).replicas > 1 else role)
+        self.processes.append(name)
+        self.watch.register(actor, name)
         return actor
+
+    def _process_name(self, role: str, replica: int) -> str:
+        return f"{role}[{replica}]" if self.plan.role(role).replicas > 1 else role
+
+    def _link(self, name: str) -> HeartbeatLink | None:
+        if self.watch.board is None:
+            return None
+        return HeartbeatLink(self.watch.board, name, interval_for(self.cfg.cluster.heartbeat_timeout_s))
+
+    def _start_board(self) -> Watchdog:
+        """The heartbeat board (a named actor: `relax-heartbeats-<id>`, no CPU reserved) and the driver's watchdog."""
+        import ray
+
+        timeout = self.cfg.cluster.heartbeat_timeout_s
+        if timeout is None:
+            return Watchdog(None, None)
+        board = ray.remote(HeartbeatBoard).options(num_cpus=0, name=f"relax-heartbeats-{uuid.uuid4().hex[:12]}",
+                                                   max_concurrency=4).remote()
+        self.board = board
+        return Watchdog(board, timeout)
 
     def _start_roles(self, timeout_s: float | None = None) -> None:
         """Reserve the plan's placement group, start every role and wait (bounded) until each answers."""
@@ -115,6 +163,7 @@ class Cluster:
 
         cfg, info, threads = self.cfg, self.info, self.plan.threads
         self.processes: list[str] = []  # names of self.actors' processes
+        self.watch = self._start_board()
         self.hide_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.placement_group = reserve(self.plan)  # None on a CPU cluster
         timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
@@ -123,13 +172,16 @@ class Cluster:
                 self.actor = self._megatron_actor(timeout)
             else:
                 self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
+            self.actor_process = self.processes[0]  # the process that answers the actor's calls (rank 0)
             replicas = self.plan.role("rollout").replicas
             if cfg.rollout.backend == "sglang":
                 self.engines = self._sglang_engines()
             else:
-                self.engines = ReplicaEngines([self._remote(RolloutWorker, "rollout", i, cfg, info,
-                                                            threads=threads("rollout")) for i in range(replicas)],
-                                              info.pad_token_id)
+                self.engines = ReplicaEngines(
+                    [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads("rollout"))
+                     for i in range(replicas)], info.pad_token_id, watch=self.watch,
+                    names=[self._process_name("rollout", i) for i in range(replicas)],
+                    replace=self._replace_replica, max_restarts=cfg.train.max_restarts)
             self.reference = None
             if self.plan.has("reference"):
                 self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
@@ -138,7 +190,7 @@ class Cluster:
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
             pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
             ready, waiting = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
-            ray.get(ready)
+            ray.get(ready, timeout=timeout)
             if waiting:
                 raise RunError(f"role(s) {', '.join(pings[w] for w in waiting)} did not start within {timeout:g} s "
                                f"(Ray has {ray.available_resources()} available)")
@@ -149,6 +201,27 @@ class Cluster:
         except BaseException:
             self._release_placement()
             raise
+
+    def _replace_replica(self, i: int):
+        """A new embedded rollout replica i in place of a dead or hung one (same resources), once it answers."""
+        import ray
+
+        name = self._process_name("rollout", i)
+        old = self.actors[self.processes.index(name)]
+        try:
+            ray.kill(old)  # a hung one holds its resources until it is gone
+        except Exception:  # already dead
+            pass
+        if self.watch.board is not None:
+            self.watch.board.forget.remote(name)
+        self.actors.pop(self.processes.index(name))
+        self.processes.remove(name)
+        replica = self._remote(RolloutWorker, "rollout", i, self.cfg, self.info, threads=self.plan.threads("rollout"))
+        try:
+            ray.get(replica.ping.remote(), timeout=ROLE_START_TIMEOUT_S)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise RoleFailure(name, f"could not be replaced: {exc}") from None
+        return replica
 
     def _sglang_engines(self) -> SGLangEngines:
         """rollout=sglang: engine servers on the plan's rollout resources (or the given URLs) behind the router."""
@@ -175,16 +248,19 @@ class Cluster:
         world = self.plan.role("actor").replicas
         options = [ray_options(self.plan, "actor", i, self.placement_group, self.hide_gpus) for i in range(world)]
         try:
+            names = [f"actor[{i}]" if world > 1 else "actor" for i in range(world)]
             group = MegatronActorGroup(self.cfg, self.info, world_size=world, rank_options=options,
                                        threads=self.plan.threads("actor"), setup_timeout_s=timeout,
-                                       rank_cls=MegatronRank)
+                                       rank_cls=MegatronRank, heartbeats=[self._link(n) for n in names])
         except ray.exceptions.GetTimeoutError:
             raise RunError(f"the {world} Megatron rank(s) of the actor did not start within {timeout:g} s "
                            f"(Ray has {ray.available_resources()} available)") from None
         except ray.exceptions.RayTaskError as exc:  # e.g. a model the backend cannot build at this parallelism
             raise RunError(f"the Megatron actor failed to start: {exc.cause!r}") from None
         self.actors.extend(group.ranks)
-        self.processes.extend(f"actor[{i}]" if world > 1 else "actor" for i in range(world))
+        self.processes.extend(names)
+        for rank, name in zip(group.ranks, names, strict=True):
+            self.watch.register(rank, name)
         return group.remote
 
     def _release_placement(self) -> None:
@@ -202,6 +278,9 @@ class Cluster:
         if getattr(self, "engines", None) is not None:
             self.engines.close()
             self.engines = None
+        if getattr(self, "board", None) is not None:
+            self.actors.append(self.board)
+            self.board = None
         for actor in self.actors:
             try:
                 ray.kill(actor)
@@ -210,9 +289,9 @@ class Cluster:
         self.actors = []
         if ray.is_initialized():
             self._release_placement()  # a joined cluster gets its GPUs back before the next run of this process
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-            self.started_ray = False
+        if self._ray is not None:
+            self._ray.__exit__(None, None, None)
+            self._ray = None
 
     # ------------------------------------------------------------------ calls
     # ---- the rollout engines (relax.runner.rollout_stream.Engines): embedded replicas or SGLang servers
@@ -242,31 +321,21 @@ class Cluster:
 
     def actor_logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
         """The actor's log-probs of `samples`; with `current` (its version now), at each token's own version."""
-        import ray
-
-        return ray.get(self.actor.logprobs.remote(samples, current))
+        return self.watch.get_one(self.actor.logprobs.remote(samples, current), self.actor_process)
 
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
-        import ray
-
-        return ray.get(self.reference.logprobs.remote(samples))
+        return self.watch.get_one(self.reference.logprobs.remote(samples), "reference")
 
     def values(self, samples: Samples) -> torch.Tensor:
-        import ray
-
-        return ray.get(self.critic.values.remote(samples))
+        return self.watch.get_one(self.critic.values.remote(samples), "critic")
 
     def advantages(self, algo_cfg, inputs: AdvantageInputs) -> AdvantageOutput:
-        import ray
-
         if self.adv is not None:
-            return ray.get(self.adv.compute.remote(algo_cfg, inputs))
+            return self.watch.get_one(self.adv.compute.remote(algo_cfg, inputs), "advantages")
         return compute_advantages(algo_cfg, inputs)
 
     def train(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """num_steps_per_rollout optimizer steps, each on one consecutive slice of the rollout."""
-        import ray
-
         steps = self.cfg.train.num_steps_per_rollout
         size = self.cfg.train.global_batch_size
         critic_only = step < algorithms.get(self.cfg.algorithm.name).critic_only_steps(self.cfg.algorithm)
@@ -275,15 +344,16 @@ class Cluster:
             chunk = batch.select(slice(k * size, (k + 1) * size))
             if not bool(chunk.response_mask.any()):
                 continue  # every group of this global batch was left out: no optimizer step (Adam would still move)
-            refs = []
+            calls = []
             if self.critic is not None:
-                refs.append(self.critic.train_step.remote(chunk))
+                calls.append((self.critic.train_step.remote(chunk), "critic"))
             if not critic_only:
                 # the first optimizer step of an on-policy batch without old log-probs runs at the weights that
                 # generated it: it measures the train/rollout mismatch (otherwise the runner does, from old_logp)
-                refs.append(self.actor.train_step.remote(chunk, rollout_mismatch=k == 0 and batch.old_logp is None))
+                calls.append((self.actor.train_step.remote(chunk, rollout_mismatch=k == 0 and batch.old_logp is None),
+                              self.actor_process))
             merged: dict[str, float] = {}
-            for m in ray.get(refs):
+            for m in self.watch.get(calls):
                 merged.update(m)
             metrics.append(merged)
         out = _average(metrics)
@@ -294,24 +364,20 @@ class Cluster:
     def save(self, checkpoints: checkpoint.Checkpoints, step: int, state: dict, rollout: dict | None = None) -> Path:
         """Write the roles' weights and optimizer states (and `rollout`, the rollout stream's state) to a staging
         directory, then commit it atomically."""
-        import ray
-
         staging = checkpoints.staging(step)
         if rollout is not None:
             checkpoint.write_rollout_state(staging, rollout)
-        refs = [self.actor.save.remote(str(staging / "policy"))]
+        calls = [(self.actor.save.remote(str(staging / "policy")), self.actor_process)]
         if self.cfg.train.save_hf:  # the Megatron policy as a Hugging Face directory too
-            refs.append(self.actor.save_hf.remote(str(staging / "hf")))
+            calls.append((self.actor.save_hf.remote(str(staging / "hf")), self.actor_process))
         if self.critic is not None:
-            refs.append(self.critic.save.remote(str(staging / "critic")))
-        ray.get(refs)
+            calls.append((self.critic.save.remote(str(staging / "critic")), "critic"))
+        self.watch.get(calls, progress=False)
         return checkpoints.commit(staging, step, state)
 
     def load(self, path: Path) -> dict:
-        import ray
-
-        refs = [self.actor.load.remote(str(path / "policy"))]
+        calls = [(self.actor.load.remote(str(path / "policy")), self.actor_process)]
         if self.critic is not None:
-            refs.append(self.critic.load.remote(str(path / "critic")))
-        ray.get(refs)
+            calls.append((self.critic.load.remote(str(path / "critic")), "critic"))
+        self.watch.get(calls, progress=False)
         return checkpoint.read_state(path)

@@ -2,43 +2,85 @@
 
 Implements `relax.runner.rollout_stream.Engines` (as does `relax.runner.sglang_engines.SGLangEngines`), so the
 loop and the stream do not know which backend generates.
+
+A replica that dies (or hangs: `relax.runner.watchdog`) is replaced in place: a new actor on the same resources,
+given the weights the others hold, and its share of the call is generated again there. Every sample draws from
+its own random stream, so the regenerated share is the one the dead replica would have returned: nothing is lost
+or generated twice. At most `train.max_restarts` replacements in a run; beyond that the failure goes up to the
+loop (which stops).
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from relax.backends.batch import Samples, concat_samples
+from relax.metrics import FAULT_RESTARTS_ROLLOUT
+from relax.runner.errors import RoleFailure
+from relax.runner.watchdog import Watchdog
 
 
 class ReplicaEngines:
     """Prompts dealt to the replicas in turn; each sample draws from its own random stream, so the split changes
-    nothing."""
+    nothing. `replace(i)` starts a new replica i (answering, without weights); None: replicas are not replaced."""
 
-    def __init__(self, replicas: list, pad_token_id: int):
-        self.replicas, self.pad_token_id = replicas, pad_token_id
+    def __init__(self, replicas: list, pad_token_id: int, *, watch: Watchdog, names: list[str],
+                 replace: Callable[[int], Any] | None = None, max_restarts: int = 0):
+        self.replicas, self.pad_token_id, self.watch, self.names = replicas, pad_token_id, watch, names
+        self.replace, self.max_restarts = replace, max_restarts
+        self.restarts = 0
+        self._weights: tuple[Any, int] | None = None  # what the replicas hold (a state dict or its ObjectRef)
 
     def start(self) -> ReplicaEngines:
         return self  # the replicas are Ray actors the cluster started and pinged
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
                  evaluation: bool = False) -> Samples:
-        import ray
-
         n, G = len(self.replicas), len(sample_ids) // len(prompts)
         groups = sample_ids.view(len(prompts), G)
-        refs = [r.generate.remote(prompts[i::n], seed=seed, evaluation=evaluation, sample_ids=groups[i::n].reshape(-1),
-                                  gen_id=gen_id)
-                for i, r in enumerate(self.replicas) if prompts[i::n]]
-        return self._merge(ray.get(refs))
+
+        def call(i: int):
+            return self.replicas[i].generate.remote(prompts[i::n], seed=seed, evaluation=evaluation,
+                                                    sample_ids=groups[i::n].reshape(-1), gen_id=gen_id)
+
+        return self._merge(self._run(call, [i for i in range(n) if prompts[i::n]]))
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
-        import ray
-
         n = len(self.replicas)
-        refs = [r.resume.remote(partial.select(slice(i, None, n)), seed=seed, gen_id=gen_id)
-                for i, r in enumerate(self.replicas) if i < len(partial)]
-        return self._merge(ray.get(refs))
+        return self._merge(self._run(lambda i: self.replicas[i].resume.remote(partial.select(slice(i, None, n)),
+                                                                             seed=seed, gen_id=gen_id),
+                                     [i for i in range(n) if i < len(partial)]))
+
+    def _run(self, call: Callable[[int], Any], which: list[int]) -> list[Samples]:
+        """`call(i)` on each replica i of `which`, answers in that order; a replica that fails is replaced and
+        called again."""
+        refs = {i: call(i) for i in which}
+        out: dict[int, Samples] = {}
+        while refs:
+            i = next(iter(refs))
+            try:
+                out[i] = self.watch.get_one(refs.pop(i), self.names[i])
+            except RoleFailure as failure:
+                if failure.process != self.names[i]:
+                    raise  # another role (the actor whose weights it loads) failed
+                self._replace(i, failure)
+                refs[i] = call(i)
+        return [out[i] for i in which]
+
+    def _replace(self, i: int, failure: RoleFailure) -> None:
+        if self.replace is None or self.restarts >= self.max_restarts:
+            raise failure
+        self.restarts += 1
+        print(f"{failure}; replacing it ({self.restarts} of train.max_restarts={self.max_restarts} restarts)",
+              file=sys.stderr, flush=True)
+        self.replicas[i] = self.replace(i)
+        if self._weights is not None:
+            weights, version = self._weights
+            self.watch.get_one(self.replicas[i].load_weights.remote(weights, version), self.names[i])
 
     def _merge(self, parts: list[Samples]) -> Samples:
         if len(parts) == 1:
@@ -51,12 +93,11 @@ class ReplicaEngines:
             r.abort.remote(gen_id)
 
     def load_weights(self, weights, version: int) -> None:
-        import ray
-
-        ray.get([r.load_weights.remote(weights, version) for r in self.replicas])
+        self._weights = (weights, version)
+        self._run(lambda i: self.replicas[i].load_weights.remote(weights, version), list(range(len(self.replicas))))
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        return {FAULT_RESTARTS_ROLLOUT: float(self.restarts)} if self.replace is not None else {}
 
     def close(self) -> None:
         pass

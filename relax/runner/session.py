@@ -9,9 +9,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax.backends.write_errors import os_write_error
 from relax.config.schema import RelaxConfig
 from relax.runner.checkpoint import Checkpoints, ResumePoint
 from relax.runner.errors import RunError
+from relax.runner.ledger import FILE as LEDGER_FILE
+from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
 from relax.runner.metrics import RAW_REWARD
 from relax.runner.plan import Plan
 
@@ -19,6 +22,7 @@ from relax.runner.plan import Plan
 # checkpoint). An environment variable so that it can be changed for a run without changing its config.
 FLUSH_INTERVAL_ENV = "RELAX_MLFLOW_FLUSH_S"
 DEFAULT_FLUSH_INTERVAL_S = 15.0
+FAILURES_STATE = "checkpoint_failures"  # state.json: checkpoints the run could not write before this one
 
 
 def flush_interval_s() -> float:
@@ -69,23 +73,54 @@ class Session:
 
     `checkpoints` (a `relax.runner.checkpoint.Checkpoints`, entered) says where checkpoints go and what the
     run resumes from; `save_checkpoint` commits one only after the metrics it covers are in the store.
+
+    The sample ledger (`relax.runner.ledger`): `record_samples` adds each step's samples to `ledger`. It goes into
+    every checkpoint (`ledger.jsonl`, steps before the checkpoint's) and into the MLflow run as the artifact
+    `ledger.jsonl`, rewritten whole before each checkpoint and at the end of the run (also a failed or stopped one),
+    so that the ledger of any checkpoint is a prefix of the run's. A resumed run continues the ledger of its
+    checkpoint (cut to the steps before it) and rewrites the same artifact.
     """
 
     def __init__(self, cfg: RelaxConfig, plan: Plan, output_dir: Path, dictconfig=None,
-                 checkpoints: Checkpoints | None = None):
+                 checkpoints: Checkpoints | None = None, restart_run_id: str | None = None):
         self.cfg, self.plan, self.output_dir, self.dictconfig = cfg, plan, output_dir, dictconfig
         self.checkpoints = checkpoints
+        # a restart with nothing to resume (no checkpoint yet): the MLflow run of the attempt before, from step 0
+        self.restart_run_id = restart_run_id
         self.resume = checkpoints.resume if checkpoints is not None else None
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) as logged by this process
         self.steps = self.start_step
+        # checkpoints not written so far in this run (train.save_failures=continue), carried across resumes
+        failures = self.resume.state.get(FAILURES_STATE) if self.resume is not None else 0
+        self.checkpoint_failures = failures if type(failures) is int else 0
+        self.ledger = Ledger()
+        self._ledger_missing = False  # the resumed checkpoint predates ledgers
+        if self.resume is not None:
+            try:
+                saved = read_checkpoint(self.resume.path, self.resume.state)
+            except LedgerError as exc:
+                raise RunError(f"checkpoint {self.resume.path} cannot be resumed: {exc}") from None
+            self._ledger_missing = saved is None
+            if saved is not None:
+                self.ledger = saved.truncate(self.start_step)
+        self._ledger_logged: int | None = None  # entries in the MLflow artifact (None: not written by this job)
+        if checkpoints is not None:
+            checkpoints.attachments[LEDGER_FILE] = lambda step: self.ledger.before(step).dumps()
 
     def __enter__(self) -> Session:
         from omegaconf import OmegaConf
 
         from relax.runner.summary import config_summary
-        from relax.tracking.mlflow_run import RESUMED_TAG, NullTracker, Tracker, TrackingUnavailable, close_orphan_run
+        from relax.tracking.mlflow_run import (
+            CHECKPOINT_DIR_TAG,
+            RESUMED_TAG,
+            NullTracker,
+            Tracker,
+            TrackingUnavailable,
+            close_orphan_run,
+        )
         from relax.tracking.params import TAG_OVERRIDES, flatten_config, overrides_text, standard_tags
         from relax.tracking.progress import Progress
 
@@ -94,23 +129,27 @@ class Session:
         print(config_summary(cfg), file=sys.stderr)
         print(self.plan.render(), file=sys.stderr)
         resume = self.resume
-        reopen = cfg.tracking.enabled and resume is not None and resume.run_id is not None
+        reopen_id = resume.run_id if resume is not None else self.restart_run_id
+        reopen = cfg.tracking.enabled and reopen_id is not None
         if cfg.tracking.enabled:
             flush_s = flush_interval_s()
             spool_dir = self.spool_dir()
             tags = standard_tags(cfg)
+            if self.checkpoints is not None and self.checkpoints.uses_dir:  # where relax-verify-run finds them
+                tags[CHECKPOINT_DIR_TAG] = str(self.checkpoints.save_dir)
             overrides = _hydra_overrides()
             if overrides and not reopen:  # a reopened run keeps the overrides it was started with
                 tags[TAG_OVERRIDES] = overrides_text(overrides)
             if reopen:
-                tags[RESUMED_TAG] = resume_text(resume)
+                tags[RESUMED_TAG] = resume_text(resume) if resume is not None else "step 0 (a restart)"
                 try:
-                    self.tracker = Tracker.reopen(cfg.tracking, resume.run_id, from_step=resume.step, tags=tags,
+                    self.tracker = Tracker.reopen(cfg.tracking, reopen_id, from_step=self.start_step, tags=tags,
                                                   keep_history=(RAW_REWARD,), flush_interval_s=flush_s,
                                                   spool_dir=spool_dir)
                 except (LookupError, TrackingUnavailable) as exc:
-                    raise RunError(f"cannot continue checkpoint {resume.path}: {exc}") from None
-                counts = resume.tracker_state.get("nonfinite_counts") or {}
+                    what = f"checkpoint {resume.path}" if resume is not None else f"MLflow run {reopen_id}"
+                    raise RunError(f"cannot continue {what}: {exc}") from None
+                counts = (resume.tracker_state.get("nonfinite_counts") or {}) if resume is not None else {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
                 self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
             else:
@@ -140,8 +179,17 @@ class Session:
         (self.output_dir / "config.resolved.yaml").write_text(resolved)
         if resume is not None:
             print(f"resuming from {resume.path} at step {resume.step}", file=sys.stderr, flush=True)
+            if self._ledger_missing and resume.step > 0:
+                print(f"relax-train: note: checkpoint {resume.path} has no {LEDGER_FILE} (written before sample "
+                      f"ledgers): the run's ledger starts at step {resume.step}, so relax-verify-run reports steps "
+                      f"0..{resume.step - 1} as missing from it", file=sys.stderr, flush=True)
         self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress, start_step=self.start_step)
         return self
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run (None when tracking is off)."""
+        return getattr(self.tracker, "run_id", None)
 
     def spool_dir(self) -> Path:
         """Where the MLflow writes of an outage are spooled: the (locked) checkpoint directory, found again by a
@@ -161,35 +209,102 @@ class Session:
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
 
+    def record_samples(self, step: int, sample_ids, kept) -> None:
+        """Add step `step` to the sample ledger: its rollout's `sample_ids` ([N] LongTensor, unique over the run) and
+        `kept` ([N] bool: the samples it trained; the others were left out with their group)."""
+        if sample_ids is None:
+            raise RunError(f"step {step}: the rollout's samples carry no sample ids, so the ledger cannot record them")
+        self.ledger.add(step, sample_ids, kept)
+
+    def log_ledger(self) -> None:
+        """Write the whole ledger to the MLflow run (artifact `ledger.jsonl`) if it changed since the last write; a
+        failure is noted, never raised (training goes on; a store outage spools it like any other write)."""
+        if self._ledger_logged == len(self.ledger):
+            return
+        try:
+            self.tracker.log_text(self.ledger.dumps(), LEDGER_FILE)
+        except Exception as exc:
+            self.note(f"the sample ledger could not be written to MLflow ({exc}); it is in the next checkpoint")
+            return
+        self._ledger_logged = len(self.ledger)
+
     def save_checkpoint(self, cluster, step: int, state: dict, rollout: dict | None = None) -> Path | None:
         """Flush the metrics of every step so far, then write and commit the checkpoint of `step`.
 
         Flushed means in the store, or, while the store is unavailable, in the run's spool on disk (replayed by
         this run later, or by the job that resumes from this checkpoint). If neither takes them, no checkpoint is
         committed (it would cover steps whose metrics a kill could still lose): a note says so and training goes
-        on; the next checkpoint tries again.
+        on; the next checkpoint tries again. A write that fails at the OS level (disk full, read-only...) is
+        `train.save_failures`'s (see `_not_written`); any other error is raised as it is.
         """
         try:
             self.tracker.flush()
         except Exception as exc:
             self.note(f"checkpoint at step {step} not written: the metrics it covers are not in MLflow yet ({exc})")
             return None
+        self.log_ledger()  # before the commit: the checkpoint's ledger (Checkpoints.attachments) is a prefix of it
         state = {**state, "mlflow_run_id": self.tracker.run_id,
-                 "tracker": {"nonfinite_counts": dict(self.tracker.nonfinite_counts)}}
-        return cluster.save(self.checkpoints, step, state, rollout)
+                 "tracker": {"nonfinite_counts": dict(self.tracker.nonfinite_counts)},
+                 FAILURES_STATE: self.checkpoint_failures}
+        try:
+            return cluster.save(self.checkpoints, step, state, rollout)
+        except Exception as exc:  # a role's write (on Ray: the cause of a RayTaskError) or the driver's
+            error = os_write_error(exc)
+            if error is None:
+                raise
+        self._not_written(step, error)
+        return None
+
+    def _not_written(self, step: int, error: OSError) -> None:
+        """The checkpoint of `step` failed to write at the OS level (disk full, quota, read-only, permissions, I/O
+        error): its staging directory is removed (committed checkpoints are never touched), then the run stops with
+        a RunError (`train.save_failures=stop`) or notes it, counts it in `fault/checkpoint_failures` (logged at the
+        step whose checkpoint failed) and goes on (`continue`: the next checkpoint tries again)."""
+        import errno
+
+        from relax.metrics import FAULT_CHECKPOINT_FAILURES
+        from relax.runner.checkpoint import latest, step_dir
+
+        ckpts = self.checkpoints
+        code = errno.errorcode.get(error.errno, str(error.errno))
+        text = f"{error.strerror} ({code})" + (f": {error.filename}" if error.filename else "")
+        what = f"step {step - 1}: checkpoint {step_dir(ckpts.save_dir, step).name} could not be written: {text}"
+        if not ckpts.discard(step):
+            what += f" (its partial files in {ckpts.staging_path(step)} could not be removed either)"
+        kept = latest(ckpts.save_dir)
+        if self.cfg.train.save_failures == "stop":
+            intact = f"the latest committed checkpoint, {kept}, stays valid" if kept is not None else \
+                "no checkpoint was committed before it"
+            then = "to continue from it" if kept is not None else "(it starts from step 0 without a checkpoint)"
+            raise RunError(f"{what}. The run stops (train.save_failures=stop); {intact}. Once {ckpts.save_dir} has "
+                           f"space and is writable again, run with train.resume=auto {then}.")
+        self.checkpoint_failures += 1
+        self.tracker.log_metrics({FAULT_CHECKPOINT_FAILURES: float(self.checkpoint_failures)}, step - 1)
+        if self.history and self.history[-1][0] == step - 1:
+            self.history[-1][1][FAULT_CHECKPOINT_FAILURES] = float(self.checkpoint_failures)
+        message = (f"relax-train: warning: {what}; training goes on (train.save_failures=continue), the next "
+                   f"checkpoint tries again; latest committed checkpoint: {kept or 'none'}")
+        if self.progress.enabled:
+            self.progress.write(message)
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     def finish(self) -> RunResult:
-        """Flush tracking and print the summary (final = mean reward of the last 10 steps)."""
+        """Flush tracking, write the ledger and print the summary (final = mean reward of the last 10 steps)."""
         self.tracker.flush()
+        self.log_ledger()
         k = min(10, len(self.rewards)) or 1
         final = sum(self.rewards[-k:]) / k if self.rewards else float("nan")
         first = sum(self.rewards[:k]) / k if self.rewards else float("nan")
         best = max(self.rewards) if self.rewards else float("nan")
         extra = {"first 10 steps reward": first, "steps": self.steps,
                  "wall time": f"{time.perf_counter() - self.t0:.0f} s", "outputs": str(self.output_dir)}
+        if self.checkpoint_failures:  # train.save_failures=continue
+            extra["checkpoints not written"] = self.checkpoint_failures
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self.log_ledger()  # a run that stops or fails: the steps it trained since its last checkpoint
         self.progress.close()
         self.tracker.__exit__(exc_type, exc, tb)

@@ -198,7 +198,11 @@ class SGLangEngines:
         import ray
 
         if isinstance(weights, ray.ObjectRef):
-            weights = ray.get(weights)
+            try:
+                weights = ray.get(weights, timeout=self.sg.request_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RunError(f"rollout=sglang: the actor's weights did not arrive within "
+                               f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s)") from None
         with self._lock:
             self._last = (weights, int(version))
             self._make_ready(push=True)

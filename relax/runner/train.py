@@ -8,6 +8,8 @@ methods and moves `Samples` / `TrainBatch` between them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from relax.metrics import (
     BUFFER_SIZE,
     CRITIC_GRAD_NORM,
     CRITIC_SKIPPED_STEPS,
+    FAULT_RESTARTS,
     GRAD_NORM,
     LOSS,
     OVERHEAD_FRACTION,
@@ -38,11 +41,12 @@ from relax.metrics import (
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
     VALUE_LOSS,
+    fault_restarts,
 )
 from relax.rewards.registry import Scores
 from relax.runner import checkpoint
-from relax.runner.cluster import Cluster
-from relax.runner.errors import RunError
+from relax.runner.cluster import Cluster, RayRuntime
+from relax.runner.errors import RoleFailure, RunError
 from relax.runner.metrics import (
     eval_metrics,
     latest_version_mask,
@@ -51,9 +55,11 @@ from relax.runner.metrics import (
     staleness_metrics,
 )
 from relax.runner.plan import Plan
+from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.rollout_stream import RolloutStream
 from relax.runner.session import RunResult, Session
 
+RESTARTS_TAG = "relax.restarts"  # the run's service-graph restarts: step, process and cause of each
 EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the training samples of the same ids
 
 
@@ -224,21 +230,96 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
 def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictconfig=None) -> RunResult:
     """Train `cfg` to the end (or resume it); returns the logged history and the reward summary.
 
+    A role process that dies or hangs (`RoleFailure`) restarts the service graph from the latest checkpoint (or
+    from step 0 without one) in the same MLflow run, up to `train.max_restarts` times (`Restarts`). Ray itself
+    (`RayRuntime`) lives across those restarts.
+
+    Ctrl-C and SIGTERM (`relax.runner.preempt`): with `train.save_on_preempt`, the loop finishes its step, writes
+    its checkpoint and raises `Preempted` (a KeyboardInterrupt: the MLflow run ends KILLED); a second signal, or any
+    without it, raises `Preempted` at once.
+    """
+    from relax.runner.plan import build_plan
+
+    plan = plan or build_plan(cfg)
+    runtime = RayRuntime(cfg, plan)  # entered by the first attempt, once the user's inputs are checked
+    restarts = Restarts(cfg.train.max_restarts)
+    preemption = Preemption.from_config(cfg)  # Ctrl-C / SIGTERM: a checkpoint of the current step, then stop
+    try:
+        with preemption:
+            while True:
+                try:
+                    return _attempt(cfg, plan, runtime, restarts, preemption, output_dir=output_dir,
+                                    dictconfig=dictconfig)
+                except RoleFailure as failure:
+                    if preemption.requested is not None:  # stopping anyway: no restart (the signal may have hit it)
+                        print(f"step {restarts.step}: {failure}; not restarted: the run is stopping "
+                              f"({signal_name(preemption.requested)})", file=sys.stderr, flush=True)
+                        raise Preempted(preemption.requested) from None
+                    cfg = restarts.next(cfg, failure)
+    except Preempted as exc:
+        exc.latest = checkpoint.latest(checkpoint.resolve_save_dir(cfg))  # for relax-train's message
+        raise
+    finally:
+        runtime.__exit__(None, None, None)
+
+
+class Restarts:
+    """Service-graph restarts of one run: how many (per role), the MLflow run they continue, where from."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.by_role: dict[str, int] = {}
+        self.events: list[str] = []
+        self.run_id: str | None = None  # the MLflow run of the attempts (set once the first one opened it)
+        self.step = 0  # steps logged so far (the failure happened in this step)
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_role.values())
+
+    def next(self, cfg: RelaxConfig, failure: RoleFailure) -> RelaxConfig:
+        """The config of the next attempt: resuming the latest checkpoint. RunError once the limit is reached."""
+        if self.count >= self.limit:
+            raise RunError(f"step {self.step}: {failure}. The run stops: train.max_restarts={self.limit} "
+                           f"restart(s) already used ({'; '.join(self.events) or 'none'}).") from None
+        self.by_role[failure.role] = self.by_role.get(failure.role, 0) + 1
+        latest = None
+        if cfg.train.save:
+            latest = checkpoint.latest(checkpoint.resolve_save_dir(cfg))
+        where = f"checkpoint {latest}" if latest is not None else "step 0 (no checkpoint yet)"
+        self.events.append(f"step {self.step}: {failure}")
+        print(f"step {self.step}: {failure}; restarting the service graph from {where} "
+              f"(restart {self.count} of train.max_restarts={self.limit})", file=sys.stderr, flush=True)
+        return dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, resume=str(latest) if latest is not None else None))
+
+    def metrics(self) -> dict[str, float]:
+        out = {FAULT_RESTARTS: float(self.count)}
+        out.update({fault_restarts(role): float(n) for role, n in self.by_role.items()})
+        return out
+
+
+def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restarts, preemption: Preemption, *,
+             output_dir: Path, dictconfig=None) -> RunResult:
+    """One start of the service graph, trained to the end.
+
     The rollout side runs in a `RolloutStream` whatever the mode: it generates the batch of each step with the
     weights its mode allows (sync: the current ones; hybrid: one step old; fully_async: up to max_staleness
     steps old), ahead of the loop where the mode allows, and the loop takes them in step order.
     """
     from relax.data.datasets import PromptItem
-    from relax.runner.plan import build_plan
-
-    plan = plan or build_plan(cfg)
 
     tokenizer, sampler, eval_set, reward_fn, info = _prepare(cfg)
     G = cfg.rollout.n_samples_per_prompt
     checkpoints = checkpoint.Checkpoints(cfg)  # save dir, lock, resume point (config checked) before anything starts
+    runtime.__enter__()
+    preemption.arm()  # again: ray.init installs its own SIGTERM handler
 
-    with checkpoints, Session(cfg, plan, output_dir, dictconfig, checkpoints) as session, \
-            Cluster(cfg, plan, info) as cluster:
+    with checkpoints, Session(cfg, plan, output_dir, dictconfig, checkpoints,
+                              restart_run_id=restarts.run_id) as session, Cluster(cfg, plan, info) as cluster:
+        restarts.run_id = session.run_id
+        if restarts.events:
+            session.tracker.set_tags({RESTARTS_TAG: "; ".join(restarts.events)})
         start_step = session.start_step
         stream = RolloutStream(cfg, cluster, sampler.next_batch, start_step=start_step,
                                pad_token_id=info.pad_token_id)
@@ -253,6 +334,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
 
         with stream:
             for step in range(start_step, cfg.train.num_rollout):
+                restarts.step = preemption.step = step
                 t0 = time.perf_counter()
                 metrics: dict[str, float] = {}
                 # 1. the rollout of this step (generated by the stream, as far ahead as the mode allows)
@@ -290,6 +372,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                 overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
                 metrics.update(pace.metrics(waited, step_time))
                 metrics.update(cluster.engine_metrics())
+                metrics.update(restarts.metrics())
                 metrics.update({
                     ROLLOUT_TIME: t_rollout - t0,
                     ROLLOUT_ENGINE_TIME: samples.engine_time,
@@ -301,14 +384,21 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                     TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
                 })
                 session.log(metrics, step)
+                session.record_samples(step, samples.sample_id, keep)
                 skipped.check(step, metrics, checkpoints)  # stops before a checkpoint of this step is written
                 last = step + 1 == cfg.train.num_rollout
                 interval = cfg.train.save_interval
-                if cfg.train.save and (last or (interval and (step + 1) % interval == 0)):
+                # Ctrl-C / SIGTERM during this step (train.save_on_preempt): its checkpoint, then stop
+                stop, saved = preemption.requested is not None, None
+                if cfg.train.save and (last or stop or (interval and (step + 1) % interval == 0)):
                     with stream.paused():  # the batches generated ahead and the one in flight go with it
                         stream.save_old_logprobs(cluster.actor_logprobs, step + 1)
-                        session.save_checkpoint(cluster, step + 1, {"sampler": sampler.state_dict(), "step": step + 1},
-                                                rollout=stream.state_dict())
+                        saved = session.save_checkpoint(cluster, step + 1, {"sampler": sampler.state_dict(),
+                                                                            "step": step + 1},
+                                                        rollout=stream.state_dict())
+                    stop = preemption.requested is not None  # also a signal during this save: it covers the step
+                if stop and not last:  # (in the last step the run ends anyway, complete)
+                    raise preemption.stop(step, checkpointed=saved is not None)
         return session.finish()
 
 

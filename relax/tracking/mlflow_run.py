@@ -82,6 +82,7 @@ PARENT_RUN_ID_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs 
 NONFINITE_TAG = "relax.nonfinite_metrics"
 TRACKING_URI_TAG = "relax.tracking_uri"
 RESUMED_TAG = "relax.resumed"  # a reopened run: at which step and from where it was last continued
+CHECKPOINT_DIR_TAG = "relax.checkpoint_dir"  # where relax-train writes the run's checkpoints (relax-verify-run)
 NONFINITE_MODES = ("skip", "log")
 
 _MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store keeps failing with a non-store error

@@ -1,4 +1,4 @@
-"""Fixtures of the fault tests: a local Ray and a fast run's overrides."""
+"""Fixtures of the fault tests: a local Ray (small_run, fresh_store: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,22 +16,3 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
-
-
-@pytest.fixture
-def small_run(tmp_path):
-    """Overrides of a fast run on the tiny model, tracked in a store inside tmp_path (as tests/runner's)."""
-
-    def make(*extra: str, steps: int = 2) -> list[str]:
-        return [
-            f"train.num_rollout={steps}",
-            "rollout.rollout_batch_size=4",
-            "rollout.n_samples_per_prompt=4",
-            "train.micro_batch_size=8",
-            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-            "tracking.progress=false",
-            f"train.save_dir={tmp_path}/ckpt",
-            *extra,
-        ]
-
-    return make

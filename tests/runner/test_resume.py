@@ -16,7 +16,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -256,30 +255,6 @@ RUN_ARGS = [f"train.num_rollout={STEPS}", "train.save_interval=2", "rollout.roll
             "train.mode=hybrid"]
 KEY = "train/loss"
 HERE = Path(__file__).resolve().parent  # hold_reward.py
-
-
-def _template_db(cache_dir: Path) -> Path:
-    """A migrated, empty MLflow sqlite store, built once per MLflow version (migrations take seconds)."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    template = cache_dir / f"mlflow-{mlflow.__version__}.db"
-    if not template.exists():
-        tmp = cache_dir / f"building-{os.getpid()}.db"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()
-        os.replace(tmp, template)
-    return template
-
-
-@pytest.fixture
-def mlflow_template(request, tmp_path_factory) -> Path:
-    try:
-        cache_dir = Path(request.config.cache.mkdir("relax-mlflow-template"))
-    except Exception:
-        cache_dir = tmp_path_factory.mktemp("mlflow-template")
-    return _template_db(cache_dir)
 
 
 def _start(cwd: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:

@@ -58,6 +58,10 @@ class _Exceptions(types.SimpleNamespace):
     pass
 
 
+class _ActorDied(Exception):
+    """Never raised here (roles run in this process): errors of a role's method propagate as themselves."""
+
+
 def fake_ray() -> types.ModuleType:
     ray = types.ModuleType("ray")
     ray.remote = lambda cls=None, **_: _RemoteClass(cls) if cls is not None else (lambda c: _RemoteClass(c))
@@ -70,8 +74,8 @@ def fake_ray() -> types.ModuleType:
     ray.shutdown = lambda: None
     ray.cluster_resources = lambda: {"CPU": float(os.cpu_count() or 1)}
     ray.available_resources = ray.cluster_resources
-    ray.exceptions = _Exceptions(RayActorError=RuntimeError, GetTimeoutError=TimeoutError, RayTaskError=RuntimeError,
-                                 ActorDiedError=RuntimeError)
+    ray.exceptions = _Exceptions(RayActorError=_ActorDied, GetTimeoutError=TimeoutError, RayTaskError=RuntimeError,
+                                 ActorDiedError=_ActorDied)
     return ray
 
 

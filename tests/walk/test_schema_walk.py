@@ -112,6 +112,7 @@ VALUES: dict[str, Any] = {
     "train.adam_beta1": 0.5,
     "train.adam_beta2": 0.9,
     "train.max_skipped_steps": 1,
+    "train.save_failures": "continue",
 }
 # Settings a field acts together with (documented with the field); the walk runs both the default and the
 # changed value in this context. A field that only acts in a context is rejected outside it by validation.
@@ -132,6 +133,13 @@ PROBES = {
     # in tests/megatron (real processes: the walk's in-process transport cannot host a process group)
     "train.backend": "probe_actor_backend",
     "train.micro_batch_size": "probe_micro_batches",
+    # they act when a checkpoint cannot be written or a signal comes (tests/faults/test_save_failures.py and
+    # test_preemption.py fill a real actor's disk and signal real runs)
+    "train.save_failures": "probe_save_failures",
+    "train.save_on_preempt": "probe_save_on_preempt",
+    # they act when a role dies or hangs (tests/faults/test_role_failures.py kills and stops real processes)
+    "train.max_restarts": "probe_max_restarts",
+    "cluster.heartbeat_timeout_s": "probe_heartbeat_timeout",
 }
 
 
@@ -291,6 +299,83 @@ def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
                        rollout_logp=torch.zeros(n, 2), finish_reason=["stop"] * n, advantages=torch.ones(n, 2))
     policy.train_step(batch, cfg.algorithm, per_token=True, micro_batch_size=cfg.train.micro_batch_size)
     return len(calls)
+
+
+def probe_max_restarts(overrides: list[str], cwd: Path) -> Any:
+    """How many role failures in a row the run's restart policy answers with a restart before it stops."""
+    from relax.runner.errors import RoleFailure, RunError
+    from relax.runner.train import Restarts
+
+    cfg = load_config(overrides + [f"train.save_dir={cwd / 'ckpt'}"])
+    restarts = Restarts(cfg.train.max_restarts)
+    with contextlib.redirect_stderr(io.StringIO()):
+        for n in range(100):
+            try:
+                restarts.next(cfg, RoleFailure("actor", "died"))
+            except RunError:
+                return n
+    return None
+
+
+def probe_heartbeat_timeout(overrides: list[str], cwd: Path) -> Any:
+    """Whether the driver's watchdog declares hung a role last heard from (and progressing) 400 s ago."""
+    from relax.roles.heartbeat import RoleBeat
+    from relax.runner.errors import RoleFailure
+    from relax.runner.watchdog import Watchdog
+
+    class Snapshot:
+        @staticmethod
+        def remote():
+            return {"actor": RoleBeat(beat_age_s=400.0, progress_age_s=400.0, progress=1, pid=1)}
+
+    board = type("Board", (), {"snapshot": Snapshot})()
+    watch = Watchdog(board, load_config(overrides).cluster.heartbeat_timeout_s)
+    with inprocess_ray():
+        try:
+            watch.check({"actor"}, waited_s=400.0)
+        except RoleFailure as exc:
+            return str(exc)
+    return "alive"
+
+
+def probe_save_failures(overrides: list[str], cwd: Path) -> Any:
+    """What a checkpoint whose write fails with ENOSPC does to the run: stops it, or is counted and training goes on."""
+    import errno
+
+    from relax.runner.checkpoint import Checkpoints
+    from relax.runner.errors import RunError
+    from relax.runner.plan import build_plan
+    from relax.runner.session import Session
+
+    class FullDisk:
+        def save(self, ckpts, step: int, state: dict, rollout=None) -> Path:
+            raise OSError(errno.ENOSPC, "No space left on device", str(ckpts.staging_path(step)))
+
+    cfg = load_config(overrides + ["tracking.enabled=false", f"train.save_dir={cwd / 'ckpt'}"])
+    ckpts = Checkpoints(cfg, cwd)
+    with contextlib.redirect_stderr(io.StringIO()), ckpts, \
+            Session(cfg, build_plan(cfg), cwd / "out", checkpoints=ckpts) as session:
+        try:
+            session.save_checkpoint(FullDisk(), 1, {"sampler": {}})
+        except RunError:
+            return "stopped"
+        return f"went on, {session.checkpoint_failures} checkpoint(s) not written"
+
+
+def probe_save_on_preempt(overrides: list[str], cwd: Path) -> Any:
+    """What the run's signal handler does with a SIGTERM: stop at once, or let the step finish with a checkpoint."""
+    import signal
+    import time
+
+    from relax.runner.preempt import Preempted, Preemption
+
+    with Preemption.from_config(load_config(overrides)) as preemption:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)  # the handler runs here at the latest
+        except Preempted:
+            return "stopped at once"
+    return f"stop requested after the step ({signal.Signals(preemption.requested).name})"
 
 
 def cases() -> list[tuple[str, str, Any]]:

@@ -45,6 +45,7 @@ from relax import algorithms
 from relax.algorithms import functional as F
 from relax.algorithms.base import AlgorithmConfig, LossBatch
 from relax.algorithms.loss import ENTROPY, compute_loss
+from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.megatron import convert
 from relax.backends.megatron.model import (
@@ -65,6 +66,7 @@ from relax.backends.torch_train import (
     skip_warning,
     step_denominators,
 )
+from relax.backends.write_errors import os_write_errors, torch_save
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import (
     GRAD_NORM,
@@ -340,6 +342,7 @@ class MegatronPolicy:
 
         def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
+            progress.tick()
             output = model(mb.tokens, mb.positions, None)
 
             def loss_func(output_tensor: torch.Tensor):
@@ -639,9 +642,10 @@ class MegatronPolicy:
         if torch.distributed.get_rank() == 0:
             directory = Path(directory)
             directory.mkdir(parents=True, exist_ok=True)
-            self.hf_config.save_pretrained(str(directory))
-            save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
-                      metadata={"format": "pt"})
+            with os_write_errors(directory):  # disk full, unwritable: a plain OSError naming errno and path
+                self.hf_config.save_pretrained(str(directory))
+                save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+                          metadata={"format": "pt"})
         torch.distributed.barrier()
 
     # ---- checkpoints ----------------------------------------------------------------------------------
@@ -660,7 +664,8 @@ class MegatronPolicy:
             tensors = {convert.local_to_global(k, self.layer_offset): v.detach().to("cpu").contiguous()
                        for k, v in self._module().state_dict().items()
                        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
-            save_file(tensors, str(directory / MODEL_FILE.format(**names)))
+            with os_write_errors(directory / MODEL_FILE.format(**names)):  # a plain OSError naming errno and path
+                save_file(tensors, str(directory / MODEL_FILE.format(**names)))
         if self.use_distributed_optimizer:
             chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
             param_state = [o.get_parameter_state_dp_reshardable() for o in chained]
@@ -674,7 +679,7 @@ class MegatronPolicy:
             opt_state = {"common": self.optimizer.state_dict(), "param_state": param_state}
         else:
             opt_state = {"common": self.optimizer.state_dict()}
-        torch.save(opt_state, directory / OPTIMIZER_FILE.format(**names))
+        torch_save(opt_state, directory / OPTIMIZER_FILE.format(**names))
         if torch.distributed.get_rank() == 0:
             (directory / STATE_FILE).write_text(json.dumps({
                 "step": self.step, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,

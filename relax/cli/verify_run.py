@@ -1,0 +1,257 @@
+"""`relax-verify-run RUN`: check a run's invariants from MLflow and its checkpoints.
+
+RUN is an MLflow run id, a checkpoint directory (`step_NNNNNN/`) or a save dir (its latest checkpoint is used, and
+the MLflow run it names). It checks that every step 0..N-1 is in the run's sample ledger exactly once, that no
+sample id is in two places (trained twice, or trained and left out), that each step has rollout_batch_size x
+n_samples_per_prompt samples and left out the share of them the run logged, that every metric of the run is
+recorded at most once per step and the metrics logged at every step have each step, and that the ledger of the
+latest checkpoint is the start of the run's. Exit 0 if all hold, 1 if any does not, 2 if the run cannot be read.
+The checks themselves: `relax.runner.ledger` and `relax.tracking.verify`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from relax.metrics import REWARD_DROPPED_FRAC, STEP_TIME
+from relax.runner import checkpoint
+from relax.runner.ledger import (
+    FILE,
+    Ledger,
+    LedgerError,
+    check_dropped,
+    check_prefix,
+    check_samples,
+    check_steps,
+    count,
+    read_checkpoint,
+)
+from relax.tracking.mlflow_run import CHECKPOINT_DIR_TAG
+from relax.tracking.verify import (
+    UNFINISHED,
+    RunRecord,
+    VerifyError,
+    check_metric_steps,
+    completed_steps,
+    default_uri,
+    read_run,
+    steps_text,
+)
+
+OK_EXIT, VIOLATION_EXIT, USAGE_EXIT = 0, 1, 2
+EVERY_STEP = (STEP_TIME, REWARD_DROPPED_FRAC)  # metrics the training loop logs at every step, whatever the config
+# the flattened config fields (MLflow params, a checkpoint's `config`) that set the samples of a step
+BATCH_PARAM, GROUP_PARAM, URI_PARAM = "rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "tracking.uri"
+
+
+class UsageError(Exception):
+    """Nothing to verify: the run, the store or the checkpoint cannot be found or read."""
+
+
+@dataclass
+class Report:
+    title: str
+    facts: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def text(self) -> str:
+        width = max((len(k) for k, _ in self.facts), default=0)
+        lines = [self.title, *(f"  {k.ljust(width)}  {v}" for k, v in self.facts)]
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.ok:
+            lines.append("OK: every step is in the ledger once, no sample is trained twice, every metric is recorded "
+                         "at most once a step")
+        else:
+            n = len(self.violations)
+            lines.append(f"FAILED: {n} violation{'s' if n > 1 else ''}")
+            lines += [f"  - {v}" for v in self.violations]
+        return "\n".join(lines)
+
+
+def _checkpoint_of(path: Path) -> tuple[Path, dict]:
+    """The checkpoint `path` designates (itself, or the latest of a save dir) and its state.json."""
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a directory (expected an MLflow run id, a checkpoint directory or a save dir)")
+    found = path if (path / checkpoint.STATE).is_file() else checkpoint.latest(path)
+    if found is None:
+        raise UsageError(f"no checkpoint in {path} (expected {checkpoint.STATE} or {checkpoint.PREFIX}* directories)")
+    file = found / checkpoint.STATE
+    try:
+        state = json.loads(file.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{file} cannot be read: {exc}") from None
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
+        raise UsageError(f"{file} is not a checkpoint's state (a JSON object with an integer 'step')")
+    return found, state
+
+
+def _run_checkpoint(record: RunRecord, report: Report) -> tuple[Optional[Path], Optional[dict]]:
+    """The latest checkpoint of the run, found through its checkpoint-directory tag, if it is still there."""
+    tagged = record.tags.get(CHECKPOINT_DIR_TAG)
+    if not tagged:
+        report.notes.append("the run names no checkpoint directory (train.save=false, or an older relax-train); "
+                            "give the directory instead of the run id to compare its checkpoint")
+        return None, None
+    path = checkpoint.latest(Path(tagged))
+    if path is None:
+        report.notes.append(f"no checkpoint in {tagged} (the run's checkpoint directory) to compare")
+        return None, None
+    found, state = _checkpoint_of(path)
+    if state.get("mlflow_run_id") != record.run_id:
+        report.notes.append(f"the latest checkpoint in {tagged} belongs to MLflow run {state.get('mlflow_run_id')}, "
+                            "not this one: not compared")
+        return None, None
+    return found, state
+
+
+def _per_step(params: dict, report: Report) -> Optional[int]:
+    try:
+        b, g = int(params[BATCH_PARAM]), int(params[GROUP_PARAM])
+    except (KeyError, ValueError):
+        report.notes.append(f"no {BATCH_PARAM} and {GROUP_PARAM} params: the samples of a step are not counted")
+        return None
+    report.facts.append(("samples a step", f"{b * g} ({BATCH_PARAM}={b} x {GROUP_PARAM}={g})"))
+    return b * g
+
+
+def _ledger_facts(ledger: Ledger, report: Report) -> None:
+    trained = sum(count(e.trained) for e in ledger.entries)
+    left = sum(count(e.left_out) for e in ledger.entries)
+    report.facts.append(("ledger", f"{len(ledger)} steps, {trained} samples trained, {left} left out"))
+
+
+def verify(target: str, uri: Optional[str] = None) -> Report:
+    """Check the run `target` (an MLflow run id, a checkpoint directory or a save dir) in store `uri` (default:
+    $MLFLOW_TRACKING_URI, else the checkpoint's tracking.uri, else sqlite:///mlflow.db). UsageError if there is nothing
+    to check."""
+    path = Path(target).expanduser()
+    ckpt, state, run_id = None, None, target
+    if path.exists():
+        ckpt, state = _checkpoint_of(path)
+        run_id = state.get("mlflow_run_id")
+    elif "/" in target or target.startswith("."):
+        raise UsageError(f"{target}: no such directory")
+    if uri is None:
+        configured = (state.get("config") or {}).get(URI_PARAM) if state else None
+        uri = default_uri(configured if isinstance(configured, str) else None)
+
+    if run_id is None and ckpt is not None and state is not None:  # tracking.enabled=false: only the checkpoint
+        report = Report(f"relax-verify-run: checkpoint {ckpt} (no MLflow run: tracking was off)")
+        report.facts.append(("steps", f"{state['step']} (the checkpoint's)"))
+        per_step = _per_step(state.get("config") or {}, report)
+        try:
+            ledger = read_checkpoint(ckpt, state)
+        except LedgerError as exc:
+            report.violations.append(str(exc))
+            return report
+        if ledger is None:
+            report.violations.append(f"checkpoint {ckpt} has no {FILE} (written before sample ledgers)")
+            return report
+        _ledger_facts(ledger, report)
+        report.violations += check_steps(ledger.steps, state["step"], "the checkpoint's ledger")
+        report.violations += check_samples(ledger, per_step)
+        return report
+
+    try:
+        record = read_run(uri, run_id, FILE)
+    except VerifyError as exc:
+        raise UsageError(str(exc)) from None
+    report = Report(f"relax-verify-run: MLflow run {record.run_id} ({record.status}) in {record.uri}")
+    if ckpt is None:
+        ckpt, state = _run_checkpoint(record, report)
+
+    # the run's ledger (the MLflow artifact) and how many steps the run completed
+    ledger = None
+    strict = record.status not in UNFINISHED
+    if record.artifact is None and not strict:
+        report.notes.append(f"the run is {record.status} and has no {FILE} artifact yet (written at its first "
+                            "checkpoint): its samples are not checked")
+    elif record.artifact is None:
+        report.violations.append(f"the run has no {FILE} artifact: its samples cannot be checked (a relax-train "
+                                 "from before sample ledgers)")
+    else:
+        try:
+            ledger = Ledger.loads(record.artifact, f"artifact {FILE} of run {record.run_id}")
+        except LedgerError as exc:
+            report.violations.append(str(exc))
+    histories = {key: [s for s, _ in h] for key, h in record.histories.items()}
+    ledger_n = 1 + max(ledger.steps, default=-1) if ledger is not None else 0
+    metric_n = completed_steps(histories, EVERY_STEP)
+    n = max(ledger_n, metric_n)
+    report.facts.append(("steps", f"{n} ({steps_text(range(n))})"))
+    per_step = _per_step(record.params, report)
+
+    if ledger is not None:
+        _ledger_facts(ledger, report)
+        report.violations += check_steps(ledger.steps, n if strict else ledger_n, "the run's ledger")
+        report.violations += check_samples(ledger, per_step)
+        dropped = dict(record.histories.get(REWARD_DROPPED_FRAC, []))
+        report.violations += check_dropped(ledger, dropped)
+        if not strict and metric_n > ledger_n:
+            report.notes.append(f"the run is {record.status}: steps {steps_text(range(ledger_n, metric_n))} are in "
+                                f"MLflow but not yet in its ledger (written at each checkpoint and at the end of the "
+                                f"run); train.resume=auto continues it")
+    report.facts.append(("metrics", f"{len(histories)} keys, {', '.join(EVERY_STEP)} logged at every step"))
+    report.violations += check_metric_steps(histories, n, EVERY_STEP)
+
+    if ckpt is not None and state is not None:
+        step = state["step"]
+        if state.get("mlflow_run_id") != record.run_id:
+            report.violations.append(f"checkpoint {ckpt} names MLflow run {state.get('mlflow_run_id')}, not "
+                                     f"{record.run_id}")
+        try:
+            saved = read_checkpoint(ckpt, state)
+        except LedgerError as exc:
+            report.violations.append(str(exc))
+            saved = None
+        else:
+            if saved is None:
+                report.violations.append(f"checkpoint {ckpt} has no {FILE} (written before sample ledgers)")
+        if saved is not None and ledger is not None:
+            found = check_prefix(saved, step, ledger)
+            report.violations += found
+            report.facts.append(("checkpoint", f"{ckpt} (step {step}): its ledger "
+                                 + ("starts the run's" if not found else "does not start the run's")))
+        else:
+            report.facts.append(("checkpoint", f"{ckpt} (step {step})"))
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="relax-verify-run",
+        description="Check a run's invariants from MLflow and its checkpoints: every step trained once, every sample "
+                    "trained at most once, every step's metrics recorded exactly once, the latest checkpoint's ledger "
+                    "the start of the run's. Exit 0 if all hold, 1 if not, 2 if the run cannot be read.",
+    )
+    p.add_argument("run", help="an MLflow run id, a checkpoint directory (step_NNNNNN) or a save dir (its latest "
+                               "checkpoint, and the MLflow run it names)")
+    p.add_argument("--uri", default=None,
+                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the checkpoint's tracking.uri when "
+                        "RUN is a directory, else sqlite:///mlflow.db)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = verify(args.run, args.uri)
+    except UsageError as exc:
+        print(f"relax-verify-run: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    print(report.text())
+    return OK_EXIT if report.ok else VIOLATION_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The driver's waits on the roles, bounded by their heartbeats (`relax.roles.heartbeat`).
+
+`Watchdog.get` waits for the answers of role calls the way `ray.get` would, polling every `poll_s`. While a call
+is pending, its role must keep sending heartbeats and, for compute calls, keep making progress: a role with no
+heartbeat for `cluster.heartbeat_timeout_s`, or whose progress has not changed for that long while the driver waited
+on it, is declared hung. A hung or dead role (Ray's `RayActorError`) surfaces as `RoleFailure`, naming the
+process, which the training loop answers by restarting the service graph (`train.max_restarts`). Errors raised
+inside a role's method (a bad batch, a full disk) stay what they are.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from relax.runner.errors import RoleFailure
+
+POLL_S = 1.0  # how often a pending wait looks at the heartbeats
+
+
+class Watchdog:
+    """`board`: the `HeartbeatBoard` actor handle (None: no heartbeats, unbounded waits). `names`: actor id (hex)
+    -> process name, for the processes the cluster started (kept up to date as roles are replaced)."""
+
+    def __init__(self, board: Any, timeout_s: float | None, poll_s: float = POLL_S):
+        self.board, self.timeout_s, self.poll_s = board, timeout_s, poll_s
+        self.names: dict[str, str] = {}
+
+    def register(self, actor: Any, process: str) -> None:
+        actor_id = getattr(actor, "_actor_id", None)
+        if actor_id is not None:
+            self.names[actor_id.hex()] = process
+
+    def get(self, calls: list[tuple[Any, str]], *, progress: bool = True) -> list[Any]:
+        """The results of `calls` ((ObjectRef, process name) pairs), in order. `progress=False` for calls that
+        advance no progress counter (saving, loading): only the heartbeats bound them."""
+        import ray
+
+        pending = [ref for ref, _ in calls]
+        t0 = time.monotonic()
+        while pending and self.board is not None and self.timeout_s is not None:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
+            if pending:
+                waiting = {name for ref, name in calls if ref in set(pending)}
+                self.check(waiting, time.monotonic() - t0, progress=progress)
+        out = []
+        for ref, name in calls:
+            try:
+                out.append(ray.get(ref, timeout=None if self.timeout_s is None else self.timeout_s))
+            except ray.exceptions.RayActorError as exc:
+                raise RoleFailure(self.names.get(getattr(exc, "actor_id", None) or "", name),
+                                  f"died: {_first_line(exc)}") from None
+            except ray.exceptions.GetTimeoutError:  # pragma: no cover - answered refs come back at once
+                raise RoleFailure(name, f"did not answer within {self.timeout_s:g} s") from None
+        return out
+
+    def get_one(self, ref: Any, process: str, *, progress: bool = True) -> Any:
+        return self.get([(ref, process)], progress=progress)[0]
+
+    def check(self, waiting: set[str], waited_s: float, *, progress: bool = True) -> None:
+        """RoleFailure if a process of `waiting` (waited on for `waited_s`) is hung."""
+        import ray
+
+        T = self.timeout_s
+        try:
+            beats = ray.get(self.board.snapshot.remote(), timeout=max(10.0, T))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            raise RoleFailure("heartbeat board", f"stopped answering: {_first_line(exc)}") from None
+        for name in sorted(waiting):
+            beat = beats.get(name)
+            if beat is None:  # not heard from yet: its process has not started its heartbeat
+                if waited_s > T:
+                    raise RoleFailure(name, f"hung: no heartbeat within {T:g} s (cluster.heartbeat_timeout_s)")
+                continue
+            if beat.beat_age_s > T:
+                raise RoleFailure(name, f"hung: no heartbeat for {beat.beat_age_s:.0f} s (process {beat.pid}; "
+                                        f"cluster.heartbeat_timeout_s={T:g})")
+            stalled = min(beat.progress_age_s, waited_s)
+            if progress and stalled > T:
+                raise RoleFailure(name, f"hung: no progress for {stalled:.0f} s in its current call (process "
+                                        f"{beat.pid}, progress {beat.progress}; cluster.heartbeat_timeout_s={T:g})")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__

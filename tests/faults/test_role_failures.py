@@ -1,0 +1,144 @@
+"""Role processes that die or hang in the middle of a run, on a real local Ray with the tiny model (chaos tests).
+
+Each fault is injected from inside the run by `chaos_rewards` (a signal to a role process found on the run's
+heartbeat board) and the outcome is checked against an uninterrupted run of the same config: the run completes
+in the same MLflow run, every step's metrics are recorded exactly once, and the final weights are bit for bit
+those of the uninterrupted run (every sample trained exactly once, none lost or repeated).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relax.config import load_config
+from relax.metrics import FAULT_RESTARTS, FAULT_RESTARTS_ROLLOUT, fault_restarts
+from relax.runner import checkpoint
+from relax.runner.errors import RunError
+from relax.runner.metrics import RAW_REWARD
+from relax.runner.train import RESTARTS_TAG, run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+CALLS_PER_STEP = 16  # rollout_batch_size 4 x n_samples_per_prompt 4
+# chaos_rewards runs in the driver (no reward worker processes); a checkpoint after every step
+CHAOS = ["data.reward=chaos_rewards:digits_with_fault", "data.reward_timeout_s=null", "train.save_interval=1"]
+
+
+@pytest.fixture(scope="module")
+def overrides(run_overrides):
+    """`overrides(directory, *extra)`: the chaos run's config in `directory`."""
+    return lambda tmp_path, *extra: run_overrides(tmp_path, *CHAOS, *extra, steps=STEPS)
+
+
+def final_weights(tmp_path) -> dict[str, torch.Tensor]:
+    latest = checkpoint.latest(tmp_path / "ckpt")
+    assert latest is not None and latest.name == f"step_{STEPS:06d}"
+    return load_file(str(latest / "policy" / "model.safetensors"))
+
+
+def mlflow_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, "the restarts continue the run's one MLflow run"
+    return client, runs[0]
+
+
+def history(client, run, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+def assert_every_step_once(client, run) -> None:
+    """What `relax-verify-run` checks (every sample trained exactly once, every step's metrics once), and the
+    same by hand over MLflow."""
+    from relax.cli.verify_run import verify
+
+    report = verify(run.info.run_id, client.tracking_uri)
+    assert report.ok, report.text()
+    for key in run.data.metrics:
+        steps = [s for s, _ in history(client, run, key)]
+        assert steps == sorted(set(steps)), f"{key} has a step twice: {steps}"
+    assert [s for s, _ in history(client, run, RAW_REWARD)] == list(range(STEPS))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_local, tmp_path_factory, overrides):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    run(load_config(overrides(tmp)), output_dir=tmp / "out")
+    client, mlrun = mlflow_run(tmp)
+    return final_weights(tmp), history(client, mlrun, RAW_REWARD)
+
+
+def chaos(monkeypatch, tmp_path, process: str, sig: str, step: int) -> None:
+    """At the first reward call of `step` (after its rollout), `sig` to `process`."""
+    monkeypatch.setenv("RELAX_CHAOS", f"{process}:{sig}:{step * CALLS_PER_STEP + 1}:{tmp_path / 'injected'}")
+
+
+def assert_same_as(uninterrupted, tmp_path, client, mlrun) -> None:
+    weights, rewards = uninterrupted
+    assert (tmp_path / "injected").exists(), "the fault was not injected"
+    assert history(client, mlrun, RAW_REWARD) == rewards
+    got = final_weights(tmp_path)
+    assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
+
+
+def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(uninterrupted, monkeypatch, tmp_path, capfd,
+                                                                    overrides):
+    chaos(monkeypatch, tmp_path, "actor", "KILL", step=2)
+    run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
+    client, mlrun = mlflow_run(tmp_path)
+    assert mlrun.info.status == "FINISHED"
+    assert_every_step_once(client, mlrun)
+    assert history(client, mlrun, fault_restarts("actor"))[-1] == (STEPS - 1, 1.0)
+    assert "step 2: actor died" in mlrun.data.tags[RESTARTS_TAG]
+    assert "restarting the service graph from checkpoint" in capfd.readouterr().err
+    assert_same_as(uninterrupted, tmp_path, client, mlrun)
+
+
+def test_a_hung_actor_is_declared_hung_and_restarted(uninterrupted, monkeypatch, tmp_path, overrides):
+    """SIGSTOP: the process is alive but sends nothing; after cluster.heartbeat_timeout_s it is treated as crashed."""
+    chaos(monkeypatch, tmp_path, "actor", "STOP", step=1)
+    run(load_config(overrides(tmp_path, "cluster.heartbeat_timeout_s=3")), output_dir=tmp_path / "out")
+    client, mlrun = mlflow_run(tmp_path)
+    assert mlrun.info.status == "FINISHED"
+    assert_every_step_once(client, mlrun)
+    assert "step 1: actor hung: no heartbeat for" in mlrun.data.tags[RESTARTS_TAG]
+    assert_same_as(uninterrupted, tmp_path, client, mlrun)
+
+
+def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(uninterrupted, monkeypatch, tmp_path, overrides):
+    """Two replicas; replica 1 dies while it generates step 2's rollout: a new one takes its place, gets the current
+    weights and generates its share again (the same samples: each draws from its own random stream)."""
+    chaos(monkeypatch, tmp_path, "rollout[1]@busy", "KILL", step=1)
+    run(load_config(overrides(tmp_path, "rollout.num_replicas=2")), output_dir=tmp_path / "out")
+    client, mlrun = mlflow_run(tmp_path)
+    assert mlrun.info.status == "FINISHED"
+    assert_every_step_once(client, mlrun)
+    assert history(client, mlrun, FAULT_RESTARTS_ROLLOUT)[-1] == (STEPS - 1, 1.0)
+    assert history(client, mlrun, FAULT_RESTARTS)[-1] == (STEPS - 1, 0.0)  # no restart of the graph
+    assert_same_as(uninterrupted, tmp_path, client, mlrun)
+
+
+def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_run(uninterrupted, monkeypatch,
+                                                                                 tmp_path, overrides):
+    chaos(monkeypatch, tmp_path, "actor", "KILL", step=1)
+    run(load_config(overrides(tmp_path, "train.save_interval=0")), output_dir=tmp_path / "out")
+    client, mlrun = mlflow_run(tmp_path)
+    assert mlrun.info.status == "FINISHED"
+    assert_every_step_once(client, mlrun)
+    assert "step 1: actor died" in mlrun.data.tags[RESTARTS_TAG]
+    assert_same_as(uninterrupted, tmp_path, client, mlrun)
+
+
+def test_beyond_max_restarts_the_run_stops_naming_the_role_and_the_cause(ray_local, monkeypatch, tmp_path, overrides):
+    chaos(monkeypatch, tmp_path, "actor", "KILL", step=1)
+    with pytest.raises(RunError, match=r"step 1: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
+                                       r"already used \(none\)\."):
+        run(load_config(overrides(tmp_path, "train.max_restarts=0")), output_dir=tmp_path / "out")
+    client, mlrun = mlflow_run(tmp_path)
+    assert mlrun.info.status == "FAILED"
+    assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"  # the checkpoint before it stays

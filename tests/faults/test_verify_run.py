@@ -1,0 +1,331 @@
+"""`relax-verify-run`: the run invariants (every step trained once, no sample trained twice, every step's metrics
+recorded exactly once, the checkpoint's ledger the start of the run's) as checks, and as the command on real runs.
+
+The checks are tried on hand-built ledgers and metric histories (each must fail on its violation); the command on a
+hand-built MLflow record (no store), on a checkpoint of a run without tracking, and end to end on a real run on
+Ray with a sqlite store, continued from an earlier checkpoint with a resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from relax.cli import verify_run
+from relax.config import load_config
+from relax.metrics import LOSS, REWARD_DROPPED_FRAC, STEP_TIME
+from relax.runner import checkpoint
+from relax.runner.checkpoint import Checkpoints
+from relax.runner.ledger import (
+    FILE,
+    Ledger,
+    LedgerError,
+    check_dropped,
+    check_prefix,
+    check_samples,
+    check_steps,
+    to_ranges,
+)
+from relax.tracking.verify import RunRecord, check_metric_steps, completed_steps, read_run
+
+B, G = 4, 4  # the runs' rollout_batch_size and n_samples_per_prompt
+PER_STEP = B * G
+PARAMS = {verify_run.BATCH_PARAM: str(B), verify_run.GROUP_PARAM: str(G)}
+
+
+def good_ledger(steps: int = 3, left_out_step: int | None = 1) -> Ledger:
+    """Steps as the rollout stream draws them: step s has ids s*16..s*16+15; one group left out at `left_out_step`."""
+    ledger = Ledger()
+    for s in range(steps):
+        ids = torch.arange(s * PER_STEP, (s + 1) * PER_STEP)
+        kept = torch.ones(PER_STEP, dtype=torch.bool)
+        if s == left_out_step:
+            kept[G:2 * G] = False
+        ledger.add(s, ids, kept)
+    return ledger
+
+
+def histories(steps: int, every=(STEP_TIME, REWARD_DROPPED_FRAC, LOSS)) -> dict[str, list[int]]:
+    return {key: list(range(steps)) for key in every}
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+
+
+def test_ledger_round_trip_keeps_ranges_and_duplicates():
+    assert to_ranges([5, 3, 4, 9, 7, 8]) == ((3, 6), (7, 10))
+    assert to_ranges([5, 6, 6, 7]) == ((5, 7), (6, 8))  # a duplicate id stays visible as overlapping ranges
+    ledger = good_ledger()
+    text = ledger.dumps()
+    assert text.splitlines()[1] == '{"step":1,"trained":[[16,20],[24,32]],"left_out":[[20,24]]}'
+    assert Ledger.loads(text).entries == ledger.entries
+    assert Ledger.loads(text).truncate(2).steps == [0, 1] and ledger.before(1).steps == [0]
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("not json", "line 2: not JSON"),
+    ('{"step": -1, "trained": [], "left_out": []}', "line 2: not an entry"),
+    ('{"step": 1, "trained": [[5, 3]], "left_out": []}', "line 2: 'trained' holds [5, 3]"),
+    ('{"step": 1, "trained": [], "left_out": 7}', "line 2: 'left_out' is not a list"),
+])
+def test_a_damaged_ledger_is_refused_naming_the_line(line, problem):
+    with pytest.raises(LedgerError, match="^" + re.escape(f"ledger.jsonl, {problem}")):
+        Ledger.loads(good_ledger(1).dumps() + line + "\n", "ledger.jsonl")
+
+
+def test_a_good_ledger_passes():
+    ledger = good_ledger()
+    assert check_steps(ledger.steps, 3, "the ledger") == []
+    assert check_samples(ledger, PER_STEP) == []
+    assert check_dropped(ledger, {0: 0.0, 1: 0.25, 2: 0.0}) == []
+    assert check_prefix(ledger.before(2), 2, ledger) == []
+
+
+def test_a_sample_trained_in_two_steps_fails():
+    ledger = good_ledger(2)
+    ledger.add(2, torch.arange(28, 44), torch.ones(16, dtype=torch.bool))  # 28..31 were trained at step 1
+    assert check_samples(ledger, PER_STEP) == ["sample ids 28..31 trained twice: trained at step 1 and trained at "
+                                               "step 2"]
+
+
+def test_a_sample_twice_in_one_step_or_trained_after_being_left_out_fails():
+    ledger = Ledger()
+    ledger.add(0, torch.tensor([0, 1, 2, 2]), torch.ones(4, dtype=torch.bool))
+    assert check_samples(ledger) == ["sample id 2 trained twice: trained at step 0 and trained at step 0"]
+    ledger = good_ledger(2)  # ids 20..23 were left out at step 1
+    ledger.add(2, torch.arange(20, 24), torch.ones(4, dtype=torch.bool))
+    assert check_samples(ledger) == ["sample ids 20..23 used twice: left out at step 1 and trained at step 2"]
+
+
+def test_a_missing_or_repeated_step_and_a_wrong_batch_fail():
+    ledger = good_ledger(4)
+    ledger.entries.pop(2)
+    assert check_steps(ledger.steps, 4, "the ledger") == ["the ledger is missing step(s) 2 of 0..3"]
+    ledger = good_ledger(3)
+    ledger.entries.append(ledger.entries[1])
+    problems = check_steps(ledger.steps, 3, "the ledger")
+    assert problems == ["the ledger has step(s) 1 more than once"]
+    assert check_steps([0, 1, 2, 3], 2, "the ledger") == ["the ledger has step(s) 2..3 beyond the run's 2 steps"]
+    short = Ledger()
+    short.add(0, torch.arange(12), torch.ones(12, dtype=torch.bool))
+    assert check_samples(short, PER_STEP) == ["step 0 has 12 samples (12 trained, 0 left out), expected 16"]
+
+
+def test_a_ledger_that_disagrees_with_the_logged_dropped_share_fails():
+    assert check_dropped(good_ledger(), {1: 0.0}) == [
+        "step 1: the ledger leaves out 4 of 16 samples (0.25) but the run logged a dropped share of 0"]
+
+
+def test_the_checkpoint_ledger_must_start_the_runs():
+    run = good_ledger(3)
+    other = good_ledger(2, left_out_step=None)  # step 1 trained everything here
+    assert check_prefix(other, 2, run) == ["step(s) 1 differ between the checkpoint's ledger and the run's"]
+    assert check_prefix(good_ledger(4), 4, run) == ["step(s) 3 of the checkpoint's ledger are not in the run's"]
+    assert check_prefix(run.before(1), 2, run) == [
+        "the ledger of the checkpoint of step 2 is missing step(s) 1 of 0..1"]
+
+
+# ------------------------------------------------------------------------------------------- metrics
+
+
+def test_metric_histories():
+    every = (STEP_TIME, REWARD_DROPPED_FRAC)
+    good = histories(3)
+    good["eval/reward"] = [1]  # logged at some steps only: at most once each
+    assert completed_steps(good, every) == 3
+    assert check_metric_steps(good, 3, every) == []
+    twice = {**good, LOSS: [0, 1, 1, 2]}
+    assert check_metric_steps(twice, 3, every) == [f"metric {LOSS} is recorded more than once at step(s) 1"]
+    gap = {**good, STEP_TIME: [0, 2]}
+    assert check_metric_steps(gap, 3, every) == [f"metric {STEP_TIME} (logged at every step) is missing step(s) 1"]
+    assert f"metric {LOSS} is recorded at step(s) 2, outside the run's steps 0..1" in check_metric_steps(good, 2, every)
+    absent = {k: v for k, v in good.items() if k != REWARD_DROPPED_FRAC}
+    assert check_metric_steps(absent, 3, every) == [
+        f"metric {REWARD_DROPPED_FRAC} (logged at every step) is not in the run"]
+
+
+# ----------------------------------------------------------------- the command on a hand-built MLflow record
+
+
+def record(status: str = "FINISHED", steps: int = 3, ledger: Ledger | None = None, **changes) -> RunRecord:
+    hist = {k: [(s, 0.0) for s in v] for k, v in histories(steps).items()}
+    hist[REWARD_DROPPED_FRAC] = [(s, 0.25 if s == 1 else 0.0) for s in range(steps)]
+    hist.update(changes)
+    text = (ledger if ledger is not None else good_ledger(steps)).dumps()
+    return RunRecord("r1", "sqlite:///x.db", status, dict(PARAMS), {}, hist, text)
+
+
+def verify_record(monkeypatch, rec: RunRecord, capsys) -> tuple[int, str]:
+    monkeypatch.setattr(verify_run, "read_run", lambda uri, run_id, artifact: rec)
+    code = verify_run.main(["r1", "--uri", "sqlite:///x.db"])
+    return code, capsys.readouterr().out
+
+
+def test_the_command_passes_a_good_run_and_fails_each_violation(monkeypatch, capsys):
+    code, out = verify_record(monkeypatch, record(), capsys)
+    assert code == 0, out
+    assert "ledger          3 steps, 44 samples trained, 4 left out" in out and out.rstrip().endswith("a step")
+
+    code, out = verify_record(monkeypatch, record(**{LOSS: [(0, 1.0), (1, 1.0), (1, 2.0), (2, 1.0)]}), capsys)
+    assert code == 1 and f"  - metric {LOSS} is recorded more than once at step(s) 1" in out
+
+    gap = good_ledger(3)
+    gap.entries.pop(1)
+    code, out = verify_record(monkeypatch, record(ledger=gap), capsys)
+    assert code == 1 and "  - the run's ledger is missing step(s) 1 of 0..2" in out
+
+    dup = good_ledger(2)
+    dup.add(2, torch.arange(0, 16), torch.ones(16, dtype=torch.bool))
+    code, out = verify_record(monkeypatch, record(ledger=dup), capsys)
+    assert code == 1 and "  - sample ids 0..15 trained twice: trained at step 0 and trained at step 2" in out
+
+    code, out = verify_record(monkeypatch, record(ledger=Ledger()), capsys)  # finished, yet no step in the ledger
+    assert code == 1 and "the run's ledger is missing step(s) 0..2 of 0..2" in out
+
+    rec = record()
+    rec.artifact = None
+    code, out = verify_record(monkeypatch, rec, capsys)
+    assert code == 1 and f"the run has no {FILE} artifact" in out
+
+
+def test_a_running_run_may_have_metrics_ahead_of_its_ledger(monkeypatch, capsys):
+    """The artifact is rewritten at each checkpoint: a run still going (or killed with kill -9) has later steps in
+    MLflow only. A finished run may not."""
+    code, out = verify_record(monkeypatch, record("RUNNING", steps=5, ledger=good_ledger(3)), capsys)
+    assert code == 0, out
+    assert "note: the run is RUNNING: steps 3..4 are in MLflow but not yet in its ledger" in out
+    code, out = verify_record(monkeypatch, record("FINISHED", steps=5, ledger=good_ledger(3)), capsys)
+    assert code == 1 and "the run's ledger is missing step(s) 3..4 of 0..4" in out
+    early = record("RUNNING", steps=1)
+    early.artifact = None  # before its first checkpoint
+    code, out = verify_record(monkeypatch, early, capsys)
+    assert code == 0 and f"note: the run is RUNNING and has no {FILE} artifact yet" in out
+
+
+def test_usage_errors_name_what_is_missing(tmp_path, capsys):
+    assert verify_run.main(["--uri", f"sqlite:///{tmp_path}/none.db", "abc123"]) == 2
+    assert capsys.readouterr().err == (f"relax-verify-run: error: no tracking store at sqlite:///{tmp_path}/none.db "
+                                       "(run from the directory of your runs, or pass --uri)\n")
+    assert verify_run.main([str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"relax-verify-run: error: {tmp_path}/nowhere: no such directory\n"
+    assert verify_run.main([str(tmp_path)]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+# --------------------------------------------------------- the session: the ledger in checkpoints, and resume
+
+
+class FakeCluster:
+    """Cluster.save without Ray: the roles' files, then the commit (which adds the ledger)."""
+
+    def save(self, ckpts: Checkpoints, step: int, state: dict, rollout: dict | None = None) -> Path:
+        staging = ckpts.staging(step)
+        (staging / "policy").mkdir()
+        (staging / "policy" / "model.safetensors").write_text(f"w{step}")
+        return ckpts.commit(staging, step, state)
+
+
+def _session(tmp_path: Path, *overrides: str):
+    from relax.runner.plan import build_plan
+    from relax.runner.session import Session
+
+    cfg = load_config(["tracking.enabled=false", "tracking.progress=false", f"train.save_dir={tmp_path}/ckpt",
+                       f"rollout.rollout_batch_size={B}", f"rollout.n_samples_per_prompt={G}", *overrides])
+    ckpts = Checkpoints(cfg, tmp_path)
+    return ckpts, lambda: Session(cfg, build_plan(cfg), tmp_path / "out", checkpoints=ckpts)
+
+
+def test_the_ledger_goes_into_each_checkpoint_and_a_resume_continues_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ledger = good_ledger(4)
+    ckpts, session = _session(tmp_path)
+    with ckpts, session() as s:
+        for e in ledger.entries[:3]:
+            ids = [i for a, b in e.trained + e.left_out for i in range(a, b)]
+            kept = [any(a <= i < b for a, b in e.trained) for i in ids]
+            s.record_samples(e.step, torch.tensor(ids), torch.tensor(kept))
+            if e.step == 1:
+                s.save_checkpoint(FakeCluster(), 2, {"sampler": {}})
+    path = tmp_path / "ckpt" / "step_000002"
+    state = json.loads((path / checkpoint.STATE).read_text())
+    assert FILE in state[checkpoint.FILES]  # in the manifest: a resume checks it
+    assert Ledger.read(path / FILE).entries == ledger.entries[:2]  # steps before the checkpoint's only
+
+    # resumed from step 2: steps 0-1 from the checkpoint, step 2 computed again, then step 3
+    ckpts, session = _session(tmp_path, "train.resume=auto")
+    with ckpts, session() as s:
+        assert s.ledger.entries == ledger.entries[:2]
+        for step in (2, 3):
+            s.record_samples(step, torch.arange(step * PER_STEP, (step + 1) * PER_STEP),
+                             torch.tensor([not (step == 1 and G <= i < 2 * G) for i in range(PER_STEP)]))
+        s.save_checkpoint(FakeCluster(), 4, {"sampler": {}})
+    capsys.readouterr()
+    assert verify_run.main([str(tmp_path / "ckpt")]) == 0  # no MLflow run: the checkpoint's ledger only
+    out = capsys.readouterr().out
+    assert "(no MLflow run: tracking was off)" in out and "4 steps, 60 samples trained, 4 left out" in out
+
+    # a ledger changed after the commit is refused, by resume and by relax-verify-run
+    (tmp_path / "ckpt" / "step_000004" / FILE).write_text(ledger.before(3).dumps())
+    assert verify_run.main([str(tmp_path / "ckpt")]) == 1
+    assert f"{FILE} was changed after checkpoint" in capsys.readouterr().out
+    from relax.runner.errors import RunError
+
+    with pytest.raises(RunError, match=f"{FILE} is damaged"):
+        with Checkpoints(load_config(["train.resume=auto", f"train.save_dir={tmp_path}/ckpt",
+                                      "tracking.enabled=false", f"rollout.rollout_batch_size={B}",
+                                      f"rollout.n_samples_per_prompt={G}"]), tmp_path):
+            pass
+
+
+# ------------------------------------------------------------------------ end to end: Ray, MLflow, resume
+
+
+def _verify_subprocess(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """relax-verify-run as a user runs it (the installed script, else the module), with relax-train's default store
+    in `cwd`."""
+    script = shutil.which("relax-verify-run")
+    cmd = [script] if script else [sys.executable, "-m", "relax.cli.verify_run"]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_real_run_and_its_resume_verify(ray_local, small_run, tmp_path, monkeypatch):
+    from relax.runner.train import run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    # a run of 2 steps, a checkpoint after each
+    first = run(load_config(small_run("train.save_interval=1", steps=2)), output_dir=tmp_path / "out")
+    report = verify_run.verify(first.run_id, uri)
+    assert report.ok, report.text()
+    ckpt = tmp_path / "ckpt"
+    assert Ledger.read(ckpt / "step_000001" / FILE).steps == [0]
+
+    # continued from the checkpoint of step 1, as after a kill once step 1 was in MLflow but not in a checkpoint:
+    # step 1 is computed again (its metrics are not written twice), its ledger entry replaced, in the same MLflow run
+    resumed = run(load_config(small_run("train.save_interval=1", f"train.resume={ckpt}/step_000001", steps=2)),
+                  output_dir=tmp_path / "out")
+    assert resumed.run_id == first.run_id
+    done = _verify_subprocess(tmp_path, first.run_id)  # the store: relax-train's default, sqlite:///mlflow.db in cwd
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"relax-verify-run: MLflow run {first.run_id} (FINISHED) in {uri}"
+    assert "  steps           2 (0..1)" in lines
+    assert f"  samples a step  {PER_STEP} (rollout.rollout_batch_size={B} x rollout.n_samples_per_prompt={G})" in lines
+    assert f"  checkpoint      {ckpt}/step_000002 (step 2): its ledger starts the run's" in lines
+    assert lines[-1].startswith("OK: ")
+    print(done.stdout)
+
+    ledger = Ledger.loads(read_run(uri, first.run_id, FILE).artifact)
+    assert ledger.steps == [0, 1] and sum(e.size for e in ledger.entries) == 2 * PER_STEP
+    assert verify_run.main([str(ckpt)]) == 0  # the save dir: its latest checkpoint and the run it names
