@@ -113,9 +113,17 @@ def step_dir(save_dir: Path, step: int) -> Path:
     return save_dir / f"{PREFIX}{step:06d}"
 
 
-def _refuse(path: Path, problem: str) -> RunError:
-    return RunError(f"checkpoint {path} cannot be resumed: {problem}. Nothing was loaded; move the directory away "
-                    f"(train.resume=auto then continues the checkpoint before it) or resume another one")
+class CheckpointRefused(RunError):
+    """A checkpoint that cannot be used (`path`, `problem`); its message is worded for a resume."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"checkpoint {path} cannot be resumed: {problem}. Nothing was loaded; move the directory "
+                         f"away (train.resume=auto then continues the checkpoint before it) or resume another one")
+        self.path, self.problem = path, problem
+
+
+def _refuse(path: Path, problem: str) -> CheckpointRefused:
+    return CheckpointRefused(path, problem)
 
 
 def read_state(path: Path) -> dict:
