@@ -5,7 +5,8 @@ so a name cannot drift between the code that computes a value and the code that 
 constants: this module imports nothing and sits below every layer.
 
 Prefixes: `rollout/` (the generated batch and its rewards), `train/` (the actor's optimizer step),
-`critic/` (PPO's value model), `eval/` (evaluation prompts), `perf/` (times and throughput).
+`critic/` (PPO's value model), `eval/` (evaluation prompts), `perf/` (times and throughput), `system/`
+(MLflow's system metrics: CPU, memory, disk, network, GPU).
 """
 
 # ---- rollout: the generated batch and its rewards
@@ -15,6 +16,13 @@ TRUNCATED_FRAC = "rollout/truncated_frac"  # responses that hit max_response_len
 REWARD_ERRORS = "rollout/reward_errors"  # reward calls that raised or returned a non-finite value
 REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left out of the loss (reward errors)
 REWARD_TIMEOUTS = "rollout/reward_timeouts"  # reward calls stopped after data.reward_timeout_s (also reward errors)
+# DAPO's overlong penalty (data.overlong_buffer_len > 0), over the responses rollout/raw_reward averages: the mean
+# reward trained on is raw_reward + overlong_penalty
+OVERLONG_PENALTY = "rollout/overlong_penalty"  # mean penalty (<= 0)
+OVERLONG_PENALIZED_FRAC = "rollout/overlong_penalized_frac"  # share of responses with a penalty
+# algorithm.mask_truncated: share of the rollout's responses that ended by length and were left out of the loss
+# (those of groups left out for a reward error count in reward_dropped_frac instead)
+TRUNCATED_MASKED_FRAC = "rollout/truncated_masked_frac"
 # train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
@@ -71,12 +79,21 @@ CRITIC_LR = "critic/lr"
 CRITIC_SKIPPED_STEPS = "critic/skipped_steps"  # as train/skipped_steps, for the critic's optimizer
 CRITIC_NONFINITE_GRAD_TENSORS = "critic/nonfinite_grad_tensors"
 
-# ---- eval
+# ---- eval: eval/<set>/<metric> for each eval set (docs/training.md, "Evaluation"), from the n =
+# rollout.eval_n_samples_per_prompt responses to each of its prompts. MLflow refuses "@" in a name: mean@n and
+# pass@k are logged as mean_at_<n> and pass_at_<k>.
 EVAL_PREFIX = "eval/"
-EVAL_REWARD = "eval/reward"
-EVAL_RESPONSE_LEN = "eval/response_len"
-EVAL_TRUNCATED_FRAC = "eval/truncated_frac"
-EVAL_REWARD_ERRORS = "eval/reward_errors"
+EVAL_MEAN_AT = "mean_at_"  # + n: mean@n, the mean reward of a prompt's responses, averaged over the prompts
+EVAL_PASS_AT = "pass_at_"  # + k (train.eval_pass_k): the unbiased pass@k estimate, averaged over the prompts
+EVAL_RESPONSE_LEN = "response_len"  # mean response length in tokens
+EVAL_TRUNCATED_FRAC = "truncated_frac"  # share of responses that hit rollout.max_response_len
+EVAL_REWARD_ERRORS = "reward_errors"  # reward calls that failed (left out of mean@n and pass@k)
+
+
+def eval_metric(eval_set: str, metric: str) -> str:
+    """The logged name of `metric` (EVAL_RESPONSE_LEN, f"{EVAL_PASS_AT}{k}", ...) of the eval set `eval_set`."""
+    return f"{EVAL_PREFIX}{eval_set}/{metric}"
+
 
 # ---- perf
 STEP_TIME = "perf/step_time"
@@ -100,7 +117,8 @@ BUFFER_SIZE = "perf/buffer_size"  # samples generated ahead, waiting for their s
 # rollout engines (SGLang servers or embedded replicas) replaced so far in this run (cumulative)
 FAULT_RESTARTS_ROLLOUT = "fault/restarts/rollout"
 FAULT_RESTARTS = "fault/restarts"  # service-graph restarts so far in this run (cumulative; train.max_restarts)
-FAULT_CHECKPOINT_FAILURES = "fault/checkpoint_failures"  # checkpoints not written so far (train.save_failures)
+# checkpoints not written so far in the run (train.save_failures), logged at the steps whose checkpoint failed
+FAULT_CHECKPOINT_FAILURES = "fault/checkpoint_failures"
 ENGINE_RETRIES = "rollout/engine_retries"  # /generate requests sent again after a failure, in this step
 WEIGHT_BUCKETS = "perf/weight_sync_buckets"  # buckets of the last weight update
 
@@ -108,3 +126,9 @@ WEIGHT_BUCKETS = "perf/weight_sync_buckets"  # buckets of the last weight update
 def fault_restarts(role: str) -> str:
     """Service-graph restarts caused by `role` (actor, reference, critic, advantages) so far in this run."""
     return f"{FAULT_RESTARTS}/{role}"
+
+
+# ---- system: MLflow's system metrics (tracking.system_metrics; relax.tracking.system_metrics), named by MLflow:
+# system/cpu_utilization_percentage, system/system_memory_usage_megabytes, system/gpu_0_utilization_percentage, ...
+# (docs/experiments.md lists them). Their step is the sample's index, not the training step.
+SYSTEM_PREFIX = "system/"

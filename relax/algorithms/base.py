@@ -37,6 +37,10 @@ class AlgorithmConfig:
     normalize_rewards: bool = True
     std_normalization: bool = True
     entropy_coef: float = 0.0
+    # Responses that ended by length (finish_reason "length") get a zero loss mask: no loss, token statistic or
+    # denominator sees them, while their reward still counts in their group's baseline. Applied by the runner's mask
+    # step (relax.runner.train.train_batch), so every algorithm has it.
+    mask_truncated: bool = False
 
     @property
     def clip_high(self) -> float:
@@ -63,6 +67,9 @@ class AdvantageInputs:
     values: Optional[torch.Tensor] = None  # [N, T] critic values (PPO)
     # [N] bool: the response ended with a stop token, which `mask` counts as its last token (None: unknown)
     stopped: Optional[torch.Tensor] = None
+    # [N] tokens of each response (the stop token included), also of one whose tokens `mask` leaves out of the loss
+    # (algorithm.mask_truncated); None: the mask's counts
+    lengths: Optional[torch.Tensor] = None
 
 
 @dataclass

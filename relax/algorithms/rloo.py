@@ -28,17 +28,21 @@ class RLOOConfig(AlgorithmConfig):
 def compute_advantages(cfg: RLOOConfig, inputs: AdvantageInputs) -> AdvantageOutput:
     """`A_i = G/(G-1) * (R_i - mean_g)` on every valid token; the rollout/rloo/* diagnostics as metrics.
 
-    A response is empty when it has no generated token before its stop token: its valid-token count minus 1
-    where `inputs.stopped` (the mask counts the stop token). Without `stopped` a response is empty only when
-    it has no valid token at all (a lone stop token then counts as a response of length 1).
+    A response is empty when it has no generated token before its stop token: its length (`inputs.lengths`, else
+    its valid-token count) minus 1 where `inputs.stopped` (the mask counts the stop token). Without `stopped` a
+    response is empty only when it has no token at all (a lone stop token then counts as a response of length 1).
+    A response the mask leaves out (algorithm.mask_truncated) keeps its reward in its group's baseline and in the
+    reward and advantage diagnostics; its tokens are out of `no_signal_frac`.
     """
     r = float_rewards(inputs)
     adv = F.broadcast_to_tokens(F.rloo_advantages(r, inputs.group_size), inputs.mask)
     G = inputs.group_size
     lengths = (inputs.mask != 0).sum(-1)
-    generated = None
+    generated = lengths
+    if inputs.lengths is not None:
+        generated = inputs.lengths.to(device=lengths.device, dtype=lengths.dtype)
     if inputs.stopped is not None:
-        generated = lengths - inputs.stopped.to(device=lengths.device, dtype=lengths.dtype)
+        generated = generated - inputs.stopped.to(device=lengths.device, dtype=lengths.dtype)
     metrics = F.rloo_diagnostics(
         r,
         torch.arange(r.numel(), device=r.device) // G,

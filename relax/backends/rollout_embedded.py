@@ -283,7 +283,7 @@ class EmbeddedEngine:
             status[rows[hit_budget]] = _LENGTH
             lengths[rows[hit_eos | hit_budget]] = t + 1
             running = status[rows] == 0
-            progress.tick()
+            progress.tick(tokens=len(rows))  # a token for each row of this decoding step
             if not bool(running.any()):
                 break
             if should_abort is not None and should_abort():

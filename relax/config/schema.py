@@ -96,8 +96,9 @@ class RolloutConfig:
     # leave the tokens of older versions than their response's last (an interrupted prefix) out of the loss
     mask_offpolicy_in_partial_rollout: bool = False
     num_replicas: int = 1
-    eval_n_samples_per_prompt: int = 1
+    eval_n_samples_per_prompt: int = 1  # n: responses to each eval prompt
     eval_temperature: float = 0.0  # 0 means greedy in evaluation only
+    eval_top_p: float = 1.0  # nucleus sampling in evaluation (needs eval_temperature > 0); top_k is off there
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout.backend=sglang only
 
 
@@ -148,7 +149,14 @@ class TrainConfig:
     keep_checkpoints: int = 2  # committed checkpoints kept in save_dir (>= 1); older ones are removed
     save_hf: bool = False  # megatron: each checkpoint also holds the policy as a Hugging Face directory (hf/)
     resume: Optional[str] = None  # auto (latest in save_dir, fresh if none) | a checkpoint directory
-    eval_interval: int = 0  # 0: no evaluation
+    # Evaluate every N steps and after the last step (docs/training.md, "Evaluation"); 0: no evaluation.
+    eval_interval: int = 0
+    # k of the logged pass@k (eval/<set>/pass_at_<k>), each in 1..rollout.eval_n_samples_per_prompt, ascending.
+    # None: [1, n].
+    eval_pass_k: Optional[list[int]] = None
+    # An eval response counts as correct (for pass@k) when its reward is >= this (1.0: the full reward of the
+    # built-in rewards).
+    eval_correct_threshold: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -160,13 +168,15 @@ class DataConfig:
     # | file (data.path is required)
     task: str = "digits"
     path: Optional[str] = None  # JSONL or Parquet file of prompts
-    eval_path: Optional[str] = None
+    eval_path: Optional[str] = None  # the eval set named after the file's stem (default: the task's eval split)
+    # More eval sets, name -> JSONL or Parquet file (same keys as data.path), each logged as eval/<name>/...
+    eval_sets: dict[str, str] = field(default_factory=dict)
     prompt_key: str = "prompt"
     label_key: str = "label"
     reward: str = "digits"  # digits | arithmetic | math | package.module:function
     apply_chat_template: bool = True
     num_prompts: int = 4096  # synthetic tasks: how many prompts to generate
-    num_eval_prompts: int = 64  # eval prompts: generated (synthetic) or the first N of the eval file; 0: none
+    num_eval_prompts: int = 64  # prompts of each eval set: generated (synthetic) or the first N of its file; 0: none
     shuffle: bool = True
     # Prompts longer than rollout.max_prompt_len (in tokens, after the chat template): drop (skip them and
     # count them in dataset.num_dropped) | error (fail at start naming the file and line).
@@ -180,6 +190,11 @@ class DataConfig:
     reward_timeout_s: Optional[float] = 60.0
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.
     system_prompt: Optional[str] = None
+    # DAPO's soft overlong punishment of training rewards (docs/training.md, "Overlong responses"): a response within
+    # the last overlong_buffer_len tokens of rollout.max_response_len loses up to overlong_penalty_factor, linearly
+    # in its length (all of it at the limit). 0: off. Evaluation rewards are never shaped.
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -192,6 +207,10 @@ class TrackingConfig:
     sweep_id: Optional[str] = None  # set by the sweep launcher for each job of a multirun
     parent_run_id: Optional[str] = None  # the sweep's parent MLflow run (set by the launcher)
     progress: bool = True  # live progress line in the terminal
+    # MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network, GPU with nvidia-ml-py) of the
+    # driver's machine, sampled every system_metrics_interval_s seconds (and once at the end) into the run
+    system_metrics: bool = True
+    system_metrics_interval_s: float = 10.0
 
 
 @dataclass(frozen=True)

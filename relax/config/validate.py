@@ -8,9 +8,11 @@ just the first, so a user fixes a config in one go.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from relax import algorithms
 from relax.algorithms.base import Violation
+from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
 from relax.config.megatron_rules import megatron_violations
 from relax.config.schema import RelaxConfig
 
@@ -465,6 +467,32 @@ def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                   "algorithm.normalize_rewards=false (the raw rewards are used)")
 
 
+def _overlong(cfg: RelaxConfig, r: _Rules) -> None:
+    """DAPO's overlong penalty (data.overlong_buffer_len, data.overlong_penalty_factor; docs/training.md)."""
+    d, limit = cfg.data, cfg.rollout.max_response_len
+    buffer, factor = d.overlong_buffer_len, d.overlong_penalty_factor
+    r.require(0 <= buffer < max(limit, 1), ("data.overlong_buffer_len", "rollout.max_response_len"),
+              f"data.overlong_buffer_len={buffer} must be in [0, rollout.max_response_len={limit}): the penalty "
+              "starts max_response_len - overlong_buffer_len tokens into a response, and some length must stay "
+              "unpenalised (0: off)")
+    r.positive("data.overlong_penalty_factor", factor)
+    r.require(buffer != 0 or not _changed(d, "overlong_penalty_factor"),
+              ("data.overlong_penalty_factor", "data.overlong_buffer_len"),
+              f"data.overlong_penalty_factor={factor} has no effect with data.overlong_buffer_len=0 (no overlong "
+              "penalty); set data.overlong_buffer_len")
+
+
+def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
+    """MLflow system metrics (tracking.system_metrics, tracking.system_metrics_interval_s; docs/experiments.md)."""
+    tr = cfg.tracking
+    interval = tr.system_metrics_interval_s
+    r.require(math.isfinite(interval) and interval > 0, "tracking.system_metrics_interval_s",
+              f"tracking.system_metrics_interval_s={interval} must be a number of seconds > 0")
+    r.require(tr.system_metrics or not _changed(tr, "system_metrics_interval_s"),
+              ("tracking.system_metrics_interval_s", "tracking.system_metrics"),
+              f"tracking.system_metrics_interval_s={interval} has no effect with tracking.system_metrics=false")
+
+
 def _changed(section: object, key: str) -> bool:
     """Whether a schema field differs from its dataclass default."""
     return getattr(section, key) != getattr(type(section)(), key)
@@ -501,7 +529,7 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
               "(set algorithm.use_kl_loss=true with a kl_loss_coef, or an algorithm with reward-side KL)")
     no_eval = t.eval_interval == 0
     why_eval = "train.eval_interval=0 runs no evaluation"
-    unused(d, "data", ("eval_path", "num_eval_prompts"), no_eval, why_eval)
+    unused(d, "data", ("eval_path", "eval_sets", "num_eval_prompts"), no_eval, why_eval)
     unused(d, "data", ("eval_path",), d.path is None and d.task in ("digits", "arithmetic"),
            f"data.task={d.task} generates its own eval prompts (data.num_eval_prompts)")
     unused(d, "data", ("system_prompt",), not d.apply_chat_template,
@@ -509,9 +537,12 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
     if not no_eval:
         r.require(d.num_eval_prompts > 0, ("train.eval_interval", "data.num_eval_prompts"),
                   f"train.eval_interval={t.eval_interval} needs eval prompts, but data.num_eval_prompts=0")
-        r.require(d.task != "file" or d.eval_path is not None, ("train.eval_interval", "data.eval_path"),
-                  f"train.eval_interval={t.eval_interval} needs eval prompts: set data.eval_path for data.task=file")
-    unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature"), no_eval, why_eval)
+        r.require(d.task != "file" or d.eval_path is not None or bool(d.eval_sets),
+                  ("train.eval_interval", "data.eval_path"),
+                  f"train.eval_interval={t.eval_interval} needs eval prompts: set data.eval_path or data.eval_sets "
+                  "for data.task=file")
+    unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature", "eval_top_p"), no_eval, why_eval)
+    unused(t, "train", ("eval_pass_k", "eval_correct_threshold"), no_eval, why_eval)
     unused(ro, "rollout", ("partial_rollout_max_aborts", "mask_offpolicy_in_partial_rollout"), not ro.partial_rollout,
            "it acts on partial rollout (rollout.partial_rollout=true)")
     unused(t, "train", ("min_lr_ratio",), t.lr_schedule == "constant",
@@ -522,6 +553,42 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
            "the torch backend's checkpoints hold the policy as a Hugging Face directory already (policy/)")
     unused(t, "train", ("save_dir",), not t.save and t.resume is None,
            "train.save=false writes no checkpoint and train.resume is unset")
+
+
+def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:
+    """Evaluation's sampling, its pass@k and its eval sets (docs/training.md, "Evaluation")."""
+    ro, t, d = cfg.rollout, cfg.train, cfg.data
+    r.require(0 < ro.eval_top_p <= 1, "rollout.eval_top_p", f"rollout.eval_top_p={ro.eval_top_p} must be in (0, 1]")
+    r.require(ro.eval_top_p == 1 or ro.eval_temperature > 0, ("rollout.eval_top_p", "rollout.eval_temperature"),
+              f"rollout.eval_top_p={ro.eval_top_p} has no effect with rollout.eval_temperature=0: greedy decoding "
+              "takes the most likely token, which every nucleus holds")
+    r.require(math.isfinite(t.eval_correct_threshold), "train.eval_correct_threshold",
+              f"train.eval_correct_threshold={t.eval_correct_threshold} must be a finite number")
+    n = ro.eval_n_samples_per_prompt
+    ks = t.eval_pass_k
+    if ks is not None:
+        r.require(len(ks) > 0, "train.eval_pass_k", "train.eval_pass_k=[] logs no pass@k (leave it unset for [1, n])")
+        r.require(all(1 <= k <= n for k in ks), ("train.eval_pass_k", "rollout.eval_n_samples_per_prompt"),
+                  f"train.eval_pass_k={list(ks)}: each k must be in 1..rollout.eval_n_samples_per_prompt={n} "
+                  "(pass@k is estimated from the n responses to each prompt)")
+        r.require(list(ks) == sorted(set(ks)), "train.eval_pass_k",
+                  f"train.eval_pass_k={list(ks)} must be ascending without repeats")
+    for name in d.eval_sets:
+        path = d.eval_sets[name]
+        r.require(EVAL_SET_NAME.fullmatch(name) is not None, "data.eval_sets",
+                  f"data.eval_sets: the name {name!r} must be letters, digits, '_', '.', '-' (starting with a letter "
+                  "or digit): it becomes the metric names eval/<name>/...")
+        r.require(bool(path.strip()), "data.eval_sets",
+                  f"data.eval_sets.{name}={path!r} must be the path of a JSONL or Parquet file")
+    default = default_eval_set_name(d)
+    if d.eval_path is not None and default is not None:
+        r.require(EVAL_SET_NAME.fullmatch(default) is not None, "data.eval_path",
+                  f"data.eval_path={d.eval_path}: the eval set is named after the file's stem, {default!r}, which "
+                  "must be letters, digits, '_', '.', '-' (rename the file, or list it in data.eval_sets by name)")
+    r.require(default not in d.eval_sets, ("data.eval_sets", "data.eval_path"),
+              f"data.eval_sets.{default}: the name is taken by the default eval set "
+              f"({f'data.eval_path={d.eval_path}' if d.eval_path is not None else f'data.task={d.task}'}): "
+              "choose another name")
 
 
 def validate(cfg: RelaxConfig) -> list[Violation]:
@@ -538,6 +605,9 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _flags(cfg, algo, r)
     _ignored(cfg, algo, r)
     _unused_in_context(cfg, r)
+    _evaluation(cfg, r)
+    _overlong(cfg, r)
+    _tracking(cfg, r)
     _sglang(cfg, r)
     _not_built(cfg, r)
     r.found.extend(megatron_violations(cfg))

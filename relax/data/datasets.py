@@ -302,6 +302,26 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
     return train, evals
 
 
+def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset]) -> dict[str, PromptDataset]:
+    """The eval sets by name, in evaluation order (names: `relax.config.evaluation`): `default` (the eval set of
+    `build_datasets`) under the name of `data.eval_path` or of the task, then each file of `data.eval_sets`, at most
+    `data.num_eval_prompts` prompts each. A missing or malformed file is a DataError naming its entry."""
+    from relax.config.evaluation import default_eval_set_name
+
+    data = cfg.data
+    out: dict[str, PromptDataset] = {}
+    name = default_eval_set_name(data)
+    if default is not None and name is not None:
+        out[name] = default
+    for name, path in data.eval_sets.items():
+        try:
+            out[name] = load_prompt_file(path, tokenizer, data, cfg.rollout.max_prompt_len,
+                                         limit=data.num_eval_prompts)
+        except DataError as exc:
+            raise DataError(f"data.eval_sets.{name}: {exc}") from None
+    return out
+
+
 class PromptSampler:
     """Batches of `batch_size` prompts per step, forever.
 

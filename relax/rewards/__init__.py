@@ -1,5 +1,6 @@
 """Rewards: `get_reward_fn(spec)` picks a function `fn(response: str, label: str) -> float`;
-`score_responses` applies it to a batch and records which calls failed."""
+`score_responses` applies it to a batch and records which calls failed; `overlong_penalty` shapes a reward by
+the response's length (DAPO)."""
 
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, extract_boxed, math_reward
@@ -12,6 +13,7 @@ from relax.rewards.registry import (
     get_reward_fn,
     score_responses,
 )
+from relax.rewards.shaping import overlong_penalty
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -24,5 +26,6 @@ __all__ = [
     "extract_boxed",
     "get_reward_fn",
     "math_reward",
+    "overlong_penalty",
     "score_responses",
 ]

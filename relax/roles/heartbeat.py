@@ -1,10 +1,11 @@
 """Heartbeats sent from inside each role process, and the board that collects them for the driver's watchdog.
 
-Each role process runs a `Heartbeat` thread that sends the board, every `interval_s`, its process id and its
-progress (`relax.backends.progress`: decoded tokens and micro-batches so far). The board, a small Ray actor, notes
-when each role's heartbeat last arrived and when its progress last changed, on its own clock; the driver's watchdog
-(`relax.runner.watchdog`) reads those ages while it waits on a role. A frozen process stops beating; a call stuck
-in a deadlock or a never-ending loop keeps beating but stops progressing: both are seen.
+Each role process runs a heartbeat thread (`start_heartbeat`) that sends the board, every `interval_s`, its
+process id and its progress (`relax.backends.progress`: decoding steps and micro-batches done, tokens
+generated). The board, a small Ray actor, notes when each role's heartbeat last arrived and when its progress
+last changed, on its own clock; the driver's watchdog (`relax.runner.watchdog`) reads those ages while it waits
+on a role. A frozen process stops beating; a call stuck in a deadlock or a never-ending loop keeps beating but
+stops progressing: both are seen.
 """
 
 from __future__ import annotations
@@ -25,24 +26,25 @@ class RoleBeat:
 
     beat_age_s: float
     progress_age_s: float
-    progress: int
+    progress: int  # units of work done (decoding steps, micro-batches)
     pid: int
+    tokens: int = 0  # tokens generated
 
 
 class HeartbeatBoard:
     """The Ray actor the roles' heartbeats go to (named, so that operators and tests can look a role's pid up)."""
 
     def __init__(self) -> None:
-        self._roles: dict[str, list[Any]] = {}  # name -> [last beat, progress, progress changed at, pid]
+        self._roles: dict[str, list[Any]] = {}  # name -> [last beat, progress, progress changed at, pid, tokens]
 
     def ping(self) -> str:
         return "ok"
 
-    def beat(self, name: str, pid: int, count: int) -> None:
+    def beat(self, name: str, pid: int, count: int, tokens: int = 0) -> None:
         now = time.monotonic()
         rec = self._roles.get(name)
-        if rec is None or rec[3] != pid or rec[1] != count:  # a new process (a replaced role) starts afresh
-            self._roles[name] = [now, count, now, pid]
+        if rec is None or rec[3] != pid or rec[1] != count:  # progress, or a new process (a replaced role)
+            self._roles[name] = [now, count, now, pid, tokens]
         else:
             rec[0] = now
 
@@ -52,8 +54,8 @@ class HeartbeatBoard:
 
     def snapshot(self) -> dict[str, RoleBeat]:
         now = time.monotonic()
-        return {name: RoleBeat(now - beat, now - changed, count, pid)
-                for name, (beat, count, changed, pid) in self._roles.items()}
+        return {name: RoleBeat(now - beat, now - changed, count, pid, tokens)
+                for name, (beat, count, changed, pid, tokens) in self._roles.items()}
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def start_heartbeat(owner: object, link: HeartbeatLink | None) -> None:
     def loop() -> None:
         while not stop.is_set():
             try:
-                link.board.beat.remote(link.name, pid, progress.count())
+                link.board.beat.remote(link.name, pid, progress.count(), progress.tokens())
             except Exception:  # the board is gone: the run is ending (or the driver's watchdog reports it)
                 return
             stop.wait(link.interval_s)

@@ -148,7 +148,8 @@ class RolloutWorker:
     def _sampling(self, evaluation: bool) -> dict:
         ro = self.cfg.rollout
         if evaluation:
-            return dict(max_new_tokens=ro.max_response_len, temperature=ro.eval_temperature, top_p=1.0, top_k=-1)
+            return dict(max_new_tokens=ro.max_response_len, temperature=ro.eval_temperature, top_p=ro.eval_top_p,
+                        top_k=-1)
         return dict(max_new_tokens=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k)
 
     def _should_abort(self, gen_id: int | None):

@@ -80,6 +80,13 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "tracking.sweep_id",
     "cluster.address",
     "dry_run",
+    # how faults are answered and what the machine reports: not what a step computes
+    "train.max_restarts",
+    "train.save_failures",
+    "train.save_on_preempt",
+    "cluster.heartbeat_timeout_s",
+    "tracking.system_metrics",
+    "tracking.system_metrics_interval_s",
 )
 
 

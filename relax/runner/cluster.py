@@ -36,6 +36,7 @@ from relax.runner import checkpoint
 from relax.runner.engines import ReplicaEngines
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
+from relax.runner.restarts import Restarts
 from relax.runner.sglang_engines import SGLangEngines
 from relax.runner.watchdog import Watchdog
 
@@ -106,8 +107,10 @@ class RayRuntime:
 
 
 class Cluster:
-    def __init__(self, cfg: RelaxConfig, plan: Plan, info: ModelInfo):
-        self.cfg, self.plan, self.info = cfg, plan, info
+    def __init__(self, cfg: RelaxConfig, plan: Plan, info: ModelInfo, restarts: Restarts | None = None):
+        """`restarts`: the run's count of restarts, which embedded rollout replicas replaced in place draw on
+        (None: a dead replica fails the call)."""
+        self.cfg, self.plan, self.info, self.restarts = cfg, plan, info, restarts
         self._ray: RayRuntime | None = None  # when this cluster started Ray itself
         self.actors: list = []
 
@@ -181,7 +184,7 @@ class Cluster:
                     [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads("rollout"))
                      for i in range(replicas)], info.pad_token_id, watch=self.watch,
                     names=[self._process_name("rollout", i) for i in range(replicas)],
-                    replace=self._replace_replica, max_restarts=cfg.train.max_restarts)
+                    replace=self._replace_replica, restarts=self.restarts)
             self.reference = None
             if self.plan.has("reference"):
                 self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
@@ -343,7 +346,9 @@ class Cluster:
         for k in range(steps):
             chunk = batch.select(slice(k * size, (k + 1) * size))
             if not bool(chunk.response_mask.any()):
-                continue  # every group of this global batch was left out: no optimizer step (Adam would still move)
+                # no token of this global batch trains (its groups left out, or its responses truncated and masked):
+                # no optimizer step (Adam would still move)
+                continue
             calls = []
             if self.critic is not None:
                 calls.append((self.critic.train_step.remote(chunk), "critic"))

@@ -6,21 +6,20 @@ loop and the stream do not know which backend generates.
 A replica that dies (or hangs: `relax.runner.watchdog`) is replaced in place: a new actor on the same resources,
 given the weights the others hold, and its share of the call is generated again there. Every sample draws from
 its own random stream, so the regenerated share is the one the dead replica would have returned: nothing is lost
-or generated twice. At most `train.max_restarts` replacements in a run; beyond that the failure goes up to the
-loop (which stops).
+or generated twice. Replacements draw on the run's `train.max_restarts` (`relax.runner.restarts.Restarts`); beyond
+it the failure goes up to the loop (which stops).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from relax.backends.batch import Samples, concat_samples
-from relax.metrics import FAULT_RESTARTS_ROLLOUT
 from relax.runner.errors import RoleFailure
+from relax.runner.restarts import Restarts
 from relax.runner.watchdog import Watchdog
 
 
@@ -29,10 +28,9 @@ class ReplicaEngines:
     nothing. `replace(i)` starts a new replica i (answering, without weights); None: replicas are not replaced."""
 
     def __init__(self, replicas: list, pad_token_id: int, *, watch: Watchdog, names: list[str],
-                 replace: Callable[[int], Any] | None = None, max_restarts: int = 0):
+                 replace: Callable[[int], Any] | None = None, restarts: Restarts | None = None):
         self.replicas, self.pad_token_id, self.watch, self.names = replicas, pad_token_id, watch, names
-        self.replace, self.max_restarts = replace, max_restarts
-        self.restarts = 0
+        self.replace, self.restarts = replace, restarts
         self._weights: tuple[Any, int] | None = None  # what the replicas hold (a state dict or its ObjectRef)
 
     def start(self) -> ReplicaEngines:
@@ -72,11 +70,9 @@ class ReplicaEngines:
         return [out[i] for i in which]
 
     def _replace(self, i: int, failure: RoleFailure) -> None:
-        if self.replace is None or self.restarts >= self.max_restarts:
+        if self.replace is None or self.restarts is None:
             raise failure
-        self.restarts += 1
-        print(f"{failure}; replacing it ({self.restarts} of train.max_restarts={self.max_restarts} restarts)",
-              file=sys.stderr, flush=True)
+        self.restarts.replace_in_place(failure)  # re-raises it beyond train.max_restarts
         self.replicas[i] = self.replace(i)
         if self._weights is not None:
             weights, version = self._weights
@@ -97,7 +93,7 @@ class ReplicaEngines:
         self._run(lambda i: self.replicas[i].load_weights.remote(weights, version), list(range(len(self.replicas))))
 
     def metrics(self) -> dict[str, float]:
-        return {FAULT_RESTARTS_ROLLOUT: float(self.restarts)} if self.replace is not None else {}
+        return {}  # replacements are counted by the run's Restarts (fault/restarts/rollout)
 
     def close(self) -> None:
         pass

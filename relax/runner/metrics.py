@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from relax.algorithms.functional import exp_log_ratio
 from relax.backends.batch import Samples
 from relax.metrics import (
     ABORTED_TOKENS,
+    EVAL_MEAN_AT,
+    EVAL_PASS_AT,
+    EVAL_PREFIX,
     EVAL_RESPONSE_LEN,
-    EVAL_REWARD,
     EVAL_REWARD_ERRORS,
     EVAL_TRUNCATED_FRAC,
+    OVERLONG_PENALIZED_FRAC,
+    OVERLONG_PENALTY,
     PARTIAL_FRAC,
     RAW_REWARD,
     RESPONSE_LEN,
@@ -24,8 +30,11 @@ from relax.metrics import (
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
     TRUNCATED_FRAC,
+    TRUNCATED_MASKED_FRAC,
+    eval_metric,
 )
 from relax.rewards.registry import Scores
+from relax.tracking.progress import format_number
 
 
 def _basic(samples: Samples, rewards: torch.Tensor, scored: torch.Tensor) -> tuple[float, float, float]:
@@ -47,12 +56,83 @@ def rollout_metrics(samples: Samples, rewards: torch.Tensor, kept: torch.Tensor,
     return out
 
 
-def eval_metrics(samples: Samples, scores: Scores) -> dict[str, float]:
-    rewards = torch.tensor(scores.rewards, dtype=torch.float32)
-    ok = ~torch.tensor(scores.failed, dtype=torch.bool)
-    reward, length, truncated = _basic(samples, rewards, ok)
-    return {EVAL_REWARD: reward, EVAL_RESPONSE_LEN: length, EVAL_TRUNCATED_FRAC: truncated,
-            EVAL_REWARD_ERRORS: float(scores.errors)}
+def overlong_metrics(penalty: torch.Tensor, kept: torch.Tensor) -> dict[str, float]:
+    """`penalty` [N]: each response's overlong penalty (<= 0); its mean and the share of responses it penalises, over
+    the `kept` responses (those `rollout/raw_reward` averages; NaN if none)."""
+    if not bool(kept.any()):
+        return {OVERLONG_PENALTY: float("nan"), OVERLONG_PENALIZED_FRAC: float("nan")}
+    p = penalty[kept]
+    return {OVERLONG_PENALTY: float(p.mean()), OVERLONG_PENALIZED_FRAC: float((p < 0).float().mean())}
+
+
+def truncated_masked_metrics(kept: torch.Tensor, trained: torch.Tensor) -> dict[str, float]:
+    """Share of the rollout's responses of `kept` groups that `algorithm.mask_truncated` left out of the loss (not in
+    `trained`)."""
+    return {TRUNCATED_MASKED_FRAC: float((kept & ~trained).float().mean())}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from `n` responses to a prompt of which `c` are correct: the probability that
+    k of them drawn without replacement hold a correct one, 1 - C(n-c, k) / C(n, k) (Chen et al. 2021), computed as
+    1 - prod_{i=n-c+1..n} (1 - k / i), without the large binomials."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct response
+        return 1.0
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def eval_metrics(eval_set: str, samples: Samples, scores: Scores, *, n: int, pass_k: Sequence[int],
+                 threshold: float) -> dict[str, float]:
+    """The metrics of eval set `eval_set` (named eval/<eval_set>/...), from `samples` holding `n` responses to each
+    prompt (prompt-major) and their `scores`. A response is correct when its reward is >= `threshold`.
+
+    Per prompt, over its scored responses (a failed reward call is left out, and counted): mean@n is their mean
+    reward, pass@k the unbiased estimate `pass_at_k(scored, correct, k)` (a prompt with fewer than k scored responses
+    is left out of pass@k); each is then averaged over the prompts (NaN when no prompt counts). Response length and
+    truncated share are over all responses.
+    """
+    rewards = torch.tensor(scores.rewards, dtype=torch.float64).view(-1, n)
+    ok = ~torch.tensor(scores.failed, dtype=torch.bool).view(-1, n)
+    scored = ok.sum(1)
+    correct = (ok & (rewards >= threshold)).sum(1)
+    has = scored > 0
+    means = (rewards * ok).sum(1)[has] / scored[has]
+    lengths = samples.response_mask.sum(1).float()
+
+    def name(metric: str) -> str:
+        return eval_metric(eval_set, metric)
+
+    out = {name(f"{EVAL_MEAN_AT}{n}"): float(means.mean()) if bool(has.any()) else float("nan")}
+    for k in pass_k:
+        values = [pass_at_k(int(m), int(c), k) for m, c in zip(scored, correct, strict=True) if m >= k]
+        out[name(f"{EVAL_PASS_AT}{k}")] = sum(values) / len(values) if values else float("nan")
+    out[name(EVAL_RESPONSE_LEN)] = float(lengths.mean())
+    out[name(EVAL_TRUNCATED_FRAC)] = sum(r == "length" for r in samples.finish_reason) / max(len(samples), 1)
+    out[name(EVAL_REWARD_ERRORS)] = float(scores.errors)
+    return out
+
+
+def final_eval_summary(history: Sequence[tuple[int, dict[str, float]]]) -> dict[str, str]:
+    """The last evaluation in `history` ([(step, metrics)]) for the run's closing summary, a line per eval set:
+    {"eval <set> (step s)": "mean@4 0.3125  pass@1 0.3125  pass@4 0.75"}; {} when the run logged none."""
+    evaluated = [(step, m) for step, m in history if any(k.startswith(EVAL_PREFIX) for k in m)]
+    if not evaluated:
+        return {}
+    step, metrics = evaluated[-1]
+    out: dict[str, str] = {}
+    # as logged: the sets in evaluation order, mean@n, then pass@k by k
+    for key in (k for k in metrics if k.startswith(EVAL_PREFIX)):
+        eval_set, _, metric = key[len(EVAL_PREFIX):].rpartition("/")
+        for prefix, shown in ((EVAL_MEAN_AT, "mean@"), (EVAL_PASS_AT, "pass@")):
+            if metric.startswith(prefix):
+                label = f"eval {eval_set} (step {step})"
+                value = f"{shown}{metric[len(prefix):]} {format_number(metrics[key])}"
+                out[label] = f"{out[label]}  {value}" if label in out else value
+    return out
 
 
 def response_versions(samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relax.backends.write_errors import os_write_error
 from relax.config.schema import RelaxConfig
@@ -15,8 +17,12 @@ from relax.runner.checkpoint import Checkpoints, ResumePoint
 from relax.runner.errors import RunError
 from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
-from relax.runner.metrics import RAW_REWARD
+from relax.runner.metrics import RAW_REWARD, final_eval_summary
 from relax.runner.plan import Plan
+
+if TYPE_CHECKING:
+    from relax.data.datasets import PromptDataset
+    from relax.tracking.inputs import DatasetRecord
 
 # Seconds between background writes of buffered metrics to MLflow (besides every 10 steps and before each
 # checkpoint). An environment variable so that it can be changed for a run without changing its config.
@@ -54,6 +60,22 @@ def resume_text(resume: ResumePoint) -> str:
     if changed:
         text += "; changed: " + ", ".join(changed)
     return text
+
+
+def dataset_record(name: str, context: str, dataset: PromptDataset, task: str) -> DatasetRecord:
+    """How a prompt set is logged (`relax.tracking.inputs`): its source is the file it was read from (a dataset read
+    from a file is named by its path), else the synthetic task `task` (`synthetic:<task>`); its digest hashes the
+    prompt texts and labels it holds."""
+    from relax.tracking.inputs import SOURCE_FILE, SOURCE_SYNTHETIC, DatasetRecord, prompts_digest
+
+    path = Path(dataset.name).expanduser() if dataset.name else None
+    if path is not None and path.is_file():
+        source_type, source = SOURCE_FILE, str(path.resolve())
+    else:
+        source_type, source = SOURCE_SYNTHETIC, f"synthetic:{task}"
+    return DatasetRecord(name=name, context=context, source_type=source_type, source=source,
+                         digest=prompts_digest((item.prompt_text, item.label) for item in dataset),
+                         num_prompts=len(dataset), num_dropped=dataset.num_dropped)
 
 
 @dataclass
@@ -134,6 +156,8 @@ class Session:
         if cfg.tracking.enabled:
             flush_s = flush_interval_s()
             spool_dir = self.spool_dir()
+            # MLflow's system metrics of this machine, sampled until the run ends (relax.tracking.system_metrics)
+            system_s = cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else None
             tags = standard_tags(cfg)
             if self.checkpoints is not None and self.checkpoints.uses_dir:  # where relax-verify-run finds them
                 tags[CHECKPOINT_DIR_TAG] = str(self.checkpoints.save_dir)
@@ -145,7 +169,7 @@ class Session:
                 try:
                     self.tracker = Tracker.reopen(cfg.tracking, reopen_id, from_step=self.start_step, tags=tags,
                                                   keep_history=(RAW_REWARD,), flush_interval_s=flush_s,
-                                                  spool_dir=spool_dir)
+                                                  spool_dir=spool_dir, system_metrics_s=system_s)
                 except (LookupError, TrackingUnavailable) as exc:
                     what = f"checkpoint {resume.path}" if resume is not None else f"MLflow run {reopen_id}"
                     raise RunError(f"cannot continue {what}: {exc}") from None
@@ -156,7 +180,8 @@ class Session:
                 try:
                     self.tracker = Tracker.start(cfg.tracking, run_name=cfg.tracking.run_name, tags=tags,
                                                  params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id,
-                                                 flush_interval_s=flush_s, spool_dir=spool_dir)
+                                                 flush_interval_s=flush_s, spool_dir=spool_dir,
+                                                 system_metrics_s=system_s)
                 except TrackingUnavailable as exc:  # before training: a wrong URI is the user's to fix
                     raise RunError(str(exc)) from None
         else:
@@ -215,6 +240,20 @@ class Session:
         if sample_ids is None:
             raise RunError(f"step {step}: the rollout's samples carry no sample ids, so the ledger cannot record them")
         self.ledger.add(step, sample_ids, kept)
+
+    def log_datasets(self, train_set: PromptDataset, eval_sets: Mapping[str, PromptDataset] | None = None) -> None:
+        """Record the run's prompt sets as MLflow dataset inputs (`relax.tracking.inputs`): `train_set` under
+        `data.name` (context train), each of `eval_sets` under its eval set name, that of its `eval/<name>/...` metrics
+        (context eval). A reopened run logs them again, which adds nothing unless the prompts changed. A failure is
+        noted, never raised (a store outage spools them like any other write)."""
+        if not self.cfg.tracking.enabled:
+            return
+        try:
+            records = [dataset_record(self.cfg.data.name, "train", train_set, self.cfg.data.task)]
+            records += [dataset_record(name, "eval", ds, self.cfg.data.task) for name, ds in (eval_sets or {}).items()]
+            self.tracker.log_inputs(records)
+        except Exception as exc:
+            self.note(f"the datasets could not be recorded in MLflow ({type(exc).__name__}: {exc}); training goes on")
 
     def log_ledger(self) -> None:
         """Write the whole ledger to the MLflow run (artifact `ledger.jsonl`) if it changed since the last write; a
@@ -301,6 +340,7 @@ class Session:
                  "wall time": f"{time.perf_counter() - self.t0:.0f} s", "outputs": str(self.output_dir)}
         if self.checkpoint_failures:  # train.save_failures=continue
             extra["checkpoints not written"] = self.checkpoint_failures
+        extra.update(final_eval_summary(self.history))
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
 

@@ -136,7 +136,7 @@ class SGLangEngines:
     def _sampling(self, evaluation: bool) -> Sampling:
         ro = self.cfg.rollout
         if evaluation:
-            return Sampling(ro.max_response_len, ro.eval_temperature, 1.0, -1, self.eos_token_ids)
+            return Sampling(ro.max_response_len, ro.eval_temperature, ro.eval_top_p, -1, self.eos_token_ids)
         return Sampling(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k, self.eos_token_ids)
 
     def _run(self, rows: list[list[int]], budgets: list[int], seeds: list[int], sample_ids: torch.Tensor,

@@ -24,10 +24,12 @@ def _changed(obj) -> str:
 def config_summary(cfg: RelaxConfig) -> str:
     a, m, ro, t, d = cfg.algorithm, cfg.model, cfg.rollout, cfg.train, cfg.data
     model = m.path or m.name
+    shaping = (f", overlong_buffer_len={d.overlong_buffer_len}, overlong_penalty_factor={d.overlong_penalty_factor}"
+               if d.overlong_buffer_len else "")
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",
-        f"data       {d.name} (reward={d.reward})",
+        f"data       {d.name} (reward={d.reward}{shaping})",
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
         f"max_response_len={ro.max_response_len}, temperature={ro.temperature}",
         f"train      {t.backend}: {t.num_rollout} rollouts, global_batch_size={t.global_batch_size}, "

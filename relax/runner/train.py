@@ -8,24 +8,24 @@ methods and moves `Samples` / `TrainBatch` between them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.sampling import NonFiniteLogitsError
+from relax.config.evaluation import eval_pass_ks
 from relax.config.schema import RelaxConfig
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
     CRITIC_GRAD_NORM,
     CRITIC_SKIPPED_STEPS,
-    FAULT_RESTARTS,
     GRAD_NORM,
     LOSS,
     OVERHEAD_FRACTION,
@@ -41,31 +41,38 @@ from relax.metrics import (
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
     VALUE_LOSS,
-    fault_restarts,
 )
 from relax.rewards.registry import Scores
+from relax.rewards.shaping import overlong_penalty
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.metrics import (
     eval_metrics,
     latest_version_mask,
+    overlong_metrics,
     rollout_metrics,
     rollout_mismatch,
     staleness_metrics,
+    truncated_masked_metrics,
 )
 from relax.runner.plan import Plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
+from relax.runner.restarts import Restarts
 from relax.runner.rollout_stream import RolloutStream
 from relax.runner.session import RunResult, Session
 
-RESTARTS_TAG = "relax.restarts"  # the run's service-graph restarts: step, process and cause of each
+if TYPE_CHECKING:
+    from relax.data.datasets import PromptItem
+
 EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the training samples of the same ids
 
 
 def _prepare(cfg: RelaxConfig):
-    """Tokenizer, datasets and reward function: the user-input failures, before any process starts."""
-    from relax.data.datasets import DataError, PromptSampler, build_datasets
+    """Tokenizer, datasets (the eval sets by name, none without evaluation) and reward function: the user-input
+    failures, before any process starts."""
+    from relax.config.evaluation import default_eval_set_name
+    from relax.data.datasets import DataError, PromptSampler, build_datasets, build_eval_sets
     from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
     from relax.rewards.registry import get_reward_fn
     from relax.roles.workers import ModelInfo
@@ -77,17 +84,20 @@ def _prepare(cfg: RelaxConfig):
                 _check_megatron_model(cfg, path)
             check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
         tokenizer = load_tokenizer(cfg.model)
-        train_set, eval_set = build_datasets(cfg, tokenizer)
-        if cfg.train.eval_interval and eval_set is None:
-            raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval prompts "
-                            "(data.eval_path, or a test split for gsm8k)")
+        train_set, default_eval = build_datasets(cfg, tokenizer)
+        eval_sets = {}
+        if cfg.train.eval_interval:
+            eval_sets = build_eval_sets(cfg, tokenizer, default_eval)
+            if not eval_sets or (default_eval is None and default_eval_set_name(cfg.data) is not None):
+                raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval "
+                                "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
         reward_fn = get_reward_fn(cfg.data.reward)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
         raise RunError(str(exc)) from None
     sampler = PromptSampler(train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    return tokenizer, sampler, eval_set, reward_fn, info
+    return tokenizer, sampler, eval_sets, reward_fn, info
 
 
 def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
@@ -147,6 +157,26 @@ def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
     return (~bad).repeat_interleave(group_size)
 
 
+def overlong_penalties(cfg: RelaxConfig, samples: Samples) -> torch.Tensor | None:
+    """[N] DAPO's overlong penalty of each response (`relax.rewards.shaping.overlong_penalty` with
+    `data.overlong_buffer_len` and `data.overlong_penalty_factor`) by its tokens, the stop token included; None when
+    `data.overlong_buffer_len=0`."""
+    d = cfg.data
+    if d.overlong_buffer_len == 0:
+        return None
+    lengths = samples.response_mask.sum(1).tolist()
+    return torch.tensor([overlong_penalty(int(n), cfg.rollout.max_response_len, d.overlong_buffer_len,
+                                          d.overlong_penalty_factor) for n in lengths], dtype=torch.float32)
+
+
+def loss_rows(cfg: RelaxConfig, samples: Samples, keep: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the responses whose tokens count in the loss: those of the `keep` groups, less, with
+    `algorithm.mask_truncated`, those that ended by length (finish_reason "length")."""
+    if not cfg.algorithm.mask_truncated:
+        return keep
+    return keep & torch.tensor([r != "length" for r in samples.finish_reason], dtype=torch.bool)
+
+
 def optimizer_steps(cfg: RelaxConfig, batch: TrainBatch) -> int:
     """The optimizer steps `Cluster.train` takes on a rollout's batch: its global batches with a valid token."""
     size = cfg.train.global_batch_size
@@ -198,15 +228,16 @@ def _refusing_broken_weights(step: int) -> Iterator[None]:
 def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples, rewards: torch.Tensor,
                 keep: torch.Tensor, step: int) -> tuple[TrainBatch, dict[str, float]]:
     """Old, reference log-probs and values as the plan needs them, then the algorithm's advantages over the kept
-    groups (`keep` [N] bool). Left-out responses get a zero mask, so no loss, statistic or denominator sees them.
-    Returns the batch and the metrics of the advantage hook (and of the train/rollout mismatch, when the actor
-    recomputed the old log-probs)."""
+    groups (`keep` [N] bool). Left-out responses get a zero mask, so no loss, statistic or denominator sees them;
+    so do truncated responses with `algorithm.mask_truncated` (`loss_rows`), whose rewards still enter their group's
+    baseline: the advantage hook sees their rows with a zero mask. Returns the batch and the metrics of the advantage
+    hook (and of the train/rollout mismatch, when the actor recomputed the old log-probs)."""
     G = cfg.rollout.n_samples_per_prompt
     old_logp = old_logprobs(cfg, samples, cluster, step)
     ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") else None
     values = cluster.values(samples) if plan.has("critic") else None
     rows = keep.nonzero().squeeze(-1)
-    mask = samples.response_mask * keep[:, None].to(samples.response_mask.dtype)
+    mask = samples.response_mask * loss_rows(cfg, samples, keep)[:, None].to(samples.response_mask.dtype)
     if cfg.rollout.mask_offpolicy_in_partial_rollout:  # tokens of older versions than their response's last
         mask = mask * latest_version_mask(samples)
 
@@ -214,8 +245,10 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
         return None if x is None else x[rows]
 
     stopped = torch.tensor([r == "stop" for r in samples.finish_reason])
+    lengths = samples.response_mask.sum(1)
     out = cluster.advantages(cfg.algorithm, AdvantageInputs(rewards[rows], mask[rows].float(), G, kept(old_logp),
-                                                            kept(ref_logp), kept(values), stopped=stopped[rows]))
+                                                            kept(ref_logp), kept(values), stopped=stopped[rows],
+                                                            lengths=lengths[rows]))
     full = torch.zeros(mask.shape, dtype=out.advantages.dtype)
     returns = None if out.returns is None else full.clone().index_copy_(0, rows, out.returns)
     batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=full.index_copy_(0, rows, out.advantages),
@@ -263,42 +296,6 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
         runtime.__exit__(None, None, None)
 
 
-class Restarts:
-    """Service-graph restarts of one run: how many (per role), the MLflow run they continue, where from."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.by_role: dict[str, int] = {}
-        self.events: list[str] = []
-        self.run_id: str | None = None  # the MLflow run of the attempts (set once the first one opened it)
-        self.step = 0  # steps logged so far (the failure happened in this step)
-
-    @property
-    def count(self) -> int:
-        return sum(self.by_role.values())
-
-    def next(self, cfg: RelaxConfig, failure: RoleFailure) -> RelaxConfig:
-        """The config of the next attempt: resuming the latest checkpoint. RunError once the limit is reached."""
-        if self.count >= self.limit:
-            raise RunError(f"step {self.step}: {failure}. The run stops: train.max_restarts={self.limit} "
-                           f"restart(s) already used ({'; '.join(self.events) or 'none'}).") from None
-        self.by_role[failure.role] = self.by_role.get(failure.role, 0) + 1
-        latest = None
-        if cfg.train.save:
-            latest = checkpoint.latest(checkpoint.resolve_save_dir(cfg))
-        where = f"checkpoint {latest}" if latest is not None else "step 0 (no checkpoint yet)"
-        self.events.append(f"step {self.step}: {failure}")
-        print(f"step {self.step}: {failure}; restarting the service graph from {where} "
-              f"(restart {self.count} of train.max_restarts={self.limit})", file=sys.stderr, flush=True)
-        return dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, resume=str(latest) if latest is not None else None))
-
-    def metrics(self) -> dict[str, float]:
-        out = {FAULT_RESTARTS: float(self.count)}
-        out.update({fault_restarts(role): float(n) for role, n in self.by_role.items()})
-        return out
-
-
 def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restarts, preemption: Preemption, *,
              output_dir: Path, dictconfig=None) -> RunResult:
     """One start of the service graph, trained to the end.
@@ -309,17 +306,19 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
     """
     from relax.data.datasets import PromptItem
 
-    tokenizer, sampler, eval_set, reward_fn, info = _prepare(cfg)
+    tokenizer, sampler, eval_sets, reward_fn, info = _prepare(cfg)
     G = cfg.rollout.n_samples_per_prompt
     checkpoints = checkpoint.Checkpoints(cfg)  # save dir, lock, resume point (config checked) before anything starts
     runtime.__enter__()
     preemption.arm()  # again: ray.init installs its own SIGTERM handler
 
     with checkpoints, Session(cfg, plan, output_dir, dictconfig, checkpoints,
-                              restart_run_id=restarts.run_id) as session, Cluster(cfg, plan, info) as cluster:
+                              restart_run_id=restarts.run_id) as session, \
+            Cluster(cfg, plan, info, restarts) as cluster:
         restarts.run_id = session.run_id
-        if restarts.events:
-            session.tracker.set_tags({RESTARTS_TAG: "; ".join(restarts.events)})
+        session.log_datasets(sampler.dataset, eval_sets)
+        if tag := restarts.new_tag():
+            session.tracker.set_tags(tag)
         start_step = session.start_step
         stream = RolloutStream(cfg, cluster, sampler.next_batch, start_step=start_step,
                                pad_token_id=info.pad_token_id)
@@ -348,8 +347,18 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
                 keep = kept_groups(scores.failed, G)
                 metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
                 metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
+                # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
+                penalty = overlong_penalties(cfg, samples)
+                if penalty is not None:
+                    rewards = rewards + penalty
+                    metrics.update(overlong_metrics(penalty, keep))
+                trained = loss_rows(cfg, samples, keep)  # keep, less truncated responses (algorithm.mask_truncated)
+                if cfg.algorithm.mask_truncated:
+                    metrics.update(truncated_masked_metrics(keep, trained))
                 t_train0 = t_train = time.perf_counter()
-                if keep.any():  # a rollout whose every group was left out trains nothing (no advantages, no step)
+                # a rollout none of whose responses counts in the loss (every group left out, or every kept response
+                # truncated and masked) trains nothing: no advantages, no step
+                if trained.any():
                     # 3-4. the log-probs and values the algorithm needs, then advantages
                     batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep, step)
                     metrics.update(advantage_metrics)
@@ -359,20 +368,21 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
                     skipped.count(metrics, optimizer_steps(cfg, batch))
                     t_train = time.perf_counter()
                 # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
-                evaluate = bool(cfg.train.eval_interval) and eval_set is not None \
-                    and (step + 1) % cfg.train.eval_interval == 0
+                evaluate = bool(eval_sets) and evaluates_after(cfg, step)
                 if (step + 1) % cfg.train.weight_sync_interval == 0 or evaluate:
                     stream.publish(step + 1, cluster.weights(step + 1))
                 t_sync = time.perf_counter()
                 if evaluate:
                     with _refusing_broken_weights(step):
-                        metrics.update(_evaluate(cfg, cluster, stream, tokenizer, reward_fn, eval_set))
+                        metrics.update(_evaluate(cfg, cluster, stream, tokenizer, reward_fn, eval_sets))
                 n_tokens = float(samples.response_mask.sum())
                 step_time = time.perf_counter() - t0
                 overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
                 metrics.update(pace.metrics(waited, step_time))
                 metrics.update(cluster.engine_metrics())
                 metrics.update(restarts.metrics())
+                if tag := restarts.new_tag():  # replicas replaced in this step
+                    session.tracker.set_tags(tag)
                 metrics.update({
                     ROLLOUT_TIME: t_rollout - t0,
                     ROLLOUT_ENGINE_TIME: samples.engine_time,
@@ -420,17 +430,33 @@ class Pace:
         return out
 
 
+def evaluates_after(cfg: RelaxConfig, step: int) -> bool:
+    """Whether the loop evaluates after training step `step` (0-based): every `train.eval_interval` steps and after
+    the last step (`train.num_rollout`), so that a run always ends with the evaluation of its final weights."""
+    interval = cfg.train.eval_interval
+    return bool(interval) and ((step + 1) % interval == 0 or step + 1 == cfg.train.num_rollout)
+
+
 def _evaluate(cfg: RelaxConfig, cluster: Cluster, stream: RolloutStream, tokenizer, reward_fn,
-              eval_set) -> dict[str, float]:
-    """Evaluation prompts with the newest weights, between two calls of the rollout stream; each eval sample has
-    a fixed random stream (common random numbers from one evaluation to the next)."""
+              eval_sets: dict[str, Sequence[PromptItem]]) -> dict[str, float]:
+    """Each eval set's prompts with the newest weights and the eval sampling (`rollout.eval_*`), between two calls
+    of the rollout stream; its metrics are eval/<set>/... (`eval_metrics`). Each eval sample has a fixed random
+    stream, the same from one evaluation to the next (common random numbers); the sets share them (sample ids from
+    0 in each), which leaves each set's estimates as they are."""
     from relax.runner.rollout_stream import sample_ids
 
-    prompts = [item.prompt_ids for item in eval_set]
     n = cfg.rollout.eval_n_samples_per_prompt
+    ks = eval_pass_ks(cfg)
+    generated: dict[str, Samples] = {}
     with stream.paused():
         stream.load_newest()
-        samples = cluster.generate(prompts, sample_ids(0, len(prompts), n), seed=cfg.seed + EVAL_SEED_OFFSET,
-                                   evaluation=True)
-    scores = _score(cfg, tokenizer, reward_fn, samples, list(eval_set), n)
-    return eval_metrics(samples, scores)
+        for name, items in eval_sets.items():
+            prompts = [item.prompt_ids for item in items]
+            generated[name] = cluster.generate(prompts, sample_ids(0, len(prompts), n),
+                                               seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True)
+    out: dict[str, float] = {}
+    for name, items in eval_sets.items():
+        scores = _score(cfg, tokenizer, reward_fn, generated[name], list(items), n)
+        out.update(eval_metrics(name, generated[name], scores, n=n, pass_k=ks,
+                                threshold=cfg.train.eval_correct_threshold))
+    return out

@@ -78,7 +78,8 @@ class Watchdog:
             stalled = min(beat.progress_age_s, waited_s)
             if progress and stalled > T:
                 raise RoleFailure(name, f"hung: no progress for {stalled:.0f} s in its current call (process "
-                                        f"{beat.pid}, progress {beat.progress}; cluster.heartbeat_timeout_s={T:g})")
+                                        f"{beat.pid}, {beat.progress} units of work and {beat.tokens} tokens "
+                                        f"done; cluster.heartbeat_timeout_s={T:g})")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,4 +1,6 @@
-"""Experiment tracking: one MLflow run per training job, config params and tags, the terminal progress line.
+"""Experiment tracking: one MLflow run per training job, config params and tags, the git state of the code
+(`git_info`), the prompt sets as dataset inputs (`inputs`), MLflow's system metrics (`system_metrics`), the terminal
+progress line.
 
 Layer 2: imports relax.config and relax.algorithms at most. MLflow itself is imported lazily, when a
 run starts, so importing this package stays cheap.

@@ -20,9 +20,10 @@ those steps from the checkpoint and `Tracker.reopen` continues the same run, wri
 the store does not hold yet and skipping those it does, so each step of each key is recorded exactly once.
 
 The store unavailable mid-run (sqlite locked, a tracking server down or timing out): training goes on. A write
-that fails with a store error (metrics, params, tags, artifacts, the final run status) is appended to the run's
-local spool (`relax.tracking.spool_file`: JSONL, fsync'ed; `spool_dir`, the checkpoint directory under relax-train),
-and so is every later write while the spool is not empty, each step (metrics go to disk at every step then).
+that fails with a store error (metrics, params, tags, artifacts, dataset inputs, the final run status) is appended to
+the run's local spool (`relax.tracking.spool_file`: JSONL, fsync'ed; `spool_dir`, the checkpoint directory under
+relax-train), and so is every later write while the spool is not empty, each step (metrics go to disk at every step
+then).
 One warning names the store and the spool the first time; later failures are only counted (`stats`). Each step
 (and the writer every `flush_interval_s`) first replays the spool in order, with the original steps and
 timestamps, never writing a value twice; once it is empty, writes go to the store again. `flush()` returns when
@@ -52,6 +53,9 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TextIO, TypeVar
 
+from relax.metrics import SYSTEM_PREFIX
+from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
+from relax.tracking.inputs import DatasetRecord
 from relax.tracking.params import truncate_value
 from relax.tracking.spool_file import (
     REPLAY_COMMAND,
@@ -69,6 +73,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
     from relax.config.schema import TrackingConfig
+    from relax.tracking.system_metrics import SystemMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +136,7 @@ class RunTracker(Protocol):
     def log_text(self, text: str, artifact_file: str) -> None: ...
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None: ...
     def set_tags(self, tags: Mapping[str, str]) -> None: ...
+    def log_inputs(self, datasets: Sequence[DatasetRecord]) -> None: ...
     def flush(self) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
     def ui_command(self) -> Optional[str]: ...
@@ -190,6 +196,12 @@ def default_spool_dir(uri: str) -> str:
     """Where a run's spool goes when no `spool_dir` is given: next to a sqlite database, else the working directory."""
     db = sqlite_path(uri)
     return os.path.dirname(db) if db else os.getcwd()
+
+
+def _check_interval(interval_s: Optional[float]) -> None:
+    """A system metrics interval (None: off) is a number of seconds > 0 (before a run is created with it)."""
+    if interval_s is not None and not (math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"the system metrics interval must be a number of seconds > 0, got {interval_s}")
 
 
 def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
@@ -279,6 +291,7 @@ class Tracker:
         self._wake = threading.Event()
         self._stop = False
         self._writer: Optional[threading.Thread] = None
+        self.system_metrics: Optional[SystemMetrics] = None  # see `start_system_metrics`
         if background:
             self._writer = threading.Thread(target=self._writer_loop, name="relax-mlflow-writer", daemon=True)
             self._writer.start()
@@ -302,6 +315,7 @@ class Tracker:
         stream: Optional[TextIO] = None,
         spool_dir: Optional[str | os.PathLike[str]] = None,
         final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
+        system_metrics_s: Optional[float] = None,
     ) -> Tracker:
         """Open a new run in `tracking_cfg.experiment` (created if missing) at the resolved `tracking_cfg.uri`.
 
@@ -309,8 +323,12 @@ class Tracker:
         sets `mlflow.parentRunId`, which nests this run under a sweep's parent run in the UI. With
         `announce`, one line naming the run, the store and the UI command is printed to `stream` (stderr).
         `spool_dir` holds the run's spool during an outage (default: `default_spool_dir`); spools of earlier
-        runs of the same store left there are replayed first. TrackingUnavailable if the store cannot be reached.
+        runs of the same store left there are replayed first. `system_metrics_s`: sample MLflow's system metrics
+        every that many seconds (`start_system_metrics`); None: none. The run is tagged with the git commit and
+        dirty state of Relax and of the working directory's project (`relax.tracking.git_info`). TrackingUnavailable
+        if the store cannot be reached.
         """
+        _check_interval(system_metrics_s)
         quiet_mlflow_logging()
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
@@ -347,6 +365,10 @@ class Tracker:
                 experiment_id = experiment.experiment_id
 
             system_tags = {k: str(v) for k, v in resolve_tags({}).items()}  # user, source, git commit
+            code = git_tags()
+            if MLFLOW_GIT_COMMIT_TAG in system_tags:  # MLflow's: the entry script's repository
+                code.pop(MLFLOW_GIT_COMMIT_TAG)
+            system_tags.update(code)
             system_tags[TRACKING_URI_TAG] = uri
             if parent_run_id is not None:
                 system_tags[PARENT_RUN_ID_TAG] = parent_run_id
@@ -378,6 +400,8 @@ class Tracker:
         except BaseException:
             tracker.finish("FAILED")
             raise
+        if system_metrics_s is not None:
+            tracker.start_system_metrics(system_metrics_s)
         if announce:
             tracker._announce(f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment "
                               f"{tracking_cfg.experiment!r} at {uri}", stream)
@@ -400,6 +424,7 @@ class Tracker:
         stream: Optional[TextIO] = None,
         spool_dir: Optional[str | os.PathLike[str]] = None,
         final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
+        system_metrics_s: Optional[float] = None,
     ) -> Tracker:
         """Continue the existing run `run_id` (a resumed training job): status back to RUNNING, same metrics.
 
@@ -409,10 +434,12 @@ class Tracker:
         those (key, step) pairs again, so every step of every key is recorded exactly once; the value kept
         is the first one written. `keep_history` keys get their earlier values in `recorded_history`
         (e.g. the reward, for the end-of-run summary). Params are not logged again (MLflow params are
-        immutable). A spool the killed job left in `spool_dir` is replayed before all that. LookupError if
+        immutable). System metrics (`system_metrics_s`) continue after the run's last sample. A spool the killed
+        job left in `spool_dir` is replayed before all that. LookupError if
         the run is not in the store or is deleted; TrackingUnavailable if the store cannot be reached (or the
         spool not replayed).
         """
+        _check_interval(system_metrics_s)
         quiet_mlflow_logging()
         from mlflow import MlflowClient
 
@@ -458,8 +485,12 @@ class Tracker:
             keep = set(keep_history)
             # the highest step of each key (MLflow's latest metrics): keys that stop before from_step need no query
             last_step = {m.key: m.step for m in getattr(run.data, "_metric_objs", ())}
+            system_steps = [s for k, s in last_step.items() if k.startswith(SYSTEM_PREFIX)]
+            next_system_step = max(system_steps) + 1 if system_steps else 0
             for key in run.data.metrics:
                 if key not in keep and last_step.get(key, from_step) < from_step:
+                    continue
+                if key.startswith(SYSTEM_PREFIX) and key not in keep:  # samples, never recomputed: continued after
                     continue
                 history = client.get_metric_history(run_id, key)
                 for m in history:
@@ -480,6 +511,8 @@ class Tracker:
         except BaseException:
             tracker.finish("FAILED")
             raise
+        if system_metrics_s is not None:
+            tracker.start_system_metrics(system_metrics_s, first_step=next_system_step)
         if announce:
             tracker._announce(f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in "
                               f"experiment {tracking_cfg.experiment!r} at {uri}", stream)
@@ -497,10 +530,32 @@ class Tracker:
         (key, step) pairs the store already holds are not written again (see `reopen`). During an outage
         they go to the spool file before this returns.
         """
+        self._log_metrics(metrics, step, "log_metrics")
+
+    def log_system_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """`log_metrics` for samples of system metrics, whose `step` is the sample's index: written with the
+        training metrics, but not counted as a training step (`flush_every_steps`)."""
+        self._log_metrics(metrics, step, "log_system_metrics", training_step=False)
+
+    def start_system_metrics(self, interval_s: float, *, first_step: int = 0) -> None:
+        """Sample MLflow's system metrics every `interval_s` seconds (> 0) until `finish`
+        (`relax.tracking.system_metrics`); steps from `first_step`. If they cannot be sampled here (psutil missing or
+        refused), a warning says so and the run goes on without them."""
+        from relax.tracking.system_metrics import SystemMetrics
+
+        _check_interval(interval_s)
+        if self.system_metrics is not None or self._closing:
+            return
+        try:
+            self.system_metrics = SystemMetrics(self.log_system_metrics, interval_s, first_step=first_step).start()
+        except Exception as exc:  # a monitoring aid never stops a run
+            logger.warning("system metrics are not recorded for MLflow run %s: %s", self.run_id, short_error(exc))
+
+    def _log_metrics(self, metrics: Mapping[str, float], step: int, what: str, training_step: bool = True) -> None:
         ts = int(time.time() * 1000)
         with self._lock:
             if self._closing:
-                self._warn_after_finish("log_metrics")
+                self._warn_after_finish(what)
                 return
             recorded = self._recorded.get(step) if self._recorded else None
             for key, value in metrics.items():
@@ -518,7 +573,7 @@ class Tracker:
                     self.stats["already_recorded"] += 1  # logged before a kill, recomputed after the resume
                     continue
                 self._buffer.append((key, v, ts, int(step)))
-            if step != self._last_step:
+            if training_step and step != self._last_step:
                 self._last_step = step
                 self._steps_since_flush += 1
             spooling = self.spool.pending > 0
@@ -711,6 +766,8 @@ class Tracker:
 
     def _abandon(self) -> None:
         """Drop this tracker without writing anything (the run is left as it is in the store)."""
+        if self.system_metrics is not None:
+            self.system_metrics.stop(last_sample=False)
         with self._lock:
             self._closing = True
         atexit.unregister(self._at_exit)
@@ -763,6 +820,14 @@ class Tracker:
             self._store_write("artifact", {"path": path, "artifact_path": artifact_path},
                               lambda: self.client.log_artifact(self.run_id, path, artifact_path))
 
+    def log_inputs(self, datasets: Sequence[DatasetRecord]) -> None:
+        """Record the run's datasets as MLflow dataset inputs (`relax.tracking.inputs`). Idempotent in the store:
+        a dataset already logged to the run (same name and digest) is not added again."""
+        if self._closed("log_inputs") or not datasets:
+            return
+        self._store_write("inputs", {"datasets": [d.to_dict() for d in datasets]},
+                          lambda: self.client.log_inputs(self.run_id, datasets=[d.to_mlflow() for d in datasets]))
+
     def _closed(self, what: str) -> bool:
         if self._closing:
             self._warn_after_finish(what)
@@ -776,7 +841,8 @@ class Tracker:
 
     # ----------------------------------------------------------------- ending
     def finish(self, status: str = "FINISHED") -> None:
-        """Flush and end the run with `status` (FINISHED, FAILED or KILLED). Later calls do nothing.
+        """Stop the system metrics (their thread is joined), flush and end the run with `status` (FINISHED, FAILED or
+        KILLED). Later calls do nothing.
 
         After an outage the spool is replayed, with retries for up to `final_replay_s`; if the store is still
         down, the run ends all the same and the spool's path and the command that replays it are printed.
@@ -784,6 +850,8 @@ class Tracker:
         """
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
+        if self.system_metrics is not None:  # its thread ends here; its last sample is written with the rest
+            self.system_metrics.stop()
         with self._lock:
             if self._closing:
                 return
@@ -849,11 +917,20 @@ class Tracker:
 
     # ------------------------------------------------------------------ views
     def ui_command(self) -> str:
-        """The command that opens this store in the MLflow UI (or, for a server, the run's address)."""
+        """The command that opens this store in the MLflow UI (or, for a server, the run's address: `run_url`)."""
         assert self.uri is not None
-        if self.uri.startswith(("http://", "https://")):
-            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"mlflow ui --backend-store-uri {shlex.quote(self.uri)}"
+        url = run_url(self.uri, self.experiment_id, self.run_id)
+        return url if url is not None else f"mlflow ui --backend-store-uri {shlex.quote(self.uri)}"
+
+
+def run_url(uri: str, experiment_id: Optional[str], run_id: Optional[str]) -> Optional[str]:
+    """The address of a run in the MLflow UI of a tracking server (`uri` http:// or https://), else None.
+
+    `http://mlflow:5000` -> `http://mlflow:5000/#/experiments/3/runs/<run id>`; a server behind a path prefix keeps it.
+    """
+    if not uri.lower().startswith(("http://", "https://")) or experiment_id is None or run_id is None:
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 class NullTracker:
@@ -884,6 +961,9 @@ class NullTracker:
         pass
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
+        pass
+
+    def log_inputs(self, datasets: Sequence[DatasetRecord]) -> None:
         pass
 
     def flush(self) -> None:

@@ -14,17 +14,19 @@ One JSON object a line:
     {"seq": 8, "op": "params" | "tags", "items": [[key, value], ...]}
     {"seq": 9, "op": "text", "text": "...", "artifact_file": "config.yaml"}
     {"seq": 10, "op": "artifact", "file": "10/name", "artifact_path": null}   a copy in mlflow-spool-<id>.files/
-    {"seq": 11, "op": "terminate", "status": "FINISHED", "end_time": ms}
+    {"seq": 11, "op": "inputs", "datasets": [{"name": ..., "digest": ..., ...}]}   relax.tracking.inputs.DatasetRecord
+    {"seq": 12, "op": "terminate", "status": "FINISHED", "end_time": ms}
     {"ack": 9}                                   records up to seq 9 are in the store
 Replay writes the unacknowledged records in order with their original steps and timestamps (consecutive
 metrics records batched up to MLflow's 1000 per call) and appends an ack after each batch. A record that may
 be partly in the store already, i.e. `"uncertain": true` (the direct write that failed may have committed some
 of it) or the first unacknowledged record when a spool is opened (its replay may have been cut off before its
 ack) or one whose replay failed midway, is compared with the store first: only the (key, step, timestamp) triples the
-store lacks are written, so no value is ever written twice. Params, tags, artifacts and the run status are
-idempotent writes. A record the store rejects for good (`is_rejection`: an invalid value, a deleted run) or
-that cannot be applied is moved to `mlflow-spool-<run id>.rejected.jsonl` and acknowledged, so that it cannot
-hold back the rest. A line torn by a crash mid-append is skipped.
+store lacks are written, so no value is ever written twice. Params, tags, artifacts, dataset inputs (the store
+keeps one per name and digest) and the run status are idempotent writes. A record the store rejects for good
+(`is_rejection`: an invalid value, a deleted run) or that cannot be applied is moved to
+`mlflow-spool-<run id>.rejected.jsonl` and acknowledged, so that it cannot hold back the rest. A line torn by a
+crash mid-append is skipped.
 
 Replaying by hand, when the store was still down at the end of the run (the run says so, with the path):
     python -m relax.tracking.spool <dir>/mlflow-spool-<run id>.jsonl [--uri URI] [--attempts N]
@@ -463,6 +465,10 @@ def _apply(client: MlflowClient, run_id: str, group: list[dict[str, Any]], files
         client.log_text(run_id, record["text"], record["artifact_file"])
     elif op == "artifact":
         client.log_artifact(run_id, str(files_dir / record["file"]), record.get("artifact_path"))
+    elif op == "inputs":
+        from relax.tracking.inputs import DatasetRecord
+
+        client.log_inputs(run_id, datasets=[DatasetRecord.from_dict(d).to_mlflow() for d in record["datasets"]])
     elif op == "terminate":
         client.set_terminated(run_id, status=record["status"], end_time=record.get("end_time"))
     else:

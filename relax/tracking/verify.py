@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from relax.metrics import SYSTEM_PREFIX
 from relax.tracking.mlflow_run import quiet_mlflow_logging, resolve_tracking_uri, sqlite_path
 from relax.tracking.spool_file import is_rejection, short_error
 
@@ -29,7 +30,8 @@ class VerifyError(RuntimeError):
 
 @dataclass
 class RunRecord:
-    """One MLflow run as `relax-verify-run` reads it. `histories`: key -> [(step, value)] in the store's order."""
+    """One MLflow run as `relax-verify-run` reads it. `histories`: key -> [(step, value)] in the store's order, for
+    the metrics logged per training step (system metrics, sampled in time with steps of their own, are left out)."""
 
     run_id: str
     uri: str
@@ -64,7 +66,8 @@ def _no_progress_bar() -> Iterator[None]:
 
 
 def read_run(uri: str, run_id: str, artifact: str) -> RunRecord:
-    """Run `run_id` of store `uri` with every metric's history and the text of `artifact` (None if absent).
+    """Run `run_id` of store `uri` with the history of every metric but the system ones (`RunRecord`) and the text
+    of `artifact` (None if absent).
 
     VerifyError naming the store or the run if either is not there, or the store cannot be reached."""
     quiet_mlflow_logging()
@@ -85,7 +88,7 @@ def read_run(uri: str, run_id: str, artifact: str) -> RunRecord:
             raise VerifyError(f"cannot read MLflow run {run_id!r} from {uri}: {short_error(exc)}") from None
         try:
             histories = {key: [(int(m.step), float(m.value)) for m in client.get_metric_history(run_id, key)]
-                         for key in sorted(run.data.metrics)}
+                         for key in sorted(run.data.metrics) if not key.startswith(SYSTEM_PREFIX)}
         except Exception as exc:
             raise VerifyError(f"cannot read the metrics of MLflow run {run_id} from {uri}: {short_error(exc)}") \
                 from None

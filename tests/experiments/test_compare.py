@@ -49,7 +49,7 @@ def store(tmp_path_factory):
             for step, v in enumerate(values):
                 client.log_metric(run.info.run_id, "rollout/raw_reward", v, step=step)
             if arm == "A":
-                client.log_metric(run.info.run_id, "eval/reward", 0.5, step=4)
+                client.log_metric(run.info.run_id, "eval/digits/pass_at_1", 0.5, step=4)
             client.set_terminated(run.info.run_id, "FINISHED")
     failed = client.create_run(exp, start_time=t0 + 3000, tags={
         "mlflow.parentRunId": pid, "sweep_id": "S1", "arm": "B", "seed": "9"})
@@ -126,7 +126,7 @@ def test_compare_against_hand_computed_values(store, tmp_path):
     tmp, uri, pid = store
     r = compare(uri=uri, control="A", last_k=2, n_boot=4000, seed=11, out_dir=tmp_path / "out")
     comp = r.comparison
-    assert comp.metrics == ["rollout/raw_reward", "eval/reward"]  # the default: reward and every eval/* present
+    assert comp.metrics == ["rollout/raw_reward", "eval/digits/pass_at_1"]  # default: reward, every eval/*
     stats = {(s.metric, s.arm): s for s in comp.stats}
     a, b = stats[("rollout/raw_reward", "A")], stats[("rollout/raw_reward", "B")]
     assert (a.n, a.mean, a.std) == (3, 3.0, 1.0)
@@ -145,7 +145,7 @@ def test_compare_against_hand_computed_values(store, tmp_path):
     assert "is FAILED: left out" in notes
     assert "arm D has a single seed" in notes
     assert "arms C and A have different seed sets (4 only in C; 2, 3 only in A)" in notes
-    assert "eval/reward: arm B has no values for seed(s) 1, 2, 3" in notes
+    assert "eval/digits/pass_at_1: arm B has no values for seed(s) 1, 2, 3" in notes
     assert "rollout/raw_reward: C vs A has one pair: n too small for an interval" in notes
     # the outputs, also logged on the sweep's parent run
     assert r.csv_path.is_file() and r.png_path.stat().st_size > 1000

@@ -17,7 +17,8 @@ from relax.metrics import FAULT_RESTARTS, FAULT_RESTARTS_ROLLOUT, fault_restarts
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
 from relax.runner.metrics import RAW_REWARD
-from relax.runner.train import RESTARTS_TAG, run
+from relax.runner.restarts import RESTARTS_TAG
+from relax.runner.train import run
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +121,8 @@ def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(uninterrup
     assert_every_step_once(client, mlrun)
     assert history(client, mlrun, FAULT_RESTARTS_ROLLOUT)[-1] == (STEPS - 1, 1.0)
     assert history(client, mlrun, FAULT_RESTARTS)[-1] == (STEPS - 1, 0.0)  # no restart of the graph
+    assert "step 2: rollout[1] died" in mlrun.data.tags[RESTARTS_TAG]  # while it generated step 2
+    assert mlrun.data.tags[RESTARTS_TAG].endswith("replaced in place")
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 

@@ -83,6 +83,10 @@ VALUES: dict[str, Any] = {
     "data.system_prompt": "Answer with one digit.",
     "data.path": "prompts.jsonl",
     "data.eval_path": "prompts.jsonl",
+    "data.eval_sets": {"extra": "prompts.jsonl"},
+    "rollout.eval_top_p": 0.5,
+    "train.eval_pass_k": "[1]",  # the default with 2 eval samples per prompt (EVAL_CONTEXT) is [1, 2]
+    "train.eval_correct_threshold": 0.25,  # the untrained model rarely earns the full reward of 1
     "train.lr_schedule": "cosine",
     "train.save_dir": "elsewhere",
     "train.resume": "auto",
@@ -93,6 +97,7 @@ VALUES: dict[str, Any] = {
     "tracking.arm": "walk-arm",
     "tracking.sweep_id": "walk-sweep",
     "tracking.parent_run_id": "0123456789abcdef",
+    "tracking.system_metrics_interval_s": 0.05,  # samples within the probe's half second (the default: at the end only)
     "train.keep_checkpoints": 1,
     "train.warmup_steps": 2,  # a warmup of 1 step is no warmup: the first step's factor is (0 + 1) / 1
     "train.backend": "megatron",
@@ -114,9 +119,14 @@ VALUES: dict[str, Any] = {
     "train.max_skipped_steps": 1,
     "train.save_failures": "continue",
 }
+# Evaluation after each step, with sampling: what evaluation's own fields act on.
+EVAL_CONTEXT = ["train.eval_interval=1", "data.num_eval_prompts=4", "rollout.eval_n_samples_per_prompt=2",
+                "rollout.eval_temperature=1.0"]
 # Settings a field acts together with (documented with the field); the walk runs both the default and the
 # changed value in this context. A field that only acts in a context is rejected outside it by validation.
 CONTEXT: dict[str, list[str]] = {
+    **{key: EVAL_CONTEXT for key in ("data.eval_sets", "rollout.eval_top_p", "train.eval_pass_k",
+                                     "train.eval_correct_threshold")},
     "data.prompt_overflow": ["rollout.max_prompt_len=10"],
     "data.reward_error": ["data.reward=walk_reward:reward"],
     "train.min_lr_ratio": ["train.lr_schedule=cosine"],
@@ -125,6 +135,7 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.tis_clip": ["algorithm.use_tis=true"],
     "algorithm.kl_loss_coef": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "algorithm.kl_loss_type": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
+    "data.overlong_penalty_factor": ["data.overlong_buffer_len=2"],  # the factor scales a penalty that is on
 }
 # Fields whose effect is on resources, not on a run's records; each with the probe that observes it.
 PROBES = {
@@ -140,6 +151,9 @@ PROBES = {
     # they act when a role dies or hangs (tests/faults/test_role_failures.py kills and stops real processes)
     "train.max_restarts": "probe_max_restarts",
     "cluster.heartbeat_timeout_s": "probe_heartbeat_timeout",
+    # they act on the MLflow run's system/ metrics, sampled in time (tests/tracking/test_mlflow_completeness.py)
+    "tracking.system_metrics": "probe_system_metrics",
+    "tracking.system_metrics_interval_s": "probe_system_metrics",
 }
 
 
@@ -175,6 +189,8 @@ def other_value(key: str, value: Any) -> Any:
 
 
 def override(key: str, value: Any) -> str:
+    if isinstance(value, dict):  # Hydra adds keys to a dict field (empty by default) with "+"
+        return f"+{key}={{{','.join(f'{k}:{v}' for k, v in value.items())}}}"
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     return f"{key}={text}"
 
@@ -239,6 +255,9 @@ def observe(overrides: list[str], cwd: Path) -> dict[str, Any] | str:
             "mlflow": mlflow_record(cfg, result.run_id, cwd), "progress": "step " in err.getvalue()}
 
 
+GIT_TAG_PREFIXES = ("relax.git_", "relax.project_git_")
+
+
 def mlflow_record(cfg: RelaxConfig, run_id: str | None, cwd: Path) -> Any:
     if run_id is None:
         return None
@@ -249,8 +268,9 @@ def mlflow_record(cfg: RelaxConfig, run_id: str | None, cwd: Path) -> Any:
                           else f"sqlite:///{cwd / uri.removeprefix('sqlite:///')}")
     run = client.get_run(run_id)
     # each run has its own directory: paths are recorded relative to it
+    # (git tags describe the code, not the config: a commit during the walk must not make two runs differ)
     tags = {k: v.replace(str(cwd), "<cwd>") for k, v in run.data.tags.items()
-            if not k.startswith("mlflow.") or k == "mlflow.parentRunId"}
+            if (not k.startswith("mlflow.") or k == "mlflow.parentRunId") and not k.startswith(GIT_TAG_PREFIXES)}
     tags.pop("mlflow.runName", None)
     # MLflow names an unnamed run at random: only a chosen name is a record of the config
     name = run.info.run_name if run.info.run_name == cfg.tracking.run_name else "<generated>"
@@ -304,7 +324,7 @@ def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
 def probe_max_restarts(overrides: list[str], cwd: Path) -> Any:
     """How many role failures in a row the run's restart policy answers with a restart before it stops."""
     from relax.runner.errors import RoleFailure, RunError
-    from relax.runner.train import Restarts
+    from relax.runner.restarts import Restarts
 
     cfg = load_config(overrides + [f"train.save_dir={cwd / 'ckpt'}"])
     restarts = Restarts(cfg.train.max_restarts)
@@ -376,6 +396,23 @@ def probe_save_on_preempt(overrides: list[str], cwd: Path) -> Any:
         except Preempted:
             return "stopped at once"
     return f"stop requested after the step ({signal.Signals(preemption.requested).name})"
+
+
+def probe_system_metrics(overrides: list[str], cwd: Path) -> Any:
+    """How many samples of MLflow's system metrics a run's MLflow record gets in half a second."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from relax.metrics import SYSTEM_PREFIX
+    from relax.runner.plan import build_plan
+    from relax.runner.session import Session
+
+    cfg = load_config(overrides + [f"tracking.uri=sqlite:///{cwd / 'mlflow.db'}", "tracking.progress=false"])
+    with contextlib.redirect_stderr(io.StringIO()), Session(cfg, build_plan(cfg), cwd / "out") as session:
+        time.sleep(0.5)
+    return len(MlflowClient(cfg.tracking.uri).get_metric_history(session.run_id,
+                                                                 f"{SYSTEM_PREFIX}cpu_utilization_percentage"))
 
 
 def cases() -> list[tuple[str, str, Any]]:

@@ -1,0 +1,86 @@
+"""Evaluation's config: its fields act with train.eval_interval only, pass@k's k and the eval sets' names are
+checked before anything starts, and the names and k the runner uses (relax.config.evaluation)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from relax.config import ConfigError, load_config, validate
+from relax.config.evaluation import default_eval_set_name, eval_pass_ks
+
+EVAL = ["train.eval_interval=2"]
+
+
+def problems(overrides: list[str]) -> list[str]:
+    try:
+        load_config(overrides)
+    except ConfigError as exc:
+        return [v.message for v in exc.violations]
+    return []
+
+
+def test_a_full_evaluation_config_is_accepted():
+    cfg = load_config([*EVAL, "rollout.eval_n_samples_per_prompt=8", "rollout.eval_temperature=0.6",
+                       "rollout.eval_top_p=0.95", "train.eval_pass_k=[1,4,8]", "train.eval_correct_threshold=0.5",
+                       "+data.eval_sets={math500:/data/math500.jsonl,aime:/data/aime.parquet}"])
+    assert cfg.data.eval_sets == {"math500": "/data/math500.jsonl", "aime": "/data/aime.parquet"}
+    assert eval_pass_ks(cfg) == [1, 4, 8]
+    # data.task=file: an eval set of data.eval_sets is enough
+    load_config([*EVAL, "data=jsonl", "data.path=p.jsonl", "+data.eval_sets={test:t.jsonl}"])
+
+
+@pytest.mark.parametrize("override", ["rollout.eval_top_p=0.9", "train.eval_pass_k=[1]",
+                                      "train.eval_correct_threshold=0.5", "+data.eval_sets={extra:e.jsonl}"])
+def test_evaluation_fields_without_evaluation_are_rejected(override):
+    field = override.lstrip("+").split("=")[0]
+    assert any(m.startswith(f"{field}=") and "train.eval_interval=0 runs no evaluation" in m
+               for m in problems([override, "rollout.eval_temperature=1.0"]))
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (["rollout.eval_top_p=0.9"], "rollout.eval_top_p=0.9 has no effect with rollout.eval_temperature=0"),
+    (["rollout.eval_temperature=1", "rollout.eval_top_p=0"], "rollout.eval_top_p=0.0 must be in (0, 1]"),
+    (["rollout.eval_n_samples_per_prompt=4", "train.eval_pass_k=[1,8]"],
+     "train.eval_pass_k=[1, 8]: each k must be in 1..rollout.eval_n_samples_per_prompt=4"),
+    (["rollout.eval_n_samples_per_prompt=4", "train.eval_pass_k=[0]"], "each k must be in 1..rollout"),
+    (["rollout.eval_n_samples_per_prompt=4", "train.eval_pass_k=[4,1]"],
+     "train.eval_pass_k=[4, 1] must be ascending without repeats"),
+    (["rollout.eval_n_samples_per_prompt=4", "train.eval_pass_k=[1,1]"], "must be ascending without repeats"),
+    (["train.eval_pass_k=[]"], "train.eval_pass_k=[] logs no pass@k"),
+    (["train.eval_correct_threshold=nan"], "train.eval_correct_threshold=nan must be a finite number"),
+    (["+data.eval_sets={digits:d.jsonl}"], "data.eval_sets.digits: the name is taken by the default eval set "
+                                           "(data.task=digits)"),
+    (["data=jsonl", "data.path=p.jsonl", "data.eval_path=/x/test.jsonl", "+data.eval_sets={test:t.jsonl}"],
+     "data.eval_sets.test: the name is taken by the default eval set (data.eval_path=/x/test.jsonl)"),
+    (["data=jsonl", "data.path=p.jsonl", "data.eval_path='/x/my test.jsonl'"],
+     "the eval set is named after the file's stem, 'my test'"),
+    (["+data.eval_sets={extra:''}"], "data.eval_sets.extra='' must be the path of a JSONL or Parquet file"),
+    (["data=jsonl", "data.path=p.jsonl"], "set data.eval_path or data.eval_sets for data.task=file"),
+])
+def test_evaluation_problems_are_reported(overrides, problem):
+    found = problems([*EVAL, *overrides])
+    assert any(problem in m for m in found), found
+
+
+def test_eval_set_names_must_be_one_metric_name_segment():
+    cfg = load_config(EVAL)
+    for name in ("a/b", ".hidden", "", "a b"):
+        bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_sets={name: "e.jsonl"}))
+        assert any(f"data.eval_sets: the name {name!r} must be letters" in v.message for v in validate(bad)), name
+    good = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_sets={"gsm8k-test_v1.2": "e.jsonl"}))
+    assert validate(good) == []
+
+
+def test_the_default_eval_set_and_pass_k():
+    def data(**changes):
+        return dataclasses.replace(load_config([]).data, **changes)
+
+    assert default_eval_set_name(data()) == "digits"
+    assert default_eval_set_name(data(task="arithmetic")) == "arithmetic"
+    assert default_eval_set_name(data(task="gsm8k")) == "gsm8k"
+    assert default_eval_set_name(data(task="file", path="p.jsonl", eval_path="/d/math500.jsonl")) == "math500"
+    assert default_eval_set_name(data(task="file", path="p.jsonl")) is None
+    assert eval_pass_ks(load_config(EVAL)) == [1]  # n = 1
+    assert eval_pass_ks(load_config([*EVAL, "rollout.eval_n_samples_per_prompt=8"])) == [1, 8]

@@ -1,0 +1,96 @@
+"""The heartbeat board and the driver's watchdog, by their rules (the chaos tests of test_role_failures.py run them
+on a real Ray): what counts as hung, and what does not."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+
+from relax.backends import progress
+from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, RoleBeat, interval_for, start_heartbeat
+from relax.runner.errors import RoleFailure
+from relax.runner.watchdog import Watchdog
+
+
+class _Call:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Board:
+    """A board handle answering `snapshot.remote()` with fixed records (as `ray.get` of it would)."""
+
+    def __init__(self, beats: dict[str, RoleBeat]):
+        self.snapshot = _Call(lambda: beats)
+
+
+@pytest.fixture
+def direct_ray(monkeypatch):
+    """`ray.get` of a plain value returns it (the board is called directly here)."""
+    fake = types.SimpleNamespace(get=lambda value, timeout=None: value,
+                                 exceptions=types.SimpleNamespace(RayActorError=type("E1", (Exception,), {}),
+                                                                  GetTimeoutError=TimeoutError))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+
+
+def beat(beat_age: float, progress_age: float) -> RoleBeat:
+    return RoleBeat(beat_age_s=beat_age, progress_age_s=progress_age, progress=7, pid=123, tokens=40)
+
+
+@pytest.mark.parametrize("record,waited,progress,hung", [
+    (beat(1, 1), 100, True, None),  # beating and progressing
+    (beat(1, 50), 100, True, "no progress for 50 s"),  # beating, stuck in its call for longer than the timeout
+    (beat(1, 50), 20, True, None),  # stuck since before the call began 20 s ago: idle until then, not hung
+    (beat(1, 50), 100, False, None),  # a save or load advances no counter: only the heartbeat bounds it
+    (beat(45, 45), 5, False, "no heartbeat for 45 s"),  # frozen (SIGSTOP, a native call holding the GIL)
+    (None, 20, True, None),  # not heard from yet, within the timeout
+    (None, 40, True, "no heartbeat within 30 s"),
+])
+def test_what_the_watchdog_declares_hung(direct_ray, record, waited, progress, hung):
+    watch = Watchdog(_Board({} if record is None else {"rollout[1]": record}), timeout_s=30)
+    if hung is None:
+        watch.check({"rollout[1]"}, waited, progress=progress)
+        return
+    with pytest.raises(RoleFailure, match=hung) as info:
+        watch.check({"rollout[1]"}, waited, progress=progress)
+    assert info.value.process == "rollout[1]" and info.value.role == "rollout"
+    assert "cluster.heartbeat_timeout_s=30" in str(info.value) or "within 30 s" in str(info.value)
+
+
+def test_the_board_ages_heartbeats_and_progress_on_its_own_clock():
+    board = HeartbeatBoard()
+    board.beat("actor", pid=10, count=5, tokens=0)
+    time.sleep(0.2)
+    board.beat("actor", pid=10, count=5, tokens=0)  # alive, no progress
+    a = board.snapshot()["actor"]
+    assert a.beat_age_s < 0.1 and a.progress_age_s >= 0.2
+    board.beat("actor", pid=10, count=6, tokens=3)  # progress
+    a = board.snapshot()["actor"]
+    assert a.progress_age_s < 0.1 and a.progress == 6 and a.tokens == 3
+    time.sleep(0.2)
+    board.beat("actor", pid=11, count=6, tokens=3)  # a replaced process: starts afresh
+    assert board.snapshot()["actor"].progress_age_s < 0.1 and board.snapshot()["actor"].pid == 11
+    board.forget("actor")
+    assert board.snapshot() == {}
+
+
+def test_a_role_beats_with_its_progress_until_it_is_gone():
+    board = HeartbeatBoard()
+    link = HeartbeatLink(types.SimpleNamespace(beat=_Call(board.beat)), "reference", interval_s=0.05)
+
+    class Role:
+        pass
+
+    role = Role()
+    start_heartbeat(role, link)
+    progress.tick(tokens=4)
+    time.sleep(0.3)
+    first = board.snapshot()["reference"]
+    assert first.progress == progress.count() and first.tokens == progress.tokens() and first.beat_age_s < 0.2
+    del role  # the role object is gone: its thread stops
+    time.sleep(0.3)
+    assert board.snapshot()["reference"].beat_age_s >= 0.2
+    assert interval_for(300) == 5.0 and interval_for(3) == 0.3 and interval_for(0.5) == 0.2
