@@ -5,7 +5,8 @@
 run; 16 calls a step in these tests) it sends <signal> (KILL, STOP) to role process <process> ("actor",
 "rollout[1]", ...), found by pid on the run's heartbeat board (`relax-heartbeats-*`, see
 relax.roles.heartbeat). With `@busy` after the process name ("rollout[1]@busy"), a thread waits until that
-process's progress moves (it is generating) and signals it then: a kill in the middle of a call. The marker
+process burns CPU (it is inside a call: loading weights or generating) and signals it then: a kill in the middle
+of a call. The marker
 file makes it happen once per test, across restarts of the service graph.
 """
 
@@ -15,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from relax.rewards.registry import get_reward_fn
@@ -31,17 +33,28 @@ def _board():
     return ray.get_actor(name)
 
 
+def _cpu_ticks(pid: int) -> int:
+    """CPU time (user + system, in clock ticks) the process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def _signal_when_busy(board, process: str, sig: int) -> None:
+    """`sig` to `process` as soon as it works (burns CPU: loading weights or generating), not between calls."""
     import ray
 
-    before = ray.get(board.snapshot.remote())[process]
-    deadline = time.monotonic() + 60
+    pid = ray.get(board.snapshot.remote())[process].pid
+    deadline = time.monotonic() + 120
+    window: deque[tuple[float, int]] = deque()
     while time.monotonic() < deadline:
-        now = ray.get(board.snapshot.remote())[process]
-        if now.progress != before.progress:
-            os.kill(now.pid, sig)
+        now, ticks = time.monotonic(), _cpu_ticks(pid)
+        window.append((now, ticks))
+        while window[0][0] < now - 0.06:
+            window.popleft()
+        if ticks - window[0][1] >= 3:  # 30 ms of CPU within 60 ms: inside a call (idle, it uses next to none)
+            os.kill(pid, sig)
             return
-        time.sleep(0.005)
+        time.sleep(0.002)
 
 
 def inject() -> None:
