@@ -146,8 +146,10 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
     t = cfg.train
     forwarded = SimpleNamespace(train=SimpleNamespace(ref_load=t.ref_load, backend=t.backend,
                                                       tensor_parallel_size=t.tensor_parallel_size,
-                                                      pipeline_parallel_size=t.pipeline_parallel_size),
-                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus),
+                                                      pipeline_parallel_size=t.pipeline_parallel_size,
+                                                      max_restarts=t.max_restarts),
+                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus,
+                                                        heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s),
                                 rollout=SimpleNamespace(backend=cfg.rollout.backend))
     cluster = Cluster(forwarded, build_plan(cfg), info=SimpleNamespace(pad_token_id=0))
     try:
