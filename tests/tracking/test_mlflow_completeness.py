@@ -45,8 +45,18 @@ def start(cfg: TrackingConfig, **kwargs: Any) -> Tracker:
     return Tracker.start(cfg, **kwargs)
 
 
+_EARLIER: set[threading.Thread] = set()  # samplers of trackers other tests left open (not this test's)
+
+
+@pytest.fixture(autouse=True)
+def _earlier_samplers():
+    _EARLIER.clear()
+    _EARLIER.update(t for t in threading.enumerate() if t.name == THREAD_NAME)
+
+
 def sampler_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    """This test's system-metrics samplers still running."""
+    return [t for t in threading.enumerate() if t.name == THREAD_NAME and t not in _EARLIER]
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
