@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import socket
 import sqlite3
 import subprocess
 import sys
 import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,38 +24,16 @@ from mlflow import MlflowClient
 from relax.config.schema import RelaxConfig, TrackingConfig, TrainConfig
 from relax.tracking import Tracker
 from relax.tracking import spool as S
-from relax.tracking.mlflow_run import TrackingUnavailable, quiet_mlflow_logging
+from relax.tracking.mlflow_run import TrackingUnavailable
 
 TRACKER_LOGGER = "relax.tracking.mlflow_run"
 
 
 # ---------------------------------------------------------------------------- the store and its faults
-def _template_db(cache_dir: Path) -> Path:
-    """A migrated empty MLflow sqlite store, built once per MLflow version (as tests/tracking's conftest does)."""
-    import mlflow
-
-    template = cache_dir / f"mlflow-{mlflow.__version__}.db"
-    if not template.exists():
-        quiet_mlflow_logging()
-        tmp = cache_dir / f"building-{os.getpid()}.db"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            MlflowClient(tracking_uri=f"sqlite:///{tmp}").search_experiments()
-        os.replace(tmp, template)
-    return template
-
-
 @pytest.fixture
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    """A fresh sqlite store file in tmp_path."""
-    try:
-        cache_dir = Path(request.config.cache.mkdir("relax-mlflow-template"))
-    except Exception:  # cache disabled
-        cache_dir = tmp_path / "template"
-        cache_dir.mkdir()
-    db = tmp_path / "mlflow.db"
-    db.write_bytes(_template_db(cache_dir).read_bytes())
-    return db
+def store(fresh_store, tmp_path: Path) -> Path:
+    """A fresh sqlite store file in tmp_path (tests/conftest.py)."""
+    return fresh_store(tmp_path)
 
 
 @pytest.fixture
