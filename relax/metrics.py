@@ -23,6 +23,15 @@ OVERLONG_PENALIZED_FRAC = "rollout/overlong_penalized_frac"  # share of response
 # algorithm.mask_truncated: share of the rollout's responses that ended by length and were left out of the loss
 # (those of groups left out for a reward error count in reward_dropped_frac instead)
 TRUNCATED_MASKED_FRAC = "rollout/truncated_masked_frac"
+# Dynamic sampling (rollout.filter_groups): how the step's batch was built from its generation rounds
+FILTERED_GROUP_FRAC = "rollout/filtered_group_frac"  # groups generated without a learning signal / groups generated
+FILTER_ROUNDS = "rollout/filter_rounds"  # generation rounds of the batch
+FILTER_FILLED_GROUPS = "rollout/filter_filled_groups"  # groups without a signal trained (max_filter_rounds reached)
+# the extra generation cost: samples generated over the rounds / samples in the batch (1: nothing generated in vain)
+FILTER_GENERATED_RATIO = "rollout/filter_generated_ratio"
+# mean task reward over every response generated for the step (rollout/raw_reward is over the batch trained, which
+# dynamic sampling tilts towards prompts with mixed outcomes): the policy's reward on the data as drawn
+GENERATED_REWARD = "rollout/generated_reward"
 # train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)

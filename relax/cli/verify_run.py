@@ -127,7 +127,9 @@ def _per_step(params: dict, report: Report) -> Optional[int]:
 def _ledger_facts(ledger: Ledger, report: Report) -> None:
     trained = sum(count(e.trained) for e in ledger.entries)
     left = sum(count(e.left_out) for e in ledger.entries)
-    report.facts.append(("ledger", f"{len(ledger)} steps, {trained} samples trained, {left} left out"))
+    aside = sum(count(e.set_aside) for e in ledger.entries)
+    extra = f", {aside} set aside by dynamic sampling" if aside else ""
+    report.facts.append(("ledger", f"{len(ledger)} steps, {trained} samples trained, {left} left out{extra}"))
 
 
 def verify(target: str, uri: Optional[str] = None) -> Report:

@@ -39,7 +39,12 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
     staleness = t.max_staleness if t.max_staleness is not None else (0 if t.mode == "sync" else 1)
     train = dataclasses.replace(t, global_batch_size=gbs, num_steps_per_rollout=steps,
                                 calculate_per_token_loss=per_token, max_staleness=staleness)
-    return dataclasses.replace(cfg, train=train)
+    # dynamic sampling's generation rounds draw rollout_batch_size prompts unless told otherwise (no rounds: None)
+    over = ro.over_sampling_batch_size
+    if over is None and ro.filter_groups:
+        over = ro.rollout_batch_size
+    rollout = dataclasses.replace(ro, over_sampling_batch_size=over)
+    return dataclasses.replace(cfg, train=train, rollout=rollout)
 
 
 def to_relax_config(dc: DictConfig) -> RelaxConfig:

@@ -96,6 +96,13 @@ class RolloutConfig:
     # leave the tokens of older versions than their response's last (an interrupted prefix) out of the loss
     mask_offpolicy_in_partial_rollout: bool = False
     num_replicas: int = 1
+    # DAPO's dynamic sampling (docs/training.md, "Dynamic sampling"): groups whose trained rewards are all equal
+    # (no learning signal) are dropped, and further rounds of over_sampling_batch_size prompts are generated until
+    # rollout_batch_size groups with signal are collected, or max_filter_rounds rounds were generated (then the batch
+    # is filled with dropped groups, and a warning says so).
+    filter_groups: bool = False
+    over_sampling_batch_size: Optional[int] = None  # prompts per generation round; None: rollout_batch_size
+    max_filter_rounds: int = 4  # generation rounds of one rollout batch at most (>= 1)
     eval_n_samples_per_prompt: int = 1  # n: responses to each eval prompt
     eval_temperature: float = 0.0  # 0 means greedy in evaluation only
     eval_top_p: float = 1.0  # nucleus sampling in evaluation (needs eval_temperature > 0); top_k is off there
@@ -147,7 +154,9 @@ class TrainConfig:
     save_dir: Optional[str] = None
     save: bool = True
     keep_checkpoints: int = 2  # committed checkpoints kept in save_dir (>= 1); older ones are removed
-    save_hf: bool = False  # megatron: each checkpoint also holds the policy as a Hugging Face directory (hf/)
+    # the final policy as a Hugging Face directory: at the end of the run the final checkpoint is exported (as
+    # relax-export does) to <save_dir>/hf, either backend; megatron also writes hf/ into every checkpoint
+    save_hf: bool = False
     resume: Optional[str] = None  # auto (latest in save_dir, fresh if none) | a checkpoint directory
     # Evaluate every N steps and after the last step (docs/training.md, "Evaluation"); 0: no evaluation.
     eval_interval: int = 0
@@ -211,6 +220,8 @@ class TrackingConfig:
     # driver's machine, sampled every system_metrics_interval_s seconds (and once at the end) into the run
     system_metrics: bool = True
     system_metrics_interval_s: float = 10.0
+    # the final policy as an MLflow model (mlflow.transformers flavor, from the train.save_hf export) in the run
+    log_model: bool = False
 
 
 @dataclass(frozen=True)

@@ -482,9 +482,39 @@ def _overlong(cfg: RelaxConfig, r: _Rules) -> None:
               "penalty); set data.overlong_buffer_len")
 
 
+def _dynamic_sampling(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
+    """DAPO's dynamic sampling (rollout.filter_groups, over_sampling_batch_size, max_filter_rounds; docs/training.md,
+    "Dynamic sampling")."""
+    ro = cfg.rollout
+    if not ro.filter_groups:
+        for key in ("over_sampling_batch_size", "max_filter_rounds"):
+            r.require(not _changed(ro, key), (f"rollout.{key}", "rollout.filter_groups"),
+                      f"rollout.{key}={getattr(ro, key)} has no effect without rollout.filter_groups=true")
+        return
+    r.require(algo.group_relative, "rollout.filter_groups",
+              f"algorithm={algo.name}: rollout.filter_groups=true is not supported: it drops groups whose rewards are "
+              f"all equal because a group baseline gives them no advantage, but {algo.name}'s advantages do not come "
+              "from a group baseline (such groups still carry a learning signal)")
+    over = ro.over_sampling_batch_size
+    r.require(over is not None and over >= ro.rollout_batch_size,
+              ("rollout.over_sampling_batch_size", "rollout.rollout_batch_size"),
+              f"rollout.over_sampling_batch_size={over} must be >= rollout.rollout_batch_size={ro.rollout_batch_size}: "
+              "each generation round draws that many prompts, and the first round must be able to fill the batch")
+    r.require(ro.max_filter_rounds >= 1, "rollout.max_filter_rounds",
+              f"rollout.max_filter_rounds={ro.max_filter_rounds} must be >= 1 (generation rounds per rollout batch)")
+
+
 def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
-    """MLflow system metrics (tracking.system_metrics, tracking.system_metrics_interval_s; docs/experiments.md)."""
+    """MLflow system metrics (tracking.system_metrics, tracking.system_metrics_interval_s; docs/experiments.md) and
+    the final policy as an MLflow model (tracking.log_model; docs/training.md, "Exporting a checkpoint")."""
     tr = cfg.tracking
+    if tr.log_model:
+        r.require(tr.enabled, ("tracking.log_model", "tracking.enabled"),
+                  "tracking.log_model=true has no effect with tracking.enabled=false: the model is logged into the "
+                  "run's MLflow run")
+        r.require(cfg.train.save_hf, ("tracking.log_model", "train.save_hf"),
+                  "tracking.log_model=true logs the Hugging Face directory that train.save_hf=true exports at the end "
+                  "of the run: set train.save_hf=true too")
     interval = tr.system_metrics_interval_s
     r.require(math.isfinite(interval) and interval > 0, "tracking.system_metrics_interval_s",
               f"tracking.system_metrics_interval_s={interval} must be a number of seconds > 0")
@@ -549,8 +579,6 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
            "train.lr_schedule=constant never decays (use cosine or linear)")
     unused(t, "train", ("save_interval", "keep_checkpoints", "save_hf"), not t.save,
            "train.save=false writes no checkpoint")
-    unused(t, "train", ("save_hf",), t.backend == "torch",
-           "the torch backend's checkpoints hold the policy as a Hugging Face directory already (policy/)")
     unused(t, "train", ("save_dir",), not t.save and t.resume is None,
            "train.save=false writes no checkpoint and train.resume is unset")
 
@@ -607,6 +635,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _unused_in_context(cfg, r)
     _evaluation(cfg, r)
     _overlong(cfg, r)
+    _dynamic_sampling(cfg, algo, r)
     _tracking(cfg, r)
     _sglang(cfg, r)
     _not_built(cfg, r)

@@ -358,12 +358,15 @@ class PromptSampler:
             self._order_epoch = self.epoch
         return self._order
 
-    def next_batch(self) -> list[Any]:
-        """The next `batch_size` items, advancing (epoch, position)."""
-        batch = []
-        while len(batch) < self.batch_size:
+    def next_batch(self, size: Optional[int] = None) -> list[Any]:
+        """The next `size` items (None: `batch_size`), advancing (epoch, position)."""
+        size = self.batch_size if size is None else size
+        if size <= 0:
+            raise ValueError(f"PromptSampler.next_batch: size must be > 0, got {size}")
+        batch: list[Any] = []
+        while len(batch) < size:
             order = self._current_order()
-            take = min(self.batch_size - len(batch), len(order) - self.position)
+            take = min(size - len(batch), len(order) - self.position)
             batch.extend(self.dataset[i] for i in order[self.position:self.position + take])
             self.position += take
             if self.position >= len(order):

@@ -258,6 +258,10 @@ class RewardWorkers:
         self._workers: list[_Worker] = []
 
     def _fill(self, n: int) -> None:
+        # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
+        # a rollout stream's pump is gone once that stream closes, and is replaced here, before its next call.
+        for w in [w for w in self._workers if w.process.poll() is not None]:
+            self._replace(w)
         while len(self._workers) < min(self.processes, n):
             self._workers.append(_Worker(self.fn_bytes))
 

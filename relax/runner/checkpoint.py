@@ -75,6 +75,8 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "train.save_interval",
     "train.save_dir",
     "train.keep_checkpoints",
+    "train.save_hf",  # what the run writes besides its checkpoints: the final export, the MLflow model
+    "tracking.log_model",
     "tracking.progress",
     "tracking.parent_run_id",
     "tracking.sweep_id",

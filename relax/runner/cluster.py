@@ -373,7 +373,8 @@ class Cluster:
         if rollout is not None:
             checkpoint.write_rollout_state(staging, rollout)
         calls = [(self.actor.save.remote(str(staging / "policy")), self.actor_process)]
-        if self.cfg.train.save_hf:  # the Megatron policy as a Hugging Face directory too
+        if self.cfg.train.save_hf and self.cfg.train.backend == "megatron":
+            # the Megatron policy as a Hugging Face directory too (the torch backend's policy/ is one already)
             calls.append((self.actor.save_hf.remote(str(staging / "hf")), self.actor_process))
         if self.critic is not None:
             calls.append((self.critic.save.remote(str(staging / "critic")), "critic"))

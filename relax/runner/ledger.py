@@ -2,9 +2,12 @@
 
 Sample ids are unique over a run (`relax.runner.rollout_stream.sample_ids`: prompt draw index * G + j). Each step
 adds one entry: the ids of its rollout, split into those it trained and those it left out (groups with a failed
-reward call). An entry is one JSON line, its ids written as sorted ranges `[start, stop)`:
+reward call), and, with dynamic sampling (`rollout.filter_groups`), the ids generated for the step but set aside (not
+in its batch). An entry is one JSON line, its ids written as sorted ranges `[start, stop)` ("set_aside" only when
+there are some):
 
     {"step":3,"trained":[[48,56],[60,64]],"left_out":[[56,60]]}
+    {"step":4,"trained":[[64,72]],"left_out":[],"set_aside":[[72,80]]}
 
 so that a step's line stays short however large its batch (its ids are one or a few runs of consecutive numbers).
 A duplicate id inside a step is kept (as a second range over the same id), so that the checks still see it.
@@ -53,19 +56,25 @@ def count(ranges: Ranges) -> int:
 
 @dataclass(frozen=True)
 class Entry:
-    """The samples of one step: trained, and left out of the loss (their group had a failed reward call)."""
+    """The samples of one step: trained, and left out of the loss (their group had a failed reward call); and those
+    generated for it but set aside by dynamic sampling (not part of its batch, not counted in `size`)."""
 
     step: int
     trained: Ranges
     left_out: Ranges
+    set_aside: Ranges = ()
 
     @property
     def size(self) -> int:
+        """The samples of the step's batch."""
         return count(self.trained) + count(self.left_out)
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "trained": [list(r) for r in self.trained],
-                           "left_out": [list(r) for r in self.left_out]}, separators=(",", ":"))
+        obj = {"step": self.step, "trained": [list(r) for r in self.trained],
+               "left_out": [list(r) for r in self.left_out]}
+        if self.set_aside:
+            obj["set_aside"] = [list(r) for r in self.set_aside]
+        return json.dumps(obj, separators=(",", ":"))
 
 
 def _ranges(value: Any, where: str, name: str) -> Ranges:
@@ -79,6 +88,14 @@ def _ranges(value: Any, where: str, name: str) -> Ranges:
     return tuple(out)
 
 
+def _list(values: Any) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def _ints(values: Any) -> list[int]:
+    return [int(i) for i in _list(values)]
+
+
 class Ledger:
     """The entries of a run in the order they were added (a step added twice stays twice: the checks report it)."""
 
@@ -88,14 +105,15 @@ class Ledger:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def add(self, step: int, sample_ids: Any, kept: Any) -> Entry:
-        """Record step `step`: `sample_ids` [N] (a LongTensor or ints) and `kept` [N] (bool: trained)."""
-        ids = [int(i) for i in sample_ids.tolist()] if hasattr(sample_ids, "tolist") else [int(i) for i in sample_ids]
-        keep = [bool(k) for k in kept.tolist()] if hasattr(kept, "tolist") else [bool(k) for k in kept]
+    def add(self, step: int, sample_ids: Any, kept: Any, set_aside: Any = None) -> Entry:
+        """Record step `step`: `sample_ids` [N] (a LongTensor or ints) and `kept` [N] (bool: trained); `set_aside`:
+        ids generated for the step and not in its batch (dynamic sampling; None: none)."""
+        ids, keep = _ints(sample_ids), [bool(k) for k in _list(kept)]
         if len(ids) != len(keep):
             raise ValueError(f"step {step}: {len(ids)} sample ids but {len(keep)} kept flags")
         entry = Entry(int(step), to_ranges(i for i, k in zip(ids, keep, strict=True) if k),
-                      to_ranges(i for i, k in zip(ids, keep, strict=True) if not k))
+                      to_ranges(i for i, k in zip(ids, keep, strict=True) if not k),
+                      to_ranges(_ints(set_aside)) if set_aside is not None else ())
         self.entries.append(entry)
         return entry
 
@@ -131,7 +149,8 @@ class Ledger:
             if not isinstance(obj, dict) or type(obj.get("step")) is not int or obj["step"] < 0:
                 raise LedgerError(f"{where}: not an entry (a JSON object with an integer 'step' >= 0)")
             entries.append(Entry(obj["step"], _ranges(obj.get("trained"), where, "trained"),
-                                 _ranges(obj.get("left_out"), where, "left_out")))
+                                 _ranges(obj.get("left_out"), where, "left_out"),
+                                 _ranges(obj.get("set_aside", []), where, "set_aside")))
         return cls(entries)
 
     def write(self, path: Path) -> None:
@@ -209,8 +228,8 @@ def check_steps(steps: Sequence[int], n: int, what: str) -> list[str]:
 
 
 def check_samples(ledger: Ledger, per_step: int | None = None) -> list[str]:
-    """No sample id in two places (two steps, or twice in one step, trained or left out), and each step with
-    `per_step` samples (None: not checked). The violations, as text."""
+    """No sample id in two places (two steps, or twice in one step, trained, left out or set aside), and each step
+    with `per_step` samples in its batch (None: not checked). The violations, as text."""
     problems: list[str] = []
     if per_step is not None:
         for e in ledger.entries:
@@ -218,7 +237,8 @@ def check_samples(ledger: Ledger, per_step: int | None = None) -> list[str]:
                 problems.append(f"step {e.step} has {e.size} samples ({count(e.trained)} trained, "
                                 f"{count(e.left_out)} left out), expected {per_step}")
     spans = sorted((a, b, e.step, kind) for e in ledger.entries
-                   for kind, ranges in (("trained", e.trained), ("left out", e.left_out)) for a, b in ranges)
+                   for kind, ranges in (("trained", e.trained), ("left out", e.left_out), ("set aside", e.set_aside))
+                   for a, b in ranges)
     overlaps: list[str] = []
     reach, owner = -1, None
     for a, b, step, kind in spans:

@@ -16,6 +16,11 @@ from relax.metrics import (
     EVAL_RESPONSE_LEN,
     EVAL_REWARD_ERRORS,
     EVAL_TRUNCATED_FRAC,
+    FILTER_FILLED_GROUPS,
+    FILTER_GENERATED_RATIO,
+    FILTER_ROUNDS,
+    FILTERED_GROUP_FRAC,
+    GENERATED_REWARD,
     OVERLONG_PENALIZED_FRAC,
     OVERLONG_PENALTY,
     PARTIAL_FRAC,
@@ -34,6 +39,7 @@ from relax.metrics import (
     eval_metric,
 )
 from relax.rewards.registry import Scores
+from relax.runner.scoring import FilterStats
 from relax.tracking.progress import format_number
 
 
@@ -63,6 +69,16 @@ def overlong_metrics(penalty: torch.Tensor, kept: torch.Tensor) -> dict[str, flo
         return {OVERLONG_PENALTY: float("nan"), OVERLONG_PENALIZED_FRAC: float("nan")}
     p = penalty[kept]
     return {OVERLONG_PENALTY: float(p.mean()), OVERLONG_PENALIZED_FRAC: float((p < 0).float().mean())}
+
+
+def filter_metrics(stats: FilterStats, batch_groups: int) -> dict[str, float]:
+    """Dynamic sampling's share of groups without a signal, rounds, groups filled in without one and the samples
+    generated per sample trained, for a batch of `batch_groups` groups built as `stats` says."""
+    return {FILTERED_GROUP_FRAC: stats.no_signal_groups / max(stats.generated_groups, 1),
+            FILTER_ROUNDS: float(stats.rounds),
+            FILTER_FILLED_GROUPS: float(stats.filled_groups),
+            FILTER_GENERATED_RATIO: stats.generated_groups / max(batch_groups, 1),
+            GENERATED_REWARD: stats.generated_reward}
 
 
 def truncated_masked_metrics(kept: torch.Tensor, trained: torch.Tensor) -> dict[str, float]:

@@ -101,6 +101,13 @@ class Session:
     `ledger.jsonl`, rewritten whole before each checkpoint and at the end of the run (also a failed or stopped one),
     so that the ledger of any checkpoint is a prefix of the run's. A resumed run continues the ledger of its
     checkpoint (cut to the steps before it) and rewrites the same artifact.
+
+    The end of the run (`finish`), with `train.save_hf=true`: the final checkpoint (that of step `train.num_rollout`,
+    committed by this job or the one it resumed) is exported as a Hugging Face model directory to `<save_dir>/hf`
+    (`relax.runner.export`, as `relax-export` does; an earlier export there is replaced), the run's tag `relax.hf_dir`
+    names it; with `tracking.log_model=true` that directory is then logged into the MLflow run as a model
+    (`relax.tracking.model`, tag `relax.model_uri`). A failed export or log stops the run with a RunError that names
+    the (intact) checkpoint or directory and the command that does it again.
     """
 
     def __init__(self, cfg: RelaxConfig, plan: Plan, output_dir: Path, dictconfig=None,
@@ -128,6 +135,12 @@ class Session:
             if saved is not None:
                 self.ledger = saved.truncate(self.start_step)
         self._ledger_logged: int | None = None  # entries in the MLflow artifact (None: not written by this job)
+        # the checkpoint of the last step (train.save_hf exports it): committed by save_checkpoint, or resumed from
+        self.final_checkpoint: Path | None = None
+        if self.resume is not None and self.resume.step >= cfg.train.num_rollout:
+            self.final_checkpoint = self.resume.path
+        self.hf_dir: Path | None = None  # where train.save_hf exported it
+        self.model_uri: str | None = None  # the MLflow model of tracking.log_model
         if checkpoints is not None:
             checkpoints.attachments[LEDGER_FILE] = lambda step: self.ledger.before(step).dumps()
 
@@ -234,12 +247,13 @@ class Session:
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
 
-    def record_samples(self, step: int, sample_ids, kept) -> None:
-        """Add step `step` to the sample ledger: its rollout's `sample_ids` ([N] LongTensor, unique over the run) and
-        `kept` ([N] bool: the samples it trained; the others were left out with their group)."""
+    def record_samples(self, step: int, sample_ids, kept, set_aside=None) -> None:
+        """Add step `step` to the sample ledger: its rollout's `sample_ids` ([N] LongTensor, unique over the run),
+        `kept` ([N] bool: the samples it trained; the others were left out with their group) and `set_aside` (ids
+        generated for it that dynamic sampling left out of its batch; None: none)."""
         if sample_ids is None:
             raise RunError(f"step {step}: the rollout's samples carry no sample ids, so the ledger cannot record them")
-        self.ledger.add(step, sample_ids, kept)
+        self.ledger.add(step, sample_ids, kept, set_aside)
 
     def log_datasets(self, train_set: PromptDataset, eval_sets: Mapping[str, PromptDataset] | None = None) -> None:
         """Record the run's prompt sets as MLflow dataset inputs (`relax.tracking.inputs`): `train_set` under
@@ -286,11 +300,15 @@ class Session:
                  "tracker": {"nonfinite_counts": dict(self.tracker.nonfinite_counts)},
                  FAILURES_STATE: self.checkpoint_failures}
         try:
-            return cluster.save(self.checkpoints, step, state, rollout)
+            path = cluster.save(self.checkpoints, step, state, rollout)
         except Exception as exc:  # a role's write (on Ray: the cause of a RayTaskError) or the driver's
             error = os_write_error(exc)
             if error is None:
                 raise
+        else:
+            if step >= self.cfg.train.num_rollout:
+                self.final_checkpoint = path
+            return path
         self._not_written(step, error)
         return None
 
@@ -323,15 +341,66 @@ class Session:
             self.history[-1][1][FAULT_CHECKPOINT_FAILURES] = float(self.checkpoint_failures)
         message = (f"relax-train: warning: {what}; training goes on (train.save_failures=continue), the next "
                    f"checkpoint tries again; latest committed checkpoint: {kept or 'none'}")
+        self._say(message)
+
+    def _say(self, message: str) -> None:
+        """A line on stderr whether or not the progress line is on (below it when it is)."""
         if self.progress.enabled:
             self.progress.write(message)
         else:
             print(message, file=sys.stderr, flush=True)
 
+    def export_final(self) -> None:
+        """train.save_hf=true: the final checkpoint as a Hugging Face directory, `<save_dir>/hf` (replaced if there),
+        then, with tracking.log_model=true, that directory as an MLflow model of the run (see the class docstring).
+        RunError when the final checkpoint was not written or the export or the log fails."""
+        from relax.runner.checkpoint import latest
+        from relax.runner.export import RUN_EXPORT_DIR, ExportRefused, export_checkpoint
+        from relax.tracking.model import HF_DIR_TAG
+
+        cfg = self.cfg
+        if not cfg.train.save_hf or self.checkpoints is None:
+            return
+        out = self.checkpoints.save_dir / RUN_EXPORT_DIR
+        ckpt = self.final_checkpoint
+        if ckpt is None:  # its write failed (train.save_failures=continue)
+            kept = latest(self.checkpoints.save_dir)
+            then = (f"the latest committed checkpoint is {kept} (of an earlier step; `relax-export {kept} {out} "
+                    "--force` exports it)" if kept is not None else "no checkpoint was committed")
+            raise RunError(f"train.save_hf=true: the checkpoint of the final step ({cfg.train.num_rollout}) was not "
+                           f"written, so the final policy could not be exported to {out}; {then}")
+        try:
+            result = export_checkpoint(ckpt, out, force=True)
+        except (ExportRefused, OSError) as exc:
+            raise RunError(f"train.save_hf=true: exporting the final checkpoint {ckpt} to {out} failed: {exc}. The "
+                           f"checkpoint is committed and unchanged; export it again with `relax-export {ckpt} {out} "
+                           "--force`") from None
+        self.hf_dir = out
+        self.tracker.set_tags({HF_DIR_TAG: str(out)})
+        self._say(f"final policy (step {result.step}, {ckpt.name}) exported as a Hugging Face model to {out}")
+        if cfg.tracking.log_model:
+            self._log_model(result.out_dir, result.step, result.checkpoint)
+
+    def _log_model(self, hf_dir: Path, step: int, ckpt: Path) -> None:
+        from relax.tracking.model import MODEL_URI_TAG, log_hf_model, retry_command
+
+        run_id = self.tracker.run_id
+        try:
+            self.model_uri = log_hf_model(self.tracker.client, run_id, hf_dir, step=step, checkpoint=str(ckpt))
+        except Exception as exc:
+            detail = (str(exc).strip().splitlines() or [""])[0]
+            raise RunError(f"tracking.log_model=true: the final policy, exported to {hf_dir}, could not be logged "
+                           f"into MLflow run {run_id} as a model ({type(exc).__name__}: {detail}). Once the store "
+                           f"takes it, log it with `{retry_command(hf_dir, run_id, self.tracker.uri)}`") from None
+        self.tracker.set_tags({MODEL_URI_TAG: self.model_uri})
+        self._say(f"logged into MLflow run {run_id} as the model {self.model_uri} (mlflow.transformers)")
+
     def finish(self) -> RunResult:
-        """Flush tracking, write the ledger and print the summary (final = mean reward of the last 10 steps)."""
+        """Flush tracking, write the ledger, export the final policy (train.save_hf) and print the summary (final =
+        mean reward of the last 10 steps)."""
         self.tracker.flush()
         self.log_ledger()
+        self.export_final()
         k = min(10, len(self.rewards)) or 1
         final = sum(self.rewards[-k:]) / k if self.rewards else float("nan")
         first = sum(self.rewards[:k]) / k if self.rewards else float("nan")
@@ -340,6 +409,10 @@ class Session:
                  "wall time": f"{time.perf_counter() - self.t0:.0f} s", "outputs": str(self.output_dir)}
         if self.checkpoint_failures:  # train.save_failures=continue
             extra["checkpoints not written"] = self.checkpoint_failures
+        if self.hf_dir is not None:
+            extra["HF model"] = str(self.hf_dir)
+        if self.model_uri is not None:
+            extra["MLflow model"] = self.model_uri
         extra.update(final_eval_summary(self.history))
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)

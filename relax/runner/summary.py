@@ -26,12 +26,14 @@ def config_summary(cfg: RelaxConfig) -> str:
     model = m.path or m.name
     shaping = (f", overlong_buffer_len={d.overlong_buffer_len}, overlong_penalty_factor={d.overlong_penalty_factor}"
                if d.overlong_buffer_len else "")
+    filtering = (f", filter_groups (rounds of {ro.over_sampling_batch_size} prompts, at most {ro.max_filter_rounds})"
+                 if ro.filter_groups else "")
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",
         f"data       {d.name} (reward={d.reward}{shaping})",
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
-        f"max_response_len={ro.max_response_len}, temperature={ro.temperature}",
+        f"max_response_len={ro.max_response_len}, temperature={ro.temperature}{filtering}",
         f"train      {t.backend}: {t.num_rollout} rollouts, global_batch_size={t.global_batch_size}, "
         f"micro_batch_size={t.micro_batch_size}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
         f"per_token_loss={t.calculate_per_token_loss}, mode={t.mode}",

@@ -42,13 +42,12 @@ from relax.metrics import (
     TRAIN_TIME,
     VALUE_LOSS,
 )
-from relax.rewards.registry import Scores
-from relax.rewards.shaping import overlong_penalty
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.metrics import (
     eval_metrics,
+    filter_metrics,
     latest_version_mask,
     overlong_metrics,
     rollout_metrics,
@@ -60,6 +59,7 @@ from relax.runner.plan import Plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.restarts import Restarts
 from relax.runner.rollout_stream import RolloutStream
+from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards
 from relax.runner.session import RunResult, Session
 
 if TYPE_CHECKING:
@@ -115,19 +115,14 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
                          pp=cfg.train.pipeline_parallel_size)
 
 
-def _score(cfg: RelaxConfig, tokenizer, reward_fn, samples: Samples, items: list, n: int) -> Scores:
-    """Decode the responses and score them against their prompt's label; `data.reward_error=raise` stops the run
-    at the first failing call, with its traceback."""
-    from relax.rewards.registry import score_responses
-
-    texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-             for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
-    labels = [item.label for item in items for _ in range(n)]
-    prompts = [item.prompt_text for item in items for _ in range(n)]
-    scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
-    if scores.first_error is not None and cfg.data.reward_error == "raise":
-        raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
-    return scores
+def filter_note(cfg: RelaxConfig, step: int, stats: FilterStats, batch_groups: int) -> str | None:
+    """The warning of a step whose dynamic sampling reached `rollout.max_filter_rounds` with too few groups carrying
+    a learning signal (its batch filled with groups without one); None when the batch was filled with signal."""
+    if not stats.filled_groups:
+        return None
+    return (f"step {step}: only {batch_groups - stats.filled_groups} of {batch_groups} groups carry a learning signal "
+            f"after rollout.max_filter_rounds={cfg.rollout.max_filter_rounds} rounds; the batch is filled with "
+            f"{stats.filled_groups} group(s) without one")
 
 
 def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int) -> torch.Tensor | None:
@@ -148,25 +143,6 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
     if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.kl_coef != 0:
         return cluster.actor_logprobs(samples, step)
     return None
-
-
-def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
-    """[N] bool: the responses of groups in which every reward call succeeded. A group with a failed call is left
-    out whole (its statistics would compare real rewards with a placeholder)."""
-    bad = torch.tensor(failed, dtype=torch.bool).view(-1, group_size).any(-1)
-    return (~bad).repeat_interleave(group_size)
-
-
-def overlong_penalties(cfg: RelaxConfig, samples: Samples) -> torch.Tensor | None:
-    """[N] DAPO's overlong penalty of each response (`relax.rewards.shaping.overlong_penalty` with
-    `data.overlong_buffer_len` and `data.overlong_penalty_factor`) by its tokens, the stop token included; None when
-    `data.overlong_buffer_len=0`."""
-    d = cfg.data
-    if d.overlong_buffer_len == 0:
-        return None
-    lengths = samples.response_mask.sum(1).tolist()
-    return torch.tensor([overlong_penalty(int(n), cfg.rollout.max_response_len, d.overlong_buffer_len,
-                                          d.overlong_penalty_factor) for n in lengths], dtype=torch.float32)
 
 
 def loss_rows(cfg: RelaxConfig, samples: Samples, keep: torch.Tensor) -> torch.Tensor:
@@ -321,7 +297,7 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
             session.tracker.set_tags(tag)
         start_step = session.start_step
         stream = RolloutStream(cfg, cluster, sampler.next_batch, start_step=start_step,
-                               pad_token_id=info.pad_token_id)
+                               pad_token_id=info.pad_token_id, scorer=Scorer(cfg, tokenizer, reward_fn))
         if checkpoints.resume is not None:
             sampler.load_state_dict(cluster.load(checkpoints.resume.path)["sampler"])
             saved = checkpoint.read_rollout_state(checkpoints.resume.path)
@@ -336,21 +312,25 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
                 restarts.step = preemption.step = step
                 t0 = time.perf_counter()
                 metrics: dict[str, float] = {}
-                # 1. the rollout of this step (generated by the stream, as far ahead as the mode allows)
+                # 1. the rollout of this step, scored (generated by the stream, as far ahead as the mode allows; with
+                # dynamic sampling, in as many rounds as it took to fill the batch with groups that carry a signal)
                 with _refusing_broken_weights(step):
                     job, samples, waited = stream.take(step)
                 t_rollout = time.perf_counter()
                 metrics.update(staleness_metrics(samples, step, cfg.train.max_staleness))
+                if job.filter is not None:
+                    metrics.update(filter_metrics(job.filter, len(job.items)))
+                    if note := filter_note(cfg, step, job.filter, len(job.items)):
+                        session.note(note)
                 # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
-                scores = _score(cfg, tokenizer, reward_fn, samples, job.items, G)
-                rewards = torch.tensor(scores.rewards, dtype=torch.float32)
+                scores = job.scores
                 keep = kept_groups(scores.failed, G)
-                metrics.update(rollout_metrics(samples, rewards, keep, scores.errors))
+                metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
+                                               scores.errors))
                 metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
                 # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
-                penalty = overlong_penalties(cfg, samples)
+                rewards, penalty = trained_rewards(cfg, samples, scores)
                 if penalty is not None:
-                    rewards = rewards + penalty
                     metrics.update(overlong_metrics(penalty, keep))
                 trained = loss_rows(cfg, samples, keep)  # keep, less truncated responses (algorithm.mask_truncated)
                 if cfg.algorithm.mask_truncated:
@@ -394,7 +374,7 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
                     TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
                 })
                 session.log(metrics, step)
-                session.record_samples(step, samples.sample_id, keep)
+                session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
                 skipped.check(step, metrics, checkpoints)  # stops before a checkpoint of this step is written
                 last = step + 1 == cfg.train.num_rollout
                 interval = cfg.train.save_interval
@@ -456,7 +436,7 @@ def _evaluate(cfg: RelaxConfig, cluster: Cluster, stream: RolloutStream, tokeniz
                                                seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True)
     out: dict[str, float] = {}
     for name, items in eval_sets.items():
-        scores = _score(cfg, tokenizer, reward_fn, generated[name], list(items), n)
+        scores = score(cfg, tokenizer, reward_fn, generated[name], list(items), n)
         out.update(eval_metrics(name, generated[name], scores, n=n, pass_k=ks,
                                 threshold=cfg.train.eval_correct_threshold))
     return out

@@ -34,3 +34,26 @@ def test_an_unpicklable_function_is_refused_with_the_way_out():
     with pytest.raises(RewardSpecError, match=r"data\.reward_timeout_s=null"):
         RewardWorkers(lambda r, label: 1.0)
     assert score_responses(lambda r, label: 1.0, ["a"], ["b"]).rewards == [1.0]  # no limit: called in the driver
+
+
+def test_workers_started_by_a_thread_that_ended_are_replaced_before_the_next_call():
+    """The rollout stream scores in its pump thread; the workers it starts die with that thread (PR_SET_PDEATHSIG
+    follows the parent thread). The next call, from any thread, gets new workers: no call fails for it."""
+    import threading
+
+    from relax.rewards import registry
+
+    fn = get_reward_fn("fault_rewards:raises")
+    if registry._POOL is not None:
+        registry._POOL.close()  # workers of earlier tests were started by this thread: start anew in the other
+    first: list = []
+    pump = threading.Thread(target=lambda: first.append(score_responses(fn, ["ab"] * 2, ["a"] * 2, timeout_s=5)))
+    pump.start()
+    pump.join()
+    assert first[0].failed == [False, False]
+    deadline = time.monotonic() + 10
+    while all(w.process.poll() is None for w in registry._POOL._workers) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel delivers the parent-death signal (to the workers that had started)
+    assert any(w.process.poll() is not None for w in registry._POOL._workers)
+    again = score_responses(fn, ["ab", "cd", "ef"], ["a", "c", "x"], timeout_s=5)
+    assert again.failed == [False] * 3 and again.rewards == [1.0, 1.0, 0.0]

@@ -105,6 +105,20 @@ def test_a_sample_twice_in_one_step_or_trained_after_being_left_out_fails():
     assert check_samples(ledger) == ["sample ids 20..23 used twice: left out at step 1 and trained at step 2"]
 
 
+def test_samples_set_aside_by_dynamic_sampling_are_recorded_and_never_trained_elsewhere():
+    ledger = good_ledger(1)
+    ledger.add(1, torch.arange(16, 32), torch.ones(16, dtype=torch.bool), set_aside=torch.arange(32, 40))
+    text = ledger.dumps()
+    assert text.splitlines()[1] == '{"step":1,"trained":[[16,32]],"left_out":[],"set_aside":[[32,40]]}'
+    assert '"set_aside"' not in text.splitlines()[0]  # written only when there are some
+    again = Ledger.loads(text)
+    assert again.entries == ledger.entries and again.entries[1].size == PER_STEP  # not part of the batch
+    assert check_samples(again, PER_STEP) == []
+    again.add(2, torch.arange(36, 52), torch.ones(16, dtype=torch.bool))  # 36..39 were set aside at step 1
+    assert check_samples(again, PER_STEP) == ["sample ids 36..39 used twice: set aside at step 1 and trained at "
+                                              "step 2"]
+
+
 def test_a_missing_or_repeated_step_and_a_wrong_batch_fail():
     ledger = good_ledger(4)
     ledger.entries.pop(2)

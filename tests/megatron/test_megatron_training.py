@@ -7,6 +7,7 @@ of their version) against the torch backend on the same config: the same start g
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -50,3 +51,8 @@ def test_megatron_tp2_trains_through_ray_like_the_torch_backend(tmp_path):
     assert (tmp_path / "mega" / "step_000003" / "policy").is_dir()
     ids = torch.tensor([[3, 4, 5, 6]])
     assert torch.isfinite(model(ids).logits).all()
+    # at the end of the run (train.save_hf=true) the final checkpoint's hf/ is exported to <save_dir>/hf as it is
+    export = tmp_path / "mega" / "hf"
+    assert json.loads((export / "relax_export.json").read_text())["weights_from"] == "hf/"
+    exported = AutoModelForCausalLM.from_pretrained(str(export), local_files_only=True).state_dict()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in model.state_dict().items())

@@ -13,7 +13,8 @@ import torch
 from relax import algorithms
 from relax.backends.batch import Samples
 from relax.config import load_config
-from relax.runner.train import loss_rows, overlong_penalties, train_batch
+from relax.runner.scoring import overlong_penalties
+from relax.runner.train import loss_rows, train_batch
 
 G, T = 4, 4
 # two groups of G responses, max_response_len = T: lengths in tokens (the stop token included) and finish reasons

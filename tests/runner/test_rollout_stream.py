@@ -97,11 +97,11 @@ class Prompts:
     def __init__(self):
         self.drawn = 0
 
-    def __call__(self):
+    def __call__(self, n: int = 2):
         from relax.data.datasets import PromptItem
 
         self.drawn += 1
-        return [PromptItem([self.drawn, i + 1], "label", "text", i) for i in range(2)]
+        return [PromptItem([self.drawn, i + 1], "label", "text", i) for i in range(n)]
 
 
 def config(mode: str, staleness: int | None = None, *, partial: bool = False, interval: int = 1, steps: int = 8,

@@ -116,7 +116,7 @@ def test_reward_error_raise_stops_with_the_traceback(ray_local, small_run, tmp_p
 
 
 def test_a_failed_call_leaves_out_its_whole_group():
-    from relax.runner.train import kept_groups
+    from relax.runner.scoring import kept_groups
 
     keep = kept_groups([False, False, True, False, False, False], 2)
     assert keep.tolist() == [True, True, False, False, True, True]

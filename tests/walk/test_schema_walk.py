@@ -118,6 +118,8 @@ VALUES: dict[str, Any] = {
     "train.adam_beta2": 0.9,
     "train.max_skipped_steps": 1,
     "train.save_failures": "continue",
+    "rollout.over_sampling_batch_size": 3,  # derived (None: rollout_batch_size when filtering)
+    "rollout.max_filter_rounds": 1,  # one round: groups without a signal fill the batch instead of another round
 }
 # Evaluation after each step, with sampling: what evaluation's own fields act on.
 EVAL_CONTEXT = ["train.eval_interval=1", "data.num_eval_prompts=4", "rollout.eval_n_samples_per_prompt=2",
@@ -136,6 +138,12 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.kl_loss_coef": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "algorithm.kl_loss_type": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "data.overlong_penalty_factor": ["data.overlong_buffer_len=2"],  # the factor scales a penalty that is on
+    # the MLflow model of the directory train.save_hf exports at the end of the run (its tag relax.model_uri; the
+    # export itself, <save_dir>/hf, shows in the files of train.save_hf=true without a context)
+    "tracking.log_model": ["train.save_hf=true"],
+    "rollout.over_sampling_batch_size": ["rollout.filter_groups=true"],
+    # groups with a failed reward call carry no signal: most groups here, so rounds run to the limit
+    "rollout.max_filter_rounds": ["rollout.filter_groups=true", "data.reward=walk_reward:reward"],
 }
 # Fields whose effect is on resources, not on a run's records; each with the probe that observes it.
 PROBES = {

@@ -1,0 +1,194 @@
+"""A checkpoint's policy as a Hugging Face model directory: what `relax-export` and `train.save_hf=true` run.
+
+`export_checkpoint(source, out_dir)` finds the checkpoint `source` designates (a committed `step_NNNNNN/` or a save
+dir's latest, as `train.resume=auto` finds it), checks it before anything is read (`relax.runner.checkpoint.verify`:
+every file's size and SHA-256 against state.json), reads the run's model and sampling settings from its config.yaml,
+and writes the directory (`relax.backends.export.write_hf_directory`) next to `out_dir` first, renamed into place,
+so that a failed export leaves no half-written directory. `relax-export` (relax/cli/export.py) is its command line;
+a run with `train.save_hf=true` calls it on its final checkpoint (`relax.runner.session.Session.finish`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from relax.backends.export import Exported, ExportError, write_hf_directory
+from relax.config.schema import ModelConfig, RolloutConfig
+from relax.runner import checkpoint
+from relax.runner.errors import RunError
+
+RUN_EXPORT_DIR = "hf"  # train.save_hf=true: the final checkpoint's export, <save_dir>/hf
+
+
+class ExportRefused(Exception):
+    """Nothing was written: the checkpoint, the run's model files or OUT_DIR cannot be used (the message says which)."""
+
+
+@dataclass
+class ExportResult:
+    """A finished export: where from, where to, and what `relax.backends.export` wrote."""
+
+    checkpoint: Path
+    out_dir: Path
+    step: int
+    run_id: Optional[str]
+    algorithm: str
+    exported: Exported
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What an export needs of the run's resolved config (the checkpoint's config.yaml)."""
+
+    model: ModelConfig
+    rollout: RolloutConfig
+    algorithm: str
+    backend: str
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint `path` designates: itself (a `step_*` directory with state.json) or a save dir's latest."""
+    if not path.exists():
+        raise ExportRefused(f"{path} does not exist")
+    if not path.is_dir():
+        raise ExportRefused(f"{path} is not a directory (expected a checkpoint {checkpoint.PREFIX}NNNNNN/ or a save "
+                            "dir)")
+    if path.name.startswith((checkpoint.STAGING_PREFIX, checkpoint.REPLACED_PREFIX)):
+        raise ExportRefused(f"{path} is not a committed checkpoint: a save that never finished (or a checkpoint "
+                            f"being replaced or removed) leaves such a directory; export a committed "
+                            f"{checkpoint.PREFIX}NNNNNN/ directory or the save dir")
+    if (path / checkpoint.STATE).is_file():
+        return path
+    try:
+        found = checkpoint.latest(path, strict=True)
+    except RunError as e:
+        raise ExportRefused(_export_problem(e)) from None
+    if found is None:
+        raise ExportRefused(f"no checkpoint in {path} (expected {checkpoint.STATE} or committed "
+                            f"{checkpoint.PREFIX}NNNNNN/ directories)")
+    return found
+
+
+def _export_problem(error: RunError) -> str:
+    """A refused checkpoint's message (`relax.runner.checkpoint` words its own for a resume) worded for an export."""
+    if isinstance(error, checkpoint.CheckpointRefused):
+        return f"checkpoint {error.path} cannot be exported: {error.problem}"
+    return str(error)
+
+
+def _structured(cls: type, data: Any, where: str) -> Any:
+    """The dataclass `cls` from a config.yaml section, type-checked by OmegaConf. Keys `cls` does not know (a
+    checkpoint of another Relax version) are left out and missing keys take their defaults: an export needs only
+    the fields that find the tokenizer and the sampling settings."""
+    from omegaconf import OmegaConf
+
+    if not isinstance(data, dict):
+        raise ValueError(f"'{where}' is not a mapping")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kept = {}
+    for key, value in data.items():
+        if key in known:
+            nested = known[key].default_factory  # a nested config section (rollout.sglang)
+            kept[key] = (_structured(nested, value, f"{where}.{key}")
+                         if dataclasses.is_dataclass(nested) and isinstance(value, dict) else value)
+    return OmegaConf.to_object(OmegaConf.structured(cls(**kept)))  # validates and converts each value's type
+
+
+def read_run_settings(path: Path) -> RunSettings:
+    """The model, rollout, algorithm and backend of the run that wrote checkpoint `path`, from its config.yaml."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    file = path / checkpoint.CONFIG
+    if not file.is_file():
+        raise ExportRefused(f"{file} is missing: the checkpoint does not say which model and tokenizer it holds")
+    try:
+        node = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+        model = _structured(ModelConfig, node["model"], "model")
+        rollout = _structured(RolloutConfig, node["rollout"], "rollout")
+        algorithm, backend = str(node["algorithm"]["name"]), str(node["train"]["backend"])
+    except (OmegaConfBaseException, OSError, ValueError, TypeError, KeyError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportRefused(f"{file} cannot be read as a Relax config: {detail}") from None
+    return RunSettings(model=model, rollout=rollout, algorithm=algorithm, backend=backend)
+
+
+def _check_out_dir(out: Path, ckpt: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportRefused(f"OUT_DIR {out} exists and is not a directory")
+    real_out, real_ckpt = out.resolve(), ckpt.resolve()
+    if real_out == real_ckpt or real_out in real_ckpt.parents or real_ckpt in real_out.parents:
+        raise ExportRefused(f"OUT_DIR {out} overlaps the checkpoint {ckpt}; choose a directory outside it")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        entries = sorted(p.name for p in out.iterdir())
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ExportRefused(f"OUT_DIR {out} is not empty ({len(entries)} entries: {shown}); choose another "
+                            "directory or pass --force (relax-export) to replace its contents")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("relax")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = False,
+                      model_path: Optional[str] = None) -> ExportResult:
+    """Verify the checkpoint `source` designates and write its policy as a Hugging Face directory to `out_dir`.
+
+    `model_path`: where the run's model (`model.path`: an HF directory or a .gguf file) is on this machine, for
+    its tokenizer. Raises ExportRefused (nothing written) for a missing, unfinished, changed or unreadable
+    checkpoint, a model that is not there, or a non-empty `out_dir` without `force`; an OSError when a write fails
+    (nothing of the export is left then either).
+    """
+    from relax.data.tokenizer import ModelFileError, ModelPathError
+
+    ckpt = find_checkpoint(Path(source).expanduser())
+    out = Path(out_dir).expanduser()
+    _check_out_dir(out, ckpt, force)
+    try:
+        state = checkpoint.read_state(ckpt)
+        checkpoint.verify(ckpt, state)
+    except RunError as e:
+        raise ExportRefused(_export_problem(e)) from None
+    run = read_run_settings(ckpt)
+    model = run.model if model_path is None else dataclasses.replace(run.model, path=str(model_path))
+    info: dict[str, Any] = {
+        "checkpoint": str(ckpt.resolve()), "step": state["step"], "mlflow_run_id": state.get("mlflow_run_id"),
+        "lineage": state.get("lineage"), "algorithm": run.algorithm, "train_backend": run.backend,
+        "model": {"name": model.name, "source": model.source, "path": model.path},
+        "rollout": {"temperature": run.rollout.temperature, "top_p": run.rollout.top_p, "top_k": run.rollout.top_k,
+                    "max_response_len": run.rollout.max_response_len},
+        "relax_version": _version(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f"{checkpoint.STAGING_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        try:
+            exported = write_hf_directory(ckpt, staging, model, run.rollout, metadata=info)
+        except (ModelPathError, ModelFileError) as e:
+            hint = "" if model_path else (" (relax-export --model-path names where the run's model is on this "
+                                          "machine)")
+            raise ExportRefused(f"the run's tokenizer cannot be loaded: {e}{hint}") from None
+        except ExportError as e:
+            raise ExportRefused(str(e)) from None
+        if out.exists():
+            aside = out.parent / f"{checkpoint.REPLACED_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
+            out.rename(aside)
+            staging.rename(out)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(checkpoint=ckpt, out_dir=out, step=int(state["step"]), run_id=state.get("mlflow_run_id"),
+                        algorithm=run.algorithm, exported=exported)

@@ -1,0 +1,139 @@
+"""Rewards of a rollout batch, as the loop trains them: the task's reward calls, the groups they leave out, DAPO's
+overlong penalty, and which groups carry a learning signal (dynamic sampling, `rollout.filter_groups`).
+
+The rollout stream scores each batch as soon as it is generated (`Scorer.score`, in its pump thread), so rewards of
+the asynchronous modes are computed while the trainer trains, and dynamic sampling can decide whether to generate
+another round; evaluation scores its own responses with the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from relax.backends.batch import Samples
+from relax.config.schema import RelaxConfig
+from relax.rewards.registry import Scores
+from relax.rewards.shaping import overlong_penalty
+from relax.runner.errors import RunError
+
+
+def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, items: Sequence[Any], n: int) -> Scores:
+    """Decode the responses and score them against their prompt's label (`n` responses per item); with
+    `data.reward_error=raise` the first failing call stops the run, with its traceback."""
+    from relax.rewards.registry import score_responses
+
+    texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+             for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
+    labels = [item.label for item in items for _ in range(n)]
+    prompts = [item.prompt_text for item in items for _ in range(n)]
+    scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
+    if scores.first_error is not None and cfg.data.reward_error == "raise":
+        raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
+    return scores
+
+
+def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
+    """[N] bool: the responses of groups in which every reward call succeeded. A group with a failed call is left
+    out whole (its statistics would compare real rewards with a placeholder)."""
+    bad = torch.tensor(failed, dtype=torch.bool).view(-1, group_size).any(-1)
+    return (~bad).repeat_interleave(group_size)
+
+
+def overlong_penalties(cfg: RelaxConfig, samples: Samples) -> torch.Tensor | None:
+    """[N] DAPO's overlong penalty of each response (`relax.rewards.shaping.overlong_penalty` with
+    `data.overlong_buffer_len` and `data.overlong_penalty_factor`) by its tokens, the stop token included; None when
+    `data.overlong_buffer_len=0`."""
+    d = cfg.data
+    if d.overlong_buffer_len == 0:
+        return None
+    lengths = samples.response_mask.sum(1).tolist()
+    return torch.tensor([overlong_penalty(int(n), cfg.rollout.max_response_len, d.overlong_buffer_len,
+                                          d.overlong_penalty_factor) for n in lengths], dtype=torch.float32)
+
+
+def trained_rewards(cfg: RelaxConfig, samples: Samples, scores: Scores) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([N] the rewards the algorithm trains on: the task's plus the overlong penalty when on, the penalty or None)."""
+    rewards = torch.tensor(scores.rewards, dtype=torch.float32)
+    penalty = overlong_penalties(cfg, samples)
+    return (rewards if penalty is None else rewards + penalty), penalty
+
+
+def group_signal(rewards: torch.Tensor, failed: Sequence[bool], group_size: int) -> list[bool]:
+    """Per group: whether it carries a learning signal for a group baseline, i.e. every reward call succeeded and
+    its rewards are not all equal (an all-right or all-wrong group has zero advantage everywhere)."""
+    r = rewards.view(-1, group_size)
+    varied = r.amax(-1) > r.amin(-1)
+    ok = ~torch.tensor(list(failed), dtype=torch.bool).view(-1, group_size).any(-1)
+    return (varied & ok).tolist()
+
+
+def choose_groups(signal: Sequence[bool], target: int) -> tuple[list[int], int]:
+    """Dynamic sampling's choice among the groups generated for one batch, in draw order: the first `target` groups
+    with a signal; if there are fewer, the batch is filled with the first groups without one. Returns (the chosen
+    groups' indices, ascending; how many of them were filled in without a signal)."""
+    if len(signal) < target:
+        raise ValueError(f"choose_groups: {len(signal)} groups generated, fewer than the {target} needed")
+    with_signal = [g for g, s in enumerate(signal) if s][:target]
+    fill = [g for g, s in enumerate(signal) if not s][:target - len(with_signal)]
+    return sorted(with_signal + fill), len(fill)
+
+
+@dataclass
+class FilterStats:
+    """How dynamic sampling built one batch (`rollout.filter_groups`)."""
+
+    rounds: int  # generation rounds
+    generated_groups: int  # groups generated over the rounds
+    no_signal_groups: int  # of those, groups without a learning signal
+    filled_groups: int  # groups without a signal in the batch (too few with one after max_filter_rounds)
+    generated_reward: float  # mean task reward of every response generated over the rounds (NaN: none scored)
+
+
+def merge_scores(parts: Sequence[Scores]) -> Scores:
+    """The scores of several batches, one after the other."""
+    out = Scores()
+    for p in parts:
+        out.rewards.extend(p.rewards)
+        out.failed.extend(p.failed)
+        out.timeouts += p.timeouts
+        if out.first_error is None:
+            out.first_error = p.first_error
+    return out
+
+
+def mean_reward(scores: Scores) -> float:
+    """The mean of the rewards whose call succeeded (NaN if none did)."""
+    ok = [r for r, bad in zip(scores.rewards, scores.failed, strict=True) if not bad]
+    return sum(ok) / len(ok) if ok else float("nan")
+
+
+def select_scores(scores: Scores, rows: Sequence[int]) -> Scores:
+    """The scores of responses `rows` (the first error and the time-outs stay those of the whole batch)."""
+    return Scores([scores.rewards[i] for i in rows], [scores.failed[i] for i in rows], scores.first_error,
+                  scores.timeouts)
+
+
+def scores_state(scores: Scores) -> dict:
+    """`Scores` as plain values (for a checkpoint's rollout state, read with `torch.load(weights_only=True)`)."""
+    return {"rewards": list(scores.rewards), "failed": list(scores.failed), "first_error": scores.first_error,
+            "timeouts": scores.timeouts}
+
+
+class Scorer:
+    """What the rollout stream calls on each generated batch: its reward calls (`score`), and which of its groups
+    carry a learning signal (`signal`, for `rollout.filter_groups`)."""
+
+    def __init__(self, cfg: RelaxConfig, tokenizer: Any, reward_fn: Any):
+        self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
+        self.group_size = cfg.rollout.n_samples_per_prompt
+
+    def score(self, items: Sequence[Any], samples: Samples) -> Scores:
+        return score(self.cfg, self.tokenizer, self.reward_fn, samples, items, self.group_size)
+
+    def signal(self, samples: Samples, scores: Scores) -> list[bool]:
+        rewards, _ = trained_rewards(self.cfg, samples, scores)
+        return group_signal(rewards, scores.failed, self.group_size)
