@@ -501,9 +501,11 @@ class Checkpoints:
             self._lock_fd = None
 
     def _clean(self) -> None:
-        """Delete the half-written (`.tmp-`) and half-replaced (`.old-`) directories of an interrupted save."""
-        for prefix in (STAGING_PREFIX, REPLACED_PREFIX):
-            for path in self.save_dir.glob(f"{prefix}{PREFIX}*"):
+        """Delete the half-written (`.tmp-`) and half-replaced (`.old-`) directories of an interrupted save, and the
+        staging directory of an interrupted export to `hf/` (`train.save_hf`, `.tmp-hf-*`)."""
+        patterns = [f"{prefix}{PREFIX}*" for prefix in (STAGING_PREFIX, REPLACED_PREFIX)] + [f"{STAGING_PREFIX}hf-*"]
+        for pattern in patterns:
+            for path in self.save_dir.glob(pattern):
                 shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ saving

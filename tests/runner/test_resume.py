@@ -94,6 +94,9 @@ def test_a_half_written_checkpoint_is_ignored_by_resume_and_cleaned(tmp_path):
         partial = ckpts.staging(4)  # a kill -9 during the save of step 4
         (partial / "policy").mkdir()
         (partial / "policy" / "model.safetensors").write_text("half")
+        export = ckpts.save_dir / ".tmp-hf-0a1b2c3d"  # a kill -9 during the export to hf/ (train.save_hf)
+        export.mkdir()
+        (export / "config.json").write_text("{}")
     save_dir = ckpts.save_dir
     assert checkpoint.latest(save_dir) == save_dir / "step_000002"
     with Checkpoints(load_config(["train.resume=auto"]), tmp_path) as resumed:
