@@ -64,14 +64,14 @@ class RelaxInProcess:
         from relax.algorithms.base import AdvantageInputs
         from relax.backends.batch import TrainBatch
         from relax.roles.workers import compute_advantages
-        from relax.runner.train import _score
+        from relax.runner.scoring import score
 
         cfg, G = self.cfg, self.cfg.rollout.n_samples_per_prompt
         t0 = time.perf_counter()
         items = self.sampler.next_batch()
         samples = self.rollout.generate([it.prompt_ids for it in items], seed=1000 + self.n_step)
         t1 = time.perf_counter()
-        rewards = torch.tensor(_score(cfg, self.tokenizer, self.reward_fn, samples, items, G).rewards)
+        rewards = torch.tensor(score(cfg, self.tokenizer, self.reward_fn, samples, items, G).rewards)
         mask = samples.response_mask.float()
         out = compute_advantages(cfg.algorithm, AdvantageInputs(rewards, mask, G, samples.rollout_logp, None, None))
         batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=out.advantages)
