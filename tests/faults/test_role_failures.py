@@ -79,7 +79,9 @@ def uninterrupted(ray_local, tmp_path_factory, overrides):
 
 
 def chaos(monkeypatch, tmp_path, process: str, sig: str, step: int) -> None:
-    """At the first reward call of `step` (after its rollout), `sig` to `process`."""
+    """At the first reward call of `step`'s rollout, `sig` to `process`. The rollout stream generates and scores that
+    rollout as soon as step - 1 has published its weights, while the loop may still be finishing step - 1 (its metrics
+    and checkpoint): the fault lands in step - 1 or in `step`."""
     monkeypatch.setenv("RELAX_CHAOS", f"{process}:{sig}:{step * CALLS_PER_STEP + 1}:{tmp_path / 'injected'}")
 
 
@@ -99,7 +101,7 @@ def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(uninterrupte
     assert mlrun.info.status == "FINISHED"
     assert_every_step_once(client, mlrun)
     assert history(client, mlrun, fault_restarts("actor"))[-1] == (STEPS - 1, 1.0)
-    assert "step 2: actor died" in mlrun.data.tags[RESTARTS_TAG]
+    assert re.search(r"step [12]: actor died", mlrun.data.tags[RESTARTS_TAG])
     assert "restarting the service graph from checkpoint" in capfd.readouterr().err
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
@@ -111,7 +113,7 @@ def test_a_hung_actor_is_declared_hung_and_restarted(uninterrupted, monkeypatch,
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FINISHED"
     assert_every_step_once(client, mlrun)
-    assert "step 1: actor hung: no heartbeat for" in mlrun.data.tags[RESTARTS_TAG]
+    assert re.search(r"step [01]: actor hung: no heartbeat for", mlrun.data.tags[RESTARTS_TAG])
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
@@ -139,15 +141,16 @@ def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_ru
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FINISHED"
     assert_every_step_once(client, mlrun)
-    assert "step 1: actor died" in mlrun.data.tags[RESTARTS_TAG]
+    assert re.search(r"step [01]: actor died", mlrun.data.tags[RESTARTS_TAG])
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
 def test_beyond_max_restarts_the_run_stops_naming_the_role_and_the_cause(ray_local, monkeypatch, tmp_path, overrides):
-    chaos(monkeypatch, tmp_path, "actor", "KILL", step=1)
-    with pytest.raises(RunError, match=r"step 1: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
-                                       r"already used \(none\)\."):
+    chaos(monkeypatch, tmp_path, "actor", "KILL", step=2)
+    with pytest.raises(RunError, match=r"step [12]: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
+                                       r"already used \(none\)\.") as info:
         run(load_config(overrides(tmp_path, "train.max_restarts=0")), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FAILED"
-    assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"  # the checkpoint before it stays
+    step = int(re.match(r"step (\d+)", str(info.value)).group(1))
+    assert checkpoint.latest(tmp_path / "ckpt").name == f"step_{step:06d}"  # the checkpoint before it stays
