@@ -14,7 +14,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "launch" / "recipes"
 
 def test_the_expected_recipes_exist():
     assert {"rloo_qwen3_0.6b_gsm8k", "grpo_qwen3_4b", "ppo_qwen35_9b", "cispo", "gspo", "sapo", "m2po",
-            "rloo_vs_grpo_cpu"} <= set(RECIPES)
+            "rloo_vs_grpo_cpu", "rloo_smollm2_gsm8k_cpu"} <= set(RECIPES)
     for name in RECIPES:
         assert (conf_dir() / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
 
@@ -55,6 +55,13 @@ def test_recipe_values_from_the_seed_document():
     # the control arm of a recipe: same recipe, another algorithm, same seed
     rloo, grpo = (load_config(["+experiment=rloo_qwen3_0.6b_gsm8k", f"algorithm={a}"]) for a in ("rloo", "grpo"))
     assert (rloo.algorithm.name, grpo.algorithm.name) == ("rloo", "grpo") and rloo.seed == grpo.seed
+    # the GSM8K recipe on a CPU (SmolLM2-135M): the same data, RLOO's invariant at the sizes of a CPU
+    for a in ("rloo", "grpo"):
+        cpu = load_config(["+experiment=rloo_smollm2_gsm8k_cpu", f"algorithm={a}"])
+        assert (cpu.algorithm.name, cpu.seed, cpu.data.task, cpu.model.name, cpu.cluster.gpus_per_node) == \
+            (a, rloo.seed, "gsm8k", "SmolLM2-135M-Instruct", 0)
+        assert cpu.rollout.rollout_batch_size * cpu.rollout.n_samples_per_prompt == cpu.train.global_batch_size
+        assert cpu.train.eval_interval > 0 and cpu.data.num_eval_prompts > 0
 
 
 def test_rloo_recipe_batch_sizes_come_from_the_environment(monkeypatch):
