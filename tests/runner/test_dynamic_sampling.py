@@ -13,11 +13,11 @@ import threading
 
 import pytest
 import torch
-from test_rollout_stream import FakeEngines, Prompts, length, token
+from test_rollout_stream import FakeEngines, Prompts, check_responses
 
 from relax.config import load_config
 from relax.rewards.registry import Scores
-from relax.runner.rollout_stream import RolloutStream, version_window
+from relax.runner.rollout_stream import RolloutStream
 from relax.runner.scoring import choose_groups, group_signal
 from relax.runner.train import filter_note
 
@@ -122,15 +122,7 @@ def check(cfg, taken, start: int = 0) -> None:
         assert stats.no_signal_groups == sum(not SIGNAL(p) for p in chosen + aside)
         # the job's scores are those of its rows
         assert job.scores.rewards == [float(j % 2) if SIGNAL(p) else 1.0 for p in chosen for j in range(G)]
-        # every response the engine's, each token within its step's version window
-        lo, hi = version_window(cfg.train.mode, step, cfg.train.max_staleness)
-        versions = samples.versions()
-        for i, sid in enumerate(samples.sample_id.tolist()):
-            n = int(samples.response_mask[i].sum())
-            assert n == length(sid)
-            assert samples.response_ids[i, :n].tolist() == [token(sid, t) for t in range(n)]
-            v = versions[i, :n]
-            assert lo <= int(v.min()) and int(v.max()) <= hi and step - int(v.min()) <= cfg.train.max_staleness
+        check_responses(cfg, step, samples)  # every response the engine's, within its step's version window
 
 
 class DrawIndexPrompts(Prompts):

@@ -133,6 +133,12 @@ def check_batch(cfg, step: int, samples: Samples) -> None:
     """Every response complete and exactly the fake engine's tokens; versions never beyond the bound."""
     G, B = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
     assert samples.sample_id.tolist() == list(range(step * B * G, (step + 1) * B * G))  # nothing lost or repeated
+    check_responses(cfg, step, samples)
+
+
+def check_responses(cfg, step: int, samples: Samples) -> None:
+    """Every response of step `step`'s batch complete and exactly the fake engine's tokens, its versions growing
+    along it and within the step's version window and staleness bound."""
     assert "abort" not in samples.finish_reason
     versions = samples.versions()
     for i, sid in enumerate(samples.sample_id.tolist()):
