@@ -50,9 +50,10 @@ STARTS = [
       "rollout.num_replicas=4", "train.mode=fully_async"], 12),  # the rollout on GPUs of its own
 ]
 # Valid, but not started here: multinode joins an existing multi-node Ray cluster (cluster.address); the other
-# recipes place exactly as grpo_qwen3_4b (their algorithm is all that differs), which starts above.
+# recipes place exactly as grpo_qwen3_4b (their algorithm is all that differs), which starts above, and
+# rloo_smollm2_gsm8k_cpu exactly as smollm2_arithmetic_cpu (one CPU actor and rollout; its data is all that differs).
 VALID_ONLY = [(["cluster=multinode"], 16), (["+experiment=cispo"], 8), (["+experiment=gspo"], 8),
-              (["+experiment=m2po"], 8), (["+experiment=sapo"], 8)]
+              (["+experiment=m2po"], 8), (["+experiment=sapo"], 8), (["+experiment=rloo_smollm2_gsm8k_cpu"], 0)]
 
 # (overrides, a field the message must name)
 REJECTED = [
