@@ -1,9 +1,10 @@
 """A checkpoint that cannot be written (`train.save_failures`): the previous checkpoint stays valid, and the run stops
 (`stop`, the default) or goes on without that checkpoint (`continue`).
 
-The end-to-end tests make the actor's own writes fail at the OS level on a real local Ray: `interrupt_rewards`
-limits the size of the files the actor process may write (`RLIMIT_FSIZE`, so a checkpoint write fails with EFBIG as
-it would with ENOSPC; the tests run as root, for whom chmod blocks nothing). The unit tests cover what the libraries
+The end-to-end tests make the actor's own writes fail at the OS level on a real local Ray: just before the driver
+asks the roles to write a chosen checkpoint, it limits the size of the files the actor process may write
+(`RLIMIT_FSIZE` through `prlimit`, so the write fails with EFBIG as it would with ENOSPC; the tests run as root, for
+whom chmod blocks nothing), and lifts the limit before the next one. The unit tests cover what the libraries
 raise (safetensors, torch.save) and a driver-side failure, without Ray.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import resource
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,9 @@ from relax.metrics import FAULT_CHECKPOINT_FAILURES
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
 
-CALLS_PER_STEP = 16  # rollout_batch_size 4 x n_samples_per_prompt 4
 LIMIT = 16 * 1024  # bytes: config.json fits, the model's safetensors (~170 kB) does not
-FULL_DISK = ["data.reward=interrupt_rewards:full_disk", "data.reward_timeout_s=null", "train.save_interval=1",
-             "cluster.heartbeat_timeout_s=60"]
+# a checkpoint every step; the heartbeat board tells the test the actor's pid
+SAVE_EVERY_STEP = ["train.save_interval=1", "cluster.heartbeat_timeout_s=60"]
 
 
 # ------------------------------------------------------------------------------------------------ unit tests
@@ -170,6 +171,41 @@ def _mlflow_run(tmp_path):
     return client, mlrun
 
 
+def actor_pid() -> int:
+    """The pid of the run's actor process, from the heartbeat board of the run (the newest board with an actor)."""
+    import ray
+
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=False):
+        name = entry["name"] if isinstance(entry, dict) else entry
+        if name.startswith("relax-heartbeats-"):
+            try:
+                beats = ray.get(ray.get_actor(name).snapshot.remote(), timeout=30)
+            except (ValueError, ray.exceptions.RayActorError):  # the board of an earlier run, gone
+                continue
+            if "actor" in beats:
+                found.append((beats["actor"].beat_age_s, beats["actor"].pid))
+    assert found, "no heartbeat board with an actor (cluster.heartbeat_timeout_s must be set)"
+    return min(found)[1]
+
+
+def full_disk_at(monkeypatch, *failing: int) -> None:
+    """The actor process cannot write files beyond LIMIT while the checkpoints of the steps in `failing` are written.
+
+    The limit is set (or lifted) by the driver as it prepares each checkpoint's staging directory, before it asks
+    the roles to write: tied to the checkpoint, not to the rollout, which the stream generates ahead."""
+    from relax.runner.checkpoint import Checkpoints
+
+    staging = Checkpoints.staging
+
+    def limited(self, step: int) -> Path:
+        limit = LIMIT if step in failing else resource.RLIM_INFINITY
+        resource.prlimit(actor_pid(), resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        return staging(self, step)
+
+    monkeypatch.setattr(Checkpoints, "staging", limited)
+
+
 def _names(save_dir: Path) -> list[str]:
     return sorted(p.name for p in save_dir.iterdir() if p.name.startswith(("step_", ".tmp-", ".old-")))
 
@@ -180,9 +216,8 @@ def test_stop_keeps_the_previous_checkpoint_intact(ray_local, small_run, tmp_pat
     from relax.runner.train import run
 
     fresh_store(tmp_path)
-    # the actor's writes fail from the first reward call of step 1: the checkpoint of step 1 (step_000002) fails
-    monkeypatch.setenv("RELAX_FSIZE", f"{LIMIT}:{CALLS_PER_STEP + 1}:-:{tmp_path}")
-    cfg = load_config(small_run(*FULL_DISK, steps=2))
+    full_disk_at(monkeypatch, 2)  # the checkpoint of step 1 (step_000002) fails
+    cfg = load_config(small_run(*SAVE_EVERY_STEP, steps=2))
     with pytest.raises(RunError) as info:
         run(cfg, output_dir=tmp_path / "out")
     save_dir = tmp_path / "ckpt"
@@ -197,7 +232,7 @@ def test_stop_keeps_the_previous_checkpoint_intact(ray_local, small_run, tmp_pat
     assert mlrun.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == [0, 1]
     # what train.resume=auto would continue (test_preemption.py resumes such a checkpoint to the end)
-    assert checkpoint.resume_point(load_config(small_run(*FULL_DISK, "train.resume=auto", steps=2)),
+    assert checkpoint.resume_point(load_config(small_run(*SAVE_EVERY_STEP, "train.resume=auto", steps=2)),
                                    save_dir).path == save_dir / "step_000001"
 
 
@@ -208,9 +243,8 @@ def test_continue_goes_on_without_the_checkpoint_and_counts_it(ray_local, small_
     from relax.runner.train import run
 
     fresh_store(tmp_path)
-    # the actor cannot write during step 1 (its checkpoint, step_000002, fails); from step 2 on it can again
-    monkeypatch.setenv("RELAX_FSIZE", f"{LIMIT}:{CALLS_PER_STEP + 1}:{2 * CALLS_PER_STEP + 1}:{tmp_path}")
-    cfg = load_config(small_run(*FULL_DISK, "train.save_failures=continue", steps=3))
+    full_disk_at(monkeypatch, 2)  # the checkpoint of step 1 (step_000002) fails; step 2's is written again
+    cfg = load_config(small_run(*SAVE_EVERY_STEP, "train.save_failures=continue", steps=3))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1, 2]
     save_dir = tmp_path / "ckpt"
