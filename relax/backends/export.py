@@ -137,7 +137,7 @@ def megatron_hf_config(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBas
     path = resolve_model_path(model_cfg)
     if model_cfg.source == "gguf":
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        if hasattr(config, "quantization_config"):  # the weights are de-quantized (see forget_gguf_quantization)
+        if hasattr(config, "quantization_config"):  # the weights are de-quantized (relax.backends.gguf_cache)
             del config.quantization_config
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)

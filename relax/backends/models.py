@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from relax.backends.gguf_cache import load_gguf_model
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError
 from relax.data.tokenizer import resolve_model_path as _resolve_model_path
@@ -113,15 +114,12 @@ def build_model(
         from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(model_cfg)
-        kwargs = dict(local_files_only=True, dtype=dtype, attn_implementation="sdpa")
-        if model_cfg.source == "gguf":
-            # de-quantised to fp32 whatever is asked; asking for fp32 avoids transformers' casting warning
-            kwargs["dtype"] = torch.float32
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
-            forget_gguf_quantization(model)
+        if model_cfg.source == "gguf":  # de-quantised to fp32 once (relax.backends.gguf_cache), then cast
+            model = load_gguf_model(path, local_files_only=True, attn_implementation="sdpa")
             cast_parameters(model, dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
+                                                         attn_implementation="sdpa")
         n_embed = model.get_input_embeddings().weight.shape[0]
         if vocab_size > n_embed:
             raise ValueError(f"tokenizer vocab_size={vocab_size} exceeds the model's {n_embed} embeddings ({path})")
@@ -133,15 +131,6 @@ def build_model(
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model.to(device)
-
-
-def forget_gguf_quantization(model: PreTrainedModel) -> None:
-    """A GGUF model is de-quantized on load; drop transformers' quantizer marks so that it saves (checkpoints,
-    exports) as the plain model it now is, not as an unserializable "quantized" one."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:

