@@ -354,13 +354,14 @@ class Session:
         """train.save_hf=true: the final checkpoint as a Hugging Face directory, `<save_dir>/hf` (replaced if there),
         then, with tracking.log_model=true, that directory as an MLflow model of the run (see the class docstring).
         RunError when the final checkpoint was not written or the export or the log fails."""
+        cfg = self.cfg
+        if not cfg.train.save_hf or self.checkpoints is None:
+            return
+        # imported only when exporting: relax.runner.export imports transformers' model classes
         from relax.runner.checkpoint import latest
         from relax.runner.export import RUN_EXPORT_DIR, ExportRefused, export_checkpoint
         from relax.tracking.model import HF_DIR_TAG
 
-        cfg = self.cfg
-        if not cfg.train.save_hf or self.checkpoints is None:
-            return
         out = self.checkpoints.save_dir / RUN_EXPORT_DIR
         ckpt = self.final_checkpoint
         if ckpt is None:  # its write failed (train.save_failures=continue)
