@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 USAGE_EXIT = 2
-FORWARDED_ENV = ("MODEL_DIR", "DATA_DIR", "EXP_DIR", "RLOO_DATA_CACHE_DIR", "HF_HOME")
+FORWARDED_ENV = ("MODEL_DIR", "DATA_DIR", "EXP_DIR", "RLOO_DATA_CACHE_DIR", "RELAX_MODEL_CACHE_DIR",
+                 "RELAX_TOKENIZER_CACHE_DIR", "HF_HOME")
 # Never uploaded: run outputs, stores and caches (Ray caps a working_dir upload at a few hundred MiB).
 EXCLUDES = [".git", "**/__pycache__", "outputs", "multirun", "mlruns", "mlflow.db", "compare", "*.egg-info",
             ".pytest_cache", ".ruff_cache", "**/checkpoints", "*.pt", "*.safetensors", "*.gguf"]
