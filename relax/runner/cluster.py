@@ -113,15 +113,31 @@ class Cluster:
         self.cfg, self.plan, self.info, self.restarts = cfg, plan, info, restarts
         self._ray: RayRuntime | None = None  # when this cluster started Ray itself
         self.actors: list = []
+        self._pings: dict | None = None  # launched: each role's first answer, by process name
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> Cluster:
+    def launch(self) -> Cluster:
+        """Start every role's process without waiting for it to answer, so that the driver can do other work (open
+        its MLflow run) while the roles import torch and build their models; `__enter__` then waits for them.
+        On failure nothing is left running."""
         import ray
 
+        if self._pings is not None:
+            return self
         if not ray.is_initialized():
             self._ray = RayRuntime(self.cfg, self.plan).__enter__()
         try:
-            self._start_roles()
+            self._start_roles(wait=False)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __enter__(self) -> Cluster:
+        """Every role started (by `launch`, or now) and answering."""
+        self.launch()
+        try:
+            self._wait_for_roles()
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -160,8 +176,9 @@ class Cluster:
         self.board = board
         return Watchdog(board, timeout)
 
-    def _start_roles(self, timeout_s: float | None = None) -> None:
-        """Reserve the plan's placement group, start every role and wait (bounded) until each answers."""
+    def _start_roles(self, timeout_s: float | None = None, wait: bool = True) -> None:
+        """Reserve the plan's placement group, start every role and (with `wait`) wait, bounded, until each
+        answers."""
         import ray
 
         cfg, info, threads = self.cfg, self.info, self.plan.threads
@@ -169,7 +186,7 @@ class Cluster:
         self.watch = self._start_board()
         self.hide_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.placement_group = reserve(self.plan)  # None on a CPU cluster
-        timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
+        self._timeout = timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
         try:
             if cfg.train.backend == "megatron":
                 self.actor = self._megatron_actor(timeout)
@@ -191,7 +208,22 @@ class Cluster:
             self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads("critic")) \
                 if self.plan.has("critic") else None
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
-            pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
+            self._pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
+        except ray.exceptions.RayActorError as exc:
+            self._release_placement()
+            raise RunError(f"a role failed to start: {exc}") from None
+        except BaseException:
+            self._release_placement()
+            raise
+        if wait:
+            self._wait_for_roles()
+
+    def _wait_for_roles(self) -> None:
+        """Until every launched role answers (at most the start timeout), then the SGLang servers' router."""
+        import ray
+
+        pings, timeout = self._pings, self._timeout
+        try:
             ready, waiting = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
             ray.get(ready, timeout=timeout)
             if waiting:
@@ -289,7 +321,7 @@ class Cluster:
                 ray.kill(actor)
             except Exception:  # already dead
                 pass
-        self.actors = []
+        self.actors, self._pings = [], None
         if ray.is_initialized():
             self._release_placement()  # a joined cluster gets its GPUs back before the next run of this process
         if self._ray is not None:

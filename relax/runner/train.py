@@ -288,9 +288,13 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
     runtime.__enter__()
     preemption.arm()  # again: ray.init installs its own SIGTERM handler
 
-    with checkpoints, Session(cfg, plan, output_dir, dictconfig, checkpoints,
-                              restart_run_id=restarts.run_id) as session, \
-            Cluster(cfg, plan, info, restarts) as cluster:
+    with checkpoints, contextlib.ExitStack() as stack:
+        # the role processes start (import torch, build their models) while the driver opens its MLflow run
+        cluster = Cluster(cfg, plan, info, restarts).launch()
+        stack.push(cluster)  # the roles stop if opening the run fails (a second Cluster.__exit__ does nothing)
+        session = stack.enter_context(Session(cfg, plan, output_dir, dictconfig, checkpoints,
+                                              restart_run_id=restarts.run_id))
+        stack.enter_context(cluster)  # every role answering; stopped before the session closes, as before
         restarts.run_id = session.run_id
         session.log_datasets(sampler.dataset, eval_sets)
         if tag := restarts.new_tag():

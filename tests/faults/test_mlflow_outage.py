@@ -379,6 +379,25 @@ def test_session_turns_it_into_one_message(unreachable_server: str, tmp_path: Pa
             pass
 
 
+@pytest.mark.slow
+def test_a_run_whose_store_is_down_stops_the_roles_it_launched(unreachable_server: str, ray_local: Any,
+                                                                small_run: Any, tmp_path: Path) -> None:
+    """The roles start while the driver opens its MLflow run (relax.runner.train._attempt): when the run cannot be
+    opened, the error is the store's, and no role process is left holding Ray's CPUs."""
+    from relax.config import load_config
+    from relax.runner.errors import RunError
+    from relax.runner.train import run
+
+    cfg = load_config(small_run(f"tracking.uri={unreachable_server}", steps=1))
+    with pytest.raises(RunError, match=f"MLflow store {unreachable_server} is unavailable"):
+        run(cfg, output_dir=tmp_path / "out")
+    total = ray_local.cluster_resources()["CPU"]
+    deadline = time.monotonic() + 30
+    while ray_local.available_resources().get("CPU", 0.0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)  # ray.kill is asynchronous
+    assert ray_local.available_resources().get("CPU", 0.0) == total
+
+
 # ---------------------------------------------------------------------------- through the runner's Session
 class FakeCluster:
     def __init__(self) -> None:
