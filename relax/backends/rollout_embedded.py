@@ -37,6 +37,49 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _fuse(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """One weight holding the weights of `linears` (bias-free, same input) stacked by output rows; each module's
+    weight becomes a view of its rows, so that loading weights into the modules (copy_) updates it. None when
+    they cannot be fused."""
+    weights = [m.weight for m in linears]
+    if any(m.bias is not None for m in linears) or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors: the model may be trained elsewhere
+        fused = torch.cat([w.detach() for w in weights])
+        row = 0
+        for w in weights:
+            w.data = fused[row:row + w.shape[0]]
+            row += w.shape[0]
+    return fused
+
+
+def _views_of(fused: torch.Tensor | None, linears: list[nn.Linear]) -> bool:
+    """Whether the modules' weights are still the views of `fused` that `_fuse` made (a weight replaced since,
+    e.g. released and resumed by relax-serve, is not)."""
+    if fused is None:
+        return False
+    row, ptr, size = 0, fused.data_ptr(), fused.element_size() * fused.shape[1]
+    for m in linears:
+        if m.weight.data_ptr() != ptr + row * size:
+            return False
+        row += m.weight.shape[0]
+    return row == fused.shape[0]
+
+
+def fused_weights(layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(q|k|v weight, gate|up weight) of a Llama-family decoder layer, fused once and kept in step with the
+    modules (rebuilt when a module's weight was replaced); None for a part that cannot be fused."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_mods, gu_mods = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    qkv, gu = getattr(layer, "_relax_fused", (None, None))
+    if not _views_of(qkv, qkv_mods):
+        qkv = _fuse(qkv_mods)
+    if not _views_of(gu, gu_mods):
+        gu = _fuse(gu_mods)
+    layer._relax_fused = (qkv, gu)
+    return qkv, gu
+
+
 class _LlamaFamilyDecoder:
     """Prefill/decode over a Llama-family model's own modules with a static KV cache [B, Hkv, L, D] per layer."""
 
@@ -98,12 +141,18 @@ class _LlamaFamilyDecoder:
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, positions)
         cos, sin = cos[:, None], sin[:, None]
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         for i, layer in enumerate(self.base.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(B, S, self.n_heads, self.head_dim)
-            k = attn.k_proj(h).view(B, S, self.n_kv, self.head_dim)
-            v = attn.v_proj(h).view(B, S, self.n_kv, self.head_dim)
+            qkv_weight, gate_up_weight = fused_weights(layer)
+            if qkv_weight is not None:  # one matmul for q, k and v
+                q, k, v = F.linear(h, qkv_weight).split([nq, nkv, nkv], dim=-1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.view(B, S, self.n_heads, self.head_dim)
+            k = k.view(B, S, self.n_kv, self.head_dim)
+            v = v.view(B, S, self.n_kv, self.head_dim)
             if hasattr(attn, "q_norm"):  # qwen3
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -119,7 +168,12 @@ class _LlamaFamilyDecoder:
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
             o = o.reshape(B, self.n_heads, S, self.head_dim).transpose(1, 2).reshape(B, S, -1)
             x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if gate_up_weight is not None:  # one matmul for gate and up
+                gate, up = F.linear(h, gate_up_weight).chunk(2, dim=-1)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                x = x + layer.mlp(h)
         if not prefill:
             self.len += 1
         return self.model.lm_head(self.base.norm(x[:, -1]))

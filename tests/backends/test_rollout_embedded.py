@@ -209,6 +209,23 @@ def test_load_weights_changes_outputs_and_bumps_version():
     assert eng.weight_version == 4
 
 
+def test_weights_replaced_under_the_fused_matmuls_are_picked_up():
+    """The fast path multiplies q|k|v and gate|up as one weight each, whose rows the modules' weights are views of
+    (so load_weights' copy_ reaches them); a weight replaced outright (relax-serve's memory release and resume)
+    is noticed and fused again."""
+    eng = engine(arch="llama")
+    eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, seed=0)  # fused here
+    layer = eng.model.model.layers[0]
+    qkv, _ = layer._relax_fused
+    assert layer.self_attn.k_proj.weight.data_ptr() == qkv[layer.self_attn.q_proj.weight.shape[0]:].data_ptr()
+    other = tiny_model("llama", seed=1)
+    with torch.no_grad():
+        for name, param in eng.model.named_parameters():
+            param.data = other.get_parameter(name).detach().clone()
+    after = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, seed=0)
+    assert responses(after) == [brute_greedy(tiny_model("llama", seed=1), p, 6, []) for p in PROMPTS]
+
+
 def test_bf16_engine_runs_and_reports_fp32_logp():
     eng = engine(dtype=torch.bfloat16)
     s = eng.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=4, seed=0)
