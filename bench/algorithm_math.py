@@ -2,11 +2,17 @@
 
 Not a test. Example: `python bench/algorithm_math.py` (1M tokens, B=1024, T=1024) or
 `python bench/algorithm_math.py --tokens 4096 --reps 2` (the CI smoke run).
+
+Every `compute_loss fwd+bwd <algo>` row runs the same shared terms (TIS on, per-token reduction, no KL, no
+entropy). The M2PO row gets its step statistics precomputed (`LossBatch.stats`), as a trainer hands them to every
+micro-batch; `m2po solve + compute_loss fwd+bwd` adds the solve of those statistics from the batch (what
+compute_loss does when `stats` is None), and `m2po_clip_bounds` times that solve alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -74,21 +80,38 @@ def run(args: argparse.Namespace, log=print) -> dict[str, float]:
         results[what] = seconds
         log(f"{what:<42}{seconds * 1e3:>12.2f}{B * T / seconds / 1e6:>10.1f}")
 
+    def step(cfg: A.AlgorithmConfig, b: LossBatch) -> None:
+        b.logp.grad = None
+        loss, _ = compute_loss(cfg, b, per_token=True, denominator=n_tokens)
+        loss.backward()
+
     for name in A.names():
-        cfg = A.get(name).config_cls(use_tis=True)
-
-        def step(cfg=cfg) -> None:
-            batch.logp.grad = None
-            loss, _ = compute_loss(cfg, batch, per_token=True, denominator=n_tokens)
-            loss.backward()
-
-        row(f"compute_loss fwd+bwd {name}", timed(step, args.reps, device))
+        algorithm = A.get(name)
+        cfg = algorithm.config_cls(use_tis=True)
+        b = batch
+        if algorithm.needs_step_statistics:  # a trainer solves them once per step, before the micro-batches
+            stats = algorithm.step_statistics(cfg, batch.logp.detach(), batch.old_logp, batch.advantages, batch.mask)
+            b = dataclasses.replace(batch, stats=stats)
+        row(f"compute_loss fwd+bwd {name}", timed(lambda cfg=cfg, b=b: step(cfg, b), args.reps, device))
+        if algorithm.needs_step_statistics:
+            with_solve = timed(lambda cfg=cfg: step(cfg, batch), args.reps, device)
+            row(f"{name} solve + compute_loss fwd+bwd", with_solve)
 
     def solver() -> None:
         F.m2po_clip_bounds(batch.logp, batch.old_logp, batch.advantages, batch.mask, 1e-4, 0.0, 0.0)
 
     row("m2po_clip_bounds", timed(solver, args.reps, device))
+    log_loss_spread(results, log)
     return results
+
+
+def log_loss_spread(results: dict[str, float], log=print) -> None:
+    """Each `compute_loss fwd+bwd <algo>` row (same work apart from the policy loss) relative to the cheapest."""
+    prefix = "compute_loss fwd+bwd "
+    rows = {k[len(prefix):]: v for k, v in results.items() if k.startswith(prefix)}
+    cheapest = min(rows, key=rows.get)
+    log(f"compute_loss relative to the cheapest ({cheapest}): "
+        + ", ".join(f"{name} {seconds / rows[cheapest]:.2f}x" for name, seconds in rows.items()))
 
 
 def main() -> None:

@@ -23,10 +23,7 @@ def policy_loss(
 
     `clipped` marks tokens whose weight was capped (for pg_clipfrac); their gradient is not zeroed.
     """
-    loss = F.cispo_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
-    with torch.no_grad():
-        ratio = F.exp_log_ratio(logp - old_logp)
-        clipped = (ratio < 1.0 - cfg.eps_clip) | (ratio > 1.0 + cfg.clip_high)
+    loss, clipped = F.cispo_loss_and_clipped(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
     return PolicyLossOutput(loss=loss, clipped=clipped)
 
 

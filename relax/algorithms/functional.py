@@ -6,15 +6,22 @@ Every function works for float32 and float64 on any device and keeps the input's
 Masked tokens never change any statistic, and every `[B, T]` result is 0 on masked tokens unless the
 docstring says otherwise.
 
-Numerical safeguards: every exponential of a log-ratio goes through `exp_log_ratio`, which clamps the
-log-ratio to `[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]` first, so `exp` never overflows (fp32 overflows above
-88.7) and its backward never computes `0 * inf = NaN`. Group statistics are computed in float64 and a
-group whose rewards are all equal gets exactly 0.
+Numerical safeguards: every exponential of a log-ratio goes through `exp_log_ratio` (or its in-place forms
+`_exp_log_ratio_` and `_ratio_and_clamp_mask`), which clamps the log-ratio to `[-LOG_RATIO_CLAMP,
+LOG_RATIO_CLAMP]` first, so `exp` never overflows (fp32 overflows above 88.7) and its backward never computes
+`0 * inf = NaN`. Group statistics are computed in float64 and a group whose rewards are all equal gets exactly 0.
+
+Speed: PPO-Clip (`_PPOClip`) and SAPO (`_SAPO`) compute `d loss / d logp` in their forward pass, so that the
+backward is one multiply instead of autograd's data-dependent passes. A `torch.where` whose condition has no
+structure (e.g. the sign of per-token advantages) mispredicts a branch per element on the CPU and costs several
+arithmetic passes; such selections are written as arithmetic (`_select_`). A `where` on the loss mask (contiguous
+runs of valid tokens) is cheap.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -39,6 +46,7 @@ __all__ = [
     "ppo_clip_loss",
     "reinforce_loss",
     "cispo_loss",
+    "cispo_loss_and_clipped",
     "gspo_loss",
     "sapo_loss",
     "m2po_clip_bounds",
@@ -78,6 +86,11 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)
 
 
+def _row_counts(keep: torch.Tensor) -> torch.Tensor:
+    """Valid tokens per row of a bool mask (int64): a byte sum, which costs less than `count_nonzero` per row."""
+    return keep.view(torch.uint8).sum(-1)
+
+
 def _valid(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The mask as 0/1 in `like`'s dtype."""
     return (mask != 0).to(like.dtype)
@@ -95,6 +108,27 @@ def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     saturated), TIS (the weight is capped at `tis_clip`).
     """
     return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _exp_log_ratio_(log_ratio: torch.Tensor) -> torch.Tensor:
+    """`exp_log_ratio` in place, for a temporary that needs no gradient."""
+    return log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
+
+
+def _ratio_and_clamp_mask(log_ratio: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(`exp_log_ratio(log_ratio)` computed in place, where its clamp passes a gradient: a bool mask, False beyond
+    the clamp and on NaN, or None when that is everywhere).
+
+    On the CPU one min/max reduction (a host read is free there) skips the mask in the usual case where no
+    log-ratio reaches the clamp; on other devices the mask is always built, without a sync.
+    """
+    if log_ratio.device.type == "cpu" and log_ratio.numel() > 0:
+        low, high = torch.aminmax(log_ratio)
+        if low >= -LOG_RATIO_CLAMP and high <= LOG_RATIO_CLAMP:  # False with a NaN
+            return log_ratio.exp_(), None
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    inside = clamped == log_ratio
+    return clamped.exp_(), inside
 
 
 def _group_stat_input(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,12 +299,64 @@ def ppo_clip_loss(
 
     Returns (loss, clipped) where `clipped` marks tokens whose clipped term is strictly the larger.
     `eps_clip_high=None` means `eps_clip`; `math.inf` bounds never clip. The ratio is `exp_log_ratio`'s.
+    The inputs broadcast (GSPO passes one log-ratio per row). Only `logp` gets a gradient here (`_PPOClip`); when
+    `old_logp` or `advantages` need one too, the plain autograd formula (`_ppo_clip_autograd`) runs instead.
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
+    low_bound, high_bound = 1.0 - eps_clip, 1.0 + high
+    needs_other_grads = torch.is_grad_enabled() and (old_logp.requires_grad or advantages.requires_grad)
+    if needs_other_grads or not low_bound <= high_bound:  # (_PPOClip clamps -ratio, which needs ordered bounds)
+        return _ppo_clip_autograd(logp, old_logp, advantages, low_bound, high_bound)
+    return _PPOClip.apply(logp, old_logp, advantages, low_bound, high_bound)
+
+
+def _ppo_clip_autograd(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, low_bound: float, high_bound: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ppo_clip_loss` as plain tensor operations, differentiable in every input."""
     ratio = exp_log_ratio(logp - old_logp)
     unclipped = -ratio * advantages
-    clipped_term = -ratio.clamp(min=1.0 - eps_clip, max=1.0 + high) * advantages
+    clipped_term = -ratio.clamp(min=low_bound, max=high_bound) * advantages
     return torch.maximum(unclipped, clipped_term), clipped_term > unclipped
+
+
+class _PPOClip(torch.autograd.Function):
+    """`ppo_clip_loss` with `d loss / d logp` computed in the forward pass; the backward is one multiply.
+
+    The forward values are `_ppo_clip_autograd`'s (`-clip(ratio, low, high) = clip(-ratio, -high, -low)` exactly).
+    The gradient is autograd's through `maximum`, both clamps and `exp`: `d loss / d logp = -A * ratio`
+    (the unclipped term) where `clipped` is False and the log-ratio is inside `exp_log_ratio`'s clamp, else 0.
+    One difference: on an exact tie of the two terms with the ratio outside the clip range (the ratio within
+    rounding of a bound, or A = 0) autograd passes half the gradient, this the whole. Autograd's backward costs
+    several data-dependent passes (`maximum`'s tie handling, the clamp masks); this one saves a single tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, logp, old_logp, advantages, low_bound, high_bound):
+        ratio, inside = _ratio_and_clamp_mask(logp - old_logp)
+        neg_ratio = ratio.neg_()
+        unclipped = neg_ratio * advantages
+        clipped_term = neg_ratio.clamp_(min=-high_bound, max=-low_bound) * advantages
+        loss = torch.maximum(unclipped, clipped_term)
+        clipped = clipped_term > unclipped
+        if ctx.needs_input_grad[0]:
+            # d unclipped / d logp = -A * ratio = unclipped; a NaN term is not clipped and keeps its NaN gradient
+            blocked = clipped
+            # one log-ratio per row (GSPO): the clamp's mask applies to the reduced gradient, in the backward
+            broadcast = inside is not None and inside.shape != clipped.shape
+            if inside is not None and not broadcast:
+                blocked = inside.logical_not_().logical_or_(clipped)
+            ctx.save_for_backward(torch.where(blocked, 0.0, unclipped), inside if broadcast else None)
+        ctx.mark_non_differentiable(clipped)
+        return loss, clipped
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_clipped):
+        d_loss_d_logp, inside = ctx.saved_tensors
+        grad = grad_loss * d_loss_d_logp
+        if inside is not None:
+            grad = torch.where(inside, grad.sum_to_size(inside.shape), 0.0)
+        return grad, None, None, None, None
 
 
 def reinforce_loss(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -286,9 +372,33 @@ def cispo_loss(
     eps_clip_high: Optional[float] = None,
 ) -> torch.Tensor:
     """CISPO: `-sg(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * sg(A) * logp`; the gradient flows only via logp."""
+    weight, _ = _cispo_weight(logp, old_logp, eps_clip, eps_clip_high, with_clipped=False)
+    return (weight * advantages.detach()).neg_() * logp
+
+
+def cispo_loss_and_clipped(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`cispo_loss`, tokens whose weight was capped: `ratio` outside `[1 - eps_clip, 1 + eps_clip_high]`)."""
+    weight, clipped = _cispo_weight(logp, old_logp, eps_clip, eps_clip_high, with_clipped=True)
+    return (weight * advantages.detach()).neg_() * logp, clipped
+
+
+def _cispo_weight(
+    logp: torch.Tensor, old_logp: torch.Tensor, eps_clip: float, eps_clip_high: Optional[float], with_clipped: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the CISPO weight `clip(ratio, 1 - eps_clip, 1 + eps_clip_high)`, detached, a new tensor; the clip flags
+    `ratio < 1 - eps_clip or ratio > 1 + eps_clip_high` when `with_clipped`, else None)."""
     high = eps_clip if eps_clip_high is None else eps_clip_high
-    weight = exp_log_ratio(logp - old_logp).clamp(min=1.0 - eps_clip, max=1.0 + high).detach()
-    return -weight * advantages.detach() * logp
+    low_bound, high_bound = 1.0 - eps_clip, 1.0 + high
+    with torch.no_grad():
+        ratio = _exp_log_ratio_(logp - old_logp)
+        clipped = (ratio < low_bound).logical_or_(ratio > high_bound) if with_clipped else None
+        return ratio.clamp_(min=low_bound, max=high_bound), clipped
 
 
 def gspo_loss(
@@ -298,17 +408,25 @@ def gspo_loss(
     mask: torch.Tensor,
     eps_clip: float,
     eps_clip_high: Optional[float] = None,
+    *,
+    zero_masked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO: sequence ratio `s_b = exp(masked_mean_t(logp - old_logp))` used by every token of row b in
     the PPO-Clip form `max(-s * A, -clip(s, 1 - eps_clip, 1 + eps_clip_high) * A)`.
 
-    Gradients flow through `logp` (via `s`). An empty row has `s = 1`. Returns (loss, clipped).
+    Gradients flow through `logp` (via `s`). An empty row has `s = 1`. Returns (loss, clipped). The ratio is
+    computed once per row and broadcast against the per-token advantages. `zero_masked=True` says that `logp`
+    and `old_logp` are already 0 on masked tokens and `mask` is 0/1 (what `compute_loss` hands a policy loss):
+    the masked mean is then a plain sum, with the same value.
     """
-    valid = _valid(mask, logp)
-    diff = torch.where(valid > 0, logp - old_logp, torch.zeros_like(logp))
-    log_s = diff.sum(-1) / valid.sum(-1).clamp(min=1.0)
-    seq_logp = log_s.unsqueeze(-1).expand_as(logp)
-    return ppo_clip_loss(seq_logp, torch.zeros_like(seq_logp), advantages, eps_clip, eps_clip_high)
+    if zero_masked:
+        diff, counts = logp - old_logp, mask.sum(-1)
+    else:
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        diff, counts = torch.where(keep, logp - old_logp, 0.0), _row_counts(keep)
+    log_s = diff.sum(-1) / counts.clamp(min=1)
+    zero = torch.zeros((), dtype=log_s.dtype, device=log_s.device)
+    return ppo_clip_loss(log_s.unsqueeze(-1), zero, advantages, eps_clip, eps_clip_high)
 
 
 def sapo_loss(
@@ -317,15 +435,153 @@ def sapo_loss(
     """SAPO: `-(4 / tau) * sigmoid(tau * (ratio - 1)) * A`, `tau = tau_pos` where `A > 0`, else `tau_neg`.
 
     The gate's slope `d/dratio (4/tau) sigmoid(tau (ratio - 1))` is 1 at ratio 1, like the plain ratio.
-    The ratio is `exp_log_ratio`'s (beyond its clamp the gate is saturated).
+    The ratio is `exp_log_ratio`'s (beyond its clamp the gate is saturated). Only `logp` gets a gradient here
+    (`_SAPO`); when `old_logp` or `advantages` need one too, the plain autograd formula runs instead.
     """
+    if torch.is_grad_enabled() and (old_logp.requires_grad or advantages.requires_grad):
+        return _sapo_autograd(logp, old_logp, advantages, tau_pos, tau_neg)
+    return _SAPO.apply(logp, old_logp, advantages, tau_pos, tau_neg)
+
+
+def _sapo_autograd(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float
+) -> torch.Tensor:
+    """`sapo_loss` as plain tensor operations, differentiable in every input."""
     ratio = exp_log_ratio(logp - old_logp)
-    tau = torch.where(
-        advantages > 0,
-        torch.full_like(ratio, float(tau_pos)),
-        torch.full_like(ratio, float(tau_neg)),
-    )
+    tau = torch.where(advantages > 0, torch.full_like(ratio, float(tau_pos)), torch.full_like(ratio, float(tau_neg)))
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+
+
+def _select_(positive: torch.Tensor, if_positive: float, otherwise: float) -> torch.Tensor:
+    """`if_positive` where `positive` (a 0/1 float tensor, overwritten when possible) is 1, else `otherwise`, both
+    rounded to its dtype.
+
+    Without branches (a `where` on a condition without structure, e.g. the sign of per-token advantages, mispredicts
+    a branch per element): `positive * (if_positive - otherwise) + otherwise`, exact when that difference is (always
+    for values within a factor 2 of each other), else `lerp`, which returns its ends exactly at weights 0 and 1.
+    """
+    ends = torch.tensor([otherwise, if_positive], dtype=positive.dtype)  # on the CPU: no device sync below
+    step = ends[1] - ends[0]
+    if bool(ends[0] + step == ends[1]):
+        return positive.mul_(step.item()).add_(ends[0].item())
+    ends = ends.to(positive.device)
+    return torch.lerp(ends[0], ends[1], positive)
+
+
+def _mul_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`x * y`, in place in `x` (a temporary) when that keeps the promoted dtype and shape."""
+    if torch.result_type(x, y) == x.dtype and torch.broadcast_shapes(x.shape, y.shape) == x.shape:
+        return x.mul_(y)
+    return x * y
+
+
+class _SAPO(torch.autograd.Function):
+    """`sapo_loss` with `d loss / d logp` computed in the forward pass; the backward is one multiply.
+
+    The forward values are `_sapo_autograd`'s, operation for operation. The gradient is autograd's chain
+    `-(4 / tau) * s (1 - s) * tau * ratio * A` (`s` the gate's sigmoid) written as `(1 - s) * ratio * tau * loss`
+    (the two agree up to rounding) inside `exp_log_ratio`'s clamp, and 0 outside it.
+    """
+
+    @staticmethod
+    def forward(ctx, logp, old_logp, advantages, tau_pos, tau_neg):
+        ratio, inside = _ratio_and_clamp_mask(logp - old_logp)
+        positive = torch.sign(advantages).clamp_(min=0.0).to(ratio.dtype)  # 1 where A > 0, else 0
+        tau = _select_(positive, float(tau_pos), float(tau_neg))
+        # -(4 / tau), divided in the ratio's dtype like the formula
+        neg_coef = torch.div(torch.tensor(-4.0, dtype=tau.dtype, device=tau.device), tau)
+        gate = torch.sigmoid_(_mul_(ratio - 1.0, tau))
+        loss = _mul_(neg_coef.mul_(gate), advantages)
+        if ctx.needs_input_grad[0]:
+            # -4 s (1 - s) ratio A = (1 - s) ratio tau * loss
+            slope = _mul_(_mul_((1.0 - gate).mul_(ratio), tau), loss)
+            ctx.save_for_backward(slope if inside is None else torch.where(inside, slope, 0.0))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (d_loss_d_logp,) = ctx.saved_tensors
+        return grad_loss * d_loss_d_logp, None, None, None, None
+
+
+# Water filling without a full sort: the positive float64 `d^2` are bucketed by the high bits of their IEEE
+# representation, which order positive floats like their values: bucket = (exponent, top `sub_bits` mantissa bits),
+# i.e. 2**sub_bits buckets per octave, from the budget's bucket (the level tau^2 is never below the budget; bucket 0
+# holds everything below) up to the largest value's. `sub_bits` is the largest (at most _M2PO_MAX_SUB_BITS) that
+# keeps the bucket count within _M2PO_MAX_BUCKETS, so the per-bucket arrays stay small whatever the value range.
+_M2PO_MAX_SUB_BITS = 10
+_M2PO_MAX_BUCKETS = 1 << 14
+_INF_BITS = 0x7FF0000000000000  # the int64 bits of float64 +inf
+
+
+def _harmful_sq(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The float64 `d^2` of the harmful tokens only (1-D), `d = logp - old_logp` computed in float64.
+
+    A token is harmful when `sign(A) * sign(logp - old_logp) > 0` (a NaN never is): the difference in the inputs'
+    dtype has the sign of the float64 one (it is 0 only when the two are equal), so only the harmful tokens are
+    converted. Sign arithmetic costs less than four comparisons and three logical operations.
+    """
+    lp = logp.detach().reshape(-1)
+    old = old_logp.detach().reshape(-1)
+    same_sign = torch.sign(lp - old).mul_(torch.sign(advantages.detach().reshape(-1)))
+    harmful = (same_sign > 0).logical_and_((mask != 0).reshape(-1))
+    index = harmful.nonzero().squeeze(1)
+    d = lp.index_select(0, index).to(torch.float64) - old.index_select(0, index).to(torch.float64)
+    return d * d
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _water_level(sq: torch.Tensor, target: float, budget: float, top: float) -> torch.Tensor:
+    """`tau^2` (0-d) with `sum min(sq, tau^2) = target`, for `sum sq > target > 0`, `tau^2 >= budget > 0` and
+    `top = max(sq)`.
+
+    Exactly the sorted water filling (first sorted `s_j` with `f_j = P_j + (k - j) s_j >= target`, then
+    `tau^2 = (target - P_j) / (k - j)`), with the sort replaced by per-bucket counts and sums: `g(b) =
+    sum min(sq, b)` at every bucket's lower edge gives the bucket that holds `tau^2`, and only its elements are
+    sorted, the buckets below and above entering as a sum and a count.
+    """
+    octaves = (min(_float_bits(top), _INF_BITS) >> 52) - (_float_bits(budget) >> 52) + 1
+    sub_bits = max(0, min(_M2PO_MAX_SUB_BITS, (_M2PO_MAX_BUCKETS // octaves).bit_length() - 1))
+    shift = 52 - sub_bits
+    first_key = (_float_bits(budget) >> shift) - 1  # bucket 1 starts at the budget's bucket
+    n_buckets = (min(_float_bits(top), _INF_BITS) >> shift) - first_key + 1
+    bucket = ((sq.view(torch.int64) >> shift) - first_key).clamp_(0, n_buckets - 1)
+    counts = torch.bincount(bucket, minlength=n_buckets)
+    sums = torch.bincount(bucket, weights=sq, minlength=n_buckets)
+    below = torch.cumsum(sums, 0) - sums  # sum of the buckets below each bucket
+    at_or_above = sq.numel() - (torch.cumsum(counts, 0) - counts)  # elements in this bucket and above
+    edge_bits = (torch.arange(n_buckets, device=sq.device) + first_key) << shift
+    edges = edge_bits.clamp_(min=0).view(torch.float64)  # lower edges (bucket 0's is unused)
+    g = below + edges * at_or_above.to(torch.float64)  # g(edge) = sum below + edge * count at or above
+    # tau^2 lies in the first bucket whose upper edge (the next lower edge) has g >= target; g(+inf) = sum sq > target
+    reached = torch.cat([g[1:] >= target, torch.ones(1, dtype=torch.bool, device=sq.device)])
+    b = int(torch.argmax(reached.to(torch.int8)))  # host sync: the bucket to sort
+    level, above_all = _water_level_in_bucket(torch.sort(sq[bucket == b]).values, below[b], at_or_above[b], target)
+    # above every element: `sum sq` exceeds `target` only by rounding, the level is the largest element
+    return torch.where(above_all, top, level)
+
+
+def _water_level_in_bucket(
+    s: torch.Tensor, below: torch.Tensor, at_or_above: torch.Tensor, target: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted water filling over `s` (one bucket, ascending), with `below` the sum of the smaller elements and
+    `at_or_above` the count of `s` and the larger ones -> (level, whether it is above every element).
+
+    The solution is at one of `s` or above all of them, i.e. at the next larger element when there is one.
+    """
+    q = s.numel()
+    prefix = torch.cumsum(s, 0) - s + below  # P_j
+    rest = at_or_above - torch.arange(q, device=s.device)  # k - j
+    f = torch.cat([prefix + rest * s, torch.full((1,), math.inf, dtype=s.dtype, device=s.device)])
+    prefix = torch.cat([prefix, (below + s.sum()).reshape(1)])
+    rest = torch.cat([rest, (at_or_above - q).reshape(1)])
+    j = torch.argmax((f >= target).to(torch.int8))
+    return ((target - prefix[j]) / rest[j].clamp(min=1)).clamp(min=0.0), rest[j] == 0
 
 
 def m2po_clip_bounds(
@@ -344,45 +600,25 @@ def m2po_clip_bounds(
     clipped: `eps_low = eps_high = math.inf` and `m2_after = M2`. Otherwise `tau` solves
     `sum_H min(d^2, tau^2) = |H| * kl2_budget` exactly (water filling over the sorted `d^2`),
     `eps_low = max(1 - exp(-tau), miniclip_low)`, `eps_high = max(exp(tau) - 1, miniclip_high)`, and
-    `m2_after = sum_H min(d^2, tau^2) / |H|`. Sort + prefix sums, O(n log n), one host sync at the end.
-    Computed in float64. The inputs may be any shape (e.g. the concatenated valid tokens of a whole step).
+    `m2_after = sum_H min(d^2, tau^2) / |H|`. Computed in float64 over the harmful tokens only; the water level
+    comes from bucket sums and a sort of the one bucket that holds it (`_water_level`), O(|H|). The inputs may be
+    any shape (e.g. the concatenated valid tokens of a whole step).
     """
     with torch.no_grad():
-        d = (logp.detach().to(torch.float64) - old_logp.detach().to(torch.float64)).reshape(-1)
-        a = advantages.detach().reshape(-1)
-        valid = (mask != 0).reshape(-1)
-        harmful = valid & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
-        sq = torch.where(harmful, d * d, torch.zeros_like(d))
-        k = harmful.sum()
-        kf = k.to(d.dtype)
-        total = sq.sum()
-        m2 = total / kf.clamp(min=1.0)
-        budget = torch.as_tensor(kl2_budget, dtype=d.dtype, device=d.device)
-        target = kf * budget
-        # Water filling: harmful d^2 sorted ascending, the others pushed to the end.
-        s = torch.sort(torch.where(harmful, sq, torch.full_like(sq, math.inf))).values
-        finite = torch.isfinite(s)
-        s0 = torch.where(finite, s, torch.zeros_like(s))
-        prefix = torch.cumsum(s0, 0) - s0  # P_j: sum of the j smallest
-        j = torch.arange(s.numel(), device=d.device)
-        # f(s_j) = sum_H min(d^2, s_j) = P_j + (k - j) s_j is nondecreasing in j.
-        f = torch.where(finite, prefix + (kf - j.to(d.dtype)) * s0, torch.full_like(s0, math.inf))
-        if s.numel() > 0:
-            jstar = torch.argmax((f >= target).to(torch.int8))
-            rest = (kf - jstar.to(d.dtype)).clamp(min=1.0)
-            tau2 = ((target - prefix[jstar]) / rest).clamp(min=0.0)
+        sq = _harmful_sq(logp, old_logp, advantages, mask)
+        k = sq.numel()
+        total, top = torch.stack([sq.sum(), sq.max()]).tolist() if k else (0.0, 0.0)  # host sync
+        m2 = total / max(k, 1)
+        if not m2 > kl2_budget:  # also a NaN M2 or budget: nothing is clipped
+            return math.inf, math.inf, m2, m2
+        target = k * kl2_budget
+        if target > 0:
+            tau2_t = _water_level(sq, target, kl2_budget, top)
         else:
-            tau2 = torch.zeros((), dtype=d.dtype, device=d.device)
-        after = torch.minimum(sq, tau2).sum() / kf.clamp(min=1.0)
-        tau = tau2.sqrt()
-        eps_low = torch.clamp(1.0 - torch.exp(-tau), min=miniclip_low)
-        eps_high = torch.clamp(torch.exp(tau) - 1.0, min=miniclip_high)
-        clip = m2 > budget
-        inf = torch.full_like(eps_low, math.inf)
-        packed = torch.stack(
-            [torch.where(clip, eps_low, inf), torch.where(clip, eps_high, inf), m2, torch.where(clip, after, m2)]
-        ).tolist()
-    return packed[0], packed[1], packed[2], packed[3]
+            tau2_t = torch.zeros((), dtype=sq.dtype, device=sq.device)
+        tau2, after = torch.stack([tau2_t, torch.minimum(sq, tau2_t).sum() / max(k, 1)]).tolist()  # host sync
+    tau = math.sqrt(tau2)
+    return max(1.0 - math.exp(-tau), miniclip_low), max(math.exp(tau) - 1.0, miniclip_high), m2, after
 
 
 def clipped_values(values: torch.Tensor, old_values: torch.Tensor, value_clip: float) -> torch.Tensor:
@@ -431,7 +667,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, tis_clip: float) -> torch.Tensor:
     """Truncated importance sampling: `w = min(exp(old_logp - rollout_logp), tis_clip)`, detached (`exp_log_ratio`)."""
-    return exp_log_ratio(old_logp - rollout_logp).clamp(max=tis_clip).detach()
+    with torch.no_grad():
+        return _exp_log_ratio_(old_logp - rollout_logp).clamp_(max=tis_clip)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -441,13 +678,13 @@ def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, tis_clip: fl
 def masked_sum_reduce(values: torch.Tensor, mask: torch.Tensor, per_token: bool, denominator: float) -> torch.Tensor:
     """`sum(mask * v) / denominator` (per token) or `sum_b(token mean of row b) / denominator`.
 
-    Masked entries never contribute (even NaN). An empty row's token mean is 0.
+    Masked entries never contribute (even NaN). An empty row's token mean is 0. `mask` may be bool (used as is).
     """
-    valid = _valid(mask, values)
-    v = torch.where(valid > 0, values, torch.zeros_like(values))
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    v = torch.where(keep, values, 0.0)
     if per_token:
         return v.sum() / denominator
-    row = v.sum(-1) / valid.sum(-1).clamp(min=1.0)
+    row = v.sum(-1) / _row_counts(keep).clamp(min=1)
     return row.sum() / denominator
 
 

@@ -20,7 +20,8 @@ def policy_loss(
     cfg: GSPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> PolicyLossOutput:
     """PPO-Clip with `s = exp(masked_mean_t(logp - old_logp))` for every token of a response."""
-    loss, clipped = F.gspo_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.clip_high)
+    # compute_loss hands a policy loss inputs that are 0 on masked tokens and a 0/1 mask
+    loss, clipped = F.gspo_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.clip_high, zero_masked=True)
     return PolicyLossOutput(loss=loss, clipped=clipped)
 
 

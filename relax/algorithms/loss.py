@@ -49,7 +49,7 @@ def _step_tokens(mask: torch.Tensor, per_token: bool, denominator: float, num_to
 
 def _zero_masked(x: Optional[torch.Tensor], keep: torch.Tensor) -> Optional[torch.Tensor]:
     """`x` with 0 on masked tokens (gradient exactly 0 there, whatever they held)."""
-    return None if x is None else torch.where(keep, x, torch.zeros_like(x))
+    return None if x is None else torch.where(keep, x, 0.0)
 
 
 def compute_loss(
@@ -91,10 +91,10 @@ def compute_loss(
     advantages = _zero_masked(batch.advantages, keep)
 
     def reduce(x: torch.Tensor) -> torch.Tensor:
-        return F.masked_sum_reduce(x, mask, per_token, denom)
+        return F.masked_sum_reduce(x, keep, per_token, denom)
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
-        return F.masked_sum_reduce(x, mask, True, tokens)
+        return F.masked_sum_reduce(x, keep, True, tokens)
 
     if algorithm.needs_step_statistics:
         stats = batch.stats
@@ -113,12 +113,13 @@ def compute_loss(
 
     metrics: dict[str, torch.Tensor] = {PG_LOSS: pg_loss.detach()}
     with torch.no_grad():
-        if out.clipped is not None:
-            metrics[PG_CLIPFRAC] = token_mean(out.clipped.to(pg.dtype))
+        if out.clipped is not None:  # token counts, exact
+            metrics[PG_CLIPFRAC] = torch.count_nonzero(out.clipped & keep).to(pg.dtype) / tokens
         else:
             metrics[PG_CLIPFRAC] = torch.zeros((), dtype=pg.dtype, device=pg.device)
-        metrics[PPO_KL] = token_mean(old_logp - logp.detach())
-        share = mask.sum() / tokens
+        # both are 0 on masked tokens: the plain sum is the masked one
+        metrics[PPO_KL] = (old_logp - logp.detach()).sum() / tokens
+        share = torch.count_nonzero(keep).to(pg.dtype) / tokens
         for name, value in out.metrics.items():
             metrics[name] = torch.as_tensor(value, dtype=pg.dtype, device=pg.device).detach() * share
 
