@@ -177,6 +177,10 @@ def response_logprobs_all(
     the same distribution. One forward over prompt+response with position ids from the mask (left padding).
     Logits are computed only at positions P-1 .. P+T-2 (`logits_to_keep`), so the prompt never costs an
     [N, L, V] tensor; under autocast they come out in bf16 and are upcast before the log-softmax.
+
+    This is the unchunked reference definition (any causal LM). The trainer and the reference role compute the
+    same values through `relax.backends.logprobs.response_logprobs`, which never holds [N, T, V] fp32 tensors
+    (chunked lm_head + log-softmax) and falls back to this function for models it does not cover.
     """
     P, T = response_start, response_len
     if P < 1:
@@ -209,7 +213,8 @@ def token_logprobs(
 
     `input_ids`/`attention_mask` are [N, P+T] as `Samples.sequences()` gives them (prompt left-padded,
     response right-padded, response at column P = `response_start`). Masked positions hold finite
-    values of no meaning. Runs under whatever autocast/grad mode the caller set.
+    values of no meaning. Runs under whatever autocast/grad mode the caller set. The unchunked reference
+    definition; `relax.backends.logprobs.response_logprobs` is the memory-saving equivalent the trainer uses.
     """
     logp_all = response_logprobs_all(model, input_ids, attention_mask, response_start, response_len, temperature)
     logp = logp_all.gather(-1, input_ids[:, response_start:].unsqueeze(-1)).squeeze(-1)

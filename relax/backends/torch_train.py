@@ -38,7 +38,8 @@ from relax.algorithms.base import AlgorithmConfig, LossBatch
 from relax.algorithms.loss import ENTROPY, compute_loss
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
-from relax.backends.models import build_model, entropy_from_logprobs, pick_device, pick_dtype, response_logprobs_all
+from relax.backends.logprobs import response_logprobs
+from relax.backends.models import build_model, pick_device, pick_dtype
 from relax.backends.write_errors import os_write_errors, torch_save
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import (
@@ -168,19 +169,15 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
     """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch, trimmed of all-padding columns.
 
     Log-probs of `softmax(logits / temperature)`, the rollout's sampling distribution. entropy: "grad" (with a
-    gradient) | "metric" (detached) | "none".
+    gradient) | "metric" (detached) | "none". Masked positions hold 0. Computed by
+    `relax.backends.logprobs.response_logprobs`: the lm_head and log-softmax in chunks of tokens, so no
+    [B, T', V] fp32 tensor is held for the backward (the unchunked `response_logprobs_all` for models it does not
+    cover); the values are those of `relax.backends.models.token_logprobs` up to float rounding.
     """
     ids, mask, P, T = trimmed_sequences(mb)
     ids, mask = ids.to(device), mask.to(device)
     with autocast(device, compute_dtype):
-        logp_all = response_logprobs_all(model, ids, mask, P, T, temperature)
-    logp = logp_all.gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)
-    ent = None
-    if entropy == "grad":
-        ent = entropy_from_logprobs(logp_all)
-    elif entropy == "metric":
-        with torch.no_grad():
-            ent = entropy_from_logprobs(logp_all.detach())
+        logp, ent = response_logprobs(model, ids, mask, P, T, temperature=temperature, entropy=entropy)
     return logp, ent, T
 
 

@@ -1,0 +1,167 @@
+"""Memory and time of one actor `train_step`: peak resident memory of the process, and its step-time.
+
+    python bench/train_memory.py --model smollm2_135m --dtype float32 --rows 16 --prompt-len 32 \
+        --response-len 96 --micro 8
+
+Run it as its own (fresh) process: it reads the process's own peak resident set (VmHWM of /proc/self/status).
+The trainer is the real one (`PolicyWorker` -> `relax.backends.torch_train.TorchPolicy`, as in
+bench/train_mfu.py), the batch is random (all tokens valid). Sequence:
+
+1. build the worker (model + AdamW, no optimizer state yet): `rss_built_mib`;
+2. one warm-up `train_step` (allocates AdamW's moments): `rss_base_mib` is the resident set after it, once
+   malloc has returned free memory (malloc_trim), i.e. weights + AdamW state + what the allocator keeps;
+3. `--reps` measured steps; before each the peak counter is reset (`/proc/self/clear_refs` = 5), after each
+   `activation_mib` = VmHWM - resident set before the step (the gradients, ~4 bytes per parameter, and
+   everything the forward/backward holds) and `time_s` = the step's wall time.
+
+glibc malloc keeps some freed memory (the resident set after a micro-batch's backward stays well above what is
+live), so the default numbers are what the process costs, not what is live at the peak; with
+`MALLOC_MMAP_THRESHOLD_=65536` in the environment every tensor of 64 KiB or more is mapped and unmapped on its own
+and `activation_mib` tracks live memory closely (at some cost in time; the JSON records the setting).
+
+`peak_total_mib` is the process's peak over its whole life (VmHWM before the first reset, which covers model
+loading and the warm-up step, and after each measured step). One JSON line on stdout (`time_s` and
+`activation_mib`: min, median and every value); progress on stderr. The machine may be shared: read min and
+median, not a single value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import load_average
+
+MIB = 2**20
+
+
+def status_kib(field: str) -> int:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM), in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def release_free_memory() -> None:
+    """Give free heap memory back to the OS (glibc malloc_trim), so the resident set is what is in use."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current resident set (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def summary(values: list[float], digits: int) -> dict:
+    return {"min": round(min(values), digits), "median": round(statistics.median(values), digits),
+            "values": [round(v, digits) for v in values]}
+
+
+def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response_len: int, micro: int, reps: int,
+            entropy_coef: float = 0.0, threads: int | None = None, log=None) -> dict:
+    from relax.backends.batch import TrainBatch
+    from relax.config.compose import load_config
+    from relax.data.tokenizer import load_tokenizer
+    from relax.roles.workers import ModelInfo, PolicyWorker
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    load = load_average()
+    cfg = load_config([f"model={model_name}", f"model.dtype={dtype}", f"train.micro_batch_size={micro}",
+                       f"algorithm.entropy_coef={entropy_coef}", "tracking.enabled=false"])
+    tok = load_tokenizer(cfg.model)
+    worker = PolicyWorker(cfg, ModelInfo(len(tok), tok.pad_token_id, ()), threads=threads)
+    release_free_memory()
+    rss_built = status_kib("VmRSS")
+    g = torch.Generator().manual_seed(0)
+    V = len(tok)
+    batch = TrainBatch(
+        prompt_ids=torch.randint(4, V, (rows, prompt_len), generator=g),
+        prompt_mask=torch.ones(rows, prompt_len, dtype=torch.long),
+        response_ids=torch.randint(4, V, (rows, response_len), generator=g),
+        response_mask=torch.ones(rows, response_len, dtype=torch.long),
+        rollout_logp=-torch.rand(rows, response_len, generator=g),
+        finish_reason=["length"] * rows,
+        rewards=torch.randn(rows),
+        advantages=torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous(),
+    )
+    t0 = time.perf_counter()
+    worker.train_step(batch)  # warm-up: AdamW's state is allocated here
+    log(f"  [{model_name} {dtype} micro={micro}] warm-up step {time.perf_counter() - t0:.2f} s")
+    release_free_memory()
+    rss_base = status_kib("VmRSS")
+    peak_before = status_kib("VmHWM") / 1024  # loading and the warm-up step (resetting VmHWM forgets it)
+    times, activations, peaks = [], [], []
+    resettable = True
+    for rep in range(reps):
+        release_free_memory()
+        before = status_kib("VmRSS")
+        resettable = reset_peak() and resettable
+        t0 = time.perf_counter()
+        worker.train_step(batch)
+        times.append(time.perf_counter() - t0)
+        peak = status_kib("VmHWM")
+        peaks.append(peak / 1024)
+        activations.append((peak - before) / 1024)
+        log(f"  [{model_name} {dtype} micro={micro}] rep {rep}: {times[-1]:.2f} s, activation "
+            f"{activations[-1]:.0f} MiB, peak {peaks[-1]:.0f} MiB")
+    return {
+        "bench": "train_memory", "model": model_name, "dtype": dtype,
+        "compute_dtype": str(worker.policy.compute_dtype).replace("torch.", ""),
+        "rows": rows, "prompt_len": prompt_len, "response_len": response_len, "micro": micro,
+        "entropy_coef": entropy_coef, "vocab": V, "threads": torch.get_num_threads(), "reps": reps,
+        "time_s": summary(times, 3),
+        "activation_mib": summary(activations, 1),
+        "peak_step_mib": round(max(peaks), 1),
+        "rss_built_mib": round(rss_built / 1024, 1),
+        "rss_base_mib": round(rss_base / 1024, 1),
+        "peak_total_mib": round(max([peak_before, *peaks]), 1),
+        "peak_reset": resettable,  # False: VmHWM could not be reset, activation_mib is an upper bound
+        "load_average": load,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "pid": os.getpid(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2_135m", choices=["tiny", "smollm2_135m"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--response-len", type=int, default=96)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--entropy-coef", type=float, default=0.0,
+                    help="> 0: the entropy term has a gradient (entropy mode 'grad'); 0: only measured")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: every usable core; 1 is steadier on a shared machine)")
+    a = ap.parse_args(argv)
+    r = measure(a.model, a.dtype, rows=a.rows, prompt_len=a.prompt_len, response_len=a.response_len, micro=a.micro,
+                reps=a.reps, entropy_coef=a.entropy_coef, threads=a.threads)
+    print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
