@@ -2,8 +2,8 @@
 
 overhead = perf/step_time - perf/rollout_engine_time - perf/actor_compute_time: Ray calls, moving samples and
 weights, rewards, advantages, anything else the driver does in a step (the metric names live in
-relax/runner/train.py and relax/roles/workers.py). Also reports start-up (Ray, actors, model builds: the wall
-time of `run` not spent in steps).
+relax/runner/train.py and relax/roles/workers.py). Also reports start-up: from calling `run` to the start of
+its first step (Ray, role processes, model builds, the first weight sync).
 
     python bench/overhead.py --model tiny --steps 6
 """
@@ -24,17 +24,44 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench.common import Series
 
 
-def measure(overrides: list[str], steps: int, log=print) -> dict:
+def measure(overrides: list[str], steps: int, log=print, ray_running: bool = False) -> dict:
+    """`ray_running`: Ray is started before (and stopped after) the timed run, which joins it, as a run does in a
+    process or on a cluster where Ray already runs (`cluster.address`, relax-submit); otherwise the run starts
+    its own local Ray instance."""
+    import ray
+
+    if ray_running:
+        ray.init(include_dashboard=False, logging_level="WARNING", num_cpus=2)
+    try:
+        return _measure(overrides, steps, log, ray_running)
+    finally:
+        if ray_running:
+            ray.shutdown()
+
+
+def _measure(overrides: list[str], steps: int, log, ray_running: bool) -> dict:
     from relax.config.compose import load_config
     from relax.roles.workers import ACTOR_COMPUTE_TIME
     from relax.runner import train
+    from relax.runner.session import Session
 
     cfg = load_config([*overrides, f"train.num_rollout={steps}", "tracking.enabled=false", "tracking.progress=false",
                        "train.save=false"])
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        result = train.run(cfg, output_dir=Path(tmp))
-        wall = time.perf_counter() - t0
+    logged: list[float] = []  # when each step's metrics were logged (right after its step time is taken)
+    log_step = Session.log
+
+    def timed_log(self, metrics, step):
+        logged.append(time.perf_counter())
+        return log_step(self, metrics, step)
+
+    Session.log = timed_log
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            result = train.run(cfg, output_dir=Path(tmp))
+            wall = time.perf_counter() - t0
+    finally:
+        Session.log = log_step
     hist = [m for _, m in result.history][1:] or [m for _, m in result.history]  # first step: warm-up
     step = Series([m[train.STEP_TIME] for m in hist])
     n = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
@@ -43,8 +70,10 @@ def measure(overrides: list[str], steps: int, log=print) -> dict:
         return statistics.median(m.get(key, 0.0) for m in hist)
 
     out = {
-        "overrides": overrides, "steps": steps, "samples_per_step": n, "wall_s": wall,
-        "startup_s": wall - sum(m[train.STEP_TIME] for _, m in result.history),
+        "overrides": overrides, "steps": steps, "ray_running": ray_running, "samples_per_step": n, "wall_s": wall,
+        # from calling run() to the start of step 0 (Ray, role processes, model builds, first weight sync)
+        "startup_s": logged[0] - result.history[0][1][train.STEP_TIME] - t0,
+        "shutdown_s": t0 + wall - logged[-1],  # after the last step: summary, roles and Ray stopped
         "step": step, "samples_per_s": Series([n / s for s in step.values]),
         "fraction": Series([m[train.OVERHEAD_FRACTION] for m in hist]),
         "engine_s": med(train.ROLLOUT_ENGINE_TIME), "compute_s": med(ACTOR_COMPUTE_TIME),
@@ -52,7 +81,7 @@ def measure(overrides: list[str], steps: int, log=print) -> dict:
         "rollout_call_s": med(train.ROLLOUT_TIME), "train_call_s": med(train.TRAIN_TIME),
     }
     log(f"  [ray loop {' '.join(overrides)}] step {step.median:.3f}s, overhead {out['fraction'].median:.1%} "
-        f"({out['fraction'].spread}), start-up {out['startup_s']:.1f}s")
+        f"({out['fraction'].spread}), start-up {out['startup_s']:.1f}s, shutdown {out['shutdown_s']:.1f}s")
     return out
 
 
@@ -60,9 +89,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--ray-running", action="store_true", help="start Ray before the run (it joins it)")
     ap.add_argument("overrides", nargs="*", help="extra relax-train overrides")
     a = ap.parse_args()
-    r = measure([f"model={a.model}", *a.overrides], a.steps)
+    r = measure([f"model={a.model}", *a.overrides], a.steps, ray_running=a.ray_running)
     print({k: (v.median if isinstance(v, Series) else v) for k, v in r.items()})
 
 

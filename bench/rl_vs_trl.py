@@ -84,7 +84,21 @@ class RelaxInProcess:
             self.phases[k].append(v)
         self.n_step += 1
         self.last_tokens = int(samples.response_mask.sum())
+        self.last_prompt_tokens = int(samples.prompt_mask.sum())
         return t4 - t0
+
+    def limit_s(self, completion_len: int) -> dict[str, float]:
+        """The last step's time at this machine's limits (`bench.limits`), in the rollout engine's dtype."""
+        from bench.limits import Machine, step_limit_s
+        from bench.train_mfu import matmul_params
+
+        model = self.policy.policy.model
+        engine = self.rollout.engine.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.parameters())
+        compute = next(engine.parameters()).dtype  # bf16 runs bf16 matmuls on both sides (autocast in training)
+        rows = self.cfg.rollout.rollout_batch_size * self.cfg.rollout.n_samples_per_prompt
+        return step_limit_s(Machine.measure(compute), matmul_params=matmul_params(model), weight_bytes=weight_bytes,
+                            rows=rows, prompt_tokens=self.last_prompt_tokens, response_len=completion_len)
 
 
 def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -180,10 +194,13 @@ def compare(model: str, dtype: str, *, prompts: int, group: int, completion_len:
             log(f"  [{model} {dtype}] block {b} {side}: {per_side[side].values[-1]:.2f} samples/s "
                 f"(step times {', '.join(f'{t:.2f}' for t in times)} s)")
     phases = {k: sum(v[1:]) / max(1, len(v) - 1) for k, v in relax.phases.items()}
+    limit = relax.limit_s(completion_len)
+    log(f"  [{model} {dtype}] limit of a step: {limit}")
     return {
         "model": model, "dtype": dtype, "samples_per_step": n, "completion_len": completion_len, "micro": micro,
         "relax": per_side["relax"], "trl": per_side["trl"], "ratio": ratio_series(per_side["relax"], per_side["trl"]),
-        "relax_phases_s": phases,
+        "relax_phases_s": phases, "limit_s": limit,
+        "vs_limit": Series([n / v / limit["total"] for v in per_side["relax"].values]),
     }
 
 
@@ -202,7 +219,7 @@ def main() -> None:
                 blocks=a.blocks, steps_per_block=a.steps_per_block)
     print(f"relax {r['relax'].median:.2f} samples/s ({r['relax'].spread}); trl {r['trl'].median:.2f} "
           f"({r['trl'].spread}); ratio {r['ratio'].median:.2f}x ({r['ratio'].spread}); "
-          f"relax phases {r['relax_phases_s']}")
+          f"relax phases {r['relax_phases_s']}; step / limit {r['vs_limit'].median:.2f}x")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python -m bench                      # full suite (~30-60 min on 2 CPU cores), writes docs/performance.md
     python -m bench --quick              # smaller sizes, fewer repetitions (~10 min)
     python -m bench --smoke --out /tmp/perf.md   # tiny sizes only, seconds (what tests/bench runs)
-    python -m bench --only rollout,math  # some sections: rl, rollout, train, overhead, modes, sglang, math
+    python -m bench --only rollout,math  # some sections: rl, rollout, train, memory, overhead, modes, sglang,
+                                         # math
 
 Each comparison runs both sides in the same process, alternating, several repetitions; the report gives
 medians, min-max spreads and the load average before and after each section (the machine may be shared).
@@ -21,15 +22,18 @@ from pathlib import Path
 
 from bench.common import Series, load_average, machine_info
 
-SECTIONS = ("rl", "rollout", "train", "overhead", "modes", "sglang", "math")
+SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "math")
 TARGETS = {
-    "rl": "Relax samples/s >= 2x TRL, both sizes, same precision",
-    "rollout": "engine tokens/s >= 2x HF generate",
+    "rl": "Relax samples/s >= 2x TRL, both sizes, same precision; a step <= 1.3x its limit on the machine "
+          "(FLOPs at the matmul peak, decode at memory bandwidth)",
+    "rollout": "engine tokens/s >= 2x HF generate on the tiny model, >= 2.5x at 135M bf16",
     "train": "135M train phase >= 50% of measured matmul FLOP/s",
-    "overhead": "overhead <= 5% of a step",
+    "memory": "actor peak memory at 135M, 16 x 128 tokens, <= 40% of round 1's",
+    "overhead": "overhead <= 5% of a step at 135M, <= 10% on the tiny model; start-up to step 0 <= 6 s (tiny), "
+                "<= 15 s (135M)",
     "modes": "fully_async >= 1.6x sync samples/s when rollout and train are balanced, 2+ cores",
     "sglang": "no target: the request shape of rollout=sglang, measured (per sample vs per prompt)",
-    "math": "1M-token M2PO solve < 50 ms",
+    "math": "1M-token M2PO solve < 25 ms; every compute_loss fwd+bwd within 1.5x of the cheapest",
 }
 
 
@@ -38,7 +42,8 @@ class Settings:
     rl_runs: list[tuple[str, str, dict]]  # (model, dtype, kwargs of rl_vs_trl.compare)
     rollout_runs: list[dict]
     train_runs: list[dict]
-    overhead_runs: list[tuple[list[str], int]]
+    memory_runs: list[dict]  # arguments of bench/train_memory.py, each run in a fresh process
+    overhead_runs: list[tuple]  # (overrides, steps[, Ray already running])
     # (work overrides, steps, reps, modes) of bench/async_modes.py
     modes_runs: list[tuple[list[str], int, int, tuple[str, ...]]]
     sglang_runs: list[tuple[list[str], dict]]  # (model overrides, kwargs of bench/sglang_requests.compare)
@@ -57,6 +62,7 @@ def settings(mode: str) -> Settings:
                                dtype="float32")],
             train_runs=[dict(model_name="tiny", dtype="float32", rows=4, prompt_len=8, response_len=8, micro=4,
                              reps=1, mm_size=256)],
+            memory_runs=[dict(model="tiny", dtype="float32", rows=4, prompt_len=8, response_len=8, micro=4, reps=1)],
             overhead_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
                              "rollout.max_response_len=4", "train.micro_batch_size=4"], 2)],
             modes_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
@@ -84,7 +90,9 @@ def settings(mode: str) -> Settings:
                          micro=8, reps=reps, mm_size=2048)]
         + ([] if quick else [dict(model_name="smollm2_135m", dtype="float32", rows=8, prompt_len=32,
                                   response_len=64, micro=8, reps=3, mm_size=2048)]),
-        overhead_runs=[(["model=tiny"], 8 if quick else 12)]
+        memory_runs=[dict(model="smollm2_135m", dtype=dtype, rows=16, prompt_len=32, response_len=96, micro=8,
+                          reps=2 if quick else 3) for dtype in ("float32", "bfloat16")],
+        overhead_runs=[(["model=tiny"], 8 if quick else 12), (["model=tiny"], 3, True)]
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
         modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))],
@@ -115,17 +123,19 @@ def section_rl(st: Settings, log) -> list[str]:
     from bench import rl_vs_trl
 
     lines = ["| model | precision | samples/step x tokens | Relax samples/s | TRL samples/s | ratio Relax/TRL | "
-             "Relax phases (s): rollout / reward+adv / train / sync |", "|---|---|---|---|---|---|---|"]
+             "Relax phases (s): rollout / reward+adv / train / sync | limit (s): train / prefill / decode | "
+             "Relax step / limit |", "|---|---|---|---|---|---|---|---|---|"]
     for model, dtype, kw in st.rl_runs:
         r = rl_vs_trl.compare(model, dtype, log=log, **kw)
-        ph = r["relax_phases_s"]
+        ph, lim = r["relax_phases_s"], r["limit_s"]
         lines.append(f"| {model} | {dtype} | {r['samples_per_step']} x {r['completion_len']} | {fmt(r['relax'], 1, 2)}"
                      f" | {fmt(r['trl'], 1, 2)} | **{fmt(r['ratio'], 1, 2)}** | {ph['rollout']:.2f} / "
-                     f"{ph['reward+adv']:.3f} / {ph['train']:.2f} / {ph['sync']:.3f} |")
+                     f"{ph['reward+adv']:.3f} / {ph['train']:.2f} / {ph['sync']:.3f} | {lim['train']:.3f} / "
+                     f"{lim['prefill']:.3f} / {lim['decode']:.3f} | **{fmt(r['vs_limit'], 1, 2)}x** |")
         cmd = (f"python bench/rl_vs_trl.py --model {model} --dtype {dtype} --prompts {kw['prompts']} --group "
                f"{kw['group']} --completion-len {kw['completion_len']} --micro {kw['micro']} --blocks {kw['blocks']}"
                f" --steps-per-block {kw['steps_per_block']}")
-        lines.append(f"| | | `{cmd}` | | | | |")
+        lines.append(f"| | | `{cmd}` | | | | | | |")
     return lines
 
 
@@ -163,18 +173,46 @@ def section_train(st: Settings, log) -> list[str]:
     return lines
 
 
+def section_memory(st: Settings, log) -> list[str]:
+    import json
+    import subprocess
+
+    lines = ["| model | precision | rows x (prompt + response), micro-batch | weights + AdamW (resident after a step) "
+             "MiB | activations and gradients of a step MiB | process peak MiB | step s |",
+             "|---|---|---|---|---|---|---|"]
+    script = Path(__file__).with_name("train_memory.py")
+    for kw in st.memory_runs:
+        argv = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+        # a fresh process each: its peak resident set is this run's alone
+        out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        log(f"  [memory {kw['model']} {kw['dtype']}] peak {r['peak_total_mib']:.0f} MiB, "
+            f"step {r['time_s']['median']} s")
+        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}) | {r['rows']} x ({r['prompt_len']} + "
+                     f"{r['response_len']}), {r['micro']} | {r['rss_base_mib']:.0f} | "
+                     f"{r['activation_mib']['median']:.0f} ({r['activation_mib']['min']:.0f}-"
+                     f"{max(r['activation_mib']['values']):.0f}) | **{r['peak_total_mib']:.0f}** | "
+                     f"{r['time_s']['median']:.2f} ({r['time_s']['min']:.2f}-{max(r['time_s']['values']):.2f}) |")
+        lines.append(f"| | `python bench/train_memory.py {' '.join(argv)}` | | | | | |")
+    return lines
+
+
 def section_overhead(st: Settings, log) -> list[str]:
     from bench import overhead
 
     lines = ["| run (Ray loop, `relax.runner.train.run`) | step s | samples/s | engine s | actor train_step s | "
-             "overhead s | overhead share | start-up s |", "|---|---|---|---|---|---|---|---|"]
-    for overrides, steps in st.overhead_runs:
-        r = overhead.measure(overrides, steps, log=log)
-        lines.append(f"| `{' '.join(overrides)}` ({steps} steps, first dropped) | {fmt(r['step'], 1, 2)} | "
+             "overhead s | overhead share | start-up to step 0 s | after the last step s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for overrides, steps, *ray_running in st.overhead_runs:
+        running = bool(ray_running and ray_running[0])
+        r = overhead.measure(overrides, steps, log=log, ray_running=running)
+        where = "Ray already running" if running else "the run starts Ray"
+        lines.append(f"| `{' '.join(overrides)}` ({steps} steps, first dropped; {where}) | {fmt(r['step'], 1, 2)} | "
                      f"{fmt(r['samples_per_s'], 1, 1)} | {r['engine_s']:.2f} | {r['compute_s']:.2f} | "
-                     f"{r['overhead_s']:.3f} | **{fmt(r['fraction'], 100, 1)}%** | {r['startup_s']:.1f} |")
+                     f"{r['overhead_s']:.3f} | **{fmt(r['fraction'], 100, 1)}%** | **{r['startup_s']:.1f}** | "
+                     f"{r['shutdown_s']:.1f} |")
         lines.append(f"| `python bench/overhead.py --model {overrides[0].split('=')[1]} --steps {steps} "
-                     f"{' '.join(overrides[1:])}` | | | | | | | |")
+                     f"{'--ray-running ' if running else ''}{' '.join(overrides[1:])}` | | | | | | | | |")
     return lines
 
 
@@ -223,12 +261,14 @@ def section_math(st: Settings, log) -> list[str]:
     return lines
 
 
-RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "overhead": section_overhead,
+RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "memory": section_memory,
+           "overhead": section_overhead,
            "modes": section_modes, "sglang": section_sglang, "math": section_math}
 TITLES = {
     "rl": "RL step throughput: Relax GRPO vs TRL GRPOTrainer (in-process, same work)",
     "rollout": "Rollout engine vs Hugging Face `generate`",
     "train": "Train phase vs the machine's matmul limit",
+    "memory": "Actor memory: one train step of the real trainer",
     "overhead": "Overhead of the real Ray loop",
     "modes": "Training modes: sync vs hybrid vs fully_async (Ray loop, same work)",
     "sglang": "rollout=sglang requests: per sample vs per prompt, through the router to relax-serve",
