@@ -13,6 +13,7 @@ medians, min-max spreads and the load average before and after each section (the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -51,6 +52,25 @@ class Settings:
     math_reps: int
 
 
+def without_slow_bf16(st: Settings) -> tuple[Settings, bool]:
+    """`st` without its bfloat16 rows on a CPU without native bf16 matmul (AVX512-BF16/AMX), where bf16 is
+    emulated at a small fraction of fp32's speed and a single step takes minutes; (settings, rows dropped)."""
+    import torch
+
+    from relax.backends.models import cpu_has_fast_bf16
+
+    if torch.cuda.is_available() or cpu_has_fast_bf16():
+        return st, False
+
+    def fp32(runs: list, dtype_of) -> list:
+        return [r for r in runs if dtype_of(r) != "bfloat16"]
+
+    slim = dataclasses.replace(
+        st, rl_runs=fp32(st.rl_runs, lambda r: r[1]), rollout_runs=fp32(st.rollout_runs, lambda r: r["dtype"]),
+        train_runs=fp32(st.train_runs, lambda r: r["dtype"]), memory_runs=fp32(st.memory_runs, lambda r: r["dtype"]))
+    return slim, slim != st
+
+
 def settings(mode: str) -> Settings:
     from bench import async_modes
 
@@ -84,6 +104,8 @@ def settings(mode: str) -> Settings:
             dict(model="tiny", batch=16, n_samples=4, prompt_len=32, new_tokens=64, reps=reps, dtype="float32"),
             dict(model="smollm2", batch=4 if quick else 8, n_samples=4, prompt_len=32, new_tokens=32, reps=reps,
                  dtype="bfloat16"),
+            dict(model="smollm2", batch=4 if quick else 8, n_samples=4, prompt_len=32, new_tokens=32, reps=reps,
+                 dtype="float32"),
         ],
         train_runs=[dict(model_name="smollm2_135m", dtype="bfloat16", rows=8 if quick else 16, prompt_len=32,
                          response_len=64,
@@ -329,7 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     cmd = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
     rep = Report(mode=m, machine=machine_info(), command=cmd.strip())
-    st = settings(m)
+    st, dropped = without_slow_bf16(settings(m))
+    if dropped:
+        rep.machine["bf16 rows"] = ("not measured: this CPU has no native bf16 matmul (AVX512-BF16/AMX), bf16 is "
+                                    "emulated at a small fraction of fp32's speed")
 
     def log(msg: str) -> None:
         print(msg, flush=True)

@@ -1,8 +1,9 @@
-"""Model construction and the one log-probability function every torch backend shares.
+"""Model construction and the definition of a response token's log-probability.
 
-`token_logprobs` is the single definition of "log-probability of a response token" for the torch
-trainer and the critic's alignment (and any role that recomputes log-probs), so that old, new and
-reference log-probs are computed the same way.
+`token_logprobs` defines "log-probability of a response token" for the torch backends and the critic's
+alignment, so that old, new and reference log-probs are computed the same way. The trainer and the reference
+role compute exactly these values through `relax.backends.logprobs.response_logprobs` (chunked, without
+[N, T, V] fp32 tensors), which is tested against this definition.
 """
 
 from __future__ import annotations
