@@ -6,11 +6,13 @@ The driver never touches a model; it only holds actor handles. Ray is started fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -187,7 +189,7 @@ class Cluster:
         self.hide_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.placement_group = reserve(self.plan)  # None on a CPU cluster
         self._timeout = timeout = ROLE_START_TIMEOUT_S if timeout_s is None else timeout_s
-        try:
+        with self._starting():
             if cfg.train.backend == "megatron":
                 self.actor = self._megatron_actor(timeout)
             else:
@@ -209,12 +211,6 @@ class Cluster:
                 if self.plan.has("critic") else None
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
             self._pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
-        except ray.exceptions.RayActorError as exc:
-            self._release_placement()
-            raise RunError(f"a role failed to start: {exc}") from None
-        except BaseException:
-            self._release_placement()
-            raise
         if wait:
             self._wait_for_roles()
 
@@ -223,13 +219,21 @@ class Cluster:
         import ray
 
         pings, timeout = self._pings, self._timeout
-        try:
+        with self._starting():
             ready, waiting = ray.wait(list(pings), num_returns=len(pings), timeout=timeout)
             ray.get(ready, timeout=timeout)
             if waiting:
                 raise RunError(f"role(s) {', '.join(pings[w] for w in waiting)} did not start within {timeout:g} s "
                                f"(Ray has {ray.available_resources()} available)")
             self.engines.start()  # SGLang: the servers, once their actors answer, and the router
+
+    @contextlib.contextmanager
+    def _starting(self) -> Iterator[None]:
+        """While roles start: any failure releases the placement group; a role that died says so (RunError)."""
+        import ray
+
+        try:
+            yield
         except ray.exceptions.RayActorError as exc:
             self._release_placement()
             raise RunError(f"a role failed to start: {exc}") from None
