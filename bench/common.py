@@ -108,3 +108,23 @@ class Timer:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.t0
+
+
+def random_train_batch(vocab: int, rows: int, prompt_len: int, response_len: int, seed: int = 0):
+    """A TrainBatch of random tokens, every position valid (no padding), random rollout log-probs, rewards and
+    per-sequence advantages: a fixed amount of work for the trainer benchmarks."""
+    import torch
+
+    from relax.backends.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    return TrainBatch(
+        prompt_ids=torch.randint(4, vocab, (rows, prompt_len), generator=g),
+        prompt_mask=torch.ones(rows, prompt_len, dtype=torch.long),
+        response_ids=torch.randint(4, vocab, (rows, response_len), generator=g),
+        response_mask=torch.ones(rows, response_len, dtype=torch.long),
+        rollout_logp=-torch.rand(rows, response_len, generator=g),
+        finish_reason=["length"] * rows,
+        rewards=torch.randn(rows, generator=g),
+        advantages=torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous(),
+    )

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import load_average
+from bench.common import load_average, random_train_batch
 
 MIB = 2**20
 
@@ -81,7 +81,6 @@ def summary(values: list[float], digits: int) -> dict:
 
 def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response_len: int, micro: int, reps: int,
             entropy_coef: float = 0.0, threads: int | None = None, log=None) -> dict:
-    from relax.backends.batch import TrainBatch
     from relax.config.compose import load_config
     from relax.data.tokenizer import load_tokenizer
     from relax.roles.workers import ModelInfo, PolicyWorker
@@ -94,18 +93,8 @@ def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response
     worker = PolicyWorker(cfg, ModelInfo(len(tok), tok.pad_token_id, ()), threads=threads)
     release_free_memory()
     rss_built = status_kib("VmRSS")
-    g = torch.Generator().manual_seed(0)
     V = len(tok)
-    batch = TrainBatch(
-        prompt_ids=torch.randint(4, V, (rows, prompt_len), generator=g),
-        prompt_mask=torch.ones(rows, prompt_len, dtype=torch.long),
-        response_ids=torch.randint(4, V, (rows, response_len), generator=g),
-        response_mask=torch.ones(rows, response_len, dtype=torch.long),
-        rollout_logp=-torch.rand(rows, response_len, generator=g),
-        finish_reason=["length"] * rows,
-        rewards=torch.randn(rows),
-        advantages=torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous(),
-    )
+    batch = random_train_batch(V, rows, prompt_len, response_len)
     t0 = time.perf_counter()
     worker.train_step(batch)  # warm-up: AdamW's state is allocated here
     log(f"  [{model_name} {dtype} micro={micro}] warm-up step {time.perf_counter() - t0:.2f} s")

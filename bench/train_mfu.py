@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Series
+from bench.common import Series, random_train_batch
 
 
 def matmul_flops(dtype: torch.dtype, size: int, reps: int) -> Series:
@@ -56,7 +56,6 @@ def matmul_params(model: torch.nn.Module) -> int:
 
 def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response_len: int, micro: int, reps: int,
             mm_size: int, log=print) -> dict:
-    from relax.backends.batch import TrainBatch
     from relax.config.compose import load_config
     from relax.data.tokenizer import load_tokenizer
     from relax.roles.workers import ModelInfo, PolicyWorker
@@ -66,18 +65,8 @@ def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response
     tok = load_tokenizer(cfg.model)
     worker = PolicyWorker(cfg, ModelInfo(len(tok), tok.pad_token_id, ()), threads=None)
     policy = worker.policy
-    g = torch.Generator().manual_seed(0)
     V = len(tok)
-    batch = TrainBatch(
-        prompt_ids=torch.randint(4, V, (rows, prompt_len), generator=g),
-        prompt_mask=torch.ones(rows, prompt_len, dtype=torch.long),
-        response_ids=torch.randint(4, V, (rows, response_len), generator=g),
-        response_mask=torch.ones(rows, response_len, dtype=torch.long),
-        rollout_logp=-torch.rand(rows, response_len, generator=g),
-        finish_reason=["length"] * rows,
-        rewards=torch.randn(rows),
-        advantages=torch.randn(rows, 1).expand(rows, response_len).contiguous(),
-    )
+    batch = random_train_batch(V, rows, prompt_len, response_len)
     n_params = matmul_params(policy.model)
     tokens = rows * (prompt_len + response_len)
     flops_step = 6 * n_params * tokens
