@@ -30,8 +30,11 @@ def measure(overrides: list[str], steps: int, log=print, ray_running: bool = Fal
     its own local Ray instance."""
     import ray
 
+    from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
+
     if ray_running:
-        ray.init(include_dashboard=False, logging_level="WARNING", num_cpus=2)
+        ray.init(include_dashboard=False, logging_level="WARNING", num_cpus=2,
+                 _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
     try:
         return _measure(overrides, steps, log, ray_running)
     finally:

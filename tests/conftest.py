@@ -81,9 +81,12 @@ def ray_local():
     """A local Ray for this module (or the one a module of another directory already started)."""
     import ray
 
+    from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
+
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                 _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
     yield ray
     if started:
         ray.shutdown()

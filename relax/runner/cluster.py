@@ -37,7 +37,7 @@ from relax.roles.workers import (
 from relax.runner import checkpoint
 from relax.runner.engines import ReplicaEngines
 from relax.runner.errors import RoleFailure, RunError
-from relax.runner.plan import ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
+from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.restarts import Restarts
 from relax.runner.sglang_engines import SGLangEngines
 from relax.runner.watchdog import Watchdog
@@ -91,6 +91,7 @@ class RayRuntime:
                                "cluster=local (CPU) or a cluster option that fits the machine")
             kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
             kwargs["num_gpus"] = self.plan.total_gpus or None
+            kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as exc:

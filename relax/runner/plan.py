@@ -39,6 +39,11 @@ GPU_ROLES = ("actor", "rollout", "reference", "critic")  # advantages computes o
 PLACEMENT_STRATEGY = "PACK"  # bundles on as few nodes as possible; each bundle (one GPU) is on one node
 PLACEMENT_TIMEOUT_S = 300.0  # how long the runner waits for the GPUs of the placement group
 ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its model and answer
+# Ray starts its worker processes (every role) at niceness 15 by default, so that any process of normal priority
+# (the driver scoring rewards, anything else on the machine) takes the cores from the roles doing the training. A
+# local Ray instance started for a run gives them normal priority; a cluster one joins keeps what it was started
+# with (`RAY_worker_niceness=0 ray start ...`, docs/operations.md).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 def _share(x: float) -> float:

@@ -23,6 +23,7 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
     from relax.metrics import ACTOR_COMPUTE_TIME, GRAD_NORM, PG_LOSS
     from relax.roles.megatron_actor import MegatronActorGroup
     from relax.roles.workers import ModelInfo
+    from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
 
     model = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
@@ -41,7 +42,8 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
     ref = TorchPolicy(model, train, vocab_size=32, pad_token_id=0, seed=5, temperature=0.8, num_threads=1,
                       total_steps=2)
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
     group = None
     try:
         group = MegatronActorGroup(cfg, info, threads=1)

@@ -9,6 +9,9 @@ import pytest
 def ray_local():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
     yield ray
     ray.shutdown()

@@ -342,18 +342,21 @@ def test_kill_9_then_resume_auto_equals_an_uninterrupted_run(tmp_path, mlflow_te
     save_dir = run_dir / "checkpoints" / "relax" / "grpo-seed1"  # the default location: no train.save_dir given
     ray_procs: dict[int, tuple[str, str]] = {}
     ref = _start(ref_dir)  # runs alongside the killed one: the test waits for the longer of the two
-    # The run to kill: its reward function holds it at the first reward call of step 3 (after the checkpoint of
-    # step 2, written after steps 0-1), and metrics reach the store every 0.2 s, so step 2 is already recorded
-    # in MLflow but not covered by a checkpoint when the kill comes: the resume recomputes it.
+    # The run to kill: its reward function holds it at the first reward call of the rollout of step 4. Hybrid
+    # generates that rollout on weights version 3 (published once step 2 has trained) and scores it in the stream's
+    # pump while step 3 trains; step 3 is logged, and the checkpoint of step 4 that follows waits for the pump,
+    # held in scoring. Metrics reach the store every 0.2 s, so steps 2 and 3 are recorded in MLflow but not covered
+    # by a checkpoint (the last is step 2's) when the kill comes: the resume recomputes them. (A hold in the
+    # rollout of step 3 would race the checkpoint of step 2, which the pump may or may not have paused for.)
     held = run_dir / "held"
-    proc = _start(run_dir, env={"RELAX_MLFLOW_FLUSH_S": "0.2", "HOLD_AT_CALL": str(3 * PER_STEP),
+    proc = _start(run_dir, env={"RELAX_MLFLOW_FLUSH_S": "0.2", "HOLD_AT_CALL": str(4 * PER_STEP),
                                 "HOLD_FILE": str(held)})
     try:
-        # ---- kill -9 once step 2 is in MLflow, between the checkpoints of steps 2 and 4
+        # ---- kill -9 once step 3 is in MLflow, between the checkpoints of steps 2 and 4
         deadline = time.monotonic() + 400
-        while not held.exists() or 2 not in _durable_steps(run_dir / "mlflow.db").get(KEY, []):
+        while not held.exists() or 3 not in _durable_steps(run_dir / "mlflow.db").get(KEY, []):
             assert proc.poll() is None, "the run ended before it could be killed:\n" + _log_text(run_dir)
-            assert time.monotonic() < deadline, "not at step 3 within the time limit:\n" + _log_text(run_dir)
+            assert time.monotonic() < deadline, "not held at step 4 within the time limit:\n" + _log_text(run_dir)
             time.sleep(0.1)
         ray_procs = _descendants(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
@@ -361,7 +364,7 @@ def test_kill_9_then_resume_auto_equals_an_uninterrupted_run(tmp_path, mlflow_te
         killed_at = _committed_step(save_dir)
         assert killed_at == 2
         before = _durable_steps(run_dir / "mlflow.db")
-        assert sorted(before[KEY]) == [0, 1, 2]  # step 2 is recorded though no checkpoint covers it
+        assert sorted(before[KEY]) == [0, 1, 2, 3]  # steps 2 and 3 are recorded though no checkpoint covers them
         with sqlite3.connect(run_dir / "mlflow.db") as con:
             [(run_id, status)] = con.execute("SELECT run_uuid, status FROM runs").fetchall()
         assert status == "RUNNING"  # what kill -9 leaves; the resume reopens this run
