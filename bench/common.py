@@ -49,6 +49,8 @@ def machine_info() -> dict[str, str]:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    if torch.cuda.is_available() and (peak := datasheet_bf16_flops(gpu)) is not None:
+        gpu += f" (datasheet dense bf16 peak {peak / 1e12:.0f} TFLOP/s)"
     return {
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "cpu": cpu_model(),
@@ -99,6 +101,28 @@ def alternate(sides: dict[str, Callable[[int], float]], reps: int, warmup: bool 
 def ratio_series(a: Series, b: Series) -> Series:
     """Per-repetition ratios a/b (repetitions of both sides ran next to each other)."""
     return Series([x / y for x, y in zip(a.values, b.values, strict=False) if y > 0])
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that a timer stopped after it is honest."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s), by a substring of the device's name: MFU is
+# reported against them where the name matches, next to the fraction of the matmul peak measured on the device.
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.4,
+                         "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0}
+
+
+def datasheet_bf16_flops(device_name: str) -> float | None:
+    """The datasheet dense bf16 FLOP/s of a GPU by its name, or None when it is not in the table."""
+    for key, tflops in DATASHEET_BF16_TFLOPS.items():  # the more specific names come first
+        if key in device_name:
+            return tflops * 1e12
+    return None
 
 
 class Timer:

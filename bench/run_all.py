@@ -6,8 +6,11 @@
     python -m bench --only rollout,math  # some sections: rl, rollout, train, memory, overhead, modes, sglang,
                                          # math
 
+    bash bench/gpu.sh                    # on a CUDA device: the sections that run there, docs/performance_gpu.md
+
 Each comparison runs both sides in the same process, alternating, several repetitions; the report gives
-medians, min-max spreads and the load average before and after each section (the machine may be shared).
+medians, min-max spreads and the load average before and after each section (the machine may be shared), each
+target row's verdict, and the headlines against those of the report it replaces (bench/verdicts.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Series, load_average, machine_info
+from bench.verdicts import ROUND1_PEAK_MIB, Headlines, comparison, previous, verdict
 
 SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "math")
 TARGETS = {
@@ -132,6 +136,8 @@ class Report:
     sections: dict[str, list[str]] = field(default_factory=dict)  # name -> markdown lines
     loads: dict[str, tuple[str, str]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    headlines: Headlines = field(default_factory=Headlines)
+    before: Headlines | None = None  # those of the report this run replaces
 
 
 def fmt(s: Series, scale: float = 1.0, digits: int = 1) -> str:
@@ -141,31 +147,35 @@ def fmt(s: Series, scale: float = 1.0, digits: int = 1) -> str:
             f", n={len(s.values)})")
 
 
-def section_rl(st: Settings, log) -> list[str]:
+def section_rl(st: Settings, log, h: Headlines) -> list[str]:
     from bench import rl_vs_trl
 
     lines = ["| model | precision | samples/step x tokens | Relax samples/s | TRL samples/s | ratio Relax/TRL | "
              "Relax phases (s): rollout / reward+adv / train / sync | limit (s): train / prefill / decode | "
-             "Relax step / limit |", "|---|---|---|---|---|---|---|---|---|"]
+             "Relax step / limit | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for model, dtype, kw in st.rl_runs:
         r = rl_vs_trl.compare(model, dtype, log=log, **kw)
         ph, lim = r["relax_phases_s"], r["limit_s"]
+        ratio, vs_limit = r["ratio"].median, r["vs_limit"].median
+        h.add(f"rl {model} {dtype}: Relax/TRL samples/s", ratio, True)
+        h.add(f"rl {model} {dtype}: step / limit", vs_limit, False)
         lines.append(f"| {model} | {dtype} | {r['samples_per_step']} x {r['completion_len']} | {fmt(r['relax'], 1, 2)}"
                      f" | {fmt(r['trl'], 1, 2)} | **{fmt(r['ratio'], 1, 2)}** | {ph['rollout']:.2f} / "
                      f"{ph['reward+adv']:.3f} / {ph['train']:.2f} / {ph['sync']:.3f} | {lim['train']:.3f} / "
-                     f"{lim['prefill']:.3f} / {lim['decode']:.3f} | **{fmt(r['vs_limit'], 1, 2)}x** |")
+                     f"{lim['prefill']:.3f} / {lim['decode']:.3f} | **{fmt(r['vs_limit'], 1, 2)}x** | "
+                     f"{verdict(ratio >= 2.0 and vs_limit <= 1.3, '>= 2x TRL and <= 1.3x the limit')} |")
         cmd = (f"python bench/rl_vs_trl.py --model {model} --dtype {dtype} --prompts {kw['prompts']} --group "
                f"{kw['group']} --completion-len {kw['completion_len']} --micro {kw['micro']} --blocks {kw['blocks']}"
                f" --steps-per-block {kw['steps_per_block']}")
-        lines.append(f"| | | `{cmd}` | | | | | | |")
+        lines.append(f"| | | `{cmd}` | | | | | | | |")
     return lines
 
 
-def section_rollout(st: Settings, log) -> list[str]:
+def section_rollout(st: Settings, log, h: Headlines) -> list[str]:
     from bench import rollout_vs_generate as rvg
 
-    lines = ["| model | dtype | prompts x samples, prompt + new tokens | engine tok/s | generate tok/s | ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | dtype | prompts x samples, prompt + new tokens | engine tok/s | generate tok/s | ratio | "
+             "verdict |", "|---|---|---|---|---|---|---|"]
     for kw in st.rollout_runs:
         argv = ["--model", kw["model"], "--batch", str(kw["batch"]), "--n-samples", str(kw["n_samples"]),
                 "--prompt-len", str(kw["prompt_len"]), "--new-tokens", str(kw["new_tokens"]), "--reps",
@@ -173,35 +183,45 @@ def section_rollout(st: Settings, log) -> list[str]:
         r = rvg.run(rvg.parser().parse_args(argv))
         e, g, q = Series(r["engine"]), Series(r["generate"]), Series(r["ratios"])
         log(f"  [rollout {kw['model']}] engine {e.median:.0f} tok/s, generate {g.median:.0f}, ratio {q.median:.2f}")
+        h.add(f"rollout {kw['model']} {kw['dtype']}: engine/generate tok/s", q.median, True)
+        need = 2.0 if kw["model"] == "tiny" else 2.5 if kw["dtype"] == "bfloat16" else None
         lines.append(f"| {kw['model']} | {kw['dtype']} | {kw['batch']} x {kw['n_samples']}, {kw['prompt_len']} + "
-                     f"{kw['new_tokens']} | {fmt(e, 1, 0)} | {fmt(g, 1, 0)} | **{fmt(q, 1, 2)}** |")
-        lines.append(f"| | | `python bench/rollout_vs_generate.py {' '.join(argv)}` | | | |")
+                     f"{kw['new_tokens']} | {fmt(e, 1, 0)} | {fmt(g, 1, 0)} | **{fmt(q, 1, 2)}** | "
+                     f"{verdict(None if need is None else q.median >= need, f'>= {need}x')} |")
+        lines.append(f"| | | `python bench/rollout_vs_generate.py {' '.join(argv)}` | | | | |")
     return lines
 
 
-def section_train(st: Settings, log) -> list[str]:
+def section_train(st: Settings, log, h: Headlines) -> list[str]:
     from bench import train_mfu
 
-    lines = ["| model | precision (matmul dtype) | tokens/step | matmul params | train GFLOP/s | matmul GFLOP/s "
-             "| fraction |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | precision (matmul dtype), device | tokens/step | matmul params | train GFLOP/s | "
+             "matmul GFLOP/s | fraction | MFU (datasheet bf16 peak) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for kw in st.train_runs:
         r = train_mfu.measure(log=log, **kw)
-        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}) | {r['tokens']} ({r['rows']} rows, micro "
-                     f"{r['micro']}) | {r['matmul_params'] / 1e6:.1f}M | {fmt(r['achieved'], 1e-9)} | "
-                     f"{fmt(r['limit'], 1e-9)} | **{fmt(r['fraction'], 100, 0)}%** |")
+        fraction = r["fraction"].median
+        h.add(f"train {r['model']} {r['dtype']}: fraction of matmul FLOP/s", fraction, True)
+        mfu = "n/a (CPU)" if r["mfu"] is None else f"{fmt(r['mfu'], 100, 1)}%"
+        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}), {r['device']} | {r['tokens']} "
+                     f"({r['rows']} rows, micro {r['micro']}) | {r['matmul_params'] / 1e6:.1f}M | "
+                     f"{fmt(r['achieved'], 1e-9)} | "
+                     f"{fmt(r['limit'], 1e-9)} | **{fmt(r['fraction'], 100, 0)}%** | {mfu} | "
+                     f"{verdict(fraction >= 0.5, '>= 50%')} |")
         lines.append(f"| | `python bench/train_mfu.py --model {kw['model_name']} --dtype {kw['dtype']} --rows "
                      f"{kw['rows']} --prompt-len {kw['prompt_len']} --response-len {kw['response_len']} --micro "
-                     f"{kw['micro']} --reps {kw['reps']} --mm-size {kw['mm_size']}` | | | | | |")
+                     f"{kw['micro']} --reps {kw['reps']} --mm-size {kw['mm_size']}` | | | | | | | |")
     return lines
 
 
-def section_memory(st: Settings, log) -> list[str]:
+def section_memory(st: Settings, log, h: Headlines) -> list[str]:
     import json
     import subprocess
 
     lines = ["| model | precision | rows x (prompt + response), micro-batch | weights + AdamW (resident after a step) "
-             "MiB | activations and gradients of a step MiB | process peak MiB | step s |",
-             "|---|---|---|---|---|---|---|"]
+             "MiB | activations and gradients of a step MiB | process peak MiB | step s | vs round 1's peak | "
+             "verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     script = Path(__file__).with_name("train_memory.py")
     for kw in st.memory_runs:
         argv = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
@@ -210,52 +230,70 @@ def section_memory(st: Settings, log) -> list[str]:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         log(f"  [memory {kw['model']} {kw['dtype']}] peak {r['peak_total_mib']:.0f} MiB, "
             f"step {r['time_s']['median']} s")
-        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}) | {r['rows']} x ({r['prompt_len']} + "
-                     f"{r['response_len']}), {r['micro']} | {r['rss_base_mib']:.0f} | "
+        peak, base = r["peak_total_mib"], None
+        if r["model"] == "smollm2_135m" and r["memory"] == "process resident":  # round 1 measured the CPU process
+            base = ROUND1_PEAK_MIB.get(r["dtype"])
+        h.add(f"memory {r['model']} {r['dtype']}: actor peak MiB", peak, False)
+        vs_round1 = "n/a (not measured in round 1)" if base is None else f"{peak / base:.0%} of {base:.0f} MiB"
+        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}), {r['memory']} | {r['rows']} x "
+                     f"({r['prompt_len']} + {r['response_len']}), {r['micro']} | {r['rss_base_mib']:.0f} | "
                      f"{r['activation_mib']['median']:.0f} ({r['activation_mib']['min']:.0f}-"
                      f"{max(r['activation_mib']['values']):.0f}) | **{r['peak_total_mib']:.0f}** | "
-                     f"{r['time_s']['median']:.2f} ({r['time_s']['min']:.2f}-{max(r['time_s']['values']):.2f}) |")
-        lines.append(f"| | `python bench/train_memory.py {' '.join(argv)}` | | | | | |")
+                     f"{r['time_s']['median']:.2f} ({r['time_s']['min']:.2f}-{max(r['time_s']['values']):.2f}) | "
+                     f"{vs_round1} | {verdict(None if base is None else peak <= 0.4 * base, '<= 40% of round 1')} |")
+        lines.append(f"| | `python bench/train_memory.py {' '.join(argv)}` | | | | | | | |")
     return lines
 
 
-def section_overhead(st: Settings, log) -> list[str]:
+def section_overhead(st: Settings, log, h: Headlines) -> list[str]:
+    import torch
+
     from bench import overhead
 
     lines = ["| run (Ray loop, `relax.runner.train.run`) | step s | samples/s | engine s | actor train_step s | "
-             "overhead s | overhead share | start-up to step 0 s | after the last step s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "overhead s | overhead share | start-up to step 0 s | after the last step s | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for overrides, steps, *ray_running in st.overhead_runs:
         running = bool(ray_running and ray_running[0])
         r = overhead.measure(overrides, steps, log=log, ray_running=running)
         where = "Ray already running" if running else "the run starts Ray"
+        model = overrides[0].split("=")[1]
+        if torch.cuda.is_available():  # the roles on the GPU (a local cluster keeps them off it)
+            overrides = [*overrides, "cluster=1xgpu"]
+        share, start_cap = (0.05, 15.0) if model == "smollm2_135m" else (0.10, 6.0)
+        name = f"overhead {model}{' (Ray running)' if running else ''}"
+        h.add(f"{name}: overhead share", r["fraction"].median, False)
+        h.add(f"{name}: start-up s", r["startup_s"], False)
+        ok = r["fraction"].median <= share and r["startup_s"] <= start_cap
         lines.append(f"| `{' '.join(overrides)}` ({steps} steps, first dropped; {where}) | {fmt(r['step'], 1, 2)} | "
                      f"{fmt(r['samples_per_s'], 1, 1)} | {r['engine_s']:.2f} | {r['compute_s']:.2f} | "
                      f"{r['overhead_s']:.3f} | **{fmt(r['fraction'], 100, 1)}%** | **{r['startup_s']:.1f}** | "
-                     f"{r['shutdown_s']:.1f} |")
-        lines.append(f"| `python bench/overhead.py --model {overrides[0].split('=')[1]} --steps {steps} "
-                     f"{'--ray-running ' if running else ''}{' '.join(overrides[1:])}` | | | | | | | | |")
+                     f"{r['shutdown_s']:.1f} | {verdict(ok, f'<= {share:.0%} and start-up <= {start_cap:g} s')} |")
+        lines.append(f"| `python bench/overhead.py --model {model} --steps {steps} "
+                     f"{'--ray-running ' if running else ''}{' '.join(overrides[1:])}` | | | | | | | | | |")
     return lines
 
 
-def section_modes(st: Settings, log) -> list[str]:
+def section_modes(st: Settings, log, h: Headlines) -> list[str]:
     from bench import async_modes
 
     lines = ["| work (Ray loop) | mode | samples/s | vs sync | train idle | rollout idle | sync phases (s): rollout / "
-             "train |", "|---|---|---|---|---|---|---|"]
+             "train | verdict |", "|---|---|---|---|---|---|---|---|"]
     for work, steps, reps, modes in st.modes_runs:
         r = async_modes.compare(work, steps, reps, warmup=1 if steps <= 3 else 2, log=log, modes=modes)
         phases = f"{r['sync']['rollout_s'].median:.2f} / {r['sync']['train_s'].median:.2f}"
         for mode in modes:
-            m = r[mode]
+            m, speedup = r[mode], r["speedup"][mode].median
+            h.add(f"modes {mode}: samples/s vs sync", speedup, True)
+            target = verdict(speedup >= 1.6, ">= 1.6x sync") if mode == "fully_async" else verdict(None)
             lines.append(f"| `{' '.join(work)}` | {mode} ({' '.join(async_modes.MODES[mode])}) | "
                          f"{fmt(m['samples_per_s'], 1, 1)} | **{fmt(r['speedup'][mode], 1, 2)}** | "
-                         f"{m['train_idle'].median:.0%} | {m['rollout_idle'].median:.0%} | {phases} |")
-        lines.append(f"| `python bench/async_modes.py --steps {steps} --reps {reps} {' '.join(work)}` | | | | | | |")
+                         f"{m['train_idle'].median:.0%} | {m['rollout_idle'].median:.0%} | {phases} | {target} |")
+        lines.append(f"| `python bench/async_modes.py --steps {steps} --reps {reps} {' '.join(work)}` | | | | | | | |")
     return lines
 
 
-def section_sglang(st: Settings, log) -> list[str]:
+def section_sglang(st: Settings, log, h: Headlines) -> list[str]:
     from bench import sglang_requests
 
     lines = ["| model | prompts x group x new tokens | in-process engine tok/s | per sample (HTTP) tok/s | per prompt, "
@@ -263,6 +301,7 @@ def section_sglang(st: Settings, log) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for overrides, kw in st.sglang_runs:
         r = sglang_requests.compare(overrides, threads=2, log=log, **kw)
+        h.add(f"sglang {overrides[0]}: per sample / per prompt tok/s", r["per_sample_vs_per_prompt"].median, True)
         lines.append(f"| `{' '.join(overrides)}` | {kw['prompts']} x {kw['group']} x {kw['new_tokens']} | "
                      f"{fmt(r['in_process'], 1, 0)} | {fmt(r['per_sample'], 1, 0)} | {fmt(r['per_prompt'], 1, 0)} | "
                      f"{fmt(r['per_sample_vs_in_process'], 1, 2)} | **{fmt(r['per_sample_vs_per_prompt'], 1, 2)}** |")
@@ -271,14 +310,23 @@ def section_sglang(st: Settings, log) -> list[str]:
     return lines
 
 
-def section_math(st: Settings, log) -> list[str]:
+def section_math(st: Settings, log, h: Headlines) -> list[str]:
     from bench import algorithm_math
 
     args = algorithm_math.parser().parse_args(["--tokens", str(st.math_tokens), "--reps", str(st.math_reps)])
     res = algorithm_math.run(args, log=log)
-    lines = ["| what | median ms |", "|---|---|"]
-    lines += [f"| {k} | {'**' if 'm2po_clip' in k else ''}{v * 1e3:.2f}{'**' if 'm2po_clip' in k else ''} |"
-              for k, v in res.items()]
+    prefix = "compute_loss fwd+bwd "
+    cheapest = min(v for k, v in res.items() if k.startswith(prefix))
+    lines = ["| what | median ms | vs the cheapest loss | verdict |", "|---|---|---|---|"]
+    for k, v in res.items():
+        h.add(f"math {k}: ms", v * 1e3, False)
+        if k == "m2po_clip_bounds":
+            cells = f"**{v * 1e3:.2f}** | | {verdict(v < 0.025, '< 25 ms')}"
+        elif k.startswith(prefix):
+            cells = f"{v * 1e3:.2f} | {v / cheapest:.2f}x | {verdict(v <= 1.5 * cheapest, '<= 1.5x the cheapest')}"
+        else:  # the solve and the loss together: no target of its own
+            cells = f"{v * 1e3:.2f} | | {verdict(None)}"
+        lines.append(f"| {k} | {cells} |")
     lines.append(f"\n`python bench/algorithm_math.py --tokens {st.math_tokens} --reps {st.math_reps}`")
     return lines
 
@@ -304,9 +352,14 @@ def render(rep: Report, notes: str) -> str:
            "(`--quick` for a shorter run). Numbers are medians with (min-max, n) over alternating repetitions.", "",
            "## Machine", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rep.machine.items()]
-    out += ["", "GPU rows: no GPU was available to this run; the suite runs the torch backend on one GPU when "
-            "present (`python -m bench --only rollout,train,overhead,math`; TRL's CPU comparison is skipped there) "
-            "— GPU results: not measured.", "", "## Targets", ""]
+    if rep.machine.get("gpu", "none") == "none":
+        out += ["", "GPU: none in this run, so no GPU numbers. On a machine with one, `bash bench/gpu.sh` runs the "
+                "rollout, train, memory, overhead and math sections on it (the trainer, the engine, the Ray loop with "
+                "`cluster=1xgpu`), MFU against the datasheet bf16 peak, into docs/performance_gpu.md."]
+    else:
+        out += ["", f"GPU: {rep.machine['gpu']}. The trainer, the rollout engine and the Ray loop (`cluster=1xgpu`) "
+                "ran on it; TRL's comparison is a CPU benchmark and is skipped."]
+    out += ["", "## Targets", ""]
     out += [f"- **{TITLES[k].split(':')[0]}**: {v}" for k, v in TARGETS.items()]
     for name in SECTIONS:
         if name not in rep.sections and name not in rep.errors:
@@ -318,8 +371,10 @@ def render(rep: Report, notes: str) -> str:
             out += ["```", rep.errors[name].strip(), "```"]
         else:
             out += rep.sections[name]
+    out += ["", "## Against the previous report", "", *comparison(rep.before, rep.headlines)]
     if notes:
         out += ["", notes.strip()]
+    out += ["", rep.headlines.embed()]
     return "\n".join(out) + "\n"
 
 
@@ -365,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"== {name} (load {before})")
         t0 = time.perf_counter()
         try:
-            rep.sections[name] = RUNNERS[name](st, log)
+            rep.sections[name] = RUNNERS[name](st, log, rep.headlines)
         except Exception:  # one broken section must not lose the others
             rep.errors[name] = traceback.format_exc()
             log(rep.errors[name])
@@ -374,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     rep.machine["load average (1/5/15 min) at end"] = load_average()
     rep.machine["suite wall time"] = f"{time.perf_counter() - t_all:.0f} s"
     notes = Path(a.notes).read_text() if a.notes and Path(a.notes).is_file() and m != "smoke" else ""
+    rep.before = previous(out.read_text()) if out.is_file() else None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(rep, notes))
     log(f"report: {out}")

@@ -23,6 +23,10 @@ and `activation_mib` tracks live memory closely (at some cost in time; the JSON 
 loading and the warm-up step, and after each measured step). One JSON line on stdout (`time_s` and
 `activation_mib`: min, median and every value); progress on stderr. The machine may be shared: read min and
 median, not a single value.
+
+On a GPU (where the trainer runs when there is one) the same fields are the CUDA caching allocator's: memory
+allocated instead of the resident set, `torch.cuda.max_memory_allocated` (reset before each step) instead of
+VmHWM; `"memory"` in the JSON says which.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import load_average, random_train_batch
+from bench.common import load_average, random_train_batch, synchronize
 
 MIB = 2**20
 
@@ -74,6 +78,31 @@ def reset_peak() -> bool:
         return False
 
 
+class Meter:
+    """KiB in use now, and the peak since the last reset: the process's resident set on the CPU, the CUDA
+    allocator's memory on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.what = "cuda allocated" if self.cuda else "process resident"
+
+    def now(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated() // 1024
+        release_free_memory()
+        return status_kib("VmRSS")
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() // 1024 if self.cuda else status_kib("VmHWM")
+
+    def reset(self) -> bool:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            return True
+        return reset_peak()
+
+
 def summary(values: list[float], digits: int) -> dict:
     return {"min": round(min(values), digits), "median": round(statistics.median(values), digits),
             "values": [round(v, digits) for v in values]}
@@ -91,32 +120,31 @@ def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response
                        f"algorithm.entropy_coef={entropy_coef}", "tracking.enabled=false"])
     tok = load_tokenizer(cfg.model)
     worker = PolicyWorker(cfg, ModelInfo(len(tok), tok.pad_token_id, ()), threads=threads)
-    release_free_memory()
-    rss_built = status_kib("VmRSS")
+    meter = Meter(worker.policy.device)
+    rss_built = meter.now()
     V = len(tok)
     batch = random_train_batch(V, rows, prompt_len, response_len)
     t0 = time.perf_counter()
     worker.train_step(batch)  # warm-up: AdamW's state is allocated here
     log(f"  [{model_name} {dtype} micro={micro}] warm-up step {time.perf_counter() - t0:.2f} s")
-    release_free_memory()
-    rss_base = status_kib("VmRSS")
-    peak_before = status_kib("VmHWM") / 1024  # loading and the warm-up step (resetting VmHWM forgets it)
+    rss_base = meter.now()
+    peak_before = meter.peak() / 1024  # loading and the warm-up step (resetting the peak forgets it)
     times, activations, peaks = [], [], []
     resettable = True
     for rep in range(reps):
-        release_free_memory()
-        before = status_kib("VmRSS")
-        resettable = reset_peak() and resettable
+        before = meter.now()
+        resettable = meter.reset() and resettable
         t0 = time.perf_counter()
         worker.train_step(batch)
+        synchronize(worker.policy.device)
         times.append(time.perf_counter() - t0)
-        peak = status_kib("VmHWM")
+        peak = meter.peak()
         peaks.append(peak / 1024)
         activations.append((peak - before) / 1024)
         log(f"  [{model_name} {dtype} micro={micro}] rep {rep}: {times[-1]:.2f} s, activation "
             f"{activations[-1]:.0f} MiB, peak {peaks[-1]:.0f} MiB")
     return {
-        "bench": "train_memory", "model": model_name, "dtype": dtype,
+        "bench": "train_memory", "model": model_name, "dtype": dtype, "memory": meter.what,
         "compute_dtype": str(worker.policy.compute_dtype).replace("torch.", ""),
         "rows": rows, "prompt_len": prompt_len, "response_len": response_len, "micro": micro,
         "entropy_coef": entropy_coef, "vocab": V, "threads": torch.get_num_threads(), "reps": reps,

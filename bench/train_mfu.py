@@ -4,8 +4,9 @@ Achieved: 6 * N_params * tokens per optimizer step, where N_params counts every 
 part in a token's matmuls (the tied embedding counted once, as the lm_head matmul; the embedding lookup
 and attention's QK^T/AV are NOT counted, so this slightly under-states the work) and tokens are all
 non-padding prompt+response tokens of the step (the forward runs over the prompt too). The time is
-`TorchPolicy.train_step` (forward, backward, optimizer) on a fixed batch. Limit: torch.mm of two
-square matrices of `--mm-size` in the same dtype (bf16 for autocast, fp32 otherwise), same threads.
+`TorchPolicy.train_step` (forward, backward, optimizer) on a fixed batch, on the device the trainer picks (the
+GPU when there is one). Limit: torch.mm of two square matrices of `--mm-size` in the same dtype (bf16 for
+autocast, fp32 otherwise), on the same device and threads; on a GPU also the datasheet bf16 peak (MFU).
 
     python bench/train_mfu.py --model smollm2_135m --dtype bfloat16
 """
@@ -23,17 +24,19 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Series, random_train_batch
+from bench.common import Series, datasheet_bf16_flops, random_train_batch, synchronize
 
 
-def matmul_flops(dtype: torch.dtype, size: int, reps: int) -> Series:
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+def matmul_flops(dtype: torch.dtype, size: int, reps: int, device: torch.device | str = "cpu") -> Series:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
     torch.mm(a, b)
+    synchronize(device)
     out = Series()
     for _ in range(reps):
         t0 = time.perf_counter()
         torch.mm(a, b)
+        synchronize(device)
         out.values.append(2 * size**3 / (time.perf_counter() - t0))
     return out
 
@@ -70,18 +73,24 @@ def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response
     n_params = matmul_params(policy.model)
     tokens = rows * (prompt_len + response_len)
     flops_step = 6 * n_params * tokens
+    device = policy.device
     worker.train_step(batch)  # warm-up
     mm_dtype = policy.compute_dtype
     achieved, limit = Series(), Series()
     for rep in range(reps):  # alternate: one train step, then a matmul measurement
+        synchronize(device)
         t0 = time.perf_counter()
         worker.train_step(batch)
+        synchronize(device)
         achieved.values.append(flops_step / (time.perf_counter() - t0))
-        limit.values.append(matmul_flops(mm_dtype, mm_size, 3).median)
+        limit.values.append(matmul_flops(mm_dtype, mm_size, 3, device).median)
         log(f"  [{model_name} {dtype}] rep {rep}: train {achieved.values[-1] / 1e9:.1f} GFLOP/s, "
             f"mm {limit.values[-1] / 1e9:.1f} GFLOP/s")
     frac = Series([a / m for a, m in zip(achieved.values, limit.values, strict=True)])
+    peak = datasheet_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    mfu = None if peak is None else Series([a / peak for a in achieved.values])
     return {"model": model_name, "dtype": dtype, "compute_dtype": str(mm_dtype).replace("torch.", ""),
+            "device": str(device), "mfu": mfu,
             "matmul_params": n_params, "tokens": tokens, "rows": rows, "micro": micro,
             "achieved": achieved, "limit": limit, "fraction": frac, "threads": torch.get_num_threads()}
 

@@ -37,6 +37,38 @@ def test_smoke_suite_writes_a_complete_report(bench_main, tmp_path):
                    "async_modes.py", "sglang_requests.py", "algorithm_math.py"):
         assert f"python bench/{script}" in text, script
     assert "m2po_clip_bounds" in text
+    # each target row carries its verdict; the headlines are embedded for the next run's comparison
+    assert "**met**" in text or "**not met**" in text
+    assert "## Against the previous report" in text and "nothing to compare against" in text
+    from bench.verdicts import previous
+
+    headlines = previous(text)
+    assert headlines is not None and "math m2po_clip_bounds: ms" in headlines.values
+
+
+def test_the_next_report_flags_what_got_worse(monkeypatch):
+    """A headline worse beyond the tolerance, in the direction that matters, is flagged; noise and gains are not."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.verdicts import Headlines, comparison, previous
+
+    before = Headlines()
+    before.add("ratio up", 2.0, True)  # higher is better
+    before.add("ms down", 10.0, False)  # lower is better
+    before.add("ratio noise", 2.0, True)
+    before.add("gone", 1.0, True)
+    now = Headlines()
+    now.add("ratio up", 1.6, True)  # -20%: worse
+    now.add("ms down", 8.0, False)  # -20% time: better
+    now.add("ratio noise", 1.9, True)  # -5%: within the tolerance
+    report = f"# Relax performance\n\n| a | b |\n{before.embed()}\n"
+    lines = comparison(previous(report), now, tolerance=0.15)
+    assert lines[0] == "Against the report this run replaced: 1 regression(s) beyond 15%."
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and "---" not in line}
+    assert rows["ratio up"].endswith("| -20% | **regression** |")
+    assert rows["ms down"].endswith("| -20% | better |")
+    assert rows["ratio noise"].endswith("| -5% |  |")
+    assert lines[-1] == "Not measured in this run: gone."
+    assert "nothing to compare against" in comparison(previous("# an old report"), now)[0]
 
 
 def test_smoke_needs_an_explicit_output(bench_main):
@@ -59,3 +91,15 @@ def test_scripts_keep_their_command_lines(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", argv)
     rollout_vs_generate.main()
     assert "ratio: median" in capsys.readouterr().out
+
+
+def test_datasheet_peaks_match_the_most_specific_name(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.common import datasheet_bf16_flops
+
+    assert datasheet_bf16_flops("NVIDIA H200") == 989.4e12
+    assert datasheet_bf16_flops("NVIDIA H100 PCIe") == 756.0e12
+    assert datasheet_bf16_flops("NVIDIA H100 80GB HBM3") == 989.4e12  # the SXM part's name
+    assert datasheet_bf16_flops("NVIDIA L40S") == 362.0e12  # not the L4's
+    assert datasheet_bf16_flops("NVIDIA A100-SXM4-80GB") == 312.0e12
+    assert datasheet_bf16_flops("Tesla T4") is None

@@ -7,6 +7,7 @@
 # 2. where sglang is installed: SGLang's protocol conformance suite (tests/sglang/test_conformance.py) against a
 #    real `sglang.launch_server` on 127.0.0.1:30000 serving SmolLM2-135M (its GGUF converted to a bf16 HF
 #    directory, shared with step 1 through $RELAX_SGLANG_HF_DIR); the server is stopped on exit.
+# The GPU numbers of the performance suite are a separate run: bash bench/gpu.sh (docs/performance_gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 sglang=$(python -c 'import importlib.util as u, torch
