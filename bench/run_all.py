@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Series, load_average, machine_info
-from bench.verdicts import ROUND1_PEAK_MIB, Headlines, comparison, previous, verdict
+from bench.verdicts import MMAP_THRESHOLD, ROUND1_PEAK_MIB, Headlines, comparison, previous, verdict
 
 SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "math")
 TARGETS = {
@@ -225,8 +225,11 @@ def section_memory(st: Settings, log, h: Headlines) -> list[str]:
     script = Path(__file__).with_name("train_memory.py")
     for kw in st.memory_runs:
         argv = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-        # a fresh process each: its peak resident set is this run's alone
-        out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True)
+        # a fresh process each: its peak resident set is this run's alone; large tensors mapped and unmapped on their
+        # own, so that the resident set tracks live memory rather than what glibc's arenas keep (as round 1's peak)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+        out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True,
+                             env=env)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         log(f"  [memory {kw['model']} {kw['dtype']}] peak {r['peak_total_mib']:.0f} MiB, "
             f"step {r['time_s']['median']} s")
@@ -241,7 +244,8 @@ def section_memory(st: Settings, log, h: Headlines) -> list[str]:
                      f"{max(r['activation_mib']['values']):.0f}) | **{r['peak_total_mib']:.0f}** | "
                      f"{r['time_s']['median']:.2f} ({r['time_s']['min']:.2f}-{max(r['time_s']['values']):.2f}) | "
                      f"{vs_round1} | {verdict(None if base is None else peak <= 0.4 * base, '<= 40% of round 1')} |")
-        lines.append(f"| | `python bench/train_memory.py {' '.join(argv)}` | | | | | | | |")
+        lines.append(f"| | `MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} python bench/train_memory.py {' '.join(argv)}` "
+                     "| | | | | | | |")
     return lines
 
 
