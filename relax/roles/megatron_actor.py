@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from relax.backends.batch import Samples, TrainBatch
+from relax.backends.weight_buffers import WeightBuffers
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
@@ -95,10 +96,10 @@ class MegatronRank:
         out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
         return out
 
-    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+    def weights(self, version: int | None = None) -> WeightBuffers:
         if version is not None:
             self.versions.remember(version)
-        return self.policy.state_dict_for_rollout(dtype=self.rollout_dtype)
+        return WeightBuffers.of(self.policy.state_dict_for_rollout(dtype=self.rollout_dtype))
 
     def save(self, directory: str) -> None:
         self.policy.save_checkpoint(directory)
@@ -216,9 +217,10 @@ class MegatronActorGroup:
         """One optimizer step over the whole batch (every rank takes its data-parallel rows); rank 0's metrics."""
         return self._all("train_step", batch, rollout_mismatch)
 
-    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """HF-layout weights in the rollout dtype, gathered on rank 0 (tied `lm_head.weight` left out); with
-        `version`, every rank keeps a copy of its shards for the old log-probs of that version's samples."""
+    def weights(self, version: int | None = None) -> WeightBuffers:
+        """HF-layout weights in the rollout dtype (`WeightBuffers`), gathered on rank 0 (tied `lm_head.weight`
+        left out); with `version`, every rank keeps a copy of its shards for the old log-probs of that version's
+        samples."""
         return self._all("weights", version)
 
     def save(self, directory: str) -> None:

@@ -16,6 +16,7 @@ import torch
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
+from relax.backends.weight_buffers import WeightBuffers, as_state_dict
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
@@ -104,13 +105,14 @@ class PolicyWorker:
         out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
         return out
 
-    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """The weights for the rollout engines, already in their dtype (bf16 halves what Ray ships). With
-        `version` and train.max_staleness > 0, a copy is kept for `logprobs` of samples that version generates,
-        as long as they can still be trained (versions older than `version - max_staleness` are dropped)."""
+    def weights(self, version: int | None = None) -> WeightBuffers:
+        """The weights for the rollout engines, already in their dtype (bf16 halves what Ray ships), as byte
+        arrays that Ray ships without pickling. With `version` and train.max_staleness > 0, a copy is kept for
+        `logprobs` of samples that version generates, as long as they can still be trained (versions older than
+        `version - max_staleness` are dropped)."""
         if version is not None:
             self.versions.remember(version)
-        return self.policy.state_dict_for_rollout(dtype=self.rollout_dtype)
+        return WeightBuffers.of(self.policy.state_dict_for_rollout(dtype=self.rollout_dtype))
 
     def save(self, directory: str) -> None:
         self.policy.save_checkpoint(directory)
@@ -184,8 +186,8 @@ class RolloutWorker:
         """Interrupt generation `gen_id` after its current token (no effect once it has returned)."""
         self._abort = gen_id
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
-        self.engine.load_weights(state_dict, version)
+    def load_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> int:
+        self.engine.load_weights(as_state_dict(weights), version)
         return version
 
 

@@ -41,6 +41,7 @@ from relax.backends.sglang.client import (
 from relax.backends.sglang.process import wait_healthy
 from relax.backends.sglang.router import Router
 from relax.backends.sglang.weight_sync import BroadcastSync, push_tensors
+from relax.backends.weight_buffers import as_state_dict
 from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, WEIGHT_BUCKETS
 from relax.runner.errors import RunError
@@ -194,7 +195,8 @@ class SGLangEngines:
                 self._each("/abort_request", {"abort_all": True})  # requests that reached a paused server
 
     def load_weights(self, weights, version: int) -> None:
-        """`weights` (a state dict, or the actor's ObjectRef of one) of `version` to every server."""
+        """`weights` (a state dict or `WeightBuffers`, or the actor's ObjectRef of them) of `version` to every
+        server."""
         import ray
 
         if isinstance(weights, ray.ObjectRef):
@@ -204,7 +206,7 @@ class SGLangEngines:
                 raise RunError(f"rollout=sglang: the actor's weights did not arrive within "
                                f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s)") from None
         with self._lock:
-            self._last = (weights, int(version))
+            self._last = (as_state_dict(weights), int(version))
             self._make_ready(push=True)
 
     def metrics(self) -> dict[str, float]:

@@ -54,7 +54,7 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
         assert out[PG_LOSS] == pytest.approx(expected[PG_LOSS], rel=1e-4)
         assert out[GRAD_NORM] == pytest.approx(expected[GRAD_NORM], rel=1e-4)
         assert out[ACTOR_COMPUTE_TIME] > 0
-        weights = group.weights()
+        weights = group.weights().tensors()  # WeightBuffers, through the object store
         hf = build_model(model, 32, 0, seed=99)
         hf.load_state_dict(weights, strict=False)  # tied lm_head comes with the embedding
         for name, value in ref.state_dict_for_rollout().items():
