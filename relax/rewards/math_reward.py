@@ -92,3 +92,15 @@ def arithmetic_reward(response: str, label: str) -> float:
     if numbers and normalize_answer(numbers[-1]) == normalize_answer(label):
         return 0.5
     return 0.0
+
+
+def prepare_math_verify() -> None:
+    """Import math-verify and compare once (sympy builds its parsers on first use: most of a second), so that a
+    reward worker process does this when it starts (`prepare`, see relax.rewards.registry) instead of charging it
+    to its first call's time limit."""
+    _verify("1/2", "0.5")
+
+
+math_reward.prepare = prepare_math_verify  # type: ignore[attr-defined]
+arithmetic_reward.prepare = prepare_math_verify  # type: ignore[attr-defined]
+

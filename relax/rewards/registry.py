@@ -9,9 +9,9 @@ one that raised. A hung call cannot be stopped inside a thread (and a regex or C
 the GIL, so not even the thread that waits for it would run), so limited calls run in worker processes
 (`RewardWorkers`, spawned once and reused): a call still running `timeout_s` after it started has its process
 killed and replaced. The function travels to the workers by pickle (by reference for module-level functions).
-Measured on the default task (digits reward, 64 responses a step, 2 workers, 2-core CPU): inline 0.3-0.8 ms a
-step, in workers 8 ms a step (a pipe round trip per call) plus 0.2 s once to start them; a training step of the
-default task takes seconds.
+A function may carry a `prepare` attribute, a callable without arguments that each worker runs once after
+loading it, before its first call's time is counted (heavy imports, warm-up: the math rewards import
+math-verify there). The runner starts the workers while the roles start (`start_workers`).
 """
 
 from __future__ import annotations
@@ -194,6 +194,9 @@ def _worker_main(fd: int) -> None:
         path, fn_bytes = conn.recv()
         sys.path[:] = path + [p for p in sys.path if p not in path]
         fn = pickle.loads(fn_bytes)
+        prepare = getattr(fn, "prepare", None)
+        if callable(prepare):  # heavy imports and warm-up, before the first call's time limit starts
+            prepare()
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
@@ -256,6 +259,11 @@ class RewardWorkers:
                                   "the driver without a time limit (data.reward_timeout_s=null)") from exc
         self.processes = processes or max(1, min(4, _available_cpus()))
         self._workers: list[_Worker] = []
+
+    def start(self, n: int) -> None:
+        """Start the processes for `n` calls now (up to `processes`), without waiting for them to be ready: they
+        load the function, and run its `prepare`, while the caller does other work."""
+        self._fill(n)
 
     def _fill(self, n: int) -> None:
         # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
@@ -354,6 +362,13 @@ def _workers_for(fn: RewardFn) -> RewardWorkers:
         _POOL = RewardWorkers(fn)
         atexit.register(_POOL.close)
     return _POOL
+
+
+def start_workers(fn: RewardFn, n: int) -> None:
+    """Start the worker processes of `fn` for `n` calls per batch ahead of its first limited call (`score_responses`
+    with `timeout_s`), from the calling thread, whose lifetime they share (PR_SET_PDEATHSIG)."""
+    with _POOL_LOCK:
+        _workers_for(fn).start(n)
 
 
 def _is_scalar_number(value: object) -> bool:

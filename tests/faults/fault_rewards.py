@@ -16,3 +16,30 @@ def raises(response: str, label: str) -> float:
     if len(response) % 2 == 1:
         raise RuntimeError("this reward function fails on odd-length responses")
     return 1.0 if label in response else 0.0
+
+
+PREPARED = []  # filled by `slow_prepare.prepare` in the process that runs it
+
+
+def _prepare_slowly() -> None:
+    time.sleep(1.0)  # longer than the tests' time limit per call
+    PREPARED.append(time.time())
+
+
+def slow_prepare(response: str, label: str) -> float:
+    """1.0 once its `prepare` has run in this process (which takes longer than one call may), else 0.0."""
+    return 1.0 if PREPARED else 0.0
+
+
+slow_prepare.prepare = _prepare_slowly
+
+
+def _prepare_fails() -> None:
+    raise RuntimeError("the verifier's model file is missing")
+
+
+def broken_prepare(response: str, label: str) -> float:
+    return 1.0
+
+
+broken_prepare.prepare = _prepare_fails

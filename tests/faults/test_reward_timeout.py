@@ -57,3 +57,38 @@ def test_workers_started_by_a_thread_that_ended_are_replaced_before_the_next_cal
     assert any(w.process.poll() is not None for w in registry._POOL._workers)
     again = score_responses(fn, ["ab", "cd", "ef"], ["a", "c", "x"], timeout_s=5)
     assert again.failed == [False] * 3 and again.rewards == [1.0, 1.0, 0.0]
+
+
+def test_prepare_runs_once_per_worker_before_calls_and_outside_their_limit():
+    fn = get_reward_fn("fault_rewards:slow_prepare")  # prepare sleeps 1 s; each call may take 0.5 s
+    scores = score_responses(fn, ["a", "b", "c"], ["a"] * 3, timeout_s=0.5)
+    assert scores.failed == [False] * 3 and scores.rewards == [1.0] * 3 and scores.timeouts == 0
+
+
+def test_a_failing_prepare_is_reported_with_its_traceback():
+    with pytest.raises(RewardSpecError, match="cannot load the reward function(.|\n)*model file is missing"):
+        score_responses(get_reward_fn("fault_rewards:broken_prepare"), ["a"], ["a"], timeout_s=5)
+
+
+def test_started_workers_are_the_ones_the_first_call_uses():
+    from relax.rewards import registry
+
+    fn = get_reward_fn("fault_rewards:raises")
+    registry.start_workers(fn, 3)
+    pids = [w.process.pid for w in registry._POOL._workers]
+    assert len(pids) == min(3, registry._POOL.processes) and all(w.process.poll() is None
+                                                                  for w in registry._POOL._workers)
+    assert score_responses(fn, ["ab", "cd"], ["a", "x"], timeout_s=5).rewards == [1.0, 0.0]
+    assert [w.process.pid for w in registry._POOL._workers] == pids
+
+
+def test_the_math_rewards_import_math_verify_in_prepare():
+    import subprocess
+    import sys
+
+    from relax.rewards.math_reward import arithmetic_reward, math_reward, prepare_math_verify
+
+    assert arithmetic_reward.prepare is math_reward.prepare is prepare_math_verify
+    code = ("import sys; from relax.rewards.math_reward import prepare_math_verify as p; "
+            "assert 'math_verify' not in sys.modules; p(); assert 'math_verify' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
