@@ -284,6 +284,9 @@ class TorchTrainer:
             lr=lr,
             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
             weight_decay=train_cfg.weight_decay,
+            # one pass over parameter, gradient and both moments per tensor (torch's default on a CPU is a loop
+            # of elementwise ops, each a pass over memory); same update up to float rounding
+            fused=device.type in ("cpu", "cuda"),
         )
         cfg, total = train_cfg, self.total_steps
 
