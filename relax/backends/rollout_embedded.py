@@ -92,6 +92,7 @@ class _LlamaFamilyDecoder:
         attn0 = self.base.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.scale = attn0.scaling
+        self.fused = [fused_weights(layer) for layer in self.base.layers]  # weights do not change during a call
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -145,7 +146,7 @@ class _LlamaFamilyDecoder:
         for i, layer in enumerate(self.base.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            qkv_weight, gate_up_weight = fused_weights(layer)
+            qkv_weight, gate_up_weight = self.fused[i]
             if qkv_weight is not None:  # one matmul for q, k and v
                 q, k, v = F.linear(h, qkv_weight).split([nq, nkv, nkv], dim=-1)
             else:
