@@ -117,7 +117,9 @@ def settings(mode: str) -> Settings:
         + ([] if quick else [dict(model_name="smollm2_135m", dtype="float32", rows=8, prompt_len=32,
                                   response_len=64, micro=8, reps=3, mm_size=2048)]),
         memory_runs=[dict(model="smollm2_135m", dtype=dtype, rows=16, prompt_len=32, response_len=96, micro=8,
-                          reps=2 if quick else 3) for dtype in ("float32", "bfloat16")],
+                          reps=2 if quick else 3) for dtype in ("float32", "bfloat16")]
+        + ([] if quick else [dict(model="smollm2_135m", dtype="float32", rows=16, prompt_len=32, response_len=96,
+                                  micro=8, reps=2, gradient_checkpointing=True)]),
         overhead_runs=[(["model=tiny"], 8 if quick else 12), (["model=tiny"], 3, True)]
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
@@ -224,21 +226,23 @@ def section_memory(st: Settings, log, h: Headlines) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     script = Path(__file__).with_name("train_memory.py")
     for kw in st.memory_runs:
-        argv = [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+        argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
         # a fresh process each: its peak resident set is this run's alone; large tensors mapped and unmapped on their
         # own, so that the resident set tracks live memory rather than what glibc's arenas keep (as round 1's peak)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
         out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True,
                              env=env)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        log(f"  [memory {kw['model']} {kw['dtype']}] peak {r['peak_total_mib']:.0f} MiB, "
+        name = f"{r['model']} {r['dtype']}{' gradient checkpointing' if r['gradient_checkpointing'] else ''}"
+        log(f"  [memory {name}] peak {r['peak_total_mib']:.0f} MiB, "
             f"step {r['time_s']['median']} s")
         peak, base = r["peak_total_mib"], None
         if r["model"] == "smollm2_135m" and r["memory"] == "process resident":  # round 1 measured the CPU process
             base = ROUND1_PEAK_MIB.get(r["dtype"])
-        h.add(f"memory {r['model']} {r['dtype']}: actor peak MiB", peak, False)
+        h.add(f"memory {name}: actor peak MiB", peak, False)
         vs_round1 = "n/a (not measured in round 1)" if base is None else f"{peak / base:.0%} of {base:.0f} MiB"
-        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}), {r['memory']} | {r['rows']} x "
+        ckpt = ", gradient checkpointing" if r["gradient_checkpointing"] else ""
+        lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}){ckpt}, {r['memory']} | {r['rows']} x "
                      f"({r['prompt_len']} + {r['response_len']}), {r['micro']} | {r['rss_base_mib']:.0f} | "
                      f"{r['activation_mib']['median']:.0f} ({r['activation_mib']['min']:.0f}-"
                      f"{max(r['activation_mib']['values']):.0f}) | **{r['peak_total_mib']:.0f}** | "
