@@ -2,9 +2,9 @@
 
 Precision: parameters, gradients and AdamW state stay fp32 (master weights); the forward/backward runs
 under `torch.autocast(bfloat16)` when `pick_dtype` says bf16 (model.dtype=bfloat16, or "auto" on a GPU
-with bf16 or a CPU with AVX512-BF16/AMX). Log-softmax is always fp32. Measured on this project's CI CPU
-(2 cores, AVX512-BF16), fwd+bwd of a 135M Qwen3-shaped model on 8x160 tokens: fp32 71.5 s, autocast
-bf16 9.9 s; pure bf16 parameters were slower than autocast (and lose small updates), so autocast it is.
+with bf16 or a CPU with AVX512-BF16/AMX). Log-softmax is always fp32. Pure bf16 parameters were measured
+slower than autocast on a CPU with AVX512-BF16, and lose small updates, so autocast it is. AdamW is torch's
+fused implementation (one pass over parameter, gradient and moments per tensor).
 
 One `train_step` is one optimizer step over a global batch, accumulated over micro-batches; the loss
 denominator is the whole step's, so the split never changes the update (up to float rounding).

@@ -92,6 +92,34 @@ def test_grad_clipping_caps_the_norm_and_reports_the_pre_clip_norm(tiny_model_cf
     assert seen[0] == pytest.approx(1e-3, rel=1e-3)
 
 
+def test_the_fused_adamw_update_is_adamw_by_hand(tiny_model_cfg, train_cfg, make_batch):
+    """Two steps of the trainer's (fused) AdamW against the AdamW formula written out (Loshchilov & Hutter)."""
+    cfg = dataclasses.replace(train_cfg, lr=1e-2, weight_decay=0.1, clip_grad=0.0)
+    p = policy(tiny_model_cfg, cfg)
+    assert p.optimizer.defaults["fused"] is True
+    b1, b2, eps = cfg.adam_beta1, cfg.adam_beta2, 1e-8
+    params = dict(p.model.named_parameters())
+    w = {n: t.detach().double().clone() for n, t in params.items()}
+    m = {n: torch.zeros_like(t) for n, t in w.items()}
+    v = {n: torch.zeros_like(t) for n, t in w.items()}
+    seen: dict[str, torch.Tensor] = {}  # the gradients each optimizer step applies
+    p.optimizer.register_step_pre_hook(
+        lambda *_: seen.update({n: t.grad.detach().double().clone() for n, t in params.items()}))
+    for step, seed in ((1, 5), (2, 6)):
+        seen.clear()
+        p.train_step(make_batch(n=4, seed=seed), RLOOConfig(), per_token=True, micro_batch_size=4)
+        assert sum(float(g.abs().sum()) for g in seen.values()) > 0
+        lr = cfg.lr * lr_factor(step - 1, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                total_steps=p.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+        for n, g in seen.items():
+            w[n] *= 1 - lr * cfg.weight_decay
+            m[n] = b1 * m[n] + (1 - b1) * g
+            v[n] = b2 * v[n] + (1 - b2) * g * g
+            w[n] -= lr * (m[n] / (1 - b1**step)) / ((v[n] / (1 - b2**step)).sqrt() + eps)
+    for n, t in params.items():
+        torch.testing.assert_close(t.detach().double(), w[n], atol=1e-6, rtol=1e-5)
+
+
 def test_lr_factor_by_hand():
     kw = dict(warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
     assert [lr_factor(s, schedule="constant", **kw) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
