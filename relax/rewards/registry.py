@@ -11,7 +11,7 @@ the GIL, so not even the thread that waits for it would run), so limited calls r
 killed and replaced. The function travels to the workers by pickle (by reference for module-level functions).
 A function may carry a `prepare` attribute, a callable without arguments that each worker runs once after
 loading it, before its first call's time is counted (heavy imports, warm-up: the math rewards import
-math-verify there). The runner starts the workers while the roles start (`start_workers`).
+math-verify there).
 """
 
 from __future__ import annotations
@@ -260,11 +260,6 @@ class RewardWorkers:
         self.processes = processes or max(1, min(4, _available_cpus()))
         self._workers: list[_Worker] = []
 
-    def start(self, n: int) -> None:
-        """Start the processes for `n` calls now (up to `processes`), without waiting for them to be ready: they
-        load the function, and run its `prepare`, while the caller does other work."""
-        self._fill(n)
-
     def _fill(self, n: int) -> None:
         # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
         # a rollout stream's pump is gone once that stream closes, and is replaced here, before its next call.
@@ -362,13 +357,6 @@ def _workers_for(fn: RewardFn) -> RewardWorkers:
         _POOL = RewardWorkers(fn)
         atexit.register(_POOL.close)
     return _POOL
-
-
-def start_workers(fn: RewardFn, n: int) -> None:
-    """Start the worker processes of `fn` for `n` calls per batch ahead of its first limited call (`score_responses`
-    with `timeout_s`), from the calling thread, whose lifetime they share (PR_SET_PDEATHSIG)."""
-    with _POOL_LOCK:
-        _workers_for(fn).start(n)
 
 
 def _is_scalar_number(value: object) -> bool:

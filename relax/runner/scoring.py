@@ -123,15 +123,6 @@ def scores_state(scores: Scores) -> dict:
             "timeouts": scores.timeouts}
 
 
-def start_reward_workers(cfg: RelaxConfig, reward_fn: Any) -> None:
-    """With a time limit on reward calls (`data.reward_timeout_s`), their worker processes start now and prepare
-    the function (see relax.rewards.registry), so that the first rollout does not wait for them."""
-    if cfg.data.reward_timeout_s is not None:
-        from relax.rewards.registry import start_workers
-
-        start_workers(reward_fn, cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt)
-
-
 class Scorer:
     """What the rollout stream calls on each generated batch: its reward calls (`score`), and which of its groups
     carry a learning signal (`signal`, for `rollout.filter_groups`)."""

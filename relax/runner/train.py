@@ -59,7 +59,7 @@ from relax.runner.plan import Plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.restarts import Restarts
 from relax.runner.rollout_stream import RolloutStream
-from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, start_reward_workers, trained_rewards
+from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards
 from relax.runner.session import RunResult, Session
 
 if TYPE_CHECKING:
@@ -292,7 +292,6 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
         # the role processes start (import torch, build their models) while the driver opens its MLflow run
         cluster = Cluster(cfg, plan, info, restarts).launch()
         stack.push(cluster)  # the roles stop if opening the run fails (a second Cluster.__exit__ does nothing)
-        start_reward_workers(cfg, reward_fn)  # and the reward processes (their lifetime: this thread's)
         session = stack.enter_context(Session(cfg, plan, output_dir, dictconfig, checkpoints,
                                               restart_run_id=restarts.run_id))
         stack.enter_context(cluster)  # every role answering; stopped before the session closes, as before

@@ -70,18 +70,6 @@ def test_a_failing_prepare_is_reported_with_its_traceback():
         score_responses(get_reward_fn("fault_rewards:broken_prepare"), ["a"], ["a"], timeout_s=5)
 
 
-def test_started_workers_are_the_ones_the_first_call_uses():
-    from relax.rewards import registry
-
-    fn = get_reward_fn("fault_rewards:raises")
-    registry.start_workers(fn, 3)
-    pids = [w.process.pid for w in registry._POOL._workers]
-    assert len(pids) == min(3, registry._POOL.processes) and all(w.process.poll() is None
-                                                                  for w in registry._POOL._workers)
-    assert score_responses(fn, ["ab", "cd"], ["a", "x"], timeout_s=5).rewards == [1.0, 0.0]
-    assert [w.process.pid for w in registry._POOL._workers] == pids
-
-
 def test_the_math_rewards_import_math_verify_in_prepare():
     import subprocess
     import sys
