@@ -152,7 +152,8 @@ class TRLRunner:
             num_generations=group, max_completion_length=completion_len, num_iterations=1, beta=0.0,
             learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             adam_beta1=cfg.train.adam_beta1, adam_beta2=cfg.train.adam_beta2, max_grad_norm=cfg.train.clip_grad,
-            optim="adamw_torch", temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, loss_type="grpo",
+            optim="adamw_torch_fused",  # TRL's default, and the AdamW Relax runs
+            temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, loss_type="grpo",
             scale_rewards="group", bf16=dtype == "bfloat16", fp16=False, use_cpu=True, use_vllm=False,
             generation_kwargs={"min_new_tokens": completion_len},  # EOS off: exactly completion_len tokens
             report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
