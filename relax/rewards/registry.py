@@ -316,8 +316,8 @@ class RewardWorkers:
                     outcomes[i], late[i] = (None, _timeout_message(timeout_s, None)), True
                     self._replace(w)
                 elif not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
-                    raise RewardSpecError(f"a reward worker process did not load the reward function within "
-                                          f"{WORKER_START_TIMEOUT_S:g} s")
+                    raise RewardSpecError(f"a reward worker process did not load the reward function (and run its "
+                                          f"prepare) within {WORKER_START_TIMEOUT_S:g} s")
         return outcomes, late  # type: ignore[return-value]
 
     def close(self) -> None:
