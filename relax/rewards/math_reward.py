@@ -103,4 +103,3 @@ def prepare_math_verify() -> None:
 
 math_reward.prepare = prepare_math_verify  # type: ignore[attr-defined]
 arithmetic_reward.prepare = prepare_math_verify  # type: ignore[attr-defined]
-
