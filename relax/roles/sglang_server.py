@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from relax.backends.sglang.process import free_port, log_tail, start_process, stop_process, wait_healthy
+from relax.backends.sglang.process import log_tail, start_server, stop_process
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 
@@ -64,17 +64,18 @@ class EngineServer:
         import ray
 
         host = sg.host
-        port = free_port(host)
         address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else ray.util.get_node_ip_address()
-        self.url = f"http://{address}:{port}"
         config_path = self.log_dir / f"engine{self.index}-{os.getpid()}.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(json.dumps(dataclasses.asdict(self.cfg)))
         env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
-        cmd = server_command(self.cfg, host=host, port=port, threads=self.threads, config_path=config_path)
-        self.proc = start_process(cmd, self.log_path, env=env)
-        wait_healthy(self.url + "/health", self.proc, sg.startup_timeout_s, what=f"rollout engine {self.index}",
-                     log_path=self.log_path)
+
+        def command(port: int) -> list[str]:
+            return server_command(self.cfg, host=host, port=port, threads=self.threads, config_path=config_path)
+
+        self.proc, port = start_server(command, host=host, url_host=address, log_path=self.log_path,
+                                       timeout_s=sg.startup_timeout_s, what=f"rollout engine {self.index}", env=env)
+        self.url = f"http://{address}:{port}"
         return self.url
 
     def alive(self) -> bool:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -69,6 +70,29 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, *, w
         time.sleep(0.1)
     raise StartupError(f"{what} at {url} was not healthy within {timeout_s:g} s (last: {last}); "
                        f"log {log_path}:\n{log_tail(log_path)}")
+
+
+PORT_TAKEN = "Address already in use"  # what a server that lost its port to another process logs, and exits with
+PORT_ATTEMPTS = 3
+
+
+def start_server(command: Callable[[int], list[str]], *, host: str, url_host: str, log_path: Path, timeout_s: float,
+                 what: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+    """Start `command(port)` on a free port of `host` and wait until `http://url_host:port/health` answers; returns
+    (process, port). A port is free when it is chosen, not when the server binds it: when another process took it in
+    between (the server exits saying so), another port is tried, up to `PORT_ATTEMPTS` in all."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port(host)
+        proc = start_process(command(port), log_path, env)
+        try:
+            wait_healthy(f"http://{url_host}:{port}/health", proc, timeout_s, what=what, log_path=log_path)
+            return proc, port
+        except StartupError:
+            lost_port = proc.poll() is not None and PORT_TAKEN in log_tail(log_path, 20)
+            if not lost_port or attempt == PORT_ATTEMPTS:
+                stop_process(proc)
+                raise
+    raise AssertionError("unreachable")
 
 
 def stop_process(proc: subprocess.Popen | None, grace_s: float = 5.0) -> None:

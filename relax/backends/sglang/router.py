@@ -15,7 +15,7 @@ from pathlib import Path
 
 import requests
 
-from relax.backends.sglang.process import free_port, log_tail, start_process, stop_process, wait_healthy
+from relax.backends.sglang.process import free_port, log_tail, start_server, stop_process
 
 
 class RouterError(RuntimeError):
@@ -29,13 +29,17 @@ class Router:
                  request_timeout_s: float):
         self.host, self.policy, self.log_path = host, policy, Path(log_path)
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
-        self.port = free_port(host)
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+        self.url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.port: int | None = None  # chosen when it starts
         self.proc: subprocess.Popen | None = None
         self.workers: dict[str, str] = {}  # url -> the router's worker id
 
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
+    @property
+    def url(self) -> str:
+        return f"http://{self.url_host}:{self.port}"
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(port),
                "--policy", self.policy, "--log-level", "warn",
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port("127.0.0.1")),
                "--request-timeout-secs", str(max(1, int(self.request_timeout_s))),
@@ -44,9 +48,9 @@ class Router:
                "--disable-circuit-breaker", "--disable-retries", "--disable-health-check"]
 
     def start(self) -> Router:
-        self.proc = start_process(self.command(), self.log_path)
-        wait_healthy(self.url + "/health", self.proc, self.startup_timeout_s, what="sglang-router",
-                     log_path=self.log_path)
+        self.proc, self.port = start_server(self.command, host=self.host, url_host=self.url_host,
+                                            log_path=self.log_path, timeout_s=self.startup_timeout_s,
+                                            what="sglang-router")
         return self
 
     def add(self, url: str) -> None:
