@@ -236,7 +236,11 @@ class RelaxRayLauncher(Launcher):
                    or os.environ.get("RAY_ADDRESS") or None)
         kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
         if address is None:
+            from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
+
             kwargs["num_cpus"] = max(os.cpu_count() or 1, 2)
+            # the jobs and their roles at normal priority, as a single run's own instance starts them
+            kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
         kwargs.update(self.ray_init)
         ray.init(address=address, **kwargs)
         self.started_ray = True

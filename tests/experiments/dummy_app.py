@@ -36,7 +36,8 @@ def app(cfg: DictConfig) -> dict:
         time.sleep(cfg.sleep_s)
         end = time.time()
         Path(cfg.record_dir).mkdir(exist_ok=True)
-        record = {"num": HydraConfig.get().job.num, "start": start, "end": end, "pid": os.getpid()}
+        record = {"num": HydraConfig.get().job.num, "start": start, "end": end, "pid": os.getpid(),
+                  "niceness": os.nice(0)}
         (Path(cfg.record_dir) / f"{record['num']}.json").write_text(json.dumps(record))
         if cfg.seed == cfg.fail_seed and cfg.lr == cfg.fail_lr:
             raise RuntimeError(f"boom (seed={cfg.seed})")

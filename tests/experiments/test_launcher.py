@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# its tests share module-scoped sweep: one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("launcher")
+
 APP = Path(__file__).with_name("dummy_app.py")
 
 
@@ -40,6 +43,8 @@ def test_jobs_run_in_parallel_and_a_failure_does_not_stop_the_others(sweep):
     for t in [s for s, _ in spans]:
         assert sum(1 for s, e in spans if s <= t < e) <= 2
     assert len({r["pid"] for r in records}) == 4  # one fresh worker process per job
+    # at normal priority (Ray's default of 15 lets any busy process starve the jobs and the roles they start)
+    assert [r["niceness"] for r in records] == [os.nice(0)] * 4
     # the table
     table = out[out.index("3 of 4 jobs finished"):]
     rows = [line.split() for line in table.splitlines() if line[:1].isdigit() and " lr=" in line]
