@@ -75,6 +75,7 @@ class Preemption:
         self.save = save
         self.requested: Optional[int] = None
         self.step: Optional[int] = None
+        self.raised: Optional[int] = None  # the signal whose handler raised Preempted (a stop at once)
         self._previous: dict[int, _Handler] = {}
 
     @classmethod
@@ -104,6 +105,7 @@ class Preemption:
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if not self.save or self.requested is not None:
+            self.raised = signum
             raise Preempted(signum)
         self.requested = signum
         name = signal_name(signum)
@@ -116,6 +118,13 @@ class Preemption:
             os.write(fd, (("\n" if os.isatty(fd) else "") + message).encode())  # below a live progress line
         except (OSError, ValueError, AttributeError):  # no real stderr (captured, closed)
             pass
+
+    def as_preempted(self, exc: KeyboardInterrupt) -> KeyboardInterrupt:
+        """`exc` as the Preempted it is: a signal arriving while Ray's driver blocks in a call (ray.get, ray.wait)
+        runs the handler there, and Ray raises a plain KeyboardInterrupt in place of the handler's exception."""
+        if isinstance(exc, Preempted) or self.raised is None:
+            return exc
+        return Preempted(self.raised)
 
     def stop(self, step: int, checkpointed: bool) -> Preempted:
         """The exception that stops the run after `step` (once `requested`), whose checkpoint was written or not."""

@@ -265,9 +265,14 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                               f"({signal_name(preemption.requested)})", file=sys.stderr, flush=True)
                         raise Preempted(preemption.requested) from None
                     cfg = restarts.next(cfg, failure)
-    except Preempted as exc:
+    except KeyboardInterrupt as interrupt:
+        exc = preemption.as_preempted(interrupt)
+        if not isinstance(exc, Preempted):  # Ctrl-C without our handler (before or after the run's context)
+            raise
         exc.latest = checkpoint.latest(checkpoint.resolve_save_dir(cfg))  # for relax-train's message
-        raise
+        if exc is interrupt:
+            raise
+        raise exc from None
     finally:
         runtime.__exit__(None, None, None)
 

@@ -30,7 +30,9 @@ HERE = Path(__file__).resolve().parent  # interrupt_rewards.py
 CALLS_PER_STEP = 16  # rollout_batch_size 4 x n_samples_per_prompt 4
 STEPS = 3
 # hybrid: each checkpoint holds the batch generated ahead, which the resumed run must train as the uninterrupted one
-SIGNALS = ["data.reward=interrupt_rewards:signals", "data.reward_timeout_s=null", "train.mode=hybrid"]
+# (one torch thread in every role: runs with their roles in this process compute the same floats)
+SIGNALS = ["data.reward=interrupt_rewards:signals", "data.reward_timeout_s=null", "train.mode=hybrid",
+           "cluster.cpus_per_node=1"]
 
 
 # ------------------------------------------------------------------------------------------------ unit tests
@@ -65,6 +67,18 @@ def test_without_save_on_preempt_a_signal_stops_at_once():
                                                                "committed (a new run starts from step 0)")
     # train.save=false writes no checkpoint to stop with: at once too
     assert not Preemption.from_config(load_config(["train.save=false"])).save
+
+
+def test_a_stop_that_ray_turned_into_a_plain_keyboard_interrupt_is_still_the_signals():
+    """A signal arriving while the driver blocks in ray.get runs the handler there, and Ray raises a plain
+    KeyboardInterrupt instead of its Preempted: the run still stops as the signal's (message, exit 130)."""
+    with Preemption(save=False) as preemption:
+        assert preemption.as_preempted(KeyboardInterrupt()).__class__ is KeyboardInterrupt  # no signal yet
+        with pytest.raises(Preempted):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    stopped = preemption.as_preempted(KeyboardInterrupt())
+    assert isinstance(stopped, Preempted) and stopped.exit_code == 130
 
 
 def test_outside_the_main_thread_no_handler_is_installed():
@@ -140,7 +154,7 @@ def _overrides(run_overrides, tmp_path: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_sigterm_checkpoints_the_step_exits_143_and_resume_equals_an_uninterrupted_run(ray_local, tmp_path,
+def test_sigterm_checkpoints_the_step_exits_143_and_resume_equals_an_uninterrupted_run(in_process, tmp_path,
                                                                                        run_overrides, fresh_store):
     from relax.runner.train import run
 
@@ -155,7 +169,7 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_equals_an_uninterrupt
         proc = subprocess.Popen([sys.executable, "-m", "relax.cli.train", *_overrides(run_overrides, job)], cwd=job,
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        # meanwhile, the same run uninterrupted, in this process
+        # meanwhile, the same run uninterrupted, its roles in this process (what it computes is what is compared)
         ref = tmp_path / "ref"
         fresh_store(ref)
         reference = run(load_config(_overrides(run_overrides, ref)), output_dir=ref / "out")
@@ -180,7 +194,8 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_equals_an_uninterrupt
     assert mlrun.info.status == "KILLED"
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")] == list(range(k + 1))
 
-    # train.resume=auto finishes the run, in the same MLflow run, exactly as the uninterrupted one
+    # train.resume=auto finishes the run, in the same MLflow run, exactly as the uninterrupted one (its roles in this
+    # process: the signal's part is the real relax-train above)
     resumed = run(load_config(_overrides(run_overrides, job, "train.resume=auto")), output_dir=job / "out")
     assert [s for s, _ in resumed.history] == list(range(k + 1, STEPS)) and resumed.run_id == mlrun.info.run_id
     client, mlrun = _mlflow_run(job)
@@ -203,7 +218,7 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_equals_an_uninterrupt
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_without_save_on_preempt_sigterm_stops_at_once_without_a_new_checkpoint(ray_local, tmp_path, monkeypatch,
+def test_without_save_on_preempt_sigterm_stops_at_once_without_a_new_checkpoint(in_process, tmp_path, monkeypatch,
                                                                                  run_overrides, fresh_store):
     from relax.runner.train import run
 
