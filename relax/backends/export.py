@@ -31,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from relax.backends.checkpoint_files import CheckpointFileError, load_safetensors_file
 from relax.backends.models import qwen3_config, resolve_model_path
-from relax.backends.torch_train import CheckpointFileError, load_safetensors_file
 from relax.backends.write_errors import os_write_errors
 from relax.config.schema import ModelConfig, RolloutConfig
 from relax.data.tokenizer import ModelFileError, ModelPathError, load_tokenizer, stop_token_ids

@@ -182,7 +182,7 @@ class TorchCritic(TorchTrainer):
         save_file(head, str(directory / VALUE_HEAD_FILE))
 
     def _extra_load(self, directory: Path) -> None:
-        from relax.backends.torch_train import CheckpointFileError, load_safetensors_file
+        from relax.backends.checkpoint_files import CheckpointFileError, load_safetensors_file
 
         path = directory / VALUE_HEAD_FILE
         if path.is_file():

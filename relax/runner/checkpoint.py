@@ -86,6 +86,7 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "train.max_restarts",
     "train.save_failures",
     "train.save_on_preempt",
+    "train.checkpoint_timeout_s",
     "cluster.heartbeat_timeout_s",
     "tracking.system_metrics",
     "tracking.system_metrics_interval_s",
@@ -160,7 +161,7 @@ def write_rollout_state(directory: Path, state: dict) -> None:
 def read_rollout_state(path: Path) -> dict | None:
     """The rollout stream's state of checkpoint `path`, None if it has none. Loaded with `weights_only=True`: a
     checkpoint file cannot run code; a damaged one is a RunError naming it."""
-    from relax.backends.torch_train import CheckpointFileError, load_tensor_file
+    from relax.backends.checkpoint_files import CheckpointFileError, load_tensor_file
 
     file = path / ROLLOUT_STATE
     if not file.is_file():
@@ -365,7 +366,7 @@ def _check_formats(path: Path) -> None:
     """The files of a checkpoint without a manifest that a loader reads, parsed without loading tensor data."""
     from safetensors import safe_open
 
-    from relax.backends.torch_train import CheckpointFileError, load_tensor_file
+    from relax.backends.checkpoint_files import CheckpointFileError, load_tensor_file
 
     for file in _files(path):
         try:

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.backends.torch_train import CheckpointFileError, TorchPolicy
+from relax.backends.checkpoint_files import CheckpointFileError
+from relax.backends.torch_train import TorchPolicy
 from relax.config import load_config
 from relax.config.schema import ModelConfig
 from relax.runner import checkpoint
@@ -254,7 +255,7 @@ def test_relax_train_refuses_a_tampered_checkpoint_in_one_message(tmp_path, mani
 
 
 @pytest.mark.slow
-def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path):
+def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path, fresh_store):
     """The second line: state.json rewritten to list the tampered file (its checksums recomputed), so the driver's
     check passes; the actor (a Ray role) refuses the file with weights_only, and relax-train shows its message."""
     path = committed_checkpoint(tmp_path)
@@ -263,6 +264,7 @@ def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path):
     state = json.loads((path / checkpoint.STATE).read_text())
     state[checkpoint.FILES] = checkpoint.manifest(path)
     (path / checkpoint.STATE).write_text(json.dumps(state))
+    fresh_store(tmp_path)  # the run's default store, sqlite:///mlflow.db in its working directory
     out = subprocess.run([sys.executable, "-m", "relax.cli.train", *OVERRIDES, "train.resume=auto"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -284,7 +286,7 @@ MEGATRON_SCRIPT = textwrap.dedent("""
     from relax.algorithms.grpo import GRPOConfig
     from relax.backends.megatron import parallel
     from relax.backends.megatron.policy import MegatronPolicy
-    from relax.backends.torch_train import CheckpointFileError
+    from relax.backends.checkpoint_files import CheckpointFileError
     from relax.config.schema import ModelConfig, TrainConfig
 
     out, port = Path(sys.argv[1]), int(sys.argv[2])

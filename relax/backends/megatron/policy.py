@@ -692,7 +692,7 @@ class MegatronPolicy:
         Every rank reads its files first (safetensors, and the optimizer state with `weights_only=True`: tensors and
         plain values only, so a tampered file cannot run code); if any rank cannot, every rank raises (the one that
         failed with a CheckpointFileError naming its file) and nothing is restored. A collective."""
-        from relax.backends.torch_train import CheckpointFileError, load_safetensors_file, load_tensor_file
+        from relax.backends.checkpoint_files import CheckpointFileError, load_safetensors_file, load_tensor_file
 
         directory = Path(directory)
         names = self._rank_names()
@@ -735,7 +735,7 @@ class MegatronPolicy:
 
     def _read_checkpoint_meta(self, directory: Path) -> dict[str, Any]:
         """`trainer_state.json` of a checkpoint, checked against this trainer's TP/PP/DP sizes."""
-        from relax.backends.torch_train import CheckpointFileError
+        from relax.backends.checkpoint_files import CheckpointFileError
 
         state_file = directory / STATE_FILE
         if not state_file.is_file():
