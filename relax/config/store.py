@@ -42,8 +42,17 @@ def schema_name(group: str, option: str | None = None) -> str:
     return f"{option or group}_schema"
 
 
+_stored: tuple = ()  # the algorithm config classes the store holds nodes for (empty: nothing stored yet)
+
+
 def register_configs() -> None:
-    """Idempotent: (re)stores every schema node, including algorithms registered after import."""
+    """Idempotent: stores every schema node, again when an algorithm was registered (or replaced) since the last
+    call; otherwise nothing to do (storing them all is a good part of composing a config)."""
+    global _stored
+    current = tuple((name, algorithms.get(name).config_cls) for name in algorithms.names())
+    if current == _stored and ConfigStore.instance().repo.get("relax_schema.yaml") is not None:
+        return
+    _stored = current
     cs = ConfigStore.instance()
     cs.store(name="relax_schema", node=_writable(schema.RelaxConfig))
     for group, cls in GROUP_SCHEMAS.items():
