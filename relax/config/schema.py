@@ -20,7 +20,7 @@ class ModelConfig:
     source: str = "config"  # config | hf | gguf
     path: Optional[str] = None  # hf: a local directory, None -> $MODEL_DIR/<name>; gguf: a .gguf file
     dtype: str = "auto"  # auto (bf16 where the device has fast bf16, else fp32) | float32 | bfloat16
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in the backward (train.backend=torch only)
     # Architecture of a `source=config` model (Qwen3 layout).
     arch: str = "qwen3"
     hidden_size: int = 64
@@ -138,6 +138,10 @@ class TrainConfig:
     # Ctrl-C or SIGTERM (preemption): finish the current step, write a checkpoint, then stop (MLflow run KILLED,
     # exit 130 / 143); a second signal stops at once. false: stop at once (the last checkpoint stays the latest).
     save_on_preempt: bool = True
+    # Longest wait, in seconds, for the roles to write or read a checkpoint; beyond it the role is treated as hung
+    # (a restart, see max_restarts; the unfinished checkpoint is never committed). Holds with
+    # cluster.heartbeat_timeout_s=null too: a process stuck in file I/O keeps sending heartbeats.
+    checkpoint_timeout_s: float = 1800.0
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     use_dynamic_global_batch_size: bool = False
     mode: str = "sync"  # sync | fully_async | hybrid (docs/training.md, "Training modes")

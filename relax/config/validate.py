@@ -129,6 +129,7 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.positive("train.keep_checkpoints", t.keep_checkpoints)
     r.positive("train.max_skipped_steps", t.max_skipped_steps)
     r.non_negative("train.max_restarts", t.max_restarts)
+    r.positive("train.checkpoint_timeout_s", t.checkpoint_timeout_s)
     r.choice("train.save_failures", t.save_failures, SAVE_FAILURES)
     r.require(t.save or t.save_failures == "stop", ("train.save_failures", "train.save"),
               f"train.save_failures={t.save_failures} has no effect with train.save=false")

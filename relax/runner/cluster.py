@@ -415,12 +415,15 @@ class Cluster:
             calls.append((self.actor.save_hf.remote(str(staging / "hf")), self.actor_process))
         if self.critic is not None:
             calls.append((self.critic.save.remote(str(staging / "critic")), "critic"))
-        self.watch.get(calls, progress=False)
+        self.watch.get(calls, progress=False, deadline=self._checkpoint_deadline())
         return checkpoints.commit(staging, step, state)
 
     def load(self, path: Path) -> dict:
         calls = [(self.actor.load.remote(str(path / "policy")), self.actor_process)]
         if self.critic is not None:
             calls.append((self.critic.load.remote(str(path / "critic")), "critic"))
-        self.watch.get(calls, progress=False)
+        self.watch.get(calls, progress=False, deadline=self._checkpoint_deadline())
         return checkpoint.read_state(path)
+
+    def _checkpoint_deadline(self) -> tuple[float, str]:
+        return self.cfg.train.checkpoint_timeout_s, "train.checkpoint_timeout_s"

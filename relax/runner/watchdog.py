@@ -6,6 +6,10 @@ heartbeat for `cluster.heartbeat_timeout_s`, or whose progress has not changed f
 on it, is declared hung. A hung or dead role (Ray's `RayActorError`) surfaces as `RoleFailure`, naming the
 process, which the training loop answers by restarting the service graph (`train.max_restarts`). Errors raised
 inside a role's method (a bad batch, a full disk) stay what they are.
+
+Calls that advance no progress counter (saving and loading checkpoints) are bounded by a deadline of their own
+(`train.checkpoint_timeout_s`): a process can keep beating while it is stuck in file I/O (an NFS stall), so the
+heartbeat alone would let such a wait last forever. The deadline holds with the watchdog off too.
 """
 
 from __future__ import annotations
@@ -31,18 +35,24 @@ class Watchdog:
         if actor_id is not None:
             self.names[actor_id.hex()] = process
 
-    def get(self, calls: list[tuple[Any, str]], *, progress: bool = True) -> list[Any]:
+    def get(self, calls: list[tuple[Any, str]], *, progress: bool = True,
+            deadline: tuple[float, str] | None = None) -> list[Any]:
         """The results of `calls` ((ObjectRef, process name) pairs), in order. `progress=False` for calls that
-        advance no progress counter (saving, loading): only the heartbeats bound them."""
+        advance no progress counter (saving, loading): the heartbeats and `deadline` bound them. `deadline`:
+        (seconds, the setting that sets them); a call still pending after it is a RoleFailure."""
         import ray
 
         pending = [ref for ref, _ in calls]
         t0 = time.monotonic()
-        while pending and self.board is not None and self.timeout_s is not None:
+        watching = self.board is not None and self.timeout_s is not None
+        while pending and (watching or deadline is not None):
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
             if pending:
                 waiting = {name for ref, name in calls if ref in set(pending)}
-                self.check(waiting, time.monotonic() - t0, progress=progress)
+                waited = time.monotonic() - t0
+                if watching:
+                    self.check(waiting, waited, progress=progress)
+                overdue(waiting, waited, deadline)
         out = []
         for ref, name in calls:
             try:
@@ -80,6 +90,13 @@ class Watchdog:
                 raise RoleFailure(name, f"hung: no progress for {stalled:.0f} s in its current call (process "
                                         f"{beat.pid}, {beat.progress} units of work and {beat.tokens} tokens "
                                         f"done; cluster.heartbeat_timeout_s={T:g})")
+
+
+def overdue(waiting: set[str], waited_s: float, deadline: tuple[float, str] | None) -> None:
+    """RoleFailure naming the first process of `waiting` once `waited_s` exceeds `deadline` (seconds, setting)."""
+    if deadline is not None and waiting and waited_s > deadline[0]:
+        limit, setting = deadline
+        raise RoleFailure(min(waiting), f"hung: its call did not finish within {limit:g} s ({setting}={limit:g})")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -44,7 +44,7 @@ def beat(beat_age: float, progress_age: float) -> RoleBeat:
     (beat(1, 1), 100, True, None),  # beating and progressing
     (beat(1, 50), 100, True, "no progress for 50 s"),  # beating, stuck in its call for longer than the timeout
     (beat(1, 50), 20, True, None),  # stuck since before the call began 20 s ago: idle until then, not hung
-    (beat(1, 50), 100, False, None),  # a save or load advances no counter: only the heartbeat bounds it
+    (beat(1, 50), 100, False, None),  # a save or load advances no counter: its deadline bounds it (below)
     (beat(45, 45), 5, False, "no heartbeat for 45 s"),  # frozen (SIGSTOP, a native call holding the GIL)
     (None, 20, True, None),  # not heard from yet, within the timeout
     (None, 40, True, "no heartbeat within 30 s"),
@@ -58,6 +58,32 @@ def test_what_the_watchdog_declares_hung(direct_ray, record, waited, progress, h
         watch.check({"rollout[1]"}, waited, progress=progress)
     assert info.value.process == "rollout[1]" and info.value.role == "rollout"
     assert "cluster.heartbeat_timeout_s=30" in str(info.value) or "within 30 s" in str(info.value)
+
+
+class _Ref:
+    """A pending call: `ray.wait` of it never answers (the waits below patch `ray.wait`)."""
+
+
+@pytest.mark.parametrize("board", [True, False], ids=["watchdog", "heartbeats_off"])
+def test_a_checkpoint_call_that_keeps_beating_but_never_finishes_fails_at_its_deadline(monkeypatch, board):
+    """A save stuck in file I/O keeps its process beating, so no heartbeat rule fires: the deadline does, with the
+    watchdog on or off (cluster.heartbeat_timeout_s=null)."""
+    clock = [0.0]
+
+    def wait(pending, num_returns, timeout):  # a poll that takes its full timeout and answers nothing
+        clock[0] += timeout
+        return [], pending
+
+    fake = types.SimpleNamespace(wait=wait, get=lambda value, timeout=None: value,
+                                 exceptions=types.SimpleNamespace(RayActorError=type("E1", (Exception,), {}),
+                                                                  GetTimeoutError=TimeoutError))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    watch = Watchdog(_Board({"actor": beat(1, 10_000)}) if board else None, timeout_s=30 if board else None,
+                     poll_s=5)
+    with pytest.raises(RoleFailure, match=r"did not finish within 600 s \(train.checkpoint_timeout_s=600\)") as info:
+        watch.get([(_Ref(), "actor")], progress=False, deadline=(600.0, "train.checkpoint_timeout_s"))
+    assert info.value.process == "actor" and 600 < clock[0] <= 605
 
 
 def test_the_board_ages_heartbeats_and_progress_on_its_own_clock():
