@@ -233,6 +233,8 @@ def main() -> None:
         raise
     finally:
         if rank == 0:
+            # what this CPU run loaded of megatron-core: the modules whose CUDA call sites test_megatron_cpu audits
+            res["megatron_modules"] = sorted(m for m in sys.modules if m.startswith("megatron.core"))
             (out / "result.json").write_text(json.dumps(res, default=float))
     parallel.shutdown()
 

@@ -29,9 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+# its tests share module-scoped fixtures: one xdist worker runs them in a row
+pytestmark = [pytest.mark.xdist_group("megatron_cpu"),
+              pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+                                reason="megatron-core is not installed (pip install -e '.[megatron]')")]
 
 RANKS = Path(__file__).with_name("ranks.py")
 REL = 1e-4
@@ -167,21 +169,38 @@ def test_pp2_logprobs_train_and_weight_gather(pp2):
 # ---- single process ---------------------------------------------------------------------------------
 
 
+def cuda_sites(module: str) -> int:
+    """Lines of `module`'s installed source matching cpu_compat.CUDA_PATTERN."""
+    from relax.backends.megatron import cpu_compat
+
+    source = Path(importlib.util.find_spec(module).origin).read_text()
+    return sum(1 for line in source.splitlines() if cpu_compat.CUDA_PATTERN.search(line))
+
+
 def test_cpu_redirect_call_sites_match_installed_megatron_core():
     """An upgrade of megatron-core that adds, removes or moves a CUDA-only call site in a redirected module
     fails here: re-audit cpu_compat (and the modules it lists) before trusting CPU runs again."""
     from relax.backends.megatron import cpu_compat
 
-    found = {}
-    for module in cpu_compat.REDIRECTED_MODULES:
-        source = Path(importlib.util.find_spec(module).origin).read_text()
-        found[module] = sum(1 for line in source.splitlines() if cpu_compat.CUDA_PATTERN.search(line))
-    assert found == cpu_compat.CALL_SITES
+    assert {module: cuda_sites(module) for module in cpu_compat.REDIRECTED_MODULES} == cpu_compat.CALL_SITES
     import megatron.core
 
     assert megatron.core.__version__ == "0.16.1", "cpu_compat was audited against megatron-core 0.16.1"
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert re.search(r'megatron = \["megatron-core==0\.16\.1"\]', pyproject)
+
+
+def test_every_megatron_module_the_cpu_runs_load_is_audited_for_cuda_call_sites(tp2, dp2, pp2):
+    """Every megatron.core module loaded by the TP=2, DP=2 and PP=2 runs (rank 0's sys.modules) has its CUDA call
+    sites either redirected (cpu_compat.CALL_SITES) or audited as off the CPU path (UNREDIRECTED_SITES), with the
+    count the audit saw; a module with sites in neither fails, so a new site anywhere on the path is noticed."""
+    from relax.backends.megatron import cpu_compat
+
+    loaded = set().union(*(set(run["megatron_modules"]) for run in (tp2, dp2, pp2)))
+    assert set(cpu_compat.CALL_SITES) <= loaded, "a redirected module is no longer loaded: drop it from CALL_SITES"
+    sources = [m for m in loaded if (importlib.util.find_spec(m).origin or "").endswith(".py")]
+    found = {m: n for m in sources if (n := cuda_sites(m))}
+    assert found == {**cpu_compat.CALL_SITES, **cpu_compat.UNREDIRECTED_SITES}
 
 
 def _tiny_hf(arch: str):
