@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 
-def small_overrides(tmp_path: Path, *extra: str, steps: int = 2) -> list[str]:
-    """Overrides of a fast run on the tiny model, tracked in a store inside `tmp_path`, checkpoints in tmp_path/ckpt."""
+def small_overrides(tmp_path: Path, *extra: str, steps: int = 2, store: Path | None = None) -> list[str]:
+    """Overrides of a fast run on the tiny model, tracked in a store inside `tmp_path`, checkpoints in tmp_path/ckpt.
+    `store`: an empty migrated MLflow store copied to tmp_path/mlflow.db unless one is there (creating a store runs
+    every schema migration: seconds of CPU per run)."""
+    if store is not None and not (tmp_path / "mlflow.db").exists():
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(store, tmp_path / "mlflow.db")
     return [
         f"train.num_rollout={steps}",
         "rollout.rollout_batch_size=4",
@@ -27,19 +32,23 @@ def small_overrides(tmp_path: Path, *extra: str, steps: int = 2) -> list[str]:
 
 
 @pytest.fixture
-def small_run(tmp_path) -> Callable[..., list[str]]:
+def small_run(tmp_path, mlflow_template) -> Callable[..., list[str]]:
     """`small_overrides` in this test's tmp_path: `small_run(*extra, steps=2)`."""
 
     def make(*extra: str, steps: int = 2) -> list[str]:
-        return small_overrides(tmp_path, *extra, steps=steps)
+        return small_overrides(tmp_path, *extra, steps=steps, store=mlflow_template)
 
     return make
 
 
 @pytest.fixture(scope="session")
-def run_overrides() -> Callable[..., list[str]]:
+def run_overrides(mlflow_template) -> Callable[..., list[str]]:
     """`small_overrides` itself, for module-scoped fixtures: `run_overrides(directory, *extra, steps=2)`."""
-    return small_overrides
+
+    def make(directory: Path, *extra: str, steps: int = 2) -> list[str]:
+        return small_overrides(directory, *extra, steps=steps, store=mlflow_template)
+
+    return make
 
 
 @pytest.fixture(scope="session")
@@ -76,17 +85,73 @@ def fresh_store(mlflow_template) -> Callable[[Path], Path]:
     return make
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray for this module (or the one a module of another directory already started)."""
+# The local Ray instance of this test process (with pytest-xdist, of this worker): started by the first test that
+# asks for it and kept for the others, as a run keeps the instance it finds (`RayRuntime`). A test that needs another
+# instance (other resources, or none) stops it (`no_ray`); the next test that asks starts it again.
+def _start_ray():
     import ray
 
     from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
 
-    started = not ray.is_initialized()
-    if started:
+    if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
                  _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
-    yield ray
-    if started:
+    return ray
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
+    yield
+    import ray
+
+    if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_local(_ray_session):
+    """The process's local Ray (started if it is not running)."""
+    return _start_ray()
+
+
+@pytest.fixture(scope="module")
+def ray_module(_ray_session):
+    """`ray_local` for module-scoped fixtures."""
+    return _start_ray()
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray instance in this process when the test starts (a test of the instance a run starts itself, or of one
+    with other resources)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    return ray
+
+
+@pytest.fixture
+def in_process():
+    """Within the test, roles run as objects in this process instead of Ray actors (tests/inprocess_ray.py)."""
+    from inprocess_ray import inprocess_ray
+
+    with inprocess_ray():
+        yield
+
+
+@pytest.fixture
+def trained_batches(monkeypatch) -> dict:
+    """step -> the `Samples` the training loop trained at that step (of the last run in this process): recorded
+    where the loop hands a step's scored rollout to the trainer side (`relax.runner.train.train_batch`)."""
+    from relax.runner import train
+
+    batches: dict = {}
+    original = train.train_batch
+
+    def record(cfg, plan, cluster, samples, rewards, keep, step):
+        batches[step] = samples
+        return original(cfg, plan, cluster, samples, rewards, keep, step)
+
+    monkeypatch.setattr(train, "train_batch", record)
+    return batches

@@ -1,10 +1,12 @@
-"""A stand-in for the `ray` module that runs roles in this process, for the schema walk only.
+"""A stand-in for the `ray` module that runs roles in this process: the `in_process` fixture (tests/conftest.py).
 
-The walk runs the real training loop (`relax.runner.train.run`) once per config field; starting Ray's
-actor processes for each of those runs would take most of CI's budget. This stand-in keeps the loop, the
-roles and the backends real and replaces only the transport: `ray.remote(cls).options(...).remote(...)`
-builds the role object here, `handle.method.remote(...)` calls it, `ray.get` returns the value. End-to-end
-tests elsewhere run the same loop on a real Ray.
+Starting a role is starting a Python process that imports torch and transformers: seconds of CPU each, most of a
+short run's cost. Tests of what the loop computes (the schema walk, the algorithms end to end, metrics, tracking,
+resume, reward faults) run the real training loop (`relax.runner.train.run`) with this stand-in: the loop, the
+roles and the backends stay real and only the transport is replaced: `ray.remote(cls).options(...).remote(...)`
+builds the role object here, `handle.method.remote(...)` calls it, `ray.get` returns the value. Tests of what
+processes do (placement, killed and hung roles, restarts, signals, weights through the object store, one run per
+service graph) use a real Ray; tests/README.md lists which is which.
 """
 
 from __future__ import annotations

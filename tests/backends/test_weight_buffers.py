@@ -80,6 +80,7 @@ def test_weights_on_a_gpu_are_refused():
         WeightBuffers.of({"w": meta})
 
 
+@pytest.mark.slow
 def test_through_ray_the_receiver_reads_the_object_store_in_place(ray_local):
     ray = ray_local
 

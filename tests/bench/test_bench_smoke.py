@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

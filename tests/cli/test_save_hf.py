@@ -1,12 +1,12 @@
 """`train.save_hf=true` and `tracking.log_model=true`: at the end of a run its final checkpoint is exported to
 `<save_dir>/hf` and that directory is logged into the MLflow run as a transformers model.
 
-One short run of the tiny model on a real (local) Ray, shared by the tests of what it leaves: the export, compared
-with the final checkpoint's policy by log-probs (the trainer's own, from a fresh actor loaded from the checkpoint,
-against transformers on the exported directory: `test_export`'s helpers), and the MLflow model, loaded back with
-`mlflow.transformers.load_model` and compared with the export tensor for tensor. The failures (the final checkpoint
-missing, an export that cannot be written, a model the store does not take) are checked on the `Session` that runs
-the export, with a committed checkpoint made as `test_export` makes it, without Ray.
+One short run of the tiny model (its roles in this process: tests/inprocess_ray.py), shared by the tests of what it
+leaves: the export, compared with the final checkpoint's policy by log-probs (the trainer's own, from a fresh actor
+loaded from the checkpoint, against transformers on the exported directory: `test_export`'s helpers), and the MLflow
+model, loaded back with `mlflow.transformers.load_model` and compared with the export tensor for tensor. The failures
+(the final checkpoint missing, an export that cannot be written, a model the store does not take) are checked on the
+`Session` that runs the export, with a committed checkpoint made as `test_export` makes it, without Ray.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import contextlib
 import errno
 import io
 import json
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from inprocess_ray import inprocess_ray
 from test_export import PROMPTS, RESPONSES, assert_trainer_logprobs, batch_of, commit, hf_logprobs, trainer_logprobs
 
 from relax.config import load_config
@@ -30,7 +30,9 @@ from relax.roles.workers import ModelInfo, PolicyWorker
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
 
-pytestmark = pytest.mark.slow
+# its tests share module-scoped fixtures: one xdist worker runs them in a row
+pytestmark = [pytest.mark.xdist_group("save_hf"),
+              pytest.mark.slow]
 
 
 @dataclass
@@ -42,16 +44,15 @@ class Trained:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, run_overrides, mlflow_template, ray_local) -> Trained:
+def trained(tmp_path_factory, run_overrides) -> Trained:
     """A 2-step run of the tiny model (fp32: the trainer's log-probs are those of the exported weights) with
     train.save_hf=true and tracking.log_model=true."""
     from relax.runner.train import run
 
     tmp = tmp_path_factory.mktemp("save_hf")
-    shutil.copyfile(mlflow_template, tmp / "mlflow.db")
     cfg = load_config(run_overrides(tmp, "model.dtype=float32", "train.save_hf=true", "tracking.log_model=true"))
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with inprocess_ray(), contextlib.redirect_stderr(err):
         result = run(cfg, output_dir=tmp / "out")
     return Trained(cfg, tmp / "ckpt", result.run_id, err.getvalue())
 

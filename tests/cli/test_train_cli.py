@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
+
 
 def relax_train(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "relax.cli.train", *args], capture_output=True, text=True,

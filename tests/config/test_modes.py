@@ -29,11 +29,7 @@ def test_the_four_sync_only_algorithms_reject_asynchronous_training(algorithm, o
     assert field in fields([f"algorithm={algorithm}", *extra, override])
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "cispo", "gspo", "sapo", "m2po"])
-def test_the_async_algorithms_run_fully_async_with_partial_rollout(algorithm):
-    cfg = load_config([f"algorithm={algorithm}", "train.mode=fully_async", "train.max_staleness=2",
-                       "rollout.partial_rollout=true", "rollout.mask_offpolicy_in_partial_rollout=true"])
-    assert cfg.train.mode == "fully_async" and cfg.rollout.partial_rollout
+# test_the_async_algorithms_run_fully_async_with_partial_rollout: tests/runner/test_async_training.py (it runs them)
 
 
 CASES = [

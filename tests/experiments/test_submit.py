@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from relax.cli.submit import (
     parse_env,
     storage_problems,
 )
+
+# its tests share module-scoped Ray head: one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("submit")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -182,13 +186,16 @@ def ray_head(tmp_path_factory):
     machine keep theirs); SIGTERM makes `--block` stop every process it started. Never `ray stop` (it kills all)."""
     tmp = tmp_path_factory.mktemp("head")
     token = secrets.token_hex(16)
+    # Ray's socket paths must stay under the OS limit (107 bytes): pytest's directories can be longer (xdist)
+    ray_tmp = tempfile.mkdtemp(prefix="relax-head-", dir="/tmp")
+    (tmp / "ray").symlink_to(ray_tmp)  # where the tests look for what the head keeps
     gcs, dash, agent, client = (_free_port() for _ in range(4))
     ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(tmp)}
     cmd = [ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
            f"--ray-client-server-port={client}", "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true",
-           f"--temp-dir={tmp / 'ray'}"]
+           f"--temp-dir={ray_tmp}"]
     log = open(tmp / "head.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
     url = f"http://127.0.0.1:{dash}"
@@ -205,6 +212,7 @@ def ray_head(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
     log.close()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _submit(args, *, token, home, timeout=180):

@@ -1,4 +1,5 @@
-"""End-to-end on a real local Ray with the tiny model: a diverging run stops, a hanging reward is cut off."""
+"""End-to-end with the tiny model, the roles in this process (`in_process`; the reward workers are processes as in
+every run): a diverging run stops, a hanging reward is cut off."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from relax.runner.train import run
 pytestmark = pytest.mark.slow
 
 
-def test_a_diverged_run_skips_its_nonfinite_steps_then_stops_keeping_its_checkpoints(ray_local, small_run, tmp_path):
+def test_a_diverged_run_skips_its_nonfinite_steps_then_stops_keeping_its_checkpoints(in_process, small_run,
+                                                                                     tmp_path):
     """lr=1e30: the first update blows the weights up (finite, ~1e30), every later gradient is NaN."""
     from mlflow.tracking import MlflowClient
 
@@ -41,7 +43,7 @@ def test_a_diverged_run_skips_its_nonfinite_steps_then_stops_keeping_its_checkpo
     print(f"diverged run: {took:.1f} s")
 
 
-def test_a_hanging_reward_is_cut_off_and_its_groups_dropped(ray_local, small_run, tmp_path):
+def test_a_hanging_reward_is_cut_off_and_its_groups_dropped(in_process, small_run, tmp_path):
     cfg = load_config(small_run("data.reward=fault_rewards:hangs", "data.reward_timeout_s=0.2",
                                 "rollout.max_response_len=3"))
     t0 = time.perf_counter()

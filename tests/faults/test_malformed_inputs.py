@@ -26,6 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from relax.runner.cluster import RayRuntime
+
+pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
+
 GOOD = {"prompt": "repeat 3", "label": "3"}
 GOOD_LINE = json.dumps(GOOD) + "\n"
 
@@ -205,6 +209,8 @@ def test_malformed_input_is_one_clear_message(case: Case, tmp_path, monkeypatch,
     if case.make is not None:
         case.make(file)
     args = [a.format(file=file) for a in case.args]
+    started = []  # Ray (started or joined) for the run: never, when the input is refused first
+    monkeypatch.setattr(RayRuntime, "__enter__", lambda self: started.append(self) or self)
     common = ["dry_run=true"] if case.dry_run else [
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress=false", "train.save=false"]
     code, output = relax_train([*args, *common], capfd)
@@ -213,9 +219,7 @@ def test_malformed_input_is_one_clear_message(case: Case, tmp_path, monkeypatch,
     assert "relax-train: error: " in output
     for needle in case.says:
         assert needle.format(file=file) in output, output[-3000:]
-    assert not (tmp_path / "mlflow.db").exists()  # refused before tracking (and Ray) started
-    ray = sys.modules.get("ray")
-    assert ray is None or not ray.is_initialized()
+    assert not (tmp_path / "mlflow.db").exists() and not started  # refused before tracking and Ray started
 
 
 def test_the_corpus_is_large_enough():

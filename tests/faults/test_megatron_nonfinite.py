@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+# its tests share module-scoped fixtures: one xdist worker runs them in a row
+pytestmark = [pytest.mark.xdist_group("megatron_nonfinite"), pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+                                reason="megatron-core is not installed (pip install -e '.[megatron]')")]
 
 RANKS = Path(__file__).with_name("megatron_ranks.py")
 WORLD = 2

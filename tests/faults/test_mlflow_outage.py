@@ -26,6 +26,8 @@ from relax.tracking import Tracker
 from relax.tracking import spool as S
 from relax.tracking.mlflow_run import TrackingUnavailable
 
+pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
+
 TRACKER_LOGGER = "relax.tracking.mlflow_run"
 
 
@@ -446,7 +448,7 @@ def test_session_keeps_checkpointing_during_an_outage_and_spools_next_to_the_che
 
 # ---------------------------------------------------------------------------- end to end
 @pytest.mark.slow
-def test_a_training_run_survives_a_store_outage(ray_local: Any, small_run: Any, tmp_path: Path,
+def test_a_training_run_survives_a_store_outage(in_process: None, small_run: Any, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     from relax.config import load_config

@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from inprocess_ray import inprocess_ray
 from safetensors.torch import load_file
 
 from relax.config import load_config
@@ -22,14 +23,17 @@ from relax.runner.metrics import RAW_REWARD
 from relax.runner.restarts import RESTARTS_TAG
 from relax.runner.train import run
 
-pytestmark = pytest.mark.slow
+# its tests share module-scoped fixtures: one xdist worker runs them in a row
+pytestmark = [pytest.mark.xdist_group("role_failures"),
+              pytest.mark.slow]
 
 STEPS = 3
 CALLS_PER_STEP = 16  # rollout_batch_size 4 x n_samples_per_prompt 4
 # chaos_rewards runs in the driver (no reward worker processes); a checkpoint after every step
 # (responses of up to 24 tokens: a rollout keeps a replica busy long enough to be killed in the middle of it)
+# (one torch thread in every role: the uninterrupted run, its roles in this process, computes the same floats)
 CHAOS = ["data.reward=chaos_rewards:digits_with_fault", "data.reward_timeout_s=null", "train.save_interval=1",
-         "rollout.max_response_len=24"]
+         "rollout.max_response_len=24", "cluster.cpus_per_node=1"]
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +75,11 @@ def assert_every_step_once(client, run) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_local, tmp_path_factory, overrides):
+def uninterrupted(tmp_path_factory, overrides):
+    """The chaos runs' config without a fault, its roles in this process: the final weights and rewards to match."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    run(load_config(overrides(tmp)), output_dir=tmp / "out")
+    with inprocess_ray():
+        run(load_config(overrides(tmp)), output_dir=tmp / "out")
     client, mlrun = mlflow_run(tmp)
     return final_weights(tmp), history(client, mlrun, RAW_REWARD)
 
@@ -93,8 +99,8 @@ def assert_same_as(uninterrupted, tmp_path, client, mlrun) -> None:
     assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in weights)
 
 
-def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(uninterrupted, monkeypatch, tmp_path, capfd,
-                                                                    overrides):
+def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(ray_local, uninterrupted, monkeypatch, tmp_path,
+                                                                    capfd, overrides):
     chaos(monkeypatch, tmp_path, "actor", "KILL", step=2)
     run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
@@ -106,7 +112,22 @@ def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(uninterrupte
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
-def test_a_hung_actor_is_declared_hung_and_restarted(uninterrupted, monkeypatch, tmp_path, overrides):
+def test_the_comparison_fails_a_restart_that_loses_the_trained_weights(ray_local, uninterrupted, monkeypatch,
+                                                                     tmp_path, overrides):
+    """Negative control of the test above: a restart that reads the checkpoint's step but does not load its weights
+    into the new roles (they start from the initial weights) completes, and the comparison fails it."""
+    from relax.runner.cluster import Cluster
+
+    monkeypatch.setattr(Cluster, "load", lambda self, path: checkpoint.read_state(path))
+    chaos(monkeypatch, tmp_path, "actor", "KILL", step=2)
+    run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
+    client, mlrun = mlflow_run(tmp_path)
+    assert mlrun.info.status == "FINISHED"
+    with pytest.raises(AssertionError):
+        assert_same_as(uninterrupted, tmp_path, client, mlrun)
+
+
+def test_a_hung_actor_is_declared_hung_and_restarted(ray_local, uninterrupted, monkeypatch, tmp_path, overrides):
     """SIGSTOP: the process is alive but sends nothing; after cluster.heartbeat_timeout_s it is treated as crashed."""
     chaos(monkeypatch, tmp_path, "actor", "STOP", step=1)
     run(load_config(overrides(tmp_path, "cluster.heartbeat_timeout_s=3")), output_dir=tmp_path / "out")
@@ -117,7 +138,8 @@ def test_a_hung_actor_is_declared_hung_and_restarted(uninterrupted, monkeypatch,
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
-def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(uninterrupted, monkeypatch, tmp_path, overrides):
+def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(ray_local, uninterrupted, monkeypatch, tmp_path,
+                                                                      overrides):
     """Two replicas; replica 1 dies inside a call (loading weights or generating step 2's rollout): a new one takes
     its place, gets the current weights and runs its share again (the same samples: each draws from its own random
     stream)."""
@@ -134,7 +156,7 @@ def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(uninterrup
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
-def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_run(uninterrupted, monkeypatch,
+def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_run(ray_local, uninterrupted, monkeypatch,
                                                                                  tmp_path, overrides):
     chaos(monkeypatch, tmp_path, "actor", "KILL", step=1)
     run(load_config(overrides(tmp_path, "train.save_interval=0")), output_dir=tmp_path / "out")

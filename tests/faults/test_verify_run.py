@@ -313,7 +313,7 @@ def _verify_subprocess(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_a_real_run_and_its_resume_verify(ray_local, small_run, tmp_path, monkeypatch):
+def test_a_real_run_and_its_resume_verify(in_process, small_run, tmp_path, monkeypatch):
     from relax.runner.train import run
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -7,14 +7,12 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install -e '.[megatron]')")
+                                reason="megatron-core is not installed (pip install -e '.[megatron]')")]
 
 
-def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
-    import ray
-
+def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path, ray_local):
     from relax.algorithms.grpo import GRPOConfig
     from relax.backends.batch import TrainBatch
     from relax.backends.models import build_model
@@ -23,7 +21,6 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
     from relax.metrics import ACTOR_COMPUTE_TIME, GRAD_NORM, PG_LOSS
     from relax.roles.megatron_actor import MegatronActorGroup
     from relax.roles.workers import ModelInfo
-    from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
 
     model = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
@@ -42,8 +39,6 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
     ref = TorchPolicy(model, train, vocab_size=32, pad_token_id=0, seed=5, temperature=0.8, num_threads=1,
                       total_steps=2)
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
     group = None
     try:
         group = MegatronActorGroup(cfg, info, threads=1)
@@ -71,4 +66,3 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path):
     finally:
         if group is not None:
             group.kill()
-        ray.shutdown()

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 # its tests share module-scoped fixtures: one xdist worker runs them in a row
-pytestmark = [pytest.mark.xdist_group("megatron_cpu"),
+pytestmark = [pytest.mark.xdist_group("megatron_cpu"), pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")]

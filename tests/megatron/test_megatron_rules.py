@@ -94,6 +94,7 @@ def test_a_model_from_files_is_checked_before_ray_starts(tmp_path):
         _prepare(cfg)
 
 
+@pytest.mark.slow
 def test_the_cpu_default_real_model_is_supported():
     from relax.config import load_config
     from relax.data.tokenizer import resolve_model_path

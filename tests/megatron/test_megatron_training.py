@@ -28,16 +28,19 @@ def overrides(tmp_path, name: str, *extra: str) -> list[str]:
             f"train.save_dir={tmp_path}/{name}", *extra]
 
 
-def test_megatron_tp2_trains_through_ray_like_the_torch_backend(tmp_path):
+def test_megatron_tp2_trains_through_ray_like_the_torch_backend(tmp_path, ray_local, fresh_store):
     import torch
+    from inprocess_ray import inprocess_ray
     from transformers import AutoModelForCausalLM
 
     from relax.config import load_config
     from relax.runner.train import run
 
+    fresh_store(tmp_path)
     mega = run(load_config(overrides(tmp_path, "mega", "train.backend=megatron", "train.tensor_parallel_size=2",
                                      "train.save_hf=true")), output_dir=tmp_path / "a")
-    ref = run(load_config(overrides(tmp_path, "torch")), output_dir=tmp_path / "b")
+    with inprocess_ray():  # the torch backend's first step, for comparison: its roles in this process
+        ref = run(load_config(overrides(tmp_path, "torch", "train.num_rollout=1")), output_dir=tmp_path / "b")
     assert [s for s, _ in mega.history] == [0, 1, 2]
     for _, m in mega.history:
         assert not [k for k in COMMON if k not in m]

@@ -1,14 +1,24 @@
-"""Asynchronous training end to end on a real local Ray with the tiny model: the modes against sync, their metrics,
-and the exact resume of a hybrid run."""
+"""Asynchronous training end to end with the tiny model: the modes against sync, staleness and partial rollout, and
+the exact resume of the batches generated ahead.
+
+The staleness bound and partial rollout run on a real local Ray (the rollout and the actor in processes of their
+own, as a run has them); the comparisons between runs and the algorithm matrix run the same loop with the roles in
+this process (`in_process`), with one torch thread everywhere so that two runs compute the same floats."""
 
 from __future__ import annotations
 
-import pytest
+import math
+import time
 
+import pytest
+import torch
+
+from relax.backends.batch import Samples
 from relax.config import load_config
 from relax.metrics import (
     ABORTED_TOKENS,
     BUFFER_SIZE,
+    LOSS,
     M2_AFTER,
     M2_BEFORE,
     PARTIAL_FRAC,
@@ -20,17 +30,46 @@ from relax.metrics import (
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
 )
+from relax.runner import rollout_stream
 from relax.runner.train import run
 
 pytestmark = pytest.mark.slow
 
 SAME_DATA = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/grad_norm", "train/pg_clipfrac",
              "train/entropy"]
+ONE_THREAD = "cluster.cpus_per_node=1"  # the same torch thread count in every mode: the same floats
 
 
-def test_fully_async_with_max_staleness_0_trains_on_exactly_the_sync_data(ray_local, small_run, tmp_path):
-    sync = run(load_config(small_run(steps=3)), output_dir=tmp_path / "sync")
-    fa = run(load_config(small_run("train.mode=fully_async", "train.max_staleness=0", steps=3)),
+def slow_generation(monkeypatch, seconds_per_token: float = 0.02) -> None:
+    """The embedded engine takes `seconds_per_token` per decoding step (in this process): generating a batch then
+    takes longer than training one, so every weight update finds a generation in flight and partial rollout
+    interrupts it, whatever the machine's speed."""
+    from relax.roles.workers import RolloutWorker
+
+    original = RolloutWorker._should_abort
+
+    def slowed(self, gen_id):
+        check = original(self, gen_id)
+
+        def should_abort() -> bool:
+            time.sleep(seconds_per_token)
+            return check is not None and check()
+
+        return should_abort
+
+    monkeypatch.setattr(RolloutWorker, "_should_abort", slowed)
+
+
+def check_staleness(result, bound: int) -> None:
+    for step, m in result.history:
+        hist = [m[f"{STALENESS_HIST}{s}"] for s in range(bound + 1)]
+        assert sum(hist) == pytest.approx(1.0) and f"{STALENESS_HIST}{bound + 1}" not in m
+        assert 0 <= m[STALENESS_MEAN] <= m[STALENESS_MAX] <= min(bound, step), (step, m[STALENESS_MAX])
+
+
+def test_fully_async_with_max_staleness_0_trains_on_exactly_the_sync_data(in_process, small_run, tmp_path):
+    sync = run(load_config(small_run(ONE_THREAD, steps=3)), output_dir=tmp_path / "sync")
+    fa = run(load_config(small_run(ONE_THREAD, "train.mode=fully_async", "train.max_staleness=0", steps=3)),
              output_dir=tmp_path / "async")
     assert [s for s, _ in fa.history] == [0, 1, 2]
     for (_, a), (_, b) in zip(sync.history, fa.history, strict=True):
@@ -43,10 +82,8 @@ def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray
                                 "rollout.partial_rollout=true", "rollout.max_response_len=16", steps=5))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1, 2, 3, 4]
-    for step, m in result.history:
-        hist = [m[f"{STALENESS_HIST}{s}"] for s in range(3)]
-        assert sum(hist) == pytest.approx(1.0) and f"{STALENESS_HIST}3" not in m
-        assert 0 <= m[STALENESS_MEAN] <= m[STALENESS_MAX] <= min(2, step)
+    check_staleness(result, 2)
+    for _, m in result.history:
         assert 0 <= m[PARTIAL_FRAC] <= 1 and m[ABORTED_TOKENS] >= 0
         assert 0 <= m[TRAIN_IDLE_FRAC] <= 1 and 0 <= m[ROLLOUT_IDLE_FRAC] <= 1 and m[BUFFER_SIZE] >= 0
         assert TRAIN_ROLLOUT_LOGP_ABS_DIFF in m and TRAIN_ROLLOUT_RATIO_MAX in m
@@ -56,30 +93,73 @@ def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray
     assert any(m[M2_BEFORE] > 0 for m in stale) and all(m[M2_AFTER] <= m[M2_BEFORE] + 1e-12 for m in stale)
 
 
-# hybrid's exact resume (equal to the uninterrupted run) is tests/runner/test_resume.py's kill -9 test
-@pytest.mark.parametrize("mode", ["fully_async"])
-def test_resume_of_an_asynchronous_run(mode, ray_local, small_run, tmp_path):
-    """A checkpoint holds the batches generated ahead: the resumed run trains them as they were. Hybrid's versions
-    do not depend on timing, so its resumed run equals the uninterrupted one; fully_async's first resumed step
-    trains exactly the batch the checkpoint buffered."""
-    import torch
+def test_the_staleness_check_fails_a_stream_that_ignores_the_bound(in_process, small_run, tmp_path, monkeypatch):
+    """Negative control of the staleness checks: a stream whose jobs all start on the first weights (the bound not
+    applied; the actor made to keep every version, so that the run goes on) trains tokens older than
+    max_staleness=1, and `check_staleness` says so."""
+    from relax.roles import workers
 
+    class KeepAll(workers.WeightVersions):
+        def __init__(self, params, keep):
+            super().__init__(params, keep=100)
+
+    monkeypatch.setattr(rollout_stream, "version_window", lambda mode, step, max_staleness: (0, 0))
+    monkeypatch.setattr(workers, "WeightVersions", KeepAll)
+    cfg = load_config(small_run(ONE_THREAD, "train.mode=fully_async", "train.max_staleness=1", steps=4))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert max(m[STALENESS_MAX] for _, m in result.history) == 3
+    with pytest.raises(AssertionError):
+        check_staleness(result, 1)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "cispo", "gspo", "sapo", "m2po"])
+def test_the_async_algorithms_run_fully_async_with_partial_rollout(algorithm, in_process, small_run, tmp_path,
+                                                                   monkeypatch, trained_batches):
+    """Every algorithm that allows asynchronous training trains fully_async with partial rollout: generations are
+    interrupted by weight updates and continued with the new weights (responses whose tokens come from two
+    versions), no trained token is older than max_staleness, and the algorithm's loss is finite at every step."""
+    slow_generation(monkeypatch)
+    cfg = load_config(small_run(ONE_THREAD, f"algorithm={algorithm}", "train.mode=fully_async",
+                                "train.max_staleness=2", "rollout.partial_rollout=true",
+                                "rollout.mask_offpolicy_in_partial_rollout=true", "rollout.max_response_len=12",
+                                steps=4))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert [s for s, _ in result.history] == [0, 1, 2, 3]
+    check_staleness(result, 2)
+    assert all(math.isfinite(m[LOSS]) for _, m in result.history)
+    assert any(m[PARTIAL_FRAC] > 0 for _, m in result.history), "no response was interrupted and continued"
+    for step, samples in trained_batches.items():
+        assert len(samples) == 16 and "abort" not in samples.finish_reason  # every response finished
+        versions = samples.versions()[samples.response_mask.bool()]
+        assert int(versions.min()) >= step - 2 and int(versions.max()) <= step
+
+
+# hybrid's exact resume after kill -9 on a real Ray: tests/runner/test_resume.py
+@pytest.mark.parametrize("mode", ["hybrid", "fully_async"])
+def test_resume_of_an_asynchronous_run(mode, in_process, small_run, tmp_path, trained_batches):
+    """A checkpoint holds the batches generated ahead: the resumed run trains them as they were. The first resumed
+    step trains exactly the batch the checkpoint buffered, and equals the uninterrupted run's step; hybrid's versions
+    do not depend on timing, so its whole resumed run equals the uninterrupted one."""
     from relax.runner import checkpoint
 
-    extra = ["train.mode=" + mode, "train.save_interval=2"] + (["train.max_staleness=2"] if mode == "fully_async"
-                                                             else [])
+    extra = [ONE_THREAD, "train.mode=" + mode, "train.save_interval=2"] + (
+        ["train.max_staleness=2"] if mode == "fully_async" else [])
     full = run(load_config(small_run(*extra, steps=4)), output_dir=tmp_path / "a")
+    uninterrupted = dict(trained_batches)
     ckpt = tmp_path / "ckpt" / "step_000002"
     saved = checkpoint.read_rollout_state(ckpt)
-    buffered = {d["step"]: d["samples"] for d in saved["buffer"]}
-    assert 2 in buffered or saved["current"] is not None  # the mode generated ahead of step 2
+    buffered = {d["step"]: Samples(**d["samples"]) for d in saved["buffer"]}
+    # step 1 was taken before the checkpoint, so the pump had started step 2's job; the checkpoint waits for it
+    assert 2 in buffered, sorted(buffered)
+    trained_batches.clear()
     resumed = run(load_config(small_run(*extra, f"train.resume={ckpt}", f"train.save_dir={tmp_path}/ckpt2", steps=4)),
                   output_dir=tmp_path / "b")
     assert [s for s, _ in resumed.history] == [2, 3]
-    if mode == "hybrid":
-        for (_, a), (_, b) in zip(full.history[2:], resumed.history, strict=True):
-            assert {k: a[k] for k in SAME_DATA} == {k: b[k] for k in SAME_DATA}
-    if 2 in buffered:  # the batch of step 2 was generated before the checkpoint: trained as it was
-        lengths = buffered[2]["response_mask"].sum(1).float().mean()
-        assert resumed.history[0][1]["rollout/response_len"] == pytest.approx(float(lengths))
-        assert torch.equal(buffered[2]["sample_id"], torch.arange(2 * 16, 3 * 16))
+    for name in ("sample_id", "response_ids", "response_mask", "token_version", "rollout_logp"):
+        assert torch.equal(getattr(trained_batches[2], name), getattr(buffered[2], name)), name
+        assert torch.equal(getattr(trained_batches[2], name), getattr(uninterrupted[2], name)), name
+    assert trained_batches[2].finish_reason == buffered[2].finish_reason
+    same = full.history[2:] if mode == "hybrid" else full.history[2:3]
+    for (step_a, a), (step_b, b) in zip(same, resumed.history, strict=False):
+        assert step_a == step_b
+        assert {k: a[k] for k in SAME_DATA} == {k: b[k] for k in SAME_DATA}, step_a

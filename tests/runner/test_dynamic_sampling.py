@@ -218,9 +218,8 @@ def test_the_loop_warns_when_the_round_limit_leaves_groups_without_a_signal():
 
 
 @pytest.mark.slow
-def test_a_run_with_dynamic_sampling_logs_its_rounds_and_its_ledger_verifies(ray_local, small_run, fresh_store,
-                                                                          tmp_path):
-    """The real loop on Ray: every step's batch holds rollout_batch_size groups, the rounds and the groups set aside
+def test_a_run_with_dynamic_sampling_logs_its_rounds_and_its_ledger_verifies(in_process, small_run, tmp_path):
+    """The real loop: every step's batch holds rollout_batch_size groups, the rounds and the groups set aside
     are logged and in the ledger, and relax-verify-run finds every sample once."""
     from relax.cli.verify_run import verify
     from relax.metrics import (
@@ -235,7 +234,6 @@ def test_a_run_with_dynamic_sampling_logs_its_rounds_and_its_ledger_verifies(ray
     from relax.runner.ledger import Ledger, count
     from relax.runner.train import run as train
 
-    fresh_store(tmp_path)
     # 0/1 rewards the untrained model earns about a quarter of the time: a third of its groups are all wrong
     cfg = load_config(small_run("rollout.filter_groups=true", "rollout.over_sampling_batch_size=5",
                                 "rollout.max_filter_rounds=2", "data.reward=first_digit_reward:reward", steps=3))

@@ -141,10 +141,9 @@ def test_eval_sets_are_named_and_cut_to_num_eval_prompts(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_logs_every_eval_set_at_the_evaluated_steps(ray_local, small_run, fresh_store, tmp_path):
+def test_a_run_logs_every_eval_set_at_the_evaluated_steps(in_process, small_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    fresh_store(tmp_path)  # small_run's store, migrated already
     a = write_prompts(tmp_path / "alpha.jsonl", range(6))
     b = write_prompts(tmp_path / "beta.jsonl", range(3, 9))
     n, ks = 4, [1, 2, 4]

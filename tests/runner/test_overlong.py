@@ -3,9 +3,7 @@ the runner: the mask step and advantages on a hand-built batch against hand-comp
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -124,18 +122,8 @@ def test_invalid_overlong_settings_are_rejected(overrides, problem):
     assert problem in str(exc.value)
 
 
-def in_process():
-    """The schema walk's stand-in for Ray (tests/walk/inprocess_ray.py): the real loop, roles and backends in this
-    process, without starting a Ray cluster for one short run."""
-    path = Path(__file__).parents[1] / "walk" / "inprocess_ray.py"
-    spec = importlib.util.spec_from_file_location("inprocess_ray", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.inprocess_ray()
-
-
 @pytest.mark.slow
-def test_a_short_run_logs_the_penalty_and_the_masked_share(small_run, fresh_store, tmp_path):
+def test_a_short_run_logs_the_penalty_and_the_masked_share(small_run, tmp_path, in_process):
     """max_response_len=2 with the tiny random model: most responses are cut off, and in some steps all of them.
     Every step logs the penalty and the masked share in range; a step whose every response was masked takes no
     optimizer step; evaluation scores the task alone (a shaped eval reward would be negative with this factor and
@@ -145,14 +133,12 @@ def test_a_short_run_logs_the_penalty_and_the_masked_share(small_run, fresh_stor
     from relax.runner.train import run
 
     factor = 10.0
-    fresh_store(tmp_path)
     cfg = load_config(small_run("rollout.max_response_len=2", "data.overlong_buffer_len=1",
                                 f"data.overlong_penalty_factor={factor}", "algorithm.mask_truncated=true",
                                 "rollout.rollout_batch_size=2", "train.micro_batch_size=4",
                                 "train.eval_interval=4", "data.num_eval_prompts=4", "rollout.eval_temperature=1.0",
                                 "model.dtype=float32", "cluster.cpus_per_node=1", steps=4))
-    with in_process():
-        result = run(cfg, output_dir=tmp_path / "out")
+    result = run(cfg, output_dir=tmp_path / "out")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
 
     def history(name: str) -> list[float]:

@@ -27,6 +27,9 @@ from relax.runner.cluster import Cluster
 from relax.runner.errors import RunError
 from relax.runner.plan import build_plan, reserve
 
+# its tests share module-scoped Ray instances with declared GPUs: one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("placement")
+
 CPUS = 2  # the fewest CPUs of a Ray instance relax-train starts (max(cpu threads, 2))
 START_TIMEOUT_S = 90.0  # placeholders start in seconds; a plan Ray cannot place fails here, never hangs
 KL = ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"]
@@ -35,15 +38,10 @@ TORCH_ON_8 = ["cluster=8xgpu", "train.backend=torch", "cluster.actor_gpus=1"]
 # (overrides: the first names the option, declared GPUs of the cluster)
 STARTS = [
     (["cluster=local"], 0),
-    (["+experiment=rloo_vs_grpo_cpu"], 0),
-    (["+experiment=smollm2_arithmetic_cpu"], 0),
-    (["+experiment=m2po_staleness_cpu"], 0),
     (["cluster=1xgpu"], 1),
-    (["+experiment=rloo_qwen3_0.6b_gsm8k"], 1),
     (["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3", *KL], 1),  # every role on the one GPU
     ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=2", "rollout.num_replicas=4", *KL], 8),
     (["cluster=8xgpu"], 8),  # 8 Megatron ranks, one per GPU; the rollout engine and reference on the first
-    (["+experiment=grpo_qwen3_4b"], 8),
     (["+experiment=ppo_qwen35_9b"], 8),
     (["cluster=8xgpu", "train.tensor_parallel_size=2", "rollout.num_replicas=8"], 8),  # engines spread over GPUs
     (["cluster=8xgpu", "cluster.gpus_per_node=12", "cluster.colocate=false", "cluster.rollout_gpus=4",
@@ -54,6 +52,13 @@ STARTS = [
 # rloo_smollm2_gsm8k_cpu exactly as smollm2_arithmetic_cpu (one CPU actor and rollout; its data is all that differs).
 VALID_ONLY = [(["cluster=multinode"], 16), (["+experiment=cispo"], 8), (["+experiment=gspo"], 8),
               (["+experiment=m2po"], 8), (["+experiment=sapo"], 8), (["+experiment=rloo_smollm2_gsm8k_cpu"], 0)]
+# Recipes whose plan is exactly that of a started case (the same bundles, and the same Ray options for every
+# process: all that Cluster._start_roles passes to Ray), so that starting them again would show nothing new.
+SAME_PLACEMENT = [(["+experiment=rloo_vs_grpo_cpu"], ["cluster=local"]),
+                  (["+experiment=smollm2_arithmetic_cpu"], ["cluster=local"]),
+                  (["+experiment=m2po_staleness_cpu"], ["cluster=local"]),
+                  (["+experiment=rloo_qwen3_0.6b_gsm8k"], ["cluster=1xgpu"]),
+                  (["+experiment=grpo_qwen3_4b"], ["cluster=8xgpu"])]
 
 # (overrides, a field the message must name)
 REJECTED = [
@@ -163,10 +168,39 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
 
 
 def test_every_option_and_recipe_has_a_case():
-    named = {c[0][0] for c in STARTS + REJECTED + VALID_ONLY}
+    named = {c[0][0] for c in STARTS + REJECTED + VALID_ONLY + SAME_PLACEMENT}
     options = {f"cluster={p.stem}" for p in (conf_dir() / "cluster").glob("*.yaml")}
     options |= {f"+experiment={p.stem}" for p in (conf_dir() / "experiment").glob("*.yaml")}
     assert options - named == set(), "add each new cluster option or recipe to STARTS or REJECTED"
+    started = {tuple(c[0]) for c in STARTS}
+    assert all(tuple(same) in started for _, same in SAME_PLACEMENT)
+
+
+def placement(overrides: list[str]) -> tuple:
+    """What Ray is asked for when `overrides` starts: the bundles, and every process's Ray options (placement group
+    left out: a handle of a reserved group, the same for all)."""
+    from relax.runner.plan import ray_options
+
+    plan = build_plan(load_config(overrides))
+    group = object()  # stands for reserve(plan)'s group
+    options = []
+    for r in plan.roles:
+        for i in range(r.replicas):
+            o = ray_options(plan, r.role, i, placement_group=group if plan.bundles else None,
+                            hide_gpus=bool(plan.bundles))
+            if "scheduling_strategy" in o:
+                strategy = o.pop("scheduling_strategy")
+                assert strategy.placement_group is group
+                o["bundle"] = strategy.placement_group_bundle_index
+            options.append((r.role, i, o))
+    return plan.bundles, options
+
+
+@pytest.mark.parametrize("case", SAME_PLACEMENT, ids=_id)
+def test_a_recipe_places_exactly_as_the_started_case_it_names(case):
+    recipe, same = case
+    assert placement(recipe) == placement(same)
+    assert placement(recipe) != placement(["cluster=8xgpu" if same != ["cluster=8xgpu"] else "cluster=1xgpu"])
 
 
 @pytest.mark.parametrize("case", VALID_ONLY, ids=_id)

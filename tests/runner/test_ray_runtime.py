@@ -12,13 +12,10 @@ from relax.runner.plan import build_plan
 
 
 @pytest.mark.slow
-def test_role_processes_run_at_normal_priority() -> None:
+def test_role_processes_run_at_normal_priority(no_ray) -> None:
     """Ray's default starts every worker process at niceness 15, where the driver scoring rewards (or any other
     process of normal priority) takes the cores from the roles; a run's own Ray instance starts them at 0."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()  # an instance left by another module: this test is about the one a run starts
+    ray = no_ray  # this test is about the instance a run starts
     cfg = load_config(["tracking.enabled=false"])
 
     class Probe:

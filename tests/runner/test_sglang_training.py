@@ -7,7 +7,6 @@ import pytest
 
 from relax.config import load_config
 from relax.metrics import (
-    ABORTED_TOKENS,
     FAULT_RESTARTS_ROLLOUT,
     PARTIAL_FRAC,
     RAW_REWARD,
@@ -50,14 +49,43 @@ def test_grpo_learns_through_two_embedded_servers_behind_the_router_and_survives
     assert kill_engine_reward.servers() == []  # the run's servers are gone with it
 
 
-def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small_run, tmp_path):
+def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small_run, tmp_path, trained_batches):
     """fully_async with partial rollout: weight updates pause the servers (abort), the partial responses continue
-    from their prefix with the new weights, and no response is lost."""
+    from their prefix with the new weights, and no response is lost: every step trains its whole batch (the sample
+    ids of its prompts, each once), every response finished (stop or length, never abort), and the run's ledger
+    verifies."""
+    from relax.cli.verify_run import verify
+
+    steps, G, B = 5, 4, 4
     cfg = load_config(small_run(*SGLANG, "algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
-                                "rollout.partial_rollout=true", "rollout.max_response_len=24", steps=5))
+                                "rollout.partial_rollout=true", "rollout.max_response_len=24", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
-    assert [s for s, _ in result.history] == [0, 1, 2, 3, 4]
+    assert [s for s, _ in result.history] == list(range(steps))
     for step, m in result.history:
         assert 0 <= m[STALENESS_MAX] <= min(2, step)
-    assert sum(m[ABORTED_TOKENS] for _, m in result.history) > 0 or \
-        any(m[PARTIAL_FRAC] > 0 for _, m in result.history), "no generation was ever interrupted"
+    assert sorted(trained_batches) == list(range(steps))
+    eos = set(cfg_eos(cfg))
+    interrupted = 0
+    for step, samples in trained_batches.items():
+        assert samples.sample_id.tolist() == list(range(step * B * G, (step + 1) * B * G))  # the whole batch, once
+        lengths = samples.response_mask.sum(1)
+        for i, reason in enumerate(samples.finish_reason):
+            n = int(lengths[i])
+            assert reason in ("stop", "length"), (step, i, reason)
+            if reason == "length":
+                assert n == cfg.rollout.max_response_len, (step, i, n)
+            else:
+                assert n >= 1 and int(samples.response_ids[i, n - 1]) in eos, (step, i)
+            versions = samples.token_version[i, :n]
+            assert bool((versions[1:] >= versions[:-1]).all()), (step, i)  # continued with newer weights only
+            interrupted += int(versions[0] != versions[-1])
+    assert interrupted > 0, "no response was interrupted and continued"
+    assert sum(m[PARTIAL_FRAC] for _, m in result.history) > 0
+    report = verify(result.run_id, cfg.tracking.uri)
+    assert report.ok, report.text()
+
+
+def cfg_eos(cfg) -> list[int]:
+    from relax.data.tokenizer import load_tokenizer, stop_token_ids
+
+    return list(stop_token_ids(cfg.model, load_tokenizer(cfg.model)))

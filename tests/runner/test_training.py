@@ -1,4 +1,8 @@
-"""End-to-end training on a real local Ray with the tiny model: every algorithm, learning, resume, failures."""
+"""End-to-end training with the tiny model: every algorithm, learning, resume, failures.
+
+Each service graph (actor + rollout; with a reference; with PPO's critic and advantages) trains on a real local Ray;
+the algorithm matrix, learning, resume and reward faults run the same loop with the roles in this process
+(`in_process`, tests/inprocess_ray.py), which is what they test: the loop's arithmetic and records, not processes."""
 
 from __future__ import annotations
 
@@ -34,11 +38,9 @@ COMMON = ["rollout/raw_reward", "rollout/response_len", "rollout/truncated_frac"
           "perf/weight_sync_time", "perf/tokens_per_s"]
 
 
-@pytest.mark.parametrize("name", list(ALGORITHM_CASES))
-def test_every_algorithm_trains_end_to_end(name, ray_local, small_run, tmp_path):
-    extra, expected = ALGORITHM_CASES[name]
-    cfg = load_config(small_run(f"algorithm={name}", *extra))
-    result = run(cfg, output_dir=tmp_path / "out")
+def check_algorithm_run(name: str, result, tmp_path) -> None:
+    """Two steps, the common and the algorithm's own metrics, PPO's critic-only first step, the final checkpoint."""
+    _, expected = ALGORITHM_CASES[name]
     assert [step for step, _ in result.history] == [0, 1]
     last = result.history[-1][1]
     missing = [k for k in COMMON + expected if k not in last]
@@ -50,7 +52,38 @@ def test_every_algorithm_trains_end_to_end(name, ray_local, small_run, tmp_path)
     assert (tmp_path / "ckpt" / "step_000002" / "policy" / "model.safetensors").is_file()
 
 
-def test_run_is_recorded_in_mlflow(ray_local, small_run, tmp_path):
+@pytest.mark.parametrize("name", list(ALGORITHM_CASES))
+def test_every_algorithm_trains_end_to_end(name, in_process, small_run, tmp_path):
+    cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0]))
+    check_algorithm_run(name, run(cfg, output_dir=tmp_path / "out"), tmp_path)
+
+
+# one algorithm per service graph: actor + rollout (grpo), + reference (cispo's KL loss), + critic and advantages (ppo)
+@pytest.mark.parametrize("name", ["grpo", "cispo", "ppo"])
+def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path):
+    """The roles as Ray actors in processes of their own: batches, weights and metrics through the object store."""
+    from relax.runner import cluster
+
+    started = []
+    original = cluster.Cluster._remote
+
+    def remote(self, cls, role, replica, *args, **kwargs):
+        started.append(role)
+        return original(self, cls, role, replica, *args, **kwargs)
+
+    cluster.Cluster._remote = remote
+    try:
+        cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0]))
+        result = run(cfg, output_dir=tmp_path / "out")
+    finally:
+        cluster.Cluster._remote = original
+    roles = {"grpo": ["actor", "rollout"], "cispo": ["actor", "rollout", "reference"],
+             "ppo": ["actor", "rollout", "critic", "advantages"]}[name]
+    assert sorted(started) == sorted(roles)
+    check_algorithm_run(name, result, tmp_path)
+
+
+def test_run_is_recorded_in_mlflow(in_process, small_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
     cfg = load_config(small_run("algorithm=rloo", "seed=3"))
@@ -68,37 +101,70 @@ def test_run_is_recorded_in_mlflow(ray_local, small_run, tmp_path):
     assert {"config.yaml", "plan.txt"} <= artifacts
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo"])
-def test_reward_rises_on_the_default_task(name, ray_local, tmp_path):
-    """Fixed seed and steps: the mean reward of the last 5 steps is clearly above the first 5."""
+def learning(name: str, tmp_path, *extra: str) -> tuple[float, float, list[float]]:
+    """(mean reward of the first 5 steps, of the last 5, all) of 20 steps on the default task, seed 1."""
     cfg = load_config([f"algorithm={name}", "train.num_rollout=20", "seed=1", "tracking.enabled=false",
-                       "tracking.progress=false", "train.save=false"])
-    result = run(cfg, output_dir=tmp_path / "out")
-    rewards = result.series("rollout/raw_reward")
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+                       "tracking.progress=false", "train.save=false", "cluster.cpus_per_node=1", *extra])
+    rewards = run(cfg, output_dir=tmp_path / "out").series("rollout/raw_reward")
+    return sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5, rewards
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_reward_rises_on_the_default_task(name, in_process, tmp_path):
+    """Fixed seed and steps: the mean reward of the last 5 steps is clearly above the first 5."""
+    first, last, rewards = learning(name, tmp_path)
     assert last > first + 0.08, rewards
 
 
-def test_resume_equals_uninterrupted(ray_local, small_run, tmp_path):
-    keys = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/grad_norm", "train/pg_clipfrac"]
+def test_the_learning_criterion_fails_a_run_that_does_not_learn(in_process, tmp_path):
+    """Negative control of the test above: the same run with a learning rate too small to move the weights (1e-9)
+    does not pass it."""
+    first, last, rewards = learning("grpo", tmp_path, "train.lr=1e-9")
+    assert not last > first + 0.08, rewards
+
+
+RESUME_KEYS = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/grad_norm", "train/pg_clipfrac"]
+
+
+def resume_mismatches(small_run, tmp_path) -> list[tuple[int, str, float, float]]:
+    """(step, key, uninterrupted, resumed) for every recorded value of steps 2-3 where a run resumed from its step-2
+    checkpoint differs from the uninterrupted 4-step run."""
     full = run(load_config(small_run("train.save_interval=2", steps=4)), output_dir=tmp_path / "a")
     checkpoint = tmp_path / "ckpt" / "step_000002"
     assert json.loads((checkpoint / "state.json").read_text())["step"] == 2
     resumed = run(load_config(small_run(f"train.resume={checkpoint}", f"train.save_dir={tmp_path}/ckpt2", steps=4)),
                   output_dir=tmp_path / "b")
     assert [s for s, _ in resumed.history] == [2, 3]
+    out = []
     for (step_a, a), (step_b, b) in zip(full.history[2:], resumed.history, strict=True):
         assert step_a == step_b
-        for key in keys:
-            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step_a, key)
+        out += [(step_a, key, a[key], b[key]) for key in RESUME_KEYS
+                if a[key] != pytest.approx(b[key], rel=1e-6, abs=1e-7)]
+    return out
 
 
-def test_resume_auto_without_checkpoint_starts_fresh(ray_local, small_run, tmp_path):
+def test_resume_equals_uninterrupted(in_process, small_run, tmp_path):
+    assert resume_mismatches(small_run, tmp_path) == []
+
+
+def test_the_resume_check_fails_a_resume_that_drops_the_optimizer_state(in_process, small_run, tmp_path,
+                                                                       monkeypatch):
+    """Negative control of the test above: a resume that loads the weights but starts AdamW afresh (its moments
+    and step count lost) is not exact, and the comparison sees it."""
+    from relax.backends.torch_train import TorchPolicy
+
+    load = TorchPolicy.load_checkpoint
+    monkeypatch.setattr(TorchPolicy, "load_checkpoint",
+                        lambda self, directory, load_optimizer=True: load(self, directory, load_optimizer=False))
+    assert "train/grad_norm" in {key for _, key, _, _ in resume_mismatches(small_run, tmp_path)}
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(in_process, small_run, tmp_path):
     result = run(load_config(small_run("train.resume=auto", steps=1)), output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0]
 
 
-def test_a_raising_reward_function_drops_its_group_and_is_counted(ray_local, small_run, tmp_path):
+def test_a_raising_reward_function_drops_its_group_and_is_counted(in_process, small_run, tmp_path):
     cfg = load_config(small_run("data.reward=flaky_reward:reward", "rollout.max_response_len=3"))
     result = run(cfg, output_dir=tmp_path / "out")
     for _, m in result.history:
@@ -109,7 +175,7 @@ def test_a_raising_reward_function_drops_its_group_and_is_counted(ray_local, sma
             assert "train/pg_loss" in m
 
 
-def test_reward_error_raise_stops_with_the_traceback(ray_local, small_run, tmp_path):
+def test_reward_error_raise_stops_with_the_traceback(in_process, small_run, tmp_path):
     cfg = load_config(small_run("data.reward=flaky_reward:reward", "data.reward_error=raise"))
     with pytest.raises(RunError, match=r"(?s)data.reward_error=raise.*Traceback.*odd-length"):
         run(cfg, output_dir=tmp_path / "out")
@@ -141,12 +207,13 @@ def test_cli_reports_bad_data_without_traceback(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # failed before tracking started
 
 
-def test_ctrl_c_stops_ray_and_marks_the_run_killed(tmp_path):
+def test_ctrl_c_stops_ray_and_marks_the_run_killed(tmp_path, fresh_store):
     import signal
     import time
 
     from mlflow.tracking import MlflowClient
 
+    fresh_store(tmp_path)  # the run's default store, sqlite:///mlflow.db in its working directory
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "relax.cli.train", "train.num_rollout=1000", "train.save=false"],

@@ -32,6 +32,9 @@ import torch
 
 from relax.backends.sglang import wire
 
+# its tests share module-scoped servers: one xdist worker runs them in a row
+pytestmark = [pytest.mark.xdist_group("sglang_conformance"), pytest.mark.slow]
+
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = ["model=tiny", "model.dtype=float32", "model.max_position_embeddings=4096"]
 EXTERNAL = os.environ.get("SGLANG_URL")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,9 @@ from relax.roles.sglang_server import server_command
 from relax.runner.errors import RunError
 from relax.runner.sglang_engines import SGLangEngines
 
+# its tests share module-scoped server: one xdist worker runs them in a row
+pytestmark = [pytest.mark.xdist_group("sglang_options"), pytest.mark.slow]
+
 # big enough for several 1 MiB buckets (about 8 MB in fp32)
 MODEL = ["model=tiny", "model.dtype=float32", "model.hidden_size=256", "model.intermediate_size=1024",
          "model.head_dim=64"]
@@ -38,13 +42,16 @@ def config(url: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One relax-serve for the module (the servers a run names in rollout.sglang.urls are started by the user)."""
+    """One relax-serve for the module (the servers a run names in rollout.sglang.urls are started by the user),
+    started with the command a run builds for its embedded servers (`server_command`)."""
     tmp = tmp_path_factory.mktemp("serve")
     port = free_port()
     cfg = config(f"http://127.0.0.1:{port}")
     (tmp / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    proc = start_process([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
-                          "--config", str(tmp / "cfg.json")], tmp / "serve.log")
+    embedded = load_config([*MODEL, "rollout=sglang", "rollout.sglang.server=embedded"])
+    cmd = server_command(embedded, host="127.0.0.1", port=port, threads=1, config_path=tmp / "cfg.json")
+    assert cmd[1:3] == ["-m", "relax.cli.serve"] and cmd[cmd.index("--threads") + 1] == "1"
+    proc = start_process(cmd, tmp / "serve.log")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=tmp / "serve.log")
     yield url, proc
@@ -112,7 +119,8 @@ def test_release_memory_false_keeps_the_servers_resident(server, weights, tmp_pa
         engines.close()
 
 
-def test_commands_follow_server_host_policy_tp_and_extra_args(tmp_path):
+def test_the_sglang_command_follows_host_tp_and_extra_args(tmp_path):
+    """SGLang's own server cannot start here (tests/gpu starts it): its command line, as a run builds it."""
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     cfg = load_config(["rollout=sglang", "cluster=8xgpu", "model=qwen3_0.6b", "model.source=hf",
@@ -123,13 +131,59 @@ def test_commands_follow_server_host_policy_tp_and_extra_args(tmp_path):
     cmd = server_command(cfg, host="0.0.0.0", port=1234, threads=None, config_path=tmp_path / "c.json")
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[-2:] == ["--mem-fraction-static", "0.5"]
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--model-path") + 1] == str(tmp_path / "m")
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert "--enable-memory-saver" not in cmd  # not colocated: nothing to release
-    embedded = load_config(["rollout=sglang", "rollout.sglang.server=embedded"])
-    cmd = server_command(embedded, host="127.0.0.1", port=1234, threads=2, config_path=tmp_path / "c.json")
-    assert cmd[1:3] == ["-m", "relax.cli.serve"] and cmd[cmd.index("--threads") + 1] == "2"
-    router = Router(host="127.0.0.1", policy="round_robin", log_path=tmp_path / "r.log", startup_timeout_s=1,
-                    request_timeout_s=1)
-    assert router.command()[router.command().index("--policy") + 1] == "round_robin"
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_the_router_starts_with_its_command_line_and_routes_to_the_server(policy, server, weights, tmp_path):
+    """The real sglang-router, started with the command line `Router` builds (the policy among its arguments), takes
+    the relax-serve server as its worker and answers /generate through it."""
+    url, _ = server
+    router = Router(host="127.0.0.1", policy=policy, log_path=tmp_path / "router.log", startup_timeout_s=60,
+                    request_timeout_s=60)
+    command = router.command(1234)
+    assert command[command.index("--policy") + 1] == policy and command[command.index("--port") + 1] == "1234"
+    router.start()
+    try:
+        router.add(url)
+        assert [w["url"] for w in router.list()] == [url]
+        engines = engines_for(config(url, "rollout.sglang.release_memory=false"), weights[1], weights[2], tmp_path)
+        try:
+            engines.load_weights(weights[0][0], 1)
+        finally:
+            engines.close()
+        body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}
+        answer = requests.post(router.url + "/generate", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["output_ids"]) == 3
+    finally:
+        router.stop()
+
+
+def test_a_port_taken_before_the_router_binds_it_is_replaced_by_another(tmp_path, monkeypatch):
+    """Between choosing a free port and the server binding it, another process may take it: the router exits with
+    "Address already in use" and starts again on another port."""
+    from relax.backends.sglang import process
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        real = process.free_port
+
+        def chosen(host: str = "127.0.0.1") -> int:
+            return ports.pop(0) if ports else real(host)
+
+        monkeypatch.setattr(process, "free_port", chosen)
+        router = Router(host="127.0.0.1", policy="round_robin", log_path=tmp_path / "router.log",
+                        startup_timeout_s=60, request_timeout_s=10).start()
+        try:
+            assert router.port != taken.getsockname()[1] and not ports
+            assert requests.get(router.url + "/health", timeout=10).status_code == 200
+            assert "Address already in use" in (tmp_path / "router.log").read_text()
+        finally:
+            router.stop()
 
 
 def test_request_timeout_bounds_the_retries():

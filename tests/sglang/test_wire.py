@@ -20,6 +20,8 @@ import torch
 
 from relax.backends.sglang import wire
 
+pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -68,6 +68,7 @@ def steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- system metrics
+@pytest.mark.slow
 def test_system_metrics_are_sampled_into_the_run_and_stop_with_it(tracking_cfg: TrackingConfig) -> None:
     tracker = start(tracking_cfg, system_metrics_s=0.2)
     assert len(sampler_threads()) == 1

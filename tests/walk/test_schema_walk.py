@@ -6,7 +6,7 @@ training loop records something different from the same run with the default: it
 metrics, its checkpoint files and saved model config, its MLflow run, its output. A field added to the schema
 is walked automatically; one that is accepted and ignored fails here.
 
-The runs use the real loop, roles and backends in this process (`inprocess_ray`, the transport only is
+The runs use the real loop, roles and backends in this process (tests/inprocess_ray.py, the transport only is
 replaced; see tests/runner for the same loop on a real Ray). Runs are deterministic, so "different" is exact.
 """
 
@@ -159,6 +159,7 @@ PROBES = {
     # they act when a role dies or hangs (tests/faults/test_role_failures.py kills and stops real processes)
     "train.max_restarts": "probe_max_restarts",
     "cluster.heartbeat_timeout_s": "probe_heartbeat_timeout",
+    "train.checkpoint_timeout_s": "probe_checkpoint_timeout",
     # they act on the MLflow run's system/ metrics, sampled in time (tests/tracking/test_mlflow_completeness.py)
     "tracking.system_metrics": "probe_system_metrics",
     "tracking.system_metrics_interval_s": "probe_system_metrics",
@@ -364,6 +365,37 @@ def probe_heartbeat_timeout(overrides: list[str], cwd: Path) -> Any:
         except RoleFailure as exc:
             return str(exc)
     return "alive"
+
+
+def probe_checkpoint_timeout(overrides: list[str], cwd: Path) -> Any:
+    """What the cluster's checkpoint save does when the actor's save never finishes: the driver's wait fails at
+    the deadline (ray's wait answering nothing, each poll advancing a fake clock by 100 s)."""
+    import sys
+    import types
+    from unittest import mock
+
+    from relax.runner.cluster import Cluster
+    from relax.runner.errors import RoleFailure
+    from relax.runner.watchdog import Watchdog
+
+    clock = [0.0]
+
+    def wait(pending, num_returns, timeout):
+        clock[0] += 100.0
+        return [], pending
+
+    never = types.SimpleNamespace(wait=wait, exceptions=types.SimpleNamespace())
+    cluster = object.__new__(Cluster)
+    cluster.cfg, cluster.critic, cluster.actor_process = load_config(overrides), None, "actor"
+    cluster.watch = Watchdog(None, None)
+    cluster.actor = types.SimpleNamespace(save=types.SimpleNamespace(remote=lambda path: object()))
+    staging = types.SimpleNamespace(staging=lambda step: cwd / "staging")
+    with mock.patch.dict(sys.modules, {"ray": never}), mock.patch("time.monotonic", lambda: clock[0]):
+        try:
+            cluster.save(staging, 1, {})
+        except RoleFailure as exc:
+            return f"{exc} after {clock[0]:g} s"
+    return "saved"
 
 
 def probe_save_failures(overrides: list[str], cwd: Path) -> Any:
