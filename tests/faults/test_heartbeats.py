@@ -72,6 +72,7 @@ def test_a_checkpoint_call_that_keeps_beating_but_never_finishes_fails_at_its_de
 
     def wait(pending, num_returns, timeout):  # a poll that takes its full timeout and answers nothing
         clock[0] += timeout
+        assert clock[0] < 100_000, "the wait has no end"
         return [], pending
 
     fake = types.SimpleNamespace(wait=wait, get=lambda value, timeout=None: value,
