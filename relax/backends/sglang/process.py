@@ -83,12 +83,15 @@ def start_server(command: Callable[[int], list[str]], *, host: str, url_host: st
     between (the server exits saying so), another port is tried, up to `PORT_ATTEMPTS` in all."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
         port = free_port(host)
+        start = log_path.stat().st_size if log_path.exists() else 0  # the log is appended to: this attempt's part
         proc = start_process(command(port), log_path, env)
         try:
             wait_healthy(f"http://{url_host}:{port}/health", proc, timeout_s, what=what, log_path=log_path)
             return proc, port
         except StartupError:
-            lost_port = proc.poll() is not None and PORT_TAKEN in log_tail(log_path, 20)
+            with open(log_path, "rb") as log:
+                log.seek(start)
+                lost_port = proc.poll() is not None and PORT_TAKEN.encode() in log.read()
             if not lost_port or attempt == PORT_ATTEMPTS:
                 stop_process(proc)
                 raise
