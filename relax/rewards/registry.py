@@ -231,6 +231,7 @@ class _Worker:
         child.close()
         self.conn.send((list(sys.path), fn_bytes))
         self.started = time.monotonic()
+        self.starter = threading.current_thread()  # the worker dies with this thread (see `RewardWorkers._fill`)
         self.ready = False
         self.call: Optional[tuple[int, float]] = None  # (index, monotonic time it was sent)
 
@@ -262,8 +263,9 @@ class RewardWorkers:
 
     def _fill(self, n: int) -> None:
         # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
-        # a rollout stream's pump is gone once that stream closes, and is replaced here, before its next call.
-        for w in [w for w in self._workers if w.process.poll() is not None]:
+        # a rollout stream's pump is gone once that stream closes, and is replaced here, before its next call. Its
+        # starting thread having ended decides, not whether the kernel has finished killing it yet.
+        for w in [w for w in self._workers if w.process.poll() is not None or not w.starter.is_alive()]:
             self._replace(w)
         while len(self._workers) < min(self.processes, n):
             self._workers.append(_Worker(self.fn_bytes))
