@@ -5,7 +5,7 @@
 run; 16 calls a step in these tests) it sends <signal> (KILL, STOP) to role process <process> ("actor",
 "rollout[1]", ...), found by pid on the run's heartbeat board (`relax-heartbeats-*`, see
 relax.roles.heartbeat). With `@busy` after the process name ("rollout[1]@busy"), a thread waits until that
-process burns CPU (it is inside a call: loading weights or generating) and signals it then: a kill in the middle
+process works (it is inside a call: loading weights or generating) and signals it then: a kill in the middle
 of a call. The marker
 file makes it happen once per test, across restarts of the service graph.
 """
@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from relax.rewards.registry import get_reward_fn
@@ -33,28 +32,34 @@ def _board():
     return ray.get_actor(name)
 
 
-def _cpu_ticks(pid: int) -> int:
-    """CPU time (user + system, in clock ticks) the process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+def _running_threads(pid: int) -> set[str]:
+    """The process's threads that are running or waiting for a core (state R), as opposed to sleeping."""
+    running = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "R":
+                running.add(task.name)
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended
+            pass
+    return running
 
 
 def _signal_when_busy(board, process: str, sig: int) -> None:
-    """`sig` to `process` as soon as it works (burns CPU: loading weights or generating), not between calls."""
+    """`sig` to `process` as soon as it works (loading weights or generating), not between calls: one of its
+    threads stays runnable for 25 samples in a row (an idle process's threads sleep; one that computes is running,
+    or waiting for a core on a loaded machine, which a measure of CPU time burnt would take for idle)."""
     import ray
 
     pid = ray.get(board.snapshot.remote())[process].pid
     deadline = time.monotonic() + 120
-    window: deque[tuple[float, int]] = deque()
+    streak: dict[str, int] = {}
     while time.monotonic() < deadline:
-        now, ticks = time.monotonic(), _cpu_ticks(pid)
-        window.append((now, ticks))
-        while window[0][0] < now - 0.06:
-            window.popleft()
-        if ticks - window[0][1] >= 3:  # 30 ms of CPU within 60 ms: inside a call (idle, it uses next to none)
+        running = _running_threads(pid)
+        streak = {tid: streak.get(tid, 0) + 1 for tid in running}
+        if any(n >= 25 for n in streak.values()):
             os.kill(pid, sig)
             return
-        time.sleep(0.002)
+        time.sleep(0.001)
 
 
 def inject() -> None:
