@@ -289,11 +289,10 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
 
     tokenizer, sampler, eval_sets, reward_fn, info = _prepare(cfg)
     G = cfg.rollout.n_samples_per_prompt
-    checkpoints = checkpoint.Checkpoints(cfg)  # save dir, lock, resume point (config checked) before anything starts
-    runtime.__enter__()
-    preemption.arm()  # again: ray.init installs its own SIGTERM handler
-
-    with checkpoints, contextlib.ExitStack() as stack:
+    # the save dir's lock and the resume point (its config checked) before Ray or any role starts
+    with checkpoint.Checkpoints(cfg) as checkpoints, contextlib.ExitStack() as stack:
+        runtime.__enter__()
+        preemption.arm()  # again: ray.init installs its own SIGTERM handler
         # the role processes start (import torch, build their models) while the driver opens its MLflow run
         cluster = Cluster(cfg, plan, info, restarts).launch()
         stack.push(cluster)  # the roles stop if opening the run fails (a second Cluster.__exit__ does nothing)

@@ -173,12 +173,16 @@ def test_explicit_resume_directory_is_checked_too(tmp_path):
 def test_cli_refusal_is_one_message_exit_2_before_anything_starts(tmp_path):
     with Checkpoints(load_config(["train.lr=0.5"]), tmp_path) as ckpts:  # the default location under tmp_path
         fake_save(ckpts, 2)
-    out = subprocess.run([sys.executable, "-m", "relax.cli.train", "train.resume=auto", "tracking.progress=false"],
+    started = tmp_path / "ray-started"  # written if the run calls ray.init
+    cli = ("import sys, runpy, ray; init = ray.init\n"
+           f"ray.init = lambda *a, **k: (open({str(started)!r}, 'w').close(), init(*a, **k))[1]\n"
+           "sys.argv[0] = 'relax-train'; runpy.run_module('relax.cli.train', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", cli, "train.resume=auto", "tracking.progress=false"],
                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "train.lr: 0.5 -> " in out.stderr and "step_000002" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
-    assert not (tmp_path / "mlflow.db").exists()  # refused before tracking (and Ray) started
+    assert not (tmp_path / "mlflow.db").exists() and not started.exists()  # refused before tracking and Ray started
 
 
 # ------------------------------------------------------------------------- the session: MLflow and commits
