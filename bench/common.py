@@ -33,7 +33,7 @@ def machine_info() -> dict[str, str]:
     import transformers
 
     from relax.backends.models import cpu_has_fast_bf16
-    from relax.backends.torch_train import available_cpus
+    from relax.backends.trainer import available_cpus
 
     try:
         import trl

@@ -44,7 +44,7 @@ class RelaxInProcess:
 
     def __init__(self, overrides: list[str], fixed_length: bool = True):
         from relax.algorithms.base import AdvantageInputs  # noqa: F401  (import cost outside the timing)
-        from relax.backends.torch_train import available_cpus
+        from relax.backends.trainer import available_cpus
         from relax.config.compose import load_config
         from relax.roles.workers import PolicyWorker, RolloutWorker
         from relax.runner import train

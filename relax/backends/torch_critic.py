@@ -19,22 +19,10 @@ from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_value_loss
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import pick_device, response_hidden_states
-from relax.backends.torch_train import (
-    TorchTrainer,
-    micro_batches,
-    step_denominators,
-    trainable_model,
-    trimmed_sequences,
-)
+from relax.backends.torch_train import TorchTrainer, trainable_model, trimmed_sequences
+from relax.backends.trainer import CRITIC_STEP, micro_batches, step_denominators, with_step
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import (
-    CRITIC_GRAD_NORM,
-    CRITIC_LR,
-    CRITIC_NONFINITE_GRAD_TENSORS,
-    CRITIC_SKIPPED_STEPS,
-    NONFINITE_BATCH_VALUES,
-    VALUE_LOSS,
-)
+from relax.metrics import VALUE_LOSS
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -101,6 +89,7 @@ class TorchCritic(TorchTrainer):
             lr=critic_lr(train_cfg, algo_cfg),
             device=device,
             total_steps=total_steps,
+            who="critic",
         )
 
     def _values(self, mb: Samples) -> tuple[torch.Tensor, int]:
@@ -128,7 +117,7 @@ class TorchCritic(TorchTrainer):
         (detached) are used, i.e. no clipping. Returns critic/value_loss (reduced as configured),
         critic/value_clipfrac (share of the step's valid tokens), critic/grad_norm (before clipping), critic/lr and
         critic/skipped_steps: a step whose value loss or gradient norm is not finite is skipped, leaving weights,
-        optimizer and schedule unchanged (as the policy's, see `relax.backends.torch_train`).
+        optimizer and schedule unchanged (as the policy's, see `relax.backends.trainer`).
         """
         if batch.returns is None:
             raise ValueError("critic train_step needs batch.returns")
@@ -160,14 +149,7 @@ class TorchCritic(TorchTrainer):
                 value = value.detach().double()
                 totals[name] = totals[name] + value if name in totals else value
         out = {name: float(value) for name, value in totals.items()}
-        grad_norm, lr, info = self._optimizer_step(out.get(VALUE_LOSS, 0.0), batch, who="critic")
-        out[CRITIC_GRAD_NORM] = grad_norm
-        out[CRITIC_LR] = lr
-        out[CRITIC_SKIPPED_STEPS] = info["skipped"]
-        if info["skipped"]:
-            out[CRITIC_NONFINITE_GRAD_TENSORS] = info["grad_tensors"]
-            out[NONFINITE_BATCH_VALUES] = info["batch_values"]
-        return out
+        return with_step(out, self._optimizer_step(out.get(VALUE_LOSS, 0.0), batch), CRITIC_STEP)
 
     # ---- checkpoints: HF backbone + value head -----------------------------------------------------
 

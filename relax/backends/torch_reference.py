@@ -13,7 +13,8 @@ import torch
 
 from relax.backends.batch import Samples
 from relax.backends.models import build_model, pick_device, pick_dtype
-from relax.backends.torch_train import available_cpus, micro_batched_logprobs
+from relax.backends.torch_train import micro_batched_logprobs
+from relax.backends.trainer import available_cpus
 from relax.config.schema import ModelConfig
 
 

@@ -6,22 +6,16 @@ with bf16 or a CPU with AVX512-BF16/AMX). Log-softmax is always fp32. Pure bf16 
 slower than autocast on a CPU with AVX512-BF16, and lose small updates, so autocast it is. AdamW is torch's
 fused implementation (one pass over parameter, gradient and moments per tensor).
 
-One `train_step` is one optimizer step over a global batch, accumulated over micro-batches; the loss
-denominator is the whole step's, so the split never changes the update (up to float rounding).
-
-A step whose loss or gradient norm is not finite is skipped: no optimizer update and no lr schedule step, so
-weights, Adam moments and step count, and the schedule stay exactly as they were; it reports
-`train/skipped_steps` 1 with the batch's and the gradients' non-finite counts, and logs a warning (the runner
-stops the run after `train.max_skipped_steps` in a row).
+One `train_step` (`relax.backends.trainer.PolicyTrainer`) is one optimizer step over a global batch, accumulated
+over micro-batches; the loss denominator is the whole step's, so the split never changes the update (up to float
+rounding). A step whose loss or gradient norm is not finite is skipped (see `relax.backends.trainer`).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -30,106 +24,33 @@ import torch
 from transformers import PreTrainedModel
 
 from relax import algorithms
-from relax.algorithms import functional as F
-from relax.algorithms.base import AlgorithmConfig, LossBatch
-from relax.algorithms.loss import ENTROPY, compute_loss
+from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.loss import compute_loss
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.checkpoint_files import CheckpointFileError, load_safetensors_dir, load_tensor_file
 from relax.backends.logprobs import response_logprobs
 from relax.backends.models import build_model, pick_device, pick_dtype
-from relax.backends.write_errors import os_write_errors, torch_save
-from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import (
-    GRAD_NORM,
-    LOSS,
-    LR,
-    NONFINITE_BATCH_VALUES,
-    NONFINITE_GRAD_TENSORS,
-    SKIPPED_STEPS,
-    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
-    TRAIN_ROLLOUT_RATIO_MAX,
+from relax.backends.trainer import (
+    PolicyTrainer,
+    SkippedInARow,
+    StepOutcome,
+    StepSums,
+    available_cpus,
+    entropy_mode,
+    length_sorted_micro_batches,
+    loss_inputs,
+    lr_factor,
+    nonfinite_grad_tensors,
+    step_denominators,
 )
+from relax.backends.write_errors import os_write_errors, torch_save
+from relax.config.derive import total_optimizer_steps
+from relax.config.schema import ModelConfig, TrainConfig
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
-logger = logging.getLogger(__name__)
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which Ray and taskset set), else os.cpu_count()."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr for 0-based optimizer step `step`.
-
-    Warmup: (step+1)/warmup_steps for step < warmup_steps. After it, with progress
-    p = (step - warmup_steps) / max(1, total_steps - warmup_steps) clamped to [0, 1]:
-    constant 1; linear 1 - (1-m) p; cosine m + (1-m) (1 + cos(pi p)) / 2, m = min_lr_ratio.
-    """
-    if schedule not in ("constant", "cosine", "linear"):
-        raise ValueError(f"train.lr_schedule={schedule!r}: expected constant, cosine or linear")
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_lr_ratio) * progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def default_total_steps(train_cfg: TrainConfig) -> int:
-    """Optimizer steps of a run: num_rollout * num_steps_per_rollout (1 when still unresolved)."""
-    return max(1, train_cfg.num_rollout * (train_cfg.num_steps_per_rollout or 1))
-
-
-def nonfinite_batch_values(batch: TrainBatch) -> int:
-    """NaN/inf values at the valid tokens of a batch's float inputs (advantages, log-probs, returns, values)."""
-    valid = batch.response_mask != 0
-    tensors = (batch.advantages, batch.old_logp, batch.ref_logp, batch.rollout_logp, batch.returns, batch.old_values)
-    return sum(int((~torch.isfinite(x[valid])).sum()) for x in tensors if x is not None and x.shape == valid.shape)
-
-
-def nonfinite_grad_tensors(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> tuple[int, Optional[str]]:
-    """(how many of the (name, gradient) pairs hold a NaN/inf, the first such name); None gradients are skipped."""
-    bad = [name for name, grad in named if grad is not None and not bool(torch.isfinite(grad).all())]
-    return len(bad), (bad[0] if bad else None)
-
-
-def skip_warning(who: str, applied: int, in_a_row: int, loss: float, grad_norm: float, bad_grads: int,
-                 first_bad: Optional[str], bad_values: int) -> str:
-    """The log line of a skipped optimizer step (`applied` steps so far, `in_a_row` skipped including this one)."""
-    where = f" (first: {first_bad})" if first_bad else ""
-    return (f"{who}: optimizer step skipped ({in_a_row} in a row, {applied} applied so far), weights and optimizer "
-            f"state unchanged: loss={loss}, grad_norm={grad_norm}; non-finite gradients in {bad_grads} parameter "
-            f"tensor(s){where}; {bad_values} non-finite value(s) in the batch")
-
-
-def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
-    for start in range(0, n, micro_batch_size):
-        progress.tick()
-        yield slice(start, min(n, start + micro_batch_size))
-
-
-def length_sorted_micro_batches(samples: Samples, micro_batch_size: int) -> list[torch.Tensor]:
-    """Row indices of micro-batches after sorting the rows by their real length (prompt + response), longest first.
-
-    Each micro-batch is then trimmed (`trimmed_sequences`) to its own longest row, so rows of similar length
-    share a micro-batch and little compute goes to padding. Only for per-row quantities (log-probs, losses that
-    add over rows); the result equals the unsorted one up to float rounding.
-    """
-    lengths = samples.prompt_mask.sum(-1) + samples.response_mask.sum(-1)
-    order = torch.argsort(lengths, descending=True, stable=True)
-    return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
-
 
 def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """(input_ids, attention_mask, P', T') without the columns that are padding in every row.
@@ -145,14 +66,6 @@ def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int
     ids = torch.cat([samples.prompt_ids[:, first:], samples.response_ids[:, :T]], dim=1)
     mask = torch.cat([samples.prompt_mask[:, first:], samples.response_mask[:, :T]], dim=1)
     return ids, mask, P - first, T
-
-
-def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[float, float]:
-    """(loss denominator, valid tokens) of an optimizer step: the valid tokens (per-token reduction) or the
-    responses that have any (per-response reduction; a response left out of the loss has none)."""
-    valid = response_mask != 0
-    num_tokens = float(valid.sum())
-    return (num_tokens if per_token else float(valid.any(-1).sum())), num_tokens
 
 
 def autocast(device: torch.device, compute_dtype: torch.dtype):
@@ -227,13 +140,14 @@ class TorchTrainer:
         lr: float,
         device: torch.device,
         total_steps: Optional[int] = None,
+        who: str = "policy",
     ) -> None:
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
         self.device = device
         self.compute_dtype = pick_dtype(model_cfg, device)
         self.model = model
-        self.total_steps = total_steps if total_steps is not None else default_total_steps(train_cfg)
+        self.total_steps = total_steps if total_steps is not None else total_optimizer_steps(train_cfg)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=lr,
@@ -255,7 +169,7 @@ class TorchTrainer:
             )
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
-        self.skipped_in_a_row = 0  # optimizer steps skipped since the last applied one (for the log)
+        self.skips = SkippedInARow(who)
 
     @property
     def step(self) -> int:
@@ -266,31 +180,23 @@ class TorchTrainer:
         """bf16 autocast when the compute dtype is bf16, else nothing (fp32)."""
         return autocast(self.device, self.compute_dtype)
 
-    def _optimizer_step(self, loss: float, batch: TrainBatch,
-                        who: str = "policy") -> tuple[float, float, dict[str, float]]:
+    def _optimizer_step(self, loss: float, batch: TrainBatch) -> StepOutcome:
         """Clip and step the optimizer and the schedule, unless `loss` or the gradient norm is not finite: then
-        nothing changes (weights, Adam state, schedule) and the step is skipped.
-
-        Returns (pre-clip norm, lr of this step, {"skipped": 0/1, and on a skip "grad_tensors", "batch_values":
-        the non-finite counts}).
-        """
+        nothing changes (weights, Adam state, schedule) and the step is skipped."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         max_norm = self.train_cfg.clip_grad if self.train_cfg.clip_grad > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         lr = float(self.optimizer.param_groups[0]["lr"])
-        info: dict[str, float] = {"skipped": 0.0}
         if math.isfinite(grad_norm) and math.isfinite(loss):
             self.optimizer.step()
             self.scheduler.step()
-            self.skipped_in_a_row = 0
+            outcome = self.skips.applied(grad_norm, lr)
         else:
-            self.skipped_in_a_row += 1
             bad, first = nonfinite_grad_tensors((n, p.grad) for n, p in self.model.named_parameters())
-            values = nonfinite_batch_values(batch)
-            info = {"skipped": 1.0, "grad_tensors": float(bad), "batch_values": float(values)}
-            logger.warning(skip_warning(who, self.step, self.skipped_in_a_row, loss, grad_norm, bad, first, values))
+            outcome = self.skips.skipped(applied=self.step, loss=loss, grad_norm=grad_norm, lr=lr, bad_grads=bad,
+                                         first_bad=first, batch=batch)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, lr, info
+        return outcome
 
     # ---- weights and checkpoints -------------------------------------------------------------------
 
@@ -352,7 +258,7 @@ class TorchTrainer:
         return ()
 
 
-class TorchPolicy(TorchTrainer):
+class TorchPolicy(TorchTrainer, PolicyTrainer):
     """The policy trainer of the embedded backend.
 
     Call from one thread (a Ray actor). Inputs and outputs are CPU tensors; the model lives on `device`.
@@ -394,45 +300,6 @@ class TorchPolicy(TorchTrainer):
         return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
                                       compute_dtype=self.compute_dtype, temperature=self.temperature)
 
-    def train_step(
-        self,
-        batch: TrainBatch,
-        algo_cfg: AlgorithmConfig,
-        *,
-        per_token: bool,
-        micro_batch_size: int,
-        report_entropy: bool = True,
-        rollout_mismatch: bool = False,
-    ) -> dict[str, float]:
-        """One optimizer step over `batch` (gradient accumulation over micro-batches).
-
-        `rollout_mismatch`: the weights are those that generated the batch (the first optimizer step of a
-        synchronous rollout): report `rollout/train_rollout_logp_abs_diff` (mean |trainer log-prob - rollout
-        log-prob| over valid tokens) and `rollout/train_rollout_ratio_max` (max exp(trainer - rollout)) from the
-        log-probs this step computes anyway.
-
-        old_logp: `batch.old_logp` (the runner's `old_logprobs` decides what it is), else the current log-probs
-        detached (an exactly on-policy batch). Entropy gets a gradient only when
-        `entropy_coef > 0`; otherwise it is only measured (`report_entropy`). Returns the metrics of
-        `compute_loss` summed over micro-batches (losses reduced as configured, diagnostics as means over the
-        valid tokens of the whole step; see `relax.algorithms.compute_loss`) plus
-        `train/grad_norm` (before clipping), `train/lr` (the lr this step used) and `train/skipped_steps` (1 when
-        the loss or the gradient norm was not finite and the step was skipped, see the module docstring; then also
-        `train/nonfinite_grad_tensors` and `train/nonfinite_batch_values`).
-        """
-        out = self.accumulate_gradients(
-            batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size, report_entropy=report_entropy,
-            rollout_mismatch=rollout_mismatch,
-        )
-        grad_norm, lr, info = self._optimizer_step(out.get(LOSS, 0.0), batch)
-        out[GRAD_NORM] = grad_norm
-        out[LR] = lr
-        out[SKIPPED_STEPS] = info["skipped"]
-        if info["skipped"]:
-            out[NONFINITE_GRAD_TENSORS] = info["grad_tensors"]
-            out[NONFINITE_BATCH_VALUES] = info["batch_values"]
-        return out
-
     def accumulate_gradients(
         self,
         batch: TrainBatch,
@@ -455,68 +322,23 @@ class TorchPolicy(TorchTrainer):
         algorithm = algorithms.get(algo_cfg.name)
         self.model.train()
         denominator, num_tokens = step_denominators(batch.response_mask, per_token)
-        entropy_mode = "grad" if algo_cfg.entropy_coef > 0 else ("metric" if report_entropy else "none")
-        totals: dict[str, torch.Tensor] = {}
+        entropy = entropy_mode(algo_cfg, report_entropy)
+        sums = StepSums(rollout_mismatch)
         self.optimizer.zero_grad(set_to_none=True)
         splits = length_sorted_micro_batches(batch, micro_batch_size)
         stats = self._step_statistics(batch, algo_cfg, splits) if algorithm.needs_step_statistics else None
-        abs_diff, ratio_max = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for rows in splits:
             progress.tick()
             mb = batch.select(rows)
-            logp, ent, t = self._forward(mb, entropy=entropy_mode)
-            loss_batch = self._loss_batch(mb, algo_cfg, logp, t, entropy=ent, stats=stats)
-            if rollout_mismatch:
-                with torch.no_grad():
-                    valid = loss_batch.mask != 0
-                    d = (logp.detach().float() - loss_batch.rollout_logp)[valid].double()
-                    if d.numel():
-                        abs_diff += d.abs().sum().cpu()
-                        ratio_max = torch.maximum(ratio_max, F.exp_log_ratio(d).max().cpu())
+            logp, ent, t = self._forward(mb, entropy=entropy)
+            loss_batch = loss_inputs(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
+            sums.add_mismatch(logp, loss_batch)
             loss, metrics = compute_loss(
                 algo_cfg, loss_batch, per_token=per_token, denominator=denominator, num_tokens=num_tokens
             )
             loss.backward()
-            for name, value in metrics.items():
-                value = value.detach().double()
-                totals[name] = totals[name] + value if name in totals else value
-        out = {name: float(value) for name, value in totals.items()}
-        if rollout_mismatch:
-            out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(abs_diff) / max(num_tokens, 1.0)
-            out[TRAIN_ROLLOUT_RATIO_MAX] = float(ratio_max)
-        if entropy_mode == "none":
-            out.pop(ENTROPY, None)
-        return out
-
-    def _loss_batch(
-        self,
-        mb: TrainBatch,
-        algo_cfg: AlgorithmConfig,
-        logp: torch.Tensor,
-        t: int,
-        *,
-        entropy: Optional[torch.Tensor] = None,
-        stats: Optional[dict[str, float]] = None,
-    ) -> LossBatch:
-        """A micro-batch's loss inputs cut to its `t` response columns, on the device, fp32.
-
-        old_logp: `mb.old_logp`, else `logp` detached (an exactly on-policy batch).
-        """
-
-        def cut(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if x is None else x[:, :t].to(self.device).float()
-
-        old = cut(mb.old_logp) if mb.old_logp is not None else logp.detach()
-        return LossBatch(
-            logp=logp,
-            old_logp=old,
-            advantages=cut(mb.advantages),
-            mask=cut(mb.response_mask),
-            ref_logp=cut(mb.ref_logp),
-            rollout_logp=cut(mb.rollout_logp),
-            entropy=entropy,
-            stats=stats,
-        )
+            sums.add(metrics)
+        return sums.metrics(num_tokens, entropy)
 
     @torch.no_grad()
     def _step_statistics(
@@ -532,7 +354,7 @@ class TorchPolicy(TorchTrainer):
         for rows in splits:
             mb = batch.select(rows)
             logp, _, t = self._forward(mb, entropy="none")
-            lb = self._loss_batch(mb, algo_cfg, logp.float(), t)
+            lb = loss_inputs(mb, None, logp.float(), t, device=self.device)
             keep = lb.mask != 0
             logps.append(lb.logp[keep])
             olds.append(lb.old_logp[keep])

@@ -1,6 +1,10 @@
-"""Structured configs, their Hydra registration, resolution and validation."""
+"""Structured configs, their Hydra registration, resolution and validation.
 
-from relax.config.compose import compose, conf_dir, load_config, resolve, to_relax_config
+Layer 1 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
+"""
+
+from relax.config.compose import compose, conf_dir, load_config, to_relax_config
+from relax.config.derive import resolve
 from relax.config.schema import (
     ClusterConfig,
     DataConfig,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from relax import algorithms
+from relax.config.derive import resolve
 from relax.config.schema import RelaxConfig
 from relax.config.store import register_configs
 from relax.config.validate import check
@@ -22,29 +21,6 @@ def conf_dir() -> Path:
         raise FileNotFoundError(f"Relax's config directory {CONF_DIR} is missing; "
                                 "install Relax with `pip install -e .`")
     return CONF_DIR
-
-
-def resolve(cfg: RelaxConfig) -> RelaxConfig:
-    """Fill the fields whose default is None ("derived") from the algorithm and the batch sizes."""
-    algo = algorithms.get(cfg.algorithm.name)
-    t, ro = cfg.train, cfg.rollout
-    samples = ro.rollout_batch_size * ro.n_samples_per_prompt
-    steps, gbs = t.num_steps_per_rollout, t.global_batch_size
-    if gbs is None:
-        steps = 1 if steps is None else steps
-        gbs = max(1, samples // steps) if steps and steps > 0 else samples
-    elif steps is None:
-        steps = max(1, samples // gbs) if gbs > 0 else 1
-    per_token = algo.per_token_loss if t.calculate_per_token_loss is None else t.calculate_per_token_loss
-    staleness = t.max_staleness if t.max_staleness is not None else (0 if t.mode == "sync" else 1)
-    train = dataclasses.replace(t, global_batch_size=gbs, num_steps_per_rollout=steps,
-                                calculate_per_token_loss=per_token, max_staleness=staleness)
-    # dynamic sampling's generation rounds draw rollout_batch_size prompts unless told otherwise (no rounds: None)
-    over = ro.over_sampling_batch_size
-    if over is None and ro.filter_groups:
-        over = ro.rollout_batch_size
-    rollout = dataclasses.replace(ro, over_sampling_batch_size=over)
-    return dataclasses.replace(cfg, train=train, rollout=rollout)
 
 
 def to_relax_config(dc: DictConfig) -> RelaxConfig:

@@ -12,6 +12,7 @@ import math
 
 from relax import algorithms
 from relax.algorithms.base import Violation
+from relax.config.derive import data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
 from relax.config.megatron_rules import megatron_violations
 from relax.config.schema import RelaxConfig
@@ -37,35 +38,6 @@ class ConfigError(Exception):
 
 def format_violations(violations: list[Violation]) -> str:
     return "\n".join(f"  - {v.message}" for v in violations)
-
-
-def data_parallel_size(cfg: RelaxConfig) -> int:
-    """Replicas of the actor's gradient: 1 for the torch backend (one device)."""
-    if cfg.train.backend != "megatron":
-        return 1
-    model_parallel = cfg.train.tensor_parallel_size * cfg.train.pipeline_parallel_size * cfg.train.context_parallel_size
-    return max(1, cfg.cluster.actor_gpus // max(1, model_parallel))
-
-
-def actor_world_size(cfg: RelaxConfig) -> int:
-    """Processes of the actor: 1 for the torch backend; tp x pp x cp x dp Megatron ranks (one per GPU, or on
-    the CPU cores: tp x pp)."""
-    if cfg.train.backend != "megatron":
-        return 1
-    t = cfg.train
-    return t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size * data_parallel_size(cfg)
-
-
-def needs_reference(cfg: RelaxConfig) -> str | None:
-    """Why a reference model is needed, or None: only a KL term needs one (the plan starts it when this says so)."""
-    a = cfg.algorithm
-    if algorithms.get(a.name).requires_reference:
-        return f"{a.name} requires it"
-    if a.use_kl_loss:
-        return f"KL loss ({a.kl_loss_type})"
-    if a.kl_coef != 0:
-        return "reward-side KL (kl_coef)"
-    return None
 
 
 class _Rules:

@@ -9,7 +9,6 @@ ranks hold them).
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any, Optional
 
@@ -18,10 +17,9 @@ import torch
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.weight_buffers import WeightBuffers
 from relax.config.schema import RelaxConfig
-from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
-from relax.roles.workers import ModelInfo, _threads
+from relax.roles.workers import ModelInfo, PolicyForwarding, _threads
 
 SETUP_TIMEOUT_S = 900.0
 CALL_TIMEOUT_S = 3600.0  # the group's own blocking methods (direct use); the runner bounds its waits by heartbeats
@@ -29,8 +27,9 @@ QUIET_WARNINGS = (r"(Apex is not installed|Transformer Engine and Apex are not i
                   r"|When using async grad allreduce)")
 
 
-class MegatronRank:
-    """One rank of the Megatron trainer (a Ray actor): process group, megatron parallel state, MegatronPolicy."""
+class MegatronRank(PolicyForwarding):
+    """One rank of the Megatron trainer (a Ray actor): process group, megatron parallel state, MegatronPolicy; the
+    actor role's calls as `PolicyWorker` answers them (`PolicyForwarding`), on every rank."""
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, rank: int, world_size: int,
                  threads: Optional[int] = None, use_distributed_optimizer: bool = False,
@@ -70,42 +69,13 @@ class MegatronRank:
         self.rollout_dtype = compute
         self.policy = MegatronPolicy(
             cfg.model, t, vocab_size=self.info.vocab_size, pad_token_id=self.info.pad_token_id, seed=cfg.seed,
-            total_steps=t.num_rollout * (t.num_steps_per_rollout or 1), temperature=cfg.rollout.temperature,
+            temperature=cfg.rollout.temperature,
             use_distributed_optimizer=self.use_distributed_optimizer, params_dtype=params_dtype,
         )
         module = self.policy._module()  # this rank's shards: what a kept version copies
         self.versions = WeightVersions(lambda: {k: p.data for k, p in module.named_parameters()},
-                                       keep=t.max_staleness or 0)
+                                       keep=t.max_staleness)
         return "ok"
-
-    def ping(self) -> str:
-        return "ok"
-
-    def logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
-        """As PolicyWorker.logprobs: with `current`, each token under the weights of its own version."""
-        mbs = self.cfg.train.micro_batch_size
-        if current is None:
-            return self.policy.compute_logprobs(samples, mbs)
-        return self.versions.logprobs(samples, current, lambda part: self.policy.compute_logprobs(part, mbs))
-
-    def train_step(self, batch: TrainBatch, rollout_mismatch: bool = False) -> dict[str, float]:
-        t0 = time.perf_counter()
-        out = self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
-                                     micro_batch_size=self.cfg.train.micro_batch_size,
-                                     rollout_mismatch=rollout_mismatch)
-        out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
-        return out
-
-    def weights(self, version: int | None = None) -> WeightBuffers:
-        if version is not None:
-            self.versions.remember(version)
-        return WeightBuffers.of(self.policy.state_dict_for_rollout(dtype=self.rollout_dtype))
-
-    def save(self, directory: str) -> None:
-        self.policy.save_checkpoint(directory)
-
-    def load(self, directory: str) -> None:
-        self.policy.load_checkpoint(directory)
 
     def save_hf(self, directory: str) -> None:
         self.policy.save_hf(directory)

@@ -16,6 +16,7 @@ import torch
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
+from relax.backends.trainer import Policy
 from relax.backends.weight_buffers import WeightBuffers, as_state_dict
 from relax.config.schema import RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
@@ -64,25 +65,15 @@ class ReferenceWorker:
         return self.reference.compute_logprobs(samples, self.cfg.train.micro_batch_size)
 
 
-class PolicyWorker:
-    """The actor: trains the policy and ships its weights to the rollout engines."""
+class PolicyForwarding:
+    """The actor role's answers, whatever trains: `self.policy` (a `relax.backends.trainer.Policy`), the weights of
+    published versions kept for stale samples (`self.versions`) and the dtype of the rollout engines
+    (`self.rollout_dtype`). `PolicyWorker` (the torch backend) and each `MegatronRank` set those three."""
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
-                 heartbeat: HeartbeatLink | None = None):
-        start_heartbeat(self, heartbeat)
-        _threads(threads)
-        from relax.backends.models import pick_device, pick_dtype
-        from relax.backends.torch_train import TorchPolicy
-
-        self.cfg = cfg
-        # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
-        self.rollout_dtype = pick_dtype(cfg.model, pick_device())
-        self.policy = TorchPolicy(cfg.model, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
-                                  seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature,
-                                  total_steps=cfg.train.num_rollout * cfg.train.num_steps_per_rollout)
-
-        # weights of published versions that stale samples may still come from (asynchronous modes)
-        self.versions = WeightVersions(self.policy.model.state_dict, keep=cfg.train.max_staleness or 0)
+    cfg: RelaxConfig
+    policy: Policy
+    versions: WeightVersions
+    rollout_dtype: torch.dtype
 
     def ping(self) -> str:
         return "ok"
@@ -96,8 +87,8 @@ class PolicyWorker:
             return self.policy.compute_logprobs(samples, mbs)
         return self.versions.logprobs(samples, current, lambda part: self.policy.compute_logprobs(part, mbs))
 
-    def train_step(self, batch: TrainBatch, *, rollout_mismatch: bool = False) -> dict[str, float]:
-        """One optimizer step; `rollout_mismatch` on the first step of a rollout (see TorchPolicy.train_step)."""
+    def train_step(self, batch: TrainBatch, rollout_mismatch: bool = False) -> dict[str, float]:
+        """One optimizer step; `rollout_mismatch` on the first step of a rollout (see PolicyTrainer.train_step)."""
         t0 = time.perf_counter()
         out = self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
                                      micro_batch_size=self.cfg.train.micro_batch_size,
@@ -119,6 +110,25 @@ class PolicyWorker:
 
     def load(self, directory: str) -> None:
         self.policy.load_checkpoint(directory)
+
+
+class PolicyWorker(PolicyForwarding):
+    """The actor on the torch backend: trains the policy and ships its weights to the rollout engines."""
+
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
+        _threads(threads)
+        from relax.backends.models import pick_device, pick_dtype
+        from relax.backends.torch_train import TorchPolicy
+
+        self.cfg = cfg
+        # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
+        self.rollout_dtype = pick_dtype(cfg.model, pick_device())
+        self.policy = TorchPolicy(cfg.model, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
+                                  seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature)
+        # weights of published versions that stale samples may still come from (asynchronous modes)
+        self.versions = WeightVersions(self.policy.model.state_dict, keep=cfg.train.max_staleness)
 
 
 class RolloutWorker:
@@ -202,8 +212,7 @@ class CriticWorker:
 
         self.cfg = cfg
         self.critic = TorchCritic(cfg.model, cfg.train, cfg.algorithm, vocab_size=info.vocab_size,
-                                  pad_token_id=info.pad_token_id, seed=cfg.seed, num_threads=threads,
-                                  total_steps=cfg.train.num_rollout * cfg.train.num_steps_per_rollout)
+                                  pad_token_id=info.pad_token_id, seed=cfg.seed, num_threads=threads)
 
     def ping(self) -> str:
         return "ok"

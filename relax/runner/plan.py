@@ -28,8 +28,8 @@ import os
 from dataclasses import dataclass
 
 from relax import algorithms
+from relax.config.derive import actor_world_size, data_parallel_size, needs_reference
 from relax.config.schema import RelaxConfig
-from relax.config.validate import actor_world_size, data_parallel_size, needs_reference
 from relax.runner.errors import RunError
 
 # The share of a shared device each role asks Ray for: of one CPU (every role, in turns; torch in each role

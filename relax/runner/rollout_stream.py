@@ -150,7 +150,7 @@ class RolloutStream:
     def __init__(self, cfg: RelaxConfig, engines: Engines, draw: Callable[[int], list], *, start_step: int,
                  pad_token_id: int = 0, scorer: Scoring | None = None):
         t, ro = cfg.train, cfg.rollout
-        self.mode, self.max_staleness = t.mode, int(t.max_staleness or 0)
+        self.mode, self.max_staleness = t.mode, t.max_staleness
         self.partial_rollout, self.max_aborts = ro.partial_rollout, ro.partial_rollout_max_aborts
         self.group_size, self.batch_prompts = ro.n_samples_per_prompt, ro.rollout_batch_size
         self.num_steps, self.seed, self.pad_token_id = t.num_rollout, cfg.seed, pad_token_id

@@ -20,9 +20,10 @@ from relax.algorithms import (
     unregister,
 )
 from relax.backends.models import build_model, token_logprobs
-from relax.backends.torch_train import GRAD_NORM, LR, TorchPolicy, lr_factor
+from relax.backends.torch_train import TorchPolicy
+from relax.backends.trainer import lr_factor
 from relax.config.schema import ModelConfig
-from relax.metrics import M2_AFTER, M2_BEFORE
+from relax.metrics import GRAD_NORM, LR, M2_AFTER, M2_BEFORE
 
 VOCAB, PAD = 32, 0
 

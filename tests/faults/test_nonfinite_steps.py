@@ -28,7 +28,7 @@ from relax.metrics import (
     SKIPPED_STEPS,
 )
 from relax.runner.errors import RunError
-from relax.runner.train import SkippedSteps
+from relax.runner.optimizer_steps import SkippedSteps
 
 # a schedule that moves every step (warmup then cosine), so that a skipped schedule step would show
 TRAIN = TrainConfig(lr=1e-2, clip_grad=1.0, num_rollout=10, lr_schedule="cosine", warmup_steps=3)
@@ -74,7 +74,7 @@ def test_a_nonfinite_loss_skips_the_step_and_leaves_weights_adam_and_schedule_un
     before = snapshot(p)
     assert before["optimizer"]["state"], "Adam has moments after one step"
     bad = nan_row(random_batch(seed=1))
-    with caplog.at_level(logging.WARNING, logger="relax.backends.torch_train"):
+    with caplog.at_level(logging.WARNING, logger="relax.backends.trainer"):
         out = p.train_step(bad, algo, per_token=True, micro_batch_size=4)
     assert out[SKIPPED_STEPS] == 1.0
     assert math.isnan(out[LOSS])  # NaN: logged as the tracker logs non-finite values (skipped, counted in a tag)
@@ -97,7 +97,7 @@ def test_nonfinite_gradients_under_a_finite_loss_are_skipped_and_named(caplog):
     before = snapshot(p)
     name = "model.layers.1.mlp.up_proj.weight"
     handle = dict(p.model.named_parameters())[name].register_hook(lambda g: g * float("inf"))
-    with caplog.at_level(logging.WARNING, logger="relax.backends.torch_train"):
+    with caplog.at_level(logging.WARNING, logger="relax.backends.trainer"):
         out = p.train_step(random_batch(seed=1), algo, per_token=True, micro_batch_size=8)
     handle.remove()
     assert math.isfinite(out[LOSS]) and not math.isfinite(out[GRAD_NORM])
@@ -165,7 +165,7 @@ def no_checkpoints():
 
 def test_skipped_steps_counts_and_stops_after_the_limit_in_a_row():
     s = SkippedSteps(limit=3)
-    m = {SKIPPED_STEPS: 1.0, LOSS: 0.1, GRAD_NORM: float("nan")}  # Cluster.train sums the steps' 0/1
+    m = {SKIPPED_STEPS: 1.0, LOSS: 0.1, GRAD_NORM: float("nan")}  # average_over_steps sums the steps' 0/1
     s.count(m, steps=2)  # one of two steps skipped: taken to be the last one
     assert s.in_a_row == 1
     s.check(0, m, no_checkpoints())

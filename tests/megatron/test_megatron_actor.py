@@ -17,6 +17,7 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path, ray_local)
     from relax.backends.batch import TrainBatch
     from relax.backends.models import build_model
     from relax.backends.torch_train import TorchPolicy
+    from relax.config import resolve
     from relax.config.schema import ModelConfig, RelaxConfig, RolloutConfig, TrainConfig
     from relax.metrics import ACTOR_COMPUTE_TIME, GRAD_NORM, PG_LOSS
     from relax.roles.megatron_actor import MegatronActorGroup
@@ -27,8 +28,8 @@ def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path, ray_local)
                         max_position_embeddings=64)
     train = TrainConfig(backend="megatron", tensor_parallel_size=2, lr=1e-2, micro_batch_size=4, num_rollout=2,
                         num_steps_per_rollout=1, calculate_per_token_loss=True)
-    cfg = RelaxConfig(algorithm=GRPOConfig(), model=model, train=train, rollout=RolloutConfig(temperature=0.8),
-                      seed=5)
+    cfg = resolve(RelaxConfig(algorithm=GRPOConfig(), model=model, train=train,
+                              rollout=RolloutConfig(temperature=0.8), seed=5))
     info = ModelInfo(vocab_size=32, pad_token_id=0, eos_token_ids=(1,))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(2, 32, (6, 7), generator=g)

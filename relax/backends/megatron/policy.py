@@ -2,7 +2,8 @@
 
 Every rank of the trainer builds a `MegatronPolicy` after `relax.backends.megatron.parallel.initialize` and
 calls the same methods with the same arguments (the whole batch; each data-parallel rank takes its rows).
-Methods and return conventions are those of `relax.backends.torch_train.TorchPolicy`:
+It implements `relax.backends.trainer.Policy` (the actor role drives both backends alike) with the trainer core of
+`relax.backends.trainer` (`train_step`, micro-batching, denominators, loss inputs, non-finite steps):
 
 - Same start: a `source=config` model is built by `relax.backends.models.build_model` under the same seed and
   converted, so both backends start from the same weights; `hf` models are read from their safetensors.
@@ -17,7 +18,7 @@ Methods and return conventions are those of `relax.backends.torch_train.TorchPol
   target logit all-reduced over the tensor-parallel group); vocabulary rows added to make the vocabulary
   divisible by TP are excluded.
 - Optimizer: megatron-core's (`get_megatron_optimizer`, Adam with decoupled weight decay, optionally the
-  distributed optimizer), lr set each step from `relax.backends.torch_train.lr_factor`. Megatron applies no weight
+  distributed optimizer), lr set each step from `relax.backends.trainer.lr_factor`. Megatron applies no weight
   decay to 1-D parameters (norm weights); the torch backend decays every parameter (the same with the default
   weight_decay=0).
 - Non-finite steps: as in the torch backend, a step whose loss or gradient norm is not finite is skipped (no
@@ -29,7 +30,6 @@ Methods and return conventions are those of `relax.backends.torch_train.TorchPol
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -42,9 +42,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from relax import algorithms
-from relax.algorithms import functional as F
-from relax.algorithms.base import AlgorithmConfig, LossBatch
-from relax.algorithms.loss import ENTROPY, compute_loss
+from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.loss import compute_loss
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.megatron import convert
@@ -54,35 +53,29 @@ from relax.backends.megatron.model import (
     build_gpt_model,
     check_parallel_sizes,
     freeze_padding_embedding,
+    tp_partition_dim,
     transformer_config,
 )
 from relax.backends.models import build_model, pick_dtype, resolve_model_path
-from relax.backends.torch_train import (
-    default_total_steps,
+from relax.backends.trainer import (
+    PolicyTrainer,
+    SkippedInARow,
+    StepOutcome,
+    StepSums,
+    entropy_mode,
     length_sorted_micro_batches,
+    loss_inputs,
     lr_factor,
-    nonfinite_batch_values,
     nonfinite_grad_tensors,
-    skip_warning,
     step_denominators,
 )
 from relax.backends.write_errors import os_write_errors, torch_save
+from relax.config.derive import total_optimizer_steps
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import (
-    GRAD_NORM,
-    LOSS,
-    LR,
-    NONFINITE_BATCH_VALUES,
-    NONFINITE_GRAD_TENSORS,
-    SKIPPED_STEPS,
-    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
-    TRAIN_ROLLOUT_RATIO_MAX,
-)
 
 MODEL_FILE = "model_tp{tp}_pp{pp}_dp{dp}.safetensors"
 OPTIMIZER_FILE = "optimizer_tp{tp}_pp{pp}_dp{dp}.pt"
 STATE_FILE = "trainer_state.json"
-logger = logging.getLogger(__name__)
 
 
 def _group_size(group: Any) -> int:
@@ -187,7 +180,7 @@ def _hf_getter(path: Path) -> Callable[[str], torch.Tensor]:
     return get
 
 
-class MegatronPolicy:
+class MegatronPolicy(PolicyTrainer):
     """The policy trainer of the Megatron backend (one rank). Inputs/outputs are CPU tensors."""
 
     def __init__(
@@ -221,7 +214,7 @@ class MegatronPolicy:
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
-        self.total_steps = total_steps if total_steps is not None else default_total_steps(train_cfg)
+        self.total_steps = total_steps if total_steps is not None else total_optimizer_steps(train_cfg)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.dp = ps.get_data_parallel_world_size()
@@ -272,7 +265,7 @@ class MegatronPolicy:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model.no_sync
         self.step = 0
-        self.skipped_in_a_row = 0  # optimizer steps skipped since the last applied one (for the log)
+        self.skips = SkippedInARow("policy")
 
     # ---- construction ---------------------------------------------------------------------------------
 
@@ -409,17 +402,6 @@ class MegatronPolicy:
 
     # ---- training -------------------------------------------------------------------------------------
 
-    def _loss_batch(self, rows: torch.Tensor, batch: TrainBatch, algo_cfg: AlgorithmConfig, logp: torch.Tensor,
-                    t: int, *, entropy: Optional[torch.Tensor] = None,
-                    stats: Optional[dict[str, float]] = None) -> LossBatch:
-        def cut(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if x is None else x[rows, :t].to(self.device).float()
-
-        old = cut(batch.old_logp) if batch.old_logp is not None else logp.detach()
-        return LossBatch(logp=logp, old_logp=old, advantages=cut(batch.advantages), mask=cut(batch.response_mask),
-                         ref_logp=cut(batch.ref_logp), rollout_logp=cut(batch.rollout_logp), entropy=entropy,
-                         stats=stats)
-
     @torch.no_grad()
     def _step_statistics(self, mine: TrainBatch, algo_cfg: AlgorithmConfig,
                          mbs: list[_MicroBatch]) -> Optional[dict[str, float]]:
@@ -430,7 +412,7 @@ class MegatronPolicy:
 
         def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             logp, _ = self._logprobs(mb, logits, entropy=False)
-            lb = self._loss_batch(mb.rows, mine, algo_cfg, logp.float(), mb.t)
+            lb = loss_inputs(mine, mb.rows, logp.float(), mb.t, device=self.device)
             keep = lb.mask != 0
             chunks.append(torch.stack([lb.logp[keep], lb.old_logp[keep], lb.advantages[keep]]).cpu())
             return logp.new_zeros(())
@@ -463,52 +445,40 @@ class MegatronPolicy:
         algorithm = algorithms.get(algo_cfg.name)
         self.model.train()
         denominator, num_tokens = step_denominators(batch.response_mask, per_token)
-        entropy_mode = "grad" if algo_cfg.entropy_coef > 0 else ("metric" if report_entropy else "none")
+        entropy = entropy_mode(algo_cfg, report_entropy)
         rows = self._shard_rows(len(batch))
         mine = batch.select(rows)
         mbs = self._micro_batches(mine, micro_batch_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self._step_statistics(mine, algo_cfg, mbs) if algorithm.needs_step_statistics else None
-        totals: dict[str, torch.Tensor] = {}
-        mismatch = torch.zeros(2, dtype=torch.float64)  # sum |d|, max exp(d)
+        sums = StepSums(rollout_mismatch)
 
         def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            logp, ent = self._logprobs(mb, logits, entropy=entropy_mode != "none")
-            if ent is not None and entropy_mode == "metric":
+            logp, ent = self._logprobs(mb, logits, entropy=entropy != "none")
+            if ent is not None and entropy == "metric":
                 ent = ent.detach()
-            lb = self._loss_batch(mb.rows, mine, algo_cfg, logp, mb.t, entropy=ent, stats=stats)
-            if rollout_mismatch:
-                with torch.no_grad():
-                    d = (logp.detach().float() - lb.rollout_logp)[lb.mask != 0].double()
-                    if d.numel():
-                        mismatch[0] += d.abs().sum().cpu()
-                        mismatch[1] = max(float(mismatch[1]), float(F.exp_log_ratio(d).max()))
+            lb = loss_inputs(mine, mb.rows, logp, mb.t, device=self.device, entropy=ent, stats=stats)
+            sums.add_mismatch(logp, lb)
             loss, metrics = compute_loss(algo_cfg, lb, per_token=per_token, denominator=denominator,
                                          num_tokens=num_tokens)
-            for name, value in metrics.items():
-                value = value.detach().double().cpu()
-                totals[name] = totals[name] + value if name in totals else value
+            sums.add(metrics)
             return loss
 
         self._run(mbs, loss_fn, forward_only=False)
         out: dict[str, float] = {}
         if self.last_stage:
-            names = sorted(totals)
-            vec = torch.stack([totals[n] for n in names]) if names else torch.zeros(0, dtype=torch.float64)
-            if self.dp > 1:
-                vec = vec.to(self.device)
+            if self.dp > 1:  # the whole batch's sums: over the data-parallel ranks
+                names = sorted(sums.totals)
+                vec = (torch.stack([sums.totals[n] for n in names]) if names
+                       else torch.zeros(0, dtype=torch.float64)).to(self.device)
                 torch.distributed.all_reduce(vec, group=self.dp_group)
-                m = mismatch.to(self.device)
+                sums.totals = dict(zip(names, vec.cpu(), strict=True))
+                m = sums.mismatch.to(self.device)
                 torch.distributed.all_reduce(m[:1], group=self.dp_group)
                 torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
-                mismatch = m.cpu()
-            out = {n: float(v) for n, v in zip(names, vec.cpu(), strict=True)}
-            if rollout_mismatch:
-                out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(mismatch[0]) / max(num_tokens, 1.0)
-                out[TRAIN_ROLLOUT_RATIO_MAX] = float(mismatch[1])
-            if entropy_mode == "none":
-                out.pop(ENTROPY, None)
+                sums.mismatch = m.cpu()
+            out = sums.metrics(num_tokens, entropy)
         return self._broadcast_from_last_stage(out)
 
     def _skip_on_every_rank(self, skip: bool) -> bool:
@@ -526,10 +496,9 @@ class MegatronPolicy:
         torch.distributed.all_reduce(count, group=self.ps.get_model_parallel_group())
         return int(count.item()), first
 
-    def _optimizer_step(self, loss: float, batch: TrainBatch) -> tuple[float, float, dict[str, float]]:
+    def _optimizer_step(self, loss: float, batch: TrainBatch) -> StepOutcome:
         """Set the scheduled lr, clip and step, unless the loss or the gradient norm is not finite on any rank: then
-        nothing changes (weights, optimizer state, step count) on every rank. Returns (pre-clip norm, lr, {"skipped":
-        0/1, and on a skip "grad_tensors", "batch_values": the non-finite counts})."""
+        nothing changes (weights, optimizer state, step count) on every rank."""
         from megatron.core.optimizer import optimizer as mopt
 
         lr = self.train_cfg.lr * lr_factor(self.step, schedule=self.train_cfg.lr_schedule,
@@ -537,7 +506,6 @@ class MegatronPolicy:
                                            min_lr_ratio=self.train_cfg.min_lr_ratio)
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        info: dict[str, float] = {"skipped": 0.0}
         if not self._skip_on_every_rank(bool(found_inf) or not math.isfinite(grad_norm) or not math.isfinite(loss)):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -550,45 +518,20 @@ class MegatronPolicy:
                                                           total_norm=grad_norm)
             self.optimizer.step_with_ready_grads()
             self.step += 1
-            self.skipped_in_a_row = 0
+            outcome = self.skips.applied(grad_norm, lr)
         else:
-            self.skipped_in_a_row += 1
             bad, first = self._nonfinite_grad_tensors()
-            values = nonfinite_batch_values(batch)
-            info = {"skipped": 1.0, "grad_tensors": float(bad), "batch_values": float(values)}
-            if torch.distributed.get_rank() == 0:
-                logger.warning(skip_warning("policy", self.step, self.skipped_in_a_row, loss, grad_norm, bad, first,
-                                            values))
+            outcome = self.skips.skipped(applied=self.step, loss=loss, grad_norm=grad_norm, lr=lr, bad_grads=bad,
+                                         first_bad=first, batch=batch, log=torch.distributed.get_rank() == 0)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return grad_norm, lr, info
-
-    def train_step(
-        self,
-        batch: TrainBatch,
-        algo_cfg: AlgorithmConfig,
-        *,
-        per_token: bool,
-        micro_batch_size: int,
-        report_entropy: bool = True,
-        rollout_mismatch: bool = False,
-    ) -> dict[str, float]:
-        """One optimizer step over the whole `batch` (see `TorchPolicy.train_step`); every rank returns the
-        step's metrics, including `train/grad_norm` (before clipping), `train/lr` and `train/skipped_steps`."""
-        out = self.accumulate_gradients(batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size,
-                                        report_entropy=report_entropy, rollout_mismatch=rollout_mismatch)
-        out[GRAD_NORM], out[LR], info = self._optimizer_step(out.get(LOSS, 0.0), batch)
-        out[SKIPPED_STEPS] = info["skipped"]
-        if info["skipped"]:
-            out[NONFINITE_GRAD_TENSORS] = info["grad_tensors"]
-            out[NONFINITE_BATCH_VALUES] = info["batch_values"]
-        return out
+        return outcome
 
     # ---- weights --------------------------------------------------------------------------------------
 
     def _gather_tensor(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Shards of every tensor-parallel rank of one Megatron tensor (replicated tensors: one copy)."""
-        if self.tp == 1 or convert.tp_partition_dim(name) is None:
+        if self.tp == 1 or tp_partition_dim(name) is None:
             return [tensor.detach()]
         parts = [torch.empty_like(tensor) for _ in range(self.tp)]
         torch.distributed.all_gather(parts, tensor.detach().contiguous(), group=self.tp_group)

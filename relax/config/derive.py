@@ -1,0 +1,70 @@
+"""Everything computed from a config rather than set in it, in one place: `resolve` fills the fields whose default
+is None ("derived") when the config is built, and the functions below derive what the planner, the trainers and
+the rules read (`data_parallel_size`, `actor_world_size`, `needs_reference`, `total_optimizer_steps`). After
+`resolve`, no field the runner reads is None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax import algorithms
+from relax.config.schema import RelaxConfig, TrainConfig
+
+
+def resolve(cfg: RelaxConfig) -> RelaxConfig:
+    """Fill the fields whose default is None ("derived") from the algorithm and the batch sizes."""
+    algo = algorithms.get(cfg.algorithm.name)
+    t, ro = cfg.train, cfg.rollout
+    samples = ro.rollout_batch_size * ro.n_samples_per_prompt
+    steps, gbs = t.num_steps_per_rollout, t.global_batch_size
+    if gbs is None:
+        steps = 1 if steps is None else steps
+        gbs = max(1, samples // steps) if steps and steps > 0 else samples
+    elif steps is None:
+        steps = max(1, samples // gbs) if gbs > 0 else 1
+    per_token = algo.per_token_loss if t.calculate_per_token_loss is None else t.calculate_per_token_loss
+    staleness = t.max_staleness if t.max_staleness is not None else (0 if t.mode == "sync" else 1)
+    train = dataclasses.replace(t, global_batch_size=gbs, num_steps_per_rollout=steps,
+                                calculate_per_token_loss=per_token, max_staleness=staleness)
+    # dynamic sampling's generation rounds draw rollout_batch_size prompts unless told otherwise (no rounds: None)
+    over = ro.over_sampling_batch_size
+    if over is None and ro.filter_groups:
+        over = ro.rollout_batch_size
+    rollout = dataclasses.replace(ro, over_sampling_batch_size=over)
+    return dataclasses.replace(cfg, train=train, rollout=rollout)
+
+
+def data_parallel_size(cfg: RelaxConfig) -> int:
+    """Replicas of the actor's gradient: 1 for the torch backend (one device)."""
+    if cfg.train.backend != "megatron":
+        return 1
+    model_parallel = cfg.train.tensor_parallel_size * cfg.train.pipeline_parallel_size * cfg.train.context_parallel_size
+    return max(1, cfg.cluster.actor_gpus // max(1, model_parallel))
+
+
+def actor_world_size(cfg: RelaxConfig) -> int:
+    """Processes of the actor: 1 for the torch backend; tp x pp x cp x dp Megatron ranks (one per GPU, or on
+    the CPU cores: tp x pp)."""
+    if cfg.train.backend != "megatron":
+        return 1
+    t = cfg.train
+    return t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size * data_parallel_size(cfg)
+
+
+def needs_reference(cfg: RelaxConfig) -> str | None:
+    """Why a reference model is needed, or None: only a KL term needs one (the plan starts it when this says so)."""
+    a = cfg.algorithm
+    if algorithms.get(a.name).requires_reference:
+        return f"{a.name} requires it"
+    if a.use_kl_loss:
+        return f"KL loss ({a.kl_loss_type})"
+    if a.kl_coef != 0:
+        return "reward-side KL (kl_coef)"
+    return None
+
+
+def total_optimizer_steps(train: TrainConfig) -> int:
+    """Optimizer steps of a run, the horizon of cosine and linear lr schedules: num_rollout * num_steps_per_rollout
+    (one step per rollout in a config built without `resolve`, as tests build trainers)."""
+    return max(1, train.num_rollout * (train.num_steps_per_rollout or 1))
