@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
-from relax import algorithms
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
-from relax.metrics import ACTOR_COMPUTE_TIME, CRITIC_ONLY, CRITIC_SKIPPED_STEPS, SKIPPED_STEPS
 from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.sglang_server import EngineServer
@@ -41,15 +39,6 @@ from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Pla
 from relax.runner.restarts import Restarts
 from relax.runner.sglang_engines import SGLangEngines
 from relax.runner.watchdog import Watchdog
-
-# times and skipped-step counts add up over the optimizer steps of a rollout; other metrics average
-_SUMMED = {ACTOR_COMPUTE_TIME, SKIPPED_STEPS, CRITIC_SKIPPED_STEPS}
-
-
-def _average(metrics: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for m in metrics for k in m}
-    return {k: sum(m[k] for m in metrics if k in m) / (1 if k in _SUMMED else sum(1 for m in metrics if k in m))
-            for k in keys}
 
 
 class RayRuntime:
@@ -374,34 +363,18 @@ class Cluster:
             return self.watch.get_one(self.adv.compute.remote(algo_cfg, inputs), "advantages")
         return compute_advantages(algo_cfg, inputs)
 
-    def train(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        """num_steps_per_rollout optimizer steps, each on one consecutive slice of the rollout."""
-        steps = self.cfg.train.num_steps_per_rollout
-        size = self.cfg.train.global_batch_size
-        critic_only = step < algorithms.get(self.cfg.algorithm.name).critic_only_steps(self.cfg.algorithm)
-        metrics = []
-        for k in range(steps):
-            chunk = batch.select(slice(k * size, (k + 1) * size))
-            if not bool(chunk.response_mask.any()):
-                # no token of this global batch trains (its groups left out, or its responses truncated and masked):
-                # no optimizer step (Adam would still move)
-                continue
-            calls = []
-            if self.critic is not None:
-                calls.append((self.critic.train_step.remote(chunk), "critic"))
-            if not critic_only:
-                # the first optimizer step of an on-policy batch without old log-probs runs at the weights that
-                # generated it: it measures the train/rollout mismatch (otherwise the runner does, from old_logp)
-                calls.append((self.actor.train_step.remote(chunk, rollout_mismatch=k == 0 and batch.old_logp is None),
-                              self.actor_process))
-            merged: dict[str, float] = {}
-            for m in self.watch.get(calls):
-                merged.update(m)
-            metrics.append(merged)
-        out = _average(metrics)
-        if critic_only:
-            out[CRITIC_ONLY] = 1.0
-        return out
+    def train_step(self, batch: TrainBatch, *, actor: bool, rollout_mismatch: bool) -> dict[str, float]:
+        """One optimizer step on `batch` (a global batch) of the critic, where there is one, and, with `actor`, of
+        the actor (`rollout_mismatch`: see PolicyTrainer.train_step), at the same time; their metrics merged."""
+        calls = []
+        if self.critic is not None:
+            calls.append((self.critic.train_step.remote(batch), "critic"))
+        if actor:
+            calls.append((self.actor.train_step.remote(batch, rollout_mismatch=rollout_mismatch), self.actor_process))
+        merged: dict[str, float] = {}
+        for m in self.watch.get(calls):
+            merged.update(m)
+        return merged
 
     def save(self, checkpoints: checkpoint.Checkpoints, step: int, state: dict, rollout: dict | None = None) -> Path:
         """Write the roles' weights and optimizer states (and `rollout`, the rollout stream's state) to a staging

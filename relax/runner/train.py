@@ -24,28 +24,29 @@ from relax.config.schema import RelaxConfig
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
-    CRITIC_GRAD_NORM,
-    CRITIC_SKIPPED_STEPS,
-    GRAD_NORM,
-    LOSS,
     OVERHEAD_FRACTION,
     OVERHEAD_TIME,
     REWARD_TIMEOUTS,
     ROLLOUT_ENGINE_TIME,
     ROLLOUT_IDLE_FRAC,
     ROLLOUT_TIME,
-    SKIPPED_STEPS,
     STEP_TIME,
     SYNC_TIME,
     TOKENS_PER_S,
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
-    VALUE_LOSS,
 )
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
-from relax.runner.metrics import (
+from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
+from relax.runner.plan import Plan
+from relax.runner.preempt import Preempted, Preemption, signal_name
+from relax.runner.restarts import Restarts
+from relax.runner.rollout_stream import RolloutStream
+from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards
+from relax.runner.session import RunResult, Session
+from relax.runner.step_metrics import (
     eval_metrics,
     filter_metrics,
     latest_version_mask,
@@ -55,12 +56,6 @@ from relax.runner.metrics import (
     staleness_metrics,
     truncated_masked_metrics,
 )
-from relax.runner.plan import Plan
-from relax.runner.preempt import Preempted, Preemption, signal_name
-from relax.runner.restarts import Restarts
-from relax.runner.rollout_stream import RolloutStream
-from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards
-from relax.runner.session import RunResult, Session
 
 if TYPE_CHECKING:
     from relax.data.datasets import PromptItem
@@ -151,45 +146,6 @@ def loss_rows(cfg: RelaxConfig, samples: Samples, keep: torch.Tensor) -> torch.T
     if not cfg.algorithm.mask_truncated:
         return keep
     return keep & torch.tensor([r != "length" for r in samples.finish_reason], dtype=torch.bool)
-
-
-def optimizer_steps(cfg: RelaxConfig, batch: TrainBatch) -> int:
-    """The optimizer steps `Cluster.train` takes on a rollout's batch: its global batches with a valid token."""
-    size = cfg.train.global_batch_size
-    return sum(bool(batch.response_mask[k * size:(k + 1) * size].any()) for k in range(cfg.train.num_steps_per_rollout))
-
-
-class SkippedSteps:
-    """Optimizer steps the trainers skipped (their loss or gradient norm was not finite; weights, optimizer state and
-    lr schedule stay as they were), counted per rollout and in a row: `train.max_skipped_steps` in a row stop the run.
-
-    A trainer reports 0/1 per optimizer step and `Cluster.train` sums them over the rollout's steps. In a partly
-    skipped rollout the skipped steps are taken to be its last ones (a diverged trainer keeps failing), so a run
-    with several optimizer steps per rollout may stop up to that many steps early.
-    """
-
-    def __init__(self, limit: int):
-        self.limit, self.in_a_row = limit, 0
-
-    def count(self, metrics: dict[str, float], steps: int) -> None:
-        """Add this rollout's skipped optimizer steps (of its `steps`) to the run of skips in a row."""
-        skipped = 0
-        for key in (SKIPPED_STEPS, CRITIC_SKIPPED_STEPS):  # the policy's and the critic's (PPO) optimizer
-            if key in metrics:
-                skipped = max(skipped, int(metrics[key]))
-        self.in_a_row = self.in_a_row + skipped if skipped == steps else skipped
-
-    def check(self, step: int, metrics: dict[str, float], checkpoints: checkpoint.Checkpoints) -> None:
-        """Raise RunError once `train.max_skipped_steps` optimizer steps in a row were skipped."""
-        if self.in_a_row < self.limit:
-            return
-        values = ", ".join(f"{k}={metrics[k]:g}" for k in (LOSS, GRAD_NORM, VALUE_LOSS, CRITIC_GRAD_NORM)
-                           if k in metrics)
-        last = checkpoint.latest(checkpoints.save_dir) if checkpoints.uses_dir else None
-        kept = f"the last checkpoint is {last}" if last is not None else "no checkpoint was committed before it"
-        raise RunError(f"step {step}: {self.in_a_row} optimizer step(s) in a row were skipped because the loss or the "
-                       f"gradient norm is not finite ({values}); train.max_skipped_steps={self.limit}. The weights "
-                       f"are those of the last applied step; {kept}. Lower train.lr or check the rewards.")
 
 
 @contextlib.contextmanager
@@ -352,8 +308,9 @@ def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restar
                     metrics.update(advantage_metrics)
                     # 5. optimizer steps over the global batch(es); a non-finite one is skipped and counted
                     t_train0 = time.perf_counter()
-                    metrics.update(cluster.train(batch, step))
-                    skipped.count(metrics, optimizer_steps(cfg, batch))
+                    train_metrics, taken = train_on_rollout(cfg, cluster, batch, step)
+                    metrics.update(train_metrics)
+                    skipped.count(metrics, taken)
                     t_train = time.perf_counter()
                 # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
                 evaluate = bool(eval_sets) and evaluates_after(cfg, step)

@@ -1,0 +1,99 @@
+"""The optimizer steps of one rollout: which global batches train, who trains on them, how their metrics combine,
+and the count of skipped (non-finite) steps that stops a run.
+
+A rollout's batch is `train.num_steps_per_rollout` consecutive global batches of `train.global_batch_size` rows;
+each global batch with a valid token is one optimizer step of the actor (and of PPO's critic, which trains alone on
+its warm-up steps); one without any takes no step (Adam would still move). The roles train through
+`Cluster.train_step`; everything decided here is the recipe's, not the cluster's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from relax import algorithms
+from relax.backends.batch import TrainBatch
+from relax.config.schema import RelaxConfig
+from relax.metrics import (
+    ACTOR_COMPUTE_TIME,
+    CRITIC_GRAD_NORM,
+    CRITIC_ONLY,
+    CRITIC_SKIPPED_STEPS,
+    GRAD_NORM,
+    LOSS,
+    SKIPPED_STEPS,
+    VALUE_LOSS,
+)
+from relax.runner import checkpoint
+from relax.runner.errors import RunError
+
+if TYPE_CHECKING:
+    from relax.runner.cluster import Cluster
+
+# times and skipped-step counts add up over the optimizer steps of a rollout; other metrics average
+SUMMED = frozenset({ACTOR_COMPUTE_TIME, SKIPPED_STEPS, CRITIC_SKIPPED_STEPS})
+
+
+def global_batches(cfg: RelaxConfig, batch: TrainBatch) -> list[tuple[int, TrainBatch]]:
+    """(k, the k-th global batch) of a rollout's batch, for those with a valid token (the optimizer steps it takes):
+    a global batch whose groups were all left out, or whose responses were all truncated and masked, takes none."""
+    size = cfg.train.global_batch_size
+    chunks = ((k, batch.select(slice(k * size, (k + 1) * size))) for k in range(cfg.train.num_steps_per_rollout))
+    return [(k, chunk) for k, chunk in chunks if bool(chunk.response_mask.any())]
+
+
+def average_over_steps(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """One rollout's metrics from those of its optimizer steps: `SUMMED` keys add up, the others average over the
+    steps that report them."""
+    keys = {k for m in metrics for k in m}
+    return {k: sum(m[k] for m in metrics if k in m) / (1 if k in SUMMED else sum(1 for m in metrics if k in m))
+            for k in keys}
+
+
+def train_on_rollout(cfg: RelaxConfig, cluster: Cluster, batch: TrainBatch, step: int) -> tuple[dict[str, float], int]:
+    """The optimizer steps of rollout `step` on its batch: (the rollout's train metrics, how many steps were taken).
+
+    The actor trains unless this is one of the algorithm's critic-only warm-up steps (PPO); a critic, where the plan
+    has one, trains on every step. The first optimizer step of an on-policy batch without old log-probs runs at the
+    weights that generated it: it measures the train/rollout mismatch (otherwise the runner does, from old_logp)."""
+    critic_only = step < algorithms.get(cfg.algorithm.name).critic_only_steps(cfg.algorithm)
+    steps = global_batches(cfg, batch)
+    out = average_over_steps([cluster.train_step(chunk, actor=not critic_only,
+                                                 rollout_mismatch=k == 0 and batch.old_logp is None)
+                              for k, chunk in steps])
+    if critic_only:
+        out[CRITIC_ONLY] = 1.0
+    return out, len(steps)
+
+
+class SkippedSteps:
+    """Optimizer steps the trainers skipped (their loss or gradient norm was not finite; weights, optimizer state and
+    lr schedule stay as they were), counted per rollout and in a row: `train.max_skipped_steps` in a row stop the run.
+
+    A trainer reports 0/1 per optimizer step and `average_over_steps` sums them over the rollout's steps. In a partly
+    skipped rollout the skipped steps are taken to be its last ones (a diverged trainer keeps failing), so a run
+    with several optimizer steps per rollout may stop up to that many steps early.
+    """
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def count(self, metrics: dict[str, float], steps: int) -> None:
+        """Add this rollout's skipped optimizer steps (of its `steps`) to the run of skips in a row."""
+        skipped = 0
+        for key in (SKIPPED_STEPS, CRITIC_SKIPPED_STEPS):  # the policy's and the critic's (PPO) optimizer
+            if key in metrics:
+                skipped = max(skipped, int(metrics[key]))
+        self.in_a_row = self.in_a_row + skipped if skipped == steps else skipped
+
+    def check(self, step: int, metrics: dict[str, float], checkpoints: checkpoint.Checkpoints) -> None:
+        """Raise RunError once `train.max_skipped_steps` optimizer steps in a row were skipped."""
+        if self.in_a_row < self.limit:
+            return
+        values = ", ".join(f"{k}={metrics[k]:g}" for k in (LOSS, GRAD_NORM, VALUE_LOSS, CRITIC_GRAD_NORM)
+                           if k in metrics)
+        last = checkpoint.latest(checkpoints.save_dir) if checkpoints.uses_dir else None
+        kept = f"the last checkpoint is {last}" if last is not None else "no checkpoint was committed before it"
+        raise RunError(f"step {step}: {self.in_a_row} optimizer step(s) in a row were skipped because the loss or the "
+                       f"gradient norm is not finite ({values}); train.max_skipped_steps={self.limit}. The weights "
+                       f"are those of the last applied step; {kept}. Lower train.lr or check the rewards.")
