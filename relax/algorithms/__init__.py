@@ -1,6 +1,8 @@
 """Relax's algorithms: pure tensor math and the algorithm registry. Imports torch only.
 
 Importing this package registers every built-in algorithm; `get(name)` returns its `Algorithm`.
+
+Layer 0 of 0-6 (docs/design.md): imports no other Relax package.
 """
 
 from __future__ import annotations

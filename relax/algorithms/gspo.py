@@ -8,7 +8,7 @@ import torch
 
 from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
-from relax.algorithms.grpo import group_relative_advantages
+from relax.algorithms.hooks import group_relative_advantages
 
 
 @dataclass(frozen=True)

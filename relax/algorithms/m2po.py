@@ -16,7 +16,7 @@ from relax.algorithms.base import (
     Violation,
     register,
 )
-from relax.algorithms.grpo import group_relative_advantages, violation
+from relax.algorithms.hooks import group_relative_advantages, violation
 from relax.metrics import M2_AFTER, M2_BEFORE
 
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.grpo import check_range, float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.hooks import check_range, float_rewards, ppo_clip_policy_loss, violation
 from relax.algorithms.loss import VALUE_CLIPFRAC, VALUE_LOSS
 
 

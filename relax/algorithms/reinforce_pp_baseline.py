@@ -7,7 +7,7 @@ from typing import Any
 
 from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.grpo import float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.hooks import float_rewards, ppo_clip_policy_loss, violation
 from relax.algorithms.reinforce_pp import check_always_normalized
 
 

@@ -17,7 +17,7 @@ from relax.algorithms.base import (
     Violation,
     register,
 )
-from relax.algorithms.grpo import float_rewards, violation
+from relax.algorithms.hooks import float_rewards, violation
 
 
 @dataclass(frozen=True)

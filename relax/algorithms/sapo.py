@@ -9,7 +9,7 @@ import torch
 
 from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, Violation, register
-from relax.algorithms.grpo import group_relative_advantages, violation
+from relax.algorithms.hooks import group_relative_advantages, violation
 
 
 @dataclass(frozen=True)

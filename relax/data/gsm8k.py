@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from relax.data.datasets import DataError
+from relax.data.files import DataError, read_parquet
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 SPLITS = ("train", "test")
@@ -94,7 +94,6 @@ def find_source_dir(data_dir: Union[str, Path]) -> Path:
 def _read_rows(path: Path) -> list[tuple[dict[str, Any], str]]:
     """Rows of one source file with a location string for error messages."""
     if path.suffix == ".parquet":
-        from relax.data.datasets import _read_parquet  # pyarrow's version check, errors as DataError
 
         with open(path, "rb") as f:
             head = f.read(len(_LFS_POINTER))
@@ -103,7 +102,7 @@ def _read_rows(path: Path) -> list[tuple[dict[str, Any], str]]:
             raise DataError(f"{path} is a Git LFS pointer, not the Parquet file (the repository was cloned without "
                             f"git-lfs); download the files instead: hf download {HF_REPO} --repo-type dataset "
                             f"--include 'main/*' --local-dir {repo_dir}")
-        return _read_parquet(path)
+        return read_parquet(path)
     out = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

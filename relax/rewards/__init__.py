@@ -1,6 +1,9 @@
 """Rewards: `get_reward_fn(spec)` picks a function `fn(response: str, label: str) -> float`;
 `score_responses` applies it to a batch and records which calls failed; `overlong_penalty` shapes a reward by
-the response's length (DAPO)."""
+the response's length (DAPO).
+
+Layer 2 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
+"""
 
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, extract_boxed, math_reward

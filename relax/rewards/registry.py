@@ -7,37 +7,27 @@ it may also accept a `prompt` keyword argument (the prompt text), which it then 
 Time limit (`score_responses(..., timeout_s=...)`, `data.reward_timeout_s`): a call that takes longer fails like
 one that raised. A hung call cannot be stopped inside a thread (and a regex or C extension stuck in a loop holds
 the GIL, so not even the thread that waits for it would run), so limited calls run in worker processes
-(`RewardWorkers`, spawned once and reused): a call still running `timeout_s` after it started has its process
-killed and replaced. The function travels to the workers by pickle (by reference for module-level functions).
-A function may carry a `prepare` attribute, a callable without arguments that each worker runs once after
-loading it, before its first call's time is counted (heavy imports, warm-up: the math rewards import
-math-verify there).
+(`relax.rewards.worker_pool.RewardWorkers`, spawned once and reused): a call still running `timeout_s` after it
+started has its process killed and replaced. The function travels to the workers by pickle (by reference for
+module-level functions). A function may carry a `prepare` attribute, a callable without arguments that each
+worker runs once after loading it, before its first call's time is counted (heavy imports, warm-up: the math
+rewards import math-verify there).
 """
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import inspect
 import logging
-import math
-import os
-import pickle
-import signal
-import threading
-import time
-import traceback
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Pipe, wait
-from pathlib import Path
 from typing import Optional
 
+from relax.rewards.calls import RewardFn, RewardSpecError, call_once
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
+from relax.rewards.worker_pool import POOL_LOCK, workers_for
 
-RewardFn = Callable[..., float]
 logger = logging.getLogger(__name__)
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
@@ -45,10 +35,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
     "math": math_reward,
 }
-
-
-class RewardSpecError(ValueError):
-    """`data.reward` names no usable function; raised at start, before any rollout."""
 
 
 def get_reward_fn(spec: str) -> RewardFn:
@@ -106,26 +92,6 @@ class Scores:
         return sum(self.failed)
 
 
-# One call's outcome: (reward, None) or (None, traceback or message of the failure).
-_Outcome = tuple[Optional[float], Optional[str]]
-
-
-def _call(fn: RewardFn, response: str, label: str, pass_prompt: bool, prompt: Optional[str]) -> _Outcome:
-    """Call `fn` once and check its value; an exception becomes the failure's traceback."""
-    try:
-        value = fn(response, label, prompt=prompt) if pass_prompt else fn(response, label)
-        if isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, (int, float)) and not _is_scalar_number(value):
-            raise TypeError(f"returned {type(value).__name__}, expected a float")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"returned non-finite {value}")
-        return value, None
-    except Exception:
-        return None, traceback.format_exc()
-
-
 def score_responses(
     fn: RewardFn,
     responses: Sequence[str],
@@ -150,11 +116,11 @@ def score_responses(
     calls = [(r, lab, pass_prompt, prompts[i] if pass_prompt else None)
              for i, (r, lab) in enumerate(zip(responses, labels, strict=True))]
     if timeout_s is None:
-        outcomes = [_call(fn, *c) for c in calls]
+        outcomes = [call_once(fn, *c) for c in calls]
         timed_out = [False] * len(calls)
     else:
-        with _POOL_LOCK:
-            outcomes, timed_out = _workers_for(fn).run(calls, timeout_s)
+        with POOL_LOCK:
+            outcomes, timed_out = workers_for(fn).run(calls, timeout_s)
     out = Scores()
     for (value, error), late in zip(outcomes, timed_out, strict=True):
         out.rewards.append(0.0 if value is None else value)
@@ -166,208 +132,3 @@ def score_responses(
             logger.warning("reward function %s failed on a response (its group is left out of the loss): %s",
                            getattr(fn, "__name__", fn), last_line[0])
     return out
-
-
-# ---- worker processes for calls with a time limit ---------------------------------------------------------------
-
-WORKER_START_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then fails the scoring
-# A busy worker is killed this long after its call's limit: time for the result of a call that ended in time to
-# arrive (a result that arrives is judged by the call's own duration, measured in the worker).
-KILL_GRACE_S = 0.1
-_PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its parent dies
-
-
-def _worker_main(fd: int) -> None:
-    """A worker process (`python -c`, see `_Worker`): on the connection `fd`, receive the driver's sys.path and the
-    pickled function, then answer each (index, call) with (index, outcome, seconds the call took)."""
-    import sys
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    try:  # die with the driver even while stuck in a call
-        import ctypes
-
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux
-        pass
-    conn = Connection(fd)
-    try:
-        path, fn_bytes = conn.recv()
-        sys.path[:] = path + [p for p in sys.path if p not in path]
-        fn = pickle.loads(fn_bytes)
-        prepare = getattr(fn, "prepare", None)
-        if callable(prepare):  # heavy imports and warm-up, before the first call's time limit starts
-            prepare()
-    except BaseException:
-        conn.send(("failed", traceback.format_exc()))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        i, call = msg
-        t0 = time.perf_counter()
-        outcome = _call(fn, *call)
-        conn.send((i, outcome, time.perf_counter() - t0))
-
-
-class _Worker:
-    """One worker process: a fresh interpreter (`python -c`), so nothing of the driver is inherited or re-run."""
-
-    def __init__(self, fn_bytes: bytes):
-        import subprocess
-        import sys
-
-        import relax
-
-        self.conn, child = Pipe()
-        root = str(Path(relax.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from relax.rewards.registry import _worker_main; "
-             "_worker_main(int(sys.argv[1]))", str(child.fileno())],
-            pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
-        child.close()
-        self.conn.send((list(sys.path), fn_bytes))
-        self.started = time.monotonic()
-        self.starter = threading.current_thread()  # the worker dies with this thread (see `RewardWorkers._fill`)
-        self.ready = False
-        self.call: Optional[tuple[int, float]] = None  # (index, monotonic time it was sent)
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.conn.close()
-
-
-class RewardWorkers:
-    """Worker processes calling one reward function, each call limited in time (see the module docstring).
-
-    `run` deals the calls to idle workers; a call's own duration, measured in its worker, decides whether it was
-    in time; a worker still busy `timeout_s` + `KILL_GRACE_S` after its call was sent is killed and replaced. A
-    worker that dies during a call fails that call. Workers are fresh interpreters (not forks of the driver, which
-    runs Ray and torch threads; not multiprocessing's spawn, which re-runs the driver's main script) and die with
-    the driver.
-    """
-
-    def __init__(self, fn: RewardFn, processes: Optional[int] = None):
-        try:
-            self.fn_bytes = pickle.dumps(fn)
-        except Exception as exc:
-            raise RewardSpecError(f"reward function {getattr(fn, '__name__', fn)!r} cannot be sent to a worker "
-                                  f"process ({type(exc).__name__}: {exc}); define it at module level, or call it in "
-                                  "the driver without a time limit (data.reward_timeout_s=null)") from exc
-        self.processes = processes or max(1, min(4, _available_cpus()))
-        self._workers: list[_Worker] = []
-
-    def _fill(self, n: int) -> None:
-        # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
-        # a rollout stream's pump is gone once that stream closes, and is replaced here, before its next call. Its
-        # starting thread having ended decides, not whether the kernel has finished killing it yet.
-        for w in [w for w in self._workers if w.process.poll() is not None or not w.starter.is_alive()]:
-            self._replace(w)
-        while len(self._workers) < min(self.processes, n):
-            self._workers.append(_Worker(self.fn_bytes))
-
-    def _replace(self, w: _Worker) -> None:
-        w.stop()
-        self._workers[self._workers.index(w)] = _Worker(self.fn_bytes)
-
-    def run(self, calls: list[tuple], timeout_s: float) -> tuple[list[_Outcome], list[bool]]:
-        """Outcomes of `calls` (argument tuples of `_call` after `fn`) in order, and which ran past `timeout_s`."""
-        outcomes: list[Optional[_Outcome]] = [None] * len(calls)
-        late = [False] * len(calls)
-        todo = deque(range(len(calls)))
-        self._fill(len(calls))
-        while todo or any(w.call is not None for w in self._workers):
-            for w in self._workers:
-                if w.ready and w.call is None and todo:
-                    i = todo.popleft()
-                    w.conn.send((i, calls[i]))
-                    w.call = (i, time.monotonic())
-            waiting = [w for w in self._workers if w.call is not None or not w.ready]
-            deadline = min(w.call[1] + timeout_s + KILL_GRACE_S if w.call else w.started + WORKER_START_TIMEOUT_S
-                           for w in waiting)
-            for conn in wait([w.conn for w in waiting], timeout=max(0.0, deadline - time.monotonic())):
-                w = next(w for w in waiting if w.conn is conn)
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):  # the process died
-                    code = w.process.wait()
-                    if w.call is None:
-                        raise RewardSpecError(f"a reward worker process exited while starting (exit code "
-                                              f"{code})") from None
-                    outcomes[w.call[0]] = (None, f"the reward worker process died during the call (exit code {code})")
-                    self._replace(w)
-                    continue
-                if msg[0] == "failed":
-                    raise RewardSpecError(f"a reward worker process cannot load the reward function:\n{msg[1]}")
-                if msg[0] == "ready":
-                    w.ready = True
-                    continue
-                i, outcome, seconds = msg
-                w.call = None
-                if seconds > timeout_s:
-                    outcome, late[i] = (None, _timeout_message(timeout_s, seconds)), True
-                outcomes[i] = outcome
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.call is not None and now > w.call[1] + timeout_s + KILL_GRACE_S:
-                    i = w.call[0]
-                    outcomes[i], late[i] = (None, _timeout_message(timeout_s, None)), True
-                    self._replace(w)
-                elif not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
-                    raise RewardSpecError(f"a reward worker process did not load the reward function (and run its "
-                                          f"prepare) within {WORKER_START_TIMEOUT_S:g} s")
-        return outcomes, late  # type: ignore[return-value]
-
-    def close(self) -> None:
-        """Stop the worker processes."""
-        for w in self._workers:
-            w.stop()
-        self._workers = []
-
-
-def _timeout_message(timeout_s: float, seconds: Optional[float]) -> str:
-    took = f"it took {seconds:.3g} s" if seconds is not None else "its worker process was killed"
-    return f"reward call timed out: longer than data.reward_timeout_s={timeout_s:g} s ({took})"
-
-
-def _available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-_POOL: Optional[RewardWorkers] = None
-_POOL_LOCK = threading.Lock()
-
-
-def _workers_for(fn: RewardFn) -> RewardWorkers:
-    """The workers of `fn`, started at its first limited call and reused (one function's workers at a time)."""
-    global _POOL
-    try:
-        same = _POOL is not None and _POOL.fn_bytes == pickle.dumps(fn)
-    except Exception:
-        same = False  # RewardWorkers(fn) says why it cannot be pickled
-    if not same:
-        if _POOL is not None:
-            _POOL.close()
-            _POOL = None
-        _POOL = RewardWorkers(fn)
-        atexit.register(_POOL.close)
-    return _POOL
-
-
-def _is_scalar_number(value: object) -> bool:
-    """numpy scalars and 0-d tensors count as numbers."""
-    item = getattr(value, "item", None)
-    shape = getattr(value, "shape", None)
-    if item is None or shape not in ((), None):
-        return False
-    try:
-        return isinstance(item(), (int, float))
-    except Exception:
-        return False

@@ -17,8 +17,8 @@ from relax.runner.checkpoint import Checkpoints, ResumePoint
 from relax.runner.errors import RunError
 from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
-from relax.runner.metrics import RAW_REWARD, final_eval_summary
 from relax.runner.plan import Plan
+from relax.runner.step_metrics import RAW_REWARD, final_eval_summary
 
 if TYPE_CHECKING:
     from relax.data.datasets import PromptDataset

@@ -1,9 +1,10 @@
 """Experiment tracking: one MLflow run per training job, config params and tags, the git state of the code
 (`git_info`), the prompt sets as dataset inputs (`inputs`), MLflow's system metrics (`system_metrics`), the terminal
 progress line.
-
-Layer 2: imports relax.config and relax.algorithms at most. MLflow itself is imported lazily, when a
+ MLflow itself is imported lazily, when a
 run starts, so importing this package stays cheap.
+
+Layer 2 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
 """
 
 from relax.tracking.mlflow_run import (

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from relax.rewards.registry import RewardSpecError, RewardWorkers, get_reward_fn, score_responses
+from relax.rewards.registry import RewardSpecError, get_reward_fn, score_responses
+from relax.rewards.worker_pool import RewardWorkers
 
 
 def test_hung_calls_fail_within_the_limit_and_the_others_score():
@@ -41,21 +42,21 @@ def test_workers_started_by_a_thread_that_ended_are_replaced_before_the_next_cal
     follows the parent thread). The next call, from any thread, gets new workers: no call fails for it."""
     import threading
 
-    from relax.rewards import registry
+    from relax.rewards import worker_pool
 
     fn = get_reward_fn("fault_rewards:raises")
-    if registry._POOL is not None:
-        registry._POOL.close()  # workers of earlier tests were started by this thread: start anew in the other
+    if worker_pool._POOL is not None:
+        worker_pool._POOL.close()  # workers of earlier tests were started by this thread: start anew in the other
     first: list = []
     pump = threading.Thread(target=lambda: first.append(score_responses(fn, ["ab"] * 2, ["a"] * 2, timeout_s=5)))
     pump.start()
     pump.join()
     assert first[0].failed == [False, False]
-    started_by_pump = list(registry._POOL._workers)
+    started_by_pump = list(worker_pool._POOL._workers)
     # at once, while the kernel may still be delivering the parent-death signal: a worker not yet reaped counts too
     again = score_responses(fn, ["ab", "cd", "ef"], ["a", "c", "x"], timeout_s=5)
     assert again.failed == [False] * 3 and again.rewards == [1.0, 1.0, 0.0]
-    assert not set(registry._POOL._workers) & set(started_by_pump)
+    assert not set(worker_pool._POOL._workers) & set(started_by_pump)
     assert all(w.process.wait(10) is not None for w in started_by_pump)  # they did die with the pump thread
 
 

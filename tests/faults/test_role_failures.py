@@ -19,8 +19,8 @@ from relax.config import load_config
 from relax.metrics import FAULT_RESTARTS, FAULT_RESTARTS_ROLLOUT, fault_restarts
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
-from relax.runner.metrics import RAW_REWARD
 from relax.runner.restarts import RESTARTS_TAG
+from relax.runner.step_metrics import RAW_REWARD
 from relax.runner.train import run
 
 # its tests share module-scoped fixtures: one xdist worker runs them in a row

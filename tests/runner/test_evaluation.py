@@ -15,7 +15,7 @@ from relax.config import load_config
 from relax.metrics import eval_metric
 from relax.rewards.registry import Scores
 from relax.runner.errors import RunError
-from relax.runner.metrics import eval_metrics, final_eval_summary, pass_at_k
+from relax.runner.step_metrics import eval_metrics, final_eval_summary, pass_at_k
 from relax.runner.train import _prepare, evaluates_after, run
 
 

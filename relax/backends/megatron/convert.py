@@ -131,15 +131,6 @@ def hf_to_megatron(
     return out
 
 
-def tp_partition_dim(name: str) -> int | None:
-    """The dimension along which tensor-parallel ranks split Megatron tensor `name` (None: replicated)."""
-    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_fc1.weight")):
-        return 0
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1
-    return None
-
-
 def megatron_to_hf_tensor(spec: ArchSpec, name: str, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF tensors of one Megatron tensor, given its shards of every tensor-parallel rank (in rank order).
 

@@ -174,6 +174,15 @@ def build_gpt_model(spec: ArchSpec, config: Any, *, tp: int, pre_process: bool =
     return model
 
 
+def tp_partition_dim(name: str) -> int | None:
+    """The dimension along which tensor-parallel ranks split Megatron tensor `name` (None: replicated)."""
+    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_fc1.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
 def mark_tensor_parallel(model: torch.nn.Module) -> None:
     """Give tensor-parallel weights megatron's `tensor_model_parallel` / `partition_dim` attributes.
 
@@ -182,8 +191,6 @@ def mark_tensor_parallel(model: torch.nn.Module) -> None:
     under-reports `train/grad_norm` and mis-clips at TP > 1.
     """
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-    from relax.backends.megatron.convert import tp_partition_dim
 
     for name, param in model.named_parameters():
         dim = tp_partition_dim(name)

@@ -1,0 +1,58 @@
+"""Hooks and checks that several algorithms' registry entries share: the group-relative advantages (GRPO and the
+algorithms built on it), the PPO-Clip policy loss, and the violations of their own checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from relax.algorithms import functional as F
+from relax.algorithms.base import AdvantageInputs, AdvantageOutput, AlgorithmConfig, PolicyLossOutput, Violation
+
+
+def float_rewards(inputs: AdvantageInputs) -> torch.Tensor:
+    """The rewards as a float tensor (float32 unless already floating) on the mask's device."""
+    r = inputs.rewards
+    if not torch.is_floating_point(r):
+        r = r.to(torch.float32)
+    return r.to(inputs.mask.device)
+
+
+def group_relative_advantages(cfg: AlgorithmConfig, inputs: AdvantageInputs) -> AdvantageOutput:
+    """GRPO-style advantages broadcast to tokens.
+
+    With `normalize_rewards` the rewards become `(R - mean_g) / (std_g + 1e-6)` (no division when
+    `std_normalization=false`); without it the raw rewards are used. `normalize_advantages` then
+    whitens over the valid tokens of the whole batch.
+    """
+    r = float_rewards(inputs)
+    a = F.grpo_advantages(r, inputs.group_size, cfg.std_normalization) if cfg.normalize_rewards else r
+    adv = F.broadcast_to_tokens(a, inputs.mask)
+    if cfg.normalize_advantages:
+        adv = F.global_token_normalize(adv, inputs.mask)
+    return AdvantageOutput(advantages=adv)
+
+
+def ppo_clip_policy_loss(
+    cfg: AlgorithmConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+) -> PolicyLossOutput:
+    """PPO-Clip with `eps_clip` / `eps_clip_high`."""
+    loss, clipped = F.ppo_clip_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
+    return PolicyLossOutput(loss=loss, clipped=clipped)
+
+
+def violation(field: str, message: str, *more_fields: str) -> Violation:
+    return Violation(fields=(field, *more_fields), message=message)
+
+
+def check_range(
+    cfg_value: Any, field: str, low: float, high: float, reason: str, *, low_open: bool = False
+) -> list[Violation]:
+    """A violation when `cfg_value` is outside [low, high] (or (low, high] with low_open)."""
+    ok = (cfg_value > low if low_open else cfg_value >= low) and cfg_value <= high
+    if ok:
+        return []
+    interval = f"{'(' if low_open else '['}{low}, {high}]"
+    key = field.rsplit(".", 1)[-1]
+    return [violation(field, f"{key}={cfg_value} must be in {interval}: {reason}")]

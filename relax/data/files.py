@@ -1,0 +1,104 @@
+"""Reading prompt files: JSONL (one JSON object per line) or Parquet, checked record by record; a malformed file is a
+`DataError` naming the file and line. Values are data, never code."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Union
+
+
+class DataError(ValueError):
+    """Malformed or unusable data; the message names the file and line (or the config field)."""
+
+
+Record = tuple[dict[str, Any], str]  # a raw record and its location for error messages
+
+
+def check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str, str]]]:
+    """A record's prompt: a string or a non-empty chat message list (`[{"role", "content"}, ...]`)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and prompt:
+        messages = []
+        for m in prompt:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: {key!r} must be a string or a list of {{'role': str, 'content': str}} "
+                                f"messages, got element {m!r}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        return messages
+    raise DataError(f"{where}: {key!r} must be a string or a non-empty chat message list, got {type(prompt).__name__}")
+
+
+def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
+    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages.
+
+    Values are data, never code: JSON is parsed with `json.loads`, Parquet read with pyarrow (no extension type is
+    unpickled), and no field is imported, evaluated or unpickled here or later.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise DataError(f"data file {p} is a directory, not a JSONL or Parquet file")
+    if not p.is_file():
+        raise DataError(f"data file {p} does not exist")
+    if p.suffix in (".parquet", ".pq"):
+        records = read_parquet(p)
+    else:
+        records = _read_jsonl(p)
+    if not records:
+        raise DataError(f"data file {p} is empty (no records)")
+    for obj, where in records:
+        for key, field in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+            if key not in obj or obj[key] is None:
+                raise DataError(f"{where}: missing key {key!r} ({field}); record has keys {sorted(obj)}")
+        check_prompt(obj[prompt_key], where, prompt_key)
+    return records
+
+
+def read_parquet(p: Path) -> list[Record]:
+    """The rows of a Parquet file (pyarrow>=14.0.1: older versions unpickle extension types)."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    if _version(pyarrow.__version__) < (14, 0, 1):  # CVE-2023-47248: older pyarrow unpickles extension types
+        raise DataError(f"{p}: reading Parquet needs pyarrow>=14.0.1 (older versions can run code from a Parquet "
+                        f"file), found {pyarrow.__version__}")
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except Exception as e:
+        raise DataError(f"{p}: cannot read Parquet: {e}") from None
+    return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+
+
+def _read_jsonl(p: Path) -> list[Record]:
+    records: list[Record] = []
+    try:
+        with open(p, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{p}:{lineno}"
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    hint = " (it looks like Parquet: name it *.parquet)" if raw.startswith(b"PAR1") else ""
+                    raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                    f"data files are UTF-8 JSONL or Parquet{hint}") from None
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{where}: invalid JSON (nested too deeply)") from None
+                if not isinstance(obj, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+                records.append((obj, where))
+    except OSError as e:
+        raise DataError(f"data file {p} cannot be read: {e.strerror or e}") from None
+    return records
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string such as "14.0.1" or "15.0.0.dev12"."""
+    return tuple(int(m.group()) if (m := re.match(r"\d+", part)) else 0 for part in text.split(".")[:3])
