@@ -14,6 +14,22 @@ from typing import Any, Optional
 import torch
 
 
+def choice(default: Optional[str], options: tuple[str, ...]) -> Any:
+    """A config field whose value must be one of `options` (or None where that is the default): the schema states
+    them, validation checks every such field (`relax.config.validate`) and names the options."""
+    return field(default=default, metadata={"choices": options})
+
+
+def choices_of(cls: type, name: str) -> Optional[tuple[str, ...]]:
+    """The options of field `name` of config class `cls`, declared by `choice` on it or on a base class (a subclass
+    may change the default alone)."""
+    for klass in cls.__mro__:
+        for f in getattr(klass, "__dataclass_fields__", {}).values():
+            if f.name == name and "choices" in f.metadata:
+                return f.metadata["choices"]
+    return None
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Settings shared by every algorithm; subclasses add their own and set `name`.
@@ -28,7 +44,7 @@ class AlgorithmConfig:
     eps_clip_high: Optional[float] = None
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k3"
+    kl_loss_type: str = choice("k3", ("k1", "k2", "k3"))
     kl_coef: float = 0.0
     use_tis: bool = False
     tis_clip: float = 2.0

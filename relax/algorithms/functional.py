@@ -6,26 +6,32 @@ Every function works for float32 and float64 on any device and keeps the input's
 Masked tokens never change any statistic, and every `[B, T]` result is 0 on masked tokens unless the
 docstring says otherwise.
 
-Numerical safeguards: every exponential of a log-ratio goes through `exp_log_ratio` (or its in-place forms
-`_exp_log_ratio_` and `_ratio_and_clamp_mask`), which clamps the log-ratio to `[-LOG_RATIO_CLAMP,
-LOG_RATIO_CLAMP]` first, so `exp` never overflows (fp32 overflows above 88.7) and its backward never computes
-`0 * inf = NaN`. Group statistics are computed in float64 and a group whose rewards are all equal gets exactly 0.
+The fused autograd kernels of two losses live in `relax.algorithms.kernels`, the M2PO solver in
+`relax.algorithms.m2po_solver`, the clamped ratio in `relax.algorithms.ratios`; this module keeps the formulas.
 
-Speed: PPO-Clip (`_PPOClip`) and SAPO (`_SAPO`) compute `d loss / d logp` in their forward pass, so that the
-backward is one multiply instead of autograd's data-dependent passes. A `torch.where` whose condition has no
-structure (e.g. the sign of per-token advantages) mispredicts a branch per element on the CPU and costs several
-arithmetic passes; such selections are written as arithmetic (`_select_`). A `where` on the loss mask (contiguous
-runs of valid tokens) is cheap.
+Numerical safeguards: every exponential of a log-ratio goes through `exp_log_ratio` (or its in-place forms
+`exp_log_ratio_` and `ratio_and_clamp_mask`, `relax.algorithms.ratios`), which clamps the log-ratio to
+`[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP]` first, so `exp` never overflows (fp32 overflows above 88.7) and its backward
+never computes `0 * inf = NaN`. Group statistics are computed in float64 and a group whose rewards are all equal
+gets exactly 0.
+
+Speed: PPO-Clip and SAPO (`relax.algorithms.kernels`: `PPOClip`, `SAPO`) compute `d loss / d logp` in their forward
+pass, so that the backward is one multiply instead of autograd's data-dependent passes. A `torch.where` whose
+condition has no structure (e.g. the sign of per-token advantages) mispredicts a branch per element on the CPU and
+costs several arithmetic passes; such selections are written as arithmetic (`kernels.select_`). A `where` on the
+loss mask (contiguous runs of valid tokens) is cheap.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from typing import Optional
 
 import torch
 
+from relax.algorithms.kernels import SAPO, PPOClip
+from relax.algorithms.m2po_solver import m2po_clip_bounds
+from relax.algorithms.ratios import LOG_RATIO_CLAMP, exp_log_ratio, exp_log_ratio_
 from relax.metrics import (
     RLOO_ADV_ABS_MEAN,
     RLOO_BASELINE_MEAN,
@@ -68,10 +74,6 @@ __all__ = [
 GRPO_STD_EPS = 1e-6
 NORM_VAR_EPS = 1e-8
 K3_CLAMP = 10.0
-# Log-ratios are clamped to [-20, 20] before exponentiating: exp(20) = 4.85e8 is finite in fp32 and bf16.
-# k3 is unchanged by it (k3 > 10, i.e. clamped anyway, for every x < -2.7 and x > 11); see exp_log_ratio
-# for the (vanishing) effect on the policy losses.
-LOG_RATIO_CLAMP = 20.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,41 +96,6 @@ def _row_counts(keep: torch.Tensor) -> torch.Tensor:
 def _valid(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The mask as 0/1 in `like`'s dtype."""
     return (mask != 0).to(like.dtype)
-
-
-def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
-    """`exp(clamp(log_ratio, -20, 20))`: a ratio that neither overflows nor gives NaN gradients.
-
-    Without the clamp, `exp` overflows to inf for a log-ratio above 88.7 in fp32, and its backward computes
-    `grad * inf`, which is NaN where `grad` is 0 (a masked token, a clipped branch, a saturated sigmoid).
-    The clamp changes a value only where the ratio is outside [2.1e-9, 4.85e8], and there its gradient is 0:
-    PPO-Clip and GSPO (the clipped term already wins unless A < 0 and ratio > 4.85e8, where the loss is
-    capped at `4.85e8 * |A|` instead of overflowing, or ratio < 2.1e-9, a change below `2.1e-9 * |A|`),
-    CISPO (its weight is clipped to `[1 - eps_clip, 1 + eps_clip_high]` anyway), SAPO (the sigmoid gate is
-    saturated), TIS (the weight is capped at `tis_clip`).
-    """
-    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
-def _exp_log_ratio_(log_ratio: torch.Tensor) -> torch.Tensor:
-    """`exp_log_ratio` in place, for a temporary that needs no gradient."""
-    return log_ratio.clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp_()
-
-
-def _ratio_and_clamp_mask(log_ratio: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(`exp_log_ratio(log_ratio)` computed in place, where its clamp passes a gradient: a bool mask, False beyond
-    the clamp and on NaN, or None when that is everywhere).
-
-    On the CPU one min/max reduction (a host read is free there) skips the mask in the usual case where no
-    log-ratio reaches the clamp; on other devices the mask is always built, without a sync.
-    """
-    if log_ratio.device.type == "cpu" and log_ratio.numel() > 0:
-        low, high = torch.aminmax(log_ratio)
-        if low >= -LOG_RATIO_CLAMP and high <= LOG_RATIO_CLAMP:  # False with a NaN
-            return log_ratio.exp_(), None
-    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    inside = clamped == log_ratio
-    return clamped.exp_(), inside
 
 
 def _group_stat_input(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,15 +266,15 @@ def ppo_clip_loss(
 
     Returns (loss, clipped) where `clipped` marks tokens whose clipped term is strictly the larger.
     `eps_clip_high=None` means `eps_clip`; `math.inf` bounds never clip. The ratio is `exp_log_ratio`'s.
-    The inputs broadcast (GSPO passes one log-ratio per row). Only `logp` gets a gradient here (`_PPOClip`); when
+    The inputs broadcast (GSPO passes one log-ratio per row). Only `logp` gets a gradient here (`kernels.PPOClip`); when
     `old_logp` or `advantages` need one too, the plain autograd formula (`_ppo_clip_autograd`) runs instead.
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     low_bound, high_bound = 1.0 - eps_clip, 1.0 + high
     needs_other_grads = torch.is_grad_enabled() and (old_logp.requires_grad or advantages.requires_grad)
-    if needs_other_grads or not low_bound <= high_bound:  # (_PPOClip clamps -ratio, which needs ordered bounds)
+    if needs_other_grads or not low_bound <= high_bound:  # (PPOClip clamps -ratio, which needs ordered bounds)
         return _ppo_clip_autograd(logp, old_logp, advantages, low_bound, high_bound)
-    return _PPOClip.apply(logp, old_logp, advantages, low_bound, high_bound)
+    return PPOClip.apply(logp, old_logp, advantages, low_bound, high_bound)
 
 
 def _ppo_clip_autograd(
@@ -318,45 +285,6 @@ def _ppo_clip_autograd(
     unclipped = -ratio * advantages
     clipped_term = -ratio.clamp(min=low_bound, max=high_bound) * advantages
     return torch.maximum(unclipped, clipped_term), clipped_term > unclipped
-
-
-class _PPOClip(torch.autograd.Function):
-    """`ppo_clip_loss` with `d loss / d logp` computed in the forward pass; the backward is one multiply.
-
-    The forward values are `_ppo_clip_autograd`'s (`-clip(ratio, low, high) = clip(-ratio, -high, -low)` exactly).
-    The gradient is autograd's through `maximum`, both clamps and `exp`: `d loss / d logp = -A * ratio`
-    (the unclipped term) where `clipped` is False and the log-ratio is inside `exp_log_ratio`'s clamp, else 0.
-    One difference: on an exact tie of the two terms with the ratio outside the clip range (the ratio within
-    rounding of a bound, or A = 0) autograd passes half the gradient, this the whole. Autograd's backward costs
-    several data-dependent passes (`maximum`'s tie handling, the clamp masks); this one saves a single tensor.
-    """
-
-    @staticmethod
-    def forward(ctx, logp, old_logp, advantages, low_bound, high_bound):
-        ratio, inside = _ratio_and_clamp_mask(logp - old_logp)
-        neg_ratio = ratio.neg_()
-        unclipped = neg_ratio * advantages
-        clipped_term = neg_ratio.clamp_(min=-high_bound, max=-low_bound) * advantages
-        loss = torch.maximum(unclipped, clipped_term)
-        clipped = clipped_term > unclipped
-        if ctx.needs_input_grad[0]:
-            # d unclipped / d logp = -A * ratio = unclipped; a NaN term is not clipped and keeps its NaN gradient
-            blocked = clipped
-            # one log-ratio per row (GSPO): the clamp's mask applies to the reduced gradient, in the backward
-            broadcast = inside is not None and inside.shape != clipped.shape
-            if inside is not None and not broadcast:
-                blocked = inside.logical_not_().logical_or_(clipped)
-            ctx.save_for_backward(torch.where(blocked, 0.0, unclipped), inside if broadcast else None)
-        ctx.mark_non_differentiable(clipped)
-        return loss, clipped
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_clipped):
-        d_loss_d_logp, inside = ctx.saved_tensors
-        grad = grad_loss * d_loss_d_logp
-        if inside is not None:
-            grad = torch.where(inside, grad.sum_to_size(inside.shape), 0.0)
-        return grad, None, None, None, None
 
 
 def reinforce_loss(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -396,7 +324,7 @@ def _cispo_weight(
     high = eps_clip if eps_clip_high is None else eps_clip_high
     low_bound, high_bound = 1.0 - eps_clip, 1.0 + high
     with torch.no_grad():
-        ratio = _exp_log_ratio_(logp - old_logp)
+        ratio = exp_log_ratio_(logp - old_logp)
         clipped = (ratio < low_bound).logical_or_(ratio > high_bound) if with_clipped else None
         return ratio.clamp_(min=low_bound, max=high_bound), clipped
 
@@ -436,11 +364,11 @@ def sapo_loss(
 
     The gate's slope `d/dratio (4/tau) sigmoid(tau (ratio - 1))` is 1 at ratio 1, like the plain ratio.
     The ratio is `exp_log_ratio`'s (beyond its clamp the gate is saturated). Only `logp` gets a gradient here
-    (`_SAPO`); when `old_logp` or `advantages` need one too, the plain autograd formula runs instead.
+    (`kernels.SAPO`); when `old_logp` or `advantages` need one too, the plain autograd formula runs instead.
     """
     if torch.is_grad_enabled() and (old_logp.requires_grad or advantages.requires_grad):
         return _sapo_autograd(logp, old_logp, advantages, tau_pos, tau_neg)
-    return _SAPO.apply(logp, old_logp, advantages, tau_pos, tau_neg)
+    return SAPO.apply(logp, old_logp, advantages, tau_pos, tau_neg)
 
 
 def _sapo_autograd(
@@ -450,175 +378,6 @@ def _sapo_autograd(
     ratio = exp_log_ratio(logp - old_logp)
     tau = torch.where(advantages > 0, torch.full_like(ratio, float(tau_pos)), torch.full_like(ratio, float(tau_neg)))
     return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
-
-
-def _select_(positive: torch.Tensor, if_positive: float, otherwise: float) -> torch.Tensor:
-    """`if_positive` where `positive` (a 0/1 float tensor, overwritten when possible) is 1, else `otherwise`, both
-    rounded to its dtype.
-
-    Without branches (a `where` on a condition without structure, e.g. the sign of per-token advantages, mispredicts
-    a branch per element): `positive * (if_positive - otherwise) + otherwise`, exact when that difference is (always
-    for values within a factor 2 of each other), else `lerp`, which returns its ends exactly at weights 0 and 1.
-    """
-    ends = torch.tensor([otherwise, if_positive], dtype=positive.dtype)  # on the CPU: no device sync below
-    step = ends[1] - ends[0]
-    if bool(ends[0] + step == ends[1]):
-        return positive.mul_(step.item()).add_(ends[0].item())
-    ends = ends.to(positive.device)
-    return torch.lerp(ends[0], ends[1], positive)
-
-
-def _mul_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """`x * y`, in place in `x` (a temporary) when that keeps the promoted dtype and shape."""
-    if torch.result_type(x, y) == x.dtype and torch.broadcast_shapes(x.shape, y.shape) == x.shape:
-        return x.mul_(y)
-    return x * y
-
-
-class _SAPO(torch.autograd.Function):
-    """`sapo_loss` with `d loss / d logp` computed in the forward pass; the backward is one multiply.
-
-    The forward values are `_sapo_autograd`'s, operation for operation. The gradient is autograd's chain
-    `-(4 / tau) * s (1 - s) * tau * ratio * A` (`s` the gate's sigmoid) written as `(1 - s) * ratio * tau * loss`
-    (the two agree up to rounding) inside `exp_log_ratio`'s clamp, and 0 outside it.
-    """
-
-    @staticmethod
-    def forward(ctx, logp, old_logp, advantages, tau_pos, tau_neg):
-        ratio, inside = _ratio_and_clamp_mask(logp - old_logp)
-        positive = torch.sign(advantages).clamp_(min=0.0).to(ratio.dtype)  # 1 where A > 0, else 0
-        tau = _select_(positive, float(tau_pos), float(tau_neg))
-        # -(4 / tau), divided in the ratio's dtype like the formula
-        neg_coef = torch.div(torch.tensor(-4.0, dtype=tau.dtype, device=tau.device), tau)
-        gate = torch.sigmoid_(_mul_(ratio - 1.0, tau))
-        loss = _mul_(neg_coef.mul_(gate), advantages)
-        if ctx.needs_input_grad[0]:
-            # -4 s (1 - s) ratio A = (1 - s) ratio tau * loss
-            slope = _mul_(_mul_((1.0 - gate).mul_(ratio), tau), loss)
-            ctx.save_for_backward(slope if inside is None else torch.where(inside, slope, 0.0))
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        (d_loss_d_logp,) = ctx.saved_tensors
-        return grad_loss * d_loss_d_logp, None, None, None, None
-
-
-# Water filling without a full sort: the positive float64 `d^2` are bucketed by the high bits of their IEEE
-# representation, which order positive floats like their values: bucket = (exponent, top `sub_bits` mantissa bits),
-# i.e. 2**sub_bits buckets per octave, from the budget's bucket (the level tau^2 is never below the budget; bucket 0
-# holds everything below) up to the largest value's. `sub_bits` is the largest (at most _M2PO_MAX_SUB_BITS) that
-# keeps the bucket count within _M2PO_MAX_BUCKETS, so the per-bucket arrays stay small whatever the value range.
-_M2PO_MAX_SUB_BITS = 10
-_M2PO_MAX_BUCKETS = 1 << 14
-_INF_BITS = 0x7FF0000000000000  # the int64 bits of float64 +inf
-
-
-def _harmful_sq(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """The float64 `d^2` of the harmful tokens only (1-D), `d = logp - old_logp` computed in float64.
-
-    A token is harmful when `sign(A) * sign(logp - old_logp) > 0` (a NaN never is): the difference in the inputs'
-    dtype has the sign of the float64 one (it is 0 only when the two are equal), so only the harmful tokens are
-    converted. Sign arithmetic costs less than four comparisons and three logical operations.
-    """
-    lp = logp.detach().reshape(-1)
-    old = old_logp.detach().reshape(-1)
-    same_sign = torch.sign(lp - old).mul_(torch.sign(advantages.detach().reshape(-1)))
-    harmful = (same_sign > 0).logical_and_((mask != 0).reshape(-1))
-    index = harmful.nonzero().squeeze(1)
-    d = lp.index_select(0, index).to(torch.float64) - old.index_select(0, index).to(torch.float64)
-    return d * d
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _water_level(sq: torch.Tensor, target: float, budget: float, top: float) -> torch.Tensor:
-    """`tau^2` (0-d) with `sum min(sq, tau^2) = target`, for `sum sq > target > 0`, `tau^2 >= budget > 0` and
-    `top = max(sq)`.
-
-    Exactly the sorted water filling (first sorted `s_j` with `f_j = P_j + (k - j) s_j >= target`, then
-    `tau^2 = (target - P_j) / (k - j)`), with the sort replaced by per-bucket counts and sums: `g(b) =
-    sum min(sq, b)` at every bucket's lower edge gives the bucket that holds `tau^2`, and only its elements are
-    sorted, the buckets below and above entering as a sum and a count.
-    """
-    octaves = (min(_float_bits(top), _INF_BITS) >> 52) - (_float_bits(budget) >> 52) + 1
-    sub_bits = max(0, min(_M2PO_MAX_SUB_BITS, (_M2PO_MAX_BUCKETS // octaves).bit_length() - 1))
-    shift = 52 - sub_bits
-    first_key = (_float_bits(budget) >> shift) - 1  # bucket 1 starts at the budget's bucket
-    n_buckets = (min(_float_bits(top), _INF_BITS) >> shift) - first_key + 1
-    bucket = ((sq.view(torch.int64) >> shift) - first_key).clamp_(0, n_buckets - 1)
-    counts = torch.bincount(bucket, minlength=n_buckets)
-    sums = torch.bincount(bucket, weights=sq, minlength=n_buckets)
-    below = torch.cumsum(sums, 0) - sums  # sum of the buckets below each bucket
-    at_or_above = sq.numel() - (torch.cumsum(counts, 0) - counts)  # elements in this bucket and above
-    edge_bits = (torch.arange(n_buckets, device=sq.device) + first_key) << shift
-    edges = edge_bits.clamp_(min=0).view(torch.float64)  # lower edges (bucket 0's is unused)
-    g = below + edges * at_or_above.to(torch.float64)  # g(edge) = sum below + edge * count at or above
-    # tau^2 lies in the first bucket whose upper edge (the next lower edge) has g >= target; g(+inf) = sum sq > target
-    reached = torch.cat([g[1:] >= target, torch.ones(1, dtype=torch.bool, device=sq.device)])
-    b = int(torch.argmax(reached.to(torch.int8)))  # host sync: the bucket to sort
-    level, above_all = _water_level_in_bucket(torch.sort(sq[bucket == b]).values, below[b], at_or_above[b], target)
-    # above every element: `sum sq` exceeds `target` only by rounding, the level is the largest element
-    return torch.where(above_all, top, level)
-
-
-def _water_level_in_bucket(
-    s: torch.Tensor, below: torch.Tensor, at_or_above: torch.Tensor, target: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sorted water filling over `s` (one bucket, ascending), with `below` the sum of the smaller elements and
-    `at_or_above` the count of `s` and the larger ones -> (level, whether it is above every element).
-
-    The solution is at one of `s` or above all of them, i.e. at the next larger element when there is one.
-    """
-    q = s.numel()
-    prefix = torch.cumsum(s, 0) - s + below  # P_j
-    rest = at_or_above - torch.arange(q, device=s.device)  # k - j
-    f = torch.cat([prefix + rest * s, torch.full((1,), math.inf, dtype=s.dtype, device=s.device)])
-    prefix = torch.cat([prefix, (below + s.sum()).reshape(1)])
-    rest = torch.cat([rest, (at_or_above - q).reshape(1)])
-    j = torch.argmax((f >= target).to(torch.int8))
-    return ((target - prefix[j]) / rest[j].clamp(min=1)).clamp(min=0.0), rest[j] == 0
-
-
-def m2po_clip_bounds(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    kl2_budget: float,
-    miniclip_low: float,
-    miniclip_high: float,
-) -> tuple[float, float, float, float]:
-    """M2PO's adaptive clip bounds -> (eps_low, eps_high, m2_before, m2_after).
-
-    Harmful tokens `H`: valid tokens with (`A > 0` and `ratio > 1`) or (`A < 0` and `ratio < 1`);
-    `d = logp - old_logp`; `M2 = mean_H(d^2)` (0 when H is empty). If `M2 <= kl2_budget` nothing is
-    clipped: `eps_low = eps_high = math.inf` and `m2_after = M2`. Otherwise `tau` solves
-    `sum_H min(d^2, tau^2) = |H| * kl2_budget` exactly (water filling over the sorted `d^2`),
-    `eps_low = max(1 - exp(-tau), miniclip_low)`, `eps_high = max(exp(tau) - 1, miniclip_high)`, and
-    `m2_after = sum_H min(d^2, tau^2) / |H|`. Computed in float64 over the harmful tokens only; the water level
-    comes from bucket sums and a sort of the one bucket that holds it (`_water_level`), O(|H|). The inputs may be
-    any shape (e.g. the concatenated valid tokens of a whole step).
-    """
-    with torch.no_grad():
-        sq = _harmful_sq(logp, old_logp, advantages, mask)
-        k = sq.numel()
-        total, top = torch.stack([sq.sum(), sq.max()]).tolist() if k else (0.0, 0.0)  # host sync
-        m2 = total / max(k, 1)
-        if not m2 > kl2_budget:  # also a NaN M2 or budget: nothing is clipped
-            return math.inf, math.inf, m2, m2
-        target = k * kl2_budget
-        if target > 0:
-            tau2_t = _water_level(sq, target, kl2_budget, top)
-        else:
-            tau2_t = torch.zeros((), dtype=sq.dtype, device=sq.device)
-        tau2, after = torch.stack([tau2_t, torch.minimum(sq, tau2_t).sum() / max(k, 1)]).tolist()  # host sync
-    tau = math.sqrt(tau2)
-    return max(1.0 - math.exp(-tau), miniclip_low), max(math.exp(tau) - 1.0, miniclip_high), m2, after
 
 
 def clipped_values(values: torch.Tensor, old_values: torch.Tensor, value_clip: float) -> torch.Tensor:
@@ -668,7 +427,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, tis_clip: float) -> torch.Tensor:
     """Truncated importance sampling: `w = min(exp(old_logp - rollout_logp), tis_clip)`, detached (`exp_log_ratio`)."""
     with torch.no_grad():
-        return _exp_log_ratio_(old_logp - rollout_logp).clamp_(max=tis_clip)
+        return exp_log_ratio_(old_logp - rollout_logp).clamp_(max=tis_clip)
 
 
 # --------------------------------------------------------------------------------------------------

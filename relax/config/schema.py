@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.base import AlgorithmConfig, choice
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,10 @@ class ModelConfig:
     """Which policy model. `source=config` builds a randomly initialised model from the fields below."""
 
     name: str = "tiny"
-    source: str = "config"  # config | hf | gguf
+    source: str = choice("config", ("config", "hf", "gguf"))
     path: Optional[str] = None  # hf: a local directory, None -> $MODEL_DIR/<name>; gguf: a .gguf file
-    dtype: str = "auto"  # auto (bf16 where the device has fast bf16, else fp32) | float32 | bfloat16
+    # auto: bf16 where the device has fast bf16, else fp32
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16"))
     gradient_checkpointing: bool = False  # recompute activations in the backward (train.backend=torch only)
     # Architecture of a `source=config` model (Qwen3 layout).
     arch: str = "qwen3"
@@ -58,15 +59,15 @@ class SGLangConfig:
 
     # What to launch, one server per rollout replica: sglang (python -m sglang.launch_server, GPUs) | embedded
     # (relax-serve: Relax's own engine behind the same protocol, CPU or GPU). Unused with `urls`.
-    server: str = "sglang"
+    server: str = choice("sglang", ("sglang", "embedded"))
     # Servers already running (http://host:port each): none is launched, and num_replicas must be len(urls).
     urls: Optional[list[str]] = None
     host: str = "127.0.0.1"  # where launched servers and the router listen (loopback: single-node clusters)
-    router_policy: str = "cache_aware"  # cache_aware | round_robin | random | power_of_two
+    router_policy: str = choice("cache_aware", ("cache_aware", "round_robin", "random", "power_of_two"))
     # How the trainer's weights reach the servers: tensor (update_weights_from_tensor, shared memory or CUDA IPC:
     # servers on the trainer's node) | distributed (init_weights_update_group + a broadcast). None: tensor when
     # cluster.colocate, distributed otherwise.
-    weight_sync: Optional[str] = None
+    weight_sync: Optional[str] = choice(None, ("tensor", "distributed"))
     bucket_mb: int = 256  # weights travel in flattened buckets of at most this many MiB
     # cluster.colocate with train.mode=sync: servers release their memory while the actor trains, and resume it
     # (then get the new weights) before the next rollout
@@ -81,7 +82,7 @@ class SGLangConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = "embedded"  # embedded | sglang
+    backend: str = choice("embedded", ("embedded", "sglang"))
     rollout_batch_size: int = 8  # prompts per rollout
     n_samples_per_prompt: int = 8  # group size G
     max_response_len: int = 8
@@ -111,13 +112,13 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    backend: str = "torch"  # torch | megatron
+    backend: str = choice("torch", ("torch", "megatron"))
     global_batch_size: Optional[int] = None  # None: samples per rollout / num_steps_per_rollout
     micro_batch_size: int = 8
     num_steps_per_rollout: Optional[int] = None  # None: samples per rollout / global_batch_size (or 1)
     num_rollout: int = 60
     lr: float = 1e-6
-    lr_schedule: str = "constant"  # constant | cosine | linear
+    lr_schedule: str = choice("constant", ("constant", "cosine", "linear"))
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
@@ -134,7 +135,7 @@ class TrainConfig:
     max_restarts: int = 3
     # A checkpoint that cannot be written (disk full, unwritable, I/O error): stop (the run stops with the error,
     # the previous checkpoint intact) | continue (noted, counted in fault/checkpoint_failures, training goes on).
-    save_failures: str = "stop"
+    save_failures: str = choice("stop", ("stop", "continue"))
     # Ctrl-C or SIGTERM (preemption): finish the current step, write a checkpoint, then stop (MLflow run KILLED,
     # exit 130 / 143); a second signal stops at once. false: stop at once (the last checkpoint stays the latest).
     save_on_preempt: bool = True
@@ -144,7 +145,7 @@ class TrainConfig:
     checkpoint_timeout_s: float = 1800.0
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     use_dynamic_global_batch_size: bool = False
-    mode: str = "sync"  # sync | fully_async | hybrid (docs/training.md, "Training modes")
+    mode: str = choice("sync", ("sync", "fully_async", "hybrid"))  # docs/training.md, "Training modes"
     # Largest trainer_version - token_version a trained token may have. None: 0 (sync), 1 (hybrid, fully_async).
     max_staleness: Optional[int] = None
     weight_sync_interval: int = 1  # fully_async: publish weights to the rollout every N steps (<= max_staleness + 1)
@@ -193,7 +194,7 @@ class DataConfig:
     shuffle: bool = True
     # Prompts longer than rollout.max_prompt_len (in tokens, after the chat template): drop (skip them and
     # count them in dataset.num_dropped) | error (fail at start naming the file and line).
-    prompt_overflow: str = "drop"
+    prompt_overflow: str = choice("drop", ("drop", "error"))
     # A reward call that raises or returns a non-finite value: drop_group (leave its whole group out of the
     # statistics and the loss, counted in rollout/reward_errors and rollout/reward_dropped_frac) | raise (stop
     # the run with the traceback of the first failure).

@@ -25,14 +25,11 @@ GROUP_SCHEMAS = {
 def _writable(cls: type) -> DictConfig:
     node = OmegaConf.structured(cls)
 
-    def clear(n) -> None:
-        n._set_flag("readonly", None)
-        if isinstance(n, DictConfig):
-            for key in n.keys():
-                clear(n._get_node(key))
-        elif isinstance(n, ListConfig):
-            for i in range(len(n)):
-                clear(n._get_node(i))
+    def clear(n: DictConfig | ListConfig) -> None:  # frozen dataclasses flag their own node (and only containers)
+        OmegaConf.set_readonly(n, None)
+        for key in (n.keys() if isinstance(n, DictConfig) else range(len(n))):
+            if not OmegaConf.is_missing(n, key) and isinstance(child := n[key], (DictConfig, ListConfig)):
+                clear(child)
 
     clear(node)
     return node

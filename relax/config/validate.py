@@ -11,20 +11,11 @@ import dataclasses
 import math
 
 from relax import algorithms
-from relax.algorithms.base import Violation
+from relax.algorithms.base import Violation, choices_of
 from relax.config.derive import data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
 from relax.config.megatron_rules import megatron_violations
 from relax.config.schema import RelaxConfig
-
-TRAIN_BACKENDS = ("torch", "megatron")
-ROLLOUT_BACKENDS = ("embedded", "sglang")
-MODES = ("sync", "fully_async", "hybrid")
-MODEL_SOURCES = ("config", "hf", "gguf")
-DTYPES = ("auto", "float32", "bfloat16")
-LR_SCHEDULES = ("constant", "cosine", "linear")
-SAVE_FAILURES = ("stop", "continue")
-KL_TYPES = ("k1", "k2", "k3")
 
 
 class ConfigError(Exception):
@@ -60,6 +51,19 @@ class _Rules:
         self.require(value >= 0, key, f"{key}={value} must be >= 0")
 
 
+def _choices(cfg: RelaxConfig, r: _Rules) -> None:
+    """Every field of a section that the schema declares with `choice` holds one of its options (rollout.sglang's
+    are checked with that section, where it is used: `_sglang`)."""
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for f in dataclasses.fields(value):
+            options = choices_of(type(value), f.name)
+            if options is not None:
+                r.choice(f"{section.name}.{f.name}", getattr(value, f.name), options)
+
+
 def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     a, ro, t, c, m = cfg.algorithm, cfg.rollout, cfg.train, cfg.cluster, cfg.model
     r.positive("algorithm.eps_clip", a.eps_clip)
@@ -68,7 +72,6 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     for key in ("kl_loss_coef", "kl_coef", "entropy_coef"):
         r.non_negative(f"algorithm.{key}", getattr(a, key))
     r.positive("algorithm.tis_clip", a.tis_clip)
-    r.choice("algorithm.kl_loss_type", a.kl_loss_type, KL_TYPES)
     r.require(
         not a.use_kl_loss or a.kl_loss_coef > 0,
         ("algorithm.use_kl_loss", "algorithm.kl_loss_coef"),
@@ -86,10 +89,6 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.non_negative("rollout.eval_temperature", ro.eval_temperature)
     r.require(0 < ro.top_p <= 1, "rollout.top_p", f"rollout.top_p={ro.top_p} must be in (0, 1]")
     r.require(ro.top_k == -1 or ro.top_k > 0, "rollout.top_k", f"rollout.top_k={ro.top_k} must be -1 (off) or > 0")
-    r.choice("rollout.backend", ro.backend, ROLLOUT_BACKENDS)
-    r.choice("train.backend", t.backend, TRAIN_BACKENDS)
-    r.choice("train.mode", t.mode, MODES)
-    r.choice("train.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     for key in ("global_batch_size", "micro_batch_size", "num_steps_per_rollout", "num_rollout", "lr"):
         r.positive(f"train.{key}", getattr(t, key))
     for key in ("clip_grad", "weight_decay", "warmup_steps", "save_interval", "eval_interval"):
@@ -102,7 +101,6 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.positive("train.max_skipped_steps", t.max_skipped_steps)
     r.non_negative("train.max_restarts", t.max_restarts)
     r.positive("train.checkpoint_timeout_s", t.checkpoint_timeout_s)
-    r.choice("train.save_failures", t.save_failures, SAVE_FAILURES)
     r.require(t.save or t.save_failures == "stop", ("train.save_failures", "train.save"),
               f"train.save_failures={t.save_failures} has no effect with train.save=false")
     r.require(t.save or t.save_on_preempt, ("train.save_on_preempt", "train.save"),
@@ -115,8 +113,6 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
         r.positive(f"train.{key}", getattr(t, key))
-    r.choice("model.source", m.source, MODEL_SOURCES)
-    r.choice("model.dtype", m.dtype, DTYPES)
     if m.source == "config":
         for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
             r.positive(f"model.{key}", getattr(m, key))
@@ -135,7 +131,6 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     if c.cpus_per_node is not None:
         r.positive("cluster.cpus_per_node", c.cpus_per_node)
     r.choice("data.reward_error", cfg.data.reward_error, ("drop_group", "raise"))
-    r.choice("data.prompt_overflow", cfg.data.prompt_overflow, ("drop", "error"))
     if cfg.data.reward_timeout_s is not None:
         r.positive("data.reward_timeout_s", cfg.data.reward_timeout_s)
     r.require(cfg.seed >= 0, "seed", f"seed={cfg.seed} must be >= 0")
@@ -280,14 +275,14 @@ def _sglang(cfg: RelaxConfig, r: _Rules) -> None:
                       f"rollout.sglang.{f.name}={getattr(sg, f.name)!r} has no effect: rollout.backend={ro.backend} "
                       "(use rollout=sglang)")
         return
-    r.choice("rollout.sglang.server", sg.server, ("sglang", "embedded"))
-    r.choice("rollout.sglang.router_policy", sg.router_policy, ("cache_aware", "round_robin", "random", "power_of_two"))
+    for key in ("server", "router_policy"):
+        r.choice(f"rollout.sglang.{key}", getattr(sg, key), choices_of(type(sg), key))
     r.require(sg.router_policy != "power_of_two" or ro.num_replicas >= 2,
               ("rollout.sglang.router_policy", "rollout.num_replicas"),
               "rollout.sglang.router_policy=power_of_two picks the less loaded of two servers: it needs "
               "rollout.num_replicas >= 2 (sglang-router refuses to start otherwise)")
     if sg.weight_sync is not None:
-        r.choice("rollout.sglang.weight_sync", sg.weight_sync, ("tensor", "distributed"))
+        r.choice("rollout.sglang.weight_sync", sg.weight_sync, choices_of(type(sg), "weight_sync"))
     for key in ("bucket_mb", "health_failures"):
         r.require(getattr(sg, key) >= 1, f"rollout.sglang.{key}",
                   f"rollout.sglang.{key}={getattr(sg, key)} must be >= 1")
@@ -332,7 +327,7 @@ def _modes(cfg: RelaxConfig, r: _Rules) -> None:
     """What each train.mode means for staleness, weight sync and partial rollout (docs/training.md)."""
     t, ro, c = cfg.train, cfg.rollout, cfg.cluster
     s = t.max_staleness
-    if s is None or t.mode not in MODES:
+    if s is None or t.mode not in choices_of(type(t), "mode"):
         return
     if t.mode == "sync":
         r.require(s == 0, ("train.max_staleness", "train.mode"),
@@ -599,6 +594,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
         algo = algorithms.get(cfg.algorithm.name)
     except KeyError as exc:
         return [Violation(("algorithm.name",), str(exc.args[0]))]
+    _choices(cfg, r)
     _ranges(cfg, r)
     _batches(cfg, algo, r)
     _resources(cfg, algo, r)

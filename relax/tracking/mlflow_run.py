@@ -50,18 +50,19 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TextIO, TypeVar
 
 from relax.metrics import SYSTEM_PREFIX
 from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
+from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
 from relax.tracking.params import truncate_value
+from relax.tracking.run_writer import MAX_METRICS_PER_BATCH, RunWriter, chunks  # noqa: F401 (MLflow's limit, re-exported)
 from relax.tracking.spool_file import (
     REPLAY_COMMAND,
     SPOOL_PREFIX,
     SPOOL_SUFFIX,
-    ReplayResult,
     Spool,
     is_rejection,
     is_store_error,
@@ -78,11 +79,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # MLflow's per-call and per-value limits (mlflow.utils.validation; a test checks they agree).
-MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_TAG_VALUE_LEN = 8000
 
-RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 PARENT_RUN_ID_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 NONFINITE_TAG = "relax.nonfinite_metrics"
 TRACKING_URI_TAG = "relax.tracking_uri"
@@ -90,8 +89,6 @@ RESUMED_TAG = "relax.resumed"  # a reopened run: at which step and from where it
 CHECKPOINT_DIR_TAG = "relax.checkpoint_dir"  # where relax-train writes the run's checkpoints (relax-verify-run)
 NONFINITE_MODES = ("skip", "log")
 
-_MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store keeps failing with a non-store error
-_WRITE_ATTEMPTS = 3  # reopen's status update (writes that can be spooled are tried once: the spool retries)
 DEFAULT_FINAL_REPLAY_S = 30.0  # how long `finish` keeps trying to replay a spool before leaving it on disk
 
 T = TypeVar("T")
@@ -204,11 +201,6 @@ def _check_interval(interval_s: Optional[float]) -> None:
         raise ValueError(f"the system metrics interval must be a number of seconds > 0, got {interval_s}")
 
 
-def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
-
-
 def _validate_metric_key(key: str) -> None:
     """Fail at the first `log_metrics` of a bad key, not later at a flush that would lose the batch."""
     if not isinstance(key, str) or not key:
@@ -261,41 +253,45 @@ class Tracker:
         self.run_id: Optional[str] = run_id
         self.experiment_id: Optional[str] = experiment_id
         self.uri: Optional[str] = uri
-        self.flush_every_steps = flush_every_steps
-        self.flush_interval_s = flush_interval_s
         self.nonfinite = nonfinite
         self.nonfinite_counts: dict[str, int] = {}
         self.status: Optional[str] = None  # set by finish
-        self._buffer: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
-        self._known_keys: set[str] = set()
-        self._last_step: Optional[int] = None
-        self._steps_since_flush = 0
-        self._last_flush = time.monotonic()
-        self._lock = threading.RLock()  # guards the buffer; held only for list operations
-        self._write_lock = threading.Lock()  # one writer at a time; taken before _lock, never inside it
-        self._closing = False
-        self._in_flight = False  # the writer holds metrics taken from the buffer, not yet in the store or spool
-        self._flush_failures = 0
-        self._warned_after_finish = False
         self.stats = {"batches": 0, "metrics": 0, "write_s": 0.0, "already_recorded": 0,
                       "store_errors": 0, "spooled_records": 0, "replayed_records": 0}
-        # writes the store could not take, until they are replayed (the file appears with the first one)
-        self.spool = Spool(spool_path(spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
+        # every write goes through the writer; writes the store could not take wait in the spool until replayed
+        # (the file appears with the first one)
+        spool = Spool(spool_path(spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
+        self.writer = RunWriter(client, run_id, uri, spool, flush_every_steps=flush_every_steps,
+                                flush_interval_s=flush_interval_s, background=background, stats=self.stats)
+        self._lock = self.writer.lock  # the buffer's lock also guards what _log_metrics reads and counts
+        self._known_keys: set[str] = set()
+        self._closing = False
+        self._warned_after_finish = False
         self.final_replay_s = final_replay_s
         self._stream = stream
-        self._outage_warned = False
-        self._rejection_warned = False
         # step -> keys the store already holds at that step (a reopened run's steps being recomputed; see `reopen`)
         self._recorded: dict[int, set[str]] = {}
         self.recorded_history: dict[str, list[tuple[int, float]]] = {}  # reopen(keep_history=...): earlier values
-        self._wake = threading.Event()
-        self._stop = False
-        self._writer: Optional[threading.Thread] = None
         self.system_metrics: Optional[SystemMetrics] = None  # see `start_system_metrics`
-        if background:
-            self._writer = threading.Thread(target=self._writer_loop, name="relax-mlflow-writer", daemon=True)
-            self._writer.start()
         atexit.register(self._at_exit)
+
+    @property
+    def spool(self) -> Spool:
+        """The run's spool (`relax.tracking.spool_file`): writes the store could not take yet."""
+        return self.writer.spool
+
+    @property
+    def _writer(self) -> Optional[threading.Thread]:
+        return self.writer.thread
+
+    @property
+    def flush_interval_s(self) -> float:
+        """Metrics are written at least this often (seconds), by the writer thread or at the next log call."""
+        return self.writer.flush_interval_s
+
+    @flush_interval_s.setter
+    def flush_interval_s(self, value: float) -> None:
+        self.writer.flush_interval_s = value
 
     # ------------------------------------------------------------------ start
     @classmethod
@@ -379,19 +375,9 @@ class Tracker:
             raise
         if spool_dir is not None:
             replay_leftover_spools(client, uri, spool_dir)
-        tracker = cls(
-            client,
-            run.info.run_id,
-            experiment_id,
-            uri,
-            flush_every_steps=flush_every_steps,
-            flush_interval_s=flush_interval_s,
-            nonfinite=nonfinite,
-            background=background,
-            spool_dir=spool_dir,
-            final_replay_s=final_replay_s,
-            stream=stream,
-        )
+        tracker = cls(client, run.info.run_id, experiment_id, uri, flush_every_steps=flush_every_steps,
+                      flush_interval_s=flush_interval_s, nonfinite=nonfinite, background=background,
+                      spool_dir=spool_dir, final_replay_s=final_replay_s, stream=stream)
         try:
             if tags:
                 tracker.set_tags(tags)
@@ -400,12 +386,9 @@ class Tracker:
         except BaseException:
             tracker.finish("FAILED")
             raise
-        if system_metrics_s is not None:
-            tracker.start_system_metrics(system_metrics_s)
-        if announce:
-            tracker._announce(f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment "
-                              f"{tracking_cfg.experiment!r} at {uri}", stream)
-        return tracker
+        return tracker._running(system_metrics_s, 0, announce and (
+            f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment {tracking_cfg.experiment!r} at {uri}"),
+            stream)
 
     @classmethod
     def reopen(
@@ -468,19 +451,9 @@ class Tracker:
             logger.info("replayed %d records of %s into run %s", result.records, leftover.path, run_id)
             run = client.get_run(run_id)  # the replayed metrics count as recorded below
         leftover.remove_if_done()
-        tracker = cls(
-            client,
-            run_id,
-            run.info.experiment_id,
-            uri,
-            flush_every_steps=flush_every_steps,
-            flush_interval_s=flush_interval_s,
-            nonfinite=nonfinite,
-            background=background,
-            spool_dir=spool_dir,
-            final_replay_s=final_replay_s,
-            stream=stream,
-        )
+        tracker = cls(client, run_id, run.info.experiment_id, uri, flush_every_steps=flush_every_steps,
+                      flush_interval_s=flush_interval_s, nonfinite=nonfinite, background=background,
+                      spool_dir=spool_dir, final_replay_s=final_replay_s, stream=stream)
         try:
             keep = set(keep_history)
             # the highest step of each key (MLflow's latest metrics): keys that stop before from_step need no query
@@ -499,7 +472,7 @@ class Tracker:
                 if key in keep:
                     tracker.recorded_history[key] = sorted((int(m.step), m.value) for m in history
                                                            if m.step < from_step)
-            tracker._retry(lambda: client.update_run(run_id, status="RUNNING"))
+            tracker.writer.retry(lambda: client.update_run(run_id, status="RUNNING"))
             if tags:
                 tracker.set_tags(tags)
         except Exception as exc:
@@ -511,15 +484,20 @@ class Tracker:
         except BaseException:
             tracker.finish("FAILED")
             raise
-        if system_metrics_s is not None:
-            tracker.start_system_metrics(system_metrics_s, first_step=next_system_step)
-        if announce:
-            tracker._announce(f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in "
-                              f"experiment {tracking_cfg.experiment!r} at {uri}", stream)
-        return tracker
+        return tracker._running(system_metrics_s, next_system_step, announce and (
+            f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in experiment "
+            f"{tracking_cfg.experiment!r} at {uri}"), stream)
 
-    def _announce(self, text: str, stream: Optional[TextIO]) -> None:
-        print(f"{text}; view: {self.ui_command()}", file=stream if stream is not None else sys.stderr, flush=True)
+    def _running(self, system_metrics_s: Optional[float], first_system_step: int, announcement: str | bool,
+                 stream: Optional[TextIO]) -> Tracker:
+        """What `start` and `reopen` do last: system metrics sampled (from `first_system_step`), and one line naming
+        the run, the store and the UI command (`announcement`; False: none)."""
+        if system_metrics_s is not None:
+            self.start_system_metrics(system_metrics_s, first_step=first_system_step)
+        if announcement:
+            print(f"{announcement}; view: {self.ui_command()}", file=stream if stream is not None else sys.stderr,
+                  flush=True)
+        return self
 
     # ---------------------------------------------------------------- logging
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -572,35 +550,13 @@ class Tracker:
                 if recorded is not None and key in recorded:
                     self.stats["already_recorded"] += 1  # logged before a kill, recomputed after the resume
                     continue
-                self._buffer.append((key, v, ts, int(step)))
-            if training_step and step != self._last_step:
-                self._last_step = step
-                self._steps_since_flush += 1
-            spooling = self.spool.pending > 0
-            due = (
-                spooling  # an outage: each step goes to disk now, and the spool is replayed
-                or self._steps_since_flush >= self.flush_every_steps
-                or time.monotonic() - self._last_flush >= self.flush_interval_s
-                or len(self._buffer) >= 10 * MAX_METRICS_PER_BATCH
-            )
-        if not due:
-            return
-        try:
-            if spooling:
-                self._spool_buffer()
-            if self._writer is not None:
-                self._wake.set()
-                return
-            self._drain()
-        except Exception as exc:  # never let the store stop training; retried at the next flush
-            self._flush_failed(exc)
+                self.writer.buffer.append((key, v, ts, int(step)))
+            due, spooling = self.writer.step_logged(step, training_step)
+        if due:
+            self.writer.flush_due(spooling)
 
     def _nonfinite_action(self) -> str:
         return "skipped; counted in tag " + NONFINITE_TAG if self.nonfinite == "skip" else "logged"
-
-    def _flush_failed(self, exc: Exception) -> None:
-        self._flush_failures += 1
-        logger.warning("MLflow flush failed (%d so far), will retry: %s", self._flush_failures, exc)
 
     def flush(self) -> None:
         """Put everything logged so far into the store, or (during an outage) into the spool on disk.
@@ -610,159 +566,7 @@ class Tracker:
         """
         if self._closing:
             return
-        if self.spool.pending and self._writer is not None:
-            self._spool_buffer()  # durable now; the writer replays without holding up the caller
-            if self._in_flight:  # but earlier metrics are being written straight to the store: wait for the outcome
-                with self._write_lock:
-                    pass
-            self._wake.set()
-            return
-        self._drain()
-
-    def _spool_buffer(self) -> None:
-        """Move the buffered metrics to the spool (fsync'ed); on failure they stay buffered."""
-        with self._lock:
-            if not self._buffer:
-                return
-            self.spool.append("metrics", {"metrics": [list(m) for m in self._buffer]})
-            self.stats["spooled_records"] += 1
-            self._buffer = []
-            self._steps_since_flush = 0
-            self._last_flush = time.monotonic()
-
-    def _drain(self) -> None:
-        """Write the buffer in chunks of MLflow's batch limit, or to the spool during an outage.
-
-        A store error moves the unwritten rest (and whatever was logged meanwhile) to the spool; any other
-        error puts it back in front of the buffer and is raised.
-        """
-        from mlflow.entities import Metric
-
-        with self._write_lock:
-            if self.spool.pending:
-                self._spool_buffer()
-                self._replay()
-                return
-            with self._lock:
-                pending, self._buffer = self._buffer, []
-                self._steps_since_flush = 0
-                self._last_flush = time.monotonic()
-                self._in_flight = bool(pending)
-            done = 0
-            try:
-                for chunk in _chunks(pending, MAX_METRICS_PER_BATCH):
-                    t = time.perf_counter()
-                    metrics = [Metric(key=k, value=v, timestamp=ts, step=s) for k, v, ts, s in chunk]
-                    self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
-                    done += len(chunk)
-                    self.stats["batches"] += 1
-                    self.stats["metrics"] += len(chunk)
-                    self.stats["write_s"] += time.perf_counter() - t
-            except Exception as exc:
-                rest = pending[done:]
-                if is_store_error(exc):
-                    try:
-                        with self._lock:
-                            # the failed chunk may be partly in the store: replay compares it with the store first
-                            for part, uncertain in ((rest[:MAX_METRICS_PER_BATCH], True),
-                                                    (rest[MAX_METRICS_PER_BATCH:], False)):
-                                if part:
-                                    self.spool.append("metrics", {"metrics": [list(m) for m in part]},
-                                                      uncertain=uncertain)
-                                    self.stats["spooled_records"] += 1
-                                    rest = rest[len(part):]
-                            self._spool_buffer()  # logged meanwhile: after them
-                    except Exception:
-                        pass  # the spool failed too (disk): keep them in memory, raise the store's error below
-                    else:
-                        self._store_failed(exc)
-                        if is_rejection(exc):  # the store is up: set the refused record aside, write the rest
-                            self._replay()
-                        return
-                with self._lock:
-                    self._buffer[:0] = rest
-                    if len(self._buffer) > _MAX_BUFFERED_METRICS:
-                        dropped = len(self._buffer) - _MAX_BUFFERED_METRICS
-                        del self._buffer[:dropped]
-                        logger.warning("dropped the %d oldest buffered metric values", dropped)
-                raise
-            finally:
-                self._in_flight = False  # written, spooled or back in the buffer
-
-    def _writer_loop(self) -> None:
-        while True:
-            self._wake.wait(self.flush_interval_s)
-            self._wake.clear()
-            if self._stop:
-                return
-            if self._buffer or self.spool.pending:
-                try:
-                    self._drain()
-                except Exception as exc:
-                    self._flush_failed(exc)
-
-    @staticmethod
-    def _retry(write: Any) -> None:
-        for attempt in range(_WRITE_ATTEMPTS):
-            try:
-                write()
-                return
-            except Exception:
-                if attempt == _WRITE_ATTEMPTS - 1:
-                    raise
-                time.sleep(0.2 * (attempt + 1))
-
-    # ---------------------------------------------------------------- outages
-    def _store_failed(self, exc: BaseException) -> None:
-        """Count a store error; the first one of the run is the only one that is reported."""
-        self.stats["store_errors"] += 1
-        if self._outage_warned or is_rejection(exc):
-            return
-        self._outage_warned = True
-        logger.warning(
-            "MLflow store %s is unavailable (%s); training goes on: the writes of run %s are kept in %s and replayed "
-            "when the store is back (this warning is not repeated)", self.uri, short_error(exc), self.run_id,
-            self.spool.path)
-
-    def _store_write(self, op: str, payload: dict[str, Any], write: Any) -> None:
-        """A write other than metrics: to the store, or to the spool while it holds records or the store fails.
-
-        A refusal of the store (an invalid value) is raised, as any error that is not the store's.
-        """
-        uncertain = False
-        if not self.spool.pending:
-            try:
-                write()
-                return
-            except Exception as exc:
-                if not is_store_error(exc) or is_rejection(exc):
-                    raise
-                self._store_failed(exc)
-                uncertain = True
-        with self._lock:
-            if op == "artifact":
-                self.spool.append_artifact(payload["path"], payload["artifact_path"])
-            else:
-                self.spool.append(op, payload, uncertain=uncertain)
-            self.stats["spooled_records"] += 1
-        self._wake.set()
-
-    def _replay(self, *, attempts: Optional[int] = 1, deadline_s: Optional[float] = None) -> ReplayResult:
-        """Replay the spool (in order, no value twice); delete it once everything is in the store."""
-        result = self.spool.replay(self.client, self.run_id, attempts=attempts, deadline_s=deadline_s)
-        self.stats["replayed_records"] += result.records
-        if result.error is not None:
-            self.stats["store_errors"] += result.attempts
-        if result.set_aside and not self._rejection_warned:
-            self._rejection_warned = True
-            logger.warning("MLflow store %s refused %d spooled write(s) of run %s; they are kept in %s", self.uri,
-                           result.set_aside, self.run_id, self.spool.rejected_path)
-        if result.done:
-            with self._lock:  # no append can come in between
-                if self.spool.remove_if_done() and result.records:
-                    logger.info("MLflow store %s is back: %d spooled writes of run %s replayed", self.uri,
-                                result.records, self.run_id)
-        return result
+        self.writer.flush()
 
     def _abandon(self) -> None:
         """Drop this tracker without writing anything (the run is left as it is in the store)."""
@@ -771,10 +575,7 @@ class Tracker:
         with self._lock:
             self._closing = True
         atexit.unregister(self._at_exit)
-        if self._writer is not None:
-            self._stop = True
-            self._wake.set()
-            self._writer.join()
+        self.writer.stop()
         self.spool.close()
 
     # ---------------------------------------------------------------- params, tags, artifacts
@@ -795,12 +596,12 @@ class Tracker:
 
         def write() -> None:
             nonlocal done
-            for chunk in _chunks(items[done:], MAX_PARAMS_TAGS_PER_BATCH):
+            for chunk in chunks(items[done:], MAX_PARAMS_TAGS_PER_BATCH):
                 self.client.log_batch(self.run_id, **{op: [cls(k, v) for k, v in chunk]}, synchronous=True)
                 done += len(chunk)
 
         if items:
-            self._store_write(op, {"items": [list(i) for i in items]}, write)
+            self.writer.store_write(op, {"items": [list(i) for i in items]}, write)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         """Set (or overwrite) run tags, 100 per call; values longer than MLflow's limit are truncated."""
@@ -811,13 +612,13 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         """Store `text` as the artifact `artifact_file` (e.g. "config.yaml", "plan.txt")."""
         if not self._closed("log_text"):
-            self._store_write("text", {"text": text, "artifact_file": artifact_file},
+            self.writer.store_write("text", {"text": text, "artifact_file": artifact_file},
                               lambda: self.client.log_text(self.run_id, text, artifact_file))
 
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         """Copy a local file or directory into the run's artifacts (under `artifact_path` if given)."""
         if not self._closed("log_artifact"):
-            self._store_write("artifact", {"path": path, "artifact_path": artifact_path},
+            self.writer.store_write("artifact", {"path": path, "artifact_path": artifact_path},
                               lambda: self.client.log_artifact(self.run_id, path, artifact_path))
 
     def log_inputs(self, datasets: Sequence[DatasetRecord]) -> None:
@@ -825,7 +626,7 @@ class Tracker:
         a dataset already logged to the run (same name and digest) is not added again."""
         if self._closed("log_inputs") or not datasets:
             return
-        self._store_write("inputs", {"datasets": [d.to_dict() for d in datasets]},
+        self.writer.store_write("inputs", {"datasets": [d.to_dict() for d in datasets]},
                           lambda: self.client.log_inputs(self.run_id, datasets=[d.to_mlflow() for d in datasets]))
 
     def _closed(self, what: str) -> bool:
@@ -857,13 +658,10 @@ class Tracker:
                 return
             self._closing = True  # from here on, logging calls are ignored
         atexit.unregister(self._at_exit)
-        if self._writer is not None:
-            self._stop = True
-            self._wake.set()
-            self._writer.join()
+        self.writer.stop()
         error: Optional[BaseException] = None
         try:
-            self._drain()
+            self.writer.drain()
             if self.nonfinite_counts:
                 counts = ", ".join(f"{k}={n}" for k, n in sorted(self.nonfinite_counts.items()))
                 self._write_items("tags", [(NONFINITE_TAG, truncate_value(counts, MAX_TAG_VALUE_LEN))])
@@ -872,10 +670,10 @@ class Tracker:
             logger.warning("final MLflow flush of run %s failed: %s", self.run_id, exc)
         self.status = status
         end_time = int(time.time() * 1000)
-        self._store_write("terminate", {"status": status, "end_time": end_time},
+        self.writer.store_write("terminate", {"status": status, "end_time": end_time},
                           lambda: self.client.set_terminated(self.run_id, status=status, end_time=end_time))
         if self.spool.pending:
-            result = self._replay(attempts=None, deadline_s=self.final_replay_s)
+            result = self.writer.replay(attempts=None, deadline_s=self.final_replay_s)
             if not result.done:
                 print(
                     f"MLflow store {self.uri} is still unavailable at the end of run {self.run_id} "
@@ -931,61 +729,6 @@ def run_url(uri: str, experiment_id: Optional[str], run_id: Optional[str]) -> Op
     if not uri.lower().startswith(("http://", "https://")) or experiment_id is None or run_id is None:
         return None
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
-class NullTracker:
-    """The `Tracker` interface doing nothing, for `tracking.enabled=false`: the loop needs no `if`s."""
-
-    def __init__(self) -> None:
-        self.run_id: Optional[str] = None
-        self.experiment_id: Optional[str] = None
-        self.uri: Optional[str] = None
-        self.status: Optional[str] = None
-        self.nonfinite_counts: dict[str, int] = {}
-
-    @classmethod
-    def start(cls, tracking_cfg: Any = None, **kwargs: Any) -> NullTracker:
-        """Same signature as `Tracker.start`; opens nothing."""
-        return cls()
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        pass
-
-    def log_params(self, params: Mapping[str, str]) -> None:
-        pass
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        pass
-
-    def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
-        pass
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        pass
-
-    def log_inputs(self, datasets: Sequence[DatasetRecord]) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def finish(self, status: str = "FINISHED") -> None:
-        if status not in RUN_STATUSES:
-            raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
-        if self.status is None:
-            self.status = status
-
-    def ui_command(self) -> Optional[str]:
-        return None
-
-    def __enter__(self) -> NullTracker:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.finish("FINISHED")
-        else:
-            self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
 
 
 def close_orphan_run(tracker: Tracker, run_id: str) -> bool:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from relax.algorithms import functional as F
+from relax.algorithms.kernels import select_
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -122,7 +123,7 @@ def test_branch_free_select_is_exact(dtype):
               for _ in range(50)]
     for if_positive, otherwise in pairs:
         want = torch.where(positive > 0, torch.tensor(if_positive, dtype=dtype), torch.tensor(otherwise, dtype=dtype))
-        assert torch.equal(F._select_(positive.clone(), if_positive, otherwise), want), (if_positive, otherwise)
+        assert torch.equal(select_(positive.clone(), if_positive, otherwise), want), (if_positive, otherwise)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from relax.algorithms import functional as F
+from relax.algorithms.m2po_solver import _water_level
 
 D = torch.float64
 
@@ -129,7 +130,7 @@ def test_level_when_the_sum_exceeds_the_target_only_by_rounding():
     sq = torch.rand(10_000, generator=g, dtype=D) ** 3 + 1e-3
     total = sq.sum().item()
     for target in [total, math.nextafter(total, 0.0)]:
-        tau2 = F._water_level(sq, target, 1e-4, sq.max().item()).item()
+        tau2 = _water_level(sq, target, 1e-4, sq.max().item()).item()
         assert tau2 == pytest.approx(sq.max().item(), rel=1e-9)
 
 
