@@ -35,14 +35,13 @@ from relax.backends.trainer import (
     PolicyTrainer,
     SkippedInARow,
     StepOutcome,
+    StepSetup,
     StepSums,
     available_cpus,
-    entropy_mode,
     length_sorted_micro_batches,
     loss_inputs,
     lr_factor,
     nonfinite_grad_tensors,
-    step_denominators,
 )
 from relax.backends.write_errors import os_write_errors, torch_save
 from relax.config.derive import total_optimizer_steps
@@ -317,28 +316,23 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         algorithm with `step_statistics` (M2PO), a no-grad log-prob pass over all micro-batches comes first
         and its statistics of the whole step go to every micro-batch's loss (`LossBatch.stats`).
         """
-        if batch.advantages is None:
-            raise ValueError("train_step needs batch.advantages")
-        algorithm = algorithms.get(algo_cfg.name)
+        step = StepSetup.of(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy)
         self.model.train()
-        denominator, num_tokens = step_denominators(batch.response_mask, per_token)
-        entropy = entropy_mode(algo_cfg, report_entropy)
         sums = StepSums(rollout_mismatch)
         self.optimizer.zero_grad(set_to_none=True)
         splits = length_sorted_micro_batches(batch, micro_batch_size)
-        stats = self._step_statistics(batch, algo_cfg, splits) if algorithm.needs_step_statistics else None
+        stats = self._step_statistics(batch, algo_cfg, splits) if step.algorithm.needs_step_statistics else None
         for rows in splits:
             progress.tick()
             mb = batch.select(rows)
-            logp, ent, t = self._forward(mb, entropy=entropy)
+            logp, ent, t = self._forward(mb, entropy=step.entropy)
             loss_batch = loss_inputs(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
             sums.add_mismatch(logp, loss_batch)
-            loss, metrics = compute_loss(
-                algo_cfg, loss_batch, per_token=per_token, denominator=denominator, num_tokens=num_tokens
-            )
+            loss, metrics = compute_loss(algo_cfg, loss_batch, per_token=per_token, denominator=step.denominator,
+                                         num_tokens=step.num_tokens)
             loss.backward()
             sums.add(metrics)
-        return sums.metrics(num_tokens, entropy)
+        return sums.metrics(step.num_tokens, step.entropy)
 
     @torch.no_grad()
     def _step_statistics(

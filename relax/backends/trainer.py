@@ -22,8 +22,9 @@ from typing import Optional, Protocol
 
 import torch
 
+from relax import algorithms
 from relax.algorithms import functional as F
-from relax.algorithms.base import AlgorithmConfig, LossBatch
+from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch
 from relax.algorithms.loss import ENTROPY
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
@@ -109,6 +110,23 @@ def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[flo
 def entropy_mode(algo_cfg: AlgorithmConfig, report_entropy: bool) -> str:
     """How a step computes the entropy: "grad" (a loss term, entropy_coef > 0), "metric" (measured only) or "none"."""
     return "grad" if algo_cfg.entropy_coef > 0 else ("metric" if report_entropy else "none")
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What the forward/backward of a step settles before its micro-batches (both backends alike)."""
+
+    algorithm: Algorithm
+    denominator: float  # of the whole step's loss (`step_denominators`)
+    num_tokens: float  # valid tokens of the whole step
+    entropy: str  # `entropy_mode`
+
+    @classmethod
+    def of(cls, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, report_entropy: bool) -> StepSetup:
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages")
+        denominator, num_tokens = step_denominators(batch.response_mask, per_token)
+        return cls(algorithms.get(algo_cfg.name), denominator, num_tokens, entropy_mode(algo_cfg, report_entropy))
 
 
 def loss_inputs(batch: TrainBatch, rows: Optional[torch.Tensor], logp: torch.Tensor, t: int, *,

@@ -61,13 +61,12 @@ from relax.backends.trainer import (
     PolicyTrainer,
     SkippedInARow,
     StepOutcome,
+    StepSetup,
     StepSums,
-    entropy_mode,
     length_sorted_micro_batches,
     loss_inputs,
     lr_factor,
     nonfinite_grad_tensors,
-    step_denominators,
 )
 from relax.backends.write_errors import os_write_errors, torch_save
 from relax.config.derive import total_optimizer_steps
@@ -440,18 +439,15 @@ class MegatronPolicy(PolicyTrainer):
     ) -> dict[str, float]:
         """Fresh, finalized gradients of the whole batch's loss (in the DDP grad buffers, `param.main_grad`);
         returns the step's metrics as `TorchPolicy.accumulate_gradients` does, on every rank."""
-        if batch.advantages is None:
-            raise ValueError("train_step needs batch.advantages")
-        algorithm = algorithms.get(algo_cfg.name)
+        step = StepSetup.of(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy)
+        entropy = step.entropy
         self.model.train()
-        denominator, num_tokens = step_denominators(batch.response_mask, per_token)
-        entropy = entropy_mode(algo_cfg, report_entropy)
         rows = self._shard_rows(len(batch))
         mine = batch.select(rows)
         mbs = self._micro_batches(mine, micro_batch_size)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        stats = self._step_statistics(mine, algo_cfg, mbs) if algorithm.needs_step_statistics else None
+        stats = self._step_statistics(mine, algo_cfg, mbs) if step.algorithm.needs_step_statistics else None
         sums = StepSums(rollout_mismatch)
 
         def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
@@ -460,8 +456,8 @@ class MegatronPolicy(PolicyTrainer):
                 ent = ent.detach()
             lb = loss_inputs(mine, mb.rows, logp, mb.t, device=self.device, entropy=ent, stats=stats)
             sums.add_mismatch(logp, lb)
-            loss, metrics = compute_loss(algo_cfg, lb, per_token=per_token, denominator=denominator,
-                                         num_tokens=num_tokens)
+            loss, metrics = compute_loss(algo_cfg, lb, per_token=per_token, denominator=step.denominator,
+                                         num_tokens=step.num_tokens)
             sums.add(metrics)
             return loss
 
@@ -478,7 +474,7 @@ class MegatronPolicy(PolicyTrainer):
                 torch.distributed.all_reduce(m[:1], group=self.dp_group)
                 torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
                 sums.mismatch = m.cpu()
-            out = sums.metrics(num_tokens, entropy)
+            out = sums.metrics(step.num_tokens, entropy)
         return self._broadcast_from_last_stage(out)
 
     def _skip_on_every_rank(self, skip: bool) -> bool:
