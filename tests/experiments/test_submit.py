@@ -300,6 +300,6 @@ def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_strea
     copies = [p for p in (home / "ray").glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()]
     assert copies
     for copy in copies:
-        written = [p for pattern in ("mlflow.db", "mlruns", "checkpoints", "step_*", "config.resolved.yaml")
+        written = [p for pattern in ("mlflow.db", "mlruns", "checkpoints", "step_[0-9]*", "config.resolved.yaml")
                    for p in copy.rglob(pattern)]
         assert not written, written
