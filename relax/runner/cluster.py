@@ -82,7 +82,9 @@ class RayRuntime:
             kwargs["num_gpus"] = self.plan.total_gpus or None
             kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
         try:
-            ray.init(address=address, **kwargs)
+            # "local": a new instance of this run's own, never one that a session file names (a head stopped by a
+            # signal leaves /tmp/ray/ray_current_cluster behind; a user's `ray start --head` writes it too)
+            ray.init(address=address if address is not None else "local", **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             source = "" if address == self.cfg.cluster.address else f" from RAY_ADDRESS={address}"
             raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{source}): "

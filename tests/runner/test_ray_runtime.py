@@ -28,3 +28,26 @@ def test_role_processes_run_at_normal_priority(no_ray) -> None:
         task = ray.remote(lambda: os.nice(0)).options(num_cpus=0.25)
         assert ray.get([actor.niceness.remote(), task.remote()], timeout=120) == [os.nice(0), os.nice(0)]
     assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_stale_session_file_does_not_stop_a_local_run(no_ray, monkeypatch) -> None:
+    """A Ray head stopped by a signal (or a user's `ray start --head`) leaves <ray temp dir>/ray_current_cluster naming
+    its address; plain `ray.init()` joins what it names. The local cluster option starts its own instance anyway."""
+    import shutil
+    import tempfile
+
+    ray = no_ray
+    tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        monkeypatch.setenv("RAY_TMPDIR", tmp)
+        os.makedirs(os.path.join(tmp, "ray"))
+        with open(os.path.join(tmp, "ray", "ray_current_cluster"), "w") as f:
+            f.write("127.0.0.1:1")  # a head that is gone
+        cfg = load_config(["tracking.enabled=false"])
+        with RayRuntime(cfg, build_plan(cfg)) as runtime:
+            assert runtime.started
+            assert ray.get(ray.remote(lambda: 7).options(num_cpus=0.25).remote(), timeout=120) == 7
+        assert not ray.is_initialized()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
