@@ -24,7 +24,7 @@ from relax.config import load_config
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
 from relax.metrics import WEIGHT_BUCKETS
 from relax.roles.sglang_server import server_command
-from relax.runner.errors import RunError
+from relax.runner.errors import RoleFailure, RunError
 from relax.runner.sglang_engines import SGLangEngines
 
 # its tests share module-scoped server: one xdist worker runs them in a row
@@ -184,6 +184,34 @@ def test_a_port_taken_before_the_router_binds_it_is_replaced_by_another(tmp_path
             assert "Address already in use" in (tmp_path / "router.log").read_text()
         finally:
             router.stop()
+
+
+def _dying_actor():
+    """An actor class that dies inside its `weights` call (shipped by value: its process imports nothing of ours)."""
+
+    class Actor:
+        def weights(self, version: int):
+            import os
+
+            os._exit(1)
+
+    return Actor
+
+
+def test_an_actor_that_dies_while_its_weights_are_sent_restarts_the_graph(server, weights, ray_local, tmp_path):
+    """The weights reach the servers as the actor's ObjectRef; an actor that dies making them is a RoleFailure of the
+    actor (the run restarts the service graph, as with the embedded engines), never a traceback that ends the run."""
+    url, _ = server
+    (start, _), eos, pad = weights
+    engines = engines_for(config(url), eos, pad, tmp_path)
+    try:
+        engines.load_weights(start, 1)
+        actor = ray_local.remote(_dying_actor()).options(num_cpus=0).remote()
+        with pytest.raises(RoleFailure, match="died while its weights were sent") as failure:
+            engines.load_weights(actor.weights.remote(2), 2)
+        assert failure.value.role == "actor"
+    finally:
+        engines.close()
 
 
 def test_request_timeout_bounds_the_retries():
