@@ -51,10 +51,15 @@ import torch
 from relax.backends.batch import Samples, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
+from relax.runner.errors import RunError
 from relax.runner.scoring import FilterStats, choose_groups, mean_reward, merge_scores, scores_state, select_scores
 
 WAIT_POLL_S = 1.0  # how often a waiting `take` checks that the pump is still alive
 ABORT = "abort"  # Samples.finish_reason of an interrupted response
+# An engine that returns rows as aborted without the run asking (an input past its context, an engine that gives up
+# on a request) gets them back, with a growing pause, this many times in a row; then the run stops naming them.
+UNASKED_ABORTS = 4
+UNASKED_BACKOFF_S = 0.25  # the first pause; it doubles each time
 
 
 class Engines(Protocol):
@@ -113,6 +118,7 @@ class _InFlight:
     done: list[Samples] = field(default_factory=list)  # finished rows of the round so far
     partial: Samples | None = None  # interrupted rows to continue
     aborts: int = 0
+    unasked: int = 0  # engine calls in a row that returned aborted rows the stream did not ask to abort
     rounds: list[_Round] = field(default_factory=list)  # finished rounds of the job
 
 
@@ -170,6 +176,7 @@ class RolloutStream:
         self.engine_version = -1  # what the engines hold (-1: nothing published yet)
         self._gen_id = 0
         self._running: int | None = None  # gen id of the engine call in progress
+        self._asked: set[int] = set()  # gen ids the stream asked the engines to abort
         self._paused = 0
         self._at_rest = True  # the pump is not inside an engine call
         self._closed = False
@@ -188,6 +195,7 @@ class RolloutStream:
         with self._cond:
             self._closed = True
             if self._running is not None:
+                self._asked.add(self._running)
                 self.engines.abort(self._running)
             self._cond.notify_all()
         if self._thread is not None:
@@ -201,6 +209,7 @@ class RolloutStream:
             cur = self._current
             if (self.partial_rollout and self._running is not None and cur is not None
                     and cur.aborts < self.max_aborts and version > self.engine_version):
+                self._asked.add(self._running)
                 self.engines.abort(self._running)
             self._cond.notify_all()
 
@@ -386,7 +395,10 @@ class RolloutStream:
                     self.busy_s += time.perf_counter() - t0
                     with self._cond:
                         self._running = None
-                        finished = self._settle(cur, out)
+                        finished = self._settle(cur, out, asked=gen_id in self._asked)
+                        self._asked.discard(gen_id)
+                    if finished is None and cur.unasked:  # the engine gave up on rows by itself: pause, then again
+                        time.sleep(UNASKED_BACKOFF_S * 2 ** (cur.unasked - 1))
                     if finished is not None:  # the round is complete: its rewards, then the job's next move
                         scores = signal = None
                         if self.scorer is not None:
@@ -406,19 +418,30 @@ class RolloutStream:
                 self._at_rest = True
                 self._cond.notify_all()
 
-    def _settle(self, cur: _InFlight, out: Samples) -> Samples | None:
+    def _settle(self, cur: _InFlight, out: Samples, *, asked: bool = True) -> Samples | None:
         """Under the lock: file an engine call's rows as finished or to be continued; returns the round's samples
-        (in sample id order) once every row is finished, else None."""
+        (in sample id order) once every row is finished, else None. `asked`: the stream aborted this call (new
+        weights, closing); aborted rows it did not ask for count towards `UNASKED_ABORTS` (RunError beyond)."""
         aborted = torch.tensor([r == ABORT for r in out.finish_reason], dtype=torch.bool)
         if bool(aborted.any()):
-            cur.aborts += 1
-            self.aborts += 1
+            if asked:
+                cur.aborts += 1
+                self.aborts += 1
+                cur.unasked = 0
+            else:
+                cur.unasked += 1
+                if cur.unasked > UNASKED_ABORTS:
+                    ids = out.sample_id[aborted].tolist()
+                    raise RunError(f"step {cur.step}: the rollout engine returned {len(ids)} response(s) as aborted "
+                                   f"{cur.unasked} times in a row without the run asking (sample ids "
+                                   f"{ids[:8]}{' ...' if len(ids) > 8 else ''}): a request it cannot continue, such "
+                                   "as an input past the model's context; see the engine's log")
             cur.partial = out.select(aborted.nonzero().squeeze(-1))
             if not bool(aborted.all()):
                 cur.done.append(out.select((~aborted).nonzero().squeeze(-1)))
             return None
         cur.done.append(out)
-        cur.partial = None
+        cur.partial, cur.unasked = None, 0
         return self._merge(cur.done)
 
     def _merge(self, parts: list[Samples]) -> Samples:

@@ -8,6 +8,7 @@ interruptions can be checked token by token; its length is a function of the sam
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
@@ -224,3 +225,51 @@ def test_a_restored_stream_continues_with_nothing_lost_or_repeated():
     for step, saved in buffered.items():  # what was generated before the stop is trained as it was
         assert torch.equal(rest[step - 3].response_ids, saved["response_ids"])
         assert torch.equal(rest[step - 3].versions(), saved["token_version"])
+
+
+class GivingUpEngines(FakeEngines):
+    """An engine that returns sample 3 as aborted although nobody asked, and then never continues it (an input it
+    cannot continue): each resume hands the row back as it was, aborted again."""
+
+    def _run(self, prompts, ids, start, gen_id):
+        out = super()._run(prompts, ids, start, gen_id)
+        out.finish_reason = ["abort" if int(i) == 3 else r for i, r in zip(ids, out.finish_reason, strict=True)]
+        return out
+
+    def resume(self, partial, *, seed, gen_id):
+        import dataclasses
+
+        with self.lock:
+            self.calls += 1
+            return dataclasses.replace(partial, finish_reason=["abort"] * len(partial))
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_aborts_the_run_did_not_ask_for_stop_it_after_a_bounded_backoff(partial):
+    """Rows the engine aborts by itself are continued a few times, with a growing pause, then the run stops with a
+    message naming them: never a pump that spins while the heartbeats look healthy."""
+    from relax.runner.errors import RunError
+    from relax.runner.rollout_stream import UNASKED_ABORTS, UNASKED_BACKOFF_S
+
+    cfg = config("fully_async", 1, partial=partial, steps=2)
+    engines = GivingUpEngines(random.Random(0))
+    stream = RolloutStream(cfg, engines, Prompts(), start_step=0)
+    stream.publish(0, "w0")
+    t0 = time.monotonic()
+    raised: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            stream.take(0)
+        except BaseException as exc:  # noqa: BLE001 - what the loop would see
+            raised.append(exc)
+
+    with stream:
+        taker = threading.Thread(target=take, daemon=True)
+        taker.start()
+        taker.join(60)
+        assert raised, "the stream kept continuing a request that the engine never continues"
+    assert isinstance(raised[0], RunError) and re.search(
+        r"step 0: .*1 response\(s\) as aborted .* without the run asking \(sample ids \[3\]\)", str(raised[0]))
+    assert engines.calls == 1 + UNASKED_ABORTS  # the first call, then one per allowed retry
+    assert time.monotonic() - t0 >= UNASKED_BACKOFF_S * (2 ** UNASKED_ABORTS - 1) * 0.9  # it waited, growing
