@@ -32,6 +32,11 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
     if over is None and ro.filter_groups:
         over = ro.rollout_batch_size
     rollout = dataclasses.replace(ro, over_sampling_batch_size=over)
+    if ro.backend == "sglang" and ro.sglang.weight_sync is None:
+        # shared memory (tensor) reaches servers on the trainer's node only: colocated on one node; otherwise a
+        # weight-update group (distributed)
+        sync = "tensor" if cfg.cluster.colocate and cfg.cluster.num_nodes == 1 else "distributed"
+        rollout = dataclasses.replace(rollout, sglang=dataclasses.replace(ro.sglang, weight_sync=sync))
     return dataclasses.replace(cfg, train=train, rollout=rollout)
 
 

@@ -66,7 +66,7 @@ class SGLangConfig:
     router_policy: str = choice("cache_aware", ("cache_aware", "round_robin", "random", "power_of_two"))
     # How the trainer's weights reach the servers: tensor (update_weights_from_tensor, shared memory or CUDA IPC:
     # servers on the trainer's node) | distributed (init_weights_update_group + a broadcast). None: tensor when
-    # cluster.colocate, distributed otherwise.
+    # cluster.colocate on one node, distributed otherwise (resolved with the config; dry_run=true shows it).
     weight_sync: Optional[str] = choice(None, ("tensor", "distributed"))
     bucket_mb: int = 256  # weights travel in flattened buckets of at most this many MiB
     # cluster.colocate with train.mode=sync: servers release their memory while the actor trains, and resume it

@@ -317,10 +317,10 @@ def _sglang(cfg: RelaxConfig, r: _Rules) -> None:
               ("rollout.sglang.host", "cluster.num_nodes"),
               f"rollout.sglang.host={sg.host} is loopback but cluster.num_nodes={c.num_nodes}: servers on other "
               "nodes could not be reached; set rollout.sglang.host=0.0.0.0")
-    sync = sg.weight_sync or ("tensor" if c.colocate else "distributed")
-    r.require(sync != "tensor" or c.num_nodes == 1 or c.colocate, ("rollout.sglang.weight_sync", "cluster.num_nodes"),
-              "rollout.sglang.weight_sync=tensor shares memory with servers on the trainer's node, but "
-              f"cluster.colocate=false on {c.num_nodes} nodes may place them elsewhere; use weight_sync=distributed")
+    r.require(sg.weight_sync != "tensor" or c.num_nodes == 1, ("rollout.sglang.weight_sync", "cluster.num_nodes"),
+              "rollout.sglang.weight_sync=tensor shares memory with servers on the trainer's node, but on "
+              f"cluster.num_nodes={c.num_nodes} servers of other nodes cannot open it (colocated or not); use "
+              "rollout.sglang.weight_sync=distributed (the default on several nodes)")
 
 
 def _modes(cfg: RelaxConfig, r: _Rules) -> None:

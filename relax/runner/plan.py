@@ -158,7 +158,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     # the reference (a frozen copy of the policy) and the critic run on the torch backend, one device each
     if ro.backend == "sglang":
         servers = "the servers at rollout.sglang.urls" if ro.sglang.urls else f"{ro.sglang.server} servers"
-        why["rollout"] += f"; {servers} behind sglang-router"
+        why["rollout"] += (f"; {servers} behind sglang-router; weights: {ro.sglang.weight_sync} "
+                           "(rollout.sglang.weight_sync)")
     backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "critic": "torch",
                "advantages": "cpu"}
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)

@@ -60,7 +60,7 @@ class SGLangEngines:
         self.router: Router | None = None
         self.broadcast: BroadcastSync | None = None
         c = cfg.cluster
-        self.sync = self.sg.weight_sync or ("tensor" if c.colocate else "distributed")
+        self.sync = self.sg.weight_sync  # resolved (relax.config.derive)
         self.release = c.colocate and cfg.train.mode == "sync" and self.sg.release_memory
         self.bucket_bytes = self.sg.bucket_mb << 20
         self._lock = threading.RLock()  # weight pushes, memory release and replacing a server

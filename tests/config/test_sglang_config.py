@@ -72,3 +72,27 @@ def test_release_memory_only_where_servers_release():
     found = rejected("rollout=sglang", "rollout.sglang.server=embedded", "algorithm=grpo", "train.mode=fully_async",
                      "rollout.sglang.release_memory=false")
     assert "colocated" in found["rollout.sglang.release_memory"]
+
+
+def _resolved(*overrides: str):
+    """The config with its derived fields filled, before the rules run (a multi-node config fails other rules here)."""
+    from omegaconf import OmegaConf
+
+    from relax.config import compose, resolve
+
+    return resolve(OmegaConf.to_object(compose(list(overrides))))
+
+
+def test_weight_sync_defaults_to_shared_memory_only_on_one_node_and_dry_run_says_which():
+    """Shared memory (tensor) reaches servers on the trainer's node only: colocated on one node it is the default;
+    on several nodes, colocated or not, the default is a weight-update group and tensor is rejected."""
+    one = ["rollout=sglang", "rollout.sglang.urls=[http://127.0.0.1:30000]"]
+    assert load_config(one).rollout.sglang.weight_sync == "tensor"  # cluster=local colocates
+    assert "weights: tensor (rollout.sglang.weight_sync)" in build_plan(load_config(one)).render()
+    assert _resolved(*one, "cluster=8xgpu", "cluster.colocate=false").rollout.sglang.weight_sync == "distributed"
+    two = ["rollout=sglang", "rollout.sglang.host=0.0.0.0", "cluster.num_nodes=2"]
+    assert _resolved(*two).rollout.sglang.weight_sync == "distributed"  # colocated too
+    assert "rollout.sglang.weight_sync" not in rejected(*two)
+    found = rejected(*two, "rollout.sglang.weight_sync=tensor")
+    assert "cluster.num_nodes=2" in found["rollout.sglang.weight_sync"]
+    assert "servers of other nodes cannot open it" in found["rollout.sglang.weight_sync"]
