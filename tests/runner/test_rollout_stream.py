@@ -249,7 +249,6 @@ def test_aborts_the_run_did_not_ask_for_stop_it_after_a_bounded_backoff(partial)
     """Rows the engine aborts by itself are continued a few times, with a growing pause, then the run stops with a
     message naming them: never a pump that spins while the heartbeats look healthy."""
     from relax.runner.errors import RunError
-    from relax.runner.rollout_stream import UNASKED_ABORTS, UNASKED_BACKOFF_S
 
     cfg = config("fully_async", 1, partial=partial, steps=2)
     engines = GivingUpEngines(random.Random(0))
@@ -269,6 +268,8 @@ def test_aborts_the_run_did_not_ask_for_stop_it_after_a_bounded_backoff(partial)
         taker.start()
         taker.join(60)
         assert raised, "the stream kept continuing a request that the engine never continues"
+    from relax.runner.rollout_stream import UNASKED_ABORTS, UNASKED_BACKOFF_S
+
     assert isinstance(raised[0], RunError) and re.search(
         r"step 0: .*1 response\(s\) as aborted .* without the run asking \(sample ids \[3\]\)", str(raised[0]))
     assert engines.calls == 1 + UNASKED_ABORTS  # the first call, then one per allowed retry
