@@ -45,7 +45,6 @@ class ClusterConfig:
     colocate: bool = True  # actor, rollout, reference (and critic) share the actor's devices
     actor_gpus: int = 0
     rollout_gpus: int = 0  # used only when colocate=false
-    critic_gpus: Optional[int] = None  # None: the actor's count (colocated with it)
     rollout_gpus_per_engine: int = 1
     # A role process that sends no heartbeat, or whose running call makes no progress (decode steps, micro-batches),
     # for this many seconds is declared hung and stopped like a crashed one (see train.max_restarts). None: no

@@ -182,14 +182,12 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     number of its processes."""
     c, t, ro = cfg.cluster, cfg.train, cfg.rollout
     total = c.num_nodes * c.gpus_per_node
-    critic_gpus = (c.actor_gpus if c.critic_gpus is None else c.critic_gpus) if algo.requires_critic else 0
-    needed = c.actor_gpus if c.colocate else c.actor_gpus + c.rollout_gpus + critic_gpus
-    apart = "" if c.colocate else f" + cluster.rollout_gpus={c.rollout_gpus}" + (
-        f" + critic {critic_gpus} (cluster.critic_gpus)" if algo.requires_critic else "")
+    needed = c.actor_gpus if c.colocate else c.actor_gpus + c.rollout_gpus
+    apart = "" if c.colocate else f" + cluster.rollout_gpus={c.rollout_gpus}"
     r.require(
         needed <= total,
         ("cluster.actor_gpus", "cluster.num_nodes", "cluster.gpus_per_node")
-        + (() if c.colocate else ("cluster.rollout_gpus", "cluster.critic_gpus")),
+        + (() if c.colocate else ("cluster.rollout_gpus",)),
         f"the roles need {needed} GPU(s): cluster.actor_gpus={c.actor_gpus}{apart}, but the cluster has "
         f"cluster.num_nodes * cluster.gpus_per_node = {c.num_nodes}*{c.gpus_per_node} = {total}",
     )
@@ -203,12 +201,6 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
         r.require(c.rollout_gpus == 0, ("cluster.rollout_gpus", "cluster.colocate"),
                   f"cluster.rollout_gpus={c.rollout_gpus} has no effect with cluster.colocate=true: the rollout "
                   "replicas share the actor's GPU; set cluster.colocate=false to give them GPUs of their own")
-    if c.critic_gpus is not None:
-        r.require(algo.requires_critic, "cluster.critic_gpus",
-                  f"cluster.critic_gpus={c.critic_gpus} has no effect: algorithm={algo.name} has no critic")
-        r.require(not (algo.requires_critic and c.colocate), ("cluster.critic_gpus", "cluster.colocate"),
-                  f"cluster.critic_gpus={c.critic_gpus} has no effect with cluster.colocate=true: the critic "
-                  "shares the actor's GPU")
     if total > 0:
         r.require(c.actor_gpus > 0, "cluster.actor_gpus", "cluster.actor_gpus=0 on a GPU cluster: the actor has no GPU")
         if not c.colocate:
@@ -219,13 +211,6 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                       f"rollout.num_replicas={ro.num_replicas} must be a multiple of cluster.rollout_gpus="
                       f"{c.rollout_gpus}: a rollout engine runs on one GPU (or a share of one) and every rollout "
                       "GPU holds the same number of engines")
-            if algo.requires_critic:
-                r.require(critic_gpus > 0, "cluster.critic_gpus",
-                          f"algorithm={algo.name} needs a critic but cluster.critic_gpus={c.critic_gpus} "
-                          "gives it no GPU")
-                r.require(critic_gpus <= 1, "cluster.critic_gpus",
-                          f"the critic trains on the torch backend, on one device, but cluster.critic_gpus="
-                          f"{critic_gpus}")
     if t.backend == "torch":
         r.require(c.actor_gpus <= 1, ("train.backend", "cluster.actor_gpus"),
                   f"train.backend=torch trains on one device but cluster.actor_gpus={c.actor_gpus}; "

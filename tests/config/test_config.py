@@ -135,7 +135,6 @@ SPEC_CASES = [
      "train.context_parallel_size"),
     (["algorithm=m2po", "train.dynamic_context_parallel=true"], "train.dynamic_context_parallel"),
     (["algorithm=m2po", "algorithm.eps_clip=0.3"], "algorithm.eps_clip"),
-    (["algorithm=ppo", "cluster=1xgpu", "cluster.critic_gpus=0"], "cluster.critic_gpus"),
     (["algorithm=ppo", "cluster.colocate=false"], "cluster.colocate"),
     (["algorithm=ppo", "train.max_staleness=2"], "train.max_staleness"),
     (["algorithm=ppo", "train.mode=fully_async"], "train.mode"),
@@ -241,3 +240,12 @@ def test_yaml_files_do_not_restate_defaults():
             if _schema_default(key, algorithm) == value:
                 restated.append(f"{path.relative_to(conf_dir())}: {key}={value}")
     assert not restated, restated
+
+
+def test_the_critic_has_no_gpu_count_of_its_own():
+    """PPO (the one algorithm with a critic) runs colocated: its critic shares the actor's GPU, so a GPU count of the
+    critic's own could never take effect, and the option is gone rather than accepted and ignored."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="critic_gpus"):
+        load_config(["algorithm=ppo", "cluster=1xgpu", "cluster.critic_gpus=1"])

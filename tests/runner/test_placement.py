@@ -67,8 +67,6 @@ REJECTED = [
     (["cluster=8xgpu", "train.context_parallel_size=2"], "train.context_parallel_size"),  # needs TE attention
     (["cluster=1xgpu", "cluster.num_nodes=2"], "cluster.address"),  # a local Ray is one machine
     (["cluster=1xgpu", "cluster.rollout_gpus=1"], "cluster.rollout_gpus"),  # ignored when colocated
-    (["cluster=1xgpu", "algorithm=ppo", "cluster.critic_gpus=1"], "cluster.critic_gpus"),
-    (["cluster.critic_gpus=1"], "cluster.critic_gpus"),  # grpo has no critic
     (["cluster=local", "cluster.actor_gpus=1"], "cluster.actor_gpus"),  # no GPUs to give
     (["cluster=local", "cluster.colocate=false"], "cluster.colocate"),  # CPU roles share the cores anyway
     ([*TORCH_ON_8, "cluster.colocate=false"], "cluster.rollout_gpus"),

@@ -65,7 +65,6 @@ VALUES: dict[str, Any] = {
     "model.source": "hf",  # from $MODEL_DIR/<name>, which the walk does not provide: the run says so at start
     "model.path": "some/model",
     "cluster.cpus_per_node": 2,
-    "cluster.critic_gpus": 1,
     "data.prompt_key": "question",
     "data.label_key": "answer",
     "algorithm.kl_loss_type": ("k2", "k1"),  # the first that differs from the algorithm's default
