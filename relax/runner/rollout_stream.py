@@ -307,9 +307,9 @@ class RolloutStream:
         cur = state["current"]
         self._current = None if cur is None else _InFlight(
             int(cur["step"]), items(cur["items"]), cur["sample_ids"], [Samples(**s) for s in cur["done"]],
-            None if cur["partial"] is None else Samples(**cur["partial"]), int(cur["aborts"]),
-            [_Round(items(r["items"]), Samples(**r["samples"]), scores(r["scores"]), r["signal"])
-             for r in cur.get("rounds", [])])
+            None if cur["partial"] is None else Samples(**cur["partial"]), aborts=int(cur["aborts"]),
+            rounds=[_Round(items(r["items"]), Samples(**r["samples"]), scores(r["scores"]), r["signal"])
+                    for r in cur.get("rounds", [])])
         # (a state written before the prompt counter: one batch of prompts per job)
         in_flight = 0 if self._current is None else 1
         self._next_prompt = int(state.get("next_prompt", (self._next_step + in_flight) * self.batch_prompts))

@@ -24,6 +24,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,23 +47,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
 def launch(scenario: str, world: int, out: Path) -> dict:
-    """Run `world` rank processes of `scenario`; rank 0's results."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(RANKS), scenario, str(r), str(world), str(port), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    """Run `world` rank processes of `scenario`; rank 0's results. A rank that fails stops the others at once (they
+    would wait for it until the timeout); a rendezvous port taken by another process between picking it and binding
+    it is picked again."""
+    for attempt in range(3):
+        port = _free_port()
+        logs = [out / f"{scenario}-rank{r}-{attempt}.log" for r in range(world)]
+        procs = []
+        for r in range(world):
+            with open(logs[r], "w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
+                procs.append(subprocess.Popen([sys.executable, str(RANKS), scenario, str(r), str(world), str(port),
+                                               str(out)], stdout=log, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        try:
+            while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+                assert time.monotonic() < deadline, f"scenario {scenario} did not finish within {LAUNCH_TIMEOUT_S} s"
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        texts = [log.read_text(errors="replace") for log in logs]
+        if any(p.returncode for p in procs) and any(m in t for t in texts for m in PORT_TAKEN) and attempt < 2:
+            continue
+        break
     result = json.loads((out / "result.json").read_text()) if (out / "result.json").is_file() else {}
     if any(p.returncode for p in procs) or "error" in result:
-        tail = "\n".join(f"--- rank {r} ---\n{log[-3000:]}" for r, log in enumerate(logs))
+        tail = "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in enumerate(texts))
         pytest.fail(f"scenario {scenario} failed:\n{result.get('error', '')}\n{tail}")
     return result
 
