@@ -45,6 +45,7 @@ from relax.backends.weight_buffers import as_state_dict
 from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
+from relax.runner.watchdog import first_line
 
 
 class SGLangEngines:
@@ -206,8 +207,8 @@ class SGLangEngines:
                 raise RunError(f"rollout=sglang: the actor's weights did not arrive within "
                                f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s)") from None
             except ray.exceptions.RayActorError as exc:  # the actor died making them: the graph restarts
-                raise RoleFailure("actor", f"died while its weights were sent to the servers: "
-                                           f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+                raise RoleFailure("actor", "died while its weights were sent to the servers: "
+                                           f"{first_line(exc)}") from None
         with self._lock:
             self._last = (as_state_dict(weights), int(version))
             self._make_ready(push=True)

@@ -59,7 +59,7 @@ class Watchdog:
                 out.append(ray.get(ref, timeout=None if self.timeout_s is None else self.timeout_s))
             except ray.exceptions.RayActorError as exc:
                 raise RoleFailure(self.names.get(getattr(exc, "actor_id", None) or "", name),
-                                  f"died: {_first_line(exc)}") from None
+                                  f"died: {first_line(exc)}") from None
             except ray.exceptions.GetTimeoutError:  # pragma: no cover - answered refs come back at once
                 raise RoleFailure(name, f"did not answer within {self.timeout_s:g} s") from None
         return out
@@ -75,7 +75,7 @@ class Watchdog:
         try:
             beats = ray.get(self.board.snapshot.remote(), timeout=max(10.0, T))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            raise RoleFailure("heartbeat board", f"stopped answering: {_first_line(exc)}") from None
+            raise RoleFailure("heartbeat board", f"stopped answering: {first_line(exc)}") from None
         for name in sorted(waiting):
             beat = beats.get(name)
             if beat is None:  # not heard from yet: its process has not started its heartbeat
@@ -99,6 +99,7 @@ def overdue(waiting: set[str], waited_s: float, deadline: tuple[float, str] | No
         raise RoleFailure(min(waiting), f"hung: its call did not finish within {limit:g} s ({setting}={limit:g})")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for a one-line cause."""
     text = str(exc).strip()
     return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
