@@ -24,10 +24,11 @@ import torch
 
 from relax import algorithms
 from relax.algorithms import functional as F
-from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch
+from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch, choices_of
 from relax.algorithms.loss import ENTROPY
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
+from relax.config.schema import TrainConfig
 from relax.metrics import (
     CRITIC_GRAD_NORM,
     CRITIC_LR,
@@ -64,8 +65,9 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, 
     p = (step - warmup_steps) / max(1, total_steps - warmup_steps) clamped to [0, 1]:
     constant 1; linear 1 - (1-m) p; cosine m + (1-m) (1 + cos(pi p)) / 2, m = min_lr_ratio.
     """
-    if schedule not in ("constant", "cosine", "linear"):
-        raise ValueError(f"train.lr_schedule={schedule!r}: expected constant, cosine or linear")
+    options = choices_of(TrainConfig, "lr_schedule")  # the schema's
+    if schedule not in options:
+        raise ValueError(f"train.lr_schedule={schedule!r}: expected one of {', '.join(options)}")
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
