@@ -43,6 +43,17 @@ STALENESS_HIST = "rollout/staleness_hist/"  # + s for s in 0..train.max_stalenes
 PARTIAL_FRAC = "rollout/partial_frac"  # share of responses whose tokens come from more than one weight version
 # tokens generated before an interruption (partial rollout): older than their response's last version
 ABORTED_TOKENS = "rollout/aborted_tokens"
+# Agentic episodes (relax.agents): means over the batch's episodes
+TURNS_MEAN = "rollout/turns_mean"  # model turns per episode
+TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per episode (malformed ones included)
+TOOL_ERROR_FRAC = "rollout/tool_error_frac"  # failed tool calls / tool calls (0 without calls)
+OBS_TOKEN_FRAC = "rollout/obs_token_frac"  # observation tokens / all response tokens
+EPISODE_LEN = "rollout/episode_len"  # response tokens per episode, observations included
+EPISODE_END = "rollout/episode_end/"  # + reason (relax.agents.protocol.END_REASONS): share of episodes ending so
+ENV_TIME = "perf/env_time"  # seconds in environments and tools (summed over episodes; they run in the rollout)
+# context tokens of earlier turns the embedded engine kept in its KV cache instead of computing them again, per
+# episode (what an engine that re-prefills each turn would recompute)
+KV_REUSED_TOKENS = "perf/kv_reused_tokens"
 
 # RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
 RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"

@@ -280,6 +280,8 @@ class EmbeddedEngine:
         positions: Optional[torch.Tensor] = None,
         budgets: Optional[torch.Tensor] = None,
         should_abort: Optional[Callable[[], bool]] = None,
+        episodes: Optional[list] = None,
+        turn_limit: Optional[int] = None,
     ) -> Samples:
         """Sample `n_samples_per_prompt` responses per prompt (a group's responses consecutive).
 
@@ -289,6 +291,14 @@ class EmbeddedEngine:
         tokens (default `max_new_tokens`; a row that reaches its budget ends with "length"). `should_abort`,
         checked after every token, interrupts generation: the rows still running end with "abort" and keep the
         tokens drawn so far (partial rollout continues them from there).
+
+        `episodes` (one `relax.agents.episode.Episode` per row): multi-turn rows. When a row samples a stop token,
+        its episode answers with observation tokens, which are fed to the model one per step without sampling (the
+        KV cache keeps every earlier turn), or ends the row with its reason. `max_new_tokens` and `budgets` then
+        limit the whole episode (observations included) and `turn_limit` each model turn (a turn at its limit ends
+        like one with a stop token, and its episode goes on). Observation tokens are in
+        `token_mask`, not in `response_mask`; an aborted row keeps the observation it was fed in full. Without
+        `episodes`, every stop token ends its row ("stop"): the one-turn case.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
@@ -309,7 +319,10 @@ class EmbeddedEngine:
             raise ValueError(f"generate: sample_ids, positions and budgets need {N} rows (prompts x samples)")
         if bool((budgets < 1).any()) or bool((budgets > T).any()):
             raise ValueError(f"generate: budgets must be in [1, max_new_tokens={T}]")
+        if episodes is not None and len(episodes) != N:
+            raise ValueError(f"generate: {len(episodes)} episodes for {N} rows")
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
+        turns = _Turns(episodes, mask.sum(1).repeat_interleave(n) + positions, turn_limit, T)
 
         decoder = self._decoder()
         logits = decoder.start(ids.to(dev), mask.to(dev), P + T)  # each distinct prompt once
@@ -328,22 +341,29 @@ class EmbeddedEngine:
             u = counter_uniforms(seed, sample_ids[rows], positions[rows] + t)
             tokens, logp, dropped = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                                   uniforms=u)
+            forced = turns.force(rows, tokens, logp)  # observation tokens replace the draws of their rows
             out_ids[rows.to(dev), t] = tokens
             out_logp[rows.to(dev), t] = logp
             live = status[rows] == 0  # rows still generating (all of them with drop_finished)
-            dropped_mass += dropped[live.to(dev)].sum()
-            hit_eos = torch.isin(tokens, eos).cpu() & live
+            drawn = live & ~forced
+            dropped_mass += dropped[drawn.to(dev)].sum()
+            turns.count(rows, drawn)
+            hit_eos = torch.isin(tokens, eos).cpu() & drawn
+            turn_over = hit_eos | turns.over_limit(rows, drawn)  # a stop token, or an episode's turn at its limit
+            hit_eos = turn_over & ~turns.continue_after(rows, turn_over, hit_eos, out_ids, t, budgets)
             hit_budget = (budgets[rows] <= t + 1) & live & ~hit_eos
             status[rows[hit_eos]] = _STOP
             status[rows[hit_budget]] = _LENGTH
             lengths[rows[hit_eos | hit_budget]] = t + 1
+            turns.cut(rows[hit_budget])
             running = status[rows] == 0
             progress.tick(tokens=len(rows))  # a token for each row of this decoding step
             if not bool(running.any()):
                 break
             if should_abort is not None and should_abort():
-                status[rows[running]] = _ABORT
-                lengths[rows[running]] = t + 1
+                stopped = rows[running]
+                status[stopped] = _ABORT
+                lengths[stopped] = t + 1 + turns.interrupt(stopped, out_ids, t)
                 break
             done = (hit_eos | hit_budget)
             if self.drop_finished and bool(done.any()):  # a smaller batch from now on
@@ -356,16 +376,107 @@ class EmbeddedEngine:
         width = int(lengths.max())
         resp_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         out_ids = out_ids[:, :width].cpu().masked_fill(resp_mask == 0, self.pad_token_id)
-        out_logp = out_logp[:, :width].cpu() * resp_mask
+        generated = resp_mask if episodes is None else resp_mask * (1 - turns.observed[:, :width])
+        out_logp = out_logp[:, :width].cpu() * generated
+        finish = [_FINISH[s] for s in status.tolist()]
         return Samples(
             prompt_ids=ids.repeat_interleave(n, dim=0),
             prompt_mask=mask.repeat_interleave(n, dim=0),
             response_ids=out_ids,
-            response_mask=resp_mask,
+            response_mask=generated,
             rollout_logp=out_logp,
-            finish_reason=[_FINISH[s] for s in status.tolist()],
+            finish_reason=finish if episodes is None else turns.reasons(finish),
             weight_version=self.weight_version,
-            dropped_mass=float(dropped_mass) / max(1, int(lengths.sum())),
+            dropped_mass=float(dropped_mass) / max(1, int(generated.sum())),
             sample_id=sample_ids.clone(),
-            token_version=resp_mask * self.weight_version,
+            token_version=generated * self.weight_version,
+            token_mask=None if episodes is None else resp_mask,
+            episodes=None if episodes is None else [e.record() for e in episodes],
         )
+
+
+class _Turns:
+    """The turns of the rows of one `EmbeddedEngine.generate` call: observation tokens waiting to be fed, where
+    each row's current model turn started and how long it is. Without episodes it does nothing (one turn)."""
+
+    def __init__(self, episodes: Optional[list], context: torch.Tensor, turn_limit: Optional[int], width: int):
+        self.episodes, self.turn_limit = episodes, turn_limit
+        self.context = context  # [N] tokens before this call's first new token (prompt + earlier response)
+        N = len(context)
+        self.pending: dict[int, list[int]] = {}  # row -> observation tokens still to feed
+        self.start = torch.zeros(N, dtype=torch.long)  # column where each row's current model turn started
+        partial = [len(e.partial) for e in episodes] if episodes is not None else [0] * N
+        self.length = torch.tensor(partial, dtype=torch.long)  # model tokens of the current turn (resumed part too)
+        self.observed = torch.zeros(N, width if episodes is not None else 0, dtype=torch.long)  # 1 on observations
+
+    def force(self, rows: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """Put the next observation token of each waiting row into `tokens` (log-prob 0); [B] bool: which rows."""
+        forced = torch.zeros(len(rows), dtype=torch.bool)
+        if not self.pending:
+            return forced
+        for k, r in enumerate(rows.tolist()):
+            queue = self.pending.get(r)
+            if queue:
+                tokens[k], logp[k], forced[k] = queue.pop(0), 0.0, True
+                if not queue:
+                    del self.pending[r]
+        return forced
+
+    def continue_after(self, rows: torch.Tensor, turn_over: torch.Tensor, stopped: torch.Tensor,
+                       out_ids: torch.Tensor, t: int, budgets: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the rows whose turn ended at column `t` (`turn_over`: a stop token (`stopped`) or the turn's
+        limit) but not their episode (their observation is queued). An observation that leaves no room for a model
+        token in the row's budget ends the episode with "length"."""
+        going = torch.zeros(len(rows), dtype=torch.bool)
+        if self.episodes is None or not bool(turn_over.any()):
+            return going
+        for k in turn_over.nonzero().squeeze(-1).tolist():
+            r = int(rows[k])
+            episode = self.episodes[r]
+            turn = out_ids[r, int(self.start[r]):t + 1].tolist()
+            obs = episode.turn_end(turn, turn[-1] if bool(stopped[k]) else None, int(self.context[r]) + t + 1)
+            if obs is None:
+                continue
+            if t + 1 + len(obs) >= int(budgets[r]):
+                episode.end = "length"
+                continue
+            self.pending[r] = list(obs)
+            self.observed[r, t + 1:t + 1 + len(obs)] = 1
+            self.start[r], self.length[r] = t + 1 + len(obs), 0
+            going[k] = True
+        return going
+
+    def count(self, rows: torch.Tensor, drawn: torch.Tensor) -> None:
+        """A token drawn for rows `rows[drawn]`: one more in their current model turn."""
+        self.length[rows[drawn]] += 1
+
+    def over_limit(self, rows: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+        """[B] bool: rows whose current model turn reached `turn_limit` with this drawn token."""
+        if self.turn_limit is None:
+            return torch.zeros(len(rows), dtype=torch.bool)
+        return drawn & (self.length[rows] >= self.turn_limit)
+
+    def cut(self, rows: torch.Tensor) -> None:
+        """Episodes of `rows` ended by a token limit."""
+        if self.episodes is not None:
+            for r in rows.tolist():
+                self.episodes[r].end = "length"
+
+    def interrupt(self, rows: torch.Tensor, out_ids: torch.Tensor, t: int) -> torch.Tensor:
+        """Rows `rows` stop after column `t` (an abort): each keeps its queued observation in full (returned: [len]
+        tokens added after `t`) and its episode the tokens of its unfinished turn."""
+        extra = torch.zeros(len(rows), dtype=torch.long)
+        if self.episodes is None:
+            return extra
+        for k, r in enumerate(rows.tolist()):
+            queue = self.pending.pop(r, [])
+            if queue:
+                out_ids[r, t + 1:t + 1 + len(queue)] = torch.tensor(queue, dtype=torch.long, device=out_ids.device)
+                extra[k] = len(queue)
+            elif int(self.start[r]) <= t:
+                self.episodes[r].partial += out_ids[r, int(self.start[r]):t + 1].tolist()
+        return extra
+
+    def reasons(self, finish: list[str]) -> list[str]:
+        """Each row's finish reason: "abort", or why its episode ended."""
+        return [f if f == "abort" else (e.end or f) for f, e in zip(finish, self.episodes, strict=True)]

@@ -60,10 +60,11 @@ def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int
     P = samples.prompt_ids.shape[1]
     used = samples.prompt_mask.bool().any(0).nonzero()
     first = min(int(used[0]) if len(used) else P - 1, P - 1)  # keep >= 1 prompt column
-    used_r = samples.response_mask.bool().any(0).nonzero()
+    present = samples.present()  # observations of an episode are attended to, though not trained
+    used_r = present.bool().any(0).nonzero()
     T = int(used_r[-1]) + 1 if len(used_r) else 1
     ids = torch.cat([samples.prompt_ids[:, first:], samples.response_ids[:, :T]], dim=1)
-    mask = torch.cat([samples.prompt_mask[:, first:], samples.response_mask[:, :T]], dim=1)
+    mask = torch.cat([samples.prompt_mask[:, first:], present[:, :T]], dim=1)
     return ids, mask, P - first, T
 
 

@@ -96,7 +96,7 @@ def length_sorted_micro_batches(samples: Samples, micro_batch_size: int) -> list
     little compute goes to padding. Only for per-row quantities (log-probs, losses that add over rows); the result
     equals the unsorted one up to float rounding.
     """
-    lengths = samples.prompt_mask.sum(-1) + samples.response_mask.sum(-1)
+    lengths = samples.prompt_mask.sum(-1) + samples.present().sum(-1)
     order = torch.argsort(lengths, descending=True, stable=True)
     return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
 

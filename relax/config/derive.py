@@ -31,13 +31,22 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
     over = ro.over_sampling_batch_size
     if over is None and ro.filter_groups:
         over = ro.rollout_batch_size
-    rollout = dataclasses.replace(ro, over_sampling_batch_size=over)
+    episode = ro.max_episode_tokens
+    if episode is None:
+        episode = ro.max_response_len if not agentic(cfg) else 2 * ro.max_turns * ro.max_response_len
+    rollout = dataclasses.replace(ro, over_sampling_batch_size=over, max_episode_tokens=episode)
     if ro.backend == "sglang" and ro.sglang.weight_sync is None:
         # shared memory (tensor) reaches servers on the trainer's node only: colocated on one node; otherwise a
         # weight-update group (distributed)
         sync = "tensor" if cfg.cluster.colocate and cfg.cluster.num_nodes == 1 else "distributed"
         rollout = dataclasses.replace(rollout, sglang=dataclasses.replace(ro.sglang, weight_sync=sync))
     return dataclasses.replace(cfg, train=train, rollout=rollout)
+
+
+def agentic(cfg: RelaxConfig) -> bool:
+    """Whether rollouts are episodes of turns (an environment, tools or an agent loop answers the model)."""
+    d = cfg.data
+    return bool(d.env or d.tools or d.agent)
 
 
 def data_parallel_size(cfg: RelaxConfig) -> int:

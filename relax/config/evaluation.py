@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 # An eval set's name is one segment of its metric names (eval/<name>/pass_at_1): no "/", nothing MLflow refuses.
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-EVAL_SET_TASKS = ("digits", "arithmetic", "gsm8k")  # tasks with an eval split of their own
+# tasks with an eval split of their own
+EVAL_SET_TASKS = ("digits", "arithmetic", "guess_number", "calculator", "gsm8k")
 
 
 def file_eval_set_name(path: str) -> str:

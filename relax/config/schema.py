@@ -84,8 +84,14 @@ class RolloutConfig:
     backend: str = choice("embedded", ("embedded", "sglang"))
     rollout_batch_size: int = 8  # prompts per rollout
     n_samples_per_prompt: int = 8  # group size G
-    max_response_len: int = 8
+    max_response_len: int = 8  # tokens of one response; with agentic data (data.env/tools/agent), of one model turn
     max_prompt_len: int = 256
+    # Agentic episodes (docs/agents.md): model turns per episode at most (> 1 needs data.env, data.tools or
+    # data.agent); tokens of a whole episode after its prompt, the model's and the observations' (None: max_turns x
+    # max_response_len x 2); failed tool calls that end an episode.
+    max_turns: int = 1
+    max_episode_tokens: Optional[int] = None
+    max_tool_errors: int = 3
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: off
@@ -186,7 +192,8 @@ class DataConfig:
     eval_sets: dict[str, str] = field(default_factory=dict)
     prompt_key: str = "prompt"
     label_key: str = "label"
-    reward: str = "digits"  # digits | arithmetic | math | package.module:function
+    # digits | arithmetic | math | package.module:function | none (an environment or agent loop gives the rewards)
+    reward: str = "digits"
     apply_chat_template: bool = True
     num_prompts: int = 4096  # synthetic tasks: how many prompts to generate
     num_eval_prompts: int = 64  # prompts of each eval set: generated (synthetic) or the first N of its file; 0: none
@@ -208,6 +215,13 @@ class DataConfig:
     # in its length (all of it at the limit). 0: off. Evaluation rewards are never shaped.
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    # Agentic rollouts (docs/agents.md), each a built-in name or package.module:attr: the environment that answers
+    # each model turn (guess_number), the tools the model may call (calculator), or an agent loop that decides every
+    # observation itself (instead of env and tools). None / []: single-turn responses.
+    env: Optional[str] = None
+    tools: list[str] = field(default_factory=list)
+    agent: Optional[str] = None
+    tool_timeout_s: Optional[float] = 10.0  # seconds one tool call may take (worker processes); None: no limit
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import math
 
 from relax import algorithms
 from relax.algorithms.base import Violation, choices_of
-from relax.config.derive import data_parallel_size, needs_reference
+from relax.config.derive import agentic, data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
 from relax.config.megatron_rules import megatron_violations
 from relax.config.schema import RelaxConfig
@@ -422,12 +422,13 @@ def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
 
 def _overlong(cfg: RelaxConfig, r: _Rules) -> None:
     """DAPO's overlong penalty (data.overlong_buffer_len, data.overlong_penalty_factor; docs/training.md)."""
-    d, limit = cfg.data, cfg.rollout.max_response_len
+    d, limit, name = cfg.data, cfg.rollout.max_response_len, "rollout.max_response_len"
+    if agentic(cfg):  # an episode's model tokens count against the episode's budget
+        limit, name = cfg.rollout.max_episode_tokens or limit, "rollout.max_episode_tokens"
     buffer, factor = d.overlong_buffer_len, d.overlong_penalty_factor
-    r.require(0 <= buffer < max(limit, 1), ("data.overlong_buffer_len", "rollout.max_response_len"),
-              f"data.overlong_buffer_len={buffer} must be in [0, rollout.max_response_len={limit}): the penalty "
-              "starts max_response_len - overlong_buffer_len tokens into a response, and some length must stay "
-              "unpenalised (0: off)")
+    r.require(0 <= buffer < max(limit, 1), ("data.overlong_buffer_len", name),
+              f"data.overlong_buffer_len={buffer} must be in [0, {name}={limit}): the penalty starts {limit} - "
+              "overlong_buffer_len tokens into a response, and some length must stay unpenalised (0: off)")
     r.positive("data.overlong_penalty_factor", factor)
     r.require(buffer != 0 or not _changed(d, "overlong_penalty_factor"),
               ("data.overlong_penalty_factor", "data.overlong_buffer_len"),
@@ -572,6 +573,40 @@ def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:
               "choose another name")
 
 
+def _agents(cfg: RelaxConfig, r: _Rules) -> None:
+    """Agentic rollouts (data.env / data.tools / data.agent, docs/agents.md): their limits, and nothing multi-turn
+    asked of single-turn data or of a backend that does not run episodes."""
+    ro, d = cfg.rollout, cfg.data
+    episodes = agentic(cfg)
+    r.positive("rollout.max_turns", ro.max_turns)
+    r.positive("rollout.max_tool_errors", ro.max_tool_errors)
+    if d.tool_timeout_s is not None:
+        r.positive("data.tool_timeout_s", d.tool_timeout_s)
+    r.require(not (d.agent and (d.env or d.tools)), ("data.agent", "data.env", "data.tools"),
+              "data.agent decides every observation itself; it cannot be combined with data.env or data.tools")
+    if not episodes:
+        r.require(ro.max_turns == 1, ("rollout.max_turns", "data.env"),
+                  f"rollout.max_turns={ro.max_turns} needs an environment, tools or an agent loop (data.env, "
+                  "data.tools, data.agent) to answer the model between turns")
+        r.require(ro.max_episode_tokens in (None, ro.max_response_len), ("rollout.max_episode_tokens", "data.env"),
+                  "rollout.max_episode_tokens limits agentic episodes (data.env, data.tools, data.agent); a "
+                  "single-turn response is limited by rollout.max_response_len")
+        r.require(d.reward != "none", "data.reward",
+                  "data.reward=none: single-turn responses need a reward function (none is for an environment or "
+                  "agent loop that gives the rewards)")
+        return
+    if ro.max_episode_tokens is not None:
+        r.require(ro.max_episode_tokens >= ro.max_response_len, ("rollout.max_episode_tokens",
+                                                                 "rollout.max_response_len"),
+                  f"rollout.max_episode_tokens={ro.max_episode_tokens} must be >= rollout.max_response_len="
+                  f"{ro.max_response_len} (one turn)")
+    r.require(d.reward != "none" or bool(d.env or d.agent), "data.reward",
+              "data.reward=none with tools only: nothing would reward the episodes (set data.reward, or data.env)")
+    r.require(ro.backend == "embedded", ("rollout.backend", "data.env"),
+              "agentic rollouts (data.env, data.tools, data.agent) run on rollout=embedded; rollout=sglang does not "
+              "run episodes yet")
+
+
 def validate(cfg: RelaxConfig) -> list[Violation]:
     """All violations of `cfg` (resolved), generic ones first, then the algorithm's own."""
     r = _Rules()
@@ -593,6 +628,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _tracking(cfg, r)
     _sglang(cfg, r)
     _not_built(cfg, r)
+    _agents(cfg, r)
     r.found.extend(megatron_violations(cfg))
     for v in algo.check(cfg):
         prefix = f"algorithm={algo.name}: "

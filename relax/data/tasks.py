@@ -6,6 +6,10 @@
   so its eval split is an independent draw from the same distribution (same prompts, different order).
 - `arithmetic`: "What is 3 + 4? Put the final answer in \\boxed{}." with label "7" (sums of single digits
   and non-negative differences): 155 distinct problems, split so that eval problems never occur in train.
+- `guess_number` (agentic, `relax.agents.guess_number`): one prompt ("guess the digit"), the secret digit as the
+  label, uniform over 0-9; the eval split is an independent draw.
+- `calculator` (agentic, with the `calculator` tool): products of two two-digit numbers, "What is 37 * 48? ...",
+  with the product as the label; split like arithmetic (eval products never occur in train).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from typing import Any
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
 ARITHMETIC_EVAL_SHARE = 0.2  # share of the distinct arithmetic problems held out for evaluation
-TASKS = ("digits", "arithmetic")
+TASKS = ("digits", "arithmetic", "guess_number", "calculator")
+# Kept to symbols and digits for the tiny tokenizer (its other words would be <|unk|>): + means the secret is higher.
+GUESS_PROMPT = "Guess the digit 0-9. + means higher, - means lower."
+CALCULATOR_TEMPLATE = ("What is {a} * {b}? Use the calculator tool, then put the final answer in \\boxed{{}}.")
 
 
 def _record(prompt: str, label: str) -> dict[str, Any]:
@@ -66,13 +73,36 @@ def generate_arithmetic(num: int, seed: int, split: str = "train") -> list[dict[
     return out
 
 
+def generate_guess_number(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """`num` records {"prompt": GUESS_PROMPT, "label": secret digit}, the secret uniform over 0-9."""
+    rng = random.Random(f"guess_number:{seed}:{split}")
+    return [_record(GUESS_PROMPT, str(rng.randrange(10))) for _ in range(num)]
+
+
+def generate_calculator(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """`num` records "What is a * b? ..." (a, b in 11..99) with the product as the label; ARITHMETIC_EVAL_SHARE of
+    the distinct problems held out for eval."""
+    problems = [(a, b) for a in range(11, 100) for b in range(11, 100)]
+    random.Random(f"calculator-split:{seed}").shuffle(problems)
+    n_eval = max(1, int(len(problems) * ARITHMETIC_EVAL_SHARE))
+    pool = problems[:n_eval] if split == "eval" else problems[n_eval:]
+    rng = random.Random(f"calculator:{seed}:{split}")
+    out = []
+    for _ in range(num):
+        a, b = pool[rng.randrange(len(pool))]
+        out.append(_record(CALCULATOR_TEMPLATE.format(a=a, b=b), str(a * b)))
+    return out
+
+
+_GENERATORS = {"digits": generate_digits, "arithmetic": generate_arithmetic, "guess_number": generate_guess_number,
+               "calculator": generate_calculator}
+
+
 def generate_task(task: str, num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
-    """Records of a synthetic task (`digits` | `arithmetic`) for `split` (`train` | `eval`)."""
+    """Records of a synthetic task (`TASKS`) for `split` (`train` | `eval`)."""
     if num < 0:
         raise ValueError(f"number of prompts must be >= 0, got {num}")
-    if task == "digits":
-        return generate_digits(num, seed, split)
-    if task == "arithmetic":
-        return generate_arithmetic(num, seed, split)
+    if task in _GENERATORS:
+        return _GENERATORS[task](num, seed, split)
     raise ValueError(f"data.task={task!r}: unknown synthetic task; expected one of {list(TASKS)} "
                      "(or gsm8k, or set data.path to a JSONL/Parquet file)")

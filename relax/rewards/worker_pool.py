@@ -1,6 +1,7 @@
 """Worker processes for reward calls with a time limit (`data.reward_timeout_s`): a hung call cannot be stopped
 inside a thread, so limited calls run in fresh interpreters that are killed and replaced when a call runs past its
-limit (see `relax.rewards.registry` for the contract)."""
+limit (see `relax.rewards.registry` for the contract). The agents' tools (`relax.agents.tools`) run in the same
+kind of workers, with their own call function and limit (`data.tool_timeout_s`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe, wait
 from pathlib import Path
 from typing import Optional
@@ -26,8 +28,9 @@ _PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its 
 
 
 def _worker_main(fd: int) -> None:
-    """A worker process (`python -c`, see `_Worker`): on the connection `fd`, receive the driver's sys.path and the
-    pickled function, then answer each (index, call) with (index, outcome, seconds the call took)."""
+    """A worker process (`python -c`, see `_Worker`): on the connection `fd`, receive the driver's sys.path, the
+    pickled function and the pickled caller (`call_once` for rewards), then answer each (index, call) with (index,
+    caller(fn, *call), seconds the call took)."""
     import sys
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
@@ -39,9 +42,10 @@ def _worker_main(fd: int) -> None:
         pass
     conn = Connection(fd)
     try:
-        path, fn_bytes = conn.recv()
+        path, fn_bytes, caller_bytes = conn.recv()
         sys.path[:] = path + [p for p in sys.path if p not in path]
         fn = pickle.loads(fn_bytes)
+        caller = pickle.loads(caller_bytes)
         prepare = getattr(fn, "prepare", None)
         if callable(prepare):  # heavy imports and warm-up, before the first call's time limit starts
             prepare()
@@ -56,14 +60,14 @@ def _worker_main(fd: int) -> None:
             return
         i, call = msg
         t0 = time.perf_counter()
-        outcome = call_once(fn, *call)
+        outcome = caller(fn, *call)
         conn.send((i, outcome, time.perf_counter() - t0))
 
 
 class _Worker:
     """One worker process: a fresh interpreter (`python -c`), so nothing of the driver is inherited or re-run."""
 
-    def __init__(self, fn_bytes: bytes):
+    def __init__(self, fn_bytes: bytes, caller_bytes: bytes):
         import subprocess
         import sys
 
@@ -77,7 +81,7 @@ class _Worker:
              "_worker_main(int(sys.argv[1]))", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
-        self.conn.send((list(sys.path), fn_bytes))
+        self.conn.send((list(sys.path), fn_bytes, caller_bytes))
         self.started = time.monotonic()
         self.starter = threading.current_thread()  # the worker dies with this thread (see `RewardWorkers._fill`)
         self.ready = False
@@ -99,13 +103,18 @@ class RewardWorkers:
     the driver.
     """
 
-    def __init__(self, fn: RewardFn, processes: Optional[int] = None):
+    def __init__(self, fn: RewardFn, processes: Optional[int] = None, *, caller: Callable[..., Outcome] = call_once,
+                 limit_name: str = "data.reward_timeout_s", what: str = "reward"):
+        """`caller(fn, *call)` runs one call in a worker (a module-level function); `limit_name` and `what` name the
+        time limit and the calls in messages."""
         try:
             self.fn_bytes = pickle.dumps(fn)
         except Exception as exc:
-            raise RewardSpecError(f"reward function {getattr(fn, '__name__', fn)!r} cannot be sent to a worker "
+            raise RewardSpecError(f"{what} function {getattr(fn, '__name__', fn)!r} cannot be sent to a worker "
                                   f"process ({type(exc).__name__}: {exc}); define it at module level, or call it in "
-                                  "the driver without a time limit (data.reward_timeout_s=null)") from exc
+                                  f"the driver without a time limit ({limit_name}=null)") from exc
+        self.caller_bytes = pickle.dumps(caller)
+        self.limit_name, self.what = limit_name, what
         self.processes = processes or max(1, min(4, _available_cpus()))
         self._workers: list[_Worker] = []
 
@@ -116,11 +125,11 @@ class RewardWorkers:
         for w in [w for w in self._workers if w.process.poll() is not None or not w.starter.is_alive()]:
             self._replace(w)
         while len(self._workers) < min(self.processes, n):
-            self._workers.append(_Worker(self.fn_bytes))
+            self._workers.append(_Worker(self.fn_bytes, self.caller_bytes))
 
     def _replace(self, w: _Worker) -> None:
         w.stop()
-        self._workers[self._workers.index(w)] = _Worker(self.fn_bytes)
+        self._workers[self._workers.index(w)] = _Worker(self.fn_bytes, self.caller_bytes)
 
     def run(self, calls: list[tuple], timeout_s: float) -> tuple[list[Outcome], list[bool]]:
         """Outcomes of `calls` (argument tuples of `_call` after `fn`) in order, and which ran past `timeout_s`."""
@@ -144,31 +153,37 @@ class RewardWorkers:
                 except (EOFError, OSError):  # the process died
                     code = w.process.wait()
                     if w.call is None:
-                        raise RewardSpecError(f"a reward worker process exited while starting (exit code "
+                        raise RewardSpecError(f"a {self.what} worker process exited while starting (exit code "
                                               f"{code})") from None
-                    outcomes[w.call[0]] = (None, f"the reward worker process died during the call (exit code {code})")
+                    outcomes[w.call[0]] = (None, f"the {self.what} worker process died during the call (exit code "
+                                                 f"{code})")
                     self._replace(w)
                     continue
                 if msg[0] == "failed":
-                    raise RewardSpecError(f"a reward worker process cannot load the reward function:\n{msg[1]}")
+                    raise RewardSpecError(f"a {self.what} worker process cannot load the {self.what} function:\n"
+                                          f"{msg[1]}")
                 if msg[0] == "ready":
                     w.ready = True
                     continue
                 i, outcome, seconds = msg
                 w.call = None
                 if seconds > timeout_s:
-                    outcome, late[i] = (None, _timeout_message(timeout_s, seconds)), True
+                    outcome, late[i] = (None, self._timeout_message(timeout_s, seconds)), True
                 outcomes[i] = outcome
             now = time.monotonic()
             for w in list(self._workers):
                 if w.call is not None and now > w.call[1] + timeout_s + KILL_GRACE_S:
                     i = w.call[0]
-                    outcomes[i], late[i] = (None, _timeout_message(timeout_s, None)), True
+                    outcomes[i], late[i] = (None, self._timeout_message(timeout_s, None)), True
                     self._replace(w)
                 elif not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
-                    raise RewardSpecError(f"a reward worker process did not load the reward function (and run its "
-                                          f"prepare) within {WORKER_START_TIMEOUT_S:g} s")
+                    raise RewardSpecError(f"a {self.what} worker process did not load the {self.what} function (and "
+                                          f"run its prepare) within {WORKER_START_TIMEOUT_S:g} s")
         return outcomes, late  # type: ignore[return-value]
+
+    def _timeout_message(self, timeout_s: float, seconds: Optional[float]) -> str:
+        took = f"it took {seconds:.3g} s" if seconds is not None else "its worker process was killed"
+        return f"{self.what} call timed out: longer than {self.limit_name}={timeout_s:g} s ({took})"
 
     def close(self) -> None:
         """Stop the worker processes."""
@@ -177,9 +192,6 @@ class RewardWorkers:
         self._workers = []
 
 
-def _timeout_message(timeout_s: float, seconds: Optional[float]) -> str:
-    took = f"it took {seconds:.3g} s" if seconds is not None else "its worker process was killed"
-    return f"reward call timed out: longer than data.reward_timeout_s={timeout_s:g} s ({took})"
 
 
 def _available_cpus() -> int:

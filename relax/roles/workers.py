@@ -131,6 +131,28 @@ class PolicyWorker(PolicyForwarding):
         self.versions = WeightVersions(self.policy.model.state_dict, keep=cfg.train.max_staleness)
 
 
+def episode_maker(cfg: RelaxConfig):
+    """The episodes of an agentic rollout (`relax.agents.episode.EpisodeMaker`), or None for single-turn data."""
+    from relax.config.derive import agentic
+
+    if not agentic(cfg):
+        return None
+    from relax.agents.episode import EpisodeMaker
+    from relax.agents.loops import AgentFactory
+    from relax.data.tokenizer import load_tokenizer
+
+    d, ro = cfg.data, cfg.rollout
+    return EpisodeMaker(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s), load_tokenizer(cfg.model),
+                        max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors)
+
+
+def item_record(item) -> dict:
+    """A prompt item as the plain values an episode keeps (its token ids left out)."""
+    record = dataclasses.asdict(item) if dataclasses.is_dataclass(item) else dict(item)
+    record.pop("prompt_ids", None)
+    return record
+
+
 class RolloutWorker:
     """One embedded rollout engine replica.
 
@@ -153,28 +175,46 @@ class RolloutWorker:
         self.engine = EmbeddedEngine(model, eos_token_ids=list(info.eos_token_ids), pad_token_id=info.pad_token_id,
                                      device=device)
         self._abort: int | None = None  # the generation id `abort` asked to interrupt
+        self.episodes = episode_maker(cfg)  # None: single-turn responses
 
     def ping(self) -> str:
         return "ok"
 
     def _sampling(self, evaluation: bool) -> dict:
         ro = self.cfg.rollout
+        # an episode's limit is on all its tokens, and each of its turns is limited to max_response_len
+        limits = dict(max_new_tokens=self._response_limit(),
+                      turn_limit=ro.max_response_len if self.episodes is not None else None)
         if evaluation:
-            return dict(max_new_tokens=ro.max_response_len, temperature=ro.eval_temperature, top_p=ro.eval_top_p,
-                        top_k=-1)
-        return dict(max_new_tokens=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k)
+            return dict(temperature=ro.eval_temperature, top_p=ro.eval_top_p, top_k=-1, **limits)
+        return dict(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, **limits)
+
+    def _response_limit(self) -> int:
+        """Tokens of one response: an episode's (`rollout.max_episode_tokens`), else `rollout.max_response_len`."""
+        ro = self.cfg.rollout
+        return ro.max_episode_tokens if self.episodes is not None else ro.max_response_len
+
+    def _new_episodes(self, items: list | None, n: int) -> list | None:
+        if self.episodes is None:
+            return None
+        if items is None:
+            raise ValueError("RolloutWorker.generate: an agentic rollout needs the prompt items")
+        return [self.episodes.new(item_record(item)) for item in items for _ in range(n)]
 
     def _should_abort(self, gen_id: int | None):
         return None if gen_id is None else (lambda: self._abort == gen_id)
 
     def generate(self, prompts: list[list[int]], *, seed: int, evaluation: bool = False,
-                 sample_ids: torch.Tensor | None = None, gen_id: int | None = None) -> Samples:
+                 sample_ids: torch.Tensor | None = None, gen_id: int | None = None,
+                 items: list | None = None) -> Samples:
         """Responses to `prompts` (n_samples_per_prompt each, or eval_n_samples_per_prompt), drawn from the random
-        streams of (`seed`, `sample_ids`); `gen_id` names the call for `abort` (None: not interruptible)."""
+        streams of (`seed`, `sample_ids`); `gen_id` names the call for `abort` (None: not interruptible). `items`:
+        the prompts' items, which an agentic rollout's episodes start from."""
         n = self.cfg.rollout.eval_n_samples_per_prompt if evaluation else self.cfg.rollout.n_samples_per_prompt
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, n_samples_per_prompt=n, seed=seed, sample_ids=sample_ids,
-                                   should_abort=self._should_abort(gen_id), **self._sampling(evaluation))
+                                   should_abort=self._should_abort(gen_id), episodes=self._new_episodes(items, n),
+                                   **self._sampling(evaluation))
         out.engine_time = time.perf_counter() - t0
         return out
 
@@ -184,11 +224,15 @@ class RolloutWorker:
         from relax.backends.batch import continuation, extend_responses
 
         t0 = time.perf_counter()
-        job = continuation(partial, self.cfg.rollout.max_response_len)
+        job = continuation(partial, self._response_limit())
         sampling = self._sampling(evaluation=False)
         sampling["max_new_tokens"] = int(job.budgets.max())
+        episodes = None
+        if self.episodes is not None:  # the running episodes again: their loops reset and earlier turns replayed
+            episodes = [self.episodes.restore(record) for record in partial.episodes]
         more = self.engine.generate(job.prompts, seed=seed, sample_ids=job.sample_ids, positions=job.positions,
-                                    budgets=job.budgets, should_abort=self._should_abort(gen_id), **sampling)
+                                    budgets=job.budgets, should_abort=self._should_abort(gen_id), episodes=episodes,
+                                    **sampling)
         more.engine_time = time.perf_counter() - t0
         return extend_responses(partial, more, pad_token_id=self.engine.pad_token_id)
 

@@ -327,9 +327,11 @@ class Cluster:
     # ------------------------------------------------------------------ calls
     # ---- the rollout engines (relax.runner.rollout_stream.Engines): embedded replicas or SGLang servers
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
-                 evaluation: bool = False) -> Samples:
-        """Responses to `prompts`, a group each, rows in `sample_ids` order."""
-        return self.engines.generate(prompts, sample_ids, seed=seed, gen_id=gen_id, evaluation=evaluation)
+                 evaluation: bool = False, items: list | None = None) -> Samples:
+        """Responses to `prompts`, a group each, rows in `sample_ids` order (`items`: the prompts' items, which an
+        agentic rollout's episodes start from)."""
+        return self.engines.generate(prompts, sample_ids, seed=seed, gen_id=gen_id, evaluation=evaluation,
+                                     items=items)
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
         """Interrupted responses continued with the engines' current weights, rows in `partial`'s order."""

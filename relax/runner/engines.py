@@ -37,13 +37,14 @@ class ReplicaEngines:
         return self  # the replicas are Ray actors the cluster started and pinged
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
-                 evaluation: bool = False) -> Samples:
+                 evaluation: bool = False, items: list | None = None) -> Samples:
         n, G = len(self.replicas), len(sample_ids) // len(prompts)
         groups = sample_ids.view(len(prompts), G)
 
         def call(i: int):
             return self.replicas[i].generate.remote(prompts[i::n], seed=seed, evaluation=evaluation,
-                                                    sample_ids=groups[i::n].reshape(-1), gen_id=gen_id)
+                                                    sample_ids=groups[i::n].reshape(-1), gen_id=gen_id,
+                                                    items=None if items is None else items[i::n])
 
         return self._merge(self._run(call, [i for i in range(n) if prompts[i::n]]))
 

@@ -66,8 +66,9 @@ class Engines(Protocol):
     """The rollout engines as the stream drives them (the runner's Cluster, or a fake in tests)."""
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int,
-                 gen_id: int | None) -> Samples:
-        """Responses for `prompts` (a group per prompt), rows in `sample_ids` order."""
+                 gen_id: int | None, items: list | None = None) -> Samples:
+        """Responses for `prompts` (a group per prompt), rows in `sample_ids` order; `items`: the prompts' items
+        (an agentic rollout's episodes start from them)."""
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None) -> Samples:
         """`partial`'s interrupted responses continued with the current weights, rows in the same order."""
@@ -391,7 +392,7 @@ class RolloutStream:
                         out = self.engines.resume(cur.partial, seed=self.seed, gen_id=gen_id)
                     else:
                         out = self.engines.generate([i.prompt_ids for i in cur.items], cur.sample_ids,
-                                                    seed=self.seed, gen_id=gen_id)
+                                                    seed=self.seed, gen_id=gen_id, items=cur.items)
                     self.busy_s += time.perf_counter() - t0
                     with self._cond:
                         self._running = None

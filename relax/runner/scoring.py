@@ -23,14 +23,27 @@ from relax.runner.errors import RunError
 
 def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, items: Sequence[Any], n: int) -> Scores:
     """Decode the responses and score them against their prompt's label (`n` responses per item); with
-    `data.reward_error=raise` the first failing call stops the run, with its traceback."""
+    `data.reward_error=raise` the first failing call stops the run, with its traceback.
+
+    Episodes (`samples.episodes`): the reward is the sum of the rewards their environment or agent loop gave, plus
+    the reward function's on the model's last message (`reward_fn` None, `data.reward=none`: the former only)."""
     from relax.rewards.registry import score_responses
 
-    texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-             for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
+    episodes = samples.episodes
+    if episodes is not None:
+        texts = [e["actions"][-1] if e["actions"] else "" for e in episodes]
+        given = [sum(e["turn_rewards"]) for e in episodes]
+        if reward_fn is None:
+            return Scores(rewards=given, failed=[False] * len(given))
+    else:
+        texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                 for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     labels = [item.label for item in items for _ in range(n)]
     prompts = [item.prompt_text for item in items for _ in range(n)]
     scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
+    if episodes is not None:
+        scores.rewards = [r + g if not bad else r for r, g, bad in zip(scores.rewards, given, scores.failed,
+                                                                       strict=True)]
     if scores.first_error is not None and cfg.data.reward_error == "raise":
         raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
     return scores
@@ -46,13 +59,15 @@ def kept_groups(failed: list[bool], group_size: int) -> torch.Tensor:
 def overlong_penalties(cfg: RelaxConfig, samples: Samples) -> torch.Tensor | None:
     """[N] DAPO's overlong penalty of each response (`relax.rewards.shaping.overlong_penalty` with
     `data.overlong_buffer_len` and `data.overlong_penalty_factor`) by its tokens, the stop token included; None when
-    `data.overlong_buffer_len=0`."""
+    `data.overlong_buffer_len=0`. An episode counts the model's tokens (not its observations) against its budget,
+    `rollout.max_episode_tokens`."""
     d = cfg.data
     if d.overlong_buffer_len == 0:
         return None
     lengths = samples.response_mask.sum(1).tolist()
-    return torch.tensor([overlong_penalty(int(n), cfg.rollout.max_response_len, d.overlong_buffer_len,
-                                          d.overlong_penalty_factor) for n in lengths], dtype=torch.float32)
+    limit = cfg.rollout.max_response_len if samples.episodes is None else cfg.rollout.max_episode_tokens
+    return torch.tensor([overlong_penalty(int(n), limit, d.overlong_buffer_len, d.overlong_penalty_factor)
+                         for n in lengths], dtype=torch.float32)
 
 
 def trained_rewards(cfg: RelaxConfig, samples: Samples, scores: Scores) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -170,7 +170,9 @@ class SGLangEngines:
         return out
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
-                 evaluation: bool = False) -> Samples:
+                 evaluation: bool = False, items: list | None = None) -> Samples:
+        """Responses to `prompts`, a group each (`items` is unused: agentic rollouts on SGLang are rejected by the
+        config's validation)."""
         G = len(sample_ids) // len(prompts)
         rows = [p for p in prompts for _ in range(G)]
         sampling = self._sampling(evaluation)

@@ -10,6 +10,9 @@ from relax.algorithms.functional import exp_log_ratio
 from relax.backends.batch import Samples
 from relax.metrics import (
     ABORTED_TOKENS,
+    ENV_TIME,
+    EPISODE_END,
+    EPISODE_LEN,
     EVAL_MEAN_AT,
     EVAL_PASS_AT,
     EVAL_PREFIX,
@@ -21,6 +24,8 @@ from relax.metrics import (
     FILTER_ROUNDS,
     FILTERED_GROUP_FRAC,
     GENERATED_REWARD,
+    KV_REUSED_TOKENS,
+    OBS_TOKEN_FRAC,
     OVERLONG_PENALIZED_FRAC,
     OVERLONG_PENALTY,
     PARTIAL_FRAC,
@@ -32,10 +37,13 @@ from relax.metrics import (
     STALENESS_HIST,
     STALENESS_MAX,
     STALENESS_MEAN,
+    TOOL_CALLS_MEAN,
+    TOOL_ERROR_FRAC,
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
     TRUNCATED_FRAC,
     TRUNCATED_MASKED_FRAC,
+    TURNS_MEAN,
     eval_metric,
 )
 from relax.rewards.registry import Scores
@@ -59,6 +67,29 @@ def rollout_metrics(samples: Samples, rewards: torch.Tensor, kept: torch.Tensor,
            REWARD_DROPPED_FRAC: 1.0 - float(kept.float().mean())}
     if samples.dropped_mass == samples.dropped_mass:  # NaN: the engine does not report it (SGLang servers)
         out[SAMPLING_DROPPED_MASS] = samples.dropped_mass
+    out.update(episode_metrics(samples))
+    return out
+
+
+def episode_metrics(samples: Samples) -> dict[str, float]:
+    """Metrics of an agentic batch's episodes (`Samples.episodes`); {} for single-turn responses."""
+    from relax.agents.protocol import END_REASONS
+
+    episodes = samples.episodes
+    if not episodes:
+        return {}
+    n = len(episodes)
+    calls = sum(e["tool_calls"] for e in episodes)
+    present = samples.present()
+    out = {TURNS_MEAN: sum(e["turns"] for e in episodes) / n,
+           TOOL_CALLS_MEAN: calls / n,
+           TOOL_ERROR_FRAC: sum(e["tool_errors"] for e in episodes) / calls if calls else 0.0,
+           OBS_TOKEN_FRAC: float(samples.obs_mask().sum()) / max(1.0, float(present.sum())),
+           EPISODE_LEN: float(present.sum(1).float().mean()),
+           ENV_TIME: sum(e["env_time"] for e in episodes),
+           KV_REUSED_TOKENS: sum(e["kv_reused"] for e in episodes) / n}
+    for reason in END_REASONS:
+        out[EPISODE_END + reason] = sum(r == reason for r in samples.finish_reason) / n
     return out
 
 

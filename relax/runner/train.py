@@ -19,6 +19,7 @@ import torch
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.sampling import NonFiniteLogitsError
+from relax.config.derive import agentic
 from relax.config.evaluation import eval_pass_ks
 from relax.config.schema import RelaxConfig
 from relax.metrics import (
@@ -86,7 +87,11 @@ def _prepare(cfg: RelaxConfig):
             if not eval_sets or (default_eval is None and default_eval_set_name(cfg.data) is not None):
                 raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval "
                                 "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
-        reward_fn = get_reward_fn(cfg.data.reward)
+        reward_fn = None if cfg.data.reward == "none" else get_reward_fn(cfg.data.reward)
+        if agentic(cfg):  # the environment, tools or agent loop load here, so that a bad name fails before Ray
+            from relax.roles.workers import episode_maker
+
+            episode_maker(cfg).loops.close()
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
@@ -176,7 +181,8 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     def kept(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x[rows]
 
-    stopped = torch.tensor([r == "stop" for r in samples.finish_reason])
+    # ended by the model or its episode (a stop token, an environment's end), not cut by a token limit
+    stopped = torch.tensor([r not in ("length", "abort") for r in samples.finish_reason])
     lengths = samples.response_mask.sum(1)
     out = cluster.advantages(cfg.algorithm, AdvantageInputs(rewards[rows], mask[rows].float(), G, kept(old_logp),
                                                             kept(ref_logp), kept(values), stopped=stopped[rows],
@@ -185,6 +191,7 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     returns = None if out.returns is None else full.clone().index_copy_(0, rows, out.returns)
     batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=full.index_copy_(0, rows, out.advantages),
                                     old_logp=old_logp, ref_logp=ref_logp, returns=returns, old_values=values)
+    batch.token_mask = samples.present()  # what the model attends to stays whole; the loss reads the mask below
     batch.response_mask = mask
     metrics = dict(out.metrics)
     if old_logp is not None and not cfg.algorithm.use_rollout_logprobs:
@@ -398,7 +405,7 @@ def _evaluate(cfg: RelaxConfig, cluster: Cluster, stream: RolloutStream, tokeniz
         for name, items in eval_sets.items():
             prompts = [item.prompt_ids for item in items]
             generated[name] = cluster.generate(prompts, sample_ids(0, len(prompts), n),
-                                               seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True)
+                                               seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True, items=list(items))
     out: dict[str, float] = {}
     for name, items in eval_sets.items():
         scores = score(cfg, tokenizer, reward_fn, generated[name], list(items), n)

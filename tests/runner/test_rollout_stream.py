@@ -70,7 +70,7 @@ class FakeEngines:
                        rollout_logp=-mask.float(), finish_reason=finish, weight_version=self.version,
                        sample_id=ids.clone(), token_version=mask * self.version)
 
-    def generate(self, prompts, sample_ids, *, seed, gen_id):
+    def generate(self, prompts, sample_ids, *, seed, gen_id, items=None):
         with self.lock:
             self.calls += 1
             G = len(sample_ids) // len(prompts)

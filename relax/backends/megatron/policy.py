@@ -98,7 +98,7 @@ def left_aligned(samples: Samples, pad_token_id: int) -> tuple[torch.Tensor, tor
     """(tokens [N, L], gather columns [N, T'], targets [N, T'], T') of prompt+response rows with real tokens from
     column 0 (the layout contract: prompts left-padded, responses right-padded, both contiguous)."""
     plen = samples.prompt_mask.sum(-1).long()
-    used_r = samples.response_mask.bool().any(0).nonzero()
+    used_r = samples.present().bool().any(0).nonzero()
     T = int(used_r[-1]) + 1 if len(used_r) else 1
     P = samples.prompt_ids.shape[1]
     if int(plen.min()) < 1:

@@ -1,0 +1,114 @@
+"""One episode's state machine, driven by a rollout engine turn by turn.
+
+The engine samples a model turn until a stop token; `Episode.turn_end` hands the turn's text to the agent loop and
+returns the observation's tokens to append (the engine feeds them to the model without sampling, keeping its KV
+cache: earlier turns are never computed again), or None when the episode is over, with `end` saying why
+(`relax.agents.protocol.END_REASONS`). A single-turn rollout is the case without a loop: the first turn ends it.
+
+`record()` is the episode as plain values (`Samples.episodes`): what the driver scores and logs, and what a
+checkpoint or a partial rollout carries; `Episode.restore` rebuilds a running episode from it (its loop reset and
+the model's earlier messages replayed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+from relax.agents.protocol import AgentLoop, Reply
+from relax.agents.render import ObservationRenderer
+
+
+class Episode:
+    """An episode of prompt `item` (a plain dict) with agent loop `loop`."""
+
+    def __init__(self, item: dict, loop: AgentLoop, renderer: ObservationRenderer, decode: Callable[[list[int]], str],
+                 *, max_turns: int, max_tool_errors: int):
+        self.item, self.loop, self.renderer, self.decode = item, loop, renderer, decode
+        self.max_turns, self.max_tool_errors = max_turns, max_tool_errors
+        self.turns = self.tool_calls = self.tool_errors = 0
+        self.turn_rewards: list[float] = []
+        self.actions: list[str] = []  # the model's message of each turn
+        self.env_time = 0.0
+        self.kv_reused = 0  # context tokens later turns reused from the cache instead of computing them again
+        self.end: Optional[str] = None
+        self.partial: list[int] = []  # tokens of a turn interrupted by an abort, continued on resume
+        t0 = time.perf_counter()
+        loop.reset(dict(item))
+        self.env_time += time.perf_counter() - t0
+
+    def turn_end(self, tokens: list[int], stop_token: Optional[int], context: int) -> Optional[list[int]]:
+        """The model ended a turn with `tokens` (this call's, after any interrupted part; the stop token last, if
+        `stop_token`); `context`: tokens before the next turn would start, prompt included. Returns the
+        observation's tokens, or None: the episode is over (`end` set)."""
+        tokens = self.partial + list(tokens)
+        self.partial = []
+        text = self.decode(tokens)
+        self.turns += 1
+        self.actions.append(text)
+        t0 = time.perf_counter()
+        reply: Reply = self.loop.turn(text)
+        self.env_time += time.perf_counter() - t0
+        self.turn_rewards.append(float(reply.reward))
+        self.tool_calls += reply.tool_calls
+        self.tool_errors += reply.tool_errors
+        if reply.done:
+            self.end = reply.end
+            return None
+        if self.tool_errors >= self.max_tool_errors:
+            self.end = "tool_errors"
+            return None
+        if self.turns >= self.max_turns:
+            self.end = "max_turns"
+            return None
+        obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(reply.messages, stop_token)
+        if not obs:
+            raise ValueError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
+        self.kv_reused += context
+        return obs
+
+    @property
+    def reward(self) -> float:
+        return sum(self.turn_rewards)
+
+    def record(self) -> dict[str, Any]:
+        return {"item": dict(self.item), "turns": self.turns, "tool_calls": self.tool_calls,
+                "tool_errors": self.tool_errors, "turn_rewards": list(self.turn_rewards), "actions": list(self.actions),
+                "env_time": self.env_time, "kv_reused": self.kv_reused, "end": self.end, "partial": list(self.partial)}
+
+    @classmethod
+    def restore(cls, record: dict, loop: AgentLoop, renderer: ObservationRenderer,
+                decode: Callable[[list[int]], str], *, max_turns: int, max_tool_errors: int) -> Episode:
+        """The running episode of `record` (see the module docstring)."""
+        ep = cls(record["item"], loop, renderer, decode, max_turns=max_turns, max_tool_errors=max_tool_errors)
+        t0 = time.perf_counter()
+        replay = getattr(loop, "replay", None)
+        if callable(replay):
+            replay(list(record["actions"]))
+        else:
+            for text in record["actions"]:
+                loop.turn(text)
+        ep.env_time = record["env_time"] + time.perf_counter() - t0
+        ep.turns, ep.tool_calls, ep.tool_errors = record["turns"], record["tool_calls"], record["tool_errors"]
+        ep.turn_rewards, ep.actions = list(record["turn_rewards"]), list(record["actions"])
+        ep.kv_reused, ep.partial = record["kv_reused"], list(record["partial"])
+        return ep
+
+
+class EpisodeMaker:
+    """Makes the episodes of a rollout process: fresh ones for prompt items, running ones from records."""
+
+    def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int):
+        self.loops, self.tokenizer = loops, tokenizer
+        self.renderer = ObservationRenderer(tokenizer)
+        self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def new(self, item: dict) -> Episode:
+        return Episode(item, self.loops(), self.renderer, self.decode, **self.limits)
+
+    def restore(self, record: dict) -> Episode:
+        return Episode.restore(record, self.loops(), self.renderer, self.decode, **self.limits)

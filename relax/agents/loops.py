@@ -1,0 +1,110 @@
+"""The built-in agent loop and the registry of environments and agent loops.
+
+`ToolsAndEnvironment` answers a model turn with its tool calls' results when it made any (`data.tools`), else with
+the environment's step (`data.env`); with neither, the turn is the model's final answer and the episode ends
+("stop"). `data.agent` names a loop of the user's instead (`relax.agents.protocol.AgentLoop`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any, Optional
+
+from relax.agents.guess_number import GuessNumber
+from relax.agents.protocol import AgentLoop, Reply, as_step
+from relax.agents.tools import ToolRunner, get_tools, parse_tool_calls
+
+BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber}
+
+
+class AgentSpecError(ValueError):
+    """`data.env` or `data.agent` names nothing usable; raised at start."""
+
+
+def _load(spec: str, option: str, builtins: dict[str, Callable[[], Any]]) -> Callable[[], Any]:
+    if spec in builtins:
+        return builtins[spec]
+    if ":" not in spec:
+        raise AgentSpecError(f"{option}={spec!r}: unknown; expected one of {sorted(builtins)} or "
+                             "'package.module:attr' (a class or a factory called with no arguments)")
+    module_name, _, attr = spec.partition(":")
+    try:
+        value: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            value = getattr(value, part)
+    except Exception as exc:
+        raise AgentSpecError(f"{option}={spec!r}: cannot load it: {type(exc).__name__}: {exc}") from None
+    if not callable(value):
+        raise AgentSpecError(f"{option}={spec!r} is not callable (a class or a factory)")
+    return value
+
+
+class ToolsAndEnvironment:
+    """The built-in agent loop (see the module docstring). `env_factory` builds one environment per episode."""
+
+    def __init__(self, env_factory: Optional[Callable[[], Any]], runner: Optional[ToolRunner]):
+        self.env_factory, self.runner = env_factory, runner
+        self.env: Any = None
+
+    def reset(self, item: dict) -> None:
+        if self.env_factory is not None:
+            self.env = self.env_factory()
+            self.env.reset(item)
+
+    def _tool_reply(self, text: str) -> Optional[Reply]:
+        if self.runner is None:
+            return None
+        calls, malformed = parse_tool_calls(text)
+        if not calls and not malformed:
+            return None
+        results = self.runner(calls)
+        messages = [{"role": "tool", "content": r.content} for r in results]
+        messages += [{"role": "tool", "content": f"Error: {m}"} for m in malformed]
+        errors = sum(r.error for r in results) + len(malformed)
+        return Reply(messages=messages, tool_calls=len(calls) + len(malformed), tool_errors=errors)
+
+    def turn(self, text: str) -> Reply:
+        reply = self._tool_reply(text)
+        if reply is not None:
+            return reply
+        if self.env is None:
+            return Reply(done=True, end="stop")
+        step = as_step(self.env.step(text), type(self.env).__name__)
+        if step.done:
+            return Reply(reward=step.reward, done=True, end="env_done")
+        if step.observation is None:
+            raise TypeError(f"{type(self.env).__name__}.step returned no observation for an episode that is not done")
+        return Reply(messages=[{"role": "user", "content": step.observation}], reward=step.reward)
+
+    def replay(self, actions: list[str]) -> None:
+        """The environment's steps of earlier turns again (tool turns are skipped: tools are stateless)."""
+        for text in actions:
+            if self.runner is not None and any(parse_tool_calls(text)):
+                continue
+            if self.env is not None:
+                self.env.step(text)
+
+
+class AgentFactory:
+    """Builds the agent loop of each episode from the data config: `data.agent`, or `ToolsAndEnvironment` over
+    `data.env` and `data.tools`. Everything is loaded (and named in errors) when the factory is made."""
+
+    def __init__(self, env: Optional[str], tools: list[str] | tuple[str, ...], agent: Optional[str],
+                 tool_timeout_s: Optional[float]):
+        if agent and (env or tools):
+            raise AgentSpecError("data.agent decides every observation itself; it cannot be combined with data.env "
+                                 "or data.tools")
+        self.agent = _load(agent, "data.agent", {}) if agent else None
+        self.env = _load(env, "data.env", BUILTIN_ENVS) if env else None
+        self.tools = get_tools(list(tools)) if tools else {}
+        self.runner = ToolRunner(self.tools, tool_timeout_s) if self.tools else None
+
+    def __call__(self) -> AgentLoop:
+        if self.agent is not None:
+            return self.agent()
+        return ToolsAndEnvironment(self.env, self.runner)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()

@@ -1,0 +1,73 @@
+"""The interfaces users write against: an environment, an agent loop, and what either answers to a model turn.
+
+An **environment** (`data.env`) is a class (or a factory) called with no arguments once per episode, with
+- `reset(item: dict) -> None`: a new episode for a prompt item (`prompt`, `label`, `index`, ... as plain values);
+  the prompt itself is the first observation the model sees;
+- `step(action: str) -> (observation: str | None, reward: float, done: bool)` (or a `Step`): the model's message of
+  one turn in, the environment's answer out. The observation is rendered as a user turn with the chat template.
+
+An **agent loop** (`data.agent`) is for anything else: a class (or factory) with `reset(item)` and
+`turn(text: str) -> Reply`, which decides each observation itself (messages rendered with the chat template, or
+token ids appended as they are).
+
+Resuming an episode (partial rollout, a checkpoint): the loop is rebuilt by `reset(item)` and the model's earlier
+messages replayed through `replay(actions)` (default: `turn` on each, results discarded). Environments must
+therefore be deterministic functions of their item and the actions so far, or implement `replay` themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Protocol, Union
+
+# Why an episode ended (`Samples.finish_reason` of its row): the model stopped with no tool call and no environment
+# (its final answer), a token limit cut it (a turn's `rollout.max_response_len` or the episode's
+# `rollout.max_episode_tokens`), the environment said done, `rollout.max_turns` turns were taken, or
+# `rollout.max_tool_errors` tool calls failed.
+END_REASONS = ("stop", "length", "env_done", "max_turns", "tool_errors")
+
+
+class Step(NamedTuple):
+    observation: Optional[str]
+    reward: float
+    done: bool
+
+
+@dataclass
+class Reply:
+    """An agent loop's answer to one model turn.
+
+    `messages`: chat messages ({"role", "content"}) rendered with the chat template after the model's turn, or
+    `tokens`: token ids appended as they are (exactly one of them unless `done`). `reward` adds to the episode's
+    reward (the turn's reward); `done` ends the episode, with `end` as its reason."""
+
+    messages: list[dict] = field(default_factory=list)
+    tokens: Optional[list[int]] = None
+    reward: float = 0.0
+    done: bool = False
+    end: str = "env_done"
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+class Environment(Protocol):
+    def reset(self, item: dict) -> None: ...
+
+    def step(self, action: str) -> Union[Step, tuple]: ...
+
+
+class AgentLoop(Protocol):
+    def reset(self, item: dict) -> None: ...
+
+    def turn(self, text: str) -> Reply: ...
+
+
+def as_step(value: Any, where: str) -> Step:
+    """An environment's `step` result as a `Step`, checked (a TypeError naming `where` otherwise)."""
+    try:
+        observation, reward, done = value
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}.step returned {value!r}; expected (observation, reward, done)") from None
+    if observation is not None and not isinstance(observation, str):
+        raise TypeError(f"{where}.step: the observation must be a string or None, got {type(observation).__name__}")
+    return Step(observation, float(reward), bool(done))

@@ -1,0 +1,215 @@
+"""Tools: an OpenAI function schema plus a callable, called by the model in the Hermes/Qwen format.
+
+A model calls a tool by writing `<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>`
+(the format of ChatML models such as Qwen3 and SmolLM2; several calls in one turn are allowed). The result goes
+back as a `tool` message rendered with the chat template. A malformed call (no closing tag, invalid JSON, no name),
+an unknown tool, a call that raises, and one that runs past `data.tool_timeout_s` all come back to the model as an
+error message and count as tool errors; none of them stops the run.
+
+Calls run in worker processes (`relax.rewards.worker_pool.RewardWorkers` with `run_tool` as the caller), so a hung
+call is killed at its time limit; `data.tool_timeout_s=null` calls them in the rollout process without a limit.
+
+A tool is named in `data.tools` by a built-in name (`calculator`) or by `package.module:attr`, an attribute that is
+a `Tool`. Tools are stateless: the same call gives the same result whatever the episode (so resuming an episode
+never calls them again).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import math
+import operator
+import re
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """`schema`: the OpenAI function schema ({"type": "function", "function": {"name", "description",
+    "parameters"}}); `fn(**arguments) -> str` (another JSON-serialisable value is sent as JSON)."""
+
+    schema: dict
+    fn: Callable[..., Any]
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    content: str
+    error: bool
+    seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------------- the calculator
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPONENT = 64  # a ** b with |b| beyond this is refused (no runaway big integers)
+
+
+def _evaluate(node: ast.AST) -> float | int:
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent {right} is too large")
+        return _BINARY[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def calculator(expression: str) -> str:
+    """The value of an arithmetic expression (+ - * / // % ** and parentheses over numbers); integers stay exact."""
+    value = _evaluate(ast.parse(str(expression), mode="eval"))
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("the result is not finite")
+        if value.is_integer():
+            return str(int(value))
+        return f"{value:.6g}"
+    return str(value)
+
+
+CALCULATOR = Tool(
+    schema={"type": "function", "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / // % ** and parentheses.",
+        "parameters": {"type": "object", "properties": {
+            "expression": {"type": "string", "description": "the expression, e.g. (3 + 4) * 12"}},
+            "required": ["expression"]}}},
+    fn=calculator,
+)
+
+BUILTIN_TOOLS: dict[str, Tool] = {"calculator": CALCULATOR}
+
+
+class ToolSpecError(ValueError):
+    """`data.tools` names no usable tool; raised at start."""
+
+
+def get_tool(spec: str) -> Tool:
+    """The tool named by `spec`: a built-in name or `package.module:attr` (a `Tool`)."""
+    if spec in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[spec]
+    if ":" not in spec:
+        raise ToolSpecError(f"data.tools: unknown tool {spec!r}; expected one of {sorted(BUILTIN_TOOLS)} or "
+                            "'package.module:attr' naming a relax.agents.tools.Tool")
+    module_name, _, attr = spec.partition(":")
+    try:
+        value: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            value = getattr(value, part)
+    except Exception as exc:
+        raise ToolSpecError(f"data.tools: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(value, Tool):
+        raise ToolSpecError(f"data.tools: {spec!r} is a {type(value).__name__}, not a relax.agents.tools.Tool")
+    return value
+
+
+def get_tools(specs: list[str] | tuple[str, ...]) -> dict[str, Tool]:
+    """Tools by name (two tools of one name are an error)."""
+    out: dict[str, Tool] = {}
+    for spec in specs:
+        tool = get_tool(spec)
+        if tool.name in out:
+            raise ToolSpecError(f"data.tools: two tools are named {tool.name!r}")
+        out[tool.name] = tool
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
+    """The tool calls of a model message, in order, and the errors of the malformed ones (each a message for the
+    model). Arguments may be an object or a JSON string of one."""
+    calls, errors = [], []
+    for body in TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as exc:
+            errors.append(f"invalid JSON in <tool_call>: {exc.msg} at character {exc.pos}")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append('a tool call must be an object with a "name" and "arguments"')
+            continue
+        args = obj.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
+                continue
+        if not isinstance(args, dict):
+            errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
+            continue
+        calls.append(ToolCall(obj["name"], args))
+    if text.count(OPEN_TAG) > len(TOOL_CALL.findall(text)):
+        errors.append("a <tool_call> is not closed by </tool_call>")
+    return calls, errors
+
+
+# ----------------------------------------------------------------------------------------------- calling
+def run_tool(box: dict[str, Callable[..., Any]], name: str, arguments: dict) -> tuple[Optional[str], Optional[str]]:
+    """One tool call: (result text, None) or (None, the error). The worker processes' caller."""
+    try:
+        value = box[name](**arguments)
+        return (value if isinstance(value, str) else json.dumps(value)), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}" if str(exc) else traceback.format_exc().strip().splitlines()[-1]
+
+
+class ToolRunner:
+    """Calls tools (`tools` by name) with a time limit of `timeout_s` each (None: in this process, no limit)."""
+
+    def __init__(self, tools: dict[str, Tool], timeout_s: Optional[float]):
+        self.tools, self.timeout_s = tools, timeout_s
+        self._workers = None
+
+    def __call__(self, calls: list[ToolCall]) -> list[ToolResult]:
+        known = [c for c in calls if c.name in self.tools]
+        t0 = time.perf_counter()
+        box = {name: tool.fn for name, tool in self.tools.items()}
+        if self.timeout_s is None:
+            outcomes = [run_tool(box, c.name, c.arguments) for c in known]
+        else:
+            if self._workers is None:
+                from relax.rewards.worker_pool import RewardWorkers
+
+                self._workers = RewardWorkers(box, caller=run_tool, limit_name="data.tool_timeout_s", what="tool")
+            outcomes, _ = self._workers.run([(c.name, c.arguments) for c in known], self.timeout_s)
+        seconds = (time.perf_counter() - t0) / max(1, len(known))
+        results, done = [], iter(outcomes)
+        for c in calls:
+            if c.name not in self.tools:
+                results.append(ToolResult(f"Error: unknown tool {c.name!r}; the tools are {sorted(self.tools)}", True))
+                continue
+            value, error = next(done)
+            results.append(ToolResult(value, False, seconds) if error is None
+                           else ToolResult(f"Error: {error}", True, seconds))
+        return results
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
