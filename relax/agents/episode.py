@@ -12,6 +12,7 @@ the model's earlier messages replayed).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -96,6 +97,14 @@ class Episode:
         return ep
 
 
+def item_record(item: Any) -> dict:
+    """A prompt item (`relax.data.datasets.PromptItem` or a dict) as the plain values an episode keeps (its token
+    ids left out)."""
+    record = dataclasses.asdict(item) if dataclasses.is_dataclass(item) else dict(item)
+    record.pop("prompt_ids", None)
+    return record
+
+
 class EpisodeMaker:
     """Makes the episodes of a rollout process: fresh ones for prompt items, running ones from records."""
 
@@ -103,6 +112,29 @@ class EpisodeMaker:
         self.loops, self.tokenizer = loops, tokenizer
         self.renderer = ObservationRenderer(tokenizer)
         self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
+
+    @classmethod
+    def for_config(cls, cfg: Any) -> Optional[EpisodeMaker]:
+        """The episodes of a run's agentic rollouts (`data.env`, `data.tools`, `data.agent` with the rollout's
+        limits), or None for single-turn data."""
+        from relax.agents.loops import AgentFactory
+        from relax.config.derive import agentic
+        from relax.data.tokenizer import load_tokenizer
+
+        if not agentic(cfg):
+            return None
+        d, ro = cfg.data, cfg.rollout
+        return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s), load_tokenizer(cfg.model),
+                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors)
+
+    def new_for(self, items: list, n: int) -> list[Episode]:
+        """`n` new episodes for each of `items` (a group each, consecutive)."""
+        return [self.new(item_record(item)) for item in items for _ in range(n)]
+
+    def close(self) -> None:
+        close = getattr(self.loops, "close", None)
+        if callable(close):
+            close()
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

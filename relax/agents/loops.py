@@ -78,12 +78,17 @@ class ToolsAndEnvironment:
         return Reply(messages=[{"role": "user", "content": step.observation}], reward=step.reward)
 
     def replay(self, actions: list[str]) -> None:
-        """The environment's steps of earlier turns again (tool turns are skipped: tools are stateless)."""
-        for text in actions:
-            if self.runner is not None and any(parse_tool_calls(text)):
-                continue
-            if self.env is not None:
-                self.env.step(text)
+        """The environment's steps of earlier turns again (tool turns are skipped: tools are stateless), or its own
+        `replay` of them."""
+        if self.env is None:
+            return
+        steps = [t for t in actions if self.runner is None or not any(parse_tool_calls(t))]
+        own = getattr(self.env, "replay", None)
+        if callable(own):
+            own(steps)
+            return
+        for text in steps:
+            self.env.step(text)
 
 
 class AgentFactory:

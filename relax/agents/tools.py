@@ -1,7 +1,8 @@
 """Tools: an OpenAI function schema plus a callable, called by the model in the Hermes/Qwen format.
 
 A model calls a tool by writing `<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>`
-(the format of ChatML models such as Qwen3 and SmolLM2; several calls in one turn are allowed). The result goes
+(Hermes/Qwen3) or a JSON list of such calls inside one tag (SmolLM2's format); several calls in one turn are
+allowed. The result goes
 back as a `tool` message rendered with the chat template. A malformed call (no closing tag, invalid JSON, no name),
 an unknown tool, a call that raises, and one that runs past `data.tool_timeout_s` all come back to the model as an
 error message and count as tool errors; none of them stops the run.
@@ -142,31 +143,36 @@ def get_tools(specs: list[str] | tuple[str, ...]) -> dict[str, Tool]:
 # ----------------------------------------------------------------------------------------------- parsing
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
     """The tool calls of a model message, in order, and the errors of the malformed ones (each a message for the
-    model). Arguments may be an object or a JSON string of one."""
+    model). A tag holds one call or a JSON list of them; arguments may be an object or a JSON string of one."""
     calls, errors = [], []
     for body in TOOL_CALL.findall(text):
         try:
-            obj = json.loads(body.strip())
+            parsed = json.loads(body.strip())
         except json.JSONDecodeError as exc:
             errors.append(f"invalid JSON in <tool_call>: {exc.msg} at character {exc.pos}")
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append('a tool call must be an object with a "name" and "arguments"')
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
-                continue
-        if not isinstance(args, dict):
-            errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
-            continue
-        calls.append(ToolCall(obj["name"], args))
+        for obj in parsed if isinstance(parsed, list) else [parsed]:
+            _one_call(obj, calls, errors)
     if text.count(OPEN_TAG) > len(TOOL_CALL.findall(text)):
         errors.append("a <tool_call> is not closed by </tool_call>")
     return calls, errors
+
+
+def _one_call(obj: Any, calls: list[ToolCall], errors: list[str]) -> None:
+    """`obj` (one parsed call) added to `calls`, or its error to `errors`."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        errors.append('a tool call must be an object with a "name" and "arguments"')
+        return
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            args = None
+    if not isinstance(args, dict):
+        errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
+        return
+    calls.append(ToolCall(obj["name"], args))
 
 
 # ----------------------------------------------------------------------------------------------- calling

@@ -174,15 +174,18 @@ def group_mean_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return _centered(g, constant).reshape(-1).to(rewards.dtype)
 
 
-def _discounted_returns(rewards_t: torch.Tensor, gamma: float) -> torch.Tensor:
-    """`G_t = sum_{u >= t} gamma^(u-t) r_u` over positions (vectorised over rows)."""
+def _discounted_returns(rewards_t: torch.Tensor, gamma: float, valid: torch.Tensor) -> torch.Tensor:
+    """`G_t = sum_{u >= t, u valid} gamma^(k(u) - k(t)) r_u` with k counting valid positions only (vectorised over
+    rows): masked positions (an episode's observations, padding) are not time steps; the recursion carries across
+    them. `rewards_t` must be 0 where `valid` is 0."""
     T = rewards_t.shape[-1]
     if gamma == 1.0:
         return rewards_t.flip(-1).cumsum(-1).flip(-1)
     out = torch.empty_like(rewards_t)
     running = torch.zeros_like(rewards_t[..., 0])
     for t in range(T - 1, -1, -1):
-        running = rewards_t[..., t] + gamma * running
+        m = valid[..., t]
+        running = m * (rewards_t[..., t] + gamma * running) + (1 - m) * running
         out[..., t] = running
     return out
 
@@ -202,7 +205,7 @@ def reinforce_pp_returns(
     """
     valid = _valid(mask, old_logp)
     r = token_rewards(rewards.to(old_logp.dtype), mask) - kl_coef * (old_logp - ref_logp) * valid
-    return _discounted_returns(r, gamma) * valid
+    return _discounted_returns(r, gamma, valid) * valid
 
 
 def global_token_normalize(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -602,9 +602,6 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
                   f"{ro.max_response_len} (one turn)")
     r.require(d.reward != "none" or bool(d.env or d.agent), "data.reward",
               "data.reward=none with tools only: nothing would reward the episodes (set data.reward, or data.env)")
-    r.require(ro.backend == "embedded", ("rollout.backend", "data.env"),
-              "agentic rollouts (data.env, data.tools, data.agent) run on rollout=embedded; rollout=sglang does not "
-              "run episodes yet")
 
 
 def validate(cfg: RelaxConfig) -> list[Violation]:

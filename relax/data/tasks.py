@@ -8,8 +8,10 @@
   and non-negative differences): 155 distinct problems, split so that eval problems never occur in train.
 - `guess_number` (agentic, `relax.agents.guess_number`): one prompt ("guess the digit"), the secret digit as the
   label, uniform over 0-9; the eval split is an independent draw.
-- `calculator` (agentic, with the `calculator` tool): products of two two-digit numbers, "What is 37 * 48? ...",
-  with the product as the label; split like arithmetic (eval products never occur in train).
+- `calculator` (agentic, with the `calculator` tool): products of two two-digit numbers, "What is 37 * 48?", with the
+  product as the label; split like arithmetic (eval products never occur in train). The prompt is a chat: a system
+  message naming the tool and its call format, one worked example (a call, its result, the boxed answer), then the
+  question: small instruct models (SmolLM2-135M) call the tool from such a prompt, and hardly without one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ ARITHMETIC_EVAL_SHARE = 0.2  # share of the distinct arithmetic problems held ou
 TASKS = ("digits", "arithmetic", "guess_number", "calculator")
 # Kept to symbols and digits for the tiny tokenizer (its other words would be <|unk|>): + means the secret is higher.
 GUESS_PROMPT = "Guess the digit 0-9. + means higher, - means lower."
-CALCULATOR_TEMPLATE = ("What is {a} * {b}? Use the calculator tool, then put the final answer in \\boxed{{}}.")
+CALCULATOR_SYSTEM = ('You can call a calculator tool: write <tool_call>{"name": "calculator", "arguments": '
+                     '{"expression": "..."}}</tool_call> and its result comes back. Then give the final answer in '
+                     '\\boxed{}.')
+CALCULATOR_EXAMPLE = [  # one worked example before the question
+    {"role": "user", "content": "What is 12 * 13?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 13"}}'
+                                     '</tool_call>'},
+    {"role": "tool", "content": "156"},
+    {"role": "assistant", "content": "12 * 13 = \\boxed{156}"},
+]
+CALCULATOR_TEMPLATE = "What is {a} * {b}?"
 
 
 def _record(prompt: str, label: str) -> dict[str, Any]:
@@ -90,7 +102,9 @@ def generate_calculator(num: int, seed: int, split: str = "train") -> list[dict[
     out = []
     for _ in range(num):
         a, b = pool[rng.randrange(len(pool))]
-        out.append(_record(CALCULATOR_TEMPLATE.format(a=a, b=b), str(a * b)))
+        messages = [{"role": "system", "content": CALCULATOR_SYSTEM}, *CALCULATOR_EXAMPLE,
+                    {"role": "user", "content": CALCULATOR_TEMPLATE.format(a=a, b=b)}]
+        out.append({"prompt": messages, "label": str(a * b)})
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from relax import algorithms
+from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.trainer import Policy
@@ -131,28 +132,6 @@ class PolicyWorker(PolicyForwarding):
         self.versions = WeightVersions(self.policy.model.state_dict, keep=cfg.train.max_staleness)
 
 
-def episode_maker(cfg: RelaxConfig):
-    """The episodes of an agentic rollout (`relax.agents.episode.EpisodeMaker`), or None for single-turn data."""
-    from relax.config.derive import agentic
-
-    if not agentic(cfg):
-        return None
-    from relax.agents.episode import EpisodeMaker
-    from relax.agents.loops import AgentFactory
-    from relax.data.tokenizer import load_tokenizer
-
-    d, ro = cfg.data, cfg.rollout
-    return EpisodeMaker(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s), load_tokenizer(cfg.model),
-                        max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors)
-
-
-def item_record(item) -> dict:
-    """A prompt item as the plain values an episode keeps (its token ids left out)."""
-    record = dataclasses.asdict(item) if dataclasses.is_dataclass(item) else dict(item)
-    record.pop("prompt_ids", None)
-    return record
-
-
 class RolloutWorker:
     """One embedded rollout engine replica.
 
@@ -175,7 +154,7 @@ class RolloutWorker:
         self.engine = EmbeddedEngine(model, eos_token_ids=list(info.eos_token_ids), pad_token_id=info.pad_token_id,
                                      device=device)
         self._abort: int | None = None  # the generation id `abort` asked to interrupt
-        self.episodes = episode_maker(cfg)  # None: single-turn responses
+        self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses
 
     def ping(self) -> str:
         return "ok"
@@ -199,7 +178,7 @@ class RolloutWorker:
             return None
         if items is None:
             raise ValueError("RolloutWorker.generate: an agentic rollout needs the prompt items")
-        return [self.episodes.new(item_record(item)) for item in items for _ in range(n)]
+        return self.episodes.new_for(items, n)
 
     def _should_abort(self, gen_id: int | None):
         return None if gen_id is None else (lambda: self._abort == gen_id)

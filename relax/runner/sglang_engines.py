@@ -27,6 +27,7 @@ from pathlib import Path
 import requests
 import torch
 
+from relax.agents.episode import EpisodeMaker
 from relax.backends.batch import Samples, continuation, extend_responses
 from relax.backends.sglang.client import (
     EngineRequestError,
@@ -38,6 +39,7 @@ from relax.backends.sglang.client import (
     sample_seed,
     to_samples,
 )
+from relax.backends.sglang.episodes import run_episodes
 from relax.backends.sglang.process import wait_healthy
 from relax.backends.sglang.router import Router
 from relax.backends.sglang.weight_sync import BroadcastSync, push_tensors
@@ -77,6 +79,7 @@ class SGLangEngines:
         self.restarts = 0
         self._retries_seen = 0
         self._buckets = 0
+        self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SGLangEngines:
@@ -120,6 +123,8 @@ class SGLangEngines:
 
     def close(self) -> None:
         self._stop.set()
+        if self.episodes is not None:
+            self.episodes.close()
         if self._watchdog is not None:
             self._watchdog.join(timeout=10)
         if self.sg.urls is not None and self._released and self._failed is None and self._last is not None:
@@ -141,18 +146,14 @@ class SGLangEngines:
             return Sampling(ro.max_response_len, ro.eval_temperature, ro.eval_top_p, -1, self.eos_token_ids)
         return Sampling(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k, self.eos_token_ids)
 
-    def _run(self, rows: list[list[int]], budgets: list[int], seeds: list[int], sample_ids: torch.Tensor,
-             sampling: Sampling, gen_id: int | None) -> Samples:
-        """One request per row through the router, answers as `Samples` rows in the same order."""
+    def _send(self, payloads: list[dict], gen_id: int | None) -> list:
+        """One `/generate` request per payload through the router; the parsed answers in the same order."""
         self._raise_if_failed()
         self._gen = gen_id
         if gen_id is None or gen_id != self._aborted:
             self.client.unpause()
         with self._lock:
             self._make_ready()
-        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s)
-                    for r, b, s in zip(rows, budgets, seeds, strict=True)]
-        t0 = time.perf_counter()
         try:
             answers = self.client.generate(payloads)
         except Exception as exc:
@@ -161,26 +162,62 @@ class SGLangEngines:
         finally:
             self._gen = None
         self._raise_if_failed()  # a server declared dead meanwhile: its requests may have come back empty
-        out = to_samples(rows, [parse_answer(a, self._version) for a in answers], sample_ids=sample_ids,
-                         pad_token_id=self.pad_token_id, engine_time=time.perf_counter() - t0)
+        return [parse_answer(a, self._version) for a in answers]
+
+    def _done(self, out: Samples, t0: float) -> Samples:
+        """A call's samples, timed; colocated in sync mode the servers then release their memory."""
+        out.engine_time = time.perf_counter() - t0
         if self.release:
             with self._lock:
                 self._each("/release_memory_occupation", {})
                 self._released = True
         return out
 
+    def _run(self, rows: list[list[int]], budgets: list[int], seeds: list[int], sample_ids: torch.Tensor,
+             sampling: Sampling, gen_id: int | None) -> Samples:
+        """One request per row through the router, answers as `Samples` rows in the same order."""
+        t0 = time.perf_counter()
+        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s)
+                    for r, b, s in zip(rows, budgets, seeds, strict=True)]
+        answers = self._send(payloads, gen_id)
+        return self._done(to_samples(rows, answers, sample_ids=sample_ids, pad_token_id=self.pad_token_id,
+                                     engine_time=0.0), t0)
+
+    def _run_episodes(self, prompts: list[list[int]], sample_ids: torch.Tensor, positions: torch.Tensor,
+                      budgets: list[int], episodes: list, *, seed: int, sampling: Sampling,
+                      gen_id: int | None) -> Samples:
+        """Agentic episodes, a `/generate` request per turn (`relax.backends.sglang.episodes`)."""
+        t0 = time.perf_counter()
+        out = run_episodes(lambda payloads: self._send(payloads, gen_id), prompts, sample_ids, positions, budgets,
+                           episodes, seed=seed, sampling=sampling, turn_limit=self.cfg.rollout.max_response_len,
+                           aborted=lambda: gen_id is not None and gen_id == self._aborted,
+                           pad_token_id=self.pad_token_id)
+        return self._done(out, t0)
+
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
                  evaluation: bool = False, items: list | None = None) -> Samples:
-        """Responses to `prompts`, a group each (`items` is unused: agentic rollouts on SGLang are rejected by the
-        config's validation)."""
+        """Responses to `prompts`, a group each; with agentic data, episodes that start from `items`."""
         G = len(sample_ids) // len(prompts)
         rows = [p for p in prompts for _ in range(G)]
         sampling = self._sampling(evaluation)
+        if self.episodes is not None:
+            if items is None:
+                raise ValueError("SGLangEngines.generate: an agentic rollout needs the prompt items")
+            limit = self.cfg.rollout.max_episode_tokens
+            return self._run_episodes(rows, sample_ids, torch.zeros(len(rows), dtype=torch.long), [limit] * len(rows),
+                                      self.episodes.new_for(items, G), seed=seed, sampling=sampling, gen_id=gen_id)
         seeds = [sample_seed(seed, int(s), 0) for s in sample_ids]
         return self._run(rows, [sampling.max_new_tokens] * len(rows), seeds, sample_ids, sampling, gen_id)
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
-        job = continuation(partial, self.cfg.rollout.max_response_len)
+        ro = self.cfg.rollout
+        if self.episodes is not None:  # the running episodes again: their loops reset and earlier turns replayed
+            job = continuation(partial, ro.max_episode_tokens)
+            more = self._run_episodes(job.prompts, job.sample_ids, job.positions, [int(b) for b in job.budgets],
+                                      [self.episodes.restore(r) for r in partial.episodes], seed=seed,
+                                      sampling=self._sampling(False), gen_id=gen_id)
+            return extend_responses(partial, more, pad_token_id=self.pad_token_id)
+        job = continuation(partial, ro.max_response_len)
         seeds = [sample_seed(seed, int(s), int(p)) for s, p in zip(job.sample_ids, job.positions, strict=True)]
         more = self._run(job.prompts, [int(b) for b in job.budgets], seeds, job.sample_ids, self._sampling(False),
                          gen_id)

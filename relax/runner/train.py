@@ -89,9 +89,9 @@ def _prepare(cfg: RelaxConfig):
                                 "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
         reward_fn = None if cfg.data.reward == "none" else get_reward_fn(cfg.data.reward)
         if agentic(cfg):  # the environment, tools or agent loop load here, so that a bad name fails before Ray
-            from relax.roles.workers import episode_maker
+            from relax.agents.episode import EpisodeMaker
 
-            episode_maker(cfg).loops.close()
+            EpisodeMaker.for_config(cfg).close()
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:

@@ -137,3 +137,23 @@ def test_overlong_shaping_counts_the_models_tokens(episodes):
     assert any(int(samples.present()[b].sum()) > 16 >= n > 10 for b, n in enumerate(lengths))
     for b, n in enumerate(lengths):  # by hand: 0 up to 16 - 6 model tokens, then falling to -1 at 16
         assert float(penalty[b]) == pytest.approx(-1.0 if n > 16 else -max(0, n - 10) / 6)
+
+
+def test_reinforce_pp_returns_discount_over_the_models_tokens_only():
+    """REINFORCE++'s discounted return with gamma < 1 counts the model's tokens as time steps, not observations: the
+    same as over the row with its observation columns removed, computed by hand."""
+    g = torch.Generator().manual_seed(2)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0, 1, 1, 0]])
+    old, ref = torch.randn(2, 9, generator=g), torch.randn(2, 9, generator=g)
+    rewards = torch.tensor([1.0, 0.5])
+    out = F.reinforce_pp_returns(rewards, mask, old, ref, 0.1, 0.8)
+    for b in range(2):
+        keep = mask[b].bool()
+        r = (-0.1 * (old[b, keep] - ref[b, keep])).tolist()
+        r[-1] += float(rewards[b])
+        expected, running = [0.0] * len(r), 0.0
+        for t in reversed(range(len(r))):
+            running = r[t] + 0.8 * running
+            expected[t] = running
+        torch.testing.assert_close(out[b, keep], torch.tensor(expected), atol=1e-6, rtol=1e-6)
+        assert (out[b, ~keep] == 0).all()

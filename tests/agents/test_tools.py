@@ -26,6 +26,10 @@ def test_parse_tool_calls_reads_the_hermes_format_and_names_each_malformed_call(
     assert calls == [ToolCall("calculator", {"expression": "3*4"}), ToolCall("calculator", {"expression": "1+1"})]
     assert errors == []
     assert parse_tool_calls("no call here") == ([], [])
+    # SmolLM2's form: a JSON list of calls in one tag (a bad element is reported, the good ones kept)
+    calls, errors = parse_tool_calls('<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b"}, 7]'
+                                     '</tool_call>')
+    assert calls == [ToolCall("a", {"x": 1}), ToolCall("b", {})] and len(errors) == 1
     calls, errors = parse_tool_calls('<tool_call>{"name": "calc", "arguments": {</tool_call>')
     assert calls == [] and len(errors) == 1 and "invalid JSON" in errors[0]
     calls, errors = parse_tool_calls('<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "x"')

@@ -1,7 +1,9 @@
 """`train.backend=megatron` through the real loop: Ray, the embedded rollout engine, MLflow, checkpoints.
 
 One asynchronous run at tensor parallelism 2 (stale samples: every rank computes old log-probs under the weights
-of their version) against the torch backend on the same config: the same start gives the same first step.
+of their version) against the torch backend on the same config: the same start gives the same first step. The run
+is agentic (data=guess_number: episodes whose observations the ranks attend to and do not train); single-turn parity
+is checked rank by rank in test_megatron_cpu.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ pytestmark = [pytest.mark.slow,
                                  or importlib.util.find_spec("megatron.core") is None,
                                  reason="megatron-core is not installed (pip install -e '.[megatron]')")]
 
-FIRST_STEP = ["train/pg_loss", "train/grad_norm", "train/entropy", "train/loss", "rollout/raw_reward"]
+FIRST_STEP = ["train/pg_loss", "train/grad_norm", "train/entropy", "train/loss", "rollout/raw_reward",
+              "rollout/turns_mean", "rollout/obs_token_frac"]
 COMMON = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/grad_norm", "train/lr", "train/entropy",
           "rollout/staleness_mean", "rollout/train_rollout_logp_abs_diff", "perf/step_time", "perf/actor_compute_time"]
 
@@ -25,6 +28,7 @@ def overrides(tmp_path, name: str, *extra: str) -> list[str]:
     return ["model.dtype=float32", "train.num_rollout=3", "rollout.rollout_batch_size=4",
             "rollout.n_samples_per_prompt=4", "train.micro_batch_size=8", "train.mode=fully_async",
             "train.max_staleness=1", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress=false",
+            "data=guess_number", "rollout.max_turns=3", "rollout.max_episode_tokens=40",
             f"train.save_dir={tmp_path}/{name}", *extra]
 
 

@@ -3,7 +3,9 @@
 The end-to-end test runs `relax-train` as a user does: a subprocess on a real local Ray and a real MLflow sqlite
 store, in the hybrid mode (a batch generated ahead is in every checkpoint), killed with SIGKILL between two
 checkpoints, then continued with `train.resume=auto`; the record and the final weights are compared with those of
-an uninterrupted run of the same seed.
+an uninterrupted run of the same seed, and `relax-verify-run` checks its ledger. The run is agentic
+(`data=guess_number`: episodes of several turns; single-turn responses are their one-turn case), so the batches a
+checkpoint holds are episodes.
 """
 
 from __future__ import annotations
@@ -260,7 +262,10 @@ PER_STEP = 2 * 4  # reward calls per step: rollout_batch_size * n_samples_per_pr
 # hybrid: the rollout of step k + 1 is generated (with the weights of step k) while step k trains, so a checkpoint
 # holds a batch generated ahead, which the resumed run must train exactly as the uninterrupted one does
 RUN_ARGS = [f"train.num_rollout={STEPS}", "train.save_interval=2", "rollout.rollout_batch_size=2",
-            "rollout.n_samples_per_prompt=4", "tracking.progress=false", "data.reward=hold_reward:reward",
+            "rollout.n_samples_per_prompt=4", "tracking.progress=false",
+            "data=guess_number", "rollout.max_turns=3", "rollout.max_episode_tokens=40",
+            # the environment's reward plus this one's on the last message, one call per episode
+            "data.reward=hold_reward:reward",
             "data.reward_timeout_s=null",  # the reward runs in the driver: its call count holds the run
             "train.mode=hybrid",
             "cluster.cpus_per_node=1"]  # one torch thread in every role: the reference computes the same floats
@@ -426,6 +431,10 @@ def test_kill_9_then_resume_auto_equals_an_uninterrupted_run(tmp_path, mlflow_te
         for m in history:
             assert m.value == pytest.approx(ref_values[m.step], rel=1e-6, abs=1e-7), (key, m.step)
     assert json.loads((save_dir / f"step_{STEPS:06d}" / "state.json").read_text())["mlflow_run_id"] == run_id
+    # ---- the ledger: no trained episode lost, none trained twice
+    from relax.cli import verify_run
+
+    assert verify_run.main([run_id, "--uri", f"sqlite:///{run_dir}/mlflow.db"]) == 0
 
     # ---- the same final weights as the uninterrupted run
     ref_weights, weights = _weights(ref_dir / "checkpoints" / "relax" / "grpo-seed1"), _weights(save_dir)
