@@ -75,7 +75,9 @@ class Violation:
 class AdvantageInputs:
     """What the advantages step has for a whole global batch (responses of a group consecutive)."""
 
-    rewards: torch.Tensor  # [N] scalar reward per response
+    # [N] scalar reward per response; [N, T] a reward on tokens (an episode's per-turn rewards, each on its turn's
+    # last token) for algorithms with `Algorithm.token_rewards`
+    rewards: torch.Tensor
     mask: torch.Tensor  # [N, T] 1 on response tokens that count
     group_size: int
     old_logp: Optional[torch.Tensor] = None  # [N, T]
@@ -153,6 +155,9 @@ class Algorithm:
     supports_multi_step: bool = True  # train.num_steps_per_rollout > 1
     group_relative: bool = True  # needs rollout.n_samples_per_prompt >= 2
     step_statistics: Optional[StepStatisticsFn] = None
+    # its advantages take rewards on tokens ([N, T] AdvantageInputs.rewards): an agentic episode's per-turn rewards
+    # (data.turn_rewards=per_turn), discounted by the algorithm's own gamma over the model's tokens
+    token_rewards: bool = False
     per_token_loss: bool = False  # value of train.calculate_per_token_loss when left unset
     per_token_loss_required: bool = False  # an explicit other value is an error
     metrics: tuple[str, ...] = ()  # metric names this algorithm adds

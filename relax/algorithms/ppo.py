@@ -87,6 +87,7 @@ register(
         critic_only_steps=lambda cfg: cfg.num_critic_only_steps,
         supports_async=False,
         group_relative=False,
+        token_rewards=True,
         metrics=(VALUE_LOSS, VALUE_CLIPFRAC),
         check=check,
     )

@@ -74,6 +74,7 @@ register(
         requires_reference=True,
         supports_async=False,
         group_relative=False,
+        token_rewards=True,
         per_token_loss=False,
         per_token_loss_required=True,
         check=check,

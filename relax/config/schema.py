@@ -222,6 +222,10 @@ class DataConfig:
     tools: list[str] = field(default_factory=list)
     agent: Optional[str] = None
     tool_timeout_s: Optional[float] = 10.0  # seconds one tool call may take (worker processes); None: no limit
+    # An episode's reward as the algorithm sees it: episode (the sum of its turn rewards and data.reward, one scalar)
+    # | per_turn (each turn's reward on that turn's last token, data.reward on the last one; for algorithms whose
+    # advantages take token rewards, PPO and REINFORCE++, which discount them with their gamma over the model's tokens)
+    turn_rewards: str = choice("episode", ("episode", "per_turn"))
 
 
 @dataclass(frozen=True)

@@ -584,6 +584,12 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
         r.positive("data.tool_timeout_s", d.tool_timeout_s)
     r.require(not (d.agent and (d.env or d.tools)), ("data.agent", "data.env", "data.tools"),
               "data.agent decides every observation itself; it cannot be combined with data.env or data.tools")
+    r.require(bool(d.tools) or not _changed(d, "tool_timeout_s"), ("data.tool_timeout_s", "data.tools"),
+              f"data.tool_timeout_s={d.tool_timeout_s} limits tool calls, and no tools are set (data.tools)")
+    r.require(bool(d.tools or d.agent) or not _changed(ro, "max_tool_errors"),
+              ("rollout.max_tool_errors", "data.tools"),
+              f"rollout.max_tool_errors={ro.max_tool_errors} counts failed tool calls, and nothing calls tools "
+              "(data.tools, or an agent loop: data.agent)")
     if not episodes:
         r.require(ro.max_turns == 1, ("rollout.max_turns", "data.env"),
                   f"rollout.max_turns={ro.max_turns} needs an environment, tools or an agent loop (data.env, "
@@ -594,7 +600,20 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(d.reward != "none", "data.reward",
                   "data.reward=none: single-turn responses need a reward function (none is for an environment or "
                   "agent loop that gives the rewards)")
+        r.require(d.turn_rewards == "episode", ("data.turn_rewards", "data.env"),
+                  "data.turn_rewards=per_turn places the rewards of an episode's turns; single-turn responses have "
+                  "one (data.env, data.tools, data.agent make episodes)")
         return
+    if d.turn_rewards == "per_turn":
+        algo = algorithms.get(cfg.algorithm.name)
+        r.require(algo.token_rewards, ("data.turn_rewards", "algorithm.name"),
+                  f"data.turn_rewards=per_turn needs an algorithm whose advantages take rewards on tokens (ppo, "
+                  f"reinforce_pp); {algo.name}'s advantages compare one reward per episode (its group baseline): use "
+                  "data.turn_rewards=episode")
+        r.require(not ro.mask_offpolicy_in_partial_rollout,
+                  ("data.turn_rewards", "rollout.mask_offpolicy_in_partial_rollout"),
+                  "data.turn_rewards=per_turn with rollout.mask_offpolicy_in_partial_rollout: a turn's reward on a "
+                  "token left out of the loss would be lost")
     if ro.max_episode_tokens is not None:
         r.require(ro.max_episode_tokens >= ro.max_response_len, ("rollout.max_episode_tokens",
                                                                  "rollout.max_response_len"),

@@ -77,6 +77,26 @@ def trained_rewards(cfg: RelaxConfig, samples: Samples, scores: Scores) -> tuple
     return (rewards if penalty is None else rewards + penalty), penalty
 
 
+def turn_token_rewards(samples: Samples, rewards: torch.Tensor) -> torch.Tensor:
+    """[N, T] the episodes' rewards on tokens (`data.turn_rewards=per_turn`): each turn's reward from its environment
+    on the last token of that turn, and what the episode's reward `rewards` [N] holds beyond them (`data.reward` on
+    the last message, the overlong penalty) on its last model token. A row's tokens add up to its reward."""
+    out = torch.zeros(samples.response_ids.shape, dtype=torch.float32)
+    gen = samples.response_mask.bool()
+    ends = gen & ~torch.cat([gen[:, 1:], torch.zeros_like(gen[:, :1])], dim=1)  # last token of each model turn
+    for r, episode in enumerate(samples.episodes):
+        cols = ends[r].nonzero().squeeze(-1).tolist()
+        turn = episode["turn_rewards"]
+        if not cols:
+            continue
+        if len(cols) != len(turn):
+            raise ValueError(f"episode {r}: {len(cols)} model turns in its tokens but {len(turn)} turn rewards")
+        for c, value in zip(cols, turn, strict=True):
+            out[r, c] += value
+        out[r, cols[-1]] += float(rewards[r]) - sum(turn)
+    return out
+
+
 def group_signal(rewards: torch.Tensor, failed: Sequence[bool], group_size: int) -> list[bool]:
     """Per group: whether it carries a learning signal for a group baseline, i.e. every reward call succeeded and
     its rewards are not all equal (an all-right or all-wrong group has zero advantage everywhere)."""

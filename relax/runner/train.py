@@ -45,7 +45,7 @@ from relax.runner.plan import Plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.restarts import Restarts
 from relax.runner.rollout_stream import RolloutStream
-from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards
+from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards, turn_token_rewards
 from relax.runner.session import RunResult, Session
 from relax.runner.step_metrics import (
     eval_metrics,
@@ -184,7 +184,10 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     # ended by the model or its episode (a stop token, an environment's end), not cut by a token limit
     stopped = torch.tensor([r not in ("length", "abort") for r in samples.finish_reason])
     lengths = samples.response_mask.sum(1)
-    out = cluster.advantages(cfg.algorithm, AdvantageInputs(rewards[rows], mask[rows].float(), G, kept(old_logp),
+    given = rewards  # [N]; an episode's turns each rewarded on their last token with data.turn_rewards=per_turn
+    if cfg.data.turn_rewards == "per_turn":
+        given = turn_token_rewards(samples, rewards)
+    out = cluster.advantages(cfg.algorithm, AdvantageInputs(given[rows], mask[rows].float(), G, kept(old_logp),
                                                             kept(ref_logp), kept(values), stopped=stopped[rows],
                                                             lengths=lengths[rows]))
     full = torch.zeros(mask.shape, dtype=out.advantages.dtype)

@@ -84,6 +84,11 @@ VALUES: dict[str, Any] = {
     "data.eval_path": "prompts.jsonl",
     "data.eval_sets": {"extra": "prompts.jsonl"},
     "rollout.eval_top_p": 0.5,
+    "rollout.max_episode_tokens": 40,  # single-turn data: rejected (the episode options: tests/agents)
+    "data.env": "guess_number",
+    "data.tools": "[calculator]",
+    "data.agent": "tests.agents.echo_agent:Echo",
+    "data.turn_rewards": "per_turn",
     "train.eval_pass_k": "[1]",  # the default with 2 eval samples per prompt (EVAL_CONTEXT) is [1, 2]
     "train.eval_correct_threshold": 0.25,  # the untrained model rarely earns the full reward of 1
     "train.lr_schedule": "cosine",
