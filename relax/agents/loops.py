@@ -7,13 +7,13 @@ the environment's step (`data.env`); with neither, the turn is the model's final
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Optional
 
 from relax.agents.guess_number import GuessNumber
 from relax.agents.protocol import AgentLoop, Reply, as_step
 from relax.agents.tools import ToolRunner, get_tools, parse_tool_calls
+from relax.config.imports import ImportPathError, import_attr
 
 BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber}
 
@@ -28,13 +28,10 @@ def _load(spec: str, option: str, builtins: dict[str, Callable[[], Any]]) -> Cal
     if ":" not in spec:
         raise AgentSpecError(f"{option}={spec!r}: unknown; expected one of {sorted(builtins)} or "
                              "'package.module:attr' (a class or a factory called with no arguments)")
-    module_name, _, attr = spec.partition(":")
     try:
-        value: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            value = getattr(value, part)
-    except Exception as exc:
-        raise AgentSpecError(f"{option}={spec!r}: cannot load it: {type(exc).__name__}: {exc}") from None
+        value = import_attr(spec)
+    except ImportPathError as exc:
+        raise AgentSpecError(f"{option}={spec!r}: {exc}") from None
     if not callable(value):
         raise AgentSpecError(f"{option}={spec!r} is not callable (a class or a factory)")
     return value

@@ -18,7 +18,6 @@ never calls them again).
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import math
 import operator
@@ -28,6 +27,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from relax.config.imports import ImportPathError, import_attr
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -117,13 +118,10 @@ def get_tool(spec: str) -> Tool:
     if ":" not in spec:
         raise ToolSpecError(f"data.tools: unknown tool {spec!r}; expected one of {sorted(BUILTIN_TOOLS)} or "
                             "'package.module:attr' naming a relax.agents.tools.Tool")
-    module_name, _, attr = spec.partition(":")
     try:
-        value: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            value = getattr(value, part)
-    except Exception as exc:
-        raise ToolSpecError(f"data.tools: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
+        value = import_attr(spec)
+    except ImportPathError as exc:
+        raise ToolSpecError(f"data.tools: cannot load {spec!r}: {exc}") from None
     if not isinstance(value, Tool):
         raise ToolSpecError(f"data.tools: {spec!r} is a {type(value).__name__}, not a relax.agents.tools.Tool")
     return value

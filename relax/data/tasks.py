@@ -73,16 +73,19 @@ def generate_arithmetic(num: int, seed: int, split: str = "train") -> list[dict[
     The distinct problems are partitioned once per seed (ARITHMETIC_EVAL_SHARE held out for eval), so an
     eval problem never appears in train.
     """
-    problems = arithmetic_problems()
-    random.Random(f"arithmetic-split:{seed}").shuffle(problems)
+    return [_record(ARITHMETIC_TEMPLATE.format(a=a, op=op, b=b), str(ans))
+            for a, op, b, ans in _draw_split(arithmetic_problems(), "arithmetic", num, seed, split)]
+
+
+def _draw_split(problems: list, task: str, num: int, seed: int, split: str) -> list:
+    """`num` problems drawn with replacement from `split`'s share of `problems`: the distinct problems are
+    partitioned once per seed (ARITHMETIC_EVAL_SHARE held out for eval), so an eval problem never appears in train."""
+    problems = list(problems)
+    random.Random(f"{task}-split:{seed}").shuffle(problems)
     n_eval = max(1, int(len(problems) * ARITHMETIC_EVAL_SHARE))
     pool = problems[:n_eval] if split == "eval" else problems[n_eval:]
-    rng = random.Random(f"arithmetic:{seed}:{split}")
-    out = []
-    for _ in range(num):
-        a, op, b, ans = pool[rng.randrange(len(pool))]
-        out.append(_record(ARITHMETIC_TEMPLATE.format(a=a, op=op, b=b), str(ans)))
-    return out
+    rng = random.Random(f"{task}:{seed}:{split}")
+    return [pool[rng.randrange(len(pool))] for _ in range(num)]
 
 
 def generate_guess_number(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
@@ -95,17 +98,10 @@ def generate_calculator(num: int, seed: int, split: str = "train") -> list[dict[
     """`num` records "What is a * b? ..." (a, b in 11..99) with the product as the label; ARITHMETIC_EVAL_SHARE of
     the distinct problems held out for eval."""
     problems = [(a, b) for a in range(11, 100) for b in range(11, 100)]
-    random.Random(f"calculator-split:{seed}").shuffle(problems)
-    n_eval = max(1, int(len(problems) * ARITHMETIC_EVAL_SHARE))
-    pool = problems[:n_eval] if split == "eval" else problems[n_eval:]
-    rng = random.Random(f"calculator:{seed}:{split}")
-    out = []
-    for _ in range(num):
-        a, b = pool[rng.randrange(len(pool))]
-        messages = [{"role": "system", "content": CALCULATOR_SYSTEM}, *CALCULATOR_EXAMPLE,
-                    {"role": "user", "content": CALCULATOR_TEMPLATE.format(a=a, b=b)}]
-        out.append({"prompt": messages, "label": str(a * b)})
-    return out
+    return [{"prompt": [{"role": "system", "content": CALCULATOR_SYSTEM}, *CALCULATOR_EXAMPLE,
+                        {"role": "user", "content": CALCULATOR_TEMPLATE.format(a=a, b=b)}],
+             "label": str(a * b)}
+            for a, b in _draw_split(problems, "calculator", num, seed, split)]
 
 
 _GENERATORS = {"digits": generate_digits, "arithmetic": generate_arithmetic, "guess_number": generate_guess_number,

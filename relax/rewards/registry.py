@@ -16,13 +16,13 @@ rewards import math-verify there).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from relax.config.imports import ImportPathError, import_attr
 from relax.rewards.calls import RewardFn, RewardSpecError, call_once
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
@@ -51,19 +51,12 @@ def get_reward_fn(spec: str) -> RewardFn:
     if ":" not in spec:
         raise RewardSpecError(f"data.reward={spec!r}: unknown reward; expected one of {sorted(BUILTIN_REWARDS)} "
                               "or an import path 'package.module:function'")
-    module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or an error raised while importing the user's module
-        raise RewardSpecError(f"data.reward={spec!r}: cannot import module {module_name!r}: "
-                              f"{type(e).__name__}: {e}") from e
-    fn = module
-    for part in attr.split("."):
-        if not part or not hasattr(fn, part):
-            raise RewardSpecError(f"data.reward={spec!r}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
+        fn = import_attr(spec)
+    except ImportPathError as exc:
+        raise RewardSpecError(f"data.reward={spec!r}: {exc}") from exc.__cause__
     if not callable(fn):
-        raise RewardSpecError(f"data.reward={spec!r}: {attr!r} is not callable")
+        raise RewardSpecError(f"data.reward={spec!r}: {spec.partition(':')[2]!r} is not callable")
     return fn
 
 
