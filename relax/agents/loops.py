@@ -13,7 +13,7 @@ from typing import Any, Optional
 from relax.agents.guess_number import GuessNumber
 from relax.agents.protocol import AgentLoop, Reply, as_step
 from relax.agents.tools import ToolRunner, get_tools, parse_tool_calls
-from relax.config.imports import ImportPathError, import_attr
+from relax.imports import ImportPathError, import_attr
 
 BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber}
 

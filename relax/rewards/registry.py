@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from relax.config.imports import ImportPathError, import_attr
+from relax.imports import ImportPathError, import_attr
 from relax.rewards.calls import RewardFn, RewardSpecError, call_once
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
