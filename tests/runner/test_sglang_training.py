@@ -16,7 +16,9 @@ from relax.metrics import (
 )
 from relax.runner.train import run
 
-pytestmark = pytest.mark.slow
+# every test that runs the loop with rollout=sglang shares one worker: `kill_engine_reward` kills and counts the
+# servers of "the run" by process name, which another run's servers would fool
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_runs")]
 
 # a killed server is noticed within four rounds of checks (a round waits up to 5 s on each server, longer under
 # load: with eight misses a kill could go unnoticed until the run ended); a live one starved of CPU by the other
@@ -62,7 +64,9 @@ def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small
 
     steps, G, B = 5, 4, 4
     cfg = load_config(small_run(*SGLANG, "algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
-                                "rollout.partial_rollout=true", "rollout.max_response_len=24", steps=steps))
+                                # long enough that a job outlasts a train step on a loaded machine: every weight
+                                # update then finds one in flight
+                                "rollout.partial_rollout=true", "rollout.max_response_len=48", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == list(range(steps))
     for step, m in result.history:
