@@ -113,18 +113,28 @@ class _LlamaFamilyDecoder:
         self.kv_mask = torch.ones(B, max_len, dtype=torch.bool, device=w.device)  # which slots a row attends to
         self.kv_mask[:, :P] = prompt_mask.bool()
         self.pos = prompt_mask.long().sum(-1)  # position of the next token of each row
-        self.len = P
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.ones(P, P, dtype=torch.bool, device=w.device).tril()
         eye = torch.eye(P, dtype=torch.bool, device=w.device)  # padding queries see themselves: no NaN rows
         mask = (causal & self.kv_mask[:, None, :P]) | eye
-        return self._forward(prompt_ids, positions, mask[:, None], prefill=True)
+        self.len = 0
+        return self._forward(prompt_ids, positions, mask[:, None])
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per row [B]; logits [B, V] for the next one."""
-        logits = self._forward(tokens[:, None], self.pos[:, None], self.kv_mask[:, None, None, : self.len + 1],
-                               prefill=False)
+        logits = self._forward(tokens[:, None], self.pos[:, None], self.kv_mask[:, None, None, : self.len + 1])
         self.pos = self.pos + 1
+        return logits
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append S tokens per row [B, S] in one forward (an episode's observation); logits [B, V] for the next."""
+        B, S = tokens.shape
+        end = self.len + S
+        new = torch.arange(S, device=tokens.device)
+        causal = torch.arange(end, device=tokens.device)[None, :] <= (self.len + new)[:, None]  # [S, end]
+        mask = self.kv_mask[:, None, :end] & causal[None]
+        logits = self._forward(tokens, self.pos[:, None] + new[None, :], mask[:, None])
+        self.pos = self.pos + S
         return logits
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -134,11 +144,12 @@ class _LlamaFamilyDecoder:
         self.kv_mask = self.kv_mask.index_select(0, rows)
         self.pos = self.pos.index_select(0, rows)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
-                 prefill: bool) -> torch.Tensor:
-        """Prefill (the prompts, cache slots 0..S-1; S may be 1) or one decode step (slot `self.len`)."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """S tokens per row into cache slots `self.len`.. (the prompts from slot 0, a decode step, an extension);
+        `self.len` advances by S."""
         B, S = ids.shape
-        start, end = (0, S) if prefill else (self.len, self.len + 1)
+        start, end = self.len, self.len + S
+        one = S == 1 and start > 0  # a decode step
         x = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(x, positions)
         cos, sin = cos[:, None], sin[:, None]
@@ -162,7 +173,7 @@ class _LlamaFamilyDecoder:
             self.k[i][:, :, start:end] = k
             self.v[i][:, :, start:end] = v
             keys, values = self.k[i][:, :, :end], self.v[i][:, :, :end]
-            if not prefill:  # one query: fold the query heads of a K/V head into the query axis, no K/V copies
+            if one:  # one query: fold the query heads of a K/V head into the query axis, no K/V copies
                 q = q.reshape(B, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
                 o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
             else:
@@ -175,8 +186,7 @@ class _LlamaFamilyDecoder:
                 x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             else:
                 x = x + layer.mlp(h)
-        if not prefill:
-            self.len += 1
+        self.len = end
         return self.model.lm_head(self.base.norm(x[:, -1]))
 
 
@@ -199,9 +209,13 @@ class _GenericDecoder:
         return self._forward(prompt_ids, positions)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
-        logits = self._forward(tokens[:, None], self.pos[:, None])
-        self.pos = self.pos + 1
+        return self.extend(tokens[:, None])
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        B, S = tokens.shape
+        self.mask = torch.cat([self.mask, self.mask.new_ones(B, S)], dim=1)
+        logits = self._forward(tokens, self.pos[:, None] + torch.arange(S, device=tokens.device)[None, :])
+        self.pos = self.pos + S
         return logits
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -337,7 +351,17 @@ class EmbeddedEngine:
         status = torch.zeros(N, dtype=torch.long)  # 0 running, then one of _FINISH
         rows = torch.arange(N)  # batch row -> output row (CPU)
         dropped_mass = torch.zeros((), dtype=torch.float32, device=dev)  # summed over drawn tokens
-        for t in range(T):
+        t = -1
+        while t + 1 < T:
+            t += 1
+            S = turns.chunk(rows)
+            if S > 1 and t + S < T:  # every running row is fed its observation: S tokens of it in one forward
+                chunk = turns.take(rows, S)
+                out_ids[rows.to(dev), t:t + S] = chunk.to(dev)
+                progress.tick(tokens=len(rows) * S)
+                logits = decoder.extend(chunk.to(dev))
+                t += S - 1
+                continue
             u = counter_uniforms(seed, sample_ids[rows], positions[rows] + t)
             tokens, logp, dropped = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                                   uniforms=u)
@@ -408,6 +432,23 @@ class _Turns:
         partial = [len(e.partial) for e in episodes] if episodes is not None else [0] * N
         self.length = torch.tensor(partial, dtype=torch.long)  # model tokens of the current turn (resumed part too)
         self.observed = torch.zeros(N, width if episodes is not None else 0, dtype=torch.long)  # 1 on observations
+
+    def chunk(self, rows: torch.Tensor) -> int:
+        """Observation tokens every row of `rows` still has to be fed (0 unless all of them have some)."""
+        if not self.pending or any(not self.pending.get(r) for r in rows.tolist()):
+            return 0
+        return min(len(self.pending[r]) for r in rows.tolist())
+
+    def take(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """[B, n]: the next `n` observation tokens of each row of `rows` (see `chunk`), taken off their queues."""
+        out = []
+        for r in rows.tolist():
+            queue = self.pending[r]
+            out.append(queue[:n])
+            del queue[:n]
+            if not queue:
+                del self.pending[r]
+        return torch.tensor(out, dtype=torch.long)
 
     def force(self, rows: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
         """Put the next observation token of each waiting row into `tokens` (log-prob 0); [B] bool: which rows."""

@@ -31,10 +31,13 @@ def tok():
     return build_tiny_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def engine(tok):
+@pytest.fixture(scope="module", params=["fast", "generic"])
+def engine(tok, request):
+    """The engine on its Llama-family decoder (observations fed in chunks into its static cache) and on the model's
+    own forward with a DynamicCache."""
     model = build_model(ModelConfig(), len(tok), tok.pad_token_id, seed=0, dtype=torch.float32, device="cpu")
-    return EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    return EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                          fast_path=request.param == "fast")
 
 
 def prompt_ids(tok) -> list[int]:
