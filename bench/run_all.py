@@ -4,7 +4,7 @@
     python -m bench --quick              # smaller sizes, fewer repetitions (~10 min)
     python -m bench --smoke --out /tmp/perf.md   # tiny sizes only, seconds (what tests/bench runs)
     python -m bench --only rollout,math  # some sections: rl, rollout, train, memory, overhead, modes, sglang,
-                                         # math
+                                         # agents, math
 
     bash bench/gpu.sh                    # on a CUDA device: the sections that run there, docs/performance_gpu.md
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.common import Series, load_average, machine_info
 from bench.verdicts import MMAP_THRESHOLD, ROUND1_PEAK_MIB, Headlines, comparison, previous, verdict
 
-SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "math")
+SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "agents", "math")
 TARGETS = {
     "rl": "Relax samples/s >= 2x TRL, both sizes, same precision; a step <= 1.3x its limit on the machine "
           "(FLOPs at the matmul peak, decode at memory bandwidth)",
@@ -38,6 +38,7 @@ TARGETS = {
                 "<= 15 s (135M)",
     "modes": "fully_async >= 1.6x sync samples/s when rollout and train are balanced, 2+ cores",
     "sglang": "no target: the request shape of rollout=sglang, measured (per sample vs per prompt)",
+    "agents": "no target: agentic episodes with the KV cache kept across turns vs a turn per call, measured",
     "math": "1M-token M2PO solve < 25 ms; every compute_loss fwd+bwd within 1.5x of the cheapest",
 }
 
@@ -52,6 +53,7 @@ class Settings:
     # (work overrides, steps, reps, modes) of bench/async_modes.py
     modes_runs: list[tuple[list[str], int, int, tuple[str, ...]]]
     sglang_runs: list[tuple[list[str], dict]]  # (model overrides, kwargs of bench/sglang_requests.compare)
+    agent_runs: list[dict]  # kwargs of bench/agent_episodes.compare
     math_tokens: int
     math_reps: int
 
@@ -92,6 +94,7 @@ def settings(mode: str) -> Settings:
             modes_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
                           "rollout.max_response_len=4", "train.micro_batch_size=4"], 3, 1, ("sync", "fully_async"))],
             sglang_runs=[(["model=tiny"], dict(prompts=2, group=2, new_tokens=4, reps=1))],
+            agent_runs=[dict(model="tiny", prompts=2, group=2, turns=3, turn_len=2, reps=1)],
             math_tokens=4096, math_reps=1,
         )
     quick = mode == "quick"
@@ -126,6 +129,8 @@ def settings(mode: str) -> Settings:
         modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))],
         sglang_runs=[(["model=tiny"], dict(prompts=8, group=8, new_tokens=32, reps=reps)),
                      (["model=smollm2_135m", "model.source=gguf"], dict(prompts=4, group=8, new_tokens=32, reps=3))],
+        agent_runs=[dict(model="tiny", prompts=8, group=8, turns=5, turn_len=2, reps=reps),
+                    dict(model="smollm2_135m", prompts=4, group=4, turns=4, turn_len=8, reps=3)],
         math_tokens=1024 * 1024, math_reps=3 if quick else 5,
     )
 
@@ -318,6 +323,25 @@ def section_sglang(st: Settings, log, h: Headlines) -> list[str]:
     return lines
 
 
+def section_agents(st: Settings, log, h: Headlines) -> list[str]:
+    from bench import agent_episodes
+
+    lines = ["| model | episodes (prompts x group), turns of <= tokens | turns/episode | in-engine episodes/s | a turn "
+             "per call episodes/s | speedup | context tokens not recomputed / episode tokens |",
+             "|---|---|---|---|---|---|---|"]
+    for kw in st.agent_runs:
+        r = agent_episodes.compare(threads=2, log=log, **kw)
+        h.add(f"agents {kw['model']}: in-engine / turn per call episodes/s", r["speedup"].median, True)
+        lines.append(f"| {kw['model']} (fp32) | {r['episodes']} ({kw['prompts']} x {kw['group']}), {kw['turns']} of <= "
+                     f"{kw['turn_len']} | {r['turns_mean']:.2f} | {fmt(r['in_engine'], 1, 1)} | "
+                     f"{fmt(r['turn_per_call'], 1, 1)} | **{fmt(r['speedup'], 1, 2)}** | {r['reused']} / "
+                     f"{r['tokens']} |")
+        lines.append(f"| | `python bench/agent_episodes.py --model {kw['model']} --prompts {kw['prompts']} --group "
+                     f"{kw['group']} --turns {kw['turns']} --turn-len {kw['turn_len']} --reps {kw['reps']}` "
+                     "| | | | | |")
+    return lines
+
+
 def section_math(st: Settings, log, h: Headlines) -> list[str]:
     from bench import algorithm_math
 
@@ -341,7 +365,7 @@ def section_math(st: Settings, log, h: Headlines) -> list[str]:
 
 RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "memory": section_memory,
            "overhead": section_overhead,
-           "modes": section_modes, "sglang": section_sglang, "math": section_math}
+           "modes": section_modes, "sglang": section_sglang, "agents": section_agents, "math": section_math}
 TITLES = {
     "rl": "RL step throughput: Relax GRPO vs TRL GRPOTrainer (in-process, same work)",
     "rollout": "Rollout engine vs Hugging Face `generate`",
@@ -350,6 +374,7 @@ TITLES = {
     "overhead": "Overhead of the real Ray loop",
     "modes": "Training modes: sync vs hybrid vs fully_async (Ray loop, same work)",
     "sglang": "rollout=sglang requests: per sample vs per prompt, through the router to relax-serve",
+    "agents": "Agentic episodes: the KV cache kept across turns vs a turn per call",
     "math": "Algorithm math",
 }
 
