@@ -326,19 +326,21 @@ def section_sglang(st: Settings, log, h: Headlines) -> list[str]:
 def section_agents(st: Settings, log, h: Headlines) -> list[str]:
     from bench import agent_episodes
 
-    lines = ["| model | episodes (prompts x group), turns of <= tokens | turns/episode | in-engine episodes/s | a turn "
-             "per call episodes/s | speedup | context tokens not recomputed / episode tokens |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | episodes (prompts x group), turns of <= tokens | turns/episode | identical episodes | "
+             "in-engine episodes/s | a turn per call episodes/s | speedup | context tokens not recomputed / episode "
+             "tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for kw in st.agent_runs:
         r = agent_episodes.compare(threads=2, log=log, **kw)
         h.add(f"agents {kw['model']}: in-engine / turn per call episodes/s", r["speedup"].median, True)
         lines.append(f"| {kw['model']} (fp32) | {r['episodes']} ({kw['prompts']} x {kw['group']}), {kw['turns']} of <= "
-                     f"{kw['turn_len']} | {r['turns_mean']:.2f} | {fmt(r['in_engine'], 1, 1)} | "
+                     f"{kw['turn_len']} | {r['turns_mean']:.2f} | {r['same']} / {r['episodes']} | "
+                     f"{fmt(r['in_engine'], 1, 1)} | "
                      f"{fmt(r['turn_per_call'], 1, 1)} | **{fmt(r['speedup'], 1, 2)}** | {r['reused']} / "
                      f"{r['tokens']} |")
         lines.append(f"| | `python bench/agent_episodes.py --model {kw['model']} --prompts {kw['prompts']} --group "
                      f"{kw['group']} --turns {kw['turns']} --turn-len {kw['turn_len']} --reps {kw['reps']}` "
-                     "| | | | | |")
+                     "| | | | | | |")
     return lines
 
 
