@@ -47,8 +47,9 @@ class ClusterConfig:
     rollout_gpus: int = 0  # used only when colocate=false
     rollout_gpus_per_engine: int = 1
     # A role process that sends no heartbeat, or whose running call makes no progress (decode steps, micro-batches),
-    # for this many seconds is declared hung and stopped like a crashed one (see train.max_restarts). None: no
-    # watchdog, and the driver waits on the roles without a bound.
+    # for this many seconds is declared hung and stopped like a crashed one (see train.max_restarts). Every wait of
+    # the driver on a role is bounded by it: null is rejected (a very large value keeps the bound and all but turns
+    # the watchdog off).
     heartbeat_timeout_s: Optional[float] = 300.0
 
 
@@ -145,8 +146,8 @@ class TrainConfig:
     # exit 130 / 143); a second signal stops at once. false: stop at once (the last checkpoint stays the latest).
     save_on_preempt: bool = True
     # Longest wait, in seconds, for the roles to write or read a checkpoint; beyond it the role is treated as hung
-    # (a restart, see max_restarts; the unfinished checkpoint is never committed). Holds with
-    # cluster.heartbeat_timeout_s=null too: a process stuck in file I/O keeps sending heartbeats.
+    # (a restart, see max_restarts; the unfinished checkpoint is never committed). A process stuck in file I/O keeps
+    # sending heartbeats, so cluster.heartbeat_timeout_s alone would not end such a wait.
     checkpoint_timeout_s: float = 1800.0
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     use_dynamic_global_batch_size: bool = False

@@ -105,6 +105,9 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
               f"train.save_failures={t.save_failures} has no effect with train.save=false")
     r.require(t.save or t.save_on_preempt, ("train.save_on_preempt", "train.save"),
               "train.save_on_preempt=false has no effect with train.save=false (no checkpoint is written)")
+    r.require(c.heartbeat_timeout_s is not None, "cluster.heartbeat_timeout_s",
+              "cluster.heartbeat_timeout_s=null would let the driver wait on a hung role forever; set a number of "
+              "seconds (a very large one, such as 86400, all but turns the watchdog off and keeps every wait bounded)")
     if c.heartbeat_timeout_s is not None:
         r.positive("cluster.heartbeat_timeout_s", c.heartbeat_timeout_s)
     for key in ("adam_beta1", "adam_beta2"):

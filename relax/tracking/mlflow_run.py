@@ -58,7 +58,12 @@ from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
 from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
 from relax.tracking.params import truncate_value
-from relax.tracking.run_writer import MAX_METRICS_PER_BATCH, RunWriter, chunks  # noqa: F401 (MLflow's limit, re-exported)
+from relax.tracking.run_writer import (  # noqa: F401 (MAX_METRICS_PER_BATCH: MLflow's limit, re-exported)
+    CLOSE_JOIN_S,
+    MAX_METRICS_PER_BATCH,
+    RunWriter,
+    chunks,
+)
 from relax.tracking.spool_file import (
     REPLAY_COMMAND,
     SPOOL_PREFIX,
@@ -658,7 +663,9 @@ class Tracker:
                 return
             self._closing = True  # from here on, logging calls are ignored
         atexit.unregister(self._at_exit)
-        self.writer.stop()
+        if not self.writer.stop(CLOSE_JOIN_S):
+            self._finish_in_spool(status)
+            return
         error: Optional[BaseException] = None
         try:
             self.writer.drain()
@@ -685,6 +692,24 @@ class Tracker:
         self.spool.close()
         if error is not None:
             raise error
+
+    def _finish_in_spool(self, status: str) -> None:
+        """The end of a run whose store hangs in a write for more than CLOSE_JOIN_S: what the writer holds, the
+        buffer, the tags and the final status go to the spool without another call to the store (which would hang
+        too), and the run ends here; the printed command replays them."""
+        self.writer.spool_in_flight()
+        self.writer.spool_buffer()
+        with self.writer.lock:
+            if self.nonfinite_counts:
+                counts = ", ".join(f"{k}={n}" for k, n in sorted(self.nonfinite_counts.items()))
+                self.spool.append("tags", {"items": [[NONFINITE_TAG, truncate_value(counts, MAX_TAG_VALUE_LEN)]]})
+            self.spool.append("terminate", {"status": status, "end_time": int(time.time() * 1000)})
+        self.status = status
+        print(f"MLflow store {self.uri} did not answer a write of run {self.run_id} within {CLOSE_JOIN_S:g} s: "
+              f"nothing is lost, {self.spool.describe()} are kept in {self.spool.path}. Once the store answers, "
+              f"load them with:\n    {REPLAY_COMMAND} {shlex.quote(str(self.spool.path))}",
+              file=self._stream if self._stream is not None else sys.stderr, flush=True)
+        self.spool.close()
 
     def _at_exit(self) -> None:
         # The process ends without finish(): keep the metrics, and do not leave the run RUNNING.

@@ -22,6 +22,9 @@ logger = logging.getLogger("relax.tracking.mlflow_run")  # one logger for the ru
 MAX_METRICS_PER_BATCH = 1000  # MLflow's per-call limit (mlflow.utils.validation; a test checks they agree)
 _MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store keeps failing with a non-store error
 _WRITE_ATTEMPTS = 3  # writes that cannot be spooled (reopen's status update); spooled writes are retried by replay
+# How long the end of a run waits for the writer thread's write in progress; a store that hangs longer gets nothing
+# more: the rest goes to the spool (Tracker.finish)
+CLOSE_JOIN_S = 120.0
 
 T = TypeVar("T")
 
@@ -50,6 +53,7 @@ class RunWriter:
         self.lock = threading.RLock()  # guards the buffer; held only for list operations
         self._write_lock = threading.Lock()  # one writer at a time; taken before `lock`, never inside it
         self._in_flight = False  # the writer holds metrics taken from the buffer, not yet in the store or spool
+        self._writing: list[tuple[str, float, int, int]] = []  # those metrics
         self._last_step: Optional[int] = None
         self._steps_since_flush = 0
         self._last_flush = time.monotonic()
@@ -104,12 +108,23 @@ class RunWriter:
             return
         self.drain()
 
-    def stop(self) -> None:
-        """End the writer thread (after its current write); later writes happen in the caller."""
+    def stop(self, timeout_s: Optional[float] = None) -> bool:
+        """End the writer thread (after its current write); later writes happen in the caller. False: the thread is
+        still inside a store write after `timeout_s` (the store hangs); it is left behind (a daemon thread)."""
         if self.thread is not None:
             self._stop = True
             self._wake.set()
-            self.thread.join()
+            self.thread.join(timeout_s)
+            return not self.thread.is_alive()
+        return True
+
+    def spool_in_flight(self) -> None:
+        """The metrics of a write that has not come back (a hung store), into the spool as uncertain: the replay
+        compares them with the store first, so none is written twice if the hung write lands after all."""
+        with self.lock:
+            if self._writing:
+                self.spool.append("metrics", {"metrics": [list(m) for m in self._writing]}, uncertain=True)
+                self.stats["spooled_records"] += 1
 
     def spool_buffer(self) -> None:
         """Move the buffered metrics to the spool (fsync'ed); on failure they stay buffered."""
@@ -140,6 +155,7 @@ class RunWriter:
                 self._steps_since_flush = 0
                 self._last_flush = time.monotonic()
                 self._in_flight = bool(pending)
+                self._writing = pending
             done = 0
             try:
                 for chunk in chunks(pending, MAX_METRICS_PER_BATCH):
@@ -180,6 +196,7 @@ class RunWriter:
                 raise
             finally:
                 self._in_flight = False  # written, spooled or back in the buffer
+                self._writing = []
 
     def _loop(self) -> None:
         while True:

@@ -67,7 +67,7 @@ class _Ref:
 @pytest.mark.parametrize("board", [True, False], ids=["watchdog", "heartbeats_off"])
 def test_a_checkpoint_call_that_keeps_beating_but_never_finishes_fails_at_its_deadline(monkeypatch, board):
     """A save stuck in file I/O keeps its process beating, so no heartbeat rule fires: the deadline does, with the
-    watchdog on or off (cluster.heartbeat_timeout_s=null)."""
+    watchdog on or without heartbeats at all (a Watchdog without a board: roles called in this process)."""
     clock = [0.0]
 
     def wait(pending, num_returns, timeout):  # a poll that takes its full timeout and answers nothing
@@ -121,3 +121,13 @@ def test_a_role_beats_with_its_progress_until_it_is_gone():
     time.sleep(0.3)
     assert board.snapshot()["reference"].beat_age_s >= 0.2
     assert interval_for(300) == 5.0 and interval_for(3) == 0.3 and interval_for(0.5) == 0.2
+
+
+def test_an_unbounded_heartbeat_timeout_is_rejected_before_anything_starts():
+    """cluster.heartbeat_timeout_s=null would leave every wait on a role without an end: rejected, naming a bounded
+    way to all but turn the watchdog off."""
+    from relax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"cluster.heartbeat_timeout_s=null would let the driver wait .* forever"):
+        load_config(["cluster.heartbeat_timeout_s=null"])
+    assert load_config(["cluster.heartbeat_timeout_s=86400"]).cluster.heartbeat_timeout_s == 86400

@@ -482,3 +482,69 @@ def test_a_training_run_survives_a_store_outage(in_process: None, small_run: Any
     assert not list((tmp_path / "ckpt").glob("mlflow-spool-*"))
     flaky.assert_nothing_twice()
     print(f"run with a store outage: {took:.1f} s")
+
+
+def test_a_store_that_hangs_at_the_end_of_a_run_does_not_hold_it_and_loses_nothing(
+        cfg: TrackingConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The store stops answering (a write that never returns) while the writer thread writes: `finish` waits
+    CLOSE_JOIN_S for it, not forever, then keeps the metrics it holds, the rest and the final status in the spool
+    without calling the store again; replayed once the store answers, the run is complete and FINISHED. Negative
+    control: with no bound on the wait (CLOSE_JOIN_S=None), the same hang holds `finish` until the store answers."""
+    import threading
+
+    from relax.tracking import mlflow_run
+
+    monkeypatch.setattr(mlflow_run, "CLOSE_JOIN_S", 0.5)
+    release = threading.Event()
+    hung: list[bool] = []
+
+    def hanging(tracker: Tracker) -> None:
+        real = tracker.client.log_batch
+
+        def log_batch(run_id: str, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("metrics") and not release.is_set():
+                hung.append(True)
+                release.wait()  # a store that does not answer
+            return real(run_id, *args, **kwargs)
+
+        monkeypatch.setattr(tracker.client, "log_batch", log_batch)
+
+    def hang_the_writer(tracker: Tracker) -> None:
+        """Log step 0: a flush is due at once and the writer thread takes it into the hanging store."""
+        tracker.log_metrics({"a": 0.0}, 0)
+        deadline = time.monotonic() + 10
+        while not hung and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hung, "the writer never reached the store"
+
+    tracker = start(cfg, tmp_path, background=True, flush_interval_s=1e9, flush_every_steps=1)
+    hanging(tracker)
+    hang_the_writer(tracker)
+    for step in (1, 2, 3):
+        tracker.log_metrics({"a": float(step)}, step)  # buffered while the writer hangs
+    t0 = time.monotonic()
+    tracker.finish()
+    assert time.monotonic() - t0 < 5  # bounded by CLOSE_JOIN_S, not by the store
+    message = capsys.readouterr().err
+    assert "did not answer a write" in message and str(tracker.spool.path) in message
+    client = MlflowClient(cfg.uri)
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"  # the status is in the spool, not the store
+    release.set()  # the store answers again (the hung write lands too); replay the spool
+    assert S.main([str(tracker.spool.path), "--uri", cfg.uri]) == 0
+    assert [s for s, _, _ in history(client, tracker.run_id, "a")] == [0, 1, 2, 3]  # each step once
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+    # negative control: an unbounded wait on the same hang
+    monkeypatch.setattr(mlflow_run, "CLOSE_JOIN_S", None)
+    release.clear()
+    hung.clear()
+    other = start(cfg, tmp_path / "other", background=True, flush_interval_s=1e9, flush_every_steps=1)
+    hanging(other)
+    hang_the_writer(other)
+    closing = threading.Thread(target=other.finish, daemon=True)
+    closing.start()
+    closing.join(2.0)
+    assert closing.is_alive(), "finish returned although the store never answered"
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive()
