@@ -97,7 +97,6 @@ def test_resume_of_an_agentic_run_with_episodes_ahead_and_in_flight(in_process, 
     assert {k: a[k] for k in SAME_DATA} == {k: b[k] for k in SAME_DATA}
 
 
-@pytest.mark.xdist_group("sglang_runs")  # with tests/runner/test_sglang_training.py (see there)
 def test_guess_number_over_sglang_with_partial_rollout(ray_local, small_run, tmp_path, trained_batches):
     """rollout=sglang (two embedded servers behind the real sglang-router, real HTTP): a `/generate` request per turn
     with the episode's tokens as input_ids; weight updates abort episodes mid-turn or between turns, which continue

@@ -14,9 +14,17 @@ killed: list[int] = []
 
 
 def servers() -> list[psutil.Process]:
-    """The engine servers a run started (their config lies in the run's relax-sglang-* directory)."""
-    return [p for p in psutil.process_iter(["cmdline"]) if "relax.cli.serve" in (p.info.get("cmdline") or [])
-            and "relax-sglang-" in " ".join(p.info.get("cmdline") or [])]
+    """The engine servers a run of this process started (their config lies in the run's relax-sglang-* directory;
+    they descend from this process's Ray, never another test worker's)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = p.cmdline()
+        except psutil.Error:  # gone meanwhile
+            continue
+        if "relax.cli.serve" in cmdline and "relax-sglang-" in " ".join(cmdline):
+            out.append(p)
+    return out
 
 
 def reward(response: str, label: str) -> float:

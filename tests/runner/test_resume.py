@@ -263,7 +263,7 @@ PER_STEP = 2 * 4  # reward calls per step: rollout_batch_size * n_samples_per_pr
 # holds a batch generated ahead, which the resumed run must train exactly as the uninterrupted one does
 RUN_ARGS = [f"train.num_rollout={STEPS}", "train.save_interval=2", "rollout.rollout_batch_size=2",
             "rollout.n_samples_per_prompt=4", "tracking.progress=false",
-            "data=guess_number", "rollout.max_turns=3", "rollout.max_episode_tokens=40",
+            "data=guess_number", "rollout.max_turns=2", "rollout.max_episode_tokens=20",
             # the environment's reward plus this one's on the last message, one call per episode
             "data.reward=hold_reward:reward",
             "data.reward_timeout_s=null",  # the reward runs in the driver: its call count holds the run

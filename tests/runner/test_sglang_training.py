@@ -16,9 +16,7 @@ from relax.metrics import (
 )
 from relax.runner.train import run
 
-# every test that runs the loop with rollout=sglang shares one worker: `kill_engine_reward` kills and counts the
-# servers of "the run" by process name, which another run's servers would fool
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_runs")]
+pytestmark = pytest.mark.slow
 
 # a killed server is noticed within four rounds of checks (a round waits up to 5 s on each server, longer under
 # load: with eight misses a kill could go unnoticed until the run ended); a live one starved of CPU by the other
