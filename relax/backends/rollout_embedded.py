@@ -371,10 +371,10 @@ class EmbeddedEngine:
             live = status[rows] == 0  # rows still generating (all of them with drop_finished)
             drawn = live & ~forced
             dropped_mass += dropped[drawn.to(dev)].sum()
-            turns.count(rows, drawn)
             hit_eos = torch.isin(tokens, eos).cpu() & drawn
-            turn_over = hit_eos | turns.over_limit(rows, drawn)  # a stop token, or an episode's turn at its limit
-            hit_eos = turn_over & ~turns.continue_after(rows, turn_over, hit_eos, out_ids, t, budgets)
+            if episodes is not None:  # a turn ends at a stop token or its limit; its episode may go on
+                turn_over = hit_eos | turns.over_limit(rows, drawn)
+                hit_eos = turn_over & ~turns.continue_after(rows, turn_over, hit_eos, out_ids, t, budgets)
             hit_budget = (budgets[rows] <= t + 1) & live & ~hit_eos
             status[rows[hit_eos]] = _STOP
             status[rows[hit_budget]] = _LENGTH
@@ -469,7 +469,7 @@ class _Turns:
         limit) but not their episode (their observation is queued). An observation that leaves no room for a model
         token in the row's budget ends the episode with "length"."""
         going = torch.zeros(len(rows), dtype=torch.bool)
-        if self.episodes is None or not bool(turn_over.any()):
+        if not bool(turn_over.any()):
             return going
         for k in turn_over.nonzero().squeeze(-1).tolist():
             r = int(rows[k])
@@ -487,12 +487,10 @@ class _Turns:
             going[k] = True
         return going
 
-    def count(self, rows: torch.Tensor, drawn: torch.Tensor) -> None:
-        """A token drawn for rows `rows[drawn]`: one more in their current model turn."""
-        self.length[rows[drawn]] += 1
-
     def over_limit(self, rows: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
-        """[B] bool: rows whose current model turn reached `turn_limit` with this drawn token."""
+        """A token drawn for rows `rows[drawn]` (one more in their current model turn); [B] bool: the rows whose
+        current turn reached `turn_limit` with it."""
+        self.length[rows[drawn]] += 1
         if self.turn_limit is None:
             return torch.zeros(len(rows), dtype=torch.bool)
         return drawn & (self.length[rows] >= self.turn_limit)
