@@ -222,6 +222,9 @@ class RolloutStream:
                 self._raise_if_failed()
                 if self._buffer:
                     raise RuntimeError(f"rollout stream: asked for step {step}, next is {self._buffer[0][0].step}")
+                if self._at_rest and self._work() is None:  # only this thread could change that: it never will
+                    raise RuntimeError(f"rollout stream: step {step} can never be generated ({self._describe()}); "
+                                       "this is a bug in Relax, please report it with this message")
                 self._cond.wait(WAIT_POLL_S)
             job, samples = self._buffer.popleft()
             self._cond.notify_all()
@@ -239,10 +242,11 @@ class RolloutStream:
         """The pump stopped between engine calls (a job may be half done): for evaluation and checkpoints."""
         with self._cond:
             self._paused += 1
-            while not self._at_rest:
-                self._raise_if_failed()
-                self._cond.wait(WAIT_POLL_S)
         try:
+            with self._cond:
+                while not self._at_rest:
+                    self._raise_if_failed()
+                    self._cond.wait(WAIT_POLL_S)
             yield
         finally:
             with self._cond:
@@ -345,8 +349,9 @@ class RolloutStream:
             for v in [v for v in self._published if v < version]:
                 del self._published[v]  # superseded: versions only grow
 
-    def _next_call(self) -> tuple[_InFlight, int] | None:
-        """Under the lock: the work the pump can do now and the weight version for it, or None."""
+    def _work(self) -> tuple[_InFlight | None, int] | None:
+        """Under the lock: the engine call the pump can make now, as (the job in flight, or None for a new one, and
+        the weight version for it), or None: nothing until the loop publishes, takes or unpauses."""
         if self._paused or self._closed:
             return None
         cur = self._current
@@ -356,12 +361,25 @@ class RolloutStream:
         if self._next_step >= self.num_steps:
             return None
         version = self._weights_for(self._next_step)
-        if version is None:
+        return None if version is None else (cur, version)
+
+    def _next_call(self) -> tuple[_InFlight, int] | None:
+        """Under the lock: `_work()`, with the prompts of a new job drawn."""
+        if (work := self._work()) is None:
             return None
+        cur, version = work
         if cur is None:
             items, ids = self._draw_round()
             cur = self._current = _InFlight(self._next_step, items, ids)
         return cur, version
+
+    def _describe(self) -> str:
+        """Under the lock: the stream's state, for an error message."""
+        cur = self._current
+        return (f"mode {self.mode}, next job {self._next_step} of {self.num_steps}, in flight "
+                f"{'none' if cur is None else f'step {cur.step} (partial: {cur.partial is not None})'}, buffered "
+                f"{[j.step for j, _ in self._buffer]}, published {sorted(self._published)}, engines at "
+                f"{self.engine_version}, paused {self._paused}, closed {self._closed}")
 
     def _draw_round(self) -> tuple[list, torch.Tensor]:
         """Under the lock: the prompts of a new generation round and their sample ids."""

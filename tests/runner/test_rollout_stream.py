@@ -274,3 +274,17 @@ def test_aborts_the_run_did_not_ask_for_stop_it_after_a_bounded_backoff(partial)
         r"step 0: .*1 response\(s\) as aborted .* without the run asking \(sample ids \[3\]\)", str(raised[0]))
     assert engines.calls == 1 + UNASKED_ABORTS  # the first call, then one per allowed retry
     assert time.monotonic() - t0 >= UNASKED_BACKOFF_S * (2 ** UNASKED_ABORTS - 1) * 0.9  # it waited, growing
+
+
+def test_a_step_that_can_never_be_generated_fails_at_once_instead_of_waiting():
+    """The loop takes a step whose weights it never published (sync: job 1 needs version 1): nothing but the loop
+    could unblock the pump, so `take` reports the stream's state instead of waiting without end."""
+    cfg = config("sync", steps=3)
+    stream = RolloutStream(cfg, FakeEngines(random.Random(0)), Prompts(), start_step=0)
+    stream.publish(0, "w0")
+    with stream:
+        stream.take(0)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"step 1 can never be generated .*published \[0\]"):
+            stream.take(1)
+        assert time.perf_counter() - t0 < 5
