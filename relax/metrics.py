@@ -54,6 +54,11 @@ ENV_TIME = "perf/env_time"  # seconds in environments and tools (summed over epi
 # context tokens of earlier turns the embedded engine kept in its KV cache instead of computing them again, per
 # episode (what an engine that re-prefills each turn would recompute)
 KV_REUSED_TOKENS = "perf/kv_reused_tokens"
+# Agent programs behind the OpenAI gateway (data.openai_agent), per episode: trajectory segments (a call that does not
+# extend the conversation before it, as after a history edit, starts one), and calls whose sampling parameters the
+# run's replaced (rollout.temperature, top_p, top_k)
+GATEWAY_SEGMENTS = "rollout/gateway_segments_per_episode"
+GATEWAY_SAMPLING_OVERRIDES = "rollout/gateway_sampling_overrides"
 
 # RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
 RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"

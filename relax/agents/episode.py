@@ -116,12 +116,12 @@ class EpisodeMaker:
     @classmethod
     def for_config(cls, cfg: Any) -> Optional[EpisodeMaker]:
         """The episodes of a run's agentic rollouts (`data.env`, `data.tools`, `data.agent` with the rollout's
-        limits), or None for single-turn data."""
+        limits), or None for single-turn data and for an agent program (`data.openai_agent`)."""
         from relax.agents.loops import AgentFactory
         from relax.config.derive import agentic
         from relax.data.tokenizer import load_tokenizer
 
-        if not agentic(cfg):
+        if not agentic(cfg) or cfg.data.openai_agent:  # an OpenAI agent program runs its episodes itself
             return None
         d, ro = cfg.data, cfg.rollout
         return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s), load_tokenizer(cfg.model),

@@ -46,7 +46,7 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
 def agentic(cfg: RelaxConfig) -> bool:
     """Whether rollouts are episodes of turns (an environment, tools or an agent loop answers the model)."""
     d = cfg.data
-    return bool(d.env or d.tools or d.agent)
+    return bool(d.env or d.tools or d.agent or d.openai_agent)
 
 
 def data_parallel_size(cfg: RelaxConfig) -> int:

@@ -223,6 +223,12 @@ class DataConfig:
     tools: list[str] = field(default_factory=list)
     agent: Optional[str] = None
     tool_timeout_s: Optional[float] = 10.0  # seconds one tool call may take (worker processes); None: no limit
+    # An agent program that speaks the OpenAI API (docs/agents.md, rollout=sglang): 'package.module:function', called
+    # as function(item, base_url, api_key) -> reward or None once per sample, in one of agent_workers worker
+    # processes, each run within agent_timeout_s seconds; its calls through the training gateway are the sample.
+    openai_agent: Optional[str] = None
+    agent_timeout_s: float = 300.0
+    agent_workers: int = 8
     # An episode's reward as the algorithm sees it: episode (the sum of its turn rewards and data.reward, one scalar)
     # | per_turn (each turn's reward on that turn's last token, data.reward on the last one; for algorithms whose
     # advantages take token rewards, PPO and REINFORCE++, which discount them with their gamma over the model's tokens)

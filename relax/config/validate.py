@@ -587,6 +587,7 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
         r.positive("data.tool_timeout_s", d.tool_timeout_s)
     r.require(not (d.agent and (d.env or d.tools)), ("data.agent", "data.env", "data.tools"),
               "data.agent decides every observation itself; it cannot be combined with data.env or data.tools")
+    _openai_agent(cfg, r)
     r.require(bool(d.tools) or not _changed(d, "tool_timeout_s"), ("data.tool_timeout_s", "data.tools"),
               f"data.tool_timeout_s={d.tool_timeout_s} limits tool calls, and no tools are set (data.tools)")
     r.require(bool(d.tools or d.agent) or not _changed(ro, "max_tool_errors"),
@@ -622,8 +623,31 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
                                                                  "rollout.max_response_len"),
                   f"rollout.max_episode_tokens={ro.max_episode_tokens} must be >= rollout.max_response_len="
                   f"{ro.max_response_len} (one turn)")
-    r.require(d.reward != "none" or bool(d.env or d.agent), "data.reward",
+    r.require(d.reward != "none" or bool(d.env or d.agent or d.openai_agent), "data.reward",
               "data.reward=none with tools only: nothing would reward the episodes (set data.reward, or data.env)")
+
+
+def _openai_agent(cfg: RelaxConfig, r: _Rules) -> None:
+    """data.openai_agent: an agent program behind the training gateway (relax.backends.openai.agents)."""
+    d, ro = cfg.data, cfg.rollout
+    r.positive("data.agent_timeout_s", d.agent_timeout_s)
+    r.positive("data.agent_workers", d.agent_workers)
+    if not d.openai_agent:
+        r.require(not (_changed(d, "agent_timeout_s") or _changed(d, "agent_workers")),
+                  ("data.agent_timeout_s", "data.agent_workers", "data.openai_agent"),
+                  "data.agent_timeout_s and data.agent_workers limit and run agent programs; data.openai_agent is "
+                  "not set")
+        return
+    r.require(not (d.env or d.tools or d.agent), ("data.openai_agent", "data.env", "data.tools", "data.agent"),
+              "data.openai_agent runs the whole episode itself (its tools included); it cannot be combined with "
+              "data.env, data.tools or data.agent")
+    r.require(ro.backend == "sglang", ("data.openai_agent", "rollout.backend"),
+              "data.openai_agent serves the agent through an OpenAI gateway in front of SGLang servers: use "
+              "rollout=sglang (on a CPU: rollout=sglang rollout.sglang.server=embedded)")
+    r.require(not ro.partial_rollout, ("data.openai_agent", "rollout.partial_rollout"),
+              "data.openai_agent with rollout.partial_rollout=true: an agent's calls cannot be interrupted and "
+              "resumed by a weight update (each run keeps the weights it started with, within the staleness "
+              "bound); set rollout.partial_rollout=false")
 
 
 def validate(cfg: RelaxConfig) -> list[Violation]:

@@ -36,6 +36,7 @@ class PromptItem:
     prompt_text: str
     index: int
     source: str = ""
+    messages: Optional[list[dict]] = None  # the prompt as chat messages (when the chat template rendered it)
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -59,16 +60,22 @@ def render_prompt(
         raise ValueError("data.system_prompt needs the chat template (data.apply_chat_template=true and a tokenizer "
                          "with a template)")
     if apply_chat_template and has_chat_template(tokenizer):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system_prompt:
-            if any(m.get("role") == "system" for m in messages):
-                raise ValueError("data.system_prompt is set but this prompt has its own system message")
-            messages.insert(0, {"role": "system", "content": system_prompt})
+        messages = prompt_messages(prompt, system_prompt)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return text, True
     if isinstance(prompt, str):
         return prompt, False
     return "\n".join(m["content"] for m in prompt), False
+
+
+def prompt_messages(prompt: Union[str, list[dict[str, str]]], system_prompt: Optional[str]) -> list[dict[str, str]]:
+    """A prompt as chat messages: a string as one user message, after `system_prompt` as a system message."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt:
+        if any(m.get("role") == "system" for m in messages):
+            raise ValueError("data.system_prompt is set but this prompt has its own system message")
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
 
 
 def tokenize_prompt(text: str, tokenizer: Any, templated: bool) -> list[int]:
@@ -109,7 +116,7 @@ class PromptDataset(Sequence[PromptItem]):
         """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`)."""
         if prompt_overflow not in ("drop", "error"):
             raise DataError(f"data.prompt_overflow={prompt_overflow!r}: must be drop | error")
-        cache: dict[str, tuple[str, list[int]]] = {}
+        cache: dict[str, tuple[str, list[int], Optional[list[dict]]]] = {}
         items: list[PromptItem] = []
         dropped = 0
         for obj, where in records:
@@ -123,15 +130,16 @@ class PromptDataset(Sequence[PromptItem]):
                     text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt)
                 except ValueError as exc:
                     raise DataError(f"{where}: {exc}") from None
-                cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated))
-            text, ids = cache[cache_key]
+                cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated),
+                                    prompt_messages(prompt, system_prompt) if templated else None)
+            text, ids, messages = cache[cache_key]
             if max_prompt_len is not None and len(ids) > max_prompt_len:
                 if prompt_overflow == "error":
                     raise DataError(f"{where}: prompt has {len(ids)} tokens > rollout.max_prompt_len={max_prompt_len} "
                                     "(raise rollout.max_prompt_len or set data.prompt_overflow=drop)")
                 dropped += 1
                 continue
-            items.append(PromptItem(list(ids), str(label), text, len(items), where))
+            items.append(PromptItem(list(ids), str(label), text, len(items), where, messages))
         if dropped:
             logger.warning("%s: dropped %d of %d prompts longer than rollout.max_prompt_len=%s tokens",
                            name, dropped, len(records), max_prompt_len)

@@ -34,7 +34,11 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
         texts = [e["actions"][-1] if e["actions"] else "" for e in episodes]
         given = [sum(e["turn_rewards"]) for e in episodes]
         if reward_fn is None:
-            return Scores(rewards=given, failed=[False] * len(given))
+            scores = _agent_failures(episodes, Scores(rewards=given, failed=[False] * len(given)))
+            if scores.first_error is not None and cfg.data.reward_error == "raise":
+                raise RunError(f"data.openai_agent={cfg.data.openai_agent} failed (data.reward_error=raise):\n"
+                               f"{scores.first_error}")
+            return scores
     else:
         texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                  for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
@@ -44,8 +48,21 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
     if episodes is not None:
         scores.rewards = [r + g if not bad else r for r, g, bad in zip(scores.rewards, given, scores.failed,
                                                                        strict=True)]
+    if episodes is not None:
+        _agent_failures(episodes, scores)
     if scores.first_error is not None and cfg.data.reward_error == "raise":
         raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
+    return scores
+
+
+def _agent_failures(episodes: list[dict], scores: Scores) -> Scores:
+    """Agent runs that failed (`data.openai_agent`: raised, timed out, made no call) as failed reward calls."""
+    for i, e in enumerate(episodes):
+        if e.get("error") and not scores.failed[i]:
+            scores.failed[i], scores.rewards[i] = True, 0.0
+            scores.timeouts += e.get("end") == "timeout"
+            if scores.first_error is None:
+                scores.first_error = e["error"]
     return scores
 
 

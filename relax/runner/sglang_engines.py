@@ -79,7 +79,8 @@ class SGLangEngines:
         self.restarts = 0
         self._retries_seen = 0
         self._buckets = 0
-        self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses
+        self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses (or an OpenAI agent's)
+        self.agents = None  # data.openai_agent: the gateway and the agent workers (started with the servers)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SGLangEngines:
@@ -107,6 +108,12 @@ class SGLangEngines:
                                            timeout_s=sg.request_timeout_s)
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
+        if self.cfg.data.openai_agent and self.agents is None:
+            from relax.backends.openai.agents import AgentRollout
+            from relax.data.tokenizer import load_tokenizer
+
+            self.agents = AgentRollout(self.cfg, load_tokenizer(self.cfg.model), eos_token_ids=self.eos_token_ids,
+                                       pad_token_id=self.pad_token_id, send=self._agent_send, host=sg.host)
         return self
 
     def _started(self, refs: list) -> list[str]:
@@ -125,6 +132,8 @@ class SGLangEngines:
         self._stop.set()
         if self.episodes is not None:
             self.episodes.close()
+        if self.agents is not None:
+            self.agents.close()
         if self._watchdog is not None:
             self._watchdog.join(timeout=10)
         if self.sg.urls is not None and self._released and self._failed is None and self._last is not None:
@@ -146,8 +155,8 @@ class SGLangEngines:
             return Sampling(ro.max_response_len, ro.eval_temperature, ro.eval_top_p, -1, self.eos_token_ids)
         return Sampling(ro.max_response_len, ro.temperature, ro.top_p, ro.top_k, self.eos_token_ids)
 
-    def _send(self, payloads: list[dict], gen_id: int | None) -> list:
-        """One `/generate` request per payload through the router; the parsed answers in the same order."""
+    def _send_raw(self, payloads: list[dict], gen_id: int | None) -> list[dict]:
+        """One `/generate` request per payload through the router; the answers in the same order."""
         self._raise_if_failed()
         self._gen = gen_id
         if gen_id is None or gen_id != self._aborted:
@@ -156,13 +165,32 @@ class SGLangEngines:
             self._make_ready()
         try:
             answers = self.client.generate(payloads)
-        except Exception as exc:
-            self._raise_if_failed()
-            raise RunError(f"rollout=sglang: {exc}") from None
         finally:
             self._gen = None
         self._raise_if_failed()  # a server declared dead meanwhile: its requests may have come back empty
+        return answers
+
+    def _send(self, payloads: list[dict], gen_id: int | None) -> list:
+        """`_send_raw`, the answers parsed."""
+        try:
+            answers = self._send_raw(payloads, gen_id)
+        except RunError:
+            raise
+        except Exception as exc:
+            self._raise_if_failed()
+            raise RunError(f"rollout=sglang: {exc}") from None
         return [parse_answer(a, self._version) for a in answers]
+
+    def _agent_send(self, payloads: list[dict]) -> list[dict]:
+        """`_send_raw` for the gateway: a request the servers refuse is the agent's bad request (HTTP 400)."""
+        from relax.backends.openai.protocol import APIError
+
+        try:
+            return self._send_raw(payloads, None)
+        except EngineRequestError as exc:
+            refused = "HTTP 4" in str(exc)
+            raise APIError(str(exc), status=400 if refused else 503,
+                           kind="invalid_request_error" if refused else "server_error") from None
 
     def _done(self, out: Samples, t0: float) -> Samples:
         """A call's samples, timed; colocated in sync mode the servers then release their memory."""
@@ -200,6 +228,12 @@ class SGLangEngines:
         G = len(sample_ids) // len(prompts)
         rows = [p for p in prompts for _ in range(G)]
         sampling = self._sampling(evaluation)
+        if self.agents is not None:  # the agent programs' calls through the gateway
+            if items is None:
+                raise ValueError("SGLangEngines.generate: an agent rollout needs the prompt items")
+            t0 = time.perf_counter()
+            return self._done(self.agents.run(items, sample_ids, seed=seed, temperature=sampling.temperature,
+                                              top_p=sampling.top_p, top_k=sampling.top_k), t0)
         if self.episodes is not None:
             if items is None:
                 raise ValueError("SGLangEngines.generate: an agentic rollout needs the prompt items")

@@ -23,6 +23,8 @@ from relax.metrics import (
     FILTER_GENERATED_RATIO,
     FILTER_ROUNDS,
     FILTERED_GROUP_FRAC,
+    GATEWAY_SAMPLING_OVERRIDES,
+    GATEWAY_SEGMENTS,
     GENERATED_REWARD,
     KV_REUSED_TOKENS,
     OBS_TOKEN_FRAC,
@@ -90,6 +92,9 @@ def episode_metrics(samples: Samples) -> dict[str, float]:
            KV_REUSED_TOKENS: sum(e["kv_reused"] for e in episodes) / n}
     for reason in END_REASONS:
         out[EPISODE_END + reason] = sum(r == reason for r in samples.finish_reason) / n
+    if "segments" in episodes[0]:  # agent programs behind the OpenAI gateway
+        out[GATEWAY_SEGMENTS] = sum(e["segments"] for e in episodes) / n
+        out[GATEWAY_SAMPLING_OVERRIDES] = sum(e["sampling_overrides"] for e in episodes) / n
     return out
 
 

@@ -91,7 +91,13 @@ def _prepare(cfg: RelaxConfig):
         if agentic(cfg):  # the environment, tools or agent loop load here, so that a bad name fails before Ray
             from relax.agents.episode import EpisodeMaker
 
-            EpisodeMaker.for_config(cfg).close()
+            maker = EpisodeMaker.for_config(cfg)
+            if maker is not None:
+                maker.close()
+        if cfg.data.openai_agent:
+            from relax.backends.openai.agents import load_agent
+
+            load_agent(cfg.data.openai_agent)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:

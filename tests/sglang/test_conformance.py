@@ -324,8 +324,31 @@ def test_logprobs_are_the_trainers_on_policy_logprobs(url, models, temperature, 
 
 
 @embedded_only
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_top_logprobs_are_the_likeliest_tokens_of_the_trainers_distribution(url, models, temperature):
+    """top_logprobs_num=3: at each output position, the 3 likeliest tokens and their log-probs, found by brute force
+    over the whole vocabulary with the trainer's log-probs (greedy: temperature 1); the sampled token's log-prob is
+    its own entry where it is among them."""
+    out = generate(url, PROMPT, sampling_params={"max_new_tokens": 5, "temperature": temperature, "ignore_eos": True,
+                                                 "sampling_seed": 5}, return_logprob=True, top_logprobs_num=3)
+    tokens, top = out["output_ids"], out["meta_info"]["output_top_logprobs"]
+    assert len(top) == len(tokens) == 5
+    vocab = models["initial"].get_input_embeddings().weight.shape[0]
+    for i, alts in enumerate(top):
+        every = [float(trainer_logprobs(models["initial"], PROMPT + tokens[:i], [v], temperature or 1.0)[0])
+                 for v in range(vocab)]
+        best = sorted(range(vocab), key=lambda v: -every[v])[:3]
+        assert [a[1] for a in alts] == best
+        assert [a[0] for a in alts] == pytest.approx([every[v] for v in best], abs=1e-4)
+        if tokens[i] in best:
+            assert logps(out)[i] == pytest.approx(every[tokens[i]], abs=1e-4)
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, "top_logprobs_num": 2})
+    assert r.status_code == 400 and "return_logprob" in r.json()["error"]["message"]
+
+
+@embedded_only
 @pytest.mark.parametrize("field, value", [
-    ("stream", True), ("logprob_start_len", 0), ("top_logprobs_num", 2), ("return_hidden_states", True)])
+    ("stream", True), ("logprob_start_len", 0), ("token_ids_logprob", [1]), ("return_hidden_states", True)])
 def test_unsupported_request_fields_answer_400_naming_them(url, field, value):
     r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, field: value})
     assert r.status_code == 400 and field in r.json()["error"]["message"]

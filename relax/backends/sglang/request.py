@@ -4,11 +4,12 @@ rows, one per sample, and each row's answer written back; the errors the HTTP la
 The body (SGLang's `GenerateReqInput`; JSON, unknown fields ignored): `input_ids` (a list, or a list of lists) or
 `text`; `sampling_params` (one dict, or one per input) with max_new_tokens, temperature (0: greedy), top_p, top_k
 (-1: off), n, stop_token_ids, ignore_eos, no_stop_trim, skip_special_tokens, sampling_seed (unknown ones ignored);
-`return_logprob`; `rid` (one, or one per input; sample k of an input with n>1 has the id `<rid>_<k>`, and
-/abort_request matches either). The answer: a dict for one input with n=1, else a list, an input's n samples
-consecutive. `output_ids` include the stop token. Not supported (400 naming the field): stream, logprob_start_len
-other than -1, top_logprobs_num, token_ids_logprob, stop strings, penalties, min_p, min_new_tokens, constrained
-decoding, images, LoRA.
+`return_logprob` and `top_logprobs_num` (the likeliest tokens' log-probs at each output position, under the
+same distribution as the sampled token's: `output_top_logprobs`); `rid` (one, or one per input; sample k of an
+input with n>1 has the id `<rid>_<k>`, and /abort_request matches either). The answer: a dict for one input with
+n=1, else a list, an input's n samples consecutive. `output_ids` include the stop token. Not supported (400 naming
+the field): stream, logprob_start_len other than -1, token_ids_logprob, stop strings, penalties, min_p,
+min_new_tokens, constrained decoding, images, LoRA.
 
 Sampling: the engine runs with seed 0, and row k of a request with `sampling_seed` s draws from the random stream
 of sample id `row_stream(s, k)` (`row_stream(s, 0) == s`), so a request gets the same tokens in any batch and
@@ -17,6 +18,7 @@ whatever else runs; without `sampling_seed` every row gets a random stream.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import threading
@@ -27,6 +29,7 @@ from typing import Any, Optional
 
 GREEDY_EPS = 1e-6  # a temperature below this is greedy (SGLang's rule)
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+MAX_TOP_LOGPROBS = 20
 _MASK63 = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
 # sampling parameters the engine does not implement: accepted only at these (neutral) values
@@ -34,7 +37,7 @@ _NEUTRAL_SAMPLING = {"min_new_tokens": (0,), "min_p": (0, 0.0), "frequency_penal
                      "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "stop": ("", ()),
                      "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (), "logit_bias": ()}
 # request fields the server does not implement: accepted only at these values
-_NEUTRAL_REQUEST = {"top_logprobs_num": (0,), "token_ids_logprob": (), "return_hidden_states": (False,),
+_NEUTRAL_REQUEST = {"token_ids_logprob": (), "return_hidden_states": (False,),
                     "input_embeds": (), "image_data": (), "video_data": (), "audio_data": (), "lora_path": (),
                     "session_params": ()}
 
@@ -67,6 +70,7 @@ class Options:
     skip_special_tokens: bool
     no_stop_trim: bool
     text_in_logprobs: bool
+    top_logprobs: int = 0  # top_logprobs_num: the likeliest tokens' log-probs at each output position
 
 
 @dataclass(eq=False)
@@ -96,6 +100,7 @@ class Row:
     logps: list[float] = field(default_factory=list)
     finish: Optional[dict] = None
     abort: Optional[str] = None  # set once an abort was asked: the message of its finish_reason
+    top: Optional[list[list[tuple[float, int]]]] = None  # per output token: (log-prob, id) of the likeliest tokens
     version: Optional[str] = None  # the weight version that generated its tokens
 
 
@@ -173,11 +178,18 @@ class RequestCodec:
         else:
             rids = [None if r is None else str(r) for r in per_input("rid", rid, None)]
         text_in_logprobs = bool(body.get("return_text_in_logprobs"))
+        top = body.get("top_logprobs_num") or 0
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num={top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         request = Request(rows=[], single=False, t0=time.perf_counter())
         for prompt, sp, logprob, item_rid in zip(inputs, sps, logprobs, rids, strict=True):
             if not isinstance(sp, dict):
                 raise RequestError("sampling_params must be an object (or one per input)")
             key, max_new, n, seed, options = self._sampling(sp, len(prompt), bool(logprob), text_in_logprobs)
+            if top:
+                if not logprob:
+                    raise RequestError("top_logprobs_num needs return_logprob=true")
+                options = dataclasses.replace(options, top_logprobs=int(top))
             item_rid = item_rid or uuid.uuid4().hex
             for k in range(n):
                 stream = row_stream(seed, k) if seed is not None else secrets.randbits(63)
@@ -269,4 +281,9 @@ class RequestCodec:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, tok, piece] for lp, tok, piece in
                                              zip(row.logps, row.tokens, pieces, strict=True)]
+            if row.options.top_logprobs:
+                with self._tokenizer_lock:
+                    meta["output_top_logprobs"] = [
+                        [[lp, t, self.tokenizer.decode([t]) if row.options.text_in_logprobs else None]
+                         for lp, t in alts] for alts in (row.top or [])]
         return {"text": text, "output_ids": list(row.tokens), "meta_info": meta}

@@ -13,6 +13,7 @@ Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSO
 - `GET /health` 503 while the model loads, then 200; `/health_generate` also runs a 1-token generation (200 without
   one while generation is paused or memory released). `GET /server_info`, `/get_server_info`, `/model_info`,
   `/get_model_info`, `/get_weight_version`, `/v1/models`.
+- The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.backends.openai.service`).
 - `POST /generate`: `input_ids` or `text`, `sampling_params`, `return_logprob`, `rid`; what is supported, and how
   samples are seeded: see `relax.backends.sglang.request`.
 - `POST /pause_generation` {"mode": "abort" | "retract" | "in_place"}, `/continue_generation`, `/abort_request`
@@ -41,6 +42,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from relax.backends.openai.service import is_event_stream
 from relax.backends.sglang.request import DEFAULT_MAX_NEW_TOKENS, NotReady, RequestCodec, RequestError, row_stream
 from relax.backends.sglang.scheduler import PAUSE_MODES, Scheduler
 from relax.backends.sglang.weights import WeightEndpoints
@@ -97,7 +99,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw)
-        if isinstance(payload, bytes):
+        if is_event_stream(payload):
+            data, kind = bytes(payload), "text/event-stream"
+        elif isinstance(payload, bytes):
             data, kind = payload, "text/plain; charset=utf-8"
         else:
             data, kind = json.dumps(payload).encode(), "application/json"
@@ -133,6 +137,7 @@ class EmbeddedServer(WeightEndpoints):
         self._threads: list[threading.Thread] = []
         self.scheduler = Scheduler(lambda: self.weight_version)
         self._codec: Optional[RequestCodec] = None  # once the model is loaded
+        self._openai_service: Any = None  # the OpenAI endpoints, made at their first call
         self._init_weights()
         self._model_dir: Optional[str] = None
         self._routes: dict[str, Callable[[dict], tuple[int, Any]]] = self._route_table()
@@ -239,6 +244,8 @@ class EmbeddedServer(WeightEndpoints):
             "/get_server_info": self._server_info,
             "/get_weight_version": lambda body: (200, {"weight_version": self.weight_version}),
             "/v1/models": self._models,
+            "/v1/chat/completions": lambda body: self._openai("chat", body),
+            "/v1/completions": lambda body: self._openai("completion", body),
             "/generate": self._generate,
             "/pause_generation": self._pause,
             "/continue_generation": self._continue,
@@ -330,6 +337,42 @@ class EmbeddedServer(WeightEndpoints):
 
     # ------------------------------------------------------------------------------------------- generation
 
+    def _openai(self, endpoint: str, body: dict) -> tuple[int, Any]:
+        """`/v1/chat/completions` and `/v1/completions` (`relax.backends.openai.service`) on this engine; errors
+        in OpenAI's shape."""
+        from relax.backends.openai.protocol import APIError
+
+        try:
+            self._require_ready()
+            if self._openai_service is None:
+                from relax.backends.openai.chat import ChatFormat
+                from relax.backends.openai.service import OpenAIService
+
+                self._openai_service = OpenAIService(
+                    ChatFormat(self.tokenizer, self.eos_token_ids), self._send_openai, model=self.served_model_name,
+                    context_length=self.context_length)
+            return getattr(self._openai_service, endpoint)(body)
+        except NotReady as exc:
+            return 503, APIError(str(exc), status=503, kind="server_error").body()
+        except APIError as exc:
+            return exc.status, exc.body()
+
+    def _send_openai(self, payloads: list[dict]) -> list[dict]:
+        """The OpenAI service's `/generate` payloads as one batched request to this engine."""
+        from relax.backends.openai.protocol import APIError
+
+        body = {"input_ids": [p["input_ids"] for p in payloads],
+                "sampling_params": [p["sampling_params"] for p in payloads], "return_logprob": True}
+        if payloads[0].get("top_logprobs_num"):
+            body["top_logprobs_num"] = payloads[0]["top_logprobs_num"]
+        try:
+            status, answer = self._generate(body)
+        except RequestError as exc:
+            raise APIError(str(exc)) from None
+        if status != 200:
+            raise APIError(answer["error"]["message"], status=503 if status == 503 else 500, kind="server_error")
+        return answer if isinstance(answer, list) else [answer]
+
     def _generate(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
         released = self.scheduler.released
@@ -343,8 +386,29 @@ class EmbeddedServer(WeightEndpoints):
                 self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
         if request.error is not None:
             return 500, {"error": {"message": request.error}}
+        if any(r.options.top_logprobs for r in request.rows):
+            self._top_logprobs(request.rows)
         answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
         return 200, answers[0] if request.single else answers
+
+    def _top_logprobs(self, rows: list) -> None:
+        """Each row's likeliest tokens at each output position, from one forward pass over prompt and output under
+        the row's sampling distribution (log-softmax at its temperature, full vocabulary; greedy: temperature 1),
+        the one its tokens' log-probs come from."""
+        from relax.backends.sglang.request import GREEDY_EPS
+
+        with self.scheduler.exclusive("top_logprobs"), torch.no_grad():
+            model = self.engine.model
+            for row in rows:
+                k, n = row.options.top_logprobs, len(row.tokens)
+                if not k or not n:
+                    row.top = []
+                    continue
+                ids = torch.tensor([row.prompt + row.tokens], dtype=torch.long, device=self.engine.device)
+                logits = model(input_ids=ids).logits[0, len(row.prompt) - 1:len(row.prompt) - 1 + n].float()
+                temperature = row.key[0] if row.key[0] >= GREEDY_EPS else 1.0
+                values, index = torch.log_softmax(logits / temperature, -1).topk(k, dim=-1)
+                row.top = [list(zip(v.tolist(), i.tolist(), strict=True)) for v, i in zip(values, index, strict=True)]
 
     # ------------------------------------------------------------------------------------ pause, abort, flush
 

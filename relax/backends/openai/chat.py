@@ -1,0 +1,128 @@
+"""The model's chat format for the OpenAI API: messages and tools rendered into prompt tokens with the model's chat
+template, later messages of a conversation rendered as tokens to append after what the model sampled, and the
+model's text read back into content and tool calls.
+
+Tools: a template that takes `tools` (Qwen3's, for one) renders them itself; for one that does not (plain ChatML), a
+system message in the Hermes format lists them and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+Assistant messages with tool calls are rendered the same way the model writes them, and the model's calls are
+parsed with `relax.agents.tools.parse_tool_calls` (Hermes tags, one call or a JSON list of them).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import Any, Optional
+
+from relax.agents.render import ObservationRenderer
+from relax.agents.tools import TOOL_CALL, parse_tool_calls
+
+TOOLS_PROMPT = ("You may call one or more functions to assist with the user query. The functions are listed in "
+                "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write <tool_call>{{\"name\": "
+                "<function-name>, \"arguments\": <args-json-object>}}</tool_call>.")
+
+
+class ChatFormat:
+    """Rendering and parsing for one tokenizer (used under a lock: tokenizers are not thread-safe)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.native_tools = "tools" in template
+        self.native_calls = "tool_calls" in template
+        self.renderer = ObservationRenderer(tokenizer)
+        self.lock = threading.RLock()
+
+    # ---------------------------------------------------------------------------------------------- rendering
+    def _template_messages(self, messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:
+        out: list[dict] = []
+        for m in messages:
+            d: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
+                                 "content": m.get("content") or ""}
+            calls = m.get("tool_calls")
+            if calls and self.native_calls:
+                d["tool_calls"] = [{"type": "function", "id": c.get("id"),
+                                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+            elif calls:
+                written = "\n".join(f"<tool_call>\n{json.dumps({'name': c['name'], 'arguments': c['arguments']})}"
+                                    "\n</tool_call>" for c in calls)
+                d["content"] = f"{d['content']}\n{written}" if d["content"] else written
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    d[key] = m[key]
+            out.append(d)
+        if tools and not self.native_tools:
+            listing = "\n".join(json.dumps(t["function"]) for t in tools)
+            prompt = TOOLS_PROMPT.format(tools=listing)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+    def prompt(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
+        """The prompt tokens of a whole conversation (normalized messages), ending with the assistant's
+        generation prompt."""
+        with self.lock:
+            text = self.tokenizer.apply_chat_template(
+                self._template_messages(messages, tools), tools=tools if self.native_tools else None,
+                tokenize=False, add_generation_prompt=True)
+            return self.encode(text)
+
+    def continuation(self, messages: list[dict], stop_token: Optional[int]) -> list[int]:
+        """The tokens of `messages` appended after a model answer that ended with `stop_token` (None: it did not
+        end with one), up to the next generation prompt (`relax.agents.render.ObservationRenderer`)."""
+        with self.lock:
+            return self.renderer.tokens(self._template_messages(messages, None), stop_token)
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, tokens: list[int]) -> str:
+        with self.lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def pieces(self, tokens: list[int]) -> list[str]:
+        """Each token's own text (special tokens written out): the `token` of its log-prob."""
+        with self.lock:
+            return [self.tokenizer.decode([t]) for t in tokens]
+
+    def increments(self, tokens: list[int]) -> list[str]:
+        """What each token adds to the decoded text (special tokens left out): a stream's content deltas."""
+        out, before = [], ""
+        with self.lock:
+            for k in range(1, len(tokens) + 1):
+                text = self.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+                out.append(text[len(before):] if text.startswith(before) else "")
+                before = text if text.startswith(before) else before
+        return out
+
+    # ---------------------------------------------------------------------------------------------- answers
+    def answer_text(self, tokens: list[int], stop: list[str]) -> tuple[list[int], str, Optional[int], bool]:
+        """(tokens kept, text, the stop token that ended them or None, whether a stop sequence ended them): the
+        text leaves out the stop token and stops before the first stop sequence; the tokens stop after the token
+        that completed it (what the model sampled up to there)."""
+        end = tokens[-1] if tokens and tokens[-1] in self.eos_token_ids else None
+        body = tokens[:-1] if end is not None else tokens
+        text = self.decode(body)
+        hits = [(text.find(s), s) for s in stop if s in text]
+        if not hits:
+            return tokens, text, end, False
+        at, s = min(hits)
+        for k in range(1, len(body) + 1):  # the first token after which the stop sequence is in the text
+            if len(self.decode(body[:k])) >= at + len(s) and s in self.decode(body[:k]):
+                return body[:k], text[:at], None, True
+        return body, text[:at], None, True
+
+    @staticmethod
+    def tool_calls(text: str) -> tuple[str, Optional[list[dict]]]:
+        """(content, OpenAI tool calls) of a model message: the well-formed calls taken out of the content."""
+        calls, errors = parse_tool_calls(text)
+        if not calls or errors:
+            return text, None
+        content = TOOL_CALL.sub("", text).strip()
+        return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]

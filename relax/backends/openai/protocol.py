@@ -1,0 +1,347 @@
+"""The OpenAI API's request and answer shapes: bodies of `/v1/chat/completions` and `/v1/completions` read into
+`Params` (every problem an `APIError` with a 4xx status and OpenAI's error shape, naming the field), and choices
+written back as OpenAI writes them, whole or as server-sent events.
+
+Supported: `model` (any name: the served model answers), `messages` (system, developer, user, assistant with
+`tool_calls`, tool; text content, as a string or text parts), `prompt` (completions: a string or token ids), `tools`
+(function tools) with `tool_choice` "auto" or "none", `n`, `max_tokens` / `max_completion_tokens`, `temperature`,
+`top_p`, `stop` (a string or up to 4), `seed`, `logprobs` (chat: a bool, completions: 0-5 as the number of top
+log-probs) and `top_logprobs`, `stream` with `stream_options.include_usage`, and `user`, `metadata`, `store` (kept
+out of generation). Log-probs are those of the sampling distribution (the model's at the request's temperature), the
+ones Relax trains with. Anything else that would change the output (penalties, `logit_bias`, `response_format`,
+forced tool choices, images) is refused with a 400 naming it, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+# fields that do not change what is generated: accepted and not used
+_IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier"}
+# fields that would change the output, accepted only at their neutral values
+_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "response_format": (
+    {"type": "text"},), "suffix": ("",), "echo": (False,), "best_of": (1,), "functions": (), "function_call": (),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": ()}
+_CHAT = {"model", "messages", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "temperature",
+         "top_p", "stop", "seed", "logprobs", "top_logprobs", "stream"}
+_COMPLETION = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "stream"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """A request the API refuses: `status` (4xx, or 5xx for the server's own failures) and OpenAI's error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: Optional[str] = None,
+                 kind: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.param, self.kind, self.code = status, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(f"{param}: {message}", param=param)
+
+
+@dataclass
+class Params:
+    """What a request asks of generation and of the answer's shape."""
+
+    n: int = 1
+    max_tokens: Optional[int] = None  # None: the server's limit
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    tools: Optional[list[dict]] = None  # function tools offered to the model (None: none)
+    top_k: int = -1  # not in the OpenAI API: a training session sets the run's (rollout.top_k)
+    model: str = ""
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise _bad(name, f"{v!r} must be a number in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int, hi: Optional[int] = None) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise _bad(name, f"{v!r} must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+    return v
+
+
+def _common(body: dict, allowed: set[str]) -> Params:
+    if not isinstance(body, dict):
+        raise APIError("the body must be a JSON object")
+    for name in body:
+        if name in _NEUTRAL:
+            if body[name] not in (None, *_NEUTRAL[name]):
+                raise _bad(name, f"{body[name]!r} is not supported by this server")
+        elif name not in allowed and name not in _IGNORED:
+            raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "required: a model name (any name; the served model answers)")
+    p = Params(model=model)
+    p.n = _integer(body, "n", 1, MAX_N) or 1
+    limits = [v for v in (_integer(body, "max_tokens", 1), _integer(body, "max_completion_tokens", 1)) if v]
+    p.max_tokens = min(limits) if limits else None
+    p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if p.top_p == 0.0:
+        raise _bad("top_p", "0 keeps no token; use a value in (0, 1]")
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise _bad("stop", f"{stop!r} must be a non-empty string or a list of up to {MAX_STOP} of them")
+    p.stop = list(stops)
+    p.seed = _integer(body, "seed", -(2**63))
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise _bad("stream", f"{stream!r} must be a boolean")
+    p.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or not p.stream:
+            raise _bad("stream_options", "an object, allowed only with stream=true")
+        p.include_usage = bool(options.get("include_usage"))
+    return p
+
+
+def parse_chat(body: dict) -> tuple[list[dict], Params]:
+    """The messages (normalized: `normalize_message`) and parameters of a chat completion request."""
+    p = _common(body, _CHAT)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "required: a non-empty list of messages")
+    normalized = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, True, False):
+        raise _bad("logprobs", f"{logprobs!r} must be a boolean")
+    p.logprobs = bool(logprobs)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not p.logprobs:
+        raise _bad("top_logprobs", "needs logprobs=true")
+    p.top_logprobs = top or 0
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools", "must be a list of function tools")
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise _bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise _bad("tool_choice", f"{choice!r} is not supported: this server cannot force a call (constrained "
+                                  "decoding); use 'auto' or 'none'")
+    p.tools = tools if tools and choice != "none" else None
+    return normalized, p
+
+
+def parse_completion(body: dict) -> tuple[Any, Params]:
+    """The prompt (a string or a list of token ids) and parameters of a completion request."""
+    p = _common(body, _COMPLETION)
+    prompt = body.get("prompt")
+    ok = (isinstance(prompt, str) and prompt) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+    if not ok:
+        raise _bad("prompt", "required: a non-empty string or a list of token ids (one prompt per request)")
+    top = _integer(body, "logprobs", 0, 5)
+    p.logprobs, p.top_logprobs = top is not None, top or 0
+    return prompt, p
+
+
+def _text(content: Any, where: str) -> Optional[str]:
+    """A message's content as text: a string, None, or text parts joined."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) are supported")
+            out.append(part["text"])
+        return "".join(out)
+    raise _bad(f"{where}.content", "must be a string or a list of text parts")
+
+
+def normalize_message(m: Any, where: str = "message") -> dict:
+    """A message as plain values that compare equal when they mean the same: role, content (text or None),
+    tool calls as (name, arguments parsed from JSON), tool_call_id, name."""
+    if not isinstance(m, dict):
+        raise _bad(where, "must be an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise _bad(f"{where}.role", f"{role!r}; expected one of {', '.join(ROLES)}")
+    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where)}
+    if role == "assistant" and m.get("tool_calls"):
+        calls = []
+        for j, c in enumerate(m["tool_calls"]):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise _bad(f"{where}.tool_calls[{j}]",
+                           "must be {'type': 'function', 'function': {'name', 'arguments'}}")
+            args = fn.get("arguments") or "{}"
+            try:
+                parsed = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError:
+                parsed = args  # kept as written: compared and rendered as such
+            calls.append({"id": c.get("id"), "name": fn["name"], "arguments": parsed})
+        out["tool_calls"] = calls
+    elif role != "assistant" and out["content"] is None:
+        raise _bad(f"{where}.content", f"required for a {role} message")
+    if role == "tool":
+        out["tool_call_id"] = m.get("tool_call_id")
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def same_message(a: dict, b: dict) -> bool:
+    """Whether two normalized messages mean the same (tool call ids and empty-vs-missing content aside)."""
+    def key(m: dict) -> tuple:
+        calls = tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in m.get("tool_calls") or ())
+        return m["role"], (m.get("content") or "").strip(), calls, m.get("tool_call_id"), m.get("name")
+    return key(a) == key(b)
+
+
+# --------------------------------------------------------------------------------------------------- answers
+@dataclass
+class Choice:
+    """One generated answer: its text (stop sequence cut), tokens and their log-probs."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    pieces: list[str]  # each token's text
+    finish_reason: str  # stop | length | tool_calls
+    top: Optional[list[list[tuple[str, float]]]] = None  # per token: (text, log-prob) of the most likely tokens
+    tool_calls: Optional[list[dict]] = None  # OpenAI tool_calls of a chat answer
+    deltas: Optional[list[str]] = None  # what each token adds to the text (for streaming)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    done = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+
+
+def _token_logprobs(c: Choice, top: int) -> list[dict]:
+    out = []
+    for i, (piece, lp) in enumerate(zip(c.pieces, c.logprobs, strict=True)):
+        alts = (c.top[i] if c.top else [])[:top]
+        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()),
+                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts]})
+    return out
+
+
+def chat_answer(choices: list[Choice], p: Params, prompt_tokens: int, *, model: str, extra: dict | None = None) -> dict:
+    """A `chat.completion` object."""
+    out = []
+    for i, c in enumerate(choices):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+        if c.tool_calls:
+            message["tool_calls"] = c.tool_calls
+        out.append({"index": i, "message": message, "finish_reason": c.finish_reason,
+                    "logprobs": {"content": _token_logprobs(c, p.top_logprobs)} if p.logprobs else None})
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": _usage(prompt_tokens, choices), **(extra or {})}
+
+
+def completion_answer(choices: list[Choice], p: Params, prompt_tokens: int, *, model: str) -> dict:
+    """A `text_completion` object."""
+    out = []
+    for i, c in enumerate(choices):
+        logprobs = None
+        if p.logprobs:
+            offsets, at = [], 0
+            for piece in c.pieces:
+                offsets.append(at)
+                at += len(piece)
+            logprobs = {"tokens": c.pieces, "token_logprobs": c.logprobs, "text_offset": offsets,
+                        "top_logprobs": [dict(alts[:p.top_logprobs]) for alts in c.top] if c.top else None}
+        out.append({"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs})
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": _usage(prompt_tokens, choices)}
+
+
+def _event(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
+    """`answer` (a chat.completion) as server-sent `chat.completion.chunk` events, one per token and choice, then
+    the finish reasons (and the usage with `stream_options.include_usage`), then `data: [DONE]`."""
+    head = {k: answer[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    events = []
+    for i, (ch, c) in enumerate(zip(answer["choices"], choices, strict=True)):
+        events.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None, "logprobs": None}]})
+        content = ch["message"]["content"] or ""
+        pieces = _stream_pieces(content, c)
+        for j, piece in enumerate(pieces):
+            lp = {"content": _token_logprobs(c, p.top_logprobs)[j:j + 1]} if p.logprobs else None
+            events.append({**head, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None,
+                                                "logprobs": lp}]})
+        if ch["message"].get("tool_calls"):
+            calls = [{"index": k, **tc} for k, tc in enumerate(ch["message"]["tool_calls"])]
+            events.append({**head, "choices": [{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None,
+                                                "logprobs": None}]})
+        events.append({**head, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"],
+                                            "logprobs": None}]})
+    if p.include_usage:
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    return ("".join(_event(e) for e in events) + "data: [DONE]\n\n").encode()
+
+
+def _stream_pieces(content: str, c: Choice) -> list[str]:
+    """`content` split at the answer's token boundaries (what a token-by-token stream would send); in one piece
+    where it is not the tokens' text (tool calls taken out of it)."""
+    pieces, at = [], 0
+    for piece in c.deltas or []:
+        if at >= len(content) or content[at:at + len(piece)] != piece:
+            break
+        pieces.append(piece)
+        at += len(piece)
+    if at < len(content):
+        if c.tool_calls:
+            return [content] if content else []
+        pieces.append(content[at:])
+    return [q for q in pieces if q]
+
+
+def completion_events(answer: dict, choices: list[Choice]) -> bytes:
+    """`answer` (a text_completion) as server-sent events, then `data: [DONE]`."""
+    head = {k: answer[k] for k in ("id", "object", "created", "model")}
+    events = []
+    for i, ch in enumerate(answer["choices"]):
+        for piece in _stream_pieces(ch["text"], choices[i]):
+            events.append({**head, "choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]})
+        events.append({**head, "choices": [{"index": i, "text": "", "finish_reason": ch["finish_reason"],
+                                            "logprobs": None}]})
+    return ("".join(_event(e) for e in events) + "data: [DONE]\n\n").encode()

@@ -1,0 +1,47 @@
+"""Agent programs for the gateway tests (`data.openai_agent=gateway_agents:<name>`), written only against the
+official `openai` client."""
+
+from __future__ import annotations
+
+import time
+
+from openai import OpenAI
+
+FOLLOW_UP = "what is the final answer"  # words of the tiny tokenizer's vocabulary
+
+
+def client(base_url: str, api_key: str) -> OpenAI:
+    return OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+
+
+def three_turns(item: dict, base_url: str, api_key: str) -> float:
+    """Three chat calls, each continuing the conversation with the answer it got and a user follow-up; reward 1 when
+    the last answer holds a digit."""
+    c = client(base_url, api_key)
+    messages = list(item["messages"])
+    for _ in range(3):
+        answer = c.chat.completions.create(model="policy", messages=messages, max_tokens=6).choices[0].message
+        messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": FOLLOW_UP}]
+    return float(any(ch.isdigit() for ch in answer.content or ""))
+
+
+def edits_history(item: dict, base_url: str, api_key: str) -> None:
+    """Two calls, the second with the first answer rewritten (as context compaction would): a new segment."""
+    c = client(base_url, api_key)
+    messages = list(item["messages"])
+    answer = c.chat.completions.create(model="policy", messages=messages, max_tokens=4).choices[0].message
+    messages += [{"role": "assistant", "content": (answer.content or "") + " is"}, {"role": "user", "content": "what"}]
+    c.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return None
+
+
+def raises(item: dict, base_url: str, api_key: str) -> float:
+    if item["index"] % 2 == 0:
+        raise RuntimeError("the agent broke")
+    return three_turns(item, base_url, api_key)
+
+
+def hangs(item: dict, base_url: str, api_key: str) -> float:
+    if item["index"] % 2 == 0:
+        time.sleep(3600)
+    return three_turns(item, base_url, api_key)
