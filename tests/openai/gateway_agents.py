@@ -35,13 +35,15 @@ def edits_history(item: dict, base_url: str, api_key: str) -> None:
     return None
 
 
-def raises(item: dict, base_url: str, api_key: str) -> float:
-    if item["index"] % 2 == 0:
+
+
+def mixed(item: dict, base_url: str, api_key: str) -> float | None:
+    """By prompt: one that raises, one that hangs, one that edits its history, one that converses three turns."""
+    kind = item["index"] % 4
+    if kind == 0:
         raise RuntimeError("the agent broke")
-    return three_turns(item, base_url, api_key)
-
-
-def hangs(item: dict, base_url: str, api_key: str) -> float:
-    if item["index"] % 2 == 0:
+    if kind == 1:
         time.sleep(3600)
+    if kind == 2:
+        return edits_history(item, base_url, api_key)
     return three_turns(item, base_url, api_key)

@@ -62,14 +62,16 @@ class ChatFormat:
                 out.insert(0, {"role": "system", "content": prompt})
         return out
 
-    def prompt(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
-        """The prompt tokens of a whole conversation (normalized messages), ending with the assistant's
-        generation prompt."""
+    def render(self, messages: list[dict], tools: Optional[list[dict]]) -> str:
+        """The text of a whole conversation (normalized messages) and the assistant's generation prompt."""
         with self.lock:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 self._template_messages(messages, tools), tools=tools if self.native_tools else None,
                 tokenize=False, add_generation_prompt=True)
-            return self.encode(text)
+
+    def prompt(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
+        """The prompt tokens of `render`."""
+        return self.encode(self.render(messages, tools))
 
     def continuation(self, messages: list[dict], stop_token: Optional[int]) -> list[int]:
         """The tokens of `messages` appended after a model answer that ended with `stop_token` (None: it did not

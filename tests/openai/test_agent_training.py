@@ -1,0 +1,66 @@
+"""Agent programs written against the official `openai` client, trained through the gateway (`data.openai_agent`,
+rollout=sglang with embedded servers behind the real sglang-router, on a real Ray): the trained tokens are the
+sampled ones (the trainer's log-probs equal the engine's, fp32), the three-turn conversations arrive as one
+trajectory with the follow-ups out of the loss, an edited history as a second segment, and agents that raise or
+hang cost their groups (counted as failed reward calls, the hung ones as time-outs) and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax.config import load_config
+from relax.metrics import (
+    GATEWAY_SEGMENTS,
+    REWARD_ERRORS,
+    REWARD_TIMEOUTS,
+    STALENESS_MAX,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+    TURNS_MEAN,
+)
+from relax.runner.train import run
+
+pytestmark = pytest.mark.slow
+
+GATEWAY = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_replicas=1", "model.dtype=float32",
+           "rollout.max_turns=3", "rollout.max_response_len=6", "rollout.max_episode_tokens=80",
+           "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4", "data.reward=none", "data.agent_workers=4",
+           "rollout.sglang.startup_timeout_s=120"]
+
+
+def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path, trained_batches):
+    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:mixed", "data.agent_timeout_s=6",
+                                "algorithm.use_tis=true", steps=2))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert [s for s, _ in result.history] == [0, 1]
+    seen = set()
+    for step, m in result.history:
+        samples = trained_batches[step]
+        kinds = [e["item"]["index"] % 4 for e in samples.episodes]
+        seen |= set(kinds)
+        assert m[REWARD_ERRORS] == sum(k in (0, 1) for k in kinds)  # raised or hung: failed
+        assert m[REWARD_TIMEOUTS] == sum(k == 1 for k in kinds)
+        assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4  # the trained tokens are the sampled ones, on-policy
+        gen, present = samples.response_mask.bool(), samples.present().bool()
+        for r, (kind, e) in enumerate(zip(kinds, samples.episodes, strict=True)):
+            if kind in (0, 1):
+                assert e["error"] and not present[r].any()
+                continue
+            assert e["error"] is None and e["segments"] == (2 if kind == 2 else 1)
+            runs = int(((gen[r, 1:] & ~gen[r, :-1]).sum()) + gen[r, 0])  # model turns in the trajectory
+            assert runs == e["turns"] == (1 if kind == 2 else 3)
+            assert (present[r] & ~gen[r]).any() == (kind == 3)  # follow-ups: in the context, out of the loss
+        assert m[GATEWAY_SEGMENTS] == pytest.approx(sum(e["segments"] for e in samples.episodes) / len(kinds))
+        assert m[TURNS_MEAN] == pytest.approx(sum(e["turns"] for e in samples.episodes) / len(kinds))
+    assert {2, 3} & seen, seen
+
+
+def test_fully_async_keeps_each_tokens_version_within_the_bound(ray_local, small_run, tmp_path, trained_batches):
+    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns", "train.mode=fully_async",
+                                "train.max_staleness=1", "algorithm=m2po", steps=3))
+    result = run(cfg, output_dir=tmp_path / "out")
+    for step, m in result.history:
+        assert m[STALENESS_MAX] <= 1
+        samples = trained_batches[step]
+        versions = samples.versions()[samples.response_mask.bool()]
+        assert int(versions.min()) >= step - 1 and int(versions.max()) <= step
+        assert all(e["turns"] == 3 and e["segments"] == 1 for e in samples.episodes)
