@@ -22,18 +22,21 @@ class AgentSpecError(ValueError):
     """`data.env` or `data.agent` names nothing usable; raised at start."""
 
 
-def _load(spec: str, option: str, builtins: dict[str, Callable[[], Any]]) -> Callable[[], Any]:
+def load_callable(spec: str, option: str, builtins: dict[str, Callable[..., Any]],
+                  expected: str = "a class or a factory called with no arguments") -> Callable[..., Any]:
+    """What option `option`'s value `spec` names: a built-in name or 'package.module:attr', callable
+    (`AgentSpecError` naming the option otherwise)."""
     if spec in builtins:
         return builtins[spec]
     if ":" not in spec:
-        raise AgentSpecError(f"{option}={spec!r}: unknown; expected one of {sorted(builtins)} or "
-                             "'package.module:attr' (a class or a factory called with no arguments)")
+        known = f"one of {sorted(builtins)} or " if builtins else ""
+        raise AgentSpecError(f"{option}={spec!r}: unknown; expected {known}'package.module:attr' ({expected})")
     try:
         value = import_attr(spec)
     except ImportPathError as exc:
         raise AgentSpecError(f"{option}={spec!r}: {exc}") from None
     if not callable(value):
-        raise AgentSpecError(f"{option}={spec!r} is not callable (a class or a factory)")
+        raise AgentSpecError(f"{option}={spec!r} is not callable ({expected})")
     return value
 
 
@@ -97,8 +100,8 @@ class AgentFactory:
         if agent and (env or tools):
             raise AgentSpecError("data.agent decides every observation itself; it cannot be combined with data.env "
                                  "or data.tools")
-        self.agent = _load(agent, "data.agent", {}) if agent else None
-        self.env = _load(env, "data.env", BUILTIN_ENVS) if env else None
+        self.agent = load_callable(agent, "data.agent", {}) if agent else None
+        self.env = load_callable(env, "data.env", BUILTIN_ENVS) if env else None
         self.tools = get_tools(list(tools)) if tools else {}
         self.runner = ToolRunner(self.tools, tool_timeout_s) if self.tools else None
 

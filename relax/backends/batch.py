@@ -113,6 +113,51 @@ class TrainBatch(Samples):
         return replace(self, **changes)
 
 
+@dataclass
+class EpisodeRow:
+    """One episode as lists, built token by token by a driver-side rollout (SGLang turns, OpenAI gateway
+    sessions): its prompt, then every later token with its log-prob, whether the model generated it (1) or it was
+    appended (0), and the weight version that generated it."""
+
+    prompt: list[int]
+    ids: list[int]
+    logp: list[float]
+    generated: list[int]
+    version: list[int]
+    finish: str
+    record: dict  # Samples.episodes' entry
+
+
+def episode_samples(rows: list[EpisodeRow], sample_ids: torch.Tensor, pad_token_id: int) -> Samples:
+    """`rows` as `Samples`: prompts left-padded, responses right-padded, `token_mask` 1 on every response token."""
+    N, P = len(rows), max(len(r.prompt) for r in rows)
+    T = max([len(r.ids) for r in rows] + [1])
+    prompt_ids = torch.full((N, P), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros(N, P, dtype=torch.long)
+    ids = torch.full((N, T), pad_token_id, dtype=torch.long)
+    logp = torch.zeros(N, T, dtype=torch.float32)
+    generated = torch.zeros(N, T, dtype=torch.long)
+    present = torch.zeros(N, T, dtype=torch.long)
+    version = torch.zeros(N, T, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = len(r.ids)
+        prompt_ids[i, P - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
+        prompt_mask[i, P - len(r.prompt):] = 1
+        if n:
+            ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+            logp[i, :n] = torch.tensor(r.logp, dtype=torch.float32)
+            generated[i, :n] = torch.tensor(r.generated, dtype=torch.long)
+            version[i, :n] = torch.tensor(r.version, dtype=torch.long)
+            present[i, :n] = 1
+    versions = version[generated.bool()]
+    return Samples(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=generated,
+                   rollout_logp=logp, finish_reason=[r.finish for r in rows],
+                   weight_version=int(versions.min()) if len(versions) else 0,
+                   dropped_mass=float("nan"),  # HTTP engines do not report what top-k/top-p removed
+                   sample_id=torch.as_tensor(sample_ids, dtype=torch.long).clone(), token_version=version,
+                   token_mask=present, episodes=[r.record for r in rows])
+
+
 def _pad_to(x: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
     extra = width - x.shape[1]
     if extra == 0:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from relax.agents.episode import item_record
-from relax.backends.batch import Samples
+from relax.backends.batch import EpisodeRow, Samples, episode_samples
 from relax.backends.openai.chat import ChatFormat
 from relax.backends.openai.gateway import Gateway
 from relax.backends.openai.service import OpenAIService
@@ -46,15 +46,9 @@ def call_agent(fn: Callable[..., Any], item: dict, base_url: str,
 
 def load_agent(spec: str) -> Callable[..., Any]:
     """The function `data.openai_agent` names ('package.module:function'); ValueError naming what is wrong."""
-    from relax.imports import ImportPathError, import_attr
+    from relax.agents.loops import load_callable
 
-    try:
-        fn = import_attr(spec)
-    except ImportPathError as exc:
-        raise ValueError(f"data.openai_agent={spec!r}: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"data.openai_agent={spec!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return load_callable(spec, "data.openai_agent", {}, "a function run(item, base_url, api_key)")
 
 
 class AgentRollout:
@@ -109,35 +103,13 @@ class AgentRollout:
 
 def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_ids: torch.Tensor,
              pad_token_id: int) -> Samples:
-    N, P = len(rows), max(len(t.prompt) for _, _, t, _ in rows)
-    T = max([len(t.tokens) for _, _, t, _ in rows] + [1])
-    prompt_ids = torch.full((N, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(N, P, dtype=torch.long)
-    ids = torch.full((N, T), pad_token_id, dtype=torch.long)
-    logp = torch.zeros(N, T, dtype=torch.float32)
-    sampled = torch.zeros(N, T, dtype=torch.long)
-    present = torch.zeros(N, T, dtype=torch.long)
-    version = torch.zeros(N, T, dtype=torch.long)
-    episodes, finish = [], []
-    for i, (s, record, t, error) in enumerate(rows):
-        n = len(t.tokens)
-        prompt_ids[i, P - len(t.prompt):] = torch.tensor(t.prompt, dtype=torch.long)
-        prompt_mask[i, P - len(t.prompt):] = 1
-        if n:
-            ids[i, :n] = torch.tensor(t.tokens, dtype=torch.long)
-            logp[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-            sampled[i, :n] = torch.tensor(t.sampled, dtype=torch.long)
-            version[i, :n] = torch.tensor(t.versions, dtype=torch.long)
-            present[i, :n] = 1
+    out = []
+    for s, record, t, error in rows:
         end = s.ended if s.ended in ("max_turns", "length", "timeout") else ("error" if error else "done")
-        finish.append(end if end in ("max_turns", "length") else "stop")
-        episodes.append({"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
-                         "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0,
-                         "kv_reused": 0, "end": end, "partial": [], "segments": s.segments, "calls": s.calls,
-                         "sampling_overrides": s.overrides, "error": error})
-    versions = version[sampled.bool()]
-    return Samples(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=sampled,
-                   rollout_logp=logp, finish_reason=finish,
-                   weight_version=int(versions.min()) if len(versions) else 0, dropped_mass=float("nan"),
-                   sample_id=torch.as_tensor(sample_ids, dtype=torch.long).clone(), token_version=version,
-                   token_mask=present, episodes=episodes)
+        episode = {"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
+                   "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0, "kv_reused": 0,
+                   "end": end, "partial": [], "segments": s.segments, "calls": s.calls,
+                   "sampling_overrides": s.overrides, "error": error}
+        out.append(EpisodeRow(t.prompt, t.tokens, t.logprobs, t.sampled, t.versions,
+                              end if end in ("max_turns", "length") else "stop", episode))
+    return episode_samples(out, sample_ids, pad_token_id)

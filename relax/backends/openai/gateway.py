@@ -20,8 +20,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from relax.backends.http_answer import write_answer
 from relax.backends.openai.protocol import APIError
-from relax.backends.openai.service import OpenAIService, is_event_stream
+from relax.backends.openai.service import OpenAIService
 from relax.backends.openai.sessions import Limits, Session
 
 logger = logging.getLogger(__name__)
@@ -57,20 +58,7 @@ class JSONHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw, self.headers)
-        if is_event_stream(payload):
-            data, kind = bytes(payload), "text/event-stream"
-        elif isinstance(payload, bytes):
-            data, kind = payload, "text/plain; charset=utf-8"
-        else:
-            data, kind = json.dumps(payload).encode(), "application/json"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+        write_answer(self, status, payload)
 
 
 def read_json(raw: bytes) -> Any:

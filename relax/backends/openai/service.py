@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from relax.backends.http_answer import EventStream
 from relax.backends.openai.chat import ChatFormat
 from relax.backends.openai.protocol import (
     APIError,
@@ -105,7 +106,7 @@ class OpenAIService:
                                           "tool_calls": c.tool_calls}))
                 for s, c in zip(sampled, choices, strict=True)])
         answer = chat_answer(choices, p, len(prompt), model=p.model)
-        return (200, _SSE(chat_events(answer, p, choices))) if p.stream else (200, answer)
+        return (200, EventStream(chat_events(answer, p, choices))) if p.stream else (200, answer)
 
     def completion(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
         raw, p = parse_completion(body)
@@ -121,7 +122,7 @@ class OpenAIService:
         if session is not None:
             session.record(context, prompt, [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
         answer = completion_answer(choices, p, len(prompt), model=p.model)
-        return (200, _SSE(completion_events(answer, choices))) if p.stream else (200, answer)
+        return (200, EventStream(completion_events(answer, choices))) if p.stream else (200, answer)
 
     # --------------------------------------------------------------------------------------------- generation
     def _limit(self, p: Params, prompt_len: int) -> int:
@@ -180,11 +181,3 @@ class OpenAIService:
             top = [[(self.fmt.pieces([t])[0], lp) for lp, t in alts] for alts in s.top[:len(tokens)]]
         return Choice(text=text, tokens=tokens, logprobs=s.logprobs[:len(tokens)], pieces=pieces,
                       finish_reason=finish, top=top, tool_calls=calls, deltas=self.fmt.increments(tokens))
-
-
-class _SSE(bytes):
-    """A server-sent event stream (the HTTP layer answers it as text/event-stream)."""
-
-
-def is_event_stream(payload: Any) -> bool:
-    return isinstance(payload, _SSE)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relax.agents.episode import Episode
-from relax.backends.batch import Samples
+from relax.backends.batch import EpisodeRow, Samples, episode_samples
 from relax.backends.sglang.client import Sampling, generate_payload, sample_seed
 
 Answer = tuple[list[int], list[float], str, int]  # parse_answer's (tokens, log-probs, finish reason, version)
@@ -84,29 +84,5 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
 
 
 def _samples(rows: list[_Row], sample_ids: torch.Tensor, pad_token_id: int) -> Samples:
-    N, P = len(rows), max(len(r.prompt) for r in rows)
-    T = max([len(r.ids) for r in rows] + [1])
-    prompt_ids = torch.full((N, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(N, P, dtype=torch.long)
-    ids = torch.full((N, T), pad_token_id, dtype=torch.long)
-    logp = torch.zeros(N, T, dtype=torch.float32)
-    generated = torch.zeros(N, T, dtype=torch.long)
-    present = torch.zeros(N, T, dtype=torch.long)
-    version = torch.zeros(N, T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        n = len(r.ids)
-        prompt_ids[i, P - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
-        prompt_mask[i, P - len(r.prompt):] = 1
-        if n:
-            ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
-            logp[i, :n] = torch.tensor(r.logp, dtype=torch.float32)
-            generated[i, :n] = torch.tensor(r.generated, dtype=torch.long)
-            version[i, :n] = torch.tensor(r.version, dtype=torch.long)
-            present[i, :n] = 1
-    versions = version[generated.bool()]
-    return Samples(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=generated,
-                   rollout_logp=logp, finish_reason=[r.finish for r in rows],
-                   weight_version=int(versions.min()) if len(versions) else 0,
-                   dropped_mass=float("nan"),  # SGLang does not report what top-k/top-p removed
-                   sample_id=torch.as_tensor(sample_ids, dtype=torch.long).clone(), token_version=version,
-                   token_mask=present, episodes=[r.episode.record() for r in rows])
+    return episode_samples([EpisodeRow(r.prompt, r.ids, r.logp, r.generated, r.version, r.finish, r.episode.record())
+                            for r in rows], sample_ids, pad_token_id)

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from relax.backends.openai.service import is_event_stream
+from relax.backends.http_answer import write_answer
 from relax.backends.sglang.request import DEFAULT_MAX_NEW_TOKENS, NotReady, RequestCodec, RequestError, row_stream
 from relax.backends.sglang.scheduler import PAUSE_MODES, Scheduler
 from relax.backends.sglang.weights import WeightEndpoints
@@ -99,20 +99,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw)
-        if is_event_stream(payload):
-            data, kind = bytes(payload), "text/event-stream"
-        elif isinstance(payload, bytes):
-            data, kind = payload, "text/plain; charset=utf-8"
-        else:
-            data, kind = json.dumps(payload).encode(), "application/json"
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client left
-            self.close_connection = True
+        write_answer(self, status, payload)
 
 
 class EmbeddedServer(WeightEndpoints):

@@ -1,0 +1,30 @@
+"""How Relax's HTTP servers (relax-serve, the training gateway) write an answer: JSON, plain text, or a stream of
+server-sent events, always with its length (keep-alive connections)."""
+
+from __future__ import annotations
+
+import json
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+
+class EventStream(bytes):
+    """A body of server-sent events (answered as text/event-stream)."""
+
+
+def write_answer(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+    """`payload` (JSON-able, bytes or an `EventStream`) as the answer to `handler`'s request."""
+    if isinstance(payload, EventStream):
+        data, kind = bytes(payload), "text/event-stream"
+    elif isinstance(payload, bytes):
+        data, kind = payload, "text/plain; charset=utf-8"
+    else:
+        data, kind = json.dumps(payload).encode(), "application/json"
+    try:
+        handler.send_response(status)
+        handler.send_header("Content-Type", kind)
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):  # the client left
+        handler.close_connection = True
