@@ -644,10 +644,6 @@ def _openai_agent(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(ro.backend == "sglang", ("data.openai_agent", "rollout.backend"),
               "data.openai_agent serves the agent through an OpenAI gateway in front of SGLang servers: use "
               "rollout=sglang (on a CPU: rollout=sglang rollout.sglang.server=embedded)")
-    r.require(not ro.partial_rollout, ("data.openai_agent", "rollout.partial_rollout"),
-              "data.openai_agent with rollout.partial_rollout=true: an agent's calls cannot be interrupted and "
-              "resumed by a weight update (each run keeps the weights it started with, within the staleness "
-              "bound); set rollout.partial_rollout=false")
 
 
 def validate(cfg: RelaxConfig) -> list[Violation]:

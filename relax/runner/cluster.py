@@ -340,6 +340,11 @@ class Cluster:
     def abort(self, gen_id: int) -> None:
         self.engines.abort(gen_id)
 
+    @property
+    def loads_weights_in_flight(self) -> bool:
+        """The engines take new weights between the requests of a running call (agent programs' batches)."""
+        return bool(getattr(self.engines, "loads_weights_in_flight", False))
+
     def load_weights(self, weights, version: int) -> None:
         self.engines.load_weights(weights, version)
 

@@ -17,8 +17,10 @@ weights job j may start with (`version_window`):
 
 Partial rollout (`rollout.partial_rollout`, fully_async): publishing weights interrupts the job in flight after
 its current token (`Engines.abort`); the pump loads the new weights and the unfinished responses continue from
-their prefix, each token recording the version that generated it. A job is interrupted at most
-`rollout.partial_rollout_max_aborts` times; after that, new weights wait until it finishes.
+their prefix, each token recording the version that generated it. Engines whose jobs are made of many requests
+(agent programs behind the OpenAI gateway: `loads_weights_in_flight`) are not interrupted: the new weights are
+loaded at once, the requests in flight finish with theirs and later requests get the new ones. A job is interrupted
+at most `rollout.partial_rollout_max_aborts` times; after that, new weights wait until it finishes.
 
 Each finished batch is scored right away (`Scorer.score`, in the pump thread: the asynchronous modes score while
 the trainer trains). With dynamic sampling (`rollout.filter_groups`) a job is generated in rounds of
@@ -63,7 +65,8 @@ UNASKED_BACKOFF_S = 0.25  # the first pause; it doubles each time
 
 
 class Engines(Protocol):
-    """The rollout engines as the stream drives them (the runner's Cluster, or a fake in tests)."""
+    """The rollout engines as the stream drives them (the runner's Cluster, or a fake in tests). Engines with a
+    true `loads_weights_in_flight` attribute take `load_weights` during a call (see the module docstring)."""
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int,
                  gen_id: int | None, items: list | None = None) -> Samples:
@@ -168,6 +171,7 @@ class RolloutStream:
         self.round_prompts = ro.over_sampling_batch_size if ro.filter_groups else ro.rollout_batch_size
         self.max_rounds = ro.max_filter_rounds if ro.filter_groups else 1
         self._cond = threading.Condition()
+        self._loading = threading.Lock()
         self._next_step = start_step  # the next job to start
         self._next_prompt = start_step * self.batch_prompts  # draw index of the next prompt (keys its sample ids)
         self._floor = start_step  # the first version published (a resumed run has no older weights)
@@ -204,15 +208,24 @@ class RolloutStream:
 
     # ------------------------------------------------------------------ the loop's side
     def publish(self, version: int, weights: Any) -> None:
-        """The trainer's weights of `version`; with partial rollout they interrupt the job in flight."""
+        """The trainer's weights of `version`; with partial rollout they interrupt the job in flight (or, on
+        engines that take weights between the calls of a running job, are loaded now)."""
+        load_now = False
         with self._cond:
             self._published[version] = weights
             cur = self._current
             if (self.partial_rollout and self._running is not None and cur is not None
                     and cur.aborts < self.max_aborts and version > self.engine_version):
-                self._asked.add(self._running)
-                self.engines.abort(self._running)
+                if getattr(self.engines, "loads_weights_in_flight", False):
+                    load_now = True
+                    cur.aborts += 1
+                    self.aborts += 1
+                else:
+                    self._asked.add(self._running)
+                    self.engines.abort(self._running)
             self._cond.notify_all()
+        if load_now:  # the job's requests in flight finish with their weights, the next ones get these
+            self._load(version)
 
     def take(self, step: int) -> tuple[Job, Samples, float]:
         """(job, samples, seconds waited) of step `step`, once its batch is finished."""
@@ -341,13 +354,16 @@ class RolloutStream:
         return best if best >= lo else None
 
     def _load(self, version: int) -> None:
-        with self._cond:
-            weights = self._published[version]
-        self.engines.load_weights(weights, version)
-        with self._cond:
-            self.engine_version = version
-            for v in [v for v in self._published if v < version]:
-                del self._published[v]  # superseded: versions only grow
+        with self._loading:  # the pump's loads and the loop's loads in flight, one at a time, versions growing
+            with self._cond:
+                if version <= self.engine_version or version not in self._published:
+                    return
+                weights = self._published[version]
+            self.engines.load_weights(weights, version)
+            with self._cond:
+                self.engine_version = version
+                for v in [v for v in self._published if v < version]:
+                    del self._published[v]  # superseded: versions only grow
 
     def _work(self) -> tuple[_InFlight | None, int] | None:
         """Under the lock: the engine call the pump can make now, as (the job in flight, or None for a new one, and

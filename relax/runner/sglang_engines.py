@@ -81,6 +81,8 @@ class SGLangEngines:
         self._buckets = 0
         self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses (or an OpenAI agent's)
         self.agents = None  # data.openai_agent: the gateway and the agent workers (started with the servers)
+        self._in_flight = 0  # engine calls under way (an agent batch loads new weights once they are done)
+        self._flight = threading.Condition()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SGLangEngines:
@@ -163,12 +165,22 @@ class SGLangEngines:
             self.client.unpause()
         with self._lock:
             self._make_ready()
+            with self._flight:
+                self._in_flight += 1
         try:
             answers = self.client.generate(payloads)
         finally:
             self._gen = None
+            with self._flight:
+                self._in_flight -= 1
+                self._flight.notify_all()
         self._raise_if_failed()  # a server declared dead meanwhile: its requests may have come back empty
         return answers
+
+    @property
+    def loads_weights_in_flight(self) -> bool:
+        """Agent batches take new weights between their calls (`RolloutStream.publish` loads them at once)."""
+        return self.agents is not None
 
     def _send(self, payloads: list[dict], gen_id: int | None) -> list:
         """`_send_raw`, the answers parsed."""
@@ -282,7 +294,13 @@ class SGLangEngines:
             except ray.exceptions.RayActorError as exc:  # the actor died making them: the graph restarts
                 raise RoleFailure("actor", "died while its weights were sent to the servers: "
                                            f"{first_line(exc)}") from None
-        with self._lock:
+        with self._lock:  # (requests not yet sent wait here)
+            if self.agents is not None:  # an agent batch may be running: its requests in flight end with their
+                with self._flight:       # weights first, so that each answer has one version
+                    if not self._flight.wait_for(lambda: self._in_flight == 0, timeout=self.sg.request_timeout_s):
+                        raise RunError(f"rollout=sglang: requests in flight did not end within "
+                                       f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s) for a "
+                                       "weight update")
             self._last = (as_state_dict(weights), int(version))
             self._make_ready(push=True)
 

@@ -47,3 +47,14 @@ def mixed(item: dict, base_url: str, api_key: str) -> float | None:
     if kind == 2:
         return edits_history(item, base_url, api_key)
     return three_turns(item, base_url, api_key)
+
+
+def three_turns_slowly(item: dict, base_url: str, api_key: str) -> float:
+    """`three_turns` with a pause between calls: a batch outlasts a training step, so weights arrive mid-batch."""
+    c = client(base_url, api_key)
+    messages = list(item["messages"])
+    for turn in range(3):
+        time.sleep(1.5 if turn else 0.0)
+        answer = c.chat.completions.create(model="policy", messages=messages, max_tokens=6).choices[0].message
+        messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": FOLLOW_UP}]
+    return float(any(ch.isdigit() for ch in answer.content or ""))

@@ -54,13 +54,31 @@ def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path
     assert {2, 3} & seen, seen
 
 
-def test_fully_async_keeps_each_tokens_version_within_the_bound(ray_local, small_run, tmp_path, trained_batches):
-    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns", "train.mode=fully_async",
-                                "train.max_staleness=1", "algorithm=m2po", steps=3))
+def test_fully_async_with_partial_rollout_loads_weights_between_calls(ray_local, small_run, tmp_path,
+                                                                     trained_batches):
+    """fully_async with rollout.partial_rollout=true: weights published while agent runs are under way are loaded
+    between their calls (each answer has one version, later answers newer ones), and the staleness bound holds per
+    token."""
+    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns_slowly",
+                                "train.mode=fully_async", "train.max_staleness=1", "rollout.partial_rollout=true",
+                                "algorithm=m2po", steps=4))
     result = run(cfg, output_dir=tmp_path / "out")
+    spanning = 0
     for step, m in result.history:
         assert m[STALENESS_MAX] <= 1
         samples = trained_batches[step]
-        versions = samples.versions()[samples.response_mask.bool()]
-        assert int(versions.min()) >= step - 1 and int(versions.max()) <= step
-        assert all(e["turns"] == 3 and e["segments"] == 1 for e in samples.episodes)
+        gen, versions = samples.response_mask.bool(), samples.versions()
+        assert int(versions[gen].min()) >= step - 1 and int(versions[gen].max()) <= step
+        for r, e in enumerate(samples.episodes):
+            assert e["turns"] == 3 and e["segments"] == 1
+            answers: list[list[int]] = []  # the versions of each answer (a run of generated tokens)
+            for t in range(gen.shape[1]):
+                if gen[r, t] and (t == 0 or not gen[r, t - 1]):
+                    answers.append([])
+                if gen[r, t]:
+                    answers[-1].append(int(versions[r, t]))
+            assert len(answers) == 3 and all(len(set(a)) == 1 for a in answers)  # one version per answer
+            firsts = [a[0] for a in answers]
+            assert firsts == sorted(firsts)  # versions only grow along a trajectory
+            spanning += firsts[-1] > firsts[0]
+    assert spanning > 0, "no weight update landed between the calls of a run"

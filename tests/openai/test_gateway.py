@@ -170,6 +170,7 @@ def test_the_run_samples_with_its_own_parameters_and_seeds(gateway):
         client = openai.OpenAI(base_url=gateway.base_url, api_key=session.key, max_retries=0)
         answers.append(client.chat.completions.create(model="m", messages=USER, max_tokens=6,
                                                       temperature=0.1).choices[0].message.content)
+        client.chat.completions.create(model="m", messages=USER, max_tokens=2)  # asks nothing: not an override
         sp = gateway.recorder.calls[0][0]["sampling_params"]
         assert (sp["temperature"], sp["top_p"], session.overrides) == (0.7, 0.9, 1)
     assert answers[0] == answers[1]

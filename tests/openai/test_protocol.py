@@ -135,3 +135,5 @@ def test_tools_go_into_a_system_message_when_the_template_has_no_place_for_them(
     assert "<tool_call>" in with_tools and with_tools.endswith(plain)
     system = [{"role": "system", "content": "Be brief."}]  # a system message of the conversation keeps its text
     assert fmt.render(system + USER, [TOOL]).startswith("<|im_start|>system\nBe brief.\n\n")
+    teaches = [{"role": "system", "content": "Call calculator as <tool_call>...</tool_call>."}]
+    assert fmt.render(teaches + USER, [TOOL]) == fmt.render(teaches + USER, None)  # it names the tool: no listing

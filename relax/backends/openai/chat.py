@@ -3,7 +3,8 @@ template, later messages of a conversation rendered as tokens to append after wh
 model's text read back into content and tool calls.
 
 Tools: a template that takes `tools` (Qwen3's, for one) renders them itself; for one that does not (plain ChatML), a
-system message in the Hermes format lists them and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
+system message in the Hermes format lists them and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
+unless the conversation's system messages already name every tool (a prompt that teaches its own format).
 Assistant messages with tool calls are rendered the same way the model writes them, and the model's calls are
 parsed with `relax.agents.tools.parse_tool_calls` (Hermes tags, one call or a JSON list of them).
 """
@@ -21,6 +22,12 @@ from relax.agents.tools import TOOL_CALL, parse_tool_calls
 TOOLS_PROMPT = ("You may call one or more functions to assist with the user query. The functions are listed in "
                 "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write <tool_call>{{\"name\": "
                 "<function-name>, \"arguments\": <args-json-object>}}</tool_call>.")
+
+
+def _described(messages: list[dict], tools: list[dict]) -> bool:
+    """Whether the conversation's system messages already name every tool (a prompt that teaches its own format)."""
+    system = " ".join(m.get("content") or "" for m in messages if m["role"] in ("system", "developer"))
+    return all(t["function"]["name"] in system for t in tools)
 
 
 class ChatFormat:
@@ -53,7 +60,7 @@ class ChatFormat:
                 if m.get(key) is not None:
                     d[key] = m[key]
             out.append(d)
-        if tools and not self.native_tools:
+        if tools and not self.native_tools and not _described(messages, tools):
             listing = "\n".join(json.dumps(t["function"]) for t in tools)
             prompt = TOOLS_PROMPT.format(tools=listing)
             if out and out[0]["role"] == "system":

@@ -58,8 +58,8 @@ class Params:
 
     n: int = 1
     max_tokens: Optional[int] = None  # None: the server's limit
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: Optional[float] = None  # None: not given (1.0, unless a training session sets the run's)
+    top_p: Optional[float] = None  # None: not given (1.0)
     stop: list[str] = field(default_factory=list)
     seed: Optional[int] = None
     logprobs: bool = False
@@ -71,7 +71,7 @@ class Params:
     model: str = ""
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict, name: str, default: Optional[float], lo: float, hi: float) -> Optional[float]:
     v = body.get(name)
     if v is None:
         return default
@@ -105,8 +105,8 @@ def _common(body: dict, allowed: set[str]) -> Params:
     p.n = _integer(body, "n", 1, MAX_N) or 1
     limits = [v for v in (_integer(body, "max_tokens", 1), _integer(body, "max_completion_tokens", 1)) if v]
     p.max_tokens = min(limits) if limits else None
-    p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    p.temperature = _number(body, "temperature", None, 0.0, 2.0)
+    p.top_p = _number(body, "top_p", None, 0.0, 1.0)
     if p.top_p == 0.0:
         raise _bad("top_p", "0 keeps no token; use a value in (0, 1]")
     stop = body.get("stop")

@@ -144,7 +144,8 @@ class OpenAIService:
             seeds = [None if p.seed is None else row_stream(p.seed, k) for k in range(p.n)]
         payloads = []
         for seed in seeds:
-            sp = {"max_new_tokens": limit, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "n": 1,
+            sp = {"max_new_tokens": limit, "temperature": 1.0 if p.temperature is None else p.temperature,
+                  "top_p": 1.0 if p.top_p is None else p.top_p, "top_k": p.top_k, "n": 1,
                   "stop_token_ids": sorted(self.fmt.eos_token_ids), "no_stop_trim": True,
                   "skip_special_tokens": False}
             if seed is not None:

@@ -141,8 +141,8 @@ class Session:
                                f"(rollout.max_episode_tokens={lim.max_tokens})", code="max_tokens")
             call = self.calls
             self.calls += 1
-        if (p.temperature, p.top_p) != (lim.temperature, lim.top_p):
-            self.overrides += 1
+        if p.temperature not in (None, lim.temperature) or p.top_p not in (None, lim.top_p):
+            self.overrides += 1  # the agent asked for other sampling
         p = copy.copy(p)
         p.temperature, p.top_p, p.top_k = lim.temperature, lim.top_p, lim.top_k
         base = p.seed if p.seed is not None else sample_seed(lim.seed, self.sample_id, call)
