@@ -35,6 +35,16 @@ GENERATED_REWARD = "rollout/generated_reward"
 # train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
+# The rollout/trainer mismatch and what the rollout correction does with it (relax.algorithms.rollout_correction):
+# k1 and k3 estimates of KL(rollout || trainer) per token, log-ppl(trainer) - log-ppl(rollout) per response, token
+# ratio quantiles, the share truncated by importance sampling and the shares masked by rejection
+MISMATCH_K1 = "rollout/mismatch_k1"
+MISMATCH_K3 = "rollout/mismatch_k3"
+MISMATCH_LOG_PPL_DIFF = "rollout/mismatch_log_ppl_diff"
+MISMATCH_RATIO_QUANTILES = ("rollout/mismatch_ratio_p05", "rollout/mismatch_ratio_p50", "rollout/mismatch_ratio_p95")
+TIS_TRUNCATED_FRAC = "rollout/tis_truncated_frac"
+RS_MASKED_TOKEN_FRAC = "rollout/rs_masked_token_frac"
+RS_MASKED_SEQ_FRAC = "rollout/rs_masked_seq_frac"
 SAMPLING_DROPPED_MASS = "rollout/sampling_dropped_mass"  # probability mass top-k/top-p removed per drawn token
 # Staleness of a response: the trainer's version at its step minus the version of the response's oldest token.
 STALENESS_MEAN = "rollout/staleness_mean"  # over the batch's responses

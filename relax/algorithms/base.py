@@ -46,8 +46,15 @@ class AlgorithmConfig:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = choice("k3", ("k1", "k2", "k3"))
     kl_coef: float = 0.0
+    # Rollout correction (relax.algorithms.rollout_correction, docs/algorithms.md): truncated importance sampling
+    # at the token, sequence or geometric-mean level, and rejection of tokens or responses whose ratio is outside
+    # [rollout_mask_low, rollout_mask_high] at the same levels (none: off)
     use_tis: bool = False
     tis_clip: float = 2.0
+    tis_level: str = choice("token", ("token", "sequence", "geometric"))
+    rollout_mask: str = choice("none", ("none", "token", "sequence", "geometric"))
+    rollout_mask_low: float = 0.5
+    rollout_mask_high: float = 2.0
     use_rollout_logprobs: bool = False
     normalize_advantages: bool = False
     normalize_rewards: bool = True

@@ -58,7 +58,6 @@ __all__ = [
     "m2po_clip_bounds",
     "value_loss",
     "kl_estimate",
-    "tis_weights",
     "reduce_loss",
     "rloo_diagnostics",
     "broadcast_to_tokens",
@@ -425,12 +424,6 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k3":
         return (exp_log_ratio(-x) - 1.0 + x).clamp(-K3_CLAMP, K3_CLAMP)
     raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
-
-
-def tis_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, tis_clip: float) -> torch.Tensor:
-    """Truncated importance sampling: `w = min(exp(old_logp - rollout_logp), tis_clip)`, detached (`exp_log_ratio`)."""
-    with torch.no_grad():
-        return exp_log_ratio_(old_logp - rollout_logp).clamp_(max=tis_clip)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The loss a train backend calls per micro-batch: the algorithm's policy loss plus the shared terms.
 
 `compute_loss` looks the algorithm up by `cfg.name`, takes its per-token policy loss and applies,
-identically for every algorithm: truncated importance sampling (`use_tis`), the KL loss
+identically for every algorithm: the rollout correction (`use_tis`, `rollout_mask`), the KL loss
 (`use_kl_loss`), the entropy bonus (`entropy_coef`) and the reduction. The caller passes the loss
 denominator and the valid-token count of the whole optimizer step, so that the returned losses and
 metrics of the micro-batches add up to the loss and metrics of the whole batch however it is split.
@@ -17,6 +17,7 @@ import torch
 
 from relax.algorithms import functional as F
 from relax.algorithms.base import AlgorithmConfig, LossBatch, get
+from relax.algorithms.rollout_correction import correction_weights
 from relax.metrics import ENTROPY, KL_LOSS, LOSS, PG_CLIPFRAC, PG_LOSS, PPO_KL, VALUE_CLIPFRAC, VALUE_LOSS
 
 __all__ = [
@@ -67,8 +68,9 @@ def compute_loss(
     of the step and each term is `sum_b(token mean of row b) / denominator`.
 
     `loss = reduce(w * pg) + kl_loss_coef * reduce(kl) - entropy_coef * reduce(entropy)` where `pg` is the
-    algorithm's per-token policy loss, `w = min(exp(old_logp - rollout_logp), tis_clip)` (detached) when
-    `use_tis` else 1, and `kl = kl_estimate(logp, ref_logp, kl_loss_type)` when `use_kl_loss`. Metrics
+    algorithm's per-token policy loss, `w` the rollout correction's weight (detached; truncated importance sampling
+    with `use_tis`, times the rejection mask with `rollout_mask`; `relax.algorithms.rollout_correction`) else 1,
+    and `kl = kl_estimate(logp, ref_logp, kl_loss_type)` when `use_kl_loss`. Metrics
     `train/pg_loss`, `train/kl_loss`, `train/loss` are these (reduced) terms.
 
     Diagnostics, whatever the reduction, are means over the valid tokens of the whole step:
@@ -104,10 +106,10 @@ def compute_loss(
     else:
         out = algorithm.policy_loss(cfg, logp, old_logp, advantages, mask)
     pg = out.loss
-    if cfg.use_tis:
+    if cfg.use_tis or cfg.rollout_mask != "none":
         if batch.rollout_logp is None:
-            raise ValueError("use_tis=true needs LossBatch.rollout_logp (the rollout engine's log-probs)")
-        pg = pg * F.tis_weights(old_logp, _zero_masked(batch.rollout_logp, keep), cfg.tis_clip)
+            raise ValueError("use_tis / rollout_mask need LossBatch.rollout_logp (the rollout engine's log-probs)")
+        pg = pg * correction_weights(cfg, old_logp, _zero_masked(batch.rollout_logp, keep), keep)
     pg_loss = reduce(pg)
     total = pg_loss
 

@@ -379,6 +379,17 @@ def _flags(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     r.require(not (a.use_tis and a.use_rollout_logprobs), ("algorithm.use_tis", "algorithm.use_rollout_logprobs"),
               "algorithm.use_tis and algorithm.use_rollout_logprobs are mutually exclusive: TIS corrects the "
               "rollout/trainer mismatch that use_rollout_logprobs assumes away")
+    r.require(not (a.rollout_mask != "none" and a.use_rollout_logprobs),
+              ("algorithm.rollout_mask", "algorithm.use_rollout_logprobs"),
+              f"algorithm.rollout_mask={a.rollout_mask} and algorithm.use_rollout_logprobs are mutually exclusive: "
+              "the mask filters the rollout/trainer mismatch that use_rollout_logprobs assumes away")
+    low, high = a.rollout_mask_low, a.rollout_mask_high
+    r.require(0 < low < high, ("algorithm.rollout_mask_low", "algorithm.rollout_mask_high"),
+              f"algorithm.rollout_mask_low={low} and rollout_mask_high={high} must satisfy 0 < low < high (bounds "
+              "of the ratio exp(trainer logp - rollout logp) a kept token or response has)")
+    r.require(low <= 1 <= high, ("algorithm.rollout_mask_low", "algorithm.rollout_mask_high"),
+              f"[algorithm.rollout_mask_low, rollout_mask_high] = [{low}, {high}] must contain 1: a token on which "
+              "the engine and the trainer agree would be masked")
     r.require(not (a.kl_coef != 0 and a.kl_loss_coef != 0), ("algorithm.kl_coef", "algorithm.kl_loss_coef"),
               f"algorithm.kl_coef={a.kl_coef} and algorithm.kl_loss_coef={a.kl_loss_coef} are both nonzero: "
               "use either reward-side KL or a KL loss, not both")
@@ -412,8 +423,12 @@ def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
         r.require(not changed(key), f"algorithm.{key}",
                   f"algorithm={algo.name}: algorithm.{key}={getattr(a, key)} has no effect: {why}; "
                   f"leave it at {getattr(defaults, key)}")
-    r.require(a.use_tis or not changed("tis_clip"), ("algorithm.tis_clip", "algorithm.use_tis"),
-              f"algorithm.tis_clip={a.tis_clip} has no effect without algorithm.use_tis=true")
+    for key in ("tis_clip", "tis_level"):
+        r.require(a.use_tis or not changed(key), (f"algorithm.{key}", "algorithm.use_tis"),
+                  f"algorithm.{key}={getattr(a, key)} has no effect without algorithm.use_tis=true")
+    for key in ("rollout_mask_low", "rollout_mask_high"):
+        r.require(a.rollout_mask != "none" or not changed(key), (f"algorithm.{key}", "algorithm.rollout_mask"),
+                  f"algorithm.{key}={getattr(a, key)} has no effect with algorithm.rollout_mask=none")
     r.require(a.use_kl_loss or not changed("kl_loss_type"), ("algorithm.kl_loss_type", "algorithm.use_kl_loss"),
               f"algorithm.kl_loss_type={a.kl_loss_type} has no effect without algorithm.use_kl_loss=true")
     if "std_normalization" not in algo.ignores:

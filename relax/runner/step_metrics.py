@@ -219,11 +219,16 @@ def staleness_metrics(samples: Samples, step: int, max_staleness: int) -> dict[s
     return out
 
 
-def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def rollout_mismatch(algo_cfg, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
     """The train/rollout mismatch from the actor's log-probs of each token at the weights that generated it
-    (`old_logp`) and the engine's: mean |difference| and max ratio over the valid tokens (see TorchPolicy's
-    `rollout_mismatch`, which measures the same from the first optimizer step when no old log-probs exist)."""
+    (`old_logp`) and the engine's, over the valid tokens: mean |difference|, max ratio, and the rollout correction's
+    diagnostics (`relax.algorithms.rollout_correction.mismatch_metrics`). (TorchPolicy's `rollout_mismatch` measures
+    the first two from the first optimizer step when no old log-probs exist.)"""
+    from relax.algorithms.rollout_correction import mismatch_metrics
+
     d = (old_logp.double() - rollout_logp.double())[mask.bool()]
     if d.numel() == 0:
         return {}
-    return {TRAIN_ROLLOUT_LOGP_ABS_DIFF: float(d.abs().mean()), TRAIN_ROLLOUT_RATIO_MAX: float(exp_log_ratio(d).max())}
+    return {TRAIN_ROLLOUT_LOGP_ABS_DIFF: float(d.abs().mean()), TRAIN_ROLLOUT_RATIO_MAX: float(exp_log_ratio(d).max()),
+            **mismatch_metrics(algo_cfg, old_logp, rollout_logp, mask)}

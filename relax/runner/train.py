@@ -137,8 +137,8 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
     - `algorithm.use_rollout_logprobs`: the rollout engine's own log-probs.
     - Otherwise the actor recomputes them, each token at the weights that generated it (the trainer's version
       `step`, or an older one for stale samples of the asynchronous modes), when anything reads them before the
-      first optimizer step would: stale tokens, a second optimizer step on the same rollout, TIS, or reward-side
-      KL (REINFORCE++, PPO).
+      first optimizer step would: stale tokens, a second optimizer step on the same rollout, the rollout
+      correction (TIS, rejection), or reward-side KL (REINFORCE++, PPO).
     - Otherwise None: the batch is exactly on-policy for its one optimizer step, and the trainer uses its own
       current log-probs, detached (the same values, without a second forward pass).
     """
@@ -146,7 +146,7 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
     if a.use_rollout_logprobs:
         return samples.rollout_logp
     stale = bool((samples.versions()[samples.response_mask.bool()] < step).any())
-    if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.kl_coef != 0:
+    if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.rollout_mask != "none" or a.kl_coef != 0:
         return cluster.actor_logprobs(samples, step)
     return None
 
@@ -204,7 +204,7 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     batch.response_mask = mask
     metrics = dict(out.metrics)
     if old_logp is not None and not cfg.algorithm.use_rollout_logprobs:
-        metrics.update(rollout_mismatch(old_logp, samples.rollout_logp, mask))
+        metrics.update(rollout_mismatch(cfg.algorithm, old_logp, samples.rollout_logp, mask))
     return batch, metrics
 
 

@@ -282,13 +282,6 @@ def test_kl_estimates_hand():
         F.kl_estimate(logp, ref, "k4")
 
 
-def test_tis_weights_hand():
-    old = t([[math.log(3.0), math.log(0.5)]]).requires_grad_()
-    w = F.tis_weights(old, torch.zeros(1, 2, dtype=D), 2.0)
-    close(w, [[2.0, 0.5]])
-    assert not w.requires_grad
-
-
 def test_reduce_loss_hand():
     loss = t([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [7.0, 7.0, 7.0]])
     mask = t([[1, 1, 1], [1, 0, 0], [0, 0, 0]])

@@ -1,0 +1,129 @@
+"""Rollout correction: the policy loss reweighted and filtered for the mismatch between the rollout engine and the
+trainer (docs/algorithms.md, "Rollout correction"). Pure functions of the trainer's log-probs of the generating
+weights (`old_logp`), the engine's (`rollout_logp`) and the loss mask, shared by every algorithm.
+
+With `r_t = exp(old_logp_t - rollout_logp_t)` over the tokens of a response that count in the loss (the model's
+tokens: observations of an episode are not in it), each `level` reads a ratio per token:
+
+- `token`: `r_t`;
+- `sequence`: the product over the response, `R = prod_t r_t` (every token of the response gets it);
+- `geometric`: the per-token geometric mean, `R_geo = exp(mean_t log r_t)`.
+
+Importance sampling (`algorithm.use_tis`, `algorithm.tis_level`): the weight is the level's ratio truncated from
+above, `min(ratio, tis_clip)`, detached. Rejection (`algorithm.rollout_mask`, bounds `rollout_mask_low`,
+`rollout_mask_high`): tokens (token level) or whole responses (sequence, geometric) whose ratio is outside
+`[low, high]` get weight 0 and leave the loss (its denominator stays, so the loss keeps its scale and a split into
+micro-batches changes nothing). Both together multiply. IcePop's two-sided token masking is token IS with token
+rejection, `[low, high] = [0.5, 2.0]` (its default bounds).
+
+Ratios are formed in log space and exponentiated through `exp_log_ratio` (clamped at exp(+-20)), so a long
+response's product neither overflows nor underflows into a NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from relax.algorithms.ratios import exp_log_ratio
+from relax.metrics import (
+    MISMATCH_K1,
+    MISMATCH_K3,
+    MISMATCH_LOG_PPL_DIFF,
+    MISMATCH_RATIO_QUANTILES,
+    RS_MASKED_SEQ_FRAC,
+    RS_MASKED_TOKEN_FRAC,
+    TIS_TRUNCATED_FRAC,
+)
+
+LEVELS = ("token", "sequence", "geometric")
+QUANTILES = (0.05, 0.5, 0.95)
+
+
+def level_log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                    level: str) -> torch.Tensor:
+    """[B, T] the log of the level's ratio at each token (0 where `mask` is 0)."""
+    keep = mask != 0
+    log_r = torch.where(keep, old_logp.detach().double() - rollout_logp.detach().double(), 0.0)
+    if level == "token":
+        return log_r
+    total = log_r.sum(-1, keepdim=True)
+    if level == "geometric":
+        total = total / keep.sum(-1, keepdim=True).clamp(min=1)
+    elif level != "sequence":
+        raise ValueError(f"unknown rollout correction level {level!r}; expected one of {', '.join(LEVELS)}")
+    return torch.where(keep, total.expand_as(log_r), 0.0)
+
+
+def is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str,
+               clip: float) -> torch.Tensor:
+    """[B, T] truncated importance weights `min(ratio, clip)` of `level` (detached; 0 where `mask` is 0)."""
+    with torch.no_grad():
+        w = exp_log_ratio(level_log_ratio(old_logp, rollout_logp, mask, level)).clamp(max=clip)
+        return torch.where(mask != 0, w, 0.0).to(old_logp.dtype)
+
+
+def rejection_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, level: str,
+                   low: float, high: float) -> torch.Tensor:
+    """[B, T] 1 where `mask` is 1 and the level's ratio is within `[low, high]`, else 0."""
+    with torch.no_grad():
+        log_r = level_log_ratio(old_logp, rollout_logp, mask, level)
+        inside = (log_r >= math.log(low)) & (log_r <= math.log(high)) & (mask != 0)
+        return inside.to(old_logp.dtype)
+
+
+def correction_weights(cfg: Any, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                       mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, T] the factor on each token's policy loss that `cfg` (an AlgorithmConfig) asks for, or None."""
+    w = None
+    if cfg.use_tis:
+        w = is_weights(old_logp, rollout_logp, mask, cfg.tis_level, cfg.tis_clip)
+    if cfg.rollout_mask != "none":
+        m = rejection_mask(old_logp, rollout_logp, mask, cfg.rollout_mask, cfg.rollout_mask_low, cfg.rollout_mask_high)
+        w = m if w is None else w * m
+    return w
+
+
+@torch.no_grad()
+def mismatch_metrics(cfg: Any, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's over the tokens of `mask` (whatever correction is
+    on), and what the configured correction truncates and masks:
+
+    - `MISMATCH_K1`: mean of `rollout_logp - old_logp` (k1 estimate of KL(rollout || trainer), tokens drawn from
+      the rollout); `MISMATCH_K3`: mean of `r - 1 - log r` (k3, never negative);
+    - `MISMATCH_LOG_PPL_DIFF`: mean over responses of `log-ppl(trainer) - log-ppl(rollout)`, with
+      `log-ppl = -mean_t logp_t`;
+    - `MISMATCH_RATIO_QUANTILES`: the 5%, 50% and 95% quantiles of the token ratio `r`;
+    - with `use_tis`: `TIS_TRUNCATED_FRAC`, the share of tokens (token level) or responses (sequence, geometric)
+      whose ratio is above `tis_clip`; with `rollout_mask`: `RS_MASKED_TOKEN_FRAC` and `RS_MASKED_SEQ_FRAC`, the
+      shares of tokens masked and of responses with a masked token.
+    """
+    keep = mask != 0
+    if not bool(keep.any()):
+        return {}
+    rows = keep.any(-1)
+    d = old_logp.double() - rollout_logp.double()
+    tokens = d[keep]
+    out = {MISMATCH_K1: float((-tokens).mean()),
+           MISMATCH_K3: float((exp_log_ratio(tokens) - 1.0 - tokens).mean())}
+    count = keep.sum(-1).clamp(min=1)
+    per_row = torch.where(keep, -d, 0.0).sum(-1) / count  # mean_t (rollout - old) = log-ppl(trainer) - log-ppl(rollout)
+    out[MISMATCH_LOG_PPL_DIFF] = float(per_row[rows].mean())
+    q = torch.quantile(exp_log_ratio(tokens), torch.tensor(QUANTILES, dtype=torch.float64))
+    for name, value in zip(MISMATCH_RATIO_QUANTILES, q.tolist(), strict=True):
+        out[name] = value
+    if cfg.use_tis:
+        over = level_log_ratio(old_logp, rollout_logp, mask, cfg.tis_level) > math.log(cfg.tis_clip)
+        if cfg.tis_level == "token":
+            out[TIS_TRUNCATED_FRAC] = float(over[keep].double().mean())
+        else:
+            out[TIS_TRUNCATED_FRAC] = float((over & keep).any(-1)[rows].double().mean())
+    if cfg.rollout_mask != "none":
+        masked = (rejection_mask(old_logp, rollout_logp, mask, cfg.rollout_mask, cfg.rollout_mask_low,
+                                 cfg.rollout_mask_high) == 0) & keep
+        out[RS_MASKED_TOKEN_FRAC] = float(masked[keep].double().mean())
+        out[RS_MASKED_SEQ_FRAC] = float(masked.any(-1)[rows].double().mean())
+    return out
