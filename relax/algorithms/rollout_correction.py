@@ -87,6 +87,32 @@ def correction_weights(cfg: Any, old_logp: torch.Tensor, rollout_logp: torch.Ten
 
 
 @torch.no_grad()
+def log_ratios(old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the log-ratios `old_logp - rollout_logp` of the tokens of `mask`, their mean per response that has any),
+    float64 on the CPU: what `mismatch_summary` reads (a trainer gathers them over its micro-batches)."""
+    keep = mask != 0
+    d = torch.where(keep, old_logp.detach().double() - rollout_logp.detach().double(), 0.0)
+    rows = keep.any(-1)
+    row_means = d.sum(-1)[rows] / keep.sum(-1)[rows]
+    return d[keep].cpu(), row_means.cpu()
+
+
+def mismatch_summary(tokens: torch.Tensor, row_means: torch.Tensor) -> dict[str, float]:
+    """k1, k3, the log-ppl difference and the ratio quantiles of `mismatch_metrics` from `log_ratios`' values."""
+    if tokens.numel() == 0:
+        return {}
+    out = {MISMATCH_K1: float((-tokens).mean()),
+           MISMATCH_K3: float((exp_log_ratio(tokens) - 1.0 - tokens).mean()),
+           # mean_t (rollout - old) = log-ppl(trainer) - log-ppl(rollout), per response
+           MISMATCH_LOG_PPL_DIFF: float((-row_means).mean())}
+    q = torch.quantile(exp_log_ratio(tokens), torch.tensor(QUANTILES, dtype=torch.float64))
+    for name, value in zip(MISMATCH_RATIO_QUANTILES, q.tolist(), strict=True):
+        out[name] = value
+    return out
+
+
+@torch.no_grad()
 def mismatch_metrics(cfg: Any, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's over the tokens of `mask` (whatever correction is
@@ -105,16 +131,8 @@ def mismatch_metrics(cfg: Any, old_logp: torch.Tensor, rollout_logp: torch.Tenso
     if not bool(keep.any()):
         return {}
     rows = keep.any(-1)
-    d = old_logp.double() - rollout_logp.double()
-    tokens = d[keep]
-    out = {MISMATCH_K1: float((-tokens).mean()),
-           MISMATCH_K3: float((exp_log_ratio(tokens) - 1.0 - tokens).mean())}
-    count = keep.sum(-1).clamp(min=1)
-    per_row = torch.where(keep, -d, 0.0).sum(-1) / count  # mean_t (rollout - old) = log-ppl(trainer) - log-ppl(rollout)
-    out[MISMATCH_LOG_PPL_DIFF] = float(per_row[rows].mean())
-    q = torch.quantile(exp_log_ratio(tokens), torch.tensor(QUANTILES, dtype=torch.float64))
-    for name, value in zip(MISMATCH_RATIO_QUANTILES, q.tolist(), strict=True):
-        out[name] = value
+    tokens, row_means = log_ratios(old_logp, rollout_logp, mask)
+    out = mismatch_summary(tokens, row_means)
     if cfg.use_tis:
         over = level_log_ratio(old_logp, rollout_logp, mask, cfg.tis_level) > math.log(cfg.tis_clip)
         if cfg.tis_level == "token":

@@ -26,6 +26,7 @@ from relax import algorithms
 from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch, choices_of
 from relax.algorithms.loss import ENTROPY
+from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
 from relax.config.schema import TrainConfig
@@ -151,13 +152,18 @@ def loss_inputs(batch: TrainBatch, rows: Optional[torch.Tensor], logp: torch.Ten
 class StepSums:
     """What a step adds up over its micro-batches: the loss metrics (float64, on the CPU) and, with
     `rollout_mismatch`, the sum of |trainer log-prob - rollout log-prob| and the max of their ratio over valid
-    tokens. A data-parallel trainer reduces `totals` (sum) and `mismatch` ([sum, max]) over its ranks before
-    `metrics`."""
+    tokens, and the log-ratios the rollout correction's mismatch diagnostics read (k1, k3, log-ppl difference,
+    ratio quantiles: `relax.algorithms.rollout_correction.mismatch_summary`). A data-parallel trainer reduces
+    `totals` (sum) and `mismatch` ([sum, max]) and gathers the log-ratios over its ranks before `metrics`."""
 
     def __init__(self, rollout_mismatch: bool) -> None:
         self.totals: dict[str, torch.Tensor] = {}
         self.rollout_mismatch = rollout_mismatch
         self.mismatch = torch.zeros(2, dtype=torch.float64)
+        # the log-ratios of the valid tokens and their per-response means (rollout_correction.log_ratios), for the
+        # mismatch diagnostics; a data-parallel trainer gathers them over its ranks
+        self.log_ratios: list[torch.Tensor] = []
+        self.row_means: list[torch.Tensor] = []
 
     def add(self, metrics: dict[str, torch.Tensor]) -> None:
         for name, value in metrics.items():
@@ -172,12 +178,17 @@ class StepSums:
         if d.numel():
             self.mismatch[0] += d.abs().sum().cpu()
             self.mismatch[1] = torch.maximum(self.mismatch[1], F.exp_log_ratio(d).max().cpu())
+            tokens, rows = log_ratios(logp.float(), lb.rollout_logp, lb.mask)
+            self.log_ratios.append(tokens)
+            self.row_means.append(rows)
 
     def metrics(self, num_tokens: float, entropy: str) -> dict[str, float]:
         out = {name: float(value) for name, value in self.totals.items()}
         if self.rollout_mismatch:
             out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(self.mismatch[0]) / max(num_tokens, 1.0)
             out[TRAIN_ROLLOUT_RATIO_MAX] = float(self.mismatch[1])
+            if self.log_ratios:
+                out.update(mismatch_summary(torch.cat(self.log_ratios), torch.cat(self.row_means)))
         if entropy == "none":
             out.pop(ENTROPY, None)
         return out

@@ -37,15 +37,48 @@ def edits_history(item: dict, base_url: str, api_key: str) -> None:
 
 
 
+TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+TOUR_SEGMENTS = 5  # the tour's calls that do not extend the one before (each starts a segment)
+
+
+def api_tour(item: dict, base_url: str, api_key: str) -> float:
+    """The API during a training run, checked by the agent itself (an AssertionError fails its sample): a plain and
+    a streamed call with one seed give the same text and the stream ends with its finish reason; log-probs cover
+    every token; n=2 gives two choices; tools are offered in the prompt; a bad request is a 400 in OpenAI's shape."""
+    import openai
+
+    c = client(base_url, api_key)
+    messages = list(item["messages"])
+    plain = c.chat.completions.create(model="policy", messages=messages, max_tokens=5, seed=5, logprobs=True)
+    assert len(plain.choices[0].logprobs.content) == plain.usage.completion_tokens > 0
+    chunks = list(c.chat.completions.create(model="policy", messages=messages, max_tokens=5, seed=5, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    two = c.chat.completions.create(model="policy", messages=messages, max_tokens=5, n=2)
+    assert len(two.choices) == 2
+    tools = c.chat.completions.create(model="policy", messages=messages, max_tokens=2, tools=[TOOL])
+    assert tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    try:
+        c.chat.completions.create(model="policy", messages=messages, presence_penalty=1.0)
+        raise AssertionError("a bad request was accepted")
+    except openai.BadRequestError as exc:
+        assert exc.status_code == 400 and exc.body["param"] == "presence_penalty"
+    last = c.chat.completions.create(model="policy", messages=[messages[-1]], max_tokens=4)  # a new segment
+    return float(any(ch.isdigit() for ch in last.choices[0].message.content or ""))
+
+
 def mixed(item: dict, base_url: str, api_key: str) -> float | None:
-    """By prompt: one that raises, one that hangs, one that edits its history, one that converses three turns."""
-    kind = item["index"] % 4
+    """By prompt: one that raises, one that hangs, one that edits its history, one that converses three turns, one
+    that tours the API."""
+    kind = item["index"] % 5
     if kind == 0:
         raise RuntimeError("the agent broke")
     if kind == 1:
         time.sleep(3600)
     if kind == 2:
         return edits_history(item, base_url, api_key)
+    if kind == 4:
+        return api_tour(item, base_url, api_key)
     return three_turns(item, base_url, api_key)
 
 

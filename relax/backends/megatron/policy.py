@@ -474,6 +474,12 @@ class MegatronPolicy(PolicyTrainer):
                 torch.distributed.all_reduce(m[:1], group=self.dp_group)
                 torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
                 sums.mismatch = m.cpu()
+                if sums.rollout_mismatch:  # every rank's log-ratios, for the quantiles of the whole batch
+                    gathered: list = [None] * self.dp
+                    torch.distributed.all_gather_object(gathered, (sums.log_ratios, sums.row_means),
+                                                        group=self.dp_group)
+                    sums.log_ratios = [t for tokens, _ in gathered for t in tokens]
+                    sums.row_means = [r for _, rows in gathered for r in rows]
             out = sums.metrics(step.num_tokens, entropy)
         return self._broadcast_from_last_stage(out)
 

@@ -55,9 +55,9 @@ class Session(Protocol):
 
     def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]: ...
 
-    def admit(self, p: Params, prompt_len: int, limit: int) -> tuple[Params, int, list[int]]:
+    def admit(self, p: Params, prompt_len: int, limit: int, context: Any) -> tuple[Params, int, list[int]]:
         """The call's sampling (the run's), its token limit (at most `limit`) and one seed per choice; APIError
-        past a limit."""
+        past a limit. `context`: what the prompt method returned with the prompt."""
 
     def record(self, context: Any, prompt: list[int], choices: list[tuple[Sampled, Choice, Optional[dict]]]) -> None:
         """A finished call: each choice as sampled, as answered, and (chat) its normalized assistant message."""
@@ -89,7 +89,7 @@ class OpenAIService:
             prompt, context = session.chat_prompt(messages, p.tools, self.fmt)
         else:
             prompt, context = self.fmt.prompt(messages, p.tools), None
-        sampled, p = self._generate(prompt, p, session)
+        sampled, p = self._generate(prompt, p, session, context)
         choices = []
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
@@ -114,7 +114,7 @@ class OpenAIService:
             prompt, context = session.completion_prompt(raw, self.fmt)
         else:
             prompt, context = (list(raw) if isinstance(raw, list) else self.fmt.encode(raw)), None
-        sampled, p = self._generate(prompt, p, session)
+        sampled, p = self._generate(prompt, p, session, context)
         choices = []
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
@@ -136,10 +136,11 @@ class OpenAIService:
                            f"of {self.context_length} tokens", param="max_tokens", code="context_length_exceeded")
         return min(limit, self.max_tokens) if self.max_tokens else limit
 
-    def _generate(self, prompt: list[int], p: Params, session: Optional[Session]) -> tuple[list[Sampled], Params]:
+    def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
+                  context: Any = None) -> tuple[list[Sampled], Params]:
         limit = self._limit(p, len(prompt))
         if session is not None:
-            p, limit, seeds = session.admit(p, len(prompt), limit)
+            p, limit, seeds = session.admit(p, len(prompt), limit, context)
         else:
             seeds = [None if p.seed is None else row_stream(p.seed, k) for k in range(p.n)]
         payloads = []

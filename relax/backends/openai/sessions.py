@@ -18,7 +18,9 @@ Limits: `max_calls` calls per session, `max_tokens` tokens in the trajectory aft
 appended messages: the episode budget, `rollout.max_episode_tokens`), each answer at most `max_new_tokens`; a call
 past a limit is refused (HTTP 400) and the session ends with that reason; a call after the session ended is refused
 (HTTP 403). Sampling is the run's (`rollout.temperature`, `rollout.top_p`: the distribution the trainer's log-probs
-are taken at); each choice's random stream comes from the run's seed, the sample id and the call.
+are taken at); each choice's random stream comes from the run's seed, the sample id and the call, or, when the call
+gives a `seed`, from that seed and the sample id (the same call gets the same answer within a sample, and the
+samples of a group still differ).
 """
 
 from __future__ import annotations
@@ -124,17 +126,16 @@ class Session:
             tokens = list(prompt) if isinstance(prompt, list) else fmt.encode(prompt)
             return tokens, ("new", None, [], prompt if isinstance(prompt, str) else None, "")
 
-    def admit(self, p: Params, prompt_len: int, limit: int) -> tuple[Params, int, list[int]]:
+    def admit(self, p: Params, prompt_len: int, limit: int, context: Any) -> tuple[Params, int, list[int]]:
         lim = self.limits
         with self._lock:
             self._check_open()
             if self.calls >= lim.max_calls:
                 self._end("max_turns")
                 raise APIError(f"this session made its {lim.max_calls} calls (rollout.max_turns)", code="max_calls")
-            used = 0
-            if self.candidates:  # the trajectory this call most likely extends
-                used = prompt_len - len(self.candidates[0].prompt)
-            left = lim.max_tokens - max(0, used)
+            base = context[1]  # the segment this call extends (None: it starts one)
+            used = 0 if base is None else prompt_len - len(base.prompt)
+            left = lim.max_tokens - used
             if left < 1:
                 self._end("length")
                 raise APIError(f"this session's trajectory holds {used} tokens, its limit "
@@ -145,10 +146,13 @@ class Session:
             self.overrides += 1  # the agent asked for other sampling
         p = copy.copy(p)
         p.temperature, p.top_p, p.top_k = lim.temperature, lim.top_p, lim.top_k
-        base = p.seed if p.seed is not None else sample_seed(lim.seed, self.sample_id, call)
+        # the agent's own seed: the same answer for the same call within this sample (other samples of its group
+        # still differ); without one, the stream of (run seed, sample, call)
+        base = sample_seed(p.seed, self.sample_id, -1) if p.seed is not None else sample_seed(lim.seed, self.sample_id,
+                                                                                                call)
         from relax.backends.openai.service import row_stream
 
-        seeds = [row_stream(sample_seed(base, self.sample_id, call), k) for k in range(p.n)]
+        seeds = [row_stream(base, k) for k in range(p.n)]
         return p, max(1, min(limit, lim.max_new_tokens, left)), seeds
 
     def record(self, context: Any, prompt: list[int], choices: list) -> None:
