@@ -469,10 +469,22 @@ def probe_system_metrics(overrides: list[str], cwd: Path) -> Any:
                                                                  f"{SYSTEM_PREFIX}cpu_utilization_percentage"))
 
 
+# Shared fields that one owner applies the same way for every algorithm (relax.algorithms.loss.compute_loss: the
+# rollout correction, the KL loss, the entropy bonus; the runner: the old log-probs' source, the truncation mask):
+# walked with grpo, and with each algorithm that declares it ignores one (which must then reject it). Fields whose
+# effect depends on the algorithm (clipping, reward shaping, normalisation) are walked with every algorithm.
+SHARED_LOSS_TERMS = {"use_tis", "tis_clip", "tis_level", "rollout_mask", "rollout_mask_low", "rollout_mask_high",
+                     "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coef", "mask_truncated",
+                     "use_rollout_logprobs"}
+
+
 def cases() -> list[tuple[str, str, Any]]:
     out = [("grpo", key, value) for key, value in leaf_fields(RelaxConfig)]
     for name in algorithms.names():
-        out += [(name, key, value) for key, value in algorithm_fields(name)]
+        ignores = algorithms.get(name).ignores
+        out += [(name, key, value) for key, value in algorithm_fields(name)
+                if name == "grpo" or key.removeprefix("algorithm.") not in SHARED_LOSS_TERMS
+                or key.removeprefix("algorithm.") in ignores]
     return out
 
 
