@@ -63,7 +63,7 @@ def test_fully_async_with_partial_rollout_loads_weights_between_calls(ray_local,
     token."""
     cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns_slowly",
                                 "train.mode=fully_async", "train.max_staleness=1", "rollout.partial_rollout=true",
-                                "algorithm=m2po", steps=3))
+                                "algorithm=m2po", steps=2))
     result = run(cfg, output_dir=tmp_path / "out")
     spanning = 0
     for step, m in result.history:
