@@ -176,6 +176,7 @@ def test_icepop_is_token_importance_sampling_with_token_rejection():
     assert replace(cfg, rollout_mask="none").rollout_mask == "none"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [["train.mode=sync"], ["train.mode=fully_async", "train.max_staleness=1"]])
 def test_every_correction_runs_in_the_loop_with_its_metrics(mode, in_process, small_run, tmp_path):
     from relax.runner.train import run

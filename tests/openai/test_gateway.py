@@ -18,6 +18,8 @@ from relax.backends.openai.service import OpenAIService
 from relax.backends.openai.sessions import Limits
 from relax.backends.sglang.client import GenerateClient
 
+pytestmark = pytest.mark.slow  # an engine server, real HTTP
+
 FOLLOW_UP = {"role": "user", "content": "what is the final answer"}
 USER = [{"role": "user", "content": "What is 3 + 4?"}]
 

@@ -15,6 +15,8 @@ from sglang.test_conformance import REPO, env, free_port, logps, trainer_logprob
 
 from relax.backends.sglang.request import row_stream
 
+pytestmark = pytest.mark.slow  # an engine server, real HTTP
+
 OVERRIDES = ["model=tiny", "model.dtype=float32", "seed=3"]
 USER = [{"role": "user", "content": "What is 3 + 4?"}]
 
