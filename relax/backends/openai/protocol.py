@@ -234,7 +234,7 @@ class Choice:
     text: str
     tokens: list[int]
     logprobs: list[float]
-    pieces: list[str]  # each token's text
+    pieces: list[str]  # each token's text (with logprobs; [] without)
     finish_reason: str  # stop | length | tool_calls
     top: Optional[list[list[tuple[str, float]]]] = None  # per token: (text, log-prob) of the most likely tokens
     tool_calls: Optional[list[dict]] = None  # OpenAI tool_calls of a chat answer
@@ -304,8 +304,9 @@ def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
                                             "finish_reason": None, "logprobs": None}]})
         content = ch["message"]["content"] or ""
         pieces = _stream_pieces(content, c)
+        token_logprobs = _token_logprobs(c, p.top_logprobs) if p.logprobs else None
         for j, piece in enumerate(pieces):
-            lp = {"content": _token_logprobs(c, p.top_logprobs)[j:j + 1]} if p.logprobs else None
+            lp = {"content": token_logprobs[j:j + 1]} if token_logprobs is not None else None
             events.append({**head, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None,
                                                 "logprobs": lp}]})
         if ch["message"].get("tool_calls"):

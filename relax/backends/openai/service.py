@@ -26,9 +26,11 @@ from relax.backends.openai.protocol import (
     chat_events,
     completion_answer,
     completion_events,
+    normalize_message,
     parse_chat,
     parse_completion,
 )
+from relax.backends.sglang.request import row_stream
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +65,6 @@ class Session(Protocol):
         """A finished call: each choice as sampled, as answered, and (chat) its normalized assistant message."""
 
 
-def row_stream(seed: int, k: int) -> int:
-    from relax.backends.sglang.request import row_stream as stream
-
-    return stream(seed, k)
-
-
 class OpenAIService:
     """`send(payloads)` answers SGLang `/generate` payloads in order (raising APIError for a refused one);
     `context_length` (None: unknown) bounds prompt + max_tokens; `max_tokens` caps every call (None: no cap)."""
@@ -97,10 +93,8 @@ class OpenAIService:
             content, calls = self.fmt.tool_calls(text) if p.tools else (text, None)
             if calls:
                 finish = "tool_calls"
-            choices.append(self._choice(s, tokens, content, finish, calls))
+            choices.append(self._choice(s, tokens, content, finish, calls, p))
         if session is not None:
-            from relax.backends.openai.protocol import normalize_message
-
             session.record(context, prompt, [
                 (s, c, normalize_message({"role": "assistant", "content": c.text or None,
                                           "tool_calls": c.tool_calls}))
@@ -118,7 +112,7 @@ class OpenAIService:
         choices = []
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
-            choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None))
+            choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p))
         if session is not None:
             session.record(context, prompt, [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
         answer = completion_answer(choices, p, len(prompt), model=p.model)
@@ -176,10 +170,13 @@ class OpenAIService:
                            status=503, kind="server_error")
         return "stop" if len(tokens) < len(s.tokens) or s.finish == "stop" else "length"
 
-    def _choice(self, s: Sampled, tokens: list[int], text: str, finish: str, calls: Optional[list[dict]]) -> Choice:
-        pieces = self.fmt.pieces(tokens)
+    def _choice(self, s: Sampled, tokens: list[int], text: str, finish: str, calls: Optional[list[dict]],
+                p: Params) -> Choice:
+        """One answer; each token's text for the log-probs and its text increment for a stream only when asked."""
+        pieces = self.fmt.pieces(tokens) if p.logprobs else []
         top = None
         if s.top:
             top = [[(self.fmt.pieces([t])[0], lp) for lp, t in alts] for alts in s.top[:len(tokens)]]
         return Choice(text=text, tokens=tokens, logprobs=s.logprobs[:len(tokens)], pieces=pieces,
-                      finish_reason=finish, top=top, tool_calls=calls, deltas=self.fmt.increments(tokens))
+                      finish_reason=finish, top=top, tool_calls=calls,
+                      deltas=self.fmt.increments(tokens) if p.stream else None)

@@ -33,6 +33,7 @@ from typing import Any, Optional
 from relax.backends.openai.chat import ChatFormat
 from relax.backends.openai.protocol import APIError, Params, same_message
 from relax.backends.sglang.client import sample_seed
+from relax.backends.sglang.request import row_stream
 
 
 @dataclass
@@ -142,16 +143,14 @@ class Session:
                                f"(rollout.max_episode_tokens={lim.max_tokens})", code="max_tokens")
             call = self.calls
             self.calls += 1
-        if p.temperature not in (None, lim.temperature) or p.top_p not in (None, lim.top_p):
-            self.overrides += 1  # the agent asked for other sampling
+            if p.temperature not in (None, lim.temperature) or p.top_p not in (None, lim.top_p):
+                self.overrides += 1  # the agent asked for other sampling
         p = copy.copy(p)
         p.temperature, p.top_p, p.top_k = lim.temperature, lim.top_p, lim.top_k
         # the agent's own seed: the same answer for the same call within this sample (other samples of its group
         # still differ); without one, the stream of (run seed, sample, call)
         base = sample_seed(p.seed, self.sample_id, -1) if p.seed is not None else sample_seed(lim.seed, self.sample_id,
                                                                                                 call)
-        from relax.backends.openai.service import row_stream
-
         seeds = [row_stream(base, k) for k in range(p.n)]
         return p, max(1, min(limit, lim.max_new_tokens, left)), seeds
 
