@@ -1,6 +1,6 @@
 """`relax-serve`: Relax's embedded rollout engine as an SGLang-compatible HTTP server.
 
-    relax-serve --port 30000 [--host 127.0.0.1] [--threads N] [--weight-version V] [model=tiny ...]
+    relax-serve --port 30000 [--host 127.0.0.1] [--threads N] [--weight-version V] [--api-key K] [model=tiny ...]
     relax-serve --port 30000 --config resolved_config.json
 
 The model is the one `relax-train` with the same overrides would build (or the one a resolved config JSON, as
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--config", default=None, help="a resolved RelaxConfig as JSON (dataclasses.asdict)")
     parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
+    parser.add_argument("--api-key", default=os.environ.get("RELAX_SERVE_API_KEY"),
+                        help="the key the OpenAI endpoints require (Authorization: Bearer); without one they answer "
+                             "on a loopback address only (default: $RELAX_SERVE_API_KEY)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for relax-train (model=tiny ...)")
     args = parser.parse_intermixed_args(argv)
     if args.config and args.overrides:
@@ -138,8 +142,10 @@ def main(argv: list[str] | None = None) -> None:
             resolve_model_path(cfg.model)  # a missing model directory or file: a usage error, before binding
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
+    if args.api_key is not None and not args.api_key.strip():
+        _fail("--api-key: an empty key")
     server = EmbeddedServer(cfg, host=args.host, port=args.port, threads=args.threads,
-                            weight_version=args.weight_version)
+                            weight_version=args.weight_version, api_key=args.api_key)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -161,3 +161,34 @@ def test_malformed_bodies_and_unknown_paths_are_refused(served):
     assert requests.post(url + "/v1/embeddings", json={}, timeout=10).status_code == 404
     models = openai.OpenAI(base_url=url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_beyond_loopback_the_openai_endpoints_need_the_servers_key():
+    """With a key, a request without it (or with another) is a 401 and one with it is answered; bound to every
+    address without a key, the OpenAI endpoints refuse (403) while /generate still serves Relax's own client."""
+    from relax.backends.sglang.server import EmbeddedServer
+    from relax.config import load_config
+
+    cfg = load_config(OVERRIDES)
+    for host, key in (("127.0.0.1", "s3cret"), ("0.0.0.0", None)):
+        server = EmbeddedServer(cfg, host=host, port=0, threads=1, api_key=key)
+        server.start()
+        try:
+            server.wait_ready(60)
+            url = f"http://127.0.0.1:{server.port}/v1"
+            if key is not None:
+                for wrong in ("other", "-"):
+                    with pytest.raises(openai.AuthenticationError):
+                        openai.OpenAI(base_url=url, api_key=wrong, max_retries=0).chat.completions.create(
+                            model="tiny", messages=USER, max_tokens=2)
+                ok = openai.OpenAI(base_url=url, api_key=key, max_retries=0).completions.create(
+                    model="tiny", prompt="What is", max_tokens=2)
+                assert ok.choices[0].finish_reason in ("stop", "length")
+            else:
+                with pytest.raises(openai.PermissionDeniedError, match="--api-key"):
+                    openai.OpenAI(base_url=url, api_key="-", max_retries=0).chat.completions.create(
+                        model="tiny", messages=USER, max_tokens=2)
+                assert requests.post(url[:-3] + "/generate", json={"input_ids": [1, 2], "sampling_params": {
+                    "max_new_tokens": 1}}, timeout=60).status_code == 200
+        finally:
+            server.shutdown()

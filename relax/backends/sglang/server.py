@@ -13,7 +13,8 @@ Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSO
 - `GET /health` 503 while the model loads, then 200; `/health_generate` also runs a 1-token generation (200 without
   one while generation is paused or memory released). `GET /server_info`, `/get_server_info`, `/model_info`,
   `/get_model_info`, `/get_weight_version`, `/v1/models`.
-- The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.backends.openai.service`).
+- The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.backends.openai.service`), with the
+  server's key (`api_key`, `relax-serve --api-key`) as `Authorization: Bearer`, or without one on loopback only.
 - `POST /generate`: `input_ids` or `text`, `sampling_params`, `return_logprob`, `rid`; what is supported, and how
   samples are seeded: see `relax.backends.sglang.request`.
 - `POST /pause_generation` {"mode": "abort" | "retract" | "in_place"}, `/continue_generation`, `/abort_request`
@@ -32,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -53,6 +55,8 @@ __all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `EmbeddedServer.api_key`
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -98,7 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             self.close_connection = True
             return
-        status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw)
+        status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw, self.headers)
         write_answer(self, status, payload)
 
 
@@ -111,8 +115,9 @@ class EmbeddedServer(WeightEndpoints):
     """
 
     def __init__(self, cfg: RelaxConfig, host: str = "127.0.0.1", port: int = 30000, threads: Optional[int] = None,
-                 *, weight_version: str = "default", group_timeout_s: float = 600.0):
+                 *, weight_version: str = "default", group_timeout_s: float = 600.0, api_key: Optional[str] = None):
         self.cfg = cfg
+        self.api_key = api_key  # what the OpenAI endpoints require as `Authorization: Bearer` (None: nothing)
         self.host, self.port, self.threads = host, int(port), threads
         self.weight_version = str(weight_version)
         self.group_timeout_s = group_timeout_s
@@ -248,11 +253,13 @@ class EmbeddedServer(WeightEndpoints):
             "/resume_memory_occupation": self._resume,
         }
 
-    def handle(self, method: str, path: str, raw: bytes) -> tuple[int, Any]:
+    def handle(self, method: str, path: str, raw: bytes, headers: Any = None) -> tuple[int, Any]:
         """(status, JSON-able answer or bytes) of one HTTP request."""
         route = self._routes.get(path.rstrip("/") or "/")
         if route is None:
             return 404, {"error": {"message": f"no endpoint {path}"}}
+        if path.rstrip("/") in OPENAI_PATHS and (refused := self._openai_refusal(headers)) is not None:
+            return refused
         try:
             body = json.loads(raw) if raw.strip() else {}
         except (ValueError, UnicodeDecodeError) as exc:
@@ -343,6 +350,24 @@ class EmbeddedServer(WeightEndpoints):
             return 503, APIError(str(exc), status=503, kind="server_error").body()
         except APIError as exc:
             return exc.status, exc.body()
+
+    def _openai_refusal(self, headers: Any) -> Optional[tuple[int, Any]]:
+        """The OpenAI endpoints answer a request with the server's key (`api_key`), or, without a key, only on a
+        loopback address: anything reachable beyond it needs one."""
+        from relax.backends.openai.protocol import APIError
+
+        if self.api_key is None:
+            if self.host in LOOPBACK or self.host.startswith("127."):
+                return None
+            error = APIError(f"the OpenAI endpoints of a server bound to {self.host} need a key: start it with "
+                             "--api-key", status=403, kind="permission_error")
+            return error.status, error.body()
+        auth = (headers.get("Authorization") if headers is not None else None) or ""
+        if auth.lower().startswith("bearer ") and secrets.compare_digest(auth[7:].strip(), self.api_key):
+            return None
+        error = APIError("a missing or wrong API key (Authorization: Bearer <the server's --api-key>)", status=401,
+                         kind="authentication_error", code="invalid_api_key")
+        return error.status, error.body()
 
     def _send_openai(self, payloads: list[dict]) -> list[dict]:
         """The OpenAI service's `/generate` payloads as one batched request to this engine."""
