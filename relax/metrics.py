@@ -86,6 +86,15 @@ RLOO_METRICS = (
     RLOO_DROPPED_GROUP_FRAC,
 )
 
+# On-policy distillation (algorithm=opd), over the valid response tokens of the step: the teacher's mean log-prob of
+# the sampled tokens, the reverse KL from the policy that sampled to the teacher estimated per token as
+# mean(logp_student - logp_teacher) (k1: the negative distillation advantage before clipping), and the share of tokens
+# whose distillation advantage algorithm.teacher_adv_clip cut
+TEACHER_LOGP_MEAN = "rollout/teacher_logp_mean"
+TEACHER_KL = "train/teacher_kl"
+TEACHER_ADV_CLIPFRAC = "train/teacher_adv_clipfrac"
+OPD_METRICS = (TEACHER_LOGP_MEAN, TEACHER_KL, TEACHER_ADV_CLIPFRAC)
+
 # ---- train: the actor's optimizer step (losses reduced as configured; diagnostics are shares/means of valid tokens)
 PG_LOSS = "train/pg_loss"
 PG_CLIPFRAC = "train/pg_clipfrac"

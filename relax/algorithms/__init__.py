@@ -26,6 +26,7 @@ from relax.algorithms.grpo import GRPOConfig
 from relax.algorithms.gspo import GSPOConfig
 from relax.algorithms.loss import compute_loss, compute_value_loss
 from relax.algorithms.m2po import M2POConfig
+from relax.algorithms.opd import OPDConfig
 from relax.algorithms.ppo import PPOConfig
 from relax.algorithms.reinforce_pp import ReinforcePPConfig
 from relax.algorithms.reinforce_pp_baseline import ReinforcePPBaselineConfig
@@ -54,6 +55,7 @@ __all__ = [
     "GSPOConfig",
     "SAPOConfig",
     "M2POConfig",
+    "OPDConfig",
     "ReinforcePPConfig",
     "ReinforcePPBaselineConfig",
 ]

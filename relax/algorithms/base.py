@@ -90,6 +90,7 @@ class AdvantageInputs:
     old_logp: Optional[torch.Tensor] = None  # [N, T]
     ref_logp: Optional[torch.Tensor] = None  # [N, T]
     values: Optional[torch.Tensor] = None  # [N, T] critic values (PPO)
+    teacher_logp: Optional[torch.Tensor] = None  # [N, T] the teacher's log-probs (algorithms with requires_teacher)
     # [N] bool: the response ended with a stop token, which `mask` counts as its last token (None: unknown)
     stopped: Optional[torch.Tensor] = None
     # [N] tokens of each response (the stop token included), also of one whose tokens `mask` leaves out of the loss
@@ -157,6 +158,11 @@ class Algorithm:
     summary: str  # one line: use it when ...
     requires_critic: bool = False
     requires_reference: bool = False  # besides the generic "a KL term needs a reference"
+    # a frozen teacher scores every response token (AdvantageInputs.teacher_logp): on-policy distillation
+    requires_teacher: bool = False
+    # its advantages read the log-probs of the policy that sampled (AdvantageInputs.old_logp): the runner has the
+    # actor compute them even for a batch that is exactly on-policy
+    advantages_read_old_logp: bool = False
     supports_async: bool = True  # fully_async / hybrid modes, max_staleness > 0, partial rollout
     supports_context_parallel: bool = True
     supports_multi_step: bool = True  # train.num_steps_per_rollout > 1

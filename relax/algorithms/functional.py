@@ -207,6 +207,24 @@ def reinforce_pp_returns(
     return _discounted_returns(r, gamma, valid) * valid
 
 
+def distillation_advantages(
+    student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor, clip: Optional[float] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation's per-token advantage, the negative reverse-KL estimate of each sampled token:
+
+    `a[b, t] = logp_teacher[b, t] - logp_student[b, t]`, with `clip`: `clamp(a, -clip, clip)`; 0 on masked tokens.
+    Returns (advantages, clipped [B, T] bool: valid tokens whose value the clip changed). Values under the mask
+    (non-finite ones included) never reach the result.
+    """
+    keep = mask != 0
+    a = torch.where(keep, teacher_logp - student_logp, torch.zeros((), dtype=student_logp.dtype,
+                                                                   device=student_logp.device))
+    if clip is None:
+        return a, torch.zeros_like(keep)
+    clipped = keep & (a.abs() > clip)
+    return a.clamp(-clip, clip), clipped
+
+
 def global_token_normalize(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Whitening over every valid token of the batch, population statistics:
 

@@ -1,7 +1,7 @@
 """Everything computed from a config rather than set in it, in one place: `resolve` fills the fields whose default
 is None ("derived") when the config is built, and the functions below derive what the planner, the trainers and
-the rules read (`data_parallel_size`, `actor_world_size`, `needs_reference`, `total_optimizer_steps`). After
-`resolve`, no field the runner reads is None.
+the rules read (`data_parallel_size`, `actor_world_size`, `needs_reference`, `teacher_model`,
+`total_optimizer_steps`). After `resolve`, no field the runner reads is None.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from relax import algorithms
-from relax.config.schema import RelaxConfig, TrainConfig
+from relax.config.schema import ModelConfig, RelaxConfig, TrainConfig
 
 
 def resolve(cfg: RelaxConfig) -> RelaxConfig:
@@ -76,6 +76,15 @@ def needs_reference(cfg: RelaxConfig) -> str | None:
     if a.kl_coef != 0:
         return "reward-side KL (kl_coef)"
     return None
+
+
+def teacher_model(cfg: RelaxConfig) -> ModelConfig | None:
+    """The teacher as a model config (what `relax.backends.models` and `relax.data.tokenizer` load), or None when
+    the algorithm distills from none (the plan starts the teacher role when this returns one)."""
+    if not algorithms.get(cfg.algorithm.name).requires_teacher:
+        return None
+    t = cfg.teacher
+    return ModelConfig(name=t.name, source=t.source, path=t.path, dtype=t.dtype)
 
 
 def total_optimizer_steps(train: TrainConfig) -> int:

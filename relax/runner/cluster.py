@@ -30,6 +30,7 @@ from relax.roles.workers import (
     PolicyWorker,
     ReferenceWorker,
     RolloutWorker,
+    TeacherWorker,
     compute_advantages,
 )
 from relax.runner import checkpoint
@@ -199,6 +200,9 @@ class Cluster:
             self.reference = None
             if self.plan.has("reference"):
                 self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
+            self.teacher = None
+            if self.plan.has("teacher"):
+                self.teacher = self._remote(TeacherWorker, "teacher", 0, cfg, info, threads=threads("teacher"))
             self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads("critic")) \
                 if self.plan.has("critic") else None
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
@@ -363,6 +367,9 @@ class Cluster:
 
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
         return self.watch.get_one(self.reference.logprobs.remote(samples), "reference")
+
+    def teacher_logprobs(self, samples: Samples) -> torch.Tensor:
+        return self.watch.get_one(self.teacher.logprobs.remote(samples), "teacher")
 
     def values(self, samples: Samples) -> torch.Tensor:
         return self.watch.get_one(self.critic.values.remote(samples), "critic")

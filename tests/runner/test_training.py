@@ -32,7 +32,26 @@ ALGORITHM_CASES = {
     "m2po": (["train.num_steps_per_rollout=2"], ["train/ppo_kl_m2_before", "train/ppo_kl_m2_after"]),
     "reinforce_pp": ([], ["train/ppo_kl"]),
     "reinforce_pp_baseline": (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"], ["train/kl_loss"]),
+    # with a teacher (`teacher_for`); its learning: tests/runner/test_distillation.py
+    "opd": ([], ["train/teacher_kl", "rollout/teacher_logp_mean", "train/pg_clipfrac"]),
 }
+
+
+def teacher_for(name: str, directory) -> list[str]:
+    """The teacher an algorithm that distills needs: an untrained tiny model saved with its tokenizer (what it
+    knows does not matter to these tests)."""
+    from relax import algorithms
+
+    if not algorithms.get(name).requires_teacher:
+        return []
+    from relax.backends.models import build_model
+    from relax.data.tokenizer import load_tokenizer
+
+    cfg = load_config([])
+    tokenizer = load_tokenizer(cfg.model)
+    build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id, seed=7).save_pretrained(str(directory / "teacher"))
+    tokenizer.save_pretrained(str(directory / "teacher"))
+    return [f"teacher.path={directory / 'teacher'}"]
 COMMON = ["rollout/raw_reward", "rollout/response_len", "rollout/truncated_frac", "rollout/reward_errors",
           "train/loss", "train/grad_norm", "train/lr", "perf/step_time", "perf/rollout_time", "perf/train_time",
           "perf/weight_sync_time", "perf/tokens_per_s"]
@@ -54,12 +73,13 @@ def check_algorithm_run(name: str, result, tmp_path) -> None:
 
 @pytest.mark.parametrize("name", list(ALGORITHM_CASES))
 def test_every_algorithm_trains_end_to_end(name, in_process, small_run, tmp_path):
-    cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0]))
+    cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0], *teacher_for(name, tmp_path)))
     check_algorithm_run(name, run(cfg, output_dir=tmp_path / "out"), tmp_path)
 
 
-# one algorithm per service graph: actor + rollout (grpo), + reference (cispo's KL loss), + critic and advantages (ppo)
-@pytest.mark.parametrize("name", ["grpo", "cispo", "ppo"])
+# one algorithm per service graph: actor + rollout (grpo), + reference (cispo's KL loss), + critic and advantages (ppo),
+# + teacher (opd)
+@pytest.mark.parametrize("name", ["grpo", "cispo", "ppo", "opd"])
 def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path):
     """The roles as Ray actors in processes of their own: batches, weights and metrics through the object store."""
     from relax.runner import cluster
@@ -73,12 +93,12 @@ def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path)
 
     cluster.Cluster._remote = remote
     try:
-        cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0]))
+        cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0], *teacher_for(name, tmp_path)))
         result = run(cfg, output_dir=tmp_path / "out")
     finally:
         cluster.Cluster._remote = original
     roles = {"grpo": ["actor", "rollout"], "cispo": ["actor", "rollout", "reference"],
-             "ppo": ["actor", "rollout", "critic", "advantages"]}[name]
+             "ppo": ["actor", "rollout", "critic", "advantages"], "opd": ["actor", "rollout", "teacher"]}[name]
     assert sorted(started) == sorted(roles)
     check_algorithm_run(name, result, tmp_path)
 

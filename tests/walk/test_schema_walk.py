@@ -131,6 +131,13 @@ VALUES: dict[str, Any] = {
     "train.save_failures": "continue",
     "rollout.over_sampling_batch_size": 3,  # derived (None: rollout_batch_size when filtering)
     "rollout.max_filter_rounds": 1,  # one round: groups without a signal fill the batch instead of another round
+    # the teacher's fields, walked with distillation (TEACHER_BASE): another directory (missing: the run says so at
+    # start), a GGUF teacher (SmolLM2's, whose tokenizer is not the tiny model's: rejected at start)
+    "teacher.name": "walk-teacher",
+    "teacher.source": "gguf",
+    "teacher.path": "other_teacher",
+    "teacher.dtype": "bfloat16",
+    "algorithm.teacher_adv_clip": 0.05,
 }
 # Evaluation after each step, with sampling: what evaluation's own fields act on.
 EVAL_CONTEXT = ["train.eval_interval=1", "data.num_eval_prompts=4", "rollout.eval_n_samples_per_prompt=2",
@@ -218,9 +225,15 @@ def override(key: str, value: Any) -> str:
     return f"{key}={text}"
 
 
+# An algorithm that distills runs with a teacher, an untrained tiny model that `setup` saves in the run's directory,
+# in fp32 as the policy (teacher.dtype=auto is bf16 on a CPU with native bf16 matmul and fp32 on one without)
+TEACHER_BASE = ["teacher.path=teacher_model", "teacher.dtype=float32"]
+
+
 def base_for(algorithm: str) -> list[str]:
     extra = MULTI_STEP if algorithms.get(algorithm).supports_multi_step else []
-    return [f"algorithm={algorithm}", *BASE, *extra]
+    teacher = TEACHER_BASE if algorithms.get(algorithm).requires_teacher else []
+    return [f"algorithm={algorithm}", *BASE, *extra, *teacher]
 
 
 class Workspace:
@@ -479,7 +492,8 @@ SHARED_LOSS_TERMS = {"use_tis", "tis_clip", "tis_level", "rollout_mask", "rollou
 
 
 def cases() -> list[tuple[str, str, Any]]:
-    out = [("grpo", key, value) for key, value in leaf_fields(RelaxConfig)]
+    # the teacher's fields with the algorithm that reads them (any other rejects them: tests/algorithms/test_opd.py)
+    out = [("opd" if key.startswith("teacher.") else "grpo", key, value) for key, value in leaf_fields(RelaxConfig)]
     for name in algorithms.names():
         ignores = algorithms.get(name).ignores
         out += [(name, key, value) for key, value in algorithm_fields(name)
@@ -499,7 +513,7 @@ def baselines():
 
 
 def setup(key: str, cwd: Path, overrides: list[str]) -> None:
-    """What a field needs to exist before the run: a checkpoint to resume, a reference model to load."""
+    """What a field needs to exist before the run: a checkpoint to resume, a reference model or a teacher to load."""
     if key == "train.resume":
         observe(overrides[:] + ["train.num_rollout=1", "train.save_interval=1"], cwd)
     if key == "train.ref_load":
@@ -507,6 +521,13 @@ def setup(key: str, cwd: Path, overrides: list[str]) -> None:
 
         cfg = load_config(overrides)
         build_model(cfg.model, 40, 0, seed=99).save_pretrained(str(cwd / "ref_model"))
+    if TEACHER_BASE[0] in overrides:
+        from relax.backends.models import build_model
+        from relax.data.tokenizer import load_tokenizer
+
+        cfg = load_config(overrides)
+        build_model(cfg.model, 40, 0, seed=98).save_pretrained(str(cwd / "teacher_model"))
+        load_tokenizer(cfg.model).save_pretrained(str(cwd / "teacher_model"))
 
 
 @pytest.mark.parametrize("algorithm,key,default", cases(), ids=lambda x: str(x))
