@@ -22,6 +22,9 @@ class ModelConfig:
     # auto: bf16 where the device has fast bf16, else fp32
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))
     gradient_checkpointing: bool = False  # recompute activations in the backward (train.backend=torch only)
+    # source=config: the tokenizer of this Hugging Face directory or .gguf file, and a vocabulary its size (a small
+    # student for a teacher of that tokenizer, algorithm=opd); None: the built-in tiny tokenizer
+    tokenizer: Optional[str] = None
     # Architecture of a `source=config` model (Qwen3 layout).
     arch: str = "qwen3"
     hidden_size: int = 64

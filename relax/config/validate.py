@@ -187,11 +187,9 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     total = c.num_nodes * c.gpus_per_node
     needed = c.actor_gpus if c.colocate else c.actor_gpus + c.rollout_gpus
     apart = "" if c.colocate else f" + cluster.rollout_gpus={c.rollout_gpus}"
-    if not c.colocate:  # apart, the critic and the teacher have a GPU each (relax.runner.plan)
-        for role, on in (("critic", algo.requires_critic), ("teacher", algo.requires_teacher)):
-            if on:
-                needed += 1
-                apart += f" + 1 for the {role}"
+    if not c.colocate and algo.requires_teacher:  # apart, the teacher has a GPU of its own (relax.runner.plan)
+        needed += 1
+        apart += " + 1 for the teacher"
     r.require(
         needed <= total,
         ("cluster.actor_gpus", "cluster.num_nodes", "cluster.gpus_per_node")
@@ -518,6 +516,8 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
                         "head_dim", "intermediate_size", "max_position_embeddings"), m.source != "config",
            f"the architecture of model.source={m.source} comes from its files (these fields build source=config)")
     unused(m, "model", ("path",), m.source == "config", "model.source=config builds the model from its fields")
+    unused(m, "model", ("tokenizer",), m.source != "config",
+           f"a model of model.source={m.source} has its own tokenizer (model.tokenizer serves source=config)")
     r.choice("model.arch", m.arch, ("qwen3",))
     if m.source == "config":
         need = ro.max_prompt_len + ro.max_response_len

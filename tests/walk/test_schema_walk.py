@@ -71,6 +71,7 @@ VALUES: dict[str, Any] = {
     "model.arch": "llama",
     "model.source": "hf",  # from $MODEL_DIR/<name>, which the walk does not provide: the run says so at start
     "model.path": "some/model",
+    "model.tokenizer": "some/tokenizer",  # not there: the run says so at start (its effect: tests/data)
     "cluster.cpus_per_node": 2,
     "data.prompt_key": "question",
     "data.label_key": "answer",
