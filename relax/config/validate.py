@@ -404,7 +404,8 @@ NOT_BUILT = "is not available in this build"
 
 
 def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
-    """Options that are planned (dynamic batch sizes, context parallelism) but have nothing behind them yet."""
+    """Options that are planned (dynamic batch sizes, context parallelism, a Megatron teacher) but have nothing behind
+    them yet."""
     t, _ro, _c = cfg.train, cfg.rollout, cfg.cluster
     r.require(not t.use_dynamic_global_batch_size, "train.use_dynamic_global_batch_size",
               f"train.use_dynamic_global_batch_size=true {NOT_BUILT}: every optimizer step takes "
@@ -412,6 +413,10 @@ def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(not t.dynamic_context_parallel, "train.dynamic_context_parallel",
               f"train.dynamic_context_parallel=true {NOT_BUILT}: it needs context parallelism, which "
               "train.backend=megatron does not have here (megatron-core's needs Transformer Engine's attention)")
+    r.require(cfg.teacher.backend == "torch", "teacher.backend",
+              f"teacher.backend={cfg.teacher.backend} {NOT_BUILT}: the teacher runs on the torch backend on one device "
+              "(the actor's GPU when colocated, else one of its own); a teacher larger than one device would need "
+              "Megatron's tensor parallelism, which the teacher role does not have")
 
 
 def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:

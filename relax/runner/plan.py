@@ -165,8 +165,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         servers = "the servers at rollout.sglang.urls" if ro.sglang.urls else f"{ro.sglang.server} servers"
         why["rollout"] += (f"; {servers} behind sglang-router; weights: {ro.sglang.weight_sync} "
                            "(rollout.sglang.weight_sync)")
-    backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "teacher": "torch", "critic": "torch",
-               "advantages": "cpu"}
+    backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "teacher": cfg.teacher.backend,
+               "critic": "torch", "advantages": "cpu"}
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)
     if t.backend == "megatron":
         why["actor"] = (f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout): megatron ranks "

@@ -138,6 +138,7 @@ VALUES: dict[str, Any] = {
     "teacher.source": "gguf",
     "teacher.path": "other_teacher",
     "teacher.dtype": "bfloat16",
+    "teacher.backend": "megatron",  # not in this build: rejected
     "algorithm.teacher_adv_clip": 0.05,
 }
 # Evaluation after each step, with sampling: what evaluation's own fields act on.
