@@ -144,6 +144,9 @@ STEP_TIME = "perf/step_time"
 ROLLOUT_TIME = "perf/rollout_time"
 TRAIN_TIME = "perf/train_time"
 SYNC_TIME = "perf/weight_sync_time"
+# bytes of the last weight update the engines received (each engine gets them once; tied weights counted once): the
+# whole model, or with LoRA and rollout.lora_sync=adapter the adapters alone
+SYNC_BYTES = "perf/sync_bytes"
 TOKENS_PER_S = "perf/tokens_per_s"
 ROLLOUT_ENGINE_TIME = "perf/rollout_engine_time"  # inside the rollout engine (the generation itself)
 # Seconds inside the actor's train_step (forward, backward, optimizer), summed over a rollout's optimizer steps.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +223,35 @@ def generation_config(tokenizer: PreTrainedTokenizerBase, stops: tuple[int, ...]
     )
 
 
+def _write_lora(policy: Path, out: Path, model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, merge: bool,
+                seed: int) -> tuple[int, str, str]:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory, or merged into the base model (rebuilt from the run's
+    model config, then checked against the base the adapters were trained on): (parameters, dtype, source)."""
+    from relax.backends import lora
+    from relax.backends.checkpoint_files import load_safetensors_file
+    from relax.backends.models import build_model
+
+    if not merge:
+        for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):
+            shutil.copyfile(policy / name, out / name)
+        count, dtype = _tensor_stats([out / lora.ADAPTER_WEIGHTS])
+        return count, dtype, f"{POLICY_DIR}/ (LoRA adapters, PEFT layout)"
+    base = build_model(model_cfg, len(tokenizer), int(tokenizer.pad_token_id), seed=seed, dtype=torch.float32)
+    peft_model = lora.apply_lora(base, dataclass_replace(model_cfg, lora_dropout=0.0), seed=seed)
+    try:
+        lora.check_base(policy, lora.base_fingerprint(peft_model), model_cfg)
+    except CheckpointFileError as e:
+        raise ExportError(str(e)) from None
+    lora.load_adapters(peft_model, load_safetensors_file(policy / lora.ADAPTER_WEIGHTS))
+    merged = peft_model.merge_and_unload()
+    merged.config.use_cache = True
+    merged.save_pretrained(str(out))
+    count, dtype = _tensor_stats(sorted(out.glob("*.safetensors")))
+    return count, dtype, f"{POLICY_DIR}/ (LoRA adapters merged into the base)"
+
+
 def write_hf_directory(checkpoint: Path, out: Path, model_cfg: ModelConfig, rollout: RolloutConfig, *,
-                       metadata: dict[str, Any]) -> Exported:
+                       metadata: dict[str, Any], merge: bool = False, seed: int = 1) -> Exported:
     """Write the Hugging Face directory of checkpoint `checkpoint` (already verified) into the empty directory `out`.
 
     `model_cfg` / `rollout`: the run's (its config.yaml), for the tokenizer, the stop tokens and the sampling.
@@ -239,8 +267,15 @@ def write_hf_directory(checkpoint: Path, out: Path, model_cfg: ModelConfig, roll
     except ValueError as e:  # a model.source this version does not know, a tokenizer without EOS
         raise ExportError(f"the run's tokenizer cannot be used: {e}") from None
     policy, hf = checkpoint / POLICY_DIR, checkpoint / HF_DIR
+    from relax.backends.lora import ADAPTER_CONFIG
+
+    lora_checkpoint = (policy / ADAPTER_CONFIG).is_file()
+    if merge and not lora_checkpoint:
+        raise ExportError(f"--merge merges LoRA adapters, but {policy} holds a whole model (no {ADAPTER_CONFIG})")
     with os_write_errors(out):
-        if (hf / CONFIG_FILE).is_file():
+        if lora_checkpoint:
+            count, dtype, source = _write_lora(policy, out, model_cfg, tokenizer, merge=merge, seed=seed)
+        elif (hf / CONFIG_FILE).is_file():
             count, dtype = _copy_hf_weights(hf, out)
             source = f"{HF_DIR}/"
         elif (policy / CONFIG_FILE).is_file():

@@ -41,6 +41,8 @@ def _fuse(linears: list[nn.Linear]) -> torch.Tensor | None:
     """One weight holding the weights of `linears` (bias-free, same input) stacked by output rows; each module's
     weight becomes a view of its rows, so that loading weights into the modules (copy_) updates it. None when
     they cannot be fused."""
+    if any(type(m) is not nn.Linear for m in linears):  # a wrapped layer (LoRA adapters) computes more than x W^T
+        return None
     weights = [m.weight for m in linears]
     if any(m.bias is not None for m in linears) or len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return None
@@ -258,18 +260,23 @@ class EmbeddedEngine:
             raise ValueError(f"fast_path=True: model_type {getattr(model.config, 'model_type', None)!r} unsupported")
         self.fast_path = supported if fast_path is None else fast_path
         self.weight_version = 0
+        # the names of LoRA adapter tensors injected into `model` (relax.backends.lora.inject_adapters): a weight
+        # update may then hold exactly these, the base weights staying as they are
+        self.adapter_keys: frozenset[str] = frozenset()
 
     def _decoder(self):
         return _LlamaFamilyDecoder(self.model) if self.fast_path else _GenericDecoder(self.model)
 
     @torch.inference_mode()
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `state_dict` into the existing parameters and buffers (strict key match), then set the version."""
+        """Copy `state_dict` into the existing parameters and buffers (strict key match: every weight, or exactly the
+        injected adapters), then set the version."""
         targets = self.model.state_dict(keep_vars=True)
         unexpected = sorted(k for k in state_dict if k not in targets)
         given = {id(targets[k]) for k in state_dict if k in targets}
         # a tied weight (lm_head = embeddings) may come under either of its names
-        missing = sorted(k for k, v in targets.items() if k not in state_dict and id(v) not in given)
+        missing = [] if self.adapter_keys and set(state_dict) == self.adapter_keys else \
+            sorted(k for k, v in targets.items() if k not in state_dict and id(v) not in given)
         if missing or unexpected:
             raise KeyError(f"load_weights: missing keys {missing}, unexpected keys {unexpected}")
         for key, tensor in state_dict.items():

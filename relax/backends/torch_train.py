@@ -26,9 +26,14 @@ from transformers import PreTrainedModel
 from relax import algorithms
 from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_loss
-from relax.backends import progress
+from relax.backends import lora, progress
 from relax.backends.batch import Samples, TrainBatch
-from relax.backends.checkpoint_files import CheckpointFileError, load_safetensors_dir, load_tensor_file
+from relax.backends.checkpoint_files import (
+    CheckpointFileError,
+    load_safetensors_dir,
+    load_safetensors_file,
+    load_tensor_file,
+)
 from relax.backends.logprobs import response_logprobs
 from relax.backends.models import build_model, pick_device, pick_dtype
 from relax.backends.trainer import (
@@ -203,6 +208,17 @@ class TorchTrainer:
     def _hf_model(self) -> PreTrainedModel:
         return self.model  # type: ignore[return-value]
 
+    def _save_weights(self, directory: Path) -> None:
+        """The weights a checkpoint holds: the whole HF model (a LoRA policy: its adapters only)."""
+        self._hf_model().save_pretrained(str(directory))
+
+    def _read_weights(self, directory: Path) -> dict[str, torch.Tensor]:
+        """What `_save_weights` wrote, read and checked before anything is restored."""
+        return load_safetensors_dir(directory, exclude=self._extra_files())
+
+    def _restore_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        load_into(self._hf_model(), weights)
+
     def _extra_save(self, directory: Path) -> None:
         """Subclasses save what is not part of the HF model (the critic's value head)."""
 
@@ -220,7 +236,7 @@ class TorchTrainer:
         directory = Path(directory)
         with os_write_errors(directory):
             directory.mkdir(parents=True, exist_ok=True)
-            self._hf_model().save_pretrained(str(directory))
+            self._save_weights(directory)
             self._extra_save(directory)
             torch_save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
             torch_save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
@@ -234,7 +250,7 @@ class TorchTrainer:
         directory = Path(directory)
         if not directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
-        weights = load_safetensors_dir(directory, exclude=self._extra_files())
+        weights = self._read_weights(directory)
         states: dict[str, Any] = {}
         if load_optimizer:
             for name in (OPTIMIZER_FILE, SCHEDULER_FILE):
@@ -245,7 +261,7 @@ class TorchTrainer:
             states[OPTIMIZER_FILE] = load_tensor_file(directory / OPTIMIZER_FILE, map_location=self.device)
             states[SCHEDULER_FILE] = load_tensor_file(directory / SCHEDULER_FILE)
         self._extra_load(directory)
-        load_into(self._hf_model(), weights)
+        self._restore_weights(weights)
         for name, target in ((OPTIMIZER_FILE, self.optimizer), (SCHEDULER_FILE, self.scheduler)):
             if name in states:
                 try:
@@ -277,16 +293,26 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         num_threads: Optional[int] = None,
         model: Optional[PreTrainedModel] = None,
         temperature: float = 1.0,
+        lora_sync: str = "merged",
     ) -> None:
         """`total_steps`: optimizer steps of the run, for cosine/linear schedules (default: from train_cfg).
         `num_threads`: torch CPU threads (default: the CPUs this process may use; process-wide setting).
         `model`: an already built model to train instead of building one from `model_cfg`.
-        `temperature`: the rollout's sampling temperature; every log-prob is of `softmax(logits / temperature)`."""
+        `temperature`: the rollout's sampling temperature; every log-prob is of `softmax(logits / temperature)`.
+        `lora_sync` (rollout.lora_sync, with model.lora_rank > 0): the rollout weights merged, or the adapters alone.
+        With LoRA, `model` keeps the adapters in its own layers (`self.peft` wraps it for PEFT's files and switch)."""
         device = torch.device(device) if device is not None else pick_device()
         model = trainable_model(model_cfg, vocab_size, pad_token_id, seed=seed, device=device, num_threads=num_threads,
                                 model=model)
+        self.peft = None  # model.lora_rank > 0: the PeftModel around `model`, whose layers carry the adapters
+        if model_cfg.lora_rank > 0:
+            self.peft = lora.apply_lora(model, model_cfg, seed=seed)
+            if model_cfg.gradient_checkpointing:  # recomputed blocks need an input that requires grad
+                model.enable_input_require_grads()
+            self.base_fingerprint = lora.base_fingerprint(self.peft)
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
         self.temperature = float(temperature)
+        self.adapters_only_sync = self.peft is not None and lora_sync == "adapter"
 
     def _forward(self, mb: Samples, *, entropy: str) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
         """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch; entropy: "grad" | "metric" | "none"."""
@@ -357,6 +383,40 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         logp, old, adv = torch.cat(logps), torch.cat(olds), torch.cat(advs)
         return algorithms.get(algo_cfg.name).step_statistics(algo_cfg, logp, old, adv, torch.ones_like(logp))
 
+    @torch.no_grad()
+    def compute_reference_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
+        """A LoRA policy's reference: log-probs of the base model, its adapters switched off (no second copy)."""
+        if self.peft is None:
+            raise ValueError("the reference is the base model with its adapters off: only with model.lora_rank > 0")
+        with self.peft.disable_adapter():
+            return self.compute_logprobs(samples, micro_batch_size)
+
+    def trainable_params(self) -> dict[str, torch.Tensor]:
+        """The live tensors an optimizer step changes, by name: every parameter, or a LoRA policy's adapters."""
+        if self.peft is None:
+            return self.model.state_dict()
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    # ---- LoRA checkpoints: the adapters, and the base they need ------------------------------------
+
+    def _save_weights(self, directory: Path) -> None:
+        if self.peft is None:
+            return super()._save_weights(directory)
+        self.peft.save_pretrained(str(directory))  # adapter_config.json, adapter_model.safetensors
+        (directory / lora.BASE_FILE).write_text(json.dumps({"fingerprint": self.base_fingerprint,
+                                                            "model": lora.model_identity(self.model_cfg)}))
+
+    def _read_weights(self, directory: Path) -> dict[str, torch.Tensor]:
+        if self.peft is None:
+            return super()._read_weights(directory)
+        lora.check_base(directory, self.base_fingerprint, self.model_cfg)
+        return load_safetensors_file(directory / lora.ADAPTER_WEIGHTS)
+
+    def _restore_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.peft is None:
+            return super()._restore_weights(weights)
+        lora.load_adapters(self.peft, weights)
+
     # ---- weights for other roles -----------------------------------------------------------------
 
     def state_dict_for_rollout(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
@@ -366,7 +426,11 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         changes them in place, so a consumer in the same process must copy (load_state_dict does). Tied
         weights are copied (and cast) once and shared. Casting here to the rollout engine's dtype gives the
         engine exactly the values its own copy_ would (same rounding) and halves the bytes shipped for bf16.
+        A LoRA policy's: the merged weights, or with rollout.lora_sync=adapter the adapters alone
+        (`relax.backends.lora.rollout_state`).
         """
+        if self.peft is not None:
+            return lora.rollout_state(self.peft, merged=not self.adapters_only_sync, dtype=dtype)
         out: dict[str, torch.Tensor] = {}
         seen: dict[int, torch.Tensor] = {}
         for name, tensor in self.model.state_dict().items():

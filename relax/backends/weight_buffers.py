@@ -70,3 +70,11 @@ class WeightBuffers:
 def as_state_dict(weights: WeightBuffers | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """What an engine loads: the tensors of `weights`, which is either `WeightBuffers` or already a state dict."""
     return weights.tensors() if isinstance(weights, WeightBuffers) else weights
+
+
+def weight_bytes(weights: WeightBuffers | Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a weight update, tied (shared) tensors counted once."""
+    if isinstance(weights, WeightBuffers):
+        return weights.nbytes
+    seen = {t.data_ptr(): t.numel() * t.element_size() for t in weights.values()}
+    return sum(seen.values())

@@ -42,8 +42,12 @@ def summary(result: ExportResult) -> str:
     ]
     lines = [f"Exported {result.checkpoint} (step {result.step}, {result.algorithm}{run}) to {result.out_dir}"]
     lines += [f"  {k:<9} {v}" for k, v in rows]
-    lines.append(f'Load it with transformers: AutoModelForCausalLM.from_pretrained("{result.out_dir}"); '
-                 f"{EXPORT_FILE} records where it came from.")
+    if "PEFT" in e.weights_from:  # a LoRA run's adapters: they load on top of the run's base model
+        lines.append(f'Load it with peft: PeftModel.from_pretrained(<the base model>, "{result.out_dir}") '
+                     f"(relax-export --merge writes the merged model); {EXPORT_FILE} records where it came from.")
+    else:
+        lines.append(f'Load it with transformers: AutoModelForCausalLM.from_pretrained("{result.out_dir}"); '
+                     f"{EXPORT_FILE} records where it came from.")
     return "\n".join(lines)
 
 
@@ -66,9 +70,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
     parser.add_argument("--model-path", default=None,
                         help="where the run's model.path (HF directory or .gguf file) is on this machine")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA run's checkpoint: write the base model with the adapters merged (default: a PEFT "
+                             "adapter directory)")
     args = parser.parse_args(argv)
     try:
-        result = export_checkpoint(args.checkpoint, args.out_dir, force=args.force, model_path=args.model_path)
+        result = export_checkpoint(args.checkpoint, args.out_dir, force=args.force, model_path=args.model_path,
+                                   merge=args.merge)
     except ExportRefused as e:
         _fail(str(e), USAGE_EXIT)
     except OSError as e:

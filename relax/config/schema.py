@@ -22,6 +22,13 @@ class ModelConfig:
     # auto: bf16 where the device has fast bf16, else fp32
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))
     gradient_checkpointing: bool = False  # recompute activations in the backward (train.backend=torch only)
+    # LoRA (docs/training.md, "LoRA"): rank > 0 trains low-rank adapters on the target linear layers (PEFT) with the
+    # base weights frozen; 0: every parameter. Output = x W^T + (alpha / rank) (x A^T) B^T on each target.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    # module names (the last part, e.g. [q_proj,v_proj]) or [all-linear]: every linear layer but the output head
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     # source=config: the tokenizer of this Hugging Face directory or .gguf file, and a vocabulary its size (a small
     # student for a teacher of that tokenizer, algorithm=opd); None: the built-in tiny tokenizer
     tokenizer: Optional[str] = None
@@ -133,6 +140,9 @@ class RolloutConfig:
     eval_n_samples_per_prompt: int = 1  # n: responses to each eval prompt
     eval_temperature: float = 0.0  # 0 means greedy in evaluation only
     eval_top_p: float = 1.0  # nucleus sampling in evaluation (needs eval_temperature > 0); top_k is off there
+    # model.lora_rank > 0: what a weight update sends the engines. merged: the base weights with B A added (any
+    # engine); adapter: only the adapter tensors, which the engine applies beside its base weights
+    lora_sync: str = choice("merged", ("merged", "adapter"))
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout.backend=sglang only
 
 

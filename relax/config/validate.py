@@ -581,6 +581,34 @@ def _teacher(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                   "(on-policy distillation does: algorithm=opd)")
 
 
+def _lora(cfg: RelaxConfig, r: _Rules) -> None:
+    """LoRA's options (model.lora_*, rollout.lora_sync). That the target modules exist is checked against the model's
+    architecture before Ray starts (`relax.backends.lora.check_targets`), naming the layers it has."""
+    m, ro = cfg.model, cfg.rollout
+    r.non_negative("model.lora_rank", m.lora_rank)
+    if m.lora_rank <= 0:
+        for key in ("lora_alpha", "lora_dropout", "lora_target_modules"):
+            r.require(not _changed(m, key), (f"model.{key}", "model.lora_rank"),
+                      f"model.{key}={getattr(m, key)} has no effect with model.lora_rank=0 (every parameter trains)")
+        r.require(not _changed(ro, "lora_sync"), ("rollout.lora_sync", "model.lora_rank"),
+                  f"rollout.lora_sync={ro.lora_sync} has no effect with model.lora_rank=0 (every weight is sent)")
+        return
+    r.positive("model.lora_alpha", m.lora_alpha)
+    r.require(0 <= m.lora_dropout < 1, "model.lora_dropout", f"model.lora_dropout={m.lora_dropout} must be in [0, 1)")
+    targets = list(m.lora_target_modules)
+    r.require(bool(targets) and all(isinstance(t, str) and t for t in targets), "model.lora_target_modules",
+              f"model.lora_target_modules={targets} must name linear layers (e.g. [q_proj,v_proj]) or be [all-linear]")
+    r.require("all-linear" not in targets or targets == ["all-linear"], "model.lora_target_modules",
+              f"model.lora_target_modules={targets}: all-linear stands alone (every linear layer but the output head)")
+    r.require(cfg.train.backend == "torch", ("model.lora_rank", "train.backend"),
+              f"model.lora_rank={m.lora_rank} with train.backend={cfg.train.backend} {NOT_BUILT}: LoRA on "
+              "megatron-core's tensor-parallel linear layers is not built; train.backend=torch trains the adapters "
+              "(PEFT), on one device")
+    r.require(ro.lora_sync == "merged" or ro.backend == "embedded", ("rollout.lora_sync", "rollout.backend"),
+              f"rollout.lora_sync={ro.lora_sync} with rollout={ro.backend} {NOT_BUILT}: SGLang's adapter endpoints "
+              "(/load_lora_adapter) are not driven yet; rollout.lora_sync=merged sends the merged weights")
+
+
 def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:
     """Evaluation's sampling, its pass@k and its eval sets (docs/training.md, "Evaluation")."""
     ro, t, d = cfg.rollout, cfg.train, cfg.data
@@ -703,6 +731,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _ignored(cfg, algo, r)
     _unused_in_context(cfg, r)
     _teacher(cfg, algo, r)
+    _lora(cfg, r)
     _evaluation(cfg, r)
     _overlong(cfg, r)
     _dynamic_sampling(cfg, algo, r)

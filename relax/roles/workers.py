@@ -18,7 +18,7 @@ from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.trainer import Policy
-from relax.backends.weight_buffers import WeightBuffers, as_state_dict
+from relax.backends.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.config.derive import teacher_model
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
@@ -148,9 +148,15 @@ class PolicyWorker(PolicyForwarding):
         # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
         self.rollout_dtype = pick_dtype(cfg.model, pick_device())
         self.policy = TorchPolicy(cfg.model, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
-                                  seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature)
-        # weights of published versions that stale samples may still come from (asynchronous modes)
-        self.versions = WeightVersions(self.policy.model.state_dict, keep=cfg.train.max_staleness)
+                                  seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature,
+                                  lora_sync=cfg.rollout.lora_sync)
+        # weights of published versions that stale samples may still come from (asynchronous modes): those an
+        # optimizer step changes (a LoRA policy's adapters)
+        self.versions = WeightVersions(self.policy.trainable_params, keep=cfg.train.max_staleness)
+
+    def reference_logprobs(self, samples: Samples) -> torch.Tensor:
+        """A LoRA policy's reference log-probs: its base model, the adapters off (the plan starts no reference)."""
+        return self.policy.compute_reference_logprobs(samples, self.cfg.train.micro_batch_size)
 
 
 class RolloutWorker:
@@ -170,10 +176,16 @@ class RolloutWorker:
         device = pick_device()
         dtype = pick_dtype(cfg.model, device)
         model = build_model(cfg.model, info.vocab_size, info.pad_token_id, seed=cfg.seed, dtype=dtype, device=device)
+        adapters: list[str] = []
+        if cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter":  # updates carry the adapters alone
+            from relax.backends.lora import inject_adapters
+
+            adapters = inject_adapters(model, cfg.model)
         model.eval()
         self.cfg = cfg
         self.engine = EmbeddedEngine(model, eos_token_ids=list(info.eos_token_ids), pad_token_id=info.pad_token_id,
                                      device=device)
+        self.engine.adapter_keys = frozenset(adapters)
         self._abort: int | None = None  # the generation id `abort` asked to interrupt
         self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses
 
@@ -241,8 +253,10 @@ class RolloutWorker:
         self._abort = gen_id
 
     def load_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> int:
-        self.engine.load_weights(as_state_dict(weights), version)
-        return version
+        """Load `weights` of `version`; returns the bytes they took (tied weights once)."""
+        state = as_state_dict(weights)
+        self.engine.load_weights(state, version)
+        return weight_bytes(weights)
 
 
 class CriticWorker:

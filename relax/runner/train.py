@@ -103,6 +103,10 @@ def _prepare(cfg: RelaxConfig):
             load_agent(cfg.data.openai_agent)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
+        if cfg.model.lora_rank > 0:  # the target layers exist (the architecture only, no weights read)
+            from relax.backends.lora import check_targets
+
+            check_targets(cfg.model, info.vocab_size, info.pad_token_id)
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
         raise RunError(str(exc)) from None
     sampler = PromptSampler(train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -204,7 +208,7 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     advantage hook (and of the train/rollout mismatch, when the actor recomputed the old log-probs)."""
     G = cfg.rollout.n_samples_per_prompt
     old_logp = old_logprobs(cfg, samples, cluster, step)
-    ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") else None
+    ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") or plan.reference_on_actor else None
     teacher_logp = cluster.teacher_logprobs(samples) if plan.has("teacher") else None
     values = cluster.values(samples) if plan.has("critic") else None
     rows = keep.nonzero().squeeze(-1)
