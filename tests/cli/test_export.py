@@ -301,3 +301,50 @@ def test_a_missing_base_model_is_named_with_the_option_that_fixes_it(tmp_path, c
     err = refused([str(path), str(tmp_path / "out")], capsys)
     assert f"model.path='{tmp_path}/moved.gguf' is not an existing .gguf file" in err and "--model-path" in err
     assert checkpoint.latest(tmp_path / "ckpt") == path and not (tmp_path / "out").exists()
+
+
+def test_a_lora_checkpoint_exports_as_peft_adapters_or_merged_with_the_trainers_logprobs(tmp_path, capsys):
+    """A LoRA run's checkpoint (adapters only): the PEFT directory loads with `PeftModel.from_pretrained` on the base,
+    the merged one (`--merge`) with transformers alone; both give the trainer's log-probs. --merge of a checkpoint
+    that is not LoRA is refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from relax.backends.models import build_model
+    from relax.cli.export import main
+
+    cfg = load_config(overrides(tmp_path / "ckpt", "model.lora_rank=4", "model.lora_alpha=8", "train.lr=0.05"))
+    tokenizer = load_tokenizer(cfg.model)
+    info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                     eos_token_ids=stop_token_ids(cfg.model, tokenizer))
+    pairs = list(zip(PROMPTS, RESPONSES, strict=True))
+    batch = batch_of(tokenizer, pairs, tokenizer.pad_token_id)
+    actor = PolicyWorker(cfg, info, threads=1)
+    for _ in range(2):
+        actor.train_step(batch)
+    path = commit(cfg, 2, lambda d: actor.save(str(d)))
+    trainer = trainer_logprobs(cfg, info, path, batch)
+    base_only = PolicyWorker(load_config(overrides(tmp_path / "b")), info, threads=1).logprobs(batch)
+    assert not torch.allclose(trainer, base_only, atol=1e-3)  # the adapters moved the policy
+
+    main([str(path), str(tmp_path / "adapters")])
+    assert "PeftModel.from_pretrained" in capsys.readouterr().out
+    base = build_model(cfg.model, len(tokenizer), tokenizer.pad_token_id, seed=cfg.seed).eval()
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapters")).eval()
+    merged_dir = tmp_path / "merged"
+    main([str(path), str(merged_dir), "--merge"])
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), local_files_only=True).eval()
+    for model in (peft_model, merged):
+        rows = []
+        with torch.no_grad():
+            for prompt, response in pairs:
+                p, r = encode(tokenizer, prompt, response)
+                logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
+                logp = torch.log_softmax(logits / cfg.rollout.temperature, -1)
+                rows.append(logp.gather(-1, torch.tensor(r)[:, None])[:, 0])
+        assert_trainer_logprobs(trainer, batch, rows)
+    full_cfg = load_config(overrides(tmp_path / "full"))
+    full = commit(full_cfg, 1, lambda d: PolicyWorker(full_cfg, info, threads=1).save(str(d)))
+    with pytest.raises(SystemExit):
+        main([str(full), str(tmp_path / "refused"), "--merge"])
+    assert "holds a whole model" in capsys.readouterr().err and not (tmp_path / "refused").exists()

@@ -139,6 +139,9 @@ VALUES: dict[str, Any] = {
     "teacher.path": "other_teacher",
     "teacher.dtype": "bfloat16",
     "teacher.backend": "megatron",  # not in this build: rejected
+    "model.lora_target_modules": "[q_proj,v_proj]",
+    "model.lora_dropout": 0.5,
+    "rollout.lora_sync": "adapter",
     "algorithm.teacher_adv_clip": 0.05,
 }
 # Evaluation after each step, with sampling: what evaluation's own fields act on.
@@ -160,6 +163,10 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.rollout_mask_high": ["algorithm.rollout_mask=token"],
     "algorithm.kl_loss_coef": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "algorithm.kl_loss_type": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
+    # LoRA's settings act with adapters (model.lora_rank > 0); rollout.lora_sync=adapter: the engine adds B A itself,
+    # which rounds differently from the merged weights (the bytes sent, perf/sync_bytes, are not walked)
+    **{key: ["model.lora_rank=2"] for key in ("model.lora_alpha", "model.lora_dropout", "model.lora_target_modules",
+                                              "rollout.lora_sync")},
     "data.overlong_penalty_factor": ["data.overlong_buffer_len=2"],  # the factor scales a penalty that is on
     # the MLflow model of the directory train.save_hf exports at the end of the run (its tag relax.model_uri; the
     # export itself, <save_dir>/hf, shows in the files of train.save_hf=true without a context)
