@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.common import Series, load_average, machine_info
 from bench.verdicts import MMAP_THRESHOLD, ROUND1_PEAK_MIB, Headlines, comparison, previous, verdict
 
-SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "agents", "math")
+SECTIONS = ("rl", "rollout", "train", "memory", "overhead", "modes", "sglang", "agents", "math", "lora")
 TARGETS = {
     "rl": "Relax samples/s >= 2x TRL, both sizes, same precision; a step <= 1.3x its limit on the machine "
           "(FLOPs at the matmul peak, decode at memory bandwidth)",
@@ -40,6 +40,8 @@ TARGETS = {
     "sglang": "no target: the request shape of rollout=sglang, measured (per sample vs per prompt)",
     "agents": "no target: agentic episodes with the KV cache kept across turns vs a turn per call, measured",
     "math": "1M-token M2PO solve < 25 ms; every compute_loss fwd+bwd within 1.5x of the cheapest",
+    "lora": "LoRA rank 16 at 135M fp32: actor peak memory <= 50% of full fine-tuning's; an adapter weight update "
+            ">= 20x smaller than a full one",
 }
 
 
@@ -56,6 +58,7 @@ class Settings:
     agent_runs: list[dict]  # kwargs of bench/agent_episodes.compare
     math_tokens: int
     math_reps: int
+    lora_runs: list[dict] = field(default_factory=list)  # kwargs of bench/lora.py's compare
 
 
 def without_slow_bf16(st: Settings) -> tuple[Settings, bool]:
@@ -96,6 +99,8 @@ def settings(mode: str) -> Settings:
             sglang_runs=[(["model=tiny"], dict(prompts=2, group=2, new_tokens=4, reps=1))],
             agent_runs=[dict(model="tiny", prompts=2, group=2, turns=3, turn_len=2, reps=1)],
             math_tokens=4096, math_reps=1,
+            lora_runs=[dict(model="tiny", rank=4, rows=4, prompt_len=8, response_len=8, micro=4, reps=1,
+                            sync_reps=1, steps=0)],
         )
     quick = mode == "quick"
     tiny = dict(prompts=8, group=8, completion_len=8, micro=8, blocks=2 if quick else 3, steps_per_block=4)
@@ -132,6 +137,10 @@ def settings(mode: str) -> Settings:
         agent_runs=[dict(model="tiny", prompts=8, group=8, turns=5, turn_len=2, reps=reps),
                     dict(model="smollm2_135m", prompts=4, group=4, turns=4, turn_len=8, reps=3)],
         math_tokens=1024 * 1024, math_reps=3 if quick else 5,
+        lora_runs=[dict(model="tiny", rank=16, rows=16, prompt_len=32, response_len=96, micro=8, reps=reps,
+                        sync_reps=reps, steps=6),
+                   dict(model="smollm2_135m", rank=16, rows=16, prompt_len=32, response_len=96, micro=8,
+                        reps=2 if quick else 3, sync_reps=3, steps=4 if quick else 6)],
     )
 
 
@@ -365,9 +374,46 @@ def section_math(st: Settings, log, h: Headlines) -> list[str]:
     return lines
 
 
+def section_lora(st: Settings, log, h: Headlines) -> list[str]:
+    from bench import lora
+
+    lines = ["| model, rank | side | actor peak MiB (train step s) | with gradient checkpointing | update bytes | "
+             "update s | samples/s (Ray loop) | verdict |", "|---|---|---|---|---|---|---|---|"]
+
+    def cell(m: dict) -> str:
+        t = m["time_s"]
+        return f"{m['peak_total_mib']:.0f} ({t['median']:.2f}, {t['min']:.2f}-{max(t['values']):.2f})"
+
+    for kw in st.lora_runs:
+        r = lora.compare(**kw)
+        mem, sync, e2e = r["memory"], r["sync"], r["end_to_end"] or {}
+        ratios = [mem[f"lora{c}"]["peak_total_mib"] / mem[f"full{c}"]["peak_total_mib"] for c in ("", " checkpointing")]
+        smaller = sync["full"]["bytes"] / sync["lora adapter"]["bytes"]
+        name = f"lora {r['model']} rank {r['rank']}"
+        h.add(f"{name}: peak vs full", ratios[0], False)
+        h.add(f"{name}: peak vs full, checkpointing", ratios[1], False)
+        h.add(f"{name}: adapter update smaller", smaller, True)
+        target = r["model"] == "smollm2_135m"
+        rows = [("full fine-tuning", "full", sync["full"], e2e.get("full"), ""),
+                ("LoRA, merged update", "lora", sync["lora merged"], e2e.get("lora"),
+                 verdict(min(ratios) <= 0.5 if target else None, "peak <= 50% of full")),
+                ("LoRA, adapter update", None, sync["lora adapter"], None,
+                 verdict(smaller >= 20 if target else None, ">= 20x smaller update"))]
+        for side, key, s_, e, ok in rows:
+            peaks = ("", "") if key is None else (cell(mem[key]), cell(mem[f"{key} checkpointing"]))
+            sps = "" if e is None else f"{e['samples_per_s']:.2f}"
+            lines.append(f"| {r['model']}, {r['rank']} | {side} | {peaks[0]} | {peaks[1]} | {s_['bytes']:,} | "
+                         f"{s_['median_s']:.4f} | {sps} | {ok} |")
+        lines.append(f"| | `python bench/lora.py --model {r['model']} --rank {r['rank']}`: peak {ratios[0]:.0%} of "
+                     f"full ({ratios[1]:.0%} with gradient checkpointing on both); adapter update {smaller:.1f}x "
+                     "smaller | | | | | | |")
+    return lines
+
+
 RUNNERS = {"rl": section_rl, "rollout": section_rollout, "train": section_train, "memory": section_memory,
            "overhead": section_overhead,
-           "modes": section_modes, "sglang": section_sglang, "agents": section_agents, "math": section_math}
+           "modes": section_modes, "sglang": section_sglang, "agents": section_agents, "math": section_math,
+           "lora": section_lora}
 TITLES = {
     "rl": "RL step throughput: Relax GRPO vs TRL GRPOTrainer (in-process, same work)",
     "rollout": "Rollout engine vs Hugging Face `generate`",
@@ -378,6 +424,7 @@ TITLES = {
     "sglang": "rollout=sglang requests: per sample vs per prompt, through the router to relax-serve",
     "agents": "Agentic episodes: the KV cache kept across turns vs a turn per call",
     "math": "Algorithm math",
+    "lora": "LoRA vs full fine-tuning: memory, weight updates, the loop",
 }
 
 

@@ -110,7 +110,7 @@ def summary(values: list[float], digits: int) -> dict:
 
 def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response_len: int, micro: int, reps: int,
             entropy_coef: float = 0.0, threads: int | None = None, gradient_checkpointing: bool = False,
-            log=None) -> dict:
+            lora_rank: int = 0, log=None) -> dict:
     from relax.config.compose import load_config
     from relax.data.tokenizer import load_tokenizer
     from relax.roles.workers import ModelInfo, PolicyWorker
@@ -119,7 +119,8 @@ def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response
     load = load_average()
     cfg = load_config([f"model={model_name}", f"model.dtype={dtype}", f"train.micro_batch_size={micro}",
                        f"algorithm.entropy_coef={entropy_coef}", "tracking.enabled=false",
-                       f"model.gradient_checkpointing={str(gradient_checkpointing).lower()}"])
+                       f"model.gradient_checkpointing={str(gradient_checkpointing).lower()}",
+                       f"model.lora_rank={lora_rank}"])
     tok = load_tokenizer(cfg.model)
     worker = PolicyWorker(cfg, ModelInfo(len(tok), tok.pad_token_id, ()), threads=threads)
     meter = Meter(worker.policy.device)
@@ -149,7 +150,8 @@ def measure(model_name: str, dtype: str, *, rows: int, prompt_len: int, response
         "bench": "train_memory", "model": model_name, "dtype": dtype, "memory": meter.what,
         "compute_dtype": str(worker.policy.compute_dtype).replace("torch.", ""),
         "rows": rows, "prompt_len": prompt_len, "response_len": response_len, "micro": micro,
-        "entropy_coef": entropy_coef, "gradient_checkpointing": gradient_checkpointing, "vocab": V,
+        "entropy_coef": entropy_coef, "gradient_checkpointing": gradient_checkpointing, "lora_rank": lora_rank,
+        "vocab": V,
         "threads": torch.get_num_threads(), "reps": reps,
         "time_s": summary(times, 3),
         "activation_mib": summary(activations, 1),
@@ -177,12 +179,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="> 0: the entropy term has a gradient (entropy mode 'grad'); 0: only measured")
     ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
                     help="model.gradient_checkpointing: recompute each layer's activations in the backward")
+    ap.add_argument("--lora-rank", type=int, default=0, help="model.lora_rank: > 0 trains LoRA adapters only")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: every usable core; 1 is steadier on a shared machine)")
     a = ap.parse_args(argv)
     r = measure(a.model, a.dtype, rows=a.rows, prompt_len=a.prompt_len, response_len=a.response_len, micro=a.micro,
                 reps=a.reps, entropy_coef=a.entropy_coef, threads=a.threads,
-                gradient_checkpointing=a.gradient_checkpointing)
+                gradient_checkpointing=a.gradient_checkpointing, lora_rank=a.lora_rank)
     print(json.dumps(r), flush=True)
 
 
