@@ -203,3 +203,35 @@ def check_targets(model_cfg: Any, vocab_size: int, pad_token_id: int) -> None:
     if missing:
         raise ValueError(f"model.lora_target_modules={targets}: {missing} are not linear layers of {model_cfg.name} "
                          f"({type(model).__name__}); its linear layers are {linear_layer_names(model)}")
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def write_adapter_dir(directory: Any, adapters: dict[str, torch.Tensor], model_cfg: Any) -> None:
+    """Adapters named as an engine's injected ones (`rollout_state(merged=False)`) as a PEFT adapter directory
+    (adapter_config.json, adapter_model.safetensors): what SGLang's `/load_lora_adapter` reads."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lora_config(model_cfg).save_pretrained(str(directory))
+    named = {PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v.contiguous() for k, v in adapters.items()}
+    save_file(named, str(directory / ADAPTER_WEIGHTS))
+
+
+def read_adapter_dir(directory: Any) -> dict[str, torch.Tensor]:
+    """A PEFT adapter directory's tensors under the names an engine's injected adapters have."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for k, v in load_file(str(Path(directory) / ADAPTER_WEIGHTS)).items():
+        name = k.removeprefix(PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
+        out[name] = v
+    return out

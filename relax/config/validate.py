@@ -604,9 +604,12 @@ def _lora(cfg: RelaxConfig, r: _Rules) -> None:
               f"model.lora_rank={m.lora_rank} with train.backend={cfg.train.backend} {NOT_BUILT}: LoRA on "
               "megatron-core's tensor-parallel linear layers is not built; train.backend=torch trains the adapters "
               "(PEFT), on one device")
-    r.require(ro.lora_sync == "merged" or ro.backend == "embedded", ("rollout.lora_sync", "rollout.backend"),
-              f"rollout.lora_sync={ro.lora_sync} with rollout={ro.backend} {NOT_BUILT}: SGLang's adapter endpoints "
-              "(/load_lora_adapter) are not driven yet; rollout.lora_sync=merged sends the merged weights")
+    local = ro.sglang.urls is None and cfg.cluster.num_nodes == 1
+    r.require(ro.lora_sync == "merged" or ro.backend == "embedded" or local,
+              ("rollout.lora_sync", "rollout.sglang.urls", "cluster.num_nodes"),
+              f"rollout.lora_sync={ro.lora_sync} with rollout=sglang needs servers that read the driver's files: each "
+              "update is an adapter directory the servers load (/load_lora_adapter), written on this node; servers "
+              "of other nodes or given by rollout.sglang.urls cannot read it (use rollout.lora_sync=merged there)")
 
 
 def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:

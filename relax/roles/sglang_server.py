@@ -37,6 +37,11 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
            "--random-seed", str(cfg.seed), "--trust-remote-code"]
     if c.colocate:  # the actor shares the GPU: SGLang may take only part of it, and releases it while training
         cmd += ["--mem-fraction-static", "0.4", "--enable-memory-saver"]
+    m = cfg.model
+    if m.lora_rank > 0 and cfg.rollout.lora_sync == "adapter":  # updates load the adapters (/load_lora_adapter)
+        targets = ["all"] if list(m.lora_target_modules) == ["all-linear"] else list(m.lora_target_modules)
+        cmd += ["--enable-lora", "--max-lora-rank", str(m.lora_rank), "--lora-target-modules", *targets,
+                "--max-loras-per-batch", "2"]
     return cmd + list(sg.extra_args or [])
 
 

@@ -65,6 +65,12 @@ class SGLangEngines:
         c = cfg.cluster
         self.sync = self.sg.weight_sync  # resolved (relax.config.derive)
         self.release = c.colocate and cfg.train.mode == "sync" and self.sg.release_memory
+        # rollout.lora_sync=adapter: each update is a PEFT adapter directory the servers load (/load_lora_adapter),
+        # named after its version, and every request names it; the base weights stay resident (only the KV cache is
+        # released between rollouts)
+        self.adapters = cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter"
+        self._adapter: str | None = None  # the adapter the servers hold
+        self._adapter_root = Path(log_dir) / "lora-adapters"
         self.bucket_bytes = self.sg.bucket_mb << 20
         self._lock = threading.RLock()  # weight pushes, memory release and replacing a server
         self._stop = threading.Event()
@@ -168,6 +174,8 @@ class SGLangEngines:
             self._make_ready()
             with self._flight:
                 self._in_flight += 1
+            if self.adapters:  # the adapter of the weights just made ready (SGLang: a request names its adapter)
+                payloads = [{**p, "lora_path": self._adapter} for p in payloads]
         try:
             answers = self.client.generate(payloads)
         finally:
@@ -210,7 +218,7 @@ class SGLangEngines:
         out.engine_time = time.perf_counter() - t0
         if self.release:
             with self._lock:
-                self._each("/release_memory_occupation", {})
+                self._each("/release_memory_occupation", {"tags": ["kv_cache"]} if self.adapters else {})
                 self._released = True
         return out
 
@@ -340,7 +348,9 @@ class SGLangEngines:
         named = list(weights.items())
         for attempt in range(2):
             try:
-                if self.sync == "tensor":
+                if self.adapters:
+                    self._push_adapter(urls, weights, version)
+                elif self.sync == "tensor":
                     self._buckets = push_tensors(urls, named, version, bucket_bytes=self.bucket_bytes,
                                                  tp_size=self.cfg.cluster.rollout_gpus_per_engine,
                                                  timeout_s=self.sg.request_timeout_s)
@@ -356,6 +366,28 @@ class SGLangEngines:
                     self.broadcast.close()
                     self.broadcast.urls = live
         self._version = version
+
+    def _push_adapter(self, urls: list[str], weights: dict, version: int) -> None:
+        """The adapters of `version` as a PEFT directory that the servers at `urls` load (SGLang's
+        `/load_lora_adapter`), the previous adapter unloaded and its directory removed, the version set. A server
+        replacing a dead one gets the current adapter (same version: same name)."""
+        import shutil
+
+        from relax.backends.lora import write_adapter_dir
+
+        name = f"relax-v{version}"
+        directory = self._adapter_root / name
+        if not (directory / "adapter_config.json").is_file():
+            write_adapter_dir(directory, weights, self.cfg.model)
+        for url in urls:
+            post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)},
+                 timeout=self.sg.request_timeout_s)
+            post(url, "/update_weight_version", {"new_version": str(version)}, timeout=self.sg.request_timeout_s)
+        old, self._adapter = self._adapter, name
+        if old is not None and old != name:
+            for url in urls:
+                post(url, "/unload_lora_adapter", {"lora_name": old}, timeout=self.sg.request_timeout_s)
+            shutil.rmtree(self._adapter_root / old, ignore_errors=True)
 
     def _flush(self) -> None:
         """`/flush_cache` on every server, polling while a server still finishes requests (HTTP 400)."""
@@ -443,7 +475,8 @@ class SGLangEngines:
             if self._last is not None:
                 self._push(self.urls if self.broadcast is not None else [new])
             if self._released:
-                post(new, "/release_memory_occupation", {}, timeout=self.sg.request_timeout_s)
+                post(new, "/release_memory_occupation", {"tags": ["kv_cache"]} if self.adapters else {},
+                     timeout=self.sg.request_timeout_s)
             if self._paused:
                 post(new, "/pause_generation", {"mode": "abort"}, timeout=self.sg.request_timeout_s)
         self.router.add(new)

@@ -67,8 +67,9 @@ def test_ppo_keeps_a_full_critic(in_process, small_run, tmp_path):
     (["model.lora_rank=4", "model.lora_dropout=1"], "model.lora_dropout"),
     (["model.lora_rank=4", "model.lora_target_modules=[all-linear,q_proj]"], "model.lora_target_modules"),
     (["model.lora_rank=4", "train.backend=megatron"], "train.backend"),  # not built: says what runs instead
-    (["model.lora_rank=4", "rollout=sglang", "rollout.sglang.server=embedded", "rollout.lora_sync=adapter"],
-     "rollout.lora_sync"),
+    # servers that cannot read the driver's adapter directories
+    (["model.lora_rank=4", "rollout=sglang", "rollout.sglang.urls=[http://10.0.0.2:30000]",
+      "rollout.lora_sync=adapter"], "rollout.lora_sync"),
 ])
 def test_bad_lora_options_are_rejected_naming_the_field(overrides, field):
     with pytest.raises(ConfigError) as err:

@@ -95,3 +95,24 @@ def cfg_eos(cfg) -> list[int]:
     from relax.data.tokenizer import load_tokenizer, stop_token_ids
 
     return list(stop_token_ids(cfg.model, load_tokenizer(cfg.model)))
+
+
+def test_lora_adapter_updates_through_sglangs_adapter_endpoints(ray_local, small_run, tmp_path, trained_batches):
+    """rollout.lora_sync=adapter on rollout=sglang: each update is a PEFT directory the server loads
+    (/load_lora_adapter), every request names it (lora_path), only the adapters travel (perf/sync_bytes), and the
+    rollout log-probs are the trainer's (fp32): the adapters act in the server as in the trainer."""
+    cfg = load_config(small_run("rollout=sglang", "rollout.sglang.server=embedded",
+                                "rollout.sglang.startup_timeout_s=120", "model.lora_rank=4", "model.lora_alpha=8",
+                                "train.lr=0.05", "rollout.lora_sync=adapter", "model.dtype=float32",
+                                "algorithm.use_tis=true", steps=2))
+    result = run(cfg, output_dir=tmp_path / "out")
+    m = cfg.model
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    h, i = m.hidden_size, m.intermediate_size
+    per_layer = 4 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))  # rank 4, every linear but the head
+    assert result.series("perf/sync_bytes") == [4.0 * per_layer * m.num_layers] * 2
+    for step, samples in trained_batches.items():  # each step's tokens come from the adapters of that step
+        assert set(samples.token_version[samples.response_mask.bool()].tolist()) == {step}
+    # the trainer's recomputed log-probs (use_tis) against the server's: the same policy, to float rounding
+    assert max(result.series("rollout/train_rollout_logp_abs_diff")) < 1e-4
+    assert result.series("train/loss")[-1] != result.series("train/loss")[0]

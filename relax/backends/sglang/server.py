@@ -220,8 +220,14 @@ class EmbeddedServer(WeightEndpoints):
             model.config.save_pretrained(self._model_dir)
             tokenizer.save_pretrained(self._model_dir)
             self.model_path = self.tokenizer_path = self._model_dir
+        adapters: list[str] = []
+        if cfg.lora_rank > 0 and self.cfg.rollout.lora_sync == "adapter":  # SGLang's --enable-lora
+            from relax.backends.lora import inject_adapters
+
+            adapters = inject_adapters(model, cfg)
         self.engine = EmbeddedEngine(model, eos_token_ids=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
                                      device=device)
+        self.engine.adapter_keys = frozenset(adapters)
         self._codec = RequestCodec(tokenizer, self.vocab_size, self.context_length, self.eos_token_ids)
 
     # ------------------------------------------------------------------------------------------------- HTTP
@@ -249,6 +255,8 @@ class EmbeddedServer(WeightEndpoints):
             "/destroy_weights_update_group": self._destroy_group_request,
             "/update_weights_from_disk": self._weights_from_disk,
             "/update_weight_version": self._update_weight_version,
+            "/load_lora_adapter": self._load_lora_adapter,
+            "/unload_lora_adapter": self._unload_lora_adapter,
             "/release_memory_occupation": self._release,
             "/resume_memory_occupation": self._resume,
         }
@@ -391,7 +399,7 @@ class EmbeddedServer(WeightEndpoints):
         if released:
             raise RequestError(f"memory released ({', '.join(sorted(released))}); "
                                "call /resume_memory_occupation first")
-        request = self._codec.parse(body)
+        request = self._codec.parse(self._lora_request(body))
         self.scheduler.submit(request)
         while not request.done.wait(1.0):
             if self.scheduler.stopping:

@@ -5,7 +5,14 @@ resuming the weights' memory.
 Endpoints (SGLang's; every answer {"success", "message"}, 200, or 400 on failure): `/update_weights_from_tensor`
 (load_format null or "flattened_bucket"), `/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`, `/update_weights_from_disk` (safetensors), `/update_weight_version`,
-`/release_memory_occupation`, `/resume_memory_occupation`. Each waits for the running batch (`Scheduler.exclusive`).
+`/release_memory_occupation`, `/resume_memory_occupation`, and LoRA's `/load_lora_adapter`, `/unload_lora_adapter`.
+Each waits for the running batch (`Scheduler.exclusive`).
+
+LoRA (a server of a run with `model.lora_rank > 0` and `rollout.lora_sync=adapter`, SGLang's `--enable-lora`): the
+model carries the run's adapters (`relax.backends.lora.inject_adapters`), B zero until an adapter is loaded; one
+adapter at a time (loading another replaces it; unloading the replaced one then succeeds), which every request is
+served with: a `/generate` naming another (`lora_path`), or none while one
+is loaded, is refused (HTTP 400) rather than served with weights it did not ask for.
 
 Weights sent in several buckets are copied in as each bucket arrives (as SGLang does): a batch that runs between
 two buckets sees some new and some old weights under the old version. Senders pause generation (or send nothing
@@ -51,6 +58,70 @@ class WeightEndpoints:
         self._group_devices: dict[str, torch.device] = {}
         self._groups_lock = threading.Lock()  # guards the three dicts above
         self._shapes: dict[str, torch.Size] = {}  # of the released weights
+        self.lora_name: str | None = None  # the loaded LoRA adapter
+        self._replaced_adapters: set[str] = set()  # replaced by a newer one (unloading them is a no-op)
+
+    # ----------------------------------------------------------------------------------------------- LoRA
+
+    def _load_lora_adapter(self, body: dict) -> tuple[int, Any]:
+        def run() -> str:
+            from relax.backends.lora import read_adapter_dir
+
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise RequestError("load_lora_adapter: lora_name and lora_path (a PEFT adapter directory) are required")
+            if not self.engine.adapter_keys:
+                raise RequestError("this server has no LoRA adapters: a run with model.lora_rank > 0 and "
+                                   "rollout.lora_sync=adapter starts it with them (SGLang: --enable-lora)")
+            try:
+                named = read_adapter_dir(path)
+            except (OSError, ValueError) as exc:
+                raise RequestError(f"load_lora_adapter: cannot read {path!r}: {exc}") from None
+            if set(named) != self.engine.adapter_keys:
+                missing = sorted(self.engine.adapter_keys - set(named))[:3]
+                extra = sorted(set(named) - self.engine.adapter_keys)[:3]
+                raise RequestError(f"load_lora_adapter: {path!r} does not fit the server's adapters (missing "
+                                   f"{missing}, unexpected {extra})")
+            with self.scheduler.exclusive("load_lora_adapter"):
+                self._apply(list(named.items()), None)
+                replaced, self.lora_name = self.lora_name, name
+            if replaced is not None and replaced != name:
+                self._replaced_adapters.add(replaced)
+                return f"Loaded LoRA adapter {name} in place of {replaced}."
+            return f"Loaded LoRA adapter {name}."
+
+        status, answer = self._weights_call(body, run)
+        answer["loaded_adapters"] = {} if self.lora_name is None else {self.lora_name: body.get("lora_path")}
+        return status, answer
+
+    def _unload_lora_adapter(self, body: dict) -> tuple[int, Any]:
+        def run() -> str:
+            name = body.get("lora_name")
+            if name in self._replaced_adapters:  # one adapter at a time: a newer one took its place
+                self._replaced_adapters.discard(name)
+                return f"Unloaded LoRA adapter {name} (replaced by {self.lora_name})."
+            if name is None or name != self.lora_name:
+                raise RequestError(f"unload_lora_adapter: {name!r} is not loaded (loaded: {self.lora_name!r})")
+            with self.scheduler.exclusive("unload_lora_adapter"):
+                targets = self._targets()
+                with torch.no_grad():
+                    for key in self.engine.adapter_keys:
+                        if ".lora_B." in key:
+                            targets[key].zero_()  # B = 0: the base model again
+                self.lora_name = None
+            return f"Unloaded LoRA adapter {name}."
+
+        return self._weights_call(body, run)
+
+    def _lora_request(self, body: dict) -> dict:
+        """`body` of a /generate without its `lora_path`, once it names the loaded adapter (or none is loaded)."""
+        wanted = body.get("lora_path")
+        names = set(wanted) if isinstance(wanted, list) else {wanted}
+        if names != {self.lora_name}:
+            have = "no adapter" if self.lora_name is None else f"adapter {self.lora_name!r}"
+            raise RequestError(f"lora_path={wanted!r}: this server serves one adapter at a time and holds {have}; "
+                               "name it in every request (lora_path), or none when none is loaded")
+        return {k: v for k, v in body.items() if k != "lora_path"}
 
     def _targets(self) -> dict[str, torch.Tensor]:
         """Every loadable tensor by name (both names of a tied weight)."""
