@@ -82,3 +82,15 @@ def test_target_modules_the_model_lacks_are_named_with_those_it_has_before_ray(n
     with pytest.raises(RunError, match=r"\['attn_out'\] are not linear layers.*'o_proj'"):
         run(cfg, output_dir=tmp_path / "out")
     assert not no_ray.is_initialized()
+
+
+def test_lora_with_episodes_dynamic_sampling_and_evaluation(in_process, small_run, tmp_path):
+    """Nothing of the adapters is specific to a data or sampling path: multi-turn episodes, dynamic sampling and
+    evaluation run with them as without (the adapters' updates reach the engine that plays the episodes)."""
+    cfg = load_config(small_run(*LORA, "data=guess_number", "rollout.max_turns=3", "rollout.max_episode_tokens=40",
+                                "rollout.lora_sync=adapter", "rollout.filter_groups=true", "rollout.max_filter_rounds=2",
+                                "train.eval_interval=2", "data.num_eval_prompts=4"))
+    result = run(cfg, output_dir=tmp_path / "out")
+    last = result.history[-1][1]
+    assert [s for s, _ in result.history] == [0, 1]
+    assert "eval/guess_number/mean_at_1" in last and "rollout/turns_mean" in last and "rollout/filter_rounds" in last
