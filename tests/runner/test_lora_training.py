@@ -88,8 +88,8 @@ def test_lora_with_episodes_dynamic_sampling_and_evaluation(in_process, small_ru
     """Nothing of the adapters is specific to a data or sampling path: multi-turn episodes, dynamic sampling and
     evaluation run with them as without (the adapters' updates reach the engine that plays the episodes)."""
     cfg = load_config(small_run(*LORA, "data=guess_number", "rollout.max_turns=3", "rollout.max_episode_tokens=40",
-                                "rollout.lora_sync=adapter", "rollout.filter_groups=true", "rollout.max_filter_rounds=2",
-                                "train.eval_interval=2", "data.num_eval_prompts=4"))
+                                "rollout.lora_sync=adapter", "rollout.filter_groups=true",
+                                "rollout.max_filter_rounds=2", "train.eval_interval=2", "data.num_eval_prompts=4"))
     result = run(cfg, output_dir=tmp_path / "out")
     last = result.history[-1][1]
     assert [s for s, _ in result.history] == [0, 1]
