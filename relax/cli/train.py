@@ -83,7 +83,7 @@ def help_text() -> str:
         lines.append(f"  {name:<22} {algorithms.get(name).summary}")
     lines += [
         "",
-        "Other keys: train.*, rollout.*, model.*, cluster.*, data.*, tracking.*, seed, dry_run.",
+        "Other keys: train.*, rollout.*, model.*, teacher.*, cluster.*, data.*, tracking.*, seed, dry_run.",
         "  relax-train --cfg job               print the composed config",
         "  relax-train ... dry_run=true        validate, print the plan, start nothing",
         "  relax-train ... train.resume=auto   continue from the last checkpoint of this experiment and run name",

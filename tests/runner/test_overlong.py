@@ -35,6 +35,8 @@ def config(*extra: str):
 
 
 class Plan:
+    reference_on_actor = False
+
     def has(self, role: str) -> bool:
         return False
 
