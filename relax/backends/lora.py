@@ -138,7 +138,8 @@ def base_fingerprint(peft_model: Any) -> str:
             continue
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # the bytes in place, no copy
     return h.hexdigest()
 
 
