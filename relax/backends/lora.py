@@ -97,36 +97,25 @@ def rollout_state(peft_model: Any, *, merged: bool, dtype: Optional[torch.dtype]
     merged: every weight of the base model under its own names, each target's `W + (alpha / r) B A` (fp32, then
     cast): what an engine without adapters loads. Otherwise: the adapter tensors alone under the names an engine's
     injected adapters have (`inject_adapters`)."""
+    from relax.backends.weight_buffers import cpu_state
+
     base = peft_model.get_base_model()
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tied weights once (the source kept: its address stays)
-
-    def put(name: str, tensor: torch.Tensor) -> None:
-        ptr = tensor.data_ptr()
-        if ptr not in seen:
-            t = tensor.detach()
-            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                t = t.to(dtype=dtype)
-            seen[ptr] = (tensor, t.to("cpu"))
-        out[name] = seen[ptr][1]
-
     if not merged:
+        return cpu_state(((n, t) for n, t in base.state_dict().items() if ".lora_" in n), dtype)
+    layers = dict(_lora_layers(base))
+
+    def merged_weights():
         for name, tensor in base.state_dict().items():
             if ".lora_" in name:
-                put(name, tensor)
-        return out
-    layers = dict(_lora_layers(base))
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        owner, _, leaf = name.rpartition(".base_layer.")
-        if owner and owner in layers:
-            if leaf == "weight":
-                layer = layers[owner]
-                tensor = tensor + layer.get_delta_weight(ADAPTER).to(tensor.dtype)
-            name = f"{owner}.{leaf}"
-        put(name, tensor)
-    return out
+                continue
+            owner, _, leaf = name.rpartition(".base_layer.")
+            if owner and owner in layers:
+                if leaf == "weight":
+                    tensor = tensor + layers[owner].get_delta_weight(ADAPTER).to(tensor.dtype)
+                name = f"{owner}.{leaf}"
+            yield name, tensor
+
+    return cpu_state(merged_weights(), dtype)
 
 
 def base_fingerprint(peft_model: Any) -> str:

@@ -48,6 +48,7 @@ from relax.backends.trainer import (
     lr_factor,
     nonfinite_grad_tensors,
 )
+from relax.backends.weight_buffers import cpu_state
 from relax.backends.write_errors import os_write_errors, torch_save
 from relax.config.derive import total_optimizer_steps
 from relax.config.schema import ModelConfig, TrainConfig
@@ -431,17 +432,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         """
         if self.peft is not None:
             return lora.rollout_state(self.peft, merged=not self.adapters_only_sync, dtype=dtype)
-        out: dict[str, torch.Tensor] = {}
-        seen: dict[int, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict().items():
-            ptr = tensor.data_ptr()
-            if ptr not in seen:
-                t = tensor.detach()
-                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                    t = t.to(device="cpu", dtype=dtype)
-                seen[ptr] = t.to("cpu")
-            out[name] = seen[ptr]
-        return out
+        return cpu_state(self.model.state_dict().items(), dtype)
 
     def load_weights(self, state_dict: dict[str, Any]) -> None:
         """Load weights (e.g. from `state_dict_for_rollout` or a reference checkpoint); tied keys optional."""

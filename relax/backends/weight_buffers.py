@@ -11,7 +11,7 @@ name, dtype and shape, so the engine's `copy_` into its own parameters is the on
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,3 +78,20 @@ def weight_bytes(weights: WeightBuffers | Mapping[str, torch.Tensor]) -> int:
         return weights.nbytes
     seen = {t.data_ptr(): t.numel() * t.element_size() for t in weights.values()}
     return sum(seen.values())
+
+
+def cpu_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """`named` tensors as a CPU state dict, floating ones in `dtype`; tensors that share storage (tied weights) are
+    copied and cast once and shared. The sources are kept alive until the end, so that no address is reused by a
+    temporary among them. Without a cast, CPU tensors are aliased, not copied."""
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, tensor in named:
+        ptr = tensor.data_ptr()
+        if ptr not in seen:
+            t = tensor.detach()
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(device="cpu", dtype=dtype)
+            seen[ptr] = (tensor, t.to("cpu"))
+        out[name] = seen[ptr][1]
+    return out

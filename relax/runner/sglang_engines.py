@@ -373,11 +373,11 @@ class SGLangEngines:
         replacing a dead one gets the current adapter (same version: same name)."""
         import shutil
 
-        from relax.backends.lora import write_adapter_dir
+        from relax.backends.lora import ADAPTER_WEIGHTS, write_adapter_dir
 
         name = f"relax-v{version}"
         directory = self._adapter_root / name
-        if not (directory / "adapter_config.json").is_file():
+        if not (directory / ADAPTER_WEIGHTS).is_file():  # written last: a directory without it is unfinished
             write_adapter_dir(directory, weights, self.cfg.model)
         for url in urls:
             post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)},
