@@ -19,8 +19,9 @@ from relax.backends.weight_buffers import WeightBuffers
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
-from relax.roles.workers import ModelInfo, PolicyForwarding, _threads
+from relax.roles.workers import ModelInfo, PolicyForwarding, _threads, actor_class
 
+RANK0_METHODS = frozenset({"push_weights"})  # not collectives: rank 0 holds the gathered weights and sends them
 SETUP_TIMEOUT_S = 900.0
 CALL_TIMEOUT_S = 3600.0  # the group's own blocking methods (direct use); the runner bounds its waits by heartbeats
 QUIET_WARNINGS = (r"(Apex is not installed|Transformer Engine and Apex are not installed|full scope is deprecated"
@@ -127,7 +128,7 @@ class MegatronActorGroup:
         if use_distributed_optimizer is None:
             use_distributed_optimizer = world_size // model_parallel > 1
         gpus = num_gpus_per_rank if num_gpus_per_rank is not None else (1 if cfg.cluster.actor_gpus > 0 else 0)
-        remote = ray.remote(rank_cls)
+        remote = actor_class(rank_cls)
         self.ranks = []
         self._others: list = []  # refs of ranks 1.. of earlier calls, checked for errors on the next call
         self.call_timeout_s = call_timeout_s
@@ -155,8 +156,12 @@ class MegatronActorGroup:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Start `method` on every rank (a collective); rank 0's ObjectRef. The other ranks' results are checked
-        for errors at the next call (a failed rank also fails rank 0's collective)."""
+        for errors at the next call (a failed rank also fails rank 0's collective). `RANK0_METHODS` go to rank 0
+        alone."""
         import ray
+
+        if method in RANK0_METHODS:
+            return getattr(self.ranks[0], method).remote(*args, **kwargs)
 
         if self._others:
             done, self._others = ray.wait(self._others, num_returns=len(self._others), timeout=0)
@@ -217,7 +222,8 @@ class MegatronActorGroup:
 
 class _RemoteMethods:
     """`group.remote.<method>.remote(...)`: the group called like a Ray actor handle (an ObjectRef of rank 0's
-    result), so that the runner drives the Megatron actor exactly as the torch one."""
+    result), so that the runner drives the Megatron actor exactly as the torch one. `.options(...)` (a concurrency
+    group) applies to `RANK0_METHODS`, which rank 0 answers alone."""
 
     def __init__(self, group: MegatronActorGroup):
         self._group = group
@@ -229,5 +235,11 @@ class _RemoteMethods:
             @staticmethod
             def remote(*args: Any, **kwargs: Any) -> Any:
                 return group.call(method, *args, **kwargs)
+
+            @staticmethod
+            def options(**options: Any) -> Any:
+                if method not in RANK0_METHODS:
+                    raise ValueError(f"{method} runs on every rank: no per-call options")
+                return getattr(group.ranks[0], method).options(**options)
 
         return _Method

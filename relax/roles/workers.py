@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from relax import algorithms
 from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.backends.batch import Samples, TrainBatch
+from relax.backends.sglang.weight_sync import WeightSender, WeightTarget
 from relax.backends.trainer import Policy
 from relax.backends.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.config.derive import teacher_model
@@ -33,6 +35,18 @@ class ModelInfo:
     vocab_size: int
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
+
+
+WEIGHTS_GROUP = "weights"  # the actor's concurrency group that sends weights to rollout servers (`push_weights`)
+
+
+def actor_class(cls: type) -> Any:
+    """`cls` (an actor role: `PolicyWorker`, `MegatronRank`) as a Ray actor class with a `WEIGHTS_GROUP` thread, where
+    callers dispatch `push_weights` (`.options(concurrency_group=WEIGHTS_GROUP)`). Its other methods keep the default
+    group's single thread, in the order they are called."""
+    import ray
+
+    return ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(cls)
 
 
 def _threads(n: int | None) -> None:
@@ -96,9 +110,22 @@ class PolicyForwarding:
     policy: Policy
     versions: WeightVersions
     rollout_dtype: torch.dtype
+    _sender: WeightSender | None = None
 
     def ping(self) -> str:
         return "ok"
+
+    def push_weights(self, weights: WeightBuffers, version: int, urls: list[str], target: WeightTarget,
+                     regroup: bool = False) -> dict[str, int]:
+        """Send `weights` (a snapshot `weights()` returned, which Ray hands this process from its node's object
+        store) of `version` to the SGLang servers at `urls`; {"buckets", "bytes"}. Dispatched to the actor's
+        `WEIGHTS_GROUP` thread, it runs beside a train step: it reads only the snapshot, never the model being
+        trained."""
+        if self._sender is None or self._sender.target != target:
+            if self._sender is not None:
+                self._sender.close()
+            self._sender = WeightSender(target, self.cfg.model)
+        return self._sender.push(weights, version, urls, regroup=regroup)
 
     def logprobs(self, samples: Samples, current: int | None = None) -> torch.Tensor:
         """Log-probs of the response tokens [N, T]: with `current` (the trainer's version now), each token's under the

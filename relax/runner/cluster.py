@@ -24,6 +24,7 @@ from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.sglang_server import EngineServer
 from relax.roles.workers import (
+    WEIGHTS_GROUP,
     AdvantagesWorker,
     CriticWorker,
     ModelInfo,
@@ -31,6 +32,7 @@ from relax.roles.workers import (
     ReferenceWorker,
     RolloutWorker,
     TeacherWorker,
+    actor_class,
     compute_advantages,
 )
 from relax.runner import checkpoint
@@ -39,7 +41,7 @@ from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.restarts import Restarts
 from relax.runner.sglang_engines import SGLangEngines
-from relax.runner.watchdog import Watchdog
+from relax.runner.watchdog import Watchdog, first_line
 
 
 class RayRuntime:
@@ -101,6 +103,26 @@ class RayRuntime:
         self.started = False
 
 
+def actor_push(actor, watch: Watchdog, process: str):
+    """rollout=sglang's `SGLangEngines.push`: the actor's process sends the weights (the ObjectRef of its snapshot of
+    a version) to the servers itself (`PolicyForwarding.push_weights`); the driver only waits. Each of the actor's
+    calls to a server has its own timeout (rollout.sglang.request_timeout_s); a dead or hung actor is a RoleFailure
+    (the graph restarts), a server that refuses is a RunError naming the servers."""
+
+    def push(weights, version: int, urls: list[str], target, regroup: bool) -> dict[str, int]:
+        import ray
+
+        call = actor.push_weights.options(concurrency_group=WEIGHTS_GROUP)  # beside the actor's train step
+        ref = call.remote(weights, version, list(urls), target, regroup)
+        try:
+            return watch.get_one(ref, process, progress=False)
+        except ray.exceptions.RayTaskError as exc:
+            raise RunError(f"rollout=sglang: the actor could not send weights to {', '.join(urls)}: "
+                           f"{first_line(exc.cause or exc)}") from None
+
+    return push
+
+
 class Cluster:
     def __init__(self, cfg: RelaxConfig, plan: Plan, info: ModelInfo, restarts: Restarts | None = None):
         """`restarts`: the run's count of restarts, which embedded rollout replicas replaced in place draw on
@@ -145,7 +167,8 @@ class Cluster:
 
         name = self._process_name(role, replica)
         options = ray_options(self.plan, role, replica, self.placement_group, self.hide_gpus)
-        actor = ray.remote(cls).options(**options).remote(*args, heartbeat=self._link(name), **kwargs)
+        remote = actor_class(cls) if role == "actor" else ray.remote(cls)
+        actor = remote.options(**options).remote(*args, heartbeat=self._link(name), **kwargs)
         self.actors.append(actor)
         self.processes.append(name)
         self.watch.register(actor, name)
@@ -270,7 +293,8 @@ class Cluster:
             return self._remote(EngineServer, "rollout", i, self.cfg, i, threads=threads, log_dir=str(log_dir))
 
         engines = SGLangEngines(self.cfg, eos_token_ids=info.eos_token_ids, pad_token_id=info.pad_token_id,
-                                log_dir=log_dir, start_server=None if sg.urls is not None else start_server)
+                                log_dir=log_dir, start_server=None if sg.urls is not None else start_server,
+                                push=actor_push(self.actor, self.watch, self.actor_process))
         if sg.urls is None:
             engines.servers = [start_server(i) for i in range(self.cfg.rollout.num_replicas)]
         return engines

@@ -172,8 +172,9 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     # the reference (a frozen copy of the policy), the teacher and the critic run on the torch backend, one device each
     if ro.backend == "sglang":
         servers = "the servers at rollout.sglang.urls" if ro.sglang.urls else f"{ro.sglang.server} servers"
-        why["rollout"] += (f"; {servers} behind sglang-router; weights: {ro.sglang.weight_sync} "
-                           "(rollout.sglang.weight_sync)")
+        path = "adapters (rollout.lora_sync)" if cfg.model.lora_rank > 0 and ro.lora_sync == "adapter" else \
+            f"{ro.sglang.weight_sync} (rollout.sglang.weight_sync)"
+        why["rollout"] += f"; {servers} behind sglang-router; weights from the actor's process: {path}"
     backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "teacher": cfg.teacher.backend,
                "critic": "torch", "advantages": "cpu"}
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)

@@ -8,9 +8,10 @@
   `resume` continues interrupted responses from prompt + prefix with `max_new_tokens` reduced;
 - abort (partial rollout): `/pause_generation {"mode": "abort"}` on every server; the responses in flight come
   back with their partial tokens; `load_weights` then flushes the cache, updates, and `/continue_generation`;
-- load_weights: the published weights to every server (`relax.backends.sglang.weight_sync`), tagged with their
-  version, which every answer reports back (`Samples.token_version`); colocated in sync mode the servers release
-  their memory after each rollout and resume it before the next update;
+- load_weights: the published weights to every server, tagged with their version, which every answer reports back
+  (`Samples.token_version`). The weights never come here: `push` (the runner's) has the actor's process send its
+  snapshot of that version (an ObjectRef) itself (`relax.backends.sglang.weight_sync.WeightSender`). Colocated in
+  sync mode the servers release their memory after each rollout and resume it before the next update;
 - faults: a watchdog thread polls each server's `/health`; after `health_failures` misses in a row the server is
   taken out of the router, replaced (a new actor and process), given the current weights and put back. Requests
   it was answering fail and are retried through the router; a retried request has the same `sampling_seed`, so
@@ -42,26 +43,28 @@ from relax.backends.sglang.client import (
 from relax.backends.sglang.episodes import run_episodes
 from relax.backends.sglang.process import wait_healthy
 from relax.backends.sglang.router import Router
-from relax.backends.sglang.weight_sync import BroadcastSync, push_tensors
-from relax.backends.weight_buffers import as_state_dict, weight_bytes
+from relax.backends.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
 from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
-from relax.runner.watchdog import first_line
+
+Push = Callable[[object, int, list[str], WeightTarget, bool], dict]
 
 
 class SGLangEngines:
-    """`start_server(i)` returns a new `EngineServer` actor for replica i (None: `rollout.sglang.urls`)."""
+    """`start_server(i)` returns a new `EngineServer` actor for replica i (None: `rollout.sglang.urls`).
+    `push(weights, version, urls, target, regroup)` sends published weights to the servers at `urls` and returns
+    {"buckets", "bytes"}: the runner's has the actor send them (None: a `WeightSender` in this process, for weights
+    given here as tensors)."""
 
     def __init__(self, cfg: RelaxConfig, *, eos_token_ids: tuple[int, ...], pad_token_id: int, log_dir: Path,
-                 start_server: Callable[[int], object] | None):
+                 start_server: Callable[[int], object] | None, push: Push | None = None):
         self.cfg, self.sg = cfg, cfg.rollout.sglang
         self.eos_token_ids, self.pad_token_id = tuple(eos_token_ids), pad_token_id
         self.log_dir, self.start_server = Path(log_dir), start_server
         self.servers: list = []
         self.urls: list[str] = []
         self.router: Router | None = None
-        self.broadcast: BroadcastSync | None = None
         c = cfg.cluster
         self.sync = self.sg.weight_sync  # resolved (relax.config.derive)
         self.release = c.colocate and cfg.train.mode == "sync" and self.sg.release_memory
@@ -70,16 +73,24 @@ class SGLangEngines:
         # released between rollouts)
         self.adapters = cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter"
         self._adapter: str | None = None  # the adapter the servers hold
-        self._adapter_root = Path(log_dir) / "lora-adapters"
-        self.bucket_bytes = self.sg.bucket_mb << 20
+        self.target = WeightTarget(mode="adapter" if self.adapters else self.sync, bucket_bytes=self.sg.bucket_mb << 20,
+                                   tp_size=c.rollout_gpus_per_engine, timeout_s=self.sg.request_timeout_s,
+                                   host=self.sg.host, adapter_root=str(Path(log_dir) / "lora-adapters"))
+        self._local: WeightSender | None = None
+        if push is None:
+            self._local = WeightSender(self.target, cfg.model)
+            push = lambda weights, version, urls, target, regroup: self._local.push(  # noqa: E731
+                weights, version, urls, regroup=regroup)
+        self._send_weights = push
         self._lock = threading.RLock()  # weight pushes, memory release and replacing a server
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         self._failed: RunError | None = None
-        self._last: tuple[dict[str, torch.Tensor], int] | None = None  # the weights the servers should hold
+        self._last: tuple[object, int] | None = None  # the weights the servers should hold (an ObjectRef), version
         self._version = 0  # what the servers hold (their initial weights are version 0)
         self._released = False  # the servers' memory is released (colocated, sync mode, between rollouts)
         self._paused = False  # /pause_generation was sent (partial rollout) and not yet continued
+        self._updating = False  # weights or memory being changed on the servers (`_make_ready`)
         self._gen: int | None = None  # the generation running now
         self._aborted: int | None = None  # the generation `abort` named
         self.restarts = 0
@@ -93,7 +104,6 @@ class SGLangEngines:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SGLangEngines:
-        import ray
 
         sg = self.sg
         if sg.urls is not None:
@@ -110,11 +120,6 @@ class SGLangEngines:
         for u in self.urls:
             self.router.add(u)
         self.client = GenerateClient(self.router.url, request_timeout_s=sg.request_timeout_s)
-        if self.sync == "distributed":
-            host = sg.host if sg.host in ("127.0.0.1", "localhost") else ray.util.get_node_ip_address()
-            self.broadcast = BroadcastSync(self.urls, master_address=host, backend="gloo",
-                                           tp_size=self.cfg.cluster.rollout_gpus_per_engine,
-                                           timeout_s=sg.request_timeout_s)
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
@@ -148,8 +153,8 @@ class SGLangEngines:
         if self.sg.urls is not None and self._released and self._failed is None and self._last is not None:
             with self._lock:  # servers the user started stay usable: resident, with the last weights
                 self._make_ready(push=True)
-        if self.broadcast is not None:
-            self.broadcast.close()
+        if self._local is not None:
+            self._local.close()
         if self.router is not None:
             self.router.stop()
         if self.servers:  # their processes, before Ray kills the actors (which would take them down too)
@@ -285,24 +290,13 @@ class SGLangEngines:
         self.client.pause()
         if self._gen == gen_id:
             with self._lock:
+                self._paused = True  # first: the watchdog then no longer expects /health to generate
                 self._each("/pause_generation", {"mode": "abort"})
-                self._paused = True
                 self._each("/abort_request", {"abort_all": True})  # requests that reached a paused server
 
     def load_weights(self, weights, version: int) -> None:
-        """`weights` (a state dict or `WeightBuffers`, or the actor's ObjectRef of them) of `version` to every
-        server."""
-        import ray
-
-        if isinstance(weights, ray.ObjectRef):
-            try:
-                weights = ray.get(weights, timeout=self.sg.request_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise RunError(f"rollout=sglang: the actor's weights did not arrive within "
-                               f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s)") from None
-            except ray.exceptions.RayActorError as exc:  # the actor died making them: the graph restarts
-                raise RoleFailure("actor", "died while its weights were sent to the servers: "
-                                           f"{first_line(exc)}") from None
+        """`weights` of `version` to every server: what the run published (the ObjectRef of the actor's snapshot),
+        which `push` has the actor send; or, without the runner's `push`, a state dict or `WeightBuffers`."""
         with self._lock:  # (requests not yet sent wait here)
             if self.agents is not None:  # an agent batch may be running: its requests in flight end with their
                 with self._flight:       # weights first, so that each answer has one version
@@ -310,8 +304,7 @@ class SGLangEngines:
                         raise RunError(f"rollout=sglang: requests in flight did not end within "
                                        f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s) for a "
                                        "weight update")
-            self._last = (as_state_dict(weights), int(version))
-            self._sync_bytes = weight_bytes(weights)
+            self._last = (weights, int(version))
             self._make_ready(push=True)
 
     def metrics(self) -> dict[str, float]:
@@ -327,6 +320,13 @@ class SGLangEngines:
     # ------------------------------------------------------------------ weights and memory (under self._lock)
     def _make_ready(self, push: bool = False) -> None:
         """Servers resident, holding `self._last`, not paused."""
+        self._updating = True
+        try:
+            self._ready(push)
+        finally:
+            self._updating = False
+
+    def _ready(self, push: bool) -> None:
         if self._released:
             if self._last is None:
                 raise RunError("rollout=sglang: the servers released their memory before any weights were published")
@@ -341,59 +341,31 @@ class SGLangEngines:
             self._each("/continue_generation", {})
             self._paused = False
 
-    def _push(self, urls: list[str]) -> None:
-        """`self._last` to the servers at `urls`; a server that died meanwhile is left to the watchdog, which gives
-        its replacement the weights."""
+    def _push(self, urls: list[str], regroup: bool = False) -> None:
+        """`self._last` to the servers at `urls` (`regroup`: a weight-update group is formed anew); a server that died
+        meanwhile is left to the watchdog, which gives its replacement the weights."""
         weights, version = self._last
-        named = list(weights.items())
         for attempt in range(2):
             try:
-                if self.adapters:
-                    self._push_adapter(urls, weights, version)
-                elif self.sync == "tensor":
-                    self._buckets = push_tensors(urls, named, version, bucket_bytes=self.bucket_bytes,
-                                                 tp_size=self.cfg.cluster.rollout_gpus_per_engine,
-                                                 timeout_s=self.sg.request_timeout_s)
-                else:
-                    self._buckets = self.broadcast.push(named, version, bucket_bytes=self.bucket_bytes)
+                sent = self._send_weights(weights, version, list(urls), self.target, regroup)
                 break
+            except RoleFailure:
+                raise
             except Exception:
-                live = [u for u in urls if self._healthy(u)]
+                live = [u for u in urls if self._answers(u)]
                 if attempt or live == urls:
                     raise
-                urls = live
-                if self.broadcast is not None:
-                    self.broadcast.close()
-                    self.broadcast.urls = live
+                urls, regroup = live, True
+        self._buckets, self._sync_bytes = sent["buckets"], sent["bytes"]
+        if self.adapters:
+            self._adapter = adapter_name(version)
         self._version = version
-
-    def _push_adapter(self, urls: list[str], weights: dict, version: int) -> None:
-        """The adapters of `version` as a PEFT directory that the servers at `urls` load (SGLang's
-        `/load_lora_adapter`), the previous adapter unloaded and its directory removed, the version set. A server
-        replacing a dead one gets the current adapter (same version: same name)."""
-        import shutil
-
-        from relax.backends.lora import ADAPTER_WEIGHTS, write_adapter_dir
-
-        name = f"relax-v{version}"
-        directory = self._adapter_root / name
-        if not (directory / ADAPTER_WEIGHTS).is_file():  # written last: a directory without it is unfinished
-            write_adapter_dir(directory, weights, self.cfg.model)
-        for url in urls:
-            post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)},
-                 timeout=self.sg.request_timeout_s)
-            post(url, "/update_weight_version", {"new_version": str(version)}, timeout=self.sg.request_timeout_s)
-        old, self._adapter = self._adapter, name
-        if old is not None and old != name:
-            for url in urls:
-                post(url, "/unload_lora_adapter", {"lora_name": old}, timeout=self.sg.request_timeout_s)
-            shutil.rmtree(self._adapter_root / old, ignore_errors=True)
 
     def _flush(self) -> None:
         """`/flush_cache` on every server, polling while a server still finishes requests (HTTP 400)."""
         deadline = time.monotonic() + self.sg.request_timeout_s
         for url in self.urls:
-            while self._healthy(url):
+            while self._answers(url):
                 r = requests.post(url + "/flush_cache", json={}, timeout=60)
                 if r.status_code == 200:
                     break
@@ -408,7 +380,7 @@ class SGLangEngines:
             try:
                 post(url, path, body, timeout=self.sg.request_timeout_s)
             except EngineRequestError:
-                if self._healthy(url):
+                if self._answers(url):
                     raise
 
     # ------------------------------------------------------------------ faults
@@ -416,13 +388,22 @@ class SGLangEngines:
         if self._failed is not None:
             raise self._failed
 
+    def _held(self) -> bool:
+        """Generation is held on purpose: memory released, paused, or weights loading. SGLang's `/health` generates a
+        token, which waits then: a healthy server would miss checks."""
+        return self._released or self._paused or self._updating
+
     def _alive(self, i: int, url: str) -> bool:
-        """Whether replica i answers: `/health`, except while the servers' memory is released (SGLang's `/health`
-        generates a token, which a released server cannot), when the process of a launched server must be alive."""
-        if not self._released:
-            return self._healthy(url)
+        """Whether replica i answers: `/health`, except while generation is held (`_held`, also when it began during
+        the check), when the process of a launched server must be alive and a server the user started must answer
+        `/get_model_info`."""
+        if not self._held():
+            if self._healthy(url):
+                return True
+            if not self._held():
+                return False
         if not self.servers:
-            return True  # a server the user started: checked again once resumed
+            return self._answers(url)
         import ray
 
         try:
@@ -431,8 +412,16 @@ class SGLangEngines:
             return False
 
     def _healthy(self, url: str) -> bool:
+        """SGLang's `/health` (a one-token generation) answers 200."""
+        return self._get_ok(url + "/health")
+
+    def _answers(self, url: str) -> bool:
+        """The server answers a request that does not generate (`/get_model_info`): alive, whatever it is doing."""
+        return self._get_ok(url + "/get_model_info")
+
+    def _get_ok(self, url: str) -> bool:
         try:
-            return requests.get(url + "/health", timeout=max(5.0, self.sg.health_check_interval_s)).status_code == 200
+            return requests.get(url, timeout=max(5.0, self.sg.health_check_interval_s)).status_code == 200
         except requests.RequestException:
             return False
 
@@ -469,11 +458,9 @@ class SGLangEngines:
         new = self._started([self.servers[i].start.remote()])[0]
         with self._lock:
             self.urls[i] = new
-            if self.broadcast is not None:
-                self.broadcast.close()
-                self.broadcast.urls = list(self.urls)
-            if self._last is not None:
-                self._push(self.urls if self.broadcast is not None else [new])
+            if self._last is not None:  # a weight-update group includes every server: formed anew
+                group = self.target.mode == "distributed"
+                self._push(self.urls if group else [new], regroup=group)
             if self._released:
                 post(new, "/release_memory_occupation", {"tags": ["kv_cache"]} if self.adapters else {},
                      timeout=self.sg.request_timeout_s)

@@ -88,7 +88,8 @@ def test_weight_sync_defaults_to_shared_memory_only_on_one_node_and_dry_run_says
     on several nodes, colocated or not, the default is a weight-update group and tensor is rejected."""
     one = ["rollout=sglang", "rollout.sglang.urls=[http://127.0.0.1:30000]"]
     assert load_config(one).rollout.sglang.weight_sync == "tensor"  # cluster=local colocates
-    assert "weights: tensor (rollout.sglang.weight_sync)" in build_plan(load_config(one)).render()
+    plan = build_plan(load_config(one)).render()
+    assert "weights from the actor's process: tensor (rollout.sglang.weight_sync)" in plan
     assert _resolved(*one, "cluster=8xgpu", "cluster.colocate=false").rollout.sglang.weight_sync == "distributed"
     two = ["rollout=sglang", "rollout.sglang.host=0.0.0.0", "cluster.num_nodes=2"]
     assert _resolved(*two).rollout.sglang.weight_sync == "distributed"  # colocated too

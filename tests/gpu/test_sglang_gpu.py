@@ -14,8 +14,10 @@ same GPU) is the reference. Checks, in order, on the one server:
    returns to its level once the pushed tensors are dropped;
 4. `/release_memory_occupation` frees most of the weights + KV cache, `/resume_memory_occupation` takes it back,
    and after a push the greedy outputs are the ones before the release;
-5. `weight_sync.BroadcastSync` (the distributed path): gloo from CPU tensors (what Relax uses), and nccl from
-   CUDA tensors on a second GPU (NCCL refuses two ranks on one GPU).
+5. `weight_sync.BroadcastSync` (the distributed path): gloo from CPU tensors, and nccl from CUDA tensors on a second
+   GPU (NCCL refuses two ranks on one GPU);
+6. `weight_sync.WeightSender`, what the actor's process runs: a CPU snapshot (`WeightBuffers`, as the object store
+   hands it over) sent as CUDA IPC buckets on the sender's GPU (weight_sync=tensor).
 
 Every test leaves the server with the checkpoint's weights. About 2-3 minutes on an H200, most of it the launch:
 `python -m pytest -q -rs tests/gpu/test_sglang_gpu.py` ($RELAX_SGLANG_HF_DIR: a converted directory to reuse).
@@ -362,3 +364,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="SmolLM2-135M from its GGUF to a bf16 Hugging Face directory")
     parser.add_argument("--convert", type=Path, required=True, metavar="DIR")
     print(convert(parser.parse_args().convert))
+
+
+def test_the_actors_sender_pushes_a_cpu_snapshot_as_cuda_ipc_buckets(server, baseline, restore):
+    """What the actor runs for rollout.sglang.weight_sync=tensor on a GPU: its snapshot (CPU bytes from the object
+    store) is copied bucket by bucket to its GPU and handed over as CUDA IPC handles."""
+    from relax.backends.sglang.weight_sync import WeightSender, WeightTarget
+    from relax.backends.weight_buffers import WeightBuffers
+
+    push(server, changed_weights(server))
+    assert greedy(server) != baseline
+    snapshot = WeightBuffers.of({k: v.cpu() for k, v in server.original.items()})
+    sender = WeightSender(WeightTarget(mode="tensor", bucket_bytes=32 << 20, timeout_s=120))
+    server.version += 1
+    sent = sender.push(snapshot, server.version, [server.url])
+    assert sent["buckets"] >= 3 and sent["bytes"] == snapshot.nbytes
+    assert_server_holds(server.url, server.original)
+    answers = generate(server)
+    assert [a[0] for a in answers] == baseline and {a[3] for a in answers} == {str(server.version)}

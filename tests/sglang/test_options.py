@@ -24,8 +24,10 @@ from relax.config import load_config
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
 from relax.metrics import WEIGHT_BUCKETS
 from relax.roles.sglang_server import server_command
+from relax.runner.cluster import actor_push
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.sglang_engines import SGLangEngines
+from relax.runner.watchdog import Watchdog
 
 # its tests share module-scoped server: one xdist worker runs them in a row
 pytestmark = [pytest.mark.xdist_group("sglang_options"), pytest.mark.slow]
@@ -187,10 +189,14 @@ def test_a_port_taken_before_the_router_binds_it_is_replaced_by_another(tmp_path
 
 
 def _dying_actor():
-    """An actor class that dies inside its `weights` call (shipped by value: its process imports nothing of ours)."""
+    """An actor class that dies inside its `push_weights` call (shipped by value: its process imports nothing of
+    ours)."""
 
     class Actor:
         def weights(self, version: int):
+            return {}
+
+        def push_weights(self, weights, version, urls, target, regroup):
             import os
 
             os._exit(1)
@@ -199,15 +205,15 @@ def _dying_actor():
 
 
 def test_an_actor_that_dies_while_its_weights_are_sent_restarts_the_graph(server, weights, ray_local, tmp_path):
-    """The weights reach the servers as the actor's ObjectRef; an actor that dies making them is a RoleFailure of the
+    """The actor's process sends the weights (the run's `push`); an actor that dies doing so is a RoleFailure of the
     actor (the run restarts the service graph, as with the embedded engines), never a traceback that ends the run."""
     url, _ = server
-    (start, _), eos, pad = weights
-    engines = engines_for(config(url), eos, pad, tmp_path)
+    _, eos, pad = weights
+    actor = ray_local.remote(_dying_actor()).options(num_cpus=0).remote()
+    engines = SGLangEngines(config(url), eos_token_ids=eos, pad_token_id=pad, log_dir=tmp_path, start_server=None,
+                            push=actor_push(actor, Watchdog(None, None), "actor")).start()
     try:
-        engines.load_weights(start, 1)
-        actor = ray_local.remote(_dying_actor()).options(num_cpus=0).remote()
-        with pytest.raises(RoleFailure, match="died while its weights were sent") as failure:
+        with pytest.raises(RoleFailure, match="died") as failure:
             engines.load_weights(actor.weights.remote(2), 2)
         assert failure.value.role == "actor"
     finally:
@@ -265,3 +271,34 @@ def test_a_server_that_exits_at_start_names_its_exit_code(tmp_path):
     with pytest.raises(StartupError, match="(?s)exited with code 1.*bad model directory"):
         wait_healthy(f"http://127.0.0.1:{free_port()}/health", proc, 30, what="engine", log_path=tmp_path / "bad.log")
     assert proc.wait() == 1 and isinstance(proc, subprocess.Popen)
+
+
+def test_a_paused_server_keeps_its_place_though_its_health_check_fails(server, weights, tmp_path):
+    """SGLang's /health generates a token, so it fails while generation is paused (partial rollout) or weights load,
+    and relax-serve's does the same. The watchdog then checks that the server answers at all, instead of replacing a
+    healthy server (this one is given by URL: a replacement would stop the run)."""
+    import threading
+
+    url, _ = server
+    (state, _), eos, pad = weights
+    cfg = config(url, "rollout.sglang.health_check_interval_s=0.2", "rollout.sglang.health_failures=2",
+                 "rollout.max_response_len=200", "rollout.sglang.release_memory=false")
+    engines = engines_for(cfg, eos, pad, tmp_path)
+    try:
+        engines.load_weights(state, 1)
+        done = []
+        job = threading.Thread(target=lambda: done.append(engines.generate(PROMPTS, IDS, seed=5, gen_id=7)))
+        job.start()
+        deadline = time.monotonic() + 60
+        while engines._gen != 7 and time.monotonic() < deadline:  # the job's requests are out
+            time.sleep(0.01)
+        engines.abort(7)  # partial rollout's pause: the servers hold generation until the next weight update
+        job.join(60)
+        assert done and requests.get(url + "/health", timeout=10).status_code == 503  # paused: no token comes
+        time.sleep(3)  # 15 check intervals: far beyond health_failures misses of /health
+        assert engines._failed is None and engines.restarts == 0
+        engines.load_weights(state, 2)  # continues generation
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+        assert engines.generate(PROMPTS, IDS, seed=5).weight_version == 2
+    finally:
+        engines.close()

@@ -10,8 +10,11 @@ rows, the answers written, `RequestError`, `NotReady`, `row_stream`), `relax.bac
 aborts, pauses, engine calls) and `relax.backends.sglang.weights` (the weight and memory endpoints).
 
 Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSON in and out, unknown fields ignored):
-- `GET /health` 503 while the model loads, then 200; `/health_generate` also runs a 1-token generation (200 without
-  one while generation is paused or memory released). `GET /server_info`, `/get_server_info`, `/model_info`,
+- `GET /health` and `/health_generate`, as on current SGLang (where both run a 1-token generation): 503 while the
+  model loads; then 200 once the scheduler produces output after the check began (the check's own token, or any
+  decoding step of a running batch), 503 when none comes within `HEALTH_TIMEOUT_S`, and 503 at once while
+  generation is paused or the memory released (no output can come). A check waits while weights load. A liveness
+  check that does not generate: `/get_model_info`. `GET /server_info`, `/get_server_info`, `/model_info`,
   `/get_model_info`, `/get_weight_version`, `/v1/models`.
 - The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.backends.openai.service`), with the
   server's key (`api_key`, `relax-serve --api-key`) as `Authorization: Bearer`, or without one on loopback only.
@@ -37,6 +40,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
@@ -44,6 +48,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from relax.backends import progress
 from relax.backends.http_answer import write_answer
 from relax.backends.sglang.request import DEFAULT_MAX_NEW_TOKENS, NotReady, RequestCodec, RequestError, row_stream
 from relax.backends.sglang.scheduler import PAUSE_MODES, Scheduler
@@ -235,7 +240,7 @@ class EmbeddedServer(WeightEndpoints):
     def _route_table(self) -> dict[str, Callable[[dict], tuple[int, Any]]]:
         return {
             "/health": self._health,
-            "/health_generate": self._health_generate,
+            "/health_generate": self._health,
             "/model_info": self._model_info,
             "/get_model_info": self._model_info,
             "/server_info": self._server_info,
@@ -293,18 +298,18 @@ class EmbeddedServer(WeightEndpoints):
             raise NotReady(self._load_error)
 
     def _health(self, body: dict) -> tuple[int, Any]:
-        self._require_ready()
-        return 200, b""
-
-    def _health_generate(self, body: dict) -> tuple[int, Any]:
+        """SGLang's health check (see the module docstring): healthy once the scheduler makes output."""
         self._require_ready()
         if self.scheduler.held():
-            return 200, b""  # alive; generation is held on purpose
+            return 503, b""  # paused or released: SGLang's check gets no output either
+        start = progress.count()  # decoding steps of this process's engine
         request = self._codec.parse({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
         self.scheduler.submit(request)
-        if not request.done.wait(HEALTH_TIMEOUT_S):
-            self.scheduler.abort_where(lambda r: r.request is request, "health check timed out")
-            return 503, b""
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while not request.done.wait(0.02):
+            if progress.count() != start or time.monotonic() > deadline:
+                self.scheduler.abort_where(lambda r: r.request is request, "health check answered")
+                return (200 if progress.count() != start else 503), b""
         return (200 if request.error is None else 503), b""
 
     def _model_info(self, body: dict) -> tuple[int, Any]:
