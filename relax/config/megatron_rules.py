@@ -57,7 +57,4 @@ def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
             f"train.context_parallel_size={t.context_parallel_size} is not supported by train.backend=megatron: "
             "megatron-core's context parallelism needs Transformer Engine's attention, and this backend uses the "
             "local (non-TE) layer spec so that the same code runs on CPU and GPU")
-    require(not m.gradient_checkpointing, ("model.gradient_checkpointing", "train.backend"),
-            "model.gradient_checkpointing=true is not supported by train.backend=megatron yet (megatron-core's "
-            "activation recompute is not wired to it); use train.backend=torch, or drop it")
     return out

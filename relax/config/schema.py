@@ -21,7 +21,9 @@ class ModelConfig:
     path: Optional[str] = None  # hf: a local directory, None -> $MODEL_DIR/<name>; gguf: a .gguf file
     # auto: bf16 where the device has fast bf16, else fp32
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))
-    gradient_checkpointing: bool = False  # recompute activations in the backward (train.backend=torch only)
+    # recompute activations in the backward, layer by layer: Hugging Face's gradient checkpointing (torch backend),
+    # megatron-core's full activation recompute of every layer (megatron backend)
+    gradient_checkpointing: bool = False
     # LoRA (docs/training.md, "LoRA"): rank > 0 trains low-rank adapters on the target linear layers (PEFT) with the
     # base weights frozen; 0: every parameter. Output = x W^T + (alpha / rank) (x A^T) B^T on each target.
     lora_rank: int = 0

@@ -93,10 +93,8 @@ def test_one_source_for_the_critic_learning_rate():
     assert load_config(["algorithm=ppo", "algorithm.critic_lr=1e-5"]).algorithm.critic_lr == 1e-5
 
 
-def test_gradient_checkpointing_is_rejected_by_the_backend_that_would_ignore_it():
-    """The Megatron backend has no activation recompute wired to model.gradient_checkpointing: rejected there
-    (the torch backend's checkpointing is walked by tests/walk's probe)."""
-    assert "model.gradient_checkpointing" in rejected_fields(
-        ["train.backend=megatron", "model.gradient_checkpointing=true"])
-    load_config(["train.backend=megatron"])
-    load_config(["model.gradient_checkpointing=true"])
+def test_gradient_checkpointing_is_accepted_by_both_backends():
+    """Each backend recomputes activations for model.gradient_checkpointing (the torch backend's is walked by
+    tests/walk's probe; megatron-core's recompute is checked against it by tests/megatron's dp2 scenario)."""
+    assert load_config(["train.backend=megatron", "model.gradient_checkpointing=true"]).model.gradient_checkpointing
+    assert load_config(["model.gradient_checkpointing=true"]).model.gradient_checkpointing

@@ -176,7 +176,36 @@ def scenario_dp2(rank: int, out: Path, res: dict) -> None:
                  ckpt_dir=str(out / "ckpt"))
     policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
     torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+    res["saved_bytes"] = saved_bytes(policy)
     train_parity(policy, torch_policy, M2POConfig(), res, "m2po", per_token=True, mbs=2)
+    # model.gradient_checkpointing: megatron-core's activation recompute against HF's gradient checkpointing
+    recompute = dataclasses.replace(MODEL, gradient_checkpointing=True)
+    policy = MegatronPolicy(recompute, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    torch_policy = TorchPolicy(recompute, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+    res["recompute_saved_bytes"] = saved_bytes(policy)
+    train_parity(policy, torch_policy, GRPOConfig(), res, "recompute", per_token=True, mbs=3)
+
+
+def saved_bytes(policy: MegatronPolicy) -> int:
+    """Bytes the autograd graph keeps for the backward at the end of one batch's forward (one micro-batch; packed
+    before the backward unpacks anything: a recomputed layer's own graph, built in the backward, is not counted)."""
+    total, backward = 0, False
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if not backward:
+            total += t.numel() * t.element_size()
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal backward
+        backward = True
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        policy.accumulate_gradients(batches(16)[0], GRPOConfig(), per_token=True, micro_batch_size=16)
+    policy.optimizer.zero_grad()
+    return total
 
 
 def scenario_pp2(rank: int, out: Path, res: dict) -> None:

@@ -161,6 +161,13 @@ def test_dp2_m2po_step_statistics_over_data_parallel_ranks(dp2):
     assert_same_steps(dp2["m2po"], STEP_KEYS + ("train/ppo_kl_m2_before", "train/ppo_kl_m2_after"))
 
 
+def test_dp2_activation_recompute_trains_as_hf_gradient_checkpointing_and_keeps_fewer_activations(dp2):
+    """model.gradient_checkpointing=true on Megatron (full recompute, a layer per checkpoint): the same steps as the
+    torch backend with Hugging Face's gradient checkpointing, while the backward keeps far fewer tensors."""
+    assert_same_steps(dp2["recompute"], STEP_KEYS)
+    assert dp2["recompute_saved_bytes"] < 0.5 * dp2["saved_bytes"], (dp2["recompute_saved_bytes"], dp2["saved_bytes"])
+
+
 def test_dp2_distributed_optimizer_resume(dp2):
     assert dp2["train_resume"]["again"] == pytest.approx(dp2["train_resume"]["first"], rel=1e-6)
     assert dp2["train_resume_weight_diff"] == 0.0

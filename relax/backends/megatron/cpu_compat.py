@@ -11,7 +11,10 @@ call sites that name CUDA outright. `enable()`:
 - while (and only while) the constructor of the distributed optimizer or of the bf16/fp16 optimizer wrapper
   runs, makes `torch.Tensor.type()` of a CPU tensor answer with the CUDA name those constructors check for;
 - while `LanguageModule.setup_embeddings_and_output_layer` runs (tied embeddings with PP > 1), makes
-  `tensor.cuda()` return the tensor itself.
+  `tensor.cuda()` return the tensor itself;
+- makes the CUDA RNG state that activation recompute saves and restores around each recomputed layer
+  (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) an empty one: there is no CUDA generator
+  (the CPU generator's state is still saved and restored by megatron-core itself).
 
 Nothing is changed when CUDA is available: GPU runs use megatron-core untouched. `CALL_SITES` records, per
 redirected module, how many lines match `CUDA_PATTERN` in the pinned megatron-core; tests/megatron compares it
@@ -88,10 +91,10 @@ UNREDIRECTED_SITES: dict[str, int] = {
     "megatron.core.transformer.multi_token_prediction": 2,
     # used, on paths the CPU runs do not take: DDP's overlapped communication stream and memory-freeing helpers
     # (overlap_grad_reduce=False), the NCCL groups' barriers (gloo here), GPU weight initialisation and sequence
-    # parallelism (use_cpu_initialization=True, sequence_parallel=False), CUDA RNG states (activation recompute
-    # and dropout: neither is used), the broadcast of data (Relax gives each rank its batch), loss scaling
-    # (fp16 only), timers and the rerun state machine (not enabled), the MTP/inference branches of GPTModel and
-    # of attention, the layer's CUDA-graph and offloading branches
+    # parallelism (use_cpu_initialization=True, sequence_parallel=False), CUDA RNG seeding (dropout: not used;
+    # activation recompute's RNG states go through the replaced functions of _RNG), the broadcast of data (Relax
+    # gives each rank its batch), loss scaling (fp16 only), timers and the rerun state machine (not enabled), the
+    # MTP/inference branches of GPTModel and of attention, the layer's CUDA-graph and offloading branches
     "megatron.core.distributed.distributed_data_parallel": 5,
     "megatron.core.parallel_state": 5,
     "megatron.core.tensor_parallel.layers": 8,
@@ -123,6 +126,8 @@ _TYPE_CHECKING_INITS = (("megatron.core.optimizer.optimizer", "Float16OptimizerW
 # LanguageModule.setup_embeddings_and_output_layer, which moves it with `weight.data.cuda()`: a no-op there.
 _EMBEDDING_SYNC = ("megatron.core.models.common.language_module.language_module", "LanguageModule",
                    "setup_embeddings_and_output_layer")
+# The CUDA RNG state functions that activation recompute (CheckpointFunction) calls: replaced by ones of no state.
+_RNG = ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "_set_cuda_rng_state")
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 _CPU = torch.device("cpu")
 
@@ -242,5 +247,8 @@ def enable() -> bool:
         cls.__init__ = _within(_cuda_type_names, cls.__init__)
     cls = getattr(importlib.import_module(_EMBEDDING_SYNC[0]), _EMBEDDING_SYNC[1])
     setattr(cls, _EMBEDDING_SYNC[2], _within(_tensor_cuda_is_identity, getattr(cls, _EMBEDDING_SYNC[2])))
+    random = importlib.import_module(_RNG[0])
+    setattr(random, _RNG[1], lambda *args, **kwargs: None)
+    setattr(random, _RNG[2], lambda *args, **kwargs: None)
     _enabled = True
     return True

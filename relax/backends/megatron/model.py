@@ -102,8 +102,13 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     autocast_dtype: Optional[torch.dtype] = None,
     use_cpu_initialization: bool = True,
+    recompute: bool = False,
 ) -> Any:
     """The megatron TransformerConfig of `spec`: no dropout, no fusions, no bias, per-token loss scaling.
+
+    `recompute` (model.gradient_checkpointing): megatron-core's full activation recompute, every layer on its own
+    (`recompute_granularity="full"`, `recompute_method="uniform"`, one layer per checkpoint): a layer keeps only its
+    input for the backward, which runs its forward again.
 
     `params_dtype` bf16 makes Megatron keep bf16 parameters with fp32 master weights in the optimizer (GPU
     only); `autocast_dtype` runs the forward under autocast with fp32 parameters instead. Weights are loaded by
@@ -149,6 +154,9 @@ def transformer_config(
         # pipeline stages exchange each micro-batch's shape first (micro-batches are trimmed to their own length)
         variable_seq_lengths=pp > 1,
         moe_token_dispatcher_type="alltoall",  # no MoE here; the default (allgather) refuses variable lengths
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
     )
 
 

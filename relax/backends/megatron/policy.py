@@ -234,7 +234,8 @@ class MegatronPolicy(PolicyTrainer):
         self.params_dtype = params_dtype or torch.float32
         autocast = compute if (compute != torch.float32 and self.params_dtype == torch.float32) else None
         self.config = transformer_config(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.params_dtype,
-                                         autocast_dtype=autocast, use_cpu_initialization=True)
+                                         autocast_dtype=autocast, use_cpu_initialization=True,
+                                         recompute=model_cfg.gradient_checkpointing)
         model = build_gpt_model(self.spec, self.config, tp=self.tp, pre_process=self.first_stage,
                                 post_process=self.last_stage)
         freeze_padding_embedding(model, padding_idx)
