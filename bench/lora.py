@@ -113,10 +113,12 @@ def end_to_end(model: str, rank: int, steps: int) -> dict:
 
 
 def compare(model: str = "smollm2_135m", rank: int = 16, *, rows: int = 16, prompt_len: int = 32,
-            response_len: int = 96, micro: int = 8, reps: int = 3, sync_reps: int = 5, steps: int = 5) -> dict:
+            response_len: int = 96, micro: int = 8, reps: int = 3, sync_reps: int = 5, steps: int = 5,
+            checkpointing: bool = True) -> dict:
+    """`checkpointing`: also measure both sides with gradient checkpointing (a process each)."""
     load = load_average()
     mem = {}  # each side without and with gradient checkpointing (activations dominate without it)
-    for ckpt in (False, True):
+    for ckpt in (False, True) if checkpointing else (False,):
         for name, r in (("full", 0), ("lora", rank)):
             key = name + (" checkpointing" if ckpt else "")
             mem[key] = memory(model, r, rows=rows, prompt_len=prompt_len, response_len=response_len, micro=micro,
