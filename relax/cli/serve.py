@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="a resolved RelaxConfig as JSON (dataclasses.asdict)")
     parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_SERVE_API_KEY"),
-                        help="the key the OpenAI endpoints require (Authorization: Bearer); without one they answer "
-                             "on a loopback address only (default: $RELAX_SERVE_API_KEY)")
+                        help="the key every endpoint but health and information requires (Authorization: Bearer), "
+                             "as SGLang's --api-key; without one they answer on a loopback address only (default: "
+                             "$RELAX_SERVE_API_KEY)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for relax-train (model=tiny ...)")
     args = parser.parse_intermixed_args(argv)
     if args.config and args.overrides:

@@ -18,9 +18,13 @@ from relax.backends.sglang.process import log_tail, start_server, stop_process
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 
+SERVE_KEY_ENV = "RELAX_SERVE_API_KEY"  # relax-serve's key (`relax-serve --api-key`'s default)
 
-def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path) -> list[str]:
-    """The command that starts the engine server of `cfg.rollout.sglang.server` on `host:port`."""
+
+def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path,
+                   api_key: str | None = None) -> list[str]:
+    """The command that starts the engine server of `cfg.rollout.sglang.server` on `host:port` (`api_key`: SGLang's
+    `--api-key`; relax-serve takes its key from the environment, `SERVE_KEY_ENV`, out of the process list)."""
     sg = cfg.rollout.sglang
     if sg.server == "embedded":
         cmd = [sys.executable, "-m", "relax.cli.serve", "--host", host, "--port", str(port), "--config",
@@ -34,7 +38,10 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(resolve_model_path(cfg.model)),
            "--host", host, "--dtype", dtype,
            "--port", str(port), "--tp-size", str(c.rollout_gpus_per_engine), "--base-gpu-id", "0",
-           "--random-seed", str(cfg.seed), "--trust-remote-code"]
+           "--random-seed", str(cfg.seed)]
+    # no --trust-remote-code: the trainer loads the model without remote code too (transformers' own architectures)
+    if api_key:
+        cmd += ["--api-key", api_key]
     if c.colocate:  # the actor shares the GPU: SGLang may take only part of it, and releases it while training
         cmd += ["--mem-fraction-static", "0.4", "--enable-memory-saver"]
     m = cfg.model
@@ -60,7 +67,9 @@ class EngineServer:
     def ping(self) -> str:
         return "ok"
 
-    def start(self) -> str:
+    def start(self, api_key: str | None = None) -> str:
+        """Start the server (with `api_key`, which it then requires of every request but health and information);
+        its URL once healthy."""
         sg = self.cfg.rollout.sglang
         if sg.server == "sglang" and importlib.util.find_spec("sglang") is None:
             raise RuntimeError(f"rollout.sglang.server=sglang: the package sglang is not installed on this node "
@@ -74,9 +83,12 @@ class EngineServer:
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(json.dumps(dataclasses.asdict(self.cfg)))
         env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
+        if api_key and sg.server == "embedded":
+            env[SERVE_KEY_ENV] = api_key
 
         def command(port: int) -> list[str]:
-            return server_command(self.cfg, host=host, port=port, threads=self.threads, config_path=config_path)
+            return server_command(self.cfg, host=host, port=port, threads=self.threads, config_path=config_path,
+                                  api_key=api_key if sg.server == "sglang" else None)
 
         self.proc, port = start_server(command, host=host, url_host=address, log_path=self.log_path,
                                        timeout_s=sg.startup_timeout_s, what=f"rollout engine {self.index}", env=env)

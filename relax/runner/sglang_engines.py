@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from relax.backends.sglang.client import (
     EngineRequestError,
     GenerateClient,
     Sampling,
+    auth_headers,
     generate_payload,
     parse_answer,
     post,
@@ -48,6 +51,8 @@ from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
 
+HEALTH_TIMEOUT_S = 20.0  # SGLang's limit on a /health check's generation (HEALTH_CHECK_TIMEOUT)
+API_KEY_ENV = "RELAX_SGLANG_API_KEY"  # the key of the servers at rollout.sglang.urls (their --api-key)
 Push = Callable[[object, int, list[str], WeightTarget, bool], dict]
 
 
@@ -73,9 +78,13 @@ class SGLangEngines:
         # released between rollouts)
         self.adapters = cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter"
         self._adapter: str | None = None  # the adapter the servers hold
+        # the servers' key: a new one for the servers Relax launches (and its router), $RELAX_SGLANG_API_KEY for the
+        # servers at rollout.sglang.urls (none when unset)
+        self.api_key = secrets.token_urlsafe(24) if self.sg.urls is None else os.environ.get(API_KEY_ENV) or None
         self.target = WeightTarget(mode="adapter" if self.adapters else self.sync, bucket_bytes=self.sg.bucket_mb << 20,
                                    tp_size=c.rollout_gpus_per_engine, timeout_s=self.sg.request_timeout_s,
-                                   host=self.sg.host, adapter_root=str(Path(log_dir) / "lora-adapters"))
+                                   host=self.sg.host, adapter_root=str(Path(log_dir) / "lora-adapters"),
+                                   api_key=self.api_key)
         self._local: WeightSender | None = None
         if push is None:
             self._local = WeightSender(self.target, cfg.model)
@@ -114,12 +123,13 @@ class SGLangEngines:
         else:
             if not self.servers:
                 self.servers = [self.start_server(i) for i in range(self.cfg.rollout.num_replicas)]
-            self.urls = self._started([s.start.remote() for s in self.servers])
+            self.urls = self._started([s.start.remote(self.api_key) for s in self.servers])
         self.router = Router(host=sg.host, policy=sg.router_policy, log_path=self.log_dir / "router.log",
-                             startup_timeout_s=sg.startup_timeout_s, request_timeout_s=sg.request_timeout_s).start()
+                             startup_timeout_s=sg.startup_timeout_s, request_timeout_s=sg.request_timeout_s,
+                             api_key=self.api_key).start()
         for u in self.urls:
             self.router.add(u)
-        self.client = GenerateClient(self.router.url, request_timeout_s=sg.request_timeout_s)
+        self.client = GenerateClient(self.router.url, request_timeout_s=sg.request_timeout_s, api_key=self.api_key)
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
@@ -366,7 +376,7 @@ class SGLangEngines:
         deadline = time.monotonic() + self.sg.request_timeout_s
         for url in self.urls:
             while self._answers(url):
-                r = requests.post(url + "/flush_cache", json={}, timeout=60)
+                r = requests.post(url + "/flush_cache", json={}, timeout=60, headers=auth_headers(self.api_key))
                 if r.status_code == 200:
                     break
                 if time.monotonic() > deadline:
@@ -378,7 +388,7 @@ class SGLangEngines:
         """POST to every server; one that does not answer at all is dead and left to the watchdog."""
         for url in self.urls:
             try:
-                post(url, path, body, timeout=self.sg.request_timeout_s)
+                post(url, path, body, timeout=self.sg.request_timeout_s, api_key=self.api_key)
             except EngineRequestError:
                 if self._answers(url):
                     raise
@@ -395,15 +405,16 @@ class SGLangEngines:
 
     def _alive(self, i: int, url: str) -> bool:
         """Whether replica i answers: `/health`, except while generation is held (`_held`, also when it began during
-        the check), when the process of a launched server must be alive and a server the user started must answer
-        `/get_model_info`."""
+        the check), when it must answer `/get_model_info`, or the process of a server Relax launched be alive."""
         if not self._held():
             if self._healthy(url):
                 return True
             if not self._held():
                 return False
-        if not self.servers:
-            return self._answers(url)
+        if self._answers(url):  # alive, whatever it does
+            return True
+        if not self.servers:  # a server the user started: nothing else to ask
+            return False
         import ray
 
         try:
@@ -412,16 +423,17 @@ class SGLangEngines:
             return False
 
     def _healthy(self, url: str) -> bool:
-        """SGLang's `/health` (a one-token generation) answers 200."""
-        return self._get_ok(url + "/health")
+        """SGLang's `/health` answers 200: a one-token generation, or any output of the scheduler, within SGLang's own
+        limit of `HEALTH_TIMEOUT_S` (a busy scheduler can take seconds to make its next output)."""
+        return self._get_ok(url + "/health", max(HEALTH_TIMEOUT_S, self.sg.health_check_interval_s))
 
     def _answers(self, url: str) -> bool:
         """The server answers a request that does not generate (`/get_model_info`): alive, whatever it is doing."""
-        return self._get_ok(url + "/get_model_info")
+        return self._get_ok(url + "/get_model_info", max(5.0, self.sg.health_check_interval_s))
 
-    def _get_ok(self, url: str) -> bool:
+    def _get_ok(self, url: str, timeout: float) -> bool:
         try:
-            return requests.get(url, timeout=max(5.0, self.sg.health_check_interval_s)).status_code == 200
+            return requests.get(url, timeout=timeout, headers=auth_headers(self.api_key)).status_code == 200
         except requests.RequestException:
             return False
 
@@ -455,7 +467,7 @@ class SGLangEngines:
         self.restarts += 1
         ray.kill(self.servers[i])
         self.servers[i] = self.start_server(i)
-        new = self._started([self.servers[i].start.remote()])[0]
+        new = self._started([self.servers[i].start.remote(self.api_key)])[0]
         with self._lock:
             self.urls[i] = new
             if self._last is not None:  # a weight-update group includes every server: formed anew
@@ -463,7 +475,8 @@ class SGLangEngines:
                 self._push(self.urls if group else [new], regroup=group)
             if self._released:
                 post(new, "/release_memory_occupation", {"tags": ["kv_cache"]} if self.adapters else {},
-                     timeout=self.sg.request_timeout_s)
+                     timeout=self.sg.request_timeout_s, api_key=self.api_key)
             if self._paused:
-                post(new, "/pause_generation", {"mode": "abort"}, timeout=self.sg.request_timeout_s)
+                post(new, "/pause_generation", {"mode": "abort"}, timeout=self.sg.request_timeout_s,
+                     api_key=self.api_key)
         self.router.add(new)

@@ -163,32 +163,46 @@ def test_malformed_bodies_and_unknown_paths_are_refused(served):
     assert [m.id for m in models.data] == ["tiny"]
 
 
-def test_beyond_loopback_the_openai_endpoints_need_the_servers_key():
-    """With a key, a request without it (or with another) is a 401 and one with it is answered; bound to every
-    address without a key, the OpenAI endpoints refuse (403) while /generate still serves Relax's own client."""
+def test_beyond_loopback_every_endpoint_but_health_and_info_needs_the_servers_key():
+    """With a key, a request without it (or with another) is a 401 and one with it is answered, on the OpenAI
+    endpoints and SGLang's own alike (the ones that generate, load weights, join a weight-update group, pause); bound to
+    every address without a key, they refuse (403). Health and read-only information answer either way."""
     from relax.backends.sglang.server import EmbeddedServer
     from relax.config import load_config
 
     cfg = load_config(OVERRIDES)
+    generate = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    guarded = [("/generate", generate), ("/pause_generation", {"mode": "abort"}), ("/continue_generation", {}),
+               ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/etc"}),
+               ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}),
+               ("/update_weights_from_disk", {"model_path": "/etc"})]
     for host, key in (("127.0.0.1", "s3cret"), ("0.0.0.0", None)):
         server = EmbeddedServer(cfg, host=host, port=0, threads=1, api_key=key)
         server.start()
         try:
             server.wait_ready(60)
-            url = f"http://127.0.0.1:{server.port}/v1"
+            base = f"http://127.0.0.1:{server.port}"
+            url = base + "/v1"
+            for path in ("/health", "/get_model_info", "/get_server_info"):
+                assert requests.get(base + path, timeout=60).status_code == 200, path
+            for path, body in guarded:
+                r = requests.post(base + path, json=body, timeout=60)
+                assert r.status_code == (401 if key else 403), (path, r.status_code, r.text)
             if key is not None:
                 for wrong in ("other", "-"):
                     with pytest.raises(openai.AuthenticationError):
                         openai.OpenAI(base_url=url, api_key=wrong, max_retries=0).chat.completions.create(
                             model="tiny", messages=USER, max_tokens=2)
+                    assert requests.post(base + "/generate", json=generate, timeout=60,
+                                         headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
                 ok = openai.OpenAI(base_url=url, api_key=key, max_retries=0).completions.create(
                     model="tiny", prompt="What is", max_tokens=2)
                 assert ok.choices[0].finish_reason in ("stop", "length")
+                assert requests.post(base + "/generate", json=generate, timeout=60,
+                                     headers={"Authorization": f"Bearer {key}"}).status_code == 200
             else:
                 with pytest.raises(openai.PermissionDeniedError, match="--api-key"):
                     openai.OpenAI(base_url=url, api_key="-", max_retries=0).chat.completions.create(
                         model="tiny", messages=USER, max_tokens=2)
-                assert requests.post(url[:-3] + "/generate", json={"input_ids": [1, 2], "sampling_params": {
-                    "max_new_tokens": 1}}, timeout=60).status_code == 200
         finally:
             server.shutdown()

@@ -146,8 +146,8 @@ class PeakRSS:
 def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_local, small_run, tmp_path):
     """The driver (this process) only orchestrates: the actor's process sends each version to the servers. Its peak
     memory during a run does not grow with the model: with a model of about 200 MB of weights, the driver's peak
-    rises by far less than the weights (and by as little over the tiny model's run). (Through the driver, each step held the weights twice: a copy
-    fetched from the actor and one in shared memory for the servers.)"""
+    rises by far less than the weights (and by as little over the tiny model's run). (Through the driver, each step
+    held the weights twice: a copy fetched from the actor and one in shared memory for the servers.)"""
     import gc
 
     sizes = {"small": [],  # the tiny model: under 1 MB of weights

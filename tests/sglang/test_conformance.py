@@ -395,6 +395,15 @@ def test_abort_request_by_rid_leaves_cobatched_requests_unchanged(url):
     assert logps(kept) == pytest.approx(logps(reference), abs=1e-5)
 
 
+def test_abort_request_with_no_rid_and_abort_all_false_aborts_nothing(url):
+    """verl's default arguments ({"rid": "", "abort_all": false}): SGLang answers 200 and a running request goes on."""
+    sp = {"max_new_tokens": 40, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+    running = in_thread(generate, url, PROMPT, sampling_params=sp)
+    for body in ({"rid": "", "abort_all": False}, {}):
+        assert post(url, "/abort_request", body).status_code == 200
+    assert running.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "length"
+
+
 @embedded_only
 def test_pause_retract_continues_from_the_prefix_after_continue(url):
     sp = {"max_new_tokens": 300, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 31}

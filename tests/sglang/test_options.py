@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 import torch
@@ -135,6 +136,11 @@ def test_the_sglang_command_follows_host_tp_and_extra_args(tmp_path):
     assert cmd[cmd.index("--tp-size") + 1] == "2" and cmd[cmd.index("--model-path") + 1] == str(tmp_path / "m")
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert "--enable-memory-saver" not in cmd  # not colocated: nothing to release
+    # no remote code: the trainer does not run any either; the run's key when it has one
+    assert "--trust-remote-code" not in cmd and "--api-key" not in cmd
+    keyed = server_command(cfg, host="0.0.0.0", port=1234, threads=None, config_path=tmp_path / "c.json",
+                           api_key="k3y")
+    assert keyed[keyed.index("--api-key") + 1] == "k3y"
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
@@ -302,3 +308,24 @@ def test_a_paused_server_keeps_its_place_though_its_health_check_fails(server, w
         assert engines.generate(PROMPTS, IDS, seed=5).weight_version == 2
     finally:
         engines.close()
+
+
+def test_a_launched_server_requires_the_runs_key(tmp_path):
+    """The servers a run launches get its key (relax-serve through its environment, SGLang as --api-key): every
+    request but health and information must carry it, so that nothing else that reaches them can generate, pause or
+    change their weights (the run's own requests carry it: every rollout=sglang run test goes through it)."""
+    from relax.roles.sglang_server import EngineServer
+
+    cfg = load_config([*MODEL, "rollout=sglang", "rollout.sglang.server=embedded"])
+    server = EngineServer(cfg, 0, threads=1, log_dir=str(tmp_path))
+    try:
+        url = server.start(api_key="k3y")
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+        assert requests.get(url + "/health", timeout=60).status_code == 200
+        assert requests.post(url + "/generate", json=body, timeout=60).status_code == 401
+        assert requests.post(url + "/pause_generation", json={}, timeout=60).status_code == 401
+        ok = requests.post(url + "/generate", json=body, timeout=60, headers={"Authorization": "Bearer k3y"})
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 1
+        assert "k3y" not in " ".join(psutil.Process(server.pid()).cmdline())  # not in the process list
+    finally:
+        server.stop()

@@ -153,6 +153,20 @@ def test_with_sglang_importable_buckets_carry_sglangs_metadata_class_which_unpic
     assert same(wire.unflatten_bucket(obj), named)
 
 
+def test_a_payload_may_name_only_shared_memory_segments_torch_made(tmp_path):
+    """The handle of a CPU tensor is the name of its segment in /dev/shm; a payload naming any other file there (one
+    of another program, say) is refused before anything is opened."""
+    import re
+
+    tensor = torch.arange(6, dtype=torch.float32)
+    data = base64.b64decode(wire.serialize([("w", tensor)]))
+    name = re.search(rb"/torch_\d+_\d+_\d+", data).group()
+    other = b"/other" + name[len(b"/other"):]  # same length: the pickle stays well-formed
+    with pytest.raises(pickle.UnpicklingError, match="refused shared-memory segment"):
+        wire.deserialize(base64.b64encode(data.replace(name, other)))
+    assert torch.equal(wire.deserialize(base64.b64encode(data))[0][1], tensor)  # the real name still loads
+
+
 def test_not_base64_is_a_value_error():
     with pytest.raises(ValueError, match="base64"):
         wire.deserialize("not base64 !!")

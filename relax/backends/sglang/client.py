@@ -104,11 +104,18 @@ def to_samples(prompts: list[list[int]], answers: list[tuple[list[int], list[flo
                    token_version=mask * versions[:, None])
 
 
-def post(url: str, path: str, body: dict | None = None, *, timeout: float = 60.0, ok: tuple[int, ...] = (200,)) -> dict:
-    """POST a JSON body (SGLang's control endpoints want one, `{}` at least); the JSON answer, or an error naming
-    the endpoint."""
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What a server started with `--api-key` wants with every request (nothing without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def post(url: str, path: str, body: dict | None = None, *, timeout: float = 60.0, ok: tuple[int, ...] = (200,),
+         api_key: str | None = None) -> dict:
+    """POST a JSON body (SGLang's control endpoints want one, `{}` at least), with the server's key; the JSON
+    answer, or an error naming the endpoint."""
     try:
-        r = requests.post(url + path, json=body if body is not None else {}, timeout=timeout)
+        r = requests.post(url + path, json=body if body is not None else {}, timeout=timeout,
+                          headers=auth_headers(api_key))
     except requests.RequestException as exc:
         raise EngineRequestError(f"POST {url}{path}: {type(exc).__name__}: {exc}") from None
     if r.status_code not in ok:
@@ -125,8 +132,9 @@ def post(url: str, path: str, body: dict | None = None, *, timeout: float = 60.0
 class GenerateClient:
     """Sends `/generate` requests to one URL (the router) and collects the answers."""
 
-    def __init__(self, url: str, *, request_timeout_s: float, max_in_flight: int = 512):
+    def __init__(self, url: str, *, request_timeout_s: float, max_in_flight: int = 512, api_key: str | None = None):
         self.url, self.request_timeout_s, self.max_in_flight = url, request_timeout_s, max_in_flight
+        self.headers = auth_headers(api_key)
         self._paused = threading.Event()
         self.retries = 0  # requests sent again after a failure (an engine died, the router had no worker)
 
@@ -152,7 +160,7 @@ class GenerateClient:
         limit = asyncio.Semaphore(self.max_in_flight)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         connector = aiohttp.TCPConnector(limit=self.max_in_flight)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
             return list(await asyncio.gather(*(self._one(session, p, limit, deadline) for p in payloads)))
 
     async def _one(self, session, payload: dict, limit: asyncio.Semaphore, deadline: float) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import requests
 
+from relax.backends.sglang.client import auth_headers
 from relax.backends.sglang.process import free_port, log_tail, start_server, stop_process
 
 
@@ -26,8 +27,10 @@ class Router:
     """A running sglang-router on `host` (loopback by default), its log in `log_path`."""
 
     def __init__(self, *, host: str, policy: str, log_path: Path, startup_timeout_s: float,
-                 request_timeout_s: float):
+                 request_timeout_s: float, api_key: str | None = None):
+        """`api_key`: the router then requires it of its clients, and sends it to the servers with each request."""
         self.host, self.policy, self.log_path = host, policy, Path(log_path)
+        self.api_key, self.headers = api_key, auth_headers(api_key)
         self.startup_timeout_s, self.request_timeout_s = startup_timeout_s, request_timeout_s
         self.url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.port: int | None = None  # chosen when it starts
@@ -45,7 +48,8 @@ class Router:
                "--request-timeout-secs", str(max(1, int(self.request_timeout_s))),
                # Relax decides when an engine is dead (and retries its requests): the router only routes. (Its own
                # health checks would also mark servers unhealthy while their memory is released for training.)
-               "--disable-circuit-breaker", "--disable-retries", "--disable-health-check"]
+               "--disable-circuit-breaker", "--disable-retries", "--disable-health-check"] + \
+            (["--api-key", self.api_key] if self.api_key else [])
 
     def start(self) -> Router:
         self.proc, self.port = start_server(self.command, host=self.host, url_host=self.url_host,
@@ -55,7 +59,7 @@ class Router:
 
     def add(self, url: str) -> None:
         """Register the engine at `url` and wait until the router lists it as healthy."""
-        r = requests.post(self.url + "/workers", json={"url": url}, timeout=30)
+        r = requests.post(self.url + "/workers", json={"url": url}, timeout=30, headers=self.headers)
         if r.status_code >= 300:
             raise RouterError(f"sglang-router refused worker {url}: HTTP {r.status_code} {r.text[:300]}")
         deadline = time.monotonic() + self.startup_timeout_s
@@ -74,13 +78,13 @@ class Router:
         if worker is None:
             worker = next((w["id"] for w in self.list() if w.get("url") == url), None)
         if worker is not None:
-            requests.delete(f"{self.url}/workers/{worker}", timeout=30)
+            requests.delete(f"{self.url}/workers/{worker}", timeout=30, headers=self.headers)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and any(w.get("url") == url for w in self.list()):
                 time.sleep(0.05)
 
     def list(self) -> list[dict]:
-        r = requests.get(self.url + "/workers", timeout=30)
+        r = requests.get(self.url + "/workers", timeout=30, headers=self.headers)
         r.raise_for_status()
         return r.json().get("workers", [])
 

@@ -27,8 +27,10 @@ Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSO
   `/destroy_weights_update_group`, `/update_weights_from_disk`, `/update_weight_version`,
   `/release_memory_occupation`, `/resume_memory_occupation`: see `relax.backends.sglang.weights`.
 
-The server listens on loopback by default; it unpickles weight payloads with a restricted unpickler
-(`wire.deserialize`), but anyone who can reach it can change its weights.
+The server listens on loopback by default. With a key (`api_key`, `relax-serve --api-key`, as SGLang's `--api-key`),
+every endpoint but health and read-only information (`OPEN_PATHS`) needs it as `Authorization: Bearer`; without one,
+a server bound beyond loopback refuses them (403): nobody else can load weights, join a weight-update group, pause or
+abort generation. Weight payloads are unpickled with a restricted unpickler (`wire.deserialize`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ __all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `EmbeddedServer.api_key`
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `EmbeddedServer.api_key`, OpenAI's errors
+# open to anyone who reaches the server: health and read-only information (sglang-router probes them without its key
+# when a server joins); every other endpoint needs the key (or a loopback address without one)
+OPEN_PATHS = ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
+              "/get_weight_version", "/v1/models")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -271,7 +277,10 @@ class EmbeddedServer(WeightEndpoints):
         route = self._routes.get(path.rstrip("/") or "/")
         if route is None:
             return 404, {"error": {"message": f"no endpoint {path}"}}
-        if path.rstrip("/") in OPENAI_PATHS and (refused := self._openai_refusal(headers)) is not None:
+        if path.rstrip("/") in OPENAI_PATHS:
+            if (refused := self._openai_refusal(headers)) is not None:
+                return refused
+        elif path.rstrip("/") not in OPEN_PATHS and (refused := self._refusal(headers)) is not None:
             return refused
         try:
             body = json.loads(raw) if raw.strip() else {}
@@ -364,22 +373,38 @@ class EmbeddedServer(WeightEndpoints):
         except APIError as exc:
             return exc.status, exc.body()
 
+    def _authorized(self, headers: Any) -> Optional[str]:
+        """Why a request may not use a guarded endpoint (None: it may): the server's key (`api_key`) as
+        `Authorization: Bearer`, or, without a key, a loopback address: anything reachable beyond it needs one."""
+        if self.api_key is None:
+            if self.host in LOOPBACK or self.host.startswith("127."):
+                return None
+            return f"a server bound to {self.host} needs a key: start it with --api-key"
+        auth = (headers.get("Authorization") if headers is not None else None) or ""
+        if auth.lower().startswith("bearer ") and secrets.compare_digest(auth[7:].strip(), self.api_key):
+            return None
+        return "a missing or wrong API key (Authorization: Bearer <the server's --api-key>)"
+
+    def _refusal(self, headers: Any) -> Optional[tuple[int, Any]]:
+        """SGLang's answer to a request without the server's key: 401 {"error": ...} (403 without a key beyond
+        loopback)."""
+        why = self._authorized(headers)
+        if why is None:
+            return None
+        return (403 if self.api_key is None else 401), {"error": why}
+
     def _openai_refusal(self, headers: Any) -> Optional[tuple[int, Any]]:
         """The OpenAI endpoints answer a request with the server's key (`api_key`), or, without a key, only on a
         loopback address: anything reachable beyond it needs one."""
         from relax.backends.openai.protocol import APIError
 
-        if self.api_key is None:
-            if self.host in LOOPBACK or self.host.startswith("127."):
-                return None
-            error = APIError(f"the OpenAI endpoints of a server bound to {self.host} need a key: start it with "
-                             "--api-key", status=403, kind="permission_error")
-            return error.status, error.body()
-        auth = (headers.get("Authorization") if headers is not None else None) or ""
-        if auth.lower().startswith("bearer ") and secrets.compare_digest(auth[7:].strip(), self.api_key):
+        why = self._authorized(headers)
+        if why is None:
             return None
-        error = APIError("a missing or wrong API key (Authorization: Bearer <the server's --api-key>)", status=401,
-                         kind="authentication_error", code="invalid_api_key")
+        if self.api_key is None:
+            error = APIError(f"the OpenAI endpoints of {why}", status=403, kind="permission_error")
+        else:
+            error = APIError(why, status=401, kind="authentication_error", code="invalid_api_key")
         return error.status, error.body()
 
     def _send_openai(self, payloads: list[dict]) -> list[dict]:
@@ -457,9 +482,8 @@ class EmbeddedServer(WeightEndpoints):
             return 200, b""
         rid = body.get("rid")
         rids = {str(r) for r in rid} if isinstance(rid, list) else ({str(rid)} if rid not in (None, "") else set())
-        if not rids:
-            raise RequestError("abort_request: give rid or abort_all=true")
-        self.scheduler.abort_where(lambda r: r.rid in rids or r.id in rids, "aborted by /abort_request")
+        if rids:  # no rid and no abort_all (verl's defaults: rid "", abort_all false): nothing, as SGLang does
+            self.scheduler.abort_where(lambda r: r.rid in rids or r.id in rids, "aborted by /abort_request")
         return 200, b""
 
     def _flush_cache(self, body: dict) -> tuple[int, Any]:

@@ -47,7 +47,7 @@ def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> li
 
 def push_tensors(urls: Sequence[str], named: Iterable[tuple[str, torch.Tensor]], version: int, *,
                  bucket_bytes: int, tp_size: int = 1, timeout_s: float = 600.0,
-                 device: torch.device | None = None) -> int:
+                 device: torch.device | None = None, api_key: str | None = None) -> int:
     """`/update_weights_from_tensor` to every server at `urls`, bucket by bucket; returns the number of buckets.
     `device`: where each bucket is flattened (a CUDA device: the handles are CUDA IPC handles)."""
     buckets = _buckets(named, bucket_bytes)
@@ -59,7 +59,8 @@ def push_tensors(urls: Sequence[str], named: Iterable[tuple[str, torch.Tensor]],
         payload = wire.serialize(flat)  # `flat` stays alive until every server answered (shared memory)
         body = {"serialized_named_tensors": [payload] * tp_size, "load_format": "flattened_bucket",
                 "flush_cache": last, "weight_version": str(version) if last else None}
-        _each(urls, lambda u, body=body: post(u, "/update_weights_from_tensor", body, timeout=timeout_s))
+        _each(urls, lambda u, body=body: post(u, "/update_weights_from_tensor", body, timeout=timeout_s,
+                                              api_key=api_key))
         del flat
     return len(buckets)
 
@@ -68,8 +69,8 @@ class BroadcastSync:
     """Rank 0 of a weight-update group with the servers at `urls` (each `tp_size` ranks)."""
 
     def __init__(self, urls: Sequence[str], *, master_address: str, backend: str, tp_size: int = 1,
-                 group_name: str = "relax_weights", timeout_s: float = 600.0):
-        self.urls, self.tp_size, self.group_name = list(urls), tp_size, group_name
+                 group_name: str = "relax_weights", timeout_s: float = 600.0, api_key: str | None = None):
+        self.urls, self.tp_size, self.group_name, self.api_key = list(urls), tp_size, group_name, api_key
         self.master_address, self.backend, self.timeout_s = master_address, backend, timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         self.group = None
@@ -86,7 +87,8 @@ class BroadcastSync:
             return post(url, "/init_weights_update_group",
                         {"master_address": self.master_address, "master_port": port,
                          "rank_offset": 1 + i * self.tp_size, "world_size": world,
-                         "group_name": self.group_name, "backend": self.backend}, timeout=self.timeout_s)
+                         "group_name": self.group_name, "backend": self.backend}, timeout=self.timeout_s,
+                        api_key=self.api_key)
 
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             calls = [pool.submit(join, iu) for iu in enumerate(self.urls)]
@@ -106,8 +108,8 @@ class BroadcastSync:
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                     "flush_cache": last, "weight_version": str(version) if last else None}
             with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-                calls = [pool.submit(post, u, "/update_weights_from_distributed", body, timeout=self.timeout_s)
-                         for u in self.urls]
+                calls = [pool.submit(post, u, "/update_weights_from_distributed", body, timeout=self.timeout_s,
+                                     api_key=self.api_key) for u in self.urls]
                 for _, tensor in bucket:
                     if self.device is not None:  # nccl broadcasts CUDA tensors
                         tensor = tensor.to(self.device)
@@ -122,7 +124,8 @@ class BroadcastSync:
             return
         for url in self.urls:
             try:
-                post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=30)
+                post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, timeout=30,
+                     api_key=self.api_key)
             except Exception:  # a dead server has no group to destroy
                 pass
         wire.destroy_update_group(self.group)
@@ -135,7 +138,8 @@ class WeightTarget:
 
     `mode`: tensor | distributed | adapter (rollout.sglang.weight_sync, or rollout.lora_sync=adapter). `host`:
     rollout.sglang.host; a weight-update group's rendezvous is on the sender's node (loopback when the servers bind
-    there). `adapter_root`: where adapter directories are written (a path the servers read)."""
+    there). `adapter_root`: where adapter directories are written (a path the servers read). `api_key`: the servers'
+    key."""
 
     mode: str
     bucket_bytes: int
@@ -143,6 +147,7 @@ class WeightTarget:
     timeout_s: float = 600.0
     host: str = "127.0.0.1"
     adapter_root: str | None = None
+    api_key: str | None = None  # the servers' (`--api-key`)
 
 
 class WeightSender:
@@ -171,7 +176,7 @@ class WeightSender:
         elif t.mode == "tensor":
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
             buckets = push_tensors(urls, state.items(), version, bucket_bytes=t.bucket_bytes, tp_size=t.tp_size,
-                                   timeout_s=t.timeout_s, device=device)
+                                   timeout_s=t.timeout_s, device=device, api_key=t.api_key)
         else:
             if self.group is not None and (regroup or self.group.urls != urls):
                 self.group.close()
@@ -179,7 +184,7 @@ class WeightSender:
             if self.group is None:
                 self.group = BroadcastSync(urls, master_address=self._address(), tp_size=t.tp_size,
                                            backend="nccl" if torch.cuda.is_available() else "gloo",
-                                           timeout_s=t.timeout_s)
+                                           timeout_s=t.timeout_s, api_key=t.api_key)
             buckets = self.group.push(state.items(), version, bucket_bytes=t.bucket_bytes)
         return {"buckets": buckets, "bytes": weight_bytes(weights)}
 
@@ -203,12 +208,14 @@ class WeightSender:
         if not (directory / ADAPTER_WEIGHTS).is_file():  # written last: a directory without it is unfinished
             write_adapter_dir(directory, dict(state), self.model_cfg)
         for url in urls:
-            post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)}, timeout=t.timeout_s)
-            post(url, "/update_weight_version", {"new_version": str(version)}, timeout=t.timeout_s)
+            post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)}, timeout=t.timeout_s,
+                 api_key=t.api_key)
+            post(url, "/update_weight_version", {"new_version": str(version)}, timeout=t.timeout_s,
+                 api_key=t.api_key)
         old, self.adapter = self.adapter, name
         if old is not None and old != name:
             for url in urls:
-                post(url, "/unload_lora_adapter", {"lora_name": old}, timeout=t.timeout_s)
+                post(url, "/unload_lora_adapter", {"lora_name": old}, timeout=t.timeout_s, api_key=t.api_key)
             shutil.rmtree(root / old, ignore_errors=True)
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ import datetime
 import importlib
 import io
 import pickle
+import re
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -141,12 +142,26 @@ def serialize(obj: Any) -> str:
 
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
+# the names torch gives the shared-memory segments it makes (`/torch_<pid>_<random>_<n>`): the only files a payload
+# may name, so that a sender cannot make a server map any other file of /dev/shm
+_SEGMENT_NAME = re.compile(rb"/torch_\d+_\d+(_\d+)?")
+
+
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int, dtype: Any = None) -> Any:
+    """torch's `rebuild_storage_filename` for segments torch made (`_SEGMENT_NAME`) only."""
+    from torch.multiprocessing import reductions
+
+    name = handle if isinstance(handle, bytes) else str(handle).encode()
+    if not _SEGMENT_NAME.fullmatch(name):
+        raise pickle.UnpicklingError(f"refused shared-memory segment {name!r}: not one torch made (/torch_<pid>_...)")
+    return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
 _ALLOWED_FUNCTIONS = {
     (_REDUCTIONS, "rebuild_tensor"),
     (_REDUCTIONS, "rebuild_cuda_tensor"),
     (_REDUCTIONS, "rebuild_typed_storage"),
     (_REDUCTIONS, "rebuild_typed_storage_child"),
-    (_REDUCTIONS, "rebuild_storage_filename"),
     (_REDUCTIONS, "rebuild_storage_empty"),
     ("torch._utils", "_rebuild_tensor"),
     ("torch._utils", "_rebuild_tensor_v2"),
@@ -171,6 +186,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_NAMES:
             return FlattenedTensorMetadata
+        if (module, name) == (_REDUCTIONS, "rebuild_storage_filename"):
+            return _rebuild_storage_filename
         if module == "builtins" and name in _BUILTINS:
             return getattr(builtins, name)
         if (module, name) in _ALLOWED_FUNCTIONS or (module, name) in _ALLOWED_CLASSES:
