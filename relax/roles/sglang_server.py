@@ -41,7 +41,7 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
            "--random-seed", str(cfg.seed)]
     # no --trust-remote-code: the trainer loads the model without remote code too (transformers' own architectures)
     if api_key:
-        cmd += ["--api-key", api_key]
+        cmd.append(f"--api-key={api_key}")  # "=": a key may start with "-"
     if c.colocate:  # the actor shares the GPU: SGLang may take only part of it, and releases it while training
         cmd += ["--mem-fraction-static", "0.4", "--enable-memory-saver"]
     m = cfg.model

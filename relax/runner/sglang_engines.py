@@ -79,8 +79,8 @@ class SGLangEngines:
         self.adapters = cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter"
         self._adapter: str | None = None  # the adapter the servers hold
         # the servers' key: a new one for the servers Relax launches (and its router), $RELAX_SGLANG_API_KEY for the
-        # servers at rollout.sglang.urls (none when unset)
-        self.api_key = secrets.token_urlsafe(24) if self.sg.urls is None else os.environ.get(API_KEY_ENV) or None
+        # servers at rollout.sglang.urls (none when unset); hex, never taken for a command-line option
+        self.api_key = secrets.token_hex(24) if self.sg.urls is None else os.environ.get(API_KEY_ENV) or None
         self.target = WeightTarget(mode="adapter" if self.adapters else self.sync, bucket_bytes=self.sg.bucket_mb << 20,
                                    tp_size=c.rollout_gpus_per_engine, timeout_s=self.sg.request_timeout_s,
                                    host=self.sg.host, adapter_root=str(Path(log_dir) / "lora-adapters"),

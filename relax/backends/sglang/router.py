@@ -49,7 +49,7 @@ class Router:
                # Relax decides when an engine is dead (and retries its requests): the router only routes. (Its own
                # health checks would also mark servers unhealthy while their memory is released for training.)
                "--disable-circuit-breaker", "--disable-retries", "--disable-health-check"] + \
-            (["--api-key", self.api_key] if self.api_key else [])
+            ([f"--api-key={self.api_key}"] if self.api_key else [])  # "=": a key may start with "-"
 
     def start(self) -> Router:
         self.proc, self.port = start_server(self.command, host=self.host, url_host=self.url_host,
