@@ -115,7 +115,6 @@ def test_lora_adapter_updates_through_sglangs_adapter_endpoints(ray_local, small
         assert set(samples.token_version[samples.response_mask.bool()].tolist()) == {step}
     # the trainer's recomputed log-probs (use_tis) against the server's: the same policy, to float rounding
     assert max(result.series("rollout/train_rollout_logp_abs_diff")) < 1e-4
-    assert result.series("train/loss")[-1] != result.series("train/loss")[0]
 
 
 class PeakRSS:
