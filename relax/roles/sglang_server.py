@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 from relax.backends.sglang.process import log_tail, start_server, stop_process
+from relax.backends.sglang.server import SERVE_KEY_ENV
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
-
-SERVE_KEY_ENV = "RELAX_SERVE_API_KEY"  # relax-serve's key (`relax-serve --api-key`'s default)
 
 
 def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path,

@@ -113,7 +113,6 @@ class SGLangEngines:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> SGLangEngines:
-
         sg = self.sg
         if sg.urls is not None:
             self.urls = list(sg.urls)

@@ -68,6 +68,7 @@ OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `Embedd
 OPEN_PATHS = ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
               "/get_weight_version", "/v1/models")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SERVE_KEY_ENV = "RELAX_SERVE_API_KEY"  # where relax-serve takes its key from when --api-key is not given
 
 
 class _HTTPServer(ThreadingHTTPServer):
