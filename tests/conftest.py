@@ -132,6 +132,23 @@ def no_ray():
 
 
 @pytest.fixture
+def ray_not_started(monkeypatch) -> list:
+    """For a run rejected before anything starts: it must not start or join Ray (`RayRuntime.__enter__` fails the test
+    and is recorded in the returned list), whatever instance this process keeps for other tests (unlike `no_ray`,
+    which stops it, and the next test that needs it pays for a new one)."""
+    from relax.runner.cluster import RayRuntime
+
+    entered: list = []
+
+    def enter(self):
+        entered.append(self)
+        raise AssertionError("the run started Ray")
+
+    monkeypatch.setattr(RayRuntime, "__enter__", enter)
+    return entered
+
+
+@pytest.fixture
 def in_process():
     """Within the test, roles run as objects in this process instead of Ray actors (tests/inprocess_ray.py)."""
     from inprocess_ray import inprocess_ray

@@ -1,8 +1,8 @@
 """The GSM8K recipe end to end on this CPU: `+experiment=rloo_smollm2_gsm8k_cpu` (RLOO on SmolLM2-135M), one step,
 from the fixture in the file format of the HF dataset `openai/gsm8k` (Parquet, generated here from
 tests/fixtures/gsm8k), through `relax-train -m` as the recipe's users launch it; and the message of a run without the
-data. Its GRPO control arm is the same launch with `algorithm=rloo,grpo`: arms and seeds of one sweep side by side in
-`relax-compare` are tested in test_relax_sweep.py (and the comparison's tables in test_compare.py)."""
+data. Its GRPO control arm is the same launch with `algorithm=rloo,grpo`: the arms of one sweep side by side in
+`relax-compare` are tested in test_relax_sweep.py (seed pairs and the comparison's tables in test_compare.py)."""
 
 from __future__ import annotations
 

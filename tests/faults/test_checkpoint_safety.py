@@ -255,9 +255,13 @@ def test_relax_train_refuses_a_tampered_checkpoint_in_one_message(tmp_path, mani
 
 
 @pytest.mark.slow
-def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path, fresh_store):
+def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path, fresh_store, ray_local, monkeypatch):
     """The second line: state.json rewritten to list the tampered file (its checksums recomputed), so the driver's
-    check passes; the actor (a Ray role) refuses the file with weights_only, and relax-train shows its message."""
+    check passes; the actor (a Ray role) refuses the file with weights_only, and the run stops with the role's
+    CheckpointFileError (the cause of Ray's error), whose message is one line naming the file; relax-train shows it
+    as the next test checks."""
+    from relax.runner.train import run
+
     path = committed_checkpoint(tmp_path)
     marker = tmp_path / "PWNED"
     write_malicious(path / "policy" / "optimizer.pt", marker)
@@ -265,12 +269,38 @@ def test_a_role_that_refuses_a_file_is_one_message_too(tmp_path, fresh_store):
     state[checkpoint.FILES] = checkpoint.manifest(path)
     (path / checkpoint.STATE).write_text(json.dumps(state))
     fresh_store(tmp_path)  # the run's default store, sqlite:///mlflow.db in its working directory
-    out = subprocess.run([sys.executable, "-m", "relax.cli.train", *OVERRIDES, "train.resume=auto"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert f"{path / 'policy' / 'optimizer.pt'} holds objects other than tensors" in out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
+    monkeypatch.chdir(tmp_path)  # where the run's default paths are, as for relax-train started there
+    with pytest.raises(CheckpointFileError) as info:
+        run(load_config([*OVERRIDES, "train.resume=auto"]), output_dir=tmp_path / "out")
+    message = str(getattr(info.value, "cause", info.value))
+    assert f"{path / 'policy' / 'optimizer.pt'} holds objects other than tensors" in message
+    assert "\n" not in message.strip()
     assert not marker.exists()
+
+
+def test_relax_train_shows_a_roles_refusal_as_one_message(tmp_path, monkeypatch, capsys):
+    """What relax-train prints when a role refuses a checkpoint file (the run raises Ray's error, whose cause is the
+    role's CheckpointFileError): the role's message, exit 2, no traceback."""
+    import ray
+
+    from relax.cli import train as cli
+    from relax.runner import train
+
+    refused = CheckpointFileError("checkpoint file /ckpt/policy/optimizer.pt holds objects other than tensors")
+
+    def run(*args, **kwargs):
+        raise ray.exceptions.RayTaskError("PolicyWorker.load", "Traceback (most recent call last):\n  ...",
+                                          refused).as_instanceof_cause()
+
+    monkeypatch.setattr(train, "run", run)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["relax-train", *OVERRIDES, "train.save=false", "tracking.enabled=false"])
+    with pytest.raises(SystemExit) as info:
+        cli.main()
+    out = capsys.readouterr()
+    assert info.value.code == 2
+    assert "/ckpt/policy/optimizer.pt holds objects other than tensors" in out.err
+    assert "Traceback" not in out.err + out.out
 
 
 # ------------------------------------------------------------------------------------------------- Megatron

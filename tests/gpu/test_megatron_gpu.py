@@ -35,7 +35,7 @@ BF16_REL = 5e-2
 def gpu(tmp_path_factory) -> dict:
     from test_megatron_cpu import launch
 
-    return launch("gpu", min(2, torch.cuda.device_count()), tmp_path_factory.mktemp("gpu"))
+    return launch("gpu", min(2, torch.cuda.device_count()), tmp_path_factory.mktemp("gpu"))["gpu"]
 
 
 def test_gpu_fp32_parity(gpu):

@@ -1,7 +1,9 @@
-"""One rank of a multi-process Megatron check: `python ranks.py SCENARIO RANK WORLD PORT OUTDIR`.
+"""One rank of a multi-process Megatron check: `python ranks.py SCENARIOS RANK WORLD PORT OUTDIR`.
 
-Each scenario runs several checks in one launch (a rank process spends seconds importing megatron-core) and
-rank 0 writes the measured values to OUTDIR/result.json; tests/megatron/test_megatron_cpu.py asserts on them.
+SCENARIOS is one scenario or several, comma-separated, run one after the other in the same processes (a rank
+process spends seconds importing megatron-core): each sets up megatron-core's parallel state for its own TP x PP
+over the one process group and runs several checks in OUTDIR/<scenario>. Rank 0 writes the measured values to
+OUTDIR/result.json, one entry per scenario; tests/megatron/test_megatron_cpu.py asserts on them.
 Reference values come from the torch backend (TorchPolicy / transformers) in the same process.
 """
 
@@ -245,26 +247,36 @@ def scenario_gpu(rank: int, out: Path, res: dict) -> None:
     train_parity(policy, torch_policy, GRPOConfig(), res, "train_bf16", per_token=True, mbs=3)
 
 
+SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "dp2": (scenario_dp2, 1, 1), "pp2": (scenario_pp2, 1, 2),
+             "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP)
+
+
 def main() -> None:
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    out = Path(out)
-    tp, pp = {"tp2": (2, 1), "dp2": (1, 1), "pp2": (1, 2), "gpu": (world, 1)}[scenario]
+    names, rank, world, port, out = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), \
+        Path(sys.argv[5])
+    from megatron.core import parallel_state
+
     os.environ["LOCAL_RANK"] = str(rank)  # one GPU per rank where there are GPUs
-    parallel.initialize(rank, world, master_addr="127.0.0.1", master_port=port, tensor_parallel_size=tp,
-                        pipeline_parallel_size=pp, seed=SEED, timeout_s=300)
-    res: dict = {}
+    results: dict = {}
     try:
-        scenarios = {"tp2": scenario_tp2, "dp2": scenario_dp2, "pp2": scenario_pp2, "gpu": scenario_gpu}
-        scenarios[scenario](rank, out, res)
+        for name in names:
+            run, tp, pp = SCENARIOS[name]
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()  # the process group stays; the next TP x PP is set up on it
+            parallel.initialize(rank, world, master_addr="127.0.0.1", master_port=port,
+                                tensor_parallel_size=tp or world, pipeline_parallel_size=pp, seed=SEED, timeout_s=300)
+            (out / name).mkdir(exist_ok=True)
+            results[name] = {}
+            run(rank, out / name, results[name])
     except Exception:
-        res["error"] = traceback.format_exc()
-        (out / f"error{rank}.txt").write_text(res["error"])
+        results["error"] = traceback.format_exc()
+        (out / f"error{rank}.txt").write_text(results["error"])
         raise
     finally:
         if rank == 0:
             # what this CPU run loaded of megatron-core: the modules whose CUDA call sites test_megatron_cpu audits
-            res["megatron_modules"] = sorted(m for m in sys.modules if m.startswith("megatron.core"))
-            (out / "result.json").write_text(json.dumps(res, default=float))
+            results["megatron_modules"] = sorted(m for m in sys.modules if m.startswith("megatron.core"))
+            (out / "result.json").write_text(json.dumps(results, default=float))
     parallel.shutdown()
 
 

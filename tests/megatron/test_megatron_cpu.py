@@ -50,22 +50,23 @@ def _free_port() -> int:
 PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
 
 
-def launch(scenario: str, world: int, out: Path) -> dict:
-    """Run `world` rank processes of `scenario`; rank 0's results. A rank that fails stops the others at once (they
+def launch(scenarios: str, world: int, out: Path) -> dict:
+    """Run `world` rank processes of `scenarios` (comma-separated, one after the other in the same processes); rank
+    0's results, one entry per scenario. A rank that fails stops the others at once (they
     would wait for it until the timeout); a rendezvous port taken by another process between picking it and binding
     it is picked again."""
     for attempt in range(3):
         port = _free_port()
-        logs = [out / f"{scenario}-rank{r}-{attempt}.log" for r in range(world)]
+        logs = [out / f"rank{r}-{attempt}.log" for r in range(world)]
         procs = []
         for r in range(world):
             with open(logs[r], "w") as log:  # a file, not a pipe: a chatty rank never blocks on a full pipe
-                procs.append(subprocess.Popen([sys.executable, str(RANKS), scenario, str(r), str(world), str(port),
+                procs.append(subprocess.Popen([sys.executable, str(RANKS), scenarios, str(r), str(world), str(port),
                                                str(out)], stdout=log, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         try:
             while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-                assert time.monotonic() < deadline, f"scenario {scenario} did not finish within {LAUNCH_TIMEOUT_S} s"
+                assert time.monotonic() < deadline, f"{scenarios} did not finish within {LAUNCH_TIMEOUT_S} s"
                 time.sleep(0.2)
         finally:
             for p in procs:
@@ -79,18 +80,24 @@ def launch(scenario: str, world: int, out: Path) -> dict:
     result = json.loads((out / "result.json").read_text()) if (out / "result.json").is_file() else {}
     if any(p.returncode for p in procs) or "error" in result:
         tail = "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in enumerate(texts))
-        pytest.fail(f"scenario {scenario} failed:\n{result.get('error', '')}\n{tail}")
+        pytest.fail(f"{scenarios} failed:\n{result.get('error', '')}\n{tail}")
     return result
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory) -> dict:
-    return launch("tp2", 2, tmp_path_factory.mktemp("tp2"))
+def launched(tmp_path_factory) -> dict:
+    """The TP=2, DP=2 (TP=1) and PP=2 scenarios, in one launch of two rank processes."""
+    return launch("tp2,dp2,pp2", 2, tmp_path_factory.mktemp("megatron"))
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory) -> dict:
-    return launch("dp2", 2, tmp_path_factory.mktemp("dp2"))
+def tp2(launched) -> dict:
+    return launched["tp2"]
+
+
+@pytest.fixture(scope="module")
+def dp2(launched) -> dict:
+    return launched["dp2"]
 
 
 def assert_same_steps(rows: list[dict], keys: tuple[str, ...]) -> None:
@@ -177,8 +184,8 @@ def test_dp2_distributed_optimizer_resume(dp2):
 
 
 @pytest.fixture(scope="module")
-def pp2(tmp_path_factory) -> dict:
-    return launch("pp2", 2, tmp_path_factory.mktemp("pp2"))
+def pp2(launched) -> dict:
+    return launched["pp2"]
 
 
 def test_pp2_logprobs_train_and_weight_gather(pp2):
@@ -213,13 +220,13 @@ def test_cpu_redirect_call_sites_match_installed_megatron_core():
     assert re.search(r'megatron = \["megatron-core==0\.16\.1"\]', pyproject)
 
 
-def test_every_megatron_module_the_cpu_runs_load_is_audited_for_cuda_call_sites(tp2, dp2, pp2):
+def test_every_megatron_module_the_cpu_runs_load_is_audited_for_cuda_call_sites(launched):
     """Every megatron.core module loaded by the TP=2, DP=2 and PP=2 runs (rank 0's sys.modules) has its CUDA call
     sites either redirected (cpu_compat.CALL_SITES) or audited as off the CPU path (UNREDIRECTED_SITES), with the
     count the audit saw; a module with sites in neither fails, so a new site anywhere on the path is noticed."""
     from relax.backends.megatron import cpu_compat
 
-    loaded = set().union(*(set(run["megatron_modules"]) for run in (tp2, dp2, pp2)))
+    loaded = set(launched["megatron_modules"])
     assert set(cpu_compat.CALL_SITES) <= loaded, "a redirected module is no longer loaded: drop it from CALL_SITES"
     sources = [m for m in loaded if (importlib.util.find_spec(m).origin or "").endswith(".py")]
     found = {m: n for m in sources if (n := cuda_sites(m))}

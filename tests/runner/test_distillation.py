@@ -112,18 +112,18 @@ def test_the_teacher_scores_each_trained_sample_once_in_every_mode(extra, in_pro
         assert any(bool(((b.present() != 0) & (b.response_mask == 0)).any()) for b in trained_batches.values())
 
 
-def test_a_teacher_of_another_tokenizer_is_rejected_before_anything_starts(no_ray, tmp_path):
+def test_a_teacher_of_another_tokenizer_is_rejected_before_anything_starts(ray_not_started, tmp_path):
     """SmolLM2's tokenizer is not the tiny model's: the run stops before Ray, naming both."""
     cfg = load_config(["algorithm=opd", "teacher=smollm2_135m", *QUIET, "train.save=false"])
     with pytest.raises(RunError) as err:
         run(cfg, output_dir=tmp_path / "out")
     message = str(err.value)
     assert "teacher=SmolLM2-135M-Instruct" in message and "model=tiny" in message and "tokenizer" in message
-    assert not no_ray.is_initialized()
+    assert not ray_not_started
 
 
-def test_a_teacher_that_is_not_there_is_rejected_before_anything_starts(no_ray, tmp_path):
+def test_a_teacher_that_is_not_there_is_rejected_before_anything_starts(ray_not_started, tmp_path):
     cfg = load_config(["algorithm=opd", f"teacher.path={tmp_path / 'missing'}", *QUIET, "train.save=false"])
     with pytest.raises(RunError, match="teacher.path=.*missing"):
         run(cfg, output_dir=tmp_path / "out")
-    assert not no_ray.is_initialized()
+    assert not ray_not_started

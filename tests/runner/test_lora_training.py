@@ -77,11 +77,12 @@ def test_bad_lora_options_are_rejected_naming_the_field(overrides, field):
     assert any(field in v.fields for v in err.value.violations), str(err.value)
 
 
-def test_target_modules_the_model_lacks_are_named_with_those_it_has_before_ray(no_ray, small_run, tmp_path):
+def test_target_modules_the_model_lacks_are_named_with_those_it_has_before_ray(ray_not_started, small_run,
+                                                                              tmp_path):
     cfg = load_config(small_run("model.lora_rank=4", "model.lora_target_modules=[q_proj,attn_out]"))
     with pytest.raises(RunError, match=r"\['attn_out'\] are not linear layers.*'o_proj'"):
         run(cfg, output_dir=tmp_path / "out")
-    assert not no_ray.is_initialized()
+    assert not ray_not_started
 
 
 def test_lora_with_episodes_dynamic_sampling_and_evaluation(in_process, small_run, tmp_path):
