@@ -112,17 +112,31 @@ def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(ray_local, u
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
-def test_the_comparison_fails_a_restart_that_loses_the_trained_weights(ray_local, uninterrupted, monkeypatch,
-                                                                     tmp_path, overrides):
+def test_the_comparison_fails_a_restart_that_loses_the_trained_weights(uninterrupted, monkeypatch, tmp_path,
+                                                                     overrides):
     """Negative control of the test above: a restart that reads the checkpoint's step but does not load its weights
-    into the new roles (they start from the initial weights) completes, and the comparison fails it."""
+    into the new roles (they start from the initial weights) completes, and the comparison fails it. (The roles in
+    this process: the actor's death at step 2 is the RoleFailure that the loop gets from a dead actor.)"""
+    from relax.runner import train
     from relax.runner.cluster import Cluster
+    from relax.runner.errors import RoleFailure
 
     monkeypatch.setattr(Cluster, "load", lambda self, path: checkpoint.read_state(path))
-    chaos(monkeypatch, tmp_path, "actor", "KILL", step=2)
-    run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
+    original, died = train.train_batch, []
+
+    def dies_once_at_step_2(cfg, plan, cluster, samples, rewards, keep, step):
+        if step == 2 and not died:
+            died.append(step)
+            (tmp_path / "injected").write_text("actor died at step 2\n")
+            raise RoleFailure("actor", "died (injected)")
+        return original(cfg, plan, cluster, samples, rewards, keep, step)
+
+    monkeypatch.setattr(train, "train_batch", dies_once_at_step_2)
+    with inprocess_ray():
+        run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
-    assert mlrun.info.status == "FINISHED"
+    assert mlrun.info.status == "FINISHED" and died == [2]
+    assert re.search(r"step 2: actor died", mlrun.data.tags[RESTARTS_TAG])
     with pytest.raises(AssertionError):
         assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
