@@ -27,7 +27,9 @@ from relax import algorithms
 from relax.config import ConfigError, load_config
 from relax.config.schema import RelaxConfig
 
-pytestmark = pytest.mark.slow
+# its runs share module-scoped baselines (the default run of each algorithm and context): one xdist worker runs
+# them in a row, so that each baseline runs once, not once per worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("walk")]
 
 # A short, fast run of the default experiment: every section at work (rollout, rewards, advantages, two optimizer
 # steps per rollout so that off-policy terms bind, checkpoints, MLflow), two rollouts.
