@@ -20,6 +20,9 @@ from relax.tracking.compare import (
     t_two_sided_probability,
 )
 
+# its tests share the module-scoped store (MLflow's schema migrations take seconds): one xdist worker runs them
+pytestmark = pytest.mark.xdist_group("compare")
+
 # arm -> seed -> history of rollout/raw_reward over steps 0..4; with last_k=2 the final is the mean of steps 3, 4
 HISTORIES = {
     "A": {"1": [0, 0, 0, 1, 3], "2": [0, 0, 0, 2, 4], "3": [0, 0, 0, 4, 4]},  # finals 2, 3, 4

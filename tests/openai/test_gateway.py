@@ -18,7 +18,8 @@ from relax.backends.openai.service import OpenAIService
 from relax.backends.openai.sessions import Limits
 from relax.backends.sglang.client import GenerateClient
 
-pytestmark = pytest.mark.slow  # an engine server, real HTTP
+# an engine server, real HTTP; its tests share the module-scoped server: one xdist worker runs them in a row
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gateway")]
 
 FOLLOW_UP = {"role": "user", "content": "what is the final answer"}
 USER = [{"role": "user", "content": "What is 3 + 4?"}]

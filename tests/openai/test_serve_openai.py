@@ -15,7 +15,8 @@ from sglang.test_conformance import REPO, env, free_port, logps, trainer_logprob
 
 from relax.backends.sglang.request import row_stream
 
-pytestmark = pytest.mark.slow  # an engine server, real HTTP
+# an engine server, real HTTP; its tests share the module-scoped server: one xdist worker runs them in a row
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_openai")]
 
 OVERRIDES = ["model=tiny", "model.dtype=float32", "seed=3"]
 USER = [{"role": "user", "content": "What is 3 + 4?"}]
