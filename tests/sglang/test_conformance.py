@@ -8,9 +8,9 @@ Against $SGLANG_URL the tests that need to know the model or the embedded server
 while loading, log-probs against the trainer's, the weight updates (they load the tiny model's weights and compare
 log-probs with a local copy), memory release, a retracted request's queue state, the CLI and its config file, and
 the embedded server's own choices (n>1 samples with one sampling_seed differ, ignore_eos disables stop_token_ids,
-unsupported fields answer 400). The rest (shapes, finish reasons, stop tokens, greedy and seeded determinism,
-pause/abort/continue, abort by rid, flush_cache, the router) runs against either; where it waits for the embedded
-server's queue state it sleeps instead.
+unsupported fields answer 400). The rest (shapes, finish reasons, stop tokens and strings, greedy and seeded
+determinism, streaming, pause/abort/continue, abort by rid, flush_cache, /get_load and /v1/loads, the router) runs
+against either; where it waits for the embedded server's queue state it sleeps instead.
 """
 
 from __future__ import annotations
@@ -165,6 +165,36 @@ def trainer_logprobs(model, prompt: list[int], response: list[int], temperature:
     return token_logprobs(model, ids, torch.ones_like(ids), len(prompt), len(response), temperature=temperature)[0]
 
 
+@torch.no_grad()
+def direct_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor:
+    """[len(ids), V]: log-softmax of the model's logits at each position (row k: the distribution of token k+1)."""
+    return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float() / temperature, dim=-1)
+
+
+def stream(url: str, body: dict, timeout: float = 120) -> list:
+    """The events of `body` sent with stream=true: the JSON of each `data:` line, the last one "[DONE]"."""
+    r = requests.post(f"{url}/generate", json={**body, "stream": True}, stream=True, timeout=timeout)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream"), r.text
+    events = []
+    for line in r.iter_lines():
+        if line:
+            assert line.startswith(b"data: "), line
+            data = line[len(b"data: "):].decode()
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_same_answer(a: dict, b: dict) -> None:
+    """Two answers are equal but for their ids and latencies (log-probs to 1e-5)."""
+    skip = ("id", "e2e_latency", "output_token_logprobs")
+    assert (a["text"], a["output_ids"]) == (b["text"], b["output_ids"])
+    assert {k: v for k, v in a["meta_info"].items() if k not in skip} == \
+        {k: v for k, v in b["meta_info"].items() if k not in skip}
+    assert ("output_token_logprobs" in a["meta_info"]) == ("output_token_logprobs" in b["meta_info"])
+    if "output_token_logprobs" in b["meta_info"]:
+        assert logps(a) == pytest.approx(logps(b), abs=1e-5)
+
+
 def logps(answer: dict) -> list[float]:
     return [p[0] for p in answer["meta_info"]["output_token_logprobs"]]
 
@@ -213,8 +243,18 @@ def test_info_endpoints(url):
         assert info["is_generation"] is True and {"model_path", "tokenizer_path", "weight_version"} <= set(info)
     for path in ("/get_server_info", "/server_info"):
         info = requests.get(url + path, timeout=10).json()
-        assert {"model_path", "weight_version"} <= set(info)
+        assert {"model_path", "weight_version", "tp_size", "dp_size", "pp_size", "ep_size"} <= set(info)
     assert "weight_version" in requests.get(f"{url}/get_weight_version", timeout=10).json()
+
+
+@embedded_only
+def test_server_info_has_the_server_args_slime_compares_for_an_external_engine(url):
+    """slime's _init_external asserts these of /get_server_info equal what it would launch SGLang with."""
+    info = requests.get(f"{url}/get_server_info", timeout=10).json()
+    assert {k: info[k] for k in ("tp_size", "dp_size", "pp_size", "ep_size", "nnodes", "node_rank", "gpu_id_step",
+                                 "base_gpu_id")} == {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1,
+                                                     "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0}
+    assert info["enable_memory_saver"] is True and info["disaggregation_mode"] == "null"
 
 
 # -------------------------------------------------------------------------------------------------------- generate
@@ -261,6 +301,33 @@ def test_stop_token_ids_end_the_output_with_the_stop_token(url):
     assert finish == {"type": "stop", "matched": got[-1]}
     if len(got) == j + 1:
         assert got[-1] == stop
+
+
+def test_stop_strings_cut_the_output_after_the_token_that_completes_them(url):
+    """A stop string ends a sample at the token that completes it (a prefix of the same sample without it, in one
+    batch with a sample without stop strings); the text leaves it out unless no_stop_trim."""
+    sp = {"max_new_tokens": 24, "sampling_seed": 3, "ignore_eos": True}
+    free = generate(url, PROMPT, sampling_params=sp, return_logprob=True, return_text_in_logprobs=True)
+    pieces = [p[2] for p in free["meta_info"]["output_token_logprobs"]]
+    j = next(j for j in range(2, len(pieces) - 1) if (pieces[j] + pieces[j + 1]).strip()
+             and pieces[j] + pieces[j + 1] not in "".join(pieces[:j + 1])
+             and not any(p.startswith("<") for p in pieces[:j + 2]))  # a 2-token stop string, first completed at j+1
+    stop = pieces[j] + pieces[j + 1]
+    both = generate(url, [PROMPT, PROMPT], sampling_params=[{**sp, "stop": ["never in it", stop]}, sp],
+                    return_logprob=True)
+    cut = both[0]
+    assert cut["output_ids"] == free["output_ids"][:j + 2]
+    assert logps(cut) == pytest.approx(logps(free)[:j + 2], abs=1e-5)
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["text"] == "".join(pieces[:j]) and free["text"].startswith("".join(pieces[:j + 2]))
+    assert both[1]["output_ids"] == free["output_ids"]  # its batch neighbour: unchanged
+    kept = generate(url, PROMPT, sampling_params={**sp, "stop": stop, "no_stop_trim": True})
+    assert kept["output_ids"] == cut["output_ids"] and kept["text"] == "".join(pieces[:j + 2])
+    at_limit = generate(url, PROMPT, sampling_params={**sp, "stop": stop, "max_new_tokens": j + 2})
+    assert at_limit["meta_info"]["finish_reason"] == {"type": "length", "length": j + 2}  # SGLang: the limit first
+    assert at_limit["text"] == "".join(pieces[:j + 2])
+    never = generate(url, PROMPT, sampling_params={**sp, "stop": "never in it"})
+    assert never["output_ids"] == free["output_ids"] and never["meta_info"]["finish_reason"]["type"] == "length"
 
 
 @embedded_only
@@ -347,15 +414,117 @@ def test_top_logprobs_are_the_likeliest_tokens_of_the_trainers_distribution(url,
 
 
 @embedded_only
-@pytest.mark.parametrize("field, value", [
-    ("stream", True), ("logprob_start_len", 0), ("token_ids_logprob", [1]), ("return_hidden_states", True)])
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_token_ids_logprob_are_those_tokens_in_the_sampling_distribution(url, models, temperature):
+    """token_ids_logprob: at each output position the given tokens' log-probs under the distribution the sample was
+    drawn from (greedy: temperature 1), as a direct forward pass of the model gives them; one list per input too."""
+    ids = [3, 5, 20]
+    out = generate(url, PROMPT, sampling_params={"max_new_tokens": 5, "temperature": temperature, "ignore_eos": True,
+                                                 "sampling_seed": 5}, return_logprob=True, token_ids_logprob=ids)
+    tokens, given = out["output_ids"], out["meta_info"]["output_token_ids_logprobs"]
+    assert len(given) == len(tokens) == 5
+    for i, entries in enumerate(given):
+        every = direct_logprobs(models["initial"], PROMPT + tokens[:i], temperature or 1.0)[-1]
+        assert [e[1] for e in entries] == ids
+        assert [e[0] for e in entries] == pytest.approx([float(every[v]) for v in ids], abs=1e-4)
+        assert logps(out)[i] == pytest.approx(float(every[tokens[i]]), abs=1e-4)
+    two = generate(url, [PROMPT, [1, 20]], sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+                   return_logprob=True, token_ids_logprob=[[4], [6, 7]])
+    assert [[[e[1] for e in p] for p in a["meta_info"]["output_token_ids_logprobs"]] for a in two] == \
+        [[[4], [4]], [[6, 7], [6, 7]]]
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2},
+                                "token_ids_logprob": [1]})
+    assert r.status_code == 400 and "return_logprob" in r.json()["error"]["message"]
+
+
+@embedded_only
+def test_input_logprobs_from_logprob_start_len_are_the_models_at_temperature_1(url, models):
+    """logprob_start_len >= 0 (verl's prompt log-probs: max_new_tokens=0): each prompt token's log-prob from that
+    position on, the first None (SGLang's convention), with its top and given tokens, at temperature 1 whatever the
+    sampling temperature, as a direct forward pass of the model gives them; -1 reports the last prompt token only."""
+    prompt = [1, 12, 13, 5, 7, 9]
+    every = direct_logprobs(models["initial"], prompt, 1.0)  # row k: the distribution of token k+1
+    for start in (0, 2):
+        out = generate(url, prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                       logprob_start_len=start, top_logprobs_num=2, token_ids_logprob=[4, 6])
+        meta = out["meta_info"]
+        assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
+        assert [e[1] for e in meta["input_token_logprobs"]] == prompt[start:]
+        assert meta["input_token_logprobs"][0][0] is None
+        assert meta["input_top_logprobs"][0] is None and meta["input_token_ids_logprobs"][0] is None
+        positions = range(start + 1, len(prompt))
+        assert [e[0] for e in meta["input_token_logprobs"][1:]] == \
+            pytest.approx([float(every[k - 1, prompt[k]]) for k in positions], abs=1e-4)
+        for k, top, given in zip(positions, meta["input_top_logprobs"][1:], meta["input_token_ids_logprobs"][1:],
+                                 strict=True):
+            assert [e[1] for e in top] == every[k - 1].topk(2).indices.tolist()
+            assert [e[0] for e in given] == pytest.approx([float(every[k - 1, 4]), float(every[k - 1, 6])], abs=1e-4)
+    out = generate(url, prompt, sampling_params={"max_new_tokens": 3, "temperature": 0.7, "sampling_seed": 2,
+                                                 "ignore_eos": True}, return_logprob=True, logprob_start_len=0)
+    assert [e[0] for e in out["meta_info"]["input_token_logprobs"][1:]] == \
+        pytest.approx([float(every[k - 1, prompt[k]]) for k in range(1, len(prompt))], abs=1e-4)
+    assert logps(out) == pytest.approx(trainer_logprobs(models["initial"], prompt, out["output_ids"], 0.7).tolist(),
+                                       abs=1e-4)
+    default = generate(url, prompt, sampling_params={"max_new_tokens": 1}, return_logprob=True)
+    assert default["meta_info"]["input_token_logprobs"] == [[None, prompt[-1], None]]
+    r = post(url, "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                                "logprob_start_len": len(prompt)})
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+
+
+@embedded_only
+@pytest.mark.parametrize("field, value", [("return_hidden_states", True), ("session_params", {"id": "s"})])
 def test_unsupported_request_fields_answer_400_naming_them(url, field, value):
     r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}, field: value})
     assert r.status_code == 400 and field in r.json()["error"]["message"]
-    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "stop": ["\n"]}})
-    assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
+    r = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "min_p": 0.1}})
+    assert r.status_code == 400 and "min_p" in r.json()["error"]["message"]
     r = post(url, "/generate", {"input_ids": [10_000], "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------------------- stream
+
+
+def test_stream_sends_growing_answers_then_the_plain_answer_then_done(url):
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 16, "sampling_seed": 9, "ignore_eos": True}}
+    events = stream(url, body)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    chunks = events[:-1]
+    assert len(chunks) > 1 and all("index" not in c for c in chunks)
+    for a, b in zip(chunks, chunks[1:], strict=False):
+        assert b["output_ids"][:len(a["output_ids"])] == a["output_ids"] and b["text"].startswith(a["text"])
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert_same_answer(chunks[-1], generate(url, **body))
+    with_logprobs = {**body, "return_logprob": True}
+    assert_same_answer(stream(url, with_logprobs)[-2], generate(url, **with_logprobs))
+    failed = stream(url, {**body, "sampling_params": {"max_new_tokens": 10**6}})  # beyond the context length
+    assert len(failed) == 2 and "context length" in failed[0]["error"]["message"] and failed[1] == "[DONE]"
+
+
+def test_stream_of_several_samples_carries_each_ones_index(url):
+    body = {"input_ids": [PROMPT, [1, 20]], "return_logprob": False,
+            "sampling_params": {"max_new_tokens": 6, "sampling_seed": 4, "ignore_eos": True, "n": 2}}
+    events = stream(url, body)
+    assert events[-1] == "[DONE]"
+    plain = generate(url, **body)
+    for index, answer in enumerate(plain):
+        mine = [e for e in events[:-1] if e["index"] == index]
+        assert mine and all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
+        final = dict(mine[-1])
+        del final["index"]
+        assert_same_answer(final, answer)
+    assert {e["index"] for e in events[:-1]} == set(range(len(plain))) and len(plain) == 4
+
+
+def test_stream_aborted_ends_with_the_abort_then_done(url):
+    running = in_thread(stream, url, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": LONG,
+                                                                               "ignore_eos": True}})
+    wait_for(url, lambda s: s["#running-req"] >= 1)
+    assert post(url, "/abort_request", {"abort_all": True}).status_code == 200
+    events = running.result(timeout=60)
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(events[-2]["output_ids"]) < LONG
 
 
 # ------------------------------------------------------------------------------------------ pause, abort, flush
@@ -429,6 +598,36 @@ def test_flush_cache_fails_while_busy_then_succeeds(url):
     while post(url, "/flush_cache").status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def load_until(url: str, predicate, timeout: float = 30) -> dict:
+    """/get_load's entry once it satisfies `predicate`."""
+    deadline = time.monotonic() + timeout
+    while not predicate(load := requests.get(f"{url}/get_load", timeout=10).json()[0]):
+        assert time.monotonic() < deadline, load
+        time.sleep(0.02)
+    return load
+
+
+def test_get_load_and_v1_loads_count_running_samples_then_none_after_abort_all(url):
+    """slime's check that a server is idle after an abort: /get_load's num_reqs back to 0."""
+    load = requests.get(f"{url}/get_load", timeout=10).json()
+    assert isinstance(load, list) and len(load) == 1
+    assert {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"} <= set(load[0])
+    long = in_thread(generate, url, PROMPT, sampling_params={"max_new_tokens": LONG, "ignore_eos": True, "n": 2})
+    assert load_until(url, lambda load: load["num_reqs"] == 2)["num_tokens"] >= 2 * len(PROMPT)
+    loads = requests.get(f"{url}/v1/loads", timeout=10).json()
+    assert {"timestamp", "version", "loads"} <= set(loads)
+    rank = loads["loads"][0]
+    assert {"dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "num_total_tokens",
+            "max_total_num_tokens", "token_usage", "gen_throughput", "cache_hit_rate", "utilization",
+            "max_running_requests"} <= set(rank)
+    assert rank["num_running_reqs"] + rank["num_waiting_reqs"] == 2 and "queues" in rank
+    assert "queues" not in requests.get(f"{url}/v1/loads?include=core", timeout=10).json()["loads"][0]
+    assert requests.get(f"{url}/v1/loads?include=bogus", timeout=10).status_code == 400
+    assert post(url, "/abort_request", {"abort_all": True}).status_code == 200
+    assert all(a["meta_info"]["finish_reason"]["type"] == "abort" for a in long.result(timeout=60))
+    load_until(url, lambda load: load["num_reqs"] == 0)
 
 
 # ------------------------------------------------------------------------------------------------------- weights
@@ -577,6 +776,9 @@ def test_generate_through_the_real_sglang_router(url, tmp_path):
         direct = post(url, "/generate", seeded).json()
         assert via_router["output_ids"] == direct["output_ids"]
         assert logps(via_router) == pytest.approx(logps(direct), abs=1e-5)
+        events = stream(router, seeded)
+        assert events[-1] == "[DONE]"
+        assert_same_answer(events[-2], direct)
     finally:
         proc.terminate()
         try:

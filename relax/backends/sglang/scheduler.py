@@ -11,14 +11,24 @@ at that time (the answer reports that version). Weight updates, memory release a
 (and its continuations), so the tokens of one batch come from one weight version, the `weight_version` its answers
 report. The engine keeps no cache between batches: `flush_cache` has nothing to flush; it answers 400 while a
 request runs or waits (200 while generation is paused and no batch runs).
+
+Stop strings and streams need each token as it is drawn: an engine call with such rows (`Row.watched`) hands the
+engine a `_Watch` per row through its episode protocol (`EmbeddedEngine.generate(episodes=..., turn_limit=1)`):
+every token ends a "turn", whose watcher records it (`Row.live`, a stream's progress), looks for the row's stop
+strings in its decoded tail and ends the row at the token that completed one, or lets it go on (an empty
+observation). Sampling is untouched: the rows keep their random streams and share the call with any other rows.
+The price: a few host operations per row and token of such a call (the engine reads each turn's token back; a stop
+string costs the decoding of a few tokens), none for calls without such rows.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -28,6 +38,49 @@ from relax.backends.sglang.request import NotReady, Request, Row
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+StopMatch = Callable[[Row], Optional[str]]  # the stop string a row's output so far completed, or None
+
+
+@dataclass(frozen=True)
+class Load:
+    """What runs and waits now (/get_load, /v1/loads): rows (samples, SGLang's requests) and their tokens."""
+
+    running: int  # rows of the running batch that have not ended
+    waiting: int  # rows queued (paused ones included)
+    paused: int  # rows queued while generation is paused
+    used_tokens: int  # prompt and output tokens of the running rows
+    pending_tokens: int  # prompt and output tokens of the queued rows
+    throughput: float  # tokens per second of the last engine call
+
+
+def _size(rows: list[Row]) -> int:
+    """The tokens (prompt and output so far) of `rows`."""
+    return sum(len(r.prompt) + len(r.tokens) + len(r.live) for r in rows)
+
+
+class _Watch:
+    """One row of an engine call, seen through the engine's episode protocol: every token ends a turn
+    (turn_limit=1), `turn_end` records it and answers [] (no observation: go on) or None (end the row: a stop
+    token, or a stop string completed, `Row.matched`)."""
+
+    def __init__(self, row: Row, stop_match: StopMatch):
+        self.row, self.stop_match = row, stop_match
+        self.partial: list[int] = []  # the engine's episode fields
+        self.end: Optional[str] = None
+
+    def turn_end(self, tokens: list[int], stop_token: Optional[int], context: int) -> Optional[list[int]]:
+        row = self.row
+        row.live.extend(tokens)
+        row.request.progress.set()
+        if stop_token is None and row.options.stop:
+            row.matched = self.stop_match(row)
+        if stop_token is not None or row.matched is not None:
+            self.end = "stop"
+            return None
+        return []
+
+    def record(self) -> dict:
+        return {}
 
 
 class Scheduler:
@@ -50,12 +103,14 @@ class Scheduler:
         self._paused: Optional[str] = None
         self.released: set[str] = set()  # memory tags released (/release_memory_occupation): nothing runs
         self.stopping = False
+        self._stop_match: StopMatch = lambda row: None
+        self._throughput = 0.0
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
-    def start(self, engine: Any) -> threading.Thread:
-        """Start scheduling on `engine`; returns the (daemon) thread."""
-        self.engine = engine
+    def start(self, engine: Any, stop_match: StopMatch) -> threading.Thread:
+        """Start scheduling on `engine`, finding stop strings with `stop_match`; returns the (daemon) thread."""
+        self.engine, self._stop_match = engine, stop_match
         thread = threading.Thread(target=self._schedule, name="relax-serve-scheduler", daemon=True)
         thread.start()
         return thread
@@ -84,7 +139,8 @@ class Scheduler:
         """Record a row's end (caller holds the lock); its request answers once every row ended."""
         if row.finish is not None:
             return
-        row.finish = finish
+        row.finish, row.live = finish, []  # an engine call that failed leaves its tokens uncommitted
+        row.request.progress.set()
         if all(r.finish is not None for r in row.request.rows):
             row.request.done.set()
 
@@ -150,6 +206,19 @@ class Scheduler:
             running = len({id(r.request) for r in self._batch if r.finish is None})
             return {"#queue-req": queued, "#running-req": running, "#running-rows": len(self._active),
                     "paused": self._paused, "memory_released": sorted(self.released)}
+
+    def load(self) -> Load:
+        """The rows running and waiting now, and their tokens."""
+        with self.cv:
+            running = [r for r in self._batch if r.finish is None]
+            return Load(running=len(running), waiting=len(self._queue),
+                        paused=len(self._queue) if self._paused is not None else 0, used_tokens=_size(running),
+                        pending_tokens=_size(self._queue), throughput=self._throughput)
+
+    def progress(self, request: Request) -> list[tuple[list[int], Optional[dict]]]:
+        """(tokens so far, finish_reason or None) of each row of `request`, as they stand together now."""
+        with self.cv:
+            return [(r.tokens + r.live, r.finish) for r in request.rows]
 
     def set_released(self, tags: set[str], released: bool) -> None:
         """Record memory tags as released (nothing runs meanwhile) or resumed."""
@@ -242,12 +311,10 @@ class Scheduler:
                         n = int(out.response_mask[i].sum())
                         row.tokens.extend(out.response_ids[i, :n].tolist())
                         row.logps.extend(out.rollout_logp[i, :n].tolist())
-                        row.version = version
-                        reason = out.finish_reason[i]
-                        if reason == "stop":
-                            self._finish(row, {"type": "stop", "matched": row.tokens[-1]})
-                        elif reason == "length":
-                            self._finish(row, {"type": "length", "length": row.max_new})
+                        row.live, row.version = [], version
+                        finish = self._finish_reason(row, out.finish_reason[i])
+                        if finish is not None:
+                            self._finish(row, finish)
                         elif row.abort is not None:
                             self._finish(row, {"type": "abort", "message": row.abort})
                         elif self._paused is not None or self.stopping:
@@ -260,12 +327,27 @@ class Scheduler:
                     self._finish(row, {"type": "abort", "message": row.abort})
             self._queue[:0] = [r for r in held if r.finish is None]
 
+    @staticmethod
+    def _finish_reason(row: Row, reason: str) -> Optional[dict]:
+        """SGLang's finish_reason of a row the engine ended with `reason` (None: it was interrupted): the
+        `max_new_tokens` limit first, then a stop token or string."""
+        if reason == "length" or (reason == "stop" and row.matched is not None and len(row.tokens) >= row.max_new):
+            return {"type": "length", "length": row.max_new}
+        if reason == "stop":
+            return {"type": "stop", "matched": row.matched if row.matched is not None else row.tokens[-1]}
+        return None
+
     def _engine_call(self, key: tuple, rows: list[Row]) -> Any:
         temperature, top_p, top_k, stops = key
         budgets = [r.max_new - len(r.tokens) for r in rows]
+        watch = {"episodes": [_Watch(r, self._stop_match) for r in rows], "turn_limit": 1} \
+            if any(r.watched for r in rows) else {}
         self.engine.eos_token_ids = list(stops)  # only this thread generates
-        return self.engine.generate(
+        t0 = time.perf_counter()
+        out = self.engine.generate(
             [r.prompt + r.tokens for r in rows], max_new_tokens=max(budgets), temperature=temperature, top_p=top_p,
             top_k=top_k, seed=0, sample_ids=torch.tensor([r.stream for r in rows], dtype=torch.long),
             positions=torch.tensor([len(r.tokens) for r in rows], dtype=torch.long),
-            budgets=torch.tensor(budgets, dtype=torch.long), should_abort=lambda: self._interrupt)
+            budgets=torch.tensor(budgets, dtype=torch.long), should_abort=lambda: self._interrupt, **watch)
+        self._throughput = float(out.response_mask.sum()) / max(time.perf_counter() - t0, 1e-9)
+        return out

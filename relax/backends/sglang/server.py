@@ -5,21 +5,27 @@ real HTTP, and the numbers it gets are the engine's: tokens and log-probs exactl
 them (full-vocabulary log-softmax at the temperature, see `relax.backends.sampling`).
 
 This module holds the HTTP layer, the route table, the lifecycle (start, model loading, health, shutdown) and the
-info, generate, pause and abort endpoints. Its parts: `relax.backends.sglang.request` (the /generate body read into
-rows, the answers written, `RequestError`, `NotReady`, `row_stream`), `relax.backends.sglang.scheduler` (batching,
-aborts, pauses, engine calls) and `relax.backends.sglang.weights` (the weight and memory endpoints).
+info, load, generate, pause and abort endpoints. Its parts: `relax.backends.sglang.request` (the /generate body read
+into rows, the answers written, `RequestError`, `NotReady`, `row_stream`), `relax.backends.sglang.scheduler`
+(batching, aborts, pauses, engine calls, stop strings), `relax.backends.sglang.positions` (log-probs beyond the
+sampled tokens'), `relax.backends.sglang.stream` (streamed answers), `relax.backends.sglang.loads` (/get_load,
+/v1/loads) and `relax.backends.sglang.weights` (the weight and memory endpoints).
 
-Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSON in and out, unknown fields ignored):
+Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSON in and out, unknown fields ignored,
+a GET's query parameters read as the fields of its body):
 - `GET /health` and `/health_generate`, as on current SGLang (where both run a 1-token generation): 503 while the
   model loads; then 200 once the scheduler produces output after the check began (the check's own token, or any
   decoding step of a running batch), 503 when none comes within `HEALTH_TIMEOUT_S`, and 503 at once while
   generation is paused or the memory released (no output can come). A check waits while weights load. A liveness
-  check that does not generate: `/get_model_info`. `GET /server_info`, `/get_server_info`, `/model_info`,
+  check that does not generate: `/get_model_info`. `GET /server_info`, `/get_server_info` (with the server
+  arguments slime compares with its own for an external engine: tp/dp/pp/ep sizes 1, one node), `/model_info`,
   `/get_model_info`, `/get_weight_version`, `/v1/models`.
+- `GET /get_load`, `/v1/loads`: what runs and waits (`relax.backends.sglang.loads`).
 - The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.backends.openai.service`), with the
   server's key (`api_key`, `relax-serve --api-key`) as `Authorization: Bearer`, or without one on loopback only.
-- `POST /generate`: `input_ids` or `text`, `sampling_params`, `return_logprob`, `rid`; what is supported, and how
-  samples are seeded: see `relax.backends.sglang.request`.
+- `POST /generate`: `input_ids` or `text`, `sampling_params` (stop strings included), `return_logprob`,
+  `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`, `rid`, `stream`; what is supported, and how samples
+  are seeded: see `relax.backends.sglang.request`; a streamed answer: `relax.backends.sglang.stream`.
 - `POST /pause_generation` {"mode": "abort" | "retract" | "in_place"}, `/continue_generation`, `/abort_request`
   {"rid"} or {"abort_all": true}, `/flush_cache`; how they act on running requests: see
   `relax.backends.sglang.scheduler`.
@@ -43,17 +49,28 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
 from relax.backends import progress
 from relax.backends.http_answer import write_answer
-from relax.backends.sglang.request import DEFAULT_MAX_NEW_TOKENS, NotReady, RequestCodec, RequestError, row_stream
+from relax.backends.sglang import loads
+from relax.backends.sglang.positions import row_extras
+from relax.backends.sglang.request import (
+    DEFAULT_MAX_NEW_TOKENS,
+    NotReady,
+    Request,
+    RequestCodec,
+    RequestError,
+    Row,
+    row_stream,
+)
 from relax.backends.sglang.scheduler import PAUSE_MODES, Scheduler
+from relax.backends.sglang.stream import Events, answer_events, write_events
 from relax.backends.sglang.weights import WeightEndpoints
 from relax.config.schema import RelaxConfig
 
@@ -78,7 +95,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: every answer carries Content-Length
+    protocol_version = "HTTP/1.1"  # keep-alive: every answer carries Content-Length (a stream: chunked)
     server_version = "relax-embedded-sglang"
     server: _HTTPServer
 
@@ -114,8 +131,11 @@ class _Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             self.close_connection = True
             return
-        status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw, self.headers)
-        write_answer(self, status, payload)
+        status, payload = self.server.app.handle(method, self.path, raw, self.headers)
+        if isinstance(payload, Events):
+            write_events(self, payload)
+        else:
+            write_answer(self, status, payload)
 
 
 class EmbeddedServer(WeightEndpoints):
@@ -195,7 +215,7 @@ class EmbeddedServer(WeightEndpoints):
             self._load_error = f"loading the model failed: {type(exc).__name__}: {exc}"
             self._ready.set()
             return
-        self._threads.append(self.scheduler.start(self.engine))
+        self._threads.append(self.scheduler.start(self.engine, self._codec.stop_match))
         self._ready.set()
 
     def _build(self) -> None:
@@ -253,6 +273,8 @@ class EmbeddedServer(WeightEndpoints):
             "/server_info": self._server_info,
             "/get_server_info": self._server_info,
             "/get_weight_version": lambda body: (200, {"weight_version": self.weight_version}),
+            "/get_load": lambda body: (200, loads.get_load(self.scheduler.load())),
+            "/v1/loads": self._loads,
             "/v1/models": self._models,
             "/v1/chat/completions": lambda body: self._openai("chat", body),
             "/v1/completions": lambda body: self._openai("completion", body),
@@ -273,8 +295,11 @@ class EmbeddedServer(WeightEndpoints):
             "/resume_memory_occupation": self._resume,
         }
 
-    def handle(self, method: str, path: str, raw: bytes, headers: Any = None) -> tuple[int, Any]:
-        """(status, JSON-able answer or bytes) of one HTTP request."""
+    def handle(self, method: str, target: str, raw: bytes, headers: Any = None) -> tuple[int, Any]:
+        """(status, JSON-able answer, bytes or `Events`) of one HTTP request for `target` (a path, and for a GET a
+        query whose parameters the route reads as the fields of a body)."""
+        parts = urlsplit(target)
+        path = parts.path
         route = self._routes.get(path.rstrip("/") or "/")
         if route is None:
             return 404, {"error": {"message": f"no endpoint {path}"}}
@@ -290,7 +315,7 @@ class EmbeddedServer(WeightEndpoints):
         if not isinstance(body, dict):
             return 400, {"error": {"message": "the body must be a JSON object"}}
         try:
-            return route(body)
+            return route({**dict(parse_qsl(parts.query)), **body} if method == "GET" else body)
         except NotReady as exc:
             return 503, {"error": {"message": str(exc)}}
         except RequestError as exc:
@@ -333,8 +358,8 @@ class EmbeddedServer(WeightEndpoints):
         return 200, {
             "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.served_model_name,
-            "is_generation": True, "weight_version": self.weight_version, "version": "relax-embedded",
-            "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
+            "is_generation": True, "weight_version": self.weight_version, "version": loads.VERSION,
+            "host": self.host, "port": self.port, **self._parallel_args(),
             "context_length": self.context_length,
             "max_req_input_len": None if self.context_length is None else self.context_length - 1,
             "max_total_num_tokens": None,  # no KV pool: each batch allocates the cache it needs
@@ -345,6 +370,20 @@ class EmbeddedServer(WeightEndpoints):
             "preferred_sampling_params": None, "seed": self.cfg.seed,
             "internal_states": [state],
         }
+
+    def _parallel_args(self) -> dict[str, Any]:
+        """The server arguments slime compares with its own for an external engine (`_compute_server_args`): one
+        process on one device, on one node, its memory released on request (SGLang's --enable-memory-saver)."""
+        device = self.engine.device
+        return {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0,
+                "base_gpu_id": device.index or 0 if device.type == "cuda" else 0, "gpu_id_step": 1,
+                "enable_memory_saver": True, "disaggregation_mode": "null"}
+
+    def _loads(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        device = self.engine.device
+        accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return 200, loads.v1_loads(self.scheduler.load(), body, accelerator)
 
     def _models(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
@@ -426,40 +465,57 @@ class EmbeddedServer(WeightEndpoints):
 
     def _generate(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
+        if body.get("stream"):
+            return 200, Events(self._stream(body))
+        request = self._submit(body)
+        while not request.done.wait(1.0):
+            if self.scheduler.stopping:
+                self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
+        if request.error is not None:
+            return 500, {"error": {"message": request.error}}
+        self._extras([r for r in request.rows if r.needs_extras()])
+        answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
+        return 200, answers[0] if request.single else answers
+
+    def _submit(self, body: dict) -> Request:
+        """The request of a /generate body, queued."""
         released = self.scheduler.released
         if released:
             raise RequestError(f"memory released ({', '.join(sorted(released))}); "
                                "call /resume_memory_occupation first")
         request = self._codec.parse(self._lora_request(body))
         self.scheduler.submit(request)
-        while not request.done.wait(1.0):
-            if self.scheduler.stopping:
-                self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
-        if request.error is not None:
-            return 500, {"error": {"message": request.error}}
-        if any(r.options.top_logprobs for r in request.rows):
-            self._top_logprobs(request.rows)
-        answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
-        return 200, answers[0] if request.single else answers
+        return request
 
-    def _top_logprobs(self, rows: list) -> None:
-        """Each row's likeliest tokens at each output position, from one forward pass over prompt and output under
-        the row's sampling distribution (log-softmax at its temperature, full vocabulary; greedy: temperature 1),
-        the one its tokens' log-probs come from."""
-        from relax.backends.sglang.request import GREEDY_EPS
+    def _stream(self, body: dict) -> Iterator[dict]:
+        """The events of a streamed /generate (`relax.backends.sglang.stream`); a request that cannot be served is
+        an error event, as in SGLang."""
+        try:
+            request = self._submit(body)
+        except (RequestError, NotReady) as exc:
+            yield {"error": {"message": str(exc)}}
+            return
+        except Exception as exc:
+            logger.exception("a streamed /generate failed")
+            yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+            return
+        yield from answer_events(request, self.scheduler, self._final,
+                                 lambda row, tokens: self._codec.progress(row, request, tokens, self.weight_version))
 
-        with self.scheduler.exclusive("top_logprobs"), torch.no_grad():
-            model = self.engine.model
+    def _final(self, row: Row) -> dict:
+        """The answer of an ended row of a stream."""
+        if row.needs_extras():
+            self._extras([row])
+        return self._codec.answer(row, row.request, self.weight_version)
+
+    def _extras(self, rows: list[Row]) -> None:
+        """The log-probs of ended rows beyond their sampled tokens' (`relax.backends.sglang.positions`), with the
+        model held: one forward pass each."""
+        if not rows:
+            return
+        with self.scheduler.exclusive("logprobs"), torch.no_grad():
             for row in rows:
-                k, n = row.options.top_logprobs, len(row.tokens)
-                if not k or not n:
-                    row.top = []
-                    continue
-                ids = torch.tensor([row.prompt + row.tokens], dtype=torch.long, device=self.engine.device)
-                logits = model(input_ids=ids).logits[0, len(row.prompt) - 1:len(row.prompt) - 1 + n].float()
-                temperature = row.key[0] if row.key[0] >= GREEDY_EPS else 1.0
-                values, index = torch.log_softmax(logits / temperature, -1).topk(k, dim=-1)
-                row.top = [list(zip(v.tolist(), i.tolist(), strict=True)) for v, i in zip(values, index, strict=True)]
+                row.extra = row_extras(self.engine.model, self.engine.device, row)
 
     # ------------------------------------------------------------------------------------ pause, abort, flush
 
