@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from relax.runner.ray_auth import enable_token_auth
+
 USAGE_EXIT = 2
 FORWARDED_ENV = ("MODEL_DIR", "DATA_DIR", "EXP_DIR", "RLOO_DATA_CACHE_DIR", "RELAX_MODEL_CACHE_DIR",
                  "RELAX_TOKENIZER_CACHE_DIR", "HF_HOME")
@@ -266,24 +268,6 @@ def exit_code(client: Any, job_id: str, status: str) -> int:
     if isinstance(code, int) and (status != "SUCCEEDED" or code == 0):
         return code
     return EXIT_CODES.get(status, 1)
-
-
-def enable_token_auth(environ: Optional[dict[str, str]] = None) -> bool:
-    """Send Ray's auth token when one is available (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).
-
-    Ray's client only attaches the token with RAY_AUTH_MODE=token; a user who has a token most likely
-    means to use it, so it is turned on unless RAY_AUTH_MODE is set explicitly. Returns whether it is on.
-    """
-    environ = os.environ if environ is None else environ
-    mode = environ.get("RAY_AUTH_MODE")
-    if mode is not None:
-        return mode.lower() == "token"
-    path = environ.get("RAY_AUTH_TOKEN_PATH")
-    has_token = bool(environ.get("RAY_AUTH_TOKEN")) or (bool(path) and Path(path).is_file()) or \
-        (Path.home() / ".ray" / "auth_token").is_file()
-    if has_token:
-        environ["RAY_AUTH_MODE"] = "token"
-    return has_token
 
 
 def build_parser() -> argparse.ArgumentParser:

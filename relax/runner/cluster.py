@@ -39,6 +39,7 @@ from relax.runner import checkpoint
 from relax.runner.engines import ReplicaEngines
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
+from relax.runner.ray_auth import enable_token_auth
 from relax.runner.restarts import Restarts
 from relax.runner.sglang_engines import SGLangEngines
 from relax.runner.watchdog import Watchdog, first_line
@@ -84,6 +85,8 @@ class RayRuntime:
             kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
             kwargs["num_gpus"] = self.plan.total_gpus or None
             kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
+        if address is not None:
+            enable_token_auth()  # a cluster with token authentication refuses a driver that does not send it
         try:
             # "local": a new instance of this run's own, never one that a session file names (a head stopped by a
             # signal leaves /tmp/ray/ray_current_cluster behind; a user's `ray start --head` writes it too)

@@ -4,8 +4,13 @@ Pure: computed from the resolved, validated config alone, printed by `dry_run=tr
 Ray runner (`ray_options`, `reserve`), so what a user reads is what runs.
 
 Placement rule. Every process of a role uses at most one device (the torch trainer, the embedded engine).
-- CPU cluster (no GPUs): every role takes turns on all of the machine's cores; each process asks Ray for a
-  token share of one CPU (`SHARE`), so the whole graph fits on any machine. No placement group.
+- CPU cluster of one node (no GPUs): every role takes turns on all of the machine's cores; each process asks Ray
+  for a token share of one CPU (`SHARE`), so the whole graph fits on any machine. No placement group.
+- CPU cluster of several nodes (`cluster.num_nodes` > 1, no GPUs): the same shares, in one placement group of
+  strategy STRICT_SPREAD (a node per bundle): bundle 0 holds the trainer's side (actor, reference, teacher,
+  critic, advantages), bundles 1..k the rollout replicas (replica i in bundle 1 + i mod k, k = min(replicas,
+  num_nodes - 1)). The rollout thus runs on other nodes than the actor and its weights cross nodes (Ray's object
+  store; rollout=sglang: a weight-update group, `distributed`). A Ray cluster with fewer nodes fails at once.
 - GPU cluster: one placement group (strategy PACK) of one-GPU bundles.
   - `cluster.colocate=true`: bundle 0 is the actor's GPU, and actor, rollout replicas, reference, teacher and
     critic share it through fractional GPU requests (`SHARE`: 0.5 + 0.25 split over the replicas + 0.1 each),
@@ -37,6 +42,7 @@ from relax.runner.errors import RunError
 SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "teacher": 0.1, "critic": 0.1, "advantages": 0.05}
 GPU_ROLES = ("actor", "rollout", "reference", "teacher", "critic")  # advantages computes on the CPU
 PLACEMENT_STRATEGY = "PACK"  # bundles on as few nodes as possible; each bundle (one GPU) is on one node
+SPREAD_STRATEGY = "STRICT_SPREAD"  # a CPU cluster of several nodes: each bundle on a node of its own
 PLACEMENT_TIMEOUT_S = 300.0  # how long the runner waits for the GPUs of the placement group
 ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its model and answer
 # Ray starts its worker processes (every role) at niceness 15 by default, so that any process of normal priority
@@ -75,7 +81,8 @@ class Plan:
     cpu_threads: int
     ray_address: str | None
     data_parallel_size: int
-    bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a CPU cluster
+    bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a one-node CPU cluster
+    strategy: str = PLACEMENT_STRATEGY  # of the placement group: PACK (GPUs) or STRICT_SPREAD (CPU nodes)
     interruptible_rollout: bool = False  # partial rollout: weight updates interrupt generation
     # a LoRA policy's reference is its base model with the adapters off: the actor computes it, no reference role
     reference_on_actor: bool = False
@@ -106,14 +113,20 @@ class Plan:
             device = "CPU, torch threads per process: " + ", ".join(
                 f"{r.role} {self.threads(r.role)}" for r in self.roles if r.role != "advantages")
         where = self.ray_address or "a local Ray instance started for this run"
+        if self.strategy == SPREAD_STRATEGY:
+            device += f", {len(self.bundles)} nodes"
         lines = [
             f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {where}",
             f"  {'role':<11}{'replicas':>8}  {'backend':<10}{'GPUs':>7}{'CPUs':>7}  {'placement':<31}why",
         ]
         for r in self.roles:
             lines.append(f"  {r.role:<11}{r.replicas:>8}  {r.backend:<10}{r.gpus:>7g}{r.cpus:>7g}  "
-                         f"{_placement(r):<31}{r.why}")
-        if self.bundles:
+                         f"{_placement(r, self.strategy):<31}{r.why}")
+        if self.strategy == SPREAD_STRATEGY:
+            parts = ", ".join(f"[{i}] CPU {b.get('CPU', 0):g}" for i, b in enumerate(self.bundles))
+            lines.append(f"  placement group ({SPREAD_STRATEGY}, a node per bundle): {parts}; the trainer's roles on "
+                         "the node of bundle 0, the rollout on the others; CPU requests are shares, not cores")
+        elif self.bundles:
             runs: list[tuple[int, int, dict[str, float]]] = []  # consecutive equal bundles, shown once
             for i, b in enumerate(self.bundles):
                 if runs and runs[-1][2] == b:
@@ -131,10 +144,13 @@ class Plan:
         return "\n".join(lines)
 
 
-def _placement(r: RolePlan) -> str:
+def _placement(r: RolePlan, strategy: str = PLACEMENT_STRATEGY) -> str:
     if not r.bundles:
         return "CPU cores, shared"
     where = sorted(set(r.bundles))
+    if strategy == SPREAD_STRATEGY:
+        nodes = f"node of bundle {where[0]}" if len(where) == 1 else f"nodes of bundles {where[0]}-{where[-1]}"
+        return f"{nodes} (CPU)"
     text = f"bundle {where[0]}" if len(where) == 1 else f"bundles {where[0]}-{where[-1]}"
     if r.colocated_with:
         return f"{text}, shares {r.colocated_with}'s GPU"
@@ -224,17 +240,23 @@ def build_plan(cfg: RelaxConfig) -> Plan:
                 gpus[x] = 1.0
                 where[x] = (len(bundles),)
                 bundles.append({"GPU": 1.0})
-        for x in names:  # each bundle also holds the CPU shares of its processes
-            for b in where[x]:
-                bundles[b]["CPU"] = round(bundles[b].get("CPU", 0.0) + cpus[x], 4)
+    elif c.num_nodes > 1:  # CPU nodes: the trainer's side on one node, the rollout on the others
+        k = min(replicas["rollout"], c.num_nodes - 1)
+        bundles.extend({} for _ in range(1 + k))
+        for x in names:
+            where[x] = tuple(1 + i % k for i in range(replicas[x])) if x == "rollout" else (0,) * replicas[x]
+    for x in names:  # each bundle also holds the CPU shares of its processes
+        for b in where.get(x, ()):
+            bundles[b]["CPU"] = round(bundles[b].get("CPU", 0.0) + cpus[x], 4)
 
     roles = tuple(RolePlan(x, replicas[x], backend[x], gpus[x], cpus[x], shares.get(x), why[x], where.get(x, ()))
                   for x in names)
     threads = c.cpus_per_node or os.cpu_count() or 1
     # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
     address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
+    strategy = SPREAD_STRATEGY if total == 0 and bundles else PLACEMENT_STRATEGY
     return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
-                interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor)
+                strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor)
 
 
 # ---------------------------------------------------------------------- the plan on Ray
@@ -269,8 +291,9 @@ def ray_options(plan: Plan, role: str, replica: int = 0, placement_group=None, h
 def reserve(plan: Plan, timeout_s: float | None = None):
     """Create the plan's placement group and wait (bounded) until Ray holds it; None without one.
 
-    Fails at once when the Ray cluster has fewer GPUs (or a smaller GPU node) than the bundles need, and
-    after `timeout_s` (default PLACEMENT_TIMEOUT_S) when the GPUs exist but stay busy.
+    Fails at once when the Ray cluster has fewer GPUs (or a smaller GPU node) than the bundles need, or fewer live
+    nodes than a spread plan's bundles, and after `timeout_s` (default PLACEMENT_TIMEOUT_S) when the GPUs exist but
+    stay busy.
     """
     if not plan.bundles:
         return None
@@ -284,7 +307,13 @@ def reserve(plan: Plan, timeout_s: float | None = None):
         raise RunError(f"the plan needs {need_gpus:g} GPU(s) in bundles {wanted} but the Ray cluster has "
                        f"{have.get('GPU', 0):g} GPU(s) and {have.get('CPU', 0):g} CPU(s); check cluster.address, "
                        "cluster.num_nodes and cluster.gpus_per_node")
-    pg = placement_group([dict(b) for b in plan.bundles], strategy=PLACEMENT_STRATEGY)
+    if plan.strategy == SPREAD_STRATEGY:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) < len(plan.bundles):
+            raise RunError(f"the plan spreads its roles over {len(plan.bundles)} nodes (bundles {wanted}, a node each: "
+                           f"the trainer's roles apart from the rollout) but the Ray cluster has {len(nodes)} node(s); "
+                           "check cluster.address and cluster.num_nodes")
+    pg = placement_group([dict(b) for b in plan.bundles], strategy=plan.strategy)
     timeout = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
     if not pg.wait(timeout):
         remove_placement_group(pg)

@@ -51,3 +51,24 @@ def test_a_stale_session_file_does_not_stop_a_local_run(no_ray, monkeypatch) -> 
         assert not ray.is_initialized()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_joining_a_cluster_sends_the_auth_token_when_one_is_available(monkeypatch, tmp_path) -> None:
+    """A cluster with token authentication (Ray's default since 2.59) refuses a driver that does not send the token;
+    relax-train joining one (cluster.address) turns RAY_AUTH_MODE=token on when a token is found, as relax-submit
+    does; a local instance started for the run is left as it is."""
+    import ray
+
+    token = tmp_path / "auth_token"
+    token.write_text("secret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    seen: list[tuple] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda address=None, **kwargs: seen.append((address, os.environ.get(
+        "RAY_AUTH_MODE"))))
+    for address, mode in ((None, None), ("10.0.0.1:6379", "token")):
+        monkeypatch.setenv("RAY_AUTH_MODE", "unset")
+        monkeypatch.delenv("RAY_AUTH_MODE")  # restored (unset) after the test, whatever the run sets
+        cfg = load_config([f"cluster.address={address}" if address else "cluster=local"])
+        RayRuntime(cfg, build_plan(cfg)).__enter__()
+        assert seen[-1] == (address or "local", mode)
