@@ -749,6 +749,40 @@ def test_release_rejects_work_until_resume_and_a_weight_load(url, models, restor
     assert greedy(url) == baseline and version(url) == "reloaded" and served_by(url, models["initial"], models["other"])
 
 
+
+@embedded_only
+def test_a_health_check_queued_when_memory_is_released_fails_and_the_release_goes_ahead(cfg):
+    """In process: /health's one-token generation waits in the queue (the model is held) when a release arrives;
+    the release must not answer "requests are waiting" for it (the watchdog checks health at any time)."""
+    from relax.backends.sglang.server import EmbeddedServer
+
+    server = EmbeddedServer(cfg, port=0)
+    server.start()
+    try:
+        server.wait_ready(60)
+        scheduler = server.scheduler
+        with ThreadPoolExecutor(2) as pool:
+            with scheduler.exclusive("test holds the model"):  # nothing runs: what arrives waits
+                health = pool.submit(requests.get, server.url + "/health", timeout=60)
+                wait_until(lambda: scheduler.state()["#queue-req"] == 1, "the health check is queued")
+                release = pool.submit(post, server.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+                wait_until(lambda: scheduler._ops_waiting == 1, "the release waits for the model")
+            assert release.result().status_code == 200, release.result().text
+            assert health.result().status_code == 503
+        assert scheduler.state()["#queue-req"] == 0
+        assert post(server.url, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+        assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        server.shutdown()
+
+
+def wait_until(predicate, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
 # -------------------------------------------------------------------------------------------------------- router
 
 

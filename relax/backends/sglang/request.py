@@ -114,6 +114,7 @@ class Request:
     single: bool  # one input, n=1: the answer is a dict
     t0: float
     stream: bool = False
+    probe: bool = False  # a health check's generation: a memory release aborts it rather than wait for it
     done: threading.Event = field(default_factory=threading.Event)
     progress: threading.Event = field(default_factory=threading.Event)
     error: Optional[str] = None

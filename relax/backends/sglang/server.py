@@ -339,13 +339,15 @@ class EmbeddedServer(WeightEndpoints):
             return 503, b""  # paused or released: SGLang's check gets no output either
         start = progress.count()  # decoding steps of this process's engine
         request = self._codec.parse({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        request.probe = True
         self.scheduler.submit(request)
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
         while not request.done.wait(0.02):
             if progress.count() != start or time.monotonic() > deadline:
                 self.scheduler.abort_where(lambda r: r.request is request, "health check answered")
                 return (200 if progress.count() != start else 503), b""
-        return (200 if request.error is None else 503), b""
+        aborted = any(row.finish and row.finish.get("type") == "abort" for row in request.rows)
+        return (200 if request.error is None and not aborted else 503), b""
 
     def _model_info(self, body: dict) -> tuple[int, Any]:
         self._require_ready()

@@ -328,6 +328,8 @@ class WeightEndpoints:
         def run() -> str:
             tags = self._tags(body)
             with self.scheduler.exclusive("release_memory_occupation"):
+                # a health check queued meanwhile fails (as SGLang's gets no output once memory is released)
+                self.scheduler.abort_where(lambda r: r.request.probe, "memory released before the health check ran")
                 if self.scheduler.waiting():
                     raise RequestError("requests are waiting; pause generation or abort them first")
                 if "weights" in tags and "weights" not in self.scheduler.released:
