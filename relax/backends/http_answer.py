@@ -1,11 +1,25 @@
-"""How Relax's HTTP servers (relax-serve, the training gateway) write an answer: JSON, plain text, or a stream of
-server-sent events, always with its length (keep-alive connections)."""
+"""Relax's HTTP servers (relax-serve, the training gateway): the server class, and how they write an answer (JSON,
+plain text, or a stream of server-sent events, always with its length: keep-alive connections)."""
 
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+
+class Server(ThreadingHTTPServer):
+    """A thread per connection, a deep accept queue (a rollout batch arrives at once), and no traceback when a client
+    goes away mid-request (an agent killed at its time limit, a client that timed out): that is the client's end."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+    app: Any
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
 
 
 class EventStream(bytes):

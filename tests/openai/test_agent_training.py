@@ -30,31 +30,37 @@ GATEWAY = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_repl
 
 def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path, trained_batches):
     # five prompts, all of them in each rollout: every kind of agent in every step (the time limit leaves the agents
-    # that answer room on a loaded machine: 12 s was too little once in a full run beside other work)
+    # that answer room on a loaded machine; one that still runs past it counts as a time-out, nothing else)
     cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:mixed", "data.agent_timeout_s=20",
                                 "algorithm.use_tis=true", "rollout.max_turns=8", "data.num_prompts=5",
                                 "rollout.rollout_batch_size=5", "train.micro_batch_size=5", steps=2))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1]
+    answered = set()
     for step, m in result.history:
         samples = trained_batches[step]
         kinds = [e["item"]["index"] % 5 for e in samples.episodes]
         assert sorted(set(kinds)) == [0, 1, 2, 3, 4]
-        assert m[REWARD_ERRORS] == sum(k in (0, 1) for k in kinds)  # raised or hung: failed
-        assert m[REWARD_TIMEOUTS] == sum(k == 1 for k in kinds)
+        errors = [(k, e["error"]) for k, e in zip(kinds, samples.episodes, strict=True) if e["error"]]
+        timed_out = [k for k, error in errors if error.startswith("agent call timed out")]
+        for kind, error in errors:  # an agent that answers may run past the limit too, on a slow machine
+            assert (kind == 0 and "the agent broke" in error) or error.startswith("agent call timed out"), errors
+        assert kinds.count(0) + kinds.count(1) == sum(k in (0, 1) for k, _ in errors), errors
+        assert m[REWARD_ERRORS] == len(errors) and m[REWARD_TIMEOUTS] == len(timed_out), errors
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4  # the trained tokens are the sampled ones, on-policy
         gen, present = samples.response_mask.bool(), samples.present().bool()
         for r, (kind, e) in enumerate(zip(kinds, samples.episodes, strict=True)):
-            if kind in (0, 1):
-                assert e["error"] and not present[r].any()
+            if e["error"]:
+                assert kind > 1 or not present[r].any()  # they made no call: nothing to train
                 continue
-            assert e["error"] is None  # (the tour's agent checked the API itself: it raises on a wrong answer)
+            answered.add(kind)
             assert e["segments"] == {2: 2, 3: 1, 4: TOUR_SEGMENTS}[kind]
             runs = int(((gen[r, 1:] & ~gen[r, :-1]).sum()) + gen[r, 0])  # model turns in the trajectory
             assert runs == e["turns"] == (3 if kind == 3 else 1)
             assert (present[r] & ~gen[r]).any() == (kind == 3)  # follow-ups: in the context, out of the loss
         assert m[GATEWAY_SEGMENTS] == pytest.approx(sum(e["segments"] for e in samples.episodes) / len(kinds))
         assert m[TURNS_MEAN] == pytest.approx(sum(e["turns"] for e in samples.episodes) / len(kinds))
+    assert answered == {2, 3, 4}  # every agent that answers was trained in at least one step
 
 
 def test_fully_async_with_partial_rollout_loads_weights_between_calls(ray_local, small_run, tmp_path,

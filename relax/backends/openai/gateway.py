@@ -16,11 +16,11 @@ import logging
 import math
 import secrets
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from relax.backends.http_answer import write_answer
+from relax.backends.http_answer import Server, write_answer
 from relax.backends.openai.protocol import APIError
 from relax.backends.openai.service import OpenAIService
 from relax.backends.openai.sessions import Limits, Session
@@ -28,18 +28,12 @@ from relax.backends.openai.sessions import Limits, Session
 logger = logging.getLogger(__name__)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024
-    app: Any
-
-
 class JSONHandler(BaseHTTPRequestHandler):
     """Reads a request (with its headers) and writes the app's (status, JSON / bytes / event stream) answer."""
 
     protocol_version = "HTTP/1.1"
     server_version = "relax-openai"
-    server: _Server
+    server: Server
 
     def do_GET(self) -> None:  # noqa: N802
         self._dispatch("GET")
@@ -75,11 +69,11 @@ class Gateway:
         self.service, self.host, self.port = service, host, int(port)
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self._httpd: Optional[_Server] = None
+        self._httpd: Optional[Server] = None
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> Gateway:
-        httpd = _Server((self.host, self.port), JSONHandler)
+        httpd = Server((self.host, self.port), JSONHandler)
         httpd.app = self
         self._httpd, self.port = httpd, int(httpd.server_address[1])
         self._thread = threading.Thread(target=httpd.serve_forever, name="relax-gateway", daemon=True)

@@ -50,14 +50,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
 from relax.backends import progress
-from relax.backends.http_answer import write_answer
+from relax.backends.http_answer import Server, write_answer
 from relax.backends.sglang import loads
 from relax.backends.sglang.positions import row_extras
 from relax.backends.sglang.request import (
@@ -88,16 +88,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_KEY_ENV = "RELAX_SERVE_API_KEY"  # where relax-serve takes its key from when --api-key is not given
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 1024  # bursts of concurrent requests (a rollout batch) must not be refused
-    app: EmbeddedServer
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: every answer carries Content-Length (a stream: chunked)
     server_version = "relax-embedded-sglang"
-    server: _HTTPServer
+    server: Server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._dispatch("GET")
@@ -157,7 +151,7 @@ class EmbeddedServer(WeightEndpoints):
         self.tokenizer: Any = None
         self._ready = threading.Event()
         self._load_error: Optional[str] = None
-        self._httpd: Optional[_HTTPServer] = None
+        self._httpd: Optional[Server] = None
         self._threads: list[threading.Thread] = []
         self.scheduler = Scheduler(lambda: self.weight_version)
         self._codec: Optional[RequestCodec] = None  # once the model is loaded
@@ -178,7 +172,7 @@ class EmbeddedServer(WeightEndpoints):
         """Bind and serve now; load the model in a background thread."""
         if self._httpd is not None:
             raise RuntimeError("EmbeddedServer.start: already started")
-        httpd = _HTTPServer((self.host, self.port), _Handler)
+        httpd = Server((self.host, self.port), _Handler)
         httpd.app = self
         self._httpd = httpd
         self.port = int(httpd.server_address[1])
