@@ -51,6 +51,7 @@ from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
 
+ABORT_RECHECK_S = 0.2  # an abort sends /abort_request again this often until every request sent is answered
 HEALTH_TIMEOUT_S = 20.0  # SGLang's limit on a /health check's generation (HEALTH_CHECK_TIMEOUT)
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"  # the key of the servers at rollout.sglang.urls (their --api-key)
 Push = Callable[[object, int, list[str], WeightTarget, bool], dict]
@@ -301,7 +302,17 @@ class SGLangEngines:
             with self._lock:
                 self._paused = True  # first: the watchdog then no longer expects /health to generate
                 self._each("/pause_generation", {"mode": "abort"})
-                self._each("/abort_request", {"abort_all": True})  # requests that reached a paused server
+                # requests that reach a paused server wait there: abort them until every request sent has its
+                # answer (one still on its way when the servers paused arrives after the first abort)
+                deadline = time.monotonic() + self.sg.request_timeout_s
+                while True:
+                    self._each("/abort_request", {"abort_all": True})
+                    if self.client.wait_answered(ABORT_RECHECK_S):
+                        break
+                    if time.monotonic() > deadline:
+                        raise RunError(f"rollout=sglang: requests were still unanswered "
+                                       f"{self.sg.request_timeout_s:g} s (rollout.sglang.request_timeout_s) after "
+                                       "their generation was aborted")
 
     def load_weights(self, weights, version: int) -> None:
         """`weights` of `version` to every server: what the run published (the ObjectRef of the actor's snapshot),

@@ -310,6 +310,52 @@ def test_a_paused_server_keeps_its_place_though_its_health_check_fails(server, w
         engines.close()
 
 
+
+def test_an_abort_also_stops_requests_that_reach_the_servers_after_they_paused(server, weights, tmp_path,
+                                                                            monkeypatch):
+    """Requests still on their way when generation is aborted reach a paused server, which holds them until the
+    next weight update: the abort aborts again until every request sent has its answer, so the aborted generation
+    returns (partial rollout then loads the new weights). Here every request takes a second to leave the client."""
+    import asyncio
+    import threading
+
+    import aiohttp
+
+    url, _ = server
+    (state, _), eos, pad = weights
+    cfg = config(url, "rollout.max_response_len=200", "rollout.sglang.release_memory=false")
+    engines = engines_for(cfg, eos, pad, tmp_path)
+    post = aiohttp.ClientSession.post
+
+    class Late:
+        def __init__(self, request):
+            self.request = request
+
+        async def __aenter__(self):
+            await asyncio.sleep(1.0)
+            return await self.request.__aenter__()
+
+        async def __aexit__(self, *exc):
+            return await self.request.__aexit__(*exc)
+
+    try:
+        engines.load_weights(state, 1)
+        monkeypatch.setattr(aiohttp.ClientSession, "post", lambda *a, **kw: Late(post(*a, **kw)))
+        done = []
+        job = threading.Thread(target=lambda: done.append(engines.generate(PROMPTS, IDS, seed=5, gen_id=7)))
+        job.start()
+        deadline = time.monotonic() + 60
+        while engines.client._posting < len(IDS):  # every request on its way, none at the server yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engines.abort(7)
+        job.join(30)
+        assert done, "the aborted generation did not return: its late requests wait at the paused server"
+        assert done[0].finish_reason == ["abort"] * len(IDS)
+    finally:
+        monkeypatch.undo()
+        engines.close()
+
 def test_a_launched_server_requires_the_runs_key(tmp_path):
     """The servers a run launches get its key (relax-serve through its environment, SGLang as --api-key): every
     request but health and information must carry it, so that nothing else that reaches them can generate, pause or

@@ -136,6 +136,8 @@ class GenerateClient:
         self.url, self.request_timeout_s, self.max_in_flight = url, request_timeout_s, max_in_flight
         self.headers = auth_headers(api_key)
         self._paused = threading.Event()
+        self._posting = 0  # requests sent and not answered yet
+        self._posted = threading.Condition()
         self.retries = 0  # requests sent again after a failure (an engine died, the router had no worker)
 
     def pause(self) -> None:
@@ -148,6 +150,11 @@ class GenerateClient:
     @property
     def paused(self) -> bool:
         return self._paused.is_set()
+
+    def wait_answered(self, timeout: float) -> bool:
+        """Wait until no request is out (sent, not answered); whether none is."""
+        with self._posted:
+            return self._posted.wait_for(lambda: self._posting == 0, timeout=timeout)
 
     def generate(self, payloads: list[dict]) -> list[dict]:
         """The answers to `payloads`, in order."""
@@ -176,6 +183,8 @@ class GenerateClient:
                 if left <= 0:
                     raise EngineRequestError(f"POST {self.url}/generate failed for {self.request_timeout_s:g} s "
                                              f"(rollout.sglang.request_timeout_s); last error: {last}")
+                with self._posted:
+                    self._posting += 1
                 try:
                     async with session.post(self.url + "/generate", json=payload,
                                             timeout=aiohttp.ClientTimeout(total=left)) as r:
@@ -190,6 +199,10 @@ class GenerateClient:
                             raise EngineRequestError(f"POST {self.url}/generate: {last}")
                 except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                     last = f"{type(exc).__name__}: {exc}"
+                finally:
+                    with self._posted:
+                        self._posting -= 1
+                        self._posted.notify_all()
                 self.retries += 1
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
