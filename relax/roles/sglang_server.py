@@ -14,8 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from relax.backends.sglang.process import log_tail, start_server, stop_process
-from relax.backends.sglang.server import SERVE_KEY_ENV
+from relax.backends.sglang.process import SERVE_KEY_ENV, log_tail, start_server, stop_process
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 

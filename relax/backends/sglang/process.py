@@ -13,6 +13,8 @@ from pathlib import Path
 
 import requests
 
+SERVE_KEY_ENV = "RELAX_SERVE_API_KEY"  # where relax-serve takes its key from when --api-key is not given
+
 
 class StartupError(RuntimeError):
     """A server process exited or did not become healthy; the message carries the end of its log."""

@@ -58,6 +58,7 @@ import torch
 
 from relax.backends import progress
 from relax.backends.http_answer import Server, write_answer
+from relax.backends.sglang.process import SERVE_KEY_ENV
 from relax.backends.sglang import loads
 from relax.backends.sglang.positions import row_extras
 from relax.backends.sglang.request import (
@@ -85,7 +86,6 @@ OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `Embedd
 OPEN_PATHS = ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
               "/get_weight_version", "/v1/models")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-SERVE_KEY_ENV = "RELAX_SERVE_API_KEY"  # where relax-serve takes its key from when --api-key is not given
 
 
 class _Handler(BaseHTTPRequestHandler):
