@@ -58,7 +58,6 @@ import torch
 
 from relax.backends import progress
 from relax.backends.http_answer import Server, write_answer
-from relax.backends.sglang.process import SERVE_KEY_ENV
 from relax.backends.sglang import loads
 from relax.backends.sglang.positions import row_extras
 from relax.backends.sglang.request import (
