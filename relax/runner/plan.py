@@ -49,7 +49,11 @@ ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its mo
 # (the driver scoring rewards, anything else on the machine) takes the cores from the roles doing the training. A
 # local Ray instance started for a run gives them normal priority; a cluster one joins keeps what it was started
 # with (`RAY_worker_niceness=0 ray start ...`, docs/operations.md).
-LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+# It also starts no worker processes ahead of the roles (each role is a process of its own; idle ones would only
+# poll) and keeps none idle afterwards, and collects no Ray metrics (Relax records its own, in MLflow): an idle
+# local instance then costs about half the CPU.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "prestart_worker_first_driver": False, "num_workers_soft_limit": 0,
+                           "enable_metrics_collection": False}
 
 
 def _share(x: float) -> float:
