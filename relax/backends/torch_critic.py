@@ -20,7 +20,7 @@ from relax.algorithms.loss import compute_value_loss
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import pick_device, response_hidden_states
 from relax.backends.torch_train import TorchTrainer, trainable_model, trimmed_sequences
-from relax.backends.trainer import CRITIC_STEP, micro_batches, step_denominators, with_step
+from relax.backends.trainer import CRITIC_STEP, length_sorted_micro_batches, step_denominators, with_step
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import VALUE_LOSS
 
@@ -98,18 +98,21 @@ class TorchCritic(TorchTrainer):
         return self.critic(ids, mask, P, T, autocast=self.autocast()), T
 
     @torch.no_grad()
-    def compute_values(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
-        """V(state before response token t), [N, T] fp32 on the CPU, 0 where masked."""
+    def compute_values(self, samples: Samples, micro_batch_size: int,
+                       max_tokens: Optional[int] = None) -> torch.Tensor:
+        """V(state before response token t), [N, T] fp32 on the CPU, 0 where masked (length-sorted micro-batches of
+        at most `micro_batch_size` rows and `max_tokens` tokens, as the policy's)."""
         self.critic.eval()
         N, T = samples.response_ids.shape
         out = torch.zeros(N, T, dtype=torch.float32)
-        for rows in micro_batches(N, micro_batch_size):
+        for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens):
             values, t = self._values(samples.select(rows))
             out[rows, :t] = values.float().cpu()
         return out * samples.response_mask.to(out.dtype)
 
     def train_step(
-        self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, micro_batch_size: int
+        self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, micro_batch_size: int,
+        max_tokens: Optional[int] = None,
     ) -> dict[str, float]:
         """One optimizer step of the clipped value loss towards `batch.returns`.
 
@@ -122,11 +125,10 @@ class TorchCritic(TorchTrainer):
         if batch.returns is None:
             raise ValueError("critic train_step needs batch.returns")
         self.critic.train()
-        N = len(batch)
         denominator, num_tokens = step_denominators(batch.response_mask, per_token)
         totals: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in micro_batches(N, micro_batch_size):
+        for rows in length_sorted_micro_batches(batch, micro_batch_size, max_tokens):
             mb = batch.select(rows)
             values, t = self._values(mb)
 

@@ -35,7 +35,9 @@ class TorchReference:
         self.model.eval()
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
+    def compute_logprobs(self, samples: Samples, micro_batch_size: int,
+                         max_tokens: Optional[int] = None) -> torch.Tensor:
         """log p(response tokens) [N, T] fp32 on the CPU, 0 where masked."""
         return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
-                                      compute_dtype=self.compute_dtype, temperature=self.temperature)
+                                      compute_dtype=self.compute_dtype, temperature=self.temperature,
+                                      max_tokens=max_tokens)

@@ -100,11 +100,12 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
 
 @torch.no_grad()
 def micro_batched_logprobs(model: torch.nn.Module, samples: Samples, micro_batch_size: int, *, device: torch.device,
-                           compute_dtype: torch.dtype, temperature: float) -> torch.Tensor:
+                           compute_dtype: torch.dtype, temperature: float,
+                           max_tokens: Optional[int] = None) -> torch.Tensor:
     """log p(response tokens) under `model`, [N, T] fp32 on the CPU, 0 where masked (length-sorted micro-batches)."""
     N, T = samples.response_ids.shape
     out = torch.zeros(N, T, dtype=torch.float32)
-    for rows in length_sorted_micro_batches(samples, micro_batch_size):
+    for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens):
         progress.tick()
         logp, _, t = forward_logprobs(model, samples.select(rows), device=device, compute_dtype=compute_dtype,
                                       temperature=temperature)
@@ -321,11 +322,13 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
                                 temperature=self.temperature, entropy=entropy)
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
+    def compute_logprobs(self, samples: Samples, micro_batch_size: int,
+                         max_tokens: Optional[int] = None) -> torch.Tensor:
         """log p(response tokens) under the current weights, [N, T] fp32 on the CPU, 0 where masked."""
         self.model.eval()
         return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
-                                      compute_dtype=self.compute_dtype, temperature=self.temperature)
+                                      compute_dtype=self.compute_dtype, temperature=self.temperature,
+                                      max_tokens=max_tokens)
 
     def accumulate_gradients(
         self,
@@ -334,6 +337,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         *,
         per_token: bool,
         micro_batch_size: int,
+        max_tokens: Optional[int] = None,
         report_entropy: bool = True,
         rollout_mismatch: bool = False,
     ) -> dict[str, float]:
@@ -348,7 +352,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         self.model.train()
         sums = StepSums(rollout_mismatch)
         self.optimizer.zero_grad(set_to_none=True)
-        splits = length_sorted_micro_batches(batch, micro_batch_size)
+        splits = length_sorted_micro_batches(batch, micro_batch_size, max_tokens)
         stats = self._step_statistics(batch, algo_cfg, splits) if step.algorithm.needs_step_statistics else None
         for rows in splits:
             progress.tick()
@@ -385,12 +389,13 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         return algorithms.get(algo_cfg.name).step_statistics(algo_cfg, logp, old, adv, torch.ones_like(logp))
 
     @torch.no_grad()
-    def compute_reference_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
+    def compute_reference_logprobs(self, samples: Samples, micro_batch_size: int,
+                                   max_tokens: Optional[int] = None) -> torch.Tensor:
         """A LoRA policy's reference: log-probs of the base model, its adapters switched off (no second copy)."""
         if self.peft is None:
             raise ValueError("the reference is the base model with its adapters off: only with model.lora_rank > 0")
         with self.peft.disable_adapter():
-            return self.compute_logprobs(samples, micro_batch_size)
+            return self.compute_logprobs(samples, micro_batch_size, max_tokens)
 
     def trainable_params(self) -> dict[str, torch.Tensor]:
         """The live tensors an optimizer step changes, by name: every parameter, or a LoRA policy's adapters."""

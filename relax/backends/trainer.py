@@ -90,16 +90,41 @@ def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
         yield slice(start, min(n, start + micro_batch_size))
 
 
-def length_sorted_micro_batches(samples: Samples, micro_batch_size: int) -> list[torch.Tensor]:
+def length_sorted_micro_batches(samples: Samples, micro_batch_size: int,
+                                max_tokens: Optional[int] = None) -> list[torch.Tensor]:
     """Row indices of micro-batches after sorting the rows by their real length (prompt + response), longest first.
 
     Each micro-batch is then trimmed to its own longest row, so rows of similar length share a micro-batch and
     little compute goes to padding. Only for per-row quantities (log-probs, losses that add over rows); the result
     equals the unsorted one up to float rounding.
+
+    `max_tokens` (`train.max_tokens_per_micro_batch`): a micro-batch also holds at most this many tokens as the
+    model computes them, padding included: its rows times its width (its longest prompt plus its longest response,
+    the size of the trimmed tensors). Short rows then share a micro-batch and long ones get one of fewer rows; a row
+    wider than the budget runs alone.
     """
-    lengths = samples.prompt_mask.sum(-1) + samples.present().sum(-1)
-    order = torch.argsort(lengths, descending=True, stable=True)
-    return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
+    prompt = samples.prompt_mask.sum(-1)
+    present = samples.present() != 0
+    order = torch.argsort(prompt + present.sum(-1), descending=True, stable=True)
+    if max_tokens is None:
+        return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
+    if micro_batch_size < 1 or max_tokens < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} and max_tokens={max_tokens} must be >= 1")
+    positions = torch.arange(1, present.shape[1] + 1)
+    reach = (present * positions).amax(-1) if present.shape[1] else torch.zeros_like(prompt)  # response width
+    out: list[torch.Tensor] = []
+    rows: list[int] = []
+    width_p = width_r = 0
+    for i in order.tolist():
+        p, r = max(width_p, int(prompt[i])), max(width_r, int(reach[i]))
+        if rows and (len(rows) == micro_batch_size or (len(rows) + 1) * (p + r) > max_tokens):
+            out.append(torch.tensor(rows, dtype=torch.long))
+            rows, p, r = [], int(prompt[i]), int(reach[i])
+        rows.append(i)
+        width_p, width_r = p, r
+    if rows:
+        out.append(torch.tensor(rows, dtype=torch.long))
+    return out
 
 
 def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[float, float]:
@@ -283,11 +308,14 @@ class Policy(Protocol):
     def step(self) -> int:
         """Optimizer steps applied (restored by `load_checkpoint`)."""
 
-    def compute_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
-        """log p(response tokens) under the current weights, [N, T] fp32, 0 where masked."""
+    def compute_logprobs(self, samples: Samples, micro_batch_size: int,
+                         max_tokens: Optional[int] = None) -> torch.Tensor:
+        """log p(response tokens) under the current weights, [N, T] fp32, 0 where masked (micro-batches of at most
+        `micro_batch_size` rows and `max_tokens` tokens, see `length_sorted_micro_batches`)."""
 
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, micro_batch_size: int,
-                   report_entropy: bool = True, rollout_mismatch: bool = False) -> dict[str, float]:
+                   max_tokens: Optional[int] = None, report_entropy: bool = True,
+                   rollout_mismatch: bool = False) -> dict[str, float]:
         """One optimizer step over `batch` (see `PolicyTrainer.train_step`)."""
 
     def state_dict_for_rollout(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
@@ -303,7 +331,7 @@ class PolicyTrainer(ABC):
 
     @abstractmethod
     def accumulate_gradients(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool,
-                             micro_batch_size: int, report_entropy: bool = True,
+                             micro_batch_size: int, max_tokens: Optional[int] = None, report_entropy: bool = True,
                              rollout_mismatch: bool = False) -> dict[str, float]:
         """Fresh gradients of the whole batch's loss; the step's loss metrics (`StepSums.metrics`)."""
 
@@ -312,8 +340,10 @@ class PolicyTrainer(ABC):
         """Clip and apply the gradients, unless the loss or the gradient norm is not finite (then skip)."""
 
     def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, micro_batch_size: int,
-                   report_entropy: bool = True, rollout_mismatch: bool = False) -> dict[str, float]:
-        """One optimizer step over `batch` (gradient accumulation over micro-batches).
+                   max_tokens: Optional[int] = None, report_entropy: bool = True,
+                   rollout_mismatch: bool = False) -> dict[str, float]:
+        """One optimizer step over `batch` (gradient accumulation over micro-batches of at most `micro_batch_size`
+        rows and `max_tokens` tokens, see `length_sorted_micro_batches`).
 
         `rollout_mismatch`: the weights are those that generated the batch (the first optimizer step of a
         synchronous rollout): report `rollout/train_rollout_logp_abs_diff` (mean |trainer log-prob - rollout
@@ -330,5 +360,6 @@ class PolicyTrainer(ABC):
         `train/nonfinite_batch_values`).
         """
         out = self.accumulate_gradients(batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size,
-                                        report_entropy=report_entropy, rollout_mismatch=rollout_mismatch)
+                                        max_tokens=max_tokens, report_entropy=report_entropy,
+                                        rollout_mismatch=rollout_mismatch)
         return with_step(out, self._optimizer_step(out.get(LOSS, 0.0), batch), POLICY_STEP)

@@ -153,6 +153,11 @@ class TrainConfig:
     backend: str = choice("torch", ("torch", "megatron"))
     global_batch_size: Optional[int] = None  # None: samples per rollout / num_steps_per_rollout
     micro_batch_size: int = 8
+    # Micro-batches of the train phase (log-prob passes and optimizer steps of the actor, reference, teacher and
+    # critic) also hold at most this many tokens, padding included (rows x the micro-batch's longest prompt + longest
+    # response): short responses share a micro-batch, long ones get one of fewer rows (a sequence longer than the
+    # budget runs alone), so memory follows tokens, not rows. None: rows only (micro_batch_size). torch backend.
+    max_tokens_per_micro_batch: Optional[int] = None
     num_steps_per_rollout: Optional[int] = None  # None: samples per rollout / global_batch_size (or 1)
     num_rollout: int = 60
     lr: float = 1e-6

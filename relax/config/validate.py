@@ -95,6 +95,11 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
         r.non_negative(f"train.{key}", getattr(t, key))
     if t.max_staleness is not None:
         r.non_negative("train.max_staleness", t.max_staleness)
+    if t.max_tokens_per_micro_batch is not None:
+        r.positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
+        r.require(t.backend == "torch", ("train.max_tokens_per_micro_batch", "train.backend"),
+                  f"train.max_tokens_per_micro_batch {NOT_BUILT} with train.backend={t.backend}: its micro-batches "
+                  "are formed by rows (train.micro_batch_size)")
     r.positive("train.weight_sync_interval", t.weight_sync_interval)
     r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
     r.positive("train.keep_checkpoints", t.keep_checkpoints)

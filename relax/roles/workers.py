@@ -76,7 +76,8 @@ class FrozenModelWorker:
         return "ok"
 
     def logprobs(self, samples: Samples) -> torch.Tensor:
-        return self.model.compute_logprobs(samples, self.cfg.train.micro_batch_size)
+        t = self.cfg.train
+        return self.model.compute_logprobs(samples, t.micro_batch_size, t.max_tokens_per_micro_batch)
 
 
 class ReferenceWorker(FrozenModelWorker):
@@ -131,16 +132,18 @@ class PolicyForwarding:
         """Log-probs of the response tokens [N, T]: with `current` (the trainer's version now), each token's under the
         weights of the version that generated it (see `WeightVersions`); without, every token's under the current
         weights."""
-        mbs = self.cfg.train.micro_batch_size
+        mbs, max_tokens = self.cfg.train.micro_batch_size, self.cfg.train.max_tokens_per_micro_batch
         if current is None:
-            return self.policy.compute_logprobs(samples, mbs)
-        return self.versions.logprobs(samples, current, lambda part: self.policy.compute_logprobs(part, mbs))
+            return self.policy.compute_logprobs(samples, mbs, max_tokens)
+        return self.versions.logprobs(samples, current,
+                                      lambda part: self.policy.compute_logprobs(part, mbs, max_tokens))
 
     def train_step(self, batch: TrainBatch, rollout_mismatch: bool = False) -> dict[str, float]:
         """One optimizer step; `rollout_mismatch` on the first step of a rollout (see PolicyTrainer.train_step)."""
         t0 = time.perf_counter()
         out = self.policy.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
                                      micro_batch_size=self.cfg.train.micro_batch_size,
+                                     max_tokens=self.cfg.train.max_tokens_per_micro_batch,
                                      rollout_mismatch=rollout_mismatch)
         out[ACTOR_COMPUTE_TIME] = time.perf_counter() - t0
         return out
@@ -183,7 +186,8 @@ class PolicyWorker(PolicyForwarding):
 
     def reference_logprobs(self, samples: Samples) -> torch.Tensor:
         """A LoRA policy's reference log-probs: its base model, the adapters off (the plan starts no reference)."""
-        return self.policy.compute_reference_logprobs(samples, self.cfg.train.micro_batch_size)
+        t = self.cfg.train
+        return self.policy.compute_reference_logprobs(samples, t.micro_batch_size, t.max_tokens_per_micro_batch)
 
 
 class RolloutWorker:
@@ -303,11 +307,13 @@ class CriticWorker:
         return "ok"
 
     def values(self, samples: Samples) -> torch.Tensor:
-        return self.critic.compute_values(samples, self.cfg.train.micro_batch_size)
+        t = self.cfg.train
+        return self.critic.compute_values(samples, t.micro_batch_size, t.max_tokens_per_micro_batch)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.critic.train_step(batch, self.cfg.algorithm, per_token=self.cfg.train.calculate_per_token_loss,
-                                      micro_batch_size=self.cfg.train.micro_batch_size)
+        t = self.cfg.train
+        return self.critic.train_step(batch, self.cfg.algorithm, per_token=t.calculate_per_token_loss,
+                                      micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_micro_batch)
 
     def save(self, directory: str) -> None:
         self.critic.save_checkpoint(directory)

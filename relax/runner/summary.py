@@ -28,6 +28,7 @@ def config_summary(cfg: RelaxConfig) -> str:
                if d.overlong_buffer_len else "")
     filtering = (f", filter_groups (rounds of {ro.over_sampling_batch_size} prompts, at most {ro.max_filter_rounds})"
                  if ro.filter_groups else "")
+    tokens = f" (<= {t.max_tokens_per_micro_batch} tokens)" if t.max_tokens_per_micro_batch is not None else ""
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",
@@ -35,7 +36,7 @@ def config_summary(cfg: RelaxConfig) -> str:
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
         f"max_response_len={ro.max_response_len}, temperature={ro.temperature}{filtering}",
         f"train      {t.backend}: {t.num_rollout} rollouts, global_batch_size={t.global_batch_size}, "
-        f"micro_batch_size={t.micro_batch_size}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
+        f"micro_batch_size={t.micro_batch_size}{tokens}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
         f"per_token_loss={t.calculate_per_token_loss}, mode={t.mode}",
         f"tracking   {cfg.tracking.uri if cfg.tracking.enabled else 'off'} (experiment {cfg.tracking.experiment})",
         f"seed       {cfg.seed}",

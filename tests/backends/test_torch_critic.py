@@ -80,15 +80,18 @@ def test_critic_micro_batch_split_gives_the_same_update(tiny_model_cfg, train_cf
     old_values = probe.compute_values(base, 8) + 0.3 * torch.randn(8, 4, generator=g)
     batch = base.with_(returns=old_values + torch.randn(8, 4, generator=g), old_values=old_values)
     params, metrics = [], []
-    for mbs in (2, 8):
+    for mbs, max_tokens in ((8, None), (2, None), (8, 10)):  # one micro-batch; by rows; by tokens
         c = critic(tiny_model_cfg, train_cfg)
         randomise_head(c)
-        metrics.append(c.train_step(batch, PPOConfig(value_clip=0.1), per_token=per_token, micro_batch_size=mbs))
+        metrics.append(c.train_step(batch, PPOConfig(value_clip=0.1), per_token=per_token, micro_batch_size=mbs,
+                                    max_tokens=max_tokens))
         params.append([p.detach().clone() for p in c.critic.parameters()])
-    for a, b in zip(*params, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    for name in metrics[0]:
-        assert metrics[0][name] == pytest.approx(metrics[1][name], rel=1e-5, abs=1e-7), name
+        torch.testing.assert_close(c.compute_values(batch, mbs, max_tokens), c.compute_values(batch, 8))
+    for other in (1, 2):
+        for a, b in zip(params[0], params[other], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        for name in metrics[0]:
+            assert metrics[0][name] == pytest.approx(metrics[other][name], rel=1e-5, abs=1e-7), name
     assert 0 < metrics[0]["critic/value_clipfrac"] < 1
 
 

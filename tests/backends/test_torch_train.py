@@ -19,9 +19,11 @@ from relax.algorithms import (
     register,
     unregister,
 )
+from relax.algorithms import get as get_algorithm
+from relax.algorithms import names as algorithm_names
 from relax.backends.models import build_model, token_logprobs
 from relax.backends.torch_train import TorchPolicy
-from relax.backends.trainer import lr_factor
+from relax.backends.trainer import length_sorted_micro_batches, lr_factor
 from relax.config.schema import ModelConfig
 from relax.metrics import GRAD_NORM, LR, M2_AFTER, M2_BEFORE
 
@@ -78,6 +80,59 @@ def test_micro_batch_split_gives_the_same_gradients_and_update(tiny_model_cfg, t
     for (n, a), (_, b) in zip(p2.model.named_parameters(), p8.model.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=n)
 
+
+
+def widths(samples, rows: torch.Tensor) -> int:
+    """Tokens the model computes for micro-batch `rows`: rows x (longest prompt + longest response), by hand."""
+    prompt = max(int(samples.prompt_mask[i].sum()) for i in rows)
+    response = max(max((t + 1 for t in range(samples.response_mask.shape[1]) if samples.response_mask[i, t]),
+                       default=0) for i in rows)
+    return len(rows) * (prompt + response)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 9, 16, 40, 1000])
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 8])
+def test_token_budget_micro_batches_hold_at_most_the_budget(make_samples, max_tokens, micro_batch_size):
+    """Every row once; at most micro_batch_size rows and max_tokens tokens (padding included) in each micro-batch,
+    but for a row wider than the budget, alone; the next row in length order would not have fitted."""
+    samples = make_samples(n=12, P=6, T=7, seed=3)
+    splits = length_sorted_micro_batches(samples, micro_batch_size, max_tokens)
+    order = torch.cat(splits).tolist()
+    assert sorted(order) == list(range(12))
+    assert order == length_sorted_micro_batches(samples, 12)[0].tolist()  # the rows in length order
+    for k, rows in enumerate(splits):
+        assert len(rows) <= micro_batch_size
+        assert len(rows) == 1 or widths(samples, rows.tolist()) <= max_tokens
+        if k + 1 < len(splits) and len(rows) < micro_batch_size:  # closed because the next row did not fit
+            assert widths(samples, rows.tolist() + [int(splits[k + 1][0])]) > max_tokens
+    if max_tokens == 1000:
+        assert [len(r) for r in splits] == [len(r) for r in length_sorted_micro_batches(samples, micro_batch_size)]
+
+
+@pytest.mark.parametrize("name", algorithm_names())
+def test_token_budget_micro_batches_give_the_same_gradients_for_every_algorithm(tiny_model_cfg, train_cfg,
+                                                                                make_batch, name):
+    """Micro-batches by tokens change the split, never the step: gradients and metrics as with one micro-batch
+    (the loss's denominators count the whole step's tokens)."""
+    base = make_batch(n=8, P=5, T=6, seed=7)
+    ref = policy(tiny_model_cfg, train_cfg)
+    batch = base.with_(old_logp=ref.compute_logprobs(base, micro_batch_size=8) - 0.05 * base.response_mask,
+                       ref_logp=ref.compute_logprobs(base, micro_batch_size=8) + 0.02 * base.response_mask)
+    cfg = get_algorithm(name).config_cls()
+    results = {}
+    for max_tokens in (None, 12):
+        p = policy(tiny_model_cfg, train_cfg)
+        metrics = p.accumulate_gradients(batch, cfg, per_token=True, micro_batch_size=8, max_tokens=max_tokens)
+        results[max_tokens] = (metrics, grads(p))
+    assert len(length_sorted_micro_batches(batch, 8, 12)) >= 4  # the budget did split the batch
+    (m_rows, g_rows), (m_tokens, g_tokens) = results[None], results[12]
+    for key in g_rows:
+        torch.testing.assert_close(g_tokens[key], g_rows[key], atol=1e-6, rtol=1e-4)
+    for key in m_rows:
+        assert m_tokens[key] == pytest.approx(m_rows[key], rel=1e-5, abs=1e-7), key
+    logp = ref.compute_logprobs(base, micro_batch_size=8)
+    torch.testing.assert_close(ref.compute_logprobs(base, micro_batch_size=8, max_tokens=12), logp, atol=1e-6,
+                               rtol=1e-5)
 
 def test_grad_clipping_caps_the_norm_and_reports_the_pre_clip_norm(tiny_model_cfg, train_cfg, make_batch):
     p = policy(tiny_model_cfg, dataclasses.replace(train_cfg, clip_grad=1e-3))

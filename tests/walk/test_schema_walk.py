@@ -127,6 +127,7 @@ VALUES: dict[str, Any] = {
     "rollout.sglang.extra_args": "[--mem-fraction-static,0.5]",
     "train.calculate_per_token_loss": True,  # grpo's default is false
     "train.global_batch_size": 8,
+    "train.max_tokens_per_micro_batch": 10,  # two of the probe's rows of 5 tokens, where micro_batch_size allows 4
     "train.num_steps_per_rollout": 1,
     "train.adam_beta1": 0.5,
     "train.adam_beta2": 0.9,
@@ -184,6 +185,7 @@ PROBES = {
     # in tests/megatron (real processes: the walk's in-process transport cannot host a process group)
     "train.backend": "probe_actor_backend",
     "train.micro_batch_size": "probe_micro_batches",
+    "train.max_tokens_per_micro_batch": "probe_micro_batches",
     # they act when a checkpoint cannot be written or a signal comes (tests/faults/test_save_failures.py and
     # test_preemption.py fill a real actor's disk and signal real runs)
     "train.save_failures": "probe_save_failures",
@@ -350,21 +352,22 @@ def probe_gradient_checkpointing(overrides: list[str], cwd: Path) -> Any:
 
 
 def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
-    """Micro-batches bound memory: the actor's forward passes of one train step (the loss itself is split-free)."""
+    """Micro-batches bound memory: the actor role's forward passes of one train step (the loss itself is
+    split-free), for 8 rows of 5 tokens each."""
     import torch
 
     from relax.backends.batch import TrainBatch
-    from relax.backends.torch_train import TorchPolicy
+    from relax.roles.workers import ModelInfo, PolicyWorker
 
     cfg = load_config(overrides)
-    policy = TorchPolicy(cfg.model, cfg.train, vocab_size=40, pad_token_id=0, seed=cfg.seed)
+    worker = PolicyWorker(cfg, ModelInfo(vocab_size=40, pad_token_id=0, eos_token_ids=(1,)))
     calls = []
-    policy.model.register_forward_hook(lambda *a: calls.append(1))
+    worker.policy.model.register_forward_hook(lambda *a: calls.append(1))
     n = 8
     batch = TrainBatch(prompt_ids=torch.full((n, 3), 5), prompt_mask=torch.ones(n, 3, dtype=torch.long),
                        response_ids=torch.full((n, 2), 6), response_mask=torch.ones(n, 2, dtype=torch.long),
                        rollout_logp=torch.zeros(n, 2), finish_reason=["stop"] * n, advantages=torch.ones(n, 2))
-    policy.train_step(batch, cfg.algorithm, per_token=True, micro_batch_size=cfg.train.micro_batch_size)
+    worker.train_step(batch)
     return len(calls)
 
 

@@ -81,6 +81,12 @@ def _group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group=group)
 
 
+def _rows_only(max_tokens: Optional[int]) -> None:
+    """Micro-batches by tokens are not built on this backend (validation rejects train.max_tokens_per_micro_batch)."""
+    if max_tokens is not None:
+        raise ValueError("train.max_tokens_per_micro_batch is not available with train.backend=megatron")
+
+
 @dataclass
 class _MicroBatch:
     """A micro-batch as the model sees it: rows left-aligned, response token t of row i predicted at
@@ -380,9 +386,11 @@ class MegatronPolicy(PolicyTrainer):
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, samples: Samples, micro_batch_size: int) -> torch.Tensor:
+    def compute_logprobs(self, samples: Samples, micro_batch_size: int,
+                         max_tokens: Optional[int] = None) -> torch.Tensor:
         """log p(response tokens) under the current weights, [N, T] fp32 on the CPU, 0 where masked; every rank
         returns the whole batch's."""
+        _rows_only(max_tokens)
         self.model.eval()
         N, T = samples.response_ids.shape
         rows = self._shard_rows(N)
@@ -435,11 +443,13 @@ class MegatronPolicy(PolicyTrainer):
         *,
         per_token: bool,
         micro_batch_size: int,
+        max_tokens: Optional[int] = None,
         report_entropy: bool = True,
         rollout_mismatch: bool = False,
     ) -> dict[str, float]:
         """Fresh, finalized gradients of the whole batch's loss (in the DDP grad buffers, `param.main_grad`);
         returns the step's metrics as `TorchPolicy.accumulate_gradients` does, on every rank."""
+        _rows_only(max_tokens)
         step = StepSetup.of(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy)
         entropy = step.entropy
         self.model.train()
