@@ -48,6 +48,7 @@ from typing import Optional
 import torch
 
 from relax.backends.models import entropy_from_logprobs, response_hidden_states, response_logprobs_all
+from relax.backends.packing import Packed
 
 # Logits per chunk (rows x vocabulary): 2^24, i.e. 64 MiB per fp32 [rows, V] work tensor (341 rows of SmolLM2's
 # V = 49152). Smaller chunks recompute the head in more, smaller matmuls (slower); larger ones hold more memory.
@@ -281,3 +282,27 @@ def _unchunked(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
         with torch.no_grad():
             return logp, entropy_from_logprobs(logp_all.detach()).masked_fill(~valid, 0.0)
     return logp, None
+
+
+def packed_logprobs(model: torch.nn.Module, packed: Packed, *, temperature: float = 1.0, entropy: str = "none",
+                    chunk_size: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`response_logprobs` of a packed micro-batch (`relax.backends.packing`): (log p [N, T], entropy [N, T] or
+    None), T = `packed.response_len`; the same values up to float rounding, without computing any padding."""
+    if entropy not in ("none", "metric", "grad"):
+        raise ValueError(f"entropy={entropy!r}: expected none, metric or grad")
+    head = chunked_head(model)
+    if head is not None:
+        decoder, weight = head
+        out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        h = out.last_hidden_state[0, packed.before]
+        logp_v, ent_v = linear_logprobs(h, weight, packed.targets, temperature=temperature,
+                                        entropy=entropy != "none", chunk_size=chunk_size,
+                                        dtype=matmul_dtype(packed.input_ids.device.type, weight))
+    else:  # any causal LM: the logits at the response positions, then the log-softmax of response_logprobs_all
+        logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        logp_all = torch.log_softmax(logits[0, packed.before].float() / temperature, dim=-1)
+        logp_v = logp_all.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+        ent_v = entropy_from_logprobs(logp_all) if entropy != "none" else None
+    if entropy == "metric":
+        ent_v = ent_v.detach()
+    return packed.place(logp_v), (packed.place(ent_v) if ent_v is not None else None)

@@ -19,6 +19,7 @@ from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_value_loss
 from relax.backends.batch import Samples, TrainBatch
 from relax.backends.models import pick_device, response_hidden_states
+from relax.backends.packing import Packed, pack
 from relax.backends.torch_train import TorchTrainer, trainable_model, trimmed_sequences
 from relax.backends.trainer import CRITIC_STEP, length_sorted_micro_batches, step_denominators, with_step
 from relax.config.schema import ModelConfig, TrainConfig
@@ -58,6 +59,14 @@ class CriticModel(torch.nn.Module):
         with torch.autocast(input_ids.device.type, enabled=False):
             return self.value_head(h.float()).squeeze(-1)
 
+    def packed_values(self, packed: Packed, autocast: Any = None) -> torch.Tensor:
+        """`forward` of a packed micro-batch (`relax.backends.packing`): values [N, T] fp32, 0 where masked."""
+        ctx = autocast if autocast is not None else torch.autocast(packed.input_ids.device.type, enabled=False)
+        with ctx:
+            out = self.lm.base_model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        with torch.autocast(packed.input_ids.device.type, enabled=False):
+            return packed.place(self.value_head(out.last_hidden_state[0, packed.before].float()).squeeze(-1))
+
 
 class TorchCritic(TorchTrainer):
     """PPO critic trainer of the embedded backend; same calling conventions as `TorchPolicy`."""
@@ -93,6 +102,9 @@ class TorchCritic(TorchTrainer):
         )
 
     def _values(self, mb: Samples) -> tuple[torch.Tensor, int]:
+        if self.packed:
+            packed = pack(mb).to(self.device)
+            return self.critic.packed_values(packed, autocast=self.autocast()), packed.response_len
         ids, mask, P, T = trimmed_sequences(mb)
         ids, mask = ids.to(self.device), mask.to(self.device)
         return self.critic(ids, mask, P, T, autocast=self.autocast()), T
@@ -105,7 +117,7 @@ class TorchCritic(TorchTrainer):
         self.critic.eval()
         N, T = samples.response_ids.shape
         out = torch.zeros(N, T, dtype=torch.float32)
-        for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens):
+        for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens, packed=self.packed):
             values, t = self._values(samples.select(rows))
             out[rows, :t] = values.float().cpu()
         return out * samples.response_mask.to(out.dtype)
@@ -128,7 +140,7 @@ class TorchCritic(TorchTrainer):
         denominator, num_tokens = step_denominators(batch.response_mask, per_token)
         totals: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for rows in length_sorted_micro_batches(batch, micro_batch_size, max_tokens):
+        for rows in length_sorted_micro_batches(batch, micro_batch_size, max_tokens, packed=self.packed):
             mb = batch.select(rows)
             values, t = self._values(mb)
 

@@ -23,12 +23,14 @@ class TorchReference:
 
     def __init__(self, model_cfg: ModelConfig, *, vocab_size: int, pad_token_id: int, seed: int,
                  temperature: float = 1.0, device: Optional[torch.device | str] = None,
-                 num_threads: Optional[int] = None) -> None:
+                 num_threads: Optional[int] = None, packed: bool = False) -> None:
+        """`packed` (train.pack_sequences): micro-batches run as packed sequences (`relax.backends.packing`)."""
         self.device = torch.device(device) if device is not None else pick_device()
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads or available_cpus())
         self.compute_dtype = pick_dtype(model_cfg, self.device)
         self.temperature = temperature
+        self.packed = packed
         self.model = build_model(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=torch.float32,
                                  device=self.device)
         self.model.requires_grad_(False)
@@ -40,4 +42,4 @@ class TorchReference:
         """log p(response tokens) [N, T] fp32 on the CPU, 0 where masked."""
         return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
                                       compute_dtype=self.compute_dtype, temperature=self.temperature,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, packed=self.packed)

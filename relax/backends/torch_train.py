@@ -34,8 +34,9 @@ from relax.backends.checkpoint_files import (
     load_safetensors_file,
     load_tensor_file,
 )
-from relax.backends.logprobs import response_logprobs
+from relax.backends.logprobs import packed_logprobs, response_logprobs
 from relax.backends.models import build_model, pick_device, pick_dtype
+from relax.backends.packing import pack
 from relax.backends.trainer import (
     PolicyTrainer,
     SkippedInARow,
@@ -82,7 +83,8 @@ def autocast(device: torch.device, compute_dtype: torch.dtype):
 
 
 def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.device, compute_dtype: torch.dtype,
-                     temperature: float, entropy: str = "none") -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+                     temperature: float, entropy: str = "none",
+                     packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
     """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch, trimmed of all-padding columns.
 
     Log-probs of `softmax(logits / temperature)`, the rollout's sampling distribution. entropy: "grad" (with a
@@ -90,7 +92,13 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
     `relax.backends.logprobs.response_logprobs`: the lm_head and log-softmax in chunks of tokens, so no
     [B, T', V] fp32 tensor is held for the backward (the unchunked `response_logprobs_all` for models it does not
     cover); the values are those of `relax.backends.models.token_logprobs` up to float rounding.
+    `packed` (train.pack_sequences): the rows run as one packed sequence (`relax.backends.packing`), no padding.
     """
+    if packed:
+        p = pack(mb).to(device)
+        with autocast(device, compute_dtype):
+            logp, ent = packed_logprobs(model, p, temperature=temperature, entropy=entropy)
+        return logp, ent, p.response_len
     ids, mask, P, T = trimmed_sequences(mb)
     ids, mask = ids.to(device), mask.to(device)
     with autocast(device, compute_dtype):
@@ -101,14 +109,15 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
 @torch.no_grad()
 def micro_batched_logprobs(model: torch.nn.Module, samples: Samples, micro_batch_size: int, *, device: torch.device,
                            compute_dtype: torch.dtype, temperature: float,
-                           max_tokens: Optional[int] = None) -> torch.Tensor:
-    """log p(response tokens) under `model`, [N, T] fp32 on the CPU, 0 where masked (length-sorted micro-batches)."""
+                           max_tokens: Optional[int] = None, packed: bool = False) -> torch.Tensor:
+    """log p(response tokens) under `model`, [N, T] fp32 on the CPU, 0 where masked (length-sorted micro-batches,
+    packed or padded)."""
     N, T = samples.response_ids.shape
     out = torch.zeros(N, T, dtype=torch.float32)
-    for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens):
+    for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens, packed=packed):
         progress.tick()
         logp, _, t = forward_logprobs(model, samples.select(rows), device=device, compute_dtype=compute_dtype,
-                                      temperature=temperature)
+                                      temperature=temperature, packed=packed)
         out[rows, :t] = logp.float().cpu()
     return out * samples.response_mask.to(out.dtype)
 
@@ -151,6 +160,7 @@ class TorchTrainer:
     ) -> None:
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
+        self.packed = train_cfg.pack_sequences  # micro-batches run as packed sequences (relax.backends.packing)
         self.device = device
         self.compute_dtype = pick_dtype(model_cfg, device)
         self.model = model
@@ -319,7 +329,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
     def _forward(self, mb: Samples, *, entropy: str) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
         """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch; entropy: "grad" | "metric" | "none"."""
         return forward_logprobs(self.model, mb, device=self.device, compute_dtype=self.compute_dtype,
-                                temperature=self.temperature, entropy=entropy)
+                                temperature=self.temperature, entropy=entropy, packed=self.packed)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Samples, micro_batch_size: int,
@@ -328,7 +338,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         self.model.eval()
         return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
                                       compute_dtype=self.compute_dtype, temperature=self.temperature,
-                                      max_tokens=max_tokens)
+                                      max_tokens=max_tokens, packed=self.packed)
 
     def accumulate_gradients(
         self,
@@ -352,7 +362,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         self.model.train()
         sums = StepSums(rollout_mismatch)
         self.optimizer.zero_grad(set_to_none=True)
-        splits = length_sorted_micro_batches(batch, micro_batch_size, max_tokens)
+        splits = length_sorted_micro_batches(batch, micro_batch_size, max_tokens, packed=self.packed)
         stats = self._step_statistics(batch, algo_cfg, splits) if step.algorithm.needs_step_statistics else None
         for rows in splits:
             progress.tick()

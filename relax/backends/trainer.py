@@ -29,6 +29,7 @@ from relax.algorithms.loss import ENTROPY
 from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
+from relax.backends.packing import packed_tokens, response_reach
 from relax.config.schema import TrainConfig
 from relax.metrics import (
     CRITIC_GRAD_NORM,
@@ -90,8 +91,8 @@ def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
         yield slice(start, min(n, start + micro_batch_size))
 
 
-def length_sorted_micro_batches(samples: Samples, micro_batch_size: int,
-                                max_tokens: Optional[int] = None) -> list[torch.Tensor]:
+def length_sorted_micro_batches(samples: Samples, micro_batch_size: int, max_tokens: Optional[int] = None, *,
+                                packed: bool = False) -> list[torch.Tensor]:
     """Row indices of micro-batches after sorting the rows by their real length (prompt + response), longest first.
 
     Each micro-batch is then trimmed to its own longest row, so rows of similar length share a micro-batch and
@@ -101,7 +102,8 @@ def length_sorted_micro_batches(samples: Samples, micro_batch_size: int,
     `max_tokens` (`train.max_tokens_per_micro_batch`): a micro-batch also holds at most this many tokens as the
     model computes them, padding included: its rows times its width (its longest prompt plus its longest response,
     the size of the trimmed tensors). Short rows then share a micro-batch and long ones get one of fewer rows; a row
-    wider than the budget runs alone.
+    wider than the budget runs alone. `packed` (train.pack_sequences): the micro-batch runs without padding, so its
+    tokens are the sum of its rows' (`relax.backends.packing.packed_tokens`).
     """
     prompt = samples.prompt_mask.sum(-1)
     present = samples.present() != 0
@@ -110,8 +112,9 @@ def length_sorted_micro_batches(samples: Samples, micro_batch_size: int,
         return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
     if micro_batch_size < 1 or max_tokens < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} and max_tokens={max_tokens} must be >= 1")
-    positions = torch.arange(1, present.shape[1] + 1)
-    reach = (present * positions).amax(-1) if present.shape[1] else torch.zeros_like(prompt)  # response width
+    if packed:
+        return _by_token_sum(order, packed_tokens(samples), micro_batch_size, max_tokens)
+    reach = response_reach(samples)  # response columns each row uses
     out: list[torch.Tensor] = []
     rows: list[int] = []
     width_p = width_r = 0
@@ -126,6 +129,24 @@ def length_sorted_micro_batches(samples: Samples, micro_batch_size: int,
         out.append(torch.tensor(rows, dtype=torch.long))
     return out
 
+
+def _by_token_sum(order: torch.Tensor, tokens: torch.Tensor, micro_batch_size: int,
+                  max_tokens: int) -> list[torch.Tensor]:
+    """Consecutive rows of `order` while they are at most `micro_batch_size` and their `tokens` sum to at most
+    `max_tokens` (a row over the budget alone)."""
+    out: list[torch.Tensor] = []
+    rows: list[int] = []
+    total = 0
+    for i in order.tolist():
+        n = int(tokens[i])
+        if rows and (len(rows) == micro_batch_size or total + n > max_tokens):
+            out.append(torch.tensor(rows, dtype=torch.long))
+            rows, total = [], 0
+        rows.append(i)
+        total += n
+    if rows:
+        out.append(torch.tensor(rows, dtype=torch.long))
+    return out
 
 def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[float, float]:
     """(loss denominator, valid tokens) of an optimizer step: the valid tokens (per-token reduction) or the

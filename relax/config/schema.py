@@ -158,6 +158,10 @@ class TrainConfig:
     # response): short responses share a micro-batch, long ones get one of fewer rows (a sequence longer than the
     # budget runs alone), so memory follows tokens, not rows. None: rows only (micro_batch_size). torch backend.
     max_tokens_per_micro_batch: Optional[int] = None
+    # The rows of each micro-batch run as one packed sequence, without padding (position ids restart per sequence;
+    # attention stays inside each), for the actor, reference, teacher and critic: compute follows the real tokens.
+    # With max_tokens_per_micro_batch, a micro-batch's tokens are then the sum of its rows'. torch backend.
+    pack_sequences: bool = False
     num_steps_per_rollout: Optional[int] = None  # None: samples per rollout / global_batch_size (or 1)
     num_rollout: int = 60
     lr: float = 1e-6

@@ -100,6 +100,9 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(t.backend == "torch", ("train.max_tokens_per_micro_batch", "train.backend"),
                   f"train.max_tokens_per_micro_batch {NOT_BUILT} with train.backend={t.backend}: its micro-batches "
                   "are formed by rows (train.micro_batch_size)")
+    r.require(not t.pack_sequences or t.backend == "torch", ("train.pack_sequences", "train.backend"),
+              f"train.pack_sequences=true {NOT_BUILT} with train.backend={t.backend}: megatron-core packs sequences "
+              "through Transformer Engine's attention (THD format), which this build does not have")
     r.positive("train.weight_sync_interval", t.weight_sync_interval)
     r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
     r.positive("train.keep_checkpoints", t.keep_checkpoints)

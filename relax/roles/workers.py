@@ -70,7 +70,8 @@ class FrozenModelWorker:
 
         self.cfg = cfg
         self.model = TorchReference(model_cfg, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
-                                    seed=cfg.seed, temperature=cfg.rollout.temperature, num_threads=threads)
+                                    seed=cfg.seed, temperature=cfg.rollout.temperature, num_threads=threads,
+                                    packed=cfg.train.pack_sequences)
 
     def ping(self) -> str:
         return "ok"

@@ -29,6 +29,7 @@ def config_summary(cfg: RelaxConfig) -> str:
     filtering = (f", filter_groups (rounds of {ro.over_sampling_batch_size} prompts, at most {ro.max_filter_rounds})"
                  if ro.filter_groups else "")
     tokens = f" (<= {t.max_tokens_per_micro_batch} tokens)" if t.max_tokens_per_micro_batch is not None else ""
+    tokens += " packed" if t.pack_sequences else ""
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",

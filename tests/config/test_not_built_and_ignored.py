@@ -100,10 +100,12 @@ def test_gradient_checkpointing_is_accepted_by_both_backends():
     assert load_config(["model.gradient_checkpointing=true"]).model.gradient_checkpointing
 
 
-def test_token_budget_micro_batches_are_torch_only():
-    """Megatron's micro-batches are formed by rows: a token budget there is rejected, naming both fields."""
+@pytest.mark.parametrize("field,override", [("train.max_tokens_per_micro_batch", "4096"),
+                                            ("train.pack_sequences", "true")])
+def test_token_budgets_and_packing_are_torch_only(field, override):
+    """Megatron's micro-batches are padded rows: a token budget or packing there is rejected, naming both fields."""
     with pytest.raises(ConfigError) as err:
-        load_config(["cluster=8xgpu", "train.max_tokens_per_micro_batch=4096"])
-    [violation] = [v for v in err.value.violations if "train.max_tokens_per_micro_batch" in v.fields]
+        load_config(["cluster=8xgpu", f"{field}={override}"])
+    [violation] = [v for v in err.value.violations if field in v.fields]
     assert "train.backend" in violation.fields and "not available in this build" in violation.message
-    assert load_config(["train.max_tokens_per_micro_batch=4096"]).train.max_tokens_per_micro_batch == 4096
+    assert str(getattr(load_config([f"{field}={override}"]).train, field.split(".")[1])).lower() == override

@@ -186,6 +186,7 @@ PROBES = {
     "train.backend": "probe_actor_backend",
     "train.micro_batch_size": "probe_micro_batches",
     "train.max_tokens_per_micro_batch": "probe_micro_batches",
+    "train.pack_sequences": "probe_tokens_computed",
     # they act when a checkpoint cannot be written or a signal comes (tests/faults/test_save_failures.py and
     # test_preemption.py fill a real actor's disk and signal real runs)
     "train.save_failures": "probe_save_failures",
@@ -369,6 +370,27 @@ def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
                        rollout_logp=torch.zeros(n, 2), finish_reason=["stop"] * n, advantages=torch.ones(n, 2))
     worker.train_step(batch)
     return len(calls)
+
+
+def probe_tokens_computed(overrides: list[str], cwd: Path) -> Any:
+    """Packing computes the real tokens only: the tokens the actor role's model embeds in one train step, for 8
+    rows of 3 prompt tokens and 1 to 8 response tokens."""
+    import torch
+
+    from relax.backends.batch import TrainBatch
+    from relax.roles.workers import ModelInfo, PolicyWorker
+
+    cfg = load_config(overrides)
+    worker = PolicyWorker(cfg, ModelInfo(vocab_size=40, pad_token_id=0, eos_token_ids=(1,)))
+    tokens = []
+    worker.policy.model.get_input_embeddings().register_forward_pre_hook(lambda m, a: tokens.append(a[0].numel()))
+    n, T = 8, 8
+    mask = (torch.arange(T)[None] < torch.arange(1, n + 1)[:, None]).long()
+    batch = TrainBatch(prompt_ids=torch.full((n, 3), 5), prompt_mask=torch.ones(n, 3, dtype=torch.long),
+                       response_ids=6 * mask, response_mask=mask, rollout_logp=torch.zeros(n, T),
+                       finish_reason=["stop"] * n, advantages=mask.float())
+    worker.train_step(batch)
+    return sum(tokens)
 
 
 def probe_max_restarts(overrides: list[str], cwd: Path) -> Any:
