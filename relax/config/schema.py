@@ -191,6 +191,9 @@ class TrainConfig:
     # sending heartbeats, so cluster.heartbeat_timeout_s alone would not end such a wait.
     checkpoint_timeout_s: float = 1800.0
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
+    # The optimizer steps of a rollout (num_steps_per_rollout of them) take equal shares of its response tokens rather
+    # than global_batch_size rows each: a step follows the tokens produced (more short responses, fewer long ones).
+    # Needs num_steps_per_rollout > 1; algorithms with fixed-size batches (RLOO) reject it.
     use_dynamic_global_batch_size: bool = False
     mode: str = choice("sync", ("sync", "fully_async", "hybrid"))  # docs/training.md, "Training modes"
     # Largest trainer_version - token_version a trained token may have. None: 0 (sync), 1 (hybrid, fully_async).

@@ -104,6 +104,10 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
               f"train.pack_sequences=true {NOT_BUILT} with train.backend={t.backend}: megatron-core packs sequences "
               "through Transformer Engine's attention (THD format), which this build does not have")
     r.positive("train.weight_sync_interval", t.weight_sync_interval)
+    r.require(not t.use_dynamic_global_batch_size or (t.num_steps_per_rollout or 1) > 1,
+              ("train.use_dynamic_global_batch_size", "train.num_steps_per_rollout"),
+              "train.use_dynamic_global_batch_size=true has no effect with one optimizer step per rollout "
+              "(train.num_steps_per_rollout=1): the step takes the whole rollout either way")
     r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
     r.positive("train.keep_checkpoints", t.keep_checkpoints)
     r.positive("train.max_skipped_steps", t.max_skipped_steps)
@@ -412,12 +416,8 @@ NOT_BUILT = "is not available in this build"
 
 
 def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
-    """Options that are planned (dynamic batch sizes, context parallelism, a Megatron teacher) but have nothing behind
-    them yet."""
+    """Options that are planned (context parallelism, a Megatron teacher) but have nothing behind them yet."""
     t, _ro, _c = cfg.train, cfg.rollout, cfg.cluster
-    r.require(not t.use_dynamic_global_batch_size, "train.use_dynamic_global_batch_size",
-              f"train.use_dynamic_global_batch_size=true {NOT_BUILT}: every optimizer step takes "
-              "train.global_batch_size samples")
     r.require(not t.dynamic_context_parallel, "train.dynamic_context_parallel",
               f"train.dynamic_context_parallel=true {NOT_BUILT}: it needs context parallelism, which "
               "train.backend=megatron does not have here (megatron-core's needs Transformer Engine's attention)")

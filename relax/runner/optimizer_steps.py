@@ -1,10 +1,12 @@
 """The optimizer steps of one rollout: which global batches train, who trains on them, how their metrics combine,
 and the count of skipped (non-finite) steps that stops a run.
 
-A rollout's batch is `train.num_steps_per_rollout` consecutive global batches of `train.global_batch_size` rows;
-each global batch with a valid token is one optimizer step of the actor (and of PPO's critic, which trains alone on
-its warm-up steps); one without any takes no step (Adam would still move). The roles train through
-`Cluster.train_step`; everything decided here is the recipe's, not the cluster's.
+A rollout's batch is `train.num_steps_per_rollout` consecutive global batches of `train.global_batch_size` rows
+(with `train.use_dynamic_global_batch_size`, of equal shares of the rollout's response tokens instead: a global
+batch then follows the tokens produced, more short responses or fewer long ones); each global batch with a valid
+token is one optimizer step of the actor (and of PPO's critic, which trains alone on its warm-up steps); one without
+any takes no step (Adam would still move). The roles train through `Cluster.train_step`; everything decided here is
+the recipe's, not the cluster's.
 """
 
 from __future__ import annotations
@@ -37,9 +39,26 @@ SUMMED = frozenset({ACTOR_COMPUTE_TIME, SKIPPED_STEPS, CRITIC_SKIPPED_STEPS})
 def global_batches(cfg: RelaxConfig, batch: TrainBatch) -> list[tuple[int, TrainBatch]]:
     """(k, the k-th global batch) of a rollout's batch, for those with a valid token (the optimizer steps it takes):
     a global batch whose groups were all left out, or whose responses were all truncated and masked, takes none."""
-    size = cfg.train.global_batch_size
-    chunks = ((k, batch.select(slice(k * size, (k + 1) * size))) for k in range(cfg.train.num_steps_per_rollout))
+    t = cfg.train
+    bounds = token_bounds(batch, t.num_steps_per_rollout) if t.use_dynamic_global_batch_size else \
+        [k * t.global_batch_size for k in range(t.num_steps_per_rollout + 1)]
+    chunks = ((k, batch.select(slice(bounds[k], bounds[k + 1]))) for k in range(t.num_steps_per_rollout))
     return [(k, chunk) for k, chunk in chunks if bool(chunk.response_mask.any())]
+
+
+def token_bounds(batch: TrainBatch, steps: int) -> list[int]:
+    """Row boundaries of `steps` consecutive global batches with equal shares of the batch's response tokens: the
+    k-th ends at the first row where the running token count reaches k/steps of the total (every global batch
+    keeps at least one row)."""
+    tokens = batch.response_mask.sum(-1).tolist()
+    total, n = sum(tokens), len(tokens)
+    bounds, running, row = [0], 0, 0
+    for k in range(1, steps):
+        while row < n - (steps - k) and (row < bounds[-1] + 1 or running * steps < k * total):
+            running += tokens[row]
+            row += 1
+        bounds.append(row)
+    return bounds + [n]
 
 
 def average_over_steps(metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -8,7 +8,6 @@ from relax import algorithms
 from relax.config import ConfigError, load_config
 
 NOT_BUILT = [
-    ("train.use_dynamic_global_batch_size=true", "train.use_dynamic_global_batch_size"),
     ("train.dynamic_context_parallel=true", "train.dynamic_context_parallel"),
     ("train.context_parallel_size=2", "train.context_parallel_size"),
     ("teacher.backend=megatron", "teacher.backend"),  # rejected for m2po as having no effect too

@@ -171,6 +171,8 @@ CONTEXT: dict[str, list[str]] = {
     **{key: ["model.lora_rank=2"] for key in ("model.lora_alpha", "model.lora_dropout", "model.lora_target_modules",
                                               "rollout.lora_sync")},
     "data.overlong_penalty_factor": ["data.overlong_buffer_len=2"],  # the factor scales a penalty that is on
+    # steps by tokens differ from steps by rows where responses differ in length: long enough for some to stop early
+    "train.use_dynamic_global_batch_size": ["rollout.max_response_len=24"],
     # the MLflow model of the directory train.save_hf exports at the end of the run (its tag relax.model_uri; the
     # export itself, <save_dir>/hf, shows in the files of train.save_hf=true without a context)
     "tracking.log_model": ["train.save_hf=true"],
