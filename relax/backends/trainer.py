@@ -29,7 +29,7 @@ from relax.algorithms.loss import ENTROPY
 from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
 from relax.backends import progress
 from relax.backends.batch import Samples, TrainBatch
-from relax.backends.packing import packed_tokens, response_reach
+from relax.backends.packing import response_reach
 from relax.config.schema import TrainConfig
 from relax.metrics import (
     CRITIC_GRAD_NORM,
@@ -103,7 +103,7 @@ def length_sorted_micro_batches(samples: Samples, micro_batch_size: int, max_tok
     model computes them, padding included: its rows times its width (its longest prompt plus its longest response,
     the size of the trimmed tensors). Short rows then share a micro-batch and long ones get one of fewer rows; a row
     wider than the budget runs alone. `packed` (train.pack_sequences): the micro-batch runs without padding, so its
-    tokens are the sum of its rows' (`relax.backends.packing.packed_tokens`).
+    tokens are the sum of its rows' (real prompt tokens + response columns used).
     """
     prompt = samples.prompt_mask.sum(-1)
     present = samples.present() != 0
@@ -112,41 +112,23 @@ def length_sorted_micro_batches(samples: Samples, micro_batch_size: int, max_tok
         return [order[rows] for rows in micro_batches(len(order), micro_batch_size)]
     if micro_batch_size < 1 or max_tokens < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size} and max_tokens={max_tokens} must be >= 1")
-    if packed:
-        return _by_token_sum(order, packed_tokens(samples), micro_batch_size, max_tokens)
     reach = response_reach(samples)  # response columns each row uses
     out: list[torch.Tensor] = []
     rows: list[int] = []
-    width_p = width_r = 0
+    width_p = width_r = total = 0  # the open micro-batch's longest prompt and response, and its real tokens
     for i in order.tolist():
         p, r = max(width_p, int(prompt[i])), max(width_r, int(reach[i]))
-        if rows and (len(rows) == micro_batch_size or (len(rows) + 1) * (p + r) > max_tokens):
+        n = total + int(prompt[i]) + int(reach[i])
+        cost = n if packed else (len(rows) + 1) * (p + r)  # the tokens the model would compute with row i added
+        if rows and (len(rows) == micro_batch_size or cost > max_tokens):
             out.append(torch.tensor(rows, dtype=torch.long))
-            rows, p, r = [], int(prompt[i]), int(reach[i])
+            rows, p, r, n = [], int(prompt[i]), int(reach[i]), int(prompt[i]) + int(reach[i])
         rows.append(i)
-        width_p, width_r = p, r
+        width_p, width_r, total = p, r, n
     if rows:
         out.append(torch.tensor(rows, dtype=torch.long))
     return out
 
-
-def _by_token_sum(order: torch.Tensor, tokens: torch.Tensor, micro_batch_size: int,
-                  max_tokens: int) -> list[torch.Tensor]:
-    """Consecutive rows of `order` while they are at most `micro_batch_size` and their `tokens` sum to at most
-    `max_tokens` (a row over the budget alone)."""
-    out: list[torch.Tensor] = []
-    rows: list[int] = []
-    total = 0
-    for i in order.tolist():
-        n = int(tokens[i])
-        if rows and (len(rows) == micro_batch_size or total + n > max_tokens):
-            out.append(torch.tensor(rows, dtype=torch.long))
-            rows, total = [], 0
-        rows.append(i)
-        total += n
-    if rows:
-        out.append(torch.tensor(rows, dtype=torch.long))
-    return out
 
 def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[float, float]:
     """(loss denominator, valid tokens) of an optimizer step: the valid tokens (per-token reduction) or the
