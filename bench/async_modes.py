@@ -12,6 +12,7 @@ best hide the shorter phase behind the longer one.
 
     python bench/async_modes.py --steps 12 --reps 2
     python bench/async_modes.py --steps 12 rollout.max_response_len=16     # other work: any relax-train override
+    python bench/async_modes.py --steps 8 --reps 1 --judged                # rewards that take time (see `judged`)
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ MODES = {
     "fully_async_rollout_logp": ["train.mode=fully_async", "train.max_staleness=2",
                                  "algorithm.use_rollout_logprobs=true"],
 }
+# A reward that takes time, as a judge model or a code sandbox does: the digits reward after JUDGE_S seconds a call
+# (a sleep: it costs no CPU, so on two cores the engines can use the time). `--judged` scores with it.
+JUDGE_S = 0.02
+JUDGED = ["data.reward=bench.async_modes:judged"]
+
+
+def judged(response: str, label: str) -> float:
+    import time
+
+    from relax.rewards.digits import digits_reward
+
+    time.sleep(JUDGE_S)
+    return digits_reward(response, label)
+
+
 # The default work: the tiny model on the digits task, with long enough responses that generating a batch takes
 # about as long as training on it (sync's rollout and train phases are printed to check).
 WORK = ["model=tiny", "algorithm=grpo", "rollout.max_response_len=32", "train.micro_batch_size=64"]
@@ -83,9 +99,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--judged", action="store_true", help=f"score with `judged` ({JUDGE_S} s a reward call)")
     ap.add_argument("overrides", nargs="*", help=f"relax-train overrides for the work (default: {' '.join(WORK)})")
     a = ap.parse_args()
-    r = compare(a.overrides or WORK, a.steps, a.reps, a.warmup)
+    r = compare([*(a.overrides or WORK), *(JUDGED if a.judged else [])], a.steps, a.reps, a.warmup)
     for mode in MODES:
         print(f"{mode:<12} {r[mode]['samples_per_s'].median:7.1f} samples/s  x{r['speedup'][mode].median:.2f} vs sync  "
               f"train idle {r[mode]['train_idle'].median:.0%}  rollout idle {r[mode]['rollout_idle'].median:.0%}")

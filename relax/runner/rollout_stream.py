@@ -22,13 +22,16 @@ their prefix, each token recording the version that generated it. Engines whose 
 loaded at once, the requests in flight finish with theirs and later requests get the new ones. A job is interrupted
 at most `rollout.partial_rollout_max_aborts` times; after that, new weights wait until it finishes.
 
-Each finished batch is scored right away (`Scorer.score`, in the pump thread: the asynchronous modes score while
-the trainer trains). With dynamic sampling (`rollout.filter_groups`) a job is generated in rounds of
-`rollout.over_sampling_batch_size` prompts: after each round the groups whose rewards carry no learning signal are
-set aside, and rounds go on until `rollout_batch_size` groups with a signal are collected or
-`rollout.max_filter_rounds` rounds were generated; the batch is then the first groups with a signal in draw order,
-filled with groups without one if there are too few (`relax.runner.scoring.choose_groups`). Every round of a job
-obeys the job's version rule, and the batch keeps its size, so the modes' guarantees hold as they are.
+Each finished batch goes to the buffer at once and is scored there by a scoring thread (`Scorer.score`, batches in
+step order), so the pump starts the next job while the rewards of the last one are computed: in the asynchronous
+modes generation goes on while rewards are scored and while the trainer trains, and `take` returns a batch once it
+is scored (`timeline` records both threads' calls). With dynamic sampling (`rollout.filter_groups`) a job is
+generated in rounds of `rollout.over_sampling_batch_size` prompts: after each round the groups whose rewards carry
+no learning signal are set aside (which needs their rewards: the pump scores these rounds itself), and rounds go on
+until `rollout_batch_size` groups with a signal are collected or `rollout.max_filter_rounds` rounds were generated;
+the batch is then the first groups with a signal in draw order, filled with groups without one if there are too few
+(`relax.runner.scoring.choose_groups`). Every round of a job obeys the job's version rule, and the batch keeps its
+size, so the modes' guarantees hold as they are.
 
 Sampling is deterministic per sample: a response's tokens are drawn from the random stream of (seed, sample
 id, position) (`relax.backends.sampling.counter_uniforms`), so a sample is a function of its weights only,
@@ -62,6 +65,7 @@ ABORT = "abort"  # Samples.finish_reason of an interrupted response
 # on a request) gets them back, with a growing pause, this many times in a row; then the run stops naming them.
 UNASKED_ABORTS = 4
 UNASKED_BACKOFF_S = 0.25  # the first pause; it doubles each time
+TIMELINE_LEN = 1000  # the most recent engine and scoring calls kept in `RolloutStream.timeline`
 
 
 class Engines(Protocol):
@@ -102,6 +106,17 @@ class Job:
     # dynamic sampling: the ids of samples generated for this batch and set aside, and how the batch was built
     filtered_ids: torch.Tensor | None = None
     filter: FilterStats | None = None
+
+
+@dataclass(frozen=True)
+class Span:
+    """One call of the stream's threads: `kind` "generate" (an engine call of job `step`) or "score" (its batch's
+    reward calls), from `start` to `end` (time.perf_counter())."""
+
+    kind: str
+    step: int
+    start: float
+    end: float
 
 
 @dataclass
@@ -186,14 +201,19 @@ class RolloutStream:
         self._at_rest = True  # the pump is not inside an engine call
         self._closed = False
         self._error: BaseException | None = None
+        self._scoring: int | None = None  # the step whose batch the scoring thread is scoring
         self.busy_s = 0.0  # seconds the engines spent generating (for the idle fraction)
         self.aborts = 0  # interruptions so far
-        self._thread: threading.Thread | None = None
+        self.timeline: deque[Span] = deque(maxlen=TIMELINE_LEN)
+        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> RolloutStream:
-        self._thread = threading.Thread(target=self._pump, name="rollout-pump", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._pump, name="rollout-pump", daemon=True)]
+        if self.scorer is not None:
+            self._threads.append(threading.Thread(target=self._score_loop, name="rollout-scoring", daemon=True))
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -203,8 +223,8 @@ class RolloutStream:
                 self._asked.add(self._running)
                 self.engines.abort(self._running)
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+        for thread in self._threads:
+            thread.join(timeout=60)
 
     # ------------------------------------------------------------------ the loop's side
     def publish(self, version: int, weights: Any) -> None:
@@ -228,21 +248,23 @@ class RolloutStream:
             self._load(version)
 
     def take(self, step: int) -> tuple[Job, Samples, float]:
-        """(job, samples, seconds waited) of step `step`, once its batch is finished."""
+        """(job, samples, seconds waited) of step `step`, once its batch is generated and scored."""
         t0 = time.perf_counter()
         with self._cond:
-            while not (self._buffer and self._buffer[0][0].step == step):
+            while True:
                 self._raise_if_failed()
                 if self._buffer:
-                    raise RuntimeError(f"rollout stream: asked for step {step}, next is {self._buffer[0][0].step}")
-                if self._at_rest and self._work() is None:  # only this thread could change that: it never will
+                    job = self._buffer[0][0]
+                    if job.step != step:
+                        raise RuntimeError(f"rollout stream: asked for step {step}, next is {job.step}")
+                    if job.scores is not None or self.scorer is None:
+                        break  # (else the scoring thread is on it, or on the batches before it)
+                elif self._at_rest and self._work() is None:  # only this thread could change that: it never will
                     raise RuntimeError(f"rollout stream: step {step} can never be generated ({self._describe()}); "
                                        "this is a bug in Relax, please report it with this message")
                 self._cond.wait(WAIT_POLL_S)
             job, samples = self._buffer.popleft()
             self._cond.notify_all()
-        if job.scores is None and self.scorer is not None:  # a batch restored from a state written before scoring
-            job.scores = self.scorer.score(job.items, samples)
         return job, samples, time.perf_counter() - t0
 
     def buffered_samples(self) -> int:
@@ -252,12 +274,13 @@ class RolloutStream:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The pump stopped between engine calls (a job may be half done): for evaluation and checkpoints."""
+        """The pump stopped between engine calls (a job may be half done) and the scoring thread between batches
+        (some may be left unscored: `state_dict` keeps them so): for evaluation and checkpoints."""
         with self._cond:
             self._paused += 1
         try:
             with self._cond:
-                while not self._at_rest:
+                while not self._at_rest or self._scoring is not None:
                     self._raise_if_failed()
                     self._cond.wait(WAIT_POLL_S)
             yield
@@ -427,19 +450,20 @@ class RolloutStream:
                     else:
                         out = self.engines.generate([i.prompt_ids for i in cur.items], cur.sample_ids,
                                                     seed=self.seed, gen_id=gen_id, items=cur.items)
-                    self.busy_s += time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    self.busy_s += t1 - t0
                     with self._cond:
+                        self.timeline.append(Span("generate", cur.step, t0, t1))
                         self._running = None
                         finished = self._settle(cur, out, asked=gen_id in self._asked)
                         self._asked.discard(gen_id)
                     if finished is None and cur.unasked:  # the engine gave up on rows by itself: pause, then again
                         time.sleep(UNASKED_BACKOFF_S * 2 ** (cur.unasked - 1))
-                    if finished is not None:  # the round is complete: its rewards, then the job's next move
+                    if finished is not None:  # the round is complete; dynamic sampling's next move needs its rewards
                         scores = signal = None
-                        if self.scorer is not None:
-                            scores = self.scorer.score(cur.items, finished)
-                            if self.filter_groups:
-                                signal = self.scorer.signal(finished, scores)
+                        if self.filter_groups:
+                            scores = self._score(cur.step, cur.items, finished)
+                            signal = self.scorer.signal(finished, scores)
                         with self._cond:
                             self._close_round(cur, _Round(cur.items, finished, scores, signal))
                 finally:
@@ -452,6 +476,44 @@ class RolloutStream:
                 self._error = exc
                 self._at_rest = True
                 self._cond.notify_all()
+
+    def _score(self, step: int, items: list, samples: Samples) -> Scores:
+        t0 = time.perf_counter()
+        scores = self.scorer.score(items, samples)
+        with self._cond:
+            self.timeline.append(Span("score", step, t0, time.perf_counter()))
+        return scores
+
+    def _score_loop(self) -> None:
+        """The scoring thread: the buffered batches without scores, in step order (those dynamic sampling scored in
+        the pump have theirs; a restored state may hold some without)."""
+        try:
+            while True:
+                with self._cond:
+                    while (entry := self._unscored()) is None:
+                        if self._closed:
+                            return
+                        self._cond.wait()
+                    job, samples = entry
+                    self._scoring = job.step
+                try:
+                    scores = self._score(job.step, job.items, samples)
+                    with self._cond:
+                        job.scores = scores
+                finally:
+                    with self._cond:
+                        self._scoring = None
+                        self._cond.notify_all()
+        except BaseException as exc:  # surfaces in the loop's next take()
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _unscored(self) -> tuple[Job, Samples] | None:
+        """Under the lock: the first buffered batch without scores, unless paused or closed."""
+        if self._paused or self._closed:
+            return None
+        return next(((job, samples) for job, samples in self._buffer if job.scores is None), None)
 
     def _settle(self, cur: _InFlight, out: Samples, *, asked: bool = True) -> Samples | None:
         """Under the lock: file an engine call's rows as finished or to be continued; returns the round's samples

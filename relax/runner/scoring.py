@@ -1,9 +1,10 @@
 """Rewards of a rollout batch, as the loop trains them: the task's reward calls, the groups they leave out, DAPO's
 overlong penalty, and which groups carry a learning signal (dynamic sampling, `rollout.filter_groups`).
 
-The rollout stream scores each batch as soon as it is generated (`Scorer.score`, in its pump thread), so rewards of
-the asynchronous modes are computed while the trainer trains, and dynamic sampling can decide whether to generate
-another round; evaluation scores its own responses with the same function.
+The rollout stream scores each batch as soon as it is generated (`Scorer.score`, in its scoring thread), so rewards of
+the asynchronous modes are computed while the trainer trains and the engines generate the next batch; dynamic
+sampling scores each round in the pump to decide whether to generate another; evaluation scores its own responses
+with the same function.
 """
 
 from __future__ import annotations

@@ -28,15 +28,16 @@ def test_smoke_suite_writes_a_complete_report(bench_main, tmp_path):
     text = out.read_text()
     assert text.startswith("# Relax performance")
     for heading in ("## Machine", "## Targets", "## RL step throughput", "## Rollout engine vs Hugging Face",
-                    "## Train phase vs the machine", "## Actor memory", "## Overhead of the real Ray loop",
-                    "## Training modes", "## rollout=sglang requests", "## Agentic episodes", "## Algorithm math"):
+                    "## Train phase vs the machine", "## Actor memory", "## Cost as work grows",
+                    "## Overhead of the real Ray loop", "## Training modes", "## rollout=sglang requests",
+                    "## Agentic episodes", "## Algorithm math"):
         assert heading in text, heading
     assert "load average" in text and "cpu" in text
     assert "```" not in text, "a section failed"  # tracebacks are fenced
     # every comparison row carries a median ratio and the command that reproduces it
     assert re.search(r"\| tiny \| float32 \| .* \| \*\*[0-9.]+ \([0-9.]+-[0-9.]+, n=\d+\)\*\*", text)
-    for script in ("rl_vs_trl.py", "rollout_vs_generate.py", "train_mfu.py", "train_memory.py", "overhead.py",
-                   "async_modes.py", "sglang_requests.py", "agent_episodes.py", "algorithm_math.py"):
+    for script in ("rl_vs_trl.py", "rollout_vs_generate.py", "train_mfu.py", "train_memory.py", "cost_growth.py",
+                   "overhead.py", "async_modes.py", "sglang_requests.py", "agent_episodes.py", "algorithm_math.py"):
         assert f"python bench/{script}" in text, script
     assert "m2po_clip_bounds" in text
     # each target row carries its verdict; the headlines are embedded for the next run's comparison

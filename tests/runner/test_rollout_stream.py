@@ -288,3 +288,91 @@ def test_a_step_that_can_never_be_generated_fails_at_once_instead_of_waiting():
         with pytest.raises(RuntimeError, match=r"step 1 can never be generated .*published \[0\]"):
             stream.take(1)
         assert time.perf_counter() - t0 < 5
+
+
+class SlowScorer:
+    """Reward calls that take `seconds` a batch (a judge model, a code sandbox): response i's reward is its sample
+    id / 1000, so each batch's scores can be matched to it."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.scored = seconds, []
+
+    def score(self, items, samples):
+        from relax.rewards.registry import Scores
+
+        time.sleep(self.seconds)
+        self.scored.append(samples.sample_id.tolist())
+        return Scores([i / 1000 for i in samples.sample_id.tolist()], [False] * len(samples))
+
+
+def overlap_s(stream: RolloutStream) -> float:
+    """Seconds during which the stream generated and scored at the same time (its timeline's spans)."""
+    spans = list(stream.timeline)
+    gen = [s for s in spans if s.kind == "generate"]
+    return sum(max(0.0, min(g.end, s.end) - max(g.start, s.start)) for s in spans if s.kind == "score" for g in gen)
+
+
+@pytest.mark.parametrize("mode", ["sync", "hybrid", "fully_async"])
+def test_generation_goes_on_while_the_last_batch_is_scored(mode):
+    """The pump hands each generated batch to the scoring thread and starts the next job as its mode allows: in the
+    asynchronous modes the timeline shows engine calls during the reward calls of the batch before. Sync is the
+    control: job j + 1 waits for the weights trained on batch j, hence for its rewards, so nothing overlaps there
+    (the measure is not positive by construction). Every batch carries its own scores, each scored once, in order."""
+    steps, score_s = 6, 0.15
+    cfg = config(mode, 2 if mode == "fully_async" else None, steps=steps)
+    scorer = SlowScorer(score_s)
+    stream = RolloutStream(cfg, FakeEngines(random.Random(0), tick_s=0.04), Prompts(), start_step=0, scorer=scorer)
+    stream.publish(0, "w0")
+    taken = []
+    with stream:
+        for step in range(steps):
+            job, samples, _ = stream.take(step)
+            assert job.scores.rewards == [i / 1000 for i in samples.sample_id.tolist()]
+            taken.append(samples)
+            stream.publish(step + 1, f"w{step + 1}")
+    for step, samples in enumerate(taken):
+        check_batch(cfg, step, samples)
+    assert scorer.scored == [s.sample_id.tolist() for s in taken]
+    scored = [s for s in stream.timeline if s.kind == "score"]
+    assert [s.step for s in scored] == list(range(steps))
+    if mode == "sync":
+        assert overlap_s(stream) == 0.0
+    else:  # the jobs after the first are generated while the batch before them is scored
+        assert overlap_s(stream) > 0.5 * score_s * (steps - 1), list(stream.timeline)
+
+
+def test_a_batch_saved_unscored_is_scored_after_the_restore():
+    """A checkpoint taken while batches wait for their rewards keeps them unscored (the scoring thread stops between
+    batches when the stream pauses); the restored stream scores them before the loop takes them."""
+    cfg = config("fully_async", 3, steps=5)
+    prompts = Prompts()
+    first = SlowScorer(0.3)
+    stream = RolloutStream(cfg, FakeEngines(random.Random(1), tick_s=0.001), prompts, start_step=0, scorer=first)
+    stream.publish(0, "w0")
+    with stream:
+        stream.take(0)
+        stream.publish(1, "w1")
+        deadline = time.monotonic() + 30
+        while stream.buffered_samples() < 16 and time.monotonic() < deadline:  # two batches generated ahead
+            time.sleep(0.01)
+        with stream.paused():
+            state, drawn = stream.state_dict(), prompts.drawn
+    unscored = [d["step"] for d in state["buffer"] if d["scores"] is None]
+    assert unscored, state["buffer"]
+
+    from relax.data.datasets import PromptItem
+
+    resumed = Prompts()
+    resumed.drawn = drawn
+    second = SlowScorer(0.0)
+    again = RolloutStream(cfg, FakeEngines(random.Random(2)), resumed, start_step=1, scorer=second)
+    again.load_state_dict(state, lambda d: PromptItem(**d))
+    again.publish(1, "w1")
+    with again:
+        for step in range(1, 5):
+            job, samples, _ = again.take(step)
+            assert job.scores.rewards == [i / 1000 for i in samples.sample_id.tolist()]
+            check_batch(cfg, step, samples)
+            again.publish(step + 1, f"w{step + 1}")
+    rescored = [ids[0] // 8 for ids in second.scored]
+    assert rescored[:len(unscored)] == unscored  # the saved unscored batches first, in step order
