@@ -191,6 +191,30 @@ class PolicyWorker(PolicyForwarding):
         return self.policy.compute_reference_logprobs(samples, t.micro_batch_size, t.max_tokens_per_micro_batch)
 
 
+class HybridWorker(PolicyWorker):
+    """The actor and the one embedded rollout replica in one process (`Plan.rollout_in_actor`: sync mode on a CPU
+    machine, where they take turns): the policy's methods, and the rollout's (`generate`, `resume`, `abort`,
+    `load_weights`) on an engine of its own, built as a `RolloutWorker` builds it. The process beats for the actor;
+    its death is the actor's (the graph restarts from the last checkpoint)."""
+
+    def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
+                 heartbeat: HeartbeatLink | None = None):
+        super().__init__(cfg, info, threads=threads, heartbeat=heartbeat)
+        self.rollout = RolloutWorker(cfg, info, threads=threads)
+
+    def generate(self, prompts: list[list[int]], **kwargs) -> Samples:
+        return self.rollout.generate(prompts, **kwargs)
+
+    def resume(self, partial: Samples, **kwargs) -> Samples:
+        return self.rollout.resume(partial, **kwargs)
+
+    def abort(self, gen_id: int) -> None:
+        self.rollout.abort(gen_id)
+
+    def load_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> int:
+        return self.rollout.load_weights(weights, version)
+
+
 class RolloutWorker:
     """One embedded rollout engine replica.
 

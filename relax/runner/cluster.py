@@ -27,6 +27,7 @@ from relax.roles.workers import (
     WEIGHTS_GROUP,
     AdvantagesWorker,
     CriticWorker,
+    HybridWorker,
     ModelInfo,
     PolicyWorker,
     ReferenceWorker,
@@ -212,10 +213,14 @@ class Cluster:
             if cfg.train.backend == "megatron":
                 self.actor = self._megatron_actor(timeout)
             else:
-                self.actor = self._remote(PolicyWorker, "actor", 0, cfg, info, threads=threads("actor"))
+                worker = HybridWorker if self.plan.rollout_in_actor else PolicyWorker
+                self.actor = self._remote(worker, "actor", 0, cfg, info, threads=threads("actor"))
             self.actor_process = self.processes[0]  # the process that answers the actor's calls (rank 0)
             replicas = self.plan.role("rollout").replicas
-            if cfg.rollout.backend == "sglang":
+            if self.plan.rollout_in_actor:  # a death of that process is the actor's: no replacement in place
+                self.engines = ReplicaEngines([self.actor], info.pad_token_id, watch=self.watch,
+                                              names=[self.actor_process])
+            elif cfg.rollout.backend == "sglang":
                 self.engines = self._sglang_engines()
             else:
                 self.engines = ReplicaEngines(

@@ -5,7 +5,10 @@ Ray runner (`ray_options`, `reserve`), so what a user reads is what runs.
 
 Placement rule. Every process of a role uses at most one device (the torch trainer, the embedded engine).
 - CPU cluster of one node (no GPUs): every role takes turns on all of the machine's cores; each process asks Ray
-  for a token share of one CPU (`SHARE`), so the whole graph fits on any machine. No placement group.
+  for a token share of one CPU (`SHARE`), so the whole graph fits on any machine. No placement group. In sync
+  mode with one embedded rollout replica and the torch trainer, the rollout engine runs in the actor's process
+  (`Plan.rollout_in_actor`, verl's hybrid engine): the two take turns anyway, so a second process would only
+  import and build again, and weights reach the engine in memory.
 - CPU cluster of several nodes (`cluster.num_nodes` > 1, no GPUs): the same shares, in one placement group of
   strategy STRICT_SPREAD (a node per bundle): bundle 0 holds the trainer's side (actor, reference, teacher,
   critic, advantages), bundles 1..k the rollout replicas (replica i in bundle 1 + i mod k, k = min(replicas,
@@ -90,6 +93,8 @@ class Plan:
     interruptible_rollout: bool = False  # partial rollout: weight updates interrupt generation
     # a LoRA policy's reference is its base model with the adapters off: the actor computes it, no reference role
     reference_on_actor: bool = False
+    # the one embedded rollout replica runs in the actor's process (see the module docstring)
+    rollout_in_actor: bool = False
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -124,8 +129,10 @@ class Plan:
             f"  {'role':<11}{'replicas':>8}  {'backend':<10}{'GPUs':>7}{'CPUs':>7}  {'placement':<31}why",
         ]
         for r in self.roles:
+            where = "in the actor's process" if r.role == "rollout" and self.rollout_in_actor else \
+                _placement(r, self.strategy)
             lines.append(f"  {r.role:<11}{r.replicas:>8}  {r.backend:<10}{r.gpus:>7g}{r.cpus:>7g}  "
-                         f"{_placement(r, self.strategy):<31}{r.why}")
+                         f"{where:<31}{r.why}")
         if self.strategy == SPREAD_STRATEGY:
             parts = ", ".join(f"[{i}] CPU {b.get('CPU', 0):g}" for i, b in enumerate(self.bundles))
             lines.append(f"  placement group ({SPREAD_STRATEGY}, a node per bundle): {parts}; the trainer's roles on "
@@ -249,6 +256,10 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         bundles.extend({} for _ in range(1 + k))
         for x in names:
             where[x] = tuple(1 + i % k for i in range(replicas[x])) if x == "rollout" else (0,) * replicas[x]
+    in_actor = (t.mode == "sync" and total == 0 and c.num_nodes == 1 and t.backend == "torch"
+                and ro.backend == "embedded" and n == 1)
+    if in_actor:  # no process of its own: no CPU share of its own
+        cpus["rollout"] = 0.0
     for x in names:  # each bundle also holds the CPU shares of its processes
         for b in where.get(x, ()):
             bundles[b]["CPU"] = round(bundles[b].get("CPU", 0.0) + cpus[x], 4)
@@ -260,7 +271,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
     strategy = SPREAD_STRATEGY if total == 0 and bundles else PLACEMENT_STRATEGY
     return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
-                strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor)
+                strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor,
+                rollout_in_actor=in_actor)
 
 
 # ---------------------------------------------------------------------- the plan on Ray

@@ -37,7 +37,8 @@ TORCH_ON_8 = ["cluster=8xgpu", "train.backend=torch", "cluster.actor_gpus=1"]
 
 # (overrides: the first names the option, declared GPUs of the cluster)
 STARTS = [
-    (["cluster=local"], 0),
+    (["cluster=local"], 0),  # sync: the rollout engine in the actor's process
+    (["+experiment=m2po_staleness_cpu"], 0),  # fully_async: a rollout process of its own
     (["cluster=1xgpu"], 1),
     (["cluster=1xgpu", "algorithm=ppo", "rollout.num_replicas=3", *KL], 1),  # every role on the one GPU
     (["cluster=1xgpu", "algorithm=opd", "teacher.path=teacher"], 1),  # the distillation teacher on it too
@@ -59,7 +60,6 @@ VALID_ONLY = [(["cluster=multinode"], 16), (["+experiment=cispo"], 8), (["+exper
 # process: all that Cluster._start_roles passes to Ray), so that starting them again would show nothing new.
 SAME_PLACEMENT = [(["+experiment=rloo_vs_grpo_cpu"], ["cluster=local"]),
                   (["+experiment=smollm2_arithmetic_cpu"], ["cluster=local"]),
-                  (["+experiment=m2po_staleness_cpu"], ["cluster=local"]),
                   (["+experiment=rloo_qwen3_0.6b_gsm8k"], ["cluster=1xgpu"]),
                   (["+experiment=grpo_qwen3_4b"], ["cluster=8xgpu"])]
 
@@ -149,8 +149,8 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
     import ray
 
     worker = _placeholder()
-    for name in ("PolicyWorker", "ReferenceWorker", "TeacherWorker", "RolloutWorker", "CriticWorker",
-                 "AdvantagesWorker", "MegatronRank"):
+    for name in ("PolicyWorker", "HybridWorker", "ReferenceWorker", "TeacherWorker", "RolloutWorker",
+                 "CriticWorker", "AdvantagesWorker", "MegatronRank"):
         monkeypatch.setattr(cluster_module, name, worker)
     # the workers' arguments stay behind: unpickling a RelaxConfig would import torch in every placeholder
     t = cfg.train
@@ -189,6 +189,8 @@ def placement(overrides: list[str]) -> tuple:
     group = object()  # stands for reserve(plan)'s group
     options = []
     for r in plan.roles:
+        if r.role == "rollout" and plan.rollout_in_actor:
+            continue  # not a process: the engine runs in the actor's
         for i in range(r.replicas):
             o = ray_options(plan, r.role, i, placement_group=group if plan.bundles else None,
                             hide_gpus=bool(plan.bundles))
@@ -248,7 +250,8 @@ def test_starts_on_the_cluster_it_names(case, local_ray, monkeypatch):
     local_ray(declared)
     where = _start(cfg, monkeypatch)
 
-    assert len(where) == sum(r.replicas for r in plan.roles)  # every process of every role, started
+    # every process of every role, started (sync on one CPU node: the rollout engine in the actor's process)
+    assert len(where) == sum(r.replicas for r in plan.roles) - plan.rollout_in_actor
     gpu_of = {name: w["gpu_ids"] for name, w in where.items()}
     if declared == 0:
         assert all(not ids for ids in gpu_of.values())

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from relax.config import load_config
 from relax.runner.errors import RunError
@@ -98,10 +99,48 @@ def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path)
         result = run(cfg, output_dir=tmp_path / "out")
     finally:
         cluster.Cluster._remote = original
-    roles = {"cispo": ["actor", "rollout", "reference"],
-             "ppo": ["actor", "rollout", "critic", "advantages"], "opd": ["actor", "rollout", "teacher"]}[name]
+    # sync on a CPU machine: the rollout engine runs in the actor's process (test_the_rollout_in_the_actors_process)
+    roles = {"cispo": ["actor", "reference"], "ppo": ["actor", "critic", "advantages"],
+             "opd": ["actor", "teacher"]}[name]
     assert sorted(started) == sorted(roles)
     check_algorithm_run(name, result, tmp_path)
+
+
+def test_the_rollout_in_the_actors_process_trains_as_in_a_process_of_its_own(in_process, small_run, tmp_path):
+    """Sync on one CPU node: the plan puts the rollout engine in the actor's process (`HybridWorker`); the run
+    records exactly what the same run with a rollout process of its own records (metrics, final weights)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    from relax.roles import workers
+    from relax.runner.plan import build_plan
+
+    built = []
+    original = workers.HybridWorker.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        original(self, *args, **kwargs)
+
+    workers.HybridWorker.__init__ = counting
+    try:
+        runs = {}
+        for in_actor in (True, False):
+            cfg = load_config(small_run("algorithm=grpo", "train.save_interval=2") + [
+                f"train.save_dir={tmp_path}/ckpt-{in_actor}"])
+            plan = build_plan(cfg)
+            assert plan.rollout_in_actor and "in the actor's process" in plan.render()
+            result = run(cfg, dataclasses.replace(plan, rollout_in_actor=in_actor), output_dir=tmp_path / f"{in_actor}")
+            weights = load_file(str(tmp_path / f"ckpt-{in_actor}" / "step_000002" / "policy" / "model.safetensors"))
+            runs[in_actor] = ([(s, {k: v for k, v in m.items() if not k.startswith("perf/")})
+                               for s, m in result.history], weights)
+    finally:
+        workers.HybridWorker.__init__ = original
+    assert built == [1]  # the first run built one, the second a rollout process of its own
+    (h1, w1), (h2, w2) = runs[True], runs[False]
+    assert h1 == h2
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
 
 
 def test_run_is_recorded_in_mlflow(in_process, small_run, tmp_path):
