@@ -7,8 +7,13 @@ micro-batches of the same size, at the same precision (fp32, or bf16 autocast fo
 with bf16 generation). Relax runs its roles' classes in this process (no Ray); TRL runs with
 `use_vllm=False`, no logging, no evaluation, no saving. Steps alternate between the sides in blocks.
 
+With `--variable` both sides stop at EOS (up to `--completion-len` tokens), as RL responses do, and the rate is
+tokens/s (response tokens per second of step: the two sides sample differently, so their batches differ in
+length); the report gives the spread of response lengths (shortest and longest of the measured steps, each side).
+
     python bench/rl_vs_trl.py --model tiny --dtype float32
     python bench/rl_vs_trl.py --model smollm2_135m --dtype bfloat16 --prompts 4 --group 4 --completion-len 32
+    python bench/rl_vs_trl.py --model smollm2_135m --dtype float32 --prompts 4 --group 4 --completion-len 64 --variable
 """
 
 from __future__ import annotations
@@ -83,11 +88,12 @@ class RelaxInProcess:
         for k, v in zip(self.phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             self.phases[k].append(v)
         self.n_step += 1
+        self.last_lengths = samples.response_mask.sum(-1).tolist()
         self.last_tokens = int(samples.response_mask.sum())
         self.last_prompt_tokens = int(samples.prompt_mask.sum())
         return t4 - t0
 
-    def limit_s(self, completion_len: int) -> dict[str, float]:
+    def limit_s(self, completion_len: float) -> dict[str, float]:
         """The last step's time at this machine's limits (`bench.limits`), in the rollout engine's dtype."""
         from bench.limits import Machine, step_limit_s
         from bench.train_mfu import matmul_params
@@ -119,7 +125,8 @@ def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
 class TRLRunner:
     """TRL's GRPOTrainer on a copy of the same initial model; `block(k)` trains k steps, returns step times."""
 
-    def __init__(self, relax: RelaxInProcess, dtype: str, prompts: int, group: int, completion_len: int, micro: int):
+    def __init__(self, relax: RelaxInProcess, dtype: str, prompts: int, group: int, completion_len: int, micro: int,
+                 variable: bool = False):
         from datasets import Dataset
         from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
@@ -130,21 +137,27 @@ class TRLRunner:
         model.generation_config.use_cache = True
         reward_fn = relax.reward_fn
 
-        def reward(prompts, completions, label, **kwargs):  # noqa: ARG001
+        self.lengths: list[int] = []  # response tokens of every completion generated, in order
+        lengths = self.lengths
+
+        def reward(prompts, completions, label, completion_ids=None, **kwargs):  # noqa: ARG001
+            lengths.extend(len(ids) for ids in completion_ids or [])
             return [float(reward_fn(c, lab)) for c, lab in zip(completions, label, strict=True)]
 
         items = [relax.sampler.dataset[i] for i in range(min(len(relax.sampler.dataset), 512))]
         data = Dataset.from_list([{"prompt": it.prompt_text, "label": it.label} for it in items])
         n = prompts * group
         self.times: list[float] = []
-        times = self.times
+        self.tokens: list[int] = []  # response tokens of each step
+        times, tokens = self.times, self.tokens
 
         class StepTimes(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                self.t0 = time.perf_counter()
+                self.t0, self.seen = time.perf_counter(), len(lengths)
 
             def on_step_end(self, args, state, control, **kw):
                 times.append(time.perf_counter() - self.t0)
+                tokens.append(sum(lengths[self.seen:]))
 
         self.tmp = tempfile.TemporaryDirectory()
         args = GRPOConfig(
@@ -155,7 +168,8 @@ class TRLRunner:
             optim="adamw_torch_fused",  # TRL's default, and the AdamW Relax runs
             temperature=cfg.rollout.temperature, top_p=1.0, top_k=0, loss_type="grpo",
             scale_rewards="group", bf16=dtype == "bfloat16", fp16=False, use_cpu=True, use_vllm=False,
-            generation_kwargs={"min_new_tokens": completion_len},  # EOS off: exactly completion_len tokens
+            # EOS off: exactly completion_len tokens (`variable`: up to completion_len, stopping at EOS)
+            generation_kwargs={} if variable else {"min_new_tokens": completion_len},
             report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
             gradient_checkpointing=False,  # TRL turns it on by default; Relax trains without it
             log_completions=False, dataloader_num_workers=0, seed=cfg.seed, max_steps=1, shuffle_dataset=True,
@@ -175,33 +189,53 @@ class TRLRunner:
 
 
 def compare(model: str, dtype: str, *, prompts: int, group: int, completion_len: int, micro: int, blocks: int,
-            steps_per_block: int, log=print) -> dict:
-    """Alternating blocks of `steps_per_block` steps per side; the first step of each block is a warm-up."""
+            steps_per_block: int, variable: bool = False, log=print) -> dict:
+    """Alternating blocks of `steps_per_block` steps per side; the first step of each block is a warm-up. The rate is
+    samples/s, or response tokens/s with `variable` (responses stop at EOS)."""
     torch.manual_seed(0)
-    relax = RelaxInProcess(relax_overrides(model, dtype, prompts, group, completion_len, micro))
-    trl = TRLRunner(relax, dtype, prompts, group, completion_len, micro)
+    relax = RelaxInProcess(relax_overrides(model, dtype, prompts, group, completion_len, micro),
+                           fixed_length=not variable)
+    trl = TRLRunner(relax, dtype, prompts, group, completion_len, micro, variable=variable)
     n = prompts * group
+    unit = "tokens/s" if variable else "samples/s"
     per_side: dict[str, Series] = {"relax": Series(), "trl": Series()}
+    lengths: dict[str, list[int]] = {"relax": [], "trl": []}
+    relax_tokens: list[int] = []  # response tokens of Relax's measured steps
     relax.step()  # warm-up (oneDNN kernels, allocator)
     for b in range(blocks):
         order = ["relax", "trl"] if b % 2 == 0 else ["trl", "relax"]
         for side in order:
             if side == "relax":
-                times = [relax.step() for _ in range(steps_per_block)]
+                times, tokens = [], []
+                for _ in range(steps_per_block):
+                    times.append(relax.step())
+                    tokens.append(relax.last_tokens)
+                    lengths["relax"] += relax.last_lengths
             else:
+                first = len(trl.lengths)
                 times = trl.block(steps_per_block)
-            keep = times[1:] if len(times) > 1 else times
-            per_side[side].values.append(n / (sum(keep) / len(keep)))
-            log(f"  [{model} {dtype}] block {b} {side}: {per_side[side].values[-1]:.2f} samples/s "
+                tokens = trl.tokens[-len(times):]
+                lengths["trl"] += trl.lengths[first:]
+            keep = slice(1, None) if len(times) > 1 else slice(None)
+            if side == "relax":
+                relax_tokens += tokens[keep]
+            rate = sum(tokens[keep]) / sum(times[keep]) if variable else n / (sum(times[keep]) / len(times[keep]))
+            per_side[side].values.append(rate)
+            log(f"  [{model} {dtype}] block {b} {side}: {rate:.2f} {unit} "
                 f"(step times {', '.join(f'{t:.2f}' for t in times)} s)")
     phases = {k: sum(v[1:]) / max(1, len(v) - 1) for k, v in relax.phases.items()}
-    limit = relax.limit_s(completion_len)
+    # the limit of a step at its mean response length (variable) or exactly completion_len tokens
+    mean_len = sum(relax_tokens) / len(relax_tokens) / n if variable and relax_tokens else completion_len
+    limit = relax.limit_s(mean_len)
     log(f"  [{model} {dtype}] limit of a step: {limit}")
+    step_s = [sum(relax_tokens) / len(relax_tokens) / v if variable else n / v for v in per_side["relax"].values]
     return {
         "model": model, "dtype": dtype, "samples_per_step": n, "completion_len": completion_len, "micro": micro,
+        "variable": variable, "unit": unit,
+        "lengths": {k: (min(v), max(v)) if v else (0, 0) for k, v in lengths.items()},
         "relax": per_side["relax"], "trl": per_side["trl"], "ratio": ratio_series(per_side["relax"], per_side["trl"]),
         "relax_phases_s": phases, "limit_s": limit,
-        "vs_limit": Series([n / v / limit["total"] for v in per_side["relax"].values]),
+        "vs_limit": Series([t / limit["total"] for t in step_s]),
     }
 
 
@@ -215,12 +249,14 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--steps-per-block", type=int, default=3)
+    ap.add_argument("--variable", action="store_true", help="responses stop at EOS; the rate is tokens/s")
     a = ap.parse_args()
     r = compare(a.model, a.dtype, prompts=a.prompts, group=a.group, completion_len=a.completion_len, micro=a.micro,
-                blocks=a.blocks, steps_per_block=a.steps_per_block)
-    print(f"relax {r['relax'].median:.2f} samples/s ({r['relax'].spread}); trl {r['trl'].median:.2f} "
+                blocks=a.blocks, steps_per_block=a.steps_per_block, variable=a.variable)
+    print(f"relax {r['relax'].median:.2f} {r['unit']} ({r['relax'].spread}); trl {r['trl'].median:.2f} "
           f"({r['trl'].spread}); ratio {r['ratio'].median:.2f}x ({r['ratio'].spread}); "
-          f"relax phases {r['relax_phases_s']}; step / limit {r['vs_limit'].median:.2f}x")
+          f"relax phases {r['relax_phases_s']}; step / limit {r['vs_limit'].median:.2f}x; response lengths "
+          f"{r['lengths']}")
 
 
 if __name__ == "__main__":

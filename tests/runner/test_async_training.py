@@ -40,10 +40,12 @@ SAME_DATA = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/
 ONE_THREAD = "cluster.cpus_per_node=1"  # the same torch thread count in every mode: the same floats
 
 
-def slow_generation(monkeypatch, seconds_per_token: float = 0.02) -> None:
+def slow_generation(monkeypatch, seconds_per_token: float = 0.05) -> None:
     """The embedded engine takes `seconds_per_token` per decoding step (in this process): generating a batch then
-    takes longer than training one, so every weight update finds a generation in flight and partial rollout
-    interrupts it, whatever the machine's speed."""
+    takes longer than training one, so weight updates find a generation in flight and partial rollout interrupts
+    it, even on a loaded machine (a sleep is not slowed by load; the trainer's compute is: at 0.02 s a token, a run
+    in the full suite once saw its pump generate every batch between two updates, the rewards being scored in a
+    thread of their own)."""
     from relax.roles.workers import RolloutWorker
 
     original = RolloutWorker._should_abort
