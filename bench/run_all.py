@@ -137,8 +137,8 @@ def settings(mode: str) -> Settings:
                           reps=2 if quick else 3) for dtype in ("float32", "bfloat16")]
         + ([] if quick else [dict(model="smollm2_135m", dtype="float32", rows=16, prompt_len=32, response_len=96,
                                   micro=8, reps=2, gradient_checkpointing=True)]),
-        growth_runs=[dict(model="smollm2_135m", dtype="float32", tokens=2048, prompt_len=16,
-                          lengths=[32, 64, 128, 256] if quick else [32, 64, 128, 256, 512], prompts=4,
+        growth_runs=[dict(model="smollm2_135m", dtype="float32", tokens=1024, prompt_len=16,
+                          lengths=[32, 64, 128, 256] if quick else [32, 64, 128, 256, 512], prompts=2,
                           groups=[2, 4, 8] if quick else [2, 4, 8, 16], group_len=64, budget=1024,
                           reps=1 if quick else 2)],
         overhead_runs=[(["model=tiny"], 8 if quick else 12), (["model=tiny"], 3, True)]
