@@ -26,27 +26,27 @@ SGLANG = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_repli
           "rollout.sglang.startup_timeout_s=120"]
 
 
-def test_grpo_learns_through_two_embedded_servers_behind_the_router_and_survives_a_killed_engine(
+def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_survives_a_killed_engine(
         ray_local, tmp_path):
-    """Sync GRPO on the default task, as tests/runner/test_training.py's in-process learning test, with the rollout
-    over HTTP: every step's tokens carry the version pushed that step, the rollout log-probs are the trainer's
-    on-policy ones (fp32), the reward rises, and a server killed mid-run is replaced without a lost sample."""
+    """Sync GRPO on the default task with the rollout over HTTP: every step's tokens carry the version pushed that
+    step and their rollout log-probs are the trainer's on-policy ones (fp32), so the servers generate with exactly
+    the weights trained so far (that the algorithm learns on this task is tests/runner/test_training.py's, in
+    process); a server killed mid-run is replaced without a lost sample."""
     import kill_engine_reward
 
-    cfg = load_config([*SGLANG, "algorithm=grpo", "train.num_rollout=20", "seed=1", "model.dtype=float32",
+    steps = 10  # the kill lands in step 4 (kill_engine_reward), its replacement serves the steps after it
+    cfg = load_config([*SGLANG, "algorithm=grpo", f"train.num_rollout={steps}", "seed=1", "model.dtype=float32",
                        "data.reward=kill_engine_reward:reward",
                        "data.reward_timeout_s=null",  # the reward runs in this process (its count is the test's)
                        "tracking.enabled=false",
                        "tracking.progress=false", "train.save=false"])
     result = run(cfg, output_dir=tmp_path / "out")
-    assert [s for s, _ in result.history] == list(range(20))
+    assert [s for s, _ in result.history] == list(range(steps))
     for _, m in result.history:
         assert m[STALENESS_MAX] == 0.0  # the servers answered with the weights of this very step
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4  # rollout log-probs = the trainer's on-policy log-probs
         assert m[WEIGHT_BUCKETS] == 1  # the tiny model's weights fit one bucket (tests/sglang split bigger ones)
-    rewards = result.series(RAW_REWARD)
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.08, rewards
+    assert len(result.series(RAW_REWARD)) == steps
     assert len(kill_engine_reward.killed) == 1
     assert [m[FAULT_RESTARTS_ROLLOUT] for _, m in result.history][3:6] == [0.0, 1.0, 1.0] or \
         result.history[-1][1][FAULT_RESTARTS_ROLLOUT] == 1.0
