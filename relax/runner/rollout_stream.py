@@ -427,14 +427,21 @@ class RolloutStream:
         self._next_prompt += len(items)
         return items, ids
 
+    def _wait_for(self, work: Callable[[], Any]) -> Any:
+        """Under the lock: the first non-None answer of `work()`, waiting for the other threads' notifications
+        between tries; None once the stream is closed."""
+        while (found := work()) is None:
+            if self._closed:
+                return None
+            self._cond.wait()
+        return found
+
     def _pump(self) -> None:
         try:
             while True:
                 with self._cond:
-                    while (work := self._next_call()) is None:
-                        if self._closed:
-                            return
-                        self._cond.wait()
+                    if (work := self._wait_for(self._next_call)) is None:
+                        return
                     cur, version = work
                     self._at_rest = False
                     self._gen_id += 1
@@ -490,10 +497,8 @@ class RolloutStream:
         try:
             while True:
                 with self._cond:
-                    while (entry := self._unscored()) is None:
-                        if self._closed:
-                            return
-                        self._cond.wait()
+                    if (entry := self._wait_for(self._unscored)) is None:
+                        return
                     job, samples = entry
                     self._scoring = job.step
                 try:
