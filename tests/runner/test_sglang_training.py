@@ -63,8 +63,9 @@ def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small
     steps, G, B = 5, 4, 4
     cfg = load_config(small_run(*SGLANG, "algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
                                 # long enough that a job outlasts a train step on a loaded machine: every weight
-                                # update then finds one in flight
-                                "rollout.partial_rollout=true", "rollout.max_response_len=48", steps=steps))
+                                # update then finds one in flight (48 tokens once did not, the rewards being scored
+                                # beside generation)
+                                "rollout.partial_rollout=true", "rollout.max_response_len=96", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == list(range(steps))
     for step, m in result.history:
