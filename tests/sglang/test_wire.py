@@ -8,13 +8,16 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import types
 from collections import OrderedDict
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -115,6 +118,61 @@ def test_an_unrelated_process_reads_the_tensors_through_shared_memory():
     expected = ";".join(f"{n}:{t.double().sum().item():.6f}" for n, t in named)
     assert out.stdout.strip() == expected
     del flat  # the sender keeps its tensors alive until the receiver answered
+
+
+def _share_with_a_stopped_manager(stop_s: float, retry_s: tuple, queue) -> None:
+    """In a fresh process (a manager that once timed out answers later and leaves its late answers queued, so a
+    second stop in one process would not be felt): stop this process's torch_shm_manager for `stop_s`, as a loaded
+    machine delays it, and share the test's tensors."""
+    wire.SHM_MANAGER_RETRY_S = retry_s
+    pauses = []
+    wire.time.sleep = lambda s, real=wire.time.sleep: (pauses.append(s), real(s))
+    wire.serialize(torch.zeros(1))  # torch starts the manager on first use
+    mine = [p for p in psutil.Process().children() if p.name() == "torch_shm_manager"]
+    if not mine:
+        queue.put(("error", "torch started no shared-memory manager"))
+        return
+    pid = mine[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(stop_s, os.kill, (pid, signal.SIGCONT))
+    timer.start()
+    named = named_tensors()
+    try:
+        payload = wire.serialize(wire.flatten_bucket(named))
+    except RuntimeError as exc:
+        queue.put(("error", str(exc).splitlines()[0]))
+        return
+    finally:
+        timer.cancel()
+        os.kill(pid, signal.SIGCONT)
+    queue.put(("ok", pauses, same(wire.unflatten_bucket(wire.deserialize(payload)), named)))
+
+
+def _in_a_fresh_process(stop_s: float, retry_s: tuple) -> tuple:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_share_with_a_stopped_manager, args=(stop_s, retry_s, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=120)
+    finally:
+        proc.join(30)
+
+
+def test_a_shared_memory_manager_that_times_out_is_retried():
+    """The manager (a real one, stopped for 2.5 s) misses torch's 1 s deadline: the share waits and succeeds."""
+    result = _in_a_fresh_process(2.5, wire.SHM_MANAGER_RETRY_S)
+    assert result[0] == "ok", result
+    _, pauses, equal = result
+    assert pauses, "the manager answered at once: the test did not make it time out"
+    assert equal
+
+
+def test_a_shared_memory_manager_that_never_answers_fails_with_a_message():
+    result = _in_a_fresh_process(30, (0.1,))
+    assert result[0] == "error", result
+    assert "torch_shm_manager" in result[1] and "did not answer in 2 tries" in result[1]
+    assert "weight_sync=distributed" in result[1]
 
 
 class _Evil:

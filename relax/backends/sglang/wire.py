@@ -23,6 +23,7 @@ import io
 import pickle
 import re
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -120,6 +121,32 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 
 
 _SHARING_LOCK = threading.Lock()
+# torch's shared-memory manager (`torch_shm_manager`, one per process, started on first use) must answer each
+# registration within 1 s; a loaded machine can miss that. The call is retried with these pauses, then fails.
+SHM_MANAGER_RETRY_S = (0.5, 1.0, 2.0, 4.0)
+_SHM_MANAGER_ERRORS = ("Shared memory manager connection has timed out", "error executing torch_shm_manager")
+
+
+def _shm_manager_failed(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _SHM_MANAGER_ERRORS)
+
+
+def _retrying_shm_manager(what: str, call: Any) -> Any:
+    """`call()`, again after each pause of `SHM_MANAGER_RETRY_S` while torch's shared-memory manager times out."""
+    for pause in (*SHM_MANAGER_RETRY_S, None):
+        try:
+            return call()
+        except RuntimeError as exc:
+            if not _shm_manager_failed(exc):
+                raise
+            if pause is None:
+                raise RuntimeError(
+                    f"{what}: torch's shared-memory manager (torch_shm_manager) did not answer in "
+                    f"{1 + len(SHM_MANAGER_RETRY_S)} tries over {sum(SHM_MANAGER_RETRY_S):.1f} s "
+                    f"({str(exc).splitlines()[0]}); the machine "
+                    "is overloaded or /dev/shm is full. rollout.sglang.weight_sync=distributed sends weights "
+                    "without shared memory") from exc
+            time.sleep(pause)
 
 
 def serialize(obj: Any) -> str:
@@ -128,17 +155,22 @@ def serialize(obj: Any) -> str:
     CPU tensors are moved (in place) into named shared memory (torch's `file_system` sharing strategy, set only for
     this dump): the receiver is an unrelated process, which the default `file_descriptor` strategy cannot reach (it
     needs the sender's multiprocessing authkey). CUDA tensors go as CUDA IPC handles. The payload holds handles, not
-    data: the sender must keep the tensors alive until the receiver has answered.
+    data: the sender must keep the tensors alive until the receiver has answered. A timeout of torch's
+    shared-memory manager is retried (`SHM_MANAGER_RETRY_S`).
     """
-    buf = io.BytesIO()
-    with _SHARING_LOCK:
-        previous = torch_mp.get_sharing_strategy()
-        torch_mp.set_sharing_strategy("file_system")
-        try:
-            ForkingPickler(buf).dump(obj)
-        finally:
-            torch_mp.set_sharing_strategy(previous)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+    def dump() -> bytes:
+        buf = io.BytesIO()
+        with _SHARING_LOCK:
+            previous = torch_mp.get_sharing_strategy()
+            torch_mp.set_sharing_strategy("file_system")
+            try:
+                ForkingPickler(buf).dump(obj)
+            finally:
+                torch_mp.set_sharing_strategy(previous)
+        return buf.getvalue()
+
+    return base64.b64encode(_retrying_shm_manager("sharing weights", dump)).decode("ascii")
 
 
 _REDUCTIONS = "torch.multiprocessing.reductions"
@@ -209,13 +241,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def deserialize(payload: str | bytes) -> Any:
     """The object `serialize` (or SGLang's MultiprocessingSerializer) encoded, through a restricted unpickler.
 
-    Raises `pickle.UnpicklingError` naming a refused global, `ValueError` for a payload that is not base64.
+    Raises `pickle.UnpicklingError` naming a refused global, `ValueError` for a payload that is not base64. A
+    timeout of torch's shared-memory manager (mapping a segment registers it) is retried as in `serialize`.
     """
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError, TypeError) as exc:
         raise ValueError(f"serialized tensors are not valid base64: {exc}") from None
-    return _RestrictedUnpickler(io.BytesIO(data)).load()
+    return _retrying_shm_manager("mapping shared weights", lambda: _RestrictedUnpickler(io.BytesIO(data)).load())
 
 
 def init_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
