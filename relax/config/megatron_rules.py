@@ -53,8 +53,11 @@ def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
         require(m.num_layers % pp == 0, ("train.pipeline_parallel_size", "model.num_layers"),
                 f"train.pipeline_parallel_size={pp} must divide model.num_layers={m.num_layers}: pipeline stages "
                 f"hold equal numbers of layers")
+    require(not t.sequence_parallel or tp > 1, ("train.sequence_parallel", "train.tensor_parallel_size"),
+            "train.sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
+            f"train.tensor_parallel_size > 1 (got {t.tensor_parallel_size})")
     require(t.context_parallel_size == 1, "train.context_parallel_size",
             f"train.context_parallel_size={t.context_parallel_size} is not supported by train.backend=megatron: "
-            "megatron-core's context parallelism needs Transformer Engine's attention, and this backend uses the "
-            "local (non-TE) layer spec so that the same code runs on CPU and GPU")
+            "megatron-core's context parallelism runs in Transformer Engine's attention, and this backend does not "
+            "split sequences over ranks yet (train.sequence_parallel splits activations within tensor parallelism)")
     return out

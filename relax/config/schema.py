@@ -200,6 +200,13 @@ class TrainConfig:
     max_staleness: Optional[int] = None
     weight_sync_interval: int = 1  # fully_async: publish weights to the rollout every N steps (<= max_staleness + 1)
     tensor_parallel_size: int = 1
+    # train.backend=megatron, tensor_parallel_size > 1: the tensor-parallel ranks also split the sequence outside
+    # attention and the MLP (norms, residuals, dropout), so each holds 1/tp of those activations
+    sequence_parallel: bool = False
+    # train.backend=megatron: the layers megatron-core builds. local: its own PyTorch modules (CPU and GPU);
+    # transformer_engine: Transformer Engine's fused modules (GPUs, transformer_engine installed on the actor's
+    # machines); auto: transformer_engine where the actor's rank has a GPU and can import it, else local
+    layer_spec: str = choice("auto", ("auto", "local", "transformer_engine"))
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
     dynamic_context_parallel: bool = False

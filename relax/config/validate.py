@@ -240,6 +240,15 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
         r.require(t.context_parallel_size == 1, "train.context_parallel_size",
                   f"train.context_parallel_size={t.context_parallel_size} {NOT_BUILT}: neither backend has context "
                   "parallelism (megatron-core's needs Transformer Engine's attention)")
+        r.require(not t.sequence_parallel, "train.sequence_parallel",
+                  "train.sequence_parallel=true needs train.backend=megatron with train.tensor_parallel_size > 1 "
+                  "(the torch backend has no tensor parallelism)")
+        r.require(t.layer_spec == "auto", "train.layer_spec",
+                  f"train.layer_spec={t.layer_spec} chooses megatron-core's layers: it needs train.backend=megatron")
+    elif t.backend == "megatron" and c.actor_gpus == 0:
+        r.require(t.layer_spec != "transformer_engine", ("train.layer_spec", "cluster.actor_gpus"),
+                  "train.layer_spec=transformer_engine needs GPUs (cluster.actor_gpus > 0): Transformer Engine's "
+                  "modules run on CUDA only; layer_spec=local (or auto) runs on the CPU")
     elif t.backend == "megatron" and c.actor_gpus > 0:
         mp = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
         r.require(c.actor_gpus % mp == 0, ("cluster.actor_gpus", "train.tensor_parallel_size"),

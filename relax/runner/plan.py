@@ -58,6 +58,10 @@ ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its mo
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "prestart_worker_first_driver": False, "num_workers_soft_limit": 0,
                            "enable_metrics_collection": False}
 
+# train.layer_spec as the plan says it (resolved on each rank: where a GPU can import transformer_engine)
+LAYER_SPEC_WORDS = {"auto": "Transformer Engine's where the rank's GPU can import it, else megatron-core's local",
+                    "local": "megatron-core's local modules", "transformer_engine": "Transformer Engine's"}
+
 
 def _share(x: float) -> float:
     """A Ray resource quantity: at most 4 decimals (Ray's precision), rounded down so shares never overflow."""
@@ -207,7 +211,9 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)
     if t.backend == "megatron":
         why["actor"] = (f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout): megatron ranks "
-                        f"tp={t.tensor_parallel_size} x pp={t.pipeline_parallel_size} x dp={data_parallel_size(cfg)}")
+                        f"tp={t.tensor_parallel_size} x pp={t.pipeline_parallel_size} x dp={data_parallel_size(cfg)}"
+                        + (", sequence parallel" if t.sequence_parallel else "")
+                        + f"; layers: {LAYER_SPEC_WORDS[t.layer_spec]} (train.layer_spec={t.layer_spec})")
     replicas = {name: n if name == "rollout" else (world if name == "actor" else 1) for name in names}
     cpus = {name: _share(SHARE[name] / replicas[name]) for name in names}
     # whose devices a role shares: the reference always the actor's (a frozen copy of the policy)

@@ -2,14 +2,16 @@
 
 One launch of tests/megatron/ranks.py (scenario `gpu`) with one rank per visible GPU, at most 2 (TP = ranks):
 fp32 logits and log-probs against transformers / the torch backend on the same GPU, a 3-step fp32 train equal
-to TorchPolicy's, and a 3-step train with bf16 parameters (Megatron's mixed precision: bf16 weights, fp32
-master weights and gradients) against the torch backend's bf16 autocast. Run it with
+to TorchPolicy's (with Transformer Engine's layer spec where transformer_engine is installed: train.layer_spec=auto;
+with sequence parallelism too on two GPUs), and a 3-step train with bf16 parameters (Megatron's mixed precision:
+bf16 weights, fp32 master weights and gradients) against the torch backend's bf16 autocast. Run it with
 `python -m pytest -q tests/gpu/test_megatron_gpu.py` where a GPU is available.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -46,6 +48,20 @@ def test_gpu_fp32_parity(gpu):
             assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
 
 
+def test_gpu_layer_spec_is_transformer_engines_where_installed(gpu):
+    te = importlib.util.find_spec("transformer_engine") is not None
+    assert gpu["layer_spec"] == ("transformer_engine" if te else "local")
+
+
+def test_gpu_sequence_parallel_parity(gpu):
+    if "sp_logprob_max_diff" not in gpu:
+        pytest.skip("sequence parallelism needs two GPUs (TP=2)")
+    assert gpu["sp_logprob_max_diff"] < 1e-4
+    for i, row in enumerate(gpu["train_sp"]):
+        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
+            assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
+
+
 def test_gpu_bf16_training_tracks_torch_autocast(gpu):
     for i, row in enumerate(gpu["train_bf16"]):
         for k in ("train/pg_loss", "train/entropy"):
@@ -63,6 +79,10 @@ def test_gpu_megatron_trains_through_ray(tmp_path):
                        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"train.save_dir={tmp_path}/ckpt"])
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1, 2]
+    te = importlib.util.find_spec("transformer_engine") is not None
+    states = list((tmp_path / "ckpt").rglob("trainer_state.json"))
+    assert states and all(json.loads(p.read_text())["layer_spec"] == ("transformer_engine" if te else "local")
+                          for p in states)
     for _, m in result.history:
         assert all(k in m for k in ("train/pg_loss", "train/grad_norm", "rollout/raw_reward"))
         assert m["train/grad_norm"] == m["train/grad_norm"]  # not NaN

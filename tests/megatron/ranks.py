@@ -166,6 +166,38 @@ def scenario_tp2(rank: int, out: Path, res: dict) -> None:
         megatron_logits(policy, torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5)))
 
 
+def scenario_tp2sp(rank: int, out: Path, res: dict) -> None:
+    """TP=2 with sequence parallelism (train.sequence_parallel): log-prob and gradient parity (norm gradients are
+    partial per rank until finalize sums them), rows of odd length (padded to a multiple of TP), 3-step train;
+    then the norms' `sequence_parallel` marks removed as a negative control (their gradients stay partial)."""
+    sp = dataclasses.replace(TRAIN, tensor_parallel_size=2, sequence_parallel=True)
+    algo = GRPOConfig()
+    policy = MegatronPolicy(MODEL, sp, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, temperature=0.7)
+    torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, temperature=0.7,
+                               num_threads=1)
+    res["sequence_parallel"] = bool(policy.config.sequence_parallel)
+    samples = random_samples(7, 6, 5, seed=1, vocab=VOCAB)
+    res["lengths"] = sorted({int(mb.tokens.shape[1]) for mb in policy._micro_batches(samples, 3)})
+    res["logprob_max_diff"] = float((policy.compute_logprobs(samples, 3)
+                                     - torch_policy.compute_logprobs(samples, 3)).abs().max())
+
+    def grad_rel_diff() -> dict:
+        b = batches()[0]
+        policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=3)
+        torch_policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=3)
+        grads = policy.gradients_hf()
+        ref = {n: p.grad for n, p in torch_policy.model.named_parameters()}
+        torch_policy.optimizer.zero_grad(set_to_none=True)
+        return {n: float((grads[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)) for n in grads}
+
+    res["grad_rel_diff"] = grad_rel_diff()
+    train_parity(policy, torch_policy, algo, res, "train", per_token=True, mbs=3)
+    for module in policy._module().modules():  # negative control
+        if isinstance(getattr(module, "weight", None), torch.Tensor) and hasattr(module.weight, "sequence_parallel"):
+            module.weight.sequence_parallel = False
+    res["unmarked_grad_rel_diff"] = grad_rel_diff()
+
+
 def scenario_dp2(rank: int, out: Path, res: dict) -> None:
     """TP=1 x DP=2 with the distributed optimizer: exact logits, GRPO and M2PO training parity, resume."""
     from relax.algorithms.m2po import M2POConfig
@@ -227,9 +259,11 @@ def scenario_pp2(rank: int, out: Path, res: dict) -> None:
 
 
 def scenario_gpu(rank: int, out: Path, res: dict) -> None:
-    """CUDA/NCCL (tests/gpu): fp32 logits, log-prob and 3-step parity with the torch backend on the same GPU,
-    then a 3-step train with bf16 parameters (Megatron's mixed precision) against the torch backend's autocast."""
+    """CUDA/NCCL (tests/gpu): fp32 logits, log-prob and 3-step parity with the torch backend on the same GPU (with
+    Transformer Engine's layers where it is installed), with sequence parallelism where there are two GPUs, then a
+    3-step train with bf16 parameters (Megatron's mixed precision) against the torch backend's autocast."""
     policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    res["layer_spec"] = policy.layer_spec  # train.layer_spec=auto: Transformer Engine's where it is installed
     torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
     hf = build_model(MODEL, VOCAB, PAD, seed=SEED, device=policy.device).eval()
     ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0)).to(policy.device)
@@ -240,6 +274,13 @@ def scenario_gpu(rank: int, out: Path, res: dict) -> None:
     res["logprob_max_diff"] = float((policy.compute_logprobs(samples, 3)
                                      - torch_policy.compute_logprobs(samples, 3)).abs().max())
     train_parity(policy, torch_policy, GRPOConfig(), res, "train", per_token=True, mbs=3)
+    if policy.tp > 1:  # two GPUs or more: sequence parallelism over the tensor-parallel ranks
+        sp = MegatronPolicy(MODEL, dataclasses.replace(TRAIN, sequence_parallel=True), vocab_size=VOCAB,
+                            pad_token_id=PAD, seed=SEED)
+        torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+        res["sp_logprob_max_diff"] = float((sp.compute_logprobs(samples, 3)
+                                            - torch_policy.compute_logprobs(samples, 3)).abs().max())
+        train_parity(sp, torch_policy, GRPOConfig(), res, "train_sp", per_token=True, mbs=3)
     bf16 = dataclasses.replace(MODEL, dtype="bfloat16")
     policy = MegatronPolicy(bf16, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, params_dtype=torch.bfloat16,
                             use_distributed_optimizer=policy.dp > 1)
@@ -247,7 +288,8 @@ def scenario_gpu(rank: int, out: Path, res: dict) -> None:
     train_parity(policy, torch_policy, GRPOConfig(), res, "train_bf16", per_token=True, mbs=3)
 
 
-SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "dp2": (scenario_dp2, 1, 1), "pp2": (scenario_pp2, 1, 2),
+SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "tp2sp": (scenario_tp2sp, 2, 1), "dp2": (scenario_dp2, 1, 1),
+             "pp2": (scenario_pp2, 1, 2),
              "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP)
 
 

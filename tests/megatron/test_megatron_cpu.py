@@ -4,6 +4,7 @@ Two multi-process launches (tests/megatron/ranks.py) check many things each:
 - `tp2` (TP=2, DP=1, vocabulary padded 33 -> 34): logits vs transformers, the k/v-swap negative control,
   log-prob and post-finalize gradient parity, a 3-step train equal to TorchPolicy's, checkpoint resume, weight
   sync into the embedded rollout engine, HF export.
+- `tp2sp` (TP=2 with sequence parallelism): log-prob, gradient and 3-step parity; norms unmarked as a control.
 - `dp2` (TP=1, DP=2, distributed optimizer; then the plain optimizer with M2PO): exact logits at TP=1, 3-step
   GRPO and M2PO trains equal to TorchPolicy's (M2PO's step statistics all-gathered over data parallelism),
   resume with the distributed optimizer's per-rank state.
@@ -86,8 +87,9 @@ def launch(scenarios: str, world: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    """The TP=2, DP=2 (TP=1) and PP=2 scenarios, in one launch of two rank processes."""
-    return launch("tp2,dp2,pp2", 2, tmp_path_factory.mktemp("megatron"))
+    """The TP=2 (without and with sequence parallelism), DP=2 (TP=1) and PP=2 scenarios, in one launch of two rank
+    processes."""
+    return launch("tp2,tp2sp,dp2,pp2", 2, tmp_path_factory.mktemp("megatron"))
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,34 @@ def test_tp2_hf_export_round_trip(tp2):
     assert tp2["export_tied"] is True
     assert tp2["export_weight_max_diff"] == 0.0
     assert tp2["export_logits_max_diff"] < 1e-5
+
+
+# ---- TP=2 with sequence parallelism -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp2sp(launched) -> dict:
+    return launched["tp2sp"]
+
+
+def test_tp2_sequence_parallel_logprobs_gradients_and_steps_equal_torch(tp2sp):
+    """train.sequence_parallel: the same numbers as the torch backend (norm gradients summed over the ranks that
+    each saw half of the sequence), rows of odd length padded to a multiple of TP."""
+    assert tp2sp["sequence_parallel"] is True
+    assert all(n % 2 == 0 for n in tp2sp["lengths"]), tp2sp["lengths"]
+    assert tp2sp["logprob_max_diff"] < 1e-5
+    worst = max(tp2sp["grad_rel_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < REL, worst
+    assert_same_steps(tp2sp["train"], STEP_KEYS)
+
+
+def test_tp2_sequence_parallel_norms_unmarked_give_partial_gradients(tp2sp):
+    """Negative control: without their `sequence_parallel` mark the norms' gradients are not summed over the
+    tensor-parallel ranks, and differ from the torch backend's; the other weights' do not."""
+    diffs = tp2sp["unmarked_grad_rel_diff"]
+    norms = {n: d for n, d in diffs.items() if "layernorm" in n or n == "model.norm.weight"}
+    assert len(norms) == 5 and min(norms.values()) > 0.05, norms
+    assert max(d for n, d in diffs.items() if n not in norms) < 1e-3
 
 
 # ---- TP=1 x DP=2 ------------------------------------------------------------------------------------
@@ -277,3 +307,28 @@ def test_unsupported_architecture_is_named():
         check_parallel_sizes(spec, tp=4, pp=1)
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 must divide"):
         check_parallel_sizes(spec, tp=1, pp=3)
+
+
+def test_transformer_engine_names_are_the_local_specs_names():
+    """A Transformer Engine model's fused norm weights convert as the local spec's norms: the pairs megatron-core
+    itself maps between the two specs (the local spec's `sharded_state_dict_keys_map`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from relax.backends.megatron import convert
+
+    pairs = get_gpt_layer_local_spec(qk_layernorm=True).submodules.sharded_state_dict_keys_map
+    assert len(pairs) == 2
+    for local, te in pairs.items():
+        assert convert.local_to_global(f"decoder.layers.1.{te}weight", 2) == f"decoder.layers.3.{local}weight"
+    assert convert.local_to_global("decoder.layers.0.self_attention.linear_qkv.weight", 1) == \
+        "decoder.layers.1.self_attention.linear_qkv.weight"
+
+
+def test_layer_spec_resolution():
+    from relax.backends.megatron import model
+
+    cpu = torch.device("cpu")
+    assert model.resolve_layer_spec("auto", cpu) == "local"
+    assert model.resolve_layer_spec("local", cpu) == "local"
+    with pytest.raises(ValueError, match="layer_spec=transformer_engine: this rank runs on cpu"):
+        model.resolve_layer_spec("transformer_engine", cpu)

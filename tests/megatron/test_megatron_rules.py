@@ -61,6 +61,25 @@ def test_context_parallel_rejected_with_reason_and_m2po_names_itself():
     assert any("train.dynamic_context_parallel" in x.fields for x in found)
 
 
+def test_sequence_parallel_needs_tensor_parallelism_and_the_megatron_backend():
+    assert megatron_violations(cfg(tensor_parallel_size=2, sequence_parallel=True)) == []
+    v = megatron_violations(cfg(sequence_parallel=True))
+    assert fields(v) == {"train.sequence_parallel", "train.tensor_parallel_size"}
+    from relax.config.validate import validate
+
+    found = validate(RelaxConfig(train=TrainConfig(sequence_parallel=True, layer_spec="local")))
+    assert {"train.sequence_parallel", "train.layer_spec"} <= fields(found)
+    assert any("needs train.backend=megatron" in x.message for x in found if "train.layer_spec" in x.fields)
+
+
+def test_transformer_engine_layers_need_gpus():
+    from relax.config.validate import validate
+
+    found = validate(cfg(layer_spec="transformer_engine"))
+    assert any(x.fields == ("train.layer_spec", "cluster.actor_gpus") for x in found)
+    assert not any("train.layer_spec" in x.fields for x in validate(cfg(layer_spec="local")))
+
+
 def test_unsupported_architecture():
     v = megatron_violations(cfg(model=dict(arch="qwen3_5")))
     assert fields(v) == {"model.arch"} and "qwen3_5" in v[0].message

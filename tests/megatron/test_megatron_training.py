@@ -32,7 +32,7 @@ def overrides(tmp_path, name: str, *extra: str) -> list[str]:
             f"train.save_dir={tmp_path}/{name}", *extra]
 
 
-def test_megatron_tp2_trains_through_ray_like_the_torch_backend(tmp_path, ray_local, fresh_store):
+def test_megatron_tp2_sequence_parallel_trains_through_ray_like_the_torch_backend(tmp_path, ray_local, fresh_store):
     import torch
     from inprocess_ray import inprocess_ray
     from transformers import AutoModelForCausalLM
@@ -42,7 +42,7 @@ def test_megatron_tp2_trains_through_ray_like_the_torch_backend(tmp_path, ray_lo
 
     fresh_store(tmp_path)
     mega = run(load_config(overrides(tmp_path, "mega", "train.backend=megatron", "train.tensor_parallel_size=2",
-                                     "train.save_hf=true")), output_dir=tmp_path / "a")
+                                     "train.sequence_parallel=true", "train.save_hf=true")), output_dir=tmp_path / "a")
     with inprocess_ray():  # the torch backend's first step, for comparison: its roles in this process
         ref = run(load_config(overrides(tmp_path, "torch", "train.num_rollout=1")), output_dir=tmp_path / "b")
     assert [s for s, _ in mega.history] == [0, 1, 2]
@@ -55,7 +55,8 @@ def test_megatron_tp2_trains_through_ray_like_the_torch_backend(tmp_path, ray_lo
 
     hf = tmp_path / "mega" / "step_000003" / "hf"
     model = AutoModelForCausalLM.from_pretrained(str(hf), local_files_only=True)
-    assert (tmp_path / "mega" / "step_000003" / "policy").is_dir()
+    state = json.loads((tmp_path / "mega" / "step_000003" / "policy" / "trainer_state.json").read_text())
+    assert state["layer_spec"] == "local"  # train.layer_spec=auto on a CPU
     ids = torch.tensor([[3, 4, 5, 6]])
     assert torch.isfinite(model(ids).logits).all()
     # at the end of the run (train.save_hf=true) the final checkpoint's hf/ is exported to <save_dir>/hf as it is

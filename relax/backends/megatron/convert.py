@@ -1,6 +1,7 @@
 """Hugging Face <-> Megatron-core state dicts (Qwen3 and Llama layouts), per tensor-parallel rank.
 
-Megatron names are those of `GPTModel` with the local layer spec; layer indices here are GLOBAL (a pipeline
+Megatron names are those of `GPTModel` with the local layer spec (`local_to_global` gives a Transformer Engine
+model's names these too); layer indices here are GLOBAL (a pipeline
 stage's local index plus its layer offset). Layouts:
 - `linear_qkv`: per query group g (of num_key_value_heads), the group's query heads, then its key head, then
   its value head; tensor-parallel rank r holds groups r*G/TP .. (r+1)*G/TP-1, so the ranks' shards concatenate
@@ -170,15 +171,20 @@ def megatron_to_hf(spec: ArchSpec, shard_dicts: list[dict[str, torch.Tensor]]) -
     return out
 
 
+# Transformer Engine's layer spec fuses each layer's input norm into `linear_qkv` and its pre-MLP norm into
+# `linear_fc1` (megatron-core's own key map between the two specs): the same tensors, named here as the local spec
+# names them, so that conversion, checkpoints and weight sync see one set of names whichever spec built the model.
+TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+            "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
 def local_to_global(name: str, layer_offset: int) -> str:
-    """A stage's parameter name with its local layer index made global."""
+    """A stage's parameter name (either layer spec) as the converter names it: its layer index made global, a
+    Transformer Engine name as the local spec's (`TE_NAMES`)."""
     m = _LAYER.match(name)
-    return name if m is None else f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}"
-
-
-def global_to_local(name: str, layer_offset: int) -> str:
-    m = _LAYER.match(name)
-    return name if m is None else f"decoder.layers.{int(m.group(1)) - layer_offset}.{m.group(2)}"
+    if m is None:
+        return name
+    return f"decoder.layers.{int(m.group(1)) + layer_offset}.{TE_NAMES.get(m.group(2), m.group(2))}"
 
 
 def hf_layer_index(hf_name: str) -> int | None:

@@ -54,6 +54,11 @@ CALL_SITES: dict[str, int] = {
     "megatron.core.models.common.language_module.language_module": 1,
     # norm / zero-count buffers on 'cuda' (redirected) and the 'torch.cuda.FloatTensor' assertion (replaced)
     "megatron.core.optimizer.clip_grads": 6,
+    # sequence parallelism: the all-gather / reduce-scatter buffers along the sequence (5 sites), and those of the
+    # column-parallel linear's gathered input and its backward (8, of which the weight-gradient fusion's are off
+    # the CPU path: gradient_accumulation_fusion=False)
+    "megatron.core.tensor_parallel.mappings": 5,
+    "megatron.core.tensor_parallel.layers": 8,
 }
 REDIRECTED_MODULES: tuple[str, ...] = tuple(CALL_SITES)
 # Modules the CPU runs load whose CUDA call sites stay as they are, with their counts (as CALL_SITES): none of these
@@ -90,15 +95,13 @@ UNREDIRECTED_SITES: dict[str, int] = {
     "megatron.core.transformer.moe.router": 6,
     "megatron.core.transformer.multi_token_prediction": 2,
     # used, on paths the CPU runs do not take: DDP's overlapped communication stream and memory-freeing helpers
-    # (overlap_grad_reduce=False), the NCCL groups' barriers (gloo here), GPU weight initialisation and sequence
-    # parallelism (use_cpu_initialization=True, sequence_parallel=False), CUDA RNG seeding (dropout: not used;
+    # (overlap_grad_reduce=False), the NCCL groups' barriers (gloo here), GPU weight initialisation
+    # (use_cpu_initialization=True), CUDA RNG seeding (dropout: not used;
     # activation recompute's RNG states go through the replaced functions of _RNG), the broadcast of data (Relax
     # gives each rank its batch), loss scaling (fp16 only), timers and the rerun state machine (not enabled), the
     # MTP/inference branches of GPTModel and of attention, the layer's CUDA-graph and offloading branches
     "megatron.core.distributed.distributed_data_parallel": 5,
     "megatron.core.parallel_state": 5,
-    "megatron.core.tensor_parallel.layers": 8,
-    "megatron.core.tensor_parallel.mappings": 5,
     "megatron.core.tensor_parallel.random": 2,
     "megatron.core.tensor_parallel.utils": 2,
     "megatron.core.tensor_parallel.data": 3,

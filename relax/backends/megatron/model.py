@@ -1,11 +1,16 @@
 """Megatron-core GPTModel built from a Hugging Face config: the Qwen3 layout and the Llama layout (SmolLM2).
 
-Layer spec: megatron-core's local (non-Transformer-Engine) spec, with RMSNorm and, for Qwen3, per-head q/k
-RMSNorm. It runs wherever torch does (CPU processes over gloo as well as GPUs); Transformer Engine is not used.
+Layer specs (`train.layer_spec`, resolved by `resolve_layer_spec`), both with RMSNorm and, for Qwen3, per-head
+q/k RMSNorm:
+- `local`: megatron-core's own PyTorch modules; runs wherever torch does (CPU processes over gloo as well as
+  GPUs). Its norms are `SequenceParallelRMSNorm` (megatron-core's torch norm refuses sequence parallelism).
+- `transformer_engine`: Transformer Engine's modules (fused norm + linear, TE attention); CUDA only. The same
+  weights under two other names (`convert.TE_NAMES`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -103,8 +108,12 @@ def transformer_config(
     autocast_dtype: Optional[torch.dtype] = None,
     use_cpu_initialization: bool = True,
     recompute: bool = False,
+    sequence_parallel: bool = False,
 ) -> Any:
     """The megatron TransformerConfig of `spec`: no dropout, no fusions, no bias, per-token loss scaling.
+
+    `sequence_parallel` (train.sequence_parallel, TP > 1): activations outside attention and the MLP are split
+    along the sequence over the tensor-parallel ranks (the sequence length must be a multiple of TP).
 
     `recompute` (model.gradient_checkpointing): megatron-core's full activation recompute, every layer on its own
     (`recompute_granularity="full"`, `recompute_method="uniform"`, one layer per checkpoint): a layer keeps only its
@@ -143,7 +152,7 @@ def transformer_config(
         perform_initialization=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -160,15 +169,70 @@ def transformer_config(
     )
 
 
+LAYER_SPECS = ("local", "transformer_engine")
+
+
+def transformer_engine_importable() -> bool:
+    """Whether Transformer Engine can be imported here (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
+
+
+def resolve_layer_spec(choice: str, device: torch.device) -> str:
+    """`train.layer_spec` on this rank: auto -> transformer_engine on a CUDA device where Transformer Engine is
+    importable, else local. ValueError for transformer_engine where it cannot run."""
+    te = device.type == "cuda" and transformer_engine_importable()
+    if choice == "auto":
+        return "transformer_engine" if te else "local"
+    if choice == "transformer_engine" and not te:
+        where = "Transformer Engine is not installed here" if device.type == "cuda" else f"this rank runs on {device}"
+        raise ValueError(f"train.layer_spec=transformer_engine: {where} (it needs a CUDA device and "
+                         "`import transformer_engine`); use train.layer_spec=local or auto")
+    if choice not in LAYER_SPECS:
+        raise ValueError(f"train.layer_spec={choice!r}: one of auto, {', '.join(LAYER_SPECS)}")
+    return choice
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as a megatron-core norm module: built as `(config, hidden_size, eps)`, its weight marked
+    `sequence_parallel` when the config is, so that `finalize_model_grads` sums its gradient over the
+    tensor-parallel ranks (each saw only its part of the sequence)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def layer_spec(spec: ArchSpec, config: Any, which: str) -> Any:
+    """What `GPTModel` builds its decoder from: Transformer Engine's layer spec, or the local spec with
+    `SequenceParallelRMSNorm` for every norm (the layers' and the final one) as a whole block's submodules."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if which == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if spec.qk_norm:
+        sub.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+        sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelRMSNorm)
+
+
 def build_gpt_model(spec: ArchSpec, config: Any, *, tp: int, pre_process: bool = True,
-                    post_process: bool = True) -> Any:
-    """A GPTModel (one pipeline stage: `pre_process` holds the embedding, `post_process` the output layer)."""
+                    post_process: bool = True, which: str = "local") -> Any:
+    """A GPTModel (one pipeline stage: `pre_process` holds the embedding, `post_process` the output layer) of
+    layer spec `which` (local | transformer_engine, see `resolve_layer_spec`)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm"),
+        layer_spec(spec, config, which),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=pre_process,
@@ -222,9 +286,16 @@ def freeze_padding_embedding(model: torch.nn.Module, padding_idx: int | None) ->
     if embedding is None or padding_idx is None:
         return
 
+    sequence_parallel = bool(getattr(embedding, "reduce_scatter_embeddings", False))
+
     def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         if output.requires_grad:
             keep = (inputs[0] != padding_idx).unsqueeze(-1).to(output.dtype)  # [b, s, 1], as the output [b, s, h]
+            if sequence_parallel:  # the output is this tensor-parallel rank's part of the sequence, [s / tp, b, h]
+                from megatron.core import parallel_state as ps
+
+                keep = keep.transpose(0, 1).chunk(ps.get_tensor_model_parallel_world_size())[
+                    ps.get_tensor_model_parallel_rank()]
             output.register_hook(lambda grad: grad * keep)
 
     embedding.register_forward_hook(hook)

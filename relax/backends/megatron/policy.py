@@ -53,6 +53,7 @@ from relax.backends.megatron.model import (
     build_gpt_model,
     check_parallel_sizes,
     freeze_padding_embedding,
+    resolve_layer_spec,
     tp_partition_dim,
     transformer_config,
 )
@@ -239,11 +240,16 @@ class MegatronPolicy(PolicyTrainer):
         compute = pick_dtype(model_cfg, self.device)
         self.params_dtype = params_dtype or torch.float32
         autocast = compute if (compute != torch.float32 and self.params_dtype == torch.float32) else None
+        self.sequence_parallel = bool(train_cfg.sequence_parallel) and self.tp > 1
+        if train_cfg.sequence_parallel and self.tp == 1:
+            raise ValueError("train.sequence_parallel=true needs train.tensor_parallel_size > 1")
+        self.layer_spec = resolve_layer_spec(train_cfg.layer_spec, self.device)
         self.config = transformer_config(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.params_dtype,
                                          autocast_dtype=autocast, use_cpu_initialization=True,
-                                         recompute=model_cfg.gradient_checkpointing)
+                                         recompute=model_cfg.gradient_checkpointing,
+                                         sequence_parallel=self.sequence_parallel)
         model = build_gpt_model(self.spec, self.config, tp=self.tp, pre_process=self.first_stage,
-                                post_process=self.last_stage)
+                                post_process=self.last_stage, which=self.layer_spec)
         freeze_padding_embedding(model, padding_idx)
         self.layer_offset = int(get_transformer_layer_offset(self.config))
         self.layers = range(self.layer_offset, self.layer_offset + self.spec.num_layers // self.pp)
@@ -316,6 +322,9 @@ class MegatronPolicy(PolicyTrainer):
         out = []
         for rows in length_sorted_micro_batches(samples, micro_batch_size):
             tokens, cols, targets, t = left_aligned(samples.select(rows), self.pad_token_id)
+            if self.sequence_parallel and tokens.shape[1] % self.tp:  # each TP rank takes L / tp positions
+                pad = self.tp - tokens.shape[1] % self.tp  # at the end: causal attention keeps them out of the rest
+                tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], pad), self.pad_token_id)], dim=1)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
             out.append(_MicroBatch(rows=rows, tokens=tokens.to(self.device), positions=positions.to(self.device),
                                    gather_cols=cols.to(self.device), targets=targets.to(self.device), t=t))
@@ -639,7 +648,7 @@ class MegatronPolicy(PolicyTrainer):
         if torch.distributed.get_rank() == 0:
             (directory / STATE_FILE).write_text(json.dumps({
                 "step": self.step, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                "data_parallel_size": self.dp}))
+                "data_parallel_size": self.dp, "layer_spec": self.layer_spec}))
         torch.distributed.barrier()
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
@@ -655,6 +664,11 @@ class MegatronPolicy(PolicyTrainer):
         error: Optional[Exception] = None
         try:
             meta = self._read_checkpoint_meta(directory)
+            saved_spec = meta.get("layer_spec", "local")
+            if load_optimizer and saved_spec != self.layer_spec:  # weights are named alike; the optimizer's order not
+                raise ValueError(f"checkpoint {str(directory)!r} was trained with train.layer_spec={saved_spec}, "
+                                 f"this trainer builds {self.layer_spec}: its optimizer state does not apply; set "
+                                 f"train.layer_spec={saved_spec} to resume")
             weights = load_safetensors_file(directory / MODEL_FILE.format(**{**names, "dp": 0}))
             if load_optimizer:
                 opt_file = directory / OPTIMIZER_FILE.format(**names)
