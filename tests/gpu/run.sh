@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU check in one short run, where a CUDA GPU is available (they skip without one):
 #   bash tests/gpu/run.sh
-# 1. tests/gpu: the Megatron backend on CUDA (NCCL, bf16) and Relax driving a real SGLang server (launch, bf16
-#    parity with transformers, weight sync by CUDA IPC and by broadcast, memory release); tests/runner: colocated
-#    roles computing on the GPU.
+# 1. tests/gpu: the Megatron backend on CUDA (NCCL, bf16; Transformer Engine's layer spec where transformer_engine
+#    is installed, sequence parallelism where there are two GPUs) and Relax driving a real SGLang server (launch,
+#    bf16 parity with transformers, weight sync by CUDA IPC buckets and by an NCCL/gloo update group, memory
+#    release); tests/runner: colocated roles computing on the GPU.
 # 2. where sglang is installed: SGLang's protocol conformance suite (tests/sglang/test_conformance.py) against a
 #    real `sglang.launch_server` on 127.0.0.1:30000 serving SmolLM2-135M (its GGUF converted to a bf16 HF
 #    directory, shared with step 1 through $RELAX_SGLANG_HF_DIR); the server is stopped on exit.
