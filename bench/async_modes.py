@@ -13,6 +13,7 @@ best hide the shorter phase behind the longer one.
     python bench/async_modes.py --steps 12 --reps 2
     python bench/async_modes.py --steps 12 rollout.max_response_len=16     # other work: any relax-train override
     python bench/async_modes.py --steps 8 --reps 1 --judged                # rewards that take time (see `judged`)
+    python bench/async_modes.py --modes sync,fully_async,fully_async_unstaged model=smollm2_135m ...  # staging
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ MODES = {
     # the engine's log-probs as the behaviour policy's: no recomputation of stale tokens' old log-probs on the actor
     "fully_async_rollout_logp": ["train.mode=fully_async", "train.max_staleness=2",
                                  "algorithm.use_rollout_logprobs=true"],
+    # the asynchronous modes without rollout.stage_weights (each load copies the weights on the rollout's critical
+    # path): `--modes sync,hybrid,hybrid_unstaged,fully_async,fully_async_unstaged` compares the two side by side
+    "hybrid_unstaged": ["train.mode=hybrid", "rollout.stage_weights=false"],
+    "fully_async_unstaged": ["train.mode=fully_async", "train.max_staleness=2", "rollout.stage_weights=false"],
 }
+DEFAULT_MODES = ("sync", "hybrid", "fully_async", "fully_async_rollout_logp")
 # A reward that takes time, as a judge model or a code sandbox does: the digits reward after JUDGE_S seconds a call
 # (a sleep: it costs no CPU, so on two cores the engines can use the time). `--judged` scores with it.
 JUDGE_S = 0.02
@@ -76,7 +82,7 @@ def run_once(overrides: list[str], steps: int, warmup: int) -> dict:
 
 
 def compare(work: list[str], steps: int, reps: int, warmup: int = 2, log=print,
-            modes: tuple[str, ...] = tuple(MODES)) -> dict:
+            modes: tuple[str, ...] = DEFAULT_MODES) -> dict:
     """{mode: {"samples_per_s": Series, "train_idle": Series, ...}, "speedup": {mode: Series vs sync}} for `modes`
     (sync among them)."""
     out: dict = {m: {} for m in modes}
@@ -101,9 +107,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--judged", action="store_true", help=f"score with `judged` ({JUDGE_S} s a reward call)")
     ap.add_argument("overrides", nargs="*", help=f"relax-train overrides for the work (default: {' '.join(WORK)})")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, sync first; of {list(MODES)}")
     a = ap.parse_args()
-    r = compare([*(a.overrides or WORK), *(JUDGED if a.judged else [])], a.steps, a.reps, a.warmup)
-    for mode in MODES:
+    modes = tuple(a.modes.split(","))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "sync" not in modes:
+        ap.error(f"--modes: {unknown or 'sync missing'} (known: {', '.join(MODES)}; sync is the baseline)")
+    r = compare([*(a.overrides or WORK), *(JUDGED if a.judged else [])], a.steps, a.reps, a.warmup, modes=modes)
+    for mode in modes:
         print(f"{mode:<12} {r[mode]['samples_per_s'].median:7.1f} samples/s  x{r['speedup'][mode].median:.2f} vs sync  "
               f"train idle {r[mode]['train_idle'].median:.0%}  rollout idle {r[mode]['rollout_idle'].median:.0%}")
 

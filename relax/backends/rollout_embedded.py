@@ -16,6 +16,7 @@ response), `response_mask` 1 on generated tokens including the stop token. `roll
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Optional
 
@@ -263,28 +264,97 @@ class EmbeddedEngine:
         # the names of LoRA adapter tensors injected into `model` (relax.backends.lora.inject_adapters): a weight
         # update may then hold exactly these, the base weights staying as they are
         self.adapter_keys: frozenset[str] = frozenset()
+        # weights staged beside generation (`stage_weights`): name -> tensor, their version (-1: none)
+        self._staged: dict[str, torch.Tensor] = {}
+        self._staged_version = -1
+        self._weights_lock = threading.Lock()
+        self.swapped_loads = 0  # loads that swapped staged weights in
 
     def _decoder(self):
         return _LlamaFamilyDecoder(self.model) if self.fast_path else _GenericDecoder(self.model)
 
-    @torch.inference_mode()
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Copy `state_dict` into the existing parameters and buffers (strict key match: every weight, or exactly the
-        injected adapters), then set the version."""
+    def _targets(self, state_dict: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+        """The model's tensor for each key of `state_dict` (one per distinct tensor: a tied weight, which may come
+        under either of its names, once), after a strict key match: every weight, or exactly the injected adapters."""
         targets = self.model.state_dict(keep_vars=True)
         unexpected = sorted(k for k in state_dict if k not in targets)
         given = {id(targets[k]) for k in state_dict if k in targets}
-        # a tied weight (lm_head = embeddings) may come under either of its names
         missing = [] if self.adapter_keys and set(state_dict) == self.adapter_keys else \
             sorted(k for k, v in targets.items() if k not in state_dict and id(v) not in given)
         if missing or unexpected:
-            raise KeyError(f"load_weights: missing keys {missing}, unexpected keys {unexpected}")
+            raise KeyError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
         for key, tensor in state_dict.items():
             target = targets[key]
             if target.shape != tensor.shape:
-                raise ValueError(f"load_weights: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
-        self.weight_version = int(version)
+                raise ValueError(f"{what}: {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            if id(target) not in seen:
+                seen.add(id(target))
+                out[key] = target
+        return out
+
+    def stage_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> bool:
+        """Copy `state_dict` into new memory laid out as the model's (each weight at its place in a storage like the
+        one it lies in, so that the fast path's fused weights stay fused) without touching the model: safe while
+        another thread generates. `load_weights` of this version then swaps it in instead of copying, and the old
+        memory is freed. A version not newer than the one staged or loaded is skipped (returns False)."""
+        with self._weights_lock:
+            if version <= max(self.weight_version, self._staged_version):
+                return False
+            targets = self._targets(state_dict, "stage_weights")
+            self._staged, self._staged_version = {}, -1
+            storages: dict[int, torch.UntypedStorage] = {}
+            for key, target in targets.items():  # (plain tensors, as `_fuse` makes: not inference-mode ones)
+                live = target.untyped_storage()
+                storage = storages.get(live.data_ptr())
+                if storage is None:
+                    storage = storages[live.data_ptr()] = torch.UntypedStorage(live.nbytes(), device=target.device)
+                with torch.no_grad():
+                    staged = torch.empty(0, dtype=target.dtype, device=target.device)
+                    staged.set_(storage, target.storage_offset(), target.shape, target.stride())
+                    staged.copy_(state_dict[key])
+                self._staged[key] = staged
+            self._staged_version = int(version)
+            return True
+
+    @torch.inference_mode()
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Make `state_dict` the model's weights (strict key match: every weight, or exactly the injected adapters)
+        and set the version: swapped in when `stage_weights` staged this version, else copied into the existing
+        parameters and buffers. Call it between generations."""
+        with self._weights_lock:
+            targets = self._targets(state_dict, "load_weights")
+            if self._staged_version == int(version) and set(self._staged) == set(targets):
+                moved: dict[int, torch.UntypedStorage] = {}  # old storage -> the staged one in its place
+                for key, target in targets.items():
+                    staged = self._staged[key]
+                    moved[target.untyped_storage().data_ptr()] = staged.untyped_storage()
+                    target.data = staged
+                self._repoint_fused(moved)
+                self.swapped_loads += 1
+            else:
+                for key, target in targets.items():
+                    target.copy_(state_dict[key])
+            self._staged, self._staged_version = {}, -1
+            self.weight_version = int(version)
+
+    def _repoint_fused(self, moved: dict[int, torch.UntypedStorage]) -> None:
+        """The fast path's fused q|k|v and gate|up weights (`fused_weights`) lie in storages the model's weights
+        just left: the same place in the storages they moved to (still fused, nothing copied)."""
+        for layer in getattr(getattr(self.model, "model", None), "layers", []):
+            fused = getattr(layer, "_relax_fused", None)
+            if fused is None:
+                continue
+            out = []
+            for f in fused:
+                storage = None if f is None else moved.get(f.untyped_storage().data_ptr())
+                if storage is not None:
+                    with torch.inference_mode(False), torch.no_grad():
+                        f = torch.empty(0, dtype=f.dtype, device=f.device).set_(storage, f.storage_offset(),
+                                                                                 f.shape, f.stride())
+                out.append(f)
+            layer._relax_fused = tuple(out)
 
     @torch.inference_mode()
     def generate(

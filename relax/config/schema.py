@@ -128,6 +128,10 @@ class RolloutConfig:
     # fully_async: a weight update interrupts the responses in flight, which continue from their prefix with the
     # new weights (each token records its version)
     partial_rollout: bool = False
+    # Embedded engines copy each new version of the weights into a second set of tensors while they generate, and
+    # swap it in when the next batch starts (no load on the critical path; one more copy of the weights per engine).
+    # None: on in hybrid and fully_async modes (embedded engines), off otherwise; sync mode has nothing to overlap.
+    stage_weights: Optional[bool] = None
     partial_rollout_max_aborts: int = 4  # interruptions of one rollout batch at most; later updates wait for it
     # leave the tokens of older versions than their response's last (an interrupted prefix) out of the loss
     mask_offpolicy_in_partial_rollout: bool = False

@@ -364,6 +364,13 @@ def _modes(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(c.colocate, ("train.mode", "cluster.colocate"),
                   "train.mode=hybrid pipelines colocated roles (cluster.colocate=true); use train.mode=fully_async "
                   "for a rollout on GPUs of its own")
+    if ro.stage_weights:
+        r.require(t.mode != "sync", ("rollout.stage_weights", "train.mode"),
+                  "rollout.stage_weights=true has nothing to overlap with train.mode=sync: the rollout waits for "
+                  "each version's weights before it generates")
+        r.require(ro.backend == "embedded", ("rollout.stage_weights", "rollout.backend"),
+                  f"rollout.stage_weights=true {NOT_BUILT} with rollout.backend={ro.backend}: SGLang servers load "
+                  "weights themselves (rollout.sglang.weight_sync)")
     if ro.partial_rollout:
         r.require(t.mode == "fully_async", ("rollout.partial_rollout", "train.mode"),
                   f"rollout.partial_rollout=true needs train.mode=fully_async (train.mode={t.mode} never updates "

@@ -218,8 +218,8 @@ class HybridWorker(PolicyWorker):
 class RolloutWorker:
     """One embedded rollout engine replica.
 
-    With partial rollout the runner calls `abort` while `generate`/`resume` runs (a Ray actor with two
-    threads); every other call comes from one thread at a time.
+    With partial rollout the runner calls `abort`, and with rollout.stage_weights `stage_weights`, while
+    `generate`/`resume` runs (a Ray actor with a thread for each); `load_weights` comes between generations.
     """
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
@@ -309,10 +309,16 @@ class RolloutWorker:
         self._abort = gen_id
 
     def load_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> int:
-        """Load `weights` of `version`; returns the bytes they took (tied weights once)."""
+        """Load `weights` of `version` (swapped in if `stage_weights` staged them); returns the bytes they took
+        (tied weights once)."""
         state = as_state_dict(weights)
         self.engine.load_weights(state, version)
         return weight_bytes(weights)
+
+    def stage_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> bool:
+        """Copy `weights` of `version` beside the generation in progress (a thread of its own:
+        rollout.stage_weights), for the next `load_weights` of that version; False: skipped (not newer)."""
+        return self.engine.stage_weights(as_state_dict(weights), version)
 
 
 class CriticWorker:

@@ -384,6 +384,10 @@ class Cluster:
     def load_weights(self, weights, version: int) -> None:
         self.engines.load_weights(weights, version)
 
+    def stage_weights(self, weights, version: int) -> None:
+        """Start the engines' copy of `weights` beside their generation (rollout.stage_weights: embedded engines)."""
+        self.engines.stage_weights(weights, version)
+
     def engine_metrics(self) -> dict[str, float]:
         """The engines' own counters for this step (restarts, retries, weight buckets; none for embedded)."""
         return self.engines.metrics()

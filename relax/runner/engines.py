@@ -12,6 +12,7 @@ it the failure goes up to the loop (which stops).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ class ReplicaEngines:
         self.replace, self.restarts = replace, restarts
         self._weights: tuple[Any, int] | None = None  # what the replicas hold (a state dict or its ObjectRef)
         self._sync_bytes: float | None = None  # of the last weight update (perf/sync_bytes)
+        self._staging: tuple[int, list] | None = None  # (version, the replicas' stage_weights calls) in flight
+        self._staging_lock = threading.Lock()
 
     def start(self) -> ReplicaEngines:
         return self  # the replicas are Ray actors the cluster started and pinged
@@ -91,8 +94,25 @@ class ReplicaEngines:
         for r in self.replicas:
             r.abort.remote(gen_id)
 
+    def stage_weights(self, weights, version: int) -> None:
+        """Have every replica copy `weights` of `version` beside its generation (`RolloutWorker.stage_weights`);
+        returns at once. The next `load_weights` of that version waits for the copies and swaps them in."""
+        refs = [r.stage_weights.remote(weights, version) for r in self.replicas]
+        with self._staging_lock:  # the loop's thread stages, the rollout stream's pump loads
+            self._staging = (version, refs)
+
     def load_weights(self, weights, version: int) -> None:
         self._weights = (weights, version)
+        with self._staging_lock:  # (a newer version being staged stays for its own load)
+            staging = self._staging if self._staging is not None and self._staging[0] <= version else None
+            if staging is not None:
+                self._staging = None
+        if staging is not None and staging[0] == version:  # wait for the copies in flight rather than copy again
+            for i, ref in enumerate(staging[1]):
+                try:
+                    self.watch.get_one(ref, self.names[i])
+                except RoleFailure:
+                    pass  # the replica's load below fails too, and replaces it
         sizes = self._run(lambda i: self.replicas[i].load_weights.remote(weights, version),
                           list(range(len(self.replicas))))
         self._sync_bytes = float(max(sizes))

@@ -95,6 +95,7 @@ class Plan:
     bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a one-node CPU cluster
     strategy: str = PLACEMENT_STRATEGY  # of the placement group: PACK (GPUs) or STRICT_SPREAD (CPU nodes)
     interruptible_rollout: bool = False  # partial rollout: weight updates interrupt generation
+    staged_weights: bool = False  # rollout.stage_weights: engines copy new weights while they generate
     # a LoRA policy's reference is its base model with the adapters off: the actor computes it, no reference role
     reference_on_actor: bool = False
     # the one embedded rollout replica runs in the actor's process (see the module docstring)
@@ -278,7 +279,7 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     strategy = SPREAD_STRATEGY if total == 0 and bundles else PLACEMENT_STRATEGY
     return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
                 strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor,
-                rollout_in_actor=in_actor)
+                rollout_in_actor=in_actor, staged_weights=bool(ro.stage_weights))
 
 
 # ---------------------------------------------------------------------- the plan on Ray
@@ -294,8 +295,8 @@ def ray_options(plan: Plan, role: str, replica: int = 0, placement_group=None, h
     r = plan.role(role)
     if r is None:
         raise KeyError(f"the plan has no {role!r} role")
-    # a second thread for the rollout lets `abort` reach an engine while it generates (partial rollout)
-    concurrency = 2 if role == "rollout" and plan.interruptible_rollout else 1
+    # more threads for the rollout let `abort` (partial rollout) and `stage_weights` reach an engine while it generates
+    concurrency = 1 + (role == "rollout") * (plan.interruptible_rollout + plan.staged_weights)
     options: dict = dict(num_cpus=r.cpus, num_gpus=r.gpus, max_concurrency=concurrency)
     bundle = r.bundle(replica)
     if bundle is not None:

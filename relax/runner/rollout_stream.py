@@ -86,6 +86,10 @@ class Engines(Protocol):
     def load_weights(self, weights: Any, version: int) -> None:
         """Load `weights` (what `publish` received) into every engine."""
 
+    def stage_weights(self, weights: Any, version: int) -> None:
+        """Start copying `weights` into every engine beside its generation; returns at once (rollout.stage_weights:
+        embedded engines only). The next `load_weights` of `version` then swaps them in."""
+
 
 class Scoring(Protocol):
     """The rewards of generated batches (`relax.runner.scoring.Scorer`, or a fake in tests)."""
@@ -110,8 +114,9 @@ class Job:
 
 @dataclass(frozen=True)
 class Span:
-    """One call of the stream's threads: `kind` "generate" (an engine call of job `step`) or "score" (its batch's
-    reward calls), from `start` to `end` (time.perf_counter())."""
+    """One call of the stream's threads: `kind` "generate" (an engine call of job `step`), "score" (its batch's
+    reward calls) or "load" (the engines taking the weights of version `step`), from `start` to `end`
+    (time.perf_counter())."""
 
     kind: str
     step: int
@@ -177,6 +182,7 @@ class RolloutStream:
         t, ro = cfg.train, cfg.rollout
         self.mode, self.max_staleness = t.mode, t.max_staleness
         self.partial_rollout, self.max_aborts = ro.partial_rollout, ro.partial_rollout_max_aborts
+        self.stage_weights = bool(ro.stage_weights)
         self.group_size, self.batch_prompts = ro.n_samples_per_prompt, ro.rollout_batch_size
         self.num_steps, self.seed, self.pad_token_id = t.num_rollout, cfg.seed, pad_token_id
         self.engines, self.draw, self.scorer = engines, draw, scorer
@@ -246,6 +252,8 @@ class RolloutStream:
             self._cond.notify_all()
         if load_now:  # the job's requests in flight finish with their weights, the next ones get these
             self._load(version)
+        elif self.stage_weights:  # copied into the engines while they generate; the pump's load swaps them in
+            self.engines.stage_weights(weights, version)
 
     def take(self, step: int) -> tuple[Job, Samples, float]:
         """(job, samples, seconds waited) of step `step`, once its batch is generated and scored."""
@@ -382,8 +390,10 @@ class RolloutStream:
                 if version <= self.engine_version or version not in self._published:
                     return
                 weights = self._published[version]
+            t0 = time.perf_counter()
             self.engines.load_weights(weights, version)
             with self._cond:
+                self.timeline.append(Span("load", version, t0, time.perf_counter()))
                 self.engine_version = version
                 for v in [v for v in self._published if v < version]:
                     del self._published[v]  # superseded: versions only grow

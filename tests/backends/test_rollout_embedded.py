@@ -209,6 +209,43 @@ def test_load_weights_changes_outputs_and_bumps_version():
     assert eng.weight_version == 4
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_staged_weights_are_swapped_in_without_a_copy_and_keep_the_fused_matmuls(arch):
+    """stage_weights copies a version into new memory while the model keeps its weights (a generation in another
+    thread sees only the old ones); load_weights of that version swaps it in: the parameters then lie in the staged
+    memory (no copy), the fast path's fused weights stay views of them (not fused again), and the outputs are the
+    new weights' (brute force)."""
+    eng = engine(arch=arch)
+    before = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, seed=0)  # fuses q|k|v and gate|up
+    fused_before = [f.data_ptr() for layer in eng.model.model.layers for f in layer._relax_fused]
+    other = tiny_model(arch, seed=1).state_dict()
+    assert eng.stage_weights(other, version=1)
+    assert eng.weight_version == 0
+    assert responses(eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, seed=0)) == responses(before)
+    staged = {k: t.data_ptr() for k, t in eng._staged.items()}
+    eng.load_weights(other, version=1)
+    assert eng.weight_version == 1 and eng.swapped_loads == 1
+    after = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, seed=0)
+    params = dict(eng.model.named_parameters())  # (a generation that fused them again would have moved them)
+    assert all(params[k].data_ptr() == ptr for k, ptr in staged.items() if k in params)
+    assert responses(after) == [brute_greedy(tiny_model(arch, seed=1), p, 6, []) for p in PROMPTS]
+    layer = eng.model.model.layers[0]
+    qkv, gate_up = layer._relax_fused
+    assert layer.self_attn.k_proj.weight.data_ptr() == qkv[layer.self_attn.q_proj.weight.shape[0]:].data_ptr()
+    assert layer.mlp.up_proj.weight.data_ptr() == gate_up[layer.mlp.gate_proj.weight.shape[0]:].data_ptr()
+    assert not {f.data_ptr() for layer in eng.model.model.layers for f in layer._relax_fused} & set(fused_before)
+
+    # older than what is loaded: skipped; staged, but another version loaded: copied, the staged one dropped
+    assert not eng.stage_weights(tiny_model(arch, seed=2).state_dict(), version=1)
+    assert eng.stage_weights(tiny_model(arch, seed=2).state_dict(), version=2)
+    eng.load_weights(tiny_model(arch, seed=3).state_dict(), version=3)
+    assert eng.swapped_loads == 1 and eng._staged == {}
+    again = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, seed=0)
+    assert responses(again) == [brute_greedy(tiny_model(arch, seed=3), p, 6, []) for p in PROMPTS]
+    with pytest.raises(KeyError, match="stage_weights: missing keys"):
+        eng.stage_weights({"model.norm.weight": other["model.norm.weight"]}, version=4)
+
+
 def test_weights_replaced_under_the_fused_matmuls_are_picked_up():
     """The fast path multiplies q|k|v and gate|up as one weight each, whose rows the modules' weights are views of
     (so load_weights' copy_ reaches them); a weight replaced outright (relax-serve's memory release and resume)

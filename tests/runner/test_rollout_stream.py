@@ -33,8 +33,11 @@ def length(sample_id: int) -> int:
 class FakeEngines:
     """In-process engines: one token per row per tick, a random sleep per tick, interruptible like the real one."""
 
-    def __init__(self, rng: random.Random, tick_s: float = 0.002):
-        self.rng, self.tick_s = rng, tick_s
+    def __init__(self, rng: random.Random, tick_s: float = 0.002, load_s: float | None = None):
+        self.rng, self.tick_s, self.load_s = rng, tick_s, load_s
+        self.staged = -1  # the version staged (rollout.stage_weights)
+        self.stage_lock = threading.Lock()
+        self.loads: list[tuple[int, bool]] = []  # (version, swapped in from the staged copy)
         self.version = -1
         self.aborted: set[int] = set()
         self.lock = threading.Lock()
@@ -90,8 +93,24 @@ class FakeEngines:
     def load_weights(self, weights, version):
         with self.lock:
             assert weights == f"w{version}"
-            time.sleep(self.rng.random() * self.tick_s)
+            with self.stage_lock:  # waits for a copy in progress, as the real engine's lock does
+                swapped = self.staged == version
+            if not swapped:
+                time.sleep(self.load_s if self.load_s is not None else self.rng.random() * self.tick_s)
+            self.loads.append((version, swapped))
             self.version = version
+
+    def stage_weights(self, weights, version):
+        """Copies `weights` in a thread of its own (as a real engine's second Ray thread) for `load_s`."""
+        assert weights == f"w{version}"
+
+        def copy():
+            with self.stage_lock:
+                if version > max(self.version, self.staged):
+                    time.sleep(self.load_s if self.load_s is not None else self.rng.random() * self.tick_s)
+                    self.staged = version
+
+        threading.Thread(target=copy, daemon=True).start()
 
 
 class Prompts:
@@ -105,10 +124,13 @@ class Prompts:
         return [PromptItem([self.drawn, i + 1], "label", "text", i) for i in range(n)]
 
 
+CONFIG_BASE = ["algorithm=m2po", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4"]
+
+
 def config(mode: str, staleness: int | None = None, *, partial: bool = False, interval: int = 1, steps: int = 8,
            aborts: int = 4):
-    overrides = ["algorithm=m2po", f"train.mode={mode}", f"train.num_rollout={steps}", "rollout.rollout_batch_size=2",
-                 "rollout.n_samples_per_prompt=4", f"train.weight_sync_interval={interval}"]
+    overrides = [*CONFIG_BASE, f"train.mode={mode}", f"train.num_rollout={steps}",
+                 f"train.weight_sync_interval={interval}"]
     if staleness is not None:
         overrides.append(f"train.max_staleness={staleness}")
     if partial:
@@ -339,6 +361,46 @@ def test_generation_goes_on_while_the_last_batch_is_scored(mode):
         assert overlap_s(stream) == 0.0
     else:  # the jobs after the first are generated while the batch before them is scored
         assert overlap_s(stream) > 0.5 * score_s * (steps - 1), list(stream.timeline)
+
+
+def load_spans_s(stream: RolloutStream) -> float:
+    return sum(s.end - s.start for s in stream.timeline if s.kind == "load")
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "fully_async"])
+def test_weights_are_copied_while_the_engines_generate_and_swapped_in_by_the_pump(mode):
+    """rollout.stage_weights (on by default in the asynchronous modes): `publish` starts the engines' copy of the new
+    weights while they generate, so the pump's loads only swap them in. The control, staging off, pays each copy in
+    the pump. Batches are the same either way."""
+    steps, load_s = 6, 0.2
+
+    def run(stage: bool) -> tuple[RolloutStream, FakeEngines, list[Samples]]:
+        cfg = load_config([*CONFIG_BASE, f"train.mode={mode}", f"train.num_rollout={steps}",
+                           f"rollout.stage_weights={str(stage).lower()}"])
+        assert cfg.rollout.stage_weights is stage
+        engines = FakeEngines(random.Random(0), tick_s=0.1, load_s=load_s)
+        stream = RolloutStream(cfg, engines, Prompts(), start_step=0)
+        stream.publish(0, "w0")
+        with stream:
+            taken = train(cfg, stream, random.Random(1), tick_s=0.01)
+        return stream, engines, taken
+
+    staged, engines, taken = run(True)
+    versions = [v for v, _ in engines.loads]
+    assert versions == sorted(set(versions)) and len(versions) >= steps - 1, versions  # (hybrid: 0 .. steps - 2)
+    assert all(swapped for v, swapped in engines.loads if v > 0), engines.loads  # (version 0 comes before any job)
+    plain, control, again = run(False)
+    assert not any(swapped for _, swapped in control.loads)
+    assert load_spans_s(plain) >= load_s * len(control.loads)
+    assert load_spans_s(staged) < load_s + 0.5 * load_s * (len(versions) - 1), list(staged.timeline)
+    assert [s.sample_id.tolist() for s in taken] == [s.sample_id.tolist() for s in again]
+
+
+def test_sync_mode_does_not_stage_weights():
+    assert load_config(["train.mode=sync"]).rollout.stage_weights is False
+    assert load_config(["train.mode=hybrid"]).rollout.stage_weights is True
+    assert load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded"]).rollout.stage_weights \
+        is False
 
 
 def test_a_batch_saved_unscored_is_scored_after_the_restore():
