@@ -399,8 +399,8 @@ def test_weights_are_copied_while_the_engines_generate_and_swapped_in_by_the_pum
 def test_sync_mode_does_not_stage_weights():
     assert load_config(["train.mode=sync"]).rollout.stage_weights is False
     assert load_config(["train.mode=hybrid"]).rollout.stage_weights is True
-    assert load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded"]).rollout.stage_weights \
-        is False
+    sglang = load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded"])
+    assert sglang.rollout.stage_weights is False
 
 
 def test_a_batch_saved_unscored_is_scored_after_the_restore():
