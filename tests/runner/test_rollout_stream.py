@@ -396,11 +396,18 @@ def test_weights_are_copied_while_the_engines_generate_and_swapped_in_by_the_pum
     assert [s.sample_id.tolist() for s in taken] == [s.sample_id.tolist() for s in again]
 
 
-def test_sync_mode_does_not_stage_weights():
+def test_weights_are_staged_by_default_in_the_async_modes_with_embedded_engines_only():
     assert load_config(["train.mode=sync"]).rollout.stage_weights is False
     assert load_config(["train.mode=hybrid"]).rollout.stage_weights is True
     sglang = load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded"])
     assert sglang.rollout.stage_weights is False
+    from relax.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.stage_weights=true has nothing to overlap with train.mode=sync"):
+        load_config(["train.mode=sync", "rollout.stage_weights=true"])
+    with pytest.raises(ConfigError, match="rollout.stage_weights=true is not available in this build with rollout.backend=sglang"):
+        load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded",
+                     "rollout.stage_weights=true"])
 
 
 def test_a_batch_saved_unscored_is_scored_after_the_restore():
