@@ -405,7 +405,7 @@ def test_weights_are_staged_by_default_in_the_async_modes_with_embedded_engines_
 
     with pytest.raises(ConfigError, match="rollout.stage_weights=true has nothing to overlap with train.mode=sync"):
         load_config(["train.mode=sync", "rollout.stage_weights=true"])
-    with pytest.raises(ConfigError, match="stage_weights=true is not available in this build with rollout.backend=sglang"):
+    with pytest.raises(ConfigError, match="stage_weights=true is not available in this build with rollout.backend=sgl"):
         load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded",
                      "rollout.stage_weights=true"])
 
