@@ -100,9 +100,11 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(t.backend == "torch", ("train.max_tokens_per_micro_batch", "train.backend"),
                   f"train.max_tokens_per_micro_batch {NOT_BUILT} with train.backend={t.backend}: its micro-batches "
                   "are formed by rows (train.micro_batch_size)")
-    r.require(not t.pack_sequences or t.backend == "torch", ("train.pack_sequences", "train.backend"),
-              f"train.pack_sequences=true {NOT_BUILT} with train.backend={t.backend}: megatron-core packs sequences "
-              "through Transformer Engine's attention (THD format), which this build does not have")
+    r.require(not t.pack_sequences or t.backend == "torch" or t.layer_spec == "transformer_engine",
+              ("train.pack_sequences", "train.layer_spec"),
+              f"train.pack_sequences=true with train.backend=megatron needs train.layer_spec=transformer_engine "
+              f"(got {t.layer_spec}): megatron-core packs sequences through Transformer Engine's attention (THD "
+              "format), which only GPUs with transformer_engine have; its local layers take no packed sequences")
     r.positive("train.weight_sync_interval", t.weight_sync_interval)
     r.require(not t.use_dynamic_global_batch_size or (t.num_steps_per_rollout or 1) > 1,
               ("train.use_dynamic_global_batch_size", "train.num_steps_per_rollout"),

@@ -3,8 +3,9 @@
 One launch of tests/megatron/ranks.py (scenario `gpu`) with one rank per visible GPU, at most 2 (TP = ranks):
 fp32 logits and log-probs against transformers / the torch backend on the same GPU, a 3-step fp32 train equal
 to TorchPolicy's (with Transformer Engine's layer spec where transformer_engine is installed: train.layer_spec=auto;
-with sequence parallelism too on two GPUs), and a 3-step train with bf16 parameters (Megatron's mixed precision:
-bf16 weights, fp32 master weights and gradients) against the torch backend's bf16 autocast. Run it with
+then also packed sequences through TE's THD attention; with sequence parallelism too on two GPUs), and a 3-step
+train with bf16 parameters (Megatron's mixed precision: bf16 weights, fp32 master weights and gradients) against
+the torch backend's bf16 autocast. Run it with
 `python -m pytest -q tests/gpu/test_megatron_gpu.py` where a GPU is available.
 """
 
@@ -58,6 +59,17 @@ def test_gpu_sequence_parallel_parity(gpu):
         pytest.skip("sequence parallelism needs two GPUs (TP=2)")
     assert gpu["sp_logprob_max_diff"] < 1e-4
     for i, row in enumerate(gpu["train_sp"]):
+        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
+            assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
+
+
+def test_gpu_packed_sequences_through_transformer_engine_attention(gpu):
+    """train.pack_sequences on Megatron: each micro-batch one row, sequences kept apart by TE's THD attention
+    (cu_seqlens); the same log-probs and steps as the torch backend's padded ones."""
+    if "packed_logprob_max_diff" not in gpu:
+        pytest.skip("packing on Megatron runs in Transformer Engine's attention: transformer_engine is not installed")
+    assert gpu["packed_logprob_max_diff"] < 1e-4
+    for i, row in enumerate(gpu["train_packed"]):
         for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
             assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
 

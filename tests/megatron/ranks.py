@@ -274,6 +274,14 @@ def scenario_gpu(rank: int, out: Path, res: dict) -> None:
     res["logprob_max_diff"] = float((policy.compute_logprobs(samples, 3)
                                      - torch_policy.compute_logprobs(samples, 3)).abs().max())
     train_parity(policy, torch_policy, GRPOConfig(), res, "train", per_token=True, mbs=3)
+    if policy.layer_spec == "transformer_engine":  # packed sequences through TE's THD attention (pack_sequences)
+        packed = MegatronPolicy(MODEL, dataclasses.replace(TRAIN, pack_sequences=True,
+                                                           layer_spec="transformer_engine"),
+                                vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+        torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+        res["packed_logprob_max_diff"] = float((packed.compute_logprobs(samples, 3)
+                                                - torch_policy.compute_logprobs(samples, 3)).abs().max())
+        train_parity(packed, torch_policy, GRPOConfig(), res, "train_packed", per_token=True, mbs=3)
     if policy.tp > 1:  # two GPUs or more: sequence parallelism over the tensor-parallel ranks
         sp = MegatronPolicy(MODEL, dataclasses.replace(TRAIN, sequence_parallel=True), vocab_size=VOCAB,
                             pad_token_id=PAD, seed=SEED)

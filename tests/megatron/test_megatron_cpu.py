@@ -332,3 +332,34 @@ def test_layer_spec_resolution():
     assert model.resolve_layer_spec("local", cpu) == "local"
     with pytest.raises(ValueError, match="layer_spec=transformer_engine: this rank runs on cpu"):
         model.resolve_layer_spec("transformer_engine", cpu)
+
+
+def test_a_packed_micro_batch_delimits_each_sequence_for_thd_attention():
+    """train.pack_sequences on Megatron (Transformer Engine's THD attention, run in tests/gpu): the layout alone,
+    against the padded layout of the same rows: each sequence between two cu_seqlens with positions from 0, the
+    packed row padded to a multiple of TP as a sequence of its own, and each response token predicted at a position
+    whose next token is that response token."""
+    from relax.backends.megatron.policy import left_aligned, packed_micro_batch
+
+    spec = importlib.util.spec_from_file_location("backends_conftest", Path(__file__).parents[1] / "backends"
+                                                  / "conftest.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    samples = helpers.random_samples(5, 6, 4, seed=2, vocab=33)
+    rows = torch.tensor([4, 1, 2])
+    mb = packed_micro_batch(samples, rows, pad_token_id=0, multiple=5)  # 24 tokens: one of padding
+    cu = mb.packed_seq_params.cu_seqlens_q.tolist()
+    assert mb.packed_seq_params.qkv_format == "thd" and cu[0] == 0 and cu[-1] == mb.tokens.shape[1]
+    assert mb.tokens.shape == (1, cu[-1]) and cu[-1] == 25
+    sub = samples.select(rows)
+    lengths = (sub.prompt_mask.sum(-1) + sub.present().bool().long().sum(-1)).tolist()
+    assert [b - a for a, b in zip(cu, cu[1:], strict=False)][:3] == lengths
+    assert sum(lengths) == 24 and len(cu) == 5  # the padding is a sequence of its own
+    for a, b in zip(cu, cu[1:], strict=False):
+        assert mb.positions[0, a:b].tolist() == list(range(b - a))
+    tokens, cols, targets, t = left_aligned(sub, 0)
+    assert mb.t == t
+    valid = mb.packed.valid
+    assert torch.equal(mb.targets[0], targets[valid])
+    assert torch.equal(mb.tokens[0, mb.gather_cols[0] + 1], mb.targets[0])  # what each position predicts
+    assert torch.equal(mb.tokens[0, mb.gather_cols[0]], tokens.gather(1, cols)[valid])  # from the same context token

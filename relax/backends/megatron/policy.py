@@ -58,6 +58,7 @@ from relax.backends.megatron.model import (
     transformer_config,
 )
 from relax.backends.models import build_model, pick_dtype, resolve_model_path
+from relax.backends.packing import Packed, pack
 from relax.backends.trainer import (
     PolicyTrainer,
     SkippedInARow,
@@ -91,14 +92,43 @@ def _rows_only(max_tokens: Optional[int]) -> None:
 @dataclass
 class _MicroBatch:
     """A micro-batch as the model sees it: rows left-aligned, response token t of row i predicted at
-    column `plen[i] - 1 + t` of the logits."""
+    column `plen[i] - 1 + t` of the logits; or packed (train.pack_sequences): the rows as one row without padding
+    (`packed`), its sequences delimited for Transformer Engine's attention (`packed_seq_params`, THD format)."""
 
     rows: torch.Tensor  # indices into the (rank's) batch
-    tokens: torch.Tensor  # [B, L] long, on the device
+    tokens: torch.Tensor  # [B, L] long, on the device ([1, L] packed)
     positions: torch.Tensor  # [B, L]
-    gather_cols: torch.Tensor  # [B, T'] columns of the logits that predict the response tokens
-    targets: torch.Tensor  # [B, T'] response token ids
+    gather_cols: torch.Tensor  # [B, T'] columns of the logits that predict the response tokens ([1, M] packed)
+    targets: torch.Tensor  # [B, T'] response token ids ([1, M] packed)
     t: int  # T': response columns used
+    packed: Optional[Packed] = None  # the packing, to place the M log-probs back into [B, T']
+    packed_seq_params: Any = None  # megatron-core's PackedSeqParams (cu_seqlens) of a packed micro-batch
+
+
+def packed_micro_batch(samples: Samples, rows: torch.Tensor, pad_token_id: int, *, multiple: int = 1,
+                       device: torch.device | None = None) -> _MicroBatch:
+    """Rows `rows` of `samples` as one packed row (`relax.backends.packing.pack`) for megatron-core's THD attention:
+    `cu_seqlens` at each sequence's start, the row padded at the end (as a sequence of pad tokens of its own) to a
+    multiple of `multiple` (the tensor-parallel size under sequence parallelism)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    p = pack(samples.select(rows))
+    starts = (p.position_ids[0] == 0).nonzero().flatten()
+    total = p.input_ids.shape[1]
+    lengths = torch.diff(torch.cat([starts, torch.tensor([total])]))
+    tokens, positions = p.input_ids, p.position_ids
+    pad = -total % multiple
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_full((1, pad), pad_token_id)], dim=1)
+        positions = torch.cat([positions, torch.arange(pad).unsqueeze(0)], dim=1)
+        lengths = torch.cat([lengths, torch.tensor([pad])])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)]).to(device)
+    longest = int(lengths.max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    return _MicroBatch(rows=rows, tokens=tokens.to(device), positions=positions.to(device),
+                       gather_cols=p.before.unsqueeze(0).to(device), targets=p.targets.unsqueeze(0).to(device),
+                       t=p.response_len, packed=p.to(device) if device is not None else p, packed_seq_params=params)
 
 
 def left_aligned(samples: Samples, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -244,6 +274,12 @@ class MegatronPolicy(PolicyTrainer):
         if train_cfg.sequence_parallel and self.tp == 1:
             raise ValueError("train.sequence_parallel=true needs train.tensor_parallel_size > 1")
         self.layer_spec = resolve_layer_spec(train_cfg.layer_spec, self.device)
+        # train.pack_sequences: each micro-batch one row without padding, sequences kept apart by Transformer
+        # Engine's attention (THD); megatron-core's local attention takes no packed sequences
+        self.packed = bool(train_cfg.pack_sequences)
+        if self.packed and self.layer_spec != "transformer_engine":
+            raise ValueError("train.pack_sequences=true on train.backend=megatron runs in Transformer Engine's "
+                             "attention: it needs train.layer_spec=transformer_engine (a GPU with transformer_engine)")
         self.config = transformer_config(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.params_dtype,
                                          autocast_dtype=autocast, use_cpu_initialization=True,
                                          recompute=model_cfg.gradient_checkpointing,
@@ -321,6 +357,10 @@ class MegatronPolicy(PolicyTrainer):
     def _micro_batches(self, samples: Samples, micro_batch_size: int) -> list[_MicroBatch]:
         out = []
         for rows in length_sorted_micro_batches(samples, micro_batch_size):
+            if self.packed:
+                out.append(packed_micro_batch(samples, rows, self.pad_token_id, device=self.device,
+                                              multiple=self.tp if self.sequence_parallel else 1))
+                continue
             tokens, cols, targets, t = left_aligned(samples.select(rows), self.pad_token_id)
             if self.sequence_parallel and tokens.shape[1] % self.tp:  # each TP rank takes L / tp positions
                 pad = self.tp - tokens.shape[1] % self.tp  # at the end: causal attention keeps them out of the rest
@@ -340,8 +380,12 @@ class MegatronPolicy(PolicyTrainer):
                                                                                         Optional[torch.Tensor]]:
         cols = mb.gather_cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         picked = logits.gather(1, cols)  # [B, T', V/TP]: only the positions that predict response tokens
-        return vocab_parallel_logprobs(picked, mb.targets, temperature=self.temperature,
-                                       vocab_size=self.spec.vocab_size, with_entropy=entropy, group=self.tp_group)
+        logp, ent = vocab_parallel_logprobs(picked, mb.targets, temperature=self.temperature,
+                                            vocab_size=self.spec.vocab_size, with_entropy=entropy, group=self.tp_group)
+        if mb.packed is not None:  # [1, M] -> the micro-batch's [B, T'] response positions
+            logp = mb.packed.place(logp[0])
+            ent = None if ent is None else mb.packed.place(ent[0])
+        return logp, ent
 
     def _run(self, mbs: list[_MicroBatch], loss_fn: Callable[[_MicroBatch, torch.Tensor], torch.Tensor], *,
              forward_only: bool) -> None:
@@ -351,7 +395,7 @@ class MegatronPolicy(PolicyTrainer):
         def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
             progress.tick()
-            output = model(mb.tokens, mb.positions, None)
+            output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
 
             def loss_func(output_tensor: torch.Tensor):
                 loss = loss_fn(mb, output_tensor)
@@ -363,7 +407,7 @@ class MegatronPolicy(PolicyTrainer):
             raise ValueError("no micro-batch to run")
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(len(mb.rows) for mb in mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only,
         )
 
