@@ -117,6 +117,10 @@ VALUES: dict[str, Any] = {
     "train.backend": "megatron",
     "train.mode": "fully_async",
     "train.max_staleness": 1,  # derived (None); 1 in sync is rejected: sync is on-policy
+    # derived (None: on in the asynchronous modes); true in sync is rejected. Its effect, loads that swap weights
+    # copied beside generation, is on time only: tests/runner/test_rollout_stream.py, tests/backends/test_rollout_*
+    "rollout.stage_weights": True,
+    "train.layer_spec": "local",  # megatron's layers: rejected on the torch backend (tests/megatron: both specs)
     "rollout.backend": "sglang",
     # rollout.sglang.* act with rollout=sglang only (rejected here; their effects: tests/sglang/test_options.py)
     "rollout.sglang.server": "embedded",
