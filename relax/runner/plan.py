@@ -202,6 +202,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         (["teacher"] if teacher else []) + \
         (["critic", "advantages"] if algo.requires_critic else [])
     # the reference (a frozen copy of the policy), the teacher and the critic run on the torch backend, one device each
+    if ro.stage_weights:
+        why["rollout"] += "; new weights copied while generating, swapped in per batch (rollout.stage_weights)"
     if ro.backend == "sglang":
         servers = "the servers at rollout.sglang.urls" if ro.sglang.urls else f"{ro.sglang.server} servers"
         path = "adapters (rollout.lora_sync)" if cfg.model.lora_rank > 0 and ro.lora_sync == "adapter" else \
