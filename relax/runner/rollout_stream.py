@@ -25,7 +25,9 @@ at most `rollout.partial_rollout_max_aborts` times; after that, new weights wait
 Each finished batch goes to the buffer at once and is scored there by a scoring thread (`Scorer.score`, batches in
 step order), so the pump starts the next job while the rewards of the last one are computed: in the asynchronous
 modes generation goes on while rewards are scored and while the trainer trains, and `take` returns a batch once it
-is scored (`timeline` records both threads' calls). With dynamic sampling (`rollout.filter_groups`) a job is
+is scored (`timeline` records both threads' calls and the loads). With `rollout.stage_weights` (the asynchronous
+modes' default on embedded engines) `publish` also starts the engines' copy of the new weights while they generate,
+so that the pump's load of that version only swaps it in. With dynamic sampling (`rollout.filter_groups`) a job is
 generated in rounds of `rollout.over_sampling_batch_size` prompts: after each round the groups whose rewards carry
 no learning signal are set aside (which needs their rewards: the pump scores these rounds itself), and rounds go on
 until `rollout_batch_size` groups with a signal are collected or `rollout.max_filter_rounds` rounds were generated;
