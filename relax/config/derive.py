@@ -35,8 +35,8 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
     if episode is None:
         episode = ro.max_response_len if not agentic(cfg) else 2 * ro.max_turns * ro.max_response_len
     stage = ro.stage_weights
-    if stage is None:  # weights staged beside generation where generation can go on while the trainer publishes
-        stage = t.mode != "sync" and ro.backend == "embedded"
+    if stage is None:  # weights staged beside generation where the copy does not take the generation's cores
+        stage = t.mode != "sync" and ro.backend == "embedded" and cfg.cluster.num_nodes * cfg.cluster.gpus_per_node > 0
     rollout = dataclasses.replace(ro, over_sampling_batch_size=over, max_episode_tokens=episode, stage_weights=stage)
     if ro.backend == "sglang" and ro.sglang.weight_sync is None:
         # shared memory (tensor) reaches servers on the trainer's node only: colocated on one node; otherwise a

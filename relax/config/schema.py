@@ -128,9 +128,10 @@ class RolloutConfig:
     # fully_async: a weight update interrupts the responses in flight, which continue from their prefix with the
     # new weights (each token records its version)
     partial_rollout: bool = False
-    # Embedded engines copy each new version of the weights into a second set of tensors while they generate, and
-    # swap it in when the next batch starts (no load on the critical path; one more copy of the weights per engine).
-    # None: on in hybrid and fully_async modes (embedded engines), off otherwise; sync mode has nothing to overlap.
+    # Embedded engines copy each new version of the weights into new memory while they generate, and swap it in when
+    # the next batch starts (no copy on the critical path; two copies of the weights per engine in between).
+    # None: on in hybrid and fully_async modes with embedded engines on GPUs; off on CPU-only clusters (the copy
+    # runs on the cores that generate: docs/performance.md measures it) and in sync mode (nothing to overlap).
     stage_weights: Optional[bool] = None
     partial_rollout_max_aborts: int = 4  # interruptions of one rollout batch at most; later updates wait for it
     # leave the tokens of older versions than their response's last (an interrupted prefix) out of the loss

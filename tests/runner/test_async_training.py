@@ -80,8 +80,10 @@ def test_fully_async_with_max_staleness_0_trains_on_exactly_the_sync_data(in_pro
 
 
 def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray_local, small_run, tmp_path):
+    # weights staged beside generation (rollout.stage_weights, the GPU default) in real Ray engine processes
     cfg = load_config(small_run("algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
-                                "rollout.partial_rollout=true", "rollout.max_response_len=16", steps=5))
+                                "rollout.partial_rollout=true", "rollout.max_response_len=16",
+                                "rollout.stage_weights=true", steps=5))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1, 2, 3, 4]
     check_staleness(result, 2)
@@ -93,6 +95,34 @@ def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray
     assert stale, "the rollout never ran ahead of the trainer"
     # old log-probs are the generating weights': stale tokens move M2PO's second moment off zero
     assert any(m[M2_BEFORE] > 0 for m in stale) and all(m[M2_AFTER] <= m[M2_BEFORE] + 1e-12 for m in stale)
+
+
+def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, small_run, tmp_path, monkeypatch):
+    """rollout.stage_weights (the GPU default): in hybrid mode, where every batch's weights are fixed by its step,
+    the run whose engine copies each version while it generates (slowed, so that the trainer publishes during a
+    generation) and swaps it in trains on exactly the data of the run that copies at load time. Swaps happened (a
+    swap of the wrong version, or of half-copied weights, would change the batches)."""
+    from relax.backends.rollout_embedded import EmbeddedEngine
+
+    slow_generation(monkeypatch, 0.02)
+    swaps = []
+    load = EmbeddedEngine.load_weights
+
+    def counted(self, state_dict, version):
+        load(self, state_dict, version)
+        swaps.append(self.swapped_loads)
+
+    monkeypatch.setattr(EmbeddedEngine, "load_weights", counted)
+    runs = {}
+    for stage in (True, False):
+        swaps.clear()
+        cfg = load_config(small_run("train.mode=hybrid", ONE_THREAD, f"rollout.stage_weights={str(stage).lower()}",
+                                    steps=4))
+        runs[stage] = run(cfg, output_dir=tmp_path / str(stage)).history
+        assert (max(swaps) >= 2) if stage else (max(swaps) == 0), (stage, swaps)
+    assert [s for s, _ in runs[True]] == [0, 1, 2, 3]
+    for (_, staged), (_, copied) in zip(runs[True], runs[False], strict=True):
+        assert {k: staged[k] for k in SAME_DATA} == {k: copied[k] for k in SAME_DATA}
 
 
 def test_the_staleness_check_fails_a_stream_that_ignores_the_bound(in_process, small_run, tmp_path, monkeypatch):

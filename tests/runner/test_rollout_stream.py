@@ -369,8 +369,8 @@ def load_spans_s(stream: RolloutStream) -> float:
 
 @pytest.mark.parametrize("mode", ["hybrid", "fully_async"])
 def test_weights_are_copied_while_the_engines_generate_and_swapped_in_by_the_pump(mode):
-    """rollout.stage_weights (on by default in the asynchronous modes): `publish` starts the engines' copy of the new
-    weights while they generate, so the pump's loads only swap them in. The control, staging off, pays each copy in
+    """rollout.stage_weights (on by default in the asynchronous modes on GPUs): `publish` starts the engines' copy of
+    the new weights while they generate, so the pump's loads only swap them in. The control, staging off, pays each copy in
     the pump. Batches are the same either way."""
     steps, load_s = 6, 0.2
 
@@ -396,9 +396,11 @@ def test_weights_are_copied_while_the_engines_generate_and_swapped_in_by_the_pum
     assert [s.sample_id.tolist() for s in taken] == [s.sample_id.tolist() for s in again]
 
 
-def test_weights_are_staged_by_default_in_the_async_modes_with_embedded_engines_only():
+def test_weights_are_staged_by_default_in_the_async_modes_with_embedded_engines_on_gpus():
     assert load_config(["train.mode=sync"]).rollout.stage_weights is False
-    assert load_config(["train.mode=hybrid"]).rollout.stage_weights is True
+    assert load_config(["train.mode=hybrid", "cluster=1xgpu"]).rollout.stage_weights is True
+    assert load_config(["train.mode=hybrid"]).rollout.stage_weights is False  # CPU: the copy takes generation's cores
+    assert load_config(["train.mode=hybrid", "rollout.stage_weights=true"]).rollout.stage_weights is True
     sglang = load_config(["train.mode=hybrid", "rollout=sglang", "rollout.sglang.server=embedded"])
     assert sglang.rollout.stage_weights is False
     from relax.config.validate import ConfigError
