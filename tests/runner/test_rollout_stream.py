@@ -370,8 +370,8 @@ def load_spans_s(stream: RolloutStream) -> float:
 @pytest.mark.parametrize("mode", ["hybrid", "fully_async"])
 def test_weights_are_copied_while_the_engines_generate_and_swapped_in_by_the_pump(mode):
     """rollout.stage_weights (on by default in the asynchronous modes on GPUs): `publish` starts the engines' copy
-    of the new weights while they generate, so the pump's loads only swap them in. The control, staging off, pays each copy in
-    the pump. Batches are the same either way."""
+    of the new weights while they generate, so the pump's loads only swap them in. The control, staging off, pays
+    each copy in the pump. Batches are the same either way."""
     steps, load_s = 6, 0.2
 
     def run(stage: bool) -> tuple[RolloutStream, FakeEngines, list[Samples]]:
