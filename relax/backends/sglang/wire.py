@@ -20,6 +20,7 @@ import builtins
 import datetime
 import importlib
 import io
+import logging
 import pickle
 import re
 import threading
@@ -124,6 +125,7 @@ _SHARING_LOCK = threading.Lock()
 # torch's shared-memory manager (`torch_shm_manager`, one per process, started on first use) must answer each
 # registration within 1 s; a loaded machine can miss that. The call is retried with these pauses, then fails.
 SHM_MANAGER_RETRY_S = (0.5, 1.0, 2.0, 4.0)
+_log = logging.getLogger(__name__)
 _SHM_MANAGER_ERRORS = ("Shared memory manager connection has timed out", "error executing torch_shm_manager")
 
 
@@ -146,6 +148,8 @@ def _retrying_shm_manager(what: str, call: Any) -> Any:
                     f"({str(exc).splitlines()[0]}); the machine "
                     "is overloaded or /dev/shm is full. rollout.sglang.weight_sync=distributed sends weights "
                     "without shared memory") from exc
+            _log.warning("%s: torch's shared-memory manager did not answer within 1 s (a loaded machine?); "
+                         "trying again in %.1f s", what, pause)
             time.sleep(pause)
 
 
