@@ -41,12 +41,17 @@ def gpu(tmp_path_factory) -> dict:
     return launch("gpu", min(2, torch.cuda.device_count()), tmp_path_factory.mktemp("gpu"))["gpu"]
 
 
+def assert_fp32_steps(rows: list[dict]) -> None:
+    """Each step's fp32 metrics of the Megatron run equal the torch backend's, within FP32_REL."""
+    for i, row in enumerate(rows):
+        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
+            assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
+
+
 def test_gpu_fp32_parity(gpu):
     assert gpu["logits_max_diff"] < 1e-4
     assert gpu["logprob_max_diff"] < 1e-4
-    for i, row in enumerate(gpu["train"]):
-        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
-            assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
+    assert_fp32_steps(gpu["train"])
 
 
 def test_gpu_layer_spec_is_transformer_engines_where_installed(gpu):
@@ -58,9 +63,7 @@ def test_gpu_sequence_parallel_parity(gpu):
     if "sp_logprob_max_diff" not in gpu:
         pytest.skip("sequence parallelism needs two GPUs (TP=2)")
     assert gpu["sp_logprob_max_diff"] < 1e-4
-    for i, row in enumerate(gpu["train_sp"]):
-        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
-            assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
+    assert_fp32_steps(gpu["train_sp"])
 
 
 def test_gpu_packed_sequences_through_transformer_engine_attention(gpu):
@@ -69,9 +72,7 @@ def test_gpu_packed_sequences_through_transformer_engine_attention(gpu):
     if "packed_logprob_max_diff" not in gpu:
         pytest.skip("packing on Megatron runs in Transformer Engine's attention: transformer_engine is not installed")
     assert gpu["packed_logprob_max_diff"] < 1e-4
-    for i, row in enumerate(gpu["train_packed"]):
-        for k in ("train/pg_loss", "train/grad_norm", "train/entropy"):
-            assert row["megatron"][k] == pytest.approx(row["torch"][k], rel=FP32_REL, abs=1e-6), (i, k)
+    assert_fp32_steps(gpu["train_packed"])
 
 
 def test_gpu_bf16_training_tracks_torch_autocast(gpu):
