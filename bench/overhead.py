@@ -32,13 +32,14 @@ def measure(overrides: list[str], steps: int, log=print, ray_running: bool = Fal
 
     from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
 
-    if ray_running:
+    start = ray_running and not ray.is_initialized()  # (the smoke suite keeps one Ray for all its runs)
+    if start:
         ray.init(include_dashboard=False, logging_level="WARNING", num_cpus=2,
                  _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # as a run starts it
     try:
         return _measure(overrides, steps, log, ray_running)
     finally:
-        if ray_running:
+        if start:
             ray.shutdown()
 
 
