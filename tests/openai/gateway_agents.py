@@ -87,7 +87,7 @@ def three_turns_slowly(item: dict, base_url: str, api_key: str) -> float:
     c = client(base_url, api_key)
     messages = list(item["messages"])
     for turn in range(3):
-        time.sleep(2.5 if turn else 0.0)
+        time.sleep(4.0 if turn else 0.0)  # longer than a first training step on a loaded machine
         answer = c.chat.completions.create(model="policy", messages=messages, max_tokens=6).choices[0].message
         messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": FOLLOW_UP}]
     return float(any(ch.isdigit() for ch in answer.content or ""))
