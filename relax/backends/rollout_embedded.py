@@ -38,6 +38,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _at_place_of(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """A tensor over `storage` at the offset, shape and strides `tensor` has in its own storage."""
+    out = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return out.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
 def _fuse(linears: list[nn.Linear]) -> torch.Tensor | None:
     """One weight holding the weights of `linears` (bias-free, same input) stacked by output rows; each module's
     weight becomes a view of its rows, so that loading weights into the modules (copy_) updates it. None when
@@ -311,8 +317,7 @@ class EmbeddedEngine:
                 if storage is None:
                     storage = storages[live.data_ptr()] = torch.UntypedStorage(live.nbytes(), device=target.device)
                 with torch.no_grad():
-                    staged = torch.empty(0, dtype=target.dtype, device=target.device)
-                    staged.set_(storage, target.storage_offset(), target.shape, target.stride())
+                    staged = _at_place_of(target, storage)
                     staged.copy_(state_dict[key])
                 self._staged[key] = staged
             self._staged_version = int(version)
@@ -351,8 +356,7 @@ class EmbeddedEngine:
                 storage = None if f is None else moved.get(f.untyped_storage().data_ptr())
                 if storage is not None:
                     with torch.inference_mode(False), torch.no_grad():
-                        f = torch.empty(0, dtype=f.dtype, device=f.device).set_(storage, f.storage_offset(),
-                                                                                 f.shape, f.stride())
+                        f = _at_place_of(f, storage)
                 out.append(f)
             layer._relax_fused = tuple(out)
 
