@@ -3,7 +3,9 @@ official `openai` client."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from openai import OpenAI
 
@@ -82,12 +84,33 @@ def mixed(item: dict, base_url: str, api_key: str) -> float | None:
     return three_turns(item, base_url, api_key)
 
 
-def three_turns_slowly(item: dict, base_url: str, api_key: str) -> float:
-    """`three_turns` with a pause between calls: a batch outlasts a training step, so weights arrive mid-batch."""
+BARRIER_ENV = "RELAX_TEST_AGENT_BARRIER"  # a directory shared with the test's hooks in the driver
+BARRIER_WAIT_S = 120.0  # a barrier never reached ends the wait (the test then fails on what it checks)
+
+
+def wait_for(path: Path, timeout_s: float = BARRIER_WAIT_S) -> bool:
+    """Until `path` exists (True), or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def three_turns_across_an_update(item: dict, base_url: str, api_key: str) -> float:
+    """`three_turns`, where in every job j >= 1 the first call comes before the update of version j and the second
+    after it: the agent marks `first-j` after its first answer, which the driver's publish of version j waits for,
+    and waits for `published-j` (written once the publish returned) before its next call. The driver writes the
+    number of the job under way to `job` before it starts that job's agents (tests/openai/test_agent_training.py)."""
+    barrier = Path(os.environ[BARRIER_ENV])
+    job = int((barrier / "job").read_text())
     c = client(base_url, api_key)
     messages = list(item["messages"])
     for turn in range(3):
-        time.sleep(4.0 if turn else 0.0)  # longer than a first training step on a loaded machine
         answer = c.chat.completions.create(model="policy", messages=messages, max_tokens=6).choices[0].message
         messages += [{"role": "assistant", "content": answer.content}, {"role": "user", "content": FOLLOW_UP}]
+        if turn == 0 and job >= 1:
+            (barrier / f"first-{job}").touch()
+            wait_for(barrier / f"published-{job}")
     return float(any(ch.isdigit() for ch in answer.content or ""))

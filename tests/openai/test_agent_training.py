@@ -64,13 +64,37 @@ def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path
 
 
 def test_fully_async_with_partial_rollout_loads_weights_between_calls(ray_local, small_run, tmp_path,
-                                                                     trained_batches):
+                                                                     trained_batches, monkeypatch):
     """fully_async with rollout.partial_rollout=true: weights published while agent runs are under way are loaded
     between their calls (each answer has one version, later answers newer ones), and the staleness bound holds per
-    token."""
-    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns_slowly",
+    token. The update lands between two calls by construction, not by timing: in job 1 the agents' first calls are
+    answered before the publish of version 1 starts (it waits for them), and their second calls are sent after it
+    returned (they wait for it): `gateway_agents.three_turns_across_an_update`."""
+    from gateway_agents import BARRIER_ENV, wait_for
+
+    from relax.backends.openai.agents import AgentRollout
+    from relax.runner.rollout_stream import RolloutStream
+
+    steps, barrier = 2, tmp_path / "barrier"
+    barrier.mkdir()
+    monkeypatch.setenv(BARRIER_ENV, str(barrier))  # the agent workers start after this, with it
+    agent_run, publish = AgentRollout.run, RolloutStream.publish
+
+    def run_job(self, items, sample_ids, **kw):  # job j's sample ids start at j * its size
+        (barrier / "job").write_text(str(int(sample_ids[0]) // len(sample_ids)))
+        return agent_run(self, items, sample_ids, **kw)
+
+    def publish_after_first_calls(self, version, weights):
+        if 1 <= version < steps:  # job `version` runs (on version - 1): one of its agents was answered first
+            assert wait_for(barrier / f"first-{version}"), f"no agent of job {version} made its first call"
+        publish(self, version, weights)
+        (barrier / f"published-{version}").touch()
+
+    monkeypatch.setattr(AgentRollout, "run", run_job)
+    monkeypatch.setattr(RolloutStream, "publish", publish_after_first_calls)
+    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns_across_an_update",
                                 "train.mode=fully_async", "train.max_staleness=1", "rollout.partial_rollout=true",
-                                "algorithm=m2po", steps=2))
+                                "algorithm=m2po", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
     spanning = 0
     for step, m in result.history:
