@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runner.test_async_training import ONE_THREAD, SAME_DATA, slow_generation
+from runner.test_async_training import ONE_THREAD, SAME_DATA, updates_during_generation
 
 from relax.backends.batch import Samples
 from relax.config import load_config
@@ -48,7 +48,7 @@ def check_episodes(samples: Samples, step: int, staleness: int, max_turns: int =
 @pytest.mark.parametrize("mode", list(MODES))
 def test_guess_number_trains_in_every_mode(mode, in_process, small_run, tmp_path, monkeypatch, trained_batches):
     if mode == "fully_async_partial":
-        slow_generation(monkeypatch)  # every weight update finds episodes in flight
+        updates_during_generation(monkeypatch, {2: 1})  # the first weight update finds job 1's episodes in flight
     staleness = 2 if mode == "fully_async_partial" else (1 if mode == "hybrid" else 0)
     result = run(load_config(small_run(*AGENTIC, *MODES[mode], steps=3)), output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1, 2]

@@ -8,7 +8,6 @@ this process (`in_process`), with one torch thread everywhere so that two runs c
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -40,26 +39,53 @@ SAME_DATA = ["rollout/raw_reward", "rollout/response_len", "train/loss", "train/
 ONE_THREAD = "cluster.cpus_per_node=1"  # the same torch thread count in every mode: the same floats
 
 
-def slow_generation(monkeypatch, seconds_per_token: float = 0.05) -> None:
-    """The embedded engine takes `seconds_per_token` per decoding step (in this process): generating a batch then
-    takes longer than training one, so weight updates find a generation in flight and partial rollout interrupts
-    it, even on a loaded machine (a sleep is not slowed by load; the trainer's compute is: at 0.02 s a token, a run
-    in the full suite once saw its pump generate every batch between two updates, the rewards being scored in a
-    thread of their own)."""
+BARRIER_WAIT_S = 120.0  # a barrier never reached ends its wait (the test then fails on what it checks)
+
+
+def updates_during_generation(monkeypatch, versions: dict[int, int]) -> None:
+    """Weight updates land inside generations by construction (roles in this process, one rollout engine): for each
+    (call c: version v) of `versions`, the engine's c-th generation call (1-based, in the order the pump makes them)
+    stops after its first token until the stream's `publish` of version v has returned, and that publish waits until
+    the generation got there. So the publish finds the generation in flight: with partial rollout it interrupts it
+    (the generation continues to its next token and stops), with staged weights the copy starts beside it. A call
+    that waits for a publish must not be one that the publish depends on: version v follows the training of step
+    v - 1, which needs every job before job v finished."""
+    import threading
+
     from relax.roles.workers import RolloutWorker
+    from relax.runner.rollout_stream import RolloutStream
 
-    original = RolloutWorker._should_abort
+    reached = {v: threading.Event() for v in versions.values()}
+    published = {v: threading.Event() for v in versions.values()}
+    calls = [0]
+    should_abort, publish = RolloutWorker._should_abort, RolloutStream.publish
 
-    def slowed(self, gen_id):
-        check = original(self, gen_id)
+    def held(self, gen_id):
+        check = should_abort(self, gen_id)
+        calls[0] += 1
+        version = versions.get(calls[0])
+        if version is None:
+            return check
+        tokens = [0]
 
-        def should_abort() -> bool:
-            time.sleep(seconds_per_token)
+        def should_abort_now() -> bool:
+            tokens[0] += 1
+            if tokens[0] == 1:
+                reached[version].set()
+                published[version].wait(BARRIER_WAIT_S)
             return check is not None and check()
 
-        return should_abort
+        return should_abort_now
 
-    monkeypatch.setattr(RolloutWorker, "_should_abort", slowed)
+    def publish_in_flight(self, version, weights):
+        if version in reached:
+            reached[version].wait(BARRIER_WAIT_S)
+        publish(self, version, weights)
+        if version in published:
+            published[version].set()
+
+    monkeypatch.setattr(RolloutWorker, "_should_abort", held)
+    monkeypatch.setattr(RolloutStream, "publish", publish_in_flight)
 
 
 def check_staleness(result, bound: int) -> None:
@@ -99,18 +125,18 @@ def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray
 
 def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, small_run, tmp_path, monkeypatch):
     """rollout.stage_weights (the GPU default): in hybrid mode, where every batch's weights are fixed by its step,
-    the run whose engine copies each version while it generates (slowed, so that the trainer publishes during a
-    generation) and swaps it in trains on exactly the data of the run that copies at load time. Swaps happened (a
+    the run whose engine copies each version while it generates (each publish made to land during a generation) and
+    swaps it in trains on exactly the data of the run that copies at load time. Swaps happened (a
     swap of the wrong version, or of half-copied weights, would change the batches)."""
     from relax.backends.rollout_embedded import EmbeddedEngine
 
-    slow_generation(monkeypatch, 0.1)  # a batch takes longer than a step, even when training is slowed by load
+    updates_during_generation(monkeypatch, {2: 1, 3: 2, 4: 3})  # job j (call j + 1) holds until version j is staged
     swaps = []
     load = EmbeddedEngine.load_weights
 
     def counted(self, state_dict, version):
         load(self, state_dict, version)
-        swaps.append(self.swapped_loads)
+        swaps.append((version, self.swapped_loads))
 
     monkeypatch.setattr(EmbeddedEngine, "load_weights", counted)
     runs = {}
@@ -119,7 +145,8 @@ def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, sma
         cfg = load_config(small_run("train.mode=hybrid", ONE_THREAD, f"rollout.stage_weights={str(stage).lower()}",
                                     steps=4))
         runs[stage] = run(cfg, output_dir=tmp_path / str(stage)).history
-        assert (max(swaps) >= 1) if stage else (max(swaps) == 0), (stage, swaps)
+        # the loads of versions 1 and 2 (before jobs 2 and 3) swap in the copies staged while jobs 1 and 2 generated
+        assert swaps == ([(0, 0), (1, 1), (2, 2)] if stage else [(0, 0), (1, 0), (2, 0)]), (stage, swaps)
     assert [s for s, _ in runs[True]] == [0, 1, 2, 3]
     for (_, staged), (_, copied) in zip(runs[True], runs[False], strict=True):
         assert {k: staged[k] for k in SAME_DATA} == {k: copied[k] for k in SAME_DATA}
@@ -150,7 +177,7 @@ def test_the_async_algorithms_run_fully_async_with_partial_rollout(algorithm, in
     """Every algorithm that allows asynchronous training trains fully_async with partial rollout: generations are
     interrupted by weight updates and continued with the new weights (responses whose tokens come from two
     versions), no trained token is older than max_staleness, and the algorithm's loss is finite at every step."""
-    slow_generation(monkeypatch)
+    updates_during_generation(monkeypatch, {2: 1})  # job 1's first call is interrupted by version 1
     cfg = load_config(small_run(ONE_THREAD, f"algorithm={algorithm}", "train.mode=fully_async",
                                 "train.max_staleness=2", "rollout.partial_rollout=true",
                                 "rollout.mask_offpolicy_in_partial_rollout=true", "rollout.max_response_len=12",
