@@ -545,6 +545,10 @@ def render(rep: Report, notes: str) -> str:
     return "\n".join(out) + "\n"
 
 
+# the sections that never start Ray (what a bare GPU machine without Ray runs: tests/gpu/bare.sh)
+WITHOUT_RAY = ("rollout", "train", "memory", "growth", "math")
+
+
 def _ray_running() -> bool:
     import ray
 
@@ -604,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
         print(msg, flush=True)
 
     t_all = time.perf_counter()
-    shared_ray = m == "smoke" and not _ray_running()
+    shared_ray = m == "smoke" and any(s not in WITHOUT_RAY for s in only) and not _ray_running()
     if shared_ray:  # the smoke suite checks the report, not start-up: its Ray runs share one instance
         import ray
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check in one short run, where a CUDA GPU is available (they skip without one):
+# Every GPU check in one short run on a PREPARED machine (Relax installed with its dependencies: Ray, MLflow, and
+# SGLang for its part; a bare lent machine runs tests/gpu/bare.sh instead: tests/gpu/README.md), where a CUDA GPU
+# is available (they skip without one):
 #   bash tests/gpu/run.sh
 # 1. tests/gpu: the Megatron backend on CUDA (NCCL, bf16; Transformer Engine's layer spec where transformer_engine
 #    is installed, sequence parallelism where there are two GPUs) and Relax driving a real SGLang server (launch,

@@ -1,0 +1,75 @@
+"""tests/gpu/bare.sh cannot rot where no GPU is lent: CI runs it in an environment like a bare GPU machine's (this
+interpreter's packages without Ray, MLflow, SGLang and TRL: a virtual environment over a copy of site-packages made
+of links, the four left out), with the checks of tests/gpu/test_bare_gpu.py on the CPU (RELAX_BARE_DEVICE=cpu) and
+the CUDA-only ones collected and skipped; and the performance suite's sections that bare.sh runs there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ABSENT = ("ray", "mlflow", "sglang", "trl")  # what a bare GPU machine lacks (and Relax's bare checks must not need)
+
+
+def _absent(name: str) -> bool:
+    stem = name.lower().split("-")[0].split(".")[0]
+    return any(stem == a or stem.startswith(a + "_") for a in ABSENT)
+
+
+@pytest.fixture(scope="module")
+def bare_env(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("bare")
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    site = tmp / "site"
+    site.mkdir()
+    for entry in purelib.iterdir():
+        if not _absent(entry.name):
+            (site / entry.name).symlink_to(entry)
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (lib,) = (venv / "lib").glob("python3*/site-packages")
+    (lib / "bare.pth").write_text(f"import site; site.addsitedir({str(site)!r})\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "PATH": f"{venv / 'bin'}{os.pathsep}{env['PATH']}", "RELAX_BARE_DEVICE": "cpu",
+            "RELAX_BARE_KIT": str(tmp / "no-kit")}  # this interpreter has the kit's packages (a kit here is for 3.12)
+
+
+def test_the_environment_lacks_what_a_bare_machine_lacks(bare_env):
+    """The negative control of the environment itself: what a bare machine lacks does not import, the rest does."""
+    probe = ("import importlib.util as u, sys\n"
+             f"absent = [n for n in {ABSENT!r} if u.find_spec(n) is not None]\n"
+             "missing = [n for n in ('torch', 'transformers', 'peft', 'hydra', 'megatron') if u.find_spec(n) is None]\n"
+             "sys.exit(f'importable: {absent}, missing: {missing}' if absent or missing else 0)")
+    proc = subprocess.run(["python3", "-c", probe], env=bare_env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+
+
+def test_the_bare_script_runs_its_checks_without_ray_mlflow_or_sglang(bare_env):
+    proc = subprocess.run(["bash", str(REPO / "tests/gpu/bare.sh")], env=bare_env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "bare.sh: torch " in out and "CUDA False" in out
+    # tests/gpu/test_bare_gpu.py on the CPU; the megatron and bench checks collected, skipped without CUDA
+    assert "\n3 passed, 7 skipped" in out, out[-3000:]
+    assert out.count("needs a CUDA GPU") == 7, out[-3000:]
+
+
+def test_the_bare_benchmark_sections_run_without_ray_mlflow_or_trl(bare_env, tmp_path):
+    out = tmp_path / "perf.md"
+    proc = subprocess.run(["python3", "-m", "bench", "--smoke", "--only", "rollout,train,memory,math", "--out",
+                           str(out)], env=bare_env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    text = out.read_text()
+    assert "```" not in text, text[-3000:]  # a section that failed is fenced
+    for heading in ("## Rollout engine vs Hugging Face", "## Train phase vs the machine", "## Actor memory",
+                    "## Algorithm math"):
+        assert heading in text, heading
