@@ -50,6 +50,10 @@ def test_the_environment_lacks_what_a_bare_machine_lacks(bare_env):
              "sys.exit(f'importable: {absent}, missing: {missing}' if absent or missing else 0)")
     proc = subprocess.run(["python3", "-c", probe], env=bare_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr + proc.stdout
+    # what tests/megatron/ranks.py (test_megatron_gpu.py's rank processes) imports of Relax, skipped here otherwise
+    proc = subprocess.run(["python3", "-c", "import relax.backends.megatron.policy, relax.backends.megatron.convert"],
+                          env={**bare_env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_the_bare_script_runs_its_checks_without_ray_mlflow_or_sglang(bare_env):
