@@ -146,25 +146,20 @@ class PeakRSS:
 def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_local, small_run, tmp_path):
     """The driver (this process) only orchestrates: the actor's process sends each version to the servers. Its peak
     memory during a run does not grow with the model: with a model of about 200 MB of weights, the driver's peak
-    rises by far less than the weights (and by as little over the tiny model's run). (Through the driver, each step
-    held the weights twice: a copy fetched from the actor and one in shared memory for the servers.)"""
+    rises by far less than the weights. (Through the driver, each step held the weights twice: a copy fetched from
+    the actor and one in shared memory for the servers, about 4x the weights in all.)"""
     import gc
 
-    sizes = {"small": [],  # the tiny model: under 1 MB of weights
-             "large": ["model.hidden_size=512", "model.intermediate_size=4096", "model.head_dim=64",
-                       "model.num_layers=8"]}
-    peaks, sent = {}, {}
-    for name, model in sizes.items():
-        cfg = load_config(small_run("rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_replicas=1",
-                                    "rollout.sglang.startup_timeout_s=120", "model.dtype=float32", *model,
-                                    "rollout.rollout_batch_size=2", "rollout.max_response_len=8",
-                                    "tracking.enabled=false", steps=2))
-        gc.collect()
-        with PeakRSS() as rss:
-            result = run(cfg, output_dir=tmp_path / name)
-        peaks[name], sent[name] = rss.peak, result.series("perf/sync_bytes")[-1]
-    assert sent["large"] > 200e6 > 1e6 > sent["small"], sent
+    large = ["model.hidden_size=512", "model.intermediate_size=4096", "model.head_dim=64", "model.num_layers=8"]
+    cfg = load_config(small_run("rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_replicas=1",
+                                "rollout.sglang.startup_timeout_s=120", "model.dtype=float32", *large,
+                                "rollout.rollout_batch_size=2", "rollout.max_response_len=8",
+                                "tracking.enabled=false", steps=2))
+    gc.collect()
+    with PeakRSS() as rss:
+        result = run(cfg, output_dir=tmp_path / "large")
+    sent = result.series("perf/sync_bytes")[-1]
+    assert sent > 200e6, sent
     # the driver's own allocations (imports, Ray's buffers) vary by tens of MB from run to run; a copy of the weights
     # would add at least their size (through the driver, each step held them twice: about 4x in all)
-    assert peaks["large"] < 0.4 * sent["large"], (peaks, sent)
-    assert peaks["large"] - peaks["small"] < 0.4 * (sent["large"] - sent["small"]), (peaks, sent)
+    assert rss.peak < 0.4 * sent, (rss.peak, sent)
