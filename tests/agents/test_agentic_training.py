@@ -97,18 +97,20 @@ def test_resume_of_an_agentic_run_with_episodes_ahead_and_in_flight(in_process, 
     assert {k: a[k] for k in SAME_DATA} == {k: b[k] for k in SAME_DATA}
 
 
-def test_guess_number_over_sglang_with_partial_rollout(ray_local, small_run, tmp_path, trained_batches):
+def test_guess_number_over_sglang_with_partial_rollout(ray_local, small_run, tmp_path, trained_batches,
+                                                       monkeypatch):
     """rollout=sglang (two embedded servers behind the real sglang-router, real HTTP): a `/generate` request per turn
     with the episode's tokens as input_ids; weight updates abort episodes mid-turn or between turns, which continue
     with the new weights; the trainer's log-probs equal the servers' for every generated token of every turn (fp32),
     and the ledger verifies (no episode lost or trained twice)."""
-    from runner.test_sglang_training import SGLANG
+    from runner.test_sglang_training import SGLANG, update_mid_generation
 
     from relax.cli.verify_run import verify
 
+    update_mid_generation(monkeypatch)  # version 1 interrupts the episodes of a job in flight, mid-turn
+
     cfg = load_config(small_run(*SGLANG, *AGENTIC, "model.dtype=float32", "algorithm=m2po", "train.mode=fully_async",
                                 "train.max_staleness=2", "rollout.partial_rollout=true",
-                                # five turns of four tokens: a job outlasts a train step, so updates find one in flight
                                 "rollout.max_turns=5", "rollout.max_response_len=4", "rollout.max_episode_tokens=80",
                                 steps=4))
     result = run(cfg, output_dir=tmp_path / "out")

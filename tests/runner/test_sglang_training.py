@@ -3,6 +3,8 @@ behind the real sglang-router, started as Ray actors; weights synced every step,
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from relax.config import load_config
@@ -53,7 +55,43 @@ def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_surv
     assert kill_engine_reward.servers() == []  # the run's servers are gone with it
 
 
-def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small_run, tmp_path, trained_batches):
+def update_mid_generation(monkeypatch, version: int = 1, timeout_s: float = 120.0) -> None:
+    """The publish of `version` interrupts a generation by construction, over real HTTP: it waits until a server
+    runs requests and has decoded a token since (its /v1/loads token count grew), then holds every server in place
+    (`/pause_generation` mode=in_place: nothing finishes), and only then publishes, which aborts the held requests
+    (pause mode=abort), loads the weights and continues."""
+    from relax.backends.sglang.client import auth_headers, post
+    from relax.runner.rollout_stream import RolloutStream
+
+    publish = RolloutStream.publish
+
+    def loads(engines) -> list[dict]:
+        import requests
+
+        return [requests.get(u + "/v1/loads", timeout=10, headers=auth_headers(engines.api_key)).json()["loads"][0]
+                for u in engines.urls]
+
+    def publish_mid_generation(self, v, weights):
+        if v == version:
+            engines = self.engines.engines  # the run's SGLangEngines (the stream drives them through the Cluster)
+            deadline, seen = time.monotonic() + timeout_s, None
+            while True:
+                running = [(u, load["num_used_tokens"]) for u, load in zip(engines.urls, loads(engines), strict=True)
+                           if load["num_running_reqs"] > 0]
+                if seen is not None and any(u == seen[0] and n > seen[1] for u, n in running):
+                    break  # requests of that server decoded a token since: a response is half done
+                seen = running[0] if running else None
+                assert time.monotonic() < deadline, f"no generation ran when version {v} was published"
+                time.sleep(0.005)
+            for u in engines.urls:
+                post(u, "/pause_generation", {"mode": "in_place"}, api_key=engines.api_key)
+        publish(self, v, weights)
+
+    monkeypatch.setattr(RolloutStream, "publish", publish_mid_generation)
+
+
+def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small_run, tmp_path, trained_batches,
+                                                               monkeypatch):
     """fully_async with partial rollout: weight updates pause the servers (abort), the partial responses continue
     from their prefix with the new weights, and no response is lost: every step trains its whole batch (the sample
     ids of its prompts, each once), every response finished (stop or length, never abort), and the run's ledger
@@ -61,11 +99,9 @@ def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small
     from relax.cli.verify_run import verify
 
     steps, G, B = 5, 4, 4
+    update_mid_generation(monkeypatch)  # version 1 interrupts job 1 (the other updates: wherever they land)
     cfg = load_config(small_run(*SGLANG, "algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
-                                # long enough that a job outlasts a train step on a loaded machine: every weight
-                                # update then finds one in flight (48 tokens once did not, the rewards being scored
-                                # beside generation)
-                                "rollout.partial_rollout=true", "rollout.max_response_len=96", steps=steps))
+                                "rollout.partial_rollout=true", "rollout.max_response_len=32", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == list(range(steps))
     for step, m in result.history:
