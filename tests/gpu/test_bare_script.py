@@ -1,7 +1,7 @@
 """tests/gpu/bare.sh cannot rot where no GPU is lent: CI runs it in an environment like a bare GPU machine's (this
 interpreter's packages without Ray, MLflow, SGLang and TRL: a virtual environment over a copy of site-packages made
-of links, the four left out), with the checks of tests/gpu/test_bare_gpu.py on the CPU (RELAX_BARE_DEVICE=cpu) and
-the CUDA-only ones collected and skipped; and the performance suite's sections that bare.sh runs there."""
+of links, the four left out), with the checks of tests/gpu/test_bare_gpu.py and the performance suite's bare sections
+(test_bench_gpu.py) on the CPU (RELAX_BARE_DEVICE=cpu), the CUDA-only ones collected and skipped."""
 
 from __future__ import annotations
 
@@ -62,18 +62,7 @@ def test_the_bare_script_runs_its_checks_without_ray_mlflow_or_sglang(bare_env):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "bare.sh: torch " in out and "CUDA False" in out
-    # tests/gpu/test_bare_gpu.py on the CPU; the megatron and bench checks collected, skipped without CUDA
-    assert "\n3 passed, 7 skipped" in out, out[-3000:]
-    assert out.count("needs a CUDA GPU") == 7, out[-3000:]
-
-
-def test_the_bare_benchmark_sections_run_without_ray_mlflow_or_trl(bare_env, tmp_path):
-    out = tmp_path / "perf.md"
-    proc = subprocess.run(["python3", "-m", "bench", "--smoke", "--only", "rollout,train,memory,math", "--out",
-                           str(out)], env=bare_env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    text = out.read_text()
-    assert "```" not in text, text[-3000:]  # a section that failed is fenced
-    for heading in ("## Rollout engine vs Hugging Face", "## Train phase vs the machine", "## Actor memory",
-                    "## Algorithm math"):
-        assert heading in text, heading
+    # tests/gpu/test_bare_gpu.py and the bench's bare sections (test_bench_gpu.py) on the CPU; the megatron checks
+    # collected, skipped without CUDA
+    assert "\n4 passed, 6 skipped" in out, out[-3000:]
+    assert out.count("needs a CUDA GPU") == 6, out[-3000:]

@@ -1,19 +1,25 @@
 """The performance suite on a CUDA device (bench/gpu.sh at smoke sizes): every section it runs there computes on
 the GPU and reports so (no timing asserted). The Ray loop's section (overhead) runs where Ray is installed (the
-prepared machine, tests/gpu/run.sh), the others on a bare one too (tests/gpu/bare.sh)."""
+prepared machine, tests/gpu/run.sh), the others on a bare one too (tests/gpu/bare.sh). With RELAX_BARE_DEVICE=cpu
+(CI's run of bare.sh, tests/gpu/test_bare_script.py) the same sections run on the CPU and report so."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICE = os.environ.get("RELAX_BARE_DEVICE", "cuda")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU (RELAX_BARE_DEVICE=cpu runs it on the CPU)")]
 
 ROOT = Path(__file__).resolve().parents[2]
+HEADINGS = ("## Rollout engine vs Hugging Face", "## Train phase vs the machine", "## Actor memory",
+            "## Algorithm math")
 
 
 def test_the_gpu_sections_run_on_the_gpu(monkeypatch, tmp_path):
@@ -21,10 +27,14 @@ def test_the_gpu_sections_run_on_the_gpu(monkeypatch, tmp_path):
     from bench.run_all import main
 
     out = tmp_path / "perf_gpu.md"
-    ray = importlib.util.find_spec("ray") is not None
+    ray = importlib.util.find_spec("ray") is not None and DEVICE == "cuda"
     main(["--smoke", "--only", "rollout,train,memory,math" + (",overhead" if ray else ""), "--out", str(out)])
     text = out.read_text()
-    assert "```" not in text, "a section failed"
+    assert "```" not in text, text[-3000:]  # a section that failed is fenced
+    assert all(h in text for h in HEADINGS), text[-3000:]
+    if DEVICE != "cuda":
+        assert re.search(r"\| tiny \| float32 \(float32\), cpu \|", text)  # the trainer's row, on the CPU
+        return
     assert "GPU: " + torch.cuda.get_device_name(0) in text
     assert re.search(r"\| tiny \| float32 \(float32\), cuda(:0)? \|", text)  # the trainer's row
     assert "cuda allocated" in text  # the memory rows: the CUDA allocator's peak, not the process's

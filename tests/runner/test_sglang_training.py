@@ -56,38 +56,56 @@ def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_surv
 
 
 def update_mid_generation(monkeypatch, version: int = 1, timeout_s: float = 120.0) -> None:
-    """The publish of `version` interrupts a generation by construction, over real HTTP: it waits until a server
-    runs requests and has decoded a token since (its /v1/loads token count grew), then holds every server in place
-    (`/pause_generation` mode=in_place: nothing finishes), and only then publishes, which aborts the held requests
-    (pause mode=abort), loads the weights and continues."""
+    """The publish of `version` interrupts job `version` mid-response by construction, over real HTTP: from the
+    moment that job is sent, the servers are held in place (`/pause_generation` mode=in_place) and their token counts
+    read (/v1/loads: prompt and output tokens of every unfinished row); once these exceed the job's prompt tokens, an
+    unfinished response holds generated tokens and the hold stays (else generation continues for a moment and the
+    hold is tried again). The publish waits for that hold, then aborts the held requests (pause mode=abort), loads
+    the weights and continues. Job `version` starts without that publish (the weights it may use are older), so the
+    two cannot wait for each other."""
+    import threading
+
+    import requests
+
     from relax.backends.sglang.client import auth_headers, post
     from relax.runner.rollout_stream import RolloutStream
+    from relax.runner.sglang_engines import SGLangEngines
 
-    publish = RolloutStream.publish
+    held, failed = threading.Event(), []
+    generate, publish = SGLangEngines.generate, RolloutStream.publish
 
-    def loads(engines) -> list[dict]:
-        import requests
+    def tokens(engines) -> int:
+        loads = [requests.get(u + "/v1/loads", timeout=10, headers=auth_headers(engines.api_key)).json()["loads"][0]
+                 for u in engines.urls]
+        return sum(load["num_used_tokens"] + load["num_waiting_uncached_tokens"] for load in loads)
 
-        return [requests.get(u + "/v1/loads", timeout=10, headers=auth_headers(engines.api_key)).json()["loads"][0]
-                for u in engines.urls]
-
-    def publish_mid_generation(self, v, weights):
-        if v == version:
-            engines = self.engines.engines  # the run's SGLangEngines (the stream drives them through the Cluster)
-            deadline, seen = time.monotonic() + timeout_s, None
-            while True:
-                running = [(u, load["num_used_tokens"]) for u, load in zip(engines.urls, loads(engines), strict=True)
-                           if load["num_running_reqs"] > 0]
-                if seen is not None and any(u == seen[0] and n > seen[1] for u, n in running):
-                    break  # requests of that server decoded a token since: a response is half done
-                seen = running[0] if running else None
-                assert time.monotonic() < deadline, f"no generation ran when version {v} was published"
-                time.sleep(0.005)
+    def hold(engines, prompt_tokens: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             for u in engines.urls:
                 post(u, "/pause_generation", {"mode": "in_place"}, api_key=engines.api_key)
+            if tokens(engines) > prompt_tokens:
+                held.set()
+                return
+            for u in engines.urls:
+                post(u, "/continue_generation", {}, api_key=engines.api_key)
+            time.sleep(0.005)
+        failed.append(f"job {version} never held a generated token")
+        held.set()
+
+    def generate_then_hold(self, prompts, sample_ids, **kw):
+        if int(sample_ids[0]) // len(sample_ids) == version and not held.is_set():  # job j's ids start at j * size
+            G = len(sample_ids) // len(prompts)
+            threading.Thread(target=hold, args=(self, G * sum(len(p) for p in prompts)), daemon=True).start()
+        return generate(self, prompts, sample_ids, **kw)
+
+    def publish_after_the_hold(self, v, weights):
+        if v == version:
+            assert held.wait(timeout_s) and not failed, failed or f"job {version} was never held"
         publish(self, v, weights)
 
-    monkeypatch.setattr(RolloutStream, "publish", publish_mid_generation)
+    monkeypatch.setattr(SGLangEngines, "generate", generate_then_hold)
+    monkeypatch.setattr(RolloutStream, "publish", publish_after_the_hold)
 
 
 def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small_run, tmp_path, trained_batches,
