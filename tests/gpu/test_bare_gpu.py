@@ -60,27 +60,19 @@ def tiny_cfg(dtype: str):
     )
 
 
-def random_samples(n: int = 8, P: int = 12, T: int = 10, vocab: int = 64, seed: int = 0):
-    from relax.backends.batch import Samples
+def _backend_fixtures():
+    """tests/backends/conftest.py as a module of its own (every test folder's conftest has the same module name)."""
+    import importlib.util
 
-    g = torch.Generator().manual_seed(seed)
-    plen, rlen = torch.randint(2, P + 1, (n,), generator=g), torch.randint(2, T + 1, (n,), generator=g)
-    prompt_ids, prompt_mask = torch.zeros(n, P, dtype=torch.long), torch.zeros(n, P, dtype=torch.long)
-    response_ids, response_mask = torch.zeros(n, T, dtype=torch.long), torch.zeros(n, T, dtype=torch.long)
-    for i in range(n):
-        p, r = int(plen[i]), int(rlen[i])
-        prompt_ids[i, P - p :] = torch.randint(1, vocab, (p,), generator=g)
-        prompt_mask[i, P - p :] = 1
-        response_ids[i, :r] = torch.randint(1, vocab, (r,), generator=g)
-        response_mask[i, :r] = 1
-    return Samples(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=response_ids,
-        response_mask=response_mask,
-        rollout_logp=torch.zeros(n, T),
-        finish_reason=["stop"] * n,
-    )
+    spec = importlib.util.spec_from_file_location("backends_conftest", REPO / "tests/backends/conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_samples(n: int = 8, P: int = 12, T: int = 10, vocab: int = 64, seed: int = 0):
+    """Left-padded prompts and right-padded responses of random lengths (tests/backends/conftest.py's)."""
+    return _backend_fixtures().random_samples(n, P, T, seed=seed, vocab=vocab)
 
 
 def policy(dtype: str):
