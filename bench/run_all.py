@@ -522,7 +522,9 @@ def render(rep: Report, notes: str) -> str:
     if rep.machine.get("gpu", "none") == "none":
         out += ["", "GPU: none in this run, so no GPU numbers. On a machine with one, `bash bench/gpu.sh` runs the "
                 "rollout, train, memory, overhead and math sections on it (the trainer, the engine, the Ray loop with "
-                "`cluster=1xgpu`), MFU against the datasheet bf16 peak, into docs/performance_gpu.md."]
+                "`cluster=1xgpu`), MFU against the datasheet bf16 peak, into docs/performance_gpu.md. On a bare lent "
+                "machine (no Ray), `bash tests/gpu/bare.sh --bench OUT.md` runs the same sections but the Ray "
+                "loop's (tests/gpu/README.md)."]
     else:
         out += ["", f"GPU: {rep.machine['gpu']}. The trainer, the rollout engine and the Ray loop (`cluster=1xgpu`) "
                 "ran on it; TRL's comparison is a CPU benchmark and is skipped."]
