@@ -11,7 +11,8 @@
 #   tests/gpu/test_bench_gpu.py: the performance suite's GPU sections at smoke sizes (the Ray loop's row is the
 #     prepared machine's).
 # What needs Ray or SGLang is tests/gpu/run.sh, for a prepared machine. tests/gpu/README.md lists both.
-# CI runs this script on the CPU in an environment without Ray, MLflow, SGLang or TRL (tests/gpu/test_bare_script.py).
+# CI builds the kit and runs this script on the CPU in an environment without Ray, MLflow, SGLang, TRL or the kit's
+# packages (tests/gpu/test_bare_script.py).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bench=""
@@ -31,6 +32,7 @@ missing = [m for m in need if importlib.util.find_spec(m.split(".")[0]) is None]
 if missing:
     sys.exit(f"bare.sh: missing {missing}: build the kit here (bash tests/gpu/kit.sh) and carry tests/gpu/.kit")
 import torch
+import relax.backends.megatron.policy  # what test_megatron_gpu.py's rank processes import: fail here, not in a rank
 print(f"bare.sh: torch {torch.__version__}, CUDA {torch.cuda.is_available()}"
       + (f" ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else ""))
 PY

@@ -4,11 +4,12 @@
 # Python (3.12, x86_64 manylinux), into tests/gpu/.kit/ (ignored by git; it travels with `carry: ["tests/gpu/.kit"]`).
 #   bash tests/gpu/kit.sh                 # downloads from the package index; a few MB
 #   PYTHON_VERSION=3.11 bash tests/gpu/kit.sh   # for a machine with another Python
+#   RELAX_BARE_KIT=DIR bash tests/gpu/kit.sh     # into DIR (bare.sh reads the same variable)
 # What cannot travel (Ray's wheel alone is larger than the 64 MiB a call carries, SGLang needs a CUDA build, the
 # SmolLM2 GGUF is 98 MB) is left to the prepared machine's script, tests/gpu/run.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-kit=tests/gpu/.kit
+kit=${RELAX_BARE_KIT:-tests/gpu/.kit}
 py=${PYTHON_VERSION:-3.12}
 rm -rf "$kit" && mkdir -p "$kit"
 platforms=()
