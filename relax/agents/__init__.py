@@ -12,6 +12,6 @@ re-tokenized).
   case.
 - `guess_number.py`: the built-in environment of `data=guess_number`.
 
-Layer 2 of 0-6 (docs/design.md), beside `relax/data` and `relax/rewards`: imports Relax packages of lower layers and
+Layer 3 of 0-9 (docs/design.md), beside `relax/data` and `relax/rewards`: imports Relax packages of lower layers and
 of its own layer only.
 """

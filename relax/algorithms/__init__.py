@@ -2,7 +2,7 @@
 
 Importing this package registers every built-in algorithm; `get(name)` returns its `Algorithm`.
 
-Layer 0 of 0-6 (docs/design.md): imports no other Relax package.
+Layer 0 of 0-9 (docs/design.md): imports no other Relax package.
 """
 
 from __future__ import annotations

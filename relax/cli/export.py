@@ -9,7 +9,7 @@ finds it). It is checked before anything is read (`relax.runner.checkpoint.verif
 against state.json); an unfinished (`.tmp-`) or changed checkpoint is refused. OUT_DIR must be empty or absent
 (`--force` replaces its contents); the export is written next to it first and renamed into place, so a failed
 export leaves no half-written directory. How: `relax.runner.export` (which `train.save_hf=true` runs on a run's final
-checkpoint); what it writes: `relax.backends.export`. The run's tokenizer comes from where the run's model was
+checkpoint); what it writes: `relax.train.export`. The run's tokenizer comes from where the run's model was
 (`model.path`); `--model-path` names where that model is on this machine.
 
 Exit 0 when written, 2 when the checkpoint or the arguments are refused (one message, nothing written), 1 when a
@@ -22,7 +22,7 @@ import argparse
 import sys
 from typing import NoReturn, Optional
 
-from relax.backends.export import EXPORT_FILE
+from relax.train.export import EXPORT_FILE
 from relax.runner.export import ExportRefused, ExportResult, export_checkpoint
 
 OK_EXIT, WRITE_EXIT, USAGE_EXIT = 0, 1, 2

@@ -4,7 +4,7 @@
     relax-serve --port 30000 --config resolved_config.json
 
 The model is the one `relax-train` with the same overrides would build (or the one a resolved config JSON, as
-`dataclasses.asdict(cfg)` writes it, describes). See `relax.backends.sglang.server` for the protocol.
+`dataclasses.asdict(cfg)` writes it, describes). See `relax.serve.sglang.server` for the protocol.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--threads={args.threads}: must be >= 1")
     cfg = _load(args)
 
-    from relax.backends.models import resolve_model_path
-    from relax.backends.sglang.server import EmbeddedServer
+    from relax.models.hf import resolve_model_path
+    from relax.serve.sglang.server import EmbeddedServer
 
     if cfg.model.source != "config":
         try:

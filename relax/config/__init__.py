@@ -1,6 +1,6 @@
 """Structured configs, their Hydra registration, resolution and validation.
 
-Layer 1 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
+Layer 1 of 0-9 (docs/design.md): imports Relax packages of lower layers only.
 """
 
 from relax.config.compose import compose, conf_dir, load_config, to_relax_config

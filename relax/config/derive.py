@@ -82,7 +82,7 @@ def needs_reference(cfg: RelaxConfig) -> str | None:
 
 
 def teacher_model(cfg: RelaxConfig) -> ModelConfig | None:
-    """The teacher as a model config (what `relax.backends.models` and `relax.data.tokenizer` load), or None when
+    """The teacher as a model config (what `relax.models.hf` and `relax.data.tokenizer` load), or None when
     the algorithm distills from none (the plan starts the teacher role when this returns one)."""
     if not algorithms.get(cfg.algorithm.name).requires_teacher:
         return None

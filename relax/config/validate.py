@@ -609,7 +609,7 @@ def _teacher(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
 
 def _lora(cfg: RelaxConfig, r: _Rules) -> None:
     """LoRA's options (model.lora_*, rollout.lora_sync). That the target modules exist is checked against the model's
-    architecture before Ray starts (`relax.backends.lora.check_targets`), naming the layers it has."""
+    architecture before Ray starts (`relax.models.lora.check_targets`), naming the layers it has."""
     m, ro = cfg.model, cfg.rollout
     r.non_negative("model.lora_rank", m.lora_rank)
     if m.lora_rank <= 0:
@@ -726,7 +726,7 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
 
 
 def _openai_agent(cfg: RelaxConfig, r: _Rules) -> None:
-    """data.openai_agent: an agent program behind the training gateway (relax.backends.openai.agents)."""
+    """data.openai_agent: an agent program behind the training gateway (relax.serve.openai.agents)."""
     d, ro = cfg.data, cfg.rollout
     r.positive("data.agent_timeout_s", d.agent_timeout_s)
     r.positive("data.agent_workers", d.agent_workers)

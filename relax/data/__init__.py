@@ -1,7 +1,7 @@
 """Prompt data for Relax: tokenizers and model paths, prompt datasets and sampling, synthetic tasks,
 GSM8K preparation.
 
-Layer 2 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
+Layer 2 of 0-9 (docs/design.md): imports Relax packages of lower layers only.
 """
 
 from relax.data.datasets import (

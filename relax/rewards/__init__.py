@@ -2,7 +2,7 @@
 `score_responses` applies it to a batch and records which calls failed; `overlong_penalty` shapes a reward by
 the response's length (DAPO).
 
-Layer 2 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
+Layer 2 of 0-9 (docs/design.md): imports Relax packages of lower layers only.
 """
 
 from relax.rewards.digits import digits_reward

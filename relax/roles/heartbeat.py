@@ -1,7 +1,7 @@
 """Heartbeats sent from inside each role process, and the board that collects them for the driver's watchdog.
 
 Each role process runs a heartbeat thread (`start_heartbeat`) that sends the board, every `interval_s`, its
-process id and its progress (`relax.backends.progress`: decoding steps and micro-batches done, tokens
+process id and its progress (`relax.progress`: decoding steps and micro-batches done, tokens
 generated). The board, a small Ray actor, notes when each role's heartbeat last arrived and when its progress
 last changed, on its own clock; the driver's watchdog (`relax.runner.watchdog`) reads those ages while it waits
 on a role. A frozen process stops beating; a call stuck in a deadlock or a never-ending loop keeps beating but
@@ -17,9 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from relax.backends import progress
-
-
+from relax import progress
 @dataclass(frozen=True)
 class RoleBeat:
     """One role as the board saw it when asked: seconds since its last heartbeat and since its progress changed."""

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from relax.backends.batch import Samples, TrainBatch
-from relax.backends.weight_buffers import WeightBuffers
+from relax.batch import Samples, TrainBatch
+from relax.models.weight_buffers import WeightBuffers
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
@@ -48,15 +48,15 @@ class MegatronRank(PolicyForwarding):
         """(address, port) for the process group: this node's IP and a port free on it (rank 0 only)."""
         import ray
 
-        from relax.backends.megatron.parallel import free_port
+        from relax.train.megatron.parallel import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group and build the policy (all ranks at once: it is a rendezvous)."""
-        from relax.backends.megatron import parallel
-        from relax.backends.megatron.policy import MegatronPolicy
-        from relax.backends.models import pick_device, pick_dtype
+        from relax.train.megatron import parallel
+        from relax.train.megatron.policy import MegatronPolicy
+        from relax.models.hf import pick_device, pick_dtype
 
         cfg, t = self.cfg, self.cfg.train
         parallel.initialize(self.rank, self.world_size, master_addr=master_addr, master_port=master_port,
@@ -82,8 +82,7 @@ class MegatronRank(PolicyForwarding):
         self.policy.save_hf(directory)
 
     def shutdown(self) -> None:
-        from relax.backends.megatron import parallel
-
+        from relax.train.megatron import parallel
         parallel.shutdown()
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from relax.backends.batch import Samples
+from relax.batch import Samples
 
 
 class WeightVersions:

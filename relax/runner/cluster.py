@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
-from relax.backends.batch import Samples, TrainBatch
+from relax.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from relax.backends.batch import Samples, concat_samples
+from relax.batch import Samples, concat_samples
 from relax.metrics import SYNC_BYTES
 from relax.runner.errors import RoleFailure
 from relax.runner.restarts import Restarts

@@ -3,7 +3,7 @@
 `export_checkpoint(source, out_dir)` finds the checkpoint `source` designates (a committed `step_NNNNNN/` or a save
 dir's latest, as `train.resume=auto` finds it), checks it before anything is read (`relax.runner.checkpoint.verify`:
 every file's size and SHA-256 against state.json), reads the run's model and sampling settings from its config.yaml,
-and writes the directory (`relax.backends.export.write_hf_directory`) next to `out_dir` first, renamed into place,
+and writes the directory (`relax.train.export.write_hf_directory`) next to `out_dir` first, renamed into place,
 so that a failed export leaves no half-written directory. `relax-export` (relax/cli/export.py) is its command line;
 a run with `train.save_hf=true` calls it on its final checkpoint (`relax.runner.session.Session.finish`).
 """
@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.backends.export import Exported, ExportError, write_hf_directory
+from relax.train.export import Exported, ExportError, write_hf_directory
 from relax.config.schema import ModelConfig, RolloutConfig
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
@@ -32,7 +32,7 @@ class ExportRefused(Exception):
 
 @dataclass
 class ExportResult:
-    """A finished export: where from, where to, and what `relax.backends.export` wrote."""
+    """A finished export: where from, where to, and what `relax.train.export` wrote."""
 
     checkpoint: Path
     out_dir: Path

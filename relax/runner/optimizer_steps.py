@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from relax import algorithms
-from relax.backends.batch import TrainBatch
+from relax.batch import TrainBatch
 from relax.config.schema import RelaxConfig
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,

@@ -36,7 +36,7 @@ the batch is then the first groups with a signal in draw order, filled with grou
 size, so the modes' guarantees hold as they are.
 
 Sampling is deterministic per sample: a response's tokens are drawn from the random stream of (seed, sample
-id, position) (`relax.backends.sampling.counter_uniforms`), so a sample is a function of its weights only,
+id, position) (`relax.rollout.sampling.counter_uniforms`), so a sample is a function of its weights only,
 whatever batch, replica or interruption it goes through. `state_dict` holds the sampler position, the buffered
 batches and the job in flight with its partial responses: restored, the stream continues with nothing lost and
 nothing generated twice.
@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
-from relax.backends.batch import Samples, concat_samples
+from relax.batch import Samples, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
 from relax.runner.errors import RunError

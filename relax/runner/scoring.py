@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
 from relax.rewards.shaping import overlong_penalty

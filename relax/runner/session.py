@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from relax.backends.write_errors import os_write_error
+from relax.models.write_errors import os_write_error
 from relax.config.schema import RelaxConfig
 from relax.runner.checkpoint import Checkpoints, ResumePoint
 from relax.runner.errors import RunError

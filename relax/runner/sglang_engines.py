@@ -4,13 +4,13 @@
 
 - start: one server per rollout replica (`EngineServer` Ray actors placed by the plan, each starting
   `sglang.launch_server` or `relax-serve`), or the servers at `rollout.sglang.urls`; the router in front;
-- generate / resume: one `/generate` request per sample through the router (`relax.backends.sglang.client`);
+- generate / resume: one `/generate` request per sample through the router (`relax.rollout.sglang.client`);
   `resume` continues interrupted responses from prompt + prefix with `max_new_tokens` reduced;
 - abort (partial rollout): `/pause_generation {"mode": "abort"}` on every server; the responses in flight come
   back with their partial tokens; `load_weights` then flushes the cache, updates, and `/continue_generation`;
 - load_weights: the published weights to every server, tagged with their version, which every answer reports back
   (`Samples.token_version`). The weights never come here: `push` (the runner's) has the actor's process send its
-  snapshot of that version (an ObjectRef) itself (`relax.backends.sglang.weight_sync.WeightSender`). Colocated in
+  snapshot of that version (an ObjectRef) itself (`relax.rollout.sglang.weight_sync.WeightSender`). Colocated in
   sync mode the servers release their memory after each rollout and resume it before the next update;
 - faults: a watchdog thread polls each server's `/health`; after `health_failures` misses in a row the server is
   taken out of the router, replaced (a new actor and process), given the current weights and put back. Requests
@@ -31,8 +31,8 @@ import requests
 import torch
 
 from relax.agents.episode import EpisodeMaker
-from relax.backends.batch import Samples, continuation, extend_responses
-from relax.backends.sglang.client import (
+from relax.batch import Samples, continuation, extend_responses
+from relax.rollout.sglang.client import (
     EngineRequestError,
     GenerateClient,
     Sampling,
@@ -43,10 +43,10 @@ from relax.backends.sglang.client import (
     sample_seed,
     to_samples,
 )
-from relax.backends.sglang.episodes import run_episodes
-from relax.backends.sglang.process import wait_healthy
-from relax.backends.sglang.router import Router
-from relax.backends.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
+from relax.rollout.sglang.episodes import run_episodes
+from relax.rollout.sglang.process import wait_healthy
+from relax.rollout.sglang.router import Router
+from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
 from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
@@ -133,7 +133,7 @@ class SGLangEngines:
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
-            from relax.backends.openai.agents import AgentRollout
+            from relax.serve.openai.agents import AgentRollout
             from relax.data.tokenizer import load_tokenizer
 
             self.agents = AgentRollout(self.cfg, load_tokenizer(self.cfg.model), eos_token_ids=self.eos_token_ids,
@@ -219,7 +219,7 @@ class SGLangEngines:
 
     def _agent_send(self, payloads: list[dict]) -> list[dict]:
         """`_send_raw` for the gateway: a request the servers refuse is the agent's bad request (HTTP 400)."""
-        from relax.backends.openai.protocol import APIError
+        from relax.serve.openai.protocol import APIError
 
         try:
             return self._send_raw(payloads, None)
@@ -250,7 +250,7 @@ class SGLangEngines:
     def _run_episodes(self, prompts: list[list[int]], sample_ids: torch.Tensor, positions: torch.Tensor,
                       budgets: list[int], episodes: list, *, seed: int, sampling: Sampling,
                       gen_id: int | None) -> Samples:
-        """Agentic episodes, a `/generate` request per turn (`relax.backends.sglang.episodes`)."""
+        """Agentic episodes, a `/generate` request per turn (`relax.rollout.sglang.episodes`)."""
         t0 = time.perf_counter()
         out = run_episodes(lambda payloads: self._send(payloads, gen_id), prompts, sample_ids, positions, budgets,
                            episodes, seed=seed, sampling=sampling, turn_limit=self.cfg.rollout.max_response_len,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from relax.algorithms.functional import exp_log_ratio
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.metrics import (
     ABORTED_TOKENS,
     ENV_TIME,

@@ -18,8 +18,8 @@ import torch
 
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
-from relax.backends.batch import Samples, TrainBatch
-from relax.backends.sampling import NonFiniteLogitsError
+from relax.batch import Samples, TrainBatch
+from relax.rollout.sampling import NonFiniteLogitsError
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import eval_pass_ks
 from relax.config.schema import ModelConfig, RelaxConfig
@@ -98,13 +98,13 @@ def _prepare(cfg: RelaxConfig):
             if maker is not None:
                 maker.close()
         if cfg.data.openai_agent:
-            from relax.backends.openai.agents import load_agent
+            from relax.serve.openai.agents import load_agent
 
             load_agent(cfg.data.openai_agent)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
         if cfg.model.lora_rank > 0:  # the target layers exist (the architecture only, no weights read)
-            from relax.backends.lora import check_targets
+            from relax.models.lora import check_targets
 
             check_targets(cfg.model, info.vocab_size, info.pad_token_id)
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
@@ -118,7 +118,7 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
     (raises ValueError naming what is unsupported)."""
     from transformers import AutoConfig
 
-    from relax.backends.megatron.model import arch_from_hf_config, check_parallel_sizes
+    from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
     if cfg.model.source == "gguf":
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)

@@ -4,7 +4,7 @@ progress line.
  MLflow itself is imported lazily, when a
 run starts, so importing this package stays cheap.
 
-Layer 2 of 0-6 (docs/design.md): imports Relax packages of lower layers only.
+Layer 2 of 0-9 (docs/design.md): imports Relax packages of lower layers only.
 """
 
 from relax.tracking.mlflow_run import (

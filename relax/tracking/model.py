@@ -40,7 +40,7 @@ MODEL_URI_TAG = "relax.model_uri"  # run tag: models:/<model id> of the logged m
 CHECKPOINT_TAG = "relax.checkpoint"  # logged-model tag: the checkpoint the directory was exported from
 STEP_TAG = "relax.step"  # logged-model tag: that checkpoint's step
 LICENSE_FILE = "LICENSE.txt"  # MLflow's name for it in a transformers model
-EXPORT_RECORD = "relax_export.json"  # what relax.backends.export writes into the directory (EXPORT_FILE there)
+EXPORT_RECORD = "relax_export.json"  # what relax.train.export writes into the directory (EXPORT_FILE there)
 COMMAND = "python -m relax.tracking.model"
 
 

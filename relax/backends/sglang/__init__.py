@@ -1,1 +1,0 @@
-"""SGLang's HTTP protocol: the wire formats of weight updates and the embedded engine's SGLang-compatible server."""

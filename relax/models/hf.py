@@ -1,0 +1,229 @@
+"""Model construction and the definition of a response token's log-probability.
+
+`token_logprobs` defines "log-probability of a response token" for the torch backends and the critic's
+alignment, so that old, new and reference log-probs are computed the same way. The trainer and the reference
+role compute exactly these values through `relax.train.logprobs.response_logprobs` (chunked, without
+[N, T, V] fp32 tensors), which is tested against this definition.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from relax.models.gguf_cache import load_gguf_model
+from relax.config.schema import ModelConfig
+from relax.data.tokenizer import ModelPathError
+from relax.data.tokenizer import resolve_model_path as _resolve_model_path
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def pick_device() -> torch.device:
+    """The device a single-device backend uses: the first GPU when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX), where bf16 pays off."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
+
+
+def pick_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype: explicit float32/bfloat16 honoured; "auto" is bf16 only where it is fast."""
+    name = model_cfg.dtype
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"model.dtype={name!r}: expected auto, float32 or bfloat16")
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.float32
+
+
+def resolve_model_path(model_cfg: ModelConfig) -> Path:
+    """Where an hf/gguf model lives; fails early (before any loading) when it is not there."""
+    path = _resolve_model_path(model_cfg)
+    if path is None:
+        raise ValueError("model.source=config has no model path")
+    if model_cfg.source == "hf" and not (path / "config.json").is_file():
+        raise ModelPathError(f"model.path={str(path)!r}: model.source=hf needs a directory with config.json")
+    return path
+
+
+def qwen3_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> Any:
+    """The Qwen3Config of a `source=config` model (tied embeddings, sdpa attention)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_key_value_heads,
+        head_dim=model_cfg.head_dim,
+        intermediate_size=model_cfg.intermediate_size,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    pad_token_id: int,
+    *,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> PreTrainedModel:
+    """A causal LM as `model_cfg` describes it, parameters in `dtype` on `device`.
+
+    `source=config` is initialised on the CPU under `seed` (global RNG untouched), so the same seed
+    gives the same weights on every device and in every process. `hf`/`gguf` load local files only.
+    """
+    if model_cfg.source == "config":
+        if model_cfg.arch != "qwen3":
+            raise ValueError(f"model.arch={model_cfg.arch!r}: only qwen3 is supported for model.source=config")
+        from transformers import Qwen3ForCausalLM
+
+        config = qwen3_config(model_cfg, vocab_size, pad_token_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+        cast_parameters(model, dtype)
+    elif model_cfg.source in ("hf", "gguf"):
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model_path(model_cfg)
+        if model_cfg.source == "gguf":  # de-quantised to fp32 once (relax.models.gguf_cache), then cast
+            model = load_gguf_model(path, local_files_only=True, attn_implementation="sdpa")
+            cast_parameters(model, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
+                                                         attn_implementation="sdpa")
+        n_embed = model.get_input_embeddings().weight.shape[0]
+        if vocab_size > n_embed:
+            raise ValueError(f"tokenizer vocab_size={vocab_size} exceeds the model's {n_embed} embeddings ({path})")
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = pad_token_id
+        model.config.use_cache = False
+    else:
+        raise ValueError(f"model.source={model_cfg.source!r}: expected config, hf or gguf")
+    if model_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.to(device)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast weights only: buffers such as RoPE's inv_freq stay fp32, as the trainer's are, so that rollout and
+    trainer log-probs differ only by the weights' precision."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count only real tokens, so a left-padded row sees the positions it would alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_hidden_states(
+    backbone: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    response_len: int,
+) -> torch.Tensor:
+    """Last hidden states [N, T, H] at positions P-1 .. P+T-2: the state before each response token."""
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, response_start - 1 : response_start + response_len - 1]
+
+
+def response_logprobs_all(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    response_len: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """fp32 log-softmax [N, T, V] of the distributions that produced response tokens 0 .. T-1.
+
+    The distribution is `softmax(logits / temperature)`, the one the rollout engine samples from (before any
+    top-k/top-p truncation; see `relax.rollout.sampling`), so trainer, reference and rollout log-probs are of
+    the same distribution. One forward over prompt+response with position ids from the mask (left padding).
+    Logits are computed only at positions P-1 .. P+T-2 (`logits_to_keep`), so the prompt never costs an
+    [N, L, V] tensor; under autocast they come out in bf16 and are upcast before the log-softmax.
+
+    This is the unchunked reference definition (any causal LM). The trainer and the reference role compute the
+    same values through `relax.train.logprobs.response_logprobs`, which never holds [N, T, V] fp32 tensors
+    (chunked lm_head + log-softmax) and falls back to this function for models it does not cover.
+    """
+    P, T = response_start, response_len
+    if P < 1:
+        raise ValueError("token_logprobs needs at least one prompt column (response_start >= 1)")
+    if input_ids.shape[1] != P + T:
+        raise ValueError(f"input_ids has {input_ids.shape[1]} columns, expected response_start+response_len={P + T}")
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=T + 1,  # positions P-1 .. P+T-1; the last one predicts past the response
+    ).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_start: int,
+    response_len: int,
+    *,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log p(response token t | prefix) as [N, T] fp32 (and the entropy [N, T] of that distribution).
+
+    `input_ids`/`attention_mask` are [N, P+T] as `Samples.sequences()` gives them (prompt left-padded,
+    response right-padded, response at column P = `response_start`). Masked positions hold finite
+    values of no meaning. Runs under whatever autocast/grad mode the caller set. The unchunked reference
+    definition; `relax.train.logprobs.response_logprobs` is the memory-saving equivalent the trainer uses.
+    """
+    logp_all = response_logprobs_all(model, input_ids, attention_mask, response_start, response_len, temperature)
+    logp = logp_all.gather(-1, input_ids[:, response_start:].unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    return logp, entropy_from_logprobs(logp_all)
+
+
+def entropy_from_logprobs(logp_all: torch.Tensor) -> torch.Tensor:
+    """Entropy over the last axis of log-probabilities (-sum p log p), finite where p underflows."""
+    return -(logp_all.exp() * logp_all).sum(-1)

@@ -1,0 +1,88 @@
+"""Agentic episodes over SGLang's protocol (`rollout=sglang` with `data.env`, `data.tools` or `data.agent`).
+
+Each model turn is one `/generate` request whose `input_ids` are the episode's tokens so far (prompt, earlier turns as
+sampled, observations as rendered: token in, token out), with the turn's limit as `max_new_tokens` and a
+`sampling_seed` from (seed, sample id, response position), so a turn is the same whichever server answers it. The
+episodes of a call advance in rounds: every running episode's next turn goes out at once, then each episode's agent
+loop answers (`relax.agents.episode.Episode.turn_end`) and its observation tokens are appended. Consecutive turns of an
+episode extend the same prefix, which the router's cache-aware policy sends to the server that holds it in its radix
+cache.
+
+An abort (partial rollout) ends the call after the round in flight: an episode interrupted inside a turn keeps that
+turn's tokens (`Episode.partial`) and continues it on resume; one between turns keeps its observation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from relax.agents.episode import Episode
+from relax.batch import EpisodeRow, Samples, episode_samples
+from relax.rollout.sglang.client import Sampling, generate_payload, sample_seed
+
+Answer = tuple[list[int], list[float], str, int]  # parse_answer's (tokens, log-probs, finish reason, version)
+
+
+@dataclass
+class _Row:
+    prompt: list[int]  # the prompt and the response before this call
+    sample_id: int
+    position: int  # response tokens before this call (where the sample's random stream continues)
+    budget: int  # tokens this call may add
+    episode: Episode
+    ids: list[int] = field(default_factory=list)  # this call's tokens, the model's and the observations'
+    logp: list[float] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    version: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+    def add(self, ids: list[int], logp: list[float], generated: int, version: int) -> None:
+        self.ids += ids
+        self.logp += logp
+        self.generated += [generated] * len(ids)
+        self.version += [version] * len(ids)
+
+
+def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[int]], sample_ids: torch.Tensor,
+                 positions: torch.Tensor, budgets: list[int], episodes: list[Episode], *, seed: int,
+                 sampling: Sampling, turn_limit: int, aborted: Callable[[], bool], pad_token_id: int) -> Samples:
+    """The episodes of rows `prompts` (one per row, the response so far included when resuming), each with `budgets`
+    tokens to go; `send(payloads)` posts one round's `/generate` requests and returns their answers in order."""
+    rows = [_Row(list(p), int(s), int(q), int(b), e)
+            for p, s, q, b, e in zip(prompts, sample_ids, positions, budgets, episodes, strict=True)]
+    live = list(rows)
+    while live and not aborted():
+        payloads = []
+        for r in live:
+            turn_left = turn_limit - len(r.episode.partial)
+            payloads.append(generate_payload(r.prompt + r.ids, sampling,
+                                             max_new_tokens=min(turn_left, r.budget - len(r.ids)),
+                                             seed=sample_seed(seed, r.sample_id, r.position + len(r.ids))))
+        for r, (ids, logp, finish, version) in zip(live, send(payloads), strict=True):
+            r.add(ids, logp, 1, version)
+            if finish == "abort":
+                r.episode.partial += ids
+                r.finish = "abort"
+            elif finish == "length" and len(r.ids) >= r.budget:  # the episode's limit, not the turn's
+                r.episode.end = r.finish = "length"
+            else:
+                obs = r.episode.turn_end(ids, ids[-1] if finish == "stop" and ids else None,
+                                         len(r.prompt) + len(r.ids))
+                if obs is None:
+                    r.finish = r.episode.end
+                elif len(r.ids) + len(obs) >= r.budget:  # no room for a model token after the observation
+                    r.episode.end = r.finish = "length"
+                else:
+                    r.add(obs, [0.0] * len(obs), 0, 0)
+        live = [r for r in live if r.finish is None]
+    for r in live:  # interrupted between turns: the observation is in, the next turn starts on resume
+        r.finish = "abort"
+    return _samples(rows, sample_ids, pad_token_id)
+
+
+def _samples(rows: list[_Row], sample_ids: torch.Tensor, pad_token_id: int) -> Samples:
+    return episode_samples([EpisodeRow(r.prompt, r.ids, r.logp, r.generated, r.version, r.finish, r.episode.record())
+                            for r in rows], sample_ids, pad_token_id)

@@ -1,0 +1,115 @@
+"""Agent programs that speak the OpenAI API as a rollout (`data.openai_agent`): each sample is one run of the user's
+function `run(item, base_url, api_key) -> reward or None`, in its own session of the training gateway.
+
+The function gets the prompt item as a dict (`messages`: the prompt as chat messages, `label`, `prompt_text`,
+`index`, `source`), the gateway's `base_url` and its session's key, and uses any OpenAI client with them. Runs go
+to worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time
+limit (`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample
+counts as a failed reward call (its group is left out, as for any failed reward). A run that made no call fails
+the same way. When a run returns, its session's trajectory (`relax.serve.openai.sessions`) becomes the sample:
+the first prompt as the prompt, then every later token, trained where the engine sampled it. Its reward: what the
+function returned (None: nothing), plus the rewards given per call (`POST /v1/relax/reward`), plus `data.reward`
+on the last answer (unless `data.reward=none`).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from relax.agents.episode import item_record
+from relax.batch import EpisodeRow, Samples, episode_samples
+from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.gateway import Gateway
+from relax.serve.openai.service import OpenAIService
+from relax.serve.openai.sessions import Limits, Segment, Session
+
+
+def call_agent(fn: Callable[..., Any], item: dict, base_url: str,
+               api_key: str) -> tuple[Optional[float], Optional[str]]:
+    """One agent run (the worker processes' caller): (reward or None, None), or (None, the error)."""
+    try:
+        value = fn(item, base_url, api_key)
+    except Exception:
+        lines = traceback.format_exc().strip().splitlines()
+        return None, "the agent raised: " + "\n".join(lines[-12:])
+    if value is None:
+        return None, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None, f"the agent returned {value!r}: expected a finite number or None"
+    return float(value), None
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The function `data.openai_agent` names ('package.module:function'); ValueError naming what is wrong."""
+    from relax.agents.loops import load_callable
+
+    return load_callable(spec, "data.openai_agent", {}, "a function run(item, base_url, api_key)")
+
+
+class AgentRollout:
+    """The gateway and the agent workers of a run; `run` makes one batch of samples."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
+                 send: Callable[[list[dict]], list[dict]], host: str):
+        from relax.rewards.worker_pool import RewardWorkers
+
+        self.cfg, self.pad_token_id = cfg, pad_token_id
+        fmt = ChatFormat(tokenizer, eos_token_ids)
+        service = OpenAIService(fmt, send, model=cfg.model.name, context_length=None,
+                                max_tokens=cfg.rollout.max_response_len)
+        self.gateway = Gateway(service, host=host).start()
+        d = cfg.data
+        self.workers = RewardWorkers(load_agent(d.openai_agent), processes=d.agent_workers, caller=call_agent,
+                                     limit_name="data.agent_timeout_s", what="agent")
+        self._previous: list[Session] = []
+
+    def close(self) -> None:
+        self.workers.close()
+        self.gateway.close()
+
+    def run(self, items: list, sample_ids: torch.Tensor, *, seed: int, temperature: float, top_p: float,
+            top_k: int) -> Samples:
+        """One agent run per sample (`len(sample_ids) // len(items)` per item, in order)."""
+        ro, d = self.cfg.rollout, self.cfg.data
+        G = len(sample_ids) // len(items)
+        self.gateway.forget(self._previous)
+        limits = Limits(max_calls=ro.max_turns, max_tokens=ro.max_episode_tokens, max_new_tokens=ro.max_response_len,
+                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sessions = [self.gateway.open(int(s), limits) for s in sample_ids]
+        records = [item_record(items[i // G]) for i in range(len(sessions))]
+        outcomes, late = self.workers.run([(r, self.gateway.base_url, s.key) for r, s in zip(records, sessions,
+                                                                                                strict=True)],
+                                          d.agent_timeout_s)
+        rows = []
+        for s, record, (value, error), was_late in zip(sessions, records, outcomes, late, strict=True):
+            self.gateway.close_session(s, "timeout" if was_late else "error" if error else "done")
+            trajectory = s.trajectory()
+            if trajectory is None:  # nothing to train: a failed sample
+                error = error or "the agent made no call through the gateway"
+                trajectory = Segment(prompt=[self.pad_token_id])
+            elif error is not None and s.ended in ("max_turns", "length"):
+                error = None  # a run stopped by its session's limit (it got an error): its trajectory is the sample
+            if value is not None:
+                trajectory.rewards[-1] += value
+            rows.append((s, record, trajectory, error))
+        self._previous = sessions
+        return _samples(rows, sample_ids, self.pad_token_id)
+
+
+def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_ids: torch.Tensor,
+             pad_token_id: int) -> Samples:
+    out = []
+    for s, record, t, error in rows:
+        end = s.ended if s.ended in ("max_turns", "length", "timeout") else ("error" if error else "done")
+        episode = {"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
+                   "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0, "kv_reused": 0,
+                   "end": end, "partial": [], "segments": s.segments, "calls": s.calls,
+                   "sampling_overrides": s.overrides, "error": error}
+        out.append(EpisodeRow(t.prompt, t.tokens, t.logprobs, t.sampled, t.versions,
+                              end if end in ("max_turns", "length") else "stop", episode))
+    return episode_samples(out, sample_ids, pad_token_id)

@@ -1,0 +1,151 @@
+"""The training gateway: an OpenAI-compatible HTTP server in front of the rollout engines, one session per agent run.
+
+An agent run gets the gateway's `base_url` (`http://host:port/v1`) and its session's key as its API key; every call
+it makes with that key (`Authorization: Bearer <key>`, as the `openai` client sends it) is recorded in its session
+(`relax.serve.openai.sessions`), and a request without a known key is refused (401). Routes: `GET /v1/models`,
+`POST /v1/chat/completions`, `POST /v1/completions` (see `relax.serve.openai.protocol` for what they accept), and
+`POST /v1/relax/reward` {"reward": x}, which adds x to the reward of the session's latest call. Errors have OpenAI's
+shape. The gateway binds to loopback unless configured otherwise (`rollout.gateway_host`); each session's key is a
+fresh random secret, so a reachable gateway still serves only the runs it started.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import threading
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+from relax.serve.http import Server, write_answer
+from relax.serve.openai.protocol import APIError
+from relax.serve.openai.service import OpenAIService
+from relax.serve.openai.sessions import Limits, Session
+
+logger = logging.getLogger(__name__)
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """Reads a request (with its headers) and writes the app's (status, JSON / bytes / event stream) answer."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "relax-openai"
+    server: Server
+
+    def do_GET(self) -> None:  # noqa: N802
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length > 0 else b""
+        except (OSError, ValueError):
+            self.close_connection = True
+            return
+        status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw, self.headers)
+        write_answer(self, status, payload)
+
+
+def read_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(f"the body is not JSON: {exc}") from None
+
+
+class Gateway:
+    """Sessions behind one HTTP server; `service` generates (`relax.serve.openai.service.OpenAIService`)."""
+
+    def __init__(self, service: OpenAIService, *, host: str = "127.0.0.1", port: int = 0):
+        self.service, self.host, self.port = service, host, int(port)
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._httpd: Optional[Server] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> Gateway:
+        httpd = Server((self.host, self.port), JSONHandler)
+        httpd.app = self
+        self._httpd, self.port = httpd, int(httpd.server_address[1])
+        self._thread = threading.Thread(target=httpd.serve_forever, name="relax-gateway", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def base_url(self) -> str:
+        """What an OpenAI client takes as `base_url`."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def open(self, sample_id: int, limits: Limits) -> Session:
+        session = Session("relax-" + secrets.token_urlsafe(24), sample_id, limits)
+        with self._lock:
+            self._sessions[session.key] = session
+        return session
+
+    def close_session(self, session: Session, reason: str) -> None:
+        """End `session`: later calls with its key are refused as calls of an ended session (403)."""
+        session.end(reason)
+
+    def forget(self, sessions: list[Session]) -> None:
+        """Drop ended sessions (their keys become unknown: 401)."""
+        with self._lock:
+            for s in sessions:
+                self._sessions.pop(s.key, None)
+
+    # ------------------------------------------------------------------------------------------------- HTTP
+    def handle(self, method: str, path: str, raw: bytes, headers: Any) -> tuple[int, Any]:
+        try:
+            route = {("GET", "/v1/models"): self._models, ("POST", "/v1/chat/completions"): self._chat,
+                     ("POST", "/v1/completions"): self._completion,
+                     ("POST", "/v1/relax/reward"): self._reward}.get((method, path.rstrip("/")))
+            if route is None:
+                raise APIError(f"no endpoint {method} {path}", status=404, code="not_found")
+            session = self._session(headers)
+            return route(read_json(raw), session)
+        except APIError as exc:
+            return exc.status, exc.body()
+        except Exception as exc:  # the engines failed: the agent sees a server error, the log says why
+            logger.exception("%s %s failed", method, path)
+            return 500, APIError(f"{type(exc).__name__}: {exc}", status=500, kind="server_error").body()
+
+    def _session(self, headers: Any) -> Session:
+        auth = headers.get("Authorization") or ""
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise APIError("unknown API key: each agent run has its own session key (the api_key it was given)",
+                           status=401, kind="authentication_error", code="invalid_api_key")
+        return session
+
+    def _models(self, body: Any, session: Session) -> tuple[int, Any]:
+        return 200, self.service.models()
+
+    def _chat(self, body: Any, session: Session) -> tuple[int, Any]:
+        return self.service.chat(body, session)
+
+    def _completion(self, body: Any, session: Session) -> tuple[int, Any]:
+        return self.service.completion(body, session)
+
+    def _reward(self, body: Any, session: Session) -> tuple[int, Any]:
+        value = body.get("reward") if isinstance(body, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise APIError(f"reward: {value!r} must be a finite number", param="reward")
+        session.add_reward(float(value))
+        return 200, {"object": "relax.reward", "reward": float(value)}

@@ -1,0 +1,182 @@
+"""The OpenAI endpoints over any engine that speaks SGLang's `/generate` (token ids in, token ids and log-probs out):
+`relax-serve` calls its own engine, the training gateway (`relax.serve.openai.gateway`) the rollout's servers
+through the router.
+
+A request becomes one `/generate` payload per choice (`n` of them, each with its own random stream: `seed` gives
+choice k the stream `row_stream(seed, k)`, the same as SGLang's n>1), with the prompt as token ids: the chat
+template is applied here, so the engine's tokens are exactly the ones the answer (and a training session) records.
+Within a session (`relax.serve.openai.sessions`), the session decides the prompt tokens (reusing what was sampled
+before), the sampling and the limits, and records every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from relax.serve.http import EventStream
+from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.protocol import (
+    APIError,
+    Choice,
+    Params,
+    chat_answer,
+    chat_events,
+    completion_answer,
+    completion_events,
+    normalize_message,
+    parse_chat,
+    parse_completion,
+)
+from relax.serve.sglang.request import row_stream
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 128  # without max_tokens and without a known context length
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass
+class Sampled:
+    """One choice as the engine generated it."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str  # stop | length | abort
+    version: int
+    top: Optional[list[list[tuple[float, int]]]] = None  # per token: (log-prob, token id) of the likeliest
+
+
+class Session(Protocol):
+    """What a training session decides for the calls made in it (`relax.serve.openai.sessions.Session`)."""
+
+    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat) -> tuple[list[int], Any]:
+        """The prompt tokens of a chat call and what `record` needs to file it."""
+
+    def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]: ...
+
+    def admit(self, p: Params, prompt_len: int, limit: int, context: Any) -> tuple[Params, int, list[int]]:
+        """The call's sampling (the run's), its token limit (at most `limit`) and one seed per choice; APIError
+        past a limit. `context`: what the prompt method returned with the prompt."""
+
+    def record(self, context: Any, prompt: list[int], choices: list[tuple[Sampled, Choice, Optional[dict]]]) -> None:
+        """A finished call: each choice as sampled, as answered, and (chat) its normalized assistant message."""
+
+
+class OpenAIService:
+    """`send(payloads)` answers SGLang `/generate` payloads in order (raising APIError for a refused one);
+    `context_length` (None: unknown) bounds prompt + max_tokens; `max_tokens` caps every call (None: no cap)."""
+
+    def __init__(self, fmt: ChatFormat, send: Callable[[list[dict]], list[dict]], *, model: str,
+                 context_length: Optional[int], max_tokens: Optional[int] = None, default_version: int = 0):
+        self.fmt, self.send, self.model = fmt, send, model
+        self.context_length, self.max_tokens, self.default_version = context_length, max_tokens, default_version
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "relax",
+                                            "max_model_len": self.context_length}]}
+
+    # --------------------------------------------------------------------------------------------- endpoints
+    def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
+        messages, p = parse_chat(body)
+        if session is not None:
+            prompt, context = session.chat_prompt(messages, p.tools, self.fmt)
+        else:
+            prompt, context = self.fmt.prompt(messages, p.tools), None
+        sampled, p = self._generate(prompt, p, session, context)
+        choices = []
+        for s in sampled:
+            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
+            finish = self._finish(s, tokens)
+            content, calls = self.fmt.tool_calls(text) if p.tools else (text, None)
+            if calls:
+                finish = "tool_calls"
+            choices.append(self._choice(s, tokens, content, finish, calls, p))
+        if session is not None:
+            session.record(context, prompt, [
+                (s, c, normalize_message({"role": "assistant", "content": c.text or None,
+                                          "tool_calls": c.tool_calls}))
+                for s, c in zip(sampled, choices, strict=True)])
+        answer = chat_answer(choices, p, len(prompt), model=p.model)
+        return (200, EventStream(chat_events(answer, p, choices))) if p.stream else (200, answer)
+
+    def completion(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
+        raw, p = parse_completion(body)
+        if session is not None:
+            prompt, context = session.completion_prompt(raw, self.fmt)
+        else:
+            prompt, context = (list(raw) if isinstance(raw, list) else self.fmt.encode(raw)), None
+        sampled, p = self._generate(prompt, p, session, context)
+        choices = []
+        for s in sampled:
+            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
+            choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p))
+        if session is not None:
+            session.record(context, prompt, [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
+        answer = completion_answer(choices, p, len(prompt), model=p.model)
+        return (200, EventStream(completion_events(answer, choices))) if p.stream else (200, answer)
+
+    # --------------------------------------------------------------------------------------------- generation
+    def _limit(self, p: Params, prompt_len: int) -> int:
+        room = None if self.context_length is None else self.context_length - prompt_len
+        if room is not None and room < 1:
+            raise APIError(f"the prompt ({prompt_len} tokens) fills the model's context of {self.context_length} "
+                           "tokens", param="messages", code="context_length_exceeded")
+        limit = p.max_tokens or (room if room is not None else DEFAULT_MAX_TOKENS)
+        if room is not None and limit > room:
+            raise APIError(f"max_tokens={limit} plus the prompt ({prompt_len} tokens) exceeds the model's context "
+                           f"of {self.context_length} tokens", param="max_tokens", code="context_length_exceeded")
+        return min(limit, self.max_tokens) if self.max_tokens else limit
+
+    def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
+                  context: Any = None) -> tuple[list[Sampled], Params]:
+        limit = self._limit(p, len(prompt))
+        if session is not None:
+            p, limit, seeds = session.admit(p, len(prompt), limit, context)
+        else:
+            seeds = [None if p.seed is None else row_stream(p.seed, k) for k in range(p.n)]
+        payloads = []
+        for seed in seeds:
+            sp = {"max_new_tokens": limit, "temperature": 1.0 if p.temperature is None else p.temperature,
+                  "top_p": 1.0 if p.top_p is None else p.top_p, "top_k": p.top_k, "n": 1,
+                  "stop_token_ids": sorted(self.fmt.eos_token_ids), "no_stop_trim": True,
+                  "skip_special_tokens": False}
+            if seed is not None:
+                sp["sampling_seed"] = int(seed)
+            payload = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
+            if p.top_logprobs:
+                payload["top_logprobs_num"] = p.top_logprobs
+            payloads.append(payload)
+        return [self._parse(a) for a in self.send(payloads)], p
+
+    def _parse(self, answer: dict) -> Sampled:
+        meta = answer.get("meta_info") or {}
+        pairs = meta.get("output_token_logprobs") or []
+        reason = (meta.get("finish_reason") or {}).get("type", "abort")
+        try:
+            version = int(meta.get("weight_version"))
+        except (TypeError, ValueError):
+            version = self.default_version
+        top = meta.get("output_top_logprobs")
+        return Sampled([int(q[1]) for q in pairs], [float(q[0]) for q in pairs], FINISH.get(reason, "abort"), version,
+                       [[(float(a[0]), int(a[1])) for a in (alts or [])] for alts in top] if top else None)
+
+    @staticmethod
+    def _finish(s: Sampled, tokens: list[int]) -> str:
+        if s.finish == "abort":
+            raise APIError("the engine aborted the generation (it is shutting down or was paused); retry",
+                           status=503, kind="server_error")
+        return "stop" if len(tokens) < len(s.tokens) or s.finish == "stop" else "length"
+
+    def _choice(self, s: Sampled, tokens: list[int], text: str, finish: str, calls: Optional[list[dict]],
+                p: Params) -> Choice:
+        """One answer; each token's text for the log-probs and its text increment for a stream only when asked."""
+        pieces = self.fmt.pieces(tokens) if p.logprobs else []
+        top = None
+        if s.top:
+            top = [[(self.fmt.pieces([t])[0], lp) for lp, t in alts] for alts in s.top[:len(tokens)]]
+        return Choice(text=text, tokens=tokens, logprobs=s.logprobs[:len(tokens)], pieces=pieces,
+                      finish_reason=finish, top=top, tool_calls=calls,
+                      deltas=self.fmt.increments(tokens) if p.stream else None)

@@ -1,0 +1,546 @@
+"""`EmbeddedServer`: Relax's embedded rollout engine behind SGLang's HTTP protocol.
+
+The same client code (Relax's SGLang client, weight sync, the real `sglang-router`) then runs in CI on CPUs against
+real HTTP, and the numbers it gets are the engine's: tokens and log-probs exactly as `EmbeddedEngine.generate` makes
+them (full-vocabulary log-softmax at the temperature, see `relax.rollout.sampling`).
+
+This module holds the HTTP layer, the route table, the lifecycle (start, model loading, health, shutdown) and the
+info, load, generate, pause and abort endpoints. Its parts: `relax.serve.sglang.request` (the /generate body read
+into rows, the answers written, `RequestError`, `NotReady`, `row_stream`), `relax.serve.sglang.scheduler`
+(batching, aborts, pauses, engine calls, stop strings), `relax.serve.sglang.positions` (log-probs beyond the
+sampled tokens'), `relax.serve.sglang.stream` (streamed answers), `relax.serve.sglang.loads` (/get_load,
+/v1/loads) and `relax.serve.sglang.weights` (the weight and memory endpoints).
+
+Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSON in and out, unknown fields ignored,
+a GET's query parameters read as the fields of its body):
+- `GET /health` and `/health_generate`, as on current SGLang (where both run a 1-token generation): 503 while the
+  model loads; then 200 once the scheduler produces output after the check began (the check's own token, or any
+  decoding step of a running batch), 503 when none comes within `HEALTH_TIMEOUT_S`, and 503 at once while
+  generation is paused or the memory released (no output can come). A check waits while weights load. A liveness
+  check that does not generate: `/get_model_info`. `GET /server_info`, `/get_server_info` (with the server
+  arguments slime compares with its own for an external engine: tp/dp/pp/ep sizes 1, one node), `/model_info`,
+  `/get_model_info`, `/get_weight_version`, `/v1/models`.
+- `GET /get_load`, `/v1/loads`: what runs and waits (`relax.serve.sglang.loads`).
+- The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.serve.openai.service`), with the
+  server's key (`api_key`, `relax-serve --api-key`) as `Authorization: Bearer`, or without one on loopback only.
+- `POST /generate`: `input_ids` or `text`, `sampling_params` (stop strings included), `return_logprob`,
+  `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`, `rid`, `stream`; what is supported, and how samples
+  are seeded: see `relax.serve.sglang.request`; a streamed answer: `relax.serve.sglang.stream`.
+- `POST /pause_generation` {"mode": "abort" | "retract" | "in_place"}, `/continue_generation`, `/abort_request`
+  {"rid"} or {"abort_all": true}, `/flush_cache`; how they act on running requests: see
+  `relax.serve.sglang.scheduler`.
+- Weights and memory: `/update_weights_from_tensor`, `/init_weights_update_group`, `/update_weights_from_distributed`,
+  `/destroy_weights_update_group`, `/update_weights_from_disk`, `/update_weight_version`,
+  `/release_memory_occupation`, `/resume_memory_occupation`: see `relax.serve.sglang.weights`.
+
+The server listens on loopback by default. With a key (`api_key`, `relax-serve --api-key`, as SGLang's `--api-key`),
+every endpoint but health and read-only information (`OPEN_PATHS`) needs it as `Authorization: Bearer`; without one,
+a server bound beyond loopback refuses them (403): nobody else can load weights, join a weight-update group, pause or
+abort generation. Weight payloads are unpickled with a restricted unpickler (`wire.deserialize`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Optional
+from urllib.parse import parse_qsl, urlsplit
+
+import torch
+
+from relax import progress
+from relax.serve.http import Server, write_answer
+from relax.serve.sglang import loads
+from relax.serve.sglang.positions import row_extras
+from relax.serve.sglang.request import (
+    DEFAULT_MAX_NEW_TOKENS,
+    NotReady,
+    Request,
+    RequestCodec,
+    RequestError,
+    Row,
+    row_stream,
+)
+from relax.serve.sglang.scheduler import PAUSE_MODES, Scheduler
+from relax.serve.sglang.stream import Events, answer_events, write_events
+from relax.serve.sglang.weights import WeightEndpoints
+from relax.config.schema import RelaxConfig
+
+__all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `EmbeddedServer.api_key`, OpenAI's errors
+# open to anyone who reaches the server: health and read-only information (sglang-router probes them without its key
+# when a server joins); every other endpoint needs the key (or a loopback address without one)
+OPEN_PATHS = ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
+              "/get_weight_version", "/v1/models")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: every answer carries Content-Length (a stream: chunked)
+    server_version = "relax-embedded-sglang"
+    server: Server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's signature)
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def _body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length > 0 else b""
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            raw = self._body()
+        except (OSError, ValueError):
+            self.close_connection = True
+            return
+        status, payload = self.server.app.handle(method, self.path, raw, self.headers)
+        if isinstance(payload, Events):
+            write_events(self, payload)
+        else:
+            write_answer(self, status, payload)
+
+
+class EmbeddedServer(WeightEndpoints):
+    """An HTTP server speaking SGLang's protocol over one `EmbeddedEngine` built from `cfg` (as the rollout
+    worker builds it: same model, seed, device, dtype, tokenizer and stop tokens).
+
+    `start()` binds the port at once and loads the model in the background (`/health` answers 503 meanwhile);
+    `wait_ready()` waits for it; `shutdown()` aborts what runs and stops. `port=0` picks a free port (see `url`).
+    """
+
+    def __init__(self, cfg: RelaxConfig, host: str = "127.0.0.1", port: int = 30000, threads: Optional[int] = None,
+                 *, weight_version: str = "default", group_timeout_s: float = 600.0, api_key: Optional[str] = None):
+        self.cfg = cfg
+        self.api_key = api_key  # what the OpenAI endpoints require as `Authorization: Bearer` (None: nothing)
+        self.host, self.port, self.threads = host, int(port), threads
+        self.weight_version = str(weight_version)
+        self.group_timeout_s = group_timeout_s
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self._ready = threading.Event()
+        self._load_error: Optional[str] = None
+        self._httpd: Optional[Server] = None
+        self._threads: list[threading.Thread] = []
+        self.scheduler = Scheduler(lambda: self.weight_version)
+        self._codec: Optional[RequestCodec] = None  # once the model is loaded
+        self._openai_service: Any = None  # the OpenAI endpoints, made at their first call
+        self._init_weights()
+        self._model_dir: Optional[str] = None
+        self._routes: dict[str, Callable[[dict], tuple[int, Any]]] = self._route_table()
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+
+    @property
+    def url(self) -> str:
+        """http://host:port of the server (the bound port once started)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Bind and serve now; load the model in a background thread."""
+        if self._httpd is not None:
+            raise RuntimeError("EmbeddedServer.start: already started")
+        httpd = Server((self.host, self.port), _Handler)
+        httpd.app = self
+        self._httpd = httpd
+        self.port = int(httpd.server_address[1])
+        for target, name in ((httpd.serve_forever, "http"), (self._load, "load")):
+            thread = threading.Thread(target=target, name=f"relax-serve-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the model is loaded; raises TimeoutError, or RuntimeError with the loading failure."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the model was not loaded within {timeout:g} s")
+        if self._load_error is not None:
+            raise RuntimeError(self._load_error)
+
+    def shutdown(self) -> None:
+        """Abort every request (their answers say so), stop serving, leave the weight-update groups."""
+        self.scheduler.stop()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
+        self._destroy_groups()
+        if self._model_dir is not None:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+
+    def _load(self) -> None:
+        try:
+            self._build()
+        except Exception as exc:  # reported by /health (503), wait_ready and the CLI
+            logger.exception("loading the model failed")
+            self._load_error = f"loading the model failed: {type(exc).__name__}: {exc}"
+            self._ready.set()
+            return
+        self._threads.append(self.scheduler.start(self.engine, self._codec.stop_match))
+        self._ready.set()
+
+    def _build(self) -> None:
+        """Tokenizer, model and engine as the rollout worker builds them."""
+        from relax.models.hf import build_model, pick_device, pick_dtype
+        from relax.rollout.embedded import EmbeddedEngine
+        from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        cfg = self.cfg.model
+        tokenizer = load_tokenizer(cfg)
+        path = resolve_model_path(cfg)
+        self.served_model_name = cfg.name
+        self.eos_token_ids = tuple(stop_token_ids(cfg, tokenizer))
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        device = pick_device()
+        dtype = pick_dtype(cfg, device)
+        model = build_model(cfg, len(tokenizer), self.pad_token_id, seed=self.cfg.seed, dtype=dtype, device=device)
+        model.eval()
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.context_length = int(getattr(model.config, "max_position_embeddings", 0) or 0) or None
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.tokenizer = tokenizer
+        if cfg.source == "hf":
+            self.model_path = self.tokenizer_path = str(path)
+        else:  # built from the config or read from a .gguf file: its config and tokenizer saved for clients (the
+            # router loads the tokenizer from model_path)
+            self._model_dir = tempfile.mkdtemp(prefix="relax-serve-model-")
+            model.config.save_pretrained(self._model_dir)
+            tokenizer.save_pretrained(self._model_dir)
+            self.model_path = self.tokenizer_path = self._model_dir
+        adapters: list[str] = []
+        if cfg.lora_rank > 0 and self.cfg.rollout.lora_sync == "adapter":  # SGLang's --enable-lora
+            from relax.models.lora import inject_adapters
+
+            adapters = inject_adapters(model, cfg)
+        self.engine = EmbeddedEngine(model, eos_token_ids=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
+                                     device=device)
+        self.engine.adapter_keys = frozenset(adapters)
+        self._codec = RequestCodec(tokenizer, self.vocab_size, self.context_length, self.eos_token_ids)
+
+    # ------------------------------------------------------------------------------------------------- HTTP
+
+    def _route_table(self) -> dict[str, Callable[[dict], tuple[int, Any]]]:
+        return {
+            "/health": self._health,
+            "/health_generate": self._health,
+            "/model_info": self._model_info,
+            "/get_model_info": self._model_info,
+            "/server_info": self._server_info,
+            "/get_server_info": self._server_info,
+            "/get_weight_version": lambda body: (200, {"weight_version": self.weight_version}),
+            "/get_load": lambda body: (200, loads.get_load(self.scheduler.load())),
+            "/v1/loads": self._loads,
+            "/v1/models": self._models,
+            "/v1/chat/completions": lambda body: self._openai("chat", body),
+            "/v1/completions": lambda body: self._openai("completion", body),
+            "/generate": self._generate,
+            "/pause_generation": self._pause,
+            "/continue_generation": self._continue,
+            "/abort_request": self._abort_request,
+            "/flush_cache": self._flush_cache,
+            "/update_weights_from_tensor": self._weights_from_tensor,
+            "/update_weights_from_distributed": self._weights_from_distributed,
+            "/init_weights_update_group": self._init_group,
+            "/destroy_weights_update_group": self._destroy_group_request,
+            "/update_weights_from_disk": self._weights_from_disk,
+            "/update_weight_version": self._update_weight_version,
+            "/load_lora_adapter": self._load_lora_adapter,
+            "/unload_lora_adapter": self._unload_lora_adapter,
+            "/release_memory_occupation": self._release,
+            "/resume_memory_occupation": self._resume,
+        }
+
+    def handle(self, method: str, target: str, raw: bytes, headers: Any = None) -> tuple[int, Any]:
+        """(status, JSON-able answer, bytes or `Events`) of one HTTP request for `target` (a path, and for a GET a
+        query whose parameters the route reads as the fields of a body)."""
+        parts = urlsplit(target)
+        path = parts.path
+        route = self._routes.get(path.rstrip("/") or "/")
+        if route is None:
+            return 404, {"error": {"message": f"no endpoint {path}"}}
+        if path.rstrip("/") in OPENAI_PATHS:
+            if (refused := self._openai_refusal(headers)) is not None:
+                return refused
+        elif path.rstrip("/") not in OPEN_PATHS and (refused := self._refusal(headers)) is not None:
+            return refused
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError) as exc:
+            return 400, {"error": {"message": f"the body is not JSON: {exc}"}}
+        if not isinstance(body, dict):
+            return 400, {"error": {"message": "the body must be a JSON object"}}
+        try:
+            return route({**dict(parse_qsl(parts.query)), **body} if method == "GET" else body)
+        except NotReady as exc:
+            return 503, {"error": {"message": str(exc)}}
+        except RequestError as exc:
+            return 400, {"error": {"message": str(exc)}}
+        except Exception as exc:
+            logger.exception("%s %s failed", method, path)
+            return 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+
+    def _require_ready(self) -> None:
+        if self.scheduler.stopping:
+            raise NotReady("the server is shutting down")
+        if not self._ready.is_set():
+            raise NotReady("the model is loading")
+        if self._load_error is not None:
+            raise NotReady(self._load_error)
+
+    def _health(self, body: dict) -> tuple[int, Any]:
+        """SGLang's health check (see the module docstring): healthy once the scheduler makes output."""
+        self._require_ready()
+        if self.scheduler.held():
+            return 503, b""  # paused or released: SGLang's check gets no output either
+        start = progress.count()  # decoding steps of this process's engine
+        request = self._codec.parse({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        request.probe = True
+        self.scheduler.submit(request)
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while not request.done.wait(0.02):
+            if progress.count() != start or time.monotonic() > deadline:
+                self.scheduler.abort_where(lambda r: r.request is request, "health check answered")
+                return (200 if progress.count() != start else 503), b""
+        aborted = any(row.finish and row.finish.get("type") == "abort" for row in request.rows)
+        return (200 if request.error is None and not aborted else 503), b""
+
+    def _model_info(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        return 200, {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                     "preferred_sampling_params": None, "weight_version": self.weight_version}
+
+    def _server_info(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        state = self.scheduler.state()
+        return 200, {
+            "model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
+            "served_model_name": self.served_model_name,
+            "is_generation": True, "weight_version": self.weight_version, "version": loads.VERSION,
+            "host": self.host, "port": self.port, **self._parallel_args(),
+            "context_length": self.context_length,
+            "max_req_input_len": None if self.context_length is None else self.context_length - 1,
+            "max_total_num_tokens": None,  # no KV pool: each batch allocates the cache it needs
+            "vocab_size": self.vocab_size, "eos_token_ids": list(self.eos_token_ids),
+            "pad_token_id": self.pad_token_id, "device": str(self.engine.device), "dtype": self.dtype,
+            "default_sampling_params": {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
+                                        "top_k": -1, "n": 1},
+            "preferred_sampling_params": None, "seed": self.cfg.seed,
+            "internal_states": [state],
+        }
+
+    def _parallel_args(self) -> dict[str, Any]:
+        """The server arguments slime compares with its own for an external engine (`_compute_server_args`): one
+        process on one device, on one node, its memory released on request (SGLang's --enable-memory-saver)."""
+        device = self.engine.device
+        return {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0,
+                "base_gpu_id": device.index or 0 if device.type == "cuda" else 0, "gpu_id_step": 1,
+                "enable_memory_saver": True, "disaggregation_mode": "null"}
+
+    def _loads(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        device = self.engine.device
+        accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return 200, loads.v1_loads(self.scheduler.load(), body, accelerator)
+
+    def _models(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        card = {"id": self.served_model_name, "object": "model", "owned_by": "relax", "root": self.model_path,
+                "max_model_len": self.context_length}
+        return 200, {"object": "list", "data": [card]}
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def _openai(self, endpoint: str, body: dict) -> tuple[int, Any]:
+        """`/v1/chat/completions` and `/v1/completions` (`relax.serve.openai.service`) on this engine; errors
+        in OpenAI's shape."""
+        from relax.serve.openai.protocol import APIError
+
+        try:
+            self._require_ready()
+            if self._openai_service is None:
+                from relax.serve.openai.chat import ChatFormat
+                from relax.serve.openai.service import OpenAIService
+
+                self._openai_service = OpenAIService(
+                    ChatFormat(self.tokenizer, self.eos_token_ids), self._send_openai, model=self.served_model_name,
+                    context_length=self.context_length)
+            return getattr(self._openai_service, endpoint)(body)
+        except NotReady as exc:
+            return 503, APIError(str(exc), status=503, kind="server_error").body()
+        except APIError as exc:
+            return exc.status, exc.body()
+
+    def _authorized(self, headers: Any) -> Optional[str]:
+        """Why a request may not use a guarded endpoint (None: it may): the server's key (`api_key`) as
+        `Authorization: Bearer`, or, without a key, a loopback address: anything reachable beyond it needs one."""
+        if self.api_key is None:
+            if self.host in LOOPBACK or self.host.startswith("127."):
+                return None
+            return f"a server bound to {self.host} needs a key: start it with --api-key"
+        auth = (headers.get("Authorization") if headers is not None else None) or ""
+        if auth.lower().startswith("bearer ") and secrets.compare_digest(auth[7:].strip(), self.api_key):
+            return None
+        return "a missing or wrong API key (Authorization: Bearer <the server's --api-key>)"
+
+    def _refusal(self, headers: Any) -> Optional[tuple[int, Any]]:
+        """SGLang's answer to a request without the server's key: 401 {"error": ...} (403 without a key beyond
+        loopback)."""
+        why = self._authorized(headers)
+        if why is None:
+            return None
+        return (403 if self.api_key is None else 401), {"error": why}
+
+    def _openai_refusal(self, headers: Any) -> Optional[tuple[int, Any]]:
+        """The OpenAI endpoints answer a request with the server's key (`api_key`), or, without a key, only on a
+        loopback address: anything reachable beyond it needs one."""
+        from relax.serve.openai.protocol import APIError
+
+        why = self._authorized(headers)
+        if why is None:
+            return None
+        if self.api_key is None:
+            error = APIError(f"the OpenAI endpoints of {why}", status=403, kind="permission_error")
+        else:
+            error = APIError(why, status=401, kind="authentication_error", code="invalid_api_key")
+        return error.status, error.body()
+
+    def _send_openai(self, payloads: list[dict]) -> list[dict]:
+        """The OpenAI service's `/generate` payloads as one batched request to this engine."""
+        from relax.serve.openai.protocol import APIError
+
+        body = {"input_ids": [p["input_ids"] for p in payloads],
+                "sampling_params": [p["sampling_params"] for p in payloads], "return_logprob": True}
+        if payloads[0].get("top_logprobs_num"):
+            body["top_logprobs_num"] = payloads[0]["top_logprobs_num"]
+        try:
+            status, answer = self._generate(body)
+        except RequestError as exc:
+            raise APIError(str(exc)) from None
+        if status != 200:
+            raise APIError(answer["error"]["message"], status=503 if status == 503 else 500, kind="server_error")
+        return answer if isinstance(answer, list) else [answer]
+
+    def _generate(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        if body.get("stream"):
+            return 200, Events(self._stream(body))
+        request = self._submit(body)
+        while not request.done.wait(1.0):
+            if self.scheduler.stopping:
+                self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
+        if request.error is not None:
+            return 500, {"error": {"message": request.error}}
+        self._extras([r for r in request.rows if r.needs_extras()])
+        answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
+        return 200, answers[0] if request.single else answers
+
+    def _submit(self, body: dict) -> Request:
+        """The request of a /generate body, queued."""
+        released = self.scheduler.released
+        if released:
+            raise RequestError(f"memory released ({', '.join(sorted(released))}); "
+                               "call /resume_memory_occupation first")
+        request = self._codec.parse(self._lora_request(body))
+        self.scheduler.submit(request)
+        return request
+
+    def _stream(self, body: dict) -> Iterator[dict]:
+        """The events of a streamed /generate (`relax.serve.sglang.stream`); a request that cannot be served is
+        an error event, as in SGLang."""
+        try:
+            request = self._submit(body)
+        except (RequestError, NotReady) as exc:
+            yield {"error": {"message": str(exc)}}
+            return
+        except Exception as exc:
+            logger.exception("a streamed /generate failed")
+            yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+            return
+        yield from answer_events(request, self.scheduler, self._final,
+                                 lambda row, tokens: self._codec.progress(row, request, tokens, self.weight_version))
+
+    def _final(self, row: Row) -> dict:
+        """The answer of an ended row of a stream."""
+        if row.needs_extras():
+            self._extras([row])
+        return self._codec.answer(row, row.request, self.weight_version)
+
+    def _extras(self, rows: list[Row]) -> None:
+        """The log-probs of ended rows beyond their sampled tokens' (`relax.serve.sglang.positions`), with the
+        model held: one forward pass each."""
+        if not rows:
+            return
+        with self.scheduler.exclusive("logprobs"), torch.no_grad():
+            for row in rows:
+                row.extra = row_extras(self.engine.model, self.engine.device, row)
+
+    # ------------------------------------------------------------------------------------ pause, abort, flush
+
+    def _pause(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        mode = body.get("mode") or "abort"
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause_generation: mode={mode!r}; expected one of {', '.join(PAUSE_MODES)}")
+        self.scheduler.pause(mode)  # returns once no engine call runs
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _continue(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        self.scheduler.unpause()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _abort_request(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        if body.get("abort_all"):
+            self.scheduler.abort_where(lambda r: True, "aborted by /abort_request (abort_all)")
+            return 200, b""
+        rid = body.get("rid")
+        rids = {str(r) for r in rid} if isinstance(rid, list) else ({str(rid)} if rid not in (None, "") else set())
+        if rids:  # no rid and no abort_all (verl's defaults: rid "", abort_all false): nothing, as SGLang does
+            self.scheduler.abort_where(lambda r: r.rid in rids or r.id in rids, "aborted by /abort_request")
+        return 200, b""
+
+    def _flush_cache(self, body: dict) -> tuple[int, Any]:
+        self._require_ready()
+        if self.scheduler.idle():
+            return 200, b"Cache flushed.\n"
+        return 400, b"Cache not flushed: requests are running or waiting.\n"
+

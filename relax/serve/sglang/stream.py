@@ -1,0 +1,108 @@
+"""A streamed `/generate` answer (`stream: true`), as SGLang's http_server writes it: server-sent events
+(`text/event-stream`), each `data: <json>\\n\\n`, then `data: [DONE]\\n\\n`; an error on the way is one more event,
+`{"error": {"message": ...}}`, before [DONE]. Written with chunked transfer encoding, so the connection stays open
+for the next request.
+
+The events (`answer_events`): each time a sample has drawn new tokens, its answer so far (text and output ids
+cumulative, SGLang's default without --stream-output; `finish_reason` null), and once it has ended its final answer,
+the one the request without `stream` would give. A sample with `return_logprob` comes as its final event only (its
+log-probs are known once its engine call ends). With several samples (inputs, n > 1) each event carries `index`, the
+sample's place in the list answer. An abort or a pause acts on a streamed request as on any other: its samples end
+with the abort's finish_reason (their last event), or wait while paused. A client that leaves aborts its samples.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Optional
+
+from relax.serve.sglang.request import Request, Row
+from relax.serve.sglang.scheduler import Scheduler
+
+
+class Events:
+    """An answer sent as server-sent events, one per dict `events` yields."""
+
+    def __init__(self, events: Iterator[dict]):
+        self.events = events
+
+
+def write_events(handler: BaseHTTPRequestHandler, answer: Events) -> None:
+    """`answer`'s events to `handler`'s client as they come, then [DONE]."""
+    events = answer.events
+    try:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Cache-Control", "no-cache")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for event in events:
+            _chunk(handler, b"data: " + json.dumps(event).encode() + b"\n\n")
+        _chunk(handler, b"data: [DONE]\n\n")
+        handler.wfile.write(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):  # the client left
+        handler.close_connection = True
+    finally:
+        if hasattr(events, "close"):
+            events.close()  # a generator left early: its cleanup runs now
+
+
+def _chunk(handler: BaseHTTPRequestHandler, data: bytes) -> None:
+    handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+    handler.wfile.flush()
+
+
+def answer_events(request: Request, scheduler: Scheduler, final: Callable[[Row], dict],
+                  progress: Callable[[Row, list[int]], dict]) -> Iterator[dict]:
+    """The events of a submitted request: `progress(row, tokens)` as a row draws tokens, `final(row)` once it
+    ended. Closed early (the client left), it aborts the rows still running."""
+    seen = _Seen(request, final, progress)
+    try:
+        while True:
+            request.progress.clear()  # a change from now on sets it again: none is missed
+            if scheduler.stopping:
+                scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
+            for i, (tokens, finish) in enumerate(scheduler.progress(request)):
+                if request.error is not None:
+                    yield {"error": {"message": request.error}}
+                    return
+                event = seen.event(i, tokens, finish)
+                if event is not None:
+                    yield event
+            if all(seen.ended):
+                return
+            request.progress.wait(1.0)
+    except Exception as exc:  # e.g. the log-probs of an ended row: the stream ends with the error
+        yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+    finally:
+        if not request.done.is_set():
+            scheduler.abort_where(lambda r: r.request is request, "the client disconnected")
+
+
+class _Seen:
+    """What a stream has sent of each row of its request: tokens, and whether its final answer."""
+
+    def __init__(self, request: Request, final: Callable[[Row], dict], progress: Callable[[Row, list[int]], dict]):
+        self.request, self.final, self.progress = request, final, progress
+        self.sent = [0] * len(request.rows)
+        self.ended = [False] * len(request.rows)
+
+    def event(self, i: int, tokens: list[int], finish: Optional[dict]) -> Optional[dict]:
+        """Row i's next event, given its tokens so far and finish_reason (None: nothing new)."""
+        row = self.request.rows[i]
+        if self.ended[i]:
+            return None
+        if finish is not None:
+            self.ended[i] = True
+            return self._indexed(self.final(row), i)
+        if len(tokens) > self.sent[i] and not row.options.return_logprob:
+            self.sent[i] = len(tokens)
+            return self._indexed(self.progress(row, tokens), i)
+        return None
+
+    def _indexed(self, answer: dict[str, Any], i: int) -> dict[str, Any]:
+        if not self.request.single:
+            answer["index"] = i
+        return answer

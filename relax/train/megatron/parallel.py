@@ -1,0 +1,69 @@
+"""Process-group set-up of a Megatron trainer rank: torch.distributed (gloo on CPU, NCCL on GPUs) plus
+megatron-core's parallel state (tensor, pipeline and data parallel groups) and its RNG tracker."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+
+def free_port() -> int:
+    """A TCP port that was free on this host a moment ago (for the rendezvous of rank 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def initialize(
+    rank: int,
+    world_size: int,
+    *,
+    master_addr: str,
+    master_port: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 0,
+    backend: Optional[str] = None,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join the trainer's process group and set up megatron-core's parallel state on this rank.
+
+    `backend`: "nccl" when CUDA is available (one GPU per rank: the visible device `LOCAL_RANK`, else 0), else
+    "gloo". Data parallel size = world_size / (TP * PP). Call once per process.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from relax.train.megatron import cpu_compat
+    cpu_compat.enable()
+    if world_size % (tensor_parallel_size * pipeline_parallel_size):
+        raise ValueError(f"world size {world_size} is not a multiple of TP*PP = "
+                         f"{tensor_parallel_size}*{pipeline_parallel_size}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+    )
+    # The tracker of inference_rng_tracker=True makes no CUDA RNG calls; dropout is 0 in every relax model.
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+def shutdown() -> None:
+    """Tear down megatron-core's parallel state and the process group (end of a rank's life)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,766 @@
+"""The Megatron-core train backend's policy: one rank of a TP x PP x DP trainer.
+
+Every rank of the trainer builds a `MegatronPolicy` after `relax.train.megatron.parallel.initialize` and
+calls the same methods with the same arguments (the whole batch; each data-parallel rank takes its rows).
+It implements `relax.train.trainer.Policy` (the actor role drives both backends alike) with the trainer core of
+`relax.train.trainer` (`train_step`, micro-batching, denominators, loss inputs, non-finite steps):
+
+- Same start: a `source=config` model is built by `relax.models.hf.build_model` under the same seed and
+  converted, so both backends start from the same weights; `hf` models are read from their safetensors.
+- Rows of a micro-batch are left-aligned (each row's prompt and response tokens from column 0, padding only at
+  the end), so a causal mask alone is exact and RoPE positions equal the HF positions from the mask.
+- Loss: `relax.algorithms.loss.compute_loss` per micro-batch with the step's denominators of the WHOLE batch
+  (`step_denominators`, as the torch backend), `calculate_per_token_loss=True` so that the schedule neither
+  divides by the micro-batch count nor DDP averages over data-parallel ranks: data-parallel gradients are
+  summed, which gives exactly the whole batch's gradient. `finalize_model_grads` runs without `num_tokens`
+  (passing it would divide by the token count a second time).
+- Log-probs of `softmax(logits / temperature)` with a vocab-parallel log-softmax (max, sum of exponentials and
+  target logit all-reduced over the tensor-parallel group); vocabulary rows added to make the vocabulary
+  divisible by TP are excluded.
+- Optimizer: megatron-core's (`get_megatron_optimizer`, Adam with decoupled weight decay, optionally the
+  distributed optimizer), lr set each step from `relax.train.trainer.lr_factor`. Megatron applies no weight
+  decay to 1-D parameters (norm weights); the torch backend decays every parameter (the same with the default
+  weight_decay=0).
+- Non-finite steps: as in the torch backend, a step whose loss or gradient norm is not finite is skipped (no
+  optimizer update, no lr schedule step, `train/skipped_steps` 1). Every rank decides the same: the loss is the
+  whole batch's (all-reduced, broadcast from the last stage) and the norm is reduced over the model-parallel group,
+  and a skip flag is max-reduced over all ranks of the trainer besides, so that no rank steps while another skips.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from relax import algorithms
+from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.loss import compute_loss
+from relax import progress
+from relax.batch import Samples, TrainBatch
+from relax.train.megatron import convert
+from relax.train.megatron.model import (
+    ArchSpec,
+    arch_from_hf_config,
+    build_gpt_model,
+    check_parallel_sizes,
+    freeze_padding_embedding,
+    resolve_layer_spec,
+    tp_partition_dim,
+    transformer_config,
+)
+from relax.models.hf import build_model, pick_dtype, resolve_model_path
+from relax.train.packing import Packed, pack
+from relax.train.trainer import (
+    PolicyTrainer,
+    SkippedInARow,
+    StepOutcome,
+    StepSetup,
+    StepSums,
+    length_sorted_micro_batches,
+    loss_inputs,
+    lr_factor,
+    nonfinite_grad_tensors,
+)
+from relax.models.write_errors import os_write_errors, torch_save
+from relax.config.derive import total_optimizer_steps
+from relax.config.schema import ModelConfig, TrainConfig
+
+MODEL_FILE = "model_tp{tp}_pp{pp}_dp{dp}.safetensors"
+OPTIMIZER_FILE = "optimizer_tp{tp}_pp{pp}_dp{dp}.pt"
+STATE_FILE = "trainer_state.json"
+
+
+def _group_size(group: Any) -> int:
+    return torch.distributed.get_world_size(group=group)
+
+
+def _rows_only(max_tokens: Optional[int]) -> None:
+    """Micro-batches by tokens are not built on this backend (validation rejects train.max_tokens_per_micro_batch)."""
+    if max_tokens is not None:
+        raise ValueError("train.max_tokens_per_micro_batch is not available with train.backend=megatron")
+
+
+@dataclass
+class _MicroBatch:
+    """A micro-batch as the model sees it: rows left-aligned, response token t of row i predicted at
+    column `plen[i] - 1 + t` of the logits; or packed (train.pack_sequences): the rows as one row without padding
+    (`packed`), its sequences delimited for Transformer Engine's attention (`packed_seq_params`, THD format)."""
+
+    rows: torch.Tensor  # indices into the (rank's) batch
+    tokens: torch.Tensor  # [B, L] long, on the device ([1, L] packed)
+    positions: torch.Tensor  # [B, L]
+    gather_cols: torch.Tensor  # [B, T'] columns of the logits that predict the response tokens ([1, M] packed)
+    targets: torch.Tensor  # [B, T'] response token ids ([1, M] packed)
+    t: int  # T': response columns used
+    packed: Optional[Packed] = None  # the packing, to place the M log-probs back into [B, T']
+    packed_seq_params: Any = None  # megatron-core's PackedSeqParams (cu_seqlens) of a packed micro-batch
+
+
+def packed_micro_batch(samples: Samples, rows: torch.Tensor, pad_token_id: int, *, multiple: int = 1,
+                       device: torch.device | None = None) -> _MicroBatch:
+    """Rows `rows` of `samples` as one packed row (`relax.train.packing.pack`) for megatron-core's THD attention:
+    `cu_seqlens` at each sequence's start, the row padded at the end (as a sequence of pad tokens of its own) to a
+    multiple of `multiple` (the tensor-parallel size under sequence parallelism)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    p = pack(samples.select(rows))
+    starts = (p.position_ids[0] == 0).nonzero().flatten()
+    total = p.input_ids.shape[1]
+    lengths = torch.diff(torch.cat([starts, torch.tensor([total])]))
+    tokens, positions = p.input_ids, p.position_ids
+    pad = -total % multiple
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_full((1, pad), pad_token_id)], dim=1)
+        positions = torch.cat([positions, torch.arange(pad).unsqueeze(0)], dim=1)
+        lengths = torch.cat([lengths, torch.tensor([pad])])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)]).to(device)
+    longest = int(lengths.max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
+    return _MicroBatch(rows=rows, tokens=tokens.to(device), positions=positions.to(device),
+                       gather_cols=p.before.unsqueeze(0).to(device), targets=p.targets.unsqueeze(0).to(device),
+                       t=p.response_len, packed=p.to(device) if device is not None else p, packed_seq_params=params)
+
+
+def left_aligned(samples: Samples, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(tokens [N, L], gather columns [N, T'], targets [N, T'], T') of prompt+response rows with real tokens from
+    column 0 (the layout contract: prompts left-padded, responses right-padded, both contiguous)."""
+    plen = samples.prompt_mask.sum(-1).long()
+    used_r = samples.present().bool().any(0).nonzero()
+    T = int(used_r[-1]) + 1 if len(used_r) else 1
+    P = samples.prompt_ids.shape[1]
+    if int(plen.min()) < 1:
+        raise ValueError("every row needs at least one prompt token")
+    L = int(plen.max()) + T
+    N = len(samples)
+    tokens = torch.full((N, L), pad_token_id, dtype=torch.long)
+    for i in range(N):
+        p = int(plen[i])
+        tokens[i, :p] = samples.prompt_ids[i, P - p:]
+        tokens[i, p:p + T] = samples.response_ids[i, :T]
+    cols = (plen.unsqueeze(1) - 1 + torch.arange(T).unsqueeze(0)).clamp(max=L - 1)
+    return tokens, cols, samples.response_ids[:, :T].clone(), T
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    vocab_size: int,
+    with_entropy: bool,
+    group: Any = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax(logits / temperature)[target] [B, T] fp32 (and the entropy) from this rank's vocab shard.
+
+    `logits` [B, T, V/TP] is the shard of tensor-parallel rank r (global vocab rows r*V/TP ..). Rows >=
+    `vocab_size` (divisibility padding) are excluded. Sums over the vocabulary are all-reduced with megatron's
+    `reduce_from_tensor_model_parallel_region` (all-reduce forward, identity backward); the max is a constant.
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = _group_size(group) if group is not None else 1
+    rank = torch.distributed.get_rank(group=group) if tp > 1 else 0
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    shard = z.shape[-1]
+    start = rank * shard
+    if start + shard > vocab_size:  # padded rows: a huge negative (finite: 0 * it stays 0 in the entropy)
+        pad = torch.arange(start, start + shard, device=z.device) >= vocab_size
+        z = z.masked_fill(pad, torch.finfo(torch.float32).min / 4)
+    m = z.detach().max(-1, keepdim=True).values
+    if tp > 1:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    z = z - m
+
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(x, group=group) if tp > 1 else x
+
+    lse = torch.log(reduce(z.exp().sum(-1)))
+    local = targets - start
+    inside = (local >= 0) & (local < shard)
+    picked = z.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1)
+    logp = reduce(torch.where(inside, picked, torch.zeros_like(picked))) - lse
+    if not with_entropy:
+        return logp, None
+    logp_all = z - lse.unsqueeze(-1)
+    return logp, -reduce((logp_all.exp() * logp_all).sum(-1))
+
+
+def _hf_getter(path: Path) -> Callable[[str], torch.Tensor]:
+    """get(name) of an HF checkpoint directory's safetensors, read lazily (one tensor at a time)."""
+    where: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                where[key] = f
+    if not where:
+        raise FileNotFoundError(f"no *.safetensors in {str(path)!r}")
+
+    def get(name: str) -> torch.Tensor:
+        if name not in where:
+            raise KeyError(f"{str(path)!r} has no tensor {name!r}")
+        with safe_open(str(where[name]), framework="pt") as st:
+            return st.get_tensor(name).float()
+
+    return get
+
+
+class MegatronPolicy(PolicyTrainer):
+    """The policy trainer of the Megatron backend (one rank). Inputs/outputs are CPU tensors."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        *,
+        vocab_size: int,
+        pad_token_id: int,
+        seed: int,
+        total_steps: Optional[int] = None,
+        temperature: float = 1.0,
+        hf_model: Optional[torch.nn.Module] = None,
+        use_distributed_optimizer: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """Needs `relax.train.megatron.parallel.initialize` first.
+
+        `hf_model`: an HF causal LM to start from instead of `model_cfg` (its config and weights are used).
+        `params_dtype`: parameter dtype; default fp32 with bf16 autocast where `pick_dtype` says bf16
+        (`model.dtype`), or bf16 parameters with fp32 master weights when given bf16 (GPU only).
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        self.ps = ps
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self.model_cfg, self.train_cfg = model_cfg, train_cfg
+        self.pad_token_id = int(pad_token_id)
+        self.temperature = float(temperature)
+        self.total_steps = total_steps if total_steps is not None else total_optimizer_steps(train_cfg)
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.dp = ps.get_data_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first_stage = ps.is_pipeline_first_stage()
+        self.last_stage = ps.is_pipeline_last_stage()
+
+        hf_config, get, padding_idx = self._hf_source(model_cfg, vocab_size, pad_token_id, seed, hf_model)
+        self.hf_config = hf_config
+        self.spec: ArchSpec = arch_from_hf_config(hf_config)
+        check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp)
+        compute = pick_dtype(model_cfg, self.device)
+        self.params_dtype = params_dtype or torch.float32
+        autocast = compute if (compute != torch.float32 and self.params_dtype == torch.float32) else None
+        self.sequence_parallel = bool(train_cfg.sequence_parallel) and self.tp > 1
+        if train_cfg.sequence_parallel and self.tp == 1:
+            raise ValueError("train.sequence_parallel=true needs train.tensor_parallel_size > 1")
+        self.layer_spec = resolve_layer_spec(train_cfg.layer_spec, self.device)
+        # train.pack_sequences: each micro-batch one row without padding, sequences kept apart by Transformer
+        # Engine's attention (THD); megatron-core's local attention takes no packed sequences
+        self.packed = bool(train_cfg.pack_sequences)
+        if self.packed and self.layer_spec != "transformer_engine":
+            raise ValueError("train.pack_sequences=true on train.backend=megatron runs in Transformer Engine's "
+                             "attention: it needs train.layer_spec=transformer_engine (a GPU with transformer_engine)")
+        self.config = transformer_config(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.params_dtype,
+                                         autocast_dtype=autocast, use_cpu_initialization=True,
+                                         recompute=model_cfg.gradient_checkpointing,
+                                         sequence_parallel=self.sequence_parallel)
+        model = build_gpt_model(self.spec, self.config, tp=self.tp, pre_process=self.first_stage,
+                                post_process=self.last_stage, which=self.layer_spec)
+        freeze_padding_embedding(model, padding_idx)
+        self.layer_offset = int(get_transformer_layer_offset(self.config))
+        self.layers = range(self.layer_offset, self.layer_offset + self.spec.num_layers // self.pp)
+        self._load_megatron(model, convert.hf_to_megatron(
+            self.spec, get, tp_rank=self.tp_rank, tp_size=self.tp, layers=self.layers,
+            pre_process=self.first_stage, post_process=self.last_stage))
+        model = model.to(device=self.device, dtype=self.params_dtype)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=False,
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=model)
+        clip = train_cfg.clip_grad
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=train_cfg.lr, min_lr=0.0, weight_decay=train_cfg.weight_decay,
+                adam_beta1=train_cfg.adam_beta1, adam_beta2=train_cfg.adam_beta2, adam_eps=1e-8,
+                clip_grad=clip if clip > 0 else 0.0, bf16=self.params_dtype == torch.bfloat16,
+                params_dtype=self.params_dtype, use_distributed_optimizer=use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.config.finalize_model_grads_func = self._finalize_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model.no_sync
+        self.step = 0
+        self.skips = SkippedInARow("policy")
+
+    # ---- construction ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _hf_source(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int, seed: int,
+                   hf_model: Optional[torch.nn.Module]) -> tuple[Any, Callable[[str], torch.Tensor], Optional[int]]:
+        """(HF config, get(hf tensor name), the HF input embedding's padding_idx) of the starting weights."""
+        if hf_model is None and model_cfg.source == "hf":
+            from transformers import AutoConfig
+
+            path = resolve_model_path(model_cfg)
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            return config, _hf_getter(path), getattr(config, "pad_token_id", None)
+        if hf_model is None:  # source=config: the torch backend's builder under the same seed -> the same weights
+            hf_model = build_model(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=torch.float32)
+        state = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+        config = hf_model.config
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        return config, state.__getitem__, getattr(hf_model.get_input_embeddings(), "padding_idx", None)
+
+    def _load_megatron(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy tensors (global names) into a stage's module; every weight must be covered."""
+        own = {convert.local_to_global(k, self.layer_offset): v
+               for k, v in module.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+        missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"Megatron weights do not match the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+        with torch.no_grad():
+            for name, value in tensors.items():
+                if own[name].shape != value.shape:
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} != model's {tuple(own[name].shape)}")
+                own[name].copy_(value)
+
+    def _module(self) -> torch.nn.Module:
+        return self.model.module
+
+    # ---- forward --------------------------------------------------------------------------------------
+
+    def _micro_batches(self, samples: Samples, micro_batch_size: int) -> list[_MicroBatch]:
+        out = []
+        for rows in length_sorted_micro_batches(samples, micro_batch_size):
+            if self.packed:
+                out.append(packed_micro_batch(samples, rows, self.pad_token_id, device=self.device,
+                                              multiple=self.tp if self.sequence_parallel else 1))
+                continue
+            tokens, cols, targets, t = left_aligned(samples.select(rows), self.pad_token_id)
+            if self.sequence_parallel and tokens.shape[1] % self.tp:  # each TP rank takes L / tp positions
+                pad = self.tp - tokens.shape[1] % self.tp  # at the end: causal attention keeps them out of the rest
+                tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], pad), self.pad_token_id)], dim=1)
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            out.append(_MicroBatch(rows=rows, tokens=tokens.to(self.device), positions=positions.to(self.device),
+                                   gather_cols=cols.to(self.device), targets=targets.to(self.device), t=t))
+        return out
+
+    def _shard_rows(self, n: int) -> torch.Tensor:
+        """Rows of an N-row batch this data-parallel rank trains on (contiguous, as even as possible)."""
+        if n < self.dp:
+            raise ValueError(f"a batch of {n} rows cannot be split over {self.dp} data-parallel ranks")
+        return torch.tensor_split(torch.arange(n), self.dp)[self.dp_rank]
+
+    def _logprobs(self, mb: _MicroBatch, logits: torch.Tensor, entropy: bool) -> tuple[torch.Tensor,
+                                                                                        Optional[torch.Tensor]]:
+        cols = mb.gather_cols.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        picked = logits.gather(1, cols)  # [B, T', V/TP]: only the positions that predict response tokens
+        logp, ent = vocab_parallel_logprobs(picked, mb.targets, temperature=self.temperature,
+                                            vocab_size=self.spec.vocab_size, with_entropy=entropy, group=self.tp_group)
+        if mb.packed is not None:  # [1, M] -> the micro-batch's [B, T'] response positions
+            logp = mb.packed.place(logp[0])
+            ent = None if ent is None else mb.packed.place(ent[0])
+        return logp, ent
+
+    def _run(self, mbs: list[_MicroBatch], loss_fn: Callable[[_MicroBatch, torch.Tensor], torch.Tensor], *,
+             forward_only: bool) -> None:
+        """Megatron's schedule over `mbs`; `loss_fn(mb, logits)` (last stage) returns the micro-batch's loss."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            progress.tick()
+            output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
+
+            def loss_func(output_tensor: torch.Tensor):
+                loss = loss_fn(mb, output_tensor)
+                return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
+
+            return output, loss_func
+
+        if not mbs:
+            raise ValueError("no micro-batch to run")
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+        """megatron's finalize_model_grads WITHOUT num_tokens: losses already carry the step's denominator."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model, None, **kwargs)
+
+    def _broadcast_from_last_stage(self, obj: Any) -> Any:
+        if self.pp == 1:
+            return obj
+        holder = [obj]
+        src = torch.distributed.get_global_rank(self.pp_group, self.pp - 1)
+        torch.distributed.broadcast_object_list(holder, src=src, group=self.pp_group)
+        return holder[0]
+
+    def _gather_rows(self, local: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """The [N, ...] tensor whose rows `rows` are this data-parallel rank's `local` (CPU, all ranks)."""
+        if self.dp == 1:
+            out = torch.zeros(n, *local.shape[1:], dtype=local.dtype)
+            out[rows] = local
+            return out
+        parts: list[Any] = [None] * self.dp
+        torch.distributed.all_gather_object(parts, (rows, local), group=self.dp_group)
+        out = torch.zeros(n, *local.shape[1:], dtype=local.dtype)
+        for r, x in parts:
+            out[r] = x
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Samples, micro_batch_size: int,
+                         max_tokens: Optional[int] = None) -> torch.Tensor:
+        """log p(response tokens) under the current weights, [N, T] fp32 on the CPU, 0 where masked; every rank
+        returns the whole batch's."""
+        _rows_only(max_tokens)
+        self.model.eval()
+        N, T = samples.response_ids.shape
+        rows = self._shard_rows(N)
+        mine = samples.select(rows)
+        local = torch.zeros(len(rows), T, dtype=torch.float32)
+        mbs = self._micro_batches(mine, micro_batch_size)
+
+        def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            logp, _ = self._logprobs(mb, logits, entropy=False)
+            local[mb.rows, : mb.t] = logp.float().cpu()
+            return logp.new_zeros(())
+
+        self._run(mbs, loss_fn, forward_only=True)
+        local = self._broadcast_from_last_stage(local)
+        out = self._gather_rows(local, rows, N)
+        return out * samples.response_mask.to(out.dtype)
+
+    # ---- training -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _step_statistics(self, mine: TrainBatch, algo_cfg: AlgorithmConfig,
+                         mbs: list[_MicroBatch]) -> Optional[dict[str, float]]:
+        """The algorithm's step statistics over every valid token of the step: a no-grad pass over this rank's
+        micro-batches (train mode, as the loss pass), the tokens all-gathered over data-parallel ranks.
+        Computed on the last pipeline stage (where the loss is); None elsewhere."""
+        chunks: list[torch.Tensor] = []
+
+        def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            logp, _ = self._logprobs(mb, logits, entropy=False)
+            lb = loss_inputs(mine, mb.rows, logp.float(), mb.t, device=self.device)
+            keep = lb.mask != 0
+            chunks.append(torch.stack([lb.logp[keep], lb.old_logp[keep], lb.advantages[keep]]).cpu())
+            return logp.new_zeros(())
+
+        self._run(mbs, loss_fn, forward_only=True)
+        if not self.last_stage:
+            return None
+        tokens = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0)
+        if self.dp > 1:
+            parts: list[Any] = [None] * self.dp
+            torch.distributed.all_gather_object(parts, tokens, group=self.dp_group)
+            tokens = torch.cat(parts, dim=1)
+        logp, old, adv = (x.to(self.device) for x in tokens)
+        return algorithms.get(algo_cfg.name).step_statistics(algo_cfg, logp, old, adv, torch.ones_like(logp))
+
+    def accumulate_gradients(
+        self,
+        batch: TrainBatch,
+        algo_cfg: AlgorithmConfig,
+        *,
+        per_token: bool,
+        micro_batch_size: int,
+        max_tokens: Optional[int] = None,
+        report_entropy: bool = True,
+        rollout_mismatch: bool = False,
+    ) -> dict[str, float]:
+        """Fresh, finalized gradients of the whole batch's loss (in the DDP grad buffers, `param.main_grad`);
+        returns the step's metrics as `TorchPolicy.accumulate_gradients` does, on every rank."""
+        _rows_only(max_tokens)
+        step = StepSetup.of(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy)
+        entropy = step.entropy
+        self.model.train()
+        rows = self._shard_rows(len(batch))
+        mine = batch.select(rows)
+        mbs = self._micro_batches(mine, micro_batch_size)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats = self._step_statistics(mine, algo_cfg, mbs) if step.algorithm.needs_step_statistics else None
+        sums = StepSums(rollout_mismatch)
+
+        def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+            logp, ent = self._logprobs(mb, logits, entropy=entropy != "none")
+            if ent is not None and entropy == "metric":
+                ent = ent.detach()
+            lb = loss_inputs(mine, mb.rows, logp, mb.t, device=self.device, entropy=ent, stats=stats)
+            sums.add_mismatch(logp, lb)
+            loss, metrics = compute_loss(algo_cfg, lb, per_token=per_token, denominator=step.denominator,
+                                         num_tokens=step.num_tokens)
+            sums.add(metrics)
+            return loss
+
+        self._run(mbs, loss_fn, forward_only=False)
+        out: dict[str, float] = {}
+        if self.last_stage:
+            if self.dp > 1:  # the whole batch's sums: over the data-parallel ranks
+                names = sorted(sums.totals)
+                vec = (torch.stack([sums.totals[n] for n in names]) if names
+                       else torch.zeros(0, dtype=torch.float64)).to(self.device)
+                torch.distributed.all_reduce(vec, group=self.dp_group)
+                sums.totals = dict(zip(names, vec.cpu(), strict=True))
+                m = sums.mismatch.to(self.device)
+                torch.distributed.all_reduce(m[:1], group=self.dp_group)
+                torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+                sums.mismatch = m.cpu()
+                if sums.rollout_mismatch:  # every rank's log-ratios, for the quantiles of the whole batch
+                    gathered: list = [None] * self.dp
+                    torch.distributed.all_gather_object(gathered, (sums.log_ratios, sums.row_means),
+                                                        group=self.dp_group)
+                    sums.log_ratios = [t for tokens, _ in gathered for t in tokens]
+                    sums.row_means = [r for _, rows in gathered for r in rows]
+            out = sums.metrics(step.num_tokens, entropy)
+        return self._broadcast_from_last_stage(out)
+
+    def _skip_on_every_rank(self, skip: bool) -> bool:
+        """True on every rank when any rank of the trainer would skip the step (a max-reduced flag)."""
+        flag = torch.tensor([1.0 if skip else 0.0], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def _nonfinite_grad_tensors(self) -> tuple[int, Optional[str]]:
+        """Parameter shards whose gradient holds a NaN/inf, summed over the model-parallel group (a collective),
+        and this rank's first such name."""
+        bad, first = nonfinite_grad_tensors((n, getattr(p, "main_grad", p.grad))
+                                            for n, p in self._module().named_parameters())
+        count = torch.tensor([float(bad)], device=self.device)
+        torch.distributed.all_reduce(count, group=self.ps.get_model_parallel_group())
+        return int(count.item()), first
+
+    def _optimizer_step(self, loss: float, batch: TrainBatch) -> StepOutcome:
+        """Set the scheduled lr, clip and step, unless the loss or the gradient norm is not finite on any rank: then
+        nothing changes (weights, optimizer state, step count) on every rank."""
+        from megatron.core.optimizer import optimizer as mopt
+
+        lr = self.train_cfg.lr * lr_factor(self.step, schedule=self.train_cfg.lr_schedule,
+                                           warmup_steps=self.train_cfg.warmup_steps, total_steps=self.total_steps,
+                                           min_lr_ratio=self.train_cfg.min_lr_ratio)
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not self._skip_on_every_rank(bool(found_inf) or not math.isfinite(grad_norm) or not math.isfinite(loss)):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.train_cfg.clip_grad > 0:
+                chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                for opt in chained:
+                    params = opt.get_parameters()
+                    if params:
+                        mopt.clip_grad_by_total_norm_fp32(params, max_norm=self.train_cfg.clip_grad,
+                                                          total_norm=grad_norm)
+            self.optimizer.step_with_ready_grads()
+            self.step += 1
+            outcome = self.skips.applied(grad_norm, lr)
+        else:
+            bad, first = self._nonfinite_grad_tensors()
+            outcome = self.skips.skipped(applied=self.step, loss=loss, grad_norm=grad_norm, lr=lr, bad_grads=bad,
+                                         first_bad=first, batch=batch, log=torch.distributed.get_rank() == 0)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return outcome
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def _gather_tensor(self, name: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Shards of every tensor-parallel rank of one Megatron tensor (replicated tensors: one copy)."""
+        if self.tp == 1 or tp_partition_dim(name) is None:
+            return [tensor.detach()]
+        parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+        torch.distributed.all_gather(parts, tensor.detach().contiguous(), group=self.tp_group)
+        return parts
+
+    def _stage_hf(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
+                  dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+        """HF tensors of this pipeline stage, gathered over tensor parallelism (all TP ranks take part)."""
+        out: dict[str, torch.Tensor] = {}
+        params = dict(self._module().named_parameters())
+        for local_name, param in params.items():
+            name = convert.local_to_global(local_name, self.layer_offset)
+            if name == "output_layer.weight" and self.spec.tie_word_embeddings:
+                continue  # a pipeline copy of the embedding
+            shards = self._gather_tensor(name, tensor_of(param))
+            for hf_name, t in convert.megatron_to_hf_tensor(self.spec, name, shards).items():
+                t = t.detach().to("cpu")
+                out[hf_name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
+        return out
+
+    def _gather_hf(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
+                   dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+        """The whole HF-layout dict on global rank 0 ({} elsewhere). Only data-parallel rank 0 gathers;
+        pipeline stages send theirs to rank 0 one stage at a time."""
+        if self.dp_rank != 0:
+            return {}
+        stage = self._stage_hf(tensor_of, dtype)
+        if self.pp > 1:
+            parts: list[Any] = [None] * self.pp
+            gathered = stage if self.tp_rank == 0 else {}
+            torch.distributed.all_gather_object(parts, gathered, group=self.pp_group)
+            stage = {k: v for p in parts for k, v in p.items()}
+        if self.spec.tie_word_embeddings:
+            stage.pop("lm_head.weight", None)
+        return stage if torch.distributed.get_rank() == 0 else {}
+
+    def state_dict_for_rollout(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """Current weights keyed like the HF model's state_dict (tied `lm_head.weight` left out), CPU tensors
+        (fp32, or floating tensors in `dtype`) on global rank 0, {} on the other ranks. A collective: every rank
+        calls it."""
+        return self._gather_hf(lambda p: p, dtype)
+
+    def gradients_hf(self) -> dict[str, torch.Tensor]:
+        """The finalized gradients (after `accumulate_gradients`) in the HF layout, on global rank 0."""
+        return self._gather_hf(lambda p: p.main_grad, torch.float32)
+
+    def save_hf(self, directory: str | os.PathLike, dtype: Optional[torch.dtype] = None) -> None:
+        """A Hugging Face checkpoint (config.json + model.safetensors) loadable by
+        `AutoModelForCausalLM.from_pretrained`; written by global rank 0, a collective for all ranks."""
+        state = self.state_dict_for_rollout(dtype)
+        if torch.distributed.get_rank() == 0:
+            directory = Path(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            with os_write_errors(directory):  # disk full, unwritable: a plain OSError naming errno and path
+                self.hf_config.save_pretrained(str(directory))
+                save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+                          metadata={"format": "pt"})
+        torch.distributed.barrier()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+
+    def _rank_names(self) -> dict[str, str]:
+        return {"tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank}  # type: ignore[return-value]
+
+    def save_checkpoint(self, directory: str | os.PathLike) -> None:
+        """Per-rank files: this stage's TP shard of the weights (safetensors; written by data-parallel rank 0)
+        and this rank's optimizer state; `trainer_state.json` by global rank 0. Resumable with the same
+        TP/PP/DP sizes. A collective: every rank calls it with the same directory."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        names = self._rank_names()
+        if self.dp_rank == 0:
+            tensors = {convert.local_to_global(k, self.layer_offset): v.detach().to("cpu").contiguous()
+                       for k, v in self._module().state_dict().items()
+                       if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+            with os_write_errors(directory / MODEL_FILE.format(**names)):  # a plain OSError naming errno and path
+                save_file(tensors, str(directory / MODEL_FILE.format(**names)))
+        if self.use_distributed_optimizer:
+            chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            param_state = [o.get_parameter_state_dp_reshardable() for o in chained]
+            for st in param_state:  # the loader (megatron-core 0.16.1) expects a `padding` flag the getter omits
+                for key, by_dtype in st.items():
+                    if isinstance(key, int):
+                        for buckets in by_dtype.values():
+                            for bucket in buckets:
+                                for elem in bucket:
+                                    elem.setdefault("padding", False)
+            opt_state = {"common": self.optimizer.state_dict(), "param_state": param_state}
+        else:
+            opt_state = {"common": self.optimizer.state_dict()}
+        torch_save(opt_state, directory / OPTIMIZER_FILE.format(**names))
+        if torch.distributed.get_rank() == 0:
+            (directory / STATE_FILE).write_text(json.dumps({
+                "step": self.step, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                "data_parallel_size": self.dp, "layer_spec": self.layer_spec}))
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
+        """Restore what `save_checkpoint` wrote (weights always; optimizer state and step unless told not to).
+
+        Every rank reads its files first (safetensors, and the optimizer state with `weights_only=True`: tensors and
+        plain values only, so a tampered file cannot run code); if any rank cannot, every rank raises (the one that
+        failed with a CheckpointFileError naming its file) and nothing is restored. A collective."""
+        from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file, load_tensor_file
+
+        directory = Path(directory)
+        names = self._rank_names()
+        error: Optional[Exception] = None
+        try:
+            meta = self._read_checkpoint_meta(directory)
+            saved_spec = meta.get("layer_spec", "local")
+            if load_optimizer and saved_spec != self.layer_spec:  # weights are named alike; the optimizer's order not
+                raise ValueError(f"checkpoint {str(directory)!r} was trained with train.layer_spec={saved_spec}, "
+                                 f"this trainer builds {self.layer_spec}: its optimizer state does not apply; set "
+                                 f"train.layer_spec={saved_spec} to resume")
+            weights = load_safetensors_file(directory / MODEL_FILE.format(**{**names, "dp": 0}))
+            if load_optimizer:
+                opt_file = directory / OPTIMIZER_FILE.format(**names)
+                opt_state = load_tensor_file(opt_file, map_location=self.device)
+                if not isinstance(opt_state, dict) or not isinstance(opt_state.get("common"), dict) or (
+                        self.use_distributed_optimizer and not isinstance(opt_state.get("param_state"), list)):
+                    raise CheckpointFileError(f"checkpoint file {opt_file} is not this trainer's optimizer state")
+        except (CheckpointFileError, FileNotFoundError, ValueError) as e:
+            error = e
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item() > 0:
+            raise CheckpointFileError(f"checkpoint {str(directory)!r}: another rank of the trainer could not read "
+                                      "its files (its error names them); nothing was restored")
+        self._load_megatron(self._module(), {k: v.to(self.params_dtype) for k, v in weights.items()})
+        if load_optimizer:  # restores the optimizer's main (fp32) weights with its moments
+            self.optimizer.load_state_dict(opt_state["common"])
+            if self.use_distributed_optimizer:
+                chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                with torch.no_grad():
+                    for opt, st in zip(chained, opt_state["param_state"], strict=True):
+                        opt.load_parameter_state_from_dp_reshardable(st)
+                        # DistributedOptimizer.load_state_dict (torch-optimizer path) gives every parameter the
+                        # SAME `step` tensor, which AdamW then increments once per parameter: un-share it.
+                        for state in opt.optimizer.state.values():
+                            if isinstance(state.get("step"), torch.Tensor):
+                                state["step"] = state["step"].clone()
+            self.step = int(meta["step"])
+        else:  # the loaded weights become the optimizer's main weights
+            self.optimizer.reload_model_params()
+        torch.distributed.barrier()
+
+    def _read_checkpoint_meta(self, directory: Path) -> dict[str, Any]:
+        """`trainer_state.json` of a checkpoint, checked against this trainer's TP/PP/DP sizes."""
+        from relax.models.checkpoint_files import CheckpointFileError
+
+        state_file = directory / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"{str(directory)!r} is not a Megatron checkpoint (no {STATE_FILE})")
+        try:
+            meta = json.loads(state_file.read_bytes())
+            sizes = (meta["tensor_parallel_size"], meta["pipeline_parallel_size"], meta["data_parallel_size"])
+            int(meta["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointFileError(f"checkpoint file {state_file} is damaged: {type(e).__name__}: {e}") from None
+        if sizes != (self.tp, self.pp, self.dp):
+            raise ValueError(f"checkpoint {str(directory)!r} was written with TP/PP/DP={sizes}, this trainer has "
+                             f"{(self.tp, self.pp, self.dp)}; export it with save_hf to change the layout")
+        return meta
