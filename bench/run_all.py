@@ -71,7 +71,7 @@ def without_slow_bf16(st: Settings) -> tuple[Settings, bool]:
     emulated at a small fraction of fp32's speed and a single step takes minutes; (settings, rows dropped)."""
     import torch
 
-    from relax.backends.models import cpu_has_fast_bf16
+    from relax.models.hf import cpu_has_fast_bf16
 
     if torch.cuda.is_available() or cpu_has_fast_bf16():
         return st, False

@@ -30,13 +30,13 @@ def compare(overrides: list[str], *, prompts: int, group: int, new_tokens: int, 
             log=print) -> dict[str, Series]:
     import torch
 
-    from relax.backends.models import build_model, pick_device, pick_dtype
-    from relax.backends.rollout_embedded import EmbeddedEngine
-    from relax.backends.sglang.client import GenerateClient, Sampling, generate_payload, sample_seed
-    from relax.backends.sglang.process import free_port, start_process, stop_process, wait_healthy
-    from relax.backends.sglang.router import Router
     from relax.config import load_config
     from relax.data.tokenizer import load_tokenizer
+    from relax.models.hf import build_model, pick_device, pick_dtype
+    from relax.rollout.embedded import EmbeddedEngine
+    from relax.rollout.sglang.client import GenerateClient, Sampling, generate_payload, sample_seed
+    from relax.rollout.sglang.process import free_port, start_process, stop_process, wait_healthy
+    from relax.rollout.sglang.router import Router
 
     cfg = load_config([*overrides, "rollout=sglang", "rollout.sglang.server=embedded",
                        f"rollout.max_response_len={new_tokens}"])

@@ -4,7 +4,7 @@
         --response-len 96 --micro 8
 
 Run it as its own (fresh) process: it reads the process's own peak resident set (VmHWM of /proc/self/status).
-The trainer is the real one (`PolicyWorker` -> `relax.backends.torch_train.TorchPolicy`, as in
+The trainer is the real one (`PolicyWorker` -> `relax.train.torch_policy.TorchPolicy`, as in
 bench/train_mfu.py), the batch is random (all tokens valid). Sequence:
 
 1. build the worker (model + AdamW, no optimizer state yet): `rss_built_mib`;

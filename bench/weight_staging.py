@@ -25,9 +25,9 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 def measure(model: str = "smollm2_135m", reps: int = 5, batch: int = 8, new_tokens: int = 32) -> dict:
     import torch
 
-    from relax.backends.models import build_model
-    from relax.backends.rollout_embedded import EmbeddedEngine
     from relax.config import load_config
+    from relax.models.hf import build_model
+    from relax.rollout.embedded import EmbeddedEngine
 
     cfg = load_config([f"model={model}", "model.dtype=float32"])
     vocab = 49152 if model.startswith("smollm2") else 256

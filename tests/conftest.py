@@ -162,7 +162,6 @@ def trained_batches(monkeypatch) -> dict:
     """step -> the `Samples` the training loop trained at that step (of the last run in this process): recorded
     where the loop hands a step's scored rollout to the trainer side (`relax.runner.train.train_batch`)."""
     from relax.runner import train
-
     batches: dict = {}
     original = train.train_batch
 

@@ -22,8 +22,8 @@ import argparse
 import sys
 from typing import NoReturn, Optional
 
-from relax.train.export import EXPORT_FILE
 from relax.runner.export import ExportRefused, ExportResult, export_checkpoint
+from relax.train.export import EXPORT_FILE
 
 OK_EXIT, WRITE_EXIT, USAGE_EXIT = 0, 1, 2
 

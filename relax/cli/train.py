@@ -132,8 +132,8 @@ def _run(dc) -> object:
         print(plan.render())
         print("\ndry run: config valid; nothing started.")
         return None
-    from relax.models.checkpoint_files import CheckpointFileError
     from relax.data.datasets import DataError
+    from relax.models.checkpoint_files import CheckpointFileError
     from relax.runner.errors import RunError
     from relax.runner.train import run
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from relax.models.gguf_cache import load_gguf_model
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError
 from relax.data.tokenizer import resolve_model_path as _resolve_model_path
+from relax.models.gguf_cache import load_gguf_model
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax import progress
+
+
 @dataclass(frozen=True)
 class RoleBeat:
     """One role as the board saw it when asked: seconds since its last heartbeat and since its progress changed."""

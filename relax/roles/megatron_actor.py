@@ -15,8 +15,8 @@ from typing import Any, Optional
 import torch
 
 from relax.batch import Samples, TrainBatch
-from relax.models.weight_buffers import WeightBuffers
 from relax.config.schema import RelaxConfig
+from relax.models.weight_buffers import WeightBuffers
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
 from relax.roles.workers import ModelInfo, PolicyForwarding, _threads, actor_class
@@ -54,9 +54,9 @@ class MegatronRank(PolicyForwarding):
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group and build the policy (all ranks at once: it is a rendezvous)."""
+        from relax.models.hf import pick_device, pick_dtype
         from relax.train.megatron import parallel
         from relax.train.megatron.policy import MegatronPolicy
-        from relax.models.hf import pick_device, pick_dtype
 
         cfg, t = self.cfg, self.cfg.train
         parallel.initialize(self.rank, self.world_size, master_addr=master_addr, master_port=master_port,

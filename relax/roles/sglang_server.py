@@ -2,7 +2,7 @@
 
 The Ray actor holds the engine's resources (its GPUs, or CPU share, in the plan's placement group) and starts
 the server on its node; the server dies with the actor (kill -9 included). The driver talks to the server over
-HTTP (`relax.runner.sglang_engines`), never through this actor, except to start, inspect and stop it.
+HTTP (`relax.runner.rollout_driver.sglang_engines`), never through this actor, except to start, inspect and stop it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from relax.rollout.sglang.process import SERVE_KEY_ENV, log_tail, start_server, stop_process
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
+from relax.rollout.sglang.process import SERVE_KEY_ENV, log_tail, start_server, stop_process
 
 
 def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path,

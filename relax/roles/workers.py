@@ -18,14 +18,14 @@ from relax import algorithms
 from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.batch import Samples, TrainBatch
-from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
-from relax.train.trainer import Policy
-from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.config.derive import teacher_model
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
+from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
+from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
+from relax.train.trainer import Policy
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,12 @@ from relax.roles.workers import (
     compute_advantages,
 )
 from relax.runner import checkpoint
-from relax.runner.engines import ReplicaEngines
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.ray_auth import enable_token_auth
 from relax.runner.restarts import Restarts
-from relax.runner.sglang_engines import SGLangEngines
+from relax.runner.rollout_driver.engines import ReplicaEngines
+from relax.runner.rollout_driver.sglang_engines import SGLangEngines
 from relax.runner.watchdog import Watchdog, first_line
 
 
@@ -361,7 +361,7 @@ class Cluster:
             self._ray = None
 
     # ------------------------------------------------------------------ calls
-    # ---- the rollout engines (relax.runner.rollout_stream.Engines): embedded replicas or SGLang servers
+    # ---- the rollout engines (relax.runner.rollout_driver.stream.Engines): embedded replicas or SGLang servers
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
                  evaluation: bool = False, items: list | None = None) -> Samples:
         """Responses to `prompts`, a group each, rows in `sample_ids` order (`items`: the prompts' items, which an

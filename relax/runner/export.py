@@ -18,10 +18,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from relax.train.export import Exported, ExportError, write_hf_directory
 from relax.config.schema import ModelConfig, RolloutConfig
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
+from relax.train.export import Exported, ExportError, write_hf_directory
 
 RUN_EXPORT_DIR = "hf"  # train.save_hf=true: the final checkpoint's export, <save_dir>/hf
 

@@ -1,6 +1,6 @@
 """The sample ledger of a run: which samples each step trained, and the checks `relax-verify-run` makes on it.
 
-Sample ids are unique over a run (`relax.runner.rollout_stream.sample_ids`: prompt draw index * G + j). Each step
+Sample ids are unique over a run (`relax.runner.rollout_driver.stream.sample_ids`: prompt draw index * G + j). Each step
 adds one entry: the ids of its rollout, split into those it trained and those it left out (groups with a failed
 reward call), and, with dynamic sampling (`rollout.filter_groups`), the ids generated for the step but set aside (not
 in its batch). An entry is one JSON line, its ids written as sorted ranges `[start, stop)` ("set_aside" only when

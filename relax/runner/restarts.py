@@ -1,7 +1,8 @@
 """The run's answer to role processes that die or hang (`RoleFailure`), counted against `train.max_restarts`:
 a restart of the whole service graph from the latest checkpoint (`next`), or, for an embedded rollout replica,
-its replacement in place (`replace_in_place`, called by `relax.runner.engines.ReplicaEngines`). Both kinds share
-the limit. The counts and events survive the restarts (one object per run), so the metrics stay cumulative."""
+its replacement in place (`replace_in_place`, called by
+`relax.runner.rollout_driver.engines.ReplicaEngines`). Both kinds share the limit. The counts and events survive
+the restarts (one object per run), so the metrics stay cumulative."""
 
 from __future__ import annotations
 

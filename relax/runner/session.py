@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from relax.models.write_errors import os_write_error
 from relax.config.schema import RelaxConfig
+from relax.models.write_errors import os_write_error
 from relax.runner.checkpoint import Checkpoints, ResumePoint
 from relax.runner.errors import RunError
 from relax.runner.ledger import FILE as LEDGER_FILE

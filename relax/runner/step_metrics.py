@@ -49,7 +49,7 @@ from relax.metrics import (
     eval_metric,
 )
 from relax.rewards.registry import Scores
-from relax.runner.scoring import FilterStats
+from relax.runner.rollout_driver.scoring import FilterStats
 from relax.tracking.progress import format_number
 
 

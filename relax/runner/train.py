@@ -19,7 +19,6 @@ import torch
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import Samples, TrainBatch
-from relax.rollout.sampling import NonFiniteLogitsError
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import eval_pass_ks
 from relax.config.schema import ModelConfig, RelaxConfig
@@ -38,6 +37,7 @@ from relax.metrics import (
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
 )
+from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
@@ -45,8 +45,15 @@ from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
 from relax.runner.plan import Plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.restarts import Restarts
-from relax.runner.rollout_stream import RolloutStream
-from relax.runner.scoring import FilterStats, Scorer, kept_groups, score, trained_rewards, turn_token_rewards
+from relax.runner.rollout_driver.scoring import (
+    FilterStats,
+    Scorer,
+    kept_groups,
+    score,
+    trained_rewards,
+    turn_token_rewards,
+)
+from relax.runner.rollout_driver.stream import RolloutStream
 from relax.runner.session import RunResult, Session
 from relax.runner.step_metrics import (
     eval_metrics,
@@ -436,7 +443,7 @@ def _evaluate(cfg: RelaxConfig, cluster: Cluster, stream: RolloutStream, tokeniz
     of the rollout stream; its metrics are eval/<set>/... (`eval_metrics`). Each eval sample has a fixed random
     stream, the same from one evaluation to the next (common random numbers); the sets share them (sample ids from
     0 in each), which leaves each set's estimates as they are."""
-    from relax.runner.rollout_stream import sample_ids
+    from relax.runner.rollout_driver.stream import sample_ids
 
     n = cfg.rollout.eval_n_samples_per_prompt
     ks = eval_pass_ks(cfg)

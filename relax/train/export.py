@@ -32,11 +32,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from relax.config.schema import ModelConfig, RolloutConfig
+from relax.data.tokenizer import ModelFileError, ModelPathError, load_tokenizer, stop_token_ids
 from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
 from relax.models.hf import qwen3_config, resolve_model_path
 from relax.models.write_errors import os_write_errors
-from relax.config.schema import ModelConfig, RolloutConfig
-from relax.data.tokenizer import ModelFileError, ModelPathError, load_tokenizer, stop_token_ids
 
 EXPORT_FILE = "relax_export.json"
 POLICY_DIR = "policy"

@@ -18,12 +18,12 @@ from transformers import PreTrainedModel
 from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_value_loss
 from relax.batch import Samples, TrainBatch
+from relax.config.schema import ModelConfig, TrainConfig
+from relax.metrics import VALUE_LOSS
 from relax.models.hf import pick_device, response_hidden_states
 from relax.train.packing import Packed, pack
 from relax.train.torch_policy import TorchTrainer, trainable_model, trimmed_sequences
 from relax.train.trainer import CRITIC_STEP, length_sorted_micro_batches, step_denominators, with_step
-from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import VALUE_LOSS
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 

@@ -23,20 +23,23 @@ from typing import Any, Optional
 import torch
 from transformers import PreTrainedModel
 
-from relax import algorithms
+from relax import algorithms, progress
 from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_loss
-from relax.models import lora
-from relax import progress
 from relax.batch import Samples, TrainBatch
+from relax.config.derive import total_optimizer_steps
+from relax.config.schema import ModelConfig, TrainConfig
+from relax.models import lora
 from relax.models.checkpoint_files import (
     CheckpointFileError,
     load_safetensors_dir,
     load_safetensors_file,
     load_tensor_file,
 )
-from relax.train.logprobs import packed_logprobs, response_logprobs
 from relax.models.hf import build_model, pick_device, pick_dtype
+from relax.models.weight_buffers import cpu_state
+from relax.models.write_errors import os_write_errors, torch_save
+from relax.train.logprobs import packed_logprobs, response_logprobs
 from relax.train.packing import pack
 from relax.train.trainer import (
     PolicyTrainer,
@@ -50,10 +53,6 @@ from relax.train.trainer import (
     lr_factor,
     nonfinite_grad_tensors,
 )
-from relax.models.weight_buffers import cpu_state
-from relax.models.write_errors import os_write_errors, torch_save
-from relax.config.derive import total_optimizer_steps
-from relax.config.schema import ModelConfig, TrainConfig
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"

@@ -12,10 +12,10 @@ from typing import Optional
 import torch
 
 from relax.batch import Samples
+from relax.config.schema import ModelConfig
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.train.torch_policy import micro_batched_logprobs
 from relax.train.trainer import available_cpus
-from relax.config.schema import ModelConfig
 
 
 class TorchReference:

@@ -22,14 +22,12 @@ from typing import Optional, Protocol
 
 import torch
 
-from relax import algorithms
+from relax import algorithms, progress
 from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch, choices_of
 from relax.algorithms.loss import ENTROPY
 from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
-from relax import progress
 from relax.batch import Samples, TrainBatch
-from relax.train.packing import response_reach
 from relax.config.schema import TrainConfig
 from relax.metrics import (
     CRITIC_GRAD_NORM,
@@ -45,6 +43,7 @@ from relax.metrics import (
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
 )
+from relax.train.packing import response_reach
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from runner.test_async_training import ONE_THREAD, SAME_DATA, updates_during_generation
 
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.config import load_config
 from relax.metrics import (
     OBS_TOKEN_FRAC,
@@ -77,7 +77,6 @@ def test_resume_of_an_agentic_run_with_episodes_ahead_and_in_flight(in_process, 
     episodes): the resumed run trains them as they were, the first resumed step exactly the batch the checkpoint
     buffered, equal to the uninterrupted run's."""
     from relax.runner import checkpoint
-
     extra = [*AGENTIC, "train.mode=fully_async", "train.max_staleness=2", "train.save_interval=2"]
     full = run(load_config(small_run(*extra, steps=4)), output_dir=tmp_path / "a")
     uninterrupted = dict(trained_batches)

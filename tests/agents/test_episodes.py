@@ -16,12 +16,12 @@ import torch
 from relax.agents.episode import EpisodeMaker
 from relax.agents.loops import AgentFactory
 from relax.agents.protocol import Reply
-from relax.backends.batch import continuation, extend_responses
-from relax.backends.models import build_model
-from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.torch_train import micro_batched_logprobs
+from relax.batch import continuation, extend_responses
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import build_tiny_tokenizer
+from relax.models.hf import build_model
+from relax.rollout.embedded import EmbeddedEngine
+from relax.train.torch_policy import micro_batched_logprobs
 
 G, TURN, LIMIT = 4, 4, 80  # 5 turns of 4 tokens and 4 observations of 11 fit in 80
 

@@ -14,12 +14,12 @@ from relax.agents.episode import EpisodeMaker
 from relax.agents.loops import AgentFactory
 from relax.algorithms import GRPOConfig
 from relax.algorithms import functional as F
-from relax.backends.batch import TrainBatch
-from relax.backends.models import build_model
-from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.torch_train import TorchPolicy
+from relax.batch import TrainBatch
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.data.tokenizer import build_tiny_tokenizer
+from relax.models.hf import build_model
+from relax.rollout.embedded import EmbeddedEngine
+from relax.train.torch_policy import TorchPolicy
 
 EPS, TIS_CLIP, KL_COEF, ENT_COEF = 0.1, 1.5, 0.3, 0.01
 
@@ -127,7 +127,7 @@ def test_gae_skips_observation_tokens():
 
 def test_overlong_shaping_counts_the_models_tokens(episodes):
     from relax.config import load_config
-    from relax.runner.scoring import overlong_penalties
+    from relax.runner.rollout_driver.scoring import overlong_penalties
 
     samples, _ = episodes
     cfg = load_config(["data=guess_number", "data.overlong_buffer_len=6", "data.overlong_penalty_factor=1.0",

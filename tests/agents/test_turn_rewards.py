@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from relax.algorithms import functional as F
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.config import load_config
 from relax.config.validate import ConfigError
-from relax.runner.scoring import turn_token_rewards
+from relax.runner.rollout_driver.scoring import turn_token_rewards
 
 
 def episode_samples() -> Samples:
@@ -75,7 +75,6 @@ class Counting:
 @pytest.mark.slow
 def test_ppo_trains_per_turn_rewards(in_process, small_run, tmp_path, monkeypatch):
     from relax.runner import train
-
     seen = []
     original = train.turn_token_rewards
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from relax.backends.batch import Samples, TrainBatch
+from relax.batch import Samples, TrainBatch
 from relax.config.schema import ModelConfig, TrainConfig
 
 VOCAB = 32

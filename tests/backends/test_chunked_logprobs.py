@@ -1,4 +1,4 @@
-"""The chunked linear + log-softmax (relax.backends.logprobs) against the unchunked definition (models.token_logprobs).
+"""The chunked linear + log-softmax (relax.train.logprobs) against the unchunked definition (models.token_logprobs).
 
 Two tiny models: Relax's `source=config` Qwen3 (tied embeddings) and a transformers `LlamaForCausalLM` with
 `tie_word_embeddings=True` (SmolLM2's architecture). Rows have left-padded prompts and right-padded responses;
@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from relax.backends import logprobs as chunked
-from relax.backends.logprobs import LinearLogSoftmax, chunk_rows, chunked_head, response_logprobs
-from relax.backends.models import build_model, token_logprobs
-from relax.backends.torch_train import TorchPolicy
 from relax.config.schema import TrainConfig
+from relax.models.hf import build_model, token_logprobs
+from relax.train import logprobs as chunked
+from relax.train.logprobs import LinearLogSoftmax, chunk_rows, chunked_head, response_logprobs
+from relax.train.torch_policy import TorchPolicy
 
 V = 1031  # larger than any other activation's last axis, so a [N, T, V] tensor is recognisable
 P, T, N = 6, 9, 7

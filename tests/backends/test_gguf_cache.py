@@ -1,4 +1,4 @@
-"""The de-quantized GGUF cache (`relax.backends.gguf_cache`): converted once, reloaded bit for bit, never in the way.
+"""The de-quantized GGUF cache (`relax.models.gguf_cache`): converted once, reloaded bit for bit, never in the way.
 
 The mechanics run on a tiny Qwen3 standing in for the de-quantized model (`_dequantize` replaced, counting its
 calls); the real SmolLM2 file is in tests/backends/test_models.py (cached load equal to the fresh conversion).
@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from relax.backends import gguf_cache
-from relax.backends.models import qwen3_config
 from relax.config.schema import ModelConfig
+from relax.models import gguf_cache
+from relax.models.hf import qwen3_config
 
 TINY = ModelConfig(name="tiny-test", source="config", hidden_size=32, num_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=64)

@@ -1,4 +1,4 @@
-"""LoRA on the torch backend (relax.backends.lora, PEFT): only the adapters train and the base's bytes never change;
+"""LoRA on the torch backend (relax.models.lora, PEFT): only the adapters train and the base's bytes never change;
 the reference is the base with the adapters off; merged and adapter-only weight updates give the engines the
 trainer's log-probs; a checkpoint holds the adapters, resumes exactly and refuses another base; both export forms
 load in transformers / peft and match the trainer."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from relax.algorithms.grpo import GRPOConfig
-from relax.backends import lora
-from relax.backends.models import build_model
-from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.torch_train import TorchPolicy
+from relax.models import lora
+from relax.models.hf import build_model
+from relax.rollout.embedded import EmbeddedEngine
+from relax.train.torch_policy import TorchPolicy
 
 VOCAB, PAD = 32, 0
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -97,7 +97,7 @@ def test_merged_and_adapter_updates_give_the_engine_the_trainers_logprobs(sync, 
 
 
 def test_adapter_updates_are_smaller_by_the_adapters_share(lora_cfg, train_cfg):
-    from relax.backends.weight_buffers import WeightBuffers
+    from relax.models.weight_buffers import WeightBuffers
 
     merged = WeightBuffers.of(policy(lora_cfg, train_cfg).state_dict_for_rollout()).nbytes
     adapter = WeightBuffers.of(policy(lora_cfg, train_cfg, lora_sync="adapter").state_dict_for_rollout()).nbytes
@@ -107,7 +107,7 @@ def test_adapter_updates_are_smaller_by_the_adapters_share(lora_cfg, train_cfg):
 
 def test_a_checkpoint_holds_the_adapters_resumes_exactly_and_refuses_another_base(lora_cfg, train_cfg, make_batch,
                                                                                 tmp_path):
-    from relax.backends.checkpoint_files import CheckpointFileError
+    from relax.models.checkpoint_files import CheckpointFileError
 
     a = trained(lora_cfg, train_cfg, make_batch, steps=2)
     a.save_checkpoint(tmp_path / "ckpt")

@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from relax.backends.models import (
+from relax.config.schema import ModelConfig
+from relax.data.tokenizer import default_gguf_path
+from relax.models.hf import (
     build_model,
     cpu_has_fast_bf16,
     pick_device,
@@ -15,8 +17,6 @@ from relax.backends.models import (
     position_ids_from_mask,
     token_logprobs,
 )
-from relax.config.schema import ModelConfig
-from relax.data.tokenizer import default_gguf_path
 
 VOCAB, PAD = 32, 0
 
@@ -116,7 +116,7 @@ def test_token_logprobs_gradient_is_finite_with_padding(tiny_model_cfg, make_sam
 
 @pytest.mark.slow
 def test_gguf_smollm2_loads_offline(tmp_path, monkeypatch):
-    from relax.backends.gguf_cache import cache_entry
+    from relax.models.gguf_cache import cache_entry
 
     path = default_gguf_path()
     if path is None:

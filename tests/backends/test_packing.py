@@ -11,12 +11,12 @@ import torch
 
 from relax import algorithms
 from relax.algorithms import PPOConfig
-from relax.backends.models import token_logprobs
-from relax.backends.packing import pack, packed_tokens
-from relax.backends.torch_critic import TorchCritic
-from relax.backends.torch_reference import TorchReference
-from relax.backends.torch_train import TorchPolicy, forward_logprobs
-from relax.backends.trainer import length_sorted_micro_batches
+from relax.models.hf import token_logprobs
+from relax.train.packing import pack, packed_tokens
+from relax.train.torch_critic import TorchCritic
+from relax.train.torch_policy import TorchPolicy, forward_logprobs
+from relax.train.torch_reference import TorchReference
+from relax.train.trainer import length_sorted_micro_batches
 
 
 def policy(model_cfg, train_cfg, packed: bool) -> TorchPolicy:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.sampling import draw, filter_logits
+from relax.rollout.embedded import EmbeddedEngine
+from relax.rollout.sampling import draw, filter_logits
 
 VOCAB, PAD = 48, 0
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
@@ -95,7 +95,7 @@ def test_rollout_logp_equals_full_forward_logprob_at_temperature_one(fast):
         expected = brute_logp(eng.model, PROMPTS[row // 2], resp)
         torch.testing.assert_close(s.rollout_logp[row, : len(resp)], expected, atol=1e-4, rtol=0)
     # and the trainer's own function over the padded batch
-    from relax.backends.models import token_logprobs
+    from relax.models.hf import token_logprobs
 
     ids, mask = s.sequences()
     with torch.inference_mode():
@@ -298,7 +298,7 @@ def test_a_sample_is_the_same_whatever_batch_it_is_in(fast):
 
 
 def test_an_interrupted_response_continues_from_its_prefix_with_the_new_weights():
-    from relax.backends.batch import continuation, extend_responses
+    from relax.batch import continuation, extend_responses
 
     eng = engine()
     ids = torch.arange(len(PROMPTS))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax.backends.models import build_model
-from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.torch_reference import TorchReference
-from relax.backends.torch_train import TorchPolicy
+from relax.models.hf import build_model
+from relax.rollout.embedded import EmbeddedEngine
+from relax.train.torch_policy import TorchPolicy
+from relax.train.torch_reference import TorchReference
 
 VOCAB, PAD, EOS = 32, 0, 31
 
@@ -51,7 +51,7 @@ def test_truncation_keeps_full_vocabulary_logprobs_and_reports_the_dropped_mass(
 
 
 def test_dropped_mass_is_the_mass_outside_the_top_k():
-    from relax.backends.sampling import sample_tokens
+    from relax.rollout.sampling import sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     out = sample_tokens(logits, temperature=1.0, top_k=2, top_p=1.0, uniforms=torch.tensor([0.5]))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from relax.algorithms import GRPOConfig, PPOConfig
-from relax.backends.torch_critic import VALUE_HEAD_FILE, TorchCritic, critic_lr
-from relax.backends.torch_train import TorchPolicy
+from relax.train.torch_critic import VALUE_HEAD_FILE, TorchCritic, critic_lr
+from relax.train.torch_policy import TorchPolicy
 
 VOCAB, PAD = 32, 0
 

@@ -21,11 +21,11 @@ from relax.algorithms import (
 )
 from relax.algorithms import get as get_algorithm
 from relax.algorithms import names as algorithm_names
-from relax.backends.models import build_model, token_logprobs
-from relax.backends.torch_train import TorchPolicy
-from relax.backends.trainer import length_sorted_micro_batches, lr_factor
 from relax.config.schema import ModelConfig
 from relax.metrics import GRAD_NORM, LR, M2_AFTER, M2_BEFORE
+from relax.models.hf import build_model, token_logprobs
+from relax.train.torch_policy import TorchPolicy
+from relax.train.trainer import length_sorted_micro_batches, lr_factor
 
 VOCAB, PAD = 32, 0
 

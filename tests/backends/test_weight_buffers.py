@@ -7,8 +7,8 @@ import pickle
 import pytest
 import torch
 
-from relax.backends.rollout_embedded import EmbeddedEngine
-from relax.backends.weight_buffers import WeightBuffers, as_state_dict
+from relax.models.weight_buffers import WeightBuffers, as_state_dict
+from relax.rollout.embedded import EmbeddedEngine
 from tests.backends.test_rollout_embedded import PAD, PROMPTS, tiny_model
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.backends.batch import TrainBatch
+from relax.batch import TrainBatch
 from relax.cli import export
 from relax.config import load_config
 from relax.data.tokenizer import default_gguf_path, load_tokenizer, stop_token_ids
@@ -206,9 +206,9 @@ def test_megatron_shards_are_converted_and_hf_copy_preferred(run, tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from relax.backends.megatron import convert
-    from relax.backends.megatron.model import arch_from_hf_config
-    from relax.backends.megatron.policy import MODEL_FILE, STATE_FILE
+    from relax.train.megatron import convert
+    from relax.train.megatron.model import arch_from_hf_config
+    from relax.train.megatron.policy import MODEL_FILE, STATE_FILE
 
     cfg0, _, path, _, _ = run
     trained = AutoModelForCausalLM.from_pretrained(str(path / "policy")).eval()
@@ -261,7 +261,7 @@ def test_smollm2_gguf_run_exports_its_real_tokenizer_and_chat_template(tmp_path)
     135M model (reading that .gguf takes about 20 s on two cores): the export copies `policy/` whatever it holds."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from relax.backends.torch_train import TorchPolicy
+    from relax.train.torch_policy import TorchPolicy
 
     cfg = load_config(overrides(tmp_path / "ckpt", "model=smollm2_135m"))
     tokenizer = load_tokenizer(cfg.model)
@@ -310,8 +310,8 @@ def test_a_lora_checkpoint_exports_as_peft_adapters_or_merged_with_the_trainers_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from relax.backends.models import build_model
     from relax.cli.export import main
+    from relax.models.hf import build_model
 
     cfg = load_config(overrides(tmp_path / "ckpt", "model.lora_rank=4", "model.lora_alpha=8", "train.lr=0.05"))
     tokenizer = load_tokenizer(cfg.model)

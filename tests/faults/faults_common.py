@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from relax.backends.batch import Samples, TrainBatch
+from relax.batch import Samples, TrainBatch
 from relax.config.schema import ModelConfig
 
 VOCAB = 32

@@ -23,10 +23,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "faults")]
 from faults_common import PAD, TINY, VOCAB, random_batch  # noqa: E402
 
 from relax.algorithms.grpo import GRPOConfig  # noqa: E402
-from relax.backends.megatron import parallel  # noqa: E402
-from relax.backends.megatron.policy import MegatronPolicy  # noqa: E402
 from relax.config.schema import TrainConfig  # noqa: E402
 from relax.metrics import NONFINITE_BATCH_VALUES, SKIPPED_STEPS  # noqa: E402
+from relax.train.megatron import parallel  # noqa: E402
+from relax.train.megatron.policy import MegatronPolicy  # noqa: E402
 
 TRAIN = TrainConfig(lr=1e-2, clip_grad=1.0, num_rollout=10, lr_schedule="cosine", warmup_steps=3)
 

@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.backends.checkpoint_files import CheckpointFileError
-from relax.backends.torch_train import TorchPolicy
 from relax.config import load_config
 from relax.config.schema import ModelConfig
+from relax.models.checkpoint_files import CheckpointFileError
 from relax.runner import checkpoint
 from relax.runner.checkpoint import Checkpoints
 from relax.runner.errors import RunError
+from relax.train.torch_policy import TorchPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the raw-pickle files' protocol
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_an_intact_checkpoint_still_loads(tmp_path):
 
 
 def test_the_critics_value_head_is_checked_too(tmp_path):
-    from relax.backends.torch_critic import VALUE_HEAD_FILE, TorchCritic
+    from relax.train.torch_critic import VALUE_HEAD_FILE, TorchCritic
 
     critic = TorchCritic(TINY, load_config([]).train, vocab_size=VOCAB, pad_token_id=PAD, seed=0, num_threads=1)
     with torch.no_grad():
@@ -285,7 +285,6 @@ def test_relax_train_shows_a_roles_refusal_as_one_message(tmp_path, monkeypatch,
 
     from relax.cli import train as cli
     from relax.runner import train
-
     refused = CheckpointFileError("checkpoint file /ckpt/policy/optimizer.pt holds objects other than tensors")
 
     def run(*args, **kwargs):
@@ -314,9 +313,9 @@ MEGATRON_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, str(Path.cwd() / "tests" / "backends"))
     from conftest import random_batch  # tests/backends/conftest.py
     from relax.algorithms.grpo import GRPOConfig
-    from relax.backends.megatron import parallel
-    from relax.backends.megatron.policy import MegatronPolicy
-    from relax.backends.checkpoint_files import CheckpointFileError
+    from relax.train.megatron import parallel
+    from relax.train.megatron.policy import MegatronPolicy
+    from relax.models.checkpoint_files import CheckpointFileError
     from relax.config.schema import ModelConfig, TrainConfig
 
     out, port = Path(sys.argv[1]), int(sys.argv[2])

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from relax.backends import progress
+from relax import progress
 from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, RoleBeat, interval_for, start_heartbeat
 from relax.runner.errors import RoleFailure
 from relax.runner.watchdog import Watchdog

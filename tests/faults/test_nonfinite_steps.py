@@ -13,9 +13,6 @@ import torch
 from faults_common import PAD, TINY, VOCAB, random_batch
 
 from relax.algorithms import GRPOConfig, PPOConfig
-from relax.backends.sampling import NonFiniteLogitsError, sample_tokens
-from relax.backends.torch_critic import TorchCritic
-from relax.backends.torch_train import TorchPolicy
 from relax.config import ConfigError, load_config
 from relax.config.schema import TrainConfig
 from relax.metrics import (
@@ -27,8 +24,11 @@ from relax.metrics import (
     NONFINITE_GRAD_TENSORS,
     SKIPPED_STEPS,
 )
+from relax.rollout.sampling import NonFiniteLogitsError, sample_tokens
 from relax.runner.errors import RunError
 from relax.runner.optimizer_steps import SkippedSteps
+from relax.train.torch_critic import TorchCritic
+from relax.train.torch_policy import TorchPolicy
 
 # a schedule that moves every step (warmup then cosine), so that a skipped schedule step would show
 TRAIN = TrainConfig(lr=1e-2, clip_grad=1.0, num_rollout=10, lr_schedule="cosine", warmup_steps=3)
@@ -74,7 +74,7 @@ def test_a_nonfinite_loss_skips_the_step_and_leaves_weights_adam_and_schedule_un
     before = snapshot(p)
     assert before["optimizer"]["state"], "Adam has moments after one step"
     bad = nan_row(random_batch(seed=1))
-    with caplog.at_level(logging.WARNING, logger="relax.backends.trainer"):
+    with caplog.at_level(logging.WARNING, logger="relax.train.trainer"):
         out = p.train_step(bad, algo, per_token=True, micro_batch_size=4)
     assert out[SKIPPED_STEPS] == 1.0
     assert math.isnan(out[LOSS])  # NaN: logged as the tracker logs non-finite values (skipped, counted in a tag)
@@ -97,7 +97,7 @@ def test_nonfinite_gradients_under_a_finite_loss_are_skipped_and_named(caplog):
     before = snapshot(p)
     name = "model.layers.1.mlp.up_proj.weight"
     handle = dict(p.model.named_parameters())[name].register_hook(lambda g: g * float("inf"))
-    with caplog.at_level(logging.WARNING, logger="relax.backends.trainer"):
+    with caplog.at_level(logging.WARNING, logger="relax.train.trainer"):
         out = p.train_step(random_batch(seed=1), algo, per_token=True, micro_batch_size=8)
     handle.remove()
     assert math.isfinite(out[LOSS]) and not math.isfinite(out[GRAD_NORM])
@@ -139,8 +139,8 @@ def test_the_sampler_still_takes_minus_inf_logits_and_refuses_a_row_of_only_minu
 
 @pytest.mark.parametrize("fast_path", [True, False])
 def test_the_rollout_engine_stops_on_broken_weights_and_the_loop_says_so(fast_path):
-    from relax.backends.models import build_model
-    from relax.backends.rollout_embedded import EmbeddedEngine
+    from relax.models.hf import build_model
+    from relax.rollout.embedded import EmbeddedEngine
     from relax.runner.train import _refusing_broken_weights
 
     model = build_model(TINY, VOCAB, PAD, seed=0)

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.backends.write_errors import os_write_error, os_write_errors, torch_save
 from relax.config import load_config
 from relax.metrics import FAULT_CHECKPOINT_FAILURES
+from relax.models.write_errors import os_write_error, os_write_errors, torch_save
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
 

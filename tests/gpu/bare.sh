@@ -33,7 +33,7 @@ missing = [m for m in need if importlib.util.find_spec(m.split(".")[0]) is None]
 if missing:
     sys.exit(f"bare.sh: missing {missing}: build the kit here (bash tests/gpu/kit.sh) and carry tests/gpu/.kit")
 import torch
-import relax.backends.megatron.policy  # what test_megatron_gpu.py's rank processes import: fail here, not in a rank
+import relax.train.megatron.policy  # what test_megatron_gpu.py's rank processes import: fail here, not in a rank
 print(f"bare.sh: torch {torch.__version__}, CUDA {torch.cuda.is_available()}"
       + (f" ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else ""))
 PY

@@ -76,8 +76,8 @@ def random_samples(n: int = 8, P: int = 12, T: int = 10, vocab: int = 64, seed: 
 
 
 def policy(dtype: str):
-    from relax.backends.torch_train import TorchPolicy
     from relax.config.schema import TrainConfig
+    from relax.train.torch_policy import TorchPolicy
 
     return TorchPolicy(
         tiny_cfg(dtype),
@@ -91,7 +91,7 @@ def policy(dtype: str):
 
 def test_the_torch_trainer_in_bf16_on_cuda_matches_fp32():
     from relax.algorithms import GRPOConfig
-    from relax.backends.batch import TrainBatch
+    from relax.batch import TrainBatch
 
     samples = random_samples()
     mask = samples.response_mask.bool()
@@ -111,8 +111,8 @@ def test_the_torch_trainer_in_bf16_on_cuda_matches_fp32():
 
 
 def engine(dtype: torch.dtype, state: dict | None = None):
-    from relax.backends.models import build_model
-    from relax.backends.rollout_embedded import EmbeddedEngine
+    from relax.models.hf import build_model
+    from relax.rollout.embedded import EmbeddedEngine
 
     model = build_model(tiny_cfg("float32"), 64, 0, seed=0, dtype=torch.float32, device=DEVICE)
     if state is not None:
@@ -124,7 +124,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
 
 
 def test_the_embedded_engine_in_bf16_on_cuda_matches_fp32():
-    from relax.backends.models import build_model, token_logprobs
+    from relax.models.hf import build_model, token_logprobs
 
     outs = {
         dt: engine(dt).generate(PROMPTS, max_new_tokens=12, temperature=0.0, seed=0)
@@ -177,9 +177,9 @@ def _greedy(url: str) -> list[tuple[list[int], list[float]]]:
 def test_cuda_ipc_weight_buckets_reach_an_engine_in_another_process(tmp_path):
     """`push_tensors(..., device=cuda)`, as the actor sends colocated weights: the server on the same GPU opens the
     buckets' CUDA IPC handles and then generates as a local engine holding the pushed weights."""
-    from relax.backends.models import build_model
-    from relax.backends.sglang.weight_sync import push_tensors
     from relax.config import load_config
+    from relax.models.hf import build_model
+    from relax.rollout.sglang.weight_sync import push_tensors
 
     cfg = load_config(["rollout=sglang", "rollout.sglang.server=embedded", "model.dtype=bfloat16"])
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
@@ -223,7 +223,7 @@ def test_cuda_ipc_weight_buckets_reach_an_engine_in_another_process(tmp_path):
         assert n_buckets > 1
         assert _post(url, "/get_weight_version", {})["weight_version"] == "7"
         after = _greedy(url)
-        from relax.backends.rollout_embedded import EmbeddedEngine
+        from relax.rollout.embedded import EmbeddedEngine
 
         local = EmbeddedEngine(
             model.eval(), eos_token_ids=[], pad_token_id=tok.pad_token_id, dtype=torch.bfloat16, device=DEVICE

@@ -7,7 +7,7 @@ ignores `sampling_seed`, which these checks rely on to repeat a sample. The same
 same GPU) is the reference. Checks, in order, on the one server:
 
 1. launch: `/health`, `/get_model_info`, and `/get_weights_by_name` holds the checkpoint's values;
-2. generate through `relax.backends.sglang.client`: greedy tokens are transformers' argmax up to bf16 near-ties,
+2. generate through `relax.rollout.sglang.client`: greedy tokens are transformers' argmax up to bf16 near-ties,
    SGLang's log-probs are transformers' (BF16_LOGP_MEAN / BF16_LOGP_MAX), and seeded sampling repeats itself;
 3. `weight_sync.push_tensors` of CUDA bf16 tensors in several buckets (CUDA IPC): the server holds the new values,
    answers report the version, outputs are transformers' with the same weights, and the sender's GPU memory
@@ -69,9 +69,9 @@ def convert(out: Path) -> Path:
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    from relax.backends.models import build_model
     from relax.config.schema import ModelConfig
     from relax.data.tokenizer import load_tokenizer
+    from relax.models.hf import build_model
 
     cfg = ModelConfig(name="SmolLM2-135M-Instruct", source="gguf", path=str(GGUF))
     tok = load_tokenizer(cfg)
@@ -94,10 +94,10 @@ def convert(out: Path) -> Path:
 def server(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from relax.backends.sglang.process import free_port, start_process, stop_process, wait_healthy
     from relax.config import load_config
     from relax.data.tokenizer import stop_token_ids
     from relax.roles.sglang_server import server_command
+    from relax.rollout.sglang.process import free_port, start_process, stop_process, wait_healthy
 
     tmp = tmp_path_factory.mktemp("sglang")
     hf_dir = convert(Path(os.environ.get("RELAX_SGLANG_HF_DIR") or tmp / "smollm2-135m"))
@@ -128,7 +128,7 @@ def server(tmp_path_factory):
 
 
 def sampling(s, temperature: float):
-    from relax.backends.sglang.client import Sampling
+    from relax.rollout.sglang.client import Sampling
 
     return Sampling(MAX_NEW, temperature, 1.0, -1, tuple(s.eos))
 
@@ -136,7 +136,7 @@ def sampling(s, temperature: float):
 def generate(s, temperature: float = 0.0, seed: int = 0) -> list[tuple[list[int], list[float], str, str]]:
     """(tokens, log-probs, finish reason, the answer's weight_version) per prompt: one request per sample through
     Relax's client, each with Relax's `sampling_seed`."""
-    from relax.backends.sglang.client import GenerateClient, generate_payload, parse_answer, sample_seed
+    from relax.rollout.sglang.client import GenerateClient, generate_payload, parse_answer, sample_seed
 
     sp = sampling(s, temperature)
     payloads = [generate_payload(p, sp, max_new_tokens=MAX_NEW, seed=sample_seed(seed, i, 0))
@@ -228,7 +228,7 @@ def assert_server_holds(url: str, named: dict[str, torch.Tensor], names=CHECKED)
 
 
 def push(s, named, *, bucket_bytes: int = 64 << 20) -> int:
-    from relax.backends.sglang.weight_sync import push_tensors
+    from relax.rollout.sglang.weight_sync import push_tensors
 
     s.version += 1
     return push_tensors([s.url], named.items(), s.version, bucket_bytes=bucket_bytes, timeout_s=120)
@@ -334,7 +334,7 @@ def test_release_and_resume_memory_then_reload(server, baseline):
 
 def distributed_roundtrip(s, baseline, named: dict[str, torch.Tensor], backend: str) -> None:
     """Changed weights by tensor, then the checkpoint's back through a `BroadcastSync` group."""
-    from relax.backends.sglang.weight_sync import BroadcastSync
+    from relax.rollout.sglang.weight_sync import BroadcastSync
 
     push(s, changed_weights(s))
     assert greedy(s) != baseline
@@ -369,8 +369,8 @@ if __name__ == "__main__":
 def test_the_actors_sender_pushes_a_cpu_snapshot_as_cuda_ipc_buckets(server, baseline, restore):
     """What the actor runs for rollout.sglang.weight_sync=tensor on a GPU: its snapshot (CPU bytes from the object
     store) is copied bucket by bucket to its GPU and handed over as CUDA IPC handles."""
-    from relax.backends.sglang.weight_sync import WeightSender, WeightTarget
-    from relax.backends.weight_buffers import WeightBuffers
+    from relax.models.weight_buffers import WeightBuffers
+    from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
 
     push(server, changed_weights(server))
     assert greedy(server) != baseline

@@ -27,12 +27,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "backends")]
 from conftest import random_batch, random_samples  # noqa: E402  (tests/backends/conftest.py)
 
 from relax.algorithms.grpo import GRPOConfig  # noqa: E402
-from relax.backends.batch import TrainBatch  # noqa: E402
-from relax.backends.megatron import convert, parallel  # noqa: E402
-from relax.backends.megatron.policy import MegatronPolicy  # noqa: E402
-from relax.backends.models import build_model  # noqa: E402
-from relax.backends.torch_train import TorchPolicy  # noqa: E402
+from relax.batch import TrainBatch  # noqa: E402
 from relax.config.schema import ModelConfig, TrainConfig  # noqa: E402
+from relax.models.hf import build_model  # noqa: E402
+from relax.train.megatron import convert, parallel  # noqa: E402
+from relax.train.megatron.policy import MegatronPolicy  # noqa: E402
+from relax.train.torch_policy import TorchPolicy  # noqa: E402
 
 VOCAB = 33  # not a multiple of 2: TP=2 exercises the vocabulary padding
 PAD = 0
@@ -136,7 +136,7 @@ def scenario_tp2(rank: int, out: Path, res: dict) -> None:
     weights = policy.state_dict_for_rollout(torch.float32)
     trainer_logp = None
     if rank == 0:
-        from relax.backends.rollout_embedded import EmbeddedEngine
+        from relax.rollout.embedded import EmbeddedEngine
 
         engine = EmbeddedEngine(build_model(MODEL, VOCAB, PAD, seed=SEED + 1), eos_token_ids=[1], pad_token_id=PAD)
         engine.load_weights(weights, version=1)

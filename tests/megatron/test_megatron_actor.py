@@ -14,14 +14,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("meg
 
 def test_actor_group_tp2_speaks_the_policy_worker_interface(tmp_path, ray_local):
     from relax.algorithms.grpo import GRPOConfig
-    from relax.backends.batch import TrainBatch
-    from relax.backends.models import build_model
-    from relax.backends.torch_train import TorchPolicy
+    from relax.batch import TrainBatch
     from relax.config import resolve
     from relax.config.schema import ModelConfig, RelaxConfig, RolloutConfig, TrainConfig
     from relax.metrics import ACTOR_COMPUTE_TIME, GRAD_NORM, PG_LOSS
+    from relax.models.hf import build_model
     from relax.roles.megatron_actor import MegatronActorGroup
     from relax.roles.workers import ModelInfo
+    from relax.train.torch_policy import TorchPolicy
 
     model = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,

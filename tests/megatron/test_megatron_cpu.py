@@ -231,8 +231,7 @@ def test_pp2_logprobs_train_and_weight_gather(pp2):
 
 def cuda_sites(module: str) -> int:
     """Lines of `module`'s installed source matching cpu_compat.CUDA_PATTERN."""
-    from relax.backends.megatron import cpu_compat
-
+    from relax.train.megatron import cpu_compat
     source = Path(importlib.util.find_spec(module).origin).read_text()
     return sum(1 for line in source.splitlines() if cpu_compat.CUDA_PATTERN.search(line))
 
@@ -240,8 +239,7 @@ def cuda_sites(module: str) -> int:
 def test_cpu_redirect_call_sites_match_installed_megatron_core():
     """An upgrade of megatron-core that adds, removes or moves a CUDA-only call site in a redirected module
     fails here: re-audit cpu_compat (and the modules it lists) before trusting CPU runs again."""
-    from relax.backends.megatron import cpu_compat
-
+    from relax.train.megatron import cpu_compat
     assert {module: cuda_sites(module) for module in cpu_compat.REDIRECTED_MODULES} == cpu_compat.CALL_SITES
     import megatron.core
 
@@ -254,8 +252,7 @@ def test_every_megatron_module_the_cpu_runs_load_is_audited_for_cuda_call_sites(
     """Every megatron.core module loaded by the TP=2, DP=2 and PP=2 runs (rank 0's sys.modules) has its CUDA call
     sites either redirected (cpu_compat.CALL_SITES) or audited as off the CPU path (UNREDIRECTED_SITES), with the
     count the audit saw; a module with sites in neither fails, so a new site anywhere on the path is noticed."""
-    from relax.backends.megatron import cpu_compat
-
+    from relax.train.megatron import cpu_compat
     loaded = set(launched["megatron_modules"])
     assert set(cpu_compat.CALL_SITES) <= loaded, "a redirected module is no longer loaded: drop it from CALL_SITES"
     sources = [m for m in loaded if (importlib.util.find_spec(m).origin or "").endswith(".py")]
@@ -276,8 +273,8 @@ def _tiny_hf(arch: str):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_converter_round_trip_per_tensor_parallel_rank(arch):
-    from relax.backends.megatron import convert
-    from relax.backends.megatron.model import arch_from_hf_config
+    from relax.train.megatron import convert
+    from relax.train.megatron.model import arch_from_hf_config
 
     model = _tiny_hf(arch)
     spec = arch_from_hf_config(model.config)
@@ -298,7 +295,7 @@ def test_converter_round_trip_per_tensor_parallel_rank(arch):
 def test_unsupported_architecture_is_named():
     from transformers import MistralConfig
 
-    from relax.backends.megatron.model import arch_from_hf_config, check_parallel_sizes
+    from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
     with pytest.raises(ValueError, match="'mistral'"):
         arch_from_hf_config(MistralConfig())
@@ -314,8 +311,7 @@ def test_transformer_engine_names_are_the_local_specs_names():
     itself maps between the two specs (the local spec's `sharded_state_dict_keys_map`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from relax.backends.megatron import convert
-
+    from relax.train.megatron import convert
     pairs = get_gpt_layer_local_spec(qk_layernorm=True).submodules.sharded_state_dict_keys_map
     assert len(pairs) == 2
     for local, te in pairs.items():
@@ -325,8 +321,7 @@ def test_transformer_engine_names_are_the_local_specs_names():
 
 
 def test_layer_spec_resolution():
-    from relax.backends.megatron import model
-
+    from relax.train.megatron import model
     cpu = torch.device("cpu")
     assert model.resolve_layer_spec("auto", cpu) == "local"
     assert model.resolve_layer_spec("local", cpu) == "local"
@@ -339,7 +334,7 @@ def test_a_packed_micro_batch_delimits_each_sequence_for_thd_attention():
     against the padded layout of the same rows: each sequence between two cu_seqlens with positions from 0, the
     packed row padded to a multiple of TP as a sequence of its own, and each response token predicted at a position
     whose next token is that response token."""
-    from relax.backends.megatron.policy import left_aligned, packed_micro_batch
+    from relax.train.megatron.policy import left_aligned, packed_micro_batch
 
     spec = importlib.util.spec_from_file_location("backends_conftest", Path(__file__).parents[1] / "backends"
                                                   / "conftest.py")

@@ -72,8 +72,8 @@ def test_fully_async_with_partial_rollout_loads_weights_between_calls(ray_local,
     returned (they wait for it): `gateway_agents.three_turns_across_an_update`."""
     from gateway_agents import BARRIER_ENV, wait_for
 
-    from relax.backends.openai.agents import AgentRollout
-    from relax.runner.rollout_stream import RolloutStream
+    from relax.runner.rollout_driver.stream import RolloutStream
+    from relax.serve.openai.agents import AgentRollout
 
     steps, barrier = 2, tmp_path / "barrier"
     barrier.mkdir()

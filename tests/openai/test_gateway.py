@@ -11,12 +11,12 @@ import openai
 import pytest
 import requests
 
-from relax.backends.openai.chat import ChatFormat
-from relax.backends.openai.gateway import Gateway
-from relax.backends.openai.protocol import normalize_message
-from relax.backends.openai.service import OpenAIService
-from relax.backends.openai.sessions import Limits
-from relax.backends.sglang.client import GenerateClient
+from relax.rollout.sglang.client import GenerateClient
+from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.gateway import Gateway
+from relax.serve.openai.protocol import normalize_message
+from relax.serve.openai.service import OpenAIService
+from relax.serve.openai.sessions import Limits
 
 # an engine server, real HTTP; its tests share the module-scoped server: one xdist worker runs them in a row
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gateway")]
@@ -42,8 +42,8 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def engine():
-    from relax.backends.sglang.server import EmbeddedServer
     from relax.config import load_config
+    from relax.serve.sglang.server import EmbeddedServer
 
     server = EmbeddedServer(load_config(["model=tiny", "model.dtype=float32"]), port=0, threads=1)
     server.start()

@@ -1,4 +1,4 @@
-"""The OpenAI request and answer shapes (relax.backends.openai.protocol) and the chat format (chat.py): what is
+"""The OpenAI request and answer shapes (relax.serve.openai.protocol) and the chat format (chat.py): what is
 refused and how, messages compared by meaning, tool calls read from a model's text, stop sequences cut, and the
 rendering of a continuation against the chat template's own rendering of the whole conversation."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from relax.backends.openai.chat import ChatFormat
-from relax.backends.openai.protocol import APIError, normalize_message, parse_chat, parse_completion, same_message
 from relax.data.tokenizer import build_tiny_tokenizer
+from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.protocol import APIError, normalize_message, parse_chat, parse_completion, same_message
 
 USER = [{"role": "user", "content": "What is 3 + 4?"}]
 TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}

@@ -13,7 +13,7 @@ import requests
 import torch
 from sglang.test_conformance import REPO, env, free_port, logps, trainer_logprobs, wait_http
 
-from relax.backends.sglang.request import row_stream
+from relax.serve.sglang.request import row_stream
 
 # an engine server, real HTTP; its tests share the module-scoped server: one xdist worker runs them in a row
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_openai")]
@@ -25,9 +25,9 @@ USER = [{"role": "user", "content": "What is 3 + 4?"}]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """relax-serve (the CLI, in its own process) with the tiny model, and the model and tokenizer built here."""
-    from relax.backends.models import build_model
     from relax.config import load_config
     from relax.data.tokenizer import load_tokenizer
+    from relax.models.hf import build_model
 
     cfg = load_config(OVERRIDES)
     tok = load_tokenizer(cfg.model)
@@ -168,8 +168,8 @@ def test_beyond_loopback_every_endpoint_but_health_and_info_needs_the_servers_ke
     """With a key, a request without it (or with another) is a 401 and one with it is answered, on the OpenAI
     endpoints and SGLang's own alike (the ones that generate, load weights, join a weight-update group, pause); bound to
     every address without a key, they refuse (403). Health and read-only information answer either way."""
-    from relax.backends.sglang.server import EmbeddedServer
     from relax.config import load_config
+    from relax.serve.sglang.server import EmbeddedServer
 
     cfg = load_config(OVERRIDES)
     generate = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}

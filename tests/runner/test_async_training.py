@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.config import load_config
 from relax.metrics import (
     ABORTED_TOKENS,
@@ -29,7 +29,7 @@ from relax.metrics import (
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
 )
-from relax.runner import rollout_stream
+from relax.runner.rollout_driver import rollout_stream
 from relax.runner.train import run
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def updates_during_generation(monkeypatch, versions: dict[int, int]) -> None:
     import threading
 
     from relax.roles.workers import RolloutWorker
-    from relax.runner.rollout_stream import RolloutStream
+    from relax.runner.rollout_driver.stream import RolloutStream
 
     reached = {v: threading.Event() for v in versions.values()}
     published = {v: threading.Event() for v in versions.values()}
@@ -128,7 +128,7 @@ def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, sma
     the run whose engine copies each version while it generates (each publish made to land during a generation) and
     swaps it in trains on exactly the data of the run that copies at load time. Swaps happened (a
     swap of the wrong version, or of half-copied weights, would change the batches)."""
-    from relax.backends.rollout_embedded import EmbeddedEngine
+    from relax.rollout.embedded import EmbeddedEngine
 
     updates_during_generation(monkeypatch, {2: 1, 3: 2, 4: 3})  # job j (call j + 1) holds until version j is staged
     swaps = []
@@ -200,7 +200,6 @@ def test_resume_of_an_asynchronous_run(mode, in_process, small_run, tmp_path, tr
     step trains exactly the batch the checkpoint buffered, and equals the uninterrupted run's step; hybrid's versions
     do not depend on timing, so its whole resumed run equals the uninterrupted one."""
     from relax.runner import checkpoint
-
     extra = [ONE_THREAD, "train.mode=" + mode, "train.save_interval=2"] + (
         ["train.max_staleness=2"] if mode == "fully_async" else [])
     full = run(load_config(small_run(*extra, steps=4)), output_dir=tmp_path / "a")

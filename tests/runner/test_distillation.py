@@ -58,8 +58,8 @@ def learned(result) -> tuple[bool, bool, dict]:
 def untrained_teacher(directory: Path) -> Path:
     """A teacher that knows nothing: the tiny model untrained (another seed than the student's), saved with its
     tokenizer."""
-    from relax.backends.models import build_model
     from relax.data.tokenizer import load_tokenizer
+    from relax.models.hf import build_model
 
     cfg = load_config([])
     tokenizer = load_tokenizer(cfg.model)

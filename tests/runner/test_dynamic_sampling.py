@@ -17,8 +17,8 @@ from test_rollout_stream import FakeEngines, Prompts, check_responses
 
 from relax.config import load_config
 from relax.rewards.registry import Scores
-from relax.runner.rollout_stream import RolloutStream
-from relax.runner.scoring import choose_groups, group_signal
+from relax.runner.rollout_driver.scoring import choose_groups, group_signal
+from relax.runner.rollout_driver.stream import RolloutStream
 from relax.runner.train import filter_note
 
 G, B = 4, 2  # group size, groups per batch
@@ -206,7 +206,7 @@ def test_a_state_saved_between_rounds_continues_the_same_batches():
 
 
 def test_the_loop_warns_when_the_round_limit_leaves_groups_without_a_signal():
-    from relax.runner.scoring import FilterStats
+    from relax.runner.rollout_driver.scoring import FilterStats
 
     cfg = config("sync", None, False, 2, 3)
     stats = FilterStats(rounds=3, generated_groups=6, no_signal_groups=5, filled_groups=1, generated_reward=1.0)

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.config import load_config
 from relax.metrics import eval_metric
 from relax.rewards.registry import Scores

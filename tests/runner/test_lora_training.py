@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax.backends.models import build_model
 from relax.config import ConfigError, load_config
+from relax.models.hf import build_model
 from relax.runner.errors import RunError
 from relax.runner.plan import build_plan
 from relax.runner.train import run

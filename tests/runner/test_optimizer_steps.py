@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relax.backends.batch import TrainBatch
+from relax.batch import TrainBatch
 from relax.config import ConfigError, load_config
 from relax.runner.optimizer_steps import global_batches, token_bounds
 

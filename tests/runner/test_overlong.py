@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from relax import algorithms
-from relax.backends.batch import Samples
+from relax.batch import Samples
 from relax.config import load_config
-from relax.runner.scoring import overlong_penalties
+from relax.runner.rollout_driver.scoring import overlong_penalties
 from relax.runner.train import loss_rows, train_batch
 
 G, T = 4, 4

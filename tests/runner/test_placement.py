@@ -114,7 +114,7 @@ def _placeholder():
             out = {"gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
                    "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "node": ctx.get_node_id()}
             if device:
-                from relax.backends.models import pick_device
+                from relax.models.hf import pick_device
 
                 out["device"] = pick_device().type
             return out

@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 
-from relax.backends.batch import Samples, continuation, extend_responses
+from relax.batch import Samples, continuation, extend_responses
 from relax.config import load_config
-from relax.runner.rollout_stream import RolloutStream, version_window
+from relax.runner.rollout_driver.stream import RolloutStream, version_window
 
 MAX_LEN = 6
 
@@ -290,7 +290,7 @@ def test_aborts_the_run_did_not_ask_for_stop_it_after_a_bounded_backoff(partial)
         taker.start()
         taker.join(60)
         assert raised, "the stream kept continuing a request that the engine never continues"
-    from relax.runner.rollout_stream import UNASKED_ABORTS, UNASKED_BACKOFF_S
+    from relax.runner.rollout_driver.stream import UNASKED_ABORTS, UNASKED_BACKOFF_S
 
     assert isinstance(raised[0], RunError) and re.search(
         r"step 0: .*1 response\(s\) as aborted .* without the run asking \(sample ids \[3\]\)", str(raised[0]))

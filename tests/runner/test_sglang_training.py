@@ -67,9 +67,9 @@ def update_mid_generation(monkeypatch, version: int = 1, timeout_s: float = 120.
 
     import requests
 
-    from relax.backends.sglang.client import auth_headers, post
-    from relax.runner.rollout_stream import RolloutStream
-    from relax.runner.sglang_engines import SGLangEngines
+    from relax.rollout.sglang.client import auth_headers, post
+    from relax.runner.rollout_driver.sglang_engines import SGLangEngines
+    from relax.runner.rollout_driver.stream import RolloutStream
 
     held, failed = threading.Event(), []
     generate, publish = SGLangEngines.generate, RolloutStream.publish

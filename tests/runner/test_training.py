@@ -45,8 +45,8 @@ def teacher_for(name: str, directory) -> list[str]:
 
     if not algorithms.get(name).requires_teacher:
         return []
-    from relax.backends.models import build_model
     from relax.data.tokenizer import load_tokenizer
+    from relax.models.hf import build_model
 
     cfg = load_config([])
     tokenizer = load_tokenizer(cfg.model)
@@ -85,7 +85,6 @@ def test_every_algorithm_trains_end_to_end(name, in_process, small_run, tmp_path
 def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path):
     """The roles as Ray actors in processes of their own: batches, weights and metrics through the object store."""
     from relax.runner import cluster
-
     started = []
     original = cluster.Cluster._remote
 
@@ -211,7 +210,7 @@ def test_the_resume_check_fails_a_resume_that_drops_the_optimizer_state(in_proce
                                                                        monkeypatch):
     """Negative control of the test above: a resume that loads the weights but starts AdamW afresh (its moments
     and step count lost) is not exact, and the comparison sees it."""
-    from relax.backends.torch_train import TorchPolicy
+    from relax.train.torch_policy import TorchPolicy
 
     load = TorchPolicy.load_checkpoint
     monkeypatch.setattr(TorchPolicy, "load_checkpoint",
@@ -242,7 +241,7 @@ def test_reward_error_raise_stops_with_the_traceback(in_process, small_run, tmp_
 
 
 def test_a_failed_call_leaves_out_its_whole_group():
-    from relax.runner.scoring import kept_groups
+    from relax.runner.rollout_driver.scoring import kept_groups
 
     keep = kept_groups([False, False, True, False, False, False], 2)
     assert keep.tolist() == [True, True, False, False, True, True]

@@ -30,7 +30,7 @@ import pytest
 import requests
 import torch
 
-from relax.backends.sglang import wire
+from relax.rollout.sglang import wire
 
 # its tests share module-scoped servers: one xdist worker runs them in a row
 pytestmark = [pytest.mark.xdist_group("sglang_conformance"), pytest.mark.slow]
@@ -112,8 +112,8 @@ def url(launched):
 @pytest.fixture(scope="module")
 def models(cfg):
     """Local copies of the served model: its initial weights, and other weights (another seed) to load."""
-    from relax.backends.models import build_model
     from relax.data.tokenizer import load_tokenizer, stop_token_ids
+    from relax.models.hf import build_model
 
     tok = load_tokenizer(cfg.model)
     build = lambda seed: build_model(cfg.model, len(tok), tok.pad_token_id, seed=seed).eval()  # noqa: E731
@@ -159,7 +159,7 @@ def in_thread(fn, *args, **kw):
 
 @torch.no_grad()
 def trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    from relax.backends.models import token_logprobs
+    from relax.models.hf import token_logprobs
 
     ids = torch.tensor([prompt + response])
     return token_logprobs(model, ids, torch.ones_like(ids), len(prompt), len(response), temperature=temperature)[0]
@@ -215,7 +215,7 @@ def served_by(url: str, model, other) -> bool:
 @embedded_only
 def test_health_is_503_while_the_model_loads_then_200(cfg, monkeypatch, launched):
     """In process (relax-serve starts meanwhile): loading is held until /health answered 503."""
-    from relax.backends.sglang.server import EmbeddedServer
+    from relax.serve.sglang.server import EmbeddedServer
 
     gate = threading.Event()
     build = EmbeddedServer._build
@@ -754,7 +754,7 @@ def test_release_rejects_work_until_resume_and_a_weight_load(url, models, restor
 def test_a_health_check_queued_when_memory_is_released_fails_and_the_release_goes_ahead(cfg):
     """In process: /health's one-token generation waits in the queue (the model is held) when a release arrives;
     the release must not answer "requests are waiting" for it (the watchdog checks health at any time)."""
-    from relax.backends.sglang.server import EmbeddedServer
+    from relax.serve.sglang.server import EmbeddedServer
 
     server = EmbeddedServer(cfg, port=0)
     server.start()

@@ -9,11 +9,11 @@ import requests
 import torch
 
 from relax.algorithms.grpo import GRPOConfig
-from relax.backends import lora
-from relax.backends.models import build_model, token_logprobs
-from relax.backends.sglang.server import EmbeddedServer
-from relax.backends.torch_train import TorchPolicy
 from relax.config import load_config
+from relax.models import lora
+from relax.models.hf import build_model, token_logprobs
+from relax.serve.sglang.server import EmbeddedServer
+from relax.train.torch_policy import TorchPolicy
 
 PROMPT = [5, 6, 7, 8]
 LORA = ["rollout=sglang", "rollout.sglang.server=embedded", "model.lora_rank=4", "model.lora_alpha=8",
@@ -40,7 +40,7 @@ def trained_policy(cfg, make_batch) -> TorchPolicy:
 
 
 def batch(i: int):
-    from relax.backends.batch import TrainBatch
+    from relax.batch import TrainBatch
 
     g = torch.Generator().manual_seed(i)
     n, P, T = 4, 4, 6
@@ -94,7 +94,7 @@ def test_adapters_load_serve_refuse_and_unload_with_the_trainers_logprobs(tmp_pa
 
 
 def _samples(response: list[int]):
-    from relax.backends.batch import Samples
+    from relax.batch import Samples
 
     T = len(response)
     return Samples(prompt_ids=torch.tensor([PROMPT]), prompt_mask=torch.ones(1, len(PROMPT), dtype=torch.long),

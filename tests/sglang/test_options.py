@@ -17,17 +17,17 @@ import pytest
 import requests
 import torch
 
-from relax.backends.models import build_model
-from relax.backends.sglang.client import EngineRequestError, GenerateClient
-from relax.backends.sglang.process import StartupError, free_port, start_process, wait_healthy
-from relax.backends.sglang.router import Router
 from relax.config import load_config
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
 from relax.metrics import WEIGHT_BUCKETS
+from relax.models.hf import build_model
 from relax.roles.sglang_server import server_command
+from relax.rollout.sglang.client import EngineRequestError, GenerateClient
+from relax.rollout.sglang.process import StartupError, free_port, start_process, wait_healthy
+from relax.rollout.sglang.router import Router
 from relax.runner.cluster import actor_push
 from relax.runner.errors import RoleFailure, RunError
-from relax.runner.sglang_engines import SGLangEngines
+from relax.runner.rollout_driver.sglang_engines import SGLangEngines
 from relax.runner.watchdog import Watchdog
 
 # its tests share module-scoped server: one xdist worker runs them in a row
@@ -172,8 +172,7 @@ def test_the_router_starts_with_its_command_line_and_routes_to_the_server(policy
 def test_a_port_taken_before_the_router_binds_it_is_replaced_by_another(tmp_path, monkeypatch):
     """Between choosing a free port and the server binding it, another process may take it: the router exits with
     "Address already in use" and starts again on another port."""
-    from relax.backends.sglang import process
-
+    from relax.rollout.sglang import process
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

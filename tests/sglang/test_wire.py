@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from relax.backends.sglang import wire
+from relax.rollout.sglang import wire
 
 pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
 
@@ -108,7 +108,7 @@ def test_an_unrelated_process_reads_the_tensors_through_shared_memory():
     named = named_tensors()
     flat = wire.flatten_bucket(named)
     payload = wire.serialize(flat)
-    code = ("import sys, torch; from relax.backends.sglang import wire; "
+    code = ("import sys, torch; from relax.rollout.sglang import wire; "
             "obj = wire.deserialize(sys.stdin.read()); "
             "print(';'.join(f'{n}:{t.double().sum().item():.6f}' for n, t in wire.unflatten_bucket(obj)))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -351,7 +351,7 @@ def probe_actor_backend(overrides: list[str], cwd: Path) -> Any:
 
 
 def probe_gradient_checkpointing(overrides: list[str], cwd: Path) -> Any:
-    from relax.backends.torch_train import TorchPolicy
+    from relax.train.torch_policy import TorchPolicy
 
     cfg = load_config(overrides)
     policy = TorchPolicy(cfg.model, cfg.train, vocab_size=40, pad_token_id=0, seed=cfg.seed)
@@ -363,7 +363,7 @@ def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
     split-free), for 8 rows of 5 tokens each."""
     import torch
 
-    from relax.backends.batch import TrainBatch
+    from relax.batch import TrainBatch
     from relax.roles.workers import ModelInfo, PolicyWorker
 
     cfg = load_config(overrides)
@@ -383,7 +383,7 @@ def probe_tokens_computed(overrides: list[str], cwd: Path) -> Any:
     rows of 3 prompt tokens and 1 to 8 response tokens."""
     import torch
 
-    from relax.backends.batch import TrainBatch
+    from relax.batch import TrainBatch
     from relax.roles.workers import ModelInfo, PolicyWorker
 
     cfg = load_config(overrides)
@@ -559,13 +559,13 @@ def setup(key: str, cwd: Path, overrides: list[str]) -> None:
     if key == "train.resume":
         observe(overrides[:] + ["train.num_rollout=1", "train.save_interval=1"], cwd)
     if key == "train.ref_load":
-        from relax.backends.models import build_model
+        from relax.models.hf import build_model
 
         cfg = load_config(overrides)
         build_model(cfg.model, 40, 0, seed=99).save_pretrained(str(cwd / "ref_model"))
     if TEACHER_BASE[0] in overrides:
-        from relax.backends.models import build_model
         from relax.data.tokenizer import load_tokenizer
+        from relax.models.hf import build_model
 
         cfg = load_config(overrides)
         build_model(cfg.model, 40, 0, seed=98).save_pretrained(str(cwd / "teacher_model"))

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.rollout.sglang import wire
 from relax.rollout.sglang.client import post
-from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 
 LOOPBACK = ("127.0.0.1", "localhost")
 

@@ -30,9 +30,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from relax.rollout.sglang.client import sample_seed
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError, Params, same_message
-from relax.rollout.sglang.client import sample_seed
 from relax.serve.sglang.request import row_stream
 
 

@@ -57,6 +57,7 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 
 from relax import progress
+from relax.config.schema import RelaxConfig
 from relax.serve.http import Server, write_answer
 from relax.serve.sglang import loads
 from relax.serve.sglang.positions import row_extras
@@ -72,7 +73,6 @@ from relax.serve.sglang.request import (
 from relax.serve.sglang.scheduler import PAUSE_MODES, Scheduler
 from relax.serve.sglang.stream import Events, answer_events, write_events
 from relax.serve.sglang.weights import WeightEndpoints
-from relax.config.schema import RelaxConfig
 
 __all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
 
@@ -213,9 +213,9 @@ class EmbeddedServer(WeightEndpoints):
 
     def _build(self) -> None:
         """Tokenizer, model and engine as the rollout worker builds them."""
+        from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
         from relax.models.hf import build_model, pick_device, pick_dtype
         from relax.rollout.embedded import EmbeddedEngine
-        from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
 
         if self.threads:
             torch.set_num_threads(self.threads)

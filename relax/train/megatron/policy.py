@@ -41,11 +41,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from relax import algorithms
+from relax import algorithms, progress
 from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_loss
-from relax import progress
 from relax.batch import Samples, TrainBatch
+from relax.config.derive import total_optimizer_steps
+from relax.config.schema import ModelConfig, TrainConfig
+from relax.models.hf import build_model, pick_dtype, resolve_model_path
+from relax.models.write_errors import os_write_errors, torch_save
 from relax.train.megatron import convert
 from relax.train.megatron.model import (
     ArchSpec,
@@ -57,7 +60,6 @@ from relax.train.megatron.model import (
     tp_partition_dim,
     transformer_config,
 )
-from relax.models.hf import build_model, pick_dtype, resolve_model_path
 from relax.train.packing import Packed, pack
 from relax.train.trainer import (
     PolicyTrainer,
@@ -70,9 +72,6 @@ from relax.train.trainer import (
     lr_factor,
     nonfinite_grad_tensors,
 )
-from relax.models.write_errors import os_write_errors, torch_save
-from relax.config.derive import total_optimizer_steps
-from relax.config.schema import ModelConfig, TrainConfig
 
 MODEL_FILE = "model_tp{tp}_pp{pp}_dp{dp}.safetensors"
 OPTIMIZER_FILE = "optimizer_tp{tp}_pp{pp}_dp{dp}.pt"

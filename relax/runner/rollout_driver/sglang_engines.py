@@ -1,6 +1,6 @@
 """rollout=sglang: engine servers behind sglang-router, driven over SGLang's HTTP protocol.
 
-`SGLangEngines` implements `relax.runner.rollout_stream.Engines` like the embedded replicas do:
+`SGLangEngines` implements `relax.runner.rollout_driver.stream.Engines` like the embedded replicas do:
 
 - start: one server per rollout replica (`EngineServer` Ray actors placed by the plan, each starting
   `sglang.launch_server` or `relax-serve`), or the servers at `rollout.sglang.urls`; the router in front;
@@ -32,6 +32,8 @@ import torch
 
 from relax.agents.episode import EpisodeMaker
 from relax.batch import Samples, continuation, extend_responses
+from relax.config.schema import RelaxConfig
+from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.rollout.sglang.client import (
     EngineRequestError,
     GenerateClient,
@@ -47,8 +49,6 @@ from relax.rollout.sglang.episodes import run_episodes
 from relax.rollout.sglang.process import wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
-from relax.config.schema import RelaxConfig
-from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.runner.errors import RoleFailure, RunError
 
 ABORT_RECHECK_S = 0.2  # an abort sends /abort_request again this often until every request sent is answered
@@ -133,8 +133,8 @@ class SGLangEngines:
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
-            from relax.serve.openai.agents import AgentRollout
             from relax.data.tokenizer import load_tokenizer
+            from relax.serve.openai.agents import AgentRollout
 
             self.agents = AgentRollout(self.cfg, load_tokenizer(self.cfg.model), eos_token_ids=self.eos_token_ids,
                                        pad_token_id=self.pad_token_id, send=self._agent_send, host=sg.host)

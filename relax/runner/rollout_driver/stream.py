@@ -32,8 +32,8 @@ generated in rounds of `rollout.over_sampling_batch_size` prompts: after each ro
 no learning signal are set aside (which needs their rewards: the pump scores these rounds itself), and rounds go on
 until `rollout_batch_size` groups with a signal are collected or `rollout.max_filter_rounds` rounds were generated;
 the batch is then the first groups with a signal in draw order, filled with groups without one if there are too few
-(`relax.runner.scoring.choose_groups`). Every round of a job obeys the job's version rule, and the batch keeps its
-size, so the modes' guarantees hold as they are.
+(`relax.runner.rollout_driver.scoring.choose_groups`). Every round of a job obeys the job's version rule, and the
+batch keeps its size, so the modes' guarantees hold as they are.
 
 Sampling is deterministic per sample: a response's tokens are drawn from the random stream of (seed, sample
 id, position) (`relax.rollout.sampling.counter_uniforms`), so a sample is a function of its weights only,
@@ -59,7 +59,14 @@ from relax.batch import Samples, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
 from relax.runner.errors import RunError
-from relax.runner.scoring import FilterStats, choose_groups, mean_reward, merge_scores, scores_state, select_scores
+from relax.runner.rollout_driver.scoring import (
+    FilterStats,
+    choose_groups,
+    mean_reward,
+    merge_scores,
+    scores_state,
+    select_scores,
+)
 
 WAIT_POLL_S = 1.0  # how often a waiting `take` checks that the pump is still alive
 ABORT = "abort"  # Samples.finish_reason of an interrupted response
@@ -94,7 +101,7 @@ class Engines(Protocol):
 
 
 class Scoring(Protocol):
-    """The rewards of generated batches (`relax.runner.scoring.Scorer`, or a fake in tests)."""
+    """The rewards of generated batches (`relax.runner.rollout_driver.scoring.Scorer`, or a fake in tests)."""
 
     def score(self, items: list, samples: Samples) -> Scores:
         """The reward calls of `samples` (a group per item)."""

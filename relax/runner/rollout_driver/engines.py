@@ -1,7 +1,8 @@
 """The embedded rollout engines: `RolloutWorker` Ray actors, one per replica, called directly.
 
-Implements `relax.runner.rollout_stream.Engines` (as does `relax.runner.sglang_engines.SGLangEngines`), so the
-loop and the stream do not know which backend generates.
+Implements `relax.runner.rollout_driver.stream.Engines` (as does
+`relax.runner.rollout_driver.sglang_engines.SGLangEngines`), so the loop and the stream do not know which backend
+generates.
 
 A replica that dies (or hangs: `relax.runner.watchdog`) is replaced in place: a new actor on the same resources,
 given the weights the others hold, and its share of the call is generated again there. Every sample draws from
