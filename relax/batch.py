@@ -14,9 +14,36 @@ the response, observations included (what the model attends to); a single-turn r
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from typing import Optional
 
 import torch
+
+
+class FinishReason(StrEnum):
+    """Why a response (`Samples.finish_reason`) or an episode (its record's `end`) ended. Each member is its string
+    (`FinishReason.ABORT == "abort"`, the same hash, format and JSON), so what was written as strings before reads the
+    same; an agent loop may still end an episode with a string of its own (`Reply.end`). SGLang's and OpenAI's
+    finish reasons are wire formats of their own, decoded and encoded where those protocols are spoken."""
+
+    STOP = "stop"  # a stop token or string ended it (an episode: the model's final answer, no tool call, no env)
+    LENGTH = "length"  # a token limit cut it (a turn's, or the episode's)
+    ABORT = "abort"  # interrupted (partial rollout), to be continued
+    # episodes only
+    ENV_DONE = "env_done"  # the environment (or an agent loop) said done
+    MAX_TURNS = "max_turns"  # rollout.max_turns turns taken (an OpenAI agent run: its calls)
+    TOOL_ERRORS = "tool_errors"  # rollout.max_tool_errors tool calls failed
+    # the end of an OpenAI agent run's session (its record's `end`; the row's finish reason is then STOP)
+    TIMEOUT = "timeout"  # the run went past data.agent_timeout_s
+    ERROR = "error"  # the run raised, or returned something other than a finite number or None
+    DONE = "done"  # the run returned a reward (or None)
+
+
+def plain_reason(reason: Optional[str]) -> Optional[str]:
+    """`reason` as a plain `str` (a `FinishReason` member's value; anything else as it is). What `Samples` and episode
+    records store: a checkpoint saves them with `torch.save` and reads them back with `weights_only=True`, which admits
+    `str` but not the enum class, and a plain string pickles as before."""
+    return reason.value if isinstance(reason, FinishReason) else reason
 
 
 @dataclass
@@ -28,7 +55,7 @@ class Samples:
     response_ids: torch.Tensor  # [N, T] long, right-padded
     response_mask: torch.Tensor  # [N, T] 1 on generated tokens (the stop token included)
     rollout_logp: torch.Tensor  # [N, T] log-prob of each sampled token under the rollout engine
-    finish_reason: list[str]  # "stop" | "length" per response ("abort": interrupted, to be continued)
+    finish_reason: list[str]  # FinishReason per response (ABORT: interrupted, to be continued), as plain strings
     weight_version: int = 0
     engine_time: float = 0.0  # seconds the rollout engine(s) spent generating these (0: not measured)
     # mean probability mass top-k/top-p removed per drawn token (relax.rollout.sampling); NaN: not reported
@@ -50,6 +77,11 @@ class Samples:
     # One plain dict per row (`relax.agents.episode.Episode.record`): turns, tool calls and errors, rewards, time in
     # tools and environments, why the episode ended, its prompt item. None: single-turn rollout.
     episodes: Optional[list] = None
+
+    def __post_init__(self) -> None:
+        # producers may hand in FinishReason members; the samples keep plain strings (see `plain_reason`)
+        if any(isinstance(r, FinishReason) for r in self.finish_reason):
+            self.finish_reason = [plain_reason(r) for r in self.finish_reason]
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
