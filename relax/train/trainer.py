@@ -180,8 +180,8 @@ class StepSums:
     """What a step adds up over its micro-batches: the loss metrics (float64, on the CPU) and, with
     `rollout_mismatch`, the sum of |trainer log-prob - rollout log-prob| and the max of their ratio over valid
     tokens, and the log-ratios the rollout correction's mismatch diagnostics read (k1, k3, log-ppl difference,
-    ratio quantiles: `relax.algorithms.rollout_correction.mismatch_summary`). A data-parallel trainer reduces
-    `totals` (sum) and `mismatch` ([sum, max]) and gathers the log-ratios over its ranks before `metrics`."""
+    ratio quantiles: `relax.algorithms.rollout_correction.mismatch_summary`). A data-parallel trainer calls
+    `all_reduce` over its ranks before `metrics`."""
 
     def __init__(self, rollout_mismatch: bool) -> None:
         self.totals: dict[str, torch.Tensor] = {}
@@ -208,6 +208,30 @@ class StepSums:
             tokens, rows = log_ratios(logp.float(), lb.rollout_logp, lb.mask)
             self.log_ratios.append(tokens)
             self.row_means.append(rows)
+
+    def all_reduce(self, group: torch.distributed.ProcessGroup, *, device: torch.device) -> None:
+        """The whole batch's sums on every rank of the data-parallel `group` (a collective: each of its ranks calls
+        it): `totals` summed, `mismatch` [sum, max], every rank's log-ratios gathered in rank order. The tensors
+        are reduced on `device`, the one the group's backend takes (CUDA for NCCL, the CPU for gloo), and come back
+        to the CPU. One rank: nothing to do."""
+        size = torch.distributed.get_world_size(group)
+        if size == 1:
+            return
+        # one vector in name order, so every rank adds the same metric at the same position
+        names = sorted(self.totals)
+        vec = (torch.stack([self.totals[n] for n in names]) if names
+               else torch.zeros(0, dtype=torch.float64)).to(device)
+        torch.distributed.all_reduce(vec, group=group)
+        self.totals = dict(zip(names, vec.cpu(), strict=True))
+        m = self.mismatch.to(device)
+        torch.distributed.all_reduce(m[:1], group=group)
+        torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=group)
+        self.mismatch = m.cpu()
+        if self.rollout_mismatch:  # every rank's log-ratios, for the quantiles of the whole batch
+            gathered: list = [None] * size
+            torch.distributed.all_gather_object(gathered, (self.log_ratios, self.row_means), group=group)
+            self.log_ratios = [t for tokens, _ in gathered for t in tokens]
+            self.row_means = [r for _, rows in gathered for r in rows]
 
     def metrics(self, num_tokens: float, entropy: str) -> dict[str, float]:
         out = {name: float(value) for name, value in self.totals.items()}

@@ -527,22 +527,7 @@ class MegatronPolicy(PolicyTrainer):
         self._run(mbs, loss_fn, forward_only=False)
         out: dict[str, float] = {}
         if self.last_stage:
-            if self.dp > 1:  # the whole batch's sums: over the data-parallel ranks
-                names = sorted(sums.totals)
-                vec = (torch.stack([sums.totals[n] for n in names]) if names
-                       else torch.zeros(0, dtype=torch.float64)).to(self.device)
-                torch.distributed.all_reduce(vec, group=self.dp_group)
-                sums.totals = dict(zip(names, vec.cpu(), strict=True))
-                m = sums.mismatch.to(self.device)
-                torch.distributed.all_reduce(m[:1], group=self.dp_group)
-                torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
-                sums.mismatch = m.cpu()
-                if sums.rollout_mismatch:  # every rank's log-ratios, for the quantiles of the whole batch
-                    gathered: list = [None] * self.dp
-                    torch.distributed.all_gather_object(gathered, (sums.log_ratios, sums.row_means),
-                                                        group=self.dp_group)
-                    sums.log_ratios = [t for tokens, _ in gathered for t in tokens]
-                    sums.row_means = [r for _, rows in gathered for r in rows]
+            sums.all_reduce(self.dp_group, device=self.device)  # the whole batch's sums: over the data-parallel ranks
             out = sums.metrics(step.num_tokens, entropy)
         return self._broadcast_from_last_stage(out)
 
