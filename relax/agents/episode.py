@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from relax.agents.protocol import AgentLoop, Reply
 from relax.agents.render import ObservationRenderer
+from relax.batch import FinishReason, plain_reason
 
 
 class Episode:
@@ -58,10 +59,10 @@ class Episode:
             self.end = reply.end
             return None
         if self.tool_errors >= self.max_tool_errors:
-            self.end = "tool_errors"
+            self.end = FinishReason.TOOL_ERRORS
             return None
         if self.turns >= self.max_turns:
-            self.end = "max_turns"
+            self.end = FinishReason.MAX_TURNS
             return None
         obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(reply.messages, stop_token)
         if not obs:
@@ -74,9 +75,11 @@ class Episode:
         return sum(self.turn_rewards)
 
     def record(self) -> dict[str, Any]:
+        # plain values only (`end` a plain string, not a FinishReason): checkpoints carry the record
         return {"item": dict(self.item), "turns": self.turns, "tool_calls": self.tool_calls,
                 "tool_errors": self.tool_errors, "turn_rewards": list(self.turn_rewards), "actions": list(self.actions),
-                "env_time": self.env_time, "kv_reused": self.kv_reused, "end": self.end, "partial": list(self.partial)}
+                "env_time": self.env_time, "kv_reused": self.kv_reused, "end": plain_reason(self.end),
+                "partial": list(self.partial)}
 
     @classmethod
     def restore(cls, record: dict, loop: AgentLoop, renderer: ObservationRenderer,

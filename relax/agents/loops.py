@@ -13,6 +13,7 @@ from typing import Any, Optional
 from relax.agents.guess_number import GuessNumber
 from relax.agents.protocol import AgentLoop, Reply, as_step
 from relax.agents.tools import ToolRunner, get_tools, parse_tool_calls
+from relax.batch import FinishReason
 from relax.imports import ImportPathError, import_attr
 
 BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber}
@@ -69,10 +70,10 @@ class ToolsAndEnvironment:
         if reply is not None:
             return reply
         if self.env is None:
-            return Reply(done=True, end="stop")
+            return Reply(done=True, end=FinishReason.STOP)
         step = as_step(self.env.step(text), type(self.env).__name__)
         if step.done:
-            return Reply(reward=step.reward, done=True, end="env_done")
+            return Reply(reward=step.reward, done=True, end=FinishReason.ENV_DONE)
         if step.observation is None:
             raise TypeError(f"{type(self.env).__name__}.step returned no observation for an episode that is not done")
         return Reply(messages=[{"role": "user", "content": step.observation}], reward=step.reward)

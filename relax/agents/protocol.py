@@ -20,11 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
+from relax.batch import FinishReason
+
 # Why an episode ended (`Samples.finish_reason` of its row): the model stopped with no tool call and no environment
 # (its final answer), a token limit cut it (a turn's `rollout.max_response_len` or the episode's
 # `rollout.max_episode_tokens`), the environment said done, `rollout.max_turns` turns were taken, or
 # `rollout.max_tool_errors` tool calls failed.
-END_REASONS = ("stop", "length", "env_done", "max_turns", "tool_errors")
+END_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ENV_DONE, FinishReason.MAX_TURNS,
+               FinishReason.TOOL_ERRORS)
 
 
 class Step(NamedTuple):
@@ -39,13 +42,14 @@ class Reply:
 
     `messages`: chat messages ({"role", "content"}) rendered with the chat template after the model's turn, or
     `tokens`: token ids appended as they are (exactly one of them unless `done`). `reward` adds to the episode's
-    reward (the turn's reward); `done` ends the episode, with `end` as its reason."""
+    reward (the turn's reward); `done` ends the episode, with `end` as its reason (a `FinishReason`, or a string of the
+    loop's own)."""
 
     messages: list[dict] = field(default_factory=list)
     tokens: Optional[list[int]] = None
     reward: float = 0.0
     done: bool = False
-    end: str = "env_done"
+    end: str = FinishReason.ENV_DONE
     tool_calls: int = 0
     tool_errors: int = 0
 
