@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from relax import progress
-from relax.batch import Samples
+from relax.batch import FinishReason, Samples
 from relax.rollout.sampling import counter_uniforms, sample_tokens
 
 _FAST_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
 _STOP, _LENGTH, _ABORT = 1, 2, 3
-_FINISH = {_STOP: "stop", _LENGTH: "length", _ABORT: "abort"}  # Samples.finish_reason of each end
+_FINISH = {_STOP: FinishReason.STOP, _LENGTH: FinishReason.LENGTH, _ABORT: FinishReason.ABORT}  # of each status
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -560,7 +560,7 @@ class _Turns:
             if obs is None:
                 continue
             if t + 1 + len(obs) >= int(budgets[r]):
-                episode.end = "length"
+                episode.end = FinishReason.LENGTH
                 continue
             self.pending[r] = list(obs)
             self.observed[r, t + 1:t + 1 + len(obs)] = 1
@@ -580,7 +580,7 @@ class _Turns:
         """Episodes of `rows` ended by a token limit."""
         if self.episodes is not None:
             for r in rows.tolist():
-                self.episodes[r].end = "length"
+                self.episodes[r].end = FinishReason.LENGTH
 
     def interrupt(self, rows: torch.Tensor, out_ids: torch.Tensor, t: int) -> torch.Tensor:
         """Rows `rows` stop after column `t` (an abort): each keeps its queued observation in full (returned: [len]
@@ -599,4 +599,4 @@ class _Turns:
 
     def reasons(self, finish: list[str]) -> list[str]:
         """Each row's finish reason: "abort", or why its episode ended."""
-        return [f if f == "abort" else (e.end or f) for f, e in zip(finish, self.episodes, strict=True)]
+        return [f if f == FinishReason.ABORT else (e.end or f) for f, e in zip(finish, self.episodes, strict=True)]

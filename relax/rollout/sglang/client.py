@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import requests
 import torch
 
-from relax.batch import Samples
+from relax.batch import FinishReason, Samples
 
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}  # SGLang's finish_reason.type -> Samples'
+# SGLang's finish_reason.type (its wire strings, left) -> Samples.finish_reason
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 class EngineRequestError(RuntimeError):
@@ -59,7 +60,7 @@ def generate_payload(input_ids: list[int], sampling: Sampling, *, max_new_tokens
             "return_logprob": True, "logprob_start_len": -1, "stream": False}
 
 
-def parse_answer(answer: dict, default_version: int) -> tuple[list[int], list[float], str, int]:
+def parse_answer(answer: dict, default_version: int) -> tuple[list[int], list[float], FinishReason, int]:
     """(token ids, log-probs, finish reason, weight version) of one `/generate` answer."""
     meta = answer.get("meta_info") or {}
     pairs = meta.get("output_token_logprobs") or []

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from relax.agents.episode import Episode
-from relax.batch import EpisodeRow, Samples, episode_samples
+from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples
 from relax.rollout.sglang.client import Sampling, generate_payload, sample_seed
 
-Answer = tuple[list[int], list[float], str, int]  # parse_answer's (tokens, log-probs, finish reason, version)
+Answer = tuple[list[int], list[float], FinishReason, int]  # parse_answer's (tokens, log-probs, finish reason, version)
 
 
 @dataclass
@@ -63,23 +63,23 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
                                              seed=sample_seed(seed, r.sample_id, r.position + len(r.ids))))
         for r, (ids, logp, finish, version) in zip(live, send(payloads), strict=True):
             r.add(ids, logp, 1, version)
-            if finish == "abort":
+            if finish == FinishReason.ABORT:
                 r.episode.partial += ids
-                r.finish = "abort"
-            elif finish == "length" and len(r.ids) >= r.budget:  # the episode's limit, not the turn's
-                r.episode.end = r.finish = "length"
+                r.finish = FinishReason.ABORT
+            elif finish == FinishReason.LENGTH and len(r.ids) >= r.budget:  # the episode's limit, not the turn's
+                r.episode.end = r.finish = FinishReason.LENGTH
             else:
-                obs = r.episode.turn_end(ids, ids[-1] if finish == "stop" and ids else None,
+                obs = r.episode.turn_end(ids, ids[-1] if finish == FinishReason.STOP and ids else None,
                                          len(r.prompt) + len(r.ids))
                 if obs is None:
                     r.finish = r.episode.end
                 elif len(r.ids) + len(obs) >= r.budget:  # no room for a model token after the observation
-                    r.episode.end = r.finish = "length"
+                    r.episode.end = r.finish = FinishReason.LENGTH
                 else:
                     r.add(obs, [0.0] * len(obs), 0, 0)
         live = [r for r in live if r.finish is None]
     for r in live:  # interrupted between turns: the observation is in, the next turn starts on resume
-        r.finish = "abort"
+        r.finish = FinishReason.ABORT
     return _samples(rows, sample_ids, pad_token_id)
 
 
