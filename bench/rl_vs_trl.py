@@ -55,7 +55,9 @@ class RelaxInProcess:
         from relax.train.trainer import available_cpus
 
         self.cfg = load_config(overrides)
-        self.tokenizer, self.sampler, _, self.reward_fn, info = train._prepare(self.cfg)
+        inputs = train.prepare(self.cfg)
+        self.tokenizer, self.sampler, self.reward_fn, info = (inputs.tokenizer, inputs.sampler, inputs.reward_fn,
+                                                              inputs.info)
         if fixed_length:
             info = dataclasses.replace(info, eos_token_ids=())
         threads = available_cpus()

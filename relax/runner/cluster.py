@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,6 @@ from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.sglang_server import EngineServer
 from relax.roles.workers import (
-    WEIGHTS_GROUP,
     AdvantagesWorker,
     CriticWorker,
     HybridWorker,
@@ -41,9 +41,7 @@ from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.ray_auth import enable_token_auth
 from relax.runner.restarts import Restarts
-from relax.runner.rollout_driver.engines import ReplicaEngines
-from relax.runner.rollout_driver.sglang_engines import SGLangEngines
-from relax.runner.watchdog import Watchdog, first_line
+from relax.runner.watchdog import Watchdog
 
 
 class RayRuntime:
@@ -105,26 +103,6 @@ class RayRuntime:
         if self.started and ray.is_initialized():
             ray.shutdown()
         self.started = False
-
-
-def actor_push(actor, watch: Watchdog, process: str):
-    """rollout=sglang's `SGLangEngines.push`: the actor's process sends the weights (the ObjectRef of its snapshot of
-    a version) to the servers itself (`PolicyForwarding.push_weights`); the driver only waits. Each of the actor's
-    calls to a server has its own timeout (rollout.sglang.request_timeout_s); a dead or hung actor is a RoleFailure
-    (the graph restarts), a server that refuses is a RunError naming the servers."""
-
-    def push(weights, version: int, urls: list[str], target, regroup: bool) -> dict[str, int]:
-        import ray
-
-        call = actor.push_weights.options(concurrency_group=WEIGHTS_GROUP)  # beside the actor's train step
-        ref = call.remote(weights, version, list(urls), target, regroup)
-        try:
-            return watch.get_one(ref, process, progress=False)
-        except ray.exceptions.RayTaskError as exc:
-            raise RunError(f"rollout=sglang: the actor could not send weights to {', '.join(urls)}: "
-                           f"{first_line(exc.cause or exc)}") from None
-
-    return push
 
 
 class Cluster:
@@ -216,18 +194,20 @@ class Cluster:
                 worker = HybridWorker if self.plan.rollout_in_actor else PolicyWorker
                 self.actor = self._remote(worker, "actor", 0, cfg, info, threads=threads("actor"))
             self.actor_process = self.processes[0]  # the process that answers the actor's calls (rank 0)
+            # the rollout's processes; the engines over them are the rollout driver's
+            # (relax.runner.rollout_driver.engines.started_engines)
             replicas = self.plan.role("rollout").replicas
             if self.plan.rollout_in_actor:  # a death of that process is the actor's: no replacement in place
-                self.engines = ReplicaEngines([self.actor], info.pad_token_id, watch=self.watch,
-                                              names=[self.actor_process])
+                self.rollout_replicas, self.rollout_names = [self.actor], [self.actor_process]
             elif cfg.rollout.backend == "sglang":
-                self.engines = self._sglang_engines()
+                self.sglang_log_dir = Path(tempfile.mkdtemp(prefix="relax-sglang-"))
+                self.rollout_names = [self._process_name("rollout", i) for i in range(replicas)]
+                self.rollout_replicas = [] if cfg.rollout.sglang.urls is not None else \
+                    [self.start_server(i) for i in range(replicas)]
             else:
-                self.engines = ReplicaEngines(
-                    [self._remote(RolloutWorker, "rollout", i, cfg, info, threads=threads("rollout"))
-                     for i in range(replicas)], info.pad_token_id, watch=self.watch,
-                    names=[self._process_name("rollout", i) for i in range(replicas)],
-                    replace=self._replace_replica, restarts=self.restarts)
+                self.rollout_names = [self._process_name("rollout", i) for i in range(replicas)]
+                self.rollout_replicas = [self._remote(RolloutWorker, "rollout", i, cfg, info,
+                                                      threads=threads("rollout")) for i in range(replicas)]
             self.reference = None
             if self.plan.has("reference"):
                 self.reference = self._remote(ReferenceWorker, "reference", 0, cfg, info, threads=threads("reference"))
@@ -242,7 +222,7 @@ class Cluster:
             self._wait_for_roles()
 
     def _wait_for_roles(self) -> None:
-        """Until every launched role answers (at most the start timeout), then the SGLang servers' router."""
+        """Until every launched role answers (at most the start timeout)."""
         import ray
 
         pings, timeout = self._pings, self._timeout
@@ -252,7 +232,6 @@ class Cluster:
             if waiting:
                 raise RunError(f"role(s) {', '.join(pings[w] for w in waiting)} did not start within {timeout:g} s "
                                f"(Ray has {ray.available_resources()} available)")
-            self.engines.start()  # SGLang: the servers, once their actors answer, and the router
 
     @contextlib.contextmanager
     def _starting(self) -> Iterator[None]:
@@ -268,7 +247,7 @@ class Cluster:
             self._release_placement()
             raise
 
-    def _replace_replica(self, i: int):
+    def replace_rollout_replica(self, i: int):
         """A new embedded rollout replica i in place of a dead or hung one (same resources), once it answers."""
         import ray
 
@@ -289,23 +268,11 @@ class Cluster:
             raise RoleFailure(name, f"could not be replaced: {exc}") from None
         return replica
 
-    def _sglang_engines(self) -> SGLangEngines:
-        """rollout=sglang: engine servers on the plan's rollout resources (or the given URLs) behind the router."""
-        import tempfile
-
-        sg, info = self.cfg.rollout.sglang, self.info
-        log_dir = Path(tempfile.mkdtemp(prefix="relax-sglang-"))
-        threads = self.plan.threads("rollout")
-
-        def start_server(i: int):
-            return self._remote(EngineServer, "rollout", i, self.cfg, i, threads=threads, log_dir=str(log_dir))
-
-        engines = SGLangEngines(self.cfg, eos_token_ids=info.eos_token_ids, pad_token_id=info.pad_token_id,
-                                log_dir=log_dir, start_server=None if sg.urls is not None else start_server,
-                                push=actor_push(self.actor, self.watch, self.actor_process))
-        if sg.urls is None:
-            engines.servers = [start_server(i) for i in range(self.cfg.rollout.num_replicas)]
-        return engines
+    def start_server(self, i: int):
+        """rollout=sglang: a new engine server actor for rollout replica i on the plan's rollout resources (it starts
+        its server process when the engines call its `start`)."""
+        return self._remote(EngineServer, "rollout", i, self.cfg, i, threads=self.plan.threads("rollout"),
+                            log_dir=str(self.sglang_log_dir))
 
     def _megatron_actor(self, timeout: float):
         """The Megatron actor: one Ray actor per rank with the plan's options (a rank per actor GPU, or on the CPU
@@ -342,9 +309,6 @@ class Cluster:
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
 
-        if getattr(self, "engines", None) is not None:
-            self.engines.close()
-            self.engines = None
         if getattr(self, "board", None) is not None:
             self.actors.append(self.board)
             self.board = None
@@ -361,37 +325,6 @@ class Cluster:
             self._ray = None
 
     # ------------------------------------------------------------------ calls
-    # ---- the rollout engines (relax.runner.rollout_driver.stream.Engines): embedded replicas or SGLang servers
-    def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
-                 evaluation: bool = False, items: list | None = None) -> Samples:
-        """Responses to `prompts`, a group each, rows in `sample_ids` order (`items`: the prompts' items, which an
-        agentic rollout's episodes start from)."""
-        return self.engines.generate(prompts, sample_ids, seed=seed, gen_id=gen_id, evaluation=evaluation,
-                                     items=items)
-
-    def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
-        """Interrupted responses continued with the engines' current weights, rows in `partial`'s order."""
-        return self.engines.resume(partial, seed=seed, gen_id=gen_id)
-
-    def abort(self, gen_id: int) -> None:
-        self.engines.abort(gen_id)
-
-    @property
-    def loads_weights_in_flight(self) -> bool:
-        """The engines take new weights between the requests of a running call (agent programs' batches)."""
-        return bool(getattr(self.engines, "loads_weights_in_flight", False))
-
-    def load_weights(self, weights, version: int) -> None:
-        self.engines.load_weights(weights, version)
-
-    def stage_weights(self, weights, version: int) -> None:
-        """Start the engines' copy of `weights` beside their generation (rollout.stage_weights: embedded engines)."""
-        self.engines.stage_weights(weights, version)
-
-    def engine_metrics(self) -> dict[str, float]:
-        """The engines' own counters for this step (restarts, retries, weight buckets; none for embedded)."""
-        return self.engines.metrics()
-
     def weights(self, version: int):
         """The actor's current weights (of `version`) for the engines: an ObjectRef, taken before the actor's next
         step (calls to the actor run in order), that each engine fetches from the object store."""

@@ -11,8 +11,9 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from relax.batch import Samples, TrainBatch
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import eval_pass_ks
 from relax.config.schema import ModelConfig, RelaxConfig
+from relax.data.datasets import PromptItem, PromptSampler
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
@@ -37,6 +39,7 @@ from relax.metrics import (
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
 )
+from relax.roles.workers import ModelInfo
 from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
@@ -45,6 +48,7 @@ from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
 from relax.runner.plan import Plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.restarts import Restarts
+from relax.runner.rollout_driver.engines import started_engines
 from relax.runner.rollout_driver.scoring import (
     FilterStats,
     Scorer,
@@ -53,7 +57,7 @@ from relax.runner.rollout_driver.scoring import (
     trained_rewards,
     turn_token_rewards,
 )
-from relax.runner.rollout_driver.stream import RolloutStream
+from relax.runner.rollout_driver.stream import Engines, RolloutStream, sample_ids
 from relax.runner.session import RunResult, Session
 from relax.runner.step_metrics import (
     eval_metrics,
@@ -66,20 +70,27 @@ from relax.runner.step_metrics import (
     truncated_masked_metrics,
 )
 
-if TYPE_CHECKING:
-    from relax.data.datasets import PromptItem
-
 EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the training samples of the same ids
 
 
-def _prepare(cfg: RelaxConfig):
+@dataclass(frozen=True)
+class Inputs:
+    """What a run reads from the user's files, checked before any process starts (`prepare`)."""
+
+    tokenizer: Any
+    sampler: PromptSampler  # the training prompts, in the run's order
+    eval_sets: dict[str, Sequence[PromptItem]]  # by name; none without evaluation
+    reward_fn: Any  # None: data.reward=none (an agent program's own rewards)
+    info: ModelInfo  # what the roles need of the tokenizer
+
+
+def prepare(cfg: RelaxConfig) -> Inputs:
     """Tokenizer, datasets (the eval sets by name, none without evaluation) and reward function: the user-input
     failures, before any process starts."""
     from relax.config.evaluation import default_eval_set_name
-    from relax.data.datasets import DataError, PromptSampler, build_datasets, build_eval_sets
+    from relax.data.datasets import DataError, build_datasets, build_eval_sets
     from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
     from relax.rewards.registry import get_reward_fn
-    from relax.roles.workers import ModelInfo
 
     try:
         if cfg.model.source != "config":
@@ -117,7 +128,7 @@ def _prepare(cfg: RelaxConfig):
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
         raise RunError(str(exc)) from None
     sampler = PromptSampler(train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    return tokenizer, sampler, eval_sets, reward_fn, info
+    return Inputs(tokenizer, sampler, eval_sets, reward_fn, info)
 
 
 def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
@@ -268,8 +279,8 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
         with preemption:
             while True:
                 try:
-                    return _attempt(cfg, plan, runtime, restarts, preemption, output_dir=output_dir,
-                                    dictconfig=dictconfig)
+                    return Recipe(cfg, plan, runtime, restarts, preemption, output_dir=output_dir,
+                                  dictconfig=dictconfig).train()
                 except RoleFailure as failure:
                     if preemption.requested is not None:  # stopping anyway: no restart (the signal may have hit it)
                         print(f"step {restarts.step}: {failure}; not restarted: the run is stopping "
@@ -288,128 +299,173 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
         runtime.__exit__(None, None, None)
 
 
-def _attempt(cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restarts, preemption: Preemption, *,
-             output_dir: Path, dictconfig=None) -> RunResult:
-    """One start of the service graph, trained to the end.
+class StepTimer:
+    """The wall-clock phases of one step, for its perf/* metrics: each `phase(name)` block timed, the step itself from
+    the timer's start to `metrics`."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.spans = {"rollout": 0.0, "train": 0.0, "sync": 0.0}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans[name] += time.perf_counter() - t
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def metrics(self, step_time: float, engine_time: float, actor_compute_time: float,
+                tokens: float) -> dict[str, float]:
+        """The step's timings; the overhead is what neither the engines nor the actor's compute account for."""
+        overhead = step_time - engine_time - actor_compute_time
+        return {
+            ROLLOUT_TIME: self.spans["rollout"],
+            ROLLOUT_ENGINE_TIME: engine_time,
+            TRAIN_TIME: self.spans["train"],
+            SYNC_TIME: self.spans["sync"],
+            STEP_TIME: step_time,
+            OVERHEAD_TIME: overhead,
+            OVERHEAD_FRACTION: overhead / max(step_time, 1e-9),
+            TOKENS_PER_S: tokens / max(step_time, 1e-9),
+        }
+
+
+class Recipe:
+    """One start of the service graph, trained to the end, in the manner of torchtune's recipes: `setup` checks the
+    user's inputs and starts everything, `step` runs one training step, `train` does both.
 
     The rollout side runs in a `RolloutStream` whatever the mode: it generates the batch of each step with the
     weights its mode allows (sync: the current ones; hybrid: one step old; fully_async: up to max_staleness
     steps old), ahead of the loop where the mode allows, and the loop takes them in step order.
     """
-    from relax.data.datasets import PromptItem
 
-    tokenizer, sampler, eval_sets, reward_fn, info = _prepare(cfg)
-    G = cfg.rollout.n_samples_per_prompt
-    # the save dir's lock and the resume point (its config checked) before Ray or any role starts
-    with checkpoint.Checkpoints(cfg) as checkpoints, contextlib.ExitStack() as stack:
-        runtime.__enter__()
-        preemption.arm()  # again: ray.init installs its own SIGTERM handler
+    def __init__(self, cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restarts,
+                 preemption: Preemption, *, output_dir: Path, dictconfig=None):
+        self.cfg, self.plan, self.runtime, self.restarts, self.preemption = cfg, plan, runtime, restarts, preemption
+        self.output_dir, self.dictconfig = output_dir, dictconfig
+
+    def train(self) -> RunResult:
+        with contextlib.ExitStack() as stack:
+            self.setup(stack)
+            with self.stream:
+                for step in range(self.start_step, self.cfg.train.num_rollout):
+                    self.step(step)
+            return self.session.finish()
+
+    def setup(self, stack: contextlib.ExitStack) -> None:
+        """The user's inputs checked (`prepare`); the save dir's lock and the resume point (its config checked)
+        before Ray or any role starts; then the roles, the MLflow session, the rollout engines and the stream, at the
+        resume point's state, with the weights of the first step published."""
+        cfg, restarts = self.cfg, self.restarts
+        self.inputs = inputs = prepare(cfg)
+        self.checkpoints = checkpoints = stack.enter_context(checkpoint.Checkpoints(cfg))
+        self.runtime.__enter__()
+        self.preemption.arm()  # again: ray.init installs its own SIGTERM handler
         # the role processes start (import torch, build their models) while the driver opens its MLflow run
-        cluster = Cluster(cfg, plan, info, restarts).launch()
+        self.cluster = cluster = Cluster(cfg, self.plan, inputs.info, restarts).launch()
         stack.push(cluster)  # the roles stop if opening the run fails (a second Cluster.__exit__ does nothing)
-        session = stack.enter_context(Session(cfg, plan, output_dir, dictconfig, checkpoints,
-                                              restart_run_id=restarts.run_id))
+        self.session = session = stack.enter_context(Session(cfg, self.plan, self.output_dir, self.dictconfig,
+                                                             checkpoints, restart_run_id=restarts.run_id))
         stack.enter_context(cluster)  # every role answering; stopped before the session closes, as before
+        self.engines = stack.enter_context(started_engines(cluster))  # closed before the roles stop
         restarts.run_id = session.run_id
-        session.log_datasets(sampler.dataset, eval_sets)
+        session.log_datasets(inputs.sampler.dataset, inputs.eval_sets)
         if tag := restarts.new_tag():
             session.tracker.set_tags(tag)
-        start_step = session.start_step
-        stream = RolloutStream(cfg, cluster, sampler.next_batch, start_step=start_step,
-                               pad_token_id=info.pad_token_id, scorer=Scorer(cfg, tokenizer, reward_fn))
+        self.start_step = session.start_step
+        self.stream = RolloutStream(cfg, self.engines, inputs.sampler.next_batch, start_step=self.start_step,
+                                    pad_token_id=inputs.info.pad_token_id,
+                                    scorer=Scorer(cfg, inputs.tokenizer, inputs.reward_fn))
         if checkpoints.resume is not None:
-            sampler.load_state_dict(cluster.load(checkpoints.resume.path)["sampler"])
+            inputs.sampler.load_state_dict(cluster.load(checkpoints.resume.path)["sampler"])
             saved = checkpoint.read_rollout_state(checkpoints.resume.path)
             if saved is not None:
-                stream.load_state_dict(saved, lambda d: PromptItem(**d))
-        stream.publish(start_step, cluster.weights(start_step))
-        pace = Pace(stream)
-        skipped = SkippedSteps(cfg.train.max_skipped_steps)
+                self.stream.load_state_dict(saved, lambda d: PromptItem(**d))
+        self.stream.publish(self.start_step, cluster.weights(self.start_step))
+        self.pace = Pace(self.stream)
+        self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
 
-        with stream:
-            for step in range(start_step, cfg.train.num_rollout):
-                restarts.step = preemption.step = step
-                t0 = time.perf_counter()
-                metrics: dict[str, float] = {}
-                # 1. the rollout of this step, scored (generated by the stream, as far ahead as the mode allows; with
-                # dynamic sampling, in as many rounds as it took to fill the batch with groups that carry a signal)
-                with _refusing_broken_weights(step):
-                    job, samples, waited = stream.take(step)
-                t_rollout = time.perf_counter()
-                metrics.update(staleness_metrics(samples, step, cfg.train.max_staleness))
-                if job.filter is not None:
-                    metrics.update(filter_metrics(job.filter, len(job.items)))
-                    if note := filter_note(cfg, step, job.filter, len(job.items)):
-                        session.note(note)
-                # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
-                scores = job.scores
-                keep = kept_groups(scores.failed, G)
-                metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
-                                               scores.errors))
-                metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
-                # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
-                rewards, penalty = trained_rewards(cfg, samples, scores)
-                if penalty is not None:
-                    metrics.update(overlong_metrics(penalty, keep))
-                trained = loss_rows(cfg, samples, keep)  # keep, less truncated responses (algorithm.mask_truncated)
-                if cfg.algorithm.mask_truncated:
-                    metrics.update(truncated_masked_metrics(keep, trained))
-                t_train0 = t_train = time.perf_counter()
-                # a rollout none of whose responses counts in the loss (every group left out, or every kept response
-                # truncated and masked) trains nothing: no advantages, no step
-                if trained.any():
-                    # 3-4. the log-probs and values the algorithm needs, then advantages
-                    batch, advantage_metrics = train_batch(cfg, plan, cluster, samples, rewards, keep, step)
-                    metrics.update(advantage_metrics)
-                    # 5. optimizer steps over the global batch(es); a non-finite one is skipped and counted
-                    t_train0 = time.perf_counter()
-                    train_metrics, taken = train_on_rollout(cfg, cluster, batch, step)
-                    metrics.update(train_metrics)
-                    skipped.count(metrics, taken)
-                    t_train = time.perf_counter()
-                # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
-                evaluate = bool(eval_sets) and evaluates_after(cfg, step)
-                if (step + 1) % cfg.train.weight_sync_interval == 0 or evaluate:
-                    stream.publish(step + 1, cluster.weights(step + 1))
-                t_sync = time.perf_counter()
-                if evaluate:
-                    with _refusing_broken_weights(step):
-                        metrics.update(_evaluate(cfg, cluster, stream, tokenizer, reward_fn, eval_sets))
-                n_tokens = float(samples.response_mask.sum())
-                step_time = time.perf_counter() - t0
-                overhead = step_time - samples.engine_time - metrics.get(ACTOR_COMPUTE_TIME, 0.0)
-                metrics.update(pace.metrics(waited, step_time))
-                metrics.update(cluster.engine_metrics())
-                metrics.update(restarts.metrics())
-                if tag := restarts.new_tag():  # replicas replaced in this step
-                    session.tracker.set_tags(tag)
-                metrics.update({
-                    ROLLOUT_TIME: t_rollout - t0,
-                    ROLLOUT_ENGINE_TIME: samples.engine_time,
-                    TRAIN_TIME: t_train - t_train0,
-                    SYNC_TIME: t_sync - t_train,
-                    STEP_TIME: step_time,
-                    OVERHEAD_TIME: overhead,
-                    OVERHEAD_FRACTION: overhead / max(step_time, 1e-9),
-                    TOKENS_PER_S: n_tokens / max(step_time, 1e-9),
-                })
-                session.log(metrics, step)
-                session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
-                skipped.check(step, metrics, checkpoints)  # stops before a checkpoint of this step is written
-                last = step + 1 == cfg.train.num_rollout
-                interval = cfg.train.save_interval
-                # Ctrl-C / SIGTERM during this step (train.save_on_preempt): its checkpoint, then stop
-                stop, saved = preemption.requested is not None, None
-                if cfg.train.save and (last or stop or (interval and (step + 1) % interval == 0)):
-                    with stream.paused():  # the batches generated ahead and the one in flight go with it
-                        stream.save_old_logprobs(cluster.actor_logprobs, step + 1)
-                        saved = session.save_checkpoint(cluster, step + 1, {"sampler": sampler.state_dict(),
-                                                                            "step": step + 1},
-                                                        rollout=stream.state_dict())
-                    stop = preemption.requested is not None  # also a signal during this save: it covers the step
-                if stop and not last:  # (in the last step the run ends anyway, complete)
-                    raise preemption.stop(step, checkpointed=saved is not None)
-        return session.finish()
+    def step(self, step: int) -> None:
+        """One training step: the rollout (scored), rewards, advantages and optimizer steps, the weights published
+        (and an evaluation), the metrics logged, a checkpoint where due."""
+        cfg, cluster, session, stream = self.cfg, self.cluster, self.session, self.stream
+        self.restarts.step = self.preemption.step = step
+        timer = StepTimer()
+        metrics: dict[str, float] = {}
+        # 1. the rollout of this step, scored (generated by the stream, as far ahead as the mode allows; with
+        # dynamic sampling, in as many rounds as it took to fill the batch with groups that carry a signal)
+        with timer.phase("rollout"), _refusing_broken_weights(step):
+            job, samples, waited = stream.take(step)
+        metrics.update(staleness_metrics(samples, step, cfg.train.max_staleness))
+        if job.filter is not None:
+            metrics.update(filter_metrics(job.filter, len(job.items)))
+            if note := filter_note(cfg, step, job.filter, len(job.items)):
+                session.note(note)
+        # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
+        scores = job.scores
+        keep = kept_groups(scores.failed, cfg.rollout.n_samples_per_prompt)
+        metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
+                                       scores.errors))
+        metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
+        # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
+        rewards, penalty = trained_rewards(cfg, samples, scores)
+        if penalty is not None:
+            metrics.update(overlong_metrics(penalty, keep))
+        trained = loss_rows(cfg, samples, keep)  # keep, less truncated responses (algorithm.mask_truncated)
+        if cfg.algorithm.mask_truncated:
+            metrics.update(truncated_masked_metrics(keep, trained))
+        # a rollout none of whose responses counts in the loss (every group left out, or every kept response
+        # truncated and masked) trains nothing: no advantages, no step
+        if trained.any():
+            # 3-4. the log-probs and values the algorithm needs, then advantages
+            batch, advantage_metrics = train_batch(cfg, self.plan, cluster, samples, rewards, keep, step)
+            metrics.update(advantage_metrics)
+            # 5. optimizer steps over the global batch(es); a non-finite one is skipped and counted
+            with timer.phase("train"):
+                train_metrics, taken = train_on_rollout(cfg, cluster, batch, step)
+            metrics.update(train_metrics)
+            self.skipped.count(metrics, taken)
+        # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
+        evaluate = bool(self.inputs.eval_sets) and evaluates_after(cfg, step)
+        with timer.phase("sync"):
+            if (step + 1) % cfg.train.weight_sync_interval == 0 or evaluate:
+                stream.publish(step + 1, cluster.weights(step + 1))
+        if evaluate:
+            with _refusing_broken_weights(step):
+                metrics.update(_evaluate(cfg, self.engines, stream, self.inputs))
+        step_time = timer.elapsed()
+        metrics.update(self.pace.metrics(waited, step_time))
+        metrics.update(self.engines.metrics())
+        metrics.update(self.restarts.metrics())
+        if tag := self.restarts.new_tag():  # replicas replaced in this step
+            session.tracker.set_tags(tag)
+        metrics.update(timer.metrics(step_time, samples.engine_time, metrics.get(ACTOR_COMPUTE_TIME, 0.0),
+                                     float(samples.response_mask.sum())))
+        session.log(metrics, step)
+        session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
+        self.skipped.check(step, metrics, self.checkpoints)  # stops before a checkpoint of this step is written
+        self._checkpoint(step)
+
+    def _checkpoint(self, step: int) -> None:
+        """The checkpoint of `step` where due: at `train.save_interval`, the last step, or a Ctrl-C / SIGTERM during
+        this step (train.save_on_preempt: its checkpoint, then stop)."""
+        cfg, preemption, stream = self.cfg, self.preemption, self.stream
+        last = step + 1 == cfg.train.num_rollout
+        interval = cfg.train.save_interval
+        stop, saved = preemption.requested is not None, None
+        if cfg.train.save and (last or stop or (interval and (step + 1) % interval == 0)):
+            with stream.paused():  # the batches generated ahead and the one in flight go with it
+                stream.save_old_logprobs(self.cluster.actor_logprobs, step + 1)
+                saved = self.session.save_checkpoint(self.cluster, step + 1,
+                                                     {"sampler": self.inputs.sampler.state_dict(), "step": step + 1},
+                                                     rollout=stream.state_dict())
+            stop = preemption.requested is not None  # also a signal during this save: it covers the step
+        if stop and not last:  # (in the last step the run ends anyway, complete)
+            raise preemption.stop(step, checkpointed=saved is not None)
 
 
 class Pace:
@@ -437,26 +493,24 @@ def evaluates_after(cfg: RelaxConfig, step: int) -> bool:
     return bool(interval) and ((step + 1) % interval == 0 or step + 1 == cfg.train.num_rollout)
 
 
-def _evaluate(cfg: RelaxConfig, cluster: Cluster, stream: RolloutStream, tokenizer, reward_fn,
-              eval_sets: dict[str, Sequence[PromptItem]]) -> dict[str, float]:
+def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs: Inputs) -> dict[str, float]:
     """Each eval set's prompts with the newest weights and the eval sampling (`rollout.eval_*`), between two calls
     of the rollout stream; its metrics are eval/<set>/... (`eval_metrics`). Each eval sample has a fixed random
     stream, the same from one evaluation to the next (common random numbers); the sets share them (sample ids from
     0 in each), which leaves each set's estimates as they are."""
-    from relax.runner.rollout_driver.stream import sample_ids
-
     n = cfg.rollout.eval_n_samples_per_prompt
     ks = eval_pass_ks(cfg)
+    eval_sets = inputs.eval_sets
     generated: dict[str, Samples] = {}
     with stream.paused():
         stream.load_newest()
         for name, items in eval_sets.items():
             prompts = [item.prompt_ids for item in items]
-            generated[name] = cluster.generate(prompts, sample_ids(0, len(prompts), n),
+            generated[name] = engines.generate(prompts, sample_ids(0, len(prompts), n),
                                                seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True, items=list(items))
     out: dict[str, float] = {}
     for name, items in eval_sets.items():
-        scores = score(cfg, tokenizer, reward_fn, generated[name], list(items), n)
+        scores = score(cfg, inputs.tokenizer, inputs.reward_fn, generated[name], list(items), n)
         out.update(eval_metrics(name, generated[name], scores, n=n, pass_k=ks,
                                 threshold=cfg.train.eval_correct_threshold))
     return out

@@ -261,7 +261,7 @@ def payloads(marker: Path) -> list[dict]:
 def test_prompt_and_label_values_stay_plain_text(tmp_path, monkeypatch):
     from relax.config import load_config
     from relax.rewards.digits import digits_reward
-    from relax.runner.train import _prepare
+    from relax.runner.train import prepare
 
     marker = tmp_path / "PWNED"
     rows = payloads(marker)
@@ -270,7 +270,8 @@ def test_prompt_and_label_values_stay_plain_text(tmp_path, monkeypatch):
     cfg = load_config(["data=jsonl", f"data.path={path}", "data.reward=digits", "rollout.max_prompt_len=400",
                        "rollout.rollout_batch_size=4"])
     monkeypatch.chdir(tmp_path)
-    tokenizer, sampler, _, reward_fn, _ = _prepare(cfg)
+    inputs = prepare(cfg)
+    sampler, reward_fn = inputs.sampler, inputs.reward_fn
     assert reward_fn is digits_reward  # from the config, whatever the labels say
     items = list(sampler.dataset)
     assert [item.label for item in items] == [r["label"] for r in rows]

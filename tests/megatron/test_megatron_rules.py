@@ -104,13 +104,13 @@ def test_a_model_from_files_is_checked_before_ray_starts(tmp_path):
 
     from relax.config import load_config
     from relax.runner.errors import RunError
-    from relax.runner.train import _prepare
+    from relax.runner.train import prepare
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64,
                                                       "num_attention_heads": 4, "num_hidden_layers": 2}))
     cfg = load_config(["train.backend=megatron", "model.source=hf", f"model.path={tmp_path}"])
     with pytest.raises(RunError, match="architecture 'mistral' is not supported by train.backend=megatron"):
-        _prepare(cfg)
+        prepare(cfg)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from relax.metrics import eval_metric
 from relax.rewards.registry import Scores
 from relax.runner.errors import RunError
 from relax.runner.step_metrics import eval_metrics, final_eval_summary, pass_at_k
-from relax.runner.train import _prepare, evaluates_after, run
+from relax.runner.train import evaluates_after, prepare, run
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> Fraction:
@@ -124,20 +124,20 @@ def test_an_eval_set_that_cannot_be_read_stops_the_run_at_start(tmp_path):
     missing = tmp_path / "missing.jsonl"
     cfg = load_config(["train.eval_interval=1", f"+data.eval_sets={{good:'{good}',extra:'{missing}'}}"])
     with pytest.raises(RunError, match=rf"data.eval_sets.extra: data file {missing} does not exist"):
-        _prepare(cfg)
+        prepare(cfg)
     (tmp_path / "bad.jsonl").write_text('{"prompt": "repeat 1", "label": "1"}\n{"prompt": \n')
     cfg = load_config(["train.eval_interval=1", f"+data.eval_sets={{bad:'{tmp_path / 'bad.jsonl'}'}}"])
     with pytest.raises(RunError, match=r"data.eval_sets.bad: .*bad.jsonl:2: invalid JSON"):
-        _prepare(cfg)
+        prepare(cfg)
 
 
 def test_eval_sets_are_named_and_cut_to_num_eval_prompts(tmp_path):
     a = write_prompts(tmp_path / "a.jsonl", range(6))
     cfg = load_config(["train.eval_interval=1", "data.num_eval_prompts=4", f"+data.eval_sets={{alpha:'{a}'}}"])
-    _, _, eval_sets, _, _ = _prepare(cfg)
+    eval_sets = prepare(cfg).eval_sets
     assert {name: len(items) for name, items in eval_sets.items()} == {"digits": 4, "alpha": 4}
     assert [item.label for item in eval_sets["alpha"]] == ["0", "1", "2", "3"]
-    assert _prepare(load_config([]))[2] == {}  # no evaluation: no eval set
+    assert prepare(load_config([])).eval_sets == {}  # no evaluation: no eval set
 
 
 @pytest.mark.slow

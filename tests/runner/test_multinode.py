@@ -30,12 +30,14 @@ from urllib.parse import urlparse
 import pytest
 
 import relax.runner.cluster as cluster_module
+import relax.runner.rollout_driver.engines as engines_module
 from relax.config import load_config
 from relax.config.validate import ConfigError
 from relax.metrics import STALENESS_MAX, SYNC_BYTES, TRAIN_ROLLOUT_LOGP_ABS_DIFF
 from relax.runner.cluster import Cluster
 from relax.runner.errors import RunError
 from relax.runner.plan import SPREAD_STRATEGY, build_plan, reserve
+from relax.runner.rollout_driver.sglang_engines import SGLangEngines
 from relax.runner.train import run
 
 # one xdist worker runs them in a row, on the module's cluster
@@ -147,13 +149,19 @@ def placed(monkeypatch) -> dict:
     def record(self):
         wait(self)
         seen["nodes"] = {name: _where(a) for name, a in zip(self.processes, self.actors, strict=True)}
-        if self.cfg.rollout.backend == "sglang":
-            seen["urls"] = list(self.engines.urls)
-            seen["router"] = [w.get("url") for w in self.engines.router.list()]
-            seen["mode"] = self.engines.target.mode
+
+    start = SGLangEngines.start
+
+    def record_engines(self):
+        start(self)
+        seen["urls"] = list(self.urls)
+        seen["router"] = [w.get("url") for w in self.router.list()]
+        seen["mode"] = self.target.mode
+        return self
 
     monkeypatch.setattr(Cluster, "_wait_for_roles", record)
-    actor_push = cluster_module.actor_push
+    monkeypatch.setattr(SGLangEngines, "start", record_engines)
+    actor_push = engines_module.actor_push
 
     def spy(actor, watch, process):
         push = actor_push(actor, watch, process)
@@ -165,7 +173,7 @@ def placed(monkeypatch) -> dict:
 
         return recorded
 
-    monkeypatch.setattr(cluster_module, "actor_push", spy)
+    monkeypatch.setattr(engines_module, "actor_push", spy)
     return seen
 
 

@@ -13,9 +13,10 @@ it the failure goes up to the loop (which stops).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +24,12 @@ from relax.batch import Samples, concat_samples
 from relax.metrics import SYNC_BYTES
 from relax.runner.errors import RoleFailure
 from relax.runner.restarts import Restarts
+from relax.runner.rollout_driver.sglang_engines import SGLangEngines, actor_push
 from relax.runner.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from relax.runner.cluster import Cluster
+    from relax.runner.rollout_driver.stream import Engines
 
 
 class ReplicaEngines:
@@ -124,3 +130,29 @@ class ReplicaEngines:
 
     def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def started_engines(cluster: Cluster) -> Iterator[Engines]:
+    """The rollout engines over the rollout processes `cluster` started, answering, and closed on exit (before the
+    cluster kills the processes): embedded replicas (or the actor's own engine, `Plan.rollout_in_actor`), or SGLang
+    servers behind the router (`rollout=sglang`: the servers' processes and the router start here)."""
+    cfg, info = cluster.cfg, cluster.info
+    engines: ReplicaEngines | SGLangEngines
+    if cluster.plan.rollout_in_actor:
+        engines = ReplicaEngines(cluster.rollout_replicas, info.pad_token_id, watch=cluster.watch,
+                                 names=cluster.rollout_names)
+    elif cfg.rollout.backend == "sglang":
+        engines = SGLangEngines(cfg, eos_token_ids=info.eos_token_ids, pad_token_id=info.pad_token_id,
+                                log_dir=cluster.sglang_log_dir,
+                                start_server=None if cfg.rollout.sglang.urls is not None else cluster.start_server,
+                                push=actor_push(cluster.actor, cluster.watch, cluster.actor_process))
+        engines.servers = list(cluster.rollout_replicas)
+    else:
+        engines = ReplicaEngines(cluster.rollout_replicas, info.pad_token_id, watch=cluster.watch,
+                                 names=cluster.rollout_names, replace=cluster.replace_rollout_replica,
+                                 restarts=cluster.restarts)
+    try:
+        yield engines.start()
+    finally:
+        engines.close()

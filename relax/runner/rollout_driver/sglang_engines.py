@@ -34,6 +34,7 @@ from relax.agents.episode import EpisodeMaker
 from relax.batch import Samples, continuation, extend_responses
 from relax.config.schema import RelaxConfig
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
+from relax.roles.workers import WEIGHTS_GROUP
 from relax.rollout.sglang.client import (
     EngineRequestError,
     GenerateClient,
@@ -50,11 +51,32 @@ from relax.rollout.sglang.process import wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
 from relax.runner.errors import RoleFailure, RunError
+from relax.runner.watchdog import Watchdog, first_line
 
 ABORT_RECHECK_S = 0.2  # an abort sends /abort_request again this often until every request sent is answered
 HEALTH_TIMEOUT_S = 20.0  # SGLang's limit on a /health check's generation (HEALTH_CHECK_TIMEOUT)
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"  # the key of the servers at rollout.sglang.urls (their --api-key)
 Push = Callable[[object, int, list[str], WeightTarget, bool], dict]
+
+
+def actor_push(actor, watch: Watchdog, process: str):
+    """rollout=sglang's `SGLangEngines.push`: the actor's process sends the weights (the ObjectRef of its snapshot of
+    a version) to the servers itself (`PolicyForwarding.push_weights`); the driver only waits. Each of the actor's
+    calls to a server has its own timeout (rollout.sglang.request_timeout_s); a dead or hung actor is a RoleFailure
+    (the graph restarts), a server that refuses is a RunError naming the servers."""
+
+    def push(weights, version: int, urls: list[str], target, regroup: bool) -> dict[str, int]:
+        import ray
+
+        call = actor.push_weights.options(concurrency_group=WEIGHTS_GROUP)  # beside the actor's train step
+        ref = call.remote(weights, version, list(urls), target, regroup)
+        try:
+            return watch.get_one(ref, process, progress=False)
+        except ray.exceptions.RayTaskError as exc:
+            raise RunError(f"rollout=sglang: the actor could not send weights to {', '.join(urls)}: "
+                           f"{first_line(exc.cause or exc)}") from None
+
+    return push
 
 
 class SGLangEngines:

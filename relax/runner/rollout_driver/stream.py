@@ -78,13 +78,14 @@ TIMELINE_LEN = 1000  # the most recent engine and scoring calls kept in `Rollout
 
 
 class Engines(Protocol):
-    """The rollout engines as the stream drives them (the runner's Cluster, or a fake in tests). Engines with a
-    true `loads_weights_in_flight` attribute take `load_weights` during a call (see the module docstring)."""
+    """The rollout engines as the stream drives them (`relax.runner.rollout_driver.engines.started_engines`, or a fake
+    in tests). Engines with a true `loads_weights_in_flight` attribute take `load_weights` during a call (see the
+    module docstring)."""
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int,
-                 gen_id: int | None, items: list | None = None) -> Samples:
-        """Responses for `prompts` (a group per prompt), rows in `sample_ids` order; `items`: the prompts' items
-        (an agentic rollout's episodes start from them)."""
+                 gen_id: int | None, evaluation: bool = False, items: list | None = None) -> Samples:
+        """Responses for `prompts` (a group per prompt), rows in `sample_ids` order (`evaluation`: with the eval
+        sampling, rollout.eval_*); `items`: the prompts' items (an agentic rollout's episodes start from them)."""
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None) -> Samples:
         """`partial`'s interrupted responses continued with the current weights, rows in the same order."""
