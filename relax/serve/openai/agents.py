@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from relax.agents.episode import item_record
-from relax.batch import EpisodeRow, Samples, episode_samples
+from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plain_reason
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway
 from relax.serve.openai.service import OpenAIService
@@ -87,12 +87,13 @@ class AgentRollout:
                                           d.agent_timeout_s)
         rows = []
         for s, record, (value, error), was_late in zip(sessions, records, outcomes, late, strict=True):
-            self.gateway.close_session(s, "timeout" if was_late else "error" if error else "done")
+            self.gateway.close_session(s, FinishReason.TIMEOUT if was_late else FinishReason.ERROR if error
+                                       else FinishReason.DONE)
             trajectory = s.trajectory()
             if trajectory is None:  # nothing to train: a failed sample
                 error = error or "the agent made no call through the gateway"
                 trajectory = Segment(prompt=[self.pad_token_id])
-            elif error is not None and s.ended in ("max_turns", "length"):
+            elif error is not None and s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH):
                 error = None  # a run stopped by its session's limit (it got an error): its trajectory is the sample
             if value is not None:
                 trajectory.rewards[-1] += value
@@ -105,11 +106,13 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
              pad_token_id: int) -> Samples:
     out = []
     for s, record, t, error in rows:
-        end = s.ended if s.ended in ("max_turns", "length", "timeout") else ("error" if error else "done")
+        end = s.ended if s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH, FinishReason.TIMEOUT) \
+            else (FinishReason.ERROR if error else FinishReason.DONE)
         episode = {"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
                    "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0, "kv_reused": 0,
-                   "end": end, "partial": [], "segments": s.segments, "calls": s.calls,
+                   "end": plain_reason(end), "partial": [], "segments": s.segments, "calls": s.calls,
                    "sampling_overrides": s.overrides, "error": error}
         out.append(EpisodeRow(t.prompt, t.tokens, t.logprobs, t.sampled, t.versions,
-                              end if end in ("max_turns", "length") else "stop", episode))
+                              end if end in (FinishReason.MAX_TURNS, FinishReason.LENGTH) else FinishReason.STOP,
+                              episode))
     return episode_samples(out, sample_ids, pad_token_id)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from relax.batch import FinishReason
 from relax.serve.http import EventStream
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import (
@@ -35,7 +36,8 @@ from relax.serve.sglang.request import row_stream
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 128  # without max_tokens and without a known context length
-FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# SGLang's finish_reason.type (its wire strings, left) -> Sampled.finish; any other type reads as ABORT
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 @dataclass
@@ -44,7 +46,7 @@ class Sampled:
 
     tokens: list[int]
     logprobs: list[float]
-    finish: str  # stop | length | abort
+    finish: FinishReason  # STOP | LENGTH | ABORT
     version: int
     top: Optional[list[list[tuple[float, int]]]] = None  # per token: (log-prob, token id) of the likeliest
 
@@ -160,15 +162,16 @@ class OpenAIService:
         except (TypeError, ValueError):
             version = self.default_version
         top = meta.get("output_top_logprobs")
-        return Sampled([int(q[1]) for q in pairs], [float(q[0]) for q in pairs], FINISH.get(reason, "abort"), version,
-                       [[(float(a[0]), int(a[1])) for a in (alts or [])] for alts in top] if top else None)
+        return Sampled([int(q[1]) for q in pairs], [float(q[0]) for q in pairs], FINISH.get(reason, FinishReason.ABORT),
+                       version, [[(float(a[0]), int(a[1])) for a in (alts or [])] for alts in top] if top else None)
 
     @staticmethod
     def _finish(s: Sampled, tokens: list[int]) -> str:
-        if s.finish == "abort":
+        """OpenAI's finish_reason (its wire strings) of choice `s` answered with `tokens`."""
+        if s.finish == FinishReason.ABORT:
             raise APIError("the engine aborted the generation (it is shutting down or was paused); retry",
                            status=503, kind="server_error")
-        return "stop" if len(tokens) < len(s.tokens) or s.finish == "stop" else "length"
+        return "stop" if len(tokens) < len(s.tokens) or s.finish == FinishReason.STOP else "length"
 
     def _choice(self, s: Sampled, tokens: list[int], text: str, finish: str, calls: Optional[list[dict]],
                 p: Params) -> Choice:

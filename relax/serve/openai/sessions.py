@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from relax.batch import FinishReason
 from relax.rollout.sglang.client import sample_seed
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError, Params, same_message
@@ -132,13 +133,13 @@ class Session:
         with self._lock:
             self._check_open()
             if self.calls >= lim.max_calls:
-                self._end("max_turns")
+                self._end(FinishReason.MAX_TURNS)
                 raise APIError(f"this session made its {lim.max_calls} calls (rollout.max_turns)", code="max_calls")
             base = context[1]  # the segment this call extends (None: it starts one)
             used = 0 if base is None else prompt_len - len(base.prompt)
             left = lim.max_tokens - used
             if left < 1:
-                self._end("length")
+                self._end(FinishReason.LENGTH)
                 raise APIError(f"this session's trajectory holds {used} tokens, its limit "
                                f"(rollout.max_episode_tokens={lim.max_tokens})", code="max_tokens")
             call = self.calls
@@ -165,13 +166,14 @@ class Session:
                 seg = Segment(prompt=list(prompt), tools_key=context[4])
             seg.append(choice.tokens, sampled=True, logprobs=choice.logprobs, version=sampled.version)
             ended = choice.tokens[-1] if choice.tokens and len(choice.tokens) == len(sampled.tokens) \
-                and sampled.finish == "stop" else None
+                and sampled.finish == FinishReason.STOP else None
             seg.stop_token = ended
             seg.answers.append(choice.text)
             seg.rewards.append(0.0)
             if message is not None:
                 seg.messages = list(conversation) + [message]
             else:  # a completion continues by text only where the text is what the engine saw
+                # OpenAI's finish_reason "stop" without a stop token: a stop sequence cut the text
                 cut = choice.finish_reason == "stop" and ended is None
                 seg.text = conversation + choice.text if isinstance(conversation, str) and not cut else ""
             new.append(seg)

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from relax.batch import FinishReason
 from relax.serve.sglang.request import NotReady, Request, Row
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class _Watch:
         if stop_token is None and row.options.stop:
             row.matched = self.stop_match(row)
         if stop_token is not None or row.matched is not None:
-            self.end = "stop"
+            self.end = FinishReason.STOP
             return None
         return []
 
@@ -331,9 +332,10 @@ class Scheduler:
     def _finish_reason(row: Row, reason: str) -> Optional[dict]:
         """SGLang's finish_reason of a row the engine ended with `reason` (None: it was interrupted): the
         `max_new_tokens` limit first, then a stop token or string."""
-        if reason == "length" or (reason == "stop" and row.matched is not None and len(row.tokens) >= row.max_new):
+        if reason == FinishReason.LENGTH or (reason == FinishReason.STOP and row.matched is not None
+                                             and len(row.tokens) >= row.max_new):
             return {"type": "length", "length": row.max_new}
-        if reason == "stop":
+        if reason == FinishReason.STOP:
             return {"type": "stop", "matched": row.matched if row.matched is not None else row.tokens[-1]}
         return None
 
