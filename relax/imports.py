@@ -1,9 +1,11 @@
 """Components named by import path: `package.module:attr`, as `data.reward`, `data.env`, `data.tools` and
-`data.agent` accept them. One reader of the format; each option says what it wants the attribute to be."""
+`data.agent` accept them. One reader of the format (`import_attr`) and one lookup of "a built-in name or an import
+path" (`resolve_component`); each option says what it wants the attribute to be."""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -27,3 +29,26 @@ def import_attr(spec: str) -> Any:
             raise ImportPathError(f"module {module_name!r} has no attribute {attr!r}")
         value = getattr(value, part)
     return value
+
+
+def resolve_component(builtins: Mapping[str, Any], option: str, spec: str, *, error: Callable[[str], Exception],
+                      unknown: str, unloadable: str = "{option}={spec!r}: {exc}", what: str = "",
+                      keep_cause: bool = False) -> Any:
+    """What `spec`, the value of option `option`, names: the built-in `builtins[spec]`, else the attribute of the
+    import path 'package.module:attr' (`import_attr`). Each caller checks the kind of what it gets (a callable, a
+    `Tool`).
+
+    Raises `error(message)`: with `unknown` for a `spec` that is neither a built-in nor has a colon, with `unloadable`
+    for one that does not load. Both are `str.format` templates over `option`, `spec`, `builtins` (the built-in
+    names, sorted) and `what` (what the option wants); `unloadable` also over `exc` (the `ImportPathError`).
+    `keep_cause`: the error raised while importing the user's module becomes the new error's cause (its traceback
+    printed with it); otherwise the chain is cut (`from None`)."""
+    if spec in builtins:
+        return builtins[spec]
+    words = {"option": option, "spec": spec, "builtins": sorted(builtins), "what": what}
+    if ":" not in spec:
+        raise error(unknown.format(**words))
+    try:
+        return import_attr(spec)
+    except ImportPathError as exc:
+        raise error(unloadable.format(**words, exc=exc)) from (exc.__cause__ if keep_cause else None)

@@ -14,7 +14,7 @@ from relax.agents.guess_number import GuessNumber
 from relax.agents.protocol import AgentLoop, Reply, as_step
 from relax.agents.tools import ToolRunner, get_tools, parse_tool_calls
 from relax.batch import FinishReason
-from relax.imports import ImportPathError, import_attr
+from relax.imports import resolve_component
 
 BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber}
 
@@ -27,15 +27,9 @@ def load_callable(spec: str, option: str, builtins: dict[str, Callable[..., Any]
                   expected: str = "a class or a factory called with no arguments") -> Callable[..., Any]:
     """What option `option`'s value `spec` names: a built-in name or 'package.module:attr', callable
     (`AgentSpecError` naming the option otherwise)."""
-    if spec in builtins:
-        return builtins[spec]
-    if ":" not in spec:
-        known = f"one of {sorted(builtins)} or " if builtins else ""
-        raise AgentSpecError(f"{option}={spec!r}: unknown; expected {known}'package.module:attr' ({expected})")
-    try:
-        value = import_attr(spec)
-    except ImportPathError as exc:
-        raise AgentSpecError(f"{option}={spec!r}: {exc}") from None
+    known = "one of {builtins} or " if builtins else ""
+    unknown = "{option}={spec!r}: unknown; expected " + known + "'package.module:attr' ({what})"
+    value = resolve_component(builtins, option, spec, error=AgentSpecError, unknown=unknown, what=expected)
     if not callable(value):
         raise AgentSpecError(f"{option}={spec!r} is not callable ({expected})")
     return value

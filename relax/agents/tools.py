@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from relax.imports import ImportPathError, import_attr
+from relax.imports import resolve_component
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -113,15 +113,10 @@ class ToolSpecError(ValueError):
 
 def get_tool(spec: str) -> Tool:
     """The tool named by `spec`: a built-in name or `package.module:attr` (a `Tool`)."""
-    if spec in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[spec]
-    if ":" not in spec:
-        raise ToolSpecError(f"data.tools: unknown tool {spec!r}; expected one of {sorted(BUILTIN_TOOLS)} or "
-                            "'package.module:attr' naming a relax.agents.tools.Tool")
-    try:
-        value = import_attr(spec)
-    except ImportPathError as exc:
-        raise ToolSpecError(f"data.tools: cannot load {spec!r}: {exc}") from None
+    value = resolve_component(BUILTIN_TOOLS, "data.tools", spec, error=ToolSpecError,
+                              unknown="{option}: unknown tool {spec!r}; expected one of {builtins} or "
+                                      "'package.module:attr' naming a relax.agents.tools.Tool",
+                              unloadable="{option}: cannot load {spec!r}: {exc}")
     if not isinstance(value, Tool):
         raise ToolSpecError(f"data.tools: {spec!r} is a {type(value).__name__}, not a relax.agents.tools.Tool")
     return value

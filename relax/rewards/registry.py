@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from relax.imports import ImportPathError, import_attr
+from relax.imports import resolve_component
 from relax.rewards.calls import RewardFn, RewardSpecError, call_once
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
@@ -46,15 +46,10 @@ def get_reward_fn(spec: str) -> RewardFn:
         raise RewardSpecError(f"data.reward={spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or "
                               "'package.module:function'")
     spec = spec.strip()
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise RewardSpecError(f"data.reward={spec!r}: unknown reward; expected one of {sorted(BUILTIN_REWARDS)} "
-                              "or an import path 'package.module:function'")
-    try:
-        fn = import_attr(spec)
-    except ImportPathError as exc:
-        raise RewardSpecError(f"data.reward={spec!r}: {exc}") from exc.__cause__
+    fn = resolve_component(BUILTIN_REWARDS, "data.reward", spec, error=RewardSpecError,
+                           unknown="{option}={spec!r}: unknown reward; expected one of {builtins} "
+                                   "or an import path 'package.module:function'",
+                           keep_cause=True)
     if not callable(fn):
         raise RewardSpecError(f"data.reward={spec!r}: {spec.partition(':')[2]!r} is not callable")
     return fn
