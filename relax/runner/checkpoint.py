@@ -49,7 +49,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.schema import RelaxConfig
+from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
+from relax.models.write_errors import torch_save
 from relax.runner.errors import RunError
+from relax.tracking.params import flatten_config
 
 PREFIX = "step_"
 STATE = "state.json"
@@ -153,7 +156,6 @@ def read_state(path: Path) -> dict:
 def write_rollout_state(directory: Path, state: dict) -> None:
     """The rollout stream's state (`RolloutStream.state_dict`: tensors, lists, numbers, strings) into a checkpoint (a
     failed write raises an OSError naming the file)."""
-    from relax.models.write_errors import torch_save
 
     torch_save(state, directory / ROLLOUT_STATE)
 
@@ -161,7 +163,6 @@ def write_rollout_state(directory: Path, state: dict) -> None:
 def read_rollout_state(path: Path) -> dict | None:
     """The rollout stream's state of checkpoint `path`, None if it has none. Loaded with `weights_only=True`: a
     checkpoint file cannot run code; a damaged one is a RunError naming it."""
-    from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
 
     file = path / ROLLOUT_STATE
     if not file.is_file():
@@ -241,7 +242,6 @@ def config_differences(saved: Mapping[str, str], current: Mapping[str, str],
 
 
 def _flat(cfg: RelaxConfig) -> dict[str, str]:
-    from relax.tracking.params import flatten_config
 
     return flatten_config(cfg)
 
@@ -366,7 +366,6 @@ def _check_formats(path: Path) -> None:
     """The files of a checkpoint without a manifest that a loader reads, parsed without loading tensor data."""
     from safetensors import safe_open
 
-    from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
 
     for file in _files(path):
         try:

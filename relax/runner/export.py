@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.schema import ModelConfig, RolloutConfig
+from relax.data.tokenizer import ModelFileError, ModelPathError
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
 from relax.train.export import Exported, ExportError, write_hf_directory
@@ -154,7 +155,6 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
     checkpoint, a model that is not there, or a non-empty `out_dir` without `force`; an OSError when a write fails
     (nothing of the export is left then either).
     """
-    from relax.data.tokenizer import ModelFileError, ModelPathError
 
     ckpt = find_checkpoint(Path(source).expanduser())
     out = Path(out_dir).expanduser()

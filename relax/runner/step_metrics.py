@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from relax.agents.protocol import END_REASONS
 from relax.algorithms.functional import exp_log_ratio
+from relax.algorithms.rollout_correction import mismatch_metrics
 from relax.batch import Samples
 from relax.metrics import (
     ABORTED_TOKENS,
@@ -75,7 +77,6 @@ def rollout_metrics(samples: Samples, rewards: torch.Tensor, kept: torch.Tensor,
 
 def episode_metrics(samples: Samples) -> dict[str, float]:
     """Metrics of an agentic batch's episodes (`Samples.episodes`); {} for single-turn responses."""
-    from relax.agents.protocol import END_REASONS
 
     episodes = samples.episodes
     if not episodes:
@@ -225,7 +226,6 @@ def rollout_mismatch(algo_cfg, old_logp: torch.Tensor, rollout_logp: torch.Tenso
     (`old_logp`) and the engine's, over the valid tokens: mean |difference|, max ratio, and the rollout correction's
     diagnostics (`relax.algorithms.rollout_correction.mismatch_metrics`). (TorchPolicy's `rollout_mismatch` measures
     the first two from the first optimizer step when no old log-probs exist.)"""
-    from relax.algorithms.rollout_correction import mismatch_metrics
 
     d = (old_logp.double() - rollout_logp.double())[mask.bool()]
     if d.numel() == 0:

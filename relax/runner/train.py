@@ -18,12 +18,14 @@ from typing import Any
 import torch
 
 from relax import algorithms
+from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import Samples, TrainBatch
 from relax.config.derive import agentic, teacher_model
-from relax.config.evaluation import eval_pass_ks
+from relax.config.evaluation import default_eval_set_name, eval_pass_ks
 from relax.config.schema import ModelConfig, RelaxConfig
-from relax.data.datasets import PromptItem, PromptSampler
+from relax.data.datasets import DataError, PromptItem, PromptSampler, build_datasets, build_eval_sets
+from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
@@ -39,13 +41,15 @@ from relax.metrics import (
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
 )
+from relax.models.lora import check_targets
+from relax.rewards.registry import get_reward_fn
 from relax.roles.workers import ModelInfo
 from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
-from relax.runner.plan import Plan
+from relax.runner.plan import Plan, build_plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.restarts import Restarts
 from relax.runner.rollout_driver.engines import started_engines
@@ -69,6 +73,8 @@ from relax.runner.step_metrics import (
     staleness_metrics,
     truncated_masked_metrics,
 )
+from relax.serve.openai.agents import load_agent
+from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
 EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the training samples of the same ids
 
@@ -87,10 +93,6 @@ class Inputs:
 def prepare(cfg: RelaxConfig) -> Inputs:
     """Tokenizer, datasets (the eval sets by name, none without evaluation) and reward function: the user-input
     failures, before any process starts."""
-    from relax.config.evaluation import default_eval_set_name
-    from relax.data.datasets import DataError, build_datasets, build_eval_sets
-    from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
-    from relax.rewards.registry import get_reward_fn
 
     try:
         if cfg.model.source != "config":
@@ -110,19 +112,16 @@ def prepare(cfg: RelaxConfig) -> Inputs:
                                 "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
         reward_fn = None if cfg.data.reward == "none" else get_reward_fn(cfg.data.reward)
         if agentic(cfg):  # the environment, tools or agent loop load here, so that a bad name fails before Ray
-            from relax.agents.episode import EpisodeMaker
 
             maker = EpisodeMaker.for_config(cfg)
             if maker is not None:
                 maker.close()
         if cfg.data.openai_agent:
-            from relax.serve.openai.agents import load_agent
 
             load_agent(cfg.data.openai_agent)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
         if cfg.model.lora_rank > 0:  # the target layers exist (the architecture only, no weights read)
-            from relax.models.lora import check_targets
 
             check_targets(cfg.model, info.vocab_size, info.pad_token_id)
     except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
@@ -136,7 +135,6 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
     (raises ValueError naming what is unsupported)."""
     from transformers import AutoConfig
 
-    from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
     if cfg.model.source == "gguf":
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
@@ -149,7 +147,6 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
 def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer) -> None:
     """The teacher's files, and its tokenizer: the policy's, token for token (distillation compares the two models'
     log-probs of the same token ids). Raises ValueError naming both models."""
-    from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path
 
     where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
     try:
@@ -269,7 +266,6 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
     its checkpoint and raises `Preempted` (a KeyboardInterrupt: the MLflow run ends KILLED); a second signal, or any
     without it, raises `Preempted` at once.
     """
-    from relax.runner.plan import build_plan
 
     plan = plan or build_plan(cfg)
     runtime = RayRuntime(cfg, plan)  # entered by the first attempt, once the user's inputs are checked

@@ -384,7 +384,7 @@ def test_session_turns_it_into_one_message(unreachable_server: str, tmp_path: Pa
 @pytest.mark.slow
 def test_a_run_whose_store_is_down_stops_the_roles_it_launched(unreachable_server: str, ray_local: Any,
                                                                 small_run: Any, tmp_path: Path) -> None:
-    """The roles start while the driver opens its MLflow run (relax.runner.train._attempt): when the run cannot be
+    """The roles start while the driver opens its MLflow run (relax.runner.train.Recipe.setup): when the run cannot be
     opened, the error is the store's, and no role process is left holding Ray's CPUs."""
     from relax.config import load_config
     from relax.runner.errors import RunError

@@ -120,11 +120,11 @@ def test_a_role_that_dies_while_the_run_stops_is_not_restarted(tmp_path, monkeyp
     import relax.runner.train as train
     from relax.runner.errors import RoleFailure
 
-    def attempt(cfg, plan, runtime, restarts, preemption, **kwargs):
-        preemption.requested, restarts.step = signal.SIGTERM, 4  # SIGTERM came, then the actor died with it
+    def attempt(recipe):
+        recipe.preemption.requested, recipe.restarts.step = signal.SIGTERM, 4  # SIGTERM came, then the actor died
         raise RoleFailure("actor", "died: the actor died unexpectedly")
 
-    monkeypatch.setattr(train, "_attempt", attempt)
+    monkeypatch.setattr(train.Recipe, "train", attempt)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(Preempted) as info:
         train.run(load_config(["train.max_restarts=3"]), output_dir=tmp_path / "out")

@@ -17,7 +17,7 @@ import torch
 
 from relax.batch import Samples
 from relax.config.schema import RelaxConfig
-from relax.rewards.registry import Scores
+from relax.rewards.registry import Scores, score_responses
 from relax.rewards.shaping import overlong_penalty
 from relax.runner.errors import RunError
 
@@ -28,7 +28,6 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
 
     Episodes (`samples.episodes`): the reward is the sum of the rewards their environment or agent loop gave, plus
     the reward function's on the model's last message (`reward_fn` None, `data.reward=none`: the former only)."""
-    from relax.rewards.registry import score_responses
 
     episodes = samples.episodes
     if episodes is not None:

@@ -33,6 +33,7 @@ import torch
 from relax.agents.episode import EpisodeMaker
 from relax.batch import Samples, continuation, extend_responses
 from relax.config.schema import RelaxConfig
+from relax.data.tokenizer import load_tokenizer
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.roles.workers import WEIGHTS_GROUP
 from relax.rollout.sglang.client import (
@@ -52,6 +53,8 @@ from relax.rollout.sglang.router import Router
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.watchdog import Watchdog, first_line
+from relax.serve.openai.agents import AgentRollout
+from relax.serve.openai.protocol import APIError
 
 ABORT_RECHECK_S = 0.2  # an abort sends /abort_request again this often until every request sent is answered
 HEALTH_TIMEOUT_S = 20.0  # SGLang's limit on a /health check's generation (HEALTH_CHECK_TIMEOUT)
@@ -155,8 +158,6 @@ class SGLangEngines:
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
-            from relax.data.tokenizer import load_tokenizer
-            from relax.serve.openai.agents import AgentRollout
 
             self.agents = AgentRollout(self.cfg, load_tokenizer(self.cfg.model), eos_token_ids=self.eos_token_ids,
                                        pad_token_id=self.pad_token_id, send=self._agent_send, host=sg.host)
@@ -241,7 +242,6 @@ class SGLangEngines:
 
     def _agent_send(self, payloads: list[dict]) -> list[dict]:
         """`_send_raw` for the gateway: a request the servers refuse is the agent's bad request (HTTP 400)."""
-        from relax.serve.openai.protocol import APIError
 
         try:
             return self._send_raw(payloads, None)
