@@ -1,4 +1,5 @@
-"""Model construction and the definition of a response token's log-probability.
+"""Model construction (with the one translation of architecture fields between Relax's names and a transformers
+config's: `HF_ARCH_NAMES`) and the definition of a response token's log-probability.
 
 `token_logprobs` defines "log-probability of a response token" for the torch backends and the critic's
 alignment, so that old, new and reference log-probs are computed the same way. The trainer and the reference
@@ -9,7 +10,7 @@ role compute exactly these values through `relax.train.logprobs.response_logprob
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from transformers import PreTrainedModel
@@ -65,20 +66,84 @@ def resolve_model_path(model_cfg: ModelConfig) -> Path:
     return path
 
 
+# ---- the architecture fields: the model config's names and transformers' ---------------------------------------
+
+# Each architecture field of a causal LM under Relax's name (the model config's, `model.num_layers`, for the fields
+# it has; the Megatron backend's `ArchSpec` has them all) -> the attribute of a transformers config that holds it.
+# The one translation between the two: `hf_arch_fields` reads a transformers config through it, `hf_arch_kwargs`
+# writes one.
+HF_ARCH_NAMES: dict[str, str] = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+# the architecture fields a `source=config` model takes from the model config (the others: the tokenizer's vocabulary,
+# tied embeddings, transformers' defaults)
+MODEL_CONFIG_ARCH_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                            "intermediate_size", "max_position_embeddings")
+
+
+def hf_arch_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
+    """Architecture fields under Relax's names as keyword arguments of a transformers config."""
+    return {HF_ARCH_NAMES[name]: value for name, value in fields.items()}
+
+
+def hf_rope(config: Any) -> tuple[Optional[str], Optional[float]]:
+    """(rope type, rope theta) of a transformers config, wherever its version keeps them: `rope_parameters`
+    (transformers 5), else `rope_scaling` and the config's own `rope_theta` (4). The type is "default" (plain
+    RoPE) where none is named; theta None where the config has none."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    name = HF_ARCH_NAMES["rope_theta"]
+    return params.get("rope_type", params.get("type", "default")), params.get(name, getattr(config, name, None))
+
+
+def _rope_theta(config: Any) -> float:
+    theta = hf_rope(config)[1]
+    if theta is None:
+        raise ValueError(f"{config.model_type}: the config has no rope_theta")
+    return float(theta)
+
+
+def hf_arch_fields(config: Any) -> dict[str, Any]:
+    """The architecture fields of a transformers `config` under Relax's names (`HF_ARCH_NAMES`), typed. Where a
+    config may leave one out, transformers' default: as many key/value heads as attention heads, head_dim =
+    hidden_size // heads, untied embeddings. ValueError when the config has no rope_theta."""
+
+    def get(name: str, *default: Any) -> Any:
+        return getattr(config, HF_ARCH_NAMES[name], *default)
+
+    heads = get("num_attention_heads")
+    return {
+        "vocab_size": int(get("vocab_size")),
+        "hidden_size": int(get("hidden_size")),
+        "num_layers": int(get("num_layers")),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(get("num_key_value_heads", None) or heads),
+        "head_dim": int(get("head_dim", None) or get("hidden_size") // heads),
+        "intermediate_size": int(get("intermediate_size")),
+        "rope_theta": _rope_theta(config),
+        "rms_norm_eps": float(get("rms_norm_eps")),
+        "tie_word_embeddings": bool(get("tie_word_embeddings", False)),
+        "max_position_embeddings": int(get("max_position_embeddings")),
+    }
+
+
 def qwen3_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> Any:
     """The Qwen3Config of a `source=config` model (tied embeddings, sdpa attention)."""
     from transformers import Qwen3Config
 
+    arch = {name: getattr(model_cfg, name) for name in MODEL_CONFIG_ARCH_FIELDS}
     return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_key_value_heads=model_cfg.num_key_value_heads,
-        head_dim=model_cfg.head_dim,
-        intermediate_size=model_cfg.intermediate_size,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        tie_word_embeddings=True,
+        **hf_arch_kwargs({"vocab_size": vocab_size, **arch, "tie_word_embeddings": True}),
         pad_token_id=pad_token_id,
         bos_token_id=None,
         eos_token_id=None,

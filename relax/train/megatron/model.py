@@ -17,17 +17,20 @@ from typing import Any, Optional
 
 import torch
 
+from relax.models.hf import hf_arch_fields, hf_rope
+
 SUPPORTED_ARCHS = ("qwen3", "llama")
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What the model builder and the converter need to know of an architecture (HF names in comments)."""
+    """What the model builder and the converter need to know of an architecture: its fields under Relax's names
+    (`relax.models.hf.HF_ARCH_NAMES` translates them to and from transformers')."""
 
     arch: str  # "qwen3" | "llama" (config.model_type)
     vocab_size: int  # rows of the HF embedding
     hidden_size: int
-    num_layers: int  # num_hidden_layers
+    num_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -47,18 +50,6 @@ class ArchSpec:
         return int(math.ceil(self.vocab_size / tp) * tp)
 
 
-def _rope_theta(config: Any) -> float:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ValueError(f"{config.model_type}: rope_type={rope_type!r} is not supported by the Megatron backend "
-                         "(only plain RoPE)")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError(f"{config.model_type}: the config has no rope_theta")
-    return float(theta)
-
-
 def arch_from_hf_config(config: Any) -> ArchSpec:
     """The ArchSpec of a transformers config; ValueError for an architecture the backend does not build."""
     arch = getattr(config, "model_type", None)
@@ -69,22 +60,11 @@ def arch_from_hf_config(config: Any) -> ArchSpec:
         raise ValueError("llama: attention_bias/mlp_bias=true is not supported by the Megatron converter")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act={config.hidden_act!r} is not supported (only silu)")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ArchSpec(
-        arch=arch,
-        vocab_size=int(config.vocab_size),
-        hidden_size=int(config.hidden_size),
-        num_layers=int(config.num_hidden_layers),
-        num_attention_heads=int(heads),
-        num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(head_dim),
-        intermediate_size=int(config.intermediate_size),
-        rope_theta=_rope_theta(config),
-        rms_norm_eps=float(config.rms_norm_eps),
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        max_position_embeddings=int(config.max_position_embeddings),
-    )
+    rope_type = hf_rope(config)[0]
+    if rope_type not in (None, "default"):  # `build_gpt_model` builds plain RoPE of `rope_theta`
+        raise ValueError(f"{config.model_type}: rope_type={rope_type!r} is not supported by the Megatron backend "
+                         "(only plain RoPE)")
+    return ArchSpec(arch=arch, **hf_arch_fields(config))
 
 
 def check_parallel_sizes(spec: ArchSpec, *, tp: int, pp: int) -> None:
