@@ -215,14 +215,14 @@ class RelaxRayLauncher(Launcher):
         from relax.config.schema import TrackingConfig
         from relax.tracking.mlflow_run import Tracker
         from relax.tracking.params import TAG_OVERRIDES, TAG_SWEEP_ID
+        from relax.tracking.run_options import RunOptions
 
         assert self.config is not None
         tc = TrackingConfig(uri=str(OmegaConf.select(self.config, "tracking.uri")),
                             experiment=str(OmegaConf.select(self.config, "tracking.experiment")))
         overrides = " ".join(self.config.hydra.overrides.task)
-        self.parent = Tracker.start(tc, run_name=f"sweep-{self.sweep_id}",
-                                    tags={TAG_SWEEP_ID: str(self.sweep_id), TAG_OVERRIDES: overrides or "(none)"},
-                                    background=False, announce=False)
+        self.parent = Tracker.start(tc, RunOptions(background=False, announce=False), run_name=f"sweep-{self.sweep_id}",
+                                    tags={TAG_SWEEP_ID: str(self.sweep_id), TAG_OVERRIDES: overrides or "(none)"})
         return self.parent.run_id
 
     def _init_ray(self) -> None:

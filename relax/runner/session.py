@@ -152,6 +152,7 @@ class Session:
             CHECKPOINT_DIR_TAG,
             RESUMED_TAG,
             NullTracker,
+            RunOptions,
             Tracker,
             TrackingUnavailable,
             close_orphan_run,
@@ -171,6 +172,7 @@ class Session:
             spool_dir = self.spool_dir()
             # MLflow's system metrics of this machine, sampled until the run ends (relax.tracking.system_metrics)
             system_s = cfg.tracking.system_metrics_interval_s if cfg.tracking.system_metrics else None
+            options = RunOptions(flush_interval_s=flush_s, spool_dir=spool_dir, system_metrics_s=system_s)
             tags = standard_tags(cfg)
             if self.checkpoints is not None and self.checkpoints.uses_dir:  # where relax-verify-run finds them
                 tags[CHECKPOINT_DIR_TAG] = str(self.checkpoints.save_dir)
@@ -180,9 +182,8 @@ class Session:
             if reopen:
                 tags[RESUMED_TAG] = resume_text(resume) if resume is not None else "step 0 (a restart)"
                 try:
-                    self.tracker = Tracker.reopen(cfg.tracking, reopen_id, from_step=self.start_step, tags=tags,
-                                                  keep_history=(RAW_REWARD,), flush_interval_s=flush_s,
-                                                  spool_dir=spool_dir, system_metrics_s=system_s)
+                    self.tracker = Tracker.reopen(cfg.tracking, reopen_id, options, from_step=self.start_step,
+                                                  tags=tags, keep_history=(RAW_REWARD,))
                 except (LookupError, TrackingUnavailable) as exc:
                     what = f"checkpoint {resume.path}" if resume is not None else f"MLflow run {reopen_id}"
                     raise RunError(f"cannot continue {what}: {exc}") from None
@@ -191,10 +192,8 @@ class Session:
                 self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
             else:
                 try:
-                    self.tracker = Tracker.start(cfg.tracking, run_name=cfg.tracking.run_name, tags=tags,
-                                                 params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id,
-                                                 flush_interval_s=flush_s, spool_dir=spool_dir,
-                                                 system_metrics_s=system_s)
+                    self.tracker = Tracker.start(cfg.tracking, options, run_name=cfg.tracking.run_name, tags=tags,
+                                                 params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id)
                 except TrackingUnavailable as exc:  # before training: a wrong URI is the user's to fix
                     raise RunError(str(exc)) from None
         else:

@@ -17,11 +17,13 @@ from relax.tracking.mlflow_run import (
 )
 from relax.tracking.params import STANDARD_TAG_KEYS, flatten_config, standard_tags
 from relax.tracking.progress import Progress, summary
+from relax.tracking.run_options import RunOptions
 
 __all__ = [
     "STANDARD_TAG_KEYS",
     "NullTracker",
     "Progress",
+    "RunOptions",
     "RunTracker",
     "Tracker",
     "TrackingUnavailable",

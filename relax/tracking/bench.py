@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from relax.tracking.mlflow_run import Tracker
+from relax.tracking.run_options import RunOptions
 
 
 def measure_tracking_cost(
@@ -36,13 +37,10 @@ def measure_tracking_cost(
     t0 = time.perf_counter()
     tracker = Tracker.start(
         TrackingConfig(uri=uri, experiment=experiment),
+        RunOptions(flush_every_steps=flush_every_steps, flush_interval_s=1e9, background=background, announce=False),
         run_name="bench",
         tags={},
         params={},
-        flush_every_steps=flush_every_steps,
-        flush_interval_s=1e9,
-        background=background,
-        announce=False,
     )
     start_ms = (time.perf_counter() - t0) * 1000
     keys = [f"bench/metric_{i:02d}" for i in range(metrics_per_step)]

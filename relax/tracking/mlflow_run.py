@@ -51,13 +51,14 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Protocol, TextIO, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar
 
 from relax.metrics import SYSTEM_PREFIX
 from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
 from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
 from relax.tracking.params import truncate_value
+from relax.tracking.run_options import DEFAULT_RUN_OPTIONS, RunOptions
 from relax.tracking.run_writer import (  # noqa: F401 (MAX_METRICS_PER_BATCH: MLflow's limit, re-exported)
     CLOSE_JOIN_S,
     MAX_METRICS_PER_BATCH,
@@ -93,8 +94,6 @@ TRACKING_URI_TAG = "relax.tracking_uri"
 RESUMED_TAG = "relax.resumed"  # a reopened run: at which step and from where it was last continued
 CHECKPOINT_DIR_TAG = "relax.checkpoint_dir"  # where relax-train writes the run's checkpoints (relax-verify-run)
 NONFINITE_MODES = ("skip", "log")
-
-DEFAULT_FINAL_REPLAY_S = 30.0  # how long `finish` keeps trying to replay a spool before leaving it on disk
 
 T = TypeVar("T")
 
@@ -225,11 +224,11 @@ def _validate_metric_key(key: str) -> None:
 class Tracker:
     """One MLflow run: params and tags at start, buffered metrics, text and file artifacts, a final status.
 
-    Create with `Tracker.start(...)`. Use as a context manager so that the run ends FAILED on an
-    exception and KILLED on Ctrl-C instead of staying RUNNING forever. Thread-safe: metrics may be
-    logged from several threads (fully-async training).
+    Create with `Tracker.start(tracking_cfg, RunOptions(...), ...)` (or continue one with `Tracker.reopen`). Use as
+    a context manager so that the run ends FAILED on an exception and KILLED on Ctrl-C instead of staying RUNNING
+    forever. Thread-safe: metrics may be logged from several threads (fully-async training).
 
-    With `background=True` (the default) a daemon thread does the writes, so the training thread only
+    With `RunOptions.background=True` (the default) a daemon thread does the writes, so the training thread only
     appends to a list (microseconds); `background=False` writes inside the `log_metrics` call that makes
     a flush due (deterministic, for tests). `stats` counts batches, metrics and seconds spent writing, and
     for outages: store errors, records spooled and replayed. `spool` is the run's spool (see the module docstring).
@@ -241,39 +240,33 @@ class Tracker:
         run_id: str,
         experiment_id: str,
         uri: str,
-        *,
-        flush_every_steps: int = 10,
-        flush_interval_s: float = 15.0,
-        nonfinite: str = "skip",
-        background: bool = True,
-        spool_dir: Optional[str | os.PathLike[str]] = None,
-        final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
-        stream: Optional[TextIO] = None,
+        options: RunOptions = DEFAULT_RUN_OPTIONS,
     ) -> None:
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-        if flush_every_steps < 1:
-            raise ValueError(f"flush_every_steps must be >= 1, got {flush_every_steps}")
+        if options.nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {options.nonfinite!r}")
+        if options.flush_every_steps < 1:
+            raise ValueError(f"flush_every_steps must be >= 1, got {options.flush_every_steps}")
         self.client = client
         self.run_id: Optional[str] = run_id
         self.experiment_id: Optional[str] = experiment_id
         self.uri: Optional[str] = uri
-        self.nonfinite = nonfinite
+        self.nonfinite = options.nonfinite
         self.nonfinite_counts: dict[str, int] = {}
         self.status: Optional[str] = None  # set by finish
         self.stats = {"batches": 0, "metrics": 0, "write_s": 0.0, "already_recorded": 0,
                       "store_errors": 0, "spooled_records": 0, "replayed_records": 0}
         # every write goes through the writer; writes the store could not take wait in the spool until replayed
         # (the file appears with the first one)
-        spool = Spool(spool_path(spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
-        self.writer = RunWriter(client, run_id, uri, spool, flush_every_steps=flush_every_steps,
-                                flush_interval_s=flush_interval_s, background=background, stats=self.stats)
+        spool = Spool(spool_path(options.spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
+        self.writer = RunWriter(client, run_id, uri, spool, flush_every_steps=options.flush_every_steps,
+                                flush_interval_s=options.flush_interval_s, background=options.background,
+                                stats=self.stats)
         self._lock = self.writer.lock  # the buffer's lock also guards what _log_metrics reads and counts
         self._known_keys: set[str] = set()
         self._closing = False
         self._warned_after_finish = False
-        self.final_replay_s = final_replay_s
-        self._stream = stream
+        self.final_replay_s = options.final_replay_s
+        self._stream = options.stream
         # step -> keys the store already holds at that step (a reopened run's steps being recomputed; see `reopen`)
         self._recorded: dict[int, set[str]] = {}
         self.recorded_history: dict[str, list[tuple[int, float]]] = {}  # reopen(keep_history=...): earlier values
@@ -303,33 +296,26 @@ class Tracker:
     def start(
         cls,
         tracking_cfg: TrackingConfig,
+        options: RunOptions = DEFAULT_RUN_OPTIONS,
         *,
         run_name: Optional[str] = None,
         tags: Optional[Mapping[str, str]] = None,
         params: Optional[Mapping[str, str]] = None,
         parent_run_id: Optional[str] = None,
-        flush_every_steps: int = 10,
-        flush_interval_s: float = 15.0,
-        nonfinite: str = "skip",
-        background: bool = True,
-        announce: bool = True,
-        stream: Optional[TextIO] = None,
-        spool_dir: Optional[str | os.PathLike[str]] = None,
-        final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
-        system_metrics_s: Optional[float] = None,
     ) -> Tracker:
-        """Open a new run in `tracking_cfg.experiment` (created if missing) at the resolved `tracking_cfg.uri`.
+        """Open a new run in `tracking_cfg.experiment` (created if missing) at the resolved `tracking_cfg.uri`,
+        written and reported as `options` say (`RunOptions`).
 
         `run_name` overrides `tracking_cfg.run_name` (both None: MLflow picks a name). `parent_run_id`
         sets `mlflow.parentRunId`, which nests this run under a sweep's parent run in the UI. With
-        `announce`, one line naming the run, the store and the UI command is printed to `stream` (stderr).
-        `spool_dir` holds the run's spool during an outage (default: `default_spool_dir`); spools of earlier
-        runs of the same store left there are replayed first. `system_metrics_s`: sample MLflow's system metrics
-        every that many seconds (`start_system_metrics`); None: none. The run is tagged with the git commit and
-        dirty state of Relax and of the working directory's project (`relax.tracking.git_info`). TrackingUnavailable
-        if the store cannot be reached.
+        `options.announce`, one line naming the run, the store and the UI command is printed to `options.stream`
+        (stderr). `options.spool_dir` holds the run's spool during an outage (default: `default_spool_dir`); spools
+        of earlier runs of the same store left there are replayed first. `options.system_metrics_s`: sample MLflow's
+        system metrics every that many seconds (`start_system_metrics`); None: none. The run is tagged with the git
+        commit and dirty state of Relax and of the working directory's project (`relax.tracking.git_info`).
+        TrackingUnavailable if the store cannot be reached.
         """
-        _check_interval(system_metrics_s)
+        _check_interval(options.system_metrics_s)
         quiet_mlflow_logging()
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
@@ -378,11 +364,9 @@ class Tracker:
             if is_store_error(exc) and not is_rejection(exc):
                 raise _unavailable_at_start(uri, exc, "the run starts") from exc
             raise
-        if spool_dir is not None:
-            replay_leftover_spools(client, uri, spool_dir)
-        tracker = cls(client, run.info.run_id, experiment_id, uri, flush_every_steps=flush_every_steps,
-                      flush_interval_s=flush_interval_s, nonfinite=nonfinite, background=background,
-                      spool_dir=spool_dir, final_replay_s=final_replay_s, stream=stream)
+        if options.spool_dir is not None:
+            replay_leftover_spools(client, uri, options.spool_dir)
+        tracker = cls(client, run.info.run_id, experiment_id, uri, options)
         try:
             if tags:
                 tracker.set_tags(tags)
@@ -391,30 +375,22 @@ class Tracker:
         except BaseException:
             tracker.finish("FAILED")
             raise
-        return tracker._running(system_metrics_s, 0, announce and (
-            f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment {tracking_cfg.experiment!r} at {uri}"),
-            stream)
+        return tracker._running(options, 0, options.announce and (
+            f"MLflow run {run.info.run_name} ({run.info.run_id}) in experiment {tracking_cfg.experiment!r} at {uri}"))
 
     @classmethod
     def reopen(
         cls,
         tracking_cfg: TrackingConfig,
         run_id: str,
+        options: RunOptions = DEFAULT_RUN_OPTIONS,
         *,
         from_step: int = 0,
         tags: Optional[Mapping[str, str]] = None,
         keep_history: Sequence[str] = (),
-        flush_every_steps: int = 10,
-        flush_interval_s: float = 15.0,
-        nonfinite: str = "skip",
-        background: bool = True,
-        announce: bool = True,
-        stream: Optional[TextIO] = None,
-        spool_dir: Optional[str | os.PathLike[str]] = None,
-        final_replay_s: float = DEFAULT_FINAL_REPLAY_S,
-        system_metrics_s: Optional[float] = None,
     ) -> Tracker:
-        """Continue the existing run `run_id` (a resumed training job): status back to RUNNING, same metrics.
+        """Continue the existing run `run_id` (a resumed training job): status back to RUNNING, same metrics;
+        written and reported as `options` say (`RunOptions`).
 
         Steps from `from_step` on are recomputed by the resumed job, and some of them may already be in
         the store (written by the killed process after its last checkpoint). The steps each key already
@@ -422,12 +398,12 @@ class Tracker:
         those (key, step) pairs again, so every step of every key is recorded exactly once; the value kept
         is the first one written. `keep_history` keys get their earlier values in `recorded_history`
         (e.g. the reward, for the end-of-run summary). Params are not logged again (MLflow params are
-        immutable). System metrics (`system_metrics_s`) continue after the run's last sample. A spool the killed
-        job left in `spool_dir` is replayed before all that. LookupError if
+        immutable). System metrics (`options.system_metrics_s`) continue after the run's last sample. A spool the
+        killed job left in `options.spool_dir` is replayed before all that. LookupError if
         the run is not in the store or is deleted; TrackingUnavailable if the store cannot be reached (or the
         spool not replayed).
         """
-        _check_interval(system_metrics_s)
+        _check_interval(options.system_metrics_s)
         quiet_mlflow_logging()
         from mlflow import MlflowClient
 
@@ -446,9 +422,9 @@ class Tracker:
         if run.info.lifecycle_stage == "deleted":
             raise LookupError(f"MLflow run {run_id} in {uri} is deleted; restore it (mlflow runs restore --run-id "
                               f"{run_id}) to continue it")
-        leftover = Spool(spool_path(spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
+        leftover = Spool(spool_path(options.spool_dir or default_spool_dir(uri), run_id), run_id=run_id, uri=uri)
         if leftover.pending:  # written by the job that was killed, before the recorded steps are read below
-            result = leftover.replay(client, run_id, attempts=None, deadline_s=final_replay_s)
+            result = leftover.replay(client, run_id, attempts=None, deadline_s=options.final_replay_s)
             leftover.close()
             if not result.done:
                 raise _unavailable_at_start(uri, result.error or RuntimeError("replay failed"),
@@ -456,9 +432,7 @@ class Tracker:
             logger.info("replayed %d records of %s into run %s", result.records, leftover.path, run_id)
             run = client.get_run(run_id)  # the replayed metrics count as recorded below
         leftover.remove_if_done()
-        tracker = cls(client, run_id, run.info.experiment_id, uri, flush_every_steps=flush_every_steps,
-                      flush_interval_s=flush_interval_s, nonfinite=nonfinite, background=background,
-                      spool_dir=spool_dir, final_replay_s=final_replay_s, stream=stream)
+        tracker = cls(client, run_id, run.info.experiment_id, uri, options)
         try:
             keep = set(keep_history)
             # the highest step of each key (MLflow's latest metrics): keys that stop before from_step need no query
@@ -489,17 +463,17 @@ class Tracker:
         except BaseException:
             tracker.finish("FAILED")
             raise
-        return tracker._running(system_metrics_s, next_system_step, announce and (
+        return tracker._running(options, next_system_step, options.announce and (
             f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in experiment "
-            f"{tracking_cfg.experiment!r} at {uri}"), stream)
+            f"{tracking_cfg.experiment!r} at {uri}"))
 
-    def _running(self, system_metrics_s: Optional[float], first_system_step: int, announcement: str | bool,
-                 stream: Optional[TextIO]) -> Tracker:
+    def _running(self, options: RunOptions, first_system_step: int, announcement: str | bool) -> Tracker:
         """What `start` and `reopen` do last: system metrics sampled (from `first_system_step`), and one line naming
-        the run, the store and the UI command (`announcement`; False: none)."""
-        if system_metrics_s is not None:
-            self.start_system_metrics(system_metrics_s, first_step=first_system_step)
+        the run, the store and the UI command (`announcement`; False: none) printed to `options.stream`."""
+        if options.system_metrics_s is not None:
+            self.start_system_metrics(options.system_metrics_s, first_step=first_system_step)
         if announcement:
+            stream = options.stream
             print(f"{announcement}; view: {self.ui_command()}", file=stream if stream is not None else sys.stderr,
                   flush=True)
         return self
@@ -798,8 +772,17 @@ def replay_leftover_spools(client: MlflowClient, uri: str, spool_dir: str | os.P
             logger.warning("could not replay the spool %s: %s", path, short_error(exc))
 
 
-def start_tracker(tracking_cfg: TrackingConfig, **kwargs: Any) -> Tracker | NullTracker:
-    """`Tracker.start(tracking_cfg, **kwargs)` when `tracking_cfg.enabled`, else a `NullTracker`."""
+def start_tracker(
+    tracking_cfg: TrackingConfig,
+    options: RunOptions = DEFAULT_RUN_OPTIONS,
+    *,
+    run_name: Optional[str] = None,
+    tags: Optional[Mapping[str, str]] = None,
+    params: Optional[Mapping[str, str]] = None,
+    parent_run_id: Optional[str] = None,
+) -> Tracker | NullTracker:
+    """`Tracker.start(tracking_cfg, options, ...)` when `tracking_cfg.enabled`, else a `NullTracker`."""
     if not tracking_cfg.enabled:
         return NullTracker()
-    return Tracker.start(tracking_cfg, **kwargs)
+    return Tracker.start(tracking_cfg, options, run_name=run_name, tags=tags, params=params,
+                         parent_run_id=parent_run_id)

@@ -4,9 +4,13 @@ loop needs no `if`s."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from relax.tracking.inputs import DatasetRecord
+from relax.tracking.run_options import DEFAULT_RUN_OPTIONS, RunOptions
+
+if TYPE_CHECKING:
+    from relax.config.schema import TrackingConfig
 
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")  # how an MLflow run ends
 
@@ -22,8 +26,17 @@ class NullTracker:
         self.nonfinite_counts: dict[str, int] = {}
 
     @classmethod
-    def start(cls, tracking_cfg: Any = None, **kwargs: Any) -> NullTracker:
-        """Same signature as `Tracker.start`; opens nothing."""
+    def start(
+        cls,
+        tracking_cfg: Optional[TrackingConfig] = None,
+        options: RunOptions = DEFAULT_RUN_OPTIONS,
+        *,
+        run_name: Optional[str] = None,
+        tags: Optional[Mapping[str, str]] = None,
+        params: Optional[Mapping[str, str]] = None,
+        parent_run_id: Optional[str] = None,
+    ) -> NullTracker:
+        """Same signature as `Tracker.start` (`tracking_cfg` may be left out); opens nothing."""
         return cls()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

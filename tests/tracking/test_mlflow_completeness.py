@@ -26,7 +26,7 @@ from relax.config import ConfigError, load_config
 from relax.config.schema import TrackingConfig
 from relax.config.validate import validate
 from relax.metrics import SYSTEM_PREFIX
-from relax.tracking import Tracker
+from relax.tracking import RunOptions, Tracker
 from relax.tracking import git_info as G
 from relax.tracking.inputs import CONTEXT_TAG, DatasetRecord, prompts_digest
 from relax.tracking.mlflow_run import run_url
@@ -39,10 +39,10 @@ MLFLOW_SYSTEM_METRICS = ("cpu_utilization_percentage", "system_memory_usage_mega
                          "disk_available_megabytes", "network_receive_megabytes", "network_transmit_megabytes")
 
 
-def start(cfg: TrackingConfig, **kwargs: Any) -> Tracker:
-    kwargs.setdefault("run_name", "test")
-    kwargs.setdefault("announce", False)
-    return Tracker.start(cfg, **kwargs)
+def start(cfg: TrackingConfig, **options: Any) -> Tracker:
+    """`Tracker.start` of a run named "test", without the start line; `options`: `RunOptions` fields."""
+    options.setdefault("announce", False)
+    return Tracker.start(cfg, RunOptions(**options), run_name="test")
 
 
 _EARLIER: set[threading.Thread] = set()  # samplers of trackers other tests left open (not this test's)
@@ -117,7 +117,7 @@ def test_without_system_metrics_no_thread_and_no_system_keys(tracking_cfg: Track
 def test_a_reopened_run_continues_the_samples(tracking_cfg: TrackingConfig) -> None:
     first = start(tracking_cfg, system_metrics_s=60.0)
     first.finish()  # the last sample only: step 0
-    again = Tracker.reopen(tracking_cfg, first.run_id, from_step=0, announce=False, system_metrics_s=60.0)
+    again = Tracker.reopen(tracking_cfg, first.run_id, RunOptions(announce=False, system_metrics_s=60.0), from_step=0)
     again.finish()
     assert steps(MlflowClient(tracking_cfg.uri), first.run_id, CPU) == [0, 1]
     assert sampler_threads() == []

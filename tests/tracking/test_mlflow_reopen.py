@@ -9,13 +9,15 @@ import pytest
 from mlflow import MlflowClient
 
 from relax.config.schema import TrackingConfig
-from relax.tracking import Tracker
+from relax.tracking import RunOptions, Tracker
 from relax.tracking.mlflow_run import RESUMED_TAG
+
+QUIET = RunOptions(announce=False, background=False)  # no start line; writes in the logging call (deterministic)
 
 
 def killed_run(cfg: TrackingConfig, steps: dict[int, dict[str, float]], unflushed: dict[int, dict[str, float]]) -> str:
     """A run as `kill -9` leaves it: `steps` written to the store, `unflushed` only buffered, status RUNNING."""
-    tracker = Tracker.start(cfg, run_name="killed", announce=False, background=False)
+    tracker = Tracker.start(cfg, QUIET, run_name="killed")
     for step, metrics in steps.items():
         tracker.log_metrics(metrics, step)
     tracker.flush()
@@ -41,8 +43,7 @@ def test_reopened_run_records_each_step_once_and_keeps_the_first_value(tracking_
     assert client.get_run(run_id).info.status == "RUNNING"
 
     # the resumed job recomputes from the checkpoint (step 2) on; its values are marked so we can tell them apart
-    tracker = Tracker.reopen(tracking_cfg, run_id, from_step=2, tags={RESUMED_TAG: "step 2"}, announce=False,
-                             background=False)
+    tracker = Tracker.reopen(tracking_cfg, run_id, QUIET, from_step=2, tags={RESUMED_TAG: "step 2"})
     assert client.get_run(run_id).info.status == "RUNNING"
     with tracker:
         for step in (2, 3, 4):
@@ -61,7 +62,8 @@ def test_reopened_run_records_each_step_once_and_keeps_the_first_value(tracking_
 
 def test_reopen_dedups_with_the_background_writer_too(tracking_cfg: TrackingConfig) -> None:
     run_id = killed_run(tracking_cfg, steps={s: {"x": float(s)} for s in range(5)}, unflushed={})
-    with Tracker.reopen(tracking_cfg, run_id, from_step=3, announce=False, flush_interval_s=0.05) as tracker:
+    options = RunOptions(announce=False, flush_interval_s=0.05)  # the background writer, every 50 ms
+    with Tracker.reopen(tracking_cfg, run_id, options, from_step=3) as tracker:
         for step in range(3, 8):
             tracker.log_metrics({"x": float(step)}, step)
         tracker.flush()
@@ -71,15 +73,14 @@ def test_reopen_dedups_with_the_background_writer_too(tracking_cfg: TrackingConf
 
 def test_reopen_returns_earlier_values_of_kept_keys(tracking_cfg: TrackingConfig) -> None:
     run_id = killed_run(tracking_cfg, steps={s: {"r": s / 10, "y": 1.0} for s in range(4)}, unflushed={})
-    with Tracker.reopen(tracking_cfg, run_id, from_step=2, keep_history=("r",), announce=False,
-                        background=False) as tracker:
+    with Tracker.reopen(tracking_cfg, run_id, QUIET, from_step=2, keep_history=("r",)) as tracker:
         assert tracker.recorded_history == {"r": [(0, 0.0), (1, 0.1)]}
 
 
 def test_flush_makes_everything_logged_before_it_durable(tracking_cfg: TrackingConfig) -> None:
     """What a checkpoint relies on: after flush() returns, another client sees every value logged before it."""
-    with Tracker.start(tracking_cfg, run_name="durable", announce=False, flush_every_steps=1000,
-                       flush_interval_s=3600) as tracker:
+    with Tracker.start(tracking_cfg, RunOptions(announce=False, flush_every_steps=1000, flush_interval_s=3600),
+                       run_name="durable") as tracker:
         for step in range(20):
             tracker.log_metrics({"k": float(step), "m": 1.0}, step)
         tracker.flush()
@@ -90,14 +91,14 @@ def test_flush_makes_everything_logged_before_it_durable(tracking_cfg: TrackingC
 
 def test_reopen_of_a_missing_run_is_a_lookup_error(tracking_cfg: TrackingConfig) -> None:
     with pytest.raises(LookupError, match="not in the store"):
-        Tracker.reopen(tracking_cfg, "0" * 32, announce=False, background=False)
+        Tracker.reopen(tracking_cfg, "0" * 32, QUIET)
 
 
 def test_reopen_of_a_deleted_run_is_a_lookup_error(tracking_cfg: TrackingConfig) -> None:
     run_id = killed_run(tracking_cfg, steps={0: {"x": 1.0}}, unflushed={})
     MlflowClient(tracking_cfg.uri).delete_run(run_id)
     with pytest.raises(LookupError, match="deleted"):
-        Tracker.reopen(tracking_cfg, run_id, announce=False, background=False)
+        Tracker.reopen(tracking_cfg, run_id, QUIET)
 
 
 def test_reopen_reads_only_the_histories_it_needs(tracking_cfg: TrackingConfig, monkeypatch) -> None:
@@ -112,8 +113,7 @@ def test_reopen_reads_only_the_histories_it_needs(tracking_cfg: TrackingConfig, 
         return real(self, run_id, key)
 
     monkeypatch.setattr(MlflowClient, "get_metric_history", counting)
-    with Tracker.reopen(tracking_cfg, run_id, from_step=2, keep_history=("r",), announce=False,
-                        background=False) as tracker:
+    with Tracker.reopen(tracking_cfg, run_id, QUIET, from_step=2, keep_history=("r",)) as tracker:
         tracker.log_metrics({"old": 9.0, "new": 9.0}, 2)
     assert sorted(queried) == ["new", "r"]  # "old" ends at step 0; "r" is wanted for its earlier values
     monkeypatch.undo()

@@ -1,28 +1,37 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from mlflow import MlflowClient
 
 from relax.config.schema import RelaxConfig, TrackingConfig
-from relax.tracking import NullTracker, Tracker, flatten_config, resolve_tracking_uri, standard_tags, start_tracker
+from relax.tracking import (
+    NullTracker,
+    RunOptions,
+    Tracker,
+    flatten_config,
+    resolve_tracking_uri,
+    standard_tags,
+    start_tracker,
+)
 from relax.tracking import mlflow_run as M
 from relax.tracking.params import PARAM_VALUE_MAX_LEN, TRUNCATION_MARKER
 
 
-def start(cfg: TrackingConfig, **kwargs: Any) -> Tracker:
-    kwargs.setdefault("tags", {})
-    kwargs.setdefault("params", {})
-    kwargs.setdefault("run_name", "test")
-    kwargs.setdefault("announce", False)
-    return Tracker.start(cfg, **kwargs)
+def start(cfg: TrackingConfig, *, run_name: Optional[str] = "test", tags: Optional[dict[str, str]] = None,
+          params: Optional[dict[str, str]] = None, parent_run_id: Optional[str] = None, **options: Any) -> Tracker:
+    """`Tracker.start` of a run named "test", without tags, params or the start line; `options`: `RunOptions` fields."""
+    options.setdefault("announce", False)
+    return Tracker.start(cfg, RunOptions(**options), run_name=run_name, tags={} if tags is None else tags,
+                         params={} if params is None else params, parent_run_id=parent_run_id)
 
 
 def reopen(cfg: TrackingConfig) -> MlflowClient:
@@ -239,7 +248,7 @@ def test_parent_run_id_nests_child(tracking_cfg: TrackingConfig) -> None:
 
 def test_run_name_from_config(tracking_cfg: TrackingConfig) -> None:
     cfg = dataclasses.replace(tracking_cfg, run_name="from-config")
-    with Tracker.start(cfg, run_name=None, tags={}, params={}, announce=False) as tracker:
+    with Tracker.start(cfg, RunOptions(announce=False), run_name=None, tags={}, params={}) as tracker:
         pass
     assert reopen(tracking_cfg).get_run(tracker.run_id).info.run_name == "from-config"
 
@@ -262,8 +271,25 @@ def test_null_tracker_noops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert list(tmp_path.iterdir()) == []  # no database, no mlruns
 
 
+def test_null_tracker_start_takes_what_tracker_start_takes() -> None:
+    """The loop starts either without an `if`: same parameters, same defaults (a NullTracker needs no config)."""
+    real = inspect.signature(Tracker.start).parameters
+    null = inspect.signature(NullTracker.start).parameters
+    assert list(null) == list(real)
+    assert {k: p.default for k, p in null.items() if k != "tracking_cfg"} == {
+        k: p.default for k, p in real.items() if k != "tracking_cfg"}
+    assert isinstance(NullTracker.start(None, RunOptions(announce=False), run_name="x", tags={}, params={}),
+                      NullTracker)
+
+
+def test_run_options_are_frozen() -> None:
+    options = RunOptions(flush_interval_s=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.flush_interval_s = 2.0  # type: ignore[misc]
+
+
 def test_start_tracker_enabled(tracking_cfg: TrackingConfig) -> None:
-    with start_tracker(tracking_cfg, run_name="x", tags={}, params={}, announce=False) as tracker:
+    with start_tracker(tracking_cfg, RunOptions(announce=False), run_name="x", tags={}, params={}) as tracker:
         assert isinstance(tracker, Tracker)
 
 
