@@ -7,6 +7,7 @@ algorithm never touches it. This module imports torch only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,11 +24,88 @@ def choice(default: Optional[str], options: tuple[str, ...]) -> Any:
 def choices_of(cls: type, name: str) -> Optional[tuple[str, ...]]:
     """The options of field `name` of config class `cls`, declared by `choice` on it or on a base class (a subclass
     may change the default alone)."""
+    return _declared(cls, name, "choices")
+
+
+def _declared(cls: type, name: str, key: str) -> Any:
+    """Metadata `key` of field `name`, from `cls` or the nearest base class that declares it (None: undeclared)."""
     for klass in cls.__mro__:
         for f in getattr(klass, "__dataclass_fields__", {}).values():
-            if f.name == name and "choices" in f.metadata:
-                return f.metadata["choices"]
+            if f.name == name and key in f.metadata:
+                return f.metadata[key]
     return None
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric config field may hold, declared on the field (`positive`, `non_negative`, `in_range`,
+    `finite`) and checked for every field that has one by validation (`relax.config.validate`), which reports
+    `<key>=<value> <says>`."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False  # lo itself is outside the range
+    hi_open: bool = False
+    also: tuple[float, ...] = ()  # values accepted besides the interval (a sentinel such as top_k=-1)
+    finite: bool = False  # nan and +-inf are outside the range even without bounds
+    optional: bool = False  # None passes (it means "derived" or "off", or another rule judges it)
+    # (field, value): checked only while another field of the same section holds that value (the architecture
+    # fields act only for model.source=config)
+    when: Optional[tuple[str, Any]] = None
+    says: str = ""  # the message's predicate; "" states the bounds ("must be > 0", "must be in [0, 1)")
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if value in self.also:
+            return True
+        if self.finite and not math.isfinite(value):
+            return False
+        if self.lo is not None and not (value > self.lo if self.lo_open else value >= self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def message(self, key: str, value: Any) -> str:
+        return f"{key}={value} {self.says or self._bounds()}"
+
+    def _bounds(self) -> str:
+        if self.lo is None and self.hi is None:
+            return "must be a finite number"
+        if self.hi is None:
+            return f"must be {'>' if self.lo_open else '>='} {self.lo}"
+        if self.lo is None:
+            return f"must be {'<' if self.hi_open else '<='} {self.hi}"
+        return f"must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+
+def in_range(default: Any, lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
+             hi_open: bool = False, also: tuple[float, ...] = (), finite: bool = False, optional: bool = False,
+             when: Optional[tuple[str, Any]] = None, says: str = "") -> Any:
+    """A numeric config field whose value must lie between `lo` and `hi` (inclusive unless `lo_open` / `hi_open`;
+    None: unbounded on that side); the other options are `Range`'s. Validation checks every such field."""
+    return field(default=default, metadata={"range": Range(lo, hi, lo_open, hi_open, also, finite, optional, when,
+                                                           says)})
+
+
+def positive(default: Any, **options: Any) -> Any:
+    """A numeric config field that must be > 0 (`in_range`'s options)."""
+    return in_range(default, 0, lo_open=True, **options)
+
+
+def non_negative(default: Any, **options: Any) -> Any:
+    """A numeric config field that must be >= 0 (`in_range`'s options)."""
+    return in_range(default, 0, **options)
+
+
+def finite(default: Any, **options: Any) -> Any:
+    """A float config field that must be a finite number (`in_range`'s options)."""
+    return in_range(default, finite=True, **options)
+
+
+def range_of(cls: type, name: str) -> Optional[Range]:
+    """The `Range` of field `name` of config class `cls`, declared on it or on a base class (a subclass may change
+    the default alone)."""
+    return _declared(cls, name, "range")
 
 
 @dataclass(frozen=True)
@@ -40,17 +118,17 @@ class AlgorithmConfig:
     """
 
     name: str = "grpo"
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = None
+    eps_clip: float = positive(0.2)
+    eps_clip_high: Optional[float] = positive(None, optional=True)
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = non_negative(0.0)
     kl_loss_type: str = choice("k3", ("k1", "k2", "k3"))
-    kl_coef: float = 0.0
+    kl_coef: float = non_negative(0.0)
     # Rollout correction (relax.algorithms.rollout_correction, docs/algorithms.md): truncated importance sampling
     # at the token, sequence or geometric-mean level, and rejection of tokens or responses whose ratio is outside
     # [rollout_mask_low, rollout_mask_high] at the same levels (none: off)
     use_tis: bool = False
-    tis_clip: float = 2.0
+    tis_clip: float = positive(2.0)
     tis_level: str = choice("token", ("token", "sequence", "geometric"))
     rollout_mask: str = choice("none", ("none", "token", "sequence", "geometric"))
     rollout_mask_low: float = 0.5
@@ -59,7 +137,7 @@ class AlgorithmConfig:
     normalize_advantages: bool = False
     normalize_rewards: bool = True
     std_normalization: bool = True
-    entropy_coef: float = 0.0
+    entropy_coef: float = non_negative(0.0)
     # Responses that ended by length (finish_reason "length") get a zero loss mask: no loss, token statistic or
     # denominator sees them, while their reward still counts in their group's baseline. Applied by the runner's mask
     # step (relax.runner.train.train_batch), so every algorithm has it.

@@ -2,18 +2,25 @@
 
 Pure: reads the config and the algorithm registry, imports no backend (megatron-core's presence is looked up
 with `importlib.util.find_spec`, not imported). A model read from files (`model.source=hf`) is checked again by
-the backend when it starts, against the model's own config.json (heads, layers, architecture).
+the backend when it starts, against the model's own config.json (heads, layers, architecture). The rules that the
+Megatron policy also checks when it starts, against the sizes and layers it runs with, are stated once here
+(`sequence_parallel_violation`, `pack_sequences_violation`, `micro_batch_tokens_violation`): validation and the
+policy call the same function.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 from relax.algorithms.base import Violation
 from relax.config.schema import RelaxConfig
 
 MEGATRON_ARCHS = ("qwen3", "llama")
 INSTALL_HINT = "pip install -e '.[megatron]'"
+# What this build runs; options for the rest validate their values but are rejected before start (here and in
+# `relax.config.validate`), with what is available instead. When a backend or mode is built, its line goes.
+NOT_BUILT = "is not available in this build"
 
 
 def megatron_installed() -> bool:
@@ -53,11 +60,49 @@ def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
         require(m.num_layers % pp == 0, ("train.pipeline_parallel_size", "model.num_layers"),
                 f"train.pipeline_parallel_size={pp} must divide model.num_layers={m.num_layers}: pipeline stages "
                 f"hold equal numbers of layers")
-    require(not t.sequence_parallel or tp > 1, ("train.sequence_parallel", "train.tensor_parallel_size"),
-            "train.sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
-            f"train.tensor_parallel_size > 1 (got {t.tensor_parallel_size})")
+    sequence_parallel = sequence_parallel_violation(t.backend, t.sequence_parallel, t.tensor_parallel_size)
+    if sequence_parallel is not None:
+        out.append(sequence_parallel)
     require(t.context_parallel_size == 1, "train.context_parallel_size",
             f"train.context_parallel_size={t.context_parallel_size} is not supported by train.backend=megatron: "
             "megatron-core's context parallelism runs in Transformer Engine's attention, and this backend does not "
             "split sequences over ranks yet (train.sequence_parallel splits activations within tensor parallelism)")
     return out
+
+
+def sequence_parallel_violation(backend: str, sequence_parallel: bool,
+                                tensor_parallel_size: int) -> Optional[Violation]:
+    """train.sequence_parallel's rule on either backend (None: kept). Validation checks the config's sizes with it;
+    the Megatron policy the tensor-parallel size it runs with."""
+    if not sequence_parallel:
+        return None
+    if backend == "torch":
+        return Violation(("train.sequence_parallel",),
+                         "train.sequence_parallel=true needs train.backend=megatron with train.tensor_parallel_size > "
+                         "1 (the torch backend has no tensor parallelism)")
+    if backend == "megatron" and not tensor_parallel_size > 1:
+        return Violation(("train.sequence_parallel", "train.tensor_parallel_size"),
+                         "train.sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
+                         f"train.tensor_parallel_size > 1 (got {tensor_parallel_size})")
+    return None
+
+
+def pack_sequences_violation(backend: str, pack_sequences: bool, layer_spec: str) -> Optional[Violation]:
+    """train.pack_sequences' rule (None: kept). Validation checks the configured train.layer_spec with it; the
+    Megatron policy the layer spec it resolved (auto: local where Transformer Engine cannot run)."""
+    if not pack_sequences or backend == "torch" or layer_spec == "transformer_engine":
+        return None
+    return Violation(("train.pack_sequences", "train.layer_spec"),
+                     "train.pack_sequences=true with train.backend=megatron needs train.layer_spec=transformer_engine "
+                     f"(got {layer_spec}): megatron-core packs sequences through Transformer Engine's attention (THD "
+                     "format), which only GPUs with transformer_engine have; its local layers take no packed sequences")
+
+
+def micro_batch_tokens_violation(backend: str, max_tokens: Optional[int]) -> Optional[Violation]:
+    """train.max_tokens_per_micro_batch's rule (None: kept): only the torch backend forms micro-batches by tokens.
+    Validation checks the config with it; the Megatron policy the token budget a call passes it."""
+    if max_tokens is None or backend == "torch":
+        return None
+    return Violation(("train.max_tokens_per_micro_batch", "train.backend"),
+                     f"train.max_tokens_per_micro_batch {NOT_BUILT} with train.backend={backend}: its micro-batches "
+                     "are formed by rows (train.micro_batch_size)")

@@ -1,7 +1,9 @@
 """The schema of a Relax experiment: every default lives here (or on an algorithm's config class).
 
 YAML files in `conf/` only choose and override. A field whose default is `None` is derived when the
-config is resolved (see `relax.config.resolve`); its comment says from what.
+config is resolved (see `relax.config.resolve`); its comment says from what. A field declared with `choice`,
+`positive`, `non_negative`, `in_range` or `finite` (relax.algorithms.base) carries the values it may hold, which
+validation checks (`relax.config.validate`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from relax.algorithms.base import AlgorithmConfig, choice
+from relax.algorithms.base import AlgorithmConfig, choice, finite, in_range, non_negative, positive
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # LoRA (docs/training.md, "LoRA"): rank > 0 trains low-rank adapters on the target linear layers (PEFT) with the
     # base weights frozen; 0: every parameter. Output = x W^T + (alpha / rank) (x A^T) B^T on each target.
-    lora_rank: int = 0
+    lora_rank: int = non_negative(0)
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     # module names (the last part, e.g. [q_proj,v_proj]) or [all-linear]: every linear layer but the output head
@@ -36,11 +38,11 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     # Architecture of a `source=config` model (Qwen3 layout).
     arch: str = "qwen3"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
+    hidden_size: int = positive(64, when=("source", "config"))
+    num_layers: int = positive(2, when=("source", "config"))
+    num_attention_heads: int = positive(4, when=("source", "config"))
+    num_key_value_heads: int = positive(2, when=("source", "config"))
+    head_dim: int = positive(16, when=("source", "config"))
     intermediate_size: int = 128
     max_position_embeddings: int = 512
 
@@ -68,18 +70,18 @@ class ClusterConfig:
 
     name: str = "local"
     address: Optional[str] = None  # Ray address to join; None starts a local Ray instance
-    num_nodes: int = 1
-    gpus_per_node: int = 0
-    cpus_per_node: Optional[int] = None  # None: this machine's CPU count
+    num_nodes: int = positive(1)
+    gpus_per_node: int = non_negative(0)
+    cpus_per_node: Optional[int] = positive(None, optional=True)  # None: this machine's CPU count
     colocate: bool = True  # actor, rollout, reference (and critic) share the actor's devices
-    actor_gpus: int = 0
-    rollout_gpus: int = 0  # used only when colocate=false
+    actor_gpus: int = non_negative(0)
+    rollout_gpus: int = non_negative(0)  # used only when colocate=false
     rollout_gpus_per_engine: int = 1
     # A role process that sends no heartbeat, or whose running call makes no progress (decode steps, micro-batches),
     # for this many seconds is declared hung and stopped like a crashed one (see train.max_restarts). Every wait of
     # the driver on a role is bounded by it: null is rejected (a very large value keeps the bound and all but turns
     # the watchdog off).
-    heartbeat_timeout_s: Optional[float] = 300.0
+    heartbeat_timeout_s: Optional[float] = positive(300.0, optional=True)  # null: rejected by its own rule
 
 
 @dataclass(frozen=True)
@@ -97,34 +99,35 @@ class SGLangConfig:
     # servers on the trainer's node) | distributed (init_weights_update_group + a broadcast). None: tensor when
     # cluster.colocate on one node, distributed otherwise (resolved with the config; dry_run=true shows it).
     weight_sync: Optional[str] = choice(None, ("tensor", "distributed"))
-    bucket_mb: int = 256  # weights travel in flattened buckets of at most this many MiB
+    bucket_mb: int = in_range(256, 1)  # weights travel in flattened buckets of at most this many MiB
     # cluster.colocate with train.mode=sync: servers release their memory while the actor trains, and resume it
     # (then get the new weights) before the next rollout
     release_memory: bool = True
-    startup_timeout_s: float = 600.0  # a server (or the router) not healthy within this fails the start
-    request_timeout_s: float = 600.0  # one /generate call; a request that fails is retried until this passes
-    health_check_interval_s: float = 5.0
-    health_failures: int = 3  # consecutive failed health checks that declare a server dead (then restarted)
-    max_engine_restarts: int = 3  # restarts of servers in one run before it stops
+    startup_timeout_s: float = positive(600.0)  # a server (or the router) not healthy within this fails the start
+    request_timeout_s: float = positive(600.0)  # one /generate call; a request that fails is retried until this passes
+    health_check_interval_s: float = positive(5.0)
+    health_failures: int = in_range(3, 1)  # consecutive failed health checks that declare a server dead (restarted)
+    max_engine_restarts: int = non_negative(3)  # restarts of servers in one run before it stops
     extra_args: Optional[list[str]] = None  # appended to `python -m sglang.launch_server` (server=sglang only)
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     backend: str = choice("embedded", ("embedded", "sglang"))
-    rollout_batch_size: int = 8  # prompts per rollout
-    n_samples_per_prompt: int = 8  # group size G
-    max_response_len: int = 8  # tokens of one response; with agentic data (data.env/tools/agent), of one model turn
-    max_prompt_len: int = 256
+    rollout_batch_size: int = positive(8)  # prompts per rollout
+    n_samples_per_prompt: int = positive(8)  # group size G
+    # tokens of one response; with agentic data (data.env/tools/agent), of one model turn
+    max_response_len: int = positive(8)
+    max_prompt_len: int = positive(256)
     # Agentic episodes (docs/agents.md): model turns per episode at most (> 1 needs data.env, data.tools or
     # data.agent); tokens of a whole episode after its prompt, the model's and the observations' (None: max_turns x
     # max_response_len x 2); failed tool calls that end an episode.
-    max_turns: int = 1
+    max_turns: int = positive(1)
     max_episode_tokens: Optional[int] = None
-    max_tool_errors: int = 3
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: off
+    max_tool_errors: int = positive(3)
+    temperature: float = positive(1.0)
+    top_p: float = in_range(1.0, 0, 1, lo_open=True)
+    top_k: int = in_range(-1, 0, lo_open=True, also=(-1,), says="must be -1 (off) or > 0")  # -1: off
     # fully_async: a weight update interrupts the responses in flight, which continue from their prefix with the
     # new weights (each token records its version)
     partial_rollout: bool = False
@@ -133,20 +136,23 @@ class RolloutConfig:
     # None: on in hybrid and fully_async modes with embedded engines on GPUs; off on CPU-only clusters (the copy
     # runs on the cores that generate: docs/performance.md measures it) and in sync mode (nothing to overlap).
     stage_weights: Optional[bool] = None
-    partial_rollout_max_aborts: int = 4  # interruptions of one rollout batch at most; later updates wait for it
+    # interruptions of one rollout batch at most; later updates wait for it
+    partial_rollout_max_aborts: int = positive(4)
     # leave the tokens of older versions than their response's last (an interrupted prefix) out of the loss
     mask_offpolicy_in_partial_rollout: bool = False
-    num_replicas: int = 1
+    num_replicas: int = positive(1)
     # DAPO's dynamic sampling (docs/training.md, "Dynamic sampling"): groups whose trained rewards are all equal
     # (no learning signal) are dropped, and further rounds of over_sampling_batch_size prompts are generated until
     # rollout_batch_size groups with signal are collected, or max_filter_rounds rounds were generated (then the batch
     # is filled with dropped groups, and a warning says so).
     filter_groups: bool = False
     over_sampling_batch_size: Optional[int] = None  # prompts per generation round; None: rollout_batch_size
-    max_filter_rounds: int = 4  # generation rounds of one rollout batch at most (>= 1)
-    eval_n_samples_per_prompt: int = 1  # n: responses to each eval prompt
-    eval_temperature: float = 0.0  # 0 means greedy in evaluation only
-    eval_top_p: float = 1.0  # nucleus sampling in evaluation (needs eval_temperature > 0); top_k is off there
+    max_filter_rounds: int = in_range(4, 1, when=("filter_groups", True),  # generation rounds of one batch at most
+                                      says="must be >= 1 (generation rounds per rollout batch)")
+    eval_n_samples_per_prompt: int = positive(1)  # n: responses to each eval prompt
+    eval_temperature: float = non_negative(0.0)  # 0 means greedy in evaluation only
+    # nucleus sampling in evaluation (needs eval_temperature > 0); top_k is off there
+    eval_top_p: float = in_range(1.0, 0, 1, lo_open=True)
     # model.lora_rank > 0: what a weight update sends the engines. merged: the base weights with B A added (any
     # engine); adapter: only the adapter tensors, which the engine applies beside its base weights
     lora_sync: str = choice("merged", ("merged", "adapter"))
@@ -156,35 +162,35 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     backend: str = choice("torch", ("torch", "megatron"))
-    global_batch_size: Optional[int] = None  # None: samples per rollout / num_steps_per_rollout
-    micro_batch_size: int = 8
+    global_batch_size: Optional[int] = positive(None)  # None: samples per rollout / num_steps_per_rollout
+    micro_batch_size: int = positive(8)
     # Micro-batches of the train phase (log-prob passes and optimizer steps of the actor, reference, teacher and
     # critic) also hold at most this many tokens, padding included (rows x the micro-batch's longest prompt + longest
     # response): short responses share a micro-batch, long ones get one of fewer rows (a sequence longer than the
     # budget runs alone), so memory follows tokens, not rows. None: rows only (micro_batch_size). torch backend.
-    max_tokens_per_micro_batch: Optional[int] = None
+    max_tokens_per_micro_batch: Optional[int] = positive(None, optional=True)
     # The rows of each micro-batch run as one packed sequence, without padding (position ids restart per sequence;
     # attention stays inside each), for the actor, reference, teacher and critic: compute follows the real tokens.
     # With max_tokens_per_micro_batch, a micro-batch's tokens are then the sum of its rows'. torch backend.
     pack_sequences: bool = False
-    num_steps_per_rollout: Optional[int] = None  # None: samples per rollout / global_batch_size (or 1)
-    num_rollout: int = 60
-    lr: float = 1e-6
+    num_steps_per_rollout: Optional[int] = positive(None)  # None: samples per rollout / global_batch_size (or 1)
+    num_rollout: int = positive(60)
+    lr: float = positive(1e-6)
     lr_schedule: str = choice("constant", ("constant", "cosine", "linear"))
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    clip_grad: float = 1.0
+    warmup_steps: int = non_negative(0)
+    min_lr_ratio: float = in_range(0.0, 0, 1)
+    weight_decay: float = non_negative(0.0)
+    adam_beta1: float = in_range(0.9, 0, 1, hi_open=True)
+    adam_beta2: float = in_range(0.999, 0, 1, hi_open=True)
+    clip_grad: float = non_negative(1.0)
     # An optimizer step whose loss or gradient norm is not finite is skipped (weights, optimizer state and lr schedule
     # unchanged; counted in train/skipped_steps); this many skipped in a row stop the run (exit 2), keeping the
     # checkpoints committed so far.
-    max_skipped_steps: int = 3
+    max_skipped_steps: int = positive(3)
     # A role process that dies or hangs restarts the whole service graph from the latest checkpoint (step 0 without
     # one), in the same relax-train invocation and MLflow run, at most this many times in a run; 0: stop at the
     # first. (A dead embedded rollout replica is replaced in place, counted against the same limit.)
-    max_restarts: int = 3
+    max_restarts: int = non_negative(3)
     # A checkpoint that cannot be written (disk full, unwritable, I/O error): stop (the run stops with the error,
     # the previous checkpoint intact) | continue (noted, counted in fault/checkpoint_failures, training goes on).
     save_failures: str = choice("stop", ("stop", "continue"))
@@ -194,7 +200,7 @@ class TrainConfig:
     # Longest wait, in seconds, for the roles to write or read a checkpoint; beyond it the role is treated as hung
     # (a restart, see max_restarts; the unfinished checkpoint is never committed). A process stuck in file I/O keeps
     # sending heartbeats, so cluster.heartbeat_timeout_s alone would not end such a wait.
-    checkpoint_timeout_s: float = 1800.0
+    checkpoint_timeout_s: float = positive(1800.0)
     calculate_per_token_loss: Optional[bool] = None  # None: the algorithm's choice
     # The optimizer steps of a rollout (num_steps_per_rollout of them) take equal shares of its response tokens rather
     # than global_batch_size rows each: a step follows the tokens produced (more short responses, fewer long ones).
@@ -202,9 +208,10 @@ class TrainConfig:
     use_dynamic_global_batch_size: bool = False
     mode: str = choice("sync", ("sync", "fully_async", "hybrid"))  # docs/training.md, "Training modes"
     # Largest trainer_version - token_version a trained token may have. None: 0 (sync), 1 (hybrid, fully_async).
-    max_staleness: Optional[int] = None
-    weight_sync_interval: int = 1  # fully_async: publish weights to the rollout every N steps (<= max_staleness + 1)
-    tensor_parallel_size: int = 1
+    max_staleness: Optional[int] = non_negative(None, optional=True)
+    # fully_async: publish weights to the rollout every N steps (<= max_staleness + 1)
+    weight_sync_interval: int = positive(1)
+    tensor_parallel_size: int = positive(1)
     # train.backend=megatron, tensor_parallel_size > 1: the tensor-parallel ranks also split the sequence outside
     # attention and the MLP (norms, residuals, dropout), so each holds 1/tp of those activations
     sequence_parallel: bool = False
@@ -212,27 +219,27 @@ class TrainConfig:
     # transformer_engine: Transformer Engine's fused modules (GPUs, transformer_engine installed on the actor's
     # machines); auto: transformer_engine where the actor's rank has a GPU and can import it, else local
     layer_spec: str = choice("auto", ("auto", "local", "transformer_engine"))
-    pipeline_parallel_size: int = 1
-    context_parallel_size: int = 1
+    pipeline_parallel_size: int = positive(1)
+    context_parallel_size: int = positive(1)
     dynamic_context_parallel: bool = False
     ref_load: Optional[str] = None  # reference weights; None: the policy's initial weights
-    save_interval: int = 0  # 0: save only at the end
+    save_interval: int = non_negative(0)  # 0: save only at the end
     # None: <cwd>/checkpoints/<tracking.experiment>/<run name> (run name: tracking.run_name, else <arm>-seed<seed>)
     save_dir: Optional[str] = None
     save: bool = True
-    keep_checkpoints: int = 2  # committed checkpoints kept in save_dir (>= 1); older ones are removed
+    keep_checkpoints: int = positive(2)  # committed checkpoints kept in save_dir (>= 1); older ones are removed
     # the final policy as a Hugging Face directory: at the end of the run the final checkpoint is exported (as
     # relax-export does) to <save_dir>/hf, either backend; megatron also writes hf/ into every checkpoint
     save_hf: bool = False
     resume: Optional[str] = None  # auto (latest in save_dir, fresh if none) | a checkpoint directory
     # Evaluate every N steps and after the last step (docs/training.md, "Evaluation"); 0: no evaluation.
-    eval_interval: int = 0
+    eval_interval: int = non_negative(0)
     # k of the logged pass@k (eval/<set>/pass_at_<k>), each in 1..rollout.eval_n_samples_per_prompt, ascending.
     # None: [1, n].
     eval_pass_k: Optional[list[int]] = None
     # An eval response counts as correct (for pass@k) when its reward is >= this (1.0: the full reward of the
     # built-in rewards).
-    eval_correct_threshold: float = 1.0
+    eval_correct_threshold: float = finite(1.0)
 
 
 @dataclass(frozen=True)
@@ -261,30 +268,31 @@ class DataConfig:
     # A reward call that raises or returns a non-finite value: drop_group (leave its whole group out of the
     # statistics and the loss, counted in rollout/reward_errors and rollout/reward_dropped_frac) | raise (stop
     # the run with the traceback of the first failure).
-    reward_error: str = "drop_group"
+    reward_error: str = choice("drop_group", ("drop_group", "raise"))
     # Seconds one reward call may take; a slower call is stopped and counts as a failed call (see reward_error).
     # Calls then run in worker processes (a hung one is killed); None: no limit, calls run in the driver.
-    reward_timeout_s: Optional[float] = 60.0
+    reward_timeout_s: Optional[float] = positive(60.0, optional=True)
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.
     system_prompt: Optional[str] = None
     # DAPO's soft overlong punishment of training rewards (docs/training.md, "Overlong responses"): a response within
     # the last overlong_buffer_len tokens of rollout.max_response_len loses up to overlong_penalty_factor, linearly
     # in its length (all of it at the limit). 0: off. Evaluation rewards are never shaped.
     overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: float = positive(1.0)
     # Agentic rollouts (docs/agents.md), each a built-in name or package.module:attr: the environment that answers
     # each model turn (guess_number), the tools the model may call (calculator), or an agent loop that decides every
     # observation itself (instead of env and tools). None / []: single-turn responses.
     env: Optional[str] = None
     tools: list[str] = field(default_factory=list)
     agent: Optional[str] = None
-    tool_timeout_s: Optional[float] = 10.0  # seconds one tool call may take (worker processes); None: no limit
+    # seconds one tool call may take (worker processes); None: no limit
+    tool_timeout_s: Optional[float] = positive(10.0, optional=True)
     # An agent program that speaks the OpenAI API (docs/agents.md, rollout=sglang): 'package.module:function', called
     # as function(item, base_url, api_key) -> reward or None once per sample, in one of agent_workers worker
     # processes, each run within agent_timeout_s seconds; its calls through the training gateway are the sample.
     openai_agent: Optional[str] = None
-    agent_timeout_s: float = 300.0
-    agent_workers: int = 8
+    agent_timeout_s: float = positive(300.0)
+    agent_workers: int = positive(8)
     # An episode's reward as the algorithm sees it: episode (the sum of its turn rewards and data.reward, one scalar)
     # | per_turn (each turn's reward on that turn's last token, data.reward on the last one; for algorithms whose
     # advantages take token rewards, PPO and REINFORCE++, which discount them with their gamma over the model's tokens)
@@ -304,7 +312,7 @@ class TrackingConfig:
     # MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network, GPU with nvidia-ml-py) of the
     # driver's machine, sampled every system_metrics_interval_s seconds (and once at the end) into the run
     system_metrics: bool = True
-    system_metrics_interval_s: float = 10.0
+    system_metrics_interval_s: float = positive(10.0, finite=True, says="must be a number of seconds > 0")
     # the final policy as an MLflow model (mlflow.transformers flavor, from the train.save_hf export) in the run
     log_model: bool = False
 
@@ -319,5 +327,5 @@ class RelaxConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    seed: int = 1
+    seed: int = non_negative(1)
     dry_run: bool = False

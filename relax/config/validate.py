@@ -8,13 +8,18 @@ just the first, so a user fixes a config in one go.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from relax import algorithms
-from relax.algorithms.base import Violation, choices_of
+from relax.algorithms.base import Range, Violation, choices_of, range_of
 from relax.config.derive import agentic, data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
-from relax.config.megatron_rules import megatron_violations
+from relax.config.megatron_rules import (
+    NOT_BUILT,
+    megatron_violations,
+    micro_batch_tokens_violation,
+    pack_sequences_violation,
+    sequence_parallel_violation,
+)
 from relax.config.schema import RelaxConfig
 
 
@@ -41,14 +46,22 @@ class _Rules:
         if not ok:
             self.found.append(Violation((fields,) if isinstance(fields, str) else tuple(fields), message))
 
+    def add(self, violation: Violation | None) -> None:
+        """A rule stated elsewhere (`relax.config.megatron_rules`) that returns its violation or None."""
+        if violation is not None:
+            self.found.append(violation)
+
     def choice(self, key: str, value: object, options: tuple[str, ...]) -> None:
         self.require(value in options, key, f"{key}={value!r} must be one of {', '.join(options)}")
 
-    def positive(self, key: str, value: float | int | None) -> None:
-        self.require(value is not None and value > 0, key, f"{key}={value} must be > 0")
+    def within(self, key: str, value: object, allowed: Range) -> None:
+        self.require(allowed.admits(value), key, allowed.message(key, value))
 
-    def non_negative(self, key: str, value: float | int) -> None:
-        self.require(value >= 0, key, f"{key}={value} must be >= 0")
+    def positive(self, key: str, value: float | int | None) -> None:
+        self.within(key, value, _POSITIVE)
+
+
+_POSITIVE = Range(0, lo_open=True)
 
 
 def _choices(cfg: RelaxConfig, r: _Rules) -> None:
@@ -65,13 +78,28 @@ def _choices(cfg: RelaxConfig, r: _Rules) -> None:
 
 
 def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
-    a, ro, t, c, m = cfg.algorithm, cfg.rollout, cfg.train, cfg.cluster, cfg.model
-    r.positive("algorithm.eps_clip", a.eps_clip)
-    if a.eps_clip_high is not None:
-        r.positive("algorithm.eps_clip_high", a.eps_clip_high)
-    for key in ("kl_loss_coef", "kl_coef", "entropy_coef"):
-        r.non_negative(f"algorithm.{key}", getattr(a, key))
-    r.positive("algorithm.tis_clip", a.tis_clip)
+    """Every field that the schema declares with a range (`positive`, `non_negative`, `in_range`, `finite`) holds a
+    value in it: seed, then section by section (rollout.sglang's are checked with that section, where it is used:
+    `_sglang`)."""
+    _declared_ranges(cfg, "", r)
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(value):
+            _declared_ranges(value, f"{section.name}.", r)
+
+
+def _declared_ranges(section: object, prefix: str, r: _Rules) -> None:
+    """The range rule of each field of `section` (a config dataclass) that declares one, keys `<prefix><field>`."""
+    for f in dataclasses.fields(section):
+        allowed = range_of(type(section), f.name)
+        if allowed is None or (allowed.when is not None and getattr(section, allowed.when[0]) != allowed.when[1]):
+            continue
+        r.within(f"{prefix}{f.name}", getattr(section, f.name), allowed)
+
+
+def _combinations(cfg: RelaxConfig, r: _Rules) -> None:
+    """Rules between a field and another that its range alone does not state."""
+    a, t, c, m = cfg.algorithm, cfg.train, cfg.cluster, cfg.model
     r.require(
         not a.use_kl_loss or a.kl_loss_coef > 0,
         ("algorithm.use_kl_loss", "algorithm.kl_loss_coef"),
@@ -82,39 +110,12 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
         ("algorithm.kl_loss_coef", "algorithm.use_kl_loss"),
         f"algorithm.kl_loss_coef={a.kl_loss_coef} has no effect without algorithm.use_kl_loss=true",
     )
-    for key in ("rollout_batch_size", "n_samples_per_prompt", "max_response_len", "max_prompt_len", "num_replicas"):
-        r.positive(f"rollout.{key}", getattr(ro, key))
-    r.positive("rollout.eval_n_samples_per_prompt", ro.eval_n_samples_per_prompt)
-    r.require(ro.temperature > 0, "rollout.temperature", f"rollout.temperature={ro.temperature} must be > 0")
-    r.non_negative("rollout.eval_temperature", ro.eval_temperature)
-    r.require(0 < ro.top_p <= 1, "rollout.top_p", f"rollout.top_p={ro.top_p} must be in (0, 1]")
-    r.require(ro.top_k == -1 or ro.top_k > 0, "rollout.top_k", f"rollout.top_k={ro.top_k} must be -1 (off) or > 0")
-    for key in ("global_batch_size", "micro_batch_size", "num_steps_per_rollout", "num_rollout", "lr"):
-        r.positive(f"train.{key}", getattr(t, key))
-    for key in ("clip_grad", "weight_decay", "warmup_steps", "save_interval", "eval_interval"):
-        r.non_negative(f"train.{key}", getattr(t, key))
-    if t.max_staleness is not None:
-        r.non_negative("train.max_staleness", t.max_staleness)
-    if t.max_tokens_per_micro_batch is not None:
-        r.positive("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch)
-        r.require(t.backend == "torch", ("train.max_tokens_per_micro_batch", "train.backend"),
-                  f"train.max_tokens_per_micro_batch {NOT_BUILT} with train.backend={t.backend}: its micro-batches "
-                  "are formed by rows (train.micro_batch_size)")
-    r.require(not t.pack_sequences or t.backend == "torch" or t.layer_spec == "transformer_engine",
-              ("train.pack_sequences", "train.layer_spec"),
-              f"train.pack_sequences=true with train.backend=megatron needs train.layer_spec=transformer_engine "
-              f"(got {t.layer_spec}): megatron-core packs sequences through Transformer Engine's attention (THD "
-              "format), which only GPUs with transformer_engine have; its local layers take no packed sequences")
-    r.positive("train.weight_sync_interval", t.weight_sync_interval)
+    r.add(micro_batch_tokens_violation(t.backend, t.max_tokens_per_micro_batch))
+    r.add(pack_sequences_violation(t.backend, t.pack_sequences, t.layer_spec))
     r.require(not t.use_dynamic_global_batch_size or (t.num_steps_per_rollout or 1) > 1,
               ("train.use_dynamic_global_batch_size", "train.num_steps_per_rollout"),
               "train.use_dynamic_global_batch_size=true has no effect with one optimizer step per rollout "
               "(train.num_steps_per_rollout=1): the step takes the whole rollout either way")
-    r.positive("rollout.partial_rollout_max_aborts", ro.partial_rollout_max_aborts)
-    r.positive("train.keep_checkpoints", t.keep_checkpoints)
-    r.positive("train.max_skipped_steps", t.max_skipped_steps)
-    r.non_negative("train.max_restarts", t.max_restarts)
-    r.positive("train.checkpoint_timeout_s", t.checkpoint_timeout_s)
     r.require(t.save or t.save_failures == "stop", ("train.save_failures", "train.save"),
               f"train.save_failures={t.save_failures} has no effect with train.save=false")
     r.require(t.save or t.save_on_preempt, ("train.save_on_preempt", "train.save"),
@@ -122,17 +123,7 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(c.heartbeat_timeout_s is not None, "cluster.heartbeat_timeout_s",
               "cluster.heartbeat_timeout_s=null would let the driver wait on a hung role forever; set a number of "
               "seconds (a very large one, such as 86400, all but turns the watchdog off and keeps every wait bounded)")
-    if c.heartbeat_timeout_s is not None:
-        r.positive("cluster.heartbeat_timeout_s", c.heartbeat_timeout_s)
-    for key in ("adam_beta1", "adam_beta2"):
-        value = getattr(t, key)
-        r.require(0 <= value < 1, f"train.{key}", f"train.{key}={value} must be in [0, 1)")
-    r.require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
-        r.positive(f"train.{key}", getattr(t, key))
     if m.source == "config":
-        for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            r.positive(f"model.{key}", getattr(m, key))
         r.require(
             m.num_key_value_heads > 0 and m.num_attention_heads % m.num_key_value_heads == 0,
             ("model.num_attention_heads", "model.num_key_value_heads"),
@@ -141,16 +132,6 @@ def _ranges(cfg: RelaxConfig, r: _Rules) -> None:
         )
         r.require(m.head_dim % 2 == 0, "model.head_dim",
                   f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs of dimensions")
-    for key in ("num_nodes",):
-        r.positive(f"cluster.{key}", getattr(c, key))
-    for key in ("gpus_per_node", "actor_gpus", "rollout_gpus"):
-        r.non_negative(f"cluster.{key}", getattr(c, key))
-    if c.cpus_per_node is not None:
-        r.positive("cluster.cpus_per_node", c.cpus_per_node)
-    r.choice("data.reward_error", cfg.data.reward_error, ("drop_group", "raise"))
-    if cfg.data.reward_timeout_s is not None:
-        r.positive("data.reward_timeout_s", cfg.data.reward_timeout_s)
-    r.require(cfg.seed >= 0, "seed", f"seed={cfg.seed} must be >= 0")
 
 
 def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
@@ -242,9 +223,7 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
         r.require(t.context_parallel_size == 1, "train.context_parallel_size",
                   f"train.context_parallel_size={t.context_parallel_size} {NOT_BUILT}: neither backend has context "
                   "parallelism (megatron-core's needs Transformer Engine's attention)")
-        r.require(not t.sequence_parallel, "train.sequence_parallel",
-                  "train.sequence_parallel=true needs train.backend=megatron with train.tensor_parallel_size > 1 "
-                  "(the torch backend has no tensor parallelism)")
+        r.add(sequence_parallel_violation(t.backend, t.sequence_parallel, t.tensor_parallel_size))
         r.require(t.layer_spec == "auto", "train.layer_spec",
                   f"train.layer_spec={t.layer_spec} chooses megatron-core's layers: it needs train.backend=megatron")
     elif t.backend == "megatron" and c.actor_gpus == 0:
@@ -297,13 +276,7 @@ def _sglang(cfg: RelaxConfig, r: _Rules) -> None:
               "rollout.num_replicas >= 2 (sglang-router refuses to start otherwise)")
     if sg.weight_sync is not None:
         r.choice("rollout.sglang.weight_sync", sg.weight_sync, choices_of(type(sg), "weight_sync"))
-    for key in ("bucket_mb", "health_failures"):
-        r.require(getattr(sg, key) >= 1, f"rollout.sglang.{key}",
-                  f"rollout.sglang.{key}={getattr(sg, key)} must be >= 1")
-    r.require(sg.max_engine_restarts >= 0, "rollout.sglang.max_engine_restarts",
-              f"rollout.sglang.max_engine_restarts={sg.max_engine_restarts} must be >= 0")
-    for key in ("startup_timeout_s", "request_timeout_s", "health_check_interval_s"):
-        r.require(getattr(sg, key) > 0, f"rollout.sglang.{key}", f"rollout.sglang.{key}={getattr(sg, key)} must be > 0")
+    _declared_ranges(sg, "rollout.sglang.", r)
     if sg.urls is not None:
         r.require(len(sg.urls) > 0, "rollout.sglang.urls", "rollout.sglang.urls=[] names no server (leave it unset "
                   "to launch servers)")
@@ -428,11 +401,6 @@ def _flags(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
               "use either reward-side KL or a KL loss, not both")
 
 
-# What this build runs; options for the rest validate their values but are rejected here, before start, with
-# what is available instead. When a backend or mode is built, its line goes.
-NOT_BUILT = "is not available in this build"
-
-
 def _not_built(cfg: RelaxConfig, r: _Rules) -> None:
     """Options that are planned (context parallelism, a Megatron teacher) but have nothing behind them yet."""
     t, _ro, _c = cfg.train, cfg.rollout, cfg.cluster
@@ -481,7 +449,6 @@ def _overlong(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(0 <= buffer < max(limit, 1), ("data.overlong_buffer_len", name),
               f"data.overlong_buffer_len={buffer} must be in [0, {name}={limit}): the penalty starts {limit} - "
               "overlong_buffer_len tokens into a response, and some length must stay unpenalised (0: off)")
-    r.positive("data.overlong_penalty_factor", factor)
     r.require(buffer != 0 or not _changed(d, "overlong_penalty_factor"),
               ("data.overlong_penalty_factor", "data.overlong_buffer_len"),
               f"data.overlong_penalty_factor={factor} has no effect with data.overlong_buffer_len=0 (no overlong "
@@ -506,8 +473,6 @@ def _dynamic_sampling(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -
               ("rollout.over_sampling_batch_size", "rollout.rollout_batch_size"),
               f"rollout.over_sampling_batch_size={over} must be >= rollout.rollout_batch_size={ro.rollout_batch_size}: "
               "each generation round draws that many prompts, and the first round must be able to fill the batch")
-    r.require(ro.max_filter_rounds >= 1, "rollout.max_filter_rounds",
-              f"rollout.max_filter_rounds={ro.max_filter_rounds} must be >= 1 (generation rounds per rollout batch)")
 
 
 def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
@@ -522,8 +487,6 @@ def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
                   "tracking.log_model=true logs the Hugging Face directory that train.save_hf=true exports at the end "
                   "of the run: set train.save_hf=true too")
     interval = tr.system_metrics_interval_s
-    r.require(math.isfinite(interval) and interval > 0, "tracking.system_metrics_interval_s",
-              f"tracking.system_metrics_interval_s={interval} must be a number of seconds > 0")
     r.require(tr.system_metrics or not _changed(tr, "system_metrics_interval_s"),
               ("tracking.system_metrics_interval_s", "tracking.system_metrics"),
               f"tracking.system_metrics_interval_s={interval} has no effect with tracking.system_metrics=false")
@@ -611,7 +574,6 @@ def _lora(cfg: RelaxConfig, r: _Rules) -> None:
     """LoRA's options (model.lora_*, rollout.lora_sync). That the target modules exist is checked against the model's
     architecture before Ray starts (`relax.models.lora.check_targets`), naming the layers it has."""
     m, ro = cfg.model, cfg.rollout
-    r.non_negative("model.lora_rank", m.lora_rank)
     if m.lora_rank <= 0:
         for key in ("lora_alpha", "lora_dropout", "lora_target_modules"):
             r.require(not _changed(m, key), (f"model.{key}", "model.lora_rank"),
@@ -641,12 +603,9 @@ def _lora(cfg: RelaxConfig, r: _Rules) -> None:
 def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:
     """Evaluation's sampling, its pass@k and its eval sets (docs/training.md, "Evaluation")."""
     ro, t, d = cfg.rollout, cfg.train, cfg.data
-    r.require(0 < ro.eval_top_p <= 1, "rollout.eval_top_p", f"rollout.eval_top_p={ro.eval_top_p} must be in (0, 1]")
     r.require(ro.eval_top_p == 1 or ro.eval_temperature > 0, ("rollout.eval_top_p", "rollout.eval_temperature"),
               f"rollout.eval_top_p={ro.eval_top_p} has no effect with rollout.eval_temperature=0: greedy decoding "
               "takes the most likely token, which every nucleus holds")
-    r.require(math.isfinite(t.eval_correct_threshold), "train.eval_correct_threshold",
-              f"train.eval_correct_threshold={t.eval_correct_threshold} must be a finite number")
     n = ro.eval_n_samples_per_prompt
     ks = t.eval_pass_k
     if ks is not None:
@@ -679,10 +638,6 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
     asked of single-turn data or of a backend that does not run episodes."""
     ro, d = cfg.rollout, cfg.data
     episodes = agentic(cfg)
-    r.positive("rollout.max_turns", ro.max_turns)
-    r.positive("rollout.max_tool_errors", ro.max_tool_errors)
-    if d.tool_timeout_s is not None:
-        r.positive("data.tool_timeout_s", d.tool_timeout_s)
     r.require(not (d.agent and (d.env or d.tools)), ("data.agent", "data.env", "data.tools"),
               "data.agent decides every observation itself; it cannot be combined with data.env or data.tools")
     _openai_agent(cfg, r)
@@ -728,8 +683,6 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
 def _openai_agent(cfg: RelaxConfig, r: _Rules) -> None:
     """data.openai_agent: an agent program behind the training gateway (relax.serve.openai.agents)."""
     d, ro = cfg.data, cfg.rollout
-    r.positive("data.agent_timeout_s", d.agent_timeout_s)
-    r.positive("data.agent_workers", d.agent_workers)
     if not d.openai_agent:
         r.require(not (_changed(d, "agent_timeout_s") or _changed(d, "agent_workers")),
                   ("data.agent_timeout_s", "data.agent_workers", "data.openai_agent"),
@@ -753,6 +706,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
         return [Violation(("algorithm.name",), str(exc.args[0]))]
     _choices(cfg, r)
     _ranges(cfg, r)
+    _combinations(cfg, r)
     _batches(cfg, algo, r)
     _resources(cfg, algo, r)
     _modes(cfg, r)
