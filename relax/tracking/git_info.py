@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import relax
+
 GIT_COMMIT_TAG = "relax.git_commit"
 GIT_DIRTY_TAG = "relax.git_dirty"
 PROJECT_GIT_COMMIT_TAG = "relax.project_git_commit"
@@ -75,8 +77,6 @@ def git_state(path: str | os.PathLike[str]) -> Optional[GitState]:
 
 def relax_source_state() -> Optional[GitState]:
     """The git checkout Relax is imported from, or None (see the module docstring)."""
-    import relax
-
     package = Path(relax.__file__).resolve().parent
     head = _head(package)
     if head is None:

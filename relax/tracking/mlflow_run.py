@@ -57,7 +57,7 @@ from relax.metrics import SYSTEM_PREFIX
 from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
 from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
-from relax.tracking.params import truncate_value
+from relax.tracking.params import PARAM_VALUE_MAX_LEN, truncate_value
 from relax.tracking.run_options import DEFAULT_RUN_OPTIONS, RunOptions
 from relax.tracking.run_writer import (  # noqa: F401 (MAX_METRICS_PER_BATCH: MLflow's limit, re-exported)
     CLOSE_JOIN_S,
@@ -75,12 +75,12 @@ from relax.tracking.spool_file import (
     short_error,
     spool_path,
 )
+from relax.tracking.system_metrics import SystemMetrics
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
     from relax.config.schema import TrackingConfig
-    from relax.tracking.system_metrics import SystemMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -498,8 +498,6 @@ class Tracker:
         """Sample MLflow's system metrics every `interval_s` seconds (> 0) until `finish`
         (`relax.tracking.system_metrics`); steps from `first_step`. If they cannot be sampled here (psutil missing or
         refused), a warning says so and the run goes on without them."""
-        from relax.tracking.system_metrics import SystemMetrics
-
         _check_interval(interval_s)
         if self.system_metrics is not None or self._closing:
             return
@@ -560,8 +558,6 @@ class Tracker:
     # ---------------------------------------------------------------- params, tags, artifacts
     def log_params(self, params: Mapping[str, str]) -> None:
         """Log params (immutable in MLflow: re-logging a key with another value fails), 100 per call."""
-        from relax.tracking.params import PARAM_VALUE_MAX_LEN
-
         if self._closed("log_params"):
             return
         self._write_items("params", [(str(k), truncate_value(str(v), PARAM_VALUE_MAX_LEN)) for k, v in params.items()])

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from relax.tracking.mlflow_run import quiet_mlflow_logging
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
@@ -120,8 +122,6 @@ def log_hf_model(client: MlflowClient, run_id: str, hf_dir: str | Path, *, step:
     import mlflow.transformers
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.models import Model
-
-    from relax.tracking.mlflow_run import quiet_mlflow_logging
 
     quiet_mlflow_logging()
     source = Path(hf_dir).expanduser().resolve()  # an absolute path: never taken for a Hub repository id

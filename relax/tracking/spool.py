@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from relax.tracking.mlflow_run import quiet_mlflow_logging
 from relax.tracking.spool_file import (
     REJECTED_CODES,
     REPLAY_COMMAND,
@@ -68,8 +69,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{path}: the spool names no store; pass --uri", file=sys.stderr)
         return 2
     from mlflow import MlflowClient
-
-    from relax.tracking.mlflow_run import quiet_mlflow_logging
 
     quiet_mlflow_logging()
     client = MlflowClient(tracking_uri=uri)

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
+from relax.tracking.inputs import DatasetRecord
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
@@ -466,8 +468,6 @@ def _apply(client: MlflowClient, run_id: str, group: list[dict[str, Any]], files
     elif op == "artifact":
         client.log_artifact(run_id, str(files_dir / record["file"]), record.get("artifact_path"))
     elif op == "inputs":
-        from relax.tracking.inputs import DatasetRecord
-
         client.log_inputs(run_id, datasets=[DatasetRecord.from_dict(d).to_mlflow() for d in record["datasets"]])
     elif op == "terminate":
         client.set_terminated(run_id, status=record["status"], end_time=record.get("end_time"))
