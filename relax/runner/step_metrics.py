@@ -9,7 +9,7 @@ import torch
 from relax.agents.protocol import END_REASONS
 from relax.algorithms.functional import exp_log_ratio
 from relax.algorithms.rollout_correction import mismatch_metrics
-from relax.batch import Samples
+from relax.batch import FinishReason, Samples
 from relax.metrics import (
     ABORTED_TOKENS,
     ENV_TIME,
@@ -58,7 +58,7 @@ from relax.tracking.progress import format_number
 def _basic(samples: Samples, rewards: torch.Tensor, scored: torch.Tensor) -> tuple[float, float, float]:
     """(mean reward of the `scored` responses (NaN if none), mean response length, truncated share)."""
     lengths = samples.response_mask.sum(1).float()
-    truncated = sum(r == "length" for r in samples.finish_reason) / max(len(samples), 1)
+    truncated = sum(r == FinishReason.LENGTH for r in samples.finish_reason) / max(len(samples), 1)
     reward = float(rewards[scored].mean()) if bool(scored.any()) else float("nan")
     return reward, float(lengths.mean()), truncated
 
@@ -164,7 +164,7 @@ def eval_metrics(eval_set: str, samples: Samples, scores: Scores, *, n: int, pas
         values = [pass_at_k(int(m), int(c), k) for m, c in zip(scored, correct, strict=True) if m >= k]
         out[name(f"{EVAL_PASS_AT}{k}")] = sum(values) / len(values) if values else float("nan")
     out[name(EVAL_RESPONSE_LEN)] = float(lengths.mean())
-    out[name(EVAL_TRUNCATED_FRAC)] = sum(r == "length" for r in samples.finish_reason) / max(len(samples), 1)
+    out[name(EVAL_TRUNCATED_FRAC)] = sum(r == FinishReason.LENGTH for r in samples.finish_reason) / max(len(samples), 1)
     out[name(EVAL_REWARD_ERRORS)] = float(scores.errors)
     return out
 

@@ -20,7 +20,7 @@ import torch
 from relax import algorithms
 from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs
-from relax.batch import Samples, TrainBatch
+from relax.batch import FinishReason, Samples, TrainBatch
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import default_eval_set_name, eval_pass_ks
 from relax.config.schema import ModelConfig, RelaxConfig
@@ -202,7 +202,7 @@ def loss_rows(cfg: RelaxConfig, samples: Samples, keep: torch.Tensor) -> torch.T
     `algorithm.mask_truncated`, those that ended by length (finish_reason "length")."""
     if not cfg.algorithm.mask_truncated:
         return keep
-    return keep & torch.tensor([r != "length" for r in samples.finish_reason], dtype=torch.bool)
+    return keep & torch.tensor([r != FinishReason.LENGTH for r in samples.finish_reason], dtype=torch.bool)
 
 
 @contextlib.contextmanager
@@ -235,7 +235,7 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
         return None if x is None else x[rows]
 
     # ended by the model or its episode (a stop token, an environment's end), not cut by a token limit
-    stopped = torch.tensor([r not in ("length", "abort") for r in samples.finish_reason])
+    stopped = torch.tensor([r not in (FinishReason.LENGTH, FinishReason.ABORT) for r in samples.finish_reason])
     lengths = samples.response_mask.sum(1)
     given = rewards  # [N]; an episode's turns each rewarded on their last token with data.turn_rewards=per_turn
     if cfg.data.turn_rewards == "per_turn":

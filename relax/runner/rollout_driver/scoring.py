@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from relax.batch import Samples
+from relax.batch import FinishReason, Samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores, score_responses
 from relax.rewards.shaping import overlong_penalty
@@ -60,7 +60,7 @@ def _agent_failures(episodes: list[dict], scores: Scores) -> Scores:
     for i, e in enumerate(episodes):
         if e.get("error") and not scores.failed[i]:
             scores.failed[i], scores.rewards[i] = True, 0.0
-            scores.timeouts += e.get("end") == "timeout"
+            scores.timeouts += e.get("end") == FinishReason.TIMEOUT
             if scores.first_error is None:
                 scores.first_error = e["error"]
     return scores

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
-from relax.batch import Samples, concat_samples
+from relax.batch import FinishReason, Samples, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
 from relax.runner.errors import RunError
@@ -69,7 +69,6 @@ from relax.runner.rollout_driver.scoring import (
 )
 
 WAIT_POLL_S = 1.0  # how often a waiting `take` checks that the pump is still alive
-ABORT = "abort"  # Samples.finish_reason of an interrupted response
 # An engine that returns rows as aborted without the run asking (an input past its context, an engine that gives up
 # on a request) gets them back, with a growing pause, this many times in a row; then the run stops naming them.
 UNASKED_ABORTS = 4
@@ -544,7 +543,7 @@ class RolloutStream:
         """Under the lock: file an engine call's rows as finished or to be continued; returns the round's samples
         (in sample id order) once every row is finished, else None. `asked`: the stream aborted this call (new
         weights, closing); aborted rows it did not ask for count towards `UNASKED_ABORTS` (RunError beyond)."""
-        aborted = torch.tensor([r == ABORT for r in out.finish_reason], dtype=torch.bool)
+        aborted = torch.tensor([r == FinishReason.ABORT for r in out.finish_reason], dtype=torch.bool)
         if bool(aborted.any()):
             if asked:
                 cur.aborts += 1
