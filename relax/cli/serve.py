@@ -21,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from relax.cli.train import _hydra_error_message
+
 if TYPE_CHECKING:
     from relax.config import RelaxConfig
 
@@ -100,7 +102,6 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from relax.cli.train import _hydra_error_message
     from relax.config import ConfigError, load_config
 
     try:

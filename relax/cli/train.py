@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from relax.runner.errors import RunError
+
 USAGE_EXIT = 2  # bad config or command line, as argparse does
 
 
@@ -134,7 +136,6 @@ def _run(dc) -> object:
         return None
     from relax.data.datasets import DataError
     from relax.models.checkpoint_files import CheckpointFileError
-    from relax.runner.errors import RunError
     from relax.runner.train import run
 
     try:
