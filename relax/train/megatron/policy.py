@@ -42,10 +42,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from relax import algorithms, progress
-from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.base import AlgorithmConfig, Violation
 from relax.algorithms.loss import compute_loss
 from relax.batch import Samples, TrainBatch
 from relax.config.derive import total_optimizer_steps
+from relax.config.megatron_rules import (
+    micro_batch_tokens_violation,
+    pack_sequences_violation,
+    sequence_parallel_violation,
+)
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.models.hf import build_model, pick_dtype, resolve_model_path
 from relax.models.write_errors import os_write_errors, torch_save
@@ -84,8 +89,14 @@ def _group_size(group: Any) -> int:
 
 def _rows_only(max_tokens: Optional[int]) -> None:
     """Micro-batches by tokens are not built on this backend (validation rejects train.max_tokens_per_micro_batch)."""
-    if max_tokens is not None:
-        raise ValueError("train.max_tokens_per_micro_batch is not available with train.backend=megatron")
+    _refuse(micro_batch_tokens_violation("megatron", max_tokens))
+
+
+def _refuse(violation: Optional[Violation]) -> None:
+    """A rule of `relax.config.megatron_rules` (the one statement that validation also checks), broken by what this
+    trainer runs with: ValueError with its message."""
+    if violation is not None:
+        raise ValueError(violation.message)
 
 
 @dataclass
@@ -270,15 +281,12 @@ class MegatronPolicy(PolicyTrainer):
         self.params_dtype = params_dtype or torch.float32
         autocast = compute if (compute != torch.float32 and self.params_dtype == torch.float32) else None
         self.sequence_parallel = bool(train_cfg.sequence_parallel) and self.tp > 1
-        if train_cfg.sequence_parallel and self.tp == 1:
-            raise ValueError("train.sequence_parallel=true needs train.tensor_parallel_size > 1")
+        _refuse(sequence_parallel_violation("megatron", train_cfg.sequence_parallel, self.tp))  # the TP it runs with
         self.layer_spec = resolve_layer_spec(train_cfg.layer_spec, self.device)
         # train.pack_sequences: each micro-batch one row without padding, sequences kept apart by Transformer
         # Engine's attention (THD); megatron-core's local attention takes no packed sequences
         self.packed = bool(train_cfg.pack_sequences)
-        if self.packed and self.layer_spec != "transformer_engine":
-            raise ValueError("train.pack_sequences=true on train.backend=megatron runs in Transformer Engine's "
-                             "attention: it needs train.layer_spec=transformer_engine (a GPU with transformer_engine)")
+        _refuse(pack_sequences_violation("megatron", self.packed, self.layer_spec))  # the layers it resolved
         self.config = transformer_config(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.params_dtype,
                                          autocast_dtype=autocast, use_cpu_initialization=True,
                                          recompute=model_cfg.gradient_checkpointing,
