@@ -21,7 +21,10 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from relax.config.evaluation import default_eval_set_name
 from relax.data.files import DataError, Record, check_prompt, read_records
+from relax.data.gsm8k import prepare_gsm8k
+from relax.data.tasks import generate_task
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +183,6 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
     (digits | arithmetic) with `data.num_prompts` train and `data.num_eval_prompts` eval prompts.
     Eval sets hold at most `data.num_eval_prompts` prompts (the first ones of a file); 0 means no eval set.
     """
-    from relax.data.tasks import generate_task
 
     data = cfg.data
     max_len = cfg.rollout.max_prompt_len
@@ -193,7 +195,6 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
         raise DataError(f"data.task=file (data={data.name}): data.path is not set; "
                         "pass data.path=/path/to/prompts.jsonl")
     if train_path is None and data.task == "gsm8k":
-        from relax.data.gsm8k import prepare_gsm8k
 
         prepared = prepare_gsm8k()
         if "train" not in prepared:
@@ -222,7 +223,6 @@ def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset]) 
     """The eval sets by name, in evaluation order (names: `relax.config.evaluation`): `default` (the eval set of
     `build_datasets`) under the name of `data.eval_path` or of the task, then each file of `data.eval_sets`, at most
     `data.num_eval_prompts` prompts each. A missing or malformed file is a DataError naming its entry."""
-    from relax.config.evaluation import default_eval_set_name
 
     data = cfg.data
     out: dict[str, PromptDataset] = {}

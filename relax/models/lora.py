@@ -17,6 +17,10 @@ from typing import Any, Optional
 
 import torch
 
+from relax.models.checkpoint_files import CheckpointFileError
+from relax.models.hf import qwen3_config, resolve_model_path
+from relax.models.weight_buffers import cpu_state
+
 ADAPTER = "default"  # PEFT's adapter name
 ALL_LINEAR = "all-linear"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what PeftModel.save_pretrained writes, with ADAPTER_CONFIG
@@ -97,7 +101,6 @@ def rollout_state(peft_model: Any, *, merged: bool, dtype: Optional[torch.dtype]
     merged: every weight of the base model under its own names, each target's `W + (alpha / r) B A` (fp32, then
     cast): what an engine without adapters loads. Otherwise: the adapter tensors alone under the names an engine's
     injected adapters have (`inject_adapters`)."""
-    from relax.models.weight_buffers import cpu_state
 
     base = peft_model.get_base_model()
     if not merged:
@@ -142,7 +145,6 @@ def check_base(directory: Any, fingerprint: str, model_cfg: Any) -> None:
     import json
     from pathlib import Path
 
-    from relax.models.checkpoint_files import CheckpointFileError
 
     file = Path(directory) / BASE_FILE
     if not file.is_file() or not (Path(directory) / ADAPTER_WEIGHTS).is_file():
@@ -179,7 +181,6 @@ def check_targets(model_cfg: Any, vocab_size: int, pad_token_id: int) -> None:
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from relax.models.hf import qwen3_config, resolve_model_path
 
     if model_cfg.source == "config":
         config = qwen3_config(model_cfg, vocab_size, pad_token_id)

@@ -16,6 +16,7 @@ import torch
 
 from relax.batch import Samples, TrainBatch
 from relax.config.schema import RelaxConfig
+from relax.models.hf import pick_device, pick_dtype
 from relax.models.weight_buffers import WeightBuffers
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
@@ -54,7 +55,6 @@ class MegatronRank(PolicyForwarding):
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group and build the policy (all ranks at once: it is a rendezvous)."""
-        from relax.models.hf import pick_device, pick_dtype
         from relax.train.megatron import parallel
         from relax.train.megatron.policy import MegatronPolicy
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from relax.config.schema import RelaxConfig
+from relax.models.hf import resolve_model_path
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.rollout.sglang.process import SERVE_KEY_ENV, log_tail, start_server, stop_process
 
@@ -29,7 +30,6 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
                str(config_path)]
         return cmd + (["--threads", str(threads)] if threads else [])
     c = cfg.cluster
-    from relax.models.hf import resolve_model_path
 
     # the weights the actor ships are in the rollout dtype: bf16 on GPUs unless model.dtype says otherwise
     dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype

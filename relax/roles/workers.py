@@ -17,14 +17,20 @@ import torch
 from relax import algorithms
 from relax.agents.episode import EpisodeMaker
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
-from relax.batch import Samples, TrainBatch
+from relax.batch import Samples, TrainBatch, continuation, extend_responses
 from relax.config.derive import teacher_model
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
+from relax.models.hf import build_model, pick_device, pick_dtype
+from relax.models.lora import inject_adapters
 from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
+from relax.rollout.embedded import EmbeddedEngine
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
+from relax.train.torch_critic import TorchCritic
+from relax.train.torch_policy import TorchPolicy
+from relax.train.torch_reference import TorchReference
 from relax.train.trainer import Policy
 
 
@@ -66,7 +72,6 @@ class FrozenModelWorker:
                  heartbeat: HeartbeatLink | None = None):
         start_heartbeat(self, heartbeat)
         _threads(threads)
-        from relax.train.torch_reference import TorchReference
 
         self.cfg = cfg
         self.model = TorchReference(model_cfg, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
@@ -172,8 +177,6 @@ class PolicyWorker(PolicyForwarding):
                  heartbeat: HeartbeatLink | None = None):
         start_heartbeat(self, heartbeat)
         _threads(threads)
-        from relax.models.hf import pick_device, pick_dtype
-        from relax.train.torch_policy import TorchPolicy
 
         self.cfg = cfg
         # the dtype weights() ships: the rollout engine's (pick_dtype, same device)
@@ -226,15 +229,12 @@ class RolloutWorker:
                  heartbeat: HeartbeatLink | None = None):
         start_heartbeat(self, heartbeat)
         _threads(threads)
-        from relax.models.hf import build_model, pick_device, pick_dtype
-        from relax.rollout.embedded import EmbeddedEngine
 
         device = pick_device()
         dtype = pick_dtype(cfg.model, device)
         model = build_model(cfg.model, info.vocab_size, info.pad_token_id, seed=cfg.seed, dtype=dtype, device=device)
         adapters: list[str] = []
         if cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter":  # updates carry the adapters alone
-            from relax.models.lora import inject_adapters
 
             adapters = inject_adapters(model, cfg.model)
         model.eval()
@@ -289,7 +289,6 @@ class RolloutWorker:
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
         """Continue interrupted responses (`partial`, finish_reason "abort") with the current weights: each row's
         prompt and response so far are prefilled, and its random stream continues where it stopped."""
-        from relax.batch import continuation, extend_responses
 
         t0 = time.perf_counter()
         job = continuation(partial, self._response_limit())
@@ -328,7 +327,6 @@ class CriticWorker:
                  heartbeat: HeartbeatLink | None = None):
         start_heartbeat(self, heartbeat)
         _threads(threads)
-        from relax.train.torch_critic import TorchCritic
 
         self.cfg = cfg
         self.critic = TorchCritic(cfg.model, cfg.train, cfg.algorithm, vocab_size=info.vocab_size,

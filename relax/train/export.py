@@ -35,7 +35,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from relax.config.schema import ModelConfig, RolloutConfig
 from relax.data.tokenizer import ModelFileError, ModelPathError, load_tokenizer, stop_token_ids
 from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
-from relax.models.hf import qwen3_config, resolve_model_path
+from relax.models.hf import build_model, qwen3_config, resolve_model_path
 from relax.models.write_errors import os_write_errors
 
 EXPORT_FILE = "relax_export.json"
@@ -228,8 +228,6 @@ def _write_lora(policy: Path, out: Path, model_cfg: ModelConfig, tokenizer: PreT
     """A LoRA checkpoint's adapters as a PEFT adapter directory, or merged into the base model (rebuilt from the run's
     model config, then checked against the base the adapters were trained on): (parameters, dtype, source)."""
     from relax.models import lora
-    from relax.models.checkpoint_files import load_safetensors_file
-    from relax.models.hf import build_model
 
     if not merge:
         for name in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS):

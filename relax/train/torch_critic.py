@@ -20,6 +20,7 @@ from relax.algorithms.loss import compute_value_loss
 from relax.batch import Samples, TrainBatch
 from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import VALUE_LOSS
+from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
 from relax.models.hf import pick_device, response_hidden_states
 from relax.train.packing import Packed, pack
 from relax.train.torch_policy import TorchTrainer, trainable_model, trimmed_sequences
@@ -178,7 +179,6 @@ class TorchCritic(TorchTrainer):
         save_file(head, str(directory / VALUE_HEAD_FILE))
 
     def _extra_load(self, directory: Path) -> None:
-        from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
 
         path = directory / VALUE_HEAD_FILE
         if path.is_file():

@@ -21,6 +21,7 @@ def app(cfg: DictConfig) -> dict:
     from relax.config.schema import TrackingConfig
     from relax.tracking.mlflow_run import Tracker
     from relax.tracking.params import overrides_text
+    from relax.tracking.run_options import RunOptions
 
     start = time.time()
     t = cfg.tracking
@@ -28,8 +29,8 @@ def app(cfg: DictConfig) -> dict:
             "overrides": overrides_text(HydraConfig.get().overrides.task)}
     if t.sweep_id:
         tags["sweep_id"] = t.sweep_id
-    tracker = Tracker.start(TrackingConfig(uri=t.uri, experiment=t.experiment), tags=tags,
-                            parent_run_id=t.parent_run_id, background=False, announce=False)
+    tracker = Tracker.start(TrackingConfig(uri=t.uri, experiment=t.experiment),
+                            RunOptions(background=False, announce=False), tags=tags, parent_run_id=t.parent_run_id)
     with tracker:
         for step in range(3):
             tracker.log_metrics({"rollout/raw_reward": cfg.lr * cfg.seed + step}, step)

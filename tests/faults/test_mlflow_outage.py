@@ -22,7 +22,7 @@ import pytest
 from mlflow import MlflowClient
 
 from relax.config.schema import RelaxConfig, TrackingConfig, TrainConfig
-from relax.tracking import Tracker
+from relax.tracking import RunOptions, Tracker
 from relax.tracking import spool as S
 from relax.tracking.mlflow_run import TrackingUnavailable
 
@@ -109,12 +109,13 @@ def outage_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == TRACKER_LOGGER and r.levelno >= logging.WARNING]
 
 
-def start(cfg: TrackingConfig, spool_dir: Path, **kwargs: Any) -> Tracker:
-    kwargs.setdefault("background", False)
-    kwargs.setdefault("flush_every_steps", 5)
-    kwargs.setdefault("final_replay_s", 0.3)
-    return Tracker.start(cfg, run_name="outage", tags={"t": "1"}, params={"p": "1"}, announce=False,
-                         spool_dir=spool_dir, **kwargs)
+def start(cfg: TrackingConfig, spool_dir: Path, **options: Any) -> Tracker:
+    """`Tracker.start` of run "outage" with one tag and one param; `options`: `RunOptions` fields."""
+    options.setdefault("background", False)
+    options.setdefault("flush_every_steps", 5)
+    options.setdefault("final_replay_s", 0.3)
+    return Tracker.start(cfg, RunOptions(announce=False, spool_dir=spool_dir, **options), run_name="outage",
+                         tags={"t": "1"}, params={"p": "1"})
 
 
 # ---------------------------------------------------------------------------- mid-run outage
@@ -304,8 +305,8 @@ def test_a_resumed_job_replays_the_spool_of_the_killed_one_first(
     atexit.unregister(tracker._at_exit)  # kill -9: nothing more happens in that process
     tracker.spool.close()
 
-    resumed = Tracker.reopen(cfg, tracker.run_id, from_step=4, spool_dir=tmp_path, announce=False,
-                             background=False)
+    resumed = Tracker.reopen(cfg, tracker.run_id, RunOptions(spool_dir=tmp_path, announce=False, background=False),
+                             from_step=4)
     with resumed:
         for step in range(4, 8):
             resumed.log_metrics({"a": step + 0.5, "b": step + 0.5}, step)
@@ -366,7 +367,7 @@ def test_store_down_at_the_start_fails_before_training_naming_the_uri(unreachabl
     t0 = time.perf_counter()
     with pytest.raises(TrackingUnavailable, match=f"MLflow store {unreachable_server} is unavailable when the run "
                                                   "starts.*nothing was trained.*Check tracking.uri"):
-        Tracker.start(TrackingConfig(uri=unreachable_server), announce=False)
+        Tracker.start(TrackingConfig(uri=unreachable_server), RunOptions(announce=False))
     assert time.perf_counter() - t0 < 10
 
 

@@ -26,9 +26,11 @@ from typing import Any
 
 import torch
 
+from relax.models.lora import ADAPTER_WEIGHTS, write_adapter_dir
 from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
 from relax.rollout.sglang import wire
 from relax.rollout.sglang.client import post
+from relax.rollout.sglang.process import free_port
 
 LOOPBACK = ("127.0.0.1", "localhost")
 
@@ -77,7 +79,6 @@ class BroadcastSync:
 
     def connect(self) -> None:
         """Form the group: every server joins (its HTTP call returns once the group exists) while rank 0 does."""
-        from relax.rollout.sglang.process import free_port
 
         port = free_port(self.master_address)
         world = 1 + self.tp_size * len(self.urls)
@@ -200,7 +201,6 @@ class WeightSender:
         """The adapters of `version` as a PEFT directory that the servers at `urls` load (SGLang's
         `/load_lora_adapter`), the previous adapter unloaded and its directory removed, the version set. A server
         replacing a dead one gets the current adapter (same version: same name)."""
-        from relax.models.lora import ADAPTER_WEIGHTS, write_adapter_dir
 
         t, root = self.target, Path(self.target.adapter_root)
         name = adapter_name(version)

@@ -58,7 +58,14 @@ import torch
 
 from relax import progress
 from relax.config.schema import RelaxConfig
+from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
+from relax.models.hf import build_model, pick_device, pick_dtype
+from relax.models.lora import inject_adapters
+from relax.rollout.embedded import EmbeddedEngine
 from relax.serve.http import Server, write_answer
+from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.protocol import APIError
+from relax.serve.openai.service import OpenAIService
 from relax.serve.sglang import loads
 from relax.serve.sglang.positions import row_extras
 from relax.serve.sglang.request import (
@@ -213,9 +220,6 @@ class EmbeddedServer(WeightEndpoints):
 
     def _build(self) -> None:
         """Tokenizer, model and engine as the rollout worker builds them."""
-        from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
-        from relax.models.hf import build_model, pick_device, pick_dtype
-        from relax.rollout.embedded import EmbeddedEngine
 
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -247,7 +251,6 @@ class EmbeddedServer(WeightEndpoints):
             self.model_path = self.tokenizer_path = self._model_dir
         adapters: list[str] = []
         if cfg.lora_rank > 0 and self.cfg.rollout.lora_sync == "adapter":  # SGLang's --enable-lora
-            from relax.models.lora import inject_adapters
 
             adapters = inject_adapters(model, cfg)
         self.engine = EmbeddedEngine(model, eos_token_ids=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
@@ -391,13 +394,10 @@ class EmbeddedServer(WeightEndpoints):
     def _openai(self, endpoint: str, body: dict) -> tuple[int, Any]:
         """`/v1/chat/completions` and `/v1/completions` (`relax.serve.openai.service`) on this engine; errors
         in OpenAI's shape."""
-        from relax.serve.openai.protocol import APIError
 
         try:
             self._require_ready()
             if self._openai_service is None:
-                from relax.serve.openai.chat import ChatFormat
-                from relax.serve.openai.service import OpenAIService
 
                 self._openai_service = OpenAIService(
                     ChatFormat(self.tokenizer, self.eos_token_ids), self._send_openai, model=self.served_model_name,
@@ -431,7 +431,6 @@ class EmbeddedServer(WeightEndpoints):
     def _openai_refusal(self, headers: Any) -> Optional[tuple[int, Any]]:
         """The OpenAI endpoints answer a request with the server's key (`api_key`), or, without a key, only on a
         loopback address: anything reachable beyond it needs one."""
-        from relax.serve.openai.protocol import APIError
 
         why = self._authorized(headers)
         if why is None:
@@ -444,7 +443,6 @@ class EmbeddedServer(WeightEndpoints):
 
     def _send_openai(self, payloads: list[dict]) -> list[dict]:
         """The OpenAI service's `/generate` payloads as one batched request to this engine."""
-        from relax.serve.openai.protocol import APIError
 
         body = {"input_ids": [p["input_ids"] for p in payloads],
                 "sampling_params": [p["sampling_params"] for p in payloads], "return_logprob": True}

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from relax.models.lora import read_adapter_dir
 from relax.rollout.sglang import wire
 from relax.serve.sglang.request import NotReady, RequestError
 from relax.serve.sglang.scheduler import Scheduler
@@ -65,7 +66,6 @@ class WeightEndpoints:
 
     def _load_lora_adapter(self, body: dict) -> tuple[int, Any]:
         def run() -> str:
-            from relax.models.lora import read_adapter_dir
 
             name, path = body.get("lora_name"), body.get("lora_path")
             if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
