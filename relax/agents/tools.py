@@ -1,11 +1,12 @@
-"""Tools: an OpenAI function schema plus a callable, called by the model in the Hermes/Qwen format.
+"""Tools: an OpenAI function schema plus a callable, called by the model in its family's format.
 
-A model calls a tool by writing `<tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call>`
-(Hermes/Qwen3) or a JSON list of such calls inside one tag (SmolLM2's format); several calls in one turn are
-allowed. The result goes
-back as a `tool` message rendered with the chat template. A malformed call (no closing tag, invalid JSON, no name),
-an unknown tool, a call that raises, and one that runs past `data.tool_timeout_s` all come back to the model as an
-error message and count as tool errors; none of them stops the run.
+A model calls a tool by writing, in the Hermes/Qwen format, `<tool_call>{"name": "calculator", "arguments":
+{"expression": "3*4"}}</tool_call>` (or a JSON list of such calls inside one tag, SmolLM2's format), or in the
+format of its family that `data.tool_parser` names (`relax.agents.parsers`); several calls in one turn are allowed.
+Each call's result goes back as a `tool` message rendered with the chat template, in the order of the calls. A
+malformed call (no closing tag, invalid JSON, no name), an unknown tool, a call that raises, and one that runs past
+`data.tool_timeout_s` all come back to the model as an error message in its place and count as tool errors; none
+of them stops the run.
 
 Calls run in worker processes (`relax.rewards.worker_pool.RewardWorkers` with `run_tool` as the caller), so a hung
 call is killed at its time limit; `data.tool_timeout_s=null` calls them in the rollout process without a limit.
@@ -21,17 +22,14 @@ import ast
 import json
 import math
 import operator
-import re
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from relax.agents.parsers import ToolCall, parse_hermes
 from relax.imports import resolve_component
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-OPEN_TAG = "<tool_call>"
 
 
 @dataclass(frozen=True)
@@ -45,12 +43,6 @@ class Tool:
     @property
     def name(self) -> str:
         return self.schema["function"]["name"]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict
 
 
 @dataclass(frozen=True)
@@ -135,37 +127,11 @@ def get_tools(specs: list[str] | tuple[str, ...]) -> dict[str, Tool]:
 
 # ----------------------------------------------------------------------------------------------- parsing
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[str]]:
-    """The tool calls of a model message, in order, and the errors of the malformed ones (each a message for the
-    model). A tag holds one call or a JSON list of them; arguments may be an object or a JSON string of one."""
-    calls, errors = [], []
-    for body in TOOL_CALL.findall(text):
-        try:
-            parsed = json.loads(body.strip())
-        except json.JSONDecodeError as exc:
-            errors.append(f"invalid JSON in <tool_call>: {exc.msg} at character {exc.pos}")
-            continue
-        for obj in parsed if isinstance(parsed, list) else [parsed]:
-            _one_call(obj, calls, errors)
-    if text.count(OPEN_TAG) > len(TOOL_CALL.findall(text)):
-        errors.append("a <tool_call> is not closed by </tool_call>")
-    return calls, errors
-
-
-def _one_call(obj: Any, calls: list[ToolCall], errors: list[str]) -> None:
-    """`obj` (one parsed call) added to `calls`, or its error to `errors`."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        errors.append('a tool call must be an object with a "name" and "arguments"')
-        return
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            args = None
-    if not isinstance(args, dict):
-        errors.append(f"the arguments of {obj['name']!r} are not a JSON object")
-        return
-    calls.append(ToolCall(obj["name"], args))
+    """The Hermes-format tool calls of a model message, in order, and the errors of the malformed ones (each a
+    message for the model), apart. The loop and the gateway read messages with the configured parser
+    (`relax.agents.parsers`, `data.tool_parser`), which keeps calls and errors in the order of the text."""
+    parsed = parse_hermes(text)
+    return parsed.calls, parsed.errors
 
 
 # ----------------------------------------------------------------------------------------------- calling

@@ -1,0 +1,317 @@
+"""Tool-call parsers: a model message read into its tool calls, in the format of the model's family.
+
+A parser reads one message into a `ParsedMessage`: its items in the order they appear in the text, each a
+`ToolCall` (a name and its arguments as a dict; arguments written as a JSON string are decoded) or a `CallError` (a
+malformed call, with a message for the model), and the content outside the calls. The built-in tool loop answers
+the items in that order (`relax.agents.loops`), and the OpenAI gateway and `relax-serve` turn the calls into
+`tool_calls` (`relax.serve.openai.chat`).
+
+`data.tool_parser` names the parser: a built-in name or `package.module:function` (a function text ->
+`ParsedMessage`); `auto` picks the built-in one from the tokenizer's chat template (`parser_for_template`).
+
+- `hermes` (Hermes, Qwen2.5/Qwen3, SmolLM2): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`, or a JSON
+  list of calls in one tag;
+- `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call><function=N><parameter=K>V</parameter>...</function></tool_call>`;
+- `llama3_json` (Llama 3.1 / 3.2): `<|python_tag|>{"name": N, "parameters": {...}}`, or a whole message that is
+  such an object;
+- `glm45` (GLM-4.5 / 4.6): `<tool_call>N<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`;
+- `deepseek_v3` (DeepSeek-V3): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N`, a newline, the arguments in a
+  json code block, `<｜tool▁call▁end｜>`, the calls between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`.
+
+The XML formats (qwen3_coder, glm45) write a string argument as its text and any other value as JSON (that is how
+their chat templates render arguments); a value is decoded as JSON where it is JSON, else kept as text, so a string
+argument whose text is a number arrives as a number.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from relax.imports import resolve_component
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class CallError:
+    """A malformed call where it stands in the message; `message` tells the model what is wrong."""
+
+    message: str
+
+
+Item = Union[ToolCall, CallError]
+
+
+@dataclass(frozen=True)
+class ParsedMessage:
+    """A model message read by a tool parser: its calls and malformed calls in the order of the text, and the
+    content outside them (stripped)."""
+
+    items: tuple[Item, ...]
+    content: str
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [i for i in self.items if isinstance(i, ToolCall)]
+
+    @property
+    def errors(self) -> list[str]:
+        return [i.message for i in self.items if isinstance(i, CallError)]
+
+
+ToolParser = Callable[[str], ParsedMessage]
+
+
+def _with_arguments(name: str, args: Any) -> Item:
+    """The call of `name` with `args` (an object, or a JSON string of one; empty: none), or its error."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            args = None
+    if not isinstance(args, dict):
+        return CallError(f"the arguments of {name!r} are not a JSON object")
+    return ToolCall(name, args)
+
+
+def _json_call(obj: Any, key: str, other_key: Optional[str] = None) -> Item:
+    """One call written as a JSON object {"name": ..., key: ...} (`other_key`: accepted in place of `key`)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return CallError(f'a tool call must be an object with a "name" and "{key}"')
+    args = obj[key] if key in obj else obj.get(other_key, {}) if other_key else {}
+    return _with_arguments(obj["name"], args)
+
+
+def _xml_value(raw: str) -> Any:
+    """An argument of an XML format as its template wrote it (one newline either side, as Qwen3-Coder's template
+    writes them, left out): JSON is decoded, anything else is text."""
+    value = raw[1:] if raw.startswith("\n") else raw
+    value = value[:-1] if value.endswith("\n") else value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _named_arguments(name: str, pairs: list[tuple[str, str]]) -> Item:
+    """The call of `name` with the (key, value text) pairs of an XML format, or its error (a key without a name)."""
+    args = {key.strip(): _xml_value(value) for key, value in pairs}
+    if "" in args:
+        return CallError(f"an argument of {name!r} has no name")
+    return ToolCall(name, args)
+
+
+# ----------------------------------------------------------------------------------------------- <tool_call> tags
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG = "<tool_call>"
+NOT_CLOSED = "a <tool_call> is not closed by </tool_call>"
+
+
+def _tagged(text: str, read: Callable[[str], list[Item]]) -> ParsedMessage:
+    """The formats whose calls sit in <tool_call> tags: `read` makes each tag's body into items. Text outside the
+    tags is the content; an open tag that no closing tag follows is one error, after the calls (the regex takes an
+    open tag followed by a closing one into the body before it, so an unclosed tag comes after every match)."""
+    bodies = TOOL_CALL.findall(text)
+    items = [item for body in bodies for item in read(body)]
+    if text.count(OPEN_TAG) > len(bodies):
+        items.append(CallError(NOT_CLOSED))
+    return ParsedMessage(tuple(items), TOOL_CALL.sub("", text).strip())
+
+
+def _hermes_body(body: str) -> list[Item]:
+    try:
+        parsed = json.loads(body.strip())
+    except json.JSONDecodeError as exc:
+        return [CallError(f"invalid JSON in <tool_call>: {exc.msg} at character {exc.pos}")]
+    return [_json_call(obj, "arguments") for obj in (parsed if isinstance(parsed, list) else [parsed])]
+
+
+def parse_hermes(text: str) -> ParsedMessage:
+    """Hermes/Qwen: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, one call or a JSON list of them in a
+    tag (SmolLM2's form); arguments an object or a JSON string of one."""
+    return _tagged(text, _hermes_body)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def _qwen3_coder_body(body: str) -> list[Item]:
+    function = _FUNCTION.fullmatch(body)
+    if function is None or not function.group(1).strip():
+        return [CallError("a <tool_call> must hold one <function=NAME> ... </function>")]
+    name, inner = function.group(1).strip(), function.group(2)
+    if _PARAMETER.sub("", inner).strip():
+        return [CallError(f"the call of {name!r} holds something other than <parameter=NAME>value</parameter>")]
+    return [_named_arguments(name, [(m.group(1), m.group(2)) for m in _PARAMETER.finditer(inner)])]
+
+
+def parse_qwen3_coder(text: str) -> ParsedMessage:
+    """Qwen3-Coder / Qwen3.5: `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n
+    </tool_call>`, one function per tag."""
+    return _tagged(text, _qwen3_coder_body)
+
+
+_GLM_NAME = re.compile(r"\s*([^\s<>{}\[\]\"']+)\s*")
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm45_body(body: str) -> list[Item]:
+    at = body.find("<arg_key>")
+    head, rest = (body, "") if at < 0 else (body[:at], body[at:])
+    name = _GLM_NAME.fullmatch(head)
+    if name is None:
+        return [CallError("a <tool_call> must start with the tool's name, then <arg_key>/<arg_value> pairs")]
+    if _GLM_ARG.sub("", rest).strip():
+        return [CallError(f"the call of {name.group(1)!r} holds something other than <arg_key>K</arg_key>"
+                          "<arg_value>V</arg_value> pairs")]
+    return [_named_arguments(name.group(1), [(m.group(1), m.group(2)) for m in _GLM_ARG.finditer(rest)])]
+
+
+def parse_glm45(text: str) -> ParsedMessage:
+    """GLM-4.5 / 4.6: `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`."""
+    return _tagged(text, _glm45_body)
+
+
+# ----------------------------------------------------------------------------------------------- Llama 3 JSON
+PYTHON_TAG = "<|python_tag|>"
+_LLAMA_CALL = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a message that is a call without the tag
+_LLAMA_SEPARATORS = " \t\r\n;"
+
+
+def parse_llama3_json(text: str) -> ParsedMessage:
+    """Llama 3.1 / 3.2: `<|python_tag|>{"name": ..., "parameters": {...}}` (the tag is a special token, which
+    decoding with special tokens skipped leaves out), or a whole message that is such an object; several calls
+    separated by ';' or whitespace, or a JSON list of them. "arguments" is read where "parameters" is missing. Text
+    before the tag and after the calls is the content; without the tag, a message that does not start like a call
+    (a JSON object whose first key is "name") has none."""
+    if PYTHON_TAG in text:
+        before, _, rest = text.partition(PYTHON_TAG)
+        rest = rest.replace(PYTHON_TAG, ";")
+    elif _LLAMA_CALL.match(text):
+        before, rest = "", text
+    else:
+        return ParsedMessage((), text.strip())
+    decoder, items, pos, after = json.JSONDecoder(), [], 0, ""
+    while True:
+        while pos < len(rest) and rest[pos] in _LLAMA_SEPARATORS:
+            pos += 1
+        if pos == len(rest):
+            break
+        if rest[pos] not in "{[":  # prose after the calls
+            after = rest[pos:]
+            break
+        try:
+            value, end = decoder.raw_decode(rest, pos)
+        except json.JSONDecodeError as exc:
+            items.append(CallError(f"invalid JSON in a tool call: {exc.msg} at character {exc.pos - pos}"))
+            break
+        items += [_json_call(obj, "parameters", "arguments") for obj in (value if isinstance(value, list)
+                                                                         else [value])]
+        pos = end
+    content = "\n".join(part.strip() for part in (before, after) if part.strip())
+    return ParsedMessage(tuple(items), content)
+
+
+# ----------------------------------------------------------------------------------------------- DeepSeek-V3
+def _deepseek_token(words: str) -> str:
+    """DeepSeek's special tokens, spelled with a full-width bar (U+FF5C) and '▁' (U+2581) for spaces."""
+    return "<\uff5c" + words.replace(" ", "\u2581") + "\uff5c>"
+
+
+DS_CALLS_BEGIN, DS_CALLS_END = _deepseek_token("tool calls begin"), _deepseek_token("tool calls end")
+DS_CALL_BEGIN, DS_CALL_END = _deepseek_token("tool call begin"), _deepseek_token("tool call end")
+DS_SEP = _deepseek_token("tool sep")
+_DS_CALL = re.compile(re.escape(DS_CALL_BEGIN) + "(.*?)" + re.escape(DS_CALL_END), re.DOTALL)
+_DS_BODY = re.compile(r"\s*function" + re.escape(DS_SEP) + r"([^\n`]+?)\s*```json\s*(.*?)\s*```\s*", re.DOTALL)
+
+
+def _deepseek_body(body: str) -> Item:
+    call = _DS_BODY.fullmatch(body)
+    if call is None:
+        return CallError(f"a tool call must be function{DS_SEP}NAME, then the arguments in a ```json block")
+    name = call.group(1).strip()
+    try:
+        args = json.loads(call.group(2))
+    except json.JSONDecodeError as exc:
+        return CallError(f"invalid JSON in the arguments of {name!r}: {exc.msg} at character {exc.pos}")
+    return _with_arguments(name, args)
+
+
+def parse_deepseek_v3(text: str) -> ParsedMessage:
+    """DeepSeek-V3: `<｜tool▁calls▁begin｜>` then, per call, `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n
+    ```json\\n{...}\\n```<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`. A call that is not closed is an error
+    after the others (as for the tag formats); the text outside the calls and their section markers is the
+    content."""
+    bodies = _DS_CALL.findall(text)
+    items = [_deepseek_body(body) for body in bodies]
+    if text.count(DS_CALL_BEGIN) > len(bodies):
+        items.append(CallError(f"a {DS_CALL_BEGIN} is not closed by {DS_CALL_END}"))
+    content = _DS_CALL.sub("", text).replace(DS_CALLS_BEGIN, "").replace(DS_CALLS_END, "").strip()
+    return ParsedMessage(tuple(items), content)
+
+
+# ----------------------------------------------------------------------------------------------- the registry
+BUILTIN_PARSERS: dict[str, ToolParser] = {
+    "hermes": parse_hermes,
+    "qwen3_coder": parse_qwen3_coder,
+    "llama3_json": parse_llama3_json,
+    "glm45": parse_glm45,
+    "deepseek_v3": parse_deepseek_v3,
+}
+AUTO = "auto"
+
+# What `auto` looks for in a chat template, first match wins: Qwen3-Coder's template also writes <tool_call>, so
+# its own marker comes before anything Hermes-like; a template with none of them gets Hermes (today's default).
+TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
+    ("<function=", "qwen3_coder"),
+    ("<arg_key>", "glm45"),
+    ("tool\u2581calls\u2581begin", "deepseek_v3"),
+    (PYTHON_TAG, "llama3_json"),
+    ("ipython", "llama3_json"),
+)
+
+
+class ToolParserSpecError(ValueError):
+    """`data.tool_parser` names no usable parser; raised at start."""
+
+
+def parser_for_template(template: Any) -> str:
+    """The built-in parser for a chat template (a string, or a tokenizer's named templates): see TEMPLATE_MARKERS."""
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    return next((name for marker, name in TEMPLATE_MARKERS if marker in text), "hermes")
+
+
+def get_parser(spec: str, tokenizer: Any = None) -> ToolParser:
+    """The parser `spec` (the value of data.tool_parser) names: `auto` (the one for `tokenizer`'s chat template;
+    Hermes without one), a built-in name, or `package.module:function` (a function text -> ParsedMessage, whose
+    results are checked)."""
+    if spec == AUTO:
+        return BUILTIN_PARSERS[parser_for_template(getattr(tokenizer, "chat_template", None))]
+    fn = resolve_component(BUILTIN_PARSERS, "data.tool_parser", spec, error=ToolParserSpecError,
+                           unknown="{option}={spec!r}: unknown; expected auto, one of {builtins} or "
+                                   "'package.module:function' (text -> relax.agents.parsers.ParsedMessage)",
+                           unloadable="{option}: cannot load {spec!r}: {exc}")
+    if not callable(fn):
+        raise ToolParserSpecError(f"data.tool_parser={spec!r} is a {type(fn).__name__}, not a function text -> "
+                                  "relax.agents.parsers.ParsedMessage")
+    if spec in BUILTIN_PARSERS:
+        return fn
+
+    def checked(text: str) -> ParsedMessage:
+        parsed = fn(text)
+        if not isinstance(parsed, ParsedMessage) or not all(isinstance(i, (ToolCall, CallError))
+                                                            for i in parsed.items):
+            raise TypeError(f"data.tool_parser={spec!r} returned {type(parsed).__name__}: expected a "
+                            "relax.agents.parsers.ParsedMessage of ToolCall and CallError items")
+        return parsed
+
+    return checked
