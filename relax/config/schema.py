@@ -242,6 +242,11 @@ class TrainConfig:
     eval_correct_threshold: float = finite(1.0)
 
 
+# data.tool_parser's built-in names (relax.agents.parsers.BUILTIN_PARSERS and auto), here for validation, which
+# imports no layer above the config's
+TOOL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "glm45", "deepseek_v3")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Prompts and their reward. `path=None` uses the synthetic `task`."""
@@ -287,6 +292,11 @@ class DataConfig:
     agent: Optional[str] = None
     # seconds one tool call may take (worker processes); None: no limit
     tool_timeout_s: Optional[float] = positive(10.0, optional=True)
+    # How tool calls are read from the model's messages, by the built-in tool loop (data.tools), the OpenAI gateway
+    # (data.openai_agent) and relax-serve (docs/agents.md): auto (from the tokenizer's chat template) | hermes |
+    # qwen3_coder | llama3_json | glm45 | deepseek_v3 (TOOL_PARSERS) | package.module:function (text ->
+    # relax.agents.parsers.ParsedMessage)
+    tool_parser: str = "auto"
     # An agent program that speaks the OpenAI API (docs/agents.md, rollout=sglang): 'package.module:function', called
     # as function(item, base_url, api_key) -> reward or None once per sample, in one of agent_workers worker
     # processes, each run within agent_timeout_s seconds; its calls through the training gateway are the sample.

@@ -20,7 +20,7 @@ from relax.config.megatron_rules import (
     pack_sequences_violation,
     sequence_parallel_violation,
 )
-from relax.config.schema import RelaxConfig
+from relax.config.schema import TOOL_PARSERS, RelaxConfig
 
 
 class ConfigError(Exception):
@@ -641,6 +641,9 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(not (d.agent and (d.env or d.tools)), ("data.agent", "data.env", "data.tools"),
               "data.agent decides every observation itself; it cannot be combined with data.env or data.tools")
     _openai_agent(cfg, r)
+    r.require(d.tool_parser in TOOL_PARSERS or ":" in d.tool_parser, "data.tool_parser",
+              f"data.tool_parser={d.tool_parser!r}: unknown; expected one of {', '.join(TOOL_PARSERS)} or "
+              "'package.module:function' (text -> relax.agents.parsers.ParsedMessage)")
     r.require(bool(d.tools) or not _changed(d, "tool_timeout_s"), ("data.tool_timeout_s", "data.tools"),
               f"data.tool_timeout_s={d.tool_timeout_s} limits tool calls, and no tools are set (data.tools)")
     r.require(bool(d.tools or d.agent) or not _changed(ro, "max_tool_errors"),

@@ -97,6 +97,7 @@ VALUES: dict[str, Any] = {
     "rollout.max_episode_tokens": 40,  # single-turn data: rejected (the episode options: tests/agents)
     "data.env": "guess_number",
     "data.tools": "[calculator]",
+    "data.tool_parser": "qwen3_coder",  # the tiny model's ChatML template: auto is hermes
     "data.agent": "tests.agents.echo_agent:Echo",
     "data.turn_rewards": "per_turn",
     "train.eval_pass_k": "[1]",  # the default with 2 eval samples per prompt (EVAL_CONTEXT) is [1, 2]
@@ -175,6 +176,8 @@ CONTEXT: dict[str, list[str]] = {
     **{key: ["model.lora_rank=2"] for key in ("model.lora_alpha", "model.lora_dropout", "model.lora_target_modules",
                                               "rollout.lora_sync")},
     "data.overlong_penalty_factor": ["data.overlong_buffer_len=2"],  # the factor scales a penalty that is on
+    # the parser reads the calls of the built-in tool loop (and of the OpenAI gateway, relax-serve: tests/agents)
+    "data.tool_parser": ["data.tools=[calculator]", "rollout.max_turns=2", "data.tool_timeout_s=null"],
     # steps by tokens differ from steps by rows where responses differ in length: long enough for some to stop early
     "train.use_dynamic_global_batch_size": ["rollout.max_response_len=24"],
     # the MLflow model of the directory train.save_hf exports at the end of the run (its tag relax.model_uri; the
@@ -190,6 +193,8 @@ PROBES = {
     # megatron: the actor becomes Megatron ranks (the plan); its training is checked against the torch backend's
     # in tests/megatron (real processes: the walk's in-process transport cannot host a process group)
     "train.backend": "probe_actor_backend",
+    # the untrained tiny model never writes a tool call: the probe gives the tool loop one
+    "data.tool_parser": "probe_tool_parser",
     "train.micro_batch_size": "probe_micro_batches",
     "train.max_tokens_per_micro_batch": "probe_micro_batches",
     "train.pack_sequences": "probe_tokens_computed",
@@ -348,6 +353,19 @@ def probe_actor_backend(overrides: list[str], cwd: Path) -> Any:
 
     plan = build_plan(load_config(overrides))
     return plan.role("actor").backend, plan.role("actor").why
+
+
+def probe_tool_parser(overrides: list[str], cwd: Path) -> Any:
+    """What the run's tool loop answers to a Qwen3-Coder call (tests/agents/test_tool_parsers.py: every format)."""
+    from relax.agents.episode import EpisodeMaker
+
+    maker = EpisodeMaker.for_config(load_config(overrides))
+    loop = maker.loops()
+    loop.reset({})
+    reply = loop.turn("<tool_call>\n<function=calculator>\n<parameter=expression>\n6 * 7\n</parameter>\n</function>"
+                      "\n</tool_call>")
+    maker.close()
+    return reply.messages
 
 
 def probe_gradient_checkpointing(overrides: list[str], cwd: Path) -> Any:
