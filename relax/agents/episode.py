@@ -121,13 +121,16 @@ class EpisodeMaker:
         """The episodes of a run's agentic rollouts (`data.env`, `data.tools`, `data.agent` with the rollout's
         limits), or None for single-turn data and for an agent program (`data.openai_agent`)."""
         from relax.agents.loops import AgentFactory
+        from relax.agents.parsers import get_parser
         from relax.config.derive import agentic
         from relax.data.tokenizer import load_tokenizer
 
         if not agentic(cfg) or cfg.data.openai_agent:  # an OpenAI agent program runs its episodes itself
             return None
         d, ro = cfg.data, cfg.rollout
-        return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s), load_tokenizer(cfg.model),
+        tokenizer = load_tokenizer(cfg.model)
+        parser = get_parser(d.tool_parser, tokenizer)  # auto: the one of the tokenizer's chat template
+        return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser), tokenizer,
                    max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors)
 
     def new_for(self, items: list, n: int) -> list[Episode]:

@@ -1,7 +1,8 @@
 """The built-in agent loop and the registry of environments and agent loops.
 
-`ToolsAndEnvironment` answers a model turn with its tool calls' results when it made any (`data.tools`), else with
-the environment's step (`data.env`); with neither, the turn is the model's final answer and the episode ends
+`ToolsAndEnvironment` answers a model turn with its tool calls' results when it made any (`data.tools`; the calls
+read by the `data.tool_parser` parser, each answered in its place: a result, or the error of a malformed call), else
+with the environment's step (`data.env`); with neither, the turn is the model's final answer and the episode ends
 ("stop"). `data.agent` names a loop of the user's instead (`relax.agents.protocol.AgentLoop`).
 """
 
@@ -11,8 +12,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from relax.agents.guess_number import GuessNumber
+from relax.agents.parsers import CallError, ToolParser, parse_hermes
 from relax.agents.protocol import AgentLoop, Reply, as_step
-from relax.agents.tools import ToolRunner, get_tools, parse_tool_calls
+from relax.agents.tools import ToolRunner, get_tools
 from relax.batch import FinishReason
 from relax.imports import resolve_component
 
@@ -36,10 +38,12 @@ def load_callable(spec: str, option: str, builtins: dict[str, Callable[..., Any]
 
 
 class ToolsAndEnvironment:
-    """The built-in agent loop (see the module docstring). `env_factory` builds one environment per episode."""
+    """The built-in agent loop (see the module docstring). `env_factory` builds one environment per episode;
+    `parser` reads the model's tool calls."""
 
-    def __init__(self, env_factory: Optional[Callable[[], Any]], runner: Optional[ToolRunner]):
-        self.env_factory, self.runner = env_factory, runner
+    def __init__(self, env_factory: Optional[Callable[[], Any]], runner: Optional[ToolRunner],
+                 parser: ToolParser = parse_hermes):
+        self.env_factory, self.runner, self.parser = env_factory, runner, parser
         self.env: Any = None
 
     def reset(self, item: dict) -> None:
@@ -50,14 +54,20 @@ class ToolsAndEnvironment:
     def _tool_reply(self, text: str) -> Optional[Reply]:
         if self.runner is None:
             return None
-        calls, malformed = parse_tool_calls(text)
-        if not calls and not malformed:
+        parsed = self.parser(text)
+        if not parsed.items:
             return None
-        results = self.runner(calls)
-        messages = [{"role": "tool", "content": r.content} for r in results]
-        messages += [{"role": "tool", "content": f"Error: {m}"} for m in malformed]
-        errors = sum(r.error for r in results) + len(malformed)
-        return Reply(messages=messages, tool_calls=len(calls) + len(malformed), tool_errors=errors)
+        results = iter(self.runner(parsed.calls))
+        messages, errors = [], 0
+        for item in parsed.items:  # in the order of the calls: the model matches results to calls by position
+            if isinstance(item, CallError):
+                content, failed = f"Error: {item.message}", True
+            else:
+                result = next(results)
+                content, failed = result.content, result.error
+            messages.append({"role": "tool", "content": content})
+            errors += failed
+        return Reply(messages=messages, tool_calls=len(parsed.items), tool_errors=errors)
 
     def turn(self, text: str) -> Reply:
         reply = self._tool_reply(text)
@@ -77,7 +87,7 @@ class ToolsAndEnvironment:
         `replay` of them."""
         if self.env is None:
             return
-        steps = [t for t in actions if self.runner is None or not any(parse_tool_calls(t))]
+        steps = [t for t in actions if self.runner is None or not self.parser(t).items]
         own = getattr(self.env, "replay", None)
         if callable(own):
             own(steps)
@@ -88,10 +98,11 @@ class ToolsAndEnvironment:
 
 class AgentFactory:
     """Builds the agent loop of each episode from the data config: `data.agent`, or `ToolsAndEnvironment` over
-    `data.env` and `data.tools`. Everything is loaded (and named in errors) when the factory is made."""
+    `data.env` and `data.tools` (their calls read by `tool_parser`, `relax.agents.parsers.get_parser` of
+    data.tool_parser). Everything is loaded (and named in errors) when the factory is made."""
 
     def __init__(self, env: Optional[str], tools: list[str] | tuple[str, ...], agent: Optional[str],
-                 tool_timeout_s: Optional[float]):
+                 tool_timeout_s: Optional[float], tool_parser: ToolParser = parse_hermes):
         if agent and (env or tools):
             raise AgentSpecError("data.agent decides every observation itself; it cannot be combined with data.env "
                                  "or data.tools")
@@ -99,11 +110,12 @@ class AgentFactory:
         self.env = load_callable(env, "data.env", BUILTIN_ENVS) if env else None
         self.tools = get_tools(list(tools)) if tools else {}
         self.runner = ToolRunner(self.tools, tool_timeout_s) if self.tools else None
+        self.tool_parser = tool_parser
 
     def __call__(self) -> AgentLoop:
         if self.agent is not None:
             return self.agent()
-        return ToolsAndEnvironment(self.env, self.runner)
+        return ToolsAndEnvironment(self.env, self.runner, self.tool_parser)
 
     def close(self) -> None:
         if self.runner is not None:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from relax.agents.episode import item_record
+from relax.agents.parsers import get_parser
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plain_reason
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway
@@ -59,7 +60,7 @@ class AgentRollout:
         from relax.rewards.worker_pool import RewardWorkers
 
         self.cfg, self.pad_token_id = cfg, pad_token_id
-        fmt = ChatFormat(tokenizer, eos_token_ids)
+        fmt = ChatFormat(tokenizer, eos_token_ids, get_parser(cfg.data.tool_parser, tokenizer))
         service = OpenAIService(fmt, send, model=cfg.model.name, context_length=None,
                                 max_tokens=cfg.rollout.max_response_len)
         self.gateway = Gateway(service, host=host).start()

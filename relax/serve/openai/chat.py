@@ -6,18 +6,20 @@ Tools: a template that takes `tools` (Qwen3's, for one) renders them itself; for
 system message in the Hermes format lists them and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
 unless the conversation's system messages already name every tool (a prompt that teaches its own format).
 Assistant messages with tool calls are rendered the same way the model writes them, and the model's calls are
-parsed with `relax.agents.tools.parse_tool_calls` (Hermes tags, one call or a JSON list of them).
+read by the format's tool parser (`relax.agents.parsers`: data.tool_parser, by default the one of the chat
+template; Hermes tags, one call or a JSON list of them, for ChatML).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import uuid
 from typing import Any, Optional
 
+from relax.agents.parsers import ToolParser, get_parser, parse_hermes
 from relax.agents.render import ObservationRenderer
-from relax.agents.tools import TOOL_CALL, parse_tool_calls
 
 TOOLS_PROMPT = ("You may call one or more functions to assist with the user query. The functions are listed in "
                 "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write <tool_call>{{\"name\": "
@@ -31,10 +33,15 @@ def _described(messages: list[dict], tools: list[dict]) -> bool:
 
 
 class ChatFormat:
-    """Rendering and parsing for one tokenizer (used under a lock: tokenizers are not thread-safe)."""
+    """Rendering and parsing for one tokenizer (used under a lock: tokenizers are not thread-safe). `tool_parser`
+    reads the model's tool calls (`relax.agents.parsers.get_parser` of data.tool_parser; None: the one of the
+    tokenizer's chat template, as data.tool_parser=auto)."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], tool_parser: Optional[ToolParser] = None):
         self.tokenizer = tokenizer
+        self.tool_parser = tool_parser if tool_parser is not None else get_parser("auto", tokenizer)
+        # an instance reads calls with its own parser; ChatFormat.tool_calls(text) on the class reads Hermes
+        self.tool_calls = functools.partial(ChatFormat.tool_calls, parser=self.tool_parser)
         self.eos_token_ids = frozenset(eos_token_ids)
         template = getattr(tokenizer, "chat_template", None) or ""
         self.native_tools = "tools" in template
@@ -127,11 +134,12 @@ class ChatFormat:
         return body, text[:at], None, True
 
     @staticmethod
-    def tool_calls(text: str) -> tuple[str, Optional[list[dict]]]:
-        """(content, OpenAI tool calls) of a model message: the well-formed calls taken out of the content."""
-        calls, errors = parse_tool_calls(text)
-        if not calls or errors:
+    def tool_calls(text: str, parser: ToolParser = parse_hermes) -> tuple[str, Optional[list[dict]]]:
+        """(content, OpenAI tool calls) of a model message, read by `parser`: the calls taken out of the content
+        when every call is well-formed; a message with a malformed call stays text, never half-parsed."""
+        parsed = parser(text)
+        if not parsed.calls or parsed.errors:
             return text, None
-        content = TOOL_CALL.sub("", text).strip()
-        return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in calls]
+        return parsed.content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                for c in parsed.calls]
