@@ -80,6 +80,12 @@ def weight_bytes(weights: WeightBuffers | Mapping[str, torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def state_and_bytes(weights: WeightBuffers | Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], int]:
+    """What a weight update sends or loads, read once: its tensors (`as_state_dict`) and their bytes
+    (`weight_bytes`)."""
+    return as_state_dict(weights), weight_bytes(weights)
+
+
 def cpu_state(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """`named` tensors as a CPU state dict, floating ones in `dtype`; tensors that share storage (tied weights) are
     copied and cast once and shared. The sources are kept alive until the end, so that no address is reused by a

@@ -23,7 +23,7 @@ from relax.config.schema import ModelConfig, RelaxConfig
 from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.lora import inject_adapters
-from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
+from relax.models.weight_buffers import WeightBuffers, as_state_dict, state_and_bytes
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
 from relax.rollout.embedded import EmbeddedEngine
@@ -310,9 +310,9 @@ class RolloutWorker:
     def load_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> int:
         """Load `weights` of `version` (swapped in if `stage_weights` staged them); returns the bytes they took
         (tied weights once)."""
-        state = as_state_dict(weights)
+        state, nbytes = state_and_bytes(weights)
         self.engine.load_weights(state, version)
-        return weight_bytes(weights)
+        return nbytes
 
     def stage_weights(self, weights: WeightBuffers | dict[str, torch.Tensor], version: int) -> bool:
         """Copy `weights` of `version` beside the generation in progress (a thread of its own:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from relax.models.lora import ADAPTER_WEIGHTS, write_adapter_dir
-from relax.models.weight_buffers import WeightBuffers, as_state_dict, weight_bytes
+from relax.models.weight_buffers import WeightBuffers, state_and_bytes
 from relax.rollout.sglang import wire
 from relax.rollout.sglang.client import post
 from relax.rollout.sglang.process import free_port
@@ -170,7 +170,7 @@ class WeightSender:
         weight-update group anew (a server was replaced)."""
         t = self.target
         urls = list(urls)
-        state = as_state_dict(weights)
+        state, nbytes = state_and_bytes(weights)
         buckets = 0
         if t.mode == "adapter":
             self._push_adapter(state, version, urls)
@@ -187,7 +187,7 @@ class WeightSender:
                                            backend="nccl" if torch.cuda.is_available() else "gloo",
                                            timeout_s=t.timeout_s, api_key=t.api_key)
             buckets = self.group.push(state.items(), version, bucket_bytes=t.bucket_bytes)
-        return {"buckets": buckets, "bytes": weight_bytes(weights)}
+        return {"buckets": buckets, "bytes": nbytes}
 
     def _address(self) -> str:
         """Where the servers reach this process: loopback when they bind there, else this node's address."""
