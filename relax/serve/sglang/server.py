@@ -57,6 +57,7 @@ from urllib.parse import parse_qsl, urlsplit
 import torch
 
 from relax import progress
+from relax.agents.parsers import get_parser
 from relax.config.schema import RelaxConfig
 from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
@@ -399,9 +400,10 @@ class EmbeddedServer(WeightEndpoints):
             self._require_ready()
             if self._openai_service is None:
 
-                self._openai_service = OpenAIService(
-                    ChatFormat(self.tokenizer, self.eos_token_ids), self._send_openai, model=self.served_model_name,
-                    context_length=self.context_length)
+                fmt = ChatFormat(self.tokenizer, self.eos_token_ids,
+                                 get_parser(self.cfg.data.tool_parser, self.tokenizer))  # data.tool_parser
+                self._openai_service = OpenAIService(fmt, self._send_openai, model=self.served_model_name,
+                                                     context_length=self.context_length)
             return getattr(self._openai_service, endpoint)(body)
         except NotReady as exc:
             return 503, APIError(str(exc), status=503, kind="server_error").body()
