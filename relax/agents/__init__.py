@@ -3,8 +3,9 @@ loop answers with an observation that is appended as tokens (token in, token out
 re-tokenized).
 
 - `protocol.py`: what users write against: `Environment` (reset/step), `AgentLoop` (turn by turn), `Reply`.
-- `tools.py`: tools (an OpenAI function schema and a callable), the Hermes/Qwen `<tool_call>` parser, calls in worker
-  processes with a time limit.
+- `tools.py`: tools (an OpenAI function schema and a callable), calls in worker processes with a time limit.
+- `parsers.py`: the tool-call parsers of each model family (`data.tool_parser`), shared by the tool loop and the
+  OpenAI gateway.
 - `loops.py`: the built-in agent loop (tools, then the environment) and the registry (`data.env`, `data.tools`,
   `data.agent`: a built-in name or `package.module:attr`).
 - `render.py`: observations as tokens, rendered with the model's chat template.
