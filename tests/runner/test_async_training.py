@@ -29,7 +29,7 @@ from relax.metrics import (
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
 )
-from relax.runner.rollout_driver import rollout_stream
+from relax.runner.rollout_driver import stream as rollout_stream
 from relax.runner.train import run
 
 pytestmark = pytest.mark.slow
