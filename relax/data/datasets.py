@@ -195,7 +195,6 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
         raise DataError(f"data.task=file (data={data.name}): data.path is not set; "
                         "pass data.path=/path/to/prompts.jsonl")
     if train_path is None and data.task == "gsm8k":
-
         prepared = prepare_gsm8k()
         if "train" not in prepared:
             raise DataError("data.task=gsm8k: no GSM8K train split found under $DATA_DIR")

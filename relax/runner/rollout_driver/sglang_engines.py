@@ -158,7 +158,6 @@ class SGLangEngines:
         self._watchdog = threading.Thread(target=self._watch, name="relax-sglang-watchdog", daemon=True)
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
-
             self.agents = AgentRollout(self.cfg, load_tokenizer(self.cfg.model), eos_token_ids=self.eos_token_ids,
                                        pad_token_id=self.pad_token_id, send=self._agent_send, host=sg.host)
         return self

@@ -399,7 +399,6 @@ class EmbeddedServer(WeightEndpoints):
         try:
             self._require_ready()
             if self._openai_service is None:
-
                 fmt = ChatFormat(self.tokenizer, self.eos_token_ids,
                                  get_parser(self.cfg.data.tool_parser, self.tokenizer))  # data.tool_parser
                 self._openai_service = OpenAIService(fmt, self._send_openai, model=self.served_model_name,

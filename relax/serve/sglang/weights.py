@@ -66,7 +66,6 @@ class WeightEndpoints:
 
     def _load_lora_adapter(self, body: dict) -> tuple[int, Any]:
         def run() -> str:
-
             name, path = body.get("lora_name"), body.get("lora_path")
             if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
                 raise RequestError("load_lora_adapter: lora_name and lora_path (a PEFT adapter directory) are required")
