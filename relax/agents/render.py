@@ -1,17 +1,35 @@
 """Observations as tokens: chat messages rendered with the model's chat template after a model turn.
 
-The model's turn ends with its stop token (ChatML: `<|im_end|>`); what the template writes after an assistant
-message's content is its end marker (`<|im_end|>\\n`). The observation's tokens are the rest of that marker (what
-the stop token did not already write), the messages as the template renders them, and the generation prompt of the
-next assistant turn, tokenized on their own: the model's tokens before them are never re-tokenized (token in,
-token out), so the trainer trains exactly what the engine sampled.
+The observation's text is found in one render of a whole conversation: a probe user message, a probe assistant
+message, then the observation's messages, with the generation prompt of the next assistant turn. What follows the
+probe assistant's content in that render is the observation: the end of the assistant's turn (ChatML `<|im_end|>\\n`,
+Llama 3 `<|eot_id|>`, DeepSeek `<｜end▁of▁sentence｜>`, nothing for GLM), the messages as the template renders them
+after an assistant turn, and the generation prompt. What the model's stop token already wrote at its start (ChatML's
+`<|im_end|>`; GLM's `<|observation|>` or `<|user|>`, which open the next message) is dropped.
+
+Renders are not assumed to extend each other: Qwen3's template, for one, writes an empty `<think>\\n\\n</think>\\n\\n`
+into an assistant turn only while it is the last message, so the render of `[..., assistant]` is not a prefix of the
+render of `[..., assistant, tool]`; only the text after the assistant's content in the longer render is used.
+
+Token in, token out: only the observation's text is tokenized (on its own); the model's tokens before it are never
+decoded and re-encoded, so the trainer trains exactly what the engine sampled.
+
+`check_template` tries a probe observation of each role a run writes before anything starts, and names the model and
+what its template does wrong.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
-_USER, _ASSISTANT = "\x00user\x00", "\x00assistant\x00"  # contents no real message has
+# Probe contents: plain words (a template may trim a message or write it as JSON, as Llama 3.1 does with tool results)
+# that no real message contains. Only the first occurrence of the assistant's counts (it precedes every observation).
+_USER = "Relax probe user message 5f3a9c"
+_ASSISTANT = "Relax probe assistant message 5f3a9c"
+_PROBES = {"tool": {"role": "tool", "content": "Relax probe tool result 5f3a9c"},
+           "user": {"role": "user", "content": "Relax probe environment message 5f3a9c"}}
+OBSERVATION_ROLES = tuple(_PROBES)
 
 
 class ObservationRenderer:
@@ -22,29 +40,74 @@ class ObservationRenderer:
             raise ValueError("agentic rollouts render observations with the chat template, and this tokenizer has "
                              "none (model.path's tokenizer_config.json needs a chat_template)")
         self.tokenizer = tokenizer
-        self.base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
-        text = self._render(self.base, generation_prompt=False)
-        if _ASSISTANT not in text:
-            raise ValueError("the chat template drops assistant messages; observations cannot be rendered after them")
-        self.base_text = text
-        self.end_marker = text[text.rindex(_ASSISTANT) + len(_ASSISTANT):]  # what follows an assistant's content
+        self.probe = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
         self._stop_text: dict[int, str] = {}
 
-    def _render(self, messages: list[dict], *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def after_turn(self, messages: list[dict]) -> str:
+        """What the template writes after an assistant message's content when `messages` follow it, the next
+        assistant turn's generation prompt included (the stop token not yet dropped). Raises ValueError when the
+        template fails on the messages or drops the assistant's content."""
+        from jinja2 import TemplateError
 
-    def text(self, messages: list[dict], stop_token: int | None) -> str:
+        try:
+            full = self.tokenizer.apply_chat_template(self.probe + list(messages), tokenize=False,
+                                                      add_generation_prompt=True)
+        except TemplateError as exc:  # also the template's own raise_exception(...)
+            roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
+            raise ValueError(f"the chat template fails on {roles} messages after an assistant message: "
+                             f"{type(exc).__name__}: {exc}") from None
+        at = full.find(_ASSISTANT)
+        if at < 0:
+            raise ValueError("the chat template drops an assistant message's content when messages follow it, so "
+                             "the end of the model's turn cannot be found")
+        return full[at + len(_ASSISTANT):]
+
+    def text(self, messages: list[dict], stop_token: Optional[int]) -> str:
         """The observation's text (see the module docstring)."""
-        full = self._render(self.base + list(messages), generation_prompt=True)
-        if not full.startswith(self.base_text):
-            raise ValueError("the chat template renders earlier messages differently once observations follow them; "
-                             "observations cannot be appended as tokens")
-        marker = self.end_marker
+        text = self.after_turn(messages)
         if stop_token is not None:
             stop = self._stop_text.setdefault(stop_token, self.tokenizer.decode([stop_token]))
-            if stop and marker.startswith(stop):
-                marker = marker[len(stop):]
-        return marker + full[len(self.base_text):]
+            if stop and text.startswith(stop):
+                text = text[len(stop):]
+        return text
 
-    def tokens(self, messages: list[dict], stop_token: int | None) -> list[int]:
+    def tokens(self, messages: list[dict], stop_token: Optional[int]) -> list[int]:
         return list(self.tokenizer(self.text(messages, stop_token), add_special_tokens=False)["input_ids"])
+
+
+def observation_roles(data: Any) -> tuple[str, ...]:
+    """The roles of the observations a run's episodes carry, from its data config: `tool` with `data.tools`, `user`
+    with `data.env`; both for an agent loop or an agent program (`data.agent`, `data.openai_agent`), which may send
+    either."""
+    if getattr(data, "agent", None) or getattr(data, "openai_agent", None):
+        return OBSERVATION_ROLES
+    roles = (["tool"] if getattr(data, "tools", None) else []) + (["user"] if getattr(data, "env", None) else [])
+    return tuple(roles)
+
+
+def check_template(tokenizer: Any, model_name: str, roles: Sequence[str] = OBSERVATION_ROLES) -> None:
+    """Raises ValueError, one message naming `model_name` and what its chat template does wrong, unless observations
+    of every role in `roles` (`tool`, `user`) can be rendered after a model turn: the template renders without an
+    error, keeps the assistant's content, and writes the observation's content after it."""
+    problems: list[str] = []
+    try:
+        renderer = ObservationRenderer(tokenizer)
+        for role in roles:
+            probe = _PROBES[role]
+            try:
+                text = renderer.after_turn([probe])
+            except ValueError as exc:
+                problems.append(str(exc))
+                if "drops an assistant message" in str(exc):
+                    break  # the same for every role
+                continue
+            if probe["content"] not in text:
+                problems.append(f"it does not write the content of a {role} message that follows an assistant "
+                                "message")
+    except ValueError as exc:  # no chat template
+        problems.append(str(exc))
+    if problems:
+        raise ValueError(f"model {model_name!r}: its chat template cannot render the observations of an agentic "
+                         f"rollout after a model turn: {'; '.join(problems)}. Give the model a chat template that "
+                         "renders tool results and user messages after assistant messages (chat_template in its "
+                         "tokenizer_config.json or chat_template.jinja)")
