@@ -19,6 +19,7 @@ import torch
 
 from relax import algorithms
 from relax.agents.episode import EpisodeMaker
+from relax.agents.render import check_template, observation_roles
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import FinishReason, Samples, TrainBatch
 from relax.config.derive import agentic, teacher_model
@@ -112,7 +113,7 @@ def prepare(cfg: RelaxConfig) -> Inputs:
                                 "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
         reward_fn = None if cfg.data.reward == "none" else get_reward_fn(cfg.data.reward)
         if agentic(cfg):  # the environment, tools or agent loop load here, so that a bad name fails before Ray
-
+            check_template(tokenizer, cfg.model.name, observation_roles(cfg.data))  # observations render after a turn
             maker = EpisodeMaker.for_config(cfg)
             if maker is not None:
                 maker.close()
