@@ -19,6 +19,7 @@ import torch
 
 from relax import algorithms
 from relax.agents.episode import EpisodeMaker
+from relax.agents.parsers import get_parser
 from relax.agents.render import check_template, observation_roles
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import FinishReason, Samples, TrainBatch
@@ -117,9 +118,9 @@ def prepare(cfg: RelaxConfig) -> Inputs:
             maker = EpisodeMaker.for_config(cfg)
             if maker is not None:
                 maker.close()
-        if cfg.data.openai_agent:
-
+        if cfg.data.openai_agent:  # the agent program, and the tool-call parser its gateway answers with
             load_agent(cfg.data.openai_agent)
+            get_parser(cfg.data.tool_parser, tokenizer)
         info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_ids=stop_token_ids(cfg.model, tokenizer))
         if cfg.model.lora_rank > 0:  # the target layers exist (the architecture only, no weights read)
