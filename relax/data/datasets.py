@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
+from jinja2 import TemplateError
 
 from relax.config.evaluation import default_eval_set_name
 from relax.data.files import DataError, Record, check_prompt, read_records
@@ -64,7 +65,11 @@ def render_prompt(
                          "with a template)")
     if apply_chat_template and has_chat_template(tokenizer):
         messages = prompt_messages(prompt, system_prompt)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:  # e.g. a template that refuses a role the prompt uses (a worked tool example)
+            roles = ", ".join(dict.fromkeys(m.get("role", "?") for m in messages))
+            raise ValueError(f"the model's chat template cannot render this prompt (roles: {roles}): {exc}") from None
         return text, True
     if isinstance(prompt, str):
         return prompt, False

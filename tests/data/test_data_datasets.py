@@ -158,3 +158,24 @@ def test_sampler_on_prompt_dataset(tok):
     assert isinstance(train, PromptDataset)
     batch = PromptSampler(train, batch_size=8, seed=1).next_batch()
     assert len(batch) == 8 and all(dataclasses.is_dataclass(x) for x in batch)
+
+
+def test_a_prompt_the_chat_template_cannot_render_is_one_clear_error():
+    """A template that refuses a role the prompt uses (a worked tool example on a template without a tool role)
+    is a ValueError naming the roles, which relax-train reports before Ray starts, not a jinja2 traceback."""
+    from jinja2 import TemplateError
+
+    from relax.data.datasets import render_prompt
+
+    class Refusing:
+        chat_template = "{{ raise_exception('no tool role') }}"
+
+        def apply_chat_template(self, messages, **_):
+            if any(m["role"] == "tool" for m in messages):
+                raise TemplateError("Conversation roles must alternate user/assistant")
+            return "ok"
+
+    prompt = [{"role": "user", "content": "3*4?"}, {"role": "tool", "content": "12"}]
+    with pytest.raises(ValueError, match=r"cannot render this prompt \(roles: user, tool\): Conversation roles"):
+        render_prompt(prompt, Refusing())
+    assert render_prompt("3*4?", Refusing()) == ("ok", True)  # the control: a prompt it can render
