@@ -39,16 +39,21 @@ other model takes the unchunked `relax.models.hf.response_logprobs_all` path: sa
 
 Masked response positions (right padding) are not computed at all: they hold 0 (log-prob and entropy) and get
 no gradient.
+
+`forward_logprobs` is the trainers' one call per micro-batch: the micro-batch laid out by `relax.train.packing`
+(trimmed, or packed), under the compute precision (`autocast`), into `response_logprobs` or `packed_logprobs`.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 
+from relax.batch import Samples
 from relax.models.hf import entropy_from_logprobs, response_hidden_states, response_logprobs_all
-from relax.train.packing import Packed
+from relax.train.packing import Packed, pack, trimmed_sequences
 
 # Logits per chunk (rows x vocabulary): 2^24, i.e. 64 MiB per fp32 [rows, V] work tensor (341 rows of SmolLM2's
 # V = 49152). Smaller chunks recompute the head in more, smaller matmuls (slower); larger ones hold more memory.
@@ -306,3 +311,34 @@ def packed_logprobs(model: torch.nn.Module, packed: Packed, *, temperature: floa
     if entropy == "metric":
         ent_v = ent_v.detach()
     return packed.place(logp_v), (packed.place(ent_v) if ent_v is not None else None)
+
+
+def autocast(device: torch.device, compute_dtype: torch.dtype):
+    """bf16 autocast when the compute dtype is bf16, else nothing (fp32)."""
+    if compute_dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute_dtype)
+
+
+def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.device, compute_dtype: torch.dtype,
+                     temperature: float, entropy: str = "none",
+                     packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+    """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch: the trainers' forward, under the compute
+    precision (`autocast`).
+
+    The micro-batch as `relax.train.packing` lays it out: trimmed of all-padding columns (`trimmed_sequences`), into
+    `response_logprobs`; with `packed` (train.pack_sequences) as one packed sequence without padding (`pack`), into
+    `packed_logprobs`. Log-probs of `softmax(logits / temperature)`, the rollout's sampling distribution. entropy:
+    "grad" (with a gradient) | "metric" (detached) | "none". Masked positions hold 0; the values are those of
+    `relax.models.hf.token_logprobs` up to float rounding.
+    """
+    if packed:
+        p = pack(mb).to(device)
+        with autocast(device, compute_dtype):
+            logp, ent = packed_logprobs(model, p, temperature=temperature, entropy=entropy)
+        return logp, ent, p.response_len
+    ids, mask, P, T = trimmed_sequences(mb)
+    ids, mask = ids.to(device), mask.to(device)
+    with autocast(device, compute_dtype):
+        logp, ent = response_logprobs(model, ids, mask, P, T, temperature=temperature, entropy=entropy)
+    return logp, ent, T

@@ -1,7 +1,8 @@
-"""Packed sequences (`train.pack_sequences`): the rows of a micro-batch as one row without padding.
+"""A micro-batch as the model takes it: its padded rows trimmed of the columns that are padding in every row
+(`trimmed_sequences`), or packed (`train.pack_sequences`): its rows as one row without padding (`pack`).
 
-Each row's real prompt tokens and its response tokens follow the previous row's, with position ids that restart
-at 0: Hugging Face's causal models then attend only within each sequence (their mask builder reads the restarts
+Packed, each row's real prompt tokens and its response tokens follow the previous row's, with position ids that
+restart at 0: Hugging Face's causal models then attend only within each sequence (their mask builder reads the restarts
 from the position ids when no attention mask is given, `transformers.masking_utils.find_packed_sequence_indices`;
 flash-attention's variable-length kernels, where installed, take the same input). The model computes exactly the
 micro-batch's tokens, none of its padding; the values equal the padded computation's up to float rounding.
@@ -34,6 +35,23 @@ class Packed:
     def place(self, values: torch.Tensor) -> torch.Tensor:
         """[M] values back into [N, T] response positions (0 elsewhere)."""
         return values.new_zeros(self.valid.shape).masked_scatter(self.valid, values)
+
+
+def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(input_ids, attention_mask, P', T') without the columns that are padding in every row.
+
+    Left prompt columns and right response columns that no row uses only cost compute; masked keys get
+    exactly zero attention weight, so dropping them changes results only by float rounding.
+    """
+    P = samples.prompt_ids.shape[1]
+    used = samples.prompt_mask.bool().any(0).nonzero()
+    first = min(int(used[0]) if len(used) else P - 1, P - 1)  # keep >= 1 prompt column
+    present = samples.present()  # observations of an episode are attended to, though not trained
+    used_r = present.bool().any(0).nonzero()
+    T = int(used_r[-1]) + 1 if len(used_r) else 1
+    ids = torch.cat([samples.prompt_ids[:, first:], samples.response_ids[:, :T]], dim=1)
+    mask = torch.cat([samples.prompt_mask[:, first:], present[:, :T]], dim=1)
+    return ids, mask, P - first, T
 
 
 def response_reach(samples: Samples) -> torch.Tensor:

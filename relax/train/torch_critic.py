@@ -22,8 +22,8 @@ from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import VALUE_LOSS
 from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
 from relax.models.hf import pick_device, response_hidden_states
-from relax.train.packing import Packed, pack
-from relax.train.torch_policy import TorchTrainer, trainable_model, trimmed_sequences
+from relax.train.packing import Packed, pack, trimmed_sequences
+from relax.train.torch_policy import TorchTrainer, trainable_model
 from relax.train.trainer import CRITIC_STEP, length_sorted_micro_batches, step_denominators, with_step
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -179,7 +179,6 @@ class TorchCritic(TorchTrainer):
         save_file(head, str(directory / VALUE_HEAD_FILE))
 
     def _extra_load(self, directory: Path) -> None:
-
         path = directory / VALUE_HEAD_FILE
         if path.is_file():
             head = load_safetensors_file(path, device=str(self.device))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +24,6 @@ from transformers import PreTrainedModel
 
 from relax import algorithms, progress
 from relax.algorithms.base import AlgorithmConfig
-from relax.algorithms.loss import compute_loss
 from relax.batch import Samples, TrainBatch
 from relax.config.derive import total_optimizer_steps
 from relax.config.schema import ModelConfig, TrainConfig
@@ -39,14 +37,12 @@ from relax.models.checkpoint_files import (
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.weight_buffers import cpu_state
 from relax.models.write_errors import os_write_errors, torch_save
-from relax.train.logprobs import packed_logprobs, response_logprobs
-from relax.train.packing import pack
+from relax.train.logprobs import autocast, forward_logprobs
 from relax.train.trainer import (
     PolicyTrainer,
     SkippedInARow,
+    StepLoss,
     StepOutcome,
-    StepSetup,
-    StepSums,
     available_cpus,
     length_sorted_micro_batches,
     loss_inputs,
@@ -57,53 +53,6 @@ from relax.train.trainer import (
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 STATE_FILE = "trainer_state.json"
-
-def trimmed_sequences(samples: Samples) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """(input_ids, attention_mask, P', T') without the columns that are padding in every row.
-
-    Left prompt columns and right response columns that no row uses only cost compute; masked keys get
-    exactly zero attention weight, so dropping them changes results only by float rounding.
-    """
-    P = samples.prompt_ids.shape[1]
-    used = samples.prompt_mask.bool().any(0).nonzero()
-    first = min(int(used[0]) if len(used) else P - 1, P - 1)  # keep >= 1 prompt column
-    present = samples.present()  # observations of an episode are attended to, though not trained
-    used_r = present.bool().any(0).nonzero()
-    T = int(used_r[-1]) + 1 if len(used_r) else 1
-    ids = torch.cat([samples.prompt_ids[:, first:], samples.response_ids[:, :T]], dim=1)
-    mask = torch.cat([samples.prompt_mask[:, first:], present[:, :T]], dim=1)
-    return ids, mask, P - first, T
-
-
-def autocast(device: torch.device, compute_dtype: torch.dtype):
-    """bf16 autocast when the compute dtype is bf16, else nothing (fp32)."""
-    if compute_dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=compute_dtype)
-
-
-def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.device, compute_dtype: torch.dtype,
-                     temperature: float, entropy: str = "none",
-                     packed: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
-    """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch, trimmed of all-padding columns.
-
-    Log-probs of `softmax(logits / temperature)`, the rollout's sampling distribution. entropy: "grad" (with a
-    gradient) | "metric" (detached) | "none". Masked positions hold 0. Computed by
-    `relax.train.logprobs.response_logprobs`: the lm_head and log-softmax in chunks of tokens, so no
-    [B, T', V] fp32 tensor is held for the backward (the unchunked `response_logprobs_all` for models it does not
-    cover); the values are those of `relax.models.hf.token_logprobs` up to float rounding.
-    `packed` (train.pack_sequences): the rows run as one packed sequence (`relax.train.packing`), no padding.
-    """
-    if packed:
-        p = pack(mb).to(device)
-        with autocast(device, compute_dtype):
-            logp, ent = packed_logprobs(model, p, temperature=temperature, entropy=entropy)
-        return logp, ent, p.response_len
-    ids, mask, P, T = trimmed_sequences(mb)
-    ids, mask = ids.to(device), mask.to(device)
-    with autocast(device, compute_dtype):
-        logp, ent = response_logprobs(model, ids, mask, P, T, temperature=temperature, entropy=entropy)
-    return logp, ent, T
 
 
 @torch.no_grad()
@@ -358,9 +307,9 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         algorithm with `step_statistics` (M2PO), a no-grad log-prob pass over all micro-batches comes first
         and its statistics of the whole step go to every micro-batch's loss (`LossBatch.stats`).
         """
-        step = StepSetup.of(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy)
+        step = StepLoss(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy,
+                        rollout_mismatch=rollout_mismatch)
         self.model.train()
-        sums = StepSums(rollout_mismatch)
         self.optimizer.zero_grad(set_to_none=True)
         splits = length_sorted_micro_batches(batch, micro_batch_size, max_tokens, packed=self.packed)
         stats = self._step_statistics(batch, algo_cfg, splits) if step.algorithm.needs_step_statistics else None
@@ -368,13 +317,9 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
             progress.tick()
             mb = batch.select(rows)
             logp, ent, t = self._forward(mb, entropy=step.entropy)
-            loss_batch = loss_inputs(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
-            sums.add_mismatch(logp, loss_batch)
-            loss, metrics = compute_loss(algo_cfg, loss_batch, per_token=per_token, denominator=step.denominator,
-                                         num_tokens=step.num_tokens)
+            loss = step.micro_batch(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
             loss.backward()
-            sums.add(metrics)
-        return sums.metrics(step.num_tokens, step.entropy)
+        return step.metrics()
 
     @torch.no_grad()
     def _step_statistics(

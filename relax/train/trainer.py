@@ -3,11 +3,11 @@
 A policy trainer (`Policy`: the torch backend's `relax.train.torch_policy.TorchPolicy`, the Megatron backend's
 `relax.train.megatron.policy.MegatronPolicy`) implements the forward/backward of a step
 (`accumulate_gradients`) and the update (`_optimizer_step`); `PolicyTrainer.train_step`, written once here, joins
-them and reports the step. Also here, once: the lr schedule, micro-batching, the
-loss denominators of a step, the loss inputs of a micro-batch, the sums a step adds up over micro-batches (loss
-metrics, rollout mismatch), and non-finite steps (counted, reported and skipped: no optimizer update and no lr
-schedule step, so weights, optimizer state, step count and schedule stay exactly as they were; the runner stops the
-run after `train.max_skipped_steps` in a row).
+them and reports the step. Also here, once: the lr schedule, micro-batching, a step's loss micro-batch by
+micro-batch (`StepLoss`: the loss denominators of the step, the loss inputs of a micro-batch, `compute_loss`, the
+sums a step adds up over micro-batches: loss metrics, rollout mismatch), and non-finite steps (counted, reported
+and skipped: no optimizer update and no lr schedule step, so weights, optimizer state, step count and schedule
+stay exactly as they were; the runner stops the run after `train.max_skipped_steps` in a row).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from relax import algorithms, progress
 from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch, choices_of
-from relax.algorithms.loss import ENTROPY
+from relax.algorithms.loss import ENTROPY, compute_loss
 from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
 from relax.batch import Samples, TrainBatch
 from relax.config.schema import TrainConfig
@@ -79,7 +79,7 @@ def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-# ---- micro-batches and the loss inputs of one ------------------------------------------------------------------
+# ---- micro-batches and a step's loss over them ------------------------------------------------------------------
 
 
 def micro_batches(n: int, micro_batch_size: int) -> Iterator[slice]:
@@ -140,23 +140,6 @@ def step_denominators(response_mask: torch.Tensor, per_token: bool) -> tuple[flo
 def entropy_mode(algo_cfg: AlgorithmConfig, report_entropy: bool) -> str:
     """How a step computes the entropy: "grad" (a loss term, entropy_coef > 0), "metric" (measured only) or "none"."""
     return "grad" if algo_cfg.entropy_coef > 0 else ("metric" if report_entropy else "none")
-
-
-@dataclass(frozen=True)
-class StepSetup:
-    """What the forward/backward of a step settles before its micro-batches (both backends alike)."""
-
-    algorithm: Algorithm
-    denominator: float  # of the whole step's loss (`step_denominators`)
-    num_tokens: float  # valid tokens of the whole step
-    entropy: str  # `entropy_mode`
-
-    @classmethod
-    def of(cls, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, report_entropy: bool) -> StepSetup:
-        if batch.advantages is None:
-            raise ValueError("train_step needs batch.advantages")
-        denominator, num_tokens = step_denominators(batch.response_mask, per_token)
-        return cls(algorithms.get(algo_cfg.name), denominator, num_tokens, entropy_mode(algo_cfg, report_entropy))
 
 
 def loss_inputs(batch: TrainBatch, rows: Optional[torch.Tensor], logp: torch.Tensor, t: int, *,
@@ -243,6 +226,43 @@ class StepSums:
         if entropy == "none":
             out.pop(ENTROPY, None)
         return out
+
+
+class StepLoss:
+    """One optimizer step's loss, micro-batch by micro-batch, as both backends compute it.
+
+    Settled before the micro-batches: the algorithm, the loss denominator and valid tokens of the WHOLE step
+    (`step_denominators`) and how the entropy is computed (`entropy_mode`). `micro_batch` takes a micro-batch's
+    log-probs to its loss: its loss inputs (`loss_inputs`), `compute_loss`, and the rollout mismatch and loss metrics
+    added to the step's sums (`sums`, which a data-parallel trainer all-reduces before `metrics`).
+    """
+
+    def __init__(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, report_entropy: bool,
+                 rollout_mismatch: bool) -> None:
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages")
+        self.cfg = algo_cfg
+        self.algorithm: Algorithm = algorithms.get(algo_cfg.name)
+        self.per_token = per_token
+        self.denominator, self.num_tokens = step_denominators(batch.response_mask, per_token)
+        self.entropy = entropy_mode(algo_cfg, report_entropy)
+        self.sums = StepSums(rollout_mismatch)
+
+    def micro_batch(self, batch: TrainBatch, rows: Optional[torch.Tensor], logp: torch.Tensor, t: int, *,
+                    device: torch.device, entropy: Optional[torch.Tensor] = None,
+                    stats: Optional[dict[str, float]] = None) -> torch.Tensor:
+        """The loss of the micro-batch `rows` of `batch` (see `loss_inputs`) from its log-probs `logp` [B, t] and
+        `entropy`; `stats`: the algorithm's step statistics of the whole step (M2PO), else None."""
+        lb = loss_inputs(batch, rows, logp, t, device=device, entropy=entropy, stats=stats)
+        self.sums.add_mismatch(logp, lb)
+        loss, metrics = compute_loss(self.cfg, lb, per_token=self.per_token, denominator=self.denominator,
+                                     num_tokens=self.num_tokens)
+        self.sums.add(metrics)
+        return loss
+
+    def metrics(self) -> dict[str, float]:
+        """The step's loss metrics (`StepSums.metrics`)."""
+        return self.sums.metrics(self.num_tokens, self.entropy)
 
 
 # ---- non-finite steps --------------------------------------------------------------------------------------------

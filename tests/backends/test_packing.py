@@ -12,9 +12,10 @@ import torch
 from relax import algorithms
 from relax.algorithms import PPOConfig
 from relax.models.hf import token_logprobs
+from relax.train.logprobs import forward_logprobs
 from relax.train.packing import pack, packed_tokens
 from relax.train.torch_critic import TorchCritic
-from relax.train.torch_policy import TorchPolicy, forward_logprobs
+from relax.train.torch_policy import TorchPolicy
 from relax.train.torch_reference import TorchReference
 from relax.train.trainer import length_sorted_micro_batches
 

@@ -43,7 +43,6 @@ from safetensors.torch import save_file
 
 from relax import algorithms, progress
 from relax.algorithms.base import AlgorithmConfig, Violation
-from relax.algorithms.loss import compute_loss
 from relax.batch import Samples, TrainBatch
 from relax.config.derive import total_optimizer_steps
 from relax.config.megatron_rules import (
@@ -69,9 +68,8 @@ from relax.train.packing import Packed, pack
 from relax.train.trainer import (
     PolicyTrainer,
     SkippedInARow,
+    StepLoss,
     StepOutcome,
-    StepSetup,
-    StepSums,
     length_sorted_micro_batches,
     loss_inputs,
     lr_factor,
@@ -510,7 +508,8 @@ class MegatronPolicy(PolicyTrainer):
         """Fresh, finalized gradients of the whole batch's loss (in the DDP grad buffers, `param.main_grad`);
         returns the step's metrics as `TorchPolicy.accumulate_gradients` does, on every rank."""
         _rows_only(max_tokens)
-        step = StepSetup.of(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy)
+        step = StepLoss(batch, algo_cfg, per_token=per_token, report_entropy=report_entropy,
+                        rollout_mismatch=rollout_mismatch)
         entropy = step.entropy
         self.model.train()
         rows = self._shard_rows(len(batch))
@@ -519,24 +518,18 @@ class MegatronPolicy(PolicyTrainer):
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self._step_statistics(mine, algo_cfg, mbs) if step.algorithm.needs_step_statistics else None
-        sums = StepSums(rollout_mismatch)
 
         def loss_fn(mb: _MicroBatch, logits: torch.Tensor) -> torch.Tensor:
             logp, ent = self._logprobs(mb, logits, entropy=entropy != "none")
             if ent is not None and entropy == "metric":
                 ent = ent.detach()
-            lb = loss_inputs(mine, mb.rows, logp, mb.t, device=self.device, entropy=ent, stats=stats)
-            sums.add_mismatch(logp, lb)
-            loss, metrics = compute_loss(algo_cfg, lb, per_token=per_token, denominator=step.denominator,
-                                         num_tokens=step.num_tokens)
-            sums.add(metrics)
-            return loss
+            return step.micro_batch(mine, mb.rows, logp, mb.t, device=self.device, entropy=ent, stats=stats)
 
         self._run(mbs, loss_fn, forward_only=False)
         out: dict[str, float] = {}
         if self.last_stage:
-            sums.all_reduce(self.dp_group, device=self.device)  # the whole batch's sums: over the data-parallel ranks
-            out = sums.metrics(step.num_tokens, entropy)
+            step.sums.all_reduce(self.dp_group, device=self.device)  # the whole batch's: over the data-parallel ranks
+            out = step.metrics()
         return self._broadcast_from_last_stage(out)
 
     def _skip_on_every_rank(self, skip: bool) -> bool:
