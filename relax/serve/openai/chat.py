@@ -21,6 +21,7 @@ from typing import Any, Optional
 from relax.agents.parsers import ToolParser, get_parser, parse_hermes
 from relax.agents.render import ObservationRenderer
 
+THINK, END_THINK = "<think>", "</think>"
 TOOLS_PROMPT = ("You may call one or more functions to assist with the user query. The functions are listed in "
                 "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write <tool_call>{{\"name\": "
                 "<function-name>, \"arguments\": <args-json-object>}}</tool_call>.")
@@ -30,6 +31,42 @@ def _described(messages: list[dict], tools: list[dict]) -> bool:
     """Whether the conversation's system messages already name every tool (a prompt that teaches its own format)."""
     system = " ".join(m.get("content") or "" for m in messages if m["role"] in ("system", "developer"))
     return all(t["function"]["name"] in system for t in tools)
+
+
+def split_reasoning(text: str) -> Optional[tuple[tuple[int, int], int]]:
+    """Where an answer that opens with a <think> block holds its reasoning and its content: ((start, end) of the
+    reasoning, start of the content), both stripped of the blank around them; None when it does not open with
+    one. A block never closed (the answer cut at its limit) is all reasoning, as SGLang's reasoning parser reads
+    it."""
+    body = text.lstrip()
+    if not body.startswith(THINK):
+        return None
+    start = len(text) - len(body) + len(THINK)
+    end = text.find(END_THINK, start)
+    content = len(text) if end < 0 else end + len(END_THINK)
+    end = len(text) if end < 0 else end
+    reasoning = text[start:end]
+    start += len(reasoning) - len(reasoning.lstrip())
+    end = max(start, end - (len(reasoning) - len(reasoning.rstrip())))
+    content += len(text[content:]) - len(text[content:].lstrip())
+    return (start, end), content
+
+
+class _TemplateKwargs:
+    """A tokenizer whose chat template renders with extra variables (a request's chat_template_kwargs), for an
+    `ObservationRenderer`: everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer: Any, kwargs: dict):
+        self._tokenizer, self._kwargs = tokenizer, dict(kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **{**self._kwargs, **kwargs})
 
 
 class ChatFormat:
@@ -46,6 +83,8 @@ class ChatFormat:
         template = getattr(tokenizer, "chat_template", None) or ""
         self.native_tools = "tools" in template
         self.native_calls = "tool_calls" in template
+        self.reasoning = THINK in template  # answers may open with a <think> block (split_reasoning)
+        self._renderers: dict[str, ObservationRenderer] = {}  # by chat_template_kwargs (JSON); none: renderer
         self.renderer = ObservationRenderer(tokenizer)
         self.lock = threading.RLock()
 
@@ -76,22 +115,32 @@ class ChatFormat:
                 out.insert(0, {"role": "system", "content": prompt})
         return out
 
-    def render(self, messages: list[dict], tools: Optional[list[dict]]) -> str:
-        """The text of a whole conversation (normalized messages) and the assistant's generation prompt."""
+    def render(self, messages: list[dict], tools: Optional[list[dict]], template_kwargs: Optional[dict] = None) -> str:
+        """The text of a whole conversation (normalized messages) and the assistant's generation prompt;
+        `template_kwargs` (a request's chat_template_kwargs) are extra variables of the template."""
         with self.lock:
             return self.tokenizer.apply_chat_template(
                 self._template_messages(messages, tools), tools=tools if self.native_tools else None,
-                tokenize=False, add_generation_prompt=True)
+                tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
 
-    def prompt(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
+    def prompt(self, messages: list[dict], tools: Optional[list[dict]],
+               template_kwargs: Optional[dict] = None) -> list[int]:
         """The prompt tokens of `render`."""
-        return self.encode(self.render(messages, tools))
+        return self.encode(self.render(messages, tools, template_kwargs))
 
-    def continuation(self, messages: list[dict], stop_token: Optional[int]) -> list[int]:
+    def continuation(self, messages: list[dict], stop_token: Optional[int],
+                     template_kwargs: Optional[dict] = None) -> list[int]:
         """The tokens of `messages` appended after a model answer that ended with `stop_token` (None: it did not
-        end with one), up to the next generation prompt (`relax.agents.render.ObservationRenderer`)."""
+        end with one), up to the next generation prompt (`relax.agents.render.ObservationRenderer`), rendered with
+        the same `template_kwargs` as the conversation's first prompt (Qwen3's enable_thinking=false writes an
+        empty think block after every generation prompt)."""
         with self.lock:
-            return self.renderer.tokens(self._template_messages(messages, None), stop_token)
+            renderer = self.renderer
+            if template_kwargs:
+                key = json.dumps(template_kwargs, sort_keys=True)
+                renderer = self._renderers.get(key) or self._renderers.setdefault(
+                    key, ObservationRenderer(_TemplateKwargs(self.tokenizer, template_kwargs)))
+            return renderer.tokens(self._template_messages(messages, None), stop_token)
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -117,10 +166,12 @@ class ChatFormat:
         return out
 
     # ---------------------------------------------------------------------------------------------- answers
-    def answer_text(self, tokens: list[int], stop: list[str]) -> tuple[list[int], str, Optional[int], bool]:
+    def answer_text(self, tokens: list[int], stop: list[str],
+                    trim: bool = True) -> tuple[list[int], str, Optional[int], bool]:
         """(tokens kept, text, the stop token that ended them or None, whether a stop sequence ended them): the
-        text leaves out the stop token and stops before the first stop sequence; the tokens stop after the token
-        that completed it (what the model sampled up to there)."""
+        text leaves out the stop token and stops before the first stop sequence (with `trim`; else it is the text
+        of the tokens kept: SGLang's no_stop_trim); the tokens stop after the token that completed it (what the
+        model sampled up to there: the engine stops there too, given the stop sequences)."""
         end = tokens[-1] if tokens and tokens[-1] in self.eos_token_ids else None
         body = tokens[:-1] if end is not None else tokens
         text = self.decode(body)
@@ -130,8 +181,8 @@ class ChatFormat:
         at, s = min(hits)
         for k in range(1, len(body) + 1):  # the first token after which the stop sequence is in the text
             if len(self.decode(body[:k])) >= at + len(s) and s in self.decode(body[:k]):
-                return body[:k], text[:at], None, True
-        return body, text[:at], None, True
+                return body[:k], text[:at] if trim else self.decode(body[:k]), None, True
+        return body, text[:at] if trim else text, None, True
 
     @staticmethod
     def tool_calls(text: str, parser: ToolParser = parse_hermes) -> tuple[str, Optional[list[dict]]]:

@@ -23,16 +23,116 @@ from typing import Any, Optional
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-# fields that do not change what is generated: accepted and not used
-_IGNORED = {"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls", "prompt_cache_key",
-            "safety_identifier"}
-# fields that would change the output, accepted only at their neutral values
-_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "response_format": (
-    {"type": "text"},), "suffix": ("",), "echo": (False,), "best_of": (1,), "functions": (), "function_call": (),
-    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": ()}
-_CHAT = {"model", "messages", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "temperature",
-         "top_p", "stop", "seed", "logprobs", "top_logprobs", "stream"}
-_COMPLETION = {"model", "prompt", "n", "max_tokens", "temperature", "top_p", "stop", "seed", "logprobs", "stream"}
+CHAT, COMPLETION, BOTH = ("chat",), ("completion",), ("chat", "completion")
+HONOURED, NO_EFFECT, NEUTRAL_ONLY = "honoured", "accepted without effect", "refused unless neutral"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What becomes of one request field: `verdict` HONOURED (read into `Params` and acted on), NO_EFFECT (accepted
+    with any value: `why` says why it cannot change the answer here) or NEUTRAL_ONLY (it would change the output
+    and Relax cannot honour it: accepted only at `neutral`, the values that change nothing, or null; anything else
+    is a 400 naming the field); `on`: the endpoints that take it (any other field is a 400 naming it)."""
+
+    verdict: str
+    why: str
+    on: tuple[str, ...] = BOTH
+    neutral: tuple = ()
+
+
+_SGL = "SGLang extension"
+_NO_CACHE = f"{_SGL}: a cache key; this engine keeps no cache between batches, the tokens do not depend on it"
+_ROUTING = f"{_SGL}: routing among data-parallel workers; the answer is the same on any of them"
+_ENGINE_LACKS = f"{_SGL}: the embedded engine samples with temperature, top_p and top_k only (relax.rollout.sampling)"
+_ABSENT = f"{_SGL}: Relax returns no such data"
+# Every field of /v1/chat/completions and /v1/completions, OpenAI's and SGLang's own (SGLang's ChatCompletionRequest
+# and CompletionRequest, what sglang-router forwards), with what Relax does with it.
+FIELDS: dict[str, Rule] = {
+    # ------------------------------------------------------------------ honoured
+    "model": Rule(HONOURED, "any name: the served model answers"),
+    "messages": Rule(HONOURED, "the conversation, rendered with the chat template", CHAT),
+    "prompt": Rule(HONOURED, "a string or token ids, one prompt per request", COMPLETION),
+    "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message", CHAT),
+    "tool_choice": Rule(HONOURED, '"auto" or "none" (a forced call needs constrained decoding: 400)', CHAT),
+    "n": Rule(HONOURED, "choices, each with its own random stream"),
+    "max_tokens": Rule(HONOURED, "default: the room left under the context (and a session's limits)"),
+    "max_completion_tokens": Rule(HONOURED, "as max_tokens (the smaller of the two)", CHAT),
+    "temperature": Rule(HONOURED, "a training session samples at the run's (counted as an override)"),
+    "top_p": Rule(HONOURED, "a training session samples at the run's"),
+    "top_k": Rule(HONOURED, f"{_SGL}: the engine implements top-k (-1: off); a training session uses the run's"),
+    "stop": Rule(HONOURED, "the engine stops when one appears in the decoded tail; the text ends before it"),
+    "seed": Rule(HONOURED, "choice k draws from row_stream(seed, k)"),
+    "logprobs": Rule(HONOURED, "chat: a bool; completions: 0-5 top log-probs"),
+    "top_logprobs": Rule(HONOURED, "the likeliest tokens' log-probs at each position", CHAT),
+    "stream": Rule(HONOURED, "server-sent events ending with data: [DONE]"),
+    "stream_options": Rule(HONOURED, "include_usage"),
+    "ignore_eos": Rule(HONOURED, f"{_SGL}: the stop tokens do not end the answer"),
+    "no_stop_trim": Rule(HONOURED, f"{_SGL}: a stop string stays in the text (nothing changes without one)"),
+    "chat_template_kwargs": Rule(HONOURED, f"{_SGL}: extra variables of the chat template (enable_thinking)", CHAT),
+    "separate_reasoning": Rule(HONOURED, f"{_SGL}: false keeps a <think> block in content", CHAT),
+    "stream_reasoning": Rule(HONOURED, f"{_SGL}: false streams the reasoning as one delta", CHAT),
+    # ------------------------------------------------------------------ accepted without effect
+    "user": Rule(NO_EFFECT, "an end-user id for the provider's records"),
+    "metadata": Rule(NO_EFFECT, "stored-completion tags; nothing is stored"),
+    "store": Rule(NO_EFFECT, "nothing is stored"),
+    "service_tier": Rule(NO_EFFECT, "one tier"),
+    "parallel_tool_calls": Rule(NO_EFFECT, "the model may write several calls either way; all are read"),
+    "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
+    "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
+    "rid": Rule(NO_EFFECT, f"{_SGL}: names the request for /abort_request; the answer is the same without it"),
+    "extra_key": Rule(NO_EFFECT, _NO_CACHE),
+    "cache_salt": Rule(NO_EFFECT, _NO_CACHE),
+    "priority": Rule(NO_EFFECT, f"{_SGL}: scheduling order; a row's tokens do not depend on its batch"),
+    "custom_labels": Rule(NO_EFFECT, f"{_SGL}: metric labels"),
+    "routed_dp_rank": Rule(NO_EFFECT, _ROUTING),
+    "data_parallel_rank": Rule(NO_EFFECT, _ROUTING),
+    "disagg_prefill_dp_rank": Rule(NO_EFFECT, _ROUTING),
+    "spaces_between_special_tokens": Rule(NO_EFFECT, f"{_SGL}: the text leaves special tokens out, so none are "
+                                                     "spaced"),
+    # ------------------------------------------------------------------ refused unless neutral
+    "frequency_penalty": Rule(NEUTRAL_ONLY, "penalties: " + _ENGINE_LACKS, neutral=(0, 0.0)),
+    "presence_penalty": Rule(NEUTRAL_ONLY, "penalties: " + _ENGINE_LACKS, neutral=(0, 0.0)),
+    "repetition_penalty": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=(1, 1.0)),
+    "min_p": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=(0, 0.0)),
+    "min_tokens": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=(0,)),
+    "logit_bias": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=({},)),
+    "custom_logit_processor": Rule(NEUTRAL_ONLY, _ENGINE_LACKS),
+    "custom_params": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=({},)),
+    "response_format": Rule(NEUTRAL_ONLY, "constrained decoding", neutral=({"type": "text"},)),
+    "regex": Rule(NEUTRAL_ONLY, f"{_SGL}: constrained decoding", neutral=("",)),
+    "json_schema": Rule(NEUTRAL_ONLY, f"{_SGL}: constrained decoding", neutral=("",)),
+    "ebnf": Rule(NEUTRAL_ONLY, f"{_SGL}: constrained decoding", neutral=("",)),
+    "stop_regex": Rule(NEUTRAL_ONLY, f"{_SGL}: the engine matches stop strings only", neutral=("", [])),
+    "stop_token_ids": Rule(NEUTRAL_ONLY, f"{_SGL}: the model's own stop tokens only (a training session's "
+                                         "continuations know no others)", neutral=([],)),
+    "skip_special_tokens": Rule(NEUTRAL_ONLY, f"{_SGL}: the text always leaves special tokens out", neutral=(True,)),
+    "lora_path": Rule(NEUTRAL_ONLY, f"{_SGL}: the served weights answer (no adapter per request)"),
+    "session_id": Rule(NEUTRAL_ONLY, f"{_SGL}: SGLang sessions keep a context Relax does not"),
+    "session_params": Rule(NEUTRAL_ONLY, f"{_SGL}: SGLang sessions keep a context Relax does not", neutral=({},)),
+    "return_hidden_states": Rule(NEUTRAL_ONLY, _ABSENT, neutral=(False,)),
+    "return_routed_experts": Rule(NEUTRAL_ONLY, _ABSENT, neutral=(False,)),
+    "return_cached_tokens_details": Rule(NEUTRAL_ONLY, _ABSENT, neutral=(False,)),
+    "return_token_ids": Rule(NEUTRAL_ONLY, _ABSENT, neutral=(False,)),
+    "return_prompt_token_ids": Rule(NEUTRAL_ONLY, _ABSENT, CHAT, neutral=(False,)),
+    "return_meta_info": Rule(NEUTRAL_ONLY, _ABSENT, CHAT, neutral=(False,)),
+    "continue_final_message": Rule(NEUTRAL_ONLY, f"{_SGL}: every prompt ends with the generation prompt", CHAT,
+                                   neutral=(False,)),
+    "input_ids": Rule(NEUTRAL_ONLY, f"{_SGL}: the prompt is the rendered messages", CHAT),
+    "suffix": Rule(NEUTRAL_ONLY, "insertion is not supported", neutral=("",)),
+    "echo": Rule(NEUTRAL_ONLY, "the prompt is not echoed", neutral=(False,)),
+    "best_of": Rule(NEUTRAL_ONLY, "no server-side ranking", neutral=(1,)),
+    "functions": Rule(NEUTRAL_ONLY, "deprecated: use tools"),
+    "function_call": Rule(NEUTRAL_ONLY, "deprecated: use tool_choice"),
+    "modalities": Rule(NEUTRAL_ONLY, "text only", neutral=(["text"],)),
+    "audio": Rule(NEUTRAL_ONLY, "text only"),
+    "prediction": Rule(NEUTRAL_ONLY, "no predicted outputs"),
+    "reasoning_effort": Rule(NEUTRAL_ONLY, "no effort control (chat_template_kwargs can switch thinking)"),
+    "web_search_options": Rule(NEUTRAL_ONLY, "no web search"),
+}
+# chat_template_kwargs keys that name apply_chat_template's own arguments: they would replace what Relax renders
+_TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -67,8 +167,13 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     tools: Optional[list[dict]] = None  # function tools offered to the model (None: none)
-    top_k: int = -1  # not in the OpenAI API: a training session sets the run's (rollout.top_k)
+    top_k: int = -1  # SGLang's extension (-1: off); a training session sets the run's (rollout.top_k)
     model: str = ""
+    ignore_eos: bool = False  # SGLang's: the stop tokens do not end the answer
+    no_stop_trim: bool = False  # SGLang's: a stop string stays in the text
+    template_kwargs: Optional[dict] = None  # chat_template_kwargs: extra variables of the chat template
+    separate_reasoning: bool = True  # SGLang's: a <think> block goes to reasoning_content (templates that use it)
+    stream_reasoning: bool = True  # SGLang's: the reasoning streams token by token (false: as one delta)
 
 
 def _number(body: dict, name: str, default: Optional[float], lo: float, hi: float) -> Optional[float]:
@@ -89,15 +194,24 @@ def _integer(body: dict, name: str, lo: int, hi: Optional[int] = None) -> Option
     return v
 
 
-def _common(body: dict, allowed: set[str]) -> Params:
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, f"{v!r} must be a boolean")
+    return v
+
+
+def _common(body: dict, endpoint: str) -> Params:
     if not isinstance(body, dict):
         raise APIError("the body must be a JSON object")
-    for name in body:
-        if name in _NEUTRAL:
-            if body[name] not in (None, *_NEUTRAL[name]):
-                raise _bad(name, f"{body[name]!r} is not supported by this server")
-        elif name not in allowed and name not in _IGNORED:
+    for name in body:  # FIELDS: what becomes of each
+        rule = FIELDS.get(name)
+        if rule is None or endpoint not in rule.on:
             raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
+        if rule.verdict == NEUTRAL_ONLY and body[name] not in (None, *rule.neutral):
+            raise _bad(name, f"{body[name]!r} is not supported by this server ({rule.why})")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "required: a model name (any name; the served model answers)")
@@ -115,6 +229,11 @@ def _common(body: dict, allowed: set[str]) -> Params:
         raise _bad("stop", f"{stop!r} must be a non-empty string or a list of up to {MAX_STOP} of them")
     p.stop = list(stops)
     p.seed = _integer(body, "seed", -(2**63))
+    top_k = _integer(body, "top_k", -1)
+    if top_k == 0:
+        raise _bad("top_k", "0 keeps no token; use -1 (off) or a value >= 1")
+    p.top_k = -1 if top_k is None else top_k
+    p.ignore_eos, p.no_stop_trim = _flag(body, "ignore_eos", False), _flag(body, "no_stop_trim", False)
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise _bad("stream", f"{stream!r} must be a boolean")
@@ -129,7 +248,7 @@ def _common(body: dict, allowed: set[str]) -> Params:
 
 def parse_chat(body: dict) -> tuple[list[dict], Params]:
     """The messages (normalized: `normalize_message`) and parameters of a chat completion request."""
-    p = _common(body, _CHAT)
+    p = _common(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "required: a non-empty list of messages")
@@ -156,12 +275,23 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
         raise _bad("tool_choice", f"{choice!r} is not supported: this server cannot force a call (constrained "
                                   "decoding); use 'auto' or 'none'")
     p.tools = tools if tools and choice != "none" else None
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise _bad("chat_template_kwargs", f"{kwargs!r} must be a JSON object, e.g. "
+                                               '{"enable_thinking": false}')
+        reserved = sorted(_TEMPLATE_RESERVED & set(kwargs))
+        if reserved:
+            raise _bad("chat_template_kwargs", f"{', '.join(reserved)}: set by the server, not a template variable")
+        p.template_kwargs = dict(kwargs) or None
+    p.separate_reasoning = _flag(body, "separate_reasoning", True)
+    p.stream_reasoning = _flag(body, "stream_reasoning", True)
     return normalized, p
 
 
 def parse_completion(body: dict) -> tuple[Any, Params]:
     """The prompt (a string or a list of token ids) and parameters of a completion request."""
-    p = _common(body, _COMPLETION)
+    p = _common(body, "completion")
     prompt = body.get("prompt")
     ok = (isinstance(prompt, str) and prompt) or (
         isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
@@ -239,6 +369,9 @@ class Choice:
     top: Optional[list[list[tuple[str, float]]]] = None  # per token: (text, log-prob) of the most likely tokens
     tool_calls: Optional[list[dict]] = None  # OpenAI tool_calls of a chat answer
     deltas: Optional[list[str]] = None  # what each token adds to the text (for streaming)
+    reasoning: Optional[str] = None  # reasoning_content: the text of a <think> block split off (None: none was)
+    think_text: str = ""  # with `reasoning`: the answer's text before its content (the block as the model wrote it)
+    reasoning_span: tuple[int, int] = (0, 0)  # with `reasoning`: where it lies in think_text
 
 
 def new_id(prefix: str) -> str:
@@ -264,6 +397,8 @@ def chat_answer(choices: list[Choice], p: Params, prompt_tokens: int, *, model: 
     out = []
     for i, c in enumerate(choices):
         message: dict[str, Any] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+        if c.reasoning is not None:
+            message["reasoning_content"] = c.reasoning
         if c.tool_calls:
             message["tool_calls"] = c.tool_calls
         out.append({"index": i, "message": message, "finish_reason": c.finish_reason,
@@ -303,12 +438,17 @@ def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
         events.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None, "logprobs": None}]})
         content = ch["message"]["content"] or ""
-        pieces = _stream_pieces(content, c)
         token_logprobs = _token_logprobs(c, p.top_logprobs) if p.logprobs else None
-        for j, piece in enumerate(pieces):
-            lp = {"content": token_logprobs[j:j + 1]} if token_logprobs is not None else None
-            events.append({**head, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None,
-                                                "logprobs": lp}]})
+        if c.reasoning is not None:
+            for delta, k in _reasoning_deltas(content, c, p.stream_reasoning):
+                lp = {"content": token_logprobs[k:k + 1]} if token_logprobs is not None and k is not None else None
+                events.append({**head, "choices": [{"index": i, "delta": delta, "finish_reason": None,
+                                                    "logprobs": lp}]})
+        else:
+            for j, piece in enumerate(_stream_pieces(content, c)):
+                lp = {"content": token_logprobs[j:j + 1]} if token_logprobs is not None else None
+                events.append({**head, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None,
+                                                    "logprobs": lp}]})
         if ch["message"].get("tool_calls"):
             calls = [{"index": k, **tc} for k, tc in enumerate(ch["message"]["tool_calls"])]
             events.append({**head, "choices": [{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None,
@@ -334,6 +474,42 @@ def _stream_pieces(content: str, c: Choice) -> list[str]:
             return [content] if content else []
         pieces.append(content[at:])
     return [q for q in pieces if q]
+
+
+def _clip(piece: str, at: int, lo: int, hi: int) -> str:
+    """The part of `piece` (at offset `at` of a text) that lies in [lo, hi) of that text."""
+    return piece[max(lo - at, 0):max(min(hi - at, len(piece)), 0)]
+
+
+def _reasoning_deltas(content: str, c: Choice, per_token: bool) -> list[tuple[dict, Optional[int]]]:
+    """(delta, token index or None) of a streamed answer whose <think> block was split off: each token's part of
+    the reasoning as `reasoning_content` (all of it in one delta unless `per_token`), its part of the content as
+    `content`; the tags and the blank between them send nothing. A part that is not the tokens' text (the
+    content with tool calls taken out, a reasoning that differs) comes whole, in its place."""
+    (r0, r1), c0 = c.reasoning_span, len(c.think_text)
+    parts, at = [], 0
+    for d in c.deltas or []:
+        parts.append((_clip(d, at, r0, r1), _clip(d, at, c0, 1 << 62)))
+        at += len(d)
+    per_token = per_token and "".join(r for r, _ in parts) == c.reasoning
+    said = "".join(t for _, t in parts)
+    content_ok = not c.tool_calls and said.startswith(content)
+    out: list[tuple[dict, Optional[int]]] = []
+    if not per_token and c.reasoning:  # before the content
+        out.append(({"reasoning_content": c.reasoning}, None))
+    left = len(content)
+    for k, (r, t) in enumerate(parts):
+        t, left = (t[:max(left, 0)], left - len(t)) if content_ok else ("", left)
+        delta = {}
+        if r and per_token:
+            delta["reasoning_content"] = r
+        if t:
+            delta["content"] = t
+        if delta:
+            out.append((delta, k))
+    if not content_ok and content:
+        out.append(({"content": content}, None))
+    return out
 
 
 def completion_events(answer: dict, choices: list[Choice]) -> bytes:

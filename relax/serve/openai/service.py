@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol
 
 from relax.batch import FinishReason
 from relax.serve.http import EventStream
-from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.chat import ChatFormat, split_reasoning
 from relax.serve.openai.protocol import (
     APIError,
     Choice,
@@ -35,7 +35,7 @@ from relax.serve.sglang.request import row_stream
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 128  # without max_tokens and without a known context length
+DEFAULT_MAX_TOKENS = 128  # without max_tokens, a known context length or a cap (SGLang's /generate default)
 # SGLang's finish_reason.type (its wire strings, left) -> Sampled.finish; any other type reads as ABORT
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -49,13 +49,16 @@ class Sampled:
     finish: FinishReason  # STOP | LENGTH | ABORT
     version: int
     top: Optional[list[list[tuple[float, int]]]] = None  # per token: (log-prob, token id) of the likeliest
+    stop_string: Optional[str] = None  # the stop string that ended it (finish STOP without a stop token)
 
 
 class Session(Protocol):
     """What a training session decides for the calls made in it (`relax.serve.openai.sessions.Session`)."""
 
-    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat) -> tuple[list[int], Any]:
-        """The prompt tokens of a chat call and what `record` needs to file it."""
+    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat,
+                    template_kwargs: Optional[dict] = None) -> tuple[list[int], Any]:
+        """The prompt tokens of a chat call (rendered with the request's chat_template_kwargs) and what `record`
+        needs to file it."""
 
     def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]: ...
 
@@ -84,18 +87,25 @@ class OpenAIService:
     def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
         messages, p = parse_chat(body)
         if session is not None:
-            prompt, context = session.chat_prompt(messages, p.tools, self.fmt)
+            prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs)
         else:
-            prompt, context = self.fmt.prompt(messages, p.tools), None
+            prompt, context = self.fmt.prompt(messages, p.tools, p.template_kwargs), None
         sampled, p = self._generate(prompt, p, session, context)
         choices = []
         for s in sampled:
-            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
+            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
             finish = self._finish(s, tokens)
+            # a <think> block opening the answer goes to reasoning_content, as SGLang's reasoning parser puts it
+            split = split_reasoning(text) if self.fmt.reasoning and p.separate_reasoning else None
+            think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
             content, calls = self.fmt.tool_calls(text) if p.tools else (text, None)
             if calls:
                 finish = "tool_calls"
-            choices.append(self._choice(s, tokens, content, finish, calls, p))
+            choice = self._choice(s, tokens, content, finish, calls, p)
+            if split:
+                choice.reasoning, choice.think_text = think[split[0][0]:split[0][1]], think
+                choice.reasoning_span = split[0]
+            choices.append(choice)
         if session is not None:
             session.record(context, prompt, [
                 (s, c, normalize_message({"role": "assistant", "content": c.text or None,
@@ -113,7 +123,7 @@ class OpenAIService:
         sampled, p = self._generate(prompt, p, session, context)
         choices = []
         for s in sampled:
-            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop)
+            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
             choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p))
         if session is not None:
             session.record(context, prompt, [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
@@ -126,7 +136,9 @@ class OpenAIService:
         if room is not None and room < 1:
             raise APIError(f"the prompt ({prompt_len} tokens) fills the model's context of {self.context_length} "
                            "tokens", param="messages", code="context_length_exceeded")
-        limit = p.max_tokens or (room if room is not None else DEFAULT_MAX_TOKENS)
+        # without max_tokens: the room left under the context, then the cap (a training session's limits come
+        # on top in `Session.admit`); SGLang's 128 only where neither is known
+        limit = p.max_tokens or room or self.max_tokens or DEFAULT_MAX_TOKENS
         if room is not None and limit > room:
             raise APIError(f"max_tokens={limit} plus the prompt ({prompt_len} tokens) exceeds the model's context "
                            f"of {self.context_length} tokens", param="max_tokens", code="context_length_exceeded")
@@ -143,8 +155,12 @@ class OpenAIService:
         for seed in seeds:
             sp = {"max_new_tokens": limit, "temperature": 1.0 if p.temperature is None else p.temperature,
                   "top_p": 1.0 if p.top_p is None else p.top_p, "top_k": p.top_k, "n": 1,
-                  "stop_token_ids": sorted(self.fmt.eos_token_ids), "no_stop_trim": True,
+                  "stop_token_ids": [] if p.ignore_eos else sorted(self.fmt.eos_token_ids), "no_stop_trim": True,
                   "skip_special_tokens": False}
+            if p.stop:  # the engine stops at them (its tokens end with the one that completed the string)
+                sp["stop"] = list(p.stop)
+            if p.ignore_eos:
+                sp["ignore_eos"] = True
             if seed is not None:
                 sp["sampling_seed"] = int(seed)
             payload = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
@@ -162,8 +178,10 @@ class OpenAIService:
         except (TypeError, ValueError):
             version = self.default_version
         top = meta.get("output_top_logprobs")
+        matched = (meta.get("finish_reason") or {}).get("matched")
         return Sampled([int(q[1]) for q in pairs], [float(q[0]) for q in pairs], FINISH.get(reason, FinishReason.ABORT),
-                       version, [[(float(a[0]), int(a[1])) for a in (alts or [])] for alts in top] if top else None)
+                       version, [[(float(a[0]), int(a[1])) for a in (alts or [])] for alts in top] if top else None,
+                       matched if isinstance(matched, str) and reason == "stop" else None)
 
     @staticmethod
     def _finish(s: Sampled, tokens: list[int]) -> str:

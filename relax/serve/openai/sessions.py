@@ -26,6 +26,7 @@ samples of a group still differ).
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -49,7 +50,7 @@ class Segment:
     versions: list[int] = field(default_factory=list)
     messages: Optional[list[dict]] = None  # chat: the conversation so far, the last answer included
     text: str = ""  # completions: the text of prompt and tokens
-    tools_key: str = ""
+    tools_key: str = ""  # the tools and chat_template_kwargs its conversation was rendered with
     stop_token: Optional[int] = None  # the token that ended the last answer (None: a length or stop-sequence end)
     answers: list[str] = field(default_factory=list)  # the text of each answer
     rewards: list[float] = field(default_factory=list)  # per call
@@ -99,8 +100,12 @@ class Session:
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ Session protocol (service.py)
-    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat) -> tuple[list[int], Any]:
-        key = repr(tools)
+    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat,
+                    template_kwargs: Optional[dict] = None) -> tuple[list[int], Any]:
+        # a call extends a conversation rendered with the same tools and chat_template_kwargs (they change what
+        # the template writes around every message: Qwen3's enable_thinking=false an empty think block after
+        # each generation prompt); its new messages render with them too
+        key = repr(tools) + json.dumps(template_kwargs or {}, sort_keys=True)
         with self._lock:
             self._check_open()
             for seg in self.candidates:
@@ -108,9 +113,9 @@ class Session:
                 if (old is not None and seg.tools_key == key and len(messages) > len(old)
                         and all(same_message(a, b) for a, b in zip(messages, old, strict=False))):
                     new = messages[len(old):]
-                    delta = fmt.continuation(new, seg.stop_token)
+                    delta = fmt.continuation(new, seg.stop_token, template_kwargs)
                     return seg.context + delta, ("extend", seg, delta, messages)
-            return fmt.prompt(messages, tools), ("new", None, [], messages, key)
+            return fmt.prompt(messages, tools, template_kwargs), ("new", None, [], messages, key)
 
     def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]:
         with self._lock:
@@ -144,7 +149,8 @@ class Session:
                                f"(rollout.max_episode_tokens={lim.max_tokens})", code="max_tokens")
             call = self.calls
             self.calls += 1
-            if p.temperature not in (None, lim.temperature) or p.top_p not in (None, lim.top_p):
+            if p.temperature not in (None, lim.temperature) or p.top_p not in (None, lim.top_p) \
+                    or p.top_k not in (-1, lim.top_k):
                 self.overrides += 1  # the agent asked for other sampling
         p = copy.copy(p)
         p.temperature, p.top_p, p.top_k = lim.temperature, lim.top_p, lim.top_k
@@ -165,10 +171,11 @@ class Session:
             else:
                 seg = Segment(prompt=list(prompt), tools_key=context[4])
             seg.append(choice.tokens, sampled=True, logprobs=choice.logprobs, version=sampled.version)
+            # a stop token ended it (not a stop string, where the engine also stops with finish STOP)
             ended = choice.tokens[-1] if choice.tokens and len(choice.tokens) == len(sampled.tokens) \
-                and sampled.finish == FinishReason.STOP else None
+                and sampled.finish == FinishReason.STOP and sampled.stop_string is None else None
             seg.stop_token = ended
-            seg.answers.append(choice.text)
+            seg.answers.append(choice.think_text + choice.text)  # a <think> block split off still counts
             seg.rewards.append(0.0)
             if message is not None:
                 seg.messages = list(conversation) + [message]
