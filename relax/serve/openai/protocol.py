@@ -2,14 +2,18 @@
 `Params` (every problem an `APIError` with a 4xx status and OpenAI's error shape, naming the field), and choices
 written back as OpenAI writes them, whole or as server-sent events.
 
-Supported: `model` (any name: the served model answers), `messages` (system, developer, user, assistant with
-`tool_calls`, tool; text content, as a string or text parts), `prompt` (completions: a string or token ids), `tools`
-(function tools) with `tool_choice` "auto" or "none", `n`, `max_tokens` / `max_completion_tokens`, `temperature`,
-`top_p`, `stop` (a string or up to 4), `seed`, `logprobs` (chat: a bool, completions: 0-5 as the number of top
-log-probs) and `top_logprobs`, `stream` with `stream_options.include_usage`, and `user`, `metadata`, `store` (kept
-out of generation). Log-probs are those of the sampling distribution (the model's at the request's temperature), the
-ones Relax trains with. Anything else that would change the output (penalties, `logit_bias`, `response_format`,
-forced tool choices, images) is refused with a 400 naming it, never ignored.
+Every field either endpoint takes is in `FIELDS`, with what becomes of it: honoured, accepted without effect (and
+why it cannot change the answer), or refused unless at a neutral value. Honoured: `model` (any name: the served model
+answers), `messages` (system, developer, user, assistant with `tool_calls`, tool; text content, as a string or text
+parts), `prompt` (completions: a string or token ids), `tools` (function tools) with `tool_choice` "auto" or "none",
+`n`, `max_tokens` / `max_completion_tokens` (default: the room left under the context), `temperature`, `top_p`,
+`stop` (a string or up to 4; the engine stops there), `seed`, `logprobs` (chat: a bool, completions: 0-5 as the
+number of top log-probs) and `top_logprobs`, `stream` with `stream_options.include_usage`, and SGLang's `top_k`,
+`ignore_eos`, `no_stop_trim`, `chat_template_kwargs`, `separate_reasoning` and `stream_reasoning` (chat: a <think>
+block opening the answer goes to `reasoning_content` when the chat template uses <think>). Log-probs are those of
+the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Anything else that
+would change the output (penalties, min_p, `logit_bias`, `response_format` and other constrained decoding, forced
+tool choices, images, adapters, SGLang sessions) is refused with a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
