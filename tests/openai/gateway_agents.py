@@ -27,6 +27,19 @@ def three_turns(item: dict, base_url: str, api_key: str) -> float:
     return float(any(ch.isdigit() for ch in answer.content or ""))
 
 
+def responses_three_turns(item: dict, base_url: str, api_key: str) -> float:
+    """`three_turns` with the Responses API: the second call sends the first call's output items back with a user
+    follow-up, the third names the second by previous_response_id and sends only the follow-up."""
+    c = client(base_url, api_key)
+    first = c.responses.create(model="policy", input=item["messages"], max_output_tokens=6)
+    follow_up = {"role": "user", "content": FOLLOW_UP}
+    second = c.responses.create(model="policy", max_output_tokens=6, input=[
+        *item["messages"], *[o.model_dump(exclude_none=True) for o in first.output], follow_up])
+    last = c.responses.create(model="policy", previous_response_id=second.id, input=[follow_up],
+                              max_output_tokens=6)
+    return float(any(ch.isdigit() for ch in last.output_text))
+
+
 def edits_history(item: dict, base_url: str, api_key: str) -> None:
     """Two calls, the second with the first answer rewritten (as context compaction would): a new segment."""
     c = client(base_url, api_key)

@@ -3,7 +3,8 @@
 An agent run gets the gateway's `base_url` (`http://host:port/v1`) and its session's key as its API key; every call
 it makes with that key (`Authorization: Bearer <key>`, as the `openai` client sends it) is recorded in its session
 (`relax.serve.openai.sessions`), and a request without a known key is refused (401). Routes: `GET /v1/models`,
-`POST /v1/chat/completions`, `POST /v1/completions` (see `relax.serve.openai.protocol` for what they accept), and
+`POST /v1/chat/completions`, `POST /v1/completions` (see `relax.serve.openai.protocol` for what they accept),
+`POST /v1/responses` (`relax.serve.openai.responses`: recorded as the chat call it translates to), and
 `POST /v1/relax/reward` {"reward": x}, which adds x to the reward of the session's latest call. Errors have OpenAI's
 shape. The gateway binds to loopback unless configured otherwise (`rollout.gateway_host`); each session's key is a
 fresh random secret, so a reachable gateway still serves only the runs it started.
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 
 from relax.serve.http import Server, write_answer
 from relax.serve.openai.protocol import APIError
+from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
 from relax.serve.openai.sessions import Limits, Session
 
@@ -67,6 +69,7 @@ class Gateway:
 
     def __init__(self, service: OpenAIService, *, host: str = "127.0.0.1", port: int = 0):
         self.service, self.host, self.port = service, host, int(port)
+        self.responses = Responses(service)  # /v1/responses: chat calls of the session, kept per session
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._httpd: Optional[Server] = None
@@ -113,6 +116,7 @@ class Gateway:
         try:
             route = {("GET", "/v1/models"): self._models, ("POST", "/v1/chat/completions"): self._chat,
                      ("POST", "/v1/completions"): self._completion,
+                     ("POST", "/v1/responses"): self.responses.create,
                      ("POST", "/v1/relax/reward"): self._reward}.get((method, path.rstrip("/")))
             if route is None:
                 raise APIError(f"no endpoint {method} {path}", status=404, code="not_found")

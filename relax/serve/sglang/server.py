@@ -21,8 +21,9 @@ a GET's query parameters read as the fields of its body):
   arguments slime compares with its own for an external engine: tp/dp/pp/ep sizes 1, one node), `/model_info`,
   `/get_model_info`, `/get_weight_version`, `/v1/models`.
 - `GET /get_load`, `/v1/loads`: what runs and waits (`relax.serve.sglang.loads`).
-- The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.serve.openai.service`), with the
-  server's key (`api_key`, `relax-serve --api-key`) as `Authorization: Bearer`, or without one on loopback only.
+- The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.serve.openai.service`), `/v1/responses`
+  (`relax.serve.openai.responses`), with the server's key (`api_key`, `relax-serve --api-key`) as
+  `Authorization: Bearer`, or without one on loopback only.
 - `POST /generate`: `input_ids` or `text`, `sampling_params` (stop strings included), `return_logprob`,
   `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`, `rid`, `stream`; what is supported, and how samples
   are seeded: see `relax.serve.sglang.request`; a streamed answer: `relax.serve.sglang.stream`.
@@ -66,6 +67,7 @@ from relax.rollout.embedded import EmbeddedEngine
 from relax.serve.http import Server, write_answer
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
+from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
 from relax.serve.sglang import loads
 from relax.serve.sglang.positions import row_extras
@@ -87,7 +89,8 @@ __all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")  # guarded by `EmbeddedServer.api_key`, OpenAI's errors
+# guarded by `EmbeddedServer.api_key`, OpenAI's errors
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # open to anyone who reaches the server: health and read-only information (sglang-router probes them without its key
 # when a server joins); every other endpoint needs the key (or a loopback address without one)
 OPEN_PATHS = ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
@@ -163,6 +166,7 @@ class EmbeddedServer(WeightEndpoints):
         self.scheduler = Scheduler(lambda: self.weight_version)
         self._codec: Optional[RequestCodec] = None  # once the model is loaded
         self._openai_service: Any = None  # the OpenAI endpoints, made at their first call
+        self._responses: Any = None  # /v1/responses over them (it keeps responses for previous_response_id)
         self._init_weights()
         self._model_dir: Optional[str] = None
         self._routes: dict[str, Callable[[dict], tuple[int, Any]]] = self._route_table()
@@ -275,6 +279,7 @@ class EmbeddedServer(WeightEndpoints):
             "/v1/models": self._models,
             "/v1/chat/completions": lambda body: self._openai("chat", body),
             "/v1/completions": lambda body: self._openai("completion", body),
+            "/v1/responses": lambda body: self._openai("responses", body),
             "/generate": self._generate,
             "/pause_generation": self._pause,
             "/continue_generation": self._continue,
@@ -403,6 +408,10 @@ class EmbeddedServer(WeightEndpoints):
                                  get_parser(self.cfg.data.tool_parser, self.tokenizer))  # data.tool_parser
                 self._openai_service = OpenAIService(fmt, self._send_openai, model=self.served_model_name,
                                                      context_length=self.context_length)
+            if endpoint == "responses":
+                if self._responses is None or self._responses.service is not self._openai_service:
+                    self._responses = Responses(self._openai_service)
+                return self._responses.create(body)
             return getattr(self._openai_service, endpoint)(body)
         except NotReady as exc:
             return 503, APIError(str(exc), status=503, kind="server_error").body()

@@ -1,0 +1,497 @@
+"""OpenAI's Responses API (`POST /v1/responses`, the default of the openai-agents SDK) as a translation layer over
+the chat pipeline: a request becomes a chat completion request (input items -> messages, `instructions` -> a system
+message, Responses function tools -> chat tools) answered by `OpenAIService.chat`, and its answer becomes a
+`response` object (or the Responses stream events). Nothing is rendered or sampled here: the prompt is the chat
+template's render of those messages (in a training session: the session's tokens, reusing what was sampled, exactly
+as for a chat call), so a Responses call and the chat call it translates to give and record the same tokens.
+
+Input items: a string (one user message), or a list of message items (`{"role", "content"}`, content a string or
+`input_text` / `output_text` parts), `function_call` items (an assistant message's tool calls: consecutive ones,
+and the assistant message just before them, are one assistant message, as the chat answer they came from),
+`function_call_output` items (tool messages), and `reasoning` items (the next assistant message's
+reasoning_content). Output items: a `reasoning` item when the answer has reasoning_content, a `message` with one
+`output_text` when the answer has text (or no tool call), then one `function_call` item per call, each with a fresh
+call id.
+
+`previous_response_id`: the conversation of each answered response (its input after instructions, its output) is
+kept in memory, bounded (`KEEP_SERVED` responses on relax-serve, `KEEP_PER_SESSION` per training session, oldest
+dropped first), and prepended to the input of a response that names it; an unknown id is a 400
+(`previous_response_not_found`), as OpenAI answers. `store` is accepted either way: nothing outlives the process (or
+the session), and responses cannot be retrieved by id.
+
+Every request field is listed in `FIELDS`: honoured, accepted without effect, or refused with a 400 naming it unless
+it has a value that changes nothing, like the chat route's strict check (`relax.serve.openai.protocol.FIELDS`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from relax.serve.http import EventStream
+from relax.serve.openai.protocol import APIError
+
+KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
+KEEP_PER_SESSION = 16  # per training session
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+HONOURED, NO_EFFECT, NEUTRAL_ONLY = "honoured", "accepted without effect", "refused unless neutral"
+
+
+def _none_values(v: Any) -> bool:
+    return isinstance(v, dict) and all(x is None for x in v.values())
+
+
+def _plain_text(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) <= {"format", "verbosity"} and v.get("verbosity") is None \
+        and v.get("format") in (None, {"type": "text"})
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What becomes of one request field (as `relax.serve.openai.protocol.Rule`): `neutral` says which values of a
+    NEUTRAL_ONLY field change nothing (None always does)."""
+
+    verdict: str
+    why: str
+    neutral: Callable[[Any], bool] = lambda v: False
+
+
+FIELDS: dict[str, Rule] = {
+    # ------------------------------------------------------------------ honoured
+    "model": Rule(HONOURED, "any name: the served model answers"),
+    "input": Rule(HONOURED, "a string or message, function_call, function_call_output and reasoning items"),
+    "instructions": Rule(HONOURED, "a system message before the input (not carried over by previous_response_id)"),
+    "tools": Rule(HONOURED, "function tools, as the chat route renders them"),
+    "tool_choice": Rule(HONOURED, "as the chat route's tool_choice"),
+    "max_output_tokens": Rule(HONOURED, "the chat route's max_tokens"),
+    "temperature": Rule(HONOURED, "a training session samples at the run's"),
+    "top_p": Rule(HONOURED, "a training session samples at the run's"),
+    "stream": Rule(HONOURED, "the Responses stream events"),
+    "previous_response_id": Rule(HONOURED, "its conversation, kept in memory, goes before the input"),
+    "include": Rule(HONOURED, f"{LOGPROBS_INCLUDE} only (the sampled tokens' log-probs)"),
+    "top_logprobs": Rule(HONOURED, f"the likeliest tokens' log-probs (with include {LOGPROBS_INCLUDE})"),
+    # ------------------------------------------------------------------ accepted without effect
+    "store": Rule(NO_EFFECT, "responses are kept in memory for previous_response_id only, never beyond the process"),
+    "metadata": Rule(NO_EFFECT, "echoed in the response"),
+    "user": Rule(NO_EFFECT, "an end-user id for the provider's records"),
+    "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
+    "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
+    "prompt_cache_retention": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
+    "prompt_cache_options": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
+    "service_tier": Rule(NO_EFFECT, "one tier"),
+    "parallel_tool_calls": Rule(NO_EFFECT, "the model may write several calls either way; all are read"),
+    "max_tool_calls": Rule(NO_EFFECT, "bounds built-in tool calls; there are none"),
+    "stream_options": Rule(NO_EFFECT, "no obfuscation field is added"),
+    # ------------------------------------------------------------------ refused unless neutral
+    "background": Rule(NEUTRAL_ONLY, "every response runs in the foreground", lambda v: v is False),
+    "background_options": Rule(NEUTRAL_ONLY, "every response runs in the foreground"),
+    "truncation": Rule(NEUTRAL_ONLY, "the input is never truncated (too long: a 400)", lambda v: v == "disabled"),
+    "text": Rule(NEUTRAL_ONLY, "plain text only: structured output and verbosity need constrained decoding",
+                 _plain_text),
+    "reasoning": Rule(NEUTRAL_ONLY, "no effort or summary control", _none_values),
+    "conversation": Rule(NEUTRAL_ONLY, "no stored conversations (use previous_response_id or send the input)"),
+    "prompt": Rule(NEUTRAL_ONLY, "no stored prompt templates"),
+    "context_management": Rule(NEUTRAL_ONLY, "no server-side compaction", lambda v: v == []),
+    "moderation": Rule(NEUTRAL_ONLY, "no moderation"),
+    "image": Rule(NEUTRAL_ONLY, "text only"),
+    "access_programs": Rule(NEUTRAL_ONLY, "no access programs"),
+}
+# chat errors name the chat field; the Responses field they come from
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(f"{param}: {message}", param=param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------------------------------------------- input
+def _part_text(part: Any, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
+            and isinstance(part.get("text"), str):
+        return part["text"]
+    if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    raise _bad(where, "only text parts (input_text, output_text) are supported")
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
+    raise _bad(where, "must be a string or a list of text parts")
+
+
+def input_messages(items: Any, where: str = "input") -> list[dict]:
+    """Chat messages (as a chat request sends them) of a Responses `input`."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list):
+        raise _bad(where, "must be a string or a list of input items")
+    out: list[dict] = []
+    reasoning: Optional[str] = None  # a reasoning item's text, for the assistant message after it
+    calls_open = False  # whether the last message is an assistant message that function_call items extend
+
+    def assistant(content: Optional[str]) -> dict:
+        nonlocal reasoning
+        m: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            m["reasoning_content"], reasoning = reasoning, None
+        out.append(m)
+        return m
+
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(at, "must be an object")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"{at}.role", f"{role!r}; expected one of user, assistant, system, developer")
+            text = _content(item.get("content"), f"{at}.content")
+            if role == "assistant":
+                assistant(text)
+                calls_open = True
+            else:
+                out.append({"role": role, "content": text})
+                calls_open = False
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not name or not isinstance(args, str) or not isinstance(call_id, str):
+                raise _bad(at, 'a function_call item needs "call_id", "name" and "arguments" (a JSON string)')
+            m = out[-1] if calls_open and out else assistant(None)
+            m.setdefault("tool_calls", []).append({"id": call_id, "type": "function",
+                                                   "function": {"name": name, "arguments": args}})
+            calls_open = True
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise _bad(f"{at}.call_id", "required: the call_id of the function_call it answers")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": _content(output, f"{at}.output")})
+            calls_open = False
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            calls_open = False  # a new model turn: its message and calls come after
+        else:
+            raise _bad(f"{at}.type", f"{kind!r} is not supported (message, function_call, function_call_output, "
+                                     "reasoning; item references need stored items: send the item itself)")
+    return out
+
+
+def chat_tools(tools: Any) -> Optional[list[dict]]:
+    """Responses function tools (`{"type": "function", "name", "description", "parameters"}`) in the chat form.
+    `strict` is passed on as the chat route takes it: not enforced (no constrained decoding)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list of function tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str) \
+                or not t["name"]:
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise _bad(f"tools[{i}]", f"{kind!r}: only function tools "
+                                      '({"type": "function", "name": ..., "parameters": ...}) are supported')
+        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """The chat form of a Responses tool_choice (the chat route decides what it supports)."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice is None or isinstance(choice, str):
+        return choice
+    raise _bad("tool_choice", f"{choice!r} is not supported: 'auto', 'none', or a function")
+
+
+# ------------------------------------------------------------------------------------------------------- request
+@dataclass
+class Request:
+    """A Responses request read: the chat request it becomes and what the response echoes."""
+
+    chat: dict  # the chat completion body (stream off: the Responses stream is made from its events)
+    history: list[dict]  # messages before the instructions: the previous response's conversation and the input
+    body: dict
+    stream: bool = False
+    logprobs: bool = False
+    echo: dict = field(default_factory=dict)
+
+
+def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
+    """The chat request of a Responses request; `previous(id)` is the conversation of a kept response."""
+    if not isinstance(body, dict):
+        raise APIError("the body must be a JSON object")
+    for name, value in body.items():
+        rule = FIELDS.get(name)
+        if rule is None:
+            raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
+        if rule.verdict == NEUTRAL_ONLY and value is not None and not rule.neutral(value):
+            raise _bad(name, f"{value!r} is not supported by this server ({rule.why})")
+    if body.get("input") is None:
+        raise _bad("input", "required: a string or a list of input items")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
+        raise _bad("include", f"{include!r}: only {LOGPROBS_INCLUDE!r} is supported")
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise _bad("stream", f"{stream!r} must be a boolean")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("instructions", "must be a string")
+    prev = body.get("previous_response_id")
+    if prev is not None and not isinstance(prev, str):
+        raise _bad("previous_response_id", "must be a string")
+    history = (previous(prev) if prev else []) + input_messages(body["input"])
+    if not history:
+        raise _bad("input", "required: at least one input item")
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    tools = chat_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    choice = chat_tool_choice(body.get("tool_choice"))
+    if choice is not None:
+        chat["tool_choice"] = choice
+    for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                         ("top_logprobs", "top_logprobs")):
+        if body.get(ours) is not None:
+            chat[theirs] = body[ours]
+    logprobs = bool(include)
+    if logprobs:
+        chat["logprobs"] = True
+    echo = {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
+            "store": body.get("store", True), "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "top_logprobs": body.get("top_logprobs"), "user": body.get("user")}
+    return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs, echo=echo)
+
+
+def renamed(exc: APIError) -> APIError:
+    """A chat route's error named by the Responses field it comes from."""
+    param = exc.param
+    base = param.split("[")[0].split(".")[0] if param else None
+    if base not in _PARAMS:
+        return exc
+    new = _PARAMS[base] + param[len(base):] if base != "messages" else _PARAMS[base]
+    message = str(exc)
+    if message.startswith(f"{param}:"):
+        message = f"{new}:{message[len(param) + 1:]}"
+    return APIError(message, status=exc.status, param=new, kind=exc.kind, code=exc.code)
+
+
+# ------------------------------------------------------------------------------------------------------- answer
+@dataclass
+class Answer:
+    """What the chat route answered (choice 0), as the response needs it."""
+
+    content: str
+    reasoning: Optional[str]
+    tool_calls: list[dict]
+    finish: str
+    usage: dict
+    pieces: list[str]  # the content as streamed (token boundaries)
+    piece_logprobs: list[list[dict]]  # per piece: its tokens' log-probs (with logprobs)
+    logprobs: Optional[list[dict]]  # every token's (with logprobs)
+
+
+def answer_of(chat: dict) -> Answer:
+    """A whole chat.completion's first choice."""
+    choice = chat["choices"][0]
+    m = choice["message"]
+    lps = (choice.get("logprobs") or {}).get("content")
+    content = m.get("content") or ""
+    return Answer(content, m.get("reasoning_content"), m.get("tool_calls") or [], choice["finish_reason"],
+                  chat["usage"], [content] if content else [], [lps or []] if content else [], lps)
+
+
+def answer_of_events(stream: bytes) -> Answer:
+    """A streamed chat answer (its chat.completion.chunk events, usage included) put back together, keeping the
+    token boundaries of its content deltas."""
+    pieces, piece_lps, reasoning, calls, finish, usage = [], [], [], [], "stop", {}
+    every: list[dict] = []
+    for block in stream.decode().split("\n\n"):
+        if not block.startswith("data: ") or block == "data: [DONE]":
+            continue
+        chunk = json.loads(block[len("data: "):])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for c in chunk.get("choices") or []:
+            if c.get("index", 0) != 0:
+                continue
+            delta = c.get("delta") or {}
+            lps = (c.get("logprobs") or {}).get("content") or []
+            every += lps
+            if delta.get("content"):
+                pieces.append(delta["content"])
+                piece_lps.append(lps)
+            if delta.get("reasoning_content"):
+                reasoning.append(delta["reasoning_content"])
+            calls += delta.get("tool_calls") or []
+            if c.get("finish_reason"):
+                finish = c["finish_reason"]
+    calls = [{k: v for k, v in tc.items() if k != "index"} for tc in calls]
+    return Answer("".join(pieces), "".join(reasoning) if reasoning else None, calls, finish, usage, pieces,
+                  piece_lps, every)
+
+
+def output_items(a: Answer, logprobs: bool) -> list[dict]:
+    """The response's output: reasoning, the message, the function calls."""
+    status = "incomplete" if a.finish == "length" else "completed"
+    out: list[dict] = []
+    if a.reasoning is not None:
+        out.append({"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+                    "content": [{"type": "reasoning_text", "text": a.reasoning}]})
+    if a.content or not a.tool_calls:
+        part: dict[str, Any] = {"type": "output_text", "text": a.content, "annotations": []}
+        if logprobs:
+            part["logprobs"] = a.logprobs or []
+        out.append({"type": "message", "id": new_id("msg"), "role": "assistant", "status": status,
+                    "content": [part]})
+    for tc in a.tool_calls:
+        out.append({"type": "function_call", "id": new_id("fc"), "call_id": tc["id"],
+                    "name": tc["function"]["name"], "arguments": tc["function"]["arguments"], "status": "completed"})
+    return out
+
+
+def response_object(req: Request, a: Answer, output: list[dict], *, rid: str, model: str, created: int) -> dict:
+    """A `response` object, as OpenAI writes it."""
+    u = a.usage
+    incomplete = a.finish == "length"
+    return {"id": rid, "object": "response", "created_at": created, "status": "incomplete" if incomplete else
+            "completed", "completed_at": None if incomplete else int(time.time()), "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "model": model,
+            "output": output, "reasoning": {"effort": None, "summary": None}, "text": {"format": {"type": "text"}},
+            "truncation": "disabled", **req.echo,
+            "usage": {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
+                      "total_tokens": u.get("total_tokens", 0),
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def response_events(resp: dict, a: Answer) -> bytes:
+    """`resp` as the Responses stream: created, in_progress, each output item added, its text or arguments as
+    deltas (the message's at the answer's token boundaries), done, then completed (incomplete: an answer cut at
+    max_output_tokens, as OpenAI ends it)."""
+    events: list[dict] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append({"type": kind, "sequence_number": len(events), **fields})
+
+    start = {**resp, "status": "in_progress", "output": [], "usage": None, "completed_at": None,
+             "incomplete_details": None}
+    emit("response.created", response=start)
+    emit("response.in_progress", response=start)
+    for i, item in enumerate(resp["output"]):
+        at = {"output_index": i}
+        if item["type"] == "message":
+            part = item["content"][0]
+            emit("response.output_item.added", item={**item, "status": "in_progress", "content": []}, **at)
+            ids = {**at, "item_id": item["id"], "content_index": 0}
+            empty = {**part, "text": ""}
+            if "logprobs" in part:
+                empty["logprobs"] = []
+            emit("response.content_part.added", part=empty, **ids)
+            for piece, lps in zip(a.pieces, a.piece_logprobs, strict=True):
+                emit("response.output_text.delta", delta=piece, logprobs=lps, **ids)
+            emit("response.output_text.done", text=part["text"], logprobs=part.get("logprobs") or [], **ids)
+            emit("response.content_part.done", part=part, **ids)
+        elif item["type"] == "function_call":
+            emit("response.output_item.added", item={**item, "arguments": "", "status": "in_progress"}, **at)
+            emit("response.function_call_arguments.delta", item_id=item["id"], delta=item["arguments"], **at)
+            emit("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
+                 arguments=item["arguments"], **at)
+        else:
+            emit("response.output_item.added", item=item, **at)
+        emit("response.output_item.done", item=item, **at)
+    emit("response.incomplete" if resp["status"] == "incomplete" else "response.completed", response=resp)
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def _assistant_message(a: Answer) -> dict:
+    m: dict[str, Any] = {"role": "assistant", "content": a.content or None}
+    if a.tool_calls:
+        m["tool_calls"] = a.tool_calls
+    if a.reasoning is not None:
+        m["reasoning_content"] = a.reasoning
+    return m
+
+
+# ------------------------------------------------------------------------------------------------------- service
+class Kept:
+    """The conversations of the last `size` responses (oldest dropped first), for previous_response_id."""
+
+    def __init__(self, size: int):
+        self.size, self.items = size, OrderedDict()
+
+    def get(self, rid: str) -> list[dict]:
+        if rid not in self.items:
+            raise APIError(f"Previous response with id '{rid}' not found (responses are kept in memory, the last "
+                           f"{self.size} of this server or session)", param="previous_response_id",
+                           code="previous_response_not_found")
+        self.items.move_to_end(rid)
+        return list(self.items[rid])
+
+    def put(self, rid: str, conversation: list[dict]) -> None:
+        self.items[rid] = conversation
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+class Responses:
+    """`POST /v1/responses` over `service` (`relax.serve.openai.service.OpenAIService`); calls with a training
+    session are recorded by it, as chat calls, and keep their responses with the session."""
+
+    def __init__(self, service: Any, *, keep: int = KEEP_SERVED, keep_per_session: int = KEEP_PER_SESSION):
+        self.service, self.keep_per_session = service, keep_per_session
+        self._served = Kept(keep)
+        self._sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> Kept
+        self._lock = threading.Lock()
+
+    def _kept(self, session: Any) -> Kept:
+        if session is None:
+            return self._served
+        with self._lock:
+            kept = self._sessions.get(session)
+            if kept is None:
+                kept = self._sessions[session] = Kept(self.keep_per_session)
+            return kept
+
+    def create(self, body: Any, session: Any = None) -> tuple[int, Any]:
+        """(status, a `response` object or its event stream); APIError for a refused request."""
+        kept = self._kept(session)
+
+        def previous(rid: str) -> list[dict]:
+            with self._lock:
+                return kept.get(rid)
+
+        req = parse_request(body, previous)
+        chat = dict(req.chat)
+        if req.stream:  # the chat stream keeps the token boundaries of the text deltas
+            chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+        created = int(time.time())
+        try:
+            _, answer = self.service.chat(chat, session)
+        except APIError as exc:
+            raise renamed(exc) from None
+        a = answer_of_events(bytes(answer)) if req.stream else answer_of(answer)
+        rid = new_id("resp")
+        resp = response_object(req, a, output_items(a, req.logprobs), rid=rid, model=str(req.chat["model"]),
+                               created=created)
+        with self._lock:
+            kept.put(rid, req.history + [_assistant_message(a)])
+        return (200, EventStream(response_events(resp, a))) if req.stream else (200, resp)
