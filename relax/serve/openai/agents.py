@@ -24,6 +24,7 @@ import torch
 from relax.agents.episode import item_record
 from relax.agents.parsers import get_parser
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plain_reason
+from relax.models.hf import context_length
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway
 from relax.serve.openai.service import OpenAIService
@@ -61,7 +62,8 @@ class AgentRollout:
 
         self.cfg, self.pad_token_id = cfg, pad_token_id
         fmt = ChatFormat(tokenizer, eos_token_ids, get_parser(cfg.data.tool_parser, tokenizer))
-        service = OpenAIService(fmt, send, model=cfg.model.name, context_length=None,
+        # an agent's call is bounded by the room left under the model's context, as the engines are
+        service = OpenAIService(fmt, send, model=cfg.model.name, context_length=context_length(cfg.model),
                                 max_tokens=cfg.rollout.max_response_len)
         self.gateway = Gateway(service, host=host).start()
         d = cfg.data
