@@ -141,6 +141,9 @@ def test_streaming_events_parse_into_the_same_response(scripted):
     raw = list(client.responses.create(model="m", input=QUESTION, stream=True))
     assert "".join(e.delta for e in raw if e.type == "response.output_text.delta") == CALL  # no tools: all text
     assert [e.sequence_number for e in raw] == list(range(len(raw)))
+    scored = client.responses.create(model="m", input=QUESTION, include=["message.output_text.logprobs"])
+    lps = scored.output[0].content[0].logprobs  # every sampled token's, as the engine gave them
+    assert [lp.logprob for lp in lps] == pytest.approx([-0.01 * (k + 1) for k in range(scored.usage.output_tokens)])
 
 
 def test_previous_response_id_continues_the_conversation(scripted):
