@@ -61,7 +61,8 @@ def is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.T
                clip: float) -> torch.Tensor:
     """[B, T] truncated importance weights `min(ratio, clip)` of `level` (detached; 0 where `mask` is 0)."""
     with torch.no_grad():
-        w = exp_log_ratio(level_log_ratio(old_logp, rollout_logp, mask, level)).clamp(max=clip)
+        log_r = level_log_ratio(old_logp, rollout_logp, mask, level)
+        w = exp_log_ratio(log_r).clamp(max=clip)
         return torch.where(mask != 0, w, 0.0).to(old_logp.dtype)
 
 
@@ -77,13 +78,13 @@ def rejection_mask(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
 def correction_weights(cfg: Any, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                        mask: torch.Tensor) -> Optional[torch.Tensor]:
     """[B, T] the factor on each token's policy loss that `cfg` (an AlgorithmConfig) asks for, or None."""
-    w = None
-    if cfg.use_tis:
-        w = is_weights(old_logp, rollout_logp, mask, cfg.tis_level, cfg.tis_clip)
+    m = None
     if cfg.rollout_mask != "none":
         m = rejection_mask(old_logp, rollout_logp, mask, cfg.rollout_mask, cfg.rollout_mask_low, cfg.rollout_mask_high)
-        w = m if w is None else w * m
-    return w
+    if not cfg.use_tis:
+        return m
+    w = is_weights(old_logp, rollout_logp, mask, cfg.tis_level, cfg.tis_clip)
+    return w if m is None else w * m
 
 
 @torch.no_grad()
