@@ -253,8 +253,8 @@ class MegatronPolicy(PolicyTrainer):
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         self.ps = ps
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                       else torch.device("cpu"))
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.pad_token_id = int(pad_token_id)
         self.temperature = float(temperature)
