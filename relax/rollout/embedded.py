@@ -26,6 +26,7 @@ from torch import nn
 
 from relax import progress
 from relax.batch import FinishReason, Samples
+from relax.rollout.grammar import advance, mask_logits
 from relax.rollout.sampling import counter_uniforms, sample_tokens
 
 _FAST_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
@@ -377,6 +378,7 @@ class EmbeddedEngine:
         should_abort: Optional[Callable[[], bool]] = None,
         episodes: Optional[list] = None,
         turn_limit: Optional[int] = None,
+        grammars: Optional[list] = None,
     ) -> Samples:
         """Sample `n_samples_per_prompt` responses per prompt (a group's responses consecutive).
 
@@ -394,6 +396,13 @@ class EmbeddedEngine:
         like one with a stop token, and its episode goes on). Observation tokens are in
         `token_mask`, not in `response_mask`; an aborted row keeps the observation it was fed in full. Without
         `episodes`, every stop token ends its row ("stop"): the one-turn case.
+
+        `grammars` (one `relax.rollout.grammar.Matcher` or None per row): constrained decoding. At each step a row
+        with a matcher draws from its logits with the tokens its grammar disallows at -inf (the log-probs reported
+        are those of this masked distribution; the uniforms are the row's own, as without a grammar), the matcher
+        accepts the token drawn, and the row ends ("stop") once its grammar is complete (a stop token accepted).
+        The matchers are the caller's and keep their state: a row continued in a later call goes on from there.
+        Rows without a matcher sample exactly as without `grammars` (no masking work when no row has one).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
@@ -416,6 +425,9 @@ class EmbeddedEngine:
             raise ValueError(f"generate: budgets must be in [1, max_new_tokens={T}]")
         if episodes is not None and len(episodes) != N:
             raise ValueError(f"generate: {len(episodes)} episodes for {N} rows")
+        if grammars is not None and len(grammars) != N:
+            raise ValueError(f"generate: {len(grammars)} grammars for {N} rows")
+        constrained = grammars is not None and any(g is not None for g in grammars)
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
         turns = _Turns(episodes, mask.sum(1).repeat_interleave(n) + positions, turn_limit, T)
 
@@ -444,6 +456,9 @@ class EmbeddedEngine:
                 t += S - 1
                 continue
             u = counter_uniforms(seed, sample_ids[rows], positions[rows] + t)
+            if constrained:  # the matchers of the rows still generating
+                row_grammars = [grammars[r] if status[r] == 0 else None for r in rows.tolist()]
+                logits = mask_logits(logits, row_grammars)
             tokens, logp, dropped = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                                   uniforms=u)
             forced = turns.force(rows, tokens, logp)  # observation tokens replace the draws of their rows
@@ -453,6 +468,8 @@ class EmbeddedEngine:
             drawn = live & ~forced
             dropped_mass += dropped[drawn.to(dev)].sum()
             hit_eos = torch.isin(tokens, eos).cpu() & drawn
+            if constrained:  # a complete answer ends like a stop token
+                hit_eos |= advance(row_grammars, tokens, drawn)
             if episodes is not None:  # a turn ends at a stop token or its limit; its episode may go on
                 turn_over = hit_eos | turns.over_limit(rows, drawn)
                 hit_eos = turn_over & ~turns.continue_after(rows, turn_over, hit_eos, out_ids, t, budgets)

@@ -13,6 +13,10 @@ hidden: `Sampled.dropped_mass` is the probability mass the truncation removed at
 as `rollout/sampling_dropped_mass` (0 without truncation). When it is large, the rollout policy differs
 from the policy the loss assumes; lower it with a larger top_p / top_k.
 
+Constrained decoding (`relax.rollout.grammar`): the engine sets the tokens a row's grammar disallows to -inf before
+`sample_tokens`, so the distribution drawn from and reported (the log-prob above) is the masked one, renormalised
+over the allowed tokens; the trainer's recomputation does not apply the grammar, so such rows' ratios differ from 1.
+
 Non-finite logits: a row whose logits hold a NaN or +inf (or are all -inf) has no distribution to draw from, and
 drawing anyway would return arbitrary tokens with NaN log-probs that train as if real. `sample_tokens` raises
 `NonFiniteLogitsError` instead, naming the cause (the weights, since every row of every batch goes through the

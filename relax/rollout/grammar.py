@@ -1,0 +1,229 @@
+"""Constrained decoding: grammars compiled against the tokenizer's vocabulary into per-row matchers that give the
+allowed tokens at each decoding step (the embedded engine masks the others, `relax.rollout.embedded`).
+
+A `GrammarSpec` names what an answer must be: a JSON schema, any JSON object (`json_object`), a regex or an EBNF
+grammar (xgrammar's dialect, SGLang's `ebnf`); `tool_call_ebnf` writes the EBNF of one or more tool calls in a tool
+parser's format (`relax.agents.parsers`), the arguments following each tool's parameter schema. `Grammars` (one
+per tokenizer: the vocabulary is read once) compiles specs, each distinct spec once (`compiles` counts them), and
+makes a `Matcher` per row: `fill` writes the row's allowed tokens into a bitmask, `accept` advances it with the
+token drawn, `done` says the answer is complete (a stop token accepted, or, without stop tokens, nothing can follow).
+JSON is written as `json.dumps` writes it (", " and ": " between items, no other whitespace): free whitespace, which
+JSON allows anywhere, is where small and untrained models loop until their token limit.
+
+The backend is xgrammar (SGLang's default grammar backend; CPU wheels on PyPI), imported when a grammar is first
+compiled, so that runs without grammars do not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf")
+CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of a few an application sends)
+# tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: JSON arguments in plain-text markers
+TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled (a malformed schema, regex or EBNF), or a tool-call format not covered."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What an answer must be: `kind` one of KINDS, `source` the schema (JSON text), regex or EBNF (json_object:
+    empty). Equal specs share one compiled grammar."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GrammarError(f"grammar kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def json_schema_spec(schema: Any) -> GrammarSpec:
+    """The spec of a JSON schema (a dict, or its JSON text), written out again (property order kept: it is the order
+    of generation): the same schema, one compile."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc.msg} at character {exc.pos}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
+# ------------------------------------------------------------------------------------------------ tool calls
+def _literal(text: str) -> str:
+    """`text` as an EBNF string literal (JSON's escapes, which xgrammar's EBNF reads)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+_EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.DOTALL)
+
+
+def _rename_rule(ebnf: str, old: str, new: str) -> str:
+    """`ebnf` with the rule `old` called `new`, where it is defined and referenced (not inside string literals or
+    character classes)."""
+    return "".join(new if tok == old else tok for tok in _EBNF_TOKEN.findall(ebnf))
+
+
+def _call_schema(name: str, parameters: Any, arguments_key: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None) -> str:
+    """The EBNF (root rule `root`) of an answer that is tool calls only, in the format of tool parser `fmt` (one of
+    TOOL_CALL_FORMATS), each call one of `tools` (OpenAI function tools) with arguments following its `parameters`
+    schema: one or more calls, or exactly one call of the tool `name` when given.
+
+    hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
+    and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; "."""
+    import xgrammar as xgr
+
+    if fmt not in TOOL_CALL_FORMATS:
+        raise GrammarError(f"forcing a tool call in the {fmt!r} tool-call format is not supported (covered: "
+                           f"{', '.join(TOOL_CALL_FORMATS)})")
+    functions = [t["function"] for t in tools]
+    if name is not None:
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise GrammarError(f"no tool named {name!r}")
+    key = "arguments" if fmt == "hermes" else "parameters"
+    calls = []
+    for f in functions:
+        parameters = f.get("parameters") or {"type": "object", "properties": {}}
+        try:
+            calls.append(xgr.Grammar.from_json_schema(json.dumps(_call_schema(f["name"], parameters, key)),
+                                                      any_whitespace=False))
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError for schemas it cannot read
+            raise GrammarError(f"the parameters of tool {f['name']!r}: {exc}") from None
+    call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    body = _rename_rule(str(call), "root", "relax_call")
+    if fmt == "hermes":
+        begin, end, sep = _literal("<tool_call>\n"), _literal("\n</tool_call>"), _literal("\n")
+        one = f"{begin} relax_call {end}"
+    else:
+        one, sep = "relax_call", _literal("; ")
+    more = "" if name is not None else f" ({sep} {one})*"
+    return f"root ::= {one}{more}\n{body}"
+
+
+# ------------------------------------------------------------------------------------------------ matching
+class Matcher:
+    """One row's grammar state: `fill` its allowed tokens, `accept` the token drawn, `done` once complete."""
+
+    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]):
+        import xgrammar as xgr
+
+        if stop_token_ids:  # the row's own stop tokens end the answer once the grammar is complete
+            self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
+        else:  # no stop token (ignore_eos): the answer ends where the grammar is complete and nothing can follow
+            self._m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of `bitmask` (int32 [B, ceil(V / 32)], bit i of word w:
+        token 32 w + i)."""
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        """Advance with `token`; False when the grammar does not allow it (the matcher is then unchanged)."""
+        return bool(self._m.accept_token(int(token)))
+
+    @property
+    def done(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class Grammars:
+    """The grammars of one tokenizer: its vocabulary read once (`vocab_size`: the model's logits width, which may
+    exceed the tokenizer's), each distinct spec compiled once (up to CACHE_SIZE kept). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self._compiler: Any = None
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0  # specs compiled (not found in the cache)
+
+    def _backend(self) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar as xgr
+            except ImportError as exc:
+                raise GrammarError("constrained decoding needs the xgrammar package (pip install xgrammar)") from exc
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of `spec` (GrammarError when it does not compile)."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                return compiled
+            compiler = self._backend()
+            try:
+                if spec.kind == "json_schema":
+                    compiled = compiler.compile_json_schema(spec.source, any_whitespace=False)
+                elif spec.kind == "json_object":
+                    compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                            any_whitespace=False)
+                elif spec.kind == "regex":
+                    compiled = compiler.compile_regex(spec.source)
+                else:
+                    compiled = compiler.compile_grammar(spec.source)
+            except Exception as exc:  # xgrammar's parse errors are RuntimeError/ValueError with its message
+                detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                raise GrammarError(f"the {spec.kind} does not compile: {detail}") from None
+            self.compiles += 1
+            self._cache[spec] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def matcher(self, spec: GrammarSpec, stop_token_ids: tuple[int, ...] | list[int]) -> Matcher:
+        """A fresh matcher of `spec` for one row whose stop tokens are `stop_token_ids`."""
+        return Matcher(self.compile(spec), tuple(int(t) for t in stop_token_ids))
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torch.Tensor:
+    """`logits` [B, V] as float32 with the tokens each row's matcher disallows at -inf (rows without one as they
+    are). The bitmask is filled on the host and unpacked on the logits' device."""
+    logits = logits.float()
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    B, V = logits.shape
+    words = (V + 31) // 32
+    bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+    for k, i in enumerate(rows):
+        matchers[i].fill(bitmask, k)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().reshape(len(rows), words * 32)[:, :V]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def advance(matchers: list[Optional[Matcher]], tokens: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """Advance each row's matcher with its token where `drawn` ([B] bool: a token the row sampled); [B] bool: the
+    rows whose answer the grammar now ends. A token the grammar refuses means it was drawn unmasked: an error."""
+    done = torch.zeros(len(matchers), dtype=torch.bool)
+    for k, (m, token) in enumerate(zip(matchers, tokens.tolist(), strict=True)):
+        if m is None or not bool(drawn[k]):
+            continue
+        if not m.accept(token):
+            raise RuntimeError(f"constrained decoding: row {k} drew token {token}, which its grammar does not allow")
+        done[k] = m.done
+    return done

@@ -1,0 +1,142 @@
+"""Constrained decoding in the embedded engine (`relax.rollout.grammar`): a random-weight model on a byte-level
+vocabulary, many rows with their own random streams; every output a grammar constrains parses (json_schema) or
+matches (regex), while the same rows without it do not; rows without a grammar are unchanged."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from relax.rollout.embedded import EmbeddedEngine
+from relax.rollout.grammar import GrammarError, Grammars, GrammarSpec, json_schema_spec, tool_call_ebnf
+
+pytest.importorskip("xgrammar")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
+from templates import _byte_level_tokenizer  # noqa: E402  (the byte-level vocabulary of the template tests)
+
+SCHEMA = {"type": "object", "properties": {
+    "count": {"type": "integer"}, "ok": {"type": "boolean"}, "unit": {"enum": ["celsius", "kelvin"]},
+    "tag": {"type": "string", "pattern": "^[a-z]{1,4}$"}}, "required": ["count", "ok", "unit", "tag"],
+    "additionalProperties": False}
+REGEX = r"(yes|no), [0-9]{1,3}!"
+ROWS = 50
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = _byte_level_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg).eval()
+    eos = tok.eos_token_id
+    engine = EmbeddedEngine(model, eos_token_ids=[eos], pad_token_id=tok.pad_token_id, fast_path=True)
+    return tok, engine, Grammars(tok, len(tok)), eos
+
+
+def run(setup, spec, max_new=160, **kw):
+    """ROWS samples of one prompt, each with its own stream, under `spec` (None: unconstrained)."""
+    tok, engine, grammars, eos = setup
+    prompt = tok.encode("Answer: ", add_special_tokens=False)
+    matchers = None if spec is None else [grammars.matcher(spec, [eos]) for _ in range(ROWS)]
+    out = engine.generate([prompt], n_samples_per_prompt=ROWS, max_new_tokens=max_new, seed=7,
+                          sample_ids=torch.arange(100, 100 + ROWS), grammars=matchers, **kw)
+    texts = []
+    for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reason, strict=True):
+        ids = ids[mask.bool()].tolist()
+        assert spec is None or (reason == "stop" and ids[-1] == eos), (reason, tok.decode(ids))
+        texts.append(tok.decode([t for t in ids if t != eos]))
+    return texts, out
+
+
+def valid(text: str) -> bool:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:  # the schema checked by hand
+        return (set(obj) == set(SCHEMA["properties"]) and type(obj["count"]) is int and type(obj["ok"]) is bool
+                and obj["unit"] in ("celsius", "kelvin") and re.fullmatch("[a-z]{1,4}", obj["tag"]) is not None)
+    try:
+        jsonschema.validate(obj, SCHEMA)
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+def test_every_row_under_a_json_schema_validates_and_without_it_none_parses(setup):
+    texts, out = run(setup, json_schema_spec(SCHEMA))
+    assert all(valid(t) for t in texts), [t for t in texts if not valid(t)]
+    assert len(set(texts)) > ROWS // 2  # the rows drew from their own streams
+    assert torch.isfinite(out.rollout_logp).all() and (out.rollout_logp <= 0).all()
+    free, _ = run(setup, None, max_new=40)  # negative control: the same streams, no grammar
+    assert not any(valid(t) for t in free)
+
+
+def test_every_row_under_a_regex_matches_and_without_it_none_does(setup):
+    texts, _ = run(setup, GrammarSpec("regex", REGEX), max_new=40)
+    assert all(re.fullmatch(REGEX, t) for t in texts), texts
+    free, _ = run(setup, None, max_new=12)
+    assert not any(re.fullmatch(REGEX, t) for t in free)
+
+
+def test_a_forced_hermes_tool_call_parses_against_the_tools_parameters(setup):
+    from relax.agents.parsers import parse_hermes
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["days", "unit"]}}}, {"type": "function", "function": {"name": "noop"}}]
+    texts, _ = run(setup, GrammarSpec("ebnf", tool_call_ebnf(tools, "hermes", name="weather")), max_new=120)
+    for text in texts:
+        parsed = parse_hermes(text)
+        assert not parsed.errors and not parsed.content and len(parsed.calls) == 1, text
+        call = parsed.calls[0]
+        assert call.name == "weather" and set(call.arguments) == {"days", "unit"}, text
+        days, unit = call.arguments["days"], call.arguments["unit"]
+        assert type(days) is int and 1 <= days <= 14 and unit in ("c", "f"), text
+
+
+def test_rows_without_a_grammar_are_unchanged_beside_constrained_rows(setup):
+    """Half the rows constrained, half not: the unconstrained ones draw the tokens and log-probs of a call without
+    any grammar, bit for bit (finished rows kept in the batch, so that both calls multiply batches of one shape)."""
+    tok, engine, grammars, eos = setup
+    prompt = tok.encode("Answer: ", add_special_tokens=False)
+    kw = dict(n_samples_per_prompt=8, max_new_tokens=24, seed=3, sample_ids=torch.arange(8), temperature=0.8)
+    engine.drop_finished = False
+    try:
+        plain = engine.generate([prompt], **kw)
+        mixed = engine.generate([prompt], **kw, grammars=[grammars.matcher(GrammarSpec("regex", REGEX), [eos])
+                                                          if i % 2 else None for i in range(8)])
+    finally:
+        engine.drop_finished = True
+    for i in range(0, 8, 2):
+        n = int(plain.response_mask[i].sum())
+        assert int(mixed.response_mask[i].sum()) == n
+        assert torch.equal(mixed.response_ids[i, :n], plain.response_ids[i, :n])
+        assert torch.equal(mixed.rollout_logp[i, :n], plain.rollout_logp[i, :n])
+
+
+def test_one_compile_per_distinct_spec_and_errors_name_the_grammar(setup):
+    tok = setup[0]
+    grammars = Grammars(tok, len(tok))
+    for _ in range(3):
+        grammars.matcher(json_schema_spec(SCHEMA), [1])
+        grammars.matcher(json_schema_spec(json.dumps(SCHEMA)), [2])  # the same schema as text
+    assert grammars.compiles == 1
+    with pytest.raises(GrammarError, match="regex"):
+        grammars.compile(GrammarSpec("regex", "(unclosed"))
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        json_schema_spec("{nope")
+    with pytest.raises(GrammarError, match="qwen3_coder"):
+        tool_call_ebnf([{"type": "function", "function": {"name": "f"}}], "qwen3_coder")
