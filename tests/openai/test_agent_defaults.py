@@ -155,7 +155,7 @@ ACCEPTED = {"rid": "r1", "no_stop_trim": False, "return_hidden_states": False, "
             "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "ignore_eos": False, "regex": None,
             "lora_path": None, "session_params": None, "chat_template_kwargs": {}, "priority": 3, "top_k": -1}
 REFUSED = [("min_p", 0.1), ("repetition_penalty", 1.1), ("min_tokens", 2), ("return_hidden_states", True),
-           ("regex", "a+"), ("json_schema", '{"type": "object"}'), ("ebnf", 'root ::= "a"'), ("lora_path", "a"),
+           ("regex", 5), ("json_schema", {"type": "object"}), ("ebnf", ["a"]), ("lora_path", "a"),
            ("skip_special_tokens", False), ("session_params", {"id": "s"}), ("stop_token_ids", [1]),
            ("custom_logit_processor", "x"), ("top_k", 0)]
 

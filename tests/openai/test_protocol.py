@@ -23,8 +23,10 @@ def chat(**kw) -> dict:
 @pytest.mark.parametrize("body, param", [
     (chat(frequency_penalty=0.5), "frequency_penalty"),
     (chat(logit_bias={"1": 5}), "logit_bias"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
-    (chat(tool_choice="required", tools=[TOOL]), "tool_choice"),
+    (chat(response_format={"type": "xml"}), "response_format"),
+    (chat(tool_choice="required"), "tool_choice"),  # forced calls need tools
+    (chat(tool_choice={"type": "function", "function": {"name": "other"}}, tools=[TOOL]), "tool_choice"),
+    (chat(regex="a+", json_schema="{}"), "response_format"),  # one grammar at most
     (chat(tools=[{"type": "function"}]), "tools[0]"),
     (chat(n=0), "n"),
     (chat(max_tokens=0), "max_tokens"),

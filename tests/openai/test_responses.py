@@ -161,7 +161,7 @@ def test_previous_response_id_continues_the_conversation(scripted):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(text={"format": {"type": "json_object"}}), "text"), (dict(reasoning={"effort": "high"}), "reasoning"),
-    (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(tool_choice="required", tools=[TOOL]), "tool_choice"),
+    (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(tool_choice="required"), "tool_choice"),
     (dict(max_output_tokens=0), "max_output_tokens"), (dict(temperature=3), "temperature"),
     (dict(truncation="auto"), "truncation"), (dict(background=True), "background"),
     (dict(include=["reasoning.encrypted_content"]), "include"), (dict(extra_body={"seed": 1}), "seed"),

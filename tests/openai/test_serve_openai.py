@@ -143,7 +143,8 @@ def test_tools_are_offered_in_the_prompt(served, client):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(frequency_penalty=1.0), "frequency_penalty"), (dict(n=0), "n"), (dict(temperature=3), "temperature"),
-    (dict(tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    (dict(tool_choice={"type": "function", "function": {"name": "g"}},
+          tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     (dict(top_logprobs=2), "top_logprobs"), (dict(max_tokens=10**6), "max_tokens"),
 ])
 def test_bad_requests_get_an_openai_shaped_400(client, kw, param):

@@ -5,15 +5,17 @@ written back as OpenAI writes them, whole or as server-sent events.
 Every field either endpoint takes is in `FIELDS`, with what becomes of it: honoured, accepted without effect (and
 why it cannot change the answer), or refused unless at a neutral value. Honoured: `model` (any name: the served model
 answers), `messages` (system, developer, user, assistant with `tool_calls`, tool; text content, as a string or text
-parts), `prompt` (completions: a string or token ids), `tools` (function tools) with `tool_choice` "auto" or "none",
+parts), `prompt` (completions: a string or token ids), `tools` (function tools) with `tool_choice` "auto", "none",
+"required" or a named function (a call forced by constrained decoding, in the tool parser's format), `response_format`
+(text, json_object, json_schema; SGLang's `regex`, `json_schema`, `ebnf` beside it: constrained decoding),
 `n`, `max_tokens` / `max_completion_tokens` (default: the room left under the context), `temperature`, `top_p`,
 `stop` (a string or up to 4; the engine stops there), `seed`, `logprobs` (chat: a bool, completions: 0-5 as the
 number of top log-probs) and `top_logprobs`, `stream` with `stream_options.include_usage`, and SGLang's `top_k`,
 `ignore_eos`, `no_stop_trim`, `chat_template_kwargs`, `separate_reasoning` and `stream_reasoning` (chat: a <think>
 block opening the answer goes to `reasoning_content` when the chat template uses <think>). Log-probs are those of
 the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Anything else that
-would change the output (penalties, min_p, `logit_bias`, `response_format` and other constrained decoding, forced
-tool choices, images, adapters, SGLang sessions) is refused with a 400 naming it, never ignored.
+would change the output (penalties, min_p, `logit_bias`, images, adapters, SGLang sessions) is refused with a 400
+naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ FIELDS: dict[str, Rule] = {
     "messages": Rule(HONOURED, "the conversation, rendered with the chat template", CHAT),
     "prompt": Rule(HONOURED, "a string or token ids, one prompt per request", COMPLETION),
     "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message", CHAT),
-    "tool_choice": Rule(HONOURED, '"auto" or "none" (a forced call needs constrained decoding: 400)', CHAT),
+    "tool_choice": Rule(HONOURED, '"auto", "none", "required" or a named function (forced by constrained decoding '
+                                  "in the tool parser's format: hermes, llama3_json)", CHAT),
     "n": Rule(HONOURED, "choices, each with its own random stream"),
     "max_tokens": Rule(HONOURED, "default: the room left under the context (and a session's limits)"),
     "max_completion_tokens": Rule(HONOURED, "as max_tokens (the smaller of the two)", CHAT),
@@ -102,10 +105,11 @@ FIELDS: dict[str, Rule] = {
     "logit_bias": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=({},)),
     "custom_logit_processor": Rule(NEUTRAL_ONLY, _ENGINE_LACKS),
     "custom_params": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=({},)),
-    "response_format": Rule(NEUTRAL_ONLY, "constrained decoding", neutral=({"type": "text"},)),
-    "regex": Rule(NEUTRAL_ONLY, f"{_SGL}: constrained decoding", neutral=("",)),
-    "json_schema": Rule(NEUTRAL_ONLY, f"{_SGL}: constrained decoding", neutral=("",)),
-    "ebnf": Rule(NEUTRAL_ONLY, f"{_SGL}: constrained decoding", neutral=("",)),
+    "response_format": Rule(HONOURED, "text, json_object or json_schema (constrained decoding; the schema followed "
+                                      "whether strict or not)"),
+    "regex": Rule(HONOURED, f"{_SGL}: constrained decoding (one of regex, json_schema, ebnf, response_format)"),
+    "json_schema": Rule(HONOURED, f"{_SGL}: constrained decoding, the schema as a JSON string"),
+    "ebnf": Rule(HONOURED, f"{_SGL}: constrained decoding, xgrammar's EBNF (root rule root)"),
     "stop_regex": Rule(NEUTRAL_ONLY, f"{_SGL}: the engine matches stop strings only", neutral=("", [])),
     "stop_token_ids": Rule(NEUTRAL_ONLY, f"{_SGL}: the model's own stop tokens only (a training session's "
                                          "continuations know no others)", neutral=([],)),
@@ -178,6 +182,8 @@ class Params:
     template_kwargs: Optional[dict] = None  # chat_template_kwargs: extra variables of the chat template
     separate_reasoning: bool = True  # SGLang's: a <think> block goes to reasoning_content (templates that use it)
     stream_reasoning: bool = True  # SGLang's: the reasoning streams token by token (false: as one delta)
+    grammar: Optional[tuple[str, str]] = None  # constrained decoding: (json_schema | regex | ebnf, its text)
+    tool_choice: Optional[str] = None  # a forced call: "required" (one or more calls) or the name of the function
 
 
 def _number(body: dict, name: str, default: Optional[float], lo: float, hi: float) -> Optional[float]:
@@ -238,6 +244,7 @@ def _common(body: dict, endpoint: str) -> Params:
         raise _bad("top_k", "0 keeps no token; use -1 (off) or a value >= 1")
     p.top_k = -1 if top_k is None else top_k
     p.ignore_eos, p.no_stop_trim = _flag(body, "ignore_eos", False), _flag(body, "no_stop_trim", False)
+    p.grammar = _grammar(body)
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise _bad("stream", f"{stream!r} must be a boolean")
@@ -248,6 +255,37 @@ def _common(body: dict, endpoint: str) -> Params:
             raise _bad("stream_options", "an object, allowed only with stream=true")
         p.include_usage = bool(options.get("include_usage"))
     return p
+
+
+def _grammar(body: dict) -> Optional[tuple[str, str]]:
+    """The constrained decoding a request asks for, as the /generate sampling parameter that carries it:
+    response_format json_object (any JSON object) or json_schema (its `schema`; `strict` or not, the answer follows
+    it), or SGLang's regex, json_schema, ebnf fields; at most one. None: free text."""
+    asked = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("json_schema", '{"type": "object"}'))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+            if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
+                raise _bad("response_format", '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, '
+                                              '"strict": true}}: the schema must be an object, strict a boolean')
+            asked.append(("json_schema", json.dumps(schema)))
+        elif kind != "text":
+            raise _bad("response_format", f"{fmt!r}: expected type text, json_object or json_schema")
+    for name in ("regex", "json_schema", "ebnf"):
+        value = body.get(name)
+        if value in (None, ""):
+            continue
+        if not isinstance(value, str):
+            raise _bad(name, f"{value!r} must be a string")
+        asked.append((name, value))
+    if len(asked) > 1:
+        raise _bad("response_format", "constrained decoding takes one of response_format, regex, json_schema, ebnf")
+    return asked[0] if asked else None
 
 
 def parse_chat(body: dict) -> tuple[list[dict], Params]:
@@ -275,9 +313,24 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise _bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise _bad("tool_choice", f"{choice!r} is not supported: this server cannot force a call (constrained "
-                                  "decoding); use 'auto' or 'none'")
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}: exactly that call
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise _bad("tool_choice", f'{choice!r} must be {{"type": "function", "function": {{"name": ...}}}}')
+        if name not in [t["function"]["name"] for t in tools or []]:
+            raise _bad("tool_choice", f"names the function {name!r}, which is not in tools")
+        p.tool_choice = name
+    elif choice == "required":
+        if not tools:
+            raise _bad("tool_choice", '"required" needs tools')
+        p.tool_choice = choice
+    elif choice not in (None, "auto", "none"):
+        raise _bad("tool_choice", f'{choice!r}: expected "auto", "none", "required" or {{"type": "function", '
+                                  '"function": {"name": ...}}')
+    if p.tool_choice is not None and p.grammar is not None:
+        raise _bad("tool_choice", "a forced call and response_format (or regex, json_schema, ebnf) both constrain the "
+                                  "answer: give one")
     p.tools = tools if tools and choice != "none" else None
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:

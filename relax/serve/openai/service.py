@@ -16,7 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
+from relax.agents.parsers import BUILTIN_PARSERS
 from relax.batch import FinishReason
+from relax.rollout.grammar import GrammarError, tool_call_ebnf
 from relax.serve.http import EventStream
 from relax.serve.openai.chat import ChatFormat, split_reasoning
 from relax.serve.openai.protocol import (
@@ -86,6 +88,8 @@ class OpenAIService:
     # --------------------------------------------------------------------------------------------- endpoints
     def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
         messages, p = parse_chat(body)
+        if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
+            p.grammar = ("ebnf", self._tool_call_grammar(p))
         if session is not None:
             prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs)
         else:
@@ -161,6 +165,8 @@ class OpenAIService:
                 sp["stop"] = list(p.stop)
             if p.ignore_eos:
                 sp["ignore_eos"] = True
+            if p.grammar is not None:  # constrained decoding, as SGLang's /generate takes it
+                sp[p.grammar[0]] = p.grammar[1]
             if seed is not None:
                 sp["sampling_seed"] = int(seed)
             payload = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
@@ -168,6 +174,18 @@ class OpenAIService:
                 payload["top_logprobs_num"] = p.top_logprobs
             payloads.append(payload)
         return [self._parse(a) for a in self.send(payloads)], p
+
+    def _tool_call_grammar(self, p: Params) -> str:
+        """The EBNF of the calls `p.tool_choice` forces ("required": one or more, a name: exactly that call), in the
+        format of this service's tool parser (a parser of its own, or one whose format has no grammar: 400)."""
+        fmt = next((name for name, fn in BUILTIN_PARSERS.items() if fn is self.fmt.tool_parser), None)
+        if fmt is None:
+            raise APIError("tool_choice: a forced call needs a built-in tool parser (data.tool_parser)",
+                           param="tool_choice")
+        try:
+            return tool_call_ebnf(p.tools or [], fmt, name=None if p.tool_choice == "required" else p.tool_choice)
+        except GrammarError as exc:
+            raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
 
     def _parse(self, answer: dict) -> Sampled:
         meta = answer.get("meta_info") or {}

@@ -9,8 +9,11 @@ position), `token_ids_logprob` (the given tokens at each position: one list, or 
 `logprob_start_len` (the prompt's log-probs from that position on, -1: its last token only), each per input or
 one for all; `return_text_in_logprobs`; `rid` (one, or one per input; sample k of an input with n>1 has the id
 `<rid>_<k>`, and /abort_request matches either); `stream`; `lora_path` naming the loaded adapter (see
-`relax.serve.sglang.weights`). Not supported (400 naming the field): penalties, min_p, min_new_tokens, stop_regex,
-constrained decoding, logit_bias, hidden states, input embeddings, images, video, audio, sessions.
+`relax.serve.sglang.weights`); constrained decoding with at most one of `json_schema` (a JSON schema as a string),
+`regex` and `ebnf` (xgrammar's EBNF, root rule `root`), as SGLang's xgrammar backend reads them (JSON written without
+free whitespace, `relax.rollout.grammar`; a grammar that does not compile is a 400). Not supported (400 naming the
+field): penalties, min_p, min_new_tokens, stop_regex, structural_tag, logit_bias, hidden states, input embeddings,
+images, video, audio, sessions.
 
 The answer: a dict for one input with n=1, else a list, an input's n samples consecutive. `output_ids` include the
 stop token, and the token that completed a stop string; `text` leaves out the stop token and cuts the stop string
@@ -43,6 +46,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from relax.rollout.grammar import GrammarError, Grammars, GrammarSpec, json_schema_spec
+
 GREEDY_EPS = 1e-6  # a temperature below this is greedy (SGLang's rule)
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 MAX_TOP_LOGPROBS = 20
@@ -51,7 +56,8 @@ _MASK64 = (1 << 64) - 1
 # sampling parameters the engine does not implement: accepted only at these (neutral) values
 _NEUTRAL_SAMPLING = {"min_new_tokens": (0,), "min_p": (0, 0.0), "frequency_penalty": (0, 0.0),
                      "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "stop_regex": ("", ()),
-                     "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (), "logit_bias": ()}
+                     "structural_tag": (), "logit_bias": ()}
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # sampling params of constrained decoding: at most one
 # request fields the server does not implement: accepted only at these values
 _NEUTRAL_REQUEST = {"return_hidden_states": (False,), "input_embeds": (), "image_data": (), "video_data": (),
                     "audio_data": (), "lora_path": (), "session_params": ()}
@@ -140,6 +146,7 @@ class Row:
     abort: Optional[str] = None  # set once an abort was asked: the message of its finish_reason
     extra: Optional[Extras] = None  # computed once it ended, when its options ask for them (`needs_extras`)
     version: Optional[str] = None  # the weight version that generated its tokens
+    matcher: Any = None  # its grammar's state (relax.rollout.grammar.Matcher; None: unconstrained)
 
     @property
     def watched(self) -> bool:
@@ -226,6 +233,7 @@ class RequestCodec:
         self.context_length = context_length
         self.eos_token_ids = eos_token_ids
         self._tokenizer_lock = threading.Lock()
+        self.grammars = Grammars(tokenizer, vocab_size)  # the vocabulary read at the first grammar
 
     # ------------------------------------------------------------------------------------------------ reading
 
@@ -249,16 +257,43 @@ class RequestCodec:
                 raise RequestError("sampling_params must be an object (or one per input)")
             key, max_new, n, seed, options = self._sampling(sp, len(prompt), bool(logprobs[i]), text_in_logprobs)
             options = self._logprob_options(options, len(prompt), starts[i], tops[i], id_lists[i])
+            grammar = self._grammar(sp)
             item_rid = item_rid or uuid.uuid4().hex
             for k in range(n):
                 stream = row_stream(seed, k) if seed is not None else secrets.randbits(63)
                 row = Row(request=request, rid=item_rid, id=item_rid if n == 1 else f"{item_rid}_{k}",
                           prompt=prompt, stream=stream, max_new=max_new, key=key, options=options)
+                if grammar is not None:  # each row its own state; the compiled grammar shared
+                    with self._tokenizer_lock:
+                        row.matcher = self.grammars.matcher(grammar, key[3])
                 if max_new == 0:
                     row.finish = {"type": "length", "length": 0}
                 request.rows.append(row)
         request.single = single and len(request.rows) == 1
         return request
+
+    def _grammar(self, sp: dict) -> Optional[GrammarSpec]:
+        """The grammar of one input's sampling_params (json_schema, regex or ebnf; SGLang allows one), compiled
+        now so that a bad one is a 400; None without one."""
+        given = [name for name in GRAMMAR_FIELDS if sp.get(name) not in (None, "")]
+        if not given:
+            return None
+        if len(given) > 1:
+            raise RequestError(f"sampling_params: {' and '.join(given)} given; constrained decoding takes one of "
+                               f"{', '.join(GRAMMAR_FIELDS)}")
+        name, value = given[0], sp[given[0]]
+        try:
+            if name == "json_schema":
+                spec = json_schema_spec(value)
+            elif isinstance(value, str):
+                spec = GrammarSpec(name, value)
+            else:
+                raise GrammarError(f"expected a string, not {type(value).__name__}")
+            with self._tokenizer_lock:
+                self.grammars.compile(spec)
+        except GrammarError as exc:
+            raise RequestError(f"sampling_params.{name}: {exc}") from None
+        return spec
 
     def _inputs(self, body: dict) -> tuple[list[list[int]], bool]:
         ids, text = body.get("input_ids"), body.get("text")

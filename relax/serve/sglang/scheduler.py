@@ -19,6 +19,9 @@ strings in its decoded tail and ends the row at the token that completed one, or
 observation). Sampling is untouched: the rows keep their random streams and share the call with any other rows.
 The price: a few host operations per row and token of such a call (the engine reads each turn's token back; a stop
 string costs the decoding of a few tokens), none for calls without such rows.
+
+Constrained rows (`Row.matcher`: json_schema, regex, ebnf) hand the engine their grammar matchers, which keep their
+state across the engine calls of a row that is interrupted and continued.
 """
 
 from __future__ import annotations
@@ -336,6 +339,8 @@ class Scheduler:
                                              and len(row.tokens) >= row.max_new):
             return {"type": "length", "length": row.max_new}
         if reason == FinishReason.STOP:
+            if row.matched is None and row.tokens[-1] not in row.key[3]:  # a grammar completed without a stop token
+                return {"type": "stop", "matched": None}
             return {"type": "stop", "matched": row.matched if row.matched is not None else row.tokens[-1]}
         return None
 
@@ -344,6 +349,8 @@ class Scheduler:
         budgets = [r.max_new - len(r.tokens) for r in rows]
         watch = {"episodes": [_Watch(r, self._stop_match) for r in rows], "turn_limit": 1} \
             if any(r.watched for r in rows) else {}
+        if any(r.matcher is not None for r in rows):  # constrained rows (their matchers go on across calls)
+            watch["grammars"] = [r.matcher for r in rows]
         self.engine.eos_token_ids = list(stops)  # only this thread generates
         t0 = time.perf_counter()
         out = self.engine.generate(

@@ -1,0 +1,135 @@
+"""Constrained decoding through relax-serve (`relax.rollout.grammar`): forced tool calls (tool_choice "required" and
+a named function), response_format (json_object, json_schema via the openai client's `.parse()`) and SGLang's
+`sampling_params.json_schema` on /generate, each answered by a random-weight model on a byte-level vocabulary, so
+that only the grammar makes the answers parse."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import openai
+import pytest
+import requests
+from pydantic import BaseModel, Field
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
+from templates import _byte_level_tokenizer  # noqa: E402  (the byte-level vocabulary of the template tests)
+
+# an engine server in this process; its tests share the module-scoped server: one xdist worker runs them in a row
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_constrained")]
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["days", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": {
+             "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}]
+
+
+class Forecast(BaseModel):
+    days: Annotated[int, Field(ge=1, le=7)]
+    sunny: bool
+    unit: Literal["celsius", "fahrenheit"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """relax-serve's engine server on the tiny model with a byte-level tokenizer (ChatML, Hermes tool calls)."""
+    from relax.config import load_config
+    from relax.data.tokenizer import CHATML_TEMPLATE
+    from relax.serve.sglang.server import EmbeddedServer
+
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML_TEMPLATE
+    directory = tmp_path_factory.mktemp("byte-tokenizer")
+    tok.save_pretrained(directory)
+    cfg = load_config(["model=tiny", "model.dtype=float32", f"model.tokenizer={directory}",
+                       "model.max_position_embeddings=2048", "seed=3"])
+    srv = EmbeddedServer(cfg, host="127.0.0.1", port=0, threads=1)
+    srv.start()
+    try:
+        srv.wait_ready(120)
+        yield f"http://127.0.0.1:{srv.port}"
+    finally:
+        srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def calls_of(choice) -> list[tuple[str, dict]]:
+    assert choice.finish_reason == "tool_calls", choice
+    return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+
+def test_tool_choice_required_answers_with_calls_whose_arguments_follow_the_schema(client):
+    r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", n=6,
+                                       seed=1, max_tokens=400)
+    for choice in r.choices:
+        calls = calls_of(choice)
+        assert calls and not choice.message.content
+        for name, args in calls:
+            jsonschema.validate(args, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name])
+
+
+def test_a_named_function_is_exactly_one_call_of_it(client):
+    for seed in (2, 3, 4):
+        r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, seed=seed, max_tokens=200,
+                                           tool_choice={"type": "function", "function": {"name": "weather"}})
+        [(name, args)] = calls_of(r.choices[0])
+        assert name == "weather"
+        jsonschema.validate(args, WEATHER)
+
+
+def test_parse_with_a_pydantic_model_returns_the_parsed_object(client):
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    for seed in (1, 2, 3):
+        r = parse(model="tiny", messages=USER, response_format=Forecast, seed=seed, max_tokens=200)
+        parsed = r.choices[0].message.parsed
+        assert isinstance(parsed, Forecast), r.choices[0].message.content
+        assert Forecast.model_validate_json(r.choices[0].message.content) == parsed
+
+
+def test_json_object_answers_parse_as_objects_and_free_ones_do_not(client):
+    r = client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"}, n=4,
+                                       seed=5, max_tokens=300)
+    for choice in r.choices:
+        if choice.finish_reason == "stop":  # an object the model keeps growing may reach the limit
+            assert isinstance(json.loads(choice.message.content), dict)
+    assert any(c.finish_reason == "stop" for c in r.choices)
+    free = client.chat.completions.create(model="tiny", messages=USER, n=4, seed=5, max_tokens=40)
+    for choice in free.choices:
+        with pytest.raises(ValueError):
+            json.loads(choice.message.content)
+
+
+def test_generate_with_a_json_schema_sampling_param(server):
+    body = {"text": "Forecast: ", "sampling_params": {"json_schema": json.dumps(WEATHER), "max_new_tokens": 80,
+                                                      "n": 5, "sampling_seed": 9}}
+    answers = requests.post(server + "/generate", json=body, timeout=300).json()
+    for a in answers:
+        assert a["meta_info"]["finish_reason"]["type"] == "stop"
+        jsonschema.validate(json.loads(a["text"]), WEATHER)
+
+
+@pytest.mark.parametrize("sp, word", [({"json_schema": "{}", "regex": "a+"}, "one of"),
+                                      ({"regex": "(unclosed"}, "regex"), ({"json_schema": "{nope"}, "JSON")])
+def test_bad_or_conflicting_grammars_are_a_400(server, sp, word):
+    r = requests.post(server + "/generate", json={"text": "x", "sampling_params": sp}, timeout=60)
+    assert r.status_code == 400 and word in r.text
+
+
+def test_a_forced_call_with_response_format_or_an_unknown_name_is_a_400(client):
+    for kw in (dict(tool_choice="required", response_format={"type": "json_object"}),
+               dict(tool_choice={"type": "function", "function": {"name": "nope"}})):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=5, **kw)
+        assert info.value.body["param"] == "tool_choice"
