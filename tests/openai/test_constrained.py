@@ -72,7 +72,7 @@ def calls_of(choice) -> list[tuple[str, dict]]:
 
 def test_tool_choice_required_answers_with_calls_whose_arguments_follow_the_schema(client):
     r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", n=6,
-                                       seed=1, max_tokens=400)
+                                       seed=1, max_tokens=1000)
     for choice in r.choices:
         calls = calls_of(choice)
         assert calls and not choice.message.content
@@ -133,3 +133,21 @@ def test_a_forced_call_with_response_format_or_an_unknown_name_is_a_400(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=5, **kw)
         assert info.value.body["param"] == "tool_choice"
+
+
+def test_langchain_forced_tools_and_structured_output_get_usable_answers(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    @tool
+    def weather(days: Annotated[int, Field(ge=1, le=7)], unit: Literal["celsius", "fahrenheit"]) -> str:
+        """The forecast for the next days."""
+        return "sunny"
+
+    llm = langchain_openai.ChatOpenAI(base_url=server + "/v1", api_key="unused", model="tiny", max_tokens=1000,
+                                      seed=4, max_retries=0)
+    message = llm.bind_tools([weather], tool_choice="any").invoke("Weather in Paris?")
+    assert message.tool_calls and all(c["name"] == "weather" for c in message.tool_calls)
+    for call in message.tool_calls:
+        assert weather.args_schema.model_validate(call["args"])
+    assert isinstance(llm.with_structured_output(Forecast).invoke("Forecast for Paris?"), Forecast)
