@@ -1,0 +1,197 @@
+"""Agentic training end to end with the chat templates users train (tests/agents/templates.py: SmolLM2's ChatML,
+Qwen3, Qwen3-Coder, Qwen3.5, Llama 3.1, GLM-4.5, DeepSeek-V3), each given to the tiny model through `model.tokenizer`
+(a saved tokenizer directory: its vocabulary, special tokens and template; the model's vocabulary is its size).
+Per family, the real training loop runs an environment (`data=guess_number`: user observations) and a tool task
+(`data=calculator` with a parser that reads a calculator call in every turn, so the untrained model exercises the
+tool path: the real tool, its result as a `tool` message in the family's format) for two steps on both rollout
+backends: embedded (in process) and SGLang (embedded servers over real HTTP behind the real router, on a real Ray).
+
+Checked per run: every step trained episodes of more than one turn with observations in them, the trainer's
+log-probs equal the engine's (fp32) for every sampled token of every turn, the loss mask is 1 exactly on the sampled
+tokens (the engine's log-probs) and 0 on the observations, which hold what the template writes. On the embedded
+backend the trainer runs in this process: the loss of its first step is compared with the loss written by hand over
+the model's tokens (tests/agents/test_loss_mask.py). A template that cannot render observations, given through
+`model.tokenizer`, stops `relax-train` before Ray with one message."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from runner.test_async_training import ONE_THREAD
+
+from relax.agents.guess_number import HIGHER, INVALID, LOWER
+from relax.agents.render import ObservationRenderer
+from relax.batch import Samples
+from relax.config import load_config
+from relax.metrics import LOSS, OBS_TOKEN_FRAC, TOOL_CALLS_MEAN, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TURNS_MEAN
+from relax.runner.errors import RunError
+from relax.runner.train import run
+from tests.agents.family_tools import RESULT
+from tests.agents.templates import FAMILIES, base_tokenizer, family_tokenizer
+from tests.agents.test_loss_mask import ENT_COEF, EPS, KL_COEF, TIS_CLIP, hand_loss
+from tests.agents.test_templates import BROKEN
+
+pytestmark = pytest.mark.slow
+
+NAMES = list(FAMILIES)
+SMALL = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4",
+         "model.dtype=float32", "rollout.max_turns=3", "rollout.max_response_len=4", "rollout.max_episode_tokens=120",
+         "rollout.temperature=1.0", ONE_THREAD]
+TASKS = {
+    "guess_number": ["data=guess_number"],
+    "tool": ["data=calculator", "data.tool_parser=tests.agents.family_tools:always_calculator",
+             "data.tool_timeout_s=null"],
+}
+# every loss term on, as the hand-written loss computes them
+LOSS_TERMS = [f"algorithm.eps_clip={EPS}", "algorithm.use_tis=true", f"algorithm.tis_clip={TIS_CLIP}",
+              "algorithm.use_kl_loss=true", f"algorithm.kl_loss_coef={KL_COEF}", "algorithm.kl_loss_type=k3",
+              f"algorithm.entropy_coef={ENT_COEF}"]
+@pytest.fixture(autouse=True)
+def few_prompts(monkeypatch):
+    """Eight generated prompts instead of data.num_prompts (4096): rendering 4096 calculator prompts with a family's
+    template takes seconds of each run, and validation refuses data.num_prompts for data=calculator and
+    data=guess_number (it reads the option as sizing digits and arithmetic only, while both are generated with it)."""
+    from relax.data import datasets, tasks
+
+    monkeypatch.setattr(datasets, "generate_task", lambda task, num, seed, split="train":
+                        tasks.generate_task(task, min(num, 8), seed, split))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    """family -> a directory holding the family's tokenizer (`save_pretrained`), as `model.tokenizer` reads it."""
+    root = tmp_path_factory.mktemp("family-tokenizers")
+    dirs = {}
+    for name in NAMES:
+        family_tokenizer(name).save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+def check_run(result, trained_batches: dict, name: str, task: str) -> None:
+    """Two steps of multi-turn episodes with observations, the trainer's log-probs the engine's, the loss mask on the
+    sampled tokens only, each observation the tokens the family's template writes after the turn before it."""
+    assert [s for s, _ in result.history] == [0, 1]
+    tok = family_tokenizer(name)
+    renderer = ObservationRenderer(tok)
+    # what answers a turn: the tool's result, or the environment's feedback (higher, lower, no digit)
+    role, contents = ("tool", [RESULT]) if task == "tool" else ("user", [HIGHER, LOWER, INVALID])
+    for step, m in result.history:
+        assert m[TURNS_MEAN] > 1 and 0 < m[OBS_TOKEN_FRAC] < 1, (step, m[TURNS_MEAN], m[OBS_TOKEN_FRAC])
+        assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4, (step, m[TRAIN_ROLLOUT_LOGP_ABS_DIFF])
+        if task == "tool":
+            assert m[TOOL_CALLS_MEAN] == m[TURNS_MEAN]  # a call in every turn
+        samples: Samples = trained_batches[step]
+        assert samples.episodes is not None and "abort" not in samples.finish_reason
+        gen, obs, present = samples.response_mask.bool(), samples.obs_mask().bool(), samples.present().bool()
+        assert obs.any() and (gen <= present).all() and torch.equal(obs, present & ~gen)
+        # sampled tokens are exactly the ones the engine gave a log-prob (an untrained model's are never 0)
+        assert torch.equal(samples.rollout_logp != 0, gen)
+        for r, e in enumerate(samples.episodes):
+            ids, o = samples.response_ids[r].tolist(), obs[r].tolist()
+            starts = [j for j in range(1, len(o)) if o[j] and not o[j - 1]]
+            ends = [j for j in range(1, len(o) + 1) if o[j - 1] and (j == len(o) or not o[j])]
+            assert len(starts) == len(ends) == e["turns"] - 1 and not o[0]  # an observation between turns
+            for a, b in zip(starts, ends, strict=True):
+                stop = ids[a - 1] if ids[a - 1] == tok.eos_token_id else None  # a turn stopped, or cut at its limit
+                expected = [renderer.tokens([{"role": role, "content": c}], stop) for c in contents]
+                assert ids[a:b] in expected, (tok.decode(ids[a:b]), [tok.decode(x) for x in expected])
+
+
+def record_first_loss(monkeypatch) -> dict:
+    """The trainer's first `accumulate_gradients` call: the model before it, the batch, its arguments and the loss
+    metric it returned."""
+    from relax.train.torch_policy import TorchPolicy
+
+    seen: dict = {}
+    original = TorchPolicy.accumulate_gradients
+
+    def record(self, batch, algo_cfg, **kw):
+        model = copy.deepcopy(self.model) if not seen else None
+        out = original(self, batch, algo_cfg, **kw)
+        if model is not None:
+            seen.update(model=model, batch=batch, per_token=kw["per_token"], loss=out[LOSS])
+        return out
+
+    monkeypatch.setattr(TorchPolicy, "accumulate_gradients", record)
+    return seen
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("name", NAMES)
+def test_a_family_trains_multi_turn_on_the_embedded_engine(name, task, tokenizer_dirs, in_process, small_run,
+                                                            tmp_path, trained_batches, monkeypatch):
+    first = record_first_loss(monkeypatch)
+    cfg = load_config(small_run(*TASKS[task], *SMALL, *LOSS_TERMS, f"model.tokenizer={tokenizer_dirs[name]}"))
+    assert cfg.model.source == "config" and cfg.model.name == "tiny"
+    result = run(cfg, output_dir=tmp_path / "out")
+    check_run(result, trained_batches, name, task)
+    # the step's loss, by hand over the model's tokens of the batch it trained
+    batch = first["batch"]
+    assert torch.equal(batch.response_mask, trained_batches[0].response_mask)
+    expected = hand_loss(first["model"], batch, first["per_token"])
+    assert first["loss"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+    # the check can fail: the observations counted as the model's tokens give another loss
+    wrong = hand_loss(first["model"], batch.with_(response_mask=trained_batches[0].present()), first["per_token"])
+    assert first["loss"] != pytest.approx(wrong.item(), rel=1e-3)
+
+
+# A run over SGLang takes 30-50 s on two shared cores (Ray, the server, the router), so three families, each with
+# the observation its template renders most unlike ChatML: Qwen3's tool response inside a user turn after a turn the
+# template renders differently once followed, GLM-4.5's user turn after a model turn with no end token, Llama 3.1's
+# ipython turn. The embedded engine runs every family and task.
+SGLANG_CASES = [("qwen3", "tool"), ("glm4_5", "guess_number"), ("llama3_1", "tool")]
+
+
+@pytest.mark.parametrize("name,task", SGLANG_CASES)
+def test_a_family_trains_multi_turn_over_sglang(name, task, tokenizer_dirs, ray_local, small_run, tmp_path,
+                                                trained_batches):
+    """rollout=sglang: a `/generate` request per turn with the episode's tokens as input_ids (an embedded server
+    behind the real sglang-router, real HTTP), the observations appended as tokens by the driver
+    (relax/rollout/sglang/episodes.py)."""
+    from runner.test_sglang_training import SGLANG
+
+    one_server = [o for o in SGLANG if not o.startswith("rollout.num_replicas=")] + ["rollout.num_replicas=1"]
+    cfg = load_config(small_run(*one_server, *TASKS[task], *SMALL, f"model.tokenizer={tokenizer_dirs[name]}"))
+    result = run(cfg, output_dir=tmp_path / "out")
+    check_run(result, trained_batches, name, task)
+
+
+def broken_tokenizer_dir(directory, case: str):
+    """SmolLM2's vocabulary (the families' base) with one of the broken templates of test_templates.py, saved."""
+    tok = copy.deepcopy(base_tokenizer())
+    tok.chat_template = BROKEN[case][0]
+    tok.save_pretrained(directory)
+    return directory
+
+
+# an environment and a tool: user and tool observations, the roles every broken template fails on
+REFUSED = ["data=guess_number", "data.tools=[calculator]", "rollout.max_turns=2"]
+REFUSAL = "model 'tiny': its chat template cannot render the observations of an agentic rollout after a model turn: "
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_template_that_cannot_render_observations_is_refused_before_ray(case, ray_not_started, small_run,
+                                                                          tmp_path):
+    tokenizer = broken_tokenizer_dir(tmp_path / "tok", case)
+    with pytest.raises(RunError) as info:
+        run(load_config(small_run(*REFUSED, f"model.tokenizer={tokenizer}")), output_dir=tmp_path / "out")
+    message = str(info.value)
+    assert message.startswith(REFUSAL) and BROKEN[case][1] in message and "\n" not in message, message
+    assert not ray_not_started
+
+
+def test_relax_train_refuses_the_template_with_one_message_and_exit_2(tmp_path):
+    """As a user runs it: `relax-train` exits 2 with the check's message as its only line, no traceback, nothing
+    started (no tracking store)."""
+    from cli.test_train_cli import relax_train
+
+    tokenizer = broken_tokenizer_dir(tmp_path / "tok", "raises on a tool message")
+    out = relax_train(*REFUSED, f"model.tokenizer={tokenizer}", "dry_run=false", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relax-train: error: " + REFUSAL), out.stderr
+    assert BROKEN["raises on a tool message"][1] in lines[0]
+    assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "mlflow.db").exists()
