@@ -69,6 +69,11 @@ KV_REUSED_TOKENS = "perf/kv_reused_tokens"
 # run's replaced (rollout.temperature, top_p, top_k)
 GATEWAY_SEGMENTS = "rollout/gateway_segments_per_episode"
 GATEWAY_SAMPLING_OVERRIDES = "rollout/gateway_sampling_overrides"
+# per episode: tokens the engine sampled in the session, those in the sample's loss mask (its trained branch), and
+# the rest (sampled on other branches: side calls, choices or parallel calls not continued, segments left behind)
+GATEWAY_SAMPLED_TOKENS = "rollout/gateway_sampled_tokens"
+GATEWAY_TRAINED_TOKENS = "rollout/gateway_trained_tokens"
+GATEWAY_UNTRAINED_TOKENS = "rollout/gateway_untrained_tokens"
 
 # RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
 RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"

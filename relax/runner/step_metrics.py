@@ -25,8 +25,11 @@ from relax.metrics import (
     FILTER_GENERATED_RATIO,
     FILTER_ROUNDS,
     FILTERED_GROUP_FRAC,
+    GATEWAY_SAMPLED_TOKENS,
     GATEWAY_SAMPLING_OVERRIDES,
     GATEWAY_SEGMENTS,
+    GATEWAY_TRAINED_TOKENS,
+    GATEWAY_UNTRAINED_TOKENS,
     GENERATED_REWARD,
     KV_REUSED_TOKENS,
     OBS_TOKEN_FRAC,
@@ -96,6 +99,9 @@ def episode_metrics(samples: Samples) -> dict[str, float]:
     if "segments" in episodes[0]:  # agent programs behind the OpenAI gateway
         out[GATEWAY_SEGMENTS] = sum(e["segments"] for e in episodes) / n
         out[GATEWAY_SAMPLING_OVERRIDES] = sum(e["sampling_overrides"] for e in episodes) / n
+        sampled, trained = sum(e["sampled_tokens"] for e in episodes), sum(e["trained_tokens"] for e in episodes)
+        out.update({GATEWAY_SAMPLED_TOKENS: sampled / n, GATEWAY_TRAINED_TOKENS: trained / n,
+                    GATEWAY_UNTRAINED_TOKENS: (sampled - trained) / n})
     return out
 
 

@@ -212,12 +212,15 @@ def test_a_stop_string_stops_the_engine(engine):
             free = agent.chat.completions.create(**kw, seed=5)
             text = free.choices[0].message.content
             stop = text[len(text) // 2]
+            # the same sample's stream (the same text) in a session of its own: its sample is this call alone
+            session = gw.open(0, limits())
+            agent = openai.OpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0, timeout=120)
             cut = agent.chat.completions.create(**kw, seed=5, stop=[stop])
             generated = len(recorder.calls[-1][1]["meta_info"]["output_token_logprobs"])
             assert cut.choices[0].message.content == text[:text.index(stop)]
             assert cut.choices[0].finish_reason == "stop"
             counts[drop] = (generated, cut.usage.completion_tokens)
-            t = session.trajectory()  # the last call's segment: exactly what the engine generated, all trained
+            t = session.trajectory()  # exactly what the engine generated, all trained
             out = [q[1] for q in recorder.calls[-1][1]["meta_info"]["output_token_logprobs"]]
             if not drop:
                 assert t.tokens == out and all(t.sampled)

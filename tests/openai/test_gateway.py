@@ -122,15 +122,22 @@ def test_a_three_turn_conversation_trains_exactly_the_sampled_tokens(gateway):
 
 
 def test_an_edited_history_starts_a_new_segment(gateway):
+    """The edited call's prompt is rendered whole; the sample is the segment holding more sampled tokens (the later
+    one on a tie), the other's counted as untrained."""
+    gateway.recorder.calls.clear()
     session = gateway.open(1, limits())
     client = openai.OpenAI(base_url=gateway.base_url, api_key=session.key, max_retries=0)
     first = client.chat.completions.create(model="m", messages=USER, max_tokens=4).choices[0].message
     edited = USER + [{"role": "assistant", "content": (first.content or "") + " is"}, FOLLOW_UP]
     client.chat.completions.create(model="m", messages=edited, max_tokens=4)
     t = session.trajectory()
-    assert session.segments == 2
-    assert t.prompt == gateway.fmt.prompt([normalize_message(m) for m in edited], None)  # rendered whole
-    assert t.answers == [t.answers[0]] and sum(t.sampled) == len(t.tokens)
+    assert (session.segments, session.branches) == (2, 2)
+    rendered = gateway.fmt.prompt([normalize_message(m) for m in edited], None)
+    assert gateway.recorder.calls[1][0]["input_ids"] == rendered  # rendered whole
+    sizes = [len(a["meta_info"]["output_token_logprobs"]) for _, a in gateway.recorder.calls]
+    assert t.prompt == (rendered if sizes[1] >= sizes[0] else gateway.fmt.prompt(USER, None))
+    assert len(t.answers) == 1 and sum(t.sampled) == len(t.tokens) == max(sizes)
+    assert session.token_counts() == (sum(sizes), max(sizes))
 
 
 def test_the_continued_choice_is_the_trajectory(gateway):
@@ -180,8 +187,8 @@ def test_the_run_samples_with_its_own_parameters_and_seeds(gateway):
 
 
 def test_rewards_per_call(gateway):
-    """POST /v1/relax/reward adds to the latest call's reward; a segment closed by an edit hands its rewards to the
-    trajectory's first call."""
+    """POST /v1/relax/reward adds to the latest call's reward; the calls outside the trained branch hand their
+    rewards to its first call."""
     session = gateway.open(8, limits())
     client = openai.OpenAI(base_url=gateway.base_url, api_key=session.key, max_retries=0)
     headers = {"Authorization": f"Bearer {session.key}"}
@@ -199,7 +206,8 @@ def test_rewards_per_call(gateway):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reward"
     client.chat.completions.create(model="m", messages=USER + [FOLLOW_UP], max_tokens=4)  # an edit: a new segment
     reward(1)
-    assert session.segments == 2 and session.trajectory().rewards == [3.5]
+    # the sample is one segment (the one with more sampled tokens); the other's rewards go to its first call
+    assert session.segments == 2 and session.trajectory().rewards in ([1.5, 2.0], [3.5])
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,10 @@ The function gets the prompt item as a dict (`messages`: the prompt as chat mess
 to worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time
 limit (`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample
 counts as a failed reward call (its group is left out, as for any failed reward). A run that made no call fails
-the same way. When a run returns, its session's trajectory (`relax.serve.openai.sessions`) becomes the sample:
-the first prompt as the prompt, then every later token, trained where the engine sampled it. Its reward: what the
+the same way. When a run returns, its session's trajectory (`relax.serve.openai.sessions`: the branch holding the most
+sampled tokens) becomes the sample: the first prompt as the prompt, then every later token, trained where the engine
+sampled it; the tokens sampled on other branches are counted in the episode record (`sampled_tokens`,
+`trained_tokens`: `rollout/gateway_untrained_tokens`). Its reward: what the
 function returned (None: nothing), plus the rewards given per call (`POST /v1/relax/reward`), plus `data.reward`
 on the last answer (unless `data.reward=none`).
 """
@@ -109,12 +111,15 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
              pad_token_id: int) -> Samples:
     out = []
     for s, record, t, error in rows:
+        sampled = s.token_counts()[0]
         end = s.ended if s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH, FinishReason.TIMEOUT) \
             else (FinishReason.ERROR if error else FinishReason.DONE)
         episode = {"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
                    "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0, "kv_reused": 0,
                    "end": plain_reason(end), "partial": [], "segments": s.segments, "calls": s.calls,
-                   "sampling_overrides": s.overrides, "error": error}
+                   "sampling_overrides": s.overrides, "error": error, "branches": s.branches,
+                   # the session's sampled tokens and those in this row's loss mask (the rest: other branches)
+                   "sampled_tokens": sampled, "trained_tokens": sum(t.sampled)}
         out.append(EpisodeRow(t.prompt, t.tokens, t.logprobs, t.sampled, t.versions,
                               end if end in (FinishReason.MAX_TURNS, FinishReason.LENGTH) else FinishReason.STOP,
                               episode))

@@ -58,9 +58,10 @@ class Session(Protocol):
     """What a training session decides for the calls made in it (`relax.serve.openai.sessions.Session`)."""
 
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat,
-                    template_kwargs: Optional[dict] = None) -> tuple[list[int], Any]:
+                    template_kwargs: Optional[dict] = None,
+                    offered: Optional[list[dict]] = None) -> tuple[list[int], Any]:
         """The prompt tokens of a chat call (rendered with the request's chat_template_kwargs) and what `record`
-        needs to file it."""
+        needs to file it; `offered`: the tools the request lists (with tool_choice "none" they are not `tools`)."""
 
     def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]: ...
 
@@ -91,7 +92,8 @@ class OpenAIService:
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(p))
         if session is not None:
-            prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs)
+            prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs,
+                                                   offered=body.get("tools") or None)
         else:
             prompt, context = self.fmt.prompt(messages, p.tools, p.template_kwargs), None
         sampled, p = self._generate(prompt, p, session, context)

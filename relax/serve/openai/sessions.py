@@ -6,15 +6,29 @@ then new messages: tool results, a user turn) gets as its prompt the earlier cal
 that answer, and only the new messages rendered as tokens (`ChatFormat.continuation`): the sampled tokens are never
 re-tokenized, so the trajectory trains exactly what was generated, even where rendering the conversation again would
 tokenize an answer differently. A completion call extends an earlier one when its prompt starts with that call's
-tokens (token ids) or text (a string). A call that extends none (the agent rewrote or dropped a message, compacted
-its context, or changed the tools) starts a new segment: its prompt is rendered whole, and the segments before it
-are closed. The run's trajectory is its last segment (the one that reached the final answer); earlier segments are
-counted (`rollout/gateway_segments_per_episode`) and not trained: their tokens were not the context of the answer.
+tokens (token ids) or text (a string).
 
-With n > 1, each choice may be continued; the next call continues the one its messages contain (choice 0 when
-the run ends there).
+Branches. Every choice of every call is kept as a branch (a `_Node`: the tokens appended to the branch it extends,
+then its answer), so a call is matched against all of them, not only the latest call: the one it extends is the
+branch with the longest conversation (chat) or context (completions) that its own is a strict continuation of. A
+side call (a title, a judge), parallel calls that continue one answer, or a return to an earlier point of the
+conversation thus leave the main conversation continuable. What is compared is what decides the tokens: an answer
+the session recorded stands for its sampled tokens, so its `name` is ignored, and its content matches as recorded,
+with its leading <think> block removed (Qwen3's template renders earlier turns without it), or with a block split
+off into reasoning_content put back in front (null and missing content, tool call ids and extra fields such as
+reasoning_content were never compared); a call with tool_choice "none" extends a conversation rendered with the
+tools it lists (the model saw them). A call that extends no branch (the agent rewrote or dropped a message,
+compacted its context, changed the tools or the chat_template_kwargs) starts a new segment: its prompt is rendered
+whole.
 
-Limits: `max_calls` calls per session, `max_tokens` tokens in the trajectory after its first prompt (answers and
+The trained sample. The training loop takes one row per sample (its groups have `rollout.n_samples_per_prompt` rows
+each), and one row holds one branch: tokens of diverging branches cannot share a row without changing what each
+token attended to. The row is the branch holding the most sampled tokens (a tie: the later call, then the lower
+choice), the reward of every call outside it is added to its first call's, and every sampled token elsewhere (a
+side call, another choice, a parallel call not continued, a segment left by an edit) is counted as untrained
+(`token_counts`: `rollout/gateway_untrained_tokens`).
+
+Limits: `max_calls` calls per session, `max_tokens` tokens in a branch after its first prompt (answers and
 appended messages: the episode budget, `rollout.max_episode_tokens`), each answer at most `max_new_tokens`; a call
 past a limit is refused (HTTP 400) and the session ends with that reason; a call after the session ended is refused
 (HTTP 403). Sampling is the run's (`rollout.temperature`, `rollout.top_p`: the distribution the trainer's log-probs
@@ -33,9 +47,11 @@ from typing import Any, Optional
 
 from relax.batch import FinishReason
 from relax.rollout.sglang.client import sample_seed
-from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.chat import ChatFormat, split_reasoning
 from relax.serve.openai.protocol import APIError, Params, same_message
 from relax.serve.sglang.request import row_stream
+
+FORMS = "relax_forms"  # on a recorded answer in a branch's messages: the contents that stand for its tokens
 
 
 @dataclass
@@ -67,6 +83,77 @@ class Segment:
         return self.prompt + self.tokens
 
 
+@dataclass(eq=False)
+class _Node:
+    """One choice of one call: a branch from its segment's first prompt to this answer. It holds only its own
+    tokens (the messages appended to the branch it extends, then the answer); the rest is its parent's."""
+
+    parent: Optional[_Node]
+    prompt: list[int]  # the segment's first prompt (shared along the branch)
+    delta: list[int]  # appended after the parent's answer ([] for a segment's first call)
+    tokens: list[int]  # sampled
+    logprobs: list[float]
+    version: int
+    call: int  # the session's call number (admission order)
+    choice: int
+    answer: str  # the answer's text, a <think> block split off included
+    messages: Optional[list[dict]]  # chat: the conversation, this answer (with FORMS) last
+    text: str  # completions: the text of prompt and tokens ("" where it is not what the engine saw)
+    tools_key: str
+    stop_token: Optional[int]
+    length: int  # tokens after the first prompt, to the end of this answer
+    sampled_total: int  # sampled tokens from the segment's start to here
+    extended: bool = False  # a later call continued it (it is no longer a leaf)
+
+    def path(self) -> list[_Node]:
+        out, node = [], self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    @property
+    def context(self) -> list[int]:
+        out = list(self.prompt)
+        for n in self.path():
+            out += n.delta + n.tokens
+        return out
+
+
+@dataclass
+class _Call:
+    """What the prompt methods hand to `admit` and `record` (opaque to the service)."""
+
+    base: Optional[_Node]  # the branch the call extends (None: it starts a segment)
+    delta: list[int]
+    conversation: Any  # chat: the call's messages; completions: its prompt string (None: token ids)
+    tools_key: str = ""
+    call: int = -1  # set by admit
+
+
+def _forms(content: str, think_text: str) -> frozenset:
+    """The contents an agent may send back for a recorded answer whose message content is `content` (the answer's
+    <think> block, when split off, is `think_text`): as answered, with the block put back, without it."""
+    forms = {content.strip(), (think_text + content).strip()}
+    split = split_reasoning(content)
+    if split is not None:
+        forms.add(content[split[1]:].strip())
+    return frozenset(forms)
+
+
+def _calls(m: dict) -> tuple:
+    return tuple((c["name"], json.dumps(c["arguments"], sort_keys=True)) for c in m.get("tool_calls") or ())
+
+
+def _same(sent: dict, old: dict) -> bool:
+    """Whether a message of a call stands for `old` of a branch: a recorded answer (its sampled tokens, whatever
+    name the agent gives it) by its tool calls and one of its content forms; any other message as it means."""
+    forms = old.get(FORMS)
+    if forms is None:
+        return same_message(sent, old)
+    return sent["role"] == "assistant" and _calls(sent) == _calls(old) and (sent.get("content") or "").strip() in forms
+
+
 @dataclass
 class Limits:
     max_calls: int
@@ -85,13 +172,14 @@ class SessionEnded(APIError):
 
 
 class Session:
-    """One agent run's calls (see the module docstring); thread-safe (an agent may call concurrently, though the
-    order of its calls then decides which extends which)."""
+    """One agent run's calls (see the module docstring); thread-safe (an agent may call concurrently: each call
+    extends the longest branch recorded when it arrives)."""
 
     def __init__(self, key: str, sample_id: int, limits: Limits):
         self.key, self.sample_id, self.limits = key, sample_id, limits
-        self.closed: list[Segment] = []
-        self.candidates: list[Segment] = []  # the last call's choices, each a possible continuation
+        self.nodes: list[_Node] = []  # every choice of every call, in the order recorded
+        self.rewards: list[float] = []  # per call (admission order)
+        self.latest: Optional[int] = None  # the call recorded last (where a reward goes)
         self.calls = 0
         self.tool_calls = 0
         self.ended: Optional[str] = None  # why the session ended (None: open)
@@ -101,37 +189,51 @@ class Session:
 
     # ------------------------------------------------------------------ Session protocol (service.py)
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]], fmt: ChatFormat,
-                    template_kwargs: Optional[dict] = None) -> tuple[list[int], Any]:
+                    template_kwargs: Optional[dict] = None,
+                    offered: Optional[list[dict]] = None) -> tuple[list[int], Any]:
         # a call extends a conversation rendered with the same tools and chat_template_kwargs (they change what
         # the template writes around every message: Qwen3's enable_thinking=false an empty think block after
-        # each generation prompt); its new messages render with them too
-        key = repr(tools) + json.dumps(template_kwargs or {}, sort_keys=True)
+        # each generation prompt); its new messages render with them too. `offered`: the tools the call lists,
+        # which with tool_choice "none" are not `tools` (not rendered in a new prompt) yet are those of the
+        # conversation it continues
+        kwargs = json.dumps(template_kwargs or {}, sort_keys=True)
+        key = repr(tools) + kwargs
+        keys = {key, repr(offered or tools) + kwargs}
         with self._lock:
             self._check_open()
-            for seg in self.candidates:
-                old = seg.messages
-                if (old is not None and seg.tools_key == key and len(messages) > len(old)
-                        and all(same_message(a, b) for a, b in zip(messages, old, strict=False))):
-                    new = messages[len(old):]
-                    delta = fmt.continuation(new, seg.stop_token, template_kwargs)
-                    return seg.context + delta, ("extend", seg, delta, messages)
-            return fmt.prompt(messages, tools, template_kwargs), ("new", None, [], messages, key)
+            best = None
+            for node in reversed(self.nodes):  # the longest match; among equals, the latest
+                old = node.messages
+                if (old is not None and node.tools_key in keys and len(messages) > len(old)
+                        and (best is None or len(old) > len(best.messages))
+                        and all(_same(a, b) for a, b in zip(messages, old, strict=False))):
+                    best = node
+            if best is not None:
+                delta = fmt.continuation(messages[len(best.messages):], best.stop_token, template_kwargs)
+                return best.context + delta, _Call(best, delta, best.messages + messages[len(best.messages):],
+                                                   best.tools_key)
+            return fmt.prompt(messages, tools, template_kwargs), _Call(None, [], list(messages), key)
 
     def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]:
         with self._lock:
             self._check_open()
-            for seg in self.candidates:
-                if seg.messages is not None:
+            best, best_len, best_ctx = None, -1, None
+            for node in reversed(self.nodes):
+                if node.messages is not None:
                     continue
-                if isinstance(prompt, list) and len(prompt) > len(seg.context) and \
-                        prompt[:len(seg.context)] == seg.context:
-                    delta = list(prompt[len(seg.context):])
-                    return list(prompt), ("extend", seg, delta, None)
-                if isinstance(prompt, str) and seg.text and len(prompt) > len(seg.text) and prompt.startswith(seg.text):
-                    delta = fmt.encode(prompt[len(seg.text):])
-                    return seg.context + delta, ("extend", seg, delta, prompt)
+                if isinstance(prompt, list):
+                    ctx = node.context
+                    if len(prompt) > len(ctx) > best_len and prompt[:len(ctx)] == ctx:
+                        best, best_len, best_ctx = node, len(ctx), ctx
+                elif node.text and len(prompt) > len(node.text) > best_len and prompt.startswith(node.text):
+                    best, best_len = node, len(node.text)
+            if best is not None and isinstance(prompt, list):
+                return list(prompt), _Call(best, list(prompt[len(best_ctx):]), None)
+            if best is not None:
+                delta = fmt.encode(prompt[len(best.text):])
+                return best.context + delta, _Call(best, delta, prompt)
             tokens = list(prompt) if isinstance(prompt, list) else fmt.encode(prompt)
-            return tokens, ("new", None, [], prompt if isinstance(prompt, str) else None, "")
+            return tokens, _Call(None, [], prompt if isinstance(prompt, str) else None)
 
     def admit(self, p: Params, prompt_len: int, limit: int, context: Any) -> tuple[Params, int, list[int]]:
         lim = self.limits
@@ -140,15 +242,16 @@ class Session:
             if self.calls >= lim.max_calls:
                 self._end(FinishReason.MAX_TURNS)
                 raise APIError(f"this session made its {lim.max_calls} calls (rollout.max_turns)", code="max_calls")
-            base = context[1]  # the segment this call extends (None: it starts one)
+            base = context.base  # the branch this call extends (None: it starts a segment)
             used = 0 if base is None else prompt_len - len(base.prompt)
             left = lim.max_tokens - used
             if left < 1:
                 self._end(FinishReason.LENGTH)
                 raise APIError(f"this session's trajectory holds {used} tokens, its limit "
                                f"(rollout.max_episode_tokens={lim.max_tokens})", code="max_tokens")
-            call = self.calls
+            call = context.call = self.calls
             self.calls += 1
+            self.rewards.append(0.0)
             if p.temperature not in (None, lim.temperature) or p.top_p not in (None, lim.top_p) \
                     or p.top_k not in (-1, lim.top_k):
                 self.overrides += 1  # the agent asked for other sampling
@@ -162,41 +265,42 @@ class Session:
         return p, max(1, min(limit, lim.max_new_tokens, left)), seeds
 
     def record(self, context: Any, prompt: list[int], choices: list) -> None:
-        kind, base, delta, conversation = context[:4]
+        c: _Call = context
+        base = c.base
         new = []
-        for sampled, choice, message in choices:
-            if kind == "extend":
-                seg = copy.deepcopy(base)
-                seg.append(delta, sampled=False)
-            else:
-                seg = Segment(prompt=list(prompt), tools_key=context[4])
-            seg.append(choice.tokens, sampled=True, logprobs=choice.logprobs, version=sampled.version)
+        for k, (sampled, choice, message) in enumerate(choices):
             # a stop token ended it (not a stop string, where the engine also stops with finish STOP)
             ended = choice.tokens[-1] if choice.tokens and len(choice.tokens) == len(sampled.tokens) \
                 and sampled.finish == FinishReason.STOP and sampled.stop_string is None else None
-            seg.stop_token = ended
-            seg.answers.append(choice.think_text + choice.text)  # a <think> block split off still counts
-            seg.rewards.append(0.0)
+            messages, text = None, ""
             if message is not None:
-                seg.messages = list(conversation) + [message]
+                forms = _forms(message.get("content") or "", choice.think_text)
+                messages = list(c.conversation) + [{**message, FORMS: forms}]
             else:  # a completion continues by text only where the text is what the engine saw
                 # OpenAI's finish_reason "stop" without a stop token: a stop sequence cut the text
                 cut = choice.finish_reason == "stop" and ended is None
-                seg.text = conversation + choice.text if isinstance(conversation, str) and not cut else ""
-            new.append(seg)
+                text = c.conversation + choice.text if isinstance(c.conversation, str) and not cut else ""
+            delta = list(c.delta) if base is not None else []
+            before = (base.length, base.sampled_total) if base is not None else (0, 0)
+            new.append(_Node(
+                parent=base, prompt=base.prompt if base is not None else list(prompt), delta=delta,
+                tokens=list(choice.tokens), logprobs=list(choice.logprobs), version=sampled.version, call=c.call,
+                choice=k, answer=choice.think_text + choice.text,  # a <think> block split off still counts
+                messages=messages, text=text, tools_key=c.tools_key, stop_token=ended,
+                length=before[0] + len(delta) + len(choice.tokens), sampled_total=before[1] + len(choice.tokens)))
         with self._lock:
-            if kind == "new" and self.candidates:
-                self.closed.append(self.candidates[0])
-            self.candidates = new
-            self.tool_calls += sum(len(c.tool_calls or ()) for _, c, _ in choices)
+            if base is not None:
+                base.extended = True
+            self.nodes += new
+            self.latest = c.call
+            self.tool_calls += sum(len(ch.tool_calls or ()) for _, ch, _ in choices)
 
     # ------------------------------------------------------------------ the run's side
     def add_reward(self, value: float) -> None:
         """A reward for the session's latest call (before any call: for its first)."""
         with self._lock:
-            if self.candidates:
-                for seg in self.candidates:
-                    seg.rewards[-1] += value
+            if self.latest is not None:
+                self.rewards[self.latest] += value
             else:
                 self.pending_reward += value
 
@@ -212,17 +316,44 @@ class Session:
         if self.ended is not None:
             raise SessionEnded(self.ended)
 
+    def _row(self) -> Optional[_Node]:
+        """The branch trained: the one holding the most sampled tokens (a tie: the later call, the lower choice)."""
+        leaves = [n for n in self.nodes if not n.extended]
+        return max(leaves, key=lambda n: (n.sampled_total, n.call, -n.choice)) if leaves else None
+
     def trajectory(self) -> Optional[Segment]:
-        """The run's trajectory (its last segment, choice 0), rewards of closed segments folded into its first
-        call; None if no call was made."""
+        """The run's trajectory (the branch `_row` picks), the rewards of calls outside it (and those given before
+        any call) added to its first call's; None if no call was made."""
         with self._lock:
-            if not self.candidates:
+            row = self._row()
+            if row is None:
                 return None
-            seg = copy.deepcopy(self.candidates[0])
-            earlier = self.pending_reward + sum(sum(s.rewards) for s in self.closed)
-            seg.rewards[0] += earlier
+            path = row.path()
+            seg = Segment(prompt=list(row.prompt), messages=copy.deepcopy(row.messages), text=row.text,
+                          tools_key=row.tools_key, stop_token=row.stop_token)
+            for n in path:
+                seg.append(n.delta, sampled=False)
+                seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version)
+                seg.answers.append(n.answer)
+                seg.rewards.append(self.rewards[n.call])
+            on = {n.call for n in path}
+            seg.rewards[0] += self.pending_reward + sum(r for i, r in enumerate(self.rewards) if i not in on)
             return seg
+
+    def token_counts(self) -> tuple[int, int]:
+        """(tokens the engine sampled in this session, those of them in the trajectory): each sampled once."""
+        with self._lock:
+            row = self._row()
+            return sum(len(n.tokens) for n in self.nodes), row.sampled_total if row is not None else 0
 
     @property
     def segments(self) -> int:
-        return len(self.closed) + (1 if self.candidates else 0)
+        """Calls that extended no branch (each starts a segment)."""
+        with self._lock:
+            return sum(n.parent is None and n.choice == 0 for n in self.nodes)
+
+    @property
+    def branches(self) -> int:
+        """Branches no call continued (the trajectory is one of them)."""
+        with self._lock:
+            return sum(not n.extended for n in self.nodes)
