@@ -518,9 +518,9 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(need <= m.max_position_embeddings, ("model.max_position_embeddings", "rollout.max_prompt_len"),
                   f"rollout.max_prompt_len + rollout.max_response_len ({need}) exceeds "
                   f"model.max_position_embeddings={m.max_position_embeddings}")
-    synthetic = d.path is None and d.task in ("digits", "arithmetic")
-    unused(d, "data", ("num_prompts",), not synthetic, "it sizes the synthetic tasks (data.task=digits|arithmetic "
-           "without data.path)")
+    synthetic = d.path is None and d.task not in ("gsm8k", "file")  # relax.data.tasks generates every other task
+    unused(d, "data", ("num_prompts",), not synthetic, "it sizes the synthetic tasks (data.task=digits|arithmetic|"
+           "guess_number|calculator without data.path)")
     unused(d, "data", ("prompt_key", "label_key"), d.path is None, "it names the fields of data.path's records")
     r.require(d.path is None or d.task == "file", ("data.path", "data.task"),
               f"data.path is set but data.task={d.task}: prompts come from data.path only with data.task=file "

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 NAMES = list(FAMILIES)
 SMALL = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4",
          "model.dtype=float32", "rollout.max_turns=3", "rollout.max_response_len=4", "rollout.max_episode_tokens=120",
-         "rollout.temperature=1.0", ONE_THREAD]
+         "rollout.temperature=1.0", "data.num_prompts=8", ONE_THREAD]  # 8 generated prompts: each is rendered
 TASKS = {
     "guess_number": ["data=guess_number"],
     "tool": ["data=calculator", "data.tool_parser=tests.agents.family_tools:always_calculator",
@@ -48,15 +48,6 @@ TASKS = {
 LOSS_TERMS = [f"algorithm.eps_clip={EPS}", "algorithm.use_tis=true", f"algorithm.tis_clip={TIS_CLIP}",
               "algorithm.use_kl_loss=true", f"algorithm.kl_loss_coef={KL_COEF}", "algorithm.kl_loss_type=k3",
               f"algorithm.entropy_coef={ENT_COEF}"]
-@pytest.fixture(autouse=True)
-def few_prompts(monkeypatch):
-    """Eight generated prompts instead of data.num_prompts (4096): rendering 4096 calculator prompts with a family's
-    template takes seconds of each run, and validation refuses data.num_prompts for data=calculator and
-    data=guess_number (it reads the option as sizing digits and arithmetic only, while both are generated with it)."""
-    from relax.data import datasets, tasks
-
-    monkeypatch.setattr(datasets, "generate_task", lambda task, num, seed, split="train":
-                        tasks.generate_task(task, min(num, 8), seed, split))
 
 
 @pytest.fixture(scope="module")

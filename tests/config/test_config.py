@@ -257,3 +257,14 @@ def test_the_critic_has_no_gpu_count_of_its_own():
 
     with pytest.raises(ConfigCompositionException, match="critic_gpus"):
         load_config(["algorithm=ppo", "cluster=1xgpu", "cluster.critic_gpus=1"])
+
+
+def test_num_prompts_sizes_every_generated_task_and_only_those():
+    """data.num_prompts acts on every task relax.data.tasks generates (the agentic ones too) and is rejected where
+    prompts come from files (gsm8k, data.path)."""
+    from relax.data.tasks import TASKS
+
+    for task in TASKS:
+        assert load_config([f"data={task}", "data.num_prompts=8"]).data.num_prompts == 8
+    with pytest.raises(ConfigError, match="data.num_prompts"):
+        load_config(["data=gsm8k", "data.num_prompts=8"])
