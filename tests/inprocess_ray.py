@@ -12,10 +12,23 @@ service graph) use a real Ray; tests/README.md lists which is which.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import types
 from typing import Any
+
+
+def _returned(value):
+    """What the caller of a Ray actor's method gets: a copy, serialized into the object store before the actor runs
+    its next call. Weight buffers alias the actor's live parameters until then (`WeightBuffers.of`), so here they
+    are copied as Ray would: without it, a publish's weights would follow the trainer's next steps, and an engine
+    loading them later would generate with newer weights than the version they carry."""
+    from relax.models.weight_buffers import WeightBuffers
+
+    if isinstance(value, WeightBuffers):
+        return dataclasses.replace(value, arrays=tuple(a.copy() for a in value.arrays))
+    return value
 
 
 class _Method:
@@ -23,7 +36,7 @@ class _Method:
         self._fn = fn
 
     def remote(self, *args, **kwargs):
-        return self._fn(*args, **kwargs)
+        return _returned(self._fn(*args, **kwargs))
 
     def options(self, **_: Any) -> _Method:
         return self

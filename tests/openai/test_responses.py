@@ -210,27 +210,15 @@ def test_an_agents_sdk_run_through_the_gateway_is_one_trajectory(scripted):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """relax-serve (the CLI, in its own process) with the tiny model, and its tokenizer."""
-    import subprocess
-    import sys
-
-    from sglang.test_conformance import REPO, env, free_port, wait_http
+    from sglang.test_conformance import relax_serve
 
     from relax.config import load_config
     from relax.data.tokenizer import load_tokenizer
 
     overrides = ["model=tiny", "model.dtype=float32", "seed=3"]
     tok = load_tokenizer(load_config(overrides).model)
-    port, log = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
-                                 *overrides], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/health", 120, proc, log)
+    with relax_serve(tmp_path_factory.mktemp("serve"), overrides) as url:
         yield url, tok
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 @pytest.mark.slow

@@ -4,14 +4,11 @@ the documented seed of each choice, the trainer's log-probs of the tokens, a bru
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import openai
 import pytest
 import requests
 import torch
-from sglang.test_conformance import REPO, env, free_port, logps, trainer_logprobs, wait_http
+from sglang.test_conformance import logps, relax_serve, trainer_logprobs
 
 from relax.serve.sglang.request import row_stream
 
@@ -32,17 +29,8 @@ def served(tmp_path_factory):
     cfg = load_config(OVERRIDES)
     tok = load_tokenizer(cfg.model)
     model = build_model(cfg.model, len(tok), tok.pad_token_id, seed=cfg.seed).eval()
-    port, log = free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
-                                 *OVERRIDES], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{url}/health", 120, proc, log)
+    with relax_serve(tmp_path_factory.mktemp("serve"), OVERRIDES) as url:
         yield url, model, tok
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")

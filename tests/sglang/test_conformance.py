@@ -15,6 +15,7 @@ against either; where it waits for the embedded server's queue state it sleeps i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,6 +53,22 @@ def free_port() -> int:
 
 def env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+@contextlib.contextmanager
+def relax_serve(log_dir: Path, overrides: list[str]) -> Iterator[str]:
+    """`relax-serve` (the CLI, in its own process, one thread) with `overrides`, answering: its URL; stopped after."""
+    port, log = free_port(), log_dir / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
+                                 *overrides], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", 120, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:

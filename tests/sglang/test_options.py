@@ -25,9 +25,8 @@ from relax.roles.sglang_server import server_command
 from relax.rollout.sglang.client import EngineRequestError, GenerateClient
 from relax.rollout.sglang.process import StartupError, free_port, start_process, wait_healthy
 from relax.rollout.sglang.router import Router
-from relax.runner.cluster import actor_push
 from relax.runner.errors import RoleFailure, RunError
-from relax.runner.rollout_driver.sglang_engines import SGLangEngines
+from relax.runner.rollout_driver.sglang_engines import SGLangEngines, actor_push
 from relax.runner.watchdog import Watchdog
 
 # its tests share module-scoped server: one xdist worker runs them in a row
