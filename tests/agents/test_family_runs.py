@@ -133,7 +133,10 @@ def test_a_family_trains_multi_turn_on_the_embedded_engine(name, task, tokenizer
 # the observation its template renders most unlike ChatML: Qwen3's tool response inside a user turn after a turn the
 # template renders differently once followed, GLM-4.5's user turn after a model turn with no end token, Llama 3.1's
 # ipython turn. The embedded engine runs every family and task.
-SGLANG_CASES = [("qwen3", "tool"), ("glm4_5", "guess_number"), ("llama3_1", "tool")]
+# over SGLang, the family the issue was about (a template that renders a turn differently once something follows
+# it, tool results in a user turn): each run costs a real Ray graph and a server (tens of seconds on 2 cores), and
+# the embedded runs above cover every family on the same episode code (relax/agents/episode.py)
+SGLANG_CASES = [("qwen3", "tool")]
 
 
 @pytest.mark.parametrize("name,task", SGLANG_CASES)
