@@ -132,18 +132,6 @@ class Recorder:
         return answers
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from relax.config import load_config
-    from relax.serve.sglang.server import EmbeddedServer
-
-    server = EmbeddedServer(load_config(["model=tiny", "model.dtype=float32"]), port=0, threads=1)
-    server.start()
-    server.wait_ready(120)
-    yield server
-    server.shutdown()
-
-
 def gateway(engine, **kw) -> tuple[Gateway, Recorder]:
     recorder = Recorder(engine.url, **kw)
     fmt = ChatFormat(engine.tokenizer, engine.eos_token_ids)

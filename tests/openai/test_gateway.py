@@ -40,18 +40,6 @@ class Recorder:
         return answers
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from relax.config import load_config
-    from relax.serve.sglang.server import EmbeddedServer
-
-    server = EmbeddedServer(load_config(["model=tiny", "model.dtype=float32"]), port=0, threads=1)
-    server.start()
-    server.wait_ready(120)
-    yield server
-    server.shutdown()
-
-
 @pytest.fixture
 def gateway(engine):
     recorder = Recorder(engine.url)
