@@ -39,9 +39,11 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
         stage = t.mode != "sync" and ro.backend == "embedded" and cfg.cluster.num_nodes * cfg.cluster.gpus_per_node > 0
     rollout = dataclasses.replace(ro, over_sampling_batch_size=over, max_episode_tokens=episode, stage_weights=stage)
     if ro.backend == "sglang" and ro.sglang.weight_sync is None:
-        # shared memory (tensor) reaches servers on the trainer's node only: colocated on one node; otherwise a
-        # weight-update group (distributed)
-        sync = "tensor" if cfg.cluster.colocate and cfg.cluster.num_nodes == 1 else "distributed"
+        # colocated: tensor (shared memory on one CPU node; on GPUs, CUDA IPC from the actor rank on each server's
+        # GPU, whatever the nodes: a weight-update group would hold two ranks on one GPU, which NCCL refuses);
+        # otherwise a weight-update group (distributed)
+        c = cfg.cluster
+        sync = "tensor" if c.colocate and (c.num_nodes == 1 or c.gpus_per_node > 0) else "distributed"
         rollout = dataclasses.replace(rollout, sglang=dataclasses.replace(ro.sglang, weight_sync=sync))
     return dataclasses.replace(cfg, train=train, rollout=rollout)
 

@@ -304,10 +304,29 @@ def _sglang(cfg: RelaxConfig, r: _Rules) -> None:
               ("rollout.sglang.host", "cluster.num_nodes"),
               f"rollout.sglang.host={sg.host} is loopback but cluster.num_nodes={c.num_nodes}: servers on other "
               "nodes could not be reached; set rollout.sglang.host=0.0.0.0")
-    r.require(sg.weight_sync != "tensor" or c.num_nodes == 1, ("rollout.sglang.weight_sync", "cluster.num_nodes"),
+    _weight_paths(cfg, r)
+
+
+def _weight_paths(cfg: RelaxConfig, r: _Rules) -> None:
+    """rollout.sglang.weight_sync where the plan's placement lets it work (relax.runner.plan._weight_senders)."""
+    c, sg = cfg.cluster, cfg.rollout.sglang
+    gpus = c.num_nodes * c.gpus_per_node > 0
+    # on GPUs, colocated: each launched server gets CUDA IPC handles from the actor rank on its own GPU (any node)
+    per_gpu = gpus and c.colocate and sg.urls is None
+    r.require(sg.weight_sync != "tensor" or c.num_nodes == 1 or per_gpu,
+              ("rollout.sglang.weight_sync", "cluster.num_nodes"),
               "rollout.sglang.weight_sync=tensor shares memory with servers on the trainer's node, but on "
-              f"cluster.num_nodes={c.num_nodes} servers of other nodes cannot open it (colocated or not); use "
-              "rollout.sglang.weight_sync=distributed (the default on several nodes)")
+              f"cluster.num_nodes={c.num_nodes} servers of other nodes cannot open it"
+              + (" (servers given by rollout.sglang.urls get it from actor rank 0)" if gpus and c.colocate else "")
+              + "; use rollout.sglang.weight_sync=distributed")
+    r.require(sg.weight_sync != "tensor" or not gpus or c.colocate, ("rollout.sglang.weight_sync", "cluster.colocate"),
+              "rollout.sglang.weight_sync=tensor with cluster.colocate=false: CUDA IPC handles open only in a process "
+              "on the GPU that made them, and the servers run on GPUs of their own; use "
+              "rollout.sglang.weight_sync=distributed (the default apart)")
+    r.require(sg.weight_sync != "distributed" or not per_gpu, ("rollout.sglang.weight_sync", "cluster.colocate"),
+              "rollout.sglang.weight_sync=distributed with cluster.colocate=true on GPUs puts rollout replica 0 and "
+              "actor rank 0 on the same GPU in one NCCL group, which NCCL refuses; use rollout.sglang.weight_sync="
+              "tensor (the default colocated: each server gets CUDA IPC handles from the actor rank on its GPU)")
 
 
 def _modes(cfg: RelaxConfig, r: _Rules) -> None:

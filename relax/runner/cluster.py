@@ -194,6 +194,8 @@ class Cluster:
                 worker = HybridWorker if self.plan.rollout_in_actor else PolicyWorker
                 self.actor = self._remote(worker, "actor", 0, cfg, info, threads=threads("actor"))
             self.actor_process = self.processes[0]  # the process that answers the actor's calls (rank 0)
+            if cfg.train.backend != "megatron":
+                self.actor_ranks = [(self.actor, self.actor_process)]
             # the rollout's processes; the engines over them are the rollout driver's
             # (relax.runner.rollout_driver.engines.started_engines)
             replicas = self.plan.role("rollout").replicas
@@ -293,6 +295,7 @@ class Cluster:
             raise RunError(f"the Megatron actor failed to start: {exc.cause!r}") from None
         self.actors.extend(group.ranks)
         self.processes.extend(names)
+        self.actor_ranks = list(zip(group.ranks, names, strict=True))  # who sends weights (Plan.weight_senders)
         for rank, name in zip(group.ranks, names, strict=True):
             self.watch.register(rank, name)
         return group.remote

@@ -18,7 +18,9 @@ Placement rule. Every process of a role uses at most one device (the torch train
   - `cluster.colocate=true`: bundle 0 is the actor's GPU, and actor, rollout replicas, reference, teacher and
     critic share it through fractional GPU requests (`SHARE`: 0.5 + 0.25 split over the replicas + 0.1 each),
     never the sum of whole GPUs: `cluster=1xgpu` runs on a machine with one GPU. The single bundle pins them
-    to the same device; Ray sets CUDA_VISIBLE_DEVICES for each, so every one of them sees that GPU.
+    to the same device; Ray sets CUDA_VISIBLE_DEVICES for each, so every one of them sees that GPU. With several
+    actor GPUs (Megatron ranks), rollout replica i shares the GPU of rank i mod ranks, and rollout=sglang's replica
+    gets its weights as CUDA IPC handles from that rank (`Plan.weight_senders`), never from another GPU.
   - `cluster.colocate=false`: bundle 0 is the actor's GPU (shared with the reference when there is one),
     then `cluster.rollout_gpus` bundles each holding `num_replicas / rollout_gpus` engines that split it,
     then the critic's GPU, then the teacher's (distillation: a frozen model, often larger than the policy).
@@ -100,6 +102,14 @@ class Plan:
     reference_on_actor: bool = False
     # the one embedded rollout replica runs in the actor's process (see the module docstring)
     rollout_in_actor: bool = False
+    # rollout=sglang: how weights reach the servers (tensor | distributed | adapter) and, per rollout replica, the actor
+    # rank that sends them (`_weight_senders`); () for the embedded rollout
+    weight_path: str = ""
+    weight_senders: tuple[int, ...] = ()
+
+    def sent_by(self, rank: int) -> tuple[int, ...]:
+        """The rollout replicas whose weights actor rank `rank` sends."""
+        return tuple(i for i, r in enumerate(self.weight_senders) if r == rank)
 
     def role(self, name: str) -> RolePlan | None:
         return next((r for r in self.roles if r.role == name), None)
@@ -157,7 +167,19 @@ class Plan:
             turns = ("every role takes turns on the CPU cores" if self.mode == "sync" else
                      "the rollout generates while the other roles compute, on the same CPU cores")
             lines.append(f"  no GPUs: {turns} (a CPU request is a share, not a core)")
+        if self.weight_senders:
+            lines.append("  weights to the rollout servers: " + self._weights_text())
         return "\n".join(lines)
+
+    def _weights_text(self) -> str:
+        senders = sorted(set(self.weight_senders))
+        if senders == [0] and len(self.weight_senders) == 1:
+            return f"{self.weight_path}, from actor rank 0"
+        if senders == [0]:
+            return f"{self.weight_path}, from actor rank 0 to every replica"
+        each = "; ".join(f"rank {r} -> replica{'s' if len(self.sent_by(r)) > 1 else ''} "
+                         + ", ".join(map(str, self.sent_by(r))) for r in senders)
+        return f"{self.weight_path} (CUDA IPC), each replica from the actor rank on its GPU: {each}"
 
 
 def _placement(r: RolePlan, strategy: str = PLACEMENT_STRATEGY) -> str:
@@ -275,13 +297,34 @@ def build_plan(cfg: RelaxConfig) -> Plan:
 
     roles = tuple(RolePlan(x, replicas[x], backend[x], gpus[x], cpus[x], shares.get(x), why[x], where.get(x, ()))
                   for x in names)
+    weight_path, senders = _weight_senders(cfg, where, total)
     threads = c.cpus_per_node or os.cpu_count() or 1
     # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
     address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
     strategy = SPREAD_STRATEGY if total == 0 and bundles else PLACEMENT_STRATEGY
     return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
                 strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor,
-                rollout_in_actor=in_actor, staged_weights=bool(ro.stage_weights))
+                rollout_in_actor=in_actor, staged_weights=bool(ro.stage_weights), weight_path=weight_path,
+                weight_senders=senders)
+
+
+def _weight_senders(cfg: RelaxConfig, where: dict[str, tuple[int, ...]],
+                    total_gpus: int) -> tuple[str, tuple[int, ...]]:
+    """rollout=sglang: the weight path and, per replica, the actor rank that sends its weights.
+
+    CUDA IPC handles (weight_sync=tensor on GPUs) open only in a process on the GPU that made them, so each colocated
+    replica gets its weights from the actor rank on its own GPU (the rank whose bundle it shares), which has them from
+    the object store. Everything else comes from rank 0: shared memory on a CPU node, a weight-update group (every
+    server joins rank 0's), adapter directories rank 0 writes, and servers given by URL (their GPUs are unknown)."""
+    ro = cfg.rollout
+    if ro.backend != "sglang":
+        return "", ()
+    path = "adapter" if cfg.model.lora_rank > 0 and ro.lora_sync == "adapter" else ro.sglang.weight_sync
+    n = ro.num_replicas
+    if path == "tensor" and total_gpus > 0 and cfg.cluster.colocate and ro.sglang.urls is None:
+        rank_on = {b: r for r, b in enumerate(where["actor"])}  # a rank per actor GPU (bundle)
+        return path, tuple(rank_on[b] for b in where["rollout"])
+    return path, (0,) * n
 
 
 # ---------------------------------------------------------------------- the plan on Ray

@@ -146,7 +146,9 @@ def started_engines(cluster: Cluster) -> Iterator[Engines]:
         engines = SGLangEngines(cfg, eos_token_ids=info.eos_token_ids, pad_token_id=info.pad_token_id,
                                 log_dir=cluster.sglang_log_dir,
                                 start_server=None if cfg.rollout.sglang.urls is not None else cluster.start_server,
-                                push=actor_push(cluster.actor, cluster.watch, cluster.actor_process))
+                                push=actor_push(cluster.actor, cluster.watch, cluster.actor_process,
+                                                ranks=cluster.actor_ranks),
+                                senders=list(cluster.plan.weight_senders))
         engines.servers = list(cluster.rollout_replicas)
     else:
         engines = ReplicaEngines(cluster.rollout_replicas, info.pad_token_id, watch=cluster.watch,

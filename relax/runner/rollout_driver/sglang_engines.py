@@ -59,37 +59,54 @@ from relax.serve.openai.protocol import APIError
 ABORT_RECHECK_S = 0.2  # an abort sends /abort_request again this often until every request sent is answered
 HEALTH_TIMEOUT_S = 20.0  # SGLang's limit on a /health check's generation (HEALTH_CHECK_TIMEOUT)
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"  # the key of the servers at rollout.sglang.urls (their --api-key)
-Push = Callable[[object, int, list[str], WeightTarget, bool], dict]
+Push = Callable[[object, int, list[str], WeightTarget, bool, "list[int] | None"], dict]
 
 
-def actor_push(actor, watch: Watchdog, process: str):
+def actor_push(actor, watch: Watchdog, process: str, ranks: list[tuple[object, str]] | None = None):
     """rollout=sglang's `SGLangEngines.push`: the actor's process sends the weights (the ObjectRef of its snapshot of
     a version) to the servers itself (`PolicyForwarding.push_weights`); the driver only waits. Each of the actor's
     calls to a server has its own timeout (rollout.sglang.request_timeout_s); a dead or hung actor is a RoleFailure
-    (the graph restarts), a server that refuses is a RunError naming the servers."""
+    (the graph restarts), a server that refuses is a RunError naming the servers.
 
-    def push(weights, version: int, urls: list[str], target, regroup: bool) -> dict[str, int]:
+    `ranks`: (handle, process name) of each actor rank (Megatron); a push's `senders` names, per url, the rank that
+    sends to it (`Plan.weight_senders`: CUDA IPC handles from the rank on the server's GPU), all at once. Without
+    `senders`, `actor` (rank 0) sends to every url."""
+
+    def push(weights, version: int, urls: list[str], target, regroup: bool,
+             senders: list[int] | None = None) -> dict[str, int]:
         import ray
 
-        call = actor.push_weights.options(concurrency_group=WEIGHTS_GROUP)  # beside the actor's train step
-        ref = call.remote(weights, version, list(urls), target, regroup)
+        parts: dict[int, list[str]] = {}
+        for url, rank in zip(urls, senders or [0] * len(urls), strict=True):
+            parts.setdefault(rank, []).append(url)
+        calls = []
+        for rank, part in parts.items():
+            if rank and ranks is None:
+                raise ValueError(f"actor_push: senders name actor rank {rank}, but no ranks were given")
+            handle, name = (actor, process) if rank == 0 else ranks[rank]
+            call = handle.push_weights.options(concurrency_group=WEIGHTS_GROUP)  # beside the actor's train step
+            calls.append((call.remote(weights, version, part, target, regroup), name))
         try:
-            return watch.get_one(ref, process, progress=False)
+            sent = watch.get(calls, progress=False)
         except ray.exceptions.RayTaskError as exc:
             raise RunError(f"rollout=sglang: the actor could not send weights to {', '.join(urls)}: "
                            f"{first_line(exc.cause or exc)}") from None
+        # every sender sends the whole version: its buckets and bytes once
+        return {"buckets": max(s["buckets"] for s in sent), "bytes": sent[0]["bytes"]}
 
     return push
 
 
 class SGLangEngines:
     """`start_server(i)` returns a new `EngineServer` actor for replica i (None: `rollout.sglang.urls`).
-    `push(weights, version, urls, target, regroup)` sends published weights to the servers at `urls` and returns
-    {"buckets", "bytes"}: the runner's has the actor send them (None: a `WeightSender` in this process, for weights
-    given here as tensors)."""
+    `push(weights, version, urls, target, regroup, senders)` sends published weights to the servers at `urls` and
+    returns {"buckets", "bytes"}: the runner's has the actor send them (None: a `WeightSender` in this process, for
+    weights given here as tensors). `senders`: per replica, the actor rank that sends its weights
+    (`Plan.weight_senders`; None: rank 0)."""
 
     def __init__(self, cfg: RelaxConfig, *, eos_token_ids: tuple[int, ...], pad_token_id: int, log_dir: Path,
-                 start_server: Callable[[int], object] | None, push: Push | None = None):
+                 start_server: Callable[[int], object] | None, push: Push | None = None,
+                 senders: list[int] | None = None):
         self.cfg, self.sg = cfg, cfg.rollout.sglang
         self.eos_token_ids, self.pad_token_id = tuple(eos_token_ids), pad_token_id
         self.log_dir, self.start_server = Path(log_dir), start_server
@@ -114,9 +131,10 @@ class SGLangEngines:
         self._local: WeightSender | None = None
         if push is None:
             self._local = WeightSender(self.target, cfg.model)
-            push = lambda weights, version, urls, target, regroup: self._local.push(  # noqa: E731
+            push = lambda weights, version, urls, target, regroup, senders: self._local.push(  # noqa: E731
                 weights, version, urls, regroup=regroup)
         self._send_weights = push
+        self.senders = senders  # per replica, the actor rank that sends its weights (`Plan.weight_senders`)
         self._lock = threading.RLock()  # weight pushes, memory release and replacing a server
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -388,7 +406,8 @@ class SGLangEngines:
         weights, version = self._last
         for attempt in range(2):
             try:
-                sent = self._send_weights(weights, version, list(urls), self.target, regroup)
+                senders = [self.senders[self.urls.index(u)] for u in urls] if self.senders else None
+                sent = self._send_weights(weights, version, list(urls), self.target, regroup, senders)
                 break
             except RoleFailure:
                 raise
