@@ -623,35 +623,67 @@ class Tracker:
         After an outage the spool is replayed, with retries for up to `final_replay_s`; if the store is still
         down, the run ends all the same and the spool's path and the command that replays it are printed.
         Store errors are not raised; another error of the final flush is, after the run is ended.
+
+        Every wait here is bounded by `CLOSE_JOIN_S` (None: unbounded): the system metrics' sampling thread, the
+        writer thread's write in progress, and the final writes (the rest of the metrics, the tags, the status; plus
+        `final_replay_s` to replay a spool), which run in a thread of their own so that a store that hangs holds that
+        thread and not the caller. A store that does not answer in time gets nothing more: what it did not take goes
+        to the spool (`_finish_in_spool`) and the run ends.
         """
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
+        bound = CLOSE_JOIN_S
         if self.system_metrics is not None:  # its thread ends here; its last sample is written with the rest
-            self.system_metrics.stop()
+            self.system_metrics.stop(timeout_s=bound)
         with self._lock:
             if self._closing:
                 return
             self._closing = True  # from here on, logging calls are ignored
         atexit.unregister(self._at_exit)
-        if not self.writer.stop(CLOSE_JOIN_S):
-            self._finish_in_spool(status)
+        t0 = time.monotonic()
+        if not self.writer.stop(bound):
+            self._finish_in_spool(status, "a write of the writer thread", time.monotonic() - t0)
             return
+        outcome: list[Optional[BaseException]] = []
+
+        def final_writes() -> None:
+            try:
+                outcome.append(self._final_writes(status))
+            except BaseException as exc:  # raised by `finish`, in the caller
+                outcome.append(exc)
+
+        final = threading.Thread(target=final_writes, name="relax-mlflow-finish", daemon=True)
+        t0 = time.monotonic()
+        final.start()
+        final.join(None if bound is None else bound + self.final_replay_s)
+        if final.is_alive():
+            self._finish_in_spool(status, "the final writes (metrics, tags, run status)", time.monotonic() - t0)
+            return
+        self.spool.close()
+        if outcome and outcome[0] is not None:
+            raise outcome[0]
+
+    def _final_writes(self, status: str) -> Optional[BaseException]:
+        """The end of `finish` that talks to the store (in its own thread): the buffer, the tags, the status, the
+        spool's replay. Returns the error of the final flush that is not the store's (raised by `finish`)."""
         error: Optional[BaseException] = None
         try:
             self.writer.drain()
-            if self.nonfinite_counts:
+            if self.nonfinite_counts and not self.writer.abandoned:
                 counts = ", ".join(f"{k}={n}" for k, n in sorted(self.nonfinite_counts.items()))
                 self._write_items("tags", [(NONFINITE_TAG, truncate_value(counts, MAX_TAG_VALUE_LEN))])
         except Exception as exc:
             error = exc
             logger.warning("final MLflow flush of run %s failed: %s", self.run_id, exc)
+        if self.writer.abandoned:  # `finish` gave up on the store meanwhile: the spool has the rest
+            return None
         self.status = status
         end_time = int(time.time() * 1000)
         self.writer.store_write("terminate", {"status": status, "end_time": end_time},
-                          lambda: self.client.set_terminated(self.run_id, status=status, end_time=end_time))
-        if self.spool.pending:
+                                lambda: self.client.set_terminated(self.run_id, status=status, end_time=end_time))
+        if self.spool.pending and not self.writer.abandoned:
             result = self.writer.replay(attempts=None, deadline_s=self.final_replay_s)
-            if not result.done:
+            if not result.done and not self.writer.abandoned:
                 print(
                     f"MLflow store {self.uri} is still unavailable at the end of run {self.run_id} "
                     f"({short_error(result.error) if result.error else 'replay failed'}): nothing is lost, "
@@ -659,14 +691,15 @@ class Tracker:
                     f"with:\n    {REPLAY_COMMAND} {shlex.quote(str(self.spool.path))}\n(add --uri URI if the store "
                     "has moved; running it twice writes nothing twice)",
                     file=self._stream if self._stream is not None else sys.stderr, flush=True)
-        self.spool.close()
-        if error is not None:
-            raise error
+        return error
 
-    def _finish_in_spool(self, status: str) -> None:
-        """The end of a run whose store hangs in a write for more than CLOSE_JOIN_S: what the writer holds, the
-        buffer, the tags and the final status go to the spool without another call to the store (which would hang
-        too), and the run ends here; the printed command replays them."""
+    def _finish_in_spool(self, status: str, what: str, waited_s: float) -> None:
+        """The end of a run whose store hangs: `what` (a write of the writer thread, or the final writes) did not
+        come back within CLOSE_JOIN_S (`waited_s` seconds waited). What the hung write holds, the buffer, the tags
+        and the final status go to the spool without another call to the store (which would hang too), and the run
+        ends here; the printed command replays them. The thread left in the store's call writes nothing more
+        (`RunWriter.abandon`): whatever it still held is in the spool."""
+        self.writer.abandon()
         self.writer.spool_in_flight()
         self.writer.spool_buffer()
         with self.writer.lock:
@@ -675,8 +708,9 @@ class Tracker:
                 self.spool.append("tags", {"items": [[NONFINITE_TAG, truncate_value(counts, MAX_TAG_VALUE_LEN)]]})
             self.spool.append("terminate", {"status": status, "end_time": int(time.time() * 1000)})
         self.status = status
-        print(f"MLflow store {self.uri} did not answer a write of run {self.run_id} within {CLOSE_JOIN_S:g} s: "
-              f"nothing is lost, {self.spool.describe()} are kept in {self.spool.path}. Once the store answers, "
+        print(f"MLflow store {self.uri} did not answer a write of run {self.run_id}: waited {waited_s:.3g} s for "
+              f"{what} (relax.tracking.run_writer.CLOSE_JOIN_S={CLOSE_JOIN_S:g} s): nothing is lost, "
+              f"{self.spool.describe()} are kept in {self.spool.path}. Once the store answers, "
               f"load them with:\n    {REPLAY_COMMAND} {shlex.quote(str(self.spool.path))}",
               file=self._stream if self._stream is not None else sys.stderr, flush=True)
         self.spool.close()

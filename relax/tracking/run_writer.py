@@ -22,8 +22,9 @@ logger = logging.getLogger("relax.tracking.mlflow_run")  # one logger for the ru
 MAX_METRICS_PER_BATCH = 1000  # MLflow's per-call limit (mlflow.utils.validation; a test checks they agree)
 _MAX_BUFFERED_METRICS = 100_000  # bound on memory if the store keeps failing with a non-store error
 _WRITE_ATTEMPTS = 3  # writes that cannot be spooled (reopen's status update); spooled writes are retried by replay
-# How long the end of a run waits for the writer thread's write in progress; a store that hangs longer gets nothing
-# more: the rest goes to the spool (Tracker.finish)
+# How long the end of a run (Tracker.finish) waits for each of: the system metrics' last sample, the writer thread's
+# write in progress, and the final writes (metrics, tags, run status; plus final_replay_s to replay a spool). A store
+# that hangs longer gets nothing more: the rest goes to the spool, and the printed command replays it
 CLOSE_JOIN_S = 120.0
 
 T = TypeVar("T")
@@ -62,6 +63,7 @@ class RunWriter:
         self._rejection_warned = False
         self._wake = threading.Event()
         self._stop = False
+        self._abandoned = False  # the run ended without waiting for a hung write (`abandon`)
         self.thread: Optional[threading.Thread] = None
         if background:
             self.thread = threading.Thread(target=self._loop, name="relax-mlflow-writer", daemon=True)
@@ -118,6 +120,18 @@ class RunWriter:
             return not self.thread.is_alive()
         return True
 
+    @property
+    def abandoned(self) -> bool:
+        """The run's end stopped waiting for a write that hangs (`abandon`)."""
+        return self._abandoned
+
+    def abandon(self) -> None:
+        """The end of the run no longer waits for a hung write, and puts what it holds in the spool
+        (`spool_in_flight`): a write that returns after this writes nothing more, to the store or the spool (its
+        metrics would be there twice)."""
+        with self.lock:
+            self._abandoned = True
+
     def spool_in_flight(self) -> None:
         """The metrics of a write that has not come back (a hung store), into the spool as uncertain: the replay
         compares them with the store first, so none is written twice if the hung write lands after all."""
@@ -159,6 +173,8 @@ class RunWriter:
             done = 0
             try:
                 for chunk in chunks(pending, MAX_METRICS_PER_BATCH):
+                    if self._abandoned:  # a hung call came back after the run ended: the spool has the rest
+                        return
                     t = time.perf_counter()
                     metrics = [Metric(key=k, value=v, timestamp=ts, step=s) for k, v, ts, s in chunk]
                     self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
@@ -168,6 +184,8 @@ class RunWriter:
                     self.stats["write_s"] += time.perf_counter() - t
             except Exception as exc:
                 rest = pending[done:]
+                if self._abandoned:  # in the spool already (`spool_in_flight`)
+                    return
                 if is_store_error(exc):
                     try:
                         with self.lock:

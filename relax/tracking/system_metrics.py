@@ -12,7 +12,8 @@ the training metrics, and through the spool during an outage.
 A sample is the mean over the interval for CPU utilization (psutil's since the previous sample), the current value
 for the others. The step of a sample is its index in the run (0, 1, 2, ...; a reopened run continues after the last
 one), as with MLflow's own monitor; MLflow's UI plots them against time. `stop` joins the thread and takes one last
-sample (the time since the previous one), so every run with system metrics has at least one.
+sample (the time since the previous one), so every run with system metrics has at least one; a sample that does not
+return (a monitor that hangs) is waited for at most `stop`'s `timeout_s` (the tracker's bound, `CLOSE_JOIN_S`).
 
 The values are those of the machine that runs the tracker (the driver of relax-train): on a multi-node cluster,
 other nodes are not covered. `MLFLOW_SYSTEM_METRICS_NODE_ID` inserts a node name (`system/<node>/...`), as in MLflow.
@@ -80,16 +81,26 @@ class SystemMetrics:
             self._thread.start()
         return self
 
-    def stop(self, *, last_sample: bool = True) -> None:
-        """End the thread (it is joined: none is left behind), then log a last sample unless `last_sample=False`."""
+    def stop(self, *, last_sample: bool = True, timeout_s: Optional[float] = None) -> bool:
+        """End the thread, then log a last sample unless `last_sample=False`. The thread is joined for at most
+        `timeout_s` (None: until it ends): one still inside a sample then (a monitor's reading or the write of its
+        values that does not return) is left behind, a daemon, with a warning that says so, and the last sample is
+        not taken (it would wait on the same call). True when the thread ended."""
         if self._stopped:
-            return
+            return True
         self._stopped = True
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("system metrics: the sampling thread did not stop within %g s: a sample it took (a "
+                               "monitor's reading or the write of its values) did not return; it is left behind, "
+                               "and the last sample is not taken (the %d samples logged before are kept)", timeout_s,
+                               self.samples)
+                return False
         if last_sample:
             self.sample()
+        return True
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
