@@ -71,6 +71,9 @@ class Samples:
     # (NaN: not yet). Kept with samples a checkpoint carries across a resume, whose older weights the resumed
     # trainer no longer has. None: nothing computed.
     saved_old_logp: Optional[torch.Tensor] = None
+    # One entry per row, a prompt's images as its model's processor gave them ({"pixel_values", "image_grid_thw"},
+    # relax.models.vision; the rows of a group share one) or None (no image). None: a text-only batch.
+    vision: Optional[list] = None
     # [N, T] long: 1 on every response token, the model's and the observations' (see the module docstring). None:
     # no observations (the response is `response_mask`).
     token_mask: Optional[torch.Tensor] = None
@@ -228,6 +231,8 @@ def concat_samples(parts: list[Samples], pad_token_id: int = 0) -> Samples:
         sample_id=None if any(i is None for i in ids) else torch.cat(ids),
         token_version=torch.cat([_pad_to(p.versions() * p.response_mask, T, 0, False) for p in parts]),
         saved_old_logp=saved,
+        vision=None if all(p.vision is None for p in parts) else
+        [v for p in parts for v in (p.vision if p.vision is not None else [None] * len(p))],
         token_mask=present,
         episodes=episodes,
     )

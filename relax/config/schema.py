@@ -33,6 +33,9 @@ class ModelConfig:
     lora_dropout: float = 0.0
     # module names (the last part, e.g. [q_proj,v_proj]) or [all-linear]: every linear layer but the output head
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # A vision-language model (docs/training.md, "Vision-language"): no gradient into the vision tower (its weights,
+    # and its LoRA adapters, stay as they are). None: true with LoRA (lora_rank > 0), false otherwise.
+    freeze_vision_tower: Optional[bool] = None
     # source=config: the tokenizer of this Hugging Face directory or .gguf file, and a vocabulary its size (a small
     # student for a teacher of that tokenizer, algorithm=opd); None: the built-in tiny tokenizer
     tokenizer: Optional[str] = None
@@ -279,6 +282,11 @@ class DataConfig:
     reward_timeout_s: Optional[float] = positive(60.0, optional=True)
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.
     system_prompt: Optional[str] = None
+    # Prompts with images (a vision-language model, docs/training.md "Vision-language"): the column of a row's images
+    # (paths, base64, bytes; `<image>` in the prompt marks where each goes), and blank_images: every image replaced
+    # by a grey one of its size (the blind control arm of an image task)
+    image_key: str = "images"
+    blank_images: bool = False
     # DAPO's soft overlong punishment of training rewards (docs/training.md, "Overlong responses"): a response within
     # the last overlong_buffer_len tokens of rollout.max_response_len loses up to overlong_penalty_factor, linearly
     # in its length (all of it at the limit). 0: off. Evaluation rewards are never shaped.

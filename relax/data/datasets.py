@@ -25,6 +25,7 @@ from jinja2 import TemplateError
 from relax.config.evaluation import default_eval_set_name
 from relax.data.files import DataError, Record, check_prompt, read_records
 from relax.data.gsm8k import prepare_gsm8k
+from relax.data.images import VisionData, prompt_has_images, vision_data
 from relax.data.tasks import generate_task
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ class PromptItem:
     index: int
     source: str = ""
     messages: Optional[list[dict]] = None  # the prompt as chat messages (when the chat template rendered it)
+    # a prompt with images (relax.data.images): {"pixel_values", "image_grid_thw"} from the model's processor, whose
+    # image tokens `prompt_ids` holds; None: text only
+    vision: Optional[dict] = None
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -120,18 +124,39 @@ class PromptDataset(Sequence[PromptItem]):
         prompt_overflow: str = "drop",
         system_prompt: Optional[str] = None,
         name: str = "",
+        vision: Optional[VisionData] = None,
     ) -> PromptDataset:
-        """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`)."""
+        """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`). Records with
+        images need `vision` (the processor of a vision-language model): a DataError naming the field otherwise."""
         if prompt_overflow not in ("drop", "error"):
             raise DataError(f"data.prompt_overflow={prompt_overflow!r}: must be drop | error")
         cache: dict[str, tuple[str, list[int], Optional[list[dict]]]] = {}
         items: list[PromptItem] = []
         dropped = 0
+        image_key = vision.image_key if vision is not None else "images"
         for obj, where in records:
-            prompt = check_prompt(obj.get(prompt_key), where, prompt_key)
             label = obj.get(label_key)
             if label is None:
                 raise DataError(f"{where}: missing key {label_key!r} (data.label_key)")
+            pictured = None
+            if prompt_has_images(obj, prompt_key, image_key):
+                if vision is None:
+                    raise DataError(f"{where}: the record has images ({prompt_key!r} image parts or {image_key!r}) "
+                                    "but the model is text-only: use a vision-language model (model=tiny_vl, "
+                                    "qwen2_5_vl_3b, qwen3_vl_2b) or drop the images")
+                pictured = vision.encode(obj, prompt_key, where, apply_chat_template, system_prompt)
+            if pictured is not None:
+                text, ids, messages, pixels = pictured
+                if max_prompt_len is not None and len(ids) > max_prompt_len:
+                    if prompt_overflow == "error":
+                        raise DataError(f"{where}: prompt has {len(ids)} tokens (images included) > "
+                                        f"rollout.max_prompt_len={max_prompt_len} (raise rollout.max_prompt_len or "
+                                        "set data.prompt_overflow=drop)")
+                    dropped += 1
+                    continue
+                items.append(PromptItem(ids, str(label), text, len(items), where, messages, pixels))
+                continue
+            prompt = check_prompt(obj.get(prompt_key), where, prompt_key)
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
             if cache_key not in cache:
                 try:
@@ -158,13 +183,18 @@ class PromptDataset(Sequence[PromptItem]):
 
 
 def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = None,
-                     max_prompt_len: Optional[int] = None, limit: Optional[int] = None) -> PromptDataset:
-    """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig)."""
+                     max_prompt_len: Optional[int] = None, limit: Optional[int] = None,
+                     vision: Optional[VisionData] = None) -> PromptDataset:
+    """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig); `vision`:
+    a vision-language model's processor (relative image paths are read from the file's directory)."""
     opts = _data_options(data_cfg)
     records = read_records(path, opts["prompt_key"], opts["label_key"])
     if limit is not None:
         records = records[:limit]
-    return PromptDataset.from_records(records, tokenizer, max_prompt_len=max_prompt_len, name=str(path), **opts)
+    if vision is not None:
+        vision = vision.at(Path(path).expanduser().parent)
+    return PromptDataset.from_records(records, tokenizer, max_prompt_len=max_prompt_len, name=str(path),
+                                      vision=vision, **opts)
 
 
 def _data_options(data_cfg: Any) -> dict[str, Any]:
@@ -193,6 +223,7 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
     max_len = cfg.rollout.max_prompt_len
     seed = cfg.seed
     n_eval = data.num_eval_prompts
+    vision = vision_data(cfg, tokenizer)
     opts = _data_options(data)
     train_path: Optional[Any] = data.path
     eval_path: Optional[Any] = data.eval_path
@@ -206,20 +237,22 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
         train_path = prepared["train"]
         eval_path = eval_path or prepared.get("test")
     if train_path is not None:
-        train = load_prompt_file(train_path, tokenizer, data, max_len)
+        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision)
         evals = None
         if eval_path is not None and n_eval > 0:
-            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval)
+            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval, vision=vision)
         return train, evals
     opts.update(prompt_key="prompt", label_key="label")
     records = [(r, f"{data.task}:train:{i}") for i, r in enumerate(generate_task(data.task, data.num_prompts, seed))]
     if not records:
         raise DataError(f"data.num_prompts={data.num_prompts}: must be > 0")
-    train = PromptDataset.from_records(records, tokenizer, max_prompt_len=max_len, name=f"{data.task}/train", **opts)
+    train = PromptDataset.from_records(records, tokenizer, max_prompt_len=max_len, name=f"{data.task}/train",
+                                       vision=vision, **opts)
     evals = None
     if n_eval > 0:
         ev = [(r, f"{data.task}:eval:{i}") for i, r in enumerate(generate_task(data.task, n_eval, seed, "eval"))]
-        evals = PromptDataset.from_records(ev, tokenizer, max_prompt_len=max_len, name=f"{data.task}/eval", **opts)
+        evals = PromptDataset.from_records(ev, tokenizer, max_prompt_len=max_len, name=f"{data.task}/eval",
+                                           vision=vision, **opts)
     return train, evals
 
 
@@ -236,7 +269,7 @@ def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset]) 
     for name, path in data.eval_sets.items():
         try:
             out[name] = load_prompt_file(path, tokenizer, data, cfg.rollout.max_prompt_len,
-                                         limit=data.num_eval_prompts)
+                                         limit=data.num_eval_prompts, vision=vision_data(cfg, tokenizer))
         except DataError as exc:
             raise DataError(f"data.eval_sets.{name}: {exc}") from None
     return out

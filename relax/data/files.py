@@ -23,6 +23,10 @@ def check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str,
     if isinstance(prompt, (list, tuple)) and prompt:
         messages = []
         for m in prompt:
+            if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
+                # content parts (text and images, relax.data.images): read and checked with the record's images
+                messages.append({"role": m["role"], "content": m["content"]})
+                continue
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: {key!r} must be a string or a list of {{'role': str, 'content': str}} "
                                 f"messages, got element {m!r}")

@@ -12,6 +12,8 @@
   product as the label; split like arithmetic (eval products never occur in train). The prompt is a chat: a system
   message naming the tool and its call format, one worked example (a call, its result, the boxed answer), then the
   question: small instruct models (SmolLM2-135M) call the tool from such a prompt, and hardly without one.
+- `shapes` (images, a vision-language model: `relax.data.shapes`): an image of a coloured shape and "what colour is
+  the shape?", the colour as the label.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
 ARITHMETIC_EVAL_SHARE = 0.2  # share of the distinct arithmetic problems held out for evaluation
-TASKS = ("digits", "arithmetic", "guess_number", "calculator")
+TASKS = ("digits", "arithmetic", "guess_number", "calculator", "shapes")
 # Kept to symbols and digits for the tiny tokenizer (its other words would be <|unk|>): + means the secret is higher.
 GUESS_PROMPT = "Guess the digit 0-9. + means higher, - means lower."
 CALCULATOR_SYSTEM = ('You can call a calculator tool: write <tool_call>{"name": "calculator", "arguments": '
@@ -104,8 +106,14 @@ def generate_calculator(num: int, seed: int, split: str = "train") -> list[dict[
             for a, b in _draw_split(problems, "calculator", num, seed, split)]
 
 
+def _generate_shapes(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    from relax.data.shapes import generate_shapes  # Pillow, for the image task only
+
+    return generate_shapes(num, seed, split)
+
+
 _GENERATORS = {"digits": generate_digits, "arithmetic": generate_arithmetic, "guess_number": generate_guess_number,
-               "calculator": generate_calculator}
+               "calculator": generate_calculator, "shapes": _generate_shapes}
 
 
 def generate_task(task: str, num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:

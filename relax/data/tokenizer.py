@@ -65,20 +65,22 @@ HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch
 GGUF_MAGIC = b"GGUF"
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(vocab: Optional[list[str]] = None,
+                         extra_special: tuple[str, ...] | list[str] = ()) -> PreTrainedTokenizerFast:
     """A ~40-token word-level tokenizer built in code: deterministic ids, no files, with a ChatML template.
 
     Ids are the positions in `TINY_VOCAB` (pad=0, `<|im_start|>`=1, `<|im_end|>`=2 (eos), unk=3, digits 4..13).
     Unknown words map to `<|unk|>`. Decoding concatenates tokens, so `decode(encode(text)) == text` for text
-    made of known pieces.
+    made of known pieces. `vocab` (a list starting with `TINY_VOCAB`) and `extra_special` (special tokens after it,
+    never split: the vision tokens of `relax.data.images`) extend it for the tiny vision-language model.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(TINY_VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    words = list(vocab if vocab is not None else TINY_VOCAB) + list(extra_special)
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(words)}, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(TINY_PRETOKENIZE_PATTERN), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(SPECIAL_TOKENS + list(extra_special))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,
@@ -209,6 +211,11 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     source = _field(model_cfg, "source", "config")
     if source == "config":
         if not _field(model_cfg, "tokenizer"):
+            from relax.config.vision_rules import VISION_ARCHS
+            from relax.data.images import build_tiny_vl_tokenizer
+
+            if _field(model_cfg, "arch", "qwen3") in VISION_ARCHS:
+                return build_tiny_vl_tokenizer()
             return build_tiny_tokenizer()
         path, source = _tokenizer_path(_field(model_cfg, "tokenizer"))
         key = "model.tokenizer"

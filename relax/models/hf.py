@@ -18,6 +18,7 @@ from transformers import AutoConfig, PreTrainedModel
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError
 from relax.data.tokenizer import resolve_model_path as _resolve_model_path
+from relax.models import vision
 from relax.models.gguf_cache import load_gguf_model
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -178,7 +179,10 @@ def build_model(
 
     `source=config` is initialised on the CPU under `seed` (global RNG untouched), so the same seed
     gives the same weights on every device and in every process. `hf`/`gguf` load local files only.
+    A vision-language model (model=tiny_vl, a Qwen-VL directory) is `relax.models.vision`'s.
     """
+    if vision.is_vision_config(model_cfg):
+        return vision.build_or_load(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=dtype, device=device)
     if model_cfg.source == "config":
         if model_cfg.arch != "qwen3":
             raise ValueError(f"model.arch={model_cfg.arch!r}: only qwen3 is supported for model.source=config")

@@ -26,6 +26,7 @@ from relax.imports import resolve_component
 from relax.rewards.calls import RewardFn, RewardSpecError, call_once
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
+from relax.rewards.shapes import shapes_reward
 from relax.rewards.worker_pool import POOL_LOCK, workers_for
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "digits": digits_reward,
     "arithmetic": arithmetic_reward,
     "math": math_reward,
+    "shapes": shapes_reward,
 }
 
 

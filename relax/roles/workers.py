@@ -28,6 +28,7 @@ from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
 from relax.rollout.embedded import EmbeddedEngine
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
+from relax.rollout.vision import prompt_vision
 from relax.train.torch_critic import TorchCritic
 from relax.train.torch_policy import TorchPolicy
 from relax.train.torch_reference import TorchReference
@@ -282,7 +283,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, n_samples_per_prompt=n, seed=seed, sample_ids=sample_ids,
                                    should_abort=self._should_abort(gen_id), episodes=self._new_episodes(items, n),
-                                   **self._sampling(evaluation))
+                                   vision=prompt_vision(items), **self._sampling(evaluation))
         out.engine_time = time.perf_counter() - t0
         return out
 
@@ -299,7 +300,7 @@ class RolloutWorker:
             episodes = [self.episodes.restore(record) for record in partial.episodes]
         more = self.engine.generate(job.prompts, seed=seed, sample_ids=job.sample_ids, positions=job.positions,
                                     budgets=job.budgets, should_abort=self._should_abort(gen_id), episodes=episodes,
-                                    **sampling)
+                                    vision=partial.vision, **sampling)
         more.engine_time = time.perf_counter() - t0
         return extend_responses(partial, more, pad_token_id=self.engine.pad_token_id)
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from relax import progress
 from relax.batch import FinishReason, Samples
+from relax.models.vision import is_vision_model
 from relax.rollout.grammar import advance, mask_logits
 from relax.rollout.sampling import counter_uniforms, sample_tokens
 
@@ -379,6 +380,7 @@ class EmbeddedEngine:
         episodes: Optional[list] = None,
         turn_limit: Optional[int] = None,
         grammars: Optional[list] = None,
+        vision: Optional[list] = None,
     ) -> Samples:
         """Sample `n_samples_per_prompt` responses per prompt (a group's responses consecutive).
 
@@ -403,6 +405,11 @@ class EmbeddedEngine:
         accepts the token drawn, and the row ends ("stop") once its grammar is complete (a stop token accepted).
         The matchers are the caller's and keep their state: a row continued in a later call goes on from there.
         Rows without a matcher sample exactly as without `grammars` (no masking work when no row has one).
+
+        `vision` (one entry per prompt: its images as the processor gave them, or None): prompts with images, whose
+        image tokens `prompts` holds (a vision-language model: `relax.rollout.vision.VisionDecoder`); each prompt's
+        images are encoded once and its samples share them (`Samples.vision`). `vision_encode_time` then holds the
+        seconds the vision tower took.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
@@ -431,7 +438,15 @@ class EmbeddedEngine:
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
         turns = _Turns(episodes, mask.sum(1).repeat_interleave(n) + positions, turn_limit, T)
 
-        decoder = self._decoder()
+        if vision is not None or is_vision_model(self.model):  # a vision-language model (relax.rollout.vision)
+            from relax.rollout.vision import VisionDecoder
+
+            vision = [None] * len(prompts) if vision is None else vision
+            if len(vision) != len(prompts):
+                raise ValueError(f"generate: {len(vision)} vision inputs for {len(prompts)} prompts")
+            decoder = VisionDecoder(self.model, vision)
+        else:
+            decoder = self._decoder()
         logits = decoder.start(ids.to(dev), mask.to(dev), P + T)  # each distinct prompt once
         if n > 1:
             fork = torch.arange(len(prompts), device=dev).repeat_interleave(n)
@@ -495,6 +510,7 @@ class EmbeddedEngine:
                 tokens = tokens[live_rows.to(dev)]
             if t + 1 < T:
                 logits = decoder.step(tokens)
+        self.vision_encode_time = getattr(decoder, "encode_time", 0.0)
         width = int(lengths.max())
         resp_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         out_ids = out_ids[:, :width].cpu().masked_fill(resp_mask == 0, self.pad_token_id)
@@ -511,6 +527,7 @@ class EmbeddedEngine:
             weight_version=self.weight_version,
             dropped_mass=float(dropped_mass) / max(1, int(generated.sum())),
             sample_id=sample_ids.clone(),
+            vision=None if vision is None else [v for v in vision for _ in range(n)],
             token_version=generated * self.weight_version,
             token_mask=None if episodes is None else resp_mask,
             episodes=None if episodes is None else [e.record() for e in episodes],

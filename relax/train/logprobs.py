@@ -53,6 +53,7 @@ import torch
 
 from relax.batch import Samples
 from relax.models.hf import entropy_from_logprobs, response_hidden_states, response_logprobs_all
+from relax.models.vision import is_vision_model, vision_response_logprobs
 from relax.train.packing import Packed, pack, trimmed_sequences
 
 # Logits per chunk (rows x vocabulary): 2^24, i.e. 64 MiB per fp32 [rows, V] work tensor (341 rows of SmolLM2's
@@ -332,6 +333,16 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
     "grad" (with a gradient) | "metric" (detached) | "none". Masked positions hold 0; the values are those of
     `relax.models.hf.token_logprobs` up to float rounding.
     """
+    if mb.vision is not None or is_vision_model(model):  # the model's own multimodal forward (relax.models.vision)
+        if packed:
+            raise ValueError("train.pack_sequences=true: packing rows with images is not built (validation rejects it "
+                             "for a vision-language model)")
+        ids, mask, P, T = trimmed_sequences(mb)
+        rows = mb.vision if mb.vision is not None else [None] * len(mb)
+        with autocast(device, compute_dtype):
+            logp, ent = vision_response_logprobs(model, ids.to(device), mask.to(device), rows, P, T,
+                                                 temperature=temperature, entropy=entropy)
+        return logp, ent, T
     if packed:
         p = pack(mb).to(device)
         with autocast(device, compute_dtype):

@@ -27,7 +27,7 @@ from relax.algorithms.base import AlgorithmConfig
 from relax.batch import Samples, TrainBatch
 from relax.config.derive import total_optimizer_steps
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.models import lora
+from relax.models import lora, vision
 from relax.models.checkpoint_files import (
     CheckpointFileError,
     load_safetensors_dir,
@@ -271,6 +271,8 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
             if model_cfg.gradient_checkpointing:  # recomputed blocks need an input that requires grad
                 model.enable_input_require_grads()
             self.base_fingerprint = lora.base_fingerprint(self.peft)
+        if vision.frozen_tower(model_cfg):  # model.freeze_vision_tower (default: with LoRA): before the optimizer
+            vision.freeze_vision_tower(model)
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
         self.temperature = float(temperature)
         self.adapters_only_sync = self.peft is not None and lora_sync == "adapter"

@@ -1,0 +1,94 @@
+"""The rules of vision-language runs (docs/training.md, "Vision-language"): which models take images, and what is
+not built for them yet, rejected before anything starts with the reason (never accepted and ignored).
+
+Layer 1 of 0-9: reads the config (and, for `model.source=hf`, the `model_type` of the directory's config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from relax import algorithms
+from relax.algorithms.base import Violation
+from relax.config.schema import RelaxConfig
+
+# model.arch values built by transformers' vision-language classes (source=config), and the model_type of a
+# config.json that is one (source=hf)
+VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+IMAGE_TASKS = ("shapes",)  # synthetic tasks whose prompts hold images (relax.data.tasks)
+NOT_BUILT = "is not built for vision-language models yet"
+
+
+def hf_model_type(model_cfg: object) -> Optional[str]:
+    """The model_type of a `source=hf` model's config.json (model.path, else $MODEL_DIR/<name>); None when there is
+    none to read (the model's own checks report a missing directory)."""
+    if getattr(model_cfg, "source", "config") != "hf":
+        return None
+    path = getattr(model_cfg, "path", None)
+    if not path and os.environ.get("MODEL_DIR"):
+        path = str(Path(os.environ["MODEL_DIR"]) / getattr(model_cfg, "name", ""))
+    if not path:
+        return None
+    try:
+        value = json.loads((Path(path).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def is_vision_model(model_cfg: object) -> bool:
+    """Whether the policy model takes images: model.arch (source=config) or its config.json (source=hf)."""
+    if getattr(model_cfg, "source", "config") == "config":
+        return getattr(model_cfg, "arch", "qwen3") in VISION_ARCHS
+    return hf_model_type(model_cfg) in VISION_MODEL_TYPES
+
+
+def vision_violations(cfg: RelaxConfig) -> list[Violation]:
+    """Every broken vision-language rule of `cfg`."""
+    m, d, t, ro = cfg.model, cfg.data, cfg.train, cfg.rollout
+    found: list[Violation] = []
+
+    def require(ok: bool, fields: tuple[str, ...], message: str) -> None:
+        if not ok:
+            found.append(Violation(fields, message))
+
+    vision = is_vision_model(m)
+    model = f"model={m.name} (model.arch={m.arch})" if m.source == "config" else f"model.path={m.path or m.name}"
+    if not vision:
+        image_task = d.path is None and d.task in IMAGE_TASKS
+        require(not image_task, ("data.task", "model.arch"),
+                f"data.task={d.task} is an image task but {model} is a text-only model; use a vision-language "
+                "model (model=tiny_vl, qwen2_5_vl_3b, qwen3_vl_2b)")
+        require(not d.blank_images, ("data.blank_images", "model.arch"),
+                f"data.blank_images=true has no effect: {model} is a text-only model and takes no images")
+        require(d.image_key == "images", ("data.image_key", "model.arch"),
+                f"data.image_key={d.image_key!r} has no effect: {model} is a text-only model and takes no images")
+        require(m.freeze_vision_tower is None, ("model.freeze_vision_tower", "model.arch"),
+                f"model.freeze_vision_tower={m.freeze_vision_tower} has no effect: {model} has no vision tower")
+        return found
+    require(t.backend != "megatron", ("train.backend", "model.arch"),
+            f"train.backend=megatron {NOT_BUILT}: megatron-core's multimodal model is not wired to Relax's trainer; "
+            "use train.backend=torch")
+    require(ro.backend != "sglang", ("rollout.backend", "model.arch"),
+            f"rollout=sglang {NOT_BUILT}: images do not reach /generate (SGLang's image_data) on the embedded server "
+            "or the client yet; use the embedded rollout (rollout.backend=embedded)")
+    require(not t.pack_sequences, ("train.pack_sequences", "model.arch"),
+            f"train.pack_sequences=true {NOT_BUILT}: packed rows would need the model's 3-D positions per packed "
+            "sequence; micro-batches of padded rows (the default) keep each image whole in its row")
+    require(d.env is None and not d.tools and d.agent is None, ("data.env", "data.tools", "data.agent"),
+            f"multi-turn episodes (data.env, data.tools, data.agent) {NOT_BUILT}: image observations are not "
+            "rendered into the episode, and text observations after an image prompt are untested")
+    require(d.openai_agent is None, ("data.openai_agent",),
+            f"data.openai_agent {NOT_BUILT}: the training gateway does not take image content parts yet")
+    require(not algorithms.get(cfg.algorithm.name).requires_critic, ("algorithm.name", "model.arch"),
+            f"algorithm={cfg.algorithm.name} {NOT_BUILT}: its critic's value forward does not take images")
+    require(cfg.teacher.name == "none" and cfg.teacher.path is None, ("teacher.path",),
+            f"a distillation teacher {NOT_BUILT}: the teacher's forward does not take images")
+    require(m.source != "config" or m.tokenizer is None, ("model.tokenizer", "model.arch"),
+            f"model.tokenizer with model.arch={m.arch}: the tiny vision-language model needs its own tokenizer (with "
+            "the vision tokens); leave model.tokenizer unset")
+    return found

@@ -1,0 +1,386 @@
+"""Images in prompts: reading them from data rows, the processor of a vision-language model, and encoding a prompt
+with images into token ids with the image placeholders expanded.
+
+Where images come from (docs/training.md, "Vision-language"):
+
+- chat messages whose `content` is a list of parts, in the OpenAI form (`{"type": "text", "text": ...}`,
+  `{"type": "image_url", "image_url": {"url": ...}}`) or the Hugging Face form (`{"type": "image", "image": ...}`);
+- a string or chat prompt plus a column of images (`data.image_key`, default `images`): each `<image>` in the text
+  marks where the next image goes; without a marker, the images come first in the (first) user message.
+
+An image value is a file path (relative paths are read from the data file's directory), a `data:image/...;base64,`
+URL, base64 text, raw bytes, `{"bytes": ..., "path": ...}` (the Hugging Face datasets' Image feature in Parquet), or
+a PIL image (built-in tasks). Nothing is fetched from the network: an http(s) URL is a DataError.
+
+The processor is the model family's own transformers processor class (Qwen2.5-VL's): its image processor turns images
+into `pixel_values` and `image_grid_thw`, and it expands each image's placeholder into as many image tokens as the
+grid has merged patches; nothing here counts or places image tokens itself. The tiny model's processor is built from
+arguments (`build_tiny_vl_processor`); a real model's is read from `model.path`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from relax.data.files import DataError
+
+# The Qwen-VL family's vision tokens (the tiny tokenizer carries them too, so the same processor code applies)
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
+VISION_TOKENS = [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]
+# Words of the built-in image task (`data=shapes`) for the tiny vision-language tokenizer
+VL_WORDS = ["colour", "shape", "red", "green", "blue", "yellow", "circle", "square", "triangle"]
+IMAGE_MARKER = "<image>"  # in a prompt's text with an image column: where the next image goes
+
+
+# The tiny model's image geometry: 8-pixel patches merged 2x2, images resized to 32x32 -> a 4x4 grid -> 4 tokens
+TINY_PATCH_SIZE = 8
+TINY_MERGE_SIZE = 2
+TINY_IMAGE_SIZE = 32
+
+# ChatML with Qwen-VL's image placeholder: a message's content is a string or a list of text/image parts
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _field(model_cfg: Any, name: str, default: Any = None) -> Any:
+    return getattr(model_cfg, name, default) if not isinstance(model_cfg, dict) else model_cfg.get(name, default)
+
+
+def is_vision_model_config(model_cfg: Any) -> bool:
+    """Whether `model_cfg` names a vision-language model: `model.arch` one of VISION_ARCHS (source=config), or a
+    `source=hf` directory whose config.json's model_type is one of VISION_MODEL_TYPES. Reads no weights."""
+    from relax.config.vision_rules import is_vision_model
+
+    return is_vision_model(model_cfg)
+
+
+def build_tiny_vl_tokenizer() -> Any:
+    """The tiny tokenizer with the image task's words and the Qwen-VL vision tokens (special, never split), and the
+    Qwen-VL chat template (image parts rendered as `<|vision_start|><|image_pad|><|vision_end|>`)."""
+    from relax.data.tokenizer import TINY_VOCAB, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(vocab=TINY_VOCAB + VL_WORDS, extra_special=VISION_TOKENS)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _processor_class() -> type:
+    """Qwen2.5-VL's processor without a video processor (transformers' video processors need torchvision, and video
+    is not an input here): placeholder expansion and `image_grid_thw` are the parent class's own code."""
+    from transformers import Qwen2_5_VLProcessor
+
+    class ImageOnlyQwenVLProcessor(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Optional[str] = None,
+                     **kwargs: Any) -> None:
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImageOnlyQwenVLProcessor
+
+
+def build_tiny_vl_processor(tokenizer: Any) -> Any:
+    """The tiny model's processor: Qwen2-VL's image processor (PIL backend) built from arguments (8-pixel patches,
+    2x2 merge, images resized to 32x32) + `tokenizer` + the Qwen-VL chat template."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    pixels = TINY_IMAGE_SIZE * TINY_IMAGE_SIZE
+    image_processor = Qwen2VLImageProcessorPil(patch_size=TINY_PATCH_SIZE, merge_size=TINY_MERGE_SIZE,
+                                               temporal_patch_size=2, min_pixels=pixels, max_pixels=pixels)
+    return _processor_class()(image_processor=image_processor, tokenizer=tokenizer,
+                              chat_template=tokenizer.chat_template)
+
+
+def load_processor(model_cfg: Any, tokenizer: Any) -> Any:
+    """The processor of a vision-language `model_cfg` (`is_vision_model_config`), offline: the tiny one for
+    source=config, else the image processor of `model.path` (preprocessor_config.json) with `tokenizer` and the
+    directory's chat template (the tokenizer's, or chat_template.json / chat_template.jinja)."""
+    if _field(model_cfg, "source", "config") == "config":
+        return build_tiny_vl_processor(tokenizer)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from relax.data.tokenizer import ModelFileError, resolve_model_path
+
+    path = resolve_model_path(model_cfg)
+    try:
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"model.path={str(path)!r}: cannot load the image processor "
+                             f"(preprocessor_config.json): {e}") from None
+    template = _directory_chat_template(Path(path)) or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ModelFileError(f"model.path={str(path)!r}: no chat template (tokenizer_config.json, chat_template.json "
+                             "or chat_template.jinja) to place images with")
+    return _processor_class()(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+
+
+def _directory_chat_template(path: Path) -> Optional[str]:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if (path / "chat_template.json").is_file():
+        try:
+            return json.loads((path / "chat_template.json").read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return None
+
+
+# ---- reading images ------------------------------------------------------------------------------------------------
+
+_DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(.*)$", re.S)
+
+
+def load_image(value: Any, where: str, base_dir: Optional[Path] = None) -> Any:
+    """An RGB PIL image from one image value (see the module docstring); DataError naming `where` otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    data: Optional[bytes] = None
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            value = value["bytes"]
+        elif value.get("path"):
+            value = value["path"]
+        elif isinstance(value.get("url"), str):
+            value = value["url"]
+        else:
+            raise DataError(f"{where}: an image given as an object needs 'bytes', 'path' or 'url', got keys "
+                            f"{sorted(value)}")
+    if isinstance(value, (bytes, bytearray)):
+        data = bytes(value)
+    elif isinstance(value, str):
+        if value.startswith(("http://", "https://")):
+            raise DataError(f"{where}: image URL {value[:60]!r}: nothing is downloaded; give a file path, a data: URL "
+                            "or base64 bytes")
+        match = _DATA_URL.match(value)
+        if match:
+            data = _b64(match.group(1), where)
+        else:
+            p = Path(value[len("file://"):] if value.startswith("file://") else value).expanduser()
+            if not p.is_absolute() and base_dir is not None:
+                p = base_dir / p
+            if len(value) < 4096 and p.is_file():
+                data = p.read_bytes()
+            elif len(value) >= 64 and re.fullmatch(r"[A-Za-z0-9+/=\s]+", value):
+                data = _b64(value, where)
+            else:
+                raise DataError(f"{where}: image {value[:60]!r} is neither an existing file nor base64 data")
+    else:
+        raise DataError(f"{where}: an image must be a path, base64 text, bytes or a data: URL, got "
+                        f"{type(value).__name__}")
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+    return image.convert("RGB")
+
+
+def _b64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=False)
+    except (binascii.Error, ValueError) as e:
+        raise DataError(f"{where}: invalid base64 image data ({e})") from None
+
+
+def image_prompt(obj: dict, prompt_key: str, image_key: str, where: str,
+                 base_dir: Optional[Path] = None) -> Optional[tuple[list[dict], list[Any]]]:
+    """(chat messages with image parts `{"type": "image"}`, the PIL images in order) of a record that has images, or
+    None when it has none (no image parts, no `image_key` column or an empty one). The field at fault is named in
+    every DataError."""
+    prompt = obj.get(prompt_key)
+    column = obj.get(image_key)
+    if column is not None and not isinstance(column, (list, tuple)):
+        column = [column]
+    has_parts = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                                           for m in prompt)
+    if not has_parts and not column:
+        return None
+    images: list[Any] = []
+    if isinstance(prompt, str):
+        messages: list[dict] = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and prompt:
+        messages = []
+        for m in prompt:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise DataError(f"{where}: {prompt_key!r}: each message needs a string 'role', got {m!r}"[:300])
+            messages.append({"role": m["role"], "content": _parts(m.get("content"), where, prompt_key, images,
+                                                                  base_dir)})
+    else:
+        raise DataError(f"{where}: {prompt_key!r} must be a string or a non-empty chat message list")
+    if column:
+        column_images = [load_image(v, f"{where} ({image_key!r}[{i}])", base_dir) for i, v in enumerate(column)]
+        messages = _place(messages, column_images, where, image_key)
+        images = _ordered(messages, images, column_images)
+    return messages, images
+
+
+def _parts(content: Any, where: str, key: str, images: list, base_dir: Optional[Path]) -> Any:
+    """A message's content: a string as it is, or a list of text/image parts normalised to `{"type": "text",
+    "text"}` / `{"type": "image"}`, the images appended to `images`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise DataError(f"{where}: {key!r}: a message's content must be a string or a list of parts")
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            images.append(load_image(url, f"{where} ({key!r} image_url part)", base_dir))
+            out.append({"type": "image", "_index": len(images) - 1})
+        elif kind == "image":
+            value = part.get("image", part.get("url", part.get("path")))
+            images.append(load_image(value, f"{where} ({key!r} image part)", base_dir))
+            out.append({"type": "image", "_index": len(images) - 1})
+        else:
+            raise DataError(f"{where}: {key!r}: unsupported content part {str(part)[:80]!r} (expected text, "
+                            "image_url or image)")
+    return out
+
+
+def _place(messages: list[dict], column: list[Any], where: str, image_key: str) -> list[dict]:
+    """Messages with the column's images put where `<image>` markers say (or first in the first user message)."""
+    markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
+    if markers and markers != len(column):
+        raise DataError(f"{where}: the prompt has {markers} {IMAGE_MARKER} markers but {image_key!r} holds "
+                        f"{len(column)} images")
+    out, k, placed = [], 0, False
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and markers:
+            parts: list[dict] = []
+            for i, piece in enumerate(content.split(IMAGE_MARKER)):
+                if i:
+                    parts.append({"type": "image", "_column": k})
+                    k += 1
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+            content = parts
+        elif not markers and not placed and m["role"] == "user":
+            text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+            content = [{"type": "image", "_column": j} for j in range(len(column))] + text
+            placed = True
+        out.append({"role": m["role"], "content": content})
+    if not markers and not placed:
+        raise DataError(f"{where}: {image_key!r} has images but the prompt has no user message to put them in")
+    return out
+
+
+def _ordered(messages: list[dict], inline: list[Any], column: list[Any]) -> list[Any]:
+    """The images in the order their parts appear (what the processor pairs with the placeholders)."""
+    out = []
+    for m in messages:
+        if isinstance(m["content"], list):
+            for part in m["content"]:
+                if part["type"] == "image":
+                    out.append(column[part.pop("_column")] if "_column" in part else inline[part.pop("_index")])
+    return out
+
+
+def prompt_has_images(obj: dict, prompt_key: str, image_key: str) -> bool:
+    """Whether a raw record carries images (image parts or a non-empty image column), without reading them."""
+    prompt = obj.get(prompt_key)
+    if obj.get(image_key):
+        return True
+    return isinstance(prompt, (list, tuple)) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in m["content"])
+        for m in prompt)
+
+
+# ---- encoding ------------------------------------------------------------------------------------------------------
+
+def encode_image_prompt(processor: Any, messages: list[dict], images: list[Any],
+                        system_prompt: Optional[str] = None) -> tuple[str, list[int], dict[str, torch.Tensor]]:
+    """(prompt text, token ids with each image's placeholder expanded by the processor, vision inputs
+    {"pixel_values", "image_grid_thw"}) of messages with image parts and their images."""
+    if system_prompt:
+        if any(m.get("role") == "system" for m in messages):
+            raise ValueError("data.system_prompt is set but this prompt has its own system message")
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+    ids = out["input_ids"][0].tolist()
+    vision = {"pixel_values": out["pixel_values"].float().contiguous(),
+              "image_grid_thw": out["image_grid_thw"].long().contiguous()}
+    expected = image_token_count(processor, vision["image_grid_thw"])
+    found = sum(1 for t in ids if t == processor.image_token_id)
+    if found != expected:  # the template placed a different number of placeholders than images
+        raise ValueError(f"the prompt has {found} image tokens but its {len(images)} images need {expected} "
+                         "(the chat template must render one placeholder per image part)")
+    return text, ids, vision
+
+
+def image_token_count(processor: Any, image_grid_thw: torch.Tensor) -> int:
+    """Image tokens the processor's model expects for these grids: each grid's patches over merge_size^2."""
+    merge = int(processor.image_processor.merge_size)
+    return int((image_grid_thw.prod(-1) // (merge * merge)).sum())
+
+
+BLANK_GREY = (128, 128, 128)
+
+
+@dataclass(frozen=True)
+class VisionData:
+    """How a dataset's records with images become prompt items: the model's `processor`, the image column
+    (`data.image_key`), the directory relative image paths are read from, and `blank` (`data.blank_images`: every
+    image replaced by a grey one of its size, the blind control arm)."""
+
+    processor: Any
+    image_key: str = "images"
+    base_dir: Optional[Path] = None
+    blank: bool = False
+
+    def at(self, base_dir: Optional[Path]) -> VisionData:
+        return replace(self, base_dir=base_dir)
+
+    def encode(self, obj: dict, prompt_key: str, where: str, apply_chat_template: bool,
+               system_prompt: Optional[str]) -> Optional[tuple[str, list[int], list[dict], dict]]:
+        """(text, token ids, messages, vision inputs) of a record with images; None without images."""
+        found = image_prompt(obj, prompt_key, self.image_key, where, self.base_dir)
+        if found is None:
+            return None
+        if not apply_chat_template:
+            raise DataError(f"{where}: a prompt with images needs the chat template to place them "
+                            "(data.apply_chat_template=true)")
+        messages, images = found
+        if self.blank:
+            from PIL import Image
+
+            images = [Image.new("RGB", im.size, BLANK_GREY) for im in images]
+        try:
+            text, ids, vision = encode_image_prompt(self.processor, messages, images, system_prompt)
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
+        return text, ids, messages, vision
+
+
+def vision_data(cfg: Any, tokenizer: Any) -> Optional[VisionData]:
+    """The `VisionData` of a run whose model is a vision-language model (`is_vision_model_config`), else None."""
+    if not is_vision_model_config(cfg.model):
+        return None
+    return VisionData(load_processor(cfg.model, tokenizer), image_key=getattr(cfg.data, "image_key", "images"),
+                      blank=bool(getattr(cfg.data, "blank_images", False)))
