@@ -9,8 +9,11 @@ for how long, and loses nothing.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,8 @@ import pytest
 from mlflow import MlflowClient
 
 from relax.config.schema import TrackingConfig
+from relax.rollout.sglang import client as client_module
+from relax.rollout.sglang.client import EngineRequestError, GenerateClient
 from relax.tracking import RunOptions, Tracker
 
 
@@ -136,3 +141,71 @@ def test_a_system_metrics_sample_that_hangs_does_not_hold_the_end_of_the_run(
     finally:
         release.set()
     closing.join(30)
+
+
+# ---------------------------------------------------------------------------- a rollout's requests
+class _Clock:
+    """The client's clock (`time.monotonic` of relax.rollout.sglang.client), moved by the server below."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def slow_engine() -> Iterator[tuple[str, _Clock, list[int]]]:
+    """A real HTTP server answering SGLang's /generate, each answer after 60% of the client's request timeout has
+    passed on the client's clock (a long generation, without waiting for it): its URL, the clock and the requests'
+    first input ids in the order they arrived."""
+    clock, seen = _Clock(), []
+    timeout_s = 10.0
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(int(body["input_ids"][0]))
+            clock.now += 0.6 * timeout_s  # this request took 6 of the client's 10 seconds
+            if body["input_ids"][0] == 99:  # an engine that fails this request (it is retried)
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            answer = json.dumps({"output_ids": [7], "meta_info": {"finish_reason": {"type": "stop"},
+                                                                  "output_token_logprobs": [[-0.5, 7, None]],
+                                                                  "weight_version": "1"}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", clock, seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_request_timeout_is_each_requests_own_not_one_for_the_whole_rollout(slow_engine, monkeypatch) -> None:
+    """Four requests, one at a time (max_in_flight=1), each answered after 6 s of a 10 s request timeout: each is
+    within its own bound, so the rollout succeeds, in 24 s of the client's clock. Today's code gave the whole batch one
+    10 s deadline, and the third request failed though no request took longer than 6 s. A request that keeps failing
+    still fails once its own bound has passed, naming the setting."""
+    url, clock, seen = slow_engine
+    monkeypatch.setattr(client_module, "time", clock)
+    client = GenerateClient(url, request_timeout_s=10.0, max_in_flight=1)
+    answers = client.generate([{"input_ids": [i, 5]} for i in range(4)])
+    assert len(answers) == 4 and all(a["output_ids"] == [7] for a in answers)
+    assert sorted(seen) == [0, 1, 2, 3] and clock.now == pytest.approx(1000.0 + 4 * 6.0)
+    assert client.retries == 0
+
+    # the bound holds per request: one that keeps failing is retried until 10 s after its first attempt, not forever
+    with pytest.raises(EngineRequestError, match=r"not answered within 10 s .*rollout\.sglang\.request_timeout_s"):
+        client.generate([{"input_ids": [99, 5]}])
+    assert client.retries == 2 and seen[-2:] == [99, 99]  # at 0 s and 6 s of its own clock; none after 12 s

@@ -6,8 +6,10 @@ tokens. (`n=G` in one request would share the prompt's prefill, but SGLang gives
 `sampling_seed`, i.e. identical samples; the router's cache-aware policy and the servers' prefix caches share
 the prompt's prefill anyway.)
 
-Requests go out concurrently (aiohttp); one that fails (connection refused or reset, HTTP 5xx, no worker) is
-retried with backoff until `request_timeout_s` has passed since the call began. `pause()` makes the requests
+Requests go out concurrently (aiohttp, up to `max_in_flight` at once); one that fails (connection refused or reset,
+HTTP 5xx, no worker) is retried with backoff until `request_timeout_s` has passed since it was first sent: each
+request has its own deadline, so a long rollout (more requests than go out at once, or an episode's later turns) is
+not cut off by a deadline of the whole batch. `pause()` makes the requests
 not yet sent come back as aborted with no tokens (the engines were paused; the caller resumes them from their
 prefix), as the requests the engines aborted come back with their partial tokens.
 """
@@ -164,25 +166,26 @@ class GenerateClient:
     async def _all(self, payloads: list[dict]) -> list[dict]:
         import aiohttp
 
-        deadline = time.monotonic() + self.request_timeout_s
         limit = asyncio.Semaphore(self.max_in_flight)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
         connector = aiohttp.TCPConnector(limit=self.max_in_flight)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=self.headers) as session:
-            return list(await asyncio.gather(*(self._one(session, p, limit, deadline) for p in payloads)))
+            return list(await asyncio.gather(*(self._one(session, p, limit) for p in payloads)))
 
-    async def _one(self, session, payload: dict, limit: asyncio.Semaphore, deadline: float) -> dict:
+    async def _one(self, session, payload: dict, limit: asyncio.Semaphore) -> dict:
         import aiohttp
 
         backoff, last = 0.05, "not sent"
         async with limit:
+            deadline = time.monotonic() + self.request_timeout_s  # this request's, from its first attempt
             while True:
                 if self._paused.is_set():
                     return {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "paused"},
                                                             "output_token_logprobs": []}}
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise EngineRequestError(f"POST {self.url}/generate failed for {self.request_timeout_s:g} s "
+                    raise EngineRequestError(f"POST {self.url}/generate: a request was not answered within "
+                                             f"{self.request_timeout_s:g} s of its first attempt "
                                              f"(rollout.sglang.request_timeout_s); last error: {last}")
                 with self._posted:
                     self._posting += 1
