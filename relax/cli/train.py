@@ -87,7 +87,8 @@ def help_text() -> str:
         "",
         "Other keys: train.*, rollout.*, model.*, teacher.*, cluster.*, data.*, tracking.*, seed, dry_run.",
         "  relax-train --cfg job               print the composed config",
-        "  relax-train ... dry_run=true        validate, print the plan, start nothing",
+        "  relax-train ... dry_run=true        validate, print the plan, run every check a start runs before Ray",
+        "                                      (model files, tokenizer, data, checkpoints, ...); start nothing",
         "  relax-train ... train.resume=auto   continue from the last checkpoint of this experiment and run name",
         "                                      (checkpoints/<tracking.experiment>/<run name>, same MLflow run)",
         "  relax-train --hydra-help            Hydra's own flags",
@@ -126,13 +127,20 @@ def _run(dc) -> object:
     from relax.runner.plan import build_plan
 
     plan = build_plan(cfg)
-    if cfg.dry_run:
+    if cfg.dry_run:  # every check a start runs before Ray (relax.runner.preflight), changing nothing
+        from relax.runner.preflight import preflight
         from relax.runner.summary import config_summary
 
         print(config_summary(cfg))
         print()
         print(plan.render())
-        print("\ndry run: config valid; nothing started.")
+        checked = preflight(cfg, plan)
+        print()
+        print(checked.render(), flush=True)
+        if not checked.ok:
+            _job_fail(f"dry run: a start would stop before Ray: {checked.error()}")
+            return None
+        print("\ndry run: config valid, and every check a start runs before Ray passed; nothing started.")
         return None
     from relax.data.datasets import DataError
     from relax.models.checkpoint_files import CheckpointFileError

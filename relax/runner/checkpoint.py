@@ -405,6 +405,41 @@ def _write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _in_use(save_dir: Path) -> str:
+    return (f"checkpoint directory {save_dir} is in use by another running relax-train (it holds {save_dir / LOCK}); "
+            "give this run another tracking.run_name or train.save_dir")
+
+
+def _cannot_create(save_dir: Path, exc: OSError) -> str:
+    return f"checkpoint directory {save_dir} cannot be created ({exc.strerror or exc}); set train.save_dir"
+
+
+def probe(cfg: RelaxConfig, cwd: Optional[Path] = None) -> bool:
+    """What entering `Checkpoints` checks, changing nothing (`dry_run=true`, `relax.runner.preflight`): the save
+    directory is not locked by another run and can be created, and the resume point is valid (RunError naming the
+    problem). False when the run neither saves nor resumes (nothing to check)."""
+    ckpts = Checkpoints(cfg, cwd)
+    save_dir = ckpts.save_dir
+    if ckpts.uses_dir:
+        if (save_dir / LOCK).exists():
+            fd = os.open(save_dir / LOCK, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the close below
+            except OSError:
+                raise RunError(_in_use(save_dir)) from None
+            finally:
+                os.close(fd)
+        else:
+            existing = save_dir
+            while not existing.exists() and existing.parent != existing:
+                existing = existing.parent
+            if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+                why = "not a directory" if not existing.is_dir() else "not writable"
+                raise RunError(_cannot_create(save_dir, OSError(f"{existing} is {why}")))
+    resume_point(cfg, save_dir)
+    return ckpts.uses_dir or cfg.train.resume is not None
+
+
 class Checkpoints:
     """The checkpoint directory of one run: its lock, what the run resumes from, atomic commits and pruning.
 
@@ -471,15 +506,16 @@ class Checkpoints:
         self._unlock()
 
     def _lock(self) -> None:
-        self.save_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunError(_cannot_create(self.save_dir, exc)) from None
         fd = os.open(self.save_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise RunError(f"checkpoint directory {self.save_dir} is in use by another running relax-train (it "
-                           f"holds {self.save_dir / LOCK}); give this run another tracking.run_name or "
-                           "train.save_dir") from None
+            raise RunError(_in_use(self.save_dir)) from None
         self._lock_fd = fd
 
     @property

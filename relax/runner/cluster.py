@@ -44,6 +44,18 @@ from relax.runner.restarts import Restarts
 from relax.runner.watchdog import Watchdog
 
 
+def local_gpu_problem(cfg: RelaxConfig, plan: Plan) -> str | None:
+    """Why a local Ray instance cannot get the plan's GPUs from this machine (None: it can, or the run joins a Ray
+    cluster: `cluster.address` or RAY_ADDRESS). A check before Ray (`relax.runner.preflight`) and at its start."""
+    if cfg.cluster.address is not None or os.environ.get("RAY_ADDRESS"):
+        return None
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if plan.total_gpus <= have:
+        return None
+    return (f"cluster={cfg.cluster.name} plans {plan.total_gpus} GPU(s) on a local Ray instance, but torch sees "
+            f"{have} CUDA device(s) on this machine; use cluster=local (CPU) or a cluster option that fits the machine")
+
+
 class RayRuntime:
     """Ray for a run: a local instance started (`cluster=local`, shut down on exit, Ctrl-C included) or the cluster
     at `cluster.address` (or RAY_ADDRESS) joined. Lives across restarts of the service graph."""
@@ -76,11 +88,8 @@ class RayRuntime:
                   "(RAY_ADDRESS), not starting a local Ray instance", file=sys.stderr, flush=True)
             address = env_address
         if address is None:
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if self.plan.total_gpus > have:
-                raise RunError(f"cluster={self.cfg.cluster.name} plans {self.plan.total_gpus} GPU(s) on a local "
-                               f"Ray instance, but torch sees {have} CUDA device(s) on this machine; use "
-                               "cluster=local (CPU) or a cluster option that fits the machine")
+            if (problem := local_gpu_problem(self.cfg, self.plan)) is not None:
+                raise RunError(problem)
             kwargs["num_cpus"] = max(self.plan.cpu_threads, 2)
             kwargs["num_gpus"] = self.plan.total_gpus or None
             kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG

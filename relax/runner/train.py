@@ -10,24 +10,17 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from relax import algorithms
-from relax.agents.episode import EpisodeMaker
-from relax.agents.parsers import get_parser
-from relax.agents.render import check_template, observation_roles
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import FinishReason, Samples, TrainBatch
-from relax.config.derive import agentic, teacher_model
-from relax.config.evaluation import default_eval_set_name, eval_pass_ks
-from relax.config.schema import ModelConfig, RelaxConfig
-from relax.data.datasets import DataError, PromptItem, PromptSampler, build_datasets, build_eval_sets
-from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
+from relax.config.evaluation import eval_pass_ks
+from relax.config.schema import RelaxConfig
+from relax.data.datasets import PromptItem
 from relax.metrics import (
     ACTOR_COMPUTE_TIME,
     BUFFER_SIZE,
@@ -43,9 +36,6 @@ from relax.metrics import (
     TRAIN_IDLE_FRAC,
     TRAIN_TIME,
 )
-from relax.models.lora import check_targets
-from relax.rewards.registry import get_reward_fn
-from relax.roles.workers import ModelInfo
 from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
@@ -53,6 +43,13 @@ from relax.runner.errors import RoleFailure, RunError
 from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
 from relax.runner.plan import Plan, build_plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
+from relax.runner.preflight import (  # noqa: F401 (prepare, check_teacher, _check_megatron_model: their old home)
+    Inputs,
+    _check_megatron_model,
+    check_teacher,
+    preflight,
+    prepare,
+)
 from relax.runner.restarts import Restarts
 from relax.runner.rollout_driver.engines import started_engines
 from relax.runner.rollout_driver.scoring import (
@@ -75,97 +72,8 @@ from relax.runner.step_metrics import (
     staleness_metrics,
     truncated_masked_metrics,
 )
-from relax.serve.openai.agents import load_agent
-from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
 EVAL_SEED_OFFSET = 7_777  # eval samples draw from other random streams than the training samples of the same ids
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a run reads from the user's files, checked before any process starts (`prepare`)."""
-
-    tokenizer: Any
-    sampler: PromptSampler  # the training prompts, in the run's order
-    eval_sets: dict[str, Sequence[PromptItem]]  # by name; none without evaluation
-    reward_fn: Any  # None: data.reward=none (an agent program's own rewards)
-    info: ModelInfo  # what the roles need of the tokenizer
-
-
-def prepare(cfg: RelaxConfig) -> Inputs:
-    """Tokenizer, datasets (the eval sets by name, none without evaluation) and reward function: the user-input
-    failures, before any process starts."""
-
-    try:
-        if cfg.model.source != "config":
-            path = resolve_model_path(cfg.model)
-            if cfg.train.backend == "megatron":  # the architecture first: the most specific message
-                _check_megatron_model(cfg, path)
-            check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
-        tokenizer = load_tokenizer(cfg.model)
-        if (teacher := teacher_model(cfg)) is not None:
-            check_teacher(teacher, cfg.model, tokenizer)
-        train_set, default_eval = build_datasets(cfg, tokenizer)
-        eval_sets = {}
-        if cfg.train.eval_interval:
-            eval_sets = build_eval_sets(cfg, tokenizer, default_eval)
-            if not eval_sets or (default_eval is None and default_eval_set_name(cfg.data) is not None):
-                raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval "
-                                "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
-        reward_fn = None if cfg.data.reward == "none" else get_reward_fn(cfg.data.reward)
-        if agentic(cfg):  # the environment, tools or agent loop load here, so that a bad name fails before Ray
-            check_template(tokenizer, cfg.model.name, observation_roles(cfg.data))  # observations render after a turn
-            maker = EpisodeMaker.for_config(cfg)
-            if maker is not None:
-                maker.close()
-        if cfg.data.openai_agent:  # the agent program, and the tool-call parser its gateway answers with
-            load_agent(cfg.data.openai_agent)
-            get_parser(cfg.data.tool_parser, tokenizer)
-        info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         eos_token_ids=stop_token_ids(cfg.model, tokenizer))
-        if cfg.model.lora_rank > 0:  # the target layers exist (the architecture only, no weights read)
-
-            check_targets(cfg.model, info.vocab_size, info.pad_token_id)
-    except (DataError, FileNotFoundError, ValueError, ImportError) as exc:
-        raise RunError(str(exc)) from None
-    sampler = PromptSampler(train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    return Inputs(tokenizer, sampler, eval_sets, reward_fn, info)
-
-
-def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
-    """The architecture and parallel sizes of a model read from files, for the Megatron backend, before Ray starts
-    (raises ValueError naming what is unsupported)."""
-    from transformers import AutoConfig
-
-
-    if cfg.model.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    else:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    check_parallel_sizes(arch_from_hf_config(config), tp=cfg.train.tensor_parallel_size,
-                         pp=cfg.train.pipeline_parallel_size)
-
-
-def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer) -> None:
-    """The teacher's files, and its tokenizer: the policy's, token for token (distillation compares the two models'
-    log-probs of the same token ids). Raises ValueError naming both models."""
-
-    where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
-    try:
-        resolve_model_path(teacher)
-        check_model_files(teacher)
-        theirs = load_tokenizer(teacher)
-    except (FileNotFoundError, ValueError) as exc:  # the loaders name the model's keys: here they are the teacher's
-        text = str(exc).replace("model.source", "teacher.source").replace("model.path", "teacher.path")
-        raise ValueError(f"the teacher ({where}) cannot be loaded: {text}") from None
-    ours = "model.path=" + model.path if model.path else f"model={model.name} ({model.source})"
-    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
-    if mine != other:
-        differ = sorted(set(mine.items()) ^ set(other.items()), key=lambda kv: kv[1])[:3]
-        example = ", ".join(f"{tok!r}->{i}" for tok, i in differ)
-        raise ValueError(f"the teacher's tokenizer ({where}: {len(other)} tokens) is not the policy's ({ours}: "
-                         f"{len(mine)} tokens; first differences: {example}): distillation compares the two models' "
-                         "log-probs of the same token ids, so the teacher must share the policy's tokenizer")
 
 
 def filter_note(cfg: RelaxConfig, step: int, stats: FilterStats, batch_groups: int) -> str | None:
@@ -359,8 +267,13 @@ class Recipe:
         before Ray or any role starts; then the roles, the MLflow session, the rollout engines and the stream, at the
         resume point's state, with the weights of the first step published."""
         cfg, restarts = self.cfg, self.restarts
-        self.inputs = inputs = prepare(cfg)
-        self.checkpoints = checkpoints = stack.enter_context(checkpoint.Checkpoints(cfg))
+        # every check before Ray (`relax.runner.preflight`, which dry_run=true runs too); it locks the save directory
+        # into `stack` and checks the resume point
+        pre = preflight(cfg, self.plan, stack=stack)
+        if not pre.ok:
+            raise pre.error()
+        self.inputs = inputs = pre.inputs()
+        self.checkpoints = checkpoints = pre.checkpoints
         self.runtime.__enter__()
         self.preemption.arm()  # again: ray.init installs its own SIGTERM handler
         # the role processes start (import torch, build their models) while the driver opens its MLflow run

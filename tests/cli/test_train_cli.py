@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,18 +11,24 @@ import pytest
 pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
 
 
-def relax_train(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def relax_train(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "relax.cli.train", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+                          timeout=120, cwd=cwd, env=env)
 
 
 def test_dry_run_prints_plan_and_starts_nothing(tmp_path):
-    out = relax_train("algorithm=rloo", "model=qwen3_0.6b", "dry_run=true", cwd=tmp_path)
+    out = relax_train("algorithm=rloo", "dry_run=true", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "Service graph: algorithm=rloo" in out.stdout
     assert "actor" in out.stdout and "rollout" in out.stdout
     assert "reference" not in out.stdout  # no KL term, no reference role
     assert not (tmp_path / "mlflow.db").exists()
+    # a model without weights: the plan is printed, and the dry run stops as the start would (tests/cli/
+    # test_dry_run_checks.py: every check before Ray)
+    env = {k: v for k, v in os.environ.items() if k != "MODEL_DIR"}
+    out = relax_train("algorithm=rloo", "model=qwen3_0.6b", "dry_run=true", cwd=tmp_path, env=env)
+    assert out.returncode == 2 and "Service graph: algorithm=rloo" in out.stdout
+    assert "$MODEL_DIR is not set" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_dry_run_shows_reference_and_critic_when_needed(tmp_path):

@@ -1,0 +1,290 @@
+"""Every check a start runs before Ray, in one place: the real start (`Recipe.setup`) and `dry_run=true` both run
+`preflight`, so that a dry run reports exactly what a start would refuse, and the two cannot drift apart.
+
+The checks (`CHECKS`, in order; each names the checks whose result it reads, and is skipped when one of them failed):
+
+- `model`: the model's files (`model.path`, or `$MODEL_DIR/<name>`): config.json and weights (hf), the GGUF magic
+  (gguf); with `train.backend=megatron`, its architecture and parallel sizes.
+- `tokenizer`: the policy's tokenizer loads.
+- `teacher`: the distillation teacher's files and tokenizer, token for token the policy's (`check_teacher`).
+- `data`: the training prompts and the eval sets (files, task, prompt lengths).
+- `reward`: the reward function (`data.reward`) imports.
+- `agent`: agentic data: the chat template renders observations (`relax.agents.render.check_template`), and the
+  environment, tools and agent loop load.
+- `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
+- `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
+- `gpus`: a local Ray instance gets the GPUs the plan needs from this machine.
+- `checkpoints`: the save directory is not in use by another run and can be created; the resume point
+  (`train.resume`) exists, is intact and was written with a config this run may continue.
+
+A dry run changes nothing: the checkpoint directory is probed, not locked, cleaned or created. A real start enters
+the `Checkpoints` context (lock, clean-up, resume point) into the caller's exit stack instead, which runs the same
+checks for real. Every problem is reported at once, each as the message the check raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from relax.agents.episode import EpisodeMaker
+from relax.agents.parsers import get_parser
+from relax.agents.render import check_template, observation_roles
+from relax.config.derive import agentic, teacher_model
+from relax.config.evaluation import default_eval_set_name
+from relax.config.schema import ModelConfig, RelaxConfig
+from relax.data.datasets import DataError, PromptItem, PromptSampler, build_datasets, build_eval_sets
+from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
+from relax.models.lora import check_targets
+from relax.rewards.registry import get_reward_fn
+from relax.roles.workers import ModelInfo
+from relax.runner import checkpoint
+from relax.runner.cluster import local_gpu_problem
+from relax.runner.errors import RunError
+from relax.runner.plan import Plan, build_plan
+from relax.serve.openai.agents import load_agent
+from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
+
+# what a check raises for a user's mistake (anything else is a bug, and propagates)
+USER_ERRORS = (DataError, FileNotFoundError, ValueError, ImportError, RunError)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a run reads from the user's files, checked before any process starts (`preflight`)."""
+
+    tokenizer: Any
+    sampler: PromptSampler  # the training prompts, in the run's order
+    eval_sets: dict[str, Sequence[PromptItem]]  # by name; none without evaluation
+    reward_fn: Any  # None: data.reward=none (an agent program's own rewards)
+    info: ModelInfo  # what the roles need of the tokenizer
+
+
+@dataclass
+class Preflight:
+    """The outcome of the checks of one config: each check's status (`status`: "ok", "n/a", "skipped" or
+    "failed"), the problems by check (`problems`), and what the checks read (the tokenizer, the datasets, ...)."""
+
+    cfg: RelaxConfig
+    plan: Plan
+    stack: Optional[contextlib.ExitStack]  # a real start's (the checkpoint directory is locked into it); None: dry
+    status: dict[str, str] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+    tokenizer: Any = None
+    train_set: Any = None
+    eval_sets: dict = field(default_factory=dict)
+    reward_fn: Any = None
+    info: Optional[ModelInfo] = None
+    checkpoints: Optional[checkpoint.Checkpoints] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def error(self) -> RunError:
+        """Every problem as one RunError (one problem: its message alone)."""
+        texts = list(dict.fromkeys(self.problems.values()))  # a cause two checks share is said once
+        return RunError(texts[0] if len(texts) == 1 else
+                        f"{len(texts)} problems:\n" + "\n".join(f"- {t}" for t in texts))
+
+    def inputs(self) -> Inputs:
+        """The checked inputs (call once `ok`)."""
+        cfg = self.cfg
+        sampler = PromptSampler(self.train_set, cfg.rollout.rollout_batch_size, seed=cfg.seed,
+                                shuffle=cfg.data.shuffle)
+        return Inputs(self.tokenizer, sampler, self.eval_sets, self.reward_fn, self.info)
+
+    def render(self) -> str:
+        """The dry run's table: each check, its status, and the problem of a failed one."""
+        lines = ["Checks before Ray (what a start runs before any process starts):"]
+        for check in CHECKS:
+            status = self.status.get(check.name, "n/a")
+            note = check.what
+            if status == "failed":
+                note = self.problems[check.name].splitlines()[0]
+            elif status == "skipped":
+                failed = [n for n in check.needs if self.status.get(n) in ("failed", "skipped")]
+                note = f"not checked: needs {', '.join(failed)}"
+            lines.append(f"  {status:<8} {check.name:<13} {note}")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One pre-Ray check: `run(pre)` returns False when it does not apply to the config (n/a), and raises one of
+    `USER_ERRORS` naming the problem."""
+
+    name: str
+    what: str  # what it checks, in a few words (the dry run's table)
+    run: Callable[[Preflight], Optional[bool]]
+    needs: tuple[str, ...] = ()
+
+
+def _model(pre: Preflight) -> bool:
+    cfg = pre.cfg
+    if cfg.model.source == "config":
+        return False
+    path = resolve_model_path(cfg.model)
+    if cfg.train.backend == "megatron":  # the architecture first: the most specific message
+        _check_megatron_model(cfg, path)
+    check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
+    return True
+
+
+def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
+    """The architecture and parallel sizes of a model read from files, for the Megatron backend (raises ValueError
+    naming what is unsupported)."""
+    from transformers import AutoConfig
+
+    if cfg.model.source == "gguf":
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    check_parallel_sizes(arch_from_hf_config(config), tp=cfg.train.tensor_parallel_size,
+                         pp=cfg.train.pipeline_parallel_size)
+
+
+def _tokenizer(pre: Preflight) -> None:
+    pre.tokenizer = tokenizer = load_tokenizer(pre.cfg.model)
+    pre.info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_ids=stop_token_ids(pre.cfg.model, tokenizer))
+
+
+def _teacher(pre: Preflight) -> bool:
+    teacher = teacher_model(pre.cfg)
+    if teacher is None:
+        return False
+    check_teacher(teacher, pre.cfg.model, pre.tokenizer)
+    return True
+
+
+def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any) -> None:
+    """The teacher's files, and its tokenizer: the policy's, token for token (distillation compares the two models'
+    log-probs of the same token ids). Raises ValueError naming both models."""
+    where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
+    try:
+        resolve_model_path(teacher)
+        check_model_files(teacher)
+        theirs = load_tokenizer(teacher)
+    except (FileNotFoundError, ValueError) as exc:  # the loaders name the model's keys: here they are the teacher's
+        text = str(exc).replace("model.source", "teacher.source").replace("model.path", "teacher.path")
+        raise ValueError(f"the teacher ({where}) cannot be loaded: {text}") from None
+    ours = "model.path=" + model.path if model.path else f"model={model.name} ({model.source})"
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    if mine != other:
+        differ = sorted(set(mine.items()) ^ set(other.items()), key=lambda kv: kv[1])[:3]
+        example = ", ".join(f"{tok!r}->{i}" for tok, i in differ)
+        raise ValueError(f"the teacher's tokenizer ({where}: {len(other)} tokens) is not the policy's ({ours}: "
+                         f"{len(mine)} tokens; first differences: {example}): distillation compares the two models' "
+                         "log-probs of the same token ids, so the teacher must share the policy's tokenizer")
+
+
+def _data(pre: Preflight) -> None:
+    cfg = pre.cfg
+    pre.train_set, default_eval = build_datasets(cfg, pre.tokenizer)
+    if cfg.train.eval_interval:
+        pre.eval_sets = build_eval_sets(cfg, pre.tokenizer, default_eval)
+        if not pre.eval_sets or (default_eval is None and default_eval_set_name(cfg.data) is not None):
+            raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval "
+                            "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
+
+
+def _reward(pre: Preflight) -> bool:
+    if pre.cfg.data.reward == "none":
+        return False
+    pre.reward_fn = get_reward_fn(pre.cfg.data.reward)
+    return True
+
+
+def _agent(pre: Preflight) -> bool:
+    cfg = pre.cfg
+    if not agentic(cfg):
+        return False
+    # observations render after a turn; the environment, tools or agent loop load here, so a bad name fails now
+    check_template(pre.tokenizer, cfg.model.name, observation_roles(cfg.data))
+    maker = EpisodeMaker.for_config(cfg)
+    if maker is not None:
+        maker.close()
+    return True
+
+
+def _openai_agent(pre: Preflight) -> bool:
+    if not pre.cfg.data.openai_agent:
+        return False
+    load_agent(pre.cfg.data.openai_agent)
+    get_parser(pre.cfg.data.tool_parser, pre.tokenizer)
+    return True
+
+
+def _lora(pre: Preflight) -> bool:
+    if pre.cfg.model.lora_rank <= 0:
+        return False
+    check_targets(pre.cfg.model, pre.info.vocab_size, pre.info.pad_token_id)  # the architecture only
+    return True
+
+
+def _checkpoints(pre: Preflight) -> bool:
+    # the last check: a start locks the directory (and sets earlier runs' checkpoints aside) only once every other
+    # check passed; otherwise, and in a dry run, it is probed
+    if pre.stack is None or pre.problems:
+        return checkpoint.probe(pre.cfg)
+    pre.checkpoints = pre.stack.enter_context(checkpoint.Checkpoints(pre.cfg))
+    return True
+
+
+def _gpus(pre: Preflight) -> bool:
+    if not pre.plan.total_gpus:
+        return False
+    if (problem := local_gpu_problem(pre.cfg, pre.plan)) is not None:
+        raise RunError(problem)
+    return True
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("model", "the model's files (model.path or $MODEL_DIR/<name>)", _model),
+    Check("tokenizer", "the policy's tokenizer loads", _tokenizer, ("model",)),
+    Check("teacher", "the teacher's files and tokenizer (the policy's)", _teacher, ("tokenizer",)),
+    Check("data", "training prompts and eval sets", _data, ("tokenizer",)),
+    Check("reward", "data.reward imports", _reward),
+    Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
+    Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
+    Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
+    Check("gpus", "a local Ray instance gets the plan's GPUs", _gpus),
+    Check("checkpoints", "save dir free and creatable; train.resume's checkpoint", _checkpoints),
+)
+
+
+INPUT_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "agent", "openai_agent", "lora")
+
+
+def preflight(cfg: RelaxConfig, plan: Optional[Plan] = None, *, stack: Optional[contextlib.ExitStack] = None,
+              only: Sequence[str] = ()) -> Preflight:
+    """Run every check of `CHECKS` on `cfg` (or those named in `only`; a start and a dry run run them all): a dry
+    run without `stack`; a real start locks the checkpoint directory into `stack`. Never raises for a user's
+    mistake: see `Preflight.problems`."""
+    pre = Preflight(cfg, plan or build_plan(cfg), stack)
+    for check in CHECKS:
+        if only and check.name not in only:
+            continue
+        if any(pre.status.get(n) in ("failed", "skipped") for n in check.needs):
+            pre.status[check.name] = "skipped"
+            continue
+        try:
+            applies = check.run(pre)
+        except USER_ERRORS as exc:
+            pre.status[check.name], pre.problems[check.name] = "failed", str(exc)
+            continue
+        pre.status[check.name] = "n/a" if applies is False else "ok"
+    return pre
+
+
+def prepare(cfg: RelaxConfig) -> Inputs:
+    """The user's inputs of `cfg` checked and read (the `INPUT_CHECKS` of `preflight`: model, tokenizer, data,
+    reward, ...), or RunError naming every problem; for tools and tests that need them without a start."""
+    pre = preflight(cfg, only=INPUT_CHECKS)
+    if not pre.ok:
+        raise pre.error()
+    return pre.inputs()
