@@ -102,7 +102,9 @@ class SGLangConfig:
     # servers on the trainer's node) | distributed (init_weights_update_group + a broadcast). None: tensor when
     # cluster.colocate on one node, distributed otherwise (resolved with the config; dry_run=true shows it).
     weight_sync: Optional[str] = choice(None, ("tensor", "distributed"))
-    bucket_mb: int = in_range(256, 1)  # weights travel in flattened buckets of at most this many MiB
+    # weights travel in flattened buckets of at most this many MiB (to the servers, and from each Megatron pipeline
+    # stage to the sending rank)
+    bucket_mb: int = in_range(256, 1)
     # cluster.colocate with train.mode=sync: servers release their memory while the actor trains, and resume it
     # (then get the new weights) before the next rollout
     release_memory: bool = True

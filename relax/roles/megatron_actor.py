@@ -73,6 +73,7 @@ class MegatronRank(PolicyForwarding):
             temperature=cfg.rollout.temperature,
             use_distributed_optimizer=self.use_distributed_optimizer, params_dtype=params_dtype,
         )
+        self.policy.gather_bucket_bytes = cfg.rollout.sglang.bucket_mb << 20  # pipeline stages send in such buckets
         module = self.policy._module()  # this rank's shards: what a kept version copies
         self.versions = WeightVersions(lambda: {k: p.data for k, p in module.named_parameters()},
                                        keep=t.max_staleness)

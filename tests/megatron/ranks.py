@@ -256,6 +256,92 @@ def scenario_pp2(rank: int, out: Path, res: dict) -> None:
         ref = torch_policy.state_dict_for_rollout()
         res["weight_keys_missing"] = sorted(set(ref) - set(weights) - {"lm_head.weight"})
         res["weight_max_diff"] = max(float((weights[k] - ref[k]).abs().max()) for k in weights)
+    pp2_gather_buckets(rank, out, res)
+
+
+def peak_cpu_bytes(fn):
+    """(fn(), about the most CPU bytes that fn's allocations held at once beyond what existed before): the torch
+    profiler's memory accounting (each op's own allocations less its frees, and frees outside ops), summed in time
+    order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        value = fn()
+    now = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        now += e.self_cpu_memory_usage
+        peak = max(peak, now)
+    return value, peak
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def received_bytes(fn):
+    """(fn(), the tensor bytes this rank received from other ranks while fn ran), counted at torch.distributed's
+    receiving calls (point-to-point receives, all-gathers of tensors and of objects, broadcasts from another rank)."""
+    dist, me, got = torch.distributed, torch.distributed.get_rank(), [0]
+    saved = {name: getattr(dist, name) for name in ("recv", "recv_object_list", "all_gather", "all_gather_object",
+                                                     "broadcast", "broadcast_object_list")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            out = saved[name](*args, **kwargs)
+            first = args[0] if args else next(iter(kwargs.values()))
+            group = kwargs.get("group")
+            mine = dist.get_rank(group) if group is not None else me
+            if name in ("all_gather", "all_gather_object"):
+                got[0] += sum(_tensor_bytes(x) for i, x in enumerate(first) if i != mine)
+            elif name.startswith("broadcast"):
+                src = kwargs.get("src", args[1] if len(args) > 1 else None)
+                got[0] += 0 if src == me else _tensor_bytes(first)
+            else:
+                got[0] += _tensor_bytes(first)
+            return out
+        return call
+
+    for name in saved:
+        setattr(dist, name, counting(name))
+    try:
+        return fn(), got[0]
+    finally:
+        for name, f in saved.items():
+            setattr(dist, name, f)
+
+
+def pp2_gather_buckets(rank: int, out: Path, res: dict) -> None:
+    """The PP=2 weight gather to the sending rank (global rank 0) in small buckets, of an 8-layer model (4 layers per
+    stage): the sender gets exactly the HF model's weights (built from the same seed, never trained); what each rank
+    receives and the most CPU memory it holds meanwhile, with the size of its largest (Megatron, fused) parameter.
+    Each rank's measurements go to OUTDIR/pp2/gather<rank>.json; rank 0 reads the other's after a barrier."""
+    model = dataclasses.replace(MODEL, num_layers=8)
+    policy = MegatronPolicy(model, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    hf = build_model(model, VOCAB, PAD, seed=SEED)
+    sizes = {k: v.numel() * v.element_size() for k, v in hf.state_dict().items()}
+    bucket = max(sizes.values())  # the largest tensor: every bucket holds one to a few tensors
+    policy.gather_bucket_bytes = bucket
+    (weights, received), peak = peak_cpu_bytes(lambda: received_bytes(policy.state_dict_for_rollout))
+    mine = {"peak_bytes": peak, "received_bytes": received, "bucket_bytes": bucket, "keys": len(weights),
+            "largest_param_bytes": max(p.numel() * p.element_size() for p in policy._module().parameters())}
+    if rank == 0:
+        ref = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: not sent
+        mine["keys_differ"] = sorted(set(ref) ^ set(weights))
+        mine["max_diff"] = max(float((weights[k] - ref[k]).abs().max()) for k in ref if k in weights)
+        stage0 = [k for k in ref if k.startswith(("model.embed_tokens", *(f"model.layers.{i}." for i in range(4))))]
+        mine["first_stage_bytes"] = sum(sizes[k] for k in stage0)
+        mine["model_bytes"] = sum(sizes[k] for k in ref)
+    (out / f"gather{rank}.json").write_text(json.dumps(mine))
+    torch.distributed.barrier()
+    if rank == 0:
+        res["gather"] = {r: json.loads((out / f"gather{r}.json").read_text())
+                         for r in range(torch.distributed.get_world_size())}
 
 
 def scenario_gpu(rank: int, out: Path, res: dict) -> None:

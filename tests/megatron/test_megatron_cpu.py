@@ -9,7 +9,8 @@ Two multi-process launches (tests/megatron/ranks.py) check many things each:
   GRPO and M2PO trains equal to TorchPolicy's (M2PO's step statistics all-gathered over data parallelism),
   resume with the distributed optimizer's per-rank state.
 - `pp2` (PP=2, 1F1B schedule, tied embedding copied to the last stage): log-probs, a 3-step train equal to
-  TorchPolicy's, weights gathered from both stages.
+  TorchPolicy's, weights gathered from both stages; the gather to the sending rank alone, in buckets, measured on
+  both ranks (bytes received, the most CPU memory held).
 
 Tolerances (fp32): logits 1e-5 absolute at TP=2 (exactly 0 at TP=1 against transformers' eager attention);
 per-step losses, entropy and gradient norm 1e-4 relative: the two backends sum the same float terms in a
@@ -224,6 +225,19 @@ def test_pp2_logprobs_train_and_weight_gather(pp2):
     assert pp2["weight_keys_missing"] == []
     # after 3 Adam steps at lr 1e-2 (Adam's normalisation magnifies float-rounding differences of tiny gradients)
     assert pp2["weight_max_diff"] < 1e-3
+
+
+def test_pp2_weights_gather_to_the_sending_rank_only_in_buckets(pp2):
+    """The sender (global rank 0) gets exactly the HF model's weights, the later stage's tensors in buckets of at most
+    a tensor's size; the other stage receives nothing and holds no more than a bucket and one parameter's conversion
+    (its fused tensor and the parts split from it) beyond its shard, far less than the first stage's tensors that an
+    all-gather to every stage would leave on it."""
+    sender, other = pp2["gather"]["0"], pp2["gather"]["1"]
+    assert sender["keys_differ"] == [] and sender["max_diff"] == 0.0
+    assert sender["received_bytes"] == sender["model_bytes"] - sender["first_stage_bytes"]  # the later stage, once
+    assert other["keys"] == 0 and other["received_bytes"] == 0
+    assert other["peak_bytes"] <= other["bucket_bytes"] + 2 * other["largest_param_bytes"], other
+    assert other["bucket_bytes"] + 2 * other["largest_param_bytes"] < sender["first_stage_bytes"] / 3  # it can fail
 
 
 # ---- single process ---------------------------------------------------------------------------------

@@ -76,6 +76,14 @@ from relax.train.trainer import (
     nonfinite_grad_tensors,
 )
 
+GATHER_BUCKET_BYTES = 256 << 20  # rollout.sglang.bucket_mb's default; the actor sets the run's (`MegatronRank`)
+_ALIGN = 16  # bytes: each tensor of a gather bucket starts at a multiple (a view of any dtype needs its alignment)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 MODEL_FILE = "model_tp{tp}_pp{pp}_dp{dp}.safetensors"
 OPTIMIZER_FILE = "optimizer_tp{tp}_pp{pp}_dp{dp}.pt"
 STATE_FILE = "trainer_state.json"
@@ -268,6 +276,8 @@ class MegatronPolicy(PolicyTrainer):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        # the most bytes a pipeline stage sends the first stage at once when the weights are gathered (`_gather_hf`)
+        self.gather_bucket_bytes = GATHER_BUCKET_BYTES
         self.first_stage = ps.is_pipeline_first_stage()
         self.last_stage = ps.is_pipeline_last_stage()
 
@@ -588,36 +598,106 @@ class MegatronPolicy(PolicyTrainer):
         torch.distributed.all_gather(parts, tensor.detach().contiguous(), group=self.tp_group)
         return parts
 
-    def _stage_hf(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
-                  dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
-        """HF tensors of this pipeline stage, gathered over tensor parallelism (all TP ranks take part)."""
-        out: dict[str, torch.Tensor] = {}
-        params = dict(self._module().named_parameters())
-        for local_name, param in params.items():
+    def _stage_tensors(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
+                       dtype: Optional[torch.dtype], copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tensors of this pipeline stage, one at a time, as CPU tensors (floating ones in `dtype`), gathered over
+        tensor parallelism: every TP rank takes part in each gather, only TP rank 0 yields (the others keep nothing).
+        `copy=False`: a tensor may alias a parameter (the caller copies it before the next one)."""
+        for local_name, param in self._module().named_parameters():
             name = convert.local_to_global(local_name, self.layer_offset)
             if name == "output_layer.weight" and self.spec.tie_word_embeddings:
                 continue  # a pipeline copy of the embedding
             shards = self._gather_tensor(name, tensor_of(param))
+            if self.tp_rank != 0:
+                continue
             for hf_name, t in convert.megatron_to_hf_tensor(self.spec, name, shards).items():
+                if hf_name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                    continue
                 t = t.detach().to("cpu")
-                out[hf_name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
-        return out
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                elif copy:
+                    t = t.clone()
+                yield hf_name, t
+
+    def _stage_bytes(self, dtype: Optional[torch.dtype]) -> int:
+        """At most the bytes of this stage's HF tensors (its parameters, tensor-parallel ones whole, in `dtype`)."""
+        total = 0
+        for local_name, p in self._module().named_parameters():
+            split = tp_partition_dim(convert.local_to_global(local_name, self.layer_offset)) is not None
+            size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
+            total += p.numel() * (self.tp if split else 1) * size + 3 * _ALIGN  # up to 3 HF tensors (q, k, v)
+        return total
 
     def _gather_hf(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
                    dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
-        """The whole HF-layout dict on global rank 0 ({} elsewhere). Only data-parallel rank 0 gathers;
-        pipeline stages send theirs to rank 0 one stage at a time."""
+        """The whole HF-layout dict on global rank 0 ({} elsewhere): the sending rank. Only data-parallel rank 0
+        gathers. Each later pipeline stage's TP-0 rank sends its tensors to the first stage's TP-0 rank (global rank
+        0) alone, in buckets of at most `gather_bucket_bytes` (a larger tensor alone), one stage after the other: no
+        rank but the sender holds more than a bucket (and the tensor being gathered) beyond its own shards."""
         if self.dp_rank != 0:
             return {}
-        stage = self._stage_hf(tensor_of, dtype)
-        if self.pp > 1:
-            parts: list[Any] = [None] * self.pp
-            gathered = stage if self.tp_rank == 0 else {}
-            torch.distributed.all_gather_object(parts, gathered, group=self.pp_group)
-            stage = {k: v for p in parts for k, v in p.items()}
-        if self.spec.tie_word_embeddings:
-            stage.pop("lm_head.weight", None)
-        return stage if torch.distributed.get_rank() == 0 else {}
+        stage = self._stage_tensors(tensor_of, dtype, copy=self.pp_rank == 0)  # later stages copy into buckets
+        if self.tp_rank != 0:
+            for _ in stage:  # the tensor-parallel gathers of TP rank 0's stage
+                pass
+            return {}
+        if self.pp_rank != 0:
+            self._send_stage(stage, dtype)
+            return {}
+        out = dict(stage)
+        ranks = torch.distributed.get_process_group_ranks(self.pp_group)
+        for src in ranks[1:]:
+            out.update(self._receive_stage(src))
+        return out if torch.distributed.get_rank() == 0 else {}
+
+    def _p2p_device(self) -> torch.device:
+        """Where pipeline-stage buckets travel: NCCL sends CUDA tensors, gloo CPU ones."""
+        return self.device if torch.distributed.get_backend(self.pp_group) == "nccl" else torch.device("cpu")
+
+    def _send_stage(self, tensors: Iterator[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype]) -> None:
+        """This stage's tensors to the pipeline's first rank, bucket by bucket: each bucket is announced (names,
+        dtypes, shapes, offsets) and sent as one flat byte tensor that is filled as the tensors come; then None."""
+        dst = torch.distributed.get_process_group_ranks(self.pp_group)[0]
+        device = self._p2p_device()
+        flat = torch.empty(min(self.gather_bucket_bytes, self._stage_bytes(dtype)), dtype=torch.uint8, device=device)
+        meta: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        used = 0
+
+        def send() -> None:
+            torch.distributed.send_object_list([(meta, used)], dst=dst, group=self.pp_group)
+            torch.distributed.send(flat[:used], dst=dst, group=self.pp_group)
+
+        for name, t in tensors:
+            n = t.numel() * t.element_size()
+            if meta and used + n > flat.numel():
+                send()
+                meta, used = [], 0
+            if n > flat.numel():  # a tensor larger than a bucket travels alone
+                flat = torch.empty(n, dtype=torch.uint8, device=device)
+            flat[used:used + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+            meta.append((name, t.dtype, tuple(t.shape), used))
+            used += _aligned(n)
+        if meta:
+            send()
+        torch.distributed.send_object_list([None], dst=dst, group=self.pp_group)
+
+    def _receive_stage(self, src: int) -> dict[str, torch.Tensor]:
+        """What `_send_stage` of the stage at global rank `src` sends: CPU tensors (views of their bucket)."""
+        out: dict[str, torch.Tensor] = {}
+        device = self._p2p_device()
+        while True:
+            box: list[Any] = [None]
+            torch.distributed.recv_object_list(box, src=src, group=self.pp_group)
+            if box[0] is None:
+                return out
+            meta, size = box[0]
+            flat = torch.empty(size, dtype=torch.uint8, device=device)
+            torch.distributed.recv(flat, src=src, group=self.pp_group)
+            flat = flat.cpu()
+            for name, dt, shape, offset in meta:
+                n = math.prod(shape) * dt.itemsize
+                out[name] = flat[offset:offset + n].view(dt).view(shape)
 
     def state_dict_for_rollout(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
         """Current weights keyed like the HF model's state_dict (tied `lm_head.weight` left out), CPU tensors
