@@ -11,7 +11,7 @@ of them stops the run.
 Calls run in worker processes (`relax.rewards.worker_pool.RewardWorkers` with `run_tool` as the caller), so a hung
 call is killed at its time limit; `data.tool_timeout_s=null` calls them in the rollout process without a limit.
 
-A tool is named in `data.tools` by a built-in name (`calculator`) or by `package.module:attr`, an attribute that is
+A tool is named in `data.tools` by a built-in name (`calculator`, `python`: code in the sandbox) or by `package.module:attr`, an attribute that is
 a `Tool`. Tools are stateless: the same call gives the same result whatever the episode (so resuming an episode
 never calls them again).
 """
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from relax.agents.parsers import ToolCall, parse_hermes
+from relax.agents.python_tool import python
 from relax.imports import resolve_component
 
 
@@ -96,7 +97,18 @@ CALCULATOR = Tool(
     fn=calculator,
 )
 
-BUILTIN_TOOLS: dict[str, Tool] = {"calculator": CALCULATOR}
+PYTHON = Tool(
+    schema={"type": "function", "function": {
+        "name": "python",
+        "description": "Run a Python program (standard library only, no files outside its directory, no network) "
+                       "and get what it prints.",
+        "parameters": {"type": "object", "properties": {
+            "code": {"type": "string", "description": "the program, e.g. print(sum(range(10)))"}},
+            "required": ["code"]}}},
+    fn=python,  # relax.agents.python_tool: the code runs in relax.rewards.sandbox
+)
+
+BUILTIN_TOOLS: dict[str, Tool] = {"calculator": CALCULATOR, "python": PYTHON}
 
 
 class ToolSpecError(ValueError):

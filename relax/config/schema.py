@@ -253,6 +253,22 @@ TOOL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "glm45", "deepse
 
 
 @dataclass(frozen=True)
+class RewardServiceConfig:
+    """A remote reward service (`data.reward=http(s)://...`; the protocol: docs/training.md "Rewards"): requests of at
+    most batch_size items, concurrency of them at a time, each within timeout_s, retried `retries` times after
+    backoff_s, 2 * backoff_s, ... seconds (connection errors, time-outs, 429 and 5xx). A failed item leaves its group
+    out (rollout/reward_errors); past max_errors failed items over the run, the run stops."""
+
+    batch_size: int = positive(32)
+    concurrency: int = positive(4)
+    timeout_s: float = positive(30.0)
+    retries: int = non_negative(3)
+    backoff_s: float = non_negative(0.5)
+    api_key_env: Optional[str] = None  # the environment variable whose value is sent as a Bearer key (None: none)
+    max_errors: int = non_negative(256)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Prompts and their reward. `path=None` uses the synthetic `task`."""
 
@@ -266,8 +282,10 @@ class DataConfig:
     eval_sets: dict[str, str] = field(default_factory=dict)
     prompt_key: str = "prompt"
     label_key: str = "label"
-    # digits | arithmetic | math | package.module:function | none (an environment or agent loop gives the rewards)
+    # digits | arithmetic | math | code_tests | code_tests_all | package.module:function | http(s)://... (a reward
+    # service, options in reward_service) | none (an environment or agent loop gives the rewards)
     reward: str = "digits"
+    reward_service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
     apply_chat_template: bool = True
     num_prompts: int = 4096  # synthetic tasks: how many prompts to generate
     num_eval_prompts: int = 64  # prompts of each eval set: generated (synthetic) or the first N of its file; 0: none

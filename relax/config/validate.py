@@ -20,6 +20,7 @@ from relax.config.megatron_rules import (
     pack_sequences_violation,
     sequence_parallel_violation,
 )
+from relax.config.reward_service_rules import reward_service_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
@@ -745,6 +746,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _sglang(cfg, r)
     _not_built(cfg, r)
     _agents(cfg, r)
+    r.found.extend(reward_service_violations(cfg))
     r.found.extend(megatron_violations(cfg))
     r.found.extend(vision_violations(cfg))
     for v in algo.check(cfg):

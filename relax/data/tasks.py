@@ -8,6 +8,8 @@
   and non-negative differences): 155 distinct problems, split so that eval problems never occur in train.
 - `guess_number` (agentic, `relax.agents.guess_number`): one prompt ("guess the digit"), the secret digit as the
   label, uniform over 0-9; the eval split is an independent draw.
+- `code_tests` (`relax.data.code_tasks`): small Python functions checked by unit tests in the sandbox (the
+  `code_tests` reward), "Complete the Python function so that it returns x * 3 + 4." with the tests as the label.
 - `calculator` (agentic, with the `calculator` tool): products of two two-digit numbers, "What is 37 * 48?", with the
   product as the label; split like arithmetic (eval products never occur in train). The prompt is a chat: a system
   message naming the tool and its call format, one worked example (a call, its result, the boxed answer), then the
@@ -23,7 +25,7 @@ from typing import Any
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
 ARITHMETIC_EVAL_SHARE = 0.2  # share of the distinct arithmetic problems held out for evaluation
-TASKS = ("digits", "arithmetic", "guess_number", "calculator", "shapes")
+TASKS = ("digits", "arithmetic", "guess_number", "calculator", "shapes", "code_tests")
 # Kept to symbols and digits for the tiny tokenizer (its other words would be <|unk|>): + means the secret is higher.
 GUESS_PROMPT = "Guess the digit 0-9. + means higher, - means lower."
 CALCULATOR_SYSTEM = ('You can call a calculator tool: write <tool_call>{"name": "calculator", "arguments": '
@@ -112,8 +114,15 @@ def _generate_shapes(num: int, seed: int, split: str = "train") -> list[dict[str
     return generate_shapes(num, seed, split)
 
 
+def _generate_code_tests(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    from relax.data.code_tasks import generate_code_tests
+
+    return generate_code_tests(num, seed, split)
+
+
 _GENERATORS = {"digits": generate_digits, "arithmetic": generate_arithmetic, "guess_number": generate_guess_number,
-               "calculator": generate_calculator, "shapes": _generate_shapes}
+               "calculator": generate_calculator, "shapes": _generate_shapes,
+               "code_tests": _generate_code_tests}
 
 
 def generate_task(task: str, num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:

@@ -18,6 +18,19 @@ class RewardSpecError(ValueError):
 Outcome = tuple[Optional[float], Optional[str]]
 
 
+class RewardValue(float):
+    """A reward that also says what its call did: `counts` (name -> number), summed over a batch into
+    `Scores.counts` (the `code_tests` reward counts its sandbox runs and their time-outs there). Pickles as a float
+    with its counts, so it comes back from a worker process whole."""
+
+    counts: dict[str, float]
+
+    def __new__(cls, value: float, counts: Optional[dict[str, float]] = None) -> RewardValue:
+        obj = super().__new__(cls, value)
+        obj.counts = dict(counts or {})
+        return obj
+
+
 def call_once(fn: RewardFn, response: str, label: str, pass_prompt: bool, prompt: Optional[str]) -> Outcome:
     """Call `fn` once and check its value; an exception becomes the failure's traceback."""
     try:
@@ -26,10 +39,11 @@ def call_once(fn: RewardFn, response: str, label: str, pass_prompt: bool, prompt
             value = float(value)
         if not isinstance(value, (int, float)) and not _is_scalar_number(value):
             raise TypeError(f"returned {type(value).__name__}, expected a float")
+        counts = getattr(value, "counts", None)
         value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"returned non-finite {value}")
-        return value, None
+        return (RewardValue(value, counts) if isinstance(counts, dict) and counts else value), None
     except Exception:
         return None, traceback.format_exc()
 

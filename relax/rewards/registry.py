@@ -24,8 +24,10 @@ from typing import Optional
 
 from relax.imports import resolve_component
 from relax.rewards.calls import RewardFn, RewardSpecError, call_once
+from relax.rewards.code_tests import code_tests_all_reward, code_tests_reward
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
+from relax.rewards.remote import RemoteReward, is_url
 from relax.rewards.shapes import shapes_reward
 from relax.rewards.worker_pool import POOL_LOCK, workers_for
 
@@ -35,15 +37,23 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "digits": digits_reward,
     "arithmetic": arithmetic_reward,
     "math": math_reward,
+    "code_tests": code_tests_reward,  # the share of unit tests the response's code passes in the sandbox
+    "code_tests_all": code_tests_all_reward,  # 1 when it passes all of them
     "shapes": shapes_reward,
 }
 
 
 def get_reward_fn(spec: str) -> RewardFn:
-    """The reward function named by `spec`: a built-in name or `package.module:function`.
+    """The reward function named by `spec`: a built-in name or `package.module:function`, or a reward service's
+    client (`relax.rewards.remote.RemoteReward`, called batched in this process) for an http(s) URL.
 
     Import problems are reported here, at start, rather than on the first rollout.
     """
+    if is_url(spec):
+        try:
+            return RemoteReward(spec.strip())
+        except ValueError as exc:
+            raise RewardSpecError(str(exc)) from None
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(f"data.reward={spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or "
                               "'package.module:function'")
@@ -76,6 +86,9 @@ class Scores:
     failed: list[bool] = field(default_factory=list)
     first_error: Optional[str] = None  # the traceback (or time-out message) of the first failure
     timeouts: int = 0  # failed calls that ran past the time limit
+    # what the calls counted (`relax.rewards.calls.RewardValue.counts`, summed): the code_tests rewards' sandbox_runs
+    # and sandbox_timeouts
+    counts: dict[str, float] = field(default_factory=dict)
 
     @property
     def errors(self) -> int:
@@ -102,6 +115,10 @@ def score_responses(
         raise ValueError(f"score_responses: {len(responses)} responses but {len(prompts)} prompts")
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"score_responses: timeout_s={timeout_s} must be > 0 (or None: no limit)")
+    if isinstance(fn, RemoteReward):  # batched requests from here, with their own limits (data.reward_service)
+        values, errors = fn.score_batch(responses, labels, prompts)
+        outcomes, timed_out = list(zip(values, errors, strict=True)), [False] * len(values)
+        return _scores(fn, outcomes, timed_out)
     pass_prompt = prompts is not None and accepts_prompt(fn)
     calls = [(r, lab, pass_prompt, prompts[i] if pass_prompt else None)
              for i, (r, lab) in enumerate(zip(responses, labels, strict=True))]
@@ -111,9 +128,15 @@ def score_responses(
     else:
         with POOL_LOCK:
             outcomes, timed_out = workers_for(fn).run(calls, timeout_s)
+    return _scores(fn, outcomes, timed_out)
+
+
+def _scores(fn: RewardFn, outcomes: Sequence[tuple], timed_out: Sequence[bool]) -> Scores:
     out = Scores()
     for (value, error), late in zip(outcomes, timed_out, strict=True):
-        out.rewards.append(0.0 if value is None else value)
+        for name, n in getattr(value, "counts", {}).items():
+            out.counts[name] = out.counts.get(name, 0) + n
+        out.rewards.append(0.0 if value is None else float(value))
         out.failed.append(value is None)
         out.timeouts += int(late)
         if value is None and out.first_error is None:

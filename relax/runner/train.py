@@ -55,6 +55,7 @@ from relax.runner.rollout_driver.engines import started_engines
 from relax.runner.rollout_driver.scoring import (
     FilterStats,
     Scorer,
+    count_metrics,
     kept_groups,
     score,
     trained_rewards,
@@ -322,6 +323,7 @@ class Recipe:
         metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
                                        scores.errors))
         metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
+        metrics.update(count_metrics(scores))
         # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
         rewards, penalty = trained_rewards(cfg, samples, scores)
         if penalty is not None:

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from relax.batch import FinishReason, Samples
+from relax.metrics import SANDBOX_TIMEOUT_FRAC
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores, score_responses
+from relax.rewards.remote import RemoteReward, RewardServiceError
 from relax.rewards.shaping import overlong_penalty
 from relax.runner.errors import RunError
 
@@ -44,7 +46,12 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
                  for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     labels = [item.label for item in items for _ in range(n)]
     prompts = [item.prompt_text for item in items for _ in range(n)]
-    scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
+    if isinstance(reward_fn, RemoteReward):  # batched requests with the run's data.reward_service options
+        reward_fn.options = cfg.data.reward_service
+    try:
+        scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
+    except RewardServiceError as exc:  # past data.reward_service.max_errors: the run stops with its message
+        raise RunError(str(exc)) from None
     if episodes is not None:
         scores.rewards = [r + g if not bad else r for r, g, bad in zip(scores.rewards, given, scores.failed,
                                                                        strict=True)]
@@ -152,9 +159,17 @@ def merge_scores(parts: Sequence[Scores]) -> Scores:
         out.rewards.extend(p.rewards)
         out.failed.extend(p.failed)
         out.timeouts += p.timeouts
+        for name, count in p.counts.items():
+            out.counts[name] = out.counts.get(name, 0) + count
         if out.first_error is None:
             out.first_error = p.first_error
     return out
+
+
+def count_metrics(scores: Scores) -> dict[str, float]:
+    """Metrics of what the reward calls counted (`Scores.counts`): rollout/sandbox_timeout_frac when they ran code."""
+    runs = scores.counts.get("sandbox_runs", 0)
+    return {SANDBOX_TIMEOUT_FRAC: scores.counts.get("sandbox_timeouts", 0) / runs} if runs else {}
 
 
 def mean_reward(scores: Scores) -> float:
@@ -164,15 +179,15 @@ def mean_reward(scores: Scores) -> float:
 
 
 def select_scores(scores: Scores, rows: Sequence[int]) -> Scores:
-    """The scores of responses `rows` (the first error and the time-outs stay those of the whole batch)."""
+    """The scores of responses `rows` (the first error, the time-outs and the counts stay those of the whole batch)."""
     return Scores([scores.rewards[i] for i in rows], [scores.failed[i] for i in rows], scores.first_error,
-                  scores.timeouts)
+                  scores.timeouts, counts=dict(scores.counts))
 
 
 def scores_state(scores: Scores) -> dict:
     """`Scores` as plain values (for a checkpoint's rollout state, read with `torch.load(weights_only=True)`)."""
     return {"rewards": list(scores.rewards), "failed": list(scores.failed), "first_error": scores.first_error,
-            "timeouts": scores.timeouts}
+            "timeouts": scores.timeouts, "counts": dict(scores.counts)}
 
 
 class Scorer:

@@ -1,0 +1,53 @@
+"""The rules of remote reward services (`data.reward=http(s)://...`, options in `data.reward_service`), reported with
+the rest of the config's (`relax.config.validate`): the URL's shape, the options' ranges, options set without a
+service (rejected, not ignored), the time limit that a service does not read, and the key's environment variable."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from urllib.parse import urlsplit
+
+from relax.algorithms.base import Violation, range_of
+from relax.config.schema import RelaxConfig, RewardServiceConfig
+
+
+def is_service(reward: str) -> bool:
+    return reward.strip().lower().startswith(("http://", "https://"))
+
+
+def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
+    """Every broken rule of `data.reward`'s service and `data.reward_service`."""
+    d, out = cfg.data, []
+    svc = d.reward_service
+
+    def require(ok: bool, fields: tuple[str, ...] | str, message: str) -> None:
+        if not ok:
+            out.append(Violation((fields,) if isinstance(fields, str) else tuple(fields), message))
+
+    default = RewardServiceConfig()
+    if not is_service(d.reward):
+        for f in dataclasses.fields(svc):
+            require(getattr(svc, f.name) == getattr(default, f.name), (f"data.reward_service.{f.name}", "data.reward"),
+                    f"data.reward_service.{f.name}={getattr(svc, f.name)!r} has no effect: data.reward={d.reward} is "
+                    "not a reward service (an http:// or https:// URL)")
+        return out
+    parts = urlsplit(d.reward.strip())
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    require(bool(parts.hostname) and port_ok, "data.reward",
+            f"data.reward={d.reward!r}: a reward service URL needs a host (and a valid port if one is given)")
+    for f in dataclasses.fields(svc):
+        allowed = range_of(RewardServiceConfig, f.name)
+        if allowed is not None:
+            require(allowed.admits(getattr(svc, f.name)), f"data.reward_service.{f.name}",
+                    allowed.message(f"data.reward_service.{f.name}", getattr(svc, f.name)))
+    require(d.reward_timeout_s == type(d)().reward_timeout_s, ("data.reward_timeout_s", "data.reward"),
+            f"data.reward_timeout_s={d.reward_timeout_s} has no effect on a reward service: its requests are "
+            "limited by data.reward_service.timeout_s")
+    if svc.api_key_env:
+        require(bool(os.environ.get(svc.api_key_env)), "data.reward_service.api_key_env",
+                f"data.reward_service.api_key_env={svc.api_key_env}: the environment variable is not set (or empty)")
+    return out

@@ -1,0 +1,238 @@
+"""Remote reward services (relax.rewards.remote, `data.reward=http://...`) against a real loopback HTTP server in the
+test: batched requests, the concurrency limit, retries with backoff, the per-call time limit, the key from the
+environment; a service that fails, answers garbage or hangs leaves its items failed and counted, never scored 0.
+Hangs and slow answers are made with Events, not sleeps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from relax.config.schema import RewardServiceConfig
+from relax.rewards.registry import get_reward_fn, score_responses
+from relax.rewards.remote import RemoteReward, RewardServiceError
+
+
+def reward_of(item: dict) -> float:
+    """The service's reward in these tests: the response's length divided by 10."""
+    return len(item["response"]) / 10
+
+
+class Service:
+    """A loopback reward service; `behave(n, items)` decides the answer of the n-th request (0-based): a dict sent as
+    JSON with 200, an int status sent with an empty body, or None for the correct rewards."""
+
+    def __init__(self, behave: Callable[[int, list], object] = lambda n, items: None):
+        self.behave, self.requests, self.headers = behave, [], []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()  # set at the end: what still waits on it returns
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with service.lock:
+                    n = len(service.requests)
+                    service.requests.append(body["items"])
+                    service.headers.append(dict(self.headers))
+                    service.in_flight += 1
+                    service.max_in_flight = max(service.max_in_flight, service.in_flight)
+                try:
+                    answer = service.behave(n, body["items"])
+                    if answer is None:
+                        answer = {"rewards": [reward_of(i) for i in body["items"]]}
+                    if isinstance(answer, int):
+                        self.send_response(answer)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    data = json.dumps(answer).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up on a hung request
+                    pass
+                finally:
+                    with service.lock:
+                        service.in_flight -= 1
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
+                         daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def service():
+    made = []
+
+    def make(behave=lambda n, items: None) -> Service:
+        made.append(Service(behave))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def client(url: str, **options) -> RemoteReward:
+    fn = get_reward_fn(url)
+    assert isinstance(fn, RemoteReward)
+    fn.options = RewardServiceConfig(**{"backoff_s": 0.01, **options})
+    return fn
+
+
+RESPONSES = [f"r{'x' * i}" for i in range(10)]
+LABELS = [str(i) for i in range(10)]
+
+
+def test_batches_the_items_and_returns_the_services_rewards_in_order(service):
+    s = service()
+    scores = score_responses(client(s.url, batch_size=3), RESPONSES, LABELS, [f"p{i}" for i in range(10)])
+    assert scores.rewards == [len(r) / 10 for r in RESPONSES] and not any(scores.failed)
+    assert sorted(len(items) for items in s.requests) == [1, 3, 3, 3]
+    sent = sorted((i for items in s.requests for i in items), key=lambda i: int(i["label"]))
+    assert sent == [{"response": r, "label": lab, "prompt": f"p{k}"}
+                    for k, (r, lab) in enumerate(zip(RESPONSES, LABELS, strict=True))]
+
+
+def test_requests_run_concurrency_at_a_time(service):
+    two = threading.Event()
+
+    def behave(n, items):
+        with s.lock:
+            if s.in_flight >= 2:
+                two.set()
+        assert two.wait(10), "a second request never came while the first was in flight"
+        return None
+
+    s = service(behave)
+    scores = score_responses(client(s.url, batch_size=1, concurrency=2), RESPONSES, LABELS)
+    assert not any(scores.failed) and len(s.requests) == 10
+    assert s.max_in_flight == 2  # two at once, never three
+
+
+def test_the_key_is_sent_from_the_environment_and_never_logged(service, monkeypatch, caplog):
+    monkeypatch.setenv("RELAX_TEST_REWARD_KEY", "sk-test-123")
+    s = service(lambda n, items: 401 if n == 0 else {"rewards": [None] * len(items)})
+    fn = client(s.url, api_key_env="RELAX_TEST_REWARD_KEY", retries=0)
+    with caplog.at_level(logging.DEBUG):
+        scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
+        score_responses(fn, RESPONSES[:2], LABELS[:2])
+    assert s.headers[0]["Authorization"] == "Bearer sk-test-123"
+    assert all(scores.failed) and "sk-test-123" not in caplog.text and "sk-test-123" not in repr(fn)
+    assert "sk-test-123" not in (scores.first_error or "")
+
+
+def test_a_failing_service_is_retried_with_backoff_until_it_answers(service):
+    s = service(lambda n, items: 503 if n < 2 else None)
+    scores = score_responses(client(s.url, retries=3), RESPONSES[:4], LABELS[:4])
+    assert scores.rewards == [len(r) / 10 for r in RESPONSES[:4]] and not any(scores.failed)
+    assert len(s.requests) == 3
+
+
+def test_a_service_that_keeps_failing_fails_its_items_never_zeros_them(service, caplog):
+    s = service(lambda n, items: 500)
+    fn = client(s.url, retries=2)
+    scores = score_responses(fn, RESPONSES[:4], LABELS[:4])
+    assert scores.failed == [True] * 4 and scores.errors == 4
+    assert len(s.requests) == 3  # one try and two retries
+    assert "HTTP 500" in scores.first_error and "after 3 tries" in scores.first_error
+    assert fn.failed_total == 4
+
+
+def test_a_hung_service_is_bounded_by_the_per_call_limit_and_counted(service):
+    s = service(lambda n, items: s.release.wait() and None)  # never answers until the test ends
+    fn = client(s.url, timeout_s=0.5, retries=1)
+    t0 = time.monotonic()
+    scores = score_responses(fn, RESPONSES[:3], LABELS[:3])
+    took = time.monotonic() - t0
+    assert scores.failed == [True] * 3 and "timed out" in scores.first_error
+    assert len(s.requests) == 2  # retried once
+    assert took < 2 * (0.5 + 1.0) + 1.0  # two tries of 0.5 s and the backoff, with slack; not the hang
+
+
+def test_a_slow_answer_is_retried_and_the_retry_is_used(service):
+    first_given_up = threading.Event()
+
+    def behave(n, items):
+        if n == 0:  # held until the client has retried, so it ran past its limit
+            first_given_up.wait(10)
+            return {"rewards": [-1.0] * len(items)}
+        first_given_up.set()
+        return None
+
+    s = service(behave)
+    scores = score_responses(client(s.url, timeout_s=0.5, retries=2), RESPONSES[:2], LABELS[:2])
+    assert scores.rewards == [len(r) / 10 for r in RESPONSES[:2]] and not any(scores.failed)
+
+
+def test_items_without_a_reward_and_malformed_answers_fail_without_a_retry(service):
+    s = service(lambda n, items: {"rewards": [1.0, None, "high", float("nan") if False else 2],
+                                  "errors": [None, "no test for this", None, None]})
+    scores = score_responses(client(s.url), RESPONSES[:4], LABELS[:4])
+    assert scores.failed == [False, True, True, False] and scores.rewards == [1.0, 0.0, 0.0, 2.0]
+    assert scores.first_error == "no test for this"
+    wrong = service(lambda n, items: {"rewards": [1.0]})
+    scores = score_responses(client(wrong.url), RESPONSES[:3], LABELS[:3])
+    assert scores.failed == [True] * 3 and "1 per item" not in scores.first_error and "3 items sent" in \
+        scores.first_error
+    assert len(wrong.requests) == 1  # an answer that is not the protocol is not retried
+
+
+def test_past_max_errors_scoring_stops_with_a_message(service):
+    s = service(lambda n, items: 500)
+    fn = client(s.url, retries=0, max_errors=5)
+    score_responses(fn, RESPONSES[:4], LABELS[:4])  # 4 failed: within the limit
+    with pytest.raises(RewardServiceError, match=r"failed 8 items over the run, more than "
+                                                 r"data.reward_service.max_errors=5"):
+        score_responses(fn, RESPONSES[:4], LABELS[:4])
+
+
+def test_negative_control_a_healthy_service_has_no_errors_and_the_limit_is_not_hit(service):
+    s = service()
+    fn = client(s.url, retries=0, max_errors=0)
+    for _ in range(3):
+        scores = score_responses(fn, RESPONSES, LABELS)
+        assert scores.errors == 0 and scores.rewards == [len(r) / 10 for r in RESPONSES]
+
+
+def test_config_problems_are_reported_together_before_start(monkeypatch):
+    from relax.config.compose import load_config
+    from relax.config.validate import ConfigError
+
+    monkeypatch.delenv("RELAX_ABSENT_KEY", raising=False)
+
+    def problems(*overrides: str) -> str:
+        try:
+            load_config(list(overrides))
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    text = problems("data.reward=http://127.0.0.1:8000/score", "data.reward_timeout_s=5",
+                    "data.reward_service.api_key_env=RELAX_ABSENT_KEY", "data.reward_service.concurrency=0")
+    assert "data.reward_timeout_s=5.0 has no effect on a reward service" in text
+    assert "RELAX_ABSENT_KEY: the environment variable is not set" in text
+    assert "data.reward_service.concurrency" in text
+    assert "data.reward_service.batch_size=8 has no effect" in problems("data.reward_service.batch_size=8")
+    assert "needs a host" in problems("data.reward=http:///score")
+    assert problems("data.reward=http://127.0.0.1:8000/score") == ""
