@@ -24,8 +24,7 @@ def check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str,
         messages = []
         for m in prompt:
             if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), list):
-                # content parts (text and images, relax.data.images): read and checked with the record's images
-                messages.append({"role": m["role"], "content": m["content"]})
+                messages.append({"role": m["role"], "content": _content_parts(m["content"], where, key)})
                 continue
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: {key!r} must be a string or a list of {{'role': str, 'content': str}} "
@@ -33,6 +32,19 @@ def check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str,
             messages.append({"role": m["role"], "content": m["content"]})
         return messages
     raise DataError(f"{where}: {key!r} must be a string or a non-empty chat message list, got {type(prompt).__name__}")
+
+
+def _content_parts(parts: list, where: str, key: str) -> Union[str, list]:
+    """A message's content given as parts (the OpenAI form): text parts alone become their joined text; with image
+    parts the list stays, read with the record's images (relax.data.images). Any other part is a DataError."""
+    kinds = [p.get("type") if isinstance(p, dict) else None for p in parts]
+    for part, kind in zip(parts, kinds, strict=True):
+        if kind not in ("text", "image", "image_url") or (kind == "text" and not isinstance(part.get("text"), str)):
+            raise DataError(f"{where}: {key!r}: unsupported content part {str(part)[:80]!r} (expected text, image_url "
+                            "or image parts)")
+    if all(kind == "text" for kind in kinds):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:

@@ -228,6 +228,10 @@ def image_prompt(obj: dict, prompt_key: str, image_key: str, where: str,
     else:
         raise DataError(f"{where}: {prompt_key!r} must be a string or a non-empty chat message list")
     if column:
+        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
+        if markers and markers != len(column):
+            raise DataError(f"{where}: the prompt has {markers} {IMAGE_MARKER} markers but {image_key!r} holds "
+                            f"{len(column)} images")
         column_images = [load_image(v, f"{where} ({image_key!r}[{i}])", base_dir) for i, v in enumerate(column)]
         messages = _place(messages, column_images, where, image_key)
         images = _ordered(messages, images, column_images)
@@ -264,9 +268,6 @@ def _parts(content: Any, where: str, key: str, images: list, base_dir: Optional[
 def _place(messages: list[dict], column: list[Any], where: str, image_key: str) -> list[dict]:
     """Messages with the column's images put where `<image>` markers say (or first in the first user message)."""
     markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
-    if markers and markers != len(column):
-        raise DataError(f"{where}: the prompt has {markers} {IMAGE_MARKER} markers but {image_key!r} holds "
-                        f"{len(column)} images")
     out, k, placed = [], 0, False
     for m in messages:
         content = m["content"]
