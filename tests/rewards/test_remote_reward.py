@@ -236,3 +236,38 @@ def test_config_problems_are_reported_together_before_start(monkeypatch):
     assert "data.reward_service.batch_size=8 has no effect" in problems("data.reward_service.batch_size=8")
     assert "needs a host" in problems("data.reward=http:///score")
     assert problems("data.reward=http://127.0.0.1:8000/score") == ""
+
+
+# ---------------------------------------------------------------------------------------------- in a run
+RUN = ["tracking.enabled=false", "tracking.progress=false", "cluster.cpus_per_node=1", "model.dtype=float32",
+       "train.save=false", "train.num_rollout=2", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+       "train.micro_batch_size=8"]
+
+
+@pytest.mark.slow
+def test_a_run_against_a_service_counts_its_failures_and_stops_past_the_limit(service, tmp_path, in_process):
+    """relax-train data.reward=http://...: the service answers null for responses of odd length, so their groups are
+    left out and counted (rollout/reward_errors = the odd-length responses, counted by the service itself), the others
+    train on its rewards, and the run finishes; the same service with max_errors=0 stops the run with a message."""
+    from relax.config import load_config
+    from relax.runner.errors import RunError
+    from relax.runner.train import run
+
+    seen: list[list] = []
+
+    def behave(n, items):
+        seen.append(items)
+        return {"rewards": [None if len(i["response"]) % 2 else reward_of(i) for i in items]}
+
+    s = service(behave)
+    result = run(load_config([f"data.reward={s.url}", "data.reward_service.batch_size=5", *RUN]),
+                 output_dir=tmp_path / "a")
+    errors = result.series("rollout/reward_errors")
+    odd = sum(len(i["response"]) % 2 for items in seen for i in items)
+    assert len(errors) == 2 and sum(errors) == odd > 0
+    assert all(len(items) <= 5 for items in seen) and sum(map(len, seen)) == 32  # 2 steps of 16, in batches of 5
+    dropped = result.series("rollout/reward_dropped_frac")
+    assert all(d >= e / 16 for d, e in zip(dropped, errors, strict=True))  # whole groups are left out
+
+    with pytest.raises(RunError, match=r"failed \d+ items over the run, more than data.reward_service.max_errors=0"):
+        run(load_config([f"data.reward={s.url}", "data.reward_service.max_errors=0", *RUN]), output_dir=tmp_path / "b")
