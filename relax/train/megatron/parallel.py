@@ -4,18 +4,17 @@ megatron-core's parallel state (tensor, pipeline and data parallel groups) and i
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Optional
 
 import torch
 
 
-def free_port() -> int:
-    """A TCP port that was free on this host a moment ago (for the rendezvous of rank 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+def free_port(host: str = "") -> int:
+    """A TCP port that was free on `host` ("": any address) a moment ago (for the rendezvous of rank 0)."""
+    from relax.models.rendezvous import free_port as free
+
+    return free(host)
 
 
 def initialize(
@@ -47,10 +46,13 @@ def initialize(
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        # rank 0's store listens on master_addr only (torch's own, from a tcp:// init_method, on every interface)
+        from relax.models.rendezvous import client_store, listening_store
+
+        make = listening_store if rank == 0 else client_store
+        store = make(master_addr, master_port, world_size=world_size, timeout_s=timeout_s)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                             timeout=timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,

@@ -1,0 +1,66 @@
+"""What a run's rendezvous stores listen on (issue 44, defect 3 a), as the operating system shows it
+(`/proc/net/tcp`, `/proc/net/tcp6`): the address the ranks were given, not every interface."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from relax.models.rendezvous import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def listening(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* writes them) of the sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            address, _, hexport = fields[1].partition(":")
+            if fields[3] == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+LOOPBACK = "0100007F"  # 127.0.0.1 in /proc/net/tcp
+
+
+def other_address() -> str | None:
+    """An address of this machine other than loopback (None when it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+MEGATRON_RANK = textwrap.dedent("""
+    import sys
+    from relax.train.megatron import parallel
+    port = int(sys.argv[1])
+    parallel.initialize(0, 1, master_addr="127.0.0.1", master_port=port, backend="gloo", timeout_s=60)
+    print("READY", flush=True)
+    sys.stdin.read()
+    parallel.shutdown()
+""")
+
+
+@pytest.mark.slow  # megatron-core's import: seconds of CPU
+def test_the_megatron_rendezvous_listens_on_the_master_address_only():
+    port = free_port("127.0.0.1")
+    rank = subprocess.Popen([sys.executable, "-c", MEGATRON_RANK, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert rank.stdout.readline().strip() == "READY"
+        assert listening(port) == {LOOPBACK}
+    finally:
+        rank.stdin.close()
+        assert rank.wait(120) == 0
