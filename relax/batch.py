@@ -58,6 +58,7 @@ class Samples:
     finish_reason: list[str]  # FinishReason per response (ABORT: interrupted, to be continued), as plain strings
     weight_version: int = 0
     engine_time: float = 0.0  # seconds the rollout engine(s) spent generating these (0: not measured)
+    vision_time: float = 0.0  # of which in a vision-language model's vision tower (relax.rollout.vision)
     # mean probability mass top-k/top-p removed per drawn token (relax.rollout.sampling); NaN: not reported
     dropped_mass: float = 0.0
     # [N] long: which sample each row is (prompt draw index * group size + index in the group); it keys the
@@ -226,6 +227,7 @@ def concat_samples(parts: list[Samples], pad_token_id: int = 0) -> Samples:
         finish_reason=[r for p in parts for r in p.finish_reason],
         weight_version=min(p.weight_version for p in parts),
         engine_time=max(p.engine_time for p in parts),  # engines run side by side
+        vision_time=max(p.vision_time for p in parts),
         dropped_mass=sum(p.dropped_mass * float(p.response_mask.sum()) for p in parts)
         / max(1.0, float(sum(p.response_mask.sum() for p in parts))),
         sample_id=None if any(i is None for i in ids) else torch.cat(ids),
@@ -303,6 +305,7 @@ def extend_responses(prefix: Samples, continuation: Samples, pad_token_id: int =
         finish_reason=list(continuation.finish_reason),
         weight_version=min(prefix.weight_version, continuation.weight_version),
         engine_time=prefix.engine_time + continuation.engine_time,
+        vision_time=prefix.vision_time + continuation.vision_time,
         dropped_mass=(prefix.dropped_mass * float(prefix.response_mask.sum())
                       + continuation.dropped_mass * float(continuation.response_mask.sum())) / max(1.0, tokens),
         token_version=version,

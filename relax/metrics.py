@@ -77,6 +77,11 @@ GATEWAY_SAMPLING_OVERRIDES = "rollout/gateway_sampling_overrides"
 GATEWAY_SAMPLED_TOKENS = "rollout/gateway_sampled_tokens"
 GATEWAY_TRAINED_TOKENS = "rollout/gateway_trained_tokens"
 GATEWAY_UNTRAINED_TOKENS = "rollout/gateway_untrained_tokens"
+# Vision-language models (relax.rollout.vision): images per response, image tokens / all tokens of the batch (prompts
+# and responses), seconds the engines' vision towers took (each prompt's images once)
+IMAGES_PER_SAMPLE = "rollout/images_per_sample"
+IMAGE_TOKEN_FRAC = "rollout/image_token_frac"
+VISION_ENCODE_TIME = "perf/vision_encode_time"
 
 # RLOO's diagnostics of its training signal (see relax.algorithms.functional.rloo_diagnostics)
 RLOO_BASELINE_MEAN = "rollout/rloo/baseline_mean"

@@ -317,7 +317,8 @@ def prompt_has_images(obj: dict, prompt_key: str, image_key: str) -> bool:
 def encode_image_prompt(processor: Any, messages: list[dict], images: list[Any],
                         system_prompt: Optional[str] = None) -> tuple[str, list[int], dict[str, torch.Tensor]]:
     """(prompt text, token ids with each image's placeholder expanded by the processor, vision inputs
-    {"pixel_values", "image_grid_thw"}) of messages with image parts and their images."""
+    {"pixel_values", "image_grid_thw", "image_tokens": how many image tokens the ids hold}) of messages with image
+    parts and their images."""
     if system_prompt:
         if any(m.get("role") == "system" for m in messages):
             raise ValueError("data.system_prompt is set but this prompt has its own system message")
@@ -332,6 +333,7 @@ def encode_image_prompt(processor: Any, messages: list[dict], images: list[Any],
     if found != expected:  # the template placed a different number of placeholders than images
         raise ValueError(f"the prompt has {found} image tokens but its {len(images)} images need {expected} "
                          "(the chat template must render one placeholder per image part)")
+    vision["image_tokens"] = found
     return text, ids, vision
 
 

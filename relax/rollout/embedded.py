@@ -487,7 +487,7 @@ class EmbeddedEngine:
                 hit_eos |= advance(row_grammars, tokens, drawn)
             if episodes is not None:  # a turn ends at a stop token or its limit; its episode may go on
                 turn_over = hit_eos | turns.over_limit(rows, drawn)
-                hit_eos = turn_over & ~turns.continue_after(rows, turn_over, hit_eos, out_ids, t, budgets)
+                hit_eos = turn_over & ~turns.continue_after(rows, turn_over, hit_eos, out_ids, t, budgets, out_logp)
             hit_budget = (budgets[rows] <= t + 1) & live & ~hit_eos
             status[rows[hit_eos]] = _STOP
             status[rows[hit_budget]] = _LENGTH
@@ -579,10 +579,12 @@ class _Turns:
         return forced
 
     def continue_after(self, rows: torch.Tensor, turn_over: torch.Tensor, stopped: torch.Tensor,
-                       out_ids: torch.Tensor, t: int, budgets: torch.Tensor) -> torch.Tensor:
+                       out_ids: torch.Tensor, t: int, budgets: torch.Tensor,
+                       out_logp: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B] bool: the rows whose turn ended at column `t` (`turn_over`: a stop token (`stopped`) or the turn's
         limit) but not their episode (their observation is queued). An observation that leaves no room for a model
-        token in the row's budget ends the episode with "length"."""
+        token in the row's budget ends the episode with "length". An episode with `wants_logps` gets its turn's
+        log-probs (`turn_logps`) before `turn_end` (a server's streamed row that reports them as they are drawn)."""
         going = torch.zeros(len(rows), dtype=torch.bool)
         if not bool(turn_over.any()):
             return going
@@ -590,6 +592,8 @@ class _Turns:
             r = int(rows[k])
             episode = self.episodes[r]
             turn = out_ids[r, int(self.start[r]):t + 1].tolist()
+            if out_logp is not None and getattr(episode, "wants_logps", False):
+                episode.turn_logps(out_logp[r, int(self.start[r]):t + 1].tolist())
             obs = episode.turn_end(turn, turn[-1] if bool(stopped[k]) else None, int(self.context[r]) + t + 1)
             if obs is None:
                 continue

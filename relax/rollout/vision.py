@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from relax.batch import Samples
+from relax.metrics import IMAGE_TOKEN_FRAC, IMAGES_PER_SAMPLE, VISION_ENCODE_TIME
 from relax.models.vision import ban_placeholders, check_image_tokens, mrope_positions, stack_vision, vision_core
 from relax.rollout.embedded import _GenericDecoder
 
@@ -71,3 +73,15 @@ def prompt_vision(items: Optional[list]) -> Optional[list]:
     if not items or all(getattr(item, "vision", None) is None for item in items):
         return None
     return [getattr(item, "vision", None) for item in items]
+
+
+def vision_metrics(samples: Samples) -> dict[str, float]:
+    """rollout/images_per_sample, rollout/image_token_frac (image tokens / every prompt and response token) and
+    perf/vision_encode_time of a batch with images; {} for a text-only batch."""
+    if samples.vision is None:
+        return {}
+    images = sum(0 if v is None else int(v["image_grid_thw"].shape[0]) for v in samples.vision)
+    image_tokens = sum(0 if v is None else int(v["image_tokens"]) for v in samples.vision)
+    tokens = float(samples.prompt_mask.sum() + samples.present().sum())
+    return {IMAGES_PER_SAMPLE: images / max(1, len(samples)), IMAGE_TOKEN_FRAC: image_tokens / max(1.0, tokens),
+            VISION_ENCODE_TIME: samples.vision_time}

@@ -54,6 +54,7 @@ from relax.metrics import (
     eval_metric,
 )
 from relax.rewards.registry import Scores
+from relax.rollout.vision import vision_metrics
 from relax.runner.rollout_driver.scoring import FilterStats
 from relax.tracking.progress import format_number
 
@@ -75,6 +76,7 @@ def rollout_metrics(samples: Samples, rewards: torch.Tensor, kept: torch.Tensor,
     if samples.dropped_mass == samples.dropped_mass:  # NaN: the engine does not report it (SGLang servers)
         out[SAMPLING_DROPPED_MASS] = samples.dropped_mass
     out.update(episode_metrics(samples))
+    out.update(vision_metrics(samples))
     return out
 
 

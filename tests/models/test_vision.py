@@ -13,9 +13,11 @@ from relax.config.schema import ModelConfig, TrainConfig
 from relax.data.datasets import PromptDataset
 from relax.data.images import VisionData, build_tiny_vl_processor, build_tiny_vl_tokenizer
 from relax.data.shapes import generate_shapes
+from relax.metrics import IMAGE_TOKEN_FRAC, IMAGES_PER_SAMPLE, VISION_ENCODE_TIME
 from relax.models.hf import build_model
 from relax.models.vision import check_image_tokens, mrope_positions, stack_vision, token_types, vision_core
 from relax.rollout.embedded import EmbeddedEngine
+from relax.rollout.vision import vision_metrics
 from relax.train.torch_policy import TorchPolicy
 
 ARCHS = ["qwen2_5_vl", "qwen3_vl"]
@@ -130,7 +132,11 @@ def test_each_image_is_encoded_once_per_prompt(tokenizer, items):
                           vision=[i.vision for i in items])
     patches = sum(i.vision["pixel_values"].shape[0] for i in items if i.vision is not None)
     assert seen == [patches] and len(out) == 4 * len(items)
-    assert engine.vision_encode_time > 0
+    metrics = vision_metrics(out)
+    image_tokens = int((out.prompt_ids == model.config.image_token_id).sum())
+    assert metrics[IMAGES_PER_SAMPLE] == 3 / 4  # three of the four prompts have one image
+    assert metrics[IMAGE_TOKEN_FRAC] == image_tokens / float(out.prompt_mask.sum() + out.response_mask.sum())
+    assert metrics[VISION_ENCODE_TIME] == out.vision_time > 0
 
 
 def test_lora_freezes_the_vision_tower_by_default(tokenizer, items):

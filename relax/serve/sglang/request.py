@@ -28,7 +28,7 @@ None].
 
 Streaming (`stream`: server-sent events, see `relax.serve.sglang.server`): each event is an answer as above for
 one sample so far (text, output ids cumulative, `finish_reason` null until its last event), with `index` (its place
-in the list answer) unless the answer is a dict. A sample with `return_logprob` comes as its final event only.
+in the list answer) unless the answer is a dict. With `return_logprob` each event carries the log-probs so far.
 
 Sampling: the engine runs with seed 0, and row k of a request with `sampling_seed` s draws from the random stream
 of sample id `row_stream(s, k)` (`row_stream(s, 0) == s`), so a request gets the same tokens in any batch and
@@ -141,6 +141,7 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     live: list[int] = field(default_factory=list)  # tokens drawn by the engine call running now (not in `tokens`)
+    live_logps: list[float] = field(default_factory=list)  # their log-probs (a streamed row with return_logprob)
     finish: Optional[dict] = None
     matched: Optional[str] = None  # the stop string its output completed
     abort: Optional[str] = None  # set once an abort was asked: the message of its finish_reason
@@ -151,7 +152,7 @@ class Row:
     @property
     def watched(self) -> bool:
         """Whether the engine must show its tokens as they come (stop strings, a stream of its tokens)."""
-        return bool(self.options.stop) or (self.request.stream and not self.options.return_logprob)
+        return bool(self.options.stop) or self.request.stream
 
     def tail(self, n: int) -> list[int]:
         """The last `n` tokens of its output so far (`tokens`, then `live`)."""
@@ -213,6 +214,19 @@ def _rids(rid: Any, n_in: int) -> list[Optional[str]]:
     return [None if r is None else str(r) for r in _per_input("rid", rid, None, n_in)]
 
 
+def _check_batch(rids: list[Optional[str]], sps: list) -> None:
+    """What SGLang refuses of a batch (its `GenerateReqInput` checks, HTTP 400): one rid given to two inputs, and
+    inputs asking for different numbers of samples (`n`: SGLang samples a batch's inputs n times each)."""
+    given = [r for r in rids if r is not None]
+    if len(set(given)) != len(given):
+        twice = sorted({r for r in given if given.count(r) > 1})
+        raise RequestError(f"rid: duplicate request ids in one batch: {twice}")
+    ns = {sp.get("n", 1) if isinstance(sp, dict) and sp.get("n") is not None else 1 for sp in sps}
+    if len(ns) > 1:
+        raise RequestError(f"sampling_params: n differs between the inputs of one batch ({sorted(ns, key=str)}); "
+                           "SGLang samples every input of a batch the same number of times")
+
+
 def _stops(sp: dict) -> tuple[str, ...]:
     """sampling_params.stop: a string or a list of strings (empty ones stop nothing)."""
     stop = sp.get("stop")
@@ -251,8 +265,10 @@ class RequestCodec:
         tops = _per_input("top_logprobs_num", body.get("top_logprobs_num"), 0, n_in)
         id_lists = self._token_id_lists(body.get("token_ids_logprob"), n_in)
         text_in_logprobs = bool(body.get("return_text_in_logprobs"))
+        rids = _rids(body.get("rid"), n_in)
+        _check_batch(rids, sps)
         request = Request(rows=[], single=False, t0=time.perf_counter(), stream=bool(body.get("stream")))
-        for i, (prompt, sp, item_rid) in enumerate(zip(inputs, sps, _rids(body.get("rid"), n_in), strict=True)):
+        for i, (prompt, sp, item_rid) in enumerate(zip(inputs, sps, rids, strict=True)):
             if not isinstance(sp, dict):
                 raise RequestError("sampling_params must be an object (or one per input)")
             key, max_new, n, seed, options = self._sampling(sp, len(prompt), bool(logprobs[i]), text_in_logprobs)
@@ -415,12 +431,21 @@ class RequestCodec:
                 meta.update(self._logprobs(row))
         return {"text": text, "output_ids": list(row.tokens), "meta_info": meta}
 
-    def progress(self, row: Row, request: Request, tokens: list[int], weight_version: str) -> dict:
-        """A stream's answer of a row that has drawn `tokens` so far and goes on (a character still incomplete at
-        the end of the text left out)."""
+    def progress(self, row: Row, request: Request, tokens: list[int], logps: list[float],
+                 weight_version: str) -> dict:
+        """A stream's answer of a row that has drawn `tokens` (with log-probs `logps`) so far and goes on (a
+        character still incomplete at the end of the text left out). With return_logprob it carries the log-probs
+        of every token so far, as SGLang's events do: `output_token_logprobs`, and `input_token_logprobs` where they
+        need no forward pass (logprob_start_len -1); the prompt's earlier positions, top_logprobs and
+        token_ids_logprob come with the final answer."""
         meta = self._meta(row, request, None, len(tokens), weight_version)
+        o = row.options
         with self._tokenizer_lock:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=row.options.skip_special_tokens)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=o.skip_special_tokens)
+            if o.return_logprob:
+                meta["output_token_logprobs"] = self._entries(zip(logps, tokens, strict=True), o)
+                if o.logprob_start < 0:
+                    meta["input_token_logprobs"] = self._entries([(None, row.prompt[-1])], o)
         return {"text": text.rstrip("\ufffd"), "output_ids": list(tokens), "meta_info": meta}
 
     @staticmethod

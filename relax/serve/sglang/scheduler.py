@@ -71,6 +71,11 @@ class _Watch:
         self.row, self.stop_match = row, stop_match
         self.partial: list[int] = []  # the engine's episode fields
         self.end: Optional[str] = None
+        self.wants_logps = row.options.return_logprob  # a stream reports each token's log-prob as it is drawn
+
+    def turn_logps(self, logps: list[float]) -> None:
+        """The log-probs of the tokens `turn_end` gets next (before them: a reader never sees a token without)."""
+        self.row.live_logps.extend(logps)
 
     def turn_end(self, tokens: list[int], stop_token: Optional[int], context: int) -> Optional[list[int]]:
         row = self.row
@@ -143,7 +148,7 @@ class Scheduler:
         """Record a row's end (caller holds the lock); its request answers once every row ended."""
         if row.finish is not None:
             return
-        row.finish, row.live = finish, []  # an engine call that failed leaves its tokens uncommitted
+        row.finish, row.live, row.live_logps = finish, [], []  # a failed engine call leaves its tokens uncommitted
         row.request.progress.set()
         if all(r.finish is not None for r in row.request.rows):
             row.request.done.set()
@@ -219,10 +224,17 @@ class Scheduler:
                         paused=len(self._queue) if self._paused is not None else 0, used_tokens=_size(running),
                         pending_tokens=_size(self._queue), throughput=self._throughput)
 
-    def progress(self, request: Request) -> list[tuple[list[int], Optional[dict]]]:
-        """(tokens so far, finish_reason or None) of each row of `request`, as they stand together now."""
+    def progress(self, request: Request) -> list[tuple[list[int], list[float], Optional[dict]]]:
+        """(tokens so far, their log-probs, finish_reason or None) of each row of `request`, as they stand together
+        now. Log-probs are those of a row that reports them (return_logprob); the tokens are cut to them then."""
         with self.cv:
-            return [(r.tokens + r.live, r.finish) for r in request.rows]
+            out = []
+            for r in request.rows:
+                tokens, logps = r.tokens + r.live, r.logps + r.live_logps
+                if r.options.return_logprob:
+                    tokens = tokens[:len(logps)]  # the engine thread appends a token's log-prob first
+                out.append((tokens, logps[:len(tokens)], r.finish))
+            return out
 
     def set_released(self, tags: set[str], released: bool) -> None:
         """Record memory tags as released (nothing runs meanwhile) or resumed."""
@@ -315,7 +327,7 @@ class Scheduler:
                         n = int(out.response_mask[i].sum())
                         row.tokens.extend(out.response_ids[i, :n].tolist())
                         row.logps.extend(out.rollout_logp[i, :n].tolist())
-                        row.live, row.version = [], version
+                        row.live, row.live_logps, row.version = [], [], version
                         finish = self._finish_reason(row, out.finish_reason[i])
                         if finish is not None:
                             self._finish(row, finish)

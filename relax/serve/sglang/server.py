@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import torch
 
@@ -81,6 +81,7 @@ from relax.serve.sglang.request import (
     row_stream,
 )
 from relax.serve.sglang.scheduler import PAUSE_MODES, Scheduler
+from relax.serve.sglang.server_args import server_args
 from relax.serve.sglang.stream import Events, answer_events, write_events
 from relax.serve.sglang.weights import WeightEndpoints
 
@@ -303,6 +304,8 @@ class EmbeddedServer(WeightEndpoints):
         parts = urlsplit(target)
         path = parts.path
         route = self._routes.get(path.rstrip("/") or "/")
+        if route is None and path.startswith("/v1/models/"):  # GET /v1/models/{model}: one model's card
+            route = lambda body: self._model_card(path[len("/v1/models/"):])  # noqa: E731
         if route is None:
             return 404, {"error": {"message": f"no endpoint {path}"}}
         if path.rstrip("/") in OPENAI_PATHS:
@@ -376,12 +379,8 @@ class EmbeddedServer(WeightEndpoints):
         }
 
     def _parallel_args(self) -> dict[str, Any]:
-        """The server arguments slime compares with its own for an external engine (`_compute_server_args`): one
-        process on one device, on one node, its memory released on request (SGLang's --enable-memory-saver)."""
-        device = self.engine.device
-        return {"tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0,
-                "base_gpu_id": device.index or 0 if device.type == "cuda" else 0, "gpu_id_step": 1,
-                "enable_memory_saver": True, "disaggregation_mode": "null"}
+        """The server arguments slime compares with its own (`relax.serve.sglang.server_args`)."""
+        return server_args(self.cfg, self.engine.device)
 
     def _loads(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
@@ -389,11 +388,22 @@ class EmbeddedServer(WeightEndpoints):
         accelerator = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return 200, loads.v1_loads(self.scheduler.load(), body, accelerator)
 
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.served_model_name, "object": "model", "owned_by": "relax", "root": self.model_path,
+                "max_model_len": self.context_length}
+
     def _models(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
-        card = {"id": self.served_model_name, "object": "model", "owned_by": "relax", "root": self.model_path,
-                "max_model_len": self.context_length}
-        return 200, {"object": "list", "data": [card]}
+        return 200, {"object": "list", "data": [self._card()]}
+
+    def _model_card(self, model: str) -> tuple[int, Any]:
+        """GET /v1/models/{model}: the served model's card, or OpenAI's 404 for another name (as SGLang answers)."""
+        self._require_ready()
+        model = unquote(model)
+        if model != self.served_model_name:
+            return 404, APIError(f"The model '{model}' does not exist", status=404, kind="invalid_request_error",
+                                 code="model_not_found").body()
+        return 200, self._card()
 
     # ------------------------------------------------------------------------------------------- generation
 
@@ -503,7 +513,8 @@ class EmbeddedServer(WeightEndpoints):
             yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
             return
         yield from answer_events(request, self.scheduler, self._final,
-                                 lambda row, tokens: self._codec.progress(row, request, tokens, self.weight_version))
+                                 lambda row, tokens, logps: self._codec.progress(row, request, tokens, logps,
+                                                                                 self.weight_version))
 
     def _final(self, row: Row) -> dict:
         """The answer of an ended row of a stream."""

@@ -37,6 +37,7 @@ from relax.models.lora import read_adapter_dir
 from relax.rollout.sglang import wire
 from relax.serve.sglang.request import NotReady, RequestError
 from relax.serve.sglang.scheduler import Scheduler
+from relax.serve.sglang.server_args import memory_saver
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +326,9 @@ class WeightEndpoints:
 
     def _release(self, body: dict) -> tuple[int, Any]:
         def run() -> str:
+            if not memory_saver(self.cfg):  # as SGLang's memory-saver adapter refuses it
+                raise RequestError("release_memory_occupation needs the memory saver (SGLang's --enable-memory-saver): "
+                                   "this server's run is not colocated (cluster.colocate=false)")
             tags = self._tags(body)
             with self.scheduler.exclusive("release_memory_occupation"):
                 # a health check queued meanwhile fails (as SGLang's gets no output once memory is released)
