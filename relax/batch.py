@@ -81,6 +81,10 @@ class Samples:
     # One plain dict per row (`relax.agents.episode.Episode.record`): turns, tool calls and errors, rewards, time in
     # tools and environments, why the episode ended, its prompt item. None: single-turn rollout.
     episodes: Optional[list] = None
+    # [N, P+T, L, k] uint8 (int16 past 254 experts): a mixture-of-experts model's top-k experts of every token of
+    # `sequences()` in each of its L MoE layers, as the engine routed it (rollout.routing_replay; relax.models.moe);
+    # 255 (int16: -1) where none was recorded (padding, a token never fed). None: not recorded.
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         # producers may hand in FinishReason members; the samples keep plain strings (see `plain_reason`)
@@ -237,7 +241,23 @@ def concat_samples(parts: list[Samples], pad_token_id: int = 0) -> Samples:
         [v for p in parts for v in (p.vision if p.vision is not None else [None] * len(p))],
         token_mask=present,
         episodes=episodes,
+        routed_experts=_cat_routes(parts, P, T),
     )
+
+
+def _cat_routes(parts: list[Samples], P: int, T: int) -> Optional[torch.Tensor]:
+    """The parts' `routed_experts` re-padded to P prompt (left) and T response (right) columns."""
+    if all(p.routed_experts is None for p in parts):
+        return None
+    if any(p.routed_experts is None for p in parts):
+        raise ValueError("concat_samples: routed experts recorded for some parts only")
+    out = []
+    for p in parts:
+        r, pp = p.routed_experts, p.prompt_ids.shape[1]
+        full = torch.full((len(p), P + T, *r.shape[2:]), 255 if r.dtype == torch.uint8 else -1, dtype=r.dtype)
+        full[:, P - pp:P + r.shape[1] - pp] = r
+        out.append(full)
+    return torch.cat(out)
 
 
 def _unknown_if_none(samples: Samples) -> torch.Tensor:
@@ -277,6 +297,9 @@ def extend_responses(prefix: Samples, continuation: Samples, pad_token_id: int =
     prefix): one response per row, its tokens, log-probs and versions those of whichever part produced them."""
     if len(prefix) != len(continuation):
         raise ValueError(f"extend_responses: {len(prefix)} prefix rows but {len(continuation)} continuations")
+    if prefix.routed_experts is not None or continuation.routed_experts is not None:
+        raise ValueError("extend_responses: responses with routed experts are not continued (routing replay and "
+                         "partial rollout do not go together yet)")
     a, b = prefix.present().sum(1), continuation.present().sum(1)
     T = int((a + b).max()) if len(prefix) else 0
     ids = torch.full((len(prefix), T), pad_token_id, dtype=torch.long)

@@ -61,6 +61,12 @@ TURNS_MEAN = "rollout/turns_mean"  # model turns per episode
 TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per episode (malformed ones included)
 TOOL_ERROR_FRAC = "rollout/tool_error_frac"  # failed tool calls / tool calls (0 without calls)
 OBS_TOKEN_FRAC = "rollout/obs_token_frac"  # observation tokens / all response tokens
+# Mixture-of-experts models (relax.train.routing), over the token-layers of a step's log-prob forwards with a route the
+# engine recorded (rollout.routing_replay / record_routes): the share whose experts the trainer used equal the engine's
+# (1 under replay), and the share whose experts the trainer's own router chooses do (what replay hides)
+ROUTER_AGREEMENT = "rollout/router_agreement"
+ROUTER_OWN_AGREEMENT = "rollout/router_own_agreement"
+MOE_AUX_LOSS = "train/moe_aux_loss"  # the load-balancing loss (train.moe_aux_loss_coef > 0), mean over MoE layers
 EPISODE_LEN = "rollout/episode_len"  # response tokens per episode, observations included
 EPISODE_END = "rollout/episode_end/"  # + reason (relax.agents.protocol.END_REASONS): share of episodes ending so
 ENV_TIME = "perf/env_time"  # seconds in environments and tools (summed over episodes; they run in the rollout)

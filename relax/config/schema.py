@@ -48,6 +48,11 @@ class ModelConfig:
     head_dim: int = positive(16, when=("source", "config"))
     intermediate_size: int = 128
     max_position_embeddings: int = 512
+    # arch=qwen3_moe (docs/training.md, "Mixture of experts"): routed experts per layer, experts per token (top-k),
+    # each expert's hidden size
+    num_experts: int = positive(4, when=("arch", "qwen3_moe"))
+    num_experts_per_tok: int = positive(2, when=("arch", "qwen3_moe"))
+    moe_intermediate_size: int = positive(64, when=("arch", "qwen3_moe"))
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,11 @@ class RolloutConfig:
     # model.lora_rank > 0: what a weight update sends the engines. merged: the base weights with B A added (any
     # engine); adapter: only the adapter tensors, which the engine applies beside its base weights
     lora_sync: str = choice("merged", ("merged", "adapter"))
+    # Mixture-of-experts models (docs/training.md, "Mixture of experts"): the engine records the experts it routed
+    # every token to, per MoE layer, and the trainer's log-prob forwards route each token to exactly those (rollout
+    # routing replay, R3). record_routes: recorded and compared (rollout/router_agreement) but not replayed.
+    routing_replay: bool = False
+    record_routes: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)  # rollout.backend=sglang only
 
 
@@ -245,6 +255,17 @@ class TrainConfig:
     # An eval response counts as correct (for pass@k) when its reward is >= this (1.0: the full reward of the
     # built-in rewards).
     eval_correct_threshold: float = finite(1.0)
+    # Mixture-of-experts models, torch backend: the load-balancing loss (Switch Transformer's, per MoE layer, mean
+    # over layers) added with this coefficient; train/moe_aux_loss reports it. 0: off.
+    moe_aux_loss_coef: float = non_negative(0.0)
+    # The train/inference parity gate (docs/training.md, "Parity gate"): when mismatch_gate_metric (k3:
+    # rollout/mismatch_k3, logp_abs_diff: rollout/train_rollout_logp_abs_diff, measured before the step's update)
+    # exceeds mismatch_gate_bound for mismatch_gate_steps rollouts in a row: stop (the run ends, exit 2, naming the
+    # metric, bound and step) | skip (the rollout is not trained on). off: only logged.
+    mismatch_gate: str = choice("off", ("off", "stop", "skip"))
+    mismatch_gate_metric: str = choice("k3", ("k3", "logp_abs_diff"))
+    mismatch_gate_bound: float = positive(0.01)
+    mismatch_gate_steps: int = positive(1)
 
 
 # data.tool_parser's built-in names (relax.agents.parsers.BUILTIN_PARSERS and auto), here for validation, which

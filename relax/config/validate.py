@@ -21,6 +21,7 @@ from relax.config.megatron_rules import (
     sequence_parallel_violation,
 )
 from relax.config.reward_service_rules import reward_service_violations
+from relax.config.moe_rules import moe_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
@@ -533,7 +534,7 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
     unused(m, "model", ("path",), m.source == "config", "model.source=config builds the model from its fields")
     unused(m, "model", ("tokenizer",), m.source != "config",
            f"a model of model.source={m.source} has its own tokenizer (model.tokenizer serves source=config)")
-    r.choice("model.arch", m.arch, ("qwen3",) + VISION_ARCHS)
+    r.choice("model.arch", m.arch, ("qwen3", "qwen3_moe") + VISION_ARCHS)
     if m.source == "config":
         need = ro.max_prompt_len + ro.max_response_len
         r.require(need <= m.max_position_embeddings, ("model.max_position_embeddings", "rollout.max_prompt_len"),
@@ -747,6 +748,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _not_built(cfg, r)
     _agents(cfg, r)
     r.found.extend(reward_service_violations(cfg))
+    r.found.extend(moe_violations(cfg))
     r.found.extend(megatron_violations(cfg))
     r.found.extend(vision_violations(cfg))
     for v in algo.check(cfg):

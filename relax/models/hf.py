@@ -152,9 +152,14 @@ def hf_arch_fields(config: Any) -> dict[str, Any]:
 
 
 def qwen3_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> Any:
-    """The Qwen3Config of a `source=config` model (tied embeddings, sdpa attention)."""
+    """The Qwen3Config of a `source=config` model (tied embeddings, sdpa attention); arch=qwen3_moe: its
+    Qwen3MoeConfig (`relax.models.moe`)."""
     from transformers import Qwen3Config
 
+    if model_cfg.arch == "qwen3_moe":
+        from relax.models.moe import qwen3_moe_config
+
+        return qwen3_moe_config(model_cfg, vocab_size, pad_token_id)
     arch = {name: getattr(model_cfg, name) for name in MODEL_CONFIG_ARCH_FIELDS}
     return Qwen3Config(
         **hf_arch_kwargs({"vocab_size": vocab_size, **arch, "tie_word_embeddings": True}),
@@ -184,14 +189,15 @@ def build_model(
     if vision.is_vision_config(model_cfg):
         return vision.build_or_load(model_cfg, vocab_size, pad_token_id, seed=seed, dtype=dtype, device=device)
     if model_cfg.source == "config":
-        if model_cfg.arch != "qwen3":
-            raise ValueError(f"model.arch={model_cfg.arch!r}: only qwen3 is supported for model.source=config")
-        from transformers import Qwen3ForCausalLM
+        if model_cfg.arch not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"model.arch={model_cfg.arch!r}: only qwen3 and qwen3_moe are supported for "
+                             "model.source=config")
+        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
         config = qwen3_config(model_cfg, vocab_size, pad_token_id)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen3ForCausalLM(config)
+            model = (Qwen3MoeForCausalLM if model_cfg.arch == "qwen3_moe" else Qwen3ForCausalLM)(config)
         cast_parameters(model, dtype)
     elif model_cfg.source in ("hf", "gguf"):
         from transformers import AutoModelForCausalLM

@@ -184,7 +184,7 @@ class PolicyWorker(PolicyForwarding):
         self.rollout_dtype = pick_dtype(cfg.model, pick_device())
         self.policy = TorchPolicy(cfg.model, cfg.train, vocab_size=info.vocab_size, pad_token_id=info.pad_token_id,
                                   seed=cfg.seed, num_threads=threads, temperature=cfg.rollout.temperature,
-                                  lora_sync=cfg.rollout.lora_sync)
+                                  lora_sync=cfg.rollout.lora_sync, routing_replay=cfg.rollout.routing_replay)
         # weights of published versions that stale samples may still come from (asynchronous modes): those an
         # optimizer step changes (a LoRA policy's adapters)
         self.versions = WeightVersions(self.policy.trainable_params, keep=cfg.train.max_staleness)
@@ -243,6 +243,7 @@ class RolloutWorker:
         self.engine = EmbeddedEngine(model, eos_token_ids=list(info.eos_token_ids), pad_token_id=info.pad_token_id,
                                      device=device)
         self.engine.adapter_keys = frozenset(adapters)
+        self.engine.record_routes = cfg.rollout.routing_replay or cfg.rollout.record_routes  # an MoE model's experts
         self._abort: int | None = None  # the generation id `abort` asked to interrupt
         self.episodes = EpisodeMaker.for_config(cfg)  # None: single-turn responses
 

@@ -28,9 +28,10 @@ from relax import progress
 from relax.batch import FinishReason, Samples
 from relax.models.vision import is_vision_model
 from relax.rollout.grammar import advance, mask_logits
+from relax.rollout.routes import RecordingDecoder
 from relax.rollout.sampling import counter_uniforms, sample_tokens
 
-_FAST_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+_FAST_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}  # qwen3_moe: its sparse blocks run as they are
 _STOP, _LENGTH, _ABORT = 1, 2, 3
 _FINISH = {_STOP: FinishReason.STOP, _LENGTH: FinishReason.LENGTH, _ABORT: FinishReason.ABORT}  # of each status
 
@@ -81,11 +82,13 @@ def fused_weights(layer: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor |
     """(q|k|v weight, gate|up weight) of a Llama-family decoder layer, fused once and kept in step with the
     modules (rebuilt when a module's weight was replaced); None for a part that cannot be fused."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv_mods, gu_mods = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    # a sparse MoE block (no gate_proj) runs its own forward: routers, experts (relax.models.moe)
+    qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+    gu_mods = [mlp.gate_proj, mlp.up_proj] if hasattr(mlp, "gate_proj") else []
     qkv, gu = getattr(layer, "_relax_fused", (None, None))
     if not _views_of(qkv, qkv_mods):
         qkv = _fuse(qkv_mods)
-    if not _views_of(gu, gu_mods):
+    if gu_mods and not _views_of(gu, gu_mods):
         gu = _fuse(gu_mods)
     layer._relax_fused = (qkv, gu)
     return qkv, gu
@@ -277,9 +280,12 @@ class EmbeddedEngine:
         self._staged_version = -1
         self._weights_lock = threading.Lock()
         self.swapped_loads = 0  # loads that swapped staged weights in
+        # a mixture-of-experts model: record each token's experts into Samples.routed_experts (relax.rollout.routes)
+        self.record_routes = False
 
     def _decoder(self):
-        return _LlamaFamilyDecoder(self.model) if self.fast_path else _GenericDecoder(self.model)
+        decoder = _LlamaFamilyDecoder(self.model) if self.fast_path else _GenericDecoder(self.model)
+        return RecordingDecoder(decoder, self.model) if self.record_routes else decoder
 
     def _targets(self, state_dict: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
         """The model's tensor for each key of `state_dict` (one per distinct tensor: a tied weight, which may come
@@ -531,6 +537,7 @@ class EmbeddedEngine:
             token_version=generated * self.weight_version,
             token_mask=None if episodes is None else resp_mask,
             episodes=None if episodes is None else [e.record() for e in episodes],
+            routed_experts=decoder.routes(width) if self.record_routes else None,
         )
 
 

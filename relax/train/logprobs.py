@@ -69,7 +69,8 @@ def chunk_rows(vocab_size: int) -> int:
 
 
 # the causal LMs whose forward is `logits = lm_head(model(...).last_hidden_state[kept positions])`, nothing else
-_PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"})
+_PLAIN_HEAD_CLASSES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                                 "Qwen3MoeForCausalLM"})  # (MoE: without output_router_logits)
 # config fields that, when set, post-process the logits in some architectures (Gemma 2, Cohere, Granite, ...)
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
                      "output_multiplier_scale")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,6 +39,7 @@ from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.weight_buffers import cpu_state
 from relax.models.write_errors import os_write_errors, torch_save
 from relax.train.logprobs import autocast, forward_logprobs
+from relax.train.routing import TrainerRouting
 from relax.train.trainer import (
     PolicyTrainer,
     SkippedInARow,
@@ -58,15 +60,18 @@ STATE_FILE = "trainer_state.json"
 @torch.no_grad()
 def micro_batched_logprobs(model: torch.nn.Module, samples: Samples, micro_batch_size: int, *, device: torch.device,
                            compute_dtype: torch.dtype, temperature: float,
-                           max_tokens: Optional[int] = None, packed: bool = False) -> torch.Tensor:
+                           max_tokens: Optional[int] = None, packed: bool = False,
+                           routing: Optional[TrainerRouting] = None) -> torch.Tensor:
     """log p(response tokens) under `model`, [N, T] fp32 on the CPU, 0 where masked (length-sorted micro-batches,
-    packed or padded)."""
+    packed or padded; `routing`: an MoE model's, relax.train.routing)."""
     N, T = samples.response_ids.shape
     out = torch.zeros(N, T, dtype=torch.float32)
     for rows in length_sorted_micro_batches(samples, micro_batch_size, max_tokens, packed=packed):
         progress.tick()
-        logp, _, t = forward_logprobs(model, samples.select(rows), device=device, compute_dtype=compute_dtype,
-                                      temperature=temperature, packed=packed)
+        mb = samples.select(rows)
+        with routing.micro_batch(mb, packed) if routing is not None else nullcontext():
+            logp, _, t = forward_logprobs(model, mb, device=device, compute_dtype=compute_dtype,
+                                          temperature=temperature, packed=packed)
         out[rows, :t] = logp.float().cpu()
     return out * samples.response_mask.to(out.dtype)
 
@@ -255,13 +260,16 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         model: Optional[PreTrainedModel] = None,
         temperature: float = 1.0,
         lora_sync: str = "merged",
+        routing_replay: bool = False,
     ) -> None:
         """`total_steps`: optimizer steps of the run, for cosine/linear schedules (default: from train_cfg).
         `num_threads`: torch CPU threads (default: the CPUs this process may use; process-wide setting).
         `model`: an already built model to train instead of building one from `model_cfg`.
         `temperature`: the rollout's sampling temperature; every log-prob is of `softmax(logits / temperature)`.
         `lora_sync` (rollout.lora_sync, with model.lora_rank > 0): the rollout weights merged, or the adapters alone.
-        With LoRA, `model` keeps the adapters in its own layers (`self.peft` wraps it for PEFT's files and switch)."""
+        With LoRA, `model` keeps the adapters in its own layers (`self.peft` wraps it for PEFT's files and switch).
+        `routing_replay` (rollout.routing_replay, MoE models): route each token as the engine did
+        (relax.train.routing)."""
         device = torch.device(device) if device is not None else pick_device()
         model = trainable_model(model_cfg, vocab_size, pad_token_id, seed=seed, device=device, num_threads=num_threads,
                                 model=model)
@@ -276,11 +284,13 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
         self.temperature = float(temperature)
         self.adapters_only_sync = self.peft is not None and lora_sync == "adapter"
+        self.routing = TrainerRouting.for_model(model, train_cfg, replay=routing_replay)  # None: a dense model
 
     def _forward(self, mb: Samples, *, entropy: str) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
         """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch; entropy: "grad" | "metric" | "none"."""
-        return forward_logprobs(self.model, mb, device=self.device, compute_dtype=self.compute_dtype,
-                                temperature=self.temperature, entropy=entropy, packed=self.packed)
+        with self.routing.micro_batch(mb, self.packed) if self.routing is not None else nullcontext():
+            return forward_logprobs(self.model, mb, device=self.device, compute_dtype=self.compute_dtype,
+                                    temperature=self.temperature, entropy=entropy, packed=self.packed)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Samples, micro_batch_size: int,
@@ -289,7 +299,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         self.model.eval()
         return micro_batched_logprobs(self.model, samples, micro_batch_size, device=self.device,
                                       compute_dtype=self.compute_dtype, temperature=self.temperature,
-                                      max_tokens=max_tokens, packed=self.packed)
+                                      max_tokens=max_tokens, packed=self.packed, routing=self.routing)
 
     def accumulate_gradients(
         self,
@@ -320,8 +330,9 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
             mb = batch.select(rows)
             logp, ent, t = self._forward(mb, entropy=step.entropy)
             loss = step.micro_batch(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
-            loss.backward()
-        return step.metrics()
+            aux = self.routing.aux_loss(len(rows) / len(batch)) if self.routing is not None else None
+            (loss if aux is None else loss + aux).backward()
+        return step.metrics() | (self.routing.metrics() if self.routing is not None else {})
 
     @torch.no_grad()
     def _step_statistics(

@@ -1,0 +1,74 @@
+"""Rules of mixture-of-experts models (model.arch=qwen3_moe, rollout.routing_replay, rollout.record_routes,
+train.moe_aux_loss_coef) and of the parity gate (train.mismatch_gate); docs/training.md, "Mixture of experts" and
+"Parity gate". Pure: reads the config only. A model read from files (`model.source=hf`) is checked again when the
+trainer starts, against the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE router, no
+replay).
+"""
+
+from __future__ import annotations
+
+from relax.algorithms.base import Violation
+from relax.config.megatron_rules import NOT_BUILT
+from relax.config.schema import ModelConfig, RelaxConfig
+
+MOE_ARCHS = ("qwen3_moe",)  # model.arch values that build a mixture-of-experts model from config
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def moe_violations(cfg: RelaxConfig) -> list[Violation]:
+    """Every broken rule of MoE models and of the parity gate."""
+    m, ro, t = cfg.model, cfg.rollout, cfg.train
+    out: list[Violation] = []
+
+    def require(ok: bool, fields: str | tuple[str, ...], message: str) -> None:
+        if not ok:
+            out.append(Violation(fields=(fields,) if isinstance(fields, str) else fields, message=message))
+
+    defaults = ModelConfig()
+    if m.source != "config" or m.arch not in MOE_ARCHS:
+        for key in MOE_FIELDS:
+            require(getattr(m, key) == getattr(defaults, key), f"model.{key}",
+                    f"model.{key}={getattr(m, key)} has no effect: it sizes a mixture-of-experts model built from "
+                    f"config (model.source=config, model.arch={'|'.join(MOE_ARCHS)})")
+    elif m.num_experts_per_tok > m.num_experts:
+        require(False, ("model.num_experts_per_tok", "model.num_experts"),
+                f"model.num_experts_per_tok={m.num_experts_per_tok} must be <= model.num_experts={m.num_experts}")
+    moe_option = [name for name, on in (("rollout.routing_replay", ro.routing_replay),
+                                        ("rollout.record_routes", ro.record_routes),
+                                        ("train.moe_aux_loss_coef", t.moe_aux_loss_coef > 0)) if on]
+    for name in moe_option:
+        require(m.source != "config" or m.arch in MOE_ARCHS, (name, "model.arch"),
+                f"{name} acts on a mixture-of-experts model, but model.arch={m.arch} is dense (model=tiny_moe, or a "
+                "Qwen3-MoE checkpoint such as model=qwen3_30b_a3b)")
+        require(t.backend == "torch", (name, "train.backend"),
+                f"{name} with train.backend={t.backend} {NOT_BUILT}: MoE models train on the torch backend (the "
+                "Megatron backend has no MoE converter or router replay yet)")
+    routes = ro.routing_replay or ro.record_routes
+    require(not (ro.routing_replay and ro.record_routes), "rollout.record_routes",
+            "rollout.record_routes=true has no effect with rollout.routing_replay=true (replay records the routes "
+            "too)")
+    if routes:
+        name = "rollout.routing_replay" if ro.routing_replay else "rollout.record_routes"
+        require(ro.backend == "embedded", (name, "rollout.backend"),
+                f"{name} with rollout.backend={ro.backend} {NOT_BUILT}: the embedded engine records the routed "
+                "experts; the SGLang path does not carry them to the trainer yet")
+        require(not ro.partial_rollout, (name, "rollout.partial_rollout"),
+                f"{name} with rollout.partial_rollout=true {NOT_BUILT}: a continued response's routes (the prefix "
+                "re-read under newer weights) are not joined yet")
+        require(cfg.data.openai_agent is None, (name, "data.openai_agent"),
+                f"{name} with data.openai_agent {NOT_BUILT}: gateway sessions do not carry routed experts")
+        require(not (ro.routing_replay and m.gradient_checkpointing),
+                ("rollout.routing_replay", "model.gradient_checkpointing"),
+                f"rollout.routing_replay=true with model.gradient_checkpointing=true {NOT_BUILT}: the recomputed "
+                "forward of the backward would route afresh instead of replaying")
+    require(t.mismatch_gate == "off", "train.mismatch_gate",
+            f"train.mismatch_gate={t.mismatch_gate} {NOT_BUILT} yet (it lands with its runner hook)")
+    if t.mismatch_gate == "off":
+        for key in ("mismatch_gate_metric", "mismatch_gate_bound", "mismatch_gate_steps"):
+            require(getattr(t, key) == getattr(type(t)(), key), (f"train.{key}", "train.mismatch_gate"),
+                    f"train.{key}={getattr(t, key)} has no effect with train.mismatch_gate=off")
+    else:
+        require(not cfg.algorithm.use_rollout_logprobs, ("train.mismatch_gate", "algorithm.use_rollout_logprobs"),
+                f"train.mismatch_gate={t.mismatch_gate} measures the trainer's log-probs against the engine's, but "
+                "algorithm.use_rollout_logprobs=true takes the engine's as the old log-probs (no trainer pass)")
+    return out

@@ -1,0 +1,199 @@
+"""Mixture-of-experts models: the Qwen3-MoE config of a `source=config` model, and control of the routers.
+
+Which models: the Hugging Face Qwen3-MoE causal LM (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B, and
+`model.arch=qwen3_moe` built from config). Its sparse block routes each token by `Qwen3MoeTopKRouter`: logits
+z = h W_r^T, p = softmax(z) in fp32, the top-k experts of p, their weights p[top-k] (renormalised to sum 1 when the
+config says `norm_topk_prob`).
+
+`RouterControl` puts one forward hook on every router of a model (once; `router_control(model)`), which does
+nothing until asked to:
+
+- record: keep the top-k expert ids each router chose (the rollout engine, `relax.rollout.routes`);
+- compare / force (`arm`): given the engine's experts of every token and layer, count how often the router's own
+  choice equals them and, forcing, route each token to exactly the engine's experts, with the weights recomputed
+  from this model's own probabilities over those experts (p[forced], renormalised as the config says): rollout
+  routing replay (R3), as megatron-core's `RouterReplay` and slime do. The weights keep their gradient through p;
+  the choice itself has none, forced or not;
+- collect the router logits and the experts used, for the load-balancing loss (`load_balancing_loss`).
+
+Routes travel compactly (`route_dtype`): uint8 for up to 255 experts, else int16; a token without a recorded route
+(padding, a token never fed to the engine) holds `route_fill(dtype)`, which `recorded_mask` reads back as missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from relax.config.moe_rules import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
+from relax.config.schema import ModelConfig
+
+
+def qwen3_moe_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> Any:
+    """The Qwen3MoeConfig of a `source=config`, `arch=qwen3_moe` model: every layer sparse, `num_experts` experts of
+    `moe_intermediate_size`, top-`num_experts_per_tok` routing renormalised (as Qwen3-30B-A3B), tied embeddings."""
+    from transformers import Qwen3MoeConfig
+
+    from relax.models.hf import MODEL_CONFIG_ARCH_FIELDS, hf_arch_kwargs
+
+    arch = {name: getattr(model_cfg, name) for name in MODEL_CONFIG_ARCH_FIELDS}
+    return Qwen3MoeConfig(
+        **hf_arch_kwargs({"vocab_size": vocab_size, **arch, "tie_word_embeddings": True}),
+        num_experts=model_cfg.num_experts,
+        num_experts_per_tok=model_cfg.num_experts_per_tok,
+        moe_intermediate_size=model_cfg.moe_intermediate_size,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        output_router_logits=False,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def _router_classes() -> tuple[type, ...]:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    return (Qwen3MoeTopKRouter,)
+
+
+def moe_routers(model: nn.Module) -> list[nn.Module]:
+    """The routers of `model`'s sparse MoE layers, in layer order (empty for a dense model)."""
+    classes = _router_classes()
+    return [m for m in model.modules() if isinstance(m, classes)]
+
+
+def is_moe(model: nn.Module) -> bool:
+    return bool(moe_routers(model))
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The dtype routes travel in: uint8 up to 255 experts (255 marks a missing route), else int16 (-1 does)."""
+    return torch.uint8 if num_experts < 255 else torch.int16
+
+
+def route_fill(dtype: torch.dtype) -> int:
+    """The value of a missing route in `dtype`."""
+    return 255 if dtype == torch.uint8 else -1
+
+
+def recorded_mask(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[...] bool over routes [..., k]: True where a route was recorded (every one of its k ids an expert)."""
+    r = routes.long()
+    return ((r >= 0) & (r < num_experts)).all(-1)
+
+
+def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, valid: Optional[torch.Tensor],
+                        num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss of one MoE layer, normalised as megatron-core's (1 when balanced):
+    E / k * sum_e f_e P_e, f_e = (tokens routed to e) / n, P_e = mean router probability of e, over the n valid
+    tokens. logits [M, E] (with their gradient), experts [M, k] (the ones used), valid [M] bool or None (all)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    if valid is not None:
+        probs, experts = probs[valid], experts[valid]
+    n = max(1, probs.shape[0])
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(0, experts.reshape(-1).long(), torch.ones(experts.numel(), device=logits.device))
+    return num_experts / top_k * ((counts / n) * (probs.sum(0) / n)).sum()
+
+
+class RouterControl:
+    """Forward hooks on every router of one model (see the module docstring); one per model: `router_control`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no mixture-of-experts router")
+        first = self.routers[0]
+        self.num_layers = len(self.routers)
+        self.top_k, self.num_experts = int(first.top_k), int(first.num_experts)
+        self.norm_topk = bool(first.norm_topk_prob)
+        self.recording = False
+        self.recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self._engine: Optional[torch.Tensor] = None  # [M, L, k] long, -1 where missing
+        self._force = False
+        self._collect = False
+        self.logits: list[Optional[torch.Tensor]] = [None] * self.num_layers
+        self.used: list[Optional[torch.Tensor]] = [None] * self.num_layers
+        # (token-layers compared, whose used experts equal the engine's, whose own choice does)
+        self.counts = torch.zeros(3, dtype=torch.float64)
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(layer))
+
+    def arm(self, engine: Optional[torch.Tensor], *, force: bool, collect: bool) -> None:
+        """The next forwards compare with (and, `force`, use) `engine` [M, L, k] (the engine's experts of the M
+        tokens of the forward in the order the routers see them; entries < 0 or >= E: none recorded), and with
+        `collect` keep each layer's logits and experts used."""
+        if engine is not None and tuple(engine.shape[1:]) != (self.num_layers, self.top_k):
+            raise ValueError(f"routes of shape {tuple(engine.shape)}: this model has {self.num_layers} MoE layers of "
+                             f"top-{self.top_k} routing")
+        self._engine, self._force, self._collect = engine, force and engine is not None, collect
+        self.logits = [None] * self.num_layers
+        self.used = [None] * self.num_layers
+
+    def disarm(self) -> None:
+        self._engine, self._force, self._collect = None, False, False
+
+    def take_counts(self) -> torch.Tensor:
+        counts, self.counts = self.counts, torch.zeros(3, dtype=torch.float64)
+        return counts
+
+    def _hook(self, layer: int):
+        def hook(module: nn.Module, inputs: tuple, output: tuple) -> Optional[tuple]:
+            logits, scores, chosen = output
+            if self.recording:
+                self.recorded[layer].append(chosen.detach())
+            if self._engine is None and not self._collect:
+                return None
+            used = chosen
+            if self._engine is not None:
+                engine = self._engine[:, layer].to(chosen.device)
+                if engine.shape[0] != chosen.shape[0]:
+                    raise ValueError(f"MoE layer {layer}: {engine.shape[0]} recorded routes for {chosen.shape[0]} "
+                                     "tokens")
+                known = ((engine >= 0) & (engine < self.num_experts)).all(-1)
+                if self._force:
+                    used = torch.where(known[:, None], engine, chosen)
+                    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+                    top = probs.gather(1, used)
+                    if self.norm_topk:
+                        top = top / top.sum(-1, keepdim=True)
+                    scores = top.to(logits.dtype)
+                with torch.no_grad():
+                    want = engine[known].sort(-1).values
+                    same_used = (used[known].sort(-1).values == want).all(-1)
+                    same_own = (chosen[known].sort(-1).values == want).all(-1)
+                    self.counts += torch.tensor([float(known.sum()), float(same_used.sum()), float(same_own.sum())],
+                                                dtype=torch.float64)
+            if self._collect:
+                self.logits[layer], self.used[layer] = logits, used
+            return logits, scores, used
+
+        return hook
+
+
+def router_control(model: nn.Module) -> RouterControl:
+    """The `RouterControl` of `model`, made (and its hooks put on) the first time."""
+    control = getattr(model, "_relax_router_control", None)
+    if control is None:
+        control = RouterControl(model)
+        model._relax_router_control = control
+    return control
+
+
+def stack_recorded(control: RouterControl, batch: int, width: int) -> torch.Tensor:
+    """The routes `control` recorded over one forward of `batch` x `width` tokens: [batch, width, L, k] long (and
+    clears them)."""
+    layers = []
+    for rec in control.recorded:
+        if len(rec) != 1:
+            raise RuntimeError(f"expected one routing per MoE layer in a forward, got {len(rec)}")
+        layers.append(rec[0].reshape(batch, width, control.top_k))
+    control.recorded = [[] for _ in control.routers]
+    return torch.stack(layers, dim=2)
+
