@@ -164,7 +164,7 @@ def test_a_streamed_generate_with_return_logprob_sends_the_logprobs_so_far_in_ev
     for event in progress:
         meta = event["meta_info"]
         n = len(event["output_ids"])
-        assert meta["finish_reason"] is None and 0 < n < len(final["output_ids"])
+        assert meta["finish_reason"] is None and 0 < n <= len(final["output_ids"])
         assert [p[1] for p in meta["output_token_logprobs"]] == event["output_ids"]
         assert meta["output_token_logprobs"] == final["meta_info"]["output_token_logprobs"][:n]
         assert meta["input_token_logprobs"] == final["meta_info"]["input_token_logprobs"]
