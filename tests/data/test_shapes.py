@@ -9,9 +9,8 @@ import json
 
 import pytest
 import torch
-from PIL import Image
-
 from omegaconf import OmegaConf
+from PIL import Image
 
 from relax.config.compose import compose
 from relax.config.derive import resolve
@@ -168,3 +167,12 @@ def _violations(overrides: list[str]) -> list:
 def test_a_vision_run_validates():
     assert _violations(["model=tiny_vl", "data=shapes"]) == []
     assert _violations(["model=tiny_vl", "data=shapes", "model.arch=qwen3_vl", "model.lora_rank=4"]) == []
+
+
+def test_relax_serve_refuses_a_vision_language_model(capsys):
+    from relax.cli.serve import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--port", "0", "model=tiny_vl"])
+    assert exit_.value.code == 2
+    assert "relax-serve is not built for vision-language models yet" in capsys.readouterr().err
