@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from relax.agents.parsers import message_decoder
 from relax.agents.protocol import AgentLoop, Reply
 from relax.agents.render import ObservationRenderer
 from relax.batch import FinishReason, plain_reason
@@ -114,6 +115,7 @@ class EpisodeMaker:
     def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int):
         self.loops, self.tokenizer = loops, tokenizer
         self.renderer = ObservationRenderer(tokenizer)
+        self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
         self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
 
     @classmethod
@@ -143,7 +145,7 @@ class EpisodeMaker:
             close()
 
     def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self._text(tokens)
 
     def new(self, item: dict) -> Episode:
         return Episode(item, self.loops(), self.renderer, self.decode, **self.limits)

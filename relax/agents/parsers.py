@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -278,6 +278,27 @@ TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
     (PYTHON_TAG, "llama3_json"),
     ("ipython", "llama3_json"),
 )
+
+
+# The markers the built-in parsers and the reasoning split read. A tokenizer may make them special tokens (DeepSeek's
+# tool-call markers, Llama's <|python_tag|>); decoding a message with special tokens skipped would then drop them and
+# a call would read as prose, silently. `message_decoder` keeps these and leaves the other special tokens out.
+MARKERS: frozenset[str] = frozenset({
+    "<think>", "</think>", OPEN_TAG, "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    PYTHON_TAG, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP,
+})
+
+
+def message_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """A function: a model message's tokens -> its text for the parsers, special tokens left out except the
+    MARKERS (what `decode(..., skip_special_tokens=True)` gives when no marker is a special token)."""
+    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    special |= set(getattr(tokenizer, "all_special_ids", ()))
+    kept = {i for i in special if tokenizer.convert_ids_to_tokens(i) in MARKERS}
+    if not kept:
+        return lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True)
+    dropped = frozenset(special - kept)
+    return lambda tokens: tokenizer.decode([t for t in tokens if t not in dropped], skip_special_tokens=False)
 
 
 class ToolParserSpecError(ValueError):

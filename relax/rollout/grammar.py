@@ -25,10 +25,13 @@ from typing import Any, Optional
 
 import torch
 
+from relax.agents.parsers import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
+
+NL = "\n"
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
 CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of a few an application sends)
-# tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: JSON arguments in plain-text markers
-TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+# tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: every built-in one
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3")
 
 
 class GrammarError(ValueError):
@@ -70,15 +73,55 @@ def _literal(text: str) -> str:
 _EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.DOTALL)
 
 
-def _rename_rule(ebnf: str, old: str, new: str) -> str:
-    """`ebnf` with the rule `old` called `new`, where it is defined and referenced (not inside string literals or
-    character classes)."""
-    return "".join(new if tok == old else tok for tok in _EBNF_TOKEN.findall(ebnf))
-
-
 def _call_schema(name: str, parameters: Any, arguments_key: str) -> dict:
     return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
             "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def _json_rules(schema: Any, rule: str, what: str) -> str:
+    """The EBNF of JSON values following `schema`, its root rule renamed `rule` and its other rules prefixed with it
+    (the grammars of several values live in one EBNF)."""
+    import xgrammar as xgr
+
+    try:
+        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError for schemas it cannot read
+        raise GrammarError(f"{what}: {exc}") from None
+    names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*)\s*::=", ebnf, flags=re.MULTILINE))
+    renamed = {n: rule if n == "root" else f"{rule}_{n}" for n in names}
+    return "".join(renamed.get(tok, tok) for tok in _EBNF_TOKEN.findall(ebnf))
+
+
+# text of an XML-format argument that is a string: anything up to the closing tag (no "<", so the tag cannot start
+# inside it), as the template writes a string argument: its text, not JSON
+_XML_TEXT = '[^<]*'
+
+
+def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, str]) -> tuple[str, list[str]]:
+    """(the sequence of `f`'s arguments in an XML format, the rules it uses): its required parameters, then each
+    optional one or not, in the schema's order, each `key[0] NAME key[1] value[0] VALUE value[1]`; a string value
+    is text (`_XML_TEXT`; one of its enum's words), any other JSON following the parameter's schema (what the
+    formats' templates write; a string with a pattern or a length limit is written as JSON, which the parsers read
+    back to the string)."""
+    parameters = f.get("parameters") or {"type": "object", "properties": {}}
+    props, required = parameters.get("properties") or {}, set(parameters.get("required") or ())
+    if parameters.get("type", "object") != "object" or not isinstance(props, dict):
+        raise GrammarError(f"the parameters of tool {f['name']!r}: an XML tool-call format needs an object schema "
+                           "with properties")
+    parts, rules = [], []
+    for i, (name, schema) in enumerate(props.items()):
+        v = f"{rule}_p{i}"
+        plain = isinstance(schema, dict) and set(schema) <= {"type", "description", "title", "enum"}
+        words = schema.get("enum") if plain else None
+        if plain and words is not None and words and all(isinstance(w, str) and "<" not in w for w in words):
+            rules.append(f"{v} ::= " + " | ".join(_literal(w) for w in words))  # as the template writes them
+        elif plain and words is None and schema.get("type") == "string":
+            rules.append(f"{v} ::= {_XML_TEXT}")
+        else:
+            rules.append(_json_rules(schema, v, f"the parameter {name!r} of tool {f['name']!r}"))
+        one = f"{_literal(key[0] + name + key[1] + value[0])} {v} {_literal(value[1])}"
+        parts.append(one if name in required else f"({one})?")
+    return " ".join(parts) or '""', rules
 
 
 def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None) -> str:
@@ -87,9 +130,11 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None) -
     schema: one or more calls, or exactly one call of the tool `name` when given.
 
     hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
-    and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; "."""
-    import xgrammar as xgr
-
+    and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
+    deepseek_v3: the calls' section markers around `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
+    \\n```<｜tool▁call▁end｜>`, separated by a newline; qwen3_coder and glm45 (XML): each argument in the template's
+    tags, a string as its text (no "<" in it), any other value as JSON of its schema; the required arguments
+    always, the optional ones each or not, in the schema's order."""
     if fmt not in TOOL_CALL_FORMATS:
         raise GrammarError(f"forcing a tool call in the {fmt!r} tool-call format is not supported (covered: "
                            f"{', '.join(TOOL_CALL_FORMATS)})")
@@ -98,24 +143,43 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None) -
         functions = [f for f in functions if f["name"] == name]
         if not functions:
             raise GrammarError(f"no tool named {name!r}")
-    key = "arguments" if fmt == "hermes" else "parameters"
-    calls = []
-    for f in functions:
-        parameters = f.get("parameters") or {"type": "object", "properties": {}}
-        try:
-            calls.append(xgr.Grammar.from_json_schema(json.dumps(_call_schema(f["name"], parameters, key)),
-                                                      any_whitespace=False))
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError for schemas it cannot read
-            raise GrammarError(f"the parameters of tool {f['name']!r}: {exc}") from None
-    call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-    body = _rename_rule(str(call), "root", "relax_call")
-    if fmt == "hermes":
-        begin, end, sep = _literal("<tool_call>\n"), _literal("\n</tool_call>"), _literal("\n")
-        one = f"{begin} relax_call {end}"
+    calls, rules = [], []
+    for i, f in enumerate(functions):
+        rule = f"relax_call{i}"
+        if fmt in ("hermes", "llama3_json", "deepseek_v3"):
+            parameters = f.get("parameters") or {"type": "object", "properties": {}}
+            if fmt == "deepseek_v3":
+                rules.append(_json_rules(parameters, f"{rule}_args", f"the parameters of tool {f['name']!r}"))
+                head = f"{DS_CALL_BEGIN}function{DS_SEP}{f['name']}\n```json\n"
+                calls.append(f"{_literal(head)} {rule}_args {_literal(NL + '```' + DS_CALL_END)}")
+                continue
+            key = "arguments" if fmt == "hermes" else "parameters"
+            rules.append(_json_rules(_call_schema(f["name"], parameters, key), rule,
+                                     f"the parameters of tool {f['name']!r}"))
+            calls.append(rule)
+        elif fmt == "qwen3_coder":
+            args, used = _xml_arguments(f, rule, ("<parameter=", ">\n"), ("", "\n</parameter>\n"))
+            rules += used
+            calls.append(f"{_literal('<function=' + f['name'] + '>' + NL)} {args} {_literal('</function>')}")
+        else:  # glm45
+            args, used = _xml_arguments(f, rule, ("<arg_key>", "</arg_key>\n"), ("<arg_value>", "</arg_value>\n"))
+            rules += used
+            calls.append(f"{_literal(f['name'] + NL)} {args}")
+    root = "relax_calls"
+    body = [f"{root} ::= " + " | ".join(f"({c})" for c in calls)] + rules
+    if fmt in ("hermes", "qwen3_coder"):
+        one, sep = f"{_literal('<tool_call>' + NL)} {root} {_literal(NL + '</tool_call>')}", _literal("\n")
+    elif fmt == "glm45":
+        one, sep = f"{_literal('<tool_call>')} {root} {_literal('</tool_call>')}", _literal("\n")
+    elif fmt == "deepseek_v3":
+        one, sep = root, _literal("\n")
     else:
-        one, sep = "relax_call", _literal("; ")
+        one, sep = root, _literal("; ")
     more = "" if name is not None else f" ({sep} {one})*"
-    return f"root ::= {one}{more}\n{body}"
+    top = f"{one}{more}"
+    if fmt == "deepseek_v3":
+        top = f"{_literal(DS_CALLS_BEGIN)} {top} {_literal(DS_CALLS_END)}"
+    return "\n".join([f"root ::= {top}"] + body)
 
 
 # ------------------------------------------------------------------------------------------------ matching

@@ -267,3 +267,31 @@ def test_the_gateway_reads_calls_with_its_parser():
         == [("calculator", {"expression": "37 * 48"})]
     assert ChatFormat(tok, (tok.eos_token_id,)).tool_calls(text) == (text, None)  # auto: Hermes, a malformed call
     assert ChatFormat.tool_calls(text) == (text, None)  # on the class: Hermes, as before
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama3_1", "qwen3_coder", "glm4_5"])
+def test_a_call_written_in_special_tokens_reaches_the_parser(family):
+    """DeepSeek's call markers and Llama's <|python_tag|> are special tokens of their tokenizers: the text the episode
+    loop and the gateway parse keeps them (`message_decoder`), so the model's call is read as a call; decoding with
+    every special token skipped (the negative control, for DeepSeek) loses the markers and the call with them."""
+    import sys
+    from pathlib import Path
+
+    from relax.agents.episode import EpisodeMaker
+    from relax.agents.parsers import message_decoder, parser_for_template
+    from relax.serve.openai.chat import ChatFormat
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from templates import FAMILIES, family_tokenizer
+
+    tok = family_tokenizer(family)
+    fam = FAMILIES[family]
+    tokens = tok.encode(fam.tool_call, add_special_tokens=False) + [tok.convert_tokens_to_ids(fam.eos)]
+    parse = BUILTIN_PARSERS[parser_for_template(tok.chat_template)]
+    maker = EpisodeMaker(lambda: None, tok, max_turns=2, max_tool_errors=1)
+    gateway = ChatFormat(tok, (tok.eos_token_id,))
+    for text in (message_decoder(tok)(tokens), maker.decode(tokens), gateway.decode(tokens[:-1])):
+        assert [(c.name, c.arguments) for c in parse(text).calls] == [("calculator", {"expression": "6 * 7"})], text
+        assert fam.eos not in text  # the other special tokens are still left out
+    if family == "deepseek_v3":
+        assert not parse(tok.decode(tokens, skip_special_tokens=True)).calls

@@ -13,8 +13,16 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from relax.agents.parsers import BUILTIN_PARSERS, parse_hermes
 from relax.rollout.embedded import EmbeddedEngine
-from relax.rollout.grammar import GrammarError, Grammars, GrammarSpec, json_schema_spec, tool_call_ebnf
+from relax.rollout.grammar import (
+    TOOL_CALL_FORMATS,
+    GrammarError,
+    Grammars,
+    GrammarSpec,
+    json_schema_spec,
+    tool_call_ebnf,
+)
 
 pytest.importorskip("xgrammar")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
@@ -42,17 +50,17 @@ def setup():
     return tok, engine, Grammars(tok, len(tok)), eos
 
 
-def run(setup, spec, max_new=160, **kw):
-    """ROWS samples of one prompt, each with its own stream, under `spec` (None: unconstrained)."""
+def run(setup, spec, max_new=160, rows=ROWS, cut_ok=False, **kw):
+    """`rows` samples of one prompt, each with its own stream, under `spec` (None: unconstrained)."""
     tok, engine, grammars, eos = setup
     prompt = tok.encode("Answer: ", add_special_tokens=False)
-    matchers = None if spec is None else [grammars.matcher(spec, [eos]) for _ in range(ROWS)]
-    out = engine.generate([prompt], n_samples_per_prompt=ROWS, max_new_tokens=max_new, seed=7,
-                          sample_ids=torch.arange(100, 100 + ROWS), grammars=matchers, **kw)
+    matchers = None if spec is None else [grammars.matcher(spec, [eos]) for _ in range(rows)]
+    out = engine.generate([prompt], n_samples_per_prompt=rows, max_new_tokens=max_new, seed=7,
+                          sample_ids=torch.arange(100, 100 + rows), grammars=matchers, **kw)
     texts = []
     for ids, mask, reason in zip(out.response_ids, out.response_mask, out.finish_reason, strict=True):
         ids = ids[mask.bool()].tolist()
-        assert spec is None or (reason == "stop" and ids[-1] == eos), (reason, tok.decode(ids))
+        assert spec is None or cut_ok or (reason == "stop" and ids[-1] == eos), (reason, tok.decode(ids))
         texts.append(tok.decode([t for t in ids if t != eos]))
     return texts, out
 
@@ -90,21 +98,63 @@ def test_every_row_under_a_regex_matches_and_without_it_none_does(setup):
     assert not any(re.fullmatch(REGEX, t) for t in free)
 
 
-def test_a_forced_hermes_tool_call_parses_against_the_tools_parameters(setup):
-    from relax.agents.parsers import parse_hermes
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                     "unit": {"enum": ["c", "f"]}, "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+    "required": ["days", "unit"]}}}, {"type": "function", "function": {"name": "noop"}}]
+CALL_ROWS = 24
 
-    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
-        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 14},
-                                         "unit": {"enum": ["c", "f"]}},
-        "required": ["days", "unit"]}}}, {"type": "function", "function": {"name": "noop"}}]
-    texts, _ = run(setup, GrammarSpec("ebnf", tool_call_ebnf(tools, "hermes", name="weather")), max_new=120)
+
+def check_weather(call, text: str) -> None:
+    """A call of `weather` whose arguments follow its schema."""
+    assert call.name == "weather" and {"days", "unit"} <= set(call.arguments) <= {"days", "unit", "code"}, text
+    days, unit = call.arguments["days"], call.arguments["unit"]
+    assert type(days) is int and 1 <= days <= 14 and unit in ("c", "f"), text
+    assert "code" not in call.arguments or re.fullmatch("[A-Z]{3}", call.arguments["code"]), text
+
+
+@pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS)
+def test_a_forced_call_parses_against_the_tools_parameters_in_every_format(setup, fmt):
+    """A named call (tool_choice naming a function) in each built-in parser's format: every row (its own stream)
+    is exactly one call of it, read by the format's own parser with no error and no prose, its arguments following
+    the schema (an enum and a pattern string as the XML formats' templates write them). The same rows without a
+    grammar write no JSON at all (test_every_row_under_a_json_schema_..., the negative control)."""
+    parse = BUILTIN_PARSERS[fmt]
+    texts, _ = run(setup, GrammarSpec("ebnf", tool_call_ebnf(TOOLS, fmt, name="weather")), max_new=200,
+                   rows=CALL_ROWS)
     for text in texts:
-        parsed = parse_hermes(text)
+        parsed = parse(text)
         assert not parsed.errors and not parsed.content and len(parsed.calls) == 1, text
-        call = parsed.calls[0]
-        assert call.name == "weather" and set(call.arguments) == {"days", "unit"}, text
-        days, unit = call.arguments["days"], call.arguments["unit"]
-        assert type(days) is int and 1 <= days <= 14 and unit in ("c", "f"), text
+        check_weather(parsed.calls[0], text)
+    assert len(set(texts)) > CALL_ROWS // 2  # the rows drew from their own streams
+
+
+def test_required_is_one_or_more_calls_of_the_listed_tools(setup):
+    """tool_choice "required": calls of any listed tool, one or more; a random model may go on calling until its
+    token limit (the calls before the cut are whole)."""
+    texts, out = run(setup, GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "hermes")), max_new=200, rows=CALL_ROWS,
+                     cut_ok=True)
+    names = []
+    for text, reason in zip(texts, out.finish_reason, strict=True):
+        parsed = parse_hermes(text)
+        assert parsed.calls and (reason == "length" or not parsed.errors and not parsed.content), text
+        for call in parsed.calls:
+            names.append(call.name)
+            if call.name == "weather":
+                check_weather(call, text)
+            else:
+                assert call.name == "noop" and call.arguments == {}, text
+    assert {"weather", "noop"} <= set(names) and len(names) > len(texts)  # both tools, and rows of several calls
+
+
+def test_a_free_string_argument_of_an_xml_format_is_its_text():
+    """qwen3_coder and glm45 write a plain string argument as its text (no quotes), as their templates do."""
+    tools = [{"type": "function", "function": {"name": "say", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+    for fmt, written in (("qwen3_coder", "<parameter=text>\n"), ("glm45", "<arg_value>")):
+        ebnf = tool_call_ebnf(tools, fmt)
+        rule = next(line for line in ebnf.splitlines() if line.startswith("relax_call0_p0 ::="))
+        assert rule == "relax_call0_p0 ::= [^<]*" and written in ebnf.replace("\\n", "\n")
 
 
 def test_rows_without_a_grammar_are_unchanged_beside_constrained_rows(setup):
@@ -138,5 +188,8 @@ def test_one_compile_per_distinct_spec_and_errors_name_the_grammar(setup):
         grammars.compile(GrammarSpec("regex", "(unclosed"))
     with pytest.raises(GrammarError, match="not valid JSON"):
         json_schema_spec("{nope")
-    with pytest.raises(GrammarError, match="qwen3_coder"):
-        tool_call_ebnf([{"type": "function", "function": {"name": "f"}}], "qwen3_coder")
+    with pytest.raises(GrammarError, match="'my_parser' tool-call format"):
+        tool_call_ebnf([{"type": "function", "function": {"name": "f"}}], "my_parser")
+    with pytest.raises(GrammarError, match="the parameter 'n' of tool 'f'"):
+        tool_call_ebnf([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": "x"}}}}}], "qwen3_coder")

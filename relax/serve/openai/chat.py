@@ -18,7 +18,7 @@ import threading
 import uuid
 from typing import Any, Optional
 
-from relax.agents.parsers import ToolParser, get_parser, parse_hermes
+from relax.agents.parsers import ToolParser, get_parser, message_decoder, parse_hermes
 from relax.agents.render import ObservationRenderer
 
 THINK, END_THINK = "<think>", "</think>"
@@ -76,6 +76,7 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...], tool_parser: Optional[ToolParser] = None):
         self.tokenizer = tokenizer
+        self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
         self.tool_parser = tool_parser if tool_parser is not None else get_parser("auto", tokenizer)
         # an instance reads calls with its own parser; ChatFormat.tool_calls(text) on the class reads Hermes
         self.tool_calls = functools.partial(ChatFormat.tool_calls, parser=self.tool_parser)
@@ -148,7 +149,7 @@ class ChatFormat:
 
     def decode(self, tokens: list[int]) -> str:
         with self.lock:
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return self._text(tokens)
 
     def pieces(self, tokens: list[int]) -> list[str]:
         """Each token's own text (special tokens written out): the `token` of its log-prob."""
@@ -156,11 +157,12 @@ class ChatFormat:
             return [self.tokenizer.decode([t]) for t in tokens]
 
     def increments(self, tokens: list[int]) -> list[str]:
-        """What each token adds to the decoded text (special tokens left out): a stream's content deltas."""
+        """What each token adds to the decoded text (special tokens left out but the tool-call markers): a stream's
+        content deltas."""
         out, before = [], ""
         with self.lock:
             for k in range(1, len(tokens) + 1):
-                text = self.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+                text = self._text(tokens[:k])
                 out.append(text[len(before):] if text.startswith(before) else "")
                 before = text if text.startswith(before) else before
         return out

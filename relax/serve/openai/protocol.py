@@ -60,7 +60,7 @@ FIELDS: dict[str, Rule] = {
     "prompt": Rule(HONOURED, "a string or token ids, one prompt per request", COMPLETION),
     "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message", CHAT),
     "tool_choice": Rule(HONOURED, '"auto", "none", "required" or a named function (forced by constrained decoding '
-                                  "in the tool parser's format: hermes, llama3_json)", CHAT),
+                                  "in the tool parser's format: any built-in one)", CHAT),
     "n": Rule(HONOURED, "choices, each with its own random stream"),
     "max_tokens": Rule(HONOURED, "default: the room left under the context (and a session's limits)"),
     "max_completion_tokens": Rule(HONOURED, "as max_tokens (the smaller of the two)", CHAT),
