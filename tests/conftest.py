@@ -12,6 +12,14 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules holding slow tests first, each module kept whole, in collection order otherwise: under xdist the
+    long end-to-end runs then start while the quick tests still wait, which fill the workers' ends, instead of a
+    long run starting last and running alone (the suite's wall time is its longest worker's)."""
+    slow = {getattr(item, "module", None) for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: getattr(item, "module", None) not in slow)  # stable: the order within stays
+
+
 def small_overrides(tmp_path: Path, *extra: str, steps: int = 2, store: Path | None = None) -> list[str]:
     """Overrides of a fast run on the tiny model, tracked in a store inside `tmp_path`, checkpoints in tmp_path/ckpt.
     `store`: an empty migrated MLflow store copied to tmp_path/mlflow.db unless one is there (creating a store runs
