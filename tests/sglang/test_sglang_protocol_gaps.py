@@ -237,3 +237,51 @@ def test_through_the_real_router_streamed_events_carry_their_logprobs(served, tm
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# ------------------------------------------------------------------------------------------- pause and continue
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_pause_at_a_token_keeps_the_running_request_and_continue_finishes_it(served, monkeypatch, mode):
+    """The pause lands while the engine draws the request's 5th token (a hook there waits until the pause has
+    interrupted the engine: no sleep); the request is kept (queued, not answered) and, after a weight-version update
+    and /continue_generation, finishes with the tokens it would have drawn unpaused, under the new version."""
+    from relax.serve.sglang import scheduler
+
+    _, server = served
+    reached, original = threading.Event(), scheduler._Watch.turn_end
+
+    def hook(self, tokens, stop_token, context):
+        if self.row.options.stop == ("<never>",) and len(self.row.tokens) + len(self.row.live) == 4:
+            reached.set()
+            deadline = time.monotonic() + 60
+            with server.scheduler.cv:  # on once the pause asked the engine to stop (after this token)
+                while not server.scheduler._interrupt:  # the pause sets it under cv without a notify
+                    assert time.monotonic() < deadline, "the pause never interrupted the engine"
+                    server.scheduler.cv.wait(0.01)
+        return original(self, tokens, stop_token, context)
+
+    monkeypatch.setattr(scheduler._Watch, "turn_end", hook)
+    sp = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 29, "stop": ["<never>"]}
+    body = {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True}
+    reference = post(server.url, "/generate", {**body, "sampling_params": {**sp, "stop": None}}).json()
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(r=post(server.url, "/generate", body)))
+    thread.start()
+    try:
+        assert reached.wait(60)
+        assert post(server.url, "/pause_generation", {"mode": mode}).status_code == 200
+        state = server.scheduler.state()
+        assert state["#queue-req"] == 1 and state["#running-rows"] == 0 and "r" not in answer
+        assert post(server.url, "/update_weight_version", {"new_version": f"after-{mode}"}).status_code == 200
+        assert "r" not in answer, "the paused request was answered"
+    finally:
+        assert post(server.url, "/continue_generation", {}).status_code == 200
+        thread.join(60)
+    out = answer["r"].json()
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["output_ids"] == reference["output_ids"]
+    assert [p[0] for p in out["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [p[0] for p in reference["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    assert out["meta_info"]["weight_version"] == f"after-{mode}"
