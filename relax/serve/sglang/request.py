@@ -8,7 +8,8 @@ sampling_seed (unknown ones ignored); `return_logprob` with `top_logprobs_num` (
 position), `token_ids_logprob` (the given tokens at each position: one list, or one per input) and
 `logprob_start_len` (the prompt's log-probs from that position on, -1: its last token only), each per input or
 one for all; `return_text_in_logprobs`; `rid` (one, or one per input; sample k of an input with n>1 has the id
-`<rid>_<k>`, and /abort_request matches either); `stream`; `lora_path` naming the loaded adapter (see
+`<rid>_<k>`, and /abort_request matches either; one rid for two inputs of a batch is a 400, as is a batch whose
+inputs ask for different `n`, as SGLang answers them); `stream`; `lora_path` naming the loaded adapter (see
 `relax.serve.sglang.weights`); constrained decoding with at most one of `json_schema` (a JSON schema as a string),
 `regex` and `ebnf` (xgrammar's EBNF, root rule `root`), as SGLang's xgrammar backend reads them (JSON written without
 free whitespace, `relax.rollout.grammar`; a grammar that does not compile is a 400). Not supported (400 naming the

@@ -18,8 +18,10 @@ a GET's query parameters read as the fields of its body):
   decoding step of a running batch), 503 when none comes within `HEALTH_TIMEOUT_S`, and 503 at once while
   generation is paused or the memory released (no output can come). A check waits while weights load. A liveness
   check that does not generate: `/get_model_info`. `GET /server_info`, `/get_server_info` (with the server
-  arguments slime compares with its own for an external engine: tp/dp/pp/ep sizes 1, one node), `/model_info`,
-  `/get_model_info`, `/get_weight_version`, `/v1/models`.
+  arguments slime compares with its own for an external engine: `relax.serve.sglang.server_args`), `/model_info`,
+  `/get_model_info`, `/get_weight_version`, `/v1/models`, `/v1/models/{model}` (OpenAI's 404 for another name).
+- A batch (a list of inputs) that gives one rid to two inputs, or different `n` to its inputs, is a 400 (SGLang's
+  request validation).
 - `GET /get_load`, `/v1/loads`: what runs and waits (`relax.serve.sglang.loads`).
 - The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.serve.openai.service`), `/v1/responses`
   (`relax.serve.openai.responses`), with the server's key (`api_key`, `relax-serve --api-key`) as
