@@ -73,6 +73,43 @@ class TeacherConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelConfig:
+    """A model that scores responses beside the rule reward (`data.reward`): the `reward_model` config group,
+    docs/training.md "Rewards". kind=classifier: a Hugging Face sequence-classification model (one label), the score
+    is its logit of the prompt and response; kind=judge: a causal LM asked with `template`, the score read from its
+    answer by `parser`. Frozen, a role of the plan (or, engine=openai, HTTP calls from the driver's scoring thread).
+    The reward trained is rule_weight * data.reward + weight * score; a failed score leaves its group out."""
+
+    kind: str = choice("none", ("none", "classifier", "judge"))
+    # classifier: a directory of a sequence-classification model and its tokenizer; judge with engine=embedded: a
+    # directory of a causal LM and its tokenizer (neither downloads)
+    path: Optional[str] = None
+    dtype: str = choice("auto", ("auto", "float32", "bfloat16"))  # auto: bf16 where the device has fast bf16
+    weight: float = finite(1.0)  # of the reward model's score in the reward trained
+    rule_weight: float = finite(1.0)  # of data.reward's score (data.reward=none: no rule reward)
+    batch_size: int = positive(16)  # texts per forward pass or judge generation; concurrent requests (engine=openai)
+    max_length: int = positive(1024)  # tokens of a scored text (classifier) or judge prompt; longer: a failed score
+    # GPU clusters: share the actor's GPU (true) or take one of its own (false); None: cluster.colocate
+    colocate: Optional[bool] = None
+    # judge: the question, with {response} and optionally {prompt} and {label} (Python format fields; {{ }} for
+    # braces), sent as the user message of the judge's chat template
+    template: Optional[str] = None
+    # judge: how a score is read from the answer: number (the last number in it) | score_tag ("score: <number>") |
+    # package.module:function (text -> float, or None when it cannot be read: a parse failure)
+    parser: str = "number"
+    score_min: float = finite(0.0)  # judge: a parsed score outside [score_min, score_max] is a parse failure
+    score_max: float = finite(10.0)
+    engine: str = choice("embedded", ("embedded", "openai"))  # judge: where it generates
+    # engine=openai: the base URL of an OpenAI-compatible API (.../v1: SGLang servers, vLLM, relax-serve, a vendor)
+    url: Optional[str] = None
+    api_key_env: Optional[str] = None  # engine=openai: the environment variable that holds its key (None: no key)
+    model: Optional[str] = None  # engine=openai: the model name sent (None: "default")
+    max_new_tokens: int = positive(16)  # judge: tokens of an answer
+    temperature: float = non_negative(0.0)  # judge: 0 is greedy
+    timeout_s: float = positive(60.0)  # engine=openai: one request; a slower one is a failed score
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """Where roles run. GPU counts are totals over the cluster; 0 GPUs means CPU roles."""
 
@@ -381,6 +418,7 @@ class RelaxConfig:
     algorithm: Any = field(default_factory=AlgorithmConfig)  # an AlgorithmConfig subclass
     model: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

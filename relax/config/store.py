@@ -17,6 +17,7 @@ from relax.config import schema
 GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
     "teacher": schema.TeacherConfig,
+    "reward_model": schema.RewardModelConfig,
     "cluster": schema.ClusterConfig,
     "rollout": schema.RolloutConfig,
     "data": schema.DataConfig,

@@ -20,6 +20,7 @@ from relax.config.megatron_rules import (
     pack_sequences_violation,
     sequence_parallel_violation,
 )
+from relax.config.reward_model_rules import needs_own_gpu, reward_model_violations
 from relax.config.reward_service_rules import reward_service_violations
 from relax.config.moe_rules import moe_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
@@ -188,6 +189,9 @@ def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     if not c.colocate and algo.requires_teacher:  # apart, the teacher has a GPU of its own (relax.runner.plan)
         needed += 1
         apart += " + 1 for the teacher"
+    if needs_own_gpu(cfg):  # reward_model.colocate=false (or cluster.colocate=false): a GPU of its own
+        needed += 1
+        apart += " + 1 for the reward model"
     r.require(
         needed <= total,
         ("cluster.actor_gpus", "cluster.num_nodes", "cluster.gpus_per_node")
@@ -679,9 +683,9 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(ro.max_episode_tokens in (None, ro.max_response_len), ("rollout.max_episode_tokens", "data.env"),
                   "rollout.max_episode_tokens limits agentic episodes (data.env, data.tools, data.agent); a "
                   "single-turn response is limited by rollout.max_response_len")
-        r.require(d.reward != "none", "data.reward",
-                  "data.reward=none: single-turn responses need a reward function (none is for an environment or "
-                  "agent loop that gives the rewards)")
+        r.require(d.reward != "none" or cfg.reward_model.kind != "none", "data.reward",
+                  "data.reward=none: single-turn responses need a reward function or a reward model (none is for "
+                  "an environment or agent loop that gives the rewards, or reward_model=classifier|judge)")
         r.require(d.turn_rewards == "episode", ("data.turn_rewards", "data.env"),
                   "data.turn_rewards=per_turn places the rewards of an episode's turns; single-turn responses have "
                   "one (data.env, data.tools, data.agent make episodes)")
@@ -750,6 +754,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     r.found.extend(reward_service_violations(cfg))
     r.found.extend(moe_violations(cfg))
     r.found.extend(megatron_violations(cfg))
+    r.found.extend(reward_model_violations(cfg))
     r.found.extend(vision_violations(cfg))
     for v in algo.check(cfg):
         prefix = f"algorithm={algo.name}: "

@@ -86,6 +86,11 @@ class Scores:
     failed: list[bool] = field(default_factory=list)
     first_error: Optional[str] = None  # the traceback (or time-out message) of the first failure
     timeouts: int = 0  # failed calls that ran past the time limit
+    # reward_model=classifier|judge (relax.runner.reward_model): its score of each response (NaN: none), the
+    # judge's answers without a readable score, and the seconds the batch took in it; None / 0 without one
+    model_scores: Optional[list[float]] = None
+    parse_failures: int = 0
+    model_time: float = 0.0
     # what the calls counted (`relax.rewards.calls.RewardValue.counts`, summed): the code_tests rewards' sandbox_runs
     # and sandbox_timeouts
     counts: dict[str, float] = field(default_factory=dict)

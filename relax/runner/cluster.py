@@ -41,6 +41,7 @@ from relax.runner.errors import RoleFailure, RunError
 from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
 from relax.runner.ray_auth import enable_token_auth
 from relax.runner.restarts import Restarts
+from relax.runner.reward_model import worker_class
 from relax.runner.watchdog import Watchdog
 
 
@@ -228,6 +229,9 @@ class Cluster:
             self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads("critic")) \
                 if self.plan.has("critic") else None
             self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
+            self.reward_model = None  # reward_model=classifier|judge: the role holding its model (None: no process)
+            if (rm_worker := worker_class(cfg)) is not None:
+                self.reward_model = self._remote(rm_worker, "reward_model", 0, cfg, threads=threads("reward_model"))
             self._pings = {a.ping.remote(): name for a, name in zip(self.actors, self.processes, strict=True)}
         if wait:
             self._wait_for_roles()
@@ -354,6 +358,12 @@ class Cluster:
 
     def teacher_logprobs(self, samples: Samples) -> torch.Tensor:
         return self.watch.get_one(self.teacher.logprobs.remote(samples), "teacher")
+
+    def reward_model_call(self, method: str, *args):
+        """The answer of the reward model's role to `method(*args)` (from the rollout stream's scoring thread)."""
+        if self.reward_model is None:
+            raise RunError(f"reward_model.{method}: the plan has no reward_model process")
+        return self.watch.get_one(getattr(self.reward_model, method).remote(*args), "reward_model")
 
     def values(self, samples: Samples) -> torch.Tensor:
         return self.watch.get_one(self.critic.values.remote(samples), "critic")

@@ -39,13 +39,17 @@ from dataclasses import dataclass
 
 from relax import algorithms
 from relax.config.derive import actor_world_size, data_parallel_size, needs_reference, teacher_model
+from relax.config.reward_model_rules import has_role as reward_model_has_role
+from relax.config.reward_model_rules import on_actor_gpu as reward_model_on_actor_gpu
 from relax.config.schema import RelaxConfig
 from relax.runner.errors import RunError
 
 # The share of a shared device each role asks Ray for: of one CPU (every role, in turns; torch in each role
 # uses `cpu_threads` threads) and of one GPU (roles sharing a GPU). A role's replicas split its share.
-SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "teacher": 0.1, "critic": 0.1, "advantages": 0.05}
-GPU_ROLES = ("actor", "rollout", "reference", "teacher", "critic")  # advantages computes on the CPU
+SHARE = {"actor": 0.5, "rollout": 0.25, "reference": 0.1, "teacher": 0.1, "critic": 0.1, "advantages": 0.05,
+         "reward_model": 0.1}
+# advantages computes on the CPU; a judge at a URL (reward_model.engine=openai) is no process: the driver calls it
+GPU_ROLES = ("actor", "rollout", "reference", "teacher", "critic", "reward_model")
 PLACEMENT_STRATEGY = "PACK"  # bundles on as few nodes as possible; each bundle (one GPU) is on one node
 SPREAD_STRATEGY = "STRICT_SPREAD"  # a CPU cluster of several nodes: each bundle on a node of its own
 PLACEMENT_TIMEOUT_S = 300.0  # how long the runner waits for the GPUs of the placement group
@@ -141,12 +145,13 @@ class Plan:
             device += f", {len(self.bundles)} nodes"
         lines = [
             f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {where}",
-            f"  {'role':<11}{'replicas':>8}  {'backend':<10}{'GPUs':>7}{'CPUs':>7}  {'placement':<31}why",
+            f"  {'role':<13}{'replicas':>8}  {'backend':<10}{'GPUs':>7}{'CPUs':>7}  {'placement':<31}why",
         ]
         for r in self.roles:
             where = "in the actor's process" if r.role == "rollout" and self.rollout_in_actor else \
+                "the driver's scoring thread" if r.role == "reward_model" and r.backend == "openai" else \
                 _placement(r, self.strategy)
-            lines.append(f"  {r.role:<11}{r.replicas:>8}  {r.backend:<10}{r.gpus:>7g}{r.cpus:>7g}  "
+            lines.append(f"  {r.role:<13}{r.replicas:>8}  {r.backend:<10}{r.gpus:>7g}{r.cpus:>7g}  "
                          f"{where:<31}{r.why}")
         if self.strategy == SPREAD_STRATEGY:
             parts = ", ".join(f"[{i}] CPU {b.get('CPU', 0):g}" for i, b in enumerate(self.bundles))
@@ -195,6 +200,20 @@ def _placement(r: RolePlan, strategy: str = PLACEMENT_STRATEGY) -> str:
     return text + (" (no GPU)" if not r.gpus else "")
 
 
+def _reward_model_why(cfg: RelaxConfig) -> str:
+    """What the plan says of the reward model (reward_model=classifier|judge)."""
+    rm = cfg.reward_model
+    if rm.kind == "classifier":
+        what = f"classifier {rm.path} (score: its logit)"
+    elif rm.engine == "embedded":
+        what = f"judge {rm.path} on an embedded engine (parser {rm.parser})"
+    else:
+        key = f", key from ${rm.api_key_env}" if rm.api_key_env else ""
+        what = f"judge at {rm.url}, HTTP (parser {rm.parser}{key})"
+    rule = f"{rm.rule_weight:g} x data.reward={cfg.data.reward} + " if cfg.data.reward != "none" else ""
+    return f"{what}, frozen, beside generation; reward = {rule}{rm.weight:g} x score"
+
+
 def build_plan(cfg: RelaxConfig) -> Plan:
     """The plan of a validated config (see the module docstring for the placement rule)."""
     algo = algorithms.get(cfg.algorithm.name)
@@ -222,7 +241,9 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         why["actor"] += f"; reference ({why_ref}): the base model with the adapters off, no second copy"
     names = ["actor", "rollout"] + (["reference"] if why_ref and not on_actor else []) + \
         (["teacher"] if teacher else []) + \
-        (["critic", "advantages"] if algo.requires_critic else [])
+        (["critic", "advantages"] if algo.requires_critic else []) + \
+        (["reward_model"] if cfg.reward_model.kind != "none" else [])
+    why["reward_model"] = _reward_model_why(cfg)
     # the reference (a frozen copy of the policy), the teacher and the critic run on the torch backend, one device each
     if ro.stage_weights:
         why["rollout"] += "; new weights copied while generating, swapped in per batch (rollout.stage_weights)"
@@ -232,7 +253,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
             f"{ro.sglang.weight_sync} (rollout.sglang.weight_sync)"
         why["rollout"] += f"; {servers} behind sglang-router; weights from the actor's process: {path}"
     backend = {"actor": t.backend, "rollout": ro.backend, "reference": "torch", "teacher": cfg.teacher.backend,
-               "critic": "torch", "advantages": "cpu"}
+               "critic": "torch", "advantages": "cpu",
+               "reward_model": "torch" if reward_model_has_role(cfg) else cfg.reward_model.engine}
     world = actor_world_size(cfg)  # Megatron: one process per rank (tp x pp x dp)
     if t.backend == "megatron":
         why["actor"] = (f"trains the policy ({t.num_steps_per_rollout} step(s) per rollout): megatron ranks "
@@ -245,6 +267,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     shares = {"reference": "actor"}
     if c.colocate:
         shares.update(rollout="actor", critic="actor", teacher="actor")
+    if reward_model_has_role(cfg) and reward_model_on_actor_gpu(cfg):  # reward_model.colocate, else cluster.colocate
+        shares["reward_model"] = "actor"
 
     bundles: list[dict[str, float]] = []
     where: dict[str, tuple[int, ...]] = {}
@@ -277,8 +301,8 @@ def build_plan(cfg: RelaxConfig) -> Plan:
             gpus["rollout"] = _share(1.0 / per_gpu)
             where["rollout"] = tuple(len(bundles) + i // per_gpu for i in range(n))
             bundles.extend({"GPU": 1.0} for _ in range(c.rollout_gpus))
-        for x in ("critic", "teacher"):  # apart: a GPU each
-            if x in names and x not in on_actor_gpu:
+        for x in ("critic", "teacher", "reward_model"):  # apart: a GPU each
+            if x in names and x not in on_actor_gpu and backend[x] == "torch":
                 gpus[x] = 1.0
                 where[x] = (len(bundles),)
                 bundles.append({"GPU": 1.0})
@@ -291,6 +315,9 @@ def build_plan(cfg: RelaxConfig) -> Plan:
                 and ro.backend == "embedded" and n == 1)
     if in_actor:  # no process of its own: no CPU share of its own
         cpus["rollout"] = 0.0
+    if "reward_model" in names and not reward_model_has_role(cfg):  # HTTP calls from the driver: no process
+        cpus["reward_model"] = 0.0
+        where.pop("reward_model", None)
     for x in names:  # each bundle also holds the CPU shares of its processes
         for b in where.get(x, ()):
             bundles[b]["CPU"] = round(bundles[b].get("CPU", 0.0) + cpus[x], 4)
@@ -376,11 +403,12 @@ def reserve(plan: Plan, timeout_s: float | None = None):
                        f"{have.get('GPU', 0):g} GPU(s) and {have.get('CPU', 0):g} CPU(s); check cluster.address, "
                        "cluster.num_nodes and cluster.gpus_per_node")
     if plan.strategy == SPREAD_STRATEGY:
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        # nodes that can hold a bundle: a head started with --num-cpus=0 (only the driver and Ray's services) cannot
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if len(nodes) < len(plan.bundles):
             raise RunError(f"the plan spreads its roles over {len(plan.bundles)} nodes (bundles {wanted}, a node each: "
-                           f"the trainer's roles apart from the rollout) but the Ray cluster has {len(nodes)} node(s); "
-                           "check cluster.address and cluster.num_nodes")
+                           f"the trainer's roles apart from the rollout) but the Ray cluster has {len(nodes)} node(s) "
+                           "with CPUs; check cluster.address and cluster.num_nodes")
     pg = placement_group([dict(b) for b in plan.bundles], strategy=plan.strategy)
     timeout = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
     if not pg.wait(timeout):

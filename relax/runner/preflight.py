@@ -9,6 +9,8 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
 - `teacher`: the distillation teacher's files and tokenizer, token for token the policy's (`check_teacher`).
 - `data`: the training prompts and the eval sets (files, task, prompt lengths).
 - `reward`: the reward function (`data.reward`) imports.
+- `reward_model`: the reward model's files (a sequence-classification head of one label and its tokenizer; a judge's
+  model and tokenizer) and the judge's parser (`relax.runner.reward_model.check_reward_model`).
 - `agent`: agentic data: the chat template renders observations (`relax.agents.render.check_template`), and the
   environment, tools and agent loop load.
 - `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
@@ -45,6 +47,7 @@ from relax.runner import checkpoint
 from relax.runner.cluster import local_gpu_problem
 from relax.runner.errors import RunError
 from relax.runner.plan import Plan, build_plan
+from relax.runner.reward_model import check_reward_model
 from relax.serve.openai.agents import load_agent
 from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
@@ -199,6 +202,13 @@ def _reward(pre: Preflight) -> bool:
     return True
 
 
+def _reward_model(pre: Preflight) -> bool:
+    if pre.cfg.reward_model.kind == "none":
+        return False
+    check_reward_model(pre.cfg)  # a classifier's head and tokenizer, a judge's model and parser
+    return True
+
+
 def _agent(pre: Preflight) -> bool:
     cfg = pre.cfg
     if not agentic(cfg):
@@ -249,6 +259,7 @@ CHECKS: tuple[Check, ...] = (
     Check("teacher", "the teacher's files and tokenizer (the policy's)", _teacher, ("tokenizer",)),
     Check("data", "training prompts and eval sets", _data, ("tokenizer",)),
     Check("reward", "data.reward imports", _reward),
+    Check("reward_model", "reward_model's files (a classifier's head, a judge's model) and parser", _reward_model),
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
@@ -257,7 +268,7 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-INPUT_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "agent", "openai_agent", "lora")
+INPUT_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora")
 
 
 def preflight(cfg: RelaxConfig, plan: Optional[Plan] = None, *, stack: Optional[contextlib.ExitStack] = None,

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,6 +52,7 @@ from relax.runner.preflight import (  # noqa: F401 (prepare, check_teacher, _che
     prepare,
 )
 from relax.runner.restarts import Restarts
+from relax.runner.reward_model import make_scorer, reward_model_metrics
 from relax.runner.rollout_driver.engines import started_engines
 from relax.runner.rollout_driver.scoring import (
     FilterStats,
@@ -289,9 +291,13 @@ class Recipe:
         if tag := restarts.new_tag():
             session.tracker.set_tags(tag)
         self.start_step = session.start_step
+        # reward_model=classifier|judge: scored in the stream's scoring thread, through its role (or its URL)
+        self.reward_model = make_scorer(cfg, cluster.reward_model_call)
+        if self.reward_model is not None:
+            stack.callback(self.reward_model.close)
         self.stream = RolloutStream(cfg, self.engines, inputs.sampler.next_batch, start_step=self.start_step,
                                     pad_token_id=inputs.info.pad_token_id,
-                                    scorer=Scorer(cfg, inputs.tokenizer, inputs.reward_fn))
+                                    scorer=Scorer(cfg, inputs.tokenizer, inputs.reward_fn, self.reward_model))
         if checkpoints.resume is not None:
             inputs.sampler.load_state_dict(cluster.load(checkpoints.resume.path)["sampler"])
             saved = checkpoint.read_rollout_state(checkpoints.resume.path)
@@ -323,6 +329,7 @@ class Recipe:
         metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
                                        scores.errors))
         metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
+        metrics.update(reward_model_metrics(cfg, scores.model_scores, scores.parse_failures, scores.model_time))
         metrics.update(count_metrics(scores))
         # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
         rewards, penalty = trained_rewards(cfg, samples, scores)
@@ -349,7 +356,7 @@ class Recipe:
                 stream.publish(step + 1, cluster.weights(step + 1))
         if evaluate:
             with _refusing_broken_weights(step):
-                metrics.update(_evaluate(cfg, self.engines, stream, self.inputs))
+                metrics.update(_evaluate(cfg, self.engines, stream, self.inputs, self.reward_model))
         step_time = timer.elapsed()
         metrics.update(self.pace.metrics(waited, step_time))
         metrics.update(self.engines.metrics())
@@ -406,7 +413,8 @@ def evaluates_after(cfg: RelaxConfig, step: int) -> bool:
     return bool(interval) and ((step + 1) % interval == 0 or step + 1 == cfg.train.num_rollout)
 
 
-def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs: Inputs) -> dict[str, float]:
+def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs: Inputs,
+              reward_model: Any = None) -> dict[str, float]:
     """Each eval set's prompts with the newest weights and the eval sampling (`rollout.eval_*`), between two calls
     of the rollout stream; its metrics are eval/<set>/... (`eval_metrics`). Each eval sample has a fixed random
     stream, the same from one evaluation to the next (common random numbers); the sets share them (sample ids from
@@ -423,7 +431,7 @@ def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs:
                                                seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True, items=list(items))
     out: dict[str, float] = {}
     for name, items in eval_sets.items():
-        scores = score(cfg, inputs.tokenizer, inputs.reward_fn, generated[name], list(items), n)
+        scores = score(cfg, inputs.tokenizer, inputs.reward_fn, generated[name], list(items), n, reward_model)
         out.update(eval_metrics(name, generated[name], scores, n=n, pass_k=ks,
                                 threshold=cfg.train.eval_correct_threshold))
     return out

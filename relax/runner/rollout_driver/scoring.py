@@ -24,12 +24,20 @@ from relax.rewards.shaping import overlong_penalty
 from relax.runner.errors import RunError
 
 
-def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, items: Sequence[Any], n: int) -> Scores:
+def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, items: Sequence[Any], n: int,
+          reward_model: Any = None) -> Scores:
     """Decode the responses and score them against their prompt's label (`n` responses per item); with
     `data.reward_error=raise` the first failing call stops the run, with its traceback.
 
     Episodes (`samples.episodes`): the reward is the sum of the rewards their environment or agent loop gave, plus
-    the reward function's on the model's last message (`reward_fn` None, `data.reward=none`: the former only)."""
+    the reward function's on the model's last message (`reward_fn` None, `data.reward=none`: the former only).
+
+    `reward_model` (a `relax.runner.reward_model.RewardModelScorer`, reward_model=classifier|judge): its scores are
+    added by weight (`with_reward_model`)."""
+    if reward_model is not None:
+        scores = score(cfg, tokenizer, reward_fn, samples, items, n) if reward_fn is not None or \
+            samples.episodes is not None else Scores(rewards=[0.0] * len(samples), failed=[False] * len(samples))
+        return with_reward_model(cfg, tokenizer, samples, items, n, scores, reward_model)
 
     episodes = samples.episodes
     if episodes is not None:
@@ -59,6 +67,37 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
         _agent_failures(episodes, scores)
     if scores.first_error is not None and cfg.data.reward_error == "raise":
         raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
+    return scores
+
+
+def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items: Sequence[Any], n: int,
+                      scores: Scores, reward_model: Any) -> Scores:
+    """`scores` (the rule reward's: data.reward, an episode's turn rewards; zeros with neither) combined with the
+    reward model's: rule_weight * rule + weight * model score. A response the model gave no score (a failed call, an
+    answer without a readable score) fails like a failed reward call: its group is left out, never scored 0; with
+    `data.reward_error=raise` the run stops."""
+    episodes = samples.episodes
+    if episodes is not None:
+        texts = [e["actions"][-1] if e["actions"] else "" for e in episodes]
+    else:
+        texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                 for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
+    rm = cfg.reward_model
+    model = reward_model.score([item for item in items for _ in range(n)], texts)
+    rule_weight = rm.rule_weight if (cfg.data.reward != "none" or episodes is not None) else 0.0
+    for i, value in enumerate(model.values):
+        if value is None:
+            scores.failed[i], scores.rewards[i] = True, 0.0
+        elif not scores.failed[i]:
+            scores.rewards[i] = rule_weight * scores.rewards[i] + rm.weight * value
+    scores.model_scores = [float("nan") if v is None else float(v) for v in model.values]
+    scores.parse_failures = sum(model.parse_failed)
+    scores.model_time = model.seconds
+    if model.first_error is not None:
+        if cfg.data.reward_error == "raise":
+            raise RunError(f"reward_model={rm.kind} failed (data.reward_error=raise): {model.first_error}")
+        if scores.first_error is None:
+            scores.first_error = f"reward_model={rm.kind}: {model.first_error}"
     return scores
 
 
@@ -163,6 +202,10 @@ def merge_scores(parts: Sequence[Scores]) -> Scores:
             out.counts[name] = out.counts.get(name, 0) + count
         if out.first_error is None:
             out.first_error = p.first_error
+        if p.model_scores is not None:  # (a reward model scores every round or none)
+            out.model_scores = (out.model_scores or []) + list(p.model_scores)
+            out.parse_failures += p.parse_failures
+            out.model_time += p.model_time
     return out
 
 
@@ -180,26 +223,32 @@ def mean_reward(scores: Scores) -> float:
 
 def select_scores(scores: Scores, rows: Sequence[int]) -> Scores:
     """The scores of responses `rows` (the first error, the time-outs and the counts stay those of the whole batch)."""
+    model = None if scores.model_scores is None else [scores.model_scores[i] for i in rows]
     return Scores([scores.rewards[i] for i in rows], [scores.failed[i] for i in rows], scores.first_error,
-                  scores.timeouts, counts=dict(scores.counts))
+                  scores.timeouts, model_scores=model, parse_failures=scores.parse_failures,
+                  model_time=scores.model_time, counts=dict(scores.counts))
 
 
 def scores_state(scores: Scores) -> dict:
     """`Scores` as plain values (for a checkpoint's rollout state, read with `torch.load(weights_only=True)`)."""
     return {"rewards": list(scores.rewards), "failed": list(scores.failed), "first_error": scores.first_error,
-            "timeouts": scores.timeouts, "counts": dict(scores.counts)}
+            "timeouts": scores.timeouts, "counts": dict(scores.counts),
+            "model_scores": None if scores.model_scores is None else list(scores.model_scores),
+            "parse_failures": scores.parse_failures, "model_time": scores.model_time}
 
 
 class Scorer:
     """What the rollout stream calls on each generated batch: its reward calls (`score`), and which of its groups
     carry a learning signal (`signal`, for `rollout.filter_groups`)."""
 
-    def __init__(self, cfg: RelaxConfig, tokenizer: Any, reward_fn: Any):
+    def __init__(self, cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, reward_model: Any = None):
+        """`reward_model`: the reward model's scorer (`relax.runner.reward_model.make_scorer`; None: none)."""
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
+        self.reward_model = reward_model
         self.group_size = cfg.rollout.n_samples_per_prompt
 
     def score(self, items: Sequence[Any], samples: Samples) -> Scores:
-        return score(self.cfg, self.tokenizer, self.reward_fn, samples, items, self.group_size)
+        return score(self.cfg, self.tokenizer, self.reward_fn, samples, items, self.group_size, self.reward_model)
 
     def signal(self, samples: Samples, scores: Scores) -> list[bool]:
         rewards, _ = trained_rewards(self.cfg, samples, scores)

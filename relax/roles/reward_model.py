@@ -1,0 +1,107 @@
+"""The reward-model role (`reward_model` config group): a frozen model that scores responses, one process placed by the
+plan (`relax.runner.plan`: on the actor's GPU or its own, a CPU share on a CPU cluster), called by the driver's
+scoring thread while the engines generate the next batch (`relax.runner.reward_model`).
+
+- `ClassifierWorker` (reward_model.kind=classifier): a sequence-classification model; a response's score is its
+  logit of the prompt's messages and the response in the model's own chat template.
+- `JudgeWorker` (reward_model.kind=judge, engine=embedded): a causal LM on an embedded engine of its own (greedy at
+  reward_model.temperature=0), answering the questions the driver wrote; the driver reads the scores from the answers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from relax import progress
+from relax.config.schema import ModelConfig, RelaxConfig
+from relax.data.tokenizer import load_tokenizer, stop_token_ids
+from relax.models.hf import build_model, pick_device, pick_dtype
+from relax.models.reward_model import classifier_scores, conversation_text, judge_prompt_ids, load_classifier
+from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
+from relax.rollout.embedded import EmbeddedEngine
+
+
+def _threads(n: Optional[int]) -> None:
+    if n:
+        torch.set_num_threads(n)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def judge_model_config(cfg: RelaxConfig) -> ModelConfig:
+    """The judge's model as a model config (a Hugging Face directory), for `build_model` and `load_tokenizer`."""
+    rm = cfg.reward_model
+    return ModelConfig(name="judge", source="hf", path=rm.path, dtype=rm.dtype)
+
+
+class ClassifierWorker:
+    """A frozen sequence-classification reward model (see the module docstring)."""
+
+    def __init__(self, cfg: RelaxConfig, *, threads: Optional[int] = None, heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
+        _threads(threads)
+        rm = cfg.reward_model
+        self.cfg, self.device = cfg, pick_device()
+        dtype = pick_dtype(ModelConfig(dtype=rm.dtype), self.device)
+        self.model, self.tokenizer = load_classifier(rm.path, dtype, self.device)
+
+    def ping(self) -> str:
+        return "ok"
+
+    def texts(self, prompts: list[Any], responses: list[str]) -> list[str]:
+        """The text scored for each (prompt, response): `conversation_text` in this model's chat template."""
+        return [conversation_text(self.tokenizer, p, r) for p, r in zip(prompts, responses, strict=True)]
+
+    def score(self, prompts: list[Any], responses: list[str]) -> tuple[list[Optional[float]], list[Optional[str]]]:
+        """(scores, errors) of each response to its prompt (a string, or the prompt's chat messages)."""
+        rm = self.cfg.reward_model
+        return classifier_scores(self.model, self.tokenizer, self.texts(prompts, responses),
+                                 batch_size=rm.batch_size, max_length=rm.max_length, device=self.device,
+                                 on_batch=progress.tick)
+
+
+class JudgeWorker:
+    """A frozen causal LM that answers judge questions on an embedded engine (see the module docstring)."""
+
+    def __init__(self, cfg: RelaxConfig, *, threads: Optional[int] = None, heartbeat: HeartbeatLink | None = None):
+        start_heartbeat(self, heartbeat)
+        _threads(threads)
+        model_cfg = judge_model_config(cfg)
+        self.cfg, device = cfg, pick_device()
+        self.tokenizer = load_tokenizer(model_cfg)
+        model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,
+                            dtype=pick_dtype(model_cfg, device), device=device)
+        model.requires_grad_(False)
+        model.eval()
+        self.engine = EmbeddedEngine(model, eos_token_ids=list(stop_token_ids(model_cfg, self.tokenizer)),
+                                     pad_token_id=self.tokenizer.pad_token_id, device=device)
+        self._drawn = 0  # answers drawn so far: each answer its own random stream (reward_model.temperature > 0)
+
+    def ping(self) -> str:
+        return "ok"
+
+    def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]]]:
+        """(answers, errors): the judge's answer to each question (None where its prompt is longer than
+        reward_model.max_length), `reward_model.batch_size` questions per generation."""
+        rm = self.cfg.reward_model
+        prompts = [judge_prompt_ids(self.tokenizer, q) for q in questions]
+        answers: list[Optional[str]] = [None] * len(questions)
+        errors: list[Optional[str]] = [None] * len(questions)
+        rows = []
+        for i, ids in enumerate(prompts):
+            if len(ids) > rm.max_length:
+                errors[i] = f"a judge prompt of {len(ids)} tokens, more than reward_model.max_length={rm.max_length}"
+            else:
+                rows.append(i)
+        for start in range(0, len(rows), rm.batch_size):
+            part = rows[start:start + rm.batch_size]
+            ids = torch.arange(self._drawn, self._drawn + len(part), dtype=torch.long)
+            self._drawn += len(part)
+            out = self.engine.generate([prompts[i] for i in part], max_new_tokens=rm.max_new_tokens,
+                                       temperature=rm.temperature, seed=self.cfg.seed, sample_ids=ids)
+            for r, i in enumerate(part):
+                tokens = out.response_ids[r][out.response_mask[r].bool()].tolist()
+                answers[i] = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return answers, errors
