@@ -73,6 +73,9 @@ OBS_TOKEN_FRAC = "rollout/obs_token_frac"  # observation tokens / all response t
 ROUTER_AGREEMENT = "rollout/router_agreement"
 ROUTER_OWN_AGREEMENT = "rollout/router_own_agreement"
 MOE_AUX_LOSS = "train/moe_aux_loss"  # the load-balancing loss (train.moe_aux_loss_coef > 0), mean over MoE layers
+# the parity gate (train.mismatch_gate): rollouts in a row past its bound, rollouts it skipped
+MISMATCH_GATE_STREAK = "train/mismatch_gate_streak"
+MISMATCH_GATE_SKIPPED = "train/mismatch_gate_skipped"
 EPISODE_LEN = "rollout/episode_len"  # response tokens per episode, observations included
 EPISODE_END = "rollout/episode_end/"  # + reason (relax.agents.protocol.END_REASONS): share of episodes ending so
 ENV_TIME = "perf/env_time"  # seconds in environments and tools (summed over episodes; they run in the rollout)

@@ -41,6 +41,7 @@ from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
+from relax.runner.mismatch_gate import MismatchGate
 from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
 from relax.runner.plan import Plan, build_plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
@@ -96,7 +97,8 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
     - Otherwise the actor recomputes them, each token at the weights that generated it (the trainer's version
       `step`, or an older one for stale samples of the asynchronous modes), when anything reads them before the
       first optimizer step would: stale tokens, a second optimizer step on the same rollout, the rollout
-      correction (TIS, rejection), reward-side KL (REINFORCE++, PPO), or advantages that read them (distillation).
+      correction (TIS, rejection), reward-side KL (REINFORCE++, PPO), advantages that read them (distillation), or
+      the parity gate (train.mismatch_gate, which measures the mismatch before the update).
     - Otherwise None: the batch is exactly on-policy for its one optimizer step, and the trainer uses its own
       current log-probs, detached (the same values, without a second forward pass).
     """
@@ -105,7 +107,7 @@ def old_logprobs(cfg: RelaxConfig, samples: Samples, cluster: Cluster, step: int
         return samples.rollout_logp
     stale = bool((samples.versions()[samples.response_mask.bool()] < step).any())
     if stale or cfg.train.num_steps_per_rollout > 1 or a.use_tis or a.rollout_mask != "none" or a.kl_coef != 0 \
-            or algorithms.get(a.name).advantages_read_old_logp:
+            or algorithms.get(a.name).advantages_read_old_logp or cfg.train.mismatch_gate != "off":
         return cluster.actor_logprobs(samples, step)
     return None
 
@@ -306,6 +308,7 @@ class Recipe:
         self.stream.publish(self.start_step, cluster.weights(self.start_step))
         self.pace = Pace(self.stream)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
+        self.gate = MismatchGate(cfg.train)  # train.mismatch_gate
 
     def step(self, step: int) -> None:
         """One training step: the rollout (scored), rewards, advantages and optimizer steps, the weights published
@@ -344,9 +347,10 @@ class Recipe:
             # 3-4. the log-probs and values the algorithm needs, then advantages
             batch, advantage_metrics = train_batch(cfg, self.plan, cluster, samples, rewards, keep, step)
             metrics.update(advantage_metrics)
+            gated = self.gate.check(metrics, step)  # the parity gate: True skips this rollout's optimizer steps
             # 5. optimizer steps over the global batch(es); a non-finite one is skipped and counted
             with timer.phase("train"):
-                train_metrics, taken = train_on_rollout(cfg, cluster, batch, step)
+                train_metrics, taken = train_on_rollout(cfg, cluster, batch, step) if not gated else ({}, 0)
             metrics.update(train_metrics)
             self.skipped.count(metrics, taken)
         # 6. weights to the rollout engines (every weight_sync_interval steps; always before evaluating)
@@ -366,6 +370,7 @@ class Recipe:
         metrics.update(timer.metrics(step_time, samples.engine_time, metrics.get(ACTOR_COMPUTE_TIME, 0.0),
                                      float(samples.response_mask.sum())))
         session.log(metrics, step)
+        self.gate.stop_if_crossed(step)  # (train.mismatch_gate=stop) after the step's metrics, before its checkpoint
         session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
         self.skipped.check(step, metrics, self.checkpoints)  # stops before a checkpoint of this step is written
         self._checkpoint(step)

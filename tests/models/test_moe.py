@@ -116,7 +116,7 @@ def test_replayed_routes_equal_recorded(packed):
     out = policy.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=4)
     assert out["rollout/router_agreement"] == 1.0 and out["rollout/router_own_agreement"] < 0.95
     checked = 0
-    for layer, calls in enumerate(seen):
+    for calls in seen:
         assert len(calls) == 6  # 3 micro-batches (9 rows of 4) in each of the two passes
     # the micro-batches in the order the trainer ran them
     from relax.train.trainer import length_sorted_micro_batches
@@ -198,7 +198,7 @@ def test_aux_loss_metric_and_gradient():
                       for zl in z) / len(z)
         seen = {}
         for name, p in policy.model.named_parameters():
-            p.register_hook(lambda g, name=name: seen.__setitem__(name, g.clone()))
+            p.register_hook(lambda g, name=name, seen=seen: seen.__setitem__(name, g.clone()))
         out = policy.train_step(batch, GRPOConfig(), per_token=True, micro_batch_size=len(s))
         if coef > 0:
             assert out["train/moe_aux_loss"] == pytest.approx(by_hand, rel=1e-4)

@@ -1,0 +1,90 @@
+"""Mixture-of-experts models and the parity gate through the training loop (roles in this process,
+tests/inprocess_ray.py): model=tiny_moe with routing replay, and train.mismatch_gate stopping or skipping on an
+engine made to disagree while a normal run is left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relax.config import ConfigError, load_config
+from relax.rollout.embedded import EmbeddedEngine
+from relax.runner.errors import RunError
+from relax.runner.train import run
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_moe_trains_with_replay_and_the_gate_leaves_it_alone(in_process, small_run, tmp_path):
+    """model=tiny_moe trains end to end with routing replay: the engine's routes reach the trainer (router agreement
+    1 on every step), the load-balancing loss is reported; the parity gate (on, stop) leaves this agreeing run alone:
+    the negative control of the gate tests below."""
+    cfg = load_config(small_run("model=tiny_moe", "rollout.routing_replay=true", "model.dtype=float32",
+                                "train.moe_aux_loss_coef=0.01", "train.mismatch_gate=stop",
+                                "train.mismatch_gate_bound=0.05", steps=2))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert result.series("rollout/router_agreement") == [1.0, 1.0]
+    assert len(result.series("rollout/router_own_agreement")) == 2
+    assert len(result.series("train/moe_aux_loss")) == 2
+    assert all(torch.isfinite(torch.tensor(result.series("train/loss"))))
+    assert result.series("train/mismatch_gate_streak") == [0.0, 0.0]
+    assert max(result.series("rollout/mismatch_k3")) < 1e-4
+
+
+def _disagreeing_engine(monkeypatch, shift: float = 0.5) -> None:
+    """Every engine reports each sampled token's log-prob `shift` nats above its true value (an engine whose
+    numerics disagree with the trainer's): |trainer - rollout| = shift, k3 = exp(-shift) - 1 + shift."""
+    generate = EmbeddedEngine.generate
+
+    def shifted(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        out.rollout_logp = out.rollout_logp + shift * out.response_mask
+        return out
+
+    monkeypatch.setattr(EmbeddedEngine, "generate", shifted)
+
+
+def test_gate_stops_a_run_past_its_bound(in_process, small_run, tmp_path, monkeypatch):
+    _disagreeing_engine(monkeypatch)
+    cfg = load_config(small_run("train.mismatch_gate=stop", "train.mismatch_gate_bound=0.05",
+                                "train.mismatch_gate_steps=2", "model.dtype=float32", steps=4))
+    with pytest.raises(RunError) as err:
+        run(cfg, output_dir=tmp_path / "out")
+    message = str(err.value)
+    k3 = torch.tensor(-0.5).exp().item() - 1 + 0.5  # 0.1065
+    assert message.startswith("step 1: the train/inference parity gate stopped the run: rollout/mismatch_k3=")
+    assert f"{k3:.4g}" in message and "train.mismatch_gate_bound=0.05" in message and "2 rollout(s) in a row" in message
+
+
+def test_gate_skips_rollouts_past_its_bound(in_process, small_run, tmp_path, monkeypatch):
+    """skip: no optimizer step on a rollout past the bound (no loss, the weights those of step 0)."""
+    _disagreeing_engine(monkeypatch)
+    cfg = load_config(small_run("train.mismatch_gate=skip", "train.mismatch_gate_metric=logp_abs_diff",
+                                "train.mismatch_gate_bound=0.2", "model.dtype=float32"))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert result.series("train/mismatch_gate_skipped") == [1.0, 1.0]
+    assert result.series("train/loss") == []
+    diffs = result.series("rollout/train_rollout_logp_abs_diff")
+    assert diffs == [pytest.approx(0.5, abs=1e-4)] * 2  # the trainer never moved: the same shift each step
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["rollout.routing_replay=true"], "model.arch"),  # a dense model
+    (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang"], "rollout.backend"),
+    (["model=tiny_moe", "rollout.routing_replay=true", "train.backend=megatron"], "train.backend"),
+    (["model=tiny_moe", "rollout.routing_replay=true", "train.mode=fully_async", "rollout.partial_rollout=true"],
+     "rollout.partial_rollout"),
+    (["model=tiny_moe", "rollout.routing_replay=true", "model.gradient_checkpointing=true"],
+     "model.gradient_checkpointing"),
+    (["model=tiny_moe", "rollout.routing_replay=true", "rollout.record_routes=true"], "rollout.record_routes"),
+    (["train.moe_aux_loss_coef=0.1"], "model.arch"),
+    (["model.num_experts=8"], "model.num_experts"),  # a dense model: no effect
+    (["model=tiny_moe", "model.num_experts_per_tok=5"], "model.num_experts_per_tok"),
+    (["train.mismatch_gate_bound=0.1"], "train.mismatch_gate_bound"),  # gate off: no effect
+    (["train.mismatch_gate=stop", "algorithm.use_rollout_logprobs=true"], "algorithm.use_rollout_logprobs"),
+    (["train.mismatch_gate=halt"], "train.mismatch_gate"),
+])
+def test_bad_moe_and_gate_options_are_rejected_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    assert any(field in v.fields for v in err.value.violations), str(err.value)
