@@ -80,7 +80,8 @@ def test_v1_models_by_id_is_the_served_models_card_and_404_for_another(served):
     assert one.status_code == 200 and one.json() == listed
     other = requests.get(f"{server.url}/v1/models/no-such-model", timeout=30)
     assert other.status_code == 404
-    assert other.json()["error"]["code"] == "model_not_found" and "no-such-model" in other.json()["error"]["message"]
+    error = other.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "no-such-model" in error["message"]
 
 
 # ------------------------------------------------------------------------------------------------- server args

@@ -404,7 +404,7 @@ class EmbeddedServer(WeightEndpoints):
         model = unquote(model)
         if model != self.served_model_name:
             return 404, APIError(f"The model '{model}' does not exist", status=404, kind="invalid_request_error",
-                                 code="model_not_found").body()
+                                 param="model", code="model_not_found").body()
         return 200, self._card()
 
     # ------------------------------------------------------------------------------------------- generation
