@@ -161,3 +161,24 @@ def test_lora_freezes_the_vision_tower_by_default(tokenizer, items):
     assert all(not p.requires_grad for n, p in policy.model.named_parameters() if "visual" in n)
     _, changed = step(_model_cfg("qwen2_5_vl", lora_rank=4, freeze_vision_tower=False))
     assert any(c for n, c in changed.items() if "visual" in n and "lora" in n)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, items):
+    """model.gradient_checkpointing=true recomputes the text model's and the vision tower's blocks in the backward:
+    the same gradients (fp32) as without."""
+    engine = _engine(build_model(_model_cfg("qwen2_5_vl"), len(tokenizer), tokenizer.pad_token_id, seed=0), tokenizer)
+    out = engine.generate([i.prompt_ids for i in items[:2]], n_samples_per_prompt=2, max_new_tokens=3, seed=0,
+                          vision=[i.vision for i in items[:2]])
+    batch = TrainBatch.from_samples(out, advantages=torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None] * out.response_mask,
+                                    old_logp=out.rollout_logp)
+    grads = []
+    for checkpointing in (False, True):
+        policy = TorchPolicy(_model_cfg("qwen2_5_vl", gradient_checkpointing=checkpointing), TrainConfig(),
+                             vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, seed=0, device="cpu")
+        core = vision_core(policy.model)
+        assert core.visual.gradient_checkpointing is checkpointing
+        assert core.language_model.gradient_checkpointing is checkpointing
+        policy.accumulate_gradients(batch, AlgorithmConfig(), per_token=True, micro_batch_size=4)
+        grads.append({n: p.grad for n, p in policy.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("visual" in n for n in grads[0])
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
