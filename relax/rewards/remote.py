@@ -23,7 +23,6 @@ never appears in a message or a log.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import threading
@@ -37,8 +36,6 @@ from typing import Optional
 from urllib.parse import urlsplit
 
 from relax.config.schema import RewardServiceConfig
-
-logger = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -115,10 +112,6 @@ class RemoteReward:
         with self._lock:
             self.failed_total += failed
             total = self.failed_total
-        if failed:
-            first = next(e for e in errors if e is not None)
-            logger.warning("reward service %s failed %d of %d items (their groups are left out): %s", self.url, failed,
-                           len(items), first)
         if total > o.max_errors:
             first = next((e for e in errors if e is not None), "?")
             raise RewardServiceError(f"the reward service {self.url} failed {total} items over the run, more than "

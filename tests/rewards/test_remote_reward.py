@@ -138,6 +138,7 @@ def test_the_key_is_sent_from_the_environment_and_never_logged(service, monkeypa
         scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
         score_responses(fn, RESPONSES[:2], LABELS[:2])
     assert s.headers[0]["Authorization"] == "Bearer sk-test-123"
+    assert "failed on a response" in caplog.text  # the failure is logged, the key is not
     assert all(scores.failed) and "sk-test-123" not in caplog.text and "sk-test-123" not in repr(fn)
     assert "sk-test-123" not in (scores.first_error or "")
 
