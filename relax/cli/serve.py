@@ -125,9 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="a resolved RelaxConfig as JSON (dataclasses.asdict)")
     parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_SERVE_API_KEY"),
-                        help="the key every endpoint but health and information requires (Authorization: Bearer), "
+                        help="the key every endpoint but /health* and /metrics requires (Authorization: Bearer), "
                              "as SGLang's --api-key; without one they answer on a loopback address only (default: "
-                             "$RELAX_SERVE_API_KEY)")
+                             "$RELAX_SERVE_API_KEY, which keeps it out of the process list)")
+    parser.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
+                        help="a directory (besides the model's own) whose files /update_weights_from_disk and "
+                             "/load_lora_adapter may load; repeatable (default: the model's directory only)")
+    parser.add_argument("--max-body-mb", type=float, default=None,
+                        help="the largest request body accepted, in MiB (default: 256); larger ones get 413")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for relax-train (model=tiny ...)")
     args = parser.parse_intermixed_args(argv)
     if args.config and args.overrides:
@@ -151,8 +156,17 @@ def main(argv: list[str] | None = None) -> None:
             _fail(str(exc))
     if args.api_key is not None and not args.api_key.strip():
         _fail("--api-key: an empty key")
+    for directory in args.weight_dir:
+        if not os.path.isdir(directory):
+            _fail(f"--weight-dir {directory}: not a directory")
+    if args.max_body_mb is not None and args.max_body_mb <= 0:
+        _fail(f"--max-body-mb={args.max_body_mb:g}: must be > 0")
+    from relax.serve.http import MAX_BODY_BYTES
+
+    limit = MAX_BODY_BYTES if args.max_body_mb is None else int(args.max_body_mb * 2**20)
     server = EmbeddedServer(cfg, host=args.host, port=args.port, threads=args.threads,
-                            weight_version=args.weight_version, api_key=args.api_key)
+                            weight_version=args.weight_version, api_key=args.api_key, max_body_bytes=limit,
+                            weight_dirs=tuple(args.weight_dir))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -46,12 +46,14 @@ class MegatronRank(PolicyForwarding):
         self.policy: Any = None
 
     def rendezvous(self) -> tuple[str, int]:
-        """(address, port) for the process group: this node's IP and a port free on it (rank 0 only)."""
+        """(address, port) for the process group: this node's IP and a port free on it (rank 0 only; its store
+        listens on that address alone)."""
         import ray
 
         from relax.train.megatron.parallel import free_port
 
-        return ray.util.get_node_ip_address(), free_port()
+        address = ray.util.get_node_ip_address()
+        return address, free_port(address)
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group and build the policy (all ranks at once: it is a rendezvous)."""

@@ -17,29 +17,29 @@ from pathlib import Path
 from relax.config.schema import RelaxConfig
 from relax.models.hf import resolve_model_path
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
+from relax.rollout.sglang.keyed import KEY_ENV, keyed_command
 from relax.rollout.sglang.process import SERVE_KEY_ENV, log_tail, start_server, stop_process
 
 
 def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path,
                    api_key: str | None = None) -> list[str]:
     """The command that starts the engine server of `cfg.rollout.sglang.server` on `host:port` (`api_key`: SGLang's
-    `--api-key`; relax-serve takes its key from the environment, `SERVE_KEY_ENV`, out of the process list)."""
+    `--api-key`, given through the environment by `relax.rollout.sglang.keyed` (`KEY_ENV`); relax-serve takes its
+    key from the environment too, `SERVE_KEY_ENV`: neither is in the process list or the launch log)."""
     sg = cfg.rollout.sglang
     if sg.server == "embedded":
+        # --weight-dir: the run's directory (where the adapters it sends are written) is the one it may load from
         cmd = [sys.executable, "-m", "relax.cli.serve", "--host", host, "--port", str(port), "--config",
-               str(config_path)]
+               str(config_path), "--weight-dir", str(Path(config_path).parent)]
         return cmd + (["--threads", str(threads)] if threads else [])
     c = cfg.cluster
 
     # the weights the actor ships are in the rollout dtype: bf16 on GPUs unless model.dtype says otherwise
     dtype = "bfloat16" if cfg.model.dtype == "auto" else cfg.model.dtype
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(resolve_model_path(cfg.model)),
-           "--host", host, "--dtype", dtype,
+    cmd = ["--model-path", str(resolve_model_path(cfg.model)), "--host", host, "--dtype", dtype,
            "--port", str(port), "--tp-size", str(c.rollout_gpus_per_engine), "--base-gpu-id", "0",
-           "--random-seed", str(cfg.seed)]
+           "--random-seed", str(cfg.seed)]  # SGLang's arguments (the module to run comes last)
     # no --trust-remote-code: the trainer loads the model without remote code too (transformers' own architectures)
-    if api_key:
-        cmd.append(f"--api-key={api_key}")  # "=": a key may start with "-"
     if c.colocate:  # the actor shares the GPU: SGLang may take only part of it, and releases it while training
         cmd += ["--mem-fraction-static", "0.4", "--enable-memory-saver"]
     m = cfg.model
@@ -47,7 +47,10 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
         targets = ["all"] if list(m.lora_target_modules) == ["all-linear"] else list(m.lora_target_modules)
         cmd += ["--enable-lora", "--max-lora-rank", str(m.lora_rank), "--lora-target-modules", *targets,
                 "--max-loras-per-batch", "2"]
-    return cmd + list(sg.extra_args or [])
+    args = cmd + list(sg.extra_args or [])
+    # the key reaches SGLang through the environment (`keyed`, KEY_ENV, which `start` sets), not its command line
+    return keyed_command("sglang.launch_server", args) if api_key else [
+        sys.executable, "-m", "sglang.launch_server", *args]
 
 
 class EngineServer:
@@ -78,11 +81,11 @@ class EngineServer:
         host = sg.host
         address = "127.0.0.1" if host in ("127.0.0.1", "localhost") else ray.util.get_node_ip_address()
         config_path = self.log_dir / f"engine{self.index}-{os.getpid()}.json"
-        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the run's, private (another node's)
         config_path.write_text(json.dumps(dataclasses.asdict(self.cfg)))
         env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
-        if api_key and sg.server == "embedded":
-            env[SERVE_KEY_ENV] = api_key
+        if api_key:  # through the environment, readable by this user only, never the command line
+            env[SERVE_KEY_ENV if sg.server == "embedded" else KEY_ENV] = api_key
 
         def command(port: int) -> list[str]:
             return server_command(self.cfg, host=host, port=port, threads=self.threads, config_path=config_path,

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import uuid
@@ -212,6 +213,7 @@ class Cluster:
             if self.plan.rollout_in_actor:  # a death of that process is the actor's: no replacement in place
                 self.rollout_replicas, self.rollout_names = [self.actor], [self.actor_process]
             elif cfg.rollout.backend == "sglang":
+                # the run's private directory (0700: mkdtemp) of engine configs, logs and adapters; __exit__ removes it
                 self.sglang_log_dir = Path(tempfile.mkdtemp(prefix="relax-sglang-"))
                 self.rollout_names = [self._process_name("rollout", i) for i in range(replicas)]
                 self.rollout_replicas = [] if cfg.rollout.sglang.urls is not None else \
@@ -322,6 +324,18 @@ class Cluster:
         remove_placement_group(self.placement_group)
         self.placement_group = None
 
+    def _remove_run_dir(self, failed: bool) -> None:
+        """The SGLang engines' directory (configs, logs, adapters) goes with the run's servers; after a failure its
+        logs stay for the user (private to them), and the path is said."""
+        directory = getattr(self, "sglang_log_dir", None)
+        if directory is None or not Path(directory).exists():
+            return
+        if failed:
+            print(f"SGLang engine logs of the failed run kept in {directory}", file=sys.stderr, flush=True)
+            return
+        shutil.rmtree(directory, ignore_errors=True)
+        self.sglang_log_dir = None
+
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
 
@@ -334,6 +348,7 @@ class Cluster:
             except Exception:  # already dead
                 pass
         self.actors, self._pings = [], None
+        self._remove_run_dir(failed=exc_type is not None)
         if ray.is_initialized():
             self._release_placement()  # a joined cluster gets its GPUs back before the next run of this process
         if self._ray is not None:

@@ -1,5 +1,6 @@
-"""Relax's HTTP servers (relax-serve, the training gateway): the server class, and how they write an answer (JSON,
-plain text, or a stream of server-sent events, always with its length: keep-alive connections)."""
+"""Relax's HTTP servers (relax-serve, the training gateway): the server class, how they read a request's body (at most
+`MAX_BODY_BYTES`), and how they write an answer (JSON, plain text, or a stream of server-sent events, always with its
+length: keep-alive connections)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,56 @@ class Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+# The largest request body a server reads (Content-Length, or the sum of its chunks): a rollout batch of long prompts
+# is tens of MiB; weights never travel in a body (shared-memory handles, a process group, or a directory).
+MAX_BODY_BYTES = 256 * 2**20
+
+
+class BodyTooLarge(ValueError):
+    """A request body over the server's limit; answered 413 without reading the rest."""
+
+    def __init__(self, size: int | None, limit: int):
+        said = "" if size is None else f" ({size} bytes)"
+        super().__init__(f"the request body{said} is larger than this server's limit of {limit} bytes")
+
+
+def read_body(handler: BaseHTTPRequestHandler, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body of `handler`'s request (Content-Length or chunked), refused with `BodyTooLarge` as soon as it is known
+    to exceed `limit` bytes: a Content-Length over it is refused before anything is read. Raises ValueError for a
+    malformed length, OSError when the client goes away."""
+    if "chunked" in (handler.headers.get("Transfer-Encoding") or "").lower():
+        chunks, total = [], 0
+        while True:
+            size = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return b"".join(chunks)
+            total += size
+            if total > limit:
+                raise BodyTooLarge(None, limit)
+            chunks.append(handler.rfile.read(size))
+            handler.rfile.readline()
+    length = int(handler.headers.get("Content-Length") or 0)
+    if length > limit:
+        raise BodyTooLarge(length, limit)
+    return handler.rfile.read(length) if length > 0 else b""
+
+
+def refuse(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
+    """Answer without reading the request's body (a refused key, a body too large), and close the connection: the
+    unread body would otherwise be taken for the next request."""
+    handler.close_connection = True
+    write_answer(handler, status, payload, close=True)
+
+
 class EventStream(bytes):
     """A body of server-sent events (answered as text/event-stream)."""
 
 
-def write_answer(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
-    """`payload` (JSON-able, bytes or an `EventStream`) as the answer to `handler`'s request."""
+def write_answer(handler: BaseHTTPRequestHandler, status: int, payload: Any, *, close: bool = False) -> None:
+    """`payload` (JSON-able, bytes or an `EventStream`) as the answer to `handler`'s request (`close`: saying that
+    the connection ends with it)."""
     if isinstance(payload, EventStream):
         data, kind = bytes(payload), "text/event-stream"
     elif isinstance(payload, bytes):
@@ -38,6 +83,8 @@ def write_answer(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> 
         handler.send_response(status)
         handler.send_header("Content-Type", kind)
         handler.send_header("Content-Length", str(len(data)))
+        if close:
+            handler.send_header("Connection", "close")
         handler.end_headers()
         handler.wfile.write(data)
     except (BrokenPipeError, ConnectionResetError):  # the client left

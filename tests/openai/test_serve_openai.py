@@ -173,8 +173,9 @@ def test_beyond_loopback_every_endpoint_but_health_and_info_needs_the_servers_ke
             server.wait_ready(60)
             base = f"http://127.0.0.1:{server.port}"
             url = base + "/v1"
-            for path in ("/health", "/get_model_info", "/get_server_info"):
-                assert requests.get(base + path, timeout=60).status_code == 200, path
+            assert requests.get(base + "/health", timeout=60).status_code == 200
+            for path in ("/get_model_info", "/get_server_info"):  # information too, as SGLang: health alone is open
+                assert requests.get(base + path, timeout=60).status_code == (401 if key else 403), path
             for path, body in guarded:
                 r = requests.post(base + path, json=body, timeout=60)
                 assert r.status_code == (401 if key else 403), (path, r.status_code, r.text)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from relax.models.rendezvous import free_port
+from relax.rollout.sglang import wire
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +41,18 @@ def other_address() -> str | None:
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+def test_the_weight_update_groups_store_listens_on_its_address_only():
+    port = free_port("127.0.0.1")
+    group = wire.init_update_group("127.0.0.1", port, 0, 1, "security-test", "gloo", 30)
+    try:
+        assert listening(port) == {LOOPBACK}  # torch's own store: every interface ("::" or 0.0.0.0)
+        if (address := other_address()) is not None:
+            with socket.socket() as s:
+                assert s.connect_ex((address, port)) != 0  # not reachable from another interface
+    finally:
+        wire.destroy_update_group(group)
 
 
 MEGATRON_RANK = textwrap.dedent("""

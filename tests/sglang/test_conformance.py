@@ -104,8 +104,10 @@ def launched(cfg, tmp_path_factory):
     port = free_port()
     log = tmp / "serve.log"
     with open(log, "w") as out:
+        # --weight-dir: the tests' temporary directories are this job's (/update_weights_from_disk loads from them)
         proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
-                                 "--config", str(config)], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+                                 "--config", str(config), "--weight-dir", str(tmp_path_factory.getbasetemp())],
+                                stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
     try:
         yield proc, f"http://127.0.0.1:{port}", log
     finally:

@@ -62,7 +62,7 @@ def test_adapters_load_serve_refuse_and_unload_with_the_trainers_logprobs(tmp_pa
     base = build_model(cfg.model, 40, 0, seed=cfg.seed).eval()
     peft_model = PeftModel.from_pretrained(build_model(cfg.model, 40, 0, seed=cfg.seed), str(tmp_path / "v1")).eval()
 
-    server = EmbeddedServer(cfg, port=0)
+    server = EmbeddedServer(cfg, port=0, weight_dirs=(str(tmp_path),))  # the adapters of this job
     server.start()
     try:
         server.wait_ready(120)

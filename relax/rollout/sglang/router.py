@@ -16,6 +16,7 @@ from pathlib import Path
 import requests
 
 from relax.rollout.sglang.client import auth_headers
+from relax.rollout.sglang.keyed import KEY_ENV, keyed_command
 from relax.rollout.sglang.process import free_port, log_tail, start_server, stop_process
 
 
@@ -42,19 +43,22 @@ class Router:
         return f"http://{self.url_host}:{self.port}"
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(port),
-               "--policy", self.policy, "--log-level", "warn",
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port("127.0.0.1")),
-               "--request-timeout-secs", str(max(1, int(self.request_timeout_s))),
-               # Relax decides when an engine is dead (and retries its requests): the router only routes. (Its own
-               # health checks would also mark servers unhealthy while their memory is released for training.)
-               "--disable-circuit-breaker", "--disable-retries", "--disable-health-check"] + \
-            ([f"--api-key={self.api_key}"] if self.api_key else [])  # "=": a key may start with "-"
+        """The router's command line; its key, if any, goes through the environment (`keyed`), not in it."""
+        args = ["--host", self.host, "--port", str(port), "--policy", self.policy, "--log-level", "warn",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port("127.0.0.1")),
+                "--request-timeout-secs", str(max(1, int(self.request_timeout_s))),
+                # Relax decides when an engine is dead (and retries its requests): the router only routes. (Its own
+                # health checks would also mark servers unhealthy while their memory is released for training.)
+                "--disable-circuit-breaker", "--disable-retries", "--disable-health-check"]
+        if self.api_key:
+            return keyed_command("sglang_router.launch_router", args)
+        return [sys.executable, "-m", "sglang_router.launch_router", *args]
 
     def start(self) -> Router:
         self.proc, self.port = start_server(self.command, host=self.host, url_host=self.url_host,
                                             log_path=self.log_path, timeout_s=self.startup_timeout_s,
-                                            what="sglang-router")
+                                            what="sglang-router",
+                                            env={KEY_ENV: self.api_key} if self.api_key else None)
         return self
 
     def add(self, url: str) -> None:

@@ -18,6 +18,7 @@ import base64
 import binascii
 import builtins
 import datetime
+import functools
 import importlib
 import io
 import logging
@@ -25,13 +26,15 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp  # registers torch's reductions with ForkingPickler
+
+from relax.models.rendezvous import client_store, listening_store
 
 SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 ALIGN_BYTES = 16  # where each tensor of a flattened bucket starts
@@ -180,16 +183,22 @@ def serialize(obj: Any) -> str:
 _REDUCTIONS = "torch.multiprocessing.reductions"
 # the names torch gives the shared-memory segments it makes (`/torch_<pid>_<random>_<n>`): the only files a payload
 # may name, so that a sender cannot make a server map any other file of /dev/shm
-_SEGMENT_NAME = re.compile(rb"/torch_\d+_\d+(_\d+)?")
+_SEGMENT_NAME = re.compile(rb"/torch_(\d+)_\d+(_\d+)?")
 
 
-def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int, dtype: Any = None) -> Any:
-    """torch's `rebuild_storage_filename` for segments torch made (`_SEGMENT_NAME`) only."""
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int, dtype: Any = None, *,
+                              owner: Callable[[int], bool] | None = None) -> Any:
+    """torch's `rebuild_storage_filename` for segments torch made (`_SEGMENT_NAME`) only, and with `owner`, only
+    those whose maker's pid (in the name) it accepts."""
     from torch.multiprocessing import reductions
 
     name = handle if isinstance(handle, bytes) else str(handle).encode()
-    if not _SEGMENT_NAME.fullmatch(name):
+    match = _SEGMENT_NAME.fullmatch(name)
+    if not match:
         raise pickle.UnpicklingError(f"refused shared-memory segment {name!r}: not one torch made (/torch_<pid>_...)")
+    if owner is not None and not owner(int(match.group(1))):
+        raise pickle.UnpicklingError(f"refused shared-memory segment {name!r}: made by process {int(match.group(1))}, "
+                                     f"not by {getattr(owner, 'describe', lambda: 'an allowed process')()}")
     return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
 
 
@@ -217,13 +226,18 @@ _METADATA_NAMES = {(SGLANG_METADATA_MODULE, "FlattenedTensorMetadata"), (__name_
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    """Builds torch tensors, storages, dtypes, sizes, plain containers and bucket metadata; refuses anything else."""
+    """Builds torch tensors, storages, dtypes, sizes, plain containers and bucket metadata; refuses anything else.
+    `segment_owner`: whose shared-memory segments it maps (by the maker's pid; None: any torch segment)."""
+
+    def __init__(self, file: Any, segment_owner: Callable[[int], bool] | None = None):
+        super().__init__(file)
+        self.segment_owner = segment_owner
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_NAMES:
             return FlattenedTensorMetadata
         if (module, name) == (_REDUCTIONS, "rebuild_storage_filename"):
-            return _rebuild_storage_filename
+            return functools.partial(_rebuild_storage_filename, owner=self.segment_owner)
         if module == "builtins" and name in _BUILTINS:
             return getattr(builtins, name)
         if (module, name) in _ALLOWED_FUNCTIONS or (module, name) in _ALLOWED_CLASSES:
@@ -242,8 +256,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
                                      "plain containers and FlattenedTensorMetadata may be unpickled")
 
 
-def deserialize(payload: str | bytes) -> Any:
+def deserialize(payload: str | bytes, *, segment_owner: Callable[[int], bool] | None = None) -> Any:
     """The object `serialize` (or SGLang's MultiprocessingSerializer) encoded, through a restricted unpickler.
+    `segment_owner(pid)`: whether shared-memory segments made by process `pid` may be mapped (a server: only the
+    sender's, `relax.serve.sglang.guards`); None: any segment torch made.
 
     Raises `pickle.UnpicklingError` naming a refused global, `ValueError` for a payload that is not base64. A
     timeout of torch's shared-memory manager (mapping a segment registers it) is retried as in `serialize`.
@@ -252,7 +268,8 @@ def deserialize(payload: str | bytes) -> Any:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError, TypeError) as exc:
         raise ValueError(f"serialized tensors are not valid base64: {exc}") from None
-    return _retrying_shm_manager("mapping shared weights", lambda: _RestrictedUnpickler(io.BytesIO(data)).load())
+    return _retrying_shm_manager("mapping shared weights",
+                                 lambda: _RestrictedUnpickler(io.BytesIO(data), segment_owner).load())
 
 
 def init_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -267,8 +284,9 @@ def init_update_group(master_address: str, master_port: int, rank: int, world_si
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{int(master_port)}"
-    store, rank, world_size = next(c10d.rendezvous(url, int(rank), int(world_size), timeout=timeout))
+    # rank 0's store listens on master_address alone (torch's own, from c10d.rendezvous: on every interface)
+    make = listening_store if int(rank) == 0 else client_store
+    store = make(master_address, int(master_port), world_size=int(world_size), timeout_s=timeout_s)
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     # global_ranks_in_group=[]: the group is built like a default group (its ranks are its own), but not registered

@@ -37,9 +37,12 @@ a GET's query parameters read as the fields of its body):
   `/release_memory_occupation`, `/resume_memory_occupation`: see `relax.serve.sglang.weights`.
 
 The server listens on loopback by default. With a key (`api_key`, `relax-serve --api-key`, as SGLang's `--api-key`),
-every endpoint but health and read-only information (`OPEN_PATHS`) needs it as `Authorization: Bearer`; without one,
-a server bound beyond loopback refuses them (403): nobody else can load weights, join a weight-update group, pause or
-abort generation. Weight payloads are unpickled with a restricted unpickler (`wire.deserialize`).
+every endpoint but `/health*` and `/metrics` (`is_open`, as SGLang exempts them) needs it as `Authorization: Bearer`;
+without one, a server bound beyond loopback refuses them (403): nobody else can read its information, load weights,
+join a weight-update group, pause or abort generation. The key is checked from the request's headers before its body
+is read, and a body over `max_body_bytes` is refused (413) before it is read. Weights load only from the job's own
+files: `/update_weights_from_disk` and `/load_lora_adapter` from under `weight_dirs`, and `/update_weights_from_tensor`
+maps only the shared-memory segments of the process that sent the request (`relax.serve.sglang.guards`).
 """
 
 from __future__ import annotations
@@ -66,12 +69,12 @@ from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.lora import inject_adapters
 from relax.rollout.embedded import EmbeddedEngine
-from relax.serve.http import Server, write_answer
+from relax.serve.http import MAX_BODY_BYTES, BodyTooLarge, Server, read_body, refuse, write_answer
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
-from relax.serve.sglang import loads
+from relax.serve.sglang import guards, loads
 from relax.serve.sglang.positions import row_extras
 from relax.serve.sglang.request import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -94,10 +97,16 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 20.0
 # guarded by `EmbeddedServer.api_key`, OpenAI's errors
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-# open to anyone who reaches the server: health and read-only information (sglang-router probes them without its key
-# when a server joins); every other endpoint needs the key (or a loopback address without one)
-OPEN_PATHS = ("/health", "/health_generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info",
-              "/get_weight_version", "/v1/models")
+# open to anyone who reaches the server, as SGLang's key middleware exempts them: `/health*` and `/metrics`. Every other
+# endpoint, information included, needs the key (or a loopback address without one); sglang-router probes
+# /server_info and /model_info without its key when a server joins, and takes a refusal there as SGLang's.
+OPEN_PREFIXES = ("/health", "/metrics")
+
+
+def is_open(path: str) -> bool:
+    """Whether `path` answers without the server's key."""
+    return path.startswith(OPEN_PREFIXES)
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -118,27 +127,22 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's signature)
         logger.debug("%s %s", self.address_string(), format % args)
 
-    def _body(self) -> bytes:
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length > 0 else b""
-
     def _dispatch(self, method: str) -> None:
+        app = self.server.app
+        refused = app.admit(self.path, self.headers)  # the key before the body: a refused client sends nothing more
+        if refused is not None:
+            refuse(self, *refused)
+            return
         try:
-            raw = self._body()
+            raw = read_body(self, app.max_body_bytes)
+        except BodyTooLarge as exc:
+            refuse(self, 413, {"error": {"message": f"{exc} (relax-serve --max-body-mb)"}})
+            return
         except (OSError, ValueError):
             self.close_connection = True
             return
-        status, payload = self.server.app.handle(method, self.path, raw, self.headers)
+        with app.peer_of(self):
+            status, payload = app.handle(method, self.path, raw, self.headers)
         if isinstance(payload, Events):
             write_events(self, payload)
         else:
@@ -154,9 +158,14 @@ class EmbeddedServer(WeightEndpoints):
     """
 
     def __init__(self, cfg: RelaxConfig, host: str = "127.0.0.1", port: int = 30000, threads: Optional[int] = None,
-                 *, weight_version: str = "default", group_timeout_s: float = 600.0, api_key: Optional[str] = None):
+                 *, weight_version: str = "default", group_timeout_s: float = 600.0, api_key: Optional[str] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, weight_dirs: tuple[str, ...] = ()):
+        """`weight_dirs`: directories besides the model's own whose files `/update_weights_from_disk` and
+        `/load_lora_adapter` may load (the run's; `relax.serve.sglang.guards.WeightDirs`)."""
         self.cfg = cfg
-        self.api_key = api_key  # what the OpenAI endpoints require as `Authorization: Bearer` (None: nothing)
+        self.api_key = api_key  # what every endpoint but /health* and /metrics requires (None: loopback only)
+        self.max_body_bytes = int(max_body_bytes)
+        self.weight_dirs = guards.WeightDirs(weight_dirs)
         self.host, self.port, self.threads = host, int(port), threads
         self.weight_version = str(weight_version)
         self.group_timeout_s = group_timeout_s
@@ -251,6 +260,7 @@ class EmbeddedServer(WeightEndpoints):
         self.tokenizer = tokenizer
         if cfg.source == "hf":
             self.model_path = self.tokenizer_path = str(path)
+            self.weight_dirs.add(path)  # the model's own weights may be loaded again (/update_weights_from_disk)
         else:  # built from the config or read from a .gguf file: its config and tokenizer saved for clients (the
             # router loads the tokenizer from model_path)
             self._model_dir = tempfile.mkdtemp(prefix="relax-serve-model-")
@@ -310,10 +320,7 @@ class EmbeddedServer(WeightEndpoints):
             route = lambda body: self._model_card(path[len("/v1/models/"):])  # noqa: E731
         if route is None:
             return 404, {"error": {"message": f"no endpoint {path}"}}
-        if path.rstrip("/") in OPENAI_PATHS:
-            if (refused := self._openai_refusal(headers)) is not None:
-                return refused
-        elif path.rstrip("/") not in OPEN_PATHS and (refused := self._refusal(headers)) is not None:
+        if (refused := self.admit(target, headers)) is not None:
             return refused
         try:
             body = json.loads(raw) if raw.strip() else {}
@@ -330,6 +337,26 @@ class EmbeddedServer(WeightEndpoints):
         except Exception as exc:
             logger.exception("%s %s failed", method, path)
             return 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+
+    def admit(self, target: str, headers: Any) -> Optional[tuple[int, Any]]:
+        """The refusal (status, answer) of a request for `target` by its headers alone, or None when it may go on:
+        checked before its body is read."""
+        path = urlsplit(target).path.rstrip("/") or "/"
+        if is_open(path):
+            return None
+        if path in OPENAI_PATHS or path.startswith("/v1/"):
+            return self._openai_refusal(headers)
+        return self._refusal(headers)
+
+    @staticmethod
+    def peer_of(handler: BaseHTTPRequestHandler) -> Any:
+        """Within: the request being served came over `handler`'s connection (whose shared-memory segments it may
+        name: `relax.serve.sglang.guards`)."""
+        try:
+            local = handler.connection.getsockname()
+        except OSError:
+            local = None
+        return guards.peer(handler.client_address, local)
 
     def _require_ready(self) -> None:
         if self.scheduler.stopping:

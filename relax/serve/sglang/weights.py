@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from relax.models.lora import read_adapter_dir
 from relax.rollout.sglang import wire
+from relax.serve.sglang import guards
 from relax.serve.sglang.request import NotReady, RequestError
 from relax.serve.sglang.scheduler import Scheduler
 from relax.serve.sglang.server_args import memory_saver
@@ -52,6 +52,7 @@ class WeightEndpoints:
     scheduler: Scheduler
     weight_version: str
     group_timeout_s: float
+    weight_dirs: guards.WeightDirs  # where /update_weights_from_disk and /load_lora_adapter may read
     _require_ready: Callable[[], None]
 
     def _init_weights(self) -> None:
@@ -73,6 +74,7 @@ class WeightEndpoints:
             if not self.engine.adapter_keys:
                 raise RequestError("this server has no LoRA adapters: a run with model.lora_rank > 0 and "
                                    "rollout.lora_sync=adapter starts it with them (SGLang: --enable-lora)")
+            path = str(self.weight_dirs.check(path, "load_lora_adapter"))  # only the job's own directories
             try:
                 named = read_adapter_dir(path)
             except (OSError, ValueError) as exc:
@@ -186,7 +188,8 @@ class WeightEndpoints:
             fmt = body.get("load_format")
             if fmt not in (None, "direct", "flattened_bucket"):
                 raise RequestError(f"load_format={fmt!r} is not supported: null or flattened_bucket")
-            obj = wire.deserialize(payloads[0])  # TP 1: rank 0's payload
+            # TP 1: rank 0's payload; it may map only the sender's shared-memory segments
+            obj = wire.deserialize(payloads[0], segment_owner=guards.segment_owner())
             named = wire.unflatten_bucket(obj) if fmt == "flattened_bucket" else obj
             if not isinstance(named, (list, tuple)) or not all(
                     isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
@@ -205,7 +208,7 @@ class WeightEndpoints:
             fmt = body.get("load_format")
             if fmt not in (None, "auto", "safetensors"):
                 raise RequestError(f"load_format={fmt!r} is not supported: safetensors files only")
-            directory = Path(path).expanduser()
+            directory = self.weight_dirs.check(path, "update_weights_from_disk")  # only the job's own directories
             files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
             if not files:
                 raise RequestError(f"model_path={path!r}: no *.safetensors files in that directory")
