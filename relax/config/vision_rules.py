@@ -88,6 +88,9 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
             f"algorithm={cfg.algorithm.name} {NOT_BUILT}: its critic's value forward does not take images")
     require(cfg.teacher.name == "none" and cfg.teacher.path is None, ("teacher.path",),
             f"a distillation teacher {NOT_BUILT}: the teacher's forward does not take images")
+    require(not t.save_hf and not cfg.tracking.log_model, ("train.save_hf", "tracking.log_model"),
+            f"exporting a Hugging Face directory {NOT_BUILT}: the export writes the weights and the tokenizer but not "
+            "the image processor a vision-language directory needs")
     require(m.source != "config" or m.tokenizer is None, ("model.tokenizer", "model.arch"),
             f"model.tokenizer with model.arch={m.arch}: the tiny vision-language model needs its own tokenizer (with "
             "the vision tokens); leave model.tokenizer unset")

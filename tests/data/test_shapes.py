@@ -154,6 +154,7 @@ def test_blank_images_keep_the_prompt_and_drop_the_picture(tokenizer):
     (["model=tiny_vl", "data=shapes", "train.pack_sequences=true"], ("train.pack_sequences", "model.arch")),
     (["model=tiny_vl", "data=guess_number"], ("data.env", "data.tools", "data.agent")),
     (["model=tiny_vl", "data=shapes", "algorithm=ppo"], ("algorithm.name", "model.arch")),
+    (["model=tiny_vl", "data=shapes", "train.save_hf=true"], ("train.save_hf", "tracking.log_model")),
 ])
 def test_validation_rejects_what_is_not_built(overrides, fields):
     found = _violations(overrides)
