@@ -65,30 +65,35 @@ def check_run(result, trained_batches: dict, name: str, task: str) -> None:
     """Two steps of multi-turn episodes with observations, the trainer's log-probs the engine's, the loss mask on the
     sampled tokens only, each observation the tokens the family's template writes after the turn before it."""
     assert [s for s, _ in result.history] == [0, 1]
-    tok = family_tokenizer(name)
-    renderer = ObservationRenderer(tok)
-    # what answers a turn: the tool's result, or the environment's feedback (higher, lower, no digit)
-    role, contents = ("tool", [RESULT]) if task == "tool" else ("user", [HIGHER, LOWER, INVALID])
     for step, m in result.history:
         assert m[TURNS_MEAN] > 1 and 0 < m[OBS_TOKEN_FRAC] < 1, (step, m[TURNS_MEAN], m[OBS_TOKEN_FRAC])
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4, (step, m[TRAIN_ROLLOUT_LOGP_ABS_DIFF])
         if task == "tool":
             assert m[TOOL_CALLS_MEAN] == m[TURNS_MEAN]  # a call in every turn
-        samples: Samples = trained_batches[step]
-        assert samples.episodes is not None and "abort" not in samples.finish_reason
-        gen, obs, present = samples.response_mask.bool(), samples.obs_mask().bool(), samples.present().bool()
-        assert obs.any() and (gen <= present).all() and torch.equal(obs, present & ~gen)
-        # sampled tokens are exactly the ones the engine gave a log-prob (an untrained model's are never 0)
-        assert torch.equal(samples.rollout_logp != 0, gen)
-        for r, e in enumerate(samples.episodes):
-            ids, o = samples.response_ids[r].tolist(), obs[r].tolist()
-            starts = [j for j in range(1, len(o)) if o[j] and not o[j - 1]]
-            ends = [j for j in range(1, len(o) + 1) if o[j - 1] and (j == len(o) or not o[j])]
-            assert len(starts) == len(ends) == e["turns"] - 1 and not o[0]  # an observation between turns
-            for a, b in zip(starts, ends, strict=True):
-                stop = ids[a - 1] if ids[a - 1] == tok.eos_token_id else None  # a turn stopped, or cut at its limit
-                expected = [renderer.tokens([{"role": role, "content": c}], stop) for c in contents]
-                assert ids[a:b] in expected, (tok.decode(ids[a:b]), [tok.decode(x) for x in expected])
+        check_samples(trained_batches[step], name, task)
+
+
+def check_samples(samples: Samples, name: str, task: str) -> None:
+    """Episodes with an observation between turns, each the tokens the family's template writes after the turn
+    before it; the loss mask 1 exactly on the sampled tokens."""
+    tok = family_tokenizer(name)
+    renderer = ObservationRenderer(tok)
+    # what answers a turn: the tool's result, or the environment's feedback (higher, lower, no digit)
+    role, contents = ("tool", [RESULT]) if task == "tool" else ("user", [HIGHER, LOWER, INVALID])
+    assert samples.episodes is not None and "abort" not in samples.finish_reason
+    gen, obs, present = samples.response_mask.bool(), samples.obs_mask().bool(), samples.present().bool()
+    assert obs.any() and (gen <= present).all() and torch.equal(obs, present & ~gen)
+    # sampled tokens are exactly the ones the engine gave a log-prob (an untrained model's are never 0)
+    assert torch.equal(samples.rollout_logp != 0, gen)
+    for r, e in enumerate(samples.episodes):
+        ids, o = samples.response_ids[r].tolist(), obs[r].tolist()
+        starts = [j for j in range(1, len(o)) if o[j] and not o[j - 1]]
+        ends = [j for j in range(1, len(o) + 1) if o[j - 1] and (j == len(o) or not o[j])]
+        assert len(starts) == len(ends) == e["turns"] - 1 and not o[0]  # an observation between turns
+        for a, b in zip(starts, ends, strict=True):
+            stop = ids[a - 1] if ids[a - 1] == tok.eos_token_id else None  # a turn stopped, or cut at its limit
+            expected = [renderer.tokens([{"role": role, "content": c}], stop) for c in contents]
+            assert ids[a:b] in expected, (tok.decode(ids[a:b]), [tok.decode(x) for x in expected])
 
 
 def record_first_loss(monkeypatch) -> dict:
@@ -189,3 +194,54 @@ def test_relax_train_refuses_the_template_with_one_message_and_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("relax-train: error: " + REFUSAL), out.stderr
     assert BROKEN["raises on a tool message"][1] in lines[0]
     assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("name", NAMES)
+def test_a_familys_episodes_over_the_sglang_protocol_on_a_real_server(name, task, tokenizer_dirs, small_run):
+    """Every family's episodes as `rollout=sglang` runs them (`run_episodes`, a `/generate` request per turn, token in,
+    token out), against the SGLang-compatible server over real HTTP, with the stop tokens the run derives for the
+    family (GLM-4.5 stops on the next turn's opener, not on an end token): episodes of more than one turn, every
+    observation the tokens the template writes after the turn, the loss mask 1 exactly on the sampled tokens, the
+    server's log-probs the trainer's forward's (fp32). Through relax-train over SGLang: Qwen3's tool task above."""
+    from relax.agents.episode import EpisodeMaker
+    from relax.data.datasets import build_datasets
+    from relax.data.tokenizer import load_tokenizer, stop_token_ids
+    from relax.rollout.sglang.client import GenerateClient, Sampling, parse_answer
+    from relax.rollout.sglang.episodes import run_episodes
+    from relax.serve.sglang.server import EmbeddedServer
+    from relax.train.logprobs import forward_logprobs
+
+    cfg = load_config(small_run(*TASKS[task], *SMALL, f"model.tokenizer={tokenizer_dirs[name]}"))
+    tok = load_tokenizer(cfg.model)
+    items = list(build_datasets(cfg, tok)[0])[:2]
+    stops = stop_token_ids(cfg.model, tok)
+    server = EmbeddedServer(cfg, port=0, threads=1)
+    server.start()
+    try:
+        server.wait_ready(120)
+        assert server.eos_token_ids == tuple(stops)
+
+        client = GenerateClient(server.url, request_timeout_s=120)  # what the SGLang engines send with
+
+        def send(payloads: list[dict]) -> list:
+            return [parse_answer(a, 0) for a in client.generate(payloads)]
+
+        maker = EpisodeMaker.for_config(cfg)
+        episodes = maker.new_for(items, 2)
+        ro = cfg.rollout
+        samples = run_episodes(send, [list(i.prompt_ids) for i in items for _ in range(2)], torch.arange(4),
+                               torch.zeros(4, dtype=torch.long), [ro.max_episode_tokens] * 4, episodes,
+                               seed=cfg.seed, sampling=Sampling(ro.max_response_len, 1.0, 1.0, -1, tuple(stops)),
+                               turn_limit=ro.max_response_len, aborted=lambda: False, pad_token_id=tok.pad_token_id)
+        turns = [e["turns"] for e in samples.episodes]
+        assert max(turns) > 1, turns
+        if task == "tool":
+            assert [e["tool_calls"] for e in samples.episodes] == turns  # a call in every turn
+        check_samples(samples, name, task)
+        logp, _, width = forward_logprobs(server.engine.model, samples, device=torch.device("cpu"),
+                                          compute_dtype=torch.float32, temperature=1.0)
+        gen = samples.response_mask[:, :width].bool()
+        assert (logp[gen] - samples.rollout_logp[:, :width][gen]).abs().max() < 1e-4
+    finally:
+        server.shutdown()
