@@ -190,3 +190,17 @@ def test_shared_memory_of_another_process_is_refused(server):
     assert torch.equal(server.engine.model.state_dict()[bias], own)
     restore = wire.serialize(wire.flatten_bucket([(bias, before)]))
     assert post(restore).status_code == 200
+
+
+def test_the_training_gateway_refuses_a_body_over_the_limit_before_reading_it():
+    from relax.serve.http import MAX_BODY_BYTES
+    from relax.serve.openai.gateway import Gateway
+
+    gateway = Gateway(None).start()  # the body is refused before any session or service is looked at
+    try:
+        status, body, took = raw_request(gateway.port, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                         f"Content-Length: {MAX_BODY_BYTES + 1}\r\n")
+        assert status == 413 and f"limit of {MAX_BODY_BYTES} bytes" in json.loads(body)["error"]["message"]
+        assert took < 10
+    finally:
+        gateway.close()

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from relax.serve.http import Server, write_answer
+from relax.serve.http import BodyTooLarge, Server, read_body, refuse, write_answer
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
@@ -48,8 +48,10 @@ class JSONHandler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length > 0 else b""
+            raw = read_body(self)  # at most MAX_BODY_BYTES: a larger body is refused before it is read
+        except BodyTooLarge as exc:
+            refuse(self, 413, APIError(str(exc), status=413).body())
+            return
         except (OSError, ValueError):
             self.close_connection = True
             return
