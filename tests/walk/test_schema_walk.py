@@ -53,6 +53,8 @@ MULTI_STEP = ["train.num_steps_per_rollout=2"]
 VALUES: dict[str, Any] = {
     "rollout.max_prompt_len": 10,  # the digits prompts are 11 tokens: all are dropped, the run says so at start
     "train.clip_grad": 0.001,
+    "train.mismatch_gate": "stop",  # on: the old log-probs recomputed, the mismatch and the gate's streak logged
+    "train.mismatch_gate_metric": "logp_abs_diff",
     "algorithm.eps_clip": 0.01,
     "algorithm.eps_clip_high": 0.01,
     "algorithm.kl2_budget": 1e-6,
