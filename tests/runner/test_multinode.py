@@ -1,16 +1,27 @@
 """Several Ray nodes on one machine: the trainer's roles on one node, the rollout on another, the real loop.
 
-A Ray cluster of two nodes started with `ray start` (head and worker, each with its own node IP: the head on this
-machine's address, the worker on 127.0.0.2, one CPU each, ports and a temp dir of their own, token authentication
-as Ray 2.60 turns on by default), joined by `relax-train cluster.address=... cluster.num_nodes=2`. The plan spreads
-the roles (STRICT_SPREAD: the trainer's roles on one node, the rollout on the other), so that whatever assumes one
-node shows: the embedded rollout's weights cross nodes through Ray's object store; rollout=sglang's servers bind
-their node's address (a URL naming loopback or the actor's node would be wrong), and the weights go over the
-weight-update group (gloo), never shared memory (rejected on several nodes before start). Where each process ran
-is read from Ray's actor table (GCS), not from the plan.
+A Ray cluster started with `ray start` (token authentication, as Ray 2.60 turns on by default), joined by
+`relax-train cluster.address=... cluster.num_nodes=2`: a head without CPUs (Ray's services and the driver: no role
+can land there; started on 127.0.0.1, which Ray resolves to this machine's address) and two nodes of one CPU, on
+127.0.0.2 and 127.0.0.3. So that whatever assumes one node shows:
+- each node has a temporary directory of its own (`TMPDIR`, Ray's `--temp-dir`) and a shared-memory file system of
+  its own (each worker node runs in a mount namespace with a private tmpfs on /dev/shm): a file or a shared-memory
+  segment one node makes is not there on the other (`test_nodes_are_told_apart...` checks it), so weights can only
+  cross through the paths configured for it;
+- no role runs on 127.0.0.1, so an address naming loopback (or "localhost") where a node's address belongs shows as
+  such instead of reaching the right process by luck (every 127.x address of this machine is reachable from every
+  node: what is asserted is which address each path names);
+- placement is fixed: the 127.0.0.3 node has a resource only it has, with which a detached placement group holds
+  0.7 of its CPU, so the plan's trainer bundle (0.5 or more) fits on 127.0.0.2 alone and the rollout's (0.25) lands
+  on 127.0.0.3, every time.
+The plan spreads the roles (STRICT_SPREAD): the embedded rollout's weights cross nodes through Ray's object store;
+rollout=sglang's servers bind their node's address and the weights go over the weight-update group (gloo), never
+shared memory (rejected on several CPU nodes before start). Where each process ran is read from Ray's actor table
+(GCS), not from the plan.
 
 `ray start` (not `ray.cluster_utils.Cluster`): the latter writes /tmp/ray/ray_current_cluster, which other
-processes on this machine calling `ray.init()` would then join. Every wait is bounded.
+processes on this machine calling `ray.init()` would then join. Every wait is bounded. Without mount namespaces
+(`unshare --mount`, CAP_SYS_ADMIN) the module is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -43,12 +54,18 @@ from relax.runner.train import run
 # one xdist worker runs them in a row, on the module's cluster
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
 
-WORKER_IP = "127.0.0.2"  # the second node's address: loopback, but not the one that "127.0.0.1/localhost" names
+HEAD_IP = "127.0.0.1"  # Ray's services and the driver (Ray registers the head at this machine's address); no CPUs
+TRAINER_IP, ROLLOUT_IP = "127.0.0.2", "127.0.0.3"  # the nodes the roles run on (placement fixed, see above)
+ROLLOUT_NODE = "relax_mn_rollout_node"  # a resource only the rollout's node has
+PINNED_CPU = 0.7  # of the rollout node's one CPU, held by a detached placement group: the trainer's bundle cannot fit
 START_TIMEOUT_S = 240.0  # a node starts in seconds, in a minute on a loaded machine
 LOOPBACK = ("127.0.0.1", "localhost", "0.0.0.0")
 SGLANG = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_replicas=1",
           "rollout.sglang.weight_sync=distributed", "rollout.sglang.host=0.0.0.0",
           "rollout.sglang.startup_timeout_s=180"]
+# a worker node's processes: a mount namespace of their own with a private tmpfs on /dev/shm
+PRIVATE_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               'mount -t tmpfs -o mode=1777,size=1g relax-mn-shm /dev/shm && exec "$@"', "sh"]
 
 
 def _free_port() -> int:
@@ -57,64 +74,105 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mount_namespaces() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode == 0
+
+
 class RayNodes:
-    """`ray start --block` processes (a head, then workers), each in a session of its own; SIGTERM stops what each
-    started. Never `ray stop` (it would stop every Ray instance on the machine)."""
+    """`ray start --block` processes (a head, then workers), each in a session of its own, each with a directory of
+    its own under `base` (Ray's temp dir and TMPDIR); SIGTERM stops what each started. Never `ray stop` (it would
+    stop every Ray instance on the machine)."""
 
     def __init__(self):
-        self.temp_dir = tempfile.mkdtemp(prefix="relax-mn-", dir="/tmp")  # short: Ray's socket paths
+        self.base = tempfile.mkdtemp(prefix="rmn-", dir="/tmp")  # short: Ray's socket paths
         self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.env.update(RAY_AUTH_MODE="token", RAY_worker_niceness="0")  # the token: ~/.ray/auth_token
         self.procs: list[subprocess.Popen] = []
+        self.logs: dict[str, Path] = {}
         self.gcs_port = _free_port()
-        self.address = f"127.0.0.1:{self.gcs_port}"
+        self.address = f"{HEAD_IP}:{self.gcs_port}"
 
-    def start(self, *args: str, name: str) -> None:
+    def launch(self, *args: str, name: str, cpus: int, private_shm: bool = False) -> None:
+        """Start node `name` (not waiting: `wait`)."""
         ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-        log_path = Path(self.temp_dir) / f"{name}.log"
-        cmd = [ray_cli, "start", "--block", "--num-cpus=1", "--num-gpus=0", f"--temp-dir={self.temp_dir}",
+        home = Path(self.base) / name
+        (home / "tmp").mkdir(parents=True)
+        log_path = self.logs[name] = Path(self.base) / f"{name}.log"
+        cmd = [ray_cli, "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={home / 'r'}",
                f"--object-store-memory={200 << 20}", f"--dashboard-agent-listen-port={_free_port()}",
                f"--metrics-export-port={_free_port()}", *args]
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen((PRIVATE_SHM if private_shm else []) + cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**self.env, "TMPDIR": str(home / "tmp")}, start_new_session=True)
         self.procs.append(proc)
+
+    def wait(self, name: str) -> None:
+        proc, log_path = self.procs[list(self.logs).index(name)], self.logs[name]
         t0 = time.monotonic()
         while "Ray runtime started" not in log_path.read_text():
             if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
+                text = log_path.read_text()
                 self.stop()
-                pytest.fail(f"the Ray {name} did not start:\n{log_path.read_text()}")
+                pytest.fail(f"the Ray {name} did not start:\n{text}")
             time.sleep(0.5)
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
+        """The worker nodes at once, then the head (a worker whose head is gone first waits for it)."""
+        for batch in (self.procs[1:], self.procs[:1]):
+            for proc in batch:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in batch:
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what it started
         self.procs = []
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _pin_the_rollout_node(address: str) -> None:
+    """A detached placement group holding PINNED_CPU of the rollout node (its resource), for the module's life."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    try:
+        pg = placement_group([{"CPU": PINNED_CPU, ROLLOUT_NODE: 1}], strategy="STRICT_PACK", lifetime="detached")
+        assert pg.wait(60), "the rollout node's CPU could not be pinned"
+    finally:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """The address of a running two-node Ray cluster on this machine; this process joins it with token auth."""
+    """The address of a running Ray cluster of two CPU nodes (and a head without CPUs) on this machine; this process
+    joins it with token auth."""
     import ray
 
+    if not _mount_namespaces():
+        pytest.skip("needs mount namespaces (unshare --mount: CAP_SYS_ADMIN) to give each node its own /dev/shm")
     if ray.is_initialized():  # another test's local instance: a run joins the cluster only if none is running
         ray.shutdown()
     nodes = RayNodes()
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
     try:
-        nodes.start("--head", "--node-ip-address=127.0.0.1", f"--port={nodes.gcs_port}", "--include-dashboard=false",
-                    f"--ray-client-server-port={_free_port()}", name="head")
-        nodes.start(f"--address={nodes.address}", f"--node-ip-address={WORKER_IP}", name="worker")
+        nodes.launch("--head", f"--node-ip-address={HEAD_IP}", f"--port={nodes.gcs_port}",
+                     "--include-dashboard=false", f"--ray-client-server-port={_free_port()}", name="head", cpus=0)
+        nodes.wait("head")
+        nodes.launch(f"--address={nodes.address}", f"--node-ip-address={TRAINER_IP}", name="trainer", cpus=1,
+                     private_shm=True)
+        nodes.launch(f"--address={nodes.address}", f"--node-ip-address={ROLLOUT_IP}",
+                     f'--resources={{"{ROLLOUT_NODE}": 1}}', name="rollout", cpus=1, private_shm=True)
+        nodes.wait("trainer")  # started at once, like the head's single worker before
+        nodes.wait("rollout")
         os.environ["RAY_AUTH_MODE"] = "token"  # the driver sends the token (~/.ray/auth_token), as a user sets it
         os.environ.pop("RAY_ADDRESS", None)
         from ray._raylet import Config
 
         Config.initialize("")  # Ray caches its config: read RAY_AUTH_MODE again, as Ray does when it turns it on
+        _pin_the_rollout_node(nodes.address)
         yield nodes.address
     finally:
         if ray.is_initialized():
@@ -163,11 +221,11 @@ def placed(monkeypatch) -> dict:
     monkeypatch.setattr(SGLangEngines, "start", record_engines)
     actor_push = engines_module.actor_push
 
-    def spy(actor, watch, process):
-        push = actor_push(actor, watch, process)
+    def spy(actor, watch, process, **kwargs):
+        push = actor_push(actor, watch, process, **kwargs)
 
-        def recorded(weights, version, urls, target, regroup):
-            sent = push(weights, version, urls, target, regroup)
+        def recorded(weights, version, urls, target, regroup, senders=None):
+            sent = push(weights, version, urls, target, regroup, senders)
             seen["pushes"].append({"version": version, "mode": target.mode, "urls": list(urls), **sent})
             return sent
 
@@ -178,14 +236,46 @@ def placed(monkeypatch) -> dict:
 
 
 def assert_apart(nodes: dict) -> tuple[dict, dict]:
-    """The trainer's processes on one node, the rollout's on another: (the actor's node, the rollout's)."""
+    """The trainer's processes on one node, the rollout's on another, each where the fixture's placement puts it:
+    (the actor's node, the rollout's)."""
     actor = nodes["actor"]
     rollout = [where for name, where in nodes.items() if name.startswith("rollout")]
     assert rollout, nodes
     trainer = {name: where["node"] for name, where in nodes.items() if not name.startswith("rollout")}
     assert set(trainer.values()) == {actor["node"]}, nodes
     assert all(where["node"] != actor["node"] for where in rollout), f"the rollout runs on the actor's node: {nodes}"
+    assert actor["ip"] == TRAINER_IP and {where["ip"] for where in rollout} == {ROLLOUT_IP}, nodes
     return actor, rollout[0]
+
+
+def _assert_nodes_share_no_files(ray) -> None:
+    """A process on each node writes a file into its temporary directory and a shared-memory segment's file into
+    /dev/shm; neither is there for the other node's processes (nor this driver's), and the temporary directories
+    differ: whatever crosses nodes goes through a configured path (Ray's object store, a URL, the weight-update
+    group), never a file or shared memory one node made."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def leave_and_look(tag: str) -> dict:
+        import os
+        import tempfile
+
+        name = f"relax-mn-probe-{tag}"
+        for directory in ("/dev/shm", tempfile.gettempdir()):
+            open(os.path.join(directory, name), "w").close()
+        return {"tmp": tempfile.gettempdir(),
+                "shm": sorted(f for f in os.listdir("/dev/shm") if f.startswith("relax-mn-probe-")),
+                "tmp_files": sorted(f for f in os.listdir(tempfile.gettempdir()) if f.startswith("relax-mn-probe-"))}
+
+    ids = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    seen = {}
+    for tag, ip in (("trainer", TRAINER_IP), ("rollout", ROLLOUT_IP)):  # one after the other
+        where = NodeAffinitySchedulingStrategy(node_id=ids[ip], soft=False)
+        seen[tag] = ray.get(leave_and_look.options(scheduling_strategy=where).remote(tag), timeout=120)
+    assert seen["trainer"]["tmp"] != seen["rollout"]["tmp"], seen
+    for tag in seen:
+        assert seen[tag]["shm"] == seen[tag]["tmp_files"] == [f"relax-mn-probe-{tag}"], seen
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("relax-mn-probe-")]
 
 
 def test_the_plan_spreads_cpu_roles_over_the_nodes():
@@ -219,8 +309,9 @@ def test_single_node_assumptions_are_rejected_before_start(overrides, field, ray
 
 def test_nodes_are_told_apart_and_a_one_node_placement_would_be_caught(two_nodes):
     """The negative control, with placeholder roles on the real cluster: the plan's group puts the actor and the
-    rollout on different nodes; the same plan packed onto one node (what a single-node assumption would do) fails
-    `assert_apart`; a plan that needs more nodes than the cluster has fails at once."""
+    rollout on different nodes, the same ones each time; the same plan packed onto one node (what a single-node
+    assumption would do) fails `assert_apart`; the nodes share no temporary or shared-memory files; a plan that needs
+    more nodes than the cluster has CPU nodes (the head has none) fails at once."""
     import ray
 
     from relax.runner.plan import SPREAD_STRATEGY as spread
@@ -229,8 +320,10 @@ def test_nodes_are_told_apart_and_a_one_node_placement_would_be_caught(two_nodes
     plan = build_plan(cfg)
     ray.init(address=two_nodes, include_dashboard=False, logging_level="WARNING")
     try:
-        ips = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-        assert len(ips) == 2 and WORKER_IP in ips, ips
+        cpus = {n["NodeManagerAddress"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]}
+        head = set(cpus) - {TRAINER_IP, ROLLOUT_IP}  # this machine's address (Ray resolves 127.0.0.1 to it)
+        assert len(cpus) == 3 and len(head) == 1 and cpus[head.pop()] == 0, cpus
+        assert cpus[TRAINER_IP] == cpus[ROLLOUT_IP] == 1, cpus
 
         @ray.remote
         class Placeholder:
@@ -249,11 +342,12 @@ def test_nodes_are_told_apart_and_a_one_node_placement_would_be_caught(two_nodes
 
                 remove_placement_group(pg)
 
-        actor, rollout = assert_apart(start(plan))
-        assert {actor["ip"], rollout["ip"]} == ips
+        for _ in range(2):  # the same nodes every time
+            assert_apart(start(plan))
         packed = start(dataclasses.replace(plan, strategy="STRICT_PACK"))
         with pytest.raises(AssertionError, match="on the actor's node"):
             assert_apart(packed)
+        _assert_nodes_share_no_files(ray)
         three = build_plan(load_config([f"cluster.address={two_nodes}", "cluster.num_nodes=3",
                                         "rollout.num_replicas=2"]))
         assert three.strategy == spread and len(three.bundles) == 3
@@ -273,8 +367,7 @@ def test_embedded_rollout_on_the_other_node(two_nodes, small_run, tmp_path, plac
     assert build_plan(cfg).strategy == SPREAD_STRATEGY
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1]
-    actor, rollout = assert_apart(placed["nodes"])
-    assert WORKER_IP in (actor["ip"], rollout["ip"])
+    assert_apart(placed["nodes"])
     for _, m in result.history:
         assert m[STALENESS_MAX] == 0.0
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4
@@ -291,7 +384,6 @@ def test_sglang_servers_on_the_other_node_take_weights_over_the_group(two_nodes,
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1]
     actor, rollout = assert_apart(placed["nodes"])
-    assert WORKER_IP in (actor["ip"], rollout["ip"])
     hosts = [urlparse(u).hostname for u in placed["urls"]]
     assert hosts == [rollout["ip"]], (placed["urls"], placed["nodes"])  # the server's node, not "127.0.0.1"
     assert not set(hosts) & {*LOOPBACK, actor["ip"]}
