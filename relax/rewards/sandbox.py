@@ -5,7 +5,8 @@ it ended (`status`), its output (capped), and a pass/fail verdict per test case.
 
 - A fresh process: `python -I -S -B` (no environment variables read, no site-packages, no .pyc written), started in
   its own session (process group) with an environment of PATH and LANG only (nothing of the driver's, its keys
-  included), stdin at /dev/null.
+  included), stdin at /dev/null; it is killed when the process that started it dies (`PR_SET_PDEATHSIG`: a reward
+  worker killed at its time limit takes its sandbox with it).
 - A temporary private working directory (`tempfile.mkdtemp`, mode 0700), the process's cwd, removed afterwards.
 - Kernel resource limits (`setrlimit`, set in the child before the code runs): CPU seconds (`RLIMIT_CPU`: SIGXCPU),
   address space (`RLIMIT_AS`: a `MemoryError`), the size of any file written (`RLIMIT_FSIZE`: SIGXFSZ), open files
@@ -124,6 +125,9 @@ def _main():
 
     import ctypes, platform, resource, struct
     libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: killed with the process that started it (a reward worker killed
+    if os.getppid() != job["parent"]:  # at its time limit), whose wall-clock limit can no longer be enforced
+        os._exit(1)
     net, procs = [], []
     if libc.unshare(0x40000000) == 0:  # CLONE_NEWNET
         net.append("namespace")
@@ -318,7 +322,7 @@ def run_in_sandbox(code: str, tests: Sequence[TestCase] = (), *,
             [sys.executable, "-I", "-S", "-B", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, pass_fds=(w,), start_new_session=True, cwd=work,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
-        job = {"fd": w, "nonce": nonce, "code": code, "tests": tests, "dir": work,
+        job = {"fd": w, "nonce": nonce, "parent": os.getpid(), "code": code, "tests": tests, "dir": work,
                "read_roots": _read_roots(), "limits": {k: getattr(limits, k) for k in
                                                          ("cpu_s", "memory_mb", "file_size_mb", "open_files")}}
         os.close(w)

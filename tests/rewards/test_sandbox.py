@@ -144,3 +144,51 @@ def test_the_isolation_reported_names_each_layer():
     # the audit hook is always there; a kernel layer is named only where the child set it up
     assert all(v.endswith("audit-hook") for v in r.isolation.values())
     assert set(r.isolation["network"].split("+")) <= {"namespace", "seccomp", "audit-hook"}
+
+
+def confined(pid: int) -> bool:
+    """Whether the sandbox process `pid` has set up its seccomp filter or network namespace (after reading its job)."""
+    try:
+        seccomp = "Seccomp:\t2" in open(f"/proc/{pid}/status").read()
+        return seccomp or os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
+
+
+def test_the_program_dies_with_the_process_that_started_it():
+    """A reward worker killed at its time limit takes its sandbox with it (nothing else would enforce the sandbox's
+    wall-clock limit then): a helper process starts a sleeping program and is killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import relax.rewards.sandbox as sandbox
+
+    # the module alone (it needs only the standard library), not the relax package, for a quick start
+    helper = subprocess.Popen([sys.executable, "-c", "import importlib.util, sys\n"
+                               f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r})\n"
+                               "m = importlib.util.module_from_spec(spec); sys.modules['sandbox'] = m\n"
+                               "spec.loader.exec_module(m)\n"
+                               "m.run_in_sandbox('import time\\ntime.sleep(600)', limits=m.SandboxLimits(wall_s=600))"])
+    try:
+        child, deadline = None, time.monotonic() + 60
+        while child is None and time.monotonic() < deadline:  # its sandbox has started
+            kids = open(f"/proc/{helper.pid}/task/{helper.pid}/children").read().split()
+            child = int(kids[0]) if kids else None
+        assert child is not None
+        while time.monotonic() < deadline and not confined(child):  # and has read its job (it runs the code next)
+            pass
+        if not confined(child):
+            pytest.skip("neither a network namespace nor seccomp here: cannot tell when the sandbox runs the code")
+    finally:
+        helper.send_signal(signal.SIGKILL)
+        helper.wait()
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        try:
+            if open(f"/proc/{child}/stat").read().split(") ")[1].split()[0] == "Z":  # dead, not yet reaped
+                break
+        except FileNotFoundError:
+            break
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split(") ")[1][0] == "Z"
