@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from relax.batch import Samples
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import DIGITS, TINY_VOCAB, build_tiny_tokenizer
 from relax.models.hf import qwen3_config
@@ -141,3 +142,17 @@ def _fit_judge(model, tokenizer, opt, rng: random.Random, steps: int) -> None:
 def yes_no(answer: str) -> float | None:
     """A parser named by import path in the tests: 1 for "1", 0 for "0", None for anything else."""
     return {"1": 1.0, "0": 0.0}.get(answer.strip())
+
+
+def batch(tokenizer, responses: list[str]) -> Samples:
+    """A single-turn rollout batch of `responses` (tokenized by `tokenizer`), for the scorer."""
+    rows = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+    n = len(rows)
+    return Samples(prompt_ids=torch.ones((n, 1), dtype=torch.long), prompt_mask=torch.ones((n, 1), dtype=torch.long),
+                   response_ids=ids, response_mask=mask, rollout_logp=torch.zeros(ids.shape),
+                   finish_reason=["stop"] * n, sample_id=torch.arange(n))

@@ -15,14 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.batch import Samples
 from relax.config import ConfigError, load_config
 from relax.config.reward_model_rules import template_problem
 from relax.data.datasets import PromptItem
 from relax.runner.reward_model import ModelScores, RewardModelScorer, check_reward_model, reward_model_metrics
 from relax.runner.rollout_driver.scoring import Scorer, kept_groups
 
-from .reward_models import digit_share, random_response, tiny_classifier, train_digit_classifier
+from .reward_models import batch, digit_share, random_response, tiny_classifier, train_digit_classifier
 
 QUIET = ["tracking.enabled=false", "tracking.progress=false", "cluster.cpus_per_node=1", "model.dtype=float32"]
 
@@ -91,19 +90,6 @@ class Fixed(RewardModelScorer):
                            "no score" if None in self.values else None, 0.25)
 
 
-def batch(tokenizer, responses: list[str]) -> Samples:
-    rows = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
-    width = max(map(len, rows))
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
-    n = len(rows)
-    return Samples(prompt_ids=torch.ones((n, 1), dtype=torch.long), prompt_mask=torch.ones((n, 1), dtype=torch.long),
-                   response_ids=ids, response_mask=mask, rollout_logp=torch.zeros(ids.shape),
-                   finish_reason=["stop"] * n, sample_id=torch.arange(n))
-
-
 @pytest.mark.parametrize("rule", ["digits", "none"])
 def test_scores_combine_with_the_rule_reward_by_the_declared_weights(untrained, rule):
     from relax.data.tokenizer import build_tiny_tokenizer
@@ -111,7 +97,7 @@ def test_scores_combine_with_the_rule_reward_by_the_declared_weights(untrained, 
 
     extra = ["reward_model.rule_weight=0.5"] if rule == "digits" else []
     cfg = rm_config(untrained, f"data.reward={rule}", "rollout.n_samples_per_prompt=2", "reward_model.weight=2",
-                    *extra)
+                    "data.reward_timeout_s=null", *extra)  # (rule calls in this process: no worker processes)
     tokenizer = build_tiny_tokenizer()
     items = [PromptItem([1], "7", "repeat 7", 0, messages=[{"role": "user", "content": "repeat 7"}]),
              PromptItem([1], "3", "repeat 3", 1)]
@@ -135,7 +121,7 @@ def test_a_response_without_a_score_leaves_its_group_out_and_is_counted_not_zero
     from relax.data.tokenizer import build_tiny_tokenizer
     from relax.rewards.digits import digits_reward
 
-    cfg = rm_config(untrained, "rollout.n_samples_per_prompt=2")
+    cfg = rm_config(untrained, "rollout.n_samples_per_prompt=2", "data.reward_timeout_s=null")
     tokenizer = build_tiny_tokenizer()
     items = [PromptItem([1], "7", "repeat 7", 0), PromptItem([1], "3", "repeat 3", 1)]
     scores = Scorer(cfg, tokenizer, digits_reward, Fixed([0.5, None, 0.2, 0.3])).score(
@@ -147,7 +133,8 @@ def test_a_response_without_a_score_leaves_its_group_out_and_is_counted_not_zero
     metrics = reward_model_metrics(cfg, scores.model_scores, scores.parse_failures, scores.model_time)
     assert metrics["rollout/reward_model_score_mean"] == pytest.approx((0.5 + 0.2 + 0.3) / 3)
 
-    raising = rm_config(untrained, "rollout.n_samples_per_prompt=2", "data.reward_error=raise")
+    raising = rm_config(untrained, "rollout.n_samples_per_prompt=2", "data.reward_error=raise",
+                        "data.reward_timeout_s=null")
     from relax.runner.errors import RunError
 
     with pytest.raises(RunError, match="reward_model=classifier failed"):
