@@ -10,6 +10,8 @@ of which accepts only the servers on its own GPU, as CUDA IPC would. The real GP
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from relax.config import ConfigError, load_config
@@ -102,9 +104,11 @@ def test_the_driver_sends_each_server_its_weights_from_the_rank_on_its_gpu(in_pr
 
     handles = [ray.remote(Rank).remote(r) for r in range(actor.replicas)]
     objs = [h._obj for h in handles]  # the stand-in's objects (tests/inprocess_ray.py)
+    # actor_push's bound on the whole update (issue 44's waits, landing beside this change) where it takes one
+    bound = {"timeout_s": 60.0} if "timeout_s" in inspect.signature(actor_push).parameters else {}
     engines = SGLangEngines(cfg, eos_token_ids=(0,), pad_token_id=0, log_dir=tmp_path, start_server=None,
                             push=actor_push(handles[0], Watchdog(None, None), "actor[0]",
-                                            ranks=[(h, f"actor[{r}]") for r, h in enumerate(handles)]),
+                                            ranks=[(h, f"actor[{r}]") for r, h in enumerate(handles)], **bound),
                             senders=list(plan.weight_senders))
     engines.urls = list(gpu_of_url)
     engines._last = ("snapshot-of-3", 3)
