@@ -149,6 +149,17 @@ VALUES: dict[str, Any] = {
     "teacher.path": "other_teacher",
     "teacher.dtype": "bfloat16",
     "teacher.backend": "megatron",  # not in this build: rejected
+    # the reward model's fields: without one (reward_model=none, the base) each is rejected; its runs: tests/rewards
+    "reward_model.kind": "classifier",  # without reward_model.path: rejected
+    "reward_model.path": "some/reward_model",
+    "reward_model.dtype": "bfloat16",
+    "reward_model.colocate": True,
+    "reward_model.template": "rate it",
+    "reward_model.parser": "score_tag",
+    "reward_model.engine": "openai",
+    "reward_model.url": "http://127.0.0.1:9/v1",
+    "reward_model.api_key_env": "WALK_KEY",
+    "reward_model.model": "walk-judge",
     "model.lora_target_modules": "[q_proj,v_proj]",
     "model.lora_dropout": 0.5,
     "rollout.lora_sync": "adapter",
