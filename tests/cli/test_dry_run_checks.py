@@ -62,6 +62,9 @@ CASES = {
     "gpus": (lambda tmp: ["cluster=1xgpu"], "torch sees 0 CUDA device(s)"),
     "checkpoints": (_locked_save_dir, "is in use by another running relax-train"),
 }
+if "reward_model" in {c.name for c in CHECKS}:  # the reward model's files (relax/runner/reward_model.py), in work
+    CASES["reward_model"] = (lambda tmp: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
+                             "reward_model.path=")
 RESUME_NOWHERE = "no checkpoint there"  # the resume point, the checkpoints check's other half
 
 
