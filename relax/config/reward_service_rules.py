@@ -1,6 +1,7 @@
 """The rules of remote reward services (`data.reward=http(s)://...`, options in `data.reward_service`), reported with
 the rest of the config's (`relax.config.validate`): the URL's shape, the options' ranges, options set without a
-service (rejected, not ignored), the time limit that a service does not read, and the key's environment variable."""
+service (rejected, not ignored), the time limit that a service does not read, and the key's environment variable; and
+the time limit of the code_tests rewards, which must leave room for the sandbox's own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ from urllib.parse import urlsplit
 
 from relax.algorithms.base import Violation, range_of
 from relax.config.schema import RelaxConfig, RewardServiceConfig
+
+# the wall-clock limit of the code_tests rewards' sandbox runs (relax.rewards.code_tests.LIMITS.wall_s; a test checks
+# they agree): a reward call limited to less would turn a program stopped by the sandbox (a counted time-out, reward 0)
+# into a failed reward call (its group left out)
+CODE_TESTS_WALL_S = 10.0
+CODE_TESTS_REWARDS = ("code_tests", "code_tests_all")
 
 
 def is_service(reward: str) -> bool:
@@ -26,6 +33,11 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
             out.append(Violation((fields,) if isinstance(fields, str) else tuple(fields), message))
 
     default = RewardServiceConfig()
+    if d.reward in CODE_TESTS_REWARDS and d.reward_timeout_s is not None:
+        require(d.reward_timeout_s > CODE_TESTS_WALL_S + 5, ("data.reward_timeout_s", "data.reward"),
+                f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "
+                f"data.reward={d.reward} ({CODE_TESTS_WALL_S:g} s) by 5 s: a program the sandbox stops fails its "
+                "tests; a reward call stopped first would be a reward error instead")
     if not is_service(d.reward):
         for f in dataclasses.fields(svc):
             require(getattr(svc, f.name) == getattr(default, f.name), (f"data.reward_service.{f.name}", "data.reward"),

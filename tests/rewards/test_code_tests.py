@@ -40,6 +40,17 @@ def test_the_reward_is_the_share_of_tests_passed_in_the_sandbox():
     assert code_tests_reward("4", LABEL).counts == {"sandbox_runs": 1, "sandbox_timeouts": 0}
 
 
+def test_a_reward_time_limit_shorter_than_the_sandbox_s_is_refused_before_start():
+    from relax.config import ConfigError, load_config
+    from relax.config.reward_service_rules import CODE_TESTS_WALL_S
+    from relax.rewards.code_tests import LIMITS
+
+    assert CODE_TESTS_WALL_S == LIMITS.wall_s
+    with pytest.raises(ConfigError, match="must exceed the sandbox's wall-clock limit of data.reward=code_tests"):
+        load_config(["data=code_tests", "data.reward_timeout_s=12"])
+    load_config(["data=code_tests", "data.reward_timeout_s=20"])
+
+
 def test_the_task_is_deterministic_and_its_eval_problems_never_occur_in_train():
     assert generate_task("code_tests", 50, 3) == generate_code_tests(50, 3)
     assert generate_code_tests(20, 1) != generate_code_tests(20, 2)
@@ -60,15 +71,19 @@ def test_each_family_s_reference_passes_its_tests_and_a_constant_earns_its_share
     assert code_tests_reward("0", json.dumps({"prefix": prefix, "tests": tests})) == 0.25
 
 
-def test_in_worker_processes_counts_come_back_and_a_bad_label_is_a_reward_error():
-    fn = get_reward_fn("code_tests")
-    scores = score_responses(fn, ["3 * x + 4", "4", "3 * x + 4"], [LABEL, LABEL, "not json"], timeout_s=60)
+def test_counts_add_up_over_a_batch_and_a_bad_label_is_a_reward_error():
+    """(In this process; the counts' way back from the reward worker processes is the run's, below.)"""
+    scores = score_responses(get_reward_fn("code_tests"), ["3 * x + 4", "4", "3 * x + 4"], [LABEL, LABEL, "not json"])
     assert scores.rewards[:2] == [1.0, 0.25] and scores.failed == [False, False, True]
     assert scores.counts == {"sandbox_runs": 2, "sandbox_timeouts": 0}
     assert "not JSON" in scores.first_error
 
 
-def test_the_python_tool_runs_code_in_the_sandbox():
+def test_the_python_tool_runs_code_in_the_sandbox(monkeypatch):
+    from relax.agents import python_tool
+    from relax.rewards.sandbox import SandboxLimits
+
+    monkeypatch.setattr(python_tool, "LIMITS", SandboxLimits(wall_s=1.0, cpu_s=1))  # a quicker time-out
     runner = ToolRunner(get_tools(["python"]), timeout_s=None)  # in this process: the sandbox limits the code
     try:
         ok, raised, looped, outside = runner([
