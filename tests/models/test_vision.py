@@ -182,3 +182,31 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, items):
         grads.append({n: p.grad for n, p in policy.model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any("visual" in n for n in grads[0])
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+def test_a_vision_language_directory_loads_through_model_path(tmp_path, tokenizer):
+    """model.source=hf with a Qwen2.5-VL directory (the tiny model saved with its tokenizer, image processor and chat
+    template, as a real checkpoint ships them): the model, tokenizer and processor load offline, and its samples'
+    log-probs are the trainer's."""
+    from relax.data.images import load_processor
+    from relax.data.tokenizer import load_tokenizer
+
+    built = build_model(_model_cfg("qwen2_5_vl"), len(tokenizer), tokenizer.pad_token_id, seed=5)
+    built.save_pretrained(str(tmp_path))
+    tokenizer.save_pretrained(str(tmp_path))
+    build_tiny_vl_processor(tokenizer).image_processor.save_pretrained(str(tmp_path))
+    cfg = ModelConfig(name="vl", source="hf", path=str(tmp_path), dtype="float32")
+    loaded_tokenizer = load_tokenizer(cfg)
+    processor = load_processor(cfg, loaded_tokenizer)
+    item = PromptDataset.from_records([(generate_shapes(1, seed=0)[0], "r")], loaded_tokenizer,
+                                      vision=VisionData(processor))[0]
+    model = build_model(cfg, len(loaded_tokenizer), loaded_tokenizer.pad_token_id, seed=0)
+    assert type(model) is type(built)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), built.state_dict().values(),
+                                                 strict=True))
+    out = _engine(model, loaded_tokenizer).generate([item.prompt_ids], n_samples_per_prompt=2, max_new_tokens=3,
+                                                    seed=0, vision=[item.vision])
+    policy = TorchPolicy(cfg, TrainConfig(), vocab_size=len(loaded_tokenizer),
+                         pad_token_id=loaded_tokenizer.pad_token_id, seed=0, device="cpu")
+    logp = policy.compute_logprobs(out, micro_batch_size=2)
+    assert float((logp - out.rollout_logp)[out.response_mask.bool()].abs().max()) < 1e-5
