@@ -197,3 +197,25 @@ def stack_recorded(control: RouterControl, batch: int, width: int) -> torch.Tens
     control.recorded = [[] for _ in control.routers]
     return torch.stack(layers, dim=2)
 
+
+
+def check_moe_checkpoint(cfg: Any, path: Any) -> None:
+    """MoE options (rollout.routing_replay, rollout.record_routes, train.moe_aux_loss_coef) against a model read from
+    files, before anything starts: ValueError naming them when its config is not a Qwen3-MoE one. `cfg`: the
+    RelaxConfig; `path`: the model's directory (or .gguf file)."""
+    ro, t = cfg.rollout, cfg.train
+    options = [name for name, on in (("rollout.routing_replay=true", ro.routing_replay),
+                                     ("rollout.record_routes=true", ro.record_routes),
+                                     (f"train.moe_aux_loss_coef={t.moe_aux_loss_coef}", t.moe_aux_loss_coef > 0))
+               if on]
+    if not options:
+        return
+    from transformers import AutoConfig
+
+    if cfg.model.source == "gguf":
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if config.model_type not in MOE_ARCHS:
+        raise ValueError(f"{', '.join(options)}: the model at {str(path)!r} is {config.model_type!r}, not a "
+                         f"mixture-of-experts model of a supported family ({', '.join(MOE_ARCHS)})")

@@ -41,6 +41,7 @@ from relax.config.schema import ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
+from relax.models.moe import check_moe_checkpoint
 from relax.rewards.registry import get_reward_fn
 from relax.roles.workers import ModelInfo
 from relax.runner import checkpoint
@@ -134,6 +135,7 @@ def _model(pre: Preflight) -> bool:
     if cfg.train.backend == "megatron":  # the architecture first: the most specific message
         _check_megatron_model(cfg, path)
     check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
+    check_moe_checkpoint(cfg, path)  # MoE options need an MoE model (relax.models.moe)
     return True
 
 

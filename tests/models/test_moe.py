@@ -233,3 +233,31 @@ def test_dense_model_rejects_replay():
     with pytest.raises(ValueError, match="no MoE router"):
         TorchPolicy(ModelConfig(), TrainConfig(), vocab_size=V, pad_token_id=0, seed=0, device="cpu",
                     num_threads=1, routing_replay=True)
+
+
+def test_routes_survive_a_checkpoint_of_the_rollout_stream(tmp_path):
+    """The rollout stream's checkpoint (its buffered batches, `samples_state`, written and read back with
+    weights_only=True) keeps each sample's routes exactly: a resumed run replays what the engine recorded."""
+    from relax.runner.checkpoint import read_rollout_state, write_rollout_state
+    from relax.runner.rollout_driver.stream import samples_state
+
+    s = _engine(build_model(MOE, V, 0, seed=0)).generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=6, seed=8)
+    write_rollout_state(tmp_path, {"buffer": [{"samples": samples_state(s)}]})
+    back = Samples(**read_rollout_state(tmp_path)["buffer"][0]["samples"])
+    assert back.routed_experts.dtype == torch.uint8 and torch.equal(back.routed_experts, s.routed_experts)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_moe_options_need_an_moe_checkpoint_before_start(tmp_path, arch):
+    """rollout.routing_replay on a model read from files: a dense checkpoint is refused by the pre-Ray checks,
+    naming the option and the model's type; a Qwen3-MoE one passes."""
+    from relax.config import load_config
+    from relax.runner.preflight import preflight
+
+    build_model(ModelConfig(arch=arch), 40, 0, seed=0).save_pretrained(str(tmp_path / "m"))
+    cfg = load_config(["model.source=hf", f"model.path={tmp_path / 'm'}", "rollout.routing_replay=true"])
+    pre = preflight(cfg, only=("model",))
+    if arch == "qwen3":
+        assert "rollout.routing_replay=true" in pre.problems["model"] and "'qwen3'" in pre.problems["model"]
+    else:
+        assert pre.ok, pre.problems
