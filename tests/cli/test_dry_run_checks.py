@@ -59,12 +59,11 @@ CASES = {
                                   "rollout.sglang.server=embedded"], "no_such_module"),
     "lora": (lambda tmp: ["model.lora_rank=4", "model.lora_target_modules=[q_proj,no_such_proj]"],
              "['no_such_proj'] are not linear layers of tiny"),
+    "reward_model": (lambda tmp: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
+                     "reward_model.path="),
     "gpus": (lambda tmp: ["cluster=1xgpu"], "torch sees 0 CUDA device(s)"),
     "checkpoints": (_locked_save_dir, "is in use by another running relax-train"),
 }
-if "reward_model" in {c.name for c in CHECKS}:  # the reward model's files (relax/runner/reward_model.py), in work
-    CASES["reward_model"] = (lambda tmp: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
-                             "reward_model.path=")
 RESUME_NOWHERE = "no checkpoint there"  # the resume point, the checkpoints check's other half
 
 
