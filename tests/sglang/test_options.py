@@ -215,7 +215,7 @@ def test_an_actor_that_dies_while_its_weights_are_sent_restarts_the_graph(server
     _, eos, pad = weights
     actor = ray_local.remote(_dying_actor()).options(num_cpus=0).remote()
     engines = SGLangEngines(config(url), eos_token_ids=eos, pad_token_id=pad, log_dir=tmp_path, start_server=None,
-                            push=actor_push(actor, Watchdog(None, None), "actor")).start()
+                            push=actor_push(actor, Watchdog(None, None), "actor", timeout_s=60)).start()
     try:
         with pytest.raises(RoleFailure, match="died") as failure:
             engines.load_weights(actor.weights.remote(2), 2)

@@ -147,7 +147,8 @@ def started_engines(cluster: Cluster) -> Iterator[Engines]:
                                 log_dir=cluster.sglang_log_dir,
                                 start_server=None if cfg.rollout.sglang.urls is not None else cluster.start_server,
                                 push=actor_push(cluster.actor, cluster.watch, cluster.actor_process,
-                                                ranks=cluster.actor_ranks),
+                                                ranks=cluster.actor_ranks,
+                                                timeout_s=cfg.rollout.sglang.request_timeout_s),
                                 senders=list(cluster.plan.weight_senders))
         engines.servers = list(cluster.rollout_replicas)
     else:

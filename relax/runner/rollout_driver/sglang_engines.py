@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -62,11 +63,14 @@ API_KEY_ENV = "RELAX_SGLANG_API_KEY"  # the key of the servers at rollout.sglang
 Push = Callable[[object, int, list[str], WeightTarget, bool, "list[int] | None"], dict]
 
 
-def actor_push(actor, watch: Watchdog, process: str, ranks: list[tuple[object, str]] | None = None):
+def actor_push(actor, watch: Watchdog, process: str, ranks: list[tuple[object, str]] | None = None, *,
+               timeout_s: float):
     """rollout=sglang's `SGLangEngines.push`: the actor's process sends the weights (the ObjectRef of its snapshot of
-    a version) to the servers itself (`PolicyForwarding.push_weights`); the driver only waits. Each of the actor's
-    calls to a server has its own timeout (rollout.sglang.request_timeout_s); a dead or hung actor is a RoleFailure
-    (the graph restarts), a server that refuses is a RunError naming the servers.
+    a version) to the servers itself (`PolicyForwarding.push_weights`); the driver only waits, `timeout_s`
+    (rollout.sglang.request_timeout_s) at most for the whole update: a sender keeps beating while it is stuck (a
+    broadcast that never completes), so its heartbeats alone would not end the wait. Each of the actor's calls to a
+    server has that timeout too. A dead actor, or one whose update is not done in time, is a RoleFailure (the graph
+    restarts) naming the version and the servers; a server that refuses is a RunError naming the servers.
 
     `ranks`: (handle, process name) of each actor rank (Megatron); a push's `senders` names, per url, the rank that
     sends to it (`Plan.weight_senders`: CUDA IPC handles from the rank on the server's GPU), all at once. Without
@@ -87,10 +91,13 @@ def actor_push(actor, watch: Watchdog, process: str, ranks: list[tuple[object, s
             call = handle.push_weights.options(concurrency_group=WEIGHTS_GROUP)  # beside the actor's train step
             calls.append((call.remote(weights, version, part, target, regroup), name))
         try:
-            sent = watch.get(calls, progress=False)
+            sent = watch.get(calls, progress=False, deadline=(timeout_s, "rollout.sglang.request_timeout_s"))
         except ray.exceptions.RayTaskError as exc:
             raise RunError(f"rollout=sglang: the actor could not send weights to {', '.join(urls)}: "
                            f"{first_line(exc.cause or exc)}") from None
+        except RoleFailure as failure:  # what it was doing
+            raise RoleFailure(failure.process, f"{failure.cause} (sending the weights of version {version} to "
+                                               f"{', '.join(urls)})") from None
         # every sender sends the whole version: its buckets and bytes once
         return {"buckets": max(s["buckets"] for s in sent), "bytes": sent[0]["bytes"]}
 
@@ -193,24 +200,53 @@ class SGLangEngines:
                            f"(rollout.sglang.startup_timeout_s); logs in {self.log_dir}") from None
 
     def close(self) -> None:
+        """Stop what the engines started: the episodes' tools, the agents' gateway, the watchdog, the router, the
+        servers' processes; servers the user started (`rollout.sglang.urls`) get their memory and the last weights
+        back. Every step runs whatever an earlier one did (a dead actor cannot send those weights: the router must
+        stop all the same), and none raises: the run's outcome, or the exception that ends it, stands (a RunError
+        must not become a RoleFailure that restarts the graph). What failed is printed, naming what was not done."""
         self._stop.set()
+        problems: list[str] = []
+
+        def step(what: str, action: Callable[[], object]) -> None:
+            try:
+                action()
+            except Exception as exc:  # noqa: BLE001 - reported below; the other steps still run
+                problems.append(f"{what}: {first_line(exc)}")
+
         if self.episodes is not None:
-            self.episodes.close()
+            step("closing the episodes' tools", self.episodes.close)
         if self.agents is not None:
-            self.agents.close()
+            step("stopping the agents' gateway", self.agents.close)
         if self._watchdog is not None:
             self._watchdog.join(timeout=10)
         if self.sg.urls is not None and self._released and self._failed is None and self._last is not None:
-            with self._lock:  # servers the user started stay usable: resident, with the last weights
-                self._make_ready(push=True)
+            # servers the user started stay usable: resident, with the last weights
+            step(f"giving the servers at {', '.join(self.urls)} (rollout.sglang.urls) their memory and the weights of "
+                 f"version {self._last[1]} back (they may be left released, or with older weights)", self._restore)
         if self._local is not None:
-            self._local.close()
+            step("leaving the weight-update group", self._local.close)
         if self.router is not None:
-            self.router.stop()
+            step("stopping the router", self.router.stop)
         if self.servers:  # their processes, before Ray kills the actors (which would take them down too)
             import ray
 
-            ray.wait([s.stop.remote() for s in self.servers], num_returns=len(self.servers), timeout=15)
+            step("stopping the servers' processes", lambda: ray.wait(
+                [s.stop.remote() for s in self.servers], num_returns=len(self.servers), timeout=15))
+        if problems:
+            print("rollout=sglang: shutting down, " + "; ".join(problems) + " (every other step was done)",
+                  file=sys.stderr, flush=True)
+
+    def _restore(self) -> None:
+        """The user's servers resident with the last weights (`close`); the lock is waited for as long as a weight
+        update may take (rollout.sglang.request_timeout_s: one in progress ends by then)."""
+        if not self._lock.acquire(timeout=self.sg.request_timeout_s):
+            raise RunError(f"a weight update still held the servers after {self.sg.request_timeout_s:g} s "
+                           "(rollout.sglang.request_timeout_s)")
+        try:
+            self._make_ready(push=True)
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ Engines
     def _sampling(self, evaluation: bool) -> Sampling:
