@@ -261,3 +261,34 @@ def test_moe_options_need_an_moe_checkpoint_before_start(tmp_path, arch):
         assert "rollout.routing_replay=true" in pre.problems["model"] and "'qwen3'" in pre.problems["model"]
     else:
         assert pre.ok, pre.problems
+
+
+def test_episode_routes_cover_every_turn_and_observation():
+    """Multi-turn episodes (guess_number: the model's turns and the environment's observations in one generation):
+    every token the engine fed, observations included, carries the experts HF's own router chooses over the whole
+    episode, and the trainer replays them (agreement 1)."""
+    from relax.agents.episode import EpisodeMaker
+    from relax.agents.loops import AgentFactory
+    from relax.data.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = build_model(MOE, len(tok), tok.pad_token_id, seed=0)
+    engine = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    engine.record_routes = True
+    maker = EpisodeMaker(AgentFactory("guess_number", [], None, None), tok, max_turns=4, max_tool_errors=3)
+    text = tok.apply_chat_template([{"role": "user", "content": "guess"}], add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    eps = [maker.new({"label": str(s)}) for s in (2, 7) for _ in range(2)]
+    s = engine.generate([prompt, prompt[1:]], n_samples_per_prompt=2, max_new_tokens=40, seed=3, episodes=eps,
+                        turn_limit=4)
+    assert int(s.obs_mask().sum()) > 0
+    P = s.prompt_ids.shape[1]
+    fed = torch.cat([s.prompt_mask, s.present()], 1).bool()
+    fed[torch.arange(len(s)), P + s.present().sum(1) - 1] = False  # each row's last token is never fed
+    known = recorded_mask(s.routed_experts, MOE.num_experts)
+    assert torch.equal(known.all(-1), fed)
+    assert bool(_same_sets(_hf_routes(model, s), s.routed_experts)[fed].all())
+    policy = TorchPolicy(MOE, TrainConfig(), vocab_size=len(tok), pad_token_id=tok.pad_token_id, seed=0,
+                         device="cpu", num_threads=1, routing_replay=True)
+    policy.compute_logprobs(s, micro_batch_size=4)
+    assert policy.routing.metrics()["rollout/router_agreement"] == 1.0
