@@ -246,8 +246,10 @@ def test_through_the_real_router_streamed_events_carry_their_logprobs(served, tm
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_a_pause_at_a_token_keeps_the_running_request_and_continue_finishes_it(served, monkeypatch, mode):
     """The pause lands while the engine draws the request's 5th token (a hook there waits until the pause has
-    interrupted the engine: no sleep); the request is kept (queued, not answered) and, after a weight-version update
-    and /continue_generation, finishes with the tokens it would have drawn unpaused, under the new version."""
+    interrupted the engine: no sleep); the request is kept, as SGLang keeps it: retract moves it back to the waiting
+    queue (flush_cache may run), in_place keeps it in the running batch (counted running; flush_cache fails while it
+    is there); after a weight-version update and /continue_generation it finishes with the tokens it would have drawn
+    unpaused, under the new version."""
     from relax.serve.sglang import scheduler
 
     _, server = served
@@ -273,8 +275,17 @@ def test_a_pause_at_a_token_keeps_the_running_request_and_continue_finishes_it(s
     try:
         assert reached.wait(60)
         assert post(server.url, "/pause_generation", {"mode": mode}).status_code == 200
-        state = server.scheduler.state()
-        assert state["#queue-req"] == 1 and state["#running-rows"] == 0 and "r" not in answer
+        state = requests.get(f"{server.url}/get_server_info", timeout=30).json()["internal_states"][0]
+        load = requests.get(f"{server.url}/v1/loads", timeout=30).json()
+        assert state["#running-rows"] == 0 and "r" not in answer  # no engine call runs
+        flush = requests.post(f"{server.url}/flush_cache", timeout=30)
+        rank = load["loads"][0]
+        if mode == "retract":
+            assert (state["#queue-req"], state["#running-req"]) == (1, 0) and flush.status_code == 200
+            assert (rank["num_waiting_reqs"], rank["num_running_reqs"]) == (1, 0)
+        else:
+            assert (state["#queue-req"], state["#running-req"]) == (0, 1) and flush.status_code == 400
+            assert (rank["num_waiting_reqs"], rank["num_running_reqs"]) == (0, 1)
         assert post(server.url, "/update_weight_version", {"new_version": f"after-{mode}"}).status_code == 200
         assert "r" not in answer, "the paused request was answered"
     finally:

@@ -6,11 +6,14 @@ of rows whose sampling settings (temperature, top_p, top_k, stop tokens) agree; 
 for the next batch. An abort (`/abort_request`, `/pause_generation`) interrupts the engine after the current token:
 the aborted rows return their tokens so far with finish_reason abort, the other rows continue from their prefix with
 their own random streams (the tokens they would have drawn anyway). "retract" and "in_place" pauses keep the
-interrupted rows waiting until `/continue_generation`; they continue from their prefix then, with the weights loaded
-at that time (the answer reports that version). Weight updates, memory release and resume wait for the running batch
-(and its continuations), so the tokens of one batch come from one weight version, the `weight_version` its answers
-report. The engine keeps no cache between batches: `flush_cache` has nothing to flush; it answers 400 while a
-request runs or waits (200 while generation is paused and no batch runs).
+interrupted rows until `/continue_generation`, as SGLang does: "retract" moves them back to the queue (they count as
+waiting), "in_place" keeps them in the running batch (they count as running, and `flush_cache` fails while they are
+there, as SGLang's does with their cache kept); either way they continue from their prefix then, with the weights
+loaded at that time (the answer reports that version). Weight updates, memory release and resume wait for the
+running batch (and its continuations), so the tokens of one batch come from one weight version, the `weight_version`
+its answers report. The engine keeps no cache between batches: `flush_cache` has nothing to flush; it answers 400
+while a request runs or waits (200 while generation is paused and no batch runs, unless an in_place pause keeps
+rows in the running batch).
 
 Stop strings and streams need each token as it is drawn: an engine call with such rows (`Row.watched`) hands the
 engine a `_Watch` per row through its episode protocol (`EmbeddedEngine.generate(episodes=..., turn_limit=1)`):
@@ -104,6 +107,7 @@ class Scheduler:
         self.engine: Any = None
         self._version = version
         self._queue: list[Row] = []  # rows waiting for the engine (retracted rows first)
+        self._parked: list[Row] = []  # rows an in_place pause keeps in the running batch (they run first)
         self._batch: list[Row] = []  # rows of the batch the scheduler is running
         self._active: set[int] = set()  # ids of the rows inside the current engine call
         self._interrupt = False  # read by the engine after every token
@@ -165,6 +169,14 @@ class Scheduler:
                 else:
                     keep.append(row)
             self._queue = keep
+            parked = []
+            for row in self._parked:
+                if match(row):
+                    self._finish(row, {"type": "abort", "message": message})
+                    hits += 1
+                else:
+                    parked.append(row)
+            self._parked = parked
             for row in self._batch:
                 if row.finish is None and match(row):
                     row.abort = row.abort or message
@@ -182,7 +194,9 @@ class Scheduler:
             self._paused = mode
             if mode == "abort":
                 self.abort_where(lambda r: True, "aborted by /pause_generation")
-            elif self._active:
+            elif mode == "retract" and self._parked:  # an earlier in_place pause's rows, retracted now
+                self._queue[:0], self._parked = self._parked, []
+            if mode != "abort" and self._active:
                 self._interrupt = True
             while self._owner == "generate":  # returns once no engine call runs
                 self.cv.wait()
@@ -201,25 +215,25 @@ class Scheduler:
     def idle(self) -> bool:
         """Whether no batch runs and no request waits to run (waiting while paused counts as idle)."""
         with self.cv:
-            return self._owner != "generate" and (not self._queue or self._paused is not None)
+            return self._owner != "generate" and not self._parked and (not self._queue or self._paused is not None)
 
     def waiting(self) -> bool:
         """Whether requests wait to run (generation not paused)."""
         with self.cv:
-            return bool(self._queue) and self._paused is None
+            return bool(self._queue or self._parked) and self._paused is None
 
     def state(self) -> dict:
         """The queue and running counts, pause and memory state (server_info's internal_states)."""
         with self.cv:
             queued = len({id(r.request) for r in self._queue})
-            running = len({id(r.request) for r in self._batch if r.finish is None})
+            running = len({id(r.request) for r in self._batch + self._parked if r.finish is None})
             return {"#queue-req": queued, "#running-req": running, "#running-rows": len(self._active),
                     "paused": self._paused, "memory_released": sorted(self.released)}
 
     def load(self) -> Load:
         """The rows running and waiting now, and their tokens."""
         with self.cv:
-            running = [r for r in self._batch if r.finish is None]
+            running = [r for r in self._batch + self._parked if r.finish is None]
             return Load(running=len(running), waiting=len(self._queue),
                         paused=len(self._queue) if self._paused is not None else 0, used_tokens=_size(running),
                         pending_tokens=_size(self._queue), throughput=self._throughput)
@@ -268,7 +282,7 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------------- the thread
 
     def _can_run(self) -> bool:
-        return (bool(self._queue) and self._paused is None and not self.released and self._owner is None
+        return (bool(self._queue or self._parked) and self._paused is None and not self.released and self._owner is None
                 and self._ops_waiting == 0)
 
     def _schedule(self) -> None:
@@ -278,7 +292,7 @@ class Scheduler:
                     self.cv.wait()
                 if self.stopping:
                     return
-                batch, self._queue = self._queue, []
+                batch, self._queue, self._parked = self._parked + self._queue, [], []
                 self._batch, self._owner = batch, "generate"
             try:
                 self._run_batch(batch)
@@ -341,7 +355,11 @@ class Scheduler:
             for row in held:
                 if row.abort is not None:
                     self._finish(row, {"type": "abort", "message": row.abort})
-            self._queue[:0] = [r for r in held if r.finish is None]
+            kept = [r for r in held if r.finish is None]
+            if self._paused == "in_place" and not self.stopping:
+                self._parked.extend(kept)  # still in the running batch, as SGLang keeps them
+            else:
+                self._queue[:0] = kept
 
     @staticmethod
     def _finish_reason(row: Row, reason: str) -> Optional[dict]:
