@@ -210,3 +210,30 @@ def test_a_vision_language_directory_loads_through_model_path(tmp_path, tokenize
                          pad_token_id=loaded_tokenizer.pad_token_id, seed=0, device="cpu")
     logp = policy.compute_logprobs(out, micro_batch_size=2)
     assert float((logp - out.rollout_logp)[out.response_mask.bool()].abs().max()) < 1e-5
+
+
+def test_samples_with_images_survive_a_checkpoints_rollout_state(tmp_path, tokenizer, items):
+    """What a resume reads back of buffered samples and prompt items with images (the rollout stream's state, written
+    and read as a checkpoint does: torch.load(weights_only=True)) equals what was written."""
+    import dataclasses
+
+    from relax.batch import Samples
+    from relax.data.datasets import PromptItem
+    from relax.runner.checkpoint import read_rollout_state, write_rollout_state
+    from relax.runner.rollout_driver.stream import _items_state, samples_state
+
+    model = build_model(_model_cfg("qwen2_5_vl"), len(tokenizer), tokenizer.pad_token_id, seed=0)
+    out = _engine(model, tokenizer).generate([i.prompt_ids for i in items], n_samples_per_prompt=2, max_new_tokens=2,
+                                             seed=0, vision=[i.vision for i in items])
+    write_rollout_state(tmp_path, {"samples": samples_state(out), "items": _items_state(items)})
+    state = read_rollout_state(tmp_path)
+    back = Samples(**state["samples"])
+    assert len(back.vision) == len(out) and back.vision[-1] is None
+    for a, b in zip(back.vision, out.vision, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a["pixel_values"], b["pixel_values"]) and a["image_tokens"] == b["image_tokens"]
+            assert torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+    restored = [PromptItem(**d) for d in state["items"]]
+    assert [dataclasses.astuple(i)[:5] for i in restored] == [dataclasses.astuple(i)[:5] for i in items]
+    assert torch.equal(restored[0].vision["pixel_values"], items[0].vision["pixel_values"])
