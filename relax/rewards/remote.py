@@ -32,10 +32,11 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 from urllib.parse import urlsplit
 
-from relax.config.schema import RewardServiceConfig
+if TYPE_CHECKING:  # relax.config imports torch (its algorithms): not at the import of every reward worker
+    from relax.config.schema import RewardServiceConfig
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -64,6 +65,8 @@ class RemoteReward:
     """Scores a batch of responses on a reward service (see the module docstring): `score_batch`."""
 
     def __init__(self, url: str, options: Optional[RewardServiceConfig] = None):
+        from relax.config.schema import RewardServiceConfig
+
         """`options`: `data.reward_service` (the scoring sets the run's on the client it is given: `options` may be
         replaced before a call)."""
         if (problem := check_url(url)) is not None:
