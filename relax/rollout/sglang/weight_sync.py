@@ -30,7 +30,6 @@ from relax.models.lora import ADAPTER_WEIGHTS, write_adapter_dir
 from relax.models.weight_buffers import WeightBuffers, state_and_bytes
 from relax.rollout.sglang import wire
 from relax.rollout.sglang.client import post
-from relax.rollout.sglang.process import free_port
 
 LOOPBACK = ("127.0.0.1", "localhost")
 
@@ -80,7 +79,8 @@ class BroadcastSync:
     def connect(self) -> None:
         """Form the group: every server joins (its HTTP call returns once the group exists) while rank 0 does."""
 
-        port = free_port(self.master_address)
+        # rank 0's store listens first, on a port the kernel picked as it bound it; then the servers are told it
+        store, port = wire.host_update_store(self.master_address, self.timeout_s)
         world = 1 + self.tp_size * len(self.urls)
 
         def join(i_url: tuple[int, str]) -> dict:
@@ -94,7 +94,7 @@ class BroadcastSync:
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             calls = [pool.submit(join, iu) for iu in enumerate(self.urls)]
             self.group = wire.init_update_group(self.master_address, port, 0, world, self.group_name, self.backend,
-                                                self.timeout_s)
+                                                self.timeout_s, store=store)
             for c in calls:
                 c.result()
 

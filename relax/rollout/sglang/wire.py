@@ -272,21 +272,34 @@ def deserialize(payload: str | bytes, *, segment_owner: Callable[[int], bool] | 
                                  lambda: _RestrictedUnpickler(io.BytesIO(data), segment_owner).load())
 
 
+def host_update_store(master_address: str, timeout_s: float) -> tuple[Any, int]:
+    """Rank 0's rendezvous store of a weight-update group, and its port: (store, port).
+
+    The store binds port 0 (on `master_address` only: `listening_store`), so the kernel picks a free port as it
+    binds: no other process can take it in between (a port found free and bound a moment later can be taken, and
+    the servers would then be sent to a port their rank 0 does not hold). Tell the other ranks this port, then pass
+    the store to `init_update_group(..., store=)`.
+    """
+    store = listening_store(master_address, 0, timeout_s=timeout_s)
+    return store, int(store.port)
+
+
 def init_update_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                      backend: str, timeout_s: float) -> Any:
+                      backend: str, timeout_s: float, *, store: Any = None) -> Any:
     """Join the weight-update process group `group_name` as `rank` of `world_size`, as SGLang does.
 
-    Rendezvous on `tcp://master_address:master_port` (rank 0 hosts the store), the group's keys under the prefix
-    `group_name`, and a process group that is not the default group (none is needed, none is created), so it
-    can be used beside any other. Returns once every rank joined; use it as
-    `torch.distributed.broadcast(t, src=0, group=g)`. Backend: gloo for CPU tensors, nccl for CUDA tensors.
+    Rendezvous on `tcp://master_address:master_port` (rank 0 hosts the store; `store`: rank 0's store, already
+    listening, from `host_update_store`), the group's keys under the prefix `group_name`, and a process group that
+    is not the default group (none is needed, none is created), so it can be used beside any other. Returns once
+    every rank joined; use it as `torch.distributed.broadcast(t, src=0, group=g)`. Backend: gloo for CPU tensors,
+    nccl for CUDA tensors.
     """
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    # rank 0's store listens on master_address alone (torch's own, from c10d.rendezvous: on every interface)
-    make = listening_store if int(rank) == 0 else client_store
-    store = make(master_address, int(master_port), world_size=int(world_size), timeout_s=timeout_s)
+    if store is None:  # rank 0's store listens on master_address alone (torch's own: on every interface)
+        make = listening_store if int(rank) == 0 else client_store
+        store = make(master_address, int(master_port), world_size=int(world_size), timeout_s=timeout_s)
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     # global_ranks_in_group=[]: the group is built like a default group (its ranks are its own), but not registered
