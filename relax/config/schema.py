@@ -151,7 +151,9 @@ class SGLangConfig:
     # (then get the new weights) before the next rollout
     release_memory: bool = True
     startup_timeout_s: float = positive(600.0)  # a server (or the router) not healthy within this fails the start
-    request_timeout_s: float = positive(600.0)  # one /generate call; a request that fails is retried until this passes
+    # each /generate request's own deadline from its first attempt (a request that fails is retried until it passes);
+    # also the bound on one weight update from the actor (rollout.sglang: actor_push)
+    request_timeout_s: float = positive(600.0)
     health_check_interval_s: float = positive(5.0)
     health_failures: int = in_range(3, 1)  # consecutive failed health checks that declare a server dead (restarted)
     max_engine_restarts: int = non_negative(3)  # restarts of servers in one run before it stops
