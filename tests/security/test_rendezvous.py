@@ -55,6 +55,15 @@ def test_the_weight_update_groups_store_listens_on_its_address_only():
         wire.destroy_update_group(group)
 
 
+def test_the_weight_senders_store_listens_on_its_address_only():
+    """BroadcastSync's rank 0 (`wire.host_update_store`, a port the kernel picks as it binds)."""
+    store, port = wire.host_update_store("127.0.0.1", 30)
+    try:
+        assert listening(port) == {LOOPBACK}
+    finally:
+        del store
+
+
 MEGATRON_RANK = textwrap.dedent("""
     import sys
     from relax.train.megatron import parallel
