@@ -414,8 +414,8 @@ class EmbeddedEngine:
 
         `vision` (one entry per prompt: its images as the processor gave them, or None): prompts with images, whose
         image tokens `prompts` holds (a vision-language model: `relax.rollout.vision.VisionDecoder`); each prompt's
-        images are encoded once and its samples share them (`Samples.vision`). `vision_encode_time` then holds the
-        seconds the vision tower took.
+        images are encoded once and its samples share them (`Samples.vision`; `Samples.vision_time`: the seconds the
+        vision tower took).
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
@@ -516,7 +516,7 @@ class EmbeddedEngine:
                 tokens = tokens[live_rows.to(dev)]
             if t + 1 < T:
                 logits = decoder.step(tokens)
-        self.vision_encode_time = getattr(decoder, "encode_time", 0.0)
+        vision_time = getattr(decoder, "encode_time", 0.0)
         width = int(lengths.max())
         resp_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         out_ids = out_ids[:, :width].cpu().masked_fill(resp_mask == 0, self.pad_token_id)
@@ -534,6 +534,7 @@ class EmbeddedEngine:
             dropped_mass=float(dropped_mass) / max(1, int(generated.sum())),
             sample_id=sample_ids.clone(),
             vision=None if vision is None else [v for v in vision for _ in range(n)],
+            vision_time=vision_time,
             token_version=generated * self.weight_version,
             token_mask=None if episodes is None else resp_mask,
             episodes=None if episodes is None else [e.record() for e in episodes],
