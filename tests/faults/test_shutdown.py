@@ -26,8 +26,9 @@ from relax.runner.rollout_driver.engines import started_engines
 from relax.runner.rollout_driver.sglang_engines import actor_push
 from relax.runner.watchdog import Watchdog
 
-# a local Ray (and the router's process): one xdist worker runs both, so that Ray starts once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_sglang_shutdown")]
+# a local Ray and the router: in the xdist group of tests/sglang/test_options.py, whose worker starts a local Ray for
+# its own dead-actor test, so that one Ray serves both files
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sglang_options")]
 
 TINY = ["model=tiny", "model.dtype=float32"]
 
