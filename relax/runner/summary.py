@@ -21,6 +21,15 @@ def _changed(obj) -> str:
     return " ".join(out)
 
 
+def _reward_model(cfg: RelaxConfig) -> str:
+    """The reward model beside data.reward, and the weights the two combine by ("" without one)."""
+    rm = cfg.reward_model
+    if rm.kind == "none":
+        return ""
+    rule = f"{rm.rule_weight:g} x data.reward + " if cfg.data.reward != "none" else ""
+    return f"; reward_model={rm.kind}: {rule}{rm.weight:g} x its score"
+
+
 def config_summary(cfg: RelaxConfig) -> str:
     a, m, ro, t, d = cfg.algorithm, cfg.model, cfg.rollout, cfg.train, cfg.data
     model = m.path or m.name
@@ -33,7 +42,7 @@ def config_summary(cfg: RelaxConfig) -> str:
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",
-        f"data       {d.name} (reward={d.reward}{shaping})",
+        f"data       {d.name} (reward={d.reward}{shaping}{_reward_model(cfg)})",
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
         f"max_response_len={ro.max_response_len}, temperature={ro.temperature}{filtering}",
         f"train      {t.backend}: {t.num_rollout} rollouts, global_batch_size={t.global_batch_size}, "

@@ -233,6 +233,7 @@ def test_dry_run_shows_the_reward_model_and_refuses_a_missing_one(tmp_path, capf
     code, out, err = relax_train(["dry_run=true", f"reward_model.path={untrained}", *common], capfd)
     assert code in (0, None), err
     assert f"classifier {untrained} (score: its logit)" in out
+    assert "reward_model=classifier: 1 x data.reward + 1 x its score" in out  # the config's summary
     assert any(line.split()[:2] == ["ok", "reward_model"] for line in out.splitlines()), out
 
     code, out, err = relax_train(["dry_run=true", f"reward_model.path={tmp_path / 'missing'}", *common], capfd)
