@@ -132,15 +132,24 @@ class RayNodes:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _pin_the_rollout_node(address: str) -> None:
-    """A detached placement group holding PINNED_CPU of the rollout node (its resource), for the module's life."""
-    import ray
-    from ray.util.placement_group import placement_group
+PIN_NAME = "relax-mn-pin"
 
-    ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+
+def _pin_the_rollout_node(address: str, pin: bool = True) -> None:
+    """A detached placement group holding PINNED_CPU of the rollout node (its resource), for the module's life;
+    `pin=False` removes it (a node holding a detached group's bundle takes half a minute to stop)."""
+    import ray
+    from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
+
+    # a named group is found in the Ray namespace it was made in
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING", namespace="relax-multinode-test")
     try:
-        pg = placement_group([{"CPU": PINNED_CPU, ROLLOUT_NODE: 1}], strategy="STRICT_PACK", lifetime="detached")
-        assert pg.wait(60), "the rollout node's CPU could not be pinned"
+        if pin:
+            pg = placement_group([{"CPU": PINNED_CPU, ROLLOUT_NODE: 1}], strategy="STRICT_PACK", lifetime="detached",
+                                 name=PIN_NAME)
+            assert pg.wait(60), "the rollout node's CPU could not be pinned"
+        else:
+            remove_placement_group(get_placement_group(PIN_NAME))
     finally:
         ray.shutdown()
 
@@ -157,6 +166,7 @@ def two_nodes():
         ray.shutdown()
     nodes = RayNodes()
     saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    pinned = False
     try:
         nodes.launch("--head", f"--node-ip-address={HEAD_IP}", f"--port={nodes.gcs_port}",
                      "--include-dashboard=false", f"--ray-client-server-port={_free_port()}", name="head", cpus=0)
@@ -173,10 +183,13 @@ def two_nodes():
 
         Config.initialize("")  # Ray caches its config: read RAY_AUTH_MODE again, as Ray does when it turns it on
         _pin_the_rollout_node(nodes.address)
+        pinned = True
         yield nodes.address
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        if pinned:
+            _pin_the_rollout_node(nodes.address, pin=False)
         nodes.stop()
         for k, v in saved.items():
             if v is None:
@@ -342,8 +355,7 @@ def test_nodes_are_told_apart_and_a_one_node_placement_would_be_caught(two_nodes
 
                 remove_placement_group(pg)
 
-        for _ in range(2):  # the same nodes every time
-            assert_apart(start(plan))
+        assert_apart(start(plan))  # on the nodes the fixture's placement fixes
         packed = start(dataclasses.replace(plan, strategy="STRICT_PACK"))
         with pytest.raises(AssertionError, match="on the actor's node"):
             assert_apart(packed)
