@@ -546,13 +546,14 @@ class Tracker:
         self.writer.flush()
 
     def _abandon(self) -> None:
-        """Drop this tracker without writing anything (the run is left as it is in the store)."""
+        """Drop this tracker without writing anything (the run is left as it is in the store). Its threads are
+        joined for CLOSE_JOIN_S each, as in `finish` (one stuck in a store call is left behind)."""
         if self.system_metrics is not None:
-            self.system_metrics.stop(last_sample=False)
+            self.system_metrics.stop(last_sample=False, timeout_s=CLOSE_JOIN_S)
         with self._lock:
             self._closing = True
         atexit.unregister(self._at_exit)
-        self.writer.stop()
+        self.writer.stop(CLOSE_JOIN_S)
         self.spool.close()
 
     # ---------------------------------------------------------------- params, tags, artifacts
