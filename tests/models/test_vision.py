@@ -59,7 +59,8 @@ def test_tiny_vl_is_built_from_config_with_its_vision_tower(arch, tokenizer):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trainer_logprobs_equal_the_engines_on_image_prompts(arch, tokenizer, items):
-    """The key parity: the trainer's forward (TorchPolicy.compute_logprobs, micro-batches of 1 and of all rows) at the
+    """The key parity: the trainer's forward (TorchPolicy.compute_logprobs, micro-batches of 1 row, of all rows, and
+    of a token budget of two rows: each row's image tokens whole in its micro-batch) at the
     generating weights gives the engine's log-probs of every sampled token, fp32, < 1e-5; with the images replaced by
     blank ones it does not (the images reach both sides)."""
     cfg = _model_cfg(arch)
@@ -72,8 +73,9 @@ def test_trainer_logprobs_equal_the_engines_on_image_prompts(arch, tokenizer, it
     assert out.vision[0] is out.vision[1]  # a group shares its prompt's images
     assert out.vision[-1] is None  # the text-only prompt
     mask = out.response_mask.bool()
-    for mbs in (1, len(out)):
-        logp = policy.compute_logprobs(out, micro_batch_size=mbs)
+    width = out.prompt_ids.shape[1] + out.response_ids.shape[1]
+    for mbs, max_tokens in ((1, None), (len(out), None), (len(out), 2 * width)):  # token budget: 2 rows each
+        logp = policy.compute_logprobs(out, micro_batch_size=mbs, max_tokens=max_tokens)
         assert float((logp - out.rollout_logp)[mask].abs().max()) < 1e-5
     blank = [None if v is None else {**v, "pixel_values": torch.zeros_like(v["pixel_values"])} for v in out.vision]
     other = policy.compute_logprobs(TrainBatch.from_samples(out).with_(vision=blank), micro_batch_size=len(out))
