@@ -31,6 +31,8 @@ from relax.runner.rollout_driver.scoring import Scorer, kept_groups
 from .reward_models import JUDGE_TEMPLATE, batch, random_response, train_digit_judge
 
 REPO = Path(__file__).resolve().parents[2]
+# the tests share the module's trained models (and, for the judge, one relax-serve): one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("judge")
 QUIET = ["tracking.enabled=false", "tracking.progress=false", "cluster.cpus_per_node=1", "model.dtype=float32"]
 KEY_ENV = "RELAX_TEST_JUDGE_KEY"
 

@@ -23,6 +23,8 @@ from relax.runner.rollout_driver.scoring import Scorer, kept_groups
 
 from .reward_models import batch, digit_share, random_response, tiny_classifier, train_digit_classifier
 
+# the tests share the module's trained models (and, for the judge, one relax-serve): one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("reward_model")
 QUIET = ["tracking.enabled=false", "tracking.progress=false", "cluster.cpus_per_node=1", "model.dtype=float32"]
 
 
