@@ -230,10 +230,12 @@ def series_run(tmp_path: Path, *extra: str, steps: int = 3):
 @pytest.mark.slow
 def test_relax_train_scores_with_the_judge_on_its_role_and_through_the_url(judge_dir, served_judge, tmp_path,
                                                                             in_process, monkeypatch):
-    embedded = series_run(tmp_path / "embedded", f"reward_model.path={judge_dir}", "reward_model.dtype=float32")
+    # hybrid: the next batch generates while the judge scores this one (in the rollout stream's scoring thread)
+    embedded = series_run(tmp_path / "embedded", f"reward_model.path={judge_dir}", "reward_model.dtype=float32",
+                          "train.mode=hybrid")
     monkeypatch.setenv(KEY_ENV, "judge-secret-1")
     url = series_run(tmp_path / "url", "reward_model.engine=openai", f"reward_model.url={served_judge}/v1",
-                     f"reward_model.api_key_env={KEY_ENV}")
+                     f"reward_model.api_key_env={KEY_ENV}", "train.mode=hybrid")
     for result in (embedded, url):
         assert result.series("rollout/judge_parse_fail_frac") == [0.0] * 3
         assert all(0.0 <= s <= 1.0 for s in result.series("rollout/reward_model_score_mean"))
