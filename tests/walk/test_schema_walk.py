@@ -160,6 +160,8 @@ VALUES: dict[str, Any] = {
     "reward_model.url": "http://127.0.0.1:9/v1",
     "reward_model.api_key_env": "WALK_KEY",
     "reward_model.model": "walk-judge",
+    # a remote reward service's fields: without data.reward=http(s)://... each is rejected; its runs: tests/rewards
+    "data.reward_service.api_key_env": "WALK_KEY",
     "model.lora_target_modules": "[q_proj,v_proj]",
     "model.lora_dropout": 0.5,
     "rollout.lora_sync": "adapter",
