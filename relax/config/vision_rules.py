@@ -58,7 +58,9 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
 
     vision = is_vision_model(m)
     model = f"model={m.name} (model.arch={m.arch})" if m.source == "config" else f"model.path={m.path or m.name}"
-    if not vision:
+    # a source=hf directory not there to read says nothing either way (its own check reports it before start)
+    unknown = m.source == "hf" and hf_model_type(m) is None
+    if not vision and not unknown:
         image_task = d.path is None and d.task in IMAGE_TASKS
         require(not image_task, ("data.task", "model.arch"),
                 f"data.task={d.task} is an image task but {model} is a text-only model; use a vision-language "
@@ -69,6 +71,7 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
                 f"data.image_key={d.image_key!r} has no effect: {model} is a text-only model and takes no images")
         require(m.freeze_vision_tower is None, ("model.freeze_vision_tower", "model.arch"),
                 f"model.freeze_vision_tower={m.freeze_vision_tower} has no effect: {model} has no vision tower")
+    if not vision:
         return found
     require(t.backend != "megatron", ("train.backend", "model.arch"),
             f"train.backend=megatron {NOT_BUILT}: megatron-core's multimodal model is not wired to Relax's trainer; "

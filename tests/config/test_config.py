@@ -53,7 +53,8 @@ NOT_BUILT_OPTIONS: dict[tuple[str, str], str] = {}
 # need GPUs: on this CPU machine rollout=sglang composes with Relax's embedded server behind the same protocol.
 # A teacher option acts with distillation only, which needs a teacher.
 WITH = {("data", "gsm8k"): ["model=qwen3_0.6b"], ("rollout", "sglang"): ["rollout.sglang.server=embedded"],
-        ("teacher", "smollm2_135m"): ["algorithm=opd"], ("algorithm", "opd"): ["teacher.path=some/teacher"]}
+        ("teacher", "smollm2_135m"): ["algorithm=opd"], ("algorithm", "opd"): ["teacher.path=some/teacher"],
+        ("data", "shapes"): ["model=tiny_vl"]}  # an image task: a vision-language model
 
 
 def test_every_group_option_composes():
@@ -265,6 +266,7 @@ def test_num_prompts_sizes_every_generated_task_and_only_those():
     from relax.data.tasks import TASKS
 
     for task in TASKS:
-        assert load_config([f"data={task}", "data.num_prompts=8"]).data.num_prompts == 8
+        model = ["model=tiny_vl"] if task == "shapes" else []  # an image task: a vision-language model
+        assert load_config([f"data={task}", "data.num_prompts=8", *model]).data.num_prompts == 8
     with pytest.raises(ConfigError, match="data.num_prompts"):
         load_config(["data=gsm8k", "data.num_prompts=8"])
