@@ -16,15 +16,15 @@ TRUNCATED_FRAC = "rollout/truncated_frac"  # responses that hit max_response_len
 REWARD_ERRORS = "rollout/reward_errors"  # reward calls that raised or returned a non-finite value
 REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left out of the loss (reward errors)
 REWARD_TIMEOUTS = "rollout/reward_timeouts"  # reward calls stopped after data.reward_timeout_s (also reward errors)
+# the code_tests rewards: their sandbox runs stopped at the sandbox's wall-clock or CPU limit / sandbox runs (logged
+# when the step's reward calls ran code; a time-out fails the code's tests, it is not a reward error)
+SANDBOX_TIMEOUT_FRAC = "rollout/sandbox_timeout_frac"
 # reward_model=classifier|judge: the mean score of the responses it scored (before reward_model.weight), seconds the
 # step's batch took in it (in the scoring thread, beside generation), and a judge's answers without a readable score
 # (reward_model.parser) / responses judged (their groups are left out, counted in reward_errors too)
 REWARD_MODEL_SCORE_MEAN = "rollout/reward_model_score_mean"
 REWARD_MODEL_TIME = "perf/reward_model_time"
 JUDGE_PARSE_FAIL_FRAC = "rollout/judge_parse_fail_frac"
-# the code_tests rewards: their sandbox runs stopped at the sandbox's wall-clock or CPU limit / sandbox runs (logged
-# when the step's reward calls ran code; a time-out fails the code's tests, it is not a reward error)
-SANDBOX_TIMEOUT_FRAC = "rollout/sandbox_timeout_frac"
 # DAPO's overlong penalty (data.overlong_buffer_len > 0), over the responses rollout/raw_reward averages: the mean
 # reward trained on is raw_reward + overlong_penalty
 OVERLONG_PENALTY = "rollout/overlong_penalty"  # mean penalty (<= 0)

@@ -11,9 +11,9 @@ of them stops the run.
 Calls run in worker processes (`relax.rewards.worker_pool.RewardWorkers` with `run_tool` as the caller), so a hung
 call is killed at its time limit; `data.tool_timeout_s=null` calls them in the rollout process without a limit.
 
-A tool is named in `data.tools` by a built-in name (`calculator`, `python`: code in the sandbox) or by `package.module:attr`, an attribute that is
-a `Tool`. Tools are stateless: the same call gives the same result whatever the episode (so resuming an episode
-never calls them again).
+A tool is named in `data.tools` by a built-in name (`calculator`, `python`: code in the sandbox) or by
+`package.module:attr`, an attribute that is a `Tool`. Tools are stateless: the same call gives the same result
+whatever the episode (so resuming an episode never calls them again).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ from relax.config.megatron_rules import (
     pack_sequences_violation,
     sequence_parallel_violation,
 )
+from relax.config.moe_rules import moe_violations
 from relax.config.reward_model_rules import needs_own_gpu, reward_model_violations
 from relax.config.reward_service_rules import reward_service_violations
-from relax.config.moe_rules import moe_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
@@ -754,8 +754,8 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     r.found.extend(reward_service_violations(cfg))
     r.found.extend(moe_violations(cfg))
     r.found.extend(megatron_violations(cfg))
-    r.found.extend(reward_model_violations(cfg))
     r.found.extend(vision_violations(cfg))
+    r.found.extend(reward_model_violations(cfg))
     for v in algo.check(cfg):
         prefix = f"algorithm={algo.name}: "
         r.found.append(v if v.message.startswith(prefix) else Violation(v.fields, prefix + v.message))

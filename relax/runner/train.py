@@ -332,8 +332,8 @@ class Recipe:
         metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
                                        scores.errors))
         metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
-        metrics.update(reward_model_metrics(cfg, scores.model_scores, scores.parse_failures, scores.model_time))
         metrics.update(count_metrics(scores))
+        metrics.update(reward_model_metrics(cfg, scores.model_scores, scores.parse_failures, scores.model_time))
         # the reward trained on: the task's (rollout/raw_reward) plus DAPO's overlong penalty, when on
         rewards, penalty = trained_rewards(cfg, samples, scores)
         if penalty is not None:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from relax.batch import FinishReason, Samples
-from relax.metrics import SANDBOX_TIMEOUT_FRAC
 from relax.config.schema import RelaxConfig
+from relax.metrics import SANDBOX_TIMEOUT_FRAC
 from relax.rewards.registry import Scores, score_responses
 from relax.rewards.remote import RemoteReward, RewardServiceError
 from relax.rewards.shaping import overlong_penalty
