@@ -160,6 +160,9 @@ VALUES: dict[str, Any] = {
     "reward_model.url": "http://127.0.0.1:9/v1",
     "reward_model.api_key_env": "WALK_KEY",
     "reward_model.model": "walk-judge",
+    # the vision fields: on the text-only tiny model each is rejected naming the field; their runs: tests/models
+    "model.freeze_vision_tower": True,
+    "data.image_key": "pictures",
     # a remote reward service's fields: without data.reward=http(s)://... each is rejected; its runs: tests/rewards
     "data.reward_service.api_key_env": "WALK_KEY",
     "model.lora_target_modules": "[q_proj,v_proj]",
