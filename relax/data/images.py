@@ -32,12 +32,19 @@ from typing import Any, Optional
 import torch
 
 from relax.data.files import DataError
+from relax.data.tokenizer import (  # noqa: F401  (the vision tokens and the tiny tokenizer live with the tokenizers)
+    IMAGE_PAD,
+    QWEN_VL_CHAT_TEMPLATE,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    VISION_TOKENS,
+    VL_WORDS,
+    ModelFileError,
+    build_tiny_vl_tokenizer,
+    resolve_model_path,
+)
 
-# The Qwen-VL family's vision tokens (the tiny tokenizer carries them too, so the same processor code applies)
-VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
-VISION_TOKENS = [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]
-# Words of the built-in image task (`data=shapes`) for the tiny vision-language tokenizer
-VL_WORDS = ["colour", "shape", "red", "green", "blue", "yellow", "circle", "square", "triangle"]
 IMAGE_MARKER = "<image>"  # in a prompt's text with an image column: where the next image goes
 
 
@@ -45,22 +52,6 @@ IMAGE_MARKER = "<image>"  # in a prompt's text with an image column: where the n
 TINY_PATCH_SIZE = 8
 TINY_MERGE_SIZE = 2
 TINY_IMAGE_SIZE = 32
-
-# ChatML with Qwen-VL's image placeholder: a message's content is a string or a list of text/image parts
-QWEN_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
 
 def _field(model_cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(model_cfg, name, default) if not isinstance(model_cfg, dict) else model_cfg.get(name, default)
@@ -72,16 +63,6 @@ def is_vision_model_config(model_cfg: Any) -> bool:
     from relax.config.vision_rules import is_vision_model
 
     return is_vision_model(model_cfg)
-
-
-def build_tiny_vl_tokenizer() -> Any:
-    """The tiny tokenizer with the image task's words and the Qwen-VL vision tokens (special, never split), and the
-    Qwen-VL chat template (image parts rendered as `<|vision_start|><|image_pad|><|vision_end|>`)."""
-    from relax.data.tokenizer import TINY_VOCAB, build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer(vocab=TINY_VOCAB + VL_WORDS, extra_special=VISION_TOKENS)
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    return tokenizer
 
 
 def _processor_class() -> type:
@@ -117,7 +98,6 @@ def load_processor(model_cfg: Any, tokenizer: Any) -> Any:
         return build_tiny_vl_processor(tokenizer)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from relax.data.tokenizer import ModelFileError, resolve_model_path
 
     path = resolve_model_path(model_cfg)
     try:

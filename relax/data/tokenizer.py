@@ -94,6 +94,37 @@ def build_tiny_tokenizer(vocab: Optional[list[str]] = None,
     return tokenizer
 
 
+
+# The Qwen-VL family's vision tokens (the tiny tokenizer carries them too, so the same processor code applies)
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
+VISION_TOKENS = [VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD]
+# Words of the built-in image task (`data=shapes`) for the tiny vision-language tokenizer
+VL_WORDS = ["colour", "shape", "red", "green", "blue", "yellow", "circle", "square", "triangle"]
+
+# ChatML with Qwen-VL's image placeholder: a message's content is a string or a list of text/image parts
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_vl_tokenizer() -> Any:
+    """The tiny tokenizer with the image task's words and the Qwen-VL vision tokens (special, never split), and the
+    Qwen-VL chat template (image parts rendered as `<|vision_start|><|image_pad|><|vision_end|>`)."""
+    tokenizer = build_tiny_tokenizer(vocab=TINY_VOCAB + VL_WORDS, extra_special=VISION_TOKENS)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
 def _field(model_cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(model_cfg, name, default) if not isinstance(model_cfg, dict) else model_cfg.get(name, default)
 
@@ -212,7 +243,6 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     if source == "config":
         if not _field(model_cfg, "tokenizer"):
             from relax.config.vision_rules import VISION_ARCHS
-            from relax.data.images import build_tiny_vl_tokenizer
 
             if _field(model_cfg, "arch", "qwen3") in VISION_ARCHS:
                 return build_tiny_vl_tokenizer()

@@ -28,32 +28,6 @@ import torch
 from torch import nn
 
 from relax.config.moe_rules import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
-from relax.config.schema import ModelConfig
-
-
-def qwen3_moe_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> Any:
-    """The Qwen3MoeConfig of a `source=config`, `arch=qwen3_moe` model: every layer sparse, `num_experts` experts of
-    `moe_intermediate_size`, top-`num_experts_per_tok` routing renormalised (as Qwen3-30B-A3B), tied embeddings."""
-    from transformers import Qwen3MoeConfig
-
-    from relax.models.hf import MODEL_CONFIG_ARCH_FIELDS, hf_arch_kwargs
-
-    arch = {name: getattr(model_cfg, name) for name in MODEL_CONFIG_ARCH_FIELDS}
-    return Qwen3MoeConfig(
-        **hf_arch_kwargs({"vocab_size": vocab_size, **arch, "tie_word_embeddings": True}),
-        num_experts=model_cfg.num_experts,
-        num_experts_per_tok=model_cfg.num_experts_per_tok,
-        moe_intermediate_size=model_cfg.moe_intermediate_size,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        output_router_logits=False,
-        pad_token_id=pad_token_id,
-        bos_token_id=None,
-        eos_token_id=None,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
 
 
 def _router_classes() -> tuple[type, ...]:

@@ -1,7 +1,7 @@
 """The experts a mixture-of-experts model routed each token to, as the embedded engine generates
 (`rollout.routing_replay`, `rollout.record_routes`; docs/training.md, "Mixture of experts").
 
-`RecordingDecoder` wraps the engine's decoder (`_LlamaFamilyDecoder` or `_GenericDecoder` of
+`RecordingDecoder` wraps the engine's decoder (`_LlamaFamilyDecoder` or `GenericDecoder` of
 `relax.rollout.embedded`): around each of its forwards (the prompts' prefill, a decode step, an observation fed in
 one forward) it reads what every router chose (`relax.models.moe.router_control`, recording) and writes it at the
 columns of `Samples.sequences()` those tokens occupy: the prompt's P columns at prefill, response column t when

@@ -1,6 +1,6 @@
 """The embedded engine's decoder for prompts with images (a vision-language model, `relax.models.vision`).
 
-The model's own forward with a `DynamicCache`, as `_GenericDecoder` runs any causal LM, plus what images need: the
+The model's own forward with a `DynamicCache`, as `GenericDecoder` runs any causal LM, plus what images need: the
 prompts' images go through the vision tower once per call (`get_image_features`, timed as perf/vision_encode_time),
 before the prefill of the distinct prompts; the samples of a group then fork the prompt's KV cache, so an image is
 encoded once per prompt whatever the group size. Positions are the model's 3-D rotary positions (`get_rope_index` over
@@ -23,10 +23,10 @@ from torch import nn
 from relax.batch import Samples
 from relax.metrics import IMAGE_TOKEN_FRAC, IMAGES_PER_SAMPLE, VISION_ENCODE_TIME
 from relax.models.vision import ban_placeholders, check_image_tokens, mrope_positions, stack_vision, vision_core
-from relax.rollout.embedded import _GenericDecoder
+from relax.rollout.decoders import GenericDecoder
 
 
-class VisionDecoder(_GenericDecoder):
+class VisionDecoder(GenericDecoder):
     """Prefill/decode of prompts with images; `rows`: one vision input per prompt row of `start` (None: no image).
     `encode_time`: seconds in the vision tower."""
 
