@@ -160,7 +160,9 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
                                                       max_restarts=t.max_restarts),
                                 cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus,
                                                         heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s),
-                                rollout=SimpleNamespace(backend=cfg.rollout.backend))
+                                rollout=SimpleNamespace(backend=cfg.rollout.backend),
+                                reward_model=SimpleNamespace(kind=cfg.reward_model.kind,
+                                                             engine=cfg.reward_model.engine))
     cluster = Cluster(forwarded, build_plan(cfg), info=SimpleNamespace(pad_token_id=0))
     try:
         cluster._start_roles(timeout_s=START_TIMEOUT_S)
