@@ -7,12 +7,11 @@ run and gets past every check in the real start (the negative control). A new ch
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from relax_train_inprocess import relax_train
 
 from relax.config import load_config
 from relax.runner.errors import RunError
@@ -161,31 +160,6 @@ def test_a_valid_config_passes_every_check_in_both(tmp_path, monkeypatch):
 
     with pytest.raises(Reached):
         run(cfg, output_dir=tmp_path / "out")
-
-
-def relax_train(args: list[str], capfd) -> tuple[int, str, str]:
-    """`relax-train ARGS` in this process: (exit code, stdout, stderr); Hydra's global state put back after."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from relax.cli import train as cli
-
-    argv, root = sys.argv, logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    sys.argv = ["relax-train", *args]
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        sys.argv = argv
-        HydraConfig.instance().cfg = None
-        for handler in set(root.handlers) - set(handlers):
-            root.removeHandler(handler)
-            handler.close()
-        root.setLevel(level)
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def test_relax_train_dry_run_exits_2_naming_the_problem_and_prints_the_checks(tmp_path, capfd):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from relax_train_inprocess import relax_train
 
 from relax.config import ConfigError, load_config
 from relax.config.reward_model_rules import template_problem
@@ -200,34 +201,6 @@ def test_the_files_are_checked_before_start(untrained, tmp_path):
     build_model(load_config([]).model, len(tokenizer), 0, seed=0).save_pretrained(str(lm))
     with pytest.raises(ValueError, match="no \\*ForSequenceClassification"):
         check_reward_model(rm_config(lm))
-
-
-def relax_train(args: list[str], capfd) -> tuple[int, str, str]:
-    """`relax-train ARGS` in this process: (exit code, stdout, stderr); Hydra's global state put back after."""
-    import logging
-    import sys
-
-    from hydra.core.hydra_config import HydraConfig
-
-    from relax.cli import train as cli
-
-    argv, root = sys.argv, logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    sys.argv = ["relax-train", *args]
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        sys.argv = argv
-        HydraConfig.instance().cfg = None
-        for handler in set(root.handlers) - set(handlers):
-            root.removeHandler(handler)
-            handler.close()
-        root.setLevel(level)
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def test_dry_run_shows_the_reward_model_and_refuses_a_missing_one(tmp_path, capfd, ray_not_started, untrained):
