@@ -2,7 +2,7 @@
 
 Each algorithm module (`relax/algorithms/<name>.py`) builds one `Algorithm` and calls `register`.
 Generic code (config validation, the runner, the trainers) reads only this interface, so adding an
-algorithm never touches it. This module imports torch only.
+algorithm never touches it. This module names torch's types only (`import relax.config` loads no torch).
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def choice(default: Optional[str], options: tuple[str, ...]) -> Any:
@@ -203,7 +204,7 @@ AdvantageFn = Callable[[Any, AdvantageInputs], AdvantageOutput]
 # also receives the keyword argument `stats` (the StepStatistics of the whole optimizer step).
 PolicyLossFn = Callable[..., PolicyLossOutput]
 # (config, logp, old_logp, advantages, mask) -> StepStatistics, over every valid token of the whole step
-StepStatisticsFn = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], StepStatistics]
+StepStatisticsFn = Callable[[Any, "torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"], StepStatistics]
 CheckFn = Callable[[Any], list[Violation]]
 
 

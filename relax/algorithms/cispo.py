@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
 from relax.algorithms.hooks import group_relative_advantages
+from relax.algorithms.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported by the first computation, not by the registry
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, AlgorithmConfig, PolicyLossOutput, Violation
+from relax.algorithms.lazy import lazy_module
+
+torch = lazy_module("torch")  # imported by the first computation, not by the registry
+F = lazy_module("relax.algorithms.functional")
 
 
 def float_rewards(inputs: AdvantageInputs) -> torch.Tensor:

@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from relax.algorithms import functional as F
 from relax.algorithms.base import (
     Algorithm,
     AlgorithmConfig,
@@ -17,7 +14,11 @@ from relax.algorithms.base import (
     register,
 )
 from relax.algorithms.hooks import group_relative_advantages, violation
+from relax.algorithms.lazy import lazy_module
 from relax.metrics import M2_AFTER, M2_BEFORE
+
+torch = lazy_module("torch")  # imported by the first computation, not by the registry
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)

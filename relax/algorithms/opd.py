@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
-from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
 from relax.algorithms.hooks import group_relative_advantages, ppo_clip_policy_loss, violation
+from relax.algorithms.lazy import lazy_module
 from relax.metrics import OPD_METRICS, TEACHER_ADV_CLIPFRAC, TEACHER_KL, TEACHER_LOGP_MEAN
+
+torch = lazy_module("torch")  # imported by the first computation, not by the registry
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
 from relax.algorithms.hooks import check_range, float_rewards, ppo_clip_policy_loss, violation
-from relax.algorithms.loss import VALUE_CLIPFRAC, VALUE_LOSS
+from relax.algorithms.lazy import lazy_module
+from relax.metrics import VALUE_CLIPFRAC, VALUE_LOSS
+
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)

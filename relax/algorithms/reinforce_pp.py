@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
 from relax.algorithms.hooks import check_range, float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.lazy import lazy_module
+
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)

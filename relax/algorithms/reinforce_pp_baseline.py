@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from relax.algorithms import functional as F
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
 from relax.algorithms.hooks import float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.lazy import lazy_module
 from relax.algorithms.reinforce_pp import check_always_normalized
+
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)

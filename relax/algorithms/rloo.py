@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from relax.algorithms import functional as F
 from relax.algorithms.base import (
     AdvantageInputs,
     AdvantageOutput,
@@ -18,6 +15,11 @@ from relax.algorithms.base import (
     register,
 )
 from relax.algorithms.hooks import float_rewards, violation
+from relax.algorithms.lazy import lazy_module
+from relax.metrics import RLOO_METRICS
+
+torch = lazy_module("torch")  # imported by the first computation, not by the registry
+F = lazy_module("relax.algorithms.functional")
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ register(
         supports_multi_step=False,
         per_token_loss=True,
         per_token_loss_required=True,
-        metrics=F.RLOO_METRICS,
+        metrics=RLOO_METRICS,
         check=check,
     )
 )
