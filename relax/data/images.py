@@ -330,12 +330,15 @@ BLANK_GREY = (128, 128, 128)
 class VisionData:
     """How a dataset's records with images become prompt items: the model's `processor`, the image column
     (`data.image_key`), the directory relative image paths are read from, and `blank` (`data.blank_images`: every
-    image replaced by a grey one of its size, the blind control arm)."""
+    image replaced by a grey one of its size, the blind control arm). `wire`: also keep each image as a lossless
+    PNG data URL (`vision["image_data"]`), what rollout=sglang sends as SGLang's `image_data` (the server then reads
+    the very pixels the trainer's pixel values come from)."""
 
     processor: Any
     image_key: str = "images"
     base_dir: Optional[Path] = None
     blank: bool = False
+    wire: bool = False
 
     def at(self, base_dir: Optional[Path]) -> VisionData:
         return replace(self, base_dir=base_dir)
@@ -358,6 +361,8 @@ class VisionData:
             text, ids, vision = encode_image_prompt(self.processor, messages, images, system_prompt)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
+        if self.wire:
+            vision["image_data"] = [image_data_url(im) for im in images]
         return text, ids, messages, vision
 
 
@@ -366,4 +371,12 @@ def vision_data(cfg: Any, tokenizer: Any) -> Optional[VisionData]:
     if not is_vision_model_config(cfg.model):
         return None
     return VisionData(load_processor(cfg.model, tokenizer), image_key=getattr(cfg.data, "image_key", "images"),
-                      blank=bool(getattr(cfg.data, "blank_images", False)))
+                      blank=bool(getattr(cfg.data, "blank_images", False)),
+                      wire=getattr(getattr(cfg, "rollout", None), "backend", "embedded") == "sglang")
+
+
+def image_data_url(image: Any) -> str:
+    """A PIL image as a `data:image/png;base64,` URL (PNG is lossless: whoever reads it gets the very pixels)."""
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")

@@ -77,11 +77,13 @@ def prompt_vision(items: Optional[list]) -> Optional[list]:
 
 def vision_metrics(samples: Samples) -> dict[str, float]:
     """rollout/images_per_sample, rollout/image_token_frac (image tokens / every prompt and response token) and
-    perf/vision_encode_time of a batch with images; {} for a text-only batch."""
+    perf/vision_encode_time (where the engines report it) of a batch with images; {} for a text-only batch."""
     if samples.vision is None:
         return {}
     images = sum(0 if v is None else int(v["image_grid_thw"].shape[0]) for v in samples.vision)
     image_tokens = sum(0 if v is None else int(v["image_tokens"]) for v in samples.vision)
     tokens = float(samples.prompt_mask.sum() + samples.present().sum())
-    return {IMAGES_PER_SAMPLE: images / max(1, len(samples)), IMAGE_TOKEN_FRAC: image_tokens / max(1.0, tokens),
-            VISION_ENCODE_TIME: samples.vision_time}
+    out = {IMAGES_PER_SAMPLE: images / max(1, len(samples)), IMAGE_TOKEN_FRAC: image_tokens / max(1.0, tokens)}
+    if samples.vision_time == samples.vision_time:  # NaN: the engines do not report it (SGLang servers)
+        out[VISION_ENCODE_TIME] = samples.vision_time
+    return out

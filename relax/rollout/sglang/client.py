@@ -57,14 +57,38 @@ class Sampling:
                 "skip_special_tokens": False, "sampling_seed": int(seed)}
 
 
-def generate_payload(input_ids: list[int], sampling: Sampling, *, max_new_tokens: int, seed: int) -> dict:
-    return {"input_ids": list(map(int, input_ids)), "sampling_params": sampling.params(max_new_tokens, seed),
-            "return_logprob": True, "logprob_start_len": -1, "stream": False}
+def generate_payload(input_ids: list[int], sampling: Sampling, *, max_new_tokens: int, seed: int,
+                     image_data: list[str] | None = None) -> dict:
+    """One `/generate` body; `image_data`: the prompt's images (SGLang's field, one list for this one input), whose
+    image tokens `input_ids` already holds, expanded as the model's processor expands them."""
+    payload = {"input_ids": list(map(int, input_ids)), "sampling_params": sampling.params(max_new_tokens, seed),
+               "return_logprob": True, "logprob_start_len": -1, "stream": False}
+    if image_data:
+        payload["image_data"] = list(image_data)
+    return payload
 
 
-def parse_answer(answer: dict, default_version: int) -> tuple[list[int], list[float], FinishReason, int]:
-    """(token ids, log-probs, finish reason, weight version) of one `/generate` answer."""
+def payload_images(vision: dict | None) -> list[str] | None:
+    """The `image_data` of a prompt's vision inputs (`relax.data.images.VisionData` with `wire`), None without
+    images."""
+    if vision is None:
+        return None
+    if not vision.get("image_data"):
+        raise ValueError("a prompt with images has no image_data to send (its data was read without "
+                         "VisionData.wire, which rollout=sglang needs)")
+    return list(vision["image_data"])
+
+
+def parse_answer(answer: dict, default_version: int,
+                 prompt_len: int | None = None) -> tuple[list[int], list[float], FinishReason, int]:
+    """(token ids, log-probs, finish reason, weight version) of one `/generate` answer. `prompt_len`: the tokens
+    the prompt holds (with images: their image tokens too); an answer that counts other `prompt_tokens` placed the
+    images into a different number of tokens than the trainer scores, an error."""
     meta = answer.get("meta_info") or {}
+    if prompt_len is not None and meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != prompt_len:
+        raise EngineRequestError(f"the server read the prompt with its images as {meta['prompt_tokens']} tokens, the "
+                                 f"trainer's prompt has {prompt_len}: the server's processor expands the images into "
+                                 "a different number of image tokens than the run's")
     pairs = meta.get("output_token_logprobs") or []
     ids = [int(p[1]) for p in pairs]
     logps = [float(p[0]) for p in pairs]

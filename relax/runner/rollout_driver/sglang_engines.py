@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import requests
@@ -44,6 +45,7 @@ from relax.rollout.sglang.client import (
     auth_headers,
     generate_payload,
     parse_answer,
+    payload_images,
     post,
     sample_seed,
     to_samples,
@@ -52,6 +54,7 @@ from relax.rollout.sglang.episodes import run_episodes
 from relax.rollout.sglang.process import wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
+from relax.rollout.vision import prompt_vision
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.watchdog import Watchdog, first_line
 from relax.serve.openai.agents import AgentRollout
@@ -291,7 +294,8 @@ class SGLangEngines:
         except Exception as exc:
             self._raise_if_failed()
             raise RunError(f"rollout=sglang: {exc}") from None
-        return [parse_answer(a, self._version) for a in answers]
+        return [parse_answer(a, self._version, len(p["input_ids"]) if p.get("image_data") else None)
+                for p, a in zip(payloads, answers, strict=True)]
 
     def _agent_send(self, payloads: list[dict]) -> list[dict]:
         """`_send_raw` for the gateway: a request the servers refuse is the agent's bad request (HTTP 400)."""
@@ -313,14 +317,18 @@ class SGLangEngines:
         return out
 
     def _run(self, rows: list[list[int]], budgets: list[int], seeds: list[int], sample_ids: torch.Tensor,
-             sampling: Sampling, gen_id: int | None) -> Samples:
-        """One request per row through the router, answers as `Samples` rows in the same order."""
+             sampling: Sampling, gen_id: int | None, vision: list | None = None) -> Samples:
+        """One request per row through the router, answers as `Samples` rows in the same order; `vision`: each
+        row's images (None: none), sent as SGLang's `image_data` and kept on the rows for the trainer."""
         t0 = time.perf_counter()
-        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s)
-                    for r, b, s in zip(rows, budgets, seeds, strict=True)]
+        images = [None] * len(rows) if vision is None else [payload_images(v) for v in vision]
+        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s, image_data=im)
+                    for r, b, s, im in zip(rows, budgets, seeds, images, strict=True)]
         answers = self._send(payloads, gen_id)
-        return self._done(to_samples(rows, answers, sample_ids=sample_ids, pad_token_id=self.pad_token_id,
-                                     engine_time=0.0), t0)
+        out = to_samples(rows, answers, sample_ids=sample_ids, pad_token_id=self.pad_token_id, engine_time=0.0)
+        if vision is not None:  # the servers' vision-tower time is not reported over SGLang's protocol
+            out = replace(out, vision=list(vision), vision_time=float("nan"))
+        return self._done(out, t0)
 
     def _run_episodes(self, prompts: list[list[int]], sample_ids: torch.Tensor, positions: torch.Tensor,
                       budgets: list[int], episodes: list, *, seed: int, sampling: Sampling,
@@ -352,7 +360,9 @@ class SGLangEngines:
             return self._run_episodes(rows, sample_ids, torch.zeros(len(rows), dtype=torch.long), [limit] * len(rows),
                                       self.episodes.new_for(items, G), seed=seed, sampling=sampling, gen_id=gen_id)
         seeds = [sample_seed(seed, int(s), 0) for s in sample_ids]
-        return self._run(rows, [sampling.max_new_tokens] * len(rows), seeds, sample_ids, sampling, gen_id)
+        vision = prompt_vision(items)
+        return self._run(rows, [sampling.max_new_tokens] * len(rows), seeds, sample_ids, sampling, gen_id,
+                         vision=None if vision is None else [v for v in vision for _ in range(G)])
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None = None) -> Samples:
         ro = self.cfg.rollout
@@ -365,7 +375,7 @@ class SGLangEngines:
         job = continuation(partial, ro.max_response_len)
         seeds = [sample_seed(seed, int(s), int(p)) for s, p in zip(job.sample_ids, job.positions, strict=True)]
         more = self._run(job.prompts, [int(b) for b in job.budgets], seeds, job.sample_ids, self._sampling(False),
-                         gen_id)
+                         gen_id, vision=partial.vision)
         return extend_responses(partial, more, pad_token_id=self.pad_token_id)
 
     def abort(self, gen_id: int) -> None:

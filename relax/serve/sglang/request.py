@@ -12,9 +12,11 @@ one for all; `return_text_in_logprobs`; `rid` (one, or one per input; sample k o
 inputs ask for different `n`, as SGLang answers them); `stream`; `lora_path` naming the loaded adapter (see
 `relax.serve.sglang.weights`); constrained decoding with at most one of `json_schema` (a JSON schema as a string),
 `regex` and `ebnf` (xgrammar's EBNF, root rule `root`), as SGLang's xgrammar backend reads them (JSON written without
-free whitespace, `relax.rollout.grammar`; a grammar that does not compile is a 400). Not supported (400 naming the
-field): penalties, min_p, min_new_tokens, stop_regex, structural_tag, logit_bias, hidden states, input embeddings,
-images, video, audio, sessions.
+free whitespace, `relax.rollout.grammar`; a grammar that does not compile is a 400); `image_data` for a
+vision-language model (`relax.serve.sglang.images`: each input's images placed into its image placeholders as
+SGLang's Qwen-VL processor places them; with images, only the sampled tokens' log-probs are reported, the others a
+400). Not supported (400 naming the field): penalties, min_p, min_new_tokens, stop_regex, structural_tag,
+logit_bias, hidden states, input embeddings, images for a text-only model, video, audio, sessions.
 
 The answer: a dict for one input with n=1, else a list, an input's n samples consecutive. `output_ids` include the
 stop token, and the token that completed a stop string; `text` leaves out the stop token and cuts the stop string
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from relax.rollout.grammar import GrammarError, Grammars, GrammarSpec, json_schema_spec
+from relax.serve.sglang.images import ImageInputs
 
 GREEDY_EPS = 1e-6  # a temperature below this is greedy (SGLang's rule)
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -149,6 +152,7 @@ class Row:
     extra: Optional[Extras] = None  # computed once it ended, when its options ask for them (`needs_extras`)
     version: Optional[str] = None  # the weight version that generated its tokens
     matcher: Any = None  # its grammar's state (relax.rollout.grammar.Matcher; None: unconstrained)
+    vision: Optional[dict] = None  # its input's images as the engine takes them (`relax.serve.sglang.images`)
 
     @property
     def watched(self) -> bool:
@@ -239,11 +243,13 @@ def _stops(sp: dict) -> tuple[str, ...]:
 
 class RequestCodec:
     """Reads /generate bodies into rows and writes rows' answers, for one model: its tokenizer (used under a lock),
-    vocabulary size, context length (None: unknown) and stop tokens."""
+    vocabulary size, context length (None: unknown) and stop tokens; `processor`: a vision-language model's
+    (`relax.data.images.load_processor`), which `image_data` needs."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_length: Optional[int],
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], processor: Any = None):
         self.tokenizer = tokenizer
+        self.images = None if processor is None else ImageInputs(processor, RequestError)
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.eos_token_ids = eos_token_ids
@@ -256,10 +262,19 @@ class RequestCodec:
         """The rows of a /generate body (RequestError naming what is wrong or unsupported)."""
         for name, neutral in _NEUTRAL_REQUEST.items():
             v = body.get(name)
+            if name == "image_data" and self.images is not None:
+                continue
             if not _neutral(v, neutral):
-                raise RequestError(f"{name}={v!r} is not supported by the embedded server")
+                shown = v if len(repr(v)) < 80 else f"{repr(v)[:60]}..."
+                why = "the model is text-only" if name == "image_data" else "it is not supported by the embedded server"
+                raise RequestError(f"{name}={shown}: {why}")
         inputs, single = self._inputs(body)
         n_in = len(inputs)
+        visions: list[Optional[dict]] = [None] * n_in
+        if self.images is not None:  # each input's images placed into its placeholders (relax.serve.sglang.images)
+            images = self.images.per_input(body.get("image_data"), n_in, single)
+            for i in range(n_in):
+                inputs[i], visions[i] = self.images.place(inputs[i], images[i], f"input {i}")
         sps = _per_input("sampling_params", body.get("sampling_params"), {}, n_in)
         logprobs = _per_input("return_logprob", body.get("return_logprob"), False, n_in)
         starts = _per_input("logprob_start_len", body.get("logprob_start_len"), -1, n_in)
@@ -274,12 +289,17 @@ class RequestCodec:
                 raise RequestError("sampling_params must be an object (or one per input)")
             key, max_new, n, seed, options = self._sampling(sp, len(prompt), bool(logprobs[i]), text_in_logprobs)
             options = self._logprob_options(options, len(prompt), starts[i], tops[i], id_lists[i])
+            if visions[i] is not None and options.return_logprob and (
+                    options.top_logprobs or options.token_ids is not None or options.logprob_start >= 0):
+                raise RequestError("top_logprobs_num, token_ids_logprob and logprob_start_len >= 0 are not supported "
+                                   "with image_data by the embedded server (the sampled tokens' log-probs are)")
             grammar = self._grammar(sp)
             item_rid = item_rid or uuid.uuid4().hex
             for k in range(n):
                 stream = row_stream(seed, k) if seed is not None else secrets.randbits(63)
                 row = Row(request=request, rid=item_rid, id=item_rid if n == 1 else f"{item_rid}_{k}",
-                          prompt=prompt, stream=stream, max_new=max_new, key=key, options=options)
+                          prompt=prompt, stream=stream, max_new=max_new, key=key, options=options,
+                          vision=visions[i])
                 if grammar is not None:  # each row its own state; the compiled grammar shared
                     with self._tokenizer_lock:
                         row.matcher = self.grammars.matcher(grammar, key[3])

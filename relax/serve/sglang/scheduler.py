@@ -381,6 +381,8 @@ class Scheduler:
             if any(r.watched for r in rows) else {}
         if any(r.matcher is not None for r in rows):  # constrained rows (their matchers go on across calls)
             watch["grammars"] = [r.matcher for r in rows]
+        if any(r.vision is not None for r in rows):  # rows with images (SGLang's image_data): encoded per row
+            watch["vision"] = [r.vision for r in rows]
         self.engine.eos_token_ids = list(stops)  # only this thread generates
         t0 = time.perf_counter()
         out = self.engine.generate(

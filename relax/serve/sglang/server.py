@@ -68,6 +68,7 @@ from relax.config.schema import RelaxConfig
 from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.lora import inject_adapters
+from relax.models.vision import is_vision_model
 from relax.rollout.embedded import EmbeddedEngine
 from relax.serve.http import MAX_BODY_BYTES, BodyTooLarge, Server, read_body, refuse, write_answer
 from relax.serve.openai.chat import ChatFormat
@@ -274,7 +275,12 @@ class EmbeddedServer(WeightEndpoints):
         self.engine = EmbeddedEngine(model, eos_token_ids=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
                                      device=device)
         self.engine.adapter_keys = frozenset(adapters)
-        self._codec = RequestCodec(tokenizer, self.vocab_size, self.context_length, self.eos_token_ids)
+        processor = None
+        if is_vision_model(model):  # image_data on /generate (relax.serve.sglang.images)
+            from relax.data.images import load_processor
+
+            processor = load_processor(cfg, tokenizer)
+        self._codec = RequestCodec(tokenizer, self.vocab_size, self.context_length, self.eos_token_ids, processor)
 
     # ------------------------------------------------------------------------------------------------- HTTP
 
