@@ -152,20 +152,61 @@ def test_a_hung_actor_is_declared_hung_and_restarted(ray_local, uninterrupted, m
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
+def kill_a_replica_holding_a_call(monkeypatch, tmp_path, replica: int, step: int) -> None:
+    """Step `step`'s rollout (sync mode: the run's generate call number `step`) reaches replica `replica` while its
+    process is stopped (SIGSTOP), which is then killed (SIGKILL): it dies holding the call, whatever the machine's
+    load (a kill timed from outside can land between calls, or never). The driver's dispatch is the hook."""
+    import os
+    import signal
+
+    from chaos_rewards import board_pid
+
+    from relax.runner.rollout_driver.engines import ReplicaEngines
+
+    original, calls = ReplicaEngines.generate, []
+
+    class HeldCall:  # replica's handle for one dispatch: stop, send, kill
+        def __init__(self, handle, pid: int):
+            self.handle, self.pid = handle, pid
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, *args, **kwargs):
+            os.kill(self.pid, signal.SIGSTOP)
+            ref = self.handle.generate.remote(*args, **kwargs)
+            os.kill(self.pid, signal.SIGKILL)
+            (tmp_path / "injected").write_text(f"rollout[{replica}] killed holding step {step}'s generate\n")
+            return ref
+
+    def generate(self, prompts, sample_ids, **kwargs):
+        if kwargs.get("evaluation") or len(calls) != step:
+            calls.append(None)
+            return original(self, prompts, sample_ids, **kwargs)
+        calls.append(None)
+        handle = self.replicas[replica]
+        self.replicas[replica] = HeldCall(handle, board_pid(f"rollout[{replica}]"))
+        try:
+            return original(self, prompts, sample_ids, **kwargs)  # the failure replaces replica `replica`
+        finally:
+            assert not isinstance(self.replicas[replica], HeldCall), "the killed replica was not replaced"
+
+    monkeypatch.setattr(ReplicaEngines, "generate", generate)
+
+
 def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(ray_local, uninterrupted, monkeypatch, tmp_path,
                                                                       overrides):
-    """Two replicas; replica 1 dies inside a call (loading weights or generating step 2's rollout): a new one takes
-    its place, gets the current weights and runs its share again (the same samples: each draws from its own random
-    stream)."""
-    chaos(monkeypatch, tmp_path, "rollout[1]@busy", "KILL", step=1)
+    """Two replicas; replica 1 dies holding step 2's generate call: a new one takes its place, gets the current
+    weights and runs its share again (the same samples: each draws from its own random stream)."""
+    kill_a_replica_holding_a_call(monkeypatch, tmp_path, replica=1, step=2)
     run(load_config(overrides(tmp_path, "rollout.num_replicas=2")), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FINISHED"
     assert_every_step_once(client, mlrun)
     assert history(client, mlrun, FAULT_RESTARTS_ROLLOUT)[-1] == (STEPS - 1, 1.0)
     assert history(client, mlrun, FAULT_RESTARTS)[-1] == (STEPS - 1, 0.0)  # no restart of the graph
-    # after step 1's reward: while it loads step 2's weights (at the end of step 1) or generates step 2
-    assert re.search(r"step [12]: rollout\[1\] died", mlrun.data.tags[RESTARTS_TAG])
+    assert re.search(r"step 2: rollout\[1\] died", mlrun.data.tags[RESTARTS_TAG])
     assert mlrun.data.tags[RESTARTS_TAG].endswith("replaced in place")
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
