@@ -1,5 +1,5 @@
 """The digits reward (imported as `kill_engine_reward:reward`) that kill -9s one rollout engine server (relax-serve)
-while scoring the 5th rollout: the engine dies between two rollouts, mid-run, at the same point every time. The
+while scoring the 3rd rollout: the engine dies between two rollouts, mid-run, at the same point every time. The
 scoring then waits (in the driver: data.reward_timeout_s=null) until the run's watchdog has started the replacement,
 so that it comes during the run whatever the load, not after its last step."""
 
@@ -11,7 +11,7 @@ import psutil
 
 from relax.rewards.digits import digits_reward
 
-CALLS_BEFORE_KILL = 4 * 64  # 4 rollouts of 8 prompts x 8 samples
+CALLS_BEFORE_KILL = 2 * 16  # 2 rollouts of 4 prompts x 4 samples (the test's batch)
 REPLACED_WITHIN_S = 120.0  # health checks (rollout.sglang.health_failures of them) notice the kill first
 calls = 0
 killed: list[int] = []

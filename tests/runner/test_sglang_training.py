@@ -36,8 +36,10 @@ def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_surv
     process); a server killed mid-run is replaced without a lost sample."""
     import kill_engine_reward
 
-    steps = 10  # the kill lands in step 4 (kill_engine_reward), its replacement serves the steps after it
+    steps = 6  # the kill lands in step 2 (kill_engine_reward), its replacement serves the steps after it
     cfg = load_config([*SGLANG, "algorithm=grpo", f"train.num_rollout={steps}", "seed=1", "model.dtype=float32",
+                       "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+                       "train.micro_batch_size=8",
                        "data.reward=kill_engine_reward:reward",
                        "data.reward_timeout_s=null",  # the reward runs in this process (its count is the test's)
                        "tracking.enabled=false",
@@ -50,8 +52,8 @@ def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_surv
         assert m[WEIGHT_BUCKETS] == 1  # the tiny model's weights fit one bucket (tests/sglang split bigger ones)
     assert len(result.series(RAW_REWARD)) == steps
     assert len(kill_engine_reward.killed) == 1
-    assert [m[FAULT_RESTARTS_ROLLOUT] for _, m in result.history][3:6] == [0.0, 1.0, 1.0] or \
-        result.history[-1][1][FAULT_RESTARTS_ROLLOUT] == 1.0
+    restarts = [m[FAULT_RESTARTS_ROLLOUT] for _, m in result.history]
+    assert restarts[:2] == [0.0, 0.0] and restarts[-1] == 1.0, restarts  # one replacement, from step 2 on
     assert kill_engine_reward.servers() == []  # the run's servers are gone with it
 
 
