@@ -13,9 +13,11 @@ parts), `prompt` (completions: a string or token ids), `tools` (function tools) 
 number of top log-probs) and `top_logprobs`, `stream` with `stream_options.include_usage`, and SGLang's `top_k`,
 `ignore_eos`, `no_stop_trim`, `chat_template_kwargs`, `separate_reasoning` and `stream_reasoning` (chat: a <think>
 block opening the answer goes to `reasoning_content` when the chat template uses <think>). Log-probs are those of
-the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Anything else that
-would change the output (penalties, min_p, `logit_bias`, images, adapters, SGLang sessions) is refused with a 400
-naming it, never ignored.
+the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Image parts
+(`image_url`) are taken by relax-serve with a vision-language model, outside training sessions
+(`relax.serve.openai.images`, before these rules read the messages). Anything else that would change the output
+(penalties, min_p, `logit_bias`, images elsewhere, adapters, SGLang sessions) is refused with a 400 naming it,
+never ignored.
 """
 
 from __future__ import annotations

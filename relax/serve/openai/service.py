@@ -21,6 +21,7 @@ from relax.batch import FinishReason
 from relax.rollout.grammar import GrammarError, tool_call_ebnf
 from relax.serve.http import EventStream
 from relax.serve.openai.chat import ChatFormat, split_reasoning
+from relax.serve.openai.images import take_images
 from relax.serve.openai.protocol import (
     APIError,
     Choice,
@@ -52,6 +53,7 @@ class Sampled:
     version: int
     top: Optional[list[list[tuple[float, int]]]] = None  # per token: (log-prob, token id) of the likeliest
     stop_string: Optional[str] = None  # the stop string that ended it (finish STOP without a stop token)
+    prompt_tokens: Optional[int] = None  # the engine's count of the prompt (with images: their image tokens)
 
 
 class Session(Protocol):
@@ -75,11 +77,14 @@ class Session(Protocol):
 
 class OpenAIService:
     """`send(payloads)` answers SGLang `/generate` payloads in order (raising APIError for a refused one);
-    `context_length` (None: unknown) bounds prompt + max_tokens; `max_tokens` caps every call (None: no cap)."""
+    `context_length` (None: unknown) bounds prompt + max_tokens; `max_tokens` caps every call (None: no cap).
+    `images`: a vision-language model's engine, which takes OpenAI image content parts outside a training session
+    (`relax.serve.openai.images`)."""
 
     def __init__(self, fmt: ChatFormat, send: Callable[[list[dict]], list[dict]], *, model: str,
-                 context_length: Optional[int], max_tokens: Optional[int] = None, default_version: int = 0):
-        self.fmt, self.send, self.model = fmt, send, model
+                 context_length: Optional[int], max_tokens: Optional[int] = None, default_version: int = 0,
+                 images: bool = False):
+        self.fmt, self.send, self.model, self.images = fmt, send, model, images
         self.context_length, self.max_tokens, self.default_version = context_length, max_tokens, default_version
 
     def models(self) -> dict:
@@ -88,6 +93,9 @@ class OpenAIService:
 
     # --------------------------------------------------------------------------------------------- endpoints
     def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
+        image_data: list[str] = []
+        if self.images and session is None:  # image parts: placeholders in the text, the images to the engine
+            body, image_data = take_images(body)
         messages, p = parse_chat(body)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(p))
@@ -96,7 +104,7 @@ class OpenAIService:
                                                    offered=body.get("tools") or None)
         else:
             prompt, context = self.fmt.prompt(messages, p.tools, p.template_kwargs), None
-        sampled, p = self._generate(prompt, p, session, context)
+        sampled, p = self._generate(prompt, p, session, context, image_data)
         choices = []
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
@@ -117,7 +125,8 @@ class OpenAIService:
                 (s, c, normalize_message({"role": "assistant", "content": c.text or None,
                                           "tool_calls": c.tool_calls}))
                 for s, c in zip(sampled, choices, strict=True)])
-        answer = chat_answer(choices, p, len(prompt), model=p.model)
+        prompt_len = sampled[0].prompt_tokens if image_data and sampled[0].prompt_tokens else len(prompt)
+        answer = chat_answer(choices, p, prompt_len, model=p.model)
         return (200, EventStream(chat_events(answer, p, choices))) if p.stream else (200, answer)
 
     def completion(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
@@ -151,7 +160,7 @@ class OpenAIService:
         return min(limit, self.max_tokens) if self.max_tokens else limit
 
     def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
-                  context: Any = None) -> tuple[list[Sampled], Params]:
+                  context: Any = None, image_data: Optional[list[str]] = None) -> tuple[list[Sampled], Params]:
         limit = self._limit(p, len(prompt))
         if session is not None:
             p, limit, seeds = session.admit(p, len(prompt), limit, context)
@@ -172,6 +181,8 @@ class OpenAIService:
             if seed is not None:
                 sp["sampling_seed"] = int(seed)
             payload = {"input_ids": prompt, "sampling_params": sp, "return_logprob": True, "logprob_start_len": -1}
+            if image_data:  # SGLang's image_data: this input's images, in the order of their placeholders
+                payload["image_data"] = list(image_data)
             if p.top_logprobs:
                 payload["top_logprobs_num"] = p.top_logprobs
             payloads.append(payload)
@@ -201,7 +212,8 @@ class OpenAIService:
         matched = (meta.get("finish_reason") or {}).get("matched")
         return Sampled([int(q[1]) for q in pairs], [float(q[0]) for q in pairs], FINISH.get(reason, FinishReason.ABORT),
                        version, [[(float(a[0]), int(a[1])) for a in (alts or [])] for alts in top] if top else None,
-                       matched if isinstance(matched, str) and reason == "stop" else None)
+                       matched if isinstance(matched, str) and reason == "stop" else None,
+                       meta.get("prompt_tokens") if isinstance(meta.get("prompt_tokens"), int) else None)
 
     @staticmethod
     def _finish(s: Sampled, tokens: list[int]) -> str:

@@ -452,7 +452,8 @@ class EmbeddedServer(WeightEndpoints):
                 fmt = ChatFormat(self.tokenizer, self.eos_token_ids,
                                  get_parser(self.cfg.data.tool_parser, self.tokenizer))  # data.tool_parser
                 self._openai_service = OpenAIService(fmt, self._send_openai, model=self.served_model_name,
-                                                     context_length=self.context_length)
+                                                     context_length=self.context_length,
+                                                     images=self._codec.images is not None)
             if endpoint == "responses":
                 if self._responses is None or self._responses.service is not self._openai_service:
                     self._responses = Responses(self._openai_service)
@@ -503,6 +504,8 @@ class EmbeddedServer(WeightEndpoints):
                 "sampling_params": [p["sampling_params"] for p in payloads], "return_logprob": True}
         if payloads[0].get("top_logprobs_num"):
             body["top_logprobs_num"] = payloads[0]["top_logprobs_num"]
+        if any(p.get("image_data") for p in payloads):  # OpenAI image parts (relax.serve.openai.images)
+            body["image_data"] = [p.get("image_data") for p in payloads]
         try:
             status, answer = self._generate(body)
         except RequestError as exc:

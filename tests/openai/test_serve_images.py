@@ -1,0 +1,68 @@
+"""OpenAI image content parts on relax-serve with a vision-language model (tiny_vl), through the official `openai`
+client over real HTTP: the chat answer is the engine's answer to the prompt the model's processor builds from the
+same message and image (token ids with the image tokens expanded, as the trainer scores them; `/generate`'s parity
+with the trainer: tests/sglang/test_image_data.py); another image changes it (the negative control)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+from relax.config import load_config
+from relax.data.datasets import PromptDataset
+from relax.data.images import VisionData, build_tiny_vl_processor, build_tiny_vl_tokenizer, image_data_url
+from relax.data.shapes import QUESTION, blank_image, generate_shapes
+from relax.serve.openai.protocol import APIError, parse_chat
+from relax.serve.sglang.server import EmbeddedServer
+
+SEED = 11
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = EmbeddedServer(load_config(["model=tiny_vl", "model.dtype=float32"]), port=0, threads=1)
+    server.start()
+    try:
+        server.wait_ready(120)
+        yield server
+    finally:
+        server.shutdown()
+
+
+def _message(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": QUESTION}]}]
+
+
+def test_image_parts_through_the_openai_client_are_the_processors_prompt(server):
+    record = generate_shapes(1, seed=0)[0]
+    image = record["prompt"][0]["content"][0]["image"]
+    tokenizer = build_tiny_vl_tokenizer()
+    item = next(iter(PromptDataset.from_records([(record, "shape")], tokenizer,
+                                                vision=VisionData(build_tiny_vl_processor(tokenizer), wire=True))))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+
+    def ask(url: str):
+        return client.chat.completions.create(model="tiny_vl", messages=_message(url), max_tokens=4, seed=SEED,
+                                              logprobs=True)
+
+    answer = ask(image_data_url(image))
+    assert answer.usage.prompt_tokens == len(item.prompt_ids)  # the processor's count, image tokens included
+    direct = requests.post(server.url + "/generate", timeout=60, json={
+        "input_ids": item.prompt_ids, "image_data": item.vision["image_data"], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "sampling_seed": SEED, "stop_token_ids": [tokenizer.eos_token_id],
+                            "no_stop_trim": True, "skip_special_tokens": False}}).json()
+    theirs = [lp[0] for lp in direct["meta_info"]["output_token_logprobs"]]
+    ours = [t.logprob for t in answer.choices[0].logprobs.content]
+    assert len(ours) >= 1 and ours == pytest.approx(theirs[:len(ours)], abs=1e-6)
+    other = ask(image_data_url(blank_image()))  # negative control: another image, another answer
+    assert [t.logprob for t in other.choices[0].logprobs.content][:1] != pytest.approx(ours[:1], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="nothing is downloaded"):
+        ask("https://example.com/a.png")
+
+
+def test_image_parts_for_a_text_model_are_refused_naming_the_part():
+    with pytest.raises(APIError, match="only text parts") as exc:
+        parse_chat({"model": "tiny", "messages": _message("data:image/png;base64,AAAA")})
+    assert exc.value.param == "messages[0].content[0]"
