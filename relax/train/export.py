@@ -11,7 +11,14 @@ The directory holds everything `transformers` needs to load and sample the polic
 - the run's tokenizer (`tokenizer.save_pretrained`: tokenizer.json, tokenizer_config.json and the chat template,
   which transformers writes to chat_template.jinja), loaded as the run loaded it (`relax.data.tokenizer`):
   the built-in tiny tokenizer for `model.source=config`, the model directory's or the .gguf file's otherwise.
-- `generation_config.json`: eos = the run's stop tokens (`stop_token_ids`), pad = its pad token, and the run's
+- a vision-language model's processor (`model.arch` / config.json `model_type` qwen2_5_vl or qwen3_vl): the family's
+  transformers processor class (`Qwen2_5_VLProcessor`, `Qwen3VLProcessor`) named in processor_config.json with the
+  run's image processor (patch and merge sizes, pixel bounds) nested in it, and the image processor alone in
+  preprocessor_config.json, as the real checkpoints ship it (transformers reads the video processor's settings from
+  it too; its video processor needs torchvision). The run's image processor and chat template, so that
+  `AutoProcessor` + `AutoModelForImageTextToText` on the directory give the trainer's log-probs on image prompts.
+- `generation_config.json`: eos = the run's stop tokens (`stop_token_ids`), pad = its pad token, a VL model's image
+  and video placeholder tokens as `suppress_tokens` (the run neither samples nor scores them), and the run's
   sampling (`rollout.temperature`, `top_p`, `top_k`; top_k -1 is written as 0, "off" in transformers, whose
   default is 50). The trainer's log-probs are of `softmax(logits / rollout.temperature)`: the exported model's
   `log_softmax(logits / generation_config.temperature)`.
@@ -33,6 +40,7 @@ from safetensors.torch import save_file
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from relax.config.schema import ModelConfig, RolloutConfig
+from relax.config.vision_rules import hf_model_type, is_vision_model
 from relax.data.tokenizer import ModelFileError, ModelPathError, load_tokenizer, stop_token_ids
 from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
 from relax.models.hf import build_model, qwen3_config, resolve_model_path
@@ -209,10 +217,12 @@ def _convert_megatron(policy: Path, out: Path, model_cfg: ModelConfig,
     return count, str(dtype).removeprefix("torch."), f"tp={tp} pp={pp}"
 
 
-def generation_config(tokenizer: PreTrainedTokenizerBase, stops: tuple[int, ...],
-                      rollout: RolloutConfig) -> GenerationConfig:
-    """Stop and pad tokens and the sampling of the run (top_k -1, off, is 0 for transformers)."""
+def generation_config(tokenizer: PreTrainedTokenizerBase, stops: tuple[int, ...], rollout: RolloutConfig,
+                      suppress: tuple[int, ...] = ()) -> GenerationConfig:
+    """Stop and pad tokens and the sampling of the run (top_k -1, off, is 0 for transformers); `suppress`: tokens
+    the run never samples nor scores (a VL model's image and video placeholders)."""
     return GenerationConfig(
+        **({"suppress_tokens": list(suppress)} if suppress else {}),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=list(stops) if len(stops) > 1 else stops[0],
         pad_token_id=tokenizer.pad_token_id,
@@ -246,6 +256,38 @@ def _write_lora(policy: Path, out: Path, model_cfg: ModelConfig, tokenizer: PreT
     merged.save_pretrained(str(out))
     count, dtype = _tensor_stats(sorted(out.glob("*.safetensors")))
     return count, dtype, f"{POLICY_DIR}/ (LoRA adapters merged into the base)"
+
+
+# the transformers processor class of each vision-language family (config.json model_type)
+PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+PROCESSOR_FILE = "processor_config.json"
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
+def _write_processor(out: Path, model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """A vision-language run's processor, loaded as the run loaded it (`relax.data.images.load_processor`), saved
+    under its family's transformers processor class: the run's own class is a local subclass without a video
+    processor (which needs torchvision), a name transformers could not resolve. Returns the image and video
+    placeholder tokens (config.json's, else the tokenizer's), which the run never samples nor scores
+    (`relax.models.vision.placeholder_ids`): the generation config suppresses them."""
+    from relax.data.images import load_processor
+
+    model_type = model_cfg.arch if model_cfg.source == "config" else hf_model_type(model_cfg)
+    if model_type not in PROCESSOR_CLASSES:
+        raise ExportError(f"no processor class is known for the vision-language model_type {model_type!r} "
+                          f"(known: {', '.join(PROCESSOR_CLASSES)})")
+    processor = load_processor(model_cfg, tokenizer)
+    processor.save_pretrained(str(out))  # processor_config.json, the tokenizer again, chat_template.jinja
+    processor.image_processor.save_pretrained(str(out))  # preprocessor_config.json
+    for name in (PROCESSOR_FILE, IMAGE_PROCESSOR_FILE, "tokenizer_config.json"):
+        record = _json_object(out / name)
+        record["processor_class"] = PROCESSOR_CLASSES[model_type]
+        (out / name).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    config = _json_object(out / CONFIG_FILE) if (out / CONFIG_FILE).is_file() else {}
+    ids = [config.get("image_token_id"), config.get("video_token_id")]
+    if None in ids:  # LoRA adapters alone: no config.json; the processor's tokens
+        ids = [processor.image_token_id, processor.video_token_id]
+    return tuple(sorted({int(i) for i in ids}))
 
 
 def write_hf_directory(checkpoint: Path, out: Path, model_cfg: ModelConfig, rollout: RolloutConfig, *,
@@ -288,7 +330,10 @@ def write_hf_directory(checkpoint: Path, out: Path, model_cfg: ModelConfig, roll
         # padding_side is an attribute the tokenizer's own config may not record (the tiny tokenizer's "left")
         tokenizer.init_kwargs["padding_side"] = tokenizer.padding_side
         tokenizer.save_pretrained(str(out))
-        gen = generation_config(tokenizer, stops, rollout)
+        suppress: tuple[int, ...] = ()
+        if is_vision_model(model_cfg):
+            suppress = _write_processor(out, model_cfg, tokenizer)
+        gen = generation_config(tokenizer, stops, rollout, suppress)
         gen.save_pretrained(str(out))
         sampling = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
         stop_tokens = [(i, str(tokenizer.convert_ids_to_tokens(i))) for i in stops]

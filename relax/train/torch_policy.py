@@ -36,6 +36,7 @@ from relax.models.checkpoint_files import (
     load_tensor_file,
 )
 from relax.models.hf import build_model, pick_device, pick_dtype
+from relax.models.saved_format import to_model_layout
 from relax.models.weight_buffers import cpu_state
 from relax.models.write_errors import os_write_errors, torch_save
 from relax.train.logprobs import autocast, forward_logprobs
@@ -179,8 +180,9 @@ class TorchTrainer:
         self._hf_model().save_pretrained(str(directory))
 
     def _read_weights(self, directory: Path) -> dict[str, torch.Tensor]:
-        """What `_save_weights` wrote, read and checked before anything is restored."""
-        return load_safetensors_dir(directory, exclude=self._extra_files())
+        """What `_save_weights` wrote, read and checked before anything is restored, under the model's own names
+        (a VL or MoE model's save_pretrained writes its original checkpoint layout: relax.models.saved_format)."""
+        return to_model_layout(self._hf_model(), load_safetensors_dir(directory, exclude=self._extra_files()))
 
     def _restore_weights(self, weights: dict[str, torch.Tensor]) -> None:
         load_into(self._hf_model(), weights)
