@@ -87,11 +87,13 @@ KV_REUSED_TOKENS = "perf/kv_reused_tokens"
 # run's replaced (rollout.temperature, top_p, top_k)
 GATEWAY_SEGMENTS = "rollout/gateway_segments_per_episode"
 GATEWAY_SAMPLING_OVERRIDES = "rollout/gateway_sampling_overrides"
-# per episode: tokens the engine sampled in the session, those in the sample's loss mask (its trained branch), and
-# the rest (sampled on other branches: side calls, choices or parallel calls not continued, segments left behind)
+# per episode: tokens the engine sampled in the session, those in the loss masks of its rows (one per branch: side
+# calls, parallel calls, choices not continued and segments left behind have their own), the rest (0: each sampled
+# token is trained once), and the rows (branches) of a run
 GATEWAY_SAMPLED_TOKENS = "rollout/gateway_sampled_tokens"
 GATEWAY_TRAINED_TOKENS = "rollout/gateway_trained_tokens"
 GATEWAY_UNTRAINED_TOKENS = "rollout/gateway_untrained_tokens"
+GATEWAY_BRANCHES = "rollout/gateway_branches_per_run"
 # Vision-language models (relax.rollout.vision): images per response, image tokens / all tokens of the batch (prompts
 # and responses), seconds the engines' vision towers took (each prompt's images once)
 IMAGES_PER_SAMPLE = "rollout/images_per_sample"

@@ -27,6 +27,7 @@ from relax.metrics import (
     VALUE_LOSS,
 )
 from relax.runner import checkpoint
+from relax.runner.branch_rows import global_batch_rows, run_starts
 from relax.runner.errors import RunError
 
 if TYPE_CHECKING:
@@ -40,8 +41,15 @@ def global_batches(cfg: RelaxConfig, batch: TrainBatch) -> list[tuple[int, Train
     """(k, the k-th global batch) of a rollout's batch, for those with a valid token (the optimizer steps it takes):
     a global batch whose groups were all left out, or whose responses were all truncated and masked, takes none."""
     t = cfg.train
-    bounds = token_bounds(batch, t.num_steps_per_rollout) if t.use_dynamic_global_batch_size else \
+    # rows of one agent run that forked (relax.runner.branch_rows) share its sample id and stay in one global batch,
+    # whose size counts runs
+    starts = run_starts(batch.sample_id)
+    tokens = batch.response_mask.sum(-1).tolist()
+    if starts is not None:
+        tokens = [sum(tokens[a:b]) for a, b in zip(starts, starts[1:] + [len(batch)], strict=True)]
+    bounds = bounds_of_tokens(tokens, t.num_steps_per_rollout) if t.use_dynamic_global_batch_size else \
         [k * t.global_batch_size for k in range(t.num_steps_per_rollout + 1)]
+    bounds = global_batch_rows(bounds, starts, len(batch))
     chunks = ((k, batch.select(slice(bounds[k], bounds[k + 1]))) for k in range(t.num_steps_per_rollout))
     return [(k, chunk) for k, chunk in chunks if bool(chunk.response_mask.any())]
 
@@ -50,7 +58,11 @@ def token_bounds(batch: TrainBatch, steps: int) -> list[int]:
     """Row boundaries of `steps` consecutive global batches with equal shares of the batch's response tokens: the
     k-th ends at the first row where the running token count reaches k/steps of the total (every global batch
     keeps at least one row)."""
-    tokens = batch.response_mask.sum(-1).tolist()
+    return bounds_of_tokens(batch.response_mask.sum(-1).tolist(), steps)
+
+
+def bounds_of_tokens(tokens: list[int], steps: int) -> list[int]:
+    """`token_bounds` of rows holding `tokens` response tokens each."""
     total, n = sum(tokens), len(tokens)
     bounds, running, row = [0], 0, 0
     for k in range(1, steps):

@@ -25,6 +25,7 @@ from relax.metrics import (
     FILTER_GENERATED_RATIO,
     FILTER_ROUNDS,
     FILTERED_GROUP_FRAC,
+    GATEWAY_BRANCHES,
     GATEWAY_SAMPLED_TOKENS,
     GATEWAY_SAMPLING_OVERRIDES,
     GATEWAY_SEGMENTS,
@@ -103,7 +104,8 @@ def episode_metrics(samples: Samples) -> dict[str, float]:
         out[GATEWAY_SAMPLING_OVERRIDES] = sum(e["sampling_overrides"] for e in episodes) / n
         sampled, trained = sum(e["sampled_tokens"] for e in episodes), sum(e["trained_tokens"] for e in episodes)
         out.update({GATEWAY_SAMPLED_TOKENS: sampled / n, GATEWAY_TRAINED_TOKENS: trained / n,
-                    GATEWAY_UNTRAINED_TOKENS: (sampled - trained) / n})
+                    GATEWAY_UNTRAINED_TOKENS: (sampled - trained) / n,
+                    GATEWAY_BRANCHES: sum(e.get("branches", 1) for e in episodes) / n})
     return out
 
 

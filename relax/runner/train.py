@@ -19,6 +19,7 @@ import torch
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import FinishReason, Samples, TrainBatch
+from relax.config.core_rules import format_cores
 from relax.config.evaluation import eval_pass_ks
 from relax.config.schema import RelaxConfig
 from relax.data.datasets import PromptItem
@@ -39,6 +40,7 @@ from relax.metrics import (
 )
 from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
+from relax.runner.branch_rows import branch_advantages, expand, per_turn_rewards
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.mismatch_gate import MismatchGate
@@ -137,6 +139,12 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     group's baseline: the advantage hook sees their rows with a zero mask. Returns the batch and the metrics of the
     advantage hook (and of the train/rollout mismatch, when the actor recomputed the old log-probs)."""
     G = cfg.rollout.n_samples_per_prompt
+    # agent runs that forked: every branch a row, with its run's reward and group (relax.runner.branch_rows)
+    branched = expand(samples)
+    turn_total = rewards  # what turn_token_rewards spreads over a row (data.turn_rewards=per_turn)
+    if branched.layers > 1:
+        turn_total = per_turn_rewards(branched, rewards)
+        samples, keep, rewards = branched.samples, keep[branched.run], rewards[branched.run]
     old_logp = old_logprobs(cfg, samples, cluster, step)
     ref_logp = cluster.reference_logprobs(samples) if plan.has("reference") or plan.reference_on_actor else None
     teacher_logp = cluster.teacher_logprobs(samples) if plan.has("teacher") else None
@@ -154,10 +162,11 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     lengths = samples.response_mask.sum(1)
     given = rewards  # [N]; an episode's turns each rewarded on their last token with data.turn_rewards=per_turn
     if cfg.data.turn_rewards == "per_turn":
-        given = turn_token_rewards(samples, rewards)
-    out = cluster.advantages(cfg.algorithm, AdvantageInputs(given[rows], mask[rows].float(), G, kept(old_logp),
-                                                            kept(ref_logp), kept(values), kept(teacher_logp),
-                                                            stopped=stopped[rows], lengths=lengths[rows]))
+        given = turn_token_rewards(samples, turn_total)
+    out = branch_advantages(lambda inputs: cluster.advantages(cfg.algorithm, inputs),
+                            AdvantageInputs(given[rows], mask[rows].float(), G, kept(old_logp), kept(ref_logp),
+                                            kept(values), kept(teacher_logp), stopped=stopped[rows],
+                                            lengths=lengths[rows]), branched.layer[rows])
     full = torch.zeros(mask.shape, dtype=out.advantages.dtype)
     returns = None if out.returns is None else full.clone().index_copy_(0, rows, out.returns)
     batch = TrainBatch.from_samples(samples, rewards=rewards, advantages=full.index_copy_(0, rows, out.advantages),
@@ -287,6 +296,11 @@ class Recipe:
         self.session = session = stack.enter_context(Session(cfg, self.plan, self.output_dir, self.dictconfig,
                                                              checkpoints, restart_run_id=restarts.run_id))
         stack.enter_context(cluster)  # every role answering; stopped before the session closes, as before
+        if self.plan.cores:  # cluster.role_cores: where each process runs, as it says (checked against the plan)
+            placed = cluster.cpu_placement()
+            session.tracker.set_tags({"relax.cores." + name.replace("[", ".").rstrip("]"):
+                                      f"{format_cores(p['cores'])} ({p['intra_op']} threads)"
+                                      for name, p in placed.items()})
         self.engines = stack.enter_context(started_engines(cluster))  # closed before the roles stop
         restarts.run_id = session.run_id
         session.log_datasets(inputs.sampler.dataset, inputs.eval_sets)

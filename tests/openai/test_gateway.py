@@ -111,7 +111,7 @@ def test_a_three_turn_conversation_trains_exactly_the_sampled_tokens(gateway):
 
 def test_an_edited_history_starts_a_new_segment(gateway):
     """The edited call's prompt is rendered whole; the sample is the segment holding more sampled tokens (the later
-    one on a tie), the other's counted as untrained."""
+    one on a tie), the other trains in a row of its own (each row's context its own segment's)."""
     gateway.recorder.calls.clear()
     session = gateway.open(1, limits())
     client = openai.OpenAI(base_url=gateway.base_url, api_key=session.key, max_retries=0)
@@ -125,7 +125,10 @@ def test_an_edited_history_starts_a_new_segment(gateway):
     sizes = [len(a["meta_info"]["output_token_logprobs"]) for _, a in gateway.recorder.calls]
     assert t.prompt == (rendered if sizes[1] >= sizes[0] else gateway.fmt.prompt(USER, None))
     assert len(t.answers) == 1 and sum(t.sampled) == len(t.tokens) == max(sizes)
-    assert session.token_counts() == (sum(sizes), max(sizes))
+    assert session.token_counts() == (sum(sizes), sum(sizes))
+    main, other = session.rows()
+    assert other.prompt == (gateway.fmt.prompt(USER, None) if sizes[1] >= sizes[0] else rendered)
+    assert (sum(main.sampled), sum(other.sampled)) == (max(sizes), sum(sizes) - max(sizes))
 
 
 def test_the_continued_choice_is_the_trajectory(gateway):

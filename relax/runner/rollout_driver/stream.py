@@ -58,6 +58,7 @@ import torch
 from relax.batch import FinishReason, Samples, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
+from relax.runner.branch_rows import fill_saved_old_logprobs
 from relax.runner.errors import RunError
 from relax.runner.rollout_driver.scoring import (
     FilterStats,
@@ -323,6 +324,7 @@ class RolloutStream:
             stale = samples.response_mask.bool() & (samples.versions() < version)
             if bool(stale.any()):
                 samples.saved_old_logp = torch.where(stale, logprobs(samples, version), torch.tensor(float("nan")))
+            fill_saved_old_logprobs(samples, logprobs, version)  # agent runs' other rows (their episode records)
 
         for _, samples in self._buffer:
             fill(samples)

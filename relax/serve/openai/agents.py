@@ -6,12 +6,16 @@ The function gets the prompt item as a dict (`messages`: the prompt as chat mess
 to worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time
 limit (`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample
 counts as a failed reward call (its group is left out, as for any failed reward). A run that made no call fails
-the same way. When a run returns, its session's trajectory (`relax.serve.openai.sessions`: the branch holding the most
+the same way. When a run returns, its session's main row (`relax.serve.openai.sessions`: the branch holding the most
 sampled tokens) becomes the sample: the first prompt as the prompt, then every later token, trained where the engine
-sampled it; the tokens sampled on other branches are counted in the episode record (`sampled_tokens`,
-`trained_tokens`: `rollout/gateway_untrained_tokens`). Its reward: what the
-function returned (None: nothing), plus the rewards given per call (`POST /v1/relax/reward`), plus `data.reward`
-on the last answer (unless `data.reward=none`).
+sampled it. A run that forked (a side call, parallel calls, a choice not continued, a segment left by an edit) has
+more rows (`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns); they travel in the
+sample's episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
+(`relax.runner.branch_rows`), so that every sampled token is trained exactly once; the record counts them
+(`sampled_tokens`, `trained_tokens`, `branches`: `rollout/gateway_untrained_tokens`,
+`rollout/gateway_branches_per_run`). Its reward: what the function returned (None: nothing), plus the rewards given
+per call (`POST /v1/relax/reward`), plus `data.reward` on the last answer (unless `data.reward=none`); every row of a
+run trains with it (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -111,15 +115,25 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
              pad_token_id: int) -> Samples:
     out = []
     for s, record, t, error in rows:
+        rows_of_run = s.rows() if s.calls else []
         sampled = s.token_counts()[0]
         end = s.ended if s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH, FinishReason.TIMEOUT) \
             else (FinishReason.ERROR if error else FinishReason.DONE)
+        # the run's other rows (one per branch beyond the main one), as plain lists: they go wherever the sample
+        # goes (dynamic sampling, the buffer, a checkpoint) and become rows of the training batch
+        others = [{"prompt": list(r.prompt), "ids": list(r.tokens), "logp": list(r.logprobs),
+                   "generated": list(r.sampled), "version": list(r.versions), "turn_rewards": list(r.rewards)}
+                  for r in rows_of_run[1:]]
         episode = {"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
                    "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0, "kv_reused": 0,
                    "end": plain_reason(end), "partial": [], "segments": s.segments, "calls": s.calls,
-                   "sampling_overrides": s.overrides, "error": error, "branches": s.branches,
-                   # the session's sampled tokens and those in this row's loss mask (the rest: other branches)
-                   "sampled_tokens": sampled, "trained_tokens": sum(t.sampled)}
+                   "sampling_overrides": s.overrides, "error": error, "branches": max(1, len(rows_of_run)),
+                   # the main row's own turn rewards (`turn_rewards` adds those of the calls outside it)
+                   "row_turn_rewards": list(rows_of_run[0].rewards) if rows_of_run else list(t.rewards),
+                   "branch_rows": others,
+                   # the session's sampled tokens and those in its rows' loss masks (the main row's and the others')
+                   "sampled_tokens": sampled, "trained_tokens": sum(t.sampled) + sum(sum(o["generated"])
+                                                                                     for o in others)}
         out.append(EpisodeRow(t.prompt, t.tokens, t.logprobs, t.sampled, t.versions,
                               end if end in (FinishReason.MAX_TURNS, FinishReason.LENGTH) else FinishReason.STOP,
                               episode))

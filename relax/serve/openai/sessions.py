@@ -21,12 +21,17 @@ tools it lists (the model saw them). A call that extends no branch (the agent re
 compacted its context, changed the tools or the chat_template_kwargs) starts a new segment: its prompt is rendered
 whole.
 
-The trained sample. The training loop takes one row per sample (its groups have `rollout.n_samples_per_prompt` rows
-each), and one row holds one branch: tokens of diverging branches cannot share a row without changing what each
-token attended to. The row is the branch holding the most sampled tokens (a tie: the later call, then the lower
-choice), the reward of every call outside it is added to its first call's, and every sampled token elsewhere (a
-side call, another choice, a parallel call not continued, a segment left by an edit) is counted as untrained
-(`token_counts`: `rollout/gateway_untrained_tokens`).
+The trained rows. A row holds one branch with its whole context (tokens of diverging branches cannot share a row
+without changing what each token attended to), so a run trains one row per leaf of its tree (`rows`: the branches no
+call continued), and every sampled token exactly once: the main row (the branch holding the most sampled tokens; a
+tie: the later call, then the lower choice) first, owning every sampled token on it; then each other leaf in call
+order (lower choice first), owning the sampled tokens of its branch that no earlier row owns (a side call's answer,
+a parallel call's, a choice not continued, a segment left by an edit: its own answers after the point where it left
+an earlier row's branch). A row's tokens before what it owns are context only, as an observation is (loss mask 0),
+and are exactly what the engine saw. Rewards given per call (`POST /v1/relax/reward`) stay on the row that first owns
+one of the call's answers; those given before any call on the main row's first. `trajectory` is the main row with
+the reward of every call outside it added to its first call's (what the run's reward sums), `token_counts` the
+sampled tokens and those in the rows' loss masks (`rollout/gateway_untrained_tokens`: their difference, 0).
 
 Limits: `max_calls` calls per session, `max_tokens` tokens in a branch after its first prompt (answers and
 appended messages: the episode budget, `rollout.max_episode_tokens`), each answer at most `max_new_tokens`; a call
@@ -317,13 +322,21 @@ class Session:
             raise SessionEnded(self.ended)
 
     def _row(self) -> Optional[_Node]:
-        """The branch trained: the one holding the most sampled tokens (a tie: the later call, the lower choice)."""
+        """The main branch: the one holding the most sampled tokens (a tie: the later call, the lower choice)."""
         leaves = [n for n in self.nodes if not n.extended]
         return max(leaves, key=lambda n: (n.sampled_total, n.call, -n.choice)) if leaves else None
 
+    def _leaves(self) -> list[_Node]:
+        """The rows' branches in row order: the main one, then the other leaves by call, then choice."""
+        main = self._row()
+        if main is None:
+            return []
+        return [main] + sorted((n for n in self.nodes if not n.extended and n is not main),
+                               key=lambda n: (n.call, n.choice))
+
     def trajectory(self) -> Optional[Segment]:
-        """The run's trajectory (the branch `_row` picks), the rewards of calls outside it (and those given before
-        any call) added to its first call's; None if no call was made."""
+        """The main row (`_row`), the rewards of calls outside it (and those given before any call) added to its first
+        call's; None if no call was made."""
         with self._lock:
             row = self._row()
             if row is None:
@@ -340,11 +353,37 @@ class Session:
             seg.rewards[0] += self.pending_reward + sum(r for i, r in enumerate(self.rewards) if i not in on)
             return seg
 
-    def token_counts(self) -> tuple[int, int]:
-        """(tokens the engine sampled in this session, those of them in the trajectory): each sampled once."""
+    def rows(self) -> list[Segment]:
+        """One row per leaf of the session's tree, the main one first (see the module docstring): each holds its
+        branch's whole context, `sampled` 1 only on the tokens it owns, `rewards` one per answer it owns (a call's
+        reward on the first row owning one of its answers, 0 on its other answers; the rewards given before any call
+        on the main row's first), `answers` every answer of its branch. [] if no call was made."""
         with self._lock:
-            row = self._row()
-            return sum(len(n.tokens) for n in self.nodes), row.sampled_total if row is not None else 0
+            owned: set[int] = set()
+            placed: set[int] = set()
+            out = []
+            for leaf in self._leaves():
+                seg = Segment(prompt=list(leaf.prompt), messages=copy.deepcopy(leaf.messages), text=leaf.text,
+                              tools_key=leaf.tools_key, stop_token=leaf.stop_token)
+                for n in leaf.path():
+                    seg.append(n.delta, sampled=False)
+                    seg.answers.append(n.answer)
+                    if id(n) in owned:  # an earlier row trains it: context here
+                        seg.append(n.tokens, sampled=False)
+                        continue
+                    owned.add(id(n))
+                    seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version)
+                    seg.rewards.append(self.rewards[n.call] if n.call not in placed else 0.0)
+                    placed.add(n.call)
+                out.append(seg)
+            if out:
+                out[0].rewards[0] += self.pending_reward
+            return out
+
+    def token_counts(self) -> tuple[int, int]:
+        """(tokens the engine sampled in this session, those in the loss masks of its rows)."""
+        with self._lock:
+            return sum(len(n.tokens) for n in self.nodes), sum(sum(r.sampled) for r in self.rows())
 
     @property
     def segments(self) -> int:
@@ -354,6 +393,6 @@ class Session:
 
     @property
     def branches(self) -> int:
-        """Branches no call continued (the trajectory is one of them)."""
+        """Branches no call continued: the rows the run trains."""
         with self._lock:
             return sum(not n.extended for n in self.nodes)
