@@ -140,12 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None and args.threads < 1:
         _fail(f"--threads={args.threads}: must be >= 1")
     cfg = _load(args)
-    from relax.config.vision_rules import NOT_BUILT, is_vision_model
-
-    if is_vision_model(cfg.model):  # docs/training.md, "Vision-language"
-        _fail(f"model={cfg.model.name}: relax-serve {NOT_BUILT}: SGLang's image_data on /generate and OpenAI image "
-              "content parts do not reach its engine; serve a text model")
-
     from relax.models.hf import resolve_model_path
     from relax.serve.sglang.server import EmbeddedServer
 

@@ -49,7 +49,7 @@ def is_vision_model(model_cfg: object) -> bool:
 
 def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     """Every broken vision-language rule of `cfg`."""
-    m, d, t, ro = cfg.model, cfg.data, cfg.train, cfg.rollout
+    m, d, t = cfg.model, cfg.data, cfg.train
     found: list[Violation] = []
 
     def require(ok: bool, fields: tuple[str, ...], message: str) -> None:
@@ -76,9 +76,6 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     require(t.backend != "megatron", ("train.backend", "model.arch"),
             f"train.backend=megatron {NOT_BUILT}: megatron-core's multimodal model is not wired to Relax's trainer; "
             "use train.backend=torch")
-    require(ro.backend != "sglang", ("rollout.backend", "model.arch"),
-            f"rollout=sglang {NOT_BUILT}: images do not reach /generate (SGLang's image_data) on the embedded server "
-            "or the client yet; use the embedded rollout (rollout.backend=embedded)")
     require(not t.pack_sequences, ("train.pack_sequences", "model.arch"),
             f"train.pack_sequences=true {NOT_BUILT}: packed rows would need the model's 3-D positions per packed "
             "sequence; micro-batches of padded rows (the default) keep each image whole in its row")

@@ -149,12 +149,11 @@ def test_blank_images_keep_the_prompt_and_drop_the_picture(tokenizer):
     (["data.blank_images=true"], ("data.blank_images", "model.arch")),
     (["model.freeze_vision_tower=true"], ("model.freeze_vision_tower", "model.arch")),
     (["model=tiny_vl", "data=shapes", "train.backend=megatron"], ("train.backend", "model.arch")),
-    (["model=tiny_vl", "data=shapes", "rollout=sglang", "rollout.sglang.server=embedded"],
-     ("rollout.backend", "model.arch")),
     (["model=tiny_vl", "data=shapes", "train.pack_sequences=true"], ("train.pack_sequences", "model.arch")),
     (["model=tiny_vl", "data=guess_number"], ("data.env", "data.tools", "data.agent")),
     (["model=tiny_vl", "data=shapes", "algorithm=ppo"], ("algorithm.name", "model.arch")),
-    (["model=tiny_vl", "data=shapes", "train.save_hf=true"], ("train.save_hf", "tracking.log_model")),
+    (["model=tiny_vl", "data=shapes", "train.save_hf=true", "tracking.log_model=true"],
+     ("tracking.log_model", "model.arch")),
 ])
 def test_validation_rejects_what_is_not_built(overrides, fields):
     found = _violations(overrides)
@@ -168,12 +167,5 @@ def _violations(overrides: list[str]) -> list:
 def test_a_vision_run_validates():
     assert _violations(["model=tiny_vl", "data=shapes"]) == []
     assert _violations(["model=tiny_vl", "data=shapes", "model.arch=qwen3_vl", "model.lora_rank=4"]) == []
+    assert _violations(["model=tiny_vl", "data=shapes", "rollout=sglang", "rollout.sglang.server=embedded"]) == []
 
-
-def test_relax_serve_refuses_a_vision_language_model(capsys):
-    from relax.cli.serve import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["--port", "0", "model=tiny_vl"])
-    assert exit_.value.code == 2
-    assert "relax-serve is not built for vision-language models yet" in capsys.readouterr().err
