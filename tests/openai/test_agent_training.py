@@ -11,7 +11,9 @@ from gateway_agents import TOUR_SEGMENTS  # noqa: E402  (tests/openai on sys.pat
 
 from relax.config import load_config
 from relax.metrics import (
+    GATEWAY_BRANCHES,
     GATEWAY_SEGMENTS,
+    GATEWAY_UNTRAINED_TOKENS,
     REWARD_ERRORS,
     REWARD_TIMEOUTS,
     STALENESS_MAX,
@@ -55,9 +57,15 @@ def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path
                 continue
             answered.add(kind)
             assert e["segments"] == {2: 2, 3: 1, 4: TOUR_SEGMENTS}[kind]
+            # every branch a row (the tour's: its segments and the second of its n=2 choices), every sampled token
+            # in one row's loss mask; TRAIN_ROLLOUT_LOGP_ABS_DIFF above reads the tokens of all of them
+            assert e["branches"] == {2: 2, 3: 1, 4: TOUR_SEGMENTS + 1}[kind]
+            assert e["trained_tokens"] == e["sampled_tokens"] > 0
             runs = int(((gen[r, 1:] & ~gen[r, :-1]).sum()) + gen[r, 0])  # model turns in the trajectory
             assert runs == e["turns"] == (3 if kind == 3 else 1)
             assert (present[r] & ~gen[r]).any() == (kind == 3)  # follow-ups: in the context, out of the loss
+        assert m[GATEWAY_UNTRAINED_TOKENS] == 0
+        assert m[GATEWAY_BRANCHES] == pytest.approx(sum(e["branches"] for e in samples.episodes) / len(kinds))
         assert m[GATEWAY_SEGMENTS] == pytest.approx(sum(e["segments"] for e in samples.episodes) / len(kinds))
         assert m[TURNS_MEAN] == pytest.approx(sum(e["turns"] for e in samples.episodes) / len(kinds))
     assert answered == {2, 3, 4}  # every agent that answers was trained in at least one step
