@@ -127,6 +127,10 @@ class ClusterConfig:
     # the driver on a role is bounded by it: null is rejected (a very large value keeps the bound and all but turns
     # the watchdog off).
     heartbeat_timeout_s: Optional[float] = positive(300.0, optional=True)  # null: rejected by its own rule
+    # CPU-only clusters of one node: each role's processes pinned to cores of their own, role -> CPU list ("0",
+    # "2-3", "0,2"), e.g. {rollout: "0", actor: "1"}; their torch thread pools sized to them, the rollout in a
+    # process of its own. Empty: every role shares every core. Rules: relax/config/core_rules.py; docs/operations.md.
+    role_cores: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -274,6 +278,9 @@ class TrainConfig:
     # machines); auto: transformer_engine where the actor's rank has a GPU and can import it, else local
     layer_spec: str = choice("auto", ("auto", "local", "transformer_engine"))
     pipeline_parallel_size: int = positive(1)
+    # train.backend=megatron with a mixture-of-experts model: its experts spread over this many ranks (each holds
+    # num_experts / expert_parallel_size of them, and they are data-parallel ranks of the rest of the model)
+    expert_parallel_size: int = positive(1)
     context_parallel_size: int = positive(1)
     dynamic_context_parallel: bool = False
     ref_load: Optional[str] = None  # reference weights; None: the policy's initial weights

@@ -11,6 +11,7 @@ import dataclasses
 
 from relax import algorithms
 from relax.algorithms.base import Range, Violation, choices_of, range_of
+from relax.config.core_rules import role_cores_violations
 from relax.config.derive import agentic, data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
 from relax.config.megatron_rules import (
@@ -756,6 +757,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     r.found.extend(megatron_violations(cfg))
     r.found.extend(vision_violations(cfg))
     r.found.extend(reward_model_violations(cfg))
+    r.found.extend(role_cores_violations(cfg))
     for v in algo.check(cfg):
         prefix = f"algorithm={algo.name}: "
         r.found.append(v if v.message.startswith(prefix) else Violation(v.fields, prefix + v.message))

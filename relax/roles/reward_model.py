@@ -20,12 +20,13 @@ from relax.config.schema import ModelConfig, RelaxConfig
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.reward_model import classifier_scores, conversation_text, judge_prompt_ids, load_classifier
+from relax.roles.cores import pin_role_process
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.rollout.embedded import EmbeddedEngine
 
 
 def _threads(n: Optional[int]) -> None:
-    if n:
+    if pin_role_process() is None and n:  # pinned (cluster.role_cores): its pools sized to its cores
         torch.set_num_threads(n)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -24,6 +24,7 @@ from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.lora import inject_adapters
 from relax.models.weight_buffers import WeightBuffers, as_state_dict, state_and_bytes
+from relax.roles.cores import pin_role_process
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.versions import WeightVersions
 from relax.rollout.embedded import EmbeddedEngine
@@ -57,7 +58,7 @@ def actor_class(cls: type) -> Any:
 
 
 def _threads(n: int | None) -> None:
-    if n:
+    if pin_role_process() is None and n:  # pinned (cluster.role_cores): its pools sized to its cores
         torch.set_num_threads(n)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -363,6 +364,7 @@ class AdvantagesWorker:
 
     def __init__(self, *, heartbeat: HeartbeatLink | None = None):
         start_heartbeat(self, heartbeat)
+        pin_role_process()
 
     def ping(self) -> str:
         return "ok"

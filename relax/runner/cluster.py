@@ -21,6 +21,7 @@ import torch
 
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.batch import Samples, TrainBatch
+from relax.config.core_rules import format_cores
 from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
@@ -354,6 +355,31 @@ class Cluster:
         if self._ray is not None:
             self._ray.__exit__(None, None, None)
             self._ray = None
+
+    def cpu_placement(self) -> dict[str, dict]:
+        """cluster.role_cores: each pinned process's cores and torch thread counts as the process itself reports them
+        (`relax.roles.cores.cpu_placement`), by process name; RunError when one differs from the plan (every thread
+        on exactly its cores, as many intra- and inter-op threads as cores)."""
+        import ray
+
+        from relax.roles.cores import cpu_placement
+
+        placed, wrong = {}, []
+        for actor, name in zip(self.actors, self.processes, strict=True):
+            role, _, replica = name.partition("[")
+            cores = self.plan.cores_of(role, int(replica.rstrip("]") or 0))
+            if cores is None:
+                continue
+            got = ray.get(actor.__ray_call__.remote(cpu_placement), timeout=self._timeout)
+            placed[name] = got
+            n = len(cores)
+            if got["cores"] != cores or got["thread_cores"] != cores or (got["intra_op"], got["inter_op"]) != (n, n):
+                wrong.append(f"{name} runs on cores {format_cores(got['thread_cores'])} with {got['intra_op']} "
+                             f"intra-op / {got['inter_op']} inter-op torch threads, planned: cores "
+                             f"{format_cores(cores)}, {n} / {n}")
+        if wrong:
+            raise RunError("cluster.role_cores: " + "; ".join(wrong))
+        return placed
 
     # ------------------------------------------------------------------ calls
     def weights(self, version: int):

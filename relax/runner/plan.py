@@ -9,6 +9,9 @@ Placement rule. Every process of a role uses at most one device (the torch train
   mode with one embedded rollout replica and the torch trainer, the rollout engine runs in the actor's process
   (`Plan.rollout_in_actor`, verl's hybrid engine): the two take turns anyway, so a second process would only
   import and build again, and weights reach the engine in memory.
+  With `cluster.role_cores` each role's processes run on cores of their own instead (`Plan.cores`: a role's cores
+  split among its replicas; the process pins itself, `relax.roles.cores`), with as many torch threads as cores, and
+  the rollout always in a process of its own, as on GPUs each role computes on its own device.
 - CPU cluster of several nodes (`cluster.num_nodes` > 1, no GPUs): the same shares, in one placement group of
   strategy STRICT_SPREAD (a node per bundle): bundle 0 holds the trainer's side (actor, reference, teacher,
   critic, advantages), bundles 1..k the rollout replicas (replica i in bundle 1 + i mod k, k = min(replicas,
@@ -38,6 +41,7 @@ import os
 from dataclasses import dataclass
 
 from relax import algorithms
+from relax.config.core_rules import ROLE_CORES_ENV, format_cores, parse_cores, split_cores
 from relax.config.derive import actor_world_size, data_parallel_size, needs_reference, teacher_model
 from relax.config.reward_model_rules import has_role as reward_model_has_role
 from relax.config.reward_model_rules import on_actor_gpu as reward_model_on_actor_gpu
@@ -110,6 +114,13 @@ class Plan:
     # rank that sends them (`_weight_senders`); () for the embedded rollout
     weight_path: str = ""
     weight_senders: tuple[int, ...] = ()
+    # cluster.role_cores: (role, the cores of each of its processes) for every process role; () without it
+    cores: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+
+    def cores_of(self, role: str, replica: int = 0) -> tuple[int, ...] | None:
+        """The CPU cores process `replica` of `role` is pinned to (cluster.role_cores); None: it shares every core."""
+        per_process = dict(self.cores).get(role)
+        return None if per_process is None else per_process[replica]
 
     def sent_by(self, rank: int) -> tuple[int, ...]:
         """The rollout replicas whose weights actor rank `rank` sends."""
@@ -122,7 +133,10 @@ class Plan:
         """Torch CPU threads of one process of `role`. In sync mode roles take turns and each uses every core; in
         the asynchronous modes the rollout generates while the other roles compute, so the rollout replicas
         share half of the cores and the other roles the other half (idle thread pools would otherwise steal
-        cores from the busy role)."""
+        cores from the busy role). With cluster.role_cores: the cores of the role's first process (its replicas'
+        differ by one at most; each pinned process sizes its pools to its own, `relax.roles.cores`)."""
+        if (cores := self.cores_of(role)) is not None:
+            return len(cores)
         ranks = self.role("actor").replicas if role == "actor" else 1  # Megatron ranks compute at once
         if self.mode == "sync":
             return max(1, self.cpu_threads // ranks)
@@ -137,6 +151,9 @@ class Plan:
     def render(self) -> str:
         if self.total_gpus:
             device = f"{self.total_gpus} GPU(s)"
+        elif self.cores:
+            device = "CPU, each role on cores of its own (cluster.role_cores), torch threads per process: " + ", ".join(
+                f"{r.role} {self.threads(r.role)}" for r in self.roles)
         else:
             device = "CPU, torch threads per process: " + ", ".join(
                 f"{r.role} {self.threads(r.role)}" for r in self.roles if r.role != "advantages")
@@ -150,6 +167,7 @@ class Plan:
         for r in self.roles:
             where = "in the actor's process" if r.role == "rollout" and self.rollout_in_actor else \
                 "the driver's scoring thread" if r.role == "reward_model" and r.backend == "openai" else \
+                "cores " + " | ".join(map(format_cores, dict(self.cores)[r.role])) if r.role in dict(self.cores) else \
                 _placement(r, self.strategy)
             lines.append(f"  {r.role:<13}{r.replicas:>8}  {r.backend:<10}{r.gpus:>7g}{r.cpus:>7g}  "
                          f"{where:<31}{r.why}")
@@ -168,6 +186,9 @@ class Plan:
                               for a, z, b in runs)
             lines.append(f"  placement group ({PLACEMENT_STRATEGY}): {parts}; GPU requests per process, "
                          "shares of one GPU")
+        elif self.cores:
+            lines.append("  no GPUs: each process pinned to its cores, its torch intra- and inter-op threads sized "
+                         "to them (the driver and the reward workers are not pinned)")
         else:
             turns = ("every role takes turns on the CPU cores" if self.mode == "sync" else
                      "the rollout generates while the other roles compute, on the same CPU cores")
@@ -312,7 +333,7 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         for x in names:
             where[x] = tuple(1 + i % k for i in range(replicas[x])) if x == "rollout" else (0,) * replicas[x]
     in_actor = (t.mode == "sync" and total == 0 and c.num_nodes == 1 and t.backend == "torch"
-                and ro.backend == "embedded" and n == 1)
+                and ro.backend == "embedded" and n == 1 and not c.role_cores)
     if in_actor:  # no process of its own: no CPU share of its own
         cpus["rollout"] = 0.0
     if "reward_model" in names and not reward_model_has_role(cfg):  # HTTP calls from the driver: no process
@@ -329,10 +350,12 @@ def build_plan(cfg: RelaxConfig) -> Plan:
     # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
     address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
     strategy = SPREAD_STRATEGY if total == 0 and bundles else PLACEMENT_STRATEGY
+    # validated (relax.config.core_rules): every process role has cores, at least one per process
+    cores = tuple((x, split_cores(parse_cores(c.role_cores[x]), replicas[x])) for x in names if x in c.role_cores)
     return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
                 strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor,
                 rollout_in_actor=in_actor, staged_weights=bool(ro.stage_weights), weight_path=weight_path,
-                weight_senders=senders)
+                weight_senders=senders, cores=cores)
 
 
 def _weight_senders(cfg: RelaxConfig, where: dict[str, tuple[int, ...]],
@@ -378,8 +401,13 @@ def ray_options(plan: Plan, role: str, replica: int = 0, placement_group=None, h
 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group, placement_group_bundle_index=bundle)
+    env = {}
     if hide_gpus and not r.gpus:
-        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if (cores := plan.cores_of(role, replica)) is not None:  # the process pins itself (relax.roles.cores)
+        env[ROLE_CORES_ENV] = format_cores(cores)
+    if env:
+        options["runtime_env"] = {"env_vars": env}
     return options
 
 

@@ -1,41 +1,45 @@
-"""The launcher's side of a run imports no torch: `import relax.config`, composing and validating a config (the CLI's
-precheck), the plan, and `relax-train --help` (relax.algorithms.lazy). Each check runs in a fresh interpreter; the
-last shows that the check sees torch once the math is used (a negative control)."""
+"""The launcher's side of a run imports no torch (relax.algorithms.lazy): `import relax.config`, composing and
+validating a config (the CLI's precheck), `relax-train --help`'s text and the plan, each step checked in one fresh
+interpreter; its last step runs an algorithm's math, after which the same probe must see torch (the control)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
-import pytest
-
 HEAVY = ("torch", "transformers", "ray", "mlflow")
 
+PROBE = f"""
+import json, sys
+loaded = {{}}
+def note(step):
+    loaded[step] = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))
+import relax.config
+note("import relax.config")
+import relax.cli.train as cli
+cli._precheck(["algorithm=ppo", "train.mode=sync"])
+cli.help_text()
+note("the CLI's precheck and help")
+from relax.config import load_config
+from relax.runner.plan import build_plan
+build_plan(load_config(["train.mode=fully_async", "+cluster.role_cores={{rollout: '0', actor: '1'}}"])).render()
+note("the plan")
+from relax import algorithms
+from relax.algorithms.base import AdvantageInputs
+import torch
+algo = algorithms.get("grpo")
+out = algo.compute_advantages(algo.config_cls(), AdvantageInputs(rewards=torch.tensor([1.0, 0.0]),
+                                                                 mask=torch.ones(2, 3), group_size=2))
+assert out.advantages.shape == (2, 3) and callable(algorithms.compute_loss)
+note("the math")
+print(json.dumps(loaded))
+"""
 
-def _loaded_after(code: str) -> list[str]:
-    probe = code + f"\nimport sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))\n"
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+
+def test_launcher_imports_no_torch():
+    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    return eval(res.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("code", [
-    "import relax.config",
-    # the CLI before Ray: its module, compose + validate (the precheck), the help text, the plan
-    "import relax.cli.train as t\nt._precheck(['algorithm=ppo', 'train.mode=sync'])\nt.help_text()",
-    "from relax.config import load_config\nfrom relax.runner.plan import build_plan\n"
-    "print(build_plan(load_config(['train.mode=fully_async']))"
-    ".render())",
-])
-def test_launcher_imports_no_torch(code):
-    assert _loaded_after(code) == []
-
-
-def test_math_still_imports_torch_on_first_use():
-    """Negative control: the same probe reports torch once an algorithm's math runs."""
-    code = ("import relax.config\nfrom relax import algorithms\nfrom relax.algorithms.base import AdvantageInputs\n"
-            "import torch\nalgo = algorithms.get('grpo')\n"
-            "out = algo.compute_advantages(algo.config_cls(), AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), "
-            "mask=torch.ones(2, 3), group_size=2))\nassert out.advantages.shape == (2, 3)\n"
-            "assert callable(algorithms.compute_loss)")
-    assert _loaded_after(code) == ["torch"]
+    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    assert loaded == {"import relax.config": [], "the CLI's precheck and help": [], "the plan": [],
+                      "the math": ["torch"]}

@@ -77,6 +77,7 @@ VALUES: dict[str, Any] = {
     "model.path": "some/model",
     "model.tokenizer": "some/tokenizer",  # not there: the run says so at start (its effect: tests/data)
     "cluster.cpus_per_node": 2,
+    "cluster.role_cores": {"rollout": "0", "actor": "1"},
     "data.prompt_key": "question",
     "data.label_key": "answer",
     "algorithm.kl_loss_type": ("k2", "k1"),  # the first that differs from the algorithm's default
@@ -211,6 +212,9 @@ PROBES = {
     # megatron: the actor becomes Megatron ranks (the plan); its training is checked against the torch backend's
     # in tests/megatron (real processes: the walk's in-process transport cannot host a process group)
     "train.backend": "probe_actor_backend",
+    # each role's process on cores of its own: what the plan starts each process with (its cores, a rollout process of
+    # its own); the processes pinned, read from /proc: tests/runner/test_role_cores.py (real processes)
+    "cluster.role_cores": "probe_role_cores",
     # the untrained tiny model never writes a tool call: the probe gives the tool loop one
     "data.tool_parser": "probe_tool_parser",
     "train.micro_batch_size": "probe_micro_batches",
@@ -371,6 +375,13 @@ def probe_actor_backend(overrides: list[str], cwd: Path) -> Any:
 
     plan = build_plan(load_config(overrides))
     return plan.role("actor").backend, plan.role("actor").why
+
+
+def probe_role_cores(overrides: list[str], cwd: Path) -> Any:
+    from relax.runner.plan import build_plan, ray_options
+
+    plan = build_plan(load_config(overrides))
+    return plan.rollout_in_actor, [ray_options(plan, r.role, i) for r in plan.roles for i in range(r.replicas)]
 
 
 def probe_tool_parser(overrides: list[str], cwd: Path) -> Any:
