@@ -14,11 +14,17 @@ best hide the shorter phase behind the longer one.
     python bench/async_modes.py --steps 12 rollout.max_response_len=16     # other work: any relax-train override
     python bench/async_modes.py --steps 8 --reps 1 --judged                # rewards that take time (see `judged`)
     python bench/async_modes.py --modes sync,fully_async,fully_async_unstaged model=smollm2_135m ...  # staging
+    python bench/async_modes.py --disjoint-cores --modes sync,hybrid,fully_async   # rollout and actor on own cores
+
+`--disjoint-cores` gives the rollout the first half of this machine's usable cores and the actor the other half
+(`cluster.role_cores`, docs/operations.md), as GPUs give each role a device of its own: in every mode, sync
+included, each phase then computes on its own role's cores only.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -60,6 +66,18 @@ def judged(response: str, label: str) -> float:
 # The default work: the tiny model on the digits task, with long enough responses that generating a batch takes
 # about as long as training on it (sync's rollout and train phases are printed to check).
 WORK = ["model=tiny", "algorithm=grpo", "rollout.max_response_len=32", "train.micro_batch_size=64"]
+
+
+def disjoint_cores() -> str | None:
+    """The override that puts the rollout on the first half of this machine's usable cores and the actor on the
+    rest (cluster.role_cores); None with fewer than two cores."""
+    from relax.config.core_rules import format_cores
+
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return f"+cluster.role_cores={{rollout:'{format_cores(cores[:half])}',actor:'{format_cores(cores[half:])}'}}"
 
 
 def run_once(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -107,12 +125,20 @@ def main() -> None:
     ap.add_argument("--judged", action="store_true", help=f"score with `judged` ({JUDGE_S} s a reward call)")
     ap.add_argument("overrides", nargs="*", help=f"relax-train overrides for the work (default: {' '.join(WORK)})")
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, sync first; of {list(MODES)}")
+    ap.add_argument("--disjoint-cores", action="store_true",
+                    help="the rollout on the first half of the usable cores, the actor on the rest (role_cores)")
     a = ap.parse_args()
     modes = tuple(a.modes.split(","))
     unknown = [m for m in modes if m not in MODES]
     if unknown or "sync" not in modes:
         ap.error(f"--modes: {unknown or 'sync missing'} (known: {', '.join(MODES)}; sync is the baseline)")
-    r = compare([*(a.overrides or WORK), *(JUDGED if a.judged else [])], a.steps, a.reps, a.warmup, modes=modes)
+    cores = []
+    if a.disjoint_cores:
+        if (override := disjoint_cores()) is None:
+            ap.error("--disjoint-cores needs two usable cores at least")
+        cores = [override]
+    r = compare([*(a.overrides or WORK), *(JUDGED if a.judged else []), *cores], a.steps, a.reps, a.warmup,
+                modes=modes)
     for mode in modes:
         print(f"{mode:<12} {r[mode]['samples_per_s'].median:7.1f} samples/s  x{r['speedup'][mode].median:.2f} vs sync  "
               f"train idle {r[mode]['train_idle'].median:.0%}  rollout idle {r[mode]['rollout_idle'].median:.0%}")

@@ -145,7 +145,10 @@ def settings(mode: str) -> Settings:
         overhead_runs=[(["model=tiny"], 8 if quick else 12), (["model=tiny"], 3, True)]
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
-        modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))],
+        modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))]
+        # the same work with the rollout and the actor on disjoint cores (cluster.role_cores), where overlap can pay
+        + ([([*async_modes.WORK, cores], 10 if quick else 16, 1 if quick else 2, ("sync", "hybrid", "fully_async"))]
+           if (cores := async_modes.disjoint_cores()) is not None else []),
         sglang_runs=[(["model=tiny"], dict(prompts=8, group=8, new_tokens=32, reps=reps)),
                      (["model=smollm2_135m", "model.source=gguf"], dict(prompts=4, group=8, new_tokens=32, reps=3))],
         agent_runs=[dict(model="tiny", prompts=8, group=8, turns=5, turn_len=2, reps=reps),
@@ -384,15 +387,18 @@ def section_modes(st: Settings, log, h: Headlines) -> list[str]:
     for work, steps, reps, modes in st.modes_runs:
         r = async_modes.compare(work, steps, reps, warmup=1 if steps <= 3 else 2, log=log, modes=modes)
         phases = f"{r['sync']['rollout_s'].median:.2f} / {r['sync']['train_s'].median:.2f}"
+        disjoint = any(o.startswith("+cluster.role_cores=") for o in work)
         for mode in modes:
             m, speedup = r[mode], r["speedup"][mode].median
-            h.add(f"modes {mode}: samples/s vs sync", speedup, True)
+            h.add(f"modes {'disjoint cores ' if disjoint else ''}{mode}: samples/s vs sync", speedup, True)
             need = {"fully_async": 1.8, "hybrid": 1.5}.get(mode)
             target = verdict(None) if need is None else verdict(speedup >= need, f">= {need}x sync")
             lines.append(f"| `{' '.join(work)}` | {mode} ({' '.join(async_modes.MODES[mode])}) | "
                          f"{fmt(m['samples_per_s'], 1, 1)} | **{fmt(r['speedup'][mode], 1, 2)}** | "
                          f"{m['train_idle'].median:.0%} | {m['rollout_idle'].median:.0%} | {phases} | {target} |")
-        lines.append(f"| `python bench/async_modes.py --steps {steps} --reps {reps} {' '.join(work)}` | | | | | | | |")
+        flags = f"--steps {steps} --reps {reps}" + (" --disjoint-cores --modes " + ",".join(modes) if disjoint else "")
+        shown = " ".join(o for o in work if not o.startswith("+cluster.role_cores="))
+        lines.append(f"| `python bench/async_modes.py {flags} {shown}` | | | | | | | |")
     return lines
 
 
