@@ -88,9 +88,11 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
             f"algorithm={cfg.algorithm.name} {NOT_BUILT}: its critic's value forward does not take images")
     require(cfg.teacher.name == "none" and cfg.teacher.path is None, ("teacher.path",),
             f"a distillation teacher {NOT_BUILT}: the teacher's forward does not take images")
-    require(not t.save_hf and not cfg.tracking.log_model, ("train.save_hf", "tracking.log_model"),
-            f"exporting a Hugging Face directory {NOT_BUILT}: the export writes the weights and the tokenizer but not "
-            "the image processor a vision-language directory needs")
+    require(not cfg.tracking.log_model, ("tracking.log_model", "model.arch"),
+            f"tracking.log_model=true {NOT_BUILT}: MLflow's transformers flavor logs such a model as an "
+            "image-text-to-text pipeline, which needs the family's whole processor (its video processor needs "
+            "torchvision, which Relax does not install); train.save_hf=true alone exports the Hugging Face directory "
+            "(model, processor, chat template)")
     require(m.source != "config" or m.tokenizer is None, ("model.tokenizer", "model.arch"),
             f"model.tokenizer with model.arch={m.arch}: the tiny vision-language model needs its own tokenizer (with "
             "the vision tokens); leave model.tokenizer unset")
