@@ -16,7 +16,7 @@ from typing import Optional
 from relax.algorithms.base import Violation
 from relax.config.schema import RelaxConfig
 
-MEGATRON_ARCHS = ("qwen3", "llama")
+MEGATRON_ARCHS = ("qwen3", "llama", "qwen3_moe")  # MoE rules: relax.config.moe_rules
 INSTALL_HINT = "pip install -e '.[megatron]'"
 # What this build runs; options for the rest validate their values but are rejected before start (here and in
 # `relax.config.validate`), with what is available instead. When a backend or mode is built, its line goes.
@@ -50,7 +50,7 @@ def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
     tp, pp = max(1, t.tensor_parallel_size), max(1, t.pipeline_parallel_size)
     require(m.arch in MEGATRON_ARCHS, "model.arch",
             f"model.arch={m.arch!r} is not supported by train.backend=megatron (supported: "
-            f"{', '.join(MEGATRON_ARCHS)}; Qwen3.5 and MoE architectures have no converter yet)")
+            f"{', '.join(MEGATRON_ARCHS)}; Qwen3.5 has no converter yet)")
     if m.source == "config":
         require(m.num_attention_heads % tp == 0 and m.num_key_value_heads % tp == 0,
                 ("train.tensor_parallel_size", "model.num_attention_heads", "model.num_key_value_heads"),

@@ -63,7 +63,8 @@ class MegatronRank(PolicyForwarding):
         cfg, t = self.cfg, self.cfg.train
         parallel.initialize(self.rank, self.world_size, master_addr=master_addr, master_port=master_port,
                             tensor_parallel_size=t.tensor_parallel_size,
-                            pipeline_parallel_size=t.pipeline_parallel_size, seed=cfg.seed)
+                            pipeline_parallel_size=t.pipeline_parallel_size,
+                            expert_parallel_size=t.expert_parallel_size, seed=cfg.seed)
         device = pick_device()
         compute = pick_dtype(cfg.model, device)
         # GPUs: Megatron's mixed precision (bf16 parameters, fp32 master weights and gradients); CPU: fp32
@@ -74,6 +75,7 @@ class MegatronRank(PolicyForwarding):
             cfg.model, t, vocab_size=self.info.vocab_size, pad_token_id=self.info.pad_token_id, seed=cfg.seed,
             temperature=cfg.rollout.temperature,
             use_distributed_optimizer=self.use_distributed_optimizer, params_dtype=params_dtype,
+            routing_replay=cfg.rollout.routing_replay,
         )
         self.policy.gather_bucket_bytes = cfg.rollout.sglang.bucket_mb << 20  # pipeline stages send in such buckets
         module = self.policy._module()  # this rank's shards: what a kept version copies

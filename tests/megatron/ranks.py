@@ -24,6 +24,7 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "backends")]
 
+import moe_scenarios  # noqa: E402  (tests/megatron/moe_scenarios.py)
 from conftest import random_batch, random_samples  # noqa: E402  (tests/backends/conftest.py)
 
 from relax.algorithms.grpo import GRPOConfig  # noqa: E402
@@ -384,7 +385,8 @@ def scenario_gpu(rank: int, out: Path, res: dict) -> None:
 
 SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "tp2sp": (scenario_tp2sp, 2, 1), "dp2": (scenario_dp2, 1, 1),
              "pp2": (scenario_pp2, 1, 2),
-             "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP)
+             "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP[, EP])
+SCENARIOS.update(moe_scenarios.scenarios(TRAIN, batches, train_parity))  # mixture of experts, EP=1 and EP=2
 
 
 def main() -> None:
@@ -396,11 +398,12 @@ def main() -> None:
     results: dict = {}
     try:
         for name in names:
-            run, tp, pp = SCENARIOS[name]
+            run, tp, pp, *ep = SCENARIOS[name]
             if parallel_state.model_parallel_is_initialized():
                 parallel_state.destroy_model_parallel()  # the process group stays; the next TP x PP is set up on it
             parallel.initialize(rank, world, master_addr="127.0.0.1", master_port=port,
-                                tensor_parallel_size=tp or world, pipeline_parallel_size=pp, seed=SEED, timeout_s=300)
+                                tensor_parallel_size=tp or world, pipeline_parallel_size=pp,
+                                expert_parallel_size=ep[0] if ep else 1, seed=SEED, timeout_s=300)
             (out / name).mkdir(exist_ok=True)
             results[name] = {}
             run(rank, out / name, results[name])

@@ -11,6 +11,10 @@ Two multi-process launches (tests/megatron/ranks.py) check many things each:
 - `pp2` (PP=2, 1F1B schedule, tied embedding copied to the last stage): log-probs, a 3-step train equal to
   TorchPolicy's, weights gathered from both stages; the gather to the sending rank alone, in buckets, measured on
   both ranks (bytes received, the most CPU memory held).
+- `moe_ep1`, `moe_ep2` (a Qwen3-MoE on megatron-core's MoE layers, TP=1 x DP=2, experts on every rank or spread over
+  two expert-parallel ranks; tests/megatron/moe_scenarios.py): log-prob, gradient and 3-step parity with the torch
+  backend; at EP=2 also logits (two experts swapped as the control), resume, and routing replay through
+  megatron-core's RouterReplay against the torch backend's replay (record-only as the control).
 
 Tolerances (fp32): logits 1e-5 absolute at TP=2 (exactly 0 at TP=1 against transformers' eager attention);
 per-step losses, entropy and gradient norm 1e-4 relative: the two backends sum the same float terms in a
@@ -90,7 +94,7 @@ def launch(scenarios: str, world: int, out: Path) -> dict:
 def launched(tmp_path_factory) -> dict:
     """The TP=2 (without and with sequence parallelism), DP=2 (TP=1) and PP=2 scenarios, in one launch of two rank
     processes."""
-    return launch("tp2,tp2sp,dp2,pp2", 2, tmp_path_factory.mktemp("megatron"))
+    return launch("tp2,tp2sp,dp2,pp2,moe_ep1,moe_ep2", 2, tmp_path_factory.mktemp("megatron"))
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +244,52 @@ def test_pp2_weights_gather_to_the_sending_rank_only_in_buckets(pp2):
     assert other["bucket_bytes"] + 2 * other["largest_param_bytes"] < sender["first_stage_bytes"] / 3  # it can fail
 
 
+# ---- mixture of experts: TP=1 x DP=2, EP=1 and EP=2 ---------------------------------------------------
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_logprobs_gradients_and_steps_equal_torch_backend(launched, ep):
+    """model.arch=qwen3_moe on megatron-core's MoE layers (router, SequentialMLP experts, all-to-all dispatcher over
+    gloo): the torch backend's log-probs, finalized gradients of every HF tensor (router, stacked experts) and three
+    training steps, with every expert on each rank (EP=1) or two on each (EP=2)."""
+    moe = launched[f"moe_ep{ep}"]
+    assert (moe["ep"], moe["local_experts"]) == (ep, 4 // ep)
+    assert moe["logprob_max_diff"] < 1e-5
+    assert moe["grad_keys_missing"] == []
+    worst = max(moe["grad_rel_diff"].items(), key=lambda kv: kv[1])
+    assert worst[1] < REL, worst
+    assert any("experts.gate_up_proj" in n for n in moe["grad_rel_diff"])
+    assert_same_steps(moe["train"], STEP_KEYS)
+    assert moe["weight_keys_differ"] == [] and moe["weight_max_diff"] < 1e-3  # the gathered experts, after 3 steps
+
+
+def test_moe_ep2_logits_resume_and_negative_control(launched):
+    moe = launched["moe_ep2"]
+    assert moe["logits_max_diff"] < 1e-5
+    assert moe["negative_control_diff"] > 1e-3  # experts 0 and 1 swapped: visible
+    assert moe["train_resume"]["again"] == pytest.approx(moe["train_resume"]["first"], rel=1e-6)
+    assert moe["train_resume_weight_diff"] == 0.0
+
+
+def test_moe_ep2_routing_replay_through_megatron_router_replay(launched):
+    """rollout.routing_replay on Megatron: each router's routing map is the engine's routes on every recorded token
+    and layer although the engine's routers disagree with the trainer's, the log-probs and a training step equal the
+    torch backend's replay, agreement 1; record-only (the control) routes 16% of token-layers otherwise and its
+    log-probs differ from the replayed ones."""
+    moe = launched["moe_ep2"]
+    assert moe["replay_tokens_compared"] > 100 and moe["replay_tokens_routed_otherwise"] == 0
+    assert moe["replay_logprob_vs_torch_replay"] < 1e-5
+    assert moe["record_tokens_compared"] == moe["replay_tokens_compared"]
+    assert moe["record_tokens_routed_otherwise"] > 0.05 * moe["record_tokens_compared"]
+    assert moe["record_logprob_vs_torch_replay"] > 1e-3
+    assert moe["replay_logprob_vs_engine"] < moe["record_logprob_vs_engine"] / 5
+    replay, record, torch_replay = moe["replay_step"], moe["record_step"], moe["torch_replay_step"]
+    assert replay["rollout/router_agreement"] == 1.0 and record["rollout/router_agreement"] < 0.95
+    assert record["rollout/router_own_agreement"] < 0.95 and replay["rollout/router_own_agreement"] < 0.95
+    for key in ("train/loss", "train/grad_norm", "rollout/router_agreement", "rollout/router_own_agreement"):
+        assert replay[key] == pytest.approx(torch_replay[key], rel=REL), key
+
+
 # ---- single process ---------------------------------------------------------------------------------
 
 
@@ -283,6 +333,34 @@ def _tiny_hf(arch: str):
     if arch == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(head_dim=8, tie_word_embeddings=True, **common))
     return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))  # SmolLM2-135M's layout
+
+
+def test_moe_converter_round_trip_per_expert_parallel_rank_and_per_expert_files(tmp_path):
+    """Qwen3-MoE: each expert-parallel rank converts its experts (global indices), and their union converts back to
+    the HF state dict; a checkpoint written by transformers (one tensor per expert) reads as the stacked tensors."""
+    from relax.config.schema import ModelConfig
+    from relax.models.hf import build_model
+    from relax.train.megatron import convert
+    from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
+    from relax.train.megatron.policy import _hf_getter
+
+    model = build_model(ModelConfig(arch="qwen3_moe", num_layers=2), 33, 0, seed=0, dtype=torch.float32)
+    spec = arch_from_hf_config(model.config)
+    assert (spec.num_experts, spec.moe_top_k, spec.norm_topk_prob, spec.qk_norm) == (4, 2, True, True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    parts = [convert.hf_to_megatron(spec, state.__getitem__, experts=range(2 * r, 2 * r + 2)) for r in range(2)]
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in parts[1]
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" not in parts[0]
+    assert convert.local_to_global("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 1, 2) == \
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    back = convert.megatron_to_hf(spec, [{**parts[0], **parts[1]}])
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], v) for k, v in state.items())
+    model.save_pretrained(tmp_path)  # transformers writes mlp.experts.{e}.gate_proj/up_proj/down_proj
+    get = _hf_getter(tmp_path)
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        assert torch.equal(get(name), state[name])
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must divide num_experts=4"):
+        check_parallel_sizes(spec, tp=1, pp=1, ep=3)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

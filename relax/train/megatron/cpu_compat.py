@@ -4,7 +4,8 @@ megatron-core 0.16.1 trains on CPU with the local (non-Transformer-Engine) layer
 call sites that name CUDA outright. `enable()`:
 - replaces the module-global `torch` of exactly the modules in `REDIRECTED_MODULES` by `_TorchOnCpu`, which
   forwards every attribute to torch except `torch.cuda.current_device()` (-> the CPU device),
-  `torch.cuda.synchronize()` (-> no-op), tensor factories called with `device="cuda"` (-> CPU) and
+  `torch.cuda.synchronize()` (-> no-op), CUDA streams (`Stream()`, `current_stream()`, `stream(...)` -> one stream
+  that does nothing: CPU work is complete when issued), tensor factories called with `device="cuda"` (-> CPU) and
   `torch.autocast("cuda", ...)` (-> CPU autocast);
 - replaces `clip_grad_by_total_norm_fp32` where the optimizer imported it by the same in-place scaling without
   its assertion that gradients are `torch.cuda.FloatTensor`s;
@@ -12,6 +13,8 @@ call sites that name CUDA outright. `enable()`:
   runs, makes `torch.Tensor.type()` of a CPU tensor answer with the CUDA name those constructors check for;
 - while `LanguageModule.setup_embeddings_and_output_layer` runs (tied embeddings with PP > 1), makes
   `tensor.cuda()` return the tensor itself;
+- gives the all-to-all token dispatcher (MoE) its split sizes as NumPy arrays, as its device-to-host copy does on a GPU
+  (`moe_utils.maybe_move_tensor_to_cpu` copies CUDA tensors only; `all_to_all_single` takes no tensor of sizes);
 - makes the CUDA RNG state that activation recompute saves and restores around each recomputed layer
   (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) an empty one: there is no CUDA generator
   (the CPU generator's state is still saved and restored by megatron-core itself).
@@ -43,7 +46,8 @@ CALL_SITES: dict[str, int] = {
     # total_num_tokens = torch.zeros(..., device="cuda"); torch.autocast("cuda", ...) when enable_autocast
     "megatron.core.pipeline_parallel.schedules": 4,
     "megatron.core.pipeline_parallel.p2p_communication": 8,  # shape tensors, torch.cuda.synchronize() (PP > 1)
-    "megatron.core.distributed.param_and_grad_buffer": 4,  # grad/param buffers on torch.cuda.current_device()
+    # grad/param buffers on torch.cuda.current_device(); a communication stream (overlap_grad_reduce only: off)
+    "megatron.core.distributed.param_and_grad_buffer": 5,
     # loss-scale / overflow buffers on 'cuda'; Float16OptimizerWithFloat16Params.__init__'s tensor-type checks;
     # two `.cuda()` calls off the CPU path (CPU-offload helpers)
     "megatron.core.optimizer.optimizer": 9,
@@ -59,6 +63,12 @@ CALL_SITES: dict[str, int] = {
     # the CPU path: gradient_accumulation_fusion=False)
     "megatron.core.tensor_parallel.mappings": 5,
     "megatron.core.tensor_parallel.layers": 8,
+    # MoE (model.arch=qwen3_moe): the router moves its weight to torch.cuda.current_device() at every gating (and
+    # builds its expert-bias / global aux-loss buffers there, not used); the all-to-all token dispatcher makes a
+    # CUDA stream for its device-to-host copies of the split sizes, compares it with the current stream, waits on
+    # it and enters it (4 sites; on CPU a stream that does nothing: the sizes are CPU tensors already)
+    "megatron.core.transformer.moe.router": 6,
+    "megatron.core.transformer.moe.token_dispatcher": 4,
 }
 REDIRECTED_MODULES: tuple[str, ...] = tuple(CALL_SITES)
 # Modules the CPU runs load whose CUDA call sites stay as they are, with their counts (as CALL_SITES): none of these
@@ -70,12 +80,12 @@ UNREDIRECTED_SITES: dict[str, int] = {
     # fused MoE kernels, inference contexts, the NCCL allocator, CUDA graphs, YaRN, multi-token prediction, MoE
     "megatron.core.dist_checkpointing.strategies.async_utils": 3,
     "megatron.core.distributed.fsdp.mcore_fsdp_adapter": 1,
-    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp": 4,
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp": 6,
     "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision": 1,
-    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer": 9,
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer": 21,
     "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor": 1,
     "megatron.core.distributed.fsdp.src.megatron_fsdp.utils": 3,
-    "megatron.core.extensions.transformer_engine": 2,
+    "megatron.core.extensions.transformer_engine": 3,
     "megatron.core.fp8_utils": 2,
     "megatron.core.fusions.fused_indices_converter": 4,
     "megatron.core.inference.batch_dimensions_utils": 1,
@@ -83,16 +93,22 @@ UNREDIRECTED_SITES: dict[str, int] = {
     "megatron.core.inference.contexts.attention_context.mha_metadata": 1,
     "megatron.core.inference.contexts.dynamic_block_allocator": 2,
     "megatron.core.inference.contexts.dynamic_context": 20,
-    "megatron.core.inference.unified_memory": 2,
+    "megatron.core.inference.unified_memory": 4,
     "megatron.core.inference.utils": 1,
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": 3,
     "megatron.core.nccl_allocator": 7,
-    "megatron.core.pipeline_parallel.combined_1f1b": 1,
+    "megatron.core.pipeline_parallel.combined_1f1b": 2,
     "megatron.core.pipeline_parallel.hybrid_cp_schedule": 2,
-    "megatron.core.transformer.cuda_graphs": 1,
+    "megatron.core.transformer.cuda_graphs": 2,
+    # MoE: the legacy GroupedMLP's buffers (CPU runs build SequentialMLP), the aux-loss metrics tracker and the copy
+    # of a CUDA tensor to the host (a CPU tensor is returned as it is)
     "megatron.core.transformer.moe.experts": 2,
-    "megatron.core.transformer.moe.moe_utils": 1,
-    "megatron.core.transformer.moe.router": 6,
+    "megatron.core.transformer.moe.moe_utils": 2,
+    # CUDA streams of features not used: shared experts' overlap (Qwen3-MoE has no shared experts), the hybrid
+    # CPU-offloading optimizer, fine-grained activation offloading
+    "megatron.core.transformer.moe.shared_experts": 8,
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer": 9,
+    "megatron.core.pipeline_parallel.fine_grained_activation_offload": 14,
     "megatron.core.transformer.multi_token_prediction": 2,
     # used, on paths the CPU runs do not take: DDP's overlapped communication stream and memory-freeing helpers
     # (overlap_grad_reduce=False), the NCCL groups' barriers (gloo here), GPU weight initialisation
@@ -105,7 +121,7 @@ UNREDIRECTED_SITES: dict[str, int] = {
     "megatron.core.tensor_parallel.random": 2,
     "megatron.core.tensor_parallel.utils": 2,
     "megatron.core.tensor_parallel.data": 3,
-    "megatron.core.pipeline_parallel.utils": 1,
+    "megatron.core.pipeline_parallel.utils": 4,
     "megatron.core.optimizer.grad_scaler": 5,
     "megatron.core.timers": 3,
     "megatron.core.rerun_state_machine": 7,
@@ -118,7 +134,7 @@ UNREDIRECTED_SITES: dict[str, int] = {
 # What counts as a CUDA-only call site in those modules.
 CUDA_PATTERN = re.compile(
     r"torch\.cuda\.current_device\(\)|torch\.cuda\.synchronize\(\)|device=[\"']cuda[\"']|autocast\([\"']cuda[\"']"
-    r"|'torch\.cuda\.\w+Tensor'|\.cuda\(\)"
+    r"|'torch\.cuda\.\w+Tensor'|\.cuda\(\)|torch\.cuda\.(?:Stream|current_stream|stream)\("
 )
 # Modules whose `clip_grad_by_total_norm_fp32` (imported from clip_grads) is replaced.
 _CLIP_IMPORTERS = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads")
@@ -131,12 +147,36 @@ _EMBEDDING_SYNC = ("megatron.core.models.common.language_module.language_module"
                    "setup_embeddings_and_output_layer")
 # The CUDA RNG state functions that activation recompute (CheckpointFunction) calls: replaced by ones of no state.
 _RNG = ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "_set_cuda_rng_state")
+# The module whose `maybe_move_tensor_to_cpu` (imported from moe_utils) is replaced by `_move_to_host`.
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 _CPU = torch.device("cpu")
 
 
 def _cpu(device: Any) -> Any:
     return _CPU if device is not None and torch.device(device).type == "cuda" else device
+
+
+class _StreamOnCpu:
+    """A CUDA stream (and its event) on CPU: every operation is already complete, nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _StreamOnCpu:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+    def __enter__(self) -> _StreamOnCpu:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_CPU_STREAM = _StreamOnCpu()
 
 
 class _CudaOnCpu:
@@ -149,6 +189,18 @@ class _CudaOnCpu:
     @staticmethod
     def synchronize(device: Any = None) -> None:
         return None
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _StreamOnCpu:  # noqa: N802 (torch.cuda's name)
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _StreamOnCpu:
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> _StreamOnCpu:
+        return _CPU_STREAM
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -187,6 +239,14 @@ def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: 
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0 and grads:
         torch._foreach_mul_(grads, clip_coeff)
+
+
+def _move_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """moe_utils.maybe_move_tensor_to_cpu for tensors already on the CPU: what it makes of a CUDA tensor (a CPU
+    tensor, or its NumPy array with `as_numpy`)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
 
 
 @contextmanager
@@ -245,6 +305,7 @@ def enable() -> bool:
         module.torch = shim  # type: ignore[attr-defined]
     for name in _CLIP_IMPORTERS:
         importlib.import_module(name).clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    importlib.import_module(_DISPATCHER).maybe_move_tensor_to_cpu = _move_to_host
     for name, cls_name in _TYPE_CHECKING_INITS:
         cls = getattr(importlib.import_module(name), cls_name)
         cls.__init__ = _within(_cuda_type_names, cls.__init__)

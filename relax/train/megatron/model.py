@@ -1,4 +1,6 @@
-"""Megatron-core GPTModel built from a Hugging Face config: the Qwen3 layout and the Llama layout (SmolLM2).
+"""Megatron-core GPTModel built from a Hugging Face config: the Qwen3 layout, the Llama layout (SmolLM2) and the
+Qwen3-MoE layout (every layer's MLP a megatron-core MoE layer: a `TopKRouter` and `SequentialMLP` experts, the
+all-to-all token dispatcher over `train.expert_parallel_size` ranks).
 
 Layer specs (`train.layer_spec`, resolved by `resolve_layer_spec`), both with RMSNorm and, for Qwen3, per-head
 q/k RMSNorm:
@@ -19,7 +21,7 @@ import torch
 
 from relax.models.hf import hf_arch_fields, hf_rope
 
-SUPPORTED_ARCHS = ("qwen3", "llama")
+SUPPORTED_ARCHS = ("qwen3", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,22 @@ class ArchSpec:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # mixture of experts (qwen3_moe; 0 for a dense model): experts per layer, experts per token, each expert's width,
+    # whether the top-k weights are renormalised to sum 1 (HF's norm_topk_prob)
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @property
     def qk_norm(self) -> bool:
-        """Per-head RMSNorm of queries and keys before RoPE (Qwen3)."""
-        return self.arch == "qwen3"
+        """Per-head RMSNorm of queries and keys before RoPE (Qwen3, Qwen3-MoE)."""
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    @property
+    def moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rows Megatron holds: a multiple of the tensor-parallel size (extra rows are never sampled)."""
@@ -64,12 +77,25 @@ def arch_from_hf_config(config: Any) -> ArchSpec:
     if rope_type not in (None, "default"):  # `build_gpt_model` builds plain RoPE of `rope_theta`
         raise ValueError(f"{config.model_type}: rope_type={rope_type!r} is not supported by the Megatron backend "
                          "(only plain RoPE)")
-    return ArchSpec(arch=arch, **hf_arch_fields(config))
+    moe: dict[str, Any] = {}
+    if arch == "qwen3_moe":
+        if int(getattr(config, "decoder_sparse_step", 1)) != 1 or list(getattr(config, "mlp_only_layers", []) or []):
+            raise ValueError("qwen3_moe: dense layers among the sparse ones (decoder_sparse_step != 1 or "
+                             "mlp_only_layers) are not supported by the Megatron backend")
+        moe = {"num_experts": int(config.num_experts), "moe_top_k": int(config.num_experts_per_tok),
+               "moe_intermediate_size": int(config.moe_intermediate_size),
+               "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True))}
+    return ArchSpec(arch=arch, **hf_arch_fields(config), **moe)
 
 
-def check_parallel_sizes(spec: ArchSpec, *, tp: int, pp: int) -> None:
-    """ValueError unless TP divides the attention and key/value heads and PP divides the layers."""
+def check_parallel_sizes(spec: ArchSpec, *, tp: int, pp: int, ep: int = 1) -> None:
+    """ValueError unless TP divides the attention and key/value heads, PP divides the layers and EP the experts
+    (`relax.config.megatron_rules` checks a `source=config` model's sizes before start; this, the model's own)."""
     problems = []
+    if spec.moe and spec.num_experts % ep:
+        problems.append(f"train.expert_parallel_size={ep} must divide num_experts={spec.num_experts}")
+    if not spec.moe and ep != 1:
+        problems.append(f"train.expert_parallel_size={ep} needs a mixture-of-experts model")
     if spec.num_attention_heads % tp or spec.num_key_value_heads % tp:
         problems.append(f"train.tensor_parallel_size={tp} must divide num_attention_heads="
                         f"{spec.num_attention_heads} and num_key_value_heads={spec.num_key_value_heads}")
@@ -89,6 +115,8 @@ def transformer_config(
     use_cpu_initialization: bool = True,
     recompute: bool = False,
     sequence_parallel: bool = False,
+    ep: int = 1,
+    routing_replay: bool = False,
 ) -> Any:
     """The megatron TransformerConfig of `spec`: no dropout, no fusions, no bias, per-token loss scaling.
 
@@ -102,10 +130,25 @@ def transformer_config(
     `params_dtype` bf16 makes Megatron keep bf16 parameters with fp32 master weights in the optimizer (GPU
     only); `autocast_dtype` runs the forward under autocast with fp32 parameters instead. Weights are loaded by
     the converter afterwards (`perform_initialization=False`).
+
+    MoE (`spec.moe`): megatron-core's top-k router as Hugging Face's Qwen3-MoE router (softmax of fp32 logits; with
+    `norm_topk_prob` the top-k logits' softmax, which is p[top-k] renormalised, else p[top-k] itself), no token
+    dropping, no load-balancing loss (the Megatron backend does not take train.moe_aux_loss_coef), experts one MLP
+    after another (`SequentialMLP`: megatron-core's grouped GEMMs need Transformer Engine or the grouped_gemm CUDA
+    kernels), spread over `ep` expert-parallel ranks by the all-to-all dispatcher. `routing_replay`: every router gets
+    megatron-core's `RouterReplay` (`relax.train.megatron.replay` drives it).
     """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    moe: dict[str, Any] = {}
+    if spec.moe:
+        moe = dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k,
+                   moe_ffn_hidden_size=spec.moe_intermediate_size, moe_router_pre_softmax=not spec.norm_topk_prob,
+                   moe_router_score_function="softmax", moe_router_load_balancing_type="none",
+                   moe_aux_loss_coeff=0.0, moe_router_dtype="fp32", moe_grouped_gemm=False,
+                   moe_permute_fusion=False, moe_router_fusion=False, expert_model_parallel_size=ep,
+                   moe_enable_routing_replay=routing_replay)
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -142,10 +185,12 @@ def transformer_config(
         calculate_per_token_loss=True,
         # pipeline stages exchange each micro-batch's shape first (micro-batches are trimmed to their own length)
         variable_seq_lengths=pp > 1,
-        moe_token_dispatcher_type="alltoall",  # no MoE here; the default (allgather) refuses variable lengths
+        # the default dispatcher (allgather) refuses variable lengths; all-to-all sends each token to its experts' ranks
+        moe_token_dispatcher_type="alltoall",
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **moe,
     )
 
 
@@ -190,11 +235,16 @@ def layer_spec(spec: ArchSpec, config: Any, which: str) -> Any:
     `SequenceParallelRMSNorm` for every norm (the layers' and the final one) as a whole block's submodules."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = spec.num_experts if spec.moe else None
+    if spec.moe:
+        _define_te_gemm()
     if which == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                                          qk_layernorm=spec.qk_norm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                     qk_layernorm=spec.qk_norm, normalization="RMSNorm")
     sub = layer.submodules
     sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelRMSNorm
     if spec.qk_norm:
@@ -202,6 +252,15 @@ def layer_spec(spec: ArchSpec, config: Any, which: str) -> Any:
         sub.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
                                       layer_norm=SequenceParallelRMSNorm)
+
+
+def _define_te_gemm() -> None:
+    """megatron-core 0.16.1's router gating reads `moe_utils.te_general_gemm`, which that module defines only when
+    Transformer Engine imports (a NameError otherwise): None there means plain torch matmuls, as the code intends."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_model(spec: ArchSpec, config: Any, *, tp: int, pre_process: bool = True,
@@ -227,7 +286,10 @@ def build_gpt_model(spec: ArchSpec, config: Any, *, tp: int, pre_process: bool =
 
 
 def tp_partition_dim(name: str) -> int | None:
-    """The dimension along which tensor-parallel ranks split Megatron tensor `name` (None: replicated)."""
+    """The dimension along which tensor-parallel ranks split Megatron tensor `name` (None: replicated). Experts are
+    not split (MoE models train at TP=1; they are spread over expert-parallel ranks instead)."""
+    if ".experts." in name:
+        return None
     if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_fc1.weight")):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):

@@ -25,6 +25,7 @@ def initialize(
     master_port: int,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
     seed: int = 0,
     backend: Optional[str] = None,
     timeout_s: float = 600.0,
@@ -32,7 +33,9 @@ def initialize(
     """Join the trainer's process group and set up megatron-core's parallel state on this rank.
 
     `backend`: "nccl" when CUDA is available (one GPU per rank: the visible device `LOCAL_RANK`, else 0), else
-    "gloo". Data parallel size = world_size / (TP * PP). Call once per process.
+    "gloo". Data parallel size = world_size / (TP * PP). `expert_parallel_size` (MoE models): the experts spread over
+    that many ranks, which are data-parallel ranks of the rest of the model (it divides the data-parallel size at
+    TP=1). Call once per process.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -53,9 +56,13 @@ def initialize(
         store = make(master_addr, master_port, world_size=world_size, timeout_s=timeout_s)
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                              timeout=timedelta(seconds=timeout_s))
+    if (world_size // pipeline_parallel_size) % expert_parallel_size:
+        raise ValueError(f"world size {world_size} / PP {pipeline_parallel_size} is not a multiple of EP = "
+                         f"{expert_parallel_size}")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
+        expert_model_parallel_size=expert_parallel_size,
     )
     # The tracker of inference_rng_tracker=True makes no CUDA RNG calls; dropout is 0 in every relax model.
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

@@ -25,6 +25,10 @@ It implements `relax.train.trainer.Policy` (the actor role drives both backends 
   optimizer update, no lr schedule step, `train/skipped_steps` 1). Every rank decides the same: the loss is the
   whole batch's (all-reduced, broadcast from the last stage) and the norm is reduced over the model-parallel group,
   and a skip flag is max-reduced over all ranks of the trainer besides, so that no rank steps while another skips.
+- Mixture of experts (Qwen3-MoE): megatron-core's MoE layers, the experts spread over `train.expert_parallel_size`
+  ranks (each holds num_experts / EP of them; the expert-parallel ranks are data-parallel ranks of the rest of the
+  model); the engine's routes compared and, with `routing_replay`, replayed through megatron-core's `RouterReplay`
+  (`relax.train.megatron.replay`). Weights gathered for the rollout or a checkpoint hold every expert.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -64,6 +68,7 @@ from relax.train.megatron.model import (
     tp_partition_dim,
     transformer_config,
 )
+from relax.train.megatron.replay import MegatronRouting
 from relax.train.packing import Packed, pack
 from relax.train.trainer import (
     PolicyTrainer,
@@ -119,6 +124,25 @@ class _MicroBatch:
     t: int  # T': response columns used
     packed: Optional[Packed] = None  # the packing, to place the M log-probs back into [B, T']
     packed_seq_params: Any = None  # megatron-core's PackedSeqParams (cu_seqlens) of a packed micro-batch
+    # MoE: the engine's routes of each token as laid out in `tokens`, [B, L, layers, k] long, -1 where none
+    routes: Optional[torch.Tensor] = None
+
+
+def routes_in_layout(samples: Samples, layout: Callable[[Samples], torch.Tensor]) -> torch.Tensor:
+    """[B, L, layers, k] long: `samples.routed_experts` (aligned with `samples.sequences()`) at the tokens of the
+    layout `layout(samples)` builds ([B, L] token ids), -1 at padding and where the engine recorded none. The very
+    layout function runs over each token's flat position (pad id -1), so the routes line up with the tokens whatever
+    the layout (left-aligned rows, a packed row)."""
+    N, P = samples.prompt_ids.shape
+    T = samples.response_ids.shape[1]
+    flat = torch.arange(N * (P + T)).view(N, P + T)
+    index = layout(replace(samples, prompt_ids=flat[:, :P], response_ids=flat[:, P:]))
+    routes = samples.routed_experts
+    out = routes.reshape(-1, *routes.shape[2:])[index.clamp(min=0)].long()
+    if routes.dtype == torch.uint8:
+        out[out == 255] = -1
+    out[index < 0] = -1
+    return out
 
 
 def packed_micro_batch(samples: Samples, rows: torch.Tensor, pad_token_id: int, *, multiple: int = 1,
@@ -229,7 +253,7 @@ def _hf_getter(path: Path) -> Callable[[str], torch.Tensor]:
         with safe_open(str(where[name]), framework="pt") as st:
             return st.get_tensor(name).float()
 
-    return get
+    return convert.hf_expert_getter(get, where.__contains__)
 
 
 class MegatronPolicy(PolicyTrainer):
@@ -248,12 +272,14 @@ class MegatronPolicy(PolicyTrainer):
         hf_model: Optional[torch.nn.Module] = None,
         use_distributed_optimizer: bool = False,
         params_dtype: Optional[torch.dtype] = None,
+        routing_replay: bool = False,
     ) -> None:
         """Needs `relax.train.megatron.parallel.initialize` first.
 
         `hf_model`: an HF causal LM to start from instead of `model_cfg` (its config and weights are used).
         `params_dtype`: parameter dtype; default fp32 with bf16 autocast where `pick_dtype` says bf16
         (`model.dtype`), or bf16 parameters with fp32 master weights when given bf16 (GPU only).
+        `routing_replay` (rollout.routing_replay, MoE models): route each token as the engine did.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -276,6 +302,12 @@ class MegatronPolicy(PolicyTrainer):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.ep = ps.get_expert_model_parallel_world_size()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        # ranks of expert-data-parallel rank 0 hold every expert between them (the rank of dp rank 0 and its
+        # expert-parallel peers): they write the weights of a checkpoint and take part in gathering the experts
+        self.edp_rank = ps.get_expert_data_parallel_rank()
         # the most bytes a pipeline stage sends the first stage at once when the weights are gathered (`_gather_hf`)
         self.gather_bucket_bytes = GATHER_BUCKET_BYTES
         self.first_stage = ps.is_pipeline_first_stage()
@@ -284,7 +316,15 @@ class MegatronPolicy(PolicyTrainer):
         hf_config, get, padding_idx = self._hf_source(model_cfg, vocab_size, pad_token_id, seed, hf_model)
         self.hf_config = hf_config
         self.spec: ArchSpec = arch_from_hf_config(hf_config)
-        check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp)
+        check_parallel_sizes(self.spec, tp=self.tp, pp=self.pp, ep=self.ep)
+        if self.spec.moe and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"a mixture-of-experts model on train.backend=megatron trains at tensor_parallel_size=1 "
+                             f"and pipeline_parallel_size=1 in this build (got TP={self.tp}, PP={self.pp}); spread "
+                             "its experts with train.expert_parallel_size")
+        if self.edp_rank == 0 and self.dp_rank != self.ep_rank:  # the layout checkpoint files and gathers assume
+            raise RuntimeError(f"expert-parallel rank {self.ep_rank} is data-parallel rank {self.dp_rank}")
+        self.local_experts = self.spec.num_experts // self.ep if self.spec.moe else 0
+        self.expert_offset = self.ep_rank * self.local_experts
         compute = pick_dtype(model_cfg, self.device)
         self.params_dtype = params_dtype or torch.float32
         autocast = compute if (compute != torch.float32 and self.params_dtype == torch.float32) else None
@@ -298,7 +338,8 @@ class MegatronPolicy(PolicyTrainer):
         self.config = transformer_config(self.spec, tp=self.tp, pp=self.pp, params_dtype=self.params_dtype,
                                          autocast_dtype=autocast, use_cpu_initialization=True,
                                          recompute=model_cfg.gradient_checkpointing,
-                                         sequence_parallel=self.sequence_parallel)
+                                         sequence_parallel=self.sequence_parallel, ep=self.ep,
+                                         routing_replay=self.spec.moe)
         model = build_gpt_model(self.spec, self.config, tp=self.tp, pre_process=self.first_stage,
                                 post_process=self.last_stage, which=self.layer_spec)
         freeze_padding_embedding(model, padding_idx)
@@ -306,7 +347,14 @@ class MegatronPolicy(PolicyTrainer):
         self.layers = range(self.layer_offset, self.layer_offset + self.spec.num_layers // self.pp)
         self._load_megatron(model, convert.hf_to_megatron(
             self.spec, get, tp_rank=self.tp_rank, tp_size=self.tp, layers=self.layers,
-            pre_process=self.first_stage, post_process=self.last_stage))
+            pre_process=self.first_stage, post_process=self.last_stage,
+            experts=range(self.expert_offset, self.expert_offset + self.local_experts)))
+        # MoE: the engine's routes compared (rollout/router_agreement) and, replaying, forced; None: a dense model
+        self.routing = (MegatronRouting(model, replay=routing_replay, num_experts=self.spec.num_experts,
+                                        layer_offset=self.layer_offset) if self.spec.moe else None)
+        if routing_replay and self.routing is None:
+            raise ValueError("rollout.routing_replay needs a mixture-of-experts model "
+                             f"({self.spec.arch} has no MoE router)")
         model = model.to(device=self.device, dtype=self.params_dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
@@ -352,7 +400,7 @@ class MegatronPolicy(PolicyTrainer):
 
     def _load_megatron(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Copy tensors (global names) into a stage's module; every weight must be covered."""
-        own = {convert.local_to_global(k, self.layer_offset): v
+        own = {convert.local_to_global(k, self.layer_offset, self.expert_offset): v
                for k, v in module.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
         missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
         if missing or unexpected:
@@ -371,18 +419,32 @@ class MegatronPolicy(PolicyTrainer):
 
     def _micro_batches(self, samples: Samples, micro_batch_size: int) -> list[_MicroBatch]:
         out = []
+        routes = self.routing is not None and samples.routed_experts is not None
+        multiple = self.tp if self.sequence_parallel else 1  # each TP rank takes L / tp positions
+
+        def layout(s: Samples, pad: int) -> torch.Tensor:
+            tokens = left_aligned(s, pad)[0]
+            if tokens.shape[1] % multiple:  # padded at the end: causal attention keeps the padding out of the rest
+                extra = multiple - tokens.shape[1] % multiple
+                tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], extra), pad)], dim=1)
+            return tokens
+
+        def packed_layout(s: Samples) -> torch.Tensor:
+            return packed_micro_batch(s, torch.arange(len(s)), -1, multiple=multiple).tokens
+
         for rows in length_sorted_micro_batches(samples, micro_batch_size):
+            mine = samples.select(rows)
             if self.packed:
-                out.append(packed_micro_batch(samples, rows, self.pad_token_id, device=self.device,
-                                              multiple=self.tp if self.sequence_parallel else 1))
+                mb = packed_micro_batch(samples, rows, self.pad_token_id, device=self.device, multiple=multiple)
+                mb.routes = routes_in_layout(mine, packed_layout) if routes else None
+                out.append(mb)
                 continue
-            tokens, cols, targets, t = left_aligned(samples.select(rows), self.pad_token_id)
-            if self.sequence_parallel and tokens.shape[1] % self.tp:  # each TP rank takes L / tp positions
-                pad = self.tp - tokens.shape[1] % self.tp  # at the end: causal attention keeps them out of the rest
-                tokens = torch.cat([tokens, tokens.new_full((tokens.shape[0], pad), self.pad_token_id)], dim=1)
+            _, cols, targets, t = left_aligned(mine, self.pad_token_id)
+            tokens = layout(mine, self.pad_token_id)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
             out.append(_MicroBatch(rows=rows, tokens=tokens.to(self.device), positions=positions.to(self.device),
-                                   gather_cols=cols.to(self.device), targets=targets.to(self.device), t=t))
+                                   gather_cols=cols.to(self.device), targets=targets.to(self.device), t=t,
+                                   routes=routes_in_layout(mine, lambda s: layout(s, -1)) if routes else None))
         return out
 
     def _shard_rows(self, n: int) -> torch.Tensor:
@@ -410,7 +472,13 @@ class MegatronPolicy(PolicyTrainer):
         def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
             progress.tick()
-            output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
+            if self.routing is not None:
+                self.routing.arm(mb.routes)
+            try:
+                output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
+            finally:
+                if self.routing is not None:
+                    self.routing.disarm()
 
             def loss_func(output_tensor: torch.Tensor):
                 loss = loss_fn(mb, output_tensor)
@@ -540,7 +608,10 @@ class MegatronPolicy(PolicyTrainer):
         if self.last_stage:
             step.sums.all_reduce(self.dp_group, device=self.device)  # the whole batch's: over the data-parallel ranks
             out = step.metrics()
-        return self._broadcast_from_last_stage(out)
+        out = self._broadcast_from_last_stage(out)
+        if self.routing is not None:  # every token's routers are on one rank of the data-parallel group (TP=PP=1)
+            out |= self.routing.metrics(self.dp_group, device=self.device)
+        return out
 
     def _skip_on_every_rank(self, skip: bool) -> bool:
         """True on every rank when any rank of the trainer would skip the step (a max-reduced flag)."""
@@ -598,19 +669,46 @@ class MegatronPolicy(PolicyTrainer):
         torch.distributed.all_gather(parts, tensor.detach().contiguous(), group=self.tp_group)
         return parts
 
+    def _expert_tensors(self, mine: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every expert's tensor of one layer (global order) from this rank's (`mine`, local order), gathered over
+        the expert-parallel group (a collective of its ranks)."""
+        if self.ep == 1:
+            return mine
+        local = torch.stack([t.detach() for t in mine]).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.ep)]
+        torch.distributed.all_gather(parts, local, group=self.ep_group)
+        return [e for part in parts for e in part.unbind(0)]
+
     def _stage_tensors(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
-                       dtype: Optional[torch.dtype], copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                       dtype: Optional[torch.dtype], copy: bool = True,
+                       emit: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """HF tensors of this pipeline stage, one at a time, as CPU tensors (floating ones in `dtype`), gathered over
         tensor parallelism: every TP rank takes part in each gather, only TP rank 0 yields (the others keep nothing).
-        `copy=False`: a tensor may alias a parameter (the caller copies it before the next one)."""
+        A layer's experts are gathered over expert parallelism once its last local expert's tensor comes, and
+        yielded stacked. `copy=False`: a tensor may alias a parameter (the caller copies it before the next one).
+        `emit=False`: take part in the gathers only, yield nothing."""
+        pending: dict[tuple[int, str], list[torch.Tensor]] = {}  # (layer, linear_fc1|2) -> this rank's experts
         for local_name, param in self._module().named_parameters():
-            name = convert.local_to_global(local_name, self.layer_offset)
+            name = convert.local_to_global(local_name, self.layer_offset, self.expert_offset)
             if name == "output_layer.weight" and self.spec.tie_word_embeddings:
                 continue  # a pipeline copy of the embedding
-            shards = self._gather_tensor(name, tensor_of(param))
-            if self.tp_rank != 0:
-                continue
-            for hf_name, t in convert.megatron_to_hf_tensor(self.spec, name, shards).items():
+            expert = convert.expert_of(name)
+            if expert is not None:
+                mine = pending.setdefault((expert[0], expert[2]), [])
+                mine.append(tensor_of(param))
+                if len(mine) < self.local_experts:
+                    continue
+                tensors = self._expert_tensors(pending.pop((expert[0], expert[2])))
+                if not emit or self.tp_rank != 0:
+                    continue
+                converted = dict([convert.hf_experts_tensor(expert[0], expert[2],
+                                                            [t.detach().to("cpu") for t in tensors])])
+            else:
+                shards = self._gather_tensor(name, tensor_of(param))
+                if not emit or self.tp_rank != 0:
+                    continue
+                converted = convert.megatron_to_hf_tensor(self.spec, name, shards)
+            for hf_name, t in converted.items():
                 if hf_name == "lm_head.weight" and self.spec.tie_word_embeddings:
                     continue
                 t = t.detach().to("cpu")
@@ -624,9 +722,10 @@ class MegatronPolicy(PolicyTrainer):
         """At most the bytes of this stage's HF tensors (its parameters, tensor-parallel ones whole, in `dtype`)."""
         total = 0
         for local_name, p in self._module().named_parameters():
-            split = tp_partition_dim(convert.local_to_global(local_name, self.layer_offset)) is not None
+            name = convert.local_to_global(local_name, self.layer_offset, self.expert_offset)
+            copies = self.tp if tp_partition_dim(name) is not None else self.ep if convert.expert_of(name) else 1
             size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
-            total += p.numel() * (self.tp if split else 1) * size + 3 * _ALIGN  # up to 3 HF tensors (q, k, v)
+            total += p.numel() * copies * size + 3 * _ALIGN  # up to 3 HF tensors (q, k, v)
         return total
 
     def _gather_hf(self, tensor_of: Callable[[torch.nn.Parameter], torch.Tensor],
@@ -636,6 +735,9 @@ class MegatronPolicy(PolicyTrainer):
         0) alone, in buckets of at most `gather_bucket_bytes` (a larger tensor alone), one stage after the other: no
         rank but the sender holds more than a bucket (and the tensor being gathered) beyond its own shards."""
         if self.dp_rank != 0:
+            if self.edp_rank == 0 and self.ep > 1:  # an expert-parallel peer of data-parallel rank 0: its experts
+                for _ in self._stage_tensors(tensor_of, dtype, emit=False):
+                    pass
             return {}
         stage = self._stage_tensors(tensor_of, dtype, copy=self.pp_rank == 0)  # later stages copy into buckets
         if self.tp_rank != 0:
@@ -728,14 +830,16 @@ class MegatronPolicy(PolicyTrainer):
         return {"tp": self.tp_rank, "pp": self.pp_rank, "dp": self.dp_rank}  # type: ignore[return-value]
 
     def save_checkpoint(self, directory: str | os.PathLike) -> None:
-        """Per-rank files: this stage's TP shard of the weights (safetensors; written by data-parallel rank 0)
-        and this rank's optimizer state; `trainer_state.json` by global rank 0. Resumable with the same
-        TP/PP/DP sizes. A collective: every rank calls it with the same directory."""
+        """Per-rank files: this stage's TP shard of the weights (safetensors; written by data-parallel rank 0, and
+        with expert parallelism by its expert-parallel peers too: data-parallel rank r < EP writes the experts of
+        expert-parallel rank r) and this rank's optimizer state; `trainer_state.json` by global rank 0. Resumable
+        with the same TP/PP/DP/EP sizes. A collective: every rank calls it with the same directory."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         names = self._rank_names()
-        if self.dp_rank == 0:
-            tensors = {convert.local_to_global(k, self.layer_offset): v.detach().to("cpu").contiguous()
+        if self.edp_rank == 0:
+            tensors = {convert.local_to_global(k, self.layer_offset, self.expert_offset): v.detach().to("cpu")
+                       .contiguous()
                        for k, v in self._module().state_dict().items()
                        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
             with os_write_errors(directory / MODEL_FILE.format(**names)):  # a plain OSError naming errno and path
@@ -757,7 +861,7 @@ class MegatronPolicy(PolicyTrainer):
         if torch.distributed.get_rank() == 0:
             (directory / STATE_FILE).write_text(json.dumps({
                 "step": self.step, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                "data_parallel_size": self.dp, "layer_spec": self.layer_spec}))
+                "data_parallel_size": self.dp, "expert_parallel_size": self.ep, "layer_spec": self.layer_spec}))
         torch.distributed.barrier()
 
     def load_checkpoint(self, directory: str | os.PathLike, *, load_optimizer: bool = True) -> None:
@@ -778,11 +882,12 @@ class MegatronPolicy(PolicyTrainer):
                 raise ValueError(f"checkpoint {str(directory)!r} was trained with train.layer_spec={saved_spec}, "
                                  f"this trainer builds {self.layer_spec}: its optimizer state does not apply; set "
                                  f"train.layer_spec={saved_spec} to resume")
-            weights = load_safetensors_file(directory / MODEL_FILE.format(**{**names, "dp": 0}))
+            # the weights file of this rank's experts (dense weights are the same in each): dp rank = ep rank there
+            weights = load_safetensors_file(directory / MODEL_FILE.format(**{**names, "dp": self.ep_rank}))
             if load_optimizer:
                 opt_file = directory / OPTIMIZER_FILE.format(**names)
                 opt_state = load_tensor_file(opt_file, map_location=self.device)
-                if not isinstance(opt_state, dict) or not isinstance(opt_state.get("common"), dict) or (
+                if not isinstance(opt_state, dict) or not isinstance(opt_state.get("common"), (dict, list)) or (
                         self.use_distributed_optimizer and not isinstance(opt_state.get("param_state"), list)):
                     raise CheckpointFileError(f"checkpoint file {opt_file} is not this trainer's optimizer state")
         except (CheckpointFileError, FileNotFoundError, ValueError) as e:
@@ -821,11 +926,12 @@ class MegatronPolicy(PolicyTrainer):
             raise FileNotFoundError(f"{str(directory)!r} is not a Megatron checkpoint (no {STATE_FILE})")
         try:
             meta = json.loads(state_file.read_bytes())
-            sizes = (meta["tensor_parallel_size"], meta["pipeline_parallel_size"], meta["data_parallel_size"])
+            sizes = (meta["tensor_parallel_size"], meta["pipeline_parallel_size"], meta["data_parallel_size"],
+                     meta.get("expert_parallel_size", 1))
             int(meta["step"])
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointFileError(f"checkpoint file {state_file} is damaged: {type(e).__name__}: {e}") from None
-        if sizes != (self.tp, self.pp, self.dp):
-            raise ValueError(f"checkpoint {str(directory)!r} was written with TP/PP/DP={sizes}, this trainer has "
-                             f"{(self.tp, self.pp, self.dp)}; export it with save_hf to change the layout")
+        if sizes != (self.tp, self.pp, self.dp, self.ep):
+            raise ValueError(f"checkpoint {str(directory)!r} was written with TP/PP/DP/EP={sizes}, this trainer has "
+                             f"{(self.tp, self.pp, self.dp, self.ep)}; export it with save_hf to change the layout")
         return meta
