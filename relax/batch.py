@@ -294,12 +294,10 @@ def continuation(partial: Samples, max_response_len: int) -> Continuation:
 
 def extend_responses(prefix: Samples, continuation: Samples, pad_token_id: int = 0) -> Samples:
     """`prefix` rows (interrupted responses) followed by `continuation` (the same rows, generated from prompt +
-    prefix): one response per row, its tokens, log-probs and versions those of whichever part produced them."""
+    prefix): one response per row, its tokens, log-probs and versions those of whichever part produced them, and
+    each token's routed experts those recorded when the engine first fed it (`_extend_routes`)."""
     if len(prefix) != len(continuation):
         raise ValueError(f"extend_responses: {len(prefix)} prefix rows but {len(continuation)} continuations")
-    if prefix.routed_experts is not None or continuation.routed_experts is not None:
-        raise ValueError("extend_responses: responses with routed experts are not continued (routing replay and "
-                         "partial rollout do not go together yet)")
     a, b = prefix.present().sum(1), continuation.present().sum(1)
     T = int((a + b).max()) if len(prefix) else 0
     ids = torch.full((len(prefix), T), pad_token_id, dtype=torch.long)
@@ -333,4 +331,32 @@ def extend_responses(prefix: Samples, continuation: Samples, pad_token_id: int =
                       + continuation.dropped_mass * float(continuation.response_mask.sum())) / max(1.0, tokens),
         token_version=version,
         saved_old_logp=saved,
+        routed_experts=_extend_routes(prefix, continuation, a, b, T),
     )
+
+
+def _extend_routes(prefix: Samples, continuation: Samples, a: torch.Tensor, b: torch.Tensor,
+                   T: int) -> Optional[torch.Tensor]:
+    """The joined response's routed experts [N, P+T, L, k]: every token keeps the experts the engine routed it to
+    when it first fed it. The prompt and the prefix tokens fed before the interruption: the prefix's (the weights
+    that then sampled the next token); the prefix's last token (sampled, never fed before the interruption: no
+    route recorded) and the continuation's tokens: the continuation's, which the engine recorded on resume. The
+    continuation's routes of the prompt and prefix it re-read are not kept (they route those tokens again under
+    newer weights, a second time)."""
+    if prefix.routed_experts is None and continuation.routed_experts is None:
+        return None
+    if prefix.routed_experts is None or continuation.routed_experts is None:
+        raise ValueError("extend_responses: routed experts recorded for the prefix or the continuation only")
+    old, new = prefix.routed_experts, continuation.routed_experts
+    P, Pc = prefix.prompt_ids.shape[1], continuation.prompt_ids.shape[1]
+    fill = 255 if old.dtype == torch.uint8 else -1
+    out = torch.full((len(prefix), P + T, *old.shape[2:]), fill, dtype=old.dtype)
+    out[:, :P] = old[:, :P]
+    for i, (n, m) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
+        # the continuation's prompt is the row's prompt + its n prefix tokens (left-padded to Pc), then m new ones
+        again = new[i, Pc - n:Pc + m].to(old.dtype)
+        first = old[i, P:P + n]
+        fed = (first != fill).flatten(1).all(1)  # recorded in every layer: fed before the interruption
+        out[i, P:P + n] = torch.where(fed[:, None, None], first, again[:n])
+        out[i, P + n:P + n + m] = again[n:]
+    return out
