@@ -19,8 +19,10 @@ the items in that order (`relax.agents.loops`), and the OpenAI gateway and `rela
   json code block, `<｜tool▁call▁end｜>`, the calls between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`.
 
 The XML formats (qwen3_coder, glm45) write a string argument as its text and any other value as JSON (that is how
-their chat templates render arguments); a value is decoded as JSON where it is JSON, else kept as text, so a string
-argument whose text is a number arrives as a number.
+their chat templates render arguments); a parser alone decodes a value as JSON where it is JSON, else keeps it as
+text. Where the tools offered are known (the OpenAI gateway and `relax-serve`: the request's tools; the episode
+loop: `data.tools`), `apply_tool_schemas` reads the calls with their schemas, as SGLang does: a string argument keeps
+its text ("42" stays "42"), and a `strict` tool's call whose arguments do not satisfy its schema is malformed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from relax.imports import resolve_component
@@ -38,6 +40,9 @@ from relax.imports import resolve_component
 class ToolCall:
     name: str
     arguments: dict
+    # the XML formats' argument values as written (one newline either side left out), which `apply_tool_schemas`
+    # reads where the tool's schema says an argument is a string; None: a JSON format
+    texts: Optional[dict] = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -90,11 +95,16 @@ def _json_call(obj: Any, key: str, other_key: Optional[str] = None) -> Item:
     return _with_arguments(obj["name"], args)
 
 
-def _xml_value(raw: str) -> Any:
-    """An argument of an XML format as its template wrote it (one newline either side, as Qwen3-Coder's template
-    writes them, left out): JSON is decoded, anything else is text."""
+def _xml_text(raw: str) -> str:
+    """An argument of an XML format as its template wrote it, one newline either side (as Qwen3-Coder's template
+    writes them) left out."""
     value = raw[1:] if raw.startswith("\n") else raw
-    value = value[:-1] if value.endswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _xml_value(raw: str) -> Any:
+    """An argument of an XML format without its tool's schema: JSON is decoded, anything else is text."""
+    value = _xml_text(raw)
     try:
         return json.loads(value)
     except ValueError:
@@ -106,7 +116,7 @@ def _named_arguments(name: str, pairs: list[tuple[str, str]]) -> Item:
     args = {key.strip(): _xml_value(value) for key, value in pairs}
     if "" in args:
         return CallError(f"an argument of {name!r} has no name")
-    return ToolCall(name, args)
+    return ToolCall(name, args, texts={key.strip(): _xml_text(value) for key, value in pairs})
 
 
 # ----------------------------------------------------------------------------------------------- <tool_call> tags
@@ -287,6 +297,88 @@ MARKERS: frozenset[str] = frozenset({
     "<think>", "</think>", OPEN_TAG, "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
     PYTHON_TAG, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP,
 })
+
+
+# ----------------------------------------------------------------------------------------------- the tools' schemas
+def _string_schema(schema: Any) -> tuple[bool, bool]:
+    """(whether an argument of `schema` is a string, whether it may also be null)."""
+    if not isinstance(schema, dict):
+        return False, False
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        others = [k for k in kind if k != "null"]
+        return others == ["string"], "null" in kind
+    enum = schema.get("enum")
+    if kind is None and isinstance(enum, list) and enum:
+        return all(isinstance(v, str) for v in enum), False
+    return kind == "string", False
+
+
+def tool_functions(tools: Optional[Sequence[dict]]) -> dict[str, dict]:
+    """The function objects of OpenAI tools (`{"type": "function", "function": {...}}`, or the function objects
+    themselves), by name."""
+    out = {}
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            out[fn["name"]] = fn
+    return out
+
+
+def strict_schema_error(fn: dict) -> Optional[str]:
+    """Why a `strict` function's `parameters` is not a JSON schema (None: it is one, or the function is not
+    strict)."""
+    if fn.get("strict") is not True:
+        return None
+    import jsonschema
+
+    schema = fn.get("parameters", {})
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return f"is not a JSON schema: {exc.message}"
+    return None
+
+
+def apply_tool_schemas(parsed: ParsedMessage, tools: Optional[Sequence[dict]]) -> ParsedMessage:
+    """`parsed` read with the schemas of the `tools` offered (OpenAI function tools), as SGLang's parsers read them:
+
+    - an argument of an XML format (qwen3_coder, glm45) whose schema is a string keeps the text written (the formats
+      write a string as its text, so "42" or "true" there is a string, not the JSON value); `null` where the schema
+      also admits null;
+    - a call of a `strict` function whose arguments do not satisfy its `parameters` is a malformed call (`CallError`,
+      naming the first failing part), never executed. (OpenAI and SGLang constrain the sampling of a strict tool's
+      arguments instead; Relax constrains only a forced call, `tool_choice`, and checks the others here.)
+
+    Calls of functions not offered are left as they are (the loop or the agent answers them)."""
+    functions = tool_functions(tools)
+    if not functions or not parsed.calls:
+        return parsed
+    items: list[Item] = []
+    for item in parsed.items:
+        fn = functions.get(item.name) if isinstance(item, ToolCall) else None
+        if fn is None:
+            items.append(item)
+            continue
+        args = dict(item.arguments)
+        properties = (fn.get("parameters") or {}).get("properties") or {}
+        for key, text in (item.texts or {}).items():
+            string, nullable = _string_schema(properties.get(key))
+            if string:
+                args[key] = None if nullable and text == "null" else text
+        item = ToolCall(item.name, args, texts=item.texts)
+        if fn.get("strict") is True:
+            import jsonschema
+
+            schema = fn.get("parameters") or {"type": "object"}
+            error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema)
+                                                     .iter_errors(args))
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path)
+                item = CallError(f"the arguments of {item.name!r} do not satisfy its schema (strict)"
+                                 f"{' at ' + where if where else ''}: {error.message}")
+        items.append(item)
+    return ParsedMessage(tuple(items), parsed.content)
 
 
 def message_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:

@@ -18,7 +18,7 @@ import threading
 import uuid
 from typing import Any, Optional
 
-from relax.agents.parsers import ToolParser, get_parser, message_decoder, parse_hermes
+from relax.agents.parsers import ToolParser, apply_tool_schemas, get_parser, message_decoder, parse_hermes
 from relax.agents.render import ObservationRenderer
 
 THINK, END_THINK = "<think>", "</think>"
@@ -187,10 +187,13 @@ class ChatFormat:
         return body, text[:at] if trim else text, None, True
 
     @staticmethod
-    def tool_calls(text: str, parser: ToolParser = parse_hermes) -> tuple[str, Optional[list[dict]]]:
-        """(content, OpenAI tool calls) of a model message, read by `parser`: the calls taken out of the content
-        when every call is well-formed; a message with a malformed call stays text, never half-parsed."""
-        parsed = parser(text)
+    def tool_calls(text: str, parser: ToolParser = parse_hermes,
+                   tools: Optional[list[dict]] = None) -> tuple[str, Optional[list[dict]]]:
+        """(content, OpenAI tool calls) of a model message, read by `parser` with the schemas of the `tools` offered
+        (`apply_tool_schemas`: string arguments of the XML formats as text, a strict tool's arguments checked): the
+        calls taken out of the content when every call is well-formed; a message with a malformed call stays text,
+        never half-parsed."""
+        parsed = apply_tool_schemas(parser(text), tools)
         if not parsed.calls or parsed.errors:
             return text, None
         return parsed.content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

@@ -28,6 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from relax.agents.parsers import strict_schema_error
+
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -60,7 +62,8 @@ FIELDS: dict[str, Rule] = {
     "model": Rule(HONOURED, "any name: the served model answers"),
     "messages": Rule(HONOURED, "the conversation, rendered with the chat template", CHAT),
     "prompt": Rule(HONOURED, "a string or token ids, one prompt per request", COMPLETION),
-    "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message", CHAT),
+    "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message; their schemas "
+                            "read the calls (a strict tool's arguments checked against it)", CHAT),
     "tool_choice": Rule(HONOURED, '"auto", "none", "required" or a named function (forced by constrained decoding '
                                   "in the tool parser's format: any built-in one)", CHAT),
     "n": Rule(HONOURED, "choices, each with its own random stream"),
@@ -314,6 +317,10 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise _bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
+            if fn.get("strict") not in (None, True, False):
+                raise _bad(f"tools[{i}].function.strict", f"{fn['strict']!r}: expected true or false")
+            if (why := strict_schema_error(fn)) is not None:  # checked against it: it must be a schema
+                raise _bad(f"tools[{i}].function.parameters", f"of a strict function {why}")
     choice = body.get("tool_choice")
     if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}: exactly that call
         fn = choice.get("function")

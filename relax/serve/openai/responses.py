@@ -193,7 +193,8 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
 
 def chat_tools(tools: Any) -> Optional[list[dict]]:
     """Responses function tools (`{"type": "function", "name", "description", "parameters"}`) in the chat form.
-    `strict` is passed on as the chat route takes it: not enforced (no constrained decoding)."""
+    `strict` is passed on as the chat route takes it: a strict tool's call whose arguments do not satisfy its schema
+    is a malformed call (`relax.agents.parsers.apply_tool_schemas`)."""
     if tools is None:
         return None
     if not isinstance(tools, list):

@@ -112,7 +112,7 @@ class OpenAIService:
             # a <think> block opening the answer goes to reasoning_content, as SGLang's reasoning parser puts it
             split = split_reasoning(text) if self.fmt.reasoning and p.separate_reasoning else None
             think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
-            content, calls = self.fmt.tool_calls(text) if p.tools else (text, None)
+            content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
             if calls:
                 finish = "tool_calls"
             choice = self._choice(s, tokens, content, finish, calls, p)
