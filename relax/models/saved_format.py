@@ -6,8 +6,10 @@ a Qwen3-MoE layer's fused `mlp.experts.gate_up_proj` / `down_proj` are saved as 
 `down_proj` per expert (`revert_weight_conversion`, which `save_pretrained` runs). A checkpoint's `policy/` (the
 trainer's `save_pretrained`) is then not the trainer's own `state_dict`, and resuming from it must undo that.
 
-`to_model_layout` undoes it with transformers' own save-time conversion, run on element indices: each element of
-the model's state is numbered, `revert_weight_conversion` moves the numbers as it moves weights (renames, stacks,
+`to_model_layout` undoes it with transformers' own save-time conversion. When that only renames whole tensors (the
+Qwen-VL families), the names are mapped back and nothing is copied. Otherwise it runs the conversion on element
+indices (transiently about four times the model's fp32 size in memory): each element of the model's state is
+numbered, `revert_weight_conversion` moves the numbers as it moves weights (renames, stacks,
 concatenations, splits: every conversion these families use moves elements without changing them), and the saved
 tensors are written back to the elements their numbers name. Every element must be written exactly once, else the
 saved weights do not fit the model and a KeyError says which.
@@ -29,6 +31,13 @@ def to_model_layout(model: PreTrainedModel, saved: dict[str, torch.Tensor]) -> d
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     kept = remove_tied_weights_from_state_dict(dict(own), model)  # the names save_pretrained keeps
+    renamed = _renamed_only(model, kept)
+    if renamed is not None:  # whole tensors renamed (a Qwen-VL model): no numbering, no copy
+        missing, unexpected = sorted(set(renamed) - set(saved)), sorted(set(saved) - set(renamed))
+        if missing or unexpected:
+            raise KeyError(f"weights do not match the model (in the layout save_pretrained writes): missing "
+                           f"{missing[:5]}, unexpected {unexpected[:5]}")
+        return {renamed[name]: tensor for name, tensor in saved.items()}
     numbers: dict[str, torch.Tensor] = {}
     start = 0
     for name, tensor in kept.items():  # float64 numbers are exact up to 2**53 elements
@@ -58,3 +67,18 @@ def to_model_layout(model: PreTrainedModel, saved: dict[str, torch.Tensor]) -> d
         out[name] = flat[start:start + tensor.numel()].view(tensor.shape)
         start += tensor.numel()
     return out
+
+
+def _renamed_only(model: PreTrainedModel, kept: dict[str, torch.Tensor]) -> dict[str, str] | None:
+    """saved name -> the model's name, when the save-time conversion only renames whole tensors (it then hands back
+    the model's own tensors under other names); None when it makes new ones (stacks, splits)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names = {(t.data_ptr(), tuple(t.shape), t.dtype): n for n, t in kept.items()}
+    out = {}
+    for saved_name, tensor in revert_weight_conversion(model, dict(kept)).items():
+        name = names.get((tensor.data_ptr(), tuple(tensor.shape), tensor.dtype))
+        if name is None:
+            return None
+        out[saved_name] = name
+    return out if len(set(out.values())) == len(kept) else None
