@@ -14,6 +14,7 @@ messages compared as sent, the sample is the latest call's segment) loses more."
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -340,16 +341,24 @@ GROUPS = [("side_call_between_turns", "named_assistant"), ("parallel_calls", "to
 RUN_REWARDS = [1.0, 0.0, 0.5, 2.0]  # per run, in group order
 
 
-@pytest.fixture
-def group_runs(make):
+@pytest.fixture(scope="module")
+def group_runs():
     """Two groups of two runs (each an agent of CASES, in its own session of one gateway): (the rollout's samples,
-    the sessions, the engine)."""
-    gw, engine, first, _, _ = make(delay=lambda text: 0.5 if "repeat" in text else 0.0)
-    sessions = [first] + [gw.open(i, first.limits) for i in range(1, 4)]
-    for s, name in zip(sessions, [n for g in GROUPS for n in g], strict=True):
-        CASES[name][0](openai.OpenAI(base_url=gw.base_url, api_key=s.key, max_retries=0),
-                       openai.AsyncOpenAI(base_url=gw.base_url, api_key=s.key, max_retries=0))
-    samples = _samples([(s, {}, s.trajectory(), None) for s in sessions], torch.arange(4), 0)
+    the sessions, the engine). Shared by the tests below: a test that changes the samples changes a copy."""
+    tok = build_tiny_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    fmt = ChatFormat(tok, (tok.eos_token_id,))
+    engine = Engine(fmt, by_turn, lambda text: 0.5 if "repeat" in text else 0.0)
+    gw = Gateway(OpenAIService(fmt, engine, model="policy", context_length=None, max_tokens=64)).start()
+    limits = Limits(max_calls=8, max_tokens=400, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1, seed=0)
+    try:
+        sessions = [gw.open(i, limits) for i in range(4)]
+        for s, name in zip(sessions, [n for g in GROUPS for n in g], strict=True):
+            CASES[name][0](openai.OpenAI(base_url=gw.base_url, api_key=s.key, max_retries=0),
+                           openai.AsyncOpenAI(base_url=gw.base_url, api_key=s.key, max_retries=0))
+        samples = _samples([(s, {}, s.trajectory(), None) for s in sessions], torch.arange(4), 0)
+    finally:
+        gw.close()
     assert [s.branches for s in sessions] == [2, 1, 2, 1]
     return samples, sessions, engine
 
@@ -512,7 +521,7 @@ def test_saved_old_logprobs_of_the_other_rows_survive_a_checkpoint(group_runs):
 
     from relax.runner.branch_rows import fill_saved_old_logprobs
 
-    samples, _, _ = group_runs
+    samples = copy.deepcopy(group_runs[0])
     calls = []
 
     def logprobs(part, version):  # the trainer's, under each token's own weights: a stand-in with known values
