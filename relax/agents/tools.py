@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from relax.agents.parsers import ToolCall, parse_hermes
+from relax.agents.parsers import CallError, ParsedMessage, ToolCall, apply_tool_schemas, parse_hermes
 from relax.agents.python_tool import python
 from relax.imports import resolve_component
 
@@ -164,7 +164,13 @@ class ToolRunner:
         self._workers = None
 
     def __call__(self, calls: list[ToolCall]) -> list[ToolResult]:
-        known = [c for c in calls if c.name in self.tools]
+        """One result per call, in order. Each call is read with its tool's schema first (`apply_tool_schemas`: a
+        string argument of the XML formats as its text; a strict tool's call that breaks its schema is answered with
+        the error, and the tool does not run)."""
+        read = apply_tool_schemas(ParsedMessage(tuple(calls), ""), [t.schema for t in self.tools.values()]).items
+        refused = {i: item.message for i, item in enumerate(read) if isinstance(item, CallError)}
+        calls = [c if i in refused else read[i] for i, c in enumerate(calls)]
+        known = [c for i, c in enumerate(calls) if c.name in self.tools and i not in refused]
         t0 = time.perf_counter()
         box = {name: tool.fn for name, tool in self.tools.items()}
         if self.timeout_s is None:
@@ -177,7 +183,10 @@ class ToolRunner:
             outcomes, _ = self._workers.run([(c.name, c.arguments) for c in known], self.timeout_s)
         seconds = (time.perf_counter() - t0) / max(1, len(known))
         results, done = [], iter(outcomes)
-        for c in calls:
+        for i, c in enumerate(calls):
+            if i in refused:
+                results.append(ToolResult(f"Error: {refused[i]}", True))
+                continue
             if c.name not in self.tools:
                 results.append(ToolResult(f"Error: unknown tool {c.name!r}; the tools are {sorted(self.tools)}", True))
                 continue

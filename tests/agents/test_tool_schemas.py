@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from templates import family_tokenizer
 
+from relax.agents.loops import AgentFactory
 from relax.agents.parsers import (
     CallError,
     ParsedMessage,
@@ -20,6 +21,7 @@ from relax.agents.parsers import (
     parse_hermes,
     parse_qwen3_coder,
 )
+from relax.agents.tools import Tool, run_tool
 
 # a tool whose string arguments hold text that is also JSON
 SCHEMA = {"type": "object", "properties": {
@@ -100,3 +102,48 @@ def test_the_xml_strings_are_read_before_the_strict_check():
     text = rendered_call("qwen3_coder", {"code": "42", "count": 7})
     assert apply_tool_schemas(parse_qwen3_coder(text), strict()).calls == [ToolCall("run", {"code": "42",
                                                                                              "count": 7})]
+
+
+# ----------------------------------------------------------------------------------------------- the tool loop
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def kind(code: str) -> str:
+    return type(code).__name__
+
+
+KIND = Tool({"type": "function", "function": {"name": "kind", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}, kind)
+
+
+STRICT_ADD = Tool({"type": "function", "function": {
+    "name": "add", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+        "additionalProperties": False}}}, add)
+
+
+def xml_call(name: str, **arguments: str) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def test_the_tool_loop_reads_calls_with_its_tools_schemas():
+    """data.tools' schemas (the loop's ToolRunner reads each call with its tool's): a string argument written "42"
+    reaches its tool as text (read without the schema it is the number 42: the negative control), and a strict
+    tool's call with an argument of the wrong type is answered with its error, in its place, without running the
+    tool."""
+    factory = AgentFactory(None, ["test_tool_schemas:KIND", "test_tool_schemas:STRICT_ADD"], None, None,
+                           tool_parser=parse_qwen3_coder)
+    try:
+        loop = factory()
+        loop.reset({})
+        reply = loop.turn(xml_call("kind", code="42") + xml_call("add", a="1", b="x") + xml_call("add", a="1", b="2"))
+        contents = [m["content"] for m in reply.messages]
+        assert contents[0] == "str" and contents[2] == "3", contents
+        assert contents[1].startswith("Error: the arguments of 'add' do not satisfy its schema (strict) at b")
+        assert (reply.tool_calls, reply.tool_errors) == (3, 1)
+        unread = parse_qwen3_coder(xml_call("kind", code="42")).calls[0]
+        assert run_tool({"kind": kind}, unread.name, unread.arguments) == ("int", None)  # without the schema
+    finally:
+        factory.close()
