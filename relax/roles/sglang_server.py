@@ -42,6 +42,8 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
     # no --trust-remote-code: the trainer loads the model without remote code too (transformers' own architectures)
     if c.colocate:  # the actor shares the GPU: SGLang may take only part of it, and releases it while training
         cmd += ["--mem-fraction-static", "0.4", "--enable-memory-saver"]
+    if cfg.rollout.routing_replay or cfg.rollout.record_routes:  # each answer carries its tokens' routed experts
+        cmd += ["--enable-return-routed-experts"]
     m = cfg.model
     if m.lora_rank > 0 and cfg.rollout.lora_sync == "adapter":  # updates load the adapters (/load_lora_adapter)
         targets = ["all"] if list(m.lora_target_modules) == ["all-linear"] else list(m.lora_target_modules)

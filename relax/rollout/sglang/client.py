@@ -58,13 +58,16 @@ class Sampling:
 
 
 def generate_payload(input_ids: list[int], sampling: Sampling, *, max_new_tokens: int, seed: int,
-                     image_data: list[str] | None = None) -> dict:
+                     image_data: list[str] | None = None, routed_experts: bool = False) -> dict:
     """One `/generate` body; `image_data`: the prompt's images (SGLang's field, one list for this one input), whose
-    image tokens `input_ids` already holds, expanded as the model's processor expands them."""
+    image tokens `input_ids` already holds, expanded as the model's processor expands them; `routed_experts`: ask for
+    the experts of every token (SGLang's `return_routed_experts`, `relax.rollout.sglang.routes`)."""
     payload = {"input_ids": list(map(int, input_ids)), "sampling_params": sampling.params(max_new_tokens, seed),
                "return_logprob": True, "logprob_start_len": -1, "stream": False}
     if image_data:
         payload["image_data"] = list(image_data)
+    if routed_experts:
+        payload["return_routed_experts"] = True
     return payload
 
 
@@ -105,8 +108,11 @@ def parse_answer(answer: dict, default_version: int,
 
 
 def to_samples(prompts: list[list[int]], answers: list[tuple[list[int], list[float], str, int]], *,
-               sample_ids: torch.Tensor, pad_token_id: int, engine_time: float) -> Samples:
-    """Rows in the order of `prompts` (one prompt per row): prompts left-padded, responses right-padded."""
+               sample_ids: torch.Tensor, pad_token_id: int, engine_time: float,
+               routes: tuple[list, tuple[int, int, int]] | None = None) -> Samples:
+    """Rows in the order of `prompts` (one prompt per row): prompts left-padded, responses right-padded. `routes`:
+    (each answer's decoded routed experts, or None; the model's (MoE layers, top-k, experts)), placed as
+    `Samples.routed_experts` (`relax.rollout.sglang.routes.place`)."""
     N = len(prompts)
     P = max(len(p) for p in prompts)
     T = max([len(a[0]) for a in answers] + [1])
@@ -123,8 +129,15 @@ def to_samples(prompts: list[list[int]], answers: list[tuple[list[int], list[flo
         logp[i, :len(tokens)] = torch.tensor(lps, dtype=torch.float32)
         mask[i, :len(tokens)] = 1
         versions[i] = version
+    routed = None
+    if routes is not None:
+        from relax.rollout.sglang.routes import place
+
+        per_row, (layers, top_k, experts) = routes
+        routed = place([(len(p), len(a[0]), r) for p, a, r in zip(prompts, answers, per_row, strict=True)], P, T,
+                       layers, top_k, experts)
     return Samples(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=mask,
-                   rollout_logp=logp, finish_reason=[a[2] for a in answers],
+                   rollout_logp=logp, finish_reason=[a[2] for a in answers], routed_experts=routed,
                    weight_version=int(versions.min()) if N else 0, engine_time=engine_time,
                    dropped_mass=float("nan"),  # SGLang does not report what top-k/top-p removed
                    sample_id=torch.as_tensor(sample_ids, dtype=torch.long).clone(),

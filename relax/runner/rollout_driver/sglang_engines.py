@@ -53,6 +53,8 @@ from relax.rollout.sglang.client import (
 from relax.rollout.sglang.episodes import run_episodes
 from relax.rollout.sglang.process import wait_healthy
 from relax.rollout.sglang.router import Router
+from relax.rollout.sglang.routes import decode as decode_routes
+from relax.rollout.sglang.routes import moe_shape
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
 from relax.rollout.vision import prompt_vision
 from relax.runner.errors import RoleFailure, RunError
@@ -131,6 +133,10 @@ class SGLangEngines:
         # released between rollouts)
         self.adapters = cfg.model.lora_rank > 0 and cfg.rollout.lora_sync == "adapter"
         self._adapter: str | None = None  # the adapter the servers hold
+        # rollout.routing_replay / record_routes: every request asks for the experts of its tokens (SGLang's
+        # return_routed_experts), which travel with the samples; (MoE layers, top-k, experts) to read them
+        self.routes = (moe_shape(cfg.model) if cfg.rollout.routing_replay or cfg.rollout.record_routes
+                       else None)
         # the servers' key: a new one for the servers Relax launches (and its router), $RELAX_SGLANG_API_KEY for the
         # servers at rollout.sglang.urls (none when unset); hex, never taken for a command-line option
         self.api_key = secrets.token_hex(24) if self.sg.urls is None else os.environ.get(API_KEY_ENV) or None
@@ -285,10 +291,12 @@ class SGLangEngines:
         """Agent batches take new weights between their calls (`RolloutStream.publish` loads them at once)."""
         return self.agents is not None
 
-    def _send(self, payloads: list[dict], gen_id: int | None) -> list:
-        """`_send_raw`, the answers parsed."""
+    def _send(self, payloads: list[dict], gen_id: int | None, raw: list | None = None) -> list:
+        """`_send_raw`, the answers parsed (and, given `raw`, appended to it as they came)."""
         try:
             answers = self._send_raw(payloads, gen_id)
+            if raw is not None:
+                raw.extend(answers)
         except RunError:
             raise
         except Exception as exc:
@@ -322,10 +330,33 @@ class SGLangEngines:
         row's images (None: none), sent as SGLang's `image_data` and kept on the rows for the trainer."""
         t0 = time.perf_counter()
         images = [None] * len(rows) if vision is None else [payload_images(v) for v in vision]
-        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s, image_data=im)
+        payloads = [generate_payload(r, sampling, max_new_tokens=b, seed=s, image_data=im,
+                                     routed_experts=self.routes is not None)
                     for r, b, s, im in zip(rows, budgets, seeds, images, strict=True)]
-        answers = self._send(payloads, gen_id)
-        out = to_samples(rows, answers, sample_ids=sample_ids, pad_token_id=self.pad_token_id, engine_time=0.0)
+        raw: list[dict] = []
+        answers = self._send(payloads, gen_id, raw)
+        routes = None
+        if self.routes is not None:  # each answer's experts (none: a request the pause answered before sending)
+            layers, top_k, _ = self.routes
+            per_row = []
+            for a, (tokens, *_) in zip(raw, answers, strict=True):
+                meta = a.get("meta_info") or {}
+                if "routed_experts" not in meta:
+                    if tokens:
+                        raise RunError("rollout=sglang: an answer came without meta_info.routed_experts although "
+                                       "rollout.routing_replay/record_routes asked for them: the server was not "
+                                       "started with --enable-return-routed-experts, or it answers them only to "
+                                       "requests that carry return_routed_experts, which sglang-router 0.3.2 drops "
+                                       "(the embedded servers answer them to every request)")
+                    per_row.append(None)
+                    continue
+                try:
+                    per_row.append(decode_routes(meta["routed_experts"], layers, top_k))
+                except ValueError as exc:
+                    raise RunError(f"rollout=sglang: {exc}") from None
+            routes = (per_row, self.routes)
+        out = to_samples(rows, answers, sample_ids=sample_ids, pad_token_id=self.pad_token_id, engine_time=0.0,
+                         routes=routes)
         if vision is not None:  # the servers' vision-tower time is not reported over SGLang's protocol
             out = replace(out, vision=list(vision), vision_time=float("nan"))
         return self._done(out, t0)

@@ -15,7 +15,14 @@ inputs ask for different `n`, as SGLang answers them); `stream`; `lora_path` nam
 free whitespace, `relax.rollout.grammar`; a grammar that does not compile is a 400); `image_data` for a
 vision-language model (`relax.serve.sglang.images`: each input's images placed into its image placeholders as
 SGLang's Qwen-VL processor places them; with images, only the sampled tokens' log-probs are reported, the others a
-400). Not supported (400 naming the field): penalties, min_p, min_new_tokens, stop_regex, structural_tag,
+400); `return_routed_experts` (one, or one per input) on a server of a mixture-of-experts model started with SGLang's
+`--enable-return-routed-experts` (a run's `rollout.routing_replay` / `record_routes`; else a 400): the answer's
+`meta_info.routed_experts`, as SGLang writes it (`relax.rollout.sglang.routes`: base64 int32 [prompt + output - 1,
+layers, k], the experts of every token the engine fed, prompt included). Unlike SGLang, a server with the flag also
+answers them to a request that does not mention the field (only `false` opts out): sglang-router 0.3.2 re-serialises
+each /generate body from its own request type, which has no `return_routed_experts`, so behind it no request carries
+the field. Not supported (400 naming the field):
+penalties, min_p, min_new_tokens, stop_regex, structural_tag,
 logit_bias, hidden states, input embeddings, images for a text-only model, video, audio, sessions.
 
 The answer: a dict for one input with n=1, else a list, an input's n samples consecutive. `output_ids` include the
@@ -49,7 +56,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from relax.rollout.grammar import GrammarError, Grammars, GrammarSpec, json_schema_spec
+from relax.rollout.sglang.routes import encode as encode_routes
 from relax.serve.sglang.images import ImageInputs
 
 GREEDY_EPS = 1e-6  # a temperature below this is greedy (SGLang's rule)
@@ -101,6 +111,7 @@ class Options:
     token_ids: Optional[tuple[int, ...]] = None  # token_ids_logprob: these tokens' log-probs at each position
     logprob_start: int = -1  # logprob_start_len: the first prompt position reported (-1: the last one)
     stop: tuple[str, ...] = ()  # stop strings
+    routed_experts: bool = False  # return_routed_experts: the experts of every token fed, in meta_info
 
 
 @dataclass
@@ -153,6 +164,9 @@ class Row:
     version: Optional[str] = None  # the weight version that generated its tokens
     matcher: Any = None  # its grammar's state (relax.rollout.grammar.Matcher; None: unconstrained)
     vision: Optional[dict] = None  # its input's images as the engine takes them (`relax.serve.sglang.images`)
+    # the experts its prompt and output tokens were routed to, [prompt + output, layers, k] (return_routed_experts;
+    # the engine call that generated it last fed them all; its last token's entry is missing: never fed)
+    routes: Any = None
 
     @property
     def watched(self) -> bool:
@@ -247,8 +261,12 @@ class RequestCodec:
     (`relax.data.images.load_processor`), which `image_data` needs."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_length: Optional[int],
-                 eos_token_ids: tuple[int, ...], processor: Any = None):
+                 eos_token_ids: tuple[int, ...], processor: Any = None, routed_experts: bool = False):
+        """`routed_experts`: the server records the experts each token is routed to (SGLang's
+        `--enable-return-routed-experts`), and answers them unless `return_routed_experts` is false (see the module
+        docstring)."""
         self.tokenizer = tokenizer
+        self.routed_experts = routed_experts
         self.images = None if processor is None else ImageInputs(processor, RequestError)
         self.vocab_size = vocab_size
         self.context_length = context_length
@@ -281,6 +299,14 @@ class RequestCodec:
         tops = _per_input("top_logprobs_num", body.get("top_logprobs_num"), 0, n_in)
         id_lists = self._token_id_lists(body.get("token_ids_logprob"), n_in)
         text_in_logprobs = bool(body.get("return_text_in_logprobs"))
+        routed = _per_input("return_routed_experts", body.get("return_routed_experts"), self.routed_experts, n_in)
+        if any(not isinstance(r, bool) for r in routed):
+            raise RequestError(f"return_routed_experts={body.get('return_routed_experts')!r}: expected true or false "
+                               "(or one per input)")
+        if any(routed) and not self.routed_experts:
+            raise RequestError("return_routed_experts=true needs a server of a mixture-of-experts model started with "
+                               "--enable-return-routed-experts (a run's rollout.routing_replay or "
+                               "rollout.record_routes)")
         rids = _rids(body.get("rid"), n_in)
         _check_batch(rids, sps)
         request = Request(rows=[], single=False, t0=time.perf_counter(), stream=bool(body.get("stream")))
@@ -289,6 +315,8 @@ class RequestCodec:
                 raise RequestError("sampling_params must be an object (or one per input)")
             key, max_new, n, seed, options = self._sampling(sp, len(prompt), bool(logprobs[i]), text_in_logprobs)
             options = self._logprob_options(options, len(prompt), starts[i], tops[i], id_lists[i])
+            if routed[i]:
+                options = dataclasses.replace(options, routed_experts=True)
             if visions[i] is not None and options.return_logprob and (
                     options.top_logprobs or options.token_ids is not None or options.logprob_start >= 0):
                 raise RequestError("top_logprobs_num, token_ids_logprob and logprob_start_len >= 0 are not supported "
@@ -450,6 +478,13 @@ class RequestCodec:
             text = self._text(row, finish)
             if row.options.return_logprob:
                 meta.update(self._logprobs(row))
+        if row.options.routed_experts:  # every token fed: the prompt, the output but its last token
+            fed = len(row.prompt) + max(len(row.tokens) - 1, 0)
+            routes = row.routes[:fed] if row.routes is not None else None
+            if routes is None or routes.shape[0] < fed:  # a row that generated nothing was never fed
+                meta["routed_experts"] = encode_routes(torch.zeros(0, 0, 0, dtype=torch.int32))
+            else:
+                meta["routed_experts"] = encode_routes(routes)
         return {"text": text, "output_ids": list(row.tokens), "meta_info": meta}
 
     def progress(self, row: Row, request: Request, tokens: list[int], logps: list[float],

@@ -25,6 +25,10 @@ string costs the decoding of a few tokens), none for calls without such rows.
 
 Constrained rows (`Row.matcher`: json_schema, regex, ebnf) hand the engine their grammar matchers, which keep their
 state across the engine calls of a row that is interrupted and continued.
+
+An engine that records routes (`EmbeddedEngine.record_routes`: a server started with --enable-return-routed-experts)
+gives each call's rows the experts of every token it fed; a row keeps those of its last call (`Row.routes`), which
+fed its whole prefix again (a continued row's prefill), so they cover its prompt and output.
 """
 
 from __future__ import annotations
@@ -339,6 +343,10 @@ class Scheduler:
                     self._active = set()
                     for i, row in enumerate(live):
                         n = int(out.response_mask[i].sum())
+                        if out.routed_experts is not None:  # this call fed the row's prefix, then its n new tokens
+                            fed = len(row.prompt) + len(row.tokens)
+                            P = out.prompt_ids.shape[1]
+                            row.routes = torch.cat([out.routed_experts[i, P - fed:P], out.routed_experts[i, P:P + n]])
                         row.tokens.extend(out.response_ids[i, :n].tolist())
                         row.logps.extend(out.rollout_logp[i, :n].tolist())
                         row.live, row.live_logps, row.version = [], [], version

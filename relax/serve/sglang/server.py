@@ -68,6 +68,7 @@ from relax.config.schema import RelaxConfig
 from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.lora import inject_adapters
+from relax.models.moe import is_moe
 from relax.models.vision import is_vision_model
 from relax.rollout.embedded import EmbeddedEngine
 from relax.serve.http import MAX_BODY_BYTES, BodyTooLarge, Server, read_body, refuse, write_answer
@@ -87,7 +88,7 @@ from relax.serve.sglang.request import (
     row_stream,
 )
 from relax.serve.sglang.scheduler import PAUSE_MODES, Scheduler
-from relax.serve.sglang.server_args import server_args
+from relax.serve.sglang.server_args import return_routed_experts, server_args
 from relax.serve.sglang.stream import Events, answer_events, write_events
 from relax.serve.sglang.weights import WeightEndpoints
 
@@ -275,12 +276,18 @@ class EmbeddedServer(WeightEndpoints):
         self.engine = EmbeddedEngine(model, eos_token_ids=list(self.eos_token_ids), pad_token_id=self.pad_token_id,
                                      device=device)
         self.engine.adapter_keys = frozenset(adapters)
+        routed = return_routed_experts(self.cfg)  # SGLang's --enable-return-routed-experts
+        if routed and not is_moe(model):
+            raise ValueError("--enable-return-routed-experts (rollout.routing_replay / record_routes) needs a "
+                             f"mixture-of-experts model; {type(model).__name__} has no MoE router")
+        self.engine.record_routes = routed
         processor = None
         if is_vision_model(model):  # image_data on /generate (relax.serve.sglang.images)
             from relax.data.images import load_processor
 
             processor = load_processor(cfg, tokenizer)
-        self._codec = RequestCodec(tokenizer, self.vocab_size, self.context_length, self.eos_token_ids, processor)
+        self._codec = RequestCodec(tokenizer, self.vocab_size, self.context_length, self.eos_token_ids, processor,
+                                   routed_experts=routed)
 
     # ------------------------------------------------------------------------------------------------- HTTP
 
