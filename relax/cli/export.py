@@ -45,6 +45,10 @@ def summary(result: ExportResult) -> str:
     if "PEFT" in e.weights_from:  # a LoRA run's adapters: they load on top of the run's base model
         lines.append(f'Load it with peft: PeftModel.from_pretrained(<the base model>, "{result.out_dir}") '
                      f"(relax-export --merge writes the merged model); {EXPORT_FILE} records where it came from.")
+    elif "processor_config.json" in e.files:  # a vision-language model with its processor
+        lines.append(f'Load it with transformers: AutoModelForImageTextToText.from_pretrained("{result.out_dir}") '
+                     f'and AutoProcessor.from_pretrained("{result.out_dir}") (its video processor needs torchvision); '
+                     f"{EXPORT_FILE} records where it came from.")
     else:
         lines.append(f'Load it with transformers: AutoModelForCausalLM.from_pretrained("{result.out_dir}"); '
                      f"{EXPORT_FILE} records where it came from.")

@@ -23,6 +23,7 @@ import torch
 from test_export import commit
 
 from relax.batch import TrainBatch
+from relax.cli.export import summary
 from relax.config import load_config
 from relax.config.validate import ConfigError
 from relax.data.datasets import PromptDataset
@@ -135,6 +136,7 @@ def test_a_vision_language_export_loads_in_transformers_with_the_trainers_logpro
     for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
         assert json.loads((out / name).read_text())["processor_class"] == family, name
     assert json.loads((out / "config.json").read_text())["model_type"] == arch
+    assert f'AutoModelForImageTextToText.from_pretrained("{out}")' in summary(result)  # what relax-export prints
 
     fresh = PolicyWorker(cfg, info, threads=1)
     fresh.load(str(ckpt / "policy"))
