@@ -539,3 +539,59 @@ def test_saved_old_logprobs_of_the_other_rows_survive_a_checkpoint(group_runs):
     saved = x.samples.saved_old_logp
     torch.testing.assert_close(saved[mask], x.samples.rollout_logp[mask] - 1.0)
     assert saved[~others].isnan().all()  # the main rows' are the samples' own (None here: not yet computed)
+
+
+class FullCluster(Cluster):
+    """Every role the algorithms read, each with log-probs of a known offset from the engine's."""
+
+    def reference_logprobs(self, samples):
+        return (samples.rollout_logp - 0.1) * samples.response_mask
+
+    def teacher_logprobs(self, samples):
+        return (samples.rollout_logp - 0.2) * samples.response_mask
+
+
+def grpo_family(a, mask: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantage by hand from its flags: per run (or the raw reward), broadcast, whitened over the valid tokens
+    of every row when normalize_advantages."""
+    per_run = torch.tensor(hand_group_advantages("grpo") if a.normalize_rewards else RUN_REWARDS, dtype=torch.float64)
+    if a.normalize_rewards and not a.std_normalization:
+        per_run = torch.tensor(hand_group_advantages("baseline"), dtype=torch.float64)
+    adv = per_run[run][:, None] * mask
+    if a.normalize_advantages:
+        valid = mask.bool()
+        v = adv[valid]
+        adv[valid] = (v - v.mean()) / v.var(unbiased=False).sqrt()
+    return adv
+
+
+@pytest.mark.parametrize("algorithm", ["cispo", "grpo", "gspo", "m2po", "opd", "ppo", "reinforce_pp",
+                                       "reinforce_pp_baseline", "rloo", "sapo"])
+def test_every_algorithm_trains_every_row_with_its_runs_advantage(group_runs, algorithm):
+    """Every registered algorithm over the rows of forked runs: one row per branch, advantages [rows, T], zero off
+    the loss mask; by hand where the estimator is a group statistic of the run (the GRPO family, RLOO) or a known
+    per-token value plus it (on-policy distillation: teacher - student = -0.2 here)."""
+    from relax import algorithms
+    from relax.runner.train import train_batch
+
+    samples, _, _ = group_runs
+    extra = ["teacher=smollm2_135m"] if algorithm == "opd" else []
+    cfg = config(f"algorithm={algorithm}", *extra)
+    algo = algorithms.get(algorithm)
+    roles = Plan("reference", "teacher", "critic")
+    batch, _ = train_batch(cfg, roles, FullCluster(), samples, torch.tensor(RUN_REWARDS), torch.ones(4, dtype=bool),
+                           step=0)
+    assert algo.name == algorithm and runs_of(batch) == [0, 0, 1, 2, 2, 3]
+    mask = batch.response_mask
+    assert batch.advantages.shape == mask.shape and bool(batch.advantages.isfinite().all())
+    assert bool((batch.advantages[mask == 0] == 0).all())
+    a = cfg.algorithm
+    expected = None
+    if algorithm in ("cispo", "grpo", "gspo", "m2po", "sapo"):
+        expected = grpo_family(a, mask, batch.sample_id)
+    elif algorithm == "rloo":
+        expected = torch.tensor(hand_group_advantages("rloo"), dtype=torch.float64)[batch.sample_id][:, None] * mask
+    elif algorithm == "opd":
+        expected = -0.2 * mask + (a.reward_coef * grpo_family(a, mask, batch.sample_id) if a.reward_coef else 0)
+    if expected is not None:
+        torch.testing.assert_close(batch.advantages.double(), expected.double(), atol=1e-5, rtol=0)
