@@ -14,6 +14,7 @@ import importlib.util
 from typing import Optional
 
 from relax.algorithms.base import Violation
+from relax.config.derive import actor_world_size
 from relax.config.schema import RelaxConfig
 
 MEGATRON_ARCHS = ("qwen3", "llama", "qwen3_moe")  # MoE rules: relax.config.moe_rules
@@ -35,12 +36,17 @@ def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
     """Every broken rule of the Megatron backend ([] unless `train.backend=megatron`)."""
     t, m = cfg.train, cfg.model
     if t.backend != "megatron":
-        return []
+        return [] if t.expert_parallel_size == 1 else [Violation(
+            ("train.expert_parallel_size", "train.backend"),
+            f"train.expert_parallel_size={t.expert_parallel_size} needs train.backend=megatron (the torch backend "
+            "trains on one device)")]
     out: list[Violation] = []
 
     def require(ok: bool, fields: str | tuple[str, ...], message: str) -> None:
         if not ok:
             out.append(Violation(fields=(fields,) if isinstance(fields, str) else fields, message=message))
+
+    out.extend(moe_violations(cfg))
 
     require(megatron_installed(), "train.backend",
             f"train.backend=megatron needs megatron-core, which is not installed: {INSTALL_HINT}")
@@ -67,6 +73,46 @@ def megatron_violations(cfg: RelaxConfig) -> list[Violation]:
             f"train.context_parallel_size={t.context_parallel_size} is not supported by train.backend=megatron: "
             "megatron-core's context parallelism runs in Transformer Engine's attention, and this backend does not "
             "split sequences over ranks yet (train.sequence_parallel splits activations within tensor parallelism)")
+    return out
+
+
+def moe_violations(cfg: RelaxConfig) -> list[Violation]:
+    """Every broken rule of a mixture-of-experts model on train.backend=megatron (docs/training.md, "Mixture of
+    experts"): the experts' spread (train.expert_parallel_size), the parallel sizes it trains at, the options it has
+    not."""
+    from relax.config.moe_rules import MOE_ARCHS  # (moe_rules imports this module)
+
+    t, m = cfg.train, cfg.model
+    out: list[Violation] = []
+
+    def require(ok: bool, fields: tuple[str, ...], message: str) -> None:
+        if not ok:
+            out.append(Violation(fields=fields, message=message))
+
+    require(t.moe_aux_loss_coef <= 0, ("train.moe_aux_loss_coef", "train.backend"),
+            f"train.moe_aux_loss_coef={t.moe_aux_loss_coef} with train.backend=megatron {NOT_BUILT}: the "
+            "load-balancing loss is the torch backend's (megatron-core's MoE layers run without one here)")
+    moe_config = m.source == "config" and m.arch in MOE_ARCHS
+    ep = t.expert_parallel_size
+    if ep != 1:
+        require(m.source != "config" or moe_config, ("train.expert_parallel_size", "model.arch"),
+                f"train.expert_parallel_size={ep} spreads the experts of a mixture-of-experts model, but "
+                f"model.arch={m.arch} is dense")
+        if moe_config:
+            require(ep >= 1 and m.num_experts % ep == 0, ("train.expert_parallel_size", "model.num_experts"),
+                    f"train.expert_parallel_size={ep} must divide model.num_experts={m.num_experts}: each "
+                    "expert-parallel rank holds as many experts")
+        world = actor_world_size(cfg)
+        require(ep >= 1 and world % ep == 0, ("train.expert_parallel_size", "cluster.actor_gpus"),
+                f"train.expert_parallel_size={ep} must divide the trainer's ranks ({world}: cluster.actor_gpus, or "
+                "tensor x pipeline parallel sizes on the CPU): the expert-parallel ranks are the model's "
+                "data-parallel ranks")
+    if moe_config:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            require(getattr(t, key) == 1, (f"train.{key}", "model.arch"),
+                    f"train.{key}={getattr(t, key)} with a mixture-of-experts model on train.backend=megatron "
+                    f"{NOT_BUILT}: MoE models train at tensor and pipeline parallel size 1 (spread the experts with "
+                    "train.expert_parallel_size)")
     return out
 
 
