@@ -117,6 +117,7 @@ VALUES: dict[str, Any] = {
     "tracking.parent_run_id": "0123456789abcdef",
     "tracking.system_metrics_interval_s": 0.05,  # samples within the probe's half second (the default: at the end only)
     "train.keep_checkpoints": 1,
+    "train.save_interval": 1,  # every step, where the base saves every second one
     "train.warmup_steps": 2,  # a warmup of 1 step is no warmup: the first step's factor is (0 + 1) / 1
     "train.backend": "megatron",
     "train.mode": "fully_async",
@@ -263,6 +264,16 @@ def other_value(key: str, value: Any) -> Any:
     if isinstance(value, float):
         return value * 2 if value else 0.05
     raise AssertionError(f"the walk has no non-default value for {key}={value!r}: add one to VALUES")
+
+
+def base_value(key: str, base: list[str], default: Any) -> Any:
+    """The field's value in the walk's base run: what the base overrides set it to (a count or a length the base
+    keeps small, such as train.num_rollout=2), else its default. The walk changes that value, so that a changed run
+    costs what the base run does (the schema's default of 60 rollouts + 1 would run 61)."""
+    text = next((o.split("=", 1)[1] for o in base if o.startswith(f"{key}=")), None)
+    if text is None or isinstance(default, bool) or not isinstance(default, int | float):
+        return default
+    return type(default)(float(text)) if isinstance(default, float) else int(text)
 
 
 def override(key: str, value: Any) -> str:
@@ -621,8 +632,8 @@ def setup(key: str, cwd: Path, overrides: list[str]) -> None:
 
 @pytest.mark.parametrize("algorithm,key,default", cases(), ids=lambda x: str(x))
 def test_every_field_is_rejected_or_changes_the_run(algorithm, key, default, workspace, baselines):
-    value = other_value(key, default)
     base = base_for(algorithm) + CONTEXT.get(key, [])
+    value = other_value(key, base_value(key, base, default))
     changed_overrides = [o for o in base if not o.startswith(f"{key}=")] + [override(key, value)]
     if key in PROBES:
         probe = globals()[PROBES[key]]
