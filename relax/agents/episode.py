@@ -65,6 +65,7 @@ class Episode:
         if self.turns >= self.max_turns:
             self.end = FinishReason.MAX_TURNS
             return None
+        # (an image observation's tokens come with its images: relax.agents.render.VisionTokens)
         obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(reply.messages, stop_token)
         if not obs:
             raise ValueError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
@@ -112,9 +113,10 @@ def item_record(item: Any) -> dict:
 class EpisodeMaker:
     """Makes the episodes of a rollout process: fresh ones for prompt items, running ones from records."""
 
-    def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int):
+    def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int,
+                 processor: Any = None):
         self.loops, self.tokenizer = loops, tokenizer
-        self.renderer = ObservationRenderer(tokenizer)
+        self.renderer = ObservationRenderer(tokenizer, processor)  # processor: image observations
         self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
         self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
 
@@ -125,6 +127,7 @@ class EpisodeMaker:
         from relax.agents.loops import AgentFactory
         from relax.agents.parsers import get_parser
         from relax.config.derive import agentic
+        from relax.data.images import is_vision_model_config, load_processor
         from relax.data.tokenizer import load_tokenizer
 
         if not agentic(cfg) or cfg.data.openai_agent:  # an OpenAI agent program runs its episodes itself
@@ -132,8 +135,9 @@ class EpisodeMaker:
         d, ro = cfg.data, cfg.rollout
         tokenizer = load_tokenizer(cfg.model)
         parser = get_parser(d.tool_parser, tokenizer)  # auto: the one of the tokenizer's chat template
+        processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
         return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser), tokenizer,
-                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors)
+                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor)
 
     def new_for(self, items: list, n: int) -> list[Episode]:
         """`n` new episodes for each of `items` (a group each, consecutive)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
+from relax.agents.grid_walk import GridWalk
 from relax.agents.guess_number import GuessNumber
 from relax.agents.parsers import CallError, ToolParser, parse_hermes
 from relax.agents.protocol import AgentLoop, Reply, as_step
@@ -18,7 +19,7 @@ from relax.agents.tools import ToolRunner, get_tools
 from relax.batch import FinishReason
 from relax.imports import resolve_component
 
-BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber}
+BUILTIN_ENVS: dict[str, Callable[[], Any]] = {"guess_number": GuessNumber, "grid_walk": GridWalk}
 
 
 class AgentSpecError(ValueError):

@@ -4,7 +4,10 @@ An **environment** (`data.env`) is a class (or a factory) called with no argumen
 - `reset(item: dict) -> None`: a new episode for a prompt item (`prompt`, `label`, `index`, ... as plain values);
   the prompt itself is the first observation the model sees;
 - `step(action: str) -> (observation: str | None, reward: float, done: bool)` (or a `Step`): the model's message of
-  one turn in, the environment's answer out. The observation is rendered as a user turn with the chat template.
+  one turn in, the environment's answer out. The observation is rendered as a user turn with the chat template. For
+  a vision-language model it may also be a list of content parts, text (`{"type": "text", "text": ...}`) and images
+  (`{"type": "image", "image": <a PIL image, a path, a data: URL or base64>}`): an image observation, rendered with
+  the template's image placeholders and expanded by the model's processor (`relax.agents.render`).
 
 An **agent loop** (`data.agent`) is for anything else: a class (or factory) with `reset(item)` and
 `turn(text: str) -> Reply`, which decides each observation itself (messages rendered with the chat template, or
@@ -31,7 +34,7 @@ END_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ENV_DONE, Fi
 
 
 class Step(NamedTuple):
-    observation: Optional[str]
+    observation: Optional[Union[str, list]]
     reward: float
     done: bool
 
@@ -72,6 +75,13 @@ def as_step(value: Any, where: str) -> Step:
         observation, reward, done = value
     except (TypeError, ValueError):
         raise TypeError(f"{where}.step returned {value!r}; expected (observation, reward, done)") from None
-    if observation is not None and not isinstance(observation, str):
-        raise TypeError(f"{where}.step: the observation must be a string or None, got {type(observation).__name__}")
+    if isinstance(observation, list):  # content parts: text and images (an image observation)
+        for part in observation:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                raise TypeError(f"{where}.step: an observation given as a list holds content parts "
+                                f"({{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': ...}}), got "
+                                f"{str(part)[:80]!r}")
+    elif observation is not None and not isinstance(observation, str):
+        raise TypeError(f"{where}.step: the observation must be a string, a list of content parts or None, got "
+                        f"{type(observation).__name__}")
     return Step(observation, float(reward), bool(done))

@@ -16,6 +16,10 @@ decoded and re-encoded, so the trainer trains exactly what the engine sampled.
 
 `check_template` tries a probe observation of each role a run writes before anything starts, and names the model and
 what its template does wrong.
+
+Image observations (a vision-language model's `processor`): messages whose content lists image parts render with the
+template's image placeholders; the model's processor then reads the observation's text with its images, expanding
+each placeholder into the image's tokens (`VisionTokens`: the token ids, with the images' vision inputs).
 """
 
 from __future__ import annotations
@@ -32,10 +36,19 @@ _PROBES = {"tool": {"role": "tool", "content": "Relax probe tool result 5f3a9c"}
 OBSERVATION_ROLES = tuple(_PROBES)
 
 
-class ObservationRenderer:
-    """`tokens(messages, stop_token)`: the token ids to append after a model turn that ended with `stop_token`."""
+class VisionTokens(list):
+    """An observation's token ids (a list) with `vision`: its images as the processor gave them
+    ({"pixel_values", "image_grid_thw", "image_tokens"}), what the engine encodes and the trainer scores."""
 
-    def __init__(self, tokenizer: Any):
+    vision: Optional[dict] = None
+
+
+class ObservationRenderer:
+    """`tokens(messages, stop_token)`: the token ids to append after a model turn that ended with `stop_token`;
+    `processor`: a vision-language model's (image observations)."""
+
+    def __init__(self, tokenizer: Any, processor: Any = None):
+        self.processor = processor
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("agentic rollouts render observations with the chat template, and this tokenizer has "
                              "none (model.path's tokenizer_config.json needs a chat_template)")
@@ -72,7 +85,38 @@ class ObservationRenderer:
         return text
 
     def tokens(self, messages: list[dict], stop_token: Optional[int]) -> list[int]:
-        return list(self.tokenizer(self.text(messages, stop_token), add_special_tokens=False)["input_ids"])
+        messages = [dict(m) if isinstance(m, dict) else m for m in messages]
+        images = _images(messages)  # (their image parts made plain {"type": "image"} in these copies)
+        if not images:
+            return list(self.tokenizer(self.text(messages, stop_token), add_special_tokens=False)["input_ids"])
+        if self.processor is None:
+            raise ValueError("an image observation for a text-only model (a vision-language model's processor reads "
+                             "its images)")
+        from relax.data.images import encode_observation
+
+        ids, vision = encode_observation(self.processor, self.text(messages, stop_token), images)
+        out = VisionTokens(ids)
+        out.vision = vision
+        return out
+
+
+def _images(messages: list[dict]) -> list[Any]:
+    """The images of `messages`' image parts, in order (their parts become `{"type": "image"}` for the template)."""
+    from relax.data.images import load_image
+
+    found = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    found.append(load_image(part.get("image"), f"observation message {i} image part"))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            m["content"] = parts
+    return found
 
 
 def observation_roles(data: Any) -> tuple[str, ...]:

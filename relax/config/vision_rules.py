@@ -19,7 +19,7 @@ from relax.config.schema import RelaxConfig
 # config.json that is one (source=hf)
 VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
-IMAGE_TASKS = ("shapes",)  # synthetic tasks whose prompts hold images (relax.data.tasks)
+IMAGE_TASKS = ("shapes", "grid_walk")  # synthetic tasks whose prompts hold images (relax.data.tasks)
 NOT_BUILT = "is not built for vision-language models yet"
 
 
@@ -79,9 +79,12 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     require(not t.pack_sequences, ("train.pack_sequences", "model.arch"),
             f"train.pack_sequences=true {NOT_BUILT}: packed rows would need the model's 3-D positions per packed "
             "sequence; micro-batches of padded rows (the default) keep each image whole in its row")
-    require(d.env is None and not d.tools and d.agent is None, ("data.env", "data.tools", "data.agent"),
-            f"multi-turn episodes (data.env, data.tools, data.agent) {NOT_BUILT}: image observations are not "
-            "rendered into the episode, and text observations after an image prompt are untested")
+    multi_turn = d.env is not None or bool(d.tools) or d.agent is not None
+    require(not multi_turn or cfg.rollout.backend != "sglang", ("data.env", "data.tools", "data.agent",
+                                                                "rollout.backend"),
+            f"multi-turn episodes (data.env, data.tools, data.agent) with rollout=sglang {NOT_BUILT}: an episode's "
+            "later turns would be sent without their images (SGLang's image_data per turn is not wired); use the "
+            "embedded rollout, which renders image observations and encodes them")
     require(d.openai_agent is None, ("data.openai_agent",),
             f"data.openai_agent {NOT_BUILT}: the training gateway does not take image content parts yet")
     require(not algorithms.get(cfg.algorithm.name).requires_critic, ("algorithm.name", "model.arch"),

@@ -304,6 +304,14 @@ def encode_image_prompt(processor: Any, messages: list[dict], images: list[Any],
             raise ValueError("data.system_prompt is set but this prompt has its own system message")
         messages = [{"role": "system", "content": system_prompt}, *messages]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids, vision = encode_observation(processor, text, images, what="prompt")
+    return text, ids, vision
+
+
+def encode_observation(processor: Any, text: str, images: list[Any],
+                       what: str = "observation") -> tuple[list[int], dict[str, torch.Tensor]]:
+    """(token ids of `text` with each image placeholder expanded by the processor, vision inputs as
+    `encode_image_prompt` gives them) of a text already rendered with the chat template and its images."""
     out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     ids = out["input_ids"][0].tolist()
     vision = {"pixel_values": out["pixel_values"].float().contiguous(),
@@ -311,10 +319,10 @@ def encode_image_prompt(processor: Any, messages: list[dict], images: list[Any],
     expected = image_token_count(processor, vision["image_grid_thw"])
     found = sum(1 for t in ids if t == processor.image_token_id)
     if found != expected:  # the template placed a different number of placeholders than images
-        raise ValueError(f"the prompt has {found} image tokens but its {len(images)} images need {expected} "
+        raise ValueError(f"the {what} has {found} image tokens but its {len(images)} images need {expected} "
                          "(the chat template must render one placeholder per image part)")
     vision["image_tokens"] = found
-    return text, ids, vision
+    return ids, vision
 
 
 def image_token_count(processor: Any, image_grid_thw: torch.Tensor) -> int:

@@ -16,6 +16,9 @@
   question: small instruct models (SmolLM2-135M) call the tool from such a prompt, and hardly without one.
 - `shapes` (images, a vision-language model: `relax.data.shapes`): an image of a coloured shape and "what colour is
   the shape?", the colour as the label.
+- `grid_walk` (images, agentic, a vision-language model: `relax.data.grid_walk`, `relax.agents.grid_walk`): the
+  image of a grid with the agent and the goal, "what is the move?"; each move is answered with the new grid's image.
+  The label is "<agent cell>,<goal cell>".
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 ARITHMETIC_TEMPLATE = "What is {a} {op} {b}? Put the final answer in \\boxed{{}}."
 ARITHMETIC_EVAL_SHARE = 0.2  # share of the distinct arithmetic problems held out for evaluation
-TASKS = ("digits", "arithmetic", "guess_number", "calculator", "shapes", "code_tests")
+TASKS = ("digits", "arithmetic", "guess_number", "calculator", "shapes", "code_tests", "grid_walk")
 # Kept to symbols and digits for the tiny tokenizer (its other words would be <|unk|>): + means the secret is higher.
 GUESS_PROMPT = "Guess the digit 0-9. + means higher, - means lower."
 CALCULATOR_SYSTEM = ('You can call a calculator tool: write <tool_call>{"name": "calculator", "arguments": '
@@ -114,6 +117,12 @@ def _generate_shapes(num: int, seed: int, split: str = "train") -> list[dict[str
     return generate_shapes(num, seed, split)
 
 
+def _generate_grid_walk(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    from relax.data.grid_walk import generate_grid_walk  # Pillow, for the image task only
+
+    return generate_grid_walk(num, seed, split)
+
+
 def _generate_code_tests(num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
     from relax.data.code_tasks import generate_code_tests
 
@@ -122,7 +131,7 @@ def _generate_code_tests(num: int, seed: int, split: str = "train") -> list[dict
 
 _GENERATORS = {"digits": generate_digits, "arithmetic": generate_arithmetic, "guess_number": generate_guess_number,
                "calculator": generate_calculator, "shapes": _generate_shapes,
-               "code_tests": _generate_code_tests}
+               "code_tests": _generate_code_tests, "grid_walk": _generate_grid_walk}
 
 
 def generate_task(task: str, num: int, seed: int, split: str = "train") -> list[dict[str, Any]]:

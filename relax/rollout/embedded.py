@@ -410,6 +410,7 @@ class EmbeddedEngine:
             if len(vision) != len(prompts):
                 raise ValueError(f"generate: {len(vision)} vision inputs for {len(prompts)} prompts")
             decoder = VisionDecoder(self.model, vision)
+            turns.observer = decoder.observe  # observations' positions and images (relax.rollout.vision)
         else:
             decoder = self._decoder()
         logits = decoder.start(ids.to(dev), mask.to(dev), P + T)  # each distinct prompt once
@@ -476,6 +477,10 @@ class EmbeddedEngine:
             if t + 1 < T:
                 logits = decoder.step(tokens)
         vision_time = getattr(decoder, "encode_time", 0.0)
+        if vision is not None:  # each row's prompt images, then its observations' (relax.rollout.vision)
+            from relax.rollout.vision import merge_vision
+
+            vision = [merge_vision(vision[r // n], decoder.added.get(r, [])) for r in range(N)]
         width = int(lengths.max())
         resp_mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         out_ids = out_ids[:, :width].cpu().masked_fill(resp_mask == 0, self.pad_token_id)
@@ -492,7 +497,7 @@ class EmbeddedEngine:
             weight_version=self.weight_version,
             dropped_mass=float(dropped_mass) / max(1, int(generated.sum())),
             sample_id=sample_ids.clone(),
-            vision=None if vision is None else [v for v in vision for _ in range(n)],
+            vision=vision,
             vision_time=vision_time,
             token_version=generated * self.weight_version,
             token_mask=None if episodes is None else resp_mask,
@@ -514,6 +519,9 @@ class _Turns:
         partial = [len(e.partial) for e in episodes] if episodes is not None else [0] * N
         self.length = torch.tensor(partial, dtype=torch.long)  # model tokens of the current turn (resumed part too)
         self.observed = torch.zeros(N, width if episodes is not None else 0, dtype=torch.long)  # 1 on observations
+        # told each observation queued: (batch row, output row, its tokens, its images or None); a vision-language
+        # model's decoder places and encodes it (relax.rollout.vision)
+        self.observer: Optional[Callable[[int, int, list[int], Optional[dict]], None]] = None
 
     def chunk(self, rows: torch.Tensor) -> int:
         """Observation tokens every row of `rows` still has to be fed (0 unless all of them have some)."""
@@ -568,6 +576,8 @@ class _Turns:
                 episode.end = FinishReason.LENGTH
                 continue
             self.pending[r] = list(obs)
+            if self.observer is not None:
+                self.observer(k, r, list(obs), getattr(obs, "vision", None))
             self.observed[r, t + 1:t + 1 + len(obs)] = 1
             self.start[r], self.length[r] = t + 1 + len(obs), 0
             going[k] = True

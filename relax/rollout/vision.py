@@ -10,11 +10,20 @@ and video placeholder tokens are never sampled (`relax.models.vision.placeholder
 
 A vision-language model decodes here whether or not a batch has images, so that its samples always come from the
 distribution the trainer scores (`Samples.vision` is then a list, None for each row without images).
+
+Observations of multi-turn episodes (`observe`, called by the engine when an episode answers a turn): their tokens
+are fed after the turn's last token, at the 3-D positions the model's own `get_rope_index` gives the observation on
+its own, shifted to start at the row's next position (text and images alike: `get_rope_index` places each segment
+after the largest position before it, so the shift is exact); an observation's images (an image observation,
+`relax.agents.render`) are encoded once when it is queued and their features scattered into the forwards that feed
+their tokens, one token at a time or in chunks. Each row's observation images are appended to its vision inputs
+(`merge_vision`), so the trainer scores the whole episode with every image in token order.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -22,24 +31,51 @@ from torch import nn
 
 from relax.batch import Samples
 from relax.metrics import IMAGE_TOKEN_FRAC, IMAGES_PER_SAMPLE, VISION_ENCODE_TIME
-from relax.models.vision import ban_placeholders, check_image_tokens, mrope_positions, stack_vision, vision_core
+from relax.models.vision import (
+    ban_placeholders,
+    check_image_tokens,
+    mrope_positions,
+    stack_vision,
+    vision_core,
+)
 from relax.rollout.decoders import GenericDecoder
+
+
+@dataclass
+class _Observation:
+    """An observation queued for one row: its tokens, their positions relative to its first one ([3, S], the
+    model's own), the position after it (relative), its image features (the vision tower's, in token order) and how
+    far feeding it got."""
+
+    tokens: list[int]
+    rel: torch.Tensor
+    after: int
+    features: Optional[torch.Tensor] = None
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+    skip: int = 1  # the turn's last token, drawn before the observation was known, is fed first (a text position)
+    base: Optional[torch.Tensor] = None  # the row's position of the observation's first token, once fed
+    fed: int = 0
+    used: int = 0  # image features scattered so far
 
 
 class VisionDecoder(GenericDecoder):
     """Prefill/decode of prompts with images; `rows`: one vision input per prompt row of `start` (None: no image).
-    `encode_time`: seconds in the vision tower."""
+    `encode_time`: seconds in the vision tower; `added`: output row -> the vision inputs of its observations."""
 
     def __init__(self, model: nn.Module, rows: list[Optional[dict]]):
         super().__init__(model)
         self.rows = rows
         self.encode_time = 0.0
+        self.queued: list[Optional[_Observation]] = []  # per batch row
+        self._output_class: type = dict
+        self.added: dict[int, list[dict]] = {}
 
     def start(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_len: int) -> torch.Tensor:
         if len(self.rows) != prompt_ids.shape[0]:
             raise ValueError(f"generate: {len(self.rows)} vision inputs for {prompt_ids.shape[0]} prompts")
         self.cache = self._new_cache()
         self.mask = prompt_mask.long()
+        self.queued = [None] * prompt_ids.shape[0]
         check_image_tokens(self.model, prompt_ids, self.rows)
         pixels, grid = stack_vision(self.rows, prompt_ids.device)
         positions, delta = mrope_positions(self.model, prompt_ids, self.mask, grid)
@@ -56,15 +92,91 @@ class VisionDecoder(GenericDecoder):
         B, S = tokens.shape
         self.mask = torch.cat([self.mask, self.mask.new_ones(B, S)], dim=1)
         text = self.pos[:, None] + torch.arange(S, device=tokens.device)[None, :]
-        logits = self._vforward(tokens, text[None].expand(3, -1, -1))
-        self.pos = self.pos + S
+        positions = text[None].expand(3, -1, -1).clone()
+        after = self.pos + S
+        features: list[torch.Tensor] = []
+        deepstack: list[list[torch.Tensor]] = []
+        image_id = int(vision_core(self.model).config.image_token_id)
+        for k, obs in enumerate(self.queued):
+            if obs is None:
+                continue
+            j = min(obs.skip, S)  # the turn's last token first, at its text position
+            obs.skip -= j
+            if j == S:
+                continue
+            if obs.base is None:
+                obs.base = self.pos[k] + j
+            n = S - j
+            fed = tokens[k, j:].tolist()
+            if fed != obs.tokens[obs.fed:obs.fed + n]:
+                raise RuntimeError(f"row {k}: fed {fed} where its observation continues with "
+                                   f"{obs.tokens[obs.fed:obs.fed + n]}")
+            positions[:, k, j:] = obs.base + obs.rel[:, obs.fed:obs.fed + n]
+            m = sum(1 for t in fed if t == image_id)
+            if m:
+                features.append(obs.features[obs.used:obs.used + m])
+                deepstack.append([d[obs.used:obs.used + m] for d in obs.deepstack])
+                obs.used += m
+            obs.fed += n
+            after[k] = obs.base + obs.after
+            if obs.fed == len(obs.tokens):
+                self.queued[k] = None
+        extra = {}
+        if features:  # the observations' images: their features, in the order of their tokens in the batch
+            kwargs = {"pooler_output": (torch.cat(features),)}
+            layers = [(torch.cat(layer),) for layer in zip(*deepstack, strict=True)]
+            if layers:  # Qwen3-VL's deepstack features of the same tokens
+                kwargs["deepstack_features"] = layers
+            encoded = self._output_class(**kwargs)  # the vision tower's own output class
+            extra = {"mm_encoder_outputs": {"image": encoded}}
+        logits = self._vforward(tokens, positions, **extra)
+        self.pos = after
         return logits
+
+    def keep(self, rows: torch.Tensor) -> None:
+        super().keep(rows)
+        self.queued = [self.queued[i] for i in rows.tolist()]
+
+    def observe(self, k: int, r: int, tokens: list[int], vision: Optional[dict]) -> None:
+        """Batch row `k` (output row `r`) is fed `tokens` after the token it just drew; `vision`: the images the
+        tokens hold (None: none), encoded now."""
+        dev = self.mask.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        grid = None if vision is None else vision["image_grid_thw"].to(dev)
+        check_image_tokens(self.model, ids, [vision])
+        rel, delta = mrope_positions(self.model, ids, torch.ones_like(ids), grid)
+        obs = _Observation(tokens=list(tokens), rel=rel[:, 0].to(self.pos.dtype), after=len(tokens) + int(delta))
+        if vision is not None:
+            t0 = time.perf_counter()
+            encoded = vision_core(self.model).get_image_features(vision["pixel_values"].to(dev), grid,
+                                                                 return_dict=True)
+            self.encode_time += time.perf_counter() - t0
+            self._output_class = type(encoded)
+            obs.features = torch.cat(encoded.pooler_output)
+            obs.deepstack = [torch.cat(layer) for layer in (getattr(encoded, "deepstack_features", None) or [])]
+            self.added.setdefault(r, []).append(vision)
+        self.queued[k] = obs
 
     def _vforward(self, ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
         kwargs = {self._cache_kw: self.cache}
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **kwargs, **extra)
         return ban_placeholders(out.logits[:, -1], self.model)  # never sampled (relax.models.vision)
+
+
+def merge_vision(first: Optional[dict], more: list[dict]) -> Optional[dict]:
+    """One row's vision inputs: `first` (its prompt's, or None) and then `more` (its observations'), in token order."""
+    parts = ([first] if first is not None else []) + list(more)
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    out = {"pixel_values": torch.cat([p["pixel_values"] for p in parts]),
+           "image_grid_thw": torch.cat([p["image_grid_thw"] for p in parts]),
+           "image_tokens": sum(int(p["image_tokens"]) for p in parts)}
+    if all(p.get("image_data") for p in parts):
+        out["image_data"] = [u for p in parts for u in p["image_data"]]
+    return out
 
 
 def prompt_vision(items: Optional[list]) -> Optional[list]:

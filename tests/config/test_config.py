@@ -54,7 +54,7 @@ NOT_BUILT_OPTIONS: dict[tuple[str, str], str] = {}
 # A teacher option acts with distillation only, which needs a teacher.
 WITH = {("data", "gsm8k"): ["model=qwen3_0.6b"], ("rollout", "sglang"): ["rollout.sglang.server=embedded"],
         ("teacher", "smollm2_135m"): ["algorithm=opd"], ("algorithm", "opd"): ["teacher.path=some/teacher"],
-        ("data", "shapes"): ["model=tiny_vl"]}  # an image task: a vision-language model
+        ("data", "shapes"): ["model=tiny_vl"], ("data", "grid_walk"): ["model=tiny_vl"]}  # image tasks: a VL model
 
 
 def test_every_group_option_composes():
@@ -266,7 +266,7 @@ def test_num_prompts_sizes_every_generated_task_and_only_those():
     from relax.data.tasks import TASKS
 
     for task in TASKS:
-        model = ["model=tiny_vl"] if task == "shapes" else []  # an image task: a vision-language model
+        model = ["model=tiny_vl"] if task in ("shapes", "grid_walk") else []  # image tasks: a vision-language model
         assert load_config([f"data={task}", "data.num_prompts=8", *model]).data.num_prompts == 8
     with pytest.raises(ConfigError, match="data.num_prompts"):
         load_config(["data=gsm8k", "data.num_prompts=8"])

@@ -1,0 +1,102 @@
+"""Image observations in multi-turn episodes (relax.agents.grid_walk, relax.agents.render, relax.rollout.vision): the
+environment answers each turn with an image of the new grid, rendered with the template's image placeholder and
+expanded by the processor; the embedded engine encodes each observation's image and places it at the model's own 3-D
+positions; the trainer's log-probs of every turn's tokens equal the engine's (fp32), and with the observations'
+images blanked on the trainer's side they do not (the negative control)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from relax.agents.episode import EpisodeMaker
+from relax.agents.loops import AgentFactory
+from relax.batch import TrainBatch
+from relax.config.schema import ModelConfig, TrainConfig
+from relax.data.datasets import PromptDataset
+from relax.data.grid_walk import generate_grid_walk
+from relax.data.images import VisionData, build_tiny_vl_processor, build_tiny_vl_tokenizer, image_token_count
+from relax.models.hf import build_model
+from relax.rollout.embedded import EmbeddedEngine
+from relax.rollout.vision import prompt_vision
+from relax.train.torch_policy import TorchPolicy
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_vl_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer):
+    return build_tiny_vl_processor(tokenizer)
+
+
+def _episodes(tokenizer, processor, items, n):
+    maker = EpisodeMaker(AgentFactory("grid_walk", [], None, None), tokenizer, max_turns=4, max_tool_errors=1,
+                         processor=processor)
+    return maker.new_for(items, n)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_trainer_logprobs_equal_the_engines_over_every_turn_with_image_observations(arch, tokenizer, processor):
+    records = [(r, f"grid:{i}") for i, r in enumerate(generate_grid_walk(2, seed=0))]
+    items = list(PromptDataset.from_records(records, tokenizer, vision=VisionData(processor)))
+    cfg = ModelConfig(name="tiny_vl", arch=arch, dtype="float32")
+    policy = TorchPolicy(cfg, TrainConfig(), vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, seed=3,
+                         device="cpu")
+    # a turn also ends at any digit (a move): the rows' turns end apart
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    engine = EmbeddedEngine(build_model(cfg, len(tokenizer), tokenizer.pad_token_id, seed=3),
+                            eos_token_ids=[tokenizer.eos_token_id, *digits], pad_token_id=tokenizer.pad_token_id)
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    # one row (its observations fed in chunks), then two prompts twice each (rows whose turns end apart: their
+    # observations fed one token a step beside other rows' sampling)
+    for some, n in ((items[:1], 1), (items, 2)):
+        out = engine.generate([i.prompt_ids for i in some], n_samples_per_prompt=n, max_new_tokens=56, seed=0,
+                              episodes=_episodes(tokenizer, processor, some, n), turn_limit=3,
+                              vision=prompt_vision(some))
+        turns = [e["turns"] for e in out.episodes]
+        assert max(turns) >= 2, turns  # observations were fed
+        ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
+        mask = torch.cat([out.prompt_mask, out.present()], dim=1).bool()
+        for row, v in enumerate(out.vision):  # the image tokens of prompt and observations = the processor's count
+            assert int(((ids[row] == image_id) & mask[row]).sum()) == image_token_count(processor, v["image_grid_thw"])
+            assert v["image_grid_thw"].shape[0] >= 1 + (out.episodes[row]["turns"] - 1) * (
+                out.episodes[row]["end"] != "abort")
+        generated = out.response_mask.bool()
+        starts = {int((out.token_mask[r].bool() & ~generated[r]).nonzero()[0]) for r in range(len(out))
+                  if out.episodes[r]["turns"] > 1}
+        assert len(starts) >= min(len(out), 2), starts  # (one row; rows whose first observations start apart)
+        logp = policy.compute_logprobs(out, micro_batch_size=len(out))
+        assert float((logp - out.rollout_logp)[generated].abs().max()) < 1e-5
+        # negative control: the observations' images blanked (the prompt's kept): the turns after them disagree
+        blank = []
+        for v, item in zip(out.vision, [i for i in some for _ in range(n)], strict=True):
+            k = item.vision["pixel_values"].shape[0]
+            pixels = v["pixel_values"].clone()
+            pixels[k:] = 0
+            blank.append({**v, "pixel_values": pixels})
+        other = policy.compute_logprobs(TrainBatch.from_samples(out).with_(vision=blank), micro_batch_size=len(out))
+        first_obs = out.token_mask.bool() & ~out.response_mask.bool()
+        after = first_obs.cumsum(1) > 0
+        assert float((other - out.rollout_logp)[generated & after].abs().max()) > 1e-3
+        assert float((other - out.rollout_logp)[generated & ~after].abs().max()) < 1e-5
+
+
+@pytest.mark.slow
+def test_relax_train_on_grid_walk_scores_every_turn_with_its_images(in_process, small_run, tmp_path):
+    """`relax-train model=tiny_vl data=grid_walk` (sync, in this process) for 2 steps: episodes of several turns
+    whose observations are images; the trainer's old log-probs equal the engine's (fp32)."""
+    from relax.config import load_config
+    from relax.metrics import IMAGES_PER_SAMPLE, TRAIN_ROLLOUT_LOGP_ABS_DIFF, TURNS_MEAN
+    from relax.runner.train import run
+
+    cfg = load_config(small_run("model=tiny_vl", "data=grid_walk", "model.dtype=float32", "algorithm.use_tis=true",
+                                "tracking.enabled=false", "rollout.rollout_batch_size=2",
+                                "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4"))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert [s for s, _ in result.history] == [0, 1]
+    for _, m in result.history:
+        assert m[TURNS_MEAN] > 1 and m[IMAGES_PER_SAMPLE] > 1  # observations were images
+        assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-5
