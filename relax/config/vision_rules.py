@@ -76,9 +76,6 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     require(t.backend != "megatron", ("train.backend", "model.arch"),
             f"train.backend=megatron {NOT_BUILT}: megatron-core's multimodal model is not wired to Relax's trainer; "
             "use train.backend=torch")
-    require(not t.pack_sequences, ("train.pack_sequences", "model.arch"),
-            f"train.pack_sequences=true {NOT_BUILT}: packed rows would need the model's 3-D positions per packed "
-            "sequence; micro-batches of padded rows (the default) keep each image whole in its row")
     multi_turn = d.env is not None or bool(d.tools) or d.agent is not None
     require(not multi_turn or cfg.rollout.backend != "sglang", ("data.env", "data.tools", "data.agent",
                                                                 "rollout.backend"),

@@ -335,9 +335,11 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
     `relax.models.hf.token_logprobs` up to float rounding.
     """
     if mb.vision is not None or is_vision_model(model):  # the model's own multimodal forward (relax.models.vision)
-        if packed:
-            raise ValueError("train.pack_sequences=true: packing rows with images is not built (validation rejects it "
-                             "for a vision-language model)")
+        if packed:  # one row without padding, each sequence's own 3-D positions (relax.train.vision_packing)
+            from relax.train.vision_packing import packed_vision_logprobs
+
+            with autocast(device, compute_dtype):
+                return packed_vision_logprobs(model, mb, device, temperature=temperature, entropy=entropy)
         ids, mask, P, T = trimmed_sequences(mb)
         rows = mb.vision if mb.vision is not None else [None] * len(mb)
         with autocast(device, compute_dtype):
