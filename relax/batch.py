@@ -322,6 +322,8 @@ def extend_responses(prefix: Samples, continuation: Samples, pad_token_id: int =
         response_mask=generated,
         token_mask=mask if episodic else None,
         episodes=continuation.episodes if continuation.episodes is not None else prefix.episodes,
+        # a row's images: the prompt's and its observations' so far, which the continuation's carry on
+        vision=continuation.vision if continuation.vision is not None else prefix.vision,
         rollout_logp=logp,
         finish_reason=list(continuation.finish_reason),
         weight_version=min(prefix.weight_version, continuation.weight_version),

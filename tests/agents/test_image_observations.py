@@ -100,3 +100,42 @@ def test_relax_train_on_grid_walk_scores_every_turn_with_its_images(in_process, 
     for _, m in result.history:
         assert m[TURNS_MEAN] > 1 and m[IMAGES_PER_SAMPLE] > 1  # observations were images
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-5
+
+
+def test_an_episode_with_image_observations_interrupted_and_continued_is_scored_with_every_image(tokenizer,
+                                                                                                 processor):
+    """Partial rollout: episodes aborted mid-way (an image observation already appended) and continued from their
+    prefix keep every image (the prompt's, the observations' before and after the abort); the trainer's log-probs equal
+    the engine's over both parts."""
+    from relax.batch import continuation, extend_responses
+
+    records = [(r, f"grid:{i}") for i, r in enumerate(generate_grid_walk(2, seed=1))]
+    items = list(PromptDataset.from_records(records, tokenizer, vision=VisionData(processor)))
+    cfg = ModelConfig(name="tiny_vl", arch="qwen2_5_vl", dtype="float32")
+    policy = TorchPolicy(cfg, TrainConfig(), vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, seed=3,
+                         device="cpu")
+    engine = EmbeddedEngine(build_model(cfg, len(tokenizer), tokenizer.pad_token_id, seed=3),
+                            eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    maker = EpisodeMaker(AgentFactory("grid_walk", [], None, None), tokenizer, max_turns=4, max_tool_errors=1,
+                         processor=processor)
+    steps = iter(range(10_000))
+    partial = engine.generate([i.prompt_ids for i in items], n_samples_per_prompt=2, max_new_tokens=60, seed=0,
+                              episodes=maker.new_for(items, 2), turn_limit=3, vision=prompt_vision(items),
+                              should_abort=lambda: next(steps) >= 3)  # in the second turn: past an observation
+    assert set(partial.finish_reason) == {"abort"}
+    assert all(v["image_grid_thw"].shape[0] >= 2 for v in partial.vision)  # an observation's image already in
+    job = continuation(partial, 60)
+    more = engine.generate(job.prompts, seed=0, sample_ids=job.sample_ids, positions=job.positions,
+                           budgets=job.budgets, max_new_tokens=int(job.budgets.max()), turn_limit=3,
+                           episodes=[maker.restore(e) for e in partial.episodes], vision=partial.vision)
+    out = extend_responses(partial, more, pad_token_id=tokenizer.pad_token_id)
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids = torch.cat([out.prompt_ids, out.response_ids], dim=1)
+    present = torch.cat([out.prompt_mask, out.present()], dim=1).bool()
+    for row, v in enumerate(out.vision):
+        assert int(((ids[row] == image_id) & present[row]).sum()) == image_token_count(processor, v["image_grid_thw"])
+    assert max(v["image_grid_thw"].shape[0] for v in out.vision) > min(v["image_grid_thw"].shape[0]
+                                                                       for v in partial.vision)
+    generated = out.response_mask.bool()
+    logp = policy.compute_logprobs(out, micro_batch_size=len(out))
+    assert float((logp - out.rollout_logp)[generated].abs().max()) < 1e-5

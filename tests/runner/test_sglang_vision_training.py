@@ -1,5 +1,5 @@
 """`relax-train model=tiny_vl data=shapes rollout=sglang` end to end on CPU: the shape prompts' images travel as
-SGLang's `image_data` to two embedded servers behind the real sglang-router (Ray actors, real HTTP), and the trainer
+SGLang's `image_data` to an embedded server behind the real sglang-router (a Ray actor, real HTTP), and the trainer
 scores the servers' tokens with the same images (tests/sglang/test_image_data.py checks the parity request by request
 and its negative control: blank images)."""
 
