@@ -14,7 +14,7 @@ best hide the shorter phase behind the longer one.
     python bench/async_modes.py --steps 12 rollout.max_response_len=16     # other work: any relax-train override
     python bench/async_modes.py --steps 8 --reps 1 --judged                # rewards that take time (see `judged`)
     python bench/async_modes.py --modes sync,fully_async,fully_async_unstaged model=smollm2_135m ...  # staging
-    python bench/async_modes.py --disjoint-cores --modes sync,hybrid,fully_async   # rollout and actor on own cores
+    python bench/async_modes.py --disjoint-cores --modes sync,hybrid,fully_async   # rollout, actor on own cores
 
 `--disjoint-cores` gives the rollout the first half of this machine's usable cores and the actor the other half
 (`cluster.role_cores`, docs/operations.md), as GPUs give each role a device of its own: in every mode, sync
@@ -66,6 +66,9 @@ def judged(response: str, label: str) -> float:
 # The default work: the tiny model on the digits task, with long enough responses that generating a batch takes
 # about as long as training on it (sync's rollout and train phases are printed to check).
 WORK = ["model=tiny", "algorithm=grpo", "rollout.max_response_len=32", "train.micro_batch_size=64"]
+# The same with the rollout and the actor on a core each (--disjoint-cores): the engine on one core is relatively
+# slower than the trainer, so shorter responses balance the phases (sync's train and rollout idle ~50% each).
+DISJOINT_WORK = ["model=tiny", "algorithm=grpo", "rollout.max_response_len=20", "train.micro_batch_size=64"]
 
 
 def disjoint_cores() -> str | None:
@@ -132,13 +135,12 @@ def main() -> None:
     unknown = [m for m in modes if m not in MODES]
     if unknown or "sync" not in modes:
         ap.error(f"--modes: {unknown or 'sync missing'} (known: {', '.join(MODES)}; sync is the baseline)")
-    cores = []
+    cores, work = [], a.overrides or WORK
     if a.disjoint_cores:
         if (override := disjoint_cores()) is None:
             ap.error("--disjoint-cores needs two usable cores at least")
-        cores = [override]
-    r = compare([*(a.overrides or WORK), *(JUDGED if a.judged else []), *cores], a.steps, a.reps, a.warmup,
-                modes=modes)
+        cores, work = [override], a.overrides or DISJOINT_WORK
+    r = compare([*work, *(JUDGED if a.judged else []), *cores], a.steps, a.reps, a.warmup, modes=modes)
     for mode in modes:
         print(f"{mode:<12} {r[mode]['samples_per_s'].median:7.1f} samples/s  x{r['speedup'][mode].median:.2f} vs sync  "
               f"train idle {r[mode]['train_idle'].median:.0%}  rollout idle {r[mode]['rollout_idle'].median:.0%}")

@@ -146,8 +146,10 @@ def settings(mode: str) -> Settings:
         + ([] if quick else [(["model=smollm2_135m", "data=arithmetic", "rollout.rollout_batch_size=4",
                                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=32"], 4)]),
         modes_runs=[(async_modes.WORK, 10 if quick else 16, 1 if quick else 2, tuple(async_modes.MODES))]
-        # the same work with the rollout and the actor on disjoint cores (cluster.role_cores), where overlap can pay
-        + ([([*async_modes.WORK, cores], 10 if quick else 16, 1 if quick else 2, ("sync", "hybrid", "fully_async"))]
+        # the rollout and the actor on disjoint cores (cluster.role_cores), where overlap can pay; on one core each the
+        # engine is relatively slower, so shorter responses balance the phases (sync's idle shares: ~50% each)
+        + ([(async_modes.DISJOINT_WORK + [cores], 10 if quick else 16, 1 if quick else 2,
+             ("sync", "hybrid", "fully_async", "fully_async_rollout_logp"))]
            if (cores := async_modes.disjoint_cores()) is not None else []),
         sglang_runs=[(["model=tiny"], dict(prompts=8, group=8, new_tokens=32, reps=reps)),
                      (["model=smollm2_135m", "model.source=gguf"], dict(prompts=4, group=8, new_tokens=32, reps=3))],
