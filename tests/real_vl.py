@@ -254,6 +254,13 @@ def vl_config(arch: str, real_size: bool = False) -> Any:
     return config
 
 
+PROCESSOR_CLASS = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+
+
+def _update_json(path: Path, **fields: Any) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}, indent=2))
+
+
 def write_vl_dir(path: Path, arch: str, *, real_size: bool = False, seed: int = 0, device: str = "cpu",
                  dtype: Any = None) -> Path:
     """An HF directory of `arch` (random weights from `vl_config` under `seed`), its image processor with the
@@ -271,5 +278,9 @@ def write_vl_dir(path: Path, arch: str, *, real_size: bool = False, seed: int = 
     Qwen2VLImageProcessorPil(**PREPROCESSOR[arch]).save_pretrained(str(path))
     tokenizer = qwen_vl_tokenizer(arch)
     tokenizer.save_pretrained(str(path))
+    # the class names the published files carry, so that AutoProcessor / AutoTokenizer of other versions (a real
+    # SGLang server's transformers) read the directory as they read the checkpoint
+    _update_json(path / "preprocessor_config.json", processor_class=PROCESSOR_CLASS[arch])
+    _update_json(path / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast")
     (path / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATES[arch]}))
     return path
