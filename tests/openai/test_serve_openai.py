@@ -8,7 +8,7 @@ import openai
 import pytest
 import requests
 import torch
-from sglang.test_conformance import logps, relax_serve, trainer_logprobs
+from sglang.test_conformance import every_next_logprob, logps, relax_serve, trainer_logprobs
 
 from relax.serve.sglang.request import row_stream
 
@@ -80,7 +80,7 @@ def test_top_logprobs_are_the_likeliest_tokens(served, client):
     prompt = template(tok, USER)
     ids = native(url, prompt, 2, 0, max_new_tokens=3)["output_ids"]
     for i, t in enumerate(r.choices[0].logprobs.content):
-        every = torch.tensor([float(trainer_logprobs(model, prompt + ids[:i], [v], 1.0)[0]) for v in range(len(tok))])
+        every = torch.tensor(every_next_logprob(model, prompt + ids[:i], len(tok), 1.0))
         best = every.topk(2)
         assert [a.token for a in t.top_logprobs] == [tok.decode([int(v)]) for v in best.indices]
         assert [a.logprob for a in t.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-4)

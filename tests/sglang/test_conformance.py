@@ -186,6 +186,16 @@ def trainer_logprobs(model, prompt: list[int], response: list[int], temperature:
 
 
 @torch.no_grad()
+def every_next_logprob(model, context: list[int], vocab: int, temperature: float) -> list[float]:
+    """The trainer's log-prob of each of the first `vocab` tokens after `context`, by brute force: every token scored
+    as a one-token response (`trainer_logprobs`' code), all of them as one batch."""
+    from relax.models.hf import token_logprobs
+
+    ids = torch.tensor([context + [v] for v in range(vocab)])
+    return token_logprobs(model, ids, torch.ones_like(ids), len(context), 1, temperature=temperature)[:, 0].tolist()
+
+
+@torch.no_grad()
 def direct_logprobs(model, ids: list[int], temperature: float) -> torch.Tensor:
     """[len(ids), V]: log-softmax of the model's logits at each position (row k: the distribution of token k+1)."""
     return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float() / temperature, dim=-1)
@@ -422,8 +432,7 @@ def test_top_logprobs_are_the_likeliest_tokens_of_the_trainers_distribution(url,
     assert len(top) == len(tokens) == 5
     vocab = models["initial"].get_input_embeddings().weight.shape[0]
     for i, alts in enumerate(top):
-        every = [float(trainer_logprobs(models["initial"], PROMPT + tokens[:i], [v], temperature or 1.0)[0])
-                 for v in range(vocab)]
+        every = every_next_logprob(models["initial"], PROMPT + tokens[:i], vocab, temperature or 1.0)
         best = sorted(range(vocab), key=lambda v: -every[v])[:3]
         assert [a[1] for a in alts] == best
         assert [a[0] for a in alts] == pytest.approx([every[v] for v in best], abs=1e-4)
