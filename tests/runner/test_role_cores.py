@@ -30,7 +30,7 @@ def allowed_cores(pid: int) -> set[tuple[int, ...]]:
 
 
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")
-def test_each_role_runs_on_its_cores(small_run, tmp_path, monkeypatch):
+def test_each_role_runs_on_its_cores(ray_local, small_run, tmp_path, monkeypatch):
     seen: dict[str, tuple[dict, set]] = {}
     placement = Cluster.cpu_placement
 
