@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput
-from relax.batch import Samples
+from relax.batch import EpisodeRow, Samples, episode_samples
 
 BRANCH_ROWS = "branch_rows"  # the episode record's key of a run's other rows (relax.serve.openai.agents)
 
@@ -72,37 +72,25 @@ def _lists(samples: Samples, i: int) -> dict:
 
 def _rows_as_samples(rows: list[dict], base: Samples, run: list[int], records: list, pad_token_id: int) -> Samples:
     """`rows` (lists, as `_lists` gives them) as `Samples`, each with the sample id and finish reason of its run (a row
-    of `base`)."""
+    of `base`) and `base`'s other fields."""
     if base.vision is not None or base.routed_experts is not None:
         raise ValueError("branch rows: images and routed experts are not carried by the gateway's rows")
-    N, P = len(rows), max(len(r["prompt"]) for r in rows)
-    T = max([len(r["ids"]) for r in rows] + [1])
-    prompt_ids = torch.full((N, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(N, P, dtype=torch.long)
-    ids = torch.full((N, T), pad_token_id, dtype=torch.long)
-    logp = torch.zeros(N, T, dtype=torch.float32)
-    generated = torch.zeros(N, T, dtype=torch.long)
-    present = torch.zeros(N, T, dtype=torch.long)
-    version = torch.zeros(N, T, dtype=torch.long)
+    built = episode_samples(
+        [EpisodeRow(r["prompt"], r["ids"], r["logp"], r["generated"],
+                    [v * g for v, g in zip(r["version"], r["generated"], strict=True)], base.finish_reason[j], rec)
+         for r, j, rec in zip(rows, run, records, strict=True)],
+        torch.tensor(run, dtype=torch.long), pad_token_id)
     saved = None
     if any("saved_old_logp" in r for r in rows):
-        saved = torch.full((N, T), float("nan"))
-    for i, r in enumerate(rows):
-        n, p = len(r["ids"]), len(r["prompt"])
-        prompt_ids[i, P - p:] = torch.tensor(r["prompt"], dtype=torch.long)
-        prompt_mask[i, P - p:] = 1
-        if n:
-            ids[i, :n] = torch.tensor(r["ids"], dtype=torch.long)
-            logp[i, :n] = torch.tensor(r["logp"], dtype=torch.float32)
-            generated[i, :n] = torch.tensor(r["generated"], dtype=torch.long)
-            version[i, :n] = torch.tensor(r["version"], dtype=torch.long) * generated[i, :n]
-            present[i, :n] = 1
-            if saved is not None and "saved_old_logp" in r:
-                saved[i, :n] = torch.tensor(r["saved_old_logp"], dtype=torch.float32)
+        saved = torch.full(built.response_ids.shape, float("nan"))
+        for i, r in enumerate(rows):
+            if "saved_old_logp" in r and r["ids"]:
+                saved[i, :len(r["ids"])] = torch.tensor(r["saved_old_logp"], dtype=torch.float32)
     sid = None if base.sample_id is None else base.sample_id[torch.tensor(run, dtype=torch.long)].clone()
-    return replace(base, prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=generated,
-                   rollout_logp=logp, finish_reason=[base.finish_reason[j] for j in run], sample_id=sid,
-                   token_version=version, saved_old_logp=saved, token_mask=present, episodes=records, vision=None,
+    return replace(base, prompt_ids=built.prompt_ids, prompt_mask=built.prompt_mask, response_ids=built.response_ids,
+                   response_mask=built.response_mask, rollout_logp=built.rollout_logp,
+                   finish_reason=built.finish_reason, sample_id=sid, token_version=built.token_version,
+                   saved_old_logp=saved, token_mask=built.token_mask, episodes=records, vision=None,
                    routed_experts=None)
 
 
