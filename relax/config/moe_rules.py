@@ -1,13 +1,14 @@
 """Rules of mixture-of-experts models (model.arch=qwen3_moe, rollout.routing_replay, rollout.record_routes,
 train.moe_aux_loss_coef) and of the parity gate (train.mismatch_gate); docs/training.md, "Mixture of experts" and
-"Parity gate". Pure: reads the config only. A model read from files (`model.source=hf`) is checked again when the
-trainer starts, against the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE router, no
-replay).
+"Parity gate" (MoE models on the Megatron backend, train.expert_parallel_size: `relax.config.megatron_rules`). Pure:
+reads the config only. A model read from files (`model.source=hf`) is checked again when the trainer starts, against
+the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE router, no replay).
 """
 
 from __future__ import annotations
 
 from relax.algorithms.base import Violation
+from relax.config.derive import agentic
 from relax.config.megatron_rules import NOT_BUILT
 from relax.config.schema import ModelConfig, RelaxConfig
 
@@ -40,18 +41,21 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
         require(m.source != "config" or m.arch in MOE_ARCHS, (name, "model.arch"),
                 f"{name} acts on a mixture-of-experts model, but model.arch={m.arch} is dense (model=tiny_moe, or a "
                 "Qwen3-MoE checkpoint such as model=qwen3_30b_a3b)")
-        require(t.backend == "torch", (name, "train.backend"),
-                f"{name} with train.backend={t.backend} {NOT_BUILT}: MoE models train on the torch backend (the "
-                "Megatron backend has no MoE converter or router replay yet)")
     routes = ro.routing_replay or ro.record_routes
     require(not (ro.routing_replay and ro.record_routes), "rollout.record_routes",
             "rollout.record_routes=true has no effect with rollout.routing_replay=true (replay records the routes "
             "too)")
     if routes:
         name = "rollout.routing_replay" if ro.routing_replay else "rollout.record_routes"
-        require(ro.backend == "embedded", (name, "rollout.backend"),
-                f"{name} with rollout.backend={ro.backend} {NOT_BUILT}: the embedded engine records the routed "
-                "experts; the SGLang path does not carry them to the trainer yet")
+        require(ro.backend == "embedded" or not agentic(cfg), (name, "rollout.backend", "data.env"),
+                f"{name} with rollout.backend={ro.backend} and agentic data {NOT_BUILT}: SGLang's routed experts "
+                "are read for single-turn rollouts; episodes over SGLang (a request per turn) do not join them yet")
+        require(ro.backend == "embedded" or ro.sglang.server == "embedded" or bool(ro.sglang.urls),
+                (name, "rollout.sglang.server"),
+                f"{name} with rollout.sglang.server={ro.sglang.server} {NOT_BUILT}: SGLang answers routed experts "
+                "only to requests that carry return_routed_experts, which the sglang-router in front of the servers "
+                "(0.3.2) drops; the embedded servers (rollout.sglang.server=embedded) answer them to every request "
+                "(servers at rollout.sglang.urls are checked by their first answer)")
         require(not ro.partial_rollout, (name, "rollout.partial_rollout"),
                 f"{name} with rollout.partial_rollout=true {NOT_BUILT}: a continued response's routes (the prefix "
                 "re-read under newer weights) are not joined yet")

@@ -70,10 +70,18 @@ def test_gate_skips_rollouts_past_its_bound(in_process, small_run, tmp_path, mon
 
 @pytest.mark.parametrize("overrides,field", [
     (["rollout.routing_replay=true"], "model.arch"),  # a dense model
-    (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang"], "rollout.backend"),
-    (["model=tiny_moe", "rollout.routing_replay=true", "train.backend=megatron"], "train.backend"),
+    (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang", "rollout.sglang.server=embedded",
+      "data=guess_number"], "rollout.backend"),  # episodes over SGLang
+    (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang", "rollout.sglang.server=sglang"],
+     "rollout.sglang.server"),  # sglang-router 0.3.2 drops return_routed_experts
     (["model=tiny_moe", "rollout.routing_replay=true", "train.mode=fully_async", "rollout.partial_rollout=true"],
      "rollout.partial_rollout"),
+    (["model=tiny_moe", "train.backend=megatron", "train.moe_aux_loss_coef=0.01"], "train.moe_aux_loss_coef"),
+    (["train.expert_parallel_size=2"], "train.backend"),  # the torch backend
+    (["train.backend=megatron", "train.expert_parallel_size=2"], "model.arch"),  # a dense model
+    (["model=tiny_moe", "train.backend=megatron", "train.expert_parallel_size=3"], "model.num_experts"),
+    (["model=tiny_moe", "train.backend=megatron", "train.expert_parallel_size=2"], "cluster.actor_gpus"),  # 1 rank
+    (["model=tiny_moe", "train.backend=megatron", "train.tensor_parallel_size=2"], "train.tensor_parallel_size"),
     (["model=tiny_moe", "rollout.routing_replay=true", "model.gradient_checkpointing=true"],
      "model.gradient_checkpointing"),
     (["model=tiny_moe", "rollout.routing_replay=true", "rollout.record_routes=true"], "rollout.record_routes"),
@@ -88,3 +96,14 @@ def test_bad_moe_and_gate_options_are_rejected_naming_the_field(overrides, field
     with pytest.raises(ConfigError) as err:
         load_config(overrides)
     assert any(field in v.fields for v in err.value.violations), str(err.value)
+
+
+def test_megatron_and_sglang_take_moe_models_with_replay():
+    """model=tiny_moe on train.backend=megatron, replaying or recording routes, and over rollout=sglang with the
+    embedded servers, validates (tests/megatron and tests/sglang check what they then do)."""
+    for option in ("rollout.routing_replay=true", "rollout.record_routes=true"):
+        cfg = load_config(["model=tiny_moe", "train.backend=megatron", option])
+        assert cfg.train.backend == "megatron" and cfg.model.arch == "qwen3_moe"
+    cfg = load_config(["model=tiny_moe", "rollout=sglang", "rollout.sglang.server=embedded",
+                       "rollout.routing_replay=true"])  # single-turn over SGLang's protocol (tests/sglang)
+    assert cfg.rollout.backend == "sglang"
