@@ -56,9 +56,6 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
                 "only to requests that carry return_routed_experts, which the sglang-router in front of the servers "
                 "(0.3.2) drops; the embedded servers (rollout.sglang.server=embedded) answer them to every request "
                 "(servers at rollout.sglang.urls are checked by their first answer)")
-        require(not ro.partial_rollout, (name, "rollout.partial_rollout"),
-                f"{name} with rollout.partial_rollout=true {NOT_BUILT}: a continued response's routes (the prefix "
-                "re-read under newer weights) are not joined yet")
         require(cfg.data.openai_agent is None, (name, "data.openai_agent"),
                 f"{name} with data.openai_agent {NOT_BUILT}: gateway sessions do not carry routed experts")
         require(not (ro.routing_replay and m.gradient_checkpointing),

@@ -74,8 +74,6 @@ def test_gate_skips_rollouts_past_its_bound(in_process, small_run, tmp_path, mon
       "data=guess_number"], "rollout.backend"),  # episodes over SGLang
     (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang", "rollout.sglang.server=sglang"],
      "rollout.sglang.server"),  # sglang-router 0.3.2 drops return_routed_experts
-    (["model=tiny_moe", "rollout.routing_replay=true", "train.mode=fully_async", "rollout.partial_rollout=true"],
-     "rollout.partial_rollout"),
     (["model=tiny_moe", "train.backend=megatron", "train.moe_aux_loss_coef=0.01"], "train.moe_aux_loss_coef"),
     (["train.expert_parallel_size=2"], "train.backend"),  # the torch backend
     (["train.backend=megatron", "train.expert_parallel_size=2"], "model.arch"),  # a dense model
