@@ -78,6 +78,9 @@ def test_sized_down_qwen2_5_vl_trains_two_steps_on_the_embedded_rollout(in_proce
     assert trained_batches
 
 
+# a Ray graph, a server and the router (tens of seconds on two shared cores): tiny_vl's run over SGLang
+# (tests/runner/test_sglang_vision_training.py) is CI's; this one runs with RELAX_MATRIX=1 (README, "Contributing")
+@pytest.mark.matrix
 def test_sized_down_qwen3_vl_trains_two_steps_over_sglang(ray_local, small_run, tmp_path):
     """rollout=sglang: the images travel as SGLang's image_data to an embedded server (relax-serve, its own
     process) behind the real sglang-router; tests/gpu/test_real_vl_gpu.py runs a real SGLang server."""
