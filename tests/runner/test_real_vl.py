@@ -38,7 +38,7 @@ PARITY = 1e-5  # fp32: the trainer's and the engine's log-probs of the sampled t
 
 def smoke_overrides(model_dir, arch: str, *extra: str) -> list[str]:
     return [f"model={CONF[arch]}", f"model.path={model_dir}", "data=shapes", "model.dtype=float32",
-            "rollout.max_prompt_len=512", "rollout.rollout_batch_size=2", "rollout.temperature=1.0", "train.lr=1e-3",
+            "rollout.rollout_batch_size=2", "rollout.temperature=1.0", "train.lr=1e-3",
             # an untrained policy earns the same reward on every sample (zero advantages): the entropy bonus gives
             # the text model a gradient, so that the step shows one reaching it
             "algorithm.entropy_coef=0.01", *extra]
