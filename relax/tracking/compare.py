@@ -208,10 +208,31 @@ def _seed_key(run: RunData) -> str:
     return run.seed if run.seed is not None else f"run:{run.run_id[:8]}"
 
 
+def _spelling(arm: str) -> str:
+    """An arm's `key=value` parts with booleans and null spelled one way: a sweep's arm tags carry Hydra's parsed
+    values (`rollout.routing_replay=False`), a user types what they launched (`...=false`)."""
+    parts = []
+    for part in arm.split(","):
+        key, eq, value = part.partition("=")
+        if eq and value.lower() in ("true", "false", "none", "null"):
+            value = "null" if value.lower() in ("none", "null") else value.lower()
+        parts.append(key + eq + value)
+    return ",".join(parts)
+
+
+def resolve_control(control: Optional[str], arms: Sequence[str]) -> Optional[str]:
+    """`control` as one of `arms`: itself, or the one arm it names with booleans or null spelled otherwise."""
+    if control is None or control in arms:
+        return control
+    same = [a for a in arms if _spelling(a) == _spelling(control)]
+    return same[0] if len(same) == 1 else control
+
+
 def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optional[str] = None, last_k: int = 10,
               n_boot: int = 10_000, seed: int = 0) -> Comparison:
     """Per-arm statistics and paired differences to `control` for each metric; problems become notes."""
     arms = sorted({r.arm for r in runs})
+    control = resolve_control(control, arms)
     if control is not None and control not in arms:
         raise CompareError(f"control arm {control!r} is not among the arms: {', '.join(arms) or '(no runs)'}")
     comp = Comparison(list(metrics), arms, control, last_k, n_boot, runs=list(runs))

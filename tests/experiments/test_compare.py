@@ -196,3 +196,17 @@ def test_group_by_a_param_or_tag(store, tmp_path):
     _, uri, _ = store
     r = compare(uri=uri, by="algorithm", last_k=2, out_dir=tmp_path, log=False, metrics=["rollout/raw_reward"])
     assert r.comparison.arms == ["a", "b", "c", "d"]
+
+
+def test_the_control_arm_may_be_named_as_it_was_launched():
+    """A sweep over `rollout.routing_replay=true,false` tags its arms with Hydra's parsed values (`...=False`): the
+    control typed as launched names that arm; a value that differs otherwise names none."""
+    from relax.tracking.compare import resolve_control
+
+    arms = ["data.blank_images=False,seed_group=a", "data.blank_images=True,seed_group=a", "model.path=None"]
+    assert resolve_control("data.blank_images=true,seed_group=a", arms) == "data.blank_images=True,seed_group=a"
+    assert resolve_control("data.blank_images=False,seed_group=a", arms) == "data.blank_images=False,seed_group=a"
+    assert resolve_control("model.path=null", arms) == "model.path=None"
+    assert resolve_control("data.blank_images=true,seed_group=b", arms) == "data.blank_images=true,seed_group=b"
+    assert resolve_control("algorithm=TRUE", ["algorithm=true", "algorithm=True"]) == "algorithm=TRUE"  # two: neither
+    assert resolve_control(None, arms) is None
