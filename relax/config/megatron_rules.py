@@ -15,7 +15,7 @@ from typing import Optional
 
 from relax.algorithms.base import Violation
 from relax.config.derive import actor_world_size
-from relax.config.schema import RelaxConfig
+from relax.config.schema import MOE_ARCHS, RelaxConfig
 
 MEGATRON_ARCHS = ("qwen3", "llama", "qwen3_moe")  # MoE rules: relax.config.moe_rules
 INSTALL_HINT = "pip install -e '.[megatron]'"
@@ -80,7 +80,6 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
     """Every broken rule of a mixture-of-experts model on train.backend=megatron (docs/training.md, "Mixture of
     experts"): the experts' spread (train.expert_parallel_size), the parallel sizes it trains at, the options it has
     not."""
-    from relax.config.moe_rules import MOE_ARCHS  # (moe_rules imports this module)
 
     t, m = cfg.train, cfg.model
     out: list[Violation] = []

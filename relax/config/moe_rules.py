@@ -10,9 +10,8 @@ from __future__ import annotations
 from relax.algorithms.base import Violation
 from relax.config.derive import agentic
 from relax.config.megatron_rules import NOT_BUILT
-from relax.config.schema import ModelConfig, RelaxConfig
+from relax.config.schema import MOE_ARCHS, ModelConfig, RelaxConfig
 
-MOE_ARCHS = ("qwen3_moe",)  # model.arch values that build a mixture-of-experts model from config
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from relax.algorithms.base import AlgorithmConfig, choice, finite, in_range, non_negative, positive
 
+MOE_ARCHS = ("qwen3_moe",)  # model.arch values that build a mixture-of-experts model from config
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from relax.config.moe_rules import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
+from relax.config.schema import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
 
 
 def _router_classes() -> tuple[type, ...]:
