@@ -60,6 +60,8 @@ VALID_ONLY = [(["cluster=multinode"], 16), (["+experiment=cispo"], 8), (["+exper
 # process: all that Cluster._start_roles passes to Ray), so that starting them again would show nothing new.
 SAME_PLACEMENT = [(["+experiment=rloo_vs_grpo_cpu"], ["cluster=local"]),
                   (["+experiment=smollm2_arithmetic_cpu"], ["cluster=local"]),
+                  (["+experiment=moe_routing_replay_cpu"], ["cluster=local"]),
+                  (["+experiment=shapes_blind_cpu"], ["cluster=local"]),
                   (["+experiment=rloo_qwen3_0.6b_gsm8k"], ["cluster=1xgpu"]),
                   (["+experiment=grpo_qwen3_4b"], ["cluster=8xgpu"])]
 
