@@ -206,7 +206,9 @@ def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(ray_local,
     assert_every_step_once(client, mlrun)
     assert history(client, mlrun, FAULT_RESTARTS_ROLLOUT)[-1] == (STEPS - 1, 1.0)
     assert history(client, mlrun, FAULT_RESTARTS)[-1] == (STEPS - 1, 0.0)  # no restart of the graph
-    assert re.search(r"step 2: rollout\[1\] died", mlrun.data.tags[RESTARTS_TAG])
+    # the stream generates step 2's rollout as soon as step 1 has published its weights, while the loop may still be
+    # finishing step 1 (its metrics, its checkpoint): the failure is recorded at the step the loop is in
+    assert re.search(r"step [12]: rollout\[1\] died", mlrun.data.tags[RESTARTS_TAG])
     assert mlrun.data.tags[RESTARTS_TAG].endswith("replaced in place")
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
