@@ -46,6 +46,11 @@ class Service:
                     service.max_in_flight = max(service.max_in_flight, service.in_flight)
                 try:
                     answer = service.behave(n, body["items"])
+                finally:
+                    # counted out before the answer is sent: once the client reads it, it may send its next request
+                    with service.lock:
+                        service.in_flight -= 1
+                try:
                     if answer is None:
                         answer = {"rewards": [reward_of(i) for i in body["items"]]}
                     if isinstance(answer, int):
@@ -61,9 +66,6 @@ class Service:
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up on a hung request
                     pass
-                finally:
-                    with service.lock:
-                        service.in_flight -= 1
 
             def log_message(self, *args):
                 pass

@@ -23,7 +23,11 @@ def allowed_cores(pid: int) -> set[tuple[int, ...]]:
     """The distinct Cpus_allowed_list of every thread of process `pid`, as the kernel reports them."""
     masks = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended between the listing and the reading
+            continue
+        for line in status.splitlines():
             if line.startswith("Cpus_allowed_list:"):
                 masks.add(parse_cores(line.split(":", 1)[1]))
     return masks
