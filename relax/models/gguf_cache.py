@@ -20,9 +20,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 

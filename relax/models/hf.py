@@ -10,16 +10,19 @@ role compute exactly these values through `relax.train.logprobs.response_logprob
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig
 
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError
 from relax.data.tokenizer import resolve_model_path as _resolve_model_path
 from relax.models import vision
 from relax.models.gguf_cache import load_gguf_model
+
+if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
+    from transformers import PreTrainedModel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

@@ -17,8 +17,12 @@ saved weights do not fit the model and a KeyError says which.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
+    from transformers import PreTrainedModel
 
 
 def to_model_layout(model: PreTrainedModel, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from safetensors.torch import save_file
-from transformers import PreTrainedModel
 
 from relax.algorithms.base import AlgorithmConfig
 from relax.algorithms.loss import compute_value_loss
@@ -25,6 +24,9 @@ from relax.models.hf import pick_device, response_hidden_states
 from relax.train.packing import Packed, pack, trimmed_sequences
 from relax.train.torch_policy import TorchTrainer, trainable_model
 from relax.train.trainer import CRITIC_STEP, length_sorted_micro_batches, step_denominators, with_step
+
+if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
+    from transformers import PreTrainedModel
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 

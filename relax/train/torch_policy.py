@@ -18,10 +18,9 @@ import math
 import os
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from transformers import PreTrainedModel
 
 from relax import algorithms, progress
 from relax.algorithms.base import AlgorithmConfig
@@ -52,6 +51,9 @@ from relax.train.trainer import (
     lr_factor,
     nonfinite_grad_tensors,
 )
+
+if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
+    from transformers import PreTrainedModel
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
