@@ -114,9 +114,10 @@ class EpisodeMaker:
     """Makes the episodes of a rollout process: fresh ones for prompt items, running ones from records."""
 
     def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int,
-                 processor: Any = None):
+                 processor: Any = None, wire: bool = False):
         self.loops, self.tokenizer = loops, tokenizer
-        self.renderer = ObservationRenderer(tokenizer, processor)  # processor: image observations
+        # processor: image observations; wire: their images kept as data URLs too (rollout=sglang's image_data)
+        self.renderer = ObservationRenderer(tokenizer, processor, wire=wire)
         self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
         self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
 
@@ -137,7 +138,8 @@ class EpisodeMaker:
         parser = get_parser(d.tool_parser, tokenizer)  # auto: the one of the tokenizer's chat template
         processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
         return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser), tokenizer,
-                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor)
+                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor,
+                   wire=processor is not None and ro.backend == "sglang")
 
     def new_for(self, items: list, n: int) -> list[Episode]:
         """`n` new episodes for each of `items` (a group each, consecutive)."""

@@ -38,17 +38,20 @@ OBSERVATION_ROLES = tuple(_PROBES)
 
 class VisionTokens(list):
     """An observation's token ids (a list) with `vision`: its images as the processor gave them
-    ({"pixel_values", "image_grid_thw", "image_tokens"}), what the engine encodes and the trainer scores."""
+    ({"pixel_values", "image_grid_thw", "image_tokens"}, and "image_data" when the renderer's `wire` is set), what the
+    engine encodes and the trainer scores."""
 
     vision: Optional[dict] = None
 
 
 class ObservationRenderer:
     """`tokens(messages, stop_token)`: the token ids to append after a model turn that ended with `stop_token`;
-    `processor`: a vision-language model's (image observations)."""
+    `processor`: a vision-language model's (image observations); `wire`: an image observation's vision inputs also
+    keep its images as lossless PNG data URLs (`image_data`), what rollout=sglang sends with every later turn."""
 
-    def __init__(self, tokenizer: Any, processor: Any = None):
+    def __init__(self, tokenizer: Any, processor: Any = None, *, wire: bool = False):
         self.processor = processor
+        self.wire = wire
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("agentic rollouts render observations with the chat template, and this tokenizer has "
                              "none (model.path's tokenizer_config.json needs a chat_template)")
@@ -92,9 +95,11 @@ class ObservationRenderer:
         if self.processor is None:
             raise ValueError("an image observation for a text-only model (a vision-language model's processor reads "
                              "its images)")
-        from relax.data.images import encode_observation
+        from relax.data.images import encode_observation, image_data_url
 
         ids, vision = encode_observation(self.processor, self.text(messages, stop_token), images)
+        if self.wire:
+            vision["image_data"] = [image_data_url(im) for im in images]
         out = VisionTokens(ids)
         out.vision = vision
         return out

@@ -76,12 +76,9 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     require(t.backend != "megatron", ("train.backend", "model.arch"),
             f"train.backend=megatron {NOT_BUILT}: megatron-core's multimodal model is not wired to Relax's trainer; "
             "use train.backend=torch")
-    multi_turn = d.env is not None or bool(d.tools) or d.agent is not None
-    require(not multi_turn or cfg.rollout.backend != "sglang", ("data.env", "data.tools", "data.agent",
-                                                                "rollout.backend"),
-            f"multi-turn episodes (data.env, data.tools, data.agent) with rollout=sglang {NOT_BUILT}: an episode's "
-            "later turns would be sent without their images (SGLang's image_data per turn is not wired); use the "
-            "embedded rollout, which renders image observations and encodes them")
+    # multi-turn episodes (data.env, data.tools, data.agent) run on both rollouts: over rollout=sglang every turn's
+    # request carries the prompt's and the image observations' images so far (relax.rollout.sglang.episodes), and
+    # a resumed episode (partial rollout) takes them from its interrupted row's vision inputs
     require(d.openai_agent is None, ("data.openai_agent",),
             f"data.openai_agent {NOT_BUILT}: the training gateway does not take image content parts yet")
     require(not algorithms.get(cfg.algorithm.name).requires_critic, ("algorithm.name", "model.arch"),

@@ -149,8 +149,6 @@ def test_blank_images_keep_the_prompt_and_drop_the_picture(tokenizer):
     (["data.blank_images=true"], ("data.blank_images", "model.arch")),
     (["model.freeze_vision_tower=true"], ("model.freeze_vision_tower", "model.arch")),
     (["model=tiny_vl", "data=shapes", "train.backend=megatron"], ("train.backend", "model.arch")),
-    (["model=tiny_vl", "data=guess_number", "rollout=sglang", "rollout.sglang.server=embedded"],
-     ("data.env", "data.tools", "data.agent", "rollout.backend")),
     (["model=tiny_vl", "data=shapes", "algorithm=ppo"], ("algorithm.name", "model.arch")),
     (["model=tiny_vl", "data=shapes", "train.save_hf=true", "tracking.log_model=true"],
      ("tracking.log_model", "model.arch")),
@@ -169,5 +167,8 @@ def test_a_vision_run_validates():
     assert _violations(["model=tiny_vl", "data=shapes", "model.arch=qwen3_vl", "model.lora_rank=4"]) == []
     assert _violations(["model=tiny_vl", "data=shapes", "rollout=sglang", "rollout.sglang.server=embedded"]) == []
     assert _violations(["model=tiny_vl", "data=shapes", "data.env=grid_walk"]) == []
+    # image observations over SGLang's protocol (tests/sglang/test_image_episodes.py), partial rollout included
+    assert _violations(["model=tiny_vl", "data=grid_walk", "rollout=sglang", "rollout.sglang.server=embedded",
+                        "train.mode=fully_async", "rollout.partial_rollout=true"]) == []
     assert _violations(["model=tiny_vl", "data=shapes", "train.pack_sequences=true"]) == []
 

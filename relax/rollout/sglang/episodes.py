@@ -10,18 +10,29 @@ cache.
 
 An abort (partial rollout) ends the call after the round in flight: an episode interrupted inside a turn keeps that
 turn's tokens (`Episode.partial`) and continues it on resume; one between turns keeps its observation.
+
+A vision-language model's episodes (prompts with images, image observations: `relax.agents.render.VisionTokens`):
+every turn's request carries SGLang's `image_data`, the images of every image placeholder its `input_ids` hold, in
+their order: the prompt's, then each image observation's so far (kept as PNG data URLs, `VisionData.wire` and the
+renderer's `wire`). The server places them into the placeholders and reports the prompt's token count, which must be
+the ids sent (`parse_answer`). Each row's `Samples.vision` is its prompt's vision inputs followed by its
+observations' (`relax.rollout.vision.merge_vision`), as the embedded engine's episodes give them, so the trainer
+scores the whole episode with every image; a resumed row starts from those (its prompt then holds every placeholder
+so far).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 
 from relax.agents.episode import Episode
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples
-from relax.rollout.sglang.client import Sampling, generate_payload, sample_seed
+from relax.rollout.sglang.client import Sampling, generate_payload, payload_images, sample_seed
+from relax.rollout.vision import merge_vision
 
 Answer = tuple[list[int], list[float], FinishReason, int]  # parse_answer's (tokens, log-probs, finish reason, version)
 
@@ -38,6 +49,9 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     version: list[int] = field(default_factory=list)
     finish: str | None = None
+    vision: Optional[dict] = None  # the images of `prompt`'s placeholders (None: none)
+    observed: list[dict] = field(default_factory=list)  # the vision inputs of this call's image observations
+    images: list[str] = field(default_factory=list)  # image_data: every placeholder's image so far, in order
 
     def add(self, ids: list[int], logp: list[float], generated: int, version: int) -> None:
         self.ids += ids
@@ -45,14 +59,30 @@ class _Row:
         self.generated += [generated] * len(ids)
         self.version += [version] * len(ids)
 
+    def observe(self, obs: list[int]) -> None:
+        """Append an observation's tokens; an image observation's images join the row's `image_data`."""
+        vision = getattr(obs, "vision", None)
+        if vision is not None:
+            if not vision.get("image_data"):
+                raise ValueError("an image observation has no image_data to send (its renderer was made without "
+                                 "wire=True, which rollout=sglang needs)")
+            self.observed.append(vision)
+            self.images += list(vision["image_data"])
+        self.add(list(obs), [0.0] * len(obs), 0, 0)
+
 
 def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[int]], sample_ids: torch.Tensor,
                  positions: torch.Tensor, budgets: list[int], episodes: list[Episode], *, seed: int,
-                 sampling: Sampling, turn_limit: int, aborted: Callable[[], bool], pad_token_id: int) -> Samples:
+                 sampling: Sampling, turn_limit: int, aborted: Callable[[], bool], pad_token_id: int,
+                 vision: Optional[list[Optional[dict]]] = None) -> Samples:
     """The episodes of rows `prompts` (one per row, the response so far included when resuming), each with `budgets`
-    tokens to go; `send(payloads)` posts one round's `/generate` requests and returns their answers in order."""
-    rows = [_Row(list(p), int(s), int(q), int(b), e)
-            for p, s, q, b, e in zip(prompts, sample_ids, positions, budgets, episodes, strict=True)]
+    tokens to go; `send(payloads)` posts one round's `/generate` requests and returns their answers in order.
+    `vision`: per row, the images of its prompt's placeholders (with their `image_data`), None for a row without."""
+    vision = [None] * len(prompts) if vision is None else list(vision)
+    if len(vision) != len(prompts):
+        raise ValueError(f"run_episodes: {len(vision)} vision inputs for {len(prompts)} rows")
+    rows = [_Row(list(p), int(s), int(q), int(b), e, vision=v, images=payload_images(v) or [])
+            for p, s, q, b, e, v in zip(prompts, sample_ids, positions, budgets, episodes, vision, strict=True)]
     live = list(rows)
     while live and not aborted():
         payloads = []
@@ -60,7 +90,8 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
             turn_left = turn_limit - len(r.episode.partial)
             payloads.append(generate_payload(r.prompt + r.ids, sampling,
                                              max_new_tokens=min(turn_left, r.budget - len(r.ids)),
-                                             seed=sample_seed(seed, r.sample_id, r.position + len(r.ids))))
+                                             seed=sample_seed(seed, r.sample_id, r.position + len(r.ids)),
+                                             image_data=list(r.images)))
         for r, (ids, logp, finish, version) in zip(live, send(payloads), strict=True):
             r.add(ids, logp, 1, version)
             if finish == FinishReason.ABORT:
@@ -76,7 +107,7 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
                 elif len(r.ids) + len(obs) >= r.budget:  # no room for a model token after the observation
                     r.episode.end = r.finish = FinishReason.LENGTH
                 else:
-                    r.add(obs, [0.0] * len(obs), 0, 0)
+                    r.observe(obs)
         live = [r for r in live if r.finish is None]
     for r in live:  # interrupted between turns: the observation is in, the next turn starts on resume
         r.finish = FinishReason.ABORT
@@ -84,5 +115,9 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
 
 
 def _samples(rows: list[_Row], sample_ids: torch.Tensor, pad_token_id: int) -> Samples:
-    return episode_samples([EpisodeRow(r.prompt, r.ids, r.logp, r.generated, r.version, r.finish, r.episode.record())
-                            for r in rows], sample_ids, pad_token_id)
+    out = episode_samples([EpisodeRow(r.prompt, r.ids, r.logp, r.generated, r.version, r.finish, r.episode.record())
+                           for r in rows], sample_ids, pad_token_id)
+    if all(r.vision is None and not r.observed for r in rows):
+        return out
+    # each row's images in token order; the servers' vision-tower time is not reported over SGLang's protocol
+    return replace(out, vision=[merge_vision(r.vision, r.observed) for r in rows], vision_time=float("nan"))

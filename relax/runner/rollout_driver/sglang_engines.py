@@ -363,13 +363,14 @@ class SGLangEngines:
 
     def _run_episodes(self, prompts: list[list[int]], sample_ids: torch.Tensor, positions: torch.Tensor,
                       budgets: list[int], episodes: list, *, seed: int, sampling: Sampling,
-                      gen_id: int | None) -> Samples:
-        """Agentic episodes, a `/generate` request per turn (`relax.rollout.sglang.episodes`)."""
+                      gen_id: int | None, vision: list | None = None) -> Samples:
+        """Agentic episodes, a `/generate` request per turn (`relax.rollout.sglang.episodes`); `vision`: each row's
+        images so far (None: none), sent with every turn with the image observations' after them."""
         t0 = time.perf_counter()
         out = run_episodes(lambda payloads: self._send(payloads, gen_id), prompts, sample_ids, positions, budgets,
                            episodes, seed=seed, sampling=sampling, turn_limit=self.cfg.rollout.max_response_len,
                            aborted=lambda: gen_id is not None and gen_id == self._aborted,
-                           pad_token_id=self.pad_token_id)
+                           pad_token_id=self.pad_token_id, vision=vision)
         return self._done(out, t0)
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
@@ -384,14 +385,15 @@ class SGLangEngines:
             t0 = time.perf_counter()
             return self._done(self.agents.run(items, sample_ids, seed=seed, temperature=sampling.temperature,
                                               top_p=sampling.top_p, top_k=sampling.top_k), t0)
+        vision = prompt_vision(items)
         if self.episodes is not None:
             if items is None:
                 raise ValueError("SGLangEngines.generate: an agentic rollout needs the prompt items")
             limit = self.cfg.rollout.max_episode_tokens
             return self._run_episodes(rows, sample_ids, torch.zeros(len(rows), dtype=torch.long), [limit] * len(rows),
-                                      self.episodes.new_for(items, G), seed=seed, sampling=sampling, gen_id=gen_id)
+                                      self.episodes.new_for(items, G), seed=seed, sampling=sampling, gen_id=gen_id,
+                                      vision=None if vision is None else [v for v in vision for _ in range(G)])
         seeds = [sample_seed(seed, int(s), 0) for s in sample_ids]
-        vision = prompt_vision(items)
         return self._run(rows, [sampling.max_new_tokens] * len(rows), seeds, sample_ids, sampling, gen_id,
                          vision=None if vision is None else [v for v in vision for _ in range(G)])
 
@@ -401,7 +403,7 @@ class SGLangEngines:
             job = continuation(partial, ro.max_episode_tokens)
             more = self._run_episodes(job.prompts, job.sample_ids, job.positions, [int(b) for b in job.budgets],
                                       [self.episodes.restore(r) for r in partial.episodes], seed=seed,
-                                      sampling=self._sampling(False), gen_id=gen_id)
+                                      sampling=self._sampling(False), gen_id=gen_id, vision=partial.vision)
             return extend_responses(partial, more, pad_token_id=self.pad_token_id)
         job = continuation(partial, ro.max_response_len)
         seeds = [sample_seed(seed, int(s), int(p)) for s, p in zip(job.sample_ids, job.positions, strict=True)]
