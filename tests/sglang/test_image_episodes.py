@@ -33,6 +33,9 @@ from relax.runner.rollout_driver.sglang_engines import SGLangEngines
 from relax.serve.sglang.server import EmbeddedServer
 from relax.train.torch_policy import TorchPolicy
 
+# its tests share the module's server: one xdist worker runs them in a row
+pytestmark = pytest.mark.xdist_group("sglang_image_episodes")
+
 # the server's model and the trainer's: tiny_vl in fp32, seed 3 (both build it from the config)
 MODEL = ["model=tiny_vl", "model.dtype=float32", "seed=3"]
 IDS = torch.arange(4)  # 2 prompts x 2 samples
