@@ -51,13 +51,15 @@ def processor(tokenizer):
     return build_tiny_vl_processor(tokenizer)
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = EmbeddedServer(load_config(MODEL), port=0, threads=1)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def server(request):
+    """The embedded server of tiny_vl with model.arch=`param`: (its URL, the run's overrides)."""
+    overrides = [*MODEL, f"model.arch={request.param}"]
+    srv = EmbeddedServer(load_config(overrides), port=0, threads=1)
     srv.start()
     try:
         srv.wait_ready(120)
-        yield srv.url
+        yield srv.url, overrides
     finally:
         srv.shutdown()
 
@@ -73,12 +75,13 @@ def items(tokenizer, processor):
 def engines(server, tokenizer, tmp_path):
     """`SGLangEngines` on the server (rollout.sglang.urls), its client's requests recorded in `engines.sent`
     (`engines.after_round(n)`: a hook after the n-th round's answers)."""
-    cfg = load_config([*MODEL, "data=grid_walk", "rollout=sglang", f"rollout.sglang.urls=[{server}]",
+    url, overrides = server
+    cfg = load_config([*overrides, "data=grid_walk", "rollout=sglang", f"rollout.sglang.urls=[{url}]",
                        "rollout.sglang.release_memory=false", "rollout.n_samples_per_prompt=2"])
     eng = SGLangEngines(cfg, eos_token_ids=stop_token_ids(cfg.model, tokenizer), pad_token_id=tokenizer.pad_token_id,
                         log_dir=tmp_path, start_server=None)
-    eng.urls = [server]  # the server itself, without a router (`start` would put one in front)
-    eng.client = GenerateClient(server, request_timeout_s=60)
+    eng.urls = [url]  # the server itself, without a router (`start` would put one in front)
+    eng.client = GenerateClient(url, request_timeout_s=60)
     eng.sent, eng.after_round = [], lambda n: None
     generate = eng.client.generate
 
@@ -142,7 +145,7 @@ def test_trainer_logprobs_equal_the_servers_over_every_turn_with_image_observati
     assert _check_requests(engines.sent, out, row_items, tokenizer) >= 2
     # negative control: the server refuses a request with an observation's image dropped
     last = next(p for round_ in reversed(engines.sent) for p in round_ if len(p["image_data"]) > 1)
-    r = requests.post(f"{server}/generate", json={**last, "image_data": last["image_data"][:-1]}, timeout=60)
+    r = requests.post(f"{server[0]}/generate", json={**last, "image_data": last["image_data"][:-1]}, timeout=60)
     assert r.status_code == 400 and "image placeholders" in r.json()["error"]["message"], r.text
     # the rows' vision inputs: the prompt's image and each observation's, as many image tokens as the rows hold
     image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -168,6 +171,7 @@ def test_trainer_logprobs_equal_the_servers_over_every_turn_with_image_observati
     assert float((other - out.rollout_logp)[generated & ~after].abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("server", ["qwen2_5_vl"], indirect=True)  # (resuming does not depend on the architecture)
 def test_an_interrupted_image_episode_resumes_with_every_image(engines, items, tokenizer):
     """Partial rollout: `abort` after the second round (each running episode has an observation's image in), then
     `resume`: its requests send every image so far, and the episodes end as without the interruption."""
