@@ -14,11 +14,19 @@ import os
 import sys
 from pathlib import Path
 
-from relax.config.schema import RelaxConfig
-from relax.models.hf import resolve_model_path
+from relax.config.schema import ModelConfig, RelaxConfig
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.rollout.sglang.keyed import KEY_ENV, keyed_command
 from relax.rollout.sglang.process import SERVE_KEY_ENV, log_tail, start_server, stop_process
+
+
+def resolve_model_path(model_cfg: ModelConfig) -> Path:
+    """`relax.models.hf.resolve_model_path`, imported when called: relax.models.hf imports torch and transformers,
+    which this actor (the launcher and watcher of one server process) otherwise never needs; each replica's actor
+    process would pay seconds of CPU for them."""
+    from relax.models.hf import resolve_model_path as resolve
+
+    return resolve(model_cfg)
 
 
 def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | None, config_path: Path,

@@ -1,5 +1,6 @@
 """The launcher's side of a run imports no torch (relax.algorithms.lazy): `import relax.config`, composing and
-validating a config (the CLI's precheck), `relax-train --help`'s text and the plan, each step checked in one fresh
+validating a config (the CLI's precheck), `relax-train --help`'s text, the plan and the module of rollout=sglang's
+engine server actor (a launcher: each replica's process would pay for torch), each step checked in one fresh
 interpreter; its last step runs an algorithm's math, after which the same probe must see torch (the control)."""
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from relax.config import load_config
 from relax.runner.plan import build_plan
 build_plan(load_config(["train.mode=fully_async", "+cluster.role_cores={{rollout: '0', actor: '1'}}"])).render()
 note("the plan")
+import relax.roles.sglang_server
+note("the engine server's actor")
 from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 import torch
@@ -42,4 +45,4 @@ def test_launcher_imports_no_torch():
     assert res.returncode == 0, res.stdout + res.stderr
     loaded = json.loads(res.stdout.strip().splitlines()[-1])
     assert loaded == {"import relax.config": [], "the CLI's precheck and help": [], "the plan": [],
-                      "the math": ["torch"]}
+                      "the engine server's actor": [], "the math": ["torch"]}
