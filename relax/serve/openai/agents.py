@@ -20,8 +20,6 @@ run trains with it (docs/agents.md).
 
 from __future__ import annotations
 
-import math
-import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -31,25 +29,11 @@ from relax.agents.episode import item_record
 from relax.agents.parsers import get_parser
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plain_reason
 from relax.models.hf import context_length
+from relax.serve.openai.agent_call import call_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway
 from relax.serve.openai.service import OpenAIService
 from relax.serve.openai.sessions import Limits, Segment, Session
-
-
-def call_agent(fn: Callable[..., Any], item: dict, base_url: str,
-               api_key: str) -> tuple[Optional[float], Optional[str]]:
-    """One agent run (the worker processes' caller): (reward or None, None), or (None, the error)."""
-    try:
-        value = fn(item, base_url, api_key)
-    except Exception:
-        lines = traceback.format_exc().strip().splitlines()
-        return None, "the agent raised: " + "\n".join(lines[-12:])
-    if value is None:
-        return None, None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None, f"the agent returned {value!r}: expected a finite number or None"
-    return float(value), None
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
