@@ -42,10 +42,12 @@ def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store):
         "gsm8k/main/test-00000-of-00001.parquet", "gsm8k/main/train-00000-of-00001.parquet"]
     fresh_store(tmp_path)  # the run's default store, sqlite:///mlflow.db in its working directory
     env = _env(tmp_path / "data", tmp_path / "cache")
+    # the recipe at the smallest sizes its claim allows, overridden as a user would: one step of one group of two
+    # samples (RLOO's baseline needs two; one update per rollout), four tokens per answer, one eval prompt
     cmd = [sys.executable, "-m", "relax.cli.train", "-m", f"+experiment={RECIPE}", "algorithm=rloo",
-           "train.num_rollout=1", "rollout.max_response_len=8", "data.num_eval_prompts=1", "tracking.progress=false",
-           # RLOO: one update per rollout, of one group
-           "rollout.rollout_batch_size=1", "train.global_batch_size=4", "train.micro_batch_size=4"]
+           "train.num_rollout=1", "rollout.max_response_len=4", "data.num_eval_prompts=1", "tracking.progress=false",
+           "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=2", "train.global_batch_size=2",
+           "train.micro_batch_size=2"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -82,7 +84,7 @@ def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store):
         assert tags["seed"] == "1" and tags["data"] == "gsm8k"
         assert tags["model"] == "SmolLM2-135M-Instruct"
         assert (params["rollout.rollout_batch_size"], params["rollout.n_samples_per_prompt"],
-                params["train.global_batch_size"]) == ("1", "4", "4")
+                params["train.global_batch_size"]) == ("1", "2", "2")
         rewards = client.get_metric_history(run.info.run_id, "rollout/raw_reward")
         assert sorted(m.step for m in rewards) == [0]
         assert all(0.0 <= m.value <= 1.0 for m in rewards)

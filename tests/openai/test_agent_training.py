@@ -100,9 +100,10 @@ def test_fully_async_with_partial_rollout_loads_weights_between_calls(ray_local,
 
     monkeypatch.setattr(AgentRollout, "run", run_job)
     monkeypatch.setattr(RolloutStream, "publish", publish_after_first_calls)
+    # two prompts of two samples a job: four agents, one per agent worker (job 1's all wait at the barrier at once)
     cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:three_turns_across_an_update",
                                 "train.mode=fully_async", "train.max_staleness=1", "rollout.partial_rollout=true",
-                                "algorithm=m2po", steps=steps))
+                                "algorithm=m2po", "rollout.rollout_batch_size=2", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
     spanning = 0
     for step, m in result.history:
