@@ -10,7 +10,10 @@ of one, each placement-group bundle is one GPU and the group's strategy is PACK 
 group that fits the total fits the nodes; nothing ever needs two GPUs of one node together. As shipped,
 `cluster=multinode` (like `cluster=8xgpu`) trains with Megatron, which is not built: it is rejected.
 
-Ray starts once per declared GPU count (cases are ordered by it), on loopback, without a dashboard.
+Ray starts twice (each start is seconds of CPU and more of waiting), on loopback, without a dashboard: without GPUs
+for the CPU cases, then declared with the most GPUs a case names (12), where a placement group holding the others
+leaves exactly the case's GPUs free (Ray gives what a placement group holds to no one else), so each case starts on
+as many GPUs as its cluster names; the cases are ordered by that count.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 import relax.runner.cluster as cluster_module
+import relax.runner.plan as plan_module
 from relax.config.compose import conf_dir, load_config
 from relax.config.validate import ConfigError
 from relax.runner.cluster import Cluster
@@ -124,22 +128,42 @@ def _placeholder():
     return Placeholder
 
 
+MOST_GPUS = max(declared for _, declared in STARTS)
+
+
 @pytest.fixture(scope="module")
 def local_ray():
-    """start(gpus): a local Ray declared with `gpus` GPUs, restarted only when the count changes."""
+    """start(gpus): a local Ray with `gpus` GPUs free: without GPUs for 0, else declared with MOST_GPUS and the
+    others held by a placement group. Restarted only between the two; the holding group changes with the count."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
 
-    state: dict[str, int] = {}
+    from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
+
+    state: dict = {}
     if ray.is_initialized():
         ray.shutdown()
 
     def start(gpus: int):
-        if state.get("gpus") != gpus or not ray.is_initialized():
+        assert 0 <= gpus <= MOST_GPUS
+        declared = MOST_GPUS if gpus else 0
+        if state.get("declared") != declared or not ray.is_initialized():
             if ray.is_initialized():
                 ray.shutdown()
-            ray.init(num_cpus=CPUS, num_gpus=gpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                     logging_level="WARNING", log_to_driver=False)
-            state["gpus"] = gpus
+            ray.init(num_cpus=CPUS, num_gpus=declared, include_dashboard=False, _node_ip_address="127.0.0.1",
+                     logging_level="WARNING", log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+            state.update(declared=declared, held=None)
+        if state["held"] is not None:
+            remove_placement_group(state["held"])
+            state["held"] = None
+        if declared - gpus:
+            held = placement_group([{"GPU": 1.0}] * (declared - gpus))
+            assert held.wait(START_TIMEOUT_S), "could not hold the GPUs the case does not name"
+            state["held"] = held
+        deadline = time.monotonic() + START_TIMEOUT_S  # a removed group's GPUs come back as Ray reports them
+        while ray.available_resources().get("GPU", 0.0) != gpus and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.available_resources().get("GPU", 0.0) == gpus, ray.available_resources()
         return ray
 
     yield start
@@ -151,6 +175,8 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
     import ray
 
     worker = _placeholder()
+    # the GPUs a case does not name are held, not absent: a plan that needs more waits for them, bounded here
+    monkeypatch.setattr(plan_module, "PLACEMENT_TIMEOUT_S", START_TIMEOUT_S)
     for name in ("PolicyWorker", "HybridWorker", "ReferenceWorker", "TeacherWorker", "RolloutWorker",
                  "CriticWorker", "AdvantagesWorker", "MegatronRank"):
         monkeypatch.setattr(cluster_module, name, worker)

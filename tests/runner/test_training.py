@@ -1,7 +1,7 @@
 """End-to-end training with the tiny model: every algorithm, learning, resume, failures.
 
-Each service graph (actor + rollout; with a reference; with PPO's critic and advantages) trains on a real local Ray;
-the algorithm matrix, learning, resume and reward faults run the same loop with the roles in this process
+Each role beyond actor + rollout (a reference, PPO's critic and advantages, in one run; a teacher) trains on a real
+local Ray; the algorithm matrix, learning, resume and reward faults run the same loop with the roles in this process
 (`in_process`, tests/inprocess_ray.py), which is what they test: the loop's arithmetic and records, not processes."""
 
 from __future__ import annotations
@@ -78,10 +78,17 @@ def test_every_algorithm_trains_end_to_end(name, in_process, small_run, tmp_path
     check_algorithm_run(name, run(cfg, output_dir=tmp_path / "out"), tmp_path)
 
 
-# one algorithm per role beyond actor + rollout (which every graph has; grpo's graph is just those two, and runs on Ray
-# in most tests of tests/runner and tests/faults): + reference (cispo's KL loss), + critic and advantages (ppo),
-# + teacher (opd)
-@pytest.mark.parametrize("name", ["cispo", "ppo", "opd"])
+# one run per role beyond actor + rollout (which every graph has; grpo's graph is just those two, and runs on Ray
+# in most tests of tests/runner and tests/faults): + critic and advantages, and + reference (ppo with a KL loss: the
+# reference is started and called as in cispo's graph, actor + reference, whatever the algorithm), + teacher (opd).
+# Two prompts of two samples: the claim is the processes and the object store, not the batch size.
+RAY_GRAPHS = {"ppo": (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01"], ["train/kl_loss"],
+                      ["actor", "critic", "advantages", "reference"]),
+              "opd": ([], [], ["actor", "teacher"])}
+RAY_SMALL = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("name", list(RAY_GRAPHS))
 def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path):
     """The roles as Ray actors in processes of their own: batches, weights and metrics through the object store."""
     from relax.runner import cluster
@@ -92,17 +99,19 @@ def test_every_service_graph_trains_on_ray(name, ray_local, small_run, tmp_path)
         started.append(role)
         return original(self, cls, role, replica, *args, **kwargs)
 
+    extra, metrics, roles = RAY_GRAPHS[name]
     cluster.Cluster._remote = remote
     try:
-        cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0], *teacher_for(name, tmp_path)))
+        cfg = load_config(small_run(f"algorithm={name}", *ALGORITHM_CASES[name][0], *extra, *RAY_SMALL,
+                                    *teacher_for(name, tmp_path)))
         result = run(cfg, output_dir=tmp_path / "out")
     finally:
         cluster.Cluster._remote = original
     # sync on a CPU machine: the rollout engine runs in the actor's process (test_the_rollout_in_the_actors_process)
-    roles = {"cispo": ["actor", "reference"], "ppo": ["actor", "critic", "advantages"],
-             "opd": ["actor", "teacher"]}[name]
     assert sorted(started) == sorted(roles)
     check_algorithm_run(name, result, tmp_path)
+    missing = [k for k in metrics if k not in result.history[-1][1]]
+    assert not missing, missing
 
 
 def test_the_rollout_in_the_actors_process_trains_as_in_a_process_of_its_own(in_process, small_run, tmp_path):
