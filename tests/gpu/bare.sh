@@ -38,7 +38,10 @@ print(f"bare.sh: torch {torch.__version__}, CUDA {torch.cuda.is_available()}"
       + (f" ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} GPU)" if torch.cuda.is_available() else ""))
 PY
 status=0
-python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_bare_gpu.py tests/gpu/test_megatron_gpu.py \
+# no plugin autoloading: the checks need none, and a machine's other plugins (hypothesis, langsmith, the kit's own
+# hydra plugin) cost seconds of imports each at start-up
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_bare_gpu.py \
+  tests/gpu/test_megatron_gpu.py \
   tests/gpu/test_weight_senders_gpu.py \
   tests/gpu/test_bench_gpu.py "$@" || status=$?
 if [ -n "$bench" ]; then
