@@ -3,10 +3,14 @@ Qwen3, Qwen3-Coder, Qwen3.5, Llama 3.1, GLM-4.5, DeepSeek-V3), each given to the
 (a saved tokenizer directory: its vocabulary, special tokens and template; the model's vocabulary is its size).
 Per family, the real training loop runs an environment (`data=guess_number`: user observations) and a tool task
 (`data=calculator` with a parser that reads a calculator call in every turn, so the untrained model exercises the
-tool path: the real tool, its result as a `tool` message in the family's format) for two steps on both rollout
+tool path: the real tool, its result as a `tool` message in the family's format) for one step on both rollout
 backends: embedded (in process) and SGLang (embedded servers over real HTTP behind the real router, on a real Ray).
+One step holds the claim (the template's episodes rendered, sampled and trained); the steps after a weight update
+are the family-independent loop's, trained over several steps of multi-turn episodes in
+tests/agents/test_agentic_training.py (`test_guess_number_trains_in_every_mode`, and over SGLang
+`test_guess_number_over_sglang_with_partial_rollout`).
 
-Checked per run: every step trained episodes of more than one turn with observations in them, the trainer's
+Checked per run: the step trained episodes of more than one turn with observations in them, the trainer's
 log-probs equal the engine's (fp32) for every sampled token of every turn, the loss mask is 1 exactly on the sampled
 tokens (the engine's log-probs) and 0 on the observations, which hold what the template writes. On the embedded
 backend the trainer runs in this process: the loss of its first step is compared with the loss written by hand over
@@ -38,7 +42,8 @@ pytestmark = pytest.mark.slow
 NAMES = list(FAMILIES)
 SMALL = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4",
          "model.dtype=float32", "rollout.max_turns=3", "rollout.max_response_len=4", "rollout.max_episode_tokens=120",
-         "rollout.temperature=1.0", "data.num_prompts=8", ONE_THREAD]  # 8 generated prompts: each is rendered
+         "rollout.temperature=1.0", "data.num_prompts=8", ONE_THREAD,  # 8 generated prompts: each is rendered
+         "train.save=false", "train.save_dir=null", "tracking.enabled=false"]  # no checkpoint or MLflow run checked
 TASKS = {
     "guess_number": ["data=guess_number"],
     "tool": ["data=calculator", "data.tool_parser=tests.agents.family_tools:always_calculator",
@@ -62,9 +67,9 @@ def tokenizer_dirs(tmp_path_factory):
 
 
 def check_run(result, trained_batches: dict, name: str, task: str) -> None:
-    """Two steps of multi-turn episodes with observations, the trainer's log-probs the engine's, the loss mask on the
+    """A step of multi-turn episodes with observations, the trainer's log-probs the engine's, the loss mask on the
     sampled tokens only, each observation the tokens the family's template writes after the turn before it."""
-    assert [s for s, _ in result.history] == [0, 1]
+    assert [s for s, _ in result.history] == [0]
     for step, m in result.history:
         assert m[TURNS_MEAN] > 1 and 0 < m[OBS_TOKEN_FRAC] < 1, (step, m[TURNS_MEAN], m[OBS_TOKEN_FRAC])
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4, (step, m[TRAIN_ROLLOUT_LOGP_ABS_DIFF])
@@ -120,7 +125,8 @@ def record_first_loss(monkeypatch) -> dict:
 def test_a_family_trains_multi_turn_on_the_embedded_engine(name, task, tokenizer_dirs, in_process, small_run,
                                                             tmp_path, trained_batches, monkeypatch):
     first = record_first_loss(monkeypatch)
-    cfg = load_config(small_run(*TASKS[task], *SMALL, *LOSS_TERMS, f"model.tokenizer={tokenizer_dirs[name]}"))
+    cfg = load_config(small_run(*TASKS[task], *SMALL, *LOSS_TERMS, f"model.tokenizer={tokenizer_dirs[name]}",
+                                 steps=1))
     assert cfg.model.source == "config" and cfg.model.name == "tiny"
     result = run(cfg, output_dir=tmp_path / "out")
     check_run(result, trained_batches, name, task)
@@ -154,7 +160,8 @@ def test_a_family_trains_multi_turn_over_sglang(name, task, tokenizer_dirs, ray_
     from runner.test_sglang_training import SGLANG
 
     one_server = [o for o in SGLANG if not o.startswith("rollout.num_replicas=")] + ["rollout.num_replicas=1"]
-    cfg = load_config(small_run(*one_server, *TASKS[task], *SMALL, f"model.tokenizer={tokenizer_dirs[name]}"))
+    cfg = load_config(small_run(*one_server, *TASKS[task], *SMALL, f"model.tokenizer={tokenizer_dirs[name]}",
+                                 steps=1))
     result = run(cfg, output_dir=tmp_path / "out")
     check_run(result, trained_batches, name, task)
 
@@ -183,18 +190,23 @@ def test_a_template_that_cannot_render_observations_is_refused_before_ray(case, 
     assert not ray_not_started
 
 
-def test_relax_train_refuses_the_template_with_one_message_and_exit_2(tmp_path):
+def test_relax_train_refuses_the_template_with_one_message_and_exit_2(tmp_path, capfd, monkeypatch,
+                                                                       ray_not_started):
     """As a user runs it: `relax-train` exits 2 with the check's message as its only line, no traceback, nothing
-    started (no tracking store)."""
-    from cli.test_train_cli import relax_train
+    started (no Ray, no tracking store). `relax-train` runs in this process (tests/relax_train_inprocess.py): the
+    refusal is a pre-Ray `RunError` of `run`, which the CLI turns into its message and exit code as for every
+    other one; that path in a `relax-train` process of its own: tests/runner/test_training.py
+    (`test_cli_reports_bad_data_without_traceback`)."""
+    from relax_train_inprocess import relax_train
 
     tokenizer = broken_tokenizer_dir(tmp_path / "tok", "raises on a tool message")
-    out = relax_train(*REFUSED, f"model.tokenizer={tokenizer}", "dry_run=false", cwd=tmp_path)
-    assert out.returncode == 2, out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("relax-train: error: " + REFUSAL), out.stderr
+    monkeypatch.chdir(tmp_path)  # the default tracking store, sqlite:///mlflow.db, would land here
+    code, out, err = relax_train([*REFUSED, f"model.tokenizer={tokenizer}", "dry_run=false"], capfd)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("relax-train: error: " + REFUSAL), err
     assert BROKEN["raises on a tool message"][1] in lines[0]
-    assert "Traceback" not in out.stderr + out.stdout and not (tmp_path / "mlflow.db").exists()
+    assert "Traceback" not in err + out and not (tmp_path / "mlflow.db").exists() and not ray_not_started
 
 
 @pytest.mark.parametrize("task", list(TASKS))
