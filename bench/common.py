@@ -152,3 +152,30 @@ def random_train_batch(vocab: int, rows: int, prompt_len: int, response_len: int
         rewards=torch.randn(rows, generator=g),
         advantages=torch.randn(rows, 1, generator=g).expand(rows, response_len).contiguous(),
     )
+
+
+def run_script(script: str, argv: list[str], *, fresh: bool = True, env: dict[str, str] | None = None) -> dict:
+    """The JSON line that bench/`script`.py prints (its last line of stdout) for `argv`.
+
+    fresh: the script in a process of its own (python bench/<script>.py ARGV, with `env`), so that its peak resident
+    set is its run's alone. Otherwise (smoke runs, whose numbers are not read) its `main(argv)` in this process,
+    stdout captured: the same arguments, measurement and JSON, without the start-up of another interpreter; `env`
+    is not applied there (MALLOC_MMAP_THRESHOLD_ is read when a process starts)."""
+    import contextlib
+    import importlib
+    import io
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if fresh:
+        path = Path(__file__).with_name(f"{script}.py")
+        out = subprocess.run([sys.executable, str(path), *argv], capture_output=True, text=True, check=True,
+                             env=env).stdout
+    else:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            importlib.import_module(f"bench.{script}").main(argv)
+        out = buf.getvalue()
+    return json.loads(out.strip().splitlines()[-1])

@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import load_average, random_train_batch, synchronize
+from bench.limits import MM_SIZE
 
 SPREAD = 4  # the longest response of a batch is this many times the shortest
 
@@ -66,7 +67,7 @@ def summary(values: list[float], digits: int) -> dict:
 
 
 def measure(model: str, dtype: str, *, tokens: int, prompt_len: int, lengths: list[int], prompts: int,
-            groups: list[int], group_len: int, budget: int, reps: int, log=None) -> dict:
+            groups: list[int], group_len: int, budget: int, reps: int, mm_size: int = MM_SIZE, log=None) -> dict:
     from bench.limits import Machine
     from bench.train_memory import Meter
     from bench.train_mfu import matmul_params
@@ -93,7 +94,7 @@ def measure(model: str, dtype: str, *, tokens: int, prompt_len: int, lengths: li
         worker = PolicyWorker(cfg, ModelInfo(len(tok), tok.pad_token_id, ()))
         meter = Meter(worker.policy.device)
         if machine is None:
-            machine = Machine.measure(worker.policy.compute_dtype)
+            machine = Machine.measure(worker.policy.compute_dtype, mm_size)
             out["matmul_params"] = matmul_params(worker.policy.model)
             out["peak_flops"] = machine.peak_flops
         worker.train_step(spread_batch(len(tok), 2, prompt_len, lengths[0])[0])  # AdamW's state
@@ -133,9 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group-len", type=int, default=64, help="response length on the group curve")
     ap.add_argument("--budget", type=int, default=1024, help="train.max_tokens_per_micro_batch")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--mm-size", type=int, default=MM_SIZE,
+                    help="square matmuls that measure the machine's limit (smaller: the caches, for smoke runs)")
     a = ap.parse_args(argv)
     r = measure(a.model, a.dtype, tokens=a.tokens, prompt_len=a.prompt_len, lengths=a.lengths, prompts=a.prompts,
-                groups=a.groups, group_len=a.group_len, budget=a.budget, reps=a.reps)
+                groups=a.groups, group_len=a.group_len, budget=a.budget, reps=a.reps, mm_size=a.mm_size)
     print(json.dumps(r), flush=True)
 
 

@@ -19,6 +19,8 @@ import torch
 
 from bench.train_mfu import matmul_flops
 
+MM_SIZE = 2048  # of the square matmuls whose peak is the machine's
+
 
 def memory_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     """Bytes/s of a large tensor copy (read + write), the best of `reps`."""
@@ -39,8 +41,12 @@ class Machine:
     bandwidth: float  # bytes/s
 
     @classmethod
-    def measure(cls, compute_dtype: torch.dtype) -> Machine:
-        return cls(peak_flops=max(matmul_flops(compute_dtype, 2048, 3).values), bandwidth=memory_bandwidth())
+    def measure(cls, compute_dtype: torch.dtype, mm_size: int = MM_SIZE) -> Machine:
+        """The peak of `mm_size`-square matmuls and a copy of 16 such fp32 matrices' bytes (256 MiB at the
+        default). Smaller sizes fit in the caches and measure them, not the machine: for smoke runs only."""
+        copy_mib = max(1, 16 * mm_size * mm_size * 4 // 2**20)
+        return cls(peak_flops=max(matmul_flops(compute_dtype, mm_size, 3).values),
+                   bandwidth=memory_bandwidth(copy_mib))
 
 
 def step_limit_s(machine: Machine, *, matmul_params: int, weight_bytes: int, rows: int, prompt_tokens: int,

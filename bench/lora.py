@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import load_average
+from bench.common import load_average, run_script
 
 
 def _log(msg: str) -> None:
@@ -36,14 +35,14 @@ def _log(msg: str) -> None:
 
 
 def memory(model: str, rank: int, *, rows: int, prompt_len: int, response_len: int, micro: int, reps: int,
-           checkpointing: bool = False) -> dict:
+           checkpointing: bool = False, fresh: bool = True) -> dict:
+    """bench/train_memory.py's measurement of one side; `fresh`: in a process of its own (`run_script`)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    argv = [sys.executable, str(Path(__file__).with_name("train_memory.py")), f"--model={model}", "--dtype=float32",
-            f"--rows={rows}", f"--prompt-len={prompt_len}", f"--response-len={response_len}", f"--micro={micro}",
-            f"--reps={reps}", f"--lora-rank={rank}"] + (["--gradient-checkpointing"] if checkpointing else [])
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    r["command"] = "MALLOC_MMAP_THRESHOLD_=65536 python bench/train_memory.py " + " ".join(argv[2:])
+    argv = [f"--model={model}", "--dtype=float32", f"--rows={rows}", f"--prompt-len={prompt_len}",
+            f"--response-len={response_len}", f"--micro={micro}", f"--reps={reps}",
+            f"--lora-rank={rank}"] + (["--gradient-checkpointing"] if checkpointing else [])
+    r = run_script("train_memory", argv, fresh=fresh, env=env)
+    r["command"] = "MALLOC_MMAP_THRESHOLD_=65536 python bench/train_memory.py " + " ".join(argv)
     return r
 
 
@@ -114,15 +113,16 @@ def end_to_end(model: str, rank: int, steps: int) -> dict:
 
 def compare(model: str = "smollm2_135m", rank: int = 16, *, rows: int = 16, prompt_len: int = 32,
             response_len: int = 96, micro: int = 8, reps: int = 3, sync_reps: int = 5, steps: int = 5,
-            checkpointing: bool = True) -> dict:
-    """`checkpointing`: also measure both sides with gradient checkpointing (a process each)."""
+            checkpointing: bool = True, fresh_processes: bool = True) -> dict:
+    """`checkpointing`: also measure both sides with gradient checkpointing (a process each). `fresh_processes`:
+    each memory side in a process of its own (False: in this one, for smoke runs: `bench.common.run_script`)."""
     load = load_average()
     mem = {}  # each side without and with gradient checkpointing (activations dominate without it)
     for ckpt in (False, True) if checkpointing else (False,):
         for name, r in (("full", 0), ("lora", rank)):
             key = name + (" checkpointing" if ckpt else "")
             mem[key] = memory(model, r, rows=rows, prompt_len=prompt_len, response_len=response_len, micro=micro,
-                              reps=reps, checkpointing=ckpt)
+                              reps=reps, checkpointing=ckpt, fresh=fresh_processes)
             _log(f"  [lora memory {key}] peak {mem[key]['peak_total_mib']:.0f} MiB, step "
                  f"{mem[key]['time_s']['median']} s")
     return {"bench": "lora", "model": model, "rank": rank, "memory": mem, "sync": sync(model, rank, sync_reps),

@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import Series, ratio_series
+from bench.limits import MM_SIZE
 
 MODEL_OVERRIDES = {"tiny": ["model=tiny"], "smollm2_135m": ["model=smollm2_135m"]}
 
@@ -95,8 +96,9 @@ class RelaxInProcess:
         self.last_prompt_tokens = int(samples.prompt_mask.sum())
         return t4 - t0
 
-    def limit_s(self, completion_len: float) -> dict[str, float]:
-        """The last step's time at this machine's limits (`bench.limits`), in the rollout engine's dtype."""
+    def limit_s(self, completion_len: float, mm_size: int) -> dict[str, float]:
+        """The last step's time at this machine's limits (`bench.limits`, its matmuls of `mm_size`), in the rollout
+        engine's dtype."""
         from bench.limits import Machine, step_limit_s
         from bench.train_mfu import matmul_params
 
@@ -105,8 +107,9 @@ class RelaxInProcess:
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.parameters())
         compute = next(engine.parameters()).dtype  # bf16 runs bf16 matmuls on both sides (autocast in training)
         rows = self.cfg.rollout.rollout_batch_size * self.cfg.rollout.n_samples_per_prompt
-        return step_limit_s(Machine.measure(compute), matmul_params=matmul_params(model), weight_bytes=weight_bytes,
-                            rows=rows, prompt_tokens=self.last_prompt_tokens, response_len=completion_len)
+        return step_limit_s(Machine.measure(compute, mm_size), matmul_params=matmul_params(model),
+                            weight_bytes=weight_bytes, rows=rows, prompt_tokens=self.last_prompt_tokens,
+                            response_len=completion_len)
 
 
 def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -191,9 +194,10 @@ class TRLRunner:
 
 
 def compare(model: str, dtype: str, *, prompts: int, group: int, completion_len: int, micro: int, blocks: int,
-            steps_per_block: int, variable: bool = False, log=print) -> dict:
+            steps_per_block: int, variable: bool = False, mm_size: int = MM_SIZE, log=print) -> dict:
     """Alternating blocks of `steps_per_block` steps per side; the first step of each block is a warm-up. The rate is
-    samples/s, or response tokens/s with `variable` (responses stop at EOS)."""
+    samples/s, or response tokens/s with `variable` (responses stop at EOS). `mm_size`: of the matmuls that
+    measure the machine's limit (`bench.limits.Machine`)."""
     torch.manual_seed(0)
     relax = RelaxInProcess(relax_overrides(model, dtype, prompts, group, completion_len, micro),
                            fixed_length=not variable)
@@ -228,7 +232,7 @@ def compare(model: str, dtype: str, *, prompts: int, group: int, completion_len:
     phases = {k: sum(v[1:]) / max(1, len(v) - 1) for k, v in relax.phases.items()}
     # the limit of a step at its mean response length (variable) or exactly completion_len tokens
     mean_len = sum(relax_tokens) / len(relax_tokens) / n if variable and relax_tokens else completion_len
-    limit = relax.limit_s(mean_len)
+    limit = relax.limit_s(mean_len, mm_size)
     log(f"  [{model} {dtype}] limit of a step: {limit}")
     step_s = [sum(relax_tokens) / len(relax_tokens) / v if variable else n / v for v in per_side["relax"].values]
     return {
@@ -252,9 +256,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3)
     ap.add_argument("--steps-per-block", type=int, default=3)
     ap.add_argument("--variable", action="store_true", help="responses stop at EOS; the rate is tokens/s")
+    ap.add_argument("--mm-size", type=int, default=MM_SIZE,
+                    help="square matmuls that measure the machine's limit (smaller: the caches, for smoke runs)")
     a = ap.parse_args()
     r = compare(a.model, a.dtype, prompts=a.prompts, group=a.group, completion_len=a.completion_len, micro=a.micro,
-                blocks=a.blocks, steps_per_block=a.steps_per_block, variable=a.variable)
+                blocks=a.blocks, steps_per_block=a.steps_per_block, variable=a.variable, mm_size=a.mm_size)
     print(f"relax {r['relax'].median:.2f} {r['unit']} ({r['relax'].spread}); trl {r['trl'].median:.2f} "
           f"({r['trl'].spread}); ratio {r['ratio'].median:.2f}x ({r['ratio'].spread}); "
           f"relax phases {r['relax_phases_s']}; step / limit {r['vs_limit'].median:.2f}x; response lengths "

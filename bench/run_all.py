@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import Series, load_average, machine_info
+from bench.common import Series, load_average, machine_info, run_script
 from bench.verdicts import MMAP_THRESHOLD, ROUND1_PEAK_MIB, Headlines, comparison, previous, verdict
 
 SECTIONS = ("rl", "rollout", "train", "memory", "growth", "overhead", "modes", "sglang", "agents", "math",
@@ -64,6 +64,9 @@ class Settings:
     math_tokens: int
     math_reps: int
     lora_runs: list[dict] = field(default_factory=list)  # kwargs of bench/lora.py's compare
+    # False (smoke): the growth and LoRA sections run their scripts' main in this process (bench.common.run_script:
+    # same arguments and JSON, no other interpreter to start); the memory section's train_memory.py always runs fresh
+    fresh_processes: bool = True
 
 
 def without_slow_bf16(st: Settings) -> tuple[Settings, bool]:
@@ -89,7 +92,8 @@ def settings(mode: str) -> Settings:
     from bench import async_modes
 
     if mode == "smoke":
-        rl = dict(prompts=2, group=2, completion_len=4, micro=4, blocks=1, steps_per_block=2)
+        # mm_size: the machine's limit from small matmuls (bench/limits.py; 2048 otherwise)
+        rl = dict(prompts=2, group=2, completion_len=4, micro=4, blocks=1, steps_per_block=2, mm_size=256)
         return Settings(
             rl_runs=[("tiny", "float32", rl), ("tiny", "float32", dict(rl, variable=True))],
             rollout_runs=[dict(model="tiny", batch=4, n_samples=2, prompt_len=8, new_tokens=4, reps=1,
@@ -98,7 +102,7 @@ def settings(mode: str) -> Settings:
                              reps=1, mm_size=256)],
             memory_runs=[dict(model="tiny", dtype="float32", rows=4, prompt_len=8, response_len=8, micro=4, reps=1)],
             growth_runs=[dict(model="tiny", dtype="float32", tokens=96, prompt_len=8, lengths=[8, 16], prompts=2,
-                              groups=[2, 4], group_len=8, budget=64, reps=1)],
+                              groups=[2, 4], group_len=8, budget=64, reps=1, mm_size=256)],
             # one Ray for every run of the smoke suite (`main`): the overhead row says so
             overhead_runs=[(["model=tiny", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
                              "rollout.max_response_len=4", "train.micro_batch_size=4"], 2, True)],
@@ -109,6 +113,7 @@ def settings(mode: str) -> Settings:
             math_tokens=4096, math_reps=1,
             lora_runs=[dict(model="tiny", rank=4, rows=4, prompt_len=8, response_len=8, micro=4, reps=1,
                             sync_reps=1, steps=0, checkpointing=False)],
+            fresh_processes=False,
         )
     quick = mode == "quick"
     tiny = dict(prompts=8, group=8, completion_len=8, micro=8, blocks=2 if quick else 3, steps_per_block=4)
@@ -213,7 +218,8 @@ def section_rl(st: Settings, log, h: Headlines) -> list[str]:
                      f"{lim['prefill']:.3f} / {lim['decode']:.3f} | **{fmt(r['vs_limit'], 1, 2)}x** | {cell} |")
         cmd = (f"python bench/rl_vs_trl.py --model {model} --dtype {dtype} --prompts {kw['prompts']} --group "
                f"{kw['group']} --completion-len {kw['completion_len']} --micro {kw['micro']} --blocks {kw['blocks']}"
-               f" --steps-per-block {kw['steps_per_block']}{' --variable' if variable else ''}")
+               f" --steps-per-block {kw['steps_per_block']}{' --variable' if variable else ''}"
+               + (f" --mm-size {kw['mm_size']}" if "mm_size" in kw else ""))
         lines.append(f"| | | `{cmd}` | | | | | | | |")
     return lines
 
@@ -262,22 +268,16 @@ def section_train(st: Settings, log, h: Headlines) -> list[str]:
 
 
 def section_memory(st: Settings, log, h: Headlines) -> list[str]:
-    import json
-    import subprocess
-
     lines = ["| model | precision | rows x (prompt + response), micro-batch | weights + AdamW (resident after a step) "
              "MiB | activations and gradients of a step MiB | process peak MiB | step s | vs round 1's peak | "
              "verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
-    script = Path(__file__).with_name("train_memory.py")
     for kw in st.memory_runs:
         argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
         # a fresh process each: its peak resident set is this run's alone; large tensors mapped and unmapped on their
         # own, so that the resident set tracks live memory rather than what glibc's arenas keep (as round 1's peak)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
-        out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True,
-                             env=env)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = run_script("train_memory", argv, env=env)
         name = f"{r['model']} {r['dtype']}{' gradient checkpointing' if r['gradient_checkpointing'] else ''}"
         log(f"  [memory {name}] peak {r['peak_total_mib']:.0f} MiB, "
             f"step {r['time_s']['median']} s")
@@ -299,24 +299,18 @@ def section_memory(st: Settings, log, h: Headlines) -> list[str]:
 
 
 def section_growth(st: Settings, log, h: Headlines) -> list[str]:
-    import json
-    import subprocess
-
     def cell(p: dict, side: str, key: str, digits: int) -> str:
         v = p[side][key]
         return f"{v['median']:.{digits}f}" + (f" ({v['min']:.{digits}f}-{max(v['values']):.{digits}f})"
                                               if len(v["values"]) > 1 else "")
 
     lines = []
-    script = Path(__file__).with_name("cost_growth.py")
     for kw in st.growth_runs:
         argv = []
         for k, v in kw.items():
             argv += [f"--{k.replace('_', '-')}", *map(str, v if isinstance(v, list) else [v])]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}  # freed tensors leave the resident set
-        out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True,
-                             env=env)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = run_script("cost_growth", argv, fresh=st.fresh_processes, env=env)
         name = f"{r['model']} {r['dtype']}"
         lines += [f"{name}, micro-batches of at most {r['budget']} tokens, responses spread {r['spread']}x "
                   f"(L/{r['spread']}..L), prompts of {r['prompt_len']} tokens; limit: the real tokens' training "
@@ -474,7 +468,7 @@ def section_lora(st: Settings, log, h: Headlines) -> list[str]:
         return f"{m['peak_total_mib']:.0f} ({t['median']:.2f}, {t['min']:.2f}-{max(t['values']):.2f})"
 
     for kw in st.lora_runs:
-        r = lora.compare(**kw)
+        r = lora.compare(**kw, fresh_processes=st.fresh_processes)
         mem, sync, e2e = r["memory"], r["sync"], r["end_to_end"] or {}
         sides = ("", " checkpointing") if "full checkpointing" in mem else ("",)  # smoke: without checkpointing
         ratios = [mem[f"lora{c}"]["peak_total_mib"] / mem[f"full{c}"]["peak_total_mib"] for c in sides]
@@ -614,6 +608,8 @@ def main(argv: list[str] | None = None) -> None:
     if dropped:
         rep.machine["bf16 rows"] = ("not measured: this CPU has no native bf16 matmul (AVX512-BF16/AMX), bf16 is "
                                     "emulated at a small fraction of fp32's speed")
+    if not st.fresh_processes:
+        rep.machine["growth and LoRA memory"] = "measured in the suite's own process (smoke): its resident set"
 
     def log(msg: str) -> None:
         print(msg, flush=True)
