@@ -14,7 +14,7 @@ import pytest
 def test_relax_train_sweep_and_compare(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "relax.cli.train", "-m", "+experiment=rloo_vs_grpo_cpu", "algorithm=rloo,grpo",
-           "seed=1", "train.num_rollout=2", "train.eval_interval=0", "train.save=false", "tracking.progress=false",
+           "seed=1", "train.num_rollout=1", "train.eval_interval=0", "train.save=false", "tracking.progress=false",
            "tracking.experiment=sweep-test", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
            "train.global_batch_size=8"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -40,7 +40,7 @@ def test_relax_train_sweep_and_compare(tmp_path):
         assert tags["sweep_id"] == parent.data.tags["sweep_id"]
         assert tags["arm"] == f"algorithm={tags['algorithm']}"
         assert tags["overrides"] == (f"+experiment=rloo_vs_grpo_cpu algorithm={tags['algorithm']} seed={tags['seed']}"
-                                     " train.num_rollout=2 train.eval_interval=0 train.save=False "
+                                     " train.num_rollout=1 train.eval_interval=0 train.save=False "
                                      "tracking.progress=False tracking.experiment=sweep-test "
                                      "rollout.rollout_batch_size=2 rollout.n_samples_per_prompt=4 "
                                      "train.global_batch_size=8")
