@@ -17,6 +17,7 @@ import dataclasses
 import io
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,9 @@ BASE = [
     "train.save_interval=2",
     "model.dtype=float32",  # bf16 kernels on tiny shapes are slower than fp32 on CPUs
     "cluster.cpus_per_node=1",  # one torch thread: the tiny model gains nothing from more
+    # reward calls in this process: a limit runs them in worker processes, fresh interpreters that each run starts
+    # anew (most of a short run's CPU); data.reward_timeout_s's own case walks it to a limit
+    "data.reward_timeout_s=null",
 ]
 # Algorithms that allow it get two optimizer steps per rollout, so that clipping and ratios bind.
 MULTI_STEP = ["train.num_steps_per_rollout=2"]
@@ -271,6 +275,8 @@ def base_value(key: str, base: list[str], default: Any) -> Any:
     keeps small, such as train.num_rollout=2), else its default. The walk changes that value, so that a changed run
     costs what the base run does (the schema's default of 60 rollouts + 1 would run 61)."""
     text = next((o.split("=", 1)[1] for o in base if o.startswith(f"{key}=")), None)
+    if text == "null":
+        return None
     if text is None or isinstance(default, bool) or not isinstance(default, int | float):
         return default
     return type(default)(float(text)) if isinstance(default, float) else int(text)
@@ -317,12 +323,9 @@ class Workspace:
 
 def observe(overrides: list[str], cwd: Path) -> dict[str, Any] | str:
     """What a user can see of `relax-train <overrides>`: "rejected", or the records of a short run."""
-    try:
-        cfg = load_config(overrides)
-    except (ConfigError, Exception) as exc:  # validation, or Hydra refusing the key or value
-        if isinstance(exc, ConfigError) or type(exc).__module__.startswith(("hydra", "omegaconf")):
-            return "rejected"
-        raise
+    cfg = accepted(overrides)  # validation, or Hydra refusing the key or value
+    if cfg is None:
+        return "rejected"
     from relax.runner.errors import RunError
     from relax.runner.plan import build_plan
     from relax.runner.train import run
@@ -371,27 +374,43 @@ def mlflow_record(cfg: RelaxConfig, run_id: str | None, cwd: Path) -> Any:
     return {"experiment": client.get_experiment(run.info.experiment_id).name, "run_name": name, "tags": tags}
 
 
+# overrides -> the config (None: rejected), so that the walk composes each config once (a probe's, a base's)
+_CONFIGS: dict[tuple[str, ...], RelaxConfig | None] = {}
+
+
 def accepted(overrides: list[str]) -> RelaxConfig | None:
     """The config, or None when validation (or Hydra) rejects it."""
-    try:
-        return load_config(overrides)
-    except (ConfigError, Exception) as exc:
-        if isinstance(exc, ConfigError) or type(exc).__module__.startswith(("hydra", "omegaconf")):
-            return None
-        raise
+    key = tuple(overrides)
+    if key not in _CONFIGS:
+        try:
+            _CONFIGS[key] = load_config(overrides)
+        except (ConfigError, Exception) as exc:
+            if isinstance(exc, ConfigError) or type(exc).__module__.startswith(("hydra", "omegaconf")):
+                _CONFIGS[key] = None
+            else:
+                raise
+    return _CONFIGS[key]
+
+
+def config(overrides: list[str]) -> RelaxConfig:
+    """The config of overrides the walk knows are valid (a ConfigError otherwise)."""
+    cfg = accepted(overrides)
+    if cfg is None:
+        raise ConfigError(f"the walk's config is rejected: {overrides}")
+    return cfg
 
 
 def probe_actor_backend(overrides: list[str], cwd: Path) -> Any:
     from relax.runner.plan import build_plan
 
-    plan = build_plan(load_config(overrides))
+    plan = build_plan(config(overrides))
     return plan.role("actor").backend, plan.role("actor").why
 
 
 def probe_role_cores(overrides: list[str], cwd: Path) -> Any:
     from relax.runner.plan import build_plan, ray_options
 
-    plan = build_plan(load_config(overrides))
+    plan = build_plan(config(overrides))
     return plan.rollout_in_actor, [ray_options(plan, r.role, i) for r in plan.roles for i in range(r.replicas)]
 
 
@@ -399,7 +418,7 @@ def probe_tool_parser(overrides: list[str], cwd: Path) -> Any:
     """What the run's tool loop answers to a Qwen3-Coder call (tests/agents/test_tool_parsers.py: every format)."""
     from relax.agents.episode import EpisodeMaker
 
-    maker = EpisodeMaker.for_config(load_config(overrides))
+    maker = EpisodeMaker.for_config(config(overrides))
     loop = maker.loops()
     loop.reset({})
     reply = loop.turn("<tool_call>\n<function=calculator>\n<parameter=expression>\n6 * 7\n</parameter>\n</function>"
@@ -411,7 +430,7 @@ def probe_tool_parser(overrides: list[str], cwd: Path) -> Any:
 def probe_gradient_checkpointing(overrides: list[str], cwd: Path) -> Any:
     from relax.train.torch_policy import TorchPolicy
 
-    cfg = load_config(overrides)
+    cfg = config(overrides)
     policy = TorchPolicy(cfg.model, cfg.train, vocab_size=40, pad_token_id=0, seed=cfg.seed)
     return policy.model.is_gradient_checkpointing
 
@@ -424,7 +443,7 @@ def probe_micro_batches(overrides: list[str], cwd: Path) -> Any:
     from relax.batch import TrainBatch
     from relax.roles.workers import ModelInfo, PolicyWorker
 
-    cfg = load_config(overrides)
+    cfg = config(overrides)
     worker = PolicyWorker(cfg, ModelInfo(vocab_size=40, pad_token_id=0, eos_token_ids=(1,)))
     calls = []
     worker.policy.model.register_forward_hook(lambda *a: calls.append(1))
@@ -444,7 +463,7 @@ def probe_tokens_computed(overrides: list[str], cwd: Path) -> Any:
     from relax.batch import TrainBatch
     from relax.roles.workers import ModelInfo, PolicyWorker
 
-    cfg = load_config(overrides)
+    cfg = config(overrides)
     worker = PolicyWorker(cfg, ModelInfo(vocab_size=40, pad_token_id=0, eos_token_ids=(1,)))
     tokens = []
     worker.policy.model.get_input_embeddings().register_forward_pre_hook(lambda m, a: tokens.append(a[0].numel()))
@@ -485,7 +504,7 @@ def probe_heartbeat_timeout(overrides: list[str], cwd: Path) -> Any:
             return {"actor": RoleBeat(beat_age_s=400.0, progress_age_s=400.0, progress=1, pid=1)}
 
     board = type("Board", (), {"snapshot": Snapshot})()
-    watch = Watchdog(board, load_config(overrides).cluster.heartbeat_timeout_s)
+    watch = Watchdog(board, config(overrides).cluster.heartbeat_timeout_s)
     with inprocess_ray():
         try:
             watch.check({"actor"}, waited_s=400.0)
@@ -513,7 +532,7 @@ def probe_checkpoint_timeout(overrides: list[str], cwd: Path) -> Any:
 
     never = types.SimpleNamespace(wait=wait, exceptions=types.SimpleNamespace())
     cluster = object.__new__(Cluster)
-    cluster.cfg, cluster.critic, cluster.actor_process = load_config(overrides), None, "actor"
+    cluster.cfg, cluster.critic, cluster.actor_process = config(overrides), None, "actor"
     cluster.watch = Watchdog(None, None)
     cluster.actor = types.SimpleNamespace(save=types.SimpleNamespace(remote=lambda path: object()))
     staging = types.SimpleNamespace(staging=lambda step: cwd / "staging")
@@ -556,7 +575,7 @@ def probe_save_on_preempt(overrides: list[str], cwd: Path) -> Any:
 
     from relax.runner.preempt import Preempted, Preemption
 
-    with Preemption.from_config(load_config(overrides)) as preemption:
+    with Preemption.from_config(config(overrides)) as preemption:
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.01)  # the handler runs here at the latest
@@ -619,15 +638,26 @@ def setup(key: str, cwd: Path, overrides: list[str]) -> None:
     if key == "train.ref_load":
         from relax.models.hf import build_model
 
-        cfg = load_config(overrides)
+        cfg = config(overrides)
         build_model(cfg.model, 40, 0, seed=99).save_pretrained(str(cwd / "ref_model"))
     if TEACHER_BASE[0] in overrides:
         from relax.data.tokenizer import load_tokenizer
         from relax.models.hf import build_model
 
-        cfg = load_config(overrides)
+        cfg = config(overrides)
         build_model(cfg.model, 40, 0, seed=98).save_pretrained(str(cwd / "teacher_model"))
         load_tokenizer(cfg.model).save_pretrained(str(cwd / "teacher_model"))
+
+
+def recorded_at_start(cfg: RelaxConfig) -> tuple[str, dict[str, str] | None]:
+    """What of a run's records `observe` knows from the config alone: its plan (`observe` records exactly this
+    render), and the run's standard tags (the session writes `standard_tags(cfg)` into the MLflow run when it opens
+    it, and `mlflow_record` reads them back; tests/tracking: the tags a run gets). Two valid configs that differ here
+    differ in their records whatever their runs do, so the walk compares them without running them."""
+    from relax.runner.plan import build_plan
+    from relax.tracking.params import standard_tags
+
+    return build_plan(cfg).render(), standard_tags(cfg) if cfg.tracking.enabled else None
 
 
 @pytest.mark.parametrize("algorithm,key,default", cases(), ids=lambda x: str(x))
@@ -639,8 +669,18 @@ def test_every_field_is_rejected_or_changes_the_run(algorithm, key, default, wor
         probe = globals()[PROBES[key]]
         if accepted(changed_overrides) is None:
             return
-        assert probe(base, workspace.new()) != probe(changed_overrides, workspace.new()), key
+        probe_key = (PROBES[key], tuple(base))  # the base's answer, once per probe and base
+        if probe_key not in baselines:
+            baselines[probe_key] = probe(base, workspace.new())
+        assert baselines[probe_key] != probe(changed_overrides, workspace.new()), key
         return
+    changed_cfg = accepted(changed_overrides)
+    if changed_cfg is None:
+        return
+    base_cfg = accepted(base)
+    assert base_cfg is not None, f"the walk's base config is invalid: {base}"
+    if recorded_at_start(changed_cfg) != recorded_at_start(base_cfg):
+        return  # their plans or their runs' tags differ: so do their records (`recorded_at_start`)
     changed_dir = workspace.new()
     setup(key, changed_dir, base)
     changed = observe(changed_overrides, changed_dir)
@@ -663,6 +703,7 @@ def test_the_walk_sees_an_ignored_field(workspace, monkeypatch):
 
     ppo = algorithms.get("ppo")
     monkeypatch.setitem(base._REGISTRY, "ppo", dataclasses.replace(ppo, ignores={}))
+    monkeypatch.setattr(sys.modules[__name__], "_CONFIGS", {})  # the walk's configs were validated with the rule
     overrides = base_for("ppo")
     assert observe(overrides, workspace.new()) == observe(overrides + ["algorithm.std_normalization=false"],
                                                           workspace.new())
