@@ -20,12 +20,13 @@ from relax.runner.train import run
 
 pytestmark = pytest.mark.slow
 
-# a killed server is noticed within four rounds of checks (a round waits up to 5 s on each server, longer under
-# load: with eight misses a kill could go unnoticed until the run ended); a live one starved of CPU by the other
-# test workers (two cores, three workers) may miss a check or two, not four in a row of 5 s each
 SGLANG = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_replicas=2",
-          "rollout.sglang.health_check_interval_s=1", "rollout.sglang.health_failures=4",
           "rollout.sglang.startup_timeout_s=120"]
+# the killed-engine run's health checks: a killed server is noticed within four rounds of checks (a round waits up to
+# 5 s on each server, longer under load: with eight misses a kill could go unnoticed until the run ended); a live one
+# starved of CPU by the other test workers (two cores, three workers) may miss a check or two, not four in a row of
+# 5 s each. (Each check generates a token on every server: the runs that kill nothing keep the default interval.)
+WATCH_CLOSELY = ["rollout.sglang.health_check_interval_s=1", "rollout.sglang.health_failures=4"]
 
 
 def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_survives_a_killed_engine(
@@ -36,10 +37,12 @@ def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_surv
     process); a server killed mid-run is replaced without a lost sample."""
     import kill_engine_reward
 
-    steps = 6  # the kill lands in step 2 (kill_engine_reward), its replacement serves the steps after it
-    cfg = load_config([*SGLANG, "algorithm=grpo", f"train.num_rollout={steps}", "seed=1", "model.dtype=float32",
-                       "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
-                       "train.micro_batch_size=8",
+    # the kill lands in step 2 (kill_engine_reward), its replacement serves the steps after it (three steps: time
+    # for the replacement to load and take its place before the run ends and stops the servers, under load too)
+    steps = 6
+    cfg = load_config([*SGLANG, *WATCH_CLOSELY, "algorithm=grpo", f"train.num_rollout={steps}", "seed=1",
+                       "model.dtype=float32", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                       "train.global_batch_size=16", "train.micro_batch_size=8",
                        "data.reward=kill_engine_reward:reward",
                        "data.reward_timeout_s=null",  # the reward runs in this process (its count is the test's)
                        "tracking.enabled=false",
@@ -118,8 +121,8 @@ def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small
     verifies."""
     from relax.cli.verify_run import verify
 
-    steps, G, B = 5, 4, 4
-    update_mid_generation(monkeypatch)  # version 1 interrupts job 1 (the other updates: wherever they land)
+    steps, G, B = 3, 4, 4  # updates 1 and 2 within the staleness bound of 2
+    update_mid_generation(monkeypatch)  # version 1 interrupts job 1 (the other update: wherever it lands)
     cfg = load_config(small_run(*SGLANG, "algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
                                 "rollout.partial_rollout=true", "rollout.max_response_len=32", steps=steps))
     result = run(cfg, output_dir=tmp_path / "out")
@@ -161,7 +164,7 @@ def test_lora_adapter_updates_through_sglangs_adapter_endpoints(ray_local, small
     cfg = load_config(small_run("rollout=sglang", "rollout.sglang.server=embedded",
                                 "rollout.sglang.startup_timeout_s=120", "model.lora_rank=4", "model.lora_alpha=8",
                                 "train.lr=0.05", "rollout.lora_sync=adapter", "model.dtype=float32",
-                                "algorithm.use_tis=true", steps=2))
+                                "algorithm.use_tis=true", "rollout.rollout_batch_size=2", steps=2))
     result = run(cfg, output_dir=tmp_path / "out")
     m = cfg.model
     q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
@@ -175,28 +178,48 @@ def test_lora_adapter_updates_through_sglangs_adapter_endpoints(ray_local, small
 
 
 class PeakRSS:
-    """This process's resident memory above its level at the start, at its highest, sampled every few ms."""
+    """This process's resident memory above its level at the start, at its highest: the kernel's own high-water mark
+    (VmHWM), reset at the start (`echo 5 > /proc/self/clear_refs`), which sees every peak however short, at no cost
+    during the run. Where that reset is not allowed, sampled every few ms instead (a thread that takes CPU from the
+    driver it measures)."""
 
     def __init__(self):
         import threading
 
-        import psutil
+        self.peak, self._stop = 0, threading.Event()
+        self._thread: threading.Thread | None = None
+        self.base = self._status("VmRSS")
 
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-        self.base = self.proc.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+    @staticmethod
+    def _status(field: str) -> int:
+        """A memory field of /proc/self/status, in bytes."""
+        import re
+
+        with open("/proc/self/status") as f:
+            return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) << 10
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.proc.memory_info().rss - self.base)
+            self.peak = max(self.peak, self._status("VmRSS") - self.base)
 
     def __enter__(self) -> PeakRSS:
-        self._thread.start()
+        import threading
+
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+        except OSError:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        self.base = self._status("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        if self._thread is None:
+            self.peak = self._status("VmHWM") - self.base
+        else:
+            self._stop.set()
+            self._thread.join()
 
 
 def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_local, small_run, tmp_path):
@@ -210,7 +233,8 @@ def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_loc
     cfg = load_config(small_run("rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_replicas=1",
                                 "rollout.sglang.startup_timeout_s=120", "model.dtype=float32", *large,
                                 "rollout.rollout_batch_size=2", "rollout.max_response_len=8",
-                                "tracking.enabled=false", steps=2))
+                                "tracking.enabled=false", "train.save=false", "train.save_dir=null",
+                                steps=1))  # one version (0) sent: the actor's snapshot
     gc.collect()
     with PeakRSS() as rss:
         result = run(cfg, output_dir=tmp_path / "large")
