@@ -238,13 +238,22 @@ class SGLangEngines:
         if self.router is not None:
             step("stopping the router", self.router.stop)
         if self.servers:  # their processes, before Ray kills the actors (which would take them down too)
-            import ray
-
-            step("stopping the servers' processes", lambda: ray.wait(
-                [s.stop.remote() for s in self.servers], num_returns=len(self.servers), timeout=15))
+            step("stopping the servers' processes", self._stop_servers)
         if problems:
             print("rollout=sglang: shutting down, " + "; ".join(problems) + " (every other step was done)",
                   file=sys.stderr, flush=True)
+
+    def _stop_servers(self, timeout_s: float = 15.0) -> None:
+        """Each server actor stops its process; an actor still busy after `timeout_s` (a replacement still starting:
+        its stop waits behind the start) is killed, and its server process with it (PR_SET_PDEATHSIG,
+        `relax.rollout.sglang.process`): no server outlives the run, also where the Ray instance does."""
+        import ray
+
+        refs = [s.stop.remote() for s in self.servers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for server, ref in zip(self.servers, refs, strict=True):
+            if ref in pending:
+                ray.kill(server)
 
     def _restore(self) -> None:
         """The user's servers resident with the last weights (`close`); the lock is waited for as long as a weight
