@@ -6,10 +6,12 @@ local Ray; the algorithm matrix, learning, resume and reward faults run the same
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 
@@ -295,10 +297,19 @@ def test_ctrl_c_stops_ray_and_marks_the_run_killed(tmp_path, fresh_store):
             while "step " not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert "step " in log.read_text(), log.read_text()[-2000:]
+            # the run's Ray: its GCS and raylet are the driver's children, the role workers the raylet's
+            started = psutil.Process(proc.pid).children(recursive=True)
+            names = []
+            for p in started:
+                with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+                    names.append(" ".join(p.cmdline()))
+            assert any("raylet" in n for n in names), names
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=120) == 130
         finally:
             proc.kill()
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, f"left running after Ctrl-C: {[p.pid for p in alive]}"
     text = log.read_text()
     assert "relax-train: SIGINT received: stopped at once" in text and "Traceback" not in text
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
