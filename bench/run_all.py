@@ -34,13 +34,16 @@ TARGETS = {
           "(FLOPs at the matmul peak, decode at memory bandwidth); with variable-length responses (spread >= 4x) at "
           "135M fp32, >= 2x TRL's tokens/s",
     "rollout": "engine tokens/s >= 2x HF generate on the tiny model, >= 2.5x at 135M bf16",
-    "train": "135M train phase >= 50% of measured matmul FLOP/s",
+    "train": "135M train phase in bf16 >= 60% of the measured bf16 matmul FLOP/s (round 4; fp32: >= 50% of fp32's, "
+             "round 3)",
     "memory": "actor peak memory at 135M, 16 x 128 tokens, <= 40% of round 1's",
     "growth": "at a fixed token budget per micro-batch, actor memory grows no faster than linearly with the response "
               "length (packed and padded); step time against the step's limit as responses and groups double",
     "overhead": "overhead <= 5% of a step at 135M, <= 10% on the tiny model; start-up to step 0 <= 8 s (tiny), "
                 "<= 15 s (135M)",
-    "modes": "fully_async >= 1.8x and hybrid >= 1.5x sync samples/s when rollout and train are balanced, 2+ cores",
+    "modes": "with the rollout and the actor on disjoint cores (cluster.role_cores) and balanced work: fully_async >= "
+             "1.8x and hybrid >= 1.5x sync samples/s (round 4); on shared cores measured, no target (both phases use "
+             "both cores in sync)",
     "sglang": "no target: the request shape of rollout=sglang, measured (per sample vs per prompt)",
     "agents": "no target: agentic episodes with the KV cache kept across turns vs a turn per call, measured",
     "math": "1M-token M2PO solve < 25 ms; every compute_loss fwd+bwd within 1.5x of the cheapest",
@@ -254,13 +257,14 @@ def section_train(st: Settings, log, h: Headlines) -> list[str]:
     for kw in st.train_runs:
         r = train_mfu.measure(log=log, **kw)
         fraction = r["fraction"].median
+        need = 0.6 if kw["dtype"] == "bfloat16" else 0.5  # round 4's bf16 target; round 3's fp32 one
         h.add(f"train {r['model']} {r['dtype']}: fraction of matmul FLOP/s", fraction, True)
         mfu = "n/a (CPU)" if r["mfu"] is None else f"{fmt(r['mfu'], 100, 1)}%"
         lines.append(f"| {r['model']} | {r['dtype']} ({r['compute_dtype']}), {r['device']} | {r['tokens']} "
                      f"({r['rows']} rows, micro {r['micro']}) | {r['matmul_params'] / 1e6:.1f}M | "
                      f"{fmt(r['achieved'], 1e-9)} | "
                      f"{fmt(r['limit'], 1e-9)} | **{fmt(r['fraction'], 100, 0)}%** | {mfu} | "
-                     f"{verdict(fraction >= 0.5, '>= 50%')} |")
+                     f"{verdict(fraction >= need, f'>= {need:.0%}')} |")
         lines.append(f"| | `python bench/train_mfu.py --model {kw['model_name']} --dtype {kw['dtype']} --rows "
                      f"{kw['rows']} --prompt-len {kw['prompt_len']} --response-len {kw['response_len']} --micro "
                      f"{kw['micro']} --reps {kw['reps']} --mm-size {kw['mm_size']}` | | | | | | | |")
@@ -387,7 +391,8 @@ def section_modes(st: Settings, log, h: Headlines) -> list[str]:
         for mode in modes:
             m, speedup = r[mode], r["speedup"][mode].median
             h.add(f"modes {'disjoint cores ' if disjoint else ''}{mode}: samples/s vs sync", speedup, True)
-            need = {"fully_async": 1.8, "hybrid": 1.5}.get(mode)
+            # round 4: overlap can pay only where the phases do not share cores; on shared cores it is measured
+            need = {"fully_async": 1.8, "hybrid": 1.5}.get(mode) if disjoint else None
             target = verdict(None) if need is None else verdict(speedup >= need, f">= {need}x sync")
             lines.append(f"| `{' '.join(work)}` | {mode} ({' '.join(async_modes.MODES[mode])}) | "
                          f"{fmt(m['samples_per_s'], 1, 1)} | **{fmt(r['speedup'][mode], 1, 2)}** | "
