@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from relax import algorithms
 from relax.algorithms.base import Violation
+from relax.config.derive import teacher_model
 from relax.config.schema import RelaxConfig
 
 # model.arch values built by transformers' vision-language classes (source=config), and the model_type of a
@@ -81,10 +81,15 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     # a resumed episode (partial rollout) takes them from its interrupted row's vision inputs
     require(d.openai_agent is None, ("data.openai_agent",),
             f"data.openai_agent {NOT_BUILT}: the training gateway does not take image content parts yet")
-    require(not algorithms.get(cfg.algorithm.name).requires_critic, ("algorithm.name", "model.arch"),
-            f"algorithm={cfg.algorithm.name} {NOT_BUILT}: its critic's value forward does not take images")
-    require(cfg.teacher.name == "none" and cfg.teacher.path is None, ("teacher.path",),
-            f"a distillation teacher {NOT_BUILT}: the teacher's forward does not take images")
+    # a critic's values and a teacher's log-probs run the model's multimodal forward with the rows' images, as the
+    # policy's (relax.train.torch_critic, relax.train.logprobs); a teacher must then take images too
+    teacher = teacher_model(cfg)
+    if teacher is not None and not (teacher.source == "hf" and hf_model_type(teacher) is None):
+        require(is_vision_model(teacher), ("teacher.path", "model.arch"),
+                f"the distillation teacher (teacher.source={teacher.source}, "
+                f"teacher.path={teacher.path or teacher.name}) is a text-only model: it would score the responses "
+                f"without the prompts' images that {model} sees; use a vision-language teacher of the same family "
+                "and tokenizer (a Hugging Face directory: train.save_hf or relax-export of a vision-language run)")
     require(not cfg.tracking.log_model, ("tracking.log_model", "model.arch"),
             f"tracking.log_model=true {NOT_BUILT}: MLflow's transformers flavor logs such a model as an "
             "image-text-to-text pipeline, which needs the family's whole processor (its video processor needs "

@@ -207,6 +207,19 @@ def vision_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: tor
                  image_grid_thw=grid, use_cache=False, logits_to_keep=logits_to_keep).logits
 
 
+def vision_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         rows: list[Optional[dict]], response_start: int, response_len: int) -> torch.Tensor:
+    """Last hidden states [N, T, H] at positions P-1 .. P+T-2 (the state before each response token) of left-padded
+    rows with their images: `relax.models.hf.response_hidden_states` for a vision-language model, the forward of its
+    `...VLModel` (`vision_core`) with the pixel values, the image grids and the 3-D positions, as `vision_logits`."""
+    check_image_tokens(model, input_ids, rows)
+    pixels, grid = stack_vision(rows, input_ids.device)
+    positions, _ = mrope_positions(model, input_ids, attention_mask, grid)
+    out = vision_core(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                             pixel_values=pixels, image_grid_thw=grid, use_cache=False)
+    return out.last_hidden_state[:, response_start - 1: response_start + response_len - 1]
+
+
 def is_vision_config(model_cfg: Any) -> bool:
     """Whether `model_cfg` builds a vision-language model (`relax.data.images.is_vision_model_config`)."""
     from relax.data.images import is_vision_model_config

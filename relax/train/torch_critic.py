@@ -21,9 +21,11 @@ from relax.config.schema import ModelConfig, TrainConfig
 from relax.metrics import VALUE_LOSS
 from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
 from relax.models.hf import pick_device, response_hidden_states
+from relax.models.vision import is_vision_model, vision_hidden_states
 from relax.train.packing import Packed, pack, trimmed_sequences
 from relax.train.torch_policy import TorchTrainer, trainable_model
 from relax.train.trainer import CRITIC_STEP, length_sorted_micro_batches, step_denominators, with_step
+from relax.train.vision_packing import packed_vision_hidden_states
 
 if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
     from transformers import PreTrainedModel
@@ -43,7 +45,8 @@ class CriticModel(torch.nn.Module):
     def __init__(self, lm: PreTrainedModel) -> None:
         super().__init__()
         self.lm = lm
-        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, device=lm.device, dtype=torch.float32)
+        hidden = lm.config.get_text_config().hidden_size  # a vision-language config keeps it in its text config
+        self.value_head = torch.nn.Linear(hidden, 1, device=lm.device, dtype=torch.float32)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
@@ -61,6 +64,23 @@ class CriticModel(torch.nn.Module):
             h = response_hidden_states(self.lm.base_model, input_ids, attention_mask, response_start, response_len)
         with torch.autocast(input_ids.device.type, enabled=False):
             return self.value_head(h.float()).squeeze(-1)
+
+    def vision_values(self, mb: Samples, device: torch.device, *, packed: bool,
+                      autocast: Any = None) -> tuple[torch.Tensor, int]:
+        """(values [N, T] fp32, T) of a micro-batch of a vision-language backbone, with the rows' images: `forward` and
+        `packed_values` through the model's own multimodal forward (`relax.models.vision`)."""
+        ctx = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
+        if packed:
+            with ctx:
+                p, h = packed_vision_hidden_states(self.lm, mb, device)
+            with torch.autocast(device.type, enabled=False):
+                return p.place(self.value_head(h.float()).squeeze(-1)), p.response_len
+        ids, mask, P, T = trimmed_sequences(mb)
+        rows = mb.vision if mb.vision is not None else [None] * len(mb)
+        with ctx:
+            h = vision_hidden_states(self.lm, ids.to(device), mask.to(device), rows, P, T)
+        with torch.autocast(device.type, enabled=False):
+            return self.value_head(h.float()).squeeze(-1), T
 
     def packed_values(self, packed: Packed, autocast: Any = None) -> torch.Tensor:
         """`forward` of a packed micro-batch (`relax.train.packing`): values [N, T] fp32, 0 where masked."""
@@ -105,6 +125,8 @@ class TorchCritic(TorchTrainer):
         )
 
     def _values(self, mb: Samples) -> tuple[torch.Tensor, int]:
+        if mb.vision is not None or is_vision_model(self.critic.lm):  # as the policy's forward_logprobs
+            return self.critic.vision_values(mb, self.device, packed=self.packed, autocast=self.autocast())
         if self.packed:
             packed = pack(mb).to(self.device)
             return self.critic.packed_values(packed, autocast=self.autocast()), packed.response_len

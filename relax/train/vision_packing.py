@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from relax.batch import Samples
-from relax.models.vision import ban_placeholders, check_image_tokens, mrope_positions, stack_vision
-from relax.train.packing import pack, response_reach
+from relax.models.vision import ban_placeholders, check_image_tokens, mrope_positions, stack_vision, vision_core
+from relax.train.packing import Packed, pack, response_reach
 
 
-def packed_vision_logprobs(model: nn.Module, mb: Samples, device: torch.device, *, temperature: float = 1.0,
-                           entropy: str = "none") -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
-    """(log p [N, T], entropy [N, T] or None, T) of micro-batch `mb` packed (see the module docstring)."""
+def packed_vision_inputs(model: nn.Module, mb: Samples, device: torch.device) -> tuple[Packed, dict]:
+    """(the packed micro-batch, the keyword inputs of the model's forward over it: input ids, the `[4, 1, L]` position
+    ids, the rows' pixel values and image grids); see the module docstring."""
     p = pack(mb).to(device)
     rows = mb.vision if mb.vision is not None else [None] * len(mb)
     lengths = (mb.prompt_mask.sum(-1) + response_reach(mb)).tolist()
@@ -37,8 +37,15 @@ def packed_vision_logprobs(model: nn.Module, mb: Samples, device: torch.device, 
         at += int(n)
     position_ids = torch.cat([p.position_ids[None], torch.cat(mrope, dim=-1)], dim=0)  # [4, 1, L]
     pixels, grid = stack_vision(rows, device)
-    logits = model(input_ids=p.input_ids, position_ids=position_ids, pixel_values=pixels, image_grid_thw=grid,
-                   use_cache=False).logits[0, p.before].float()
+    return p, dict(input_ids=p.input_ids, position_ids=position_ids, pixel_values=pixels, image_grid_thw=grid,
+                   use_cache=False)
+
+
+def packed_vision_logprobs(model: nn.Module, mb: Samples, device: torch.device, *, temperature: float = 1.0,
+                           entropy: str = "none") -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
+    """(log p [N, T], entropy [N, T] or None, T) of micro-batch `mb` packed (see the module docstring)."""
+    p, inputs = packed_vision_inputs(model, mb, device)
+    logits = model(**inputs).logits[0, p.before].float()
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(ban_placeholders(logits, model), dim=-1)
@@ -49,3 +56,11 @@ def packed_vision_logprobs(model: nn.Module, mb: Samples, device: torch.device, 
     if entropy == "metric":
         ent = ent.detach()
     return p.place(logp), p.place(ent), p.response_len
+
+
+def packed_vision_hidden_states(model: nn.Module, mb: Samples,
+                                device: torch.device) -> tuple[Packed, torch.Tensor]:
+    """(the packed micro-batch, the last hidden states [n, H] before each of its response tokens, in `Packed.place`
+    order) of micro-batch `mb` packed: the critic's packed forward through the model's `...VLModel`."""
+    p, inputs = packed_vision_inputs(model, mb, device)
+    return p, vision_core(model)(**inputs).last_hidden_state[0, p.before]

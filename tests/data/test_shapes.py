@@ -149,7 +149,8 @@ def test_blank_images_keep_the_prompt_and_drop_the_picture(tokenizer):
     (["data.blank_images=true"], ("data.blank_images", "model.arch")),
     (["model.freeze_vision_tower=true"], ("model.freeze_vision_tower", "model.arch")),
     (["model=tiny_vl", "data=shapes", "train.backend=megatron"], ("train.backend", "model.arch")),
-    (["model=tiny_vl", "data=shapes", "algorithm=ppo"], ("algorithm.name", "model.arch")),
+    # a text-only teacher would score the responses without the images the policy saw
+    (["model=tiny_vl", "data=shapes", "algorithm=opd", "teacher=smollm2_135m"], ("teacher.path", "model.arch")),
     (["model=tiny_vl", "data=shapes", "train.save_hf=true", "tracking.log_model=true"],
      ("tracking.log_model", "model.arch")),
 ])
@@ -171,4 +172,6 @@ def test_a_vision_run_validates():
     assert _violations(["model=tiny_vl", "data=grid_walk", "rollout=sglang", "rollout.sglang.server=embedded",
                         "train.mode=fully_async", "rollout.partial_rollout=true"]) == []
     assert _violations(["model=tiny_vl", "data=shapes", "train.pack_sequences=true"]) == []
+    # PPO's critic and a vision-language teacher take the images (tests/runner/test_vision_critic_teacher.py)
+    assert _violations(["model=tiny_vl", "data=shapes", "algorithm=ppo", "train.pack_sequences=true"]) == []
 
