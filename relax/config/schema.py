@@ -408,6 +408,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
+    # the master switch (docs/experiments.md, section 7): false records nothing, and the fields below that shape the
+    # record are not read (a recipe may name its experiment and still run untracked); log_model is rejected with it
     enabled: bool = True
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "relax"
