@@ -8,7 +8,6 @@ the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE rout
 from __future__ import annotations
 
 from relax.algorithms.base import Violation
-from relax.config.derive import agentic
 from relax.config.megatron_rules import NOT_BUILT
 from relax.config.schema import MOE_ARCHS, ModelConfig, RelaxConfig
 
@@ -46,9 +45,6 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
             "too)")
     if routes:
         name = "rollout.routing_replay" if ro.routing_replay else "rollout.record_routes"
-        require(ro.backend == "embedded" or not agentic(cfg), (name, "rollout.backend", "data.env"),
-                f"{name} with rollout.backend={ro.backend} and agentic data {NOT_BUILT}: SGLang's routed experts "
-                "are read for single-turn rollouts; episodes over SGLang (a request per turn) do not join them yet")
         require(ro.backend == "embedded" or ro.sglang.server == "embedded" or bool(ro.sglang.urls),
                 (name, "rollout.sglang.server"),
                 f"{name} with rollout.sglang.server={ro.sglang.server} {NOT_BUILT}: SGLang answers routed experts "

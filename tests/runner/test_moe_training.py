@@ -70,8 +70,6 @@ def test_gate_skips_rollouts_past_its_bound(in_process, small_run, tmp_path, mon
 
 @pytest.mark.parametrize("overrides,field", [
     (["rollout.routing_replay=true"], "model.arch"),  # a dense model
-    (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang", "rollout.sglang.server=embedded",
-      "data=guess_number"], "rollout.backend"),  # episodes over SGLang
     (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang", "rollout.sglang.server=sglang"],
      "rollout.sglang.server"),  # sglang-router 0.3.2 drops return_routed_experts
     (["model=tiny_moe", "train.backend=megatron", "train.moe_aux_loss_coef=0.01"], "train.moe_aux_loss_coef"),

@@ -19,6 +19,12 @@ the ids sent (`parse_answer`). Each row's `Samples.vision` is its prompt's visio
 observations' (`relax.rollout.vision.merge_vision`), as the embedded engine's episodes give them, so the trainer
 scores the whole episode with every image; a resumed row starts from those (its prompt then holds every placeholder
 so far).
+
+Routed experts (`rollout.routing_replay` / `record_routes` of a MoE model): each turn's answer routes every token
+its request fed (the episode so far, then the turn's output but its last token); a row keeps, for each token, the
+routes of the first request that fed it (the turn that sampled a token feeds it only in the next turn's request), so
+that every token's route is the one the engine used when it was first fed, as the embedded engine's episodes record
+them. An observation after the last turn was never fed: its tokens hold no route (`relax.models.moe.route_fill`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from relax.agents.episode import Episode
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples
 from relax.rollout.sglang.client import Sampling, generate_payload, payload_images, sample_seed
+from relax.rollout.sglang.routes import place
 from relax.rollout.vision import merge_vision
 
 Answer = tuple[list[int], list[float], FinishReason, int]  # parse_answer's (tokens, log-probs, finish reason, version)
@@ -52,6 +59,16 @@ class _Row:
     vision: Optional[dict] = None  # the images of `prompt`'s placeholders (None: none)
     observed: list[dict] = field(default_factory=list)  # the vision inputs of this call's image observations
     images: list[str] = field(default_factory=list)  # image_data: every placeholder's image so far, in order
+    routes: Optional[torch.Tensor] = None  # [tokens fed so far, layers, k]: each token's first request's routes
+
+    def route(self, answer_routes: Optional[torch.Tensor]) -> None:
+        """Keep the routes of the tokens this turn's request fed for the first time."""
+        if answer_routes is None:
+            return
+        if self.routes is None:
+            self.routes = answer_routes
+        elif answer_routes.shape[0] > self.routes.shape[0]:
+            self.routes = torch.cat([self.routes, answer_routes[self.routes.shape[0]:]])
 
     def add(self, ids: list[int], logp: list[float], generated: int, version: int) -> None:
         self.ids += ids
@@ -74,10 +91,13 @@ class _Row:
 def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[int]], sample_ids: torch.Tensor,
                  positions: torch.Tensor, budgets: list[int], episodes: list[Episode], *, seed: int,
                  sampling: Sampling, turn_limit: int, aborted: Callable[[], bool], pad_token_id: int,
-                 vision: Optional[list[Optional[dict]]] = None) -> Samples:
+                 vision: Optional[list[Optional[dict]]] = None,
+                 routes: Optional[tuple[int, int, int]] = None) -> Samples:
     """The episodes of rows `prompts` (one per row, the response so far included when resuming), each with `budgets`
     tokens to go; `send(payloads)` posts one round's `/generate` requests and returns their answers in order.
-    `vision`: per row, the images of its prompt's placeholders (with their `image_data`), None for a row without."""
+    `vision`: per row, the images of its prompt's placeholders (with their `image_data`), None for a row without.
+    `routes`: (MoE layers, top-k, experts) when the requests ask for routed experts; `send` then returns (answers,
+    each answer's decoded routes or None) and the samples carry `routed_experts` (see the module docstring)."""
     vision = [None] * len(prompts) if vision is None else list(vision)
     if len(vision) != len(prompts):
         raise ValueError(f"run_episodes: {len(vision)} vision inputs for {len(prompts)} rows")
@@ -91,8 +111,10 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
             payloads.append(generate_payload(r.prompt + r.ids, sampling,
                                              max_new_tokens=min(turn_left, r.budget - len(r.ids)),
                                              seed=sample_seed(seed, r.sample_id, r.position + len(r.ids)),
-                                             image_data=list(r.images)))
-        for r, (ids, logp, finish, version) in zip(live, send(payloads), strict=True):
+                                             image_data=list(r.images), routed_experts=routes is not None))
+        answers, answer_routes = send(payloads) if routes is not None else (send(payloads), [None] * len(live))
+        for r, (ids, logp, finish, version), fed in zip(live, answers, answer_routes, strict=True):
+            r.route(fed)
             r.add(ids, logp, 1, version)
             if finish == FinishReason.ABORT:
                 r.episode.partial += ids
@@ -111,12 +133,18 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
         live = [r for r in live if r.finish is None]
     for r in live:  # interrupted between turns: the observation is in, the next turn starts on resume
         r.finish = FinishReason.ABORT
-    return _samples(rows, sample_ids, pad_token_id)
+    return _samples(rows, sample_ids, pad_token_id, routes)
 
 
-def _samples(rows: list[_Row], sample_ids: torch.Tensor, pad_token_id: int) -> Samples:
+def _samples(rows: list[_Row], sample_ids: torch.Tensor, pad_token_id: int,
+             routes: Optional[tuple[int, int, int]] = None) -> Samples:
     out = episode_samples([EpisodeRow(r.prompt, r.ids, r.logp, r.generated, r.version, r.finish, r.episode.record())
                            for r in rows], sample_ids, pad_token_id)
+    if routes is not None:
+        layers, top_k, experts = routes
+        P, T = out.prompt_ids.shape[1], out.response_ids.shape[1]
+        out = replace(out, routed_experts=place([(len(r.prompt), len(r.ids), r.routes) for r in rows], P, T,
+                                                layers, top_k, experts))
     if all(r.vision is None and not r.observed for r in rows):
         return out
     # each row's images in token order; the servers' vision-tower time is not reported over SGLang's protocol

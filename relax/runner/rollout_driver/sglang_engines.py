@@ -344,31 +344,40 @@ class SGLangEngines:
                     for r, b, s, im in zip(rows, budgets, seeds, images, strict=True)]
         raw: list[dict] = []
         answers = self._send(payloads, gen_id, raw)
-        routes = None
-        if self.routes is not None:  # each answer's experts (none: a request the pause answered before sending)
-            layers, top_k, _ = self.routes
-            per_row = []
-            for a, (tokens, *_) in zip(raw, answers, strict=True):
-                meta = a.get("meta_info") or {}
-                if "routed_experts" not in meta:
-                    if tokens:
-                        raise RunError("rollout=sglang: an answer came without meta_info.routed_experts although "
-                                       "rollout.routing_replay/record_routes asked for them: the server was not "
-                                       "started with --enable-return-routed-experts, or it answers them only to "
-                                       "requests that carry return_routed_experts, which sglang-router 0.3.2 drops "
-                                       "(the embedded servers answer them to every request)")
-                    per_row.append(None)
-                    continue
-                try:
-                    per_row.append(decode_routes(meta["routed_experts"], layers, top_k))
-                except ValueError as exc:
-                    raise RunError(f"rollout=sglang: {exc}") from None
-            routes = (per_row, self.routes)
+        routes = None if self.routes is None else (self._answer_routes(raw, answers), self.routes)
         out = to_samples(rows, answers, sample_ids=sample_ids, pad_token_id=self.pad_token_id, engine_time=0.0,
                          routes=routes)
         if vision is not None:  # the servers' vision-tower time is not reported over SGLang's protocol
             out = replace(out, vision=list(vision), vision_time=float("nan"))
         return self._done(out, t0)
+
+    def _answer_routes(self, raw: list[dict], answers: list) -> list[torch.Tensor | None]:
+        """Each answer's routed experts [fed tokens, layers, k] (`relax.rollout.sglang.routes`), None for an answer
+        without tokens (a request the pause answered before sending); RunError for an answer with tokens and none."""
+        layers, top_k, _ = self.routes
+        per_row: list[torch.Tensor | None] = []
+        for a, (tokens, *_) in zip(raw, answers, strict=True):
+            meta = a.get("meta_info") or {}
+            if "routed_experts" not in meta:
+                if tokens:
+                    raise RunError("rollout=sglang: an answer came without meta_info.routed_experts although "
+                                   "rollout.routing_replay/record_routes asked for them: the server was not "
+                                   "started with --enable-return-routed-experts, or it answers them only to "
+                                   "requests that carry return_routed_experts, which sglang-router 0.3.2 drops "
+                                   "(the embedded servers answer them to every request)")
+                per_row.append(None)
+                continue
+            try:
+                per_row.append(decode_routes(meta["routed_experts"], layers, top_k))
+            except ValueError as exc:
+                raise RunError(f"rollout=sglang: {exc}") from None
+        return per_row
+
+    def _send_routed(self, payloads: list[dict], gen_id: int | None) -> tuple[list, list]:
+        """`_send` with each answer's routed experts (`_answer_routes`)."""
+        raw: list[dict] = []
+        answers = self._send(payloads, gen_id, raw)
+        return answers, self._answer_routes(raw, answers)
 
     def _run_episodes(self, prompts: list[list[int]], sample_ids: torch.Tensor, positions: torch.Tensor,
                       budgets: list[int], episodes: list, *, seed: int, sampling: Sampling,
@@ -376,10 +385,12 @@ class SGLangEngines:
         """Agentic episodes, a `/generate` request per turn (`relax.rollout.sglang.episodes`); `vision`: each row's
         images so far (None: none), sent with every turn with the image observations' after them."""
         t0 = time.perf_counter()
-        out = run_episodes(lambda payloads: self._send(payloads, gen_id), prompts, sample_ids, positions, budgets,
-                           episodes, seed=seed, sampling=sampling, turn_limit=self.cfg.rollout.max_response_len,
+        send = self._send_routed if self.routes is not None else self._send  # run_episodes' two contracts
+        out = run_episodes(lambda payloads: send(payloads, gen_id), prompts, sample_ids, positions,
+                           budgets, episodes, seed=seed, sampling=sampling,
+                           turn_limit=self.cfg.rollout.max_response_len,
                            aborted=lambda: gen_id is not None and gen_id == self._aborted,
-                           pad_token_id=self.pad_token_id, vision=vision)
+                           pad_token_id=self.pad_token_id, vision=vision, routes=self.routes)
         return self._done(out, t0)
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
