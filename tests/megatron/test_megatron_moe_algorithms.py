@@ -1,0 +1,46 @@
+"""Every registered algorithm trains model=tiny_moe on `train.backend=megatron` with routing replay, end to end through
+Ray (megatron-core's MoE layers and router replay, the embedded rollout engine): one step each, megatron-core's
+routers replaying the engine's experts on every token (router agreement 1) and a finite loss. The torch backend's
+run of the same: tests/runner/test_moe_algorithms.py; the two trainers' parity: test_megatron_cpu.py; learning:
+docs/training.md ("Mixture of experts").
+
+Each run starts a Megatron role, the bulk of its cost: the suite runs the algorithms that bring roles of their own,
+PPO (a critic) and OPD (a teacher), and GRPO runs in test_megatron_training.py; the rest, whose hooks are the same pure
+functions on both backends, run with RELAX_MATRIX=1 (README, "Contributing")."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+from relax import algorithms
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                 or importlib.util.find_spec("megatron.core") is None,
+                                 reason="megatron-core is not installed (pip install -e '.[megatron]')")]
+
+
+IN_SUITE = ("ppo", "opd")
+
+
+@pytest.mark.parametrize("name", [n if n in IN_SUITE else pytest.param(n, marks=pytest.mark.matrix)
+                                  for n in algorithms.names()])
+def test_every_algorithm_trains_tiny_moe_on_megatron_with_routing_replay(name, tmp_path, ray_local):
+    from relax.config import load_config
+    from relax.runner.train import run
+    from tests.runner.test_distillation import untrained_teacher
+
+    extra = [f"teacher.path={untrained_teacher(tmp_path / 'teacher')}"] if name == "opd" else []
+    cfg = load_config([f"algorithm={name}", "model=tiny_moe", "train.backend=megatron", "rollout.routing_replay=true",
+                       "model.dtype=float32", "train.num_rollout=1", "rollout.rollout_batch_size=2",
+                       "rollout.n_samples_per_prompt=4", "rollout.max_response_len=4", "train.micro_batch_size=8",
+                       "train.save=false", "train.save_dir=null", "tracking.enabled=false", "tracking.progress=false",
+                       *extra])
+    result = run(cfg, output_dir=tmp_path / "out")
+    [(step, metrics)] = result.history
+    assert step == 0
+    assert metrics["rollout/router_agreement"] == 1.0
+    assert math.isfinite(metrics["train/loss"])
