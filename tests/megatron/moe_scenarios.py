@@ -107,6 +107,22 @@ def scenario_moe(rank: int, out: Path, res: dict, train, *, batches, train_parit
         res["weight_max_diff"] = max(float((weights[k] - want[k]).abs().max()) for k in want if k in weights)
     if resume:  # the EP=2 run: replay too
         replay_checks(rank, out, res, train)
+    else:  # the EP=1 run: a step of every registered algorithm's loss on both backends, the weights moving alike
+        algorithm_steps(policy, torch_policy, res, batches()[1])
+
+
+def algorithm_steps(policy: MegatronPolicy, torch_policy: TorchPolicy, res: dict, batch: TrainBatch) -> None:
+    """One training step of each registered algorithm (its default config and loss reduction) on the Megatron MoE
+    policy and on the torch backend's, one after the other on the same batch: their step metrics side by side."""
+    from relax import algorithms
+
+    rows = {}
+    for name in algorithms.names():
+        entry = algorithms.get(name)
+        kw = dict(per_token=entry.per_token_loss, micro_batch_size=3)
+        rows[name] = {"megatron": policy.train_step(batch, entry.config_cls(), **kw),
+                      "torch": torch_policy.train_step(batch, entry.config_cls(), **kw)}
+    res["algorithms"] = rows
 
 
 def replay_checks(rank: int, out: Path, res: dict, train) -> None:

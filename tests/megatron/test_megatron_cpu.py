@@ -263,6 +263,21 @@ def test_moe_logprobs_gradients_and_steps_equal_torch_backend(launched, ep):
     assert moe["weight_keys_differ"] == [] and moe["weight_max_diff"] < 1e-3  # the gathered experts, after 3 steps
 
 
+def test_moe_every_algorithm_steps_as_the_torch_backend(launched):
+    """Each registered algorithm's loss (its default config), one step after another on the same MoE weights: the
+    Megatron MoE policy's loss, gradient norm and entropy equal the torch backend's (the loop runs them end to end:
+    test_megatron_moe_algorithms.py)."""
+    from relax import algorithms
+
+    rows = launched["moe_ep1"]["algorithms"]
+    assert sorted(rows) == sorted(algorithms.names())
+    for name, row in rows.items():
+        m, t = row["megatron"], row["torch"]
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert m[key] == pytest.approx(t[key], rel=REL, abs=1e-7), (name, key, m[key], t[key])
+        assert m["train/grad_norm"] > 0.0, name
+
+
 def test_moe_ep2_logits_resume_and_negative_control(launched):
     moe = launched["moe_ep2"]
     assert moe["logits_max_diff"] < 1e-5
