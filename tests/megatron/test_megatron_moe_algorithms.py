@@ -4,9 +4,10 @@ routers replaying the engine's experts on every token (router agreement 1) and a
 run of the same: tests/runner/test_moe_algorithms.py; the two trainers' parity: test_megatron_cpu.py; learning:
 docs/training.md ("Mixture of experts").
 
-Each run starts a Megatron role, the bulk of its cost: the suite runs the algorithms that bring roles of their own,
-PPO (a critic) and OPD (a teacher), and GRPO runs in test_megatron_training.py; the rest, whose hooks are the same pure
-functions on both backends, run with RELAX_MATRIX=1 (README, "Contributing")."""
+Each run starts a Megatron role, the bulk of its cost: the suite runs PPO (a critic role beside the Megatron actor),
+and GRPO runs in test_megatron_training.py; the rest run with RELAX_MATRIX=1 (README, "Contributing"). Every
+algorithm's training step on the Megatron MoE policy equals the torch backend's in the suite (test_megatron_cpu.py,
+`test_moe_every_algorithm_steps_as_the_torch_backend`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.slow,
                                  reason="megatron-core is not installed (pip install -e '.[megatron]')")]
 
 
-IN_SUITE = ("ppo", "opd")
+IN_SUITE = ("ppo",)
 
 
 @pytest.mark.parametrize("name", [n if n in IN_SUITE else pytest.param(n, marks=pytest.mark.matrix)
