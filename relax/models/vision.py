@@ -196,15 +196,22 @@ def check_image_tokens(model: nn.Module, input_ids: torch.Tensor, rows: list[Opt
             raise ValueError(f"row {i}: {n} image tokens but its images need {want}")
 
 
+def vision_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  rows: list[Optional[dict]]) -> dict:
+    """The keyword inputs of a forward over left-padded rows with their images: the ids and mask, the 3-D positions of
+    `mrope_positions`, the rows' pixel values and image grids (each row's image tokens checked against its grids)."""
+    check_image_tokens(model, input_ids, rows)
+    pixels, grid = stack_vision(rows, input_ids.device)
+    positions, _ = mrope_positions(model, input_ids, attention_mask, grid)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, pixel_values=pixels,
+                image_grid_thw=grid, use_cache=False)
+
+
 def vision_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   rows: list[Optional[dict]], *, logits_to_keep: int) -> torch.Tensor:
     """The logits of the last `logits_to_keep` positions of left-padded rows with their images: one forward of the
     model with pixel values, the image grids and the 3-D positions of `mrope_positions`."""
-    check_image_tokens(model, input_ids, rows)
-    pixels, grid = stack_vision(rows, input_ids.device)
-    positions, _ = mrope_positions(model, input_ids, attention_mask, grid)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, pixel_values=pixels,
-                 image_grid_thw=grid, use_cache=False, logits_to_keep=logits_to_keep).logits
+    return model(**vision_inputs(model, input_ids, attention_mask, rows), logits_to_keep=logits_to_keep).logits
 
 
 def vision_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -212,11 +219,7 @@ def vision_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_ma
     """Last hidden states [N, T, H] at positions P-1 .. P+T-2 (the state before each response token) of left-padded
     rows with their images: `relax.models.hf.response_hidden_states` for a vision-language model, the forward of its
     `...VLModel` (`vision_core`) with the pixel values, the image grids and the 3-D positions, as `vision_logits`."""
-    check_image_tokens(model, input_ids, rows)
-    pixels, grid = stack_vision(rows, input_ids.device)
-    positions, _ = mrope_positions(model, input_ids, attention_mask, grid)
-    out = vision_core(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                             pixel_values=pixels, image_grid_thw=grid, use_cache=False)
+    out = vision_core(model)(**vision_inputs(model, input_ids, attention_mask, rows))
     return out.last_hidden_state[:, response_start - 1: response_start + response_len - 1]
 
 
