@@ -91,6 +91,8 @@ def fake_ray() -> types.ModuleType:
     ray.available_resources = ray.cluster_resources
     ray.exceptions = _Exceptions(RayActorError=_ActorDied, GetTimeoutError=TimeoutError, RayTaskError=RuntimeError,
                                  ActorDiedError=_ActorDied)
+    # nothing is pickled here: a pickler whose table of reductions (relax.roles.tensor_pickling's) nothing reads
+    ray.cloudpickle = types.SimpleNamespace(CloudPickler=types.SimpleNamespace(dispatch={}))
     return ray
 
 

@@ -19,6 +19,7 @@ from relax.config.schema import RelaxConfig
 from relax.models.hf import pick_device, pick_dtype
 from relax.models.weight_buffers import WeightBuffers
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
+from relax.roles.tensor_pickling import install as install_tensor_pickling
 from relax.roles.versions import WeightVersions
 from relax.roles.workers import ModelInfo, PolicyForwarding, _threads, actor_class
 
@@ -36,6 +37,7 @@ class MegatronRank(PolicyForwarding):
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, rank: int, world_size: int,
                  threads: Optional[int] = None, use_distributed_optimizer: bool = False,
                  heartbeat: Optional[HeartbeatLink] = None) -> None:
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads or (None if torch.cuda.is_available() else 1))
         # megatron-core's notes about optional packages this backend does not use (Apex, Transformer Engine)

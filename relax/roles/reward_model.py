@@ -22,6 +22,7 @@ from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.reward_model import classifier_scores, conversation_text, judge_prompt_ids, load_classifier
 from relax.roles.cores import pin_role_process
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
+from relax.roles.tensor_pickling import install as install_tensor_pickling
 from relax.rollout.embedded import EmbeddedEngine
 
 
@@ -41,6 +42,7 @@ class ClassifierWorker:
     """A frozen sequence-classification reward model (see the module docstring)."""
 
     def __init__(self, cfg: RelaxConfig, *, threads: Optional[int] = None, heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
         rm = cfg.reward_model
@@ -67,6 +69,7 @@ class JudgeWorker:
     """A frozen causal LM that answers judge questions on an embedded engine (see the module docstring)."""
 
     def __init__(self, cfg: RelaxConfig, *, threads: Optional[int] = None, heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
         model_cfg = judge_model_config(cfg)

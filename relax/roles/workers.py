@@ -26,6 +26,7 @@ from relax.models.lora import inject_adapters
 from relax.models.weight_buffers import WeightBuffers, as_state_dict, state_and_bytes
 from relax.roles.cores import pin_role_process
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
+from relax.roles.tensor_pickling import install as install_tensor_pickling
 from relax.roles.versions import WeightVersions
 from relax.rollout.embedded import EmbeddedEngine
 from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
@@ -72,6 +73,7 @@ class FrozenModelWorker:
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, model_cfg: ModelConfig, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
 
@@ -177,6 +179,7 @@ class PolicyWorker(PolicyForwarding):
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
 
@@ -229,6 +232,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
 
@@ -328,6 +332,7 @@ class CriticWorker:
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
 
@@ -363,6 +368,7 @@ class AdvantagesWorker:
     """PPO's advantages service: GAE from critic values, off the driver."""
 
     def __init__(self, *, heartbeat: HeartbeatLink | None = None):
+        install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         pin_role_process()
 

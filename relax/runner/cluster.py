@@ -26,6 +26,7 @@ from relax.config.schema import RelaxConfig
 from relax.roles.heartbeat import HeartbeatBoard, HeartbeatLink, interval_for
 from relax.roles.megatron_actor import MegatronActorGroup, MegatronRank
 from relax.roles.sglang_server import EngineServer
+from relax.roles.tensor_pickling import install as install_tensor_pickling
 from relax.roles.workers import (
     AdvantagesWorker,
     CriticWorker,
@@ -69,6 +70,7 @@ class RayRuntime:
     def __enter__(self) -> RayRuntime:
         import ray
 
+        install_tensor_pickling()  # the driver's calls send tensors as raw buffers, as the roles' replies do
         if ray.is_initialized():
             return self
         # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
