@@ -358,6 +358,7 @@ def section_overhead(st: Settings, log, h: Headlines) -> list[str]:
     lines = ["| run (Ray loop, `relax.runner.train.run`) | step s | samples/s | engine s | actor train_step s | "
              "overhead s | overhead share | start-up to step 0 s | after the last step s | verdict |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    profiles: list[str] = []
     for overrides, steps, *ray_running in st.overhead_runs:
         running = bool(ray_running and ray_running[0])
         r = overhead.measure(overrides, steps, log=log, ray_running=running)
@@ -376,7 +377,10 @@ def section_overhead(st: Settings, log, h: Headlines) -> list[str]:
                      f"{r['shutdown_s']:.1f} | {verdict(ok, f'<= {share:.0%} and start-up <= {start_cap:g} s')} |")
         lines.append(f"| `python bench/overhead.py --model {model} --steps {steps} "
                      f"{'--ray-running ' if running else ''}{' '.join(overrides[1:])}` | | | | | | | | | |")
-    return lines
+        profiles.append(f"- {model}, {where}: start-up {overhead.describe(r['startup_parts'], 1)}; a step's "
+                        f"overhead {overhead.describe(r['overhead_parts'], 1000)}")
+    return [*lines, "", "Where it goes (bench/overhead.py's profile of the same runs: start-up by phase, the median "
+            "step's overhead by part):", "", *profiles]
 
 
 def section_modes(st: Settings, log, h: Headlines) -> list[str]:

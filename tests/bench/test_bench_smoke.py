@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ def test_smoke_suite_writes_a_complete_report(bench_main, tmp_path):
                    "overhead.py", "async_modes.py", "sglang_requests.py", "agent_episodes.py", "algorithm_math.py"):
         assert f"python bench/{script}" in text, script
     assert "m2po_clip_bounds" in text
+    # the overhead rows come with their profile: start-up by phase, a step's overhead by part
+    assert re.search(r"start-up Ray [0-9.]+ s, roles [0-9.]+ s, rest [0-9.]+ s; a step's overhead weights load "
+                     r"[0-9.-]+ ms, generate call [0-9.-]+ ms, reward calls", text)
     # each target row carries its verdict; the headlines are embedded for the next run's comparison
     assert "**met**" in text or "**not met**" in text
     assert "## Against the previous report" in text and "nothing to compare against" in text
@@ -94,6 +98,15 @@ def test_scripts_keep_their_command_lines(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", argv)
     rollout_vs_generate.main()
     assert "ratio: median" in capsys.readouterr().out
+
+    from bench import profile_ops
+
+    for phase in (["generate", "--batch", "2", "--n-samples", "2", "--prompt-len", "4", "--new-tokens", "3"],
+                  ["train", "--rows", "2", "--prompt-len", "4", "--response-len", "4", "--micro", "2"]):
+        profile_ops.main([*phase, "--model", "tiny", "--dtype", "float32", "--reps", "1"])
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        shares = json.loads(last)["shares"]
+        assert shares["matmul"] > 0 and abs(sum(shares.values()) - 1) < 1e-6, last
 
 
 def test_datasheet_peaks_match_the_most_specific_name(monkeypatch):
