@@ -9,12 +9,14 @@ import atexit
 import os
 import pickle
 import signal
+import statistics
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.reduction import ForkingPickler as _ForkingPickler
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +26,14 @@ WORKER_START_TIMEOUT_S = 120.0  # a worker that has not loaded the function by t
 # A busy worker is killed this long after its call's limit: time for the result of a call that ended in time to
 # arrive (a result that arrives is judged by the call's own duration, measured in the worker).
 KILL_GRACE_S = 0.1
+# Calls that take less than this (their median so far, measured in the workers) are sent up to QUEUE_DEPTH to a worker
+# at a time, so that it finds its next call waiting instead of idling for a round trip to the driver, which otherwise
+# costs more than such a call itself. Slower calls go one at a time: a call queued behind a slow one would wait while
+# another worker idles. Only a call whose message is small is queued behind another (QUEUE_BYTES), so that a send
+# never waits on a busy worker's full pipe (a hung call would then hold the driver past every time limit).
+FAST_CALL_S = 0.002
+QUEUE_DEPTH = 8
+QUEUE_BYTES = 4096
 _PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its parent dies
 
 
@@ -85,7 +95,8 @@ class _Worker:
         self.started = time.monotonic()
         self.starter = threading.current_thread()  # the worker dies with this thread (see `RewardWorkers._fill`)
         self.ready = False
-        self.call: Optional[tuple[int, float]] = None  # (index, monotonic time it was sent)
+        self.queue: deque[int] = deque()  # indices of the calls sent and not answered, the running one first
+        self.head_since = 0.0  # monotonic time by which the running call had started (see `RewardWorkers.run`)
 
     def stop(self) -> None:
         self.process.kill()
@@ -117,6 +128,7 @@ class RewardWorkers:
         self.limit_name, self.what = limit_name, what
         self.processes = processes or max(1, min(4, _available_cpus()))
         self._workers: list[_Worker] = []
+        self._seconds: deque[float] = deque(maxlen=256)  # the durations of the latest calls, measured in the workers
 
     def _fill(self, n: int) -> None:
         # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
@@ -132,19 +144,35 @@ class RewardWorkers:
         self._workers[self._workers.index(w)] = _Worker(self.fn_bytes, self.caller_bytes)
 
     def run(self, calls: list[tuple], timeout_s: float) -> tuple[list[Outcome], list[bool]]:
-        """Outcomes of `calls` (argument tuples of `_call` after `fn`) in order, and which ran past `timeout_s`."""
+        """Outcomes of `calls` (argument tuples of `_call` after `fn`) in order, and which ran past `timeout_s`.
+
+        A worker runs the calls sent to it in order: its running call started when it was sent (an idle worker) or
+        when the answer to the call before it arrived, and is killed `timeout_s` + `KILL_GRACE_S` after that; the calls
+        queued behind it (see `FAST_CALL_S`) never started and go to the other workers."""
         outcomes: list[Optional[Outcome]] = [None] * len(calls)
         late = [False] * len(calls)
         todo = deque(range(len(calls)))
         self._fill(len(calls))
-        while todo or any(w.call is not None for w in self._workers):
+
+        def requeue(w: _Worker) -> None:  # the calls waiting behind w's running call, first in line again
+            todo.extendleft(reversed(list(w.queue)[1:]))
+            w.queue.clear()
+
+        depth = QUEUE_DEPTH if self._fast() else 1  # (the calls of earlier runs decide)
+        while todo or any(w.queue for w in self._workers):
             for w in self._workers:
-                if w.ready and w.call is None and todo:
-                    i = todo.popleft()
-                    w.conn.send((i, calls[i]))
-                    w.call = (i, time.monotonic())
-            waiting = [w for w in self._workers if w.call is not None or not w.ready]
-            deadline = min(w.call[1] + timeout_s + KILL_GRACE_S if w.call else w.started + WORKER_START_TIMEOUT_S
+                while w.ready and todo and len(w.queue) < depth:
+                    i = todo[0]
+                    message = _ForkingPickler.dumps((i, calls[i]))
+                    if w.queue and len(message) > QUEUE_BYTES:
+                        break
+                    todo.popleft()
+                    w.conn.send_bytes(message)
+                    if not w.queue:
+                        w.head_since = time.monotonic()
+                    w.queue.append(i)
+            waiting = [w for w in self._workers if w.queue or not w.ready]
+            deadline = min(w.head_since + timeout_s + KILL_GRACE_S if w.queue else w.started + WORKER_START_TIMEOUT_S
                            for w in waiting)
             for conn in wait([w.conn for w in waiting], timeout=max(0.0, deadline - time.monotonic())):
                 w = next(w for w in waiting if w.conn is conn)
@@ -152,11 +180,12 @@ class RewardWorkers:
                     msg = conn.recv()
                 except (EOFError, OSError):  # the process died
                     code = w.process.wait()
-                    if w.call is None:
+                    if not w.queue:
                         raise RewardSpecError(f"a {self.what} worker process exited while starting (exit code "
                                               f"{code})") from None
-                    outcomes[w.call[0]] = (None, f"the {self.what} worker process died during the call (exit code "
-                                                 f"{code})")
+                    outcomes[w.queue[0]] = (None, f"the {self.what} worker process died during the call (exit code "
+                                                  f"{code})")
+                    requeue(w)
                     self._replace(w)
                     continue
                 if msg[0] == "failed":
@@ -166,20 +195,27 @@ class RewardWorkers:
                     w.ready = True
                     continue
                 i, outcome, seconds = msg
-                w.call = None
+                w.queue.popleft()  # (== i: a worker answers its calls in order)
+                w.head_since = time.monotonic()  # the next queued call starts now
+                self._seconds.append(seconds)
                 if seconds > timeout_s:
                     outcome, late[i] = (None, self._timeout_message(timeout_s, seconds)), True
                 outcomes[i] = outcome
             now = time.monotonic()
             for w in list(self._workers):
-                if w.call is not None and now > w.call[1] + timeout_s + KILL_GRACE_S:
-                    i = w.call[0]
+                if w.queue and now > w.head_since + timeout_s + KILL_GRACE_S:
+                    i = w.queue[0]
                     outcomes[i], late[i] = (None, self._timeout_message(timeout_s, None)), True
+                    requeue(w)
                     self._replace(w)
                 elif not w.ready and now > w.started + WORKER_START_TIMEOUT_S:
                     raise RewardSpecError(f"a {self.what} worker process did not load the {self.what} function (and "
                                           f"run its prepare) within {WORKER_START_TIMEOUT_S:g} s")
         return outcomes, late  # type: ignore[return-value]
+
+    def _fast(self) -> bool:
+        """Whether the latest calls were fast enough to queue (`FAST_CALL_S`); none yet: no."""
+        return bool(self._seconds) and statistics.median(self._seconds) < FAST_CALL_S
 
     def _timeout_message(self, timeout_s: float, seconds: Optional[float]) -> str:
         took = f"it took {seconds:.3g} s" if seconds is not None else "its worker process was killed"

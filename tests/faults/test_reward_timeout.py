@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import pytest
 
+from relax.rewards import worker_pool
 from relax.rewards.registry import RewardSpecError, get_reward_fn, score_responses
 from relax.rewards.worker_pool import RewardWorkers
 
@@ -23,6 +25,55 @@ def test_hung_calls_fail_within_the_limit_and_the_others_score():
     assert took < 10, took  # three hung calls on replaced workers, not an hour each
     again = score_responses(fn, ["17"] * 4, ["7"] * 4, timeout_s=0.3)  # the workers are reused, all healthy
     assert again.failed == [False] * 4 and again.timeouts == 0
+
+
+class _Recording(deque):
+    """A worker's queue of calls that remembers how long it got."""
+
+    longest = 0
+
+    def append(self, x):
+        super().append(x)
+        self.longest = max(self.longest, len(self))
+
+
+def _record_queues(pool: RewardWorkers) -> list[_Recording]:
+    for w in pool._workers:
+        w.queue = _Recording(w.queue)
+    return [w.queue for w in pool._workers]
+
+
+def test_fast_calls_are_queued_and_those_behind_a_hung_call_score_on_other_workers():
+    """Calls that took less than FAST_CALL_S are sent several to a worker at a time; a hung call's worker is killed
+    at its limit and the calls queued behind it, which never started, run on the other workers."""
+    ok, hung = ("17", "7", False, None), ("7", "7", False, None)  # `hangs` hangs on "7" (its codes sum to 55)
+    pool = RewardWorkers(get_reward_fn("fault_rewards:hangs"), processes=2)
+    try:
+        first, _ = pool.run([ok] * 4, 5.0)  # one at a time: nothing is known of the calls yet
+        assert [o[0] for o in first] == [1.0] * 4
+        queues = _record_queues(pool)
+        outcomes, late = pool.run([ok] * 3 + [hung] + [ok] * 12, 0.5)
+        assert max(q.longest for q in queues) > 1  # queued: the calls so far were fast
+        assert late == [False] * 3 + [True] + [False] * 12
+        assert [o[0] for i, o in enumerate(outcomes) if i != 3] == [1.0] * 15
+        assert "timed out: longer than data.reward_timeout_s=0.5 s" in outcomes[3][1]
+    finally:
+        pool.close()
+
+
+def test_slow_calls_go_one_at_a_time():
+    """The control: calls slower than FAST_CALL_S are never queued behind one another."""
+    ok = ("17", "7", False, None)
+    pool = RewardWorkers(get_reward_fn("fault_rewards:hangs"), processes=2)
+    try:
+        pool.run([ok] * 2, 5.0)
+        pool._seconds.extend([worker_pool.FAST_CALL_S * 2] * 256)  # as if every call had been slow
+        queues = _record_queues(pool)
+        outcomes, late = pool.run([ok] * 8, 5.0)
+        assert late == [False] * 8 and [o[0] for o in outcomes] == [1.0] * 8
+        assert max(q.longest for q in queues) == 1
+    finally:
+        pool.close()
 
 
 def test_a_raising_call_keeps_its_traceback_and_is_no_timeout():
