@@ -24,8 +24,10 @@ _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torc
 def install() -> None:
     """Send plain CPU tensors as byte arrays from this process's Ray calls (idempotent). Receiving needs nothing:
     the pickle names `rebuild`, which any process that imports relax can run."""
-    from ray import cloudpickle
-
+    try:
+        from ray import cloudpickle
+    except ImportError:  # a process without Ray (the role classes on a bare GPU machine): no Ray calls to send
+        return
     cloudpickle.CloudPickler.dispatch[torch.Tensor] = reduce_tensor
 
 
