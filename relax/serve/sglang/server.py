@@ -12,7 +12,9 @@ sampled tokens'), `relax.serve.sglang.stream` (streamed answers), `relax.serve.s
 /v1/loads) and `relax.serve.sglang.weights` (the weight and memory endpoints).
 
 Protocol (SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`; JSON in and out, unknown fields ignored,
-a GET's query parameters read as the fields of its body):
+a GET's query parameters read as the fields of its body; errors in OpenAI's shape, {"error": {"message", "type",
+"param", "code"}}, which SGLang's clients read as its {"error": {"message"}}; the OpenAI API's routes answer 405, with
+Allow, to another method than theirs, SGLang's take GET, POST and PUT):
 - `GET /health` and `/health_generate`, as on current SGLang (where both run a 1-token generation): 503 while the
   model loads; then 200 once the scheduler produces output after the check began (the check's own token, or any
   decoding step of a running batch), 503 when none comes within `HEALTH_TIMEOUT_S`, and 503 at once while
@@ -29,6 +31,8 @@ a GET's query parameters read as the fields of its body):
 - `POST /generate`: `input_ids` or `text`, `sampling_params` (stop strings included), `return_logprob`,
   `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`, `rid`, `stream`; what is supported, and how samples
   are seeded: see `relax.serve.sglang.request`; a streamed answer: `relax.serve.sglang.stream`.
+- A request whose client leaves (closes or resets its connection) before its answer is aborted, as SGLang and vLLM
+  abort it: its rows end after the engine's current token, and the requests behind it run (`Departures`).
 - `POST /pause_generation` {"mode": "abort" | "retract" | "in_place"}, `/continue_generation`, `/abort_request`
   {"rid"} or {"abort_all": true}, `/flush_cache`; how they act on running requests: see
   `relax.serve.sglang.scheduler`.
@@ -51,11 +55,14 @@ import json
 import logging
 import os
 import secrets
+import select
 import shutil
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -110,6 +117,91 @@ def is_open(path: str) -> bool:
     return path.startswith(OPEN_PREFIXES)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The OpenAI API's methods (its routes answer 405 to any other). SGLang's own endpoints take GET, POST and PUT (read as
+# a POST, as SGLang's /generate takes it): its clients use either (sglang-router probes with GET, Relax's clients POST
+# some information endpoints).
+OPENAI_METHODS = {"/v1/chat/completions": ("POST",), "/v1/completions": ("POST",), "/v1/responses": ("POST",),
+                  "/v1/models": ("GET",), "/v1/loads": ("GET",)}
+SGLANG_METHODS = ("GET", "POST", "PUT")
+# How often the connections of requests in generation are looked at: a client that left is noticed within this, and
+# its rows end after the engine's current token.
+DISCONNECT_POLL_S = 0.2
+
+
+def client_left(sock: socket.socket) -> bool:
+    """Whether the client of `sock` closed the connection (or reset it): the socket reads end-of-file. A request's
+    body has been read by then, so anything else readable (a pipelined next request) is not a departure; neither is a
+    socket with nothing to read. Looked at without blocking and without consuming (MSG_PEEK), beside the handler
+    thread that owns the socket."""
+    try:
+        poller = select.poll()  # not select.select: descriptors past 1024 (a server with many clients)
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        events = poller.poll(0)
+        if not events:
+            return False
+        if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            return True
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):  # reset by the peer, or closed here (no descriptor)
+        return True
+
+
+class Departures:
+    """The requests in generation and the connections they came over. One thread looks at those connections every
+    `DISCONNECT_POLL_S` and aborts the rows of a request whose client left (as SGLang and vLLM abort a request whose
+    client disconnected): otherwise its batch would generate to the end for nobody, delaying every request behind it.
+    A stream's failed write aborts it too (`relax.serve.sglang.stream`), but only once a token comes; a request
+    answered at its end (/generate without stream, every OpenAI endpoint) writes nothing until then."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._cv = threading.Condition()
+        self._watched: dict[int, tuple[socket.socket, Request]] = {}  # id(request) -> (its connection, it)
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def watch(self, sock: socket.socket, request: Request) -> None:
+        """Abort `request` if the client of `sock` leaves before it ends."""
+        with self._cv:
+            if self._closed:
+                return
+            self._watched[id(request)] = (sock, request)
+            if self._thread is None:  # started at the first request: a server that never generates has none
+                self._thread = threading.Thread(target=self._run, name="relax-serve-departures", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def forget(self, requests: list[Request]) -> None:
+        """Stop watching `requests` (answered: their connection may go on to the next request, or close)."""
+        with self._cv:
+            for request in requests:
+                self._watched.pop(id(request), None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._watched.clear()
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._watched and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                watched = list(self._watched.values())
+            left = [request for sock, request in watched if not request.done.is_set() and client_left(sock)]
+            for request in left:
+                logger.info("a client left before its answer: its request is aborted")
+                self.scheduler.abort_where(lambda r, request=request: r.request is request, "the client disconnected")
+            self.forget(left + [request for _, request in watched if request.done.is_set()])
+            with self._cv:
+                self._cv.wait(DISCONNECT_POLL_S)  # close() wakes it at once
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -123,8 +215,21 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self._dispatch("POST")
 
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("POST")
+    def do_PUT(self) -> None:  # noqa: N802 (SGLang's endpoints read it as a POST; the OpenAI API's refuse it)
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802 (no route takes it: 405 on a known path, not http.server's 501)
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+    def end_headers(self) -> None:
+        # headers an answer needs besides those `write_answer` writes (405's Allow), sent with the next answer only
+        for name, value in getattr(self, "extra_headers", ()):
+            self.send_header(name, value)
+        self.extra_headers = []
+        super().end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's signature)
         logger.debug("%s %s", self.address_string(), format % args)
@@ -138,17 +243,20 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             raw = read_body(self, app.max_body_bytes)
         except BodyTooLarge as exc:
-            refuse(self, 413, {"error": {"message": f"{exc} (relax-serve --max-body-mb)"}})
+            refuse(self, 413, APIError(f"{exc} (relax-serve --max-body-mb)", status=413).body())
             return
         except (OSError, ValueError):
             self.close_connection = True
             return
-        with app.peer_of(self):
-            status, payload = app.handle(method, self.path, raw, self.headers)
-        if isinstance(payload, Events):
-            write_events(self, payload)
-        else:
-            write_answer(self, status, payload)
+        with app.client_of(self):  # generation started for this request ends if its client leaves before the answer
+            with app.peer_of(self):
+                status, payload = app.handle(method, self.path, raw, self.headers)
+            if status == 405:
+                self.extra_headers = [("Allow", ", ".join(app.methods(self.path)))]
+            if isinstance(payload, Events):
+                write_events(self, payload)
+            else:
+                write_answer(self, status, payload)
 
 
 class EmbeddedServer(WeightEndpoints):
@@ -178,6 +286,8 @@ class EmbeddedServer(WeightEndpoints):
         self._httpd: Optional[Server] = None
         self._threads: list[threading.Thread] = []
         self.scheduler = Scheduler(lambda: self.weight_version)
+        self.departures = Departures(self.scheduler)  # requests whose client left are aborted
+        self._client = threading.local()  # the connection of the request this handler thread serves
         self._codec: Optional[RequestCodec] = None  # once the model is loaded
         self._openai_service: Any = None  # the OpenAI endpoints, made at their first call
         self._responses: Any = None  # /v1/responses over them (it keeps responses for previous_response_id)
@@ -216,6 +326,7 @@ class EmbeddedServer(WeightEndpoints):
     def shutdown(self) -> None:
         """Abort every request (their answers say so), stop serving, leave the weight-update groups."""
         self.scheduler.stop()
+        self.departures.close()
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -331,25 +442,38 @@ class EmbeddedServer(WeightEndpoints):
         route = self._routes.get(path.rstrip("/") or "/")
         if route is None and path.startswith("/v1/models/"):  # GET /v1/models/{model}: one model's card
             route = lambda body: self._model_card(path[len("/v1/models/"):])  # noqa: E731
+        # errors in OpenAI's shape ({"error": {"message", "type", "param", "code"}}, `APIError`): the OpenAI API's
+        # own, and a superset of SGLang's {"error": {"message"}} for its endpoints' clients
         if route is None:
-            return 404, {"error": {"message": f"no endpoint {path}"}}
+            return 404, APIError(f"no endpoint {method} {path}", status=404, code="not_found").body()
+        if method not in self.methods(path):  # e.g. GET /v1/chat/completions: not read as a POST without a body
+            return 405, APIError(f"{method} is not allowed on {path}: use {' or '.join(self.methods(path))}",
+                                 status=405, code="method_not_allowed").body()
         if (refused := self.admit(target, headers)) is not None:
             return refused
         try:
             body = json.loads(raw) if raw.strip() else {}
         except (ValueError, UnicodeDecodeError) as exc:
-            return 400, {"error": {"message": f"the body is not JSON: {exc}"}}
+            return 400, APIError(f"the body is not JSON: {exc}").body()
         if not isinstance(body, dict):
-            return 400, {"error": {"message": "the body must be a JSON object"}}
+            return 400, APIError("the body must be a JSON object").body()
         try:
             return route({**dict(parse_qsl(parts.query)), **body} if method == "GET" else body)
         except NotReady as exc:
-            return 503, {"error": {"message": str(exc)}}
+            return 503, APIError(str(exc), status=503, kind="server_error").body()
         except RequestError as exc:
-            return 400, {"error": {"message": str(exc)}}
+            return 400, APIError(str(exc)).body()
         except Exception as exc:
             logger.exception("%s %s failed", method, path)
-            return 500, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+            return 500, APIError(f"{type(exc).__name__}: {exc}", status=500, kind="server_error").body()
+
+    @staticmethod
+    def methods(target: str) -> tuple[str, ...]:
+        """The HTTP methods the route of `target` takes."""
+        path = urlsplit(target).path.rstrip("/") or "/"
+        if path.startswith("/v1/models/"):
+            return ("GET",)
+        return OPENAI_METHODS.get(path, SGLANG_METHODS)
 
     def admit(self, target: str, headers: Any) -> Optional[tuple[int, Any]]:
         """The refusal (status, answer) of a request for `target` by its headers alone, or None when it may go on:
@@ -360,6 +484,18 @@ class EmbeddedServer(WeightEndpoints):
         if path in OPENAI_PATHS or path.startswith("/v1/"):
             return self._openai_refusal(headers)
         return self._refusal(headers)
+
+    @contextmanager
+    def client_of(self, handler: BaseHTTPRequestHandler) -> Iterator[None]:
+        """Within: the requests this thread submits (`_submit`) came over `handler`'s connection; they are aborted
+        if its client leaves before they end (`Departures`), and no longer watched after."""
+        previous = getattr(self._client, "value", None)
+        self._client.value = (handler.connection, [])
+        try:
+            yield
+        finally:
+            self.departures.forget(self._client.value[1])
+            self._client.value = previous
 
     @staticmethod
     def peer_of(handler: BaseHTTPRequestHandler) -> Any:
@@ -543,6 +679,10 @@ class EmbeddedServer(WeightEndpoints):
                                "call /resume_memory_occupation first")
         request = self._codec.parse(self._lora_request(body))
         self.scheduler.submit(request)
+        client = getattr(self._client, "value", None)  # None: submitted in this process, not over HTTP
+        if client is not None:
+            client[1].append(request)
+            self.departures.watch(client[0], request)
         return request
 
     def _stream(self, body: dict) -> Iterator[dict]:
