@@ -28,7 +28,7 @@ import torch
 from relax.agents.parsers import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
 
 NL = "\n"
-KINDS = ("json_schema", "json_object", "regex", "ebnf")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of a few an application sends)
 # tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: every built-in one
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3")
@@ -124,17 +124,10 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
     return " ".join(parts) or '""', rules
 
 
-def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None) -> str:
-    """The EBNF (root rule `root`) of an answer that is tool calls only, in the format of tool parser `fmt` (one of
-    TOOL_CALL_FORMATS), each call one of `tools` (OpenAI function tools) with arguments following its `parameters`
-    schema: one or more calls, or exactly one call of the tool `name` when given.
-
-    hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
-    and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
-    deepseek_v3: the calls' section markers around `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
-    \\n```<｜tool▁call▁end｜>`, separated by a newline; qwen3_coder and glm45 (XML): each argument in the template's
-    tags, a string as its text (no "<" in it), any other value as JSON of its schema; the required arguments
-    always, the optional ones each or not, in the schema's order."""
+def _call_rules(tools: list[dict], fmt: str, name: Optional[str]) -> tuple[str, str, str, str]:
+    """(the EBNF rules of one call of `tools` in tool parser `fmt`'s format, its root rule `relax_calls`; what opens a
+    call's text; the rest of one call after it, as an EBNF expression; the separator between calls, as a literal).
+    The opener is "" where a call has no marker of its own (llama3_json: the call is a JSON object)."""
     if fmt not in TOOL_CALL_FORMATS:
         raise GrammarError(f"forcing a tool call in the {fmt!r} tool-call format is not supported (covered: "
                            f"{', '.join(TOOL_CALL_FORMATS)})")
@@ -166,20 +159,56 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None) -
             rules += used
             calls.append(f"{_literal(f['name'] + NL)} {args}")
     root = "relax_calls"
-    body = [f"{root} ::= " + " | ".join(f"({c})" for c in calls)] + rules
+    body = "\n".join([f"{root} ::= " + " | ".join(f"({c})" for c in calls)] + rules)
     if fmt in ("hermes", "qwen3_coder"):
-        one, sep = f"{_literal('<tool_call>' + NL)} {root} {_literal(NL + '</tool_call>')}", _literal("\n")
-    elif fmt == "glm45":
-        one, sep = f"{_literal('<tool_call>')} {root} {_literal('</tool_call>')}", _literal("\n")
-    elif fmt == "deepseek_v3":
-        one, sep = root, _literal("\n")
-    else:
-        one, sep = root, _literal("; ")
-    more = "" if name is not None else f" ({sep} {one})*"
-    top = f"{one}{more}"
-    if fmt == "deepseek_v3":
-        top = f"{_literal(DS_CALLS_BEGIN)} {top} {_literal(DS_CALLS_END)}"
-    return "\n".join([f"root ::= {top}"] + body)
+        return body, "<tool_call>", f"{_literal(NL)} {root} {_literal(NL + '</tool_call>')}", _literal("\n")
+    if fmt == "glm45":
+        return body, "<tool_call>", f"{root} {_literal('</tool_call>')}", _literal("\n")
+    if fmt == "deepseek_v3":  # one call: the calls' section around it
+        return body, DS_CALLS_BEGIN, f"{root} {_literal(DS_CALLS_END)}", _literal("\n")
+    return body, "", root, _literal("; ")
+
+
+def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, parallel: bool = True) -> str:
+    """The EBNF (root rule `root`) of an answer that is tool calls only, in the format of tool parser `fmt` (one of
+    TOOL_CALL_FORMATS), each call one of `tools` (OpenAI function tools) with arguments following its `parameters`
+    schema: one or more calls (`parallel`, OpenAI's parallel_tool_calls), else exactly one, of the tool `name` when
+    given (always exactly one call: a named function is called once).
+
+    hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
+    and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
+    deepseek_v3: the calls' section markers around `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
+    \\n```<｜tool▁call▁end｜>`, separated by a newline; qwen3_coder and glm45 (XML): each argument in the template's
+    tags, a string as its text (no "<" in it), any other value as JSON of its schema; the required arguments
+    always, the optional ones each or not, in the schema's order."""
+    body, opener, rest, sep = _call_rules(tools, fmt, name)
+    if fmt == "deepseek_v3":  # the section markers once, around every call
+        one = "relax_calls"
+        more = "" if name is not None or not parallel else f" ({sep} {one})*"
+        return "\n".join([f"root ::= {_literal(DS_CALLS_BEGIN)} {one}{more} {_literal(DS_CALLS_END)}", body])
+    one = f"{_literal(opener)} {rest}" if opener else rest
+    more = "" if name is not None or not parallel else f" ({sep} {one})*"
+    return "\n".join([f"root ::= {one}{more}", body])
+
+
+def at_most_one_call(tools: list[dict], fmt: str) -> GrammarSpec:
+    """tool_choice "auto" with parallel_tool_calls false: the answer is free text, or text and then one call of
+    `tools` in tool parser `fmt`'s format (its arguments following the tool's schema), after which it ends (the
+    row's stop token next). Where calls have a marker (every format but llama3_json), an xgrammar structural tag
+    (SGLang's `structural_tag`): the text is free until the marker, which opens the one call, and nothing follows
+    it. llama3_json has no marker: its parser reads a call only from a message that starts with one (the
+    `<|python_tag|>` token, a special token, is never drawn under a grammar), so the answer is one call, or text
+    that does not start with "{"."""
+    body, opener, rest, _ = _call_rules(tools, fmt, None)
+    if not opener:
+        return GrammarSpec("ebnf", "\n".join(['root ::= relax_calls | relax_text',
+                                              r'relax_text ::= [ \t\r\n]* ([^{\[ \t\r\n] [^]*)?',
+                                              body]))
+    tag = {"type": "tag", "begin": opener, "end": "",
+           "content": {"type": "grammar", "grammar": "\n".join([f"root ::= {rest}", body])}}
+    return GrammarSpec("structural_tag", json.dumps(
+        {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [opener], "tags": [tag],
+                                              "stop_after_first": True}}, ensure_ascii=False))
 
 
 # ------------------------------------------------------------------------------------------------ matching
@@ -245,6 +274,8 @@ class Grammars:
                                                             any_whitespace=False)
                 elif spec.kind == "regex":
                     compiled = compiler.compile_regex(spec.source)
+                elif spec.kind == "structural_tag":
+                    compiled = compiler.compile_structural_tag(spec.source)
                 else:
                     compiled = compiler.compile_grammar(spec.source)
             except Exception as exc:  # xgrammar's parse errors are RuntimeError/ValueError with its message

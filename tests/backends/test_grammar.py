@@ -13,13 +13,22 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from relax.agents.parsers import BUILTIN_PARSERS, parse_hermes
+from relax.agents.parsers import (
+    BUILTIN_PARSERS,
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
+    parse_hermes,
+)
 from relax.rollout.embedded import EmbeddedEngine
 from relax.rollout.grammar import (
     TOOL_CALL_FORMATS,
     GrammarError,
     Grammars,
     GrammarSpec,
+    at_most_one_call,
     json_schema_spec,
     tool_call_ebnf,
 )
@@ -193,3 +202,44 @@ def test_one_compile_per_distinct_spec_and_errors_name_the_grammar(setup):
     with pytest.raises(GrammarError, match="the parameter 'n' of tool 'f'"):
         tool_call_ebnf([{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"n": {"type": "integer", "minimum": "x"}}}}}], "qwen3_coder")
+
+
+ONE_CALL = {  # (one call of `noop`, the separator before a second) in each format, as its parser reads them
+    "hermes": ('<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>', "\n"),
+    "qwen3_coder": ("<tool_call>\n<function=noop>\n</function>\n</tool_call>", "\n"),
+    "glm45": ("<tool_call>noop\n</tool_call>", "\n"),
+    "deepseek_v3": (f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}noop\n```json\n{{}}\n```{DS_CALL_END}"
+                    f"{DS_CALLS_END}", "\n"),
+    "llama3_json": ('{"name": "noop", "parameters": {}}', "; "),
+}
+
+
+def accepts(grammars, spec, text: str, eos: int, *, then_eos: bool = True) -> bool:
+    """Whether `spec` takes `text` token by token (and then the stop token)."""
+    tok = grammars.tokenizer
+    m = grammars.matcher(spec, [eos])
+    return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False)) and (not then_eos or m.accept(eos))
+
+
+@pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS)
+def test_without_parallel_tool_calls_an_answer_holds_at_most_one_call(setup, fmt):
+    """parallel_tool_calls=false (`at_most_one_call` for tool_choice auto; `tool_call_ebnf(parallel=False)` for a
+    forced call): one call, then only the stop token; two calls are refused, while the parallel grammar (the negative
+    control) takes them. Auto also takes free text, and (where calls have a marker) text before the call."""
+    tok, _, grammars, eos = setup
+    call, sep = ONE_CALL[fmt]
+    two = call + sep + call if fmt != "deepseek_v3" else call.replace(DS_CALLS_END, sep + call.split(
+        DS_CALLS_BEGIN)[1])
+    assert len(BUILTIN_PARSERS[fmt](two).calls) == 2 and len(BUILTIN_PARSERS[fmt](call).calls) == 1
+    auto = at_most_one_call(TOOLS, fmt)
+    forced = GrammarSpec("ebnf", tool_call_ebnf(TOOLS, fmt, parallel=False))
+    parallel = GrammarSpec("ebnf", tool_call_ebnf(TOOLS, fmt))
+    for spec in (auto, forced):
+        assert accepts(grammars, spec, call, eos)
+        assert not accepts(grammars, spec, two, eos, then_eos=False)
+    assert accepts(grammars, parallel, two, eos)
+    assert accepts(grammars, auto, "The weather is fine.", eos)
+    if fmt != "llama3_json":
+        assert accepts(grammars, auto, "Let me look. " + call, eos)
+    else:  # a message that starts like a call is one: no free text may
+        assert not accepts(grammars, auto, '{"name": "weather"}', eos)

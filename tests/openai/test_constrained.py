@@ -80,6 +80,32 @@ def test_tool_choice_required_answers_with_calls_whose_arguments_follow_the_sche
             jsonschema.validate(args, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name])
 
 
+def test_required_without_parallel_tool_calls_is_exactly_one_call(client):
+    """parallel_tool_calls=false: every choice is one call, ended by the stop token (not cut at max_tokens); the same
+    request with parallel calls allowed (the negative control) writes several calls in some choice."""
+    kw = dict(model="tiny", messages=USER, tools=TOOLS, tool_choice="required", n=6, seed=1, max_tokens=1000)
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False)
+    for choice in one.choices:
+        [(name, args)] = calls_of(choice)
+        jsonschema.validate(args, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name])
+    several = client.chat.completions.create(**kw)
+    assert any(c.finish_reason == "length" or len(c.message.tool_calls or ()) > 1 for c in several.choices)
+
+
+def test_responses_structured_output_parses_into_the_model(client):
+    """The Responses API's text.format json_schema (`responses.parse`, what openai-agents' output_type and
+    LangChain's with_structured_output on the Responses API send) constrains the answer as response_format does;
+    the same request as plain text (the negative control) does not parse."""
+    for _ in range(2):  # (the Responses API has no seed; the schema bounds every answer's length)
+        r = client.responses.parse(model="tiny", input="Forecast for Paris?", text_format=Forecast,
+                                   max_output_tokens=200)
+        assert isinstance(r.output_parsed, Forecast), r.output_text
+        assert r.text.format.type == "json_schema"
+    free = client.responses.create(model="tiny", input="Forecast for Paris?", max_output_tokens=40)
+    with pytest.raises(ValueError):
+        Forecast.model_validate_json(free.output_text)
+
+
 def test_a_named_function_is_exactly_one_call_of_it(client):
     for seed in (2, 3, 4):
         r = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, seed=seed, max_tokens=200,

@@ -160,7 +160,8 @@ def test_previous_response_id_continues_the_conversation(scripted):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(text={"format": {"type": "json_object"}}), "text"), (dict(reasoning={"effort": "high"}), "reasoning"),
+    (dict(text={"verbosity": "low"}), "text.verbosity"), (dict(text={"format": {"type": "grammar"}}), "text.format"),
+    (dict(reasoning={"effort": "high"}), "reasoning"),
     (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(tool_choice="required"), "tool_choice"),
     (dict(max_output_tokens=0), "max_output_tokens"), (dict(temperature=3), "temperature"),
     (dict(truncation="auto"), "truncation"), (dict(background=True), "background"),
@@ -242,8 +243,8 @@ def test_relax_serve_answers_as_its_chat_route_whole_streamed_and_chained(served
     rendered = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert chained.usage.input_tokens == len(rendered)
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model="tiny", input="hi", text={"format": {"type": "json_object"}})
-    assert info.value.body["param"] == "text"
+        client.responses.create(model="tiny", input="hi", text={"verbosity": "low"})
+    assert info.value.body["param"] == "text.verbosity"
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ written back as OpenAI writes them, whole or as server-sent events.
 Every field either endpoint takes is in `FIELDS`, with what becomes of it: honoured, accepted without effect (and
 why it cannot change the answer), or refused unless at a neutral value. Honoured: `model` (any name: the served model
 answers), `messages` (system, developer, user, assistant with `tool_calls`, tool; text content, as a string or text
-parts), `prompt` (completions: a string or token ids), `tools` (function tools) with `tool_choice` "auto", "none",
+parts), `prompt` (completions: text or ids, or a list), `tools` (function tools) with `tool_choice` "auto", "none",
 "required" or a named function (a call forced by constrained decoding, in the tool parser's format), `response_format`
 (text, json_object, json_schema; SGLang's `regex`, `json_schema`, `ebnf` beside it: constrained decoding),
 `n`, `max_tokens` / `max_completion_tokens` (default: the room left under the context), `temperature`, `top_p`,
@@ -61,11 +61,14 @@ FIELDS: dict[str, Rule] = {
     # ------------------------------------------------------------------ honoured
     "model": Rule(HONOURED, "any name: the served model answers"),
     "messages": Rule(HONOURED, "the conversation, rendered with the chat template", CHAT),
-    "prompt": Rule(HONOURED, "a string or token ids, one prompt per request", COMPLETION),
+    "prompt": Rule(HONOURED, "a string or token ids, or a list of them: n choices per prompt, prompt-major",
+                   COMPLETION),
     "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message; their schemas "
                             "read the calls (a strict tool's arguments checked against it)", CHAT),
     "tool_choice": Rule(HONOURED, '"auto", "none", "required" or a named function (forced by constrained decoding '
                                   "in the tool parser's format: any built-in one)", CHAT),
+    "parallel_tool_calls": Rule(HONOURED, "false: at most one call (forced calls: exactly one), by constrained "
+                                          "decoding in the tool parser's format", CHAT),
     "n": Rule(HONOURED, "choices, each with its own random stream"),
     "max_tokens": Rule(HONOURED, "default: the room left under the context (and a session's limits)"),
     "max_completion_tokens": Rule(HONOURED, "as max_tokens (the smaller of the two)", CHAT),
@@ -88,7 +91,6 @@ FIELDS: dict[str, Rule] = {
     "metadata": Rule(NO_EFFECT, "stored-completion tags; nothing is stored"),
     "store": Rule(NO_EFFECT, "nothing is stored"),
     "service_tier": Rule(NO_EFFECT, "one tier"),
-    "parallel_tool_calls": Rule(NO_EFFECT, "the model may write several calls either way; all are read"),
     "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
     "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "rid": Rule(NO_EFFECT, f"{_SGL}: names the request for /abort_request; the answer is the same without it"),
@@ -189,6 +191,7 @@ class Params:
     stream_reasoning: bool = True  # SGLang's: the reasoning streams token by token (false: as one delta)
     grammar: Optional[tuple[str, str]] = None  # constrained decoding: (json_schema | regex | ebnf, its text)
     tool_choice: Optional[str] = None  # a forced call: "required" (one or more calls) or the name of the function
+    parallel_tool_calls: bool = True  # false: at most one call (a forced one: exactly one)
 
 
 def _number(body: dict, name: str, default: Optional[float], lo: float, hi: float) -> Optional[float]:
@@ -341,6 +344,10 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
         raise _bad("tool_choice", "a forced call and response_format (or regex, json_schema, ebnf) both constrain the "
                                   "answer: give one")
     p.tools = tools if tools and choice != "none" else None
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise _bad("parallel_tool_calls", f"{parallel!r} must be a boolean")
+    p.parallel_tool_calls = parallel is not False
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
@@ -355,17 +362,23 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     return normalized, p
 
 
-def parse_completion(body: dict) -> tuple[Any, Params]:
-    """The prompt (a string or a list of token ids) and parameters of a completion request."""
+def _one_prompt(prompt: Any) -> bool:
+    """Whether `prompt` is one prompt: a non-empty string or list of token ids."""
+    return bool(prompt) and (isinstance(prompt, str) or isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+
+
+def parse_completion(body: dict) -> tuple[list[Any], Params]:
+    """The prompts (each a string or a list of token ids: OpenAI's `prompt` is one of them or a list of them) and
+    parameters of a completion request."""
     p = _common(body, "completion")
     prompt = body.get("prompt")
-    ok = (isinstance(prompt, str) and prompt) or (
-        isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
-    if not ok:
-        raise _bad("prompt", "required: a non-empty string or a list of token ids (one prompt per request)")
+    prompts = [prompt] if _one_prompt(prompt) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(_one_prompt(q) for q in prompts):
+        raise _bad("prompt", "required: a non-empty string or list of token ids, or a list of them")
     top = _integer(body, "logprobs", 0, 5)
     p.logprobs, p.top_logprobs = top is not None, top or 0
-    return prompt, p
+    return prompts, p
 
 
 def _text(content: Any, where: str) -> Optional[str]:

@@ -48,11 +48,6 @@ def _none_values(v: Any) -> bool:
     return isinstance(v, dict) and all(x is None for x in v.values())
 
 
-def _plain_text(v: Any) -> bool:
-    return isinstance(v, dict) and set(v) <= {"format", "verbosity"} and v.get("verbosity") is None \
-        and v.get("format") in (None, {"type": "text"})
-
-
 @dataclass(frozen=True)
 class Rule:
     """What becomes of one request field (as `relax.serve.openai.protocol.Rule`): `neutral` says which values of a
@@ -70,6 +65,9 @@ FIELDS: dict[str, Rule] = {
     "instructions": Rule(HONOURED, "a system message before the input (not carried over by previous_response_id)"),
     "tools": Rule(HONOURED, "function tools, as the chat route renders them"),
     "tool_choice": Rule(HONOURED, "as the chat route's tool_choice"),
+    "parallel_tool_calls": Rule(HONOURED, "as the chat route's (false: at most one call)"),
+    "text": Rule(HONOURED, "format: text, json_object or json_schema (the chat route's response_format: constrained "
+                           "decoding); verbosity: none"),
     "max_output_tokens": Rule(HONOURED, "the chat route's max_tokens"),
     "temperature": Rule(HONOURED, "a training session samples at the run's"),
     "top_p": Rule(HONOURED, "a training session samples at the run's"),
@@ -86,15 +84,12 @@ FIELDS: dict[str, Rule] = {
     "prompt_cache_retention": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
     "prompt_cache_options": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
     "service_tier": Rule(NO_EFFECT, "one tier"),
-    "parallel_tool_calls": Rule(NO_EFFECT, "the model may write several calls either way; all are read"),
     "max_tool_calls": Rule(NO_EFFECT, "bounds built-in tool calls; there are none"),
     "stream_options": Rule(NO_EFFECT, "no obfuscation field is added"),
     # ------------------------------------------------------------------ refused unless neutral
     "background": Rule(NEUTRAL_ONLY, "every response runs in the foreground", lambda v: v is False),
     "background_options": Rule(NEUTRAL_ONLY, "every response runs in the foreground"),
     "truncation": Rule(NEUTRAL_ONLY, "the input is never truncated (too long: a 400)", lambda v: v == "disabled"),
-    "text": Rule(NEUTRAL_ONLY, "plain text only: structured output and verbosity need constrained decoding",
-                 _plain_text),
     "reasoning": Rule(NEUTRAL_ONLY, "no effort or summary control", _none_values),
     "conversation": Rule(NEUTRAL_ONLY, "no stored conversations (use previous_response_id or send the input)"),
     "prompt": Rule(NEUTRAL_ONLY, "no stored prompt templates"),
@@ -219,6 +214,29 @@ def chat_tool_choice(choice: Any) -> Any:
     raise _bad("tool_choice", f"{choice!r} is not supported: 'auto', 'none', or a function")
 
 
+def chat_response_format(text: Any) -> Optional[dict]:
+    """The chat route's response_format of a Responses `text` (its `format`: {"type": "text"}, {"type":
+    "json_object"} or {"type": "json_schema", "name", "schema", "strict"}); None: plain text. A verbosity other than
+    none is refused: no answer length control."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or not set(text) <= {"format", "verbosity"}:
+        raise _bad("text", f"{text!r}: expected {{\"format\": {{...}}}}")
+    if text.get("verbosity") is not None:
+        raise _bad("text.verbosity", f"{text['verbosity']!r} is not supported by this server (no answer length "
+                                     "control)")
+    fmt = text.get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise _bad("text.format", f"{fmt!r}: expected type text, json_object or json_schema")
+
+
 # ------------------------------------------------------------------------------------------------------- request
 @dataclass
 class Request:
@@ -267,6 +285,11 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
     choice = chat_tool_choice(body.get("tool_choice"))
     if choice is not None:
         chat["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    text_format = chat_response_format(body.get("text"))
+    if text_format is not None:
+        chat["response_format"] = text_format
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("top_logprobs", "top_logprobs")):
         if body.get(ours) is not None:
@@ -278,7 +301,8 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
             "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
             "store": body.get("store", True), "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "top_logprobs": body.get("top_logprobs"), "user": body.get("user")}
+            "top_logprobs": body.get("top_logprobs"), "user": body.get("user"),
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}}
     return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs, echo=echo)
 
 
@@ -376,7 +400,7 @@ def response_object(req: Request, a: Answer, output: list[dict], *, rid: str, mo
     return {"id": rid, "object": "response", "created_at": created, "status": "incomplete" if incomplete else
             "completed", "completed_at": None if incomplete else int(time.time()), "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "model": model,
-            "output": output, "reasoning": {"effort": None, "summary": None}, "text": {"format": {"type": "text"}},
+            "output": output, "reasoning": {"effort": None, "summary": None},
             "truncation": "disabled", **req.echo,
             "usage": {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
                       "total_tokens": u.get("total_tokens", 0),

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol
 
 from relax.agents.parsers import BUILTIN_PARSERS
 from relax.batch import FinishReason
-from relax.rollout.grammar import GrammarError, tool_call_ebnf
+from relax.rollout.grammar import GrammarError, at_most_one_call, tool_call_ebnf
 from relax.serve.http import EventStream
 from relax.serve.openai.chat import ChatFormat, split_reasoning
 from relax.serve.openai.images import take_images
@@ -99,6 +99,8 @@ class OpenAIService:
         messages, p = parse_chat(body)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(p))
+        elif p.tools and not p.parallel_tool_calls and p.grammar is None:  # at most one call, then the answer ends
+            p.grammar = self._one_call_grammar(p)
         if session is not None:
             prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs,
                                                    offered=body.get("tools") or None)
@@ -130,19 +132,28 @@ class OpenAIService:
         return (200, EventStream(chat_events(answer, p, choices))) if p.stream else (200, answer)
 
     def completion(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
-        raw, p = parse_completion(body)
+        """Choice i*n + k is the k-th choice of prompt i (OpenAI's order for a list of prompts), each prompt's n
+        choices sampled as a request of that prompt alone would be (the same seeds); all of them one batch."""
+        raws, p = parse_completion(body)
         if session is not None:
-            prompt, context = session.completion_prompt(raw, self.fmt)
+            if len(raws) > 1:  # a session records each call as one continuation of its agent's context
+                raise APIError("prompt: a training session takes one prompt per call", param="prompt")
+            prompt, context = session.completion_prompt(raws[0], self.fmt)
+            prompts = [prompt]
         else:
-            prompt, context = (list(raw) if isinstance(raw, list) else self.fmt.encode(raw)), None
-        sampled, p = self._generate(prompt, p, session, context)
+            prompts, context = [list(r) if isinstance(r, list) else self.fmt.encode(r) for r in raws], None
+        payloads = []
+        for prompt in prompts:
+            more, p = self._payloads(prompt, p, session, context)
+            payloads += more
+        sampled = [self._parse(a) for a in self.send(payloads)]
         choices = []
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
             choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p))
         if session is not None:
-            session.record(context, prompt, [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
-        answer = completion_answer(choices, p, len(prompt), model=p.model)
+            session.record(context, prompts[0], [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
+        answer = completion_answer(choices, p, sum(len(q) for q in prompts), model=p.model)
         return (200, EventStream(completion_events(answer, choices))) if p.stream else (200, answer)
 
     # --------------------------------------------------------------------------------------------- generation
@@ -161,6 +172,12 @@ class OpenAIService:
 
     def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
                   context: Any = None, image_data: Optional[list[str]] = None) -> tuple[list[Sampled], Params]:
+        payloads, p = self._payloads(prompt, p, session, context, image_data)
+        return [self._parse(a) for a in self.send(payloads)], p
+
+    def _payloads(self, prompt: list[int], p: Params, session: Optional[Session], context: Any = None,
+                  image_data: Optional[list[str]] = None) -> tuple[list[dict], Params]:
+        """The /generate payloads of `prompt`'s n choices, and the parameters they were made with (a session's)."""
         limit = self._limit(p, len(prompt))
         if session is not None:
             p, limit, seeds = session.admit(p, len(prompt), limit, context)
@@ -186,19 +203,36 @@ class OpenAIService:
             if p.top_logprobs:
                 payload["top_logprobs_num"] = p.top_logprobs
             payloads.append(payload)
-        return [self._parse(a) for a in self.send(payloads)], p
+        return payloads, p
 
-    def _tool_call_grammar(self, p: Params) -> str:
-        """The EBNF of the calls `p.tool_choice` forces ("required": one or more, a name: exactly that call), in the
-        format of this service's tool parser (a parser of its own, or one whose format has no grammar: 400)."""
+    def _tool_parser_format(self, param: str) -> str:
+        """The built-in tool parser this service reads calls with: the format a grammar of calls is written in (a
+        parser of its own, whose format no grammar covers: a 400 naming `param`)."""
         fmt = next((name for name, fn in BUILTIN_PARSERS.items() if fn is self.fmt.tool_parser), None)
         if fmt is None:
-            raise APIError("tool_choice: a forced call needs a built-in tool parser (data.tool_parser)",
-                           param="tool_choice")
+            raise APIError(f"{param}: constraining tool calls needs a built-in tool parser (data.tool_parser)",
+                           param=param)
+        return fmt
+
+    def _tool_call_grammar(self, p: Params) -> str:
+        """The EBNF of the calls `p.tool_choice` forces ("required": one or more, or exactly one without
+        parallel_tool_calls; a name: exactly that call), in the format of this service's tool parser."""
+        fmt = self._tool_parser_format("tool_choice")
         try:
-            return tool_call_ebnf(p.tools or [], fmt, name=None if p.tool_choice == "required" else p.tool_choice)
+            return tool_call_ebnf(p.tools or [], fmt, name=None if p.tool_choice == "required" else p.tool_choice,
+                                  parallel=p.parallel_tool_calls)
         except GrammarError as exc:
             raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
+
+    def _one_call_grammar(self, p: Params) -> tuple[str, str]:
+        """tool_choice "auto" and parallel_tool_calls false: text, or text then one call, as a /generate sampling
+        parameter (SGLang's `structural_tag`, or `ebnf`)."""
+        fmt = self._tool_parser_format("parallel_tool_calls")
+        try:
+            spec = at_most_one_call(p.tools or [], fmt)
+        except GrammarError as exc:
+            raise APIError(f"parallel_tool_calls: {exc}", param="parallel_tool_calls") from None
+        return spec.kind, spec.source
 
     def _parse(self, answer: dict) -> Sampled:
         meta = answer.get("meta_info") or {}

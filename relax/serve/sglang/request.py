@@ -11,8 +11,9 @@ one for all; `return_text_in_logprobs`; `rid` (one, or one per input; sample k o
 `<rid>_<k>`, and /abort_request matches either; one rid for two inputs of a batch is a 400, as is a batch whose
 inputs ask for different `n`, as SGLang answers them); `stream`; `lora_path` naming the loaded adapter (see
 `relax.serve.sglang.weights`); constrained decoding with at most one of `json_schema` (a JSON schema as a string),
-`regex` and `ebnf` (xgrammar's EBNF, root rule `root`), as SGLang's xgrammar backend reads them (JSON written without
-free whitespace, `relax.rollout.grammar`; a grammar that does not compile is a 400); `image_data` for a
+`regex`, `ebnf` (xgrammar's EBNF, root rule `root`) and `structural_tag` (xgrammar's structural tag, as JSON), as
+SGLang's xgrammar backend reads them (JSON written without free whitespace, `relax.rollout.grammar`; a grammar that
+does not compile is a 400); `image_data` for a
 vision-language model (`relax.serve.sglang.images`: each input's images placed into its image placeholders as
 SGLang's Qwen-VL processor places them; with images, only the sampled tokens' log-probs are reported, the others a
 400); `return_routed_experts` (one, or one per input) on a server of a mixture-of-experts model started with SGLang's
@@ -22,7 +23,7 @@ layers, k], the experts of every token the engine fed, prompt included). Unlike 
 answers them to a request that does not mention the field (only `false` opts out): sglang-router 0.3.2 re-serialises
 each /generate body from its own request type, which has no `return_routed_experts`, so behind it no request carries
 the field. Not supported (400 naming the field):
-penalties, min_p, min_new_tokens, stop_regex, structural_tag,
+penalties, min_p, min_new_tokens, stop_regex,
 logit_bias, hidden states, input embeddings, images for a text-only model, video, audio, sessions.
 
 The answer: a dict for one input with n=1, else a list, an input's n samples consecutive. `output_ids` include the
@@ -70,8 +71,9 @@ _MASK64 = (1 << 64) - 1
 # sampling parameters the engine does not implement: accepted only at these (neutral) values
 _NEUTRAL_SAMPLING = {"min_new_tokens": (0,), "min_p": (0, 0.0), "frequency_penalty": (0, 0.0),
                      "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "stop_regex": ("", ()),
-                     "structural_tag": (), "logit_bias": ()}
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")  # sampling params of constrained decoding: at most one
+                     "logit_bias": ()}
+# sampling params of constrained decoding: at most one (structural_tag: xgrammar's JSON form, as SGLang takes it)
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # request fields the server does not implement: accepted only at these values
 _NEUTRAL_REQUEST = {"return_hidden_states": (False,), "input_embeds": (), "image_data": (), "video_data": (),
                     "audio_data": (), "lora_path": (), "session_params": ()}
@@ -338,8 +340,8 @@ class RequestCodec:
         return request
 
     def _grammar(self, sp: dict) -> Optional[GrammarSpec]:
-        """The grammar of one input's sampling_params (json_schema, regex or ebnf; SGLang allows one), compiled
-        now so that a bad one is a 400; None without one."""
+        """The grammar of one input's sampling_params (json_schema, regex, ebnf or structural_tag; SGLang allows
+        one), compiled now so that a bad one is a 400; None without one."""
         given = [name for name in GRAMMAR_FIELDS if sp.get(name) not in (None, "")]
         if not given:
             return None
