@@ -54,3 +54,16 @@ def test_a_bad_list_of_prompts_is_a_400_naming_prompt(client, prompt):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     assert err.value.param == "prompt"
+
+
+def test_a_training_session_takes_one_prompt_per_call():
+    """A session records each call as one continuation of its agent's context: a list of prompts is refused there
+    before anything is generated (nothing is sent)."""
+    from relax.serve.openai.protocol import APIError
+    from relax.serve.openai.service import OpenAIService
+
+    sent = []
+    service = OpenAIService(None, sent.append, model="tiny", context_length=None)
+    with pytest.raises(APIError) as err:
+        service.completion({"model": "tiny", "prompt": ["a", "b"]}, session=object())
+    assert err.value.status == 400 and err.value.param == "prompt" and sent == []
