@@ -144,11 +144,14 @@ def _run(dc) -> object:
         return None
     from relax.data.datasets import DataError
     from relax.models.checkpoint_files import CheckpointFileError
+    from relax.rollout.sglang.process import StartupError
     from relax.runner.train import run
 
     try:
         return run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
     except (RunError, DataError) as exc:  # DataError: a resume whose prompts differ from the checkpoint's
+        _job_fail(str(exc))
+    except StartupError as exc:  # a server process of the run (the router, an engine) that never became healthy
         _job_fail(str(exc))
     except CheckpointFileError as exc:  # a role refused a checkpoint file (on Ray: the cause of a RayTaskError)
         _job_fail(str(getattr(exc, "cause", exc)))

@@ -54,14 +54,19 @@ def log_tail(log_path: Path, lines: int = 40) -> str:
         return f"(no log: {exc})"
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, *, what: str, log_path: Path) -> None:
-    """Poll `url` until it answers 200; fail early when `proc` exits, and after `timeout_s`, with the log's end."""
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, *, what: str,
+                 log_path: Path | None = None) -> None:
+    """Poll `url` until it answers 200; fail early when `proc` exits, and after `timeout_s`, with the end of
+    `log_path` (None: a server this process did not start, whose log it cannot read)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
+
+    def log() -> str:
+        return "" if log_path is None else f"; log {log_path}:\n{log_tail(log_path)}"
+
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise StartupError(f"{what} exited with code {proc.returncode} before it was healthy; "
-                               f"log {log_path}:\n{log_tail(log_path)}")
+            raise StartupError(f"{what} exited with code {proc.returncode} before it was healthy{log()}")
         try:
             r = requests.get(url, timeout=5)
             if r.status_code == 200:
@@ -70,8 +75,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, *, w
         except requests.RequestException as exc:
             last = type(exc).__name__
         time.sleep(0.1)
-    raise StartupError(f"{what} at {url} was not healthy within {timeout_s:g} s (last: {last}); "
-                       f"log {log_path}:\n{log_tail(log_path)}")
+    raise StartupError(f"{what} at {url} was not healthy within {timeout_s:g} s (last: {last}){log()}")
 
 
 PORT_TAKEN = "Address already in use"  # what a server that lost its port to another process logs, and exits with

@@ -51,7 +51,7 @@ from relax.rollout.sglang.client import (
     to_samples,
 )
 from relax.rollout.sglang.episodes import run_episodes
-from relax.rollout.sglang.process import wait_healthy
+from relax.rollout.sglang.process import StartupError, wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.rollout.sglang.routes import decode as decode_routes
 from relax.rollout.sglang.routes import moe_shape
@@ -176,9 +176,15 @@ class SGLangEngines:
         sg = self.sg
         if sg.urls is not None:
             self.urls = list(sg.urls)
-            for u in self.urls:
-                wait_healthy(u + "/health", None, sg.request_timeout_s, what=f"the SGLang server at {u}",
-                             log_path=Path("(not started by Relax: see that server's own log)"))
+            for i, u in enumerate(self.urls):
+                # a server the user started: reachable (the `endpoints` check before Ray), but maybe never healthy;
+                # its log is its own
+                try:
+                    wait_healthy(u + "/health", None, sg.request_timeout_s,
+                                 what=f"the SGLang server of rollout.sglang.urls[{i}]")
+                except StartupError as exc:
+                    raise RunError(f"{exc}; rollout.sglang.request_timeout_s bounds this wait, and that server's "
+                                   "own log says why") from None
         else:
             if not self.servers:
                 self.servers = [self.start_server(i) for i in range(self.cfg.rollout.num_replicas)]
