@@ -46,6 +46,16 @@ def _locked_save_dir(tmp: Path) -> list[str]:
 
 _HELD: list[int] = []
 
+
+def _closed_port() -> int:
+    """A port where nothing listens (bound, then closed): a Ray cluster there cannot be joined
+    (tests/runner/test_preflight_endpoints.py: every address the check probes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 # check name -> (overrides of a config that breaks it, given this test's tmp dir; a text its problem contains)
 CASES = {
     "model": (lambda tmp: ["model=qwen3_0.6b"], "$MODEL_DIR is not set"),  # a new user's first try
@@ -60,6 +70,7 @@ CASES = {
              "['no_such_proj'] are not linear layers of tiny"),
     "reward_model": (lambda tmp: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
                      "reward_model.path="),
+    "endpoints": (lambda tmp: [f"cluster.address=127.0.0.1:{_closed_port()}"], "cluster.address=127.0.0.1:"),
     "gpus": (lambda tmp: ["cluster=1xgpu"], "torch sees 0 CUDA device(s)"),
     "checkpoints": (_locked_save_dir, "is in use by another running relax-train"),
 }

@@ -363,6 +363,17 @@ def unreachable_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     yield f"http://127.0.0.1:{_closed_port()}"
 
 
+@pytest.fixture
+def silent_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A store that accepts connections (the `endpoints` check before Ray lets it through) and never answers."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 def test_store_down_at_the_start_fails_before_training_naming_the_uri(unreachable_server: str) -> None:
     t0 = time.perf_counter()
     with pytest.raises(TrackingUnavailable, match=f"MLflow store {unreachable_server} is unavailable when the run "
@@ -383,16 +394,18 @@ def test_session_turns_it_into_one_message(unreachable_server: str, tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_a_run_whose_store_is_down_stops_the_roles_it_launched(unreachable_server: str, ray_local: Any,
+def test_a_run_whose_store_is_down_stops_the_roles_it_launched(silent_server: str, ray_local: Any,
                                                                 small_run: Any, tmp_path: Path) -> None:
     """The roles start while the driver opens its MLflow run (relax.runner.train.Recipe.setup): when the run cannot be
-    opened, the error is the store's, and no role process is left holding Ray's CPUs."""
+    opened, the error is the store's, and no role process is left holding Ray's CPUs. (A store where nothing listens
+    is refused before Ray: tests/runner/test_preflight_endpoints.py; this one accepts connections, then never
+    answers.)"""
     from relax.config import load_config
     from relax.runner.errors import RunError
     from relax.runner.train import run
 
-    cfg = load_config(small_run(f"tracking.uri={unreachable_server}", steps=1))
-    with pytest.raises(RunError, match=f"MLflow store {unreachable_server} is unavailable"):
+    cfg = load_config(small_run(f"tracking.uri={silent_server}", steps=1))
+    with pytest.raises(RunError, match=f"MLflow store {silent_server} is unavailable"):
         run(cfg, output_dir=tmp_path / "out")
     total = ray_local.cluster_resources()["CPU"]
     # ray.kill is asynchronous: a killed role gives its CPUs back once its process is gone, which on a loaded

@@ -1,0 +1,196 @@
+"""The `endpoints` check before Ray (`relax.runner.preflight`): every address a run must reach that the user gave is
+probed with a TCP connection, bounded, before anything starts; a refused one is named with its option. Each case
+against a real closed port (bound, then closed: nothing listens there) and, as the negative control, a real
+listening socket. Then what follows a reachable server that is never healthy: one clear error, exit 2.
+
+Without the check: `ray.init` retries `cluster.address=127.0.0.1:1` for ever; a refused `rollout.sglang.urls` server
+was waited on for all of `rollout.sglang.request_timeout_s` and ended in a traceback; a refused `tracking.uri` took
+MLflow's HTTP retries, minutes."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from relax_train_inprocess import relax_train
+
+from relax.config import load_config
+from relax.runner.errors import RunError
+from relax.runner.preflight import ENDPOINT_TIMEOUT_S, endpoint_targets, preflight
+
+
+def closed_port() -> int:
+    """A port where nothing listens: bound by this process, then closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A port where a socket listens (it never accepts: the kernel completes the connection all the same)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MODEL_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+# the option as the message names it -> (overrides of a run that must reach port P, the address named)
+CASES = {
+    "cluster.address": (lambda p: [f"cluster.address=127.0.0.1:{p}"], "127.0.0.1:{p}"),
+    "cluster.address (Ray Client)": (lambda p: [f"cluster.address=ray://127.0.0.1:{p}"], "ray://127.0.0.1:{p}"),
+    "rollout.sglang.urls[0]": (lambda p: ["rollout=sglang", f"rollout.sglang.urls=[http://127.0.0.1:{p}]"],
+                               "http://127.0.0.1:{p}"),
+    "tracking.uri": (lambda p: [f"tracking.uri=http://127.0.0.1:{p}"], "http://127.0.0.1:{p}"),
+    "data.reward": (lambda p: [f"data.reward=http://127.0.0.1:{p}/score"], "http://127.0.0.1:{p}/score"),
+    "reward_model.url": (lambda p: ["reward_model=judge", "reward_model.engine=openai",
+                                    f"reward_model.url=http://127.0.0.1:{p}/v1"], "http://127.0.0.1:{p}/v1"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(name, listening):
+    overrides, address = CASES[name]
+    option = name.split(" ")[0]
+    port = closed_port()
+    t0 = time.monotonic()
+    pre = preflight(load_config(overrides(port)), only=("endpoints",))
+    assert time.monotonic() - t0 < ENDPOINT_TIMEOUT_S  # refused at once, not waited on
+    assert pre.status["endpoints"] == "failed", pre.render()
+    expected = f"{option}={address.format(p=port)}: connection to 127.0.0.1:{port} refused"
+    assert pre.problems["endpoints"].startswith(expected), pre.problems["endpoints"]
+    # the negative control: the same option at a port where a socket listens
+    ok = preflight(load_config(overrides(listening)), only=("endpoints",))
+    assert ok.status["endpoints"] == "ok" and ok.ok, ok.render()
+
+
+def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, listening):
+    port = closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    pre = preflight(load_config([]), only=("endpoints",))
+    assert pre.problems["endpoints"].startswith(f"RAY_ADDRESS=127.0.0.1:{port}: connection to 127.0.0.1:{port} "
+                                                "refused"), pre.render()
+    assert "cluster.address is unset" in pre.problems["endpoints"]
+    # cluster.address wins over RAY_ADDRESS (relax.runner.cluster.RayRuntime): only it is probed
+    joined = preflight(load_config([f"cluster.address=127.0.0.1:{listening}"]), only=("endpoints",))
+    assert joined.ok, joined.render()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listening}")
+    assert preflight(load_config([]), only=("endpoints",)).status["endpoints"] == "ok"
+
+
+def test_what_cannot_be_probed_is_left_to_ray_and_local_stores_are_not_probed(monkeypatch):
+    for overrides in (["cluster.address=auto"], [], ["tracking.uri=sqlite:///x.db"]):
+        assert endpoint_targets(load_config(overrides)) == [], overrides
+        assert preflight(load_config(overrides), only=("endpoints",)).status["endpoints"] == "n/a"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert endpoint_targets(load_config([])) == []
+
+
+def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(listening):
+    a, b = closed_port(), closed_port()
+    cfg = load_config([f"cluster.address=127.0.0.1:{a}", "rollout=sglang", "rollout.num_replicas=2",
+                       f"rollout.sglang.urls=[http://127.0.0.1:{listening},http://127.0.0.1:{b}]",
+                       "model.lora_rank=4", "model.lora_target_modules=[no_such_proj]"])
+    pre = preflight(cfg)
+    assert sorted(pre.problems) == ["endpoints", "lora"], pre.render()
+    text = pre.problems["endpoints"]
+    assert text.startswith("2 addresses cannot be reached: ")
+    assert f"cluster.address=127.0.0.1:{a}: connection to 127.0.0.1:{a} refused" in text
+    assert f"rollout.sglang.urls[1]=http://127.0.0.1:{b}: connection" in text
+    assert "urls[0]" not in text  # the listening one
+    message = str(pre.error())
+    assert message.startswith("2 problems:") and "no_such_proj" in message and f"127.0.0.1:{b}" in message
+
+
+def test_the_real_start_stops_before_ray_and_relax_train_exits_2(monkeypatch, capfd, tmp_path):
+    """`relax-train train.num_rollout=3 tracking.uri=http://127.0.0.1:P`: no MLflow retries, no Ray, exit 2."""
+    from relax.runner.cluster import RayRuntime
+
+    def refuse(self):
+        raise AssertionError("Ray started: the endpoints check did not stop the run")
+
+    monkeypatch.setattr(RayRuntime, "__enter__", refuse)
+    port = closed_port()
+    t0 = time.monotonic()
+    code, out, err = relax_train(["train.num_rollout=3", f"tracking.uri=http://127.0.0.1:{port}",
+                                  f"hydra.run.dir={tmp_path / 'out'}"], capfd)
+    assert code == 2, out + err
+    assert f"relax-train: error: tracking.uri=http://127.0.0.1:{port}: connection to 127.0.0.1:{port} refused" in err
+    assert "Traceback" not in out + err
+    assert time.monotonic() - t0 < 60  # the check itself: milliseconds; the rest is the tokenizer and data
+
+
+def test_relax_train_dry_run_names_an_unreachable_ray_cluster(capfd):
+    port = closed_port()
+    code, out, err = relax_train(["dry_run=true", "train.num_rollout=3", f"cluster.address=127.0.0.1:{port}"], capfd)
+    assert code == 2, out + err
+    assert "failed   endpoints" in out and "ok       tokenizer" in out
+    assert (f"relax-train: error: dry run: a start would stop before Ray: cluster.address=127.0.0.1:{port}: "
+            f"connection to 127.0.0.1:{port} refused (is a Ray head (ray start --head) running there") in err
+    assert "Traceback" not in out + err
+
+
+# ---------------------------------------------------------------------------- reachable, but never healthy
+class _Unhealthy(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def unhealthy_server() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unhealthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_user_server_that_is_never_healthy_is_one_clear_error(unhealthy_server, tmp_path: Path):
+    from relax.runner.rollout_driver.sglang_engines import SGLangEngines
+
+    cfg = load_config(["rollout=sglang", f"rollout.sglang.urls=[{unhealthy_server}]",
+                       "rollout.sglang.request_timeout_s=0.5"])
+    assert preflight(cfg, only=("endpoints",)).ok  # reachable: the check lets it through
+    engines = SGLangEngines(cfg, eos_token_ids=(2,), pad_token_id=0, log_dir=tmp_path, start_server=None,
+                            push=lambda *args: None)
+    with pytest.raises(RunError) as info:
+        engines.start()
+    text = str(info.value)
+    assert text.startswith(f"the SGLang server of rollout.sglang.urls[0] at {unhealthy_server}/health was not "
+                           "healthy within 0.5 s (last: HTTP 503)"), text
+    assert text.count(unhealthy_server) == 1 and "not started by Relax" not in text and "log (" not in text
+    assert "rollout.sglang.request_timeout_s" in text
+
+
+def test_the_cli_turns_a_startup_error_into_a_message(monkeypatch, capfd, tmp_path):
+    """A server process of the run that never became healthy (`StartupError`: the router, an engine) ends as
+    `relax-train: error:`, exit 2, not a traceback."""
+    from relax.rollout.sglang.process import StartupError
+    from relax.runner import train
+
+    def fails(*args, **kwargs):
+        raise StartupError("the router at http://127.0.0.1:9/health was not healthy within 1 s (last: HTTP 503)")
+
+    monkeypatch.setattr(train, "run", fails)
+    code, out, err = relax_train(["train.num_rollout=3", f"hydra.run.dir={tmp_path / 'out'}"], capfd)
+    assert code == 2, out + err
+    assert "relax-train: error: the router at http://127.0.0.1:9/health was not healthy" in err
+    assert "Traceback" not in out + err
