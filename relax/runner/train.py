@@ -320,6 +320,12 @@ class Recipe:
             if saved is not None:
                 self.stream.load_state_dict(saved, lambda d: PromptItem(**d))
         self.stream.publish(self.start_step, cluster.weights(self.start_step))
+        if checkpoints.resume is not None:
+            # the engines take the resumed weights now, as the interrupted run's had them by this step: a batch
+            # restored from the checkpoint needs no generation, so the pump would load them only for the next one,
+            # and this step's metrics would miss the update (perf/sync_bytes)
+            with self.stream.paused():
+                self.stream.load_newest()
         self.pace = Pace(self.stream)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
         self.gate = MismatchGate(cfg.train)  # train.mismatch_gate
