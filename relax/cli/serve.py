@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_SERVE_API_KEY"),
                         help="the key every endpoint but /health* and /metrics requires (Authorization: Bearer), "
-                             "as SGLang's --api-key; without one they answer on a loopback address only (default: "
+                             "as SGLang's --api-key; required beyond loopback (default: "
                              "$RELAX_SERVE_API_KEY, which keeps it out of the process list)")
     parser.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
                         help="a directory (besides the model's own) whose files /update_weights_from_disk and "
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--threads={args.threads}: must be >= 1")
     cfg = _load(args)
     from relax.models.hf import resolve_model_path
-    from relax.serve.sglang.server import EmbeddedServer
+    from relax.serve.sglang.server import EmbeddedServer, is_loopback
 
     if cfg.model.source != "config":
         try:
@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
             _fail(str(exc))
     if args.api_key is not None and not args.api_key.strip():
         _fail("--api-key: an empty key")
+    if args.api_key is None and not is_loopback(args.host):
+        # such a server would refuse every request but health (403), from loopback too: refused before it binds
+        _fail(f"--host {args.host} is reachable beyond this machine: give a key (--api-key, or "
+              "$RELAX_SERVE_API_KEY, which keeps it out of the process list), or bind a loopback address")
     for directory in args.weight_dir:
         if not os.path.isdir(directory):
             _fail(f"--weight-dir {directory}: not a directory")

@@ -854,15 +854,17 @@ def test_generate_through_the_real_sglang_router(url, tmp_path):
 
 
 @embedded_only
-def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     from relax.cli.serve import main
+
+    monkeypatch.delenv("RELAX_SERVE_API_KEY", raising=False)  # (beyond loopback without a key: refused)
 
     light = [["--port", "0", "--config", str(tmp_path / "missing.json")], ["--port", "0", "--threads", "0"]]
     procs = [subprocess.Popen([sys.executable, "-m", "relax.cli.serve", *c], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO) for c in light]
     in_process = [["--port", "0", "bogus_key=1"], ["--port", "0", "--config", "x.json", "model=tiny"],
                   ["--port", "0", "model.source=hf", f"model.path={tmp_path / 'no_model'}"],
-                  ["--port", "0", "--bogus-flag"]]
+                  ["--port", "0", "--bogus-flag"], ["--port", "0", "--host", "0.0.0.0", "model=tiny"]]
     errors = []
     for argv in in_process:
         with pytest.raises(SystemExit) as exit_info:
@@ -871,7 +873,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     for proc in procs:
         out, err = proc.communicate(timeout=120)
         errors.append((proc.returncode, err))
-    needles = ["bogus_key", "either", "no_model", "--bogus-flag", "missing.json", "--threads"]
+    needles = ["bogus_key", "either", "no_model", "--bogus-flag", "--host 0.0.0.0", "missing.json", "--threads"]
     for (code, err), needle in zip(errors, needles, strict=True):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1, err

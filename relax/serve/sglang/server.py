@@ -117,6 +117,11 @@ def is_open(path: str) -> bool:
     return path.startswith(OPEN_PREFIXES)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only."""
+    return host in LOOPBACK or host.startswith("127.")
 # The OpenAI API's methods (its routes answer 405 to any other). SGLang's own endpoints take GET, POST and PUT (read as
 # a POST, as SGLang's /generate takes it): its clients use either (sglang-router probes with GET, Relax's clients POST
 # some information endpoints).
@@ -611,7 +616,7 @@ class EmbeddedServer(WeightEndpoints):
         """Why a request may not use a guarded endpoint (None: it may): the server's key (`api_key`) as
         `Authorization: Bearer`, or, without a key, a loopback address: anything reachable beyond it needs one."""
         if self.api_key is None:
-            if self.host in LOOPBACK or self.host.startswith("127."):
+            if is_loopback(self.host):
                 return None
             return f"a server bound to {self.host} needs a key: start it with --api-key"
         auth = (headers.get("Authorization") if headers is not None else None) or ""
