@@ -335,9 +335,9 @@ class Cluster:
             return
         if failed:
             print(f"SGLang engine logs of the failed run kept in {directory}", file=sys.stderr, flush=True)
-            return
-        shutil.rmtree(directory, ignore_errors=True)
-        self.sglang_log_dir = None
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.sglang_log_dir = None  # said or removed once (a failed start exits the cluster twice)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         import ray
