@@ -151,6 +151,21 @@ class ChatFormat:
         with self.lock:
             return self._text(tokens)
 
+    def covering(self, tokens: list[int], prefix: str) -> int:
+        """How many of `tokens`, from the first, it takes for their text (`decode`) to hold `prefix`: the fewest
+        whose text starts with it (len(tokens) when none does). Read from the token ids, by bisection."""
+        if not prefix or not tokens:
+            return 0
+        lo, hi = 1, len(tokens)
+        with self.lock:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._text(tokens[:mid]).startswith(prefix):
+                    hi = mid
+                else:
+                    lo = mid + 1
+        return lo
+
     def pieces(self, tokens: list[int]) -> list[str]:
         """Each token's own text (special tokens written out): the `token` of its log-prob."""
         with self.lock:

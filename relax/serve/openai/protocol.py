@@ -451,6 +451,7 @@ class Choice:
     reasoning: Optional[str] = None  # reasoning_content: the text of a <think> block split off (None: none was)
     think_text: str = ""  # with `reasoning`: the answer's text before its content (the block as the model wrote it)
     reasoning_span: tuple[int, int] = (0, 0)  # with `reasoning`: where it lies in think_text
+    reasoning_tokens: int = 0  # with `reasoning`: the sampled tokens of the <think> block (counted in `tokens`)
 
 
 def new_id(prefix: str) -> str:
@@ -458,8 +459,16 @@ def new_id(prefix: str) -> str:
 
 
 def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
+    """OpenAI's usage, summed over the choices; with reasoning (a choice whose <think> block was split off),
+    completion_tokens_details.reasoning_tokens: the tokens of the blocks, counted within completion_tokens."""
     done = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                             "total_tokens": prompt_tokens + done}
+    if any(c.reasoning is not None for c in choices):
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens for c in choices),
+                                              "accepted_prediction_tokens": 0, "audio_tokens": 0,
+                                              "rejected_prediction_tokens": 0}
+    return usage
 
 
 def _token_logprobs(c: Choice, top: int) -> list[dict]:

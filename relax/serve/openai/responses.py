@@ -405,7 +405,9 @@ def response_object(req: Request, a: Answer, output: list[dict], *, rid: str, mo
             "usage": {"input_tokens": u.get("prompt_tokens", 0), "output_tokens": u.get("completion_tokens", 0),
                       "total_tokens": u.get("total_tokens", 0),
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}}}
+                      # the reasoning item's tokens (the <think> block), counted within output_tokens
+                      "output_tokens_details": {"reasoning_tokens": (u.get("completion_tokens_details") or {})
+                                                .get("reasoning_tokens", 0)}}}
 
 
 def response_events(resp: dict, a: Answer) -> bytes:

@@ -20,7 +20,7 @@ from relax.agents.parsers import BUILTIN_PARSERS
 from relax.batch import FinishReason
 from relax.rollout.grammar import GrammarError, at_most_one_call, tool_call_ebnf
 from relax.serve.http import EventStream
-from relax.serve.openai.chat import ChatFormat, split_reasoning
+from relax.serve.openai.chat import END_THINK, ChatFormat, split_reasoning
 from relax.serve.openai.images import take_images
 from relax.serve.openai.protocol import (
     APIError,
@@ -121,6 +121,10 @@ class OpenAIService:
             if split:
                 choice.reasoning, choice.think_text = think[split[0][0]:split[0][1]], think
                 choice.reasoning_span = split[0]
+                # the reasoning tokens: the sampled ones up to the block's </think> (all of them, unclosed)
+                end = think.find(END_THINK, split[0][0])
+                block = think[:end + len(END_THINK)] if end >= 0 else think
+                choice.reasoning_tokens = self.fmt.covering(tokens, block)
             choices.append(choice)
         if session is not None:
             session.record(context, prompt, [
