@@ -100,8 +100,9 @@ class ChatFormat:
                 d["tool_calls"] = [{"type": "function", "id": c.get("id"),
                                     "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
             elif calls:
-                written = "\n".join(f"<tool_call>\n{json.dumps({'name': c['name'], 'arguments': c['arguments']})}"
-                                    "\n</tool_call>" for c in calls)
+                written = "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
+                                                                  ensure_ascii=False) + "\n</tool_call>"
+                                    for c in calls)
                 d["content"] = f"{d['content']}\n{written}" if d["content"] else written
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
@@ -212,5 +213,5 @@ class ChatFormat:
         if not parsed.calls or parsed.errors:
             return text, None
         return parsed.content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                                 for c in parsed.calls]
