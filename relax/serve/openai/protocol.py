@@ -523,8 +523,9 @@ def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
     head["object"] = "chat.completion.chunk"
     events = []
     for i, (ch, c) in enumerate(zip(answer["choices"], choices, strict=True)):
-        events.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None, "logprobs": None}]})
+        # OpenAI's first delta: content "" for an answer with text, null for one without (only tool calls)
+        first = {"role": "assistant", "content": None if ch["message"]["content"] is None else ""}
+        events.append({**head, "choices": [{"index": i, "delta": first, "finish_reason": None, "logprobs": None}]})
         content = ch["message"]["content"] or ""
         token_logprobs = _token_logprobs(c, p.top_logprobs) if p.logprobs else None
         if c.reasoning is not None:
