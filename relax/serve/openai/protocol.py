@@ -2,22 +2,22 @@
 `Params` (every problem an `APIError` with a 4xx status and OpenAI's error shape, naming the field), and choices
 written back as OpenAI writes them, whole or as server-sent events.
 
-Every field either endpoint takes is in `FIELDS`, with what becomes of it: honoured, accepted without effect (and
-why it cannot change the answer), or refused unless at a neutral value. Honoured: `model` (any name: the served model
-answers), `messages` (system, developer, user, assistant with `tool_calls`, tool; text content, as a string or text
-parts), `prompt` (completions: text or ids, or a list), `tools` (function tools) with `tool_choice` "auto", "none",
-"required" or a named function (a call forced by constrained decoding, in the tool parser's format), `response_format`
-(text, json_object, json_schema; SGLang's `regex`, `json_schema`, `ebnf` beside it: constrained decoding),
-`n`, `max_tokens` / `max_completion_tokens` (default: the room left under the context), `temperature`, `top_p`,
-`stop` (a string or up to 4; the engine stops there), `seed`, `logprobs` (chat: a bool, completions: 0-5 as the
-number of top log-probs) and `top_logprobs`, `stream` with `stream_options.include_usage`, and SGLang's `top_k`,
-`ignore_eos`, `no_stop_trim`, `chat_template_kwargs`, `separate_reasoning` and `stream_reasoning` (chat: a <think>
-block opening the answer goes to `reasoning_content` when the chat template uses <think>). Log-probs are those of
-the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Image parts
-(`image_url`) are taken by relax-serve with a vision-language model, outside training sessions
-(`relax.serve.openai.images`, before these rules read the messages). Anything else that would change the output
-(penalties, min_p, `logit_bias`, images elsewhere, adapters, SGLang sessions) is refused with a 400 naming it,
-never ignored.
+Every field either endpoint takes is in `FIELDS`, with what becomes of it: honoured, accepted without effect (and why
+it cannot change the answer), or refused unless at a neutral value. Honoured: `model` (any name: the served model
+answers), `messages` (system, developer, user, assistant with `tool_calls`, tool answering one of those calls by its
+`tool_call_id`; text content, as a string or text parts), `prompt` (completions: text or ids, or a list), `tools`
+(function tools) with `tool_choice` "auto", "none", "required" or a named function (a call forced by constrained
+decoding, in the tool parser's format), `response_format` (text, json_object, json_schema; SGLang's `regex`,
+`json_schema`, `ebnf` beside it: constrained decoding), `n`, `max_tokens` / `max_completion_tokens` (default: the room
+left under the context), `temperature`, `top_p`, `stop` (a string or up to 4; the engine stops there), `seed`,
+`logprobs` (chat: a bool, completions: 0-5 as the number of top log-probs) and `top_logprobs`, `stream` with
+`stream_options.include_usage`, and SGLang's `top_k`, `ignore_eos`, `no_stop_trim`, `chat_template_kwargs`,
+`separate_reasoning` and `stream_reasoning` (chat: a <think> block opening the answer goes to `reasoning_content` when
+the chat template uses <think>). Log-probs are those of the sampling distribution (the model's at the request's
+temperature), the ones Relax trains with. Image parts (`image_url`) are taken by relax-serve with a vision-language
+model, outside training sessions (`relax.serve.openai.images`, before these rules read the messages). Anything else
+that would change the output (penalties, min_p, `logit_bias`, images elsewhere, adapters, SGLang sessions) is refused
+with a 400 naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -303,6 +303,7 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "required: a non-empty list of messages")
     normalized = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    _check_tool_answers(normalized)
     logprobs = body.get("logprobs")
     if logprobs not in (None, True, False):
         raise _bad("logprobs", f"{logprobs!r} must be a boolean")
@@ -360,6 +361,25 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     p.separate_reasoning = _flag(body, "separate_reasoning", True)
     p.stream_reasoning = _flag(body, "stream_reasoning", True)
     return normalized, p
+
+
+def _check_tool_answers(messages: list[dict]) -> None:
+    """Each tool message answers a call of the assistant message before it (tool messages between them aside), by
+    its `tool_call_id`, as OpenAI requires: a 400 naming messages[i].tool_call_id otherwise."""
+    for i, m in enumerate(messages):
+        if m["role"] != "tool":
+            continue
+        param, call_id = f"messages[{i}].tool_call_id", m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise APIError(f"Missing required parameter: '{param}' (the id of the tool call it answers).",
+                           param=param, code="missing_required_parameter")
+        j = i - 1
+        while j >= 0 and messages[j]["role"] == "tool":
+            j -= 1
+        calls = (messages[j].get("tool_calls") or []) if j >= 0 and messages[j]["role"] == "assistant" else []
+        if call_id not in [c.get("id") for c in calls]:
+            raise _bad(param, f"{call_id!r} answers no tool call of the preceding assistant message (a tool message "
+                              "must follow the assistant message with tool_calls whose id it names)")
 
 
 def _one_prompt(prompt: Any) -> bool:
