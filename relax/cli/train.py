@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from relax.cli.config_check import hydra_error_message as _hydra_error_message  # noqa: F401 - relax.cli.serve
+from relax.cli.config_check import problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -33,28 +35,6 @@ def _job_fail(message: str) -> None:
     _fail(message)
 
 
-def _hydra_error_message(exc: BaseException) -> str:
-    """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'")."""
-    parts = [str(exc).strip()]
-    if getattr(exc, "override", None):  # OverrideParseException: name the override the grammar refused
-        parts[0] = f"cannot parse override {exc.override!r}: {parts[0]}"  # type: ignore[attr-defined]
-    cause = exc.__cause__ or exc.__context__
-    while cause is not None and len(parts) < 4:
-        text = str(cause).strip()
-        if text and text != "None" and text not in parts[-1]:
-            parts.append(text)
-        cause = cause.__cause__ or cause.__context__
-    keep = []
-    for line in "\n".join(parts).splitlines():
-        if line.strip().startswith("Config search path"):
-            break  # Hydra's search-path dump: noise for a user
-        if line.strip().endswith("_schema") or "$VALUE" in line or line.strip().startswith(("object_type=",
-                                                                                          "reference_type=")):
-            continue  # internal schema nodes and OmegaConf's template lines
-        keep.append(line)
-    return "\n".join(keep).strip()
-
-
 def _group_options(conf: Path) -> dict[str, list[str]]:
     return {
         d.name: sorted(p.stem for p in d.glob("*.yaml"))
@@ -76,10 +56,13 @@ def help_text() -> str:
         "",
         "Config groups (default in brackets):",
     ]
-    defaults = {"algorithm": "grpo", "model": "tiny", "cluster": "local", "rollout": "embedded", "data": "digits"}
-    for group, options in _group_options(conf).items():
+    defaults = {"algorithm": "grpo", "model": "tiny", "teacher": "none", "reward_model": "none", "cluster": "local",
+                "rollout": "embedded", "data": "digits"}
+    groups = _group_options(conf)
+    width = max(map(len, groups), default=0)
+    for group, options in groups.items():
         shown = [f"[{o}]" if o == defaults.get(group) else o for o in options]
-        lines.append(f"  {group:<10} {', '.join(shown)}")
+        lines.append(f"  {group:<{width}} {', '.join(shown)}")
     lines += ["", "Algorithms:"]
     for name in algorithms.names():
         lines.append(f"  {name:<22} {algorithms.get(name).summary}")
@@ -97,21 +80,12 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def _precheck(overrides: list[str]) -> None:
-    """Compose and validate once before Hydra's main runs, so that every mistake is one clear message."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from relax.config import ConfigError, load_config
-
-    plain = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    try:
-        load_config(plain)
-    except ConfigError as exc:
-        n = len(exc.violations)
-        _fail(f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}")
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        _fail(_hydra_error_message(exc))
+def _precheck(args: list[str]) -> None:
+    """Compose and validate before Hydra's main runs (each job of a sweep; composition only for --cfg), so that
+    every mistake is one clear message (exit 2) before anything starts."""
+    message = problems(args)
+    if message is not None:
+        _fail(message)
 
 
 def _run(dc) -> object:
@@ -170,11 +144,7 @@ def main() -> None:
     except FileNotFoundError as exc:
         _fail(str(exc))
     register_configs()
-    hydra_flags = {"-m", "--multirun", "-c", "--cfg", "-p", "--package", "--info", "--hydra-help", "-i",
-                   "--shell-completion", "-sc", "--resolve", "--version", "--config-name", "-cn",
-                   "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun"}
-    if not any(a.split("=")[0] in hydra_flags for a in args):
-        _precheck(args)
+    _precheck(args)  # a Hydra flag other than -m and --cfg (--info, --config-name, ...): left to Hydra
 
     import hydra
 

@@ -1,0 +1,114 @@
+"""What is wrong with `relax-train <args>`, found before anything starts or is written: the config composed and
+validated as relax-train composes it (a run; each job of a `-m` sweep; composition only for `--cfg`, which prints a
+config rather than running it). Shared by relax-train and relax-submit (which checks before it submits), so that
+both say the same thing: every problem at once, as one message, without a traceback."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+CFG_FLAGS = ("-c", "--cfg")
+
+
+def hydra_error_message(exc: BaseException) -> str:
+    """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'")."""
+    parts = [str(exc).strip()]
+    if getattr(exc, "override", None):  # OverrideParseException: name the override the grammar refused
+        parts[0] = f"cannot parse override {exc.override!r}: {parts[0]}"  # type: ignore[attr-defined]
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and len(parts) < 4:
+        text = str(cause).strip()
+        if text and text != "None" and text not in parts[-1]:
+            parts.append(text)
+        cause = cause.__cause__ or cause.__context__
+    keep = []
+    for line in "\n".join(parts).splitlines():
+        if line.strip().startswith("Config search path"):
+            break  # Hydra's search-path dump: noise for a user
+        if line.strip().startswith("To append to your config use"):
+            continue  # Hydra's advice to `+` a key the schema lacks: the schema refuses it too
+        if line.strip().endswith("_schema") or "$VALUE" in line or line.strip().startswith(("object_type=",
+                                                                                          "reference_type=")):
+            continue  # internal schema nodes and OmegaConf's template lines
+        keep.append(line)
+    return "\n".join(keep).strip()
+
+
+def _plain(overrides: Sequence[str]) -> list[str]:
+    """The overrides of the config (Hydra's own, `hydra.*` and `hydra/...`, left out)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+
+
+def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True) -> Optional[str]:
+    """The message of what is wrong with the config of `relax-train <overrides>` (one job), None when it is valid.
+    `rules=False`: only whether it composes (every key known, every value of its type)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.config import ConfigError, load_config
+    from relax.config.compose import compose_checked
+
+    try:
+        if rules:
+            load_config(_plain(overrides), conf)
+        else:
+            _, unknown = compose_checked(_plain(overrides), conf)
+            if unknown:
+                raise ConfigError(unknown)
+    except ConfigError as exc:
+        n = len(exc.violations)
+        return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}"
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        return hydra_error_message(exc)
+    return None
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
+    """The overrides of each job of `relax-train -m <overrides>`, in the order (and so the index) Hydra's sweeper
+    gives them (raises Hydra's OverrideParseException for an override its grammar refuses)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def problems(args: Sequence[str], conf: Optional[Path] = None) -> Optional[str]:
+    """What is wrong with `relax-train <args>` (its command line, Hydra's flags included), None when nothing is
+    (or when a Hydra flag other than -m and --cfg makes it something this does not check: --info, --config-name,
+    ...). A sweep: every invalid job, numbered as the sweep numbers them."""
+    from hydra.errors import HydraException
+
+    args = list(args)
+    rules = True
+    for flag in CFG_FLAGS:  # `--cfg job`: the config is printed, not run; it must compose
+        if flag in args:
+            i = args.index(flag)
+            del args[i:i + 2]
+            rules = False
+    multirun = any(a in MULTIRUN_FLAGS for a in args)
+    overrides = [a for a in args if a not in MULTIRUN_FLAGS]
+    if any(a.startswith("-") for a in overrides):
+        return None  # another Hydra flag: Hydra answers it
+    if not multirun:
+        return job_problem(overrides, conf, rules=rules)
+    try:
+        jobs = sweep_jobs(_plain(overrides))
+    except HydraException as exc:
+        return hydra_error_message(exc)
+    found = []
+    for index, job in enumerate(jobs):
+        problem = job_problem(job, conf, rules=rules)
+        if problem is not None:
+            if problem.startswith("invalid config ("):  # the violations alone, as the sweep launcher lists them
+                problem = problem.split("\n", 1)[1]
+            found.append(f"job {index} ({' '.join(job)}):\n" + textwrap.indent(textwrap.dedent(problem), "  "))
+    if not found:
+        return None
+    n = len(jobs)
+    return (f"invalid config in {len(found)} of {n} sweep job{'s' if n > 1 else ''} (nothing started):\n"
+            + "\n".join(found))
