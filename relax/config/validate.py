@@ -513,10 +513,32 @@ def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(cfg.train.save_hf, ("tracking.log_model", "train.save_hf"),
                   "tracking.log_model=true logs the Hugging Face directory that train.save_hf=true exports at the end "
                   "of the run: set train.save_hf=true too")
+    if tr.enabled:
+        scheme = tracking_uri_scheme(tr.uri)
+        r.require(scheme in MLFLOW_SCHEMES, "tracking.uri",
+                  f"tracking.uri={tr.uri!r}: MLflow has no store for the scheme {scheme + ':'!r}; use a directory "
+                  "(a path or file:///...), a database (sqlite:///mlflow.db, postgresql://..., mysql://..., "
+                  "mssql://...), a tracking server (http(s)://host:port) or databricks")
     interval = tr.system_metrics_interval_s
     r.require(tr.system_metrics or not _changed(tr, "system_metrics_interval_s"),
               ("tracking.system_metrics_interval_s", "tracking.system_metrics"),
               f"tracking.system_metrics_interval_s={interval} has no effect with tracking.system_metrics=false")
+
+
+# the URI schemes of MLflow's tracking stores ('': a local path; mlflow.tracking._tracking_service.utils)
+MLFLOW_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
+                  "databricks-uc", "uc")
+
+
+def tracking_uri_scheme(uri: str) -> str:
+    """The scheme that MLflow picks a store by: a database's without its driver (`postgresql+psycopg2` ->
+    `postgresql`), none for a Windows drive letter, `databricks` for `databricks://profile`."""
+    from urllib.parse import urlparse
+
+    scheme = urlparse(uri).scheme.lower()
+    if len(scheme) == 1:
+        return ""
+    return scheme.split("+", 1)[0]
 
 
 def _changed(section: object, key: str) -> bool:
