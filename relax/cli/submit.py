@@ -19,6 +19,8 @@ MLflow store, outputs and checkpoints land in DIR exactly as a local run in DIR 
 Without it, every place the run writes to must be absolute (or an MLflow server URI): a relative
 `tracking.uri`, `train.save_dir` (or none) or `hydra.run.dir`/`hydra.sweep.dir` is refused before
 anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
+Before that, the config is composed and validated here exactly as relax-train does (`relax.cli.config_check`; every
+job of a sweep): a config the job would refuse is refused with relax-train's message (exit 2), nothing submitted.
 """
 
 from __future__ import annotations
@@ -177,6 +179,27 @@ def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
     return storage_problems(settings, sweep=sweep)
 
 
+def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]) -> None:
+    """Compose and validate `relax-train <overrides>` here, as relax-train would on the cluster (each job of a
+    sweep; the job's environment variables set while the rules read them; no Ray, nothing contacted): a config
+    that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2)."""
+    from relax.cli.config_check import problems
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        message = problems(overrides, _hydra_conf(working_dir))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if message is not None:
+        print(f"relax-submit: error: {message}\nNothing was submitted.", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
+
+
 def build_submission(overrides: list[str], *, working_dir: Path, env: dict[str, str],
                      entrypoint: Optional[str] = None, submission_id: Optional[str] = None,
                      entrypoint_num_cpus: Optional[float] = None, exp_dir: Optional[str] = None) -> dict[str, Any]:
@@ -306,6 +329,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not working_dir.is_dir():
         parser.error(f"--working-dir {working_dir} is not a directory")
     exp_dir = args.exp_dir or os.environ.get(EXP_DIR_ENV) or None
+    if args.entrypoint is None:
+        check_config(args.overrides, working_dir=working_dir, env=env)
     if args.entrypoint is not None:
         if args.exp_dir:
             parser.error("--exp-dir applies to relax-train, not to --entrypoint")
