@@ -61,6 +61,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(str(exc))
     if args.last_k < 1:
         parser.error("--last-k must be >= 1")
+    if args.bootstrap < 1:
+        parser.error(f"--bootstrap must be >= 1 (the number of bootstrap resamples), got {args.bootstrap}")
     from relax.tracking.compare import CompareError, compare
 
     try:

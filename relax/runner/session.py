@@ -82,7 +82,7 @@ def dataset_record(name: str, context: str, dataset: PromptDataset, task: str) -
 class RunResult:
     run_id: str | None
     history: list[tuple[int, dict[str, float]]]
-    first_reward: float  # mean of the first 10 steps
+    first_reward: float  # mean of the first 10 steps (all of them in a shorter run)
     final_reward: float  # mean of the last 10 steps
     best_reward: float
 
@@ -405,7 +405,8 @@ class Session:
         final = sum(self.rewards[-k:]) / k if self.rewards else float("nan")
         first = sum(self.rewards[:k]) / k if self.rewards else float("nan")
         best = max(self.rewards) if self.rewards else float("nan")
-        extra = {"first 10 steps reward": first, "steps": self.steps,
+        first_label = f"first {k} step{'s' if k > 1 else ''} reward"  # 10, or all of a shorter run
+        extra = {first_label: first, "steps": self.steps,
                  "wall time": f"{time.perf_counter() - self.t0:.0f} s", "outputs": str(self.output_dir)}
         if self.checkpoint_failures:  # train.save_failures=continue
             extra["checkpoints not written"] = self.checkpoint_failures
