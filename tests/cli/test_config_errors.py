@@ -1,0 +1,166 @@
+"""Bad input to relax-train, relax-submit and relax-compare: one clear `<tool>: error: ...` (exit 2) naming what is
+wrong, every problem at once, no traceback, before anything starts; the same for a sweep (`-m`) and for `--cfg`.
+Each case has its control: the valid command goes on."""
+
+from __future__ import annotations
+
+import pytest
+from relax_train_inprocess import relax_train
+
+from relax.config import ConfigError, load_config
+
+
+def _refused(code: int, out: str, err: str) -> str:
+    assert code == 2, out + err
+    assert err.startswith("relax-train: error: "), err
+    assert "Traceback" not in out + err and "FrozenInstanceError" not in err
+    assert "To append to your config use +" not in err and "_schema" not in err
+    return err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train.lrr=1e-3"], "unknown key train.lrr (did you mean train.lr?)"),
+    (["+train.lrr=1e-3"], "unknown key train.lrr (did you mean train.lr?)"),
+    (["+train.foo=1"], "unknown key train.foo"),
+    (["trian.lr=1e-3"], "unknown key trian.lr (did you mean train.lr?)"),
+    (["algorithm.kl2_budget=0.02"], "algorithm.kl2_budget is an option of algorithm=m2po, not of algorithm=grpo"),
+    (["+algorithm.kl2_budget=0.02"], "algorithm.kl2_budget is an option of algorithm=m2po, not of algorithm=grpo"),
+])
+def test_unknown_key_is_named_with_what_was_meant(args, message, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train([*args, "dry_run=true"], capfd))
+    assert message in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_unknown_keys_are_reported_with_every_other_problem(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["train.lrr=1", "+train.foo=1", "train.lr=-1", "tracking.uri=foo://bar"], capfd))
+    assert "(4 problems)" in err
+    for needle in ("unknown key train.lrr", "unknown key train.foo", "train.lr=-1.0 must be > 0",
+                   "tracking.uri='foo://bar'"):
+        assert needle in err
+
+
+def test_the_algorithms_own_key_is_accepted_with_it():
+    """The control: the m2po key with algorithm=m2po, a + that adds nothing new is no unknown key."""
+    assert load_config(["algorithm=m2po", "algorithm.kl2_budget=0.02"]).algorithm.kl2_budget == 0.02
+    with pytest.raises(ConfigError) as exc:
+        load_config(["algorithm=m2po", "algorithm.kl2_budget=0.02", "+train.foo=1"])
+    assert [v.fields for v in exc.value.violations] == [("train.foo",)]
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["-m", "train.lrr=1", "seed=1,2"], ["invalid config in 2 of 2 sweep jobs", "job 0 (train.lrr=1 seed=1)",
+                                         "job 1 (train.lrr=1 seed=2)",
+                                         "unknown key train.lrr (did you mean train.lr?)"]),
+    (["-m", "algorithm=rloo,grpo", "train.lr=abc"], ["invalid config in 2 of 2 sweep jobs", "train.lr=abc"]),
+    (["-m", "algorithm=rloo,grpoo", "seed=1"], ["invalid config in 1 of 2 sweep jobs",
+                                               "job 1 (algorithm=grpoo seed=1)", "Could not find 'algorithm/grpoo'",
+                                               "rloo"]),
+    (["-m", "seed=1,2", "tracking.uri=foo://bar"], ["invalid config in 2 of 2 sweep jobs", "tracking.uri='foo://bar'"]),
+    (["--cfg", "job", "train.lrr=1"], ["unknown key train.lrr (did you mean train.lr?)"]),
+])
+def test_a_sweep_and_cfg_get_the_same_clean_errors(args, needles, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(args, capfd))
+    for needle in needles:
+        assert needle in err
+    assert list(tmp_path.iterdir()) == []  # no multirun/ directory: nothing started
+
+
+def test_a_valid_sweep_and_cfg_go_on(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train(["-m", "hydra/launcher=basic", "seed=1,2", "dry_run=true"], capfd)
+    assert code in (0, None), err
+    assert out.count("dry run: config valid") == 2
+    code, out, err = relax_train(["--cfg", "job", "algorithm=m2po", "algorithm.kl2_budget=0.02"], capfd)
+    assert code in (0, None), err
+    assert "kl2_budget: 0.02" in out
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///mlflow.db", "file:///tmp/mlruns", "mlruns", "/tmp/mlruns",
+                                 "http://127.0.0.1:5000", "https://mlflow.example", "postgresql+psycopg2://u@h/db",
+                                 "databricks"])
+def test_tracking_uri_that_mlflow_can_use_is_accepted(uri):
+    assert load_config([f"tracking.uri={uri}"]).tracking.uri == uri
+
+
+@pytest.mark.parametrize("uri", ["foo://bar", "s3://bucket/mlruns", "htp://host:5000"])
+def test_tracking_uri_that_mlflow_cannot_use_is_refused_before_anything(uri, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train([f"tracking.uri={uri}", "dry_run=true"], capfd))
+    assert f"tracking.uri={uri!r}: MLflow has no store for the scheme" in err
+    assert list(tmp_path.iterdir()) == []
+    # not read without tracking: not checked either
+    assert load_config([f"tracking.uri={uri}", "tracking.enabled=false"]).tracking.uri == uri
+
+
+def test_readme_example_of_a_field_one_backend_rejects_is_true():
+    with pytest.raises(ConfigError) as exc:
+        load_config(["train.backend=megatron", "train.max_tokens_per_micro_batch=4096"])
+    assert exc.value.violations[0].fields[0] == "train.max_tokens_per_micro_batch"
+    with pytest.raises(ConfigError) as exc:
+        load_config(["train.expert_parallel_size=2"])
+    assert exc.value.violations[0].fields[0] == "train.expert_parallel_size"
+
+
+def test_help_group_table_is_aligned(capfd):
+    code, out, _ = relax_train(["--help"], capfd)
+    lines = out.splitlines()
+    start = lines.index("Config groups (default in brackets):") + 1
+    rows = lines[start:lines.index("", start)]
+    assert any(r.split()[0] == "reward_model" for r in rows)
+    assert len({len(r) - len(r[2:].split(" ", 1)[1].lstrip()) for r in rows}) == 1, rows  # one options column
+    assert code in (0, None) and "[none]" in next(r for r in rows if r.split()[0] == "reward_model")
+
+
+def test_submit_validates_the_config_before_submitting(monkeypatch, capsys):
+    from relax.cli.submit import main
+
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--", "train.lrr=1", "train.lr=-1"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    assert captured.err.startswith("relax-submit: error: invalid config (2 problems)")
+    assert "unknown key train.lrr (did you mean train.lr?)" in captured.err
+    assert "train.lr=-1.0 must be > 0" in captured.err
+    assert "Nothing was submitted." in captured.err and "Traceback" not in captured.err
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--", "-m", "seed=1,2", "algorithm.kl2_budget=0.02"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "invalid config in 2 of 2 sweep jobs" in err
+    # the control: a valid config is submitted (printed, with --dry-run)
+    main(["--dry-run", "--exp-dir", "/shared/exp", "--", "train.lr=1e-3"])
+    assert "python -m relax.cli.train train.lr=1e-3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", ["0", "-5"])
+def test_compare_refuses_a_bootstrap_below_1(n, capsys):
+    from relax.cli.compare import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--bootstrap", n])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--bootstrap must be >= 1 (the number of bootstrap resamples), got {n}" in err
+
+
+def test_compare_accepts_a_bootstrap_of_1(tmp_path, monkeypatch, capsys):
+    from relax.cli.compare import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):  # no store here: refused for that, not for --bootstrap
+        main(["--bootstrap", "1", "--uri", f"sqlite:///{tmp_path}/none.db"])
+    assert "--bootstrap" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # trains 3 steps
+def test_run_summary_names_the_steps_its_first_reward_is_over(in_process, tmp_path, monkeypatch, capfd):
+    """Fewer than 10 steps: "first 3 steps reward", the mean over all of them (not "first 10")."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train(["train.num_rollout=3", "tracking.enabled=false",
+                                  f"train.save_dir={tmp_path / 'ckpt'}"], capfd)
+    assert code in (0, None), err
+    out += err
+    assert "first 3 steps reward" in out and "first 10 steps" not in out, out
