@@ -2,12 +2,14 @@
 
 An agent run gets the gateway's `base_url` (`http://host:port/v1`) and its session's key as its API key; every call
 it makes with that key (`Authorization: Bearer <key>`, as the `openai` client sends it) is recorded in its session
-(`relax.serve.openai.sessions`), and a request without a known key is refused (401). Routes: `GET /v1/models`,
-`POST /v1/chat/completions`, `POST /v1/completions` (see `relax.serve.openai.protocol` for what they accept),
-`POST /v1/responses` (`relax.serve.openai.responses`: recorded as the chat call it translates to), and
-`POST /v1/relax/reward` {"reward": x}, which adds x to the reward of the session's latest call. Errors have OpenAI's
-shape. The gateway binds to loopback unless configured otherwise (`rollout.gateway_host`); each session's key is a
-fresh random secret, so a reachable gateway still serves only the runs it started.
+(`relax.serve.openai.sessions`), and a request without a known key is refused (401). Routes: `GET /v1/models`, `GET
+/v1/models/{model}` (OpenAI's 404 model_not_found for another id), `POST /v1/chat/completions`, `POST
+/v1/completions` (see `relax.serve.openai.protocol` for what they accept), `POST /v1/responses`
+(`relax.serve.openai.responses`: recorded as the chat call it translates to), and `POST /v1/relax/reward` {"reward":
+x}, which adds x to the reward of the session's latest call. Errors have OpenAI's shape; another method on a route's
+path is a 405 with Allow, as relax-serve answers it. The gateway binds to loopback unless configured otherwise
+(`rollout.gateway_host`); each session's key is a fresh random secret, so a reachable gateway still serves only the
+runs it started.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import secrets
 import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from relax.serve.http import BodyTooLarge, Server, read_body, refuse, write_answer
 from relax.serve.openai.protocol import APIError
@@ -43,6 +45,22 @@ class JSONHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         self._dispatch("POST")
 
+    def do_PUT(self) -> None:  # noqa: N802 (no route takes it: 405 on a known path, not http.server's 501)
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+    def end_headers(self) -> None:
+        # headers an answer needs besides those `write_answer` writes (405's Allow), sent with the next answer only
+        for name, value in getattr(self, "extra_headers", ()):
+            self.send_header(name, value)
+        self.extra_headers = []
+        super().end_headers()
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         logger.debug("%s %s", self.address_string(), format % args)
 
@@ -55,7 +73,10 @@ class JSONHandler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             self.close_connection = True
             return
-        status, payload = self.server.app.handle(method, urlsplit(self.path).path, raw, self.headers)
+        path = urlsplit(self.path).path
+        status, payload = self.server.app.handle(method, path, raw, self.headers)
+        if status == 405:
+            self.extra_headers = [("Allow", ", ".join(self.server.app.methods(path)))]
         write_answer(self, status, payload)
 
 
@@ -116,12 +137,12 @@ class Gateway:
     # ------------------------------------------------------------------------------------------------- HTTP
     def handle(self, method: str, path: str, raw: bytes, headers: Any) -> tuple[int, Any]:
         try:
-            route = {("GET", "/v1/models"): self._models, ("POST", "/v1/chat/completions"): self._chat,
-                     ("POST", "/v1/completions"): self._completion,
-                     ("POST", "/v1/responses"): self.responses.create,
-                     ("POST", "/v1/relax/reward"): self._reward}.get((method, path.rstrip("/")))
+            route = self._route(path)
             if route is None:
                 raise APIError(f"no endpoint {method} {path}", status=404, code="not_found")
+            if method not in self.methods(path):  # before the key, as relax-serve answers it
+                raise APIError(f"{method} is not allowed on {path}: use {' or '.join(self.methods(path))}",
+                               status=405, code="method_not_allowed")
             session = self._session(headers)
             return route(read_json(raw), session)
         except APIError as exc:
@@ -129,6 +150,20 @@ class Gateway:
         except Exception as exc:  # the engines failed: the agent sees a server error, the log says why
             logger.exception("%s %s failed", method, path)
             return 500, APIError(f"{type(exc).__name__}: {exc}", status=500, kind="server_error").body()
+
+    def _route(self, path: str) -> Optional[Any]:
+        path = path.rstrip("/")
+        if path.startswith("/v1/models/"):  # GET /v1/models/{model}: the served model's object
+            model = unquote(path[len("/v1/models/"):])
+            return lambda body, session: (200, self.service.model_card(model))
+        return {"/v1/models": self._models, "/v1/chat/completions": self._chat, "/v1/completions": self._completion,
+                "/v1/responses": self.responses.create, "/v1/relax/reward": self._reward}.get(path)
+
+    @staticmethod
+    def methods(path: str) -> tuple[str, ...]:
+        """The HTTP methods the route of `path` takes (any other: 405 with Allow)."""
+        path = path.rstrip("/")
+        return ("GET",) if path == "/v1/models" or path.startswith("/v1/models/") else ("POST",)
 
     def _session(self, headers: Any) -> Session:
         auth = headers.get("Authorization") or ""

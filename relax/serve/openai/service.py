@@ -12,6 +12,7 @@ before), the sampling and the limits, and records every call.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -86,10 +87,21 @@ class OpenAIService:
                  images: bool = False):
         self.fmt, self.send, self.model, self.images = fmt, send, model, images
         self.context_length, self.max_tokens, self.default_version = context_length, max_tokens, default_version
+        self.created = int(time.time())  # the model object's `created`: when this service began serving it
+
+    def card(self) -> dict:
+        """The served model as OpenAI's model object (and SGLang's max_model_len)."""
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "relax",
+                "max_model_len": self.context_length}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "relax",
-                                            "max_model_len": self.context_length}]}
+        return {"object": "list", "data": [self.card()]}
+
+    def model_card(self, model: str) -> dict:
+        """GET /v1/models/{model}: the served model's object; OpenAI's 404 (model_not_found) for another id."""
+        if model != self.model:
+            raise APIError(f"The model '{model}' does not exist", status=404, param="model", code="model_not_found")
+        return self.card()
 
     # --------------------------------------------------------------------------------------------- endpoints
     def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:

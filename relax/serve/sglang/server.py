@@ -283,6 +283,7 @@ class EmbeddedServer(WeightEndpoints):
         self.weight_dirs = guards.WeightDirs(weight_dirs)
         self.host, self.port, self.threads = host, int(port), threads
         self.weight_version = str(weight_version)
+        self.created = int(time.time())  # the model object's `created` (/v1/models): when this server was made
         self.group_timeout_s = group_timeout_s
         self.engine: Any = None
         self.tokenizer: Any = None
@@ -572,8 +573,8 @@ class EmbeddedServer(WeightEndpoints):
         return 200, loads.v1_loads(self.scheduler.load(), body, accelerator)
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.served_model_name, "object": "model", "owned_by": "relax", "root": self.model_path,
-                "max_model_len": self.context_length}
+        return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "relax",
+                "root": self.model_path, "max_model_len": self.context_length}
 
     def _models(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
