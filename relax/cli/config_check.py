@@ -43,14 +43,17 @@ def _plain(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
-def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True) -> Optional[str]:
+def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True,
+                environment: bool = True) -> Optional[str]:
     """The message of what is wrong with the config of `relax-train <overrides>` (one job), None when it is valid.
-    `rules=False`: only whether it composes (every key known, every value of its type)."""
+    `rules=False`: only whether it composes (every key known, every value of its type). `environment=False`: the
+    job runs elsewhere, so the rules that read this process's environment (`ENVIRONMENT_FIELDS`) are not checked."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from relax.config import ConfigError, load_config
     from relax.config.compose import compose_checked
+    from relax.config.validate import ENVIRONMENT_FIELDS
 
     try:
         if rules:
@@ -60,6 +63,11 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
             if unknown:
                 raise ConfigError(unknown)
     except ConfigError as exc:
+        if not environment:
+            kept = [v for v in exc.violations if not set(v.fields) <= ENVIRONMENT_FIELDS]
+            if not kept:
+                return None
+            exc = ConfigError(kept)
         n = len(exc.violations)
         return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}"
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
@@ -77,7 +85,7 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def problems(args: Sequence[str], conf: Optional[Path] = None) -> Optional[str]:
+def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True) -> Optional[str]:
     """What is wrong with `relax-train <args>` (its command line, Hydra's flags included), None when nothing is
     (or when a Hydra flag other than -m and --cfg makes it something this does not check: --info, --config-name,
     ...). A sweep: every invalid job, numbered as the sweep numbers them."""
@@ -95,14 +103,14 @@ def problems(args: Sequence[str], conf: Optional[Path] = None) -> Optional[str]:
     if any(a.startswith("-") for a in overrides):
         return None  # another Hydra flag: Hydra answers it
     if not multirun:
-        return job_problem(overrides, conf, rules=rules)
+        return job_problem(overrides, conf, rules=rules, environment=environment)
     try:
         jobs = sweep_jobs(_plain(overrides))
     except HydraException as exc:
         return hydra_error_message(exc)
     found = []
     for index, job in enumerate(jobs):
-        problem = job_problem(job, conf, rules=rules)
+        problem = job_problem(job, conf, rules=rules, environment=environment)
         if problem is not None:
             if problem.startswith("invalid config ("):  # the violations alone, as the sweep launcher lists them
                 problem = problem.split("\n", 1)[1]

@@ -182,13 +182,14 @@ def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
 def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]) -> None:
     """Compose and validate `relax-train <overrides>` here, as relax-train would on the cluster (each job of a
     sweep; the job's environment variables set while the rules read them; no Ray, nothing contacted): a config
-    that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2)."""
+    that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
+    a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not."""
     from relax.cli.config_check import problems
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        message = problems(overrides, _hydra_conf(working_dir))
+        message = problems(overrides, _hydra_conf(working_dir), environment=False)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -27,6 +27,10 @@ from relax.config.reward_service_rules import reward_service_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
+# fields whose rules read this process's environment (a key's variable is set): true of the process that runs, not
+# of one that checks a config for another machine (relax-submit)
+ENVIRONMENT_FIELDS = frozenset({"reward_model.api_key_env", "data.reward_service.api_key_env"})
+
 
 class ConfigError(Exception):
     """A config that breaks one or more rules; `str()` lists them all."""

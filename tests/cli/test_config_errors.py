@@ -136,6 +136,21 @@ def test_submit_validates_the_config_before_submitting(monkeypatch, capsys):
     assert "python -m relax.cli.train train.lr=1e-3" in capsys.readouterr().out
 
 
+def test_submit_leaves_a_keys_variable_to_the_cluster(monkeypatch, capsys):
+    """Whether a key's environment variable is set is true of the job's machine: relax-submit does not refuse a
+    job whose variable only the cluster sets, which relax-train here (the control) refuses."""
+    from relax.cli.config_check import problems
+    from relax.cli.submit import main
+
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    monkeypatch.delenv("RELAX_TEST_UNSET_KEY", raising=False)
+    judge = ["reward_model=judge", "reward_model.engine=openai", "reward_model.url=http://10.0.0.1:8000/v1",
+             "reward_model.model=judge", "reward_model.api_key_env=RELAX_TEST_UNSET_KEY"]
+    assert "RELAX_TEST_UNSET_KEY is not set" in problems(judge)
+    main(["--dry-run", "--exp-dir", "/shared/exp", "--", *judge])
+    assert "reward_model.api_key_env=RELAX_TEST_UNSET_KEY" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("n", ["0", "-5"])
 def test_compare_refuses_a_bootstrap_below_1(n, capsys):
     from relax.cli.compare import main
