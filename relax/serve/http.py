@@ -5,9 +5,12 @@ length: keep-alive connections)."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class Server(ThreadingHTTPServer):
@@ -26,6 +29,42 @@ class Server(ThreadingHTTPServer):
 # The largest request body a server reads (Content-Length, or the sum of its chunks): a rollout batch of long prompts
 # is tens of MiB; weights never travel in a body (shared-memory handles, a process group, or a directory).
 MAX_BODY_BYTES = 256 * 2**20
+
+
+class Handler(BaseHTTPRequestHandler):
+    """A request handler that hands every method to `_dispatch(method)` (a method no route takes is the app's to
+    answer, 405 on a known path, rather than http.server's 501) and sends `extra_headers` (405's Allow) with the
+    next answer only."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive: every answer carries Content-Length (a stream: chunked)
+    server: Server
+
+    def _dispatch(self, method: str) -> None:
+        raise NotImplementedError
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:  # noqa: N802
+        self._dispatch("PATCH")
+
+    def end_headers(self) -> None:
+        for name, value in getattr(self, "extra_headers", ()):
+            self.send_header(name, value)
+        self.extra_headers = []
+        super().end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's signature)
+        logger.debug("%s %s", self.address_string(), format % args)
 
 
 class BodyTooLarge(ValueError):

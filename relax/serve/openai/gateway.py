@@ -19,11 +19,10 @@ import logging
 import math
 import secrets
 import threading
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
-from relax.serve.http import BodyTooLarge, Server, read_body, refuse, write_answer
+from relax.serve.http import BodyTooLarge, Handler, Server, read_body, refuse, write_answer
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
@@ -32,37 +31,10 @@ from relax.serve.openai.sessions import Limits, Session
 logger = logging.getLogger(__name__)
 
 
-class JSONHandler(BaseHTTPRequestHandler):
+class JSONHandler(Handler):
     """Reads a request (with its headers) and writes the app's (status, JSON / bytes / event stream) answer."""
 
-    protocol_version = "HTTP/1.1"
     server_version = "relax-openai"
-    server: Server
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802 (no route takes it: 405 on a known path, not http.server's 501)
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:  # noqa: N802
-        self._dispatch("DELETE")
-
-    def do_PATCH(self) -> None:  # noqa: N802
-        self._dispatch("PATCH")
-
-    def end_headers(self) -> None:
-        # headers an answer needs besides those `write_answer` writes (405's Allow), sent with the next answer only
-        for name, value in getattr(self, "extra_headers", ()):
-            self.send_header(name, value)
-        self.extra_headers = []
-        super().end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        logger.debug("%s %s", self.address_string(), format % args)
 
     def _dispatch(self, method: str) -> None:
         try:

@@ -78,7 +78,7 @@ from relax.models.lora import inject_adapters
 from relax.models.moe import is_moe
 from relax.models.vision import is_vision_model
 from relax.rollout.embedded import EmbeddedEngine
-from relax.serve.http import MAX_BODY_BYTES, BodyTooLarge, Server, read_body, refuse, write_answer
+from relax.serve.http import MAX_BODY_BYTES, BodyTooLarge, Handler, Server, read_body, refuse, write_answer
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
@@ -209,35 +209,8 @@ class Departures:
                 self._cv.wait(DISCONNECT_POLL_S)  # close() wakes it at once
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: every answer carries Content-Length (a stream: chunked)
+class _Handler(Handler):
     server_version = "relax-embedded-sglang"
-    server: Server
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def do_PUT(self) -> None:  # noqa: N802 (SGLang's endpoints read it as a POST; the OpenAI API's refuse it)
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:  # noqa: N802 (no route takes it: 405 on a known path, not http.server's 501)
-        self._dispatch("DELETE")
-
-    def do_PATCH(self) -> None:  # noqa: N802
-        self._dispatch("PATCH")
-
-    def end_headers(self) -> None:
-        # headers an answer needs besides those `write_answer` writes (405's Allow), sent with the next answer only
-        for name, value in getattr(self, "extra_headers", ()):
-            self.send_header(name, value)
-        self.extra_headers = []
-        super().end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's signature)
-        logger.debug("%s %s", self.address_string(), format % args)
 
     def _dispatch(self, method: str) -> None:
         app = self.server.app
