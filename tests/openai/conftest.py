@@ -17,3 +17,26 @@ def engine():
     server.wait_ready(120)
     yield server
     server.shutdown()
+
+
+@pytest.fixture
+def scripted_gateway():
+    """make(fmt, texts) -> (gateway, script, session, client) over a scripted engine (tests/openai/scripted.py);
+    every gateway closed after the test."""
+    from tests.openai.scripted import ScriptedGateways
+
+    gateways = ScriptedGateways()
+    yield gateways.make
+    gateways.close()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The chat format of SmolLM2-135M-Instruct's tokenizer (the GGUF's) and its stop tokens."""
+    from relax.config import load_config
+    from relax.data.tokenizer import load_tokenizer, stop_token_ids
+    from relax.serve.openai.chat import ChatFormat
+
+    cfg = load_config(["model=smollm2_135m"])
+    tok = load_tokenizer(cfg.model)
+    return ChatFormat(tok, tuple(stop_token_ids(cfg.model, tok)))

@@ -17,8 +17,6 @@ import requests
 from relax.data.tokenizer import build_tiny_tokenizer
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway
-from relax.serve.openai.service import OpenAIService
-from relax.serve.openai.sessions import Limits
 
 USER = [{"role": "user", "content": "What is 3 + 4?"}]
 QWEN3_LIKE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -30,28 +28,6 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
 CALL = 'Let me look. <tool_call>{"name": "weather", "arguments": {"city": "Zürich"}}</tool_call>'
 
 
-def limits(**kw) -> Limits:
-    return Limits(**{"max_calls": 8, "max_tokens": 400, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0,
-                     "top_k": -1, "seed": 0, **kw})
-
-
-class Script:
-    """An engine answering the k-th /generate payload with texts[k] (the last one again after them) then the stop
-    token; records each payload and the ids it answered."""
-
-    def __init__(self, fmt: ChatFormat, texts: list[str]):
-        self.fmt, self.texts, self.calls = fmt, texts, []
-
-    def __call__(self, payloads: list[dict]) -> list[dict]:
-        out = []
-        for p in payloads:
-            ids = self.fmt.encode(self.texts[min(len(self.calls), len(self.texts) - 1)]) + [min(self.fmt.eos_token_ids)]
-            self.calls.append((p, ids))
-            out.append({"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],
-                                      "finish_reason": {"type": "stop"}, "weight_version": "1"}})
-        return out
-
-
 @pytest.fixture(scope="module")
 def thinking_format() -> ChatFormat:
     """The tiny tokenizer with Qwen3's <think> tags as added tokens and a template that uses them."""
@@ -61,31 +37,9 @@ def thinking_format() -> ChatFormat:
     return ChatFormat(tok, (tok.eos_token_id,))
 
 
-@pytest.fixture(scope="module")
-def smol() -> ChatFormat:
-    from relax.config import load_config
-    from relax.data.tokenizer import load_tokenizer, stop_token_ids
-
-    cfg = load_config(["model=smollm2_135m"])
-    tok = load_tokenizer(cfg.model)
-    return ChatFormat(tok, tuple(stop_token_ids(cfg.model, tok)))
-
-
 @pytest.fixture
-def gateway():
-    """make(fmt, texts) -> (gateway, script, session, client); every gateway closed after the test."""
-    made = []
-
-    def make(fmt: ChatFormat, texts: list[str]):
-        script = Script(fmt, texts)
-        gw = Gateway(OpenAIService(fmt, script, model="policy", context_length=None, max_tokens=64)).start()
-        made.append(gw)
-        session = gw.open(0, limits())
-        return gw, script, session, openai.OpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0)
-
-    yield make
-    for gw in made:
-        gw.close()
+def gateway(scripted_gateway):
+    return scripted_gateway
 
 
 def think_tokens(fmt: ChatFormat, ids: list[int]) -> int:
@@ -99,7 +53,7 @@ def test_reasoning_tokens_are_the_think_blocks_sampled_tokens_on_chat_and_respon
     fmt = thinking_format
     gw, script, session, client = gateway(fmt, [THINKING])
     r = client.chat.completions.create(model="m", messages=USER, n=2)
-    ids = script.calls[-1][1]
+    ids = script.ids(-1)
     expected = think_tokens(fmt, ids)
     assert 1 < expected < len(ids) - 1  # the block, not the answer "7" nor the stop token
     assert r.choices[0].message.reasoning_content == "what is 3 + 4 = 7"
@@ -121,7 +75,7 @@ def test_a_block_cut_unclosed_is_all_reasoning(gateway, thinking_format):
     gw, script, session, client = gateway(thinking_format, ["<think>\nwhat is 3 + 4"])
     r = client.chat.completions.create(model="m", messages=USER)
     assert r.choices[0].message.reasoning_content == "what is 3 + 4"
-    assert r.usage.completion_tokens_details.reasoning_tokens == len(script.calls[-1][1]) - 1
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(script.ids(-1)) - 1
 
 
 def test_no_reasoning_reports_none_on_chat_and_zero_on_responses(gateway, thinking_format):
@@ -156,7 +110,8 @@ def test_tool_call_arguments_are_written_as_the_model_wrote_them_and_the_session
     r = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER])
     assert r.choices[0].message.content == "It is sunny in Zürich."
     t = session.trajectory()
-    (first, first_ids), (second, _) = script.calls
+    (first, _), (second, _) = script.calls
+    first_ids = script.ids(0)
     assert session.segments == 1 and second["input_ids"][:len(first["input_ids"]) + len(first_ids)] == \
         first["input_ids"] + first_ids == (t.prompt + t.tokens)[:len(first["input_ids"]) + len(first_ids)]
 

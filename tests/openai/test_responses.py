@@ -19,7 +19,7 @@ from relax.serve.openai.gateway import Gateway
 from relax.serve.openai.protocol import normalize_message
 from relax.serve.openai.responses import chat_tools
 from relax.serve.openai.service import OpenAIService
-from relax.serve.openai.sessions import Limits
+from tests.openai.scripted import Script, limits
 
 CALL = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "37 * 48"}}</tool_call>'
 FINAL = "The answer is 1776."
@@ -29,54 +29,10 @@ TOOL = {"type": "function", "name": "calculator", "description": "Evaluate an ar
                        "required": ["expression"]}}
 
 
-def limits(**kw) -> Limits:
-    return Limits(**{"max_calls": 8, "max_tokens": 400, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0,
-                     "top_k": -1, "seed": 0, **kw})
-
-
-@pytest.fixture(scope="module")
-def smol() -> ChatFormat:
-    from relax.config import load_config
-    from relax.data.tokenizer import load_tokenizer, stop_token_ids
-
-    cfg = load_config(["model=smollm2_135m"])
-    tok = load_tokenizer(cfg.model)
-    return ChatFormat(tok, tuple(stop_token_ids(cfg.model, tok)))
-
-
-class Script:
-    """An engine answering the k-th /generate payload with texts[k] (the last one again after them) and the stop
-    token, each token with its own log-prob; records what it was asked and what it answered."""
-
-    def __init__(self, fmt: ChatFormat, texts: list[str]):
-        self.fmt, self.texts, self.calls = fmt, texts, []
-
-    def __call__(self, payloads: list[dict]) -> list[dict]:
-        out = []
-        for p in payloads:
-            ids = self.fmt.encode(self.texts[min(len(self.calls), len(self.texts) - 1)]) + [min(self.fmt.eos_token_ids)]
-            answer = {"meta_info": {"output_token_logprobs": [[-0.01 * (k + 1), t, None] for k, t in enumerate(ids)],
-                                    "finish_reason": {"type": "stop"}, "weight_version": "2"}}
-            self.calls.append((p, answer))
-            out.append(answer)
-        return out
-
-
 @pytest.fixture
-def scripted(smol):
-    """make(texts) -> (gateway, script, session, client); every gateway closed after the test."""
-    made = []
-
-    def make(texts: list[str]):
-        script = Script(smol, texts)
-        gw = Gateway(OpenAIService(smol, script, model="policy", context_length=None, max_tokens=64)).start()
-        made.append(gw)
-        session = gw.open(0, limits())
-        return gw, script, session, openai.OpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0)
-
-    yield make
-    for gw in made:
-        gw.close()
+def scripted(smol, scripted_gateway):
+    """make(texts) -> (gateway, script, session, client) over SmolLM2's chat format (conftest.scripted_gateway)."""
+    return lambda texts: scripted_gateway(smol, texts)
 
 
 def trains_what_was_sampled(t, calls: list[tuple[dict, dict]]) -> bool:
