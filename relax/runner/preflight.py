@@ -103,8 +103,8 @@ class Preflight:
     def error(self) -> RunError:
         """Every problem as one RunError (one problem: its message alone)."""
         texts = list(dict.fromkeys(self.problems.values()))  # a cause two checks share is said once
-        return RunError(texts[0] if len(texts) == 1 else
-                        f"{len(texts)} problems:\n" + "\n".join(f"- {t}" for t in texts))
+        return RunError(texts[0] if len(texts) == 1 else  # listed as validation lists a config's problems
+                        f"{len(texts)} problems:\n" + "\n".join(f"  - {t}" for t in texts))
 
     def inputs(self) -> Inputs:
         """The checked inputs (call once `ok`)."""
