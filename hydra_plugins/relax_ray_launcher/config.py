@@ -20,7 +20,7 @@ class RelaxRayLauncherConf:
     num_gpus: Optional[float] = None  # None: the job's cluster.num_nodes * cluster.gpus_per_node
     # "module:function" called with each job's composed config (without `hydra`) before any job starts;
     # whatever it raises marks the job invalid and the sweep stops with exit code 2. None: no check.
-    precheck: Optional[str] = "relax.config:to_relax_config"
+    precheck: Optional[str] = "relax.runner.endpoints:check_sweep_job"  # the rules, and the addresses to reach
     # Create the MLflow parent run (and the sqlite store) when the config has a `tracking` node.
     tracking: bool = True
     # Extra ray.init() keyword arguments for a local Ray instance (e.g. num_cpus).

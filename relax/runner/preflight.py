@@ -16,11 +16,12 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
 - `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
 - `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
 - `endpoints`: every address the run must reach that the user gave accepts a TCP connection within
-  `ENDPOINT_TIMEOUT_S` (`endpoint_targets`: the Ray cluster joined, `cluster.address` or RAY_ADDRESS; each
-  `rollout.sglang.urls` server; an http(s) `tracking.uri`; a reward service, `data.reward=http(s)://...`; a judge's
-  `reward_model.url`), all probed at once: a refused, unresolvable or silent address is named with its option here,
-  instead of a start that waits on it (ray.init retries for ever; a server's health wait and MLflow's HTTP retries
-  take minutes). Whether the service behind a port answers properly is left to the start's own bounded waits.
+  `ENDPOINT_TIMEOUT_S` (`relax.runner.endpoints`, with which a sweep checks each job too: the Ray cluster joined,
+  `cluster.address` or RAY_ADDRESS; each `rollout.sglang.urls` server; an http(s) `tracking.uri`; a reward service,
+  `data.reward=http(s)://...`; a judge's `reward_model.url`), all probed at once: a refused, unresolvable or silent
+  address is named with its option here, instead of a start that waits on it (ray.init retries for ever; a server's
+  health wait and MLflow's HTTP retries take minutes). Whether the service behind a port answers properly is left to
+  the start's own bounded waits.
 - `gpus`: a local Ray instance gets the GPUs the plan needs from this machine.
 - `checkpoints`: the save directory is not in use by another run and can be created; the resume point
   (`train.resume`) exists, is intact and was written with a config this run may continue.
@@ -33,15 +34,10 @@ checks for real. Every problem is reported at once, each as the message the chec
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 from relax.agents.episode import EpisodeMaker
 from relax.agents.parsers import get_parser
@@ -54,10 +50,10 @@ from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_mode
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
 from relax.rewards.registry import get_reward_fn
-from relax.rewards.remote import is_url
 from relax.roles.workers import ModelInfo
 from relax.runner import checkpoint
 from relax.runner.cluster import local_gpu_problem
+from relax.runner.endpoints import endpoint_targets, unreachable
 from relax.runner.errors import RunError
 from relax.runner.plan import Plan, build_plan
 from relax.runner.reward_model import check_reward_model
@@ -248,116 +244,6 @@ def _lora(pre: Preflight) -> bool:
         return False
     check_targets(pre.cfg.model, pre.info.vocab_size, pre.info.pad_token_id)  # the architecture only
     return True
-
-
-ENDPOINT_TIMEOUT_S = 3.0  # a TCP connect to each address the run must reach (`endpoints`); all are probed at once
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """An address the run must reach: the option that names it (`option`, as the user sets it), its value, and the
-    host and port a connection is opened to."""
-
-    option: str
-    value: str
-    host: str
-    port: int
-    what: str  # what should listen there, for the message
-
-
-def _host_port(address: str, default_port: Optional[int] = None) -> Optional[tuple[str, int]]:
-    """(host, port) of `scheme://host:port/...` or `host:port`; None when it names no host, or no port and there is
-    no default."""
-    parts = urlsplit(address if "://" in address else "//" + address)
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:  # a port that is not a number: the start's own parser says so
-        return None
-    port = port if port is not None else default_port
-    return (host, port) if host and port is not None else None
-
-
-def _ray_endpoint(cfg: RelaxConfig) -> Optional[Endpoint]:
-    """The Ray cluster a start joins (as `relax.runner.cluster.RayRuntime` chooses it: `cluster.address`, else
-    RAY_ADDRESS), or None: a local instance is started, or the address cannot be probed: "auto" (Ray finds the
-    cluster itself, from its session file or a local head) and "local" name no host; an address without a port is
-    not probed either (what it means is Ray's to decide)."""
-    option, address, what = "cluster.address", cfg.cluster.address, "a Ray head (ray start --head)"
-    if address is None:
-        option, address = "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None
-        what = "the Ray head that RAY_ADDRESS names (joined: cluster.address is unset)"
-    if address is None or address.strip().lower() in ("auto", "local"):
-        return None
-    # "ray://host:port": the Ray Client server; "host:port": the head's GCS; either accepts TCP at host:port
-    target = _host_port(address.strip())
-    if target is None:
-        return None
-    return Endpoint(option, address, *target, what=what)
-
-
-def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
-    """Every address a start of `cfg` must reach that the user gave (the `endpoints` check)."""
-    targets: list[Endpoint] = []
-
-    def url(option: str, value: str, what: str) -> None:
-        scheme = urlsplit(value).scheme.lower()
-        target = _host_port(value, {"http": 80, "https": 443}.get(scheme))
-        if target is not None:  # one the config rules let through unparsed: the start's own error names it
-            targets.append(Endpoint(option, value, *target, what=what))
-
-    if (ray := _ray_endpoint(cfg)) is not None:
-        targets.append(ray)
-    if cfg.rollout.backend == "sglang" and cfg.rollout.sglang.urls:
-        for i, u in enumerate(cfg.rollout.sglang.urls):
-            url(f"rollout.sglang.urls[{i}]", u, "an SGLang server")
-    if cfg.tracking.enabled and urlsplit(cfg.tracking.uri).scheme.lower() in ("http", "https"):
-        url("tracking.uri", cfg.tracking.uri, "an MLflow tracking server")
-    if is_url(cfg.data.reward):
-        url("data.reward", cfg.data.reward.strip(), "a reward service")
-    rm = cfg.reward_model
-    if rm.kind != "none" and rm.engine == "openai" and rm.url:
-        url("reward_model.url", rm.url, "an OpenAI-compatible API")
-    return targets
-
-
-def probe(host: str, port: int, timeout_s: float = ENDPOINT_TIMEOUT_S) -> Optional[str]:
-    """Why a TCP connection to host:port cannot be opened within `timeout_s` (None: it was accepted, and closed)."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except socket.gaierror as exc:
-        return f"cannot resolve {host}: {exc.strerror or exc}"
-    except ConnectionRefusedError:
-        return f"connection to {host}:{port} refused"
-    except TimeoutError:
-        return f"no answer from {host}:{port} within {timeout_s:g} s"
-    except OSError as exc:
-        return f"cannot connect to {host}:{port}: {exc.strerror or exc}"
-
-
-def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT_S) -> list[str]:
-    """A message for each of `targets` that does not accept a connection, probed at once (in threads: together
-    they take at most about `timeout_s`, a name that does not resolve at most the resolver's own time-out)."""
-    found: dict[int, Optional[str]] = {}
-
-    def one(i: int, t: Endpoint) -> None:
-        found[i] = probe(t.host, t.port, timeout_s)
-
-    threads = [threading.Thread(target=one, args=(i, t), name=f"relax-probe-{t.option}", daemon=True)
-               for i, t in enumerate(targets)]
-    for thread in threads:
-        thread.start()
-    wait_s = timeout_s + 2.0  # a resolver slower than the connect's time-out counts as no answer
-    end = time.monotonic() + wait_s
-    for thread in threads:
-        thread.join(max(0.0, end - time.monotonic()))
-    problems = []
-    for i, t in enumerate(targets):
-        why = found.get(i, f"no answer from {t.host}:{t.port} within {wait_s:g} s")
-        if why is not None:
-            problems.append(f"{t.option}={t.value}: {why} (is {t.what} running there, and reachable from this "
-                            "machine?)")
-    return problems
 
 
 def _endpoints(pre: Preflight) -> bool:

@@ -152,7 +152,7 @@ CASES = [
     Case("gguf-path-is-a-directory", ("model.source=gguf", "model.path={file}"),
          ("model.path='{file}' is not an existing .gguf file",), lambda p: p.mkdir(), name="model.gguf"),
     # ---- config: the field
-    Case("unknown-override-key", ("train.no_such_key=1",), ("no_such_key", "TrainConfig"), dry_run=True),
+    Case("unknown-override-key", ("train.no_such_key=1",), ("unknown key train.no_such_key",), dry_run=True),
     Case("unknown-top-level-key", ("no_such_group_key=1",), ("no_such_group_key",), dry_run=True),
     Case("wrong-type", ("train.lr=abc",), ("train.lr", "'abc'"), dry_run=True),
     Case("wrong-type-bool", ("data.shuffle=maybe",), ("data.shuffle", "'maybe'"), dry_run=True),

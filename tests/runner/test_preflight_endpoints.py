@@ -20,8 +20,9 @@ import pytest
 from relax_train_inprocess import relax_train
 
 from relax.config import load_config
+from relax.runner.endpoints import ENDPOINT_TIMEOUT_S, endpoint_targets
 from relax.runner.errors import RunError
-from relax.runner.preflight import ENDPOINT_TIMEOUT_S, endpoint_targets, preflight
+from relax.runner.preflight import preflight
 
 
 def closed_port() -> int:
@@ -140,6 +141,27 @@ def test_relax_train_dry_run_names_an_unreachable_ray_cluster(capfd):
     assert (f"relax-train: error: dry run: a start would stop before Ray: cluster.address=127.0.0.1:{port}: "
             f"connection to 127.0.0.1:{port} refused (is a Ray head (ray start --head) running there") in err
     assert "Traceback" not in out + err
+
+
+def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_any_job(capfd, tmp_path, listening,
+                                                                                      monkeypatch):
+    """`relax-train -m`: the launcher checks each job (`check_sweep_job`: rules and addresses) before it opens the
+    sweep's MLflow parent run (MLflow's retries: minutes) or starts Ray; the same sweep at a listening port (the
+    control) passes the check and goes on to the parent run, which is stopped here."""
+    from hydra_plugins.relax_ray_launcher import launcher
+
+    def stop(self):
+        raise SystemExit(99)  # the parent run would open now: the check passed
+
+    monkeypatch.setattr(launcher.RelaxRayLauncher, "_start_parent", stop)
+    port = closed_port()
+    sweep = ["-m", "seed=1,2", "train.num_rollout=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    code, out, err = relax_train([*sweep, f"tracking.uri=http://127.0.0.1:{port}"], capfd)
+    assert code == 2, out + err
+    assert "invalid config in 2 of 2 sweep jobs" in err
+    assert f"tracking.uri=http://127.0.0.1:{port}: connection to 127.0.0.1:{port} refused" in err
+    code, out, err = relax_train([*sweep, f"tracking.uri=http://127.0.0.1:{listening}"], capfd)
+    assert code == 99, out + err
 
 
 # ---------------------------------------------------------------------------- reachable, but never healthy
