@@ -360,11 +360,13 @@ def test_kill_9_then_resume_auto_equals_an_uninterrupted_run(tmp_path, mlflow_te
     # generates that rollout on weights version 3 (published once step 2 has trained) and scores it in the stream's
     # pump while step 3 trains; step 3 is logged, and the checkpoint of step 4 that follows waits for the pump,
     # held in scoring. Metrics reach the store every 0.2 s, so steps 2 and 3 are recorded in MLflow but not covered
-    # by a checkpoint (the last is step 2's) when the kill comes: the resume recomputes them. (A hold in the
-    # rollout of step 3 would race the checkpoint of step 2, which the pump may or may not have paused for.)
+    # by a checkpoint (the last is step 2's) when the kill comes: the resume recomputes them. Whether step 4's
+    # batch is generated and its scoring begun before step 3 ends depends on the machine's load, so a barrier
+    # (HOLD_CHECKPOINT) holds the checkpoint of step 4 until the held call is reached: it then always waits for
+    # the pump. (Without it a loaded machine wrote that checkpoint first, and the kill found step 4 committed.)
     held = run_dir / "held"
     proc = _start(run_dir, env={"RELAX_MLFLOW_FLUSH_S": "0.2", "HOLD_AT_CALL": str(4 * PER_STEP),
-                                "HOLD_FILE": str(held)})
+                                "HOLD_FILE": str(held), "HOLD_CHECKPOINT": "4"})
     try:
         # meanwhile, the same run uninterrupted, its roles in this process (what it computes is what is compared)
         with monkeypatch.context() as here, inprocess_ray():
