@@ -1,11 +1,13 @@
-"""The addresses a run must reach that the user gave, and whether each accepts a TCP connection: preflight's
-`endpoints` check, and the sweep launcher's check of each job before any starts (`check_sweep_job`). Light: sockets
-and the config only, so that a sweep's driver checks its jobs without importing torch."""
+"""The addresses a run must reach that the user gave, and whether each accepts a TCP connection (and, for an HTTP
+server, answers a request): preflight's `endpoints` check, and the sweep launcher's check of each job before any
+starts (`check_sweep_job`). Light: sockets and the config only, so that a sweep's driver checks its jobs without
+importing torch."""
 
 from __future__ import annotations
 
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -17,7 +19,8 @@ from relax.config.schema import RelaxConfig
 from relax.rewards.remote import is_url
 from relax.runner.errors import RunError
 
-ENDPOINT_TIMEOUT_S = 3.0  # a TCP connect to each address the run must reach (`endpoints`); all are probed at once
+ENDPOINT_TIMEOUT_S = 3.0  # a TCP connect to each address the run must reach (`endpoints`); all are probed at once;
+# an HTTP server has as long again for the first byte of its answer to a GET
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Endpoint:
     host: str
     port: int
     what: str  # what should listen there, for the message
+    scheme: Optional[str] = None  # "http" / "https": an HTTP server, which must also answer a request
 
 
 def _host_port(address: str, default_port: Optional[int] = None) -> Optional[tuple[str, int]]:
@@ -70,7 +74,8 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
         scheme = urlsplit(value).scheme.lower()
         target = _host_port(value, {"http": 80, "https": 443}.get(scheme))
         if target is not None:  # one the config rules let through unparsed: the start's own error names it
-            targets.append(Endpoint(option, value, *target, what=what))
+            targets.append(Endpoint(option, value, *target, what=what,
+                                    scheme=scheme if scheme in ("http", "https") else None))
 
     if (ray := _ray_endpoint(cfg)) is not None:
         targets.append(ray)
@@ -87,11 +92,14 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
     return targets
 
 
-def probe(host: str, port: int, timeout_s: float = ENDPOINT_TIMEOUT_S) -> Optional[str]:
-    """Why a TCP connection to host:port cannot be opened within `timeout_s` (None: it was accepted, and closed)."""
+def probe(host: str, port: int, timeout_s: float = ENDPOINT_TIMEOUT_S, scheme: Optional[str] = None) -> Optional[str]:
+    """Why a TCP connection to host:port cannot be opened within `timeout_s` (None: it was accepted, and closed).
+    With `scheme` ("http", "https") the server must also begin an answer to `GET /` within `timeout_s` more: any
+    answer will do (a 404, a TLS alert); one that accepts connections and says nothing (a hung server) would
+    otherwise hold the run for its whole request time-out."""
     try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            return None if scheme is None else _silent(sock, host, port, timeout_s, scheme)
     except socket.gaierror as exc:
         return f"cannot resolve {host}: {exc.strerror or exc}"
     except ConnectionRefusedError:
@@ -102,19 +110,39 @@ def probe(host: str, port: int, timeout_s: float = ENDPOINT_TIMEOUT_S) -> Option
         return f"cannot connect to {host}:{port}: {exc.strerror or exc}"
 
 
+def _silent(sock: socket.socket, host: str, port: int, timeout_s: float, scheme: str) -> Optional[str]:
+    """Why the HTTP server on the connected `sock` is taken for hung (None: it began an answer)."""
+    silent = f"{host}:{port} accepts connections but did not answer an HTTP request within {timeout_s:g} s (hung?)"
+    sock.settimeout(timeout_s)
+    try:
+        if scheme == "https":  # only whether it answers: the run's own client checks the certificate
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            sock = context.wrap_socket(sock, server_hostname=host)
+        sock.sendall(f"GET / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        return None if sock.recv(1) else f"{host}:{port} closed the connection without answering an HTTP request"
+    except TimeoutError:
+        return silent
+    except ssl.SSLError:  # it answered, in TLS: what it said is the run's client's to report
+        return None
+    except OSError as exc:
+        return f"{host}:{port} accepted the connection, then failed an HTTP request: {exc.strerror or exc}"
+
+
 def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT_S) -> list[str]:
     """A message for each of `targets` that does not accept a connection, probed at once (in threads: together
-    they take at most about `timeout_s`, a name that does not resolve at most the resolver's own time-out)."""
+    they take at most about twice `timeout_s` (a connection, then an HTTP server's answer), a name that does not
+    resolve at most the resolver's own time-out)."""
     found: dict[int, Optional[str]] = {}
 
     def one(i: int, t: Endpoint) -> None:
-        found[i] = probe(t.host, t.port, timeout_s)
+        found[i] = probe(t.host, t.port, timeout_s, t.scheme)
 
     threads = [threading.Thread(target=one, args=(i, t), name=f"relax-probe-{t.option}", daemon=True)
                for i, t in enumerate(targets)]
     for thread in threads:
         thread.start()
-    wait_s = timeout_s + 2.0  # a resolver slower than the connect's time-out counts as no answer
+    wait_s = 2 * timeout_s + 2.0  # a resolver slower than the connect's time-out counts as no answer
     end = time.monotonic() + wait_s
     for thread in threads:
         thread.join(max(0.0, end - time.monotonic()))

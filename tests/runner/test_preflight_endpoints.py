@@ -1,7 +1,9 @@
 """The `endpoints` check before Ray (`relax.runner.preflight`): every address a run must reach that the user gave is
 probed with a TCP connection, bounded, before anything starts; a refused one is named with its option. Each case
 against a real closed port (bound, then closed: nothing listens there) and, as the negative control, a real
-listening socket. Then what follows a reachable server that is never healthy: one clear error, exit 2.
+listening socket (an HTTP server for the options that name one, which must also answer a request: a socket that
+accepts and says nothing is named as hung). Then what follows a reachable server that is never healthy: one clear
+error, exit 2.
 
 Without the check: `ray.init` retries `cluster.address=127.0.0.1:1` for ever; a refused `rollout.sglang.urls` server
 was waited on for all of `rollout.sglang.request_timeout_s` and ended in a traceback; a refused `tracking.uri` took
@@ -41,6 +43,39 @@ def listening() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
+class _Answering(http.server.BaseHTTPRequestHandler):
+    """Any answer will do: the check asks whether the server answers, not what (its health is the start's)."""
+
+    status = 404
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        self.send_response(self.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+class _Unhealthy(_Answering):
+    status = 503
+
+
+def _serve(handler: type) -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def answering() -> Iterator[int]:
+    """A port where an HTTP server answers."""
+    yield from _serve(_Answering)
+
+
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch, tmp_path):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -61,8 +96,11 @@ CASES = {
 }
 
 
+HTTP = {"rollout.sglang.urls[0]", "tracking.uri", "data.reward", "reward_model.url"}  # servers that must answer
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(name, listening):
+def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(name, listening, answering):
     overrides, address = CASES[name]
     option = name.split(" ")[0]
     port = closed_port()
@@ -72,9 +110,25 @@ def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(n
     assert pre.status["endpoints"] == "failed", pre.render()
     expected = f"{option}={address.format(p=port)}: connection to 127.0.0.1:{port} refused"
     assert pre.problems["endpoints"].startswith(expected), pre.problems["endpoints"]
-    # the negative control: the same option at a port where a socket listens
-    ok = preflight(load_config(overrides(listening)), only=("endpoints",))
+    # the negative control: the same option at a port where a socket listens (an HTTP server answers)
+    ok = preflight(load_config(overrides(answering if name in HTTP else listening)), only=("endpoints",))
     assert ok.status["endpoints"] == "ok" and ok.ok, ok.render()
+
+
+def test_an_http_server_that_accepts_and_never_answers_is_named_as_hung(listening):
+    """A server whose process hangs (stopped, deadlocked) still has its connections completed by the kernel: the
+    run would have waited its whole request time-out (or MLflow's retries). Every option that names an HTTP server,
+    at once (probed together); Ray's address is not HTTP: a connection is all it is asked for."""
+    overrides = [o for name in sorted(HTTP) for o in CASES[name][0](listening)]
+    t0 = time.monotonic()
+    pre = preflight(load_config([*overrides, f"cluster.address=127.0.0.1:{listening}"]), only=("endpoints",))
+    assert time.monotonic() - t0 < 2 * ENDPOINT_TIMEOUT_S + 2  # bounded: a connection, then an answer's wait
+    text = pre.problems["endpoints"]
+    assert text.startswith(f"{len(HTTP)} addresses cannot be reached: "), text
+    for name in HTTP:
+        assert (f"{name}={CASES[name][1].format(p=listening)}: 127.0.0.1:{listening} accepts connections but did "
+                f"not answer an HTTP request within {ENDPOINT_TIMEOUT_S:g} s (hung?)") in text, name
+    assert "cluster.address" not in text
 
 
 def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, listening):
@@ -99,10 +153,10 @@ def test_what_cannot_be_probed_is_left_to_ray_and_local_stores_are_not_probed(mo
     assert endpoint_targets(load_config([])) == []
 
 
-def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(listening):
+def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(answering):
     a, b = closed_port(), closed_port()
     cfg = load_config([f"cluster.address=127.0.0.1:{a}", "rollout=sglang", "rollout.num_replicas=2",
-                       f"rollout.sglang.urls=[http://127.0.0.1:{listening},http://127.0.0.1:{b}]",
+                       f"rollout.sglang.urls=[http://127.0.0.1:{answering},http://127.0.0.1:{b}]",
                        "model.lora_rank=4", "model.lora_target_modules=[no_such_proj]"])
     pre = preflight(cfg)
     assert sorted(pre.problems) == ["endpoints", "lora"], pre.render()
@@ -110,7 +164,7 @@ def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(l
     assert text.startswith("2 addresses cannot be reached: ")
     assert f"cluster.address=127.0.0.1:{a}: connection to 127.0.0.1:{a} refused" in text
     assert f"rollout.sglang.urls[1]=http://127.0.0.1:{b}: connection" in text
-    assert "urls[0]" not in text  # the listening one
+    assert "urls[0]" not in text  # the answering one
     message = str(pre.error())
     assert message.startswith("2 problems:") and "no_such_proj" in message and f"127.0.0.1:{b}" in message
 
@@ -143,7 +197,7 @@ def test_relax_train_dry_run_names_an_unreachable_ray_cluster(capfd):
     assert "Traceback" not in out + err
 
 
-def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_any_job(capfd, tmp_path, listening,
+def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_any_job(capfd, tmp_path, answering,
                                                                                       monkeypatch):
     """`relax-train -m`: the launcher checks each job (`check_sweep_job`: rules and addresses) before it opens the
     sweep's MLflow parent run (MLflow's retries: minutes) or starts Ray; the same sweep at a listening port (the
@@ -160,29 +214,15 @@ def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_a
     assert code == 2, out + err
     assert "invalid config in 2 of 2 sweep jobs" in err
     assert f"tracking.uri=http://127.0.0.1:{port}: connection to 127.0.0.1:{port} refused" in err
-    code, out, err = relax_train([*sweep, f"tracking.uri=http://127.0.0.1:{listening}"], capfd)
+    code, out, err = relax_train([*sweep, f"tracking.uri=http://127.0.0.1:{answering}"], capfd)
     assert code == 99, out + err
 
 
 # ---------------------------------------------------------------------------- reachable, but never healthy
-class _Unhealthy(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - the stdlib's name
-        self.send_response(503)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def unhealthy_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unhealthy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    for port in _serve(_Unhealthy):
+        yield f"http://127.0.0.1:{port}"
 
 
 def test_a_user_server_that_is_never_healthy_is_one_clear_error(unhealthy_server, tmp_path: Path):
