@@ -7,11 +7,13 @@ raises for a locked database (or, in one test, by really locking the database wi
 from __future__ import annotations
 
 import atexit
+import http.server
 import logging
 import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -363,15 +365,42 @@ def unreachable_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     yield f"http://127.0.0.1:{_closed_port()}"
 
 
+class _HungStore(http.server.BaseHTTPRequestHandler):
+    """Answers its root (so the `endpoints` check before Ray lets it through), then never answers MLflow's API: a
+    store whose backend hangs."""
+
+    release = threading.Event()
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        if self.path != "/":
+            self.release.wait()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.fixture
 def silent_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """A store that accepts connections (the `endpoints` check before Ray lets it through) and never answers."""
+    """A store that answers the `endpoints` check and never answers the run's requests."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(64)
-        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    _HungStore.release.clear()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HungStore)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        _HungStore.release.set()
+        server.shutdown()
+        server.server_close()
 
 
 def test_store_down_at_the_start_fails_before_training_naming_the_uri(unreachable_server: str) -> None:
@@ -398,8 +427,8 @@ def test_a_run_whose_store_is_down_stops_the_roles_it_launched(silent_server: st
                                                                 small_run: Any, tmp_path: Path) -> None:
     """The roles start while the driver opens its MLflow run (relax.runner.train.Recipe.setup): when the run cannot be
     opened, the error is the store's, and no role process is left holding Ray's CPUs. (A store where nothing listens
-    is refused before Ray: tests/runner/test_preflight_endpoints.py; this one accepts connections, then never
-    answers.)"""
+    is refused before Ray, and so is one that accepts connections and answers nothing: tests/runner/
+    test_preflight_endpoints.py; this one answers the check, then never answers the run.)"""
     from relax.config import load_config
     from relax.runner.errors import RunError
     from relax.runner.train import run
