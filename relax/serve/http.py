@@ -1,14 +1,18 @@
 """Relax's HTTP servers (relax-serve, the training gateway): the server class, how they read a request's body (at most
-`MAX_BODY_BYTES`), and how they write an answer (JSON, plain text, or a stream of server-sent events, always with its
-length: keep-alive connections)."""
+`MAX_BODY_BYTES`), how they write an answer (JSON, plain text, or a stream of server-sent events, always with its
+length: keep-alive connections), and how they notice a client that left before its answer (`Departures`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import select
+import socket
 import sys
+import threading
+from collections.abc import Callable, Hashable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +132,96 @@ def write_answer(handler: BaseHTTPRequestHandler, status: int, payload: Any, *, 
         handler.wfile.write(data)
     except (BrokenPipeError, ConnectionResetError):  # the client left
         handler.close_connection = True
+
+
+# How often the connections of requests in generation are looked at: a client that left is noticed within this, and
+# its generation ends after the engine's current token.
+DISCONNECT_POLL_S = 0.2
+
+
+def client_left(sock: socket.socket) -> bool:
+    """Whether the client of `sock` closed the connection (or reset it): the socket reads end-of-file. A request's
+    body has been read by then, so anything else readable (a pipelined next request) is not a departure; neither is a
+    socket with nothing to read. Looked at without blocking and without consuming (MSG_PEEK), beside the handler
+    thread that owns the socket."""
+    try:
+        poller = select.poll()  # not select.select: descriptors past 1024 (a server with many clients)
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        events = poller.poll(0)
+        if not events:
+            return False
+        if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            return True
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):  # reset by the peer, or closed here (no descriptor)
+        return True
+
+
+class Departures:
+    """Work in progress for HTTP requests, and the connections they came over. One thread looks at those connections
+    every `DISCONNECT_POLL_S` and calls the `abort` of work whose client left (as SGLang and vLLM abort a request
+    whose client disconnected): otherwise it would generate to the end for nobody, delaying everything behind it. A
+    request answered at its end (/generate without stream, every OpenAI endpoint) writes nothing until then, so no
+    failed write would tell."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._cv = threading.Condition()
+        # key -> (its connection, its abort, whether it has ended by itself)
+        self._watched: dict[Hashable, tuple[socket.socket, Callable[[], None], Callable[[], bool]]] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def watch(self, sock: socket.socket, key: Hashable, abort: Callable[[], None],
+              done: Callable[[], bool] = lambda: False) -> None:
+        """Call `abort` if the client of `sock` leaves before `key` is forgotten (or `done`)."""
+        with self._cv:
+            if self._closed:
+                return
+            self._watched[key] = (sock, abort, done)
+            if self._thread is None:  # started at the first request: a server that never generates has none
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def forget(self, keys: list) -> None:
+        """Stop watching `keys` (answered: their connection may go on to the next request, or close)."""
+        with self._cv:
+            for key in keys:
+                self._watched.pop(key, None)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._watched.clear()
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._watched and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                watched = list(self._watched.items())
+            ended = [key for key, (_, _, done) in watched if done()]
+            left = [(key, abort) for key, (sock, _, done) in watched if key not in ended and client_left(sock)
+                    for abort in (self._abort_of(key),) if abort is not None]
+            self.forget(ended + [key for key, _ in left])
+            for _, abort in left:
+                logger.info("a client left before its answer: its generation is aborted")
+                try:
+                    abort()
+                except Exception:  # the engine's trouble, which its own request will report
+                    logger.warning("aborting the generation of a client that left failed", exc_info=True)
+            with self._cv:
+                self._cv.wait(DISCONNECT_POLL_S)  # close() wakes it at once
+
+    def _abort_of(self, key: Hashable) -> Optional[Callable[[], None]]:
+        with self._cv:
+            entry = self._watched.get(key)
+        return None if entry is None else entry[1]

@@ -1,5 +1,5 @@
 """relax-serve (`EmbeddedServer`, in this process, real HTTP) and its clients: a request whose client leaves before its
-answer is aborted and frees the engine (`relax.serve.sglang.server.Departures`), one whose client stays runs to its
+answer is aborted and frees the engine (`relax.serve.http.Departures`), one whose client stays runs to its
 end; errors in OpenAI's shape, read by the official `openai` client; a wrong method answered 405 with Allow.
 
 The departure happens at a point of the generation with hooks in this process (tests/README.md, "Events at a point"):
@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-import relax.serve.sglang.server as server_module
+import relax.serve.http as http_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_disconnects")]
 
@@ -46,7 +46,7 @@ class Hooks:
         self.aborted, self.looked = threading.Event(), threading.Event()
         self.submitted, self.aborts, self.stays = [], [], 0
         generate, submit, abort_where = srv.engine.generate, srv.scheduler.submit, srv.scheduler.abort_where
-        left = server_module.client_left
+        left = http_module.client_left
 
         def held(*args, should_abort, **kw):
             def check() -> bool:  # the engine asks after every token whether to stop
@@ -77,7 +77,7 @@ class Hooks:
         monkeypatch.setattr(srv.engine, "generate", held)
         monkeypatch.setattr(srv.scheduler, "submit", submitted)
         monkeypatch.setattr(srv.scheduler, "abort_where", aborting)
-        monkeypatch.setattr(server_module, "client_left", looking)
+        monkeypatch.setattr(http_module, "client_left", looking)
 
 
 def ask(endpoint: str, stream: bool) -> tuple[str, dict]:
@@ -149,6 +149,87 @@ def test_negative_control_a_client_that_stays_gets_its_whole_answer(server, monk
     assert tokens_answered(endpoint, stream, response.read()) == (MAX, "length")
     conn.close()
     assert hooks.aborts == [] and [r.finish["type"] for r in hooks.submitted[0].rows] == ["length"]
+
+
+# ----------------------------------------------------------------- the training gateway in front of the engine
+@pytest.fixture
+def gateway(server):
+    """A training gateway (`relax.serve.openai.gateway`) whose service sends to this server over real HTTP, as the
+    rollout's gateway sends to its SGLang servers, and aborts by rid there; a session opened; the aborts it asked."""
+    from relax.agents.parsers import get_parser
+    from relax.rollout.sglang.client import GenerateClient, post
+    from relax.serve.openai.chat import ChatFormat
+    from relax.serve.openai.gateway import Gateway, WatchedSend
+    from relax.serve.openai.service import OpenAIService
+    from relax.serve.openai.sessions import Limits
+
+    asked: list[list[str]] = []
+
+    def abort(rids: list[str]) -> None:
+        asked.append(rids)
+        for rid in rids:
+            post(server.url, "/abort_request", {"rid": rid})
+
+    watched = WatchedSend(GenerateClient(server.url, request_timeout_s=120).generate, abort)
+    fmt = ChatFormat(server.tokenizer, server.eos_token_ids, get_parser("hermes", server.tokenizer))
+    gw = Gateway(OpenAIService(fmt, watched, model="policy", context_length=None, max_tokens=MAX),
+                 watched=watched).start()
+    session = gw.open(0, Limits(max_calls=4, max_tokens=400, max_new_tokens=MAX, temperature=1.0, top_p=1.0,
+                                top_k=-1, seed=0))
+    yield gw, session, asked
+    gw.close()
+
+
+def gateway_call(gw, session, monkeypatch) -> tuple[http.client.HTTPConnection, threading.Event]:
+    """A chat call of the session's agent, sent; the event is set once the gateway has handled it (answered or
+    failed: whatever it records, it has recorded)."""
+    handled, handle = threading.Event(), gw.handle
+
+    def handling(*args):
+        try:
+            return handle(*args)
+        finally:
+            handled.set()
+
+    monkeypatch.setattr(gw, "handle", handling)
+    conn = http.client.HTTPConnection(gw.host, gw.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": "policy", "messages": USER}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {session.key}"})
+    return conn, handled
+
+
+def test_the_gateway_aborts_the_call_of_an_agent_that_left(server, gateway, monkeypatch):
+    """An agent killed at its time limit (or whose client timed out) closes its connection while the engine holds its
+    call: the gateway aborts that call's request on the engine by its rid (the engine ends it after the token it
+    had, and serves the next), and the session records no answer: the agent never saw it. (Without the gateway's
+    watch, `watched=None`, no abort comes: checked when this test was written.)"""
+    gw, session, asked = gateway
+    hooks = Hooks(server, monkeypatch)
+    conn, handled = gateway_call(gw, session, monkeypatch)
+    assert hooks.started.wait(60)
+    conn.close()  # the agent is gone
+    assert hooks.aborted.wait(60), "the departure was not noticed"
+    hooks.release.set()
+    (request,) = hooks.submitted
+    assert request.done.wait(60) and handled.wait(60)
+    assert asked == [[row.rid for row in request.rows]] and asked[0][0].startswith("relax-gateway-")
+    assert hooks.aborts == ["aborted by /abort_request"]
+    assert [row.finish["type"] for row in request.rows] == ["abort"] and len(request.rows[0].tokens) < MAX
+    assert session.nodes == [] and session.trajectory() is None  # admitted (it counts to max_calls), not recorded
+
+
+def test_negative_control_the_gateway_answers_an_agent_that_stays(server, gateway, monkeypatch):
+    gw, session, asked = gateway
+    hooks = Hooks(server, monkeypatch)
+    conn, handled = gateway_call(gw, session, monkeypatch)
+    assert hooks.started.wait(60)
+    assert hooks.looked.wait(60)
+    hooks.release.set()
+    response = conn.getresponse()
+    assert response.status == 200 and json.loads(response.read())["object"] == "chat.completion"
+    conn.close()
+    assert handled.wait(60)
+    assert asked == [] and hooks.aborts == [] and len(session.nodes) == 1
 
 
 # ------------------------------------------------------------------------------------------------------ errors

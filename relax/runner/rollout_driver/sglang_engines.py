@@ -199,7 +199,8 @@ class SGLangEngines:
         self._watchdog.start()
         if self.cfg.data.openai_agent and self.agents is None:
             self.agents = AgentRollout(self.cfg, load_tokenizer(self.cfg.model), eos_token_ids=self.eos_token_ids,
-                                       pad_token_id=self.pad_token_id, send=self._agent_send, host=sg.host)
+                                       pad_token_id=self.pad_token_id, send=self._agent_send,
+                                       abort=self._agent_abort, host=sg.host)
         return self
 
     def _started(self, refs: list) -> list[str]:
@@ -319,6 +320,11 @@ class SGLangEngines:
             raise RunError(f"rollout=sglang: {exc}") from None
         return [parse_answer(a, self._version, len(p["input_ids"]) if p.get("image_data") else None)
                 for p, a in zip(payloads, answers, strict=True)]
+
+    def _agent_abort(self, rids: list[str]) -> None:
+        """Stop the gateway's requests `rids` (their agent left): each server aborts those it holds."""
+        for rid in rids:
+            self._each("/abort_request", {"rid": rid})
 
     def _agent_send(self, payloads: list[dict]) -> list[dict]:
         """`_send_raw` for the gateway: a request the servers refuse is the agent's bad request (HTTP 400)."""

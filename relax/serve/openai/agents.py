@@ -31,7 +31,7 @@ from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plai
 from relax.models.hf import context_length
 from relax.serve.openai.agent_call import call_agent
 from relax.serve.openai.chat import ChatFormat
-from relax.serve.openai.gateway import Gateway
+from relax.serve.openai.gateway import Gateway, WatchedSend
 from relax.serve.openai.service import OpenAIService
 from relax.serve.openai.sessions import Limits, Segment, Session
 
@@ -47,15 +47,17 @@ class AgentRollout:
     """The gateway and the agent workers of a run; `run` makes one batch of samples."""
 
     def __init__(self, cfg: Any, tokenizer: Any, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
-                 send: Callable[[list[dict]], list[dict]], host: str):
+                 send: Callable[[list[dict]], list[dict]], abort: Callable[[list[str]], None], host: str):
         from relax.rewards.worker_pool import RewardWorkers
 
         self.cfg, self.pad_token_id = cfg, pad_token_id
         fmt = ChatFormat(tokenizer, eos_token_ids, get_parser(cfg.data.tool_parser, tokenizer))
         # an agent's call is bounded by the room left under the model's context, as the engines are
-        service = OpenAIService(fmt, send, model=cfg.model.name, context_length=context_length(cfg.model),
+        # a call whose agent left (killed at its time limit, its client timed out) is aborted: `abort(rids)`
+        watched = WatchedSend(send, abort)
+        service = OpenAIService(fmt, watched, model=cfg.model.name, context_length=context_length(cfg.model),
                                 max_tokens=cfg.rollout.max_response_len)
-        self.gateway = Gateway(service, host=host).start()
+        self.gateway = Gateway(service, host=host, watched=watched).start()
         d = cfg.data
         self.workers = RewardWorkers(load_agent(d.openai_agent), processes=d.agent_workers, caller=call_agent,
                                      limit_name="data.agent_timeout_s", what="agent")

@@ -9,20 +9,24 @@ it makes with that key (`Authorization: Bearer <key>`, as the `openai` client se
 x}, which adds x to the reward of the session's latest call. Errors have OpenAI's shape; another method on a route's
 path is a 405 with Allow, as relax-serve answers it. The gateway binds to loopback unless configured otherwise
 (`rollout.gateway_host`); each session's key is a fresh random secret, so a reachable gateway still serves only the
-runs it started.
+runs it started. A call whose agent leaves before its answer (killed at `data.agent_timeout_s`, a client that timed
+out) has its generation aborted on the engines (`WatchedSend`), as relax-serve aborts its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import secrets
+import socket
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
-from relax.serve.http import BodyTooLarge, Handler, Server, read_body, refuse, write_answer
+from relax.serve.http import BodyTooLarge, Departures, Handler, Server, read_body, refuse, write_answer
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
@@ -46,7 +50,8 @@ class JSONHandler(Handler):
             self.close_connection = True
             return
         path = urlsplit(self.path).path
-        status, payload = self.server.app.handle(method, path, raw, self.headers)
+        with self.server.app.client_of(self.connection):  # its generation is aborted if the client leaves
+            status, payload = self.server.app.handle(method, path, raw, self.headers)
         if status == 405:
             self.extra_headers = [("Allow", ", ".join(self.server.app.methods(path)))]
         write_answer(self, status, payload)
@@ -59,11 +64,51 @@ def read_json(raw: bytes) -> Any:
         raise APIError(f"the body is not JSON: {exc}") from None
 
 
-class Gateway:
-    """Sessions behind one HTTP server; `service` generates (`relax.serve.openai.service.OpenAIService`)."""
+class WatchedSend:
+    """The `send` of a gateway's service (`OpenAIService`): `send` with a fresh `rid` on each /generate payload, and
+    while they are in flight, the connection of the HTTP request they serve watched (`Departures`): if its client
+    leaves, `abort(rids)` asks the engines to stop them (SGLang's /abort_request), so they do not generate to the end
+    for nobody, holding up the batch's other agents and the next weight update. Their answers come back aborted,
+    which fails the call (a 503 that nobody reads): it is not recorded in the session, as the agent never saw it."""
 
-    def __init__(self, service: OpenAIService, *, host: str = "127.0.0.1", port: int = 0):
-        self.service, self.host, self.port = service, host, int(port)
+    def __init__(self, send: Callable[[list[dict]], list[dict]], abort: Callable[[list[str]], None]):
+        self._send, self.abort = send, abort
+        self.departures = Departures("relax-gateway-departures")
+        self._client = threading.local()  # the connection of the request this handler thread serves
+
+    @contextlib.contextmanager
+    def client(self, sock: socket.socket) -> Iterator[None]:
+        """Within: what this thread sends serves a request that came over `sock`."""
+        previous = getattr(self._client, "sock", None)
+        self._client.sock = sock
+        try:
+            yield
+        finally:
+            self._client.sock = previous
+
+    def __call__(self, payloads: list[dict]) -> list[dict]:
+        sock = getattr(self._client, "sock", None)
+        if sock is None:  # sent from this process, not for an HTTP request
+            return self._send(payloads)
+        rids = [f"relax-gateway-{secrets.token_hex(8)}" for _ in payloads]
+        key = object()
+        self.departures.watch(sock, key, abort=lambda: self.abort(rids))
+        try:
+            return self._send([{**p, "rid": rid} for p, rid in zip(payloads, rids, strict=True)])
+        finally:
+            self.departures.forget([key])
+
+    def close(self) -> None:
+        self.departures.close()
+
+
+class Gateway:
+    """Sessions behind one HTTP server; `service` generates (`relax.serve.openai.service.OpenAIService`), through
+    `watched` when given (the service's `send`: a call whose client leaves is aborted)."""
+
+    def __init__(self, service: OpenAIService, *, host: str = "127.0.0.1", port: int = 0,
+                 watched: Optional[WatchedSend] = None):
+        self.service, self.host, self.port, self.watched = service, host, int(port), watched
         self.responses = Responses(service)  # /v1/responses: chat calls of the session, kept per session
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -89,6 +134,12 @@ class Gateway:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+        if self.watched is not None:
+            self.watched.close()
+
+    def client_of(self, sock: socket.socket) -> contextlib.AbstractContextManager:
+        """Within: the request being handled came over `sock` (its generation is aborted if the client leaves)."""
+        return contextlib.nullcontext() if self.watched is None else self.watched.client(sock)
 
     def open(self, sample_id: int, limits: Limits) -> Session:
         session = Session("relax-" + secrets.token_urlsafe(24), sample_id, limits)

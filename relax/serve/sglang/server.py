@@ -55,9 +55,7 @@ import json
 import logging
 import os
 import secrets
-import select
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -78,7 +76,16 @@ from relax.models.lora import inject_adapters
 from relax.models.moe import is_moe
 from relax.models.vision import is_vision_model
 from relax.rollout.embedded import EmbeddedEngine
-from relax.serve.http import MAX_BODY_BYTES, BodyTooLarge, Handler, Server, read_body, refuse, write_answer
+from relax.serve.http import (
+    MAX_BODY_BYTES,
+    BodyTooLarge,
+    Departures,
+    Handler,
+    Server,
+    read_body,
+    refuse,
+    write_answer,
+)
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
@@ -128,87 +135,6 @@ def is_loopback(host: str) -> bool:
 OPENAI_METHODS = {"/v1/chat/completions": ("POST",), "/v1/completions": ("POST",), "/v1/responses": ("POST",),
                   "/v1/models": ("GET",), "/v1/loads": ("GET",)}
 SGLANG_METHODS = ("GET", "POST", "PUT")
-# How often the connections of requests in generation are looked at: a client that left is noticed within this, and
-# its rows end after the engine's current token.
-DISCONNECT_POLL_S = 0.2
-
-
-def client_left(sock: socket.socket) -> bool:
-    """Whether the client of `sock` closed the connection (or reset it): the socket reads end-of-file. A request's
-    body has been read by then, so anything else readable (a pipelined next request) is not a departure; neither is a
-    socket with nothing to read. Looked at without blocking and without consuming (MSG_PEEK), beside the handler
-    thread that owns the socket."""
-    try:
-        poller = select.poll()  # not select.select: descriptors past 1024 (a server with many clients)
-        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        events = poller.poll(0)
-        if not events:
-            return False
-        if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-            return True
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError):
-        return False
-    except (OSError, ValueError):  # reset by the peer, or closed here (no descriptor)
-        return True
-
-
-class Departures:
-    """The requests in generation and the connections they came over. One thread looks at those connections every
-    `DISCONNECT_POLL_S` and aborts the rows of a request whose client left (as SGLang and vLLM abort a request whose
-    client disconnected): otherwise its batch would generate to the end for nobody, delaying every request behind it.
-    A stream's failed write aborts it too (`relax.serve.sglang.stream`), but only once a token comes; a request
-    answered at its end (/generate without stream, every OpenAI endpoint) writes nothing until then."""
-
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
-        self._cv = threading.Condition()
-        self._watched: dict[int, tuple[socket.socket, Request]] = {}  # id(request) -> (its connection, it)
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-
-    def watch(self, sock: socket.socket, request: Request) -> None:
-        """Abort `request` if the client of `sock` leaves before it ends."""
-        with self._cv:
-            if self._closed:
-                return
-            self._watched[id(request)] = (sock, request)
-            if self._thread is None:  # started at the first request: a server that never generates has none
-                self._thread = threading.Thread(target=self._run, name="relax-serve-departures", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def forget(self, requests: list[Request]) -> None:
-        """Stop watching `requests` (answered: their connection may go on to the next request, or close)."""
-        with self._cv:
-            for request in requests:
-                self._watched.pop(id(request), None)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._watched.clear()
-            self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._watched and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                watched = list(self._watched.values())
-            left = [request for sock, request in watched if not request.done.is_set() and client_left(sock)]
-            for request in left:
-                logger.info("a client left before its answer: its request is aborted")
-                self.scheduler.abort_where(lambda r, request=request: r.request is request, "the client disconnected")
-            self.forget(left + [request for _, request in watched if request.done.is_set()])
-            with self._cv:
-                self._cv.wait(DISCONNECT_POLL_S)  # close() wakes it at once
-
-
 class _Handler(Handler):
     server_version = "relax-embedded-sglang"
 
@@ -265,7 +191,7 @@ class EmbeddedServer(WeightEndpoints):
         self._httpd: Optional[Server] = None
         self._threads: list[threading.Thread] = []
         self.scheduler = Scheduler(lambda: self.weight_version)
-        self.departures = Departures(self.scheduler)  # requests whose client left are aborted
+        self.departures = Departures("relax-serve-departures")  # requests whose client left are aborted
         self._client = threading.local()  # the connection of the request this handler thread serves
         self._codec: Optional[RequestCodec] = None  # once the model is loaded
         self._openai_service: Any = None  # the OpenAI endpoints, made at their first call
@@ -661,7 +587,9 @@ class EmbeddedServer(WeightEndpoints):
         client = getattr(self._client, "value", None)  # None: submitted in this process, not over HTTP
         if client is not None:
             client[1].append(request)
-            self.departures.watch(client[0], request)
+            self.departures.watch(client[0], request, done=request.done.is_set,
+                                  abort=lambda: self.scheduler.abort_where(lambda r: r.request is request,
+                                                                           "the client disconnected"))
         return request
 
     def _stream(self, body: dict) -> Iterator[dict]:
