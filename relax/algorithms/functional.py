@@ -109,8 +109,10 @@ def _centered(g: torch.Tensor, constant: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_to_tokens(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`out[b, t] = values[b] * valid[b, t]`: a per-response scalar on every valid token."""
-    return values.unsqueeze(-1) * _valid(mask, values)
+    """`out[b, t] = values[b]` on valid tokens, 0 on masked ones: a per-response scalar on every valid token (a
+    `where`, not a product with the mask: a response left out of the loss may carry a NaN reward, and NaN * 0 is
+    NaN)."""
+    return torch.where(mask != 0, values.unsqueeze(-1), torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +124,14 @@ def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B] rewards placed on the last valid token of each row; [B, T] rewards are masked as given."""
+    """[B] rewards placed on the last valid token of each row; [B, T] rewards are masked as given. Masked tokens,
+    and rows without a valid token, get exactly 0 whatever the reward there holds (NaN included)."""
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     if rewards.dim() == 2:
-        return rewards * _valid(mask, rewards)
+        return torch.where(mask != 0, rewards, zero)
     last, has_any = last_token_index(mask)
     out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
-    out.scatter_(-1, last.unsqueeze(-1), (rewards * has_any.to(rewards.dtype)).unsqueeze(-1))
+    out.scatter_(-1, last.unsqueeze(-1), torch.where(has_any, rewards, zero).unsqueeze(-1))
     return out
 
 
@@ -199,11 +203,18 @@ def reinforce_pp_returns(
 ) -> torch.Tensor:
     """REINFORCE++ returns (before the global token normalization).
 
-    `r_t = mask_t * (-kl_coef * (old_logp_t - ref_logp_t) + [t is the last valid token] * R)`,
-    `G_t = sum_{u >= t} gamma^(u - t) r_u`; the result is 0 on masked tokens.
+    `r_t = mask_t * (-kl_coef * (old_logp_t - ref_logp_t) + [t is the last valid token] * R)` and, over the valid
+    tokens of a row only, `G_t = sum_{u >= t, u valid} gamma^(k(u) - k(t)) r_u` with `k` the index of a token among
+    the row's valid tokens: the discount counts the policy's own tokens, not positions. The masked tokens inside a
+    row are an episode's observations (tool output, the user's turn), which the policy did not choose: they are not
+    steps of its decision process, so the return carries across them undiscounted. Without such gaps (a single
+    turn) this is the positional `sum_{u >= t} gamma^(u - t) r_u`. The result is 0 on masked tokens, whatever
+    `old_logp`, `ref_logp` or `rewards` hold there (NaN and inf included).
     """
-    valid = _valid(mask, old_logp)
-    r = token_rewards(rewards.to(old_logp.dtype), mask) - kl_coef * (old_logp - ref_logp) * valid
+    keep = mask != 0
+    valid = keep.to(old_logp.dtype)
+    kl = torch.where(keep, old_logp - ref_logp, torch.zeros((), dtype=old_logp.dtype, device=old_logp.device))
+    r = token_rewards(rewards.to(old_logp.dtype), mask) - kl_coef * kl
     return _discounted_returns(r, gamma, valid) * valid
 
 
@@ -252,11 +263,15 @@ def gae(
     `rewards` [B] is placed on the last valid token of each row (a [B, T] tensor is taken as token
     rewards). Over the valid tokens of a row, in order, with `V = 0` past the last one:
     `delta_t = r_t + gamma * V_next - V_t`, `A_t = delta_t + gamma * lambd * A_next`,
-    `returns = A + V`. Masked tokens are skipped (the recursion carries across them) and are 0.
+    `returns = A + V`, where "next" is the next valid token, not the next position: masked tokens inside a row
+    (an episode's observations, which the policy did not choose) are not steps of its decision process, so the
+    recursion carries across them without a discount. Masked tokens are 0 in both results, whatever `values` or
+    `rewards` hold there (NaN and inf included).
     """
-    valid = _valid(mask, values)
+    keep = mask != 0
+    valid = keep.to(values.dtype)
     r = token_rewards(rewards.to(values.dtype), mask)
-    v = values * valid
+    v = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     T = values.shape[-1]
     adv = torch.zeros_like(v)
     next_value = torch.zeros_like(v[..., 0])

@@ -10,6 +10,7 @@ from relax.algorithms.hooks import check_range, float_rewards, ppo_clip_policy_l
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import VALUE_CLIPFRAC, VALUE_LOSS
 
+torch = lazy_module("torch")  # imported by the first computation, not by the registry
 F = lazy_module("relax.algorithms.functional")
 
 
@@ -32,8 +33,9 @@ def compute_advantages(cfg: PPOConfig, inputs: AdvantageInputs) -> AdvantageOutp
     if cfg.kl_coef > 0:
         if inputs.old_logp is None or inputs.ref_logp is None:
             raise ValueError(f"kl_coef={cfg.kl_coef} needs AdvantageInputs.old_logp and ref_logp")
-        k1 = F.kl_estimate(inputs.old_logp, inputs.ref_logp, "k1")
-        r = F.token_rewards(r, inputs.mask) - cfg.kl_coef * k1 * (inputs.mask != 0).to(r.dtype)
+        # a `where`, not a product with the mask: a masked token's log-probs may be NaN or inf, and NaN * 0 is NaN
+        k1 = torch.where(inputs.mask != 0, F.kl_estimate(inputs.old_logp, inputs.ref_logp, "k1"), 0.0)
+        r = F.token_rewards(r, inputs.mask) - cfg.kl_coef * k1
     adv, returns = F.gae(r, inputs.values, inputs.mask, cfg.gamma, cfg.lambd)
     if cfg.normalize_advantages:
         adv = F.global_token_normalize(adv, inputs.mask)

@@ -21,8 +21,9 @@ class ReinforcePPConfig(AlgorithmConfig):
 
 
 def compute_advantages(cfg: ReinforcePPConfig, inputs: AdvantageInputs) -> AdvantageOutput:
-    """`r_t = mask_t (-kl_coef (old_logp_t - ref_logp_t) + [last] R)`, `G_t = sum_{u>=t} gamma^(u-t) r_u`,
-    then whitening over every valid token of the batch."""
+    """`r_t = mask_t (-kl_coef (old_logp_t - ref_logp_t) + [last] R)`, `G_t` its return discounted over the valid
+    tokens of the response (`functional.reinforce_pp_returns`: an episode's observations are not steps of the
+    policy), then whitening over every valid token of the batch."""
     if inputs.old_logp is None or inputs.ref_logp is None:
         raise ValueError("REINFORCE++ advantages need AdvantageInputs.old_logp and ref_logp (KL-shaped rewards)")
     r = float_rewards(inputs).to(inputs.old_logp.dtype)
