@@ -21,8 +21,10 @@ def policy_loss(
     cfg: GSPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> PolicyLossOutput:
     """PPO-Clip with `s = exp(masked_mean_t(logp - old_logp))` for every token of a response."""
-    # compute_loss hands a policy loss inputs that are 0 on masked tokens and a 0/1 mask
-    loss, clipped = F.gspo_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.clip_high, zero_masked=True)
+    # Masked by the mask itself, not `zero_masked=True`: `PolicyLossFn` does not promise inputs that are 0 on masked
+    # tokens (compute_loss zeroes them, a direct caller need not), and a masked token in the sequence mean would
+    # change the ratio of every valid token of its response. Same value and gradient when they are 0.
+    loss, clipped = F.gspo_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.clip_high)
     return PolicyLossOutput(loss=loss, clipped=clipped)
 
 
