@@ -482,13 +482,16 @@ def reduce_loss(
     """Reduce a per-token loss to a scalar.
 
     `per_token=True`: `sum(mask * loss) / N_eff`, `N_eff = num_tokens` (the global valid-token count)
-    or this batch's valid-token count when None. `per_token=False`: mean over the rows of each row's
-    token mean `sum_t mask * loss / sum_t mask` (an empty row counts with mean 0).
+    or this batch's valid-token count when None. `per_token=False`: mean of each row's token mean
+    `sum_t mask * loss / sum_t mask` over the rows that have a valid token, `N_resp` of them: a row without one
+    (a response left out of the loss) adds nothing and is not counted, as in the trainer's denominator
+    (`relax.train.trainer.step_denominators`), so this is what `compute_loss` gives a batch that is the whole step.
     """
+    keep = mask != 0
     if per_token:
-        n = float(num_tokens) if num_tokens is not None else (mask != 0).sum().item()
+        n = float(num_tokens) if num_tokens is not None else keep.sum().item()
     else:
-        n = loss.shape[0] if loss.dim() > 1 else 1
+        n = keep.any(-1).sum().item() if keep.dim() > 1 else float(keep.any().item())
     return masked_sum_reduce(loss, mask, per_token, max(float(n), 1.0))
 
 

@@ -65,7 +65,8 @@ def compute_loss(
 
     Losses: `per_token=True`: `denominator` is the number of valid tokens of the whole optimizer step and
     each term is `sum(mask * x) / denominator`. `per_token=False`: `denominator` is the number of responses
-    of the step and each term is `sum_b(token mean of row b) / denominator`.
+    of the step that have a valid token (`relax.train.trainer.step_denominators`) and each term is
+    `sum_b(token mean of row b) / denominator`.
 
     `loss = reduce(w * pg) + kl_loss_coef * reduce(kl) - entropy_coef * reduce(entropy)` where `pg` is the
     algorithm's per-token policy loss, `w` the rollout correction's weight (detached; truncated importance sampling

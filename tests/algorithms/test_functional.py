@@ -287,9 +287,31 @@ def test_reduce_loss_hand():
     mask = t([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
     close(F.reduce_loss(loss, mask, per_token=True), 10.0 / 4)
     close(F.reduce_loss(loss, mask, per_token=True, num_tokens=10), 1.0)
-    close(F.reduce_loss(loss, mask, per_token=False), (2.0 + 4.0 + 0.0) / 3)
+    close(F.reduce_loss(loss, mask, per_token=False), (2.0 + 4.0) / 2)  # the empty row is not a response
     close(F.reduce_loss(loss, mask * 0, per_token=True), 0.0)
     close(F.reduce_loss(loss, mask * 0, per_token=False), 0.0)
+
+
+def test_reduce_loss_per_response_counts_the_responses_the_trainer_counts():
+    # the per-response denominator is N_resp, the rows with a valid token (trainer.step_denominators), not all rows:
+    # a response left out of the loss (mask_truncated, a failed reward) must not shrink the others' weight
+    from relax.algorithms import LossBatch, compute_loss, get
+    from relax.train.trainer import step_denominators
+
+    loss = t([[2.0, 0.0], [5.0, 5.0], [1.0, 3.0]])
+    mask = t([[1, 0], [0, 0], [1, 1]])
+    close(F.reduce_loss(loss, mask, per_token=False), (2.0 + 2.0) / 2)
+    denominator, _ = step_denominators(mask, per_token=False)
+    assert denominator == 2
+    close(F.reduce_loss(loss, mask, per_token=False), F.masked_sum_reduce(loss, mask, False, denominator))
+    # and compute_loss of a batch that is the whole step: RLOO's loss is -A * logp, so `loss` as -logp with A = 1
+    logp = -loss.clone().requires_grad_()
+    total, _ = compute_loss(get("rloo").config_cls(), LossBatch(logp=logp, old_logp=logp.detach(),
+                                                                advantages=torch.ones_like(loss), mask=mask),
+                            per_token=False, denominator=denominator)
+    close(F.reduce_loss(loss, mask, per_token=False), total.detach())
+    close(F.reduce_loss(loss[0], mask[0], per_token=False), 2.0)  # one row
+    close(F.reduce_loss(loss[1], mask[1], per_token=False), 0.0)
 
 
 def test_rloo_diagnostics_hand():
