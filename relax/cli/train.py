@@ -118,12 +118,15 @@ def _run(dc) -> object:
         return None
     from relax.data.datasets import DataError
     from relax.models.checkpoint_files import CheckpointFileError
+    from relax.rewards.calls import RewardSpecError
     from relax.rollout.sglang.process import StartupError
     from relax.runner.train import run
 
     try:
         return run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
-    except (RunError, DataError) as exc:  # DataError: a resume whose prompts differ from the checkpoint's
+    # DataError: a resume whose prompts differ from the checkpoint's; RewardSpecError: a reward, tool or agent
+    # function that its worker processes cannot load (its `prepare` raised: the message holds that traceback)
+    except (RunError, DataError, RewardSpecError) as exc:
         _job_fail(str(exc))
     except StartupError as exc:  # a server process of the run (the router, an engine) that never became healthy
         _job_fail(str(exc))

@@ -64,7 +64,26 @@ def get_reward_fn(spec: str) -> RewardFn:
                            keep_cause=True)
     if not callable(fn):
         raise RewardSpecError(f"data.reward={spec!r}: {spec.partition(':')[2]!r} is not callable")
+    _check_signature(spec, fn)
     return fn
+
+
+def _check_signature(spec: str, fn: RewardFn) -> None:
+    """RewardSpecError when `fn` cannot be called as the run calls it, `fn(response, label)` (with `prompt=` when it
+    takes one): otherwise every call would fail, each group left out, and the run would train nothing."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension without a signature: its first call will tell
+        return
+    try:
+        if accepts_prompt(fn):
+            signature.bind("response", "label", prompt="prompt")
+        else:
+            signature.bind("response", "label")
+    except TypeError as exc:
+        raise RewardSpecError(f"data.reward={spec!r}: cannot be called as fn(response, label) ({exc}); a reward "
+                              f"function takes the response text and the label (and, optionally, a keyword "
+                              f"`prompt`), and returns a float: {spec}{signature}") from None
 
 
 def accepts_prompt(fn: RewardFn) -> bool:

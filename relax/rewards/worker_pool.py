@@ -104,6 +104,17 @@ class _Worker:
         self.conn.close()
 
 
+def pickled(fn: RewardFn, what: str = "reward", limit_name: str = "data.reward_timeout_s") -> bytes:
+    """`fn` as it is sent to a worker process; RewardSpecError naming the fix when it cannot be (a lambda, a
+    function defined inside another): preflight checks it before a start, the pool uses it."""
+    try:
+        return pickle.dumps(fn)
+    except Exception as exc:
+        raise RewardSpecError(f"{what} function {getattr(fn, '__name__', fn)!r} cannot be sent to a worker "
+                              f"process ({type(exc).__name__}: {exc}); define it at module level, or call it in "
+                              f"the driver without a time limit ({limit_name}=null)") from exc
+
+
 class RewardWorkers:
     """Worker processes calling one reward function, each call limited in time (see the module docstring).
 
@@ -118,12 +129,7 @@ class RewardWorkers:
                  limit_name: str = "data.reward_timeout_s", what: str = "reward"):
         """`caller(fn, *call)` runs one call in a worker (a module-level function); `limit_name` and `what` name the
         time limit and the calls in messages."""
-        try:
-            self.fn_bytes = pickle.dumps(fn)
-        except Exception as exc:
-            raise RewardSpecError(f"{what} function {getattr(fn, '__name__', fn)!r} cannot be sent to a worker "
-                                  f"process ({type(exc).__name__}: {exc}); define it at module level, or call it in "
-                                  f"the driver without a time limit ({limit_name}=null)") from exc
+        self.fn_bytes = pickled(fn, what, limit_name)
         self.caller_bytes = pickle.dumps(caller)
         self.limit_name, self.what = limit_name, what
         self.processes = processes or max(1, min(4, _available_cpus()))

@@ -8,7 +8,8 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
 - `tokenizer`: the policy's tokenizer loads.
 - `teacher`: the distillation teacher's files and tokenizer, token for token the policy's (`check_teacher`).
 - `data`: the training prompts and the eval sets (files, task, prompt lengths).
-- `reward`: the reward function (`data.reward`) imports.
+- `reward`: the reward function (`data.reward`) imports, takes (response, label), and (with a time limit) can be sent
+  to a worker process.
 - `reward_model`: the reward model's files (a sequence-classification head of one label and its tokenizer; a judge's
   model and tokenizer) and the judge's parser (`relax.runner.reward_model.check_reward_model`).
 - `agent`: agentic data: the chat template renders observations (`relax.agents.render.check_template`), and the
@@ -50,6 +51,8 @@ from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_mode
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
 from relax.rewards.registry import get_reward_fn
+from relax.rewards.remote import is_url
+from relax.rewards.worker_pool import pickled
 from relax.roles.workers import ModelInfo
 from relax.runner import checkpoint
 from relax.runner.cluster import local_gpu_problem
@@ -208,7 +211,9 @@ def _data(pre: Preflight) -> None:
 def _reward(pre: Preflight) -> bool:
     if pre.cfg.data.reward == "none":
         return False
-    pre.reward_fn = get_reward_fn(pre.cfg.data.reward)
+    pre.reward_fn = get_reward_fn(pre.cfg.data.reward)  # imports, and can be called as fn(response, label)
+    if pre.cfg.data.reward_timeout_s is not None and not is_url(pre.cfg.data.reward):
+        pickled(pre.reward_fn)  # a limited call runs in a worker process, which it must reach
     return True
 
 
@@ -279,7 +284,7 @@ CHECKS: tuple[Check, ...] = (
     Check("tokenizer", "the policy's tokenizer loads", _tokenizer, ("model",)),
     Check("teacher", "the teacher's files and tokenizer (the policy's)", _teacher, ("tokenizer",)),
     Check("data", "training prompts and eval sets", _data, ("tokenizer",)),
-    Check("reward", "data.reward imports", _reward),
+    Check("reward", "data.reward imports and takes (response, label)", _reward),
     Check("reward_model", "reward_model's files (a classifier's head, a judge's model) and parser", _reward_model),
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),

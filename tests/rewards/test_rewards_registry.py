@@ -34,6 +34,20 @@ def user_module(tmp_path, monkeypatch):
             return {"1": 1.0, "nan": float("nan"), "str": "high", "none": None, "inf": float("inf")}[label]
 
         NOT_CALLABLE = 3
+
+        def one_arg(response):
+            return 1.0
+
+        def three_args(response, label, extra):
+            return 1.0
+
+        def star(*args, **kwargs):
+            return 1.0
+
+        def only_prompt_kw(response, label, *, prompt):
+            return 1.0
+
+        lam = lambda response, label: 1.0  # noqa: E731
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "my_rewards_mod"
@@ -62,6 +76,32 @@ def test_bad_specs_fail_at_start(spec, match):
     with pytest.raises(RewardSpecError, match=match):
         get_reward_fn(spec)
     assert issubclass(RewardSpecError, ValueError)
+
+
+def test_a_function_that_cannot_take_response_and_label_fails_at_start(user_module):
+    """Otherwise every call fails, every group is left out, and the run trains nothing."""
+    for name, why in (("one_arg", "too many positional arguments"),
+                      ("three_args", "missing a required argument: 'extra'")):
+        with pytest.raises(RewardSpecError, match=rf"cannot be called as fn\(response, label\) \({why}\)"):
+            get_reward_fn(f"{user_module}:{name}")
+    # the controls: what the run can call
+    for name in ("exact", "with_prompt", "star", "only_prompt_kw", "lam"):
+        assert callable(get_reward_fn(f"{user_module}:{name}")), name
+
+
+def test_preflight_refuses_a_reward_a_worker_cannot_receive(user_module):
+    """A lambda with a time limit (worker processes): named before Ray, with the fix; without a limit (called in
+    the driver) it is fine."""
+    from relax.config import load_config
+    from relax.runner.preflight import preflight
+
+    pre = preflight(load_config([f"data.reward={user_module}:lam"]), only=("reward",))
+    assert "cannot be sent to a worker process" in pre.problems["reward"], pre.render()
+    assert "data.reward_timeout_s=null" in pre.problems["reward"]
+    ok = preflight(load_config([f"data.reward={user_module}:lam", "data.reward_timeout_s=null"]), only=("reward",))
+    assert ok.ok, ok.render()
+    ok = preflight(load_config([f"data.reward={user_module}:exact"]), only=("reward",))
+    assert ok.ok, ok.render()
 
 
 def test_not_callable(user_module):
@@ -97,3 +137,21 @@ def test_prompt_kwarg_passed_when_accepted(user_module):
     scores = score_responses(digits_reward, ["7"], ["7"], prompts=["repeat 7"])
     rewards, errors = scores.rewards, scores.errors
     assert rewards == [1.0] and errors == 0
+
+
+def test_the_cli_turns_a_reward_its_workers_cannot_load_into_a_message(monkeypatch, capfd, tmp_path):
+    """A reward function whose `prepare` raises in its worker processes (`RewardSpecError`, after the start: the
+    workers load it at the first scoring) ends as `relax-train: error:` with the worker's account, exit 2, not
+    Hydra's "Error executing job" and the runner's own traceback. (That the pool raises it: test_reward_timeout.)"""
+    from relax_train_inprocess import relax_train
+
+    from relax.runner import train
+
+    def fails(*args, **kwargs):
+        raise RewardSpecError("a reward worker process cannot load the reward function:\nRuntimeError: prepare failed")
+
+    monkeypatch.setattr(train, "run", fails)
+    code, out, err = relax_train(["train.num_rollout=3", f"hydra.run.dir={tmp_path / 'out'}"], capfd)
+    assert code == 2, out + err
+    assert "relax-train: error: a reward worker process cannot load the reward function:" in err
+    assert "RuntimeError: prepare failed" in err and "Error executing job" not in err
