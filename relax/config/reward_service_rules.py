@@ -1,7 +1,8 @@
 """The rules of remote reward services (`data.reward=http(s)://...`, options in `data.reward_service`), reported with
 the rest of the config's (`relax.config.validate`): the URL's shape, the options' ranges, options set without a
-service (rejected, not ignored), the time limit that a service does not read, and the key's environment variable; and
-the time limit of the code_tests rewards, which must leave room for the sandbox's own."""
+service (rejected, not ignored), the time limit that a service does not read, and the key's environment variable;
+the time limit of the code_tests rewards, which must leave room for the sandbox's own; and the stop after steps of
+failed rewards, which only dropping failed groups reaches."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
             out.append(Violation((fields,) if isinstance(fields, str) else tuple(fields), message))
 
     default = RewardServiceConfig()
+    require(d.reward_error == "drop_group" or d.max_failed_reward_steps == type(d)().max_failed_reward_steps,
+            ("data.max_failed_reward_steps", "data.reward_error"),
+            f"data.max_failed_reward_steps={d.max_failed_reward_steps} has no effect with data.reward_error="
+            f"{d.reward_error}: the first failed reward call stops the run")
     if d.reward in CODE_TESTS_REWARDS and d.reward_timeout_s is not None:
         require(d.reward_timeout_s > CODE_TESTS_WALL_S + 5, ("data.reward_timeout_s", "data.reward"),
                 f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "

@@ -366,6 +366,10 @@ class DataConfig:
     # statistics and the loss, counted in rollout/reward_errors and rollout/reward_dropped_frac) | raise (stop
     # the run with the traceback of the first failure).
     reward_error: str = choice("drop_group", ("drop_group", "raise"))
+    # With drop_group: this many steps in a row in which failed reward calls (data.reward's, or the reward model's)
+    # left every group out, so that nothing was trained (a function or service that fails every call, labels it
+    # cannot read, a judge refusing the key), stop the run (exit 2) naming the first failure; 0: never stop.
+    max_failed_reward_steps: int = non_negative(3)
     # Seconds one reward call may take; a slower call is stopped and counts as a failed call (see reward_error).
     # Calls then run in worker processes (a hung one is killed); None: no limit, calls run in the driver.
     reward_timeout_s: Optional[float] = positive(60.0, optional=True)

@@ -1,5 +1,6 @@
 """The optimizer steps of one rollout: which global batches train, who trains on them, how their metrics combine,
-and the count of skipped (non-finite) steps that stops a run.
+and the counts of steps that train nothing and stop a run: skipped (non-finite) optimizer steps, and rollouts whose
+every group failed its rewards.
 
 A rollout's batch is `train.num_steps_per_rollout` consecutive global batches of `train.global_batch_size` rows
 (with `train.use_dynamic_global_batch_size`, of equal shares of the rollout's response tokens instead: a global
@@ -128,3 +129,32 @@ class SkippedSteps:
         raise RunError(f"step {step}: {self.in_a_row} optimizer step(s) in a row were skipped because the loss or the "
                        f"gradient norm is not finite ({values}); train.max_skipped_steps={self.limit}. The weights "
                        f"are those of the last applied step; {kept}. Lower train.lr or check the rewards.")
+
+
+class FailedRewardSteps:
+    """Steps in which failed reward calls left every group out (`data.reward_error=drop_group`), so that nothing was
+    trained, counted in a row: `data.max_failed_reward_steps` in a row stop the run, naming the first failure. A
+    reward that fails every call (a signature or label it cannot take, a service refusing the key) would otherwise
+    run to the end training nothing and exit 0, its only trace `rollout/reward_dropped_frac` 1.0."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row, self.first_error = limit, 0, None
+
+    def count(self, errors: int, kept: bool, first_error: str | None) -> None:
+        """One step's reward failures (`errors` failed calls), and whether any group was kept."""
+        if errors and not kept:
+            self.in_a_row += 1
+            self.first_error = self.first_error or first_error
+        else:
+            self.in_a_row, self.first_error = 0, None
+
+    def check(self, step: int) -> None:
+        """Raise RunError once `data.max_failed_reward_steps` steps in a row trained nothing for failed rewards."""
+        if not self.limit or self.in_a_row < self.limit:
+            return
+        lines = [line for line in (self.first_error or "").strip().splitlines() if line.strip()]
+        why = f"; the first failure: {lines[-1].strip()}" if lines else ""
+        raise RunError(f"step {step}: in {self.in_a_row} step(s) in a row every group was left out because its reward "
+                       f"calls failed, so nothing was trained (data.max_failed_reward_steps={self.limit}){why}. "
+                       "Check data.reward (its signature, the labels it reads, the service it calls) and the reward "
+                       "model; the warnings above name each step's first failure.")

@@ -44,7 +44,7 @@ from relax.runner.branch_rows import branch_advantages, expand, per_turn_rewards
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.mismatch_gate import MismatchGate
-from relax.runner.optimizer_steps import SkippedSteps, train_on_rollout
+from relax.runner.optimizer_steps import FailedRewardSteps, SkippedSteps, train_on_rollout
 from relax.runner.plan import Plan, build_plan
 from relax.runner.preempt import Preempted, Preemption, signal_name
 from relax.runner.preflight import (  # noqa: F401 (prepare, check_teacher, _check_megatron_model: their old home)
@@ -328,6 +328,7 @@ class Recipe:
                 self.stream.load_newest()
         self.pace = Pace(self.stream)
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
+        self.reward_failures = FailedRewardSteps(cfg.data.max_failed_reward_steps)
         self.gate = MismatchGate(cfg.train)  # train.mismatch_gate
 
     def step(self, step: int) -> None:
@@ -349,6 +350,7 @@ class Recipe:
         # 2. rewards; a group with a failed reward call is left out of the statistics and the loss
         scores = job.scores
         keep = kept_groups(scores.failed, cfg.rollout.n_samples_per_prompt)
+        self.reward_failures.count(scores.errors, bool(keep.any()), scores.first_error)
         metrics.update(rollout_metrics(samples, torch.tensor(scores.rewards, dtype=torch.float32), keep,
                                        scores.errors))
         metrics[REWARD_TIMEOUTS] = float(scores.timeouts)
@@ -393,6 +395,7 @@ class Recipe:
         self.gate.stop_if_crossed(step)  # (train.mismatch_gate=stop) after the step's metrics, before its checkpoint
         session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
         self.skipped.check(step, metrics, self.checkpoints)  # stops before a checkpoint of this step is written
+        self.reward_failures.check(step)  # (its metrics logged: rollout/reward_dropped_frac 1.0)
         self._checkpoint(step)
 
     def _checkpoint(self, step: int) -> None:

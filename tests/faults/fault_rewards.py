@@ -43,3 +43,8 @@ def broken_prepare(response: str, label: str) -> float:
 
 
 broken_prepare.prepare = _prepare_fails
+
+
+def always_fails(response: str, label: str) -> float:
+    """Fails every call (a verifier that cannot read the labels, a service refusing the key)."""
+    raise RuntimeError("the verifier refuses every response")

@@ -1,5 +1,5 @@
 """End-to-end with the tiny model, the roles in this process (`in_process`; the reward workers are processes as in
-every run): a diverging run stops, a hanging reward is cut off."""
+every run): a diverging run stops, a hanging reward is cut off, a reward that fails every call stops the run."""
 
 from __future__ import annotations
 
@@ -59,3 +59,52 @@ def test_a_hanging_reward_is_cut_off_and_its_groups_dropped(in_process, small_ru
             assert math.isfinite(m["train/loss"])
     assert took < 60, took
     print(f"hanging reward run: {took:.1f} s")
+
+
+def test_a_reward_that_fails_every_call_stops_the_run_naming_the_failure(in_process, small_run, tmp_path):
+    """Every group left out in data.max_failed_reward_steps steps in a row: nothing was trained, and the run stops
+    (FAILED, exit 2 from relax-train) with the first failure, its steps' metrics logged; before, it ran to the end
+    and finished with exit 0. (A reward failing on some responses, the control, trains on: the test above.)"""
+    from mlflow.tracking import MlflowClient
+
+    cfg = load_config(small_run("data.reward=fault_rewards:always_fails", "data.reward_timeout_s=null",
+                                "data.max_failed_reward_steps=2", steps=5))
+    with pytest.raises(RunError, match=r"step 1: in 2 step\(s\) in a row every group was left out because its reward "
+                                       r"calls failed, so nothing was trained \(data\.max_failed_reward_steps=2\); "
+                                       r"the first failure: RuntimeError: the verifier refuses every response"):
+        run(cfg, output_dir=tmp_path / "out")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])
+    assert mlrun.info.status == "FAILED"
+    dropped = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id,
+                                                                          "rollout/reward_dropped_frac"))
+    assert dropped == [(0, 1.0), (1, 1.0)]
+
+
+def test_failed_reward_steps_count_in_a_row_only():
+    from relax.runner.optimizer_steps import FailedRewardSteps
+
+    steps = FailedRewardSteps(2)
+    steps.count(16, False, "Traceback ...\nRuntimeError: first")
+    steps.check(0)
+    steps.count(3, True, "RuntimeError: some")  # a group kept: something trained, the count starts again
+    steps.count(16, False, "RuntimeError: second")
+    steps.check(2)
+    steps.count(16, False, "RuntimeError: third")
+    with pytest.raises(RunError, match="step 3: in 2 step.*the first failure: RuntimeError: second"):
+        steps.check(3)
+    never = FailedRewardSteps(0)
+    for step in range(5):
+        never.count(16, False, "RuntimeError: x")
+        never.check(step)
+
+
+def test_the_limit_is_refused_where_the_first_failure_stops_the_run():
+    from relax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.max_failed_reward_steps=1 has no effect with "
+                                          r"data.reward_error=raise"):
+        load_config(["data.reward_error=raise", "data.max_failed_reward_steps=1"])
+    with pytest.raises(ConfigError, match=r"data.max_failed_reward_steps=-1 must be >= 0"):
+        load_config(["data.max_failed_reward_steps=-1"])
+    assert load_config(["data.reward_error=raise"]).data.max_failed_reward_steps == 3  # the control: the default

@@ -145,6 +145,7 @@ VALUES: dict[str, Any] = {
     "train.adam_beta1": 0.5,
     "train.adam_beta2": 0.9,
     "train.max_skipped_steps": 1,
+    "data.max_failed_reward_steps": 1,
     "train.save_failures": "continue",
     "rollout.over_sampling_batch_size": 3,  # derived (None: rollout_batch_size when filtering)
     "rollout.max_filter_rounds": 1,  # one round: groups without a signal fill the batch instead of another round
@@ -186,6 +187,7 @@ CONTEXT: dict[str, list[str]] = {
                                      "train.eval_correct_threshold")},
     "data.prompt_overflow": ["rollout.max_prompt_len=10"],
     "data.reward_error": ["data.reward=walk_reward:reward"],
+    "data.max_failed_reward_steps": ["data.reward=walk_reward:always_fails"],  # the default 3: the 2 steps run
     "train.min_lr_ratio": ["train.lr_schedule=cosine"],
     "train.max_skipped_steps": ["train.lr=1e30"],  # the first update blows the weights up; later gradients are NaN
     "train.keep_checkpoints": ["train.save_interval=1"],
