@@ -67,16 +67,19 @@ class Range:
         return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
 
     def message(self, key: str, value: Any) -> str:
-        return f"{key}={value} {self.says or self._bounds()}"
+        # "a finite number" only where that is what the value lacks: `kl_coef=-0.1 must be >= 0` stays short
+        finite_word = self.finite and isinstance(value, (int, float)) and not math.isfinite(value)
+        return f"{key}={value} {self.says or self._bounds(finite_word)}"
 
-    def _bounds(self) -> str:
+    def _bounds(self, finite_word: bool = False) -> str:
+        must = "must be a finite number" if finite_word else "must be"
         if self.lo is None and self.hi is None:
             return "must be a finite number"
         if self.hi is None:
-            return f"must be {'>' if self.lo_open else '>='} {self.lo}"
+            return f"{must} {'>' if self.lo_open else '>='} {self.lo}"
         if self.lo is None:
-            return f"must be {'<' if self.hi_open else '<='} {self.hi}"
-        return f"must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+            return f"{must} {'<' if self.hi_open else '<='} {self.hi}"
+        return f"{must} in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
 
 
 def in_range(default: Any, lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
@@ -89,13 +92,18 @@ def in_range(default: Any, lo: Optional[float] = None, hi: Optional[float] = Non
 
 
 def positive(default: Any, **options: Any) -> Any:
-    """A numeric config field that must be > 0 (`in_range`'s options)."""
-    return in_range(default, 0, lo_open=True, **options)
+    """A numeric config field that must be a finite number > 0 (`in_range`'s options; `finite=False` admits +inf).
+
+    Finite by default, decided here once for every such field: nan already fails `> 0`, and +inf passed it although
+    no field reads it as a setting (a timeout of inf overflows the socket's, an lr or a coefficient of inf makes the
+    loss NaN, a temperature of inf turns the -inf of masked logits into NaN). A field whose inf is a meaningful
+    setting says so with `finite=False` and documents it."""
+    return in_range(default, 0, lo_open=True, **{"finite": True, **options})
 
 
 def non_negative(default: Any, **options: Any) -> Any:
-    """A numeric config field that must be >= 0 (`in_range`'s options)."""
-    return in_range(default, 0, **options)
+    """A numeric config field that must be a finite number >= 0 (`in_range`'s options; finite as `positive`)."""
+    return in_range(default, 0, **{"finite": True, **options})
 
 
 def finite(default: Any, **options: Any) -> Any:

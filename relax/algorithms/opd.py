@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.hooks import group_relative_advantages, ppo_clip_policy_loss, violation
+from relax.algorithms.hooks import check_positive, group_relative_advantages, ppo_clip_policy_loss, violation
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import OPD_METRICS, TEACHER_ADV_CLIPFRAC, TEACHER_KL, TEACHER_LOGP_MEAN
 
@@ -60,8 +60,9 @@ def compute_advantages(cfg: OPDConfig, inputs: AdvantageInputs) -> AdvantageOutp
 def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
     out: list[Violation] = []
-    if a.reward_coef < 0:
-        out.append(violation("algorithm.reward_coef", f"reward_coef={a.reward_coef} must be >= 0"))
+    # finite too: nan passed `< 0` and inf made every advantage +-inf (NaN where the reward advantage is 0)
+    out += check_positive(a.reward_coef, "algorithm.reward_coef", "it weighs the task reward's advantage",
+                          or_zero=True)
     if a.teacher_adv_clip is not None and not a.teacher_adv_clip > 0:
         out.append(violation("algorithm.teacher_adv_clip",
                              f"teacher_adv_clip={a.teacher_adv_clip} must be > 0 (null: no clip)"))

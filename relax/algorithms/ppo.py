@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.hooks import check_range, float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.hooks import check_positive, check_range, float_rewards, ppo_clip_policy_loss, violation
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import VALUE_CLIPFRAC, VALUE_LOSS
 
@@ -65,13 +65,8 @@ def check(cfg: Any) -> list[Violation]:
                 "steps",
             )
         )
-    if a.critic_lr is not None and not a.critic_lr > 0:
-        out.append(
-            violation(
-                "algorithm.critic_lr",
-                f"critic_lr={a.critic_lr} must be > 0: it is a learning rate (null uses train.lr)",
-            )
-        )
+    if a.critic_lr is not None:  # finite too: an lr of inf makes the critic's weights inf or NaN in its first step
+        out += check_positive(a.critic_lr, "algorithm.critic_lr", "it is a learning rate (null uses train.lr)")
     return out
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, Violation, register
-from relax.algorithms.hooks import group_relative_advantages, violation
+from relax.algorithms.hooks import check_positive, group_relative_advantages
 from relax.algorithms.lazy import lazy_module
 
 torch = lazy_module("torch")  # imported by the first computation, not by the registry
@@ -31,10 +31,8 @@ def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
     out: list[Violation] = []
     for key in ("tau_pos", "tau_neg"):
-        value = getattr(a, key)
-        if not value > 0:
-            message = f"{key}={value} must be > 0: it is the sigmoid gate's temperature"
-            out.append(violation(f"algorithm.{key}", message))
+        # finite too: at tau = inf the gate (4/tau) * sigmoid(tau * (ratio - 1)) is 0 * inf = NaN at ratio 1
+        out += check_positive(getattr(a, key), f"algorithm.{key}", "it is the sigmoid gate's temperature")
     return out
 
 

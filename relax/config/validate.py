@@ -70,7 +70,7 @@ class _Rules:
         self.within(key, value, _POSITIVE)
 
 
-_POSITIVE = Range(0, lo_open=True)
+_POSITIVE = Range(0, lo_open=True, finite=True)  # as the schema's `positive` fields: +inf is no setting
 
 
 def _choices(cfg: RelaxConfig, r: _Rules) -> None:

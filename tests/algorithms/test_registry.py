@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import subprocess
 import sys
 
@@ -93,6 +94,13 @@ VIOLATIONS = [
     ("reinforce_pp_baseline", {"use_kl_loss": True, "kl_loss_type": "k3"}, {}, "algorithm.kl_loss_type"),
     ("sapo", {"tau_pos": 0.0}, {}, "algorithm.tau_pos"),
     ("sapo", {"tau_neg": -1.0}, {}, "algorithm.tau_neg"),
+    # +inf passes `> 0` and then breaks the math (SAPO's loss is NaN at ratio 1); nan fails every comparison
+    ("sapo", {"tau_neg": math.inf}, {}, "algorithm.tau_neg"),
+    ("sapo", {"tau_pos": math.inf}, {}, "algorithm.tau_pos"),
+    ("sapo", {"tau_pos": math.nan}, {}, "algorithm.tau_pos"),
+    ("ppo", {"critic_lr": math.inf}, {}, "algorithm.critic_lr"),
+    ("opd", {"reward_coef": math.nan}, {}, "algorithm.reward_coef"),
+    ("opd", {"reward_coef": math.inf}, {}, "algorithm.reward_coef"),
 ]
 
 
@@ -107,8 +115,25 @@ def test_each_rule_names_its_field(name, algorithm, sections, field):
     assert key in v.message and ":" in v.message
 
 
+def test_sapo_rejects_an_infinite_temperature_because_its_loss_is_nan_there():
+    from relax.algorithms import LossBatch, compute_loss
+
+    def loss(**taus):
+        logp = torch.tensor([[-0.5, -0.7, -0.2]], requires_grad=True)
+        batch = LossBatch(logp=logp, old_logp=torch.tensor([[-0.5, -0.6, -0.2]]),
+                          advantages=torch.tensor([[-1.0, -1.0, 1.0]]), mask=torch.ones(1, 3))
+        return compute_loss(A.SAPOConfig(**taus), batch, per_token=True, denominator=3)[0]
+
+    assert not torch.isfinite(loss(tau_neg=math.inf))  # what the check keeps out
+    assert torch.isfinite(loss(tau_neg=1e6))  # a large finite temperature is a hard gate, and accepted
+    assert A.get("sapo").check(make_cfg("sapo", {"tau_pos": 1e-3, "tau_neg": 1e6})) == []
+    message = A.get("sapo").check(make_cfg("sapo", {"tau_neg": math.inf}))[0].message
+    assert message == "tau_neg=inf must be a finite number > 0: it is the sigmoid gate's temperature"
+
+
 def test_rules_that_pass():
     assert A.get("rloo").check(make_cfg("rloo", {"use_kl_loss": True}, train={"ref_load": "/ckpt/ref"})) == []
+    assert A.get("opd").check(make_cfg("opd", {"reward_coef": 0.5})) == []
     assert A.get("reinforce_pp_baseline").check(make_cfg("reinforce_pp_baseline", {"use_kl_loss": True})) == []
     assert A.get("ppo").check(make_cfg("ppo", {"gamma": 0.0, "lambd": 0.95, "critic_lr": 1e-5})) == []
 

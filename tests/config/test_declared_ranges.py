@@ -4,11 +4,15 @@ one, and the rules that the Megatron policy also checks are stated once (`relax.
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 
 import pytest
 
+from relax import algorithms
 from relax.algorithms.base import AlgorithmConfig, Range, range_of
 from relax.algorithms.reinforce_pp import ReinforcePPConfig
+from relax.config import ConfigError, load_config
 from relax.config.megatron_rules import sequence_parallel_violation
 from relax.config.schema import ModelConfig, RelaxConfig, RolloutConfig, TrainConfig
 from relax.config.validate import validate
@@ -76,3 +80,57 @@ def test_sequence_parallel_has_one_statement_for_validation_and_the_policy():
     torch = sequence_parallel_violation("torch", True, 1)
     assert torch is not None and torch.message in messages(
         RelaxConfig(train=TrainConfig(sequence_parallel=True)), "train.sequence_parallel")
+
+
+def config_classes(section: object):
+    """The config dataclasses of `section` (an instance) and of the sections nested in it (rollout.sglang)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield type(value)
+            yield from config_classes(value)
+
+
+def float_fields_with_a_range():
+    """(class, field) of every float field that declares a range: the schema's sections, nested ones included, and
+    every algorithm's config class (seed is an int)."""
+    classes = list(config_classes(RelaxConfig()))
+    classes += [algorithms.get(name).config_cls for name in algorithms.names()]
+    seen = set()
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            allowed = range_of(cls, f.name)
+            if allowed is not None and float in (hints[f.name], *typing.get_args(hints[f.name])):
+                if (allowed, f.name) not in seen:
+                    seen.add((allowed, f.name))
+                    yield cls, f.name
+
+
+@pytest.mark.parametrize("cls,name", list(float_fields_with_a_range()),
+                         ids=lambda x: x if isinstance(x, str) else x.__name__)
+def test_no_declared_float_range_admits_a_non_finite_value(cls, name):
+    # one decision for every `positive` / `non_negative` field (relax.algorithms.base.positive): nan failed the
+    # comparison already, +inf passed `> 0` although no field reads it as a setting (a timeout of inf overflows the
+    # socket's, a coefficient of inf makes the loss NaN)
+    allowed = range_of(cls, name)
+    assert not allowed.admits(math.inf) and not allowed.admits(-math.inf) and not allowed.admits(math.nan)
+    if allowed.hi is None and not allowed.says:  # a bounded range's message rules inf out: "must be in (0, 1]"
+        assert "must be a finite number" in allowed.message(name, math.inf)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["train.lr=inf"], "train.lr"),
+    (["rollout.temperature=inf"], "rollout.temperature"),
+    (["algorithm.eps_clip=inf"], "algorithm.eps_clip"),
+    (["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=inf"], "algorithm.kl_loss_coef"),
+    (["algorithm.entropy_coef=inf"], "algorithm.entropy_coef"),
+    (["data.reward_timeout_s=inf"], "data.reward_timeout_s"),
+    (["algorithm=sapo", "algorithm.tau_neg=inf"], "algorithm.tau_neg"),
+    (["algorithm=sapo", "algorithm.tau_pos=nan"], "algorithm.tau_pos"),
+])
+def test_a_non_finite_value_is_rejected_before_start_naming_the_field(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    found = [v.message for v in err.value.violations if key in v.fields]
+    assert any("must be a finite number" in m for m in found), str(err.value)
