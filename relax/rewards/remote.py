@@ -11,20 +11,27 @@ Protocol (docs/training.md, "Rewards"): each request is `POST <url>` with `Conte
 
 one reward per item in order: a finite number, or null for an item the service could not score (`errors`, optional,
 says why). Requests run `concurrency` at a time; each is bounded by `timeout_s` (a socket time limit, and a wall-clock
-bound on the whole call); a connection error, a time-out, a 429 or a 5xx is retried `retries` times after
-`backoff_s`, 2 * `backoff_s`, ... seconds. A request that still fails, an answer that is not such JSON (another 4xx
-status, a wrong length, a non-number), and a null reward fail their items: never a silent zero, their groups are left
-out and counted in `rollout/reward_errors`. Past `max_errors` failed items over the run, scoring raises
-`RewardServiceError` and the run stops with its message. The key is read from the environment for each request
-sent, and
-never appears in a message or a log.
+bound on the whole try: a service that trickles its answer has its connection shut at `timeout_s`); a connection
+error, a time-out, a 429 or a 5xx is retried `retries` times after `backoff_s`, 2 * `backoff_s`, ... seconds. A
+request that still fails, an answer that is not such JSON (another 4xx status, a wrong length, a non-number), and a
+null reward fail their items: never a silent zero, their groups are left out and counted in `rollout/reward_errors`.
+Past `max_errors` failed items over the run, scoring raises `RewardServiceError` and the run stops with its message.
+A batch that outlives its bound shuts the connections of its requests still in flight, so that no thread or socket
+outlives the batch.
+
+Redirects are not followed: a 3xx answer is a failed call whose error names the status and its Location (the request,
+and its key, go to `data.reward` and nowhere else). The URL may not hold a user or password (`check_url`; the key
+belongs in `api_key_env`). The key is read from the environment for each request sent, and never appears in a message
+or a log.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -49,8 +56,32 @@ def is_url(spec: object) -> bool:
     return isinstance(spec, str) and spec.strip().lower().startswith(("http://", "https://"))
 
 
+def without_credentials(url: str) -> str:
+    """`url` with the user and password of its netloc (`user:password@`) replaced by `***@`: a URL fit for a message."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+
+
+def credentials_problem(option: str, url: str, instead: str) -> Optional[str]:
+    """The message for a URL option (`option`) whose value holds a user or password, or None: the URL is logged (MLflow
+    params, train.log, the checkpoint's config), so a secret belongs in an environment variable (`instead` says which
+    option or variable). The message does not echo the credentials."""
+    if not isinstance(url, str) or "@" not in urlsplit(url.strip()).netloc:
+        return None
+    return (f"{option}={without_credentials(url.strip())!r} holds a user or password (user:password@): the URL is "
+            f"logged (MLflow params, train.log, the checkpoint's config); remove them and {instead}")
+
+
+REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "
+                      "Bearer key)")
+
+
 def check_url(url: str) -> Optional[str]:
-    """What is wrong with `url` as a reward service address, or None."""
+    """What is wrong with `url` as a reward service address, or None (the message never holds a password)."""
+    if (problem := credentials_problem("data.reward", url, REWARD_KEY_INSTEAD)) is not None:
+        return problem
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return f"data.reward={url!r}: a reward service URL needs http:// or https:// and a host"
@@ -59,6 +90,76 @@ def check_url(url: str) -> Optional[str]:
     except ValueError as exc:
         return f"data.reward={url!r}: {exc}"
     return None
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is not followed (it reaches the caller as an HTTPError): the request and its key go to one address."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+class _Recording:
+    """An HTTP(S) handler that hands each connection's socket, once connected, to `on_connect`: whoever bounds the
+    request can shut it (urllib keeps it out of reach)."""
+
+    def __init__(self, on_connect, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_connect = on_connect
+
+    def do_open(self, http_class, req, **kwargs):
+        on_connect = self._on_connect
+
+        class Connection(http_class):
+            def connect(self):
+                super().connect()
+                on_connect(self.sock)
+
+        return super().do_open(Connection, req, **kwargs)
+
+
+class _HTTPHandler(_Recording, urllib.request.HTTPHandler):
+    pass
+
+
+class _HTTPSHandler(_Recording, urllib.request.HTTPSHandler):
+    pass
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection from another thread: its reader gets EOF (or an error) at once."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
+
+
+class _Batch:
+    """The requests of one `score_batch` in flight: their sockets, and whether the batch gave up on them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = threading.Event()
+        self.sockets: set[socket.socket] = set()
+
+    def opened(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.sockets.add(sock)
+            abandoned = self.abandoned.is_set()
+        if abandoned:
+            _shut(sock)
+
+    def closed(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.sockets.discard(sock)
+
+    def abandon(self) -> None:
+        """Shut every connection still open; requests not sent yet are not sent."""
+        with self.lock:
+            self.abandoned.set()
+            left = list(self.sockets)
+        for sock in left:
+            _shut(sock)
 
 
 class RemoteReward:
@@ -96,8 +197,9 @@ class RemoteReward:
         if not items:
             return rewards, errors
         pool = ThreadPoolExecutor(max_workers=min(o.concurrency, len(chunks)), thread_name_prefix="reward-service")
+        batch = _Batch()
         try:
-            futures = [pool.submit(self._call_with_retries, [items[i] for i in chunk]) for chunk in chunks]
+            futures = [pool.submit(self._call_with_retries, [items[i] for i in chunk], batch) for chunk in chunks]
             # a bound on the whole batch: every chunk's tries, each within timeout_s, and the backoffs between them
             per_chunk = (o.retries + 1) * (o.timeout_s + 1.0) + o.backoff_s * (2 ** o.retries)
             deadline = time.monotonic() + per_chunk * math.ceil(len(chunks) / o.concurrency)
@@ -110,6 +212,9 @@ class RemoteReward:
                 for i, v, e in zip(chunk, values, why, strict=True):
                     rewards[i], errors[i] = v, (None if v is not None else e or "no reward")
         finally:
+            # requests still in flight past the bound are ended (their connections shut), not left to a service that
+            # trickles: the workers return at once
+            batch.abandon()
             pool.shutdown(wait=False, cancel_futures=True)
         failed = sum(r is None for r in rewards)
         with self._lock:
@@ -132,33 +237,76 @@ class RemoteReward:
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
-    def _call_with_retries(self, items: list[dict]) -> tuple[list[Optional[float]], list[Optional[str]]]:
+    def _call_with_retries(self, items: list[dict], batch: Optional[_Batch] = None) \
+            -> tuple[list[Optional[float]], list[Optional[str]]]:
         o = self.options
-        error = "?"
+        batch = batch or _Batch()
+        error, tries = "the batch's bound passed", 0
         for attempt in range(o.retries + 1):
-            if attempt:
-                time.sleep(o.backoff_s * 2 ** (attempt - 1))
-            retry, outcome, error = self._call(items)
+            # the backoff, cut short (and no further try) once the batch is abandoned
+            if batch.abandoned.wait(o.backoff_s * 2 ** (attempt - 1) if attempt else 0):
+                break
+            tries += 1
+            retry, outcome, error = self._call(items, batch)
             if outcome is not None:
                 return outcome
             if not retry:
                 break
-        return [None] * len(items), [f"{error} (after {attempt + 1} tries)"] * len(items)
+        return [None] * len(items), [f"{error} (after {tries} tries)"] * len(items)
 
-    def _call(self, items: list[dict]) -> tuple[bool, Optional[tuple[list, list]], str]:
-        """One request: (retry?, (rewards, errors) when it was answered, the error otherwise)."""
+    def _call(self, items: list[dict], batch: _Batch) -> tuple[bool, Optional[tuple[list, list]], str]:
+        """One request: (retry?, (rewards, errors) when it was answered, the error otherwise). Its connection is shut
+        `timeout_s` after it starts (an answer still arriving then is a time-out) or when `batch` is abandoned."""
         with self._lock:
             self.requests += 1
+        timeout = self.options.timeout_s
         body = json.dumps({"items": items}).encode()
         request = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
+        mine: list[socket.socket] = []
+        mine_lock = threading.Lock()
+        late = threading.Event()
+
+        def on_connect(sock: socket.socket) -> None:
+            with mine_lock:
+                mine.append(sock)
+            batch.opened(sock)
+            if late.is_set():
+                _shut(sock)
+
+        def at_deadline() -> None:
+            late.set()
+            with mine_lock:
+                for sock in mine:
+                    _shut(sock)
+
+        opener = urllib.request.build_opener(_NoRedirects(), _HTTPHandler(on_connect), _HTTPSHandler(on_connect))
+        timer = threading.Timer(timeout, at_deadline)
+        timer.daemon = True
+        timer.start()
         try:
-            with urllib.request.urlopen(request, timeout=self.options.timeout_s) as answer:
+            with opener.open(request, timeout=timeout) as answer:
                 raw = answer.read()
         except urllib.error.HTTPError as exc:
+            exc.close()
+            if 300 <= exc.code < 400:
+                location = exc.headers.get("Location") if exc.headers is not None else None
+                return False, None, (f"HTTP {exc.code} {exc.reason}: the service redirected to "
+                                     f"{without_credentials(location) if location else '(no Location)'}, and "
+                                     "redirects are not followed (the request and its key go to data.reward only): "
+                                     "set data.reward to the address that answers")
             return exc.code in RETRY_STATUS, None, f"HTTP {exc.code} {exc.reason}"
-        except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut
+            if late.is_set():
+                return True, None, (f"TimeoutError: timed out (no complete answer within "
+                                    f"data.reward_service.timeout_s={timeout:g} s)")
+            if batch.abandoned.is_set():
+                return False, None, "the batch's bound passed"
             reason = getattr(exc, "reason", exc)
             return True, None, f"{type(reason).__name__}: {reason}"
+        finally:
+            timer.cancel()
+            for sock in mine:
+                batch.closed(sock)
         try:
             answer_json = json.loads(raw)
             values = answer_json["rewards"]
@@ -167,6 +315,9 @@ class RemoteReward:
                 raise ValueError(f"{len(items)} items sent, {len(values) if isinstance(values, list) else '?'} "
                                  "rewards answered")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if late.is_set():  # an answer without a length, cut at the deadline
+                return True, None, (f"TimeoutError: timed out (no complete answer within "
+                                    f"data.reward_service.timeout_s={timeout:g} s)")
             return False, None, f"an answer that is not {{'rewards': [...]}} with one per item: {exc}"
         rewards: list[Optional[float]] = []
         errors: list[Optional[str]] = []

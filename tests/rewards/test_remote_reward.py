@@ -274,3 +274,175 @@ def test_a_run_against_a_service_counts_its_failures_and_stops_past_the_limit(se
 
     with pytest.raises(RunError, match=r"failed \d+ items over the run, more than data.reward_service.max_errors=0"):
         run(load_config([f"data.reward={s.url}", "data.reward_service.max_errors=0", *RUN]), output_dir=tmp_path / "b")
+
+
+# ---------------------------------------------------------------------------------------------- redirects, trickles
+def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    """A loopback server of `handler` in a thread, and its URL (path /score)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
+
+
+def test_a_redirect_is_not_followed_and_the_key_goes_nowhere_else(service, monkeypatch):
+    """A service that answers 302 to another address: the item fails with an error that names the status and the
+    Location, and the other address sees no request of any method (urllib followed a 302 with a GET that carried the
+    Bearer key); the key sent to the address that answers scores (control)."""
+    monkeypatch.setenv("RELAX_TEST_REWARD_KEY", "sk-redirect-456")
+    seen_elsewhere: list[tuple[str, str, object]] = []
+    redirects: list[str] = []
+
+    class Elsewhere(BaseHTTPRequestHandler):
+        def record(self):
+            seen_elsewhere.append((self.command, self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = do_PUT = do_HEAD = record
+
+        def log_message(self, *args):
+            pass
+
+    elsewhere, elsewhere_url = serve(Elsewhere)
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            redirects.append(self.headers.get("Authorization"))
+            self.send_response(302)
+            self.send_header("Location", elsewhere_url + "?stolen")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server, url = serve(Redirect)
+    try:
+        fn = client(url, api_key_env="RELAX_TEST_REWARD_KEY", retries=2)
+        scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
+    finally:
+        for s in (server, elsewhere):
+            s.shutdown()
+            s.server_close()
+    assert redirects == ["Bearer sk-redirect-456"]  # one request, not retried
+    assert seen_elsewhere == []  # the key went nowhere else
+    assert scores.failed == [True, True]
+    assert "HTTP 302" in scores.first_error and f"redirected to {elsewhere_url}?stolen" in scores.first_error
+    assert "redirects are not followed" in scores.first_error
+    # control: the same key, sent to the address that answers, scores
+    s = service()
+    scores = score_responses(client(s.url, api_key_env="RELAX_TEST_REWARD_KEY"), RESPONSES[:2], LABELS[:2])
+    assert scores.rewards == [len(r) / 10 for r in RESPONSES[:2]] and not any(scores.failed)
+    assert s.headers[0]["Authorization"] == "Bearer sk-redirect-456"
+
+
+class Trickle:
+    """A loopback service that sends a 200 with a long Content-Length, then one byte at a time until the client hangs
+    up or the test ends; `started` is set once the first byte is out, `cut` once a write failed (the client hung
+    up)."""
+
+    def __init__(self):
+        self.started, self.cut, self.stop = threading.Event(), threading.Event(), threading.Event()
+        trickle = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        trickle.started.set()
+                        if trickle.stop.wait(0.05):  # the pace of the trickle, well within the socket's time limit
+                            return
+                except OSError:  # broken pipe, reset: the client hung up
+                    trickle.cut.set()
+
+            def log_message(self, *args):
+                pass
+
+        self.server, self.url = serve(Handler)
+
+    def close(self):
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def record_workers(fn: RemoteReward) -> list[threading.Thread]:
+    """The threads that run `fn`'s requests, as they start."""
+    workers: list[threading.Thread] = []
+    call = fn._call_with_retries
+
+    def recorded(*args, **kwargs):
+        workers.append(threading.current_thread())
+        return call(*args, **kwargs)
+
+    fn._call_with_retries = recorded
+    return workers
+
+
+def test_a_trickling_service_is_cut_at_the_limit_and_no_thread_outlives_the_batch():
+    """Each byte comes within the socket's time limit, so only a wall-clock bound ends the request: the try is cut at
+    timeout_s (its connection shut, the service sees the client hang up), the item fails with a time-out, and the
+    worker thread that sent it ends (before: it read the trickle for as long as the service sent it)."""
+    trickle = Trickle()
+    try:
+        fn = client(trickle.url, timeout_s=0.5, retries=0)
+        workers = record_workers(fn)
+        scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
+        assert trickle.started.is_set()
+        assert scores.failed == [True, True] and "timed out" in scores.first_error
+        assert "data.reward_service.timeout_s=0.5" in scores.first_error
+        assert len(workers) == 1
+        workers[0].join(timeout=10)
+        assert not workers[0].is_alive(), "the worker still reads the trickle"
+        assert trickle.cut.wait(10), "the service never saw the client hang up"
+    finally:
+        trickle.close()
+
+
+def test_a_batch_past_its_bound_shuts_the_requests_still_in_flight(monkeypatch):
+    """The batch's own bound (past every try's limit) shuts what is still open: a request whose per-try limit was not
+    reached (the timer held off here) is ended when the batch gives up, and its thread ends."""
+    import relax.rewards.remote as remote
+
+    class NoTimer:  # the per-try limit never fires: only the batch's bound is left
+        def __init__(self, *args, **kwargs):
+            self.daemon = True
+
+        def start(self):
+            pass
+
+        def cancel(self):
+            pass
+
+    trickle = Trickle()
+    try:
+        fn = client(trickle.url, timeout_s=0.2, retries=0, backoff_s=0.0)
+        monkeypatch.setattr(remote.threading, "Timer", NoTimer)
+        workers = record_workers(fn)
+        scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
+        assert scores.failed == [True, True] and "batch's bound" in scores.first_error
+        workers[0].join(timeout=10)
+        assert not workers[0].is_alive(), "the worker still reads the trickle"
+        assert trickle.cut.wait(10)
+    finally:
+        trickle.close()
+
+
+def test_control_a_prompt_answer_within_the_limit_scores_and_leaves_no_worker(service):
+    s = service()
+    fn = client(s.url, timeout_s=0.5, retries=0)
+    workers = record_workers(fn)
+    scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
+    assert scores.rewards == [len(r) / 10 for r in RESPONSES[:2]] and not any(scores.failed)
+    workers[0].join(timeout=10)
+    assert not workers[0].is_alive()
