@@ -137,7 +137,10 @@ class AlgorithmConfig:
     # at the token, sequence or geometric-mean level, and rejection of tokens or responses whose ratio is outside
     # [rollout_mask_low, rollout_mask_high] at the same levels (none: off)
     use_tis: bool = False
-    tis_clip: float = positive(2.0)
+    tis_clip: float = in_range(2.0, 1, finite=True, says="must be a finite number >= 1: it caps the importance weight "
+                               "min(ratio, tis_clip) from above, and a cap below 1 would scale down every token on "
+                               "which the rollout engine and the trainer agree (ratio 1), a smaller loss rather than "
+                               "a truncation")
     tis_level: str = choice("token", ("token", "sequence", "geometric"))
     rollout_mask: str = choice("none", ("none", "token", "sequence", "geometric"))
     rollout_mask_low: float = 0.5

@@ -134,3 +134,21 @@ def test_a_non_finite_value_is_rejected_before_start_naming_the_field(overrides,
         load_config(overrides)
     found = [v.message for v in err.value.violations if key in v.fields]
     assert any("must be a finite number" in m for m in found), str(err.value)
+
+
+@pytest.mark.parametrize("value", ["0.5", "0.999", "inf"])
+def test_tis_clip_below_one_is_rejected_before_start(value):
+    # min(ratio, tis_clip) with tis_clip < 1 caps every on-policy token (ratio 1) at tis_clip: a smaller loss, not a
+    # truncation of the rare large ratios
+    with pytest.raises(ConfigError) as err:
+        load_config(["algorithm.use_tis=true", f"algorithm.tis_clip={value}"])
+    found = [v.message for v in err.value.violations if "algorithm.tis_clip" in v.fields]
+    assert found == [f"algorithm.tis_clip={float(value)} must be a finite number >= 1: it caps the importance weight "
+                     "min(ratio, tis_clip) from above, and a cap below 1 would scale down every token on which the "
+                     "rollout engine and the trainer agree (ratio 1), a smaller loss rather than a truncation"]
+
+
+@pytest.mark.parametrize("value", [1, 1.0, 2.0, 10])
+def test_tis_clip_of_one_and_above_is_accepted(value):
+    cfg = load_config(["algorithm.use_tis=true", f"algorithm.tis_clip={value}"])
+    assert cfg.algorithm.tis_clip == value
