@@ -142,7 +142,9 @@ def token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def grpo_advantages(rewards: torch.Tensor, group_size: int, std_normalization: bool = True) -> torch.Tensor:
     """GRPO: `A_i = (R_i - mean_g) / (std_g + 1e-6)`, std with Bessel's correction (N-1).
 
-    `std_normalization=False` gives Dr. GRPO: `A_i = R_i - mean_g`. A group of one has std 0. Computed in
+    `std_normalization=False` gives Dr. GRPO's advantage, `A_i = R_i - mean_g` (Dr. GRPO also drops the loss's
+    per-response `1/|o_i|` for a constant; that is the reduction's business, not this function's, and
+    docs/algorithms.md says which setting comes closest). A group of one has std 0. Computed in
     float64 (returned in the input's dtype); a group whose rewards are all equal gets exactly 0 (in fp32 the
     rounding of the mean would otherwise be divided by a std of ~1e-8 plus 1e-6).
     """

@@ -80,7 +80,7 @@ def test_fields_without_effect_in_context_are_rejected(overrides, field):
 def test_the_same_fields_are_accepted_where_they_act():
     load_config(["algorithm.use_tis=true", "algorithm.tis_clip=3.0"])
     load_config(["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01", "algorithm.kl_loss_type=k2"])
-    load_config(["algorithm.std_normalization=false"])  # Dr. GRPO
+    load_config(["algorithm.std_normalization=false"])  # Dr. GRPO's advantage
     load_config(["algorithm=m2po", "algorithm.miniclip_low=0.2"])
     load_config(["train.save=false", "train.resume=auto", "train.save_dir=/tmp/x"])  # continue without saving
     load_config(["train.eval_interval=5", "data=jsonl", "data.path=p.jsonl", "data.eval_path=e.jsonl"])
