@@ -534,6 +534,28 @@ MLFLOW_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", 
                   "databricks-uc", "uc")
 
 
+def _url_credentials(cfg: RelaxConfig, r: _Rules) -> None:
+    """No URL option holds a user or password: Relax logs them (MLflow params and tags, train.log, the checkpoint's
+    config.yaml and state.json, Hydra's .hydra/); each secret has an environment variable, which the message names."""
+    from relax.rewards.remote import REWARD_KEY_INSTEAD, credentials_problem
+
+    def url(key: str, value: object, instead: str, password_only: bool = False) -> None:
+        problem = credentials_problem(key, value, instead, password_only=password_only)
+        r.require(problem is None, key, problem or "")
+
+    url("data.reward", cfg.data.reward, REWARD_KEY_INSTEAD)
+    url("reward_model.url", cfg.reward_model.url, "put the key in an environment variable named by "
+        "reward_model.api_key_env (sent as a Bearer key)")
+    for u in cfg.rollout.sglang.urls or ():
+        # relax.runner.rollout_driver.sglang_engines.API_KEY_ENV (a test checks they agree)
+        url("rollout.sglang.urls", u, "put the servers' key (their --api-key) in $RELAX_SGLANG_API_KEY")
+    web = tracking_uri_scheme(cfg.tracking.uri) in ("http", "https")
+    url("tracking.uri", cfg.tracking.uri,
+        "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
+        if web else "give the password to the database client from its environment (postgresql: PGPASSWORD or "
+        "~/.pgpass)", password_only=not web)
+
+
 def tracking_uri_scheme(uri: str) -> str:
     """The scheme that MLflow picks a store by: a database's without its driver (`postgresql+psycopg2` ->
     `postgresql`), none for a Windows drive letter, `databricks` for `databricks://profile`."""
@@ -775,6 +797,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _overlong(cfg, r)
     _dynamic_sampling(cfg, algo, r)
     _tracking(cfg, r)
+    _url_credentials(cfg, r)
     _sglang(cfg, r)
     _not_built(cfg, r)
     _agents(cfg, r)

@@ -64,14 +64,19 @@ def without_credentials(url: str) -> str:
     return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
-def credentials_problem(option: str, url: str, instead: str) -> Optional[str]:
-    """The message for a URL option (`option`) whose value holds a user or password, or None: the URL is logged (MLflow
-    params, train.log, the checkpoint's config), so a secret belongs in an environment variable (`instead` says which
-    option or variable). The message does not echo the credentials."""
-    if not isinstance(url, str) or "@" not in urlsplit(url.strip()).netloc:
+def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> Optional[str]:
+    """The message for a URL option (`option`) whose value holds a user or password (only a password with
+    `password_only`: a database's user name is no secret), or None: the URL is logged (MLflow params, train.log, the
+    checkpoint's config), so a secret belongs in an environment variable (`instead` says which). The message does
+    not echo the credentials."""
+    if not isinstance(url, str):
         return None
-    return (f"{option}={without_credentials(url.strip())!r} holds a user or password (user:password@): the URL is "
-            f"logged (MLflow params, train.log, the checkpoint's config); remove them and {instead}")
+    netloc = urlsplit(url.strip()).netloc
+    if "@" not in netloc or (password_only and ":" not in netloc.rsplit("@", 1)[0]):
+        return None
+    what, them = ("a password", "it") if password_only else ("a user or password", "them")
+    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is logged (MLflow "
+            f"params, train.log, the checkpoint's config); remove {them} and {instead}")
 
 
 REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "
