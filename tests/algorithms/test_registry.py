@@ -131,6 +131,19 @@ def test_sapo_rejects_an_infinite_temperature_because_its_loss_is_nan_there():
     assert message == "tau_neg=inf must be a finite number > 0: it is the sigmoid gate's temperature"
 
 
+def test_m2po_takes_the_engines_logprobs_for_stale_data_with_tis_off():
+    # what the later (Chinese) spec revision recommends for M2PO on stale asynchronous data (docs/algorithms.md)
+    from relax.config import ConfigError, load_config
+
+    assert "use_rollout_logprobs" not in A.get("m2po").ignores
+    stale = ["algorithm=m2po", "train.mode=fully_async", "train.max_staleness=4"]
+    assert load_config([*stale, "algorithm.use_rollout_logprobs=true"]).algorithm.use_rollout_logprobs
+    with pytest.raises(ConfigError) as err:
+        load_config([*stale, "algorithm.use_rollout_logprobs=true", "algorithm.use_tis=true"])
+    assert any({"algorithm.use_tis", "algorithm.use_rollout_logprobs"} <= set(v.fields)
+               for v in err.value.violations), str(err.value)
+
+
 def test_rules_that_pass():
     assert A.get("rloo").check(make_cfg("rloo", {"use_kl_loss": True}, train={"ref_load": "/ckpt/ref"})) == []
     assert A.get("opd").check(make_cfg("opd", {"reward_coef": 0.5})) == []
