@@ -156,6 +156,9 @@ def test_split_into_micro_batches_changes_nothing():
      "algorithm.rollout_mask_low"),
     (["algorithm.rollout_mask=token", "algorithm.rollout_mask_low=1.2"], "algorithm.rollout_mask_low"),
     (["algorithm.rollout_mask=token", "algorithm.rollout_mask_low=-1"], "algorithm.rollout_mask_low"),
+    # low < high, not only low <= 1 <= high (docs/algorithms.md): [1, 1] would keep exact agreement only
+    (["algorithm.rollout_mask=token", "algorithm.rollout_mask_low=1.0", "algorithm.rollout_mask_high=1.0"],
+     "algorithm.rollout_mask_high"),
     (["algorithm.rollout_mask=geometric", "algorithm.use_rollout_logprobs=true"], "algorithm.rollout_mask"),
     (["algorithm.rollout_mask=tokens"], "algorithm.rollout_mask"),
 ])
@@ -163,6 +166,13 @@ def test_bad_corrections_are_rejected_before_start(overrides, key):
     with pytest.raises(ConfigError) as info:
         load_config(overrides)
     assert any(key in v.fields for v in info.value.violations), info.value
+
+
+def test_bounds_touching_one_on_one_side_are_accepted():
+    for low, high in ((1.0, 1.5), (0.5, 1.0)):
+        cfg = load_config(["algorithm.rollout_mask=token", f"algorithm.rollout_mask_low={low}",
+                           f"algorithm.rollout_mask_high={high}"]).algorithm
+        assert (cfg.rollout_mask_low, cfg.rollout_mask_high) == (low, high)
 
 
 def test_icepop_is_token_importance_sampling_with_token_rejection():
