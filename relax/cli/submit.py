@@ -3,8 +3,12 @@
     relax-submit --address http://HEAD:8265 -- algorithm=rloo model=qwen3_0.6b cluster=8xgpu
 
 The job's runtime environment uploads the working directory (this checkout by default, so the
-cluster runs exactly the code and conf/ you have) and sets environment variables (`--env KEY=VAL`;
-MODEL_DIR, DATA_DIR and the other variables in FORWARDED_ENV are passed on when set here). The
+cluster runs exactly the code and conf/ you have) and sets environment variables (`--env KEY=VAL`, or `--env KEY`
+for KEY's value here; MODEL_DIR, DATA_DIR and the other variables in FORWARDED_ENV are passed on when set here, and
+so are the secrets the run reads from the environment: the variables its `*api_key_env` options name,
+$RELAX_SGLANG_API_KEY with rollout.sglang.urls, MLflow's credentials with an http(s) tracking.uri; `secret_env`).
+A secret's value, and that of any `--env KEY`, is in no command line and shows as `***` in `--dry-run`; a secret
+the run needs that is unset here is named before submitting (the cluster's nodes may set it). The
 entrypoint is `python -m relax.cli.train`, i.e. relax-train, which works from the uploaded checkout
 whether or not Relax is installed on the nodes. With Ray's token authentication (Ray >= 2.52; on
 by default for local clusters since 2.59) the client sends the token found in RAY_AUTH_TOKEN,
@@ -57,15 +61,120 @@ def default_working_dir() -> Path:
 
 
 def parse_env(items: list[str], environ: Optional[dict[str, str]] = None) -> dict[str, str]:
-    """FORWARDED_ENV variables that are set here, then `--env KEY=VAL` (which wins)."""
+    """FORWARDED_ENV variables that are set here, then `--env KEY=VAL` or `--env KEY` (KEY's value here), which win.
+    Raises ValueError for a `--env KEY` that is not set here."""
     environ = dict(os.environ) if environ is None else environ
     env = {k: environ[k] for k in FORWARDED_ENV if environ.get(k)}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--env expects KEY=VALUE, got {item!r}")
+        if not key:
+            raise ValueError(f"--env expects KEY=VALUE or KEY, got {item!r}")
+        if not sep:
+            if key not in environ:
+                raise ValueError(f"--env {key}: {key} is not set here (--env expects KEY=VALUE, or KEY to pass on "
+                                 "its value from this environment)")
+            value = environ[key]
         env[key] = value
     return env
+
+
+def env_from_here(items: list[str]) -> set[str]:
+    """The variables of `--env KEY` items (no `=`): their values come from this environment, never shown."""
+    return {item for item in items if "=" not in item}
+
+
+# secrets the run reads from variables of fixed names: relax.runner.rollout_driver.sglang_engines.API_KEY_ENV (the
+# servers at rollout.sglang.urls), and MLflow's credentials for an http(s) tracking server
+SGLANG_KEY_ENV = "RELAX_SGLANG_API_KEY"
+MLFLOW_CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def api_key_options() -> list[str]:
+    """Every option of the schema that names a key's environment variable (a field called `api_key_env`, or ending
+    in it, at any depth): reward_model.api_key_env, data.reward_service.api_key_env, ..."""
+    import dataclasses
+
+    from relax.config.schema import RelaxConfig
+
+    found: list[str] = []
+
+    def walk(section: object, prefix: str) -> None:
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            elif f.name.endswith("api_key_env"):
+                found.append(prefix + f.name)
+
+    walk(RelaxConfig(), "")
+    return found
+
+
+def secret_env(overrides: list[str], conf: Path) -> dict[str, str]:
+    """{variable: the option that makes the run read it} for each secret that `relax-train <overrides>` (each job of
+    a sweep) reads from its environment; {} for a Hydra command that inspects rather than runs, or a config that
+    does not compose (check_config says why)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from relax.cli.config_check import sweep_jobs
+    from relax.config import register_configs
+
+    def value(cfg: Any, key: str) -> Any:
+        try:
+            return OmegaConf.select(cfg, key, throw_on_missing=False)
+        except Exception:  # noqa: BLE001 - an interpolation that only the cluster can resolve
+            return None
+
+    if any(o.startswith("-") and o not in _MULTIRUN_FLAGS for o in overrides):
+        return {}
+    plain = [o for o in overrides if o not in _MULTIRUN_FLAGS]
+    options = api_key_options()
+    found: dict[str, str] = {}
+    try:
+        jobs = sweep_jobs(plain) if len(plain) != len(overrides) else [plain]
+        register_configs()
+        with initialize_config_dir(config_dir=str(conf), version_base=None):
+            for job in jobs:
+                cfg = compose(config_name="config", overrides=job)
+                for option in options:
+                    name = value(cfg, option)
+                    if isinstance(name, str) and name:
+                        found.setdefault(name, f"{option}={name}")
+                if value(cfg, "rollout.sglang.urls"):
+                    found.setdefault(SGLANG_KEY_ENV, "rollout.sglang.urls (the servers' key)")
+                uri = value(cfg, "tracking.uri")
+                if value(cfg, "tracking.enabled") is not False and isinstance(uri, str) and \
+                        uri.lower().startswith(("http://", "https://")):
+                    for name in MLFLOW_CREDENTIAL_ENV:
+                        found.setdefault(name, f"tracking.uri={uri} (MLflow's credentials, when set)")
+    except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types: check_config reports them
+        return {}
+    return found
+
+
+def forward_secrets(env: dict[str, str], secrets: dict[str, str], environ: Optional[dict[str, str]] = None) \
+        -> list[str]:
+    """Add to `env` each of `secrets` (secret_env) that is set here and not given already; returns a note for each
+    key variable the run needs that is set neither here nor by --env (MLflow's credentials are optional)."""
+    environ = dict(os.environ) if environ is None else environ
+    notes = []
+    for name, why in secrets.items():
+        if name in env:
+            continue
+        if environ.get(name):
+            env[name] = environ[name]
+        elif name not in MLFLOW_CREDENTIAL_ENV:
+            notes.append(f"{why}: {name} is not set here, so it is not passed on; the job fails unless the "
+                         f"cluster's nodes set it (or give --env {name} with it set here)")
+    return notes
+
+
+def shown_payload(payload: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
+    """`payload` with the values of the `hidden` environment variables replaced by `***` (what --dry-run prints)."""
+    env = payload.get("runtime_env", {}).get("env_vars", {})
+    masked = {k: ("***" if k in hidden else v) for k, v in env.items()}
+    return {**payload, "runtime_env": {**payload.get("runtime_env", {}), "env_vars": masked}}
 
 
 def _first_of_sweeps(overrides: list[str]) -> list[str]:
@@ -304,7 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS)")
     p.add_argument("--working-dir", type=Path, default=None,
                    help="directory uploaded as the job's working_dir (default: this Relax checkout, else the cwd)")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="environment variable (repeatable)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VAL|KEY",
+                   help="environment variable of the job (repeatable); KEY alone passes on KEY's value here, never "
+                        "shown (the keys named by the config's *api_key_env options are passed on without it)")
     p.add_argument("--exp-dir", default=None, metavar="DIR",
                    help="absolute directory on the cluster's shared storage where relax-train runs and writes its "
                         "MLflow store, outputs and checkpoints (default: $EXP_DIR); without it every output path "
@@ -330,8 +441,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not working_dir.is_dir():
         parser.error(f"--working-dir {working_dir} is not a directory")
     exp_dir = args.exp_dir or os.environ.get(EXP_DIR_ENV) or None
+    hidden = env_from_here(args.env)
     if args.entrypoint is None:
         check_config(args.overrides, working_dir=working_dir, env=env)
+        secrets = secret_env(args.overrides, _hydra_conf(working_dir))
+        hidden |= set(secrets)
+        for note in forward_secrets(env, secrets):
+            print(f"relax-submit: note: {note}", file=sys.stderr)
     if args.entrypoint is not None:
         if args.exp_dir:
             parser.error("--exp-dir applies to relax-train, not to --entrypoint")
@@ -362,7 +478,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.dry_run:
         import json
 
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(shown_payload(payload, hidden), indent=2))
         return
     if not args.address:
         parser.error("--address is required (e.g. http://HEAD:8265), or set RAY_API_SERVER_ADDRESS")
