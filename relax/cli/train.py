@@ -43,7 +43,28 @@ def _group_options(conf: Path) -> dict[str, list[str]]:
     }
 
 
+def config_keys() -> list[str]:
+    """The schema's top-level keys as `--help` lists them, in the schema's order: a section as `name.*` (with its own
+    sections: `data.* (data.reward_service.*)`), a plain key by its name."""
+    import dataclasses
+
+    from relax.config.schema import RelaxConfig
+
+    cfg, out = RelaxConfig(), []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(value):
+            out.append(f.name)
+            continue
+        inner = [f"{f.name}.{g.name}.*" for g in dataclasses.fields(value)
+                 if dataclasses.is_dataclass(getattr(value, g.name))]
+        out.append(f"{f.name}.*" + (f" ({', '.join(inner)})" if inner else ""))
+    return out
+
+
 def help_text() -> str:
+    import textwrap
+
     from relax import algorithms
     from relax.config import conf_dir
 
@@ -68,7 +89,7 @@ def help_text() -> str:
         lines.append(f"  {name:<22} {algorithms.get(name).summary}")
     lines += [
         "",
-        "Other keys: train.*, rollout.*, model.*, teacher.*, cluster.*, data.*, tracking.*, seed, dry_run.",
+        textwrap.fill(f"Keys: {', '.join(config_keys())}.", width=100, subsequent_indent="      "),
         "  relax-train --cfg job               print the composed config",
         "  relax-train ... dry_run=true        validate, print the plan, run every check a start runs before Ray",
         "                                      (model files, tokenizer, data, checkpoints, ...); start nothing",
