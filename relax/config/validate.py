@@ -534,11 +534,40 @@ MLFLOW_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", 
                   "databricks-uc", "uc")
 
 
+def without_credentials(url: str) -> str:
+    """`url` with the user and password of its netloc (`user:password@`) replaced by `***@`: a URL fit for a message."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+
+
+def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> str | None:
+    """The message for a URL option (`option`) whose value holds a user or password (only a password with
+    `password_only`: a database's user name is no secret), or None: the URL is logged (MLflow params, train.log, the
+    checkpoint's config), so a secret belongs in an environment variable (`instead` says which). The message does
+    not echo the credentials (relax.rewards.remote.check_url asks it too)."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return None
+    netloc = urlsplit(url.strip()).netloc
+    if "@" not in netloc or (password_only and ":" not in netloc.rsplit("@", 1)[0]):
+        return None
+    what, them = ("a password", "it") if password_only else ("a user or password", "them")
+    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is logged (MLflow "
+            f"params, train.log, the checkpoint's config); remove {them} and {instead}")
+
+
+REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "
+                      "Bearer key)")
+
+
 def _url_credentials(cfg: RelaxConfig, r: _Rules) -> None:
     """No URL option holds a user or password: Relax logs them (MLflow params and tags, train.log, the checkpoint's
     config.yaml and state.json, Hydra's .hydra/); each secret has an environment variable, which the message names."""
-    from relax.rewards.remote import REWARD_KEY_INSTEAD, credentials_problem
-
     def url(key: str, value: object, instead: str, password_only: bool = False) -> None:
         problem = credentials_problem(key, value, instead, password_only=password_only)
         r.require(problem is None, key, problem or "")

@@ -56,35 +56,10 @@ def is_url(spec: object) -> bool:
     return isinstance(spec, str) and spec.strip().lower().startswith(("http://", "https://"))
 
 
-def without_credentials(url: str) -> str:
-    """`url` with the user and password of its netloc (`user:password@`) replaced by `***@`: a URL fit for a message."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-
-
-def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> Optional[str]:
-    """The message for a URL option (`option`) whose value holds a user or password (only a password with
-    `password_only`: a database's user name is no secret), or None: the URL is logged (MLflow params, train.log, the
-    checkpoint's config), so a secret belongs in an environment variable (`instead` says which). The message does
-    not echo the credentials."""
-    if not isinstance(url, str):
-        return None
-    netloc = urlsplit(url.strip()).netloc
-    if "@" not in netloc or (password_only and ":" not in netloc.rsplit("@", 1)[0]):
-        return None
-    what, them = ("a password", "it") if password_only else ("a user or password", "them")
-    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is logged (MLflow "
-            f"params, train.log, the checkpoint's config); remove {them} and {instead}")
-
-
-REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "
-                      "Bearer key)")
-
-
 def check_url(url: str) -> Optional[str]:
     """What is wrong with `url` as a reward service address, or None (the message never holds a password)."""
+    from relax.config.validate import REWARD_KEY_INSTEAD, credentials_problem  # the config's rule (a lower layer)
+
     if (problem := credentials_problem("data.reward", url, REWARD_KEY_INSTEAD)) is not None:
         return problem
     parts = urlsplit(url)
@@ -294,6 +269,8 @@ class RemoteReward:
         except urllib.error.HTTPError as exc:
             exc.close()
             if 300 <= exc.code < 400:
+                from relax.config.validate import without_credentials
+
                 location = exc.headers.get("Location") if exc.headers is not None else None
                 return False, None, (f"HTTP {exc.code} {exc.reason}: the service redirected to "
                                      f"{without_credentials(location) if location else '(no Location)'}, and "
