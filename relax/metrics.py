@@ -128,6 +128,9 @@ OPD_METRICS = (TEACHER_LOGP_MEAN, TEACHER_KL, TEACHER_ADV_CLIPFRAC)
 # ---- train: the actor's optimizer step (losses reduced as configured; diagnostics are shares/means of valid tokens)
 PG_LOSS = "train/pg_loss"
 PG_CLIPFRAC = "train/pg_clipfrac"
+# algorithm.dual_clip_c only: share of valid tokens whose PPO-Clip loss the dual clip capped (A < 0, ratio > c; verl's
+# name for the same share)
+PG_CLIPFRAC_LOWER = "train/pg_clipfrac_lower"
 PPO_KL = "train/ppo_kl"
 KL_LOSS = "train/kl_loss"
 ENTROPY = "train/entropy"

@@ -129,6 +129,16 @@ class AlgorithmConfig:
     name: str = "grpo"
     eps_clip: float = positive(0.2)
     eps_clip_high: Optional[float] = positive(None, optional=True)
+    # Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, slime's --eps-clip-c), null: off. The PPO-Clip loss of a
+    # token with A < 0 is capped at dual_clip_c * |A| (its gradient is 0 there), so that a token whose ratio ran far
+    # above the clip range (up to e^20, the log-ratio clamp) adds at most dual_clip_c * |A|; A >= 0 is unchanged.
+    # Read by the PPO-Clip losses (grpo, ppo, gspo with its sequence ratio, m2po, opd, both reinforce_pp); rloo, cispo
+    # and sapo reject it (`Algorithm.ignores`). Logs train/pg_clipfrac_lower. docs/algorithms.md, "Dual clip".
+    dual_clip_c: Optional[float] = in_range(
+        None, 1, lo_open=True, finite=True, optional=True,
+        says="must be a finite number > 1 (null: off): it caps the loss of a token with a negative advantage A at "
+        "dual_clip_c * |A|, and a cap of 1 or less would also cut tokens whose ratio has not moved above 1, the "
+        "on-policy ones inside the clip range")
     use_kl_loss: bool = False
     kl_loss_coef: float = non_negative(0.0)
     kl_loss_type: str = choice("k3", ("k1", "k2", "k3"))
@@ -206,6 +216,9 @@ class PolicyLossOutput:
 
     loss: torch.Tensor  # [B, T]
     clipped: Optional[torch.Tensor] = None  # [B, T] bool; None: the loss never clips
+    # [B, T] bool: tokens whose loss the dual clip capped (algorithm.dual_clip_c; `compute_loss` logs their share as
+    # train/pg_clipfrac_lower); None: no dual clip (off, or a loss that has none)
+    dual_clipped: Optional[torch.Tensor] = None
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 

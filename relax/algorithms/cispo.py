@@ -34,7 +34,12 @@ register(
         config_cls=CISPOConfig,
         compute_advantages=group_relative_advantages,
         policy_loss=policy_loss,
-        ignores={"kl_coef": "reward-side KL shaping is not part of CISPO; use use_kl_loss with kl_loss_coef"},
+        ignores={
+            "kl_coef": "reward-side KL shaping is not part of CISPO; use use_kl_loss with kl_loss_coef",
+            "dual_clip_c": "the dual clip caps the PPO-Clip surrogate, which CISPO's loss -sg(w) * A * logp is not: "
+            "its detached weight w is already clipped to at most 1 + eps_clip_high, which bounds every token's "
+            "gradient (lower eps_clip_high for a tighter bound)",
+        },
         summary="keeps a bounded gradient for tokens outside the trust region; use it when PPO clipping "
         "discards too much signal (often with eps_clip_high=10, use_tis and a small KL loss)",
         # The seed's objective divides the group's summed token terms by 1 / sum_i |o_i|: the global token mean.

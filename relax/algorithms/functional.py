@@ -50,6 +50,7 @@ __all__ = [
     "global_token_normalize",
     "gae",
     "ppo_clip_loss",
+    "dual_clip",
     "reinforce_loss",
     "cispo_loss",
     "cispo_loss_and_clipped",
@@ -322,6 +323,23 @@ def _ppo_clip_autograd(
     unclipped = -ratio * advantages
     clipped_term = -ratio.clamp(min=low_bound, max=high_bound) * advantages
     return torch.maximum(unclipped, clipped_term), clipped_term > unclipped
+
+
+def dual_clip(loss: torch.Tensor, advantages: torch.Tensor, c: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO (Ye et al., "Mastering Complex Control in MOBA Games with Deep RL", 2020) on a PPO-Clip loss:
+    `min(loss, -c * A)` where `A < 0`, `loss` unchanged where `A >= 0` (verl's `clip_ratio_c`, slime's `--eps-clip-c`).
+
+    Returns (loss, dual_clipped: tokens where `-c * A` is strictly the smaller, i.e. `A < 0` and `ratio > c`, up to
+    the rounding of the two products). Written without a branch on the sign of `A`: the cap is `c * |A|`, which is
+    `-c * A` where `A < 0`, and where `A >= 0` a PPO-Clip loss `-A * min(ratio, clip(ratio))` is `<= 0 <= c * |A|`
+    (ratios and clip bounds are positive), so the cap never binds there. `loss` must be a PPO-Clip loss of
+    `advantages` (`ppo_clip_loss`'s, GSPO's, M2PO's) and `c > 1` (validated on `algorithm.dual_clip_c`). Where the cap
+    binds the loss is the constant `-c * A` (no gradient to `logp`); elsewhere, ties included, it is `loss` with its
+    gradient. A NaN `loss` stays NaN.
+    """
+    cap = advantages.abs() * c
+    dual_clipped = loss > cap
+    return torch.where(dual_clipped, cap, loss), dual_clipped
 
 
 def reinforce_loss(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:

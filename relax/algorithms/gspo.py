@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
-from relax.algorithms.hooks import group_relative_advantages
+from relax.algorithms.hooks import group_relative_advantages, ppo_clip_output
 from relax.algorithms.lazy import lazy_module
 
 torch = lazy_module("torch")  # imported by the first computation, not by the registry
@@ -20,12 +20,14 @@ class GSPOConfig(AlgorithmConfig):
 def policy_loss(
     cfg: GSPOConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> PolicyLossOutput:
-    """PPO-Clip with `s = exp(masked_mean_t(logp - old_logp))` for every token of a response."""
+    """PPO-Clip with `s = exp(masked_mean_t(logp - old_logp))` for every token of a response, dual-clipped with
+    `dual_clip_c` (`hooks.ppo_clip_output`)."""
     # Masked by the mask itself, not `zero_masked=True`: `PolicyLossFn` does not promise inputs that are 0 on masked
     # tokens (compute_loss zeroes them, a direct caller need not), and a masked token in the sequence mean would
     # change the ratio of every valid token of its response. Same value and gradient when they are 0.
     loss, clipped = F.gspo_loss(logp, old_logp, advantages, mask, cfg.eps_clip, cfg.clip_high)
-    return PolicyLossOutput(loss=loss, clipped=clipped)
+    # dual_clip_c: a token with A < 0 of a response whose sequence ratio s exceeds c gets the loss c * |A|
+    return ppo_clip_output(cfg, loss, clipped, advantages)
 
 
 register(

@@ -36,12 +36,25 @@ def group_relative_advantages(cfg: AlgorithmConfig, inputs: AdvantageInputs) -> 
     return AdvantageOutput(advantages=adv)
 
 
+def ppo_clip_output(
+    cfg: AlgorithmConfig, loss: torch.Tensor, clipped: torch.Tensor, advantages: torch.Tensor, **extra: Any
+) -> PolicyLossOutput:
+    """The `PolicyLossOutput` of a PPO-Clip loss (plain, GSPO's sequence ratio, M2PO's bounds): with
+    `cfg.dual_clip_c` set, dual-clipped (`functional.dual_clip`) and its capped tokens in `dual_clipped`; the one
+    place that applies the option, so every PPO-Clip algorithm honours it alike. `extra`: more output fields."""
+    if cfg.dual_clip_c is None:
+        return PolicyLossOutput(loss=loss, clipped=clipped, **extra)
+    loss, dual_clipped = F.dual_clip(loss, advantages, cfg.dual_clip_c)
+    return PolicyLossOutput(loss=loss, clipped=clipped, dual_clipped=dual_clipped, **extra)
+
+
 def ppo_clip_policy_loss(
     cfg: AlgorithmConfig, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
 ) -> PolicyLossOutput:
-    """PPO-Clip with `eps_clip` / `eps_clip_high`."""
+    """PPO-Clip with `eps_clip` / `eps_clip_high`, dual-clipped with `dual_clip_c` (`ppo_clip_output`)."""
     loss, clipped = F.ppo_clip_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.clip_high)
-    return PolicyLossOutput(loss=loss, clipped=clipped)
+    return ppo_clip_output(cfg, loss, clipped, advantages)
+
 
 
 def violation(field: str, message: str, *more_fields: str) -> Violation:

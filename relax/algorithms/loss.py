@@ -18,13 +18,24 @@ import torch
 from relax.algorithms import functional as F
 from relax.algorithms.base import AlgorithmConfig, LossBatch, get
 from relax.algorithms.rollout_correction import correction_weights
-from relax.metrics import ENTROPY, KL_LOSS, LOSS, PG_CLIPFRAC, PG_LOSS, PPO_KL, VALUE_CLIPFRAC, VALUE_LOSS
+from relax.metrics import (
+    ENTROPY,
+    KL_LOSS,
+    LOSS,
+    PG_CLIPFRAC,
+    PG_CLIPFRAC_LOWER,
+    PG_LOSS,
+    PPO_KL,
+    VALUE_CLIPFRAC,
+    VALUE_LOSS,
+)
 
 __all__ = [
     "compute_loss",
     "compute_value_loss",
     "PG_LOSS",
     "PG_CLIPFRAC",
+    "PG_CLIPFRAC_LOWER",
     "PPO_KL",
     "KL_LOSS",
     "ENTROPY",
@@ -75,11 +86,11 @@ def compute_loss(
     `train/pg_loss`, `train/kl_loss`, `train/loss` are these (reduced) terms.
 
     Diagnostics, whatever the reduction, are means over the valid tokens of the whole step:
-    `sum(mask * x) / num_tokens` for `train/pg_clipfrac` (x = clipped), `train/ppo_kl`
-    (x = old_logp - logp), `train/entropy`; the algorithm's own metrics are weighted by
-    `(valid tokens of this batch) / num_tokens`. `num_tokens` is the valid-token count of the whole step
-    (every micro-batch and rank); None means `denominator` when `per_token`, else this batch's count
-    (this batch is the whole step).
+    `sum(mask * x) / num_tokens` for `train/pg_clipfrac` (x = clipped), `train/pg_clipfrac_lower` (x =
+    dual_clipped; only with `dual_clip_c`), `train/ppo_kl` (x = old_logp - logp), `train/entropy`; the
+    algorithm's own metrics are weighted by `(valid tokens of this batch) / num_tokens`. `num_tokens` is the
+    valid-token count of the whole step (every micro-batch and rank); None means `denominator` when `per_token`,
+    else this batch's count (this batch is the whole step).
 
     Algorithms with `step_statistics` (M2PO) use `batch.stats`, the statistics of the whole step; when it
     is None they are computed from this batch alone (correct only when this batch is the whole step).
@@ -120,6 +131,8 @@ def compute_loss(
             metrics[PG_CLIPFRAC] = torch.count_nonzero(out.clipped & keep).to(pg.dtype) / tokens
         else:
             metrics[PG_CLIPFRAC] = torch.zeros((), dtype=pg.dtype, device=pg.device)
+        if out.dual_clipped is not None:  # algorithm.dual_clip_c set: the capped tokens, counted as pg_clipfrac's
+            metrics[PG_CLIPFRAC_LOWER] = torch.count_nonzero(out.dual_clipped & keep).to(pg.dtype) / tokens
         # both are 0 on masked tokens: the plain sum is the masked one
         metrics[PPO_KL] = (old_logp - logp.detach()).sum() / tokens
         share = torch.count_nonzero(keep).to(pg.dtype) / tokens

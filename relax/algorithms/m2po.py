@@ -13,7 +13,7 @@ from relax.algorithms.base import (
     Violation,
     register,
 )
-from relax.algorithms.hooks import group_relative_advantages, violation
+from relax.algorithms.hooks import group_relative_advantages, ppo_clip_output, violation
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import M2_AFTER, M2_BEFORE
 
@@ -53,10 +53,12 @@ def policy_loss(
     *,
     stats: StepStatistics,
 ) -> PolicyLossOutput:
-    """PPO-Clip with the bounds of `stats` (`step_statistics` of the whole step); the M2 metrics are the step's."""
+    """PPO-Clip with the bounds of `stats` (`step_statistics` of the whole step), dual-clipped with `dual_clip_c`
+    (`hooks.ppo_clip_output`: the cap `c * |A|` of a token with A < 0 does not depend on the solved bounds); the M2
+    metrics are the step's."""
     loss, clipped = F.ppo_clip_loss(logp, old_logp, advantages, stats[EPS_LOW], stats[EPS_HIGH])
     metrics = {name: torch.tensor(stats[name], dtype=loss.dtype, device=loss.device) for name in (M2_BEFORE, M2_AFTER)}
-    return PolicyLossOutput(loss=loss, clipped=clipped, metrics=metrics)
+    return ppo_clip_output(cfg, loss, clipped, advantages, metrics=metrics)
 
 
 def check(cfg: Any) -> list[Violation]:

@@ -112,6 +112,7 @@ register(
             "(and a train.ref_load checkpoint)",
             "eps_clip": "RLOO's loss has no importance ratio to clip",
             "eps_clip_high": "RLOO's loss has no importance ratio to clip",
+            "dual_clip_c": "the dual clip caps the PPO-Clip surrogate, and RLOO's loss -A * logp has no ratio",
             "use_rollout_logprobs": "RLOO's loss has no ratio to an old policy",
             "std_normalization": "RLOO's leave-one-out advantage never divides by a std",
         },

@@ -46,6 +46,8 @@ register(
             "kl_coef": "reward-side KL shaping is not part of SAPO; use use_kl_loss with kl_loss_coef",
             "eps_clip": "SAPO gates the ratio with a sigmoid (tau_pos/tau_neg) instead of clipping it",
             "eps_clip_high": "SAPO gates the ratio with a sigmoid (tau_pos/tau_neg) instead of clipping it",
+            "dual_clip_c": "the dual clip caps the PPO-Clip surrogate, which SAPO's loss is not: its sigmoid gate "
+            "already bounds every token's loss by (4 / tau_neg) * |A| where A < 0, whatever the ratio",
         },
         summary="a soft, differentiable trust region; use it when hard clipping makes training unstable "
         "or wastes gradient",
