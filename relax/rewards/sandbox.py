@@ -8,27 +8,50 @@ it ended (`status`), its output (capped), and a pass/fail verdict per test case.
   included), stdin at /dev/null; it is killed when the process that started it dies (`PR_SET_PDEATHSIG`: a reward
   worker killed at its time limit takes its sandbox with it).
 - A temporary private working directory (`tempfile.mkdtemp`, mode 0700), the process's cwd, removed afterwards.
-- Kernel resource limits (`setrlimit`, set in the child before the code runs): CPU seconds (`RLIMIT_CPU`: SIGXCPU),
-  address space (`RLIMIT_AS`: a `MemoryError`), the size of any file written (`RLIMIT_FSIZE`: SIGXFSZ), open files
-  (`RLIMIT_NOFILE`), no core dumps, and no new processes or threads (`RLIMIT_NPROC=0`). The kernel does not apply
-  `RLIMIT_NPROC` to root, so a child started as root first gives up root (it becomes `nobody`, 65534, and owns its
-  directory); `SandboxResult.isolation["processes"]` says which applies.
+- Not root: a child started as root gives up root before the code runs (it becomes `nobody`, 65534, with no groups,
+  and owns its directory), so that the kernel's file permissions hold whatever the code does (`/proc/<parent>/environ`
+  and root's private files unreadable) and `RLIMIT_NPROC` applies. Where a directory on the way to the interpreter is
+  closed to others (`/root`, 0700, holding a pyenv), the child first covers it, in a mount namespace of its own (the
+  host's mounts are untouched), with an empty tmpfs into which only the interpreter's directories are bound. Where the
+  OS refuses (no mount namespace, no user 65534), the child stays root; `SandboxResult.isolation["user"]` says which.
+- Kernel resource limits (`setrlimit`, set in the child before the code runs): CPU seconds (`RLIMIT_CPU`: SIGXCPU, and
+  SIGKILL a second later for a program that ignores SIGXCPU: both are the status `cpu_limit`), address space
+  (`RLIMIT_AS`: a `MemoryError`), the size of any file written (`RLIMIT_FSIZE`: SIGXFSZ), open files
+  (`RLIMIT_NOFILE`), no core dumps, and no new processes or threads (`RLIMIT_NPROC=0`, which the kernel does not apply
+  to root); `SandboxResult.isolation["processes"]` says which applies.
+- A seccomp filter (x86_64, aarch64; `isolation` names it where it was set up) on which the kernel refuses (EPERM):
+  new processes and threads, exec, sockets, `fchdir`, `mknod` (FIFOs), pidfds (signals to other processes), file
+  handles, and every `*at` system call given a directory fd (`openat`, `mkdirat`, `renameat`, `linkat`, `unlinkat`,
+  `fchmodat`, ...: only `AT_FDCWD` passes, so a relative path is resolved from the cwd, as the audit hook resolves it).
 - The network: a new, empty network namespace (`unshare(CLONE_NEWNET)`, or with `CLONE_NEWUSER` when unprivileged)
   where the OS allows it: no interface but a downed loopback, so nothing can be reached. Where it does not, only the
   audit hook below refuses sockets; `isolation["network"]` says which (`namespace` or `audit-hook`).
 - An audit hook (`sys.addaudithook`, installed before the code runs; it cannot be removed) refuses with a
   `PermissionError`: opening a path outside the working directory (reading the standard library's own files
-  excepted, so that imports work), listing, creating, renaming, removing or changing paths outside it, every
-  `socket.*` event, `subprocess.Popen`, `os.system`, `os.exec*`, `os.spawn*`, `os.posix_spawn*`, `os.fork`,
+  excepted, so that imports work), listing, creating, renaming, removing or changing paths outside it (a path is
+  resolved as the kernel resolves it: symlinks followed, a relative one from the cwd, which can only be changed to a
+  path inside); any directory fd (opening a directory, `O_DIRECTORY`, `O_PATH`; the `open` event does not carry
+  `dir_fd`, so no directory fd may exist), every call given a `dir_fd`, changing to or listing a directory by its fd,
+  changing a file by its fd (`fchmod`, `fchown`, `futimens`, `ftruncate`, xattrs) unless it is inside the directory;
+  every `socket.*` event, `subprocess.Popen`, `os.system`, `os.exec*`, `os.spawn*`, `os.posix_spawn*`, `os.fork`,
   `os.forkpty`, `os.kill*`, `ctypes` (its import and every call), the frame and object introspection that would
   reach the harness (`sys._getframe`, `sys._current_frames`, `gc.get_objects/referrers/referents`, the audited
   attributes `tb_frame`, `gi_frame`, `__code__`, ...), tracing (`sys.settrace`, `sys.setprofile`) and new audit hooks.
+  It refuses with an `ImportError` (optional imports such as `http.client`'s of `ssl` go on without) the modules that
+  reach files past it (`readline`'s history files, `_tkinter`'s Tcl, `_sqlite3`'s ATTACH, `_dbm`/`_gdbm`, POSIX
+  shared memory and semaphores, `spwd`, `_ssl`'s file loading, test modules) and any extension module from outside
+  the standard library (native code written by the program). The hook itself runs no code of the program's: it
+  uses only functions captured before the code runs (not `os.path.realpath`, whose module functions the program
+  could replace), reads arguments by their exact builtin type, and makes its error after its checks are back on.
   An audit hook is a check inside the interpreter, not a kernel boundary: code that reached native code could pass
-  it; the kernel limits above hold whatever the code does.
+  it; the kernel's layers above (nobody, the seccomp filter, the limits) hold whatever the code does.
 - A wall-clock limit (`SandboxLimits.wall_s`): the process group is killed (SIGKILL) past it. Output: stdout and
   stderr are read up to `output_bytes` each; more kills the process (`status` `output_limit`).
 
-Not bounded: the total size of many files each under the file-size limit (only time bounds it).
+Not bounded: the total size of many files each under the file-size limit (only time bounds it). Without the seccomp
+filter, the audit hook alone refuses directory fds, and `os.mkfifo` and `os.pidfd_open` (no audit events) are
+allowed. With no directory fd, what needs one fails: `os.fwalk`, and on the seccomp filter `os.utime` of an fd
+(`futimens` is `utimensat` given the fd); `shutil.rmtree` is set to remove a tree by its paths.
 
 Verdicts: the harness in the child runs the code, then each test case in the code's namespace, and writes each
 verdict, tagged with a random token it read from stdin before the code ran, to a pipe of its own; a verdict without
@@ -99,6 +122,9 @@ class SandboxResult:
         return sum(self.passed) / len(self.passed) if self.passed else 0.0
 
 
+NOBODY = 65534  # the user (and group) a child started as root becomes
+
+
 def _read_roots() -> list[str]:
     """Directories the code may read (not write): the standard library, so that its imports work."""
     paths = sysconfig.get_paths()
@@ -123,17 +149,74 @@ def _main():
         except OSError:
             pass
 
-    import ctypes, platform, resource, struct
+    import ctypes, platform, resource, stat, struct
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: killed with the process that started it (a reward worker killed
-    if os.getppid() != job["parent"]:  # at its time limit), whose wall-clock limit can no longer be enforced
-        os._exit(1)
-    net, procs = [], []
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    net, procs, files = [], [], []
     if libc.unshare(0x40000000) == 0:  # CLONE_NEWNET
         net.append("namespace")
     elif os.getuid() != 0 and libc.unshare(0x10000000 | 0x40000000) == 0:  # CLONE_NEWUSER | CLONE_NEWNET
         net.append("namespace")
     work = os.path.realpath(job["dir"])
+    nobody = job["nobody"]
+
+    def blocked(path):  # the first directory on `path` that nobody may not search, and its next component
+        d = "/"
+        for c in path.strip("/").split("/"):
+            st = os.stat(d)
+            if not st.st_mode & 0o001 and st.st_uid != nobody:
+                return d, c
+            d = os.path.join(d, c)
+        return None
+
+    def reachable(paths):  # makes each of `paths` reachable by nobody, in a mount namespace of its own (the host's
+        private = False    # mounts are untouched): a directory nobody may not search (/root, 0700, holding the
+        for _ in range(8):  # interpreter) is covered by an empty tmpfs into which only the needed entries are bound
+            stops = {}
+            for p in paths:
+                b = blocked(p)
+                if b:
+                    stops.setdefault(b[0], set()).add(b[1])
+            if not stops:
+                for p in paths:  # and each is itself open to nobody (the working directory is nobody's)
+                    st = os.stat(p)
+                    if st.st_mode & 0o005 != 0o005 and st.st_uid != nobody:
+                        raise OSError(f"{p} is not readable by nobody")
+                return
+            if blocked(work) or "/" in stops:
+                raise OSError("the working directory or / is not reachable by nobody")
+            if not private:
+                if libc.unshare(0x00020000) != 0 or libc.mount(None, b"/", None, 0x4000 | 0x40000, None) != 0:
+                    raise OSError("no mount namespace")  # CLONE_NEWNS; MS_REC | MS_PRIVATE
+                private = True
+            for d, names in stops.items():
+                fds = {n: os.open(os.path.join(d, n), os.O_PATH) for n in names}
+                if libc.mount(b"tmpfs", d.encode(), b"tmpfs", 2 | 4, b"mode=755,size=64k") != 0:  # NOSUID | NODEV
+                    raise OSError("tmpfs")
+                for n, f in fds.items():
+                    os.mkdir(os.path.join(d, n))
+                    if libc.mount(f"/proc/self/fd/{f}".encode(), os.path.join(d, n).encode(), None, 0x1000 | 0x4000,
+                                  None) != 0:  # MS_BIND | MS_REC
+                        raise OSError("bind")
+                    os.close(f)
+        raise OSError("too deep")
+
+    user = "uid %d" % os.getuid()
+    if os.getuid() == 0:  # the kernel exempts root from RLIMIT_NPROC and root reads every file: become nobody
+        user = "root"
+        if nobody is not None:
+            try:
+                reachable(job["read_roots"] + [work])
+                os.setgroups([])
+                os.setgid(nobody)
+                os.setuid(nobody)
+                user = "nobody"
+            except OSError:
+                if os.getuid() == 0 and os.getgid() != 0:
+                    os.setgid(0)
+    libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL (set after the change of user, which clears it): killed with the
+    if os.getppid() != job["parent"]:  # process that started it (a reward worker killed at its time limit), whose
+        os._exit(1)                    # wall-clock limit can no longer be enforced
     os.chdir(work)
     os.umask(0o077)
     lim = job["limits"]
@@ -144,16 +227,48 @@ def _main():
                         (resource.RLIMIT_CORE, (0, 0)),
                         (resource.RLIMIT_NPROC, (0, 0))):
         resource.setrlimit(what, value)
-    # seccomp: the kernel refuses (EPERM) new processes and threads, exec, and sockets, root or not
-    syscalls = {"x86_64": (0xC000003E, (56, 57, 58, 59, 322, 435, 41, 53)),  # clone fork vfork execve execveat
-                "aarch64": (0xC00000B7, (220, 221, 281, 435, 198, 199))}   # clone3 socket socketpair
+    # seccomp: the kernel refuses (EPERM), root or not: new processes and threads, exec, sockets, fchdir, FIFOs and
+    # device nodes, pidfds (signals to other processes), file handles, and every *at call given a directory fd
+    # (only AT_FDCWD passes: a path is then resolved as the audit hook resolves it, from the cwd)
+    syscalls = {
+        # clone fork vfork execve execveat clone3 socket socketpair fchdir mknod mknodat pidfd_open
+        # pidfd_send_signal pidfd_getfd name_to_handle_at open_by_handle_at
+        "x86_64": (0xC000003E, (56, 57, 58, 59, 322, 435, 41, 53, 81, 133, 259, 434, 424, 438, 303, 304),
+                   # openat openat2 mkdirat fchownat futimesat unlinkat renameat linkat symlinkat fchmodat
+                   # utimensat renameat2 fchmodat2: (number, the arguments that are directory fds)
+                   ((257, (0,)), (437, (0,)), (258, (0,)), (260, (0,)), (261, (0,)), (263, (0,)), (264, (0, 2)),
+                    (265, (0, 2)), (266, (1,)), (268, (0,)), (280, (0,)), (316, (0, 2)), (452, (0,)))),
+        "aarch64": (0xC00000B7, (220, 221, 281, 435, 198, 199, 50, 33, 434, 424, 438, 264, 265),
+                    ((56, (0,)), (437, (0,)), (34, (0,)), (54, (0,)), (35, (0,)), (38, (0, 2)), (37, (0, 2)),
+                     (36, (1,)), (53, (0,)), (88, (0,)), (276, (0, 2)), (452, (0,))))}
     if platform.machine() in syscalls:
-        arch, nrs = syscalls[platform.machine()]
-        deny = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
-        prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, deny), (0x20, 0, 0, 0),
-                (0x35, len(nrs) + 1, 0, 0x40000000)]  # x32 syscalls: denied
-        prog += [(0x15, len(nrs) - i, 0, nr) for i, nr in enumerate(nrs)]
-        prog += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, deny)]  # allow; deny
+        arch, denied, dirfd_calls = syscalls[platform.machine()]
+        code = [("ld", 4), ("jeq", arch, None, "deny"), ("ld", 0), ("jge", 0x40000000, "deny", None)]  # x32: denied
+        code += [("jeq", nr, "deny", None) for nr in denied]
+        for i, (nr, args) in enumerate(dirfd_calls):
+            code.append(("jeq", nr, None, f"next{i}"))
+            for a in args:  # the low 32 bits of the argument (the kernel reads an int): AT_FDCWD or denied
+                code += [("ld", 16 + 8 * a), ("jeq", 0xFFFFFF9C, None, "deny")]
+            code += [("ret", 0x7FFF0000), ("label", f"next{i}")]
+        code += [("ret", 0x7FFF0000), ("label", "deny"), ("ret", 0x00050000 | 1)]  # allow; SECCOMP_RET_ERRNO|EPERM
+        at, n = {}, 0
+        for ins in code:
+            if ins[0] == "label":
+                at[ins[1]] = n
+            else:
+                n += 1
+        prog, n = [], 0
+        for ins in code:
+            if ins[0] == "label":
+                continue
+            jump = lambda label: 0 if label is None else at[label] - n - 1
+            if ins[0] == "ld":
+                prog.append((0x20, 0, 0, ins[1]))  # BPF_LD | BPF_W | BPF_ABS
+            elif ins[0] == "ret":
+                prog.append((0x06, 0, 0, ins[1]))
+            else:
+                prog.append((0x15 if ins[0] == "jeq" else 0x35, jump(ins[2]), jump(ins[3]), ins[1]))
+            n += 1
         buf = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *x) for x in prog))
 
         class Prog(ctypes.Structure):
@@ -163,82 +278,211 @@ def _main():
         if libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0:
             procs.append("seccomp")
             net.append("seccomp")
+            files.append("seccomp")
         del buf, fprog, Prog
     del libc
     for m in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.") or m == "_ctypes"]:
         del sys.modules[m]
     if os.getuid() != 0:  # the kernel exempts root from RLIMIT_NPROC
         procs.append("rlimit")
+    if user == "nobody":  # the kernel's file permissions: a root-owned file reads as for any user
+        files.insert(0, "nobody")
+    import shutil  # its rmtree without directory fds (refused below): a tree in the working directory can be removed
+    shutil._use_fd_functions = False
     say("isolation " + json.dumps({"network": "+".join(net + ["audit-hook"]),
-                                   "processes": "+".join(procs + ["audit-hook"]), "files": "audit-hook"}))
+                                   "processes": "+".join(procs + ["audit-hook"]),
+                                   "files": "+".join(files + ["audit-hook"]), "user": user}))
 
+    # The audit hook runs no code of the program's: it uses only the C functions and constants captured here (the
+    # program could replace a module's function, a builtin, or a method of a Python class, and the hook would call
+    # it with the checks off) and reads only arguments of exact builtin types (str, bytes, int, None); the error is
+    # made after the checks are back on.
     roots = tuple(job["read_roots"])
-    realpath, fspath, isinstance_, str_, bytes_, hasattr_ = (os.path.realpath, os.fspath, isinstance, str, bytes,
-                                                             hasattr)
-    inside = lambda p: p == work or p.startswith(work + os.sep)
-    readable = lambda p: any(p == r or p.startswith(r + "/") for r in roots)
+    work_ = work + "/"
+    lstat_, readlink_, getcwd_, fstat_ = os.lstat, os.readlink, os.getcwd, os.stat
+    str_, bytes_, int_, type_, tuple_, tlen_, issubclass_ = str, bytes, int, type, tuple, tuple.__len__, issubclass
+    base_exception, oserror_ = BaseException, OSError
+    s_ifmt, s_iflnk, s_ifdir = stat.S_IFMT(0o170000), stat.S_IFLNK, stat.S_IFDIR
     writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    no_dir = getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_PATH", 0)  # an fd of a directory is refused
     refused = {"subprocess.Popen", "os.system", "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn",
                "sys._getframe", "sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                "object.__getattr__", "sys.settrace", "sys.setprofile", "sys.addaudithook", "signal.pthread_kill",
-               "resource.setrlimit", "resource.prlimit", "os.chroot"}
+               "resource.setrlimit", "resource.prlimit", "os.chroot", "os.mkfifo", "os.mknod",
+               "sqlite3.connect", "sqlite3.enable_load_extension", "sqlite3.load_extension"}
     refused_prefixes = ("socket.", "ctypes.", "os.exec", "os.spawn", "os.posix_spawn")
-    paths = {"os.listdir", "os.scandir", "os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
-             "os.link", "os.symlink", "os.truncate", "os.utime", "os.chdir", "os.chflags", "os.mkfifo", "os.mknod",
-             "shutil.copyfile", "shutil.copymode", "shutil.copystat", "shutil.copytree", "shutil.move",
-             "shutil.rmtree", "shutil.chown", "glob.glob", "os.walk", "os.fwalk", "os.getxattr", "os.listxattr",
-             "os.setxattr", "os.removexattr", "pathlib.Path.glob", "pathlib.Path.rglob", "tempfile.mkdtemp",
-             "tempfile.mkstemp"}
+    # events on paths: (the positions of the path arguments, of the directory-fd arguments). Every str or bytes
+    # argument is a path; a path given as an fd must be a file in the working directory, a dir_fd must be none.
+    paths = {"os.listdir": ((0,), ()), "os.scandir": ((0,), ()), "os.chdir": ((0,), ()), "os.remove": ((0,), (1,)),
+             "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)), "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)),
+             "os.rename": ((0, 1), (2, 3)), "os.link": ((0, 1), (2, 3)), "os.symlink": ((0, 1), (2,)),
+             "os.utime": ((0,), (3,)), "os.truncate": ((0,), ()), "os.chflags": ((0,), ()),
+             "os.getxattr": ((0,), ()), "os.listxattr": ((0,), ()), "os.setxattr": ((0,), ()),
+             "os.removexattr": ((0,), ()), "shutil.copyfile": ((), ()), "shutil.copymode": ((), ()),
+             "shutil.copystat": ((), ()), "shutil.copytree": ((), ()), "shutil.move": ((), ()),
+             "shutil.rmtree": ((), (1,)), "shutil.chown": ((), ()), "glob.glob": ((), ()), "glob.glob/2": ((), (3,)),
+             "os.walk": ((), ()), "os.fwalk": ((), (4,)), "pathlib.Path.glob": ((), ()),
+             "pathlib.Path.rglob": ((), ()), "tempfile.mkdtemp": ((), ()), "tempfile.mkstemp": ((), ())}
+    by_fd = {"os.chmod", "os.chown", "os.utime", "os.truncate", "os.getxattr", "os.listxattr", "os.setxattr",
+             "os.removexattr"}  # these may name a file by an fd (fchmod, ...); listing or chdir by an fd is refused
     listing = {"os.listdir", "os.scandir"}  # the import system lists the standard library's directories
-    banned_imports = {"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "_testcapi", "_testinternalcapi"}
+    # modules that reach files (or more) past the hook: readline's history files, Tcl, SQLite's ATTACH, the dbm
+    # libraries, POSIX shared memory and semaphores, the shadow file, OpenSSL's file loading, test modules
+    banned_imports = {"ctypes", "_ctypes", "_posixsubprocess", "_xxsubinterpreters", "readline", "_tkinter",
+                      "_sqlite3", "_dbm", "_gdbm", "_posixshmem", "_multiprocessing", "spwd", "nis", "syslog",
+                      "ossaudiodev", "_curses", "_curses_panel", "_ssl", "_xxtestfuzz", "xxlimited", "xxlimited_35",
+                      "posix"}
     busy = [False]
+
+    def inside(p):
+        return p == work or p.startswith(work_)
+
+    def readable(p):
+        for r in roots:
+            if p == r or p.startswith(r + "/"):
+                return True
+        return False
+
+    def exact(a):  # a str, bytes or int argument (of a subclass too: a str subclass names its file) as its exact
+        t = type_(a)  # type, by the builtin methods (never the subclass's); anything else as it is
+        if t is str_ or t is bytes_ or t is int_:
+            return a
+        if issubclass_(t, str_):
+            return str_.__str__(a)
+        if issubclass_(t, bytes_):
+            return bytes_.__bytes__(a)
+        if issubclass_(t, int_):
+            return int_.__index__(a)
+        return a
+
+    def text(a):  # a path argument (exact) as a str; None when it is not a str or bytes
+        t = type_(a)
+        if t is str_:
+            return a
+        if t is bytes_:
+            return a.decode("utf-8", "surrogateescape")
+        return None
+
+    def resolve(p):  # os.path.realpath (non-strict) from the captured functions: symlinks followed as the kernel does
+        if not p.startswith("/"):
+            p = getcwd_() + "/" + p
+        done, todo, links = [], p.split("/")[::-1], 0
+        while todo:
+            c = todo.pop()
+            if c == "" or c == ".":
+                continue
+            if c == "..":
+                if done:
+                    done.pop()
+                continue
+            here = "/" + "/".join(done + [c])
+            try:
+                mode = lstat_(here).st_mode
+            except oserror_:
+                mode = 0
+            if mode & s_ifmt != s_iflnk:
+                done.append(c)
+                continue
+            links += 1
+            if links > 40:
+                raise oserror_("too many symbolic links")
+            target = readlink_(here)
+            if target.startswith("/"):
+                done = []
+            todo += target.split("/")[::-1]
+        return "/" + "/".join(done)
+
+    def is_dir(p):
+        try:
+            return fstat_(p).st_mode & s_ifmt == s_ifdir
+        except oserror_:
+            return False
+
+    def check(event, args):  # why `event` is refused, or None
+        args = tuple_([exact(a) for a in args])
+        if event == "open":
+            p, mode, flags = args
+            if type_(flags) is int_ and flags & no_dir:
+                return "opening a directory (O_DIRECTORY, O_PATH) is refused"
+            if type_(p) is int_:  # open(fd): an fd the program has
+                return None
+            p = text(p)
+            if p is None:
+                return "opening something other than a path or an fd is refused"
+            p = resolve(p)
+            if is_dir(p):
+                return f"opening the directory {p!r} is refused"
+            if inside(p):
+                return None
+            writing = (type_(mode) is str_ and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) or (
+                type_(flags) is int_ and flags & writes)
+            if not writing and readable(p):
+                return None
+            return f"opening {p!r} (outside the working directory) is refused"
+        if event in paths:
+            at, dir_fds = paths[event]
+            n = tlen_(args)
+            for i in dir_fds:
+                d = args[i] if i < n else None
+                if not (d is None or (type_(d) is int_ and (d == -1 or d == -100))):  # none, or AT_FDCWD
+                    return f"{event} with a directory fd (dir_fd) is refused"
+            for i in at:
+                a = args[i] if i < n else None
+                if type_(a) is int_:
+                    if event not in by_fd:
+                        return f"{event} on a file descriptor is refused"
+                    p = resolve(f"/proc/self/fd/{a}")
+                    if not inside(p):
+                        return f"{event} on {p!r} (outside the working directory) is refused"
+                elif a is not None and text(a) is None:
+                    return f"{event} on something other than a path or an fd is refused"
+            for a in args:
+                p = text(a)
+                if p is not None:
+                    p = resolve(p)
+                    if not inside(p) and not (event in listing and readable(p)):
+                        return f"{event} on {p!r} (outside the working directory) is refused"
+            return None
+        if event == "import":
+            name = text(args[0]) or ""
+            for part in name.split("."):
+                if part in banned_imports or part.startswith("_test"):
+                    return f"importing {name} is refused"
+            where = text(args[1]) if tlen_(args) > 1 else None  # an extension module's file: the standard library's
+            if where is not None and not readable(resolve(where)):
+                return f"importing {name} from {where!r} (native code outside the standard library) is refused"
+            return None
+        if event in refused or event.startswith(refused_prefixes):
+            return f"{event} is refused"
+        return None
 
     class SandboxError(PermissionError, ValueError):  # a ValueError too: the standard library's fallbacks for a refused
         pass                                     # sys._getframe (namedtuple, typing) catch ValueError
 
-    def path_of(p):
-        if isinstance_(p, int) or p is None:
-            return None
-        p = fspath(p)
-        return realpath(p.decode() if isinstance_(p, bytes_) else p)
+    class SandboxImportError(ImportError):  # an ImportError: the standard library's optional imports (ssl) go on
+        pass
 
     def hook(event, args):
-        if busy[0]:  # the hook's own calls (realpath) raise events too
-            return
+        if busy[0] or type_(event) is not str_ or type_(args) is not tuple_:  # the hook's own calls raise events
+            return                                   # too; sys.audit() from the program with other types does nothing
         busy[0] = True
         try:
-            if event == "open":
-                p, mode, flags = args
-                p = path_of(p)
-                if p is None or inside(p):
-                    return
-                writing = (mode is not None and any(c in mode for c in "wax+")) or (
-                    isinstance_(flags, int) and flags & writes)
-                if not writing and readable(p):
-                    return
-                raise SandboxError(f"opening {p!r} (outside the working directory) is refused")
-            if event in paths:
-                for a in args:
-                    if isinstance_(a, (str_, bytes_)) or hasattr_(a, "__fspath__"):
-                        p = path_of(a)
-                        if not inside(p) and not (event in listing and readable(p)):
-                            raise SandboxError(f"{event} on {p!r} (outside the working directory) is "
-                                                  "refused")
-                return
-            if event == "import":
-                if args[0] in banned_imports or args[0].split(".")[0] in banned_imports:
-                    raise SandboxError(f"importing {args[0]} is refused")
-                return
-            if event in refused or event.startswith(refused_prefixes):
-                raise SandboxError(f"{event} is refused")
+            why = check(event, args)
+        except base_exception:
+            why = f"{event} (unchecked) is refused"
         finally:
             busy[0] = False
+        if why is not None:
+            raise (SandboxImportError if event == "import" else SandboxError)(why)
 
     tests, code = job["tests"], job["code"]
     del job
-    type_, list_, dict_, len_, zip_, float_, all_, repr_, int_ = type, list, dict, len, zip, float, all, repr, int
-    exec_, eval_, compile_, enumerate_, base_exception, isclose = exec, eval, compile, enumerate, BaseException, \
-        math.isclose
+    list_, dict_, len_, zip_, float_, all_, repr_, isinstance_ = list, dict, len, zip, float, all, repr, isinstance
+    exec_, eval_, compile_, enumerate_, isclose = exec, eval, compile, enumerate, math.isclose
+    try:
+        raise ValueError
+    except ValueError as x:
+        tb_type = type_(x.__traceback__)
     stderr_write, exit_ = sys.stderr.write, os._exit
 
     def same(got, want):  # equal and of the same type (an object that equals everything does not pass)
@@ -253,11 +497,13 @@ def _main():
 
     def describe(e):  # the exception in one line: where in the code (or a test), its type and message
         tb, where = e.__traceback__, "?"
-        busy[0] = True  # reading builtin traceback and frame attributes runs no code of the solution's
-        try:
+        if type_(tb) is not tb_type:  # a property of the program's exception class
+            tb = None
+        busy[0] = True  # reading builtin traceback and frame attributes runs no code of the solution's (a file name
+        try:            # that is not an exact str, given to compile() by the program, is not read)
             while tb is not None:
                 name = tb.tb_frame.f_code.co_filename
-                if name.startswith(("<solution", "<test")):
+                if type_(name) is str_ and name.startswith(("<solution", "<test")):
                     where = f"{name[1:-1]}, line {tb.tb_lineno}"
                 tb = tb.tb_next
         finally:
@@ -314,6 +560,13 @@ def run_in_sandbox(code: str, tests: Sequence[TestCase] = (), *,
     limits = limits or SandboxLimits()
     tests = [_check_test(t, i) for i, t in enumerate(tests)]
     work = tempfile.mkdtemp(prefix="relax-sandbox-")
+    nobody = None
+    if os.geteuid() == 0:  # the child gives up root: its directory is nobody's
+        try:
+            os.chown(work, NOBODY, NOBODY)
+            nobody = NOBODY
+        except OSError:
+            pass
     nonce = secrets.token_hex(16)
     r, w = os.pipe()
     t0 = time.monotonic()
@@ -323,7 +576,7 @@ def run_in_sandbox(code: str, tests: Sequence[TestCase] = (), *,
             stderr=subprocess.PIPE, pass_fds=(w,), start_new_session=True, cwd=work,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
         job = {"fd": w, "nonce": nonce, "parent": os.getpid(), "code": code, "tests": tests, "dir": work,
-               "read_roots": _read_roots(), "limits": {k: getattr(limits, k) for k in
+               "nobody": nobody, "read_roots": _read_roots(), "limits": {k: getattr(limits, k) for k in
                                                          ("cpu_s", "memory_mb", "file_size_mb", "open_files")}}
         os.close(w)
         w = -1
@@ -384,12 +637,11 @@ def _collect(proc: subprocess.Popen, results_fd: int, nonce: str, n_tests: int, 
     if stopped:
         _kill_group(proc)
     sel.close()
-    try:
-        code = proc.wait(timeout=max(0.1, deadline - time.monotonic()) if not stopped else 5.0)
-    except subprocess.TimeoutExpired:  # its pipes closed but it lives on: past the wall-clock limit now
+    code, cpu = _wait(proc, max(0.1, deadline - time.monotonic()) if not stopped else 5.0)
+    if code is None:  # its pipes closed but it lives on: past the wall-clock limit now
         stopped = "timeout"
         _kill_group(proc)
-        code = proc.wait()
+        code, cpu = _wait(proc, None)
     _kill_group(proc)  # nothing of its group outlives it
     for stream in (proc.stdout, proc.stderr):
         stream.close()
@@ -405,16 +657,31 @@ def _collect(proc: subprocess.Popen, results_fd: int, nonce: str, n_tests: int, 
             _, i, ok, why = (rest.split(" ", 3) + [""])[:4]
             if i.isdigit() and int(i) < n_tests:
                 passed[int(i)], details[int(i)] = ok == "1", why
-    status = stopped or _status(code)
+    status = stopped or _status(code, cpu, limits)
     out, err = (bytes(bufs[fd])[:limits.output_bytes].decode(errors="replace") for fd in std_fds)
     return SandboxResult(status, code, out, err, passed, details, seconds, isolation)
 
 
-def _status(code: int) -> str:
+def _wait(proc: subprocess.Popen, timeout: Optional[float]) -> tuple[Optional[int], float]:
+    """The child's exit code (None: still running after `timeout` seconds) and the CPU seconds it used."""
+    end = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        pid, status, usage = os.wait4(proc.pid, 0 if end is None else os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() >= end:
+            return None, 0.0
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _status(code: int, cpu_s: float = 0.0, limits: Optional[SandboxLimits] = None) -> str:
     if code == 0:
         return "ok"
-    if code == -signal.SIGXCPU:  # past RLIMIT_CPU's soft limit (a SIGKILL at its hard limit reads "killed")
-        return "cpu_limit"
+    if code == -signal.SIGXCPU or (code == -signal.SIGKILL and limits is not None and cpu_s >= limits.cpu_s):
+        return "cpu_limit"  # past RLIMIT_CPU's soft limit (SIGXCPU), or its hard one (SIGKILL: SIGXCPU was ignored)
     if code == -signal.SIGXFSZ:
         return "file_size_limit"
     if code < 0:

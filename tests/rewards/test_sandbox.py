@@ -140,10 +140,15 @@ def test_introspection_that_would_reach_the_harness_is_refused():
 
 def test_the_isolation_reported_names_each_layer():
     r = run("print(1)")
-    assert set(r.isolation) == {"network", "processes", "files"}
+    assert set(r.isolation) == {"network", "processes", "files", "user"}
     # the audit hook is always there; a kernel layer is named only where the child set it up
-    assert all(v.endswith("audit-hook") for v in r.isolation.values())
+    assert all(r.isolation[k].endswith("audit-hook") for k in ("network", "processes", "files"))
     assert set(r.isolation["network"].split("+")) <= {"namespace", "seccomp", "audit-hook"}
+    assert set(r.isolation["processes"].split("+")) <= {"seccomp", "rlimit", "audit-hook"}
+    assert set(r.isolation["files"].split("+")) <= {"nobody", "seccomp", "audit-hook"}
+    # the user the code ran as: nobody when started as root (unless the OS refused), else the driver's
+    expected = ("nobody", "root") if os.geteuid() == 0 else (f"uid {os.getuid()}",)
+    assert r.isolation["user"] in expected
 
 
 def confined(pid: int) -> bool:
