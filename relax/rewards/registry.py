@@ -165,7 +165,13 @@ def _scores(fn: RewardFn, outcomes: Sequence[tuple], timed_out: Sequence[bool]) 
         out.timeouts += int(late)
         if value is None and out.first_error is None:
             out.first_error = error
-            last_line = (error or "").strip().splitlines()[-1:] or ["?"]
-            logger.warning("reward function %s failed on a response (its group is left out of the loss): %s",
-                           getattr(fn, "__name__", fn), last_line[0])
+            warn_failed_score(f"reward function {getattr(fn, '__name__', fn)}", error)
     return out
+
+
+def warn_failed_score(what: str, error: Optional[str]) -> None:
+    """The console's warning of a batch's first failed score, one per batch and scorer (data.reward's calls here, the
+    reward model's in `relax.runner.rollout_driver.scoring.with_reward_model`): what failed, that its group is left
+    out, and the last line of its error (a traceback's is its exception)."""
+    last_line = (error or "").strip().splitlines()[-1:] or ["?"]
+    logger.warning("%s failed on a response (its group is left out of the loss): %s", what, last_line[0])

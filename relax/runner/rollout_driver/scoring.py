@@ -18,7 +18,7 @@ import torch
 from relax.batch import FinishReason, Samples
 from relax.config.schema import RelaxConfig
 from relax.metrics import SANDBOX_TIMEOUT_FRAC
-from relax.rewards.registry import Scores, score_responses
+from relax.rewards.registry import Scores, score_responses, warn_failed_score
 from relax.rewards.remote import RemoteReward, RewardServiceError
 from relax.rewards.shaping import overlong_penalty
 from relax.runner.errors import RunError
@@ -74,7 +74,8 @@ def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items:
                       scores: Scores, reward_model: Any) -> Scores:
     """`scores` (the rule reward's: data.reward, an episode's turn rewards; zeros with neither) combined with the
     reward model's: rule_weight * rule + weight * model score. A response the model gave no score (a failed call, an
-    answer without a readable score) fails like a failed reward call: its group is left out, never scored 0; with
+    answer without a readable score) fails like a failed reward call: its group is left out, never scored 0, and the
+    batch's first such failure is warned of as data.reward's are (`warn_failed_score`); with
     `data.reward_error=raise` the run stops."""
     episodes = samples.episodes
     if episodes is not None:
@@ -96,6 +97,7 @@ def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items:
     if model.first_error is not None:
         if cfg.data.reward_error == "raise":
             raise RunError(f"reward_model={rm.kind} failed (data.reward_error=raise): {model.first_error}")
+        warn_failed_score(f"reward_model={rm.kind}", model.first_error)
         if scores.first_error is None:
             scores.first_error = f"reward_model={rm.kind}: {model.first_error}"
     return scores
