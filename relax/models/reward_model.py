@@ -1,6 +1,6 @@
 """Reward models, below every backend: a Hugging Face sequence-classification model whose logit is a response's score
-(`load_classifier`, `classifier_scores`), the text it scores (`conversation_text`), and the judge's prompts in its own
-chat template (`judge_prompt_ids`).
+(`load_classifier`, `classifier_scores`), the tokens it scores (`classifier_input_ids`), the judge's model checked
+(`judge_config`) and its prompts in its own chat template (`judge_prompt_ids`).
 
 A reward model keeps its own tokenizer: it reads the text of the prompt and response, never the policy's token ids,
 so any policy can train against any reward model.
@@ -59,29 +59,82 @@ def classifier_config(path: str) -> Any:
     return config
 
 
+def judge_config(path: str) -> Any:
+    """The transformers config of the judge at `path`, checked: a causal-LM architecture (one that
+    `AutoModelForCausalLM` loads as itself: `*ForCausalLM`, `GPT2LMHeadModel`, ...). A sequence-classification
+    checkpoint would load with a language-model head of random weights and answer noise. Raises ModelPathError /
+    ModelFileError naming `reward_model.path`."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not (Path(path) / "config.json").is_file():
+        raise ModelPathError(f"reward_model.path={path!r}: not a directory with config.json (a Hugging Face causal "
+                             "LM and its tokenizer)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"reward_model.path={path!r}: its config.json does not load: {exc}") from None
+    archs = getattr(config, "architectures", None) or []
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if not any(a.endswith("ForCausalLM") or a in causal for a in archs):
+        raise ModelFileError(f"reward_model.path={path!r}: architectures {archs} has no causal LM (*ForCausalLM) "
+                             "(reward_model=judge generates its answer with a language-model head; a "
+                             "sequence-classification model is a classifier: reward_model=classifier)")
+    return config
+
+
+def prompt_text(prompt: list[dict] | str) -> str:
+    """A prompt as plain text: its text, or its messages' contents one per line."""
+    return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+
+
+def pair_encodes_apart(tokenizer: Any) -> bool:
+    """Whether the tokenizer's text-pair encoding marks where the second text starts (special tokens between or
+    around the two: BERT's, DeBERTa's `[CLS] a [SEP] b [SEP]`, Llama's `<s> a <s> b`), as classic reward models
+    without a chat template are trained on."""
+    try:
+        return tokenizer.num_special_tokens_to_add(pair=True) > tokenizer.num_special_tokens_to_add(pair=False)
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
 def conversation_text(tokenizer: Any, prompt: list[dict] | str, response: str) -> str:
-    """The text a classifier scores: the prompt's messages and the response as the assistant's message, in the
-    reward model's chat template; without a template, the prompt's text followed by the response."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    """The conversation as one text: the prompt's messages and the response as the assistant's message, in the
+    model's chat template; without a template, the prompt's text and the response on a line of its own."""
     if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
-    return "\n".join(str(m.get("content", "")) for m in messages) + response
+    return prompt_text(prompt) + "\n" + response
+
+
+def classifier_input_ids(tokenizer: Any, prompt: list[dict] | str, response: str) -> list[int]:
+    """The tokens a classifier scores for (prompt, response) (a string, or the prompt's chat messages):
+    - with a chat template: `conversation_text` (the template's own special tokens, none added);
+    - without one, a tokenizer whose text pair is marked (`pair_encodes_apart`): `tokenizer(prompt_text, response)`,
+      the text-pair encoding classic reward models are used with;
+    - without either: `tokenizer(prompt_text + "\\n" + response)` (never the two glued together)."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer(conversation_text(tokenizer, prompt, response), add_special_tokens=False)["input_ids"])
+    if pair_encodes_apart(tokenizer):
+        return list(tokenizer(prompt_text(prompt), response)["input_ids"])
+    return list(tokenizer(conversation_text(tokenizer, prompt, response))["input_ids"])
 
 
 @torch.no_grad()
-def classifier_scores(model: Any, tokenizer: Any, texts: Sequence[str], *, batch_size: int, max_length: int,
+def classifier_scores(model: Any, inputs: Sequence[list[int]], *, batch_size: int, max_length: int,
                       device: torch.device | str, on_batch: Any = None) -> tuple[list[Optional[float]],
                                                                                  list[Optional[str]]]:
-    """(scores, errors): the model's logit of each text, `batch_size` texts per forward pass (padded on the right;
-    the model reads each row's last token that is not padding). A text of more than `max_length` tokens gets no
-    score (None, and why in errors): cutting it would score another text. `on_batch()` after each forward pass."""
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    scores: list[Optional[float]] = [None] * len(texts)
-    errors: list[Optional[str]] = [None] * len(texts)
+    """(scores, errors): the model's logit of each input (token ids: `classifier_input_ids`), `batch_size` inputs per
+    forward pass (padded on the right; the model reads each row's last token that is not padding). An input of more
+    than `max_length` tokens gets no score (None, and why in errors): cutting it would score another text.
+    `on_batch()` after each forward pass."""
+    ids = [list(x) for x in inputs]
+    scores: list[Optional[float]] = [None] * len(ids)
+    errors: list[Optional[str]] = [None] * len(ids)
     rows = []
     for i, x in enumerate(ids):
         if not x:
-            errors[i] = "an empty text"
+            errors[i] = "an empty input"
         elif len(x) > max_length:
             errors[i] = f"{len(x)} tokens, more than reward_model.max_length={max_length}"
         else:

@@ -3,9 +3,11 @@ plan (`relax.runner.plan`: on the actor's GPU or its own, a CPU share on a CPU c
 scoring thread while the engines generate the next batch (`relax.runner.reward_model`).
 
 - `ClassifierWorker` (reward_model.kind=classifier): a sequence-classification model; a response's score is its
-  logit of the prompt's messages and the response in the model's own chat template.
+  logit of the prompt's messages and the response in the model's own chat template (without one: the tokenizer's
+  text pair, `relax.models.reward_model.classifier_input_ids`).
 - `JudgeWorker` (reward_model.kind=judge, engine=embedded): a causal LM on an embedded engine of its own (greedy at
-  reward_model.temperature=0), answering the questions the driver wrote; the driver reads the scores from the answers.
+  reward_model.temperature=0), answering the questions the driver wrote; the driver reads the scores from the answers
+  (an answer cut at reward_model.max_new_tokens holds none).
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ from typing import Any, Optional
 import torch
 
 from relax import progress
+from relax.batch import FinishReason
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
-from relax.models.reward_model import classifier_scores, conversation_text, judge_prompt_ids, load_classifier
+from relax.models.reward_model import (
+    classifier_input_ids,
+    classifier_scores,
+    judge_config,
+    judge_prompt_ids,
+    load_classifier,
+)
 from relax.roles.cores import pin_role_process
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.tensor_pickling import install as install_tensor_pickling
@@ -53,14 +62,14 @@ class ClassifierWorker:
     def ping(self) -> str:
         return "ok"
 
-    def texts(self, prompts: list[Any], responses: list[str]) -> list[str]:
-        """The text scored for each (prompt, response): `conversation_text` in this model's chat template."""
-        return [conversation_text(self.tokenizer, p, r) for p, r in zip(prompts, responses, strict=True)]
+    def inputs(self, prompts: list[Any], responses: list[str]) -> list[list[int]]:
+        """The tokens scored for each (prompt, response): `classifier_input_ids` with this model's tokenizer."""
+        return [classifier_input_ids(self.tokenizer, p, r) for p, r in zip(prompts, responses, strict=True)]
 
     def score(self, prompts: list[Any], responses: list[str]) -> tuple[list[Optional[float]], list[Optional[str]]]:
         """(scores, errors) of each response to its prompt (a string, or the prompt's chat messages)."""
         rm = self.cfg.reward_model
-        return classifier_scores(self.model, self.tokenizer, self.texts(prompts, responses),
+        return classifier_scores(self.model, self.inputs(prompts, responses),
                                  batch_size=rm.batch_size, max_length=rm.max_length, device=self.device,
                                  on_batch=progress.tick)
 
@@ -73,6 +82,7 @@ class JudgeWorker:
         start_heartbeat(self, heartbeat)
         _threads(threads)
         model_cfg = judge_model_config(cfg)
+        judge_config(cfg.reward_model.path)  # a causal LM (a classifier's checkpoint would get a random LM head)
         self.cfg, device = cfg, pick_device()
         self.tokenizer = load_tokenizer(model_cfg)
         model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,
@@ -86,13 +96,15 @@ class JudgeWorker:
     def ping(self) -> str:
         return "ok"
 
-    def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]]]:
-        """(answers, errors): the judge's answer to each question (None where its prompt is longer than
-        reward_model.max_length), `reward_model.batch_size` questions per generation."""
+    def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]], list[bool]]:
+        """(answers, errors, cut): the judge's answer to each question (None where its prompt is longer than
+        reward_model.max_length), `reward_model.batch_size` questions per generation; `cut[i]` where the answer
+        stopped at reward_model.max_new_tokens rather than at a stop token."""
         rm = self.cfg.reward_model
         prompts = [judge_prompt_ids(self.tokenizer, q) for q in questions]
         answers: list[Optional[str]] = [None] * len(questions)
         errors: list[Optional[str]] = [None] * len(questions)
+        cut = [False] * len(questions)
         rows = []
         for i, ids in enumerate(prompts):
             if len(ids) > rm.max_length:
@@ -108,4 +120,5 @@ class JudgeWorker:
             for r, i in enumerate(part):
                 tokens = out.response_ids[r][out.response_mask[r].bool()].tolist()
                 answers[i] = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return answers, errors
+                cut[i] = out.finish_reason[r] == FinishReason.LENGTH
+        return answers, errors, cut

@@ -4,8 +4,9 @@ before anything starts (`check_reward_model`), and what the scoring thread calls
 A kind says which role process holds its model (`worker`, None: none) and how the driver turns a batch of responses
 into scores (`scorer`): a classifier's role returns logits; a judge's answers (from its role's embedded engine, or
 from an OpenAI-compatible URL called here, in the scoring thread) are read by its parser. A response without a score
-(a failed call, an answer without a readable score, a text over reward_model.max_length) is a failed score: its
-group is left out of the step like a failed reward call (`relax.runner.rollout_driver.scoring`), never scored 0.
+(a failed call, an answer without a readable score or cut at reward_model.max_new_tokens, a text over
+reward_model.max_length) is a failed score: its group is left out of the step like a failed reward call
+(`relax.runner.rollout_driver.scoring`, which warns of it), never scored 0.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Optional
 from relax.config.reward_model_rules import has_role
 from relax.config.schema import RelaxConfig
 from relax.metrics import JUDGE_PARSE_FAIL_FRAC, REWARD_MODEL_SCORE_MEAN, REWARD_MODEL_TIME
-from relax.models.reward_model import classifier_config
+from relax.models.reward_model import classifier_config, judge_config
 from relax.rewards.judge import get_parser, judge_question, read_scores
 from relax.rewards.openai_judge import OpenAIJudge
 from relax.roles.reward_model import ClassifierWorker, JudgeWorker, judge_model_config
@@ -91,9 +92,23 @@ class JudgeScorer(RewardModelScorer):
         t0 = time.perf_counter()
         questions = [judge_question(self.rm.template, prompt_words(i), r, i.label)
                      for i, r in zip(items, responses, strict=True)]
-        answers, errors = self.http.answer(questions) if self.http is not None else self.call("answer", questions)
+        answers, errors, cut = self.http.answer(questions) if self.http is not None else \
+            self.call("answer", questions)
+        return self.verdicts(answers, errors, cut, t0)
+
+    def verdicts(self, answers: Sequence[Optional[str]], errors: Sequence[Optional[str]], cut: Sequence[bool],
+                 t0: float) -> ModelScores:
+        """The scores the parser reads from `answers`. An answer `cut` at reward_model.max_new_tokens is a parse
+        failure whatever it holds: the number in a cut answer is no verdict ("Let me check the 2 claims in")."""
+        answers, errors = list(answers), list(errors)
+        was_cut = [bool(c) and a is not None for a, c in zip(answers, cut, strict=True)]
+        for i in (i for i, c in enumerate(was_cut) if c):
+            errors[i] = (f"the judge's answer was cut at reward_model.max_new_tokens={self.rm.max_new_tokens} "
+                         f"(it holds no verdict): {answers[i][:200]!r}")
+            answers[i] = None  # (read as a failed call: never parsed; counted a parse failure below)
         verdicts = read_scores(self.parser, answers, self.rm.score_min, self.rm.score_max, errors)
-        return ModelScores(verdicts.scores, verdicts.parse_failed, verdicts.first_error, time.perf_counter() - t0)
+        parse_failed = [p or c for p, c in zip(verdicts.parse_failed, was_cut, strict=True)]
+        return ModelScores(verdicts.scores, parse_failed, verdicts.first_error, time.perf_counter() - t0)
 
     def close(self) -> None:
         if self.http is not None:
@@ -135,6 +150,7 @@ def _check_judge(cfg: RelaxConfig) -> None:
         except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: "
                              f"{str(exc).replace('model.path', 'reward_model.path')}") from None
+        judge_config(cfg.reward_model.path)  # a causal LM, as a classifier's check refuses one
 
 
 def _describe_judge(cfg: RelaxConfig) -> str:

@@ -46,8 +46,8 @@ def test_classifier_scores_on_cuda_equal_a_plain_cpu_forward(classifier_dir, dty
     got, errors = worker.score(prompts, responses)
     assert errors == [None] * 12
     model = AutoModelForSequenceClassification.from_pretrained(str(classifier_dir), dtype=torch.float32)
-    for text, value in zip(worker.texts(prompts, responses), got, strict=True):
-        ids = torch.tensor([worker.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    for inputs, value in zip(worker.inputs(prompts, responses), got, strict=True):
+        ids = torch.tensor([inputs])
         with torch.no_grad():
             assert value == pytest.approx(float(model(input_ids=ids).logits[0, 0]), abs=tol)
 
@@ -65,13 +65,13 @@ def test_judge_answers_on_cuda_are_the_cpu_answers(tmp_path):
                        "tracking.enabled=false"])
     rng = random.Random(2)
     questions = [JUDGE_TEMPLATE.format(response=random_response(rng)) for _ in range(16)]
-    on_gpu, _ = JudgeWorker(cfg).answer(questions)
+    on_gpu = JudgeWorker(cfg).answer(questions)[0]
     import relax.roles.reward_model as roles
 
     cpu = roles.pick_device
     roles.pick_device = lambda: torch.device("cpu")
     try:
-        on_cpu, _ = JudgeWorker(cfg).answer(questions)
+        on_cpu = JudgeWorker(cfg).answer(questions)[0]
     finally:
         roles.pick_device = cpu
     same = sum(a == b for a, b in zip(on_gpu, on_cpu, strict=True))

@@ -116,7 +116,8 @@ def test_a_judge_on_the_embedded_engine_scores_and_parses(judge_worker, judge_di
     from relax.models.reward_model import judge_prompt_ids
 
     model = AutoModelForCausalLM.from_pretrained(str(judge_dir), dtype=torch.float32)
-    answers, _ = worker.answer([JUDGE_TEMPLATE.format(response=r) for r in responses[:4]])
+    answers, _, cut = worker.answer([JUDGE_TEMPLATE.format(response=r) for r in responses[:4]])
+    assert cut == [False] * 4  # each answer ended at the judge's stop token
     for response, answer in zip(responses[:4], answers, strict=True):
         ids = torch.tensor([judge_prompt_ids(worker.tokenizer, JUDGE_TEMPLATE.format(response=response))])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
@@ -150,6 +151,29 @@ def test_a_judge_answering_outside_its_range_is_counted_and_its_group_left_out(j
     assert metrics["rollout/judge_parse_fail_frac"] == pytest.approx(sum(digit) / len(digit))
     assert metrics["rollout/reward_model_score_mean"] == 0.0 and metrics["perf/reward_model_time"] > 0
     assert "holds no score in [0, 0.5]" in scores.first_error
+
+
+def test_an_answer_cut_at_max_new_tokens_is_a_parse_failure_whatever_it_says(judge_dir):
+    """max_new_tokens=1: the judge's "1" or "0" is cut before its stop token, so it is no verdict (counted in
+    judge_parse_fail_frac, its group left out), though the parser would read it; the control, the same judge with room
+    for its stop token (max_new_tokens=4), scores the same answers."""
+    from relax.roles.reward_model import JudgeWorker
+
+    items, responses, expected = cases(6)  # (the first 6 of the cases the test above checks the judge on)
+    common = (f"reward_model.path={judge_dir}", "reward_model.dtype=float32", "reward_model.parser=number")
+    short = judge_config(*common, "reward_model.max_new_tokens=1")
+    worker = JudgeWorker(short)
+    answers, errors, cut = worker.answer([JUDGE_TEMPLATE.format(response=r) for r in responses])
+    assert answers == [str(int(e)) for e in expected] and cut == [True] * 6 and errors == [None] * 6
+    got = JudgeScorer(short, role_call(worker)).score(items, responses)
+    assert got.values == [None] * 6 and got.parse_failed == [True] * 6
+    assert "cut at reward_model.max_new_tokens=1" in got.first_error
+    assert reward_model_metrics(short, [float("nan")] * 6, sum(got.parse_failed), 0.1)[
+        "rollout/judge_parse_fail_frac"] == 1.0
+
+    roomy = judge_config(*common)
+    got = JudgeScorer(roomy, role_call(JudgeWorker(roomy))).score(items, responses)
+    assert got.values == expected and got.parse_failed == [False] * 6 and got.first_error is None
 
 
 # ---------------------------------------------------------------------------------------------- a URL

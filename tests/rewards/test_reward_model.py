@@ -80,6 +80,67 @@ def test_a_text_longer_than_max_length_gets_no_score_rather_than_a_cut_one(untra
     assert "reward_model.max_length=20" in errors[1]
 
 
+def template_free(directory: Path, *, pair_marked: bool) -> Path:
+    """A tiny classifier whose tokenizer has no chat template: the tiny tokenizer as it is (its text pair is the two
+    texts glued: "repeat 7" + "7" encodes as "repeat 77"), or with BERT's pair marks ([CLS] a [SEP] b [SEP])."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import Qwen3ForSequenceClassification
+
+    from relax.config.schema import ModelConfig
+    from relax.data.tokenizer import build_tiny_tokenizer
+    from relax.models.hf import qwen3_config
+
+    tokenizer = build_tiny_tokenizer(extra_special=["[CLS]", "[SEP]"] if pair_marked else [])
+    if pair_marked:
+        cls, sep = tokenizer.convert_tokens_to_ids(["[CLS]", "[SEP]"])
+        tokenizer._tokenizer.post_processor = TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tokenizer.chat_template = None
+    config = qwen3_config(ModelConfig(), len(tokenizer), tokenizer.pad_token_id)
+    config.num_labels, config.tie_word_embeddings = 1, False
+    torch.manual_seed(4)
+    Qwen3ForSequenceClassification(config).save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.mark.parametrize("pair_marked", [True, False])
+def test_without_a_chat_template_prompt_and_response_are_kept_apart(tmp_path, pair_marked):
+    """The reviewer's case: "repeat 7" and the response "7" were scored as "repeat 77". Now the score is a plain HF
+    forward of the tokenizer's text pair, tokenizer(prompt, response), where the tokenizer marks the pair, else of
+    tokenizer(prompt + "\\n" + response); either way not of the glued text (the control: its score differs)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from relax.models.reward_model import conversation_text
+    from relax.roles.reward_model import ClassifierWorker
+
+    directory = template_free(tmp_path / "rm", pair_marked=pair_marked)
+    worker = ClassifierWorker(rm_config(directory))
+    assert not worker.tokenizer.chat_template
+    prompts = [[{"role": "user", "content": "repeat 7"}], "repeat 3", [{"role": "user", "content": "repeat 7"}]]
+    responses = ["7", "3 3", "is 7"]
+    got, errors = worker.score(prompts, responses)
+    assert errors == [None] * 3
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(directory), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+
+    def forward(encoded) -> float:
+        with torch.no_grad():
+            return float(model(input_ids=torch.tensor([encoded["input_ids"]])).logits[0, 0])
+
+    texts = ["repeat 7", "repeat 3", "repeat 7"]
+    for text, response, value in zip(texts, responses, got, strict=True):
+        documented = tokenizer(text, response) if pair_marked else tokenizer(text + "\n" + response)
+        assert value == pytest.approx(forward(documented), abs=1e-5)
+        assert value != pytest.approx(forward(tokenizer(text + response)), abs=1e-5)  # the glued text's score
+    if pair_marked:
+        sep = tokenizer.convert_tokens_to_ids("[SEP]")
+        assert worker.inputs(prompts[:1], responses[:1])[0].count(sep) == 2
+    assert conversation_text(tokenizer, prompts[0], "7") == "repeat 7\n7"  # (was "repeat 77")
+
+
 class Fixed(RewardModelScorer):
     """A reward model whose scores the test sets (None: no score), to check how the scorer combines them."""
 
@@ -145,6 +206,37 @@ def test_a_response_without_a_score_leaves_its_group_out_and_is_counted_not_zero
             items, batch(tokenizer, ["7", "7", "3", "3"]))
 
 
+def test_failed_scores_are_warned_of_on_the_console_like_failed_reward_calls(untrained, caplog):
+    """The reviewer's case: texts over reward_model.max_length left every group out with nothing on the console. Now
+    the batch's first failure is warned of by the same warning as data.reward's (one per batch); the control, a batch
+    the classifier scores whole, warns of nothing."""
+    import logging
+
+    from relax.data.tokenizer import build_tiny_tokenizer
+    from relax.roles.reward_model import ClassifierWorker
+    from relax.runner.reward_model import ClassifierScorer
+
+    tokenizer = build_tiny_tokenizer()
+    items = [PromptItem([1], "7", "repeat 7", 0), PromptItem([1], "3", "repeat 3", 1)]
+    responses = ["7 7 7 7 7 7 7 7 7 7 7 7 7 7", "7 7 7 7 7 7 7 7 7 7 7 7 7", "3", "3 3"]
+    for max_length, warned in ((20, True), (1024, False)):
+        cfg = rm_config(untrained, "rollout.n_samples_per_prompt=2", "data.reward=none",
+                        f"reward_model.max_length={max_length}")
+        worker = ClassifierWorker(cfg)
+        scorer = ClassifierScorer(cfg, lambda method, *args, w=worker: getattr(w, method)(*args))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="relax"):
+            scores = Scorer(cfg, tokenizer, None, scorer).score(items, batch(tokenizer, responses))
+        lines = [r.getMessage() for r in caplog.records if "failed on a response" in r.getMessage()]
+        assert scores.failed == [warned, warned, False, False]
+        if warned:
+            assert len(lines) == 1 and lines[0].startswith("reward_model=classifier failed on a response (its group "
+                                                           "is left out of the loss): the reward model gave no score")
+            assert "more than reward_model.max_length=20" in lines[0]
+        else:
+            assert lines == [], lines
+
+
 # ------------------------------------------------------------------------------------- refused before start
 
 
@@ -202,6 +294,14 @@ def test_the_files_are_checked_before_start(untrained, tmp_path):
     with pytest.raises(ValueError, match="no \\*ForSequenceClassification"):
         check_reward_model(rm_config(lm))
 
+    # ... and a classifier is no judge (the reviewer's case: it loaded with a random LM head and passed dry_run);
+    # the control: the causal LM, with its tokenizer, is one
+    tokenizer.save_pretrained(str(lm))
+    judge = ["reward_model=judge", "reward_model.template=\"{response}\"", *QUIET]
+    with pytest.raises(ValueError, match="Qwen3ForSequenceClassification'\\] has no causal LM"):
+        check_reward_model(load_config([*judge, f"reward_model.path={untrained}"]))
+    check_reward_model(load_config([*judge, f"reward_model.path={lm}"]))
+
 
 def test_dry_run_shows_the_reward_model_and_refuses_a_missing_one(tmp_path, capfd, ray_not_started, untrained):
     common = [*QUIET, f"train.save_dir={tmp_path}/ckpt", "reward_model=classifier"]
@@ -213,6 +313,12 @@ def test_dry_run_shows_the_reward_model_and_refuses_a_missing_one(tmp_path, capf
 
     code, out, err = relax_train(["dry_run=true", f"reward_model.path={tmp_path / 'missing'}", *common], capfd)
     assert code == 2 and "reward_model.path=" in err and "missing" in err
+    assert any(line.split()[:2] == ["failed", "reward_model"] for line in out.splitlines()), out
+
+    # a judge pointed at the classifier's checkpoint is refused too
+    code, out, err = relax_train(["dry_run=true", f"reward_model.path={untrained}", *QUIET,
+                                  f"train.save_dir={tmp_path}/ckpt", "reward_model=judge"], capfd)
+    assert code == 2 and "has no causal LM" in err, err
     assert any(line.split()[:2] == ["failed", "reward_model"] for line in out.splitlines()), out
     assert not ray_not_started
 
