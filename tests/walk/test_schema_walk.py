@@ -61,6 +61,9 @@ VALUES: dict[str, Any] = {
     "train.mismatch_gate_metric": "logp_abs_diff",
     "algorithm.eps_clip": 0.01,
     "algorithm.eps_clip_high": 0.01,
+    # dual clip: the second optimizer step of a rollout (MULTI_STEP) moves some ratios of tokens with A < 0 above 1.1,
+    # whose loss it caps (train/pg_clipfrac_lower ~0.07), which changes the next step's weights
+    "algorithm.dual_clip_c": 1.1,
     "algorithm.kl2_budget": 1e-6,
     "algorithm.miniclip_low": 0.9,
     "algorithm.miniclip_high": 0.001,
