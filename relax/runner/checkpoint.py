@@ -231,12 +231,23 @@ def config_differences(saved: Mapping[str, str], current: Mapping[str, str],
                        allowed: tuple[str, ...] = RESUMABLE_CHANGES) -> tuple[dict, dict]:
     """(refused, allowed) differences between two flattened configs: `{field: (checkpoint value, now)}`.
 
-    A field missing on one side counts as a difference (value None there).
+    A field missing on one side counts as a difference (value None there). An empty mapping or list is flattened to
+    one key with the value "{}" or "[]" (`flatten_config`), and a filled one to its leaves (`data.eval_sets.a`): the
+    marker of the empty side against the leaves of the other is not a field of its own, only its leaves are listed.
     """
+    keys = set(saved) | set(current)
+
+    def marker_of_filled(key: str, before: Optional[str], now: Optional[str]) -> bool:
+        """`key` is an empty container's marker on one side and the parent of leaves on the other."""
+        if {before, now} not in ({"{}", None}, {"[]", None}):
+            return False
+        other = current if before is not None else saved
+        return any(k.startswith(key + ".") for k in other)
+
     refused, ok = {}, {}
-    for key in sorted(set(saved) | set(current)):
+    for key in sorted(keys):
         before, now = saved.get(key), current.get(key)
-        if before != now:
+        if before != now and not marker_of_filled(key, before, now):
             (ok if key in allowed else refused)[key] = (before, now)
     return refused, ok
 
