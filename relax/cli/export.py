@@ -10,7 +10,9 @@ against state.json); an unfinished (`.tmp-`) or changed checkpoint is refused. O
 (`--force` replaces its contents); the export is written next to it first and renamed into place, so a failed
 export leaves no half-written directory. How: `relax.runner.export` (which `train.save_hf=true` runs on a run's final
 checkpoint); what it writes: `relax.train.export`. The run's tokenizer comes from where the run's model was
-(`model.path`); `--model-path` names where that model is on this machine.
+(`model.path`); `--model-path` names where that model is on this machine (refused for a model.source=config run,
+which has no model file). A LoRA run's adapters are a PEFT directory; for a model.source=config run, whose base exists
+nowhere else, the base is written beside them in OUT_DIR/base/ and adapter_config.json names it.
 
 Exit 0 when written, 2 when the checkpoint or the arguments are refused (one message, nothing written), 1 when a
 write fails (disk full, unwritable).
@@ -22,7 +24,7 @@ import argparse
 import sys
 from typing import NoReturn, Optional
 
-from relax.runner.export import ExportRefused, ExportResult, export_checkpoint
+from relax.runner.export import BASE_DIR, ExportRefused, ExportResult, export_checkpoint
 from relax.train.export import EXPORT_FILE
 
 OK_EXIT, WRITE_EXIT, USAGE_EXIT = 0, 1, 2
@@ -42,7 +44,14 @@ def summary(result: ExportResult) -> str:
     ]
     lines = [f"Exported {result.checkpoint} (step {result.step}, {result.algorithm}{run}) to {result.out_dir}"]
     lines += [f"  {k:<9} {v}" for k, v in rows]
-    if "PEFT" in e.weights_from:  # a LoRA run's adapters: they load on top of the run's base model
+    if "PEFT" in e.weights_from and f"{BASE_DIR}/config.json" in e.files:  # adapters and the base built from config
+        base = result.out_dir / BASE_DIR
+        lines.append(f"  {'base':<9} {base}/: the model the adapters go on (built from config, nowhere else)")
+        lines.append(f'Load it with peft: AutoPeftModelForCausalLM.from_pretrained("{result.out_dir}"), or, once '
+                     f'moved, PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), '
+                     f'"{result.out_dir}") '
+                     f"(relax-export --merge writes the merged model); {EXPORT_FILE} records where it came from.")
+    elif "PEFT" in e.weights_from:  # a LoRA run's adapters: they load on top of the run's base model
         lines.append(f'Load it with peft: PeftModel.from_pretrained(<the base model>, "{result.out_dir}") '
                      f"(relax-export --merge writes the merged model); {EXPORT_FILE} records where it came from.")
     elif "processor_config.json" in e.files:  # a vision-language model with its processor
@@ -73,7 +82,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("out_dir", help="the directory to write (must be empty or absent unless --force)")
     parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
     parser.add_argument("--model-path", default=None,
-                        help="where the run's model.path (HF directory or .gguf file) is on this machine")
+                        help="where the run's model.path (HF directory or .gguf file) is on this machine "
+                             "(model.source=hf or gguf; refused for a model.source=config run)")
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA run's checkpoint: write the base model with the adapters merged (default: a PEFT "
                              "adapter directory)")

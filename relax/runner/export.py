@@ -25,6 +25,7 @@ from relax.runner.errors import RunError
 from relax.train.export import Exported, ExportError, write_hf_directory
 
 RUN_EXPORT_DIR = "hf"  # train.save_hf=true: the final checkpoint's export, <save_dir>/hf
+BASE_DIR = "base"  # a model.source=config LoRA run's adapters: the base model they go on, <out>/base
 
 
 class ExportRefused(Exception):
@@ -165,6 +166,10 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
     except RunError as e:
         raise ExportRefused(_export_problem(e)) from None
     run = read_run_settings(ckpt)
+    if model_path is not None and run.model.source == "config":
+        raise ExportRefused(f"--model-path {model_path} has no effect on checkpoint {ckpt}: its run built its model "
+                            f"from config (model.source=config, model.name={run.model.name}), so there is no model "
+                            "file to find and the tokenizer is Relax's built-in one; leave --model-path out")
     model = run.model if model_path is None else dataclasses.replace(run.model, path=str(model_path))
     info: dict[str, Any] = {
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "mlflow_run_id": state.get("mlflow_run_id"),
@@ -187,6 +192,8 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
             raise ExportRefused(f"the run's tokenizer cannot be loaded: {e}{hint}") from None
         except ExportError as e:
             raise ExportRefused(str(e)) from None
+        if run.model.source == "config" and not merge and (staging / "adapter_config.json").is_file():
+            exported = _write_config_base(ckpt, staging, out, run, exported)
         if out.exists():
             aside = out.parent / f"{checkpoint.REPLACED_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
             out.rename(aside)
@@ -199,3 +206,44 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
         raise
     return ExportResult(checkpoint=ckpt, out_dir=out, step=int(state["step"]), run_id=state.get("mlflow_run_id"),
                         algorithm=run.algorithm, exported=exported)
+
+
+def _write_config_base(ckpt: Path, staging: Path, out: Path, run: RunSettings, exported: Exported) -> Exported:
+    """LoRA adapters of a model.source=config run go on a base that exists nowhere else (built from the run's model
+    config and seed): it is written to `<out>/base/` (transformers' layout), checked to be the base the adapters were
+    trained on, and adapter_config.json's `base_model_name_or_path` names it (absolute, as PEFT records a local
+    base), so that `AutoPeftModelForCausalLM.from_pretrained(<out>)` loads both while the directory stays where it was
+    written, and `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<out>/base), <out>)` wherever it
+    is moved. relax_export.json records it. What `write_hf_directory` wrote, with the new files."""
+    import json
+
+    import torch
+
+    from relax.data.tokenizer import load_tokenizer
+    from relax.models import lora
+    from relax.models.checkpoint_files import CheckpointFileError
+    from relax.models.hf import build_model
+    from relax.models.write_errors import os_write_errors
+    from relax.train.export import EXPORT_FILE, POLICY_DIR
+
+    tokenizer = load_tokenizer(run.model)
+    base = build_model(run.model, len(tokenizer), int(tokenizer.pad_token_id), seed=run.seed, dtype=torch.float32)
+    peft_model = lora.apply_lora(base, dataclasses.replace(run.model, lora_dropout=0.0), seed=run.seed)
+    try:
+        lora.check_base(ckpt / POLICY_DIR, lora.base_fingerprint(peft_model), run.model)
+    except CheckpointFileError as e:
+        raise ExportRefused(str(e)) from None
+    base = peft_model.unload()  # the base alone, as it was built
+    base.config.use_cache = True
+    where = (out.resolve() / BASE_DIR).as_posix()
+    with os_write_errors(staging):
+        base.save_pretrained(str(staging / BASE_DIR))
+        for name, key, value in ((lora.ADAPTER_CONFIG, "base_model_name_or_path", where),
+                                 (EXPORT_FILE, "base_model", {"dir": BASE_DIR, "built_from": "model.source=config",
+                                                              "seed": run.seed})):
+            record = json.loads((staging / name).read_text())
+            record[key] = value
+            (staging / name).write_text(json.dumps(record, indent=2, sort_keys=name == lora.ADAPTER_CONFIG) + "\n")
+    files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*") if p.is_file())
+    return dataclasses.replace(exported, files=files)
+
