@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relax.config.schema import RelaxConfig
+from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX
 from relax.models.write_errors import os_write_error
 from relax.runner.checkpoint import Checkpoints, ResumePoint
 from relax.runner.errors import RunError
@@ -120,6 +121,9 @@ class Session:
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) as logged by this process
+        # a reopened run's eval/* values before the resumed step, from the store (the closing summary's eval line)
+        self.earlier_evals: dict[str, list[tuple[int, float]]] = {}
+        self.eval_set_order: list[str] = []  # the eval sets in evaluation order (log_datasets)
         self.steps = self.start_step
         # checkpoints not written so far in this run (train.save_failures=continue), carried across resumes
         failures = self.resume.state.get(FAILURES_STATE) if self.resume is not None else 0
@@ -183,13 +187,16 @@ class Session:
                 tags[RESUMED_TAG] = resume_text(resume) if resume is not None else "step 0 (a restart)"
                 try:
                     self.tracker = Tracker.reopen(cfg.tracking, reopen_id, options, from_step=self.start_step,
-                                                  tags=tags, keep_history=(RAW_REWARD,))
+                                                  tags=tags, keep_history=(RAW_REWARD, EVAL_PREFIX),
+                                                  parent_run_id=cfg.tracking.parent_run_id)
                 except (LookupError, TrackingUnavailable) as exc:
                     what = f"checkpoint {resume.path}" if resume is not None else f"MLflow run {reopen_id}"
                     raise RunError(f"cannot continue {what}: {exc}") from None
                 counts = (resume.tracker_state.get("nonfinite_counts") or {}) if resume is not None else {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
                 self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
+                self.earlier_evals = {k: v for k, v in self.tracker.recorded_history.items()
+                                      if k.startswith(EVAL_PREFIX)}
             else:
                 try:
                     self.tracker = Tracker.start(cfg.tracking, options, run_name=cfg.tracking.run_name, tags=tags,
@@ -259,6 +266,7 @@ class Session:
         `data.name` (context train), each of `eval_sets` under its eval set name, that of its `eval/<name>/...` metrics
         (context eval). A reopened run logs them again, which adds nothing unless the prompts changed. A failure is
         noted, never raised (a store outage spools them like any other write)."""
+        self.eval_set_order = list(eval_sets or {})
         if not self.cfg.tracking.enabled:
             return
         try:
@@ -382,9 +390,16 @@ class Session:
             self._log_model(result.out_dir, result.step, result.checkpoint)
 
     def _log_model(self, hf_dir: Path, step: int, ckpt: Path) -> None:
-        from relax.tracking.model import MODEL_URI_TAG, log_hf_model, retry_command
+        from relax.tracking.model import MODEL_URI_TAG, log_hf_model, logged_model_of_step, retry_command
 
         run_id = self.tracker.run_id
+        if self.resume is not None:  # a reopened run may hold the model of this step already (resumed at its end)
+            existing = logged_model_of_step(self.tracker.client, run_id, step)
+            if existing is not None:
+                self.model_uri = existing
+                self._say(f"MLflow run {run_id} already holds the model of step {step}, {existing}: not logged "
+                          "again")
+                return
         try:
             self.model_uri = log_hf_model(self.tracker.client, run_id, hf_dir, step=step, checkpoint=str(ckpt))
         except Exception as exc:
@@ -394,6 +409,29 @@ class Session:
                            f"takes it, log it with `{retry_command(hf_dir, run_id, self.tracker.uri)}`") from None
         self.tracker.set_tags({MODEL_URI_TAG: self.model_uri})
         self._say(f"logged into MLflow run {run_id} as the model {self.model_uri} (mlflow.transformers)")
+
+    def summary_history(self) -> list[tuple[int, dict[str, float]]]:
+        """The history the closing summary reads its eval line from: this process's, after the evaluations a reopened
+        run holds from before its resumed step (so that a resumed run, one resumed at its end included, shows the
+        last evaluation as the uninterrupted run would). Those come from the store in name order: each step's keys
+        are put back in the order the run logs them (eval sets in evaluation order, then mean@n, pass@k by k)."""
+        if not self.earlier_evals:
+            return self.history
+        by_step: dict[int, dict[str, float]] = {}
+        for key, values in self.earlier_evals.items():
+            for step, value in values:
+                by_step.setdefault(step, {})[key] = value
+        order = {name: i for i, name in enumerate(self.eval_set_order)}
+
+        def logged_order(key: str) -> tuple:
+            eval_set, _, metric = key[len(EVAL_PREFIX):].rpartition("/")
+            kind, _, number = metric.rpartition("_")
+            return (order.get(eval_set, len(order)), eval_set, kind != EVAL_MEAN_AT.rstrip("_"),
+                    int(number) if number.isdigit() else 0, metric)
+
+        earlier = [(step, {k: metrics[k] for k in sorted(metrics, key=logged_order)})
+                   for step, metrics in sorted(by_step.items())]
+        return earlier + self.history
 
     def finish(self) -> RunResult:
         """Flush tracking, write the ledger, export the final policy (train.save_hf) and print the summary (final =
@@ -414,7 +452,7 @@ class Session:
             extra["HF model"] = str(self.hf_dir)
         if self.model_uri is not None:
             extra["MLflow model"] = self.model_uri
-        extra.update(final_eval_summary(self.history))
+        extra.update(final_eval_summary(self.summary_history()))
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
 

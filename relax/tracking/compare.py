@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from relax.metrics import EVAL_PREFIX, RAW_REWARD
-from relax.tracking.mlflow_run import PARENT_RUN_ID_TAG, quiet_mlflow_logging, resolve_tracking_uri
+from relax.tracking.mlflow_run import (
+    PARENT_RUN_ID_TAG,
+    PREVIOUS_SWEEP_TAG,
+    quiet_mlflow_logging,
+    resolve_tracking_uri,
+)
 from relax.tracking.params import TAG_ARM, TAG_SEED, TAG_SWEEP_ID
 
 if TYPE_CHECKING:
@@ -371,8 +376,21 @@ def select_runs(client: MlflowClient, *, experiment: Optional[str] = None, sweep
         parts.append(f"sweep {sweep}")
     parts += [f"{k}={v}" for k, v in tags.items()]
     if not runs:
-        raise CompareError(f"no runs match {' and '.join(parts)}")
+        raise CompareError(f"no runs match {' and '.join(parts)}" + _continued_by(client, exp_ids, sweep))
     return runs, " and ".join(parts), sweep
+
+
+def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str]) -> str:
+    """For a sweep whose runs were all resumed by a later sweep (they moved to its parent run): which one."""
+    if sweep is None:
+        return ""
+    moved = client.search_runs(list(exp_ids), filter_string=f"tags.`{PREVIOUS_SWEEP_TAG}` = {_quote(sweep)}",
+                               max_results=1000)
+    later = sorted({r.data.tags.get(TAG_SWEEP_ID) for r in moved} - {None, sweep})
+    if not later:
+        return ""
+    return (f": its runs were resumed by sweep {', '.join(later)} (relax-train -m ... train.resume=...), which they "
+            f"belong to now; compare them with --sweep {later[-1]}")
 
 
 def _group_value(run: Any, by: str) -> Optional[str]:

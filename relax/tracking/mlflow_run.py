@@ -57,7 +57,7 @@ from relax.metrics import SYSTEM_PREFIX
 from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
 from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
-from relax.tracking.params import PARAM_VALUE_MAX_LEN, truncate_value
+from relax.tracking.params import PARAM_VALUE_MAX_LEN, TAG_SWEEP_ID, truncate_value
 from relax.tracking.run_options import DEFAULT_RUN_OPTIONS, RunOptions
 from relax.tracking.run_writer import (  # noqa: F401 (MAX_METRICS_PER_BATCH: MLflow's limit, re-exported)
     CLOSE_JOIN_S,
@@ -93,6 +93,9 @@ NONFINITE_TAG = "relax.nonfinite_metrics"
 TRACKING_URI_TAG = "relax.tracking_uri"
 RESUMED_TAG = "relax.resumed"  # a reopened run: at which step and from where it was last continued
 CHECKPOINT_DIR_TAG = "relax.checkpoint_dir"  # where relax-train writes the run's checkpoints (relax-verify-run)
+# a run reopened by a job of another sweep (a sweep resumed with train.resume): the sweep and parent it had before
+PREVIOUS_SWEEP_TAG = "relax.previous_sweep_id"
+PREVIOUS_PARENT_TAG = "relax.previous_parent_run_id"
 NONFINITE_MODES = ("skip", "log")
 
 T = TypeVar("T")
@@ -388,16 +391,24 @@ class Tracker:
         from_step: int = 0,
         tags: Optional[Mapping[str, str]] = None,
         keep_history: Sequence[str] = (),
+        parent_run_id: Optional[str] = None,
     ) -> Tracker:
         """Continue the existing run `run_id` (a resumed training job): status back to RUNNING, same metrics;
         written and reported as `options` say (`RunOptions`).
+
+        `parent_run_id` (a job of a sweep): the run becomes a child of that parent run if it was another's (a sweep
+        resumed by a new `relax-train -m ... train.resume=auto`, whose launcher made a new parent and sweep id, which
+        `tags` carries): its `mlflow.parentRunId` and its `sweep_id` tag then name the same sweep, the one that
+        continued it, and the tags `relax.previous_parent_run_id` and `relax.previous_sweep_id` keep the ones it had.
+        None: the run keeps its parent.
 
         Steps from `from_step` on are recomputed by the resumed job, and some of them may already be in
         the store (written by the killed process after its last checkpoint). The steps each key already
         has from `from_step` on are read once here (one query per key), and `log_metrics` does not write
         those (key, step) pairs again, so every step of every key is recorded exactly once; the value kept
         is the first one written. `keep_history` keys get their earlier values in `recorded_history`
-        (e.g. the reward, for the end-of-run summary). Params are not logged again (MLflow params are
+        (e.g. the reward, for the end-of-run summary); a `keep_history` entry ending in "/" keeps every key under
+        that prefix (`eval/`). Params are not logged again (MLflow params are
         immutable). System metrics (`options.system_metrics_s`) continue after the run's last sample. A spool the
         killed job left in `options.spool_dir` is replayed before all that. LookupError if
         the run is not in the store or is deleted; TrackingUnavailable if the store cannot be reached (or the
@@ -434,7 +445,8 @@ class Tracker:
         leftover.remove_if_done()
         tracker = cls(client, run_id, run.info.experiment_id, uri, options)
         try:
-            keep = set(keep_history)
+            prefixes = tuple(k for k in keep_history if k.endswith("/"))
+            keep = {k for k in run.data.metrics if k in keep_history or (prefixes and k.startswith(prefixes))}
             # the highest step of each key (MLflow's latest metrics): keys that stop before from_step need no query
             last_step = {m.key: m.step for m in getattr(run.data, "_metric_objs", ())}
             system_steps = [s for k, s in last_step.items() if k.startswith(SYSTEM_PREFIX)]
@@ -452,6 +464,15 @@ class Tracker:
                     tracker.recorded_history[key] = sorted((int(m.step), m.value) for m in history
                                                            if m.step < from_step)
             tracker.writer.retry(lambda: client.update_run(run_id, status="RUNNING"))
+            tags = dict(tags or {})
+            old_parent = run.data.tags.get(PARENT_RUN_ID_TAG)
+            if parent_run_id is not None and parent_run_id != old_parent:
+                tags[PARENT_RUN_ID_TAG] = parent_run_id
+                if old_parent is not None:
+                    tags[PREVIOUS_PARENT_TAG] = old_parent
+                old_sweep = run.data.tags.get(TAG_SWEEP_ID)
+                if old_sweep is not None and old_sweep != tags.get(TAG_SWEEP_ID, old_sweep):
+                    tags[PREVIOUS_SWEEP_TAG] = old_sweep
             if tags:
                 tracker.set_tags(tags)
         except Exception as exc:

@@ -157,6 +157,21 @@ def log_hf_model(client: MlflowClient, run_id: str, hf_dir: str | Path, *, step:
     return f"models:/{logged.model_id}"
 
 
+def logged_model_of_step(client: MlflowClient, run_id: str, step: int) -> Optional[str]:
+    """The URI of the model the run's `relax.model_uri` tag names if it is READY and was exported from step `step`
+    (a run resumed after its end exports the same checkpoint again: its model is not logged twice); else None. A store
+    that cannot answer gives None (the model is then logged, as it would have been)."""
+    try:
+        uri = client.get_run(run_id).data.tags.get(MODEL_URI_TAG)
+        if not uri or not uri.startswith("models:/"):
+            return None
+        logged = client.get_logged_model(uri.removeprefix("models:/"))
+    except Exception:  # noqa: BLE001 - no such model, or the store is down
+        return None
+    ready = str(logged.status) == "READY"
+    return uri if ready and (logged.tags or {}).get(STEP_TAG) == str(step) else None
+
+
 def retry_command(hf_dir: str | Path, run_id: str, uri: str) -> str:
     """The command that logs `hf_dir` into run `run_id` of the store `uri` (what a failed tracking.log_model says)."""
     return f"{COMMAND} {hf_dir} --run-id {run_id} --uri {uri}"
