@@ -13,8 +13,10 @@ Statistics, per metric:
   pairs a bootstrap can only resample a handful of numbers (its interval is about their range, too
   narrow), so the interval is Student's t: mean +- t_{0.975, n-1} * sd / sqrt(n), the t quantile
   computed here exactly (no scipy). With one pair there is no interval ("n too small").
-Anything that makes a number impossible or weak (a missing metric, one seed, unpaired seeds) becomes a
-note line, never an exception.
+Anything that makes a number weak (a metric missing from some runs, one seed, unpaired seeds) becomes a note line,
+never an exception. A selection that can give no number at all is a `CompareError` (exit 2), raised before any file is
+written or logged, so the outputs of an earlier comparison stay: a `--metrics` name that no selected run has (with
+the close names they have), a `--by` key that no selected run has as a tag or param, or no finite value at all.
 """
 
 from __future__ import annotations
@@ -402,6 +404,28 @@ def _group_value(run: Any, by: str) -> Optional[str]:
     return None
 
 
+def _did_you_mean(name: str, choices: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(choices), n=3, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def _metrics_they_have(present: set[str]) -> str:
+    shown = sorted(present)
+    more = f", ... {len(shown) - 40} more" if len(shown) > 40 else ""
+    return f"metrics they have: {', '.join(shown[:40]) + more}" if shown else "they have no metrics"
+
+
+def _keys_they_have(runs: Sequence[Any], by: str) -> str:
+    """The tags (MLflow's own left out) and params the runs have, for a --by that names none of them."""
+    tags = sorted({k for r in runs for k in r.data.tags if not k.startswith("mlflow.")})
+    params = sorted({k for r in runs for k in r.data.params})
+    hint = _did_you_mean(by, set(tags) | set(params))
+    shown = ", ".join(params[:12]) + (f", ... {len(params) - 12} more" if len(params) > 12 else "")
+    return f"{hint.strip()} tags they have: {', '.join(tags) or 'none'}; params: {shown or 'none'}".lstrip()
+
+
 def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, metrics: Optional[Sequence[str]] = None,
               include_unfinished: bool = False) -> tuple[list[RunData], list[str], list[str]]:
     """Histories of the chosen metrics (default: rollout/raw_reward and every eval/* present), runs and notes."""
@@ -413,12 +437,24 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
                          f"{r.info.status}: left out (--include-unfinished keeps it)")
             continue
         kept.append(r)
+    present = {k for r in kept for k in r.data.metrics}
     if metrics is None:
-        present = {k for r in kept for k in r.data.metrics}
         metrics = [DEFAULT_METRIC] + sorted(k for k in present if k.startswith(EVAL_PREFIX))
+        if kept and DEFAULT_METRIC not in present and len(metrics) == 1:
+            raise CompareError(f"the selected runs have no {DEFAULT_METRIC} and no {EVAL_PREFIX}* metric; "
+                               f"name the metrics with --metrics ({_metrics_they_have(present)})")
+    elif kept:
+        absent = [m for m in metrics if m not in present]
+        if absent:
+            raise CompareError("; ".join(f"metric {m!r} is in none of the {len(kept)} selected runs"
+                                         f"{_did_you_mean(m, present)}" for m in absent)
+                               + f" ({_metrics_they_have(present)})")
     for m in metrics:
-        if kept and not any(m in r.data.metrics for r in kept):
+        if kept and m not in present:
             notes.append(f"metric {m} is in none of the selected runs")
+    if kept and not any(_group_value(r, by) is not None for r in kept):
+        raise CompareError(f"--by {by}: none of the {len(kept)} selected runs has a tag or param {by!r} "
+                           f"({_keys_they_have(kept, by)})")
     out = []
     for r in kept:
         arm = _group_value(r, by)
@@ -598,6 +634,9 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
         raise CompareError(f"no finished runs in {description}")
     comp = summarize(runs, metric_list, control=control, last_k=last_k, n_boot=n_boot, seed=seed)
     comp.notes[:0] = notes
+    if not comp.stats:  # nothing to write: the outputs of an earlier comparison stay as they are
+        raise CompareError(f"no finite values of {', '.join(metric_list)} in the {len(runs)} selected runs of "
+                           f"{description}")
     title = f"relax-compare: {len(runs)} runs of {description}, grouped by {by} ({uri})"
     name = sweep or time.strftime("%Y%m%d-%H%M%S")
     out = out_dir or Path("compare") / name.replace("/", "_").replace(" ", "_")

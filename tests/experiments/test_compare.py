@@ -170,10 +170,10 @@ def test_compare_against_hand_computed_values(store, tmp_path):
 def test_cli_prints_tables_and_notes(store, tmp_path, capsys):
     tmp, uri, pid = store
     compare_main(["--uri", uri, "--sweep", "S1", "--control", "A", "--last-k", "2", "--bootstrap", "500",
-                  "--metrics", "rollout/raw_reward", "eval/missing", "--out", str(tmp_path), "--no-log"])
+                  "--metrics", "rollout/raw_reward", "eval/digits/pass_at_1", "--out", str(tmp_path), "--no-log"])
     out = capsys.readouterr().out
     assert "A (control)  3        3.0000  1.0000  1,2,3" in out
-    assert "note: metric eval/missing is in none of the selected runs" in out
+    assert "note: eval/digits/pass_at_1: arm B has no values for seed(s) 1, 2, 3" in out  # in some runs: a note
     assert "arm  n pairs  diff     ci low   ci high  interval     seeds" in out
     # 7/3 -+ 4.302653/3 = 0.8991, 3.7676 (t, 2 dof); C has one pair: no interval
     assert re.search(r"^  B\s+3\s+\+2\.3333\s+\+0\.8991\s+\+3\.7676\s+t, 2 dof\s+1,2,3$", out, re.M), out
@@ -210,3 +210,47 @@ def test_the_control_arm_may_be_named_as_it_was_launched():
     assert resolve_control("data.blank_images=true,seed_group=b", arms) == "data.blank_images=true,seed_group=b"
     assert resolve_control("algorithm=TRUE", ["algorithm=true", "algorithm=True"]) == "algorithm=TRUE"  # two: neither
     assert resolve_control(None, arms) is None
+
+
+def test_a_metric_no_selected_run_has_is_an_error_and_earlier_outputs_stay(store, tmp_path, capsys):
+    """A misspelled --metrics name exits 2 naming it, the close names and the metrics the runs have; neither the
+    local CSV nor the parent run's compare/ artifacts of an earlier comparison are replaced by an empty one."""
+    from mlflow import MlflowClient
+
+    _, uri, pid = store
+    client = MlflowClient(tracking_uri=uri)
+    out = tmp_path / "out"
+    compare_main(["--uri", uri, "--sweep", "S1", "--last-k", "2", "--out", str(out)])  # the earlier comparison
+    capsys.readouterr()
+    before = (out / "compare.csv").read_text()
+    (tmp_path / "dl1").mkdir()
+    (tmp_path / "dl2").mkdir()
+    logged = client.download_artifacts(pid, "compare/compare.csv", str(tmp_path / "dl1"))
+    assert "rollout/raw_reward,B" in open(logged).read()
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--uri", uri, "--sweep", "S1", "--metrics", "rollout/raw_rewrad", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "metric 'rollout/raw_rewrad' is in none of the 9 selected runs (did you mean rollout/raw_reward?)" in err
+    assert "metrics they have: eval/digits/pass_at_1, rollout/raw_reward" in err
+    assert (out / "compare.csv").read_text() == before
+    logged = client.download_artifacts(pid, "compare/compare.csv", str(tmp_path / "dl2"))
+    assert open(logged).read() == open(tmp_path / "dl1" / "compare.csv").read()
+    # the control: the same command with the metric spelled right compares
+    r = compare(uri=uri, sweep="S1", metrics=["rollout/raw_reward"], last_k=2, out_dir=out, log=False)
+    assert {s.arm for s in r.comparison.stats} == {"A", "B", "C", "D"}
+
+
+def test_a_by_key_no_selected_run_has_is_an_error(store, tmp_path):
+    """--by with a key no run has would put every run into one arm `(none)` and keep one run per seed: refused,
+    naming the key, the closest one and the keys the runs have. A key some runs lack still groups (a note)."""
+    _, uri, _ = store
+    with pytest.raises(CompareError) as exc:
+        compare(uri=uri, sweep="S1", by="algoritm", out_dir=tmp_path, log=False)
+    text = str(exc.value)
+    assert "--by algoritm: none of the 9 selected runs has a tag or param 'algoritm'" in text
+    assert "(did you mean algorithm?)" in text and "tags they have: algorithm, arm, seed, sweep_id" in text
+    with pytest.raises(CompareError, match="'nosuchkey'"):
+        compare(uri=uri, sweep="S1", by="nosuchkey", out_dir=tmp_path, log=False)
+    r = compare(uri=uri, sweep="S1", by="algorithm", last_k=2, out_dir=tmp_path, log=False)  # the control
+    assert r.comparison.arms == ["a", "b", "c", "d"]
