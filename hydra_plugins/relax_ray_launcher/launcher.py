@@ -2,26 +2,36 @@
 
 Why our own: hydra-ray-launcher pins cloudpickle<3 and an old Ray API, stops at the first failed job
 and knows nothing of MLflow. This one, per sweep:
-1. composes every job's config and runs `precheck` on each (Relax: full validation), reporting all
-   invalid jobs at once (exit 2) before anything starts;
+1. composes every job's config and runs `precheck` on each (Relax: validation and the checks a single run makes
+   before Ray, `check_sweep_job`), and refuses jobs that share what each needs to itself (the checkpoint
+   directory), reporting all invalid jobs at once (exit 2) before anything starts;
 2. creates the MLflow parent run (and so the sqlite store: jobs never race to create its schema) and
    adds `tracking.parent_run_id`, `tracking.sweep_id` and `tracking.arm` to each job's overrides;
 3. runs each job with Hydra's `run_job` in its own Ray worker process (`max_calls=1`), at most
    `max_concurrent_jobs` at a time, on the Ray cluster (joined, or started locally); a failing job is
-   recorded and the others go on;
-4. prints a table of jobs and ends the parent run FINISHED, or FAILED if any job failed.
+   recorded and the others go on; each job's MLflow run is tagged `relax.sweep_job` (`<sweep id>/<job index>`),
+   so that the table names each job's own run;
+4. prints a table of jobs and ends the parent run FINISHED, or FAILED if any job failed (exit 1).
+
+Ctrl-C stops the running jobs as Ctrl-C stops a single run (`relax.runner.preempt`): each job gets the interrupt
+(`ray.cancel` without force, a KeyboardInterrupt raised by Ray through the job's SIGINT handler), finishes its step,
+writes its checkpoint and marks its run KILLED; after `stop_timeout_s`, or a second Ctrl-C, the rest are killed. The
+parent run ends KILLED and relax-train exits 130.
 """
 
 
 import importlib
+import json
 import logging
 import math
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +39,6 @@ from typing import Any, Optional
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
-from hydra.errors import CompactHydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -40,10 +49,8 @@ from relax.metrics import RAW_REWARD
 log = logging.getLogger(__name__)
 INVALID_CONFIG_EXIT = 2  # as relax-train's single-run validation
 REWARD_METRIC = RAW_REWARD
-
-
-class SweepJobsFailed(CompactHydraException):
-    """Returned as the value of failed jobs: Hydra's sweeper raises it and prints just this message (exit 1)."""
+FINAL_REWARD_STEPS = 10  # the table's final reward: the mean of the last 10 steps, as relax-train's summary
+JOB_TAG = "relax.sweep_job"  # on each job's MLflow run: "<sweep id>/<job index>", how the table finds it
 
 
 @dataclass
@@ -53,6 +60,12 @@ class _Outcome:
     error: Optional[str]
     start: float
     end: float
+    killed: bool = False  # stopped by the sweep's Ctrl-C
+
+
+def job_key(sweep_id: str, index: int) -> str:
+    """The `relax.sweep_job` tag of job `index`'s MLflow run."""
+    return f"{sweep_id}/{index}"
 
 
 def _error_text(exc: BaseException) -> str:
@@ -66,10 +79,14 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
-                 task_function: TaskFunction, singleton_state: dict[Any, Any], cwd: str) -> _Outcome:
+                 task_function: TaskFunction, singleton_state: dict[Any, Any], cwd: str,
+                 key: Optional[str] = None) -> _Outcome:
     """Body of one Ray task: one Hydra job, as Hydra's own launchers run it (fresh process, same cwd)."""
     start = time.time()
     os.chdir(cwd)  # relative paths (outputs, sqlite store) mean the same as for the launcher
+    if key is not None:  # MLflow adds MLFLOW_RUN_CONTEXT's tags to every run it creates: here, the job's (one process)
+        context = json.loads(os.environ.get("MLFLOW_RUN_CONTEXT") or "{}")
+        os.environ["MLFLOW_RUN_CONTEXT"] = json.dumps({**context, JOB_TAG: key})
     setup_globals()
     Singleton.set_state(singleton_state)
     sweep_config = hydra_context.config_loader.load_sweep_config(config, list(overrides))
@@ -77,8 +94,13 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
         sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{index}"
         sweep_config.hydra.job.num = index
     HydraConfig.instance().set_config(sweep_config)
-    ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
-                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    try:
+        ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
+                      job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    except KeyboardInterrupt as exc:  # the sweep's Ctrl-C (ray.cancel): relax.runner.preempt.Preempted says how
+        if str(exc):  # the job stopped and where it continues from, as relax-train says it for a single run
+            print(f"relax-train: {exc}", file=sys.stderr, flush=True)
+        raise
     error = None
     if ret.status == JobStatus.FAILED:
         error = _error_text(ret._return_value)
@@ -88,11 +110,10 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
     return _Outcome(index, ret, error, start, time.time())
 
 
-def _overrides_tag(job: Sequence[str]) -> str:
-    """The `overrides` tag the job's run carries (relax.runner.session writes it the same way)."""
-    from relax.tracking.params import overrides_text
-
-    return overrides_text(list(job))
+def _terminate_as_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM to the sweep's driver (a scheduler's stop): handled as Ctrl-C, so that the jobs stop with their
+    checkpoints (Ray's own handler would abort the driver and leave them to be killed)."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _result_field(value: Any, name: str) -> Any:
@@ -111,7 +132,7 @@ class RelaxRayLauncher(Launcher):
     def __init__(self, address: Optional[str] = None, max_concurrent_jobs: Optional[int] = None,
                  num_cpus: float = 1.0, num_gpus: Optional[float] = None,
                  precheck: Optional[str] = None, tracking: bool = True,
-                 ray_init: Optional[dict[str, Any]] = None) -> None:
+                 ray_init: Optional[dict[str, Any]] = None, stop_timeout_s: float = 120.0) -> None:
         self.address = address
         self.max_concurrent_jobs = max_concurrent_jobs
         self.num_cpus = num_cpus
@@ -119,6 +140,7 @@ class RelaxRayLauncher(Launcher):
         self.precheck = precheck
         self.tracking = tracking
         self.ray_init = dict(ray_init or {})
+        self.stop_timeout_s = stop_timeout_s
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
         self.task_function: Optional[TaskFunction] = None
@@ -131,10 +153,12 @@ class RelaxRayLauncher(Launcher):
 
     # ------------------------------------------------------------------ launch
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        """Run the batch; returns one JobReturn per job, in order (failed ones hold a SweepJobsFailed)."""
+        """Run the batch; returns one JobReturn per job, in order. A failed job ends the sweep with exit 1 (after
+        the table), Ctrl-C with KeyboardInterrupt, an invalid one before anything starts with exit 2."""
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        self._check_options()
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         jobs = [list(o) for o in job_overrides]
         indices = [initial_job_idx + i for i in range(len(jobs))]
@@ -151,7 +175,7 @@ class RelaxRayLauncher(Launcher):
         outcomes: dict[int, _Outcome] = {}
         status = "FAILED"
         try:
-            self._run_all(full, indices, jobs, outcomes)
+            self._run_all(full, indices, jobs, outcomes, sweep_id)
             status = "FINISHED" if all(o.error is None for o in outcomes.values()) else "FAILED"
         except KeyboardInterrupt:
             status = "KILLED"
@@ -162,9 +186,30 @@ class RelaxRayLauncher(Launcher):
             print(format_table(rows, sweep_id=self.sweep_id, parent_run_id=parent_id), flush=True)
             if self.parent is not None:
                 self.parent.finish(status)
-        return self._returns(full, indices, outcomes, rows)
+        failed = [r for r in rows if r.status != "FINISHED"]
+        if failed:  # the message alone, exit 1 (a failed JobReturn would add Hydra's "Error executing job ..." and
+            # its HYDRA_FULL_ERROR hint, which say nothing about a job that ran in another process)
+            print(f"{len(failed)} of {len(rows)} sweep jobs failed (job {', '.join(str(r.index) for r in failed)}; "
+                  "see the table above)", file=sys.stderr, flush=True)
+            sys.exit(1)
+        return self._returns(full, indices, outcomes)
 
     # ------------------------------------------------------------------ steps
+    def _check_options(self) -> None:
+        """The launcher's own options, before anything starts (exit 2, as an invalid job)."""
+        problems = []
+        n = self.max_concurrent_jobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            problems.append(f"hydra.launcher.max_concurrent_jobs={n} must be a number of jobs >= 1 (null, the "
+                            "default: as many as fit the cluster)")
+        t = self.stop_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            problems.append(f"hydra.launcher.stop_timeout_s={t} must be a number of seconds >= 0")
+        if problems:
+            print("relax-train: error: invalid sweep launcher options (nothing started):\n"
+                  + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+            sys.exit(INVALID_CONFIG_EXIT)
+
     def _tracking_enabled(self) -> bool:
         assert self.config is not None
         if OmegaConf.select(self.config, "dry_run", default=False):
@@ -190,22 +235,38 @@ class RelaxRayLauncher(Launcher):
 
     def _precheck(self, jobs: list[list[str]], arms: list[Optional[str]], indices: list[int],
                   sweep_id: Optional[str]) -> None:
-        """Compose and check every job before any starts; all invalid jobs are reported at once (exit 2)."""
+        """Compose and check every job before any starts; all invalid jobs are reported at once (exit 2). What a
+        check returns as {what: value} (a job's checkpoint directory) no two jobs may share."""
         if not self.precheck:
             return
         check = _load_callable(self.precheck)
-        problems = []
+        problems: dict[int, list[str]] = {}
+        owners: dict[tuple[str, str], list[int]] = {}
         for index, job, arm in zip(indices, jobs, arms, strict=True):
             extra = tracking_overrides(sweep_id=sweep_id, parent_run_id=None, arm=arm) if sweep_id else []
             try:
-                check(self._compose(job + extra))
+                claims = check(self._compose(job + extra))
             except Exception as exc:  # noqa: BLE001 - any failure makes the job invalid
-                text = textwrap.indent(textwrap.dedent(str(exc).strip("\n")), "  ")
-                problems.append(f"job {index} ({' '.join(filter_overrides(job))}):\n{text}")
+                problems.setdefault(index, []).append(textwrap.dedent(str(exc).strip("\n")))
+                continue
+            if isinstance(claims, Mapping):
+                for what, value in claims.items():
+                    owners.setdefault((str(what), str(value)), []).append(index)
+        for (what, value), shared in owners.items():
+            if len(shared) > 1:
+                for index in shared:
+                    others = ", ".join(str(i) for i in shared if i != index)
+                    problems.setdefault(index, []).append(
+                        f"{what} {value} is also job {others}'s: two jobs would write the same files (the second "
+                        "would fail on the first's lock); make the jobs differ, e.g. in seed, tracking.run_name or "
+                        "train.save_dir")
         if problems:
             n = len(problems)
+            text = [f"job {index} ({' '.join(filter_overrides(job))}):\n"
+                    + "\n".join(textwrap.indent(p, "  ") for p in problems[index])
+                    for index, job in zip(indices, jobs, strict=True) if index in problems]
             print(f"relax-train: error: invalid config in {n} of {len(jobs)} sweep job{'s' if len(jobs) > 1 else ''}"
-                  f" (nothing started):\n" + "\n".join(problems), file=sys.stderr)
+                  f" (nothing started):\n" + "\n".join(text), file=sys.stderr)
             sys.exit(INVALID_CONFIG_EXIT)
 
     def _start_parent(self) -> Optional[str]:
@@ -258,7 +319,7 @@ class RelaxRayLauncher(Launcher):
         """max_concurrent_jobs, else how many jobs fit the cluster's CPUs and GPUs (at least 1)."""
         import ray
 
-        if self.max_concurrent_jobs:
+        if self.max_concurrent_jobs is not None:  # >= 1 (_check_options)
             return max(1, min(self.max_concurrent_jobs, n_jobs))
         assert self.config is not None
         resources = ray.cluster_resources()
@@ -274,7 +335,7 @@ class RelaxRayLauncher(Launcher):
         return max(1, min(fits))
 
     def _run_all(self, full: list[list[str]], indices: list[int], jobs: list[list[str]],
-                 outcomes: dict[int, _Outcome]) -> None:
+                 outcomes: dict[int, _Outcome], sweep_id: Optional[str]) -> None:
         import ray
 
         assert self.config is not None and self.hydra_context is not None
@@ -288,79 +349,140 @@ class RelaxRayLauncher(Launcher):
         pending = list(range(len(full)))
         running: dict[Any, int] = {}
         submitted: dict[int, float] = {}
+
+        def collect(ref: Any, killed: bool = False) -> None:
+            k = running.pop(ref)
+            try:
+                outcome = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - a crashed worker, an unpicklable result, a cancelled task ...
+                if killed:
+                    outcome = _Outcome(indices[k], None, None, submitted[k], time.time(), killed=True)
+                else:
+                    outcome = _Outcome(indices[k], None, f"{type(exc).__name__}: {exc}", submitted[k], time.time())
+            outcomes[indices[k]] = outcome
+            word = "stopped" if outcome.killed else "finished" if outcome.error is None else "FAILED"
+            print(f"job {indices[k]} {word} in {outcome.end - outcome.start:.0f} s: "
+                  f"{' '.join(filter_overrides(jobs[k]))}", flush=True)
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():  # after ray.init, which installs its own
+            previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
         try:
             while pending or running:
                 while pending and len(running) < limit:
                     k = pending.pop(0)
+                    key = job_key(sweep_id, indices[k]) if sweep_id else None
                     ref = remote.remote(indices[k], full[k], self.hydra_context, self.config, self.task_function,
-                                        state, cwd)
+                                        state, cwd, key)
                     running[ref] = k
                     submitted[k] = time.time()
                     log.info(f"\t#{indices[k]} : {' '.join(filter_overrides(jobs[k]))}")
                 done, _ = ray.wait(list(running), num_returns=1)
                 for ref in done:
-                    k = running.pop(ref)
-                    try:
-                        outcome = ray.get(ref)
-                    except Exception as exc:  # noqa: BLE001 - a crashed worker, an unpicklable result ...
-                        outcome = _Outcome(indices[k], None, f"{type(exc).__name__}: {exc}", submitted[k], time.time())
-                    outcomes[indices[k]] = outcome
-                    state_word = "finished" if outcome.error is None else "FAILED"
-                    print(f"job {indices[k]} {state_word} in {outcome.end - outcome.start:.0f} s: "
-                          f"{' '.join(filter_overrides(jobs[k]))}", flush=True)
+                    collect(ref)
         except KeyboardInterrupt:
-            for ref in running:
-                ray.cancel(ref, force=True)
+            self._stop_jobs(running, collect)
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _stop_jobs(self, running: dict[Any, int], collect: Callable[..., None]) -> None:
+        """Ctrl-C: each running job gets a KeyboardInterrupt through its SIGINT handler (`ray.cancel` without
+        force), which stops a Relax run as Ctrl-C does (a checkpoint of its step, its run KILLED); the jobs still
+        running after `stop_timeout_s`, or at a second Ctrl-C, are killed."""
+        import ray
+
+        if not running:
+            return
+        print(f"\nrelax-train: interrupted: stopping {len(running)} running job(s), each after its current step with "
+              f"a checkpoint (up to {self.stop_timeout_s:g} s; press Ctrl-C again to kill them now)", file=sys.stderr,
+              flush=True)
+        for ref in running:
+            ray.cancel(ref, force=False, recursive=False)  # the job's own roles are stopped by the job
+        deadline = time.monotonic() + self.stop_timeout_s
+        try:
+            while running and (left := deadline - time.monotonic()) > 0:
+                done, _ = ray.wait(list(running), num_returns=1, timeout=left)
+                for ref in done:
+                    collect(ref, killed=True)
+        except KeyboardInterrupt:
+            pass
+        if running:
+            print(f"relax-train: killing {len(running)} job(s) that did not stop", file=sys.stderr, flush=True)
+            for ref in list(running):
+                ray.cancel(ref, force=True)
+                running.pop(ref)
 
     def _rows(self, jobs: list[list[str]], indices: list[int], outcomes: dict[int, _Outcome],
               parent_id: Optional[str]) -> list[JobRow]:
-        runs = self._child_runs(parent_id)
+        """The table: each job with its own MLflow run (its `relax.sweep_job` tag, else the run id it returned;
+        '-' when neither) and its final reward, the mean of its last 10 steps."""
+        runs = self._job_runs(parent_id)
         rows = []
         for job, index in zip(jobs, indices, strict=True):
             text = " ".join(filter_overrides(job))
             o = outcomes.get(index)
-            if o is None:
-                rows.append(JobRow(index, text, "KILLED"))
-                continue
-            run = runs.pop(_overrides_tag(job), None) if runs else None
-            value = o.ret.return_value if o.ret is not None and o.error is None else None
-            reward = _result_field(value, "final_reward")  # relax-train: mean of the last 10 steps
+            run = runs.get(index)
+            value = o.ret.return_value if o is not None and o.ret is not None and o.error is None else None
             run_id = _result_field(value, "run_id") or (run.info.run_id if run is not None else None)
-            if not isinstance(reward, (int, float)) and run is not None and REWARD_METRIC in run.data.metrics:
-                reward = run.data.metrics[REWARD_METRIC]  # the last logged value
+            reward = _result_field(value, "final_reward")  # relax-train: the mean of the last 10 steps
+            if not isinstance(reward, (int, float)) and run is not None:
+                reward = self._final_reward(run.info.run_id)
             reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None
-            rows.append(JobRow(index, text, "FINISHED" if o.error is None else "FAILED", run_id, reward,
-                               o.end - o.start, o.error))
+            if o is None or o.killed:
+                status = "KILLED"
+                if run is not None and run.info.status == "RUNNING":
+                    self._mark_killed(run.info.run_id)  # killed before its own handler could mark it
+            else:
+                status = "FINISHED" if o.error is None else "FAILED"
+            seconds = o.end - o.start if o is not None else None
+            rows.append(JobRow(index, text, status, run_id, reward, seconds, o.error if o is not None else None))
         return rows
 
-    def _child_runs(self, parent_id: Optional[str]) -> dict[str, Any]:
-        """The jobs' MLflow runs by their overrides tag (best effort: the table shows '-' when unknown)."""
-        if parent_id is None or self.parent is None:
-            return {}
-        from relax.tracking.mlflow_run import PARENT_RUN_ID_TAG
-        from relax.tracking.params import TAG_OVERRIDES
-
+    def _mark_killed(self, run_id: str) -> None:
+        assert self.parent is not None
         try:
-            found = self.parent.client.search_runs([self.parent.experiment_id],
-                                                   filter_string=f"tags.`{PARENT_RUN_ID_TAG}` = '{parent_id}'",
-                                                   max_results=5000)
+            self.parent.client.set_terminated(run_id, "KILLED")
+        except Exception as exc:  # noqa: BLE001 - the run stays RUNNING; the table still says KILLED
+            log.warning(f"could not mark run {run_id} KILLED: {exc}")
+
+    def _final_reward(self, run_id: str) -> Optional[float]:
+        """The mean of a run's last 10 logged rewards (a job that returned none: failed or stopped)."""
+        from relax.tracking.compare import final_value
+
+        assert self.parent is not None
+        try:
+            history = [(m.step, m.value) for m in self.parent.client.get_metric_history(run_id, REWARD_METRIC)]
+        except Exception as exc:  # noqa: BLE001 - the table is still useful without it
+            log.warning(f"could not read {REWARD_METRIC} of run {run_id}: {exc}")
+            return None
+        return final_value(history, FINAL_REWARD_STEPS) if history else None
+
+    def _job_runs(self, parent_id: Optional[str]) -> dict[int, Any]:
+        """The jobs' MLflow runs by job index, from their `relax.sweep_job` tag (best effort: the table shows '-'
+        when unknown). A job's run may be in another experiment than the parent's (`tracking.experiment` swept)."""
+        if parent_id is None or self.parent is None or self.sweep_id is None:
+            return {}
+        try:
+            client = self.parent.client
+            experiments = [e.experiment_id for e in client.search_experiments()]
+            found = client.search_runs(experiments, filter_string=f"tags.`{JOB_TAG}` LIKE '{self.sweep_id}/%'",
+                                       max_results=5000)
         except Exception as exc:  # noqa: BLE001 - the table is still useful without run ids
             log.warning(f"could not list the sweep's runs: {exc}")
             return {}
-        return {r.data.tags.get(TAG_OVERRIDES, ""): r for r in sorted(found, key=lambda r: r.info.start_time)}
+        runs: dict[int, Any] = {}
+        for r in sorted(found, key=lambda r: r.info.start_time):
+            sweep, _, index = r.data.tags.get(JOB_TAG, "").rpartition("/")
+            if sweep == self.sweep_id and index.isdigit():
+                runs.setdefault(int(index), r)
+        return runs
 
-    def _returns(self, full: list[list[str]], indices: list[int], outcomes: dict[int, _Outcome],
-                 rows: list[JobRow]) -> list[JobReturn]:
-        failed = [r for r in rows if r.status != "FINISHED"]
-        message = (f"{len(failed)} of {len(rows)} sweep jobs failed (job {', '.join(str(r.index) for r in failed)}; "
-                   "see the table above)")
+    def _returns(self, full: list[list[str]], indices: list[int], outcomes: dict[int, _Outcome]) -> list[JobReturn]:
+        """The jobs' JobReturns (every job finished: a failed or stopped sweep exits before)."""
         out = []
         for overrides, index in zip(full, indices, strict=True):
             o = outcomes.get(index)
-            ret = o.ret if o is not None and o.ret is not None else JobReturn(overrides=list(overrides))
-            if o is None or o.error is not None:
-                ret.status = JobStatus.FAILED
-                ret._return_value = SweepJobsFailed(message)
-            out.append(ret)
+            out.append(o.ret if o is not None and o.ret is not None else JobReturn(overrides=list(overrides)))
         return out

@@ -24,6 +24,8 @@ def app(cfg: DictConfig) -> dict:
     from relax.tracking.run_options import RunOptions
 
     start = time.time()
+    if HydraConfig.get().job.num == cfg.fail_job:
+        raise RuntimeError(f"boom before its run (job {cfg.fail_job})")
     t = cfg.tracking
     tags = {"seed": str(cfg.seed), "arm": t.arm or "default",
             "overrides": overrides_text(HydraConfig.get().overrides.task)}
@@ -34,9 +36,12 @@ def app(cfg: DictConfig) -> dict:
     with tracker:
         for step in range(3):
             tracker.log_metrics({"rollout/raw_reward": cfg.lr * cfg.seed + step}, step)
-        time.sleep(cfg.sleep_s)
-        end = time.time()
         Path(cfg.record_dir).mkdir(exist_ok=True)
+        (Path(cfg.record_dir) / f"started-{HydraConfig.get().job.num}").touch()  # its run is open
+        until = time.time() + cfg.sleep_s
+        while time.time() < until:  # short sleeps: Ray's interrupt (ray.cancel) is handled between them, as a real
+            time.sleep(0.05)  # run handles it between its waits
+        end = time.time()
         record = {"num": HydraConfig.get().job.num, "start": start, "end": end, "pid": os.getpid(),
                   "niceness": os.nice(0)}
         (Path(cfg.record_dir) / f"{record['num']}.json").write_text(json.dumps(record))

@@ -3,8 +3,10 @@ others, invalid jobs are all reported before anything starts, and MLflow gets a 
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +55,9 @@ def test_jobs_run_in_parallel_and_a_failure_does_not_stop_the_others(sweep):
     status = {r[0]: next(w for w in r if w in ("FINISHED", "FAILED")) for r in rows}
     assert status == {"0": "FAILED", "1": "FINISHED", "2": "FINISHED"}
     assert "RuntimeError: boom (seed=1)" in table
-    assert "1 of 3 sweep jobs failed" in proc.stderr
+    assert "1 of 3 sweep jobs failed (job 0; see the table above)" in proc.stderr
+    # the failure is the table's and this line's to tell: not Hydra's, whose job ran in another process
+    assert "HYDRA_FULL_ERROR" not in out and "Error executing job" not in out
 
 
 def test_mlflow_parent_and_children(sweep):
@@ -81,6 +85,41 @@ def test_mlflow_parent_and_children(sweep):
         assert c.data.tags["seed"] == seed.split("=")[1]
         assert c.info.run_id in proc.stdout  # the table names the run
     assert by_overrides["lr=0.1 seed=1 fail_seed=1 fail_lr=0.1 sleep_s=3"].info.status == "FAILED"
+    # each row names its job's own run and the mean of its last 10 rewards (all 3 here: lr + 0, 1, 2): the failed
+    # job's is its logged mean 1.1 (its last reward was 2.1); the others' are what they returned (lr + 2)
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line[:1].isdigit() and " lr=" in line}
+    for index, lr, reward in (("0", "0.1", "1.1000"), ("1", "0.2", "2.2000"), ("2", "0.3", "2.3000")):
+        run = by_overrides[f"lr={lr} seed=1 fail_seed=1 fail_lr=0.1 sleep_s=3"]
+        assert rows[index][1] == f"lr={lr}" and rows[index][-2:] == [run.info.run_id, reward], rows[index]
+        assert run.data.tags["relax.sweep_job"] == f"{sweep_id}/{index}"
+
+
+def test_a_job_without_a_run_is_not_credited_with_another_jobs(tmp_path):
+    """Two jobs with the same overrides (`seed=1,1`); the first fails before it opens its MLflow run. Its row says
+    `-` (no run, no reward) and the second's names the second's run. Before, rows were matched to runs by their
+    overrides tag, so the failed job showed the other's run and reward."""
+    from mlflow import MlflowClient
+
+    proc = _sweep(tmp_path, "seed=1,1", "fail_job=0", "sleep_s=0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
+    (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ")}
+    assert rows["0"][-4] == "FAILED" and rows["0"][-1] == "-", rows  # no run, no reward
+    assert rows["1"][-3:] == ["s", child.info.run_id, "2.1000"], rows
+    assert "RuntimeError: boom before its run (job 0)" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_max_concurrent_jobs_below_one_is_refused(tmp_path, value):
+    """`max_concurrent_jobs=0` was taken as unset (as many as fit); now refused before anything starts, exit 2. The
+    control, a positive value, is the module's sweep (=2)."""
+    proc = _sweep(tmp_path, "lr=0.1,0.2", f"hydra.launcher.max_concurrent_jobs={value}", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (f"relax-train: error: invalid sweep launcher options (nothing started):\n  - "
+            f"hydra.launcher.max_concurrent_jobs={value} must be a number of jobs >= 1") in proc.stderr
+    assert not (tmp_path / "times").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_invalid_jobs_are_all_reported_before_anything_starts(tmp_path):
@@ -91,3 +130,35 @@ def test_invalid_jobs_are_all_reported_before_anything_starts(tmp_path):
     assert "lr=-1 must be >= 0" in proc.stderr
     assert not (tmp_path / "times").exists()  # nothing ran
     assert not (tmp_path / "mlflow.db").exists()  # no parent run either
+
+
+def test_sigterm_stops_the_running_jobs_as_ctrl_c_does(tmp_path):
+    """SIGTERM to the sweep's driver (a scheduler's stop) is handled as Ctrl-C: each running job gets the interrupt
+    (here the default KeyboardInterrupt, which ends its MLflow run KILLED), the parent ends KILLED and the table names
+    each job's run. Before, Ray's handler aborted the driver and the jobs were killed with their runs RUNNING."""
+    from mlflow import MlflowClient
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(APP), "-m", "lr=0.1,0.2", "seed=1", "sleep_s=300"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("times/started-*"))) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling for the jobs' files: both runs open, both jobs in their sleep
+        assert len(list(tmp_path.glob("times/started-*"))) == 2
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGINT, out  # the KeyboardInterrupt leaves the dummy app (relax-train: 130)
+    assert "interrupted: stopping 2 running job(s)" in out
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.data.tags["overrides"].split()[0]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert parent.info.status == "KILLED" and sorted(children) == ["lr=0.1", "lr=0.2"]
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ")}
+    for lr, run in children.items():
+        assert run.info.status == "KILLED", lr
+        assert "KILLED" in rows[lr] and run.info.run_id in rows[lr], rows  # its own run

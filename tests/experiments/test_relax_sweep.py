@@ -4,10 +4,15 @@ concurrency and failures are tested on a dummy app in test_launcher.py, and rela
 in test_compare.py.)"""
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.slow
@@ -56,3 +61,67 @@ def test_relax_train_sweep_and_compare(tmp_path):
     assert "algorithm=grpo (control)  1" in cmp.stdout and "algorithm=rloo  1" in cmp.stdout
     names = {f.path for f in client.list_artifacts(parent.info.run_id, "compare")}
     assert names == {"compare/compare.csv", "compare/compare.png"}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path):
+    """Ctrl-C on `relax-train -m`: every running job stops as a single run does on Ctrl-C (its step finished, a
+    checkpoint of it committed, its MLflow run KILLED), the parent run ends KILLED, exit 130, and the table names each
+    job's run. Both jobs are held in the scoring of a batch after their first step (`sweep_rewards:hold`) when the
+    driver gets SIGINT, and released once each has said that it got the interrupt: each stops after the step it was
+    held in. Before: the jobs were force-killed, their runs stayed RUNNING, their checkpoint directories held no
+    checkpoint and the table said `KILLED -`."""
+    from mlflow import MlflowClient
+
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    calls_per_step = 2 * 4
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0", "RELAX_HOLD_DIR": str(hold),
+           "RELAX_HOLD_CALL": str(calls_per_step + 1),
+           "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "relax.cli.train", "-m", "seed=1,2", "train.num_rollout=20", "train.eval_interval=0",
+           "tracking.progress=false", "tracking.system_metrics=false", "rollout.rollout_batch_size=2",
+           "rollout.n_samples_per_prompt=4", "train.global_batch_size=8", "data.reward=sweep_rewards:hold",
+           "data.reward_timeout_s=null"]
+    log = tmp_path / "log.txt"
+    stopping = re.compile(r"relax-train: SIGINT received: stopping after step (\d+) with a checkpoint")
+
+    def wait_for(done) -> None:  # polling files the jobs and the driver write
+        deadline = time.monotonic() + 300
+        while not done() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert done(), log.read_text()[-5000:]
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(list(hold.glob("reached-*"))) == 2)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C on the sweep's driver
+        wait_for(lambda: len(stopping.findall(log.read_text())) == 2)  # each job got it, while held
+        (hold / "go").touch()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 130, text[-5000:]
+    assert "relax-train: interrupted: stopping 2 running job(s), each after its current step with a checkpoint" in text
+    (step,) = {int(k) for k in stopping.findall(text)}  # the same step of both: the one they were held in
+    assert step >= 1
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("relax").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.data.tags["seed"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert parent.info.status == "KILLED" and sorted(children) == ["1", "2"]
+    table = text[text.index("0 of 2 jobs finished"):]
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line[:2] in ("0 ", "1 ")}
+    for index, seed in (("0", "1"), ("1", "2")):
+        run = children[seed]
+        assert run.info.status == "KILLED", seed
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == list(range(step + 1))
+        save_dir = tmp_path / "checkpoints" / "relax" / f"grpo-seed{seed}"
+        assert sorted(p.name for p in save_dir.glob("step_*")) == [f"step_{step + 1:06d}"], seed
+        assert (save_dir / f"step_{step + 1:06d}" / "state.json").is_file()
+        row = rows[index]
+        assert row[1] == f"seed={seed}" and "KILLED" in row and run.info.run_id in row, row  # its own run
