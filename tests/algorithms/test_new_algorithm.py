@@ -60,6 +60,9 @@ VANILLA_PG = Algorithm(
     policy_loss=policy_loss,
     summary="unclipped policy gradient with a group-mean baseline; use it as a teaching example",
     supports_async=False,
+    # the shared fields its loss never reads: validation rejects a value other than the default
+    ignores={"eps_clip": "its loss has no clip", "eps_clip_high": "its loss has no clip",
+             "dual_clip_c": "its loss is not the PPO-Clip surrogate"},
     check=check,
 )
 
@@ -95,6 +98,19 @@ def test_tenth_algorithm_through_the_registry_and_compute_loss(vanilla_pg):
     assert vanilla_pg.check(SimpleNamespace(algorithm=VanillaPGConfig(adv_scale=0.0)))[0].fields == (
         "algorithm.adv_scale",
     )
+
+
+def test_fields_its_loss_never_reads_are_rejected(vanilla_pg):
+    from relax.config.schema import RelaxConfig
+    from relax.config.validate import validate
+
+    def messages(**fields: Any) -> list[str]:
+        return [v.message for v in validate(RelaxConfig(algorithm=VanillaPGConfig(**fields)))
+                if any(f.startswith("algorithm.") for f in v.fields)]
+
+    assert messages() == []
+    for key, value in (("dual_clip_c", 3.0), ("eps_clip", 0.1)):
+        assert [m for m in messages(**{key: value}) if f"algorithm.{key}={value} has no effect: its loss" in m]
 
 
 def test_registering_a_name_twice_fails(vanilla_pg):
