@@ -5,6 +5,7 @@ both say the same thing: every problem at once, as one message, without a traceb
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,9 @@ def hydra_error_message(exc: BaseException) -> str:
             continue  # internal schema nodes and OmegaConf's template lines
         keep.append(line)
     return "\n".join(keep).strip()
+
+
+_CREDENTIALS = re.compile(r"(://)[^/@\s]+@")  # the user[:password]@ of a URL
 
 
 def _plain(overrides: Sequence[str]) -> list[str]:
@@ -114,7 +118,9 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
         if problem is not None:
             if problem.startswith("invalid config ("):  # the violations alone, as the sweep launcher lists them
                 problem = problem.split("\n", 1)[1]
-            found.append(f"job {index} ({' '.join(job)}):\n" + textwrap.indent(textwrap.dedent(problem), "  "))
+            # a URL's user:password@ masked: the rules refuse credentials in URLs, whose message never echoes them
+            header = _CREDENTIALS.sub(r"\1***@", " ".join(job))
+            found.append(f"job {index} ({header}):\n" + textwrap.indent(textwrap.dedent(problem), "  "))
     if not found:
         return None
     n = len(jobs)

@@ -69,6 +69,15 @@ def test_a_sweep_and_cfg_get_the_same_clean_errors(args, needles, tmp_path, monk
     assert list(tmp_path.iterdir()) == []  # no multirun/ directory: nothing started
 
 
+def test_a_sweep_job_with_a_password_in_a_url_is_named_without_it(tmp_path, monkeypatch, capfd):
+    """The job's header lists its overrides: a URL's user:password@ is masked there as in the rule's message."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["-m", "data.reward=http://user:pwsecret@127.0.0.1:8131/ok,digits",
+                                 "train.num_rollout=1"], capfd))
+    assert "invalid config in 1 of 2 sweep jobs" in err and "job 0 (data.reward=http\\://***@127.0.0.1" in err
+    assert "holds a user or password" in err and "pwsecret" not in err
+
+
 def test_a_valid_sweep_and_cfg_go_on(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     code, out, err = relax_train(["-m", "hydra/launcher=basic", "seed=1,2", "dry_run=true"], capfd)
