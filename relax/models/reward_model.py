@@ -35,20 +35,24 @@ def load_classifier(path: str, dtype: torch.dtype, device: torch.device | str) -
     return model.to(device), tokenizer
 
 
-def classifier_config(path: str) -> Any:
-    """The transformers config of the reward model at `path`, checked: a sequence-classification architecture with
-    one label. Raises ModelPathError / ModelFileError naming `reward_model.path`."""
+def _config(path: str, wanted: str) -> tuple[Any, list[str]]:
+    """The transformers config at `path` and its architectures; ModelPathError / ModelFileError naming
+    `reward_model.path` and what should be there (`wanted`)."""
     from transformers import AutoConfig
 
-    where = Path(path)
-    if not (where / "config.json").is_file():
-        raise ModelPathError(f"reward_model.path={path!r}: not a directory with config.json (a Hugging Face "
-                             "sequence-classification model and its tokenizer)")
+    if not (Path(path) / "config.json").is_file():
+        raise ModelPathError(f"reward_model.path={path!r}: not a directory with config.json ({wanted})")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelFileError(f"reward_model.path={path!r}: its config.json does not load: {exc}") from None
-    archs = getattr(config, "architectures", None) or []
+    return config, list(getattr(config, "architectures", None) or [])
+
+
+def classifier_config(path: str) -> Any:
+    """The transformers config of the reward model at `path`, checked: a sequence-classification architecture with
+    one label. Raises ModelPathError / ModelFileError naming `reward_model.path`."""
+    config, archs = _config(path, "a Hugging Face sequence-classification model and its tokenizer")
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ModelFileError(f"reward_model.path={path!r}: architectures {archs} has no *ForSequenceClassification "
                              "model (reward_model=classifier scores with a sequence-classification head; a causal LM "
@@ -64,17 +68,9 @@ def judge_config(path: str) -> Any:
     `AutoModelForCausalLM` loads as itself: `*ForCausalLM`, `GPT2LMHeadModel`, ...). A sequence-classification
     checkpoint would load with a language-model head of random weights and answer noise. Raises ModelPathError /
     ModelFileError naming `reward_model.path`."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if not (Path(path) / "config.json").is_file():
-        raise ModelPathError(f"reward_model.path={path!r}: not a directory with config.json (a Hugging Face causal "
-                             "LM and its tokenizer)")
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelFileError(f"reward_model.path={path!r}: its config.json does not load: {exc}") from None
-    archs = getattr(config, "architectures", None) or []
+    config, archs = _config(path, "a Hugging Face causal LM and its tokenizer")
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if not any(a.endswith("ForCausalLM") or a in causal for a in archs):
         raise ModelFileError(f"reward_model.path={path!r}: architectures {archs} has no causal LM (*ForCausalLM) "
