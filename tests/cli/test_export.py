@@ -79,6 +79,11 @@ def hf_logprobs(out: Path, pairs: list[tuple[str, str]]) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     temperature = GenerationConfig.from_pretrained(str(out), local_files_only=True).temperature
+    return model_logprobs(model, tokenizer, pairs, temperature)
+
+
+def model_logprobs(model, tokenizer, pairs: list[tuple[str, str]], temperature: float) -> list[torch.Tensor]:
+    """Per row: log p(response token) under `model` (a transformers causal LM) at `temperature`."""
     rows = []
     with torch.no_grad():
         for prompt, response in pairs:
@@ -335,14 +340,7 @@ def test_a_lora_checkpoint_exports_as_peft_adapters_or_merged_with_the_trainers_
     main([str(path), str(merged_dir), "--merge"])
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), local_files_only=True).eval()
     for model in (peft_model, merged):
-        rows = []
-        with torch.no_grad():
-            for prompt, response in pairs:
-                p, r = encode(tokenizer, prompt, response)
-                logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
-                logp = torch.log_softmax(logits / cfg.rollout.temperature, -1)
-                rows.append(logp.gather(-1, torch.tensor(r)[:, None])[:, 0])
-        assert_trainer_logprobs(trainer, batch, rows)
+        assert_trainer_logprobs(trainer, batch, model_logprobs(model, tokenizer, pairs, cfg.rollout.temperature))
     full_cfg = load_config(overrides(tmp_path / "full"))
     full = commit(full_cfg, 1, lambda d: PolicyWorker(full_cfg, info, threads=1).save(str(d)))
     with pytest.raises(SystemExit):

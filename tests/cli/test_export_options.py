@@ -14,6 +14,7 @@ from test_export import (
     batch_of,
     commit,
     encode,
+    model_logprobs,
     overrides,
     refused,
     trainer_logprobs,
@@ -66,14 +67,7 @@ def test_lora_adapters_of_a_config_model_come_with_their_base(tmp_path, capsys):
     loaded = [AutoPeftModelForCausalLM.from_pretrained(str(out)).eval(),  # the directory alone
               PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(out / "base")), str(out)).eval()]
     for model in loaded:
-        rows = []
-        with torch.no_grad():
-            for prompt, response in pairs:
-                p, r = encode(tokenizer, prompt, response)
-                logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1].float()
-                logp = torch.log_softmax(logits / cfg.rollout.temperature, -1)
-                rows.append(logp.gather(-1, torch.tensor(r)[:, None])[:, 0])
-        assert_trainer_logprobs(trainer, batch, rows)
+        assert_trainer_logprobs(trainer, batch, model_logprobs(model, tokenizer, pairs, cfg.rollout.temperature))
     # the control: the base alone is not the trained policy (the adapters moved it)
     base = AutoModelForCausalLM.from_pretrained(str(out / "base")).eval()
     p, r = encode(tokenizer, *pairs[0])
