@@ -84,6 +84,11 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
     """Body of one Ray task: one Hydra job, as Hydra's own launchers run it (fresh process, same cwd)."""
     start = time.time()
     os.chdir(cwd)  # relative paths (outputs, sqlite store) mean the same as for the launcher
+    if threading.current_thread() is threading.main_thread():
+        # the sweep's Ctrl-C reaches the job as Ray's non-forced cancel, which raises KeyboardInterrupt through the
+        # job's SIGINT handler; a worker started under an ignored SIGINT (a sweep run with nohup or `&` from a
+        # script: Python then installs no handler) would never get it, and be killed at stop_timeout_s instead
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if key is not None:  # MLflow adds MLFLOW_RUN_CONTEXT's tags to every run it creates: here, the job's (one process)
         context = json.loads(os.environ.get("MLFLOW_RUN_CONTEXT") or "{}")
         os.environ["MLFLOW_RUN_CONTEXT"] = json.dumps({**context, JOB_TAG: key})
@@ -364,9 +369,12 @@ class RelaxRayLauncher(Launcher):
             print(f"job {indices[k]} {word} in {outcome.end - outcome.start:.0f} s: "
                   f"{' '.join(filter_overrides(jobs[k]))}", flush=True)
 
-        previous = None
+        previous = {}
         if threading.current_thread() is threading.main_thread():  # after ray.init, which installs its own
-            previous = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+            # Ctrl-C (SIGINT) stops the jobs even where it was ignored when the driver started (nohup, `&` in a
+            # script), as a single relax-train's handler does: `kill -INT` is then still a way to stop the sweep
+            previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while pending or running:
                 while pending and len(running) < limit:
@@ -384,8 +392,8 @@ class RelaxRayLauncher(Launcher):
             self._stop_jobs(running, collect)
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def _stop_jobs(self, running: dict[Any, int], collect: Callable[..., None]) -> None:
         """Ctrl-C: each running job gets a KeyboardInterrupt through its SIGINT handler (`ray.cancel` without
