@@ -23,7 +23,7 @@ class RelaxRayLauncherConf:
     # whatever it raises marks the job invalid and the sweep stops with exit code 2. It may return a mapping
     # {what: value} of things the job needs to itself (Relax: its checkpoint directory); jobs that share one are
     # invalid too. None: no check.
-    precheck: Optional[str] = "relax.runner.endpoints:check_sweep_job"  # what a single run checks before Ray
+    precheck: Optional[str] = "relax.runner.sweep_check:check_sweep_job"  # what a single run checks before Ray
     # Ctrl-C: how long the running jobs get to stop as a single run does on Ctrl-C (finish the step, write its
     # checkpoint, mark the MLflow run KILLED) before they are killed; a second Ctrl-C kills them at once.
     stop_timeout_s: float = 120.0

@@ -1,7 +1,6 @@
 """The addresses a run must reach that the user gave, and whether each accepts a TCP connection (and, for an HTTP
-server, answers a request): preflight's `endpoints` check, and the sweep launcher's check of each job before any
-starts (`check_sweep_job`, which adds the checks of `relax.runner.preflight` that a single run makes before Ray). The
-probes are light (sockets and the config only); `check_sweep_job` imports preflight's checks when it is called."""
+server, answers a request): preflight's `endpoints` check, which the sweep launcher's check of each job runs too
+(`relax.runner.sweep_check`). Light: sockets and the config only."""
 
 from __future__ import annotations
 
@@ -12,12 +11,11 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 from urllib.parse import urlsplit
 
 from relax.config.schema import RelaxConfig
 from relax.rewards.remote import is_url
-from relax.runner.errors import RunError
 
 ENDPOINT_TIMEOUT_S = 3.0  # a TCP connect to each address the run must reach (`endpoints`); all are probed at once;
 # an HTTP server has as long again for the first byte of its answer to a GET
@@ -153,50 +151,3 @@ def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT
             problems.append(f"{t.option}={t.value}: {why} (is {t.what} running there, and reachable from this "
                             "machine?)")
     return problems
-
-
-# the checks of relax.runner.preflight a sweep runs on each job before any starts (`check_sweep_job`): the user's
-# inputs (model files, tokenizer, data and eval files, reward, ...) and the checkpoint directory (not in use, can be
-# created; train.resume's checkpoint exists, is intact and was written with a config this job may continue). Not
-# `endpoints` (checked here, every address at once) nor `gpus` (the jobs join the sweep's Ray, not a local one).
-SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora",
-                "checkpoints")
-_INPUTS_CHECKED: dict[tuple[str, str], dict[str, str]] = {}  # one sweep's input problems, by config less the seed
-
-
-def check_sweep_job(dc: Any) -> dict[str, str]:
-    """The sweep launcher's check of one job's composed config (`hydra.launcher.precheck`), before any job starts or
-    the sweep's MLflow parent run opens: its rules (`relax.config.to_relax_config`, raising ConfigError), the
-    addresses it must reach and what a single run checks before Ray (`SWEEP_CHECKS` of `relax.runner.preflight`),
-    every problem in one RunError. Returns what the job needs to itself: its checkpoint directory, when it saves or
-    resumes (the launcher refuses two jobs with the same one).
-
-    The input checks (tokenizer, data, ...) of jobs that differ only in their seed and tracking fields are run once
-    per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job."""
-    import dataclasses
-
-    from relax.config import to_relax_config
-    from relax.config.schema import TrackingConfig
-    from relax.runner import checkpoint
-    from relax.runner.preflight import INPUT_CHECKS, preflight
-
-    cfg = to_relax_config(dc)
-    problems = unreachable(endpoint_targets(cfg))
-    sweep_id = cfg.tracking.sweep_id
-    key = (str(sweep_id), repr(dataclasses.replace(cfg, seed=0, tracking=TrackingConfig())))
-    inputs = [c for c in SWEEP_CHECKS if c in INPUT_CHECKS]
-    cached = _INPUTS_CHECKED.get(key) if sweep_id else None
-    checks = [c for c in SWEEP_CHECKS if c not in inputs] if cached is not None else list(SWEEP_CHECKS)
-    pre = preflight(cfg, only=checks)
-    found = dict(cached or {})
-    found.update(pre.problems)
-    if sweep_id and cached is None:
-        if any(k[0] != str(sweep_id) for k in _INPUTS_CHECKED):
-            _INPUTS_CHECKED.clear()  # another sweep's
-        _INPUTS_CHECKED[key] = {k: v for k, v in pre.problems.items() if k in inputs}
-    problems += [text for name in SWEEP_CHECKS if (text := found.get(name)) is not None and text not in problems]
-    if problems:
-        raise RunError(problems[0] if len(problems) == 1 else
-                       f"{len(problems)} problems:\n" + "\n".join(f"  - {t}" for t in problems))
-    ckpts = checkpoint.Checkpoints(cfg)
-    return {"checkpoint directory": str(ckpts.save_dir)} if ckpts.uses_dir else {}

@@ -93,15 +93,15 @@ def test_the_input_checks_run_once_for_jobs_that_differ_in_their_seed(monkeypatc
     """A sweep over seeds reads and tokenizes its data once (`check_sweep_job` keys its input checks by the config
     less seed and tracking, within one sweep); the control, jobs that differ in another key, reads it per job."""
     from relax.config import compose
-    from relax.runner import endpoints, preflight
+    from relax.runner import preflight, sweep_check
 
     monkeypatch.chdir(tmp_path)
     calls = []
     real = preflight.build_datasets
     monkeypatch.setattr(preflight, "build_datasets", lambda *a, **k: calls.append(1) or real(*a, **k))
     for seed in (1, 2, 3):
-        endpoints.check_sweep_job(compose([f"seed={seed}", "tracking.sweep_id=s1", *SMALL]))
+        sweep_check.check_sweep_job(compose([f"seed={seed}", "tracking.sweep_id=s1", *SMALL]))
     assert len(calls) == 1
     for lr in (0.1, 0.2):
-        endpoints.check_sweep_job(compose([f"train.lr={lr}", "tracking.sweep_id=s2", *SMALL]))
+        sweep_check.check_sweep_job(compose([f"train.lr={lr}", "tracking.sweep_id=s2", *SMALL]))
     assert len(calls) == 3

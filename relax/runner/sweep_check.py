@@ -1,0 +1,54 @@
+"""The sweep launcher's check of each job before any starts (`hydra.launcher.precheck`): what a single run checks
+before Ray (`relax.runner.preflight`), the addresses it must reach (`relax.runner.endpoints`), and the checkpoint
+directory each job needs to itself. Its own module: preflight runs the endpoints check, and this runs both."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from relax.config import to_relax_config
+from relax.config.schema import TrackingConfig
+from relax.runner import checkpoint
+from relax.runner.endpoints import endpoint_targets, unreachable
+from relax.runner.errors import RunError
+from relax.runner.preflight import INPUT_CHECKS, preflight
+
+# the checks of relax.runner.preflight a sweep runs on each job before any starts (`check_sweep_job`): the user's
+# inputs (model files, tokenizer, data and eval files, reward, ...) and the checkpoint directory (not in use, can be
+# created; train.resume's checkpoint exists, is intact and was written with a config this job may continue). Not
+# `endpoints` (checked here, every address at once) nor `gpus` (the jobs join the sweep's Ray, not a local one).
+SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora",
+                "checkpoints")
+_INPUTS_CHECKED: dict[tuple[str, str], dict[str, str]] = {}  # one sweep's input problems, by config less the seed
+
+
+def check_sweep_job(dc: Any) -> dict[str, str]:
+    """The sweep launcher's check of one job's composed config (`hydra.launcher.precheck`), before any job starts or
+    the sweep's MLflow parent run opens: its rules (`relax.config.to_relax_config`, raising ConfigError), the
+    addresses it must reach and what a single run checks before Ray (`SWEEP_CHECKS` of `relax.runner.preflight`),
+    every problem in one RunError. Returns what the job needs to itself: its checkpoint directory, when it saves or
+    resumes (the launcher refuses two jobs with the same one).
+
+    The input checks (tokenizer, data, ...) of jobs that differ only in their seed and tracking fields are run once
+    per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job."""
+    cfg = to_relax_config(dc)
+    problems = unreachable(endpoint_targets(cfg))
+    sweep_id = cfg.tracking.sweep_id
+    key = (str(sweep_id), repr(dataclasses.replace(cfg, seed=0, tracking=TrackingConfig())))
+    inputs = [c for c in SWEEP_CHECKS if c in INPUT_CHECKS]
+    cached = _INPUTS_CHECKED.get(key) if sweep_id else None
+    checks = [c for c in SWEEP_CHECKS if c not in inputs] if cached is not None else list(SWEEP_CHECKS)
+    pre = preflight(cfg, only=checks)
+    found = dict(cached or {})
+    found.update(pre.problems)
+    if sweep_id and cached is None:
+        if any(k[0] != str(sweep_id) for k in _INPUTS_CHECKED):
+            _INPUTS_CHECKED.clear()  # another sweep's
+        _INPUTS_CHECKED[key] = {k: v for k, v in pre.problems.items() if k in inputs}
+    problems += [text for name in SWEEP_CHECKS if (text := found.get(name)) is not None and text not in problems]
+    if problems:
+        raise RunError(problems[0] if len(problems) == 1 else
+                       f"{len(problems)} problems:\n" + "\n".join(f"  - {t}" for t in problems))
+    ckpts = checkpoint.Checkpoints(cfg)
+    return {"checkpoint directory": str(ckpts.save_dir)} if ckpts.uses_dir else {}
