@@ -56,7 +56,6 @@ def ppo_clip_policy_loss(
     return ppo_clip_output(cfg, loss, clipped, advantages)
 
 
-
 def violation(field: str, message: str, *more_fields: str) -> Violation:
     return Violation(fields=(field, *more_fields), message=message)
 
