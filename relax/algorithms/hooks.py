@@ -3,7 +3,6 @@ algorithms built on it), the PPO-Clip policy loss, and the violations of their o
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from relax.algorithms.base import AdvantageInputs, AdvantageOutput, AlgorithmConfig, PolicyLossOutput, Violation
@@ -58,25 +57,3 @@ def ppo_clip_policy_loss(
 
 def violation(field: str, message: str, *more_fields: str) -> Violation:
     return Violation(fields=(field, *more_fields), message=message)
-
-
-def check_positive(cfg_value: Any, field: str, reason: str, *, or_zero: bool = False) -> list[Violation]:
-    """A violation when `cfg_value` is not a finite number > 0 (>= 0 with or_zero): nan fails any comparison, but
-    +inf passes `> 0` and then makes a loss or an advantage inf or NaN (SAPO's gate at tau = inf, an lr of inf)."""
-    ok = math.isfinite(cfg_value) and (cfg_value >= 0 if or_zero else cfg_value > 0)
-    if ok:
-        return []
-    key = field.rsplit(".", 1)[-1]
-    return [violation(field, f"{key}={cfg_value} must be a finite number {'>=' if or_zero else '>'} 0: {reason}")]
-
-
-def check_range(
-    cfg_value: Any, field: str, low: float, high: float, reason: str, *, low_open: bool = False
-) -> list[Violation]:
-    """A violation when `cfg_value` is outside [low, high] (or (low, high] with low_open)."""
-    ok = (cfg_value > low if low_open else cfg_value >= low) and cfg_value <= high
-    if ok:
-        return []
-    interval = f"{'(' if low_open else '['}{low}, {high}]"
-    key = field.rsplit(".", 1)[-1]
-    return [violation(field, f"{key}={cfg_value} must be in {interval}: {reason}")]

@@ -12,8 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.hooks import check_positive, group_relative_advantages, ppo_clip_policy_loss, violation
+from relax.algorithms.base import (
+    AdvantageInputs,
+    AdvantageOutput,
+    Algorithm,
+    AlgorithmConfig,
+    Violation,
+    non_negative,
+    positive,
+    register,
+)
+from relax.algorithms.hooks import group_relative_advantages, ppo_clip_policy_loss, violation
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import OPD_METRICS, TEACHER_ADV_CLIPFRAC, TEACHER_KL, TEACHER_LOGP_MEAN
 
@@ -26,8 +35,11 @@ class OPDConfig(AlgorithmConfig):
     name: str = "opd"
     # weight of the task reward's group-relative advantage added to the distillation advantage (0: pure distillation,
     # the reward is only recorded)
-    reward_coef: float = 0.0
-    teacher_adv_clip: Optional[float] = None  # clamp each token's distillation advantage to [-c, c] (None: no clip)
+    # the reward is only recorded); finite: inf made every advantage +-inf (NaN where the reward advantage is 0)
+    reward_coef: float = non_negative(0.0, says="must be a finite number >= 0: it weighs the task reward's advantage")
+    # clamp each token's distillation advantage to [-c, c] (None: no clip)
+    teacher_adv_clip: Optional[float] = positive(None, optional=True,
+                                                 says="must be a finite number > 0 (null: no clip)")
 
 
 # the reward-advantage fields read only when the task reward is mixed in
@@ -60,12 +72,6 @@ def compute_advantages(cfg: OPDConfig, inputs: AdvantageInputs) -> AdvantageOutp
 def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
     out: list[Violation] = []
-    # finite too: nan passed `< 0` and inf made every advantage +-inf (NaN where the reward advantage is 0)
-    out += check_positive(a.reward_coef, "algorithm.reward_coef", "it weighs the task reward's advantage",
-                          or_zero=True)
-    if a.teacher_adv_clip is not None and not a.teacher_adv_clip > 0:
-        out.append(violation("algorithm.teacher_adv_clip",
-                             f"teacher_adv_clip={a.teacher_adv_clip} must be > 0 (null: no clip)"))
     if a.reward_coef == 0:
         defaults = OPDConfig()
         for key in REWARD_FIELDS:

@@ -5,8 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.hooks import check_positive, check_range, float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.base import (
+    AdvantageInputs,
+    AdvantageOutput,
+    Algorithm,
+    AlgorithmConfig,
+    Violation,
+    in_range,
+    non_negative,
+    positive,
+    register,
+)
+from relax.algorithms.hooks import float_rewards, ppo_clip_policy_loss, violation
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import VALUE_CLIPFRAC, VALUE_LOSS
 
@@ -17,11 +27,13 @@ F = lazy_module("relax.algorithms.functional")
 @dataclass(frozen=True)
 class PPOConfig(AlgorithmConfig):
     name: str = "ppo"
-    gamma: float = 1.0  # GAE discount
-    lambd: float = 1.0  # GAE lambda
-    value_clip: float = 0.2  # critic value clipping range
-    num_critic_only_steps: int = 0  # initial steps that train only the critic
-    critic_lr: Optional[float] = None  # None: train.lr
+    gamma: float = in_range(1.0, 0, 1, says="must be in [0, 1]: it is the GAE discount factor")
+    lambd: float = in_range(1.0, 0, 1, says="must be in [0, 1]: it is the GAE lambda")
+    value_clip: float = positive(0.2, says="must be a finite number > 0: the critic's clip range")
+    num_critic_only_steps: int = non_negative(0, says="must be >= 0: it counts the initial critic-only steps")
+    # finite: an lr of inf makes the critic's weights inf or NaN in its first step
+    critic_lr: Optional[float] = positive(
+        None, optional=True, says="must be a finite number > 0: it is a learning rate (null uses train.lr)")
 
 
 def compute_advantages(cfg: PPOConfig, inputs: AdvantageInputs) -> AdvantageOutput:
@@ -43,7 +55,6 @@ def compute_advantages(cfg: PPOConfig, inputs: AdvantageInputs) -> AdvantageOutp
 
 
 def check(cfg: Any) -> list[Violation]:
-    a = cfg.algorithm
     out: list[Violation] = []
     if not cfg.cluster.colocate:
         out.append(
@@ -53,20 +64,6 @@ def check(cfg: Any) -> list[Violation]:
                 "critic share devices)",
             )
         )
-    out += check_range(a.gamma, "algorithm.gamma", 0.0, 1.0, "it is the GAE discount factor")
-    out += check_range(a.lambd, "algorithm.lambd", 0.0, 1.0, "it is the GAE lambda")
-    if not a.value_clip > 0:
-        out.append(violation("algorithm.value_clip", f"value_clip={a.value_clip} must be > 0: the critic's clip range"))
-    if a.num_critic_only_steps < 0:
-        out.append(
-            violation(
-                "algorithm.num_critic_only_steps",
-                f"num_critic_only_steps={a.num_critic_only_steps} must be >= 0: it counts the initial critic-only "
-                "steps",
-            )
-        )
-    if a.critic_lr is not None:  # finite too: an lr of inf makes the critic's weights inf or NaN in its first step
-        out += check_positive(a.critic_lr, "algorithm.critic_lr", "it is a learning rate (null uses train.lr)")
     return out
 
 

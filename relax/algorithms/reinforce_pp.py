@@ -5,8 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from relax.algorithms.base import AdvantageInputs, AdvantageOutput, Algorithm, AlgorithmConfig, Violation, register
-from relax.algorithms.hooks import check_range, float_rewards, ppo_clip_policy_loss, violation
+from relax.algorithms.base import (
+    AdvantageInputs,
+    AdvantageOutput,
+    Algorithm,
+    AlgorithmConfig,
+    Violation,
+    in_range,
+    positive,
+    register,
+)
+from relax.algorithms.hooks import float_rewards, ppo_clip_policy_loss, violation
 from relax.algorithms.lazy import lazy_module
 
 F = lazy_module("relax.algorithms.functional")
@@ -15,8 +24,9 @@ F = lazy_module("relax.algorithms.functional")
 @dataclass(frozen=True)
 class ReinforcePPConfig(AlgorithmConfig):
     name: str = "reinforce_pp"
-    kl_coef: float = 0.01  # reward-side k1 KL shaping; must be > 0
-    gamma: float = 1.0  # return discount
+    kl_coef: float = positive(0.01, says="must be a finite number > 0: REINFORCE++ puts its KL penalty (k1) into "
+                              "the token rewards")
+    gamma: float = in_range(1.0, 0, 1, says="must be in [0, 1]: it is the return discount")
     normalize_advantages: bool = True  # always: the global token normalization is part of the estimator
 
 
@@ -43,13 +53,6 @@ def check_always_normalized(cfg: Any, name: str) -> list[Violation]:
 def check(cfg: Any) -> list[Violation]:
     a = cfg.algorithm
     out: list[Violation] = check_always_normalized(cfg, "REINFORCE++")
-    if not a.kl_coef > 0:
-        out.append(
-            violation(
-                "algorithm.kl_coef",
-                f"kl_coef={a.kl_coef} must be > 0: REINFORCE++ puts its KL penalty into the token rewards",
-            )
-        )
     if a.use_kl_loss:
         out.append(
             violation(
@@ -58,7 +61,6 @@ def check(cfg: Any) -> list[Violation]:
                 "for a separate KL loss use reinforce_pp_baseline",
             )
         )
-    out += check_range(a.gamma, "algorithm.gamma", 0.0, 1.0, "it is the return discount")
     return out
 
 

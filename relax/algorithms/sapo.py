@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, Violation, register
-from relax.algorithms.hooks import check_positive, group_relative_advantages
+from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, positive, register
+from relax.algorithms.hooks import group_relative_advantages
 from relax.algorithms.lazy import lazy_module
 
 torch = lazy_module("torch")  # imported by the first computation, not by the registry
@@ -16,8 +15,11 @@ F = lazy_module("relax.algorithms.functional")
 @dataclass(frozen=True)
 class SAPOConfig(AlgorithmConfig):
     name: str = "sapo"
-    tau_pos: float = 1.0  # gate temperature where A > 0
-    tau_neg: float = 1.05  # gate temperature where A <= 0 (higher: stronger suppression)
+    # the sigmoid gate's temperatures; finite: at tau = inf the gate (4/tau) * sigmoid(tau * (ratio - 1)) is
+    # 0 * inf = NaN at ratio 1
+    tau_pos: float = positive(1.0, says="must be a finite number > 0: it is the sigmoid gate's temperature where A > 0")
+    tau_neg: float = positive(1.05, says="must be a finite number > 0: it is the sigmoid gate's temperature where "
+                              "A <= 0 (higher: stronger suppression)")
 
 
 def policy_loss(
@@ -25,15 +27,6 @@ def policy_loss(
 ) -> PolicyLossOutput:
     """`-(4/tau) * sigmoid(tau * (ratio - 1)) * A`; never hard-clips."""
     return PolicyLossOutput(loss=F.sapo_loss(logp, old_logp, advantages, cfg.tau_pos, cfg.tau_neg), clipped=None)
-
-
-def check(cfg: Any) -> list[Violation]:
-    a = cfg.algorithm
-    out: list[Violation] = []
-    for key in ("tau_pos", "tau_neg"):
-        # finite too: at tau = inf the gate (4/tau) * sigmoid(tau * (ratio - 1)) is 0 * inf = NaN at ratio 1
-        out += check_positive(getattr(a, key), f"algorithm.{key}", "it is the sigmoid gate's temperature")
-    return out
 
 
 register(
@@ -51,6 +44,5 @@ register(
         },
         summary="a soft, differentiable trust region; use it when hard clipping makes training unstable "
         "or wastes gradient",
-        check=check,
     )
 )

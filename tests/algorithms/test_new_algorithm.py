@@ -15,7 +15,6 @@ from relax.algorithms import (
     AlgorithmConfig,
     LossBatch,
     PolicyLossOutput,
-    Violation,
     compute_loss,
     get,
     names,
@@ -23,6 +22,7 @@ from relax.algorithms import (
     unregister,
 )
 from relax.algorithms import functional as F
+from relax.algorithms.base import positive
 
 # ---- the module of the worked example (relax/algorithms/vanilla_pg.py) ----
 
@@ -30,7 +30,8 @@ from relax.algorithms import functional as F
 @dataclass(frozen=True)
 class VanillaPGConfig(AlgorithmConfig):
     name: str = "vanilla_pg"
-    adv_scale: float = 1.0  # multiplies the advantages
+    # multiplies the advantages; the range is declared on the field and validation checks it with every other one
+    adv_scale: float = positive(1.0, says="must be a finite number > 0: it scales the advantages")
 
 
 def compute_advantages(cfg: VanillaPGConfig, inputs: AdvantageInputs) -> AdvantageOutput:
@@ -46,13 +47,6 @@ def policy_loss(
     return PolicyLossOutput(loss=-torch.exp(logp - old_logp) * advantages, clipped=None)
 
 
-def check(cfg: Any) -> list[Violation]:
-    a = cfg.algorithm
-    if a.adv_scale > 0:
-        return []
-    return [Violation(("algorithm.adv_scale",), f"adv_scale={a.adv_scale} must be > 0: it scales the advantages")]
-
-
 VANILLA_PG = Algorithm(
     name="vanilla_pg",
     config_cls=VanillaPGConfig,
@@ -63,7 +57,6 @@ VANILLA_PG = Algorithm(
     # the shared fields its loss never reads: validation rejects a value other than the default
     ignores={"eps_clip": "its loss has no clip", "eps_clip_high": "its loss has no clip",
              "dual_clip_c": "its loss is not the PPO-Clip surrogate"},
-    check=check,
 )
 
 # ---- the test ----
@@ -92,12 +85,6 @@ def test_tenth_algorithm_through_the_registry_and_compute_loss(vanilla_pg):
     assert metrics["train/pg_clipfrac"].item() == 0.0
     loss.backward()
     torch.testing.assert_close(logp.grad, -adv / 5)
-    from types import SimpleNamespace
-
-    assert vanilla_pg.check(SimpleNamespace(algorithm=cfg)) == []
-    assert vanilla_pg.check(SimpleNamespace(algorithm=VanillaPGConfig(adv_scale=0.0)))[0].fields == (
-        "algorithm.adv_scale",
-    )
 
 
 def test_fields_its_loss_never_reads_are_rejected(vanilla_pg):
@@ -111,6 +98,17 @@ def test_fields_its_loss_never_reads_are_rejected(vanilla_pg):
     assert messages() == []
     for key, value in (("dual_clip_c", 3.0), ("eps_clip", 0.1)):
         assert [m for m in messages(**{key: value}) if f"algorithm.{key}={value} has no effect: its loss" in m]
+
+
+def test_the_range_declared_on_its_field_is_validated(vanilla_pg):
+    from relax.config.schema import RelaxConfig
+    from relax.config.validate import validate
+
+    for value in (0.0, -1.0, float("inf"), float("nan")):
+        found = [v for v in validate(RelaxConfig(algorithm=VanillaPGConfig(adv_scale=value)))
+                 if "algorithm.adv_scale" in v.fields]
+        assert [v.message for v in found] == [f"algorithm.adv_scale={value} must be a finite number > 0: it scales "
+                                              "the advantages"]
 
 
 def test_registering_a_name_twice_fails(vanilla_pg):

@@ -83,24 +83,8 @@ VIOLATIONS = [
     ("m2po", {"miniclip_low": -0.1}, {}, "algorithm.miniclip_low"),
     ("m2po", {"miniclip_high": -0.1}, {}, "algorithm.miniclip_high"),
     ("ppo", {}, {"cluster": {"colocate": False}}, "cluster.colocate"),
-    ("ppo", {"gamma": 1.5}, {}, "algorithm.gamma"),
-    ("ppo", {"lambd": -0.1}, {}, "algorithm.lambd"),
-    ("ppo", {"value_clip": 0.0}, {}, "algorithm.value_clip"),
-    ("ppo", {"num_critic_only_steps": -1}, {}, "algorithm.num_critic_only_steps"),
-    ("ppo", {"critic_lr": 0.0}, {}, "algorithm.critic_lr"),
-    ("reinforce_pp", {"kl_coef": 0.0}, {}, "algorithm.kl_coef"),
     ("reinforce_pp", {"use_kl_loss": True}, {}, "algorithm.use_kl_loss"),
-    ("reinforce_pp", {"gamma": 1.01}, {}, "algorithm.gamma"),
     ("reinforce_pp_baseline", {"use_kl_loss": True, "kl_loss_type": "k3"}, {}, "algorithm.kl_loss_type"),
-    ("sapo", {"tau_pos": 0.0}, {}, "algorithm.tau_pos"),
-    ("sapo", {"tau_neg": -1.0}, {}, "algorithm.tau_neg"),
-    # +inf passes `> 0` and then breaks the math (SAPO's loss is NaN at ratio 1); nan fails every comparison
-    ("sapo", {"tau_neg": math.inf}, {}, "algorithm.tau_neg"),
-    ("sapo", {"tau_pos": math.inf}, {}, "algorithm.tau_pos"),
-    ("sapo", {"tau_pos": math.nan}, {}, "algorithm.tau_pos"),
-    ("ppo", {"critic_lr": math.inf}, {}, "algorithm.critic_lr"),
-    ("opd", {"reward_coef": math.nan}, {}, "algorithm.reward_coef"),
-    ("opd", {"reward_coef": math.inf}, {}, "algorithm.reward_coef"),
 ]
 
 
@@ -115,6 +99,50 @@ def test_each_rule_names_its_field(name, algorithm, sections, field):
     assert key in v.message and ":" in v.message
 
 
+# ranges declared on the algorithms' own fields (`positive`, `in_range`...): validation checks them with every other
+# declared range, so an algorithm's `check` does not restate them
+FIELD_RANGES = [
+    ("ppo", "gamma", 1.5),
+    ("ppo", "lambd", -0.1),
+    ("ppo", "value_clip", 0.0),
+    ("ppo", "num_critic_only_steps", -1),
+    ("ppo", "critic_lr", 0.0),
+    ("reinforce_pp", "kl_coef", 0.0),
+    ("reinforce_pp", "gamma", 1.01),
+    ("sapo", "tau_pos", 0.0),
+    ("sapo", "tau_neg", -1.0),
+    # +inf passes `> 0` and then breaks the math (SAPO's loss is NaN at ratio 1); nan fails every comparison
+    ("sapo", "tau_neg", math.inf),
+    ("sapo", "tau_pos", math.inf),
+    ("sapo", "tau_pos", math.nan),
+    ("ppo", "critic_lr", math.inf),
+    ("opd", "reward_coef", math.nan),
+    ("opd", "reward_coef", math.inf),
+    ("opd", "reward_coef", -0.5),
+    ("opd", "teacher_adv_clip", 0.0),
+]
+
+
+@pytest.mark.parametrize("name,key,value", FIELD_RANGES)
+def test_each_declared_range_refuses_its_value_naming_the_field_and_why(name, key, value):
+    from relax.algorithms.base import range_of
+
+    allowed = range_of(A.get(name).config_cls, key)
+    assert allowed is not None and not allowed.admits(value)
+    message = allowed.message(key, value)
+    assert message.startswith(f"{key}={value} must be") and ":" in message, message
+    assert allowed.admits(getattr(A.get(name).config_cls(), key))  # the default is in it
+
+
+@pytest.mark.parametrize("name,key,value", [("sapo", "tau_neg", "inf"), ("ppo", "gamma", "1.5"),
+                                            ("opd", "reward_coef", "nan")])
+def test_a_declared_range_stops_the_config_before_anything_starts(name, key, value):
+    from relax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"algorithm\.{key}={value} must be"):
+        load_config([f"algorithm={name}", f"algorithm.{key}={value}"])
+
+
 def test_sapo_rejects_an_infinite_temperature_because_its_loss_is_nan_there():
     from relax.algorithms import LossBatch, compute_loss
 
@@ -126,9 +154,12 @@ def test_sapo_rejects_an_infinite_temperature_because_its_loss_is_nan_there():
 
     assert not torch.isfinite(loss(tau_neg=math.inf))  # what the check keeps out
     assert torch.isfinite(loss(tau_neg=1e6))  # a large finite temperature is a hard gate, and accepted
-    assert A.get("sapo").check(make_cfg("sapo", {"tau_pos": 1e-3, "tau_neg": 1e6})) == []
-    message = A.get("sapo").check(make_cfg("sapo", {"tau_neg": math.inf}))[0].message
-    assert message == "tau_neg=inf must be a finite number > 0: it is the sigmoid gate's temperature"
+    from relax.algorithms.base import range_of
+
+    assert range_of(A.SAPOConfig, "tau_neg").admits(1e6) and range_of(A.SAPOConfig, "tau_pos").admits(1e-3)
+    message = range_of(A.SAPOConfig, "tau_neg").message("tau_neg", math.inf)
+    assert message == ("tau_neg=inf must be a finite number > 0: it is the sigmoid gate's temperature where A <= 0 "
+                       "(higher: stronger suppression)")
 
 
 def test_m2po_takes_the_engines_logprobs_for_stale_data_with_tis_off():
@@ -160,8 +191,8 @@ def test_ignored_fields_are_fields_of_the_config():
 def test_check_accepts_duck_typed_config():
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(algorithm=A.SAPOConfig(tau_pos=-1.0))
-    assert A.get("sapo").check(cfg)[0].fields == ("algorithm.tau_pos",)
+    cfg = SimpleNamespace(algorithm=A.ReinforcePPConfig(use_kl_loss=True))
+    assert A.get("reinforce_pp").check(cfg)[0].fields == ("algorithm.use_kl_loss",)
 
 
 # ---------------------------------------------------------------------------------------------- advantages

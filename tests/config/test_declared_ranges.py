@@ -42,10 +42,21 @@ def test_a_sentinel_and_none_pass_only_where_declared():
     assert not range_of(TrainConfig, "global_batch_size").admits(None)  # derived before validation: never None
 
 
+@dataclasses.dataclass(frozen=True)
+class _NewDefault(AlgorithmConfig):
+    kl_coef: float = 0.5  # a new default alone
+
+
 def test_a_subclass_that_changes_a_default_keeps_the_declared_range():
-    assert range_of(ReinforcePPConfig, "kl_coef") == range_of(AlgorithmConfig, "kl_coef")
-    cfg = RelaxConfig(algorithm=ReinforcePPConfig(kl_coef=-0.1))
-    assert "algorithm.kl_coef=-0.1 must be >= 0" in messages(cfg, "algorithm.kl_coef")
+    assert range_of(_NewDefault, "kl_coef") == range_of(AlgorithmConfig, "kl_coef")
+    assert not range_of(_NewDefault, "kl_coef").admits(-0.1)
+
+
+def test_a_subclass_that_declares_its_own_range_is_checked_by_it():
+    assert range_of(ReinforcePPConfig, "kl_coef") != range_of(AlgorithmConfig, "kl_coef")
+    cfg = RelaxConfig(algorithm=ReinforcePPConfig(kl_coef=0.0))  # the base's range admits 0; REINFORCE++'s does not
+    (message,) = messages(cfg, "algorithm.kl_coef")
+    assert message.startswith("algorithm.kl_coef=0.0 must be a finite number > 0: REINFORCE++ puts its KL penalty")
 
 
 @pytest.mark.parametrize("section,key,value,message", [
