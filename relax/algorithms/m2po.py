@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from relax.algorithms.base import (
     Algorithm,
     AlgorithmConfig,
     PolicyLossOutput,
     StepStatistics,
-    Violation,
+    in_range,
+    non_negative,
+    positive,
     register,
 )
-from relax.algorithms.hooks import group_relative_advantages, ppo_clip_output, violation
+from relax.algorithms.hooks import group_relative_advantages, ppo_clip_output
 from relax.algorithms.lazy import lazy_module
 from relax.metrics import M2_AFTER, M2_BEFORE
 
@@ -24,9 +25,13 @@ F = lazy_module("relax.algorithms.functional")
 @dataclass(frozen=True)
 class M2POConfig(AlgorithmConfig):
     name: str = "m2po"
-    kl2_budget: float = 0.01  # second-moment budget per harmful token
-    miniclip_low: float = 0.3  # the lower clip margin is never tighter than this
-    miniclip_high: float = 0.5  # the upper clip margin is never tighter than this
+    kl2_budget: float = positive(0.01, says="must be a finite number > 0: it is the allowed mean squared log-ratio "
+                                 "of harmful tokens")
+    # the clip margins are never tighter than these
+    miniclip_low: float = in_range(0.3, 0, 1, hi_open=True, says="must be in [0, 1): the ratio's lower bound is "
+                                   "1 - miniclip_low")
+    miniclip_high: float = non_negative(0.5, says="must be a finite number >= 0: the ratio's upper bound is "
+                                        "1 + miniclip_high")
 
 
 EPS_LOW = "eps_low"
@@ -61,33 +66,6 @@ def policy_loss(
     return ppo_clip_output(cfg, loss, clipped, advantages, metrics=metrics)
 
 
-def check(cfg: Any) -> list[Violation]:
-    a = cfg.algorithm
-    out: list[Violation] = []
-    if not a.kl2_budget > 0:
-        out.append(
-            violation(
-                "algorithm.kl2_budget",
-                f"kl2_budget={a.kl2_budget} must be > 0: it is the allowed mean squared log-ratio of harmful tokens",
-            )
-        )
-    if not 0 <= a.miniclip_low < 1:
-        out.append(
-            violation(
-                "algorithm.miniclip_low",
-                f"miniclip_low={a.miniclip_low} must be in [0, 1): the ratio's lower bound is 1 - miniclip_low",
-            )
-        )
-    if not a.miniclip_high >= 0:
-        out.append(
-            violation(
-                "algorithm.miniclip_high",
-                f"miniclip_high={a.miniclip_high} must be >= 0: the ratio's upper bound is 1 + miniclip_high",
-            )
-        )
-    return out
-
-
 register(
     Algorithm(
         name="m2po",
@@ -105,6 +83,5 @@ register(
         supports_context_parallel=False,
         step_statistics=step_statistics,  # the harmful set and bounds are the whole optimizer step's
         metrics=(M2_BEFORE, M2_AFTER),
-        check=check,
     )
 )
