@@ -202,6 +202,15 @@ def default_spool_dir(uri: str) -> str:
     return os.path.dirname(db) if db else os.getcwd()
 
 
+def run_context_tags() -> dict[str, str]:
+    """The tags of MLflow's run context (the environment variable MLFLOW_RUN_CONTEXT, a JSON object), which MLflow
+    sets on every run it creates; {} when unset."""
+    from mlflow.tracking.context.system_environment_context import SystemEnvironmentContext
+
+    context = SystemEnvironmentContext()
+    return {str(k): str(v) for k, v in context.tags().items()} if context.in_context() else {}
+
+
 def _check_interval(interval_s: Optional[float]) -> None:
     """A system metrics interval (None: off) is a number of seconds > 0 (before a run is created with it)."""
     if interval_s is not None and not (math.isfinite(interval_s) and interval_s > 0):
@@ -464,7 +473,9 @@ class Tracker:
                     tracker.recorded_history[key] = sorted((int(m.step), m.value) for m in history
                                                            if m.step < from_step)
             tracker.writer.retry(lambda: client.update_run(run_id, status="RUNNING"))
-            tags = dict(tags or {})
+            # the tags MLflow adds to every run it creates from the process's context (MLFLOW_RUN_CONTEXT: a sweep's
+            # launcher names each job's run there, `relax.sweep_job`), now this process's run too; `tags` win
+            tags = {**run_context_tags(), **(tags or {})}
             old_parent = run.data.tags.get(PARENT_RUN_ID_TAG)
             if parent_run_id is not None and parent_run_id != old_parent:
                 tags[PARENT_RUN_ID_TAG] = parent_run_id

@@ -84,3 +84,22 @@ def test_a_run_reopened_under_the_parent_it_has_gets_no_previous_tags(tracking_c
     tags = client.get_run(same).data.tags
     assert (tags["sweep_id"], tags[PARENT_RUN_ID_TAG]) == ("S1", parent)
     assert PREVIOUS_SWEEP_TAG not in tags and PREVIOUS_PARENT_TAG not in tags
+
+
+def test_a_reopened_run_takes_the_tags_of_mlflows_run_context(tracking_cfg: TrackingConfig, monkeypatch):
+    """MLflow tags every run it creates with MLFLOW_RUN_CONTEXT's tags; a sweep's launcher names each job's run there
+    (`relax.sweep_job`: `<sweep id>/<job index>`, how its table finds the run). A job of a resumed sweep reopens its
+    run instead of creating one: it takes the new sweep's context too, else the table of the new sweep could not
+    find it. Control: a run reopened outside any context keeps the tag it had."""
+    client = MlflowClient(tracking_cfg.uri)
+    monkeypatch.setenv("MLFLOW_RUN_CONTEXT", '{"relax.sweep_job": "S1/0"}')
+    old = sweep_parent(tracking_cfg, "S1")
+    first, second = job(tracking_cfg, "S1", old, 11), job(tracking_cfg, "S1", old, 12)
+    assert client.get_run(first).data.tags["relax.sweep_job"] == "S1/0"  # MLflow's own, at creation
+    new = sweep_parent(tracking_cfg, "S2")
+    monkeypatch.setenv("MLFLOW_RUN_CONTEXT", '{"relax.sweep_job": "S2/0"}')
+    resume(tracking_cfg, first, {"sweep_id": "S2", "seed": "11"}, new)
+    assert client.get_run(first).data.tags["relax.sweep_job"] == "S2/0"
+    monkeypatch.delenv("MLFLOW_RUN_CONTEXT")
+    resume(tracking_cfg, second, {"seed": "12"}, None)
+    assert client.get_run(second).data.tags["relax.sweep_job"] == "S1/0"
