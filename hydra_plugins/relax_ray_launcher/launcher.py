@@ -16,7 +16,7 @@ and knows nothing of MLflow. This one, per sweep:
 Ctrl-C stops the running jobs as Ctrl-C stops a single run (`relax.runner.preempt`): each job gets the interrupt
 (`ray.cancel` without force, a KeyboardInterrupt raised by Ray through the job's SIGINT handler), finishes its step,
 writes its checkpoint and marks its run KILLED; after `stop_timeout_s`, or a second Ctrl-C, the rest are killed. The
-parent run ends KILLED and relax-train exits 130.
+parent run ends KILLED and relax-train exits 130. SIGTERM to the driver does the same, and relax-train exits 143.
 """
 
 
@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.relax_ray_launcher.sweep import JobRow, derive_arms, format_table, new_sweep_id, tracking_overrides
 from relax.metrics import RAW_REWARD
+from relax.runner.preempt import Signalled
 
 log = logging.getLogger(__name__)
 INVALID_CONFIG_EXIT = 2  # as relax-train's single-run validation
@@ -117,8 +118,8 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
 
 def _terminate_as_interrupt(signum: int, frame: Any) -> None:
     """SIGTERM to the sweep's driver (a scheduler's stop): handled as Ctrl-C, so that the jobs stop with their
-    checkpoints (Ray's own handler would abort the driver and leave them to be killed)."""
-    raise KeyboardInterrupt(f"signal {signum}")
+    checkpoints (Ray's own handler would abort the driver and leave them to be killed); relax-train then exits 143."""
+    raise Signalled(signum)
 
 
 def _result_field(value: Any, name: str) -> Any:

@@ -172,14 +172,18 @@ def main() -> None:
 
     import hydra
 
-    from relax.runner.preempt import Preempted
+    from relax.runner.preempt import Preempted, Signalled
 
     try:
         hydra.main(config_path=str(conf), config_name="config", version_base=None)(_run)()
     except Preempted as exc:  # Ctrl-C or SIGTERM during the run: exit 128 + the signal (130, 143)
         print(f"relax-train: {exc}. Ray and its processes stopped, the MLflow run is marked KILLED", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C outside the run (composing the config, starting)
+    except Signalled as exc:  # SIGTERM to a sweep's driver: its jobs stopped as on Ctrl-C (the table above says how)
+        print(f"\nrelax-train: {exc}: interrupted; Ray and its processes stopped, the MLflow run is marked KILLED",
+              file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C outside the run (composing the config, starting), or on a sweep's driver
         print("\nrelax-train: interrupted; Ray and its processes stopped, the MLflow run is marked KILLED",
               file=sys.stderr)
         sys.exit(130)

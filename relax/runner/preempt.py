@@ -36,21 +36,33 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-class Preempted(KeyboardInterrupt):
+class Signalled(KeyboardInterrupt):
+    """Signal `signum` stops the process as Ctrl-C does (a KeyboardInterrupt): relax-train exits with `exit_code`,
+    128 + the signal (130 for SIGINT, 143 for SIGTERM), as a shell reports a process killed by that signal. Raised as
+    it is by a sweep's driver on SIGTERM (each job then stops as a `Preempted` run)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        return f"{signal_name(self.signum)} received"
+
+
+class Preempted(Signalled):
     """The run was stopped by signal `signum`. `step`: the last step it trained before stopping (None: stopped at
     once, in the middle of a step) and `checkpointed`, whether that step's checkpoint was written; `latest`: the latest
     committed checkpoint (set by the runner)."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
-        self.signum = signum
         self.step: Optional[int] = None
         self.checkpointed = False
         self.latest: Optional[Path] = None
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
     def __str__(self) -> str:
         name = signal_name(self.signum)

@@ -162,3 +162,33 @@ def test_sigterm_stops_the_running_jobs_as_ctrl_c_does(tmp_path):
     for lr, run in children.items():
         assert run.info.status == "KILLED", lr
         assert "KILLED" in rows[lr] and run.info.run_id in rows[lr], rows  # its own run
+
+
+def test_sigterm_on_the_driver_exits_143_as_on_a_single_run(monkeypatch, capsys):
+    """The driver's SIGTERM handler raises `Signalled(SIGTERM)`, a KeyboardInterrupt (the launcher stops its jobs
+    as on Ctrl-C, above), and relax-train exits with it 128 + 15 = 143, as a single run stopped by SIGTERM does and a
+    scheduler expects; before, every interrupt of a sweep exited 130, as if it were Ctrl-C. Control: a plain
+    KeyboardInterrupt (Ctrl-C on the driver) still exits 130."""
+    import hydra
+
+    from hydra_plugins.relax_ray_launcher.launcher import _terminate_as_interrupt
+    from relax.cli import train as cli
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        _terminate_as_interrupt(signal.SIGTERM, None)
+    for interrupt, code in ((raised.value, 143), (KeyboardInterrupt(), 130)):
+        def fake_main(*args, interrupt=interrupt, **kwargs):
+            def decorate(task):
+                def run():
+                    raise interrupt  # what Hydra's main lets through from the launcher
+                return run
+            return decorate
+
+        monkeypatch.setattr(hydra, "main", fake_main)
+        monkeypatch.setattr(sys, "argv", ["relax-train", "-m", "seed=1,2"])
+        with pytest.raises(SystemExit) as exited:
+            cli.main()
+        assert exited.value.code == code
+        err = capsys.readouterr().err
+        assert "the MLflow run is marked KILLED" in err and "Traceback" not in err
+        assert ("SIGTERM received" in err) == (code == 143), err
