@@ -48,7 +48,10 @@ it ended (`status`), its output (capped), and a pass/fail verdict per test case.
 - A wall-clock limit (`SandboxLimits.wall_s`): the process group is killed (SIGKILL) past it. Output: stdout and
   stderr are read up to `output_bytes` each; more kills the process (`status` `output_limit`).
 
-Not bounded: the total size of many files each under the file-size limit (only time bounds it). Without the seccomp
+The disk: each file is at most `file_size_mb` (`RLIMIT_FSIZE`), and the audit hook counts what can take space, each
+open of a file for writing (`open`, `os.open`, and so what `shutil` and `tempfile` write) and each directory or link
+created: past `files_written` of them it refuses the next, so the code puts at most `files_written x file_size_mb` on
+disk in all. Without the seccomp
 filter, the audit hook alone refuses directory fds, and `os.mkfifo` and `os.pidfd_open` (no audit events) are
 allowed. With no directory fd, what needs one fails: `os.fwalk`, and on the seccomp filter `os.utime` of an fd
 (`futimens` is `utimensat` given the fd); `shutil.rmtree` is set to remove a tree by its paths.
@@ -89,11 +92,14 @@ class SandboxLimits:
     cpu_s: int = 5  # CPU seconds (RLIMIT_CPU)
     memory_mb: int = 512  # address space (RLIMIT_AS)
     file_size_mb: float = 1.0  # the largest file the code may write (RLIMIT_FSIZE)
+    # how many times the code may open a file for writing or create a directory or a link (the audit hook counts
+    # them): with file_size_mb, this bounds what it can put on disk in all, files_written x file_size_mb
+    files_written: int = 64
     open_files: int = 32  # RLIMIT_NOFILE
     output_bytes: int = 64 * 1024  # stdout and stderr, each
 
     def __post_init__(self) -> None:
-        for name in ("wall_s", "cpu_s", "memory_mb", "file_size_mb", "open_files", "output_bytes"):
+        for name in ("wall_s", "cpu_s", "memory_mb", "file_size_mb", "files_written", "open_files", "output_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name}={getattr(self, name)} must be > 0")
 
@@ -333,6 +339,15 @@ def _main():
                       "ossaudiodev", "_curses", "_curses_panel", "_ssl", "_xxtestfuzz", "xxlimited", "xxlimited_35",
                       "posix"}
     busy = [False]
+    created, most_created = [0], lim["files_written"]
+    creating = {"os.mkdir", "os.symlink", "os.link"}  # entries that take space but no open (tempfile's: os.mkdir)
+
+    def count_created(what):  # why one more file written or entry created is refused, or None
+        created[0] += 1
+        if created[0] <= most_created:
+            return None
+        return (f"{what}: the code may open files for writing or create directories and links {most_created} times "
+                f"(SandboxLimits.files_written; each file at most file_size_mb), and that was all of them")
 
     def inside(p):
         return p == work or p.startswith(work_)
@@ -412,10 +427,10 @@ def _main():
             p = resolve(p)
             if is_dir(p):
                 return f"opening the directory {p!r} is refused"
-            if inside(p):
-                return None
             writing = (type_(mode) is str_ and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) or (
                 type_(flags) is int_ and flags & writes)
+            if inside(p):
+                return count_created(f"opening {p!r} for writing") if writing else None
             if not writing and readable(p):
                 return None
             return f"opening {p!r} (outside the working directory) is refused"
@@ -442,7 +457,7 @@ def _main():
                     p = resolve(p)
                     if not inside(p) and not (event in listing and readable(p)):
                         return f"{event} on {p!r} (outside the working directory) is refused"
-            return None
+            return count_created(event) if event in creating else None
         if event == "import":
             name = text(args[0]) or ""
             for part in name.split("."):
@@ -577,7 +592,8 @@ def run_in_sandbox(code: str, tests: Sequence[TestCase] = (), *,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
         job = {"fd": w, "nonce": nonce, "parent": os.getpid(), "code": code, "tests": tests, "dir": work,
                "nobody": nobody, "read_roots": _read_roots(), "limits": {k: getattr(limits, k) for k in
-                                                         ("cpu_s", "memory_mb", "file_size_mb", "open_files")}}
+                                                         ("cpu_s", "memory_mb", "file_size_mb", "files_written",
+                                                          "open_files")}}
         os.close(w)
         w = -1
         try:

@@ -83,6 +83,31 @@ def test_a_large_file_is_refused_and_a_small_one_in_the_directory_works():
     assert small.status == "ok" and small.stdout == "hi\n"
 
 
+def test_many_small_files_are_bounded_in_all_not_only_each():
+    """Each file is under RLIMIT_FSIZE, but thousands of them would fill the disk: the files written (and directories
+    and links created) are counted, and the one past `files_written` is refused, so the code puts at most
+    files_written x file_size_mb on disk. Whatever way it opens or creates them counts: open(), os.open, tempfile,
+    os.mkdir; reading does not. Control: exactly files_written of them pass."""
+    import dataclasses
+
+    limits = dataclasses.replace(FAST, files_written=5)
+    ways = {"open": "open(f'f{i}', 'wb').write(b'x' * 1000)",
+            "os.open": "os.close(os.open(f'f{i}', os.O_WRONLY | os.O_CREAT))",
+            "tempfile": "tempfile.mkstemp(dir='.')",
+            "os.mkdir": "os.mkdir(f'd{i}')"}
+    for way, line in ways.items():
+        def code(n: int, line: str = line) -> str:
+            return f"import os, tempfile\nfor i in range({n}):\n    {line}\n"
+
+        within = run(code(5), limits=limits)
+        assert within.status == "ok", (way, within.stderr)
+        past = run(code(6), limits=limits)
+        assert past.status == "error" and "SandboxError" in past.stderr, (way, past.stderr)
+        assert "SandboxLimits.files_written" in past.stderr, past.stderr
+    reading = run("open('a', 'w').write('hi')\nfor _ in range(50):\n    open('a').read()", limits=limits)
+    assert reading.status == "ok", reading.stderr
+
+
 def test_reading_outside_the_directory_is_refused(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("the key")
