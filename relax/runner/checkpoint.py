@@ -282,8 +282,9 @@ class ResumePoint:
         return self.state.get("tracker") or {}
 
 
-def resume_point(cfg: RelaxConfig, save_dir: Path) -> ResumePoint | None:
-    """The checkpoint `train.resume` designates, checked against `cfg`; RunError naming the fields if it differs."""
+def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> ResumePoint | None:
+    """The checkpoint `train.resume` designates, checked against `cfg` and `verify`'d (`hashes`: with its files'
+    SHA-256); RunError naming the fields if it differs."""
     path = find(cfg.train.resume, save_dir)
     if path is None:
         return None
@@ -293,7 +294,7 @@ def resume_point(cfg: RelaxConfig, save_dir: Path) -> ResumePoint | None:
     saved = state.get("config")
     if saved is None:  # written before checkpoints recorded their config
         print(f"relax-train: warning: checkpoint {path} records no config; continuing it unchecked", file=sys.stderr)
-        verify(path, state)
+        verify(path, state, hashes=hashes)
         return ResumePoint(path, state)
     if not isinstance(saved, dict):
         raise _refuse(path, f"{path / STATE} is damaged ('config' is not an object)")
@@ -307,7 +308,7 @@ def resume_point(cfg: RelaxConfig, save_dir: Path) -> ResumePoint | None:
             f"Only {', '.join(RESUMABLE_CHANGES)} may change on resume. Run with the checkpoint's values to continue "
             f"it, or start a new run elsewhere (tracking.run_name=... or train.save_dir=...)."
         )
-    verify(path, state)
+    verify(path, state, hashes=hashes)
     return ResumePoint(path, state, changed)
 
 
@@ -338,11 +339,12 @@ def manifest(root: Path) -> dict[str, dict[str, Any]]:
             for f, d in zip(files, _sha256_all(files), strict=True)}
 
 
-def verify(path: Path, state: dict) -> None:
+def verify(path: Path, state: dict, *, hashes: bool = True) -> None:
     """Check checkpoint `path` before anything loads it: every file of its manifest is there with its committed size
-    and SHA-256, and no unlisted file a loader would read (`LOADED_SUFFIXES`) was added. Without a manifest (written
-    before them): every file a loader reads parses (safetensors headers, weights-only torch files, JSON). RunError
-    naming the first bad file."""
+    and SHA-256 (`hashes=False`: the size alone, for a check ahead of the start that will hash them, such as a
+    sweep's precheck: reading a large checkpoint twice would delay every job), and no unlisted file a loader would
+    read (`LOADED_SUFFIXES`) was added. Without a manifest (written before them): every file a loader reads parses
+    (safetensors headers, weights-only torch files, JSON). RunError naming the first bad file."""
     files = state.get(FILES)
     if files is None:
         _check_formats(path)
@@ -363,10 +365,11 @@ def verify(path: Path, state: dict) -> None:
             raise _refuse(path, f"{file} is damaged: {size} bytes, {entry['size']} when it was committed"
                           + (" (truncated)" if size < entry["size"] else ""))
         listed.append((file, entry["sha256"]))
-    for (file, expected), digest in zip(listed, _sha256_all([f for f, _ in listed]), strict=True):
-        if digest != expected:
-            raise _refuse(path, f"{file} was changed after the checkpoint was committed (its SHA-256 differs from "
-                          f"the one in {STATE})")
+    if hashes:
+        for (file, expected), digest in zip(listed, _sha256_all([f for f, _ in listed]), strict=True):
+            if digest != expected:
+                raise _refuse(path, f"{file} was changed after the checkpoint was committed (its SHA-256 differs "
+                              f"from the one in {STATE})")
     known = {f for f, _ in listed}
     for file in _files(path):
         if file not in known and file.suffix in LOADED_SUFFIXES:
@@ -425,10 +428,11 @@ def _cannot_create(save_dir: Path, exc: OSError) -> str:
     return f"checkpoint directory {save_dir} cannot be created ({exc.strerror or exc}); set train.save_dir"
 
 
-def probe(cfg: RelaxConfig, cwd: Optional[Path] = None) -> bool:
+def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) -> bool:
     """What entering `Checkpoints` checks, changing nothing (`dry_run=true`, `relax.runner.preflight`): the save
     directory is not locked by another run and can be created, and the resume point is valid (RunError naming the
-    problem). False when the run neither saves nor resumes (nothing to check)."""
+    problem; `hashes=False`: its files' sizes, not their SHA-256, as `verify` says). False when the run neither saves
+    nor resumes (nothing to check)."""
     ckpts = Checkpoints(cfg, cwd)
     save_dir = ckpts.save_dir
     if ckpts.uses_dir:
@@ -447,7 +451,7 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None) -> bool:
             if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
                 why = "not a directory" if not existing.is_dir() else "not writable"
                 raise RunError(_cannot_create(save_dir, OSError(f"{existing} is {why}")))
-    resume_point(cfg, save_dir)
+    resume_point(cfg, save_dir, hashes=hashes)
     return ckpts.uses_dir or cfg.train.resume is not None
 
 

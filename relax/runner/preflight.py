@@ -94,6 +94,7 @@ class Preflight:
     reward_fn: Any = None
     info: Optional[ModelInfo] = None
     checkpoints: Optional[checkpoint.Checkpoints] = None
+    hash_checkpoints: bool = True  # False: a probed resume point's files are checked by size (`checkpoint.verify`)
 
     @property
     def ok(self) -> bool:
@@ -266,7 +267,7 @@ def _checkpoints(pre: Preflight) -> bool:
     # the last check: a start locks the directory (and sets earlier runs' checkpoints aside) only once every other
     # check passed; otherwise, and in a dry run, it is probed
     if pre.stack is None or pre.problems:
-        return checkpoint.probe(pre.cfg)
+        return checkpoint.probe(pre.cfg, hashes=pre.hash_checkpoints)
     pre.checkpoints = pre.stack.enter_context(checkpoint.Checkpoints(pre.cfg))
     return True
 
@@ -299,11 +300,12 @@ INPUT_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model
 
 
 def preflight(cfg: RelaxConfig, plan: Optional[Plan] = None, *, stack: Optional[contextlib.ExitStack] = None,
-              only: Sequence[str] = ()) -> Preflight:
+              only: Sequence[str] = (), hash_checkpoints: bool = True) -> Preflight:
     """Run every check of `CHECKS` on `cfg` (or those named in `only`; a start and a dry run run them all): a dry
-    run without `stack`; a real start locks the checkpoint directory into `stack`. Never raises for a user's
-    mistake: see `Preflight.problems`."""
-    pre = Preflight(cfg, plan or build_plan(cfg), stack)
+    run without `stack`; a real start locks the checkpoint directory into `stack`. `hash_checkpoints=False`: a probed
+    resume point's files are checked by their size, not their SHA-256 (a sweep's precheck: each job hashes its own
+    at its start). Never raises for a user's mistake: see `Preflight.problems`."""
+    pre = Preflight(cfg, plan or build_plan(cfg), stack, hash_checkpoints=hash_checkpoints)
     for check in CHECKS:
         if only and check.name not in only:
             continue

@@ -16,7 +16,9 @@ from relax.runner.preflight import INPUT_CHECKS, preflight
 
 # the checks of relax.runner.preflight a sweep runs on each job before any starts (`check_sweep_job`): the user's
 # inputs (model files, tokenizer, data and eval files, reward, ...) and the checkpoint directory (not in use, can be
-# created; train.resume's checkpoint exists, is intact and was written with a config this job may continue). Not
+# created; train.resume's checkpoint exists, its files have their committed sizes (the job checks their SHA-256 at its
+# start: hashing every job's checkpoint here too would read each twice before any job starts) and it was written with
+# a config this job may continue). Not
 # `endpoints` (checked here, every address at once) nor `gpus` (the jobs join the sweep's Ray, not a local one).
 SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora",
                 "checkpoints")
@@ -39,7 +41,7 @@ def check_sweep_job(dc: Any) -> dict[str, str]:
     inputs = [c for c in SWEEP_CHECKS if c in INPUT_CHECKS]
     cached = _INPUTS_CHECKED.get(key) if sweep_id else None
     checks = [c for c in SWEEP_CHECKS if c not in inputs] if cached is not None else list(SWEEP_CHECKS)
-    pre = preflight(cfg, only=checks)
+    pre = preflight(cfg, only=checks, hash_checkpoints=False)
     found = dict(cached or {})
     found.update(pre.problems)
     if sweep_id and cached is None:

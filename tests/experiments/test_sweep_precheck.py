@@ -16,6 +16,7 @@ from relax_train_inprocess import relax_train
 
 from relax.config import load_config
 from relax.runner import checkpoint
+from relax.runner.errors import RunError
 
 SMALL = ["train.num_rollout=1", "tracking.progress=false"]
 
@@ -105,3 +106,25 @@ def test_the_input_checks_run_once_for_jobs_that_differ_in_their_seed(monkeypatc
     for lr in (0.1, 0.2):
         sweep_check.check_sweep_job(compose([f"train.lr={lr}", "tracking.sweep_id=s2", *SMALL]))
     assert len(calls) == 3
+
+
+def test_the_precheck_checks_a_resume_points_files_by_size_and_leaves_their_hashes_to_the_job(sweep, tmp_path: Path):
+    """The sweep's precheck checks each job's resume point as its start would, but its files by their committed size
+    only: each job hashes its own checkpoint when it starts, so hashing them all in the driver first would read every
+    checkpoint twice before any job runs. A file cut short is named before anything starts; one changed in place,
+    same size, passes here and is refused by the job's own check (`checkpoint.probe`, as a single run and a dry run
+    do), which hashes it."""
+    written = load_config(["seed=1", *SMALL])
+    with checkpoint.Checkpoints(written) as ckpts:
+        staging = ckpts.staging(1)
+        (staging / "weights.bin").write_bytes(b"\0" * 8)
+        ckpts.commit(staging, 1, {"sampler": {}})
+    weights = ckpts.save_dir / "step_000001" / "weights.bin"
+    resumed = load_config(["seed=1", "train.resume=auto", *SMALL])
+    weights.write_bytes(b"\1" * 8)  # changed in place, same size
+    assert sweep("seed=1", "train.resume=auto")[0] == 99  # the precheck passed: the parent run would open
+    with pytest.raises(RunError, match="was changed after the checkpoint was committed"):
+        checkpoint.probe(resumed, tmp_path)  # the job's own check
+    weights.write_bytes(b"\0" * 4)  # cut short
+    code, err = sweep("seed=1", "train.resume=auto")
+    assert code == 2 and f"{weights} is damaged: 4 bytes, 8 when it was committed (truncated)" in err, err
