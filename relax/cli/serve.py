@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"--threads={args.threads}: must be >= 1")
     cfg = _load(args)
     from relax.models.hf import resolve_model_path
-    from relax.serve.sglang.server import EmbeddedServer, is_loopback
+    from relax.serve.http import is_loopback
+    from relax.serve.sglang.server import EmbeddedServer
 
     if cfg.model.source != "config":
         try:

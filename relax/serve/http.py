@@ -4,6 +4,7 @@ length: keep-alive connections), and how they notice a client that left before i
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import select
@@ -17,13 +18,44 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 
+def _addresses(host: str) -> list[str]:
+    """The addresses `host` (a literal or a name) stands for ([] when it does not resolve)."""
+    try:
+        return [str(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    except (socket.gaierror, UnicodeError):
+        return []
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only: every address it stands for is a
+    loopback one (127.0.0.0/8, ::1; names such as `localhost` or `ip6-localhost` as this machine resolves them)."""
+    found = _addresses(host)
+    return bool(found) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in found)
+
+
+def url_host(host: str) -> str:
+    """`host` as it goes in a URL: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 class Server(ThreadingHTTPServer):
     """A thread per connection, a deep accept queue (a rollout batch arrives at once), and no traceback when a client
-    goes away mid-request (an agent killed at its time limit, a client that timed out): that is the client's end."""
+    goes away mid-request (an agent killed at its time limit, a client that timed out): that is the client's end.
+    Binds IPv6 addresses too (`::1`, `::`, a name that resolves to IPv6 only)."""
 
     daemon_threads = True
     request_queue_size = 1024
     app: Any
+
+    def __init__(self, address: tuple[str, int], handler: Any):
+        found = _addresses(address[0])
+        if found and all(":" in a for a in found):  # IPv6 only: an AF_INET socket cannot bind it
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):

@@ -204,3 +204,34 @@ def test_the_training_gateway_refuses_a_body_over_the_limit_before_reading_it():
         assert took < 10
     finally:
         gateway.close()
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("localhost", True), ("::1", True),
+    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("2001:db8::1", False),
+    ("no-such-host.invalid", False),  # does not resolve: never taken for loopback
+])
+def test_loopback_is_what_the_address_is_not_how_it_is_spelt(host, loopback):
+    from relax.serve.http import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_an_ipv6_loopback_server_binds_and_answers_without_a_key():
+    """`relax-serve --host ::1` failed to bind (an AF_INET socket: "Address family for hostname not supported"): the
+    server picks the family from the address, and ::1 is loopback, so no key is needed; its URL brackets the
+    address. Control: bound to :: (every interface) without a key, it refuses the guarded endpoints."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    for host, open_ in (("::1", True), ("::", False)):
+        srv = EmbeddedServer(load_config(TINY), host=host, port=0, threads=1)
+        srv.start()
+        try:
+            srv.wait_ready(120)
+            assert srv.url.startswith("http://[")
+            url = srv.url if host == "::1" else f"http://[::1]:{srv.port}"
+            assert requests.get(f"{url}/health", timeout=10).status_code == 200
+            code = requests.get(f"{url}/get_model_info", timeout=10).status_code
+            assert (code == 200) is open_, (host, code)
+        finally:
+            srv.shutdown()

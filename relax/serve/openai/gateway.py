@@ -26,7 +26,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
-from relax.serve.http import BodyTooLarge, Departures, Handler, Server, read_body, refuse, write_answer
+from relax.serve.http import (
+    BodyTooLarge,
+    Departures,
+    Handler,
+    Server,
+    read_body,
+    refuse,
+    url_host,
+    write_answer,
+)
 from relax.serve.openai.protocol import APIError
 from relax.serve.openai.responses import Responses
 from relax.serve.openai.service import OpenAIService
@@ -126,8 +135,8 @@ class Gateway:
     @property
     def base_url(self) -> str:
         """What an OpenAI client takes as `base_url`."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}/v1"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{url_host(host)}:{self.port}/v1"
 
     def close(self) -> None:
         if self._httpd is not None:

@@ -82,8 +82,10 @@ from relax.serve.http import (
     Departures,
     Handler,
     Server,
+    is_loopback,
     read_body,
     refuse,
+    url_host,
     write_answer,
 )
 from relax.serve.openai.chat import ChatFormat
@@ -123,12 +125,6 @@ def is_open(path: str) -> bool:
     """Whether `path` answers without the server's key."""
     return path.startswith(OPEN_PREFIXES)
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a server bound to `host` is reachable from this machine only."""
-    return host in LOOPBACK or host.startswith("127.")
 # The OpenAI API's methods (its routes answer 405 to any other). SGLang's own endpoints take GET, POST and PUT (read as
 # a POST, as SGLang's /generate takes it): its clients use either (sglang-router probes with GET, Relax's clients POST
 # some information endpoints).
@@ -205,8 +201,7 @@ class EmbeddedServer(WeightEndpoints):
     @property
     def url(self) -> str:
         """http://host:port of the server (the bound port once started)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     def start(self) -> None:
         """Bind and serve now; load the model in a background thread."""
