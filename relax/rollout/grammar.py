@@ -3,7 +3,9 @@ allowed tokens at each decoding step (the embedded engine masks the others, `rel
 
 A `GrammarSpec` names what an answer must be: a JSON schema, any JSON object (`json_object`), a regex or an EBNF
 grammar (xgrammar's dialect, SGLang's `ebnf`); `tool_call_ebnf` writes the EBNF of one or more tool calls in a tool
-parser's format (`relax.agents.parsers`), the arguments following each tool's parameter schema. `Grammars` (one
+parser's format (`relax.agents.parsers`), the arguments following each tool's parameter schema, and
+`tool_calls_or` the EBNF of an answer that is either such calls or what another spec admits (tools with a response
+format and tool_choice auto). `Grammars` (one
 per tokenizer: the vocabulary is read once) compiles specs, each distinct spec once (`compiles` counts them), and
 makes a `Matcher` per row: `fill` writes the row's allowed tokens into a bitmask, `accept` advances it with the
 token drawn, `done` says the answer is complete (a stop token accepted, or, without stop tokens, nothing can follow).
@@ -209,6 +211,37 @@ def at_most_one_call(tools: list[dict], fmt: str) -> GrammarSpec:
     return GrammarSpec("structural_tag", json.dumps(
         {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [opener], "tags": [tag],
                                               "stop_after_first": True}}, ensure_ascii=False))
+
+
+def _xgrammar_of(spec: GrammarSpec) -> Any:
+    """`spec` as an xgrammar Grammar, compiled as `Grammars.compile` compiles it (JSON as json.dumps writes it)."""
+    import xgrammar as xgr
+
+    try:
+        if spec.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(spec.source, any_whitespace=False)
+        if spec.kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.source)
+        if spec.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(spec.source)
+    except Exception as exc:  # xgrammar's parse errors are RuntimeError/ValueError with its message
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise GrammarError(f"the {spec.kind} does not compile: {detail}") from None
+    raise GrammarError(f"a {spec.kind} cannot be combined with tool calls")
+
+
+def tool_calls_or(tools: list[dict], fmt: str, other: GrammarSpec, *, parallel: bool = True) -> GrammarSpec:
+    """tool_choice "auto" with a response format (OpenAI's semantics: the answer is either tool calls or the
+    format's content): the EBNF (an `ebnf` spec, xgrammar's dialect, root rule `root`) of an answer that is tool
+    calls of `tools` in tool parser `fmt`'s format, as `tool_call_ebnf` writes them (one or more, or exactly one
+    without `parallel`), or else what `other` admits (a json_schema, json_object, regex or ebnf spec), nothing
+    else: no text before a call, no text around the JSON."""
+    import xgrammar as xgr
+
+    calls = xgr.Grammar.from_ebnf(tool_call_ebnf(tools, fmt, parallel=parallel))
+    return GrammarSpec("ebnf", str(xgr.Grammar.union(calls, _xgrammar_of(other))))
 
 
 # ------------------------------------------------------------------------------------------------ matching

@@ -19,7 +19,7 @@ from typing import Any, Optional, Protocol
 
 from relax.agents.parsers import BUILTIN_PARSERS
 from relax.batch import FinishReason
-from relax.rollout.grammar import GrammarError, at_most_one_call, tool_call_ebnf
+from relax.rollout.grammar import GrammarError, GrammarSpec, at_most_one_call, tool_call_ebnf, tool_calls_or
 from relax.serve.http import EventStream
 from relax.serve.openai.chat import END_THINK, ChatFormat, split_reasoning
 from relax.serve.openai.images import take_images
@@ -111,7 +111,9 @@ class OpenAIService:
         messages, p = parse_chat(body)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(p))
-        elif p.tools and not p.parallel_tool_calls and p.grammar is None:  # at most one call, then the answer ends
+        elif p.tools and p.grammar is not None:  # tool_choice auto and a format: the calls or the format's content
+            p.grammar = self._calls_or_format_grammar(p)
+        elif p.tools and not p.parallel_tool_calls:  # at most one call, then the answer ends
             p.grammar = self._one_call_grammar(p)
         if session is not None:
             prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs,
@@ -239,6 +241,17 @@ class OpenAIService:
                                   parallel=p.parallel_tool_calls)
         except GrammarError as exc:
             raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
+
+    def _calls_or_format_grammar(self, p: Params) -> tuple[str, str]:
+        """tool_choice "auto" with response_format (or SGLang's regex, json_schema, ebnf): the answer is tool calls
+        (one or more, exactly one without parallel_tool_calls) or the format's content, as OpenAI answers it; an
+        ebnf /generate sampling parameter (the grammar of the format alone would make a call impossible)."""
+        fmt = self._tool_parser_format("response_format")
+        try:
+            spec = tool_calls_or(p.tools or [], fmt, GrammarSpec(*p.grammar), parallel=p.parallel_tool_calls)
+        except GrammarError as exc:
+            raise APIError(f"response_format: {exc}", param="response_format") from None
+        return spec.kind, spec.source
 
     def _one_call_grammar(self, p: Params) -> tuple[str, str]:
         """tool_choice "auto" and parallel_tool_calls false: text, or text then one call, as a /generate sampling
