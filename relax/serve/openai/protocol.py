@@ -17,7 +17,10 @@ the chat template uses <think>). Log-probs are those of the sampling distributio
 temperature), the ones Relax trains with. Image parts (`image_url`) are taken by relax-serve with a vision-language
 model, outside training sessions (`relax.serve.openai.images`, before these rules read the messages). Anything else
 that would change the output (penalties, min_p, `logit_bias`, images elsewhere, adapters, SGLang sessions) is refused
-with a 400 naming it, never ignored.
+with a 400 naming it, never ignored. Inside the request's objects (messages, content parts, tool calls, tools,
+response_format, stream_options) `check_keys` does the same: a key the OpenAI API does not define there is a 400
+naming its path (`messages[0].cache_control`), every key it defines is taken, and one Relax cannot honour is a 400
+unless null or empty (an echoed assistant refusal, audio, function_call, annotations).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ FIELDS: dict[str, Rule] = {
     "logprobs": Rule(HONOURED, "chat: a bool; completions: 0-5 top log-probs"),
     "top_logprobs": Rule(HONOURED, "the likeliest tokens' log-probs at each position", CHAT),
     "stream": Rule(HONOURED, "server-sent events ending with data: [DONE]"),
-    "stream_options": Rule(HONOURED, "include_usage"),
+    "stream_options": Rule(HONOURED, "include_usage (include_obfuscation: no obfuscation field is added)"),
     "ignore_eos": Rule(HONOURED, f"{_SGL}: the stop tokens do not end the answer"),
     "no_stop_trim": Rule(HONOURED, f"{_SGL}: a stop string stays in the text (nothing changes without one)"),
     "chat_template_kwargs": Rule(HONOURED, f"{_SGL}: extra variables of the chat template (enable_thinking)", CHAT),
@@ -113,7 +116,8 @@ FIELDS: dict[str, Rule] = {
     "custom_logit_processor": Rule(NEUTRAL_ONLY, _ENGINE_LACKS),
     "custom_params": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=({},)),
     "response_format": Rule(HONOURED, "text, json_object or json_schema (constrained decoding; the schema followed "
-                                      "whether strict or not)"),
+                                      "whether strict or not; with tools and tool_choice auto: tool calls or the "
+                                      "format's content)"),
     "regex": Rule(HONOURED, f"{_SGL}: constrained decoding (one of regex, json_schema, ebnf, response_format)"),
     "json_schema": Rule(HONOURED, f"{_SGL}: constrained decoding, the schema as a JSON string"),
     "ebnf": Rule(HONOURED, f"{_SGL}: constrained decoding, xgrammar's EBNF (root rule root)"),
@@ -165,6 +169,40 @@ class APIError(Exception):
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
+
+
+def _empty(v: Any) -> bool:
+    return v in ("", [], {}, False)
+
+
+def check_keys(obj: dict, where: str, known: Any, neutral: Optional[dict[str, tuple[Any, str]]] = None) -> None:
+    """A 400 naming `where.key` for a key of `obj` that the OpenAI API does not define there (`known`: every key it
+    defines, the ones clients echo back from earlier answers included), or one whose value Relax cannot honour:
+    `neutral[key]` = (which values it can: a predicate, why the others cannot be); null always can."""
+    for key, value in obj.items():
+        if key not in known:
+            raise APIError(f"{where}.{key}: unrecognized argument (expected only {', '.join(sorted(known))})",
+                           param=f"{where}.{key}")
+        ok, why = (neutral or {}).get(key, (None, ""))
+        if ok is not None and value is not None and not ok(value):
+            raise _bad(f"{where}.{key}", f"{value!r} is not supported by this server ({why})")
+
+
+# the keys OpenAI's chat API defines in a request's nested objects (openai's ChatCompletion*Param types; an assistant
+# message also as the ChatCompletionMessage a client echoes back, and SGLang's reasoning_content)
+MESSAGE_KEYS = {"system": {"role", "content", "name"}, "developer": {"role", "content", "name"},
+                "user": {"role", "content", "name"}, "tool": {"role", "content", "tool_call_id"},
+                "assistant": {"role", "content", "name", "tool_calls", "refusal", "audio", "function_call",
+                              "annotations", "reasoning_content"}}
+ASSISTANT_NEUTRAL = {"refusal": (_empty, "a refusal is not rendered: send its text as content"),
+                     "audio": (_empty, "text only"),
+                     "function_call": (_empty, "deprecated: send the call in tool_calls"),
+                     "annotations": (_empty, "annotations (citations) are not rendered")}
+TEXT_PART_KEYS = {"type", "text", "prompt_cache_breakpoint"}  # a cache hint: the tokens do not depend on it
+TOOL_CALL_KEYS, CALLED_FUNCTION_KEYS = {"id", "type", "function"}, {"name", "arguments"}
+TOOL_KEYS, FUNCTION_KEYS = {"type", "function"}, {"name", "description", "parameters", "strict"}
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+STREAM_OPTIONS_KEYS = {"include_usage", "include_obfuscation"}  # no obfuscation field is added either way
 
 
 @dataclass
@@ -261,6 +299,7 @@ def _common(body: dict, endpoint: str) -> Params:
     if options is not None:
         if not isinstance(options, dict) or not p.stream:
             raise _bad("stream_options", "an object, allowed only with stream=true")
+        check_keys(options, "stream_options", STREAM_OPTIONS_KEYS)
         p.include_usage = bool(options.get("include_usage"))
     return p
 
@@ -273,10 +312,14 @@ def _grammar(body: dict) -> Optional[tuple[str, str]]:
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("text", "json_object", "json_schema"):
+            check_keys(fmt, "response_format", {"type", "json_schema"} if kind == "json_schema" else {"type"})
         if kind == "json_object":
             asked.append(("json_schema", '{"type": "object"}'))
         elif kind == "json_schema":
             spec = fmt.get("json_schema")
+            if isinstance(spec, dict):
+                check_keys(spec, "response_format.json_schema", JSON_SCHEMA_KEYS)
             schema = spec.get("schema", {}) if isinstance(spec, dict) else None
             if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
                 raise _bad("response_format", '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, '
@@ -302,6 +345,8 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "required: a non-empty list of messages")
+    for i, m in enumerate(messages):
+        _check_message_keys(m, f"messages[{i}]")
     normalized = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     _check_tool_answers(normalized)
     logprobs = body.get("logprobs")
@@ -321,6 +366,8 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise _bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
+            check_keys(t, f"tools[{i}]", TOOL_KEYS)
+            check_keys(fn, f"tools[{i}].function", FUNCTION_KEYS)
             if fn.get("strict") not in (None, True, False):
                 raise _bad(f"tools[{i}].function.strict", f"{fn['strict']!r}: expected true or false")
             if (why := strict_schema_error(fn)) is not None:  # checked against it: it must be a schema
@@ -331,6 +378,8 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
             raise _bad("tool_choice", f'{choice!r} must be {{"type": "function", "function": {{"name": ...}}}}')
+        check_keys(choice, "tool_choice", {"type", "function"})
+        check_keys(fn, "tool_choice.function", {"name"})
         if name not in [t["function"]["name"] for t in tools or []]:
             raise _bad("tool_choice", f"names the function {name!r}, which is not in tools")
         p.tool_choice = name
@@ -361,6 +410,26 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     p.separate_reasoning = _flag(body, "separate_reasoning", True)
     p.stream_reasoning = _flag(body, "stream_reasoning", True)
     return normalized, p
+
+
+def _check_message_keys(m: Any, where: str) -> None:
+    """A 400 naming `where.key` for a key OpenAI does not define on a message of its role (`MESSAGE_KEYS`), in its
+    text parts or its tool calls, or for an echoed-back assistant field that is set (a refusal, audio, a legacy
+    function_call, annotations): Relax renders none of them."""
+    if not isinstance(m, dict) or m.get("role") not in MESSAGE_KEYS:
+        return  # normalize_message names what is wrong with it
+    check_keys(m, where, MESSAGE_KEYS[m["role"]], ASSISTANT_NEUTRAL if m["role"] == "assistant" else None)
+    if isinstance(m.get("content"), list):
+        for j, part in enumerate(m["content"]):
+            if isinstance(part, dict) and part.get("type") == "text":
+                check_keys(part, f"{where}.content[{j}]", TEXT_PART_KEYS)
+    if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
+        for j, call in enumerate(m["tool_calls"]):
+            if isinstance(call, dict):
+                check_keys(call, f"{where}.tool_calls[{j}]", TOOL_CALL_KEYS,
+                           {"type": (lambda v: v == "function", "only function tool calls")})
+                if isinstance(call.get("function"), dict):
+                    check_keys(call["function"], f"{where}.tool_calls[{j}].function", CALLED_FUNCTION_KEYS)
 
 
 def _check_tool_answers(messages: list[dict]) -> None:

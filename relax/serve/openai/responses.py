@@ -20,7 +20,9 @@ dropped first), and prepended to the input of a response that names it; an unkno
 the session), and responses cannot be retrieved by id.
 
 Every request field is listed in `FIELDS`: honoured, accepted without effect, or refused with a 400 naming it unless
-it has a value that changes nothing, like the chat route's strict check (`relax.serve.openai.protocol.FIELDS`).
+it has a value that changes nothing, like the chat route's strict check (`relax.serve.openai.protocol.FIELDS`); so
+is every key inside input items, content parts, tools, tool_choice, text.format and stream_options (the keys the
+Responses API defines there, `check_keys`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from relax.serve.http import EventStream
-from relax.serve.openai.protocol import APIError
+from relax.serve.openai.protocol import APIError, check_keys
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
 KEEP_PER_SESSION = 16  # per training session
@@ -85,7 +87,8 @@ FIELDS: dict[str, Rule] = {
     "prompt_cache_options": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
     "service_tier": Rule(NO_EFFECT, "one tier"),
     "max_tool_calls": Rule(NO_EFFECT, "bounds built-in tool calls; there are none"),
-    "stream_options": Rule(NO_EFFECT, "no obfuscation field is added"),
+    "stream_options": Rule(NO_EFFECT, "include_obfuscation: no obfuscation field is added (only with stream=true, "
+                                      "as on the chat route)"),
     # ------------------------------------------------------------------ refused unless neutral
     "background": Rule(NEUTRAL_ONLY, "every response runs in the foreground", lambda v: v is False),
     "background_options": Rule(NEUTRAL_ONLY, "every response runs in the foreground"),
@@ -106,12 +109,44 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
 
 
+def _empty(v: Any) -> bool:
+    return v in ("", [], {}, False)
+
+
+# the keys the Responses API defines in a request's nested objects (openai's responses *Param types), and the values
+# of those Relax cannot honour (null always can)
+_STATUS = "status"
+MESSAGE_KEYS = {"type", "role", "content", "id", _STATUS, "phase"}
+PART_KEYS = {"input_text": {"type", "text", "prompt_cache_breakpoint"},  # a cache hint: the tokens do not depend on it
+             "output_text": {"type", "text", "annotations", "logprobs"},  # logprobs: of an earlier answer, not read
+             "refusal": {"type", "refusal"}, "text": {"type", "text"}}
+PART_NEUTRAL = {"annotations": (_empty, "annotations (citations) are not rendered")}
+_DIRECT = (lambda v: isinstance(v, dict) and v.get("type") == "direct", "only direct calls (no programs)")
+_NO_NAMESPACE = (_empty, "function tools have no namespaces here")
+# "async_": the openai package's field name for "async", which model_dump() of an answer's function_call writes
+FUNCTION_CALL_KEYS = {"type", "call_id", "name", "arguments", "id", _STATUS, "caller", "namespace", "async", "async_"}
+FUNCTION_CALL_NEUTRAL = {"caller": _DIRECT, "namespace": _NO_NAMESPACE, "async": (_empty, "calls run in order"),
+                         "async_": (_empty, "calls run in order")}
+OUTPUT_KEYS = {"type", "call_id", "output", "id", _STATUS, "caller", "name", "namespace"}
+OUTPUT_NEUTRAL = {"caller": _DIRECT, "namespace": _NO_NAMESPACE}
+REASONING_KEYS = {"type", "id", "summary", "content", "encrypted_content", _STATUS}
+REASONING_NEUTRAL = {"encrypted_content": (_empty, "no encrypted reasoning: send its text in content or summary")}
+TOOL_KEYS = {"type", "name", "description", "parameters", "strict", "allowed_callers", "defer_loading",
+             "output_schema", "async"}
+TOOL_NEUTRAL = {"allowed_callers": (lambda v: v == ["direct"], "only direct calls (no programs)"),
+                "defer_loading": (_empty, "no tool search: every tool is in the prompt"),
+                "output_schema": (_empty, "no programmatic calls read a tool's output"),
+                "async": (_empty, "calls run in order")}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
 # ------------------------------------------------------------------------------------------------------- input
 def _part_text(part: Any, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") in PART_KEYS:
+        check_keys(part, where, PART_KEYS[part["type"]], PART_NEUTRAL)
     if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
             and isinstance(part.get("text"), str):
         return part["text"]
@@ -152,6 +187,7 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
             raise _bad(at, "must be an object")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
+            check_keys(item, at, MESSAGE_KEYS, {"phase": (_empty, "messages have no phases here")})
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise _bad(f"{at}.role", f"{role!r}; expected one of user, assistant, system, developer")
@@ -163,6 +199,7 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
                 out.append({"role": role, "content": text})
                 calls_open = False
         elif kind == "function_call":
+            check_keys(item, at, FUNCTION_CALL_KEYS, FUNCTION_CALL_NEUTRAL)
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(args, str) or not isinstance(call_id, str):
                 raise _bad(at, 'a function_call item needs "call_id", "name" and "arguments" (a JSON string)')
@@ -171,12 +208,18 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
                                                    "function": {"name": name, "arguments": args}})
             calls_open = True
         elif kind == "function_call_output":
+            check_keys(item, at, OUTPUT_KEYS, OUTPUT_NEUTRAL)
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise _bad(f"{at}.call_id", "required: the call_id of the function_call it answers")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _content(output, f"{at}.output")})
             calls_open = False
         elif kind == "reasoning":
+            check_keys(item, at, REASONING_KEYS, REASONING_NEUTRAL)
+            for key in ("summary", "content"):
+                for j, part in enumerate(item.get(key) or []):
+                    if isinstance(part, dict):
+                        check_keys(part, f"{at}.{key}[{j}]", {"type", "text"})
             parts = item.get("content") or item.get("summary") or []
             reasoning = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
             calls_open = False  # a new model turn: its message and calls come after
@@ -201,13 +244,16 @@ def chat_tools(tools: Any) -> Optional[list[dict]]:
             kind = t.get("type") if isinstance(t, dict) else None
             raise _bad(f"tools[{i}]", f"{kind!r}: only function tools "
                                       '({"type": "function", "name": ..., "parameters": ...}) are supported')
-        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        check_keys(t, f"tools[{i}]", TOOL_KEYS, TOOL_NEUTRAL)
+        out.append({"type": "function", "function": {k: v for k, v in t.items()
+                                                      if k in ("name", "description", "parameters", "strict")}})
     return out
 
 
 def chat_tool_choice(choice: Any) -> Any:
     """The chat form of a Responses tool_choice (the chat route decides what it supports)."""
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        check_keys(choice, "tool_choice", {"type", "name"})
         return {"type": "function", "function": {"name": choice["name"]}}
     if choice is None or isinstance(choice, str):
         return choice
@@ -227,11 +273,14 @@ def chat_response_format(text: Any) -> Optional[dict]:
                                      "control)")
     fmt = text.get("format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        check_keys(fmt, "text.format", {"type"})
     if fmt is None or kind == "text":
         return None
     if kind == "json_object":
         return {"type": "json_object"}
     if kind == "json_schema":
+        check_keys(fmt, "text.format", {"type", "name", "schema", "strict", "description"})
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise _bad("text.format", f"{fmt!r}: expected type text, json_object or json_schema")
@@ -268,6 +317,14 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise _bad("stream", f"{stream!r} must be a boolean")
+    options = body.get("stream_options")
+    if options is not None:  # as the chat route's: only with stream
+        if not isinstance(options, dict) or not stream:
+            raise _bad("stream_options", "an object, allowed only with stream=true")
+        check_keys(options, "stream_options", {"include_obfuscation"})
+    top = body.get("top_logprobs")
+    if isinstance(top, int) and not isinstance(top, bool) and top > 0 and not include:
+        raise _bad("top_logprobs", f'needs include: ["{LOGPROBS_INCLUDE}"] (the log-probs are returned only with it)')
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", "must be a string")
