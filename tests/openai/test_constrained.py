@@ -177,3 +177,25 @@ def test_langchain_forced_tools_and_structured_output_get_usable_answers(server)
     for call in message.tool_calls:
         assert weather.args_schema.model_validate(call["args"])
     assert isinstance(llm.with_structured_output(Forecast).invoke("Forecast for Paris?"), Forecast)
+
+
+def test_tools_with_a_response_format_answer_a_call_or_the_schemas_json(client):
+    """Tools, response_format json_schema and tool_choice auto (openai-agents' output_type with tools) on the engine
+    server: every choice is either calls whose arguments follow the tool's schema or content that parses against the
+    response schema, and both occur."""
+    kw = dict(model="tiny", messages=USER, tools=TOOLS, n=8, seed=2, max_tokens=300,
+              response_format={"type": "json_schema", "json_schema": {"name": "Forecast",
+                                                                      "schema": Forecast.model_json_schema()}})
+    r = client.chat.completions.create(**kw)
+    kinds = []
+    for choice in r.choices:
+        if choice.finish_reason == "length":  # a random model may write a string until the limit
+            continue
+        if choice.message.tool_calls:
+            for name, args in calls_of(choice):
+                jsonschema.validate(args, {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name])
+            kinds.append("call")
+        else:
+            Forecast.model_validate_json(choice.message.content)
+            kinds.append("json")
+    assert {"call", "json"} <= set(kinds), kinds  # (the schema's grammar alone, sent before, never took a call)
