@@ -5,6 +5,11 @@ returns the observation's tokens to append (the engine feeds them to the model w
 cache: earlier turns are never computed again), or None when the episode is over, with `end` saying why
 (`relax.agents.protocol.END_REASONS`). A single-turn rollout is the case without a loop: the first turn ends it.
 
+A turn's text is what the model wrote after the context: when the context ended inside a <think> block its generation
+prompt opened (Qwen3.5's `<think>\n`), that opening is written before the sampled text, so the agent loop, the
+environment and `data.reward` read the turn as they read one whose model wrote `<think>` itself (Qwen3's): the tool
+loop takes the reasoning off before reading calls, and the text scored is the same.
+
 `record()` is the episode as plain values (`Samples.episodes`): what the driver scores and logs, and what a
 checkpoint or a partial rollout carries; `Episode.restore` rebuilds a running episode from it (its loop reset and
 the model's earlier messages replayed).
@@ -17,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from relax.agents.parsers import message_decoder
+from relax.agents.parsers import message_decoder, opened_reasoning
 from relax.agents.protocol import AgentLoop, Reply
 from relax.agents.render import ObservationRenderer
 from relax.batch import FinishReason, plain_reason
@@ -37,6 +42,8 @@ class Episode:
         self.kv_reused = 0  # context tokens later turns reused from the cache instead of computing them again
         self.end: Optional[str] = None
         self.partial: list[int] = []  # tokens of a turn interrupted by an abort, continued on resume
+        # the <think> block the context leaves open for the next turn ("": none), written before the turn's text
+        self.opened = opened_reasoning(str(item.get("prompt_text") or ""))
         t0 = time.perf_counter()
         loop.reset(dict(item))
         self.env_time += time.perf_counter() - t0
@@ -47,7 +54,7 @@ class Episode:
         observation's tokens, or None: the episode is over (`end` set)."""
         tokens = self.partial + list(tokens)
         self.partial = []
-        text = self.decode(tokens)
+        text = self.opened + self.decode(tokens)
         self.turns += 1
         self.actions.append(text)
         t0 = time.perf_counter()
@@ -70,6 +77,7 @@ class Episode:
         if not obs:
             raise ValueError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
         self.kv_reused += context
+        self.opened = opened_reasoning(self.renderer.tokenizer.decode(list(obs[-16:])))
         return obs
 
     @property
@@ -81,7 +89,7 @@ class Episode:
         return {"item": dict(self.item), "turns": self.turns, "tool_calls": self.tool_calls,
                 "tool_errors": self.tool_errors, "turn_rewards": list(self.turn_rewards), "actions": list(self.actions),
                 "env_time": self.env_time, "kv_reused": self.kv_reused, "end": plain_reason(self.end),
-                "partial": list(self.partial)}
+                "partial": list(self.partial), "opened": self.opened}
 
     @classmethod
     def restore(cls, record: dict, loop: AgentLoop, renderer: ObservationRenderer,
@@ -99,6 +107,7 @@ class Episode:
         ep.turns, ep.tool_calls, ep.tool_errors = record["turns"], record["tool_calls"], record["tool_errors"]
         ep.turn_rewards, ep.actions = list(record["turn_rewards"]), list(record["actions"])
         ep.kv_reused, ep.partial = record["kv_reused"], list(record["partial"])
+        ep.opened = record.get("opened", ep.opened)  # (a record from before it was kept: the prompt's)
         return ep
 
 
@@ -126,7 +135,7 @@ class EpisodeMaker:
         """The episodes of a run's agentic rollouts (`data.env`, `data.tools`, `data.agent` with the rollout's
         limits), or None for single-turn data and for an agent program (`data.openai_agent`)."""
         from relax.agents.loops import AgentFactory
-        from relax.agents.parsers import get_parser
+        from relax.agents.parsers import get_parser, uses_reasoning
         from relax.config.derive import agentic
         from relax.data.images import is_vision_model_config, load_processor
         from relax.data.tokenizer import load_tokenizer
@@ -137,7 +146,8 @@ class EpisodeMaker:
         tokenizer = load_tokenizer(cfg.model)
         parser = get_parser(d.tool_parser, tokenizer)  # auto: the one of the tokenizer's chat template
         processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
-        return cls(AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser), tokenizer,
+        loops = AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser, uses_reasoning(tokenizer))
+        return cls(loops, tokenizer,
                    max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor,
                    wire=processor is not None and ro.backend == "sglang")
 

@@ -3,7 +3,10 @@
 `ToolsAndEnvironment` answers a model turn with its tool calls' results when it made any (`data.tools`; the calls
 read by the `data.tool_parser` parser, each answered in its place: a result, or the error of a malformed call), else
 with the environment's step (`data.env`); with neither, the turn is the model's final answer and the episode ends
-("stop"). `data.agent` names a loop of the user's instead (`relax.agents.protocol.AgentLoop`).
+("stop"). A turn's reasoning is taken off before its calls are read (`relax.agents.parsers.without_reasoning`, the
+function the OpenAI gateway splits `reasoning_content` with, for templates that use <think>): a call written inside a
+<think> block is thought, not made, so the same turn ends an episode here as it ends an agent's run through the
+gateway. `data.agent` names a loop of the user's instead (`relax.agents.protocol.AgentLoop`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any, Optional
 
 from relax.agents.grid_walk import GridWalk
 from relax.agents.guess_number import GuessNumber
-from relax.agents.parsers import CallError, ToolParser, parse_hermes
+from relax.agents.parsers import CallError, ParsedMessage, ToolParser, parse_hermes, without_reasoning
 from relax.agents.protocol import AgentLoop, Reply, as_step
 from relax.agents.tools import ToolRunner, get_tools
 from relax.batch import FinishReason
@@ -40,12 +43,17 @@ def load_callable(spec: str, option: str, builtins: dict[str, Callable[..., Any]
 
 class ToolsAndEnvironment:
     """The built-in agent loop (see the module docstring). `env_factory` builds one environment per episode;
-    `parser` reads the model's tool calls."""
+    `parser` reads the model's tool calls; `reasoning`: the chat template uses <think> blocks
+    (`relax.agents.parsers.uses_reasoning`), whose calls are not read."""
 
     def __init__(self, env_factory: Optional[Callable[[], Any]], runner: Optional[ToolRunner],
-                 parser: ToolParser = parse_hermes):
-        self.env_factory, self.runner, self.parser = env_factory, runner, parser
+                 parser: ToolParser = parse_hermes, reasoning: bool = True):
+        self.env_factory, self.runner, self.parser, self.reasoning = env_factory, runner, parser, reasoning
         self.env: Any = None
+
+    def calls(self, text: str) -> ParsedMessage:
+        """The tool calls of a turn: its text after its reasoning block, read by the parser."""
+        return self.parser(without_reasoning(text) if self.reasoning else text)
 
     def reset(self, item: dict) -> None:
         if self.env_factory is not None:
@@ -55,7 +63,7 @@ class ToolsAndEnvironment:
     def _tool_reply(self, text: str) -> Optional[Reply]:
         if self.runner is None:
             return None
-        parsed = self.parser(text)
+        parsed = self.calls(text)
         if not parsed.items:
             return None
         results = iter(self.runner(parsed.calls))
@@ -88,7 +96,7 @@ class ToolsAndEnvironment:
         `replay` of them."""
         if self.env is None:
             return
-        steps = [t for t in actions if self.runner is None or not self.parser(t).items]
+        steps = [t for t in actions if self.runner is None or not self.calls(t).items]
         own = getattr(self.env, "replay", None)
         if callable(own):
             own(steps)
@@ -100,10 +108,11 @@ class ToolsAndEnvironment:
 class AgentFactory:
     """Builds the agent loop of each episode from the data config: `data.agent`, or `ToolsAndEnvironment` over
     `data.env` and `data.tools` (their calls read by `tool_parser`, `relax.agents.parsers.get_parser` of
-    data.tool_parser). Everything is loaded (and named in errors) when the factory is made."""
+    data.tool_parser; `reasoning`: the chat template uses <think> blocks). Everything is loaded (and named in errors)
+    when the factory is made."""
 
     def __init__(self, env: Optional[str], tools: list[str] | tuple[str, ...], agent: Optional[str],
-                 tool_timeout_s: Optional[float], tool_parser: ToolParser = parse_hermes):
+                 tool_timeout_s: Optional[float], tool_parser: ToolParser = parse_hermes, reasoning: bool = True):
         if agent and (env or tools):
             raise AgentSpecError("data.agent decides every observation itself; it cannot be combined with data.env "
                                  "or data.tools")
@@ -111,12 +120,12 @@ class AgentFactory:
         self.env = load_callable(env, "data.env", BUILTIN_ENVS) if env else None
         self.tools = get_tools(list(tools)) if tools else {}
         self.runner = ToolRunner(self.tools, tool_timeout_s) if self.tools else None
-        self.tool_parser = tool_parser
+        self.tool_parser, self.reasoning = tool_parser, reasoning
 
     def __call__(self) -> AgentLoop:
         if self.agent is not None:
             return self.agent()
-        return ToolsAndEnvironment(self.env, self.runner, self.tool_parser)
+        return ToolsAndEnvironment(self.env, self.runner, self.tool_parser, self.reasoning)
 
     def close(self) -> None:
         if self.runner is not None:

@@ -299,6 +299,59 @@ MARKERS: frozenset[str] = frozenset({
 })
 
 
+# ----------------------------------------------------------------------------------------------- reasoning
+THINK, END_THINK = "<think>", "</think>"
+
+
+def uses_reasoning(template: Any) -> bool:
+    """Whether a chat template (a string, a tokenizer's named templates, or a tokenizer) uses <think> blocks: its
+    answers may then open with one, which `split_reasoning` takes off."""
+    template = getattr(template, "chat_template", template)
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    return THINK in text
+
+
+def opened_reasoning(prompt_text: str) -> str:
+    """The <think> block a prompt leaves open for the answer: its last `<think>` and the blank after it when nothing
+    else follows (the generation prompt of Qwen3.5 or DeepSeek-R1 writes `<think>\n` and the model writes the
+    reasoning and `</think>`); "" when the prompt does not end inside one."""
+    at = prompt_text.rfind(THINK)
+    if at < 0 or prompt_text[at + len(THINK):].strip():
+        return ""
+    return prompt_text[at:]
+
+
+def split_reasoning(text: str, opened: bool = False) -> Optional[tuple[tuple[int, int], int]]:
+    """Where an answer holds its reasoning and its content: ((start, end) of the reasoning, start of the content),
+    both stripped of the blank around them; None when it has no reasoning block. The block is one the answer opens
+    with (`<think>` first), or, with `opened` (the prompt ended inside a block its generation prompt opened,
+    `opened_reasoning`), the answer's text up to its `</think>`. A block never closed (the answer cut at its limit) is
+    all reasoning, as SGLang's reasoning parser reads it. The one reading of reasoning: the OpenAI gateway's
+    `reasoning_content` and the tool loop's calls (`without_reasoning`) both take it from here."""
+    if opened:
+        start = 0
+    else:
+        body = text.lstrip()
+        if not body.startswith(THINK):
+            return None
+        start = len(text) - len(body) + len(THINK)
+    end = text.find(END_THINK, start)
+    content = len(text) if end < 0 else end + len(END_THINK)
+    end = len(text) if end < 0 else end
+    reasoning = text[start:end]
+    start += len(reasoning) - len(reasoning.lstrip())
+    end = max(start, end - (len(reasoning) - len(reasoning.rstrip())))
+    content += len(text[content:]) - len(text[content:].lstrip())
+    return (start, end), content
+
+
+def without_reasoning(text: str, opened: bool = False) -> str:
+    """The answer of a model message after its reasoning block (`split_reasoning`): what its tool calls are read
+    from, as the gateway reads them (a call written inside the reasoning is thought, not made)."""
+    split = split_reasoning(text, opened)
+    return text if split is None else text[split[1]:]
+
+
 # ----------------------------------------------------------------------------------------------- the tools' schemas
 def _string_schema(schema: Any) -> tuple[bool, bool]:
     """(whether an argument of `schema` is a string, whether it may also be null)."""

@@ -8,6 +8,9 @@ unless the conversation's system messages already name every tool (a prompt that
 Assistant messages with tool calls are rendered the same way the model writes them, and the model's calls are
 read by the format's tool parser (`relax.agents.parsers`: data.tool_parser, by default the one of the chat
 template; Hermes tags, one call or a JSON list of them, for ChatML).
+
+Reasoning: an answer's <think> block is split off by `relax.agents.parsers.split_reasoning`, also when the prompt
+ended inside a block its generation prompt opened (Qwen3.5's `<think>\n`: `ChatFormat.opens_reasoning`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,22 @@ import threading
 import uuid
 from typing import Any, Optional
 
-from relax.agents.parsers import ToolParser, apply_tool_schemas, get_parser, message_decoder, parse_hermes
+from relax.agents.parsers import (
+    END_THINK,
+    THINK,
+    ToolParser,
+    apply_tool_schemas,
+    get_parser,
+    message_decoder,
+    opened_reasoning,
+    parse_hermes,
+    split_reasoning,
+    uses_reasoning,
+)
 from relax.agents.render import ObservationRenderer
 
-THINK, END_THINK = "<think>", "</think>"
+__all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning"]
+
 TOOLS_PROMPT = ("You may call one or more functions to assist with the user query. The functions are listed in "
                 "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write <tool_call>{{\"name\": "
                 "<function-name>, \"arguments\": <args-json-object>}}</tool_call>.")
@@ -31,25 +46,6 @@ def _described(messages: list[dict], tools: list[dict]) -> bool:
     """Whether the conversation's system messages already name every tool (a prompt that teaches its own format)."""
     system = " ".join(m.get("content") or "" for m in messages if m["role"] in ("system", "developer"))
     return all(t["function"]["name"] in system for t in tools)
-
-
-def split_reasoning(text: str) -> Optional[tuple[tuple[int, int], int]]:
-    """Where an answer that opens with a <think> block holds its reasoning and its content: ((start, end) of the
-    reasoning, start of the content), both stripped of the blank around them; None when it does not open with
-    one. A block never closed (the answer cut at its limit) is all reasoning, as SGLang's reasoning parser reads
-    it."""
-    body = text.lstrip()
-    if not body.startswith(THINK):
-        return None
-    start = len(text) - len(body) + len(THINK)
-    end = text.find(END_THINK, start)
-    content = len(text) if end < 0 else end + len(END_THINK)
-    end = len(text) if end < 0 else end
-    reasoning = text[start:end]
-    start += len(reasoning) - len(reasoning.lstrip())
-    end = max(start, end - (len(reasoning) - len(reasoning.rstrip())))
-    content += len(text[content:]) - len(text[content:].lstrip())
-    return (start, end), content
 
 
 class _TemplateKwargs:
@@ -84,7 +80,7 @@ class ChatFormat:
         template = getattr(tokenizer, "chat_template", None) or ""
         self.native_tools = "tools" in template
         self.native_calls = "tool_calls" in template
-        self.reasoning = THINK in template  # answers may open with a <think> block (split_reasoning)
+        self.reasoning = uses_reasoning(template)  # answers may hold a <think> block (split_reasoning)
         self._renderers: dict[str, ObservationRenderer] = {}  # by chat_template_kwargs (JSON); none: renderer
         self.renderer = ObservationRenderer(tokenizer)
         self.lock = threading.RLock()
@@ -143,6 +139,19 @@ class ChatFormat:
                 renderer = self._renderers.get(key) or self._renderers.setdefault(
                     key, ObservationRenderer(_TemplateKwargs(self.tokenizer, template_kwargs)))
             return renderer.tokens(self._template_messages(messages, None), stop_token)
+
+    def opening(self, prompt: list[int]) -> str:
+        """The <think> block prompt tokens end inside, opened by their generation prompt (Qwen3.5's `<think>\n`), as
+        text; "" when they do not (`relax.agents.parsers.opened_reasoning`)."""
+        if not self.reasoning or not prompt:
+            return ""
+        with self.lock:
+            return opened_reasoning(self._text(prompt[-16:]))
+
+    def opens_reasoning(self, prompt: list[int]) -> bool:
+        """Whether prompt tokens end inside a <think> block (`opening`): the answer's text up to its `</think>` is
+        then reasoning (`split_reasoning(text, opened=True)`)."""
+        return bool(self.opening(prompt))
 
     def encode(self, text: str) -> list[int]:
         with self.lock:

@@ -125,8 +125,10 @@ class OpenAIService:
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
             finish = self._finish(s, tokens)
-            # a <think> block opening the answer goes to reasoning_content, as SGLang's reasoning parser puts it
-            split = split_reasoning(text) if self.fmt.reasoning and p.separate_reasoning else None
+            # a <think> block opening the answer (or opened by the prompt) goes to reasoning_content, as SGLang's
+            # reasoning parser puts it
+            split = split_reasoning(text, self.fmt.opens_reasoning(prompt)) \
+                if self.fmt.reasoning and p.separate_reasoning else None
             think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
             content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
             if calls:

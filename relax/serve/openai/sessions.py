@@ -134,6 +134,7 @@ class _Call:
     conversation: Any  # chat: the call's messages; completions: its prompt string (None: token ids)
     tools_key: str = ""
     call: int = -1  # set by admit
+    opened: str = ""  # the <think> block the prompt leaves open (Qwen3.5's generation prompt), written before answers
 
 
 def _forms(content: str, think_text: str) -> frozenset:
@@ -215,9 +216,12 @@ class Session:
                     best = node
             if best is not None:
                 delta = fmt.continuation(messages[len(best.messages):], best.stop_token, template_kwargs)
-                return best.context + delta, _Call(best, delta, best.messages + messages[len(best.messages):],
-                                                   best.tools_key)
-            return fmt.prompt(messages, tools, template_kwargs), _Call(None, [], list(messages), key)
+                prompt, call = best.context + delta, _Call(best, delta, best.messages + messages[len(best.messages):],
+                                                           best.tools_key)
+            else:
+                prompt, call = fmt.prompt(messages, tools, template_kwargs), _Call(None, [], list(messages), key)
+            call.opened = fmt.opening(prompt)
+            return prompt, call
 
     def completion_prompt(self, prompt: Any, fmt: ChatFormat) -> tuple[list[int], Any]:
         with self._lock:
@@ -290,7 +294,9 @@ class Session:
             new.append(_Node(
                 parent=base, prompt=base.prompt if base is not None else list(prompt), delta=delta,
                 tokens=list(choice.tokens), logprobs=list(choice.logprobs), version=sampled.version, call=c.call,
-                choice=k, answer=choice.think_text + choice.text,  # a <think> block split off still counts
+                # a <think> block split off still counts, with the opening the prompt wrote for it (Qwen3.5's): the
+                # text data.reward scores reads as one whose model wrote <think> itself (Qwen3's)
+                choice=k, answer=c.opened + choice.think_text + choice.text,
                 messages=messages, text=text, tools_key=c.tools_key, stop_token=ended,
                 length=before[0] + len(delta) + len(choice.tokens), sampled_total=before[1] + len(choice.tokens)))
         with self._lock:
