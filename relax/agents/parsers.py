@@ -352,6 +352,46 @@ def without_reasoning(text: str, opened: bool = False) -> str:
     return text if split is None else text[split[1]:]
 
 
+# ----------------------------------------------------------------------------------------------- writing calls
+def parser_format(parser: Any) -> Optional[str]:
+    """The name of a built-in parser (`BUILTIN_PARSERS`), None for a parser of one's own."""
+    return next((name for name, fn in BUILTIN_PARSERS.items() if fn is parser), None)
+
+
+def _xml_written(value: Any) -> str:
+    """An argument as the XML formats' templates write it: a string as its text, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def write_call(fmt: str, name: str, arguments: Any) -> str:
+    """One call as the built-in format `fmt` writes it (what its parser reads, and what a forced call's grammar,
+    `relax.rollout.grammar.tool_call_ebnf`, writes): JSON as json.dumps writes it."""
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments) if arguments.strip() else {}
+    if fmt == "qwen3_coder":
+        params = "".join(f"<parameter={k}>\n{_xml_written(v)}\n</parameter>\n" for k, v in arguments.items())
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    if fmt == "glm45":
+        params = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml_written(v)}</arg_value>\n"
+                         for k, v in arguments.items())
+        return f"<tool_call>{name}\n{params}</tool_call>"
+    if fmt == "deepseek_v3":
+        return (f"{DS_CALL_BEGIN}function{DS_SEP}{name}\n```json\n{json.dumps(arguments, ensure_ascii=False)}\n```"
+                f"{DS_CALL_END}")
+    if fmt == "llama3_json":
+        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def write_calls(fmt: str, calls: Sequence[tuple[str, Any]]) -> str:
+    """Calls (name, arguments) as the built-in format `fmt` writes several of them: one after another (a newline
+    between them; "; " for llama3_json), DeepSeek's inside one section of calls."""
+    written = [write_call(fmt, name, args) for name, args in calls]
+    if fmt == "deepseek_v3":
+        return DS_CALLS_BEGIN + "\n".join(written) + DS_CALLS_END
+    return ("; " if fmt == "llama3_json" else "\n").join(written)
+
+
 # ----------------------------------------------------------------------------------------------- the tools' schemas
 def _string_schema(schema: Any) -> tuple[bool, bool]:
     """(whether an argument of `schema` is a string, whether it may also be null)."""

@@ -2,12 +2,14 @@
 template, later messages of a conversation rendered as tokens to append after what the model sampled, and the
 model's text read back into content and tool calls.
 
-Tools: a template that takes `tools` (Qwen3's, for one) renders them itself; for one that does not (plain ChatML), a
-system message in the Hermes format lists them and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
-unless the conversation's system messages already name every tool (a prompt that teaches its own format).
-Assistant messages with tool calls are rendered the same way the model writes them, and the model's calls are
-read by the format's tool parser (`relax.agents.parsers`: data.tool_parser, by default the one of the chat
-template; Hermes tags, one call or a JSON list of them, for ChatML).
+Tools: a template that takes `tools` (Qwen3's, for one) renders them itself; for one that does not (plain ChatML,
+DeepSeek-V3), a system message lists them and teaches the format of the tool parser in use, with an example call
+(`tools_prompt`: Hermes' `<tool_call>` for hermes, DeepSeek's markers for deepseek_v3, ...; Hermes for a parser of
+one's own), unless the conversation's system messages already name every tool (a prompt that teaches its own
+format). Earlier assistant messages with tool calls are rendered by the template where it renders `tool_calls`,
+else written in that same format, and the model's calls are read by that tool parser (`relax.agents.parsers`:
+data.tool_parser, by default the one of the chat template), so the prompt, the parser, a forced call's grammar and
+the history agree.
 
 Reasoning: an answer's <think> block is split off by `relax.agents.parsers.split_reasoning`, also when the prompt
 ended inside a block its generation prompt opened (Qwen3.5's `<think>\n`: `ChatFormat.opens_reasoning`).
@@ -30,22 +32,61 @@ from relax.agents.parsers import (
     message_decoder,
     opened_reasoning,
     parse_hermes,
+    parser_format,
     split_reasoning,
     uses_reasoning,
+    write_calls,
 )
 from relax.agents.render import ObservationRenderer
 
-__all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning"]
+__all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
 
 TOOLS_PROMPT = ("You may call one or more functions to assist with the user query. The functions are listed in "
-                "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write <tool_call>{{\"name\": "
-                "<function-name>, \"arguments\": <args-json-object>}}</tool_call>.")
+                "<tools></tools>:\n<tools>\n{tools}\n</tools>\nTo call a function, write the call in this format "
+                "(this example calls {name}):\n{example}\n{several}")
+SEVERAL = {"llama3_json": 'Several calls are written one after another, separated by "; ".',
+           "deepseek_v3": "Several calls are written one after another inside one such section of calls."}
+SEVERAL_DEFAULT = "Several calls are written one after another, separated by a newline."
 
 
 def _described(messages: list[dict], tools: list[dict]) -> bool:
     """Whether the conversation's system messages already name every tool (a prompt that teaches its own format)."""
     system = " ".join(m.get("content") or "" for m in messages if m["role"] in ("system", "developer"))
     return all(t["function"]["name"] in system for t in tools)
+
+
+def _example_value(schema: Any) -> Any:
+    """A placeholder value of a JSON schema for an example call: an enum's or const's first value, else by type."""
+    if not isinstance(schema, dict):
+        return "..."
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return _example_value(schema[key][0])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    return {"integer": 0, "number": 0, "boolean": True, "null": None, "array": [], "object": {}}.get(kind, "...")
+
+
+def example_call(tool: dict) -> tuple[str, dict]:
+    """(name, arguments) of an example call of an OpenAI function tool: every listed parameter, in the schema's
+    order, with a placeholder value of its schema."""
+    fn = tool.get("function", tool)
+    props = (fn.get("parameters") or {}).get("properties") or {}
+    return fn["name"], {k: _example_value(v) for k, v in props.items()}
+
+
+def tools_prompt(tools: list[dict], fmt: str) -> str:
+    """The system prompt that lists `tools` (OpenAI function tools) for a template without a place for them and
+    teaches the call format `fmt` (a built-in tool parser's name) with an example call of the first tool."""
+    listing = "\n".join(json.dumps(t["function"]) for t in tools)
+    name, args = example_call(tools[0])
+    return TOOLS_PROMPT.format(tools=listing, name=name, example=write_calls(fmt, [(name, args)]),
+                               several=SEVERAL.get(fmt, SEVERAL_DEFAULT))
 
 
 class _TemplateKwargs:
@@ -74,6 +115,8 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
         self.tool_parser = tool_parser if tool_parser is not None else get_parser("auto", tokenizer)
+        # the format the tools prompt teaches and earlier calls are written in: the parser's (Hermes for one's own)
+        self.call_format = parser_format(self.tool_parser) or "hermes"
         # an instance reads calls with its own parser; ChatFormat.tool_calls(text) on the class reads Hermes
         self.tool_calls = functools.partial(ChatFormat.tool_calls, parser=self.tool_parser)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -86,27 +129,29 @@ class ChatFormat:
         self.lock = threading.RLock()
 
     # ---------------------------------------------------------------------------------------------- rendering
-    def _template_messages(self, messages: list[dict], tools: Optional[list[dict]]) -> list[dict]:
+    def _template_messages(self, messages: list[dict], tools: Optional[list[dict]],
+                           text_arguments: bool = False) -> list[dict]:
+        """The messages as the chat template takes them; `text_arguments`: calls' arguments as JSON text (as OpenAI's
+        messages hold them) rather than mappings (transformers' convention)."""
         out: list[dict] = []
         for m in messages:
             d: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
                                  "content": m.get("content") or ""}
             calls = m.get("tool_calls")
             if calls and self.native_calls:
-                d["tool_calls"] = [{"type": "function", "id": c.get("id"),
-                                    "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-            elif calls:
-                written = "\n".join("<tool_call>\n" + json.dumps({"name": c["name"], "arguments": c["arguments"]},
-                                                                  ensure_ascii=False) + "\n</tool_call>"
-                                    for c in calls)
+                d["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
+                    "name": c["name"],
+                    "arguments": json.dumps(c["arguments"], ensure_ascii=False) if text_arguments else c["arguments"]}}
+                    for c in calls]
+            elif calls:  # written as the model writes them: in the tool parser's format
+                written = write_calls(self.call_format, [(c["name"], c["arguments"]) for c in calls])
                 d["content"] = f"{d['content']}\n{written}" if d["content"] else written
             for key in ("tool_call_id", "name"):
                 if m.get(key) is not None:
                     d[key] = m[key]
             out.append(d)
         if tools and not self.native_tools and not _described(messages, tools):
-            listing = "\n".join(json.dumps(t["function"]) for t in tools)
-            prompt = TOOLS_PROMPT.format(tools=listing)
+            prompt = tools_prompt(tools, self.call_format)
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
             else:
@@ -117,9 +162,20 @@ class ChatFormat:
         """The text of a whole conversation (normalized messages) and the assistant's generation prompt;
         `template_kwargs` (a request's chat_template_kwargs) are extra variables of the template."""
         with self.lock:
-            return self.tokenizer.apply_chat_template(
-                self._template_messages(messages, tools), tools=tools if self.native_tools else None,
-                tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+            return self._with_arguments(lambda text_arguments: self.tokenizer.apply_chat_template(
+                self._template_messages(messages, tools, text_arguments), tools=tools if self.native_tools else None,
+                tokenize=False, add_generation_prompt=True, **(template_kwargs or {})), messages)
+
+    def _with_arguments(self, render: Any, messages: list[dict]) -> Any:
+        """`render(text_arguments)` with calls' arguments as mappings (Qwen3's, Llama's, GLM's templates write them
+        with `tojson` or walk their items), or, for a template that joins them to text (DeepSeek-V3's
+        `'...' + arguments`, which fails on a mapping), as JSON text."""
+        try:
+            return render(False)
+        except TypeError:
+            if not any(m.get("tool_calls") for m in messages) or not self.native_calls:
+                raise
+            return render(True)
 
     def prompt(self, messages: list[dict], tools: Optional[list[dict]],
                template_kwargs: Optional[dict] = None) -> list[int]:
@@ -138,7 +194,8 @@ class ChatFormat:
                 key = json.dumps(template_kwargs, sort_keys=True)
                 renderer = self._renderers.get(key) or self._renderers.setdefault(
                     key, ObservationRenderer(_TemplateKwargs(self.tokenizer, template_kwargs)))
-            return renderer.tokens(self._template_messages(messages, None), stop_token)
+            return self._with_arguments(lambda text_arguments: renderer.tokens(
+                self._template_messages(messages, None, text_arguments), stop_token), messages)
 
     def opening(self, prompt: list[int]) -> str:
         """The <think> block prompt tokens end inside, opened by their generation prompt (Qwen3.5's `<think>\n`), as
