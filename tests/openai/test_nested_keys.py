@@ -270,3 +270,34 @@ def test_the_official_clients_answers_sent_back_as_they_come_are_accepted(gatewa
     again = [*follow, *[o.model_dump() for o in r.output], {"role": "user", "content": "thanks"}]
     assert client.responses.create(model="policy", input=again, tools=fn, max_output_tokens=30).output_text
     assert len(script.calls) == 5
+
+
+def test_image_parts_are_checked_before_they_become_placeholders(smol):
+    """relax-serve with a vision-language model turns image parts into placeholders (dropping the rest of the part):
+    their keys are checked first, against openai's ChatCompletionContentPartImageParam and its ImageURL; a detail
+    other than "auto" is a 400 (the image is read at the processor's resolution)."""
+    from openai.types.chat.chat_completion_content_part_image_param import (
+        ChatCompletionContentPartImageParam,
+        ImageURL,
+    )
+
+    from relax.serve.openai.service import OpenAIService
+    from tests.openai.scripted import Script
+
+    service = OpenAIService(smol, Script(smol, ["a cat"]), model="vl", context_length=None, max_tokens=8,
+                            images=True)
+
+    def body(part: dict) -> dict:
+        return chat(messages=[{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}])
+
+    url = {"url": "data:image/png;base64,AAAA"}
+    part = {"type": "image_url", "image_url": url}
+    full = with_every_key(ChatCompletionContentPartImageParam, {**part, "image_url": with_every_key(ImageURL, url)})
+    for ok in (part, full, {**part, "image_url": {**url, "detail": "auto"}}):
+        status, answer = service.chat(body(ok))
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "a cat"
+    refused(lambda b: service.chat(b), body({**part, "cache_control": {}}), "messages[0].content[0].cache_control")
+    refused(lambda b: service.chat(b), body({**part, "image_url": {**url, "size": 1}}),
+            "messages[0].content[0].image_url.size")
+    refused(lambda b: service.chat(b), body({**part, "image_url": {**url, "detail": "low"}}),
+            "messages[0].content[0].image_url.detail")

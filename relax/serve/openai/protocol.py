@@ -432,6 +432,25 @@ def _check_message_keys(m: Any, where: str) -> None:
                     check_keys(call["function"], f"{where}.tool_calls[{j}].function", CALLED_FUNCTION_KEYS)
 
 
+IMAGE_PART_KEYS = {"type", "image_url", "prompt_cache_breakpoint"}
+
+
+def check_image_parts(body: Any) -> None:
+    """The keys of a request's image parts (`{"type": "image_url", "image_url": {"url", "detail"}}`), checked before
+    `relax.serve.openai.images.take_images` replaces the parts: a key OpenAI does not define there is a 400 naming its
+    path, and so is a `detail` other than "auto" (the image is read at the processor's own resolution)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                where = f"messages[{i}].content[{j}]"
+                check_keys(part, where, IMAGE_PART_KEYS)
+                if isinstance(part.get("image_url"), dict):
+                    check_keys(part["image_url"], f"{where}.image_url", {"url", "detail"}, {"detail": (
+                        lambda v: v == "auto", "the image is read at the processor's own resolution")})
+
+
 def _check_tool_answers(messages: list[dict]) -> None:
     """Each tool message answers a call of the assistant message before it (tool messages between them aside), by
     its `tool_call_id`, as OpenAI requires: a 400 naming messages[i].tool_call_id otherwise."""

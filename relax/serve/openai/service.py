@@ -29,6 +29,7 @@ from relax.serve.openai.protocol import (
     Params,
     chat_answer,
     chat_events,
+    check_image_parts,
     completion_answer,
     completion_events,
     normalize_message,
@@ -107,6 +108,7 @@ class OpenAIService:
     def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
         image_data: list[str] = []
         if self.images and session is None:  # image parts: placeholders in the text, the images to the engine
+            check_image_parts(body)
             body, image_data = take_images(body)
         messages, p = parse_chat(body)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
