@@ -4,8 +4,9 @@ Each target linear layer computes `x W^T + (alpha / r) (x A^T) B^T` (A: [r, in],
 so the adapted model starts as the base). What the rest of Relax needs from an adapted model lives here:
 - `apply_lora`: the adapters, initialised under the run's seed (the global RNG untouched);
 - `linear_layer_names` / `missing_targets`: the linear layers a model has, for a message that names them;
-- `rollout_state`: the weights for the engines, merged (`W + (alpha / r) B A` under the base model's names) or the
-  adapters alone (the names the engine's own injected adapters have);
+- `rollout_state`: the weights for the engines, merged (`W + (alpha / r) B A` under the base model's names, what PEFT's
+  `merge_and_unload` gives, the routers and stacked experts of a mixture-of-experts model included) or the adapters
+  alone (the names the engine's own injected adapters have);
 - `adapter_params`: the live adapter tensors (old log-probs of stale samples swap only these);
 - `base_fingerprint`: what a checkpoint of adapters records about the base it needs, checked on resume.
 """
@@ -89,6 +90,33 @@ def _lora_layers(base: torch.nn.Module):
     return [(name, m) for name, m in base.named_modules() if isinstance(m, LoraLayer)]
 
 
+def _unwrapped(name: str) -> str:
+    """A name in the adapted model under the base model's own name: PEFT's `base_layer` levels dropped (a ParamWrapper
+    of a module's stacked expert parameters nests one in another, so there can be several)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+def adapted_weights(base: torch.nn.Module) -> dict[str, list[Any]]:
+    """Each base-model weight an adapter changes (under the base model's name) -> the LoRA layers whose deltas merge
+    into it: a linear layer's `weight` (lora.Linear), and a parameter that PEFT wraps by itself (ParamWrapper: on a
+    mixture-of-experts model, `all-linear` also adapts the router's `weight` and the experts' stacked 3-D
+    `gate_up_proj` and `down_proj`). Another kind of LoRA layer is a ValueError: its merge is not known here."""
+    from peft.tuners.lora import Linear, ParamWrapper
+
+    out: dict[str, list[Any]] = {}
+    for name, layer in _lora_layers(base):
+        if isinstance(layer, ParamWrapper):
+            leaf = layer.parameter_name
+        elif isinstance(layer, Linear):
+            leaf = "weight"
+        else:
+            raise ValueError(f"LoRA layer {name} ({type(layer).__name__}) cannot be merged for the engines: "
+                             "name linear layers in model.lora_target_modules, or set rollout.lora_sync=adapter")
+        if ADAPTER in layer.lora_A:
+            out.setdefault(f"{_unwrapped(name)}.{leaf}", []).append(layer)
+    return out
+
+
 def adapter_params(peft_model: Any) -> dict[str, torch.Tensor]:
     """The live adapter tensors by name (the trainable parameters)."""
     return {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
@@ -98,24 +126,24 @@ def adapter_params(peft_model: Any) -> dict[str, torch.Tensor]:
 def rollout_state(peft_model: Any, *, merged: bool, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """The weights a rollout engine loads, as CPU tensors (floating ones in `dtype`).
 
-    merged: every weight of the base model under its own names, each target's `W + (alpha / r) B A` (fp32, then
-    cast): what an engine without adapters loads. Otherwise: the adapter tensors alone under the names an engine's
+    merged: the state dict of the merged model (what PEFT's `merge_and_unload` leaves: every weight of the base model
+    under its own names, each adapted one `W + (alpha / r) B A`, added in W's dtype as PEFT adds it, then cast): what
+    an engine without adapters loads. On a mixture-of-experts model that includes the router's weight and each
+    expert's slice of the stacked expert parameters. Otherwise: the adapter tensors alone under the names an engine's
     injected adapters have (`inject_adapters`)."""
 
     base = peft_model.get_base_model()
     if not merged:
         return cpu_state(((n, t) for n, t in base.state_dict().items() if ".lora_" in n), dtype)
-    layers = dict(_lora_layers(base))
+    adapted = adapted_weights(base)
 
     def merged_weights():
         for name, tensor in base.state_dict().items():
             if ".lora_" in name:
                 continue
-            owner, _, leaf = name.rpartition(".base_layer.")
-            if owner and owner in layers:
-                if leaf == "weight":
-                    tensor = tensor + layers[owner].get_delta_weight(ADAPTER).to(tensor.dtype)
-                name = f"{owner}.{leaf}"
+            name = _unwrapped(name)
+            for layer in adapted.get(name, ()):
+                tensor = tensor + layer.get_delta_weight(ADAPTER).to(tensor.dtype)
             yield name, tensor
 
     return cpu_state(merged_weights(), dtype)
