@@ -89,7 +89,7 @@ class TrainerRouting:
     def aux_loss(self, weight: float) -> Optional[torch.Tensor]:
         """coef * weight * the load-balancing loss (mean over MoE layers) of the last forward under `micro_batch`
         (`weight`: the micro-batch's share of the step's rows, so that the step's sum is the rows' mean); None when
-        not collected."""
+        not collected. The trainer adds it to the micro-batch's loss and to `train/loss` (`StepLoss.add_loss`)."""
         c = self.control
         if self.aux_coef <= 0 or c.logits[0] is None:
             return None

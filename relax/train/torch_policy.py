@@ -335,7 +335,7 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
             logp, ent, t = self._forward(mb, entropy=step.entropy)
             loss = step.micro_batch(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
             aux = self.routing.aux_loss(len(rows) / len(batch)) if self.routing is not None else None
-            (loss if aux is None else loss + aux).backward()
+            (loss if aux is None else loss + step.add_loss(aux)).backward()
         return step.metrics() | (self.routing.metrics() if self.routing is not None else {})
 
     @torch.no_grad()

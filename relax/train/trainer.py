@@ -260,6 +260,13 @@ class StepLoss:
         self.sums.add(metrics)
         return loss
 
+    def add_loss(self, term: torch.Tensor) -> torch.Tensor:
+        """`term` (a micro-batch's share of a loss term added outside `compute_loss`: the MoE load-balancing loss,
+        `moe_aux_loss_coef * weight * aux`) counted in `train/loss` as `compute_loss`'s KL and entropy terms are, so
+        that `train/loss` is the loss back-propagated; returns it, to be added to the micro-batch's loss."""
+        self.sums.add({LOSS: term})
+        return term
+
     def metrics(self) -> dict[str, float]:
         """The step's loss metrics (`StepSums.metrics`)."""
         return self.sums.metrics(self.num_tokens, self.entropy)
