@@ -34,9 +34,7 @@ ANSWER = {"type": "object", "properties": {"value": {"type": "integer"}}, "requi
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": ANSWER, "strict": True}}
 JSON = '{"value": 42}'
 USER = [{"role": "user", "content": "What is 6 * 7?"}]
-# the families whose tool call the scripted engine writes (Qwen3.5's generation prompt opens a <think> block that a
-# grammar from the first token cannot close: a response format there is a question of its own)
-FAMILY_NAMES = [name for name in FAMILIES if name != "qwen3_5"]
+FAMILY_NAMES = list(FAMILIES)  # (Qwen3.5's generation prompt opens a <think> block: the constrained answer is content)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +130,23 @@ def test_with_tools_and_a_response_format_the_answer_is_a_call_or_the_schemas_js
     assert script.refused[2].startswith("The answer is 42.")  # free text: masked
     old = grammars(family).matcher(json_schema_spec(ANSWER), [family_tokenizer(family).eos_token_id])
     assert not all(old.accept(t) for t in script.ids(0))
+
+
+def test_a_constrained_answer_after_a_generation_prompt_that_opened_think_is_the_content(guarded):
+    """Qwen3.5's generation prompt opens <think>: an answer constrained from its first token (response_format, a
+    forced call) never closes it, so it is the content (the JSON, the calls), not reasoning_content; a free answer
+    still has its reasoning split off. Negative control: read as reasoning, the content was empty and the calls lost."""
+    call = FAMILIES["qwen3_5"].tool_call
+    script, client = guarded("qwen3_5", [JSON, call, "6 times 7.\n</think>\n\n42"])
+    m = client.chat.completions.create(model="policy", messages=USER, response_format=RESPONSE_FORMAT,
+                                       max_tokens=60).choices[0].message
+    assert (m.content, getattr(m, "reasoning_content", None)) == (JSON, None)
+    m = client.chat.completions.create(model="policy", messages=USER, tools=CALCULATOR, tool_choice="required",
+                                       max_tokens=60).choices[0].message
+    assert calls_of(m) == [("calculator", {"expression": "6 * 7"})] and getattr(m, "reasoning_content", None) is None
+    m = client.chat.completions.create(model="policy", messages=USER, max_tokens=60).choices[0].message
+    assert (m.content, m.reasoning_content) == ("42", "6 times 7.")
+    assert script.refused == [None, None, None]
 
 
 def test_the_responses_api_text_format_with_tools_answers_a_call_or_the_json(guarded):

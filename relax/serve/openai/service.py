@@ -129,8 +129,10 @@ class OpenAIService:
             finish = self._finish(s, tokens)
             # a <think> block opening the answer (or opened by the prompt) goes to reasoning_content, as SGLang's
             # reasoning parser puts it
-            split = split_reasoning(text, self.fmt.opens_reasoning(prompt)) \
-                if self.fmt.reasoning and p.separate_reasoning else None
+            # (a grammar from the first token, json_schema, regex or ebnf, leaves no room for a block the prompt
+            # opened: the answer is content; a structural tag's free text may close it)
+            opened = self.fmt.opens_reasoning(prompt) and (p.grammar is None or p.grammar[0] == "structural_tag")
+            split = split_reasoning(text, opened) if self.fmt.reasoning and p.separate_reasoning else None
             think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
             content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
             if calls:
