@@ -25,7 +25,7 @@ from jinja2 import TemplateError
 from relax.config.evaluation import default_eval_set_name
 from relax.data.files import DataError, Record, check_prompt, read_records
 from relax.data.gsm8k import prepare_gsm8k
-from relax.data.images import VisionData, prompt_has_images, vision_data
+from relax.data.images import VisionData, check_text_prompt, prompt_has_images, vision_data
 from relax.data.tasks import generate_task
 
 logger = logging.getLogger(__name__)
@@ -166,6 +166,7 @@ class PromptDataset(Sequence[PromptItem]):
                 cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated),
                                     prompt_messages(prompt, system_prompt) if templated else None)
             text, ids, messages = cache[cache_key]
+            check_text_prompt(vision, text, ids, where)  # no vision tokens, no <image> markers without images
             if max_prompt_len is not None and len(ids) > max_prompt_len:
                 if prompt_overflow == "error":
                     raise DataError(f"{where}: prompt has {len(ids)} tokens > rollout.max_prompt_len={max_prompt_len} "

@@ -170,6 +170,8 @@ def load_image(value: Any, where: str, base_dir: Optional[Path] = None) -> Any:
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
+    except Image.DecompressionBombError as e:  # PIL's pixel limit (Image.MAX_IMAGE_PIXELS): an image too large
+        raise DataError(f"{where}: image too large to read ({type(e).__name__}: {e}); downscale it") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
     return image.convert("RGB")
@@ -186,57 +188,83 @@ def image_prompt(obj: dict, prompt_key: str, image_key: str, where: str,
                  base_dir: Optional[Path] = None) -> Optional[tuple[list[dict], list[Any]]]:
     """(chat messages with image parts `{"type": "image"}`, the PIL images in order) of a record that has images, or
     None when it has none (no image parts, no `image_key` column or an empty one). The field at fault is named in
-    every DataError."""
+    every DataError.
+
+    The column's images go, in order, to the prompt's slots: each `<image>` marker (in a string prompt, a message's
+    string content or a text part) and each bare image part (`{"type": "image"}` without an image: TRL's and
+    transformers' chat format); the number of slots must be the number of images. Without a slot, they come first in
+    the first user message."""
     prompt = obj.get(prompt_key)
     column = obj.get(image_key)
     if column is not None and not isinstance(column, (list, tuple)):
         column = [column]
+    column = list(column or [])
     has_parts = isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
                                                            for m in prompt)
     if not has_parts and not column:
         return None
     images: list[Any] = []
     if isinstance(prompt, str):
-        messages: list[dict] = [{"role": "user", "content": prompt}]
+        messages: list[dict] = [{"role": "user", "content": _parts([{"type": "text", "text": prompt}], where,
+                                                                    prompt_key, images, base_dir)}]
     elif isinstance(prompt, (list, tuple)) and prompt:
         messages = []
         for m in prompt:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise DataError(f"{where}: {prompt_key!r}: each message needs a string 'role', got {m!r}"[:300])
-            messages.append({"role": m["role"], "content": _parts(m.get("content"), where, prompt_key, images,
-                                                                  base_dir)})
+            content = m.get("content")
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}] if IMAGE_MARKER in content else content
+            messages.append({"role": m["role"], "content": _parts(content, where, prompt_key, images, base_dir)})
     else:
         raise DataError(f"{where}: {prompt_key!r} must be a string or a non-empty chat message list")
-    if column:
-        markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
-        if markers and markers != len(column):
-            raise DataError(f"{where}: the prompt has {markers} {IMAGE_MARKER} markers but {image_key!r} holds "
-                            f"{len(column)} images")
-        column_images = [load_image(v, f"{where} ({image_key!r}[{i}])", base_dir) for i, v in enumerate(column)]
-        messages = _place(messages, column_images, where, image_key)
-        images = _ordered(messages, images, column_images)
-    return messages, images
+    slots = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if "_slot" in p]
+    if slots and len(slots) != len(column):
+        markers = sum(1 for p in slots if p["_slot"] == "marker")
+        bare = len(slots) - markers
+        what = f"{markers} {IMAGE_MARKER} markers" + (
+            f" and {bare} image parts without an image ({{'type': 'image'}}, each taking the next image of "
+            f"{image_key!r})" if bare else "")
+        raise DataError(f"{where}: the prompt has {what} but {image_key!r} holds {len(column)} images"
+                        + ("" if column else f" ({image_key!r}, data.image_key, is missing or empty)"))
+    if not column:
+        return (messages, _ordered(messages, images, [])) if images else None
+    column_images = [load_image(v, f"{where} ({image_key!r}[{i}])", base_dir) for i, v in enumerate(column)]
+    if slots:
+        for k, part in enumerate(slots):
+            del part["_slot"]
+            part["_column"] = k
+    else:
+        messages = _first(messages, len(column), where, image_key)
+    return messages, _ordered(messages, images, column_images)
 
 
 def _parts(content: Any, where: str, key: str, images: list, base_dir: Optional[Path]) -> Any:
     """A message's content: a string as it is, or a list of text/image parts normalised to `{"type": "text",
-    "text"}` / `{"type": "image"}`, the images appended to `images`."""
+    "text"}` / `{"type": "image"}`, the images appended to `images`. A text part is split at its `<image>` markers
+    and a bare image part (no image value) kept: each is a slot for the next image of the column (`"_slot"`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise DataError(f"{where}: {key!r}: a message's content must be a string or a list of parts")
-    out = []
+    out: list[dict] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            out.append({"type": "text", "text": part["text"]})
+            for i, piece in enumerate(part["text"].split(IMAGE_MARKER)):
+                if i:
+                    out.append({"type": "image", "_slot": "marker"})
+                if piece:
+                    out.append({"type": "text", "text": piece})
         elif kind == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             images.append(load_image(url, f"{where} ({key!r} image_url part)", base_dir))
             out.append({"type": "image", "_index": len(images) - 1})
+        elif kind == "image" and all(part.get(k) is None for k in ("image", "url", "path")):
+            out.append({"type": "image", "_slot": "bare"})
         elif kind == "image":
-            value = part.get("image", part.get("url", part.get("path")))
+            value = next(part[k] for k in ("image", "url", "path") if part.get(k) is not None)
             images.append(load_image(value, f"{where} ({key!r} image part)", base_dir))
             out.append({"type": "image", "_index": len(images) - 1})
         else:
@@ -245,33 +273,24 @@ def _parts(content: Any, where: str, key: str, images: list, base_dir: Optional[
     return out
 
 
-def _place(messages: list[dict], column: list[Any], where: str, image_key: str) -> list[dict]:
-    """Messages with the column's images put where `<image>` markers say (or first in the first user message)."""
-    markers = sum(m["content"].count(IMAGE_MARKER) for m in messages if isinstance(m["content"], str))
-    out, k, placed = [], 0, False
+def _first(messages: list[dict], n: int, where: str, image_key: str) -> list[dict]:
+    """Messages with `n` column images put first in the first user message (a prompt without slots)."""
+    out, placed = [], False
     for m in messages:
         content = m["content"]
-        if isinstance(content, str) and markers:
-            parts: list[dict] = []
-            for i, piece in enumerate(content.split(IMAGE_MARKER)):
-                if i:
-                    parts.append({"type": "image", "_column": k})
-                    k += 1
-                if piece:
-                    parts.append({"type": "text", "text": piece})
-            content = parts
-        elif not markers and not placed and m["role"] == "user":
+        if not placed and m["role"] == "user":
             text = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
-            content = [{"type": "image", "_column": j} for j in range(len(column))] + text
+            content = [{"type": "image", "_column": j} for j in range(n)] + text
             placed = True
         out.append({"role": m["role"], "content": content})
-    if not markers and not placed:
+    if not placed:
         raise DataError(f"{where}: {image_key!r} has images but the prompt has no user message to put them in")
     return out
 
 
 def _ordered(messages: list[dict], inline: list[Any], column: list[Any]) -> list[Any]:
-    """The images in the order their parts appear (what the processor pairs with the placeholders)."""
+    """The images in the order their parts appear (what the processor pairs with the placeholders); the parts lose
+    their bookkeeping keys."""
     out = []
     for m in messages:
         if isinstance(m["content"], list):
@@ -290,6 +309,30 @@ def prompt_has_images(obj: dict, prompt_key: str, image_key: str) -> bool:
         isinstance(m, dict) and isinstance(m.get("content"), list)
         and any(isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in m["content"])
         for m in prompt)
+
+
+def check_text_prompt(vision: Optional[VisionData], text: str, ids: list[int], where: str) -> None:
+    """Refuse a prompt without images (rendered `text`, token `ids`) that a vision-language model (`vision` not None)
+    would misread: one holding the model's vision special tokens as literal text (the engine would take them for
+    image slots with no image and fail mid-rollout), or `<image>` markers with no images in the column (they would
+    stay literal text and be trained on). A text-only model (`vision` None) reads both as plain text."""
+    if vision is None:
+        return
+    tokenizer = getattr(vision.processor, "tokenizer", None)
+    if tokenizer is not None:
+        special = {int(tokenizer.convert_tokens_to_ids(t)): t for t in VISION_TOKENS}
+        special.pop(getattr(tokenizer, "unk_token_id", None), None)
+        found = sorted({special[t] for t in ids if t in special})
+        if found:
+            raise DataError(f"{where}: the prompt holds the model's vision tokens {', '.join(found)} as text but has "
+                            f"no images: give its images in {vision.image_key!r} (data.image_key) with an "
+                            f"{IMAGE_MARKER} marker where each goes, or as image parts, instead of pre-rendered "
+                            "placeholders")
+    markers = text.count(IMAGE_MARKER)
+    if markers:
+        raise DataError(f"{where}: the prompt has {markers} {IMAGE_MARKER} marker(s) but no images: "
+                        f"{vision.image_key!r} (data.image_key) is missing or empty; give one image per marker, or "
+                        f"remove the markers")
 
 
 # ---- encoding ------------------------------------------------------------------------------------------------------
