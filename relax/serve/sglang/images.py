@@ -60,7 +60,7 @@ class ImageInputs:
             raise self.error(f"{where}: image_data has {len(images)} images but the input holds {len(spans)} image "
                              f"placeholders ({VISION_START}{IMAGE_PAD}...{VISION_END}): one per image")
         pil = [self._load(v, f"{where} image_data[{k}]") for k, v in enumerate(images)]
-        out = self.processor.image_processor(images=pil, return_tensors="pt")
+        out = self._process(pil, where)
         grid = out["image_grid_thw"].long().contiguous()
         merge = int(self.processor.image_processor.merge_size)
         counts = (grid.prod(-1) // (merge * merge)).tolist()
@@ -73,6 +73,22 @@ class ImageInputs:
         vision = {"pixel_values": out["pixel_values"].float().contiguous(), "image_grid_thw": grid,
                   "image_tokens": image_token_count(self.processor, grid)}
         return ids, vision
+
+    def _process(self, pil: list, where: str) -> Any:
+        """The image processor's output for an input's images; a 400 naming the image it refuses (an aspect ratio
+        over its limit, a size it cannot resize), never a 500."""
+        try:
+            return self.processor.image_processor(images=pil, return_tensors="pt")
+        except ValueError as exc:
+            bad = 0
+            for k, image in enumerate(pil):  # which image: each alone
+                try:
+                    self.processor.image_processor(images=[image], return_tensors="pt")
+                except ValueError:
+                    bad = k
+                    break
+            raise self.error(f"{where} image_data[{bad}]: the image processor refuses the image "
+                             f"({image_size(pil[bad])}): {exc}") from None
 
     def _spans(self, prompt: list[int]) -> list[tuple[int, int]]:
         """(first pad, vision_end) of each vision_start, pad+, vision_end span."""
@@ -99,4 +115,8 @@ class ImageInputs:
             return load_image(value, where)
         except DataError as exc:
             raise self.error(str(exc)) from None
+
+
+def image_size(image: Any) -> str:
+    return f"{image.width}x{image.height} pixels"
 
