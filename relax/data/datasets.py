@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -25,16 +25,22 @@ from jinja2 import TemplateError
 from relax.config.evaluation import default_eval_set_name
 from relax.data.files import DataError, Record, check_prompt, read_records
 from relax.data.gsm8k import prepare_gsm8k
-from relax.data.images import VisionData, check_text_prompt, prompt_has_images, vision_data
+from relax.data.images import VisionData, check_text_prompt, draw_vision, prompt_has_images, vision_data
 from relax.data.tasks import generate_task
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PromptItem:
     """One prompt ready for rollout: token ids after the chat template, the label for the reward, the
-    prompt text the ids encode, and where it came from (`file:line` or `task:index`)."""
+    prompt text the ids encode, and where it came from (`file:line` or `task:index`).
+
+    A prompt with images keeps a reference to them (`images`: the record's paths or inline bytes, the grids and the
+    image-token count the processor gave at load; `relax.data.images.is_image_reference`), never their pixel values:
+    `vision` computes those when the item is drawn, and an item sent to another process (pickled: Ray) carries them,
+    computed where it is sent from (which reads the images), so a rollout worker needs no image file. Its fields (what
+    a checkpoint of the rollout stream keeps, `dataclasses.asdict`) hold no pixel values."""
 
     prompt_ids: list[int]
     label: str
@@ -42,9 +48,35 @@ class PromptItem:
     index: int
     source: str = ""
     messages: Optional[list[dict]] = None  # the prompt as chat messages (when the chat template rendered it)
-    # a prompt with images (relax.data.images): {"pixel_values", "image_grid_thw"} from the model's processor, whose
-    # image tokens `prompt_ids` holds; None: text only
-    vision: Optional[dict] = None
+    # a prompt with images: the reference to them (relax.data.images.VisionData.reference), whose image tokens
+    # `prompt_ids` holds; None: text only
+    images: Optional[dict] = field(default=None, repr=False)
+
+    def __init__(self, prompt_ids: list[int], label: str, prompt_text: str, index: int, source: str = "",
+                 messages: Optional[list[dict]] = None, images: Optional[dict] = None,
+                 vision: Optional[dict] = None):
+        # vision: a checkpoint's item written before references (its pixel values, drawn as they are)
+        for name, value in (("prompt_ids", prompt_ids), ("label", label), ("prompt_text", prompt_text),
+                            ("index", index), ("source", source), ("messages", messages),
+                            ("images", images if images is not None else vision)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def vision(self) -> Optional[dict]:
+        """The prompt's vision inputs ({"pixel_values", "image_grid_thw", "image_tokens"}, and "image_data" for
+        rollout=sglang), computed from the images now (`relax.data.images.draw_vision`; each access reads them
+        again); None for a text-only prompt."""
+        drawn = self.__dict__.get("_vision")
+        if drawn is not None:
+            return drawn
+        return None if self.images is None else draw_vision(self.images)
+
+    def __getstate__(self) -> dict:
+        """Pickled (sent to another process): with the vision inputs drawn here."""
+        state = dict(self.__dict__)
+        if self.images is not None and state.get("_vision") is None:
+            state["_vision"] = draw_vision(self.images)
+        return state
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -146,7 +178,7 @@ class PromptDataset(Sequence[PromptItem]):
                                     "qwen2_5_vl_3b, qwen3_vl_2b) or drop the images")
                 pictured = vision.encode(obj, prompt_key, where, apply_chat_template, system_prompt)
             if pictured is not None:
-                text, ids, messages, pixels = pictured
+                text, ids, messages, images = pictured  # images: a reference (no pixel values)
                 if max_prompt_len is not None and len(ids) > max_prompt_len:
                     if prompt_overflow == "error":
                         raise DataError(f"{where}: prompt has {len(ids)} tokens (images included) > "
@@ -154,7 +186,7 @@ class PromptDataset(Sequence[PromptItem]):
                                         "set data.prompt_overflow=drop)")
                     dropped += 1
                     continue
-                items.append(PromptItem(ids, str(label), text, len(items), where, messages, pixels))
+                items.append(PromptItem(ids, str(label), text, len(items), where, messages, images))
                 continue
             prompt = check_prompt(obj.get(prompt_key), where, prompt_key)
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)

@@ -25,6 +25,7 @@ import binascii
 import io
 import json
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -381,9 +382,13 @@ BLANK_GREY = (128, 128, 128)
 class VisionData:
     """How a dataset's records with images become prompt items: the model's `processor`, the image column
     (`data.image_key`), the directory relative image paths are read from, and `blank` (`data.blank_images`: every
-    image replaced by a grey one of its size, the blind control arm). `wire`: also keep each image as a lossless
-    PNG data URL (`vision["image_data"]`), what rollout=sglang sends as SGLang's `image_data` (the server then reads
-    the very pixels the trainer's pixel values come from)."""
+    image replaced by a grey one of its size, the blind control arm). `wire`: the drawn vision inputs also hold each
+    image as a lossless PNG data URL (`vision["image_data"]`), what rollout=sglang sends as SGLang's `image_data` (the
+    server then reads the very pixels the trainer's pixel values come from).
+
+    A dataset keeps no pixels: `encode` runs the processor (the prompt's ids with the image tokens, the grids, the
+    length) and keeps a reference to the images (`is_image_reference`); `draw_vision` reads them again and computes
+    the pixel values when the item is drawn."""
 
     processor: Any
     image_key: str = "images"
@@ -396,7 +401,8 @@ class VisionData:
 
     def encode(self, obj: dict, prompt_key: str, where: str, apply_chat_template: bool,
                system_prompt: Optional[str]) -> Optional[tuple[str, list[int], list[dict], dict]]:
-        """(text, token ids, messages, vision inputs) of a record with images; None without images."""
+        """(text, token ids, messages, image reference: `is_image_reference`, no pixel values) of a record with images;
+        None without images."""
         found = image_prompt(obj, prompt_key, self.image_key, where, self.base_dir)
         if found is None:
             return None
@@ -412,9 +418,17 @@ class VisionData:
             text, ids, vision = encode_image_prompt(self.processor, messages, images, system_prompt)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
-        if self.wire:
-            vision["image_data"] = [image_data_url(im) for im in images]
-        return text, ids, messages, vision
+        return text, ids, messages, self.reference(obj, prompt_key, where, vision)
+
+    def reference(self, obj: dict, prompt_key: str, where: str, vision: dict) -> dict:
+        """What a prompt item keeps of a record's images (`draw_vision` reads it): see `is_image_reference`."""
+        key = sys.intern(self.processor.image_processor.to_json_string())
+        _IMAGE_PROCESSORS.setdefault(key, self.processor.image_processor)
+        fields = {k: _portable(obj[k]) for k in (prompt_key, self.image_key) if obj.get(k) is not None}
+        base = Path(self.base_dir if self.base_dir is not None else Path.cwd()).expanduser().absolute()
+        return {"record": fields, "prompt_key": prompt_key, "image_key": self.image_key, "where": where,
+                "base_dir": str(base), "blank": self.blank, "wire": self.wire, "image_processor": key,
+                "image_grid_thw": vision["image_grid_thw"], "image_tokens": int(vision["image_tokens"])}
 
 
 def vision_data(cfg: Any, tokenizer: Any) -> Optional[VisionData]:
@@ -431,3 +445,78 @@ def image_data_url(image: Any) -> str:
     buf = io.BytesIO()
     image.convert("RGB").save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# ---- drawing: the pixel values of a kept image reference -----------------------------------------------------------
+
+# image processors by their JSON (`to_json_string`): the loaded one in the process that read the data, rebuilt from
+# its JSON in any other
+_IMAGE_PROCESSORS: dict[str, Any] = {}
+
+
+def is_image_reference(vision: Optional[dict]) -> bool:
+    """Whether `vision` is a prompt item's image reference (what `PromptItem.images` holds: the record's image fields,
+    `record`, as read from the data, paths or inline bytes, a PIL image as PNG bytes; `prompt_key`, `image_key`,
+    `where`, `base_dir`; `blank`, `wire`; the image processor's JSON; the grids and image-token count found at load),
+    rather than vision inputs with pixel values. Only plain values and tensors: a checkpoint's weights-only load
+    reads it back."""
+    return vision is not None and "pixel_values" not in vision
+
+
+def draw_vision(ref: dict) -> dict:
+    """The vision inputs of an image reference (`is_image_reference`): {"pixel_values", "image_grid_thw",
+    "image_tokens"}, and "image_data" (PNG data URLs) with `wire`. The images are read again from the record and
+    go through the same image processor, so the pixel values are the processor's at load; images whose grids differ
+    from the ones found at load (a file changed since) are a DataError naming the record. Vision inputs that already
+    hold pixel values (a checkpoint written before references) are returned as they are."""
+    if not is_image_reference(ref):
+        return dict(ref)
+    where = ref["where"]
+    found = image_prompt(ref["record"], ref["prompt_key"], ref["image_key"], where, Path(ref["base_dir"]))
+    if found is None:
+        raise DataError(f"{where}: the record's images are gone")
+    images = found[1]
+    if ref["blank"]:
+        from PIL import Image
+
+        images = [Image.new("RGB", im.size, BLANK_GREY) for im in images]
+    processor = _image_processor(ref["image_processor"])
+    try:
+        out = processor(images=images, return_tensors="pt")
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+    grid = out["image_grid_thw"].long().contiguous()
+    if not torch.equal(grid, ref["image_grid_thw"]):
+        raise DataError(f"{where}: its images changed since the data was loaded (image grids "
+                        f"{ref['image_grid_thw'].tolist()} then, {grid.tolist()} now): the prompt's image tokens no "
+                        "longer fit them")
+    vision = {"pixel_values": out["pixel_values"].float().contiguous(), "image_grid_thw": grid,
+              "image_tokens": int(ref["image_tokens"])}
+    if ref["wire"]:
+        vision["image_data"] = [image_data_url(im) for im in images]
+    return vision
+
+
+def _image_processor(key: str) -> Any:
+    found = _IMAGE_PROCESSORS.get(key)
+    if found is None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        found = _IMAGE_PROCESSORS.setdefault(key, Qwen2VLImageProcessorPil.from_dict(json.loads(key)))
+    return found
+
+
+def _portable(value: Any) -> Any:
+    """A record's field with each PIL image (built-in tasks) as PNG bytes of its RGB pixels (what `load_image` reads
+    back as the same pixels): plain values only, which a checkpoint and Ray carry."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        buf = io.BytesIO()
+        value.convert("RGB").save(buf, format="PNG")
+        return {"bytes": buf.getvalue()}
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v) for v in value]
+    return value

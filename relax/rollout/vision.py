@@ -181,10 +181,9 @@ def merge_vision(first: Optional[dict], more: list[dict]) -> Optional[dict]:
 
 def prompt_vision(items: Optional[list]) -> Optional[list]:
     """The `vision` argument of `EmbeddedEngine.generate` for prompt items (`relax.data.PromptItem`): each item's
-    images, or None when no item has any."""
-    if not items or all(getattr(item, "vision", None) is None for item in items):
-        return None
-    return [getattr(item, "vision", None) for item in items]
+    images, or None when no item has any. An item's `vision` computes its pixel values on each access: read once."""
+    drawn = [getattr(item, "vision", None) for item in items or []]
+    return None if all(v is None for v in drawn) else drawn
 
 
 def vision_metrics(samples: Samples) -> dict[str, float]:
