@@ -47,6 +47,32 @@ def is_vision_model(model_cfg: object) -> bool:
     return hf_model_type(model_cfg) in VISION_MODEL_TYPES
 
 
+def unsupported_model_type(model_cfg: object, key: str = "model") -> Optional[str]:
+    """Why a `source=hf` model (`key`: its config group, model or teacher) cannot be loaded, or None: its config.json's
+    model_type is neither a vision-language type Relax builds (VISION_MODEL_TYPES) nor one transformers'
+    AutoModelForCausalLM loads (what every other source=hf model is loaded with). Such a model used to pass
+    validation as a text-only one and end the run when its actor loaded it (Qwen3-VL-MoE: `Unrecognized
+    configuration class Qwen3VLMoeConfig for ... AutoModelForCausalLM`)."""
+    model_type = hf_model_type(model_cfg)
+    if model_type is None or model_type in VISION_MODEL_TYPES:
+        return None
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    where = f"{key}.path={getattr(model_cfg, 'path', None) or getattr(model_cfg, 'name', '')}"
+    kind = ("a vision-language model Relax does not support yet"
+            if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or "_vl" in model_type
+            else "not a model transformers loads as a causal language model")
+    return (f"{where}: model_type {model_type!r} (its config.json) is {kind}. A {key}.source=hf model is either a "
+            f"vision-language model of model_type {' or '.join(VISION_MODEL_TYPES)} (dense Qwen2.5-VL / Qwen3-VL; "
+            "not Qwen3-VL-MoE or Qwen3-Omni) or a text model transformers' AutoModelForCausalLM loads (model_type "
+            "qwen3, qwen3_moe, llama, ...)")
+
+
 def vision_violations(cfg: RelaxConfig) -> list[Violation]:
     """Every broken vision-language rule of `cfg`."""
     m, d, t = cfg.model, cfg.data, cfg.train
@@ -56,6 +82,14 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
         if not ok:
             found.append(Violation(fields, message))
 
+    # a model that is neither a vision-language model Relax builds nor a causal LM: refused by name, before anything
+    # starts (not taken for a text-only model)
+    unsupported = unsupported_model_type(m)
+    if unsupported:
+        return [Violation(("model.path",), unsupported)]
+    teacher = teacher_model(cfg)
+    unsupported = None if teacher is None else unsupported_model_type(teacher, "teacher")
+    require(unsupported is None, ("teacher.path",), unsupported or "")
     vision = is_vision_model(m)
     model = f"model={m.name} (model.arch={m.arch})" if m.source == "config" else f"model.path={m.path or m.name}"
     # a source=hf directory not there to read says nothing either way (its own check reports it before start)
@@ -83,8 +117,7 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
             f"data.openai_agent {NOT_BUILT}: the training gateway does not take image content parts yet")
     # a critic's values and a teacher's log-probs run the model's multimodal forward with the rows' images, as the
     # policy's (relax.train.torch_critic, relax.train.logprobs); a teacher must then take images too
-    teacher = teacher_model(cfg)
-    if teacher is not None and not (teacher.source == "hf" and hf_model_type(teacher) is None):
+    if teacher is not None and unsupported is None and not (teacher.source == "hf" and hf_model_type(teacher) is None):
         require(is_vision_model(teacher), ("teacher.path", "model.arch"),
                 f"the distillation teacher (teacher.source={teacher.source}, "
                 f"teacher.path={teacher.path or teacher.name}) is a text-only model: it would score the responses "
