@@ -383,8 +383,42 @@ def scenario_gpu(rank: int, out: Path, res: dict) -> None:
     train_parity(policy, torch_policy, GRPOConfig(), res, "train_bf16", per_token=True, mbs=3)
 
 
+def bf16_parity(model: ModelConfig, res: dict) -> None:
+    """`model` in bf16 (model.dtype=bfloat16: fp32 parameters, bf16 autocast) on both backends, beside each backend in
+    fp32 (the scale of bf16's rounding) and the Megatron one with activation recompute: log-probs of the same samples,
+    then STEPS GRPO steps of each on the same batches."""
+    bf16 = dataclasses.replace(model, dtype="bfloat16")
+    kw = dict(vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+    s = random_samples(8, 6, 5, seed=1, vocab=VOCAB)
+    mask = s.response_mask.bool()
+    policies = {"megatron": MegatronPolicy(bf16, TRAIN, **kw), "torch": TorchPolicy(bf16, TRAIN, num_threads=1, **kw),
+                "megatron_fp32": MegatronPolicy(model, TRAIN, **kw),
+                "torch_fp32": TorchPolicy(model, TRAIN, num_threads=1, **kw),
+                "megatron_recompute": MegatronPolicy(dataclasses.replace(bf16, gradient_checkpointing=True), TRAIN,
+                                                     **kw)}
+    config = policies["megatron"].config
+    res["autocast"] = [config.enable_autocast, str(config.autocast_dtype), str(policies["megatron"].params_dtype)]
+    logp = {k: p.compute_logprobs(s, 3)[mask] for k, p in policies.items()}
+    res["logp_diff"] = {f"{a}-{b}": float((logp[a] - logp[b]).abs().max())
+                        for a, b in (("megatron", "torch"), ("torch", "torch_fp32"), ("megatron", "megatron_fp32"),
+                                     ("megatron_recompute", "megatron"))}
+    res["steps"] = {k: [p.train_step(b, GRPOConfig(), per_token=True, micro_batch_size=3) for b in batches()]
+                    for k, p in policies.items()}
+
+
+def scenario_bf16(rank: int, out: Path, res: dict) -> None:
+    """bf16 autocast on CPU (TP=1 x DP=2), the dense model and the MoE one: see bf16_parity. A failure is recorded
+    (res[arch]["failed"]) instead of raised, so that it fails the bf16 tests alone."""
+    for arch, model in (("dense", MODEL), ("moe", moe_scenarios.MOE)):
+        res[arch] = {}
+        try:
+            bf16_parity(model, res[arch])
+        except Exception:
+            res[arch]["failed"] = traceback.format_exc()
+
+
 SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "tp2sp": (scenario_tp2sp, 2, 1), "dp2": (scenario_dp2, 1, 1),
-             "pp2": (scenario_pp2, 1, 2),
+             "pp2": (scenario_pp2, 1, 2), "bf16": (scenario_bf16, 1, 1),
              "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP[, EP])
 SCENARIOS.update(moe_scenarios.scenarios(TRAIN, batches, train_parity))  # mixture of experts, EP=1 and EP=2
 

@@ -1,6 +1,7 @@
 """The Megatron-core backend on CPU processes over gloo, against the torch backend and transformers.
 
-Two multi-process launches (tests/megatron/ranks.py) check many things each:
+Two multi-process launches (tests/megatron/ranks.py; `bf16` in the second, every other scenario in the first) check
+many things each:
 - `tp2` (TP=2, DP=1, vocabulary padded 33 -> 34): logits vs transformers, the k/v-swap negative control,
   log-prob and post-finalize gradient parity, a 3-step train equal to TorchPolicy's, checkpoint resume, weight
   sync into the embedded rollout engine, HF export.
@@ -11,6 +12,10 @@ Two multi-process launches (tests/megatron/ranks.py) check many things each:
 - `pp2` (PP=2, 1F1B schedule, tied embedding copied to the last stage): log-probs, a 3-step train equal to
   TorchPolicy's, weights gathered from both stages; the gather to the sending rank alone, in buckets, measured on
   both ranks (bytes received, the most CPU memory held).
+- `bf16` (TP=1 x DP=2, the dense model and the MoE one with model.dtype=bfloat16: fp32 parameters under CPU bf16
+  autocast, megatron-core's CUDA-decorated autograd Functions re-decorated for the CPU by cpu_compat): log-probs
+  and a 3-step GRPO train against the torch backend in bf16, with both backends in fp32 as the scale of bf16's
+  rounding; activation recompute equal to no recompute.
 - `moe_ep1`, `moe_ep2` (a Qwen3-MoE on megatron-core's MoE layers, TP=1 x DP=2, experts on every rank or spread over
   two expert-parallel ranks; tests/megatron/moe_scenarios.py): log-prob, gradient and 3-step parity with the torch
   backend; at EP=2 also logits (two experts swapped as the control), resume, and routing replay through
@@ -20,6 +25,20 @@ Tolerances (fp32): logits 1e-5 absolute at TP=2 (exactly 0 at TP=1 against trans
 per-step losses, entropy and gradient norm 1e-4 relative: the two backends sum the same float terms in a
 different order (vocab-parallel log-softmax, tensor-parallel matmul partial sums, data-parallel gradient sums),
 observed differences are around 1e-7.
+
+Tolerances (bf16 autocast): the backends round to bf16 (8 significant bits, a relative 2^-9 = 2e-3 per rounding) at
+different places (Megatron's fused QKV and gate/up projections and its attention's baddbmm, against transformers'
+separate projections and attention; the MoE router's logits), so they agree only as well as bf16 allows, not to the
+bit.
+- log-probs of the same weights: the largest Megatron-vs-torch difference at most 3x the torch backend's own
+  bf16-vs-fp32 difference (observed ratios 1.2 dense, 1.8 MoE; both around 2e-3 nats), and the Megatron bf16 log-probs
+  differ from its fp32 ones by more than 1e-4 (fp32 parity is 5e-7): the forward did run in bf16.
+- step 0 (same weights, same batch): loss and gradient norm within 1e-2 relative, a few bf16 roundings (observed
+  at most 2.1e-3, the MoE gradient norm).
+- all 3 steps (Adam amplifies the first step's rounding differences into different weights): gradient norm within
+  5e-2 relative, entropy 1e-3 relative, loss 5e-3 absolute, against a loss of magnitude 0.1 to 0.4 (observed at
+  most 2.0e-2, 3e-5 and 7.2e-4; the torch backend's own bf16 run is up to 2.2e-2, 5e-5 and 1.4e-3 from its fp32 one).
+- activation recompute in bf16 repeats the layers' forward under the same autocast: equal to no recompute, exactly.
 """
 
 from __future__ import annotations
@@ -305,6 +324,47 @@ def test_moe_ep2_routing_replay_through_megatron_router_replay(launched):
         assert replay[key] == pytest.approx(torch_replay[key], rel=REL), key
 
 
+# ---- bf16 autocast (CPU) -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory) -> dict:
+    """The bf16 scenario, in a launch of its own (two rank processes)."""
+    return launch("bf16", 2, tmp_path_factory.mktemp("megatron_bf16"))["bf16"]
+
+
+@pytest.mark.parametrize("arch", ["dense", "moe"])
+def test_bf16_autocast_log_probs_and_steps_agree_with_the_torch_backends_bf16(bf16, arch):
+    """model.dtype=bfloat16 on the Megatron backend on a CPU: it trains (before cpu_compat re-decorated megatron-core's
+    autograd Functions for CPU autocast, the first backward failed with "expected m1 and m2 to have the same dtype")
+    and agrees with the torch backend in bf16 as closely as bf16 allows (tolerances: module docstring)."""
+    res = bf16[arch]
+    assert "failed" not in res, res.get("failed")
+    assert res["autocast"] == [True, "torch.bfloat16", "torch.float32"]
+    logp = res["logp_diff"]
+    assert logp["megatron-torch"] <= 3 * logp["torch-torch_fp32"], logp
+    assert logp["megatron-megatron_fp32"] > 1e-4, logp  # autocast was on
+    assert logp["megatron_recompute-megatron"] == 0.0, logp
+    steps = res["steps"]
+    assert steps["megatron_recompute"] == steps["megatron"]
+    for i, (m, t) in enumerate(zip(steps["megatron"], steps["torch"], strict=True)):
+        loss = dict(rel=1e-2, abs=0) if i == 0 else dict(rel=0, abs=5e-3)
+        assert m["train/loss"] == pytest.approx(t["train/loss"], **loss), i
+        assert m["train/grad_norm"] == pytest.approx(t["train/grad_norm"], rel=1e-2 if i == 0 else 5e-2), i
+        assert m["train/entropy"] == pytest.approx(t["train/entropy"], rel=1e-3), i
+        assert m["train/lr"] == t["train/lr"]
+
+
+def test_bf16_fp32_runs_use_no_autocast(bf16):
+    """The fp32 policies beside the bf16 ones train without autocast: their steps equal the torch backend's fp32
+    steps to the fp32 tolerance (the autocast re-decoration does nothing with autocast off)."""
+    for arch in ("dense", "moe"):
+        assert "failed" not in bf16[arch], bf16[arch].get("failed")
+        rows = [{"megatron": m, "torch": t} for m, t in zip(bf16[arch]["steps"]["megatron_fp32"],
+                                                          bf16[arch]["steps"]["torch_fp32"], strict=True)]
+        assert_same_steps(rows, STEP_KEYS)
+
+
 # ---- single process ---------------------------------------------------------------------------------
 
 
@@ -337,6 +397,50 @@ def test_every_megatron_module_the_cpu_runs_load_is_audited_for_cuda_call_sites(
     sources = [m for m in loaded if (importlib.util.find_spec(m).origin or "").endswith(".py")]
     found = {m: n for m in sources if (n := cuda_sites(m))}
     assert found == {**cpu_compat.CALL_SITES, **cpu_compat.UNREDIRECTED_SITES}
+
+
+def test_every_autograd_function_the_cpu_runs_load_is_audited_for_autocast(launched):
+    """Every torch.autograd.Function of every megatron.core module the CPU runs load is either given the CPU
+    autocast state in its backward (cpu_compat.AUTOCAST_FUNCTIONS) or audited as indifferent to it
+    (AUTOCAST_NEUTRAL); every one megatron-core decorates with torch.amp.custom_fwd/custom_bwd itself is in
+    AUTOCAST_FUNCTIONS. A new Function (or a new CUDA-decorated one) in a future megatron-core fails here instead of
+    failing a bf16 run on a CPU."""
+    from relax.train.megatron import cpu_compat
+    functions = {m: cpu_compat.autograd_functions(importlib.import_module(m)) for m in launched["megatron_modules"]}
+    found = {(m, name) for m, classes in functions.items() for name in classes}
+    listed = {(m, name) for table in (cpu_compat.AUTOCAST_FUNCTIONS, cpu_compat.AUTOCAST_NEUTRAL)
+              for m, names in table.items() for name in names}
+    assert found == listed
+    rewrapped = {(m, name) for m, names in cpu_compat.AUTOCAST_FUNCTIONS.items() for name in names}
+    decorated = {(m, name) for m, classes in functions.items() for name, cls in classes.items()
+                 if cpu_compat.amp_device(cls.forward) or cpu_compat.amp_device(cls.backward)}
+    assert decorated <= rewrapped
+
+
+def test_cpu_autocast_redecoration_runs_the_backward_under_the_forwards_autocast():
+    """After cpu_compat.enable() (a process without CUDA), each Function of AUTOCAST_FUNCTIONS is decorated for the
+    CPU: a bf16-autocast forward of the column-parallel linear's Function with an fp32 weight has a backward (run
+    outside autocast, as megatron-core's schedules run it) that computes; the undecorated one fails as it did."""
+    from relax.train.megatron import cpu_compat
+    if not cpu_compat.needed():
+        pytest.skip("CUDA is available: cpu_compat changes nothing")
+    from megatron.core.tensor_parallel import layers
+    cpu_compat.enable()
+    for module, names in cpu_compat.AUTOCAST_FUNCTIONS.items():
+        for name in names:
+            cls = getattr(importlib.import_module(module), name)
+            assert (cpu_compat.amp_device(cls.forward), cpu_compat.amp_device(cls.backward)) == ("cpu", "cpu"), name
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    weight = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn.apply(x, weight, None, False, False, False, None, 0, None)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    with torch.no_grad():
+        want = torch.ones(3, 4, dtype=torch.bfloat16).matmul(weight.bfloat16()).float()
+    assert torch.equal(x.grad, want)
 
 
 def _tiny_hf(arch: str):

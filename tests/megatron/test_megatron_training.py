@@ -67,9 +67,11 @@ def test_megatron_tp2_sequence_parallel_trains_through_ray_like_the_torch_backen
 
 
 def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh_store):
-    """model=tiny_moe on train.backend=megatron through the real loop with routing replay: the engine's routes reach
-    the Megatron trainer (its router agreement, reported only where routes arrived, is 1 on every step) and the HF
-    export at the end is a Qwen3-MoE with every expert (the parity itself: test_megatron_cpu.py)."""
+    """model=tiny_moe on train.backend=megatron through the real loop with routing replay, in bf16 (what
+    model.dtype=auto is on a CPU with native bf16: the Megatron trainer under CPU bf16 autocast, which stopped at the
+    first optimizer step before cpu_compat decorated megatron-core's autograd Functions for it): the engine's routes
+    reach the Megatron trainer (its router agreement, reported only where routes arrived, is 1 on every step) and the
+    HF export at the end is a Qwen3-MoE with every expert (the parity itself, fp32 and bf16: test_megatron_cpu.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +80,7 @@ def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh
 
     fresh_store(tmp_path)
     result = run(load_config(["model=tiny_moe", "train.backend=megatron", "rollout.routing_replay=true",
-                              "model.dtype=float32", "train.num_rollout=2", "rollout.rollout_batch_size=2",
+                              "model.dtype=bfloat16", "train.num_rollout=2", "rollout.rollout_batch_size=2",
                               "rollout.n_samples_per_prompt=4", "rollout.max_response_len=8",
                               "train.micro_batch_size=4", "data.num_prompts=16", "train.save_hf=true",
                               f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress=false",

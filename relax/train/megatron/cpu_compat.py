@@ -17,7 +17,14 @@ call sites that name CUDA outright. `enable()`:
   (`moe_utils.maybe_move_tensor_to_cpu` copies CUDA tensors only; `all_to_all_single` takes no tensor of sizes);
 - makes the CUDA RNG state that activation recompute saves and restores around each recomputed layer
   (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`) an empty one: there is no CUDA generator
-  (the CPU generator's state is still saved and restored by megatron-core itself).
+  (the CPU generator's state is still saved and restored by megatron-core itself);
+- gives the autograd Functions in `AUTOCAST_FUNCTIONS` the CPU autocast state in their backward that their forward
+  ran under, as `torch.amp.custom_fwd` / `custom_bwd` do on a GPU (bf16 autocast, model.dtype=bfloat16 or "auto" on a
+  CPU with native bf16): megatron-core decorates its linear layers' Functions with `device_type="cuda"`, so on a CPU
+  their backward ran outside autocast and multiplied a bf16 gradient by an fp32 weight ("expected m1 and m2 to have
+  the same dtype"). Those are re-decorated with `device_type="cpu"` (the undecorated forward/backward is their
+  `__wrapped__`); the router's gating Function and activation recompute's CheckpointFunction, which have no
+  decorator, get one. With autocast off (fp32) the decorators change nothing.
 
 Nothing is changed when CUDA is available: GPU runs use megatron-core untouched. `CALL_SITES` records, per
 redirected module, how many lines match `CUDA_PATTERN` in the pinned megatron-core; tests/megatron compares it
@@ -29,10 +36,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -130,6 +138,58 @@ UNREDIRECTED_SITES: dict[str, int] = {
     "megatron.core.transformer.dot_product_attention": 2,
     "megatron.core.transformer.module": 1,
     "megatron.core.transformer.transformer_layer": 2,
+}
+# Autograd Functions (module -> class names) whose forward and backward are decorated with
+# torch.amp.custom_fwd / custom_bwd(device_type="cpu") by enable(): their backward then runs under the CPU autocast
+# state their forward saw. tests/megatron checks that every autograd Function of every megatron.core module the CPU
+# runs load is here or in AUTOCAST_NEUTRAL, and that every one megatron-core decorates itself is here.
+AUTOCAST_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    # the column/row-parallel linears' matmuls (custom_fwd/custom_bwd with device_type="cuda" in 0.16.1): forward
+    # in bf16 under autocast, backward `grad_output.matmul(weight)` (bf16 x fp32 weight) needs autocast too
+    "megatron.core.tensor_parallel.layers": ("LinearWithFrozenWeight",
+                                             "LinearWithGradAccumulationAndAsyncCommunication"),
+    # MoE: the router's gating linear (no decorator): its torch.mm is bf16 under autocast (as Hugging Face's router
+    # F.linear is), its backward's torch.mm(grad_output, weight) is the same bf16 x fp32 product
+    "megatron.core.transformer.moe.moe_utils": ("RouterGatingLinearFunction",),
+    # activation recompute (model.gradient_checkpointing; no decorator): the backward runs the layer's forward again,
+    # which must be under the autocast of the first forward (as torch.utils.checkpoint restores it), not in fp32
+    "megatron.core.tensor_parallel.random": ("CheckpointFunction",),
+}
+# The other autograd Functions of the megatron.core modules the CPU runs load, audited as indifferent to autocast:
+# no autocast-eligible op (matmul, linear, mm) in their backward, or not run on the CPU path at all.
+AUTOCAST_NEUTRAL: dict[str, tuple[str, ...]] = {
+    # communication only (copies, all-reduce, gathers, scatters, all-to-all): the gradient keeps the dtype it has
+    "megatron.core.tensor_parallel.mappings": (
+        "_CopyToModelParallelRegion", "_ReduceFromModelParallelRegion", "_ScatterToModelParallelRegion",
+        "_GatherFromModelParallelRegion", "_ScatterToSequenceParallelRegion", "_GatherFromSequenceParallelRegion",
+        "_ReduceScatterToSequenceParallelRegion", "_AllGatherFromTensorParallelRegion",
+        "_ReduceScatterToTensorParallelRegion", "_AllToAll"),
+    "megatron.core.utils": ("MakeViewlessTensor",),  # a view-free alias, gradient passed through
+    # the aux-loss scaler (moe_aux_loss_coeff=0) and a straight-through estimator (not used by the router Relax sets)
+    "megatron.core.transformer.moe.moe_utils": ("MoEAuxLossAutoScaler", "RandomSTE"),
+    # selective recompute of single modules (Relax uses full recompute: CheckpointFunction)
+    "megatron.core.tensor_parallel.random": ("CheckpointWithoutOutputFunction",),
+    # not run on the CPU path: fusions (bias_activation_fusion, masked_softmax_fusion, apply_rope_fusion and the MoE
+    # fusions are off; Relax computes log-probs itself, not with megatron-core's vocab-parallel cross entropy),
+    # FSDP, fine-grained activation offloading, CUDA graphs, DeepEP / HybridEP dispatch, multi-token prediction
+    "megatron.core.fusions.fused_bias_geglu": ("BiasGeGLUFunction", "GeGLUFunction", "WeightedQuickGeGLUFunction",
+                                               "WeightedBiasQuickGeGLUFunction"),
+    "megatron.core.fusions.fused_bias_gelu": ("GeLUFunction",),
+    "megatron.core.fusions.fused_bias_swiglu": ("BiasSwiGLUFunction", "SwiGLUFunction", "WeightedSwiGLUFunction"),
+    "megatron.core.fusions.fused_cross_entropy": ("_VocabParallelCrossEntropy",),
+    "megatron.core.fusions.fused_indices_converter": ("IndicesToMultihot",),
+    "megatron.core.fusions.fused_mla_yarn_rope_apply": ("ApplyMLARotaryEmbQ", "ApplyMLARotaryEmbKV"),
+    "megatron.core.fusions.fused_softmax": ("ScaledUpperTriangMaskedSoftmax", "ScaledMaskedSoftmax", "ScaledSoftmax"),
+    "megatron.core.fusions.fused_weighted_squared_relu": ("WeightedSquaredReLUFunction",),
+    "megatron.core.tensor_parallel.cross_entropy": ("_VocabParallelCrossEntropy",),
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp": ("RegisterFSDPBackwardFunction",),
+    "megatron.core.pipeline_parallel.fine_grained_activation_offload": (
+        "FineGrainedOffloadingGroupCommitFunction", "FineGrainedOffloadingGroupStartFunction",
+        "FineGrainedOffloadingBackwardRecordFunction"),
+    "megatron.core.transformer.cuda_graphs": ("_CudagraphRecordNode", "_CudagraphReplayNode"),
+    "megatron.core.transformer.moe.fused_a2a": ("FusedDispatch", "FusedCombine", "HybridEPDispatch",
+                                                "HybridEPCombine"),
+    "megatron.core.transformer.multi_token_prediction": ("MTPLossAutoScaler",),
 }
 # What counts as a CUDA-only call site in those modules.
 CUDA_PATTERN = re.compile(
@@ -277,6 +337,37 @@ def _tensor_cuda_is_identity() -> Iterator[None]:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
+# the code of the functions torch.amp.custom_fwd / custom_bwd return (whatever their device_type)
+_AMP_CODES = frozenset({torch.amp.custom_fwd(lambda: None, device_type="cpu").__code__,
+                        torch.amp.custom_bwd(lambda: None, device_type="cpu").__code__})
+
+
+def amp_device(function: Any) -> Optional[str]:
+    """The device_type of the torch.amp.custom_fwd / custom_bwd that made `function`; None if neither made it."""
+    code = getattr(function, "__code__", None)
+    if code not in _AMP_CODES:
+        return None
+    return inspect.getclosurevars(function).nonlocals.get("device_type")
+
+
+def autograd_functions(module: Any) -> dict[str, type]:
+    """The torch.autograd.Function subclasses defined in `module` (by name)."""
+    return {name: cls for name, cls in vars(module).items() if isinstance(cls, type)
+            and issubclass(cls, torch.autograd.Function) and cls.__module__ == module.__name__}
+
+
+def _autocast_on_cpu(cls: type) -> None:
+    """Decorate `cls`'s forward and backward with torch.amp.custom_fwd / custom_bwd(device_type="cpu"), in place of
+    any torch.amp decorator they had."""
+    for name, decorate in (("forward", torch.amp.custom_fwd), ("backward", torch.amp.custom_bwd)):
+        function = getattr(cls, name)
+        if amp_device(function) == "cpu":
+            continue
+        if amp_device(function) is not None:
+            function = function.__wrapped__
+        setattr(cls, name, staticmethod(decorate(function, device_type="cpu")))
+
+
 def _within(context: Callable[[], Any], method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -314,5 +405,9 @@ def enable() -> bool:
     random = importlib.import_module(_RNG[0])
     setattr(random, _RNG[1], lambda *args, **kwargs: None)
     setattr(random, _RNG[2], lambda *args, **kwargs: None)
+    for name, classes in AUTOCAST_FUNCTIONS.items():
+        module = importlib.import_module(name)
+        for cls_name in classes:
+            _autocast_on_cpu(getattr(module, cls_name))
     _enabled = True
     return True
