@@ -95,9 +95,17 @@ class ObservationRenderer:
         if self.processor is None:
             raise ValueError("an image observation for a text-only model (a vision-language model's processor reads "
                              "its images)")
+        from relax.data.files import DataError
         from relax.data.images import encode_observation, image_data_url
 
-        ids, vision = encode_observation(self.processor, self.text(messages, stop_token), images)
+        try:
+            ids, vision = encode_observation(self.processor, self.text(messages, stop_token), images)
+        except DataError:
+            raise
+        except ValueError as exc:  # the image processor refuses an image (an aspect ratio over its limit, ...)
+            sizes = ", ".join(f"{im.width}x{im.height}" for im in images)
+            raise DataError(f"the environment's observation: its images ({sizes} pixels) cannot be read by the "
+                            f"model's processor: {exc}") from None
         if self.wire:
             vision["image_data"] = [image_data_url(im) for im in images]
         out = VisionTokens(ids)

@@ -139,3 +139,26 @@ def test_an_episode_with_image_observations_interrupted_and_continued_is_scored_
     generated = out.response_mask.bool()
     logp = policy.compute_logprobs(out, micro_batch_size=len(out))
     assert float((logp - out.rollout_logp)[generated].abs().max()) < 1e-5
+
+
+def test_an_observation_image_the_processor_refuses_is_a_data_error_naming_the_observation(tokenizer, processor):
+    """An environment's image that the model's processor refuses (an aspect ratio over its limit of 200) stopped the
+    run with the processor's bare ValueError, which named neither the environment nor the image; it is a DataError
+    (a user's input, reported without a traceback) naming the observation and the image's size. Control: the same
+    observation with a square image renders, its image tokens expanded."""
+    from PIL import Image
+
+    from relax.agents.render import ObservationRenderer
+    from relax.data.files import DataError
+
+    renderer = ObservationRenderer(tokenizer, processor)
+
+    def observation(width: int, height: int) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (width, height))},
+                                             {"type": "text", "text": "again"}]}]
+
+    with pytest.raises(DataError, match=r"the environment's observation: its images \(2000x3 pixels\) cannot be "
+                                        r"read by the model's processor: .*aspect ratio"):
+        renderer.tokens(observation(2000, 3), None)
+    ok = renderer.tokens(observation(56, 56), None)
+    assert ok.vision["image_tokens"] == image_token_count(processor, ok.vision["image_grid_thw"]) > 0
