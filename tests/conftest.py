@@ -184,3 +184,18 @@ def trained_batches(monkeypatch) -> dict:
 
     monkeypatch.setattr(train, "train_batch", record)
     return batches
+
+
+@pytest.fixture(scope="module")
+def tiny_vl_server():
+    """relax-serve's engine server on the tiny vision-language model (fp32), in this process on a free port, loaded."""
+    from relax.config import load_config
+    from relax.serve.sglang.server import EmbeddedServer
+
+    server = EmbeddedServer(load_config(["model=tiny_vl", "model.dtype=float32"]), port=0, threads=1)
+    server.start()
+    try:
+        server.wait_ready(120)
+        yield server
+    finally:
+        server.shutdown()

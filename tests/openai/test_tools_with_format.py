@@ -24,7 +24,7 @@ from tests.openai.scripted import Script, ScriptedGateways
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
-from templates import FAMILIES, _byte_level_tokenizer, family_tokenizer  # noqa: E402
+from templates import FAMILIES, _byte_level_tokenizer, byte_level_engine, family_tokenizer  # noqa: E402
 
 CALCULATOR = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression",
                                                 "parameters": {"type": "object", "properties": {
@@ -292,19 +292,8 @@ def test_an_engine_sampling_under_the_union_writes_calls_or_valid_json():
     """The embedded engine (a random-weight model on the byte-level vocabulary) under the grammar: every row is
     either one or more calls the parser reads with the schema's arguments, or JSON that validates; both occur.
     Without the grammar (the control) no row is either."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from relax.rollout.embedded import EmbeddedEngine
-
-    tok = _byte_level_tokenizer()
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(cfg).eval()
+    tok, engine = byte_level_engine()
     eos = tok.eos_token_id
-    engine = EmbeddedEngine(model, eos_token_ids=[eos], pad_token_id=tok.pad_token_id, fast_path=True)
     grammars = Grammars(tok, len(tok))
     spec = tool_calls_or(TOOLS, "hermes", json_schema_spec(ANSWER), parallel=False)
     prompt = tok.encode("Answer: ", add_special_tokens=False)

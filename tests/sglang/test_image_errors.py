@@ -14,19 +14,10 @@ import pytest
 import requests
 from PIL import Image
 
-from relax.config import load_config
-from relax.serve.sglang.server import EmbeddedServer
-
 
 @pytest.fixture(scope="module")
-def server():
-    server = EmbeddedServer(load_config(["model=tiny_vl", "model.dtype=float32"]), port=0, threads=1)
-    server.start()
-    try:
-        server.wait_ready(120)
-        yield server
-    finally:
-        server.shutdown()
+def server(tiny_vl_server):
+    return tiny_vl_server
 
 
 def _url(data: bytes) -> str:
