@@ -177,6 +177,7 @@ class EmbeddedServer(WeightEndpoints):
         self.max_body_bytes = int(max_body_bytes)
         self.weight_dirs = guards.WeightDirs(weight_dirs)
         self.host, self.port, self.threads = host, int(port), threads
+        self.loopback = is_loopback(host)  # decided once: it resolves a name, and every keyless request asks
         self.weight_version = str(weight_version)
         self.created = int(time.time())  # the model object's `created` (/v1/models): when this server was made
         self.group_timeout_s = group_timeout_s
@@ -511,7 +512,7 @@ class EmbeddedServer(WeightEndpoints):
         """Why a request may not use a guarded endpoint (None: it may): the server's key (`api_key`) as
         `Authorization: Bearer`, or, without a key, a loopback address: anything reachable beyond it needs one."""
         if self.api_key is None:
-            if is_loopback(self.host):
+            if self.loopback:
                 return None
             return f"a server bound to {self.host} needs a key: start it with --api-key"
         auth = (headers.get("Authorization") if headers is not None else None) or ""
