@@ -246,28 +246,46 @@ def tool_calls_or(tools: list[dict], fmt: str, other: GrammarSpec, *, parallel: 
 
 # ------------------------------------------------------------------------------------------------ matching
 class Matcher:
-    """One row's grammar state: `fill` its allowed tokens, `accept` the token drawn, `done` once complete."""
+    """One row's grammar state: `fill` its allowed tokens, `accept` the token drawn, `done` once complete.
 
-    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]):
+    With `think_end` (the token ids of the chat template's `</think>`), the grammar applies only after the answer's
+    reasoning: until those tokens have been drawn in a row every token is allowed (a stop token ends the row there,
+    unconstrained), and the grammar starts at the token after them, as SGLang's reasoning grammar backend
+    (`--reasoning-parser`, a request's `require_reasoning`) defers it."""
+
+    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...], think_end: tuple[int, ...] = ()):
         import xgrammar as xgr
 
         if stop_token_ids:  # the row's own stop tokens end the answer once the grammar is complete
             self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
         else:  # no stop token (ignore_eos): the answer ends where the grammar is complete and nothing can follow
             self._m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        self._think_end = tuple(think_end)
+        self._tail: tuple[int, ...] = ()  # the last tokens drawn while reasoning (as many as think_end has)
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the row is still in its reasoning (its grammar not started)."""
+        return bool(self._think_end) and self._tail != self._think_end
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of `bitmask` (int32 [B, ceil(V / 32)], bit i of word w:
         token 32 w + i)."""
+        if self.reasoning:
+            bitmask[row] = -1  # every bit set: any token
+            return
         self._m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         """Advance with `token`; False when the grammar does not allow it (the matcher is then unchanged)."""
+        if self.reasoning:
+            self._tail = (self._tail + (int(token),))[-len(self._think_end):]
+            return True
         return bool(self._m.accept_token(int(token)))
 
     @property
     def done(self) -> bool:
-        return bool(self._m.is_terminated())
+        return not self.reasoning and bool(self._m.is_terminated())
 
 
 class Grammars:
@@ -320,9 +338,11 @@ class Grammars:
                 self._cache.popitem(last=False)
             return compiled
 
-    def matcher(self, spec: GrammarSpec, stop_token_ids: tuple[int, ...] | list[int]) -> Matcher:
-        """A fresh matcher of `spec` for one row whose stop tokens are `stop_token_ids`."""
-        return Matcher(self.compile(spec), tuple(int(t) for t in stop_token_ids))
+    def matcher(self, spec: GrammarSpec, stop_token_ids: tuple[int, ...] | list[int],
+                think_end: tuple[int, ...] = ()) -> Matcher:
+        """A fresh matcher of `spec` for one row whose stop tokens are `stop_token_ids`; with `think_end`, applied
+        after the row's reasoning (`Matcher`)."""
+        return Matcher(self.compile(spec), tuple(int(t) for t in stop_token_ids), tuple(int(t) for t in think_end))
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torch.Tensor:

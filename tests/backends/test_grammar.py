@@ -97,6 +97,62 @@ def test_every_row_under_a_regex_matches_and_without_it_none_does(setup):
     assert not any(re.fullmatch(REGEX, t) for t in free)
 
 
+def test_a_grammar_after_reasoning_starts_at_the_token_after_think_end(setup):
+    """`think_end` (a request's `require_reasoning`): each row samples freely until it draws the think-end tokens
+    (here one byte, `#`, so that random rows reach it), then its grammar applies from the next token. The rows that
+    drew `#` end in an answer the regex matches exactly after it; those that never did stay unconstrained. The same
+    rows without `think_end` (the negative control) match the regex from their first token."""
+    tok, engine, grammars, eos = setup
+    think_end = tuple(tok.encode("#", add_special_tokens=False))
+    assert len(think_end) == 1
+    prompt = tok.encode("Answer: ", add_special_tokens=False)
+    spec = GrammarSpec("regex", REGEX)
+    matchers = [grammars.matcher(spec, [eos], think_end) for _ in range(ROWS)]
+    out = engine.generate([prompt], n_samples_per_prompt=ROWS, max_new_tokens=400, seed=7,
+                          sample_ids=torch.arange(100, 100 + ROWS), grammars=matchers)
+    thought = 0
+    for ids, mask, m in zip(out.response_ids, out.response_mask, matchers, strict=True):
+        ids = ids[mask.bool()].tolist()
+        if think_end[0] not in ids:  # still reasoning at its end (a stop token or the limit): unconstrained
+            assert m.reasoning
+            continue
+        thought += 1
+        after = ids[ids.index(think_end[0]) + 1:]
+        assert not m.reasoning and after and after[-1] == eos, tok.decode(ids)
+        assert re.fullmatch(REGEX, tok.decode(after[:-1])), tok.decode(ids)
+        assert not re.fullmatch(REGEX, tok.decode(ids[:-1]))  # the reasoning before it is free text
+    assert thought >= ROWS // 4, thought
+    texts, _ = run(setup, spec, max_new=40)  # no think_end: constrained from the first token
+    assert all(re.fullmatch(REGEX, t) for t in texts)
+
+
+def test_a_deferred_matcher_allows_every_token_until_the_whole_think_end_sequence(setup):
+    """A think-end of several tokens: a partial match (`</thi` then text) keeps the row reasoning, the whole sequence
+    starts the grammar, and from there the matcher masks as a fresh one does (`fill` bit for bit); `done` only once
+    the answer after it is complete."""
+    tok, _, grammars, eos = setup
+    think_end = tuple(tok.encode("</think>", add_special_tokens=False))
+    spec = GrammarSpec("regex", REGEX)
+    m = grammars.matcher(spec, [eos], think_end)
+    V = len(tok)
+    words = (V + 31) // 32
+    mask, fresh_mask = torch.zeros(1, words, dtype=torch.int32), torch.zeros(1, words, dtype=torch.int32)
+    for t in tok.encode("<think>{not json</thi and more", add_special_tokens=False):
+        m.fill(mask, 0)
+        assert (mask == -1).all() and m.accept(t) and not m.done
+    assert m.accept(eos) and m.reasoning  # a stop token while reasoning is any other token (the engine ends the row)
+    for t in think_end:
+        assert m.reasoning and m.accept(t)
+    assert not m.reasoning
+    m.fill(mask, 0)
+    grammars.matcher(spec, [eos]).fill(fresh_mask, 0)
+    assert torch.equal(mask, fresh_mask) and not (mask == -1).all()
+    assert not m.accept(tok.encode("#", add_special_tokens=False)[0])  # the grammar now refuses what it refuses
+    for t in tok.encode("yes, 12!", add_special_tokens=False):
+        assert m.accept(t)
+    assert not m.done and m.accept(eos) and m.done
+
+
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 14},
                                      "unit": {"enum": ["c", "f"]}, "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
