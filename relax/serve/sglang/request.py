@@ -13,7 +13,10 @@ inputs ask for different `n`, as SGLang answers them); `stream`; `lora_path` nam
 `relax.serve.sglang.weights`); constrained decoding with at most one of `json_schema` (a JSON schema as a string),
 `regex`, `ebnf` (xgrammar's EBNF, root rule `root`) and `structural_tag` (xgrammar's structural tag, as JSON), as
 SGLang's xgrammar backend reads them (JSON written without free whitespace, `relax.rollout.grammar`; a grammar that
-does not compile is a 400); `image_data` for a
+does not compile is a 400), and `require_reasoning` (true: each sample's grammar applies after its reasoning, from
+the token after its `</think>`, as SGLang's reasoning grammar backend defers it; the server of a model whose chat
+template reasons (`<think>` blocks) acts as SGLang started with a reasoning parser whose reasoning ends at `</think>`;
+on another model `require_reasoning=true` is a 400); `image_data` for a
 vision-language model (`relax.serve.sglang.images`: each input's images placed into its image placeholders as
 SGLang's Qwen-VL processor places them; with images, only the sampled tokens' log-probs are reported, the others a
 400); `return_routed_experts` (one, or one per input) on a server of a mixture-of-experts model started with SGLang's
@@ -59,6 +62,7 @@ from typing import Any, Optional
 
 import torch
 
+from relax.agents.parsers import END_THINK, uses_reasoning
 from relax.rollout.grammar import GrammarError, Grammars, GrammarSpec, json_schema_spec
 from relax.rollout.sglang.routes import encode as encode_routes
 from relax.serve.sglang.images import ImageInputs
@@ -268,6 +272,9 @@ class RequestCodec:
         `--enable-return-routed-experts`), and answers them unless `return_routed_experts` is false (see the module
         docstring)."""
         self.tokenizer = tokenizer
+        # where a sample's reasoning ends (require_reasoning): the tokens of </think> when the template reasons
+        self.think_end: tuple[int, ...] = tuple(tokenizer.encode(END_THINK, add_special_tokens=False)) \
+            if uses_reasoning(tokenizer) else ()
         self.routed_experts = routed_experts
         self.images = None if processor is None else ImageInputs(processor, RequestError)
         self.vocab_size = vocab_size
@@ -311,6 +318,7 @@ class RequestCodec:
                                "rollout.record_routes)")
         rids = _rids(body.get("rid"), n_in)
         _check_batch(rids, sps)
+        think_end = self._think_end(body.get("require_reasoning"))
         request = Request(rows=[], single=False, t0=time.perf_counter(), stream=bool(body.get("stream")))
         for i, (prompt, sp, item_rid) in enumerate(zip(inputs, sps, rids, strict=True)):
             if not isinstance(sp, dict):
@@ -332,12 +340,24 @@ class RequestCodec:
                           vision=visions[i])
                 if grammar is not None:  # each row its own state; the compiled grammar shared
                     with self._tokenizer_lock:
-                        row.matcher = self.grammars.matcher(grammar, key[3])
+                        row.matcher = self.grammars.matcher(grammar, key[3], think_end)
                 if max_new == 0:
                     row.finish = {"type": "length", "length": 0}
                 request.rows.append(row)
         request.single = single and len(request.rows) == 1
         return request
+
+    def _think_end(self, require_reasoning: Any) -> tuple[int, ...]:
+        """The tokens after which a sample's grammar starts: those of `</think>` with `require_reasoning`, none
+        without it (the grammar from the first token)."""
+        if require_reasoning in (None, False):
+            return ()
+        if require_reasoning is not True:
+            raise RequestError(f"require_reasoning={require_reasoning!r}: expected true or false")
+        if not self.think_end:
+            raise RequestError("require_reasoning=true: the model's chat template has no reasoning (<think> blocks), "
+                               "so no answer's reasoning ends for a grammar to start after")
+        return self.think_end
 
     def _grammar(self, sp: dict) -> Optional[GrammarSpec]:
         """The grammar of one input's sampling_params (json_schema, regex, ebnf or structural_tag; SGLang allows
