@@ -5,7 +5,7 @@ A `GrammarSpec` names what an answer must be: a JSON schema, any JSON object (`j
 grammar (xgrammar's dialect, SGLang's `ebnf`); `tool_call_ebnf` writes the EBNF of one or more tool calls in a tool
 parser's format (`relax.agents.parsers`), the arguments following each tool's parameter schema, and
 `tool_calls_or` the EBNF of an answer that is either such calls or what another spec admits (tools with a response
-format and tool_choice auto). `Grammars` (one
+format and tool_choice auto), and `after_reasoning` any spec after a reasoning model's `<think>` block. `Grammars` (one
 per tokenizer: the vocabulary is read once) compiles specs, each distinct spec once (`compiles` counts them), and
 makes a `Matcher` per row: `fill` writes the row's allowed tokens into a bitmask, `accept` advances it with the
 token drawn, `done` says the answer is complete (a stop token accepted, or, without stop tokens, nothing can follow).
@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from relax.agents.parsers import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP
+from relax.agents.parsers import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, END_THINK, THINK
 
 NL = "\n"
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
@@ -242,6 +242,27 @@ def tool_calls_or(tools: list[dict], fmt: str, other: GrammarSpec, *, parallel: 
 
     calls = xgr.Grammar.from_ebnf(tool_call_ebnf(tools, fmt, parallel=parallel))
     return GrammarSpec("ebnf", str(xgr.Grammar.union(calls, _xgrammar_of(other))))
+
+
+def after_reasoning(spec: GrammarSpec, *, opened: bool) -> GrammarSpec:
+    """`spec` after the answer's reasoning block, for a model whose chat template reasons (`<think>` blocks): a
+    structural tag (SGLang's `structural_tag`, so a real SGLang server constrains it the same way) of free reasoning up
+    to `</think>`, at most two blanks, then what `spec` admits. `opened`: the prompt opened the block (Qwen3.5's
+    generation prompt writes `<think>\n`), so the answer must reason first; otherwise (Qwen3, whose model writes
+    `<think>` itself) the block is optional and an answer without one is constrained from its first token. The
+    reasoning may not open a second block; `</think>` ends it."""
+    if spec.kind == "structural_tag":
+        answer = json.loads(spec.source)["format"]
+    else:
+        answer = {"type": "grammar", "grammar": str(_xgrammar_of(spec))}
+    block: dict = {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "" if opened else THINK,
+         "content": {"type": "any_text", "excludes": [THINK, END_THINK]}, "end": END_THINK},
+        {"type": "regex", "pattern": "[ \\n]{0,2}"}]}
+    if not opened:
+        block = {"type": "optional", "content": block}
+    return GrammarSpec("structural_tag", json.dumps(
+        {"type": "structural_tag", "format": {"type": "sequence", "elements": [block, answer]}}, ensure_ascii=False))
 
 
 # ------------------------------------------------------------------------------------------------ matching

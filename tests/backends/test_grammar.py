@@ -153,6 +153,35 @@ def test_a_deferred_matcher_allows_every_token_until_the_whole_think_end_sequenc
     assert not m.done and m.accept(eos) and m.done
 
 
+def test_after_reasoning_admits_a_think_block_then_what_the_spec_admits(setup):
+    """`after_reasoning` on every kind of spec: with `opened` (the prompt opened `<think>`) the answer is reasoning up
+    to `</think>`, at most two blanks, then the spec's answer; without it the block is optional. The reasoning is any
+    text but a second block; after `</think>` only the spec's answer (the controls: the spec's own refusals)."""
+    from relax.rollout.grammar import after_reasoning
+
+    tok, _, grammars, eos = setup
+    obj = '{"count": 3, "ok": true, "unit": "kelvin", "tag": "ab"}'
+    call = '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'
+    cases = [(json_schema_spec(SCHEMA), obj, '{"count": "x"}'), (GrammarSpec("json_object"), '{"a": [1]}', "[1]"),
+             (GrammarSpec("regex", REGEX), "no, 7!", "maybe"),
+             (GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "hermes", name="noop")), call, "text"),
+             (at_most_one_call(TOOLS, "hermes"), "Sure. " + call, call + "\n" + call)]
+    for spec, good, bad in cases:
+        opened, optional = after_reasoning(spec, opened=True), after_reasoning(spec, opened=False)
+        assert opened.kind == optional.kind == "structural_tag"
+        assert accepts(grammars, spec, good, eos) and not accepts(grammars, spec, bad, eos, then_eos=False)
+        think = "Let me think: {not json} <b>\n</think>"
+        assert accepts(grammars, opened, think + "\n\n" + good, eos), spec
+        assert accepts(grammars, optional, "<think>" + think + "\n" + good, eos), spec
+        assert accepts(grammars, optional, good, eos), spec  # no block: constrained from the first token
+        for s in (opened, optional):
+            assert not accepts(grammars, s, ("" if s is opened else "<think>") + think + bad, eos, then_eos=False)
+        assert not accepts(grammars, opened, "a <think> b</think>" + good, eos)  # no second block
+        if spec.kind != "structural_tag":  # (a structural tag's free text may start with blanks or close a block)
+            assert not accepts(grammars, opened, good, eos)  # opened: reasoning first
+            assert not accepts(grammars, opened, think + "\n\n\n" + good, eos, then_eos=False)  # two blanks at most
+
+
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 14},
                                      "unit": {"enum": ["c", "f"]}, "code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
