@@ -73,6 +73,26 @@ OBS_TOKEN_FRAC = "rollout/obs_token_frac"  # observation tokens / all response t
 ROUTER_AGREEMENT = "rollout/router_agreement"
 ROUTER_OWN_AGREEMENT = "rollout/router_own_agreement"
 MOE_AUX_LOSS = "train/moe_aux_loss"  # the load-balancing loss (train.moe_aux_loss_coef > 0), mean over MoE layers
+# the router z-loss (ST-MoE's): logsumexp(router logits)^2, mean over the MoE layers and the step's tokens routed
+# (prompt and response tokens, padding excluded); train.moe_z_loss_coef times it is part of train/loss
+MOE_Z_LOSS = "train/moe_z_loss"
+# Expert load of a training step (every MoE model, both backends): each layer's tokens routed to each expert (the top-k
+# experts used in the forward, replayed or not, over the step's prompt and response tokens, padding excluded), summed
+# over micro-batches and data-parallel ranks before any ratio. max_over_mean: the largest expert's load / the mean
+# expert load, in the worst layer (max over layers; 1: balanced, num_experts / top-k: every token to the same experts);
+# min_over_mean: the smallest expert's load / the mean, in the worst layer (min over layers; 0: an expert got no token);
+# cv: the coefficient of variation (population std / mean) of the experts' loads, mean over layers
+MOE_LOAD_MAX_OVER_MEAN = "train/moe_expert_load_max_over_mean"
+MOE_LOAD_MIN_OVER_MEAN = "train/moe_expert_load_min_over_mean"
+MOE_LOAD_CV = "train/moe_expert_load_cv"
+
+
+def moe_layer_load(layer: int) -> str:
+    """The logged name of the max_over_mean expert load of MoE layer `layer` (0-based, counting MoE layers only: the
+    decoder layer's index when every layer is MoE)."""
+    return f"{MOE_LOAD_MAX_OVER_MEAN}/layer_{layer}"
+
+
 # the parity gate (train.mismatch_gate): rollouts in a row past its bound, rollouts it skipped
 MISMATCH_GATE_STREAK = "train/mismatch_gate_streak"
 MISMATCH_GATE_SKIPPED = "train/mismatch_gate_skipped"

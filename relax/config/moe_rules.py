@@ -1,8 +1,9 @@
 """Rules of mixture-of-experts models (model.arch=qwen3_moe, rollout.routing_replay, rollout.record_routes,
-train.moe_aux_loss_coef) and of the parity gate (train.mismatch_gate); docs/training.md, "Mixture of experts" and
-"Parity gate" (MoE models on the Megatron backend, train.expert_parallel_size: `relax.config.megatron_rules`). Pure:
-reads the config only. A model read from files (`model.source=hf`) is checked again when the trainer starts, against
-the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE router, no replay).
+train.moe_aux_loss_coef, train.moe_z_loss_coef) and of the parity gate (train.mismatch_gate); docs/training.md,
+"Mixture of experts" and "Parity gate" (MoE models on the Megatron backend, train.expert_parallel_size:
+`relax.config.megatron_rules`). Pure: reads the config only. A model read from files (`model.source=hf`) is checked
+again when the trainer starts, against the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE
+router, no replay and no MoE loss).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
                 f"model.num_experts_per_tok={m.num_experts_per_tok} must be <= model.num_experts={m.num_experts}")
     moe_option = [name for name, on in (("rollout.routing_replay", ro.routing_replay),
                                         ("rollout.record_routes", ro.record_routes),
-                                        ("train.moe_aux_loss_coef", t.moe_aux_loss_coef > 0)) if on]
+                                        ("train.moe_aux_loss_coef", t.moe_aux_loss_coef > 0),
+                                        ("train.moe_z_loss_coef", t.moe_z_loss_coef > 0)) if on]
     for name in moe_option:
         require(m.source != "config" or m.arch in MOE_ARCHS, (name, "model.arch"),
                 f"{name} acts on a mixture-of-experts model, but model.arch={m.arch} is dense (model=tiny_moe, or a "

@@ -306,6 +306,11 @@ class TrainConfig:
     # Mixture-of-experts models, torch backend: the load-balancing loss (Switch Transformer's, per MoE layer, mean
     # over layers) added with this coefficient; train/moe_aux_loss reports it. 0: off.
     moe_aux_loss_coef: float = non_negative(0.0)
+    # Mixture-of-experts models, either backend: the router z-loss (ST-MoE's): this coefficient times
+    # logsumexp(router logits)^2, mean over the MoE layers and the step's tokens (prompt and response, padding
+    # excluded), added to the loss; train/moe_z_loss reports it. megatron-core's moe_z_loss_coeff applies per layer
+    # (a sum over layers): the same objective is this = it x the MoE layers. 0: off. Refused on a dense model.
+    moe_z_loss_coef: float = non_negative(0.0)
     # The train/inference parity gate (docs/training.md, "Parity gate"): when mismatch_gate_metric (k3:
     # rollout/mismatch_k3, logp_abs_diff: rollout/train_rollout_logp_abs_diff, measured before the step's update)
     # exceeds mismatch_gate_bound for mismatch_gate_steps rollouts in a row: stop (the run ends, exit 2, naming the

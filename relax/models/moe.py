@@ -14,7 +14,9 @@ nothing until asked to:
   from this model's own probabilities over those experts (p[forced], renormalised as the config says): rollout
   routing replay (R3), as megatron-core's `RouterReplay` and slime do. The weights keep their gradient through p;
   the choice itself has none, forced or not;
-- collect the router logits and the experts used, for the load-balancing loss (`load_balancing_loss`).
+- collect the router logits and the experts used in a training forward: the load-balancing loss
+  (`load_balancing_loss`), the router z-loss (`z_loss_sum`) and the expert-load metrics (`expert_counts`,
+  `expert_load_metrics`).
 
 Routes travel compactly (`route_dtype`): uint8 for up to 255 experts, else int16; a token without a recorded route
 (padding, a token never fed to the engine) holds `route_fill(dtype)`, which `recorded_mask` reads back as missing.
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from relax.config.schema import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
+from relax.metrics import MOE_LOAD_CV, MOE_LOAD_MAX_OVER_MEAN, MOE_LOAD_MIN_OVER_MEAN, moe_layer_load
 
 
 def _router_classes() -> tuple[type, ...]:
@@ -74,6 +77,45 @@ def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, valid: Opti
     counts = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
     counts.scatter_add_(0, experts.reshape(-1).long(), torch.ones(experts.numel(), device=logits.device))
     return num_experts / top_k * ((counts / n) * (probs.sum(0) / n)).sum()
+
+
+def z_loss_sum(logits: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """ST-MoE's router z-loss of one MoE layer, summed (not averaged) over its valid tokens: sum_n
+    logsumexp(z_n)^2, fp32, with its gradient; logits [M, E], valid [M] bool or None (all). The caller divides by the
+    step's tokens and MoE layers, so that micro-batches and data-parallel ranks add up to the step's mean."""
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    if valid is not None:
+        lse = lse[valid]
+    return lse.square().sum()
+
+
+def expert_counts(experts: torch.Tensor, valid: Optional[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """[E] float64: how many of the valid tokens each expert got, from the experts used [M, k] (valid [M] bool or
+    None: all)."""
+    if valid is not None:
+        experts = experts[valid]
+    return torch.bincount(experts.reshape(-1).long().cpu(), minlength=num_experts).double()
+
+
+def expert_load_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """The expert-load metrics (`relax.metrics.MOE_LOAD_*`) of a step's counts [MoE layers, E] (tokens each layer
+    routed to each expert, summed over micro-batches and ranks): per layer max / mean and min / mean of the experts'
+    loads and their coefficient of variation; max_over_mean is the worst (largest) layer's, min_over_mean the worst
+    (smallest) layer's, cv the mean over layers; and each layer's max_over_mean (`moe_layer_load`). Layers that
+    routed no token are left out ({} if none did)."""
+    counts = counts.double()
+    mean = counts.mean(-1)
+    used = mean > 0
+    if not bool(used.any()):
+        return {}
+    mean = mean.clamp_min(1e-300)
+    top = counts.max(-1).values / mean
+    low = counts.min(-1).values / mean
+    cv = counts.std(-1, correction=0) / mean
+    out = {MOE_LOAD_MAX_OVER_MEAN: float(top[used].max()), MOE_LOAD_MIN_OVER_MEAN: float(low[used].min()),
+           MOE_LOAD_CV: float(cv[used].mean())}
+    out |= {moe_layer_load(i): float(top[i]) for i in range(len(counts)) if bool(used[i])}
+    return out
 
 
 class RouterControl:
@@ -174,13 +216,14 @@ def stack_recorded(control: RouterControl, batch: int, width: int) -> torch.Tens
 
 
 def check_moe_checkpoint(cfg: Any, path: Any) -> None:
-    """MoE options (rollout.routing_replay, rollout.record_routes, train.moe_aux_loss_coef) against a model read from
-    files, before anything starts: ValueError naming them when its config is not a Qwen3-MoE one. `cfg`: the
-    RelaxConfig; `path`: the model's directory (or .gguf file)."""
+    """MoE options (rollout.routing_replay, rollout.record_routes, train.moe_aux_loss_coef, train.moe_z_loss_coef)
+    against a model read from files, before anything starts: ValueError naming them when its config is not a
+    Qwen3-MoE one. `cfg`: the RelaxConfig; `path`: the model's directory (or .gguf file)."""
     ro, t = cfg.rollout, cfg.train
     options = [name for name, on in (("rollout.routing_replay=true", ro.routing_replay),
                                      ("rollout.record_routes=true", ro.record_routes),
-                                     (f"train.moe_aux_loss_coef={t.moe_aux_loss_coef}", t.moe_aux_loss_coef > 0))
+                                     (f"train.moe_aux_loss_coef={t.moe_aux_loss_coef}", t.moe_aux_loss_coef > 0),
+                                     (f"train.moe_z_loss_coef={t.moe_z_loss_coef}", t.moe_z_loss_coef > 0))
                if on]
     if not options:
         return

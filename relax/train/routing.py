@@ -1,13 +1,14 @@
-"""Mixture-of-experts models in the torch trainer: rollout routing replay, router agreement, the load-balancing loss
-(docs/training.md, "Mixture of experts").
+"""Mixture-of-experts models in the torch trainer: rollout routing replay, router agreement, the load-balancing loss,
+the router z-loss and the expert load (docs/training.md, "Mixture of experts").
 
 A micro-batch reaches the model trimmed or packed (`relax.train.packing`); its routers see its tokens flattened in
 that layout. `layout_index` runs the very same layout functions over the flat position of every token in
 `Samples.sequences()`, so the engine's routes (`Samples.routed_experts`, [N, P+T, L, k]) line up with the tokens
 the routers see whatever the layout (`routes_in_layout`). `TrainerRouting.micro_batch` arms the model's routers
 (`relax.models.moe.RouterControl`) for one forward: compare with the engine's routes (`rollout/router_agreement`,
-`rollout/router_own_agreement`), force them (`replay`), keep the logits for the load-balancing loss
-(`train.moe_aux_loss_coef`).
+`rollout/router_own_agreement`), force them (`replay`), keep the logits and experts used of a training forward for
+the load-balancing loss (`train.moe_aux_loss_coef`), the router z-loss (`train.moe_z_loss_coef`) and the expert-load
+metrics (`train/moe_expert_load_*`, `train/moe_z_loss`: measured whatever the coefficients).
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ import torch
 
 from relax.batch import Samples
 from relax.config.schema import TrainConfig
-from relax.metrics import MOE_AUX_LOSS, ROUTER_AGREEMENT, ROUTER_OWN_AGREEMENT
-from relax.models.moe import is_moe, load_balancing_loss, router_control
+from relax.metrics import MOE_AUX_LOSS, MOE_Z_LOSS, ROUTER_AGREEMENT, ROUTER_OWN_AGREEMENT
+from relax.models.moe import (
+    expert_counts,
+    expert_load_metrics,
+    is_moe,
+    load_balancing_loss,
+    router_control,
+    z_loss_sum,
+)
 from relax.train.packing import pack, trimmed_sequences
 
 
@@ -53,32 +61,50 @@ def routes_in_layout(mb: Samples, packed: bool) -> torch.Tensor:
     return out
 
 
+def routed_tokens(samples: Samples) -> int:
+    """Tokens of `samples` the routers route in a forward, whatever the layout: every real prompt and response token
+    (observations included), padding excluded (`Samples.sequences`' attention mask). The router z-loss of a step is
+    its mean over these, so each micro-batch's share is its own sum divided by the step's count."""
+    return int((samples.sequences()[1] != 0).sum())
+
+
 class TrainerRouting:
     """What the trainer does with a mixture-of-experts policy's routers (None of it for a dense model: `for_model`).
     `replay`: force the engine's routes in every log-prob forward; `aux_coef`: the load-balancing loss's
-    coefficient (0: not computed)."""
+    coefficient (0: not computed); `z_coef`: the router z-loss's (0: measured, not trained on). Every training
+    forward (one with a gradient) counts the experts each real token used in each layer, for the expert-load
+    metrics."""
 
-    def __init__(self, model: torch.nn.Module, *, replay: bool, aux_coef: float) -> None:
+    def __init__(self, model: torch.nn.Module, *, replay: bool, aux_coef: float, z_coef: float = 0.0) -> None:
         self.control = router_control(model)
         self.replay = replay
         self.aux_coef = float(aux_coef)
+        self.z_coef = float(z_coef)
         self._aux: list[tuple[float, float]] = []  # (aux loss, tokens) of each training micro-batch
+        self._z = 0.0  # the step's z-loss so far: its micro-batches' sums over layers and tokens / (layers * tokens)
+        self._counts = torch.zeros(self.control.num_layers, self.control.num_experts, dtype=torch.float64)
+        self._trained = False  # a training forward ran since the last `metrics`
+        self._real: Optional[torch.Tensor] = None
 
     @staticmethod
     def for_model(model: torch.nn.Module, train_cfg: TrainConfig, *, replay: bool) -> Optional[TrainerRouting]:
         if not is_moe(model):
-            if replay or train_cfg.moe_aux_loss_coef > 0:
-                raise ValueError("rollout.routing_replay and train.moe_aux_loss_coef need a mixture-of-experts model "
-                                 f"({type(model).__name__} has no MoE router)")
+            options = [name for name, on in (("rollout.routing_replay", replay),
+                                             ("train.moe_aux_loss_coef", train_cfg.moe_aux_loss_coef > 0),
+                                             ("train.moe_z_loss_coef", train_cfg.moe_z_loss_coef > 0)) if on]
+            if options:
+                raise ValueError(f"{' and '.join(options)} need{'s' if len(options) == 1 else ''} a "
+                                 f"mixture-of-experts model ({type(model).__name__} has no MoE router)")
             return None
-        return TrainerRouting(model, replay=replay, aux_coef=train_cfg.moe_aux_loss_coef)
+        return TrainerRouting(model, replay=replay, aux_coef=train_cfg.moe_aux_loss_coef,
+                              z_coef=train_cfg.moe_z_loss_coef)
 
     @contextmanager
     def micro_batch(self, mb: Samples, packed: bool) -> Iterator[None]:
         """One forward over `mb`: compared with (and, replaying, routed as) the engine where `mb` carries routes;
-        with a gradient and `aux_coef > 0`, its router logits kept for `aux_loss`."""
+        with a gradient (a training forward), its router logits and experts used kept for `loss_terms`."""
         engine = routes_in_layout(mb, packed) if mb.routed_experts is not None else None
-        collect = self.aux_coef > 0 and torch.is_grad_enabled()
+        collect = torch.is_grad_enabled()
         self.control.arm(engine, force=self.replay, collect=collect)
         self._real = layout_index(mb, packed)[1] if collect else None
         try:
@@ -86,30 +112,52 @@ class TrainerRouting:
         finally:
             self.control.disarm()
 
-    def aux_loss(self, weight: float) -> Optional[torch.Tensor]:
-        """coef * weight * the load-balancing loss (mean over MoE layers) of the last forward under `micro_batch`
-        (`weight`: the micro-batch's share of the step's rows, so that the step's sum is the rows' mean); None when
-        not collected. The trainer adds it to the micro-batch's loss and to `train/loss` (`StepLoss.add_loss`)."""
+    def loss_terms(self, weight: float, step_tokens: int) -> Optional[torch.Tensor]:
+        """After the training forward of a micro-batch under `micro_batch`: counts the experts its real tokens used
+        in each layer, and returns its share of the MoE loss terms (None when neither is on): coef * weight * the
+        load-balancing loss (mean over MoE layers; `weight`: the micro-batch's share of the step's rows, so that the
+        step's sum is the rows' mean) + z_coef * its z-loss sum / (MoE layers * `step_tokens`: the step's
+        `routed_tokens`), so that the step's sum is the z-loss's mean over its tokens and layers. The trainer adds it
+        to the micro-batch's loss and to `train/loss` (`StepLoss.add_loss`)."""
         c = self.control
-        if self.aux_coef <= 0 or c.logits[0] is None:
+        if c.logits[0] is None:
             return None
         real = self._real.to(c.logits[0].device)
-        losses = [load_balancing_loss(z, used, real, c.num_experts, c.top_k)
-                  for z, used in zip(c.logits, c.used, strict=True)]
-        loss = torch.stack(losses).mean()
-        self._aux.append((float(loss.detach()), float(weight)))
+        self._trained = True
+        terms: list[torch.Tensor] = []
+        for layer, used in enumerate(c.used):
+            self._counts[layer] += expert_counts(used.detach(), real, c.num_experts)
+        with torch.enable_grad() if self.z_coef > 0 else torch.no_grad():  # measured either way
+            z = torch.stack([z_loss_sum(logits, real) for logits in c.logits]).sum()
+            z = z / (c.num_layers * max(1, step_tokens))
+        self._z += float(z.detach())
+        if self.z_coef > 0:
+            terms.append(self.z_coef * z)
+        if self.aux_coef > 0:
+            losses = [load_balancing_loss(logits, used, real, c.num_experts, c.top_k)
+                      for logits, used in zip(c.logits, c.used, strict=True)]
+            loss = torch.stack(losses).mean()
+            self._aux.append((float(loss.detach()), float(weight)))
+            terms.append(self.aux_coef * weight * loss)
         c.logits = [None] * c.num_layers
         c.used = [None] * c.num_layers
-        return self.aux_coef * weight * loss
+        return sum(terms[1:], terms[0]) if terms else None
 
     def metrics(self) -> dict[str, float]:
         """The router agreement since the last call (token-layers with a recorded route whose experts the trainer
-        used / would choose itself equal the engine's), and the load-balancing loss (the step's mean over rows)."""
+        used / would choose itself equal the engine's); of the training forwards since: the expert load
+        (`expert_load_metrics`), the router z-loss (the step's mean over tokens and layers) and the load-balancing
+        loss (the step's mean over rows)."""
         out: dict[str, float] = {}
         compared, used, own = self.control.take_counts().tolist()
         if compared > 0:
             out[ROUTER_AGREEMENT] = used / compared
             out[ROUTER_OWN_AGREEMENT] = own / compared
+        if self._trained:
+            out |= expert_load_metrics(self._counts)
+            out[MOE_Z_LOSS] = self._z
+        self._counts.zero_()
+        self._z, self._trained = 0.0, False
         if self._aux:
             total = sum(w for _, w in self._aux)
             out[MOE_AUX_LOSS] = sum(v * w for v, w in self._aux) / total if total > 0 else 0.0

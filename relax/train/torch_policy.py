@@ -39,7 +39,7 @@ from relax.models.saved_format import to_model_layout
 from relax.models.weight_buffers import cpu_state
 from relax.models.write_errors import os_write_errors, torch_save
 from relax.train.logprobs import autocast, forward_logprobs
-from relax.train.routing import TrainerRouting
+from relax.train.routing import TrainerRouting, routed_tokens
 from relax.train.trainer import (
     PolicyTrainer,
     SkippedInARow,
@@ -329,12 +329,13 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         self.optimizer.zero_grad(set_to_none=True)
         splits = length_sorted_micro_batches(batch, micro_batch_size, max_tokens, packed=self.packed)
         stats = self._step_statistics(batch, algo_cfg, splits) if step.algorithm.needs_step_statistics else None
+        tokens = routed_tokens(batch)  # the router z-loss is a mean over the step's routed tokens
         for rows in splits:
             progress.tick()
             mb = batch.select(rows)
             logp, ent, t = self._forward(mb, entropy=step.entropy)
             loss = step.micro_batch(mb, None, logp, t, device=self.device, entropy=ent, stats=stats)
-            aux = self.routing.aux_loss(len(rows) / len(batch)) if self.routing is not None else None
+            aux = self.routing.loss_terms(len(rows) / len(batch), tokens) if self.routing is not None else None
             (loss if aux is None else loss + step.add_loss(aux)).backward()
         return step.metrics() | (self.routing.metrics() if self.routing is not None else {})
 

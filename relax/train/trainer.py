@@ -261,9 +261,10 @@ class StepLoss:
         return loss
 
     def add_loss(self, term: torch.Tensor) -> torch.Tensor:
-        """`term` (a micro-batch's share of a loss term added outside `compute_loss`: the MoE load-balancing loss,
-        `moe_aux_loss_coef * weight * aux`) counted in `train/loss` as `compute_loss`'s KL and entropy terms are, so
-        that `train/loss` is the loss back-propagated; returns it, to be added to the micro-batch's loss."""
+        """`term` (a micro-batch's share of a loss term added outside `compute_loss`: the MoE load-balancing loss and
+        router z-loss, `relax.train.routing.TrainerRouting.loss_terms`) counted in `train/loss` as `compute_loss`'s
+        KL and entropy terms are, so that `train/loss` is the loss back-propagated; returns it, to be added to the
+        micro-batch's loss."""
         self.sums.add({LOSS: term})
         return term
 

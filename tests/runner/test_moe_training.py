@@ -17,15 +17,19 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_moe_trains_with_replay_and_the_gate_leaves_it_alone(in_process, small_run, tmp_path):
     """model=tiny_moe trains end to end with routing replay: the engine's routes reach the trainer (router agreement
-    1 on every step), the load-balancing loss is reported; the parity gate (on, stop) leaves this agreeing run alone:
-    the negative control of the gate tests below."""
+    1 on every step), the load-balancing loss, the router z-loss and the expert load are reported; the parity gate
+    (on, stop) leaves this agreeing run alone: the negative control of the gate tests below."""
     cfg = load_config(small_run("model=tiny_moe", "rollout.routing_replay=true", "model.dtype=float32",
-                                "train.moe_aux_loss_coef=0.01", "train.mismatch_gate=stop",
+                                "train.moe_aux_loss_coef=0.01", "train.moe_z_loss_coef=0.001",
+                                "train.mismatch_gate=stop",
                                 "train.mismatch_gate_bound=0.05", steps=2))
     result = run(cfg, output_dir=tmp_path / "out")
     assert result.series("rollout/router_agreement") == [1.0, 1.0]
     assert len(result.series("rollout/router_own_agreement")) == 2
     assert len(result.series("train/moe_aux_loss")) == 2
+    assert len(result.series("train/moe_z_loss")) == 2
+    for name in ("train/moe_expert_load_max_over_mean", "train/moe_expert_load_max_over_mean/layer_1"):
+        assert all(1.0 <= v <= 4 / 2 for v in result.series(name)) and len(result.series(name)) == 2
     assert all(torch.isfinite(torch.tensor(result.series("train/loss"))))
     assert result.series("train/mismatch_gate_streak") == [0.0, 0.0]
     assert max(result.series("rollout/mismatch_k3")) < 1e-4
