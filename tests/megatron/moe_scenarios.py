@@ -5,7 +5,9 @@ rank each (EP=1) or spread over both (EP=2), against the torch backend on the sa
 transformers (and a converter with two experts swapped as the negative control), log-probs, finalized gradients of
 every weight (router and stacked experts included), three training steps, the weights gathered for the rollout; with
 EP=2, a checkpoint resume; then routing replay through megatron-core's RouterReplay against the torch backend's
-replay, the routes of a deliberately disagreeing engine, with the experts each Megatron router actually chose.
+replay, the routes of a deliberately disagreeing engine, with the experts each Megatron router actually chose; and
+(`moe_load_z`, launched on its own by test_megatron_moe_load_and_z_loss.py) the expert-load metrics and the router
+z-loss against the torch backend.
 """
 
 from __future__ import annotations
@@ -164,6 +166,51 @@ def replay_checks(rank: int, out: Path, res: dict, train) -> None:
                                                                micro_batch_size=4)
 
 
+def scenario_load_and_z_loss(rank: int, out: Path, res: dict, train, batches) -> None:
+    """The expert-load metrics and the router z-loss (train.moe_z_loss_coef) on Megatron (DP=2 x EP=2, megatron-core's
+    own z-loss) against the torch backend on the same weights and padded batch, three micro-batches a rank: the
+    step's metrics side by side, at coefficient 0 and 0.1, and the finalized gradients' change from 0 to 0.1 (both
+    backends); the z-loss by hand from transformers' router logits of the batch's real tokens; with activation
+    recompute, the same gradients (megatron-core's z-loss attached in the recomputed forward)."""
+    import dataclasses
+
+    from relax.models.hf import position_ids_from_mask
+
+    b = batches()[0]
+    algo = GRPOConfig()
+    grads, rows = {}, {}
+    for coef, recompute in ((0.0, False), (0.1, False), (0.1, True)):
+        cfg = dataclasses.replace(train, moe_z_loss_coef=coef, lr=0.0)
+        model = dataclasses.replace(MOE, gradient_checkpointing=recompute)
+        policy = MegatronPolicy(model, cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+        torch_policy = TorchPolicy(MOE, cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+        key = f"{coef}{'_recompute' if recompute else ''}"
+        rows[key] = {"megatron": policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=3),
+                     "torch": torch_policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=3)}
+        grads[key] = ({n: g.clone() for n, g in policy.gradients_hf().items()},
+                      {n: p.grad.clone() for n, p in torch_policy.model.named_parameters()})
+    res["steps"] = rows
+    if rank != 0:
+        return
+    hf = build_model(MOE, VOCAB, PAD, seed=SEED).eval()
+    ids, mask = b.sequences()
+    with torch.no_grad():
+        logits = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                    output_router_logits=True).router_logits
+    real = mask.reshape(-1) != 0
+    res["z_by_hand"] = sum(float(torch.logsumexp(z.float(), -1)[real].square().mean()) for z in logits) / len(logits)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    (m0, t0), (m1, t1), (mr, _) = grads["0.0"], grads["0.1"], grads["0.1_recompute"]
+    names = sorted(set(m0) & set(t0))
+    res["z_grad_change_rel_diff"] = {n: rel(m1[n] - m0[n], t1[n] - t0[n]) for n in names
+                                     if float((t1[n] - t0[n]).norm()) > 0}
+    res["z_grad_change_norm"] = {n: float((m1[n] - m0[n]).norm()) for n in names}
+    res["recompute_grad_rel_diff"] = max(rel(mr[n], m1[n]) for n in names)
+
+
 def scenarios(train, batches, train_parity) -> dict:
     """name: (function(rank, out, res), TP, PP, EP), for ranks.SCENARIOS: EP=1 (every expert on each of the two
     data-parallel ranks), EP=2 (two experts on each, with a checkpoint resume and routing replay)."""
@@ -171,5 +218,6 @@ def scenarios(train, batches, train_parity) -> dict:
         return lambda rank, out, res: scenario_moe(rank, out, res, train, batches=batches,
                                                    train_parity=train_parity, resume=resume)
 
-    return {"moe_ep1": (run(False), 1, 1, 1), "moe_ep2": (run(True), 1, 1, 2)}
+    return {"moe_ep1": (run(False), 1, 1, 1), "moe_ep2": (run(True), 1, 1, 2),
+            "moe_load_z": (lambda rank, out, res: scenario_load_and_z_loss(rank, out, res, train, batches), 1, 1, 2)}
 

@@ -70,8 +70,9 @@ def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh
     """model=tiny_moe on train.backend=megatron through the real loop with routing replay, in bf16 (what
     model.dtype=auto is on a CPU with native bf16: the Megatron trainer under CPU bf16 autocast, which stopped at the
     first optimizer step before cpu_compat decorated megatron-core's autograd Functions for it): the engine's routes
-    reach the Megatron trainer (its router agreement, reported only where routes arrived, is 1 on every step) and the
-    HF export at the end is a Qwen3-MoE with every expert (the parity itself, fp32 and bf16: test_megatron_cpu.py)."""
+    reach the Megatron trainer (its router agreement, reported only where routes arrived, is 1 on every step), the
+    router z-loss and the expert load are logged, and the HF export at the end is a Qwen3-MoE with every expert (the
+    parity itself, fp32 and bf16: test_megatron_cpu.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,10 +84,13 @@ def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh
                               "model.dtype=bfloat16", "train.num_rollout=2", "rollout.rollout_batch_size=2",
                               "rollout.n_samples_per_prompt=4", "rollout.max_response_len=8",
                               "train.micro_batch_size=4", "data.num_prompts=16", "train.save_hf=true",
+                              "train.moe_z_loss_coef=0.001",
                               f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress=false",
                               f"train.save_dir={tmp_path}/moe"]), output_dir=tmp_path / "out")
     assert result.series("rollout/router_agreement") == [1.0, 1.0]
     assert all(torch.isfinite(torch.tensor(result.series("train/loss"))))
+    assert len(result.series("train/moe_z_loss")) == 2
+    assert all(1.0 <= v <= 4 / 2 for v in result.series("train/moe_expert_load_max_over_mean/layer_0"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "moe" / "hf"), local_files_only=True)
     assert model.config.model_type == "qwen3_moe"
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4

@@ -28,7 +28,10 @@ It implements `relax.train.trainer.Policy` (the actor role drives both backends 
 - Mixture of experts (Qwen3-MoE): megatron-core's MoE layers, the experts spread over `train.expert_parallel_size`
   ranks (each holds num_experts / EP of them; the expert-parallel ranks are data-parallel ranks of the rest of the
   model); the engine's routes compared and, with `routing_replay`, replayed through megatron-core's `RouterReplay`
-  (`relax.train.megatron.replay`). Weights gathered for the rollout or a checkpoint hold every expert.
+  (`relax.train.megatron.replay`), which also counts the expert load of the training forwards and measures the
+  router z-loss, megatron-core's own, its coefficient set for each step's training pass (train.moe_z_loss_coef /
+  (MoE layers x the step's routed tokens)) and the layout's padding given as `padding_mask`. Weights gathered for
+  the rollout or a checkpoint hold every expert.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from relax.config.megatron_rules import (
     sequence_parallel_violation,
 )
 from relax.config.schema import ModelConfig, TrainConfig
+from relax.metrics import LOSS, MOE_Z_LOSS
 from relax.models.hf import build_model, pick_dtype, resolve_model_path
 from relax.models.write_errors import os_write_errors, torch_save
 from relax.train.megatron import convert
@@ -70,6 +74,7 @@ from relax.train.megatron.model import (
 )
 from relax.train.megatron.replay import MegatronRouting
 from relax.train.packing import Packed, pack
+from relax.train.routing import routed_tokens
 from relax.train.trainer import (
     PolicyTrainer,
     SkippedInARow,
@@ -126,6 +131,9 @@ class _MicroBatch:
     packed_seq_params: Any = None  # megatron-core's PackedSeqParams (cu_seqlens) of a packed micro-batch
     # MoE: the engine's routes of each token as laid out in `tokens`, [B, L, layers, k] long, -1 where none
     routes: Optional[torch.Tensor] = None
+    # MoE: [B, L] bool on the device, True at the tokens of `tokens` the routers route for real (padding False): the
+    # expert load counts them and megatron-core's z-loss takes the rest as its padding_mask
+    real: Optional[torch.Tensor] = None
 
 
 def routes_in_layout(samples: Samples, layout: Callable[[Samples], torch.Tensor]) -> torch.Tensor:
@@ -143,6 +151,18 @@ def routes_in_layout(samples: Samples, layout: Callable[[Samples], torch.Tensor]
         out[out == 255] = -1
     out[index < 0] = -1
     return out
+
+
+def real_in_layout(samples: Samples, layout: Callable[[Samples], torch.Tensor]) -> torch.Tensor:
+    """[B, L] bool: True at the tokens of the layout `layout(samples)` builds ([B, L] token ids) that are real prompt
+    or response tokens of `samples` (`Samples.sequences`' attention mask), False at padding; found as
+    `routes_in_layout` finds the routes, by running the layout over each token's flat position (pad id -1)."""
+    N, P = samples.prompt_ids.shape
+    T = samples.response_ids.shape[1]
+    flat = torch.arange(N * (P + T)).view(N, P + T)
+    index = layout(replace(samples, prompt_ids=flat[:, :P], response_ids=flat[:, P:]))
+    real = samples.sequences()[1].reshape(-1) != 0
+    return (index >= 0) & real[index.clamp(min=0)]
 
 
 def packed_micro_batch(samples: Samples, rows: torch.Tensor, pad_token_id: int, *, multiple: int = 1,
@@ -355,6 +375,9 @@ class MegatronPolicy(PolicyTrainer):
         if routing_replay and self.routing is None:
             raise ValueError("rollout.routing_replay needs a mixture-of-experts model "
                              f"({self.spec.arch} has no MoE router)")
+        if train_cfg.moe_z_loss_coef > 0 and self.routing is None:
+            raise ValueError(f"train.moe_z_loss_coef={train_cfg.moe_z_loss_coef} needs a mixture-of-experts model "
+                             f"({self.spec.arch} has no MoE router)")
         model = model.to(device=self.device, dtype=self.params_dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
@@ -437,14 +460,17 @@ class MegatronPolicy(PolicyTrainer):
             if self.packed:
                 mb = packed_micro_batch(samples, rows, self.pad_token_id, device=self.device, multiple=multiple)
                 mb.routes = routes_in_layout(mine, packed_layout) if routes else None
+                mb.real = real_in_layout(mine, packed_layout).to(self.device) if self.routing is not None else None
                 out.append(mb)
                 continue
             _, cols, targets, t = left_aligned(mine, self.pad_token_id)
             tokens = layout(mine, self.pad_token_id)
             positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            real = real_in_layout(mine, lambda s: layout(s, -1)).to(self.device) if self.routing is not None else None
             out.append(_MicroBatch(rows=rows, tokens=tokens.to(self.device), positions=positions.to(self.device),
                                    gather_cols=cols.to(self.device), targets=targets.to(self.device), t=t,
-                                   routes=routes_in_layout(mine, lambda s: layout(s, -1)) if routes else None))
+                                   routes=routes_in_layout(mine, lambda s: layout(s, -1)) if routes else None,
+                                   real=real))
         return out
 
     def _shard_rows(self, n: int) -> torch.Tensor:
@@ -472,10 +498,14 @@ class MegatronPolicy(PolicyTrainer):
         def forward_step(data_iterator: Iterator[_MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
             progress.tick()
-            if self.routing is not None:
+            moe: dict[str, Any] = {}
+            if self.routing is not None:  # the expert load counted in a training pass; padding out of the z-loss
                 self.routing.arm(mb.routes)
+                if self.routing.training_pass:
+                    self.routing.count_tokens(mb.real)
+                moe = {"padding_mask": ~mb.real}
             try:
-                output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params)
+                output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params, **moe)
             finally:
                 if self.routing is not None:
                     self.routing.disarm()
@@ -603,7 +633,21 @@ class MegatronPolicy(PolicyTrainer):
                 ent = ent.detach()
             return step.micro_batch(mine, mb.rows, logp, mb.t, device=self.device, entropy=ent, stats=stats)
 
-        self._run(mbs, loss_fn, forward_only=False)
+        z_coef = self.train_cfg.moe_z_loss_coef
+        # MoE: the router z-loss is a mean over the step's routed tokens (of every data-parallel rank) and MoE layers
+        z_norm = len(self.routing.routers) * max(1, routed_tokens(batch)) if self.routing is not None else 1
+        if self.routing is not None:
+            self.routing.training_pass, self.routing.z_sum = True, 0.0
+            self.routing.z_loss_coeff(z_coef / z_norm if z_coef > 0 else None)
+        try:
+            self._run(mbs, loss_fn, forward_only=False)
+        finally:
+            if self.routing is not None:
+                self.routing.training_pass = False
+                self.routing.z_loss_coeff(None)
+        if self.routing is not None:  # MoE trains at PP=1: this stage has every router and the loss
+            z = torch.tensor(self.routing.z_sum / z_norm, dtype=torch.float64)
+            step.sums.add({MOE_Z_LOSS: z} | ({LOSS: z_coef * z} if z_coef > 0 else {}))
         out: dict[str, float] = {}
         if self.last_stage:
             step.sums.all_reduce(self.dp_group, device=self.device)  # the whole batch's: over the data-parallel ranks

@@ -1,5 +1,5 @@
-"""Rollout routing replay and router agreement on the Megatron backend, through megatron-core's `RouterReplay`
-(docs/training.md, "Mixture of experts").
+"""Rollout routing replay, router agreement, the expert load and the router z-loss on the Megatron backend, through
+megatron-core's `RouterReplay` and its router's z-loss (docs/training.md, "Mixture of experts").
 
 An MoE model built with `moe_enable_routing_replay=True` gives each `TopKRouter` a `RouterReplay`, which its top-k
 selection consults (`topk_routing_with_score_function(..., router_replay=...)`). `MegatronRouting` takes those of one
@@ -13,6 +13,15 @@ never fed) keeps the router's own choice.
 
 Token order: megatron-core's hidden states are [sequence, batch, hidden] and a router flattens them sequence-major,
 so the routes of a micro-batch [B, L, layers, k] go to layer l as routes[:, :, l].transpose(0, 1) -> [L * B, k].
+
+Expert load: in a training forward (`count_tokens`: the micro-batch's real tokens), the same wrapper counts the experts
+each real token used in each layer (the replayed ones under replay), as the torch backend's
+`relax.train.routing.TrainerRouting` does; `metrics` sums them over the data-parallel ranks before any ratio.
+
+Router z-loss: megatron-core's own (`TopKRouter.apply_z_loss`, fed the model's `padding_mask` so that padding is left
+out) with a coefficient the trainer sets for each step (`z_loss_coeff`); each router's `apply_z_loss` is wrapped to
+measure the value too (`z_sum`), in the forward that carries the gradient (the recomputed one under activation
+recompute).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from relax.metrics import ROUTER_AGREEMENT, ROUTER_OWN_AGREEMENT
+from relax.models.moe import expert_counts, expert_load_metrics, z_loss_sum
 
 
 class MegatronRouting:
@@ -38,13 +48,50 @@ class MegatronRouting:
         self.num_experts = int(num_experts)
         self.layer_offset = int(layer_offset)
         self._targets: list[Optional[torch.Tensor]] = [None] * len(self.routers)
+        self._real: Optional[torch.Tensor] = None  # [L * B] bool: the real tokens of an armed training forward
         # token-layers compared with a recorded route, whose used experts equal it, whose own choice does
         self.counts = torch.zeros(3, dtype=torch.float64)
+        # each layer's tokens routed to each expert in the training forwards since `metrics`
+        self.load = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64)
+        self.trained = False  # a training forward counted since `metrics`
+        # the training pass of a step (`accumulate_gradients`): the z-loss of its forwards with a gradient is measured
+        self.training_pass = False
+        self.z_sum = 0.0  # sum over this stage's layers and real tokens of logsumexp(logits)^2, this training pass
         for i, router in enumerate(self.routers):
             rr = router.router_replay
             if rr in RouterReplay.global_router_replay_instances:
                 RouterReplay.global_router_replay_instances.remove(rr)
             rr.get_replay_topk = self._wrap(i, rr)
+            router.apply_z_loss = self._wrap_z(router)
+
+    def z_loss_coeff(self, coeff: Optional[float]) -> None:
+        """megatron-core's per-layer z-loss coefficient of the next forwards (None: off), on the config the routers
+        share: the trainer sets train.moe_z_loss_coef / (MoE layers * the step's routed tokens) for a step's training
+        pass, since megatron-core scales each micro-batch's z-loss by its own tokens (calculate_per_token_loss) and
+        Relax's finalize_model_grads does not divide by the step's."""
+        for router in self.routers:
+            router.config.moe_z_loss_coeff = coeff
+
+    def _wrap_z(self, router: torch.nn.Module):
+        original = router.apply_z_loss
+
+        def apply_z_loss(logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            # as megatron-core's: only in a forward that builds the gradient (the recomputed one under recompute)
+            if self.training_pass and router.training and torch.is_grad_enabled():
+                with torch.no_grad():
+                    self.z_sum += float(z_loss_sum(logits, None if padding_mask is None else ~padding_mask))
+            return original(logits, padding_mask=padding_mask)
+
+        return apply_z_loss
+
+    def _count(self, layer: int, used: torch.Tensor) -> None:
+        if self._real is not None:
+            real = self._real.to(used.device)
+            if real.shape[0] != used.shape[0]:
+                raise ValueError(f"MoE layer {self.layer_offset + layer}: {real.shape[0]} token flags for "
+                                 f"{used.shape[0]} routed tokens")
+            self.load[layer] += expert_counts(used.detach(), real, self.num_experts)
+            self.trained = True
 
     def _wrap(self, layer: int, rr: Any):
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
@@ -56,6 +103,7 @@ class MegatronRouting:
             probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
             target = self._targets[layer]
             if target is None:
+                self._count(layer, own)
                 return probs, own
             target = target.to(own.device)
             if target.shape != own.shape:
@@ -63,6 +111,7 @@ class MegatronRouting:
                                  f"{tuple(own.shape)} routed tokens")
             known = ((target >= 0) & (target < self.num_experts)).all(-1)
             used = torch.where(known[:, None], target, own) if self.replay else own
+            self._count(layer, used)
             with torch.no_grad():
                 want = target[known].sort(-1).values
                 self.counts += torch.tensor([float(known.sum()),
@@ -84,24 +133,38 @@ class MegatronRouting:
     def arm(self, routes: Optional[torch.Tensor]) -> None:
         """The next forward's micro-batch carries the engine's routes [B, L, layers, k] (long, -1 where none was
         recorded; `layers` counts the whole model's MoE layers), or none (None: the routers route on their own)."""
+        self.disarm()
         if routes is None:
-            self.disarm()
             return
         for i in range(len(self.routers)):
             per_layer = routes[:, :, self.layer_offset + i]  # [B, L, k]
             self._targets[i] = per_layer.transpose(0, 1).reshape(-1, per_layer.shape[-1])
 
+    def count_tokens(self, real: torch.Tensor) -> None:
+        """The next forward (a training one, after `arm`) counts the experts of the tokens `real` [B, L] bool flags
+        in the expert load (until `disarm`)."""
+        self._real = real.transpose(0, 1).reshape(-1)
+
     def disarm(self) -> None:
         self._targets = [None] * len(self.routers)
+        self._real = None
 
     def metrics(self, group: Any = None, device: Optional[torch.device] = None) -> dict[str, float]:
-        """The router agreement since the last call, summed over `group` (a collective on its ranks, tensors on
-        `device`: NCCL's on the GPU; the caller's group holds each token's router once)."""
+        """The router agreement and the expert load since the last call, summed over `group` (a collective on its
+        ranks, tensors on `device`: NCCL's on the GPU; the caller's group holds each token's router once)."""
         counts, self.counts = self.counts, torch.zeros(3, dtype=torch.float64)
+        load, self.load = self.load, torch.zeros_like(self.load)
+        trained = torch.tensor([counts.tolist() + [float(self.trained)]], dtype=torch.float64)
+        self.trained = False
+        both = torch.cat([trained.flatten(), load.flatten()])
         if torch.distributed.is_initialized():
-            counts = counts.to(device or "cpu")
-            torch.distributed.all_reduce(counts, group=group)
-        compared, used, own = counts.cpu().tolist()
-        if compared <= 0:
-            return {}
-        return {ROUTER_AGREEMENT: used / compared, ROUTER_OWN_AGREEMENT: own / compared}
+            both = both.to(device or "cpu")
+            torch.distributed.all_reduce(both, group=group)
+        both = both.cpu()
+        (compared, used, own, trained_ranks), load = both[:4].tolist(), both[4:].view_as(load)
+        out: dict[str, float] = {}
+        if trained_ranks > 0:
+            out |= expert_load_metrics(load)
+        if compared > 0:
+            out |= {ROUTER_AGREEMENT: used / compared, ROUTER_OWN_AGREEMENT: own / compared}
+        return out
