@@ -11,7 +11,7 @@ import select
 import socket
 import sys
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
@@ -145,9 +145,48 @@ class EventStream(bytes):
     """A body of server-sent events (answered as text/event-stream)."""
 
 
+class EventSource:
+    """A body of server-sent events written as they come (text/event-stream, chunked transfer encoding, so the
+    connection stays open for the next request): `blocks` yields each event's bytes. Closed once written, or when
+    the client leaves: `blocks`' `close` runs then (a generator's cleanup), and `also`'s (what a generator closed
+    before it started would not clean up)."""
+
+    def __init__(self, blocks: Iterator[bytes], also: Any = None):
+        self.blocks, self.also = blocks, also
+
+    def close(self) -> None:
+        try:
+            if hasattr(self.blocks, "close"):
+                self.blocks.close()
+        finally:
+            if hasattr(self.also, "close"):
+                self.also.close()
+
+
+def _write_source(handler: BaseHTTPRequestHandler, status: int, source: EventSource) -> None:
+    try:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "text/event-stream")
+        handler.send_header("Cache-Control", "no-cache")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for block in source.blocks:
+            if block:
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
+                handler.wfile.flush()
+        handler.wfile.write(b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):  # the client left
+        handler.close_connection = True
+    finally:
+        source.close()
+
+
 def write_answer(handler: BaseHTTPRequestHandler, status: int, payload: Any, *, close: bool = False) -> None:
     """`payload` (JSON-able, bytes or an `EventStream`) as the answer to `handler`'s request (`close`: saying that
-    the connection ends with it)."""
+    the connection ends with it); an `EventSource` is written event by event."""
+    if isinstance(payload, EventSource):
+        _write_source(handler, status, payload)
+        return
     if isinstance(payload, EventStream):
         data, kind = bytes(payload), "text/event-stream"
     elif isinstance(payload, bytes):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -580,12 +581,8 @@ def _usage(prompt_tokens: int, choices: list[Choice]) -> dict:
 
 
 def _token_logprobs(c: Choice, top: int) -> list[dict]:
-    out = []
-    for i, (piece, lp) in enumerate(zip(c.pieces, c.logprobs, strict=True)):
-        alts = (c.top[i] if c.top else [])[:top]
-        out.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()),
-                    "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts]})
-    return out
+    return [token_logprob(piece, lp, (c.top[i] if c.top else [])[:top])
+            for i, (piece, lp) in enumerate(zip(c.pieces, c.logprobs, strict=True))]
 
 
 def chat_answer(choices: list[Choice], p: Params, prompt_tokens: int, *, model: str, extra: dict | None = None) -> dict:
@@ -624,9 +621,22 @@ def _event(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def sse(chunks: Any) -> Iterator[bytes]:
+    """Chunks (JSON objects) as server-sent events, then `data: [DONE]`."""
+    for chunk in chunks:
+        yield _event(chunk).encode()
+    yield b"data: [DONE]\n\n"
+
+
 def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
-    """`answer` (a chat.completion) as server-sent `chat.completion.chunk` events, one per token and choice, then
-    the finish reasons (and the usage with `stream_options.include_usage`), then `data: [DONE]`."""
+    """`answer` (a chat.completion) as server-sent `chat.completion.chunk` events (`chat_chunks`), then
+    `data: [DONE]`."""
+    return b"".join(sse(chat_chunks(answer, p, choices)))
+
+
+def chat_chunks(answer: dict, p: Params, choices: list[Choice]) -> list[dict]:
+    """`answer` (a chat.completion, finished) as its `chat.completion.chunk` objects, one per token and choice, then
+    the finish reasons (and the usage with `stream_options.include_usage`)."""
     head = {k: answer[k] for k in ("id", "created", "model")}
     head["object"] = "chat.completion.chunk"
     events = []
@@ -647,14 +657,24 @@ def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
                 events.append({**head, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None,
                                                     "logprobs": lp}]})
         if ch["message"].get("tool_calls"):
-            calls = [{"index": k, **tc} for k, tc in enumerate(ch["message"]["tool_calls"])]
-            events.append({**head, "choices": [{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None,
-                                                "logprobs": None}]})
+            events.append({**head, "choices": [{"index": i, "delta": {"tool_calls": indexed_calls(
+                ch["message"]["tool_calls"])}, "finish_reason": None, "logprobs": None}]})
         events.append({**head, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"],
                                             "logprobs": None}]})
     if p.include_usage:
         events.append({**head, "choices": [], "usage": answer["usage"]})
-    return ("".join(_event(e) for e in events) + "data: [DONE]\n\n").encode()
+    return events
+
+
+def indexed_calls(calls: list[dict]) -> list[dict]:
+    """A message's tool calls as a stream's delta writes them (each with its `index`)."""
+    return [{"index": k, **tc} for k, tc in enumerate(calls)]
+
+
+def token_logprob(piece: str, logprob: float, alts: Optional[list[tuple[str, float]]] = None) -> dict:
+    """One token's entry of a chat answer's logprobs.content."""
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts or []]}
 
 
 def _stream_pieces(content: str, c: Choice) -> list[str]:
@@ -709,8 +729,14 @@ def _reasoning_deltas(content: str, c: Choice, per_token: bool) -> list[tuple[di
     return out
 
 
-def completion_events(answer: dict, choices: list[Choice]) -> bytes:
-    """`answer` (a text_completion) as server-sent events, then `data: [DONE]`."""
+def completion_events(answer: dict, choices: list[Choice], p: Optional[Params] = None) -> bytes:
+    """`answer` (a text_completion) as server-sent events (`completion_chunks`), then `data: [DONE]`."""
+    return b"".join(sse(completion_chunks(answer, choices, p)))
+
+
+def completion_chunks(answer: dict, choices: list[Choice], p: Optional[Params] = None) -> list[dict]:
+    """`answer` (a text_completion, finished) as its stream's objects: each choice's text at its token boundaries,
+    its finish reason, then (with `stream_options.include_usage`) the usage, in a chunk without choices."""
     head = {k: answer[k] for k in ("id", "object", "created", "model")}
     events = []
     for i, ch in enumerate(answer["choices"]):
@@ -718,4 +744,6 @@ def completion_events(answer: dict, choices: list[Choice]) -> bytes:
             events.append({**head, "choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]})
         events.append({**head, "choices": [{"index": i, "text": "", "finish_reason": ch["finish_reason"],
                                             "logprobs": None}]})
-    return ("".join(_event(e) for e in events) + "data: [DONE]\n\n").encode()
+    if p is not None and p.include_usage:
+        events.append({**head, "choices": [], "usage": answer["usage"]})
+    return events

@@ -1,9 +1,11 @@
-"""OpenAI's Responses API (`POST /v1/responses`, the default of the openai-agents SDK) as a translation layer over
-the chat pipeline: a request becomes a chat completion request (input items -> messages, `instructions` -> a system
+"""OpenAI's Responses API (`POST /v1/responses`, the default of the openai-agents SDK) as a translation layer over the
+chat pipeline: a request becomes a chat completion request (input items -> messages, `instructions` -> a system
 message, Responses function tools -> chat tools) answered by `OpenAIService.chat`, and its answer becomes a
-`response` object (or the Responses stream events). Nothing is rendered or sampled here: the prompt is the chat
-template's render of those messages (in a training session: the session's tokens, reusing what was sampled, exactly
-as for a chat call), so a Responses call and the chat call it translates to give and record the same tokens.
+`response` object, or, streamed, the Responses stream events made from the chat stream's chunks as they come (on
+relax-serve, as the tokens are drawn: `response.output_text.delta` at the chat deltas' token boundaries). Nothing is
+rendered or sampled here: the prompt is the chat template's render of those messages (in a training session: the
+session's tokens, reusing what was sampled, exactly as for a chat call), so a Responses call and the chat call it
+translates to give and record the same tokens.
 
 Input items: a string (one user message), or a list of message items (`{"role", "content"}`, content a string or
 `input_text` / `output_text` parts), `function_call` items (an assistant message's tool calls: consecutive ones,
@@ -33,11 +35,11 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from relax.serve.http import EventStream
+from relax.serve.http import EventSource
 from relax.serve.openai.protocol import APIError, check_keys
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
@@ -291,7 +293,7 @@ def chat_response_format(text: Any) -> Optional[dict]:
 class Request:
     """A Responses request read: the chat request it becomes and what the response echoes."""
 
-    chat: dict  # the chat completion body (stream off: the Responses stream is made from its events)
+    chat: dict  # the chat completion body (stream off: a stream is made from the chat stream's chunks)
     history: list[dict]  # messages before the instructions: the previous response's conversation and the input
     body: dict
     stream: bool = False
@@ -401,48 +403,60 @@ def answer_of(chat: dict) -> Answer:
                   chat["usage"], [content] if content else [], [lps or []] if content else [], lps)
 
 
-def answer_of_events(stream: bytes) -> Answer:
-    """A streamed chat answer (its chat.completion.chunk events, usage included) put back together, keeping the
-    token boundaries of its content deltas."""
-    pieces, piece_lps, reasoning, calls, finish, usage = [], [], [], [], "stop", {}
-    every: list[dict] = []
-    for block in stream.decode().split("\n\n"):
-        if not block.startswith("data: ") or block == "data: [DONE]":
-            continue
-        chunk = json.loads(block[len("data: "):])
+class Folded:
+    """A chat stream's chunks (usage included) put back together as they come (choice 0), keeping the token
+    boundaries of its content deltas."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.piece_lps: list[list[dict]] = []
+        self.reasoning: list[str] = []
+        self.calls: list[dict] = []
+        self.finish, self.usage = "stop", {}
+        self.every: list[dict] = []
+
+    def add(self, chunk: dict) -> list[tuple[str, list[dict]]]:
+        """Take one chunk; the content pieces it brings, each with its tokens' log-probs."""
         if chunk.get("usage"):
-            usage = chunk["usage"]
+            self.usage = chunk["usage"]
+        new = []
         for c in chunk.get("choices") or []:
             if c.get("index", 0) != 0:
                 continue
             delta = c.get("delta") or {}
             lps = (c.get("logprobs") or {}).get("content") or []
-            every += lps
+            self.every += lps
             if delta.get("content"):
-                pieces.append(delta["content"])
-                piece_lps.append(lps)
+                self.pieces.append(delta["content"])
+                self.piece_lps.append(lps)
+                new.append((delta["content"], lps))
             if delta.get("reasoning_content"):
-                reasoning.append(delta["reasoning_content"])
-            calls += delta.get("tool_calls") or []
+                self.reasoning.append(delta["reasoning_content"])
+            self.calls += delta.get("tool_calls") or []
             if c.get("finish_reason"):
-                finish = c["finish_reason"]
-    calls = [{k: v for k, v in tc.items() if k != "index"} for tc in calls]
-    return Answer("".join(pieces), "".join(reasoning) if reasoning else None, calls, finish, usage, pieces,
-                  piece_lps, every)
+                self.finish = c["finish_reason"]
+        return new
+
+    def answer(self) -> Answer:
+        calls = [{k: v for k, v in tc.items() if k != "index"} for tc in self.calls]
+        return Answer("".join(self.pieces), "".join(self.reasoning) if self.reasoning else None, calls, self.finish,
+                      self.usage, self.pieces, self.piece_lps, self.every)
 
 
-def output_items(a: Answer, logprobs: bool) -> list[dict]:
-    """The response's output: reasoning, the message, the function calls."""
+def output_items(a: Answer, logprobs: bool, ids: Optional[dict] = None) -> list[dict]:
+    """The response's output: reasoning, the message, the function calls (`ids`: the reasoning's and the message's
+    item ids, where a stream has named them already)."""
+    ids = ids or {"reasoning": new_id("rs"), "message": new_id("msg")}
     status = "incomplete" if a.finish == "length" else "completed"
     out: list[dict] = []
     if a.reasoning is not None:
-        out.append({"type": "reasoning", "id": new_id("rs"), "summary": [], "status": status,
+        out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [], "status": status,
                     "content": [{"type": "reasoning_text", "text": a.reasoning}]})
     if a.content or not a.tool_calls:
         part: dict[str, Any] = {"type": "output_text", "text": a.content, "annotations": []}
         if logprobs:
             part["logprobs"] = a.logprobs or []
-        out.append({"type": "message", "id": new_id("msg"), "role": "assistant", "status": status,
+        out.append({"type": "message", "id": ids["message"], "role": "assistant", "status": status,
                     "content": [part]})
     for tc in a.tool_calls:
         out.append({"type": "function_call", "id": new_id("fc"), "call_id": tc["id"],
@@ -467,43 +481,76 @@ def response_object(req: Request, a: Answer, output: list[dict], *, rid: str, mo
                                                 .get("reasoning_tokens", 0)}}}
 
 
-def response_events(resp: dict, a: Answer) -> bytes:
-    """`resp` as the Responses stream: created, in_progress, each output item added, its text or arguments as
-    deltas (the message's at the answer's token boundaries), done, then completed (incomplete: an answer cut at
-    max_output_tokens, as OpenAI ends it)."""
-    events: list[dict] = []
+def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: str, created: int,
+                    done: Callable[[Answer], None]) -> Iterator[bytes]:
+    """The Responses stream of a chat stream's chunks, as they come: created, in_progress, then (once the answer has
+    content) the reasoning item added, the message item and its part added and its text as deltas at the chat
+    deltas' token boundaries; once the chat stream ended, each output item's rest (added where not yet, its text or
+    arguments, done), then completed (incomplete: an answer cut at max_output_tokens, as OpenAI ends it). `done`
+    takes the finished answer (before the last event); an error chunk ends the stream with an `error` event."""
+    seq = 0
 
-    def emit(kind: str, **fields: Any) -> None:
-        events.append({"type": kind, "sequence_number": len(events), **fields})
+    def emit(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        event = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode()
 
-    start = {**resp, "status": "in_progress", "output": [], "usage": None, "completed_at": None,
-             "incomplete_details": None}
-    emit("response.created", response=start)
-    emit("response.in_progress", response=start)
+    placeholder = Answer("", None, [], "stop", {}, [], [], None)
+    start = {**response_object(req, placeholder, [], rid=rid, model=model, created=created), "status": "in_progress",
+             "usage": None, "completed_at": None, "incomplete_details": None}
+    yield emit("response.created", response=start)
+    yield emit("response.in_progress", response=start)
+    fold, ids = Folded(), {"reasoning": new_id("rs"), "message": new_id("msg")}
+    opened: Optional[dict] = None  # the message's output_index, item_id and content_index, once it has begun
+    for chunk in chunks:
+        if "error" in chunk:
+            error = chunk["error"]
+            yield emit("error", code=error.get("code"), message=error.get("message"), param=error.get("param"),
+                       error=error)
+            return
+        for piece, lps in fold.add(chunk):
+            if opened is None:  # the reasoning is over: its item, then the message's
+                at = 0
+                if fold.reasoning:
+                    item = {"type": "reasoning", "id": ids["reasoning"], "summary": [], "status": "in_progress",
+                            "content": [{"type": "reasoning_text", "text": "".join(fold.reasoning)}]}
+                    yield emit("response.output_item.added", item=item, output_index=0)
+                    at = 1
+                yield emit("response.output_item.added", item={"type": "message", "id": ids["message"],
+                                                               "role": "assistant", "status": "in_progress",
+                                                               "content": []}, output_index=at)
+                opened = {"output_index": at, "item_id": ids["message"], "content_index": 0}
+                empty: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+                if req.logprobs:
+                    empty["logprobs"] = []
+                yield emit("response.content_part.added", part=empty, **opened)
+            yield emit("response.output_text.delta", delta=piece, logprobs=lps, **opened)
+    a = fold.answer()
+    resp = response_object(req, a, output_items(a, req.logprobs, ids), rid=rid, model=model, created=created)
+    done(a)
     for i, item in enumerate(resp["output"]):
         at = {"output_index": i}
         if item["type"] == "message":
             part = item["content"][0]
-            emit("response.output_item.added", item={**item, "status": "in_progress", "content": []}, **at)
-            ids = {**at, "item_id": item["id"], "content_index": 0}
-            empty = {**part, "text": ""}
-            if "logprobs" in part:
-                empty["logprobs"] = []
-            emit("response.content_part.added", part=empty, **ids)
-            for piece, lps in zip(a.pieces, a.piece_logprobs, strict=True):
-                emit("response.output_text.delta", delta=piece, logprobs=lps, **ids)
-            emit("response.output_text.done", text=part["text"], logprobs=part.get("logprobs") or [], **ids)
-            emit("response.content_part.done", part=part, **ids)
+            ids_at = {**at, "item_id": item["id"], "content_index": 0}
+            if opened is None:
+                yield emit("response.output_item.added", item={**item, "status": "in_progress", "content": []}, **at)
+                empty = {**part, "text": ""}
+                if "logprobs" in part:
+                    empty["logprobs"] = []
+                yield emit("response.content_part.added", part=empty, **ids_at)
+            yield emit("response.output_text.done", text=part["text"], logprobs=part.get("logprobs") or [], **ids_at)
+            yield emit("response.content_part.done", part=part, **ids_at)
         elif item["type"] == "function_call":
-            emit("response.output_item.added", item={**item, "arguments": "", "status": "in_progress"}, **at)
-            emit("response.function_call_arguments.delta", item_id=item["id"], delta=item["arguments"], **at)
-            emit("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
-                 arguments=item["arguments"], **at)
-        else:
-            emit("response.output_item.added", item=item, **at)
-        emit("response.output_item.done", item=item, **at)
-    emit("response.incomplete" if resp["status"] == "incomplete" else "response.completed", response=resp)
-    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+            yield emit("response.output_item.added", item={**item, "arguments": "", "status": "in_progress"}, **at)
+            yield emit("response.function_call_arguments.delta", item_id=item["id"], delta=item["arguments"], **at)
+            yield emit("response.function_call_arguments.done", item_id=item["id"], name=item["name"],
+                       arguments=item["arguments"], **at)
+        elif opened is None:
+            yield emit("response.output_item.added", item=item, **at)
+        yield emit("response.output_item.done", item=item, **at)
+    yield emit("response.incomplete" if resp["status"] == "incomplete" else "response.completed", response=resp)
 
 
 def _assistant_message(a: Answer) -> dict:
@@ -565,17 +612,27 @@ class Responses:
 
         req = parse_request(body, previous)
         chat = dict(req.chat)
-        if req.stream:  # the chat stream keeps the token boundaries of the text deltas
-            chat["stream"], chat["stream_options"] = True, {"include_usage": True}
         created = int(time.time())
+        rid = new_id("resp")
+
+        def keep(a: Answer) -> None:
+            with self._lock:
+                kept.put(rid, req.history + [_assistant_message(a)])
+
+        if req.stream:  # the chat stream's chunks, as they come: the text deltas at their token boundaries
+            chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+            try:
+                chunks = self.service.chat_stream(chat, session)
+            except APIError as exc:
+                raise renamed(exc) from None
+            events = response_events(req, chunks, rid=rid, model=str(req.chat["model"]), created=created, done=keep)
+            return 200, EventSource(events, also=chunks)
         try:
             _, answer = self.service.chat(chat, session)
         except APIError as exc:
             raise renamed(exc) from None
-        a = answer_of_events(bytes(answer)) if req.stream else answer_of(answer)
-        rid = new_id("resp")
+        a = answer_of(answer)
         resp = response_object(req, a, output_items(a, req.logprobs), rid=rid, model=str(req.chat["model"]),
                                created=created)
-        with self._lock:
-            kept.put(rid, req.history + [_assistant_message(a)])
-        return (200, EventStream(response_events(resp, a))) if req.stream else (200, resp)
+        keep(a)
+        return 200, resp

@@ -7,34 +7,44 @@ choice k the stream `row_stream(seed, k)`, the same as SGLang's n>1), with the p
 template is applied here, so the engine's tokens are exactly the ones the answer (and a training session) records.
 Within a session (`relax.serve.openai.sessions`), the session decides the prompt tokens (reusing what was sampled
 before), the sampling and the limits, and records every call.
+
+A streamed answer (`stream`) is written as its tokens are drawn where the engine streams (`StreamSend`: relax-serve),
+outside a session and without top_logprobs: `relax.serve.openai.deltas` decides what of each choice may be sent;
+its end (the choice, its tool calls, finish reason and usage) is computed by the same code as the unstreamed
+answer's. Otherwise the stream is written from the finished answer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
-from relax.agents.parsers import BUILTIN_PARSERS
+from relax.agents.parsers import BUILTIN_PARSERS, parser_format
 from relax.batch import FinishReason
 from relax.rollout.grammar import GrammarError, GrammarSpec, at_most_one_call, tool_call_ebnf, tool_calls_or
-from relax.serve.http import EventStream
+from relax.serve.http import EventSource, EventStream
 from relax.serve.openai.chat import END_THINK, ChatFormat, split_reasoning
+from relax.serve.openai.deltas import Delta, TextDeltas
 from relax.serve.openai.images import take_images
 from relax.serve.openai.protocol import (
     APIError,
     Choice,
     Params,
     chat_answer,
-    chat_events,
+    chat_chunks,
     check_image_parts,
     completion_answer,
-    completion_events,
+    completion_chunks,
+    indexed_calls,
+    new_id,
     normalize_message,
     parse_chat,
     parse_completion,
+    sse,
+    token_logprob,
 )
 from relax.serve.sglang.request import row_stream
 
@@ -77,16 +87,25 @@ class Session(Protocol):
         """A finished call: each choice as sampled, as answered, and (chat) its normalized assistant message."""
 
 
+# `OpenAIService`'s `stream`: the /generate payloads submitted at once (APIError for a refused one), and an iterator of
+# their stream's events: each the answer so far of payload `event["index"]` (finish_reason null while it goes on: its
+# tokens and their log-probs so far, cumulative), then its final answer (as `send` returns it), or
+# {"error": {"message"}}; closing it early aborts what still runs.
+StreamSend = Callable[[list[dict]], Iterator[dict]]
+
+
 class OpenAIService:
     """`send(payloads)` answers SGLang `/generate` payloads in order (raising APIError for a refused one);
     `context_length` (None: unknown) bounds prompt + max_tokens; `max_tokens` caps every call (None: no cap).
     `images`: a vision-language model's engine, which takes OpenAI image content parts outside a training session
-    (`relax.serve.openai.images`)."""
+    (`relax.serve.openai.images`). `stream` (`StreamSend`; relax-serve's engine has one): with it, a streamed answer
+    outside a training session is written as its tokens are drawn (`relax.serve.openai.deltas`); without it (the
+    training gateway), once the whole answer is generated."""
 
     def __init__(self, fmt: ChatFormat, send: Callable[[list[dict]], list[dict]], *, model: str,
                  context_length: Optional[int], max_tokens: Optional[int] = None, default_version: int = 0,
-                 images: bool = False):
-        self.fmt, self.send, self.model, self.images = fmt, send, model, images
+                 images: bool = False, stream: Optional[StreamSend] = None):
+        self.fmt, self.send, self.model, self.images, self.stream = fmt, send, model, images, stream
         self.context_length, self.max_tokens, self.default_version = context_length, max_tokens, default_version
         self.created = int(time.time())  # the model object's `created`: when this service began serving it
 
@@ -106,6 +125,16 @@ class OpenAIService:
 
     # --------------------------------------------------------------------------------------------- endpoints
     def chat(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
+        p, answer = self._chat(body, session)
+        return 200, _streamed(answer) if p.stream else answer
+
+    def chat_stream(self, body: dict, session: Optional[Session] = None) -> Iterator[dict]:
+        """The `chat.completion.chunk` objects of a chat request (`body` with stream true), as they come."""
+        return iter(self._chat(body, session)[1])
+
+    def _chat(self, body: Any, session: Optional[Session]) -> tuple[Params, Any]:
+        """(the request's parameters, its answer: a chat.completion, or with stream its chunks: a list once the
+        answer is generated, or an iterator that makes them as the tokens are drawn)."""
         image_data: list[str] = []
         if self.images and session is None:  # image parts: placeholders in the text, the images to the engine
             check_image_parts(body)
@@ -122,30 +151,12 @@ class OpenAIService:
                                                    offered=body.get("tools") or None)
         else:
             prompt, context = self.fmt.prompt(messages, p.tools, p.template_kwargs), None
+        if self._incremental(p, session):
+            payloads, p = self._payloads(prompt, p, session, context, image_data)
+            events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
+            return p, _Closing(self._chat_chunks(events, prompt, p, bool(image_data)), events)
         sampled, p = self._generate(prompt, p, session, context, image_data)
-        choices = []
-        for s in sampled:
-            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
-            finish = self._finish(s, tokens)
-            # a <think> block opening the answer (or opened by the prompt) goes to reasoning_content, as SGLang's
-            # reasoning parser puts it
-            # (a grammar from the first token, json_schema, regex or ebnf, leaves no room for a block the prompt
-            # opened: the answer is content; a structural tag's free text may close it)
-            opened = self.fmt.opens_reasoning(prompt) and (p.grammar is None or p.grammar[0] == "structural_tag")
-            split = split_reasoning(text, opened) if self.fmt.reasoning and p.separate_reasoning else None
-            think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
-            content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
-            if calls:
-                finish = "tool_calls"
-            choice = self._choice(s, tokens, content, finish, calls, p)
-            if split:
-                choice.reasoning, choice.think_text = think[split[0][0]:split[0][1]], think
-                choice.reasoning_span = split[0]
-                # the reasoning tokens: the sampled ones up to the block's </think> (all of them, unclosed)
-                end = think.find(END_THINK, split[0][0])
-                block = think[:end + len(END_THINK)] if end >= 0 else think
-                choice.reasoning_tokens = self.fmt.covering(tokens, block)
-            choices.append(choice)
+        choices = [self._chat_choice(s, prompt, p, deltas=p.stream) for s in sampled]
         if session is not None:
             session.record(context, prompt, [
                 (s, c, normalize_message({"role": "assistant", "content": c.text or None,
@@ -153,7 +164,37 @@ class OpenAIService:
                 for s, c in zip(sampled, choices, strict=True)])
         prompt_len = sampled[0].prompt_tokens if image_data and sampled[0].prompt_tokens else len(prompt)
         answer = chat_answer(choices, p, prompt_len, model=p.model)
-        return (200, EventStream(chat_events(answer, p, choices))) if p.stream else (200, answer)
+        return p, chat_chunks(answer, p, choices) if p.stream else answer
+
+    def _chat_choice(self, s: Sampled, prompt: list[int], p: Params, deltas: bool = False) -> Choice:
+        """A chat answer's choice of what the engine sampled: its content, reasoning and tool calls."""
+        tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
+        finish = self._finish(s, tokens)
+        split = split_reasoning(text, self._opened(prompt, p)) if self._splits(p) else None
+        think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
+        content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
+        if calls:
+            finish = "tool_calls"
+        choice = self._choice(s, tokens, content, finish, calls, p, deltas)
+        if split:
+            choice.reasoning, choice.think_text = think[split[0][0]:split[0][1]], think
+            choice.reasoning_span = split[0]
+            # the reasoning tokens: the sampled ones up to the block's </think> (all of them, unclosed)
+            end = think.find(END_THINK, split[0][0])
+            block = think[:end + len(END_THINK)] if end >= 0 else think
+            choice.reasoning_tokens = self.fmt.covering(tokens, block)
+        return choice
+
+    def _splits(self, p: Params) -> bool:
+        """Whether a <think> block opening the answer (or opened by the prompt) goes to reasoning_content, as SGLang's
+        reasoning parser puts it."""
+        return self.fmt.reasoning and p.separate_reasoning
+
+    def _opened(self, prompt: list[int], p: Params) -> bool:
+        """Whether the answer starts inside a <think> block the prompt opened: a grammar from the first token
+        (json_schema, regex, ebnf) leaves no room for one, and the answer is content; a structural tag's free text
+        may close it."""
+        return self.fmt.opens_reasoning(prompt) and (p.grammar is None or p.grammar[0] == "structural_tag")
 
     def completion(self, body: Any, session: Optional[Session] = None) -> tuple[int, Any]:
         """Choice i*n + k is the k-th choice of prompt i (OpenAI's order for a list of prompts), each prompt's n
@@ -170,15 +211,146 @@ class OpenAIService:
         for prompt in prompts:
             more, p = self._payloads(prompt, p, session, context)
             payloads += more
+        if self._incremental(p, session):
+            events = self.stream(payloads)
+            return 200, _streamed(_Closing(self._completion_chunks(events, sum(len(q) for q in prompts), p), events))
         sampled = [self._parse(a) for a in self.send(payloads)]
         choices = []
         for s in sampled:
             tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
-            choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p))
+            choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p, deltas=p.stream))
         if session is not None:
             session.record(context, prompts[0], [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
         answer = completion_answer(choices, p, sum(len(q) for q in prompts), model=p.model)
-        return (200, EventStream(completion_events(answer, choices))) if p.stream else (200, answer)
+        return (200, _streamed(completion_chunks(answer, choices, p))) if p.stream else (200, answer)
+
+    # --------------------------------------------------------------------------------------------- incremental
+    def _incremental(self, p: Params, session: Optional[Session]) -> bool:
+        """Whether a request's stream is written as its tokens are drawn: a streamed request outside a training
+        session (which records whole answers) on an engine that streams, without top_logprobs (the engine reports
+        the alternatives with the finished answer)."""
+        return p.stream and self.stream is not None and session is None and not p.top_logprobs
+
+    def _deltas(self, p: Params, prompt: list[int], chat: bool) -> TextDeltas:
+        fmt = self.fmt
+        return TextDeltas(fmt.decode, lambda t: fmt.pieces([t])[0], fmt.eos_token_ids, stop=p.stop,
+                          trim=not p.no_stop_trim,
+                          reasoning=self._opened(prompt, p) if chat and self._splits(p) else None,
+                          stream_reasoning=p.stream_reasoning, tools=chat and bool(p.tools),
+                          parser_name=parser_format(fmt.tool_parser), logprobs=p.logprobs,
+                          cleanup=bool(getattr(fmt.tokenizer, "clean_up_tokenization_spaces", False)))
+
+    def _progress(self, events: Iterator[dict]) -> Iterator[tuple[int, Optional[Sampled], list[int], list[float]]]:
+        """(payload index, its final `Sampled` or None while it goes on, its tokens and log-probs so far) of each
+        event of a `stream`; an error event raises APIError (a 500)."""
+        for event in events:
+            if "error" in event:
+                error = event["error"]
+                message = error.get("message") if isinstance(error, dict) else str(error)
+                raise APIError(str(message), status=500, kind="server_error")
+            meta = event.get("meta_info") or {}
+            i = int(event.get("index", 0))
+            if meta.get("finish_reason") is not None:
+                s = self._parse(event)
+                yield i, s, s.tokens, s.logprobs
+            else:
+                pairs = meta.get("output_token_logprobs") or []
+                yield i, None, [int(q[1]) for q in pairs], [float(q[0]) for q in pairs]
+
+    def _chat_chunks(self, events: Iterator[dict], prompt: list[int], p: Params, images: bool) -> Iterator[dict]:
+        """The chunks of a chat stream as its tokens are drawn (`relax.serve.openai.deltas`): per choice its role,
+        its decided reasoning and content, then with its end the rest, its tool calls and finish_reason; then the
+        usage (stream_options.include_usage)."""
+        head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": p.model}
+        splitters = [self._deltas(p, prompt, chat=True) for _ in range(p.n)]
+        begun, choices = [False] * p.n, [None] * p.n
+        prompt_len = len(prompt)
+
+        def chunk(i: int, delta: dict, logprobs: Optional[list] = None, finish: Optional[str] = None) -> dict:
+            return {**head, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs":
+                                         {"content": logprobs} if logprobs is not None and p.logprobs else None}]}
+
+        def written(i: int, deltas: list[Delta], end: bool = False, content: Optional[str] = "") -> Iterator[dict]:
+            if not begun[i] and (deltas or end):  # OpenAI's first delta: content null for an answer of calls only
+                begun[i] = True
+                yield chunk(i, {"role": "assistant", "content": content})
+            for d in deltas:
+                lps = [token_logprob(piece, lp) for piece, lp in d.logprobs] if d.logprobs is not None else None
+                yield chunk(i, {d.field: d.text} if d.text else {}, lps)
+
+        try:
+            for i, s, tokens, logps in self._progress(events):
+                if s is None:
+                    yield from written(i, splitters[i].feed(tokens, logps))
+                    continue
+                try:
+                    c = self._chat_choice(s, prompt, p)
+                except APIError as exc:
+                    yield exc.body()
+                    return
+                choices[i] = c
+                if images and s.prompt_tokens:
+                    prompt_len = s.prompt_tokens
+                content = c.text if c.text or not c.tool_calls else None
+                yield from written(i, splitters[i].finish(c, c.reasoning, c.text), True, content)
+                if c.tool_calls:
+                    yield chunk(i, {"tool_calls": indexed_calls(c.tool_calls)})
+                yield chunk(i, {}, finish=c.finish_reason)
+            if p.include_usage:
+                yield {**head, "choices": [], "usage": chat_answer(choices, p, prompt_len, model=p.model)["usage"]}
+        except APIError as exc:
+            yield exc.body()
+        finally:
+            _close(events)
+
+    def _completion_chunks(self, events: Iterator[dict], prompt_tokens: int, p: Params) -> Iterator[dict]:
+        """The chunks of a completion stream as its tokens are drawn: each choice's decided text (and its tokens'
+        log-probs), then with its end the rest and its finish_reason; then the usage (stream_options.include_usage)."""
+        head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": p.model}
+        texts: dict[int, TextDeltas] = {}
+        offsets: dict[int, int] = {}
+        choices: dict[int, Choice] = {}
+
+        def chunk(i: int, d: Delta) -> dict:
+            logprobs = None
+            if d.logprobs is not None:
+                at, tokens, lps, starts = offsets.get(i, 0), [], [], []
+                for piece, lp in d.logprobs:
+                    tokens.append(piece)
+                    lps.append(lp)
+                    starts.append(at)
+                    at += len(piece)
+                offsets[i] = at
+                logprobs = {"tokens": tokens, "token_logprobs": lps, "text_offset": starts, "top_logprobs": None}
+            return {**head, "choices": [{"index": i, "text": d.text, "finish_reason": None, "logprobs": logprobs}]}
+
+        try:
+            for i, s, tokens, logps in self._progress(events):
+                splitter = texts.setdefault(i, self._deltas(p, [], chat=False))
+                if s is None:
+                    for d in splitter.feed(tokens, logps):
+                        yield chunk(i, d)
+                    continue
+                kept, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
+                try:
+                    c = self._choice(s, kept, text, self._finish(s, kept), None, p)
+                except APIError as exc:
+                    yield exc.body()
+                    return
+                choices[i] = c
+                for d in splitter.finish(c, None, c.text):
+                    yield chunk(i, d)
+                yield {**head, "choices": [{"index": i, "text": "", "finish_reason": c.finish_reason,
+                                            "logprobs": None}]}
+            if p.include_usage:
+                ordered = [choices[i] for i in sorted(choices)]
+                yield {**head, "choices": [], "usage": completion_answer(ordered, p, prompt_tokens,
+                                                                         model=p.model)["usage"]}
+        except APIError as exc:
+            yield exc.body()
+        finally:
+            _close(events)
 
     # --------------------------------------------------------------------------------------------- generation
     def _limit(self, p: Params, prompt_len: int) -> int:
@@ -293,12 +465,53 @@ class OpenAIService:
         return "stop" if len(tokens) < len(s.tokens) or s.finish == FinishReason.STOP else "length"
 
     def _choice(self, s: Sampled, tokens: list[int], text: str, finish: str, calls: Optional[list[dict]],
-                p: Params) -> Choice:
-        """One answer; each token's text for the log-probs and its text increment for a stream only when asked."""
+                p: Params, deltas: bool = False) -> Choice:
+        """One answer; each token's text for the log-probs when asked, and with `deltas` its text increments (a
+        stream written from the finished answer)."""
         pieces = self.fmt.pieces(tokens) if p.logprobs else []
         top = None
         if s.top:
             top = [[(self.fmt.pieces([t])[0], lp) for lp, t in alts] for alts in s.top[:len(tokens)]]
         return Choice(text=text, tokens=tokens, logprobs=s.logprobs[:len(tokens)], pieces=pieces,
                       finish_reason=finish, top=top, tool_calls=calls,
-                      deltas=self.fmt.increments(tokens) if p.stream else None)
+                      deltas=self.fmt.increments(tokens) if deltas else None)
+
+
+def _close(it: Any) -> None:
+    if hasattr(it, "close"):
+        it.close()
+
+
+class _Closing:
+    """An iterator that closes `also` (the engine's stream: what still runs is aborted) when it is closed: a
+    generator closed before it started runs no cleanup of its own."""
+
+    def __init__(self, it: Iterator[dict], also: Any):
+        self.it, self.also = it, also
+
+    def __iter__(self) -> _Closing:
+        return self
+
+    def __next__(self) -> dict:
+        return next(self.it)
+
+    def close(self) -> None:
+        try:
+            _close(self.it)
+        finally:
+            _close(self.also)
+
+
+def _streamed(chunks: Any) -> Any:
+    """A stream's chunks as its answer's body: a list (the answer generated) as one `EventStream`, an iterator
+    (chunks made as the tokens are drawn) as an `EventSource`, written as they come."""
+    if isinstance(chunks, list):
+        return EventStream(b"".join(sse(chunks)))
+
+    def blocks() -> Iterator[bytes]:
+        try:
+            yield from sse(chunks)
+        finally:
+            _close(chunks)
+
+    return EventSource(blocks(), also=chunks)

@@ -105,7 +105,7 @@ from relax.serve.sglang.request import (
 )
 from relax.serve.sglang.scheduler import PAUSE_MODES, Scheduler
 from relax.serve.sglang.server_args import return_routed_experts, server_args
-from relax.serve.sglang.stream import Events, answer_events, write_events
+from relax.serve.sglang.stream import Events, abort_rest, answer_events, write_events
 from relax.serve.sglang.weights import WeightEndpoints
 
 __all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
@@ -157,6 +157,26 @@ class _Handler(Handler):
                 write_events(self, payload)
             else:
                 write_answer(self, status, payload)
+
+
+class _Aborting:
+    """A request's stream events (`relax.serve.sglang.stream.answer_events`) that abort what still runs of the request
+    when closed, started or not (a generator closed before it started runs no cleanup)."""
+
+    def __init__(self, events: Iterator[dict], request: Request, scheduler: Scheduler):
+        self.events, self.request, self.scheduler = events, request, scheduler
+
+    def __iter__(self) -> _Aborting:
+        return self
+
+    def __next__(self) -> dict:
+        return next(self.events)
+
+    def close(self) -> None:
+        try:
+            self.events.close()
+        finally:
+            abort_rest(self.request, self.scheduler)
 
 
 class EmbeddedServer(WeightEndpoints):
@@ -497,7 +517,8 @@ class EmbeddedServer(WeightEndpoints):
                                  get_parser(self.cfg.data.tool_parser, self.tokenizer))  # data.tool_parser
                 self._openai_service = OpenAIService(fmt, self._send_openai, model=self.served_model_name,
                                                      context_length=self.context_length,
-                                                     images=self._codec.images is not None)
+                                                     images=self._codec.images is not None,
+                                                     stream=self._stream_openai)
             if endpoint == "responses":
                 if self._responses is None or self._responses.service is not self._openai_service:
                     self._responses = Responses(self._openai_service)
@@ -541,15 +562,36 @@ class EmbeddedServer(WeightEndpoints):
             error = APIError(why, status=401, kind="authentication_error", code="invalid_api_key")
         return error.status, error.body()
 
-    def _send_openai(self, payloads: list[dict]) -> list[dict]:
-        """The OpenAI service's `/generate` payloads as one batched request to this engine."""
-
+    @staticmethod
+    def _openai_body(payloads: list[dict]) -> dict:
+        """The OpenAI service's `/generate` payloads as one batched request."""
         body = {"input_ids": [p["input_ids"] for p in payloads],
                 "sampling_params": [p["sampling_params"] for p in payloads], "return_logprob": True}
         if payloads[0].get("top_logprobs_num"):
             body["top_logprobs_num"] = payloads[0]["top_logprobs_num"]
         if any(p.get("image_data") for p in payloads):  # OpenAI image parts (relax.serve.openai.images)
             body["image_data"] = [p.get("image_data") for p in payloads]
+        return body
+
+    def _stream_openai(self, payloads: list[dict]) -> Iterator[dict]:
+        """The OpenAI service's `/generate` payloads submitted now as one streamed request to this engine, and its
+        events as they come (`relax.serve.openai.service.StreamSend`): each row's tokens and log-probs so far, then
+        its final answer. The request is this handler's (a client that leaves aborts it, `Departures`); closing the
+        events aborts what still runs."""
+        self._require_ready()
+        try:
+            request = self._submit({**self._openai_body(payloads), "stream": True})
+        except RequestError as exc:
+            raise APIError(str(exc)) from None
+        events = answer_events(request, self.scheduler, self._final,
+                               lambda row, tokens, logps: self._codec.progress(row, request, tokens, logps,
+                                                                               self.weight_version))
+        return _Aborting(events, request, self.scheduler)
+
+    def _send_openai(self, payloads: list[dict]) -> list[dict]:
+        """The OpenAI service's `/generate` payloads as one batched request to this engine."""
+
+        body = self._openai_body(payloads)
         try:
             status, answer = self._generate(body)
         except RequestError as exc:
@@ -583,9 +625,9 @@ class EmbeddedServer(WeightEndpoints):
         client = getattr(self._client, "value", None)  # None: submitted in this process, not over HTTP
         if client is not None:
             client[1].append(request)
+            # one abort, whether the watch or the stream's writer notices the departure first
             self.departures.watch(client[0], request, done=request.done.is_set,
-                                  abort=lambda: self.scheduler.abort_where(lambda r: r.request is request,
-                                                                           "the client disconnected"))
+                                  abort=lambda: abort_rest(request, self.scheduler))
         return request
 
     def _stream(self, body: dict) -> Iterator[dict]:

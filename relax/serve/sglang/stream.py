@@ -78,8 +78,14 @@ def answer_events(request: Request, scheduler: Scheduler, final: Callable[[Row],
     except Exception as exc:  # e.g. the log-probs of an ended row: the stream ends with the error
         yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
     finally:
-        if not request.done.is_set():
-            scheduler.abort_where(lambda r: r.request is request, "the client disconnected")
+        abort_rest(request, scheduler)
+
+
+def abort_rest(request: Request, scheduler: Scheduler, message: str = "the client disconnected") -> None:
+    """Abort the rows of `request` still running that no abort has reached yet (the client's departure may have
+    been noticed already: `relax.serve.http.Departures`)."""
+    if any(r.finish is None and r.abort is None for r in request.rows):
+        scheduler.abort_where(lambda r: r.request is request, message)
 
 
 class _Seen:

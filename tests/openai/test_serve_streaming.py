@@ -1,0 +1,280 @@
+"""relax-serve's OpenAI streams are written as the tokens are drawn (`relax.serve.openai.deltas`), read by the official
+`openai` client over real HTTP from `EmbeddedServer`s in this process:
+- put together, the deltas are the answer the same request without `stream` gives (same seed): chat content,
+  log-probs, finish reasons, usage and n>1 choices; completions; the Responses API's output text;
+- the first delta reaches the client while the engine is still generating: the engine is held after its 4th token
+  until the client has read a delta (a barrier, never a sleep; tests/README.md, "Events at a point"), and the test
+  reads whether it had one then;
+- a stop string is never sent, not even its start;
+- a call (Hermes, a qwen3 template: tests/agents/templates.py) comes as tool_calls, never as content; a <think>
+  block as reasoning_content, also when the generation prompt opened it (qwen3.5).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_streaming")]
+
+USER = [{"role": "user", "content": "What is 3 + 4?"}]
+HELD_AT = 4  # the engine holds after this many tokens of a streamed request until the client has read a delta
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "enum": ["6 * 7", "1 + 1"]}},
+                   "required": ["expression"], "additionalProperties": False}}}
+
+
+def _server(overrides: list[str]):
+    from relax.config import load_config
+    from relax.serve.sglang.server import EmbeddedServer
+
+    srv = EmbeddedServer(load_config(["model=tiny", "model.dtype=float32", *overrides]), port=0, threads=1)
+    srv.start()
+    srv.wait_ready(120)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = _server([])
+    yield srv
+    srv.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def by_choice(chunks: list, n: int, field: str = "content") -> list[str]:
+    return ["".join(getattr(ch.choices[0].delta, field, None) or "" for ch in chunks
+                    if ch.choices and ch.choices[0].index == i) for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------- the same answer, in pieces
+def test_chat_deltas_put_together_are_the_unstreamed_answer(client):
+    """n=2, a seed, log-probs, usage: per choice the content deltas joined, the log-probs of the chunks in order, the
+    finish reason and the usage are those of the same request without stream."""
+    kw = dict(model="tiny", messages=USER, n=2, seed=5, max_tokens=12, temperature=0.9, logprobs=True)
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert by_choice(chunks, 2) == [c.message.content for c in plain.choices]
+    for i, choice in enumerate(plain.choices):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        streamed = [(t.token, t.logprob) for c in mine if c.logprobs for t in c.logprobs.content or []]
+        assert streamed == [(t.token, t.logprob) for t in choice.logprobs.content]
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        assert mine[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) > 2  # in pieces, not one
+
+
+def test_completion_deltas_put_together_are_the_unstreamed_text(client):
+    kw = dict(model="tiny", prompt="hello there", n=2, seed=8, max_tokens=12, logprobs=0)
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for i, choice in enumerate(plain.choices):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+        assert [t for c in mine if c.logprobs for t in c.logprobs.tokens] == choice.logprobs.tokens
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+    assert chunks[-1].usage == plain.usage
+
+
+def test_responses_text_deltas_put_together_are_the_unstreamed_output(client):
+    kw = dict(model="tiny", input="What is 3 + 4?", temperature=0, max_output_tokens=10)
+    plain = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == plain.output_text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.usage == plain.usage
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+# ------------------------------------------------------------------------------------- before the last token
+class Held:
+    """The engine held after HELD_AT tokens of its next call (it asks after every token whether to stop) until the
+    client has read a delta (`seen`), at most 30 s: `had` records whether it had one by then."""
+
+    def __init__(self, srv, monkeypatch, until: threading.Event | None = None):
+        self.seen, self.had = until or threading.Event(), []
+        generate = srv.engine.generate
+
+        def held(*args, should_abort, **kw):
+            steps = [0]
+
+            def check() -> bool:
+                steps[0] += 1
+                if steps[0] == HELD_AT and not self.had:
+                    self.had.append(self.seen.wait(30))  # bounded: a stream that sends nothing yet fails here
+                return should_abort()
+            return generate(*args, should_abort=check, **kw)
+
+        monkeypatch.setattr(srv.engine, "generate", held)
+
+
+def text_pieces(client: openai.OpenAI, endpoint: str):
+    """The text deltas of a streamed request to `endpoint`, as the client reads them (12 tokens, none a stop token);
+    the connection closed when the generator is."""
+    if endpoint == "chat":
+        with client.chat.completions.create(model="tiny", messages=USER, seed=5, max_tokens=12, stream=True,
+                                            extra_body={"ignore_eos": True}) as stream:
+            for ch in stream:
+                yield ch.choices[0].delta.content if ch.choices else None
+    elif endpoint == "completions":
+        with client.completions.create(model="tiny", prompt="hello there", seed=8, max_tokens=12, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            for ch in stream:
+                yield ch.choices[0].text if ch.choices else None
+    else:
+        with client.responses.create(model="tiny", input="What is 3 + 4?", temperature=0, max_output_tokens=12,
+                                     stream=True) as stream:
+            for e in stream:
+                yield e.delta if e.type == "response.output_text.delta" else None
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
+def test_the_first_delta_arrives_while_the_engine_is_still_generating(server, client, monkeypatch, endpoint):
+    hold = Held(server, monkeypatch)
+    text = ""
+    for piece in text_pieces(client, endpoint):
+        if piece:
+            hold.seen.set()
+            text += piece
+    assert hold.had == [True], "no delta reached the client while the engine held the request"
+    assert text
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
+def test_a_client_that_leaves_mid_stream_aborts_its_rows(server, client, monkeypatch, endpoint):
+    """The client reads a delta and closes the stream while the engine holds the request (held until an abort is
+    asked, at most 30 s): its rows end with the abort before their 12 tokens, and the next request is answered."""
+    submitted, aborts, aborted = [], [], threading.Event()
+    submit, abort_where = server.scheduler.submit, server.scheduler.abort_where
+
+    def aborting(match, message):
+        aborts.append(message)
+        hits = abort_where(match, message)
+        aborted.set()
+        return hits
+
+    monkeypatch.setattr(server.scheduler, "submit", lambda request: (submitted.append(request), submit(request))[1])
+    monkeypatch.setattr(server.scheduler, "abort_where", aborting)
+    hold = Held(server, monkeypatch, until=aborted)
+    pieces = text_pieces(client, endpoint)
+    assert next(p for p in pieces if p)
+    pieces.close()  # the client leaves
+    (request,) = submitted
+    assert request.done.wait(60) and hold.had == [True]
+    assert aborts == ["the client disconnected"]
+    assert [r.finish["type"] for r in request.rows] == ["abort"] and len(request.rows[0].tokens) < 12
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+# ------------------------------------------------------------------------------------------------- stop strings
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_a_stop_string_is_never_sent_not_even_its_start(server, client, endpoint):
+    """The stop string runs from the last character of one token into the next: the engine has drawn its start one
+    token before it is whole, and that start must not go out. The deltas joined are the text before it, the
+    unstreamed answer's."""
+    if endpoint == "chat":
+        base = dict(model="tiny", messages=USER, seed=5, max_tokens=16, extra_body={"ignore_eos": True})
+        make, text_of = client.chat.completions.create, lambda r: r.choices[0].message.content
+        pieces_of = lambda r: [t.token for t in r.choices[0].logprobs.content]  # noqa: E731
+        delta_of = lambda ch: ch.choices[0].delta.content if ch.choices else None  # noqa: E731
+    else:
+        base = dict(model="tiny", prompt="hello there", seed=8, max_tokens=16, extra_body={"ignore_eos": True})
+        make, text_of = client.completions.create, lambda r: r.choices[0].text
+        pieces_of = lambda r: r.choices[0].logprobs.tokens  # noqa: E731
+        delta_of = lambda ch: ch.choices[0].text if ch.choices else None  # noqa: E731
+    free = make(**base, logprobs=True if endpoint == "chat" else 0)
+    special = set(server.tokenizer.all_special_tokens)  # no text in the answer
+    text, pieces = text_of(free), [q for q in pieces_of(free) if q not in special]
+    assert "".join(pieces) == text
+    ends = [len("".join(pieces[:k + 1])) for k in range(len(pieces))]
+    cut = next(end for k, end in enumerate(ends[1:-1], 1)
+               if pieces[k] and pieces[k + 1] and text.find(text[end - 1:end + 1]) == end - 1)
+    stop = [text[cut - 1:cut + 1], "no such stop string"]
+    plain = make(**base, stop=stop)
+    assert text_of(plain) == text[:cut - 1]
+    deltas = [d for d in (delta_of(ch) for ch in make(**base, stop=stop, stream=True)) if d]
+    assert "".join(deltas) == text[:cut - 1]
+
+
+# ------------------------------------------------------------------------------------- calls and reasoning
+@pytest.fixture(scope="module")
+def family_servers(tmp_path_factory):
+    """name -> relax-serve's engine on the tiny model with the tokenizer and chat template of family `name`
+    (tests/agents/templates.py), its tool parser the template's (auto: Hermes for both)."""
+    from tests.agents.templates import family_tokenizer
+
+    servers = {}
+    try:
+        for name in ("qwen3", "qwen3_5"):
+            directory = tmp_path_factory.mktemp(name)
+            family_tokenizer(name).save_pretrained(directory)
+            servers[name] = _server([f"model.tokenizer={directory}"])
+        yield servers
+    finally:
+        for srv in servers.values():
+            srv.shutdown()
+
+
+def family_client(family_servers, name: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=family_servers[name].url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_hermes_call_streams_as_tool_calls_never_as_content(family_servers):
+    """A forced call (Hermes, qwen3's template): the stream's call is the unstreamed answer's, in a tool_calls delta,
+    and no content delta carries any of its text."""
+    client = family_client(family_servers, "qwen3")
+    kw = dict(model="tiny", messages=USER, tools=[CALCULATOR], seed=3, max_tokens=60,
+              tool_choice={"type": "function", "function": {"name": "calculator"}})
+    plain = client.chat.completions.create(**kw)
+    (call,) = plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "tool_calls" and plain.choices[0].message.content is None
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert by_choice(chunks, 1) == [""]
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == [
+        (0, call.function.name, call.function.arguments)]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_a_think_block_streams_as_reasoning_content(family_servers):
+    """qwen3's template: an answer that opens a <think> block (the regex makes it write one) streams its reasoning as
+    reasoning_content and the rest as content, neither with a tag, each the unstreamed answer's."""
+    client = family_client(family_servers, "qwen3")
+    kw = dict(model="tiny", messages=USER, seed=4, max_tokens=40,
+              extra_body={"regex": "<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{3,8}"})
+    plain = client.chat.completions.create(**kw).choices[0].message
+    assert plain.reasoning_content and plain.content
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    reasoning, content = by_choice(chunks, 1, "reasoning_content"), by_choice(chunks, 1)
+    assert (reasoning, content) == ([plain.reasoning_content], [plain.content])
+    assert not any("<" in (ch.choices[0].delta.content or "") + (getattr(ch.choices[0].delta, "reasoning_content",
+                                                                         None) or "") for ch in chunks if ch.choices)
+
+
+def test_a_block_the_generation_prompt_opened_streams_as_reasoning_as_it_comes(family_servers, monkeypatch):
+    """qwen3.5's generation prompt opens <think>: the answer's text up to </think> is reasoning, and it streams while
+    the engine is still generating (held after HELD_AT tokens until the client has read a reasoning delta)."""
+    client = family_client(family_servers, "qwen3_5")
+    kw = dict(model="tiny", messages=USER, seed=6, max_tokens=10)
+    plain = client.chat.completions.create(**kw).choices[0].message
+    assert plain.reasoning_content
+    hold = Held(family_servers["qwen3_5"], monkeypatch)
+    chunks = []
+    for ch in client.chat.completions.create(**kw, stream=True):
+        if ch.choices and getattr(ch.choices[0].delta, "reasoning_content", None):
+            hold.seen.set()
+        chunks.append(ch)
+    assert hold.had == [True]
+    assert by_choice(chunks, 1, "reasoning_content") == [plain.reasoning_content]
+    assert by_choice(chunks, 1) == [plain.content or ""]
