@@ -103,6 +103,7 @@ class Held:
 
     def __init__(self, srv, monkeypatch, until: threading.Event | None = None):
         self.seen, self.had = until or threading.Event(), []
+        self.holding = threading.Event()  # set once the engine holds
         generate = srv.engine.generate
 
         def held(*args, should_abort, **kw):
@@ -111,6 +112,7 @@ class Held:
             def check() -> bool:
                 steps[0] += 1
                 if steps[0] == HELD_AT and not self.had:
+                    self.holding.set()
                     self.had.append(self.seen.wait(30))  # bounded: a stream that sends nothing yet fails here
                 return should_abort()
             return generate(*args, should_abort=check, **kw)
@@ -152,8 +154,9 @@ def test_the_first_delta_arrives_while_the_engine_is_still_generating(server, cl
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
 def test_a_client_that_leaves_mid_stream_aborts_its_rows(server, client, monkeypatch, endpoint):
-    """The client reads a delta and closes the stream while the engine holds the request (held until an abort is
-    asked, at most 30 s): its rows end with the abort before their 12 tokens, and the next request is answered."""
+    """The client reads a delta and closes the stream once the engine holds the request (after HELD_AT tokens, until
+    an abort is asked, at most 30 s): its rows end with the abort before their 12 tokens, and the next request is
+    answered."""
     submitted, aborts, aborted = [], [], threading.Event()
     submit, abort_where = server.scheduler.submit, server.scheduler.abort_where
 
@@ -168,12 +171,32 @@ def test_a_client_that_leaves_mid_stream_aborts_its_rows(server, client, monkeyp
     hold = Held(server, monkeypatch, until=aborted)
     pieces = text_pieces(client, endpoint)
     assert next(p for p in pieces if p)
+    assert hold.holding.wait(30)  # a delta read, and the engine holds the request
     pieces.close()  # the client leaves
     (request,) = submitted
     assert request.done.wait(60) and hold.had == [True]
     assert aborts == ["the client disconnected"]
     assert [r.finish["type"] for r in request.rows] == ["abort"] and len(request.rows[0].tokens) < 12
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])
+def test_an_abort_mid_stream_ends_it_with_an_error_the_client_raises(server, client, monkeypatch, endpoint):
+    """/abort_request while the engine holds a stream that has sent deltas: the stream ends with an error event (the
+    status was sent long before), which the official client raises, as the unstreamed request's 503 says."""
+    import requests
+
+    aborted = threading.Event()
+    hold = Held(server, monkeypatch, until=aborted)
+    read = ""
+    with pytest.raises(openai.APIError, match="aborted the generation"):
+        for piece in text_pieces(client, endpoint):
+            read += piece or ""
+            if read and not aborted.is_set():
+                assert hold.holding.wait(30)  # a delta read, and the engine holds the request
+                assert requests.post(server.url + "/abort_request", json={"abort_all": True}, timeout=60).ok
+                aborted.set()
+    assert hold.had == [True] and read
 
 
 # ------------------------------------------------------------------------------------------------- stop strings

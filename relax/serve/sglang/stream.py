@@ -84,8 +84,9 @@ def answer_events(request: Request, scheduler: Scheduler, final: Callable[[Row],
 def abort_rest(request: Request, scheduler: Scheduler, message: str = "the client disconnected") -> None:
     """Abort the rows of `request` still running that no abort has reached yet (the client's departure may have
     been noticed already: `relax.serve.http.Departures`)."""
-    if any(r.finish is None and r.abort is None for r in request.rows):
-        scheduler.abort_where(lambda r: r.request is request, message)
+    with scheduler.cv:  # one look and abort at a time (the scheduler's lock is reentrant)
+        if any(r.finish is None and r.abort is None for r in request.rows):
+            scheduler.abort_where(lambda r: r.request is request, message)
 
 
 class _Seen:
