@@ -140,6 +140,9 @@ class VisionDecoder(GenericDecoder):
     def observe(self, k: int, r: int, tokens: list[int], vision: Optional[dict]) -> None:
         """Batch row `k` (output row `r`) is fed `tokens` after the token it just drew; `vision`: the images the
         tokens hold (None: none), encoded now."""
+        if not tokens:  # a watcher's "go on" (relax-serve's streams and stop strings): nothing to feed
+            self.queued[k] = None
+            return
         dev = self.mask.device
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         grid = None if vision is None else vision["image_grid_thw"].to(dev)

@@ -58,3 +58,19 @@ def test_image_parts_for_a_text_model_are_refused_naming_the_part():
     with pytest.raises(APIError, match="only text parts") as exc:
         parse_chat({"model": "tiny", "messages": _message("data:image/png;base64,AAAA")})
     assert exc.value.param == "messages[0].content[0]"
+
+
+def test_a_streamed_answer_to_an_image_is_the_unstreamed_one(server):
+    """Streamed as its tokens are drawn (relax.serve.openai.deltas: the engine shows each token of a watched row, an
+    empty observation to the vision decoder): the deltas put together, the log-probs and the usage (the image tokens
+    counted in the prompt) are the unstreamed answer's."""
+    record = generate_shapes(1, seed=1)[0]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    kw = dict(model="tiny_vl", messages=_message(image_data_url(record["prompt"][0]["content"][0]["image"])),
+              max_tokens=6, seed=SEED, logprobs=True, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain.choices[0].message.content
+    assert [t.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.content] == [t.logprob for t in plain.choices[0].logprobs.content]
+    assert chunks[-1].usage == plain.usage
