@@ -27,7 +27,9 @@ Allow, to another method than theirs, SGLang's take GET, POST and PUT):
 - `GET /get_load`, `/v1/loads`: what runs and waits (`relax.serve.sglang.loads`).
 - The OpenAI API: `POST /v1/chat/completions`, `/v1/completions` (`relax.serve.openai.service`), `/v1/responses`
   (`relax.serve.openai.responses`), with the server's key (`api_key`, `relax-serve --api-key`) as
-  `Authorization: Bearer`, or without one on loopback only.
+  `Authorization: Bearer`, or without one on loopback only. Their streams are written as the tokens are drawn: the
+  service's payloads go to the scheduler as one streamed request (`_stream_openai`), whose events
+  `relax.serve.openai.deltas` turns into deltas.
 - `POST /generate`: `input_ids` or `text`, `sampling_params` (stop strings included), `return_logprob`,
   `top_logprobs_num`, `token_ids_logprob`, `logprob_start_len`, `rid`, `stream`; what is supported, and how samples
   are seeded: see `relax.serve.sglang.request`; a streamed answer: `relax.serve.sglang.stream`.
