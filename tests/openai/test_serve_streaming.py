@@ -199,6 +199,39 @@ def test_an_abort_mid_stream_ends_it_with_an_error_the_client_raises(server, cli
     assert hold.had == [True] and read
 
 
+def test_an_agents_sdk_streamed_run_shows_text_while_the_engine_generates(server, client, monkeypatch):
+    """openai-agents' `Runner.run_streamed` (the Responses API, the SDK's defaults): text delta events reach the agent
+    while the engine holds the request, and put together they are the unstreamed response's text (greedy). The tiny
+    model's answer is cut at max_tokens, which the SDK raises at the end of the run (a response `incomplete`)."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, RunConfig, Runner
+    from agents.exceptions import ModelBehaviorError
+    from agents.models.openai_provider import OpenAIProvider
+    from openai.types.responses import ResponseTextDeltaEvent
+
+    agent = Agent(name="plain", instructions="Answer briefly.", model="tiny",
+                  model_settings=ModelSettings(temperature=0, max_tokens=12))
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)), tracing_disabled=True)
+    hold = Held(server, monkeypatch)
+    text = []
+
+    async def streamed() -> None:
+        result = Runner.run_streamed(agent, "What is 3 + 4?", run_config=config)
+        async for event in result.stream_events():
+            if event.type == "raw_response_event" and isinstance(event.data, ResponseTextDeltaEvent):
+                hold.seen.set()
+                text.append(event.data.delta)
+
+    with pytest.raises(ModelBehaviorError, match="max_output_tokens"):
+        asyncio.run(streamed())
+    assert hold.had == [True] and len(text) > 1
+    plain = client.responses.create(model="tiny", instructions="Answer briefly.", input="What is 3 + 4?",
+                                    temperature=0, max_output_tokens=12)
+    assert "".join(text) == plain.output_text
+
+
 # ------------------------------------------------------------------------------------------------- stop strings
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_a_stop_string_is_never_sent_not_even_its_start(server, client, endpoint):
