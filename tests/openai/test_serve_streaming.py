@@ -281,15 +281,20 @@ def family_servers(tmp_path_factory):
             srv.shutdown()
 
 
+# Qwen3's switch: the generation prompt closes an empty <think> block, so a grammar binds from the first token (with
+# thinking on, a constrained answer may reason first: tests/openai/test_reasoning_grammar.py)
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
 def family_client(family_servers, name: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=family_servers[name].url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_a_hermes_call_streams_as_tool_calls_never_as_content(family_servers):
-    """A forced call (Hermes, qwen3's template): the stream's call is the unstreamed answer's, in a tool_calls delta,
-    and no content delta carries any of its text."""
+    """A forced call (Hermes, qwen3's template; no reasoning, which would come first): the stream's call is the
+    unstreamed answer's, in a tool_calls delta, and no content delta carries any of its text."""
     client = family_client(family_servers, "qwen3")
-    kw = dict(model="tiny", messages=USER, tools=[CALCULATOR], seed=3, max_tokens=60,
+    kw = dict(model="tiny", messages=USER, tools=[CALCULATOR], seed=3, max_tokens=60, extra_body=NO_THINKING,
               tool_choice={"type": "function", "function": {"name": "calculator"}})
     plain = client.chat.completions.create(**kw)
     (call,) = plain.choices[0].message.tool_calls
@@ -304,11 +309,12 @@ def test_a_hermes_call_streams_as_tool_calls_never_as_content(family_servers):
 
 
 def test_a_think_block_streams_as_reasoning_content(family_servers):
-    """qwen3's template: an answer that opens a <think> block (the regex makes it write one) streams its reasoning as
-    reasoning_content and the rest as content, neither with a tag, each the unstreamed answer's."""
+    """qwen3's template: an answer that opens a <think> block (the regex makes it write one; with thinking off, so
+    that the regex binds from the first token) streams its reasoning as reasoning_content and the rest as content,
+    neither with a tag, each the unstreamed answer's."""
     client = family_client(family_servers, "qwen3")
     kw = dict(model="tiny", messages=USER, seed=4, max_tokens=40,
-              extra_body={"regex": "<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{3,8}"})
+              extra_body={"regex": "<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{3,8}", **NO_THINKING})
     plain = client.chat.completions.create(**kw).choices[0].message
     assert plain.reasoning_content and plain.content
     chunks = list(client.chat.completions.create(**kw, stream=True))

@@ -34,7 +34,8 @@ ANSWER = {"type": "object", "properties": {"value": {"type": "integer"}}, "requi
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": ANSWER, "strict": True}}
 JSON = '{"value": 42}'
 USER = [{"role": "user", "content": "What is 6 * 7?"}]
-FAMILY_NAMES = list(FAMILIES)  # (Qwen3.5's generation prompt opens a <think> block: the constrained answer is content)
+FAMILY_NAMES = list(FAMILIES)
+THOUGHT = "6 times 7.\n</think>\n\n"  # the reasoning an answer writes after a generation prompt that opened <think>
 
 
 @pytest.fixture(scope="module")
@@ -113,40 +114,47 @@ def calls_of(message) -> list[tuple[str, dict]]:
 def test_with_tools_and_a_response_format_the_answer_is_a_call_or_the_schemas_json(guarded, grammars, family):
     """Chat with tools, response_format json_schema and tool_choice auto: the family's tool call is taken by the
     grammar sent and comes back as tool_calls; the schema's JSON is taken and comes back as content that validates;
-    free text is refused by the grammar. Negative control: the schema's grammar alone (sent before) refuses the call."""
+    free text is refused by the grammar. Negative control: the schema's grammar alone (sent before) refuses the call.
+    A family whose template reasons gets the grammar after its <think> block (a structural tag): Qwen3.5's generation
+    prompt opened it, so its answers reason first (`THOUGHT`)."""
     call = FAMILIES[family].tool_call
+    thought = THOUGHT if FAMILIES[family].prompt_part else ""
     kw = dict(model="policy", messages=USER, tools=CALCULATOR, response_format=RESPONSE_FORMAT, max_tokens=60)
-    script, client = guarded(family, [call, JSON, "The answer is 42."])
+    script, client = guarded(family, [thought + call, thought + JSON, "The answer is 42."])
     r = client.chat.completions.create(**kw)
     sp = script.calls[0][0]["sampling_params"]
-    assert "ebnf" in sp and "json_schema" not in sp
+    assert ("structural_tag" if script.fmt.reasoning else "ebnf") in sp and "json_schema" not in sp
     assert script.refused[0] is None
     assert r.choices[0].finish_reason == "tool_calls"
     assert calls_of(r.choices[0].message) == [("calculator", {"expression": "6 * 7"})]
     r = client.chat.completions.create(**kw)
     assert script.refused[1] is None and not r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(r.choices[0].message.content), ANSWER)
+    assert getattr(r.choices[0].message, "reasoning_content", None) == ("6 times 7." if thought else None)
     client.chat.completions.create(**kw)
     assert script.refused[2].startswith("The answer is 42.")  # free text: masked
     old = grammars(family).matcher(json_schema_spec(ANSWER), [family_tokenizer(family).eos_token_id])
     assert not all(old.accept(t) for t in script.ids(0))
 
 
-def test_a_constrained_answer_after_a_generation_prompt_that_opened_think_is_the_content(guarded):
-    """Qwen3.5's generation prompt opens <think>: an answer constrained from its first token (response_format, a
-    forced call) never closes it, so it is the content (the JSON, the calls), not reasoning_content; a free answer
-    still has its reasoning split off. Negative control: read as reasoning, the content was empty and the calls lost."""
+def test_a_constrained_answer_after_a_generation_prompt_that_opened_think_reasons_first(guarded):
+    """Qwen3.5's generation prompt opens <think>: a constrained answer (response_format, a forced call) reasons first,
+    as SGLang's chat route defers a grammar past the reasoning: the grammar takes the reasoning up to </think>, then
+    the JSON or the call, and the reasoning goes to reasoning_content; a free answer has its reasoning split off too.
+    Negative control: an answer without the reasoning is refused (the grammar sent before took it from the first
+    token)."""
     call = FAMILIES["qwen3_5"].tool_call
-    script, client = guarded("qwen3_5", [JSON, call, "6 times 7.\n</think>\n\n42"])
+    script, client = guarded("qwen3_5", [THOUGHT + JSON, THOUGHT + call, THOUGHT + "42", JSON])
     m = client.chat.completions.create(model="policy", messages=USER, response_format=RESPONSE_FORMAT,
                                        max_tokens=60).choices[0].message
-    assert (m.content, getattr(m, "reasoning_content", None)) == (JSON, None)
+    assert (m.content, m.reasoning_content) == (JSON, "6 times 7.")
     m = client.chat.completions.create(model="policy", messages=USER, tools=CALCULATOR, tool_choice="required",
                                        max_tokens=60).choices[0].message
-    assert calls_of(m) == [("calculator", {"expression": "6 * 7"})] and getattr(m, "reasoning_content", None) is None
+    assert calls_of(m) == [("calculator", {"expression": "6 * 7"})] and m.reasoning_content == "6 times 7."
     m = client.chat.completions.create(model="policy", messages=USER, max_tokens=60).choices[0].message
     assert (m.content, m.reasoning_content) == ("42", "6 times 7.")
-    assert script.refused == [None, None, None]
+    client.chat.completions.create(model="policy", messages=USER, response_format=RESPONSE_FORMAT, max_tokens=60)
+    assert script.refused[:3] == [None, None, None] and script.refused[3].startswith(JSON)
 
 
 def test_the_responses_api_text_format_with_tools_answers_a_call_or_the_json(guarded):

@@ -210,6 +210,14 @@ class ChatFormat:
         then reasoning (`split_reasoning(text, opened=True)`)."""
         return bool(self.opening(prompt))
 
+    def closes_reasoning(self, prompt: list[int]) -> bool:
+        """Whether prompt tokens end with a <think> block their generation prompt closed (Qwen3's `enable_thinking:
+        false` writes `<think>\n\n</think>\n\n`): the answer then holds no reasoning."""
+        if not self.reasoning or not prompt:
+            return False
+        with self.lock:
+            return self._text(prompt[-16:]).rstrip().endswith(END_THINK)
+
     def encode(self, text: str) -> list[int]:
         with self.lock:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -24,7 +24,14 @@ from typing import Any, Optional, Protocol
 
 from relax.agents.parsers import BUILTIN_PARSERS, parser_format
 from relax.batch import FinishReason
-from relax.rollout.grammar import GrammarError, GrammarSpec, at_most_one_call, tool_call_ebnf, tool_calls_or
+from relax.rollout.grammar import (
+    GrammarError,
+    GrammarSpec,
+    after_reasoning,
+    at_most_one_call,
+    tool_call_ebnf,
+    tool_calls_or,
+)
 from relax.serve.http import EventSource, EventStream
 from relax.serve.openai.chat import END_THINK, ChatFormat, split_reasoning
 from relax.serve.openai.deltas import Delta, TextDeltas
@@ -151,6 +158,8 @@ class OpenAIService:
                                                    offered=body.get("tools") or None)
         else:
             prompt, context = self.fmt.prompt(messages, p.tools, p.template_kwargs), None
+        if p.grammar is not None and self.fmt.reasoning:  # a reasoning model reasons before its constrained answer
+            p.grammar = self._after_reasoning(p.grammar, prompt)
         if self._incremental(p, session):
             payloads, p = self._payloads(prompt, p, session, context, image_data)
             events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
@@ -439,6 +448,19 @@ class OpenAIService:
             spec = at_most_one_call(p.tools or [], fmt)
         except GrammarError as exc:
             raise APIError(f"parallel_tool_calls: {exc}", param="parallel_tool_calls") from None
+        return spec.kind, spec.source
+
+    def _after_reasoning(self, grammar: tuple[str, str], prompt: list[int]) -> tuple[str, str]:
+        """The constrained answer of a model whose template reasons, as SGLang's chat route constrains it (a grammar
+        deferred past the reasoning): the grammar after a <think> block, required when the prompt opened it (Qwen3.5),
+        optional when the model opens it itself (Qwen3), none when the prompt closed it (`enable_thinking: false`);
+        one structural tag (`relax.rollout.grammar.after_reasoning`), so SGLang servers constrain it the same way."""
+        if self.fmt.closes_reasoning(prompt):
+            return grammar
+        try:
+            spec = after_reasoning(GrammarSpec(*grammar), opened=self.fmt.opens_reasoning(prompt))
+        except GrammarError as exc:  # the request's own format or grammar does not compile
+            raise APIError(f"response_format: {exc}", param="response_format") from None
         return spec.kind, spec.source
 
     def _parse(self, answer: dict) -> Sampled:
