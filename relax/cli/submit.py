@@ -25,6 +25,9 @@ Without it, every place the run writes to must be absolute (or an MLflow server 
 anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
 Before that, the config is composed and validated here exactly as relax-train does (`relax.cli.config_check`; every
 job of a sweep): a config the job would refuse is refused with relax-train's message (exit 2), nothing submitted.
+
+Stopping: `ray job stop` sends SIGTERM and SIGKILLs the job RAY_JOB_STOP_WAIT_TIME_S later (Ray's default: 3 s); the
+job gets the longest relax-train takes to stop with a checkpoint (`stop_grace_s`), or `--stop-grace-s`.
 """
 
 from __future__ import annotations
@@ -49,7 +52,13 @@ TRAIN_ENTRYPOINT = "python -m relax.cli.train"
 EXP_DIR_ENV = "EXP_DIR"
 # Hydra's sweep flags; any other flag (--cfg, --info, ...) makes relax-train print instead of run: nothing to check.
 _MULTIRUN_FLAGS = ("-m", "--multirun")
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
+# STOPPED: `ray job stop` (or the dashboard's Stop) sends SIGTERM (Ray's RAY_JOB_STOP_SIGNAL default) and Ray reports
+# no exit code for a stopped job: 143 is what relax-train itself exits with after a SIGTERM
+EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
+# Ray's JobSupervisor (ray/dashboard/modules/job/job_supervisor.py) waits this many seconds after `ray job stop`'s
+# SIGTERM, then SIGKILLs the entrypoint and every process under it; Ray's default is 3 s. The supervisor actor gets
+# the job's runtime_env env_vars, so the job's own value is the one it reads.
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
 
 
 def default_working_dir() -> Path:
@@ -221,6 +230,42 @@ def storage_settings(overrides: list[str], conf: Path) -> dict[str, Any]:
         if value != raw:
             out[key + ".raw"] = raw  # shown in messages: `outputs/${now:%Y-%m-%d}`, not today's date
     return out
+
+
+def stop_grace_s(overrides: list[str], conf: Path) -> Optional[int]:
+    """Seconds `ray job stop` should give `relax-train <overrides>` between its SIGTERM and Ray's SIGKILL: the longest
+    relax-train itself may take to stop with a checkpoint (docs/operations.md, "Stopping and resuming"), so that
+    Ray's 3 s default does not kill it in the middle of the step's checkpoint.
+
+    A run finishes its step (a role that stops progressing is declared hung after cluster.heartbeat_timeout_s), then
+    writes its checkpoint (deadline train.checkpoint_timeout_s), then closes its MLflow run (each wait bounded by
+    CLOSE_JOIN_S). A sweep (-m) forwards the signal to its jobs, kills those still running after
+    hydra.launcher.stop_timeout_s, then closes its parent run. None when the command inspects rather than runs
+    (--cfg, --info, ...) or does not compose (check_config says why)."""
+    import math
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from relax.config import register_configs
+    from relax.tracking.run_writer import CLOSE_JOIN_S
+
+    if any(o.startswith("-") and o not in _MULTIRUN_FLAGS for o in overrides):
+        return None
+    plain = [o for o in overrides if o not in _MULTIRUN_FLAGS]
+    sweep = len(plain) != len(overrides)
+    try:
+        register_configs()
+        with initialize_config_dir(config_dir=str(conf), version_base=None):
+            if sweep:
+                cfg = compose(config_name="config", overrides=_first_of_sweeps(plain), return_hydra_config=True)
+                wait = float(OmegaConf.select(cfg, "hydra.launcher.stop_timeout_s", default=120.0))
+            else:
+                cfg = compose(config_name="config", overrides=plain)
+                wait = float(cfg.cluster.heartbeat_timeout_s) + float(cfg.train.checkpoint_timeout_s)
+    except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types: check_config reports them
+        return None
+    return math.ceil(wait + CLOSE_JOIN_S)
 
 
 def _is_relative_path(value: str) -> bool:
@@ -424,6 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"command instead of `{TRAIN_ENTRYPOINT}`; the overrides are appended to it")
     p.add_argument("--submission-id", default=None, help="job id to use (default: Ray picks one)")
     p.add_argument("--entrypoint-num-cpus", type=float, default=None, help="CPUs reserved for the driver")
+    p.add_argument("--stop-grace-s", type=int, default=None, metavar="S",
+                   help="seconds `ray job stop` waits after its SIGTERM before Ray kills the job (the job's "
+                        f"{STOP_WAIT_ENV}; Ray's default is 3). Default for relax-train: the longest it takes to "
+                        "stop with a checkpoint, from the config (cluster.heartbeat_timeout_s + "
+                        "train.checkpoint_timeout_s + 120; a sweep: hydra.launcher.stop_timeout_s + 120)")
     p.add_argument("--no-follow", action="store_true", help="print the job id and return at once")
     p.add_argument("--dry-run", action="store_true", help="print what would be submitted; contact nothing")
     p.add_argument("overrides", nargs="*", help="relax-train overrides (after --)")
@@ -472,6 +522,14 @@ def main(argv: Optional[list[str]] = None) -> None:
                   "nodes share: relax-train then runs in DIR and writes everything there. Or make each of the above "
                   "absolute. Nothing was submitted.", file=sys.stderr)
             sys.exit(USAGE_EXIT)
+    if args.stop_grace_s is not None and args.stop_grace_s < 0:
+        parser.error(f"--stop-grace-s {args.stop_grace_s}: must be a number of seconds >= 0")
+    if STOP_WAIT_ENV not in env:  # `--env RAY_JOB_STOP_WAIT_TIME_S=...` wins
+        grace = args.stop_grace_s
+        if grace is None and args.entrypoint is None:
+            grace = stop_grace_s(args.overrides, _hydra_conf(working_dir))
+        if grace is not None:
+            env[STOP_WAIT_ENV] = str(grace)
     payload = build_submission(args.overrides, working_dir=working_dir, env=env, entrypoint=args.entrypoint,
                                submission_id=args.submission_id, entrypoint_num_cpus=args.entrypoint_num_cpus,
                                exp_dir=exp_dir)
@@ -482,7 +540,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     if not args.address:
         parser.error("--address is required (e.g. http://HEAD:8265), or set RAY_API_SERVER_ADDRESS")
-    enable_token_auth()
+    # the `ray job ...` commands printed below need RAY_AUTH_MODE=token too when it was turned on here only
+    ray_cli = "RAY_AUTH_MODE=token ray" if "RAY_AUTH_MODE" not in os.environ and enable_token_auth() else "ray"
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -494,14 +553,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"submitted job {job_id} to {args.address}: {payload['entrypoint']}", flush=True)
     if exp_dir is not None:
         print(f"records, outputs and checkpoints: {exp_dir} (on the cluster)", flush=True)
+    stop = f"{ray_cli} job stop --address {shlex.quote(args.address)} {job_id}"
+    if STOP_WAIT_ENV in env:
+        print(f"{stop}: SIGTERM, then up to {env[STOP_WAIT_ENV]} s for the job to stop ({STOP_WAIT_ENV}: relax-train "
+              "finishes its step and commits a checkpoint) before Ray kills it", flush=True)
     if args.no_follow:
-        print(f"follow it with: ray job logs --address {args.address} --follow {job_id}")
+        print(f"follow it with: {ray_cli} job logs --address {shlex.quote(args.address)} --follow {job_id}")
         return
     try:
         status = follow_to_the_end(client, job_id)
     except KeyboardInterrupt:
-        print(f"\nstopped following; the job goes on. Stop it with: ray job stop --address {args.address} {job_id}",
-              file=sys.stderr)
+        print(f"\nstopped following; the job goes on. Stop it with: {stop}", file=sys.stderr)
         sys.exit(130)
     code = exit_code(client, job_id, status)
     print(f"job {job_id}: {status} (exit code {code})", file=sys.stderr)

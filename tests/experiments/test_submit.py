@@ -303,3 +303,64 @@ def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_strea
         written = [p for pattern in ("mlflow.db", "mlruns", "checkpoints", "step_[0-9]*", "config.resolved.yaml")
                    for p in copy.rglob(pattern)]
         assert not written, written
+
+
+def _ray_job(args, *, token, home):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    return subprocess.run([ray_cli, "job", *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.slow
+def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp_path):
+    """`ray job stop` (what relax-submit says to run, and the dashboard's Stop) sends SIGTERM, then Ray SIGKILLs the
+    job after RAY_JOB_STOP_WAIT_TIME_S, 3 s unless the job sets it. relax-submit sets it from the config, so the run
+    finishes the step it is in, commits its checkpoint and marks its MLflow run KILLED, however long the step takes.
+
+    The step is held (hold_rewards: the reward of the step's first sample waits for the test) from before the stop
+    until Ray would have killed the job with its default: until the job ended (the SIGKILL), or 10 s passed."""
+    from mlflow import MlflowClient
+
+    url, token, home, _ = ray_head
+    exp, job = tmp_path / "exp", f"relax-stop-{secrets.token_hex(4)}"
+    per_step = 4  # rollout_batch_size 2 x n_samples_per_prompt 2
+    args = ["--address", url, "--exp-dir", str(exp), "--submission-id", job,
+            "--env", f"PYTHONPATH={Path(__file__).resolve().parent}", "--env", f"RELAX_HOLD={per_step + 1}:{tmp_path}",
+            "--", "train.num_rollout=50", "train.save_interval=100", "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2", "train.global_batch_size=4", "train.micro_batch_size=4",
+            "data.reward=hold_rewards:hold", "data.reward_timeout_s=null", "tracking.experiment=stopped"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "EXP_DIR"}
+    env.update(HOME=str(home), RAY_AUTH_TOKEN=token)
+    proc = subprocess.Popen([sys.executable, "-m", "relax.cli.submit", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        while not (tmp_path / "held").exists():  # step 1 (0-based) is in progress, held in its reward
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() - t0 < 300, "the run never reached the held reward call"
+            time.sleep(0.1)
+        stopped = _ray_job(["stop", "--address", url, "--no-wait", job], token=token, home=home)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:  # Ray's default grace is 3 s: a job still there after 10 s was given more
+            status = _ray_job(["status", "--address", url, job], token=token, home=home).stdout
+            if re.search(r"\b(STOPPED|FAILED|SUCCEEDED)\b", status):
+                break
+        (tmp_path / "release").write_text("")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        (tmp_path / "release").write_text("")
+        if proc.poll() is None:
+            proc.kill()
+    assert "relax-train: SIGTERM received: stopping after step 1 with a checkpoint" in out, out + err
+    assert "relax-train: SIGTERM received: stopped after step 1 with a checkpoint; train.resume=auto continues from " \
+        in out, out + err
+    assert f"job {job}: STOPPED (exit code 143)" in err
+    assert proc.returncode == 143
+    (ckpt,) = [p for p in exp.rglob("step_000002") if p.is_dir()]
+    assert (ckpt / "state.json").is_file() and not list(exp.rglob(".tmp-step_*"))
+    client = MlflowClient(tracking_uri=f"sqlite:///{exp / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("stopped").experiment_id])
+    assert run.info.status == "KILLED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "rollout/raw_reward")] == [0, 1]

@@ -1,0 +1,116 @@
+"""relax-submit gives the job the grace `ray job stop` needs: the job's RAY_JOB_STOP_WAIT_TIME_S (read by Ray's job
+supervisor, 3 s by default) is the longest relax-train takes to stop with a checkpoint, computed from the config; and
+the `ray job` commands it prints work where relax-submit itself had to turn token authentication on. The payload is
+captured from a stand-in Ray Jobs client (nothing is contacted); the real stop is
+tests/experiments/test_submit.py::test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from relax.cli import submit
+from relax.cli.submit import STOP_WAIT_ENV, main
+
+ABSOLUTE = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out",
+            "hydra.sweep.dir=/shared/multirun"]
+
+
+class Jobs:
+    """A stand-in for ray.job_submission.JobSubmissionClient: records what is submitted."""
+
+    submitted: list[dict] = []
+
+    def __init__(self, address):
+        self.address = address
+
+    def submit_job(self, **payload):
+        Jobs.submitted.append(payload)
+        return "job-1"
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in ("EXP_DIR", STOP_WAIT_ENV, "RAY_AUTH_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    import ray.job_submission
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Jobs)
+    monkeypatch.setattr(submit, "enable_token_auth", lambda: False)
+    Jobs.submitted = []
+    return monkeypatch
+
+
+def grace(capsys, *argv: str) -> str | None:
+    main(["--dry-run", *argv])
+    return json.loads(capsys.readouterr().out)["runtime_env"]["env_vars"].get(STOP_WAIT_ENV)
+
+
+def test_rays_job_supervisor_reads_the_variable():
+    """The name is Ray's, not ours: its job supervisor waits that long after the stop signal before SIGKILL."""
+    from ray.dashboard.modules.job.job_supervisor import JobSupervisor
+
+    source = inspect.getsource(JobSupervisor)
+    assert f'"{STOP_WAIT_ENV}"' in source and "SIGKILL" in source
+
+
+def test_the_grace_is_the_longest_relax_train_takes_to_stop_with_a_checkpoint(env, capsys):
+    # a run: cluster.heartbeat_timeout_s (the step in progress) + train.checkpoint_timeout_s + 120 s to close MLflow
+    assert grace(capsys, "--", *ABSOLUTE) == str(300 + 1800 + 120)
+    assert grace(capsys, "--", "train.checkpoint_timeout_s=10", "cluster.heartbeat_timeout_s=5.5", *ABSOLUTE) \
+        == str(10 + 6 + 120)  # 135.5 s, rounded up
+    # a sweep: its relax-train kills the jobs still running after hydra.launcher.stop_timeout_s, then closes
+    assert grace(capsys, "--", "-m", "seed=1,2", *ABSOLUTE) == str(120 + 120)
+    assert grace(capsys, "--", "-m", "seed=1,2", "hydra.launcher.stop_timeout_s=30", *ABSOLUTE) == str(30 + 120)
+
+
+def test_the_users_grace_wins(env, capsys):
+    assert grace(capsys, "--stop-grace-s", "60", "--", *ABSOLUTE) == "60"
+    assert grace(capsys, "--env", f"{STOP_WAIT_ENV}=7", "--stop-grace-s", "60", "--", *ABSOLUTE) == "7"
+    # another entrypoint has no config to read: Ray's own default unless given
+    assert grace(capsys, "--entrypoint", "python prepare.py") is None
+    assert grace(capsys, "--entrypoint", "python prepare.py", "--stop-grace-s", "30") == "30"
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--stop-grace-s", "-1", "--", *ABSOLUTE])
+    assert exc.value.code == 2 and "--stop-grace-s -1: must be a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_the_submitted_job_carries_the_grace_and_says_so(env, capsys):
+    main(["--address", "http://head.example:8265", "--no-follow", "--", "train.checkpoint_timeout_s=10",
+          "cluster.heartbeat_timeout_s=5", *ABSOLUTE])
+    assert Jobs.submitted[-1]["runtime_env"]["env_vars"][STOP_WAIT_ENV] == "135"
+    out = capsys.readouterr().out
+    assert "ray job stop --address http://head.example:8265 job-1: SIGTERM, then up to 135 s for the job to stop" in out
+    assert "follow it with: ray job logs --address http://head.example:8265 --follow job-1" in out
+
+
+def test_printed_ray_commands_send_the_token_when_relax_submit_turned_it_on(env, capsys):
+    """With a token in ~/.ray/auth_token and RAY_AUTH_MODE unset, relax-submit turns token auth on for itself; the
+    bare `ray job ...` it printed was refused by the cluster (Missing authentication token)."""
+    def turn_on():
+        import os
+
+        os.environ["RAY_AUTH_MODE"] = "token"  # (monkeypatch restores the environment after the test)
+        return True
+
+    env.setattr(submit, "enable_token_auth", turn_on)
+    main(["--address", "http://head.example:8265", "--no-follow", "--", *ABSOLUTE])
+    out = capsys.readouterr().out
+    assert "follow it with: RAY_AUTH_MODE=token ray job logs --address http://head.example:8265 --follow job-1" in out
+    assert "RAY_AUTH_MODE=token ray job stop --address http://head.example:8265 job-1" in out
+    # control: the user set RAY_AUTH_MODE, so their shell has it already
+    main(["--address", "http://head.example:8265", "--no-follow", "--", *ABSOLUTE])
+    assert "follow it with: ray job logs" in capsys.readouterr().out
+
+
+def test_a_stopped_job_exits_as_relax_train_does_after_sigterm():
+    class Info:
+        driver_exit_code = None  # what Ray reports for a job it stopped
+
+    class Client:
+        def get_job_info(self, job_id):
+            return Info()
+
+    assert submit.exit_code(Client(), "job-1", "STOPPED") == 143
