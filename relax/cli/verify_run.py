@@ -20,6 +20,7 @@ from typing import Optional
 
 from relax.metrics import REWARD_DROPPED_FRAC, STEP_TIME
 from relax.runner import checkpoint
+from relax.runner.checkpoint import TRACKING_URI_STATE
 from relax.runner.ledger import (
     FILE,
     Ledger,
@@ -144,7 +145,9 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
     elif "/" in target or target.startswith("."):
         raise UsageError(f"{target}: no such directory")
     if uri is None:
-        configured = (state.get("config") or {}).get(URI_PARAM) if state else None
+        # the store the run resolved (state.json, since it is kept there), else its tracking.uri as configured, which
+        # a relative one (the default sqlite:///mlflow.db) makes this directory's
+        configured = (state.get(TRACKING_URI_STATE) or (state.get("config") or {}).get(URI_PARAM)) if state else None
         uri = default_uri(configured if isinstance(configured, str) else None)
 
     if run_id is None and ckpt is not None and state is not None:  # tracking.enabled=false: only the checkpoint
@@ -239,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="an MLflow run id, a checkpoint directory (step_NNNNNN) or a save dir (its latest "
                                "checkpoint, and the MLflow run it names)")
     p.add_argument("--uri", default=None,
-                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the checkpoint's tracking.uri when "
+                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the store the checkpoint's run was recorded in when "
                         "RUN is a directory, else sqlite:///mlflow.db)")
     return p
 

@@ -257,6 +257,11 @@ def _flat(cfg: RelaxConfig) -> dict[str, str]:
     return flatten_config(cfg)
 
 
+# state.json: the run's MLflow store as the run resolved it (tracking.uri is often relative to where relax-train
+# ran, e.g. the default sqlite:///mlflow.db, which names another store from any other directory)
+TRACKING_URI_STATE = "tracking_uri"
+
+
 @dataclass
 class ResumePoint:
     """A checkpoint a run continues, its state, and the (allowed) config fields that changed since it was written."""
@@ -276,6 +281,12 @@ class ResumePoint:
     @property
     def lineage(self) -> Optional[str]:
         return self.state.get("lineage")
+
+    @property
+    def tracking_uri(self) -> Optional[str]:
+        """The MLflow store the run was recorded in, resolved (absolute) when the checkpoint was written; None for
+        checkpoints written before it was kept, or without tracking."""
+        return self.state.get(TRACKING_URI_STATE)
 
     @property
     def tracker_state(self) -> dict:

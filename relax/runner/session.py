@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from relax.config.schema import RelaxConfig
 from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX
 from relax.models.write_errors import os_write_error
-from relax.runner.checkpoint import Checkpoints, ResumePoint
+from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
 from relax.runner.errors import RunError
 from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
@@ -160,6 +160,7 @@ class Session:
             Tracker,
             TrackingUnavailable,
             close_orphan_run,
+            resolve_tracking_uri,
         )
         from relax.tracking.params import TAG_OVERRIDES, flatten_config, overrides_text, standard_tags
         from relax.tracking.progress import Progress
@@ -191,7 +192,11 @@ class Session:
                                                   parent_run_id=cfg.tracking.parent_run_id)
                 except (LookupError, TrackingUnavailable) as exc:
                     what = f"checkpoint {resume.path}" if resume is not None else f"MLflow run {reopen_id}"
-                    raise RunError(f"cannot continue {what}: {exc}") from None
+                    hint = ""
+                    recorded = resume.tracking_uri if resume is not None else None
+                    if isinstance(exc, LookupError) and recorded and recorded != resolve_tracking_uri(cfg.tracking.uri):
+                        hint = f"; the checkpoint's run was recorded in {recorded}: run with tracking.uri={recorded}"
+                    raise RunError(f"cannot continue {what}: {exc}{hint}") from None
                 counts = (resume.tracker_state.get("nonfinite_counts") or {}) if resume is not None else {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
                 self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
@@ -303,7 +308,7 @@ class Session:
             self.note(f"checkpoint at step {step} not written: the metrics it covers are not in MLflow yet ({exc})")
             return None
         self.log_ledger()  # before the commit: the checkpoint's ledger (Checkpoints.attachments) is a prefix of it
-        state = {**state, "mlflow_run_id": self.tracker.run_id,
+        state = {**state, "mlflow_run_id": self.tracker.run_id, TRACKING_URI_STATE: self.tracker.uri,
                  "tracker": {"nonfinite_counts": dict(self.tracker.nonfinite_counts)},
                  FAILURES_STATE: self.checkpoint_failures}
         try:

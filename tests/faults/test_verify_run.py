@@ -343,3 +343,48 @@ def test_a_real_run_and_its_resume_verify(in_process, small_run, tmp_path, monke
     ledger = Ledger.loads(read_run(uri, first.run_id, FILE).artifact)
     assert ledger.steps == [0, 1] and sum(e.size for e in ledger.entries) == 2 * PER_STEP
     assert verify_run.main([str(ckpt)]) == 0  # the save dir: its latest checkpoint and the run it names
+
+
+@pytest.mark.slow  # two MLflow stores made (about 10 s)
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_checkpoint_names_its_store_from_any_directory(tmp_path, capsys, monkeypatch):
+    """relax-train's default store, sqlite:///mlflow.db, is relative to where it ran. The checkpoint keeps the store
+    the run resolved, so `relax-verify-run <checkpoint>` from another directory checks the run where it is (it
+    looked for ./mlflow.db and stopped: "no tracking store"), and a resume from another directory names it."""
+    from relax.runner.errors import RunError
+    from relax.runner.plan import build_plan
+    from relax.runner.session import Session
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    runs.mkdir(), elsewhere.mkdir()
+    overrides = ["tracking.uri=sqlite:///mlflow.db", "tracking.progress=false", "tracking.system_metrics=false",
+                 f"train.save_dir={tmp_path}/ckpt", f"rollout.rollout_batch_size={B}",
+                 f"rollout.n_samples_per_prompt={G}", "train.num_rollout=2"]
+    monkeypatch.chdir(runs)
+    cfg = load_config(overrides)
+    ckpts = Checkpoints(cfg, runs)
+    with ckpts, Session(cfg, build_plan(cfg), runs / "out", checkpoints=ckpts) as s:
+        for step in (0, 1):
+            s.log({STEP_TIME: 0.1, REWARD_DROPPED_FRAC: 0.0}, step)
+            s.record_samples(step, torch.arange(step * PER_STEP, (step + 1) * PER_STEP), torch.ones(PER_STEP) > 0)
+        s.save_checkpoint(FakeCluster(), 2, {"sampler": {}})
+        run_id = s.run_id
+    store = f"sqlite:///{runs}/mlflow.db"
+
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert verify_run.main([str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"relax-verify-run: MLflow run {run_id} (FINISHED) in {store}"
+    assert not (elsewhere / "mlflow.db").exists()
+    # --uri still wins (here: this directory's store, which has no such run)
+    assert verify_run.main([str(tmp_path / "ckpt"), "--uri", "sqlite:///mlflow.db"]) == 2
+    assert f"sqlite:///{elsewhere}/mlflow.db" in capsys.readouterr().err
+
+    cfg = load_config([*overrides, "train.resume=auto"])
+    ckpts = Checkpoints(cfg, elsewhere)
+    with pytest.raises(RunError) as info:
+        with ckpts, Session(cfg, build_plan(cfg), elsewhere / "out", checkpoints=ckpts):
+            pass
+    assert str(info.value).endswith(f"; the checkpoint's run was recorded in {store}: run with tracking.uri={store}")
