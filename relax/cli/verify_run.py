@@ -242,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="an MLflow run id, a checkpoint directory (step_NNNNNN) or a save dir (its latest "
                                "checkpoint, and the MLflow run it names)")
     p.add_argument("--uri", default=None,
-                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the store the checkpoint's run was recorded in when "
-                        "RUN is a directory, else sqlite:///mlflow.db)")
+                   help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the store the checkpoint's run "
+                        "was recorded in when RUN is a directory, else sqlite:///mlflow.db)")
     return p
 
 
