@@ -10,21 +10,25 @@ file path on the server's machine; nothing is downloaded (an http(s) URL is a 40
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from relax.data.images import IMAGE_PAD, VISION_END, VISION_START
 from relax.serve.openai.protocol import APIError
 
 PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+_IMAGE_DATA = re.compile(r"(?:input \d+ )?image_data\[(\d+)\]")
 
 
-def take_images(body: Any) -> tuple[Any, list[str]]:
+def take_images(body: Any) -> tuple[Any, list[str], list[str]]:
     """(`body` with each image part of its messages replaced by a text part holding `PLACEHOLDER`, the image URLs in
-    order); `body` itself when it has none. APIError (400) naming a malformed part."""
+    order, where each came from: `messages[i].content[j]`, what an error about the engine's `image_data[k]` names);
+    `body` itself when it has none. APIError (400) naming a malformed part."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
-        return body, []
+        return body, [], []
     urls: list[str] = []
+    places: list[str] = []
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
@@ -41,8 +45,20 @@ def take_images(body: Any) -> tuple[Any, list[str]]:
                                    "{'image_url': {'url': 'data:image/png;base64,...'}}",
                                    param=f"messages[{i}].content[{j}]")
                 urls.append(url)
+                places.append(f"messages[{i}].content[{j}]")
                 parts.append({"type": "text", "text": PLACEHOLDER})
             else:
                 parts.append(part)
         out.append({**m, "content": parts})
-    return ({**body, "messages": out}, urls) if urls else (body, [])
+    return ({**body, "messages": out}, urls, places) if urls else (body, [], [])
+
+
+def naming_parts(exc: APIError, places: list[str]) -> APIError:
+    """The engine's 400 `exc` for a request whose k-th image came from `places[k]` (`take_images`): where it names
+    `image_data[k]` (`relax.serve.sglang.images`: "input 0 image_data[1]: ..."), the same 400 naming that message part
+    instead, its `param` too; else `exc` itself."""
+    found = _IMAGE_DATA.search(str(exc))
+    if exc.status != 400 or exc.param is not None or found is None or int(found.group(1)) >= len(places):
+        return exc
+    part = places[int(found.group(1))]
+    return APIError(_IMAGE_DATA.sub(part, str(exc), count=1), param=part, kind=exc.kind, code=exc.code)

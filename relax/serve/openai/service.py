@@ -35,7 +35,7 @@ from relax.rollout.grammar import (
 from relax.serve.http import EventSource, EventStream
 from relax.serve.openai.chat import END_THINK, ChatFormat, split_reasoning
 from relax.serve.openai.deltas import Delta, TextDeltas
-from relax.serve.openai.images import take_images
+from relax.serve.openai.images import naming_parts, take_images
 from relax.serve.openai.protocol import (
     APIError,
     Choice,
@@ -143,9 +143,10 @@ class OpenAIService:
         """(the request's parameters, its answer: a chat.completion, or with stream its chunks: a list once the
         answer is generated, or an iterator that makes them as the tokens are drawn)."""
         image_data: list[str] = []
+        places: list[str] = []  # the message part each image came from
         if self.images and session is None:  # image parts: placeholders in the text, the images to the engine
             check_image_parts(body)
-            body, image_data = take_images(body)
+            body, image_data, places = take_images(body)
         messages, p = parse_chat(body)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(p))
@@ -160,11 +161,14 @@ class OpenAIService:
             prompt, context = self.fmt.prompt(messages, p.tools, p.template_kwargs), None
         if p.grammar is not None and self.fmt.reasoning:  # a reasoning model reasons before its constrained answer
             p.grammar = self._after_reasoning(p.grammar, prompt)
-        if self._incremental(p, session):
-            payloads, p = self._payloads(prompt, p, session, context, image_data)
-            events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
-            return p, _Closing(self._chat_chunks(events, prompt, p, bool(image_data)), events)
-        sampled, p = self._generate(prompt, p, session, context, image_data)
+        try:  # an image the engine refuses: a 400 naming its message part
+            if self._incremental(p, session):
+                payloads, p = self._payloads(prompt, p, session, context, image_data)
+                events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
+                return p, _Closing(self._chat_chunks(events, prompt, p, bool(image_data)), events)
+            sampled, p = self._generate(prompt, p, session, context, image_data)
+        except APIError as exc:
+            raise naming_parts(exc, places) from None
         choices = [self._chat_choice(s, prompt, p, deltas=p.stream) for s in sampled]
         if session is not None:
             session.record(context, prompt, [
