@@ -308,6 +308,10 @@ class RelaxRayLauncher(Launcher):
             kwargs["num_cpus"] = max(os.cpu_count() or 1, 2)
             # the jobs and their roles at normal priority, as a single run's own instance starts them
             kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
+        else:
+            from relax.runner.ray_auth import enable_token_auth
+
+            enable_token_auth()  # a cluster with token authentication refuses a driver that does not send it
         kwargs.update(self.ray_init)
         ray.init(address=address, **kwargs)
         self.started_ray = True

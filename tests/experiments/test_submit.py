@@ -364,3 +364,29 @@ def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp
     (run,) = client.search_runs([client.get_experiment_by_name("stopped").experiment_id])
     assert run.info.status == "KILLED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "rollout/raw_reward")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_relax_train_and_a_sweep_join_a_token_cluster_with_the_token_alone(ray_head, tmp_path):
+    """relax-train with cluster.address, and a sweep (-m) joining the cluster, with the cluster's token in the
+    environment and RAY_AUTH_MODE unset (as after `ray get-auth-token --generate` on a laptop): they turn token auth on
+    themselves (docs/operations.md, "Multi-node"). Ray had read RAY_AUTH_MODE when relax-train imported it, so the
+    variable alone did not make ray.init send the token: the GCS refused the join (InvalidAuthToken)."""
+    _, token, home, gcs = ray_head
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_AUTH_TOKEN=token)
+    common = [f"cluster.address=127.0.0.1:{gcs}", "train.num_rollout=1", "train.save=false", "tracking.progress=false",
+              f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/out",
+              f"hydra.sweep.dir={tmp_path}/multirun"]
+    from mlflow import MlflowClient
+
+    for args in ([], ["-m", "seed=1"]):
+        proc = subprocess.run([sys.executable, "-m", "relax.cli.train", *args, *common], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "InvalidAuthToken" not in proc.stderr
+        if not args:  # the single run's plan names the cluster it joined
+            assert f"Ray: 127.0.0.1:{gcs}" in proc.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("relax").experiment_id], "tags.seed = '1'")
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED"]  # the run and the sweep's job
