@@ -548,7 +548,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         client = JobSubmissionClient(args.address)
         job_id = submit_with_retry(client, payload)
     except Exception as exc:  # noqa: BLE001 - connection refused, auth failure, bad runtime_env ...
-        print(f"relax-submit: error: cannot submit to {args.address}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        hint = ""
+        if "://" not in args.address:  # Ray reads HOST:PORT as the GCS's address (ray start --port), not the dashboard
+            hint = (f" ({args.address} without http:// is taken as the Ray head's GCS address, ray start's --port, "
+                    f"6379 by default; the dashboard's is http://{args.address}, its port 8265 by default)")
+        print(f"relax-submit: error: cannot submit to {args.address}: {type(exc).__name__}: {exc}{hint}",
+              file=sys.stderr)
         sys.exit(USAGE_EXIT)
     print(f"submitted job {job_id} to {args.address}: {payload['entrypoint']}", flush=True)
     if exp_dir is not None:

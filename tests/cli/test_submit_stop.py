@@ -114,3 +114,22 @@ def test_a_stopped_job_exits_as_relax_train_does_after_sigterm():
             return Info()
 
     assert submit.exit_code(Client(), "job-1", "STOPPED") == 143
+
+
+def test_an_address_without_a_scheme_that_fails_says_how_ray_reads_it(env, capsys):
+    """`--address HOST:8265` (the dashboard's port, no http://) is a GCS address to Ray: after its retries, Ray's
+    error speaks of the GCS only."""
+    class Refused:
+        def __init__(self, address):
+            raise ConnectionError("Timed out while waiting for GCS to become available.")
+
+    import ray.job_submission
+
+    env.setattr(ray.job_submission, "JobSubmissionClient", Refused)
+    for address, hinted in (("head.example:8265", True), ("http://head.example:8265", False)):
+        with pytest.raises(SystemExit) as exc:
+            main(["--address", address, "--no-follow", "--", *ABSOLUTE])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"relax-submit: error: cannot submit to {address}: ConnectionError" in err
+        assert ("without http:// is taken as the Ray head's GCS address" in err) == hinted
+        assert (f"the dashboard's is http://{address}" in err) == hinted
