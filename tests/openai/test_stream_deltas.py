@@ -64,7 +64,7 @@ def check(service: OpenAIService, text: str, p: Params, prompt: list[int]) -> No
         sent[d.field] += d.text
         lps += d.logprobs or []
     assert sent == {"reasoning_content": reasoning, "content": content}, (text, p.stop)
-    assert lps == list(zip(final.pieces, final.logprobs, strict=True))
+    assert lps == [(piece, lp, []) for piece, lp in zip(final.pieces, final.logprobs, strict=True)]
 
 
 @pytest.mark.parametrize("tools", [False, True])

@@ -246,18 +246,6 @@ class ChatFormat:
         with self.lock:
             return [self.tokenizer.decode([t]) for t in tokens]
 
-    def increments(self, tokens: list[int]) -> list[str]:
-        """What each token adds to the decoded text (special tokens left out but the tool-call markers): a stream's
-        content deltas. A character still incomplete at the end (U+FFFD: a token ends inside its bytes) comes with
-        the token that completes it (`relax.serve.openai.deltas` reads the text so far the same way)."""
-        out, before = [], ""
-        with self.lock:
-            for k in range(1, len(tokens) + 1):
-                text = self._text(tokens[:k]).rstrip("\ufffd")
-                out.append(text[len(before):] if text.startswith(before) else "")
-                before = text if text.startswith(before) else before
-        return out
-
     # ---------------------------------------------------------------------------------------------- answers
     def answer_text(self, tokens: list[int], stop: list[str],
                     trim: bool = True) -> tuple[list[int], str, Optional[int], bool]:

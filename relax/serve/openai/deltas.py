@@ -18,9 +18,11 @@ back until it is decided:
 - the end of the text while a character is incomplete (U+FFFD), and, for a tokenizer that cleans up spaces when
   decoding (" ." -> "."), trailing blank.
 
-A delta falls on token boundaries: each token's text is its increment (`ChatFormat.increments`), joined with the
-held text of earlier tokens once that is decided. Each delta carries the log-probs of the tokens whose text it
-completes (a token with no text of its own, with the next delta); the rest come with the finished answer.
+A delta falls on token boundaries: each token's text is what it adds to the decoded text, joined with the held text
+of earlier tokens once that is decided. Each delta carries the log-probs of the tokens whose text it completes (with
+their alternatives: top_logprobs), a token with no text of its own with the next delta; the rest come with the
+finished answer. A stream written once its answer is finished (a training session's, top_logprobs) feeds the whole
+answer at once, so it is written by the same rules as one whose tokens come as they are drawn.
 """
 
 from __future__ import annotations
@@ -53,14 +55,18 @@ _LLAMA_OPENING = re.compile(r"[\[{]")
 logger = logging.getLogger(__name__)
 
 
+# one token's log-prob entry: its text, its log-prob and the (text, log-prob) of the likeliest tokens there
+Entry = tuple[str, float, list[tuple[str, float]]]
+
+
 @dataclass
 class Delta:
-    """A piece of a choice's stream: `field` ("content" or "reasoning_content") and its text, and the (piece,
-    log-prob) of the tokens it completes (None: log-probs not asked for)."""
+    """A piece of a choice's stream: `field` ("content" or "reasoning_content") and its text, and the log-prob
+    entries of the tokens it completes (None: log-probs not asked for)."""
 
     field: str
     text: str
-    logprobs: Optional[list[tuple[str, float]]]
+    logprobs: Optional[list[Entry]]
 
 
 def _held_prefix_tail(text: str, marks: tuple[str, ...]) -> int:
@@ -73,7 +79,7 @@ def _held_prefix_tail(text: str, marks: tuple[str, ...]) -> int:
 
 
 class TextDeltas:
-    """The deltas of one choice. `feed(tokens, logps)` with the tokens drawn so far (cumulative) returns the new
+    """The deltas of one choice. `feed(tokens, logps, top)` with the tokens drawn so far (cumulative) returns the new
     deltas; `finish(choice)` with the finished answer (`Choice`, as the unstreamed answer has it) returns the rest.
 
     `decode`: the text of tokens (`ChatFormat.decode`); `piece`: a token's own text (its log-prob's `token`); `eos`:
@@ -95,12 +101,14 @@ class TextDeltas:
         self.sent = {"reasoning_content": "", "content": ""}
         self.fed = 0  # tokens looked at
         self.ends: list[int] = []  # per token: the length of the text up to its end
-        self.entries: list[tuple[str, float]] = []  # per token looked at: (piece, log-prob)
+        self.entries: list[Entry] = []  # per token looked at
         self.given = 0  # tokens whose log-probs were sent
 
     # ------------------------------------------------------------------------------------------------ progress
-    def feed(self, tokens: list[int], logps: list[float]) -> list[Delta]:
-        """The deltas of the tokens drawn since the last call (`tokens`: all drawn so far)."""
+    def feed(self, tokens: list[int], logps: list[float],
+             top: Optional[list[list[tuple[str, float]]]] = None) -> list[Delta]:
+        """The deltas of the tokens drawn since the last call (`tokens`: all drawn so far; `top`: per token its
+        alternatives, None: none asked for)."""
         if tokens and tokens[-1] in self.eos:  # the stop token that ends the answer: no text
             tokens = tokens[:-1]
         out: list[Delta] = []
@@ -108,7 +116,7 @@ class TextDeltas:
             text = self.decode(tokens[:k]).rstrip("\ufffd")  # a character still incomplete: not yet
             self.ends.append(len(text))
             if self.logprobs:
-                self.entries.append((self.piece(tokens[k - 1]), float(logps[k - 1])))
+                self.entries.append((self.piece(tokens[k - 1]), float(logps[k - 1]), top[k - 1] if top else []))
             out += self._step(text)
         self.fed = max(self.fed, len(tokens))
         return out
@@ -202,7 +210,8 @@ class TextDeltas:
                 out.append(Delta(field, final[len(before):], None))
                 self.sent[field] = final
         if self.logprobs:
-            rest = list(zip(choice.pieces, choice.logprobs, strict=True))[self.given:]
+            top = choice.top or [[] for _ in choice.pieces]
+            rest = list(zip(choice.pieces, choice.logprobs, top, strict=True))[self.given:]
             self.given = len(choice.tokens)
             if out:
                 out[-1].logprobs = rest

@@ -556,10 +556,8 @@ class Choice:
     finish_reason: str  # stop | length | tool_calls
     top: Optional[list[list[tuple[str, float]]]] = None  # per token: (text, log-prob) of the most likely tokens
     tool_calls: Optional[list[dict]] = None  # OpenAI tool_calls of a chat answer
-    deltas: Optional[list[str]] = None  # what each token adds to the text (for streaming)
     reasoning: Optional[str] = None  # reasoning_content: the text of a <think> block split off (None: none was)
     think_text: str = ""  # with `reasoning`: the answer's text before its content (the block as the model wrote it)
-    reasoning_span: tuple[int, int] = (0, 0)  # with `reasoning`: where it lies in think_text
     reasoning_tokens: int = 0  # with `reasoning`: the sampled tokens of the <think> block (counted in `tokens`)
 
 
@@ -628,44 +626,6 @@ def sse(chunks: Any) -> Iterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-def chat_events(answer: dict, p: Params, choices: list[Choice]) -> bytes:
-    """`answer` (a chat.completion) as server-sent `chat.completion.chunk` events (`chat_chunks`), then
-    `data: [DONE]`."""
-    return b"".join(sse(chat_chunks(answer, p, choices)))
-
-
-def chat_chunks(answer: dict, p: Params, choices: list[Choice]) -> list[dict]:
-    """`answer` (a chat.completion, finished) as its `chat.completion.chunk` objects, one per token and choice, then
-    the finish reasons (and the usage with `stream_options.include_usage`)."""
-    head = {k: answer[k] for k in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk"
-    events = []
-    for i, (ch, c) in enumerate(zip(answer["choices"], choices, strict=True)):
-        # OpenAI's first delta: content "" for an answer with text, null for one without (only tool calls)
-        first = {"role": "assistant", "content": None if ch["message"]["content"] is None else ""}
-        events.append({**head, "choices": [{"index": i, "delta": first, "finish_reason": None, "logprobs": None}]})
-        content = ch["message"]["content"] or ""
-        token_logprobs = _token_logprobs(c, p.top_logprobs) if p.logprobs else None
-        if c.reasoning is not None:
-            for delta, k in _reasoning_deltas(content, c, p.stream_reasoning):
-                lp = {"content": token_logprobs[k:k + 1]} if token_logprobs is not None and k is not None else None
-                events.append({**head, "choices": [{"index": i, "delta": delta, "finish_reason": None,
-                                                    "logprobs": lp}]})
-        else:
-            for j, piece in enumerate(_stream_pieces(content, c)):
-                lp = {"content": token_logprobs[j:j + 1]} if token_logprobs is not None else None
-                events.append({**head, "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None,
-                                                    "logprobs": lp}]})
-        if ch["message"].get("tool_calls"):
-            events.append({**head, "choices": [{"index": i, "delta": {"tool_calls": indexed_calls(
-                ch["message"]["tool_calls"])}, "finish_reason": None, "logprobs": None}]})
-        events.append({**head, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"],
-                                            "logprobs": None}]})
-    if p.include_usage:
-        events.append({**head, "choices": [], "usage": answer["usage"]})
-    return events
-
-
 def indexed_calls(calls: list[dict]) -> list[dict]:
     """A message's tool calls as a stream's delta writes them (each with its `index`)."""
     return [{"index": k, **tc} for k, tc in enumerate(calls)]
@@ -675,75 +635,3 @@ def token_logprob(piece: str, logprob: float, alts: Optional[list[tuple[str, flo
     """One token's entry of a chat answer's logprobs.content."""
     return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
             "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in alts or []]}
-
-
-def _stream_pieces(content: str, c: Choice) -> list[str]:
-    """`content` split at the answer's token boundaries (what a token-by-token stream would send); in one piece
-    where it is not the tokens' text (tool calls taken out of it)."""
-    pieces, at = [], 0
-    for piece in c.deltas or []:
-        if at >= len(content) or content[at:at + len(piece)] != piece:
-            break
-        pieces.append(piece)
-        at += len(piece)
-    if at < len(content):
-        if c.tool_calls:
-            return [content] if content else []
-        pieces.append(content[at:])
-    return [q for q in pieces if q]
-
-
-def _clip(piece: str, at: int, lo: int, hi: int) -> str:
-    """The part of `piece` (at offset `at` of a text) that lies in [lo, hi) of that text."""
-    return piece[max(lo - at, 0):max(min(hi - at, len(piece)), 0)]
-
-
-def _reasoning_deltas(content: str, c: Choice, per_token: bool) -> list[tuple[dict, Optional[int]]]:
-    """(delta, token index or None) of a streamed answer whose <think> block was split off: each token's part of
-    the reasoning as `reasoning_content` (all of it in one delta unless `per_token`), its part of the content as
-    `content`; the tags and the blank between them send nothing. A part that is not the tokens' text (the
-    content with tool calls taken out, a reasoning that differs) comes whole, in its place."""
-    (r0, r1), c0 = c.reasoning_span, len(c.think_text)
-    parts, at = [], 0
-    for d in c.deltas or []:
-        parts.append((_clip(d, at, r0, r1), _clip(d, at, c0, 1 << 62)))
-        at += len(d)
-    per_token = per_token and "".join(r for r, _ in parts) == c.reasoning
-    said = "".join(t for _, t in parts)
-    content_ok = not c.tool_calls and said.startswith(content)
-    out: list[tuple[dict, Optional[int]]] = []
-    if not per_token and c.reasoning:  # before the content
-        out.append(({"reasoning_content": c.reasoning}, None))
-    left = len(content)
-    for k, (r, t) in enumerate(parts):
-        t, left = (t[:max(left, 0)], left - len(t)) if content_ok else ("", left)
-        delta = {}
-        if r and per_token:
-            delta["reasoning_content"] = r
-        if t:
-            delta["content"] = t
-        if delta:
-            out.append((delta, k))
-    if not content_ok and content:
-        out.append(({"content": content}, None))
-    return out
-
-
-def completion_events(answer: dict, choices: list[Choice], p: Optional[Params] = None) -> bytes:
-    """`answer` (a text_completion) as server-sent events (`completion_chunks`), then `data: [DONE]`."""
-    return b"".join(sse(completion_chunks(answer, choices, p)))
-
-
-def completion_chunks(answer: dict, choices: list[Choice], p: Optional[Params] = None) -> list[dict]:
-    """`answer` (a text_completion, finished) as its stream's objects: each choice's text at its token boundaries,
-    its finish reason, then (with `stream_options.include_usage`) the usage, in a chunk without choices."""
-    head = {k: answer[k] for k in ("id", "object", "created", "model")}
-    events = []
-    for i, ch in enumerate(answer["choices"]):
-        for piece in _stream_pieces(ch["text"], choices[i]):
-            events.append({**head, "choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]})
-        events.append({**head, "choices": [{"index": i, "text": "", "finish_reason": ch["finish_reason"],
-                                            "logprobs": None}]})
-    if p is not None and p.include_usage:
-        events.append({**head, "choices": [], "usage": answer["usage"]})
-    return events

@@ -9,9 +9,10 @@ Within a session (`relax.serve.openai.sessions`), the session decides the prompt
 before), the sampling and the limits, and records every call.
 
 A streamed answer (`stream`) is written as its tokens are drawn where the engine streams (`StreamSend`: relax-serve),
-outside a session and without top_logprobs: `relax.serve.openai.deltas` decides what of each choice may be sent;
-its end (the choice, its tool calls, finish reason and usage) is computed by the same code as the unstreamed
-answer's. Otherwise the stream is written from the finished answer.
+outside a session and without top_logprobs; otherwise once the whole answer is generated. Either way by the same
+writer (`_chat_chunks`, `_completion_chunks`): `relax.serve.openai.deltas` decides what of each choice may be sent (a
+finished answer's tokens fed at once), and its end (the choice, its tool calls, finish reason and usage) is computed
+by the same code as the unstreamed answer's.
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ from relax.serve.openai.protocol import (
     Choice,
     Params,
     chat_answer,
-    chat_chunks,
     check_image_parts,
     completion_answer,
-    completion_chunks,
     indexed_calls,
     new_id,
     normalize_message,
@@ -99,6 +98,9 @@ class Session(Protocol):
 # tokens and their log-probs so far, cumulative), then its final answer (as `send` returns it), or
 # {"error": {"message"}}; closing it early aborts what still runs.
 StreamSend = Callable[[list[dict]], Iterator[dict]]
+# What a stream's writer reads of a choice (`OpenAIService._progress`, `_answered`): (its index, its tokens and their
+# log-probs so far and None while it goes on; at its end, its `Sampled` and `Choice` (whose tokens are the answer's)).
+Drawn = tuple[int, list[int], list[float], Optional[tuple[Sampled, Choice]]]
 
 
 class OpenAIService:
@@ -165,21 +167,23 @@ class OpenAIService:
             if self._incremental(p, session):
                 payloads, p = self._payloads(prompt, p, session, context, image_data)
                 events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
-                return p, _Closing(self._chat_chunks(events, prompt, p, bool(image_data)), events)
+                drawn = self._progress(events, lambda s: self._chat_choice(s, prompt, p))
+                return p, _Closing(self._chat_chunks(drawn, prompt, p, bool(image_data)), events)
             sampled, p = self._generate(prompt, p, session, context, image_data)
         except APIError as exc:
             raise naming_parts(exc, places) from None
-        choices = [self._chat_choice(s, prompt, p, deltas=p.stream) for s in sampled]
+        choices = [self._chat_choice(s, prompt, p) for s in sampled]
         if session is not None:
             session.record(context, prompt, [
                 (s, c, normalize_message({"role": "assistant", "content": c.text or None,
                                           "tool_calls": c.tool_calls}))
                 for s, c in zip(sampled, choices, strict=True)])
+        if p.stream:
+            return p, list(self._chat_chunks(_answered(sampled, choices), prompt, p, bool(image_data)))
         prompt_len = sampled[0].prompt_tokens if image_data and sampled[0].prompt_tokens else len(prompt)
-        answer = chat_answer(choices, p, prompt_len, model=p.model)
-        return p, chat_chunks(answer, p, choices) if p.stream else answer
+        return p, chat_answer(choices, p, prompt_len, model=p.model)
 
-    def _chat_choice(self, s: Sampled, prompt: list[int], p: Params, deltas: bool = False) -> Choice:
+    def _chat_choice(self, s: Sampled, prompt: list[int], p: Params) -> Choice:
         """A chat answer's choice of what the engine sampled: its content, reasoning and tool calls."""
         tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
         finish = self._finish(s, tokens)
@@ -188,10 +192,9 @@ class OpenAIService:
         content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
         if calls:
             finish = "tool_calls"
-        choice = self._choice(s, tokens, content, finish, calls, p, deltas)
+        choice = self._choice(s, tokens, content, finish, calls, p)
         if split:
             choice.reasoning, choice.think_text = think[split[0][0]:split[0][1]], think
-            choice.reasoning_span = split[0]
             # the reasoning tokens: the sampled ones up to the block's </think> (all of them, unclosed)
             end = think.find(END_THINK, split[0][0])
             block = think[:end + len(END_THINK)] if end >= 0 else think
@@ -224,18 +227,23 @@ class OpenAIService:
         for prompt in prompts:
             more, p = self._payloads(prompt, p, session, context)
             payloads += more
+        prompt_tokens = sum(len(q) for q in prompts)
         if self._incremental(p, session):
             events = self.stream(payloads)
-            return 200, _streamed(_Closing(self._completion_chunks(events, sum(len(q) for q in prompts), p), events))
+            drawn = self._progress(events, lambda s: self._completion_choice(s, p))
+            return 200, _streamed(_Closing(self._completion_chunks(drawn, prompt_tokens, p), events))
         sampled = [self._parse(a) for a in self.send(payloads)]
-        choices = []
-        for s in sampled:
-            tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
-            choices.append(self._choice(s, tokens, text, self._finish(s, tokens), None, p, deltas=p.stream))
+        choices = [self._completion_choice(s, p) for s in sampled]
         if session is not None:
             session.record(context, prompts[0], [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
-        answer = completion_answer(choices, p, sum(len(q) for q in prompts), model=p.model)
-        return (200, _streamed(completion_chunks(answer, choices, p))) if p.stream else (200, answer)
+        if p.stream:
+            return 200, _streamed(list(self._completion_chunks(_answered(sampled, choices), prompt_tokens, p)))
+        return 200, completion_answer(choices, p, prompt_tokens, model=p.model)
+
+    def _completion_choice(self, s: Sampled, p: Params) -> Choice:
+        """A completion's choice of what the engine sampled: its text up to a stop string."""
+        tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
+        return self._choice(s, tokens, text, self._finish(s, tokens), None, p)
 
     # --------------------------------------------------------------------------------------------- incremental
     def _incremental(self, p: Params, session: Optional[Session]) -> bool:
@@ -253,25 +261,29 @@ class OpenAIService:
                           parser_name=parser_format(fmt.tool_parser), logprobs=p.logprobs,
                           cleanup=bool(getattr(fmt.tokenizer, "clean_up_tokenization_spaces", False)))
 
-    def _progress(self, events: Iterator[dict]) -> Iterator[tuple[int, Optional[Sampled], list[int], list[float]]]:
-        """(payload index, its final `Sampled` or None while it goes on, its tokens and log-probs so far) of each
-        event of a `stream`; an error event raises APIError (a 500)."""
-        for event in events:
-            if "error" in event:
-                error = event["error"]
-                message = error.get("message") if isinstance(error, dict) else str(error)
-                raise APIError(str(message), status=500, kind="server_error")
-            meta = event.get("meta_info") or {}
-            i = int(event.get("index", 0))
-            if meta.get("finish_reason") is not None:
-                s = self._parse(event)
-                yield i, s, s.tokens, s.logprobs
-            else:
-                pairs = meta.get("output_token_logprobs") or []
-                yield i, None, [int(q[1]) for q in pairs], [float(q[0]) for q in pairs]
+    def _progress(self, events: Iterator[dict], answer: Callable[[Sampled], Choice]) -> Iterator[Drawn]:
+        """Each event of a `stream` as its writer reads it (`Drawn`), a finished choice answered by `answer`; an error
+        event raises APIError (a 500). Closing it closes `events`."""
+        try:
+            for event in events:
+                if "error" in event:
+                    error = event["error"]
+                    message = error.get("message") if isinstance(error, dict) else str(error)
+                    raise APIError(str(message), status=500, kind="server_error")
+                meta = event.get("meta_info") or {}
+                i = int(event.get("index", 0))
+                if meta.get("finish_reason") is not None:
+                    s = self._parse(event)
+                    yield i, [], [], (s, answer(s))
+                else:
+                    pairs = meta.get("output_token_logprobs") or []
+                    yield i, [int(q[1]) for q in pairs], [float(q[0]) for q in pairs], None
+        finally:
+            _close(events)
 
-    def _chat_chunks(self, events: Iterator[dict], prompt: list[int], p: Params, images: bool) -> Iterator[dict]:
-        """The chunks of a chat stream as its tokens are drawn (`relax.serve.openai.deltas`): per choice its role,
+    def _chat_chunks(self, drawn: Iterator[Drawn], prompt: list[int], p: Params, images: bool) -> Iterator[dict]:
+        """The chunks of a chat stream, as its tokens are drawn or of its finished answer (`relax.serve.openai.deltas`,
+        `Drawn`): per choice its role,
         its decided reasoning and content, then with its end the rest, its tool calls and finish_reason; then the
         usage (stream_options.include_usage)."""
         head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
@@ -289,24 +301,24 @@ class OpenAIService:
                 begun[i] = True
                 yield chunk(i, {"role": "assistant", "content": content})
             for d in deltas:
-                lps = [token_logprob(piece, lp) for piece, lp in d.logprobs] if d.logprobs is not None else None
+                lps = None
+                if d.logprobs is not None:
+                    lps = [token_logprob(piece, lp, alts[:p.top_logprobs]) for piece, lp, alts in d.logprobs]
                 yield chunk(i, {d.field: d.text} if d.text else {}, lps)
 
         try:
-            for i, s, tokens, logps in self._progress(events):
-                if s is None:
+            for i, tokens, logps, done in drawn:
+                if done is None:
                     yield from written(i, splitters[i].feed(tokens, logps))
                     continue
-                try:
-                    c = self._chat_choice(s, prompt, p)
-                except APIError as exc:
-                    yield exc.body()
-                    return
+                s, c = done
                 choices[i] = c
                 if images and s.prompt_tokens:
                     prompt_len = s.prompt_tokens
-                content = c.text if c.text or not c.tool_calls else None
-                yield from written(i, splitters[i].finish(c, c.reasoning, c.text), True, content)
+                content = "" if c.text or not c.tool_calls else None  # OpenAI: null for calls only
+                splitter = splitters[i]  # the tokens not yet fed, then what only the finished answer decides
+                deltas = splitter.feed(c.tokens, c.logprobs, c.top) + splitter.finish(c, c.reasoning, c.text)
+                yield from written(i, deltas, True, content)
                 if c.tool_calls:
                     yield chunk(i, {"tool_calls": indexed_calls(c.tool_calls)})
                 yield chunk(i, {}, finish=c.finish_reason)
@@ -315,11 +327,12 @@ class OpenAIService:
         except APIError as exc:
             yield exc.body()
         finally:
-            _close(events)
+            _close(drawn)
 
-    def _completion_chunks(self, events: Iterator[dict], prompt_tokens: int, p: Params) -> Iterator[dict]:
-        """The chunks of a completion stream as its tokens are drawn: each choice's decided text (and its tokens'
-        log-probs), then with its end the rest and its finish_reason; then the usage (stream_options.include_usage)."""
+    def _completion_chunks(self, drawn: Iterator[Drawn], prompt_tokens: int, p: Params) -> Iterator[dict]:
+        """The chunks of a completion stream, as its tokens are drawn or of its finished answer: each choice's decided
+        text (and its tokens' log-probs), then with its end the rest and its finish_reason; then the usage
+        (stream_options.include_usage)."""
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": p.model}
         texts: dict[int, TextDeltas] = {}
         offsets: dict[int, int] = {}
@@ -329,30 +342,25 @@ class OpenAIService:
             logprobs = None
             if d.logprobs is not None:
                 at, tokens, lps, starts = offsets.get(i, 0), [], [], []
-                for piece, lp in d.logprobs:
+                for piece, lp, _ in d.logprobs:
                     tokens.append(piece)
                     lps.append(lp)
                     starts.append(at)
                     at += len(piece)
                 offsets[i] = at
-                logprobs = {"tokens": tokens, "token_logprobs": lps, "text_offset": starts, "top_logprobs": None}
+                top = [dict(alts[:p.top_logprobs]) for _, _, alts in d.logprobs] if p.top_logprobs else None
+                logprobs = {"tokens": tokens, "token_logprobs": lps, "text_offset": starts, "top_logprobs": top}
             return {**head, "choices": [{"index": i, "text": d.text, "finish_reason": None, "logprobs": logprobs}]}
 
         try:
-            for i, s, tokens, logps in self._progress(events):
+            for i, tokens, logps, done in drawn:
                 splitter = texts.setdefault(i, self._deltas(p, [], chat=False))
-                if s is None:
+                if done is None:
                     for d in splitter.feed(tokens, logps):
                         yield chunk(i, d)
                     continue
-                kept, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
-                try:
-                    c = self._choice(s, kept, text, self._finish(s, kept), None, p)
-                except APIError as exc:
-                    yield exc.body()
-                    return
-                choices[i] = c
-                for d in splitter.finish(c, None, c.text):
+                c = choices[i] = done[1]
+                for d in splitter.feed(c.tokens, c.logprobs, c.top) + splitter.finish(c, None, c.text):
                     yield chunk(i, d)
                 yield {**head, "choices": [{"index": i, "text": "", "finish_reason": c.finish_reason,
                                             "logprobs": None}]}
@@ -363,7 +371,7 @@ class OpenAIService:
         except APIError as exc:
             yield exc.body()
         finally:
-            _close(events)
+            _close(drawn)
 
     # --------------------------------------------------------------------------------------------- generation
     def _limit(self, p: Params, prompt_len: int) -> int:
@@ -491,16 +499,19 @@ class OpenAIService:
         return "stop" if len(tokens) < len(s.tokens) or s.finish == FinishReason.STOP else "length"
 
     def _choice(self, s: Sampled, tokens: list[int], text: str, finish: str, calls: Optional[list[dict]],
-                p: Params, deltas: bool = False) -> Choice:
-        """One answer; each token's text for the log-probs when asked, and with `deltas` its text increments (a
-        stream written from the finished answer)."""
+                p: Params) -> Choice:
+        """One answer; each token's text for the log-probs when asked."""
         pieces = self.fmt.pieces(tokens) if p.logprobs else []
         top = None
         if s.top:
             top = [[(self.fmt.pieces([t])[0], lp) for lp, t in alts] for alts in s.top[:len(tokens)]]
         return Choice(text=text, tokens=tokens, logprobs=s.logprobs[:len(tokens)], pieces=pieces,
-                      finish_reason=finish, top=top, tool_calls=calls,
-                      deltas=self.fmt.increments(tokens) if deltas else None)
+                      finish_reason=finish, top=top, tool_calls=calls)
+
+
+def _answered(sampled: list[Sampled], choices: list[Choice]) -> Iterator[Drawn]:
+    """Finished choices as a stream's writer reads them: each at its end, every token still to be fed."""
+    return ((i, [], [], (s, c)) for i, (s, c) in enumerate(zip(sampled, choices, strict=True)))
 
 
 def _close(it: Any) -> None:
