@@ -28,6 +28,12 @@ def default_eval_set_name(data: Any) -> Optional[str]:
     return None
 
 
+def evaluates(cfg: Any) -> bool:
+    """Whether the run evaluates at all: `train.eval_interval > 0`, or `train.num_rollout=0` (an evaluation-only run,
+    which evaluates its starting weights once whatever the interval)."""
+    return cfg.train.eval_interval > 0 or cfg.train.num_rollout == 0
+
+
 def eval_pass_ks(cfg: Any) -> list[int]:
     """The k of the logged pass@k: `train.eval_pass_k`, else [1, n] (just [1] when n = 1), n =
     `rollout.eval_n_samples_per_prompt`."""

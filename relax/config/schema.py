@@ -234,7 +234,8 @@ class TrainConfig:
     # With max_tokens_per_micro_batch, a micro-batch's tokens are then the sum of its rows'. torch backend.
     pack_sequences: bool = False
     num_steps_per_rollout: Optional[int] = positive(None)  # None: samples per rollout / global_batch_size (or 1)
-    num_rollout: int = positive(60)
+    # training steps (rollouts); 0: an evaluation-only run (docs/training.md, "Evaluation")
+    num_rollout: int = non_negative(60)
     lr: float = positive(1e-6)
     lr_schedule: str = choice("constant", ("constant", "cosine", "linear"))
     warmup_steps: int = non_negative(0)
@@ -295,7 +296,8 @@ class TrainConfig:
     # relax-export does) to <save_dir>/hf, either backend; megatron also writes hf/ into every checkpoint
     save_hf: bool = False
     resume: Optional[str] = None  # auto (latest in save_dir, fresh if none) | a checkpoint directory
-    # Evaluate every N steps and after the last step (docs/training.md, "Evaluation"); 0: no evaluation.
+    # Evaluate every N steps and after the last step (docs/training.md, "Evaluation"); 0: no evaluation (but
+    # num_rollout=0 evaluates once whatever its value).
     eval_interval: int = non_negative(0)
     # k of the logged pass@k (eval/<set>/pass_at_<k>), each in 1..rollout.eval_n_samples_per_prompt, ascending.
     # None: [1, n].

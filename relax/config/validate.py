@@ -13,7 +13,7 @@ from relax import algorithms
 from relax.algorithms.base import Range, Violation, choices_of, range_of
 from relax.config.core_rules import role_cores_violations
 from relax.config.derive import agentic, data_parallel_size, needs_reference
-from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name
+from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name, evaluates
 from relax.config.megatron_rules import (
     NOT_BUILT,
     megatron_violations,
@@ -632,20 +632,24 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
     r.require(t.ref_load is None or needs_reference(cfg) is not None, "train.ref_load",
               f"train.ref_load={t.ref_load} has no effect: no KL term needs a reference model "
               "(set algorithm.use_kl_loss=true with a kl_loss_coef, or an algorithm with reward-side KL)")
-    no_eval = t.eval_interval == 0
+    no_eval = not evaluates(cfg)
     why_eval = "train.eval_interval=0 runs no evaluation"
+    # train.num_rollout=0 (an evaluation-only run) trains nothing, so it writes no checkpoint
+    unused(t, "train", ("save_interval", "keep_checkpoints", "save_hf"), t.num_rollout == 0,
+           "train.num_rollout=0 (evaluation only) trains nothing and writes no checkpoint")
     unused(d, "data", ("eval_path", "eval_sets", "num_eval_prompts"), no_eval, why_eval)
     unused(d, "data", ("eval_path",), d.path is None and d.task in ("digits", "arithmetic"),
            f"data.task={d.task} generates its own eval prompts (data.num_eval_prompts)")
     unused(d, "data", ("system_prompt",), not d.apply_chat_template,
            "the system prompt is a message of the chat template (data.apply_chat_template=false)")
     if not no_eval:
-        r.require(d.num_eval_prompts > 0, ("train.eval_interval", "data.num_eval_prompts"),
-                  f"train.eval_interval={t.eval_interval} needs eval prompts, but data.num_eval_prompts=0")
-        r.require(d.task != "file" or d.eval_path is not None or bool(d.eval_sets),
-                  ("train.eval_interval", "data.eval_path"),
-                  f"train.eval_interval={t.eval_interval} needs eval prompts: set data.eval_path or data.eval_sets "
-                  "for data.task=file")
+        # an evaluation-only run is there to evaluate: it says so, whatever train.eval_interval holds
+        field, what = (("train.num_rollout", "train.num_rollout=0 (an evaluation-only run)") if t.num_rollout == 0
+                       else ("train.eval_interval", f"train.eval_interval={t.eval_interval}"))
+        r.require(d.num_eval_prompts > 0, (field, "data.num_eval_prompts"),
+                  f"{what} needs eval prompts, but data.num_eval_prompts=0")
+        r.require(d.task != "file" or d.eval_path is not None or bool(d.eval_sets), (field, "data.eval_path"),
+                  f"{what} needs eval prompts: set data.eval_path or data.eval_sets for data.task=file")
     unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature", "eval_top_p"), no_eval, why_eval)
     unused(t, "train", ("eval_pass_k", "eval_correct_threshold"), no_eval, why_eval)
     unused(ro, "rollout", ("partial_rollout_max_aborts", "mask_offpolicy_in_partial_rollout"), not ro.partial_rollout,

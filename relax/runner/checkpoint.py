@@ -93,6 +93,19 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "cluster.heartbeat_timeout_s",
     "tracking.system_metrics",
     "tracking.system_metrics_interval_s",
+    # what evaluation runs and how (docs/training.md, "Evaluation"): only evaluation reads these; it samples its own
+    # prompts with its own random streams between two rollout batches, so a training step computes the same with any
+    # of them (but in fully_async with weight_sync_interval > 1, where the weights published before each evaluation
+    # reach the rollouts that follow, `resume_point` refuses a new interval while steps are left)
+    "train.eval_interval",
+    "train.eval_pass_k",
+    "train.eval_correct_threshold",
+    "rollout.eval_n_samples_per_prompt",
+    "rollout.eval_temperature",
+    "rollout.eval_top_p",
+    "data.eval_path",
+    "data.eval_sets",
+    "data.num_eval_prompts",
 )
 
 
@@ -244,12 +257,24 @@ def config_differences(saved: Mapping[str, str], current: Mapping[str, str],
         other = current if before is not None else saved
         return any(k.startswith(key + ".") for k in other)
 
+    def may_change(key: str) -> bool:
+        """`key` is an allowed field, or a leaf of one (`data.eval_sets.a`, `train.eval_pass_k.0`)."""
+        return key in allowed or any(key.startswith(field + ".") for field in allowed)
+
     refused, ok = {}, {}
     for key in sorted(keys):
         before, now = saved.get(key), current.get(key)
         if before != now and not marker_of_filled(key, before, now):
-            (ok if key in allowed else refused)[key] = (before, now)
+            (ok if may_change(key) else refused)[key] = (before, now)
     return refused, ok
+
+
+def _int(value: Any) -> int:
+    """A state.json step as a number (0 when missing or damaged: `verify` and the sampler's checks report those)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _flat(cfg: RelaxConfig) -> dict[str, str]:
@@ -310,14 +335,21 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
     if not isinstance(saved, dict):
         raise _refuse(path, f"{path / STATE} is damaged ('config' is not an object)")
     refused, changed = config_differences(saved, _flat(cfg))
+    why = ""
+    if "train.eval_interval" in changed and cfg.train.mode == "fully_async" and cfg.train.weight_sync_interval > 1 \
+            and _int(state.get("step")) < cfg.train.num_rollout:
+        refused["train.eval_interval"] = changed.pop("train.eval_interval")
+        why = (f"train.eval_interval cannot change here: with train.mode=fully_async and train.weight_sync_interval="
+               f"{cfg.train.weight_sync_interval}, the weights published before each evaluation reach the rollouts "
+               "that follow, so the interval changes what the remaining steps train on.\n")
     if refused:
         lines = "\n".join(f"  {key}: {before} -> {now}" for key, (before, now) in refused.items())
         n = len(refused)
         raise RunError(
             f"train.resume={cfg.train.resume}: checkpoint {path} was written with a different config, so this run "
             f"cannot continue it ({n} field{'s differ' if n > 1 else ' differs'}, checkpoint -> now):\n{lines}\n"
-            f"Only {', '.join(RESUMABLE_CHANGES)} may change on resume. Run with the checkpoint's values to continue "
-            f"it, or start a new run elsewhere (tracking.run_name=... or train.save_dir=...)."
+            f"{why}Only {', '.join(RESUMABLE_CHANGES)} may change on resume. Run with the checkpoint's values to "
+            f"continue it, or start a new run elsewhere (tracking.run_name=... or train.save_dir=...)."
         )
     verify(path, state, hashes=hashes)
     return ResumePoint(path, state, changed)
@@ -487,8 +519,14 @@ class Checkpoints:
         self.attachments: dict[str, Callable[[int], str]] = {}
 
     @property
+    def writes(self) -> bool:
+        """Whether the run may commit checkpoints: `train.save`, and steps to train (`train.num_rollout=0`, an
+        evaluation-only run, trains none, so it neither locks the directory nor sets earlier runs aside)."""
+        return bool(self.cfg.train.save) and self.cfg.train.num_rollout > 0
+
+    @property
     def uses_dir(self) -> bool:
-        return bool(self.cfg.train.save) or self.cfg.train.resume == "auto"
+        return self.writes or self.cfg.train.resume == "auto"
 
     def __enter__(self) -> Checkpoints:
         if self.uses_dir:
@@ -505,7 +543,7 @@ class Checkpoints:
             raise
         if self.resume is not None and self.resume.lineage:
             self.lineage = self.resume.lineage
-        elif self.cfg.train.save:
+        elif self.writes:
             self._set_aside_earlier_runs()
         return self
 

@@ -44,7 +44,7 @@ from relax.agents.episode import EpisodeMaker
 from relax.agents.parsers import get_parser
 from relax.agents.render import check_template, observation_roles
 from relax.config.derive import agentic, teacher_model
-from relax.config.evaluation import default_eval_set_name
+from relax.config.evaluation import default_eval_set_name, evaluates
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
@@ -202,11 +202,13 @@ def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any) -> N
 def _data(pre: Preflight) -> None:
     cfg = pre.cfg
     pre.train_set, default_eval = build_datasets(cfg, pre.tokenizer)
-    if cfg.train.eval_interval:
+    if evaluates(cfg):
         pre.eval_sets = build_eval_sets(cfg, pre.tokenizer, default_eval)
         if not pre.eval_sets or (default_eval is None and default_eval_set_name(cfg.data) is not None):
-            raise DataError(f"train.eval_interval={cfg.train.eval_interval}: data={cfg.data.name} has no eval "
-                            "prompts (data.eval_path, data.eval_sets, or a test split for gsm8k)")
+            what = ("train.num_rollout=0 (an evaluation-only run)" if cfg.train.num_rollout == 0
+                    else f"train.eval_interval={cfg.train.eval_interval}")
+            raise DataError(f"{what}: data={cfg.data.name} has no eval prompts (data.eval_path, data.eval_sets, or a "
+                            "test split for gsm8k)")
 
 
 def _reward(pre: Preflight) -> bool:

@@ -125,6 +125,7 @@ class Session:
         self.earlier_evals: dict[str, list[tuple[int, float]]] = {}
         self.eval_set_order: list[str] = []  # the eval sets in evaluation order (log_datasets)
         self.steps = self.start_step
+        self.evaluated_only = False  # log_evaluation: a run that trained no step, only evaluated
         # checkpoints not written so far in this run (train.save_failures=continue), carried across resumes
         failures = self.resume.state.get(FAILURES_STATE) if self.resume is not None else 0
         self.checkpoint_failures = failures if type(failures) is int else 0
@@ -257,6 +258,13 @@ class Session:
             self.rewards.append(metrics[RAW_REWARD])
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
+
+    def log_evaluation(self, metrics: dict[str, float], step: int) -> None:
+        """The metrics of the evaluation of a run that trained no step (`Recipe.evaluate_only`), at `step`: logged
+        and kept for the summary like a step's, without counting as a trained step (rewards, steps, progress)."""
+        self.tracker.log_metrics(metrics, step)
+        self.history.append((step, dict(metrics)))
+        self.evaluated_only = True
 
     def record_samples(self, step: int, sample_ids, kept, set_aside=None) -> None:
         """Add step `step` to the sample ledger: its rollout's `sample_ids` ([N] LongTensor, unique over the run),
@@ -457,8 +465,17 @@ class Session:
             extra["HF model"] = str(self.hf_dir)
         if self.model_uri is not None:
             extra["MLflow model"] = self.model_uri
+        title = "Relax run finished"
+        if self.evaluated_only:  # nothing trained in this job: say what was evaluated
+            title = "Relax run finished (evaluation only: nothing trained)"
+            weights = (f"the checkpoint of step {self.start_step}, {self.resume.path}" if self.resume is not None
+                       else f"the initial weights of model {self.cfg.model.path or self.cfg.model.name}")
+            extra = {"evaluated": weights, **extra}
+            if not self.rewards:  # no training reward exists (a fresh evaluation-only run): none is shown
+                del extra[first_label]
         extra.update(final_eval_summary(self.summary_history()))
-        self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra)
+        self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra,
+                              title=title, rewards=bool(self.rewards) or not self.evaluated_only)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
 
     def __exit__(self, exc_type, exc, tb) -> None:

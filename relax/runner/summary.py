@@ -45,7 +45,8 @@ def config_summary(cfg: RelaxConfig) -> str:
         f"data       {d.name} (reward={d.reward}{shaping}{_reward_model(cfg)})",
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
         f"max_response_len={ro.max_response_len}, temperature={ro.temperature}{filtering}",
-        f"train      {t.backend}: {t.num_rollout} rollouts, global_batch_size={t.global_batch_size}, "
+        f"train      {t.backend}: {t.num_rollout} rollouts{' (evaluation only)' if t.num_rollout == 0 else ''}, "
+        f"global_batch_size={t.global_batch_size}, "
         f"micro_batch_size={t.micro_batch_size}{tokens}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
         f"per_token_loss={t.calculate_per_token_loss}, mode={t.mode}",
         f"tracking   {cfg.tracking.uri if cfg.tracking.enabled else 'off'} (experiment {cfg.tracking.experiment})",

@@ -20,7 +20,7 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import FinishReason, Samples, TrainBatch
 from relax.config.core_rules import format_cores
-from relax.config.evaluation import eval_pass_ks
+from relax.config.evaluation import eval_pass_ks, evaluates
 from relax.config.schema import RelaxConfig
 from relax.data.datasets import PromptItem
 from relax.metrics import (
@@ -274,6 +274,8 @@ class Recipe:
             with self.stream:
                 for step in range(self.start_step, self.cfg.train.num_rollout):
                     self.step(step)
+                if evaluates_without_training(self.cfg, self.start_step):
+                    self.evaluate_only()
             return self.session.finish()
 
     def setup(self, stack: contextlib.ExitStack) -> None:
@@ -398,6 +400,16 @@ class Recipe:
         self.reward_failures.check(step)  # (its metrics logged: rollout/reward_dropped_frac 1.0)
         self._checkpoint(step)
 
+    def evaluate_only(self) -> None:
+        """A run with no step to train (`train.num_rollout=0`, or resumed at its end): each eval set evaluated once
+        with the starting weights, which `setup` published (the model's, or the resume point's), its metrics logged
+        at the start step (0, or the checkpoint's step: after every metric of the steps it trained). No optimizer
+        step, no checkpoint."""
+        step = self.restarts.step = self.preemption.step = self.start_step
+        with _refusing_broken_weights(step):
+            metrics = _evaluate(self.cfg, self.engines, self.stream, self.inputs, self.reward_model)
+        self.session.log_evaluation(metrics, step)
+
     def _checkpoint(self, step: int) -> None:
         """The checkpoint of `step` where due: at `train.save_interval`, the last step, or a Ctrl-C / SIGTERM during
         this step (train.save_on_preempt: its checkpoint, then stop)."""
@@ -439,6 +451,14 @@ def evaluates_after(cfg: RelaxConfig, step: int) -> bool:
     the last step (`train.num_rollout`), so that a run always ends with the evaluation of its final weights."""
     interval = cfg.train.eval_interval
     return bool(interval) and ((step + 1) % interval == 0 or step + 1 == cfg.train.num_rollout)
+
+
+def evaluates_without_training(cfg: RelaxConfig, start_step: int) -> bool:
+    """Whether a run that starts at `start_step` evaluates once without training: it has no step left
+    (`start_step >= train.num_rollout`) and evaluates: `train.num_rollout=0` (an evaluation-only run, whatever
+    `train.eval_interval`), or a run resumed at its end with `train.eval_interval > 0`, whose final weights are then
+    evaluated as the run's last step would have (docs/training.md, "Evaluation")."""
+    return start_step >= cfg.train.num_rollout and evaluates(cfg)
 
 
 def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs: Inputs,

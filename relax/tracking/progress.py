@@ -63,16 +63,17 @@ def summary(
     extra: Optional[Mapping[str, Any]] = None,
     *,
     title: str = "Relax run finished",
+    rewards: bool = True,
 ) -> str:
-    """The end-of-run block: final and best reward, the MLflow run id and how to open the MLflow UI.
+    """The end-of-run block: final and best reward (unless `rewards=False`), the MLflow run id and how to open the
+    MLflow UI.
 
     `extra` adds lines (e.g. {"steps": 60, "wall time": "4:12"}); numbers get `format_number`.
     """
-    rows: list[tuple[str, str]] = [
-        ("final reward", format_number(final_reward)),
-        ("best reward", format_number(best_reward)),
-        ("MLflow run", run_id if run_id else "(tracking disabled)"),
-    ]
+    rows: list[tuple[str, str]] = []
+    if rewards:  # False: a run that trained nothing has no reward to show
+        rows += [("final reward", format_number(final_reward)), ("best reward", format_number(best_reward))]
+    rows.append(("MLflow run", run_id if run_id else "(tracking disabled)"))
     if ui_command:
         rows.append(("open the UI", ui_command))
     for key, value in (extra or {}).items():
@@ -200,9 +201,12 @@ class Progress:
         run_id: Optional[str],
         ui_command: Optional[str],
         extra: Optional[Mapping[str, Any]] = None,
+        *,
+        title: str = "Relax run finished",
+        rewards: bool = True,
     ) -> str:
         """Close the live line, print the end-of-run block (when enabled) and return it."""
-        text = summary(final_reward, best_reward, run_id, ui_command, extra)
+        text = summary(final_reward, best_reward, run_id, ui_command, extra, title=title, rewards=rewards)
         self.close()
         if self.enabled:
             self.stream.write(text + "\n")

@@ -1,0 +1,163 @@
+"""Evaluation without training (docs/training.md, "Evaluation"): `train.num_rollout=0` evaluates the starting weights
+once, and a run resumed at its end evaluates its final weights once. Checked against the evaluations a training run
+logged of the same weights (evaluation draws fixed random streams, so the same weights give the same numbers), with
+the tiny model, in-process roles and a real MLflow store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlflow import MlflowClient
+
+from relax.config import load_config
+from relax.config.validate import ConfigError
+from relax.runner.checkpoint import STATE, config_differences, resume_point, step_dir
+from relax.runner.errors import RunError
+from relax.runner.train import run
+from relax.tracking.params import flatten_config
+
+# the eval config of every run here: 4 sampled responses per prompt, so that a change of the weights shows
+EVAL = ("train.eval_interval=1", "data.num_eval_prompts=4", "rollout.eval_n_samples_per_prompt=4",
+        "rollout.eval_temperature=1.0", "train.lr=0.05", "model.dtype=float32")
+
+
+def eval_history(client: MlflowClient, run_id: str) -> dict[int, dict[str, float]]:
+    """step -> {eval/...: value} as the MLflow run holds them."""
+    out: dict[int, dict[str, float]] = {}
+    for key in (k for k in client.get_run(run_id).data.metrics if k.startswith("eval/")):
+        for m in client.get_metric_history(run_id, key):
+            out.setdefault(m.step, {})[key] = m.value
+    return out
+
+
+@pytest.mark.slow
+def test_a_finished_checkpoint_evaluated_again_logs_the_runs_own_final_evaluation(in_process, small_run, tmp_path,
+                                                                                  capsys):
+    """Train 2 steps, evaluating after each and saving each (steps 1 and 2 kept); then each checkpoint is resumed with
+    nothing left to train: its one evaluation equals, bit for bit, the training run's evaluation of the same
+    weights, and differs from that of the other step's weights (the control)."""
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text("".join(json.dumps({"prompt": f"repeat {d}", "label": str(d)}) + "\n" for d in range(3, 7)))
+    trained = run(load_config(small_run(*EVAL, "train.save_interval=1")), output_dir=tmp_path / "out")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    before = eval_history(client, trained.run_id)
+    assert sorted(before) == [0, 1]  # after step 0 (the weights of checkpoint step 1) and after step 1 (step 2's)
+    assert before[0] != before[1]  # the training changed what evaluation measures
+
+    # the final checkpoint, resumed at its end with another interval and one more eval set: both may change on
+    # resume (they change no training step), and the digits set's numbers stay those of the run's last evaluation
+    capsys.readouterr()
+    again = run(load_config(small_run(*EVAL, "train.eval_interval=5", f"+data.eval_sets={{extra:'{extra}'}}",
+                                      f"train.resume={step_dir(tmp_path / 'ckpt', 2)}", "tracking.progress=true")),
+                output_dir=tmp_path / "out2")
+    assert again.run_id == trained.run_id  # the same MLflow run, reopened
+    after = eval_history(client, trained.run_id)
+    assert sorted(after) == [0, 1, 2]  # logged at the checkpoint's step: after every step it trained
+    digits = {k: v for k, v in after[2].items() if k.startswith("eval/digits/")}
+    assert digits == before[1]  # bit for bit
+    assert {k for k in after[2] if k.startswith("eval/extra/")}  # the added set was evaluated too
+    assert [m for _, m in again.history if any(not k.startswith("eval/") for k in m)] == []  # nothing but eval/*
+    assert not any(k.startswith(("train/", "rollout/")) for _, m in again.history for k in m)
+    tags = client.get_run(trained.run_id).data.tags
+    assert "train.eval_interval: 1 -> 5" in tags["relax.resumed"]
+    err = capsys.readouterr().err
+    summary = err[err.index("Relax run finished"):]
+    assert summary.startswith("Relax run finished (evaluation only: nothing trained)")
+    assert "final reward" in summary and "eval digits (step 2)" in summary  # the rewards it trained with, kept
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000001", "step_000002"]  # no new one
+
+    # the control: the checkpoint of step 1, evaluated the same way, gives the run's evaluation after step 0, not
+    # the final one
+    control = run(load_config(small_run(*EVAL, f"train.resume={step_dir(tmp_path / 'ckpt', 1)}", steps=1)),
+                  output_dir=tmp_path / "out3")
+    assert [step for step, _ in control.history] == [1]
+    first = control.history[0][1]
+    assert first == before[0] and first != before[1]
+
+
+@pytest.mark.slow
+def test_num_rollout_0_evaluates_the_initial_weights_once(in_process, small_run, tmp_path, capsys):
+    result = run(load_config(small_run("data.num_eval_prompts=4", "tracking.progress=true", steps=0)),
+                 output_dir=tmp_path / "out")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    logged = client.get_run(result.run_id)
+    assert logged.info.status == "FINISHED"
+    names = set(logged.data.metrics)
+    assert {"eval/digits/mean_at_1", "eval/digits/pass_at_1", "eval/digits/response_len"} <= names
+    assert not [k for k in names if not k.startswith(("eval/", "system/"))]  # no train/*, rollout/*, perf/*
+    assert [m.step for m in client.get_metric_history(result.run_id, "eval/digits/mean_at_1")] == [0]
+    assert [step for step, _ in result.history] == [0]
+    assert not (tmp_path / "ckpt").exists()  # nothing trained: no checkpoint, not even its directory
+    err = capsys.readouterr().err
+    summary = err[err.index("Relax run finished"):]
+    assert summary.startswith("Relax run finished (evaluation only: nothing trained)")
+    assert "the initial weights of model tiny" in summary and "eval digits (step 0)" in summary
+    assert "reward" not in summary.replace("reward_errors", "") and "nan" not in summary
+
+
+def messages(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as exc:
+        load_config(list(overrides))
+    return [v.message for v in exc.value.violations]
+
+
+def test_num_rollout_0_needs_an_eval_set_and_refuses_what_only_training_does():
+    assert messages("train.num_rollout=0", "data.num_eval_prompts=0") == [
+        "train.num_rollout=0 (an evaluation-only run) needs eval prompts, but data.num_eval_prompts=0"]
+    found = messages("train.num_rollout=0", "data=jsonl", "data.path=/tmp/prompts.jsonl", "train.save_interval=5",
+                     "train.save_hf=true")
+    assert "train.num_rollout=0 (an evaluation-only run) needs eval prompts: set data.eval_path or data.eval_sets " \
+           "for data.task=file" in found
+    assert "train.save_interval=5 has no effect: train.num_rollout=0 (evaluation only) trains nothing and writes no " \
+           "checkpoint" in found
+    assert any(m.startswith("train.save_hf=True has no effect: train.num_rollout=0") for m in found)
+    assert messages("train.num_rollout=-1") == ["train.num_rollout=-1 must be >= 0"]
+    # any train.eval_interval: num_rollout=0 evaluates once whatever it holds, and the eval options act
+    for interval in (0, 3):
+        cfg = load_config(["train.num_rollout=0", f"train.eval_interval={interval}", "rollout.eval_temperature=1.0"])
+        assert cfg.train.num_rollout == 0
+
+
+def checkpoint_of(tmp_path, *overrides: str, step: int = 2):
+    """A checkpoint directory whose state.json records the config of `overrides` (a resume reads only that)."""
+    ckpt = step_dir(tmp_path / "save", step)
+    ckpt.mkdir(parents=True)
+    saved = flatten_config(load_config([f"train.save_dir={tmp_path / 'save'}", *overrides]))
+    (ckpt / STATE).write_text(json.dumps({"step": step, "config": saved, "sampler": {}}))
+    return ckpt
+
+
+def test_evaluation_fields_may_change_on_resume(tmp_path):
+    eval_file = tmp_path / "a.jsonl"
+    eval_file.write_text(json.dumps({"prompt": "repeat 3", "label": "3"}) + "\n")
+    ckpt = checkpoint_of(tmp_path, "train.eval_interval=1")
+    cfg = load_config([f"train.save_dir={tmp_path / 'save'}", f"train.resume={ckpt}", "train.eval_interval=7",
+                       "data.num_eval_prompts=8", "rollout.eval_n_samples_per_prompt=4", "rollout.eval_temperature=1.0",
+                       "rollout.eval_top_p=0.9", "train.eval_pass_k=[1,4]", "train.eval_correct_threshold=0.5",
+                       f"+data.eval_sets={{b:'{eval_file}'}}"])
+    point = resume_point(cfg, tmp_path / "save", hashes=False)
+    assert {"train.eval_interval", "data.num_eval_prompts", "rollout.eval_n_samples_per_prompt",
+            "rollout.eval_temperature", "rollout.eval_top_p", "train.eval_correct_threshold",
+            "data.eval_sets.b"} <= set(point.changed)
+    assert any(k.startswith("train.eval_pass_k") for k in point.changed)
+    # data.eval_path (a file task's eval set; the digits task above refuses it): allowed the same way
+    refused, allowed = config_differences({"data.eval_path": "a.jsonl"}, {"data.eval_path": "b.jsonl"})
+    assert refused == {} and allowed == {"data.eval_path": ("a.jsonl", "b.jsonl")}
+    # the control: a field that changes what a step computes is still refused
+    refused, _ = config_differences({"train.lr": "0.001"}, {"train.lr": "0.01"})
+    assert refused == {"train.lr": ("0.001", "0.01")}
+
+
+def test_the_interval_stays_where_evaluation_publishes_weights_the_rollouts_use(tmp_path):
+    """fully_async with weight_sync_interval > 1: the weights published before an evaluation reach later rollouts, so
+    a new interval would change the remaining steps: refused while steps are left, accepted at the end."""
+    mode = ("train.mode=fully_async", "train.max_staleness=2", "train.weight_sync_interval=2")
+    ckpt = checkpoint_of(tmp_path, *mode, "train.eval_interval=1", "train.num_rollout=4")
+    base = [f"train.save_dir={tmp_path / 'save'}", f"train.resume={ckpt}", *mode, "train.eval_interval=2"]
+    with pytest.raises(RunError) as exc:
+        resume_point(load_config([*base, "train.num_rollout=4"]), tmp_path / "save", hashes=False)
+    assert "train.eval_interval: 1 -> 2" in str(exc.value)
+    assert "train.eval_interval cannot change here: with train.mode=fully_async" in str(exc.value)
+    point = resume_point(load_config([*base, "train.num_rollout=2"]), tmp_path / "save", hashes=False)
+    assert "train.eval_interval" in point.changed  # nothing left to train: only the evaluation reads it
