@@ -85,6 +85,45 @@ def test_completion_deltas_put_together_are_the_unstreamed_text(client):
     assert chunks[-1].usage == plain.usage
 
 
+def per_choice(chunks: list, i: int, chat: bool) -> list[tuple]:
+    """Choice i's chunks as (text, finish reason, its tokens' (token, log-prob)), alternatives left out."""
+    out = []
+    for c in (ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i):
+        if chat:
+            lps = [(t.token, t.logprob) for t in c.logprobs.content or []] if c.logprobs else None
+            out.append((c.delta.content, getattr(c.delta, "reasoning_content", None), c.finish_reason, lps))
+        else:
+            out.append((c.text, c.finish_reason, list(zip(c.logprobs.tokens, c.logprobs.token_logprobs,
+                                                          strict=True)) if c.logprobs else None))
+    return out
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_stream_with_top_logprobs_is_the_incremental_one_with_the_alternatives(client, chat):
+    """top_logprobs has the stream written once the answer is generated (the engine reports the alternatives with
+    it), by the same writer: per choice its chunks are those of the same request streamed as drawn (same seed), and
+    the alternatives of its chunks put together are the unstreamed answer's, token for token."""
+    if chat:
+        kw, make = dict(model="tiny", messages=USER, logprobs=True), client.chat.completions.create
+        top = {"top_logprobs": 2}
+    else:
+        kw, make = dict(model="tiny", prompt="hello there", logprobs=0), client.completions.create
+        top = {"logprobs": 2}
+    kw.update(n=2, seed=11, max_tokens=12, temperature=0.9)
+    drawn = list(make(**kw, stream=True))
+    whole = list(make(**{**kw, **top}, stream=True))
+    plain = make(**{**kw, **top})
+    for i, choice in enumerate(plain.choices):
+        assert per_choice(whole, i, chat) == per_choice(drawn, i, chat)
+        assert len(per_choice(whole, i, chat)) > 3  # in pieces, not one
+        mine = [ch.choices[0] for ch in whole if ch.choices and ch.choices[0].index == i and ch.choices[0].logprobs]
+        if chat:
+            assert [[(a.token, a.logprob) for a in t.top_logprobs] for c in mine for t in c.logprobs.content] == [
+                [(a.token, a.logprob) for a in t.top_logprobs] for t in choice.logprobs.content]
+        else:
+            assert [alts for c in mine for alts in c.logprobs.top_logprobs] == choice.logprobs.top_logprobs
+
+
 def test_responses_text_deltas_put_together_are_the_unstreamed_output(client):
     kw = dict(model="tiny", input="What is 3 + 4?", temperature=0, max_output_tokens=10)
     plain = client.responses.create(**kw)

@@ -24,6 +24,7 @@ ANSWERS = [
     f"Hello{SPECIAL} world é 漢",
     f"<think>\nhm{SPECIAL} ok\n</think>\n\nThe answer{SPECIAL} is 7.",
     f"Let me{SPECIAL} call. {CALL}",
+    "  opens with blank: held whole to the end",  # the role chunk's content stays "" (not the whole text again)
 ]
 USER = [{"role": "user", "content": "What is 3 + 4?"}]
 
@@ -114,11 +115,13 @@ def test_a_finished_chat_answer_streams_as_the_incremental_one_with_its_log_prob
     for i, choice in enumerate(plain["choices"]):
         mine = [ch["choices"][0] for ch in top if ch["choices"] and ch["choices"][0]["index"] == i]
         assert [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]] == choice["logprobs"]["content"]
+        message = choice["message"]
+        assert mine[0]["delta"] == {"role": "assistant", "content": None if message["content"] is None else ""}
         for field in ("content", "reasoning_content"):
             assert "".join(c["delta"].get(field) or "" for c in mine) == (choice["message"].get(field) or "")
         assert [tc for c in mine for tc in c["delta"].get("tool_calls") or []] == [
             {"index": k, **tc, "id": "call"} for k, tc in enumerate(choice["message"].get("tool_calls") or [])]
-    assert SPECIAL in [e["token"] for e in plain["choices"][0]["logprobs"]["content"]]
+    assert (SPECIAL in text) == (SPECIAL in [e["token"] for e in plain["choices"][0]["logprobs"]["content"]])
     assert top[-1]["usage"] == plain["usage"]
 
 
