@@ -33,6 +33,7 @@ from relax.metrics import EVAL_PREFIX, RAW_REWARD
 from relax.tracking.mlflow_run import (
     PARENT_RUN_ID_TAG,
     PREVIOUS_SWEEP_TAG,
+    file_store_refused,
     quiet_mlflow_logging,
     resolve_tracking_uri,
 )
@@ -627,7 +628,12 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
         raise CompareError(f"no tracking store at {uri} (run from the directory of your runs, or pass --uri)")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)
-        client = MlflowClient(tracking_uri=uri)
+        try:
+            client = MlflowClient(tracking_uri=uri)
+        except Exception as exc:
+            if (refused := file_store_refused(uri, exc)) is not None:
+                raise CompareError(refused) from None
+            raise
         raw, description, sweep = select_runs(client, experiment=experiment, sweep=sweep, tags=tags, run_ids=run_ids)
     runs, metric_list, notes = load_runs(client, raw, by=by, metrics=metrics, include_unfinished=include_unfinished)
     if not runs:

@@ -105,6 +105,22 @@ class TrackingUnavailable(RuntimeError):
     """The store cannot be reached when a run starts or is reopened (see the module docstring)."""
 
 
+FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"  # MLflow 3's opt-in to its file store, named in its refusal
+
+
+def file_store_refused(uri: str, exc: BaseException) -> Optional[str]:
+    """What to do about `exc` when it is MLflow's refusal of a file store (a plain directory or a `file:` URI: MLflow
+    3 keeps that backend in maintenance mode and refuses it unless MLFLOW_ALLOW_FILE_STORE=true), else None."""
+    if FILE_STORE_OPT_IN not in str(exc):
+        return None
+    import mlflow
+
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return (f"the MLflow store {uri} is a file store (a directory), which MLflow {mlflow.__version__} refuses: use a "
+            f"database store, e.g. sqlite:///{os.path.join(path, 'mlflow.db')} (`mlflow migrate-filestore` moves an "
+            f"existing one), or set {FILE_STORE_OPT_IN}=true to use it anyway")
+
+
 def _unavailable_at_start(uri: str, exc: BaseException, what: str) -> TrackingUnavailable:
     return TrackingUnavailable(
         f"MLflow store {uri} is unavailable when {what} ({short_error(exc)}); nothing was trained. Check tracking.uri "
@@ -373,6 +389,8 @@ class Tracker:
                 system_tags[PARENT_RUN_ID_TAG] = parent_run_id
             run = client.create_run(experiment_id, tags=system_tags, run_name=run_name or tracking_cfg.run_name)
         except Exception as exc:
+            if (refused := file_store_refused(uri, exc)) is not None:
+                raise TrackingUnavailable(f"tracking.uri={tracking_cfg.uri}: {refused}") from None
             if is_store_error(exc) and not is_rejection(exc):
                 raise _unavailable_at_start(uri, exc, "the run starts") from exc
             raise
@@ -434,6 +452,8 @@ class Tracker:
                 client = MlflowClient(tracking_uri=uri)
                 run = client.get_run(run_id)
         except Exception as exc:
+            if (refused := file_store_refused(uri, exc)) is not None:
+                raise TrackingUnavailable(f"tracking.uri={tracking_cfg.uri}: {refused}") from None
             if is_rejection(exc):  # the store answered: no such run
                 raise LookupError(f"MLflow run {run_id} is not in the store {uri}: {exc.message}") from None
             if is_store_error(exc):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from relax.metrics import SYSTEM_PREFIX
-from relax.tracking.mlflow_run import quiet_mlflow_logging, resolve_tracking_uri, sqlite_path
+from relax.tracking.mlflow_run import file_store_refused, quiet_mlflow_logging, resolve_tracking_uri, sqlite_path
 from relax.tracking.spool_file import is_rejection, short_error
 
 DEFAULT_URI = "sqlite:///mlflow.db"  # relax-train's default tracking.uri (and relax-compare's --uri)
@@ -83,6 +83,8 @@ def read_run(uri: str, run_id: str, artifact: str) -> RunRecord:
             client = MlflowClient(tracking_uri=uri)
             run = client.get_run(run_id)
         except Exception as exc:
+            if (refused := file_store_refused(uri, exc)) is not None:
+                raise VerifyError(refused) from None
             if is_rejection(exc):
                 raise VerifyError(f"no MLflow run {run_id!r} in the store {uri}") from None
             raise VerifyError(f"cannot read MLflow run {run_id!r} from {uri}: {short_error(exc)}") from None
