@@ -262,6 +262,16 @@ class Session:
     def log_evaluation(self, metrics: dict[str, float], step: int) -> None:
         """The metrics of the evaluation of a run that trained no step (`Recipe.evaluate_only`), at `step`: logged
         and kept for the summary like a step's, without counting as a trained step (rewards, steps, progress)."""
+        # a reopened run keeps the first value of each (key, step) it holds (Tracker.reopen): an earlier evaluation
+        # of these weights at this step stays, and this one is not recorded; say so rather than show unlogged values
+        held = sorted(set(metrics) & getattr(self.tracker, "_recorded", {}).get(step, set()))
+        if held:
+            ckpt = self.resume.path if self.resume is not None else "<checkpoint>"
+            self._say(f"relax-train: warning: MLflow run {self.run_id} already holds {len(held)} of these metrics at "
+                      f"step {step} ({held[0]}, ...: an earlier evaluation of these weights); MLflow keeps the first "
+                      "value of a step, so this evaluation's values of them are shown in the summary but not recorded. "
+                      f"To record them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, then "
+                      "`relax-train model.source=hf model.path=<dir> train.num_rollout=0 ...`")
         self.tracker.log_metrics(metrics, step)
         self.history.append((step, dict(metrics)))
         self.evaluated_only = True

@@ -69,11 +69,17 @@ def test_a_finished_checkpoint_evaluated_again_logs_the_runs_own_final_evaluatio
 
     # the control: the checkpoint of step 1, evaluated the same way, gives the run's evaluation after step 0, not
     # the final one
+    capsys.readouterr()
     control = run(load_config(small_run(*EVAL, f"train.resume={step_dir(tmp_path / 'ckpt', 1)}", steps=1)),
                   output_dir=tmp_path / "out3")
     assert [step for step, _ in control.history] == [1]
     first = control.history[0][1]
     assert first == before[0] and first != before[1]
+    # MLflow keeps the first value of a (key, step): the run's own evaluation after step 1 stays, and the run says
+    # that this one's values are not recorded
+    assert eval_history(client, trained.run_id)[1] == before[1]
+    assert f"MLflow run {trained.run_id} already holds {len(before[1])} of these metrics at step 1" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.slow
