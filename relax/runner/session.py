@@ -478,8 +478,10 @@ class Session:
         title = "Relax run finished"
         if self.evaluated_only:  # nothing trained in this job: say what was evaluated
             title = "Relax run finished (evaluation only: nothing trained)"
+            m = self.cfg.model
             weights = (f"the checkpoint of step {self.start_step}, {self.resume.path}" if self.resume is not None
-                       else f"the initial weights of model {self.cfg.model.path or self.cfg.model.name}")
+                       else f"the initial weights of model {m.name} (built from config, seed {self.cfg.seed})"
+                       if m.source == "config" else f"the weights of model {m.path or m.name} ({m.source})")
             extra = {"evaluated": weights, **extra}
             if not self.rewards:  # no training reward exists (a fresh evaluation-only run): none is shown
                 del extra[first_label]
