@@ -277,6 +277,24 @@ def _int(value: Any) -> int:
         return 0
 
 
+def added_since(saved: Mapping[str, str], current: Mapping[str, str]) -> dict[str, str]:
+    """The fields of `current` (flattened) that the checkpoint's config `saved` lacks and that are at this version's
+    schema default: fields added to Relax after the checkpoint was written, left at the default they were added
+    with, which keeps what runs did before them. Their value for the checkpoint is that default; any other value
+    stays a difference. A container's marker (`{}`, `[]`) counts as its default too."""
+    from relax.algorithms import get
+
+    missing = [k for k in current if k not in saved]
+    if not missing:
+        return {}
+    try:
+        algorithm = get(str(saved.get("algorithm.name")))
+        defaults = flatten_config(RelaxConfig(algorithm=algorithm.config_cls()))
+    except Exception:  # noqa: BLE001 - an algorithm this version lacks: nothing is taken for a default
+        return {}
+    return {k: current[k] for k in missing if k in defaults and defaults[k] == current[k]}
+
+
 def _flat(cfg: RelaxConfig) -> dict[str, str]:
 
     return flatten_config(cfg)
@@ -334,7 +352,13 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
         return ResumePoint(path, state)
     if not isinstance(saved, dict):
         raise _refuse(path, f"{path / STATE} is damaged ('config' is not an object)")
-    refused, changed = config_differences(saved, _flat(cfg))
+    current = _flat(cfg)
+    added = added_since(saved, current)
+    if added:
+        print(f"relax-train: warning: checkpoint {path} was written before "
+              f"{', '.join(f'{k} (now {v})' for k, v in sorted(added.items()))} existed; "
+              "continuing it with their defaults, which keep what runs did before them", file=sys.stderr)
+    refused, changed = config_differences({**saved, **added}, current)
     why = ""
     if "train.eval_interval" in changed and cfg.train.mode == "fully_async" and cfg.train.weight_sync_interval > 1 \
             and _int(state.get("step")) < cfg.train.num_rollout:

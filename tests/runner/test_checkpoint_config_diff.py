@@ -64,3 +64,43 @@ def test_controls_a_marker_without_leaves_and_a_real_change_are_still_difference
     # a changed leaf stays
     refused, _ = config_differences({"data.eval_sets.a": "p"}, {"data.eval_sets.a": "q"}, allowed=())
     assert refused == {"data.eval_sets.a": ("p", "q")}
+
+
+def _older_checkpoint(tmp_path, drop: str, *overrides: str):
+    """A checkpoint whose config lacks `drop`, as one written by a Relax version before that field was added."""
+    save = tmp_path / "save"
+    ckpt = save / "step_000002"
+    ckpt.mkdir(parents=True)
+    saved = flatten_config(load_config([f"train.save_dir={save}", *overrides]))
+    del saved[drop]
+    (ckpt / STATE).write_text(json.dumps({"step": 2, "config": saved}))
+    return save, ckpt
+
+
+def test_a_field_added_since_the_checkpoint_at_its_default_does_not_block_the_resume(tmp_path, capsys):
+    """Upgrading Relax (a commit that adds a config field) must not strand every checkpoint written before: the
+    field is missing from their config, and at its default (which keeps what runs did before it) it is no change."""
+    save, ckpt = _older_checkpoint(tmp_path, "data.max_failed_reward_steps", "algorithm=rloo")
+    cfg = load_config([f"train.save_dir={save}", "algorithm=rloo", f"train.resume={ckpt}"])
+    point = resume_point(cfg, save)
+    assert point is not None and point.path == ckpt and set(point.changed) == {"train.resume"}
+    err = capsys.readouterr().err
+    assert f"checkpoint {ckpt} was written before data.max_failed_reward_steps (now 3) existed" in err
+    # an algorithm's own field (algorithm.*: its config class's default)
+    save, ckpt = _older_checkpoint(tmp_path / "a", "algorithm.eps_clip", "algorithm=rloo")
+    assert resume_point(load_config([f"train.save_dir={save}", "algorithm=rloo", f"train.resume={ckpt}"]), save)
+
+
+def test_controls_an_added_field_set_to_another_value_or_a_removed_field_still_refuse(tmp_path):
+    save, ckpt = _older_checkpoint(tmp_path, "data.max_failed_reward_steps")
+    cfg = load_config([f"train.save_dir={save}", "data.max_failed_reward_steps=5", f"train.resume={ckpt}"])
+    with pytest.raises(RunError, match=r"data.max_failed_reward_steps: None -> 5\n"):
+        resume_point(cfg, save)
+    # a field the checkpoint has and this version lacks (removed since): refused as before
+    save, ckpt = _older_checkpoint(tmp_path / "b", "data.max_failed_reward_steps")
+    state = json.loads((ckpt / STATE).read_text())
+    state["config"]["train.gone_field"] = "1"
+    state["config"]["data.max_failed_reward_steps"] = "3"
+    (ckpt / STATE).write_text(json.dumps(state))
+    with pytest.raises(RunError, match=r"train.gone_field: 1 -> None\n"):
+        resume_point(load_config([f"train.save_dir={save}", f"train.resume={ckpt}"]), save)
