@@ -125,15 +125,50 @@ OPEN_TAG = "<tool_call>"
 NOT_CLOSED = "a <tool_call> is not closed by </tool_call>"
 
 
-def _tagged(text: str, read: Callable[[str], list[Item]]) -> ParsedMessage:
+CLOSE_TAG = "</tool_call>"
+
+
+def _tagged(text: str, read: Callable[[str], list[Item]], *, json_bodies: bool = False) -> ParsedMessage:
     """The formats whose calls sit in <tool_call> tags: `read` makes each tag's body into items. Text outside the
-    tags is the content; an open tag that no closing tag follows is one error, after the calls (the regex takes an
-    open tag followed by a closing one into the body before it, so an unclosed tag comes after every match)."""
-    bodies = TOOL_CALL.findall(text)
-    items = [item for body in bodies for item in read(body)]
-    if text.count(OPEN_TAG) > len(bodies):
+    tags is the content; an open tag that no closing tag follows is one error, after the calls. A body runs to the
+    first closing tag (an open tag followed by a closing one goes into the body before it, so an unclosed tag comes
+    after every call); with `json_bodies` (Hermes), a body that is one JSON value runs to its end, so that a tag
+    inside one of its strings (an argument holding `</tool_call>`) neither ends nor opens a call."""
+    spans = _json_tag_spans(text) if json_bodies else [(m.start(), m.end(), m.group(1))
+                                                      for m in TOOL_CALL.finditer(text)]
+    items = [item for _, _, body in spans for item in read(body)]
+    outside, at = [], 0
+    for start, end, _ in spans:
+        outside.append(text[at:start])
+        at = end
+    outside.append(text[at:])
+    content = "".join(outside)
+    if OPEN_TAG in content:
         items.append(CallError(NOT_CLOSED))
-    return ParsedMessage(tuple(items), TOOL_CALL.sub("", text).strip())
+    return ParsedMessage(tuple(items), content.strip())
+
+
+def _json_tag_spans(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, body) of each <tool_call> tag of `text` whose body is a JSON value (blank around it) read whole,
+    else (malformed JSON) of the tag up to the next closing tag, as `TOOL_CALL` reads it."""
+    spans, at, decoder = [], 0, json.JSONDecoder()
+    while (start := text.find(OPEN_TAG, at)) >= 0:
+        body = start + len(OPEN_TAG)
+        try:
+            _, end = decoder.raw_decode(text, len(text) - len(text[body:].lstrip()))
+            close = len(text) - len(text[end:].lstrip())
+            if text.startswith(CLOSE_TAG, close):
+                spans.append((start, close + len(CLOSE_TAG), text[body:close]))
+                at = close + len(CLOSE_TAG)
+                continue
+        except ValueError:
+            pass
+        close = text.find(CLOSE_TAG, body)
+        if close < 0:
+            break
+        spans.append((start, close + len(CLOSE_TAG), text[body:close]))
+        at = close + len(CLOSE_TAG)
+    return spans
 
 
 def _hermes_body(body: str) -> list[Item]:
@@ -146,8 +181,8 @@ def _hermes_body(body: str) -> list[Item]:
 
 def parse_hermes(text: str) -> ParsedMessage:
     """Hermes/Qwen: `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, one call or a JSON list of them in a
-    tag (SmolLM2's form); arguments an object or a JSON string of one."""
-    return _tagged(text, _hermes_body)
+    tag (SmolLM2's form); arguments an object or a JSON string of one. A tag inside a JSON string is text of it."""
+    return _tagged(text, _hermes_body, json_bodies=True)
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)

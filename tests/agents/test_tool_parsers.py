@@ -58,6 +58,20 @@ def test_hermes_reads_todays_format_in_order():
     assert parse_hermes("  just an answer: 42 ") == ParsedMessage((), "just an answer: 42")
 
 
+def test_hermes_reads_a_tag_inside_an_argument_string_as_text_of_it():
+    """A call whose JSON string holds `</tool_call>` or `<tool_call>` (code or docs about tool calls, which a forced
+    call's grammar allows inside a string) is one call with that argument; it was cut at the first closing tag before
+    (the call then malformed, the whole message text). Malformed JSON still ends at the next closing tag."""
+    arg = 'a</tool_call>b <tool_call>c'
+    text = ("Sure. <tool_call>\n" + json.dumps({"name": "calc", "arguments": {"expression": arg}}) +
+            "\n</tool_call> <tool_call>{bad</tool_call> done")
+    parsed = parse_hermes(text)
+    assert shape(parsed)[0] == ("call", "calc", {"expression": arg}) and kinds(parsed) == ["calc", "error"]
+    assert parsed.content == "Sure.   done" and "invalid JSON" in parsed.errors[0]
+    inside = parse_hermes('<tool_call>{"name": "w", "arguments": {"s": "<tool_call>"}}</tool_call>')
+    assert shape(inside) == [("call", "w", {"s": "<tool_call>"})] and not inside.errors  # no unclosed tag counted
+
+
 def test_qwen3_coder_reads_xml_calls_and_decodes_json_values():
     text = ("I will run two commands.\n<tool_call>\n<function=run>\n<parameter=command>\nls -la\n</parameter>\n"
             "<parameter=options>\n{\"cwd\": \"/tmp\", \"timeout\": 5}\n</parameter>\n</function>\n</tool_call>\n"
