@@ -382,13 +382,23 @@ def build_submission(overrides: list[str], *, working_dir: Path, env: dict[str, 
     return payload
 
 
+class LostContact(RuntimeError):
+    """The cluster stopped answering while relax-submit followed a job: the job's state is unknown here."""
+
+
 async def _follow(client: Any, job_id: str, out: TextIO) -> int:
-    """Stream the job's log (from its start) to `out` until Ray closes the stream; returns the characters written."""
+    """Stream the job's log (from its start) to `out` until the stream ends; returns the characters written.
+
+    Ray's client raises when the websocket is cut without a close frame (close code 1006: a proxy, a network drop,
+    the head going away); that ends the stream as a clean close does, and `follow_to_the_end` reads the rest."""
     written = 0
-    async for lines in client.tail_job_logs(job_id):
-        out.write(lines)
-        out.flush()
-        written += len(lines)
+    try:
+        async for lines in client.tail_job_logs(job_id):
+            out.write(lines)
+            out.flush()
+            written += len(lines)
+    except Exception:  # noqa: BLE001 - RuntimeError("WebSocket connection closed unexpectedly ..."), aiohttp's
+        pass
     return written
 
 
@@ -410,13 +420,23 @@ def catch_up(client: Any, job_id: str, written: int, out: TextIO) -> int:
     return written
 
 
-def follow_to_the_end(client: Any, job_id: str, out: TextIO = sys.stdout, poll_s: float = 2.0) -> str:
-    """Stream the job's log, then whatever the stream missed, until the job is terminal; returns its status."""
+def follow_to_the_end(client: Any, job_id: str, out: TextIO = sys.stdout, poll_s: float = 2.0,
+                      lost_after_s: float = 120.0) -> str:
+    """Stream the job's log, then whatever the stream missed, until the job is terminal; returns its status.
+    LostContact when the cluster does not answer for `lost_after_s` (a head restarting comes back within it)."""
     import time
 
     written = asyncio.run(_follow(client, job_id, out))
+    last_answer = time.monotonic()
     while True:
-        status = str(client.get_job_status(job_id)).split(".")[-1]
+        try:
+            status = str(client.get_job_status(job_id)).split(".")[-1]
+        except Exception as exc:  # noqa: BLE001 - requests' ConnectionError, Ray's RuntimeError for a 5xx ...
+            if time.monotonic() - last_answer >= lost_after_s:
+                raise LostContact(f"{type(exc).__name__}: {exc}") from None
+            time.sleep(poll_s)
+            continue
+        last_answer = time.monotonic()
         written = catch_up(client, job_id, written, out)
         if status in EXIT_CODES:
             return status
@@ -570,6 +590,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:
         print(f"\nstopped following; the job goes on. Stop it with: {stop}", file=sys.stderr)
         sys.exit(130)
+    except LostContact as exc:
+        print(f"relax-submit: error: the cluster at {args.address} stopped answering while job {job_id} ran ({exc}); "
+              f"its state is unknown here. Once the head is back: {ray_cli} job status --address "
+              f"{shlex.quote(args.address)} {job_id}; a run stopped with it continues with train.resume=auto",
+              file=sys.stderr)
+        sys.exit(1)
     code = exit_code(client, job_id, status)
     print(f"job {job_id}: {status} (exit code {code})", file=sys.stderr)
     sys.exit(code)

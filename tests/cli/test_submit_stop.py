@@ -133,3 +133,63 @@ def test_an_address_without_a_scheme_that_fails_says_how_ray_reads_it(env, capsy
         assert exc.value.code == 2 and f"relax-submit: error: cannot submit to {address}: ConnectionError" in err
         assert ("without http:// is taken as the Ray head's GCS address" in err) == hinted
         assert (f"the dashboard's is http://{address}" in err) == hinted
+
+
+class _Cut:
+    """A Jobs client whose log stream breaks like Ray's when the websocket is cut without a close frame."""
+
+    def __init__(self, log: str, cut: int, status_error: Exception | None = None):
+        self.log, self.cut, self.status_error = log, cut, status_error
+
+    def __call__(self, address):  # stands in for the JobSubmissionClient class
+        return self
+
+    def submit_job(self, **payload):
+        return "job-1"
+
+    async def tail_job_logs(self, job_id):
+        yield self.log[: self.cut]
+        # what ray.dashboard.modules.job.sdk raises for close code 1006
+        raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+    def get_job_status(self, job_id):
+        if self.status_error is not None:
+            raise self.status_error
+        return "JobStatus.SUCCEEDED"
+
+    def get_job_logs(self, job_id):
+        return self.log
+
+    def get_job_info(self, job_id):
+        class Info:
+            driver_exit_code = 0
+        return Info()
+
+
+def test_a_stream_cut_without_a_close_frame_is_completed_from_the_job_log():
+    """docs: a log stream cut before the job ends is completed from the job's log file; an abnormal close (1006)
+    raised out of relax-submit with a traceback instead."""
+    import io
+
+    log = "algorithm  grpo\n" + "".join(f"step {i}/4 | reward 0.{i}\n" for i in range(1, 5)) + "Relax run finished\n"
+    out = io.StringIO()
+    assert submit.follow_to_the_end(_Cut(log, cut=20), "job-1", out, poll_s=0) == "SUCCEEDED"
+    assert out.getvalue() == log  # every line once, in order
+
+
+def test_a_cluster_that_stops_answering_ends_with_a_message_not_a_traceback(env, capsys):
+    import functools
+
+    import ray.job_submission
+
+    client = _Cut("algorithm  grpo\n", cut=5, status_error=ConnectionError("Connection refused"))
+    env.setattr(ray.job_submission, "JobSubmissionClient", client)
+    env.setattr(submit, "follow_to_the_end", functools.partial(submit.follow_to_the_end, poll_s=0, lost_after_s=0))
+    with pytest.raises(SystemExit) as exc:
+        main(["--address", "http://head.example:8265", "--", *ABSOLUTE])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1
+    assert ("relax-submit: error: the cluster at http://head.example:8265 stopped answering while job job-1 ran "
+            "(ConnectionError: Connection refused); its state is unknown here. Once the head is back: ray job status "
+            "--address http://head.example:8265 job-1") in err
+    assert "Traceback" not in err
