@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from relax.metrics import SYSTEM_PREFIX
+from relax.metrics import EVAL_PREFIX, SYSTEM_PREFIX
 from relax.tracking.mlflow_run import file_store_refused, quiet_mlflow_logging, resolve_tracking_uri, sqlite_path
 from relax.tracking.spool_file import is_rejection, short_error
 
@@ -124,18 +124,21 @@ def steps_text(steps: Sequence[int]) -> str:
 
 
 def check_metric_steps(histories: Mapping[str, Sequence[int]], n: int, every_step: Sequence[str]) -> list[str]:
-    """Every key (key -> its logged steps) has each step at most once and none from `n` on; the `every_step` keys
-    have each of steps 0..n-1. The violations, as text."""
+    """Every key (key -> its logged steps) has each step at most once and none from `n` on, but for an evaluation's
+    (`eval/...`) at step `n`: an evaluation-only run of the run's end (its checkpoint resumed with nothing left to
+    train, or `train.num_rollout=0`) logs it there; the `every_step` keys have each of steps 0..n-1. The violations,
+    as text."""
     problems = []
     for key in sorted(histories):
         counts = Counter(histories[key])
         twice = sorted(s for s, k in counts.items() if k > 1)
         if twice:
             problems.append(f"metric {key} is recorded more than once at step(s) {steps_text(twice)}")
-        beyond = sorted(s for s in counts if s >= n or s < 0)
+        last = n if key.startswith(EVAL_PREFIX) else n - 1  # the last step a key may be recorded at
+        beyond = sorted(s for s in counts if s > last or s < 0)
         if beyond:
             problems.append(f"metric {key} is recorded at step(s) {steps_text(beyond)}, outside the run's steps "
-                            f"0..{n - 1}")
+                            f"0..{last}")
     for key in every_step:
         if n and key not in histories:
             problems.append(f"metric {key} (logged at every step) is not in the run")

@@ -161,6 +161,11 @@ def test_metric_histories():
     gap = {**good, STEP_TIME: [0, 2]}
     assert check_metric_steps(gap, 3, every) == [f"metric {STEP_TIME} (logged at every step) is missing step(s) 1"]
     assert f"metric {LOSS} is recorded at step(s) 2, outside the run's steps 0..1" in check_metric_steps(good, 2, every)
+    # an evaluation-only run of the run's end logs its evaluation at step n (relax.runner.train: the checkpoint's
+    # step); only an evaluation may be there
+    assert check_metric_steps({**good, "eval/digits/mean_reward": [1, 3]}, 3, every) == []
+    assert check_metric_steps({**good, "eval/digits/mean_reward": [4]}, 3, every) == [
+        "metric eval/digits/mean_reward is recorded at step(s) 4, outside the run's steps 0..3"]
     absent = {k: v for k, v in good.items() if k != REWARD_DROPPED_FRAC}
     assert check_metric_steps(absent, 3, every) == [
         f"metric {REWARD_DROPPED_FRAC} (logged at every step) is not in the run"]

@@ -10,6 +10,7 @@ import json
 import pytest
 from mlflow import MlflowClient
 
+from relax.cli import verify_run
 from relax.config import load_config
 from relax.config.validate import ConfigError
 from relax.runner.checkpoint import STATE, config_differences, resume_point, step_dir
@@ -66,6 +67,8 @@ def test_a_finished_checkpoint_evaluated_again_logs_the_runs_own_final_evaluatio
     assert summary.startswith("Relax run finished (evaluation only: nothing trained)")
     assert "final reward" in summary and "eval digits (step 2)" in summary  # the rewards it trained with, kept
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000001", "step_000002"]  # no new one
+    report = verify_run.verify(trained.run_id, f"sqlite:///{tmp_path}/mlflow.db")  # the run with it verifies
+    assert report.ok, report.text()
 
     # the control: the checkpoint of step 1, evaluated the same way, gives the run's evaluation after step 0, not
     # the final one
