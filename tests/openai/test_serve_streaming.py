@@ -379,3 +379,32 @@ def test_a_block_the_generation_prompt_opened_streams_as_reasoning_as_it_comes(f
     assert hold.had == [True]
     assert by_choice(chunks, 1, "reasoning_content") == [plain.reasoning_content]
     assert by_choice(chunks, 1) == [plain.content or ""]
+
+
+def test_a_responses_stream_streams_the_reasoning_as_it_comes(family_servers, monkeypatch):
+    """The Responses API on qwen3.5 (its generation prompt opens <think>): the reasoning item's text streams as
+    `response.reasoning_text.delta` events while the engine is still generating (held after HELD_AT tokens until
+    the client has read one); the item is added before its deltas and done after them (content_part added and done
+    around them), and the deltas put together are the reasoning item of the last event's response. (Sampled: the
+    Responses API takes no seed, and the tiny model's greedy answer has no text.) Before, the reasoning item came
+    whole once the content began or the answer ended: the hold saw no delta (`had == [False]`)."""
+    client = family_client(family_servers, "qwen3_5")
+    hold = Held(family_servers["qwen3_5"], monkeypatch)
+    events = []
+    for e in client.responses.create(model="tiny", input="What is 3 + 4?", max_output_tokens=10, stream=True):
+        if e.type == "response.reasoning_text.delta":
+            hold.seen.set()
+        events.append(e)
+    assert hold.had == [True], [e.type for e in events]
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    first, last = kinds.index("response.reasoning_text.delta"), len(kinds) - 1 - kinds[::-1].index(
+        "response.reasoning_text.delta")
+    assert kinds[first - 2:first] == ["response.output_item.added", "response.content_part.added"]
+    assert events[first - 2].item.type == "reasoning" and events[first - 2].output_index == 0
+    assert kinds[last + 1:last + 4] == ["response.reasoning_text.done", "response.content_part.done",
+                                        "response.output_item.done"]
+    final = events[-1].response  # response.incomplete here: cut at max_output_tokens
+    (reasoning,) = [item for item in final.output if item.type == "reasoning"]
+    assert len(deltas) > 1 and "".join(deltas) == events[last + 1].text == reasoning.content[0].text
+    assert reasoning.id == events[first].item_id == events[last + 3].item.id

@@ -415,8 +415,9 @@ class Folded:
         self.finish, self.usage = "stop", {}
         self.every: list[dict] = []
 
-    def add(self, chunk: dict) -> list[tuple[str, list[dict]]]:
-        """Take one chunk; the content pieces it brings, each with its tokens' log-probs."""
+    def add(self, chunk: dict) -> list[tuple[str, str, list[dict]]]:
+        """Take one chunk; the pieces it brings, in order: ("reasoning", text, []) and ("content", text, its tokens'
+        log-probs)."""
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         new = []
@@ -426,12 +427,13 @@ class Folded:
             delta = c.get("delta") or {}
             lps = (c.get("logprobs") or {}).get("content") or []
             self.every += lps
+            if delta.get("reasoning_content"):
+                self.reasoning.append(delta["reasoning_content"])
+                new.append(("reasoning", delta["reasoning_content"], []))
             if delta.get("content"):
                 self.pieces.append(delta["content"])
                 self.piece_lps.append(lps)
-                new.append((delta["content"], lps))
-            if delta.get("reasoning_content"):
-                self.reasoning.append(delta["reasoning_content"])
+                new.append(("content", delta["content"], lps))
             self.calls += delta.get("tool_calls") or []
             if c.get("finish_reason"):
                 self.finish = c["finish_reason"]
@@ -483,8 +485,9 @@ def response_object(req: Request, a: Answer, output: list[dict], *, rid: str, mo
 
 def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: str, created: int,
                     done: Callable[[Answer], None]) -> Iterator[bytes]:
-    """The Responses stream of a chat stream's chunks, as they come: created, in_progress, then (once the answer has
-    content) the reasoning item added, the message item and its part added and its text as deltas at the chat
+    """The Responses stream of a chat stream's chunks, as they come: created, in_progress, then the reasoning item
+    (a reasoning model's: added, its `reasoning_text` as deltas at the chat stream's reasoning deltas, done once the
+    content begins or the answer ends), the message item and its part added and its text as deltas at the chat
     deltas' token boundaries; once the chat stream ended, each output item's rest (added where not yet, its text or
     arguments, done), then completed (incomplete: an answer cut at max_output_tokens, as OpenAI ends it). `done`
     takes the finished answer (before the last event); an error chunk ends the stream with an `error` event."""
@@ -502,6 +505,24 @@ def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: st
     yield emit("response.created", response=start)
     yield emit("response.in_progress", response=start)
     fold, ids = Folded(), {"reasoning": new_id("rs"), "message": new_id("msg")}
+    thinking = {"output_index": 0, "item_id": ids["reasoning"], "content_index": 0}
+    state = {"reasoning": "none"}  # none | open (its item added, deltas flowing) | done
+
+    def open_reasoning() -> Iterator[bytes]:
+        state["reasoning"] = "open"
+        yield emit("response.output_item.added", item={"type": "reasoning", "id": ids["reasoning"], "summary": [],
+                                                       "status": "in_progress", "content": []}, output_index=0)
+        yield emit("response.content_part.added", part={"type": "reasoning_text", "text": ""}, **thinking)
+
+    def close_reasoning(status: str) -> Iterator[bytes]:
+        state["reasoning"] = "done"
+        text = "".join(fold.reasoning)
+        part = {"type": "reasoning_text", "text": text}
+        yield emit("response.reasoning_text.done", text=text, **thinking)
+        yield emit("response.content_part.done", part=part, **thinking)
+        yield emit("response.output_item.done", item={"type": "reasoning", "id": ids["reasoning"], "summary": [],
+                                                      "status": status, "content": [part]}, output_index=0)
+
     opened: Optional[dict] = None  # the message's output_index, item_id and content_index, once it has begun
     for chunk in chunks:
         if "error" in chunk:
@@ -509,13 +530,16 @@ def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: st
             yield emit("error", code=error.get("code"), message=error.get("message"), param=error.get("param"),
                        error=error)
             return
-        for piece, lps in fold.add(chunk):
-            if opened is None:  # the reasoning is over: its item, then the message's
+        for kind, piece, lps in fold.add(chunk):
+            if kind == "reasoning":
+                if state["reasoning"] == "none":
+                    yield from open_reasoning()
+                yield emit("response.reasoning_text.delta", delta=piece, **thinking)
+                continue
+            if opened is None:  # the reasoning is over: its item done, then the message's
                 at = 0
-                if fold.reasoning:
-                    item = {"type": "reasoning", "id": ids["reasoning"], "summary": [], "status": "in_progress",
-                            "content": [{"type": "reasoning_text", "text": "".join(fold.reasoning)}]}
-                    yield emit("response.output_item.added", item=item, output_index=0)
+                if state["reasoning"] == "open":
+                    yield from close_reasoning("completed")
                     at = 1
                 yield emit("response.output_item.added", item={"type": "message", "id": ids["message"],
                                                                "role": "assistant", "status": "in_progress",
@@ -531,6 +555,13 @@ def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: st
     done(a)
     for i, item in enumerate(resp["output"]):
         at = {"output_index": i}
+        if item["type"] == "reasoning":
+            if state["reasoning"] == "none":  # (its text came with the answer's end)
+                yield from open_reasoning()
+                yield emit("response.reasoning_text.delta", delta=item["content"][0]["text"], **thinking)
+            if state["reasoning"] == "open":
+                yield from close_reasoning(item["status"])
+            continue
         if item["type"] == "message":
             part = item["content"][0]
             ids_at = {**at, "item_id": item["id"], "content_index": 0}
