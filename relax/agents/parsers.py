@@ -428,6 +428,30 @@ def write_calls(fmt: str, calls: Sequence[tuple[str, Any]]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the tools' schemas
+# keys of a JSON schema that say nothing of what a value's text may be (annotations)
+_ANNOTATIONS = frozenset({"type", "description", "title", "default", "examples", "deprecated", "readOnly",
+                          "writeOnly", "$comment"})
+
+
+def xml_plain(schema: Any) -> bool:
+    """Whether an XML format (qwen3_coder, glm45) writes an argument of `schema` as its templates write a string or
+    an enum's word, as text: a schema of annotations only (type, description, default, ...) and an enum. A
+    constrained call (`relax.rollout.grammar`) writes any other argument as JSON following the schema, a string with
+    a length limit, a pattern or a format too (`apply_tool_schemas` reads such a string back from its JSON)."""
+    return isinstance(schema, dict) and set(schema) <= _ANNOTATIONS | {"enum"}
+
+
+def _json_string(text: str) -> Optional[str]:
+    """The string `text` is the JSON of, or None when it is not a JSON string."""
+    if not (text.startswith('"') and text.endswith('"')):
+        return None
+    try:
+        value = json.loads(text, strict=False)  # control characters as such, as the grammar's JSON admits them
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 def _string_schema(schema: Any) -> tuple[bool, bool]:
     """(whether an argument of `schema` is a string, whether it may also be null)."""
     if not isinstance(schema, dict):
@@ -473,7 +497,8 @@ def apply_tool_schemas(parsed: ParsedMessage, tools: Optional[Sequence[dict]]) -
 
     - an argument of an XML format (qwen3_coder, glm45) whose schema is a string keeps the text written (the formats
       write a string as its text, so "42" or "true" there is a string, not the JSON value); `null` where the schema
-      also admits null;
+      also admits null; a string whose schema constrains its text (`xml_plain` false: a length limit, a pattern, a
+      format), which a constrained call writes as JSON, is the string that JSON holds, where the text is one;
     - a call of a `strict` function whose arguments do not satisfy its `parameters` is a malformed call (`CallError`,
       naming the first failing part), never executed. (OpenAI and SGLang constrain the sampling of a strict tool's
       arguments instead; Relax constrains only a forced call, `tool_choice`, and checks the others here.)
@@ -491,9 +516,11 @@ def apply_tool_schemas(parsed: ParsedMessage, tools: Optional[Sequence[dict]]) -
         args = dict(item.arguments)
         properties = (fn.get("parameters") or {}).get("properties") or {}
         for key, text in (item.texts or {}).items():
-            string, nullable = _string_schema(properties.get(key))
+            schema = properties.get(key)
+            string, nullable = _string_schema(schema)
             if string:
-                args[key] = None if nullable and text == "null" else text
+                decoded = None if xml_plain(schema) else _json_string(text)
+                args[key] = None if nullable and text == "null" else text if decoded is None else decoded
         item = ToolCall(item.name, args, texts=item.texts)
         if fn.get("strict") is True:
             import jsonschema

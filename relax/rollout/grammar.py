@@ -27,7 +27,16 @@ from typing import Any, Optional
 
 import torch
 
-from relax.agents.parsers import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN, DS_CALLS_END, DS_SEP, END_THINK, THINK
+from relax.agents.parsers import (
+    DS_CALL_BEGIN,
+    DS_CALL_END,
+    DS_CALLS_BEGIN,
+    DS_CALLS_END,
+    DS_SEP,
+    END_THINK,
+    THINK,
+    xml_plain,
+)
 
 NL = "\n"
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
@@ -103,8 +112,8 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
     """(the sequence of `f`'s arguments in an XML format, the rules it uses): its required parameters, then each
     optional one or not, in the schema's order, each `key[0] NAME key[1] value[0] VALUE value[1]`; a string value
     is text (`_XML_TEXT`; one of its enum's words), any other JSON following the parameter's schema (what the
-    formats' templates write; a string with a pattern or a length limit is written as JSON, which the parsers read
-    back to the string)."""
+    formats' templates write; a string whose schema constrains its text, a pattern, a length limit, a format, is
+    written as JSON, which the parser reads back to the string: `relax.agents.parsers.xml_plain`, one rule for both)."""
     parameters = f.get("parameters") or {"type": "object", "properties": {}}
     props, required = parameters.get("properties") or {}, set(parameters.get("required") or ())
     if parameters.get("type", "object") != "object" or not isinstance(props, dict):
@@ -113,7 +122,7 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
     parts, rules = [], []
     for i, (name, schema) in enumerate(props.items()):
         v = f"{rule}_p{i}"
-        plain = isinstance(schema, dict) and set(schema) <= {"type", "description", "title", "enum"}
+        plain = xml_plain(schema)  # what the parser reads as text (the same rule: relax.agents.parsers)
         words = schema.get("enum") if plain else None
         if plain and words is not None and words and all(isinstance(w, str) and "<" not in w for w in words):
             rules.append(f"{v} ::= " + " | ".join(_literal(w) for w in words))  # as the template writes them

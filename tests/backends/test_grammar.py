@@ -213,6 +213,45 @@ def test_a_forced_call_parses_against_the_tools_parameters_in_every_format(setup
     assert len(set(texts)) > CALL_ROWS // 2  # the rows drew from their own streams
 
 
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "glm45"])
+def test_an_xml_call_reads_back_constrained_strings_as_the_strings(setup, fmt):
+    """XML formats write a plain string as its text and a string whose schema constrains it (a pattern, a length
+    limit; nullable too) as JSON; read with the tools' schemas (`apply_tool_schemas`, what the OpenAI routes and
+    the tool loop read), every argument is the string itself and the call satisfies the schema. A default only
+    annotates: such a string is text, as the templates write it, and stays the text written. Negative control: read
+    as text, the JSON's quotes stayed in the string and broke its limit (the strict check then refused the call)."""
+    import jsonschema
+
+    from relax.agents.parsers import apply_tool_schemas
+
+    params = {"type": "object", "properties": {
+        # (limits as patterns: a random byte-level model draws bytes that are no UTF-8, which maxLength counts apart)
+        "short": {"type": "string", "pattern": "^[a-z ]{1,6}$"},
+        "code": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+        "maybe": {"type": ["string", "null"], "pattern": "^[0-9]{1,3}$"}}, "required": ["short", "code", "maybe"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params, "strict": True}}]
+    texts, _ = run(setup, GrammarSpec("ebnf", tool_call_ebnf(tools, fmt, name="f")), max_new=300, rows=CALL_ROWS)
+    for text in texts:
+        parsed = apply_tool_schemas(BUILTIN_PARSERS[fmt](text), tools)
+        assert not parsed.errors and len(parsed.calls) == 1, (text, parsed)
+        args = parsed.calls[0].arguments
+        jsonschema.validate(args, params)
+        short = json.dumps(args["short"], ensure_ascii=False)
+        assert short in text and args["short"] not in ("", None) or short == '""', text  # written as JSON
+    plain = [{"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {
+        "note": {"type": "string", "default": "x", "title": "Note"}}}}}]
+    assert f"::= {'[^<]*'}" in tool_call_ebnf(plain, fmt, name="g")  # a default: written as text
+    for written in ("hello", '"hello"'):
+        call = BUILTIN_PARSERS[fmt](_xml_call(fmt, "g", "note", written))
+        assert apply_tool_schemas(call, plain).calls[0].arguments == {"note": written}
+
+
+def _xml_call(fmt: str, name: str, key: str, value: str) -> str:
+    if fmt == "qwen3_coder":
+        return f"<tool_call>\n<function={name}>\n<parameter={key}>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    return f"<tool_call>{name}\n<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n</tool_call>"
+
+
 def test_required_is_one_or_more_calls_of_the_listed_tools(setup):
     """tool_choice "required": calls of any listed tool, one or more; a random model may go on calling until its
     token limit (the calls before the cut are whole)."""
