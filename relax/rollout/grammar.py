@@ -258,18 +258,18 @@ def after_reasoning(spec: GrammarSpec, *, opened: bool) -> GrammarSpec:
     structural tag (SGLang's `structural_tag`, so a real SGLang server constrains it the same way) of free reasoning up
     to `</think>`, at most two blanks, then what `spec` admits. `opened`: the prompt opened the block (Qwen3.5's
     generation prompt writes `<think>\n`), so the answer must reason first; otherwise (Qwen3, whose model writes
-    `<think>` itself) the block is optional and an answer without one is constrained from its first token. The
-    reasoning may not open a second block; `</think>` ends it."""
+    `<think>` itself; GLM-4.5, a newline before it) the block, after at most two blanks, is optional and an answer
+    without one is constrained from its first token. The reasoning may not open a second block; `</think>` ends it."""
     if spec.kind == "structural_tag":
         answer = json.loads(spec.source)["format"]
     else:
         answer = {"type": "grammar", "grammar": str(_xgrammar_of(spec))}
+    blanks = {"type": "regex", "pattern": "[ \\n]{0,2}"}
     block: dict = {"type": "sequence", "elements": [
         {"type": "tag", "begin": "" if opened else THINK,
-         "content": {"type": "any_text", "excludes": [THINK, END_THINK]}, "end": END_THINK},
-        {"type": "regex", "pattern": "[ \\n]{0,2}"}]}
-    if not opened:
-        block = {"type": "optional", "content": block}
+         "content": {"type": "any_text", "excludes": [THINK, END_THINK]}, "end": END_THINK}, blanks]}
+    if not opened:  # (GLM-4.5's model writes a newline before its <think>)
+        block = {"type": "optional", "content": {"type": "sequence", "elements": [blanks, block]}}
     return GrammarSpec("structural_tag", json.dumps(
         {"type": "structural_tag", "format": {"type": "sequence", "elements": [block, answer]}}, ensure_ascii=False))
 

@@ -174,6 +174,8 @@ def test_after_reasoning_admits_a_think_block_then_what_the_spec_admits(setup):
         assert accepts(grammars, opened, think + "\n\n" + good, eos), spec
         assert accepts(grammars, optional, "<think>" + think + "\n" + good, eos), spec
         assert accepts(grammars, optional, good, eos), spec  # no block: constrained from the first token
+        assert accepts(grammars, optional, "\n<think>" + think + "\n" + good, eos), spec  # GLM-4.5's newline first
+        assert not accepts(grammars, optional, "\n" + good, eos, then_eos=False) or spec.kind == "structural_tag"
         for s in (opened, optional):
             assert not accepts(grammars, s, ("" if s is opened else "<think>") + think + bad, eos, then_eos=False)
         assert not accepts(grammars, opened, "a <think> b</think>" + good, eos)  # no second block
