@@ -80,12 +80,12 @@ def test_a_streamed_answer_to_an_image_is_the_unstreamed_one(server):
 def test_an_image_the_engine_refuses_is_a_400_naming_its_message_part(server, stream):
     """The engine names a refused image by its place in `image_data` (the second here); the chat route's 400 names
     the message part it came from (the third message's second part), its param included, streamed or not."""
-    good = image_data_url(blank_image())
+    good, bad = image_data_url(blank_image()), "data:image/png;base64,AAAA"
     messages = [{"role": "user", "content": [{"type": "text", "text": QUESTION},
                                              {"type": "image_url", "image_url": {"url": good}}]},
                 {"role": "assistant", "content": "A square."},
                 {"role": "user", "content": [{"type": "text", "text": "And this one?"},
-                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+                                             {"type": "image_url", "image_url": {"url": bad}}]}]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny_vl", messages=messages, max_tokens=2, stream=stream)
