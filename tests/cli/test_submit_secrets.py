@@ -12,24 +12,12 @@ import pytest
 
 from relax.cli import submit
 from relax.cli.submit import api_key_options, main
+from tests.cli.jobs_stub import Jobs
 
 ABSOLUTE = ["tracking.uri=http://mlflow.example:5000", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out"]
 JUDGE = ["reward_model=judge", "reward_model.engine=openai", "reward_model.url=http://127.0.0.1:8000/v1",
          "reward_model.api_key_env=RELAX_T_JUDGE_KEY"]
 SERVICE = ["data.reward=http://127.0.0.1:8131/score", "data.reward_service.api_key_env=RELAX_T_SVC_KEY"]
-
-
-class Jobs:
-    """A stand-in for ray.job_submission.JobSubmissionClient: records what is submitted."""
-
-    submitted: list[dict] = []
-
-    def __init__(self, address):
-        self.address = address
-
-    def submit_job(self, **payload):
-        Jobs.submitted.append(payload)
-        return "job-1"
 
 
 @pytest.fixture

@@ -13,22 +13,10 @@ import pytest
 
 from relax.cli import submit
 from relax.cli.submit import STOP_WAIT_ENV, main
+from tests.cli.jobs_stub import Jobs
 
 ABSOLUTE = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out",
             "hydra.sweep.dir=/shared/multirun"]
-
-
-class Jobs:
-    """A stand-in for ray.job_submission.JobSubmissionClient: records what is submitted."""
-
-    submitted: list[dict] = []
-
-    def __init__(self, address):
-        self.address = address
-
-    def submit_job(self, **payload):
-        Jobs.submitted.append(payload)
-        return "job-1"
 
 
 @pytest.fixture

@@ -7,9 +7,11 @@ absent where the prompt closed it (`enable_thinking: false`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -41,7 +43,9 @@ def reasoning_tokenizer(template: str = QWEN3):
     return tok
 
 
-def start_server(directory: Path, template: str):
+@contextlib.contextmanager
+def serving(directory: Path, template: str) -> Iterator[str]:
+    """relax-serve's engine server on the tiny model with `template` over the reasoning vocabulary: its URL."""
     from relax.config import load_config
     from relax.serve.sglang.server import EmbeddedServer
 
@@ -50,28 +54,25 @@ def start_server(directory: Path, template: str):
                        "model.max_position_embeddings=2048", "seed=3"])
     srv = EmbeddedServer(cfg, host="127.0.0.1", port=0, threads=1)
     srv.start()
-    srv.wait_ready(120)
-    return srv
+    try:
+        srv.wait_ready(120)
+        yield f"http://127.0.0.1:{srv.port}"
+    finally:
+        srv.shutdown()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """Qwen3's template: the model opens its <think> block itself (or answers without one)."""
-    srv = start_server(tmp_path_factory.mktemp("qwen3-tokenizer"), QWEN3)
-    try:
-        yield f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.shutdown()
+    with serving(tmp_path_factory.mktemp("qwen3-tokenizer"), QWEN3) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def opened_server(tmp_path_factory):
     """Qwen3.5's template: its generation prompt opens `<think>\\n`, the model reasons first."""
-    srv = start_server(tmp_path_factory.mktemp("qwen35-tokenizer"), QWEN3_5)
-    try:
-        yield f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.shutdown()
+    with serving(tmp_path_factory.mktemp("qwen35-tokenizer"), QWEN3_5) as url:
+        yield url
 
 
 def client_of(url: str) -> openai.OpenAI:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import struct
 import zlib
 
@@ -39,8 +40,7 @@ def _bomb(width: int = 14000, height: int = 14000) -> bytes:
             + chunk(b"IEND", b""))
 
 
-CASES = [(_png((2000, 3)), "image_data\\[1\\].*2000x3 pixels.*aspect ratio"),
-         (_bomb(), "image_data\\[1\\].*DecompressionBombError")]
+CASES = [(_png((2000, 3)), "2000x3 pixels.*aspect ratio"), (_bomb(), "DecompressionBombError")]
 
 
 @pytest.mark.parametrize("image,message", CASES, ids=["aspect_ratio", "decompression_bomb"])
@@ -48,15 +48,16 @@ def test_a_refused_image_is_a_400_naming_it(server, image, message):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
     parts = [{"type": "image_url", "image_url": {"url": _url(_png((32, 32)))}},
              {"type": "image_url", "image_url": {"url": _url(image)}}, {"type": "text", "text": "what colour?"}]
-    with pytest.raises(openai.BadRequestError, match=message) as exc:
+    # the chat route names the message part (relax.serve.openai.images.naming_parts), /generate the image_data entry
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: .*" + message) as exc:
         client.chat.completions.create(model="tiny_vl", messages=[{"role": "user", "content": parts}], max_tokens=2)
-    assert exc.value.status_code == 400
+    assert exc.value.status_code == 400 and exc.value.body["param"] == "messages[0].content[1]"
     # /generate: the same image, the same 400
     tokenizer_pad = "<|vision_start|><|image_pad|><|vision_end|>"
     r = requests.post(server.url + "/generate", timeout=60, json={
         "text": tokenizer_pad * 2 + "what colour?", "image_data": [_url(_png((32, 32))), _url(image)],
         "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 400, r.text
+    assert r.status_code == 400 and re.search(r"image_data\[1\].*" + message, r.json()["error"]["message"]), r.text
     # the server still answers a good image (the control: the same request with a readable image)
     ok = client.chat.completions.create(model="tiny_vl", max_tokens=2, messages=[{"role": "user", "content": [
         parts[0], {"type": "image_url", "image_url": {"url": _url(_png((40, 24)))}}, parts[2]]}])
