@@ -20,6 +20,8 @@ jsonschema = pytest.importorskip("jsonschema")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
 from templates import _byte_level_tokenizer  # noqa: E402  (the byte-level vocabulary of the template tests)
 
+from tests.openai.serving import tiny_server  # noqa: E402
+
 # an engine server in this process; its tests share the module-scoped server: one xdist worker runs them in a row
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_constrained")]
 
@@ -41,23 +43,12 @@ class Forecast(BaseModel):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """relax-serve's engine server on the tiny model with a byte-level tokenizer (ChatML, Hermes tool calls)."""
-    from relax.config import load_config
     from relax.data.tokenizer import CHATML_TEMPLATE
-    from relax.serve.sglang.server import EmbeddedServer
 
     tok = _byte_level_tokenizer()
     tok.chat_template = CHATML_TEMPLATE
-    directory = tmp_path_factory.mktemp("byte-tokenizer")
-    tok.save_pretrained(directory)
-    cfg = load_config(["model=tiny", "model.dtype=float32", f"model.tokenizer={directory}",
-                       "model.max_position_embeddings=2048", "seed=3"])
-    srv = EmbeddedServer(cfg, host="127.0.0.1", port=0, threads=1)
-    srv.start()
-    try:
-        srv.wait_ready(120)
-        yield f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.shutdown()
+    with tiny_server(tmp_path_factory.mktemp("byte-tokenizer"), tok) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,9 @@ absent where the prompt closed it (`enable_thinking: false`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -21,6 +19,8 @@ import requests
 pytest.importorskip("xgrammar")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agents"))
 from templates import QWEN3, QWEN3_5, _byte_level_tokenizer  # noqa: E402  (the template tests' vocabulary, templates)
+
+from tests.openai.serving import tiny_server  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_reasoning_grammar")]
 
@@ -43,35 +43,17 @@ def reasoning_tokenizer(template: str = QWEN3):
     return tok
 
 
-@contextlib.contextmanager
-def serving(directory: Path, template: str) -> Iterator[str]:
-    """relax-serve's engine server on the tiny model with `template` over the reasoning vocabulary: its URL."""
-    from relax.config import load_config
-    from relax.serve.sglang.server import EmbeddedServer
-
-    reasoning_tokenizer(template).save_pretrained(directory)
-    cfg = load_config(["model=tiny", "model.dtype=float32", f"model.tokenizer={directory}",
-                       "model.max_position_embeddings=2048", "seed=3"])
-    srv = EmbeddedServer(cfg, host="127.0.0.1", port=0, threads=1)
-    srv.start()
-    try:
-        srv.wait_ready(120)
-        yield f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.shutdown()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """Qwen3's template: the model opens its <think> block itself (or answers without one)."""
-    with serving(tmp_path_factory.mktemp("qwen3-tokenizer"), QWEN3) as url:
+    with tiny_server(tmp_path_factory.mktemp("qwen3-tokenizer"), reasoning_tokenizer(QWEN3)) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def opened_server(tmp_path_factory):
     """Qwen3.5's template: its generation prompt opens `<think>\\n`, the model reasons first."""
-    with serving(tmp_path_factory.mktemp("qwen35-tokenizer"), QWEN3_5) as url:
+    with tiny_server(tmp_path_factory.mktemp("qwen35-tokenizer"), reasoning_tokenizer(QWEN3_5)) as url:
         yield url
 
 
