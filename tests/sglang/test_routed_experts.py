@@ -169,7 +169,7 @@ def test_a_request_that_opts_out_has_no_routes_and_a_server_without_the_flag_ref
     from relax.serve.sglang.request import RequestCodec, RequestError
 
     _, server, _ = routed
-    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}}
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
     answer = requests.post(f"{server.url}/generate", json={**body, "return_routed_experts": False}, timeout=60).json()
     assert "routed_experts" not in answer["meta_info"] and len(answer["output_ids"]) == 3
     answer = requests.post(f"{server.url}/generate", json=body, timeout=60).json()
