@@ -225,7 +225,11 @@ def test_a_restored_stream_continues_with_nothing_lost_or_repeated():
     stream.publish(0, "w0")
     with stream:
         first = train(cfg, stream, rng, stop=3)
-        time.sleep(0.05)  # let the pump run ahead
+        # the pump runs ahead: wait until it has a batch buffered (a fixed 0.05 s was about what the fake engine
+        # takes for one, so a loaded machine could pause with nothing buffered)
+        deadline = time.monotonic() + 30
+        while stream.buffered_samples() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         with stream.paused():
             state = stream.state_dict()
             drawn = prompts.drawn
