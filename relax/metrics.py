@@ -185,6 +185,11 @@ EVAL_PASS_AT = "pass_at_"  # + k (train.eval_pass_k): the unbiased pass@k estima
 EVAL_RESPONSE_LEN = "response_len"  # mean response length in tokens
 EVAL_TRUNCATED_FRAC = "truncated_frac"  # share of responses that hit rollout.max_response_len
 EVAL_REWARD_ERRORS = "reward_errors"  # reward calls that failed (left out of mean@n and pass@k)
+# The step of an eval/* value is the number of training steps in the weights it evaluated (relax.runner.session,
+# `Session.log_evaluation`, decides it). A run records the convention in this tag (EVAL_STEP_WEIGHTS); runs made
+# before it logged the evaluation after 0-based step s at step s (one less) and have no such tag.
+EVAL_STEP_TAG = "relax.eval_step"
+EVAL_STEP_WEIGHTS = "trained_steps"
 
 
 def eval_metric(eval_set: str, metric: str) -> str:

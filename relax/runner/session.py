@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relax.config.schema import RelaxConfig
-from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX
+from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX, EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
 from relax.models.write_errors import os_write_error
 from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
 from relax.runner.errors import RunError
@@ -121,7 +121,7 @@ class Session:
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, metrics) as logged by this process
-        # a reopened run's eval/* values before the resumed step, from the store (the closing summary's eval line)
+        # a reopened run's eval/* values up to the resumed step, from the store (the closing summary's eval line)
         self.earlier_evals: dict[str, list[tuple[int, float]]] = {}
         self.eval_set_order: list[str] = []  # the eval sets in evaluation order (log_datasets)
         self.steps = self.start_step
@@ -185,6 +185,8 @@ class Session:
             overrides = _hydra_overrides()
             if overrides and not reopen:  # a reopened run keeps the overrides it was started with
                 tags[TAG_OVERRIDES] = overrides_text(overrides)
+            if not reopen:  # a reopened run's is decided from what it holds (`_eval_step_tag`)
+                tags[EVAL_STEP_TAG] = EVAL_STEP_WEIGHTS
             if reopen:
                 tags[RESUMED_TAG] = resume_text(resume) if resume is not None else "step 0 (a restart)"
                 try:
@@ -200,9 +202,13 @@ class Session:
                     raise RunError(f"cannot continue {what}: {exc}{hint}") from None
                 counts = (resume.tracker_state.get("nonfinite_counts") or {}) if resume is not None else {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
-                self.rewards = [v for _, v in self.tracker.recorded_history.get(RAW_REWARD, [])]
-                self.earlier_evals = {k: v for k, v in self.tracker.recorded_history.items()
-                                      if k.startswith(EVAL_PREFIX)}
+                # the rewards of the steps before the resumed one (those from it on are recomputed); the
+                # evaluations up to it: the one at the resumed step evaluated the resumed weights (log_evaluation)
+                self.rewards = [v for s, v in self.tracker.recorded_history.get(RAW_REWARD, []) if s < self.start_step]
+                evals = {k: v for k, v in self.tracker.recorded_history.items() if k.startswith(EVAL_PREFIX)}
+                self._eval_step_tag(evals)
+                self.earlier_evals = {k: kept for k, v in evals.items()
+                                      if (kept := [(s, x) for s, x in v if s <= self.start_step])}
             else:
                 try:
                     self.tracker = Tracker.start(cfg.tracking, options, run_name=cfg.tracking.run_name, tags=tags,
@@ -252,29 +258,69 @@ class Session:
         self.progress.write(message)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        """The metrics of training step `step` (0-based)."""
         self.tracker.log_metrics(metrics, step)
-        self.history.append((step, dict(metrics)))
+        self._add_history(step, metrics)
         if math.isfinite(metrics.get(RAW_REWARD, math.nan)):  # NaN: every response of the step was left out
             self.rewards.append(metrics[RAW_REWARD])
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
 
-    def log_evaluation(self, metrics: dict[str, float], step: int) -> None:
-        """The metrics of the evaluation of a run that trained no step (`Recipe.evaluate_only`), at `step`: logged
-        and kept for the summary like a step's, without counting as a trained step (rewards, steps, progress)."""
-        # a reopened run keeps the first value of each (key, step) it holds (Tracker.reopen): an earlier evaluation
-        # of these weights at this step stays, and this one is not recorded; say so rather than show unlogged values
-        held = sorted(set(metrics) & getattr(self.tracker, "_recorded", {}).get(step, set()))
-        if held:
-            ckpt = self.resume.path if self.resume is not None else "<checkpoint>"
-            self._say(f"relax-train: warning: MLflow run {self.run_id} already holds {len(held)} of these metrics at "
-                      f"step {step} ({held[0]}, ...: an earlier evaluation of these weights); MLflow keeps the first "
-                      "value of a step, so this evaluation's values of them are shown in the summary but not recorded. "
-                      f"To record them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, then "
-                      "`relax-train model.source=hf model.path=<dir> train.num_rollout=0 ...`")
+    def log_evaluation(self, metrics: dict[str, float], trained_steps: int, *, evaluation_only: bool = False) -> None:
+        """The eval/* metrics of an evaluation of the weights `trained_steps` training steps produced (0: the initial
+        weights), logged at step `trained_steps` and kept for the summary, without counting as a trained step
+        (rewards, steps, progress). `evaluation_only`: the one evaluation of a run that trains no step
+        (`Recipe.evaluate_only`)."""
+        # The one place that decides the step of an evaluation: the number of training steps in the weights it
+        # evaluated, which names them unambiguously (checkpoint step_<k> holds the weights of k steps; the initial
+        # weights are 0). So the evaluation after 0-based training step s is logged at s + 1, beside the next step's
+        # rollout/* (in sync mode sampled from these very weights), the final one at train.num_rollout, and an
+        # evaluation-only run of checkpoint k lands on the step where the training run logged the same weights',
+        # never on another's (verl steps its validation the same way: before training at 0, after step n at n).
+        # Runs made before logged the training-time evaluation at s, one less: EVAL_STEP_TAG tells them apart.
+        step = trained_steps
+        if evaluation_only:
+            # a reopened run keeps the first value of each (key, step) it holds (Tracker.reopen): an earlier
+            # evaluation of these weights at this step stays, and this one is not recorded; say so rather than show
+            # unlogged values
+            held = sorted(set(metrics) & getattr(self.tracker, "_recorded", {}).get(step, set()))
+            if held:
+                ckpt = self.resume.path if self.resume is not None else "<checkpoint>"
+                self._say(f"relax-train: warning: MLflow run {self.run_id} already holds {len(held)} of these metrics "
+                          f"at step {step} ({held[0]}, ...: an earlier evaluation of these weights); MLflow keeps the "
+                          "first value of a step, so this evaluation's values of them are shown in the summary but not "
+                          f"recorded. To record them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, "
+                          "then `relax-train model.source=hf model.path=<dir> train.num_rollout=0 ...`")
+            self.evaluated_only = True
         self.tracker.log_metrics(metrics, step)
-        self.history.append((step, dict(metrics)))
-        self.evaluated_only = True
+        self._add_history(step, metrics)
+
+    def _add_history(self, step: int, metrics: dict[str, float]) -> None:
+        """`history` holds one entry per step, as the MLflow run does: an evaluation logged at the step the next
+        training step then logs (or the reverse) shares its entry."""
+        if self.history and self.history[-1][0] == step:
+            self.history[-1][1].update(metrics)
+        else:
+            self.history.append((step, dict(metrics)))
+
+    def _eval_step_tag(self, evals: Mapping[str, list[tuple[int, float]]]) -> None:
+        """EVAL_STEP_TAG on a reopened run (`evals`: the eval/* values it holds): a run started before the tag
+        existed that holds evaluations logged them at the step before the weights' (after 0-based step s, at s); this
+        job logs its own at the weights' step. MLflow values cannot be moved, so the run is continued with both, the
+        tag saying from which step the weights' step holds, and a warning."""
+        held = getattr(self.tracker, "reopened_tags", {}).get(EVAL_STEP_TAG)
+        if held is not None:
+            return
+        if not evals:  # nothing logged the old way: the run is as one started now
+            self.tracker.set_tags({EVAL_STEP_TAG: EVAL_STEP_WEIGHTS})
+            return
+        k = self.start_step
+        self.tracker.set_tags({EVAL_STEP_TAG: f"{EVAL_STEP_WEIGHTS} from step {k} (before: one less)"})
+        print(f"relax-train: warning: MLflow run {self.tracker.run_id} was started by an older Relax, which logged "
+              f"the evaluation after 0-based step s at step s; from step {k} on, this job logs it at s + 1, the number "
+              "of training steps in the weights evaluated (checkpoint step_<s+1>; docs/training.md, \"Evaluation\"): "
+              f"this run's eval/* values before step {k} sit one step early (tag {EVAL_STEP_TAG})",
+              file=sys.stderr, flush=True)
 
     def record_samples(self, step: int, sample_ids, kept, set_aside=None) -> None:
         """Add step `step` to the sample ledger: its rollout's `sample_ids` ([N] LongTensor, unique over the run),

@@ -382,9 +382,10 @@ class Recipe:
         with timer.phase("sync"):
             if (step + 1) % cfg.train.weight_sync_interval == 0 or evaluate:
                 stream.publish(step + 1, cluster.weights(step + 1))
-        if evaluate:
+        evaluation: dict[str, float] = {}
+        if evaluate:  # the weights of step + 1 training steps, logged at that step (Session.log_evaluation)
             with _refusing_broken_weights(step):
-                metrics.update(_evaluate(cfg, self.engines, stream, self.inputs, self.reward_model))
+                evaluation = _evaluate(cfg, self.engines, stream, self.inputs, self.reward_model)
         step_time = timer.elapsed()
         metrics.update(self.pace.metrics(waited, step_time))
         metrics.update(self.engines.metrics())
@@ -394,6 +395,8 @@ class Recipe:
         metrics.update(timer.metrics(step_time, samples.engine_time, metrics.get(ACTOR_COMPUTE_TIME, 0.0),
                                      float(samples.response_mask.sum())))
         session.log(metrics, step)
+        if evaluation:
+            session.log_evaluation(evaluation, step + 1)
         self.gate.stop_if_crossed(step)  # (train.mismatch_gate=stop) after the step's metrics, before its checkpoint
         session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
         self.skipped.check(step, metrics, self.checkpoints)  # stops before a checkpoint of this step is written
@@ -403,12 +406,12 @@ class Recipe:
     def evaluate_only(self) -> None:
         """A run with no step to train (`train.num_rollout=0`, or resumed at its end): each eval set evaluated once
         with the starting weights, which `setup` published (the model's, or the resume point's), its metrics logged
-        at the start step (0, or the checkpoint's step: after every metric of the steps it trained). No optimizer
-        step, no checkpoint."""
+        at the number of training steps in them (Session.log_evaluation: 0, or the checkpoint's step, where the
+        training run logged its evaluation of the same weights). No optimizer step, no checkpoint."""
         step = self.restarts.step = self.preemption.step = self.start_step
         with _refusing_broken_weights(step):
             metrics = _evaluate(self.cfg, self.engines, self.stream, self.inputs, self.reward_model)
-        self.session.log_evaluation(metrics, step)
+        self.session.log_evaluation(metrics, step, evaluation_only=True)
 
     def _checkpoint(self, step: int) -> None:
         """The checkpoint of `step` where due: at `train.save_interval`, the last step, or a Ctrl-C / SIGTERM during

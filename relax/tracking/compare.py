@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from relax.metrics import EVAL_PREFIX, RAW_REWARD
+from relax.metrics import EVAL_PREFIX, EVAL_STEP_TAG, EVAL_STEP_WEIGHTS, RAW_REWARD
 from relax.tracking.mlflow_run import (
     PARENT_RUN_ID_TAG,
     PREVIOUS_SWEEP_TAG,
@@ -468,7 +468,25 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
                 history[m] = sorted((h.step, h.value) for h in client.get_metric_history(r.info.run_id, m))
         out.append(RunData(r.info.run_id, arm, r.data.tags.get(TAG_SEED), history, r.info.status,
                            r.data.tags.get(PARENT_RUN_ID_TAG), r.info.experiment_id, r.info.start_time or 0))
+    notes += _eval_step_notes(kept, metrics, by)
     return out, list(metrics), notes
+
+
+def _eval_step_notes(runs: Sequence[Any], metrics: Sequence[str], by: str) -> list[str]:
+    """A note when the selected runs logged their evaluations at different steps: runs without the tag
+    EVAL_STEP_TAG (made by a Relax before it) logged the evaluation after 0-based step s at step s, the others at
+    s + 1, the number of training steps in the weights evaluated; steps are compared as logged, not moved."""
+    if not any(m.startswith(EVAL_PREFIX) for m in metrics):
+        return []
+    evaluated = [r for r in runs if any(k.startswith(EVAL_PREFIX) for k in r.data.metrics)]
+    older = [r for r in evaluated if r.data.tags.get(EVAL_STEP_TAG) != EVAL_STEP_WEIGHTS]
+    if not older or len(older) == len(evaluated):
+        return []
+    named = "; ".join(f"{r.info.run_id} ({by}={_group_value(r, by)}, seed {r.data.tags.get(TAG_SEED)}, "
+                      f"{EVAL_STEP_TAG}: {r.data.tags.get(EVAL_STEP_TAG, 'none')})" for r in older)
+    return [f"eval/* of runs made before Relax logged an evaluation at the number of training steps in the weights "
+            f"(tag {EVAL_STEP_TAG}={EVAL_STEP_WEIGHTS}) sit one step early against the other runs' (the evaluation "
+            f"after 0-based step s at s, not s + 1; docs/training.md, \"Evaluation\"): {named}"]
 
 
 # ---------------------------------------------------------------------- output

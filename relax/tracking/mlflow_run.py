@@ -297,7 +297,8 @@ class Tracker:
         self._stream = options.stream
         # step -> keys the store already holds at that step (a reopened run's steps being recomputed; see `reopen`)
         self._recorded: dict[int, set[str]] = {}
-        self.recorded_history: dict[str, list[tuple[int, float]]] = {}  # reopen(keep_history=...): earlier values
+        self.recorded_history: dict[str, list[tuple[int, float]]] = {}  # reopen(keep_history=...): their values
+        self.reopened_tags: dict[str, str] = {}  # reopen: the tags the run held before this process reopened it
         self.system_metrics: Optional[SystemMetrics] = None  # see `start_system_metrics`
         atexit.register(self._at_exit)
 
@@ -433,13 +434,14 @@ class Tracker:
         the store (written by the killed process after its last checkpoint). The steps each key already
         has from `from_step` on are read once here (one query per key), and `log_metrics` does not write
         those (key, step) pairs again, so every step of every key is recorded exactly once; the value kept
-        is the first one written. `keep_history` keys get their earlier values in `recorded_history`
-        (e.g. the reward, for the end-of-run summary); a `keep_history` entry ending in "/" keeps every key under
-        that prefix (`eval/`). Params are not logged again (MLflow params are
-        immutable). System metrics (`options.system_metrics_s`) continue after the run's last sample. A spool the
-        killed job left in `options.spool_dir` is replayed before all that. LookupError if
-        the run is not in the store or is deleted; TrackingUnavailable if the store cannot be reached (or the
-        spool not replayed).
+        is the first one written. `keep_history` keys get their values in `recorded_history`, at every step the
+        store holds (the caller takes those it needs: the reward before `from_step`, for the end-of-run summary;
+        the evaluations up to `from_step`, the one of the resumed weights included); a `keep_history` entry ending
+        in "/" keeps every key under that prefix (`eval/`). `reopened_tags`: the run's tags as found. Params are not
+        logged again (MLflow params are immutable). System metrics (`options.system_metrics_s`) continue after the
+        run's last sample. A spool the killed job left in `options.spool_dir` is replayed before all that.
+        LookupError if the run is not in the store or is deleted; TrackingUnavailable if the store cannot be reached
+        (or the spool not replayed).
         """
         _check_interval(options.system_metrics_s)
         quiet_mlflow_logging()
@@ -473,6 +475,7 @@ class Tracker:
             run = client.get_run(run_id)  # the replayed metrics count as recorded below
         leftover.remove_if_done()
         tracker = cls(client, run_id, run.info.experiment_id, uri, options)
+        tracker.reopened_tags = dict(run.data.tags)
         try:
             prefixes = tuple(k for k in keep_history if k.endswith("/"))
             keep = {k for k in run.data.metrics if k in keep_history or (prefixes and k.startswith(prefixes))}
@@ -490,8 +493,7 @@ class Tracker:
                     if m.step >= from_step:
                         tracker._recorded.setdefault(int(m.step), set()).add(key)
                 if key in keep:
-                    tracker.recorded_history[key] = sorted((int(m.step), m.value) for m in history
-                                                           if m.step < from_step)
+                    tracker.recorded_history[key] = sorted((int(m.step), m.value) for m in history)
             tracker.writer.retry(lambda: client.update_run(run_id, status="RUNNING"))
             # the tags MLflow adds to every run it creates from the process's context (MLFLOW_RUN_CONTEXT: a sweep's
             # launcher names each job's run there, `relax.sweep_job`), now this process's run too; `tags` win

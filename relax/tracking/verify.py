@@ -125,9 +125,9 @@ def steps_text(steps: Sequence[int]) -> str:
 
 def check_metric_steps(histories: Mapping[str, Sequence[int]], n: int, every_step: Sequence[str]) -> list[str]:
     """Every key (key -> its logged steps) has each step at most once and none from `n` on, but for an evaluation's
-    (`eval/...`) at step `n`: an evaluation-only run of the run's end (its checkpoint resumed with nothing left to
-    train, or `train.num_rollout=0`) logs it there; the `every_step` keys have each of steps 0..n-1. The violations,
-    as text."""
+    (`eval/...`) at step `n`: an evaluation is logged at the number of training steps in the weights it evaluated
+    (`Session.log_evaluation`), so the evaluation after the last step, and that of an evaluation-only run of the
+    final checkpoint, are at `n`; the `every_step` keys have each of steps 0..n-1. The violations, as text."""
     problems = []
     for key in sorted(histories):
         counts = Counter(histories[key])

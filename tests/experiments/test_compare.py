@@ -254,3 +254,32 @@ def test_a_by_key_no_selected_run_has_is_an_error(store, tmp_path):
         compare(uri=uri, sweep="S1", by="nosuchkey", out_dir=tmp_path, log=False)
     r = compare(uri=uri, sweep="S1", by="algorithm", last_k=2, out_dir=tmp_path, log=False)  # the control
     assert r.comparison.arms == ["a", "b", "c", "d"]
+
+
+def test_runs_that_logged_evaluations_a_step_early_are_named(tmp_path, fresh_store):
+    """A run made before relax.eval_step logged the evaluation after 0-based step s at s; compared with runs that log
+    it at s + 1, a note names it (the values are compared as logged); runs of one convention get no note."""
+    from mlflow import MlflowClient
+
+    from relax.metrics import EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
+    from relax.tracking.compare import load_runs
+
+    fresh_store(tmp_path)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("steps", artifact_location=str(tmp_path / "artifacts"))
+
+    def made(seed: str, tag: str | None, eval_step: int):
+        run = client.create_run(exp, tags={"arm": "a", "seed": seed, **({EVAL_STEP_TAG: tag} if tag else {})})
+        client.log_metric(run.info.run_id, "rollout/raw_reward", 0.5, step=0)
+        client.log_metric(run.info.run_id, "eval/digits/pass_at_1", 0.25, step=eval_step)
+        client.set_terminated(run.info.run_id, "FINISHED")
+        return client.get_run(run.info.run_id)
+
+    new, older = made("1", EVAL_STEP_WEIGHTS, 1), made("2", None, 0)
+    _, _, notes = load_runs(client, [new, older])
+    (note,) = [n for n in notes if EVAL_STEP_TAG in n]
+    assert older.info.run_id in note and new.info.run_id not in note and "sit one step early" in note
+    assert f"{EVAL_STEP_TAG}: none" in note
+    # the controls: runs of one convention, or no eval/* metric compared
+    assert not [n for n in load_runs(client, [new, made("3", EVAL_STEP_WEIGHTS, 1)])[2] if EVAL_STEP_TAG in n]
+    assert not [n for n in load_runs(client, [new, older], metrics=["rollout/raw_reward"])[2] if EVAL_STEP_TAG in n]

@@ -89,7 +89,8 @@ def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store):
         assert sorted(m.step for m in rewards) == [0]
         assert all(0.0 <= m.value <= 1.0 for m in rewards)
         evals = client.get_metric_history(run.info.run_id, "eval/gsm8k/mean_at_1")
-        assert [m.step for m in evals] == [0]  # eval_interval=5: once, after the last step
+        assert [m.step for m in evals] == [1]  # eval_interval=5: once, after the last step (the weights of 1 step)
+        assert run.data.tags["relax.eval_step"] == "trained_steps"
         assert "eval/gsm8k/pass_at_1" in run.data.metrics and "eval/gsm8k/response_len" in run.data.metrics
         inputs = {(d.dataset.name, d.dataset.source) for d in run.inputs.dataset_inputs}
         assert any(name == "gsm8k" and f"train.{CACHE_VERSION}.jsonl" in source for name, source in inputs), inputs

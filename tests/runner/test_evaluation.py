@@ -158,10 +158,12 @@ def test_a_run_logs_every_eval_set_at_the_evaluated_steps(in_process, small_run,
     logged = client.get_run(result.run_id).data.metrics
     assert sorted(k for k in logged if k.startswith("eval/")) == sorted(f"eval/{s}/{m}" for s in sets for m in names)
     for s in sets:
-        # every 2 steps (step 1) and after the last one (step 2), never at step 0
-        assert sorted(h.step for h in client.get_metric_history(result.run_id, eval_metric(s, "pass_at_1"))) == [1, 2]
+        # every 2 steps (after step 1) and after the last one (step 2), each at the number of training steps in the
+        # weights it evaluated: 2 and 3
+        assert sorted(h.step for h in client.get_metric_history(result.run_id, eval_metric(s, "pass_at_1"))) == [2, 3]
+        assert [step for step, _ in result.history] == [0, 1, 2, 3]  # step 3: the final evaluation alone
         for step, metrics in result.history:
-            if step == 0:
+            if step < 2:
                 assert not any(k.startswith("eval/") for k in metrics)
                 continue
             passes = [metrics[eval_metric(s, f"pass_at_{k}")] for k in ks]
@@ -173,4 +175,4 @@ def test_a_run_logs_every_eval_set_at_the_evaluated_steps(in_process, small_run,
             assert 0.0 <= metrics[eval_metric(s, "truncated_frac")] <= 1.0
             assert metrics[eval_metric(s, "reward_errors")] == 0.0
     # the tiny model starts some responses with a digit: the metrics have something to count
-    assert any(0.0 < m[f"eval/{s}/pass_at_{n}"] for _, m in result.history[1:] for s in sets)
+    assert any(0.0 < m[f"eval/{s}/pass_at_{n}"] for _, m in result.history[2:] for s in sets)

@@ -13,6 +13,7 @@ from mlflow import MlflowClient
 from relax.cli import verify_run
 from relax.config import load_config
 from relax.config.validate import ConfigError
+from relax.metrics import EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
 from relax.runner.checkpoint import STATE, config_differences, resume_point, step_dir
 from relax.runner.errors import RunError
 from relax.runner.train import run
@@ -33,56 +34,51 @@ def eval_history(client: MlflowClient, run_id: str) -> dict[int, dict[str, float
 
 
 @pytest.mark.slow
-def test_a_finished_checkpoint_evaluated_again_logs_the_runs_own_final_evaluation(in_process, small_run, tmp_path,
-                                                                                  capsys):
+def test_each_checkpoint_evaluated_alone_logs_the_training_runs_evaluation_of_it_at_the_same_step(
+        in_process, small_run, tmp_path, capsys):
     """Train 2 steps, evaluating after each and saving each (steps 1 and 2 kept); then each checkpoint is resumed with
-    nothing left to train: its one evaluation equals, bit for bit, the training run's evaluation of the same
-    weights, and differs from that of the other step's weights (the control)."""
+    nothing left to train, with one more eval set. An evaluation is logged at the number of training steps in the
+    weights it evaluated, in both kinds of run: checkpoint k's evaluation alone is logged at step k with, bit for
+    bit, the values the training run logged at step k; the other checkpoint's differ (the control)."""
     extra = tmp_path / "extra.jsonl"
     extra.write_text("".join(json.dumps({"prompt": f"repeat {d}", "label": str(d)}) + "\n" for d in range(3, 7)))
     trained = run(load_config(small_run(*EVAL, "train.save_interval=1")), output_dir=tmp_path / "out")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     before = eval_history(client, trained.run_id)
-    assert sorted(before) == [0, 1]  # after step 0 (the weights of checkpoint step 1) and after step 1 (step 2's)
-    assert before[0] != before[1]  # the training changed what evaluation measures
+    assert client.get_run(trained.run_id).data.tags[EVAL_STEP_TAG] == EVAL_STEP_WEIGHTS
 
-    # the final checkpoint, resumed at its end with another interval and one more eval set: both may change on
-    # resume (they change no training step), and the digits set's numbers stay those of the run's last evaluation
-    capsys.readouterr()
-    again = run(load_config(small_run(*EVAL, "train.eval_interval=5", f"+data.eval_sets={{extra:'{extra}'}}",
-                                      f"train.resume={step_dir(tmp_path / 'ckpt', 2)}", "tracking.progress=true")),
-                output_dir=tmp_path / "out2")
-    assert again.run_id == trained.run_id  # the same MLflow run, reopened
-    after = eval_history(client, trained.run_id)
-    assert sorted(after) == [0, 1, 2]  # logged at the checkpoint's step: after every step it trained
-    digits = {k: v for k, v in after[2].items() if k.startswith("eval/digits/")}
-    assert digits == before[1]  # bit for bit
-    assert {k for k in after[2] if k.startswith("eval/extra/")}  # the added set was evaluated too
-    assert [m for _, m in again.history if any(not k.startswith("eval/") for k in m)] == []  # nothing but eval/*
-    assert not any(k.startswith(("train/", "rollout/")) for _, m in again.history for k in m)
+    alone: dict[int, dict[str, float]] = {}
+    # checkpoint 2 with another interval: it may change on resume (only evaluation reads it)
+    for k, interval in ((1, 1), (2, 5)):
+        capsys.readouterr()
+        again = run(load_config(small_run(*EVAL, f"train.eval_interval={interval}",
+                                          f"+data.eval_sets={{extra:'{extra}'}}",
+                                          f"train.resume={step_dir(tmp_path / 'ckpt', k)}", "tracking.progress=true",
+                                          steps=k)),
+                    output_dir=tmp_path / f"out{k}")
+        assert again.run_id == trained.run_id  # the same MLflow run, reopened
+        assert [step for step, _ in again.history] == [k]  # logged at the checkpoint's step
+        alone[k] = {key: v for key, v in again.history[0][1].items() if key.startswith("eval/digits/")}
+        # the training run's evaluation of the same weights, at the same step: bit for bit
+        assert alone[k] == before.get(k), (k, alone[k], before)
+        # MLflow keeps the training run's values at step k (the same ones) and the run says so; the added set is new
+        # there, and recorded at step k
+        err = capsys.readouterr().err
+        assert f"MLflow run {trained.run_id} already holds {len(before[k])} of these metrics at step {k}" in err
+        after = eval_history(client, trained.run_id)
+        assert {key: v for key, v in after[k].items() if key.startswith("eval/extra/")} == \
+            {key: v for key, v in again.history[0][1].items() if key.startswith("eval/extra/")} != {}
+        summary = err[err.index("Relax run finished"):]
+        assert summary.startswith("Relax run finished (evaluation only: nothing trained)")
+        assert f"the checkpoint of step {k}" in summary and f"eval digits (step {k})" in summary
+        assert not any(key.startswith(("train/", "rollout/")) for _, m in again.history for key in m)
+    assert alone[1] != alone[2]  # the control: the training changed what evaluation measures
+    assert sorted(before) == sorted(eval_history(client, trained.run_id)) == [1, 2]  # no evaluation on another step
     tags = client.get_run(trained.run_id).data.tags
     assert "train.eval_interval: 1 -> 5" in tags["relax.resumed"]
-    err = capsys.readouterr().err
-    summary = err[err.index("Relax run finished"):]
-    assert summary.startswith("Relax run finished (evaluation only: nothing trained)")
-    assert "final reward" in summary and "eval digits (step 2)" in summary  # the rewards it trained with, kept
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_000001", "step_000002"]  # no new one
-    report = verify_run.verify(trained.run_id, f"sqlite:///{tmp_path}/mlflow.db")  # the run with it verifies
+    report = verify_run.verify(trained.run_id, f"sqlite:///{tmp_path}/mlflow.db")  # the run with them verifies
     assert report.ok, report.text()
-
-    # the control: the checkpoint of step 1, evaluated the same way, gives the run's evaluation after step 0, not
-    # the final one
-    capsys.readouterr()
-    control = run(load_config(small_run(*EVAL, f"train.resume={step_dir(tmp_path / 'ckpt', 1)}", steps=1)),
-                  output_dir=tmp_path / "out3")
-    assert [step for step, _ in control.history] == [1]
-    first = control.history[0][1]
-    assert first == before[0] and first != before[1]
-    # MLflow keeps the first value of a (key, step): the run's own evaluation after step 1 stays, and the run says
-    # that this one's values are not recorded
-    assert eval_history(client, trained.run_id)[1] == before[1]
-    assert f"MLflow run {trained.run_id} already holds {len(before[1])} of these metrics at step 1" in \
-        capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -96,6 +92,7 @@ def test_num_rollout_0_evaluates_the_initial_weights_once(in_process, small_run,
     assert {"eval/digits/mean_at_1", "eval/digits/pass_at_1", "eval/digits/response_len"} <= names
     assert not [k for k in names if not k.startswith(("eval/", "system/"))]  # no train/*, rollout/*, perf/*
     assert [m.step for m in client.get_metric_history(result.run_id, "eval/digits/mean_at_1")] == [0]
+    assert logged.data.tags[EVAL_STEP_TAG] == EVAL_STEP_WEIGHTS  # step 0: the weights of no training step
     assert [step for step, _ in result.history] == [0]
     assert not (tmp_path / "ckpt").exists()  # nothing trained: no checkpoint, not even its directory
     err = capsys.readouterr().err

@@ -92,6 +92,8 @@ def test_lora_with_episodes_dynamic_sampling_and_evaluation(in_process, small_ru
                                 "rollout.lora_sync=adapter", "rollout.filter_groups=true",
                                 "rollout.max_filter_rounds=2", "train.eval_interval=2", "data.num_eval_prompts=4"))
     result = run(cfg, output_dir=tmp_path / "out")
-    last = result.history[-1][1]
-    assert [s for s, _ in result.history] == [0, 1]
-    assert "eval/guess_number/mean_at_1" in last and "rollout/turns_mean" in last and "rollout/filter_rounds" in last
+    (_, last), (_, evaluation) = result.history[-2:]
+    assert [s for s, _ in result.history] == [0, 1, 2]  # step 2: the evaluation of the weights of 2 steps, alone
+    assert "rollout/turns_mean" in last and "rollout/filter_rounds" in last
+    assert list(evaluation) and all(k.startswith("eval/") for k in evaluation)
+    assert "eval/guess_number/mean_at_1" in evaluation

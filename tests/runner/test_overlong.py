@@ -155,9 +155,13 @@ def test_a_short_run_logs_the_penalty_and_the_masked_share(small_run, tmp_path, 
         assert m == pytest.approx(t)  # no reward errors: every truncated response is masked
         assert f >= t and p <= -factor * t  # a truncated response has 2 tokens: the full penalty
     assert any(t > 0 for t in truncated)
+    # the steps trained, then step 4: the evaluation of the weights of 4 steps, alone
+    steps, (last, evaluation) = result.history[:-1], result.history[-1]
+    assert [s for s, _ in steps] == [0, 1, 2, 3] and last == 4
+    assert evaluation and all(k.startswith("eval/") for k in evaluation)
     # seed 1: steps 0 and 3 have every response cut off, steps 1 and 2 have one that stopped
-    assert {m["rollout/truncated_masked_frac"] < 1 for _, m in result.history} == {True, False}
-    for step, metrics in result.history:
+    assert {m["rollout/truncated_masked_frac"] < 1 for _, m in steps} == {True, False}
+    for step, metrics in steps:
         trains = metrics["rollout/truncated_masked_frac"] < 1
         assert ("train/loss" in metrics) == trains, (step, metrics)
         assert all(math.isfinite(v) for k, v in metrics.items() if k.startswith("train/"))

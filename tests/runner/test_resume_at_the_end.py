@@ -15,28 +15,35 @@ import pytest
 
 from relax.config import load_config
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
+from relax.metrics import EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
 from relax.roles.workers import ModelInfo, PolicyWorker
 from relax.runner.checkpoint import Checkpoints
 from relax.tracking import RunOptions, Tracker
 
 pytestmark = pytest.mark.xdist_group("resume_at_the_end")
 
-# the original run's metrics: rewards at steps 0, 1; the evaluation after the last step (two sets, in the order
-# the run evaluates them: digits, then extra)
+# the original run's metrics: rewards at steps 0, 1; the evaluation after the last step, at step 2 (the weights of
+# 2 training steps; two sets, in the order the run evaluates them: digits, then extra)
 REWARDS = [0.25, 0.5]
 EVAL = {"eval/digits/mean_at_4": 0.375, "eval/digits/pass_at_1": 0.375, "eval/digits/pass_at_4": 0.75,
         "eval/digits/response_len": 3.0, "eval/extra/mean_at_4": 0.125, "eval/extra/pass_at_1": 0.125,
         "eval/extra/pass_at_4": 0.5}
 
 
-def finished_run(tmp: Path, *extra: str, evaluations: bool = True, resume_with: tuple[str, ...] = ()):
-    """(config of the resume, run id): a run of 2 steps whose final checkpoint is committed and names its MLflow run."""
+def finished_run(tmp: Path, *extra: str, evaluations: bool = True, resume_with: tuple[str, ...] = (),
+                 older: bool = False):
+    """(config of the resume, run id): a run of 2 steps whose final checkpoint is committed and names its MLflow run.
+    `older`: as a Relax before EVAL_STEP_TAG logged it (its last evaluation at step 1, no tag)."""
     overrides = ["model.dtype=float32", f"train.save_dir={tmp / 'ckpt'}", "tracking.progress=true",
                  f"tracking.uri=sqlite:///{tmp}/mlflow.db", "train.num_rollout=2", *extra]
     cfg = load_config(overrides)
     with Tracker.start(cfg.tracking, RunOptions(announce=False, background=False)) as tracker:
+        if not older:
+            tracker.set_tags({EVAL_STEP_TAG: EVAL_STEP_WEIGHTS})
         tracker.log_metrics({"rollout/raw_reward": REWARDS[0]}, 0)
-        tracker.log_metrics({"rollout/raw_reward": REWARDS[1], **(EVAL if evaluations else {})}, 1)
+        tracker.log_metrics({"rollout/raw_reward": REWARDS[1], **(EVAL if evaluations and older else {})}, 1)
+        if evaluations and not older:
+            tracker.log_metrics(EVAL, 2)
         run_id = tracker.run_id
     tokenizer = load_tokenizer(cfg.model)
     info = ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
@@ -82,8 +89,30 @@ def test_the_summary_of_a_run_resumed_at_its_end_keeps_its_eval_line(tmp_path, f
     assert row(block, "steps") == "2"
     # as the run printed it: each set's mean@n then pass@k by k, the sets in evaluation order
     lines = [line.strip() for line in block.splitlines() if line.strip().startswith("eval ")]
-    assert lines == ["eval digits (step 1)  mean@4 0.375  pass@1 0.375  pass@4 0.75",
-                     "eval extra (step 1)   mean@4 0.125  pass@1 0.125  pass@4 0.5"]
+    assert lines == ["eval digits (step 2)  mean@4 0.375  pass@1 0.375  pass@4 0.75",
+                     "eval extra (step 2)   mean@4 0.125  pass@1 0.125  pass@4 0.5"]
+    assert "started by an older Relax" not in text
+
+
+def test_a_run_made_before_the_eval_step_tag_is_continued_with_a_warning(tmp_path, fresh_store):
+    """Its evaluations stay where they were logged (MLflow values cannot move): the summary shows its last one at
+    step 1, the run warns that they sit one step early, and the tag says from which step they do not."""
+    from mlflow import MlflowClient
+
+    fresh_store(tmp_path)
+    cfg, run_id = finished_run(tmp_path, older=True)
+    text, _ = resume_at_the_end(cfg, tmp_path / "out")
+    assert f"MLflow run {run_id} was started by an older Relax, which logged the evaluation after 0-based step s " \
+           "at step s; from step 2 on, this job logs it at s + 1" in text
+    assert "eval digits (step 1)  mean@4 0.375" in summary_block(text)
+    tags = MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags
+    assert tags[EVAL_STEP_TAG] == f"{EVAL_STEP_WEIGHTS} from step 2 (before: one less)"
+    # the control: a run that never evaluated has nothing logged the old way, and is tagged as a new one
+    fresh_store(tmp_path / "b")
+    cfg, run_id = finished_run(tmp_path / "b", evaluations=False, older=True)
+    text, _ = resume_at_the_end(cfg, tmp_path / "b" / "out")
+    assert "older Relax" not in text
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags[EVAL_STEP_TAG] == EVAL_STEP_WEIGHTS
 
 
 def test_control_a_run_that_never_evaluated_has_no_eval_line(tmp_path, fresh_store):

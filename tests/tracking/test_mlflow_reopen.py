@@ -71,10 +71,12 @@ def test_reopen_dedups_with_the_background_writer_too(tracking_cfg: TrackingConf
     assert Counter(steps) == Counter(range(8))
 
 
-def test_reopen_returns_earlier_values_of_kept_keys(tracking_cfg: TrackingConfig) -> None:
+def test_reopen_returns_the_values_and_tags_the_run_holds(tracking_cfg: TrackingConfig) -> None:
     run_id = killed_run(tracking_cfg, steps={s: {"r": s / 10, "y": 1.0} for s in range(4)}, unflushed={})
     with Tracker.reopen(tracking_cfg, run_id, QUIET, from_step=2, keep_history=("r",)) as tracker:
-        assert tracker.recorded_history == {"r": [(0, 0.0), (1, 0.1)]}
+        # every step the store holds: the caller takes the ones it needs (Session: the rewards before step 2)
+        assert tracker.recorded_history == {"r": [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)]}
+        assert tracker.reopened_tags["mlflow.runName"] == "killed"  # the run's tags as it was found
 
 
 def test_flush_makes_everything_logged_before_it_durable(tracking_cfg: TrackingConfig) -> None:
