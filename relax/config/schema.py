@@ -305,8 +305,10 @@ class TrainConfig:
     # An eval response counts as correct (for pass@k) when its reward is >= this (1.0: the full reward of the
     # built-in rewards).
     eval_correct_threshold: float = finite(1.0)
-    # Mixture-of-experts models, torch backend: the load-balancing loss (Switch Transformer's, per MoE layer, mean
-    # over layers) added with this coefficient; train/moe_aux_loss reports it. 0: off.
+    # Mixture-of-experts models, either backend: the load-balancing loss (Switch Transformer's, per MoE layer, mean
+    # over layers; each micro-batch's, weighted by its share of the step's rows) added with this coefficient;
+    # train/moe_aux_loss reports it. megatron-core's moe_aux_loss_coeff applies per layer (a sum over layers): the same
+    # objective is this = it x the MoE layers. 0: off. Refused on a dense model.
     moe_aux_loss_coef: float = non_negative(0.0)
     # Mixture-of-experts models, either backend: the router z-loss (ST-MoE's): this coefficient times
     # logsumexp(router logits)^2, mean over the MoE layers and the step's tokens (prompt and response, padding

@@ -7,7 +7,8 @@ every weight (router and stacked experts included), three training steps, the we
 EP=2, a checkpoint resume; then routing replay through megatron-core's RouterReplay against the torch backend's
 replay, the routes of a deliberately disagreeing engine, with the experts each Megatron router actually chose; and
 (`moe_load_z`, launched on its own by test_megatron_moe_load_and_z_loss.py) the expert-load metrics and the router
-z-loss against the torch backend.
+z-loss against the torch backend; (`moe_aux`, by test_megatron_moe_aux_loss.py) the load-balancing loss against the
+torch backend, without and with routing replay.
 """
 
 from __future__ import annotations
@@ -211,6 +212,97 @@ def scenario_load_and_z_loss(rank: int, out: Path, res: dict, train, batches) ->
     res["recompute_grad_rel_diff"] = max(rel(mr[n], m1[n]) for n in names)
 
 
+def _by_length(batch: TrainBatch) -> TrainBatch:
+    """`batch` with its rows longest first, so that each data-parallel rank's contiguous half forms, sorted by
+    length, the very micro-batches that the torch backend forms by sorting the whole batch (the load-balancing loss
+    is a micro-batch's: not additive over its rows)."""
+    order = torch.argsort(batch.prompt_mask.sum(-1) + (batch.present() != 0).sum(-1), descending=True, stable=True)
+    return batch.select(order)
+
+
+def _aux_by_hand(batch: TrainBatch, mbs: int) -> float:
+    """train/moe_aux_loss by hand from transformers' router logits: for each micro-batch of `mbs` consecutive rows
+    (of `_by_length`'s batch), each layer's E / k * sum_e f_e P_e over its real tokens (f_e: the share of the
+    token-choices that went to expert e, P_e: the mean probability of e), the mean over layers, weighted by the
+    micro-batch's rows / the batch's."""
+    from relax.models.hf import position_ids_from_mask
+
+    hf = build_model(MOE, VOCAB, PAD, seed=SEED).eval()
+    E, k = MOE.num_experts, MOE.num_experts_per_tok
+    total = 0.0
+    for start in range(0, len(batch), mbs):
+        ids, mask = batch.select(torch.arange(start, min(start + mbs, len(batch)))).sequences()
+        with torch.no_grad():
+            layers = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                        output_router_logits=True).router_logits
+        real = mask.reshape(-1) != 0
+        per_layer = []
+        for z in layers:
+            p = torch.softmax(z.double(), -1)[real]
+            chosen = torch.zeros_like(p).scatter(1, p.topk(k, -1).indices, 1.0)
+            f = chosen.sum(0) / (len(p) * k)
+            per_layer.append(float(E * (f * p.mean(0)).sum()))
+        total += sum(per_layer) / len(per_layer) * len(ids) / len(batch)
+    return total
+
+
+def scenario_aux_loss(rank: int, out: Path, res: dict, train, batches) -> None:
+    """The load-balancing loss (train.moe_aux_loss_coef) on Megatron (DP=2 x EP=2, two micro-batches of 2 rows a rank)
+    against the torch backend on the same weights and padded batch (rows longest first, so the micro-batches hold the
+    same rows on both): the step's metrics side by side at coefficient 0 and 0.1 and the finalized gradients' change
+    between them; with activation recompute, the same gradients; replaying the routes of a disagreeing engine, the
+    torch backend's replay (the loss counts the replayed experts), and Megatron without replay (its own experts)."""
+    import dataclasses
+
+    algo = GRPOConfig()
+    b = _by_length(batches()[0])
+    grads, rows = {}, {}
+    for coef, recompute in ((0.0, False), (0.1, False), (0.1, True)):
+        cfg = dataclasses.replace(train, moe_aux_loss_coef=coef, lr=0.0)
+        model = dataclasses.replace(MOE, gradient_checkpointing=recompute)
+        policy = MegatronPolicy(model, cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+        torch_policy = TorchPolicy(MOE, cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+        key = f"{coef}{'_recompute' if recompute else ''}"
+        rows[key] = {"megatron": policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=2),
+                     "torch": torch_policy.accumulate_gradients(b, algo, per_token=True, micro_batch_size=2)}
+        grads[key] = ({n: g.clone() for n, g in policy.gradients_hf().items()},
+                      {n: p.grad.clone() for n, p in torch_policy.model.named_parameters()})
+    res["steps"] = rows
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    if rank == 0:
+        res["aux_by_hand"] = _aux_by_hand(b, 2)
+        (m0, t0), (m1, t1), (mr, _) = grads["0.0"], grads["0.1"], grads["0.1_recompute"]
+        names = sorted(set(m0) & set(t0))
+        res["aux_grad_change_rel_diff"] = {n: rel(m1[n] - m0[n], t1[n] - t0[n]) for n in names
+                                           if float((t1[n] - t0[n]).norm()) > 0}
+        res["aux_grad_change_norm"] = {n: float((m1[n] - m0[n]).norm()) for n in names}
+        res["aux_grad_rel_diff"] = max(rel(m1[n], t1[n]) for n in names)
+        res["recompute_grad_rel_diff"] = max(rel(mr[n], m1[n]) for n in names)
+
+    # routing replay: 12 rows (6 a rank, two micro-batches of 3), the engine's routes disagreeing with the trainer's
+    s = _disagreeing_routes(rank, out)
+    order = torch.argsort(s.prompt_mask.sum(-1) + (s.present() != 0).sum(-1), descending=True, stable=True)
+    s = s.select(order)
+    cfg = dataclasses.replace(train, moe_aux_loss_coef=0.1, lr=0.0)
+    adv = torch.randn(s.response_mask.shape, generator=torch.Generator().manual_seed(4)) * s.response_mask
+    batch = TrainBatch.from_samples(s, advantages=adv, old_logp=s.rollout_logp * s.response_mask)
+    torch_replay = TorchPolicy(MOE, cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1,
+                               routing_replay=True)
+    replay_rows = {"torch": torch_replay.accumulate_gradients(batch, algo, per_token=True, micro_batch_size=3)}
+    want = {n: p.grad.clone() for n, p in torch_replay.model.named_parameters()}
+    for replay in (True, False):
+        policy = MegatronPolicy(MOE, cfg, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, routing_replay=replay)
+        key = "megatron" if replay else "megatron_own_routes"
+        replay_rows[key] = policy.accumulate_gradients(batch, algo, per_token=True, micro_batch_size=3)
+        got = policy.gradients_hf()
+        if rank == 0:
+            res[f"{key}_router_grad_rel_diff"] = max(rel(got[n], want[n]) for n in want if "mlp.gate.weight" in n)
+    res["replay"] = replay_rows
+
+
 def scenarios(train, batches, train_parity) -> dict:
     """name: (function(rank, out, res), TP, PP, EP), for ranks.SCENARIOS: EP=1 (every expert on each of the two
     data-parallel ranks), EP=2 (two experts on each, with a checkpoint resume and routing replay)."""
@@ -219,5 +311,6 @@ def scenarios(train, batches, train_parity) -> dict:
                                                    train_parity=train_parity, resume=resume)
 
     return {"moe_ep1": (run(False), 1, 1, 1), "moe_ep2": (run(True), 1, 1, 2),
-            "moe_load_z": (lambda rank, out, res: scenario_load_and_z_loss(rank, out, res, train, batches), 1, 1, 2)}
+            "moe_load_z": (lambda rank, out, res: scenario_load_and_z_loss(rank, out, res, train, batches), 1, 1, 2),
+            "moe_aux": (lambda rank, out, res: scenario_aux_loss(rank, out, res, train, batches), 1, 1, 2)}
 

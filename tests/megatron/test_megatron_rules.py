@@ -125,7 +125,7 @@ def test_the_cpu_default_real_model_is_supported():
 
 def test_moe_models_on_megatron_spread_experts_and_are_rejected_where_not_built():
     """train.expert_parallel_size: only on Megatron, only for an MoE model, dividing its experts and the trainer's
-    ranks; MoE models at TP = PP = 1 and without the torch backend's load-balancing loss. A valid one: none."""
+    ranks; MoE models at TP = PP = 1 (the load-balancing loss and the router z-loss are built). A valid one: none."""
     moe = dict(arch="qwen3_moe")
     assert megatron_violations(cfg(model=moe)) == []
     torch_ep = megatron_violations(RelaxConfig(train=TrainConfig(expert_parallel_size=2)))
@@ -135,4 +135,4 @@ def test_moe_models_on_megatron_spread_experts_and_are_rejected_where_not_built(
     assert "cluster.actor_gpus" in fields(megatron_violations(cfg(model=moe, expert_parallel_size=2)))  # 1 rank
     assert "train.tensor_parallel_size" in fields(megatron_violations(cfg(model=moe, tensor_parallel_size=2)))
     assert "train.pipeline_parallel_size" in fields(megatron_violations(cfg(model=moe, pipeline_parallel_size=2)))
-    assert "train.moe_aux_loss_coef" in fields(megatron_violations(cfg(model=moe, moe_aux_loss_coef=0.01)))
+    assert megatron_violations(cfg(model=moe, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001)) == []

@@ -71,8 +71,9 @@ def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh
     model.dtype=auto is on a CPU with native bf16: the Megatron trainer under CPU bf16 autocast, which stopped at the
     first optimizer step before cpu_compat decorated megatron-core's autograd Functions for it): the engine's routes
     reach the Megatron trainer (its router agreement, reported only where routes arrived, is 1 on every step), the
-    router z-loss and the expert load are logged, and the HF export at the end is a Qwen3-MoE with every expert (the
-    parity itself, fp32 and bf16: test_megatron_cpu.py)."""
+    load-balancing loss, the router z-loss and the expert load are logged, and the HF export at the end is a
+    Qwen3-MoE with every expert (the parity itself, fp32 and bf16: test_megatron_cpu.py,
+    test_megatron_moe_aux_loss.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -84,12 +85,15 @@ def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh
                               "model.dtype=bfloat16", "train.num_rollout=2", "rollout.rollout_batch_size=2",
                               "rollout.n_samples_per_prompt=4", "rollout.max_response_len=8",
                               "train.micro_batch_size=4", "data.num_prompts=16", "train.save_hf=true",
-                              "train.moe_z_loss_coef=0.001",
+                              "train.moe_z_loss_coef=0.001", "train.moe_aux_loss_coef=0.01",
                               f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress=false",
                               f"train.save_dir={tmp_path}/moe"]), output_dir=tmp_path / "out")
     assert result.series("rollout/router_agreement") == [1.0, 1.0]
     assert all(torch.isfinite(torch.tensor(result.series("train/loss"))))
     assert len(result.series("train/moe_z_loss")) == 2
+    # E / k * sum_e f_e P_e <= E / k: each f_e <= 1 (a token picks an expert once) and the P_e sum to 1
+    aux = result.series("train/moe_aux_loss")
+    assert len(aux) == 2 and all(0 < v <= 4 / 2 for v in aux), aux
     assert all(1.0 <= v <= 4 / 2 for v in result.series("train/moe_expert_load_max_over_mean/layer_0"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "moe" / "hf"), local_files_only=True)
     assert model.config.model_type == "qwen3_moe"

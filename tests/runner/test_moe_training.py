@@ -76,7 +76,7 @@ def test_gate_skips_rollouts_past_its_bound(in_process, small_run, tmp_path, mon
     (["rollout.routing_replay=true"], "model.arch"),  # a dense model
     (["model=tiny_moe", "rollout.routing_replay=true", "rollout=sglang", "rollout.sglang.server=sglang"],
      "rollout.sglang.server"),  # sglang-router 0.3.2 drops return_routed_experts
-    (["model=tiny_moe", "train.backend=megatron", "train.moe_aux_loss_coef=0.01"], "train.moe_aux_loss_coef"),
+    (["train.backend=megatron", "train.moe_aux_loss_coef=0.01"], "model.arch"),  # a dense model, either backend
     (["train.expert_parallel_size=2"], "train.backend"),  # the torch backend
     (["train.backend=megatron", "train.expert_parallel_size=2"], "model.arch"),  # a dense model
     (["model=tiny_moe", "train.backend=megatron", "train.expert_parallel_size=3"], "model.num_experts"),
@@ -104,6 +104,10 @@ def test_megatron_and_sglang_take_moe_models_with_replay():
     for option in ("rollout.routing_replay=true", "rollout.record_routes=true"):
         cfg = load_config(["model=tiny_moe", "train.backend=megatron", option])
         assert cfg.train.backend == "megatron" and cfg.model.arch == "qwen3_moe"
+    # the load-balancing loss too (tests/megatron/test_megatron_moe_aux_loss.py checks it against the torch backend's)
+    cfg = load_config(["model=tiny_moe", "train.backend=megatron", "rollout.routing_replay=true",
+                       "train.moe_aux_loss_coef=0.01", "train.moe_z_loss_coef=0.001"])
+    assert cfg.train.moe_aux_loss_coef == 0.01
     cfg = load_config(["model=tiny_moe", "rollout=sglang", "rollout.sglang.server=embedded",
                        "rollout.routing_replay=true"])  # single-turn over SGLang's protocol (tests/sglang)
     assert cfg.rollout.backend == "sglang"

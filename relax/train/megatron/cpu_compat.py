@@ -165,7 +165,8 @@ AUTOCAST_NEUTRAL: dict[str, tuple[str, ...]] = {
         "_ReduceScatterToSequenceParallelRegion", "_AllGatherFromTensorParallelRegion",
         "_ReduceScatterToTensorParallelRegion", "_AllToAll"),
     "megatron.core.utils": ("MakeViewlessTensor",),  # a view-free alias, gradient passed through
-    # the aux-loss scaler (moe_aux_loss_coeff=0) and a straight-through estimator (not used by the router Relax sets)
+    # the aux-loss scaler (the router z-loss and the load-balancing loss: its backward passes the gradient through and
+    # gives the loss a constant) and a straight-through estimator (not used by the router Relax sets)
     "megatron.core.transformer.moe.moe_utils": ("MoEAuxLossAutoScaler", "RandomSTE"),
     # selective recompute of single modules (Relax uses full recompute: CheckpointFunction)
     "megatron.core.tensor_parallel.random": ("CheckpointWithoutOutputFunction",),

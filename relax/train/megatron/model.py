@@ -133,8 +133,9 @@ def transformer_config(
 
     MoE (`spec.moe`): megatron-core's top-k router as Hugging Face's Qwen3-MoE router (softmax of fp32 logits; with
     `norm_topk_prob` the top-k logits' softmax, which is p[top-k] renormalised, else p[top-k] itself), no token
-    dropping, no load-balancing loss (the Megatron backend does not take train.moe_aux_loss_coef; the router z-loss's
-    coefficient is set per step by `relax.train.megatron.replay.MegatronRouting.z_loss_coeff`), experts one MLP
+    dropping, megatron-core's own load-balancing loss off (train.moe_aux_loss_coef is the torch backend's loss, which
+    `relax.train.megatron.replay.MegatronRouting` adds to each router; the router z-loss's coefficient is set per
+    step by `relax.train.megatron.replay.MegatronRouting.z_loss_coeff`), experts one MLP
     after another (`SequentialMLP`: megatron-core's grouped GEMMs need Transformer Engine or the grouped_gemm CUDA
     kernels), spread over `ep` expert-parallel ranks by the all-to-all dispatcher. `routing_replay`: every router gets
     megatron-core's `RouterReplay` (`relax.train.megatron.replay` drives it).

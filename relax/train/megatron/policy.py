@@ -30,8 +30,9 @@ It implements `relax.train.trainer.Policy` (the actor role drives both backends 
   model); the engine's routes compared and, with `routing_replay`, replayed through megatron-core's `RouterReplay`
   (`relax.train.megatron.replay`), which also counts the expert load of the training forwards and measures the
   router z-loss, megatron-core's own, its coefficient set for each step's training pass (train.moe_z_loss_coef /
-  (MoE layers x the step's routed tokens)) and the layout's padding given as `padding_mask`. Weights gathered for
-  the rollout or a checkpoint hold every expert.
+  (MoE layers x the step's routed tokens)) and the layout's padding given as `padding_mask`, and adds the torch
+  backend's load-balancing loss (train.moe_aux_loss_coef) of each micro-batch, weighted by its share of the step's
+  rows. Weights gathered for the rollout or a checkpoint hold every expert.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from relax.config.megatron_rules import (
     sequence_parallel_violation,
 )
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import LOSS, MOE_Z_LOSS
+from relax.metrics import LOSS, MOE_AUX_LOSS, MOE_Z_LOSS
 from relax.models.hf import build_model, pick_dtype, resolve_model_path
 from relax.models.write_errors import os_write_errors, torch_save
 from relax.train.megatron import convert
@@ -134,6 +135,9 @@ class _MicroBatch:
     # MoE: [B, L] bool on the device, True at the tokens of `tokens` the routers route for real (padding False): the
     # expert load counts them and megatron-core's z-loss takes the rest as its padding_mask
     real: Optional[torch.Tensor] = None
+    # MoE, training: the micro-batch's share of the step's rows (of every data-parallel rank), the weight of its
+    # load-balancing loss (train.moe_aux_loss_coef), as the torch backend's
+    share: float = 0.0
 
 
 def routes_in_layout(samples: Samples, layout: Callable[[Samples], torch.Tensor]) -> torch.Tensor:
@@ -375,9 +379,10 @@ class MegatronPolicy(PolicyTrainer):
         if routing_replay and self.routing is None:
             raise ValueError("rollout.routing_replay needs a mixture-of-experts model "
                              f"({self.spec.arch} has no MoE router)")
-        if train_cfg.moe_z_loss_coef > 0 and self.routing is None:
-            raise ValueError(f"train.moe_z_loss_coef={train_cfg.moe_z_loss_coef} needs a mixture-of-experts model "
-                             f"({self.spec.arch} has no MoE router)")
+        for key in ("moe_z_loss_coef", "moe_aux_loss_coef"):
+            if getattr(train_cfg, key) > 0 and self.routing is None:
+                raise ValueError(f"train.{key}={getattr(train_cfg, key)} needs a mixture-of-experts model "
+                                 f"({self.spec.arch} has no MoE router)")
         model = model.to(device=self.device, dtype=self.params_dtype)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
@@ -503,6 +508,8 @@ class MegatronPolicy(PolicyTrainer):
                 self.routing.arm(mb.routes)
                 if self.routing.training_pass:
                     self.routing.count_tokens(mb.real)
+                    # kept past this forward: a recomputed layer's load-balancing loss is attached in the backward
+                    self.routing.aux_share = mb.share
                 moe = {"padding_mask": ~mb.real}
             try:
                 output = model(mb.tokens, mb.positions, None, packed_seq_params=mb.packed_seq_params, **moe)
@@ -636,18 +643,26 @@ class MegatronPolicy(PolicyTrainer):
         z_coef = self.train_cfg.moe_z_loss_coef
         # MoE: the router z-loss is a mean over the step's routed tokens (of every data-parallel rank) and MoE layers
         z_norm = len(self.routing.routers) * max(1, routed_tokens(batch)) if self.routing is not None else 1
+        aux_coef = self.train_cfg.moe_aux_loss_coef
         if self.routing is not None:
-            self.routing.training_pass, self.routing.z_sum = True, 0.0
+            self.routing.training_pass, self.routing.z_sum, self.routing.aux_sum = True, 0.0, 0.0
             self.routing.z_loss_coeff(z_coef / z_norm if z_coef > 0 else None)
+            self.routing.aux_coef = aux_coef
+            for mb in mbs:  # the load-balancing loss of the step: the mean over its rows, as the torch backend's
+                mb.share = len(mb.rows) / len(batch)
         try:
             self._run(mbs, loss_fn, forward_only=False)
         finally:
             if self.routing is not None:
                 self.routing.training_pass = False
                 self.routing.z_loss_coeff(None)
+                self.routing.aux_coef = self.routing.aux_share = 0.0
         if self.routing is not None:  # MoE trains at PP=1: this stage has every router and the loss
             z = torch.tensor(self.routing.z_sum / z_norm, dtype=torch.float64)
             step.sums.add({MOE_Z_LOSS: z} | ({LOSS: z_coef * z} if z_coef > 0 else {}))
+            if aux_coef > 0:  # this rank's micro-batches' share of the step's mean; the all-reduce adds the rest
+                aux = torch.tensor(self.routing.aux_sum, dtype=torch.float64)
+                step.sums.add({MOE_AUX_LOSS: aux, LOSS: aux_coef * aux})
         out: dict[str, float] = {}
         if self.last_stage:
             step.sums.all_reduce(self.dp_group, device=self.device)  # the whole batch's: over the data-parallel ranks

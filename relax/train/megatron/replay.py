@@ -1,5 +1,6 @@
-"""Rollout routing replay, router agreement, the expert load and the router z-loss on the Megatron backend, through
-megatron-core's `RouterReplay` and its router's z-loss (docs/training.md, "Mixture of experts").
+"""Rollout routing replay, router agreement, the expert load, the router z-loss and the load-balancing loss on the
+Megatron backend, through megatron-core's `RouterReplay` and its router's z-loss (docs/training.md, "Mixture of
+experts").
 
 An MoE model built with `moe_enable_routing_replay=True` gives each `TopKRouter` a `RouterReplay`, which its top-k
 selection consults (`topk_routing_with_score_function(..., router_replay=...)`). `MegatronRouting` takes those of one
@@ -22,6 +23,16 @@ Router z-loss: megatron-core's own (`TopKRouter.apply_z_loss`, fed the model's `
 out) with a coefficient the trainer sets for each step (`z_loss_coeff`); each router's `apply_z_loss` is wrapped to
 measure the value too (`z_sum`), in the forward that carries the gradient (the recomputed one under activation
 recompute).
+
+Load-balancing loss (train.moe_aux_loss_coef): the torch backend's definition (`relax.models.moe.load_balancing_loss`,
+the one owner of the formula), not megatron-core's aux loss, which counts the router's own top-k even when the routes
+are replayed (`compute_routing_scores_for_aux_loss`) where the torch backend counts the experts used, and scales by the
+micro-batch's tokens under calculate_per_token_loss. Each router's `routing` is wrapped: in the forward that carries
+the gradient of a training pass, the loss of its layer over the micro-batch's real tokens (megatron-core's
+`padding_mask` left out) from the router's logits and the experts it used (its routing map: the engine's under
+replay), times the micro-batch's share of the step's rows (`aux_share`) and the coefficient over the MoE layers, is
+attached to the router's probabilities by megatron-core's `MoEAuxLossAutoScaler` (so that it reaches the backward of a
+recomputed layer too, with the main loss's scale); its value is summed in `aux_sum`.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from relax.metrics import ROUTER_AGREEMENT, ROUTER_OWN_AGREEMENT
-from relax.models.moe import expert_counts, expert_load_metrics, z_loss_sum
+from relax.models.moe import expert_counts, expert_load_metrics, load_balancing_loss, z_loss_sum
 
 
 class MegatronRouting:
@@ -57,12 +68,18 @@ class MegatronRouting:
         # the training pass of a step (`accumulate_gradients`): the z-loss of its forwards with a gradient is measured
         self.training_pass = False
         self.z_sum = 0.0  # sum over this stage's layers and real tokens of logsumexp(logits)^2, this training pass
+        # the load-balancing loss of a training pass: train.moe_aux_loss_coef (0: off), the micro-batch's share of the
+        # step's rows, and the sum over this rank's micro-batches of share * (mean over the MoE layers of the loss)
+        self.aux_coef = 0.0
+        self.aux_share = 0.0
+        self.aux_sum = 0.0
         for i, router in enumerate(self.routers):
             rr = router.router_replay
             if rr in RouterReplay.global_router_replay_instances:
                 RouterReplay.global_router_replay_instances.remove(rr)
             rr.get_replay_topk = self._wrap(i, rr)
             router.apply_z_loss = self._wrap_z(router)
+            router.routing = self._wrap_routing(router)
 
     def z_loss_coeff(self, coeff: Optional[float]) -> None:
         """megatron-core's per-layer z-loss coefficient of the next forwards (None: off), on the config the routers
@@ -83,6 +100,29 @@ class MegatronRouting:
             return original(logits, padding_mask=padding_mask)
 
         return apply_z_loss
+
+    def _wrap_routing(self, router: torch.nn.Module):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        original = router.routing
+        top_k = int(router.topk)
+
+        def routing(logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+            probs, routing_map = original(logits, padding_mask=padding_mask)
+            # as megatron-core's aux loss: only in a forward that builds the gradient (the recomputed one under
+            # recompute), so that each micro-batch counts once
+            if self.aux_coef > 0 and self.training_pass and router.training and torch.is_grad_enabled():
+                flat = logits.reshape(-1, self.num_experts)
+                # no token dropping: every token has exactly top_k experts in its routing map, in expert order
+                used = routing_map.nonzero()[:, 1].view(flat.shape[0], top_k)
+                real = None if padding_mask is None else ~padding_mask.reshape(-1)
+                # MoE trains at pipeline parallel size 1: this stage's routers are all of the model's MoE layers
+                loss = load_balancing_loss(flat, used, real, self.num_experts, top_k) / len(self.routers)
+                self.aux_sum += self.aux_share * float(loss.detach())
+                probs = MoEAuxLossAutoScaler.apply(probs, (self.aux_coef * self.aux_share) * loss)
+            return probs, routing_map
+
+        return routing
 
     def _count(self, layer: int, used: torch.Tensor) -> None:
         if self._real is not None:
