@@ -117,11 +117,11 @@ def test_previous_response_id_continues_the_conversation(scripted):
 
 @pytest.mark.parametrize("kw, param", [
     (dict(text={"verbosity": "low"}), "text.verbosity"), (dict(text={"format": {"type": "grammar"}}), "text.format"),
-    (dict(reasoning={"effort": "high"}), "reasoning"),
+    (dict(reasoning={"effort": "high"}), "reasoning.effort"),
     (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(tool_choice="required"), "tool_choice"),
     (dict(max_output_tokens=0), "max_output_tokens"), (dict(temperature=3), "temperature"),
     (dict(truncation="auto"), "truncation"), (dict(background=True), "background"),
-    (dict(include=["reasoning.encrypted_content"]), "include"), (dict(extra_body={"seed": 1}), "seed"),
+    (dict(include=["reasoning.encrypted_content"]), "include"), (dict(extra_body={"seed": "one"}), "seed"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input[0].content[0]"),
 ])
@@ -201,6 +201,34 @@ def test_relax_serve_answers_as_its_chat_route_whole_streamed_and_chained(served
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="tiny", input="hi", text={"verbosity": "low"})
     assert info.value.body["param"] == "text.verbosity"
+
+
+@pytest.mark.slow
+def test_relax_serve_samples_a_responses_call_with_its_seed_top_k_and_stop(served):
+    """On a real sampler (temperature 1): the same seed gives the same answer twice (its tokens' log-probs too),
+    another seed another answer, and the chat route with that seed the same answer (one code path); top_k=1 is the
+    greedy answer; a stop string cuts the answer before it, as the chat route's does."""
+    url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="tiny", input=QUESTION, temperature=1.0, max_output_tokens=16,
+              include=["message.output_text.logprobs"])
+
+    def answer(**extra) -> tuple[str, list[float]]:
+        r = client.responses.create(**kw, extra_body=extra)
+        return r.output_text, [lp.logprob for lp in r.output[0].content[0].logprobs]
+
+    five = answer(seed=5)
+    assert answer(seed=5) == five and answer(seed=6)[0] != five[0]
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                          temperature=1.0, max_tokens=16, seed=5)
+    assert chat.choices[0].message.content == five[0]
+    greedy = client.responses.create(model="tiny", input=QUESTION, temperature=0, max_output_tokens=16).output_text
+    assert answer(top_k=1, seed=7)[0] == greedy and len(greedy) > 8
+    assert answer(seed=7)[0] != greedy  # the control: without top_k the draw is not the greedy one
+    stop = greedy[len(greedy) // 2:len(greedy) // 2 + 2]
+    cut = client.responses.create(model="tiny", input=QUESTION, temperature=0, max_output_tokens=16,
+                                  extra_body={"stop": [stop]})
+    assert cut.output_text == greedy[:greedy.find(stop)] and cut.status == "completed"
 
 
 @pytest.mark.slow

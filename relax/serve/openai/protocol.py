@@ -150,9 +150,9 @@ FIELDS: dict[str, Rule] = {
     "web_search_options": Rule(NEUTRAL_ONLY, "no web search"),
 }
 # chat_template_kwargs keys that name apply_chat_template's own arguments: they would replace what Relax renders
-_TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -404,7 +404,7 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
         if not isinstance(kwargs, dict):
             raise _bad("chat_template_kwargs", f"{kwargs!r} must be a JSON object, e.g. "
                                                '{"enable_thinking": false}')
-        reserved = sorted(_TEMPLATE_RESERVED & set(kwargs))
+        reserved = sorted(TEMPLATE_RESERVED & set(kwargs))
         if reserved:
             raise _bad("chat_template_kwargs", f"{', '.join(reserved)}: set by the server, not a template variable")
         p.template_kwargs = dict(kwargs) or None

@@ -24,7 +24,12 @@ the session), and responses cannot be retrieved by id.
 Every request field is listed in `FIELDS`: honoured, accepted without effect, or refused with a 400 naming it unless
 it has a value that changes nothing, like the chat route's strict check (`relax.serve.openai.protocol.FIELDS`); so
 is every key inside input items, content parts, tools, tool_choice, text.format and stream_options (the keys the
-Responses API defines there, `check_keys`).
+Responses API defines there, `check_keys`). The chat route's fields that SGLang's Responses route takes too
+(`chat_template_kwargs`, `top_k`, `stop`, penalties, `min_p`, ...; `SHARED`), and `seed`, go into the chat request
+as they are: honoured or refused by the chat route's own code, exactly as there. `reasoning.effort` "none" is
+SGLang's thinking switch (`chat_template_kwargs` thinking and enable_thinking false, the request's own keys first),
+refused where the chat template would still let the model reason; other efforts and reasoning summaries are refused.
+`request_id` (SGLang's, vLLM's) names the response.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from relax.serve.http import EventSource
-from relax.serve.openai.protocol import APIError, check_keys
+from relax.serve.openai.protocol import FIELDS as CHAT_FIELDS
+from relax.serve.openai.protocol import TEMPLATE_RESERVED, APIError, check_keys
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
 KEEP_PER_SESSION = 16  # per training session
@@ -48,18 +54,16 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 HONOURED, NO_EFFECT, NEUTRAL_ONLY = "honoured", "accepted without effect", "refused unless neutral"
 
 
-def _none_values(v: Any) -> bool:
-    return isinstance(v, dict) and all(x is None for x in v.values())
-
-
 @dataclass(frozen=True)
 class Rule:
     """What becomes of one request field (as `relax.serve.openai.protocol.Rule`): `neutral` says which values of a
-    NEUTRAL_ONLY field change nothing (None always does)."""
+    NEUTRAL_ONLY field change nothing (None always does); `chat`: the field is the chat route's, passed on to the chat
+    request as it is, whose rule (`relax.serve.openai.protocol.FIELDS`, the same verdict) decides and names it."""
 
     verdict: str
     why: str
     neutral: Callable[[Any], bool] = lambda v: False
+    chat: bool = False
 
 
 FIELDS: dict[str, Rule] = {
@@ -95,7 +99,11 @@ FIELDS: dict[str, Rule] = {
     "background": Rule(NEUTRAL_ONLY, "every response runs in the foreground", lambda v: v is False),
     "background_options": Rule(NEUTRAL_ONLY, "every response runs in the foreground"),
     "truncation": Rule(NEUTRAL_ONLY, "the input is never truncated (too long: a 400)", lambda v: v == "disabled"),
-    "reasoning": Rule(NEUTRAL_ONLY, "no effort or summary control", _none_values),
+    "reasoning": Rule(HONOURED, 'effort "none": thinking off (chat_template_kwargs thinking and enable_thinking '
+                                "false, as SGLang's); other efforts and summaries are refused"),
+    "request_id": Rule(HONOURED, "SGLang's and vLLM's: the response's id (for previous_response_id too)"),
+    "ngram_corpus_id": Rule(NO_EFFECT, "SGLang's: a corpus for n-gram speculative decoding; there is none here, and "
+                                       "speculative decoding would not change the answer's distribution"),
     "conversation": Rule(NEUTRAL_ONLY, "no stored conversations (use previous_response_id or send the input)"),
     "prompt": Rule(NEUTRAL_ONLY, "no stored prompt templates"),
     "context_management": Rule(NEUTRAL_ONLY, "no server-side compaction", lambda v: v == []),
@@ -103,6 +111,18 @@ FIELDS: dict[str, Rule] = {
     "image": Rule(NEUTRAL_ONLY, "text only"),
     "access_programs": Rule(NEUTRAL_ONLY, "no access programs"),
 }
+# The chat route's fields that SGLang's ResponsesRequest (or vLLM's) takes too, with the same meaning: passed on to
+# the chat request as they are, so each is honoured, accepted or refused exactly as on the chat route, and its errors
+# name it. `seed` is Relax's (neither server takes it on /v1/responses): the chat route's, for reproducible answers.
+SHARED = ("seed", "chat_template_kwargs", "top_k", "stop", "frequency_penalty", "presence_penalty", "min_p",
+          "repetition_penalty", "logit_bias", "skip_special_tokens", "priority", "extra_key", "cache_salt",
+          "session_id")
+FIELDS.update({name: Rule(CHAT_FIELDS[name].verdict, f"as on the chat route: {CHAT_FIELDS[name].why}", chat=True)
+               for name in SHARED})
+# reasoning.effort "none" switches thinking off as SGLang's ResponsesRequest does: both template variables (Qwen3
+# and GLM read enable_thinking, DeepSeek and Kimi thinking), under the request's own chat_template_kwargs
+THINKING_OFF = {"thinking": False, "enable_thinking": False}
+REASONING_PARAM_KEYS = {"effort", "summary", "generate_summary", "context", "mode"}  # openai's Reasoning param
 # chat errors name the chat field; the Responses field they come from
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
 
@@ -299,6 +319,28 @@ class Request:
     stream: bool = False
     logprobs: bool = False
     echo: dict = field(default_factory=dict)
+    rid: Optional[str] = None  # request_id: the response's id (None: a fresh one)
+    thinking_off: bool = False  # reasoning.effort "none": the answer must hold no reasoning
+
+
+def reasoning_effort(reasoning: Any) -> Optional[str]:
+    """The effort a Responses `reasoning` asks for: None (none asked) or "none" (thinking off); a 400 naming
+    reasoning.<key> for what cannot be honoured (another effort: the model reasons as it does; a summary, reasoning
+    context or mode)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise _bad("reasoning", f"{reasoning!r} must be an object, e.g. {{\"effort\": \"none\"}}")
+    check_keys(reasoning, "reasoning", REASONING_PARAM_KEYS, {
+        "summary": (lambda v: False, "no reasoning summaries: the reasoning item holds the reasoning text"),
+        "generate_summary": (lambda v: False, "no reasoning summaries: the reasoning item holds the reasoning text"),
+        "context": (lambda v: False, "earlier reasoning is rendered as the chat template renders it"),
+        "mode": (lambda v: False, "one reasoning mode")})
+    effort = reasoning.get("effort")
+    if effort not in (None, "none"):
+        raise _bad("reasoning.effort", f"{effort!r} is not supported by this server (no effort control: \"none\" "
+                                       "turns thinking off, null leaves the model to reason as it does)")
+    return effort
 
 
 def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
@@ -309,8 +351,12 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
         rule = FIELDS.get(name)
         if rule is None:
             raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
-        if rule.verdict == NEUTRAL_ONLY and value is not None and not rule.neutral(value):
+        if rule.verdict == NEUTRAL_ONLY and not rule.chat and value is not None and not rule.neutral(value):
             raise _bad(name, f"{value!r} is not supported by this server ({rule.why})")
+    effort = reasoning_effort(body.get("reasoning"))
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise _bad("request_id", f"{rid!r} must be a non-empty string")
     if body.get("input") is None:
         raise _bad("input", "required: a string or a list of input items")
     include = body.get("include") or []
@@ -356,13 +402,21 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
     logprobs = bool(include)
     if logprobs:
         chat["logprobs"] = True
+    for name in SHARED:  # the chat route reads them (and names them in its errors)
+        if name in body:
+            chat[name] = body[name]
+    kwargs = body.get("chat_template_kwargs")
+    if effort == "none" and (kwargs is None or isinstance(kwargs, dict)):  # (not an object: the chat route's 400)
+        chat["chat_template_kwargs"] = {**THINKING_OFF, **(kwargs or {})}  # the request's own keys win, as SGLang's
     echo = {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
             "store": body.get("store", True), "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "top_logprobs": body.get("top_logprobs"), "user": body.get("user"),
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}}}
-    return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs, echo=echo)
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "reasoning": {"effort": effort, "summary": None}}
+    return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs, echo=echo,
+                   rid=rid, thinking_off=effort == "none")
 
 
 def renamed(exc: APIError) -> APIError:
@@ -633,6 +687,21 @@ class Responses:
                 kept = self._sessions[session] = Kept(self.keep_per_session)
             return kept
 
+    def _check_thinking_off(self, kwargs: Any) -> None:
+        """A 400 naming reasoning.effort where "none" cannot be honoured: the chat template uses <think> blocks and,
+        rendered with these chat_template_kwargs, its generation prompt does not close one (a template without the
+        thinking switch, or the request's own kwargs turning thinking back on). A template without <think> blocks
+        never reasons: "none" holds. Kwargs the chat route refuses (not an object, apply_chat_template's own
+        arguments) are left to it: its 400 names chat_template_kwargs."""
+        fmt = getattr(self.service, "fmt", None)
+        if fmt is None or not fmt.reasoning or not isinstance(kwargs, dict) or TEMPLATE_RESERVED & set(kwargs):
+            return  # (reserved keys: the chat route's 400)
+        probe = fmt.prompt([{"role": "user", "content": "hi"}], None, kwargs)
+        if not fmt.closes_reasoning(probe):
+            raise _bad("reasoning.effort", "'none' cannot be honoured: rendered with chat_template_kwargs "
+                                           f"{json.dumps(kwargs, sort_keys=True)}, this model's chat template still "
+                                           "lets it reason (its generation prompt does not close a <think> block)")
+
     def create(self, body: Any, session: Any = None) -> tuple[int, Any]:
         """(status, a `response` object or its event stream); APIError for a refused request."""
         kept = self._kept(session)
@@ -642,9 +711,11 @@ class Responses:
                 return kept.get(rid)
 
         req = parse_request(body, previous)
+        if req.thinking_off:
+            self._check_thinking_off(req.chat.get("chat_template_kwargs"))
         chat = dict(req.chat)
         created = int(time.time())
-        rid = new_id("resp")
+        rid = req.rid or new_id("resp")
 
         def keep(a: Answer) -> None:
             with self._lock:
