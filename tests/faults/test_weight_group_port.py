@@ -29,13 +29,12 @@ TINY = ["model=tiny", "model.dtype=float32"]
 def relax_serve(tmp_path_factory) -> Iterator[str]:
     """relax-serve (the embedded engine's SGLang-compatible server) in its own process, the tiny model: its URL."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    port = process_module.free_port()
-    proc = process_module.start_process([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads",
-                                         "1", *TINY], log)
-    url = f"http://127.0.0.1:{port}"
+    # start_server: another port when the one picked free was taken before the server bound it (a run's own way)
+    proc, port = process_module.start_server(
+        lambda port: [sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1", *TINY],
+        host="127.0.0.1", url_host="127.0.0.1", log_path=log, timeout_s=120, what="relax-serve")
     try:
-        process_module.wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=log)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         process_module.stop_process(proc)
 

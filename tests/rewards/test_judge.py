@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 
 from relax.config import load_config
@@ -179,38 +175,21 @@ def test_an_answer_cut_at_max_new_tokens_is_a_parse_failure_whatever_it_says(jud
 # ---------------------------------------------------------------------------------------------- a URL
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def relax_serve(model_dir: Path, log: Path, key: str) -> Iterator[str]:
     """`relax-serve` of the judge (its own process, its key from $RELAX_SERVE_API_KEY): its URL; stopped after."""
-    port = free_port()
-    env = {**os.environ, "RELAX_SERVE_API_KEY": key,
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
-                                 "model.source=hf", f"model.path={model_dir}", "model.dtype=float32"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+    from relax.rollout.sglang.process import start_server, stop_process
+
+    env = {"RELAX_SERVE_API_KEY": key, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # start_server: another port when the one picked free was taken before the server bound it (a run's own way)
+    proc, port = start_server(lambda port: [sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads",
+                                            "1", "model.source=hf", f"model.path={model_dir}", "model.dtype=float32"],
+                              host="127.0.0.1", url_host="127.0.0.1", log_path=log, timeout_s=180,
+                              what="relax-serve", env=env)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"relax-serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"relax-serve not healthy within 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

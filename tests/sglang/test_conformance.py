@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -58,17 +59,28 @@ def env() -> dict:
 @contextlib.contextmanager
 def relax_serve(log_dir: Path, overrides: list[str]) -> Iterator[str]:
     """`relax-serve` (the CLI, in its own process, one thread) with `overrides`, answering: its URL; stopped after."""
-    port, log = free_port(), log_dir / "serve.log"
+    log = log_dir / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
+        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", "0", "--threads", "1",
                                  *overrides], stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{url}/health", 120, proc, log)
-        yield url
+        yield listening_url(proc, log, 120)
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def listening_url(proc: subprocess.Popen, log: Path, timeout: float) -> str:
+    """The URL a relax-serve started with `--port 0` prints once it answers. (A port picked free here and bound by the
+    server seconds later, after its imports, could be taken in between by another xdist worker's server.)"""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(r"relax-serve: listening on (http://\S+)", log.read_text())):
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[:4]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"relax-serve not listening within {timeout} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return found.group(1)
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
@@ -94,22 +106,22 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def launched(cfg, tmp_path_factory):
-    """relax-serve started from the resolved config as JSON (not waited for); None against $SGLANG_URL."""
+    """relax-serve started from the resolved config as JSON on a port it picks (not waited for): (process, log);
+    None against $SGLANG_URL."""
     if EXTERNAL:
         yield None
         return
     tmp = tmp_path_factory.mktemp("serve")
     config = tmp / "config.json"
     config.write_text(json.dumps(dataclasses.asdict(cfg)))
-    port = free_port()
     log = tmp / "serve.log"
     with open(log, "w") as out:
         # --weight-dir: the tests' temporary directories are this job's (/update_weights_from_disk loads from them)
-        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
+        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", "0", "--threads", "1",
                                  "--config", str(config), "--weight-dir", str(tmp_path_factory.getbasetemp())],
                                 stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
     try:
-        yield proc, f"http://127.0.0.1:{port}", log
+        yield proc, log
     finally:
         proc.terminate()
         try:
@@ -124,9 +136,8 @@ def url(launched):
     """The server under test, healthy: $SGLANG_URL or the launched relax-serve."""
     if EXTERNAL:
         return EXTERNAL.rstrip("/")
-    proc, base, log = launched
-    wait_http(f"{base}/health", 120, proc, log)
-    return base
+    proc, log = launched
+    return listening_url(proc, log, 120)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from relax.metrics import WEIGHT_BUCKETS
 from relax.models.hf import build_model
 from relax.roles.sglang_server import server_command
 from relax.rollout.sglang.client import EngineRequestError, GenerateClient
-from relax.rollout.sglang.process import StartupError, free_port, start_process, wait_healthy
+from relax.rollout.sglang.process import StartupError, free_port, start_process, start_server, wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.rollout_driver.sglang_engines import SGLangEngines, actor_push
@@ -47,15 +47,18 @@ def server(tmp_path_factory):
     """One relax-serve for the module (the servers a run names in rollout.sglang.urls are started by the user),
     started with the command a run builds for its embedded servers (`server_command`)."""
     tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    cfg = config(f"http://127.0.0.1:{port}")
-    (tmp / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     embedded = load_config([*MODEL, "rollout=sglang", "rollout.sglang.server=embedded"])
-    cmd = server_command(embedded, host="127.0.0.1", port=port, threads=1, config_path=tmp / "cfg.json")
-    assert cmd[1:3] == ["-m", "relax.cli.serve"] and cmd[cmd.index("--threads") + 1] == "1"
-    proc = start_process(cmd, tmp / "serve.log")
+
+    def command(port: int) -> list[str]:
+        (tmp / "cfg.json").write_text(json.dumps(dataclasses.asdict(config(f"http://127.0.0.1:{port}"))))
+        cmd = server_command(embedded, host="127.0.0.1", port=port, threads=1, config_path=tmp / "cfg.json")
+        assert cmd[1:3] == ["-m", "relax.cli.serve"] and cmd[cmd.index("--threads") + 1] == "1"
+        return cmd
+
+    # start_server, as a run starts its servers: another port when the one picked free was taken before it was bound
+    proc, port = start_server(command, host="127.0.0.1", url_host="127.0.0.1", log_path=tmp / "serve.log",
+                              timeout_s=120, what="relax-serve")
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=tmp / "serve.log")
     yield url, proc
     proc.kill()
     proc.wait()
