@@ -139,3 +139,21 @@ def test_tools_go_into_a_system_message_when_the_template_has_no_place_for_them(
     assert fmt.render(system + USER, [TOOL]).startswith("<|im_start|>system\nBe brief.\n\n")
     teaches = [{"role": "system", "content": "Call calculator as <tool_call>...</tool_call>."}]
     assert fmt.render(teaches + USER, [TOOL]) == fmt.render(teaches + USER, None)  # it names the tool: no listing
+
+
+def test_a_system_prompt_that_merely_mentions_a_tool_still_gets_the_listing(fmt):
+    """The listing is left out only for a system prompt that describes the tools itself: each listed as JSON, or
+    named beside the call format's marker. A tool's name as an ordinary word of prose (`search`, `calculator`) or
+    inside another word does not teach the model the schema or the format. Negative control: before, a substring
+    test left the listing out of every case below."""
+    listing = json.dumps(TOOL["function"])  # what the injected prompt lists, as the tools prompt writes it
+    for prose in ("You are a calculator assistant: answer carefully.", "Use the calculators in your head.",
+                  'Think step by step, like a "calculator".'):
+        system = [{"role": "system", "content": prose}]
+        rendered = fmt.render(system + USER, [TOOL])
+        assert rendered.startswith(f"<|im_start|>system\n{prose}\n\n") and listing in rendered, prose
+    own = [{"role": "system", "content": 'Tools: {"name": "calculator", "parameters": {}}. Answer in JSON.'}]
+    assert fmt.render(own + USER, [TOOL]) == fmt.render(own + USER, None)  # its own JSON listing: no second one
+    other = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    teaches = [{"role": "system", "content": "Call calculator as <tool_call>...</tool_call>."}]
+    assert json.dumps(other["function"]) in fmt.render(teaches + USER, [TOOL, other])  # clock is not described

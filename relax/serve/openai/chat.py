@@ -5,11 +5,14 @@ model's text read back into content and tool calls.
 Tools: a template that takes `tools` (Qwen3's, for one) renders them itself; for one that does not (plain ChatML,
 DeepSeek-V3), a system message lists them and teaches the format of the tool parser in use, with an example call
 (`tools_prompt`: Hermes' `<tool_call>` for hermes, DeepSeek's markers for deepseek_v3, ...; Hermes for a parser of
-one's own), unless the conversation's system messages already name every tool (a prompt that teaches its own
-format). Earlier assistant messages with tool calls are rendered by the template where it renders `tool_calls`,
-else written in that same format, and the model's calls are read by that tool parser (`relax.agents.parsers`:
-data.tool_parser, by default the one of the chat template), so the prompt, the parser, a forced call's grammar and
-the history agree.
+one's own), unless the conversation's system messages already describe every tool (`_described`: a prompt that
+teaches its own format). Earlier assistant messages with tool calls are rendered by the template where it renders
+`tool_calls`, else written in that same format, and the model's calls are read by that tool parser
+(`relax.agents.parsers`: data.tool_parser, by default the one of the chat template), so the prompt, the parser, a
+forced call's grammar and the history agree.
+
+A template that refuses a conversation (its own `raise_exception`) is a 400 quoting it (`template_refusal`); one that
+refuses a system message gets the tools prompt in the first user message instead.
 
 Reasoning: an answer's <think> block is split off by `relax.agents.parsers.split_reasoning`, also when the prompt
 ended inside a block its generation prompt opened (Qwen3.5's `<think>\n`: `ChatFormat.opens_reasoning`).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 import uuid
 from typing import Any, Optional
@@ -38,6 +42,8 @@ from relax.agents.parsers import (
     write_calls,
 )
 from relax.agents.render import ObservationRenderer
+from relax.serve.openai.deltas import CALL_STARTS
+from relax.serve.openai.protocol import APIError
 
 __all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
 
@@ -49,10 +55,19 @@ SEVERAL = {"llama3_json": 'Several calls are written one after another, separate
 SEVERAL_DEFAULT = "Several calls are written one after another, separated by a newline."
 
 
-def _described(messages: list[dict], tools: list[dict]) -> bool:
-    """Whether the conversation's system messages already name every tool (a prompt that teaches its own format)."""
+def _described(messages: list[dict], tools: list[dict], markers: tuple[str, ...]) -> bool:
+    """Whether the conversation's system messages already describe every tool (a prompt that teaches its own
+    format, such as a dataset's system prompt with its own tool listing): each tool listed as JSON (`"name":
+    "<tool>"`, as a JSON listing of a function writes it), or each named as a word in a prompt that shows the call
+    format (holds one of `markers`, the tool parser's call markers: `<tool_call>` for hermes). A tool's name in prose
+    alone ("Always search carefully") does not count: that prompt teaches the model neither the schema nor the
+    format."""
     system = " ".join(m.get("content") or "" for m in messages if m["role"] in ("system", "developer"))
-    return all(t["function"]["name"] in system for t in tools)
+    names = [t["function"]["name"] for t in tools]
+    if all(re.search(r'"name"\s*:\s*' + re.escape(json.dumps(n)), system) for n in names):
+        return True
+    return any(m in system for m in markers) and all(
+        re.search(r"(?<![\w-])" + re.escape(n) + r"(?![\w-])", system) for n in names)
 
 
 def _example_value(schema: Any) -> Any:
@@ -87,6 +102,13 @@ def tools_prompt(tools: list[dict], fmt: str) -> str:
     name, args = example_call(tools[0])
     return TOOLS_PROMPT.format(tools=listing, name=name, example=write_calls(fmt, [(name, args)]),
                                several=SEVERAL.get(fmt, SEVERAL_DEFAULT))
+
+
+def template_refusal(exc: Exception) -> APIError:
+    """The 400 of a conversation the model's chat template refuses (its own `raise_exception` message: Llama 3.1's
+    "single tool-calls at once", roles that must alternate, an unsupported system role): the client's messages, not
+    a server failure."""
+    return APIError(f"messages: the model's chat template refuses this conversation: {exc}", param="messages")
 
 
 class _TemplateKwargs:
@@ -129,10 +151,11 @@ class ChatFormat:
         self.lock = threading.RLock()
 
     # ---------------------------------------------------------------------------------------------- rendering
-    def _template_messages(self, messages: list[dict], tools: Optional[list[dict]],
-                           text_arguments: bool = False) -> list[dict]:
+    def _template_messages(self, messages: list[dict], tools: Optional[list[dict]], text_arguments: bool = False,
+                           tools_in_user: bool = False) -> list[dict]:
         """The messages as the chat template takes them; `text_arguments`: calls' arguments as JSON text (as OpenAI's
-        messages hold them) rather than mappings (transformers' convention)."""
+        messages hold them) rather than mappings (transformers' convention); `tools_in_user`: the tools prompt (a
+        template without a place for tools) opens the first user message instead of being a system message."""
         out: list[dict] = []
         for m in messages:
             d: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"],
@@ -150,21 +173,49 @@ class ChatFormat:
                 if m.get(key) is not None:
                     d[key] = m[key]
             out.append(d)
-        if tools and not self.native_tools and not _described(messages, tools):
+        if self._lists_tools(messages, tools):
             prompt = tools_prompt(tools, self.call_format)
+            user = next((i for i, d in enumerate(out) if d["role"] == "user"), None)
             if out and out[0]["role"] == "system":
                 out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+            elif tools_in_user and user is not None:
+                out[user] = {**out[user], "content": f"{prompt}\n\n{out[user]['content']}"}
             else:
                 out.insert(0, {"role": "system", "content": prompt})
         return out
 
+    def _lists_tools(self, messages: list[dict], tools: Optional[list[dict]]) -> bool:
+        """Whether the prompt lists `tools` itself (`tools_prompt`): a template without a place for them, and a
+        conversation whose system messages do not describe them already (`_described`)."""
+        return bool(tools) and not self.native_tools and not _described(
+            messages, tools or [], CALL_STARTS.get(self.call_format, ()))
+
     def render(self, messages: list[dict], tools: Optional[list[dict]], template_kwargs: Optional[dict] = None) -> str:
         """The text of a whole conversation (normalized messages) and the assistant's generation prompt;
-        `template_kwargs` (a request's chat_template_kwargs) are extra variables of the template."""
+        `template_kwargs` (a request's chat_template_kwargs) are extra variables of the template. A template that
+        refuses a system message (Gemma's "System role not supported", Mistral's alternating roles) gets the tools
+        prompt at the start of the first user message (as Gemma's own template places a system prompt); a template
+        that refuses the conversation (its `raise_exception`) is a 400 naming the template's message."""
+        from jinja2 import TemplateError
+
+        def apply(text_arguments: bool, tools_in_user: bool = False) -> str:
+            return self.tokenizer.apply_chat_template(
+                self._template_messages(messages, tools, text_arguments, tools_in_user),
+                tools=tools if self.native_tools else None, tokenize=False, add_generation_prompt=True,
+                **(template_kwargs or {}))
+
         with self.lock:
-            return self._with_arguments(lambda text_arguments: self.tokenizer.apply_chat_template(
-                self._template_messages(messages, tools, text_arguments), tools=tools if self.native_tools else None,
-                tokenize=False, add_generation_prompt=True, **(template_kwargs or {})), messages)
+            try:
+                return self._with_arguments(apply, messages)
+            except TemplateError as exc:
+                refused = exc
+            own_system = any(m["role"] in ("system", "developer") for m in messages)
+            if self._lists_tools(messages, tools) and not own_system:  # the system message was Relax's own
+                try:
+                    return self._with_arguments(lambda text_arguments: apply(text_arguments, True), messages)
+                except TemplateError:
+                    pass
+            raise template_refusal(refused) from None
 
     def _with_arguments(self, render: Any, messages: list[dict]) -> Any:
         """`render(text_arguments)` with calls' arguments as mappings (Qwen3's, Llama's, GLM's templates write them
@@ -194,8 +245,11 @@ class ChatFormat:
                 key = json.dumps(template_kwargs, sort_keys=True)
                 renderer = self._renderers.get(key) or self._renderers.setdefault(
                     key, ObservationRenderer(_TemplateKwargs(self.tokenizer, template_kwargs)))
-            return self._with_arguments(lambda text_arguments: renderer.tokens(
-                self._template_messages(messages, None, text_arguments), stop_token), messages)
+            try:
+                return self._with_arguments(lambda text_arguments: renderer.tokens(
+                    self._template_messages(messages, None, text_arguments), stop_token), messages)
+            except ValueError as exc:  # the template refuses them (`ObservationRenderer.after_turn`)
+                raise template_refusal(exc) from None
 
     def opening(self, prompt: list[int]) -> str:
         """The <think> block prompt tokens end inside, opened by their generation prompt (Qwen3.5's `<think>\n`), as
