@@ -827,16 +827,17 @@ def wait_until(predicate, what: str, timeout: float = 30) -> None:
 
 
 def test_generate_through_the_real_sglang_router(url, tmp_path):
-    port = free_port()
+    from relax.rollout.sglang.process import start_server, stop_process
+
     log = tmp_path / "router.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                 "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                                stdout=out, stderr=subprocess.STDOUT, env=env())
+    # start_server: another port when the one picked free was taken before the router bound it
+    proc, port = start_server(lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                            "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
+                                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                              host="127.0.0.1", url_host="127.0.0.1", log_path=log, timeout_s=60,
+                              what="sglang-router")
     router = f"http://127.0.0.1:{port}"
     try:
-        wait_http(f"{router}/health", 60, proc, log)
         assert post(router, "/workers", {"url": url}).status_code in (200, 202)
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
         deadline = time.monotonic() + 30
@@ -854,11 +855,7 @@ def test_generate_through_the_real_sglang_router(url, tmp_path):
         assert events[-1] == "[DONE]"
         assert_same_answer(events[-2], direct)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 # ----------------------------------------------------------------------------------------------------------- CLI

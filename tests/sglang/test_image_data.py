@@ -7,7 +7,6 @@ the images blanked on the trainer's side they do not (the images reach both side
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -28,19 +27,12 @@ from relax.rollout.sglang.client import (
     payload_images,
     to_samples,
 )
+from relax.rollout.sglang.process import free_port, start_server, stop_process
 from relax.serve.sglang.request import RequestCodec, RequestError
 from relax.serve.sglang.server import EmbeddedServer
 from relax.train.torch_policy import TorchPolicy
 
 OVERRIDES = ["model=tiny_vl", "model.dtype=float32", "seed=3"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -58,25 +50,27 @@ def items(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def router():
+def router(tmp_path_factory):
     """The embedded server (tiny_vl, fp32, seed 3) and the real sglang-router in front of it: (router URL, server)."""
     server = EmbeddedServer(load_config(OVERRIDES), port=0, threads=1)
     server.start()
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                             "--port", str(port), "--worker-urls", server.url, "--policy", "round_robin",
-                             "--log-level", "warn", "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(_free_port())],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = None
     try:
+        # start_server: another port when the one picked free was taken before the router bound it
+        proc, port = start_server(lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--host",
+                                                "127.0.0.1", "--port", str(port), "--worker-urls", server.url,
+                                                "--policy", "round_robin", "--log-level", "warn",
+                                                "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                                str(free_port())],
+                                  host="127.0.0.1", url_host="127.0.0.1", log_path=tmp_path_factory.mktemp(
+                                      "router") / "router.log", timeout_s=120, what="sglang-router")
         server.wait_ready(120)
         url = f"http://127.0.0.1:{port}"
         client = GenerateClient(url, request_timeout_s=60)  # retries until the router has its worker
         client.generate([{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}])
         yield url, server
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        stop_process(proc)
         server.shutdown()
 
 

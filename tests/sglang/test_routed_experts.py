@@ -5,8 +5,6 @@ own router on the served model, every token the engine fed and only those, and t
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import sys
 import time
 
@@ -14,16 +12,11 @@ import pytest
 import requests
 import torch
 
+from relax.rollout.sglang.process import free_port, start_server, stop_process
 from relax.rollout.sglang.routes import decode, encode, place
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 OVERRIDES = ["model=tiny_moe", "model.dtype=float32", "rollout.routing_replay=true"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,33 +30,21 @@ def routed(tmp_path_factory):
     server = EmbeddedServer(cfg, host="127.0.0.1", port=0, threads=1)
     server.start()
     log = tmp_path_factory.mktemp("router") / "router.log"
-    port = _free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                 "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())],
-                                stdout=out, stderr=subprocess.STDOUT)
-    router = f"http://127.0.0.1:{port}"
+    proc = None
     try:
+        # start_server: another port when the one picked free was taken before the router bound it
+        proc, port = start_server(lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--host",
+                                                "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                                                "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+                                                "--prometheus-port", str(free_port())],
+                                  host="127.0.0.1", url_host="127.0.0.1", log_path=log, timeout_s=60,
+                                  what="sglang-router")
+        router = f"http://127.0.0.1:{port}"
         server.wait_ready(120)
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if requests.get(f"{router}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.1)
         assert requests.post(f"{router}/workers", json={"url": server.url}, timeout=30).status_code in (200, 202)
         yield cfg, server, router
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         server.shutdown()
 
 

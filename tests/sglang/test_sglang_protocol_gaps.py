@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -194,33 +193,18 @@ def test_duplicate_rids_and_different_n_in_one_batch_answer_400(served):
 def test_through_the_real_router_streamed_events_carry_their_logprobs(served, tmp_path):
     """A slime-style streamed request with return_logprob through sglang-router: every event the router passes on
     carries the log-probs of its tokens."""
-    import socket
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from relax.rollout.sglang.process import free_port, start_server, stop_process
 
     _, server = served
-    port = free_port()
     log = tmp_path / "router.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                 "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
-                                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                                stdout=out, stderr=subprocess.STDOUT)
+    # start_server: another port when the one picked free was taken before the router bound it
+    proc, port = start_server(lambda port: [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                            "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
+                                            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                              host="127.0.0.1", url_host="127.0.0.1", log_path=log, timeout_s=60,
+                              what="sglang-router")
     router = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if requests.get(f"{router}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.1)
         assert post(router, "/workers", {"url": server.url}).status_code in (200, 202)
         sp = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}
         body = {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True}
@@ -233,11 +217,7 @@ def test_through_the_real_router_streamed_events_carry_their_logprobs(served, tm
         for event in events[:-1]:
             assert len(event["meta_info"]["output_token_logprobs"]) == len(event["output_ids"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 # ------------------------------------------------------------------------------------------- pause and continue
