@@ -21,6 +21,7 @@ ended inside a block its generation prompt opened (Qwen3.5's `<think>\n`: `ChatF
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import threading
@@ -30,6 +31,8 @@ from typing import Any, Optional
 from relax.agents.parsers import (
     END_THINK,
     THINK,
+    ParsedMessage,
+    ToolCall,
     ToolParser,
     apply_tool_schemas,
     get_parser,
@@ -320,15 +323,22 @@ class ChatFormat:
         return body, text[:at] if trim else text, None, True
 
     @staticmethod
-    def tool_calls(text: str, parser: ToolParser = parse_hermes,
-                   tools: Optional[list[dict]] = None) -> tuple[str, Optional[list[dict]]]:
+    def tool_calls(text: str, parser: ToolParser = parse_hermes, tools: Optional[list[dict]] = None,
+                   cut: bool = False) -> tuple[str, Optional[list[dict]]]:
         """(content, OpenAI tool calls) of a model message, read by `parser` with the schemas of the `tools` offered
         (`apply_tool_schemas`: string arguments of the XML formats as text, a strict tool's arguments checked): the
         calls taken out of the content when every call is well-formed; a message with a malformed call stays text,
-        never half-parsed."""
+        never half-parsed. Calls of functions that are not in `tools` are dropped, as SGLang's parsers drop them
+        (the content is the text outside the calls; no calls left: none). `cut`: a forced answer (calls only) that
+        the token limit cut: its complete calls before the unfinished one are kept, with no content."""
         parsed = apply_tool_schemas(parser(text), tools)
+        if cut and parsed.errors:
+            complete = tuple(itertools.takewhile(lambda item: isinstance(item, ToolCall), parsed.items))
+            parsed = ParsedMessage(complete, "")
         if not parsed.calls or parsed.errors:
             return text, None
+        offered = None if tools is None else {t["function"]["name"] for t in tools}
+        calls = [c for c in parsed.calls if offered is None or c.name in offered]
         return parsed.content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                                for c in parsed.calls]
+                                for c in calls] or None

@@ -189,8 +189,10 @@ class OpenAIService:
         finish = self._finish(s, tokens)
         split = split_reasoning(text, self._opened(prompt, p)) if self._splits(p) else None
         think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
-        content, calls = self.fmt.tool_calls(text, tools=p.tools) if p.tools else (text, None)
-        if calls:
+        # a forced answer cut by the token limit keeps its complete calls and says it was cut (finish "length")
+        cut = finish == "length" and p.tool_choice is not None
+        content, calls = self.fmt.tool_calls(text, tools=p.tools, cut=cut) if p.tools else (text, None)
+        if calls and not cut:
             finish = "tool_calls"
         choice = self._choice(s, tokens, content, finish, calls, p)
         if split:
