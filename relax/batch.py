@@ -34,7 +34,7 @@ class FinishReason(StrEnum):
     MAX_TURNS = "max_turns"  # rollout.max_turns turns taken (an OpenAI agent run: its calls)
     TOOL_ERRORS = "tool_errors"  # rollout.max_tool_errors tool calls failed
     # the end of an OpenAI agent run's session (its record's `end`; the row's finish reason is then STOP)
-    TIMEOUT = "timeout"  # the run went past data.agent_timeout_s
+    TIMEOUT = "timeout"  # the run went past data.agent_timeout_s (an episode: a step past data.env_timeout_s)
     ERROR = "error"  # the run raised, or returned something other than a finite number or None
     DONE = "done"  # the run returned a reward (or None)
 

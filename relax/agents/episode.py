@@ -10,6 +10,10 @@ prompt opened (Qwen3.5's `<think>\n`), that opening is written before the sample
 environment and `data.reward` read the turn as they read one whose model wrote `<think>` itself (Qwen3's): the tool
 loop takes the reasoning off before reading calls, and the text scored is the same.
 
+A turn's answer that does not come within `data.env_timeout_s` (an environment's `step`, an agent loop's `turn`:
+`relax.agents.bounded`) ends the episode with "timeout" and its `error`, which the driver fails like a reward call
+(its group left out, the batch's first failure warned of).
+
 `record()` is the episode as plain values (`Samples.episodes`): what the driver scores and logs, and what a
 checkpoint or a partial rollout carries; `Episode.restore` rebuilds a running episode from it (its loop reset and
 the model's earlier messages replayed).
@@ -22,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from relax import progress
+from relax.agents.bounded import StepTimeout, call_within
 from relax.agents.parsers import message_decoder, opened_reasoning
 from relax.agents.protocol import AgentLoop, Reply
 from relax.agents.render import ObservationRenderer
@@ -32,9 +38,15 @@ class Episode:
     """An episode of prompt `item` (a plain dict) with agent loop `loop`."""
 
     def __init__(self, item: dict, loop: AgentLoop, renderer: ObservationRenderer, decode: Callable[[list[int]], str],
-                 *, max_turns: int, max_tool_errors: int):
+                 *, max_turns: int, max_tool_errors: int, turn_timeout_s: Optional[float] = None,
+                 source: str = "data.agent"):
+        """`turn_timeout_s`: the limit on each `loop.turn` (`data.env_timeout_s` for a `data.agent` loop; None: none,
+        as for the built-in loop, which bounds its environment's `step` itself); `source`: the option that named the
+        loop, with its value, for the time-out's message."""
         self.item, self.loop, self.renderer, self.decode = item, loop, renderer, decode
         self.max_turns, self.max_tool_errors = max_turns, max_tool_errors
+        self.turn_timeout_s, self.source = turn_timeout_s, source
+        self.error: Optional[str] = None  # why the episode failed (a time-out): its group is left out
         self.turns = self.tool_calls = self.tool_errors = 0
         self.turn_rewards: list[float] = []
         self.actions: list[str] = []  # the model's message of each turn
@@ -58,7 +70,15 @@ class Episode:
         self.turns += 1
         self.actions.append(text)
         t0 = time.perf_counter()
-        reply: Reply = self.loop.turn(text)
+        try:
+            reply: Reply = call_within(lambda: self.loop.turn(text), self.turn_timeout_s,
+                                       f"{self.source}: {type(self.loop).__name__}.turn")
+        except StepTimeout as exc:
+            self.env_time += time.perf_counter() - t0
+            self.turn_rewards.append(0.0)
+            self.end, self.error = FinishReason.TIMEOUT, str(exc)
+            progress.tick()  # the wait is over: the rollout goes on (other episodes' waits are timed anew)
+            return None
         self.env_time += time.perf_counter() - t0
         self.turn_rewards.append(float(reply.reward))
         self.tool_calls += reply.tool_calls
@@ -89,13 +109,15 @@ class Episode:
         return {"item": dict(self.item), "turns": self.turns, "tool_calls": self.tool_calls,
                 "tool_errors": self.tool_errors, "turn_rewards": list(self.turn_rewards), "actions": list(self.actions),
                 "env_time": self.env_time, "kv_reused": self.kv_reused, "end": plain_reason(self.end),
-                "partial": list(self.partial), "opened": self.opened}
+                "partial": list(self.partial), "opened": self.opened, "error": self.error}
 
     @classmethod
     def restore(cls, record: dict, loop: AgentLoop, renderer: ObservationRenderer,
-                decode: Callable[[list[int]], str], *, max_turns: int, max_tool_errors: int) -> Episode:
+                decode: Callable[[list[int]], str], *, max_turns: int, max_tool_errors: int,
+                turn_timeout_s: Optional[float] = None, source: str = "data.agent") -> Episode:
         """The running episode of `record` (see the module docstring)."""
-        ep = cls(record["item"], loop, renderer, decode, max_turns=max_turns, max_tool_errors=max_tool_errors)
+        ep = cls(record["item"], loop, renderer, decode, max_turns=max_turns, max_tool_errors=max_tool_errors,
+                 turn_timeout_s=turn_timeout_s, source=source)
         t0 = time.perf_counter()
         replay = getattr(loop, "replay", None)
         if callable(replay):
@@ -123,12 +145,14 @@ class EpisodeMaker:
     """Makes the episodes of a rollout process: fresh ones for prompt items, running ones from records."""
 
     def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int,
-                 processor: Any = None, wire: bool = False):
+                 processor: Any = None, wire: bool = False, turn_timeout_s: Optional[float] = None,
+                 source: str = "data.agent"):
         self.loops, self.tokenizer = loops, tokenizer
         # processor: image observations; wire: their images kept as data URLs too (rollout=sglang's image_data)
         self.renderer = ObservationRenderer(tokenizer, processor, wire=wire)
         self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
-        self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
+        self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors, turn_timeout_s=turn_timeout_s,
+                           source=source)
 
     @classmethod
     def for_config(cls, cfg: Any) -> Optional[EpisodeMaker]:
@@ -146,10 +170,12 @@ class EpisodeMaker:
         tokenizer = load_tokenizer(cfg.model)
         parser = get_parser(d.tool_parser, tokenizer)  # auto: the one of the tokenizer's chat template
         processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
-        loops = AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser, uses_reasoning(tokenizer))
+        loops = AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser, uses_reasoning(tokenizer),
+                             env_timeout_s=d.env_timeout_s)
         return cls(loops, tokenizer,
                    max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor,
-                   wire=processor is not None and ro.backend == "sglang")
+                   wire=processor is not None and ro.backend == "sglang",
+                   turn_timeout_s=d.env_timeout_s if d.agent else None, source=f"data.agent={d.agent}")
 
     def new_for(self, items: list, n: int) -> list[Episode]:
         """`n` new episodes for each of `items` (a group each, consecutive)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
+from relax.agents.bounded import call_within
 from relax.agents.grid_walk import GridWalk
 from relax.agents.guess_number import GuessNumber
 from relax.agents.parsers import CallError, ParsedMessage, ToolParser, parse_hermes, without_reasoning
@@ -44,11 +45,14 @@ def load_callable(spec: str, option: str, builtins: dict[str, Callable[..., Any]
 class ToolsAndEnvironment:
     """The built-in agent loop (see the module docstring). `env_factory` builds one environment per episode;
     `parser` reads the model's tool calls; `reasoning`: the chat template uses <think> blocks
-    (`relax.agents.parsers.uses_reasoning`), whose calls are not read."""
+    (`relax.agents.parsers.uses_reasoning`), whose calls are not read. `step_timeout_s`: the limit on each
+    environment `step` (`data.env_timeout_s`, `relax.agents.bounded`; None: none), whose time-out names `env_name`."""
 
     def __init__(self, env_factory: Optional[Callable[[], Any]], runner: Optional[ToolRunner],
-                 parser: ToolParser = parse_hermes, reasoning: bool = True):
+                 parser: ToolParser = parse_hermes, reasoning: bool = True, *,
+                 step_timeout_s: Optional[float] = None, env_name: str = "data.env"):
         self.env_factory, self.runner, self.parser, self.reasoning = env_factory, runner, parser, reasoning
+        self.step_timeout_s, self.env_name = step_timeout_s, env_name
         self.env: Any = None
 
     def calls(self, text: str) -> ParsedMessage:
@@ -84,7 +88,9 @@ class ToolsAndEnvironment:
             return reply
         if self.env is None:
             return Reply(done=True, end=FinishReason.STOP)
-        step = as_step(self.env.step(text), type(self.env).__name__)
+        name = type(self.env).__name__
+        step = as_step(call_within(lambda: self.env.step(text), self.step_timeout_s, f"{self.env_name}: {name}.step"),
+                       name)
         if step.done:
             return Reply(reward=step.reward, done=True, end=FinishReason.ENV_DONE)
         if step.observation is None:
@@ -108,11 +114,12 @@ class ToolsAndEnvironment:
 class AgentFactory:
     """Builds the agent loop of each episode from the data config: `data.agent`, or `ToolsAndEnvironment` over
     `data.env` and `data.tools` (their calls read by `tool_parser`, `relax.agents.parsers.get_parser` of
-    data.tool_parser; `reasoning`: the chat template uses <think> blocks). Everything is loaded (and named in errors)
-    when the factory is made."""
+    data.tool_parser; `reasoning`: the chat template uses <think> blocks; `env_timeout_s`: the limit on each
+    environment step, data.env_timeout_s). Everything is loaded (and named in errors) when the factory is made."""
 
     def __init__(self, env: Optional[str], tools: list[str] | tuple[str, ...], agent: Optional[str],
-                 tool_timeout_s: Optional[float], tool_parser: ToolParser = parse_hermes, reasoning: bool = True):
+                 tool_timeout_s: Optional[float], tool_parser: ToolParser = parse_hermes, reasoning: bool = True,
+                 env_timeout_s: Optional[float] = None):
         if agent and (env or tools):
             raise AgentSpecError("data.agent decides every observation itself; it cannot be combined with data.env "
                                  "or data.tools")
@@ -121,11 +128,13 @@ class AgentFactory:
         self.tools = get_tools(list(tools)) if tools else {}
         self.runner = ToolRunner(self.tools, tool_timeout_s) if self.tools else None
         self.tool_parser, self.reasoning = tool_parser, reasoning
+        self.env_timeout_s, self.env_name = env_timeout_s, f"data.env={env}"
 
     def __call__(self) -> AgentLoop:
         if self.agent is not None:
             return self.agent()
-        return ToolsAndEnvironment(self.env, self.runner, self.tool_parser, self.reasoning)
+        return ToolsAndEnvironment(self.env, self.runner, self.tool_parser, self.reasoning,
+                                   step_timeout_s=self.env_timeout_s, env_name=self.env_name)
 
     def close(self) -> None:
         if self.runner is not None:

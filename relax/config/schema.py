@@ -402,6 +402,9 @@ class DataConfig:
     agent: Optional[str] = None
     # seconds one tool call may take (worker processes); None: no limit
     tool_timeout_s: Optional[float] = positive(10.0, optional=True)
+    # seconds one environment step (data.env) or agent loop turn (data.agent) may take; a later one ends its episode
+    # (group left out, like a failed reward call) and is abandoned in its thread (docs/agents.md); None: no limit
+    env_timeout_s: Optional[float] = positive(60.0, optional=True)
     # How tool calls are read from the model's messages, by the built-in tool loop (data.tools), the OpenAI gateway
     # (data.openai_agent) and relax-serve (docs/agents.md): auto (from the tokenizer's chat template) | hermes |
     # qwen3_coder | llama3_json | glm45 | deepseek_v3 (TOOL_PARSERS) | package.module:function (text ->

@@ -754,6 +754,14 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
               "'package.module:function' (text -> relax.agents.parsers.ParsedMessage)")
     r.require(bool(d.tools) or not _changed(d, "tool_timeout_s"), ("data.tool_timeout_s", "data.tools"),
               f"data.tool_timeout_s={d.tool_timeout_s} limits tool calls, and no tools are set (data.tools)")
+    r.require(bool(d.env or d.agent) or not _changed(d, "env_timeout_s"), ("data.env_timeout_s", "data.env"),
+              f"data.env_timeout_s={d.env_timeout_s} limits an environment's steps or an agent loop's turns, and "
+              "neither is set (data.env, data.agent)")
+    hb = cfg.cluster.heartbeat_timeout_s
+    r.require(not (d.env or d.agent) or d.env_timeout_s is None or hb is None or d.env_timeout_s < hb,
+              ("data.env_timeout_s", "cluster.heartbeat_timeout_s"),
+              f"data.env_timeout_s={d.env_timeout_s} must be below cluster.heartbeat_timeout_s={hb}: a step that "
+              "hangs would otherwise read as a hung rollout process, restarted, instead of ending its episode")
     r.require(bool(d.tools or d.agent) or not _changed(ro, "max_tool_errors"),
               ("rollout.max_tool_errors", "data.tools"),
               f"rollout.max_tool_errors={ro.max_tool_errors} counts failed tool calls, and nothing calls tools "

@@ -169,9 +169,14 @@ def _scores(fn: RewardFn, outcomes: Sequence[tuple], timed_out: Sequence[bool]) 
     return out
 
 
-def warn_failed_score(what: str, error: Optional[str]) -> None:
+def warn_failed_score(what: str, error: Optional[str], on: str = "a response") -> None:
     """The console's warning of a batch's first failed score, one per batch and scorer (data.reward's calls here, the
-    reward model's in `relax.runner.rollout_driver.scoring.with_reward_model`): what failed, that its group is left
-    out, and the last line of its error (a traceback's is its exception)."""
+    reward model's and the episodes' (data.openai_agent, data.env, data.agent) in
+    `relax.runner.rollout_driver.scoring`): what failed, on what (`on`), that the groups are left out, and the last
+    line of its error (a traceback's is its exception)."""
     last_line = (error or "").strip().splitlines()[-1:] or ["?"]
-    logger.warning("%s failed on a response (its group is left out of the loss): %s", what, last_line[0])
+    if on == "a response":
+        logger.warning("%s failed on a response (its group is left out of the loss): %s", what, last_line[0])
+    else:
+        logger.warning("%s failed on %s (their groups are left out of the loss); the first failure: %s", what, on,
+                       last_line[0])

@@ -132,7 +132,8 @@ class SkippedSteps:
 
 
 class FailedRewardSteps:
-    """Steps in which failed reward calls left every group out (`data.reward_error=drop_group`), so that nothing was
+    """Steps in which failed reward calls (or failed episodes: an agent program that raised, an environment past
+    data.env_timeout_s) left every group out (`data.reward_error=drop_group`), so that nothing was
     trained, counted in a row: `data.max_failed_reward_steps` in a row stop the run, naming the first failure. A
     reward that fails every call (a signature or label it cannot take, a service refusing the key) would otherwise
     run to the end training nothing and exit 0, its only trace `rollout/reward_dropped_frac` 1.0."""
@@ -154,7 +155,22 @@ class FailedRewardSteps:
             return
         lines = [line for line in (self.first_error or "").strip().splitlines() if line.strip()]
         why = f"; the first failure: {lines[-1].strip()}" if lines else ""
-        raise RunError(f"step {step}: in {self.in_a_row} step(s) in a row every group was left out because its reward "
-                       f"calls failed, so nothing was trained (data.max_failed_reward_steps={self.limit}){why}. "
-                       "Check data.reward (its signature, the labels it reads, the service it calls) and the reward "
-                       "model; the warnings above name each step's first failure.")
+        source = failure_source(self.first_error)
+        if source is None:  # a data.reward call's (or the reward model's)
+            failed, advice = "its reward calls failed", ("Check data.reward (its signature, the labels it reads, the "
+                                                         "service it calls) and the reward model")
+        else:  # an episode's: the agent program, agent loop or environment named with its value
+            failed = "its agent runs failed" if source == "data.openai_agent" else "its episodes failed"
+            advice = f"Check {self.first_error.lstrip().split(': ', 1)[0]} (run it by hand on one prompt item)"
+        raise RunError(f"step {step}: in {self.in_a_row} step(s) in a row every group was left out because "
+                       f"{failed}, so nothing was trained (data.max_failed_reward_steps={self.limit}){why}. "
+                       f"{advice}; the warnings above name each step's first failure.")
+
+
+def failure_source(first_error: str | None) -> str | None:
+    """The episode option a step's first failure came from ("data.openai_agent", "data.agent", "data.env",
+    "data.tools"), by the prefix `relax.runner.rollout_driver.scoring` gives it; None for a data.reward call's or the
+    reward model's."""
+    head = (first_error or "").lstrip().split(": ", 1)[0]
+    option = head.split("=", 1)[0]
+    return option if "=" in head and option in ("data.openai_agent", "data.agent", "data.env", "data.tools") else None

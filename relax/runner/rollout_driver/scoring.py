@@ -44,10 +44,9 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
         texts = [e["actions"][-1] if e["actions"] else "" for e in episodes]
         given = [sum(e["turn_rewards"]) for e in episodes]
         if reward_fn is None:
-            scores = _agent_failures(episodes, Scores(rewards=given, failed=[False] * len(given)))
+            scores = _agent_failures(cfg, episodes, Scores(rewards=given, failed=[False] * len(given)))
             if scores.first_error is not None and cfg.data.reward_error == "raise":
-                raise RunError(f"data.openai_agent={cfg.data.openai_agent} failed (data.reward_error=raise):\n"
-                               f"{scores.first_error}")
+                raise RunError(f"{episode_source(cfg)} failed (data.reward_error=raise):\n{scores.first_error}")
             return scores
     else:
         texts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
@@ -64,7 +63,10 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
         scores.rewards = [r + g if not bad else r for r, g, bad in zip(scores.rewards, given, scores.failed,
                                                                        strict=True)]
     if episodes is not None:
-        _agent_failures(episodes, scores)
+        reward_error = scores.first_error
+        _agent_failures(cfg, episodes, scores)
+        if reward_error is None and scores.first_error is not None and cfg.data.reward_error == "raise":
+            raise RunError(f"{episode_source(cfg)} failed (data.reward_error=raise):\n{scores.first_error}")
     if scores.first_error is not None and cfg.data.reward_error == "raise":
         raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
     return scores
@@ -103,14 +105,37 @@ def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items:
     return scores
 
 
-def _agent_failures(episodes: list[dict], scores: Scores) -> Scores:
-    """Agent runs that failed (`data.openai_agent`: raised, timed out, made no call) as failed reward calls."""
+def episode_source(cfg: RelaxConfig) -> str:
+    """The option whose code ran a batch's episodes, with its value ("data.openai_agent=my_agents:run"): what a
+    failed episode's warning and stop message name."""
+    d = cfg.data
+    for option, value in (("data.openai_agent", d.openai_agent), ("data.agent", d.agent), ("data.env", d.env)):
+        if value:
+            return f"{option}={value}"
+    return f"data.tools={','.join(d.tools)}"
+
+
+def _agent_failures(cfg: RelaxConfig, episodes: list[dict], scores: Scores) -> Scores:
+    """Episodes that failed (`data.openai_agent`: the run raised, timed out or made no call; `data.env` /
+    `data.agent`: a step or turn past `data.env_timeout_s`) as failed reward calls: their groups are left out, counted
+    in rollout/reward_errors (time-outs in rollout/reward_timeouts), and the batch's first failure is warned of as
+    data.reward's are (`warn_failed_score`), naming the option. `scores.first_error` (unless a reward call failed
+    first) is that failure, prefixed with the option (`optimizer_steps.FailedRewardSteps` names it when it stops
+    the run)."""
+    first, failed = None, 0
     for i, e in enumerate(episodes):
         if e.get("error") and not scores.failed[i]:
             scores.failed[i], scores.rewards[i] = True, 0.0
             scores.timeouts += e.get("end") == FinishReason.TIMEOUT
-            if scores.first_error is None:
-                scores.first_error = e["error"]
+            failed += 1
+            if first is None:
+                first = e["error"]
+    if first is not None:
+        what = episode_source(cfg)
+        named = first.startswith(f"{what}: ")  # (an episode's time-out names its option itself)
+        warn_failed_score(what, first[len(what) + 2:] if named else first, on=f"{failed} of {len(episodes)} episodes")
+        if scores.first_error is None:
+            scores.first_error = first if named else f"{what}: {first}"
     return scores
 
 
