@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--by", default="arm", help="tag or param to group runs by (default: %(default)s)")
     how.add_argument("--metrics", nargs="+", default=None, metavar="METRIC",
                      help="default: rollout/raw_reward and every eval/* present")
-    how.add_argument("--last-k", type=int, default=10, help="final value = mean of the last K steps (default: 10)")
+    how.add_argument("--last-k", type=int, default=10,
+                     help="final value of a training metric = mean of a run's last K logged values (default: 10)")
+    how.add_argument("--eval-last-k", type=int, default=1, metavar="K",
+                     help="final value of an eval/* metric = mean of a run's last K evaluations (default: 1, the "
+                          "evaluation of the final weights)")
     how.add_argument("--control", help="control arm: paired differences by seed against it")
     how.add_argument("--bootstrap", type=int, default=10_000, metavar="N",
                      help="bootstrap resamples, used from 5 seed pairs on (10000)")
@@ -61,6 +65,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(str(exc))
     if args.last_k < 1:
         parser.error("--last-k must be >= 1")
+    if args.eval_last_k < 1:
+        parser.error(f"--eval-last-k must be >= 1 (the number of last evaluations averaged), got {args.eval_last_k}")
     if args.bootstrap < 1:
         parser.error(f"--bootstrap must be >= 1 (the number of bootstrap resamples), got {args.bootstrap}")
     from relax.tracking.compare import CompareError, compare
@@ -69,7 +75,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         result = compare(uri=args.uri, experiment=args.experiment, sweep=args.sweep, tags=tags,
                          run_ids=args.run_ids, by=args.by, metrics=args.metrics, last_k=args.last_k,
                          control=args.control, n_boot=args.bootstrap, seed=args.seed, band=args.band,
-                         out_dir=args.out, log=not args.no_log, include_unfinished=args.include_unfinished)
+                         out_dir=args.out, log=not args.no_log, include_unfinished=args.include_unfinished,
+                         eval_last_k=args.eval_last_k)
     except CompareError as exc:
         print(f"relax-compare: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT)

@@ -3,8 +3,14 @@
 Layer 2 (tracking): MLflow, numpy and matplotlib only, imported lazily; no Ray, runner or backends.
 `relax-compare` (relax/cli/compare.py) is the command line around `compare`.
 
+Runs: one per (arm, seed), the same for every metric (`choose_runs`: the most recent finished one; a note names the
+others). Evaluation-only runs (train.num_rollout=0) selected with training runs form arms of their own. The params
+that differ between arms are listed, and an arm whose runs differ in more than the seed gets a note.
+
 Statistics, per metric:
-- a run's *final value* is the mean of its last `last_k` logged steps (a single last step is noisy);
+- a run's *final value* is the mean of its last `last_k` logged values (a single step's training reward is noisy);
+  for an eval/* metric, of its last `eval_last_k` evaluations (default 1: the evaluation of the final weights, as
+  an evaluation already averages over its prompts and earlier ones are of earlier weights);
 - per arm: mean and sample standard deviation (ddof=1) of the final values over seeds, and n;
 - against a control arm: differences `arm - control` paired by the `seed` tag (same seed, same data
   order and initial weights, so most seed-to-seed noise cancels), their mean, and a 95% confidence
@@ -12,7 +18,8 @@ Statistics, per metric:
   resamples of the pairs, numpy `default_rng(seed)`, so the interval is reproducible). With 2..4
   pairs a bootstrap can only resample a handful of numbers (its interval is about their range, too
   narrow), so the interval is Student's t: mean +- t_{0.975, n-1} * sd / sqrt(n), the t quantile
-  computed here exactly (no scipy). With one pair there is no interval ("n too small").
+  computed here exactly (no scipy). With one pair there is no interval ("n too small"). A verdict says in words
+  whether the interval leaves out 0; several arms against one control get a note on multiple comparisons.
 Anything that makes a number weak (a metric missing from some runs, one seed, unpaired seeds) becomes a note line,
 never an exception. A selection that can give no number at all is a `CompareError` (exit 2), raised before any file is
 written or logged, so the outputs of an earlier comparison stay: a `--metrics` name that no selected run has (with
@@ -66,6 +73,7 @@ class RunData:
     parent_run_id: Optional[str] = None
     experiment_id: Optional[str] = None
     start_time: int = 0
+    params: dict[str, str] = field(default_factory=dict)  # the run's config, as MLflow params
 
 
 @dataclass
@@ -77,6 +85,7 @@ class ArmStats:
     std: float  # NaN with one seed
     seeds: list[str]
     finals: dict[str, float]  # seed (or run id when untagged) -> final value
+    tails: dict[str, list[int]] = field(default_factory=dict)  # seed -> the steps its final value is the mean of
 
 
 @dataclass
@@ -91,6 +100,17 @@ class PairedDiff:
     seeds: list[str]
     ci_method: str = CI_BOOTSTRAP  # "bootstrap", "t, <dof> dof" or "n too small"
 
+    @property
+    def verdict(self) -> str:
+        """What the interval says, in words: a difference shown only when the 95% CI leaves 0 out."""
+        if math.isnan(self.ci_low) or math.isnan(self.ci_high):
+            return "no interval (one pair): no conclusion"
+        if self.ci_low > 0:
+            return f"CI above 0: {self.arm} higher than {self.control}"
+        if self.ci_high < 0:
+            return f"CI below 0: {self.arm} lower than {self.control}"
+        return "CI contains 0: no difference shown"
+
 
 @dataclass
 class Comparison:
@@ -102,7 +122,13 @@ class Comparison:
     stats: list[ArmStats] = field(default_factory=list)
     diffs: list[PairedDiff] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    runs: list[RunData] = field(default_factory=list)
+    runs: list[RunData] = field(default_factory=list)  # one per (arm, seed): the runs the numbers come from
+    eval_last_k: int = 1
+    config_diff: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # param -> arm -> value(s)
+
+    def k_for(self, metric: str) -> int:
+        """How many last values make a run's final value of `metric`."""
+        return self.eval_last_k if metric.startswith(EVAL_PREFIX) else self.last_k
 
 
 # ---------------------------------------------------------------------- statistics
@@ -236,36 +262,139 @@ def resolve_control(control: Optional[str], arms: Sequence[str]) -> Optional[str
     return same[0] if len(same) == 1 else control
 
 
+EVAL_ONLY_SUFFIX = " (evaluation-only)"
+# params that differ from run to run by design, never a config difference: the seed, where a run resumes from, and
+# tracking.* (run name, sweep and parent ids, the arm label itself)
+RUN_SPECIFIC_PARAMS = ("seed", "train.resume")
+RUN_SPECIFIC_PREFIXES = ("tracking.",)
+NOT_LOGGED = "(not logged)"
+CONFIG_DIFF_SHOWN = 15  # params listed in the "config" section; the rest are counted
+
+
+def _when(run: RunData) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.start_time / 1000)) if run.start_time else "?"
+
+
+def _who(run: RunData) -> str:
+    return f"{run.arm}/seed {run.seed}" if run.seed is not None else f"{run.arm}/run {run.run_id[:8]}"
+
+
+def choose_runs(runs: Sequence[RunData]) -> tuple[list[RunData], list[str]]:
+    """One run per (arm, seed), the same for every metric: the most recently started FINISHED one (the most recent
+    of any status when none finished, with --include-unfinished); a note names the runs left out."""
+    groups: dict[tuple[str, str], list[RunData]] = {}
+    for r in runs:
+        groups.setdefault((r.arm, _seed_key(r)), []).append(r)
+    chosen, notes = [], []
+    for (arm, key), members in groups.items():
+        members.sort(key=lambda r: (r.status == "FINISHED", r.start_time), reverse=True)
+        chosen.append(members[0])
+        if len(members) > 1:
+            used = members[0]
+            which = "most recent finished" if used.status == "FINISHED" else "most recent"
+            notes.append(f"arm {arm}: {len(members)} runs with seed {key}: every metric of that seed comes from the "
+                         f"{which} one, {used.run_id} (started {_when(used)}); left out: "
+                         + ", ".join(f"{m.run_id} ({m.status}, started {_when(m)})" for m in members[1:]))
+    chosen.sort(key=lambda r: r.start_time)
+    return chosen, notes
+
+
+def _short(value: str, limit: int = 40) -> str:
+    return value if len(value) <= limit else value[:limit - 3] + "..."
+
+
+def config_differences(runs: Sequence[RunData]) -> tuple[list[tuple[str, dict[str, str]]], list[str]]:
+    """The params (the runs' configs) that differ between arms, as param -> arm -> its value(s) ("a | b" where the
+    arm's own runs differ, NOT_LOGGED where its runs have no such param), and notes: an arm whose runs differ in more
+    than the seed, params that only some runs of an arm logged (another Relax version). The seed, train.resume and
+    tracking.* are left out: they differ from run to run by design."""
+    logged = [r for r in runs if r.params]
+    if not logged:
+        return [], []
+    keys = sorted(k for k in set().union(*(r.params for r in logged))
+                  if k not in RUN_SPECIFIC_PARAMS and not k.startswith(RUN_SPECIFIC_PREFIXES))
+    notes, partial = [], set()
+    by_arm: dict[str, list[RunData]] = {}
+    for r in logged:
+        by_arm.setdefault(r.arm, []).append(r)
+    shown: dict[str, dict[str, str]] = {}  # param -> arm -> its value(s)
+    for arm, members in sorted(by_arm.items()):
+        members = sorted(members, key=lambda r: _natural(_seed_key(r)))
+        differing = []
+        for k in keys:
+            seen = list(dict.fromkeys(m.params[k] for m in members if k in m.params))
+            absent = sum(k not in m.params for m in members)
+            if 0 < absent < len(members):
+                partial.add(k)
+            shown.setdefault(k, {})[arm] = " | ".join(_short(v) for v in seen) or NOT_LOGGED
+            if len(seen) > 1:
+                differing.append(k)
+        if differing:
+            text = "; ".join(f"{k}: " + ", ".join(f"{_short(m.params[k])} ({_who(m)})" for m in members
+                                                  if k in m.params) for k in differing[:6])
+            more = f"; ... {len(differing) - 6} more" if len(differing) > 6 else ""
+            notes.append(f"arm {arm}: its runs differ in config beyond the seed, so its spread over seeds is not seed "
+                         f"noise alone: {text}{more}")
+    if partial:
+        names = sorted(partial)
+        notes.append(f"{len(names)} param(s) logged by only some runs of an arm (runs of different Relax versions) "
+                     f"are compared where logged: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}")
+    diff = []
+    if len(by_arm) > 1:
+        diff = [(k, shown[k]) for k in keys if len(set(shown[k].values())) > 1]
+    return diff, notes
+
+
+def _control_hint(control: str, arms: Sequence[str]) -> str:
+    """`grpo` for the arm `algorithm=grpo`: the arms one of whose values it is, else the close spellings."""
+    by_value = [a for a in arms if _spelling(control) in (_spelling(p).partition("=")[2] for p in a.split(","))]
+    if by_value:
+        return f" (did you mean {' or '.join(by_value)}?)"
+    return _did_you_mean(control, set(arms))
+
+
 def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optional[str] = None, last_k: int = 10,
-              n_boot: int = 10_000, seed: int = 0) -> Comparison:
-    """Per-arm statistics and paired differences to `control` for each metric; problems become notes."""
+              n_boot: int = 10_000, seed: int = 0, eval_last_k: int = 1) -> Comparison:
+    """Per-arm statistics and paired differences to `control` for each metric; problems become notes.
+
+    The numbers of a seed all come from one run (`choose_runs`). A run's final value of an eval/* metric is the mean
+    of its last `eval_last_k` evaluations (default 1: the final model's), of any other metric the mean of its last
+    `last_k` logged values."""
     arms = sorted({r.arm for r in runs})
     control = resolve_control(control, arms)
     if control is not None and control not in arms:
-        raise CompareError(f"control arm {control!r} is not among the arms: {', '.join(arms) or '(no runs)'}")
-    comp = Comparison(list(metrics), arms, control, last_k, n_boot, runs=list(runs))
+        raise CompareError(f"control arm {control!r} is not among the arms: {', '.join(arms) or '(no runs)'}"
+                           f"{_control_hint(control, arms)}")
+    chosen, dupe_notes = choose_runs(runs)
+    comp = Comparison(list(metrics), arms, control, last_k, n_boot, runs=chosen, eval_last_k=eval_last_k)
+    comp.notes += dupe_notes
+    comp.config_diff, config_notes = config_differences(chosen)
+    comp.notes += config_notes
     by_arm: dict[str, list[RunData]] = {a: [] for a in arms}
-    for r in sorted(runs, key=lambda r: r.start_time):
+    for r in chosen:
         by_arm[r.arm].append(r)
     for arm, members in by_arm.items():
-        seeds = [r.seed for r in members]
-        if any(s is None for s in seeds):
-            comp.notes.append(f"arm {arm}: {sum(s is None for s in seeds)} run(s) without a seed tag: "
+        seedless = sum(r.seed is None for r in members)
+        if seedless:
+            comp.notes.append(f"arm {arm}: {seedless} run(s) without a seed tag: "
                               "kept in the arm's statistics, left out of paired differences")
-        dupes = sorted({s for s in seeds if s is not None and seeds.count(s) > 1})
-        if dupes:
-            comp.notes.append(f"arm {arm}: several runs with seed {', '.join(dupes)}: the most recent one is used")
     for metric in metrics:
+        k = comp.k_for(metric)
         finals_by_arm: dict[str, dict[str, float]] = {}
+        last_steps: dict[int, list[str]] = {}
         for arm in arms:
             finals: dict[str, float] = {}
+            tails: dict[str, list[int]] = {}
             missing = []
             for r in by_arm[arm]:
-                value = final_value(r.history.get(metric, []), last_k)
+                history = [(s, v) for s, v in r.history.get(metric, []) if v is not None and math.isfinite(v)]
+                value = final_value(history, k)
                 if math.isnan(value):
                     missing.append(_seed_key(r))
                     continue
-                finals[_seed_key(r)] = value  # later runs (same seed) replace earlier ones
+                finals[_seed_key(r)] = value
+                tails[_seed_key(r)] = [s for s, _ in sorted(history)[-k:]]
+                last_steps.setdefault(tails[_seed_key(r)][-1], []).append(_who(r))
             if missing:
                 comp.notes.append(f"{metric}: arm {arm} has no values for seed(s) "
                                   f"{', '.join(sorted(missing, key=_natural))}")
@@ -275,7 +404,13 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                 comp.notes.append(f"{metric}: arm {arm} has a single seed: no spread, and any difference is anecdotal")
             if finals:
                 comp.stats.append(ArmStats(metric, arm, len(finals), mean, std, sorted(finals, key=_natural),
-                                           finals))
+                                           finals, tails))
+        if len(last_steps) > 1:
+            where = "; ".join(f"step {s}: " + (", ".join(who[:4]) + (f" and {len(who) - 4} more" if len(who) > 4
+                                                                       else ""))
+                              for s, who in sorted(last_steps.items()))
+            comp.notes.append(f"{metric}: the runs' last values are at different steps ({where}): their final values "
+                              "are not of the same point in training")
         if control is None:
             continue
         base = finals_by_arm.get(control, {})
@@ -306,6 +441,14 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                 comp.notes.append(f"{metric}: {arm} vs {control} has one pair: n too small for an interval")
             comp.diffs.append(PairedDiff(metric, arm, control, len(diffs), sum(diffs) / len(diffs), lo, hi, common,
                                          how))
+    compared = sorted({d.arm for d in comp.diffs if not math.isnan(d.ci_low)})
+    if len(compared) > 1:
+        k = len(compared)
+        comp.notes.append(f"{k} arms are each compared with the control {control}: each 95% interval holds on its own, "
+                          f"so that one of them leaves out 0 by chance alone is likelier than 5% (up to "
+                          f"{1 - 0.95 ** k:.0%} for {k} independent comparisons, more with several metrics): confirm "
+                          f"the best-looking arm with new seeds before claiming it (a Bonferroni correction would "
+                          f"read each at {1 - 0.05 / k:.1%} instead of 95%)")
     return comp
 
 
@@ -347,8 +490,7 @@ def select_runs(client: MlflowClient, *, experiment: Optional[str] = None, sweep
     arms; runs that did not finish are left out (see `load_runs`).
     """
     if run_ids:
-        runs = [client.get_run(r) for r in run_ids]
-        return runs, f"runs {', '.join(run_ids)}", None
+        return _runs_by_id(client, run_ids), f"runs {', '.join(run_ids)}", None
     exp_ids = _experiment_ids(client, experiment)
     if not exp_ids:
         raise CompareError("the tracking store has no experiments")
@@ -383,8 +525,29 @@ def select_runs(client: MlflowClient, *, experiment: Optional[str] = None, sweep
     return runs, " and ".join(parts), sweep
 
 
-def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str]) -> str:
-    """For a sweep whose runs were all resumed by a later sweep (they moved to its parent run): which one."""
+def _runs_by_id(client: MlflowClient, run_ids: Sequence[str]) -> list[Any]:
+    """The runs `run_ids` names; every id the store does not hold is named in one CompareError."""
+    from mlflow.exceptions import MlflowException
+
+    runs, unknown = [], []
+    for run_id in run_ids:
+        try:
+            runs.append(client.get_run(run_id))
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            unknown.append(run_id)
+    if unknown:
+        short = [r for r in unknown if len(r) != 32]
+        hint = (f" (an MLflow run id has 32 hex characters; {', '.join(short)} "
+                f"{'has' if len(short) == 1 else 'have'} {', '.join(str(len(r)) for r in short)})" if short else "")
+        raise CompareError(f"no run {', '.join(unknown)} in {client.tracking_uri}{hint}")
+    return runs
+
+
+def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str], some: bool = False) -> str:
+    """For a sweep whose runs were resumed by a later sweep (they moved to its parent run): which one. `some`: the
+    sweep still has runs (e.g. a crashed job's, which the later sweep restarted in a new run)."""
     if sweep is None:
         return ""
     moved = client.search_runs(list(exp_ids), filter_string=f"tags.`{PREVIOUS_SWEEP_TAG}` = {_quote(sweep)}",
@@ -392,7 +555,8 @@ def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[
     later = sorted({r.data.tags.get(TAG_SWEEP_ID) for r in moved} - {None, sweep})
     if not later:
         return ""
-    return (f": its runs were resumed by sweep {', '.join(later)} (relax-train -m ... train.resume=...), which they "
+    return (f": {'some of its' if some else 'its'} runs were resumed by sweep {', '.join(later)} "
+            "(relax-train -m ... train.resume=...), which they "
             f"belong to now; compare them with --sweep {later[-1]}")
 
 
@@ -457,17 +621,29 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
         raise CompareError(f"--by {by}: none of the {len(kept)} selected runs has a tag or param {by!r} "
                            f"({_keys_they_have(kept, by)})")
     out = []
+    # an evaluation of saved weights (train.num_rollout=0) tagged with a training arm and seed is not another run of
+    # that seed: next to training runs, such runs form an arm of their own
+    eval_only = {r.info.run_id for r in kept if r.data.params.get("train.num_rollout") == "0"}
+    split = bool(eval_only) and len(eval_only) < len(kept)
+    if split:
+        notes.append(f"{len(eval_only)} evaluation-only run(s) (train.num_rollout=0) are an arm of their own, "
+                     f"'<arm>{EVAL_ONLY_SUFFIX}', not seeds of the training runs' arm: "
+                     + ", ".join(f"{r.info.run_id} ({by}={_group_value(r, by)}, seed {r.data.tags.get(TAG_SEED)})"
+                                 for r in kept if r.info.run_id in eval_only))
     for r in kept:
         arm = _group_value(r, by)
         if arm is None:
             notes.append(f"run {r.info.run_id} has no tag or param {by!r}: grouped as {NO_VALUE}")
             arm = NO_VALUE
+        if split and r.info.run_id in eval_only:
+            arm += EVAL_ONLY_SUFFIX
         history = {}
         for m in metrics:
             if m in r.data.metrics:
                 history[m] = sorted((h.step, h.value) for h in client.get_metric_history(r.info.run_id, m))
         out.append(RunData(r.info.run_id, arm, r.data.tags.get(TAG_SEED), history, r.info.status,
-                           r.data.tags.get(PARENT_RUN_ID_TAG), r.info.experiment_id, r.info.start_time or 0))
+                           r.data.tags.get(PARENT_RUN_ID_TAG), r.info.experiment_id, r.info.start_time or 0,
+                           dict(r.data.params)))
     notes += _eval_step_notes(kept, metrics, by)
     return out, list(metrics), notes
 
@@ -503,13 +679,62 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *(fmt.format(*r).rstrip() for r in rows)]
 
 
+def _steps_text(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}..{steps[-1]}"
+
+
+def describe_final(metric: str, k: int, tails: Sequence[Sequence[int]]) -> str:
+    """What a run's final value of `metric` is, with how many values went in and at which steps (`tails`: each
+    run's steps that were averaged)."""
+    what = "evaluation" if metric.startswith(EVAL_PREFIX) else "value"
+    option = "--eval-last-k" if what == "evaluation" else "--last-k"
+    distinct = sorted({tuple(t) for t in tails})
+    if not distinct:
+        return f"final value = mean of each run's last {k} {what}s ({option} {k})"
+    if len(distinct) == 1:
+        steps = list(distinct[0])
+        if len(steps) == 1:
+            return f"final value = each run's last {what} (step {steps[0]}; {option} {k})"
+        fewer = ", all there are" if len(steps) < k else ""
+        return f"final value = mean of each run's last {len(steps)} {what}s (steps {_steps_text(steps)}{fewer}; " \
+               f"{option} {k})"
+    counts = sorted({len(t) for t in distinct})
+    lasts = ", ".join(map(str, sorted({t[-1] for t in distinct})))
+    if counts == [1]:
+        return f"final value = each run's last {what} ({option} {k}; the runs' last steps differ: {lasts})"
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    return f"final value = mean of each run's last {n} {what}s ({option} {k}; the runs' last steps differ: {lasts})"
+
+
+def _merged_notes(notes: Sequence[str], metrics: Sequence[str]) -> list[str]:
+    """The notes, those that say the same of several metrics (`<metric>: <text>`) written once with all of them."""
+    merged: dict[str, list[str]] = {}  # text -> metrics (an empty list: a note about no metric)
+    for note in notes:
+        metric = next((m for m in metrics if note.startswith(m + ": ")), None)
+        text = note[len(metric) + 2:] if metric else note
+        merged.setdefault(text, [])
+        if metric:
+            merged[text].append(metric)
+    return [f"{', '.join(ms)}: {text}" if ms else text for text, ms in merged.items()]
+
+
 def render(comp: Comparison, *, title: str = "") -> str:
     """The terminal report: one table per metric (arms), the paired differences, then the notes."""
     lines = [title] if title else []
+    if comp.config_diff:
+        lines.append("")
+        lines.append(f"config: the arms differ in {len(comp.config_diff)} param(s) (seed, train.resume and tracking.* "
+                     "left out)")
+        rows = [(k, *(per_arm.get(a, "-") for a in comp.arms)) for k, per_arm in comp.config_diff[:CONFIG_DIFF_SHOWN]]
+        lines += ["  " + x for x in _table(("param", *comp.arms), rows)]
+        if len(comp.config_diff) > CONFIG_DIFF_SHOWN:
+            lines.append(f"  ... {len(comp.config_diff) - CONFIG_DIFF_SHOWN} more: "
+                         + ", ".join(k for k, _ in comp.config_diff[CONFIG_DIFF_SHOWN:]))
     for metric in comp.metrics:
         stats = [s for s in comp.stats if s.metric == metric]
         lines.append("")
-        lines.append(f"{metric}: final value = mean of the last {comp.last_k} steps; mean and std over seeds")
+        tails = [t for s in stats for t in s.tails.values()]
+        lines.append(f"{metric}: {describe_final(metric, comp.k_for(metric), tails)}; mean and std over seeds")
         rows = [(s.arm + (" (control)" if s.arm == comp.control else ""), str(s.n), _fmt(s.mean), _fmt(s.std),
                  ",".join(s.seeds)) for s in stats]
         lines += ["  " + x for x in _table(("arm", "n seeds", "mean", "std", "seeds"), rows)] if rows else \
@@ -523,9 +748,10 @@ def render(comp: Comparison, *, title: str = "") -> str:
                      d.ci_method, ",".join(d.seeds)) for d in diffs]
             lines += ["  " + x for x in _table(("arm", "n pairs", "diff", "ci low", "ci high", "interval", "seeds"),
                                                rows)]
+            lines += [f"  verdict for {d.arm}: {d.verdict}" for d in diffs]
     if comp.notes:
         lines.append("")
-        lines += [f"note: {n}" for n in comp.notes]
+        lines += [f"note: {n}" for n in _merged_notes(comp.notes, comp.metrics)]
     return "\n".join(lines)
 
 
@@ -534,21 +760,25 @@ def _csv_num(x: float) -> str:
 
 
 def write_csv(comp: Comparison, path: Path) -> Path:
-    """One row per (metric, arm): n, mean, std, seeds, per-seed finals, and the paired difference to the control."""
+    """One row per (metric, arm): n, mean, std, seeds, per-seed finals, the number of last values each is the mean
+    of (`last_k`) and their steps per seed (`final_steps`), and the paired difference to the control with its
+    verdict."""
     path.parent.mkdir(parents=True, exist_ok=True)
     diffs = {(d.metric, d.arm): d for d in comp.diffs}
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["metric", "arm", "is_control", "n_seeds", "mean", "std", "seeds", "finals", "last_k",
-                    "control", "n_pairs", "diff_mean", "diff_ci_low", "diff_ci_high", "diff_ci_method"])
+                    "control", "n_pairs", "diff_mean", "diff_ci_low", "diff_ci_high", "diff_ci_method", "verdict",
+                    "final_steps"])
         for s in comp.stats:
             d = diffs.get((s.metric, s.arm))
             finals = ";".join(f"{k}={s.finals[k]:.6g}" for k in s.seeds)
+            steps = ";".join(f"{k}={_steps_text(s.tails[k])}" for k in s.seeds if k in s.tails)
             w.writerow([s.metric, s.arm, s.arm == comp.control, s.n, f"{s.mean:.6g}",
-                        "" if math.isnan(s.std) else f"{s.std:.6g}", ";".join(s.seeds), finals, comp.last_k,
+                        "" if math.isnan(s.std) else f"{s.std:.6g}", ";".join(s.seeds), finals, comp.k_for(s.metric),
                         comp.control or "", d.n_pairs if d else "", f"{d.mean:.6g}" if d else "",
                         _csv_num(d.ci_low) if d else "", _csv_num(d.ci_high) if d else "",
-                        d.ci_method if d else ""])
+                        d.ci_method if d else "", d.verdict if d else "", steps])
     return path
 
 
@@ -633,7 +863,8 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
             tags: Mapping[str, str] = {}, run_ids: Sequence[str] = (),  # noqa: B006
             by: str = TAG_ARM, metrics: Optional[Sequence[str]] = None, last_k: int = 10,
             control: Optional[str] = None, n_boot: int = 10_000, seed: int = 0, band: str = "minmax",
-            out_dir: Optional[Path] = None, log: bool = True, include_unfinished: bool = False) -> CompareResult:
+            out_dir: Optional[Path] = None, log: bool = True, include_unfinished: bool = False,
+            eval_last_k: int = 1) -> CompareResult:
     """Select runs, compute the statistics, write the CSV and PNG, log them to MLflow; returns what it did."""
     import os
     import warnings
@@ -654,9 +885,11 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
             raise
         raw, description, sweep = select_runs(client, experiment=experiment, sweep=sweep, tags=tags, run_ids=run_ids)
     runs, metric_list, notes = load_runs(client, raw, by=by, metrics=metrics, include_unfinished=include_unfinished)
-    if not runs:
-        raise CompareError(f"no finished runs in {description}")
-    comp = summarize(runs, metric_list, control=control, last_k=last_k, n_boot=n_boot, seed=seed)
+    if not runs:  # why, run by run (their statuses, --include-unfinished), and where a continued sweep's runs went
+        moved = _continued_by(client, _experiment_ids(client, experiment), sweep, some=True)
+        raise CompareError(f"no finished runs in {description}{moved}" + "".join(f"\n  {n}" for n in notes))
+    comp = summarize(runs, metric_list, control=control, last_k=last_k, n_boot=n_boot, seed=seed,
+                     eval_last_k=eval_last_k)
     comp.notes[:0] = notes
     if not comp.stats:  # nothing to write: the outputs of an earlier comparison stay as they are
         raise CompareError(f"no finite values of {', '.join(metric_list)} in the {len(runs)} selected runs of "

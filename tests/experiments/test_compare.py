@@ -15,6 +15,7 @@ from relax.tracking.compare import (
     final_value,
     mean_std,
     paired_interval,
+    render,
     t_interval,
     t_quantile,
     t_two_sided_probability,
@@ -179,6 +180,10 @@ def test_cli_prints_tables_and_notes(store, tmp_path, capsys):
     assert re.search(r"^  B\s+3\s+\+2\.3333\s+\+0\.8991\s+\+3\.7676\s+t, 2 dof\s+1,2,3$", out, re.M), out
     assert re.search(r"^  C\s+1\s+-1\.0000\s+-\s+-\s+n too small\s+1$", out, re.M), out
     assert "Student t with n-1 dof below 5 pairs" in out
+    assert "  verdict for B: CI above 0: B higher than A\n  verdict for C: no interval (one pair): no conclusion" in out
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--uri", uri, "--eval-last-k", "0"])
+    assert exc.value.code == 2 and "--eval-last-k must be >= 1" in capsys.readouterr().err
 
 
 def test_selection_errors_are_messages(store, tmp_path, capsys):
@@ -283,3 +288,166 @@ def test_runs_that_logged_evaluations_a_step_early_are_named(tmp_path, fresh_sto
     # the controls: runs of one convention, or no eval/* metric compared
     assert not [n for n in load_runs(client, [new, made("3", EVAL_STEP_WEIGHTS, 1)])[2] if EVAL_STEP_TAG in n]
     assert not [n for n in load_runs(client, [new, older], metrics=["rollout/raw_reward"])[2] if EVAL_STEP_TAG in n]
+
+
+def test_an_unknown_run_id_is_an_error_naming_it(store, tmp_path, capsys):
+    """--run-ids with an id the store does not hold exits 2 naming it (no MLflow traceback); known ids compare."""
+    from mlflow import MlflowClient
+
+    _, uri, _ = store
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--uri", uri, "--run-ids", "deadbeef", "--no-log", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith(f"relax-compare: error: no run deadbeef in {uri} (an MLflow run id has 32 hex characters; "
+                          "deadbeef has 8)"), err
+    assert "Traceback" not in err and "MlflowException" not in err
+    client = MlflowClient(tracking_uri=uri)
+    known = [r.info.run_id for r in client.search_runs([client.get_experiment_by_name("cmp").experiment_id],
+                                                        filter_string="tags.arm = 'A'")]
+    with pytest.raises(CompareError, match=f"^no run {'f' * 32} in "):  # among known ids: the unknown one is named
+        compare(uri=uri, run_ids=[*known, "f" * 32], out_dir=tmp_path, log=False)
+    r = compare(uri=uri, run_ids=known, last_k=2, out_dir=tmp_path, log=False, metrics=["rollout/raw_reward"])
+    assert r.comparison.stats[0].mean == 3.0  # the control: arm A's finals 2, 3, 4
+
+
+def _runs_store(tmp_path, fresh_store, runs):
+    """A store with one experiment 'e' holding `runs`: (tags, params, {metric: [(step, value)]}, status), started
+    1 s apart in that order; returns its URI and the run ids."""
+    from mlflow import MlflowClient
+
+    fresh_store(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("e", artifact_location=str(tmp_path / "artifacts"))
+    t0 = int(time.time() * 1000) - 100_000
+    ids = []
+    for i, (tags, params, metrics, status) in enumerate(runs):
+        run = client.create_run(exp, tags=tags, start_time=t0 + 1000 * i)
+        for k, v in params.items():
+            client.log_param(run.info.run_id, k, v)
+        for metric, points in metrics.items():
+            for step, value in points:
+                client.log_metric(run.info.run_id, metric, value, step=step)
+        client.set_terminated(run.info.run_id, status)
+        ids.append(run.info.run_id)
+    return uri, ids
+
+
+R, E = "rollout/raw_reward", "eval/digits/mean_at_1"
+
+
+def test_one_run_per_seed_for_every_metric_and_config_differences(tmp_path, fresh_store):
+    """Two finished runs of arm a, seed 1: every metric of seed 1 comes from the newer one, even one it lacks (the
+    older run's reward is not used, and the note that seed 1 has no reward agrees with the table); a newer KILLED run
+    kept by --include-unfinished does not replace a finished one. Runs of one arm that differ in config beyond the
+    seed get a note; the params that differ between arms are listed, the seed and tracking.* are not."""
+    base = {"algorithm.name": "grpo", "train.num_rollout": "4", "seed": "1", "tracking.run_name": "x"}
+    uri, ids = _runs_store(tmp_path, fresh_store, [
+        ({"arm": "a", "seed": "1"}, base, {R: [(0, 0.1), (1, 0.4)], E: [(2, 0.3)]}, "FINISHED"),  # older seed 1
+        ({"arm": "a", "seed": "2"}, {**base, "seed": "2", "train.num_rollout": "6", "tracking.run_name": "y"},
+         {R: [(0, 0.2), (1, 0.6)], E: [(2, 0.5)]}, "FINISHED"),
+        ({"arm": "a", "seed": "1"}, base, {E: [(2, 0.9)]}, "FINISHED"),  # newer seed 1: no reward logged
+        ({"arm": "b", "seed": "1"}, {**base, "algorithm.name": "rloo"}, {R: [(1, 0.5)], E: [(2, 0.4)]}, "FINISHED"),
+        ({"arm": "a", "seed": "2"}, {**base, "seed": "2"}, {R: [(1, 9.0)], E: [(2, 9.0)]}, "KILLED"),  # newest
+    ])
+    comp = compare(uri=uri, experiment="e", last_k=1, out_dir=tmp_path / "out", log=False,
+                   include_unfinished=True).comparison
+    stats = {(s.metric, s.arm): s for s in comp.stats}
+    assert stats[(R, "a")].finals == {"2": 0.6}  # not seed 1's older 0.4, not the KILLED run's 9.0
+    assert stats[(E, "a")].finals == {"1": 0.9, "2": 0.5}
+    assert {r.run_id for r in comp.runs} == {ids[1], ids[2], ids[3]}  # the curves too
+    notes = "\n".join(comp.notes)
+    assert f"arm a: 2 runs with seed 1: every metric of that seed comes from the most recent finished one, {ids[2]}" \
+           in notes and f"left out: {ids[0]} (FINISHED" in notes
+    assert f"arm a: 2 runs with seed 2: every metric of that seed comes from the most recent finished one, {ids[1]}" \
+           in notes and f"left out: {ids[4]} (KILLED" in notes
+    assert f"{R}: arm a has no values for seed(s) 1" in notes
+    assert "arm a: its runs differ in config beyond the seed, so its spread over seeds is not seed noise alone: " \
+           "train.num_rollout: 4 (a/seed 1), 6 (a/seed 2)" in notes
+    assert comp.config_diff == [("algorithm.name", {"a": "grpo", "b": "rloo"}),
+                                ("train.num_rollout", {"a": "4 | 6", "b": "4"})]
+    text = render(comp)
+    assert re.search(r"^config: the arms differ in 2 param\(s\)", text, re.M)
+    assert re.search(r"^  algorithm\.name\s+grpo\s+rloo$", text, re.M), text
+    rows = list(csv.DictReader(open(tmp_path / "out" / "compare.csv")))
+    assert [(x["metric"], x["arm"], x["finals"]) for x in rows if x["arm"] == "a"] == [(R, "a", "2=0.6"),
+                                                                                      (E, "a", "1=0.9;2=0.5")]
+
+
+def test_evaluation_only_runs_are_an_arm_of_their_own(tmp_path, fresh_store):
+    """An evaluation-only run (train.num_rollout=0) tagged with a training arm and seed is not that seed's run: next
+    to training runs it forms the arm '<arm> (evaluation-only)'; among evaluation-only runs alone, arms are as
+    tagged."""
+    train, ev = {"train.num_rollout": "4", "model.source": "config"}, {"train.num_rollout": "0", "model.source": "hf"}
+    uri, ids = _runs_store(tmp_path, fresh_store, [
+        ({"arm": "grpo", "seed": "1"}, train, {R: [(3, 0.4)], E: [(4, 0.5)]}, "FINISHED"),
+        ({"arm": "grpo", "seed": "1"}, ev, {E: [(0, 0.7)]}, "FINISHED"),
+    ])
+    comp = compare(uri=uri, experiment="e", out_dir=tmp_path / "o", log=False).comparison
+    assert comp.arms == ["grpo", "grpo (evaluation-only)"]
+    stats = {(s.metric, s.arm): s.finals for s in comp.stats}
+    assert stats == {(R, "grpo"): {"1": 0.4}, (E, "grpo"): {"1": 0.5}, (E, "grpo (evaluation-only)"): {"1": 0.7}}
+    assert any(n.startswith("1 evaluation-only run(s) (train.num_rollout=0) are an arm of their own") and ids[1] in n
+               for n in comp.notes)
+    assert ("model.source", {"grpo": "config", "grpo (evaluation-only)": "hf"}) in comp.config_diff
+    only = compare(uri=uri, run_ids=[ids[1]], out_dir=tmp_path / "o", log=False).comparison  # the control
+    assert only.arms == ["grpo"]
+
+
+def test_eval_final_is_the_last_evaluation_with_verdicts(tmp_path, fresh_store, capsys):
+    """An eval/* metric's final value is the last evaluation by default (--eval-last-k K: the mean of the last K), a
+    training metric's the mean of the last --last-k values; the header says how many values at which steps. Each
+    paired difference gets a verdict; two arms against one control get the multiple-comparisons note."""
+    def runs(arm, seed, reward, evals):
+        return ({"arm": arm, "seed": seed}, {},
+                {R: list(enumerate(reward)), E: list(zip((10, 20, 30), evals, strict=True))}, "FINISHED")
+
+    uri, _ = _runs_store(tmp_path, fresh_store, [
+        runs("c", "1", [0.0] * 30, [0.1, 0.2, 0.3]), runs("c", "2", [0.0] * 30, [0.1, 0.2, 0.5]),
+        runs("x", "1", [1.0] * 30, [0.1, 0.2, 0.6]), runs("x", "2", [1.0] * 30, [0.1, 0.2, 0.7]),
+        runs("y", "1", [0.0] * 29 + [1.0], [0.9, 0.9, 0.1]), runs("y", "2", [0.0] * 29 + [-1.0], [0.9, 0.9, 0.7]),
+    ])
+    compare_main(["--uri", uri, "--experiment", "e", "--control", "c", "--out", str(tmp_path / "o"), "--no-log"])
+    out = capsys.readouterr().out
+    assert f"{E}: final value = each run's last evaluation (step 30; --eval-last-k 1); mean and std" in out
+    assert f"{R}: final value = mean of each run's last 10 values (steps 20..29; --last-k 10); mean and std" in out
+    # last evaluations: c 0.3, 0.5 (mean 0.4); x 0.6, 0.7: differences 0.3, 0.2, mean 0.25, sd 0.0707, t(1 dof) CI
+    # 0.25 +- 12.706 * 0.05 = [-0.385, 0.885]: contains 0. Rewards: x - c = 1 for both seeds (sd 0): CI [1, 1]
+    assert re.search(r"^  x\s+2\s+\+0\.2500\s+-0\.3853\s+\+0\.8853\s+t, 1 dof\s+1,2$", out, re.M), out
+    assert "  verdict for x: CI contains 0: no difference shown" in out
+    assert "  verdict for x: CI above 0: x higher than c" in out
+    assert "  verdict for y: CI contains 0: no difference shown" in out
+    assert "note: 2 arms are each compared with the control c: each 95% interval holds on its own" in out
+    assert "(a Bonferroni correction would read each at 97.5% instead of 95%)" in out
+    # the mean of the last 3 evaluations: c (0.2, 0.2667), x (0.3, 0.3333)
+    comp = compare(uri=uri, experiment="e", control="c", eval_last_k=3, out_dir=tmp_path / "o", log=False).comparison
+    x = next(s for s in comp.stats if s.metric == E and s.arm == "x")
+    assert x.finals == pytest.approx({"1": 0.3, "2": 1 / 3}) and x.tails == {"1": [10, 20, 30], "2": [10, 20, 30]}
+    assert "mean of each run's last 3 evaluations (steps 10, 20, 30; --eval-last-k 3)" in render(comp)
+
+
+def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path, fresh_store):
+    """--sweep <old id> whose finished runs a later sweep took over, and whose crashed job's run stayed KILLED: the
+    error names the later sweep and the KILLED run with the --include-unfinished hint. --control grpo when the arm
+    is algorithm=grpo: 'did you mean'."""
+    from relax.tracking.mlflow_run import PREVIOUS_SWEEP_TAG
+
+    uri, ids = _runs_store(tmp_path, fresh_store, [
+        ({"arm": "algorithm=grpo", "seed": "1", "sweep_id": "OLD"}, {}, {R: [(0, 0.1)]}, "KILLED"),
+        ({"arm": "algorithm=grpo", "seed": "2", "sweep_id": "NEW", PREVIOUS_SWEEP_TAG: "OLD"}, {}, {R: [(0, 0.2)]},
+         "FINISHED"),
+        ({"arm": "algorithm=rloo", "seed": "2", "sweep_id": "NEW"}, {}, {R: [(0, 0.3)]}, "FINISHED"),
+    ])
+    with pytest.raises(CompareError) as exc:
+        compare(uri=uri, sweep="OLD", out_dir=tmp_path, log=False)
+    assert str(exc.value) == (
+        "no finished runs in sweep OLD: some of its runs were resumed by sweep NEW (relax-train -m ... "
+        "train.resume=...), which they belong to now; compare them with --sweep NEW\n"
+        f"  run {ids[0]} (arm=algorithm=grpo, seed 1) is KILLED: left out (--include-unfinished keeps it)")
+    kept = compare(uri=uri, sweep="OLD", include_unfinished=True, out_dir=tmp_path, log=False)  # as the hint says
+    assert [r.run_id for r in kept.comparison.runs] == [ids[0]]
+    with pytest.raises(CompareError, match=r"control arm 'grpo' is not among the arms: algorithm=grpo, "
+                                           r"algorithm=rloo \(did you mean algorithm=grpo\?\)$"):
+        compare(uri=uri, sweep="NEW", control="grpo", out_dir=tmp_path, log=False)
+    assert compare(uri=uri, sweep="NEW", control="algorithm=grpo", out_dir=tmp_path, log=False).comparison.diffs
