@@ -144,8 +144,10 @@ def test_bad_or_conflicting_grammars_are_a_400(server, sp, word):
     assert r.status_code == 400 and word in r.text
 
 
-def test_a_forced_call_with_response_format_or_an_unknown_name_is_a_400(client):
-    for kw in (dict(tool_choice="required", response_format={"type": "json_object"}),
+def test_a_forced_call_with_a_whole_answer_grammar_or_an_unknown_name_is_a_400(client):
+    """SGLang's regex constrains the whole answer, as a forced call does (a response_format does not: it governs a
+    content answer, and the forced call wins; tests/openai/test_tools_with_format.py)."""
+    for kw in (dict(tool_choice="required", extra_body={"regex": "a+"}),
                dict(tool_choice={"type": "function", "function": {"name": "nope"}})):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=5, **kw)

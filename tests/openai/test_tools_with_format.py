@@ -222,6 +222,43 @@ def test_an_openai_agents_agent_with_tools_and_an_output_type_calls_its_tool(gua
     assert ran == ["6 * 7", "6 * 7"]
 
 
+def test_an_agent_with_an_output_type_and_tool_choice_required_gets_the_forced_call(guarded, grammars):
+    """openai-agents' `ModelSettings(tool_choice="required")` with an `output_type` sends a forced call and a format
+    together (the reviewer's repro; OpenAI accepts it): the forced call is the answer (the grammar sent is the call's,
+    which refuses the format's JSON), then the SDK resets tool_choice to auto and the answer is the JSON. Negative
+    control: before, the first call was a 400 ("both constrain the answer")."""
+    agents = pytest.importorskip("agents")
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        value: int
+
+    ran = []
+
+    @agents.function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an expression."""
+        ran.append(expression)
+        return "42"
+
+    agents.set_tracing_disabled(True)
+    eos = sorted(family_tokenizer("qwen3").convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    for model_class in (agents.OpenAIChatCompletionsModel, agents.OpenAIResponsesModel):
+        script, client = guarded("qwen3", [FAMILIES["qwen3"].tool_call, JSON])
+        async_client = __import__("openai").AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key,
+                                                        max_retries=0)
+        agent = agents.Agent(name="a", instructions="Use the calculator.", tools=[calculator], output_type=Answer,
+                             model=model_class("policy", async_client),
+                             model_settings=agents.ModelSettings(tool_choice="required"))
+        result = asyncio.run(agents.Runner.run(agent, "What is 6 * 7?"))
+        assert result.final_output == Answer(value=42)
+        assert script.refused == [None, None]
+        first = spec_of(script.calls[0][0]["sampling_params"])
+        m = grammars("qwen3").matcher(first, eos)
+        assert not all(m.accept(t) for t in script.fmt.encode(JSON)), "the forced call's grammar takes the JSON"
+    assert ran == ["6 * 7", "6 * 7"]
+
+
 # ------------------------------------------------------------------------------------------------ the grammar
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -232,6 +269,7 @@ CALL = {  # one call of `weather` in each format, as its parser reads it
     "deepseek_v3": FAMILIES["deepseek_v3"].tool_call.replace("calculator", "weather").replace(
         '"expression": "6 * 7"', '"city": "Paris"'),
     "llama3_json": '{"name": "weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]',
 }
 
 

@@ -118,7 +118,7 @@ FIELDS: dict[str, Rule] = {
     "custom_params": Rule(NEUTRAL_ONLY, _ENGINE_LACKS, neutral=({},)),
     "response_format": Rule(HONOURED, "text, json_object or json_schema (constrained decoding; the schema followed "
                                       "whether strict or not; with tools and tool_choice auto: tool calls or the "
-                                      "format's content)"),
+                                      "format's content; with a forced call: the call, the format unused)"),
     "regex": Rule(HONOURED, f"{_SGL}: constrained decoding (one of regex, json_schema, ebnf, response_format)"),
     "json_schema": Rule(HONOURED, f"{_SGL}: constrained decoding, the schema as a JSON string"),
     "ebnf": Rule(HONOURED, f"{_SGL}: constrained decoding, xgrammar's EBNF (root rule root)"),
@@ -391,8 +391,12 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     elif choice not in (None, "auto", "none"):
         raise _bad("tool_choice", f'{choice!r}: expected "auto", "none", "required" or {{"type": "function", '
                                   '"function": {"name": ...}}')
-    if p.tool_choice is not None and p.grammar is not None:
-        raise _bad("tool_choice", "a forced call and response_format (or regex, json_schema, ebnf) both constrain the "
+    formatted = isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text"
+    if p.tool_choice is not None and p.grammar is not None and not formatted:
+        # SGLang's regex, json_schema, ebnf constrain the whole answer, which a forced call constrains too. A
+        # response_format governs a content answer, which a forced call's answer cannot be: the call is the answer
+        # (OpenAI's reading; openai-agents sends both: an output_type with tool_choice "required")
+        raise _bad("tool_choice", "a forced call and SGLang's regex, json_schema or ebnf both constrain the whole "
                                   "answer: give one")
     p.tools = tools if tools and choice != "none" else None
     parallel = body.get("parallel_tool_calls")
