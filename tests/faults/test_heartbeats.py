@@ -4,6 +4,7 @@ on a real Ray): what counts as hung, and what does not."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import types
 
@@ -87,39 +88,65 @@ def test_a_checkpoint_call_that_keeps_beating_but_never_finishes_fails_at_its_de
     assert info.value.process == "actor" and 600 < clock[0] <= 605
 
 
-def test_the_board_ages_heartbeats_and_progress_on_its_own_clock():
+def test_the_board_ages_heartbeats_and_progress_on_its_own_clock(monkeypatch):
+    """On a clock the test moves (the ages exact; real sleeps made them depend on how busy the machine was)."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     board = HeartbeatBoard()
     board.beat("actor", pid=10, count=5, tokens=0)
-    time.sleep(0.2)
+    clock[0] += 0.2
     board.beat("actor", pid=10, count=5, tokens=0)  # alive, no progress
+    clock[0] += 0.05
     a = board.snapshot()["actor"]
-    assert a.beat_age_s < 0.1 and a.progress_age_s >= 0.2
+    assert a.beat_age_s == pytest.approx(0.05) and a.progress_age_s == pytest.approx(0.25)
     board.beat("actor", pid=10, count=6, tokens=3)  # progress
+    clock[0] += 0.05
     a = board.snapshot()["actor"]
-    assert a.progress_age_s < 0.1 and a.progress == 6 and a.tokens == 3
-    time.sleep(0.2)
+    assert a.progress_age_s == pytest.approx(0.05) and a.progress == 6 and a.tokens == 3
+    clock[0] += 0.2
     board.beat("actor", pid=11, count=6, tokens=3)  # a replaced process: starts afresh
-    assert board.snapshot()["actor"].progress_age_s < 0.1 and board.snapshot()["actor"].pid == 11
+    clock[0] += 0.05
+    assert board.snapshot()["actor"].progress_age_s == pytest.approx(0.05) and board.snapshot()["actor"].pid == 11
     board.forget("actor")
     assert board.snapshot() == {}
 
 
 def test_a_role_beats_with_its_progress_until_it_is_gone():
+    """Waits for the beats themselves (they are counted as they arrive), never for a time: the thread sends the
+    progress, keeps beating, and ends once the role object is gone."""
     board = HeartbeatBoard()
-    link = HeartbeatLink(types.SimpleNamespace(beat=_Call(board.beat)), "reference", interval_s=0.05)
+    beats: list[tuple[int, int]] = []  # (progress, tokens) of each beat, in order
+    arrived = threading.Condition()
+
+    def beat(name: str, pid: int, count: int, tokens: int = 0) -> None:
+        board.beat(name, pid, count, tokens)
+        with arrived:
+            beats.append((count, tokens))
+            arrived.notify_all()
+
+    def wait_for(predicate, what: str) -> None:
+        with arrived:
+            assert arrived.wait_for(lambda: predicate(beats), timeout=30), f"{what}: {beats}"
+
+    link = HeartbeatLink(types.SimpleNamespace(beat=_Call(beat)), "reference", interval_s=0.05)
 
     class Role:
         pass
 
     role = Role()
+    before = set(threading.enumerate())
     start_heartbeat(role, link)
+    (thread,) = set(threading.enumerate()) - before
     progress.tick(tokens=4)
-    time.sleep(0.3)
+    now = (progress.count(), progress.tokens())
+    wait_for(lambda b: now in b, "a beat with the progress")
     first = board.snapshot()["reference"]
-    assert first.progress == progress.count() and first.tokens == progress.tokens() and first.beat_age_s < 0.2
+    assert (first.progress, first.tokens) == now
+    seen = len(beats)
+    wait_for(lambda b: len(b) >= seen + 2, "it keeps beating")  # every interval_s
     del role  # the role object is gone: its thread stops
-    time.sleep(0.3)
-    assert board.snapshot()["reference"].beat_age_s >= 0.2
+    thread.join(timeout=30)
+    assert not thread.is_alive()
     assert interval_for(300) == 5.0 and interval_for(3) == 0.3 and interval_for(0.5) == 0.2
 
 
