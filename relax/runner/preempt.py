@@ -54,9 +54,10 @@ class Signalled(KeyboardInterrupt):
 
 
 class Preempted(Signalled):
-    """The run was stopped by signal `signum`. `step`: the last step it trained before stopping (None: stopped at
-    once, in the middle of a step) and `checkpointed`, whether that step's checkpoint was written; `latest`: the latest
-    committed checkpoint (set by the runner)."""
+    """The run was stopped by signal `signum`. `step`: the 0-based index of the last step it trained before stopping
+    (None: stopped at once, in the middle of a step) and `checkpointed`, whether that step's checkpoint was written;
+    `latest`: the latest committed checkpoint (set by the runner). The message counts steps as the progress line
+    (`step 13/30` once 13 are done) and the checkpoint names (`step_000013`) do: after index 12, "13 steps"."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -67,7 +68,8 @@ class Preempted(Signalled):
     def __str__(self) -> str:
         name = signal_name(self.signum)
         if self.step is not None:
-            text = f"{name} received: stopped after step {self.step} " + \
+            steps = f"{self.step + 1} step" + ("s" if self.step else "")
+            text = f"{name} received: stopped after {steps} " + \
                 ("with a checkpoint" if self.checkpointed else "(its checkpoint could not be written)")
         else:
             text = f"{name} received: stopped at once"
@@ -80,7 +82,8 @@ class Preemption:
     """SIGINT and SIGTERM handlers for the duration of a run (a context manager).
 
     `save`: the first signal requests a stop after the current step with a checkpoint (`requested`: its number);
-    otherwise, or on a second signal, `Preempted` is raised at once. `step`: the step in progress, for the message.
+    otherwise, or on a second signal, `Preempted` is raised at once. `step`: the 0-based index of the step in
+    progress, for the message (which says it 1-based).
     """
 
     def __init__(self, save: bool):
@@ -121,7 +124,8 @@ class Preemption:
             raise Preempted(signum)
         self.requested = signum
         name = signal_name(signum)
-        where = f"step {self.step}" if self.step is not None else "the current step"
+        # 1-based, as the progress line shows the step once it is done (`step 13/30`) and its checkpoint is named
+        where = f"step {self.step + 1}" if self.step is not None else "the current step"
         again = "press Ctrl-C" if signum == signal.SIGINT else f"send {name}"
         message = f"relax-train: {name} received: stopping after {where} with a checkpoint; {again} again to stop now\n"
         # os.write, not print: the handler may run while the main thread is inside a write to sys.stderr

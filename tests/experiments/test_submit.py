@@ -353,8 +353,8 @@ def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp
         (tmp_path / "release").write_text("")
         if proc.poll() is None:
             proc.kill()
-    assert "relax-train: SIGTERM received: stopping after step 1 with a checkpoint" in out, out + err
-    assert "relax-train: SIGTERM received: stopped after step 1 with a checkpoint; train.resume=auto continues from " \
+    assert "relax-train: SIGTERM received: stopping after step 2 with a checkpoint" in out, out + err
+    assert "relax-train: SIGTERM received: stopped after 2 steps with a checkpoint; train.resume=auto continues from " \
         in out, out + err
     assert f"job {job}: STOPPED (exit code 143)" in err
     assert proc.returncode == 143

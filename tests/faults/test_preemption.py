@@ -41,10 +41,10 @@ SIGNALS = ["data.reward=interrupt_rewards:signals", "data.reward_timeout_s=null"
 def test_the_first_signal_requests_a_stop_the_second_stops_at_once(capfd):
     before = signal.getsignal(signal.SIGTERM)
     with Preemption(save=True) as preemption:
-        preemption.step = 3
+        preemption.step = 3  # 0-based: the progress line shows it as step 4 once done, its checkpoint step_000004
         os.kill(os.getpid(), signal.SIGTERM)
         assert preemption.requested == signal.SIGTERM  # nothing raised: the step goes on
-        assert capfd.readouterr().err == ("relax-train: SIGTERM received: stopping after step 3 with a checkpoint; "
+        assert capfd.readouterr().err == ("relax-train: SIGTERM received: stopping after step 4 with a checkpoint; "
                                           "send SIGTERM again to stop now\n")
         with pytest.raises(Preempted) as info:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -53,8 +53,10 @@ def test_the_first_signal_requests_a_stop_the_second_stops_at_once(capfd):
     assert signal.getsignal(signal.SIGTERM) is before  # restored
     stop = preemption.stop(3, checkpointed=True)
     stop.latest = Path("/ckpt/step_000004")
-    assert str(stop) == ("SIGTERM received: stopped after step 3 with a checkpoint; train.resume=auto continues from "
+    assert str(stop) == ("SIGTERM received: stopped after 4 steps with a checkpoint; train.resume=auto continues from "
                          "/ckpt/step_000004")
+    assert str(preemption.stop(0, checkpointed=False)).startswith(
+        "SIGTERM received: stopped after 1 step (its checkpoint could not be written)")
 
 
 def test_without_save_on_preempt_a_signal_stops_at_once():
@@ -112,8 +114,9 @@ def test_relax_train_exits_128_plus_the_signal_with_one_message(tmp_path, monkey
         cli.main()
     assert info.value.code == 130
     err = capsys.readouterr().err
-    assert err == (f"relax-train: SIGINT received: stopped after step 5 with a checkpoint; train.resume=auto continues "
-                   f"from {tmp_path}/step_000006. Ray and its processes stopped, the MLflow run is marked KILLED\n")
+    assert err == (f"relax-train: SIGINT received: stopped after 6 steps with a checkpoint; train.resume=auto "
+                   f"continues from {tmp_path}/step_000006. Ray and its processes stopped, the MLflow run is marked "
+                   "KILLED\n")
 
 
 def test_a_role_that_dies_while_the_run_stops_is_not_restarted(tmp_path, monkeypatch, capsys):
@@ -183,10 +186,11 @@ def test_sigterm_checkpoints_the_step_exits_143_and_resume_equals_an_uninterrupt
     found = re.search(r"relax-train: SIGTERM received: stopping after step (\d+) with a checkpoint; send SIGTERM again "
                       "to stop now", text)
     assert found, text[-3000:]
-    k = int(found.group(1))
+    k = int(found.group(1)) - 1  # the message counts steps from 1, as the progress line and checkpoint names do
     assert k in (0, 1)
     assert text.rstrip().endswith(
-        f"relax-train: SIGTERM received: stopped after step {k} with a checkpoint; train.resume=auto continues from "
+        f"relax-train: SIGTERM received: stopped after {k + 1} step{'s' if k else ''} with a checkpoint; "
+        "train.resume=auto continues from "
         f"{save_dir}/step_{k + 1:06d}. Ray and its processes stopped, the MLflow run is marked KILLED"), text[-3000:]
     assert "Traceback" not in text
     assert _committed(save_dir) == [f"step_{k + 1:06d}"]  # the step it stopped after (no periodic checkpoints here)
