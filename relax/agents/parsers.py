@@ -7,7 +7,8 @@ the items in that order (`relax.agents.loops`), and the OpenAI gateway and `rela
 `tool_calls` (`relax.serve.openai.chat`).
 
 `data.tool_parser` names the parser: a built-in name or `package.module:function` (a function text ->
-`ParsedMessage`); `auto` picks the built-in one from the tokenizer's chat template (`parser_for_template`).
+`ParsedMessage`); `auto` picks the built-in one from the tokenizer's chat template (`parser_for_template`), and
+refuses a template with a place for tools whose format it does not know.
 
 - `hermes` (Hermes, Qwen2.5/Qwen3, SmolLM2): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`, or a JSON
   list of calls in one tag;
@@ -17,6 +18,8 @@ the items in that order (`relax.agents.loops`), and the OpenAI gateway and `rela
 - `glm45` (GLM-4.5 / 4.6): `<tool_call>N<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`;
 - `deepseek_v3` (DeepSeek-V3): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N`, a newline, the arguments in a
   json code block, `<｜tool▁call▁end｜>`, the calls between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`.
+- `mistral` (Mistral): `[TOOL_CALLS] [{"name": N, "arguments": {...}}, ...]` (tokenizer v3: Mistral-7B-Instruct-v0.3,
+  Mistral-Nemo) or `[TOOL_CALLS]N[ARGS]{...}` per call (tokenizer v11 on: Mistral-Small-3.1+, Magistral, Devstral).
 
 The XML formats (qwen3_coder, glm45) write a string argument as its text and any other value as JSON (that is how
 their chat templates render arguments); a parser alone decodes a value as JSON where it is JSON, else keeps it as
@@ -228,16 +231,20 @@ def parse_glm45(text: str) -> ParsedMessage:
 
 # ----------------------------------------------------------------------------------------------- Llama 3 JSON
 PYTHON_TAG = "<|python_tag|>"
-_LLAMA_CALL = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a message that is a call without the tag
+# a message that is a call without the tag: a JSON object whose first key is "name", or "type": "function" then
+# "name" (Llama 3.2's small models write {"type": "function", "name": N, "parameters": {...}}; vLLM's and SGLang's
+# llama3 parsers read it too, the "type" key ignored)
+_LLAMA_CALL = re.compile(r'\s*\[?\s*\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:')
 _LLAMA_SEPARATORS = " \t\r\n;"
 
 
 def parse_llama3_json(text: str) -> ParsedMessage:
     """Llama 3.1 / 3.2: `<|python_tag|>{"name": ..., "parameters": {...}}` (the tag is a special token, which
     decoding with special tokens skipped leaves out), or a whole message that is such an object; several calls
-    separated by ';' or whitespace, or a JSON list of them. "arguments" is read where "parameters" is missing. Text
-    before the tag and after the calls is the content; without the tag, a message that does not start like a call
-    (a JSON object whose first key is "name") has none."""
+    separated by ';' or whitespace, or a JSON list of them. "arguments" is read where "parameters" is missing; other
+    keys ("type": "function", which Llama 3.2 writes first) are ignored. Text before the tag and after the calls is
+    the content; without the tag, a message that does not start like a call (a JSON object whose first key is
+    "name", or "type": "function" then "name") has none."""
     if PYTHON_TAG in text:
         before, _, rest = text.partition(PYTHON_TAG)
         rest = rest.replace(PYTHON_TAG, ";")
@@ -304,6 +311,65 @@ def parse_deepseek_v3(text: str) -> ParsedMessage:
     return ParsedMessage(tuple(items), content)
 
 
+# ----------------------------------------------------------------------------------------------- Mistral
+# Mistral's call markers, special tokens of its tokenizers ([ARGS] and [CALL_ID] from tokenizer v11 on)
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_MISTRAL_NAME = re.compile(r"\s*([^\s\[\]{}\"']+)\s*")
+
+
+def _mistral_arguments(name: str, rest: str) -> tuple[Item, str]:
+    """The call of `name` whose arguments (a JSON object) open `rest`, and the text after them."""
+    body = rest.lstrip()
+    try:
+        args, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError as exc:
+        return CallError(f"invalid JSON in the arguments of {name!r}: {exc.msg} at character {exc.pos}"), ""
+    return _with_arguments(name, args), body[end:]
+
+
+def _mistral_segment(segment: str) -> tuple[list[Item], str]:
+    """The calls of the text after one [TOOL_CALLS] marker and the text after them: a JSON list of calls (tokenizer
+    v3), or NAME[ARGS]{...} (v11 on; [CALL_ID]ID before [ARGS] where one is written; NAME{...} where the text lost
+    the [ARGS] token, as vLLM reads it)."""
+    body = segment.lstrip()
+    if body.startswith(("[", "{")):
+        try:
+            value, end = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError as exc:
+            return [CallError(f"invalid JSON in [TOOL_CALLS]: {exc.msg} at character {exc.pos}")], ""
+        return [_json_call(obj, "arguments") for obj in (value if isinstance(value, list) else [value])], body[end:]
+    head, marker, rest = segment.partition(MISTRAL_ARGS)
+    if not marker:
+        head, brace, rest = segment.partition("{")
+        rest = brace + rest
+    name = _MISTRAL_NAME.fullmatch(head.partition(MISTRAL_CALL_ID)[0])
+    if name is None or not rest.lstrip().startswith("{"):
+        return [CallError(f"a call after {MISTRAL_CALLS} must be a JSON list of calls or NAME{MISTRAL_ARGS}"
+                          "{arguments}")], ""
+    item, after = _mistral_arguments(name.group(1), rest)
+    return [item], after
+
+
+def parse_mistral(text: str) -> ParsedMessage:
+    """Mistral: the `[TOOL_CALLS]` token (a special token, which `message_decoder` keeps), then the calls in the
+    form of the tokenizer's version: `[TOOL_CALLS] [{"name": N, "arguments": {...}}, ...]` (tokenizer v3:
+    Mistral-7B-Instruct-v0.3, Mixtral-8x22B, Mistral-Nemo; an "id" key is ignored), or per call
+    `[TOOL_CALLS]N[ARGS]{...}` (v11 on: Mistral-Small-3.1/3.2, Magistral, Devstral), as SGLang's and vLLM's mistral
+    parsers read them. The text before the first marker and after the calls is the content; a message without the
+    marker has no calls."""
+    if MISTRAL_CALLS not in text:
+        return ParsedMessage((), text.strip())
+    before, *segments = text.split(MISTRAL_CALLS)
+    items: list[Item] = []
+    outside = [before]
+    for segment in segments:
+        found, after = _mistral_segment(segment)
+        items += found
+        outside.append(after)
+    content = "\n".join(part.strip() for part in outside if part.strip())
+    return ParsedMessage(tuple(items), content)
+
+
 # ----------------------------------------------------------------------------------------------- the registry
 BUILTIN_PARSERS: dict[str, ToolParser] = {
     "hermes": parse_hermes,
@@ -311,26 +377,35 @@ BUILTIN_PARSERS: dict[str, ToolParser] = {
     "llama3_json": parse_llama3_json,
     "glm45": parse_glm45,
     "deepseek_v3": parse_deepseek_v3,
+    "mistral": parse_mistral,
 }
 AUTO = "auto"
 
-# What `auto` looks for in a chat template, first match wins: Qwen3-Coder's template also writes <tool_call>, so
-# its own marker comes before anything Hermes-like; a template with none of them gets Hermes (today's default).
+# What `auto` looks for in a chat template, first match wins: Qwen3-Coder's and GLM-4.5's templates also write
+# <tool_call>, so their own markers come before Hermes'. A template with none of them gets Hermes where it has no
+# place for tools (Relax's tools prompt then teaches Hermes' format: relax.serve.openai.chat.tools_prompt) and is
+# refused where it has one (`parser_for_template`): its model writes calls in a format no marker here names.
 TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
     ("<function=", "qwen3_coder"),
     ("<arg_key>", "glm45"),
     ("tool\u2581calls\u2581begin", "deepseek_v3"),
     (PYTHON_TAG, "llama3_json"),
     ("ipython", "llama3_json"),
+    (MISTRAL_CALLS, "mistral"),
+    (OPEN_TAG, "hermes"),
 )
+# a template that uses this variable has a place for tools (as relax.serve.openai.chat.ChatFormat reads it)
+TEMPLATE_TOOLS = "tools"
 
 
 # The markers the built-in parsers and the reasoning split read. A tokenizer may make them special tokens (DeepSeek's
-# tool-call markers, Llama's <|python_tag|>); decoding a message with special tokens skipped would then drop them and
-# a call would read as prose, silently. `message_decoder` keeps these and leaves the other special tokens out.
+# tool-call markers, Llama's <|python_tag|>, Mistral's [TOOL_CALLS]); decoding a message with special tokens skipped
+# would then drop them and a call would read as prose, silently. `message_decoder` keeps these and leaves the other
+# special tokens out.
 MARKERS: frozenset[str] = frozenset({
     "<think>", "</think>", OPEN_TAG, "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
     PYTHON_TAG, DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP,
+    MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID,
 })
 
 
@@ -415,12 +490,18 @@ def write_call(fmt: str, name: str, arguments: Any) -> str:
                 f"{DS_CALL_END}")
     if fmt == "llama3_json":
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+    if fmt == "mistral":
+        return write_calls(fmt, [(name, arguments)])
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
 def write_calls(fmt: str, calls: Sequence[tuple[str, Any]]) -> str:
     """Calls (name, arguments) as the built-in format `fmt` writes several of them: one after another (a newline
-    between them; "; " for llama3_json), DeepSeek's inside one section of calls."""
+    between them; "; " for llama3_json), DeepSeek's inside one section of calls, Mistral's in one list."""
+    if fmt == "mistral":  # tokenizer v3's form (SGLang's): one list after one marker; parse_mistral reads every version
+        objects = [{"name": name, "arguments": json.loads(args) if isinstance(args, str) and args.strip() else
+                    {} if isinstance(args, str) else args} for name, args in calls]
+        return f"{MISTRAL_CALLS} [" + ", ".join(json.dumps(o, ensure_ascii=False) for o in objects) + "]"
     written = [write_call(fmt, name, args) for name, args in calls]
     if fmt == "deepseek_v3":
         return DS_CALLS_BEGIN + "\n".join(written) + DS_CALLS_END
@@ -553,15 +634,31 @@ class ToolParserSpecError(ValueError):
 
 
 def parser_for_template(template: Any) -> str:
-    """The built-in parser for a chat template (a string, or a tokenizer's named templates): see TEMPLATE_MARKERS."""
+    """The built-in parser for a chat template (a string, or a tokenizer's named templates), as `auto` picks it:
+    the one whose marker the template holds (TEMPLATE_MARKERS); Hermes for a template without a place for tools
+    (none: Relax's tools prompt teaches Hermes' format). A template with a place for tools and no known marker is a
+    ToolParserSpecError naming data.tool_parser and its choices: its model writes calls in a format `auto` cannot
+    name, and reading them as Hermes would turn every call into plain text, silently."""
     text = template if isinstance(template, str) else json.dumps(template or "")
-    return next((name for marker, name in TEMPLATE_MARKERS if marker in text), "hermes")
+    found = next((name for marker, name in TEMPLATE_MARKERS if marker in text), None)
+    if found is not None:
+        return found
+    if TEMPLATE_TOOLS not in text:
+        return "hermes"
+    markers = ", ".join(dict.fromkeys(marker for marker, _ in TEMPLATE_MARKERS))
+    raise ToolParserSpecError(
+        f"data.tool_parser=auto: the model's chat template has a place for tools but none of the call markers auto "
+        f"knows ({markers}), so the format its model writes calls in is unknown; set data.tool_parser to that "
+        f"format's parser: one of {', '.join(BUILTIN_PARSERS)}, or 'package.module:function' (text -> "
+        "relax.agents.parsers.ParsedMessage)")
 
 
 def get_parser(spec: str, tokenizer: Any = None) -> ToolParser:
-    """The parser `spec` (the value of data.tool_parser) names: `auto` (the one for `tokenizer`'s chat template;
-    Hermes without one), a built-in name, or `package.module:function` (a function text -> ParsedMessage, whose
-    results are checked)."""
+    """The parser `spec` (the value of data.tool_parser) names: `auto` (the one for `tokenizer`'s chat template,
+    `parser_for_template`, which refuses a template with a place for tools in a format it does not know; Hermes
+    without a template), a built-in name, or `package.module:function` (a function text -> ParsedMessage, whose
+    results are checked). Every program that reads calls resolves data.tool_parser here before it starts
+    (relax-train's pre-start checks, the gateway, relax-serve), so a refusal stops it there."""
     if spec == AUTO:
         return BUILTIN_PARSERS[parser_for_template(getattr(tokenizer, "chat_template", None))]
     fn = resolve_component(BUILTIN_PARSERS, "data.tool_parser", spec, error=ToolParserSpecError,

@@ -34,6 +34,7 @@ from relax.agents.parsers import (
     DS_CALLS_END,
     DS_SEP,
     END_THINK,
+    MISTRAL_CALLS,
     THINK,
     xml_plain,
 )
@@ -42,7 +43,7 @@ NL = "\n"
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of a few an application sends)
 # tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: every built-in one
-TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3", "mistral")
 
 
 class GrammarError(ValueError):
@@ -150,14 +151,14 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str]) -> tuple[str, 
     calls, rules = [], []
     for i, f in enumerate(functions):
         rule = f"relax_call{i}"
-        if fmt in ("hermes", "llama3_json", "deepseek_v3"):
+        if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral"):
             parameters = f.get("parameters") or {"type": "object", "properties": {}}
             if fmt == "deepseek_v3":
                 rules.append(_json_rules(parameters, f"{rule}_args", f"the parameters of tool {f['name']!r}"))
                 head = f"{DS_CALL_BEGIN}function{DS_SEP}{f['name']}\n```json\n"
                 calls.append(f"{_literal(head)} {rule}_args {_literal(NL + '```' + DS_CALL_END)}")
                 continue
-            key = "arguments" if fmt == "hermes" else "parameters"
+            key = "parameters" if fmt == "llama3_json" else "arguments"
             rules.append(_json_rules(_call_schema(f["name"], parameters, key), rule,
                                      f"the parameters of tool {f['name']!r}"))
             calls.append(rule)
@@ -177,6 +178,8 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str]) -> tuple[str, 
         return body, "<tool_call>", f"{root} {_literal('</tool_call>')}", _literal("\n")
     if fmt == "deepseek_v3":  # one call: the calls' section around it
         return body, DS_CALLS_BEGIN, f"{root} {_literal(DS_CALLS_END)}", _literal("\n")
+    if fmt == "mistral":  # one call: a list of it
+        return body, MISTRAL_CALLS, f"{_literal(' [')} {root} {_literal(']')}", _literal(", ")
     return body, "", root, _literal("; ")
 
 
@@ -189,14 +192,16 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, p
     hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
     and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
     deepseek_v3: the calls' section markers around `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
-    \\n```<｜tool▁call▁end｜>`, separated by a newline; qwen3_coder and glm45 (XML): each argument in the template's
-    tags, a string as its text (no "<" in it), any other value as JSON of its schema; the required arguments
-    always, the optional ones each or not, in the schema's order."""
+    \\n```<｜tool▁call▁end｜>`, separated by a newline; mistral: `[TOOL_CALLS] [{"name": N, "arguments": {...}}]`,
+    the calls in that one list separated by ", " (tokenizer v3's form, which SGLang's grammar writes); qwen3_coder
+    and glm45 (XML): each argument in the template's tags, a string as its text (no "<" in it), any other value as
+    JSON of its schema; the required arguments always, the optional ones each or not, in the schema's order."""
     body, opener, rest, sep = _call_rules(tools, fmt, name)
-    if fmt == "deepseek_v3":  # the section markers once, around every call
+    if fmt in ("deepseek_v3", "mistral"):  # the section markers (Mistral's: the marker and a list) around every call
         one = "relax_calls"
         more = "" if name is not None or not parallel else f" ({sep} {one})*"
-        return "\n".join([f"root ::= {_literal(DS_CALLS_BEGIN)} {one}{more} {_literal(DS_CALLS_END)}", body])
+        begin, end = (DS_CALLS_BEGIN, DS_CALLS_END) if fmt == "deepseek_v3" else (MISTRAL_CALLS + " [", "]")
+        return "\n".join([f"root ::= {_literal(begin)} {one}{more} {_literal(end)}", body])
     one = f"{_literal(opener)} {rest}" if opener else rest
     more = "" if name is not None or not parallel else f" ({sep} {one})*"
     return "\n".join([f"root ::= {one}{more}", body])

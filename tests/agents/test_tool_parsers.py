@@ -161,6 +161,7 @@ TEMPLATES = {
     "glm45": "{{ '\\n<tool_call>' + tc.name }}{% for k, v in _args.items() %}\\n<arg_key>{{ k }}</arg_key>",
     "deepseek_v3": "{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'}}",
     "hermes": '{{- "<tool_call>\\n{\\"name\\": \\"" }}{{- tool_call.name }}',  # Qwen3's
+    "mistral": '{%- elif message.tool_calls is defined %}{{- "[TOOL_CALLS] [" }}',  # Mistral-7B-Instruct-v0.3's
 }
 
 
@@ -193,8 +194,8 @@ def test_a_custom_parser_loads_from_its_import_path():
     assert shape(parser("hello\nCALL ping")) == [("call", "ping", {})] and parser("hello\nCALL ping").content == "hello"
     with pytest.raises(TypeError, match="data.tool_parser='tests.agents.test_tool_parsers:wrong_parser' returned"):
         get_parser("tests.agents.test_tool_parsers:wrong_parser")("text")
-    with pytest.raises(ToolParserSpecError, match="data.tool_parser='mistral': unknown"):
-        get_parser("mistral")
+    with pytest.raises(ToolParserSpecError, match="data.tool_parser='granite': unknown"):
+        get_parser("granite")
     with pytest.raises(ToolParserSpecError, match="data.tool_parser: cannot load"):
         get_parser("tests.agents.test_tool_parsers:nothing_here")
     with pytest.raises(ToolParserSpecError, match="not a function"):

@@ -327,6 +327,7 @@ ONE_CALL = {  # (one call of `noop`, the separator before a second) in each form
     "deepseek_v3": (f"{DS_CALLS_BEGIN}{DS_CALL_BEGIN}function{DS_SEP}noop\n```json\n{{}}\n```{DS_CALL_END}"
                     f"{DS_CALLS_END}", "\n"),
     "llama3_json": ('{"name": "noop", "parameters": {}}', "; "),
+    "mistral": ('[TOOL_CALLS] [{"name": "noop", "arguments": {}}]', ", "),  # two calls: one list
 }
 
 
@@ -344,8 +345,8 @@ def test_without_parallel_tool_calls_an_answer_holds_at_most_one_call(setup, fmt
     control) takes them. Auto also takes free text, and (where calls have a marker) text before the call."""
     tok, _, grammars, eos = setup
     call, sep = ONE_CALL[fmt]
-    two = call + sep + call if fmt != "deepseek_v3" else call.replace(DS_CALLS_END, sep + call.split(
-        DS_CALLS_BEGIN)[1])
+    two = call + sep + call if fmt not in ("deepseek_v3", "mistral") else call.replace(DS_CALLS_END, sep + call.split(
+        DS_CALLS_BEGIN)[1]) if fmt == "deepseek_v3" else call[:-1] + sep + call[len("[TOOL_CALLS] ["):]
     assert len(BUILTIN_PARSERS[fmt](two).calls) == 2 and len(BUILTIN_PARSERS[fmt](call).calls) == 1
     auto = at_most_one_call(TOOLS, fmt)
     forced = GrammarSpec("ebnf", tool_call_ebnf(TOOLS, fmt, parallel=False))

@@ -48,12 +48,17 @@ def _fmt(family: str, parser: str | None) -> ChatFormat:
 
 
 def _shown_call(fmt: str, prompt: str) -> str:
-    """The call the prompt shows, found by the format's own markers (llama3_json has none: the line that is a call)."""
+    """The call the prompt shows, found by the format's own markers (llama3_json has none: the line that is a call;
+    mistral's list ends with its JSON)."""
     if fmt == "llama3_json":
         after = prompt[prompt.rindex("</tools>"):]  # (the listing's lines are function objects, which read as calls)
         lines = [line for line in after.splitlines() if BUILTIN_PARSERS[fmt](line).calls]
         assert len(lines) == 1, lines
         return lines[0]
+    if fmt == "mistral":  # the marker, then one JSON list of calls
+        assert prompt.count("[TOOL_CALLS]") == 1, prompt
+        at = prompt.index("[TOOL_CALLS]")
+        return prompt[at:json.JSONDecoder().raw_decode(prompt, at + len("[TOOL_CALLS] "))[1]]
     begin, end = OPEN_CLOSE[fmt]
     assert prompt.count(begin) == 1, prompt
     return prompt[prompt.index(begin):prompt.index(end) + len(end)]

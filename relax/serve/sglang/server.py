@@ -70,7 +70,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import torch
 
 from relax import progress
-from relax.agents.parsers import get_parser
+from relax.agents.parsers import ToolParserSpecError, get_parser
 from relax.config.schema import RelaxConfig
 from relax.data.tokenizer import load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
@@ -214,6 +214,7 @@ class EmbeddedServer(WeightEndpoints):
         self._client = threading.local()  # the connection of the request this handler thread serves
         self._codec: Optional[RequestCodec] = None  # once the model is loaded
         self._openai_service: Any = None  # the OpenAI endpoints, made at their first call
+        self._tool_parser: Any = None  # data.tool_parser's parser, resolved when the model loads
         self._responses: Any = None  # /v1/responses over them (it keeps responses for previous_response_id)
         self._init_weights()
         self._model_dir: Optional[str] = None
@@ -263,6 +264,10 @@ class EmbeddedServer(WeightEndpoints):
     def _load(self) -> None:
         try:
             self._build()
+        except ToolParserSpecError as exc:  # a setting to change (data.tool_parser), not a failure: no traceback
+            self._load_error = str(exc)
+            self._ready.set()
+            return
         except Exception as exc:  # reported by /health (503), wait_ready and the CLI
             logger.exception("loading the model failed")
             self._load_error = f"loading the model failed: {type(exc).__name__}: {exc}"
@@ -282,6 +287,9 @@ class EmbeddedServer(WeightEndpoints):
         hf_logging.disable_progress_bar()
         cfg = self.cfg.model
         tokenizer = load_tokenizer(cfg)
+        # data.tool_parser before the model is built: `auto` refuses a chat template with tools in a format it does
+        # not know, and a parser of one's own must load; either stops relax-serve at start (wait_ready, the CLI)
+        self._tool_parser = get_parser(self.cfg.data.tool_parser, tokenizer)
         path = resolve_model_path(cfg)
         self.served_model_name = cfg.name
         self.eos_token_ids = tuple(stop_token_ids(cfg, tokenizer))
@@ -515,8 +523,7 @@ class EmbeddedServer(WeightEndpoints):
         try:
             self._require_ready()
             if self._openai_service is None:
-                fmt = ChatFormat(self.tokenizer, self.eos_token_ids,
-                                 get_parser(self.cfg.data.tool_parser, self.tokenizer))  # data.tool_parser
+                fmt = ChatFormat(self.tokenizer, self.eos_token_ids, self._tool_parser)  # data.tool_parser
                 self._openai_service = OpenAIService(fmt, self._send_openai, model=self.served_model_name,
                                                      context_length=self.context_length,
                                                      images=self._codec.images is not None,
