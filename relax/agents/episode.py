@@ -84,7 +84,12 @@ class Episode:
         self.tool_calls += reply.tool_calls
         self.tool_errors += reply.tool_errors
         if reply.done:
-            self.end = reply.end
+            # a final answer (no call, no environment: "stop") whose turn its limit cut is a truncated response, as a
+            # single-turn one is ("length": algorithm.mask_truncated sees it); an ending the loop itself decided
+            # (env_done, its own string) is kept: the environment judged that message
+            reason = reply.end or FinishReason.ENV_DONE
+            cut = stop_token is None and reason == FinishReason.STOP
+            self.end = FinishReason.LENGTH if cut else reason
             return None
         if self.tool_errors >= self.max_tool_errors:
             self.end = FinishReason.TOOL_ERRORS

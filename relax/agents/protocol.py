@@ -46,13 +46,13 @@ class Reply:
     `messages`: chat messages ({"role", "content"}) rendered with the chat template after the model's turn, or
     `tokens`: token ids appended as they are (exactly one of them unless `done`). `reward` adds to the episode's
     reward (the turn's reward); `done` ends the episode, with `end` as its reason (a `FinishReason`, or a string of the
-    loop's own)."""
+    loop's own; None: "env_done"). A reply that does not end the episode has no reason (`end` None)."""
 
     messages: list[dict] = field(default_factory=list)
     tokens: Optional[list[int]] = None
     reward: float = 0.0
     done: bool = False
-    end: str = FinishReason.ENV_DONE
+    end: Optional[str] = None
     tool_calls: int = 0
     tool_errors: int = 0
 

@@ -360,7 +360,8 @@ class EmbeddedEngine:
         its episode answers with observation tokens, which are fed to the model one per step without sampling (the
         KV cache keeps every earlier turn), or ends the row with its reason. `max_new_tokens` and `budgets` then
         limit the whole episode (observations included) and `turn_limit` each model turn (a turn at its limit ends
-        like one with a stop token, and its episode goes on). Observation tokens are in
+        like one with a stop token, and its episode goes on; a final answer so cut ends it "length":
+        `Episode.turn_end`). Observation tokens are in
         `token_mask`, not in `response_mask`; an aborted row keeps the observation it was fed in full. Without
         `episodes`, every stop token ends its row ("stop"): the one-turn case.
 
