@@ -172,7 +172,7 @@ class ChatFormat:
             elif calls:  # written as the model writes them: in the tool parser's format
                 written = write_calls(self.call_format, [(c["name"], c["arguments"]) for c in calls])
                 d["content"] = f"{d['content']}\n{written}" if d["content"] else written
-            for key in ("tool_call_id", "name"):
+            for key in ("tool_call_id", "name", "reasoning_content"):  # reasoning: templates keep it in tool loops
                 if m.get(key) is not None:
                     d[key] = m[key]
             out.append(d)

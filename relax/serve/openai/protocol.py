@@ -510,7 +510,9 @@ def _text(content: Any, where: str) -> Optional[str]:
 
 def normalize_message(m: Any, where: str = "message") -> dict:
     """A message as plain values that compare equal when they mean the same: role, content (text or None),
-    tool calls as (name, arguments parsed from JSON), tool_call_id, name."""
+    tool calls as (name, arguments parsed from JSON), tool_call_id, name; and an assistant message's
+    reasoning_content (text), which chat templates render for the turns after the last user message (Qwen3's,
+    GLM-4.5's; as SGLang and vLLM pass it on) and `same_message` does not compare."""
     if not isinstance(m, dict):
         raise _bad(where, "must be an object")
     role = m.get("role")
@@ -537,6 +539,11 @@ def normalize_message(m: Any, where: str = "message") -> dict:
         out["tool_call_id"] = m.get("tool_call_id")
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
+    if role == "assistant" and m.get("reasoning_content") is not None:
+        if not isinstance(m["reasoning_content"], str):
+            raise _bad(f"{where}.reasoning_content", f"{m['reasoning_content']!r} must be a string")
+        if m["reasoning_content"]:
+            out["reasoning_content"] = m["reasoning_content"]
     return out
 
 
