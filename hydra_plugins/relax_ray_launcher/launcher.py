@@ -11,7 +11,11 @@ and knows nothing of MLflow. This one, per sweep:
    `max_concurrent_jobs` at a time, on the Ray cluster (joined, or started locally); a failing job is
    recorded and the others go on; each job's MLflow run is tagged `relax.sweep_job` (`<sweep id>/<job index>`),
    so that the table names each job's own run;
-4. prints a table of jobs and ends the parent run FINISHED, or FAILED if any job failed (exit 1).
+4. prints a table of jobs and ends the parent run FINISHED, or FAILED if any job failed (exit 1); a job's run that
+   its process left RUNNING (killed, or crashed: kill -9, out of memory) is ended with the job's status in the table.
+
+A tracking store that cannot be opened is refused before any job starts (the precheck's `tracking`, and the parent
+run's start), with relax-train's one-line error and exit 2.
 
 Ctrl-C stops the running jobs as Ctrl-C stops a single run (`relax.runner.preempt`): each job gets the interrupt
 (`ray.cancel` without force, a KeyboardInterrupt raised by Ray through the job's SIGINT handler), finishes its step,
@@ -280,7 +284,7 @@ class RelaxRayLauncher(Launcher):
         if self.parent is not None:
             return self.parent.run_id
         from relax.config.schema import TrackingConfig
-        from relax.tracking.mlflow_run import Tracker
+        from relax.tracking.mlflow_run import Tracker, TrackingUnavailable
         from relax.tracking.params import TAG_OVERRIDES, TAG_SWEEP_ID
         from relax.tracking.run_options import RunOptions
 
@@ -288,8 +292,13 @@ class RelaxRayLauncher(Launcher):
         tc = TrackingConfig(uri=str(OmegaConf.select(self.config, "tracking.uri")),
                             experiment=str(OmegaConf.select(self.config, "tracking.experiment")))
         overrides = " ".join(self.config.hydra.overrides.task)
-        self.parent = Tracker.start(tc, RunOptions(background=False, announce=False), run_name=f"sweep-{self.sweep_id}",
-                                    tags={TAG_SWEEP_ID: str(self.sweep_id), TAG_OVERRIDES: overrides or "(none)"})
+        try:
+            self.parent = Tracker.start(tc, RunOptions(background=False, announce=False),
+                                        run_name=f"sweep-{self.sweep_id}",
+                                        tags={TAG_SWEEP_ID: str(self.sweep_id), TAG_OVERRIDES: overrides or "(none)"})
+        except TrackingUnavailable as exc:  # a wrong tracking.uri: the user's to fix, as in a single run (exit 2)
+            print(f"relax-train: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(INVALID_CONFIG_EXIT)
         return self.parent.run_id
 
     def _init_ray(self) -> None:
@@ -445,20 +454,25 @@ class RelaxRayLauncher(Launcher):
             reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None
             if o is None or o.killed:
                 status = "KILLED"
-                if run is not None and run.info.status == "RUNNING":
-                    self._mark_killed(run.info.run_id)  # killed before its own handler could mark it
             else:
                 status = "FINISHED" if o.error is None else "FAILED"
+            if status != "FINISHED" and run is not None and run.info.status == "RUNNING":
+                # its process is gone without ending its run: killed before its own handler could mark it, or
+                # crashed (kill -9, out of memory, a lost node); left RUNNING, it would read as still training in
+                # MLflow and relax-compare. A later train.resume=auto of the job reopens it (Tracker.reopen)
+                self._mark_ended(run.info.run_id, status)
             seconds = o.end - o.start if o is not None else None
-            rows.append(JobRow(index, text, status, run_id, reward, seconds, o.error if o is not None else None))
+            rows.append(JobRow(index, text, status, run_id, reward, seconds, o.error if o is not None else None,
+                               tuple(filter_overrides(job))))
         return rows
 
-    def _mark_killed(self, run_id: str) -> None:
+    def _mark_ended(self, run_id: str, status: str) -> None:
+        """End a job's run that its process left RUNNING with the table's status (KILLED or FAILED)."""
         assert self.parent is not None
         try:
-            self.parent.client.set_terminated(run_id, "KILLED")
-        except Exception as exc:  # noqa: BLE001 - the run stays RUNNING; the table still says KILLED
-            log.warning(f"could not mark run {run_id} KILLED: {exc}")
+            self.parent.client.set_terminated(run_id, status)
+        except Exception as exc:  # noqa: BLE001 - the run stays RUNNING; the table still says it
+            log.warning(f"could not mark run {run_id} {status}: {exc}")
 
     def _final_reward(self, run_id: str) -> Optional[float]:
         """The mean of a run's last 10 logged rewards (a job that returned none: failed or stopped)."""

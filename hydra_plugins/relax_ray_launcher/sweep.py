@@ -5,6 +5,7 @@ No Ray, Hydra or MLflow imports, so that they are cheap to import and easy to te
 
 
 import math
+import textwrap
 import time
 import uuid
 from collections.abc import Sequence
@@ -89,28 +90,46 @@ class JobRow:
     final_reward: Optional[float] = None
     seconds: Optional[float] = None
     error: Optional[str] = None
+    override_list: tuple[str, ...] = ()  # `overrides` one by one (a quoted value may hold spaces); () : split it
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+def _job_overrides(row: JobRow) -> list[str]:
+    return list(row.override_list) if row.override_list else row.overrides.split()
 
 
 def format_table(rows: Sequence[JobRow], *, sweep_id: Optional[str] = None, parent_run_id: Optional[str] = None,
-                 overrides_width: int = 60) -> str:
-    """The table a sweep ends with: index, overrides, status, time, MLflow run id, final reward; then errors."""
-    header = ("#", "overrides", "status", "time", "mlflow run", "final reward")
+                 width: int = 100) -> str:
+    """The table a sweep ends with: index, overrides, status, time, MLflow run id, final reward; then errors.
+
+    The overrides column holds, in full, the overrides that differ between the jobs (the arm's keys and the seed:
+    what tells two rows apart); those every job shares are said once above the table, wrapped at `width`. Jobs that
+    all have the same overrides show them all."""
+    ordered = sorted(rows, key=lambda r: r.index)
+    per_job = [_job_overrides(r) for r in ordered]
+    differing = set(swept_keys(per_job, exclude=()))
+    common: list[str] = []
+    if differing:
+        for job in per_job:
+            common += [o for o in job if split_override(o)[0] not in differing and o not in common]
+    header = ("#", "overrides" if not common else "overrides (those that differ)", "status", "time", "mlflow run",
+              "final reward")
     body = []
-    for r in sorted(rows, key=lambda r: r.index):
+    for r, job in zip(ordered, per_job, strict=True):
         reward = "" if r.final_reward is None or math.isnan(r.final_reward) else f"{r.final_reward:.4f}"
         secs = "" if r.seconds is None else f"{r.seconds:.0f} s"
-        body.append((str(r.index), _cut(r.overrides, overrides_width), r.status, secs, r.run_id or "-", reward))
+        shown = [o for o in job if split_override(o)[0] in differing] if differing else job
+        body.append((str(r.index), " ".join(shown) or "-", r.status, secs, r.run_id or "-", reward))
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     failed = sum(r.status != "FINISHED" for r in rows)
     title = f"Sweep {sweep_id or ''}: {len(rows) - failed} of {len(rows)} jobs finished".replace("  ", " ")
     if parent_run_id:
         title += f" (MLflow parent run {parent_run_id})"
-    lines = [title, fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines = [title]
+    if common:
+        lines += textwrap.wrap("overrides of every job: " + " ".join(common), width=width, subsequent_indent="  ",
+                               break_long_words=False, break_on_hyphens=False)
+    lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*b) for b in body]
     for r in sorted(rows, key=lambda r: r.index):
         if r.error:

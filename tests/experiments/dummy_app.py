@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def app(cfg: DictConfig) -> dict:
             tracker.log_metrics({"rollout/raw_reward": cfg.lr * cfg.seed + step}, step)
         Path(cfg.record_dir).mkdir(exist_ok=True)
         (Path(cfg.record_dir) / f"started-{HydraConfig.get().job.num}").touch()  # its run is open
+        if HydraConfig.get().job.num == cfg.crash_job:  # a crash with its run open (kill -9, out of memory): no
+            os.kill(os.getpid(), signal.SIGKILL)  # handler of this process runs, so nothing ends the run here
         until = time.time() + cfg.sleep_s
         while time.time() < until:  # short sleeps: Ray's interrupt (ray.cancel) is handled between them, as a real
             time.sleep(0.05)  # run handles it between its waits

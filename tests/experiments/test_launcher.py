@@ -192,3 +192,41 @@ def test_sigterm_on_the_driver_exits_143_as_on_a_single_run(monkeypatch, capsys)
         err = capsys.readouterr().err
         assert "the MLflow run is marked KILLED" in err and "Traceback" not in err
         assert ("SIGTERM received" in err) == (code == 143), err
+
+
+def test_a_crashed_jobs_run_is_ended_failed_with_the_sweep(tmp_path):
+    """A job whose process dies with its MLflow run open (SIGKILL from the job itself, right after its run opened:
+    kill -9, out of memory, a lost node) is FAILED in the table, and its run is ended FAILED when the sweep ends.
+    Before, the run stayed RUNNING for good (only a job stopped by the sweep's Ctrl-C was ended), so MLflow and
+    relax-compare showed it as still training. Control: the other job's run ends FINISHED by itself."""
+    from mlflow import MlflowClient
+
+    proc = _sweep(tmp_path, "seed=1,2", "crash_job=0", "sleep_s=0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert (tmp_path / "times" / "started-0").exists() and not (tmp_path / "times" / "0.json").exists()  # crashed
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.data.tags["relax.sweep_job"].rpartition("/")[2]: r
+                for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert sorted(children) == ["0", "1"], out
+    assert {k: r.info.status for k, r in children.items()} == {"0": "FAILED", "1": "FINISHED"}, out
+    assert parent.info.status == "FAILED"
+    assert children["0"].info.end_time is not None
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ")}
+    assert rows["0"][1] == "seed=1" and "FAILED" in rows["0"] and children["0"].info.run_id in rows["0"], rows
+    assert rows["1"][1] == "seed=2" and "FINISHED" in rows["1"], rows
+
+
+def test_a_store_that_cannot_be_opened_is_one_error_line_before_anything_starts(tmp_path):
+    """tracking.uri naming a sqlite file where nothing can be created: the sweep's parent run cannot start. Before,
+    a traceback through Hydra's sweeper (exit 1); now relax-train's one-line error, exit 2, as a single run says it,
+    and no job ran. (relax-train's own precheck refuses it even earlier: test_sweep_precheck.py.) Control: the
+    module's sweeps, on a writable store."""
+    proc = _sweep(tmp_path, "seed=1,2", "sleep_s=0", "tracking.uri=sqlite:////proc/nope/mlflow.db", timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("relax-train: error: ")]
+    assert "MLflow store sqlite:////proc/nope/mlflow.db is unavailable when the run starts" in line
+    assert not (tmp_path / "times").exists()

@@ -68,3 +68,21 @@ def test_overrides_tag_leaves_out_the_launcher_bookkeeping():
     assert TAG_OVERRIDES == "overrides"
     assert overrides_text(["algorithm=rloo", "seed=1", "tracking.parent_run_id='x'", "tracking.sweep_id='s'",
                            "tracking.arm='algorithm=rloo'"]) == "algorithm=rloo seed=1"
+
+
+def test_table_shows_in_full_the_overrides_that_tell_jobs_apart():
+    """The overrides column held the first 60 characters of each job's overrides, so a sweep with a long common
+    prefix (+experiment=..., algorithm=...) lost its seeds: `4  +experiment=rloo_vs_grpo_cpu algorithm=reinforce_pp
+    seed=...`. Now the column holds, whole, the overrides that differ between the jobs, and those they share are said
+    once above the table. Control: a sweep whose jobs all have the same overrides still shows them."""
+    common = "+experiment=rloo_vs_grpo_cpu train.num_rollout=25 train.eval_interval=5"
+    jobs = [(a, s) for a in ("rloo", "reinforce_pp") for s in (1, 2)]
+    rows = [JobRow(i, f"+experiment=rloo_vs_grpo_cpu algorithm={a} seed={s} train.num_rollout=25 "
+                      "train.eval_interval=5", "FINISHED", f"run{i}", 0.5, 10.0) for i, (a, s) in enumerate(jobs)]
+    lines = format_table(rows, sweep_id="S").splitlines()
+    assert f"overrides of every job: {common}" in lines
+    body = {line.split()[0]: line.split() for line in lines if line[:1].isdigit()}
+    for i, (a, s) in enumerate(jobs):
+        assert body[str(i)][1:4] == [f"algorithm={a}", f"seed={s}", "FINISHED"], body[str(i)]
+    same = format_table([JobRow(0, "seed=1 x=2", "FAILED"), JobRow(1, "seed=1 x=2", "FINISHED")]).splitlines()
+    assert [line.split()[:3] for line in same if line[:1].isdigit()] == [["0", "seed=1", "x=2"], ["1", "seed=1", "x=2"]]
