@@ -128,3 +128,43 @@ def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path):
         assert (save_dir / f"step_{step + 1:06d}" / "state.json").is_file()
         row = rows[index]
         assert row[1] == f"seed={seed}" and "KILLED" in row and run.info.run_id in row, row  # its own run
+
+
+@pytest.mark.slow
+def test_a_crashed_jobs_run_ends_failed_and_resume_auto_continues_it(tmp_path):
+    """A job of `relax-train -m` killed (SIGKILL, from its reward function in step 2's scoring, once its checkpoint of
+    step 1 is committed) is FAILED in the table and its MLflow run is ended FAILED when the sweep ends; before, the
+    run stayed RUNNING for good (relax-compare: "is RUNNING: left out", as if still training). The same sweep run
+    again with train.resume=auto (the crash disarmed) continues the checkpoint in that same run, which ends FINISHED
+    with every step once."""
+    from mlflow import MlflowClient
+
+    hold = tmp_path / "crash"
+    hold.mkdir()
+    save_dir = tmp_path / "checkpoints" / "relax" / "grpo-seed1"
+    calls_per_step = 2 * 4
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAX_CRASH_DIR": str(hold),
+           "RELAX_CRASH_CALL": str(2 * calls_per_step + 1), "RELAX_CRASH_AFTER": str(save_dir / "step_000001"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "relax.cli.train", "-m", "seed=1", "train.num_rollout=4", "train.eval_interval=0",
+           "train.save_interval=1", "tracking.progress=false", "tracking.system_metrics=false",
+           "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "train.global_batch_size=8",
+           "data.reward=sweep_rewards:crash", "data.reward_timeout_s=null", "train.resume=auto"]
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = first.stdout + first.stderr
+    assert first.returncode == 1, out[-5000:]
+    assert (hold / "crashed").exists(), out[-5000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("relax").experiment_id
+    (child,) = [r for r in client.search_runs([experiment]) if "mlflow.parentRunId" in r.data.tags]
+    assert child.info.status == "FAILED", out[-5000:]
+    row = next(line.split() for line in first.stdout.splitlines() if line.startswith("0 "))
+    assert "FAILED" in row and child.info.run_id in row, row
+
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-5000:]
+    assert re.search(rf"resuming from {save_dir}/step_0000\d\d at step \d", out), out[-5000:]
+    resumed = client.get_run(child.info.run_id)
+    assert resumed.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "train/loss")] == [0, 1, 2, 3]
