@@ -1,5 +1,6 @@
 """relax-submit: the Ray Jobs payload, and a real submission to a local Ray head with token authentication."""
 
+import contextlib
 import os
 import re
 import secrets
@@ -174,10 +175,14 @@ def test_token_auth_is_turned_on_when_a_token_is_available(tmp_path, monkeypatch
     assert not enable_token_auth({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "t"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now: the sockets are held together while picking (one at a time, each closed before
+    the next, the kernel may give the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +194,7 @@ def ray_head(tmp_path_factory):
     # Ray's socket paths must stay under the OS limit (107 bytes): pytest's directories can be longer (xdist)
     ray_tmp = tempfile.mkdtemp(prefix="relax-head-", dir="/tmp")
     (tmp / "ray").symlink_to(ray_tmp)  # where the tests look for what the head keeps
-    gcs, dash, agent, client = (_free_port() for _ in range(4))
+    gcs, dash, agent, client = _free_ports(4)
     ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(tmp)}
     cmd = [ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",

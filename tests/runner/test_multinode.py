@@ -26,6 +26,7 @@ processes on this machine calling `ray.init()` would then join. Every wait is bo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -68,10 +69,14 @@ PRIVATE_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                'mount -t tmpfs -o mode=1777,size=1g relax-mn-shm /dev/shm && exec "$@"', "sh"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now: the sockets are held together while picking (one at a time, each closed before
+    the next, the kernel may give the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _mount_namespaces() -> bool:
@@ -90,8 +95,12 @@ class RayNodes:
         self.env.update(RAY_AUTH_MODE="token", RAY_worker_niceness="0")  # the token: ~/.ray/auth_token
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
-        self.gcs_port = _free_port()
+        self._ports = iter(_free_ports(12))  # every port these nodes are given, distinct
+        self.gcs_port = self.port()
         self.address = f"{HEAD_IP}:{self.gcs_port}"
+
+    def port(self) -> int:
+        return next(self._ports)
 
     def launch(self, *args: str, name: str, cpus: int, private_shm: bool = False) -> None:
         """Start node `name` (not waiting: `wait`)."""
@@ -100,8 +109,8 @@ class RayNodes:
         (home / "tmp").mkdir(parents=True)
         log_path = self.logs[name] = Path(self.base) / f"{name}.log"
         cmd = [ray_cli, "start", "--block", f"--num-cpus={cpus}", "--num-gpus=0", f"--temp-dir={home / 'r'}",
-               f"--object-store-memory={200 << 20}", f"--dashboard-agent-listen-port={_free_port()}",
-               f"--metrics-export-port={_free_port()}", *args]
+               f"--object-store-memory={200 << 20}", f"--dashboard-agent-listen-port={self.port()}",
+               f"--metrics-export-port={self.port()}", *args]
         with open(log_path, "w") as log:
             proc = subprocess.Popen((PRIVATE_SHM if private_shm else []) + cmd, stdout=log, stderr=subprocess.STDOUT,
                                     env={**self.env, "TMPDIR": str(home / "tmp")}, start_new_session=True)
@@ -169,7 +178,7 @@ def two_nodes():
     pinned = False
     try:
         nodes.launch("--head", f"--node-ip-address={HEAD_IP}", f"--port={nodes.gcs_port}",
-                     "--include-dashboard=false", f"--ray-client-server-port={_free_port()}", name="head", cpus=0)
+                     "--include-dashboard=false", f"--ray-client-server-port={nodes.port()}", name="head", cpus=0)
         nodes.wait("head")
         nodes.launch(f"--address={nodes.address}", f"--node-ip-address={TRAINER_IP}", name="trainer", cpus=1,
                      private_shm=True)
