@@ -379,6 +379,66 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
     return ResumePoint(path, state, changed)
 
 
+# what names a run's default checkpoint directory (`run_name`): a checkpoint of the experiment that differs from a run
+# only in these (and in what may change on resume) is the same run under another seed or name
+_NAMING_FIELDS = ("seed", "tracking.run_name", "tracking.arm")
+_SIBLINGS_SHOWN = 3
+
+
+def resume_note(cfg: RelaxConfig, cwd: Optional[Path] = None) -> Optional[str]:
+    """What `train.resume=auto` will do, in one line (None for any other train.resume): which checkpoint it continues,
+    or that there is none in the save directory, so that the run starts at step 0 as a new run. A new run is what
+    `auto` means then (as in verl and TRL), but the directory is named by the seed and run name: a changed seed starts
+    afresh. So the note also names checkpoints of the same experiment whose config differs from this run's only in
+    the seed or run name (`_NAMING_FIELDS`): most often the run the user meant to continue. The dry run's checkpoints
+    line and the start (`Checkpoints`) both say it."""
+    if cfg.train.resume != "auto":
+        return None
+    save_dir = resolve_save_dir(cfg, cwd)
+    done = _committed(save_dir)
+    if done:
+        path, state = done[-1]
+        return f"train.resume=auto continues {path} (step {_int(state.get('step'))})"
+    text = f"train.resume=auto: no checkpoint in {save_dir}, so this run starts at step 0 as a new run"
+    others = _same_run_elsewhere(cfg, save_dir)
+    if others:
+        listed = "; ".join(f"{path} (step {step}, {how})" for path, step, how in others[:_SIBLINGS_SHOWN])
+        more = f" and {len(others) - _SIBLINGS_SHOWN} more" if len(others) > _SIBLINGS_SHOWN else ""
+        how = f"run with {others[0][2]}" if len(others) == 1 else "run with its values"
+        text += (f". Checkpoints of the same config with another seed or run name: {listed}{more}. A run continues "
+                 f"only under its own seed and run name (they name its checkpoint directory): to continue "
+                 f"{'that one' if len(others) == 1 else 'one of those'}, {how}")
+    return text
+
+
+def _same_run_elsewhere(cfg: RelaxConfig, save_dir: Path) -> list[tuple[Path, int, str]]:
+    """The latest checkpoints in the other run directories of the experiment's default directory whose config
+    differs from `cfg` only in `_NAMING_FIELDS` (and `RESUMABLE_CHANGES`): (path, step, 'seed=1, ...'). None with
+    `train.save_dir` set: its parent is the user's, not a directory of runs."""
+    if cfg.train.save_dir:
+        return []
+    current = _flat(cfg)
+    found = []
+    try:
+        siblings = sorted(p for p in save_dir.parent.iterdir() if p.is_dir() and p != save_dir)
+    except OSError:
+        return []
+    for directory in siblings:
+        done = _committed(directory)
+        if not done:
+            continue
+        path, state = done[-1]
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            continue
+        saved = {**saved, **added_since(saved, current)}
+        refused, _ = config_differences(saved, current, RESUMABLE_CHANGES + _NAMING_FIELDS)
+        naming = {k: saved.get(k) for k in ("seed", "tracking.run_name") if saved.get(k) != current.get(k)}
+        if not refused and naming:
+            found.append((path, _int(state.get("step")), ", ".join(f"{k}={v}" for k, v in naming.items())))
+    return found
+
+
 def _files(root: Path) -> list[Path]:
     """Every file under `root` except its state.json, in a stable order."""
     return sorted(p for p in root.rglob("*") if p.is_file() and p != root / STATE)
@@ -531,6 +591,7 @@ class Checkpoints:
 
     def __init__(self, cfg: RelaxConfig, cwd: Optional[Path] = None):
         self.cfg = cfg
+        self.cwd = cwd
         self.save_dir = resolve_save_dir(cfg, cwd)
         self.keep = cfg.train.keep_checkpoints  # >= 1 (validation)
         self.resume: ResumePoint | None = None
@@ -565,6 +626,8 @@ class Checkpoints:
         except BaseException:
             self._unlock()
             raise
+        if self.resume is None and self.cfg.train.resume == "auto":
+            print(f"relax-train: note: {resume_note(self.cfg, self.cwd)}", file=sys.stderr, flush=True)
         if self.resume is not None and self.resume.lineage:
             self.lineage = self.resume.lineage
         elif self.writes:

@@ -16,6 +16,8 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   environment, tools and agent loop load.
 - `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
 - `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
+- `tracking`: a sqlite `tracking.uri`'s database can be opened for writing, or created in a directory that exists
+  or can be created (`relax.tracking.mlflow_run.sqlite_store_problem`); the store itself is opened after Ray starts.
 - `endpoints`: every address the run must reach that the user gave accepts a TCP connection within
   `ENDPOINT_TIMEOUT_S` (`relax.runner.endpoints`, with which a sweep checks each job too: the Ray cluster joined,
   `cluster.address` or RAY_ADDRESS; each `rollout.sglang.urls` server; an http(s) `tracking.uri`; a reward service,
@@ -25,7 +27,9 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   the start's own bounded waits.
 - `gpus`: a local Ray instance gets the GPUs the plan needs from this machine.
 - `checkpoints`: the save directory is not in use by another run and can be created; the resume point
-  (`train.resume`) exists, is intact and was written with a config this run may continue.
+  (`train.resume`) exists, is intact and was written with a config this run may continue. With train.resume=auto the
+  dry run's line says which checkpoint the run continues, or that there is none and it starts at step 0
+  (`checkpoint.resume_note`, which the start prints too).
 
 A dry run changes nothing: the checkpoint directory is probed, not locked, cleaned or created. A real start enters
 the `Checkpoints` context (lock, clean-up, resume point) into the caller's exit stack instead, which runs the same
@@ -61,6 +65,7 @@ from relax.runner.errors import RunError
 from relax.runner.plan import Plan, build_plan
 from relax.runner.reward_model import check_reward_model
 from relax.serve.openai.agents import load_agent
+from relax.tracking.mlflow_run import resolve_tracking_uri, sqlite_path, sqlite_store_problem
 from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
 # what a check raises for a user's mistake (anything else is a bug, and propagates)
@@ -88,6 +93,7 @@ class Preflight:
     stack: Optional[contextlib.ExitStack]  # a real start's (the checkpoint directory is locked into it); None: dry
     status: dict[str, str] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # what a passed check found, said instead of what it checks
     tokenizer: Any = None
     train_set: Any = None
     eval_sets: dict = field(default_factory=dict)
@@ -118,7 +124,7 @@ class Preflight:
         lines = ["Checks before Ray (what a start runs before any process starts):"]
         for check in CHECKS:
             status = self.status.get(check.name, "n/a")
-            note = check.what
+            note = self.notes[check.name] if status == "ok" and check.name in self.notes else check.what
             if status == "failed":
                 note = self.problems[check.name].splitlines()[0]
             elif status == "skipped":
@@ -269,8 +275,19 @@ def _checkpoints(pre: Preflight) -> bool:
     # the last check: a start locks the directory (and sets earlier runs' checkpoints aside) only once every other
     # check passed; otherwise, and in a dry run, it is probed
     if pre.stack is None or pre.problems:
-        return checkpoint.probe(pre.cfg, hashes=pre.hash_checkpoints)
+        applies = checkpoint.probe(pre.cfg, hashes=pre.hash_checkpoints)
+        if (note := checkpoint.resume_note(pre.cfg)) is not None:
+            pre.notes["checkpoints"] = note  # the dry run's line: where train.resume=auto starts
+        return applies
     pre.checkpoints = pre.stack.enter_context(checkpoint.Checkpoints(pre.cfg))
+    return True
+
+
+def _tracking(pre: Preflight) -> bool:
+    if not pre.cfg.tracking.enabled or sqlite_path(resolve_tracking_uri(pre.cfg.tracking.uri)) is None:
+        return False  # a tracking server is the endpoints check's
+    if (problem := sqlite_store_problem(pre.cfg.tracking.uri)) is not None:
+        raise RunError(problem)
     return True
 
 
@@ -292,6 +309,7 @@ CHECKS: tuple[Check, ...] = (
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
+    Check("tracking", "tracking.uri's sqlite store can be created and written", _tracking),
     Check("endpoints", "cluster.address, rollout.sglang.urls, tracking.uri, ... accept connections", _endpoints),
     Check("gpus", "a local Ray instance gets the plan's GPUs", _gpus),
     Check("checkpoints", "save dir free and creatable; train.resume's checkpoint", _checkpoints),

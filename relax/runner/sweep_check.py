@@ -15,13 +15,14 @@ from relax.runner.errors import RunError
 from relax.runner.preflight import INPUT_CHECKS, preflight
 
 # the checks of relax.runner.preflight a sweep runs on each job before any starts (`check_sweep_job`): the user's
-# inputs (model files, tokenizer, data and eval files, reward, ...) and the checkpoint directory (not in use, can be
+# inputs (model files, tokenizer, data and eval files, reward, ...), a sqlite tracking store's file and directory
+# (`tracking`: before the sweep opens its parent run there) and the checkpoint directory (not in use, can be
 # created; train.resume's checkpoint exists, its files have their committed sizes (the job checks their SHA-256 at its
 # start: hashing every job's checkpoint here too would read each twice before any job starts) and it was written with
 # a config this job may continue). Not
 # `endpoints` (checked here, every address at once) nor `gpus` (the jobs join the sweep's Ray, not a local one).
 SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora",
-                "checkpoints")
+                "tracking", "checkpoints")
 _INPUTS_CHECKED: dict[tuple[str, str], dict[str, str]] = {}  # one sweep's input problems, by config less the seed
 
 

@@ -212,6 +212,42 @@ def sqlite_path(uri: str) -> Optional[str]:
     return path if path and path != ":memory:" else None
 
 
+def sqlite_store_problem(uri: str, cwd: Optional[str] = None) -> Optional[str]:
+    """Why the sqlite store of tracking.uri `uri` cannot be opened for writing, else None (not a sqlite file URI, or
+    no problem): its file is not a writable regular file, or its directory cannot be created or written (sqlite
+    writes its journal beside the database). A check before anything starts (`relax.runner.preflight`'s
+    `tracking`): what `Tracker.start` would find later, after Ray has started. It changes nothing: the database is
+    opened without writing, and writability is tried with an empty directory made and removed at once (permission
+    bits say nothing for root, nor for a read-only or virtual filesystem such as /proc)."""
+    import tempfile
+
+    db = sqlite_path(resolve_tracking_uri(uri, cwd))
+    if db is None:
+        return None
+    where = f"tracking.uri={uri}: the MLflow store {db}"
+    fix = ("; set tracking.uri to a sqlite file in a writable directory (e.g. sqlite:///mlflow.db, in the working "
+           "directory) or tracking.enabled=false")
+    directory = os.path.dirname(db) or "."
+    if os.path.isdir(db):
+        return f"{where} is a directory, not a database file{fix}"
+    existing = directory
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{where} cannot be created: {existing} is not a directory{fix}"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".relax-probe-", dir=existing))
+    except OSError as exc:
+        what = "cannot be written" if existing == directory else f"cannot be created ({directory} does not exist)"
+        return f"{where} {what}: nothing can be created in {existing} ({exc.strerror or exc}){fix}"
+    if os.path.exists(db):
+        try:
+            os.close(os.open(db, os.O_RDWR))
+        except OSError as exc:
+            return f"{where} cannot be written ({exc.strerror or exc}){fix}"
+    return None
+
+
 def default_spool_dir(uri: str) -> str:
     """Where a run's spool goes when no `spool_dir` is given: next to a sqlite database, else the working directory."""
     db = sqlite_path(uri)

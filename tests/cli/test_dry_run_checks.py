@@ -70,6 +70,7 @@ CASES = {
              "['no_such_proj'] are not linear layers of tiny"),
     "reward_model": (lambda tmp: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
                      "reward_model.path="),
+    "tracking": (lambda tmp: ["tracking.uri=sqlite:////proc/nope/mlflow.db"], "nothing can be created in /proc"),
     "endpoints": (lambda tmp: [f"cluster.address=127.0.0.1:{_closed_port()}"], "cluster.address=127.0.0.1:"),
     "gpus": (lambda tmp: ["cluster=1xgpu"], "torch sees 0 CUDA device(s)"),
     "checkpoints": (_locked_save_dir, "is in use by another running relax-train"),

@@ -128,3 +128,18 @@ def test_the_precheck_checks_a_resume_points_files_by_size_and_leaves_their_hash
     weights.write_bytes(b"\0" * 4)  # cut short
     code, err = sweep("seed=1", "train.resume=auto")
     assert code == 2 and f"{weights} is damaged: 4 bytes, 8 when it was committed (truncated)" in err, err
+
+
+def test_a_tracking_store_that_cannot_be_opened_is_named_before_anything_starts(sweep, tmp_path: Path):
+    """Every job's check includes preflight's `tracking` (the same check as a single run's and a dry run's): a sqlite
+    store where nothing can be created is named before the parent run opens, exit 2. Before, the parent run's start
+    raised it as a traceback (exit 1). Control: a store in a directory still to be created passes, creating nothing."""
+    code, err = sweep("seed=1,2", "tracking.uri=sqlite:////proc/nope/mlflow.db")
+    assert code == 2, err
+    assert "relax-train: error: invalid config in 2 of 2 sweep jobs (nothing started)" in err
+    assert ("tracking.uri=sqlite:////proc/nope/mlflow.db: the MLflow store /proc/nope/mlflow.db cannot be created "
+            "(/proc/nope does not exist)") in err
+    assert "Traceback" not in err
+    code, err = sweep("seed=1,2", f"tracking.uri=sqlite:///{tmp_path}/new/mlflow.db")
+    assert code == 99, err
+    assert not (tmp_path / "new").exists()
