@@ -128,3 +128,27 @@ def test_a_template_without_a_system_role_gets_the_tools_in_the_first_user_messa
     own = [{"role": "system", "content": "Be brief."}] + USER
     exc = _refused(lambda: client.chat.completions.create(model="policy", messages=own, tools=TOOLS))
     assert exc.status_code == 400 and "System role not supported" in exc.message, exc.message
+
+
+def test_mistral_call_ids_are_the_nine_characters_its_template_takes_back(gateways):
+    """Relax does not cause Mistral v0.3's refusal: with the mistral parser a call's id is 9 letters and digits (as
+    vLLM's mistral parser writes it), so the results sent back render; the template itself takes that history.
+    Negative control: with `call_` + 24 hex digits the follow-up was the template's 400 ("Tool call IDs should be
+    alphanumeric strings with length 9!")."""
+    from tests.agents.test_tool_templates_beyond_fixtures import MISTRAL_SPECIAL, MISTRAL_V3, tokenizer_with
+
+    tok = tokenizer_with(MISTRAL_V3, MISTRAL_SPECIAL)
+    fmt = ChatFormat(tok, (tok.eos_token_id,))
+    _, _, _, client = gateways.make(fmt, ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+                                          "Sunny in Paris."])
+    message = client.chat.completions.create(model="policy", messages=USER[:1], tools=TOOLS).choices[0].message
+    ids = [c.id for c in message.tool_calls]
+    assert len(ids) == 1 and all(len(i) == 9 and i.isalnum() for i in ids), ids
+    follow = USER[:1] + [message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": ids[0], "content": "sunny"}]
+    own = copy.deepcopy(follow)
+    for c in own[1]["tool_calls"]:
+        c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    tok.apply_chat_template(own, tools=TOOLS, tokenize=False)  # the template takes it (raises otherwise)
+    answer = client.chat.completions.create(model="policy", messages=follow, tools=TOOLS).choices[0].message
+    assert answer.content == "Sunny in Paris."

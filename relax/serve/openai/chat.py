@@ -24,6 +24,8 @@ import functools
 import itertools
 import json
 import re
+import secrets
+import string
 import threading
 import uuid
 from typing import Any, Optional
@@ -105,6 +107,14 @@ def tools_prompt(tools: list[dict], fmt: str) -> str:
     name, args = example_call(tools[0])
     return TOOLS_PROMPT.format(tools=listing, name=name, example=write_calls(fmt, [(name, args)]),
                                several=SEVERAL.get(fmt, SEVERAL_DEFAULT))
+
+
+def call_id(parser: ToolParser) -> str:
+    """A new tool call id: `call_` and 24 hex digits (SGLang's), or for the mistral format 9 letters and digits, as
+    vLLM's mistral parser writes them (Mistral v0.3's template refuses any other id when the results come back)."""
+    if parser_format(parser) == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def template_refusal(exc: Exception) -> APIError:
@@ -339,6 +349,6 @@ class ChatFormat:
             return text, None
         offered = None if tools is None else {t["function"]["name"] for t in tools}
         calls = [c for c in parsed.calls if offered is None or c.name in offered]
-        return parsed.content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        return parsed.content, [{"id": call_id(parser), "type": "function",
                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                                 for c in calls] or None
