@@ -164,7 +164,7 @@ class EpisodeMaker:
         """The episodes of a run's agentic rollouts (`data.env`, `data.tools`, `data.agent` with the rollout's
         limits), or None for single-turn data and for an agent program (`data.openai_agent`)."""
         from relax.agents.loops import AgentFactory
-        from relax.agents.parsers import get_parser, uses_reasoning
+        from relax.agents.parsers import get_parser, parse_hermes, uses_reasoning
         from relax.config.derive import agentic
         from relax.data.images import is_vision_model_config, load_processor
         from relax.data.tokenizer import load_tokenizer
@@ -173,7 +173,9 @@ class EpisodeMaker:
             return None
         d, ro = cfg.data, cfg.rollout
         tokenizer = load_tokenizer(cfg.model)
-        parser = get_parser(d.tool_parser, tokenizer)  # auto: the one of the tokenizer's chat template
+        # auto: the one of the tokenizer's chat template; only data.tools reads calls, so an env-only or data.agent
+        # run on a template whose call format Relax cannot read is not refused for it
+        parser = get_parser(d.tool_parser, tokenizer) if d.tools else parse_hermes
         processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
         loops = AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser, uses_reasoning(tokenizer),
                              env_timeout_s=d.env_timeout_s)

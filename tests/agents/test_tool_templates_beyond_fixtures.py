@@ -367,6 +367,10 @@ def test_relax_train_refuses_it_before_anything_starts(phi4_dir, capfd):
     code, out, err = relax_train(["dry_run=true", "model=tiny", f"model.tokenizer={phi4_dir}", "data=calculator",
                                   "data.tool_parser=hermes"], capfd)
     assert code == 0, out + err  # named, the parser is the user's choice
+    # an environment without tools never reads a call: nothing to refuse (it was, through EpisodeMaker.for_config)
+    code, out, err = relax_train(["dry_run=true", "model=tiny", f"model.tokenizer={phi4_dir}", "data=guess_number"],
+                                 capfd)
+    assert code == 0, out + err
 
 
 @pytest.mark.parametrize("written", [
