@@ -43,7 +43,8 @@ def service() -> OpenAIService:
     return OpenAIService(fmt, lambda payloads: [], model="m", context_length=None)
 
 
-def check(service: OpenAIService, text: str, p: Params, prompt: list[int]) -> None:
+def check(service: OpenAIService, text: str, p: Params, prompt: list[int]) -> str:
+    """Returns the content sent before the answer finished."""
     fmt = service.fmt
     tokens = fmt.encode(text) + [fmt.tokenizer.eos_token_id]
     logps = [-(k + 1) / 100 for k in range(len(tokens))]  # one distinct value per token
@@ -58,13 +59,15 @@ def check(service: OpenAIService, text: str, p: Params, prompt: list[int]) -> No
             lps += d.logprobs or []
         where = f"{text!r} stop={p.stop} tools={bool(p.tools)} after {k} tokens: {sent}"
         assert reasoning.startswith(sent["reasoning_content"]) and content.startswith(sent["content"]), where
-        for marker in ("<think>", "</think>", "<tool_call>"):
+        for marker in ("<think>", "</think>", "<tool_call>", "[TOOL_CALLS]"):
             assert marker not in sent["content"] or marker in content, where
+    early = sent["content"]
     for d in splitter.finish(final, final.reasoning, final.text):
         sent[d.field] += d.text
         lps += d.logprobs or []
     assert sent == {"reasoning_content": reasoning, "content": content}, (text, p.stop)
     assert lps == [(piece, lp, []) for piece, lp in zip(final.pieces, final.logprobs, strict=True)]
+    return early
 
 
 @pytest.mark.parametrize("tools", [False, True])
@@ -82,3 +85,20 @@ def test_a_block_the_prompt_opened_goes_to_reasoning(service, text):
     assert service.fmt.opens_reasoning(prompt)
     for stream_reasoning in (True, False):
         check(service, text, Params(model="m", stream=True, logprobs=True, stream_reasoning=stream_reasoning), prompt)
+
+
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]'
+
+
+@pytest.mark.parametrize("text", [f"Let me add. {MISTRAL_CALL}", 'Let me add. [TOOL_CALLS]add[ARGS]{"a": 1}',
+                                  "Let me add. [TOOL_CA", "Let me add. no call"])
+def test_a_mistral_answer_streams_its_text_before_the_call(text):
+    """Mistral's `[TOOL_CALLS]` is where a call may start: the text before it streams as it is drawn (a parser
+    without its start would hold the whole message to the end), the marker itself never."""
+    tok = _byte_level_tokenizer()
+    tok.chat_template = QWEN3
+    service = OpenAIService(ChatFormat(tok, (tok.eos_token_id,), get_parser("mistral", tok)), lambda payloads: [],
+                            model="m", context_length=None)
+    early = check(service, text, Params(model="m", stream=True, logprobs=True, tools=TOOLS),
+                  service.fmt.encode("<|im_start|>assistant\n"))
+    assert early.startswith("Let me add."), early

@@ -38,6 +38,7 @@ from relax.agents.parsers import (
     DS_CALLS_BEGIN,
     DS_CALLS_END,
     END_THINK,
+    MISTRAL_CALLS,
     OPEN_TAG,
     PYTHON_TAG,
     THINK,
@@ -50,6 +51,7 @@ CALL_STARTS: dict[str, tuple[str, ...]] = {
     "hermes": (OPEN_TAG,), "qwen3_coder": (OPEN_TAG,), "glm45": (OPEN_TAG,), "llama3_json": (PYTHON_TAG,),
     # DeepSeek's section markers are taken out of a message with calls: held as well
     "deepseek_v3": (DS_CALLS_BEGIN, DS_CALL_BEGIN, DS_CALLS_END),
+    "mistral": (MISTRAL_CALLS,),
 }
 _LLAMA_OPENING = re.compile(r"[\[{]")
 logger = logging.getLogger(__name__)
