@@ -87,12 +87,13 @@ def test_responses_structured_output_parses_into_the_model(client):
     """The Responses API's text.format json_schema (`responses.parse`, what openai-agents' output_type and
     LangChain's with_structured_output on the Responses API send) constrains the answer as response_format does;
     the same request as plain text (the negative control) does not parse."""
-    for _ in range(2):  # (the Responses API has no seed; the schema bounds every answer's length)
+    for seed in (1, 2):
         r = client.responses.parse(model="tiny", input="Forecast for Paris?", text_format=Forecast,
-                                   max_output_tokens=200)
+                                   max_output_tokens=200, extra_body={"seed": seed})
         assert isinstance(r.output_parsed, Forecast), r.output_text
         assert r.text.format.type == "json_schema"
-    free = client.responses.create(model="tiny", input="Forecast for Paris?", max_output_tokens=40)
+    free = client.responses.create(model="tiny", input="Forecast for Paris?", max_output_tokens=40,
+                                   extra_body={"seed": 3})
     with pytest.raises(ValueError):
         Forecast.model_validate_json(free.output_text)
 

@@ -385,13 +385,14 @@ def test_a_responses_stream_streams_the_reasoning_as_it_comes(family_servers, mo
     """The Responses API on qwen3.5 (its generation prompt opens <think>): the reasoning item's text streams as
     `response.reasoning_text.delta` events while the engine is still generating (held after HELD_AT tokens until
     the client has read one); the item is added before its deltas and done after them (content_part added and done
-    around them), and the deltas put together are the reasoning item of the last event's response. (Sampled: the
-    Responses API takes no seed, and the tiny model's greedy answer has no text.) Before, the reasoning item came
-    whole once the content began or the answer ended: the hold saw no delta (`had == [False]`)."""
+    around them), and the deltas put together are the reasoning item of the last event's response. (Sampled, with a
+    seed: the tiny model's greedy answer has no text.) Before, the reasoning item came whole once the content began
+    or the answer ended: the hold saw no delta (`had == [False]`)."""
     client = family_client(family_servers, "qwen3_5")
     hold = Held(family_servers["qwen3_5"], monkeypatch)
     events = []
-    for e in client.responses.create(model="tiny", input="What is 3 + 4?", max_output_tokens=10, stream=True):
+    for e in client.responses.create(model="tiny", input="What is 3 + 4?", max_output_tokens=10, stream=True,
+                                     extra_body={"seed": 6}):
         if e.type == "response.reasoning_text.delta":
             hold.seen.set()
         events.append(e)
