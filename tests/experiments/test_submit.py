@@ -1,12 +1,10 @@
 """relax-submit: the Ray Jobs payload, and a real submission to a local Ray head with token authentication."""
 
-import contextlib
 import os
 import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from relax.cli.submit import (
     parse_env,
     storage_problems,
 )
+from tests.ports import free_ports
 
 # its tests share module-scoped Ray head: one xdist worker runs them in a row
 pytestmark = pytest.mark.xdist_group("submit")
@@ -175,16 +174,6 @@ def test_token_auth_is_turned_on_when_a_token_is_available(tmp_path, monkeypatch
     assert not enable_token_auth({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "t"})
 
 
-def _free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now: the sockets are held together while picking (one at a time, each closed before
-    the next, the kernel may give the same port twice)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """`ray start --head --block` on loopback with token auth and ports of its own (other Ray instances on this
@@ -194,7 +183,7 @@ def ray_head(tmp_path_factory):
     # Ray's socket paths must stay under the OS limit (107 bytes): pytest's directories can be longer (xdist)
     ray_tmp = tempfile.mkdtemp(prefix="relax-head-", dir="/tmp")
     (tmp / "ray").symlink_to(ray_tmp)  # where the tests look for what the head keeps
-    gcs, dash, agent, client = _free_ports(4)
+    gcs, dash, agent, client = free_ports(4)
     ray_cli = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(tmp)}
     cmd = [ray_cli, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",

@@ -26,12 +26,10 @@ processes on this machine calling `ray.init()` would then join. Every wait is bo
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +49,7 @@ from relax.runner.errors import RunError
 from relax.runner.plan import SPREAD_STRATEGY, build_plan, reserve
 from relax.runner.rollout_driver.sglang_engines import SGLangEngines
 from relax.runner.train import run
+from tests.ports import free_ports
 
 # one xdist worker runs them in a row, on the module's cluster
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]
@@ -69,16 +68,6 @@ PRIVATE_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                'mount -t tmpfs -o mode=1777,size=1g relax-mn-shm /dev/shm && exec "$@"', "sh"]
 
 
-def _free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now: the sockets are held together while picking (one at a time, each closed before
-    the next, the kernel may give the same port twice)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 def _mount_namespaces() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True).returncode == 0
@@ -95,7 +84,7 @@ class RayNodes:
         self.env.update(RAY_AUTH_MODE="token", RAY_worker_niceness="0")  # the token: ~/.ray/auth_token
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
-        self._ports = iter(_free_ports(12))  # every port these nodes are given, distinct
+        self._ports = iter(free_ports(12))  # every port these nodes are given, distinct
         self.gcs_port = self.port()
         self.address = f"{HEAD_IP}:{self.gcs_port}"
 

@@ -4,13 +4,11 @@ update process group (two processes broadcasting over gloo, beside a default pro
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +21,7 @@ import pytest
 import torch
 
 from relax.rollout.sglang import wire
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
 
@@ -231,16 +230,6 @@ def test_not_base64_is_a_value_error():
         wire.deserialize("not base64 !!")
 
 
-def _free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now: the sockets are held together while picking (one at a time, each closed before
-    the next, the kernel may give the same port twice)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 def _member(port: int, rank: int, queue, default_port: int) -> None:
     if rank == 0:  # a trainer has its own default group (alone in it here); the update group forms beside it
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{default_port}", rank=0,
@@ -259,7 +248,7 @@ def _member(port: int, rank: int, queue, default_port: int) -> None:
 def test_two_processes_broadcast_through_an_update_group_with_and_without_a_default_group():
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port, default_port = _free_ports(2)
+    port, default_port = free_ports(2)
     procs = [ctx.Process(target=_member, args=(port, rank, queue, default_port)) for rank in range(2)]
     for p in procs:
         p.start()
