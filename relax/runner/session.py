@@ -234,7 +234,7 @@ class Session:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.yaml").write_text(resolved)
         if resume is not None:
-            print(f"resuming from {resume.path} at step {resume.step}", file=sys.stderr, flush=True)
+            print(f"resuming from {resume.path} ({resume.step} steps trained)", file=sys.stderr, flush=True)
             if self._ledger_missing and resume.step > 0:
                 print(f"relax-train: note: checkpoint {resume.path} has no {LEDGER_FILE} (written before sample "
                       f"ledgers): the run's ledger starts at step {resume.step}, so relax-verify-run reports steps "

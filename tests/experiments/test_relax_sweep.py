@@ -164,7 +164,7 @@ def test_a_crashed_jobs_run_ends_failed_and_resume_auto_continues_it(tmp_path):
     second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-5000:]
-    assert re.search(rf"resuming from {save_dir}/step_0000\d\d at step \d", out), out[-5000:]
+    assert re.search(rf"resuming from {save_dir}/step_0000\d\d \(\d+ steps trained\)", out), out[-5000:]
     resumed = client.get_run(child.info.run_id)
     assert resumed.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(child.info.run_id, "train/loss")] == [0, 1, 2, 3]
