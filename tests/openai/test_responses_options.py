@@ -1,11 +1,12 @@
-"""The Responses API's sampling and template options, through the official `openai` client over real HTTP
-(`extra_body` for the fields the openai package does not type): SGLang's Responses fields that are chat-route fields
+"""The Responses API's sampling and template options, through the official `openai` client over real HTTP (`extra_body`
+for the fields the openai package does not type): SGLang's Responses fields that are chat-route fields
 (`chat_template_kwargs`, `top_k`, `stop`, penalties, ...) and `seed` go into the chat request as they are, so a
 Responses call sends the engine exactly the /generate payload of the chat call with the same options, and is refused
-with the chat route's 400 naming the same field; `reasoning.effort: "none"` is SGLang's thinking switch; `request_id`
-names the response. A scripted engine behind the training gateway (fast): a "model" on Qwen3's real chat template
-(tests/agents/templates.py) that reasons unless its prompt closed the <think> block, as Qwen3 does. That the same
-seed gives the same answer and another seed another one on a real sampler: tests/openai/test_responses.py (slow)."""
+with the chat route's 400 naming the same field; `reasoning.effort: "none"` is SGLang's thinking switch, the chat
+route's `reasoning_effort: "none"` (one implementation, tested here on both routes); `request_id` names the response. A
+scripted engine behind the training gateway (fast): a "model" on Qwen3's real chat template (tests/agents/templates.py)
+that reasons unless its prompt closed the <think> block, as Qwen3 does. That the same seed gives the same answer and
+another seed another one on a real sampler: tests/openai/test_responses.py (slow)."""
 
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ def test_every_reasoning_key_openai_defines_is_taken_null():
     req = parse_request({"model": "m", "input": "hi", "reasoning": every}, lambda rid: [])
     assert "chat_template_kwargs" not in req.chat and req.echo["reasoning"] == {"effort": None, "summary": None}
     req = parse_request({"model": "m", "input": "hi", "reasoning": {**every, "effort": "none"}}, lambda rid: [])
-    assert req.chat["chat_template_kwargs"] == {"thinking": False, "enable_thinking": False}
+    assert req.chat["reasoning_effort"] == "none" and "chat_template_kwargs" not in req.chat  # the chat route's
 
 
 def test_request_id_names_the_response_and_continues_it(make):
@@ -191,3 +192,76 @@ def test_request_id_names_the_response_and_continues_it(make):
     chained = client.responses.create(model="m", previous_response_id="resp_mine", input="and 5 + 6?")
     assert chained.previous_response_id == "resp_mine"
     assert QUESTION in engine.fmt.decode(engine.payloads[-1]["input_ids"])
+
+
+# ------------------------------------------------------------------ the chat route's reasoning_effort (SGLang's)
+def _reasoning(message) -> typing.Any:
+    return getattr(message, "reasoning_content", None)
+
+
+def test_chat_reasoning_effort_none_renders_the_closed_block_and_answers_without_reasoning(make):
+    """reasoning_effort="none" on the chat route (the official client's own argument) renders the prompt as Qwen3's
+    template renders it with enable_thinking=false, and no reasoning_content comes back (whole and streamed), with
+    other chat_template_kwargs beside it too; the control, without it, renders the open prompt and reasons. A
+    Responses call with reasoning.effort "none" sends the engine the same payload (one implementation)."""
+    engine, client, fmt = make()
+    tok = fmt.tokenizer
+    plain = client.chat.completions.create(model="m", messages=USER)
+    assert tok.decode(engine.payloads[-1]["input_ids"]) == rendered(tok)
+    assert (_reasoning(plain.choices[0].message), plain.choices[0].message.content) == ("add them", "7")
+    for extra in (None, {"chat_template_kwargs": {"unused_variable": 1}}, {"seed": 3}):
+        r = client.chat.completions.create(model="m", messages=USER, reasoning_effort="none", extra_body=extra)
+        assert tok.decode(engine.payloads[-1]["input_ids"]) == rendered(tok, enable_thinking=False), extra
+        assert _reasoning(r.choices[0].message) is None and r.choices[0].message.content == "7", extra
+        chunks = list(client.chat.completions.create(model="m", messages=USER, reasoning_effort="none", stream=True,
+                                                     extra_body=extra))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert not any(_reasoning(d) for d in deltas) and "".join(d.content or "" for d in deltas) == "7", extra
+    client.chat.completions.create(model="m", messages=USER, reasoning_effort="none", seed=5)
+    chat = engine.payloads[-1]
+    client.responses.create(model="m", input=QUESTION, reasoning={"effort": "none"}, extra_body={"seed": 5})
+    assert engine.payloads[-1] == chat
+
+
+@pytest.mark.parametrize("effort", ["low", "medium", "high", "minimal", 0.5])
+def test_chat_reasoning_efforts_other_than_none_get_a_400_naming_reasoning_effort(make, effort):
+    engine, client, _ = make()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=USER, reasoning_effort=effort)
+    assert info.value.body["param"] == "reasoning_effort" and "reasoning_effort" in info.value.body["message"]
+    assert engine.payloads == []
+
+
+def test_chat_reasoning_effort_none_is_refused_where_the_template_would_still_reason(make):
+    """An R1-style template (no thinking switch: its generation prompt always opens <think>): "none" is a 400 naming
+    reasoning_effort, nothing sampled, whole or streamed; so is "none" beside the request's own enable_thinking=true
+    on Qwen3's template. On a template without <think> blocks "none" holds and is accepted."""
+    tok = _byte_level_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = ALWAYS_THINKS
+    engine, client, _ = make(tok)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="m", messages=USER, reasoning_effort="none", stream=stream)
+        assert info.value.body["param"] == "reasoning_effort" and "reasoning_effort" in info.value.body["message"]
+    assert engine.payloads == []
+    engine, client, _ = make()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="m", messages=USER, reasoning_effort="none",
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert info.value.body["param"] == "reasoning_effort" and engine.payloads == []
+    plain = _byte_level_tokenizer()
+    plain.chat_template = ALWAYS_THINKS.replace("<think>\n", "")
+    engine, client, _ = make(plain)
+    r = client.chat.completions.create(model="m", messages=USER, reasoning_effort="none")
+    assert _reasoning(r.choices[0].message) is None and len(engine.payloads) == 1
+
+
+def test_completions_take_reasoning_effort_null_only():
+    """A completion renders no chat template: reasoning_effort other than null is a 400 naming it."""
+    from relax.serve.openai.protocol import APIError, parse_completion
+
+    parse_completion({"model": "m", "prompt": "hi", "reasoning_effort": None})
+    with pytest.raises(APIError) as info:
+        parse_completion({"model": "m", "prompt": "hi", "reasoning_effort": "none"})
+    assert info.value.param == "reasoning_effort"

@@ -26,9 +26,9 @@ it has a value that changes nothing, like the chat route's strict check (`relax.
 is every key inside input items, content parts, tools, tool_choice, text.format and stream_options (the keys the
 Responses API defines there, `check_keys`). The chat route's fields that SGLang's Responses route takes too
 (`chat_template_kwargs`, `top_k`, `stop`, penalties, `min_p`, ...; `SHARED`), and `seed`, go into the chat request
-as they are: honoured or refused by the chat route's own code, exactly as there. `reasoning.effort` "none" is
-SGLang's thinking switch (`chat_template_kwargs` thinking and enable_thinking false, the request's own keys first),
-refused where the chat template would still let the model reason; other efforts and reasoning summaries are refused.
+as they are: honoured or refused by the chat route's own code, exactly as there. `reasoning.effort` is the chat
+route's `reasoning_effort` ("none": SGLang's thinking switch, refused where the chat template would still let the model
+reason; other efforts refused), its errors named reasoning.effort; reasoning summaries are refused.
 `request_id` (SGLang's, vLLM's) names the response.
 """
 
@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from relax.serve.http import EventSource
 from relax.serve.openai.protocol import FIELDS as CHAT_FIELDS
-from relax.serve.openai.protocol import TEMPLATE_RESERVED, APIError, check_keys
+from relax.serve.openai.protocol import APIError, check_keys
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
 KEEP_PER_SESSION = 16  # per training session
@@ -119,12 +119,9 @@ SHARED = ("seed", "chat_template_kwargs", "top_k", "stop", "frequency_penalty", 
           "session_id")
 FIELDS.update({name: Rule(CHAT_FIELDS[name].verdict, f"as on the chat route: {CHAT_FIELDS[name].why}", chat=True)
                for name in SHARED})
-# reasoning.effort "none" switches thinking off as SGLang's ResponsesRequest does: both template variables (Qwen3
-# and GLM read enable_thinking, DeepSeek and Kimi thinking), under the request's own chat_template_kwargs
-THINKING_OFF = {"thinking": False, "enable_thinking": False}
 REASONING_PARAM_KEYS = {"effort", "summary", "generate_summary", "context", "mode"}  # openai's Reasoning param
 # chat errors name the chat field; the Responses field they come from
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort"}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -320,13 +317,12 @@ class Request:
     logprobs: bool = False
     echo: dict = field(default_factory=dict)
     rid: Optional[str] = None  # request_id: the response's id (None: a fresh one)
-    thinking_off: bool = False  # reasoning.effort "none": the answer must hold no reasoning
 
 
-def reasoning_effort(reasoning: Any) -> Optional[str]:
-    """The effort a Responses `reasoning` asks for: None (none asked) or "none" (thinking off); a 400 naming
-    reasoning.<key> for what cannot be honoured (another effort: the model reasons as it does; a summary, reasoning
-    context or mode)."""
+def reasoning_effort(reasoning: Any) -> Any:
+    """The effort a Responses `reasoning` asks for (None: none asked), for the chat request's reasoning_effort, which
+    the chat route honours or refuses (its 400 renamed reasoning.effort); a 400 naming reasoning.<key> for the rest
+    of the object that cannot be honoured (a summary, reasoning context or mode)."""
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict):
@@ -336,11 +332,7 @@ def reasoning_effort(reasoning: Any) -> Optional[str]:
         "generate_summary": (lambda v: False, "no reasoning summaries: the reasoning item holds the reasoning text"),
         "context": (lambda v: False, "earlier reasoning is rendered as the chat template renders it"),
         "mode": (lambda v: False, "one reasoning mode")})
-    effort = reasoning.get("effort")
-    if effort not in (None, "none"):
-        raise _bad("reasoning.effort", f"{effort!r} is not supported by this server (no effort control: \"none\" "
-                                       "turns thinking off, null leaves the model to reason as it does)")
-    return effort
+    return reasoning.get("effort")
 
 
 def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
@@ -405,9 +397,8 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
     for name in SHARED:  # the chat route reads them (and names them in its errors)
         if name in body:
             chat[name] = body[name]
-    kwargs = body.get("chat_template_kwargs")
-    if effort == "none" and (kwargs is None or isinstance(kwargs, dict)):  # (not an object: the chat route's 400)
-        chat["chat_template_kwargs"] = {**THINKING_OFF, **(kwargs or {})}  # the request's own keys win, as SGLang's
+    if effort is not None:  # the chat route's reasoning_effort ("none": thinking off, checked against the template)
+        chat["reasoning_effort"] = effort
     echo = {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
@@ -416,7 +407,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": effort, "summary": None}}
     return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs, echo=echo,
-                   rid=rid, thinking_off=effort == "none")
+                   rid=rid)
 
 
 def renamed(exc: APIError) -> APIError:
@@ -687,21 +678,6 @@ class Responses:
                 kept = self._sessions[session] = Kept(self.keep_per_session)
             return kept
 
-    def _check_thinking_off(self, kwargs: Any) -> None:
-        """A 400 naming reasoning.effort where "none" cannot be honoured: the chat template uses <think> blocks and,
-        rendered with these chat_template_kwargs, its generation prompt does not close one (a template without the
-        thinking switch, or the request's own kwargs turning thinking back on). A template without <think> blocks
-        never reasons: "none" holds. Kwargs the chat route refuses (not an object, apply_chat_template's own
-        arguments) are left to it: its 400 names chat_template_kwargs."""
-        fmt = getattr(self.service, "fmt", None)
-        if fmt is None or not fmt.reasoning or not isinstance(kwargs, dict) or TEMPLATE_RESERVED & set(kwargs):
-            return  # (reserved keys: the chat route's 400)
-        probe = fmt.prompt([{"role": "user", "content": "hi"}], None, kwargs)
-        if not fmt.closes_reasoning(probe):
-            raise _bad("reasoning.effort", "'none' cannot be honoured: rendered with chat_template_kwargs "
-                                           f"{json.dumps(kwargs, sort_keys=True)}, this model's chat template still "
-                                           "lets it reason (its generation prompt does not close a <think> block)")
-
     def create(self, body: Any, session: Any = None) -> tuple[int, Any]:
         """(status, a `response` object or its event stream); APIError for a refused request."""
         kept = self._kept(session)
@@ -711,8 +687,6 @@ class Responses:
                 return kept.get(rid)
 
         req = parse_request(body, previous)
-        if req.thinking_off:
-            self._check_thinking_off(req.chat.get("chat_template_kwargs"))
         chat = dict(req.chat)
         created = int(time.time())
         rid = req.rid or new_id("resp")

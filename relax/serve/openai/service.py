@@ -17,6 +17,7 @@ by the same code as the unstreamed answer's.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -150,6 +151,8 @@ class OpenAIService:
             check_image_parts(body)
             body, image_data, places = take_images(body)
         messages, p = parse_chat(body)
+        if p.thinking_off:
+            self._check_thinking_off(p.template_kwargs or {})
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(p))
         elif p.tools and p.grammar is not None:  # tool_choice auto and a format: the calls or the format's content
@@ -182,6 +185,19 @@ class OpenAIService:
             return p, list(self._chat_chunks(_answered(sampled, choices), prompt, p, bool(image_data)))
         prompt_len = sampled[0].prompt_tokens if image_data and sampled[0].prompt_tokens else len(prompt)
         return p, chat_answer(choices, p, prompt_len, model=p.model)
+
+    def _check_thinking_off(self, kwargs: dict) -> None:
+        """A 400 naming reasoning_effort where "none" cannot be honoured: the chat template uses <think> blocks and,
+        rendered with these chat_template_kwargs (THINKING_OFF under the request's own), its generation prompt does not
+        close one (a template without the thinking switch, or the request's own kwargs turning thinking back on). A
+        template without <think> blocks never reasons: "none" holds. Checked on a one-message probe, before anything
+        is rendered for the request or recorded in a session."""
+        if not self.fmt.reasoning:
+            return
+        if not self.fmt.closes_reasoning(self.fmt.prompt([{"role": "user", "content": "hi"}], None, kwargs)):
+            raise APIError("reasoning_effort: 'none' cannot be honoured: rendered with chat_template_kwargs "
+                           f"{json.dumps(kwargs, sort_keys=True)}, this model's chat template still lets it reason "
+                           "(its generation prompt does not close a <think> block)", param="reasoning_effort")
 
     def _chat_choice(self, s: Sampled, prompt: list[int], p: Params) -> Choice:
         """A chat answer's choice of what the engine sampled: its content, reasoning and tool calls."""
