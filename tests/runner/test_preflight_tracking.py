@@ -86,6 +86,8 @@ def test_dry_run_and_the_real_start_stop_before_ray_with_the_same_error(tmp_path
     import ray
 
     monkeypatch.chdir(tmp_path)
+    inits = []  # ray.init's calls (ray.is_initialized() may be true from an earlier test on this xdist worker)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: inits.append(k) or pytest.fail("ray.init was called"))
     bad = "tracking.uri=sqlite:////proc/nope/mlflow.db"
     code, out, err = relax_train([bad, "dry_run=true", *SMALL], capfd)
     assert code == 2, out + err
@@ -98,7 +100,7 @@ def test_dry_run_and_the_real_start_stop_before_ray_with_the_same_error(tmp_path
     code, out, err = relax_train([bad, *SMALL], capfd)  # the real start
     assert code == 2, out + err
     assert f"relax-train: error: {expected}" in err and "Traceback" not in err
-    assert not ray.is_initialized()  # stopped before Ray
+    assert inits == []  # stopped before Ray
     # control: a writable store passes the dry run
     code, out, err = relax_train([f"tracking.uri=sqlite:///{tmp_path}/ok/mlflow.db", "dry_run=true", *SMALL], capfd)
     assert code == 0, out + err
