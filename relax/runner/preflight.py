@@ -17,7 +17,9 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
 - `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
 - `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
 - `tracking`: a sqlite `tracking.uri`'s database can be opened for writing, or created in a directory that exists
-  or can be created (`relax.tracking.mlflow_run.sqlite_store_problem`); the store itself is opened after Ray starts.
+  or can be created (`relax.tracking.mlflow_run.sqlite_store_problem`); a file store (a path or `file:`) is one the
+  installed MLflow accepts (MLflow 3 refuses it unless MLFLOW_ALLOW_FILE_STORE=true: `file_store_problem`); the store
+  itself is opened after Ray starts.
 - `endpoints`: every address the run must reach that the user gave accepts a TCP connection within
   `ENDPOINT_TIMEOUT_S` (`relax.runner.endpoints`, with which a sweep checks each job too: the Ray cluster joined,
   `cluster.address` or RAY_ADDRESS; each `rollout.sglang.urls` server; an http(s) `tracking.uri`; a reward service,
@@ -65,7 +67,7 @@ from relax.runner.errors import RunError
 from relax.runner.plan import Plan, build_plan
 from relax.runner.reward_model import check_reward_model
 from relax.serve.openai.agents import load_agent
-from relax.tracking.mlflow_run import resolve_tracking_uri, sqlite_path, sqlite_store_problem
+from relax.tracking.mlflow_run import file_store_problem, resolve_tracking_uri, sqlite_path, sqlite_store_problem
 from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
 # what a check raises for a user's mistake (anything else is a bug, and propagates)
@@ -284,9 +286,15 @@ def _checkpoints(pre: Preflight) -> bool:
 
 
 def _tracking(pre: Preflight) -> bool:
-    if not pre.cfg.tracking.enabled or sqlite_path(resolve_tracking_uri(pre.cfg.tracking.uri)) is None:
-        return False  # a tracking server is the endpoints check's
-    if (problem := sqlite_store_problem(pre.cfg.tracking.uri)) is not None:
+    if not pre.cfg.tracking.enabled:
+        return False
+    uri = pre.cfg.tracking.uri
+    if sqlite_path(resolve_tracking_uri(uri)) is None:
+        # a file store MLflow refuses (else it would stop the start once Ray is up); a server is the endpoints check's
+        if (problem := file_store_problem(uri)) is not None:
+            raise RunError(problem)
+        return False
+    if (problem := sqlite_store_problem(uri)) is not None:
         raise RunError(problem)
     return True
 
@@ -309,7 +317,7 @@ CHECKS: tuple[Check, ...] = (
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
-    Check("tracking", "tracking.uri's sqlite store can be created and written", _tracking),
+    Check("tracking", "tracking.uri's sqlite store can be created and written; no refused file store", _tracking),
     Check("endpoints", "cluster.address, rollout.sglang.urls, tracking.uri, ... accept connections", _endpoints),
     Check("gpus", "a local Ray instance gets the plan's GPUs", _gpus),
     Check("checkpoints", "save dir free and creatable; train.resume's checkpoint", _checkpoints),

@@ -248,6 +248,29 @@ def sqlite_store_problem(uri: str, cwd: Optional[str] = None) -> Optional[str]:
     return None
 
 
+def file_store_problem(uri: str, cwd: Optional[str] = None) -> Optional[str]:
+    """Why MLflow would refuse tracking.uri `uri` as a file store (a plain directory or a `file:` URI), else None (not
+    a file store, or accepted): the message `Tracker.start` raises, for a check before anything starts
+    (`relax.runner.preflight`'s `tracking`). The installed MLflow decides, as it will at the start: a file store is
+    opened in a fresh temporary directory (MLflow 3 refuses it there as anywhere unless MLFLOW_ALLOW_FILE_STORE=true;
+    one that accepts it writes only there), so the user's directory is neither created nor changed."""
+    import tempfile
+
+    resolved = resolve_tracking_uri(uri, cwd)
+    if not (resolved.startswith("file:") or os.path.isabs(resolved)):
+        return None
+    from mlflow import MlflowClient
+
+    with tempfile.TemporaryDirectory(prefix=".relax-probe-") as tmp:
+        quiet_mlflow_logging()
+        try:
+            MlflowClient(tracking_uri="file://" + os.path.join(tmp, "mlruns")).search_experiments(max_results=1)
+        except Exception as exc:  # noqa: BLE001 - any other failure is the start's to report, as before
+            if (refused := file_store_refused(resolved, exc)) is not None:
+                return f"tracking.uri={uri}: {refused}"
+    return None
+
+
 def default_spool_dir(uri: str) -> str:
     """Where a run's spool goes when no `spool_dir` is given: next to a sqlite database, else the working directory."""
     db = sqlite_path(uri)

@@ -106,3 +106,40 @@ def test_dry_run_and_the_real_start_stop_before_ray_with_the_same_error(tmp_path
     assert code == 0, out + err
     assert [x.split()[:2] for x in out.splitlines() if " tracking " in x] == [["ok", "tracking"]]
     assert not (tmp_path / "ok").exists()  # a dry run creates nothing
+
+
+@pytest.mark.parametrize("form", ["file:", "path"])
+def test_a_file_store_mlflow_refuses_stops_the_dry_run_and_the_start_before_ray(tmp_path: Path, monkeypatch, capfd,
+                                                                               form: str):
+    """A `file:` or plain-path tracking.uri is MLflow's file store, which MLflow 3 refuses unless
+    MLFLOW_ALLOW_FILE_STORE=true. Before, the `tracking` check passed it (it looked at sqlite stores only) and the
+    start stopped when it opened the run, once Ray was up; now the dry run and the real start stop before Ray with
+    the message the store's opening gives (`Tracker.start`, MLflow's own refusal: the independent side), exit 2, and
+    create nothing. Control: with MLflow's opt-in the same dry run passes."""
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    inits = []
+    monkeypatch.setattr(ray, "init", lambda *a, **k: inits.append(k) or pytest.fail("ray.init was called"))
+    store = tmp_path / "mlruns"
+    uri = f"file:{store}" if form == "file:" else str(store)
+    with pytest.raises(TrackingUnavailable) as opened:
+        Tracker.start(TrackingConfig(uri=uri, experiment="probe"), RunOptions(background=False, announce=False))
+    expected = str(opened.value)
+    assert expected.startswith(f"tracking.uri={uri}: the MLflow store ") and "MLFLOW_ALLOW_FILE_STORE=true" in expected
+    code, out, err = relax_train([f"tracking.uri={uri}", "dry_run=true", *SMALL], capfd)
+    assert code == 2, out + err
+    (line,) = [x for x in out.splitlines() if " tracking " in x]
+    assert line.split()[:2] == ["failed", "tracking"], line
+    assert f"relax-train: error: dry run: a start would stop before Ray: {expected}" in err
+    code, out, err = relax_train([f"tracking.uri={uri}", *SMALL], capfd)  # the real start
+    assert code == 2, out + err
+    assert f"relax-train: error: {expected}" in err and "Traceback" not in err
+    assert inits == [] and not store.exists()  # stopped before Ray; nothing created
+    # control: MLflow's opt-in makes it a store MLflow accepts, and the check says nothing against it
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    code, out, err = relax_train([f"tracking.uri={uri}", "dry_run=true", *SMALL], capfd)
+    assert code == 0, out + err
+    assert "tracking" not in err and not store.exists()
