@@ -555,6 +555,15 @@ def _cannot_create(save_dir: Path, exc: OSError) -> str:
     return f"checkpoint directory {save_dir} cannot be created ({exc.strerror or exc}); set train.save_dir"
 
 
+def _try_writing(directory: Path) -> None:
+    """Create an empty file in `directory` and remove it (OSError if it cannot be created): whether the directory can
+    be written is tried, not read from permission bits, which say yes to root and nothing of a read-only filesystem.
+    The file is new by its unique name (O_EXCL) and empty, so nothing half-written can be left or clobbered."""
+    path = directory / f".relax-probe-{uuid.uuid4().hex}"
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.unlink(path)
+
+
 def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) -> bool:
     """What entering `Checkpoints` checks, changing nothing (`dry_run=true`, `relax.runner.preflight`): the save
     directory is not locked by another run and can be created, and the resume point is valid (RunError naming the
@@ -575,9 +584,13 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
             existing = save_dir
             while not existing.exists() and existing.parent != existing:
                 existing = existing.parent
-            if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-                why = "not a directory" if not existing.is_dir() else "not writable"
-                raise RunError(_cannot_create(save_dir, OSError(f"{existing} is {why}")))
+            if not existing.is_dir():
+                raise RunError(_cannot_create(save_dir, OSError(f"{existing} is not a directory")))
+            try:
+                _try_writing(existing)
+            except OSError as exc:
+                why = OSError(f"{existing} is not writable ({exc.strerror or exc})")
+                raise RunError(_cannot_create(save_dir, why)) from None
     resume_point(cfg, save_dir, hashes=hashes)
     return ckpts.uses_dir or cfg.train.resume is not None
 
