@@ -94,20 +94,32 @@ def test_mlflow_parent_and_children(sweep):
         assert run.data.tags["relax.sweep_job"] == f"{sweep_id}/{index}"
 
 
-def test_a_job_without_a_run_is_not_credited_with_another_jobs(tmp_path):
+@pytest.fixture(scope="module")
+def lost_jobs(tmp_path_factory):
+    """3 jobs, two of them lost: job 0 (seed=1) raises before it opens its MLflow run, job 1 has the same overrides
+    (seed=1) and finishes, job 2 (seed=2) kills its own process (SIGKILL) once its run is open. Returns (directory,
+    the sweep's process, the jobs' runs by job index, the table's rows by job index)."""
+    from mlflow import MlflowClient
+
+    tmp = tmp_path_factory.mktemp("lost")
+    proc = _sweep(tmp, "seed=1,1,2", "fail_job=0", "crash_job=2", "sleep_s=0")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
+    jobs = {r.data.tags["relax.sweep_job"].rpartition("/")[2]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ", "2 ")}
+    return tmp, proc, parent, jobs, rows
+
+
+def test_a_job_without_a_run_is_not_credited_with_another_jobs(lost_jobs):
     """Two jobs with the same overrides (`seed=1,1`); the first fails before it opens its MLflow run. Its row says
     `-` (no run, no reward) and the second's names the second's run. Before, rows were matched to runs by their
     overrides tag, so the failed job showed the other's run and reward."""
-    from mlflow import MlflowClient
-
-    proc = _sweep(tmp_path, "seed=1,1", "fail_job=0", "sleep_s=0")
+    _, proc, _, jobs, rows = lost_jobs
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
-    (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ")}
+    assert sorted(jobs) == ["1", "2"], proc.stdout + proc.stderr  # job 0 opened none
     assert rows["0"][-4] == "FAILED" and rows["0"][-1] == "-", rows  # no run, no reward
-    assert rows["1"][-3:] == ["s", child.info.run_id, "2.1000"], rows
+    assert rows["1"][-3:] == ["s", jobs["1"].info.run_id, "2.1000"], rows
     assert "RuntimeError: boom before its run (job 0)" in proc.stdout
 
 
@@ -194,29 +206,20 @@ def test_sigterm_on_the_driver_exits_143_as_on_a_single_run(monkeypatch, capsys)
         assert ("SIGTERM received" in err) == (code == 143), err
 
 
-def test_a_crashed_jobs_run_is_ended_failed_with_the_sweep(tmp_path):
+def test_a_crashed_jobs_run_is_ended_failed_with_the_sweep(lost_jobs):
     """A job whose process dies with its MLflow run open (SIGKILL from the job itself, right after its run opened:
     kill -9, out of memory, a lost node) is FAILED in the table, and its run is ended FAILED when the sweep ends.
     Before, the run stayed RUNNING for good (only a job stopped by the sweep's Ctrl-C was ended), so MLflow and
     relax-compare showed it as still training. Control: the other job's run ends FINISHED by itself."""
-    from mlflow import MlflowClient
-
-    proc = _sweep(tmp_path, "seed=1,2", "crash_job=0", "sleep_s=0")
+    tmp, proc, parent, jobs, rows = lost_jobs
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert (tmp_path / "times" / "started-0").exists() and not (tmp_path / "times" / "0.json").exists()  # crashed
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
-    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = {r.data.tags["relax.sweep_job"].rpartition("/")[2]: r
-                for r in runs if "mlflow.parentRunId" in r.data.tags}
-    assert sorted(children) == ["0", "1"], out
-    assert {k: r.info.status for k, r in children.items()} == {"0": "FAILED", "1": "FINISHED"}, out
+    assert (tmp / "times" / "started-2").exists() and not (tmp / "times" / "2.json").exists()  # crashed
+    assert {k: r.info.status for k, r in jobs.items()} == {"1": "FINISHED", "2": "FAILED"}, out
     assert parent.info.status == "FAILED"
-    assert children["0"].info.end_time is not None
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ")}
-    assert rows["0"][1] == "seed=1" and "FAILED" in rows["0"] and children["0"].info.run_id in rows["0"], rows
-    assert rows["1"][1] == "seed=2" and "FINISHED" in rows["1"], rows
+    assert jobs["2"].info.end_time is not None
+    assert rows["2"][1] == "seed=2" and "FAILED" in rows["2"] and jobs["2"].info.run_id in rows["2"], rows
+    assert rows["1"][1] == "seed=1" and "FINISHED" in rows["1"], rows
 
 
 def test_a_store_that_cannot_be_opened_is_one_error_line_before_anything_starts(tmp_path):
