@@ -709,3 +709,118 @@ def family_tokenizer(name: str) -> Any:
         tok.bos_token = family.bos
     tok.chat_template = family.template
     return tok
+
+
+# ------------------------------------------------------------------------------------------------ gpt-oss (harmony)
+# gpt-oss (openai/gpt-oss-20b and -120b): a condensed rendition of the chat_template.jinja the models ship (the harmony
+# format), kept to what Relax's OpenAI routes exercise: the system message with the model identity, knowledge cutoff,
+# `strftime_now` date and the `Reasoning: <effort>` line (the `reasoning_effort` template variable, "medium" unless
+# given), the developer message with the instructions and the function tools as a TypeScript-like namespace (simple
+# parameter types only), final-channel assistant turns (earlier analysis dropped), a call on the commentary channel
+# with the analysis before it kept until a final answer follows, tool results as `functions.<name>` messages, and
+# the `<|start|>assistant` generation prompt. Not rendered here: builtin_tools (browser, python) and the nested
+# parameter types. Not in FAMILIES: Relax has no harmony parser (no reasoning split on the analysis channel, no
+# reading of its calls), so the family runs there do not apply.
+GPT_OSS = r"""{#- kwargs beside messages and tools: model_identity, reasoning_effort (default "medium") #}
+{%- macro param_type(spec) -%}
+    {%- if spec.type == "string" and spec.enum -%}{{- '"' + spec.enum | join('" | "') + '"' -}}
+    {%- elif spec.type in ("string", "boolean") -%}{{- spec.type -}}
+    {%- elif spec.type in ("number", "integer") -%}{{- "number" -}}
+    {%- else -%}{{- "any" -}}
+    {%- endif -%}
+{%- endmacro -%}
+{{- "<|start|>system<|message|>" }}
+{%- if model_identity is not defined %}
+    {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
+{%- endif %}
+{{- model_identity + "\n" }}
+{{- "Knowledge cutoff: 2024-06\n" }}
+{{- "Current date: " + strftime_now("%Y-%m-%d") + "\n\n" }}
+{%- if reasoning_effort is not defined %}
+    {%- set reasoning_effort = "medium" %}
+{%- endif %}
+{{- "Reasoning: " + reasoning_effort + "\n\n" }}
+{{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
+{%- if tools %}
+    {{- "\nCalls to these tools must go to the commentary channel: 'functions'." }}
+{%- endif %}
+{{- "<|end|>" }}
+{%- if messages[0].role == "developer" or messages[0].role == "system" %}
+    {%- set developer_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set developer_message = "" %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if developer_message or tools %}
+    {{- "<|start|>developer<|message|>" }}
+    {%- if developer_message %}
+        {{- "# Instructions\n\n" + developer_message + "\n\n" }}
+    {%- endif %}
+    {%- if tools %}
+        {{- "# Tools\n\n## functions\n\nnamespace functions {\n\n" }}
+        {%- for tool in tools %}
+            {%- set fn = tool.function %}
+            {{- "// " + (fn.description or "") + "\n" + "type " + fn.name + " = " }}
+            {%- if fn.parameters and fn.parameters.properties %}
+                {{- "(_: {\n" }}
+                {%- for name, spec in fn.parameters.properties.items() %}
+                    {{- name + ("" if name in (fn.parameters.required or []) else "?") + ": " + param_type(spec) + ",\n" }}
+                {%- endfor %}
+                {{- "}) => any;\n\n" }}
+            {%- else %}
+                {{- "() => any;\n\n" }}
+            {%- endif %}
+        {%- endfor %}
+        {{- "} // namespace functions" }}
+    {%- endif %}
+    {{- "<|end|>" }}
+{%- endif %}
+{%- set last_tool_call = namespace(name=none) %}
+{%- for message in loop_messages %}
+    {%- if message.role == "assistant" %}
+        {%- if message.tool_calls %}
+            {%- set later_final = namespace(found=false) %}
+            {%- for later in loop_messages[loop.index:] %}
+                {%- if later.role == "assistant" and not later.tool_calls %}
+                    {%- set later_final.found = true %}
+                {%- endif %}
+            {%- endfor %}
+            {%- set call = message.tool_calls[0].function %}
+            {%- set analysis = message.thinking or message.content %}
+            {%- if analysis and not later_final.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + analysis + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" }}
+            {{- call.arguments | tojson + "<|call|>" }}
+            {%- set last_tool_call.name = call.name %}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+            {%- set last_tool_call.name = none %}
+        {%- endif %}
+    {%- elif message.role == "tool" %}
+        {%- if last_tool_call.name is none %}
+            {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+        {%- endif %}
+        {{- "<|start|>functions." + last_tool_call.name + " to=assistant<|channel|>commentary<|message|>" }}
+        {{- message.content | tojson + "<|end|>" }}
+    {%- elif message.role == "user" %}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<|start|>assistant" }}
+{%- endif %}"""
+GPT_OSS_SPECIAL = ("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|constrain|>", "<|return|>", "<|call|>")
+
+
+@functools.cache
+def gpt_oss_tokenizer() -> Any:
+    """The base vocabulary with gpt-oss's special tokens (its end of generation: `<|return|>`) and `GPT_OSS` as its
+    chat template (shared: do not modify it)."""
+    tok = copy.deepcopy(base_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": list(GPT_OSS_SPECIAL)})
+    tok.eos_token = "<|return|>"
+    tok.chat_template = GPT_OSS
+    return tok

@@ -48,7 +48,7 @@ from relax.agents.parsers import (
 )
 from relax.agents.render import ObservationRenderer
 from relax.serve.openai.deltas import CALL_STARTS
-from relax.serve.openai.protocol import APIError
+from relax.serve.openai.protocol import EFFORT_VARIABLE, APIError
 
 __all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
 
@@ -159,6 +159,9 @@ class ChatFormat:
         self.native_tools = "tools" in template
         self.native_calls = "tool_calls" in template
         self.reasoning = uses_reasoning(template)  # answers may hold a <think> block (split_reasoning)
+        # the template reads the reasoning_effort variable (gpt-oss's: "Reasoning: medium" unless given), which SGLang
+        # renders a request's reasoning_effort as; a template that never mentions it cannot honour an effort
+        self.reads_effort = EFFORT_VARIABLE in template
         self._renderers: dict[str, ObservationRenderer] = {}  # by chat_template_kwargs (JSON); none: renderer
         self.renderer = ObservationRenderer(tokenizer)
         self.lock = threading.RLock()
@@ -263,6 +266,20 @@ class ChatFormat:
                     self._template_messages(messages, None, text_arguments), stop_token), messages)
             except ValueError as exc:  # the template refuses them (`ObservationRenderer.after_turn`)
                 raise template_refusal(exc) from None
+
+    def effort_variables(self, effort: str, kwargs: dict) -> dict:
+        """The chat template's variables for a request's reasoning_effort, under its own chat_template_kwargs (whose
+        own reasoning_effort wins, as SGLang takes it from there first): the variable `reasoning_effort` where the
+        template reads it, as SGLang passes it to apply_chat_template ("none" too: THINKING_OFF is in `kwargs` then,
+        and the service checks that the template closes its <think> block); an effort other than "none" is a 400
+        naming reasoning_effort where the template never mentions it, since nothing would render it."""
+        if self.reads_effort:
+            return {EFFORT_VARIABLE: effort, **kwargs}
+        if effort != "none":
+            raise APIError(f"reasoning_effort: {effort!r} cannot be honoured: this model's chat template does not "
+                           "read reasoning_effort (no effort control here; \"none\" turns thinking off, null leaves "
+                           "the model to reason as it does)", param="reasoning_effort")
+        return kwargs
 
     def opening(self, prompt: list[int]) -> str:
         """The <think> block prompt tokens end inside, opened by their generation prompt (Qwen3.5's `<think>\n`), as

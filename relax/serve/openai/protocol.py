@@ -13,15 +13,17 @@ left under the context), `temperature`, `top_p`, `stop` (a string or up to 4; th
 `logprobs` (chat: a bool, completions: 0-5 as the number of top log-probs) and `top_logprobs`, `stream` with
 `stream_options.include_usage`, and SGLang's `top_k`, `ignore_eos`, `no_stop_trim`, `chat_template_kwargs`,
 `separate_reasoning` and `stream_reasoning` (chat: a <think> block opening the answer goes to `reasoning_content` when
-the chat template uses <think>), and `reasoning_effort` "none" (chat: SGLang's thinking switch, `THINKING_OFF` under the
-request's own chat_template_kwargs; other efforts are refused). Log-probs are those of the sampling distribution (the
-model's at the request's temperature), the ones Relax trains with. Image parts (`image_url`) are taken by relax-serve
-with a vision-language model, outside training sessions (`relax.serve.openai.images`, before these rules read the
-messages). Anything else that would change the output (penalties, min_p, `logit_bias`, images elsewhere, adapters,
-SGLang sessions) is refused with a 400 naming it, never ignored. Inside the request's objects (messages, content parts,
-tool calls, tools, response_format, stream_options) `check_keys` does the same: a key the OpenAI API does not define
-there is a 400 naming its path (`messages[0].cache_control`), every key it defines is taken, and one Relax cannot honour
-is a 400 unless null or empty (an echoed assistant refusal, audio, function_call, annotations).
+the chat template uses <think>), and `reasoning_effort` (chat: "none" is SGLang's thinking switch, `THINKING_OFF` under
+the request's own chat_template_kwargs; each of OpenAI's `EFFORTS` is the template variable `reasoning_effort` where the
+chat template reads it, as SGLang renders it, and one other than "none" is refused where it does not). Log-probs are
+those of the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Image parts
+(`image_url`) are taken by relax-serve with a vision-language model, outside training sessions
+(`relax.serve.openai.images`, before these rules read the messages). Anything else that would change the output
+(penalties, min_p, `logit_bias`, images elsewhere, adapters, SGLang sessions) is refused with a 400 naming it, never
+ignored. Inside the request's objects (messages, content parts, tool calls, tools, response_format, stream_options)
+`check_keys` does the same: a key the OpenAI API does not define there is a 400 naming its path
+(`messages[0].cache_control`), every key it defines is taken, and one Relax cannot honour is a 400 unless null or empty
+(an echoed assistant refusal, audio, function_call, annotations).
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ FIELDS: dict[str, Rule] = {
     "chat_template_kwargs": Rule(HONOURED, f"{_SGL}: extra variables of the chat template (enable_thinking)", CHAT),
     "reasoning_effort": Rule(HONOURED, 'chat: "none" turns thinking off (chat_template_kwargs thinking and '
                                        "enable_thinking false, as SGLang's), refused where the template would still "
-                                       "reason; other efforts are refused; completions: null only (no template)"),
+                                       "reason; every effort is the template variable reasoning_effort where the "
+                                       "chat template reads it (gpt-oss's), as SGLang passes it; other efforts are "
+                                       "refused where it does not; completions: null only (no template)"),
     "separate_reasoning": Rule(HONOURED, f"{_SGL}: false keeps a <think> block in content", CHAT),
     "stream_reasoning": Rule(HONOURED, f"{_SGL}: false streams the reasoning as one delta", CHAT),
     # ------------------------------------------------------------------ accepted without effect
@@ -155,6 +159,9 @@ FIELDS: dict[str, Rule] = {
 # reasoning_effort "none" switches thinking off as SGLang's ChatCompletionRequest does: both template variables
 # (Qwen3 and GLM read enable_thinking, DeepSeek and Kimi thinking), under the request's own chat_template_kwargs
 THINKING_OFF = {"thinking": False, "enable_thinking": False}
+# OpenAI's reasoning efforts (the openai package's ReasoningEffort); any other value is a 400 naming reasoning_effort
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EFFORT_VARIABLE = "reasoning_effort"  # the chat template variable SGLang renders it as (gpt-oss's template reads it)
 # chat_template_kwargs keys that name apply_chat_template's own arguments: they would replace what Relax renders
 TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -235,6 +242,7 @@ class Params:
     separate_reasoning: bool = True  # SGLang's: a <think> block goes to reasoning_content (templates that use it)
     stream_reasoning: bool = True  # SGLang's: the reasoning streams token by token (false: as one delta)
     thinking_off: bool = False  # reasoning_effort "none": the template must close the <think> block (THINKING_OFF)
+    reasoning_effort: Optional[str] = None  # the template variable (where the template reads it, else a 400 but "none")
     grammar: Optional[tuple[str, str]] = None  # constrained decoding: (json_schema | regex | ebnf, its text)
     tool_choice: Optional[str] = None  # a forced call: "required" (one or more calls) or the name of the function
     parallel_tool_calls: bool = True  # false: at most one call (a forced one: exactly one)
@@ -420,9 +428,9 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
             raise _bad("chat_template_kwargs", f"{', '.join(reserved)}: set by the server, not a template variable")
         p.template_kwargs = dict(kwargs) or None
     effort = body.get("reasoning_effort")
-    if effort not in (None, "none"):
-        raise _bad("reasoning_effort", f"{effort!r} is not supported by this server (no effort control: \"none\" "
-                                       "turns thinking off, null leaves the model to reason as it does)")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad("reasoning_effort", f"{effort!r}: expected one of {', '.join(EFFORTS)} (OpenAI's efforts), or null")
+    p.reasoning_effort = effort  # the service renders it where the template reads it (it knows the template)
     if effort == "none":  # the request's own keys win, as SGLang's
         p.template_kwargs, p.thinking_off = {**THINKING_OFF, **(p.template_kwargs or {})}, True
     p.separate_reasoning = _flag(body, "separate_reasoning", True)
