@@ -11,15 +11,19 @@ Input items: a string (one user message), or a list of message items (`{"role", 
 `input_text` / `output_text` parts), `function_call` items (an assistant message's tool calls: consecutive ones,
 and the assistant message just before them, are one assistant message, as the chat answer they came from),
 `function_call_output` items (tool messages), and `reasoning` items (the next assistant message's
-reasoning_content). Output items: a `reasoning` item when the answer has reasoning_content, a `message` with one
-`output_text` when the answer has text (or no tool call), then one `function_call` item per call, each with a fresh
-call id.
+reasoning_content: the text sealed in their `encrypted_content`, which must agree with their content when both are
+sent; else the text of their content, else of their summary). Output items: a `reasoning` item when the answer has
+reasoning_content, a `message` with one `output_text` when the answer has text (or no tool call), then one
+`function_call` item per call, each with a fresh call id.
 
 `previous_response_id`: the conversation of each answered response (its input after instructions, its output) is
 kept in memory, bounded (`KEEP_SERVED` responses on relax-serve, `KEEP_PER_SESSION` per training session, oldest
 dropped first), and prepended to the input of a response that names it; an unknown id is a 400
 (`previous_response_not_found`), as OpenAI answers. `store` is accepted either way: nothing outlives the process (or
-the session), and responses cannot be retrieved by id.
+the session), and responses cannot be retrieved by id. `include`: `message.output_text.logprobs` (the sampled tokens'
+log-probs) and `reasoning.encrypted_content` (stateless clients, Codex with `store: false`: the reasoning item also
+carries its text sealed by `ReasoningSeal`, signed with this server's key, which a later input's reasoning item may
+carry alone); the other values the API defines are a 400 naming include and the value.
 
 Every request field is listed in `FIELDS`: honoured, accepted without effect, or refused with a 400 naming it unless
 it has a value that changes nothing, like the chat route's strict check (`relax.serve.openai.protocol.FIELDS`); so
@@ -28,13 +32,19 @@ Responses API defines there, `check_keys`). The chat route's fields that SGLang'
 (`chat_template_kwargs`, `top_k`, `stop`, penalties, `min_p`, ...; `SHARED`), and `seed`, go into the chat request
 as they are: honoured or refused by the chat route's own code, exactly as there. `reasoning.effort` is the chat
 route's `reasoning_effort` ("none": SGLang's thinking switch, refused where the chat template would still let the model
-reason; other efforts refused), its errors named reasoning.effort; reasoning summaries are refused.
+reason; every effort: the template variable reasoning_effort where the template reads it, refused where it does not but
+"none"), its errors named reasoning.effort; reasoning summaries are refused.
 `request_id` (SGLang's, vLLM's) names the response.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
 import json
+import secrets
 import threading
 import time
 import uuid
@@ -51,6 +61,17 @@ from relax.serve.openai.protocol import APIError, check_keys
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
 KEEP_PER_SESSION = 16  # per training session
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+# Every `include` value the Responses API defines (openai's ResponseIncludable), with why Relax cannot honour those it
+# refuses; the two above it honours
+INCLUDE_REFUSED = {
+    "file_search_call.results": "no built-in file search",
+    "web_search_call.results": "no built-in web search",
+    "web_search_call.action.sources": "no built-in web search",
+    "code_interpreter_call.outputs": "no built-in code interpreter",
+    "computer_call_output.output.image_url": "no built-in computer use",
+    "message.input_image.image_url": "text input only (no images on this route)",
+}
 HONOURED, NO_EFFECT, NEUTRAL_ONLY = "honoured", "accepted without effect", "refused unless neutral"
 
 
@@ -81,7 +102,9 @@ FIELDS: dict[str, Rule] = {
     "top_p": Rule(HONOURED, "a training session samples at the run's"),
     "stream": Rule(HONOURED, "the Responses stream events"),
     "previous_response_id": Rule(HONOURED, "its conversation, kept in memory, goes before the input"),
-    "include": Rule(HONOURED, f"{LOGPROBS_INCLUDE} only (the sampled tokens' log-probs)"),
+    "include": Rule(HONOURED, f"{LOGPROBS_INCLUDE} (the sampled tokens' log-probs) and {ENCRYPTED_INCLUDE} (the "
+                              "reasoning as a sealed string to send back in a later input); the others name "
+                              "built-in tool outputs or input images, which Relax does not have"),
     "top_logprobs": Rule(HONOURED, f"the likeliest tokens' log-probs (with include {LOGPROBS_INCLUDE})"),
     # ------------------------------------------------------------------ accepted without effect
     "store": Rule(NO_EFFECT, "responses are kept in memory for previous_response_id only, never beyond the process"),
@@ -99,8 +122,9 @@ FIELDS: dict[str, Rule] = {
     "background": Rule(NEUTRAL_ONLY, "every response runs in the foreground", lambda v: v is False),
     "background_options": Rule(NEUTRAL_ONLY, "every response runs in the foreground"),
     "truncation": Rule(NEUTRAL_ONLY, "the input is never truncated (too long: a 400)", lambda v: v == "disabled"),
-    "reasoning": Rule(HONOURED, 'effort "none": thinking off (chat_template_kwargs thinking and enable_thinking '
-                                "false, as SGLang's); other efforts and summaries are refused"),
+    "reasoning": Rule(HONOURED, "effort: the chat route's reasoning_effort (\"none\": thinking off as SGLang's; "
+                                "each effort the template variable reasoning_effort where the template reads it, "
+                                "refused where it does not); summaries are refused"),
     "request_id": Rule(HONOURED, "SGLang's and vLLM's: the response's id (for previous_response_id too)"),
     "ngram_corpus_id": Rule(NO_EFFECT, "SGLang's: a corpus for n-gram speculative decoding; there is none here, and "
                                        "speculative decoding would not change the answer's distribution"),
@@ -149,7 +173,6 @@ FUNCTION_CALL_NEUTRAL = {"caller": _DIRECT, "namespace": _NO_NAMESPACE, "async":
 OUTPUT_KEYS = {"type", "call_id", "output", "id", _STATUS, "caller", "name", "namespace"}
 OUTPUT_NEUTRAL = {"caller": _DIRECT, "namespace": _NO_NAMESPACE}
 REASONING_KEYS = {"type", "id", "summary", "content", "encrypted_content", _STATUS}
-REASONING_NEUTRAL = {"encrypted_content": (_empty, "no encrypted reasoning: send its text in content or summary")}
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict", "allowed_callers", "defer_loading",
              "output_schema", "async"}
 TOOL_NEUTRAL = {"allowed_callers": (lambda v: v == ["direct"], "only direct calls (no programs)"),
@@ -160,6 +183,62 @@ TOOL_NEUTRAL = {"allowed_callers": (lambda v: v == ["direct"], "only direct call
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+SEAL_PREFIX = "relax-reasoning-v1."  # the version: a later format gets another prefix, and this one stays readable
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class ReasoningSeal:
+    """The `encrypted_content` of the reasoning items this server writes (`include: ["reasoning.encrypted_content"]`,
+    what Codex and other stateless clients ask for with `store: false`) and reads back from a later request's input.
+    It is not encrypted: the reasoning is the model's own text, which the item's content holds too. It is a signed,
+    versioned envelope, `SEAL_PREFIX` + base64url of the JSON `{"text": ...}` + "." + base64url of its HMAC-SHA256
+    under a key drawn when this object is made (once per relax-serve process and per training gateway) and never
+    written anywhere, so a string this server did not write (another provider's, such as OpenAI's, an altered one,
+    or one from before a restart) is a 400 naming where it was, never read as something else."""
+
+    def __init__(self, key: Optional[bytes] = None):
+        self._key = key if key is not None else secrets.token_bytes(32)
+
+    def __repr__(self) -> str:  # the key stays out of logs and tracebacks
+        return "ReasoningSeal(key=<hidden>)"
+
+    def _mac(self, body: str) -> str:
+        return _b64(hmac.new(self._key, body.encode("ascii"), hashlib.sha256).digest())
+
+    def seal(self, text: str) -> str:
+        """The encrypted_content of reasoning `text`."""
+        body = SEAL_PREFIX + _b64(json.dumps({"text": text}, ensure_ascii=False).encode())
+        return f"{body}.{self._mac(body)}"
+
+    def open(self, blob: Any, where: str) -> str:
+        """The reasoning text of an encrypted_content this server wrote; a 400 naming `where` for any other."""
+        send_text = "send the reasoning text in the item's content instead, or leave the item out"
+        if not isinstance(blob, str) or not blob.startswith(SEAL_PREFIX) or not blob.isascii():
+            raise _bad(where, "not reasoning this server wrote: only the encrypted_content of this server's own "
+                              "reasoning items can be read back (another provider's, such as OpenAI's, cannot); "
+                              + send_text)
+        body, _, mac = blob.rpartition(".")
+        if not hmac.compare_digest(mac, self._mac(body)):
+            raise _bad(where, "not reasoning this server process wrote, or altered since (it is signed with a key "
+                              "drawn when the server started: reasoning from before a restart, or from another "
+                              "server, cannot be read back); " + send_text)
+        try:
+            payload = json.loads(_unb64(body[len(SEAL_PREFIX):]))
+        except (ValueError, binascii.Error):
+            payload = None
+        text = payload.get("text") if isinstance(payload, dict) else None
+        if not isinstance(text, str):  # signed by this key, so only a key shared with another format gets here
+            raise _bad(where, "its signed content is not reasoning text; " + send_text)
+        return text
 
 
 # ------------------------------------------------------------------------------------------------------- input
@@ -182,8 +261,9 @@ def _content(content: Any, where: str) -> str:
     raise _bad(where, "must be a string or a list of text parts")
 
 
-def input_messages(items: Any, where: str = "input") -> list[dict]:
-    """Chat messages (as a chat request sends them) of a Responses `input`."""
+def input_messages(items: Any, where: str = "input", seal: Optional[ReasoningSeal] = None) -> list[dict]:
+    """Chat messages (as a chat request sends them) of a Responses `input`; `seal` reads the reasoning items'
+    encrypted_content (None: no encrypted_content can be read)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list):
@@ -234,13 +314,19 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
             out.append({"role": "tool", "tool_call_id": call_id, "content": _content(output, f"{at}.output")})
             calls_open = False
         elif kind == "reasoning":
-            check_keys(item, at, REASONING_KEYS, REASONING_NEUTRAL)
+            check_keys(item, at, REASONING_KEYS)
             for key in ("summary", "content"):
                 for j, part in enumerate(item.get(key) or []):
                     if isinstance(part, dict):
                         check_keys(part, f"{at}.{key}[{j}]", {"type", "text"})
             parts = item.get("content") or item.get("summary") or []
             reasoning = "".join(p.get("text") or "" for p in parts if isinstance(p, dict))
+            if item.get("encrypted_content") not in (None, ""):  # the reasoning this server wrote: its text
+                sealed = (seal or ReasoningSeal()).open(item["encrypted_content"], f"{at}.encrypted_content")
+                if item.get("content") and reasoning != sealed:  # two texts: rendering either would be a guess
+                    raise _bad(f"{at}.encrypted_content", "holds other reasoning than the item's content (send "
+                                                          "the item as this server wrote it)")
+                reasoning = sealed
             calls_open = False  # a new model turn: its message and calls come after
         else:
             raise _bad(f"{at}.type", f"{kind!r} is not supported (message, function_call, function_call_output, "
@@ -315,6 +401,7 @@ class Request:
     body: dict
     stream: bool = False
     logprobs: bool = False
+    encrypted: bool = False  # include reasoning.encrypted_content: reasoning items carry it
     echo: dict = field(default_factory=dict)
     rid: Optional[str] = None  # request_id: the response's id (None: a fresh one)
 
@@ -335,8 +422,27 @@ def reasoning_effort(reasoning: Any) -> Any:
     return reasoning.get("effort")
 
 
-def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
-    """The chat request of a Responses request; `previous(id)` is the conversation of a kept response."""
+def parse_include(include: Any) -> list[str]:
+    """The `include` values of a request, each one Relax honours (`LOGPROBS_INCLUDE`, `ENCRYPTED_INCLUDE`); a 400
+    naming include and the value for any other."""
+    if include is None:
+        return []
+    if not isinstance(include, list):
+        raise _bad("include", f"{include!r} must be a list")
+    for value in include:
+        if value in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE):
+            continue
+        if isinstance(value, str) and value in INCLUDE_REFUSED:
+            raise _bad("include", f"{value!r} is not supported by this server ({INCLUDE_REFUSED[value]}); "
+                                  f"supported: {LOGPROBS_INCLUDE!r}, {ENCRYPTED_INCLUDE!r}")
+        raise _bad("include", f"{value!r} is not an include value of the Responses API; supported: "
+                              f"{LOGPROBS_INCLUDE!r}, {ENCRYPTED_INCLUDE!r}")
+    return include
+
+
+def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Optional[ReasoningSeal] = None) -> Request:
+    """The chat request of a Responses request; `previous(id)` is the conversation of a kept response, `seal` reads
+    the encrypted_content of its reasoning items (None: none can be read)."""
     if not isinstance(body, dict):
         raise APIError("the body must be a JSON object")
     for name, value in body.items():
@@ -351,9 +457,8 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
         raise _bad("request_id", f"{rid!r} must be a non-empty string")
     if body.get("input") is None:
         raise _bad("input", "required: a string or a list of input items")
-    include = body.get("include") or []
-    if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
-        raise _bad("include", f"{include!r}: only {LOGPROBS_INCLUDE!r} is supported")
+    include = parse_include(body.get("include"))
+    logprobs = LOGPROBS_INCLUDE in include
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise _bad("stream", f"{stream!r} must be a boolean")
@@ -363,7 +468,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
             raise _bad("stream_options", "an object, allowed only with stream=true")
         check_keys(options, "stream_options", {"include_obfuscation"})
     top = body.get("top_logprobs")
-    if isinstance(top, int) and not isinstance(top, bool) and top > 0 and not include:
+    if isinstance(top, int) and not isinstance(top, bool) and top > 0 and not logprobs:
         raise _bad("top_logprobs", f'needs include: ["{LOGPROBS_INCLUDE}"] (the log-probs are returned only with it)')
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -371,7 +476,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
     prev = body.get("previous_response_id")
     if prev is not None and not isinstance(prev, str):
         raise _bad("previous_response_id", "must be a string")
-    history = (previous(prev) if prev else []) + input_messages(body["input"])
+    history = (previous(prev) if prev else []) + input_messages(body["input"], seal=seal)
     if not history:
         raise _bad("input", "required: at least one input item")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
@@ -391,7 +496,6 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
                          ("top_logprobs", "top_logprobs")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
-    logprobs = bool(include)
     if logprobs:
         chat["logprobs"] = True
     for name in SHARED:  # the chat route reads them (and names them in its errors)
@@ -406,8 +510,8 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]]) -> Request:
             "top_logprobs": body.get("top_logprobs"), "user": body.get("user"),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": effort, "summary": None}}
-    return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs, echo=echo,
-                   rid=rid)
+    return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs,
+                   encrypted=ENCRYPTED_INCLUDE in include, echo=echo, rid=rid)
 
 
 def renamed(exc: APIError) -> APIError:
@@ -490,15 +594,24 @@ class Folded:
                       self.usage, self.pieces, self.piece_lps, self.every)
 
 
-def output_items(a: Answer, logprobs: bool, ids: Optional[dict] = None) -> list[dict]:
+def reasoning_item(rid: str, text: str, status: str, seal: Optional[ReasoningSeal]) -> dict:
+    """A reasoning output item; with `seal` (include reasoning.encrypted_content) its encrypted_content too."""
+    item = {"type": "reasoning", "id": rid, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+    if seal is not None:
+        item["encrypted_content"] = seal.seal(text)
+    return item
+
+
+def output_items(a: Answer, logprobs: bool, ids: Optional[dict] = None,
+                 seal: Optional[ReasoningSeal] = None) -> list[dict]:
     """The response's output: reasoning, the message, the function calls (`ids`: the reasoning's and the message's
-    item ids, where a stream has named them already)."""
+    item ids, where a stream has named them already; `seal`: the reasoning item's encrypted_content is asked for)."""
     ids = ids or {"reasoning": new_id("rs"), "message": new_id("msg")}
     status = "incomplete" if a.finish == "length" else "completed"
     out: list[dict] = []
     if a.reasoning is not None:
-        out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [], "status": status,
-                    "content": [{"type": "reasoning_text", "text": a.reasoning}]})
+        out.append(reasoning_item(ids["reasoning"], a.reasoning, status, seal))
     if a.content or not a.tool_calls:
         part: dict[str, Any] = {"type": "output_text", "text": a.content, "annotations": []}
         if logprobs:
@@ -529,13 +642,16 @@ def response_object(req: Request, a: Answer, output: list[dict], *, rid: str, mo
 
 
 def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: str, created: int,
-                    done: Callable[[Answer], None]) -> Iterator[bytes]:
+                    done: Callable[[Answer], None], seal: Optional[ReasoningSeal] = None) -> Iterator[bytes]:
     """The Responses stream of a chat stream's chunks, as they come: created, in_progress, then the reasoning item
     (a reasoning model's: added, its `reasoning_text` as deltas at the chat stream's reasoning deltas, done once the
     content begins or the answer ends), the message item and its part added and its text as deltas at the chat
     deltas' token boundaries; once the chat stream ended, each output item's rest (added where not yet, its text or
     arguments, done), then completed (incomplete: an answer cut at max_output_tokens, as OpenAI ends it). `done`
-    takes the finished answer (before the last event); an error chunk ends the stream with an `error` event."""
+    takes the finished answer (before the last event); an error chunk ends the stream with an `error` event. With
+    include reasoning.encrypted_content (`seal` writes it), the reasoning item's done event and the final response
+    carry its encrypted_content."""
+    seal = seal if req.encrypted else None
     seq = 0
 
     def emit(kind: str, **fields: Any) -> bytes:
@@ -565,8 +681,8 @@ def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: st
         part = {"type": "reasoning_text", "text": text}
         yield emit("response.reasoning_text.done", text=text, **thinking)
         yield emit("response.content_part.done", part=part, **thinking)
-        yield emit("response.output_item.done", item={"type": "reasoning", "id": ids["reasoning"], "summary": [],
-                                                      "status": status, "content": [part]}, output_index=0)
+        yield emit("response.output_item.done", item=reasoning_item(ids["reasoning"], text, status, seal),
+                   output_index=0)
 
     opened: Optional[dict] = None  # the message's output_index, item_id and content_index, once it has begun
     for chunk in chunks:
@@ -596,7 +712,7 @@ def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: st
                 yield emit("response.content_part.added", part=empty, **opened)
             yield emit("response.output_text.delta", delta=piece, logprobs=lps, **opened)
     a = fold.answer()
-    resp = response_object(req, a, output_items(a, req.logprobs, ids), rid=rid, model=model, created=created)
+    resp = response_object(req, a, output_items(a, req.logprobs, ids, seal), rid=rid, model=model, created=created)
     done(a)
     for i, item in enumerate(resp["output"]):
         at = {"output_index": i}
@@ -665,6 +781,7 @@ class Responses:
 
     def __init__(self, service: Any, *, keep: int = KEEP_SERVED, keep_per_session: int = KEEP_PER_SESSION):
         self.service, self.keep_per_session = service, keep_per_session
+        self.seal = ReasoningSeal()  # this server's key for the reasoning items' encrypted_content
         self._served = Kept(keep)
         self._sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> Kept
         self._lock = threading.Lock()
@@ -686,7 +803,7 @@ class Responses:
             with self._lock:
                 return kept.get(rid)
 
-        req = parse_request(body, previous)
+        req = parse_request(body, previous, self.seal)
         chat = dict(req.chat)
         created = int(time.time())
         rid = req.rid or new_id("resp")
@@ -701,14 +818,15 @@ class Responses:
                 chunks = self.service.chat_stream(chat, session)
             except APIError as exc:
                 raise renamed(exc) from None
-            events = response_events(req, chunks, rid=rid, model=str(req.chat["model"]), created=created, done=keep)
+            events = response_events(req, chunks, rid=rid, model=str(req.chat["model"]), created=created, done=keep,
+                                     seal=self.seal)
             return 200, EventSource(events, also=chunks)
         try:
             _, answer = self.service.chat(chat, session)
         except APIError as exc:
             raise renamed(exc) from None
         a = answer_of(answer)
-        resp = response_object(req, a, output_items(a, req.logprobs), rid=rid, model=str(req.chat["model"]),
-                               created=created)
+        resp = response_object(req, a, output_items(a, req.logprobs, seal=self.seal if req.encrypted else None),
+                               rid=rid, model=str(req.chat["model"]), created=created)
         keep(a)
         return 200, resp
