@@ -12,7 +12,11 @@ loop takes the reasoning off before reading calls, and the text scored is the sa
 
 A turn's answer that does not come within `data.env_timeout_s` (an environment's `step`, an agent loop's `turn`:
 `relax.agents.bounded`) ends the episode with "timeout" and its `error`, which the driver fails like a reward call
-(its group left out, the batch's first failure warned of).
+(its group left out, the batch's first failure warned of); so does a `reset`, or a step a resumed episode replays,
+that does not (the episode's first turn then ends it). The engines end the turns of a round together (`turn_ends`:
+every episode's call started before any is waited on) and a batch's episodes are made together
+(`EpisodeMaker.new_for`, `restore_all`: their resets started before any is waited on), so that episodes whose calls
+hang together cost one `data.env_timeout_s`, not one each.
 
 `record()` is the episode as plain values (`Samples.episodes`): what the driver scores and logs, and what a
 checkpoint or a partial rollout carries; `Episode.restore` rebuilds a running episode from it (its loop reset and
@@ -23,11 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from relax import progress
-from relax.agents.bounded import StepTimeout, call_within
+from relax.agents.bounded import Bounded, StepTimeout
 from relax.agents.parsers import message_decoder, opened_reasoning
 from relax.agents.protocol import AgentLoop, Reply
 from relax.agents.render import ObservationRenderer
@@ -39,10 +43,12 @@ class Episode:
 
     def __init__(self, item: dict, loop: AgentLoop, renderer: ObservationRenderer, decode: Callable[[list[int]], str],
                  *, max_turns: int, max_tool_errors: int, turn_timeout_s: Optional[float] = None,
-                 source: str = "data.agent"):
-        """`turn_timeout_s`: the limit on each `loop.turn` (`data.env_timeout_s` for a `data.agent` loop; None: none,
-        as for the built-in loop, which bounds its environment's `step` itself); `source`: the option that named the
-        loop, with its value, for the time-out's message."""
+                 source: str = "data.agent", replay: Sequence[str] = (), wait: bool = True):
+        """`turn_timeout_s`: the limit on each `loop.reset` and `loop.turn` (`data.env_timeout_s` for a `data.agent`
+        loop; None: none, as for the built-in loop, which bounds its environment's calls itself); `source`: the
+        option that named the loop, with its value, for the time-out's message. The loop's reset starts here, then
+        the model's earlier messages `replay` are replayed (a resumed episode); `wait` False: they are waited on by
+        `settle` (or the first turn), so that a batch's episodes reset at the same time."""
         self.item, self.loop, self.renderer, self.decode = item, loop, renderer, decode
         self.max_turns, self.max_tool_errors = max_turns, max_tool_errors
         self.turn_timeout_s, self.source = turn_timeout_s, source
@@ -56,30 +62,90 @@ class Episode:
         self.partial: list[int] = []  # tokens of a turn interrupted by an abort, continued on resume
         # the <think> block the context leaves open for the next turn ("": none), written before the turn's text
         self.opened = opened_reasoning(str(item.get("prompt_text") or ""))
+        self._turn: Optional[tuple[Optional[int], int, Optional[Bounded[Reply]]]] = None  # begun, not ended
         t0 = time.perf_counter()
-        loop.reset(dict(item))
+        self._setup: Optional[Bounded[Any]] = self._start_setup(list(replay))
         self.env_time += time.perf_counter() - t0
+        if wait:
+            self.settle()
+
+    def _start_setup(self, replay: list[str]) -> Bounded[Any]:
+        """The loop's reset, then the replay of `replay` (the built-in loop's own, `start_reset`), started."""
+        start = getattr(self.loop, "start_reset", None)
+        if callable(start):
+            return start(dict(self.item), replay)
+        loop, name = self.loop, f"{self.source}: {type(self.loop).__name__}"
+        calls: list[tuple[str, Callable[[], Any]]] = [(f"{name}.reset", lambda: loop.reset(dict(self.item)))]
+        own = getattr(loop, "replay", None)
+        if replay and callable(own):
+            calls.append((f"{name}.replay", lambda: own(list(replay))))
+        elif replay:
+            calls += [(f"{name}.turn", lambda text=text: loop.turn(text)) for text in replay]
+        return Bounded(calls, self.turn_timeout_s)
+
+    def _fail(self, exc: StepTimeout) -> None:
+        self.end, self.error = FinishReason.TIMEOUT, str(exc)
+        progress.tick()  # the wait is over: the rollout goes on (other episodes' waits are timed anew)
+
+    def settle(self) -> None:
+        """Wait for the reset (and replay) started when the episode was made; past `turn_timeout_s` the episode
+        fails ("timeout", `error`), and its first turn ends it."""
+        setup, self._setup = self._setup, None
+        if setup is None:
+            return
+        try:
+            setup.result()
+        except StepTimeout as exc:
+            self._fail(exc)
+        finally:
+            self.env_time += setup.seconds
 
     def turn_end(self, tokens: list[int], stop_token: Optional[int], context: int) -> Optional[list[int]]:
         """The model ended a turn with `tokens` (this call's, after any interrupted part; the stop token last, if
         `stop_token`); `context`: tokens before the next turn would start, prompt included. Returns the
         observation's tokens, or None: the episode is over (`end` set)."""
+        self.begin_turn(tokens, stop_token, context)
+        return self.end_turn()
+
+    def begin_turn(self, tokens: list[int], stop_token: Optional[int], context: int) -> None:
+        """The first half of `turn_end`: the turn recorded and the loop's answer started (an environment's step runs
+        in its thread from now on); `end_turn` waits for it."""
+        self.settle()
         tokens = self.partial + list(tokens)
         self.partial = []
         text = self.opened + self.decode(tokens)
         self.turns += 1
         self.actions.append(text)
+        if self.error is not None:  # its reset or replay timed out: this turn ends it
+            self._turn = (stop_token, context, None)
+            return
         t0 = time.perf_counter()
-        try:
-            reply: Reply = call_within(lambda: self.loop.turn(text), self.turn_timeout_s,
-                                       f"{self.source}: {type(self.loop).__name__}.turn")
-        except StepTimeout as exc:
-            self.env_time += time.perf_counter() - t0
-            self.turn_rewards.append(0.0)
-            self.end, self.error = FinishReason.TIMEOUT, str(exc)
-            progress.tick()  # the wait is over: the rollout goes on (other episodes' waits are timed anew)
-            return None
+        start = getattr(self.loop, "start_turn", None)
+        if callable(start):  # the built-in loop: tools answered here, the environment's step bounded by the loop
+            pending: Bounded[Reply] = start(text)
+        else:
+            loop = self.loop
+            pending = Bounded([(f"{self.source}: {type(loop).__name__}.turn", lambda: loop.turn(text))],
+                              self.turn_timeout_s)
         self.env_time += time.perf_counter() - t0
+        self._turn = (stop_token, context, pending)
+
+    def end_turn(self) -> Optional[list[int]]:
+        """The second half of `turn_end` (its return value): the loop's answer waited for and read."""
+        if self._turn is None:
+            raise RuntimeError("Episode.end_turn without begin_turn")
+        (stop_token, context, pending), self._turn = self._turn, None
+        if pending is None:
+            self.turn_rewards.append(0.0)
+            return None
+        try:
+            reply: Reply = pending.result()
+        except StepTimeout as exc:
+            self.turn_rewards.append(0.0)
+            self._fail(exc)
+            return None
+        finally:
+            self.env_time += pending.seconds
         self.turn_rewards.append(float(reply.reward))
         self.tool_calls += reply.tool_calls
         self.tool_errors += reply.tool_errors
@@ -119,23 +185,32 @@ class Episode:
     @classmethod
     def restore(cls, record: dict, loop: AgentLoop, renderer: ObservationRenderer,
                 decode: Callable[[list[int]], str], *, max_turns: int, max_tool_errors: int,
-                turn_timeout_s: Optional[float] = None, source: str = "data.agent") -> Episode:
-        """The running episode of `record` (see the module docstring)."""
+                turn_timeout_s: Optional[float] = None, source: str = "data.agent", wait: bool = True) -> Episode:
+        """The running episode of `record` (see the module docstring); `wait` as for a new one."""
         ep = cls(record["item"], loop, renderer, decode, max_turns=max_turns, max_tool_errors=max_tool_errors,
-                 turn_timeout_s=turn_timeout_s, source=source)
-        t0 = time.perf_counter()
-        replay = getattr(loop, "replay", None)
-        if callable(replay):
-            replay(list(record["actions"]))
-        else:
-            for text in record["actions"]:
-                loop.turn(text)
-        ep.env_time = record["env_time"] + time.perf_counter() - t0
+                 turn_timeout_s=turn_timeout_s, source=source, replay=list(record["actions"]), wait=False)
+        ep.env_time += record["env_time"]
         ep.turns, ep.tool_calls, ep.tool_errors = record["turns"], record["tool_calls"], record["tool_errors"]
         ep.turn_rewards, ep.actions = list(record["turn_rewards"]), list(record["actions"])
         ep.kv_reused, ep.partial = record["kv_reused"], list(record["partial"])
         ep.opened = record.get("opened", ep.opened)  # (a record from before it was kept: the prompt's)
+        if wait:
+            ep.settle()
         return ep
+
+
+def turn_ends(turns: Sequence[tuple[Any, list[int], Optional[int], int]]) -> list[Optional[list[int]]]:
+    """`turn_end` of each (episode, tokens, stop token, context) of a round, in order: every episode's answer is
+    started before any is waited on, so that calls that hang together cost one `data.env_timeout_s`. An object
+    with only `turn_end` (an engine's own rows) is called in its place."""
+    began = []
+    for episode, tokens, stop_token, context in turns:
+        begin = getattr(episode, "begin_turn", None)
+        if callable(begin):
+            begin(tokens, stop_token, context)
+        began.append(callable(begin))
+    return [episode.end_turn() if b else episode.turn_end(tokens, stop_token, context)
+            for (episode, tokens, stop_token, context), b in zip(turns, began, strict=True)]
 
 
 def item_record(item: Any) -> dict:
@@ -185,8 +260,20 @@ class EpisodeMaker:
                    turn_timeout_s=d.env_timeout_s if d.agent else None, source=f"data.agent={d.agent}")
 
     def new_for(self, items: list, n: int) -> list[Episode]:
-        """`n` new episodes for each of `items` (a group each, consecutive)."""
-        return [self.new(item_record(item)) for item in items for _ in range(n)]
+        """`n` new episodes for each of `items` (a group each, consecutive), their resets made at the same time."""
+        episodes = [Episode(item_record(item), self.loops(), self.renderer, self.decode, wait=False, **self.limits)
+                    for item in items for _ in range(n)]
+        for episode in episodes:
+            episode.settle()
+        return episodes
+
+    def restore_all(self, records: list[dict]) -> list[Episode]:
+        """The running episodes of `records`, their resets and replays made at the same time."""
+        episodes = [Episode.restore(r, self.loops(), self.renderer, self.decode, wait=False, **self.limits)
+                    for r in records]
+        for episode in episodes:
+            episode.settle()
+        return episodes
 
     def close(self) -> None:
         close = getattr(self.loops, "close", None)

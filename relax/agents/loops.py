@@ -11,10 +11,10 @@ gateway. `data.agent` names a loop of the user's instead (`relax.agents.protocol
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from relax.agents.bounded import call_within
+from relax.agents.bounded import Bounded
 from relax.agents.grid_walk import GridWalk
 from relax.agents.guess_number import GuessNumber
 from relax.agents.parsers import CallError, ParsedMessage, ToolParser, parse_hermes, without_reasoning
@@ -45,8 +45,10 @@ def load_callable(spec: str, option: str, builtins: dict[str, Callable[..., Any]
 class ToolsAndEnvironment:
     """The built-in agent loop (see the module docstring). `env_factory` builds one environment per episode;
     `parser` reads the model's tool calls; `reasoning`: the chat template uses <think> blocks
-    (`relax.agents.parsers.uses_reasoning`), whose calls are not read. `step_timeout_s`: the limit on each
-    environment `step` (`data.env_timeout_s`, `relax.agents.bounded`; None: none), whose time-out names `env_name`."""
+    (`relax.agents.parsers.uses_reasoning`), whose calls are not read. `step_timeout_s`: the limit on each call of
+    the environment's (made and reset, each `step`, each replayed step: `data.env_timeout_s`, `relax.agents.bounded`;
+    None: none), whose time-out names `env_name`. `start_reset` and `start_turn` start those calls for the episode
+    (`relax.agents.episode`), which waits on them later, so that the calls of a batch's episodes run together."""
 
     def __init__(self, env_factory: Optional[Callable[[], Any]], runner: Optional[ToolRunner],
                  parser: ToolParser = parse_hermes, reasoning: bool = True, *,
@@ -59,10 +61,33 @@ class ToolsAndEnvironment:
         """The tool calls of a turn: its text after its reasoning block, read by the parser."""
         return self.parser(without_reasoning(text) if self.reasoning else text)
 
+    def _name(self, method: str) -> str:
+        """What a time-out names: the option and the environment's method ("data.env=my_envs:Search: Search.step")."""
+        cls = type(self.env).__name__ if self.env is not None else getattr(self.env_factory, "__name__", "env")
+        return f"{self.env_name}: {cls}.{method}"
+
     def reset(self, item: dict) -> None:
-        if self.env_factory is not None:
-            self.env = self.env_factory()
+        self.start_reset(item).result()
+
+    def start_reset(self, item: dict, replay: Sequence[str] = ()) -> Bounded[None]:
+        """The environment made and reset for `item`, then the environment's steps of the earlier turns `replay`
+        made again (a resumed episode: tool turns are skipped, tools are stateless), or its own `replay` of them;
+        started in a thread, each call bounded by `step_timeout_s`."""
+        if self.env_factory is None:
+            return Bounded.done(None)
+        factory = self.env_factory
+
+        def make() -> None:
+            self.env = factory()
             self.env.reset(item)
+
+        calls: list[tuple[str, Callable[[], Any]]] = [(self._name("reset"), make)]
+        steps = [t for t in replay if self.runner is None or not self.calls(t).items]
+        if steps and callable(getattr(factory, "replay", None)):  # (a class with its own replay: one call)
+            calls.append((self._name("replay"), lambda: self.env.replay(steps)))
+        elif steps:  # each step bounded as a live one (an environment a factory function made may replay itself)
+            calls += [(self._name("step"), lambda k=k: self._replay_step(steps, k)) for k in range(len(steps))]
+        return Bounded(calls, self.step_timeout_s)
 
     def _tool_reply(self, text: str) -> Optional[Reply]:
         if self.runner is None:
@@ -83,32 +108,49 @@ class ToolsAndEnvironment:
         return Reply(messages=messages, tool_calls=len(parsed.items), tool_errors=errors)
 
     def turn(self, text: str) -> Reply:
+        return self.start_turn(text).result()
+
+    def _replay_step(self, steps: list[str], k: int) -> None:
+        own = getattr(self.env, "replay", None)
+        if not callable(own):
+            self.env.step(steps[k])
+        elif k == 0:
+            own(steps)
+
+    def start_turn(self, text: str) -> Bounded[Reply]:
+        """The reply to a model turn: its tool calls' results (answered here), or the environment's step, started in
+        a thread and bounded by `step_timeout_s`."""
         reply = self._tool_reply(text)
         if reply is not None:
-            return reply
+            return Bounded.done(reply)
         if self.env is None:
-            return Reply(done=True, end=FinishReason.STOP)
-        name = type(self.env).__name__
-        step = as_step(call_within(lambda: self.env.step(text), self.step_timeout_s, f"{self.env_name}: {name}.step"),
-                       name)
+            return Bounded.done(Reply(done=True, end=FinishReason.STOP))
+        env = self.env
+        name = type(env).__name__
+        return Bounded([(self._name("step"), lambda: env.step(text))], self.step_timeout_s,
+                       then=lambda value: self._step_reply(as_step(value, name), name))
+
+    @staticmethod
+    def _step_reply(step: Any, name: str) -> Reply:
         if step.done:
             return Reply(reward=step.reward, done=True, end=FinishReason.ENV_DONE)
         if step.observation is None:
-            raise TypeError(f"{type(self.env).__name__}.step returned no observation for an episode that is not done")
+            raise TypeError(f"{name}.step returned no observation for an episode that is not done")
         return Reply(messages=[{"role": "user", "content": step.observation}], reward=step.reward)
 
     def replay(self, actions: list[str]) -> None:
         """The environment's steps of earlier turns again (tool turns are skipped: tools are stateless), or its own
-        `replay` of them."""
+        `replay` of them, bounded as `start_reset`'s."""
         if self.env is None:
             return
         steps = [t for t in actions if self.runner is None or not self.calls(t).items]
-        own = getattr(self.env, "replay", None)
-        if callable(own):
-            own(steps)
+        if not steps:
             return
-        for text in steps:
-            self.env.step(text)
+        own = getattr(self.env, "replay", None)
+        env = self.env
+        calls: list[tuple[str, Callable[[], Any]]] = [(self._name("replay"), lambda: own(steps))] if callable(own) \
+            else [(self._name("step"), lambda text=text: env.step(text)) for text in steps]
+        Bounded(calls, self.step_timeout_s).result()
 
 
 class AgentFactory:

@@ -303,7 +303,7 @@ class RolloutWorker:
         sampling["max_new_tokens"] = int(job.budgets.max())
         episodes = None
         if self.episodes is not None:  # the running episodes again: their loops reset and earlier turns replayed
-            episodes = [self.episodes.restore(record) for record in partial.episodes]
+            episodes = self.episodes.restore_all(partial.episodes)
         more = self.engine.generate(job.prompts, seed=seed, sample_ids=job.sample_ids, positions=job.positions,
                                     budgets=job.budgets, should_abort=self._should_abort(gen_id), episodes=episodes,
                                     vision=partial.vision, **sampling)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from relax import progress
+from relax.agents.episode import turn_ends
 from relax.batch import FinishReason, Samples
 from relax.models.vision import is_vision_model
 from relax.rollout.decoders import GenericDecoder
@@ -564,13 +565,18 @@ class _Turns:
         going = torch.zeros(len(rows), dtype=torch.bool)
         if not bool(turn_over.any()):
             return going
-        for k in turn_over.nonzero().squeeze(-1).tolist():
+        ended, turns = turn_over.nonzero().squeeze(-1).tolist(), []
+        for k in ended:
             r = int(rows[k])
             episode = self.episodes[r]
             turn = out_ids[r, int(self.start[r]):t + 1].tolist()
             if out_logp is not None and getattr(episode, "wants_logps", False):
                 episode.turn_logps(out_logp[r, int(self.start[r]):t + 1].tolist())
-            obs = episode.turn_end(turn, turn[-1] if bool(stopped[k]) else None, int(self.context[r]) + t + 1)
+            turns.append((episode, turn, turn[-1] if bool(stopped[k]) else None, int(self.context[r]) + t + 1))
+        # the episodes' answers started together: steps that hang together cost one data.env_timeout_s
+        for k, obs in zip(ended, turn_ends(turns), strict=True):
+            r = int(rows[k])
+            episode = self.episodes[r]
             if obs is None:
                 continue
             if t + 1 + len(obs) >= int(budgets[r]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from relax.runner.errors import RunError
 
 RELEASE = threading.Event()  # set: the hanging environments and loops return (each test sets it when done)
 ENTERED = threading.Event()  # set by a hanging call once it waits
+HANG_STEPS = threading.Event()  # set: every HangsOn step hangs (the steps a resumed episode replays)
 
 
 # The environments are loaded by their option's value, 'tests.agents.test_env_timeout:Hangs': that module's events
@@ -35,6 +37,7 @@ HOOKS = importlib.import_module("tests.agents.test_env_timeout")
 def release():
     HOOKS.RELEASE.clear()
     HOOKS.ENTERED.clear()
+    HOOKS.HANG_STEPS.clear()
     yield
     HOOKS.RELEASE.set()  # the abandoned calls return, their threads end
 
@@ -50,6 +53,25 @@ class Hangs:
         ENTERED.set()
         RELEASE.wait()
         return "late", 1.0, False
+
+
+class HangsOn:
+    """Hangs (until the test releases it) in the step of an episode whose label is "hang", or in its reset when the
+    label is "hang in reset"; answers the other episodes at once. With HANG_STEPS set, every step hangs (a replay)."""
+
+    def reset(self, item):
+        self.label, self.steps = item["label"], 0
+        if self.label == "hang in reset":
+            ENTERED.set()
+            RELEASE.wait()
+
+    def step(self, action):
+        self.steps += 1
+        if self.label == "hang" or HANG_STEPS.is_set():
+            ENTERED.set()
+            RELEASE.wait()
+            return "late", 1.0, False
+        return f"obs {self.steps}", 0.25, self.steps >= 2
 
 
 class Answers:
@@ -252,3 +274,166 @@ def test_a_run_whose_environment_hangs_stops_naming_the_environment(in_process, 
         assert sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, metric)) == \
             [(0, 16.0), (1, 16.0)], metric
     assert mlrun.info.status == "FAILED"
+
+
+# ------------------------------------------------------------------------------------------------ hung together
+# A batch's episodes whose calls hang together cost about one data.env_timeout_s (LIMIT here), not one each: the
+# steps of a round (and a batch's resets and replays) run at the same time. Each test has three hung episodes, so
+# calls waited on one after another take 3 x LIMIT at least; the bound, ONE_LIMIT, leaves 1 s of margin over one.
+LIMIT = 1.0
+ONE_LIMIT = 2 * LIMIT
+HANGS_ON = "tests.agents.test_env_timeout:HangsOn"
+LABELS = ["hang", "ok", "hang", "hang"]  # one group of one episode each
+
+
+def hangs_on_maker(tok, timeout_s=LIMIT):
+    return EpisodeMaker(AgentFactory(HANGS_ON, [], None, None, env_timeout_s=timeout_s), tok, max_turns=3,
+                        max_tool_errors=3)
+
+
+def scripted_sglang(tok, episodes, **kw):
+    """`run_episodes` (rollout=sglang) of `episodes`, their server scripted: every turn is "7" and the stop token."""
+    import torch
+
+    from relax.rollout.sglang.client import Sampling
+    from relax.rollout.sglang.episodes import run_episodes
+
+    ids = tok.encode("7", add_special_tokens=False) + [tok.eos_token_id]
+
+    def send(payloads):
+        return [(list(ids), [-0.5] * len(ids), "stop", 1) for _ in payloads]
+
+    N = len(episodes)
+    return run_episodes(send, [[5, 6, 7]] * N, torch.arange(N), torch.zeros(N, dtype=torch.long), [60] * N,
+                        episodes, seed=0, sampling=Sampling(4, 1.0, 1.0, -1, (tok.eos_token_id,)), turn_limit=4,
+                        aborted=lambda: False, pad_token_id=tok.pad_token_id, **kw)
+
+
+def timed(fn, limit_s: float = 20.0):
+    """(fn(), the seconds it took), waited on for at most `limit_s` (code without the limit fails here, not hangs)."""
+    box = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    seconds = time.perf_counter() - t0
+    assert not thread.is_alive(), f"did not return within {limit_s} s: the calls are not bounded"
+    if "error" in box:
+        raise box["error"]
+    return box["out"], seconds
+
+
+def check_hung_batch(records, what):
+    """Episodes 0, 2, 3 failed naming `what` and the option; episode 1 ran to its environment's end."""
+    for i in (0, 2, 3):
+        assert records[i]["end"] == "timeout", records[i]
+        assert records[i]["error"].startswith(f"data.env={HANGS_ON}: HangsOn.{what} did not return within "
+                                              f"data.env_timeout_s={LIMIT:g} s"), records[i]["error"]
+    ok = records[1]
+    assert ok["end"] == "env_done" and ok["error"] is None and ok["turn_rewards"] == [0.25, 0.25]
+
+
+def test_hung_steps_of_one_round_over_sglang_cost_one_limit_not_one_each(tok):
+    episodes = hangs_on_maker(tok).new_for([{"label": label, "index": i} for i, label in enumerate(LABELS)], 1)
+    samples, seconds = timed(lambda: scripted_sglang(tok, episodes))
+    assert HOOKS.ENTERED.is_set()
+    assert seconds < ONE_LIMIT, f"3 hung steps took {seconds:.2f} s: waited on one after another"
+    check_hung_batch(samples.episodes, "step")
+    assert samples.finish_reason == ["timeout", "env_done", "timeout", "timeout"]
+
+
+def test_hung_steps_of_rows_ending_a_turn_together_in_the_embedded_engine_cost_one_limit(tok):
+    """No stop token: every row's turn ends at its 3-token limit, at the same decoding step."""
+    import torch
+
+    from relax.config.schema import ModelConfig
+    from relax.models.hf import build_model
+    from relax.rollout.embedded import EmbeddedEngine
+
+    model = build_model(ModelConfig(), len(tok), tok.pad_token_id, seed=0, dtype=torch.float32, device="cpu")
+    engine = EmbeddedEngine(model, eos_token_ids=[], pad_token_id=tok.pad_token_id)
+    episodes = hangs_on_maker(tok).new_for([{"label": label, "index": i} for i, label in enumerate(LABELS)], 1)
+    samples, seconds = timed(lambda: engine.generate([[5, 6, 7]] * 4, max_new_tokens=40, seed=3, episodes=episodes,
+                                                     turn_limit=3))
+    assert seconds < ONE_LIMIT, f"3 hung steps took {seconds:.2f} s: waited on one after another"
+    check_hung_batch(samples.episodes, "step")
+
+
+def test_hung_resets_of_a_batch_cost_one_limit_and_fail_their_episodes_at_their_first_turn(tok, caplog):
+    from relax.runner.rollout_driver.scoring import score
+
+    labels = ["hang in reset" if label == "hang" else label for label in LABELS]
+    maker = hangs_on_maker(tok)
+    episodes, seconds = timed(lambda: maker.new_for([{"label": label, "index": i} for i, label in enumerate(labels)],
+                                                    1))
+    assert HOOKS.ENTERED.is_set()
+    assert seconds < ONE_LIMIT, f"3 hung resets took {seconds:.2f} s: waited on one after another"
+    samples = scripted_sglang(tok, episodes)
+    check_hung_batch(samples.episodes, "reset")
+    assert [e["turns"] for e in samples.episodes] == [1, 2, 1, 1]  # a failed episode's first turn ends it
+    cfg = load_config(["data=guess_number", f"data.env={HANGS_ON}", "data.reward=none", "data.env_timeout_s=1"])
+    with caplog.at_level(logging.WARNING):
+        scores = score(cfg, None, None, samples, [None] * 4, 1)
+    assert scores.failed == [True, False, True, True] and scores.timeouts == 3
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"data.env={HANGS_ON} failed on 3 of 4 episodes (their groups are left out of the loss); the first failure: "
+        "HangsOn.reset did not return within data.env_timeout_s=1 s (the call is abandoned in its thread, not killed)"]
+
+
+def test_hung_replayed_steps_of_resumed_episodes_cost_one_limit(tok):
+    """Partial rollout: episodes interrupted after their first step are restored, which replays that step; it hangs
+    now (for the episodes that hung before too: every step hangs) except in the episode that already ended."""
+    maker = hangs_on_maker(tok)
+    labels = ["ok", "done", "ok", "ok"]
+    episodes = maker.new_for([{"label": label, "index": i} for i, label in enumerate(labels)], 1)
+    first = [e.turn_end(tok.encode("7", add_special_tokens=False), tok.eos_token_id, 10) for e in episodes]
+    assert all(first) and all(e.end is None for e in episodes)
+    records = [e.record() for e in episodes]
+    records[1]["actions"] = []  # (the episode that goes on: nothing to replay)
+    HOOKS.HANG_STEPS.set()
+    restored, seconds = timed(lambda: maker.restore_all(records))
+    assert HOOKS.ENTERED.is_set()
+    assert seconds < ONE_LIMIT, f"3 hung replays took {seconds:.2f} s: waited on one after another"
+    for i in (0, 2, 3):
+        assert restored[i].end == "timeout" and restored[i].error.startswith(
+            f"data.env={HANGS_ON}: HangsOn.step did not return within data.env_timeout_s={LIMIT:g} s")
+        assert restored[i].turn_end(tok.encode("7", add_special_tokens=False), tok.eos_token_id, 10) is None
+        assert restored[i].record()["turn_rewards"] == [0.25, 0.0]
+    assert restored[1].error is None and restored[1].end is None
+
+
+def test_a_hanging_agent_loop_reset_fails_its_episode_naming_the_option(tok):
+    class HangsInReset(HangingLoop):
+        def reset(self, item):
+            HangingLoop.turn(self, "")
+
+    maker = EpisodeMaker(HangsInReset, tok, max_turns=3, max_tool_errors=3, turn_timeout_s=0.2,
+                         source="data.agent=my_loops:HangsInReset")
+    (episode,), _ = timed(lambda: maker.new_for([{"label": "1", "index": 0}], 1))
+    assert episode.end == "timeout" and episode.error.startswith(
+        "data.agent=my_loops:HangsInReset: HangsInReset.reset did not return within data.env_timeout_s=0.2 s")
+    assert turn_end_within(episode, tok) is None and episode.record()["error"] == episode.error
+
+
+def test_a_batch_where_nothing_hangs_gets_the_same_samples_with_and_without_the_limit(tok):
+    """Steps run at the same time (a limit) or one after another in the rollout's thread (none): same results."""
+    import torch
+
+    items = [{"label": str(k), "index": k} for k in range(1, 9)]
+    runs = []
+    for timeout_s in (None, 5.0):
+        maker = EpisodeMaker(AgentFactory("guess_number", [], None, None, env_timeout_s=timeout_s), tok,
+                             max_turns=3, max_tool_errors=3)
+        runs.append(scripted_sglang(tok, maker.new_for(items, 2)))
+    a, b = runs
+    assert torch.equal(a.response_ids, b.response_ids) and a.finish_reason == b.finish_reason
+    strip = [{k: v for k, v in e.items() if k != "env_time"} for e in a.episodes]
+    assert strip == [{k: v for k, v in e.items() if k != "env_time"} for e in b.episodes]
+    assert len({tuple(e["turn_rewards"]) for e in a.episodes}) > 1  # (the episodes differ)

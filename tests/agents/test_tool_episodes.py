@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from relax.agents.bounded import Bounded
 from relax.agents.episode import Episode
 from relax.agents.loops import AgentFactory
 from relax.agents.render import ObservationRenderer
@@ -33,8 +34,9 @@ def episode(messages: list[str], *, max_tool_errors: int, env: str | None = None
     renderer = ObservationRenderer(tok)
     factory = AgentFactory(env, ["calculator", "tests.agents.test_tool_episodes:NAP"], None, 0.5)
     loop, replies = factory(), []
-    answer = loop.turn
-    loop.turn = lambda text: replies.append(answer(text)) or replies[-1]
+    start = loop.start_turn  # (the episode starts each turn's reply with it, and waits for it later)
+    loop.start_turn = lambda text: Bounded([("reply", start(text).result)], None,
+                                           then=lambda reply: replies.append(reply) or reply)
     ep = Episode({"label": "7"}, loop, renderer, lambda tokens: messages[tokens[0]], max_turns=10,
                  max_tool_errors=max_tool_errors)
     observations = []

@@ -4,9 +4,9 @@ Each model turn is one `/generate` request whose `input_ids` are the episode's t
 sampled, observations as rendered: token in, token out), with the turn's limit as `max_new_tokens` and a
 `sampling_seed` from (seed, sample id, response position), so a turn is the same whichever server answers it. The
 episodes of a call advance in rounds: every running episode's next turn goes out at once, then each episode's agent
-loop answers (`relax.agents.episode.Episode.turn_end`) and its observation tokens are appended. Consecutive turns of an
-episode extend the same prefix, which the router's cache-aware policy sends to the server that holds it in its radix
-cache.
+loop answers (`relax.agents.episode.turn_ends`: the round's environment steps run at the same time, so steps that
+hang together cost one `data.env_timeout_s`) and its observation tokens are appended. Consecutive turns of an episode
+extend the same prefix, which the router's cache-aware policy sends to the server that holds it in its radix cache.
 
 An abort (partial rollout) ends the call after the round in flight: an episode interrupted inside a turn keeps that
 turn's tokens (`Episode.partial`) and continues it on resume; one between turns keeps its observation.
@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from relax.agents.episode import Episode
+from relax.agents.episode import Episode, turn_ends
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples
 from relax.rollout.sglang.client import Sampling, generate_payload, payload_images, sample_seed
 from relax.rollout.sglang.routes import place
@@ -113,6 +113,7 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
                                              seed=sample_seed(seed, r.sample_id, r.position + len(r.ids)),
                                              image_data=list(r.images), routed_experts=routes is not None))
         answers, answer_routes = send(payloads) if routes is not None else (send(payloads), [None] * len(live))
+        ended, turns = [], []  # the rows whose turn ended, and (episode, tokens, stop token, context) of each
         for r, (ids, logp, finish, version), fed in zip(live, answers, answer_routes, strict=True):
             r.route(fed)
             r.add(ids, logp, 1, version)
@@ -122,14 +123,17 @@ def run_episodes(send: Callable[[list[dict]], list[Answer]], prompts: list[list[
             elif finish == FinishReason.LENGTH and len(r.ids) >= r.budget:  # the episode's limit, not the turn's
                 r.episode.end = r.finish = FinishReason.LENGTH
             else:
-                obs = r.episode.turn_end(ids, ids[-1] if finish == FinishReason.STOP and ids else None,
-                                         len(r.prompt) + len(r.ids))
-                if obs is None:
-                    r.finish = r.episode.end
-                elif len(r.ids) + len(obs) >= r.budget:  # no room for a model token after the observation
-                    r.episode.end = r.finish = FinishReason.LENGTH
-                else:
-                    r.observe(obs)
+                ended.append(r)
+                turns.append((r.episode, ids, ids[-1] if finish == FinishReason.STOP and ids else None,
+                              len(r.prompt) + len(r.ids)))
+        # the round's answers started together: steps that hang together cost one data.env_timeout_s
+        for r, obs in zip(ended, turn_ends(turns), strict=True):
+            if obs is None:
+                r.finish = r.episode.end
+            elif len(r.ids) + len(obs) >= r.budget:  # no room for a model token after the observation
+                r.episode.end = r.finish = FinishReason.LENGTH
+            else:
+                r.observe(obs)
         live = [r for r in live if r.finish is None]
     for r in live:  # interrupted between turns: the observation is in, the next turn starts on resume
         r.finish = FinishReason.ABORT

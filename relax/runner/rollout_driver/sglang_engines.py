@@ -434,7 +434,7 @@ class SGLangEngines:
         if self.episodes is not None:  # the running episodes again: their loops reset and earlier turns replayed
             job = continuation(partial, ro.max_episode_tokens)
             more = self._run_episodes(job.prompts, job.sample_ids, job.positions, [int(b) for b in job.budgets],
-                                      [self.episodes.restore(r) for r in partial.episodes], seed=seed,
+                                      self.episodes.restore_all(partial.episodes), seed=seed,
                                       sampling=self._sampling(False), gen_id=gen_id, vision=partial.vision)
             return extend_responses(partial, more, pad_token_id=self.pad_token_id)
         job = continuation(partial, ro.max_response_len)
