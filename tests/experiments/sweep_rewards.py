@@ -5,15 +5,11 @@
   first step's batch) the job writes `<RELAX_HOLD_DIR>/reached-<pid>` and waits, up to 300 s, for
   `<RELAX_HOLD_DIR>/go`: the test interrupts the sweep once every job has reached that point and releases them once
   each has got the interrupt, so every job is interrupted in the same step, whatever the machine's speed.
-- `crash`: the digits reward; at call `RELAX_CRASH_CALL`, once `RELAX_CRASH_AFTER` (a checkpoint's state.json)
-  exists (waited for up to 300 s), the job writes `<RELAX_CRASH_DIR>/crashed` and kills its own process (SIGKILL:
-  kill -9, out of memory), its MLflow run open; where `crashed` already exists (the job run again) it never does.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -34,16 +30,3 @@ def hold(response: str, label: str) -> float:
             time.sleep(0.05)  # polling a file the test writes: the wait itself, not a guess at a duration
     return _digits(response, label)
 
-
-def crash(response: str, label: str) -> float:
-    global _calls
-    _calls += 1
-    where = Path(os.environ["RELAX_CRASH_DIR"])
-    if _calls == int(os.environ["RELAX_CRASH_CALL"]) and not (where / "crashed").exists():
-        after = Path(os.environ["RELAX_CRASH_AFTER"])
-        deadline = time.monotonic() + 300
-        while not after.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)  # polling for the checkpoint the run commits: the wait itself, not a guess at a duration
-        (where / "crashed").write_text(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _digits(response, label)

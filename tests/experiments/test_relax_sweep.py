@@ -16,49 +16,73 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.slow
-def test_relax_train_sweep_and_compare(tmp_path):
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # SQLAlchemy's, from MLflow's store
+def test_relax_train_sweep_with_resume_auto_and_compare(tmp_path, fresh_store, in_process, monkeypatch, capsys):
+    """A sweep of 2 arms (`algorithm=rloo,grpo`) with train.resume=auto, where the grpo arm's job had crashed after its
+    first step's checkpoint, its MLflow run ended FAILED by the sweep it was in: the rloo job starts at step 0, the
+    grpo job continues its checkpoint in its own run, which joins the new sweep (its parent run, sweep id and
+    `relax.sweep_job` tag, by which the launcher finds a job's run: a crashed job's run is ended FAILED through it, on
+    a dummy app in test_launcher.py's `test_a_crashed_jobs_run_is_ended_failed_with_the_sweep`) and ends FINISHED with
+    every step once. Then relax-compare on that store. The crashed job is made cheaply: its first step trained in this
+    process with the job's config (the sweep's keys aside, which a resume may change), its run then ended FAILED as
+    the launcher ends a crashed job's."""
+    from mlflow import MlflowClient
+
+    from relax.config import load_config
+    from relax.runner.train import run
+
+    tail = ["seed=1", "train.eval_interval=0", "tracking.progress=false", "tracking.experiment=sweep-test",
+            "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "train.global_batch_size=8",
+            "train.resume=auto", "train.num_rollout=2"]
+    fresh_store(tmp_path)
+    monkeypatch.chdir(tmp_path)  # the default store and checkpoint directories, as the sweep's jobs resolve them
+    run(load_config(["+experiment=rloo_vs_grpo_cpu", "algorithm=grpo", *tail[:-1], "train.num_rollout=1",
+                     "tracking.arm='algorithm=grpo'"]), output_dir=tmp_path / "crashed")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("sweep-test")
+    (crashed,) = client.search_runs([exp.experiment_id])
+    client.set_terminated(crashed.info.run_id, "FAILED")
+    save_dir = tmp_path / "checkpoints" / "sweep-test" / "algorithm=grpo-seed1"  # named by its experiment and arm
+    assert [p.name for p in save_dir.glob("step_*")] == ["step_000001"]
+
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "relax.cli.train", "-m", "+experiment=rloo_vs_grpo_cpu", "algorithm=rloo,grpo",
-           "seed=1", "train.num_rollout=1", "train.eval_interval=0", "train.save=false", "tracking.progress=false",
-           "tracking.experiment=sweep-test", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
-           "train.global_batch_size=8"]
+    cmd = [sys.executable, "-m", "relax.cli.train", "-m", "+experiment=rloo_vs_grpo_cpu", "algorithm=rloo,grpo", *tail]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert "2 of 2 jobs finished" in proc.stdout
+    assert f"resuming from {save_dir}/step_000001 (1 steps trained)" in out, out[-5000:]
 
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    exp = client.get_experiment_by_name("sweep-test")
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(parents) == 1 and len(children) == 2
+    children = {r.data.tags["algorithm"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert len(parents) == 1 and sorted(children) == ["grpo", "rloo"]
     parent = parents[0]
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["overrides"].startswith("+experiment=rloo_vs_grpo_cpu algorithm=rloo,grpo seed=1")
-    seen = set()
-    for c in children:
+    sweep_id = parent.data.tags["sweep_id"]
+    for index, (algorithm, c) in enumerate(sorted(children.items(), key=lambda kv: kv[0] != "rloo")):
         tags = c.data.tags
         assert c.info.status == "FINISHED" and tags["mlflow.parentRunId"] == parent.info.run_id
-        assert tags["sweep_id"] == parent.data.tags["sweep_id"]
-        assert tags["arm"] == f"algorithm={tags['algorithm']}"
-        assert tags["overrides"] == (f"+experiment=rloo_vs_grpo_cpu algorithm={tags['algorithm']} seed={tags['seed']}"
-                                     " train.num_rollout=1 train.eval_interval=0 train.save=False "
-                                     "tracking.progress=False tracking.experiment=sweep-test "
-                                     "rollout.rollout_batch_size=2 rollout.n_samples_per_prompt=4 "
-                                     "train.global_batch_size=8")
-        assert c.data.params["tracking.sweep_id"] == tags["sweep_id"]
-        assert "rollout/raw_reward" in c.data.metrics
+        assert tags["sweep_id"] == sweep_id and tags["relax.sweep_job"] == f"{sweep_id}/{index}"
+        assert tags["arm"] == f"algorithm={algorithm}" and tags["seed"] == "1"
+        assert [m.step for m in client.get_metric_history(c.info.run_id, "rollout/raw_reward")] == [0, 1]
+        assert [m.step for m in client.get_metric_history(c.info.run_id, "train/loss")] == [0, 1]  # each step once
         assert c.info.run_id in proc.stdout  # the launcher's table names it
-        seen.add((tags["algorithm"], tags["seed"]))
-    assert seen == {("rloo", "1"), ("grpo", "1")}
+    rloo, grpo = children["rloo"], children["grpo"]
+    assert rloo.data.tags["overrides"] == (
+        "+experiment=rloo_vs_grpo_cpu algorithm=rloo seed=1 train.eval_interval=0 tracking.progress=False "
+        "tracking.experiment=sweep-test rollout.rollout_batch_size=2 rollout.n_samples_per_prompt=4 "
+        "train.global_batch_size=8 train.resume=auto train.num_rollout=2")
+    assert rloo.data.params["tracking.sweep_id"] == sweep_id
+    assert grpo.info.run_id == crashed.info.run_id  # continued in its own run
+    assert "relax.resumed" in grpo.data.tags and "relax.resumed" not in rloo.data.tags
 
-    cmp = subprocess.run([sys.executable, "-m", "relax.cli.compare", "--control", "algorithm=grpo", "--bootstrap",
-                          "200"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert cmp.returncode == 0, cmp.stderr
-    assert "algorithm=grpo (control)  1" in cmp.stdout and "algorithm=rloo  1" in cmp.stdout
+    from relax.cli.compare import main as compare_main
+
+    compare_main(["--control", "algorithm=grpo", "--bootstrap", "200"])  # relax-compare's entry point, in process
+    out = capsys.readouterr().out
+    assert "algorithm=grpo (control)  1" in out and "algorithm=rloo  1" in out
     names = {f.path for f in client.list_artifacts(parent.info.run_id, "compare")}
     assert names == {"compare/compare.csv", "compare/compare.png"}
 
@@ -128,43 +152,3 @@ def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path):
         assert (save_dir / f"step_{step + 1:06d}" / "state.json").is_file()
         row = rows[index]
         assert row[1] == f"seed={seed}" and "KILLED" in row and run.info.run_id in row, row  # its own run
-
-
-@pytest.mark.slow
-def test_a_crashed_jobs_run_ends_failed_and_resume_auto_continues_it(tmp_path):
-    """A job of `relax-train -m` killed (SIGKILL, from its reward function in step 2's scoring, once its checkpoint of
-    step 1 is committed) is FAILED in the table and its MLflow run is ended FAILED when the sweep ends; before, the
-    run stayed RUNNING for good (relax-compare: "is RUNNING: left out", as if still training). The same sweep run
-    again with train.resume=auto (the crash disarmed) continues the checkpoint in that same run, which ends FINISHED
-    with every step once."""
-    from mlflow import MlflowClient
-
-    hold = tmp_path / "crash"
-    hold.mkdir()
-    save_dir = tmp_path / "checkpoints" / "relax" / "grpo-seed1"
-    calls_per_step = 2 * 4
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RELAX_CRASH_DIR": str(hold),
-           "RELAX_CRASH_CALL": str(2 * calls_per_step + 1), "RELAX_CRASH_AFTER": str(save_dir / "step_000001"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "relax.cli.train", "-m", "seed=1", "train.num_rollout=4", "train.eval_interval=0",
-           "train.save_interval=1", "tracking.progress=false", "tracking.system_metrics=false",
-           "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "train.global_batch_size=8",
-           "data.reward=sweep_rewards:crash", "data.reward_timeout_s=null", "train.resume=auto"]
-    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = first.stdout + first.stderr
-    assert first.returncode == 1, out[-5000:]
-    assert (hold / "crashed").exists(), out[-5000:]
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    experiment = client.get_experiment_by_name("relax").experiment_id
-    (child,) = [r for r in client.search_runs([experiment]) if "mlflow.parentRunId" in r.data.tags]
-    assert child.info.status == "FAILED", out[-5000:]
-    row = next(line.split() for line in first.stdout.splitlines() if line.startswith("0 "))
-    assert "FAILED" in row and child.info.run_id in row, row
-
-    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-5000:]
-    assert re.search(rf"resuming from {save_dir}/step_0000\d\d \(\d+ steps trained\)", out), out[-5000:]
-    resumed = client.get_run(child.info.run_id)
-    assert resumed.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(child.info.run_id, "train/loss")] == [0, 1, 2, 3]
