@@ -232,15 +232,6 @@ def test_submit_follows_logs_and_returns_the_job_exit_code(ray_head, tmp_path):
 
 
 @pytest.mark.slow
-def test_submit_relax_train_from_the_checkout(ray_head):
-    url, token, home, _ = ray_head
-    proc = _submit(["--address", url, "--env", "RELAX_TEST=1", "--", "algorithm=rloo", "dry_run=true"],
-                   token=token, home=home)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dry run: config valid" in proc.stdout
-
-
-@pytest.mark.slow
 def test_submit_without_the_token_is_refused(ray_head, tmp_path):
     url, _, home, _ = ray_head
     proc = _submit(["--address", url, "--working-dir", str(tmp_path), "--no-follow", "--entrypoint", "true"],
@@ -251,9 +242,11 @@ def test_submit_without_the_token_is_refused(ray_head, tmp_path):
 
 @pytest.mark.slow
 def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_streams_its_progress(ray_head, tmp_path):
-    """relax-train as a Ray job, with no cluster.address: it joins the job's cluster (the default cluster=local
-    would start its own Ray), writes MLflow and checkpoints under --exp-dir (not in the job's working_dir, which
-    Ray deletes), and its log shows the progress lines and the final summary as a local run prints them."""
+    """relax-train as a Ray job from the uploaded checkout (the default working_dir: what relax-submit leaves out of
+    it must not be what relax-train needs), with no cluster.address: it joins the job's cluster (the default
+    cluster=local would start its own Ray), writes MLflow and checkpoints under --exp-dir (not in the job's
+    working_dir, which Ray deletes), and its log shows the progress lines and the final summary as a local run prints
+    them."""
     from mlflow import MlflowClient
 
     url, token, home, gcs = ray_head
@@ -290,7 +283,7 @@ def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_strea
     checkpoints = [p for p in exp.rglob("step_000002") if p.is_dir()]
     assert len(checkpoints) == 1 and (checkpoints[0] / "policy").is_dir(), sorted(map(str, exp.rglob("*")))
     # nothing of the run was written into the job's working_dir (Ray's copy of the checkout, shared by the jobs
-    # that upload the same files: the dry run of another test may leave Hydra's outputs/<date>/.hydra there)
+    # that upload the same files)
     copies = [p for p in (home / "ray").glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*") if p.is_dir()]
     assert copies
     for copy in copies:
