@@ -101,3 +101,42 @@ def test_sglangs_episode_driver_ends_a_cut_final_answer_length(tok):
                                aborted=lambda: False, pad_token_id=tok.pad_token_id)
         ends.append((samples.finish_reason[0], samples.episodes[0]["end"]))
     assert ends == [(FinishReason.LENGTH, FinishReason.LENGTH), (FinishReason.STOP, FinishReason.STOP)]
+
+
+def test_an_openai_agents_run_whose_last_answer_was_cut_ends_length(tok):
+    """`data.openai_agent`: the run's last answer, a tool call its max_tokens cut (the engine's finish "length", no
+    stop token), ends the sample "length" as the built-in loop's cut final turn does; the same answer finished by
+    its stop token (the control) ends "stop". The agent is the official `openai` client through the gateway, the
+    engine scripted."""
+    import openai
+
+    from relax.serve.openai.agents import _samples
+    from relax.serve.openai.chat import ChatFormat
+    from relax.serve.openai.gateway import Gateway
+    from relax.serve.openai.service import OpenAIService
+    from relax.serve.openai.sessions import Limits
+
+    fmt = ChatFormat(tok, (tok.eos_token_id,))
+    cut_call = fmt.encode('<tool_call>{"name": "calculator", "arguments": {"expression": "6 *')
+    ends, finishes = [], []
+    for finish, ids in (("length", cut_call), ("stop", cut_call + [tok.eos_token_id])):
+        def engine(payloads, ids=ids, finish=finish):
+            return [{"meta_info": {"output_token_logprobs": [[-0.25, t, None] for t in ids],
+                                   "finish_reason": {"type": finish}, "weight_version": "1"}} for _ in payloads]
+
+        gw = Gateway(OpenAIService(fmt, engine, model="policy", context_length=None, max_tokens=64)).start()
+        try:
+            limits = Limits(max_calls=4, max_tokens=400, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=-1,
+                            seed=0)
+            session = gw.open(0, limits)
+            client = openai.OpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0)
+            answer = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "6 * 7?"}], max_tokens=len(ids),
+                tools=[{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}])
+            finishes.append(answer.choices[0].finish_reason)
+            samples = _samples([(session, {}, session.trajectory(), None)], torch.tensor([0]), tok.pad_token_id)
+        finally:
+            gw.close()
+        ends.append((samples.finish_reason[0], samples.episodes[0]["end"]))
+    assert finishes == ["length", "stop"]  # what the agent saw: its call was cut, then not
+    assert ends == [(FinishReason.LENGTH, FinishReason.LENGTH), (FinishReason.STOP, FinishReason.DONE)]

@@ -103,8 +103,10 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
     for s, record, t, error in rows:
         rows_of_run = s.rows() if s.calls else []
         sampled = s.token_counts()[0]
+        # a run whose last answer its token limit cut (a final tool call cut by max_tokens) ends "length", as the
+        # built-in loop's cut final turn does (relax.agents.episode): algorithm.mask_truncated sees it
         end = s.ended if s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH, FinishReason.TIMEOUT) \
-            else (FinishReason.ERROR if error else FinishReason.DONE)
+            else FinishReason.ERROR if error else FinishReason.LENGTH if t.cut else FinishReason.DONE
         # the run's other rows (one per branch beyond the main one), as plain lists: they go wherever the sample
         # goes (dynamic sampling, the buffer, a checkpoint) and become rows of the training batch
         others = [{"prompt": list(r.prompt), "ids": list(r.tokens), "logp": list(r.logprobs),

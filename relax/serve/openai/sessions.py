@@ -73,6 +73,7 @@ class Segment:
     text: str = ""  # completions: the text of prompt and tokens
     tools_key: str = ""  # the tools and chat_template_kwargs its conversation was rendered with
     stop_token: Optional[int] = None  # the token that ended the last answer (None: a length or stop-sequence end)
+    cut: bool = False  # the last answer ended at its token limit (max_tokens, rollout.max_response_len, the budget)
     answers: list[str] = field(default_factory=list)  # the text of each answer
     rewards: list[float] = field(default_factory=list)  # per call
 
@@ -106,6 +107,7 @@ class _Node:
     text: str  # completions: the text of prompt and tokens ("" where it is not what the engine saw)
     tools_key: str
     stop_token: Optional[int]
+    cut: bool  # the engine ended this answer at its token limit (finish "length")
     length: int  # tokens after the first prompt, to the end of this answer
     sampled_total: int  # sampled tokens from the segment's start to here
     extended: bool = False  # a later call continued it (it is no longer a leaf)
@@ -298,6 +300,7 @@ class Session:
                 # text data.reward scores reads as one whose model wrote <think> itself (Qwen3's)
                 choice=k, answer=c.opened + choice.think_text + choice.text,
                 messages=messages, text=text, tools_key=c.tools_key, stop_token=ended,
+                cut=sampled.finish == FinishReason.LENGTH,
                 length=before[0] + len(delta) + len(choice.tokens), sampled_total=before[1] + len(choice.tokens)))
         with self._lock:
             if base is not None:
@@ -349,7 +352,7 @@ class Session:
                 return None
             path = row.path()
             seg = Segment(prompt=list(row.prompt), messages=copy.deepcopy(row.messages), text=row.text,
-                          tools_key=row.tools_key, stop_token=row.stop_token)
+                          tools_key=row.tools_key, stop_token=row.stop_token, cut=row.cut)
             for n in path:
                 seg.append(n.delta, sampled=False)
                 seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version)
