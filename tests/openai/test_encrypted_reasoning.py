@@ -190,3 +190,35 @@ def test_the_gateway_keeps_one_trajectory_through_encrypted_reasoning(scripted_g
         {"role": "user", "content": "And 2 + 2?"}])
     assert r2.output_text == "4"
     assert session.segments == 1 and trains_what_was_sampled(session.trajectory(), script.calls)
+
+
+def test_an_agents_sdk_run_with_store_false_sends_the_encrypted_reasoning_back(scripted_gateway):
+    """openai-agents' Responses model with store=False and response_include=["reasoning.encrypted_content"] (the SDK's
+    own Runner, a scripted model on Qwen3's template that reasons, calls the calculator, then answers): its second
+    request sends the reasoning item back with the encrypted_content Relax wrote, is answered, and the session keeps
+    one trajectory."""
+    import httpx
+    from agents import ModelSettings, Runner
+
+    from relax.serve.openai.chat import ChatFormat
+    from tests.openai.test_responses import calculator_agent, trains_what_was_sampled
+
+    tok = family_tokenizer("qwen3")
+    call = FAMILIES["qwen3"].sampled("I need the calculator", FAMILIES["qwen3"].tool_call.replace("6 * 7", "37 * 48"))
+    gw, script, session, _ = scripted_gateway(ChatFormat(tok, (tok.eos_token_id,)), [call, "The answer is 1776."])
+    bodies: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        bodies.append(json.loads(request.content))
+
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0,
+                                http_client=httpx.AsyncClient(event_hooks={"request": [record]}))
+    seen: list[str] = []
+    agent, config = calculator_agent(client, seen)
+    agent.model_settings = ModelSettings(store=False, response_include=[ENCRYPTED_INCLUDE])
+    result = Runner.run_sync(agent, QUESTION, run_config=config)
+    assert result.final_output == "The answer is 1776." and seen == ["37 * 48"]
+    assert [b["include"] for b in bodies] == [[ENCRYPTED_INCLUDE]] * 2 and bodies[0]["store"] is False
+    sent = [item for item in bodies[1]["input"] if item.get("type") == "reasoning"]
+    assert len(sent) == 1 and sent[0]["encrypted_content"].startswith(SEAL_PREFIX)
+    assert session.segments == 1 and trains_what_was_sampled(session.trajectory(), script.calls)
