@@ -1,5 +1,6 @@
-"""relax-train -m end to end on the tiny model: 2 arms in parallel on a local Ray, one MLflow parent run with a child
-per job, then relax-compare on that store. (Seeds are one more axis of the same sweep: the launcher's jobs, their
+"""relax-train -m end to end on the tiny model: 2 arms in parallel on a local Ray (one of them continuing a crashed
+job's checkpoint with train.resume=auto), one MLflow parent run with a child per job, then relax-compare on that store;
+a sweep stopped by Ctrl-C. (Seeds are one more axis of the same sweep: the launcher's jobs, their
 concurrency and failures are tested on a dummy app in test_launcher.py, and relax-compare's seed pairs and intervals
 in test_compare.py.)"""
 
