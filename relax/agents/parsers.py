@@ -122,6 +122,46 @@ def _named_arguments(name: str, pairs: list[tuple[str, str]]) -> Item:
     return ToolCall(name, args, texts={key.strip(): _xml_text(value) for key, value in pairs})
 
 
+def _json_calls(text: str, start: int, read: Callable[[Any], Item], where: str) -> tuple[list[Item], int]:
+    """The items of a JSON list of calls at text[start] ("["), each element made an item by `read`, and where the list
+    ends. A list that is not valid JSON is read element by element: its complete calls are kept, and the first
+    element that is not JSON, or the end of the text where a ',' or the closing ']' should come (a list the token
+    limit cut), is one error after them, which ends the list (at the end of the text). So a forced answer cut inside
+    its third call keeps its first two, as the formats that write one call per tag do (`ChatFormat.tool_calls`)."""
+    decoder = json.JSONDecoder()
+    try:
+        value, end = decoder.raw_decode(text, start)
+    except json.JSONDecodeError:
+        pass
+    else:
+        return [read(obj) for obj in value], end
+    items: list[Item] = []
+    pos = _skip_blank(text, start + 1)
+    while True:
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            items.append(CallError(f"invalid JSON in {where}: {exc.msg} at character {exc.pos - start}"))
+            return items, len(text)
+        items.append(read(value))
+        pos = _skip_blank(text, pos)
+        if text.startswith(",", pos):
+            pos = _skip_blank(text, pos + 1)
+            continue
+        if text.startswith("]", pos):
+            return items, pos + 1
+        what = "the list of calls is not closed by ']'" if pos == len(text) else "expected ',' or ']'"
+        items.append(CallError(f"invalid JSON in {where}: {what} at character {pos - start}"))
+        return items, len(text)
+
+
+def _skip_blank(text: str, pos: int) -> int:
+    """The first position at or after `pos` that is not JSON whitespace."""
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
 # ----------------------------------------------------------------------------------------------- <tool_call> tags
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
@@ -244,7 +284,8 @@ def parse_llama3_json(text: str) -> ParsedMessage:
     separated by ';' or whitespace, or a JSON list of them. "arguments" is read where "parameters" is missing; other
     keys ("type": "function", which Llama 3.2 writes first) are ignored. Text before the tag and after the calls is
     the content; without the tag, a message that does not start like a call (a JSON object whose first key is
-    "name", or "type": "function" then "name") has none."""
+    "name", or "type": "function" then "name") has none. A list of calls cut by the token limit gives its complete
+    calls, then one error (`_json_calls`)."""
     if PYTHON_TAG in text:
         before, _, rest = text.partition(PYTHON_TAG)
         rest = rest.replace(PYTHON_TAG, ";")
@@ -261,13 +302,17 @@ def parse_llama3_json(text: str) -> ParsedMessage:
         if rest[pos] not in "{[":  # prose after the calls
             after = rest[pos:]
             break
+        if rest[pos] == "[":
+            found, pos = _json_calls(rest, pos, lambda obj: _json_call(obj, "parameters", "arguments"),
+                                     "a tool call")
+            items += found
+            continue
         try:
             value, end = decoder.raw_decode(rest, pos)
         except json.JSONDecodeError as exc:
             items.append(CallError(f"invalid JSON in a tool call: {exc.msg} at character {exc.pos - pos}"))
             break
-        items += [_json_call(obj, "parameters", "arguments") for obj in (value if isinstance(value, list)
-                                                                         else [value])]
+        items.append(_json_call(value, "parameters", "arguments"))
         pos = end
     content = "\n".join(part.strip() for part in (before, after) if part.strip())
     return ParsedMessage(tuple(items), content)
@@ -332,12 +377,15 @@ def _mistral_segment(segment: str) -> tuple[list[Item], str]:
     v3), or NAME[ARGS]{...} (v11 on; [CALL_ID]ID before [ARGS] where one is written; NAME{...} where the text lost
     the [ARGS] token, as vLLM reads it)."""
     body = segment.lstrip()
-    if body.startswith(("[", "{")):
+    if body.startswith("["):
+        items, end = _json_calls(body, 0, lambda obj: _json_call(obj, "arguments"), MISTRAL_CALLS)
+        return items, body[end:]
+    if body.startswith("{"):
         try:
             value, end = json.JSONDecoder().raw_decode(body)
         except json.JSONDecodeError as exc:
-            return [CallError(f"invalid JSON in [TOOL_CALLS]: {exc.msg} at character {exc.pos}")], ""
-        return [_json_call(obj, "arguments") for obj in (value if isinstance(value, list) else [value])], body[end:]
+            return [CallError(f"invalid JSON in {MISTRAL_CALLS}: {exc.msg} at character {exc.pos}")], ""
+        return [_json_call(value, "arguments")], body[end:]
     head, marker, rest = segment.partition(MISTRAL_ARGS)
     if not marker:
         head, brace, rest = segment.partition("{")
@@ -356,7 +404,8 @@ def parse_mistral(text: str) -> ParsedMessage:
     Mistral-7B-Instruct-v0.3, Mixtral-8x22B, Mistral-Nemo; an "id" key is ignored), or per call
     `[TOOL_CALLS]N[ARGS]{...}` (v11 on: Mistral-Small-3.1/3.2, Magistral, Devstral), as SGLang's and vLLM's mistral
     parsers read them. The text before the first marker and after the calls is the content; a message without the
-    marker has no calls."""
+    marker has no calls. A v3 list that is not valid JSON (a forced answer cut by the token limit) gives its complete
+    calls, then one error for the rest (`_json_calls`), as the v11 form and the tag formats give theirs."""
     if MISTRAL_CALLS not in text:
         return ParsedMessage((), text.strip())
     before, *segments = text.split(MISTRAL_CALLS)

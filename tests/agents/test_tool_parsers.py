@@ -148,6 +148,183 @@ def test_deepseek_v3_reads_the_tool_call_tokens():
     assert parse_deepseek_v3("Plain text.") == ParsedMessage((), "Plain text.")
 
 
+# ----------------------------------------------------------------------------------------------- cut answers
+# A forced answer (tool_choice "required") that max_tokens cut: ChatFormat.tool_calls(cut=True) keeps the complete
+# calls before the first malformed item, so each parser must give the complete calls of a cut answer, then an error.
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CITIES = ("Rome", "Paris", "Berlin")
+M_ROME = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+M_PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def kept_cities(text: str, parser) -> list[str]:
+    """The cities of the calls a forced answer cut at the limit returns (what the OpenAI routes answer)."""
+    from relax.serve.openai.chat import ChatFormat
+
+    _, calls = ChatFormat.tool_calls(text, parser, WEATHER, cut=True)
+    assert all(c["function"]["name"] == "get_weather" for c in calls or [])
+    return [json.loads(c["function"]["arguments"])["city"] for c in calls or []]
+
+
+# hand-written answers cut after two complete calls (inside the third), per format
+CUT_AFTER_TWO = {
+    # Review 3's answer (relax-serve, Mistral v0.3 template, max_tokens=80): it kept no call before
+    "mistral v3, inside the third object": ("mistral", f'[TOOL_CALLS] [{M_ROME}, {M_PARIS}, {{"name": "get_weather", '
+                                                       '"argument'),
+    "mistral v3, after the second comma": ("mistral", f"[TOOL_CALLS] [{M_ROME}, {M_PARIS}, "),
+    "mistral v3, before the closing bracket": ("mistral", f"[TOOL_CALLS] [{M_ROME}, {M_PARIS}"),
+    "mistral v11": ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_weather[ARGS]'
+                               '{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Be'),
+    "mistral v11, inside the name": ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Rome"}'
+                                                '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_we'),
+    "llama3_json, a list": ("llama3_json", '<|python_tag|>[{"name": "get_weather", "parameters": {"city": "Rome"}}, '
+                                           '{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get'),
+    "llama3_json, separated": ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+                                              '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name'),
+    "deepseek_v3": ("deepseek_v3", DS_CALLS_BEGIN + deepseek_call("get_weather", '{"city": "Rome"}') + "\n"
+                    + deepseek_call("get_weather", '{"city": "Paris"}') + "\n" + DS_CALL_BEGIN + "function" + DS_SEP
+                    + 'get_weather\n```json\n{"ci'),
+    "glm45": ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>\n"
+                       "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
+                       "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Ber"),
+    "hermes": ("hermes", f"<tool_call>\n{M_ROME}\n</tool_call>\n<tool_call>\n{M_PARIS}\n</tool_call>\n<tool_call>\n"
+                         '{"name": "get_weather", "arguments": {"city": "Be'),
+    "qwen3_coder": ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+                                   "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+                                   "Paris\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_wea"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CUT_AFTER_TWO))
+def test_a_forced_answer_cut_after_two_calls_keeps_both(case):
+    """Each format, its answer cut inside the third call: the two complete calls, in order, then one error for the
+    cut part (before, Mistral's v0.3 list and Llama's list were one error for the whole list: no call kept)."""
+    fmt, text = CUT_AFTER_TWO[case]
+    parsed = BUILTIN_PARSERS[fmt](text)
+    assert kinds(parsed) == ["get_weather", "get_weather", "error"], (case, shape(parsed))
+    assert [args for _, _, args in shape(parsed)[:2]] == [{"city": "Rome"}, {"city": "Paris"}]
+    assert kept_cities(text, BUILTIN_PARSERS[fmt]) == ["Rome", "Paris"]
+
+
+def test_a_cut_mistral_list_keeps_its_complete_objects_and_names_the_cut():
+    from relax.agents.parsers import parse_mistral
+    from relax.serve.openai.chat import ChatFormat
+
+    cut = parse_mistral(f"[TOOL_CALLS] [{M_ROME}, {M_PARIS}")
+    assert cut.errors == ["invalid JSON in [TOOL_CALLS]: the list of calls is not closed by ']' at character "
+                          f"{len(M_ROME) + len(M_PARIS) + 3}"] and cut.content == ""
+    inside = parse_mistral(f'Checking. [TOOL_CALLS] [{M_ROME}, {{"name": "get_weather", "arguments": {{"ci')
+    assert kinds(inside) == ["get_weather", "error"] and inside.content == "Checking."
+    assert inside.errors[0].startswith("invalid JSON in [TOOL_CALLS]: ")
+    first = parse_mistral('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"ci')
+    assert kinds(first) == ["error"] and kept_cities('[TOOL_CALLS] [{"name": "get_weather", "arg', parse_mistral) == []
+    # a list that is malformed, not cut: its calls before the fault, then the error; an unforced (not cut) answer
+    # with a malformed call is still all text
+    missing_comma = f"[TOOL_CALLS] [{M_ROME}, {M_PARIS} {M_ROME}]"
+    assert kinds(parse_mistral(missing_comma)) == ["get_weather", "get_weather", "error"]
+    assert "expected ',' or ']'" in parse_mistral(missing_comma).errors[0]
+    assert ChatFormat.tool_calls(missing_comma, parse_mistral, WEATHER) == (missing_comma, None)
+    # a whole list, and text after it: as before
+    whole = parse_mistral(f"[TOOL_CALLS] [{M_ROME}, {M_PARIS}] done")
+    assert kinds(whole) == ["get_weather", "get_weather"] and whole.content == "done"
+
+
+@pytest.mark.parametrize("fmt", sorted(BUILTIN_PARSERS))
+def test_every_cut_of_a_forced_answer_keeps_the_calls_written_whole(fmt):
+    """Three calls as the forced call's grammar writes them (`write_calls`), cut at every character: the calls kept
+    are those whose text ends before the cut (where each call ends is the length of the answer of the calls up to
+    it, less the closing of Mistral's list or DeepSeek's section), never more, never fewer."""
+    from relax.agents.parsers import write_calls
+
+    calls = [("get_weather", {"city": city}) for city in CITIES]
+    full = write_calls(fmt, calls)
+    closing = {"mistral": "]", "deepseek_v3": DS_CALLS_END}.get(fmt, "")
+    ends = []
+    for k in range(1, len(calls) + 1):
+        upto = write_calls(fmt, calls[:k])
+        assert upto.endswith(closing) and full.startswith(upto[:len(upto) - len(closing)])
+        ends.append(len(upto) - len(closing))
+    for cut in range(len(full) + 1):
+        expected = [city for city, end in zip(CITIES, ends, strict=True) if end <= cut]
+        assert kept_cities(full[:cut], BUILTIN_PARSERS[fmt]) == expected, (fmt, full[:cut])
+
+
+MISTRAL_CUT = f'[TOOL_CALLS] [{M_ROME}, {M_PARIS}, {{"name": "get_weather", "argument'
+
+
+class _CutEngine:
+    """/generate answering the tokens of a fixed text with no stop token and finish_reason length (the answer
+    max_tokens cut); `stream` gives them token by token, then the finished answer, as relax-serve's engine does."""
+
+    def __init__(self, fmt, text: str):
+        self.ids = fmt.encode(text)
+
+    def send(self, payloads: list[dict]) -> list[dict]:
+        assert all("[TOOL_CALLS]" in p["sampling_params"]["ebnf"] for p in payloads)  # the forced call's grammar
+        pairs = [[-0.01, t, None] for t in self.ids]
+        return [{"meta_info": {"output_token_logprobs": pairs, "finish_reason": {"type": "length"},
+                               "weight_version": "0"}} for _ in payloads]
+
+    def stream(self, payloads: list[dict]):
+        answer = self.send(payloads)[0]
+        pairs = answer["meta_info"]["output_token_logprobs"]
+        for k in range(1, len(pairs)):
+            yield {"index": 0, "meta_info": {"output_token_logprobs": pairs[:k], "finish_reason": None}}
+        yield {"index": 0, **answer}
+
+
+def test_a_cut_forced_mistral_answer_reaches_the_openai_client_with_its_complete_calls():
+    """Review 3's case end to end: a Mistral v0.3 model (its template, `auto` -> mistral) forced to call
+    (tool_choice "required") and cut by max_tokens inside its third call. The official client gets the two complete
+    calls with finish_reason "length" and no content (before: no call, the raw `[TOOL_CALLS] [...` text as content),
+    streamed too, and the Responses route its two function_call items, status incomplete. relax-serve's stream
+    written as the tokens are drawn (no session) ends with the same two calls."""
+    openai = pytest.importorskip("openai")
+    from relax.agents.parsers import parse_mistral
+    from relax.serve.openai.chat import ChatFormat
+    from relax.serve.openai.gateway import Gateway
+    from relax.serve.openai.service import OpenAIService
+    from tests.agents.test_tool_templates_beyond_fixtures import MISTRAL_SPECIAL, MISTRAL_V3, tokenizer_with
+    from tests.openai.scripted import limits
+
+    tok = tokenizer_with(MISTRAL_V3, MISTRAL_SPECIAL)
+    fmt = ChatFormat(tok, (tok.eos_token_id,))
+    assert fmt.tool_parser is parse_mistral
+    engine = _CutEngine(fmt, MISTRAL_CUT)
+    user = [{"role": "user", "content": "Weather in Rome and Paris?"}]
+    forced = dict(model="policy", messages=user, tools=WEATHER, tool_choice="required", max_tokens=64)
+
+    def cities(calls) -> list[str]:
+        return [json.loads(c.function.arguments)["city"] for c in calls or []]
+
+    gw = Gateway(OpenAIService(fmt, engine.send, model="policy", context_length=None, max_tokens=64)).start()
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=gw.open(0, limits()).key, max_retries=0)
+        choice = client.chat.completions.create(**forced).choices[0]
+        assert cities(choice.message.tool_calls) == ["Rome", "Paris"], choice.message
+        assert (choice.message.content, choice.finish_reason) == (None, "length")
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)  # ids Mistral's template takes
+        chunks = list(client.chat.completions.create(**forced, stream=True))
+        streamed = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])]
+        assert cities(streamed) == ["Rome", "Paris"] and chunks[-1].choices[0].finish_reason == "length"
+        assert not "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+        resp = client.responses.create(model="policy", input="Weather in Rome and Paris?", tool_choice="required",
+                                       tools=[{"type": "function", **WEATHER[0]["function"]}], max_output_tokens=64)
+        assert resp.status == "incomplete"
+        assert [(o.type, json.loads(o.arguments)["city"]) for o in resp.output] == [
+            ("function_call", "Rome"), ("function_call", "Paris")]
+    finally:
+        gw.close()
+    serve = OpenAIService(fmt, engine.send, model="policy", context_length=None, stream=engine.stream)
+    chunks = list(serve.chat_stream({**forced, "stream": True}))
+    deltas = [c["delta"] for ch in chunks for c in ch["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert [json.loads(tc["function"]["arguments"])["city"] for tc in calls] == ["Rome", "Paris"]
+    assert not "".join(d.get("content") or "" for d in deltas)
+    assert [c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")] == ["length"]
+
+
 # ----------------------------------------------------------------------------------------------- the registry
 class FakeTokenizer:
     def __init__(self, chat_template):
