@@ -186,7 +186,7 @@ class PromptDataset(Sequence[PromptItem]):
                                         "set data.prompt_overflow=drop)")
                     dropped += 1
                     continue
-                items.append(PromptItem(ids, str(label), text, len(items), where, messages, images))
+                items.append(PromptItem(ids, label_text(label), text, len(items), where, messages, images))
                 continue
             prompt = check_prompt(obj.get(prompt_key), where, prompt_key)
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
@@ -205,7 +205,7 @@ class PromptDataset(Sequence[PromptItem]):
                                     "(raise rollout.max_prompt_len or set data.prompt_overflow=drop)")
                 dropped += 1
                 continue
-            items.append(PromptItem(list(ids), str(label), text, len(items), where, messages))
+            items.append(PromptItem(list(ids), label_text(label), text, len(items), where, messages))
         if dropped:
             logger.warning("%s: dropped %d of %d prompts longer than rollout.max_prompt_len=%s tokens",
                            name, dropped, len(records), max_prompt_len)
@@ -213,6 +213,16 @@ class PromptDataset(Sequence[PromptItem]):
             raise DataError(f"{name}: no prompts left: all {len(records)} exceed rollout.max_prompt_len="
                             f"{max_prompt_len} tokens")
         return cls(items, name=name, num_dropped=dropped)
+
+
+def label_text(label: Any) -> str:
+    """The label as the reward receives it: a string as it is; any other value (a JSON object, list, number, true or
+    false) as its JSON text (`json.dumps`), so that a reward that parses the label (code_tests) reads what the file
+    holds: `{"tests": [...]}` arrives as JSON, never as Python's repr (single quotes, True, None). A value JSON cannot
+    write (a Parquet date or decimal) is written as its str."""
+    if isinstance(label, str):
+        return label
+    return json.dumps(label, ensure_ascii=False, default=str)
 
 
 def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = None,
