@@ -1,8 +1,10 @@
 """The `code_tests` rewards: run the response's code in the sandbox (`relax.rewards.sandbox`) against the label's unit
 tests. `code_tests` is the share of tests passed, `code_tests_all` 1 when every test passes and 0 otherwise.
 
-The label is JSON: {"tests": [...], "prefix": "..." (optional)}, each test a statement ("assert f(2) == 4") or
-{"call": "f(2)", "expected": 4} (see `relax.rewards.sandbox`). The code is the last fenced block of the response
+The label is JSON: {"tests": [...], "prefix": "..." (optional)}, each test a statement ("assert f(2) == 4", its
+comparisons and truth tests made to read built-in data only) or {"call": "f(2)", "expected": 4} (compared with the
+same type; see `relax.rewards.sandbox`). A data file's label written as an object reaches the reward as its JSON text
+(`relax.data.datasets.label_text`). The code is the last fenced block of the response
 (```python ... ```) or, without one, the whole response; when it does not define a function itself (no line starting
 with `def `) it is appended to the label's prefix (a response "x * 3 + 4" completes "def f(x):\\n    return "; a
 leading "return " of the response is dropped). A label that is not such JSON fails the call (a reward error: the

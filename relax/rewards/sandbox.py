@@ -62,6 +62,21 @@ the token, or no verdict (the code exited early, was killed, or closed the pipe)
 statement (`"assert f(2) == 4"`: passes when it runs without an exception) or `{"call": "f(2)", "expected": 4}`
 (passes when the call's value equals the JSON value with the same type: an object that claims to equal everything
 does not pass).
+
+Statement tests are made as hard to fool: each is compiled before the code runs, with every comparison (`==`, `!=`,
+`<`, `in`, ..., chained ones pair by pair) rewritten through the AST into the harness's, which compares built-in data
+only, as Python compares it (`2 == 2.0` holds, a list never equals a tuple): each side is read by the built-in types'
+own methods (a subclass of one, such as a namedtuple, an IntEnum, a Counter or an OrderedDict, by its built-in
+content: its fields, its value, its items compared as a dict's), and a value of any other class fails the test
+(`NotBuiltinData`) instead of being asked whether it is equal. Truth tests (`assert x`, `not x`, `if`, `while`,
+comprehension conditions, the operands of `and`/`or`) take the truth of built-in data the same way, and `all`/`any`
+that of each item. `is` and `is not` stay identity. The tests run in globals of their own: the solution's names, and
+the builtins as they were before the code ran (a name of a builtin always means the builtin, even where the solution
+defines or patches one); the attributes of the modules loaded before the code ran (the harness's imports: `math`,
+`re`, `collections`, `functools`, `itertools`, `operator`, ...) are put back before each test. What the code can
+still reach: the modules it imports first itself and changes, a predicate it patches between two statements of one
+test, and what the test itself computes from its objects by other means (`isinstance`, `math.isclose` read through
+`__float__`, `len`): a test should end in a comparison.
 """
 
 from __future__ import annotations
@@ -529,6 +544,149 @@ def _main():
             text = "?"
         return f"{where}: {type_(e).__name__}: {text}"
 
+    # Statement tests: compiled now, before the code runs (nothing of the code's can change how), with each comparison
+    # and truth test rewritten to read built-in data only (see `checked` below), and run in globals of their own: the
+    # solution's names, but the builtins as they were before the code ran (a name of a builtin is always the builtin)
+    import ast, builtins
+    from collections import deque as deque_
+    dict_items, list_iter, tuple_iter = dict.items, list.__iter__, tuple.__iter__
+    set_iter, frozenset_iter, deque_iter = set.__iter__, frozenset.__iter__, deque_.__iter__
+    set_, frozenset_, bool_, bytearray_ = set, frozenset, bool, bytearray
+    int_copy, float_copy, str_copy, bytes_copy = int.__index__, float.__float__, str.__str__, bytes.__bytes__
+    type_name = type.__dict__["__name__"].__get__
+    atoms = (type_(None), bool_, int_, float_, complex, str_, bytes_, bytearray_, range, type_(...),
+             type_(NotImplemented), type_)  # compared by their built-in methods (a class by identity)
+    containers = (list_, tuple_, dict_, set_, frozenset_, deque_)
+    pristine = dict_(builtins.__dict__)
+    builtin_names = frozenset(pristine)
+    module_type = type_(sys)
+    modules = sys.modules
+    kept_modules = dict_(modules)  # the modules loaded so far, and their attributes: put back before each test
+    kept_attrs = [(m.__dict__, dict_(m.__dict__)) for m in kept_modules.values() if type_(m) is module_type]
+
+    class NotBuiltinData(TypeError):
+        pass
+
+    def data(v):  # `v` as built-in data, read by the built-in types' own methods (never a method of v's class)
+        t = type_(v)
+        for a in atoms:
+            if t is a:
+                return v
+        if t is list_ or t is tuple_ or t is set_ or t is frozenset_ or t is deque_ or t is dict_:
+            pass
+        elif issubclass_(t, int_):  # (an IntEnum, ...: its value)
+            return int_copy(v)
+        elif issubclass_(t, float_):
+            return float_copy(v)
+        elif issubclass_(t, str_):
+            return str_copy(v)
+        elif issubclass_(t, bytes_):
+            return bytes_copy(v)
+        elif not (issubclass_(t, list_) or issubclass_(t, tuple_) or issubclass_(t, dict_) or issubclass_(t, set_)
+                  or issubclass_(t, frozenset_) or issubclass_(t, deque_)):
+            raise NotBuiltinData(f"a value of type {type_name(t)} in a comparison or truth test; tests compare and "
+                                 "test built-in data only (None, bool, int, float, complex, str, bytes, list, tuple, "
+                                 "dict, set, ...)")
+        if issubclass_(t, list_):
+            return [data(x) for x in list_iter(v)]
+        if issubclass_(t, tuple_):  # (a namedtuple: its fields)
+            return tuple_([data(x) for x in tuple_iter(v)])
+        if issubclass_(t, dict_):  # (OrderedDict, defaultdict, Counter: their items, compared as a dict's)
+            return {data(k): data(x) for k, x in dict_items(v)}
+        if issubclass_(t, set_):
+            return set_([data(x) for x in set_iter(v)])
+        if issubclass_(t, frozenset_):
+            return frozenset_([data(x) for x in frozenset_iter(v)])
+        return deque_([data(x) for x in deque_iter(v)])
+
+    def compare(ops, *values):  # a comparison (chained: each pair) of built-in data, as Python compares it
+        left = values[0]
+        for j, op in enumerate_(ops):
+            right = values[j + 1]
+            if op == "is":
+                ok = left is right
+            elif op == "is not":
+                ok = left is not right
+            else:
+                a, b = data(left), data(right)
+                ok = (a == b if op == "==" else a != b if op == "!=" else a < b if op == "<" else a <= b if op == "<="
+                      else a > b if op == ">" else a >= b if op == ">=" else a in b if op == "in" else a not in b)
+            if not ok:
+                return False
+            left = right
+        return True
+
+    def plain(v):  # an operand of `and` / `or`: its value, when its truth is the built-in one
+        t = type_(v)
+        for a in atoms + containers:
+            if t is a:
+                return v
+        return data(v)
+
+    def truth(v):
+        return bool_(plain(v))
+
+    def all_checked(values):
+        for v in values:
+            if not truth(v):
+                return False
+        return True
+
+    def any_checked(values):
+        for v in values:
+            if truth(v):
+                return True
+        return False
+
+    fresh = dict_(pristine)
+    fresh["all"], fresh["any"] = all_checked, any_checked
+    symbols = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
+               ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+
+    class Checked(ast.NodeTransformer):  # a == b -> __relax_compare__(("==",), a, b); assert x -> assert
+        def call(self, name, args, node):  # __relax_truth__(x); `a or b`: each operand through __relax_plain__
+            return ast.copy_location(ast.Call(ast.Name(name, ast.Load()), args, []), node)
+
+        def visit_Compare(self, node):
+            self.generic_visit(node)
+            ops = ast.Constant(tuple([symbols[type(op)] for op in node.ops]))
+            return self.call("__relax_compare__", [ops, node.left] + node.comparators, node)
+
+        def tested(self, node):
+            self.generic_visit(node)
+            node.test = self.call("__relax_truth__", [node.test], node.test)
+            return node
+
+        visit_Assert = visit_If = visit_While = visit_IfExp = tested
+
+        def visit_BoolOp(self, node):
+            self.generic_visit(node)
+            node.values = [self.call("__relax_plain__", [v], v) for v in node.values]
+            return node
+
+        def visit_UnaryOp(self, node):
+            self.generic_visit(node)
+            if isinstance(node.op, ast.Not):
+                node.operand = self.call("__relax_truth__", [node.operand], node.operand)
+            return node
+
+        def visit_comprehension(self, node):
+            self.generic_visit(node)
+            node.ifs = [self.call("__relax_truth__", [c], c) for c in node.ifs]
+            return node
+
+    compiled = []
+    for i, t in enumerate_(tests):
+        try:
+            if isinstance_(t, str_):
+                tree = ast.fix_missing_locations(Checked().visit(ast.parse(t, f"<test {i}>", "exec")))
+                compiled.append(compile_(tree, f"<test {i}>", "exec"))
+            else:
+                compiled.append(compile_(t["call"], f"<test {i}>", "eval"))
+        except base_exception as e:
+            compiled.append("the test does not compile: " + describe(e))
+    harness = {"__relax_compare__": compare, "__relax_truth__": truth, "__relax_plain__": plain}
+
     sys.addaudithook(hook)
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
     failed = None
@@ -540,16 +698,32 @@ def _main():
             stderr_write(failed + "\n")
         except base_exception:
             pass
+    tg = {"__name__": "__main__"}  # the tests' globals
     for i, t in enumerate_(tests):
         if failed is not None:
             say(f"test {i} 0 {failed}")
             continue
+        if type_(compiled[i]) is str_:
+            say(f"test {i} 0 {compiled[i]}")
+            continue
         try:
+            for name, m in dict_items(kept_modules):  # what the code changed in modules loaded before it ran
+                if modules.get(name) is not m:
+                    modules[name] = m
+            for d, attrs in kept_attrs:
+                for k, v in dict_items(attrs):
+                    if d.get(k) is not v:
+                        d[k] = v
+            for k, v in list_(dict_items(ns)):
+                if type_(k) is str_ and k not in builtin_names and k != "__builtins__":
+                    tg[k] = v
+            tg["__builtins__"] = fresh
+            tg.update(harness)
             if isinstance_(t, str_):
-                exec_(compile_(t, f"<test {i}>", "exec"), ns)
+                exec_(compiled[i], tg)
                 ok, why = True, ""
             else:
-                got = eval_(compile_(t["call"], f"<test {i}>", "eval"), ns)
+                got = eval_(compiled[i], tg)
                 ok = same(got, t["expected"])
                 why = "" if ok else "returned " + repr_(got)[:100] + ", expected " + repr_(t["expected"])[:100]
         except base_exception as e:
