@@ -635,8 +635,9 @@ def apply_tool_schemas(parsed: ParsedMessage, tools: Optional[Sequence[dict]]) -
       also admits null; a string whose schema constrains its text (`xml_plain` false: a length limit, a pattern, a
       format), which a constrained call writes as JSON, is the string that JSON holds, where the text is one;
     - a call of a `strict` function whose arguments do not satisfy its `parameters` is a malformed call (`CallError`,
-      naming the first failing part), never executed. (OpenAI and SGLang constrain the sampling of a strict tool's
-      arguments instead; Relax constrains only a forced call, `tool_choice`, and checks the others here.)
+      naming the first failing part), never executed. (The OpenAI routes also constrain a strict tool's calls while
+      they are sampled, as OpenAI and SGLang do: `relax.rollout.grammar.strict_calls`; this check catches the calls
+      no grammar constrained: one cut by the token limit, the tool loop's.)
 
     Calls of functions not offered are left as they are (the loop or the agent answers them)."""
     functions = tool_functions(tools)

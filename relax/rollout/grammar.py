@@ -5,10 +5,12 @@ A `GrammarSpec` names what an answer must be: a JSON schema, any JSON object (`j
 grammar (xgrammar's dialect, SGLang's `ebnf`); `tool_call_ebnf` writes the EBNF of one or more tool calls in a tool
 parser's format (`relax.agents.parsers`), the arguments following each tool's parameter schema, and
 `tool_calls_or` the EBNF of an answer that is either such calls or what another spec admits (tools with a response
-format and tool_choice auto), and `after_reasoning` any spec after a reasoning model's `<think>` block. `Grammars` (one
-per tokenizer: the vocabulary is read once) compiles specs, each distinct spec once (`compiles` counts them), and
-makes a `Matcher` per row: `fill` writes the row's allowed tokens into a bitmask, `accept` advances it with the
-token drawn, `done` says the answer is complete (a stop token accepted, or, without stop tokens, nothing can follow).
+format and tool_choice auto), `at_most_one_call` and `strict_calls` free text in which every call is constrained
+(tool_choice auto with parallel_tool_calls false; with a `strict` tool), and `after_reasoning` any spec after a
+reasoning model's `<think>` block. `Grammars` (one per tokenizer: the vocabulary is read once) compiles specs, each
+distinct spec once (`compiles` counts them), and makes a `Matcher` per row: `fill` writes the row's allowed tokens
+into a bitmask, `accept` advances it with the token drawn, `done` says the answer is complete (a stop token accepted,
+or, without stop tokens, nothing can follow).
 JSON is written as `json.dumps` writes it (", " and ": " between items, no other whitespace): free whitespace, which
 JSON allows anywhere, is where small and untrained models loop until their token limit.
 
@@ -35,6 +37,7 @@ from relax.agents.parsers import (
     DS_SEP,
     END_THINK,
     MISTRAL_CALLS,
+    PYTHON_TAG,
     THINK,
     xml_plain,
 )
@@ -48,6 +51,21 @@ TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_
 
 class GrammarError(ValueError):
     """A grammar that cannot be compiled (a malformed schema, regex or EBNF), or a tool-call format not covered."""
+
+
+class ToolSchemaError(GrammarError):
+    """The parameters of tool `tool` cannot constrain its calls (xgrammar does not compile the schema, or an XML
+    format's call needs an object schema); the message names the tool and says why."""
+
+    def __init__(self, message: str, tool: str):
+        super().__init__(message)
+        self.tool = tool
+
+
+def _xgrammar_message(exc: Exception) -> str:
+    """xgrammar's error message without its time stamp and source location ("[01:05:44] /project/cpp/x.cc:94: ")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", lines[0]) if lines else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -90,15 +108,16 @@ def _call_schema(name: str, parameters: Any, arguments_key: str) -> dict:
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
-def _json_rules(schema: Any, rule: str, what: str) -> str:
+def _json_rules(schema: Any, rule: str, what: str, *, strict: bool = True) -> str:
     """The EBNF of JSON values following `schema`, its root rule renamed `rule` and its other rules prefixed with it
-    (the grammars of several values live in one EBNF)."""
+    (the grammars of several values live in one EBNF). `strict` false: an object schema that does not say otherwise
+    admits properties it does not list (free JSON: `{"type": "object"}`)."""
     import xgrammar as xgr
 
     try:
-        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        ebnf = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict))
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError for schemas it cannot read
-        raise GrammarError(f"{what}: {exc}") from None
+        raise GrammarError(f"{what}: {_xgrammar_message(exc)}") from None
     names = set(re.findall(r"^([A-Za-z_][A-Za-z0-9_]*)\s*::=", ebnf, flags=re.MULTILINE))
     renamed = {n: rule if n == "root" else f"{rule}_{n}" for n in names}
     return "".join(renamed.get(tok, tok) for tok in _EBNF_TOKEN.findall(ebnf))
@@ -136,10 +155,39 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
     return " ".join(parts) or '""', rules
 
 
-def _call_rules(tools: list[dict], fmt: str, name: Optional[str]) -> tuple[str, str, str, str]:
+def _class_without(*chars: str) -> str:
+    """The EBNF character class of any character but `chars`."""
+    return "[^" + "".join("\\" + c if c in "]\\^-" else json.dumps(c)[1:-1] for c in chars) + "]"
+
+
+def _piece_without(word: str) -> str:
+    """An EBNF expression of what may follow `word`'s first character, up to the next one, where `word` may not
+    occur: a proper prefix of the rest of `word`, then nothing or a character that breaks it, then anything but
+    that first character. `word`'s first character occurs nowhere else in it (a closing tag, `<|python_tag|>`), so
+    a text without `word` is pieces each opened by that character (`_text_without`)."""
+    first, rest = word[0], word[1:]
+    if not rest or first in rest:
+        raise ValueError(f"{word!r}: its first character must not occur again in it")
+    free = f"{_class_without(first)}*"
+    piece = f'("" | {_class_without(first, rest[-1])} {free})'  # (the whole rest: `word`, which may not occur)
+    for ch in reversed(rest[:-1]):
+        piece = f'("" | {_class_without(first, ch)} {free} | {_literal(ch)} {piece})'
+    return piece
+
+
+def _text_without(word: str) -> str:
+    """An EBNF expression of any text in which `word` does not occur (`_piece_without`)."""
+    return f"({_class_without(word[0])}* ({_literal(word[0])} {_piece_without(word)})*)"
+
+
+def _call_rules(tools: list[dict], fmt: str, name: Optional[str],
+                free: frozenset[str] = frozenset()) -> tuple[str, str, str, str]:
     """(the EBNF rules of one call of `tools` in tool parser `fmt`'s format, its root rule `relax_calls`; what opens a
     call's text; the rest of one call after it, as an EBNF expression; the separator between calls, as a literal).
-    The opener is "" where a call has no marker of its own (llama3_json: the call is a JSON object)."""
+    The opener is "" where a call has no marker of its own (llama3_json: the call is a JSON object). The tools named
+    in `free` (not strict, tool_choice auto) take any arguments: any JSON object in the JSON formats, any text up to
+    the call's closing tag in the XML ones (what the parser then reads of it, as without a grammar); the others'
+    arguments follow their `parameters` (a schema xgrammar cannot compile: `ToolSchemaError` naming the tool)."""
     if fmt not in TOOL_CALL_FORMATS:
         raise GrammarError(f"forcing a tool call in the {fmt!r} tool-call format is not supported (covered: "
                            f"{', '.join(TOOL_CALL_FORMATS)})")
@@ -150,26 +198,12 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str]) -> tuple[str, 
             raise GrammarError(f"no tool named {name!r}")
     calls, rules = [], []
     for i, f in enumerate(functions):
-        rule = f"relax_call{i}"
-        if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral"):
-            parameters = f.get("parameters") or {"type": "object", "properties": {}}
-            if fmt == "deepseek_v3":
-                rules.append(_json_rules(parameters, f"{rule}_args", f"the parameters of tool {f['name']!r}"))
-                head = f"{DS_CALL_BEGIN}function{DS_SEP}{f['name']}\n```json\n"
-                calls.append(f"{_literal(head)} {rule}_args {_literal(NL + '```' + DS_CALL_END)}")
-                continue
-            key = "parameters" if fmt == "llama3_json" else "arguments"
-            rules.append(_json_rules(_call_schema(f["name"], parameters, key), rule,
-                                     f"the parameters of tool {f['name']!r}"))
-            calls.append(rule)
-        elif fmt == "qwen3_coder":
-            args, used = _xml_arguments(f, rule, ("<parameter=", ">\n"), ("", "\n</parameter>\n"))
-            rules += used
-            calls.append(f"{_literal('<function=' + f['name'] + '>' + NL)} {args} {_literal('</function>')}")
-        else:  # glm45
-            args, used = _xml_arguments(f, rule, ("<arg_key>", "</arg_key>\n"), ("<arg_value>", "</arg_value>\n"))
-            rules += used
-            calls.append(f"{_literal(f['name'] + NL)} {args}")
+        try:
+            call, used = _one_call(f, fmt, f"relax_call{i}", f["name"] in free)
+        except GrammarError as exc:
+            raise ToolSchemaError(str(exc), f["name"]) from None
+        calls.append(call)
+        rules += used
     root = "relax_calls"
     body = "\n".join([f"{root} ::= " + " | ".join(f"({c})" for c in calls)] + rules)
     if fmt in ("hermes", "qwen3_coder"):
@@ -181,6 +215,33 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str]) -> tuple[str, 
     if fmt == "mistral":  # one call: a list of it
         return body, MISTRAL_CALLS, f"{_literal(' [')} {root} {_literal(']')}", _literal(", ")
     return body, "", root, _literal("; ")
+
+
+FREE_OBJECT = {"type": "object"}  # a free tool's arguments in the JSON formats (compiled without strict mode)
+
+
+def _one_call(f: dict, fmt: str, rule: str, free: bool) -> tuple[str, list[str]]:
+    """(one call of function `f` in `fmt`'s format as an EBNF expression, the rules it uses, named from `rule`)."""
+    if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral"):
+        parameters = FREE_OBJECT if free else f.get("parameters") or {"type": "object", "properties": {}}
+        what = f"the parameters of tool {f['name']!r}"
+        if fmt == "deepseek_v3":
+            head = f"{DS_CALL_BEGIN}function{DS_SEP}{f['name']}\n```json\n"
+            return (f"{_literal(head)} {rule}_args {_literal(NL + '```' + DS_CALL_END)}",
+                    [_json_rules(parameters, f"{rule}_args", what, strict=not free)])
+        key = "parameters" if fmt == "llama3_json" else "arguments"
+        return rule, [_json_rules(_call_schema(f["name"], parameters, key), rule, what, strict=not free)]
+    if fmt == "qwen3_coder":
+        head = _literal("<function=" + f["name"] + ">" + NL)
+        if free:
+            return f"{head} {_text_without('</function>')} {_literal('</function>')}", []
+        args, used = _xml_arguments(f, rule, ("<parameter=", ">\n"), ("", "\n</parameter>\n"))
+        return f"{head} {args} {_literal('</function>')}", used
+    head = _literal(f["name"] + NL)  # glm45
+    if free:
+        return f"{head} {_text_without('</tool_call>')}", []
+    args, used = _xml_arguments(f, rule, ("<arg_key>", "</arg_key>\n"), ("<arg_value>", "</arg_value>\n"))
+    return f"{head} {args}", used
 
 
 def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, parallel: bool = True) -> str:
@@ -209,22 +270,54 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, p
 
 def at_most_one_call(tools: list[dict], fmt: str) -> GrammarSpec:
     """tool_choice "auto" with parallel_tool_calls false: the answer is free text, or text and then one call of
-    `tools` in tool parser `fmt`'s format (its arguments following the tool's schema), after which it ends (the
-    row's stop token next). Where calls have a marker (every format but llama3_json), an xgrammar structural tag
-    (SGLang's `structural_tag`): the text is free until the marker, which opens the one call, and nothing follows
-    it. llama3_json has no marker: its parser reads a call only from a message that starts with one (the
-    `<|python_tag|>` token, a special token, is never drawn under a grammar), so the answer is one call, or text
-    that does not start with "{"."""
-    body, opener, rest, _ = _call_rules(tools, fmt, None)
+    `tools` in tool parser `fmt`'s format (its arguments following the tool's schema, strict or not), after which it
+    ends (the row's stop token next): `calls_in_text` with at most one call."""
+    return _calls_in_text(tools, fmt, frozenset(), parallel=False)
+
+
+def strict_calls(tools: list[dict], fmt: str) -> Optional[GrammarSpec]:
+    """tool_choice "auto" (parallel calls allowed) with at least one `strict` tool among `tools` (None: none is
+    strict, the answer is free): the text is free, and every call it opens is a call of one of `tools` whose
+    arguments, for a strict tool, follow its `parameters` schema (OpenAI's strict function calling; SGLang's
+    structural tag for strict tools), for another are any JSON object (XML formats: any text up to the call's
+    closing tag, read by the parser as without a grammar); several calls as the format writes them. A strict tool
+    whose schema xgrammar cannot compile: `ToolSchemaError` naming it. `_calls_in_text`."""
+    free = frozenset(t["function"]["name"] for t in tools if t["function"].get("strict") is not True)
+    if len(free) == len(tools):
+        return None
+    return _calls_in_text(tools, fmt, free, parallel=True)
+
+
+def _calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel: bool) -> GrammarSpec:
+    """Free text in which every call of tool parser `fmt` is constrained (`_call_rules`: a call of one of `tools`,
+    the arguments of those not in `free` following their schema); one call at most, then the answer ends, without
+    `parallel`. Where calls have a marker (every format but llama3_json), an xgrammar structural tag (SGLang's
+    `structural_tag`): the text is free until the marker, which opens one call (DeepSeek: the calls' section, one
+    or more calls and its end marker; Mistral: the marker and a list of calls), and after it the text is free again
+    (without `parallel`: nothing follows). DeepSeek's parser also reads a call outside a section: the free text may
+    not write a call's own begin marker. llama3_json has no marker: its parser reads calls from a message that
+    starts with one, or after `<|python_tag|>` (a special token, which a grammar never lets be drawn, and which the
+    free text may not spell either): the answer is calls, or text that does not start with "{" or "[" and holds no
+    `<|python_tag|>`."""
+    body, opener, rest, sep = _call_rules(tools, fmt, None, free)
     if not opener:
-        return GrammarSpec("ebnf", "\n".join(['root ::= relax_calls | relax_text',
-                                              r'relax_text ::= [ \t\r\n]* ([^{\[ \t\r\n] [^]*)?',
-                                              body]))
+        calls = f"relax_calls ({sep} relax_calls)*" if parallel else "relax_calls"
+        return GrammarSpec("ebnf", "\n".join([
+            f"root ::= {calls} | relax_text",
+            r'relax_text ::= [ \t\r\n]* ([^{\[ \t\r\n<] [^<]* ("<" relax_piece)* | ("<" relax_piece)+)?',
+            f"relax_piece ::= {_piece_without(PYTHON_TAG)}", body]))
+    if parallel and fmt == "deepseek_v3":  # one section, its calls separated as in a forced answer
+        rest = f"relax_calls ({sep} relax_calls)* {_literal(DS_CALLS_END)}"
+    elif parallel and fmt == "mistral":  # one list of calls
+        rest = f"{_literal(' [')} relax_calls ({sep} relax_calls)* {_literal(']')}"
     tag = {"type": "tag", "begin": opener, "end": "",
            "content": {"type": "grammar", "grammar": "\n".join([f"root ::= {rest}", body])}}
-    return GrammarSpec("structural_tag", json.dumps(
-        {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [opener], "tags": [tag],
-                                              "stop_after_first": True}}, ensure_ascii=False))
+    triggered: dict = {"type": "triggered_tags", "triggers": [opener], "tags": [tag],
+                       "stop_after_first": not parallel}
+    if fmt == "deepseek_v3":
+        triggered["excludes"] = [DS_CALL_BEGIN]
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": triggered},
+                                                    ensure_ascii=False))
 
 
 def _xgrammar_of(spec: GrammarSpec) -> Any:

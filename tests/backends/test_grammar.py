@@ -26,8 +26,10 @@ from relax.rollout.grammar import (
     GrammarError,
     Grammars,
     GrammarSpec,
+    ToolSchemaError,
     at_most_one_call,
     json_schema_spec,
+    strict_calls,
     tool_call_ebnf,
 )
 
@@ -360,3 +362,129 @@ def test_without_parallel_tool_calls_an_answer_holds_at_most_one_call(setup, fmt
         assert accepts(grammars, auto, "Let me look. " + call, eos)
     else:  # a message that starts like a call is one: no free text may
         assert not accepts(grammars, auto, '{"name": "weather"}', eos)
+
+
+# ------------------------------------------------------------------------------------------------ strict tools
+STRICT_TOOLS = [  # a strict tool beside one that is not
+    {"type": "function", "function": {"name": "weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["days", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+
+
+def written(fmt: str, calls: list[tuple[str, dict]]) -> str:
+    """`calls` ((name, arguments)) in `fmt`'s format as its template writes them (the XML formats: a string as its
+    text, anything else as JSON; DeepSeek: one section, Mistral: one list), as one message."""
+    def value(x):
+        return x if isinstance(x, str) else json.dumps(x)
+
+    if fmt == "hermes":
+        return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+    if fmt == "llama3_json":
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    if fmt == "mistral":
+        return "[TOOL_CALLS] [" + ", ".join(json.dumps({"name": n, "arguments": a}) for n, a in calls) + "]"
+    if fmt == "deepseek_v3":
+        return DS_CALLS_BEGIN + "\n".join(f"{DS_CALL_BEGIN}function{DS_SEP}{n}\n```json\n{json.dumps(a)}\n```"
+                                          f"{DS_CALL_END}" for n, a in calls) + DS_CALLS_END
+    if fmt == "qwen3_coder":
+        return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(
+            f"<parameter={k}>\n{value(x)}\n</parameter>\n" for k, x in a.items()) + "</function>\n</tool_call>"
+            for n, a in calls)
+    return "\n".join(f"<tool_call>{n}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{value(x)}</arg_value>\n"
+                                                  for k, x in a.items()) + "</tool_call>" for n, a in calls)
+
+
+@pytest.mark.parametrize("fmt", TOOL_CALL_FORMATS)
+def test_strict_tools_constrain_every_call_the_text_opens(setup, fmt):
+    """tool_choice auto with a strict tool (`strict_calls`, what openai-agents' and LangChain's strict tools get):
+    free text, and every call a tool of the request's, a strict one's arguments following its schema; the calls
+    that break it (an argument past its maximum, a required one missing, one not listed under additionalProperties
+    false, a tool not offered) are refused, though each is a call to the format's own parser (the negative control:
+    without the grammar they would be sampled, then refused by the strict check or answered as unknown). The tool
+    that is not strict takes any arguments (any JSON object; XML formats: any text up to the call's end)."""
+    tok, _, grammars, eos = setup
+    parse = BUILTIN_PARSERS[fmt]
+    spec = strict_calls(STRICT_TOOLS, fmt)
+    good = [("weather", {"days": 3, "unit": "c"})]
+    loose = [("note", {"text": 5, "extra": [True]})]  # not its schema: a call of a tool that is not strict
+    bad = [[("weather", {"days": 30, "unit": "c"})], [("weather", {"days": 3})],
+           [("weather", {"days": 3, "unit": "c", "city": "Oslo"})], [("forecast", {"days": 3, "unit": "c"})]]
+    for calls in (good, loose, good + loose, *bad):
+        assert [(c.name, c.arguments) for c in parse(written(fmt, calls)).calls] == calls  # the parser reads each
+    for calls in (good, loose, good + loose, loose + good + good):
+        assert accepts(grammars, spec, written(fmt, calls), eos), calls
+    for calls in bad:
+        assert not accepts(grammars, spec, written(fmt, calls), eos, then_eos=False), calls
+    assert accepts(grammars, spec, "The weather is fine.", eos) and accepts(grammars, spec, "", eos)
+    if fmt != "llama3_json":  # text before, between and after calls
+        text = "Let me look. " + written(fmt, good) + " And a note: " + written(fmt, loose) + " Done."
+        assert accepts(grammars, spec, text, eos)
+        assert not accepts(grammars, spec, "Let me look. " + written(fmt, bad[0]), eos, then_eos=False)
+    else:  # no marker: a message that starts like a call is calls, and text may not start like one
+        assert not accepts(grammars, spec, '{"note": 1}', eos, then_eos=False)
+    assert strict_calls([STRICT_TOOLS[1]], fmt) is None  # no strict tool: the answer is free
+
+
+@pytest.mark.parametrize("spec", ["strict", "one"])
+def test_free_text_cannot_write_a_call_the_grammar_does_not_see(setup, spec):
+    """The parsers also read a Llama call after `<|python_tag|>` anywhere in the text, and a DeepSeek call outside a
+    calls' section: the free text of the grammars that leave text free (`strict_calls`, `at_most_one_call`) may not
+    write those markers, so no call escapes the grammar; without them (the control) the same text parses as a call."""
+    tok, _, grammars, eos = setup
+    make = strict_calls if spec == "strict" else at_most_one_call
+    llama = "Sure. <|python_tag|>" + json.dumps({"name": "weather", "parameters": {"days": 99}})
+    bare = "Sure. " + written("deepseek_v3", [("weather", {"days": 99})])[len(DS_CALLS_BEGIN):-len(DS_CALLS_END)]
+    for fmt, text in (("llama3_json", llama), ("deepseek_v3", bare)):
+        assert BUILTIN_PARSERS[fmt](text).calls
+        assert not accepts(grammars, make(STRICT_TOOLS, fmt), text, eos, then_eos=False)
+        assert accepts(grammars, make(STRICT_TOOLS, fmt), text.replace("<|", "< |").replace(DS_CALL_BEGIN, "("), eos)
+
+
+def test_text_without_a_word_matches_exactly_the_texts_that_lack_it():
+    """`_text_without` (the free text of the grammars: a call's end tag, `<|python_tag|>`) against a brute-force
+    `word not in text` over random texts of the word's own characters and pieces of it."""
+    import random
+
+    import xgrammar as xgr
+
+    from relax.rollout.grammar import _text_without
+
+    rnd = random.Random(0)
+    for word in ("</function>", "</tool_call>", "<|python_tag|>", "<a]b^-\\"):
+        grammar = xgr.Grammar.from_ebnf(f"root ::= {_text_without(word)}")
+        alphabet = sorted(set(word)) + ["x", "\n"]
+        for _ in range(600):
+            text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 12)))
+            at = rnd.randint(0, len(text))
+            text = text[:at] + word[:rnd.randint(len(word) - 2, len(word))] + text[at:]
+            assert xgr.testing._is_grammar_accept_string(grammar, text) == (word not in text), (word, text)
+
+
+def test_a_strict_schema_xgrammar_cannot_compile_names_its_tool(setup):
+    """A strict tool whose schema xgrammar refuses (a look-behind pattern, which Python's re and jsonschema take) is
+    a `ToolSchemaError` naming it (the chat routes' 400); the same schema on a tool that is not strict is free
+    arguments, nothing to compile."""
+    params = {"type": "object", "properties": {"code": {"type": "string", "pattern": "(?<=a)b"}}}
+    tools = [STRICT_TOOLS[0], {"type": "function", "function": {"name": "lookup", "parameters": params}}]
+    for fmt in TOOL_CALL_FORMATS:
+        assert strict_calls(tools, fmt) is not None
+        tools[1]["function"]["strict"] = True
+        with pytest.raises(ToolSchemaError, match="tool 'lookup'.*Lookbehind") as caught:
+            strict_calls(tools, fmt)
+        assert caught.value.tool == "lookup"
+        del tools[1]["function"]["strict"]
+
+
+def test_strict_calls_after_reasoning(setup):
+    """A reasoning model's strict calls: free reasoning, then free text whose calls are constrained."""
+    from relax.rollout.grammar import after_reasoning
+
+    tok, _, grammars, eos = setup
+    spec = after_reasoning(strict_calls(STRICT_TOOLS, "hermes"), opened=True)
+    think = "a call: <tool_call>{not one}\n</think>\n\n"
+    assert accepts(grammars, spec, think + "Sure. " + written("hermes", [("weather", {"days": 3, "unit": "f"})]), eos)
+    assert not accepts(grammars, spec, think + written("hermes", [("weather", {"days": 0, "unit": "f"})]), eos,
+                       then_eos=False)

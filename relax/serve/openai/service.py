@@ -29,8 +29,10 @@ from relax.batch import FinishReason
 from relax.rollout.grammar import (
     GrammarError,
     GrammarSpec,
+    ToolSchemaError,
     after_reasoning,
     at_most_one_call,
+    strict_calls,
     tool_call_ebnf,
     tool_calls_or,
 )
@@ -161,6 +163,8 @@ class OpenAIService:
             p.grammar = self._calls_or_format_grammar(p)
         elif p.tools and not p.parallel_tool_calls:  # at most one call, then the answer ends
             p.grammar = self._one_call_grammar(p)
+        elif p.tools and any(t["function"].get("strict") is True for t in p.tools):  # strict tools: calls constrained
+            p.grammar = self._strict_calls_grammar(p)
         if session is not None:
             prompt, context = session.chat_prompt(messages, p.tools, self.fmt, p.template_kwargs,
                                                    offered=body.get("tools") or None)
@@ -481,6 +485,24 @@ class OpenAIService:
         except GrammarError as exc:
             raise APIError(f"parallel_tool_calls: {exc}", param="parallel_tool_calls") from None
         return spec.kind, spec.source
+
+    def _strict_calls_grammar(self, p: Params) -> Optional[tuple[str, str]]:
+        """tool_choice "auto" with a `strict` tool: free text whose calls are calls of the tools offered, a strict
+        tool's arguments following its schema (`strict_calls`; SGLang's structural tag for strict tools), as a
+        /generate sampling parameter. A strict tool whose schema xgrammar cannot compile: a 400 naming it. A parser of
+        its own (no built-in format to write the grammar in): None, the answer free and a strict tool's calls checked
+        after sampling only (`relax.agents.parsers.apply_tool_schemas`: a call that breaks the schema is malformed)."""
+        fmt = next((name for name, fn in BUILTIN_PARSERS.items() if fn is self.fmt.tool_parser), None)
+        if fmt is None:
+            return None
+        try:
+            spec = strict_calls(p.tools or [], fmt)
+        except ToolSchemaError as exc:
+            i = next(i for i, t in enumerate(p.tools or []) if t["function"]["name"] == exc.tool)
+            param = f"tools[{i}].function.parameters"
+            raise APIError(f"{param}: tool {exc.tool!r} is strict, so its arguments are constrained to its schema, "
+                           f"which cannot be compiled ({exc})", param=param) from None
+        return None if spec is None else (spec.kind, spec.source)
 
     def _after_reasoning(self, grammar: tuple[str, str], prompt: list[int]) -> tuple[str, str]:
         """The constrained answer of a model whose template reasons, as SGLang's chat route constrains it (a grammar
