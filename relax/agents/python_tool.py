@@ -5,10 +5,12 @@ stopped at a limit raises here, so the call counts as a tool error (its message 
 
 from __future__ import annotations
 
+from relax.config.sandbox_limits import PYTHON_TOOL_CPU_S, PYTHON_TOOL_WALL_S
 from relax.rewards.sandbox import SandboxLimits, run_in_sandbox
 
-# under data.tool_timeout_s's default (10 s), so the sandbox, not the tool's worker, stops a runaway program
-LIMITS = SandboxLimits(wall_s=5.0, cpu_s=3, output_bytes=16 * 1024)
+# data.tool_timeout_s must exceed wall_s (checked before start: relax.config.validate), so that the
+# sandbox, not the tool's worker, stops a runaway program
+LIMITS = SandboxLimits(wall_s=PYTHON_TOOL_WALL_S, cpu_s=PYTHON_TOOL_CPU_S, output_bytes=16 * 1024)
 MAX_RESULT_CHARS = 2000  # of the output sent back to the model
 
 
@@ -22,6 +24,8 @@ def python(code: str) -> str:
         raise RuntimeError(f"the program was stopped ({result.status.replace('_', ' ')})")
     text = result.stdout
     if result.status == "error":
+        if text and not text.endswith("\n"):  # the error on a line of its own, not glued to the output's last line
+            text += "\n"
         text += result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "the program failed"
     text = text if text.strip() else "(no output)"
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + "... (trimmed)"

@@ -11,12 +11,13 @@ import os
 from urllib.parse import urlsplit
 
 from relax.algorithms.base import Violation, range_of
+from relax.config.sandbox_limits import CODE_TESTS_MARGIN_S, CODE_TESTS_WALL_S
 from relax.config.schema import RelaxConfig, RewardServiceConfig
 
-# the wall-clock limit of the code_tests rewards' sandbox runs (relax.rewards.code_tests.LIMITS.wall_s; a test checks
-# they agree): a reward call limited to less would turn a program stopped by the sandbox (a counted time-out, reward 0)
-# into a failed reward call (its group left out)
-CODE_TESTS_WALL_S = 10.0
+# CODE_TESTS_WALL_S (relax.config.sandbox_limits): the wall-clock limit of the code_tests rewards' sandbox runs, which
+# relax.rewards.code_tests.LIMITS reads too: a reward call limited to less would turn a program stopped by the sandbox
+# (a counted time-out, reward 0) into a failed reward call (its group left out)
+
 CODE_TESTS_REWARDS = ("code_tests", "code_tests_all")
 
 
@@ -39,10 +40,10 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
             f"data.max_failed_reward_steps={d.max_failed_reward_steps} has no effect with data.reward_error="
             f"{d.reward_error}: the first failed reward call stops the run")
     if d.reward in CODE_TESTS_REWARDS and d.reward_timeout_s is not None:
-        require(d.reward_timeout_s > CODE_TESTS_WALL_S + 5, ("data.reward_timeout_s", "data.reward"),
+        require(d.reward_timeout_s > CODE_TESTS_WALL_S + CODE_TESTS_MARGIN_S, ("data.reward_timeout_s", "data.reward"),
                 f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "
-                f"data.reward={d.reward} ({CODE_TESTS_WALL_S:g} s) by 5 s: a program the sandbox stops fails its "
-                "tests; a reward call stopped first would be a reward error instead")
+                f"data.reward={d.reward} ({CODE_TESTS_WALL_S:g} s) by {CODE_TESTS_MARGIN_S:g} s: a program the sandbox "
+                "stops fails its tests; a reward call stopped first would be a reward error instead")
     if not is_service(d.reward):
         for f in dataclasses.fields(svc):
             require(getattr(svc, f.name) == getattr(default, f.name), (f"data.reward_service.{f.name}", "data.reward"),

@@ -24,6 +24,7 @@ from relax.config.megatron_rules import (
 from relax.config.moe_rules import moe_violations
 from relax.config.reward_model_rules import needs_own_gpu, reward_model_violations
 from relax.config.reward_service_rules import reward_service_violations
+from relax.config.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, PYTHON_TOOL_WALL_S
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
@@ -754,6 +755,17 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
               "'package.module:function' (text -> relax.agents.parsers.ParsedMessage)")
     r.require(bool(d.tools) or not _changed(d, "tool_timeout_s"), ("data.tool_timeout_s", "data.tools"),
               f"data.tool_timeout_s={d.tool_timeout_s} limits tool calls, and no tools are set (data.tools)")
+    # a turn that calls a tool is answered by the tool, never by data.env (and data.agent, data.openai_agent take no
+    # data.tools): with one turn the call runs and the episode ends, its result shown to no one
+    r.require(not d.tools or ro.max_turns >= 2, ("data.tools", "rollout.max_turns"),
+              f"data.tools={list(d.tools)} with rollout.max_turns={ro.max_turns}: the model never reads a tool's "
+              "result (the episode ends after the turn that calls it, and data.reward scores the call); set "
+              "rollout.max_turns >= 2 (a turn to call, one to read the result and answer), or drop data.tools")
+    r.require(PYTHON_TOOL not in d.tools or d.tool_timeout_s is None
+              or d.tool_timeout_s > PYTHON_TOOL_WALL_S + PYTHON_TOOL_MARGIN_S, ("data.tool_timeout_s", "data.tools"),
+              f"data.tool_timeout_s={d.tool_timeout_s} must exceed the python tool's sandbox wall-clock limit "
+              f"({PYTHON_TOOL_WALL_S:g} s) by {PYTHON_TOOL_MARGIN_S:g} s: the sandbox stops a runaway program with an "
+              "error the model reads; a call stopped first by data.tool_timeout_s kills and respawns its worker")
     r.require(bool(d.env or d.agent) or not _changed(d, "env_timeout_s"), ("data.env_timeout_s", "data.env"),
               f"data.env_timeout_s={d.env_timeout_s} limits an environment's steps or an agent loop's turns, and "
               "neither is set (data.env, data.agent)")

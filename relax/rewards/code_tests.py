@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import re
 
+from relax.config.sandbox_limits import CODE_TESTS_WALL_S
 from relax.rewards.calls import RewardValue
 from relax.rewards.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 
 SANDBOX_RUNS = "sandbox_runs"  # `Scores.counts` keys
 SANDBOX_TIMEOUTS = "sandbox_timeouts"
-LIMITS = SandboxLimits()
+LIMITS = SandboxLimits(wall_s=CODE_TESTS_WALL_S)  # data.reward_timeout_s is checked against it
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
