@@ -120,7 +120,7 @@ def test_previous_response_id_continues_the_conversation(scripted):
     (dict(reasoning={"effort": "high"}), "reasoning.effort"),
     (dict(tools=[{"type": "web_search"}]), "tools[0]"), (dict(tool_choice="required"), "tool_choice"),
     (dict(max_output_tokens=0), "max_output_tokens"), (dict(temperature=3), "temperature"),
-    (dict(truncation="auto"), "truncation"), (dict(background=True), "background"),
+    (dict(truncation="none"), "truncation"), (dict(background=True), "background"),
     (dict(include=["file_search_call.results"]), "include"), (dict(extra_body={"seed": "one"}), "seed"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
      "input[0].content[0]"),

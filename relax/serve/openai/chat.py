@@ -48,7 +48,7 @@ from relax.agents.parsers import (
 )
 from relax.agents.render import ObservationRenderer
 from relax.serve.openai.deltas import CALL_STARTS
-from relax.serve.openai.protocol import EFFORT_VARIABLE, APIError
+from relax.serve.openai.protocol import EFFORT_VARIABLE, VERBOSITY_VARIABLE, APIError
 
 __all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
 
@@ -162,6 +162,7 @@ class ChatFormat:
         # the template reads the reasoning_effort variable (gpt-oss's: "Reasoning: medium" unless given), which SGLang
         # renders a request's reasoning_effort as; a template that never mentions it cannot honour an effort
         self.reads_effort = EFFORT_VARIABLE in template
+        self.reads_verbosity = VERBOSITY_VARIABLE in template  # likewise a request's verbosity
         self._renderers: dict[str, ObservationRenderer] = {}  # by chat_template_kwargs (JSON); none: renderer
         self.renderer = ObservationRenderer(tokenizer)
         self.lock = threading.RLock()
@@ -279,6 +280,19 @@ class ChatFormat:
             raise APIError(f"reasoning_effort: {effort!r} cannot be honoured: this model's chat template does not "
                            "read reasoning_effort (no effort control here; \"none\" turns thinking off, null leaves "
                            "the model to reason as it does)", param="reasoning_effort")
+        return kwargs
+
+    def verbosity_variables(self, verbosity: str, kwargs: dict) -> dict:
+        """The chat template's variables for a request's verbosity (OpenAI's answer length hint), under its own
+        chat_template_kwargs (whose own verbosity wins): the variable `verbosity` where the template reads it, as
+        reasoning_effort (`effort_variables`); elsewhere "medium", OpenAI's default, changes nothing (the answer is the
+        model's own length) and "low" or "high" is a 400 naming verbosity, since nothing would render it."""
+        if self.reads_verbosity:
+            return {VERBOSITY_VARIABLE: verbosity, **kwargs}
+        if verbosity != "medium":
+            raise APIError(f"verbosity: {verbosity!r} cannot be honoured: this model's chat template does not read "
+                           "verbosity (no answer length control here; \"medium\", the default, and null are "
+                           "accepted)", param="verbosity")
         return kwargs
 
     def opening(self, prompt: list[int]) -> str:

@@ -15,7 +15,9 @@ left under the context), `temperature`, `top_p`, `stop` (a string or up to 4; th
 `separate_reasoning` and `stream_reasoning` (chat: a <think> block opening the answer goes to `reasoning_content` when
 the chat template uses <think>), and `reasoning_effort` (chat: "none" is SGLang's thinking switch, `THINKING_OFF` under
 the request's own chat_template_kwargs; each of OpenAI's `EFFORTS` is the template variable `reasoning_effort` where the
-chat template reads it, as SGLang renders it, and one other than "none" is refused where it does not). Log-probs are
+chat template reads it, as SGLang renders it, and one other than "none" is refused where it does not), and `verbosity`
+(chat: the template variable `verbosity` where the template reads it; "medium", OpenAI's default, on every template,
+"low" and "high" refused where it does not read it). Log-probs are
 those of the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Image parts
 (`image_url`) are taken by relax-serve with a vision-language model, outside training sessions
 (`relax.serve.openai.images`, before these rules read the messages). Anything else that would change the output
@@ -96,6 +98,9 @@ FIELDS: dict[str, Rule] = {
                                        "reason; every effort is the template variable reasoning_effort where the "
                                        "chat template reads it (gpt-oss's), as SGLang passes it; other efforts are "
                                        "refused where it does not; completions: null only (no template)"),
+    "verbosity": Rule(HONOURED, 'the template variable verbosity where the chat template reads it, as '
+                                "reasoning_effort; \"medium\" (OpenAI's default) is accepted on every template, "
+                                '"low" and "high" are refused where the template does not read it', CHAT),
     "separate_reasoning": Rule(HONOURED, f"{_SGL}: false keeps a <think> block in content", CHAT),
     "stream_reasoning": Rule(HONOURED, f"{_SGL}: false streams the reasoning as one delta", CHAT),
     # ------------------------------------------------------------------ accepted without effect
@@ -162,6 +167,10 @@ THINKING_OFF = {"thinking": False, "enable_thinking": False}
 # OpenAI's reasoning efforts (the openai package's ReasoningEffort); any other value is a 400 naming reasoning_effort
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 EFFORT_VARIABLE = "reasoning_effort"  # the chat template variable SGLang renders it as (gpt-oss's template reads it)
+# OpenAI's verbosities (chat `verbosity`, Responses `text.verbosity`); "medium" is OpenAI's default, accepted on every
+# template; the others are the template variable `verbosity` where the template reads it, else a 400 naming it
+VERBOSITIES = ("low", "medium", "high")
+VERBOSITY_VARIABLE = "verbosity"
 # chat_template_kwargs keys that name apply_chat_template's own arguments: they would replace what Relax renders
 TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
@@ -243,6 +252,7 @@ class Params:
     stream_reasoning: bool = True  # SGLang's: the reasoning streams token by token (false: as one delta)
     thinking_off: bool = False  # reasoning_effort "none": the template must close the <think> block (THINKING_OFF)
     reasoning_effort: Optional[str] = None  # the template variable (where the template reads it, else a 400 but "none")
+    verbosity: Optional[str] = None  # the template variable (where the template reads it, else a 400 but "medium")
     grammar: Optional[tuple[str, str]] = None  # constrained decoding: (json_schema | regex | ebnf, its text)
     tool_choice: Optional[str] = None  # a forced call: "required" (one or more calls) or the name of the function
     parallel_tool_calls: bool = True  # false: at most one call (a forced one: exactly one)
@@ -431,6 +441,10 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     if effort is not None and effort not in EFFORTS:
         raise _bad("reasoning_effort", f"{effort!r}: expected one of {', '.join(EFFORTS)} (OpenAI's efforts), or null")
     p.reasoning_effort = effort  # the service renders it where the template reads it (it knows the template)
+    verbosity = body.get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITIES:
+        raise _bad("verbosity", f"{verbosity!r}: expected one of {', '.join(VERBOSITIES)} (OpenAI's), or null")
+    p.verbosity = verbosity  # the service renders it where the template reads it
     if effort == "none":  # the request's own keys win, as SGLang's
         p.template_kwargs, p.thinking_off = {**THINKING_OFF, **(p.template_kwargs or {})}, True
     p.separate_reasoning = _flag(body, "separate_reasoning", True)

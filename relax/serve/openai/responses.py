@@ -33,7 +33,9 @@ Responses API defines there, `check_keys`). The chat route's fields that SGLang'
 as they are: honoured or refused by the chat route's own code, exactly as there. `reasoning.effort` is the chat
 route's `reasoning_effort` ("none": SGLang's thinking switch, refused where the chat template would still let the model
 reason; every effort: the template variable reasoning_effort where the template reads it, refused where it does not but
-"none"), its errors named reasoning.effort; reasoning summaries are refused.
+"none"), its errors named reasoning.effort; reasoning summaries are refused. `text.verbosity` is the chat route's
+`verbosity` likewise. `truncation: "auto"`: where the prompt and max_output_tokens do not fit the context, the
+earliest input items are dropped until they do (`Responses._answered`).
 `request_id` (SGLang's, vLLM's) names the response.
 """
 
@@ -96,7 +98,8 @@ FIELDS: dict[str, Rule] = {
     "tool_choice": Rule(HONOURED, "as the chat route's tool_choice"),
     "parallel_tool_calls": Rule(HONOURED, "as the chat route's (false: at most one call)"),
     "text": Rule(HONOURED, "format: text, json_object or json_schema (the chat route's response_format: constrained "
-                           "decoding); verbosity: none"),
+                           "decoding); verbosity: the chat route's verbosity (the template variable where the "
+                           "template reads it; \"medium\" everywhere)"),
     "max_output_tokens": Rule(HONOURED, "the chat route's max_tokens"),
     "temperature": Rule(HONOURED, "a training session samples at the run's"),
     "top_p": Rule(HONOURED, "a training session samples at the run's"),
@@ -121,7 +124,9 @@ FIELDS: dict[str, Rule] = {
     # ------------------------------------------------------------------ refused unless neutral
     "background": Rule(NEUTRAL_ONLY, "every response runs in the foreground", lambda v: v is False),
     "background_options": Rule(NEUTRAL_ONLY, "every response runs in the foreground"),
-    "truncation": Rule(NEUTRAL_ONLY, "the input is never truncated (too long: a 400)", lambda v: v == "disabled"),
+    "truncation": Rule(HONOURED, '"auto": input items are dropped from the beginning of the conversation (never the '
+                                 "instructions or the last user message) until the prompt and max_output_tokens fit "
+                                 'the context; "disabled" (the default): too long is a 400'),
     "reasoning": Rule(HONOURED, "effort: the chat route's reasoning_effort (\"none\": thinking off as SGLang's; "
                                 "each effort the template variable reasoning_effort where the template reads it, "
                                 "refused where it does not); summaries are refused"),
@@ -145,7 +150,8 @@ FIELDS.update({name: Rule(CHAT_FIELDS[name].verdict, f"as on the chat route: {CH
                for name in SHARED})
 REASONING_PARAM_KEYS = {"effort", "summary", "generate_summary", "context", "mode"}  # openai's Reasoning param
 # chat errors name the chat field; the Responses field they come from
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort"}
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort",
+           "verbosity": "text.verbosity"}
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -367,15 +373,12 @@ def chat_tool_choice(choice: Any) -> Any:
 
 def chat_response_format(text: Any) -> Optional[dict]:
     """The chat route's response_format of a Responses `text` (its `format`: {"type": "text"}, {"type":
-    "json_object"} or {"type": "json_schema", "name", "schema", "strict"}); None: plain text. A verbosity other than
-    none is refused: no answer length control."""
+    "json_object"} or {"type": "json_schema", "name", "schema", "strict"}); None: plain text. Its verbosity is the
+    chat request's (`parse_request`)."""
     if text is None:
         return None
     if not isinstance(text, dict) or not set(text) <= {"format", "verbosity"}:
         raise _bad("text", f"{text!r}: expected {{\"format\": {{...}}}}")
-    if text.get("verbosity") is not None:
-        raise _bad("text.verbosity", f"{text['verbosity']!r} is not supported by this server (no answer length "
-                                     "control)")
     fmt = text.get("format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind in ("text", "json_object"):
@@ -404,6 +407,7 @@ class Request:
     encrypted: bool = False  # include reasoning.encrypted_content: reasoning items carry it
     echo: dict = field(default_factory=dict)
     rid: Optional[str] = None  # request_id: the response's id (None: a fresh one)
+    truncation: str = "disabled"  # "auto": the earliest input items are dropped where the input does not fit
 
 
 def reasoning_effort(reasoning: Any) -> Any:
@@ -473,6 +477,9 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("instructions", "must be a string")
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise _bad("truncation", f"{truncation!r}: expected \"auto\" or \"disabled\"")
     prev = body.get("previous_response_id")
     if prev is not None and not isinstance(prev, str):
         raise _bad("previous_response_id", "must be a string")
@@ -501,6 +508,9 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
     for name in SHARED:  # the chat route reads them (and names them in its errors)
         if name in body:
             chat[name] = body[name]
+    verbosity = (body.get("text") or {}).get("verbosity")
+    if verbosity is not None:  # the chat route's verbosity (its errors renamed text.verbosity)
+        chat["verbosity"] = verbosity
     if effort is not None:  # the chat route's reasoning_effort ("none": thinking off, checked against the template)
         chat["reasoning_effort"] = effort
     echo = {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
@@ -508,10 +518,23 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
             "store": body.get("store", True), "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "top_logprobs": body.get("top_logprobs"), "user": body.get("user"),
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "reasoning": {"effort": effort, "summary": None}}
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}, "verbosity": verbosity},
+            "reasoning": {"effort": effort, "summary": None}, "truncation": truncation or "disabled"}
     return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs,
-                   encrypted=ENCRYPTED_INCLUDE in include, echo=echo, rid=rid)
+                   encrypted=ENCRYPTED_INCLUDE in include, echo=echo, rid=rid, truncation=truncation or "disabled")
+
+
+def drop_earliest(history: list[dict]) -> Optional[list[dict]]:
+    """`truncation: "auto"`: the conversation without its earliest item (a message, or an assistant message with
+    its calls), and without the tool results that answered calls no longer in it (a template cannot render a result
+    without its call); None when nothing can be dropped: the last user message and what follows it are kept."""
+    last_user = max((i for i, m in enumerate(history) if m.get("role") == "user"), default=0)
+    if last_user == 0:
+        return None
+    rest = history[1:]
+    while rest[0].get("role") == "tool":  # (the last user message stops it)
+        rest = rest[1:]
+    return rest
 
 
 def renamed(exc: APIError) -> APIError:
@@ -795,6 +818,25 @@ class Responses:
                 kept = self._sessions[session] = Kept(self.keep_per_session)
             return kept
 
+    @staticmethod
+    def _answered(req: Request, chat: dict, session: Any, call: Callable[[dict, Any], Any]) -> Any:
+        """`call(chat, session)`, its errors named by the Responses fields; with truncation "auto", while the
+        prompt and max_output_tokens do not fit the context (the chat route's context_length_exceeded, raised
+        before anything is sampled or recorded), again without the conversation's earliest item (`drop_earliest`);
+        what cannot be made to fit is the error "disabled" gives."""
+        head = chat["messages"][:len(chat["messages"]) - len(req.history)]  # the instructions
+        history = req.history
+        while True:
+            try:
+                return call(chat, session)
+            except APIError as exc:
+                shorter = drop_earliest(history) if req.truncation == "auto" \
+                    and exc.code == "context_length_exceeded" else None
+                if shorter is None:
+                    raise renamed(exc) from None
+                history = shorter
+                chat = {**chat, "messages": head + history}
+
     def create(self, body: Any, session: Any = None) -> tuple[int, Any]:
         """(status, a `response` object or its event stream); APIError for a refused request."""
         kept = self._kept(session)
@@ -814,17 +856,11 @@ class Responses:
 
         if req.stream:  # the chat stream's chunks, as they come: the text deltas at their token boundaries
             chat["stream"], chat["stream_options"] = True, {"include_usage": True}
-            try:
-                chunks = self.service.chat_stream(chat, session)
-            except APIError as exc:
-                raise renamed(exc) from None
+            chunks = self._answered(req, chat, session, self.service.chat_stream)
             events = response_events(req, chunks, rid=rid, model=str(req.chat["model"]), created=created, done=keep,
                                      seal=self.seal)
             return 200, EventSource(events, also=chunks)
-        try:
-            _, answer = self.service.chat(chat, session)
-        except APIError as exc:
-            raise renamed(exc) from None
+        _, answer = self._answered(req, chat, session, self.service.chat)
         a = answer_of(answer)
         resp = response_object(req, a, output_items(a, req.logprobs, seal=self.seal if req.encrypted else None),
                                rid=rid, model=str(req.chat["model"]), created=created)

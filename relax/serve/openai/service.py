@@ -155,6 +155,8 @@ class OpenAIService:
         messages, p = parse_chat(body)
         if p.reasoning_effort is not None:  # the template variable where the template reads it, else a 400 but "none"
             p.template_kwargs = self.fmt.effort_variables(p.reasoning_effort, p.template_kwargs or {}) or None
+        if p.verbosity is not None:  # likewise: the template variable where the template reads it, else "medium" only
+            p.template_kwargs = self.fmt.verbosity_variables(p.verbosity, p.template_kwargs or {}) or None
         if p.thinking_off:
             self._check_thinking_off(p.template_kwargs or {})
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
