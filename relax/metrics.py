@@ -25,6 +25,22 @@ SANDBOX_TIMEOUT_FRAC = "rollout/sandbox_timeout_frac"
 REWARD_MODEL_SCORE_MEAN = "rollout/reward_model_score_mean"
 REWARD_MODEL_TIME = "perf/reward_model_time"
 JUDGE_PARSE_FAIL_FRAC = "rollout/judge_parse_fail_frac"
+# What a reward is made of, each the mean over the step's responses whose reward calls all succeeded (those
+# rollout/raw_reward averages, less the others of a group left out) that have the value: a list data.reward's
+# components before their weights, rollout/reward/<name>_mean (name: the built-in's name, the function's attribute;
+# relax.config.reward_list_rules.component_names; their weighted sum is rollout/raw_reward without a reward model); a
+# reward function's dict return's other numeric keys, rollout/reward/<key>_mean (a list's: <name>/<key>); with
+# reward_model=classifier|judge, the rule reward before the model's score is added (data.reward's, an episode's turn
+# rewards)
+REWARD_PARTS_PREFIX = "rollout/reward/"
+RULE_REWARD_MEAN = "rollout/rule_reward_mean"
+
+
+def reward_mean(name: str) -> str:
+    """The logged name of the mean of a reward's part `name` (a component's name, a dict return's key)."""
+    return f"{REWARD_PARTS_PREFIX}{name}_mean"
+
+
 # DAPO's overlong penalty (data.overlong_buffer_len > 0), over the responses rollout/raw_reward averages: the mean
 # reward trained on is raw_reward + overlong_penalty
 OVERLONG_PENALTY = "rollout/overlong_penalty"  # mean penalty (<= 0)

@@ -39,6 +39,8 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
             ("data.max_failed_reward_steps", "data.reward_error"),
             f"data.max_failed_reward_steps={d.max_failed_reward_steps} has no effect with data.reward_error="
             f"{d.reward_error}: the first failed reward call stops the run")
+    if not isinstance(d.reward, str):  # a list: relax.config.reward_list_rules states these rules for each entry
+        return out
     if d.reward in CODE_TESTS_REWARDS and d.reward_timeout_s is not None:
         require(d.reward_timeout_s > CODE_TESTS_WALL_S + CODE_TESTS_MARGIN_S, ("data.reward_timeout_s", "data.reward"),
                 f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "

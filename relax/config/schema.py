@@ -361,8 +361,11 @@ class DataConfig:
     prompt_key: str = "prompt"
     label_key: str = "label"
     # digits | arithmetic | math | code_tests | code_tests_all | package.module:function | http(s)://... (a reward
-    # service, options in reward_service) | none (an environment or agent loop gives the rewards)
-    reward: str = "digits"
+    # service, options in reward_service) | none (an environment or agent loop gives the rewards); or a list of those
+    # (none excepted), whose rewards add up weighted by reward_weights (docs/training.md, "Several rewards")
+    reward: Any = "digits"
+    # With a list data.reward: the weight of each entry, same length (None: 1.0 each); the reward is the weighted sum
+    reward_weights: Optional[list[float]] = None
     reward_service: RewardServiceConfig = field(default_factory=RewardServiceConfig)
     apply_chat_template: bool = True
     num_prompts: int = 4096  # synthetic tasks: how many prompts to generate

@@ -22,6 +22,7 @@ from relax.config.megatron_rules import (
     sequence_parallel_violation,
 )
 from relax.config.moe_rules import moe_violations
+from relax.config.reward_list_rules import reward_list_violations
 from relax.config.reward_model_rules import needs_own_gpu, reward_model_violations
 from relax.config.reward_service_rules import reward_service_violations
 from relax.config.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, PYTHON_TOOL_WALL_S
@@ -855,6 +856,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _not_built(cfg, r)
     _agents(cfg, r)
     r.found.extend(reward_service_violations(cfg))
+    r.found.extend(reward_list_violations(cfg))
     r.found.extend(moe_violations(cfg))
     r.found.extend(megatron_violations(cfg))
     r.found.extend(vision_violations(cfg))

@@ -1,8 +1,12 @@
 """Choosing a reward function by name and scoring responses robustly.
 
 A reward function is `fn(response: str, label: str) -> float` (higher is better, typically in [0, 1]);
-it may also accept a `prompt` keyword argument (the prompt text), which it then receives. Built-ins:
-`digits`, `arithmetic`, `math`; any other function is named by import path `package.module:function`.
+it may also accept a `prompt` keyword argument (the prompt text), which it then receives. It is called once per
+response: a batched function (`responses`, `completions`, `labels`: lists) is refused at start. Built-ins:
+`digits`, `arithmetic`, `math`; any other function is named by import path `package.module:function`, or by its file,
+`/path/to/file.py:function` (verl's `custom_reward_function.path`): the file's directory is appended to `sys.path`
+and the file imported as the module of its name, so that the reward worker processes (which get the driver's
+`sys.path`) import it by that name as they import any other.
 
 Time limit (`score_responses(..., timeout_s=...)`, `data.reward_timeout_s`): a call that takes longer fails like
 one that raised. A hung call cannot be stopped inside a thread (and a regex or C extension stuck in a loop holds
@@ -16,13 +20,19 @@ rewards import math-verify there).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import logging
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from relax.imports import resolve_component
+from relax.metrics import reward_mean
 from relax.rewards.calls import RewardFn, RewardSpecError, call_once
 from relax.rewards.code_tests import code_tests_all_reward, code_tests_reward
 from relax.rewards.digits import digits_reward
@@ -47,8 +57,13 @@ def get_reward_fn(spec: str) -> RewardFn:
     """The reward function named by `spec`: a built-in name or `package.module:function`, or a reward service's
     client (`relax.rewards.remote.RemoteReward`, called batched in this process) for an http(s) URL.
 
-    Import problems are reported here, at start, rather than on the first rollout.
+    Import problems are reported here, at start, rather than on the first rollout. A list (`data.reward` of several
+    rewards) gives a `relax.rewards.combined.RewardList` of its entries, each problem of each entry reported at once.
     """
+    if not isinstance(spec, str) and isinstance(spec, Sequence):
+        from relax.rewards.combined import reward_list  # (it builds each entry here)
+
+        return reward_list(spec)
     if is_url(spec):
         try:
             return RemoteReward(spec.strip())
@@ -58,7 +73,13 @@ def get_reward_fn(spec: str) -> RewardFn:
         raise RewardSpecError(f"data.reward={spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or "
                               "'package.module:function'")
     spec = spec.strip()
-    fn = resolve_component(BUILTIN_REWARDS, "data.reward", spec, error=RewardSpecError,
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", spec)
+    if scheme:
+        raise RewardSpecError(f"data.reward={spec!r}: only http:// and https:// URLs are reward services; a "
+                              f"{scheme.group(1)}:// URL is neither a service nor a function (a function is named "
+                              "'package.module:function' or '/path/to/file.py:function')")
+    target = _import_file(spec) if _names_a_file(spec) else spec
+    fn = resolve_component(BUILTIN_REWARDS, "data.reward", target, error=RewardSpecError,
                            unknown="{option}={spec!r}: unknown reward; expected one of {builtins} "
                                    "or an import path 'package.module:function'",
                            keep_cause=True)
@@ -68,13 +89,63 @@ def get_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def _names_a_file(spec: str) -> bool:
+    """Whether `spec` names a function by its file (`/path/to/file.py:function`, `rewards/mine.py:fn`) rather than
+    by module (`package.module:function`)."""
+    where = spec.rpartition(":")[0]
+    return "/" in where or (where.endswith(".py") and Path(where).expanduser().is_file())  # (not a module a.py)
+
+
+def _import_file(spec: str) -> str:
+    """Make the file of `spec` (`path.py:function`) importable under its name and return `module:function`: its
+    directory is appended to `sys.path` (last, so that it shadows nothing), which reward worker processes receive.
+    RewardSpecError for a missing file, a name that is no module name, or one that another module already has."""
+    where, _, attr = spec.rpartition(":")
+    path = Path(where).expanduser().resolve()
+    if path.suffix != ".py":
+        raise RewardSpecError(f"data.reward={spec!r}: a reward named by its file needs a .py file "
+                              "('/path/to/file.py:function'), or name it by module: 'package.module:function'")
+    if not path.is_file():
+        raise RewardSpecError(f"data.reward={spec!r}: no such file {path}")
+    name = path.stem
+    if not name.isidentifier():
+        raise RewardSpecError(f"data.reward={spec!r}: {path.name} is imported as a module named by the file, and "
+                              f"{name!r} is no Python module name: rename the file (letters, digits, _)")
+    directory = str(path.parent)
+    if directory not in sys.path:
+        sys.path.append(directory)
+        importlib.invalidate_caches()
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None)
+    if origin is None or Path(origin).resolve() != path:
+        raise RewardSpecError(f"data.reward={spec!r}: the file is imported as the module {name!r}, and that name is "
+                              f"already taken by {origin or 'another module'}: rename {path.name}")
+    return f"{name}:{attr}"
+
+
+# parameter names of batched reward functions (TRL's reward_funcs, verl's batched compute_score): lists, one item per
+# response, where Relax passes one response and its label
+BATCHED_NAMES = ("responses", "completions", "labels", "prompts", "solution_strs", "ground_truths")
+
+
 def _check_signature(spec: str, fn: RewardFn) -> None:
     """RewardSpecError when `fn` cannot be called as the run calls it, `fn(response, label)` (with `prompt=` when it
-    takes one): otherwise every call would fail, each group left out, and the run would train nothing."""
+    takes one), or is written for batches (a parameter named as TRL and verl name batches: `BATCHED_NAMES`):
+    otherwise every call would fail, each group left out, and the run would train nothing."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or extension without a signature: its first call will tell
         return
+    batched = [p.name for p in signature.parameters.values() if p.name in BATCHED_NAMES]
+    if batched:
+        raise RewardSpecError(f"data.reward={spec!r}: {spec}{signature} looks batched (its parameter {batched[0]!r} "
+                              "names a list, as TRL's and verl's batched reward functions do), and Relax calls a "
+                              "reward function once per response: fn(response, label) -> float (with a keyword "
+                              "`prompt` if it takes one). Wrap it: def reward(response, label): return "
+                              f"{getattr(fn, '__name__', 'fn')}([response], [label])[0]")
     try:
         if accepts_prompt(fn):
             signature.bind("response", "label", prompt="prompt")
@@ -113,6 +184,10 @@ class Scores:
     # what the calls counted (`relax.rewards.calls.RewardValue.counts`, summed): the code_tests rewards' sandbox_runs
     # and sandbox_timeouts
     counts: dict[str, float] = field(default_factory=dict)
+    # numbers logged as their mean over the scored responses, metric name -> one value per response (NaN: none): a
+    # dict return's other keys (`RewardValue.extras`), a list data.reward's components, the rule reward before a
+    # reward model's score is added (`relax.runner.rollout_driver.scoring.extra_metrics`)
+    extras: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def errors(self) -> int:
@@ -166,6 +241,8 @@ def _scores(fn: RewardFn, outcomes: Sequence[tuple], timed_out: Sequence[bool]) 
         if value is None and out.first_error is None:
             out.first_error = error
             warn_failed_score(f"reward function {getattr(fn, '__name__', fn)}", error)
+    keys = sorted({k for value, _ in outcomes for k in getattr(value, "extras", {})})
+    out.extras = {reward_mean(k): [getattr(v, "extras", {}).get(k, float("nan")) for v, _ in outcomes] for k in keys}
     return out
 
 

@@ -96,6 +96,7 @@ VALUES: dict[str, Any] = {
     "data.name": "walk",
     "data.task": "arithmetic",
     "data.reward": "arithmetic",
+    "data.reward_weights": "[2.0]",  # with one data.reward: rejected (weights are for a list)
     "data.prompt_overflow": "error",
     "data.reward_error": "raise",
     "data.reward_timeout_s": 1e-7,  # no call returns within 0.1 us: every call fails, every group is left out

@@ -17,7 +17,8 @@ import torch
 
 from relax.batch import FinishReason, Samples
 from relax.config.schema import RelaxConfig
-from relax.metrics import SANDBOX_TIMEOUT_FRAC
+from relax.metrics import RULE_REWARD_MEAN, SANDBOX_TIMEOUT_FRAC
+from relax.rewards.combined import RewardList, score_list
 from relax.rewards.registry import Scores, score_responses, warn_failed_score
 from relax.rewards.remote import RemoteReward, RewardServiceError
 from relax.rewards.shaping import overlong_penalty
@@ -33,7 +34,10 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
     the reward function's on the model's last message (`reward_fn` None, `data.reward=none`: the former only).
 
     `reward_model` (a `relax.runner.reward_model.RewardModelScorer`, reward_model=classifier|judge): its scores are
-    added by weight (`with_reward_model`)."""
+    added by weight (`with_reward_model`).
+
+    A list `data.reward` (`reward_fn` a `relax.rewards.combined.RewardList`): the weighted sum of its entries
+    (`data.reward_weights`), each entry's rewards kept for its metric (`score_list`)."""
     if reward_model is not None:
         scores = score(cfg, tokenizer, reward_fn, samples, items, n) if reward_fn is not None or \
             samples.episodes is not None else Scores(rewards=[0.0] * len(samples), failed=[False] * len(samples))
@@ -56,7 +60,11 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
     if isinstance(reward_fn, RemoteReward):  # batched requests with the run's data.reward_service options
         reward_fn.options = cfg.data.reward_service
     try:
-        scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
+        if isinstance(reward_fn, RewardList):
+            scores = score_list(reward_fn, cfg.data.reward_weights, texts, labels, prompts,
+                                timeout_s=cfg.data.reward_timeout_s, service_options=cfg.data.reward_service)
+        else:
+            scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
     except RewardServiceError as exc:  # past data.reward_service.max_errors: the run stops with its message
         raise RunError(str(exc)) from None
     if episodes is not None:
@@ -87,7 +95,11 @@ def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items:
                  for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     rm = cfg.reward_model
     model = reward_model.score([item for item in items for _ in range(n)], texts)
-    rule_weight = rm.rule_weight if (cfg.data.reward != "none" or episodes is not None) else 0.0
+    rule = cfg.data.reward != "none" or episodes is not None
+    rule_weight = rm.rule_weight if rule else 0.0
+    if rule:  # the rule reward before the model's score is added (rollout/rule_reward_mean)
+        scores.extras[RULE_REWARD_MEAN] = [float("nan") if bad else r for r, bad in zip(scores.rewards, scores.failed,
+                                                                                         strict=True)]
     for i, value in enumerate(model.values):
         if value is None:
             scores.failed[i], scores.rewards[i] = True, 0.0
@@ -229,6 +241,9 @@ def merge_scores(parts: Sequence[Scores]) -> Scores:
             out.counts[name] = out.counts.get(name, 0) + count
         if out.first_error is None:
             out.first_error = p.first_error
+        for key in set(out.extras) | set(p.extras):  # (a key missing from some parts is NaN in their rows)
+            before = out.extras.get(key, [float("nan")] * (len(out.rewards) - len(p.rewards)))
+            out.extras[key] = before + list(p.extras.get(key, [float("nan")] * len(p.rewards)))
         if p.model_scores is not None:  # (a reward model scores every round or none)
             out.model_scores = (out.model_scores or []) + list(p.model_scores)
             out.parse_failures += p.parse_failures
@@ -237,9 +252,23 @@ def merge_scores(parts: Sequence[Scores]) -> Scores:
 
 
 def count_metrics(scores: Scores) -> dict[str, float]:
-    """Metrics of what the reward calls counted (`Scores.counts`): rollout/sandbox_timeout_frac when they ran code."""
+    """Metrics of what the reward calls counted (`Scores.counts`): rollout/sandbox_timeout_frac when they ran code;
+    and the means of what a reward is made of (`extra_metrics`)."""
     runs = scores.counts.get("sandbox_runs", 0)
-    return {SANDBOX_TIMEOUT_FRAC: scores.counts.get("sandbox_timeouts", 0) / runs} if runs else {}
+    out = {SANDBOX_TIMEOUT_FRAC: scores.counts.get("sandbox_timeouts", 0) / runs} if runs else {}
+    out.update(extra_metrics(scores))
+    return out
+
+
+def extra_metrics(scores: Scores) -> dict[str, float]:
+    """Each of `Scores.extras` (a list data.reward's components, a dict return's other keys, the rule reward beside
+    a reward model) as its mean over the responses whose reward calls all succeeded and that have a value (NaN when
+    none has)."""
+    out = {}
+    for key, values in scores.extras.items():
+        ok = [v for v, bad in zip(values, scores.failed, strict=True) if not bad and v == v]
+        out[key] = sum(ok) / len(ok) if ok else float("nan")
+    return out
 
 
 def mean_reward(scores: Scores) -> float:
@@ -253,7 +282,8 @@ def select_scores(scores: Scores, rows: Sequence[int]) -> Scores:
     model = None if scores.model_scores is None else [scores.model_scores[i] for i in rows]
     return Scores([scores.rewards[i] for i in rows], [scores.failed[i] for i in rows], scores.first_error,
                   scores.timeouts, model_scores=model, parse_failures=scores.parse_failures,
-                  model_time=scores.model_time, counts=dict(scores.counts))
+                  model_time=scores.model_time, counts=dict(scores.counts),
+                  extras={k: [v[i] for i in rows] for k, v in scores.extras.items()})
 
 
 def scores_state(scores: Scores) -> dict:
@@ -261,7 +291,8 @@ def scores_state(scores: Scores) -> dict:
     return {"rewards": list(scores.rewards), "failed": list(scores.failed), "first_error": scores.first_error,
             "timeouts": scores.timeouts, "counts": dict(scores.counts),
             "model_scores": None if scores.model_scores is None else list(scores.model_scores),
-            "parse_failures": scores.parse_failures, "model_time": scores.model_time}
+            "parse_failures": scores.parse_failures, "model_time": scores.model_time,
+            "extras": {k: list(v) for k, v in scores.extras.items()}}
 
 
 class Scorer:
