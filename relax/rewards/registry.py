@@ -1,8 +1,12 @@
 """Choosing a reward function by name and scoring responses robustly.
 
 A reward function is `fn(response: str, label: str) -> float` (higher is better, typically in [0, 1]);
-it may also accept a `prompt` keyword argument (the prompt text), which it then receives. Built-ins:
-`digits`, `arithmetic`, `math`; any other function is named by import path `package.module:function`.
+it may also accept a `prompt` keyword argument (the prompt text), which it then receives. It is called once per
+response: a batched function (`responses`, `completions`, `labels`: lists) is refused at start. Built-ins:
+`digits`, `arithmetic`, `math`; any other function is named by import path `package.module:function`, or by its file,
+`/path/to/file.py:function` (verl's `custom_reward_function.path`): the file's directory is appended to `sys.path`
+and the file imported as the module of its name, so that the reward worker processes (which get the driver's
+`sys.path`) import it by that name as they import any other.
 
 Time limit (`score_responses(..., timeout_s=...)`, `data.reward_timeout_s`): a call that takes longer fails like
 one that raised. A hung call cannot be stopped inside a thread (and a regex or C extension stuck in a loop holds
@@ -16,10 +20,15 @@ rewards import math-verify there).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 import logging
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from relax.imports import resolve_component
@@ -64,7 +73,13 @@ def get_reward_fn(spec: str) -> RewardFn:
         raise RewardSpecError(f"data.reward={spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or "
                               "'package.module:function'")
     spec = spec.strip()
-    fn = resolve_component(BUILTIN_REWARDS, "data.reward", spec, error=RewardSpecError,
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", spec)
+    if scheme:
+        raise RewardSpecError(f"data.reward={spec!r}: only http:// and https:// URLs are reward services; a "
+                              f"{scheme.group(1)}:// URL is neither a service nor a function (a function is named "
+                              "'package.module:function' or '/path/to/file.py:function')")
+    target = _import_file(spec) if _names_a_file(spec) else spec
+    fn = resolve_component(BUILTIN_REWARDS, "data.reward", target, error=RewardSpecError,
                            unknown="{option}={spec!r}: unknown reward; expected one of {builtins} "
                                    "or an import path 'package.module:function'",
                            keep_cause=True)
@@ -74,13 +89,63 @@ def get_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+def _names_a_file(spec: str) -> bool:
+    """Whether `spec` names a function by its file (`/path/to/file.py:function`, `rewards/mine.py:fn`) rather than
+    by module (`package.module:function`)."""
+    where = spec.rpartition(":")[0]
+    return "/" in where or (where.endswith(".py") and Path(where).expanduser().is_file())  # (not a module a.py)
+
+
+def _import_file(spec: str) -> str:
+    """Make the file of `spec` (`path.py:function`) importable under its name and return `module:function`: its
+    directory is appended to `sys.path` (last, so that it shadows nothing), which reward worker processes receive.
+    RewardSpecError for a missing file, a name that is no module name, or one that another module already has."""
+    where, _, attr = spec.rpartition(":")
+    path = Path(where).expanduser().resolve()
+    if path.suffix != ".py":
+        raise RewardSpecError(f"data.reward={spec!r}: a reward named by its file needs a .py file "
+                              "('/path/to/file.py:function'), or name it by module: 'package.module:function'")
+    if not path.is_file():
+        raise RewardSpecError(f"data.reward={spec!r}: no such file {path}")
+    name = path.stem
+    if not name.isidentifier():
+        raise RewardSpecError(f"data.reward={spec!r}: {path.name} is imported as a module named by the file, and "
+                              f"{name!r} is no Python module name: rename the file (letters, digits, _)")
+    directory = str(path.parent)
+    if directory not in sys.path:
+        sys.path.append(directory)
+        importlib.invalidate_caches()
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None)
+    if origin is None or Path(origin).resolve() != path:
+        raise RewardSpecError(f"data.reward={spec!r}: the file is imported as the module {name!r}, and that name is "
+                              f"already taken by {origin or 'another module'}: rename {path.name}")
+    return f"{name}:{attr}"
+
+
+# parameter names of batched reward functions (TRL's reward_funcs, verl's batched compute_score): lists, one item per
+# response, where Relax passes one response and its label
+BATCHED_NAMES = ("responses", "completions", "labels", "prompts", "solution_strs", "ground_truths")
+
+
 def _check_signature(spec: str, fn: RewardFn) -> None:
     """RewardSpecError when `fn` cannot be called as the run calls it, `fn(response, label)` (with `prompt=` when it
-    takes one): otherwise every call would fail, each group left out, and the run would train nothing."""
+    takes one), or is written for batches (a parameter named as TRL and verl name batches: `BATCHED_NAMES`):
+    otherwise every call would fail, each group left out, and the run would train nothing."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or extension without a signature: its first call will tell
         return
+    batched = [p.name for p in signature.parameters.values() if p.name in BATCHED_NAMES]
+    if batched:
+        raise RewardSpecError(f"data.reward={spec!r}: {spec}{signature} looks batched (its parameter {batched[0]!r} "
+                              "names a list, as TRL's and verl's batched reward functions do), and Relax calls a "
+                              "reward function once per response: fn(response, label) -> float (with a keyword "
+                              "`prompt` if it takes one). Wrap it: def reward(response, label): return "
+                              f"{getattr(fn, '__name__', 'fn')}([response], [label])[0]")
     try:
         if accepts_prompt(fn):
             signature.bind("response", "label", prompt="prompt")
