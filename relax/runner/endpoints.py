@@ -84,6 +84,10 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
         url("tracking.uri", cfg.tracking.uri, "an MLflow tracking server")
     if is_url(cfg.data.reward):
         url("data.reward", cfg.data.reward.strip(), "a reward service")
+    elif not isinstance(cfg.data.reward, str):  # a list: each service of it (relax.rewards.combined)
+        for i, spec in enumerate(cfg.data.reward):
+            if is_url(spec):
+                url(f"data.reward[{i}]", spec.strip(), "a reward service")
     rm = cfg.reward_model
     if rm.kind != "none" and rm.engine == "openai" and rm.url:
         url("reward_model.url", rm.url, "an OpenAI-compatible API")

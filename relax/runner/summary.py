@@ -30,6 +30,15 @@ def _reward_model(cfg: RelaxConfig) -> str:
     return f"; reward_model={rm.kind}: {rule}{rm.weight:g} x its score"
 
 
+def _reward(cfg: RelaxConfig) -> str:
+    """data.reward as the summary shows it: the string, or a list's weighted sum ("1 x math + 0.2 x my_rewards:fmt")."""
+    d = cfg.data
+    if isinstance(d.reward, str):
+        return d.reward
+    weights = d.reward_weights if d.reward_weights is not None else [1.0] * len(d.reward)
+    return " + ".join(f"{w:g} x {spec}" for w, spec in zip(weights, d.reward, strict=True))
+
+
 def config_summary(cfg: RelaxConfig) -> str:
     a, m, ro, t, d = cfg.algorithm, cfg.model, cfg.rollout, cfg.train, cfg.data
     model = m.path or m.name
@@ -42,7 +51,7 @@ def config_summary(cfg: RelaxConfig) -> str:
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",
-        f"data       {d.name} (reward={d.reward}{shaping}{_reward_model(cfg)})",
+        f"data       {d.name} (reward={_reward(cfg)}{shaping}{_reward_model(cfg)})",
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
         f"max_response_len={ro.max_response_len}, temperature={ro.temperature}{filtering}",
         f"train      {t.backend}: {t.num_rollout} rollouts{' (evaluation only)' if t.num_rollout == 0 else ''}, "

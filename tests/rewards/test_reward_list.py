@@ -203,3 +203,21 @@ def test_a_run_logs_each_entry_and_trains_on_their_weighted_sum(in_process, smal
         assert 0 <= m["rollout/reward/as_dict/hit_mean"] <= 1 and m["rollout/reward/as_dict/words_mean"] >= 0
         assert m["rollout/reward/as_dict_mean"] == pytest.approx(0.25 * m["rollout/reward/as_dict/hit_mean"])
         assert not any("note" in k for k in m)
+
+
+def test_a_dry_run_checks_each_entry_and_prints_the_sum(tmp_path, capfd):
+    import socket
+
+    from relax_train_inprocess import relax_train
+
+    code, out, err = relax_train(["dry_run=true", "data.reward=[digits,list_rewards:first_digit]",
+                                  "data.reward_weights=[1,0.5]", f"train.save_dir={tmp_path}/ckpt"], capfd)
+    assert code == 0, out + err
+    assert "reward=1 x digits + 0.5 x list_rewards:first_digit" in out and "every check a start runs" in out
+    code, out, err = relax_train(["dry_run=true", "data.reward=[digits,list_rewards:nope]"], capfd)
+    assert code == 2 and "has no attribute 'nope'" in err and "Traceback" not in out + err
+    with socket.socket() as s:  # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        code, out, err = relax_train(["dry_run=true", f"data.reward=[digits,'http://127.0.0.1:{port}/score']"], capfd)
+    assert code == 2 and f"data.reward[1]=http://127.0.0.1:{port}/score" in out + err, out + err
