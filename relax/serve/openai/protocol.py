@@ -74,8 +74,9 @@ FIELDS: dict[str, Rule] = {
                    COMPLETION),
     "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message; their schemas "
                             "read the calls (a strict tool's arguments checked against it)", CHAT),
-    "tool_choice": Rule(HONOURED, '"auto", "none", "required" or a named function (forced by constrained decoding '
-                                  "in the tool parser's format: any built-in one)", CHAT),
+    "tool_choice": Rule(HONOURED, '"auto", "none", "required", a named function (forced by constrained decoding '
+                                  "in the tool parser's format: any built-in one) or allowed_tools (the calls "
+                                  "constrained to the listed tools, every tool still in the prompt)", CHAT),
     "parallel_tool_calls": Rule(HONOURED, "false: at most one call (forced calls: exactly one), by constrained "
                                           "decoding in the tool parser's format", CHAT),
     "n": Rule(HONOURED, "choices, each with its own random stream"),
@@ -255,6 +256,7 @@ class Params:
     verbosity: Optional[str] = None  # the template variable (where the template reads it, else a 400 but "medium")
     grammar: Optional[tuple[str, str]] = None  # constrained decoding: (json_schema | regex | ebnf, its text)
     tool_choice: Optional[str] = None  # a forced call: "required" (one or more calls) or the name of the function
+    allowed: Optional[list[str]] = None  # tool_choice allowed_tools: the tools a call may be of (None: any in tools)
     parallel_tool_calls: bool = True  # false: at most one call (a forced one: exactly one)
 
 
@@ -399,7 +401,11 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
             if (why := strict_schema_error(fn)) is not None:  # checked against it: it must be a schema
                 raise _bad(f"tools[{i}].function.parameters", f"of a strict function {why}")
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}: exactly that call
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        mode, p.allowed = _allowed_tools(choice, tools)
+        if mode == "required":
+            p.tool_choice = mode
+    elif isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}: exactly that call
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
@@ -414,8 +420,8 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
             raise _bad("tool_choice", '"required" needs tools')
         p.tool_choice = choice
     elif choice not in (None, "auto", "none"):
-        raise _bad("tool_choice", f'{choice!r}: expected "auto", "none", "required" or {{"type": "function", '
-                                  '"function": {"name": ...}}')
+        raise _bad("tool_choice", f'{choice!r}: expected "auto", "none", "required", {{"type": "function", '
+                                  '"function": {"name": ...}} or {"type": "allowed_tools", ...}')
     formatted = isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text"
     if p.tool_choice is not None and p.grammar is not None and not formatted:
         # SGLang's regex, json_schema, ebnf constrain the whole answer, which a forced call constrains too. A
@@ -450,6 +456,39 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     p.separate_reasoning = _flag(body, "separate_reasoning", True)
     p.stream_reasoning = _flag(body, "stream_reasoning", True)
     return normalized, p
+
+
+def _allowed_tools(choice: dict, tools: Optional[list[dict]]) -> tuple[str, Optional[list[str]]]:
+    """(mode, the names of the tools a call may be of; None: every tool) of a tool_choice `{"type": "allowed_tools",
+    "allowed_tools": {"mode": "auto" | "required", "tools": [{"type": "function", "function": {"name": ...}}]}}`
+    (OpenAI's: the listed tools restrict the calls while `tools` stays whole in the prompt, for prompt caching); a
+    400 naming what is wrong."""
+    where = "tool_choice.allowed_tools"
+    check_keys(choice, "tool_choice", {"type", "allowed_tools"})
+    spec = choice.get("allowed_tools")
+    if not isinstance(spec, dict):
+        raise _bad(where, 'required: {"mode": "auto" | "required", "tools": [{"type": "function", "function": '
+                          '{"name": ...}}, ...]}')
+    check_keys(spec, where, {"mode", "tools"})
+    mode, listed = spec.get("mode"), spec.get("tools")
+    if mode not in ("auto", "required"):
+        raise _bad(f"{where}.mode", f'{mode!r}: expected "auto" or "required"')
+    if not isinstance(listed, list) or not listed:
+        raise _bad(f"{where}.tools", "must be a non-empty list of function tools")
+    offered = [t["function"]["name"] for t in tools or []]
+    names = []
+    for j, t in enumerate(listed):
+        fn = t.get("function") if isinstance(t, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str):
+            raise _bad(f"{where}.tools[{j}]", f'{t!r}: only function tools ({{"type": "function", "function": '
+                                              '{"name": ...}}) are supported')
+        check_keys(t, f"{where}.tools[{j}]", TOOL_KEYS)
+        check_keys(fn, f"{where}.tools[{j}].function", FUNCTION_KEYS)  # (the name says which of `tools` it is)
+        if name not in offered:
+            raise _bad(f"{where}.tools[{j}]", f"names the function {name!r}, which is not in tools")
+        names.append(name)
+    return mode, None if set(names) == set(offered) else [n for n in offered if n in names]
 
 
 def _check_message_keys(m: Any, where: str) -> None:

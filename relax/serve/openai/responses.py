@@ -95,7 +95,8 @@ FIELDS: dict[str, Rule] = {
     "input": Rule(HONOURED, "a string or message, function_call, function_call_output and reasoning items"),
     "instructions": Rule(HONOURED, "a system message before the input (not carried over by previous_response_id)"),
     "tools": Rule(HONOURED, "function tools, as the chat route renders them"),
-    "tool_choice": Rule(HONOURED, "as the chat route's tool_choice"),
+    "tool_choice": Rule(HONOURED, "as the chat route's tool_choice (allowed_tools too: the calls constrained to the "
+                                  "listed tools, every tool still in the prompt)"),
     "parallel_tool_calls": Rule(HONOURED, "as the chat route's (false: at most one call)"),
     "text": Rule(HONOURED, "format: text, json_object or json_schema (the chat route's response_format: constrained "
                            "decoding); verbosity: the chat route's verbosity (the template variable where the "
@@ -366,9 +367,25 @@ def chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         check_keys(choice, "tool_choice", {"type", "name"})
         return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        # {"type": "allowed_tools", "mode": ..., "tools": [{"type": "function", "name": ...}]}: the chat form's
+        check_keys(choice, "tool_choice", {"type", "mode", "tools"})
+        listed = choice.get("tools")
+        if not isinstance(listed, list):
+            raise _bad("tool_choice.tools", "must be a non-empty list of function tools")
+        names = []
+        for j, t in enumerate(listed):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+                kind = t.get("type") if isinstance(t, dict) else None
+                raise _bad(f"tool_choice.tools[{j}]", f'{kind!r}: only function tools ({{"type": "function", '
+                                                      '"name": ...}) are supported')
+            check_keys(t, f"tool_choice.tools[{j}]", TOOL_KEYS, TOOL_NEUTRAL)
+            names.append({"type": "function", "function": {"name": t["name"]}})
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": names}}
     if choice is None or isinstance(choice, str):
         return choice
-    raise _bad("tool_choice", f"{choice!r} is not supported: 'auto', 'none', or a function")
+    raise _bad("tool_choice", f"{choice!r} is not supported: 'auto', 'none', 'required', a function "
+                              "({\"type\": \"function\", \"name\": ...}) or allowed_tools")
 
 
 def chat_response_format(text: Any) -> Optional[dict]:

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol
 
 from relax.agents.parsers import BUILTIN_PARSERS, parser_format
@@ -30,6 +30,7 @@ from relax.rollout.grammar import (
     GrammarError,
     GrammarSpec,
     ToolSchemaError,
+    _calls_in_text,
     after_reasoning,
     at_most_one_call,
     strict_calls,
@@ -159,12 +160,18 @@ class OpenAIService:
             p.template_kwargs = self.fmt.verbosity_variables(p.verbosity, p.template_kwargs or {}) or None
         if p.thinking_off:
             self._check_thinking_off(p.template_kwargs or {})
+        # tool_choice allowed_tools: the calls' grammar is written over the listed tools only, while every tool
+        # stays in the prompt (OpenAI's: the tools list is left whole for prompt caching)
+        callable_ = p if p.allowed is None else replace(p, tools=[t for t in p.tools or []
+                                                                  if t["function"]["name"] in p.allowed])
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
-            p.grammar = ("ebnf", self._tool_call_grammar(p))
+            p.grammar = ("ebnf", self._tool_call_grammar(callable_))
         elif p.tools and p.grammar is not None:  # tool_choice auto and a format: the calls or the format's content
-            p.grammar = self._calls_or_format_grammar(p)
+            p.grammar = self._calls_or_format_grammar(callable_)
         elif p.tools and not p.parallel_tool_calls:  # at most one call, then the answer ends
-            p.grammar = self._one_call_grammar(p)
+            p.grammar = self._one_call_grammar(callable_)
+        elif p.allowed is not None:  # free text whose calls are calls of the listed tools
+            p.grammar = self._allowed_calls_grammar(callable_)
         elif p.tools and any(t["function"].get("strict") is True for t in p.tools):  # strict tools: calls constrained
             p.grammar = self._strict_calls_grammar(p)
         if session is not None:
@@ -505,6 +512,22 @@ class OpenAIService:
             raise APIError(f"{param}: tool {exc.tool!r} is strict, so its arguments are constrained to its schema, "
                            f"which cannot be compiled ({exc})", param=param) from None
         return None if spec is None else (spec.kind, spec.source)
+
+    def _allowed_calls_grammar(self, p: Params) -> tuple[str, str]:
+        """tool_choice allowed_tools with mode "auto" (parallel calls allowed): free text in which every call is a
+        call of `p.tools` (the listed ones), a strict tool's arguments following its schema, as `strict_calls`
+        writes it (`relax.rollout.grammar._calls_in_text`); a 400 naming tool_choice where no built-in tool parser
+        can write it."""
+        fmt = self._tool_parser_format("tool_choice")
+        free = frozenset(t["function"]["name"] for t in p.tools or [] if t["function"].get("strict") is not True)
+        try:
+            spec = _calls_in_text(p.tools or [], fmt, free, parallel=True)
+        except ToolSchemaError as exc:
+            raise APIError(f"tool_choice: tool {exc.tool!r} is strict, so its arguments are constrained to its "
+                           f"schema, which cannot be compiled ({exc})", param="tool_choice") from None
+        except GrammarError as exc:
+            raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
+        return spec.kind, spec.source
 
     def _after_reasoning(self, grammar: tuple[str, str], prompt: list[int]) -> tuple[str, str]:
         """The constrained answer of a model whose template reasons, as SGLang's chat route constrains it (a grammar
