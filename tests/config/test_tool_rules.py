@@ -52,6 +52,7 @@ def test_the_rules_and_the_sandboxes_read_the_same_constants():
 def test_python_tool_puts_the_error_on_its_own_line():
     from relax.agents.python_tool import python
 
-    assert python('print(1, end=""); 1/0') == "1\nthe code raised: solution, line 1: ZeroDivisionError: division by zero"
-    assert python("print(1); 1/0") == "1\nthe code raised: solution, line 1: ZeroDivisionError: division by zero"
-    assert python("1/0") == "the code raised: solution, line 1: ZeroDivisionError: division by zero"
+    error = "the code raised: solution, line 1: ZeroDivisionError: division by zero"
+    assert python('print(1, end=""); 1/0') == "1\n" + error  # was "1the code raised: ..."
+    assert python("print(1); 1/0") == "1\n" + error
+    assert python("1/0") == error
