@@ -350,13 +350,17 @@ class ChatFormat:
         """(tokens kept, text, the stop token that ended them or None, whether a stop sequence ended them): the
         text leaves out the stop token and stops before the first stop sequence (with `trim`; else it is the text
         of the tokens kept: SGLang's no_stop_trim); the tokens stop after the token that completed it (what the
-        model sampled up to there: the engine stops there too, given the stop sequences)."""
+        model sampled up to there: the engine stops there too, given the stop sequences). An answer the token limit
+        cut (no stop token, no stop sequence) may end inside a multi-byte character, which decodes as U+FFFD: its
+        text leaves those trailing U+FFFD out, as the streamed deltas hold them back (`TextDeltas`, as vLLM's
+        incremental detokenizer does), so a cut answer's content is the same streamed or not and never ends in half
+        a character; its tokens stay all the sampled ones."""
         end = tokens[-1] if tokens and tokens[-1] in self.eos_token_ids else None
         body = tokens[:-1] if end is not None else tokens
         text = self.decode(body)
         hits = [(text.find(s), s) for s in stop if s in text]
         if not hits:
-            return tokens, text, end, False
+            return tokens, text if end is not None else text.rstrip("\ufffd"), end, False
         at, s = min(hits)
         for k in range(1, len(body) + 1):  # the first token after which the stop sequence is in the text
             if len(self.decode(body[:k])) >= at + len(s) and s in self.decode(body[:k]):
