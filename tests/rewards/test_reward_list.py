@@ -203,6 +203,13 @@ def test_a_run_logs_each_entry_and_trains_on_their_weighted_sum(in_process, smal
         assert 0 <= m["rollout/reward/as_dict/hit_mean"] <= 1 and m["rollout/reward/as_dict/words_mean"] >= 0
         assert m["rollout/reward/as_dict_mean"] == pytest.approx(0.25 * m["rollout/reward/as_dict/hit_mean"])
         assert not any("note" in k for k in m)
+    from mlflow.tracking import MlflowClient
+
+    logged = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.run_id).data.metrics
+    assert logged["rollout/reward/as_dict/words_mean"] == pytest.approx(result.history[-1][1][
+        "rollout/reward/as_dict/words_mean"])
+    assert {"rollout/reward/digits_mean", "rollout/reward/first_digit_mean", "rollout/reward/as_dict_mean",
+            "rollout/reward/as_dict/hit_mean"} <= logged.keys()
 
 
 def test_a_dry_run_checks_each_entry_and_prints_the_sum(tmp_path, capfd):
@@ -221,3 +228,22 @@ def test_a_dry_run_checks_each_entry_and_prints_the_sum(tmp_path, capfd):
         port = s.getsockname()[1]
         code, out, err = relax_train(["dry_run=true", f"data.reward=[digits,'http://127.0.0.1:{port}/score']"], capfd)
     assert code == 2 and f"data.reward[1]=http://127.0.0.1:{port}/score" in out + err, out + err
+
+
+def test_a_service_entry_is_scored_batched_with_the_runs_service_options():
+    from relax.config.schema import RewardServiceConfig
+
+    from .test_remote_reward import Service
+
+    service = Service()  # its reward: len(response) / 10
+    try:
+        rewards = get_reward_fn(["digits", service.url])
+        assert rewards.names == ["digits", "127.0.0.1_" + service.url.split(":")[2].replace("/", "_")]
+        responses = ["7", "7 3", "x 7"]
+        scores = score_list(rewards, [1.0, 2.0], responses, ["7"] * 3, timeout_s=30,
+                            service_options=RewardServiceConfig(batch_size=2, backoff_s=0.01))
+        # digits by hand: 1.0, 0.75, 0.5; the service: 0.1, 0.3, 0.3
+        assert scores.rewards == pytest.approx([1.0 + 0.2, 0.75 + 0.6, 0.5 + 0.6]) and not any(scores.failed)
+        assert [len(r) for r in service.requests] == [2, 1]  # data.reward_service.batch_size=2
+    finally:
+        service.close()
