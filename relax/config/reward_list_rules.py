@@ -156,7 +156,7 @@ def _threshold_violations(cfg: RelaxConfig) -> list[Violation]:
     """pass@k counts a response correct when its reward reaches `train.eval_correct_threshold`, whose default (1.0)
     is a rule reward's full score. With a reward model the reward is rule_weight x data.reward + weight x its score
     (a judge's 0-10, a classifier's logit), and with a list data.reward it is the weighted sum: 1.0 means nothing
-    there, so an evaluating run must set the threshold on that scale."""
+    there (a list of one entry at weight 1.0 excepted), so an evaluating run must set the threshold on that scale."""
     t = cfg.train
     if not evaluates(cfg) or t.eval_correct_threshold != type(t)().eval_correct_threshold:
         return []
@@ -168,7 +168,8 @@ def _threshold_violations(cfg: RelaxConfig) -> list[Violation]:
                           f"{'rule_weight x data.reward + ' if cfg.data.reward != 'none' else ''}weight x the model's "
                           "score: set train.eval_correct_threshold to the reward a correct response reaches on that "
                           "scale (pass@k counts a response correct at or above it), or set reward_model=none")]
-    if is_reward_list(cfg.data.reward):
+    d = cfg.data
+    if is_reward_list(d.reward) and not (len(d.reward) == 1 and list(d.reward_weights or [1.0]) == [1.0]):
         return [Violation(("train.eval_correct_threshold", "data.reward"),
                           f"train.eval_correct_threshold is left at its default ({t.eval_correct_threshold:g}, one "
                           f"rule reward's full score), and data.reward={list(cfg.data.reward)} is a weighted sum "

@@ -118,6 +118,9 @@ def test_pass_at_k_needs_a_threshold_on_the_scale_of_a_reward_model_or_a_weighte
     found = violations("data.reward=[math,digits]", "train.eval_interval=1")
     assert any("is a weighted sum" in m for m in found)
     assert violations("data.reward=math", "train.eval_interval=1") == []  # one rule reward: 1.0 is its full score
+    assert violations("data.reward=[math]", "train.eval_interval=1") == []
+    assert any("is a weighted sum" in m for m in violations("data.reward=[math]", "data.reward_weights=[2]",
+                                                            "train.eval_interval=1"))
 
 
 def test_a_dict_return_and_its_keys():
