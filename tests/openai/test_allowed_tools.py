@@ -142,3 +142,8 @@ def test_the_responses_error_names_every_supported_choice(scripted_gateway):
         gw_client.responses.create(model="m", input="hi", tool_choice={"type": "mcp", "server_label": "x"})
     message = info.value.body["message"]
     assert all(w in message for w in ("'auto'", "'none'", "'required'", "allowed_tools"))
+    with pytest.raises(openai.BadRequestError) as info:
+        gw_client.responses.create(model="m", input="hi", tools=[{"type": "function", "name": "clock"}],
+                                   tool_choice={"type": "allowed_tools", "mode": "sometimes",
+                                                "tools": [{"type": "function", "name": "clock"}]})
+    assert info.value.body["param"] == "tool_choice.mode"

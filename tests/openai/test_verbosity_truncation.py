@@ -145,11 +145,15 @@ def test_truncation_auto_drops_the_earliest_items_until_the_prompt_fits(small_co
                 if len(rendered(tok, system + conversation[k:])) + 8 <= budget)
     assert sent(script) == rendered(tok, system + fits) and r.truncation == "auto" and r.output_text == "7"
     assert r.usage.input_tokens == len(sent(script)) and len(fits) < len(conversation)
+    events = list(client.responses.create(model="m", instructions=INSTRUCTIONS, input=items, truncation="auto",
+                                          max_output_tokens=8, stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == "7"
+    assert sent(script) == rendered(tok, system + fits) and events[-1].response.usage.input_tokens == len(sent(script))
     for kw in ({"truncation": "disabled"}, {}):
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model="m", instructions=INSTRUCTIONS, input=items, max_output_tokens=8, **kw)
         assert info.value.body["code"] == "context_length_exceeded"
-    assert len(script.calls) == 1
+    assert len(script.calls) == 2
 
 
 def test_truncation_auto_keeps_the_instructions_and_the_last_user_message(small_context):
@@ -168,3 +172,22 @@ def test_truncation_auto_keeps_the_instructions_and_the_last_user_message(small_
     r = client.responses.create(model="m", instructions=INSTRUCTIONS, input=[*TURNS[:1], *calls, LAST],
                                 truncation="auto", max_output_tokens=4)
     assert sent(script) == rendered(tok, system + [LAST]) and r.status == "completed"
+
+
+def test_openai_agents_model_settings_verbosity_and_truncation_run(scripted_gateway):
+    """openai-agents' ModelSettings(verbosity="medium", truncation="auto") on its Responses model and on its chat
+    model (the SDK drops truncation there): both runs answer, and the Responses call's prompt is the template's
+    render of the instructions and the question (nothing to drop)."""
+    from agents import Agent, ModelSettings, RunConfig, Runner
+    from agents.models.openai_provider import OpenAIProvider
+
+    tok = base_tokenizer()
+    gw, script, session, _ = scripted_gateway(_format(tok), ["7"])
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0)
+    agent = Agent(name="a", instructions=INSTRUCTIONS, model="policy",
+                  model_settings=ModelSettings(verbosity="medium", truncation="auto"))
+    for use_responses in (True, False):
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=client, use_responses=use_responses),
+                           tracing_disabled=True)
+        assert Runner.run_sync(agent, USER[0]["content"], run_config=config).final_output == "7"
+        assert sent(script) == rendered(tok, [{"role": "system", "content": INSTRUCTIONS}, *USER])

@@ -370,6 +370,8 @@ def chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         # {"type": "allowed_tools", "mode": ..., "tools": [{"type": "function", "name": ...}]}: the chat form's
         check_keys(choice, "tool_choice", {"type", "mode", "tools"})
+        if choice.get("mode") not in ("auto", "required"):
+            raise _bad("tool_choice.mode", f'{choice.get("mode")!r}: expected "auto" or "required"')
         listed = choice.get("tools")
         if not isinstance(listed, list):
             raise _bad("tool_choice.tools", "must be a non-empty list of function tools")
