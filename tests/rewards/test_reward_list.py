@@ -195,10 +195,15 @@ def test_a_run_logs_each_entry_and_trains_on_their_weighted_sum(in_process, smal
     from relax.runner.train import run
 
     cfg = load_config(small_run("data.reward=[digits,list_rewards:first_digit,list_rewards:as_dict]",
-                                "data.reward_weights=[1.0,0.5,2.0]", "data.reward_timeout_s=null"))
+                                "data.reward_weights=[1.0,0.5,2.0]", "data.reward_timeout_s=null",
+                                "train.eval_interval=2", "train.eval_correct_threshold=1.5", "data.num_eval_prompts=4"))
     result = run(cfg, output_dir=tmp_path / "out")
-    assert [step for step, _ in result.history] == [0, 1]
-    for _, m in result.history:
+    trained = [(step, m) for step, m in result.history if "rollout/raw_reward" in m]
+    assert [step for step, _ in trained] == [0, 1]
+    evaluated = {k: v for _, m in result.history for k, v in m.items() if k.startswith("eval/")}
+    # evaluation scores with the same weighted sum (a failed or unscorable list would count reward_errors)
+    assert 0 <= evaluated["eval/digits/pass_at_1"] <= 1 and evaluated["eval/digits/reward_errors"] == 0
+    for _, m in trained:
         assert m["rollout/reward_dropped_frac"] == 0
         parts = [m["rollout/reward/digits_mean"], m["rollout/reward/first_digit_mean"],
                  m["rollout/reward/as_dict_mean"]]
@@ -209,7 +214,7 @@ def test_a_run_logs_each_entry_and_trains_on_their_weighted_sum(in_process, smal
     from mlflow.tracking import MlflowClient
 
     logged = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.run_id).data.metrics
-    assert logged["rollout/reward/as_dict/words_mean"] == pytest.approx(result.history[-1][1][
+    assert logged["rollout/reward/as_dict/words_mean"] == pytest.approx(trained[-1][1][
         "rollout/reward/as_dict/words_mean"])
     assert {"rollout/reward/digits_mean", "rollout/reward/first_digit_mean", "rollout/reward/as_dict_mean",
             "rollout/reward/as_dict/hit_mean"} <= logged.keys()
