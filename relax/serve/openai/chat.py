@@ -47,7 +47,7 @@ from relax.agents.parsers import (
     write_calls,
 )
 from relax.agents.render import ObservationRenderer
-from relax.serve.openai.deltas import CALL_STARTS
+from relax.serve.openai.deltas import CALL_STARTS, held_prefix_tail
 from relax.serve.openai.protocol import EFFORT_VARIABLE, VERBOSITY_VARIABLE, APIError
 
 __all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
@@ -369,15 +369,24 @@ class ChatFormat:
 
     @staticmethod
     def tool_calls(text: str, parser: ToolParser = parse_hermes, tools: Optional[list[dict]] = None,
-                   cut: bool = False) -> tuple[str, Optional[list[dict]]]:
+                   cut: bool = False, limited: bool = False) -> tuple[str, Optional[list[dict]]]:
         """(content, OpenAI tool calls) of a model message, read by `parser` with the schemas of the `tools` offered
         (`apply_tool_schemas`: string arguments of the XML formats as text, a strict tool's arguments checked): the
         calls taken out of the content when every call is well-formed; a message with a malformed call stays text,
         never half-parsed. Calls of functions that are not in `tools` are dropped, as SGLang's parsers drop them
-        (the content is the text outside the calls; no calls left: none). `cut`: a forced answer (calls only) that
-        the token limit cut: its complete calls before the unfinished one are kept, with no content."""
+        (the content is the text outside the calls; no calls left: none).
+
+        `limited`: the token limit cut the message. Its text may end inside a call's opening marker (`<tool_ca`, a
+        piece of DeepSeek's markers: a marker of several tokens): that trailing piece of a marker (`CALL_STARTS`)
+        is left out, as the stream holds it back (`TextDeltas`), so it is neither content nor the start of an
+        unfinished call; the text before it is the content as usual. `cut` (implies `limited`): a forced answer
+        (tool_choice required, named or allowed_tools required) that the token limit cut, whose grammar allows
+        calls only: its complete calls before the unfinished one are kept, with no content."""
+        if cut or limited:
+            marks = CALL_STARTS.get(parser_format(parser) or "", ())
+            text = text[:held_prefix_tail(text, marks)]
         parsed = apply_tool_schemas(parser(text), tools)
-        if cut and parsed.errors:
+        if cut:
             complete = tuple(itertools.takewhile(lambda item: isinstance(item, ToolCall), parsed.items))
             parsed = ParsedMessage(complete, "")
         if not parsed.calls or parsed.errors:

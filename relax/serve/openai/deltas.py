@@ -71,7 +71,7 @@ class Delta:
     logprobs: Optional[list[Entry]]
 
 
-def _held_prefix_tail(text: str, marks: tuple[str, ...]) -> int:
+def held_prefix_tail(text: str, marks: tuple[str, ...]) -> int:
     """Where the longest tail of `text` that is a proper start of one of `marks` begins (len(text): none)."""
     for at in range(max(0, len(text) - max((len(m) for m in marks), default=0) + 1), len(text)):
         tail = text[at:]
@@ -159,7 +159,7 @@ class TextDeltas:
         if hits:
             at, s = min(hits)
             return at if self.trim else at + len(s)
-        return _held_prefix_tail(text, tuple(self.stop))
+        return held_prefix_tail(text, tuple(self.stop))
 
     def _reasoning(self, text: str) -> tuple[Optional[int], Optional[str], int]:
         """(where the content starts, None while the reasoning goes on or while it is undecided whether there is any;
@@ -176,7 +176,7 @@ class TextDeltas:
         lead = start + len(text[start:]) - len(text[start:].lstrip())
         end = text.find(END_THINK, start)
         if end < 0:  # open: a tail that may become </think> and the blank before it held
-            upto = max(start, _held_prefix_tail(text, (END_THINK,)))
+            upto = max(start, held_prefix_tail(text, (END_THINK,)))
             upto = max(lead, start + len(text[start:upto].rstrip()))
             return None, text[lead:upto] if self.stream_reasoning else None, upto
         content = end + len(END_THINK)
@@ -192,7 +192,7 @@ class TextDeltas:
             if self.llama and _LLAMA_OPENING.match(text):
                 return None, 0  # Llama 3's call without its tag
             hits = [text.find(m) for m in self.starts if m in text]
-            upto = min(hits) if hits else _held_prefix_tail(text, self.starts)
+            upto = min(hits) if hits else held_prefix_tail(text, self.starts)
             upto = len(text[:upto].rstrip())  # a message with calls is stripped
         else:
             upto = len(text.rstrip()) if self.cleanup else len(text)

@@ -222,7 +222,8 @@ class OpenAIService:
         think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
         # a forced answer cut by the token limit keeps its complete calls and says it was cut (finish "length")
         cut = finish == "length" and p.tool_choice is not None
-        content, calls = self.fmt.tool_calls(text, tools=p.tools, cut=cut) if p.tools else (text, None)
+        limited = finish == "length"  # a cut answer's trailing piece of a call marker is no content
+        content, calls = self.fmt.tool_calls(text, tools=p.tools, cut=cut, limited=limited) if p.tools else (text, None)
         if calls and not cut:
             finish = "tool_calls"
         choice = self._choice(s, tokens, content, finish, calls, p)
