@@ -272,7 +272,7 @@ def at_most_one_call(tools: list[dict], fmt: str) -> GrammarSpec:
     """tool_choice "auto" with parallel_tool_calls false: the answer is free text, or text and then one call of
     `tools` in tool parser `fmt`'s format (its arguments following the tool's schema, strict or not), after which it
     ends (the row's stop token next): `calls_in_text` with at most one call."""
-    return _calls_in_text(tools, fmt, frozenset(), parallel=False)
+    return calls_in_text(tools, fmt, frozenset(), parallel=False)
 
 
 def strict_calls(tools: list[dict], fmt: str) -> Optional[GrammarSpec]:
@@ -281,14 +281,14 @@ def strict_calls(tools: list[dict], fmt: str) -> Optional[GrammarSpec]:
     arguments, for a strict tool, follow its `parameters` schema (OpenAI's strict function calling; SGLang's
     structural tag for strict tools), for another are any JSON object (XML formats: any text up to the call's
     closing tag, read by the parser as without a grammar); several calls as the format writes them. A strict tool
-    whose schema xgrammar cannot compile: `ToolSchemaError` naming it. `_calls_in_text`."""
+    whose schema xgrammar cannot compile: `ToolSchemaError` naming it. `calls_in_text`."""
     free = frozenset(t["function"]["name"] for t in tools if t["function"].get("strict") is not True)
     if len(free) == len(tools):
         return None
-    return _calls_in_text(tools, fmt, free, parallel=True)
+    return calls_in_text(tools, fmt, free, parallel=True)
 
 
-def _calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel: bool) -> GrammarSpec:
+def calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel: bool) -> GrammarSpec:
     """Free text in which every call of tool parser `fmt` is constrained (`_call_rules`: a call of one of `tools`,
     the arguments of those not in `free` following their schema); one call at most, then the answer ends, without
     `parallel`. Where calls have a marker (every format but llama3_json), an xgrammar structural tag (SGLang's

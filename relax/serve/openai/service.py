@@ -30,9 +30,9 @@ from relax.rollout.grammar import (
     GrammarError,
     GrammarSpec,
     ToolSchemaError,
-    _calls_in_text,
     after_reasoning,
     at_most_one_call,
+    calls_in_text,
     strict_calls,
     tool_call_ebnf,
     tool_calls_or,
@@ -517,12 +517,12 @@ class OpenAIService:
     def _allowed_calls_grammar(self, p: Params) -> tuple[str, str]:
         """tool_choice allowed_tools with mode "auto" (parallel calls allowed): free text in which every call is a
         call of `p.tools` (the listed ones), a strict tool's arguments following its schema, as `strict_calls`
-        writes it (`relax.rollout.grammar._calls_in_text`); a 400 naming tool_choice where no built-in tool parser
+        writes it (`relax.rollout.grammar.calls_in_text`); a 400 naming tool_choice where no built-in tool parser
         can write it."""
         fmt = self._tool_parser_format("tool_choice")
         free = frozenset(t["function"]["name"] for t in p.tools or [] if t["function"].get("strict") is not True)
         try:
-            spec = _calls_in_text(p.tools or [], fmt, free, parallel=True)
+            spec = calls_in_text(p.tools or [], fmt, free, parallel=True)
         except ToolSchemaError as exc:
             raise APIError(f"tool_choice: tool {exc.tool!r} is strict, so its arguments are constrained to its "
                            f"schema, which cannot be compiled ({exc})", param="tool_choice") from None
