@@ -73,7 +73,8 @@ FIELDS: dict[str, Rule] = {
     "prompt": Rule(HONOURED, "a string or token ids, or a list of them: n choices per prompt, prompt-major",
                    COMPLETION),
     "tools": Rule(HONOURED, "function tools, rendered by the template or as a Hermes system message; their schemas "
-                            "read the calls (a strict tool's arguments checked against it)", CHAT),
+                            "read the calls (a strict tool's arguments constrained to its schema while sampled, "
+                            "and checked against it)", CHAT),
     "tool_choice": Rule(HONOURED, '"auto", "none", "required", a named function (forced by constrained decoding '
                                   "in the tool parser's format: any built-in one) or allowed_tools (the calls "
                                   "constrained to the listed tools, every tool still in the prompt)", CHAT),
