@@ -122,7 +122,10 @@ class Episode:
         t0 = time.perf_counter()
         start = getattr(self.loop, "start_turn", None)
         if callable(start):  # the built-in loop: tools answered here, the environment's step bounded by the loop
-            pending: Bounded[Reply] = start(text)
+            # (the last turn's tool calls are not run: `ToolsAndEnvironment.start_turn`; a resumed episode's restored
+            # `turns` makes the same decision)
+            pending: Bounded[Reply] = start(text, last=self.turns >= self.max_turns,
+                                            errors_left=self.max_tool_errors - self.tool_errors)
         else:
             loop = self.loop
             pending = Bounded([(f"{self.source}: {type(loop).__name__}.turn", lambda: loop.turn(text))],

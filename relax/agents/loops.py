@@ -89,12 +89,20 @@ class ToolsAndEnvironment:
             calls += [(self._name("step"), lambda k=k: self._replay_step(steps, k)) for k in range(len(steps))]
         return Bounded(calls, self.step_timeout_s)
 
-    def _tool_reply(self, text: str) -> Optional[Reply]:
+    def _tool_reply(self, text: str, last: bool = False, errors_left: Optional[int] = None) -> Optional[Reply]:
         if self.runner is None:
             return None
         parsed = self.calls(text)
         if not parsed.items:
             return None
+        if last:
+            # the episode's last turn (rollout.max_turns): no one reads the results, so the calls are not run (a
+            # sandbox run, a side effect, a cost), unless their failures could reach rollout.max_tool_errors, which
+            # decides how the episode ends ("tool_errors" or "max_turns"); a malformed call fails without running
+            malformed = sum(isinstance(item, CallError) for item in parsed.items)
+            decides = errors_left is not None and malformed < errors_left <= len(parsed.items)
+            if not decides:
+                return Reply(tool_calls=len(parsed.items), tool_errors=malformed)
         results = iter(self.runner(parsed.calls))
         messages, errors = [], 0
         for item in parsed.items:  # in the order of the calls: the model matches results to calls by position
@@ -117,10 +125,13 @@ class ToolsAndEnvironment:
         elif k == 0:
             own(steps)
 
-    def start_turn(self, text: str) -> Bounded[Reply]:
+    def start_turn(self, text: str, last: bool = False, errors_left: Optional[int] = None) -> Bounded[Reply]:
         """The reply to a model turn: its tool calls' results (answered here), or the environment's step, started in
-        a thread and bounded by `step_timeout_s`."""
-        reply = self._tool_reply(text)
+        a thread and bounded by `step_timeout_s`. `last`: the episode's last turn, whose tool calls are counted but
+        not run (no observation follows), unless their failures could bring the episode's failed calls to
+        rollout.max_tool_errors (`errors_left` more; None: no such limit); an environment's step still runs (its
+        reward and done count)."""
+        reply = self._tool_reply(text, last, errors_left)
         if reply is not None:
             return Bounded.done(reply)
         if self.env is None:

@@ -5,6 +5,7 @@ tokenizer cannot spell `<tool_call>`): each turn's tokens decode to the next scr
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -27,20 +28,41 @@ def nap(seconds: float) -> str:
 NAP = Tool({"type": "function", "function": {"name": "nap", "parameters": {}}}, nap)
 
 
-def episode(messages: list[str], *, max_tool_errors: int, env: str | None = None) -> tuple[Episode, list]:
+def count(path: str) -> str:
+    """A tool with a side effect (a line appended to `path`): how many times it ran, across worker processes."""
+    with open(path, "a") as f:
+        f.write("ran\n")
+    return "counted"
+
+
+COUNT = Tool({"type": "function", "function": {"name": "count", "parameters": {}}}, count)
+
+
+def episode(messages: list[str], *, max_tool_errors: int, env: str | None = None, max_turns: int = 10,
+            resume_at: int | None = None) -> tuple[Episode, list]:
     """An episode whose model turns decode to `messages` in order (turn k is the token list [k]); returns it and,
-    per turn, the observation's messages (None: the episode ended), each checked against its appended tokens."""
+    per turn, the observation's messages (None: the episode ended), each checked against its appended tokens.
+    `resume_at`: before that turn, the episode is rebuilt from its record (a resume: its loop reset, turns replayed)."""
     tok = build_tiny_tokenizer()
     renderer = ObservationRenderer(tok)
-    factory = AgentFactory(env, ["calculator", "tests.agents.test_tool_episodes:NAP"], None, 0.5)
-    loop, replies = factory(), []
-    start = loop.start_turn  # (the episode starts each turn's reply with it, and waits for it later)
-    loop.start_turn = lambda text: Bounded([("reply", start(text).result)], None,
-                                           then=lambda reply: replies.append(reply) or reply)
-    ep = Episode({"label": "7"}, loop, renderer, lambda tokens: messages[tokens[0]], max_turns=10,
-                 max_tool_errors=max_tool_errors)
+    factory = AgentFactory(env, ["calculator", "tests.agents.test_tool_episodes:NAP",
+                                 "tests.agents.test_tool_episodes:COUNT"], None, 0.5)
+    replies: list = []
+
+    def loop():  # (the episode starts each turn's reply with start_turn, and waits for it later)
+        made = factory()
+        start = made.start_turn
+        made.start_turn = lambda text, **kw: Bounded([("reply", start(text, **kw).result)], None,
+                                                     then=lambda reply: replies.append(reply) or reply)
+        return made
+
+    decode = lambda tokens: messages[tokens[0]]  # noqa: E731
+    limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors)
+    ep = Episode({"label": "7"}, loop(), renderer, decode, **limits)
     observations = []
     for k in range(len(messages)):
+        if k == resume_at:
+            ep = Episode.restore(ep.record(), loop(), renderer, decode, **limits)
         obs = ep.turn_end([k], tok.eos_token_id, context=10)
         if obs is None:
             observations.append(None)
@@ -83,3 +105,33 @@ def test_with_an_environment_turns_without_a_call_go_to_it():
     assert observations[1] == [{"role": "user", "content": "+"}]  # the environment's: the secret 7 is higher than 3
     # found at the environment's second step (tool turns are not its steps): 1 - 0.2
     assert observations[2] is None and ep.end == "env_done" and ep.turn_rewards == [0.0, 0.0, pytest.approx(0.8)]
+
+
+@pytest.mark.parametrize("resume_at", [None, 1])
+def test_a_tool_call_on_the_last_turn_is_not_run(tmp_path, resume_at):
+    """rollout.max_turns=2 and a counting call on both turns: the first runs (its result is the observation), the
+    last turn's does not (no one would read its result); the episode ends max_turns with the same record as if it
+    had run. A resumed episode (rebuilt from its record before its last turn, its first turn replayed) runs it no
+    more (tool turns are not replayed)."""
+    ran = tmp_path / "ran"
+    call = CALL.format(name="count", args=json.dumps({"path": str(ran)}))
+    ep, observations = episode([call, call], max_tool_errors=3, max_turns=2, resume_at=resume_at)
+    assert ran.read_text().splitlines() == ["ran"]  # once, not twice
+    assert observations == [[{"role": "tool", "content": "counted"}], None]
+    assert ep.end == "max_turns" and ep.turn_rewards == [0.0, 0.0] and ep.reward == 0.0
+    assert (ep.turns, ep.tool_calls, ep.tool_errors) == (2, 2, 0) and ep.record()["actions"] == [call, call]
+
+
+def test_a_last_turn_call_that_could_end_the_episode_tool_errors_still_runs(tmp_path):
+    """Where the last turn's calls could bring the failed calls to rollout.max_tool_errors, their result decides the
+    ending ("tool_errors" or "max_turns"): they run, as before. A malformed call (unreadable: no tool runs for it)
+    fails without running, and when those alone reach the limit the others are not run."""
+    ran = tmp_path / "ran"
+    bad = CALL.format(name="calculator", args='{"expression": "1 /"}')
+    call = CALL.format(name="count", args=json.dumps({"path": str(ran)}))
+    ep, _ = episode([bad, call], max_tool_errors=2, max_turns=2)  # one error so far: this call could be the second
+    assert ran.read_text().splitlines() == ["ran"] and ep.end == "max_turns" and ep.tool_errors == 1
+    malformed = '<tool_call>{"name": "count", "arguments": {not json}</tool_call>'
+    ep, _ = episode([call, malformed + call], max_tool_errors=1, max_turns=2)  # the malformed call alone ends it
+    assert ran.read_text().splitlines() == ["ran", "ran"]  # the first turn's only
+    assert ep.end == "tool_errors" and (ep.tool_calls, ep.tool_errors) == (3, 1)
