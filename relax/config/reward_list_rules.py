@@ -3,23 +3,21 @@ fixed scale, reported with the rest of the config's rules (`relax.config.validat
 
 A list's entries are what one `data.reward` is (a built-in name, `package.module:function`, an http(s) reward
 service URL); `none` is the absence of a rule reward and stands alone. The rules of a single string live where
-they did (`relax.config.reward_service_rules`); this module states them for each entry of a list. Whether an entry
+they did (`relax.config.reward_service_rules`, which states them for each entry of a list too). Whether an entry
 imports and can be called is checked at start, by preflight (`relax.rewards.combined.reward_list`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 import re
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from relax.algorithms.base import Violation, range_of
+from relax.algorithms.base import Violation
 from relax.config.evaluation import evaluates
-from relax.config.reward_service_rules import CODE_TESTS_REWARDS, CODE_TESTS_WALL_S
-from relax.config.schema import RelaxConfig, RewardServiceConfig
+from relax.config.reward_service_rules import is_service
+from relax.config.schema import RelaxConfig
 
 _METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -34,13 +32,9 @@ def is_reward_list(reward: object) -> bool:
     return not isinstance(reward, str)
 
 
-def _is_url(spec: str) -> bool:
-    return spec.strip().lower().startswith(("http://", "https://"))
-
-
 def _base_name(spec: str) -> str:
     spec = spec.strip()
-    if _is_url(spec):
+    if is_service(spec):
         parts = urlsplit(spec)
         name = "_".join(p for p in (parts.hostname or "", str(parts.port or ""), parts.path.strip("/")) if p)
     else:
@@ -101,54 +95,6 @@ def reward_list_violations(cfg: RelaxConfig) -> list[Violation]:
     for i, spec in enumerate(specs):
         problem = credentials_problem(f"data.reward[{i}]", spec, REWARD_KEY_INSTEAD)
         require(problem is None, "data.reward", problem or "")
-    out.extend(_service_violations(cfg, specs))
-    return out
-
-
-def _service_violations(cfg: RelaxConfig, specs: list[str]) -> list[Violation]:
-    """`relax.config.reward_service_rules`' rules, for each entry of a list: the code_tests rewards' time limit, a
-    service URL's host and the options of `data.reward_service` (which every service of the list shares; refused
-    when none is), and `data.reward_timeout_s`, refused when every entry is a service (none reads it)."""
-    d, svc, out = cfg.data, cfg.data.reward_service, []
-
-    def require(ok: bool, fields: tuple[str, ...] | str, message: str) -> None:
-        if not ok:
-            out.append(Violation((fields,) if isinstance(fields, str) else tuple(fields), message))
-
-    code = [s for s in specs if s.strip() in CODE_TESTS_REWARDS]
-    if code and d.reward_timeout_s is not None:
-        require(d.reward_timeout_s > CODE_TESTS_WALL_S + 5, ("data.reward_timeout_s", "data.reward"),
-                f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "
-                f"data.reward's {code[0].strip()} ({CODE_TESTS_WALL_S:g} s) by 5 s: a program the sandbox stops "
-                "fails its tests; a reward call stopped first would be a reward error instead")
-    urls = [s for s in specs if _is_url(s)]
-    default = RewardServiceConfig()
-    if not urls:
-        for f in dataclasses.fields(svc):
-            require(getattr(svc, f.name) == getattr(default, f.name), (f"data.reward_service.{f.name}", "data.reward"),
-                    f"data.reward_service.{f.name}={getattr(svc, f.name)!r} has no effect: no entry of data.reward="
-                    f"{specs} is a reward service (an http:// or https:// URL)")
-        return out
-    for u in urls:
-        parts = urlsplit(u.strip())
-        try:
-            port_ok = parts.port is None or parts.port > 0
-        except ValueError:
-            port_ok = False
-        require(bool(parts.hostname) and port_ok, "data.reward",
-                f"data.reward entry {u!r}: a reward service URL needs a host (and a valid port if one is given)")
-    for f in dataclasses.fields(svc):
-        allowed = range_of(RewardServiceConfig, f.name)
-        if allowed is not None:
-            require(allowed.admits(getattr(svc, f.name)), f"data.reward_service.{f.name}",
-                    allowed.message(f"data.reward_service.{f.name}", getattr(svc, f.name)))
-    if len(urls) == len(specs):
-        require(d.reward_timeout_s == type(d)().reward_timeout_s, ("data.reward_timeout_s", "data.reward"),
-                f"data.reward_timeout_s={d.reward_timeout_s} has no effect: every entry of data.reward is a reward "
-                "service, whose requests are limited by data.reward_service.timeout_s")
-    if svc.api_key_env:
-        require(bool(os.environ.get(svc.api_key_env)), "data.reward_service.api_key_env",
-                f"data.reward_service.api_key_env={svc.api_key_env}: the environment variable is not set (or empty)")
     return out
 
 

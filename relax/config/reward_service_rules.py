@@ -26,7 +26,10 @@ def is_service(reward: str) -> bool:
 
 
 def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
-    """Every broken rule of `data.reward`'s service and `data.reward_service`."""
+    """Every broken rule of `data.reward`'s services and `data.reward_service`, for one reward or each entry of a list
+    (`relax.config.reward_list_rules`): the code_tests rewards' time limit, a service URL's host, the options of
+    `data.reward_service` (which every service of a list shares; refused when no entry is a service), and
+    `data.reward_timeout_s`, refused when every entry is a service (none reads it)."""
     d, out = cfg.data, []
     svc = d.reward_service
 
@@ -39,34 +42,51 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
             ("data.max_failed_reward_steps", "data.reward_error"),
             f"data.max_failed_reward_steps={d.max_failed_reward_steps} has no effect with data.reward_error="
             f"{d.reward_error}: the first failed reward call stops the run")
-    if not isinstance(d.reward, str):  # a list: relax.config.reward_list_rules states these rules for each entry
+    single = isinstance(d.reward, str)
+    if single:
+        specs = [d.reward]
+    elif isinstance(d.reward, (list, tuple)) and d.reward and all(isinstance(s, str) for s in d.reward):
+        specs = list(d.reward)
+    else:  # a malformed list: relax.config.reward_list_rules names what is wrong with it
         return out
-    if d.reward in CODE_TESTS_REWARDS and d.reward_timeout_s is not None:
+
+    def named(spec: str) -> str:  # how a message names one reward: the option itself, or an entry of the list
+        return f"data.reward={spec}" if single else f"data.reward's {spec.strip()}"
+
+    code = [s for s in specs if s.strip() in CODE_TESTS_REWARDS]
+    if code and d.reward_timeout_s is not None:
         require(d.reward_timeout_s > CODE_TESTS_WALL_S + CODE_TESTS_MARGIN_S, ("data.reward_timeout_s", "data.reward"),
                 f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "
-                f"data.reward={d.reward} ({CODE_TESTS_WALL_S:g} s) by {CODE_TESTS_MARGIN_S:g} s: a program the sandbox "
+                f"{named(code[0])} ({CODE_TESTS_WALL_S:g} s) by {CODE_TESTS_MARGIN_S:g} s: a program the sandbox "
                 "stops fails its tests; a reward call stopped first would be a reward error instead")
-    if not is_service(d.reward):
+    urls = [s for s in specs if is_service(s)]
+    if not urls:
+        which = f"data.reward={d.reward} is not" if single else f"no entry of data.reward={specs} is"
         for f in dataclasses.fields(svc):
             require(getattr(svc, f.name) == getattr(default, f.name), (f"data.reward_service.{f.name}", "data.reward"),
-                    f"data.reward_service.{f.name}={getattr(svc, f.name)!r} has no effect: data.reward={d.reward} is "
-                    "not a reward service (an http:// or https:// URL)")
+                    f"data.reward_service.{f.name}={getattr(svc, f.name)!r} has no effect: {which} a reward service "
+                    "(an http:// or https:// URL)")
         return out
-    parts = urlsplit(d.reward.strip())
-    try:
-        port_ok = parts.port is None or parts.port > 0
-    except ValueError:
-        port_ok = False
-    require(bool(parts.hostname) and port_ok, "data.reward",
-            f"data.reward={d.reward!r}: a reward service URL needs a host (and a valid port if one is given)")
+    for u in urls:
+        parts = urlsplit(u.strip())
+        try:
+            port_ok = parts.port is None or parts.port > 0
+        except ValueError:
+            port_ok = False
+        require(bool(parts.hostname) and port_ok, "data.reward",
+                f"{'data.reward=' if single else 'data.reward entry '}{u!r}: a reward service URL needs a host (and a "
+                "valid port if one is given)")
     for f in dataclasses.fields(svc):
         allowed = range_of(RewardServiceConfig, f.name)
         if allowed is not None:
             require(allowed.admits(getattr(svc, f.name)), f"data.reward_service.{f.name}",
                     allowed.message(f"data.reward_service.{f.name}", getattr(svc, f.name)))
-    require(d.reward_timeout_s == type(d)().reward_timeout_s, ("data.reward_timeout_s", "data.reward"),
-            f"data.reward_timeout_s={d.reward_timeout_s} has no effect on a reward service: its requests are "
-            "limited by data.reward_service.timeout_s")
+    if len(urls) == len(specs):
+        require(d.reward_timeout_s == type(d)().reward_timeout_s, ("data.reward_timeout_s", "data.reward"),
+                f"data.reward_timeout_s={d.reward_timeout_s} has no effect on a reward service: its requests are "
+                "limited by data.reward_service.timeout_s" if single else
+                f"data.reward_timeout_s={d.reward_timeout_s} has no effect: every entry of data.reward is a reward "
+                "service, whose requests are limited by data.reward_service.timeout_s")
     if svc.api_key_env:
         require(bool(os.environ.get(svc.api_key_env)), "data.reward_service.api_key_env",
                 f"data.reward_service.api_key_env={svc.api_key_env}: the environment variable is not set (or empty)")
