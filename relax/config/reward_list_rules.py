@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from relax.algorithms.base import Violation
+from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem
 from relax.config.evaluation import evaluates
 from relax.config.reward_service_rules import is_service
 from relax.config.schema import RelaxConfig
@@ -90,8 +91,6 @@ def reward_list_violations(cfg: RelaxConfig) -> list[Violation]:
                 "give one weight per reward, in the same order")
         require(all(math.isfinite(x) for x in w), "data.reward_weights",
                 f"data.reward_weights={list(w)}: each weight must be a finite number")
-    from relax.config.validate import REWARD_KEY_INSTEAD, credentials_problem  # (validate imports this module)
-
     for i, spec in enumerate(specs):
         problem = credentials_problem(f"data.reward[{i}]", spec, REWARD_KEY_INSTEAD)
         require(problem is None, "data.reward", problem or "")

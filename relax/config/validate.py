@@ -12,6 +12,7 @@ import dataclasses
 from relax import algorithms
 from relax.algorithms.base import Range, Violation, choices_of, range_of
 from relax.config.core_rules import role_cores_violations
+from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem
 from relax.config.derive import agentic, data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name, evaluates
 from relax.config.megatron_rules import (
@@ -534,37 +535,6 @@ def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
 # the URI schemes of MLflow's tracking stores ('': a local path; mlflow.tracking._tracking_service.utils)
 MLFLOW_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks",
                   "databricks-uc", "uc")
-
-
-def without_credentials(url: str) -> str:
-    """`url` with the user and password of its netloc (`user:password@`) replaced by `***@`: a URL fit for a message."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-
-
-def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> str | None:
-    """The message for a URL option (`option`) whose value holds a user or password (only a password with
-    `password_only`: a database's user name is no secret), or None: the URL is logged (MLflow params, train.log, the
-    checkpoint's config), so a secret belongs in an environment variable (`instead` says which). The message does
-    not echo the credentials (relax.rewards.remote.check_url asks it too)."""
-    from urllib.parse import urlsplit
-
-    if not isinstance(url, str):
-        return None
-    netloc = urlsplit(url.strip()).netloc
-    if "@" not in netloc or (password_only and ":" not in netloc.rsplit("@", 1)[0]):
-        return None
-    what, them = ("a password", "it") if password_only else ("a user or password", "them")
-    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is logged (MLflow "
-            f"params, train.log, the checkpoint's config); remove {them} and {instead}")
-
-
-REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "
-                      "Bearer key)")
 
 
 def _url_credentials(cfg: RelaxConfig, r: _Rules) -> None:

@@ -45,6 +45,13 @@ def _rebuild(specs: list[str], names: list[str], fns: list[Optional[RewardFn]]) 
                       [get_reward_fn(s) if f is None else f for s, f in zip(specs, fns, strict=True)])
 
 
+def reward_of(spec: Any) -> RewardFn | RewardList:
+    """The reward `data.reward` names: one entry's function (`get_reward_fn`), or a `RewardList` for a list."""
+    if not isinstance(spec, str) and isinstance(spec, Sequence):
+        return reward_list(spec)
+    return get_reward_fn(spec)
+
+
 def reward_list(specs: Sequence[Any]) -> RewardList:
     """The functions of a list `data.reward`; RewardSpecError naming every entry that cannot be used (each reported
     as `get_reward_fn` reports one), at start."""

@@ -57,13 +57,9 @@ def get_reward_fn(spec: str) -> RewardFn:
     """The reward function named by `spec`: a built-in name or `package.module:function`, or a reward service's
     client (`relax.rewards.remote.RemoteReward`, called batched in this process) for an http(s) URL.
 
-    Import problems are reported here, at start, rather than on the first rollout. A list (`data.reward` of several
-    rewards) gives a `relax.rewards.combined.RewardList` of its entries, each problem of each entry reported at once.
+    Import problems are reported here, at start, rather than on the first rollout. One entry: a list `data.reward`
+    is `relax.rewards.combined.reward_of`'s, which builds each entry here.
     """
-    if not isinstance(spec, str) and isinstance(spec, Sequence):
-        from relax.rewards.combined import reward_list  # (it builds each entry here)
-
-        return reward_list(spec)
     if is_url(spec):
         try:
             return RemoteReward(spec.strip())

@@ -58,7 +58,7 @@ def is_url(spec: object) -> bool:
 
 def check_url(url: str) -> Optional[str]:
     """What is wrong with `url` as a reward service address, or None (the message never holds a password)."""
-    from relax.config.validate import REWARD_KEY_INSTEAD, credentials_problem  # the config's rule (a lower layer)
+    from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem  # the config's rule (a lower layer)
 
     if (problem := credentials_problem("data.reward", url, REWARD_KEY_INSTEAD)) is not None:
         return problem
@@ -269,7 +269,7 @@ class RemoteReward:
         except urllib.error.HTTPError as exc:
             exc.close()
             if 300 <= exc.code < 400:
-                from relax.config.validate import without_credentials
+                from relax.config.credentials import without_credentials
 
                 location = exc.headers.get("Location") if exc.headers is not None else None
                 return False, None, (f"HTTP {exc.code} {exc.reason}: the service redirected to "

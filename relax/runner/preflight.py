@@ -56,7 +56,7 @@ from relax.data.datasets import DataError, PromptItem, PromptSampler, build_data
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
-from relax.rewards.registry import get_reward_fn
+from relax.rewards.combined import reward_of
 from relax.rewards.remote import is_url
 from relax.rewards.worker_pool import pickled
 from relax.roles.workers import ModelInfo
@@ -222,7 +222,7 @@ def _data(pre: Preflight) -> None:
 def _reward(pre: Preflight) -> bool:
     if pre.cfg.data.reward == "none":
         return False
-    pre.reward_fn = get_reward_fn(pre.cfg.data.reward)  # imports, and can be called as fn(response, label)
+    pre.reward_fn = reward_of(pre.cfg.data.reward)  # imports, and can be called as fn(response, label)
     if pre.cfg.data.reward_timeout_s is not None and not is_url(pre.cfg.data.reward):
         pickled(pre.reward_fn)  # a limited call runs in a worker process, which it must reach
     return True

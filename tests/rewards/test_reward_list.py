@@ -16,7 +16,7 @@ from relax.config.reward_list_rules import component_names
 from relax.config.validate import ConfigError
 from relax.data.datasets import PromptItem
 from relax.rewards.calls import RewardSpecError
-from relax.rewards.combined import RewardList, score_list
+from relax.rewards.combined import RewardList, reward_of, score_list
 from relax.rewards.registry import get_reward_fn, score_responses
 from relax.runner.rollout_driver.scoring import Scorer, count_metrics, merge_scores, scores_state, select_scores
 
@@ -38,7 +38,7 @@ def violations(*overrides: str) -> list[str]:
 
 
 def test_the_reward_is_the_weighted_sum_of_the_entries_each_logged_by_name():
-    rewards = get_reward_fn(["digits", "list_rewards:first_digit", "list_rewards:as_dict"])
+    rewards = reward_of(["digits", "list_rewards:first_digit", "list_rewards:as_dict"])
     assert isinstance(rewards, RewardList) and rewards.names == ["digits", "first_digit", "as_dict"]
     responses, labels = ["7 3", "x 7", "4"], ["7", "7", "3"]
     scores = score_list(rewards, [1.0, 0.5, 2.0], responses, labels)
@@ -60,7 +60,7 @@ def test_the_reward_is_the_weighted_sum_of_the_entries_each_logged_by_name():
 
 
 def test_a_failed_entry_fails_the_response_and_its_mean_leaves_it_out():
-    rewards = get_reward_fn(["digits", "list_rewards:fails_on_x"])
+    rewards = reward_of(["digits", "list_rewards:fails_on_x"])
     scores = score_list(rewards, [1.0, 3.0], ["7", "x 7", "7 7"], ["7", "7", "7"])
     assert scores.failed == [False, True, False] and scores.errors == 1
     assert scores.rewards == pytest.approx([1.0 + 3.0, 0.0, 1.0 + 3.0])  # (the failed one: the 0.0 placeholder)
@@ -72,14 +72,14 @@ def test_a_failed_entry_fails_the_response_and_its_mean_leaves_it_out():
 
 
 def test_entries_in_worker_processes_under_the_time_limit():
-    rewards = get_reward_fn(["digits", "list_rewards:async_exact"])
+    rewards = reward_of(["digits", "list_rewards:async_exact"])
     scores = score_list(rewards, [2.0, 1.0], ["7", "7 3"], ["7", "7"], ["p", "p"], timeout_s=30)
     assert scores.rewards == pytest.approx([2 * 1.0 + 1.0, 2 * 0.75 + 0.0]) and scores.failed == [False, False]
 
 
 def test_every_unusable_entry_is_reported_at_once():
     with pytest.raises(RewardSpecError) as info:
-        get_reward_fn(["nope", "math", "list_rewards:missing", "list_rewards:first_digit"])
+        reward_of(["nope", "math", "list_rewards:missing", "list_rewards:first_digit"])
     text = str(info.value)
     assert "2 entries cannot be used" in text and "'nope': unknown reward" in text
     assert "has no attribute 'missing'" in text and "first_digit" not in text.split("cannot be used")[1]
@@ -143,7 +143,7 @@ def test_async_rewards_are_awaited_and_their_time_limit_applies():
 def test_extras_survive_merge_select_and_the_checkpoint_state():
     from relax.rewards.registry import Scores
 
-    a = score_list(get_reward_fn(["digits", "list_rewards:first_digit"]), None, ["7", "x"], ["7", "7"])
+    a = score_list(reward_of(["digits", "list_rewards:first_digit"]), None, ["7", "x"], ["7", "7"])
     b = score_responses(get_reward_fn("list_rewards:as_dict"), ["7"], ["7"])
     merged = merge_scores([a, b])  # a key one part lacks is NaN in its rows
     digits, words = merged.extras["rollout/reward/digits_mean"], merged.extras["rollout/reward/words_mean"]
@@ -176,7 +176,7 @@ def test_the_rule_reward_before_the_reward_model_is_logged():
     for reward in ("digits", "[digits,list_rewards:first_digit]"):
         cfg = load_config(["reward_model=classifier", "reward_model.path=/nonexistent", f"data.reward={reward}",
                            "rollout.n_samples_per_prompt=2", "reward_model.weight=2", "data.reward_timeout_s=null"])
-        fn = get_reward_fn(cfg.data.reward)
+        fn = reward_of(cfg.data.reward)
         scores = Scorer(cfg, tokenizer, fn, _Fixed([0.1, -0.4, 0.9, 0.3])).score(items, batch(tokenizer, responses))
         digits = [1.0, 0.0, 1.0, 0.5]  # digits_reward of each response, by hand
         rule = digits if reward == "digits" else [d + f for d, f in zip(digits, [1, 0, 1, 0], strict=True)]
@@ -245,7 +245,7 @@ def test_a_service_entry_is_scored_batched_with_the_runs_service_options():
 
     service = Service()  # its reward: len(response) / 10
     try:
-        rewards = get_reward_fn(["digits", service.url])
+        rewards = reward_of(["digits", service.url])
         assert rewards.names == ["digits", "127.0.0.1_" + service.url.split(":")[2].replace("/", "_")]
         responses = ["7", "7 3", "x 7"]
         scores = score_list(rewards, [1.0, 2.0], responses, ["7"] * 3, timeout_s=30,
