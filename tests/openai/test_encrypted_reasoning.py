@@ -26,7 +26,7 @@ import typing
 import pytest
 
 from tests.agents.templates import FAMILIES, family_tokenizer
-from tests.openai.test_reasoning_effort_variable import relax_serve
+from tests.openai.serving import tiny_server
 
 openai = pytest.importorskip("openai")
 from openai.types.responses import ResponseIncludable  # noqa: E402
@@ -50,7 +50,7 @@ SEED, TOKENS = 7, 6
 def served(tmp_path_factory):
     """(the official client of relax-serve on Qwen3.5's template, the tokenizer)."""
     tok = family_tokenizer("qwen3_5")
-    with relax_serve(tmp_path_factory.mktemp("qwen3_5"), tok) as url:
+    with tiny_server(tmp_path_factory.mktemp("qwen3_5"), tok) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0), tok
 
 
@@ -146,7 +146,7 @@ def test_encrypted_content_relax_did_not_write_is_a_400_naming_it(served, tmp_pa
         assert body["param"] == "input[1].encrypted_content" and "restart" in body["message"]
     mixed = {**item, "content": [{"type": "reasoning_text", "text": text + " more"}]}
     assert _refused(client, mixed)["param"] == "input[1].encrypted_content"
-    with relax_serve(tmp_path, tok) as url:  # another server: another key
+    with tiny_server(tmp_path, tok) as url:  # another server: another key
         other = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         assert _refused(other, {**item, "content": []})["param"] == "input[1].encrypted_content"
 

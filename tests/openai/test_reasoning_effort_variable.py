@@ -13,14 +13,10 @@ Negative control: before this change every effort but "none" was a 400 naming re
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from tests.agents.templates import base_tokenizer, family_tokenizer, gpt_oss_tokenizer
+from tests.openai.serving import tiny_server
 
 openai = pytest.importorskip("openai")
 
@@ -28,31 +24,12 @@ USER = [{"role": "user", "content": "What is 3 + 4?"}]
 SEED, TOKENS = 5, 6
 
 
-@contextlib.contextmanager
-def relax_serve(directory: Path, tokenizer: Any, *overrides: str) -> Iterator[str]:
-    """relax-serve's engine server in this process: the tiny random-weight model (fp32, seed 3) on `tokenizer` (saved
-    into `directory`), ready on a free loopback port: its URL; shut down after. (tests/openai/serving.py's, with
-    overrides: gpt-oss's template has a place for tools in a format data.tool_parser=auto does not know.)"""
-    from relax.config import load_config
-    from relax.serve.sglang.server import EmbeddedServer
-
-    tokenizer.save_pretrained(directory)
-    cfg = load_config(["model=tiny", "model.dtype=float32", f"model.tokenizer={directory}",
-                       "model.max_position_embeddings=2048", "seed=3", *overrides])
-    srv = EmbeddedServer(cfg, host="127.0.0.1", port=0, threads=1)
-    srv.start()
-    try:
-        srv.wait_ready(120)
-        yield f"http://127.0.0.1:{srv.port}"
-    finally:
-        srv.shutdown()
-
-
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     """(the official client of relax-serve on gpt-oss's template, the tokenizer)."""
     tok = gpt_oss_tokenizer()
-    with relax_serve(tmp_path_factory.mktemp("gpt-oss"), tok, "data.tool_parser=hermes") as url:
+    # gpt-oss's template has a place for tools in a format data.tool_parser=auto does not know
+    with tiny_server(tmp_path_factory.mktemp("gpt-oss"), tok, "data.tool_parser=hermes") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0), tok
 
 
