@@ -30,6 +30,7 @@ from relax.agents.parsers import (
 from relax.agents.protocol import Reply
 from relax.agents.tools import parse_tool_calls
 from relax.config.schema import TOOL_PARSERS
+from tests.openai.scripted import CutEngine
 
 
 def shape(parsed: ParsedMessage) -> list:
@@ -253,25 +254,15 @@ def test_every_cut_of_a_forced_answer_keeps_the_calls_written_whole(fmt):
 MISTRAL_CUT = f'[TOOL_CALLS] [{M_ROME}, {M_PARIS}, {{"name": "get_weather", "argument'
 
 
-class _CutEngine:
-    """/generate answering the tokens of a fixed text with no stop token and finish_reason length (the answer
-    max_tokens cut); `stream` gives them token by token, then the finished answer, as relax-serve's engine does."""
+class _CutEngine(CutEngine):
+    """A cut answer (`tests.openai.scripted.CutEngine`) of `text`, asked for under the forced call's grammar."""
 
     def __init__(self, fmt, text: str):
-        self.ids = fmt.encode(text)
+        super().__init__(fmt.encode(text))
 
     def send(self, payloads: list[dict]) -> list[dict]:
         assert all("[TOOL_CALLS]" in p["sampling_params"]["ebnf"] for p in payloads)  # the forced call's grammar
-        pairs = [[-0.01, t, None] for t in self.ids]
-        return [{"meta_info": {"output_token_logprobs": pairs, "finish_reason": {"type": "length"},
-                               "weight_version": "0"}} for _ in payloads]
-
-    def stream(self, payloads: list[dict]):
-        answer = self.send(payloads)[0]
-        pairs = answer["meta_info"]["output_token_logprobs"]
-        for k in range(1, len(pairs)):
-            yield {"index": 0, "meta_info": {"output_token_logprobs": pairs[:k], "finish_reason": None}}
-        yield {"index": 0, **answer}
+        return super().send(payloads)
 
 
 def test_a_cut_forced_mistral_answer_reaches_the_openai_client_with_its_complete_calls():

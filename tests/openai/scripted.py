@@ -1,6 +1,7 @@
 """A scripted engine behind the training gateway, for the OpenAI tests that check the protocol and the recording with
 exact token counts rather than a model: `Script` answers fixed texts, `limits` are a session's, `ScriptedGateways`
-makes gateways over scripts and closes them (the `scripted_gateway` fixture of conftest.py)."""
+makes gateways over scripts and closes them (the `scripted_gateway` fixture of conftest.py); `CutEngine` answers one
+answer cut by max_tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from relax.serve.openai.sessions import Limits
 def limits(**kw) -> Limits:
     return Limits(**{"max_calls": 8, "max_tokens": 400, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0,
                      "top_k": -1, "seed": 0, **kw})
+
+
+class CutEngine:
+    """/generate answering the tokens `ids` with no stop token and finish_reason length (the answer max_tokens cut);
+    `stream` gives them token by token, then the finished answer, as relax-serve's engine does."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def send(self, payloads: list[dict]) -> list[dict]:
+        pairs = [[-0.01, t, None] for t in self.ids]
+        return [{"meta_info": {"output_token_logprobs": pairs, "finish_reason": {"type": "length"},
+                               "weight_version": "0"}} for _ in payloads]
+
+    def stream(self, payloads: list[dict]):
+        answer = self.send(payloads)[0]
+        pairs = answer["meta_info"]["output_token_logprobs"]
+        for k in range(1, len(pairs)):
+            yield {"index": 0, "meta_info": {"output_token_logprobs": pairs[:k], "finish_reason": None}}
+        yield {"index": 0, **answer}
 
 
 class Script:

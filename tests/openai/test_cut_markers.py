@@ -29,7 +29,7 @@ from relax.agents.parsers import (  # noqa: E402
     parse_deepseek_v3,
     parse_hermes,
 )
-from tests.openai.scripted import limits  # noqa: E402
+from tests.openai.scripted import CutEngine, limits  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -60,26 +60,6 @@ CASES = {
 }
 
 
-class _CutEngine:
-    """/generate answering the tokens of a fixed text with no stop token and finish_reason length; `stream` gives
-    them token by token, then the finished answer, as relax-serve's engine does."""
-
-    def __init__(self, ids: list[int]):
-        self.ids = ids
-
-    def send(self, payloads: list[dict]) -> list[dict]:
-        pairs = [[-0.01, t, None] for t in self.ids]
-        return [{"meta_info": {"output_token_logprobs": pairs, "finish_reason": {"type": "length"},
-                               "weight_version": "0"}} for _ in payloads]
-
-    def stream(self, payloads: list[dict]):
-        answer = self.send(payloads)[0]
-        pairs = answer["meta_info"]["output_token_logprobs"]
-        for k in range(1, len(pairs)):
-            yield {"index": 0, "meta_info": {"output_token_logprobs": pairs[:k], "finish_reason": None}}
-        yield {"index": 0, **answer}
-
-
 def _cities(calls) -> list[str]:
     return [json.loads(c["function"]["arguments"] if isinstance(c, dict) else c.function.arguments)["city"]
             for c in calls or []]
@@ -98,7 +78,7 @@ def test_a_piece_of_a_call_marker_is_no_content(case):
     fmt = ChatFormat(tok, (tok.eos_token_id,), tool_parser=parser)
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
-    engine = _CutEngine(ids)
+    engine = CutEngine(ids)
     request = dict(model="m", messages=[{"role": "user", "content": "Weather in Rome and Paris?"}], tools=WEATHER,
                    tool_choice=tool_choice, max_tokens=len(ids))
     gw = Gateway(OpenAIService(fmt, engine.send, model="m", context_length=None, max_tokens=64)).start()
