@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol
 
-from relax.agents.parsers import BUILTIN_PARSERS, parser_format
+from relax.agents.parsers import parser_format
 from relax.batch import FinishReason
 from relax.rollout.grammar import (
     GrammarError,
@@ -459,7 +459,7 @@ class OpenAIService:
     def _tool_parser_format(self, param: str) -> str:
         """The built-in tool parser this service reads calls with: the format a grammar of calls is written in (a
         parser of its own, whose format no grammar covers: a 400 naming `param`)."""
-        fmt = next((name for name, fn in BUILTIN_PARSERS.items() if fn is self.fmt.tool_parser), None)
+        fmt = parser_format(self.fmt.tool_parser)
         if fmt is None:
             raise APIError(f"{param}: constraining tool calls needs a built-in tool parser (data.tool_parser)",
                            param=param)
@@ -502,7 +502,7 @@ class OpenAIService:
         /generate sampling parameter. A strict tool whose schema xgrammar cannot compile: a 400 naming it. A parser of
         its own (no built-in format to write the grammar in): None, the answer free and a strict tool's calls checked
         after sampling only (`relax.agents.parsers.apply_tool_schemas`: a call that breaks the schema is malformed)."""
-        fmt = next((name for name, fn in BUILTIN_PARSERS.items() if fn is self.fmt.tool_parser), None)
+        fmt = parser_format(self.fmt.tool_parser)
         if fmt is None:
             return None
         try:
