@@ -3,7 +3,9 @@
 Each target linear layer computes `x W^T + (alpha / r) (x A^T) B^T` (A: [r, in], B: [out, r], B zero at the start,
 so the adapted model starts as the base). What the rest of Relax needs from an adapted model lives here:
 - `apply_lora`: the adapters, initialised under the run's seed (the global RNG untouched);
-- `linear_layer_names` / `missing_targets`: the linear layers a model has, for a message that names them;
+- `linear_layer_names` / `missing_targets` / `check_targets`: which `model.lora_target_modules` names the model has
+  (PEFT's matching: a name targets each module whose full name is it or ends with "." + it), for a message that names
+  them; the output head of a model with tied embeddings and a frozen vision tower's layers are refused as targets;
 - `rollout_state`: the weights for the engines, merged (`W + (alpha / r) B A` under the base model's names, what PEFT's
   `merge_and_unload` gives, the routers and stacked experts of a mixture-of-experts model included) or the adapters
   alone (the names the engine's own injected adapters have);
@@ -14,10 +16,13 @@ so the adapted model starts as the base). What the rest of Relax needs from an a
 from __future__ import annotations
 
 import hashlib
+import re
+import warnings
 from typing import Any, Optional
 
 import torch
 
+from relax.models import vision
 from relax.models.checkpoint_files import CheckpointFileError
 from relax.models.hf import qwen3_config, resolve_model_path
 from relax.models.weight_buffers import cpu_state
@@ -29,14 +34,27 @@ ADAPTER_CONFIG = "adapter_config.json"
 BASE_FILE = "lora_base.json"  # the base model a checkpoint's adapters were trained on
 
 
+# PEFT's `exclude_modules` of a run whose vision tower is frozen (`model.freeze_vision_tower`, the default with LoRA):
+# every module under the tower (`model.visual` in transformers' Qwen-VL classes). A string is matched by PEFT with
+# re.fullmatch against each module's full name, on injection and again when an adapter directory is loaded.
+VISION_TOWER = r"(.*\.)?visual(\..*)?"
+
+
 def lora_config(model_cfg: Any) -> Any:
-    """PEFT's LoraConfig of `model.lora_*`."""
+    """PEFT's LoraConfig of `model.lora_*`; with the vision tower frozen, the tower excluded from the targets (its
+    adapters would never train: B stays zero)."""
     from peft import LoraConfig
 
     targets = list(model_cfg.lora_target_modules)
     return LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha),
                       lora_dropout=float(model_cfg.lora_dropout), bias="none",
-                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets)
+                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
+                      exclude_modules=VISION_TOWER if vision.frozen_tower(model_cfg) else None)
+
+
+def _targets(name: str, target: str) -> bool:
+    """Whether `target` (a `model.lora_target_modules` entry) names the module `name`, as PEFT matches a list entry."""
+    return name == target or name.endswith("." + target)
 
 
 def linear_layer_names(model: torch.nn.Module) -> list[str]:
@@ -45,25 +63,91 @@ def linear_layer_names(model: torch.nn.Module) -> list[str]:
 
 
 def missing_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
-    """The target names no linear layer of `model` has ([] for all-linear)."""
+    """The targets that name no module of `model`, or a module that is not a linear layer (PEFT would adapt an
+    embedding or refuse an attention block; [] for all-linear)."""
     if targets == [ALL_LINEAR]:
         return []
-    have = set(linear_layer_names(model))
-    return [t for t in targets if t not in have]
+    modules = [(name, m) for name, m in model.named_modules() if name]
+    missing = []
+    for t in targets:
+        named = [m for name, m in modules if _targets(name, t)]
+        if not named or not all(isinstance(m, torch.nn.Linear) for m in named):
+            missing.append(t)
+    return missing
+
+
+def _module_name(model: torch.nn.Module, module: Optional[torch.nn.Module]) -> Optional[str]:
+    return next((name for name, m in model.named_modules() if m is module), None) if module is not None else None
+
+
+def tied_head_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The targets naming the output head when it shares its weight with the input embeddings
+    (`tie_word_embeddings`): merged, its adapter would change the embeddings too. ([] for all-linear, which PEFT
+    never applies to the output head.)"""
+    if targets == [ALL_LINEAR]:
+        return []
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is not embed.weight:
+        return []
+    name = _module_name(model, head)
+    return [t for t in targets if name is not None and _targets(name, t)]
+
+
+def tower_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The targets whose every linear layer is in the vision tower (nothing left to adapt once it is excluded)."""
+    core = vision.vision_core(model)
+    if core is None or targets == [ALL_LINEAR]:
+        return []
+    tower = _module_name(model, core.visual)
+    linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [t for t in targets if (named := [n for n in linear if _targets(n, t)])
+            and all(n.startswith(f"{tower}.") for n in named)]
+
+
+def _shortest_suffixes(targeted: list[str], others: list[str]) -> list[str]:
+    """For each targeted module name, its shortest dotted suffix that no other module's name equals or ends with:
+    a target list that PEFT matches to exactly `targeted` (what adapter_config.json then says trained)."""
+    out = set()
+    for name in targeted:
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            suffix = ".".join(parts[i:])
+            if not any(_targets(o, suffix) for o in others):
+                out.add(suffix)
+                break
+    return sorted(out)
+
+
+# PEFT 0.21 adapts an MoE model's fused `gate_up_proj` experts parameter at rank 2r (alpha 2 alpha) through a
+# rank_pattern / alpha_pattern entry it writes itself; its check for unused patterns looks at targeted modules only,
+# not targeted parameters, so it warns that this entry matched nothing although it applied it (the adapters' shapes
+# show rank 2r; tested). Only this exact warning is silenced, and only around Relax's own injections.
+_FUSED_PATTERN_WARNING = (r"The following (rank|alpha)_pattern keys did not match any targeted module and were "
+                          r"ignored: " + re.escape(repr([r".*\.gate_up_proj"])) + r"\.")
 
 
 def apply_lora(model: torch.nn.Module, model_cfg: Any, *, seed: int) -> Any:
     """`model` with adapters injected in place (a PeftModel around it); its base parameters frozen. A's random
-    initialisation draws from `seed` (B starts at zero), so every process builds the same adapters."""
+    initialisation draws from `seed` (B starts at zero), so every process builds the same adapters. With the vision
+    tower excluded, the config's `target_modules` name the layers adapted (shortest unambiguous suffixes), so that
+    adapter_config.json says what trained."""
     from peft import get_peft_model
 
-    missing = missing_targets(model, list(model_cfg.lora_target_modules))
+    targets = list(model_cfg.lora_target_modules)
+    missing = missing_targets(model, targets)
     if missing:
         raise ValueError(f"model.lora_target_modules: {missing} are not linear layers of the model; it has "
                          f"{linear_layer_names(model)}")
-    with torch.random.fork_rng(devices=[]):
+    config = lora_config(model_cfg)
+    before = [name for name, _ in model.named_modules() if name]
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FUSED_PATTERN_WARNING, category=RuntimeWarning)
         torch.manual_seed(seed)
-        peft_model = get_peft_model(model, lora_config(model_cfg))
+        peft_model = get_peft_model(model, config)
+    if config.exclude_modules:
+        adapted = [_unwrapped(name) for name, _ in _lora_layers(peft_model.get_base_model())]
+        others = sorted(set(before) - set(adapted))
+        peft_model.peft_config[ADAPTER].target_modules = _shortest_suffixes(adapted, others)
     return peft_model
 
 
@@ -72,7 +156,9 @@ def inject_adapters(model: torch.nn.Module, model_cfg: Any) -> list[str]:
     the base's; returns the names of their tensors in `model.state_dict()`."""
     from peft import inject_adapter_in_model
 
-    inject_adapter_in_model(lora_config(model_cfg), model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FUSED_PATTERN_WARNING, category=RuntimeWarning)
+        inject_adapter_in_model(lora_config(model_cfg), model)
     for p in model.parameters():
         p.requires_grad_(False)
     return [k for k in model.state_dict() if ".lora_" in k]
@@ -104,17 +190,38 @@ def adapted_weights(base: torch.nn.Module) -> dict[str, list[Any]]:
     from peft.tuners.lora import Linear, ParamWrapper
 
     out: dict[str, list[Any]] = {}
+    shared = _shared_weights(base)
     for name, layer in _lora_layers(base):
         if isinstance(layer, ParamWrapper):
             leaf = layer.parameter_name
         elif isinstance(layer, Linear):
             leaf = "weight"
+            others = shared.get(id(layer.get_base_layer().weight), [])
+            if len(others) > 1:
+                raise ValueError(f"LoRA layer {_unwrapped(name)} cannot be merged: its weight is also {others} "
+                                 "(tied embeddings), so the merged weight would change those too and the merged "
+                                 "model would not be the trained one")
         else:
             raise ValueError(f"LoRA layer {name} ({type(layer).__name__}) cannot be merged for the engines: "
                              "name linear layers in model.lora_target_modules, or set rollout.lora_sync=adapter")
         if ADAPTER in layer.lora_A:
             out.setdefault(f"{_unwrapped(name)}.{leaf}", []).append(layer)
     return out
+
+
+def _shared_weights(base: torch.nn.Module) -> dict[int, list[str]]:
+    """id of each parameter -> every name it has in `base` (several for a tied weight), the base's own names."""
+    names: dict[int, list[str]] = {}
+    for name, p in base.named_parameters(remove_duplicate=False):
+        if ".lora_" not in name:
+            names.setdefault(id(p), []).append(_unwrapped(name))
+    return names
+
+
+def check_merge(peft_model: Any) -> None:
+    """Raise ValueError unless merging every adapter into its weight gives the adapted model (what
+    `merge_and_unload` and `rollout_state(merged=True)` do): not when an adapted weight is tied to another."""
+    adapted_weights(peft_model.get_base_model())
 
 
 def adapter_params(peft_model: Any) -> dict[str, torch.Tensor]:
@@ -189,39 +296,70 @@ def check_base(directory: Any, fingerprint: str, model_cfg: Any) -> None:
                                   "weights differ, so the adapters would not reproduce the trained policy")
 
 
+def _dead_tower_adapter(key: str, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether `key` is an adapter tensor on the vision tower whose B is zero: what a checkpoint written before a
+    frozen tower was excluded from the targets holds there. It adds nothing to the model, so it is dropped."""
+    module, _, leaf = key.partition(".lora_")
+    b = weights.get(f"{module}.lora_B{leaf.removeprefix('A').removeprefix('B')}")
+    return bool(leaf) and re.fullmatch(VISION_TOWER, module) is not None and b is not None and not bool(b.any())
+
+
 def load_adapters(peft_model: Any, weights: dict[str, torch.Tensor]) -> None:
     """Adapter tensors (as `PeftModel.save_pretrained` wrote them) into `peft_model`, every one of them: a missing or
     an unexpected one is a KeyError naming it."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     expected = set(get_peft_model_state_dict(peft_model))
+    weights = {k: v for k, v in weights.items() if k in expected or not _dead_tower_adapter(k, weights)}
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:
         raise KeyError(f"adapters do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     set_peft_model_state_dict(peft_model, weights)
 
 
-def check_targets(model_cfg: Any, vocab_size: int, pad_token_id: int) -> None:
-    """Raise ValueError unless every `model.lora_target_modules` name is a linear layer of the model, checked on its
-    architecture alone (an empty model on the meta device: no weights are read)."""
-    targets = list(model_cfg.lora_target_modules)
-    if targets == [ALL_LINEAR]:
-        return
+def _empty_model(model_cfg: Any, vocab_size: int, pad_token_id: int) -> torch.nn.Module:
+    """The model's architecture on the meta device (no weights read), in the class a run builds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-
+    is_vision = vision.is_vision_config(model_cfg)
     if model_cfg.source == "config":
-        config = qwen3_config(model_cfg, vocab_size, pad_token_id)
+        config = (vision.vision_config(model_cfg, vocab_size, pad_token_id) if is_vision
+                  else qwen3_config(model_cfg, vocab_size, pad_token_id))
     else:
         path = resolve_model_path(model_cfg)
         config = (AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
                   if model_cfg.source == "gguf" else AutoConfig.from_pretrained(str(path), local_files_only=True))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return vision._model_class(config)(config) if is_vision else AutoModelForCausalLM.from_config(config)
+
+
+def check_targets(model_cfg: Any, vocab_size: int, pad_token_id: int) -> None:
+    """Raise ValueError unless every `model.lora_target_modules` name is a linear layer of the model (PEFT's
+    matching: the full name or its ending after a dot, `q_proj` or `self_attn.q_proj`), not the output head of a model
+    with tied embeddings, and not only layers of a frozen vision tower; checked on the architecture alone (an empty
+    model on the meta device: no weights are read)."""
+    targets = list(model_cfg.lora_target_modules)
+    if targets == [ALL_LINEAR]:
+        return  # PEFT's all-linear: every linear layer but the output head (the frozen tower excluded)
+    model = _empty_model(model_cfg, vocab_size, pad_token_id)
+    field = f"model.lora_target_modules={targets}"
     missing = missing_targets(model, targets)
     if missing:
-        raise ValueError(f"model.lora_target_modules={targets}: {missing} are not linear layers of {model_cfg.name} "
-                         f"({type(model).__name__}); its linear layers are {linear_layer_names(model)}")
+        raise ValueError(f"{field}: {missing} are not linear layers of {model_cfg.name} ({type(model).__name__}); "
+                         f"its linear layers are {linear_layer_names(model)} (a name matches a layer whose full "
+                         "name is it or ends with '.' + it, as in PEFT)")
+    head = tied_head_targets(model, targets)
+    if head:
+        raise ValueError(f"{field}: {head} is the output head of {model_cfg.name}, which shares its weight with the "
+                         "input embeddings (tie_word_embeddings: true): merging its adapter (rollout.lora_sync=merged, "
+                         "relax-export --merge) would change the input embeddings too, so the rollouts and the merged "
+                         f"model would not be the trained policy; leave {head} out (all-linear adapts every linear "
+                         "layer but the output head)")
+    tower = tower_targets(model, targets) if vision.frozen_tower(model_cfg) else []
+    if tower:
+        raise ValueError(f"{field}: {tower} name only layers of the vision tower, which is frozen "
+                         "(model.freeze_vision_tower, true by default with LoRA) and gets no adapters; name layers "
+                         "of the language model, or set model.freeze_vision_tower=false to train the tower's")
 
 
 PEFT_PREFIX = "base_model.model."

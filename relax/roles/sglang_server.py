@@ -54,7 +54,10 @@ def server_command(cfg: RelaxConfig, *, host: str, port: int, threads: int | Non
         cmd += ["--enable-return-routed-experts"]
     m = cfg.model
     if m.lora_rank > 0 and cfg.rollout.lora_sync == "adapter":  # updates load the adapters (/load_lora_adapter)
-        targets = ["all"] if list(m.lora_target_modules) == ["all-linear"] else list(m.lora_target_modules)
+        # SGLang takes layer names (q_proj), not PEFT's dotted suffixes (self_attn.q_proj): the last names, a superset
+        # of the layers the adapters are on (the adapter directory holds only those)
+        targets = ["all"] if list(m.lora_target_modules) == ["all-linear"] else list(
+            dict.fromkeys(t.rsplit(".", 1)[-1] for t in m.lora_target_modules))
         cmd += ["--enable-lora", "--max-lora-rank", str(m.lora_rank), "--lora-target-modules", *targets,
                 "--max-loras-per-batch", "2"]
     args = cmd + list(sg.extra_args or [])

@@ -251,6 +251,11 @@ def _write_lora(policy: Path, out: Path, model_cfg: ModelConfig, tokenizer: PreT
     except CheckpointFileError as e:
         raise ExportError(str(e)) from None
     lora.load_adapters(peft_model, load_safetensors_file(policy / lora.ADAPTER_WEIGHTS))
+    try:
+        lora.check_merge(peft_model)  # an adapter on a tied output head: merged, it would change the embeddings too
+    except ValueError as e:
+        raise ExportError(f"--merge: {e}; export without --merge (a PEFT adapter directory: PEFT applies the "
+                          "adapter to that layer alone)") from None
     merged = peft_model.merge_and_unload()
     merged.config.use_cache = True
     merged.save_pretrained(str(out))

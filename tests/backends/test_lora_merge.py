@@ -125,3 +125,69 @@ def test_all_linear_wraps_moe_routers_and_experts_as_documented():
     assert params[pre + "gate.lora_A.default.weight"] == (r, H)
     assert params[pre + "experts.base_layer.lora_A.default.weight"] == (2 * r * E, H)  # gate_up_proj
     assert params[pre + "experts.lora_A.default.weight"] == (r * E, inter)  # down_proj
+
+
+def test_an_adapter_on_a_tied_output_head_is_not_merged(tmp_path):
+    """The tiny model's output head is its input embedding (tied). PEFT trains an adapter on the head alone; merged
+    into the shared weight it changes the embeddings too, so the merged model is not the adapted one (checked here on
+    PEFT's own merge_and_unload, by the logits). The engines' merged weights and relax-export --merge refuse such an
+    adapter, naming the layer and the tie; the adapter export still writes it. Control: without the head, both merge
+    and PEFT's merged model computes the adapted model's logits."""
+    import dataclasses
+    import json
+
+    from relax.train.export import ExportError, _write_lora
+
+    ids = torch.tensor([[3, 9, 17, 25, 40, 41, 2, 60]])
+    for targets, tied in ((["q_proj", "lm_head"], True), (["q_proj"], False)):
+        cfg = dataclasses.replace(DENSE, lora_target_modules=targets)
+        peft_model = adapted(cfg)
+        with torch.no_grad():
+            want = peft_model(input_ids=ids).logits
+            merged = copy.deepcopy(peft_model).merge_and_unload()
+            off = float((merged(input_ids=ids).logits - want).abs().max())
+        policy, out = tmp_path / f"policy-{tied}", tmp_path / f"out-{tied}"
+        peft_model.save_pretrained(str(policy))
+        (policy / lora.BASE_FILE).write_text(json.dumps({"fingerprint": lora.base_fingerprint(peft_model)}))
+        out.mkdir()
+        tokenizer = type("Tok", (), {"pad_token_id": PAD, "__len__": lambda self: V})()
+        if tied:
+            assert off > 1e-2  # PEFT's merge is not the adapted model
+            with pytest.raises(ValueError, match=r"lm_head cannot be merged: its weight is also "
+                                                 r"\['model.embed_tokens.weight'.*tied embeddings"):
+                lora.rollout_state(peft_model, merged=True)
+            with pytest.raises(ExportError, match=r"--merge: LoRA layer lm_head cannot be merged.*without --merge"):
+                _write_lora(policy, out, cfg, tokenizer, merge=True, seed=0)
+            _write_lora(policy, out, cfg, tokenizer, merge=False, seed=0)  # the adapter export
+            assert (out / lora.ADAPTER_WEIGHTS).is_file()
+        else:
+            assert off < 2e-5
+            lora.rollout_state(peft_model, merged=True)
+            _write_lora(policy, out, cfg, tokenizer, merge=True, seed=0)
+            assert (out / "config.json").is_file()
+
+
+def test_moe_adapters_load_in_peft_at_the_fused_experts_rank_despite_peft_s_warning(tmp_path):
+    """PEFT 0.21 adapts the fused gate_up_proj at rank 2r through a rank_pattern it writes itself, then warns that
+    the pattern matched no targeted module (its check looks at modules, not parameters). Relax's own injection does
+    not show that warning; loading the saved directory in PEFT does (docs/training.md says it is expected), and the
+    pattern is applied all the same: the loaded adapters have rank 2r per expert and give the adapted model's
+    logits."""
+    import warnings
+
+    from peft import PeftModel
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        peft_model = adapted(MOE)
+    assert not [w for w in seen if "rank_pattern" in str(w.message) or "alpha_pattern" in str(w.message)]
+    peft_model.save_pretrained(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"rank_pattern keys did not match any targeted module.*gate_up_proj"):
+        loaded = PeftModel.from_pretrained(build_model(MOE, V, PAD, seed=0), str(tmp_path)).eval()
+    E, r, H = MOE.num_experts, 4, MOE.hidden_size
+    a = dict(loaded.named_parameters())["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight"]
+    assert tuple(a.shape) == (2 * r * E, H)
+    ids = torch.tensor([[3, 9, 17, 25, 40, 41, 2, 60]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, peft_model.eval()(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)
