@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from relax import progress
 from relax.agents.bounded import Bounded, StepTimeout
-from relax.agents.parsers import message_decoder, opened_reasoning
+from relax.agents.parsers import harmony_call_names, message_decoder, opened_reasoning
 from relax.agents.protocol import AgentLoop, Reply
 from relax.agents.render import ObservationRenderer
 from relax.batch import FinishReason, plain_reason
@@ -56,6 +56,9 @@ class Episode:
         self.turns = self.tool_calls = self.tool_errors = 0
         self.turn_rewards: list[float] = []
         self.actions: list[str] = []  # the model's message of each turn
+        # the messages that answered each turn but the last (an observation given as tokens: their text, as a user
+        # message): with `actions`, the episode's conversation (`conversation`), which data.reward may ask for
+        self.observations: list[list[dict]] = []
         self.env_time = 0.0
         self.kv_reused = 0  # context tokens later turns reused from the cache instead of computing them again
         self.end: Optional[str] = None
@@ -167,9 +170,13 @@ class Episode:
             self.end = FinishReason.MAX_TURNS
             return None
         # (an image observation's tokens come with its images: relax.agents.render.VisionTokens)
-        obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(reply.messages, stop_token)
+        # (a harmony template names a tool result by the call it answers: `turn_calls`)
+        obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(
+            reply.messages, stop_token, turn_calls(self.loop, self.actions[-1]))
         if not obs:
             raise ValueError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
+        self.observations.append([dict(m) for m in reply.messages] if reply.tokens is None else
+                                 [{"role": "user", "content": self.decode(obs)}])
         self.kv_reused += context
         self.opened = opened_reasoning(self.renderer.tokenizer.decode(list(obs[-16:])))
         return obs
@@ -182,6 +189,7 @@ class Episode:
         # plain values only (`end` a plain string, not a FinishReason): checkpoints carry the record
         return {"item": dict(self.item), "turns": self.turns, "tool_calls": self.tool_calls,
                 "tool_errors": self.tool_errors, "turn_rewards": list(self.turn_rewards), "actions": list(self.actions),
+                "observations": [list(o) for o in self.observations],
                 "env_time": self.env_time, "kv_reused": self.kv_reused, "end": plain_reason(self.end),
                 "partial": list(self.partial), "opened": self.opened, "error": self.error}
 
@@ -195,11 +203,24 @@ class Episode:
         ep.env_time += record["env_time"]
         ep.turns, ep.tool_calls, ep.tool_errors = record["turns"], record["tool_calls"], record["tool_errors"]
         ep.turn_rewards, ep.actions = list(record["turn_rewards"]), list(record["actions"])
+        ep.observations = [list(o) for o in record.get("observations", [])]  # (none in a record from before)
         ep.kv_reused, ep.partial = record["kv_reused"], list(record["partial"])
         ep.opened = record.get("opened", ep.opened)  # (a record from before it was kept: the prompt's)
         if wait:
             ep.settle()
         return ep
+
+
+def turn_calls(loop: Any, text: str) -> list[str]:
+    """The names of the calls a turn made, for a chat template that names a tool result after its call (gpt-oss's):
+    the recipients of its harmony messages (a malformed call's too), else the calls the built-in loop's tool parser
+    read (a parser of one's own)."""
+    from relax.agents.loops import ToolsAndEnvironment
+
+    names = harmony_call_names(text)
+    if names or not isinstance(loop, ToolsAndEnvironment):
+        return names
+    return [call.name for call in loop.calls(text).calls]
 
 
 def turn_ends(turns: Sequence[tuple[Any, list[int], Optional[int], int]]) -> list[Optional[list[int]]]:
@@ -214,6 +235,21 @@ def turn_ends(turns: Sequence[tuple[Any, list[int], Optional[int], int]]) -> lis
         began.append(callable(begin))
     return [episode.end_turn() if b else episode.turn_end(tokens, stop_token, context)
             for (episode, tokens, stop_token, context), b in zip(turns, began, strict=True)]
+
+
+def conversation(record: dict, prompt: list[dict]) -> list[dict]:
+    """An episode's conversation (what `data.reward`'s `messages` receives): an OpenAI-style agent's as its gateway
+    kept it (`messages`); otherwise the prompt's messages `prompt`, then each turn's model message (an assistant
+    message) followed by what answered it (`observations`)."""
+    if record.get("messages"):
+        return [dict(m) for m in record["messages"]]
+    out = [dict(m) for m in prompt]
+    observations = record.get("observations") or []
+    for i, action in enumerate(record.get("actions") or []):
+        out.append({"role": "assistant", "content": action})
+        if i < len(observations):
+            out.extend(dict(m) for m in observations[i])
+    return out
 
 
 def item_record(item: Any) -> dict:

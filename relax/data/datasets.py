@@ -51,14 +51,18 @@ class PromptItem:
     # a prompt with images: the reference to them (relax.data.images.VisionData.reference), whose image tokens
     # `prompt_ids` holds; None: text only
     images: Optional[dict] = field(default=None, repr=False)
+    # the record's other fields (all but the prompt, the label and the images), as plain data (`plain_fields`): what
+    # a reward function asks for by name (relax.rewards.calls.reward_inputs), and what an episode's item carries
+    fields: dict = field(default_factory=dict, repr=False)
 
     def __init__(self, prompt_ids: list[int], label: str, prompt_text: str, index: int, source: str = "",
                  messages: Optional[list[dict]] = None, images: Optional[dict] = None,
-                 vision: Optional[dict] = None):
-        # vision: a checkpoint's item written before references (its pixel values, drawn as they are)
+                 vision: Optional[dict] = None, fields: Optional[dict] = None):
+        # vision: a checkpoint's item written before references (its pixel values, drawn as they are); fields: none
+        # in a checkpoint's item written before they were kept
         for name, value in (("prompt_ids", prompt_ids), ("label", label), ("prompt_text", prompt_text),
                             ("index", index), ("source", source), ("messages", messages),
-                            ("images", images if images is not None else vision)):
+                            ("images", images if images is not None else vision), ("fields", dict(fields or {}))):
             object.__setattr__(self, name, value)
 
     @property
@@ -186,7 +190,8 @@ class PromptDataset(Sequence[PromptItem]):
                                         "set data.prompt_overflow=drop)")
                     dropped += 1
                     continue
-                items.append(PromptItem(ids, label_text(label), text, len(items), where, messages, images))
+                items.append(PromptItem(ids, label_text(label), text, len(items), where, messages, images,
+                                        fields=plain_fields(obj, (prompt_key, label_key, image_key))))
                 continue
             prompt = check_prompt(obj.get(prompt_key), where, prompt_key)
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
@@ -205,7 +210,8 @@ class PromptDataset(Sequence[PromptItem]):
                                     "(raise rollout.max_prompt_len or set data.prompt_overflow=drop)")
                 dropped += 1
                 continue
-            items.append(PromptItem(list(ids), label_text(label), text, len(items), where, messages))
+            items.append(PromptItem(list(ids), label_text(label), text, len(items), where, messages,
+                                    fields=plain_fields(obj, (prompt_key, label_key, image_key))))
         if dropped:
             logger.warning("%s: dropped %d of %d prompts longer than rollout.max_prompt_len=%s tokens",
                            name, dropped, len(records), max_prompt_len)
@@ -213,6 +219,23 @@ class PromptDataset(Sequence[PromptItem]):
             raise DataError(f"{name}: no prompts left: all {len(records)} exceed rollout.max_prompt_len="
                             f"{max_prompt_len} tokens")
         return cls(items, name=name, num_dropped=dropped)
+
+
+def plain_fields(record: dict, used: Sequence[str]) -> dict:
+    """The record's fields other than `used` (its prompt, label and images keys), each as plain data: JSON's types
+    as they are, a value of another type (a Parquet date or decimal) as its str, so that they pickle to any process,
+    go into a checkpoint and into a reward service's JSON."""
+    return {str(k): _plain(v) for k, v in record.items() if k not in used}
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
 
 
 def label_text(label: Any) -> str:

@@ -1,11 +1,14 @@
 """Choosing a reward function by name and scoring responses robustly.
 
-A reward function is `fn(response: str, label: str) -> float` (higher is better, typically in [0, 1]);
-it may also accept a `prompt` keyword argument (the prompt text), which it then receives. It is called once per
-response: a batched function (`responses`, `completions`, `labels`: lists) is refused at start. Built-ins:
-`digits`, `arithmetic`, `math`; any other function is named by import path `package.module:function`, or by its file,
-`/path/to/file.py:function` (verl's `custom_reward_function.path`): the file's directory is appended to `sys.path`
-and the file imported as the module of its name, so that the reward worker processes (which get the driver's
+A reward function is `fn(response: str, label: str) -> float` (higher is better, typically in [0, 1]); what else it
+receives its parameters' names decide (`relax.rewards.calls.reward_inputs`): `prompt` (the prompt text after the chat
+template), `messages` (the prompt's chat messages; an episode's conversation), and any other name the data record's
+field of that name (verl's `compute_score(data_source, solution_str, ground_truth, extra_info)` works as it is). A
+required parameter that names a field some record lacks is refused before the start (`check_record_fields`). It is
+called once per response: a batched function (`responses`, `completions`, `labels`: lists) is refused at start.
+Built-ins: `digits`, `arithmetic`, `math`; any other function is named by import path `package.module:function`, or by
+its file, `/path/to/file.py:function` (verl's `custom_reward_function.path`): the file's directory is appended to
+`sys.path` and the file imported as the module of its name, so that the reward worker processes (which get the driver's
 `sys.path`) import it by that name as they import any other.
 
 Time limit (`score_responses(..., timeout_s=...)`, `data.reward_timeout_s`): a call that takes longer fails like
@@ -33,7 +36,7 @@ from typing import Optional
 
 from relax.imports import resolve_component
 from relax.metrics import reward_mean
-from relax.rewards.calls import RewardFn, RewardSpecError, call_once
+from relax.rewards.calls import RewardContext, RewardFn, RewardInputs, RewardSpecError, call_once, reward_inputs
 from relax.rewards.code_tests import code_tests_all_reward, code_tests_reward
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
@@ -128,8 +131,8 @@ BATCHED_NAMES = ("responses", "completions", "labels", "prompts", "solution_strs
 
 
 def _check_signature(spec: str, fn: RewardFn) -> None:
-    """RewardSpecError when `fn` cannot be called as the run calls it, `fn(response, label)` (with `prompt=` when it
-    takes one), or is written for batches (a parameter named as TRL and verl name batches: `BATCHED_NAMES`):
+    """RewardSpecError when `fn` cannot be called as the run calls it (no parameter takes the response or the label:
+    `reward_inputs`), or is written for batches (a parameter named as TRL and verl name batches: `BATCHED_NAMES`):
     otherwise every call would fail, each group left out, and the run would train nothing."""
     try:
         signature = inspect.signature(fn)
@@ -143,14 +146,32 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
                               "`prompt` if it takes one). Wrap it: def reward(response, label): return "
                               f"{getattr(fn, '__name__', 'fn')}([response], [label])[0]")
     try:
-        if accepts_prompt(fn):
-            signature.bind("response", "label", prompt="prompt")
-        else:
-            signature.bind("response", "label")
-    except TypeError as exc:
-        raise RewardSpecError(f"data.reward={spec!r}: cannot be called as fn(response, label) ({exc}); a reward "
-                              f"function takes the response text and the label (and, optionally, a keyword "
-                              f"`prompt`), and returns a float: {spec}{signature}") from None
+        reward_inputs(fn, signature)
+    except ValueError as exc:
+        raise RewardSpecError(f"data.reward={spec!r}: cannot be called as fn(response, label): {exc}; a reward "
+                              f"function takes the response text and the label (and, by their names, `prompt`, "
+                              f"`messages` and the data record's fields), and returns a float: {spec}{signature}") \
+            from None
+
+
+def check_record_fields(spec: object, fn: RewardFn, items: Sequence[object], what: str) -> None:
+    """RewardSpecError naming the parameter, when `fn` (a `data.reward` entry) asks, by a parameter without a default,
+    for a record field that an item of `items` (prompt items of the data set `what`) lacks: every such call would fail.
+    Items without fields (a synthetic task's) have none."""
+    try:
+        inputs = reward_inputs(fn)
+    except ValueError:  # (get_reward_fn refused it already)
+        return
+    for name in inputs.required_fields:
+        missing = next((item for item in items if name not in (getattr(item, "fields", None) or {})), None)
+        if missing is not None:
+            where = getattr(missing, "source", "") or f"item {getattr(missing, 'index', '?')}"
+            have = sorted(getattr(missing, "fields", None) or {})
+            raise RewardSpecError(
+                f"data.reward={spec!r}: its parameter {name!r} asks for the data record's field {name!r}, and "
+                f"{what}'s record {where} has none (its other fields: {', '.join(have) or 'none'}); name an "
+                f"existing field, give the parameter a default, or add the field (a reward's parameters: the "
+                f"response, the label, prompt, messages and record fields)")
 
 
 def accepts_prompt(fn: RewardFn) -> bool:
@@ -197,10 +218,12 @@ def score_responses(
     prompts: Optional[Sequence[str]] = None,
     *,
     timeout_s: Optional[float] = None,
+    contexts: Optional[Sequence[RewardContext]] = None,
 ) -> Scores:
     """Score each (response, label) pair; a failing call is recorded in `Scores.failed`, never raised.
 
-    `prompts` are passed as `prompt=` to functions that accept it (`accepts_prompt`). `timeout_s`: None calls `fn`
+    `contexts` (one per response: its prompt, messages and record fields) give what `fn`'s parameters ask for
+    (`relax.rewards.calls.reward_inputs`); without them, `prompts` are the prompts. `timeout_s`: None calls `fn`
     here, one call after the other; a number runs the calls in worker processes (`RewardWorkers`), where a call
     that takes longer fails (and its process is replaced).
     """
@@ -211,12 +234,18 @@ def score_responses(
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"score_responses: timeout_s={timeout_s} must be > 0 (or None: no limit)")
     if isinstance(fn, RemoteReward):  # batched requests from here, with their own limits (data.reward_service)
-        values, errors = fn.score_batch(responses, labels, prompts)
+        values, errors = fn.score_batch(responses, labels, prompts, contexts)
         outcomes, timed_out = list(zip(values, errors, strict=True)), [False] * len(values)
         return _scores(fn, outcomes, timed_out)
-    pass_prompt = prompts is not None and accepts_prompt(fn)
-    calls = [(r, lab, pass_prompt, prompts[i] if pass_prompt else None)
-             for i, (r, lab) in enumerate(zip(responses, labels, strict=True))]
+    if contexts is None:
+        contexts = [RewardContext(prompt=None if prompts is None else prompts[i]) for i in range(len(responses))]
+    elif len(contexts) != len(responses):
+        raise ValueError(f"score_responses: {len(responses)} responses but {len(contexts)} contexts")
+    try:
+        inputs = reward_inputs(fn)
+    except ValueError:  # (get_reward_fn refuses it) a function given here directly: each call fails, and says why
+        inputs = RewardInputs()
+    calls = [inputs.arguments(r, lab, c) for r, lab, c in zip(responses, labels, contexts, strict=True)]
     if timeout_s is None:
         outcomes = [call_once(fn, *c) for c in calls]
         timed_out = [False] * len(calls)

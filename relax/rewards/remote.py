@@ -3,9 +3,10 @@
 Protocol (docs/training.md, "Rewards"): each request is `POST <url>` with `Content-Type: application/json` and, when
 `data.reward_service.api_key_env` names an environment variable, `Authorization: Bearer <its value>`; the body is
 
-    {"items": [{"response": "...", "label": "...", "prompt": "..."}, ...]}
+    {"items": [{"response": "...", "label": "...", "prompt": "...", "messages": [...], "fields": {...}}, ...]}
 
-(at most `batch_size` items), and the answer a 200 with
+(at most `batch_size` items; in a run, each item also has `messages`, the prompt's chat messages or an episode's
+conversation, and `fields`, the data record's other fields), and the answer a 200 with
 
     {"rewards": [0.5, null, ...], "errors": [null, "why", ...]}
 
@@ -41,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Optional
 from urllib.parse import urlsplit
+
+from relax.rewards.calls import RewardContext
 
 if TYPE_CHECKING:  # relax.config imports torch (its algorithms): not at the import of every reward worker
     from relax.config.schema import RewardServiceConfig
@@ -164,13 +167,19 @@ class RemoteReward:
     def __reduce__(self):  # not sent to worker processes (it is called in the driver, batched)
         raise TypeError("a RemoteReward is called in the driver process")
 
-    def score_batch(self, responses: Sequence[str], labels: Sequence[str],
-                    prompts: Optional[Sequence[str]] = None) -> tuple[list[Optional[float]], list[Optional[str]]]:
+    def score_batch(self, responses: Sequence[str], labels: Sequence[str], prompts: Optional[Sequence[str]] = None,
+                    contexts: Optional[Sequence[RewardContext]] = None) \
+            -> tuple[list[Optional[float]], list[Optional[str]]]:
         """(reward or None per item, the error of each failed item or None); raises `RewardServiceError` past
-        `max_errors` failed items over the run."""
+        `max_errors` failed items over the run. `contexts`: each item's prompt, messages and record fields (they
+        replace `prompts`)."""
         o = self.options
-        items = [{"response": r, "label": lab, "prompt": None if prompts is None else prompts[i]}
-                 for i, (r, lab) in enumerate(zip(responses, labels, strict=True))]
+        if contexts is not None:
+            items = [{"response": r, "label": lab, "prompt": c.prompt, "messages": c.messages, "fields": dict(c.fields)}
+                     for r, lab, c in zip(responses, labels, contexts, strict=True)]
+        else:
+            items = [{"response": r, "label": lab, "prompt": None if prompts is None else prompts[i]}
+                     for i, (r, lab) in enumerate(zip(responses, labels, strict=True))]
         chunks = [list(range(i, min(i + o.batch_size, len(items)))) for i in range(0, len(items), o.batch_size)]
         rewards: list[Optional[float]] = [None] * len(items)
         errors: list[Optional[str]] = [None] * len(items)

@@ -56,7 +56,8 @@ from relax.data.datasets import DataError, PromptItem, PromptSampler, build_data
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
-from relax.rewards.combined import reward_of
+from relax.rewards.combined import RewardList, reward_of
+from relax.rewards.registry import check_record_fields
 from relax.rewards.remote import is_url
 from relax.rewards.worker_pool import pickled
 from relax.roles.workers import ModelInfo
@@ -223,6 +224,14 @@ def _reward(pre: Preflight) -> bool:
     if pre.cfg.data.reward == "none":
         return False
     pre.reward_fn = reward_of(pre.cfg.data.reward)  # imports, and can be called as fn(response, label)
+    # the record fields its parameters ask for are in every record (the data sets loaded: the data check passed)
+    sets = ([("the training data", pre.train_set)] if pre.train_set is not None else []) + \
+        [(f"the eval set {name!r}", items) for name, items in (pre.eval_sets or {}).items()]
+    entries = pre.reward_fn.fns if isinstance(pre.reward_fn, RewardList) else [pre.reward_fn]
+    specs = pre.reward_fn.specs if isinstance(pre.reward_fn, RewardList) else [pre.cfg.data.reward]
+    for spec, fn in zip(specs, entries, strict=True):
+        for what, items in sets:
+            check_record_fields(spec, fn, items, what)
     if pre.cfg.data.reward_timeout_s is not None and not is_url(pre.cfg.data.reward):
         pickled(pre.reward_fn)  # a limited call runs in a worker process, which it must reach
     return True

@@ -46,7 +46,7 @@ def _record_queues(pool: RewardWorkers) -> list[_Recording]:
 def test_fast_calls_are_queued_and_those_behind_a_hung_call_score_on_other_workers():
     """Calls that took less than FAST_CALL_S are sent several to a worker at a time; a hung call's worker is killed
     at its limit and the calls queued behind it, which never started, run on the other workers."""
-    ok, hung = ("17", "7", False, None), ("7", "7", False, None)  # `hangs` hangs on "7" (its codes sum to 55)
+    ok, hung = (("17", "7"), {}), (("7", "7"), {})  # `hangs` hangs on "7" (its codes sum to 55); (args, kwargs)
     pool = RewardWorkers(get_reward_fn("fault_rewards:hangs"), processes=2)
     try:
         first, _ = pool.run([ok] * 4, 5.0)  # one at a time: nothing is known of the calls yet
@@ -63,7 +63,7 @@ def test_fast_calls_are_queued_and_those_behind_a_hung_call_score_on_other_worke
 
 def test_slow_calls_go_one_at_a_time():
     """The control: calls slower than FAST_CALL_S are never queued behind one another."""
-    ok = ("17", "7", False, None)
+    ok = (("17", "7"), {})
     pool = RewardWorkers(get_reward_fn("fault_rewards:hangs"), processes=2)
     try:
         pool.run([ok] * 2, 5.0)

@@ -9,15 +9,18 @@ with the same function.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from relax.agents.episode import conversation
 from relax.batch import FinishReason, Samples
 from relax.config.schema import RelaxConfig
 from relax.metrics import RULE_REWARD_MEAN, SANDBOX_TIMEOUT_FRAC
+from relax.rewards.calls import RewardContext
 from relax.rewards.combined import RewardList, score_list
 from relax.rewards.registry import Scores, score_responses, warn_failed_score
 from relax.rewards.remote import RemoteReward, RewardServiceError
@@ -57,14 +60,17 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
                  for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     labels = [item.label for item in items for _ in range(n)]
     prompts = [item.prompt_text for item in items for _ in range(n)]
+    contexts = reward_contexts(items, n, episodes)
     if isinstance(reward_fn, RemoteReward):  # batched requests with the run's data.reward_service options
         reward_fn.options = cfg.data.reward_service
     try:
         if isinstance(reward_fn, RewardList):
             scores = score_list(reward_fn, cfg.data.reward_weights, texts, labels, prompts,
-                                timeout_s=cfg.data.reward_timeout_s, service_options=cfg.data.reward_service)
+                                timeout_s=cfg.data.reward_timeout_s, service_options=cfg.data.reward_service,
+                                contexts=contexts)
         else:
-            scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s)
+            scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s,
+                                     contexts=contexts)
     except RewardServiceError as exc:  # past data.reward_service.max_errors: the run stops with its message
         raise RunError(str(exc)) from None
     if episodes is not None:
@@ -78,6 +84,22 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
     if scores.first_error is not None and cfg.data.reward_error == "raise":
         raise RunError(f"data.reward={cfg.data.reward} failed (data.reward_error=raise):\n{scores.first_error}")
     return scores
+
+
+def reward_contexts(items: Sequence[Any], n: int, episodes: Optional[list[dict]] = None) -> list[RewardContext]:
+    """What each response's reward may ask for (`relax.rewards.calls.RewardContext`), `n` responses per item: its
+    prompt text, its messages (the prompt's; an episode's: its conversation, `relax.agents.episode.conversation`)
+    and its record's fields."""
+    out = []
+    for i, item in enumerate(item for item in items for _ in range(n)):
+        messages = getattr(item, "messages", None)
+        if messages is None:
+            messages = [{"role": "user", "content": item.prompt_text}]
+        if episodes is not None:
+            messages = conversation(episodes[i], messages)
+        out.append(RewardContext(prompt=item.prompt_text, messages=copy.deepcopy(list(messages)),
+                                 fields=dict(getattr(item, "fields", None) or {})))
+    return out
 
 
 def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items: Sequence[Any], n: int,

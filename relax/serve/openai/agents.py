@@ -119,6 +119,8 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
                    # the main row's own turn rewards (`turn_rewards` adds those of the calls outside it)
                    "row_turn_rewards": list(rows_of_run[0].rewards) if rows_of_run else list(t.rewards),
                    "branch_rows": others,
+                   # the conversation (chat), the last answer included: what data.reward's `messages` receives
+                   "messages": [dict(m) for m in t.messages] if t.messages else None,
                    # the session's sampled tokens and those in its rows' loss masks (the main row's and the others')
                    "sampled_tokens": sampled, "trained_tokens": sum(t.sampled) + sum(sum(o["generated"])
                                                                                      for o in others)}
