@@ -1,12 +1,15 @@
-"""relax-train as a user runs it: a subprocess, its exit code, stdout and stderr."""
+"""relax-train as a user runs it: its exit code, stdout and stderr. The refusals and --help run in a `relax-train`
+process of their own (they stop before the plan is built); the dry runs, which build the plan and run every check
+before Ray, run the CLI's entry point in this process (tests/relax_train_inprocess.py): a process of their own
+imports torch and the modeling code again for each, and the entry point and its exit codes are the same."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
+from relax_train_inprocess import relax_train as relax_train_here
 
 pytestmark = pytest.mark.slow  # starts processes (tests/README.md)
 
@@ -16,29 +19,31 @@ def relax_train(*args: str, cwd=None, env=None) -> subprocess.CompletedProcess:
                           timeout=120, cwd=cwd, env=env)
 
 
-def test_dry_run_prints_plan_and_starts_nothing(tmp_path):
-    out = relax_train("algorithm=rloo", "dry_run=true", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "Service graph: algorithm=rloo" in out.stdout
-    assert "actor" in out.stdout and "rollout" in out.stdout
-    assert "reference" not in out.stdout  # no KL term, no reference role
-    assert not (tmp_path / "mlflow.db").exists()
+def test_dry_run_prints_plan_and_starts_nothing(tmp_path, capfd, monkeypatch, ray_not_started):
+    monkeypatch.chdir(tmp_path)  # the default tracking store, sqlite:///mlflow.db, would land here
+    code, out, err = relax_train_here(["algorithm=rloo", "dry_run=true"], capfd)
+    assert code == 0, err
+    assert "Service graph: algorithm=rloo" in out
+    assert "actor" in out and "rollout" in out
+    assert "reference" not in out  # no KL term, no reference role
+    assert not (tmp_path / "mlflow.db").exists() and not ray_not_started
     # a model without weights: the plan is printed, and the dry run stops as the start would (tests/cli/
     # test_dry_run_checks.py: every check before Ray)
-    env = {k: v for k, v in os.environ.items() if k != "MODEL_DIR"}
-    out = relax_train("algorithm=rloo", "model=qwen3_0.6b", "dry_run=true", cwd=tmp_path, env=env)
-    assert out.returncode == 2 and "Service graph: algorithm=rloo" in out.stdout
-    assert "$MODEL_DIR is not set" in out.stderr and "Traceback" not in out.stderr
+    monkeypatch.delenv("MODEL_DIR", raising=False)
+    code, out, err = relax_train_here(["algorithm=rloo", "model=qwen3_0.6b", "dry_run=true"], capfd)
+    assert code == 2 and "Service graph: algorithm=rloo" in out
+    assert "$MODEL_DIR is not set" in err and "Traceback" not in err
 
 
-def test_dry_run_shows_reference_and_critic_when_needed(tmp_path):
-    out = relax_train("algorithm=ppo", "dry_run=true", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "critic" in out.stdout and "advantages" in out.stdout
-    out = relax_train("algorithm=cispo", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.001",
-                      "dry_run=true", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "reference" in out.stdout and "KL loss" in out.stdout
+def test_dry_run_shows_reference_and_critic_when_needed(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train_here(["algorithm=ppo", "dry_run=true"], capfd)
+    assert code == 0, err
+    assert "critic" in out and "advantages" in out
+    code, out, err = relax_train_here(["algorithm=cispo", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.001",
+                                       "dry_run=true"], capfd)
+    assert code == 0, err
+    assert "reference" in out and "KL loss" in out
 
 
 def test_invalid_config_exits_2_naming_the_field_without_traceback(tmp_path):

@@ -239,19 +239,24 @@ def test_without_a_manifest_a_truncated_file_is_refused_naming_it(tmp_path, file
     assert str(path / file) in str(info.value)
 
 
-def test_relax_train_refuses_a_tampered_checkpoint_in_one_message(tmp_path):
+def test_relax_train_refuses_a_tampered_checkpoint_in_one_message(tmp_path, capfd, monkeypatch, ray_not_started):
     """As a user sees it: exit 2, one message naming the file, no traceback, nothing started, nothing executed.
-    (A checkpoint without a manifest is refused by the same driver check, by format: the tests above.)"""
+    (A checkpoint without a manifest is refused by the same driver check, by format: the tests above.) `relax-train`
+    runs in this process (tests/relax_train_inprocess.py): the refusal is a pre-Ray `RunError` of `run`, which the
+    CLI turns into its message and exit code as for every other one; that path in a `relax-train` process of its
+    own: tests/runner/test_training.py (`test_cli_reports_bad_data_without_traceback`)."""
+    from relax_train_inprocess import relax_train
+
     path = committed_checkpoint(tmp_path)
     marker = tmp_path / "PWNED"
     write_malicious(path / "policy" / "optimizer.pt", marker)
-    out = subprocess.run([sys.executable, "-m", "relax.cli.train", *OVERRIDES, "train.resume=auto"],
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert str(path / "policy" / "optimizer.pt") in out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
+    monkeypatch.chdir(tmp_path)  # the default checkpoint directory and tracking store are relative to it
+    code, out, err = relax_train([*OVERRIDES, "train.resume=auto"], capfd)
+    assert code == 2, err[-3000:]
+    assert str(path / "policy" / "optimizer.pt") in err
+    assert "Traceback" not in err + out
     assert not marker.exists()
-    assert not (tmp_path / "mlflow.db").exists()  # refused before tracking (and Ray) started
+    assert not (tmp_path / "mlflow.db").exists() and not ray_not_started  # refused before tracking and Ray started
 
 
 @pytest.mark.slow

@@ -172,19 +172,20 @@ def test_explicit_resume_directory_is_checked_too(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_refusal_is_one_message_exit_2_before_anything_starts(tmp_path):
+def test_cli_refusal_is_one_message_exit_2_before_anything_starts(tmp_path, capfd, monkeypatch, ray_not_started):
+    """`relax-train` runs in this process (tests/relax_train_inprocess.py): the refusal is a pre-Ray `RunError` of
+    `run`, which the CLI turns into its message and exit code as for every other one; that path in a `relax-train`
+    process of its own: tests/runner/test_training.py (`test_cli_reports_bad_data_without_traceback`)."""
+    from relax_train_inprocess import relax_train
+
     with Checkpoints(load_config(["train.lr=0.5"]), tmp_path) as ckpts:  # the default location under tmp_path
         fake_save(ckpts, 2)
-    started = tmp_path / "ray-started"  # written if the run calls ray.init
-    cli = ("import sys, runpy, ray; init = ray.init\n"
-           f"ray.init = lambda *a, **k: (open({str(started)!r}, 'w').close(), init(*a, **k))[1]\n"
-           "sys.argv[0] = 'relax-train'; runpy.run_module('relax.cli.train', run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", cli, "train.resume=auto", "tracking.progress=false"],
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "train.lr: 0.5 -> " in out.stderr and "step_000002" in out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
-    assert not (tmp_path / "mlflow.db").exists() and not started.exists()  # refused before tracking and Ray started
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train(["train.resume=auto", "tracking.progress=false"], capfd)
+    assert code == 2, err[-3000:]
+    assert "train.lr: 0.5 -> " in err and "step_000002" in err
+    assert "Traceback" not in err + out
+    assert not (tmp_path / "mlflow.db").exists() and not ray_not_started  # refused before tracking and Ray started
 
 
 # ------------------------------------------------------------------------- the session: MLflow and commits
