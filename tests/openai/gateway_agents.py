@@ -84,11 +84,15 @@ def api_tour(item: dict, base_url: str, api_key: str) -> float:
 
 def mixed(item: dict, base_url: str, api_key: str) -> float | None:
     """By prompt: one that raises, one that hangs, one that edits its history, one that converses three turns, one
-    that tours the API."""
+    that tours the API. Where the driver says which job runs (`BARRIER_ENV`'s `job`), the one that hangs does so in
+    job 0 only and raises in the jobs after it: a hang costs its job the whole time limit, once is enough to see it
+    counted, and the jobs after it run on the workers that replaced the ones killed at the limit."""
     kind = item["index"] % 5
     if kind == 0:
         raise RuntimeError("the agent broke")
     if kind == 1:
+        if BARRIER_ENV in os.environ and int((Path(os.environ[BARRIER_ENV]) / "job").read_text()) > 0:
+            raise RuntimeError("the agent broke after it hung in job 0")
         time.sleep(3600)
     if kind == 2:
         return edits_history(item, base_url, api_key)

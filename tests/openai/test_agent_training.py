@@ -30,9 +30,26 @@ GATEWAY = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_repl
            "rollout.sglang.startup_timeout_s=120"]
 
 
-def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path, trained_batches):
+def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path, trained_batches, monkeypatch):
     # five prompts, all of them in each rollout: every kind of agent in every step (the time limit leaves the agents
-    # that answer room on a loaded machine; one that still runs past it counts as a time-out, nothing else)
+    # that answer room on a loaded machine; one that still runs past it counts as a time-out, nothing else). The
+    # agent that hangs does so in step 0 only (a hang costs its step the whole time limit) and raises in step 1,
+    # which runs on the agent workers that replaced the ones killed at the limit: the driver tells the agents which
+    # job runs
+    from gateway_agents import BARRIER_ENV
+
+    from relax.serve.openai.agents import AgentRollout
+
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    monkeypatch.setenv(BARRIER_ENV, str(barrier))  # the agent workers start after this, with it
+    agent_run = AgentRollout.run
+
+    def run_job(self, items, sample_ids, **kw):  # job j's sample ids start at j * its size
+        (barrier / "job").write_text(str(int(sample_ids[0]) // len(sample_ids)))
+        return agent_run(self, items, sample_ids, **kw)
+
+    monkeypatch.setattr(AgentRollout, "run", run_job)
     cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:mixed", "data.agent_timeout_s=20",
                                 "algorithm.use_tis=true", "rollout.max_turns=8", "data.num_prompts=5",
                                 "rollout.rollout_batch_size=5", "train.micro_batch_size=5", steps=2))
@@ -46,7 +63,10 @@ def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path
         errors = [(k, e["error"]) for k, e in zip(kinds, samples.episodes, strict=True) if e["error"]]
         timed_out = [k for k, error in errors if error.startswith("agent call timed out")]
         for kind, error in errors:  # an agent that answers may run past the limit too, on a slow machine
-            assert (kind == 0 and "the agent broke" in error) or error.startswith("agent call timed out"), errors
+            broke = kind == 0 or (kind == 1 and step > 0)  # the one that hung in step 0 raises after it
+            assert (broke and "the agent broke" in error) or error.startswith("agent call timed out"), errors
+        if step == 0:  # every sample of the agent that hangs is a time-out
+            assert timed_out.count(1) == kinds.count(1) > 0, errors
         assert kinds.count(0) + kinds.count(1) == sum(k in (0, 1) for k, _ in errors), errors
         assert m[REWARD_ERRORS] == len(errors) and m[REWARD_TIMEOUTS] == len(timed_out), errors
         assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF] < 1e-4  # the trained tokens are the sampled ones, on-policy
