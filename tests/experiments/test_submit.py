@@ -241,7 +241,8 @@ def test_submit_without_the_token_is_refused(ray_head, tmp_path):
 
 
 @pytest.mark.slow
-def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_streams_its_progress(ray_head, tmp_path):
+def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_streams_its_progress(ray_head, tmp_path,
+                                                                                                 fresh_store):
     """relax-train as a Ray job from the uploaded checkout (the default working_dir: what relax-submit leaves out of
     it must not be what relax-train needs), with no cluster.address: it joins the job's cluster (the default
     cluster=local would start its own Ray), writes MLflow and checkpoints under --exp-dir (not in the job's
@@ -251,6 +252,7 @@ def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_strea
 
     url, token, home, gcs = ray_head
     exp = tmp_path / "exp"
+    fresh_store(exp)  # the run's default store, sqlite:///mlflow.db where it runs (a store it created holds the same)
     proc = _submit(["--address", url, "--exp-dir", str(exp), "--", "train.num_rollout=2",
                     "tracking.experiment=submitted"], token=token, home=home, timeout=600)
     out = proc.stdout
@@ -300,17 +302,23 @@ def _ray_job(args, *, token, home):
 
 
 @pytest.mark.slow
-def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp_path):
+def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp_path, fresh_store):
     """`ray job stop` (what relax-submit says to run, and the dashboard's Stop) sends SIGTERM, then Ray SIGKILLs the
     job after RAY_JOB_STOP_WAIT_TIME_S, 3 s unless the job sets it. relax-submit sets it from the config, so the run
     finishes the step it is in, commits its checkpoint and marks its MLflow run KILLED, however long the step takes.
 
     The step is held (hold_rewards: the reward of the step's first sample waits for the test) from before the stop
-    until Ray would have killed the job with its default: until the job ended (the SIGKILL), or 10 s passed."""
+    until Ray would have killed the job with its default: until the job's process ended (the SIGKILL), or 10 s
+    passed (watched through its process id, which hold_rewards writes: polling `ray job status` would start a
+    process that imports Ray at each poll)."""
+    import contextlib
+
+    import psutil
     from mlflow import MlflowClient
 
     url, token, home, _ = ray_head
     exp, job = tmp_path / "exp", f"relax-stop-{secrets.token_hex(4)}"
+    fresh_store(exp)  # the run's default store, sqlite:///mlflow.db where it runs
     per_step = 4  # rollout_batch_size 2 x n_samples_per_prompt 2
     args = ["--address", url, "--exp-dir", str(exp), "--submission-id", job,
             "--env", f"PYTHONPATH={Path(__file__).resolve().parent}", "--env", f"RELAX_HOLD={per_step + 1}:{tmp_path}",
@@ -327,13 +335,18 @@ def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() - t0 < 300, "the run never reached the held reward call"
             time.sleep(0.1)
+        while not (pid := (tmp_path / "held").read_text()):  # created, its process id not yet written
+            time.sleep(0.01)
+        driver = psutil.Process(int(pid))  # the job's relax-train, which holds the step
         stopped = _ray_job(["stop", "--address", url, "--no-wait", job], token=token, home=home)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         t0 = time.monotonic()
         while time.monotonic() - t0 < 10:  # Ray's default grace is 3 s: a job still there after 10 s was given more
-            status = _ray_job(["status", "--address", url, job], token=token, home=home).stdout
-            if re.search(r"\b(STOPPED|FAILED|SUCCEEDED)\b", status):
-                break
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if driver.status() != psutil.STATUS_ZOMBIE:
+                    time.sleep(0.1)
+                    continue
+            break  # killed
         (tmp_path / "release").write_text("")
         out, err = proc.communicate(timeout=300)
     finally:
@@ -354,12 +367,13 @@ def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp
 
 
 @pytest.mark.slow
-def test_relax_train_and_a_sweep_join_a_token_cluster_with_the_token_alone(ray_head, tmp_path):
+def test_relax_train_and_a_sweep_join_a_token_cluster_with_the_token_alone(ray_head, tmp_path, fresh_store):
     """relax-train with cluster.address, and a sweep (-m) joining the cluster, with the cluster's token in the
     environment and RAY_AUTH_MODE unset (as after `ray get-auth-token --generate` on a laptop): they turn token auth on
     themselves (docs/operations.md, "Multi-node"). Ray had read RAY_AUTH_MODE when relax-train imported it, so the
     variable alone did not make ray.init send the token: the GCS refused the join (InvalidAuthToken)."""
     _, token, home, gcs = ray_head
+    fresh_store(tmp_path)  # the store both write to
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HOME=str(home), RAY_AUTH_TOKEN=token)
     common = [f"cluster.address=127.0.0.1:{gcs}", "train.num_rollout=1", "train.save=false", "tracking.progress=false",
