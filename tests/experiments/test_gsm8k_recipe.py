@@ -1,16 +1,16 @@
 """The GSM8K recipe end to end on this CPU: `+experiment=rloo_smollm2_gsm8k_cpu` (RLOO on SmolLM2-135M), one step,
 from the fixture in the file format of the HF dataset `openai/gsm8k` (Parquet, generated here from
-tests/fixtures/gsm8k), through `relax-train -m` as the recipe's users launch it; and the message of a run without the
-data. Its GRPO control arm is the same launch with `algorithm=rloo,grpo`: the arms of one sweep side by side in
-`relax-compare` are tested in test_relax_sweep.py (seed pairs and the comparison's tables in test_compare.py)."""
+tests/fixtures/gsm8k), through `relax-train` with the recipe's overrides; and the message of a run without the data.
+`relax-train` runs in this process with its roles (tests/relax_train_inprocess.py, `in_process`): what the recipe
+holds is its data, model, evaluation and records, not the processes that run them. Its users launch it with `-m`
+and its GRPO control arm (`algorithm=rloo,grpo`): a recipe's sweep through `relax-train -m`, its jobs on a real
+Ray and the arms side by side in `relax-compare`, is test_relax_sweep.py's (seed pairs and the comparison's tables:
+test_compare.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,30 +28,26 @@ def _fixture_module():
     return module
 
 
-def _env(data_dir: Path, cache_dir: Path) -> dict[str, str]:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "DATA_DIR": str(data_dir), "RLOO_DATA_CACHE_DIR": str(cache_dir), "PYTHONPATH": path,
-            "PYTHONUNBUFFERED": "1"}
-
-
 @pytest.mark.slow
-def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store):
+def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store, in_process, capfd, monkeypatch):
+    from relax_train_inprocess import relax_train
+
     fixture = _fixture_module()
     written = fixture.write_hf_parquet(tmp_path / "data")
     assert sorted(p.relative_to(tmp_path / "data").as_posix() for p in written.values()) == [
         "gsm8k/main/test-00000-of-00001.parquet", "gsm8k/main/train-00000-of-00001.parquet"]
     fresh_store(tmp_path)  # the run's default store, sqlite:///mlflow.db in its working directory
-    env = _env(tmp_path / "data", tmp_path / "cache")
+    monkeypatch.setenv("DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("RLOO_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
     # the recipe at the smallest sizes its claim allows, overridden as a user would: one step of one group of two
     # samples (RLOO's baseline needs two; one update per rollout), four tokens per answer, one eval prompt
-    cmd = [sys.executable, "-m", "relax.cli.train", "-m", f"+experiment={RECIPE}", "algorithm=rloo",
-           "train.num_rollout=1", "rollout.max_response_len=4", "data.num_eval_prompts=1", "tracking.progress=false",
-           "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=2", "train.global_batch_size=2",
-           "train.micro_batch_size=2"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "1 of 1 jobs finished" in proc.stdout
+    code, out, err = relax_train([f"+experiment={RECIPE}", "algorithm=rloo", "train.num_rollout=1",
+                                  "rollout.max_response_len=4", "data.num_eval_prompts=1", "tracking.progress=false",
+                                  "rollout.rollout_batch_size=1", "rollout.n_samples_per_prompt=2",
+                                  "train.global_batch_size=2", "train.micro_batch_size=2"], capfd)
+    out = out + err
+    assert code == 0, out[-6000:]
 
     # The data: prepared once into the cache, in the normalized form, from the Parquet rows.
     cache = tmp_path / "cache" / "gsm8k"
@@ -75,10 +71,9 @@ def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name(RECIPE)
     assert exp is not None, out[-3000:]
-    runs = client.search_runs([exp.experiment_id])
-    children = {r.data.tags["algorithm"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
-    assert set(children) == {"rloo"}
-    for algorithm, run in children.items():
+    runs = {r.data.tags["algorithm"]: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"rloo"}
+    for algorithm, run in runs.items():
         tags, params = run.data.tags, run.data.params
         assert run.info.status == "FINISHED", algorithm
         assert tags["seed"] == "1" and tags["data"] == "gsm8k"
@@ -94,15 +89,21 @@ def test_the_rloo_recipe_on_gsm8k_parquet(tmp_path, fresh_store):
         assert "eval/gsm8k/pass_at_1" in run.data.metrics and "eval/gsm8k/response_len" in run.data.metrics
         inputs = {(d.dataset.name, d.dataset.source) for d in run.inputs.dataset_inputs}
         assert any(name == "gsm8k" and f"train.{CACHE_VERSION}.jsonl" in source for name, source in inputs), inputs
-    assert "rollout/rloo/baseline_mean" in children["rloo"].data.metrics  # the recipe's algorithm ran
+    assert "rollout/rloo/baseline_mean" in runs["rloo"].data.metrics  # the recipe's algorithm ran
 
 
-def test_without_the_data_one_message_names_the_files(tmp_path):
-    env = _env(tmp_path / "data", tmp_path / "cache")  # DATA_DIR names a directory that does not exist
-    proc = subprocess.run([sys.executable, "-m", "relax.cli.train", f"+experiment={RECIPE}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    err = proc.stderr
+def test_without_the_data_one_message_names_the_files(tmp_path, capfd, monkeypatch, ray_not_started):
+    """`relax-train` runs in this process (tests/relax_train_inprocess.py): the refusal comes before anything
+    starts, as a pre-Ray `RunError`, which the CLI turns into its message and exit code as for every other one (that
+    path in a `relax-train` process of its own: tests/runner/test_training.py's
+    `test_cli_reports_bad_data_without_traceback`)."""
+    from relax_train_inprocess import relax_train
+
+    monkeypatch.setenv("DATA_DIR", str(tmp_path / "data"))  # a directory that does not exist
+    monkeypatch.setenv("RLOO_DATA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train([f"+experiment={RECIPE}"], capfd)
+    assert code == 2, out + err
     assert "Traceback" not in err and err.startswith("relax-train: error: GSM8K data not found: the data directory")
     target = tmp_path / "data" / "gsm8k"
     assert f"  {target}/main/train-00000-of-00001.parquet\n  {target}/main/test-00000-of-00001.parquet\n" in err
