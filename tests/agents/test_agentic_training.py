@@ -96,12 +96,14 @@ def test_resume_of_an_agentic_run_with_episodes_ahead_and_in_flight(in_process, 
     assert {k: a[k] for k in SAME_DATA} == {k: b[k] for k in SAME_DATA}
 
 
-def test_guess_number_over_sglang_with_partial_rollout(ray_local, small_run, tmp_path, trained_batches,
+def test_guess_number_over_sglang_with_partial_rollout(in_process, small_run, tmp_path, trained_batches,
                                                        monkeypatch):
     """rollout=sglang (two embedded servers behind the real sglang-router, real HTTP): a `/generate` request per turn
     with the episode's tokens as input_ids; weight updates abort episodes mid-turn or between turns, which continue
     with the new weights; the trainer's log-probs equal the servers' for every generated token of every turn (fp32),
-    and the ledger verifies (no episode lost or trained twice)."""
+    and the ledger verifies (no episode lost or trained twice). The servers and the router are processes of their
+    own; the roles that drive them run in this process (`in_process`): what this test is about is the HTTP
+    protocol and the episodes, not Ray (the same servers as Ray actors: tests/runner/test_sglang_training.py)."""
     from runner.test_sglang_training import SGLANG, update_mid_generation
 
     from relax.cli.verify_run import verify

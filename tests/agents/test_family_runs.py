@@ -4,7 +4,8 @@ Qwen3, Qwen3-Coder, Qwen3.5, Llama 3.1, GLM-4.5, DeepSeek-V3), each given to the
 Per family, the real training loop runs an environment (`data=guess_number`: user observations) and a tool task
 (`data=calculator` with a parser that reads a calculator call in every turn, so the untrained model exercises the
 tool path: the real tool, its result as a `tool` message in the family's format) for one step on both rollout
-backends: embedded (in process) and SGLang (embedded servers over real HTTP behind the real router, on a real Ray).
+backends: embedded (in process) and SGLang (embedded servers over real HTTP behind the real router; the roles that
+drive them in this process).
 One step holds the claim (the template's episodes rendered, sampled and trained); the steps after a weight update
 are the family-independent loop's, trained over several steps of multi-turn episodes in
 tests/agents/test_agentic_training.py (`test_guess_number_trains_in_every_mode`, and over SGLang
@@ -140,23 +141,26 @@ def test_a_family_trains_multi_turn_on_the_embedded_engine(name, task, tokenizer
     assert first["loss"] != pytest.approx(wrong.item(), rel=1e-3)
 
 
-# Over SGLang every family runs both tasks (the matrix below). A run costs a real Ray graph, a server and the router
-# (tens of seconds on two shared cores), so CI runs one of them, the template the issue was about: Qwen3's tool result
-# inside a user turn after a turn the template renders differently once followed. The other thirteen are marked
-# `matrix` (tests/conftest.py: `RELAX_MATRIX=1` runs them); the embedded engine runs every family and task in CI, on
-# the same episode code (relax/agents/episode.py), and every family's episodes run over the SGLang protocol against
-# the real server in CI (the last test of this file), GLM-4.5's stop on the next turn's opener included.
+# Over SGLang every family runs both tasks (the matrix below). A run costs a server and the router (processes of
+# their own) and the roles' models (seconds on two shared cores), so CI runs one of them, the template the issue was
+# about: Qwen3's tool result inside a user turn after a turn the template renders differently once followed. The other
+# thirteen are marked `matrix` (tests/conftest.py: `RELAX_MATRIX=1` runs them); the embedded engine runs every family
+# and task in CI, on the same episode code (relax/agents/episode.py), and every family's episodes run over the SGLang
+# protocol against the real server in CI (the last test of this file), GLM-4.5's stop on the next turn's opener
+# included.
 IN_CI = {("qwen3", "tool")}
 SGLANG_CASES = [pytest.param(name, task, marks=() if (name, task) in IN_CI else pytest.mark.matrix)
                 for name in NAMES for task in TASKS]
 
 
 @pytest.mark.parametrize("name,task", SGLANG_CASES)
-def test_a_family_trains_multi_turn_over_sglang(name, task, tokenizer_dirs, ray_local, small_run, tmp_path,
+def test_a_family_trains_multi_turn_over_sglang(name, task, tokenizer_dirs, in_process, small_run, tmp_path,
                                                 trained_batches):
     """rollout=sglang: a `/generate` request per turn with the episode's tokens as input_ids (an embedded server
     behind the real sglang-router, real HTTP), the observations appended as tokens by the driver
-    (relax/rollout/sglang/episodes.py)."""
+    (relax/rollout/sglang/episodes.py). The server and the router are processes of their own; the roles that drive
+    them run in this process (`in_process`): the template's episodes over HTTP are the claim, not Ray (the same
+    servers as Ray actors: tests/runner/test_sglang_training.py)."""
     from runner.test_sglang_training import SGLANG
 
     one_server = [o for o in SGLANG if not o.startswith("rollout.num_replicas=")] + ["rollout.num_replicas=1"]
@@ -209,9 +213,40 @@ def test_relax_train_refuses_the_template_with_one_message_and_exit_2(tmp_path, 
     assert "Traceback" not in err + out and not (tmp_path / "mlflow.db").exists() and not ray_not_started
 
 
+@pytest.fixture(scope="module")
+def family_servers(tokenizer_dirs, tmp_path_factory, run_overrides):
+    """family -> relax-serve's engine server on the tiny model with the family's tokenizer, in this process on a free
+    port, loaded: started at the first case of the family and kept for its other task (the server is the family's:
+    its model, tokenizer and stop tokens; a task only changes what the client sends)."""
+    from relax.serve.sglang.server import EmbeddedServer
+
+    servers: dict = {}
+
+    def get(name: str):
+        if name not in servers:
+            directory = tmp_path_factory.mktemp(f"server-{name}")
+            # a task's config (SMALL's turns need one): the server does not read it
+            cfg = load_config(run_overrides(directory, *TASKS["guess_number"], *SMALL,
+                                            f"model.tokenizer={tokenizer_dirs[name]}"))
+            server = EmbeddedServer(cfg, port=0, threads=1)
+            servers[name] = server
+            server.start()
+            server.wait_ready(120)
+        return servers[name]
+
+    try:
+        yield get
+    finally:
+        for server in servers.values():
+            server.shutdown()
+
+
+# the cases share their family's server (`family_servers`): one xdist worker runs them
+@pytest.mark.xdist_group("family_servers")
 @pytest.mark.parametrize("task", list(TASKS))
 @pytest.mark.parametrize("name", NAMES)
-def test_a_familys_episodes_over_the_sglang_protocol_on_a_real_server(name, task, tokenizer_dirs, small_run):
+def test_a_familys_episodes_over_the_sglang_protocol_on_a_real_server(name, task, tokenizer_dirs, small_run,
+                                                                       family_servers):
     """Every family's episodes as `rollout=sglang` runs them (`run_episodes`, a `/generate` request per turn, token in,
     token out), against the SGLang-compatible server over real HTTP, with the stop tokens the run derives for the
     family (GLM-4.5 stops on the next turn's opener, not on an end token): episodes of more than one turn, every
@@ -222,39 +257,32 @@ def test_a_familys_episodes_over_the_sglang_protocol_on_a_real_server(name, task
     from relax.data.tokenizer import load_tokenizer, stop_token_ids
     from relax.rollout.sglang.client import GenerateClient, Sampling, parse_answer
     from relax.rollout.sglang.episodes import run_episodes
-    from relax.serve.sglang.server import EmbeddedServer
     from relax.train.logprobs import forward_logprobs
 
     cfg = load_config(small_run(*TASKS[task], *SMALL, f"model.tokenizer={tokenizer_dirs[name]}"))
     tok = load_tokenizer(cfg.model)
     items = list(build_datasets(cfg, tok)[0])[:2]
     stops = stop_token_ids(cfg.model, tok)
-    server = EmbeddedServer(cfg, port=0, threads=1)
-    server.start()
-    try:
-        server.wait_ready(120)
-        assert server.eos_token_ids == tuple(stops)
+    server = family_servers(name)
+    assert server.eos_token_ids == tuple(stops)
+    client = GenerateClient(server.url, request_timeout_s=120)  # what the SGLang engines send with
 
-        client = GenerateClient(server.url, request_timeout_s=120)  # what the SGLang engines send with
+    def send(payloads: list[dict]) -> list:
+        return [parse_answer(a, 0) for a in client.generate(payloads)]
 
-        def send(payloads: list[dict]) -> list:
-            return [parse_answer(a, 0) for a in client.generate(payloads)]
-
-        maker = EpisodeMaker.for_config(cfg)
-        episodes = maker.new_for(items, 2)
-        ro = cfg.rollout
-        samples = run_episodes(send, [list(i.prompt_ids) for i in items for _ in range(2)], torch.arange(4),
-                               torch.zeros(4, dtype=torch.long), [ro.max_episode_tokens] * 4, episodes,
-                               seed=cfg.seed, sampling=Sampling(ro.max_response_len, 1.0, 1.0, -1, tuple(stops)),
-                               turn_limit=ro.max_response_len, aborted=lambda: False, pad_token_id=tok.pad_token_id)
-        turns = [e["turns"] for e in samples.episodes]
-        assert max(turns) > 1, turns
-        if task == "tool":
-            assert [e["tool_calls"] for e in samples.episodes] == turns  # a call in every turn
-        check_samples(samples, name, task)
-        logp, _, width = forward_logprobs(server.engine.model, samples, device=torch.device("cpu"),
-                                          compute_dtype=torch.float32, temperature=1.0)
-        gen = samples.response_mask[:, :width].bool()
-        assert (logp[gen] - samples.rollout_logp[:, :width][gen]).abs().max() < 1e-4
-    finally:
-        server.shutdown()
+    maker = EpisodeMaker.for_config(cfg)
+    episodes = maker.new_for(items, 2)
+    ro = cfg.rollout
+    samples = run_episodes(send, [list(i.prompt_ids) for i in items for _ in range(2)], torch.arange(4),
+                           torch.zeros(4, dtype=torch.long), [ro.max_episode_tokens] * 4, episodes,
+                           seed=cfg.seed, sampling=Sampling(ro.max_response_len, 1.0, 1.0, -1, tuple(stops)),
+                           turn_limit=ro.max_response_len, aborted=lambda: False, pad_token_id=tok.pad_token_id)
+    turns = [e["turns"] for e in samples.episodes]
+    assert max(turns) > 1, turns
+    if task == "tool":
+        assert [e["tool_calls"] for e in samples.episodes] == turns  # a call in every turn
+    check_samples(samples, name, task)
+    logp, _, width = forward_logprobs(server.engine.model, samples, device=torch.device("cpu"),
+                                      compute_dtype=torch.float32, temperature=1.0)
+    gen = samples.response_mask[:, :width].bool()
+    assert (logp[gen] - samples.rollout_logp[:, :width][gen]).abs().max() < 1e-4

@@ -1,7 +1,9 @@
 """`relax-train model=tiny_vl data=shapes rollout=sglang` end to end on CPU: the shape prompts' images travel as
-SGLang's `image_data` to an embedded server behind the real sglang-router (a Ray actor, real HTTP), and the trainer
-scores the servers' tokens with the same images (tests/sglang/test_image_data.py checks the parity request by request
-and its negative control: blank images)."""
+SGLang's `image_data` to an embedded server behind the real sglang-router (processes of their own, real HTTP), and
+the trainer scores the servers' tokens with the same images (tests/sglang/test_image_data.py checks the parity
+request by request and its negative control: blank images). The roles that drive the server run in this process
+(`in_process`): the images over HTTP are the claim, not Ray (the servers as Ray actors, their weights from the
+actor's process: tests/runner/test_sglang_training.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from tests.runner.test_sglang_training import SGLANG
 pytestmark = pytest.mark.slow
 
 
-def test_a_vision_language_model_trains_two_steps_through_sglang_servers(ray_local, small_run, tmp_path):
+def test_a_vision_language_model_trains_two_steps_through_sglang_servers(in_process, small_run, tmp_path):
     # one server (two and a killed one: tests/runner/test_sglang_training.py), a small batch of short answers
     cfg = load_config(small_run(*SGLANG, "rollout.num_replicas=1", "model=tiny_vl", "data=shapes",
                                 "model.dtype=float32", "seed=1", "tracking.enabled=false",
