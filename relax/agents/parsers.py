@@ -20,6 +20,8 @@ refuses a template with a place for tools whose format it does not know.
   json code block, `<｜tool▁call▁end｜>`, the calls between `<｜tool▁calls▁begin｜>` and `<｜tool▁calls▁end｜>`.
 - `mistral` (Mistral): `[TOOL_CALLS] [{"name": N, "arguments": {...}}, ...]` (tokenizer v3: Mistral-7B-Instruct-v0.3,
   Mistral-Nemo) or `[TOOL_CALLS]N[ARGS]{...}` per call (tokenizer v11 on: Mistral-Small-3.1+, Magistral, Devstral).
+- `harmony` (gpt-oss): `<|channel|>commentary to=functions.N <|constrain|>json<|message|>{...}<|call|>`, one call per
+  message; the final channel is the content and the analysis channel the reasoning (`harmony_reasoning`).
 
 The XML formats (qwen3_coder, glm45) write a string argument as its text and any other value as JSON (that is how
 their chat templates render arguments); a parser alone decodes a value as JSON where it is JSON, else keeps it as
@@ -419,6 +421,152 @@ def parse_mistral(text: str) -> ParsedMessage:
     return ParsedMessage(tuple(items), content)
 
 
+# ----------------------------------------------------------------------------------------------- gpt-oss (harmony)
+# gpt-oss's harmony format: an answer is one or more messages, each `<|start|>ROLE` (the first one's is the
+# generation prompt's), a header `<|channel|>CHANNEL`, an optional recipient ` to=functions.NAME` (before or after
+# the channel) and content type (` <|constrain|>json` or ` json`), `<|message|>`, the body, and `<|end|>` (`<|call|>`
+# after a call, `<|return|>` after the last answer: both stop tokens, which decoding may have left out).
+H_START, H_END, H_MESSAGE, H_CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+H_CONSTRAIN, H_RETURN, H_CALL = "<|constrain|>", "<|return|>", "<|call|>"
+HARMONY_TOKENS = frozenset({H_START, H_END, H_MESSAGE, H_CHANNEL, H_CONSTRAIN, H_RETURN, H_CALL})
+_H_ENDS = re.compile("|".join(re.escape(m) for m in (H_END, H_CALL, H_RETURN)))
+_H_RECIPIENT = re.compile(r"(?:^|\s)to=(\S+?)(?=\s|<\||$)")
+_H_CHANNEL_NAME = re.compile(re.escape(H_CHANNEL) + r"\s*([^\s<]*)")
+_H_FUNCTIONS = "functions."
+
+
+@dataclass(frozen=True)
+class HarmonyPart:
+    """One message of a harmony answer: `channel` ("" where the header names none), `recipient` ("" for none: a
+    message to the user; `functions.NAME`: a call), `body` (None: the header has no `<|message|>`, a marker fragment,
+    such as a header the token limit cut), `raw` the message's text from its `<|start|>` (or the answer's start) to
+    after its end marker, `start`/`end` where that is in the answer's text, `closed` whether an end marker closes
+    it, and `plain` for text before any harmony marker (an answer a grammar wrote, or a model that ignores the
+    format): content as it is."""
+
+    channel: str
+    recipient: str
+    body: Optional[str]
+    raw: str
+    start: int
+    end: int
+    closed: bool
+    plain: bool = False
+
+
+def harmony_parts(text: str) -> list[HarmonyPart]:
+    """The messages of a harmony answer in order (`HarmonyPart`); blank between them is left out."""
+    parts: list[HarmonyPart] = []
+    at = 0
+    while at < len(text):
+        nxt = text.find(H_START, at + len(H_START) if text.startswith(H_START, at) else at)
+        seg_end = len(text) if nxt < 0 else nxt
+        seg = text[at:seg_end]
+        if not seg.strip():
+            at = seg_end
+            continue
+        head, has_message, rest = seg.partition(H_MESSAGE)
+        if not has_message:
+            plain = not parts and H_CHANNEL not in seg and not seg.startswith(H_START)
+            parts.append(HarmonyPart("", "", seg if plain else None, seg, at, seg_end, False, plain))
+            at = seg_end
+            continue
+        close = _H_ENDS.search(rest)
+        body = rest if close is None else rest[:close.start()]
+        end = seg_end if close is None else at + len(head) + len(H_MESSAGE) + close.end()
+        channel = _H_CHANNEL_NAME.search(head)
+        recipient = _H_RECIPIENT.search(head.replace(H_CHANNEL, " ").replace(H_CONSTRAIN, " "))
+        parts.append(HarmonyPart(channel.group(1) if channel else "", recipient.group(1) if recipient else "", body,
+                                 text[at:end], at, end, close is not None))
+        if close is not None and text[end:seg_end].strip():  # text after a message's end: the user's, as is
+            parts.append(HarmonyPart("", "", text[end:seg_end], text[end:seg_end], end, seg_end, False, True))
+        at = seg_end
+    return parts
+
+
+def _harmony_call(part: HarmonyPart) -> Item:
+    name = part.recipient[len(_H_FUNCTIONS):] if part.recipient.startswith(_H_FUNCTIONS) else part.recipient
+    if not name:
+        return CallError(f"a call to {part.recipient!r} names no function")
+    if part.body is None:
+        return CallError(f"the call of {name!r} has no {H_MESSAGE}")
+    if not part.body.strip():  # (gpt-oss writes `{}` for a call without arguments: an empty body is a cut one)
+        return CallError(f"the call of {name!r} has no arguments (a JSON object)")
+    try:
+        args = json.loads(part.body)
+    except json.JSONDecodeError as exc:
+        return CallError(f"invalid JSON in the arguments of {name!r}: {exc.msg} at character {exc.pos}")
+    return _with_arguments(name, args)
+
+
+def _harmony_visible(part: HarmonyPart, reasoning_in_content: bool) -> bool:
+    """Whether a part without a recipient is content: the final channel, a commentary preamble, plain text; the
+    analysis channel too with `reasoning_in_content`."""
+    return part.body is not None and (part.channel != "analysis" or reasoning_in_content)
+
+
+def parse_harmony(text: str) -> ParsedMessage:
+    """gpt-oss (harmony): each message with a recipient (`<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>{...}<|call|>`, the recipient also before the channel, as gpt-oss's template writes history) is a call
+    of NAME (a recipient outside `functions.`, a built-in tool's such as `python`, is the call of that name), its body
+    the arguments as JSON; the bodies of the final channel and of commentary without a recipient (a preamble) are the
+    content, one per line; the analysis channel is reasoning (`harmony_reasoning`), neither content nor calls. A
+    header without `<|message|>` (a marker fragment, the token limit cut it) is dropped, unless it names a recipient
+    and more follows; a call whose body the limit cut is an error, the complete calls before it kept. Text with no
+    harmony marker is all content."""
+    items: list[Item] = []
+    content = []
+    parts = harmony_parts(text)
+    for k, part in enumerate(parts):
+        if part.recipient:
+            if part.body is not None or k < len(parts) - 1:
+                items.append(_harmony_call(part))
+        elif _harmony_visible(part, False) and part.body.strip():
+            content.append(part.body.strip())
+    return ParsedMessage(tuple(items), "\n".join(content))
+
+
+def harmony_call_names(text: str) -> list[str]:
+    """The names of the calls of a harmony answer in order (its messages' recipients, `functions.` left out),
+    malformed ones included: what gpt-oss's template names their results by (`relax.agents.render`). Text that is
+    not harmony has none."""
+    return [p.recipient[len(_H_FUNCTIONS):] if p.recipient.startswith(_H_FUNCTIONS) else p.recipient
+            for p in harmony_parts(text) if p.recipient]
+
+
+def harmony_reasoning(text: str) -> Optional[tuple[str, int]]:
+    """(the reasoning of a harmony answer: the bodies of its analysis messages without a recipient, one per line;
+    where the last of them ends in the text, its end marker included), None when it has none."""
+    found = [p for p in harmony_parts(text) if p.channel == "analysis" and not p.recipient and p.body is not None]
+    if not found:
+        return None
+    return "\n".join(p.body.strip() for p in found if p.body.strip()), found[-1].end
+
+
+def harmony_content(text: str, *, reasoning_in_content: bool = False, calls_as_written: bool = True) -> str:
+    """A harmony answer's text for the user where its calls are not read (no tools offered, or a malformed call: the
+    message stays text, as for the other formats): the content `parse_harmony` reads, with each message that has a
+    recipient as the model wrote it (markers included) where it stands; a trailing marker fragment left out.
+    `reasoning_in_content`: the analysis bodies are content too (separate_reasoning false); `calls_as_written`
+    false: the calls are left out (they were read)."""
+    out = []
+    for part in harmony_parts(text):
+        if part.recipient:
+            if calls_as_written and part.body is not None:
+                out.append(part.raw.strip())
+        elif _harmony_visible(part, reasoning_in_content) and part.body.strip():
+            out.append(part.body.strip())
+    return "\n".join(out)
+
+
+def uses_harmony(template: Any) -> bool:
+    """Whether a chat template (a string, a tokenizer's named templates, or a tokenizer) writes harmony messages
+    (gpt-oss's: `<|channel|>`): its answers are read by `harmony_parts`, whatever the tool parser."""
+    template = getattr(template, "chat_template", template)
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    return H_CHANNEL in text
+
+
 # ----------------------------------------------------------------------------------------------- the registry
 BUILTIN_PARSERS: dict[str, ToolParser] = {
     "hermes": parse_hermes,
@@ -427,6 +575,7 @@ BUILTIN_PARSERS: dict[str, ToolParser] = {
     "glm45": parse_glm45,
     "deepseek_v3": parse_deepseek_v3,
     "mistral": parse_mistral,
+    "harmony": parse_harmony,
 }
 AUTO = "auto"
 
@@ -435,6 +584,7 @@ AUTO = "auto"
 # place for tools (Relax's tools prompt then teaches Hermes' format: relax.serve.openai.chat.tools_prompt) and is
 # refused where it has one (`parser_for_template`): its model writes calls in a format no marker here names.
 TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
+    (H_CHANNEL, "harmony"),
     ("<function=", "qwen3_coder"),
     ("<arg_key>", "glm45"),
     ("tool\u2581calls\u2581begin", "deepseek_v3"),
@@ -547,16 +697,22 @@ def write_call(fmt: str, name: str, arguments: Any) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
     if fmt == "mistral":
         return write_calls(fmt, [(name, arguments)])
+    if fmt == "harmony":  # as gpt-oss writes a call (its template writes history's with the recipient first)
+        return (f"{H_CHANNEL}commentary to={_H_FUNCTIONS}{name} {H_CONSTRAIN}json{H_MESSAGE}"
+                f"{json.dumps(arguments, ensure_ascii=False)}{H_CALL}")
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
 def write_calls(fmt: str, calls: Sequence[tuple[str, Any]]) -> str:
     """Calls (name, arguments) as the built-in format `fmt` writes several of them: one after another (a newline
-    between them; "; " for llama3_json), DeepSeek's inside one section of calls, Mistral's in one list."""
+    between them; "; " for llama3_json), DeepSeek's inside one section of calls, Mistral's in one list, harmony's
+    one message each."""
     if fmt == "mistral":  # tokenizer v3's form (SGLang's): one list after one marker; parse_mistral reads every version
         objects = [{"name": name, "arguments": _arguments_object(args)} for name, args in calls]
         return f"{MISTRAL_CALLS} [" + ", ".join(json.dumps(o, ensure_ascii=False) for o in objects) + "]"
     written = [write_call(fmt, name, args) for name, args in calls]
+    if fmt == "harmony":  # one message per call, each after the next one's start
+        return (H_START + "assistant").join(written)
     if fmt == "deepseek_v3":
         return DS_CALLS_BEGIN + "\n".join(written) + DS_CALLS_END
     return ("; " if fmt == "llama3_json" else "\n").join(written)
@@ -674,10 +830,15 @@ def apply_tool_schemas(parsed: ParsedMessage, tools: Optional[Sequence[dict]]) -
 
 def message_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
     """A function: a model message's tokens -> its text for the parsers, special tokens left out except the
-    MARKERS (what `decode(..., skip_special_tokens=True)` gives when no marker is a special token)."""
+    MARKERS (what `decode(..., skip_special_tokens=True)` gives when no marker is a special token), and on a harmony
+    vocabulary its markers (HARMONY_TOKENS)."""
     special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
     special |= set(getattr(tokenizer, "all_special_ids", ()))
-    kept = {i for i in special if tokenizer.convert_ids_to_tokens(i) in MARKERS}
+    names = {i: tokenizer.convert_ids_to_tokens(i) for i in special}
+    # a harmony vocabulary (gpt-oss's) keeps its message markers: they are what its answers are read by; another
+    # vocabulary's `<|end|>` (Phi-3's end of turn) stays left out
+    markers = MARKERS | HARMONY_TOKENS if H_CHANNEL in names.values() else MARKERS
+    kept = {i for i, name in names.items() if name in markers}
     if not kept:
         return lambda tokens: tokenizer.decode(list(tokens), skip_special_tokens=True)
     dropped = frozenset(special - kept)

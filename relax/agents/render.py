@@ -11,6 +11,12 @@ Renders are not assumed to extend each other: Qwen3's template, for one, writes 
 into an assistant turn only while it is the last message, so the render of `[..., assistant]` is not a prefix of the
 render of `[..., assistant, tool]`; only the text after the assistant's content in the longer render is used.
 
+A template that renders a tool result only after an assistant's call (gpt-oss's names the result by its call:
+`<|start|>functions.NAME to=assistant...`, and refuses a tool message after a plain assistant message) gets a probe
+assistant that makes the turn's calls (their names given, or read from the turn's harmony messages); the
+observation is what follows that assistant's call in the render. gpt-oss's `<|return|>`, the stop token of its final
+answer, ends the message as the `<|end|>` its template writes there, which is dropped likewise.
+
 Token in, token out: only the observation's text is tokenized (on its own); the model's tokens before it are never
 decoded and re-encoded, so the trainer trains exactly what the engine sampled.
 
@@ -34,6 +40,9 @@ _ASSISTANT = "Relax probe assistant message 5f3a9c"
 _PROBES = {"tool": {"role": "tool", "content": "Relax probe tool result 5f3a9c"},
            "user": {"role": "user", "content": "Relax probe environment message 5f3a9c"}}
 OBSERVATION_ROLES = tuple(_PROBES)
+_PROBE_CALL = "relax_probe_tool"  # the call a tool probe answers where no name is known (check_template)
+# a stop token that ends a message as another marker does where the template writes history (gpt-oss's final answer)
+_ENDS_AS = {"<|return|>": "<|end|>"}
 
 
 class VisionTokens(list):
@@ -59,16 +68,22 @@ class ObservationRenderer:
         self.probe = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
         self._stop_text: dict[int, str] = {}
 
-    def after_turn(self, messages: list[dict]) -> str:
+    def after_turn(self, messages: list[dict], calls: Sequence[str] = ()) -> str:
         """What the template writes after an assistant message's content when `messages` follow it, the next
-        assistant turn's generation prompt included (the stop token not yet dropped). Raises ValueError when the
-        template fails on the messages or drops the assistant's content."""
+        assistant turn's generation prompt included (the stop token not yet dropped); `calls`: the names of the
+        calls the turn made, for a template that renders tool results only after a call (`_after_call`). Raises
+        ValueError when the template fails on the messages or drops the assistant's content."""
         from jinja2 import TemplateError
 
         try:
             full = self.tokenizer.apply_chat_template(self.probe + list(messages), tokenize=False,
                                                       add_generation_prompt=True)
         except TemplateError as exc:  # also the template's own raise_exception(...)
+            if any(m.get("role") == "tool" for m in messages):
+                try:
+                    return self._after_call(messages, calls)
+                except TemplateError:
+                    pass
             roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
             raise ValueError(f"the chat template fails on {roles} messages after an assistant message: "
                              f"{type(exc).__name__}: {exc}") from None
@@ -78,20 +93,41 @@ class ObservationRenderer:
                              "the end of the model's turn cannot be found")
         return full[at + len(_ASSISTANT):]
 
-    def text(self, messages: list[dict], stop_token: Optional[int]) -> str:
+    def _after_call(self, messages: list[dict], calls: Sequence[str]) -> str:
+        """`after_turn` for a template that renders a tool result only after an assistant's call (gpt-oss's): what
+        the template writes after a probe assistant message that makes the calls `calls` (the tool messages'
+        `name`s where none are given; a probe name where they have none), which the render of the conversation
+        without `messages` ends with. Raises TemplateError where the template still refuses them, ValueError where
+        the two renders differ before the messages."""
+        names = list(calls) or [m["name"] for m in messages if m.get("role") == "tool" and m.get("name")] \
+            or [_PROBE_CALL]
+        turn = [self.probe[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "id": f"call_{k}", "function": {"name": name, "arguments": {}}}
+            for k, name in enumerate(names)]}]
+        head = self.tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=False)
+        full = self.tokenizer.apply_chat_template(turn + list(messages), tokenize=False, add_generation_prompt=True)
+        if not full.startswith(head):
+            raise ValueError("the chat template writes an assistant's tool call differently once its results "
+                             "follow, so the end of the model's turn cannot be found")
+        return full[len(head):]
+
+    def text(self, messages: list[dict], stop_token: Optional[int], calls: Sequence[str] = ()) -> str:
         """The observation's text (see the module docstring)."""
-        text = self.after_turn(messages)
+        text = self.after_turn(messages, calls)
         if stop_token is not None:
             stop = self._stop_text.setdefault(stop_token, self.tokenizer.decode([stop_token]))
-            if stop and text.startswith(stop):
-                text = text[len(stop):]
+            for written in (stop, _ENDS_AS.get(stop)):
+                if written and text.startswith(written):
+                    text = text[len(written):]
+                    break
         return text
 
-    def tokens(self, messages: list[dict], stop_token: Optional[int]) -> list[int]:
+    def tokens(self, messages: list[dict], stop_token: Optional[int], calls: Sequence[str] = ()) -> list[int]:
+        """The observation's tokens; `calls`: the names of the calls the turn made (`after_turn`)."""
         messages = [dict(m) if isinstance(m, dict) else m for m in messages]
         images = _images(messages)  # (their image parts made plain {"type": "image"} in these copies)
         if not images:
-            return list(self.tokenizer(self.text(messages, stop_token), add_special_tokens=False)["input_ids"])
+            return list(self.tokenizer(self.text(messages, stop_token, calls), add_special_tokens=False)["input_ids"])
         if self.processor is None:
             raise ValueError("an image observation for a text-only model (a vision-language model's processor reads "
                              "its images)")
@@ -99,7 +135,7 @@ class ObservationRenderer:
         from relax.data.images import encode_observation, image_data_url
 
         try:
-            ids, vision = encode_observation(self.processor, self.text(messages, stop_token), images)
+            ids, vision = encode_observation(self.processor, self.text(messages, stop_token, calls), images)
         except DataError:
             raise
         except ValueError as exc:  # the image processor refuses an image (an aspect ratio over its limit, ...)

@@ -327,7 +327,7 @@ class TrainConfig:
 
 # data.tool_parser's built-in names (relax.agents.parsers.BUILTIN_PARSERS and auto), here for validation, which
 # imports no layer above the config's
-TOOL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "glm45", "deepseek_v3", "mistral")
+TOOL_PARSERS = ("auto", "hermes", "qwen3_coder", "llama3_json", "glm45", "deepseek_v3", "mistral", "harmony")
 
 
 @dataclass(frozen=True)
@@ -411,7 +411,8 @@ class DataConfig:
     # How tool calls are read from the model's messages, by the built-in tool loop (data.tools), the OpenAI gateway
     # (data.openai_agent) and relax-serve (docs/agents.md): auto (from the tokenizer's chat template; one with a place
     # for tools in a format auto does not know is refused at start) | hermes | qwen3_coder | llama3_json | glm45 |
-    # deepseek_v3 | mistral (TOOL_PARSERS) | package.module:function (text -> relax.agents.parsers.ParsedMessage)
+    # deepseek_v3 | mistral | harmony (gpt-oss) (TOOL_PARSERS) | package.module:function (text ->
+    # relax.agents.parsers.ParsedMessage)
     tool_parser: str = "auto"
     # An agent program that speaks the OpenAI API (docs/agents.md, rollout=sglang): 'package.module:function', called
     # as function(item, base_url, api_key) -> reward or None once per sample, in one of agent_workers worker

@@ -36,6 +36,11 @@ from relax.agents.parsers import (
     DS_CALLS_END,
     DS_SEP,
     END_THINK,
+    H_CALL,
+    H_CHANNEL,
+    H_CONSTRAIN,
+    H_MESSAGE,
+    H_START,
     MISTRAL_CALLS,
     PYTHON_TAG,
     THINK,
@@ -45,8 +50,16 @@ from relax.agents.parsers import (
 NL = "\n"
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of a few an application sends)
-# tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: every built-in one
+# tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: every built-in one (the text formats, and
+# HARMONY, whose calls are messages rather than text: tests/openai/test_harmony_serve.py covers it)
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3", "mistral")
+HARMONY = "harmony"
+# harmony (gpt-oss): a call is a commentary message to `functions.NAME`, its JSON arguments closed by `<|call|>` (a
+# stop token of gpt-oss: the tag's end, which also ends the row where it is one); the free text may not address a
+# message otherwise (the recipient before the channel, as gpt-oss's template writes history), which no tag would
+# constrain
+H_OPENER = f"{H_CHANNEL}commentary to=functions."
+H_UNTAGGED = "assistant to="
 
 
 class GrammarError(ValueError):
@@ -188,9 +201,9 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str],
     in `free` (not strict, tool_choice auto) take any arguments: any JSON object in the JSON formats, any text up to
     the call's closing tag in the XML ones (what the parser then reads of it, as without a grammar); the others'
     arguments follow their `parameters` (a schema xgrammar cannot compile: `ToolSchemaError` naming the tool)."""
-    if fmt not in TOOL_CALL_FORMATS:
-        raise GrammarError(f"forcing a tool call in the {fmt!r} tool-call format is not supported (covered: "
-                           f"{', '.join(TOOL_CALL_FORMATS)})")
+    if fmt not in (*TOOL_CALL_FORMATS, HARMONY):
+        raise GrammarError(f"constraining tool calls in the {fmt!r} tool-call format is not supported (covered: "
+                           f"{', '.join((*TOOL_CALL_FORMATS, HARMONY))})")
     functions = [t["function"] for t in tools]
     if name is not None:
         functions = [f for f in functions if f["name"] == name]
@@ -222,7 +235,7 @@ FREE_OBJECT = {"type": "object"}  # a free tool's arguments in the JSON formats 
 
 def _one_call(f: dict, fmt: str, rule: str, free: bool) -> tuple[str, list[str]]:
     """(one call of function `f` in `fmt`'s format as an EBNF expression, the rules it uses, named from `rule`)."""
-    if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral"):
+    if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral", "harmony"):
         parameters = FREE_OBJECT if free else f.get("parameters") or {"type": "object", "properties": {}}
         what = f"the parameters of tool {f['name']!r}"
         if fmt == "deepseek_v3":
@@ -238,6 +251,8 @@ def _one_call(f: dict, fmt: str, rule: str, free: bool) -> tuple[str, list[str]]
         args, used = _xml_arguments(f, rule, ("<parameter=", ">\n"), ("", "\n</parameter>\n"))
         return f"{head} {args} {_literal('</function>')}", used
     head = _literal(f["name"] + NL)  # glm45
+    if fmt == "harmony":  # one call per message, the next one after the next message's start
+        return body, H_OPENER, f"{root} {_literal(H_CALL)}", _literal(H_START + "assistant")
     if free:
         return f"{head} {_text_without('</tool_call>')}", []
     args, used = _xml_arguments(f, rule, ("<arg_key>", "</arg_key>\n"), ("<arg_value>", "</arg_value>\n"))
@@ -249,6 +264,9 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, p
     TOOL_CALL_FORMATS), each call one of `tools` (OpenAI function tools) with arguments following its `parameters`
     schema: one or more calls (`parallel`, OpenAI's parallel_tool_calls), else exactly one, of the tool `name` when
     given (always exactly one call: a named function is called once).
+        if fmt == "harmony":
+            return (f"{_literal(f['name'] + ' ' + H_CONSTRAIN + 'json' + H_MESSAGE)} {rule}_args",
+                    [_json_rules(parameters, f"{rule}_args", what, strict=not free)])
 
     hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
     and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
@@ -310,7 +328,10 @@ def calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel
         rest = f"relax_calls ({sep} relax_calls)* {_literal(DS_CALLS_END)}"
     elif parallel and fmt == "mistral":  # one list of calls
         rest = f"{_literal(' [')} relax_calls ({sep} relax_calls)* {_literal(']')}"
-    tag = {"type": "tag", "begin": opener, "end": "",
+    end = ""
+    if fmt == "harmony":  # <|call|> as the tag's end: where it is a stop token, that ends the row (one call per turn)
+        rest, end = "relax_calls", H_CALL
+    tag = {"type": "tag", "begin": opener, "end": end,
            "content": {"type": "grammar", "grammar": "\n".join([f"root ::= {rest}", body])}}
     triggered: dict = {"type": "triggered_tags", "triggers": [opener], "tags": [tag],
                        "stop_after_first": not parallel}
@@ -340,6 +361,8 @@ def _xgrammar_of(spec: GrammarSpec) -> Any:
 
 
 def tool_calls_or(tools: list[dict], fmt: str, other: GrammarSpec, *, parallel: bool = True) -> GrammarSpec:
+    if fmt == "harmony":
+        triggered["excludes"] = [H_UNTAGGED]
     """tool_choice "auto" with a response format (OpenAI's semantics: the answer is either tool calls or the
     format's content): the EBNF (an `ebnf` spec, xgrammar's dialect, root rule `root`) of an answer that is tool
     calls of `tools` in tool parser `fmt`'s format, as `tool_call_ebnf` writes them (one or more, or exactly one

@@ -713,14 +713,16 @@ def family_tokenizer(name: str) -> Any:
 
 # ------------------------------------------------------------------------------------------------ gpt-oss (harmony)
 # gpt-oss (openai/gpt-oss-20b and -120b): a condensed rendition of the chat_template.jinja the models ship (the harmony
-# format), kept to what Relax's OpenAI routes exercise: the system message with the model identity, knowledge cutoff,
-# `strftime_now` date and the `Reasoning: <effort>` line (the `reasoning_effort` template variable, "medium" unless
-# given), the developer message with the instructions and the function tools as a TypeScript-like namespace (simple
-# parameter types only), final-channel assistant turns (earlier analysis dropped), a call on the commentary channel
-# with the analysis before it kept until a final answer follows, tool results as `functions.<name>` messages, and
-# the `<|start|>assistant` generation prompt. Not rendered here: builtin_tools (browser, python) and the nested
-# parameter types. Not in FAMILIES: Relax has no harmony parser (no reasoning split on the analysis channel, no
-# reading of its calls), so the family runs there do not apply.
+# format), kept to what Relax's OpenAI routes and episodes exercise: the system message with the model identity,
+# knowledge cutoff, `strftime_now` date and the `Reasoning: <effort>` line (the `reasoning_effort` template variable,
+# "medium" unless given), the developer message with the instructions and the function tools as a TypeScript-like
+# namespace (simple parameter types only), final-channel assistant turns (earlier analysis dropped; the last one, when
+# no generation prompt follows, with its `thinking` and `<|return|>`), a call (the first of a message's tool_calls) on
+# the commentary channel with the recipient before the channel, the analysis before it (`thinking`, else the
+# content; both: refused) kept until a final answer follows, tool results as `functions.<name>` messages (refused
+# without an earlier call), and the `<|start|>assistant` generation prompt. Not rendered here: builtin_tools (browser,
+# python) and the nested parameter types. Not in FAMILIES (its answers are harmony messages, not text around calls:
+# the family runs there do not apply); tests/agents/test_harmony.py and tests/openai/test_harmony_*.py cover it.
 GPT_OSS = r"""{#- kwargs beside messages and tools: model_identity, reasoning_effort (default "medium") #}
 {%- macro param_type(spec) -%}
     {%- if spec.type == "string" and spec.enum -%}{{- '"' + spec.enum | join('" | "') + '"' -}}
@@ -779,21 +781,39 @@ GPT_OSS = r"""{#- kwargs beside messages and tools: model_identity, reasoning_ef
 {%- set last_tool_call = namespace(name=none) %}
 {%- for message in loop_messages %}
     {%- if message.role == "assistant" %}
-        {%- if message.tool_calls %}
+        {%- if "<|channel|>" in (message.content or "") or "<|channel|>" in (message.thinking or "") %}
+            {{- raise_exception("pass analysis in 'thinking' and the final answer in 'content', without <|channel|> tags") }}
+        {%- endif %}
+        {%- if "tool_calls" in message %}
+            {#- the analysis before a call is kept until a final answer follows it (the only reasoning rendered
+                outside training); one call per message: a tool result is named after the latest call #}
             {%- set later_final = namespace(found=false) %}
             {%- for later in loop_messages[loop.index:] %}
-                {%- if later.role == "assistant" and not later.tool_calls %}
+                {%- if later.role == "assistant" and "tool_calls" not in later %}
                     {%- set later_final.found = true %}
                 {%- endif %}
             {%- endfor %}
-            {%- set call = message.tool_calls[0].function %}
+            {%- set call = message.tool_calls[0] %}
+            {%- if call.function %}
+                {%- set call = call.function %}
+            {%- endif %}
+            {%- if message.content and message.thinking %}
+                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls") }}
+            {%- endif %}
             {%- set analysis = message.thinking or message.content %}
             {%- if analysis and not later_final.found %}
                 {{- "<|start|>assistant<|channel|>analysis<|message|>" + analysis + "<|end|>" }}
             {%- endif %}
-            {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" }}
+            {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary " }}
+            {{- (call.content_type if call.content_type is defined else "json") + "<|message|>" }}
             {{- call.arguments | tojson + "<|call|>" }}
             {%- set last_tool_call.name = call.name %}
+        {%- elif loop.last and not add_generation_prompt %}
+            {#- a conversation ending with the answer (training): its analysis, and <|return|> to learn to stop #}
+            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
         {%- else %}
             {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
             {%- set last_tool_call.name = none %}

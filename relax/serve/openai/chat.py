@@ -15,7 +15,10 @@ A template that refuses a conversation (its own `raise_exception`) is a 400 quot
 refuses a system message gets the tools prompt in the first user message instead.
 
 Reasoning: an answer's <think> block is split off by `relax.agents.parsers.split_reasoning`, also when the prompt
-ended inside a block its generation prompt opened (Qwen3.5's `<think>\n`: `ChatFormat.opens_reasoning`).
+ended inside a block its generation prompt opened (Qwen3.5's `<think>\n`: `ChatFormat.opens_reasoning`). A harmony
+template's (gpt-oss's, `ChatFormat.harmony`) answers are messages on channels instead: the analysis channel is the
+reasoning, the final channel the content (`relax.agents.parsers.harmony_parts`), and a message's
+`reasoning_content` goes to the template as `thinking`, the field it reads.
 """
 
 from __future__ import annotations
@@ -38,11 +41,13 @@ from relax.agents.parsers import (
     ToolParser,
     apply_tool_schemas,
     get_parser,
+    harmony_content,
     message_decoder,
     opened_reasoning,
     parse_hermes,
     parser_format,
     split_reasoning,
+    uses_harmony,
     uses_reasoning,
     write_calls,
 )
@@ -159,6 +164,7 @@ class ChatFormat:
         self.native_tools = "tools" in template
         self.native_calls = "tool_calls" in template
         self.reasoning = uses_reasoning(template)  # answers may hold a <think> block (split_reasoning)
+        self.harmony = uses_harmony(template)  # answers are harmony messages (gpt-oss's channels)
         # the template reads the reasoning_effort variable (gpt-oss's: "Reasoning: medium" unless given), which SGLang
         # renders a request's reasoning_effort as; a template that never mentions it cannot honour an effort
         self.reads_effort = EFFORT_VARIABLE in template
@@ -189,6 +195,8 @@ class ChatFormat:
             for key in ("tool_call_id", "name", "reasoning_content"):  # reasoning: templates keep it in tool loops
                 if m.get(key) is not None:
                     d[key] = m[key]
+            if self.harmony and m.get("reasoning_content") is not None:  # gpt-oss's template reads `thinking`
+                d["thinking"] = m["reasoning_content"]
             out.append(d)
         if self._lists_tools(messages, tools):
             prompt = tools_prompt(tools, self.call_format)
@@ -251,11 +259,12 @@ class ChatFormat:
         return self.encode(self.render(messages, tools, template_kwargs))
 
     def continuation(self, messages: list[dict], stop_token: Optional[int],
-                     template_kwargs: Optional[dict] = None) -> list[int]:
+                     template_kwargs: Optional[dict] = None, calls: tuple[str, ...] = ()) -> list[int]:
         """The tokens of `messages` appended after a model answer that ended with `stop_token` (None: it did not
         end with one), up to the next generation prompt (`relax.agents.render.ObservationRenderer`), rendered with
         the same `template_kwargs` as the conversation's first prompt (Qwen3's enable_thinking=false writes an
-        empty think block after every generation prompt)."""
+        empty think block after every generation prompt); `calls`: the names of the calls the answer made (gpt-oss's
+        template names a tool result after its call)."""
         with self.lock:
             renderer = self.renderer
             if template_kwargs:
@@ -264,7 +273,7 @@ class ChatFormat:
                     key, ObservationRenderer(_TemplateKwargs(self.tokenizer, template_kwargs)))
             try:
                 return self._with_arguments(lambda text_arguments: renderer.tokens(
-                    self._template_messages(messages, None, text_arguments), stop_token), messages)
+                    self._template_messages(messages, None, text_arguments), stop_token, calls), messages)
             except ValueError as exc:  # the template refuses them (`ObservationRenderer.after_turn`)
                 raise template_refusal(exc) from None
 
@@ -369,7 +378,8 @@ class ChatFormat:
 
     @staticmethod
     def tool_calls(text: str, parser: ToolParser = parse_hermes, tools: Optional[list[dict]] = None,
-                   cut: bool = False, limited: bool = False) -> tuple[str, Optional[list[dict]]]:
+                   cut: bool = False, limited: bool = False,
+                   reasoning_in_content: bool = False) -> tuple[str, Optional[list[dict]]]:
         """(content, OpenAI tool calls) of a model message, read by `parser` with the schemas of the `tools` offered
         (`apply_tool_schemas`: string arguments of the XML formats as text, a strict tool's arguments checked): the
         calls taken out of the content when every call is well-formed; a message with a malformed call stays text,
@@ -381,7 +391,8 @@ class ChatFormat:
         is left out, as the stream holds it back (`TextDeltas`), so it is neither content nor the start of an
         unfinished call; the text before it is the content as usual. `cut` (implies `limited`): a forced answer
         (tool_choice required, named or allowed_tools required) that the token limit cut, whose grammar allows
-        calls only: its complete calls before the unfinished one are kept, with no content."""
+        calls only: its complete calls before the unfinished one are kept, with no content. `reasoning_in_content`
+        (the harmony parser, separate_reasoning false): the analysis channel's text is content too."""
         if cut or limited:
             marks = CALL_STARTS.get(parser_format(parser) or "", ())
             text = text[:held_prefix_tail(text, marks)]
@@ -389,8 +400,12 @@ class ChatFormat:
         if cut:
             complete = tuple(itertools.takewhile(lambda item: isinstance(item, ToolCall), parsed.items))
             parsed = ParsedMessage(complete, "")
-        if not parsed.calls or parsed.errors:
-            return text, None
+        harmony = parser_format(parser) == "harmony"
+        if not parsed.calls or parsed.errors:  # (harmony: the message's text for the user, its calls as written)
+            return (harmony_content(text, reasoning_in_content=reasoning_in_content) if harmony else text), None
+        if harmony and reasoning_in_content:
+            parsed = ParsedMessage(parsed.items, harmony_content(text, reasoning_in_content=True,
+                                                                 calls_as_written=False))
         offered = None if tools is None else {t["function"]["name"] for t in tools}
         calls = [c for c in parsed.calls if offered is None or c.name in offered]
         return parsed.content, [{"id": call_id(parser), "type": "function",

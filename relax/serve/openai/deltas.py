@@ -16,7 +16,11 @@ back until it is decided:
   stripped only if it holds calls). Calls come with the finished answer, whole, in one `tool_calls` delta: a malformed
   call anywhere makes the whole message text (`ChatFormat.tool_calls`);
 - the end of the text while a character is incomplete (U+FFFD), and, for a tokenizer that cleans up spaces when
-  decoding (" ." -> "."), trailing blank.
+  decoding (" ." -> "."), trailing blank;
+- a harmony answer (gpt-oss, `harmony`): its messages as `relax.agents.parsers.harmony_parts` reads them, each
+  analysis message's body going to reasoning and each final or preamble's to content (one per line, stripped: its
+  trailing blank held) once its header is whole; from the first message with a recipient (a call) on, everything
+  is held until the end (its calls, or, malformed or without tools, the messages as written).
 
 A delta falls on token boundaries: each token's text is what it adds to the decoded text, joined with the held text
 of earlier tokens once that is decided. Each delta carries the log-probs of the tokens whose text it completes (with
@@ -42,6 +46,8 @@ from relax.agents.parsers import (
     OPEN_TAG,
     PYTHON_TAG,
     THINK,
+    HarmonyPart,
+    harmony_parts,
 )
 from relax.serve.openai.protocol import Choice
 
@@ -55,6 +61,12 @@ CALL_STARTS: dict[str, tuple[str, ...]] = {
 }
 _LLAMA_OPENING = re.compile(r"[\[{]")
 logger = logging.getLogger(__name__)
+
+
+def _body_end(part: HarmonyPart) -> int:
+    """Where an unfinished harmony message's body ends in the answer's text, its trailing blank left out."""
+    assert part.body is not None
+    return part.end - (len(part.body) - len(part.body.rstrip()))
 
 
 # one token's log-prob entry: its text, its log-prob and the (text, log-prob) of the likeliest tokens there
@@ -89,12 +101,15 @@ class TextDeltas:
     stops before them (no_stop_trim: after); `reasoning`: None (no <think> split), else whether the prompt opened the
     block (`split_reasoning`'s `opened`); `stream_reasoning`: false sends the reasoning as one delta; `tools`: tools
     were offered (calls are read), `parser_name`: the built-in tool parser's name (None: one's own); `logprobs`:
-    whether deltas carry log-probs; `cleanup`: the tokenizer cleans up spaces when decoding."""
+    whether deltas carry log-probs; `cleanup`: the tokenizer cleans up spaces when decoding; `harmony`: the answer is
+    harmony messages (`_harmony`), whose analysis goes to reasoning where `separate` (separate_reasoning)."""
 
     def __init__(self, decode: Callable[[list[int]], str], piece: Callable[[int], str], eos: frozenset[int], *,
                  stop: list[str], trim: bool, reasoning: Optional[bool], stream_reasoning: bool, tools: bool,
-                 parser_name: Optional[str], logprobs: bool, cleanup: bool):
+                 parser_name: Optional[str], logprobs: bool, cleanup: bool, harmony: bool = False,
+                 separate: bool = True):
         self.decode, self.piece, self.eos = decode, piece, eos
+        self.harmony, self.separate = harmony, separate
         self.stop, self.trim = list(stop), trim
         self.reasoning, self.stream_reasoning = reasoning, stream_reasoning
         self.tools, self.starts = tools, CALL_STARTS.get(parser_name) if parser_name else None
@@ -141,6 +156,8 @@ class TextDeltas:
         """(reasoning, content) that may be sent of the answer's text so far (None: none decided), and how much of
         the text is decided."""
         text = text[:self._stop_limit(text)]
+        if self.harmony:
+            return self._harmony(text)
         reasoning, start = None, 0
         if self.reasoning is not None:
             content_start, reasoning, decided = self._reasoning(text)
@@ -149,6 +166,30 @@ class TextDeltas:
             start = content_start
         content, end = self._content(text[start:])
         return reasoning, content, start + end
+
+    def _harmony(self, text: str) -> tuple[Optional[str], Optional[str], int]:
+        """`_view` of a harmony answer: the bodies of its messages up to the first that is undecided (a header not
+        yet whole, plain text that may still become a header) or that has a recipient, as `ChatFormat.tool_calls` and
+        `relax.agents.parsers.harmony_content` will join them; the last message's trailing blank held, and with
+        stream_reasoning false its analysis until it ends."""
+        reasoning: list[str] = []
+        content: list[str] = []
+        decided, thinking = 0, False  # (thinking: the last message looked at is analysis, so reasoning may go on)
+        parts = harmony_parts(text)
+        for k, part in enumerate(parts):
+            last = k == len(parts) - 1
+            if part.recipient or (last and (part.body is None or part.plain)):
+                break
+            if part.body is None:  # a marker fragment before other messages: never content
+                decided = part.end
+                continue
+            thinking = self.separate and part.channel == "analysis" and not part.plain
+            if part.body.strip():
+                (reasoning if thinking else content).append(part.body.strip())
+            decided = part.end if not last or part.closed else _body_end(part)
+        if thinking and not self.stream_reasoning:  # sent as one delta once the analysis is over
+            return None, "\n".join(content), decided
+        return "\n".join(reasoning), "\n".join(content), decided
 
     def _stop_limit(self, text: str) -> int:
         """How much of `text` no stop string can cut: up to the first whole one (after it with no_stop_trim), else

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol
 
-from relax.agents.parsers import parser_format
+from relax.agents.parsers import harmony_content, harmony_reasoning, parser_format
 from relax.batch import FinishReason
 from relax.rollout.grammar import (
     GrammarError,
@@ -218,6 +218,8 @@ class OpenAIService:
         """A chat answer's choice of what the engine sampled: its content, reasoning and tool calls."""
         tokens, text, _, _ = self.fmt.answer_text(s.tokens, p.stop, trim=not p.no_stop_trim)
         finish = self._finish(s, tokens)
+        if self.fmt.harmony:
+            return self._harmony_choice(s, tokens, text, finish, p)
         split = split_reasoning(text, self._opened(prompt, p)) if self._splits(p) else None
         think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
         # a forced answer cut by the token limit keeps its complete calls and says it was cut (finish "length")
@@ -233,6 +235,23 @@ class OpenAIService:
             end = think.find(END_THINK, split[0][0])
             block = think[:end + len(END_THINK)] if end >= 0 else think
             choice.reasoning_tokens = self.fmt.covering(tokens, block)
+        return choice
+
+    def _harmony_choice(self, s: Sampled, tokens: list[int], text: str, finish: str, p: Params) -> Choice:
+        """`_chat_choice` of a harmony answer (gpt-oss): its analysis channel is the reasoning (the content too with
+        separate_reasoning false), its final channel and preambles the content, its messages to functions the calls
+        (`relax.agents.parsers.harmony_parts`; a malformed call leaves them all as written in the content)."""
+        inline = not p.separate_reasoning
+        if p.tools:
+            content, calls = self.fmt.tool_calls(text, tools=p.tools, limited=finish == "length",
+                                                 reasoning_in_content=inline)
+        else:
+            content, calls = harmony_content(text, reasoning_in_content=inline), None
+        choice = self._choice(s, tokens, content, "tool_calls" if calls else finish, calls, p)
+        found = None if inline else harmony_reasoning(text)
+        if found is not None:
+            # the reasoning tokens: the sampled ones up to the end of its last analysis message
+            choice.reasoning, choice.reasoning_tokens = found[0], self.fmt.covering(tokens, text[:found[1]])
         return choice
 
     def _splits(self, p: Params) -> bool:
@@ -293,6 +312,7 @@ class OpenAIService:
                           reasoning=self._opened(prompt, p) if chat and self._splits(p) else None,
                           stream_reasoning=p.stream_reasoning, tools=chat and bool(p.tools),
                           parser_name=parser_format(fmt.tool_parser), logprobs=p.logprobs,
+                          harmony=chat and fmt.harmony, separate=p.separate_reasoning,
                           cleanup=bool(getattr(fmt.tokenizer, "clean_up_tokenization_spaces", False)))
 
     def _progress(self, events: Iterator[dict], answer: Callable[[Sampled], Choice]) -> Iterator[Drawn]:

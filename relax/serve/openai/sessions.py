@@ -217,7 +217,9 @@ class Session:
                         and all(_same(a, b) for a, b in zip(messages, old, strict=False))):
                     best = node
             if best is not None:
-                delta = fmt.continuation(messages[len(best.messages):], best.stop_token, template_kwargs)
+                # (the calls the answer made: gpt-oss's template names a tool result after its call)
+                calls = tuple(c["name"] for c in best.messages[-1].get("tool_calls") or ()) if best.messages else ()
+                delta = fmt.continuation(messages[len(best.messages):], best.stop_token, template_kwargs, calls)
                 prompt, call = best.context + delta, _Call(best, delta, best.messages + messages[len(best.messages):],
                                                            best.tools_key)
             else:
