@@ -10,8 +10,9 @@ Layout of `<save_dir>/step_000040/`: `policy/` (HF format, safetensors, plus opt
 generated but not yet trained, the batch in flight with its partial responses, the next step to generate),
 `ledger.jsonl` (the samples steps 0..39 trained, `relax.runner.ledger`, added through `Checkpoints.attachments`) and
 `state.json`: the step, the sampler's position, the MLflow run id, the tracker's counters, the flattened config
-(what a resume is checked against), the lineage (one id per run from its fresh start, kept across resumes) and
-the commit sequence number. Every sample draws from the random stream of (seed, sample id, position), so no
+(what a resume is checked against), the lineage (one id per run from its fresh start, kept across resumes),
+the commit sequence number and what identifies the run's model files (`relax.runner.model_record`, which
+relax-export checks them against). Every sample draws from the random stream of (seed, sample id, position), so no
 other RNG state is needed to resume exactly.
 
 Commit: everything is written to `.tmp-step_NNNNNN/`, every file and directory is fsync'ed, the directory is
@@ -52,6 +53,7 @@ from relax.config.schema import RelaxConfig
 from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
 from relax.models.write_errors import torch_save
 from relax.runner.errors import RunError
+from relax.runner.model_record import RUN_MODEL, recorded_model
 from relax.tracking.params import flatten_config
 
 PREFIX = "step_"
@@ -735,7 +737,8 @@ class Checkpoints:
 
         existing = _committed(self.save_dir)
         sequence = 1 + max((_int(s.get("sequence")) for _, s in existing), default=0)
-        full = {**state, "step": step, "lineage": self.lineage, "sequence": sequence, "config": _flat(self.cfg)}
+        full = {**state, "step": step, "lineage": self.lineage, "sequence": sequence, "config": _flat(self.cfg),
+                RUN_MODEL: recorded_model(self.cfg.model)}  # what relax-export checks its model files against
         for name, text in self.attachments.items():
             _write(staging / name, text(step))
         _write(staging / CONFIG, OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.schema import ModelConfig, RolloutConfig
-from relax.data.tokenizer import ModelFileError, ModelPathError
+from relax.data.tokenizer import ModelFileError, ModelPathError, resolve_model_path
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
+from relax.runner.model_record import FIELDS, RUN_MODEL, differences, model_record, shown
 from relax.train.export import Exported, ExportError, write_hf_directory
 
 RUN_EXPORT_DIR = "hf"  # train.save_hf=true: the final checkpoint's export, <save_dir>/hf
@@ -42,6 +43,9 @@ class ExportResult:
     run_id: Optional[str]
     algorithm: str
     exported: Exported
+    # relax.runner.model_record: "checked" (the model files are the run's), or why the check could not be made
+    model_check: Optional[str] = None
+    prompts: dict[str, Any] = dataclasses.field(default_factory=dict)  # RunSettings.prompts
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class RunSettings:
     algorithm: str
     backend: str
     seed: int = 1  # builds a model.source=config base (a LoRA checkpoint merged on export)
+    # how the run built its prompts: data.apply_chat_template, data.system_prompt (None: an older config without them)
+    prompts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -117,10 +123,13 @@ def read_run_settings(path: Path) -> RunSettings:
         rollout = _structured(RolloutConfig, node["rollout"], "rollout")
         algorithm, backend = str(node["algorithm"]["name"]), str(node["train"]["backend"])
         seed = int(node.get("seed", 1))
+        data = node.get("data") if isinstance(node.get("data"), dict) else {}
+        prompts = {"apply_chat_template": data.get("apply_chat_template"), "system_prompt": data.get("system_prompt")}
     except (OmegaConfBaseException, OSError, ValueError, TypeError, KeyError) as e:
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportRefused(f"{file} cannot be read as a Relax config: {detail}") from None
-    return RunSettings(model=model, rollout=rollout, algorithm=algorithm, backend=backend, seed=seed)
+    return RunSettings(model=model, rollout=rollout, algorithm=algorithm, backend=backend, seed=seed,
+                       prompts=prompts)
 
 
 def _check_out_dir(out: Path, ckpt: Path, force: bool) -> None:
@@ -152,8 +161,9 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
     the adapters were trained on).
 
     `model_path`: where the run's model (`model.path`: an HF directory or a .gguf file) is on this machine, for
-    its tokenizer. Raises ExportRefused (nothing written) for a missing, unfinished, changed or unreadable
-    checkpoint, a model that is not there, or a non-empty `out_dir` without `force`; an OSError when a write fails
+    its tokenizer, checked against what the checkpoint records of the run's model (`relax.runner.model_record`).
+    Raises ExportRefused (nothing written) for a missing, unfinished, changed or unreadable checkpoint, a model that
+    is not there or is not the run's, or a non-empty `out_dir` without `force`; an OSError when a write fails
     (nothing of the export is left then either).
     """
 
@@ -171,12 +181,14 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
                             f"from config (model.source=config, model.name={run.model.name}), so there is no model "
                             "file to find and the tokenizer is Relax's built-in one; leave --model-path out")
     model = run.model if model_path is None else dataclasses.replace(run.model, path=str(model_path))
+    model_check = _check_model(state.get(RUN_MODEL), model, model_path)
     info: dict[str, Any] = {
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "mlflow_run_id": state.get("mlflow_run_id"),
         "lineage": state.get("lineage"), "algorithm": run.algorithm, "train_backend": run.backend,
         "model": {"name": model.name, "source": model.source, "path": model.path},
         "rollout": {"temperature": run.rollout.temperature, "top_p": run.rollout.top_p, "top_k": run.rollout.top_k,
                     "max_response_len": run.rollout.max_response_len},
+        "prompts": run.prompts, "model_check": model_check,
         "relax_version": _version(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -187,13 +199,14 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
             exported = write_hf_directory(ckpt, staging, model, run.rollout, metadata=info, merge=merge,
                                           seed=run.seed)
         except (ModelPathError, ModelFileError) as e:
-            hint = "" if model_path else (" (relax-export --model-path names where the run's model is on this "
-                                          "machine)")
-            raise ExportRefused(f"the run's tokenizer cannot be loaded: {e}{hint}") from None
+            raise ExportRefused(_unloadable(e, model_path)) from None
         except ExportError as e:
             raise ExportRefused(str(e)) from None
-        if run.model.source == "config" and not merge and (staging / "adapter_config.json").is_file():
-            exported = _write_config_base(ckpt, staging, out, run, exported)
+        if not merge and (staging / "adapter_config.json").is_file():
+            if run.model.source == "config":
+                exported = _write_config_base(ckpt, staging, out, run, exported)
+            else:
+                _name_base(staging, model)
         if out.exists():
             aside = out.parent / f"{checkpoint.REPLACED_PREFIX}{out.name}-{uuid.uuid4().hex[:8]}"
             out.rename(aside)
@@ -205,7 +218,78 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return ExportResult(checkpoint=ckpt, out_dir=out, step=int(state["step"]), run_id=state.get("mlflow_run_id"),
-                        algorithm=run.algorithm, exported=exported)
+                        algorithm=run.algorithm, exported=exported, model_check=model_check, prompts=run.prompts)
+
+
+def _unloadable(error: Exception, model_path: Optional[str]) -> str:
+    hint = "" if model_path else " (relax-export --model-path names where the run's model is on this machine)"
+    return f"the run's tokenizer cannot be loaded: {error}{hint}"
+
+
+def _check_model(recorded: Any, model: ModelConfig, model_path: Optional[str]) -> Optional[str]:
+    """Refuse model files (`--model-path`, else the run's model.path) that are not the run's model: their record
+    (`relax.runner.model_record`) differs from the one in the checkpoint's state.json, naming the fields. "checked"
+    when they agree, None for a model.source=config run (no model files), or why the check could not be made."""
+    if model.source == "config":
+        return None
+    if not isinstance(recorded, dict):
+        return ("not checked: the checkpoint records nothing that identifies its run's model (a checkpoint of an "
+                "older Relax, or model files it could not read), so the tokenizer and chat template are taken "
+                "from the model files as they are")
+    try:
+        now = model_record(model)
+    except (ModelPathError, ModelFileError) as e:
+        raise ExportRefused(_unloadable(e, model_path)) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' errors of a config it cannot read
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ExportRefused(f"the config of the run's model cannot be read: {type(e).__name__}: {detail}") from None
+    assert now is not None
+    differ = differences(recorded, now)
+    if differ:
+        where = (f"--model-path {model_path}" if model_path else
+                 f"model.path={model.path or '(default)'}, the run's model as it is now,")
+        fields = "; ".join(f"{FIELDS[k]}: {shown(k, now[k])} there, {shown(k, recorded[k])} in the run"
+                           for k in differ)
+        fix = ("point --model-path at the model the run trained from" if model_path else
+               "its files were replaced since the run; relax-export --model-path names where the run's model is")
+        raise ExportRefused(f"{where} is not the model the run trained from ({fields}): {fix}")
+    return "checked"
+
+
+def _name_base(staging: Path, model: ModelConfig) -> None:
+    """An hf or gguf LoRA run's adapters go on the run's model: adapter_config.json's `base_model_name_or_path` names
+    it where it is on this machine (a gguf run's adapters recorded Relax's private cache of the de-quantized model,
+    a directory that means nothing elsewhere), and relax_export.json says how to load it. A .gguf file is not
+    something `AutoPeftModelForCausalLM` can load: transformers loads it with
+    `AutoModelForCausalLM.from_pretrained(<its directory>, gguf_file=<its name>)`."""
+    import json
+
+    from relax.models import lora
+    from relax.models.write_errors import os_write_errors
+    from relax.train.export import EXPORT_FILE
+
+    path = resolve_model_path(model)
+    assert path is not None
+    where = path.expanduser().resolve()
+    if model.source == "gguf":
+        base = {"gguf": where.as_posix(), "dir": where.parent.as_posix(), "gguf_file": where.name,
+                "load": f'AutoModelForCausalLM.from_pretrained("{where.parent.as_posix()}", gguf_file="{where.name}")'}
+    else:
+        base = {"path": where.as_posix(), "load": f'{base_class(model)}.from_pretrained("{where.as_posix()}")'}
+    with os_write_errors(staging):
+        for name, key, value in ((lora.ADAPTER_CONFIG, "base_model_name_or_path", where.as_posix()),
+                                 (EXPORT_FILE, "base_model", base)):
+            record = json.loads((staging / name).read_text())
+            record[key] = value
+            (staging / name).write_text(json.dumps(record, indent=2, sort_keys=name == lora.ADAPTER_CONFIG) + "\n")
+
+
+def base_class(model: ModelConfig) -> str:
+    """The transformers class that loads the model LoRA adapters go on: a vision-language model is not a causal LM
+    to transformers' Auto classes (`AutoModelForCausalLM` refuses its config)."""
+    from relax.config.vision_rules import is_vision_model
+
+    return "AutoModelForImageTextToText" if is_vision_model(model) else "AutoModelForCausalLM"
 
 
 def _write_config_base(ckpt: Path, staging: Path, out: Path, run: RunSettings, exported: Exported) -> Exported:
@@ -213,8 +297,10 @@ def _write_config_base(ckpt: Path, staging: Path, out: Path, run: RunSettings, e
     config and seed): it is written to `<out>/base/` (transformers' layout), checked to be the base the adapters were
     trained on, and adapter_config.json's `base_model_name_or_path` names it (absolute, as PEFT records a local
     base), so that `AutoPeftModelForCausalLM.from_pretrained(<out>)` loads both while the directory stays where it was
-    written, and `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<out>/base), <out>)` wherever it
-    is moved. relax_export.json records it. What `write_hf_directory` wrote, with the new files."""
+    written, and `PeftModel.from_pretrained(<base_class>.from_pretrained(<out>/base), <out>)` wherever it is moved
+    (`AutoModelForImageTextToText` for a vision-language model). The base is a whole model directory, so that it can
+    be moved alone: the export's tokenizer, chat template, processor and generation config are copied into it.
+    relax_export.json records it. What `write_hf_directory` wrote, with the new files."""
     import json
 
     import torch
@@ -238,6 +324,9 @@ def _write_config_base(ckpt: Path, staging: Path, out: Path, run: RunSettings, e
     where = (out.resolve() / BASE_DIR).as_posix()
     with os_write_errors(staging):
         base.save_pretrained(str(staging / BASE_DIR))
+        for file in staging.iterdir():  # the run's tokenizer, template, processor and sampling: the adapters' own
+            if file.is_file() and file.name not in (lora.ADAPTER_CONFIG, lora.ADAPTER_WEIGHTS, EXPORT_FILE):
+                shutil.copyfile(file, staging / BASE_DIR / file.name)
         for name, key, value in ((lora.ADAPTER_CONFIG, "base_model_name_or_path", where),
                                  (EXPORT_FILE, "base_model", {"dir": BASE_DIR, "built_from": "model.source=config",
                                                               "seed": run.seed})):

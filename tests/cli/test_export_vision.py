@@ -81,12 +81,15 @@ def exported_processor(out: Path):
     return WithoutVideo.from_pretrained(str(out), local_files_only=True)
 
 
-def hf_logprobs(out: Path, records: list[dict], blank: bool = False) -> tuple[list[torch.Tensor], list[list[int]]]:
+def hf_logprobs(out: Path, records: list[dict], blank: bool = False,
+                model=None) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Per record: log p(response token) under transformers on the exported directory (model, processor, chat
-    template, generation temperature), one unpadded row at a time; and the prompt ids its processor made."""
+    template, generation temperature), one unpadded row at a time; and the prompt ids its processor made. `model`:
+    another model than the directory's (a PEFT model on an adapter export's base/)."""
     from transformers import AutoModelForImageTextToText, GenerationConfig, SuppressTokensLogitsProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(str(out), local_files_only=True).eval()
+    if model is None:
+        model = AutoModelForImageTextToText.from_pretrained(str(out), local_files_only=True).eval()
     processor = exported_processor(out)
     generation = GenerationConfig.from_pretrained(str(out), local_files_only=True)
     temperature = generation.temperature
