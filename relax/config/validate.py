@@ -520,6 +520,13 @@ def _tracking(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(cfg.train.save_hf, ("tracking.log_model", "train.save_hf"),
                   "tracking.log_model=true logs the Hugging Face directory that train.save_hf=true exports at the end "
                   "of the run: set train.save_hf=true too")
+        # refused before anything starts: the run would train, then fail at its end
+        r.require(cfg.model.lora_rank <= 0, ("tracking.log_model", "model.lora_rank"),
+                  f"tracking.log_model=true with model.lora_rank={cfg.model.lora_rank}: a LoRA run's train.save_hf "
+                  "export is a PEFT adapter directory (no config.json), which MLflow's transformers flavor does not "
+                  "log; leave tracking.log_model out, and after the run write the merged model with `relax-export "
+                  "<save_dir> <dir> --merge` and log it into the run with `python -m relax.tracking.model <dir> "
+                  "--run-id <run id> --uri <tracking.uri>`")
     if tr.enabled:
         scheme = tracking_uri_scheme(tr.uri)
         r.require(scheme in MLFLOW_SCHEMES, "tracking.uri",

@@ -125,8 +125,9 @@ def log_hf_model(client: MlflowClient, run_id: str, hf_dir: str | Path, *, step:
 
     quiet_mlflow_logging()
     source = Path(hf_dir).expanduser().resolve()  # an absolute path: never taken for a Hub repository id
-    if not (source / "config.json").is_file():
-        raise FileNotFoundError(f"{source} is not a Hugging Face model directory (no config.json)")
+    problem = model_dir_problem(source)
+    if problem is not None:
+        raise FileNotFoundError(problem)
     record = read_export_record(source)
     step = step if step is not None else record.get("step")
     checkpoint = checkpoint if checkpoint is not None else record.get("checkpoint")
@@ -172,6 +173,20 @@ def logged_model_of_step(client: MlflowClient, run_id: str, step: int) -> Option
     return uri if ready and (logged.tags or {}).get(STEP_TAG) == str(step) else None
 
 
+def model_dir_problem(hf_dir: str | Path) -> Optional[str]:
+    """Why `hf_dir` is not a directory this module can log (None when it is): it must be a whole Hugging Face model
+    (config.json). A LoRA run's export (relax-export's default, train.save_hf's) is a PEFT adapter directory: logging
+    it needs the merged model, which `relax-export --merge` writes."""
+    path = Path(hf_dir)
+    if (path / "config.json").is_file():
+        return None
+    if (path / "adapter_config.json").is_file():
+        return (f"{hf_dir} is a LoRA adapter directory (PEFT: adapter_config.json, no config.json), which MLflow's "
+                "transformers flavor does not log; write the merged model with `relax-export <checkpoint> <dir> "
+                "--merge` and log <dir>")
+    return f"{hf_dir} is not a Hugging Face model directory (no config.json)"
+
+
 def retry_command(hf_dir: str | Path, run_id: str, uri: str) -> str:
     """The command that logs `hf_dir` into run `run_id` of the store `uri` (what a failed tracking.log_model says)."""
     return f"{COMMAND} {hf_dir} --run-id {run_id} --uri {uri}"
@@ -195,9 +210,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MlflowException as exc:
         print(f"{COMMAND}: error: run {args.run_id} is not in the store {client.tracking_uri}: {exc}", file=sys.stderr)
         return 2
-    if not (Path(args.hf_dir) / "config.json").is_file():
-        print(f"{COMMAND}: error: {args.hf_dir} is not a Hugging Face model directory (no config.json)",
-              file=sys.stderr)
+    problem = model_dir_problem(args.hf_dir)
+    if problem is not None:
+        print(f"{COMMAND}: error: {problem}", file=sys.stderr)
         return 2
     try:
         uri = log_hf_model(client, args.run_id, args.hf_dir)

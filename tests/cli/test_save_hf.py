@@ -243,3 +243,41 @@ def test_a_model_the_store_does_not_take_fails_the_run_with_the_command_that_log
     assert model.main([str(hf), "--run-id", run_id, "--uri", cfg.tracking.uri]) == 0
     uri = client.get_run(run_id).data.tags["relax.model_uri"]
     assert str(client.get_logged_model(uri.removeprefix("models:/")).status) == "READY"
+
+
+def test_lora_with_log_model_is_refused_before_the_run_and_the_way_it_names_logs_the_merged_model(tmp_path, capsys,
+                                                                                                  fresh_store):
+    """A LoRA run's train.save_hf export is a PEFT adapter directory, which MLflow's transformers flavor does not
+    take: tracking.log_model is refused before anything starts, naming relax-export --merge and the command that
+    logs its directory. Both work: the adapter directory is refused by that command with one line saying why, the
+    merged one is logged."""
+    from mlflow import MlflowClient
+
+    from relax.cli import export
+    from relax.config.validate import ConfigError
+    from relax.tracking import model
+
+    with pytest.raises(ConfigError) as err:
+        load_config(["model.lora_rank=4", "train.save_hf=true", "tracking.log_model=true"])
+    message = str(err.value)
+    assert "tracking.log_model=true with model.lora_rank=4: a LoRA run's train.save_hf export is a PEFT adapter " \
+           "directory" in message
+    assert "`relax-export <save_dir> <dir> --merge`" in message and "`python -m relax.tracking.model <dir> " \
+           "--run-id <run id> --uri <tracking.uri>`" in message
+    load_config(["model.lora_rank=4", "train.save_hf=true"])  # the control: without log_model it is accepted
+
+    fresh_store(tmp_path)
+    cfg = committed_final(tmp_path, "model.lora_rank=4", "train.lr=0.05")
+    client = MlflowClient(cfg.tracking.uri)
+    run_id = client.create_run(client.create_experiment("lora")).info.run_id
+    export.main([str(tmp_path / "ckpt"), str(tmp_path / "adapters")])
+    capsys.readouterr()
+    assert model.main([str(tmp_path / "adapters"), "--run-id", run_id, "--uri", cfg.tracking.uri]) == 2
+    err_line = capsys.readouterr().err
+    assert err_line == (f"python -m relax.tracking.model: error: {tmp_path / 'adapters'} is a LoRA adapter directory "
+                        "(PEFT: adapter_config.json, no config.json), which MLflow's transformers flavor does not "
+                        "log; write the merged model with `relax-export <checkpoint> <dir> --merge` and log <dir>\n")
+    export.main([str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--merge"])
+    assert model.main([str(tmp_path / "merged"), "--run-id", run_id, "--uri", cfg.tracking.uri]) == 0
+    uri = client.get_run(run_id).data.tags["relax.model_uri"]
+    assert str(client.get_logged_model(uri.removeprefix("models:/")).status) == "READY"
