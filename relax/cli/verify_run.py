@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from relax.metrics import REWARD_DROPPED_FRAC, STEP_TIME
+from relax.metrics import EVAL_PREFIX, REWARD_DROPPED_FRAC, STEP_TIME
 from relax.runner import checkpoint
 from relax.runner.checkpoint import TRACKING_URI_STATE
 from relax.runner.ledger import (
@@ -48,6 +48,7 @@ OK_EXIT, VIOLATION_EXIT, USAGE_EXIT = 0, 1, 2
 EVERY_STEP = (STEP_TIME, REWARD_DROPPED_FRAC)  # metrics the training loop logs at every step, whatever the config
 # the flattened config fields (MLflow params, a checkpoint's `config`) that set the samples of a step
 BATCH_PARAM, GROUP_PARAM, URI_PARAM = "rollout.rollout_batch_size", "rollout.n_samples_per_prompt", "tracking.uri"
+NUM_ROLLOUT_PARAM = "train.num_rollout"  # 0: an evaluation-only run
 
 
 class UsageError(Exception):
@@ -60,6 +61,9 @@ class Report:
     facts: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    # what an OK says was checked
+    checked: str = "every step is in the ledger once, no sample is trained twice, every metric is recorded at most " \
+                   "once a step"
 
     @property
     def ok(self) -> bool:
@@ -70,8 +74,7 @@ class Report:
         lines = [self.title, *(f"  {k.ljust(width)}  {v}" for k, v in self.facts)]
         lines += [f"  note: {n}" for n in self.notes]
         if self.ok:
-            lines.append("OK: every step is in the ledger once, no sample is trained twice, every metric is recorded "
-                         "at most once a step")
+            lines.append(f"OK: {self.checked}")
         else:
             n = len(self.violations)
             lines.append(f"FAILED: {n} violation{'s' if n > 1 else ''}")
@@ -133,6 +136,31 @@ def _ledger_facts(ledger: Ledger, report: Report) -> None:
     report.facts.append(("ledger", f"{len(ledger)} steps, {trained} samples trained, {left} left out{extra}"))
 
 
+def _evaluation_only(record: RunRecord, report: Report) -> Report:
+    """An evaluation-only run (`train.num_rollout=0`): no step, sample or checkpoint to check; its eval metrics, each
+    recorded once, at the step of the weights it evaluated (0, or a checkpoint's), and nothing else."""
+    histories = {key: [s for s, _ in h] for key, h in record.histories.items()}
+    evals = sorted(key for key in histories if key.startswith(EVAL_PREFIX))
+    steps = sorted({s for key in evals for s in histories[key]})
+    report.checked = "evaluation only, every eval metric recorded once and no training metric"
+    report.facts.append(("evaluation only", f"{len(evals)} eval metric{'s' if len(evals) != 1 else ''} at step "
+                                            f"{steps_text(steps)} (train.num_rollout=0: no step trained)"))
+    if not evals and record.status not in UNFINISHED:
+        report.violations.append("the run logged no eval/* metric (an evaluation-only run logs its evaluation)")
+    # an eval key at most once a step, within 0..its evaluation's step; any other key is outside the run's no steps
+    report.violations += check_metric_steps(histories, max(steps, default=0), ())
+    try:
+        trained = Ledger.loads(record.artifact, f"artifact {FILE} of run {record.run_id}").steps \
+            if record.artifact is not None else []
+    except LedgerError as exc:
+        report.violations.append(str(exc))
+    else:
+        if trained:
+            report.violations.append(f"the run's {FILE} records trained step(s) {steps_text(trained)}, but an "
+                                     "evaluation-only run trains none")
+    return report
+
+
 def verify(target: str, uri: Optional[str] = None) -> Report:
     """Check the run `target` (an MLflow run id, a checkpoint directory or a save dir) in store `uri` (default:
     $MLFLOW_TRACKING_URI, else the checkpoint's tracking.uri, else sqlite:///mlflow.db). UsageError if there is nothing
@@ -172,6 +200,8 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
     except VerifyError as exc:
         raise UsageError(str(exc)) from None
     report = Report(f"relax-verify-run: MLflow run {record.run_id} ({record.status}) in {record.uri}")
+    if record.params.get(NUM_ROLLOUT_PARAM) == "0":
+        return _evaluation_only(record, report)
     if ckpt is None:
         ckpt, state = _run_checkpoint(record, report)
 

@@ -229,6 +229,35 @@ def test_a_running_run_may_have_metrics_ahead_of_its_ledger(monkeypatch, capsys)
     assert code == 0 and f"note: the run is RUNNING and has no {FILE} artifact yet" in out
 
 
+def test_an_evaluation_only_run_is_reported_as_one_evaluation(monkeypatch, capsys):
+    """train.num_rollout=0: no step, sample or checkpoint lines (the run has none), its eval metrics and their step;
+    a training metric or a second value of an eval metric at its step still fails it."""
+    evals = {f"eval/digits/{m}": [(0, 0.5)] for m in ("mean_at_4", "pass_at_1", "pass_at_4")}
+    rec = RunRecord("r1", "sqlite:///x.db", "FINISHED", {**PARAMS, "train.num_rollout": "0"}, {}, dict(evals), "")
+    code, out = verify_record(monkeypatch, rec, capsys)
+    assert code == 0, out
+    assert out.splitlines()[1:] == [
+        "  evaluation only  3 eval metrics at step 0 (train.num_rollout=0: no step trained)",
+        "OK: evaluation only, every eval metric recorded once and no training metric"]
+    # of a checkpoint: at its step
+    at_two = RunRecord("r1", "sqlite:///x.db", "FINISHED", {**PARAMS, "train.num_rollout": "0"}, {},
+                       {k: [(2, 0.5)] for k in evals}, None)
+    code, out = verify_record(monkeypatch, at_two, capsys)
+    assert code == 0 and "3 eval metrics at step 2" in out
+    bad = RunRecord("r1", "sqlite:///x.db", "FINISHED", {**PARAMS, "train.num_rollout": "0"}, {},
+                    {**evals, "eval/digits/pass_at_1": [(0, 0.5), (0, 0.25)], STEP_TIME: [(0, 1.0)]},
+                    good_ledger(1).dumps())
+    code, out = verify_record(monkeypatch, bad, capsys)
+    assert code == 1
+    assert "  - metric eval/digits/pass_at_1 is recorded more than once at step(s) 0" in out
+    assert f"  - metric {STEP_TIME} is recorded at step(s) 0, outside the run's steps 0..-1" in out
+    assert f"  - the run's {FILE} records trained step(s) 0, but an evaluation-only run trains none" in out
+    # the control: the same metrics on a training run's record are judged as steps (step_time missing, ...)
+    code, out = verify_record(monkeypatch, RunRecord("r1", "sqlite:///x.db", "FINISHED", dict(PARAMS), {},
+                                                     dict(evals), ""), capsys)
+    assert "evaluation only" not in out and "samples a step" in out
+
+
 def test_usage_errors_name_what_is_missing(tmp_path, capsys):
     assert verify_run.main(["--uri", f"sqlite:///{tmp_path}/none.db", "abc123"]) == 2
     assert capsys.readouterr().err == (f"relax-verify-run: error: no tracking store at sqlite:///{tmp_path}/none.db "
