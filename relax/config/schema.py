@@ -305,6 +305,10 @@ class TrainConfig:
     # An eval response counts as correct (for pass@k) when its reward is >= this (1.0: the full reward of the
     # built-in rewards).
     eval_correct_threshold: float = finite(1.0)
+    # Write every eval sample (prompt, response, reward, correct, finish reason) of each evaluation as JSONL,
+    # eval/<set>/step_<k>.jsonl among the MLflow run's artifacts and in the job's output directory. None: true for an
+    # evaluation-only run (train.num_rollout=0), false for a training run.
+    eval_save_samples: Optional[bool] = None
     # Mixture-of-experts models, either backend: the load-balancing loss (Switch Transformer's, per MoE layer, mean
     # over layers; each micro-batch's, weighted by its share of the step's rows) added with this coefficient;
     # train/moe_aux_loss reports it. megatron-core's moe_aux_loss_coeff applies per layer (a sum over layers): the same
@@ -356,8 +360,10 @@ class DataConfig:
     task: str = "digits"
     path: Optional[str] = None  # JSONL or Parquet file of prompts
     eval_path: Optional[str] = None  # the eval set named after the file's stem (default: the task's eval split)
-    # More eval sets, name -> JSONL or Parquet file (same keys as data.path), each logged as eval/<name>/...
-    eval_sets: dict[str, str] = field(default_factory=dict)
+    # More eval sets, each logged as eval/<name>/...: name -> a JSONL or Parquet file (its records keyed as
+    # data.prompt_key / data.label_key say), or name -> {path: <file>, prompt_key: <key>, label_key: <key>} for a
+    # file with keys of its own (each key optional: data.prompt_key / data.label_key otherwise)
+    eval_sets: dict[str, Any] = field(default_factory=dict)
     prompt_key: str = "prompt"
     label_key: str = "label"
     # digits | arithmetic | math | code_tests | code_tests_all | package.module:function | http(s)://... (a reward

@@ -14,7 +14,7 @@ from relax.algorithms.base import Range, Violation, choices_of, range_of
 from relax.config.core_rules import role_cores_violations
 from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem
 from relax.config.derive import agentic, data_parallel_size, needs_reference
-from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name, evaluates
+from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name, eval_set_problem, evaluates
 from relax.config.megatron_rules import (
     NOT_BUILT,
     megatron_violations,
@@ -604,7 +604,12 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
     synthetic = d.path is None and d.task not in ("gsm8k", "file")  # relax.data.tasks generates every other task
     unused(d, "data", ("num_prompts",), not synthetic, "it sizes the synthetic tasks (data.task=digits|arithmetic|"
            "guess_number|calculator without data.path)")
-    unused(d, "data", ("prompt_key", "label_key"), d.path is None, "it names the fields of data.path's records")
+    # the keys name the fields of every prompt file read: data.path, data.eval_path and data.eval_sets (an entry's own
+    # keys first); a built-in task without such files has none to name
+    reads_files = d.path is not None or (evaluates(cfg) and (d.eval_path is not None or bool(d.eval_sets)))
+    unused(d, "data", ("prompt_key", "label_key"), not reads_files,
+           "it names the fields of the records of data.path, data.eval_path and data.eval_sets, and "
+           f"data.task={d.task} reads none of them")
     r.require(d.path is None or d.task == "file", ("data.path", "data.task"),
               f"data.path is set but data.task={d.task}: prompts come from data.path only with data.task=file "
               "(data=jsonl)")
@@ -617,7 +622,7 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
     unused(t, "train", ("save_interval", "keep_checkpoints", "save_hf"), t.num_rollout == 0,
            "train.num_rollout=0 (evaluation only) trains nothing and writes no checkpoint")
     unused(d, "data", ("eval_path", "eval_sets", "num_eval_prompts"), no_eval, why_eval)
-    unused(d, "data", ("eval_path",), d.path is None and d.task in ("digits", "arithmetic"),
+    unused(d, "data", ("eval_path",), synthetic,
            f"data.task={d.task} generates its own eval prompts (data.num_eval_prompts)")
     unused(d, "data", ("system_prompt",), not d.apply_chat_template,
            "the system prompt is a message of the chat template (data.apply_chat_template=false)")
@@ -630,7 +635,7 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(d.task != "file" or d.eval_path is not None or bool(d.eval_sets), (field, "data.eval_path"),
                   f"{what} needs eval prompts: set data.eval_path or data.eval_sets for data.task=file")
     unused(ro, "rollout", ("eval_n_samples_per_prompt", "eval_temperature", "eval_top_p"), no_eval, why_eval)
-    unused(t, "train", ("eval_pass_k", "eval_correct_threshold"), no_eval, why_eval)
+    unused(t, "train", ("eval_pass_k", "eval_correct_threshold", "eval_save_samples"), no_eval, why_eval)
     unused(ro, "rollout", ("partial_rollout_max_aborts", "mask_offpolicy_in_partial_rollout"), not ro.partial_rollout,
            "it acts on partial rollout (rollout.partial_rollout=true)")
     unused(t, "train", ("min_lr_ratio",), t.lr_schedule == "constant",
@@ -703,12 +708,11 @@ def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:
         r.require(list(ks) == sorted(set(ks)), "train.eval_pass_k",
                   f"train.eval_pass_k={list(ks)} must be ascending without repeats")
     for name in d.eval_sets:
-        path = d.eval_sets[name]
         r.require(EVAL_SET_NAME.fullmatch(name) is not None, "data.eval_sets",
                   f"data.eval_sets: the name {name!r} must be letters, digits, '_', '.', '-' (starting with a letter "
                   "or digit): it becomes the metric names eval/<name>/...")
-        r.require(bool(path.strip()), "data.eval_sets",
-                  f"data.eval_sets.{name}={path!r} must be the path of a JSONL or Parquet file")
+        problem = eval_set_problem(name, d.eval_sets[name])
+        r.require(problem is None, "data.eval_sets", problem or "")
     default = default_eval_set_name(d)
     if d.eval_path is not None and default is not None:
         r.require(EVAL_SET_NAME.fullmatch(default) is not None, "data.eval_path",

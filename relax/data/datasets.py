@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from jinja2 import TemplateError
 
-from relax.config.evaluation import default_eval_set_name
+from relax.config.evaluation import default_eval_set_name, eval_set_files
 from relax.data.files import DataError, Record, check_prompt, read_records
 from relax.data.gsm8k import prepare_gsm8k
 from relax.data.images import VisionData, check_text_prompt, draw_vision, prompt_has_images, vision_data
@@ -250,11 +250,15 @@ def label_text(label: Any) -> str:
 
 def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = None,
                      max_prompt_len: Optional[int] = None, limit: Optional[int] = None,
-                     vision: Optional[VisionData] = None) -> PromptDataset:
-    """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig); `vision`:
+                     vision: Optional[VisionData] = None, keys: Optional[tuple[str, str]] = None,
+                     key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key")) -> PromptDataset:
+    """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig); `keys`:
+    (prompt key, label key) instead of data_cfg's, `key_fields`: the fields a missing key's message names; `vision`:
     a vision-language model's processor (relative image paths are read from the file's directory)."""
     opts = _data_options(data_cfg)
-    records = read_records(path, opts["prompt_key"], opts["label_key"])
+    if keys is not None:
+        opts.update(prompt_key=keys[0], label_key=keys[1])
+    records = read_records(path, opts["prompt_key"], opts["label_key"], key_fields)
     if limit is not None:
         records = records[:limit]
     if vision is not None:
@@ -300,8 +304,15 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
         prepared = prepare_gsm8k()
         if "train" not in prepared:
             raise DataError("data.task=gsm8k: no GSM8K train split found under $DATA_DIR")
-        train_path = prepared["train"]
-        eval_path = eval_path or prepared.get("test")
+        # the prepared files are keyed prompt/label (relax.data.gsm8k); data.prompt_key / label_key name the fields
+        # of the user's files (data.eval_path, data.eval_sets)
+        own = ("prompt", "label")
+        train = load_prompt_file(prepared["train"], tokenizer, data, max_len, vision=vision, keys=own)
+        evals = None
+        if n_eval > 0 and (eval_path is not None or prepared.get("test") is not None):
+            evals = load_prompt_file(eval_path or prepared["test"], tokenizer, data, max_len, limit=n_eval,
+                                     vision=vision, keys=None if eval_path is not None else own)
+        return train, evals
     if train_path is not None:
         train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision)
         evals = None
@@ -325,19 +336,29 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
 def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset]) -> dict[str, PromptDataset]:
     """The eval sets by name, in evaluation order (names: `relax.config.evaluation`): `default` (the eval set of
     `build_datasets`) under the name of `data.eval_path` or of the task, then each file of `data.eval_sets`, at most
-    `data.num_eval_prompts` prompts each. A missing or malformed file is a DataError naming its entry."""
+    `data.num_eval_prompts` prompts each, read with the entry's keys (`eval_set_files`). A missing or malformed file
+    is a DataError naming its entry: one for every such entry, each on a line of its own."""
 
     data = cfg.data
     out: dict[str, PromptDataset] = {}
     name = default_eval_set_name(data)
     if default is not None and name is not None:
         out[name] = default
-    for name, path in data.eval_sets.items():
+    problems = []
+    for name, entry in eval_set_files(data).items():
+        # a key the entry names itself is set there; otherwise data.prompt_key sets it for every file, or the
+        # entry's own key for this file alone
+        fields = tuple(f"data.eval_sets.{name}.{key}" if key in entry.own
+                       else f"data.{key}, or for this set alone data.eval_sets={{{name}:{{path:...,{key}:<field>}}}}"
+                       for key in ("prompt_key", "label_key"))
         try:
-            out[name] = load_prompt_file(path, tokenizer, data, cfg.rollout.max_prompt_len,
-                                         limit=data.num_eval_prompts, vision=vision_data(cfg, tokenizer))
+            out[name] = load_prompt_file(entry.path, tokenizer, data, cfg.rollout.max_prompt_len,
+                                         limit=data.num_eval_prompts, vision=vision_data(cfg, tokenizer),
+                                         keys=(entry.prompt_key, entry.label_key), key_fields=fields)
         except DataError as exc:
-            raise DataError(f"data.eval_sets.{name}: {exc}") from None
+            problems.append(f"data.eval_sets.{name}: {exc}")
+    if problems:
+        raise DataError("\n".join(problems))
     return out
 
 

@@ -47,8 +47,10 @@ def _content_parts(parts: list, where: str, key: str) -> Union[str, list]:
     return parts
 
 
-def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label") -> list[Record]:
-    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages.
+def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label",
+                 key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key")) -> list[Record]:
+    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages. `key_fields`:
+    what a missing key's message says sets it (the config fields of the prompt key and of the label key).
 
     Values are data, never code: JSON is parsed with `json.loads`, Parquet read with pyarrow (no extension type is
     unpickled), and no field is imported, evaluated or unpickled here or later.
@@ -65,7 +67,7 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
     if not records:
         raise DataError(f"data file {p} is empty (no records)")
     for obj, where in records:
-        for key, field in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+        for key, field in zip((prompt_key, label_key), key_fields, strict=True):
             if key not in obj or obj[key] is None:
                 raise DataError(f"{where}: missing key {key!r} ({field}); record has keys {sorted(obj)}")
         check_prompt(obj[prompt_key], where, prompt_key)

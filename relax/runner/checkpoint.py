@@ -102,6 +102,7 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "train.eval_interval",
     "train.eval_pass_k",
     "train.eval_correct_threshold",
+    "train.eval_save_samples",
     "rollout.eval_n_samples_per_prompt",
     "rollout.eval_temperature",
     "rollout.eval_top_p",

@@ -16,6 +16,7 @@ from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX, EVAL_STEP_TAG, EVAL_STEP_WE
 from relax.models.write_errors import os_write_error
 from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
 from relax.runner.errors import RunError
+from relax.runner.eval_samples import eval_samples_file, to_jsonl
 from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
 from relax.runner.plan import Plan
@@ -126,6 +127,7 @@ class Session:
         self.eval_set_order: list[str] = []  # the eval sets in evaluation order (log_datasets)
         self.steps = self.start_step
         self.evaluated_only = False  # log_evaluation: a run that trained no step, only evaluated
+        self.eval_sample_files: list[Path] = []  # log_evaluation: the eval samples written (train.eval_save_samples)
         # checkpoints not written so far in this run (train.save_failures=continue), carried across resumes
         failures = self.resume.state.get(FAILURES_STATE) if self.resume is not None else 0
         self.checkpoint_failures = failures if type(failures) is int else 0
@@ -266,11 +268,13 @@ class Session:
         self.steps = step + 1
         self.progress.update(step + 1, metrics)
 
-    def log_evaluation(self, metrics: dict[str, float], trained_steps: int, *, evaluation_only: bool = False) -> None:
+    def log_evaluation(self, metrics: dict[str, float], trained_steps: int, *, evaluation_only: bool = False,
+                       samples: Mapping[str, list[dict]] | None = None) -> None:
         """The eval/* metrics of an evaluation of the weights `trained_steps` training steps produced (0: the initial
         weights), logged at step `trained_steps` and kept for the summary, without counting as a trained step
         (rewards, steps, progress). `evaluation_only`: the one evaluation of a run that trains no step
-        (`Recipe.evaluate_only`)."""
+        (`Recipe.evaluate_only`). `samples`: each eval set's sample records (`train.eval_save_samples`), written as
+        eval/<set>/step_<k>.jsonl in the output directory and among the MLflow run's artifacts."""
         # The one place that decides the step of an evaluation: the number of training steps in the weights it
         # evaluated, which names them unambiguously (checkpoint step_<k> holds the weights of k steps; the initial
         # weights are 0). So the evaluation after 0-based training step s is logged at s + 1, beside the next step's
@@ -284,6 +288,9 @@ class Session:
             # evaluation of these weights at this step stays, and this one is not recorded; say so rather than show
             # unlogged values
             held = sorted(set(metrics) & getattr(self.tracker, "_recorded", {}).get(step, set()))
+            # the samples of a set whose metrics the run already holds at this step would stand beside another
+            # evaluation's values: they go to the output directory only
+            held_sets = {key[len(EVAL_PREFIX):].rpartition("/")[0] for key in held}
             if held:
                 ckpt = self.resume.path if self.resume is not None else "<checkpoint>"
                 self._say(f"relax-train: warning: MLflow run {self.run_id} already holds {len(held)} of these metrics "
@@ -294,6 +301,15 @@ class Session:
             self.evaluated_only = True
         self.tracker.log_metrics(metrics, step)
         self._add_history(step, metrics)
+        for eval_set, records in (samples or {}).items():
+            relative = eval_samples_file(eval_set, step)
+            text = to_jsonl(records)
+            local = self.output_dir / relative
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(text, encoding="utf-8")
+            if not evaluation_only or eval_set not in held_sets:
+                self.tracker.log_text(text, relative)
+            self.eval_sample_files.append(local)
 
     def _add_history(self, step: int, metrics: dict[str, float]) -> None:
         """`history` holds one entry per step, as the MLflow run does: an evaluation logged at the step the next
@@ -532,6 +548,10 @@ class Session:
             if not self.rewards:  # no training reward exists (a fresh evaluation-only run): none is shown
                 del extra[first_label]
         extra.update(final_eval_summary(self.summary_history()))
+        if self.eval_sample_files:  # train.eval_save_samples: where the evaluations' samples are
+            n = len(self.eval_sample_files)
+            extra["eval samples"] = (f"{self.output_dir}/eval/<set>/step_<k>.jsonl ({n} file{'s' if n > 1 else ''}"
+                                     + (", also among the MLflow run's artifacts)" if self.run_id else ")"))
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra,
                               title=title, rewards=bool(self.rewards) or not self.evaluated_only)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)

@@ -20,7 +20,7 @@ from relax import algorithms
 from relax.algorithms.base import AdvantageInputs
 from relax.batch import FinishReason, Samples, TrainBatch
 from relax.config.core_rules import format_cores
-from relax.config.evaluation import eval_pass_ks, evaluates
+from relax.config.evaluation import eval_pass_ks, evaluates, saves_eval_samples
 from relax.config.schema import RelaxConfig
 from relax.data.datasets import PromptItem
 from relax.metrics import (
@@ -43,6 +43,7 @@ from relax.runner import checkpoint
 from relax.runner.branch_rows import branch_advantages, expand, per_turn_rewards
 from relax.runner.cluster import Cluster, RayRuntime
 from relax.runner.errors import RoleFailure, RunError
+from relax.runner.eval_samples import eval_sample_records, response_texts
 from relax.runner.mismatch_gate import MismatchGate
 from relax.runner.optimizer_steps import FailedRewardSteps, SkippedSteps, train_on_rollout
 from relax.runner.plan import Plan, build_plan
@@ -383,9 +384,10 @@ class Recipe:
             if (step + 1) % cfg.train.weight_sync_interval == 0 or evaluate:
                 stream.publish(step + 1, cluster.weights(step + 1))
         evaluation: dict[str, float] = {}
+        eval_samples: dict[str, list[dict]] = {}
         if evaluate:  # the weights of step + 1 training steps, logged at that step (Session.log_evaluation)
             with _refusing_broken_weights(step):
-                evaluation = _evaluate(cfg, self.engines, stream, self.inputs, self.reward_model)
+                evaluation, eval_samples = _evaluate(cfg, self.engines, stream, self.inputs, self.reward_model)
         step_time = timer.elapsed()
         metrics.update(self.pace.metrics(waited, step_time))
         metrics.update(self.engines.metrics())
@@ -396,7 +398,7 @@ class Recipe:
                                      float(samples.response_mask.sum())))
         session.log(metrics, step)
         if evaluation:
-            session.log_evaluation(evaluation, step + 1)
+            session.log_evaluation(evaluation, step + 1, samples=eval_samples)
         self.gate.stop_if_crossed(step)  # (train.mismatch_gate=stop) after the step's metrics, before its checkpoint
         session.record_samples(step, samples.sample_id, keep, set_aside=job.filtered_ids)
         self.skipped.check(step, metrics, self.checkpoints)  # stops before a checkpoint of this step is written
@@ -410,8 +412,8 @@ class Recipe:
         training run logged its evaluation of the same weights). No optimizer step, no checkpoint."""
         step = self.restarts.step = self.preemption.step = self.start_step
         with _refusing_broken_weights(step):
-            metrics = _evaluate(self.cfg, self.engines, self.stream, self.inputs, self.reward_model)
-        self.session.log_evaluation(metrics, step, evaluation_only=True)
+            metrics, records = _evaluate(self.cfg, self.engines, self.stream, self.inputs, self.reward_model)
+        self.session.log_evaluation(metrics, step, evaluation_only=True, samples=records)
 
     def _checkpoint(self, step: int) -> None:
         """The checkpoint of `step` where due: at `train.save_interval`, the last step, or a Ctrl-C / SIGTERM during
@@ -465,11 +467,12 @@ def evaluates_without_training(cfg: RelaxConfig, start_step: int) -> bool:
 
 
 def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs: Inputs,
-              reward_model: Any = None) -> dict[str, float]:
+              reward_model: Any = None) -> tuple[dict[str, float], dict[str, list[dict]]]:
     """Each eval set's prompts with the newest weights and the eval sampling (`rollout.eval_*`), between two calls
-    of the rollout stream; its metrics are eval/<set>/... (`eval_metrics`). Each eval sample has a fixed random
-    stream, the same from one evaluation to the next (common random numbers); the sets share them (sample ids from
-    0 in each), which leaves each set's estimates as they are."""
+    of the rollout stream: (its metrics, eval/<set>/... (`eval_metrics`); with `train.eval_save_samples` each set's
+    sample records (`eval_sample_records`), else {}). Each eval sample has a fixed random stream, the same from one
+    evaluation to the next (common random numbers); the sets share them (sample ids from 0 in each), which leaves
+    each set's estimates as they are."""
     n = cfg.rollout.eval_n_samples_per_prompt
     ks = eval_pass_ks(cfg)
     eval_sets = inputs.eval_sets
@@ -481,8 +484,13 @@ def _evaluate(cfg: RelaxConfig, engines: Engines, stream: RolloutStream, inputs:
             generated[name] = engines.generate(prompts, sample_ids(0, len(prompts), n),
                                                seed=cfg.seed + EVAL_SEED_OFFSET, evaluation=True, items=list(items))
     out: dict[str, float] = {}
+    records: dict[str, list[dict]] = {}
+    threshold = cfg.train.eval_correct_threshold
     for name, items in eval_sets.items():
         scores = score(cfg, inputs.tokenizer, inputs.reward_fn, generated[name], list(items), n, reward_model)
-        out.update(eval_metrics(name, generated[name], scores, n=n, pass_k=ks,
-                                threshold=cfg.train.eval_correct_threshold))
-    return out
+        out.update(eval_metrics(name, generated[name], scores, n=n, pass_k=ks, threshold=threshold))
+        if saves_eval_samples(cfg):
+            records[name] = eval_sample_records(list(items), generated[name], scores,
+                                                response_texts(inputs.tokenizer, generated[name]), n=n,
+                                                threshold=threshold)
+    return out, records

@@ -8,7 +8,13 @@ import dataclasses
 import pytest
 
 from relax.config import ConfigError, load_config, validate
-from relax.config.evaluation import default_eval_set_name, eval_pass_ks
+from relax.config.evaluation import (
+    EvalSetFile,
+    default_eval_set_name,
+    eval_pass_ks,
+    eval_set_files,
+    saves_eval_samples,
+)
 
 EVAL = ["train.eval_interval=2"]
 
@@ -84,3 +90,48 @@ def test_the_default_eval_set_and_pass_k():
     assert default_eval_set_name(data(task="file", path="p.jsonl")) is None
     assert eval_pass_ks(load_config(EVAL)) == [1]  # n = 1
     assert eval_pass_ks(load_config([*EVAL, "rollout.eval_n_samples_per_prompt=8"])) == [1, 8]
+
+
+def test_an_eval_set_names_its_own_record_keys():
+    """`name: path` and `name: {path, prompt_key, label_key}` side by side; a key an entry leaves out is
+    data.prompt_key / data.label_key, which a built-in task accepts once an eval file is read."""
+    cfg = load_config([*EVAL, "data.label_key=solution",
+                       "+data.eval_sets={math500:{path:/d/math500.jsonl,prompt_key:problem,label_key:answer},"
+                       "aime:{path:/d/aime.jsonl,prompt_key:question},plain:/d/plain.jsonl}"])
+    files = eval_set_files(cfg.data)
+    assert files == {"math500": EvalSetFile("/d/math500.jsonl", "problem", "answer", ("prompt_key", "label_key")),
+                     "aime": EvalSetFile("/d/aime.jsonl", "question", "solution", ("prompt_key",)),
+                     "plain": EvalSetFile("/d/plain.jsonl", "prompt", "solution")}
+
+
+def test_data_keys_on_a_built_in_task_act_only_where_a_file_is_read():
+    load_config([*EVAL, "data.prompt_key=question", "+data.eval_sets={x:/d/x.jsonl}"])
+    load_config(["data.task=gsm8k", *EVAL, "data.prompt_key=question", "data.eval_path=/d/test.jsonl"])
+    found = problems([*EVAL, "data.prompt_key=question"])  # no file: the digits task generates every prompt
+    assert found == ["data.prompt_key='question' has no effect: it names the fields of the records of data.path, "
+                     "data.eval_path and data.eval_sets, and data.task=digits reads none of them"]
+    # without evaluation the eval sets are not read either: both are reported
+    found = problems(["data.label_key=answer", "+data.eval_sets={x:/d/x.jsonl}"])
+    assert len(found) == 2 and any(m.startswith("data.label_key='answer' has no effect") for m in found)
+
+
+def test_every_malformed_eval_set_entry_is_reported_at_once():
+    found = problems([*EVAL, "+data.eval_sets={a:{path:/d/a.jsonl,prompt:q},b:{prompt_key:q},"
+                             "c:{path:/d/c.jsonl,label_key:''},d:5,e:/d/e.jsonl}"])
+    assert found == [
+        "data.eval_sets.a: unknown key(s) prompt: an entry holds path, prompt_key, label_key",
+        "data.eval_sets.b has no path: must be the path of a JSONL or Parquet file, or {path: <file>, prompt_key: "
+        "<key>, label_key: <key>} (the keys optional)",
+        "data.eval_sets.c.label_key='' must be a non-empty string",
+        "data.eval_sets.d=5 must be the path of a JSONL or Parquet file, or {path: <file>, prompt_key: <key>, "
+        "label_key: <key>} (the keys optional)",
+    ]
+
+
+def test_eval_samples_are_saved_by_default_only_when_the_run_only_evaluates():
+    assert saves_eval_samples(load_config(["train.num_rollout=0"]))
+    assert not saves_eval_samples(load_config(EVAL))
+    assert saves_eval_samples(load_config([*EVAL, "train.eval_save_samples=true"]))
+    assert not saves_eval_samples(load_config(["train.num_rollout=0", "train.eval_save_samples=false"]))
+    assert problems(["train.eval_save_samples=true"]) == [
+        "train.eval_save_samples=True has no effect: train.eval_interval=0 runs no evaluation"]

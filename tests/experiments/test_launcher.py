@@ -3,6 +3,7 @@ others, invalid jobs are all reported before anything starts, and MLflow gets a 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,12 +24,19 @@ def _sweep(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.Co
                           text=True, timeout=timeout)
 
 
+def _store(directory: Path, template: Path) -> None:
+    """The sweep's store (sqlite:///mlflow.db in its directory), copied from the migrated empty template: creating
+    one runs every schema migration, seconds of CPU that are not what these tests are about."""
+    shutil.copyfile(template, directory / "mlflow.db")
+
+
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep(tmp_path_factory, mlflow_template):
     """3 jobs (lr), 2 at a time, each sleeping 3 s; the first, lr=0.1, raises, and the third waits for a free slot
     (the first's, as a rule: it started first). Three jobs are the fewest that show the limit with a failing job
     among them; how arms are derived from several swept keys, seeds left out, is tested in test_sweep_helpers.py."""
     tmp = tmp_path_factory.mktemp("sweep")
+    _store(tmp, mlflow_template)
     proc = _sweep(tmp, "lr=0.1,0.2,0.3", "seed=1", "fail_seed=1", "fail_lr=0.1", "sleep_s=3",
                   "hydra.launcher.max_concurrent_jobs=2")
     return tmp, proc
@@ -95,13 +103,14 @@ def test_mlflow_parent_and_children(sweep):
 
 
 @pytest.fixture(scope="module")
-def lost_jobs(tmp_path_factory):
+def lost_jobs(tmp_path_factory, mlflow_template):
     """3 jobs, two of them lost: job 0 (seed=1) raises before it opens its MLflow run, job 1 has the same overrides
     (seed=1) and finishes, job 2 (seed=2) kills its own process (SIGKILL) once its run is open. Returns (directory,
     the sweep's process, the jobs' runs by job index, the table's rows by job index)."""
     from mlflow import MlflowClient
 
     tmp = tmp_path_factory.mktemp("lost")
+    _store(tmp, mlflow_template)
     proc = _sweep(tmp, "seed=1,1,2", "fail_job=0", "crash_job=2", "sleep_s=0")
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
@@ -144,12 +153,13 @@ def test_invalid_jobs_are_all_reported_before_anything_starts(tmp_path):
     assert not (tmp_path / "mlflow.db").exists()  # no parent run either
 
 
-def test_sigterm_stops_the_running_jobs_as_ctrl_c_does(tmp_path):
+def test_sigterm_stops_the_running_jobs_as_ctrl_c_does(tmp_path, mlflow_template):
     """SIGTERM to the sweep's driver (a scheduler's stop) is handled as Ctrl-C: each running job gets the interrupt
     (here the default KeyboardInterrupt, which ends its MLflow run KILLED), the parent ends KILLED and the table names
     each job's run. Before, Ray's handler aborted the driver and the jobs were killed with their runs RUNNING."""
     from mlflow import MlflowClient
 
+    _store(tmp_path, mlflow_template)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, str(APP), "-m", "lr=0.1,0.2", "seed=1", "sleep_s=300"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

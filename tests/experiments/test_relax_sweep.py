@@ -89,7 +89,7 @@ def test_relax_train_sweep_with_resume_auto_and_compare(tmp_path, fresh_store, i
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path):
+def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path, fresh_store):
     """Ctrl-C on `relax-train -m`: every running job stops as a single run does on Ctrl-C (its step finished, a
     checkpoint of it committed, its MLflow run KILLED), the parent run ends KILLED, exit 130, and the table names each
     job's run. Both jobs are held in the scoring of a batch after their first step (`sweep_rewards:hold`) when the
@@ -100,6 +100,7 @@ def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path):
     and the table said `KILLED -`."""
     from mlflow import MlflowClient
 
+    fresh_store(tmp_path)  # the sweep's default store, sqlite:///mlflow.db in its working directory
     hold = tmp_path / "hold"
     hold.mkdir()
     calls_per_step = 2 * 4

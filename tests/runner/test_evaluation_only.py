@@ -141,11 +141,13 @@ def test_evaluation_fields_may_change_on_resume(tmp_path):
     cfg = load_config([f"train.save_dir={tmp_path / 'save'}", f"train.resume={ckpt}", "train.eval_interval=7",
                        "data.num_eval_prompts=8", "rollout.eval_n_samples_per_prompt=4", "rollout.eval_temperature=1.0",
                        "rollout.eval_top_p=0.9", "train.eval_pass_k=[1,4]", "train.eval_correct_threshold=0.5",
-                       f"+data.eval_sets={{b:'{eval_file}'}}"])
+                       "train.eval_save_samples=true",
+                       f"+data.eval_sets={{b:'{eval_file}',c:{{path:'{eval_file}',prompt_key:prompt}}}}"])
     point = resume_point(cfg, tmp_path / "save", hashes=False)
     assert {"train.eval_interval", "data.num_eval_prompts", "rollout.eval_n_samples_per_prompt",
             "rollout.eval_temperature", "rollout.eval_top_p", "train.eval_correct_threshold",
-            "data.eval_sets.b"} <= set(point.changed)
+            "train.eval_save_samples", "data.eval_sets.b", "data.eval_sets.c.path",
+            "data.eval_sets.c.prompt_key"} <= set(point.changed)
     assert any(k.startswith("train.eval_pass_k") for k in point.changed)
     # data.eval_path (a file task's eval set; the digits task above refuses it): allowed the same way
     refused, allowed = config_differences({"data.eval_path": "a.jsonl"}, {"data.eval_path": "b.jsonl"})
