@@ -156,7 +156,24 @@ def _run(dc) -> object:
     return None
 
 
+CONFIG_PATH_FLAGS = ("-cp", "--config-path")
+
+
+def absolute_config_path(args: list[str]) -> list[str]:
+    """`args` with the directory of `-cp`/`--config-path` made absolute: Hydra reads a relative one from the
+    directory of relax-train's own module, where a user's `-cp checkpoints/.../step_000002` is not."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag in CONFIG_PATH_FLAGS and eq and value and "://" not in value:
+            out[i] = f"{flag}={Path(value).expanduser().resolve()}"
+        elif arg in CONFIG_PATH_FLAGS and i + 1 < len(out) and "://" not in out[i + 1]:
+            out[i + 1] = str(Path(out[i + 1]).expanduser().resolve())
+    return out
+
+
 def main() -> None:
+    sys.argv[1:] = absolute_config_path(sys.argv[1:])
     args = sys.argv[1:]
     if any(a in ("-h", "--help") for a in args):
         print(help_text())

@@ -6,11 +6,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from relax import algorithms
 from relax.algorithms.base import Violation
 from relax.config.derive import resolve
 from relax.config.schema import RelaxConfig
-from relax.config.store import register_configs
+from relax.config.store import register_configs, writable_node
 from relax.config.unknown_keys import compose_known, drop_extra_keys, extra_keys, unknown_key
 from relax.config.validate import ConfigError, check, validate
 
@@ -29,6 +31,8 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = ()) -> RelaxC
     """Instantiate the frozen dataclasses, derive the None fields, validate (raises ConfigError). A key the schema
     lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others."""
     found = list(unknown)
+    if OmegaConf.get_type(dc) is not RelaxConfig:  # `-cn` named a YAML file of its own (`-cp <dir> -cn <name>`)
+        dc = saved_config(dc)
     if extra_keys(dc):
         dc = dc.copy()
         found += drop_extra_keys(dc)
@@ -39,6 +43,43 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = ()) -> RelaxC
         return check(resolve(obj))
     cfg = resolve(obj)
     raise ConfigError(found + validate(cfg), cfg.algorithm.name)
+
+
+# the sections every saved Relax config holds (a checkpoint's config.yaml, the MLflow run's config.yaml artifact)
+SAVED_CONFIG_SECTIONS = ("algorithm", "model", "rollout", "train", "data")
+OWN_CONFIG_HINT = ("relax-train composes its own conf/config.yaml: a run's saved config (a checkpoint's config.yaml "
+                   "or the MLflow run's config.yaml artifact) is reused whole with `relax-train -cp <its directory> "
+                   "-cn config ...`; any other YAML goes in an experiment file, `# @package _global_` on its first "
+                   "line: `relax-train --config-dir <dir> +experiment=<name> ...` (docs/experiments.md)")
+
+
+def saved_config(dc: DictConfig) -> DictConfig:
+    """`dc`, a config Hydra composed from a YAML file other than Relax's (`-cp <dir> -cn <name>`), as the schema's:
+    a run's saved config (every section of `SAVED_CONFIG_SECTIONS`) merged onto the schema's defaults, so that its
+    values are type-checked and validated as a composed config's are; anything else is a ConfigError saying what
+    relax-train takes (never a traceback)."""
+    plain = OmegaConf.to_container(dc, resolve=False)
+    if not isinstance(plain, dict):
+        raise ConfigError([Violation(("config",), f"the config file is not a mapping. {OWN_CONFIG_HINT}")])
+    plain.pop("hydra", None)
+    missing = [s for s in SAVED_CONFIG_SECTIONS if not isinstance(plain.get(s), dict)]
+    if missing:
+        raise ConfigError([Violation(("config",), f"the config file (-cn/--config-name) is not a Relax config: it has "
+                                                  f"no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}. "
+                                                  f"{OWN_CONFIG_HINT}")])
+    name = plain["algorithm"].get("name")
+    if name not in algorithms.names():
+        raise ConfigError([Violation(("algorithm.name",), f"the saved config's algorithm.name={name!r} is not one of "
+                                                          f"{', '.join(algorithms.names())}")])
+    try:  # the schema's nodes, writable as Hydra's are (relax.config.store), the algorithm's of its own class
+        base = writable_node(RelaxConfig)
+        base.algorithm = writable_node(algorithms.get(name).config_cls)
+        return OmegaConf.merge(base, plain)
+    except OmegaConfBaseException as exc:  # a key the schema lacks (a config saved by another version), a bad value
+        key = getattr(exc, "full_key", None)
+        raise ConfigError([Violation((key or "config",), f"the saved config does not fit this version's schema: "
+                                                         f"{str(exc).splitlines()[0]}"
+                                                         + (f" (key {key})" if key else ""))]) from None
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Path | None = None) -> DictConfig:

@@ -24,7 +24,8 @@ GROUP_SCHEMAS = {
 }
 
 
-def _writable(cls: type) -> DictConfig:
+def writable_node(cls: type) -> DictConfig:
+    """The schema dataclass `cls` as an OmegaConf node that overrides and merges can write into."""
     node = OmegaConf.structured(cls)
 
     def clear(n: DictConfig | ListConfig) -> None:  # frozen dataclasses flag their own node (and only containers)
@@ -53,9 +54,9 @@ def register_configs() -> None:
         return
     _stored = current
     cs = ConfigStore.instance()
-    cs.store(name="relax_schema", node=_writable(schema.RelaxConfig))
+    cs.store(name="relax_schema", node=writable_node(schema.RelaxConfig))
     for group, cls in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=schema_name(group), node=_writable(cls))
+        cs.store(group=group, name=schema_name(group), node=writable_node(cls))
     for name in algorithms.names():
-        node = _writable(algorithms.get(name).config_cls)
+        node = writable_node(algorithms.get(name).config_cls)
         cs.store(group="algorithm", name=schema_name("algorithm", name), node=node)

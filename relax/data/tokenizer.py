@@ -189,6 +189,16 @@ def resolve_model_path(model_cfg: Any) -> Optional[Path]:
     raise ValueError(f"model.source={source!r}: must be one of config | hf | gguf")
 
 
+def _exported_from(path: Path) -> Optional[str]:
+    """The checkpoint a relax-export directory was written from (its relax_export.json), None if it does not say."""
+    try:
+        info = json.loads((path / "relax_export.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    ckpt = info.get("checkpoint") if isinstance(info, dict) else None
+    return ckpt if isinstance(ckpt, str) and ckpt else None
+
+
 def check_model_files(model_cfg: Any) -> Optional[Path]:
     """The model path of `model_cfg` (None for `source=config`), after checking without loading anything that its
     files can be a model: `hf`: config.json is a JSON object and a weight file (`HF_WEIGHT_FILES`) is there;
@@ -199,6 +209,14 @@ def check_model_files(model_cfg: Any) -> Optional[Path]:
         return None
     if source == "hf":
         config = path / "config.json"
+        if not config.is_file() and (path / "adapter_config.json").is_file():
+            # the default relax-export (and train.save_hf) of a LoRA run: adapters without their base model
+            ckpt = _exported_from(path) or "<checkpoint>"
+            raise ModelPathError(f"model.source=hf: model.path={str(path)!r} is a LoRA adapter directory "
+                                 "(adapter_config.json, no config.json): the policy is its base model plus these "
+                                 f"adapters. Evaluate the merged policy: `relax-export {ckpt} <dir> --merge`, then "
+                                 f"model.path=<dir>; or the checkpoint itself, with its run's config: `relax-train -cp "
+                                 f"{ckpt} -cn config train.resume={ckpt} train.num_rollout=0`")
         if not config.is_file():
             raise ModelPathError(f"model.source=hf: model.path={str(path)!r} has no config.json (expected a local "
                                  "Hugging Face model directory)")

@@ -1,0 +1,91 @@
+"""Evaluating what a run left behind (docs/training.md, "Evaluation"): a run's saved config.yaml taken whole with
+`relax-train -cp <dir> -cn config` (the config it composes equals the run's, checked field by field), any other YAML
+as the primary config refused in one line naming what works, and a LoRA adapter directory given as model.path
+refused naming the two ways to evaluate it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from relax.cli.train import absolute_config_path
+from relax.config import ConfigError, load_config, to_relax_config
+from relax.config.schema import ModelConfig
+from relax.data.tokenizer import ModelPathError, check_model_files
+
+
+def saved(tmp_path: Path, *overrides: str) -> tuple[object, Path]:
+    """The resolved config of `overrides`, written as a checkpoint writes its config.yaml."""
+    cfg = load_config(list(overrides))
+    directory = tmp_path / "step_000002"
+    directory.mkdir()
+    (directory / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return cfg, directory
+
+
+def composed(directory: Path, name: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(directory), version_base=None):
+        return to_relax_config(compose(config_name=name, overrides=list(overrides)))
+
+
+def test_a_saved_config_composes_to_the_runs_config_with_overrides_on_top(tmp_path):
+    # an algorithm whose config class is not the default's, and fields away from their defaults
+    cfg, directory = saved(tmp_path, "algorithm=ppo", "model.lora_rank=4", "model.lora_alpha=8", "seed=7",
+                           "train.eval_interval=2", "+data.eval_sets={x:{path:/d/x.jsonl,prompt_key:problem}}")
+    assert composed(directory, "config") == cfg
+    again = composed(directory, "config", "train.num_rollout=0", "train.eval_save_samples=true")
+    assert again == dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_rollout=0,
+                                                                       eval_save_samples=True))
+    # the saved values are validated as an override's would be
+    with pytest.raises(ConfigError, match="train.eval_pass_k=\\[8\\]: each k must be in 1"):
+        composed(directory, "config", "train.eval_pass_k=[8]")
+
+
+def test_another_yaml_as_the_primary_config_is_one_line_naming_what_works(tmp_path):
+    (tmp_path / "mine.yaml").write_text("train:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError) as exc:
+        composed(tmp_path, "mine")
+    assert str(exc.value).startswith("  - the config file (-cn/--config-name) is not a Relax config: it has no "
+                                     "algorithm, model, rollout, data sections.")
+    assert "relax-train -cp <its directory> -cn config" in str(exc.value) and "+experiment=<name>" in str(exc.value)
+    # a saved config with a key this version lacks names it
+    cfg, directory = saved(tmp_path, "seed=3")
+    text = (directory / "config.yaml").read_text().replace("seed: 3", "seed: 3\nfoo: 1")
+    (directory / "config.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="the saved config does not fit this version's schema: .*foo"):
+        composed(directory, "config")
+
+
+def test_relax_train_reads_a_relative_config_path_from_the_working_directory(tmp_path):
+    assert absolute_config_path(["-cp", "ck/step_1", "-cn", "config", "x=1"]) == \
+        ["-cp", str(Path("ck/step_1").resolve()), "-cn", "config", "x=1"]
+    assert absolute_config_path(["--config-path=ck", "x=1"]) == [f"--config-path={Path('ck').resolve()}", "x=1"]
+    (tmp_path / "mine.yaml").write_text("foo: 1\n")
+    out = subprocess.run([sys.executable, "-m", "relax.cli.train", "-cp", ".", "-cn", "mine"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and "TypeError" not in out.stderr
+    assert "relax-train: error: invalid config:\n  - the config file (-cn/--config-name) is not a Relax config" \
+        in out.stderr
+
+
+def test_an_adapter_directory_as_model_path_names_the_ways_to_evaluate_it(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    (tmp_path / "relax_export.json").write_text(json.dumps({"checkpoint": "/runs/ck/step_000002"}))
+    with pytest.raises(ModelPathError) as exc:
+        check_model_files(ModelConfig(source="hf", path=str(tmp_path)))
+    message = str(exc.value)
+    assert "is a LoRA adapter directory (adapter_config.json, no config.json)" in message
+    assert "`relax-export /runs/ck/step_000002 <dir> --merge`, then model.path=<dir>" in message
+    assert "`relax-train -cp /runs/ck/step_000002 -cn config train.resume=/runs/ck/step_000002 " \
+           "train.num_rollout=0`" in message
+    (tmp_path / "adapter_config.json").unlink()  # the control: a directory without either file
+    with pytest.raises(ModelPathError, match="has no config.json"):
+        check_model_files(ModelConfig(source="hf", path=str(tmp_path)))
