@@ -116,8 +116,27 @@ def _literal(text: str) -> str:
 _EBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z_][A-Za-z0-9_]*|.', re.DOTALL)
 
 
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are JSON data, not schemas
+
+
+def _moved_refs(schema: Any, to: str) -> Any:
+    """`schema` with every local `$ref` ("#", "#/$defs/X", "#/properties/p", ...) pointing to the same place after the
+    schema is moved to the JSON pointer `to` of a larger one: a tool's `parameters` with `$defs` (a pydantic model's
+    nested models, openai-agents' strict tools) keep resolving once nested in a call's object; refs to other documents
+    are left as they are."""
+    if isinstance(schema, dict):
+        return {k: (to + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _DATA_KEYWORDS else _moved_refs(v, to)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_moved_refs(v, to) for v in schema]
+    return schema
+
+
 def _call_schema(name: str, parameters: Any, arguments_key: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
+    # the parameters' refs point into their new place (vLLM hoists the $defs to the root instead; every tool's
+    # call is compiled as a schema of its own here, so no two tools' definitions can clash either way)
+    return {"type": "object", "properties": {"name": {"const": name},
+                                             arguments_key: _moved_refs(parameters, f"#/properties/{arguments_key}")},
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
@@ -139,6 +158,8 @@ def _json_rules(schema: Any, rule: str, what: str, *, strict: bool = True) -> st
 # text of an XML-format argument that is a string: anything up to the closing tag (no "<", so the tag cannot start
 # inside it), as the template writes a string argument: its text, not JSON
 _XML_TEXT = '[^<]*'
+# where an XML-format argument's schema, compiled alone, finds the tool's whole parameters (its refs point there)
+_XML_PARAMETERS = "#/$defs/relax_parameters"
 
 
 def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, str]) -> tuple[str, list[str]]:
@@ -153,6 +174,7 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
         raise GrammarError(f"the parameters of tool {f['name']!r}: an XML tool-call format needs an object schema "
                            "with properties")
     parts, rules = [], []
+    moved = _moved_refs(parameters, _XML_PARAMETERS)
     for i, (name, schema) in enumerate(props.items()):
         v = f"{rule}_p{i}"
         plain = xml_plain(schema)  # what the parser reads as text (the same rule: relax.agents.parsers)
@@ -161,8 +183,10 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
             rules.append(f"{v} ::= " + " | ".join(_literal(w) for w in words))  # as the template writes them
         elif plain and words is None and schema.get("type") == "string":
             rules.append(f"{v} ::= {_XML_TEXT}")
-        else:
-            rules.append(_json_rules(schema, v, f"the parameter {name!r} of tool {f['name']!r}"))
+        else:  # compiled alone, with the whole parameters beside it: its refs ("#/$defs/X") resolve in them
+            rules.append(_json_rules({**_moved_refs(schema, _XML_PARAMETERS),
+                                      "$defs": {_XML_PARAMETERS.rsplit("/", 1)[1]: moved}},
+                                     v, f"the parameter {name!r} of tool {f['name']!r}"))
         one = f"{_literal(key[0] + name + key[1] + value[0])} {v} {_literal(value[1])}"
         parts.append(one if name in required else f"({one})?")
     return " ".join(parts) or '""', rules
