@@ -490,7 +490,9 @@ def _harmony_call(part: HarmonyPart) -> Item:
         return CallError(f"a call to {part.recipient!r} names no function")
     if part.body is None:
         return CallError(f"the call of {name!r} has no {H_MESSAGE}")
-    if not part.body.strip():  # (gpt-oss writes `{}` for a call without arguments: an empty body is a cut one)
+    if not part.closed:  # (its end marker, <|call|>, is the stop token: the OpenAI routes put it back)
+        return CallError(f"the call of {name!r} is not closed by {H_CALL}")
+    if not part.body.strip():  # (gpt-oss writes `{}` for a call without arguments)
         return CallError(f"the call of {name!r} has no arguments (a JSON object)")
     try:
         args = json.loads(part.body)
@@ -512,7 +514,8 @@ def parse_harmony(text: str) -> ParsedMessage:
     the arguments as JSON; the bodies of the final channel and of commentary without a recipient (a preamble) are the
     content, one per line; the analysis channel is reasoning (`harmony_reasoning`), neither content nor calls. A
     header without `<|message|>` (a marker fragment, the token limit cut it) is dropped, unless it names a recipient
-    and more follows; a call whose body the limit cut is an error, the complete calls before it kept. Text with no
+    and more follows; a call not closed by an end marker (`<|call|>`: the token limit cut it) is an error, the
+    complete calls before it kept, so the text read must keep the stop token that ended the answer. Text with no
     harmony marker is all content."""
     items: list[Item] = []
     content = []

@@ -83,8 +83,9 @@ def test_a_cut_answer_keeps_its_complete_calls_and_drops_a_marker_fragment():
     cut_in_header = f"{ANALYSIS}hm<|end|>{NEXT}<|channel|>commentary to=functions.b"
     assert parse_harmony(cut_in_header).items == () and parse_harmony(cut_in_header).content == ""
     assert harmony_content(cut_in_header) == ""  # neither content nor a call
-    # the stop token left out by decoding: the last message runs to the end of the text
-    assert parse_harmony(call("a", '{"x": 1}')[:-len("<|call|>")]).calls == [ToolCall("a", {"x": 1})]
+    # cut right before its <|call|>: not closed, an error (the OpenAI routes put back the stop token that ended it)
+    assert parse_harmony(call("a", '{"x": 1}')[:-len("<|call|>")]).items == (
+        CallError("the call of 'a' is not closed by <|call|>"),)
 
 
 def test_text_without_markers_is_content():

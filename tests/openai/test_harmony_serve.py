@@ -92,6 +92,10 @@ def served(tmp_path_factory):
     srv.start()
     try:
         srv.wait_ready(120)
+        # gpt-oss's stop tokens as its generation_config.json lists them (model.source=hf reads it; this fixture's
+        # tokenizer has one end token): a call's <|call|> ends the answer, and the service puts it back to read it
+        # (set before the first OpenAI request, which makes the service)
+        srv.eos_token_ids = tuple(sorted(engine.stops))
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0), engine, tok
     finally:
         srv.shutdown()
@@ -204,6 +208,7 @@ def test_a_forced_call_drawn_by_the_real_model_is_a_harmony_call_of_the_tool(ser
     drawn = "".join(t.token for t in choice_.logprobs.content)
     assert drawn.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
     assert "ebnf" in engine.payloads[-1]["sampling_params"]
+    assert tok.convert_tokens_to_ids("<|call|>") in engine.payloads[-1]["sampling_params"]["stop_token_ids"]
 
 
 def test_a_strict_tool_s_calls_are_constrained_by_a_structural_tag(served):

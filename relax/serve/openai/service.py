@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol
 
-from relax.agents.parsers import harmony_content, harmony_reasoning, parser_format
+from relax.agents.parsers import HARMONY_TOKENS, harmony_content, harmony_reasoning, parser_format
 from relax.batch import FinishReason
 from relax.rollout.grammar import (
     GrammarError,
@@ -243,8 +243,11 @@ class OpenAIService:
         (`relax.agents.parsers.harmony_parts`; a malformed call leaves them all as written in the content)."""
         inline = not p.separate_reasoning
         if p.tools:
-            content, calls = self.fmt.tool_calls(text, tools=p.tools, limited=finish == "length",
-                                                 reasoning_in_content=inline)
+            # the stop token that ended the answer is its last message's end marker (a call's <|call|>): a call
+            # without it is one the token limit cut
+            end = self.fmt.pieces(tokens[-1:])[0] if tokens and tokens[-1] in self.fmt.eos_token_ids else ""
+            content, calls = self.fmt.tool_calls(text + (end if end in HARMONY_TOKENS else ""), tools=p.tools,
+                                                 limited=finish == "length", reasoning_in_content=inline)
         else:
             content, calls = harmony_content(text, reasoning_in_content=inline), None
         choice = self._choice(s, tokens, content, "tool_calls" if calls else finish, calls, p)
