@@ -1,8 +1,8 @@
 """`relax-train rollout=sglang` end to end on CPU: two embedded servers (relax-serve, SGLang's protocol over real HTTP)
 behind the real sglang-router, started as Ray actors; weights synced every step, an engine killed mid-run, the weights
-sent from the actor's process. Partial rollout's aborts and continuations over HTTP, and LoRA adapters through
-SGLang's adapter endpoints, drive the same servers from roles in this process (`in_process`): what they check is
-each response's tokens, versions and log-probs, not Ray."""
+sent from the actor's process, partial rollout's aborts and continuations. LoRA adapters through SGLang's adapter
+endpoints drive the same servers from roles in this process (`in_process`): what it checks is the adapters' bytes,
+versions and log-probs, not Ray."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def update_mid_generation(monkeypatch, version: int = 1, timeout_s: float = 120.
     monkeypatch.setattr(RolloutStream, "publish", publish_after_the_hold)
 
 
-def test_partial_rollout_aborts_and_resumes_responses_over_http(in_process, small_run, tmp_path, trained_batches,
+def test_partial_rollout_aborts_and_resumes_responses_over_http(ray_local, small_run, tmp_path, trained_batches,
                                                                monkeypatch):
     """fully_async with partial rollout: weight updates pause the servers (abort), the partial responses continue
     from their prefix with the new weights, and no response is lost: every step trains its whole batch (the sample
