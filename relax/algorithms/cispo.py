@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
+from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, in_range, register
 from relax.algorithms.hooks import group_relative_advantages
 from relax.algorithms.lazy import lazy_module
 
@@ -15,6 +15,12 @@ F = lazy_module("relax.algorithms.functional")
 @dataclass(frozen=True)
 class CISPOConfig(AlgorithmConfig):
     name: str = "cispo"
+    # (0, 1]: unlike PPO-Clip's, 1 is a setting here: the weight clip(ratio, 0, 1 + eps_clip_high) is then capped
+    # from above only, MiniMax-M1's one-sided clip
+    eps_clip: float = in_range(
+        0.2, 0, 1, lo_open=True,
+        says="must be in (0, 1]: the weight is clipped to [1 - eps_clip, 1 + eps_clip_high]; 1 puts the lower "
+        "bound at 0 (no lower clip, MiniMax-M1's one-sided clip), and a larger value would change nothing more")
 
 
 def policy_loss(

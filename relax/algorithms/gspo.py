@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from relax.algorithms.base import Algorithm, AlgorithmConfig, PolicyLossOutput, register
 from relax.algorithms.hooks import group_relative_advantages, ppo_clip_output
@@ -14,7 +15,14 @@ F = lazy_module("relax.algorithms.functional")
 
 @dataclass(frozen=True)
 class GSPOConfig(AlgorithmConfig):
+    """GSPO's own clip range (the ranges stay the base class's): the GSPO paper's (Zheng et al. 2025, sec. 5.1; also
+    verl's GSPO recipes, clip_ratio_low 3e-4 / clip_ratio_high 4e-4). The sequence ratio is the geometric mean of
+    the token ratios, whose log is a mean over |o| tokens and spreads ~1/sqrt(|o|) as much as a token's: the
+    token-level 0.2 would clip a response only when its mean token log-ratio passed ln 1.2, i.e. almost never."""
+
     name: str = "gspo"
+    eps_clip: float = 3e-4
+    eps_clip_high: Optional[float] = 4e-4
 
 
 def policy_loss(

@@ -27,6 +27,9 @@ F = lazy_module("relax.algorithms.functional")
 @dataclass(frozen=True)
 class PPOConfig(AlgorithmConfig):
     name: str = "ppo"
+    # On by default, as verl's compute_gae_advantage_return always whitens (masked_whiten): raw GAE advantages of
+    # a fresh critic are ~R, so every sampled response (the wrong ones too) would be pushed up until it catches up
+    normalize_advantages: bool = True
     gamma: float = in_range(1.0, 0, 1, says="must be in [0, 1]: it is the GAE discount factor")
     lambd: float = in_range(1.0, 0, 1, says="must be in [0, 1]: it is the GAE lambda")
     value_clip: float = positive(0.2, says="must be a finite number > 0: the critic's clip range")
@@ -38,7 +41,8 @@ class PPOConfig(AlgorithmConfig):
 
 def compute_advantages(cfg: PPOConfig, inputs: AdvantageInputs) -> AdvantageOutput:
     """GAE over token rewards: `R` on the last valid token, minus `kl_coef * (old_logp - ref_logp)` per
-    token when `kl_coef > 0`. `normalize_advantages` whitens the advantages (not the returns)."""
+    token when `kl_coef > 0`. `normalize_advantages` (default true for PPO) whitens the advantages over every valid
+    token of the batch (not the returns, which stay the critic's targets)."""
     if inputs.values is None:
         raise ValueError("PPO advantages need the critic's values (AdvantageInputs.values)")
     r = float_rewards(inputs).to(inputs.values.dtype)

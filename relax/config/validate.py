@@ -467,6 +467,13 @@ def _ignored(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                   f"algorithm.{key}={getattr(a, key)} has no effect with algorithm.rollout_mask=none")
     r.require(a.use_kl_loss or not changed("kl_loss_type"), ("algorithm.kl_loss_type", "algorithm.use_kl_loss"),
               f"algorithm.kl_loss_type={a.kl_loss_type} has no effect without algorithm.use_kl_loss=true")
+    # k1 is the estimator of REINFORCE++'s reward, never a loss: E_pi[grad (logp - ref_logp)] = E_pi[grad logp] = 0
+    r.require(not (a.use_kl_loss and a.kl_loss_type == "k1"), ("algorithm.kl_loss_type", "algorithm.use_kl_loss"),
+              "algorithm.kl_loss_type=k1 is not allowed with algorithm.use_kl_loss=true: as a loss, k1 = logp - "
+              "ref_logp has zero expected gradient (the mean of grad logp over the policy's own samples is 0), so it "
+              "adds only noise and no pull toward the reference; use k2 (its gradient is that of KL(pi||ref)) or k3 "
+              "(the default, low-variance; its gradient is that of KL(ref||pi)); docs/algorithms.md, "
+              "\"KL-loss estimators\"")
     if "std_normalization" not in algo.ignores:
         r.require(a.normalize_rewards or not changed("std_normalization"),
                   ("algorithm.std_normalization", "algorithm.normalize_rewards"),

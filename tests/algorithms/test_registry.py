@@ -270,14 +270,15 @@ def test_ppo_hook_gae_and_kl_penalty():
     m = torch.tensor(MASK4, dtype=D)
     r = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)
     out = A.get("ppo").compute_advantages(
-        A.PPOConfig(gamma=0.9, lambd=0.8), inputs(r.tolist(), MASK4, 1, values=values)
+        # the raw GAE (PPO whitens by default; the whitening: tests/algorithms/test_clip_ranges_and_defaults.py)
+        A.PPOConfig(gamma=0.9, lambd=0.8, normalize_advantages=False), inputs(r.tolist(), MASK4, 1, values=values)
     )
     adv, ret = F.gae(r, values, m, 0.9, 0.8)
     torch.testing.assert_close(out.advantages, adv)
     torch.testing.assert_close(out.returns, ret)
     old = torch.zeros(4, 3, dtype=D)
     ref = torch.full((4, 3), -1.0, dtype=D)  # k1 = 1 on every token
-    cfg = A.PPOConfig(kl_coef=0.5)
+    cfg = A.PPOConfig(kl_coef=0.5, normalize_advantages=False)
     out = A.get("ppo").compute_advantages(cfg, inputs(r.tolist(), MASK4, 1, values=values, old_logp=old, ref_logp=ref))
     # gamma = lambda = 1: A_t = sum of token rewards from t on - V_t
     torch.testing.assert_close(out.advantages[0], torch.tensor([1 - 1.0 - 0.5, 1 - 0.5 - 0.25, 0], dtype=D))
