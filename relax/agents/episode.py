@@ -292,7 +292,7 @@ class EpisodeMaker:
         parser = get_parser(d.tool_parser, tokenizer) if d.tools else parse_hermes
         processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
         loops = AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser, uses_reasoning(tokenizer),
-                             env_timeout_s=d.env_timeout_s)
+                             env_timeout_s=d.env_timeout_s, sandbox=d.sandbox)
         return cls(loops, tokenizer,
                    max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor,
                    wire=processor is not None and ro.backend == "sglang",

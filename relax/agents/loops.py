@@ -172,13 +172,13 @@ class AgentFactory:
 
     def __init__(self, env: Optional[str], tools: list[str] | tuple[str, ...], agent: Optional[str],
                  tool_timeout_s: Optional[float], tool_parser: ToolParser = parse_hermes, reasoning: bool = True,
-                 env_timeout_s: Optional[float] = None):
+                 env_timeout_s: Optional[float] = None, sandbox: Any = None):
         if agent and (env or tools):
             raise AgentSpecError("data.agent decides every observation itself; it cannot be combined with data.env "
                                  "or data.tools")
         self.agent = load_callable(agent, "data.agent", {}) if agent else None
         self.env = load_callable(env, "data.env", BUILTIN_ENVS) if env else None
-        self.tools = get_tools(list(tools)) if tools else {}
+        self.tools = get_tools(list(tools), sandbox) if tools else {}  # sandbox: data.sandbox (the python tool's)
         self.runner = ToolRunner(self.tools, tool_timeout_s) if self.tools else None
         self.tool_parser, self.reasoning = tool_parser, reasoning
         self.env_timeout_s, self.env_name = env_timeout_s, f"data.env={env}"

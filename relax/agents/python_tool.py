@@ -5,21 +5,26 @@ stopped at a limit raises here, so the call counts as a tool error (its message 
 
 from __future__ import annotations
 
-from relax.config.sandbox_limits import PYTHON_TOOL_CPU_S, PYTHON_TOOL_WALL_S
+from typing import Any, Optional
+
+from relax.config.sandbox_limits import python_tool_limits
 from relax.rewards.sandbox import SandboxLimits, run_in_sandbox
 
-# data.tool_timeout_s must exceed wall_s (checked before start: relax.config.validate), so that the
-# sandbox, not the tool's worker, stops a runaway program
-LIMITS = SandboxLimits(wall_s=PYTHON_TOOL_WALL_S, cpu_s=PYTHON_TOOL_CPU_S, output_bytes=16 * 1024)
+OUTPUT_BYTES = 16 * 1024
+# the defaults; a run's data.sandbox sets its own (`PythonTool`). data.tool_timeout_s must exceed wall_s (checked
+# before start: relax.config.validate), so that the sandbox, not the tool's worker, stops a runaway program
+LIMITS = SandboxLimits(**python_tool_limits(), output_bytes=OUTPUT_BYTES)
 MAX_RESULT_CHARS = 2000  # of the output sent back to the model
 
 
-def python(code: str) -> str:
-    """Run `code` in the sandbox; its stdout (and, when it raised, the error), trimmed to MAX_RESULT_CHARS."""
-    result = run_in_sandbox(str(code), limits=LIMITS)
+def python(code: str, limits: Optional[SandboxLimits] = None) -> str:
+    """Run `code` in the sandbox (`limits`: None, the defaults); its stdout (and, when it raised, the error), trimmed
+    to MAX_RESULT_CHARS."""
+    limits = limits or LIMITS
+    result = run_in_sandbox(str(code), limits=limits)
     if result.timed_out:
-        raise TimeoutError(f"the program ran past the sandbox's limit ({LIMITS.wall_s:g} s wall-clock, "
-                           f"{LIMITS.cpu_s} s CPU)")
+        raise TimeoutError(f"the program ran past the sandbox's limit ({limits.wall_s:g} s wall-clock, "
+                           f"{limits.cpu_s} s CPU)")
     if result.status in ("output_limit", "file_size_limit", "killed"):
         raise RuntimeError(f"the program was stopped ({result.status.replace('_', ' ')})")
     text = result.stdout
@@ -29,3 +34,19 @@ def python(code: str) -> str:
         text += result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "the program failed"
     text = text if text.strip() else "(no output)"
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + "... (trimmed)"
+
+
+class PythonTool:
+    """The python tool under the limits of `data.sandbox` (`for_config`): `fn(code=...)`, as `python`. Pickles by
+    value (a module-level class), limits included, to the tool worker processes."""
+
+    def __init__(self, limits: SandboxLimits):
+        self.limits = limits
+        self.__name__ = "python"
+
+    @classmethod
+    def for_config(cls, sandbox: Any) -> PythonTool:
+        return cls(SandboxLimits(**python_tool_limits(sandbox), output_bytes=OUTPUT_BYTES))
+
+    def __call__(self, code: str) -> str:
+        return python(code, self.limits)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from relax.agents.parsers import CallError, ParsedMessage, ToolCall, apply_tool_schemas, parse_hermes
-from relax.agents.python_tool import python
+from relax.agents.python_tool import PythonTool, python
 from relax.imports import resolve_component
 
 
@@ -115,8 +115,11 @@ class ToolSpecError(ValueError):
     """`data.tools` names no usable tool; raised at start."""
 
 
-def get_tool(spec: str) -> Tool:
-    """The tool named by `spec`: a built-in name or `package.module:attr` (a `Tool`)."""
+def get_tool(spec: str, sandbox: Any = None) -> Tool:
+    """The tool named by `spec`: a built-in name or `package.module:attr` (a `Tool`); `sandbox` (`data.sandbox`):
+    the python tool's limits (None: the defaults)."""
+    if sandbox is not None and spec.strip() == PYTHON.name:
+        return Tool(schema=PYTHON.schema, fn=PythonTool.for_config(sandbox))
     value = resolve_component(BUILTIN_TOOLS, "data.tools", spec, error=ToolSpecError,
                               unknown="{option}: unknown tool {spec!r}; expected one of {builtins} or "
                                       "'package.module:attr' naming a relax.agents.tools.Tool",
@@ -126,11 +129,11 @@ def get_tool(spec: str) -> Tool:
     return value
 
 
-def get_tools(specs: list[str] | tuple[str, ...]) -> dict[str, Tool]:
-    """Tools by name (two tools of one name are an error)."""
+def get_tools(specs: list[str] | tuple[str, ...], sandbox: Any = None) -> dict[str, Tool]:
+    """Tools by name (two tools of one name are an error); `sandbox`: as `get_tool`'s."""
     out: dict[str, Tool] = {}
     for spec in specs:
-        tool = get_tool(spec)
+        tool = get_tool(spec, sandbox)
         if tool.name in out:
             raise ToolSpecError(f"data.tools: two tools are named {tool.name!r}")
         out[tool.name] = tool

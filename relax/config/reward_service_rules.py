@@ -11,12 +11,12 @@ import os
 from urllib.parse import urlsplit
 
 from relax.algorithms.base import Violation, range_of
-from relax.config.sandbox_limits import CODE_TESTS_MARGIN_S, CODE_TESTS_WALL_S
+from relax.config.sandbox_limits import CODE_TESTS_MARGIN_S, code_tests_limits
 from relax.config.schema import RelaxConfig, RewardServiceConfig
 
-# CODE_TESTS_WALL_S (relax.config.sandbox_limits): the wall-clock limit of the code_tests rewards' sandbox runs, which
-# relax.rewards.code_tests.LIMITS reads too: a reward call limited to less would turn a program stopped by the sandbox
-# (a counted time-out, reward 0) into a failed reward call (its group left out)
+# code_tests_limits (relax.config.sandbox_limits): the wall-clock limit of the code_tests rewards' sandbox runs under
+# data.sandbox, which relax.rewards.code_tests reads too: a reward call limited to less would turn a program stopped by
+# the sandbox (a counted time-out, reward 0) into a failed reward call (its group left out)
 
 CODE_TESTS_REWARDS = ("code_tests", "code_tests_all")
 
@@ -54,11 +54,16 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
         return f"data.reward={spec}" if single else f"data.reward's {spec.strip()}"
 
     code = [s for s in specs if s.strip() in CODE_TESTS_REWARDS]
-    if code and d.reward_timeout_s is not None:
-        require(d.reward_timeout_s > CODE_TESTS_WALL_S + CODE_TESTS_MARGIN_S, ("data.reward_timeout_s", "data.reward"),
+    wall = d.sandbox.wall_s
+    if code and d.reward_timeout_s is not None and (wall is None or (isinstance(wall, (int, float)) and wall > 0)):
+        limit = code_tests_limits(d.sandbox)["wall_s"]
+        require(d.reward_timeout_s > limit + CODE_TESTS_MARGIN_S,
+                ("data.reward_timeout_s", "data.reward") if wall is None else
+                ("data.reward_timeout_s", "data.sandbox.wall_s", "data.reward"),
                 f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "
-                f"{named(code[0])} ({CODE_TESTS_WALL_S:g} s) by {CODE_TESTS_MARGIN_S:g} s: a program the sandbox "
-                "stops fails its tests; a reward call stopped first would be a reward error instead")
+                f"{named(code[0])} ({limit:g} s{', data.sandbox.wall_s' if wall is not None else ''}) by "
+                f"{CODE_TESTS_MARGIN_S:g} s: a program the sandbox stops fails its tests; a reward call stopped first "
+                "would be a reward error instead")
     urls = [s for s in specs if is_service(s)]
     if not urls:
         which = f"data.reward={d.reward} is not" if single else f"no entry of data.reward={specs} is"

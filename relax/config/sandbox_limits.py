@@ -1,14 +1,37 @@
-"""The sandbox's wall-clock limits, one constant each: the sandboxes read them (`relax.rewards.code_tests.LIMITS`,
-`relax.agents.python_tool.LIMITS`), and so do the config rules that keep the reward's and the tool's own time limits
-(`data.reward_timeout_s`, `data.tool_timeout_s`) above them, so that the two cannot drift apart. The sandbox, not the
-worker process that calls it, must be what stops a runaway program: its time-out is a counted result (a reward of 0, a
-tool error the model reads), while the worker's is a failed call (a group left out, a worker respawned)."""
+"""The sandbox's limits: each user's built-in defaults, and the limits a run's `data.sandbox` sets. The sandboxes
+read them (the code_tests rewards, `relax.rewards.code_tests`; the python tool, `relax.agents.python_tool`), and so do
+the config rules that keep the reward's and the tool's own time limits (`data.reward_timeout_s`,
+`data.tool_timeout_s`) above the sandbox's wall-clock limit, so that the two cannot drift apart. The sandbox, not the
+worker process that calls it, must be what stops a runaway program: its time-out is a counted result (a reward of 0,
+a tool error the model reads), while the worker's is a failed call (a group left out, a worker respawned)."""
 
 from __future__ import annotations
 
-CODE_TESTS_WALL_S = 10.0  # the code_tests rewards' sandbox runs
-CODE_TESTS_MARGIN_S = 5.0  # data.reward_timeout_s must exceed CODE_TESTS_WALL_S by this
+from typing import Any
+
+CODE_TESTS_WALL_S = 10.0  # the code_tests rewards' sandbox runs, unless data.sandbox.wall_s is set
+CODE_TESTS_CPU_S = 5
+CODE_TESTS_MARGIN_S = 5.0  # data.reward_timeout_s must exceed the code_tests wall-clock limit by this
 PYTHON_TOOL = "python"  # its name in data.tools (relax.agents.tools.BUILTIN_TOOLS)
-PYTHON_TOOL_WALL_S = 5.0  # the python tool's (data.tools=[python]) sandbox runs
+PYTHON_TOOL_WALL_S = 5.0  # the python tool's (data.tools=[python]) sandbox runs, unless data.sandbox.wall_s is set
 PYTHON_TOOL_CPU_S = 3
-PYTHON_TOOL_MARGIN_S = 2.0  # data.tool_timeout_s must exceed PYTHON_TOOL_WALL_S by this
+PYTHON_TOOL_MARGIN_S = 2.0  # data.tool_timeout_s must exceed the python tool's wall-clock limit by this
+
+
+def code_tests_limits(sandbox: Any = None) -> dict[str, Any]:
+    """The code_tests rewards' limits (`relax.rewards.sandbox.SandboxLimits` keywords) under `sandbox`
+    (`data.sandbox`; None: the defaults)."""
+    return _limits(sandbox, CODE_TESTS_WALL_S, CODE_TESTS_CPU_S)
+
+
+def python_tool_limits(sandbox: Any = None) -> dict[str, Any]:
+    """The python tool's limits (`SandboxLimits` keywords) under `sandbox` (`data.sandbox`; None: the defaults)."""
+    return _limits(sandbox, PYTHON_TOOL_WALL_S, PYTHON_TOOL_CPU_S)
+
+
+def _limits(sandbox: Any, wall_s: float, cpu_s: int) -> dict[str, Any]:
+    if sandbox is None:
+        return {"wall_s": wall_s, "cpu_s": cpu_s}
+    return {"wall_s": wall_s if sandbox.wall_s is None else float(sandbox.wall_s),
+            "cpu_s": cpu_s if sandbox.cpu_s is None else int(sandbox.cpu_s),
+            "memory_mb": int(sandbox.memory_mb), "file_size_mb": float(sandbox.file_size_mb)}

@@ -351,6 +351,21 @@ class RewardServiceConfig:
 
 
 @dataclass(frozen=True)
+class SandboxConfig:
+    """The limits of the sandbox that runs code: the code_tests rewards' (data.reward=code_tests|code_tests_all) and
+    the python tool's (data.tools=[python]) programs (docs/training.md, "Sandboxed code"). Only the standard library is
+    importable there."""
+
+    # seconds of wall-clock time and of CPU time a program may take, then it is stopped (a counted time-out: the
+    # reward's tests fail, the tool answers with an error); None: each one's own (code_tests 10 s and 5 s, the
+    # python tool 5 s and 3 s). data.reward_timeout_s and data.tool_timeout_s must leave room above wall_s.
+    wall_s: Optional[float] = positive(None, optional=True)
+    cpu_s: Optional[int] = positive(None, optional=True)
+    memory_mb: int = positive(512)  # the program's address space (RLIMIT_AS)
+    file_size_mb: float = positive(1.0)  # the largest file it may write
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Prompts and their reward. `path=None` uses the synthetic `task`."""
 
@@ -391,6 +406,11 @@ class DataConfig:
     # Seconds one reward call may take; a slower call is stopped and counts as a failed call (see reward_error).
     # Calls then run in worker processes (a hung one is killed); None: no limit, calls run in the driver.
     reward_timeout_s: Optional[float] = positive(60.0, optional=True)
+    # Worker processes that make those calls (with reward_timeout_s), each one call at a time; None: as many as the
+    # CPUs this process may use, at most 4
+    reward_workers: Optional[int] = positive(None, optional=True)
+    # The limits of the sandbox of the code_tests rewards and of the python tool
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.
     system_prompt: Optional[str] = None
     # Prompts with images (a vision-language model, docs/training.md "Vision-language"): the column of a row's images

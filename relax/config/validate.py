@@ -26,7 +26,8 @@ from relax.config.moe_rules import moe_violations
 from relax.config.reward_list_rules import reward_list_violations
 from relax.config.reward_model_rules import needs_own_gpu, reward_model_violations
 from relax.config.reward_service_rules import reward_service_violations
-from relax.config.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, PYTHON_TOOL_WALL_S
+from relax.config.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, python_tool_limits
+from relax.config.sandbox_rules import sandbox_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
@@ -750,11 +751,15 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
               f"data.tools={list(d.tools)} with rollout.max_turns={ro.max_turns}: the model never reads a tool's "
               "result (the episode ends after the turn that calls it, and data.reward scores the call); set "
               "rollout.max_turns >= 2 (a turn to call, one to read the result and answer), or drop data.tools")
-    r.require(PYTHON_TOOL not in d.tools or d.tool_timeout_s is None
-              or d.tool_timeout_s > PYTHON_TOOL_WALL_S + PYTHON_TOOL_MARGIN_S, ("data.tool_timeout_s", "data.tools"),
+    wall, set_wall = python_tool_limits(d.sandbox)["wall_s"], d.sandbox.wall_s is not None  # (its range: sandbox_rules)
+    r.require(PYTHON_TOOL not in d.tools or d.tool_timeout_s is None or not wall > 0
+              or d.tool_timeout_s > wall + PYTHON_TOOL_MARGIN_S,
+              ("data.tool_timeout_s", "data.sandbox.wall_s", "data.tools") if set_wall else
+              ("data.tool_timeout_s", "data.tools"),
               f"data.tool_timeout_s={d.tool_timeout_s} must exceed the python tool's sandbox wall-clock limit "
-              f"({PYTHON_TOOL_WALL_S:g} s) by {PYTHON_TOOL_MARGIN_S:g} s: the sandbox stops a runaway program with an "
-              "error the model reads; a call stopped first by data.tool_timeout_s kills and respawns its worker")
+              f"({wall:g} s{', data.sandbox.wall_s' if set_wall else ''}) by {PYTHON_TOOL_MARGIN_S:g} s: the sandbox "
+              "stops a runaway program with an error the model reads; a call stopped first by data.tool_timeout_s "
+              "kills and respawns its worker")
     r.require(bool(d.env or d.agent) or not _changed(d, "env_timeout_s"), ("data.env_timeout_s", "data.env"),
               f"data.env_timeout_s={d.env_timeout_s} limits an environment's steps or an agent loop's turns, and "
               "neither is set (data.env, data.agent)")
@@ -844,6 +849,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _not_built(cfg, r)
     _agents(cfg, r)
     r.found.extend(reward_service_violations(cfg))
+    r.found.extend(sandbox_violations(cfg))
     r.found.extend(reward_list_violations(cfg))
     r.found.extend(moe_violations(cfg))
     r.found.extend(megatron_violations(cfg))

@@ -9,21 +9,23 @@ same type; see `relax.rewards.sandbox`). A data file's label written as an objec
 with `def `) it is appended to the label's prefix (a response "x * 3 + 4" completes "def f(x):\\n    return "; a
 leading "return " of the response is dropped). A label that is not such JSON fails the call (a reward error: the
 data is wrong, not the response). Each call returns a `RewardValue` counting its sandbox run and whether the run
-timed out (`rollout/sandbox_timeout_frac`).
+timed out (`rollout/sandbox_timeout_frac`). A run's `data.sandbox` sets the limits (`CodeTestsReward`, which
+`relax.rewards.registry.get_reward_fn` builds for the run; the functions use the defaults, `LIMITS`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any, Optional
 
-from relax.config.sandbox_limits import CODE_TESTS_WALL_S
+from relax.config.sandbox_limits import code_tests_limits
 from relax.rewards.calls import RewardValue
 from relax.rewards.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
 
 SANDBOX_RUNS = "sandbox_runs"  # `Scores.counts` keys
 SANDBOX_TIMEOUTS = "sandbox_timeouts"
-LIMITS = SandboxLimits(wall_s=CODE_TESTS_WALL_S)  # data.reward_timeout_s is checked against it
+LIMITS = SandboxLimits(**code_tests_limits())  # the defaults (data.reward_timeout_s is checked against the run's)
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -46,9 +48,9 @@ def program(response: str, label: str) -> tuple[str, list]:
     return code, spec["tests"]
 
 
-def run_tests(response: str, label: str) -> SandboxResult:
+def run_tests(response: str, label: str, limits: Optional[SandboxLimits] = None) -> SandboxResult:
     code, tests = program(response, label)
-    return run_in_sandbox(code, tests, limits=LIMITS)
+    return run_in_sandbox(code, tests, limits=limits or LIMITS)
 
 
 def _counted(value: float, result: SandboxResult) -> RewardValue:
@@ -65,3 +67,22 @@ def code_tests_all_reward(response: str, label: str) -> RewardValue:
     """1 when the response's code passes every test of the label in the sandbox, else 0."""
     result = run_tests(response, label)
     return _counted(float(bool(result.passed) and all(result.passed)), result)
+
+
+class CodeTestsReward:
+    """`code_tests` (the share of tests passed) or, with `all_tests`, `code_tests_all`, under the sandbox limits of
+    `data.sandbox`. Pickles by value (a module-level class), limits included, to the reward worker processes."""
+
+    def __init__(self, all_tests: bool, limits: SandboxLimits):
+        self.all_tests, self.limits = all_tests, limits
+        self.__name__ = "code_tests_all_reward" if all_tests else "code_tests_reward"  # what messages name it by
+
+    @classmethod
+    def for_config(cls, name: str, sandbox: Any) -> CodeTestsReward:
+        """The reward `name` (code_tests | code_tests_all) under `sandbox` (`data.sandbox`)."""
+        return cls(name == "code_tests_all", SandboxLimits(**code_tests_limits(sandbox)))
+
+    def __call__(self, response: str, label: str) -> RewardValue:
+        result = run_tests(response, label, self.limits)
+        value = float(bool(result.passed) and all(result.passed)) if self.all_tests else result.pass_fraction
+        return _counted(value, result)

@@ -41,18 +41,20 @@ class RewardList:
 
 
 def _rebuild(specs: list[str], names: list[str], fns: list[Optional[RewardFn]]) -> RewardList:
+    # (only services are made again: the code_tests rewards travel with their data.sandbox limits)
     return RewardList(list(specs), list(names),
                       [get_reward_fn(s) if f is None else f for s, f in zip(specs, fns, strict=True)])
 
 
-def reward_of(spec: Any) -> RewardFn | RewardList:
-    """The reward `data.reward` names: one entry's function (`get_reward_fn`), or a `RewardList` for a list."""
+def reward_of(spec: Any, sandbox: Any = None) -> RewardFn | RewardList:
+    """The reward `data.reward` names: one entry's function (`get_reward_fn`), or a `RewardList` for a list;
+    `sandbox` (`data.sandbox`): the code_tests rewards' limits."""
     if not isinstance(spec, str) and isinstance(spec, Sequence):
-        return reward_list(spec)
-    return get_reward_fn(spec)
+        return reward_list(spec, sandbox)
+    return get_reward_fn(spec, sandbox)
 
 
-def reward_list(specs: Sequence[Any]) -> RewardList:
+def reward_list(specs: Sequence[Any], sandbox: Any = None) -> RewardList:
     """The functions of a list `data.reward`; RewardSpecError naming every entry that cannot be used (each reported
     as `get_reward_fn` reports one), at start."""
     specs = [s.strip() if isinstance(s, str) else s for s in specs]
@@ -61,7 +63,7 @@ def reward_list(specs: Sequence[Any]) -> RewardList:
     fns, problems = [], []
     for spec in specs:
         try:
-            fns.append(get_reward_fn(spec))
+            fns.append(get_reward_fn(spec, sandbox))
         except RewardSpecError as exc:
             problems.append(str(exc))
     if problems:
@@ -73,13 +75,14 @@ def reward_list(specs: Sequence[Any]) -> RewardList:
 
 def score_list(rewards: RewardList, weights: Optional[Sequence[float]], responses: Sequence[str],
                labels: Sequence[str], prompts: Optional[Sequence[str]] = None, *, timeout_s: Optional[float] = None,
-               service_options: Any = None, contexts: Optional[Sequence[RewardContext]] = None) -> Scores:
+               service_options: Any = None, contexts: Optional[Sequence[RewardContext]] = None,
+               workers: Optional[int] = None) -> Scores:
     """Score each response with every entry (`score_responses`, each entry as it is scored alone) and add the
     rewards up by `weights` (None: 1.0 each). A response fails when any entry's call failed (its reward is then the
     0.0 placeholder); time-outs and counts add up; the first error is the first failing entry's. `Scores.extras`
     holds each entry's rewards (NaN where its call failed) and its dict returns' other keys, as <name>/<key>.
     `service_options` (`data.reward_service`) go to the entries that are services; `contexts`, what each entry's
-    parameters ask for (`score_responses`)."""
+    parameters ask for (`score_responses`); `workers`, `data.reward_workers`."""
     weights = [1.0] * len(rewards.fns) if weights is None else [float(w) for w in weights]
     if len(weights) != len(rewards.fns):
         raise ValueError(f"score_list: {len(weights)} weights for {len(rewards.fns)} rewards")
@@ -87,7 +90,8 @@ def score_list(rewards: RewardList, weights: Optional[Sequence[float]], response
     for fn in rewards.fns:
         if isinstance(fn, RemoteReward) and service_options is not None:
             fn.options = service_options
-        parts.append(score_responses(fn, responses, labels, prompts, timeout_s=timeout_s, contexts=contexts))
+        parts.append(score_responses(fn, responses, labels, prompts, timeout_s=timeout_s, contexts=contexts,
+                                     workers=workers))
     out = Scores()
     for i in range(len(responses)):
         failed = any(p.failed[i] for p in parts)

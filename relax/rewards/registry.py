@@ -32,12 +32,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from relax.imports import resolve_component
 from relax.metrics import reward_mean
 from relax.rewards.calls import RewardContext, RewardFn, RewardInputs, RewardSpecError, call_once, reward_inputs
-from relax.rewards.code_tests import code_tests_all_reward, code_tests_reward
+from relax.rewards.code_tests import CodeTestsReward, code_tests_all_reward, code_tests_reward
 from relax.rewards.digits import digits_reward
 from relax.rewards.math_reward import arithmetic_reward, math_reward
 from relax.rewards.remote import RemoteReward, is_url
@@ -56,9 +56,10 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
-def get_reward_fn(spec: str) -> RewardFn:
+def get_reward_fn(spec: str, sandbox: Any = None) -> RewardFn:
     """The reward function named by `spec`: a built-in name or `package.module:function`, or a reward service's
-    client (`relax.rewards.remote.RemoteReward`, called batched in this process) for an http(s) URL.
+    client (`relax.rewards.remote.RemoteReward`, called batched in this process) for an http(s) URL. `sandbox`
+    (`data.sandbox`): the code_tests rewards' limits (None: the defaults).
 
     Import problems are reported here, at start, rather than on the first rollout. One entry: a list `data.reward`
     is `relax.rewards.combined.reward_of`'s, which builds each entry here.
@@ -72,6 +73,8 @@ def get_reward_fn(spec: str) -> RewardFn:
         raise RewardSpecError(f"data.reward={spec!r}: expected one of {sorted(BUILTIN_REWARDS)} or "
                               "'package.module:function'")
     spec = spec.strip()
+    if sandbox is not None and spec in ("code_tests", "code_tests_all"):
+        return CodeTestsReward.for_config(spec, sandbox)
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", spec)
     if scheme:
         raise RewardSpecError(f"data.reward={spec!r}: only http:// and https:// URLs are reward services; a "
@@ -219,13 +222,15 @@ def score_responses(
     *,
     timeout_s: Optional[float] = None,
     contexts: Optional[Sequence[RewardContext]] = None,
+    workers: Optional[int] = None,
 ) -> Scores:
     """Score each (response, label) pair; a failing call is recorded in `Scores.failed`, never raised.
 
     `contexts` (one per response: its prompt, messages and record fields) give what `fn`'s parameters ask for
     (`relax.rewards.calls.reward_inputs`); without them, `prompts` are the prompts. `timeout_s`: None calls `fn`
-    here, one call after the other; a number runs the calls in worker processes (`RewardWorkers`), where a call
-    that takes longer fails (and its process is replaced).
+    here, one call after the other; a number runs the calls in worker processes (`RewardWorkers`: `workers` of them,
+    `data.reward_workers`; None: as many as the CPUs, at most 4), where a call that takes longer fails (and its
+    process is replaced).
     """
     if len(responses) != len(labels):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(labels)} labels")
@@ -251,7 +256,7 @@ def score_responses(
         timed_out = [False] * len(calls)
     else:
         with POOL_LOCK:
-            outcomes, timed_out = workers_for(fn).run(calls, timeout_s)
+            outcomes, timed_out = workers_for(fn, workers).run(calls, timeout_s)
     return _scores(fn, outcomes, timed_out)
 
 

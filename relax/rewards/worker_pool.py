@@ -132,7 +132,7 @@ class RewardWorkers:
         self.fn_bytes = pickled(fn, what, limit_name)
         self.caller_bytes = pickle.dumps(caller)
         self.limit_name, self.what = limit_name, what
-        self.processes = processes or max(1, min(4, _available_cpus()))
+        self.processes = processes or default_processes()
         self._workers: list[_Worker] = []
         self._seconds: deque[float] = deque(maxlen=256)  # the durations of the latest calls, measured in the workers
 
@@ -236,6 +236,11 @@ class RewardWorkers:
 
 
 
+def default_processes() -> int:
+    """Worker processes without `data.reward_workers`: as many as the CPUs this process may use, at most 4."""
+    return max(1, min(4, _available_cpus()))
+
+
 def _available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -247,17 +252,19 @@ _POOL: Optional[RewardWorkers] = None
 POOL_LOCK = threading.Lock()
 
 
-def workers_for(fn: RewardFn) -> RewardWorkers:
-    """The workers of `fn`, started at its first limited call and reused (one function's workers at a time)."""
+def workers_for(fn: RewardFn, processes: Optional[int] = None) -> RewardWorkers:
+    """The workers of `fn`, started at its first limited call and reused (one function's workers at a time);
+    `processes` (`data.reward_workers`): how many (None: `RewardWorkers`' default)."""
     global _POOL
     try:
-        same = _POOL is not None and _POOL.fn_bytes == pickle.dumps(fn)
+        same = _POOL is not None and _POOL.fn_bytes == pickle.dumps(fn) and \
+            _POOL.processes == (processes or default_processes())
     except Exception:
         same = False  # RewardWorkers(fn) says why it cannot be pickled
     if not same:
         if _POOL is not None:
             _POOL.close()
             _POOL = None
-        _POOL = RewardWorkers(fn)
+        _POOL = RewardWorkers(fn, processes)
         atexit.register(_POOL.close)
     return _POOL

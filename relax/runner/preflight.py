@@ -223,7 +223,8 @@ def _data(pre: Preflight) -> None:
 def _reward(pre: Preflight) -> bool:
     if pre.cfg.data.reward == "none":
         return False
-    pre.reward_fn = reward_of(pre.cfg.data.reward)  # imports, and can be called as fn(response, label)
+    # imports, and can be called as fn(response, label); the code_tests rewards under data.sandbox's limits
+    pre.reward_fn = reward_of(pre.cfg.data.reward, pre.cfg.data.sandbox)
     # the record fields its parameters ask for are in every record (the data sets loaded: the data check passed)
     sets = ([("the training data", pre.train_set)] if pre.train_set is not None else []) + \
         [(f"the eval set {name!r}", items) for name, items in (pre.eval_sets or {}).items()]

@@ -28,6 +28,6 @@ def test_the_help_printed_is_the_one_built():
     out = subprocess.run([sys.executable, "-m", "relax.cli.train", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "reward_model.*" in out.stdout and "data.* (data.reward_service.*)" in out.stdout
+    assert "reward_model.*" in out.stdout and "data.* (data.reward_service.*, data.sandbox.*)" in out.stdout
     for word in ("Config groups", "Algorithms:", "rloo", "dry_run=true"):
         assert word in out.stdout

@@ -39,3 +39,10 @@ def maybe_difficulty(response: str, label: str, difficulty: int = 7) -> float:
 def one_parameter(response: str) -> float:
     """No parameter for the label: refused when named."""
     return 0.0
+
+
+def worker_pid(response: str, label: str) -> dict:
+    """Which process made the call (tests/rewards/test_sandbox_options.py counts the reward workers by it)."""
+    import os
+
+    return {"score": 1.0, "pid": float(os.getpid())}

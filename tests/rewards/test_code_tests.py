@@ -42,7 +42,7 @@ def test_the_reward_is_the_share_of_tests_passed_in_the_sandbox():
 
 def test_a_reward_time_limit_shorter_than_the_sandbox_s_is_refused_before_start():
     from relax.config import ConfigError, load_config
-    from relax.config.reward_service_rules import CODE_TESTS_WALL_S
+    from relax.config.sandbox_limits import CODE_TESTS_WALL_S
     from relax.rewards.code_tests import LIMITS
 
     assert CODE_TESTS_WALL_S == LIMITS.wall_s

@@ -176,6 +176,11 @@ VALUES: dict[str, Any] = {
     "data.image_key": "pictures",
     # a remote reward service's fields: without data.reward=http(s)://... each is rejected; its runs: tests/rewards
     "data.reward_service.api_key_env": "WALK_KEY",
+    # the sandbox's limits (data.sandbox.*): without a code_tests reward or the python tool each is rejected, as is
+    # data.reward_workers with the base's reward calls in the driver; their runs: tests/rewards/test_sandbox_options.py
+    "data.sandbox.wall_s": 20.0,
+    "data.sandbox.cpu_s": 2,
+    "data.reward_workers": 2,
     "model.lora_target_modules": "[q_proj,v_proj]",
     "model.lora_dropout": 0.5,
     "rollout.lora_sync": "adapter",

@@ -1,0 +1,67 @@
+"""The rules of `data.sandbox` (the limits of the code_tests rewards' and the python tool's sandbox) and of
+`data.reward_workers`, reported with the rest of the config's (`relax.config.validate`): each limit in its range,
+the CPU limit within the wall-clock one, and each option refused where nothing reads it (no code_tests reward and no
+python tool; reward calls that run in the driver or on a service). The time limits of the reward and the tool are
+checked against the configured wall-clock limit where they are (`relax.config.reward_service_rules`, validate's
+agent rules)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from relax.algorithms.base import Violation, range_of
+from relax.config.reward_service_rules import CODE_TESTS_REWARDS
+from relax.config.sandbox_limits import PYTHON_TOOL, code_tests_limits, python_tool_limits
+from relax.config.schema import RelaxConfig, SandboxConfig
+
+
+def reward_specs(reward: object) -> list[str]:
+    """`data.reward`'s entries (one or a list), stripped; [] for a malformed list (its own rules name it)."""
+    if isinstance(reward, str):
+        return [reward.strip()]
+    if isinstance(reward, (list, tuple)) and all(isinstance(s, str) for s in reward):
+        return [s.strip() for s in reward]
+    return []
+
+
+def sandbox_violations(cfg: RelaxConfig) -> list[Violation]:
+    """Every broken rule of `data.sandbox` and `data.reward_workers` (see the module docstring)."""
+    d, out = cfg.data, []
+    box, default = d.sandbox, SandboxConfig()
+
+    def require(ok: bool, fields: tuple[str, ...] | str, message: str) -> None:
+        if not ok:
+            out.append(Violation((fields,) if isinstance(fields, str) else tuple(fields), message))
+
+    specs = reward_specs(d.reward)
+    code = any(s in CODE_TESTS_REWARDS for s in specs)
+    tool = PYTHON_TOOL in d.tools
+    in_range = True
+    for f in dataclasses.fields(box):
+        allowed = range_of(SandboxConfig, f.name)
+        value = getattr(box, f.name)
+        if allowed is not None and not allowed.admits(value):
+            in_range = in_range and f.name not in ("wall_s", "cpu_s")  # (the CPU rule compares those two)
+            require(False, f"data.sandbox.{f.name}", allowed.message(f"data.sandbox.{f.name}", value))
+        if not (code or tool):
+            require(value == getattr(default, f.name), (f"data.sandbox.{f.name}", "data.reward", "data.tools"),
+                    f"data.sandbox.{f.name}={value} has no effect: it limits the programs of the code_tests rewards "
+                    f"(data.reward=code_tests|code_tests_all) and of the python tool (data.tools=[python]), and "
+                    f"data.reward={d.reward} with data.tools={list(d.tools)} runs none")
+    if in_range and box.cpu_s is not None:
+        users = [("the code_tests rewards", code_tests_limits(box))] if code else []
+        users += [("the python tool", python_tool_limits(box))] if tool else []
+        for user, limits in users:
+            require(limits["cpu_s"] <= limits["wall_s"], ("data.sandbox.cpu_s", "data.sandbox.wall_s"),
+                    f"data.sandbox.cpu_s={box.cpu_s} exceeds the wall-clock limit of the programs of {user} "
+                    f"({limits['wall_s']:g} s{'' if box.wall_s is None else ', data.sandbox.wall_s'}): a program is "
+                    "stopped at the wall-clock limit first, so the CPU limit would never act; lower data.sandbox.cpu_s "
+                    "or raise data.sandbox.wall_s")
+    if d.reward_workers is not None:
+        local = [s for s in specs if s != "none" and not s.lower().startswith(("http://", "https://"))]
+        require(d.reward_timeout_s is not None and bool(local), ("data.reward_workers", "data.reward_timeout_s"),
+                f"data.reward_workers={d.reward_workers} has no effect: reward worker processes make the calls of "
+                "data.reward's functions under a time limit (data.reward_timeout_s), and "
+                + ("data.reward_timeout_s=null calls them in the driver" if d.reward_timeout_s is None else
+                   f"data.reward={d.reward} has no function (a reward service is called from the driver)"))
+    return out

@@ -1,0 +1,119 @@
+"""`data.sandbox` (the limits of the code_tests rewards' and the python tool's sandbox) and `data.reward_workers`:
+the configured limits reach the sandboxes in the reward and tool worker processes (a program that allocates 600 MB
+fails under the default 512 MB and passes under data.sandbox.memory_mb=2048; a program that sleeps 2 s passes by
+default and is a counted time-out under data.sandbox.wall_s=1), the number of reward worker processes is the
+configured one (counted by the processes that answered), and the rules that compare data.reward_timeout_s and
+data.tool_timeout_s with the sandbox's wall-clock limit use the configured value; every problem is reported at once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relax.agents.loops import AgentFactory
+from relax.agents.parsers import ToolCall
+from relax.config import ConfigError, load_config
+from relax.rewards import worker_pool
+from relax.rewards.combined import reward_of
+from relax.rewards.registry import get_reward_fn, score_responses
+
+HERE = Path(__file__).resolve().parent
+BIG = "b = bytearray(600 * 1024 * 1024)\n"  # 600 MB: over the default address-space limit of 512 MB
+LABEL = json.dumps({"tests": [{"call": "f(1)", "expected": 601}]})
+ALLOCATES = f"```python\ndef f(x):\n    {BIG.strip()}\n    return len(b) // (1024 * 1024) + x\n```"
+SLEEPS = "```python\nimport time\ndef f(x):\n    time.sleep(2)\n    return 600 + x\n```"
+
+
+@pytest.fixture(autouse=True)
+def _input_rewards(monkeypatch):
+    monkeypatch.syspath_prepend(str(HERE))  # input_rewards:<name>, in this process and in spawned reward workers
+
+
+def problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(list(overrides))
+    return str(info.value)
+
+
+def test_the_configured_limits_reach_the_code_tests_reward_in_its_workers():
+    default = reward_of("code_tests", load_config(["data=code_tests"]).data.sandbox)
+    roomy = reward_of(["code_tests"], load_config(["data=code_tests", "data.sandbox.memory_mb=2048"]).data.sandbox)
+    quick = reward_of("code_tests_all", load_config(["data=code_tests", "data.reward=code_tests_all",
+                                                     "data.sandbox.wall_s=1", "data.sandbox.cpu_s=1"]).data.sandbox)
+    assert score_responses(default, [ALLOCATES, SLEEPS], [LABEL] * 2, timeout_s=30, workers=1).rewards == [0.0, 1.0]
+    assert score_responses(roomy.fns[0], [ALLOCATES], [LABEL], timeout_s=30, workers=1).rewards == [1.0]
+    scores = score_responses(quick, [SLEEPS], [LABEL], timeout_s=30, workers=1)
+    assert scores.rewards == [0.0] and scores.counts == {"sandbox_runs": 1, "sandbox_timeouts": 1}
+
+
+def test_the_configured_limits_reach_the_python_tool_in_its_workers():
+    def run(*overrides: str) -> str:
+        cfg = load_config(["data.tools=[python]", "rollout.max_turns=2", "data.reward=none", "data.env=guess_number",
+                           *overrides])
+        factory = AgentFactory(None, list(cfg.data.tools), None, cfg.data.tool_timeout_s, sandbox=cfg.data.sandbox)
+        try:
+            (result,) = factory.runner([ToolCall("python", {"code": BIG + "print(len(b) >> 20)"})])
+        finally:
+            factory.close()
+        return result.content
+
+    assert "MemoryError" in run()
+    assert run("data.sandbox.memory_mb=2048").strip() == "600"
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_reward_workers_is_the_number_of_worker_processes(workers):
+    fn = get_reward_fn("input_rewards:worker_pid")
+    scores = score_responses(fn, ["a"] * 12, ["a"] * 12, timeout_s=30, workers=workers)
+    pids = set(scores.extras["rollout/reward/pid_mean"])
+    assert worker_pool._POOL.processes == workers and len(worker_pool._POOL._workers) == workers
+    assert 1 <= len(pids) <= workers  # (a worker that starts last may find every call taken)
+    if workers == 1:
+        assert len(pids) == 1
+
+
+def test_the_time_limits_are_checked_against_the_configured_wall_clock_limit_every_problem_at_once():
+    load_config(["data=code_tests", "data.sandbox.wall_s=20", "data.reward_timeout_s=26"])  # 20 + 5 < 26
+    message = problems("data=code_tests", "data.sandbox.wall_s=20", "data.reward_timeout_s=24",
+                       "data.tools=[python]", "rollout.max_turns=2", "data.tool_timeout_s=21",
+                       "data.sandbox.cpu_s=30", "data.sandbox.memory_mb=0")
+    assert "data.reward_timeout_s=24.0 must exceed the sandbox's wall-clock limit of data.reward=code_tests (20 s, " \
+           "data.sandbox.wall_s) by 5 s" in message
+    assert "data.tool_timeout_s=21.0 must exceed the python tool's sandbox wall-clock limit (20 s, " \
+           "data.sandbox.wall_s) by 2 s" in message
+    assert "data.sandbox.cpu_s=30 exceeds the wall-clock limit of the programs of the code_tests rewards" in message
+    assert "data.sandbox.memory_mb=0 must be > 0" in message
+    # the defaults: the tool's 5 s (the default data.tool_timeout_s=10 passes), code_tests' 10 s
+    assert "(10 s) by 5 s" in problems("data=code_tests", "data.reward_timeout_s=12")
+    load_config(["data.tools=[python]", "rollout.max_turns=2", "data.sandbox.wall_s=7.5"])  # 7.5 + 2 < 10
+
+
+def test_options_nothing_reads_are_refused():
+    message = problems("data.sandbox.memory_mb=1024", "data.sandbox.wall_s=3", "data.reward_workers=2",
+                       "data.reward_timeout_s=null")
+    assert "data.sandbox.memory_mb=1024 has no effect" in message and "data.sandbox.wall_s=3.0 has no effect" in \
+        message
+    assert "data.reward_workers=2 has no effect" in message and "data.reward_timeout_s=null" in message
+    assert "data.reward_workers=2 has no effect" in problems("data.reward=http://127.0.0.1:9/score",
+                                                             "data.reward_workers=2")
+    load_config(["data.reward_workers=2"])  # digits under the default data.reward_timeout_s: in workers
+
+
+def test_a_run_builds_its_reward_and_its_python_tool_with_the_configured_limits():
+    """The wiring of a run: preflight's reward (what the run scores with) and the episodes' python tool."""
+    from relax.agents.episode import EpisodeMaker
+    from relax.runner.preflight import preflight
+
+    cfg = load_config(["data=code_tests", "data.sandbox.memory_mb=2048", "data.sandbox.wall_s=9",
+                       "data.tools=[python]", "rollout.max_turns=2", "data.tool_timeout_s=12"])
+    pre = preflight(cfg, only=("reward",))
+    assert not pre.problems, pre.render()
+    assert (pre.reward_fn.limits.memory_mb, pre.reward_fn.limits.wall_s, pre.reward_fn.limits.cpu_s) == (2048, 9.0, 5)
+    maker = EpisodeMaker.for_config(cfg)
+    try:
+        limits = maker.loops.tools["python"].fn.limits
+    finally:
+        maker.close()
+    assert (limits.memory_mb, limits.wall_s, limits.cpu_s) == (2048, 9.0, 3)
