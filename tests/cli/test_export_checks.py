@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export import PROMPTS, RESPONSES, batch_of, commit, overrides, refused
+from test_export import PROMPTS, RESPONSES, batch_of, commit, overrides, refused, trainer_logprobs
 
 from relax.cli import export
 from relax.config import load_config
@@ -245,3 +245,35 @@ def test_prompts_are_recorded_and_said_and_stderr_stays_empty(tmp_path):
     assert "  prompts   the run gave the model its prompts as plain text (data.apply_chat_template=false)" in summary
     plain = export.summary(export.export_checkpoint(path.parent, tmp_path / "again"))
     assert "data.apply_chat_template" not in plain  # the control: a templated run is not said to be raw
+
+
+def test_hf_lora_adapters_name_the_model_directory_and_load_with_the_line_printed(tmp_path, capsys):
+    """A model.source=hf LoRA run's adapter export, with --model-path (the model moved since the run):
+    adapter_config.json names the directory where it is now, and both lines the summary prints load the trainer's
+    policy (log-probs at 1e-5)."""
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from test_export import assert_trainer_logprobs, model_logprobs
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _hf_model_dir(tmp_path / "model")
+    cfg = load_config(overrides(tmp_path / "ckpt", "model.source=hf", f"model.path={model_dir}", "model.lora_rank=4",
+                                "model.lora_alpha=8", "train.lr=0.05"))
+    info, tokenizer = _info(cfg), load_tokenizer(cfg.model)
+    pairs = list(zip(PROMPTS, RESPONSES, strict=True))
+    batch = batch_of(tokenizer, pairs, tokenizer.pad_token_id)
+    actor = PolicyWorker(cfg, info, threads=1)
+    actor.train_step(batch)
+    path = commit(cfg, 1, lambda d: actor.save(str(d)))
+    trainer = trainer_logprobs(cfg, info, path, batch)
+    moved = tmp_path / "moved"
+    model_dir.rename(moved)
+    out = tmp_path / "adapters"
+    capsys.readouterr()
+    export.main([str(path), str(out), "--model-path", str(moved)])
+    printed = capsys.readouterr().out
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(moved.resolve())
+    assert f'AutoPeftModelForCausalLM.from_pretrained("{out}"), or PeftModel.from_pretrained(AutoModelForCausalLM.' \
+           f'from_pretrained("{moved.resolve()}"), "{out}")' in printed
+    for model in (AutoPeftModelForCausalLM.from_pretrained(str(out)).eval(),
+                  PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(moved)), str(out)).eval()):
+        assert_trainer_logprobs(trainer, batch, model_logprobs(model, tokenizer, pairs, cfg.rollout.temperature))
