@@ -95,6 +95,8 @@ def help_text() -> str:
         "                                      (model files, tokenizer, data, checkpoints, ...); start nothing",
         "  relax-train ... train.resume=auto   continue from the last checkpoint of this experiment and run name",
         "                                      (checkpoints/<tracking.experiment>/<run name>, same MLflow run)",
+        "  relax-train -cp <checkpoint> -cn config train.resume=<checkpoint> train.num_rollout=0",
+        "                                      evaluate a checkpoint with its run's own config (its config.yaml)",
         "  relax-train --hydra-help            Hydra's own flags",
         f"Config files: {conf}",
     ]
