@@ -383,9 +383,17 @@ class RelaxRayLauncher(Launcher):
             print(f"job {indices[k]} {word} in {outcome.end - outcome.start:.0f} s: "
                   f"{' '.join(filter_overrides(jobs[k]))}", flush=True)
 
+        # the signal, kept: ray.wait turns the Signalled raised inside it into a plain KeyboardInterrupt (its C++
+        # wait polls Python's handlers and reports only 'interrupted'), so the exit would be 130 instead of 143
+        terminated: list[int] = []
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            terminated.append(signum)
+            _terminate_as_interrupt(signum, frame)
+
         previous = {}
         if threading.current_thread() is threading.main_thread():  # after ray.init, which installs its own
-            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
             # Ctrl-C (SIGINT) stops the jobs even where it was ignored when the driver started (nohup, `&` in a
             # script), as a single relax-train's handler does: `kill -INT` is then still a way to stop the sweep
             previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -402,8 +410,10 @@ class RelaxRayLauncher(Launcher):
                 done, _ = ray.wait(list(running), num_returns=1)
                 for ref in done:
                     collect(ref)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             self._stop_jobs(running, collect)
+            if terminated and not isinstance(exc, Signalled):
+                raise Signalled(terminated[0]) from None
             raise
         finally:
             for signum, handler in previous.items():

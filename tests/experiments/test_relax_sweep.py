@@ -89,15 +89,16 @@ def test_relax_train_sweep_with_resume_auto_and_compare(tmp_path, fresh_store, i
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path, fresh_store):
-    """Ctrl-C on `relax-train -m`: every running job stops as a single run does on Ctrl-C (its step finished, a
-    checkpoint of it committed, its MLflow run KILLED), the parent run ends KILLED, exit 130, and the table names each
-    job's run. Both jobs are held in the scoring of a batch after their first step (`sweep_rewards:hold`) when the
-    driver gets SIGINT, and released once each has said that it got the interrupt: each stops after the step it was
-    held in. The driver's `stop_timeout_s` is set beyond the test's own waits: its default 120 s counts from the
-    Ctrl-C, across the hold, and a loaded machine (CI) turned the stop into a kill that lost the step's metrics.
-    Before: the jobs were force-killed, their runs stayed RUNNING, their checkpoint directories held no checkpoint
-    and the table said `KILLED -`."""
+def test_sigterm_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path, fresh_store):
+    """SIGTERM on `relax-train -m` (a scheduler's stop; Ctrl-C takes the same path, tests/experiments/test_launcher.py):
+    every running job stops as a single run does on Ctrl-C (its step finished, a checkpoint of it committed, its MLflow
+    run KILLED), the parent run ends KILLED, exit 143 (128 + SIGTERM, as a single run; it was 130: ray.wait turned the
+    handler's exception into a plain KeyboardInterrupt), and the table names each job's run. Both jobs are held in the
+    scoring of a batch after their first step (`sweep_rewards:hold`) when the driver gets SIGTERM, and released once
+    each has said that it got the interrupt: each stops after the step it was held in. The driver's `stop_timeout_s`
+    is set beyond the test's own waits: its default 120 s counts from the signal, across the hold, and a loaded
+    machine (CI) turned the stop into a kill that lost the step's metrics. Before: the jobs were force-killed, their
+    runs stayed RUNNING, their checkpoint directories held no checkpoint and the table said `KILLED -`."""
     from mlflow import MlflowClient
 
     fresh_store(tmp_path)  # the sweep's default store, sqlite:///mlflow.db in its working directory
@@ -124,7 +125,7 @@ def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path, fres
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: len(list(hold.glob("reached-*"))) == 2)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C on the sweep's driver
+        proc.send_signal(signal.SIGTERM)  # a scheduler stopping the sweep's driver
         wait_for(lambda: len(stopping.findall(log.read_text())) == 2)  # each job got it, while held
         (hold / "go").touch()
         code = proc.wait(timeout=300)
@@ -132,7 +133,7 @@ def test_ctrl_c_stops_every_job_as_a_single_run_with_a_checkpoint(tmp_path, fres
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert code == 130, text[-5000:]
+    assert code == 143, text[-5000:]
     assert "relax-train: interrupted: stopping 2 running job(s), each after its current step with a checkpoint" in text
     assert "killing" not in text, text[-5000:]  # every job stopped by itself
     (step,) = {int(k) - 1 for k in stopping.findall(text)}  # the same step of both (0-based; said 1-based)
