@@ -399,6 +399,8 @@ class ChatFormat:
         parsed = apply_tool_schemas(parser(text), tools)
         if cut:
             complete = tuple(itertools.takewhile(lambda item: isinstance(item, ToolCall), parsed.items))
+            if not complete:  # cut inside its first call: none of it is content (the grammar allowed calls only)
+                return "", None
             parsed = ParsedMessage(complete, "")
         harmony = parser_format(parser) == "harmony"
         if not parsed.calls or parsed.errors:  # (harmony: the message's text for the user, its calls as written)
