@@ -82,19 +82,30 @@ class AgentRollout:
                                           d.agent_timeout_s)
         rows = []
         for s, record, (value, error), was_late in zip(sessions, records, outcomes, late, strict=True):
-            self.gateway.close_session(s, FinishReason.TIMEOUT if was_late else FinishReason.ERROR if error
+            # a run that raised after its last answer was cut ends "length", as one its session's limit stopped:
+            # openai-agents raises on every answer cut by max_tokens (Responses: `incomplete`; chat: one left with
+            # no text, a Qwen3 answer cut inside <think>), and such a run is a truncated episode, not a failed one
+            self.gateway.close_session(s, FinishReason.TIMEOUT if was_late else FinishReason.LENGTH
+                                       if error and _ended_on_a_cut_answer(s) else FinishReason.ERROR if error
                                        else FinishReason.DONE)
             trajectory = s.trajectory()
             if trajectory is None:  # nothing to train: a failed sample
                 error = error or "the agent made no call through the gateway"
                 trajectory = Segment(prompt=[self.pad_token_id])
             elif error is not None and s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH):
-                error = None  # a run stopped by its session's limit (it got an error): its trajectory is the sample
+                error = None  # a run stopped by its session's limit or a cut answer: its trajectory is the sample
             if value is not None:
                 trajectory.rewards[-1] += value
             rows.append((s, record, trajectory, error))
         self._previous = sessions
         return _samples(rows, sample_ids, self.pad_token_id)
+
+
+def _ended_on_a_cut_answer(s: Session) -> bool:
+    """Whether the session's last call was answered, its answer cut at its token limit (finish "length"), and no call
+    came after it (the latest recorded call is the last one admitted)."""
+    last = s.latest
+    return last is not None and s.calls == last + 1 and any(n.cut for n in s.nodes if n.call == last)
 
 
 def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_ids: torch.Tensor,
