@@ -52,7 +52,8 @@ def test_a_run_that_raises_on_its_cut_last_answer_trains_as_truncated():
     from relax.serve.openai.agents import AgentRollout
 
     tok = family_tokenizer("qwen3")
-    cfg = load_config(["model=tiny", "rollout=sglang", "rollout.sglang.server=embedded", "data.openai_agent=tests.openai.cut_agents:run", "rollout.max_turns=4",
+    cfg = load_config(["model=tiny", "rollout=sglang", "rollout.sglang.server=embedded",
+                       "data.openai_agent=tests.openai.cut_agents:run", "rollout.max_turns=4",
                        "rollout.max_response_len=8", "data.agent_workers=2", "data.agent_timeout_s=120"])
     rollout = AgentRollout(cfg, tok, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
                            send=CutScript(tok), abort=lambda rids: None, host="127.0.0.1")
