@@ -67,8 +67,8 @@ class Settings:
     math_tokens: int
     math_reps: int
     lora_runs: list[dict] = field(default_factory=list)  # kwargs of bench/lora.py's compare
-    # False (smoke): the growth and LoRA sections run their scripts' main in this process (bench.common.run_script:
-    # same arguments and JSON, no other interpreter to start); the memory section's train_memory.py always runs fresh
+    # False (smoke): the memory, growth and LoRA sections run their scripts' main in this process
+    # (bench.common.run_script: same arguments and JSON, no other interpreter to start; its peaks are the suite's)
     fresh_processes: bool = True
 
 
@@ -278,10 +278,11 @@ def section_memory(st: Settings, log, h: Headlines) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     for kw in st.memory_runs:
         argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
-        # a fresh process each: its peak resident set is this run's alone; large tensors mapped and unmapped on their
-        # own, so that the resident set tracks live memory rather than what glibc's arenas keep (as round 1's peak)
+        # a fresh process each (but at smoke size, whose numbers are not read): its peak resident set is this run's
+        # alone; large tensors mapped and unmapped on their own, so that the resident set tracks live memory rather
+        # than what glibc's arenas keep (as round 1's peak)
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
-        r = run_script("train_memory", argv, env=env)
+        r = run_script("train_memory", argv, fresh=st.fresh_processes, env=env)
         name = f"{r['model']} {r['dtype']}{' gradient checkpointing' if r['gradient_checkpointing'] else ''}"
         log(f"  [memory {name}] peak {r['peak_total_mib']:.0f} MiB, "
             f"step {r['time_s']['median']} s")
@@ -618,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         rep.machine["bf16 rows"] = ("not measured: this CPU has no native bf16 matmul (AVX512-BF16/AMX), bf16 is "
                                     "emulated at a small fraction of fp32's speed")
     if not st.fresh_processes:
-        rep.machine["growth and LoRA memory"] = "measured in the suite's own process (smoke): its resident set"
+        rep.machine["actor, growth and LoRA memory"] = "measured in the suite's own process (smoke): its resident set"
 
     def log(msg: str) -> None:
         print(msg, flush=True)
