@@ -573,7 +573,8 @@ def parse_completion(body: dict) -> tuple[list[Any], Params]:
 
 
 def _text(content: Any, where: str) -> Optional[str]:
-    """A message's content as text: a string, None, or text parts joined."""
+    """A message's content as text: a string, None, or text parts joined by newlines (as vLLM joins them for a chat
+    template that reads content as a string: parts stay apart, "sunny" and "warm" not "sunnywarm")."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -582,7 +583,7 @@ def _text(content: Any, where: str) -> Optional[str]:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) are supported")
             out.append(part["text"])
-        return "".join(out)
+        return "\n".join(out)
     raise _bad(f"{where}.content", "must be a string or a list of text parts")
 
 

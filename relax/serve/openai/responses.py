@@ -264,7 +264,8 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
+        # text parts joined by newlines, as chat's (relax.serve.openai.protocol._text) and vLLM's
+        return "\n".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
     raise _bad(where, "must be a string or a list of text parts")
 
 
