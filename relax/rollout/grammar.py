@@ -81,6 +81,12 @@ def _xgrammar_message(exc: Exception) -> str:
     return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", lines[0]) if lines else type(exc).__name__
 
 
+def _xgrammar_detail(exc: Exception) -> str:
+    """The last line of xgrammar's error message, without its time stamp and C++ source location (a user reads it)."""
+    text = str(exc).strip()
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", text.splitlines()[-1]) if text else type(exc).__name__
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What an answer must be: `kind` one of KINDS, `source` the schema (JSON text), regex or EBNF (json_object:
@@ -379,7 +385,7 @@ def _xgrammar_of(spec: GrammarSpec) -> Any:
         if spec.kind == "ebnf":
             return xgr.Grammar.from_ebnf(spec.source)
     except Exception as exc:  # xgrammar's parse errors are RuntimeError/ValueError with its message
-        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        detail = _xgrammar_detail(exc)
         raise GrammarError(f"the {spec.kind} does not compile: {detail}") from None
     raise GrammarError(f"a {spec.kind} cannot be combined with tool calls")
 
@@ -505,7 +511,7 @@ class Grammars:
                 else:
                     compiled = compiler.compile_grammar(spec.source)
             except Exception as exc:  # xgrammar's parse errors are RuntimeError/ValueError with its message
-                detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                detail = _xgrammar_detail(exc)
                 raise GrammarError(f"the {spec.kind} does not compile: {detail}") from None
             self.compiles += 1
             self._cache[spec] = compiled
