@@ -18,10 +18,23 @@ pytestmark = [pytest.mark.xdist_group("launcher"), pytest.mark.slow]
 APP = Path(__file__).with_name("dummy_app.py")
 
 
-def _sweep(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(APP), "-m", *overrides], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, str(APP), "-m", *overrides], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: int = 240) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _sweep(tmp_path: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return _finish(_start(tmp_path, *overrides), timeout)
 
 
 def _store(directory: Path, template: Path) -> None:
@@ -31,15 +44,28 @@ def _store(directory: Path, template: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, mlflow_template):
+def two_sweeps(tmp_path_factory, mlflow_template):
+    """The module's two sweeps (`sweep`, `lost_jobs`), each in its own directory and store, run at the same time:
+    the first's jobs mostly sleep, and each sweep's checks read only its own records, store and output."""
+    tmp, lost = tmp_path_factory.mktemp("sweep"), tmp_path_factory.mktemp("lost")
+    _store(tmp, mlflow_template)
+    _store(lost, mlflow_template)
+    first = _start(tmp, "lr=0.1,0.2,0.3", "seed=1", "fail_seed=1", "fail_lr=0.1", "sleep_s=3",
+                   "hydra.launcher.max_concurrent_jobs=2")
+    second = _start(lost, "seed=1,1,2", "fail_job=0", "crash_job=2", "sleep_s=0")
+    try:
+        return (tmp, _finish(first)), (lost, _finish(second))
+    finally:
+        if second.poll() is None:  # the first timed out: the second is not left running
+            second.kill()
+
+
+@pytest.fixture(scope="module")
+def sweep(two_sweeps):
     """3 jobs (lr), 2 at a time, each sleeping 3 s; the first, lr=0.1, raises, and the third waits for a free slot
     (the first's, as a rule: it started first). Three jobs are the fewest that show the limit with a failing job
     among them; how arms are derived from several swept keys, seeds left out, is tested in test_sweep_helpers.py."""
-    tmp = tmp_path_factory.mktemp("sweep")
-    _store(tmp, mlflow_template)
-    proc = _sweep(tmp, "lr=0.1,0.2,0.3", "seed=1", "fail_seed=1", "fail_lr=0.1", "sleep_s=3",
-                  "hydra.launcher.max_concurrent_jobs=2")
-    return tmp, proc
+    return two_sweeps[0]
 
 
 def test_jobs_run_in_parallel_and_a_failure_does_not_stop_the_others(sweep):
@@ -103,15 +129,13 @@ def test_mlflow_parent_and_children(sweep):
 
 
 @pytest.fixture(scope="module")
-def lost_jobs(tmp_path_factory, mlflow_template):
+def lost_jobs(two_sweeps):
     """3 jobs, two of them lost: job 0 (seed=1) raises before it opens its MLflow run, job 1 has the same overrides
     (seed=1) and finishes, job 2 (seed=2) kills its own process (SIGKILL) once its run is open. Returns (directory,
     the sweep's process, the jobs' runs by job index, the table's rows by job index)."""
     from mlflow import MlflowClient
 
-    tmp = tmp_path_factory.mktemp("lost")
-    _store(tmp, mlflow_template)
-    proc = _sweep(tmp, "seed=1,1,2", "fail_job=0", "crash_job=2", "sleep_s=0")
+    tmp, proc = two_sweeps[1]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
     jobs = {r.data.tags["relax.sweep_job"].rpartition("/")[2]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
