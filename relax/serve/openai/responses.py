@@ -152,7 +152,7 @@ FIELDS.update({name: Rule(CHAT_FIELDS[name].verdict, f"as on the chat route: {CH
 REASONING_PARAM_KEYS = {"effort", "summary", "generate_summary", "context", "mode"}  # openai's Reasoning param
 # chat errors name the chat field; the Responses field they come from
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "reasoning_effort": "reasoning.effort",
-           "verbosity": "text.verbosity"}
+           "verbosity": "text.verbosity", "response_format": "text.format"}
 
 
 def _bad(param: str, message: str) -> APIError:

@@ -30,6 +30,7 @@ from relax.rollout.grammar import (
     GrammarError,
     GrammarSpec,
     ToolSchemaError,
+    _xgrammar_of,
     after_reasoning,
     at_most_one_call,
     calls_in_text,
@@ -164,6 +165,8 @@ class OpenAIService:
         # stays in the prompt (OpenAI's: the tools list is left whole for prompt caching)
         callable_ = p if p.allowed is None else replace(p, tools=[t for t in p.tools or []
                                                                   if t["function"]["name"] in p.allowed])
+        if p.grammar is not None:  # the request's own format compiles, or a 400 naming it
+            self._check_format(p.grammar, body)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(callable_))
         elif p.tools and p.grammar is not None:  # tool_choice auto and a format: the calls or the format's content
@@ -497,6 +500,17 @@ class OpenAIService:
                                   parallel=p.parallel_tool_calls)
         except GrammarError as exc:
             raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
+
+    @staticmethod
+    def _check_format(grammar: tuple[str, str], body: dict) -> None:
+        """A 400 naming the request's field (response_format, or SGLang's regex, json_schema, ebnf) when its grammar
+        does not compile, here, before the engine would refuse it naming its own /generate sampling parameter."""
+        fmt = body.get("response_format")
+        param = "response_format" if isinstance(fmt, dict) and fmt.get("type") != "text" else grammar[0]
+        try:
+            _xgrammar_of(GrammarSpec(*grammar))
+        except GrammarError as exc:
+            raise APIError(f"{param}: {exc}", param=param) from None
 
     def _calls_or_format_grammar(self, p: Params) -> tuple[str, str]:
         """tool_choice "auto" with response_format (or SGLang's regex, json_schema, ebnf): the answer is tool calls
