@@ -254,7 +254,10 @@ class Session:
             self._check_open()
             if self.calls >= lim.max_calls:
                 self._end(FinishReason.MAX_TURNS)
-                raise APIError(f"this session made its {lim.max_calls} calls (rollout.max_turns)", code="max_calls")
+                n = lim.max_calls
+                raise APIError(f"this session made its {n} call{'s' if n > 1 else ''}, all that rollout.max_turns={n} "
+                               "allows (it defaults to 1: set it to the calls your agent makes, a tool loop included)",
+                               code="max_calls")
             base = context.base  # the branch this call extends (None: it starts a segment)
             used = 0 if base is None else prompt_len - len(base.prompt)
             left = lim.max_tokens - used
