@@ -257,6 +257,8 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str],
         return body, DS_CALLS_BEGIN, f"{root} {_literal(DS_CALLS_END)}", _literal("\n")
     if fmt == "mistral":  # one call: a list of it
         return body, MISTRAL_CALLS, f"{_literal(' [')} {root} {_literal(']')}", _literal(", ")
+    if fmt == "harmony":  # one call per message, the next one after the next message's start
+        return body, H_OPENER, f"{root} {_literal(H_CALL)}", _literal(H_START + "assistant")
     return body, "", root, _literal("; ")
 
 
@@ -268,6 +270,9 @@ def _one_call(f: dict, fmt: str, rule: str, free: bool) -> tuple[str, list[str]]
     if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral", "harmony"):
         parameters = FREE_OBJECT if free else f.get("parameters") or {"type": "object", "properties": {}}
         what = f"the parameters of tool {f['name']!r}"
+        if fmt == "harmony":
+            return (f"{_literal(f['name'] + ' ' + H_CONSTRAIN + 'json' + H_MESSAGE)} {rule}_args",
+                    [_json_rules(parameters, f"{rule}_args", what, strict=not free)])
         if fmt == "deepseek_v3":
             head = f"{DS_CALL_BEGIN}function{DS_SEP}{f['name']}\n```json\n"
             return (f"{_literal(head)} {rule}_args {_literal(NL + '```' + DS_CALL_END)}",
@@ -281,8 +286,6 @@ def _one_call(f: dict, fmt: str, rule: str, free: bool) -> tuple[str, list[str]]
         args, used = _xml_arguments(f, rule, ("<parameter=", ">\n"), ("", "\n</parameter>\n"))
         return f"{head} {args} {_literal('</function>')}", used
     head = _literal(f["name"] + NL)  # glm45
-    if fmt == "harmony":  # one call per message, the next one after the next message's start
-        return body, H_OPENER, f"{root} {_literal(H_CALL)}", _literal(H_START + "assistant")
     if free:
         return f"{head} {_text_without('</tool_call>')}", []
     args, used = _xml_arguments(f, rule, ("<arg_key>", "</arg_key>\n"), ("<arg_value>", "</arg_value>\n"))
@@ -294,9 +297,6 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, p
     TOOL_CALL_FORMATS), each call one of `tools` (OpenAI function tools) with arguments following its `parameters`
     schema: one or more calls (`parallel`, OpenAI's parallel_tool_calls), else exactly one, of the tool `name` when
     given (always exactly one call: a named function is called once).
-        if fmt == "harmony":
-            return (f"{_literal(f['name'] + ' ' + H_CONSTRAIN + 'json' + H_MESSAGE)} {rule}_args",
-                    [_json_rules(parameters, f"{rule}_args", what, strict=not free)])
 
     hermes: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, calls separated by a newline (Qwen's
     and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
@@ -367,6 +367,8 @@ def calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel
                        "stop_after_first": not parallel}
     if fmt == "deepseek_v3":
         triggered["excludes"] = [DS_CALL_BEGIN]
+    if fmt == "harmony":
+        triggered["excludes"] = [H_UNTAGGED]
     return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": triggered},
                                                     ensure_ascii=False))
 
@@ -391,8 +393,6 @@ def _xgrammar_of(spec: GrammarSpec) -> Any:
 
 
 def tool_calls_or(tools: list[dict], fmt: str, other: GrammarSpec, *, parallel: bool = True) -> GrammarSpec:
-    if fmt == "harmony":
-        triggered["excludes"] = [H_UNTAGGED]
     """tool_choice "auto" with a response format (OpenAI's semantics: the answer is either tool calls or the
     format's content): the EBNF (an `ebnf` spec, xgrammar's dialect, root rule `root`) of an answer that is tool
     calls of `tools` in tool parser `fmt`'s format, as `tool_call_ebnf` writes them (one or more, or exactly one
