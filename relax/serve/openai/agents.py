@@ -33,7 +33,7 @@ from relax.serve.openai.agent_call import call_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway, WatchedSend
 from relax.serve.openai.service import OpenAIService
-from relax.serve.openai.sessions import Limits, Segment, Session
+from relax.serve.openai.sessions import FORMS, Limits, Segment, Session
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
@@ -131,7 +131,9 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
                    "row_turn_rewards": list(rows_of_run[0].rewards) if rows_of_run else list(t.rewards),
                    "branch_rows": others,
                    # the conversation (chat), the last answer included: what data.reward's `messages` receives
-                   "messages": [dict(m) for m in t.messages] if t.messages else None,
+                   # (without the session's own FORMS key: a frozenset a checkpoint's weights_only load refuses)
+                   "messages": [{k: v for k, v in m.items() if k != FORMS} for m in t.messages]
+                   if t.messages else None,
                    # the session's sampled tokens and those in its rows' loss masks (the main row's and the others')
                    "sampled_tokens": sampled, "trained_tokens": sum(t.sampled) + sum(sum(o["generated"])
                                                                                      for o in others)}
