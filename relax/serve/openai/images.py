@@ -49,6 +49,11 @@ def take_images(body: Any) -> tuple[Any, list[str], list[str]]:
                 parts.append({"type": "text", "text": PLACEHOLDER})
             else:
                 parts.append(part)
+        if len(parts) > 1 and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                  for p in parts) and any(p["text"] == PLACEHOLDER for p in parts):
+            # a message with an image: its parts one text, written as the processor's chat template writes them (no
+            # separator), not joined by newlines as the text parts of a text-only message are
+            parts = [{"type": "text", "text": "".join(p["text"] for p in parts)}]
         out.append({**m, "content": parts})
     return ({**body, "messages": out}, urls, places) if urls else (body, [], [])
 
