@@ -39,7 +39,8 @@ TOOLS = [{"type": "function", "function": {"name": "calculator", "description": 
 USER = [{"role": "user", "content": "6*7?"}]
 CASES = {fmt: ("smollm2_chatml", fmt) for fmt in BUILTIN_PARSERS} | {"deepseek_v3": ("deepseek_v3", None)}
 OPEN_CLOSE = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_coder": ("<tool_call>", "</tool_call>"),
-              "glm45": ("<tool_call>", "</tool_call>"), "deepseek_v3": (DS_CALLS_BEGIN, DS_CALLS_END)}
+              "glm45": ("<tool_call>", "</tool_call>"), "deepseek_v3": (DS_CALLS_BEGIN, DS_CALLS_END),
+              "harmony": ("<|channel|>commentary to=", "<|call|>")}
 
 
 def _fmt(family: str, parser: str | None) -> ChatFormat:
