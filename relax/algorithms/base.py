@@ -131,8 +131,9 @@ class AlgorithmConfig:
     # a token with A < 0 is unclipped. An algorithm may widen this on its config (CISPO admits 1: no lower clip).
     eps_clip: float = in_range(
         0.2, 0, 1, lo_open=True, hi_open=True,
-        says="must be in (0, 1): the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high], and at eps_clip >= 1 "
-        "the lower bound is <= 0, below every ratio, so the lower clip never applies")
+        says="must be in (0, 1): it must be a finite number, the ratio is clipped to [1 - eps_clip, "
+        "1 + eps_clip_high], and at eps_clip >= 1 the lower bound is <= 0, below every ratio, so the lower clip "
+        "never applies")
     # may exceed 1 (clip-higher: DAPO uses 0.28, CISPO often 10): it bounds the ratio from above only
     eps_clip_high: Optional[float] = positive(None, optional=True)
     # Dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, slime's --eps-clip-c), null: off. The PPO-Clip loss of a
