@@ -113,6 +113,7 @@ VALUES: dict[str, Any] = {
     "data.turn_rewards": "per_turn",
     "train.eval_pass_k": "[1]",  # the default with 2 eval samples per prompt (EVAL_CONTEXT) is [1, 2]
     "train.eval_correct_threshold": 0.25,  # the untrained model rarely earns the full reward of 1
+    "train.eval_save_samples": True,  # a training run's default: no eval samples written
     "train.lr_schedule": "cosine",
     "train.save_dir": "elsewhere",
     "train.resume": "auto",
@@ -193,7 +194,7 @@ EVAL_CONTEXT = ["train.eval_interval=1", "data.num_eval_prompts=4", "rollout.eva
 # changed value in this context. A field that only acts in a context is rejected outside it by validation.
 CONTEXT: dict[str, list[str]] = {
     **{key: EVAL_CONTEXT for key in ("data.eval_sets", "rollout.eval_top_p", "train.eval_pass_k",
-                                     "train.eval_correct_threshold")},
+                                     "train.eval_correct_threshold", "train.eval_save_samples")},
     "data.prompt_overflow": ["rollout.max_prompt_len=10"],
     "data.reward_error": ["data.reward=walk_reward:reward"],
     "data.max_failed_reward_steps": ["data.reward=walk_reward:always_fails"],  # the default 3: the 2 steps run
@@ -359,7 +360,9 @@ def observe(overrides: list[str], cwd: Path) -> dict[str, Any] | str:
     files = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file() and "out" not in p.parts
                    and not p.name.endswith((".db-journal", ".lock")) and "mlruns" not in p.parts)
     configs = sorted((str(p.relative_to(cwd)), p.read_text()) for p in cwd.rglob("config.json"))
-    return {"plan": plan, "history": history, "files": files, "model_configs": configs,
+    # the evaluation samples written to the output directory (train.eval_save_samples): the rest of it is logs
+    eval_samples = sorted(str(p.relative_to(cwd)) for p in (cwd / "out" / "eval").rglob("*.jsonl"))
+    return {"plan": plan, "history": history, "files": files, "model_configs": configs, "eval_samples": eval_samples,
             "mlflow": mlflow_record(cfg, result.run_id, cwd), "progress": "step " in err.getvalue()}
 
 
