@@ -337,15 +337,52 @@ def _ids(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
+# harmony (gpt-oss): an answer ends with `<|return|>`, a tool call with `<|call|>`; gpt-oss's generation_config.json
+# lists both (and <|endoftext|>), its GGUF files carry one of them as their EOS
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_STOPS = ("<|return|>", "<|call|>")
+_END_PROBE = "RELAX_END_OF_TURN_PROBE"  # an assistant answer's text, to find what the template writes after it
+
+
+def template_stop_tokens(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The special tokens a tokenizer's chat template ends an assistant turn with: the token it writes right after an
+    answer's text (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, harmony's `<|return|>`), and, for a template that
+    writes harmony messages (gpt-oss's: `<|channel|>`), `<|return|>` and `<|call|>` (a call's end, which no answer
+    shows). Empty where the template renders no answer (it raises) or writes no special token after one (GLM-4.5's
+    turns end at the next turn's start)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, t in added.items() if getattr(t, "special", False)} | set(tokenizer.all_special_ids)
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    ids: set[int] = set()
+    if HARMONY_CHANNEL in text:
+        vocab = tokenizer.get_vocab()
+        ids |= {vocab[t] for t in HARMONY_STOPS if vocab.get(t) in special}
+    try:  # a probe: a template that cannot render a plain answer says nothing of its end token
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _END_PROBE}], tokenize=False)
+    except Exception:  # noqa: BLE001  (jinja's TemplateError, a template's raise_exception, a missing variable)
+        return ids
+    _, found, rest = str(rendered).rpartition(_END_PROBE)
+    if found:
+        after = tokenizer(rest.lstrip(" "), add_special_tokens=False)["input_ids"]
+        if after and after[0] in special:
+            ids.add(int(after[0]))
+    return ids
+
+
 def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """Token ids that end a response: the tokenizer's EOS plus the model's `generation_config.json` eos ids.
 
     Chat models stop on their end-of-turn token (e.g. Qwen3's `<|im_end|>`), which their generation config
     lists while the tokenizer's EOS may be another token (`<|endoftext|>`). A GGUF file carries one EOS (the
-    tokenizer's). Never empty.
+    tokenizer's) and no generation config: a tokenizer read from one (model.source=gguf, or model.tokenizer a .gguf
+    file) also stops on the end tokens its chat template writes (`template_stop_tokens`), as llama.cpp stops a GGUF
+    model on its end-of-generation tokens besides the EOS. Never empty.
     """
     ids = _ids(tokenizer.eos_token_id)
-    if _field(model_cfg, "source", "config") == "hf":
+    source = _field(model_cfg, "source", "config")
+    if source == "hf":
         path = resolve_model_path(model_cfg)
         if path is not None and (path / "generation_config.json").is_file():
             from transformers import GenerationConfig
@@ -356,6 +393,9 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
                 raise ModelFileError(f"model.source=hf: {path / 'generation_config.json'} cannot be read: "
                                      f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
                                      ) from None
+    tokenizer_file = _field(model_cfg, "tokenizer")
+    if source == "gguf" or (source == "config" and tokenizer_file and Path(tokenizer_file).expanduser().is_file()):
+        ids |= template_stop_tokens(tokenizer)
     if not ids:
         raise ValueError("the tokenizer has no EOS token and the model no generation_config eos_token_id: "
                          "responses could never stop")
