@@ -11,9 +11,9 @@ generated but not yet trained, the batch in flight with its partial responses, t
 `ledger.jsonl` (the samples steps 0..39 trained, `relax.runner.ledger`, added through `Checkpoints.attachments`) and
 `state.json`: the step, the sampler's position, the MLflow run id, the tracker's counters, the flattened config
 (what a resume is checked against), the lineage (one id per run from its fresh start, kept across resumes),
-the commit sequence number and what identifies the run's model files (`relax.runner.model_record`, which
-relax-export checks them against). Every sample draws from the random stream of (seed, sample id, position), so no
-other RNG state is needed to resume exactly.
+the commit sequence number and what identifies the run's model files (`relax.runner.model_record`, which a resume
+and relax-export check model.path against: `check_run_model`). Every sample draws from the random stream of (seed,
+sample id, position), so no other RNG state is needed to resume exactly.
 
 Commit: everything is written to `.tmp-step_NNNNNN/`, every file and directory is fsync'ed, the directory is
 renamed to `step_NNNNNN/` and the parent fsync'ed; only then are older checkpoints removed (the newest
@@ -53,7 +53,7 @@ from relax.config.schema import RelaxConfig
 from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
 from relax.models.write_errors import torch_save
 from relax.runner.errors import RunError
-from relax.runner.model_record import RUN_MODEL, recorded_model
+from relax.runner.model_record import FIELDS, RUN_MODEL, differences, model_record, recorded_model, shown
 from relax.tracking.params import flatten_config
 
 PREFIX = "step_"
@@ -351,6 +351,7 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
     saved = state.get("config")
     if saved is None:  # written before checkpoints recorded their config
         print(f"relax-train: warning: checkpoint {path} records no config; continuing it unchecked", file=sys.stderr)
+        check_run_model(cfg, path, state)
         verify(path, state, hashes=hashes)
         return ResumePoint(path, state)
     if not isinstance(saved, dict):
@@ -378,8 +379,46 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
             f"{why}Only {', '.join(RESUMABLE_CHANGES)} may change on resume. Run with the checkpoint's values to "
             f"continue it, or start a new run elsewhere (tracking.run_name=... or train.save_dir=...)."
         )
+    check_run_model(cfg, path, state)
     verify(path, state, hashes=hashes)
     return ResumePoint(path, state, changed)
+
+
+def check_run_model(cfg: RelaxConfig, path: Path, state: dict) -> None:
+    """Refuse a resume whose model files (`model.path`, whose value the config check found unchanged) are no longer
+    the model the run trained from: their record (`relax.runner.model_record`: config architectures, vocab_size,
+    tokenizer and chat template digests) differs from the one in the checkpoint's state.json. The run would go on
+    with the checkpoint's weights but another tokenizer, chat template or EOS: RunError in one line naming each
+    field that differs with both values. A checkpoint without the record (an older Relax's, or one whose run could
+    not read its model files) continues with a note that the check could not be made. The record is cached per model
+    files (`model_record`), so the commits that follow reuse it."""
+    if cfg.model.source == "config":  # no model files: nothing is recorded or compared
+        return
+    from relax.data.tokenizer import resolve_model_path
+
+    recorded = state.get(RUN_MODEL)
+    try:
+        where = (f"model.path={cfg.model.path}" if cfg.model.path else
+                 f"the model files at {resolve_model_path(cfg.model)}")
+    except Exception:  # noqa: BLE001 - no model files: preflight's model check, which runs first, names the problem
+        return
+    if not isinstance(recorded, dict):
+        why = ("was written by an older Relax" if RUN_MODEL not in state else
+               "records that its run could not read its model files")
+        print(f"relax-train: note: checkpoint {path} {why}: it does not say which model the run trained from, so "
+              f"{where} is not checked against it", file=sys.stderr, flush=True)
+        return
+    try:
+        now = model_record(cfg.model)
+    except Exception:  # noqa: BLE001 - unreadable model files: preflight's model check, which runs first, names them
+        return
+    assert now is not None
+    differ = differences(recorded, now)
+    if differ:
+        fields = "; ".join(f"{FIELDS[k]}: {shown(k, recorded[k])} in the run, {shown(k, now[k])} now" for k in differ)
+        raise RunError(f"train.resume={cfg.train.resume}: {where} no longer holds the model that checkpoint {path} was "
+                       f"trained from ({fields}): its files were replaced since the run; point model.path at the "
+                       "run's model to continue it, or start a new run")
 
 
 # what names a run's default checkpoint directory (`run_name`): a checkpoint of the experiment that differs from a run

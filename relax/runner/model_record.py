@@ -1,4 +1,5 @@
-"""What identifies a run's model beyond its weights: recorded in every checkpoint, checked by `relax-export`.
+"""What identifies a run's model beyond its weights: recorded in every checkpoint, checked by `relax-export` and by a
+resume (`relax.runner.checkpoint.check_run_model`: a run continued on a replaced model directory is refused too).
 
 An export takes the tokenizer, the chat template and a vision model's processor from the run's model files
 (`model.path`, or `relax-export --model-path` where they are elsewhere now), not from the checkpoint. So that a
