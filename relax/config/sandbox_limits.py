@@ -16,6 +16,13 @@ PYTHON_TOOL = "python"  # its name in data.tools (relax.agents.tools.BUILTIN_TOO
 PYTHON_TOOL_WALL_S = 5.0  # the python tool's (data.tools=[python]) sandbox runs, unless data.sandbox.wall_s is set
 PYTHON_TOOL_CPU_S = 3
 PYTHON_TOOL_MARGIN_S = 2.0  # data.tool_timeout_s must exceed the python tool's wall-clock limit by this
+# The least data.sandbox.memory_mb and data.sandbox.wall_s may be: a sandboxed program runs in a fresh interpreter
+# that starts and sets up its isolation under these limits, so below what that takes every program fails before its
+# first line (a MemoryError; a time-out) and every code_tests reward or python tool call with it. The interpreter
+# and the harness need about 20 MB of address space (RLIMIT_AS): the floor leaves room for other builds and for the
+# program itself. The wall-clock floor is many times a start's duration on an idle machine, for a loaded one.
+MEMORY_FLOOR_MB = 64
+WALL_FLOOR_S = 0.5
 
 
 def code_tests_limits(sandbox: Any = None) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """The rules of `data.sandbox` (the limits of the code_tests rewards' and the python tool's sandbox) and of
 `data.reward_workers`, reported with the rest of the config's (`relax.config.validate`): each limit in its range,
-the CPU limit within the wall-clock one, and each option refused where nothing reads it (no code_tests reward and no
-python tool; reward calls that run in the driver or on a service). The time limits of the reward and the tool are
-checked against the configured wall-clock limit where they are (`relax.config.reward_service_rules`, validate's
-agent rules)."""
+the memory and wall-clock limits at least what a sandboxed interpreter needs to start (`MEMORY_FLOOR_MB`,
+`WALL_FLOOR_S`: below them every program would fail before its first line; cpu_s, a whole number of seconds, and
+file_size_mb, which limits only the files a program writes, need no floor), the CPU limit within the wall-clock one,
+and each option refused where nothing reads it (no code_tests reward and no python tool; reward calls that run in the
+driver or on a service). The time limits of the reward and the tool are checked against the configured wall-clock
+limit where they are (`relax.config.reward_service_rules`, validate's agent rules)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ import dataclasses
 
 from relax.algorithms.base import Violation, range_of
 from relax.config.reward_service_rules import CODE_TESTS_REWARDS
-from relax.config.sandbox_limits import PYTHON_TOOL, code_tests_limits, python_tool_limits
+from relax.config.sandbox_limits import (
+    MEMORY_FLOOR_MB,
+    PYTHON_TOOL,
+    WALL_FLOOR_S,
+    code_tests_limits,
+    python_tool_limits,
+)
 from relax.config.schema import RelaxConfig, SandboxConfig
 
 
@@ -48,6 +56,19 @@ def sandbox_violations(cfg: RelaxConfig) -> list[Violation]:
                     f"data.sandbox.{f.name}={value} has no effect: it limits the programs of the code_tests rewards "
                     f"(data.reward=code_tests|code_tests_all) and of the python tool (data.tools=[python]), and "
                     f"data.reward={d.reward} with data.tools={list(d.tools)} runs none")
+    if (code or tool) and range_of(SandboxConfig, "memory_mb").admits(box.memory_mb) \
+            and box.memory_mb < MEMORY_FLOOR_MB:
+        require(False, "data.sandbox.memory_mb",
+                f"data.sandbox.memory_mb={box.memory_mb} is below {MEMORY_FLOOR_MB} MB, the least the sandbox "
+                "allows: its Python interpreter alone needs about 20 MB of address space to start, so with less every "
+                "program fails with a MemoryError before its first line (and every reward or tool call with it); the "
+                "floor leaves room for the program")
+    if (code or tool) and range_of(SandboxConfig, "wall_s").admits(box.wall_s) and box.wall_s is not None \
+            and box.wall_s < WALL_FLOOR_S:
+        require(False, "data.sandbox.wall_s",
+                f"data.sandbox.wall_s={box.wall_s} is below {WALL_FLOOR_S:g} s, the least the sandbox allows: each "
+                "program starts a fresh interpreter and sets up its isolation within that limit, so with less most "
+                "programs would be stopped before their first line (a counted time-out, not a verdict on the code)")
     if in_range and box.cpu_s is not None:
         users = [("the code_tests rewards", code_tests_limits(box))] if code else []
         users += [("the python tool", python_tool_limits(box))] if tool else []

@@ -117,3 +117,28 @@ def test_a_run_builds_its_reward_and_its_python_tool_with_the_configured_limits(
     finally:
         maker.close()
     assert (limits.memory_mb, limits.wall_s, limits.cpu_s) == (2048, 9.0, 3)
+
+
+def test_limits_under_which_the_sandboxed_interpreter_cannot_start_are_refused():
+    """data.sandbox.memory_mb and wall_s below what the sandbox's own interpreter needs to start: every program would
+    fail before its first line (seen here on the sandbox itself), so the config refuses them, naming the floor."""
+    from relax.config.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
+    from relax.rewards.sandbox import SandboxLimits, run_in_sandbox
+
+    code, tests = "def f(x):\n    return x + 1\n", ["assert f(1) == 2"]
+    starved = run_in_sandbox(code, tests, limits=SandboxLimits(memory_mb=1))
+    assert starved.passed == [False] and "MemoryError" in starved.stderr  # before the harness reached the code
+    assert run_in_sandbox(code, tests, limits=SandboxLimits(wall_s=0.005)).status == "timeout"
+    at_floor = run_in_sandbox(code, tests, limits=SandboxLimits(memory_mb=MEMORY_FLOOR_MB))
+    assert at_floor.status == "ok" and at_floor.passed == [True]
+
+    message = problems("data=code_tests", "data.sandbox.memory_mb=1", "data.sandbox.wall_s=0.005")
+    assert f"data.sandbox.memory_mb=1 is below {MEMORY_FLOOR_MB} MB, the least the sandbox allows" in message
+    assert f"data.sandbox.wall_s=0.005 is below {WALL_FLOOR_S:g} s, the least the sandbox allows" in message
+    tool = problems("data.tools=[python]", "rollout.max_turns=2", f"data.sandbox.memory_mb={MEMORY_FLOOR_MB - 1}")
+    assert f"data.sandbox.memory_mb={MEMORY_FLOOR_MB - 1} is below {MEMORY_FLOOR_MB} MB" in tool
+    # the floors themselves pass, for either user; a value nothing reads keeps its own message alone
+    load_config(["data=code_tests", f"data.sandbox.memory_mb={MEMORY_FLOOR_MB}", f"data.sandbox.wall_s={WALL_FLOOR_S}"])
+    load_config(["data.tools=[python]", "rollout.max_turns=2", f"data.sandbox.memory_mb={MEMORY_FLOOR_MB}"])
+    unused = problems("data.sandbox.memory_mb=1")
+    assert "data.sandbox.memory_mb=1 has no effect" in unused and "is below" not in unused
