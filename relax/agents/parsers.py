@@ -735,6 +735,32 @@ def xml_plain(schema: Any) -> bool:
     return isinstance(schema, dict) and set(schema) <= _ANNOTATIONS | {"enum"}
 
 
+def resolved_schema(schema: Any, root: Any) -> Any:
+    """`schema` with its local `$ref` ("#/$defs/Color", a pydantic model's enum) followed inside `root` (the tool's
+    `parameters`, where its refs point), the annotations beside the ref (a description) kept over the target's: what
+    an XML format's argument is, to choose how it is written and read (`xml_plain`). Anything else (a ref to another
+    document, one that does not resolve, a ref beside constraints, a cycle) is returned as it is."""
+    for _ in range(32):  # (a chain of refs; a cycle stops here)
+        if not isinstance(schema, dict) or not isinstance(schema.get("$ref"), str):
+            return schema
+        ref, others = schema["$ref"], {k: v for k, v in schema.items() if k != "$ref"}
+        if not ref.startswith("#") or not set(others) <= _ANNOTATIONS:
+            return schema
+        target = root
+        for part in ref[1:].split("/")[1:]:  # "#/$defs/Color" -> $defs, Color (JSON pointer escapes undone)
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return schema
+        if not isinstance(target, dict):
+            return schema
+        schema = {**target, **others}
+    return schema
+
+
 def _json_string(text: str) -> Optional[str]:
     """The string `text` is the JSON of, or None when it is not a JSON string."""
     if not (text.startswith('"') and text.endswith('"')):
@@ -811,7 +837,7 @@ def apply_tool_schemas(parsed: ParsedMessage, tools: Optional[Sequence[dict]]) -
         args = dict(item.arguments)
         properties = (fn.get("parameters") or {}).get("properties") or {}
         for key, text in (item.texts or {}).items():
-            schema = properties.get(key)
+            schema = resolved_schema(properties.get(key), fn.get("parameters"))  # a $ref'd enum: its words
             string, nullable = _string_schema(schema)
             if string:
                 decoded = None if xml_plain(schema) else _json_string(text)

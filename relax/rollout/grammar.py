@@ -44,6 +44,7 @@ from relax.agents.parsers import (
     MISTRAL_CALLS,
     PYTHON_TAG,
     THINK,
+    resolved_schema,
     xml_plain,
 )
 
@@ -171,9 +172,9 @@ _XML_PARAMETERS = "#/$defs/relax_parameters"
 def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, str]) -> tuple[str, list[str]]:
     """(the sequence of `f`'s arguments in an XML format, the rules it uses): its required parameters, then each
     optional one or not, in the schema's order, each `key[0] NAME key[1] value[0] VALUE value[1]`; a string value
-    is text (`_XML_TEXT`; one of its enum's words), any other JSON following the parameter's schema (what the
-    formats' templates write; a string whose schema constrains its text, a pattern, a length limit, a format, is
-    written as JSON, which the parser reads back to the string: `relax.agents.parsers.xml_plain`, one rule for both)."""
+    is text (`_XML_TEXT`; one of its enum's words, a `$ref`'d enum's too), any other JSON following the parameter's
+    schema (what the formats' templates write; a string whose schema constrains its text, a pattern, a length limit, a
+    format, is written as JSON, which the parser reads back to the string: `relax.agents.parsers.xml_plain`, one rule for both)."""
     parameters = f.get("parameters") or {"type": "object", "properties": {}}
     props, required = parameters.get("properties") or {}, set(parameters.get("required") or ())
     if parameters.get("type", "object") != "object" or not isinstance(props, dict):
@@ -183,11 +184,14 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
     moved = _moved_refs(parameters, _XML_PARAMETERS)
     for i, (name, schema) in enumerate(props.items()):
         v = f"{rule}_p{i}"
-        plain = xml_plain(schema)  # what the parser reads as text (the same rule: relax.agents.parsers)
-        words = schema.get("enum") if plain else None
+        # what the argument is once its refs are followed (a pydantic model's enum is a "$ref" to its $defs): how it
+        # is written depends on that, as how the parser reads it back does (the same rules: relax.agents.parsers)
+        target = resolved_schema(schema, parameters)
+        plain = xml_plain(target)
+        words = target.get("enum") if plain else None
         if plain and words is not None and words and all(isinstance(w, str) and "<" not in w for w in words):
             rules.append(f"{v} ::= " + " | ".join(_literal(w) for w in words))  # as the template writes them
-        elif plain and words is None and schema.get("type") == "string":
+        elif plain and words is None and target.get("type") == "string":
             rules.append(f"{v} ::= {_XML_TEXT}")
         else:  # compiled alone, with the whole parameters beside it: its refs ("#/$defs/X") resolve in them
             rules.append(_json_rules({**_moved_refs(schema, _XML_PARAMETERS),
