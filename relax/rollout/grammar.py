@@ -174,7 +174,8 @@ def _xml_arguments(f: dict, rule: str, key: tuple[str, str], value: tuple[str, s
     optional one or not, in the schema's order, each `key[0] NAME key[1] value[0] VALUE value[1]`; a string value
     is text (`_XML_TEXT`; one of its enum's words, a `$ref`'d enum's too), any other JSON following the parameter's
     schema (what the formats' templates write; a string whose schema constrains its text, a pattern, a length limit, a
-    format, is written as JSON, which the parser reads back to the string: `relax.agents.parsers.xml_plain`, one rule for both)."""
+    format, is written as JSON, which the parser reads back to the string: `relax.agents.parsers.xml_plain`, one rule
+    for both)."""
     parameters = f.get("parameters") or {"type": "object", "properties": {}}
     props, required = parameters.get("properties") or {}, set(parameters.get("required") or ())
     if parameters.get("type", "object") != "object" or not isinstance(props, dict):
