@@ -87,7 +87,7 @@ def test_thinking_off_renders_the_closed_block_and_answers_without_a_reasoning_i
     assert plain.output[0].content[0].text == "add them" and plain.output_text == "7"
     assert plain.usage.output_tokens_details.reasoning_tokens > 0
     for kw in (dict(extra_body=OFF), dict(reasoning={"effort": "none"}),
-               dict(reasoning={"effort": "none"}, extra_body={"chat_template_kwargs": {"unused_variable": 1}})):
+               dict(reasoning={"effort": "none"}, extra_body={"chat_template_kwargs": {"enable_thinking": False}})):
         r = client.responses.create(model="m", input=QUESTION, **kw)
         assert tok.decode(engine.payloads[-1]["input_ids"]) == rendered(tok, enable_thinking=False), kw
         assert [o.type for o in r.output] == ["message"] and r.output_text == "7", kw
@@ -209,7 +209,7 @@ def test_chat_reasoning_effort_none_renders_the_closed_block_and_answers_without
     plain = client.chat.completions.create(model="m", messages=USER)
     assert tok.decode(engine.payloads[-1]["input_ids"]) == rendered(tok)
     assert (_reasoning(plain.choices[0].message), plain.choices[0].message.content) == ("add them", "7")
-    for extra in (None, {"chat_template_kwargs": {"unused_variable": 1}}, {"seed": 3}):
+    for extra in (None, {"chat_template_kwargs": {"enable_thinking": False}}, {"seed": 3}):
         r = client.chat.completions.create(model="m", messages=USER, reasoning_effort="none", extra_body=extra)
         assert tok.decode(engine.payloads[-1]["input_ids"]) == rendered(tok, enable_thinking=False), extra
         assert _reasoning(r.choices[0].message) is None and r.choices[0].message.content == "7", extra

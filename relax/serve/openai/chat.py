@@ -53,7 +53,7 @@ from relax.agents.parsers import (
 )
 from relax.agents.render import ObservationRenderer
 from relax.serve.openai.deltas import CALL_STARTS, held_prefix_tail
-from relax.serve.openai.protocol import EFFORT_VARIABLE, VERBOSITY_VARIABLE, APIError
+from relax.serve.openai.protocol import EFFORT_VARIABLE, TEMPLATE_RESERVED, VERBOSITY_VARIABLE, APIError
 
 __all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
 
@@ -129,6 +129,34 @@ def template_refusal(exc: Exception) -> APIError:
     return APIError(f"messages: the model's chat template refuses this conversation: {exc}", param="messages")
 
 
+# names the chat template environment of transformers defines (its globals) and message fields that templates assign
+# in loops yet jinja2 reports as read: not variables a request sets
+TEMPLATE_GLOBALS = frozenset({"raise_exception", "strftime_now", "namespace", "dict", "range", "cycler", "joiner",
+                              "lipsum"})
+TEMPLATE_LOCALS = frozenset({"content", "reasoning_content", "message", "tool", "tool_call"})
+
+
+def template_variables(template: Any) -> Optional[frozenset[str]]:
+    """The variables a chat template reads: jinja2's `meta.find_undeclared_variables` of the template as
+    transformers parses it (its environment: loop controls, the generation tag); several named templates: those of
+    any. None where it does not parse here (nothing can be said of what it reads)."""
+    from jinja2 import TemplateError, meta
+
+    sources = list(template.values()) if isinstance(template, dict) else [template]
+    found: set[str] = set()
+    for source in sources:
+        if not isinstance(source, str):
+            return None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            environment = _compile_jinja_template(source).environment
+            found |= meta.find_undeclared_variables(environment.parse(source))
+        except (ImportError, TemplateError):
+            return None
+    return frozenset(found)
+
+
 class _TemplateKwargs:
     """A tokenizer whose chat template renders with extra variables (a request's chat_template_kwargs), for an
     `ObservationRenderer`: everything else is the tokenizer's."""
@@ -167,8 +195,12 @@ class ChatFormat:
         self.harmony = uses_harmony(template)  # answers are harmony messages (gpt-oss's channels)
         # the template reads the reasoning_effort variable (gpt-oss's: "Reasoning: medium" unless given), which SGLang
         # renders a request's reasoning_effort as; a template that never mentions it cannot honour an effort
-        self.reads_effort = EFFORT_VARIABLE in template
-        self.reads_verbosity = VERBOSITY_VARIABLE in template  # likewise a request's verbosity
+        # the variables the template reads (None: it does not parse here; then every key is taken, as before)
+        self.variables = template_variables(getattr(tokenizer, "chat_template", None))
+        self.reads_effort = EFFORT_VARIABLE in (template if self.variables is None else self.variables)
+        # likewise a request's verbosity
+        self.reads_verbosity = VERBOSITY_VARIABLE in (template if self.variables is None else self.variables)
+        self._given = {k for k in getattr(tokenizer, "special_tokens_map", None) or {}}  # what transformers passes
         self._renderers: dict[str, ObservationRenderer] = {}  # by chat_template_kwargs (JSON); none: renderer
         self.renderer = ObservationRenderer(tokenizer)
         self.lock = threading.RLock()
@@ -276,6 +308,25 @@ class ChatFormat:
                     self._template_messages(messages, None, text_arguments), stop_token, calls), messages)
             except ValueError as exc:  # the template refuses them (`ObservationRenderer.after_turn`)
                 raise template_refusal(exc) from None
+
+    def check_template_kwargs(self, kwargs: Any) -> None:
+        """A 400 naming chat_template_kwargs for a key of a request's own chat_template_kwargs that the chat template
+        never reads (a misspelt `enable_thinkng` would change nothing): it names the key and the variables the
+        template does read. The template's variables are its undeclared names (`template_variables`), so a key it
+        reads only in some branch is taken; keys naming apply_chat_template's own arguments are refused before
+        (`relax.serve.openai.protocol.TEMPLATE_RESERVED`). A template that does not parse here is not checked."""
+        if not isinstance(kwargs, dict) or not kwargs or self.variables is None:
+            return
+        unknown = sorted(k for k in kwargs if k not in self.variables or k in TEMPLATE_GLOBALS)
+        if not unknown:
+            return
+        readable = sorted(self.variables - TEMPLATE_RESERVED - TEMPLATE_GLOBALS - TEMPLATE_LOCALS - self._given)
+        keys = ", ".join(repr(k) for k in unknown)
+        raise APIError(f"chat_template_kwargs: {keys}: this model's chat template does not read "
+                       f"{'it' if len(unknown) == 1 else 'them'}, so {'it' if len(unknown) == 1 else 'they'} would "
+                       f"change nothing; the variables it reads: "
+                       f"{', '.join(readable) if readable else 'none besides the messages and tools'}",
+                       param="chat_template_kwargs")
 
     def effort_variables(self, effort: str, kwargs: dict) -> dict:
         """The chat template's variables for a request's reasoning_effort, under its own chat_template_kwargs (whose

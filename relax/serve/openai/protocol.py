@@ -94,7 +94,8 @@ FIELDS: dict[str, Rule] = {
     "stream_options": Rule(HONOURED, "include_usage (include_obfuscation: no obfuscation field is added)"),
     "ignore_eos": Rule(HONOURED, f"{_SGL}: the stop tokens do not end the answer"),
     "no_stop_trim": Rule(HONOURED, f"{_SGL}: a stop string stays in the text (nothing changes without one)"),
-    "chat_template_kwargs": Rule(HONOURED, f"{_SGL}: extra variables of the chat template (enable_thinking)", CHAT),
+    "chat_template_kwargs": Rule(HONOURED, f"{_SGL}: extra variables of the chat template (enable_thinking); a key "
+                                           "the template does not read is a 400 naming it", CHAT),
     "reasoning_effort": Rule(HONOURED, 'chat: "none" turns thinking off (chat_template_kwargs thinking and '
                                        "enable_thinking false, as SGLang's), refused where the template would still "
                                        "reason; every effort is the template variable reasoning_effort where the "

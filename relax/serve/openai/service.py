@@ -155,6 +155,8 @@ class OpenAIService:
             check_image_parts(body)
             body, image_data, places = take_images(body)
         messages, p = parse_chat(body)
+        # the request's own keys (not those reasoning_effort "none" adds): each a variable the template reads
+        self.fmt.check_template_kwargs(body.get("chat_template_kwargs"))
         if p.reasoning_effort is not None:  # the template variable where the template reads it, else a 400 but "none"
             p.template_kwargs = self.fmt.effort_variables(p.reasoning_effort, p.template_kwargs or {}) or None
         if p.verbosity is not None:  # likewise: the template variable where the template reads it, else "medium" only
