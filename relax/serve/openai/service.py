@@ -9,7 +9,8 @@ Within a session (`relax.serve.openai.sessions`), the session decides the prompt
 before), the sampling and the limits, and records every call.
 
 A streamed answer (`stream`) is written as its tokens are drawn where the engine streams (`StreamSend`: relax-serve),
-outside a session and without top_logprobs; otherwise once the whole answer is generated. Either way by the same
+outside a session (with top_logprobs: each token once the engine has sent its alternatives too); otherwise once the
+whole answer is generated. Either way by the same
 writer (`_chat_chunks`, `_completion_chunks`): `relax.serve.openai.deltas` decides what of each choice may be sent (a
 finished answer's tokens fed at once), and its end (the choice, its tool calls, finish reason and usage) is computed
 by the same code as the unstreamed answer's.
@@ -104,8 +105,9 @@ class Session(Protocol):
 # {"error": {"message"}}; closing it early aborts what still runs.
 StreamSend = Callable[[list[dict]], Iterator[dict]]
 # What a stream's writer reads of a choice (`OpenAIService._progress`, `_answered`): (its index, its tokens and their
-# log-probs so far and None while it goes on; at its end, its `Sampled` and `Choice` (whose tokens are the answer's)).
-Drawn = tuple[int, list[int], list[float], Optional[tuple[Sampled, Choice]]]
+# log-probs so far, with top_logprobs their alternatives (token text, log-prob) so far (None: none asked), and None
+# while it goes on; at its end, its `Sampled` and `Choice` (whose tokens are the answer's)).
+Drawn = tuple[int, list[int], list[float], Optional[list[list[tuple[str, float]]]], Optional[tuple[Sampled, Choice]]]
 
 
 class OpenAIService:
@@ -190,7 +192,7 @@ class OpenAIService:
             if self._incremental(p, session):
                 payloads, p = self._payloads(prompt, p, session, context, image_data)
                 events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
-                drawn = self._progress(events, lambda s: self._chat_choice(s, prompt, p))
+                drawn = self._progress(events, lambda s: self._chat_choice(s, prompt, p), p.top_logprobs)
                 return p, _Closing(self._chat_chunks(drawn, prompt, p, bool(image_data)), events)
             sampled, p = self._generate(prompt, p, session, context, image_data)
         except APIError as exc:
@@ -291,7 +293,7 @@ class OpenAIService:
         prompt_tokens = sum(len(q) for q in prompts)
         if self._incremental(p, session):
             events = self.stream(payloads)
-            drawn = self._progress(events, lambda s: self._completion_choice(s, p))
+            drawn = self._progress(events, lambda s: self._completion_choice(s, p), p.top_logprobs)
             return 200, _streamed(_Closing(self._completion_chunks(drawn, prompt_tokens, p), events))
         sampled = [self._parse(a) for a in self.send(payloads)]
         choices = [self._completion_choice(s, p) for s in sampled]
@@ -309,9 +311,9 @@ class OpenAIService:
     # --------------------------------------------------------------------------------------------- incremental
     def _incremental(self, p: Params, session: Optional[Session]) -> bool:
         """Whether a request's stream is written as its tokens are drawn: a streamed request outside a training
-        session (which records whole answers) on an engine that streams, without top_logprobs (the engine reports
-        the alternatives with the finished answer)."""
-        return p.stream and self.stream is not None and session is None and not p.top_logprobs
+        session (which records whole answers) on an engine that streams. With top_logprobs, a token is written once
+        its alternatives have come too (`_progress`)."""
+        return p.stream and self.stream is not None and session is None
 
     def _deltas(self, p: Params, prompt: list[int], chat: bool) -> TextDeltas:
         fmt = self.fmt
@@ -323,9 +325,14 @@ class OpenAIService:
                           harmony=chat and fmt.harmony, separate=p.separate_reasoning,
                           cleanup=bool(getattr(fmt.tokenizer, "clean_up_tokenization_spaces", False)))
 
-    def _progress(self, events: Iterator[dict], answer: Callable[[Sampled], Choice]) -> Iterator[Drawn]:
+    def _progress(self, events: Iterator[dict], answer: Callable[[Sampled], Choice], top: int = 0) -> Iterator[Drawn]:
         """Each event of a `stream` as its writer reads it (`Drawn`), a finished choice answered by `answer`; an error
-        event raises APIError (a 500). Closing it closes `events`."""
+        event raises APIError (a 500). Closing it closes `events`. With `top` (top_logprobs), the tokens so far are
+        those whose alternatives the event carries too (SGLang's streamed `output_top_logprobs`, one list per token
+        so far), so each chunk is written with its tokens' alternatives as OpenAI and SGLang stream them; an engine
+        whose events carry none before the end (relax-serve's computes them once a row ended) has every chunk
+        written with its final answer."""
+        pieces: dict[int, list[list[tuple[str, float]]]] = {}  # per choice: its tokens' alternatives, as text
         try:
             for event in events:
                 if "error" in event:
@@ -336,10 +343,16 @@ class OpenAIService:
                 i = int(event.get("index", 0))
                 if meta.get("finish_reason") is not None:
                     s = self._parse(event)
-                    yield i, [], [], (s, answer(s))
-                else:
-                    pairs = meta.get("output_token_logprobs") or []
-                    yield i, [int(q[1]) for q in pairs], [float(q[0]) for q in pairs], None
+                    yield i, [], [], None, (s, answer(s))
+                    continue
+                pairs = meta.get("output_token_logprobs") or []
+                alts = None
+                if top:
+                    alts = pieces.setdefault(i, [])
+                    for found in (meta.get("output_top_logprobs") or [])[len(alts):len(pairs)]:
+                        alts.append([(self.fmt.pieces([int(a[1])])[0], float(a[0])) for a in found or []])
+                    pairs = pairs[:len(alts)]
+                yield i, [int(q[1]) for q in pairs], [float(q[0]) for q in pairs], alts, None
         finally:
             _close(events)
 
@@ -369,9 +382,9 @@ class OpenAIService:
                 yield chunk(i, {d.field: d.text} if d.text else {}, lps)
 
         try:
-            for i, tokens, logps, done in drawn:
+            for i, tokens, logps, alts, done in drawn:
                 if done is None:
-                    yield from written(i, splitters[i].feed(tokens, logps))
+                    yield from written(i, splitters[i].feed(tokens, logps, alts))
                     continue
                 s, c = done
                 choices[i] = c
@@ -415,10 +428,10 @@ class OpenAIService:
             return {**head, "choices": [{"index": i, "text": d.text, "finish_reason": None, "logprobs": logprobs}]}
 
         try:
-            for i, tokens, logps, done in drawn:
+            for i, tokens, logps, alts, done in drawn:
                 splitter = texts.setdefault(i, self._deltas(p, [], chat=False))
                 if done is None:
-                    for d in splitter.feed(tokens, logps):
+                    for d in splitter.feed(tokens, logps, alts):
                         yield chunk(i, d)
                     continue
                 c = choices[i] = done[1]
@@ -618,7 +631,7 @@ class OpenAIService:
 
 def _answered(sampled: list[Sampled], choices: list[Choice]) -> Iterator[Drawn]:
     """Finished choices as a stream's writer reads them: each at its end, every token still to be fed."""
-    return ((i, [], [], (s, c)) for i, (s, c) in enumerate(zip(sampled, choices, strict=True)))
+    return ((i, [], [], None, (s, c)) for i, (s, c) in enumerate(zip(sampled, choices, strict=True)))
 
 
 def _close(it: Any) -> None:
