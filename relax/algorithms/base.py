@@ -117,6 +117,20 @@ def range_of(cls: type, name: str) -> Optional[Range]:
     return _declared(cls, name, "range")
 
 
+# verl's loss_agg_mode values: every token of the step weighs the same; each response weighs the same (its token
+# mean); each response's token sum, over the responses; the same over a constant (loss_scale_factor)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def loss_agg_mode(cfg: Any, per_token: bool) -> str:
+    """The aggregation a step's loss uses: `cfg.loss_agg_mode`, else (auto, or a config without the field) the one
+    `per_token` (train.calculate_per_token_loss) names."""
+    mode = getattr(cfg, "loss_agg_mode", "auto")
+    if mode != "auto":
+        return mode
+    return "token-mean" if per_token else "seq-mean-token-mean"
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Settings shared by every algorithm; subclasses add their own and set `name`.
@@ -171,6 +185,16 @@ class AlgorithmConfig:
     # denominator sees them, while their reward still counts in their group's baseline. Applied by the runner's mask
     # step (relax.runner.train.train_batch), so every algorithm has it.
     mask_truncated: bool = False
+    # How the policy loss (with its KL loss and entropy terms, and PPO's critic loss) sums its tokens, by verl's
+    # names (actor.loss_agg_mode); auto: train.calculate_per_token_loss decides (true: token-mean, false:
+    # seq-mean-token-mean). Set, it must agree with train.calculate_per_token_loss (token-mean with true, the
+    # seq-mean-* modes with false), which decides the step's denominator: its valid tokens or its responses.
+    # seq-mean-token-sum: each response's token sum, averaged over the step's responses; seq-mean-token-sum-norm: the
+    # same divided by loss_scale_factor. docs/algorithms.md, "Reduction".
+    loss_agg_mode: str = choice("auto", ("auto", *LOSS_AGG_MODES))
+    # seq-mean-token-sum-norm's constant divisor (verl's loss_scale_factor; Dr. GRPO divides by the generation
+    # budget, e.g. rollout.max_response_len); needed by that mode and only read by it.
+    loss_scale_factor: Optional[float] = positive(None, optional=True)
 
     @property
     def clip_high(self) -> float:
@@ -291,10 +315,67 @@ class Algorithm:
     # How many initial rollouts train only the critic (PPO's warm-up), read from the algorithm's config.
     critic_only_steps: Callable[[Any], int] = no_critic_only_steps
 
+    def __post_init__(self) -> None:
+        # the checks every algorithm shares (the loss aggregation's) run with its own, through `check`, which
+        # validation calls; an entry made by dataclasses.replace wraps the algorithm's own check again, for itself
+        own = getattr(self.check, "own_check", self.check)
+
+        def check(cfg: Any) -> list[Violation]:
+            return loss_agg_violations(cfg, self) + own(cfg)
+
+        check.own_check = own  # type: ignore[attr-defined]
+        object.__setattr__(self, "check", check)
+
     @property
     def needs_step_statistics(self) -> bool:
         """Whether a trainer must run the statistics pass over the whole step before the loss pass."""
         return self.step_statistics is not None
+
+
+def loss_agg_violations(cfg: Any, algorithm: Algorithm) -> list[Violation]:
+    """`algorithm.loss_agg_mode` and `algorithm.loss_scale_factor` against `train.calculate_per_token_loss` (resolved:
+    an unset one is the algorithm's default, `Algorithm.per_token_loss`) and the algorithm's required reduction."""
+    a, t = cfg.algorithm, getattr(cfg, "train", None)  # a duck-typed config may hold the algorithm alone
+    mode, factor = getattr(a, "loss_agg_mode", "auto"), getattr(a, "loss_scale_factor", None)
+    found: list[Violation] = []
+    if mode == "auto":
+        if factor is not None:
+            found.append(Violation(("algorithm.loss_scale_factor", "algorithm.loss_agg_mode"),
+                                   f"algorithm.loss_scale_factor={factor} has no effect: only "
+                                   "algorithm.loss_agg_mode=seq-mean-token-sum-norm divides by it; set that mode or "
+                                   "remove it"))
+        return found
+    if mode not in LOSS_AGG_MODES:
+        return found  # named by the generic choice check
+    per_token = getattr(t, "calculate_per_token_loss", None)
+    per_token = algorithm.per_token_loss if per_token is None else per_token
+    wants = mode == "token-mean"
+    required = "token-mean" if algorithm.per_token_loss else "seq-mean-token-mean"
+    if algorithm.per_token_loss_required and mode != required:
+        found.append(Violation(("algorithm.loss_agg_mode",),
+                               f"algorithm.loss_agg_mode={mode} is not supported: {algorithm.name} needs "
+                               f"{required} (train.calculate_per_token_loss="
+                               f"{str(algorithm.per_token_loss).lower()}); leave algorithm.loss_agg_mode=auto"))
+    elif per_token != wants:
+        what = "the step's valid tokens" if wants else "the step's responses"
+        default = f", {algorithm.name}'s default" if per_token == algorithm.per_token_loss else ""
+        found.append(Violation(("algorithm.loss_agg_mode", "train.calculate_per_token_loss"),
+                               f"algorithm.loss_agg_mode={mode} needs train.calculate_per_token_loss="
+                               f"{str(wants).lower()} (its denominator is {what}), but it is "
+                               f"{str(per_token).lower()}{default}: set train.calculate_per_token_loss="
+                               f"{str(wants).lower()} too"))
+    if mode == "seq-mean-token-sum-norm" and factor is None:
+        budget = getattr(getattr(cfg, "rollout", None), "max_response_len", None)
+        hint = f" (rollout.max_response_len={budget} here)" if budget is not None else ""
+        found.append(Violation(("algorithm.loss_scale_factor",),
+                               "algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor: "
+                               "the constant each response's token sum is divided by, Dr. GRPO's generation budget, "
+                               f"e.g. the longest response allowed{hint}"))
+    if mode != "seq-mean-token-sum-norm" and factor is not None:
+        found.append(Violation(("algorithm.loss_scale_factor", "algorithm.loss_agg_mode"),
+                               f"algorithm.loss_scale_factor={factor} has no effect with algorithm.loss_agg_mode={mode}"
+                               ": only seq-mean-token-sum-norm divides by it"))
+    return found
 
 
 _REGISTRY: dict[str, Algorithm] = {}

@@ -11,12 +11,13 @@ never reaches a loss, a gradient or a metric.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from relax.algorithms import functional as F
-from relax.algorithms.base import AlgorithmConfig, LossBatch, get
+from relax.algorithms.base import AlgorithmConfig, LossBatch, get, loss_agg_mode
 from relax.algorithms.rollout_correction import correction_weights
 from relax.metrics import (
     ENTROPY,
@@ -59,6 +60,28 @@ def _step_tokens(mask: torch.Tensor, per_token: bool, denominator: float, num_to
     return _positive((mask != 0).sum().item())
 
 
+def _reducer(cfg: Any, keep: torch.Tensor, per_token: bool, denom: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The loss reduction of `cfg.loss_agg_mode` (auto: the one `per_token` names) over this batch's valid tokens
+    `keep`, `denom` the step's denominator (`relax.train.trainer.step_denominators`: its valid tokens when
+    `per_token`, else its responses that have one). token-mean and seq-mean-token-sum both add every valid token;
+    they differ in the denominator the caller passes, and seq-mean-token-sum-norm also divides by
+    `cfg.loss_scale_factor`."""
+    mode = loss_agg_mode(cfg, per_token)
+    if (mode == "token-mean") != per_token:
+        raise ValueError(f"algorithm.loss_agg_mode={mode} needs train.calculate_per_token_loss="
+                         f"{str(not per_token).lower()}: the step's denominator is "
+                         f"{'its valid tokens' if per_token else 'its responses'}")
+    if mode == "seq-mean-token-mean":
+        return lambda x: F.masked_sum_reduce(x, keep, False, denom)
+    if mode == "seq-mean-token-sum-norm":
+        factor = getattr(cfg, "loss_scale_factor", None)
+        if factor is None or not factor > 0:
+            raise ValueError(f"algorithm.loss_agg_mode=seq-mean-token-sum-norm needs algorithm.loss_scale_factor > 0, "
+                             f"got {factor}")
+        denom = denom * float(factor)
+    return lambda x: F.masked_sum_reduce(x, keep, True, denom)
+
+
 def _zero_masked(x: Optional[torch.Tensor], keep: torch.Tensor) -> Optional[torch.Tensor]:
     """`x` with 0 on masked tokens (gradient exactly 0 there, whatever they held)."""
     return None if x is None else torch.where(keep, x, 0.0)
@@ -75,9 +98,11 @@ def compute_loss(
     """Loss of one micro-batch and its metrics (detached, pre-weighted so they add over micro-batches).
 
     Losses: `per_token=True`: `denominator` is the number of valid tokens of the whole optimizer step and
-    each term is `sum(mask * x) / denominator`. `per_token=False`: `denominator` is the number of responses
-    of the step that have a valid token (`relax.train.trainer.step_denominators`) and each term is
-    `sum_b(token mean of row b) / denominator`.
+    each term is `sum(mask * x) / denominator` (token-mean). `per_token=False`: `denominator` is the number of
+    responses of the step that have a valid token (`relax.train.trainer.step_denominators`) and each term is, by
+    `cfg.loss_agg_mode`: `sum_b(token mean of row b) / denominator` (auto or seq-mean-token-mean),
+    `sum_b(token sum of row b) / denominator` (seq-mean-token-sum) or that divided by `cfg.loss_scale_factor`
+    (seq-mean-token-sum-norm). A mode that disagrees with `per_token` is a ValueError.
 
     `loss = reduce(w * pg) + kl_loss_coef * reduce(kl) - entropy_coef * reduce(entropy)` where `pg` is the
     algorithm's per-token policy loss, `w` the rollout correction's weight (detached; truncated importance sampling
@@ -104,8 +129,7 @@ def compute_loss(
     old_logp = _zero_masked(batch.old_logp, keep)
     advantages = _zero_masked(batch.advantages, keep)
 
-    def reduce(x: torch.Tensor) -> torch.Tensor:
-        return F.masked_sum_reduce(x, keep, per_token, denom)
+    reduce = _reducer(cfg, keep, per_token, denom)
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
         return F.masked_sum_reduce(x, keep, True, tokens)
@@ -171,7 +195,8 @@ def compute_value_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO critic loss of one micro-batch: `reduce(0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))`.
 
-    `c = cfg.value_clip`; same reduction, denominator and `num_tokens` contract as `compute_loss`. Metrics:
+    `c = cfg.value_clip`; same reduction (`cfg.loss_agg_mode` included), denominator and `num_tokens` contract as
+    `compute_loss`. Metrics:
     `critic/value_loss` (reduced like the loss) and `critic/value_clipfrac`, the share of the step's valid
     tokens with `|V - V_old| > c` whose clipped error is the larger (a diagnostic: `/ num_tokens`).
     """
@@ -181,7 +206,7 @@ def compute_value_loss(
     valid = keep.to(values.dtype)
     values, old_values, returns = (_zero_masked(x, keep) for x in (values, old_values, returns))
     clip = float(cfg.value_clip)
-    loss = F.masked_sum_reduce(F.value_loss(values, old_values, returns, clip), valid, per_token, denom)
+    loss = _reducer(cfg, keep, per_token, denom)(F.value_loss(values, old_values, returns, clip))
     with torch.no_grad():
         clipped = F.value_clipped_mask(values, old_values, returns, clip).to(values.dtype)
         clipfrac = F.masked_sum_reduce(clipped, valid, True, tokens)

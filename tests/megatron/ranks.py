@@ -221,6 +221,22 @@ def scenario_dp2(rank: int, out: Path, res: dict) -> None:
     train_parity(policy, torch_policy, GRPOConfig(), res, "recompute", per_token=True, mbs=3)
 
 
+def scenario_agg_dp2(rank: int, out: Path, res: dict) -> None:
+    """TP=1 x DP=2: algorithm.loss_agg_mode's response-level token sums (seq-mean-token-sum, and -norm over
+    loss_scale_factor) trained 3 steps on both backends, the Megatron trainer with a different micro-batch size from
+    the torch one's (the loss divides by the step's responses, whatever the split over micro-batches and ranks)."""
+    for mode, factor in (("seq-mean-token-sum", None), ("seq-mean-token-sum-norm", 5.0)):
+        algo = GRPOConfig(loss_agg_mode=mode, loss_scale_factor=factor)
+        policy = MegatronPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED)
+        torch_policy = TorchPolicy(MODEL, TRAIN, vocab_size=VOCAB, pad_token_id=PAD, seed=SEED, num_threads=1)
+        rows = []
+        for b in batches():
+            m = policy.train_step(b, algo, per_token=False, micro_batch_size=1)
+            t = torch_policy.train_step(b, algo, per_token=False, micro_batch_size=3)
+            rows.append({"megatron": m, "torch": t})
+        res[mode] = rows
+
+
 def saved_bytes(policy: MegatronPolicy) -> int:
     """Bytes the autograd graph keeps for the backward at the end of one batch's forward (one micro-batch; packed
     before the backward unpacks anything: a recomputed layer's own graph, built in the backward, is not counted)."""
@@ -418,7 +434,7 @@ def scenario_bf16(rank: int, out: Path, res: dict) -> None:
 
 
 SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "tp2sp": (scenario_tp2sp, 2, 1), "dp2": (scenario_dp2, 1, 1),
-             "pp2": (scenario_pp2, 1, 2), "bf16": (scenario_bf16, 1, 1),
+             "pp2": (scenario_pp2, 1, 2), "bf16": (scenario_bf16, 1, 1), "agg_dp2": (scenario_agg_dp2, 1, 1),
              "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP[, EP])
 SCENARIOS.update(moe_scenarios.scenarios(TRAIN, batches, train_parity))  # mixture of experts, EP=1 and EP=2
 

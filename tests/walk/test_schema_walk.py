@@ -75,6 +75,9 @@ VALUES: dict[str, Any] = {
     # masks the tokens on one side of it
     "algorithm.rollout_mask_low": 1.0,
     "algorithm.rollout_mask_high": 1.0,
+    # responses of unequal length: each one's token sum over the responses differs from its token mean's
+    "algorithm.loss_agg_mode": "seq-mean-token-sum",
+    "algorithm.loss_scale_factor": 8.0,  # walked from 4 (CONTEXT): the loss halves
     "data.openai_agent": "gateway_agents:three_turns",  # needs rollout=sglang: rejected (its runs: tests/openai)
     "algorithm.kl_coef": 0.5,
     "model.dtype": "bfloat16",
@@ -205,6 +208,7 @@ CONTEXT: dict[str, list[str]] = {
     "algorithm.tis_level": ["algorithm.use_tis=true"],
     "algorithm.rollout_mask_low": ["algorithm.rollout_mask=token"],
     "algorithm.rollout_mask_high": ["algorithm.rollout_mask=token"],
+    "algorithm.loss_scale_factor": ["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=4"],
     "algorithm.kl_loss_coef": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "algorithm.kl_loss_type": ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     # LoRA's settings act with adapters (model.lora_rank > 0); rollout.lora_sync=adapter: the engine adds B A itself,
@@ -621,7 +625,7 @@ def probe_system_metrics(overrides: list[str], cwd: Path) -> Any:
 # effect depends on the algorithm (clipping, reward shaping, normalisation) are walked with every algorithm.
 SHARED_LOSS_TERMS = {"use_tis", "tis_clip", "tis_level", "rollout_mask", "rollout_mask_low", "rollout_mask_high",
                      "use_kl_loss", "kl_loss_coef", "kl_loss_type", "entropy_coef", "mask_truncated",
-                     "use_rollout_logprobs"}
+                     "use_rollout_logprobs", "loss_agg_mode", "loss_scale_factor"}
 
 
 def cases() -> list[tuple[str, str, Any]]:
