@@ -36,7 +36,8 @@ reason; every effort: the template variable reasoning_effort where the template 
 "none"), its errors named reasoning.effort; reasoning summaries are refused. `text.verbosity` is the chat route's
 `verbosity` likewise. `truncation: "auto"`: where the prompt and max_output_tokens do not fit the context, the
 earliest input items are dropped until they do (`Responses._answered`).
-`request_id` (SGLang's, vLLM's) names the response.
+`request_id` (SGLang's, vLLM's) names the response. The response echoes the request's settings as OpenAI does: what
+was applied, OpenAI's default where the request gave none (`echoed`).
 """
 
 from __future__ import annotations
@@ -533,15 +534,34 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
         chat["verbosity"] = verbosity
     if effort is not None:  # the chat route's reasoning_effort ("none": thinking off, checked against the template)
         chat["reasoning_effort"] = effort
-    echo = {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
-            "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "metadata": body.get("metadata") or {},
-            "store": body.get("store", True), "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "top_logprobs": body.get("top_logprobs"), "user": body.get("user"),
-            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}, "verbosity": verbosity},
-            "reasoning": {"effort": effort, "summary": None}, "truncation": truncation or "disabled"}
+    echo = echoed(body, instructions=instructions, prev=prev, verbosity=verbosity, effort=effort,
+                  truncation=truncation)
     return Request(chat=chat, history=history, body=body, stream=bool(stream), logprobs=logprobs,
                    encrypted=ENCRYPTED_INCLUDE in include, echo=echo, rid=rid, truncation=truncation or "disabled")
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def echoed(body: dict, *, instructions: Optional[str], prev: Optional[str], verbosity: Optional[str], effort: Any,
+           truncation: Optional[str]) -> dict:
+    """The request fields a response echoes, as OpenAI echoes them: the value applied, OpenAI's documented default
+    where the request left one out or sent null (temperature 1, top_p 1, tool_choice "auto", parallel_tool_calls
+    true, store true, top_logprobs 0, text.verbosity "medium", truncation "disabled", background false, service tier
+    "default"). A training session's sampling replaces temperature and top_p (`Responses.create`)."""
+    text = body.get("text") or {}
+    return {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": _given(body.get("temperature"), 1.0), "top_p": _given(body.get("top_p"), 1.0),
+            "metadata": body.get("metadata") or {}, "store": _given(body.get("store"), True),
+            "parallel_tool_calls": _given(body.get("parallel_tool_calls"), True),
+            "top_logprobs": _given(body.get("top_logprobs"), 0), "user": body.get("user"),
+            "text": {"format": text.get("format") or {"type": "text"}, "verbosity": verbosity or "medium"},
+            "reasoning": {"effort": effort, "summary": None}, "truncation": truncation or "disabled",
+            "background": False, "service_tier": "default", "max_tool_calls": body.get("max_tool_calls"),
+            "prompt_cache_key": body.get("prompt_cache_key"), "safety_identifier": body.get("safety_identifier"),
+            "prompt_cache_retention": body.get("prompt_cache_retention")}
 
 
 def drop_earliest(history: list[dict]) -> Optional[list[dict]]:
@@ -866,6 +886,9 @@ class Responses:
                 return kept.get(rid)
 
         req = parse_request(body, previous, self.seal)
+        limits = getattr(session, "limits", None)
+        if limits is not None:  # a training session samples at the run's temperature and top_p: those are applied
+            req.echo.update(temperature=float(limits.temperature), top_p=float(limits.top_p))
         chat = dict(req.chat)
         created = int(time.time())
         rid = req.rid or new_id("resp")
