@@ -23,7 +23,8 @@ dropped first), and prepended to the input of a response that names it; an unkno
 the session), and responses cannot be retrieved by id. `include`: `message.output_text.logprobs` (the sampled tokens'
 log-probs) and `reasoning.encrypted_content` (stateless clients, Codex with `store: false`: the reasoning item also
 carries its text sealed by `ReasoningSeal`, signed with this server's key, which a later input's reasoning item may
-carry alone); the other values the API defines are a 400 naming include and the value.
+carry alone; servers given the same secret share the key: `ReasoningSeal.from_environment`); the other values the
+API defines are a 400 naming include and the value.
 
 Every request field is listed in `FIELDS`: honoured, accepted without effect, or refused with a 400 naming it unless
 it has a value that changes nothing, like the chat route's strict check (`relax.serve.openai.protocol.FIELDS`); so
@@ -47,13 +48,14 @@ import binascii
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import threading
 import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -196,6 +198,10 @@ def new_id(prefix: str) -> str:
 SEAL_PREFIX = "relax-reasoning-v1."  # the version: a later format gets another prefix, and this one stays readable
 
 
+def _misconfigured(message: str) -> APIError:
+    return APIError(f"the reasoning items' key: {message}", status=500, kind="server_error")
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
@@ -204,17 +210,62 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+# The secret the reasoning seal's key is derived from, for servers that must read each other's reasoning items (several
+# relax-serve processes behind a router, or one restarted): the secret itself, or a file holding it. Environment
+# variables only (never a command-line argument: the process list shows those), never logged.
+REASONING_SECRET_ENV = "RELAX_SERVE_REASONING_SECRET"
+REASONING_SECRET_FILE_ENV = "RELAX_SERVE_REASONING_SECRET_FILE"
+_KEY_CONTEXT = b"relax reasoning seal v1"  # the derived key is for this use only, whatever else the secret keys
+
+
 class ReasoningSeal:
     """The `encrypted_content` of the reasoning items this server writes (`include: ["reasoning.encrypted_content"]`,
     what Codex and other stateless clients ask for with `store: false`) and reads back from a later request's input.
     It is not encrypted: the reasoning is the model's own text, which the item's content holds too. It is a signed,
     versioned envelope, `SEAL_PREFIX` + base64url of the JSON `{"text": ...}` + "." + base64url of its HMAC-SHA256
-    under a key drawn when this object is made (once per relax-serve process and per training gateway) and never
-    written anywhere, so a string this server did not write (another provider's, such as OpenAI's, an altered one,
-    or one from before a restart) is a 400 naming where it was, never read as something else."""
+    under this server's key, so a string this server did not write (another provider's, such as OpenAI's, an altered
+    one, or one signed with another key) is a 400 naming where it was, never read as something else.
 
-    def __init__(self, key: Optional[bytes] = None):
+    The key (`from_environment`): by default drawn when this object is made (once per relax-serve process and per
+    training gateway) and never written anywhere, so reasoning from another process or from before a restart cannot
+    be read back; derived from a configured secret (`REASONING_SECRET_ENV`, or the file `REASONING_SECRET_FILE_ENV`
+    names), the same on every server given the same secret (`shared`), so any of them reads the others' items."""
+
+    def __init__(self, key: Optional[bytes] = None, *, shared: bool = False):
         self._key = key if key is not None else secrets.token_bytes(32)
+        self.shared = shared  # the key comes from a configured secret (for the 400's wording)
+
+    @classmethod
+    def from_secret(cls, secret: bytes) -> ReasoningSeal:
+        """The seal whose key is derived from `secret` (HMAC-SHA256 of a fixed context under it)."""
+        return cls(hmac.new(secret, _KEY_CONTEXT, hashlib.sha256).digest(), shared=True)
+
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> ReasoningSeal:
+        """The seal of this server: derived from `$RELAX_SERVE_REASONING_SECRET`, or from the contents of the file
+        `$RELAX_SERVE_REASONING_SECRET_FILE` names (its trailing newline left out), else a random key of its own. A
+        secret that is empty, a file that cannot be read, or both variables set: a server error naming the variable
+        (never the secret), raised where the server is made (a training gateway) or at its first Responses call
+        (relax-serve)."""
+        env = os.environ if environ is None else environ
+        value, path = env.get(REASONING_SECRET_ENV), env.get(REASONING_SECRET_FILE_ENV)
+        if value is not None and path is not None:
+            raise _misconfigured(f"both ${REASONING_SECRET_ENV} and ${REASONING_SECRET_FILE_ENV} are set: give one")
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    secret = f.read().rstrip(b"\r\n")
+            except OSError as exc:
+                raise _misconfigured(f"${REASONING_SECRET_FILE_ENV}={path}: cannot be read "
+                                     f"({exc.strerror or type(exc).__name__})") from None
+            where = f"the file ${REASONING_SECRET_FILE_ENV} names ({path})"
+        elif value is not None:
+            secret, where = value.encode(), f"${REASONING_SECRET_ENV}"
+        else:
+            return cls()
+        if not secret.strip():
+            raise _misconfigured(f"{where} is empty: the reasoning items' key needs a secret")
+        return cls.from_secret(secret)
 
     def __repr__(self) -> str:  # the key stays out of logs and tracebacks
         return "ReasoningSeal(key=<hidden>)"
@@ -236,9 +287,14 @@ class ReasoningSeal:
                               + send_text)
         body, _, mac = blob.rpartition(".")
         if not hmac.compare_digest(mac, self._mac(body)):
+            if self.shared:
+                raise _bad(where, "signed with another key than this server's, or altered since: written by a "
+                                  f"server with another {REASONING_SECRET_ENV} (or "
+                                  f"{REASONING_SECRET_FILE_ENV}), or with none; " + send_text)
             raise _bad(where, "not reasoning this server process wrote, or altered since (it is signed with a key "
                               "drawn when the server started: reasoning from before a restart, or from another "
-                              "server, cannot be read back); " + send_text)
+                              f"server, cannot be read back unless the servers share a secret, "
+                              f"{REASONING_SECRET_ENV}); " + send_text)
         try:
             payload = json.loads(_unb64(body[len(SEAL_PREFIX):]))
         except (ValueError, binascii.Error):
@@ -844,7 +900,8 @@ class Responses:
 
     def __init__(self, service: Any, *, keep: int = KEEP_SERVED, keep_per_session: int = KEEP_PER_SESSION):
         self.service, self.keep_per_session = service, keep_per_session
-        self.seal = ReasoningSeal()  # this server's key for the reasoning items' encrypted_content
+        # this server's key for the reasoning items' encrypted_content (a configured secret's, else its own)
+        self.seal = ReasoningSeal.from_environment()
         self._served = Kept(keep)
         self._sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> Kept
         self._lock = threading.Lock()
