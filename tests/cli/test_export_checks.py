@@ -22,25 +22,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export import PROMPTS, RESPONSES, batch_of, commit, overrides, refused, trainer_logprobs
+from lora_step import model_info, train_one_step
+from test_export import commit, overrides, refused
 
 from relax.cli import export
 from relax.config import load_config
-from relax.data.tokenizer import default_gguf_path, load_tokenizer, stop_token_ids
+from relax.data.tokenizer import default_gguf_path, load_tokenizer
 from relax.models.hf import build_model
-from relax.roles.workers import ModelInfo, PolicyWorker
+from relax.roles.workers import PolicyWorker
 from relax.runner import checkpoint
 from relax.runner.model_record import RUN_MODEL
 
 pytestmark = pytest.mark.xdist_group("export")
 
 GGUF = default_gguf_path()
-
-
-def _info(cfg) -> ModelInfo:
-    tokenizer = load_tokenizer(cfg.model)
-    return ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                     eos_token_ids=stop_token_ids(cfg.model, tokenizer))
 
 
 def _hf_model_dir(directory: Path) -> Path:
@@ -55,7 +50,7 @@ def _hf_model_dir(directory: Path) -> Path:
 def test_a_model_path_of_another_model_is_refused_naming_what_differs(tmp_path, capsys):
     model_dir = _hf_model_dir(tmp_path / "model")
     cfg = load_config(overrides(tmp_path / "ckpt", "model.source=hf", f"model.path={model_dir}"))
-    path = commit(cfg, 1, lambda d: PolicyWorker(cfg, _info(cfg), threads=1).save(str(d)))
+    path = commit(cfg, 1, lambda d: PolicyWorker(cfg, model_info(cfg), threads=1).save(str(d)))
     capsys.readouterr()  # transformers' progress bars of writing the model directory
     record = checkpoint.read_state(path)[RUN_MODEL]
     assert record["architectures"] == ["Qwen3ForCausalLM"] and record["vocab_size"] == len(load_tokenizer(cfg.model))
@@ -132,7 +127,7 @@ def test_a_vision_language_lora_export_loads_once_moved_with_the_line_it_prints(
 
     cfg = load_config(vl_overrides(tmp_path / "ckpt", "qwen2_5_vl", "model.lora_rank=4", "model.lora_alpha=8",
                                    "train.lr=0.05"))
-    info = _info(cfg)
+    info = model_info(cfg)
     tokenizer = load_tokenizer(cfg.model)
     records = generate_shapes(len(VL_RESPONSES), seed=4)
     batch = vl_batch_of(cfg, tokenizer, records)
@@ -226,11 +221,7 @@ def test_prompts_are_recorded_and_said_and_stderr_stays_empty(tmp_path):
     bars of writing base/ are silenced)."""
     system = "You answer with the number only."
     cfg = load_config(overrides(tmp_path / "ckpt", "model.lora_rank=4", f"data.system_prompt='{system}'"))
-    info = _info(cfg)
-    tokenizer = load_tokenizer(cfg.model)
-    actor = PolicyWorker(cfg, info, threads=1)
-    actor.train_step(batch_of(tokenizer, list(zip(PROMPTS, RESPONSES, strict=True)), tokenizer.pad_token_id))
-    path = commit(cfg, 1, lambda d: actor.save(str(d)))
+    path = train_one_step(cfg, logprobs=False).path
     done = subprocess.run([sys.executable, "-m", "relax.cli.export", str(path), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stderr == "", done.stderr
@@ -240,7 +231,7 @@ def test_prompts_are_recorded_and_said_and_stderr_stays_empty(tmp_path):
     assert record["prompts"] == {"apply_chat_template": True, "system_prompt": system}
 
     raw = load_config(overrides(tmp_path / "raw", "data.apply_chat_template=false"))
-    raw_path = commit(raw, 1, lambda d: PolicyWorker(raw, _info(raw), threads=1).save(str(d)))
+    raw_path = commit(raw, 1, lambda d: PolicyWorker(raw, model_info(raw), threads=1).save(str(d)))
     summary = export.summary(export.export_checkpoint(raw_path, tmp_path / "raw_out"))
     assert "  prompts   the run gave the model its prompts as plain text (data.apply_chat_template=false)" in summary
     plain = export.summary(export.export_checkpoint(path.parent, tmp_path / "again"))
@@ -258,13 +249,8 @@ def test_hf_lora_adapters_name_the_model_directory_and_load_with_the_line_printe
     model_dir = _hf_model_dir(tmp_path / "model")
     cfg = load_config(overrides(tmp_path / "ckpt", "model.source=hf", f"model.path={model_dir}", "model.lora_rank=4",
                                 "model.lora_alpha=8", "train.lr=0.05"))
-    info, tokenizer = _info(cfg), load_tokenizer(cfg.model)
-    pairs = list(zip(PROMPTS, RESPONSES, strict=True))
-    batch = batch_of(tokenizer, pairs, tokenizer.pad_token_id)
-    actor = PolicyWorker(cfg, info, threads=1)
-    actor.train_step(batch)
-    path = commit(cfg, 1, lambda d: actor.save(str(d)))
-    trainer = trainer_logprobs(cfg, info, path, batch)
+    step = train_one_step(cfg)
+    path, tokenizer, pairs, batch, trainer = step.path, step.tokenizer, step.pairs, step.batch, step.trainer
     moved = tmp_path / "moved"
     model_dir.rename(moved)
     out = tmp_path / "adapters"

@@ -7,34 +7,24 @@ from __future__ import annotations
 import json
 
 import torch
+from lora_step import model_info, train_one_step
 from test_export import (
-    PROMPTS,
-    RESPONSES,
     assert_trainer_logprobs,
-    batch_of,
     commit,
     encode,
     model_logprobs,
     overrides,
     refused,
-    trainer_logprobs,
 )
 
 from relax.cli import export
 from relax.config import load_config
-from relax.data.tokenizer import load_tokenizer, stop_token_ids
-from relax.roles.workers import ModelInfo, PolicyWorker
-
-
-def _info(cfg) -> ModelInfo:
-    tokenizer = load_tokenizer(cfg.model)
-    return ModelInfo(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                     eos_token_ids=stop_token_ids(cfg.model, tokenizer))
+from relax.roles.workers import PolicyWorker
 
 
 def test_model_path_is_refused_for_a_model_built_from_config(tmp_path, capsys):
     cfg = load_config(overrides(tmp_path / "ckpt"))
-    path = commit(cfg, 1, lambda d: PolicyWorker(cfg, _info(cfg), threads=1).save(str(d)))
+    path = commit(cfg, 1, lambda d: PolicyWorker(cfg, model_info(cfg), threads=1).save(str(d)))
     err = refused([str(path), str(tmp_path / "out"), "--model-path", "/nonexistent"], capsys)
     assert f"--model-path /nonexistent has no effect on checkpoint {path}: its run built its model from config " \
            "(model.source=config, model.name=" in err and "leave --model-path out" in err
@@ -48,14 +38,8 @@ def test_lora_adapters_of_a_config_model_come_with_their_base(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(overrides(tmp_path / "ckpt", "model.lora_rank=4", "model.lora_alpha=8", "train.lr=0.05"))
-    info = _info(cfg)
-    tokenizer = load_tokenizer(cfg.model)
-    pairs = list(zip(PROMPTS, RESPONSES, strict=True))
-    batch = batch_of(tokenizer, pairs, tokenizer.pad_token_id)
-    actor = PolicyWorker(cfg, info, threads=1)
-    actor.train_step(batch)
-    path = commit(cfg, 1, lambda d: actor.save(str(d)))
-    trainer = trainer_logprobs(cfg, info, path, batch)
+    step = train_one_step(cfg)
+    path, tokenizer, pairs, batch, trainer = step.path, step.tokenizer, step.pairs, step.batch, step.trainer
     out = tmp_path / "adapters"
     export.main([str(path), str(out)])
     printed = capsys.readouterr().out
