@@ -105,3 +105,33 @@ def test_a_training_run_writes_the_samples_of_each_evaluation_when_asked(in_proc
             text = (tmp_path / "out" / "eval" / "digits" / f"step_{step:06d}.jsonl").read_text()
             rewards = [json.loads(line)["reward"] for line in text.splitlines()]
             assert metrics["eval/digits/mean_at_1"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+
+
+@pytest.mark.slow
+def test_a_fully_async_run_writes_the_samples_of_each_evaluation_as_the_sync_run_does(in_process, small_run, tmp_path):
+    """train.mode=fully_async: each evaluation's samples are written, at the step its metrics are logged, and they are
+    the sync run's to the byte: with train.max_staleness=0 a fully_async run trains exactly the sync run's data
+    (tests/runner/test_async_training.py), so each evaluation sees the same weights, and its samples draw from the same
+    random streams."""
+    common = ["cluster.cpus_per_node=1", "train.eval_interval=1", "data.num_eval_prompts=2",
+              "train.eval_save_samples=true"]
+    sync = run(load_config(small_run(*common, steps=2)), output_dir=tmp_path / "sync")
+    fully = run(load_config(small_run(*common, "train.mode=fully_async", "train.max_staleness=0", steps=2)),
+                output_dir=tmp_path / "async")
+    names = ["step_000001.jsonl", "step_000002.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "async" / "eval" / "digits").iterdir()) == names
+    for name in names:
+        text = (tmp_path / "async" / "eval" / "digits" / name).read_text()
+        assert text == (tmp_path / "sync" / "eval" / "digits" / name).read_text()
+    artifacts = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").list_artifacts(fully.run_id, "eval/digits")
+    assert sorted(Path(a.path).name for a in artifacts) == names
+    evaluated = []
+    for step, metrics in fully.history:
+        if "eval/digits/mean_at_1" in metrics:
+            evaluated.append(step)
+            text = (tmp_path / "async" / "eval" / "digits" / f"step_{step:06d}.jsonl").read_text()
+            rewards = [json.loads(line)["reward"] for line in text.splitlines()]
+            assert metrics["eval/digits/mean_at_1"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+    assert evaluated == [1, 2]
+    assert [m.get("eval/digits/mean_at_1") for _, m in fully.history] == \
+        [m.get("eval/digits/mean_at_1") for _, m in sync.history]
