@@ -380,6 +380,49 @@ def loss_agg_violations(cfg: Any, algorithm: Algorithm) -> list[Violation]:
 
 _REGISTRY: dict[str, Algorithm] = {}
 
+# hook -> the parameters Relax passes it, positionally and in this order (relax.algorithms.loss, the runner, the
+# trainers, validation); policy_loss also gets `stats=` by keyword when the algorithm has step_statistics
+HOOK_PARAMETERS = {
+    "compute_advantages": ("cfg", "inputs"),
+    "policy_loss": ("cfg", "logp", "old_logp", "advantages", "mask"),
+    "step_statistics": ("cfg", "logp", "old_logp", "advantages", "mask"),
+    "check": ("cfg",),
+    "critic_only_steps": ("cfg",),
+}
+
+
+def check_hooks(algorithm: Algorithm) -> None:
+    """Raise ValueError, naming the algorithm, the hook and the parameters it must accept, for a hook that cannot
+    take the arguments Relax calls it with (a missing `mask`, a `stats` keyword absent with `step_statistics`): found
+    at registration, where it would otherwise be a TypeError in a Ray role after the first rollout."""
+    import inspect
+
+    for hook_name, params in HOOK_PARAMETERS.items():
+        hook = getattr(algorithm, hook_name)
+        if hook_name == "check":
+            hook = getattr(hook, "own_check", hook)  # the algorithm's own check, which __post_init__ wrapped
+        if hook is None:
+            if hook_name == "step_statistics":
+                continue
+            raise ValueError(f"algorithm {algorithm.name!r}: {hook_name} is None; it must be a function of "
+                             f"({', '.join(params)})")
+        keywords = {"stats": {}} if hook_name == "policy_loss" and algorithm.step_statistics is not None else {}
+        wanted = ", ".join(params) + (", *, stats" if keywords else "")
+        if not callable(hook):
+            raise ValueError(f"algorithm {algorithm.name!r}: {hook_name} is {type(hook).__name__}, not a function of "
+                             f"({wanted})")
+        try:
+            signature = inspect.signature(hook)
+        except (TypeError, ValueError):  # a callable Python cannot introspect (a C function): trusted
+            continue
+        try:
+            signature.bind(*params, **keywords)
+        except TypeError as exc:
+            why = (" (the algorithm has step_statistics, whose result policy_loss receives as stats=)"
+                   if keywords else "")
+            raise ValueError(f"algorithm {algorithm.name!r}: {hook_name} must accept ({wanted}){why}, as Relax calls "
+                             f"it, but {getattr(hook, '__name__', hook_name)}{signature} cannot: {exc}") from None
+
 
 def register(algorithm: Algorithm) -> Algorithm:
     if algorithm.name in _REGISTRY and _REGISTRY[algorithm.name] is not algorithm:
@@ -388,6 +431,7 @@ def register(algorithm: Algorithm) -> Algorithm:
         raise ValueError(
             f"{algorithm.config_cls.__name__}.name is {algorithm.config_cls.name!r}, expected {algorithm.name!r}"
         )
+    check_hooks(algorithm)
     _REGISTRY[algorithm.name] = algorithm
     return algorithm
 
