@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from relax.algorithms.base import Violation
 from relax.config.schema import RelaxConfig, RewardModelConfig
+from relax.config.vision_rules import is_vision_model
 
 # the fields a judge's template may name
 TEMPLATE_FIELDS = ("prompt", "response", "label")
@@ -110,7 +111,38 @@ def reward_model_violations(cfg: RelaxConfig) -> list[Violation]:
                 "turns on all cores")
     if rm.kind == "judge":
         _judge(rm, require)
+    _vision(cfg, require)
     return out
+
+
+def _reads_prompt(template: str | None) -> bool:
+    """Whether a judge's template names {prompt} (an unreadable one: its own rule reports it)."""
+    try:
+        return any(name == "prompt" for _, name, _, _ in string.Formatter().parse(template or ""))
+    except ValueError:
+        return False
+
+
+def _vision(cfg: RelaxConfig, require) -> None:
+    """A reward model reads text only (its tokenizer's, or a judge's question): beside a vision-language policy
+    one that reads the prompt would score the responses without the prompts' images, as a text-only distillation
+    teacher would (refused alike, `relax.config.vision_rules`). A judge whose template leaves {prompt} out reads the
+    response (and the label) alone, as it would with any policy: allowed."""
+    m, rm = cfg.model, cfg.reward_model
+    if not is_vision_model(m):  # (a source=hf directory not there to read: its own check reports it)
+        return
+    model = f"model={m.name} (model.arch={m.arch})" if m.source == "config" else f"model.path={m.path or m.name}"
+    if rm.kind == "classifier":
+        require(False, ("reward_model.kind", "model.arch"),
+                f"reward_model=classifier (reward_model.path={rm.path}) reads text only: it would score the responses "
+                f"without the prompts' images that {model} sees (a vision-language reward model is not built yet); "
+                "use data.reward (a rule or a function of the response and the record), or reward_model=judge with a "
+                "reward_model.template without {prompt} (a judge of the response alone)")
+    elif rm.kind == "judge" and _reads_prompt(rm.template):
+        require(False, ("reward_model.template", "model.arch"),
+                f"reward_model.template names {{prompt}}, but the judge reads text only: it would judge the responses "
+                f"without the prompts' images that {model} sees; leave {{prompt}} out of reward_model.template (a "
+                "judge of the response and the label alone), or use data.reward")
 
 
 def _judge(rm: RewardModelConfig, require) -> None:

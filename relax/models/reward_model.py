@@ -8,7 +8,8 @@ so any policy can train against any reward model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,10 +27,8 @@ def load_classifier(path: str, dtype: torch.dtype, device: torch.device | str) -
     model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                                attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if tokenizer.pad_token_id is None:  # a batch needs one; the model reads the last token that is not padding
-        tokenizer.pad_token = tokenizer.eos_token
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    # the model's pad id stays as saved (None included): it decides which token the head reads
+    # (`classifier_scores`); an invented pad = eos would make it skip a text's trailing end-of-turn tokens
     model.requires_grad_(False)
     model.eval()
     return model.to(device), tokenizer
@@ -79,9 +78,41 @@ def judge_config(path: str) -> Any:
     return config
 
 
+# what an image part of a message becomes in a reward model's text (it reads text only)
+IMAGE_PLACEHOLDER = "[image]"
+
+
+def content_text(content: Any) -> str:
+    """A message's content as a reward model reads it: a string as it is; a list of parts (the chat format's
+    `{"type": "text", "text": ...}`, `{"type": "image", ...}`, `{"type": "image_url", ...}`) as its text parts joined
+    as a chat template joins them (nothing between), each image part as IMAGE_PLACEHOLDER (never a Python repr of
+    the parts, which a template written for string contents would otherwise print)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        out = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                out.append(str(part.get("text") or ""))
+            elif kind in ("image", "image_url"):
+                out.append(IMAGE_PLACEHOLDER)
+            else:
+                out.append(part if isinstance(part, str) else str(part))
+        return "".join(out)
+    return str(content)
+
+
+def text_messages(messages: Sequence[dict]) -> list[dict]:
+    """`messages` with each content as text (`content_text`)."""
+    return [{**m, "content": content_text(m.get("content"))} for m in messages]
+
+
 def prompt_text(prompt: list[dict] | str) -> str:
-    """A prompt as plain text: its text, or its messages' contents one per line."""
-    return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+    """A prompt as plain text: its text, or its messages' contents one per line (`content_text`)."""
+    return prompt if isinstance(prompt, str) else "\n".join(content_text(m.get("content")) for m in prompt)
 
 
 def pair_encodes_apart(tokenizer: Any) -> bool:
@@ -96,9 +127,10 @@ def pair_encodes_apart(tokenizer: Any) -> bool:
 
 def conversation_text(tokenizer: Any, prompt: list[dict] | str, response: str) -> str:
     """The conversation as one text: the prompt's messages and the response as the assistant's message, in the
-    model's chat template; without a template, the prompt's text and the response on a line of its own."""
+    model's chat template (each content as text: `content_text`); without a template, the prompt's text and the
+    response on a line of its own."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else text_messages(prompt)
         return tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
     return prompt_text(prompt) + "\n" + response
 
@@ -116,14 +148,56 @@ def classifier_input_ids(tokenizer: Any, prompt: list[dict] | str, response: str
     return list(tokenizer(conversation_text(tokenizer, prompt, response))["input_ids"])
 
 
+def _pad_id(model: Any) -> Optional[int]:
+    """The pad id the model's config declares (None: none)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "pad_token_id", None)
+
+
+def _absent_id(rows: Sequence[list[int]], vocab_size: int) -> Optional[int]:
+    """The smallest token id below `vocab_size` that no row holds (None: every id occurs)."""
+    used = {t for row in rows for t in row}
+    return next((t for t in range(vocab_size) if t not in used), None)
+
+
+@contextlib.contextmanager
+def _declared_pad(model: Any, pad: Optional[int]) -> Iterator[None]:
+    """The model's config declaring `pad` as its pad id for the duration (restored after)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    before = config.pad_token_id
+    config.pad_token_id = pad
+    try:
+        yield
+    finally:
+        config.pad_token_id = before
+
+
+def _forward(model: Any, rows: Sequence[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
+    """The model's logits (float, on the CPU) of `rows`, right-padded with `pad` (masked out)."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        input_ids[r, :len(row)] = torch.tensor(row)
+        mask[r, :len(row)] = 1
+    return model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+
+
 @torch.no_grad()
 def classifier_scores(model: Any, inputs: Sequence[list[int]], *, batch_size: int, max_length: int,
                       device: torch.device | str, on_batch: Any = None) -> tuple[list[Optional[float]],
                                                                                  list[Optional[str]]]:
     """(scores, errors): the model's logit of each input (token ids: `classifier_input_ids`), `batch_size` inputs per
-    forward pass (padded on the right; the model reads each row's last token that is not padding). An input of more
+    forward pass, each score the one a forward of that input alone gives with the model as saved. An input of more
     than `max_length` tokens gets no score (None, and why in errors): cutting it would score another text.
-    `on_batch()` after each forward pass."""
+    `on_batch()` after each forward pass.
+
+    Which token the head reads is the model's own rule (transformers' sequence classifiers: the last token that is
+    not the config's pad id; BERT-like ones their first): with a declared pad id, the rows are padded with it, so a
+    row reads what it reads alone (a text ending in that id skips it, as the checkpoint was trained). A checkpoint
+    that declares none reads a lone text's last token: the rows are then padded with an id that none of them holds,
+    declared for the forward pass only, so each row's last token is read, a trailing end-of-sequence token
+    included (an invented pad = eos would skip it)."""
     ids = [list(x) for x in inputs]
     scores: list[Optional[float]] = [None] * len(ids)
     errors: list[Optional[str]] = [None] * len(ids)
@@ -136,16 +210,19 @@ def classifier_scores(model: Any, inputs: Sequence[list[int]], *, batch_size: in
         else:
             rows.append(i)
     rows.sort(key=lambda i: len(ids[i]))  # similar lengths together: less padding
-    pad = model.config.pad_token_id
+    declared = _pad_id(model)
     for start in range(0, len(rows), batch_size):
         part = rows[start:start + batch_size]
-        width = max(len(ids[i]) for i in part)
-        input_ids = torch.full((len(part), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(part), width), dtype=torch.long)
-        for r, i in enumerate(part):
-            input_ids[r, :len(ids[i])] = torch.tensor(ids[i])
-            mask[r, :len(ids[i])] = 1
-        logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+        texts = [ids[i] for i in part]
+        if declared is not None:
+            logits = _forward(model, texts, declared, device)
+        else:
+            pad = _absent_id(texts, model.get_input_embeddings().num_embeddings)
+            if pad is None:  # every id occurs in the batch: each text alone, unpadded (its last token)
+                logits = torch.cat([_forward(model, [t], 0, device) for t in texts])
+            else:
+                with _declared_pad(model, pad):
+                    logits = _forward(model, texts, pad, device)
         for r, i in enumerate(part):
             value = float(logits[r, 0])
             if value == value and abs(value) != float("inf"):

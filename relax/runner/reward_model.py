@@ -20,7 +20,7 @@ from typing import Any, Optional
 from relax.config.reward_model_rules import has_role
 from relax.config.schema import RelaxConfig
 from relax.metrics import JUDGE_PARSE_FAIL_FRAC, REWARD_MODEL_SCORE_MEAN, REWARD_MODEL_TIME
-from relax.models.reward_model import classifier_config, judge_config
+from relax.models.reward_model import classifier_config, content_text, judge_config
 from relax.rewards.judge import get_parser, judge_question, read_scores
 from relax.rewards.openai_judge import OpenAIJudge
 from relax.roles.reward_model import ClassifierWorker, JudgeWorker, judge_model_config
@@ -47,10 +47,11 @@ def prompt_of(item: Any) -> list[dict] | str:
 
 
 def prompt_words(item: Any) -> str:
-    """The prompt as a judge's template names it ({prompt}): the last user message, else the prompt's text."""
+    """The prompt as a judge's template names it ({prompt}): the last user message (its text parts, an image part
+    as `IMAGE_PLACEHOLDER`: `content_text`), else the prompt's text."""
     messages = getattr(item, "messages", None) or []
     users = [m.get("content", "") for m in messages if m.get("role") == "user"]
-    return str(users[-1]) if users else item.prompt_text
+    return content_text(users[-1]) if users else item.prompt_text
 
 
 class RewardModelScorer:

@@ -71,6 +71,73 @@ def test_scores_equal_a_plain_hf_forward_of_each_text_alone(untrained):
     assert len(set(got)) == len(got)  # (the texts differ, so do their scores: nothing constant passes)
 
 
+EOS_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+
+
+def eos_terminated(directory: Path, *, declared_pad: str) -> Path:
+    """A tiny classifier whose chat template ends every turn with the EOS token, saved with its config declaring no
+    pad id and its tokenizer without a pad token (`declared_pad="none"`: many Llama-style reward models ship so), or
+    declaring pad = eos (`"eos"`: what TRL's RewardTrainer saves for a tokenizer without one)."""
+    model, tokenizer = tiny_classifier(seed=5)
+    tokenizer.chat_template = EOS_TEMPLATE
+    if declared_pad == "none":
+        tokenizer.pad_token = None
+        model.config.pad_token_id = None
+    else:
+        tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = tokenizer.eos_token_id
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def hf_alone(directory: Path, rows: list[list[int]]) -> list[float]:
+    """Each row's logit from a plain Hugging Face forward of that row alone, the model as saved (no padding)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(directory), dtype=torch.float32)
+    with torch.no_grad():
+        return [float(model(input_ids=torch.tensor([row])).logits[0, 0]) for row in rows]
+
+
+@pytest.mark.parametrize("declared_pad", ["none", "eos"])
+def test_a_batch_scores_as_each_text_alone_when_texts_end_in_eos(tmp_path, declared_pad):
+    """The reviewer's case: a reward model declaring no pad id, whose texts end in its EOS token. Relax made pad =
+    eos, so the head read the token before every trailing EOS: scores differed from the checkpoint's own (a forward
+    of the text alone reads its last token). Now a batch scores as each text alone, for a checkpoint declaring no
+    pad id and for one declaring pad = eos (whose own reading skips trailing EOS tokens)."""
+    from relax.roles.reward_model import ClassifierWorker
+
+    directory = eos_terminated(tmp_path / "rm", declared_pad=declared_pad)
+    worker = ClassifierWorker(rm_config(directory, "reward_model.batch_size=3"))
+    eos = worker.tokenizer.eos_token_id
+    rng = random.Random(1)
+    prompts = [[{"role": "user", "content": f"repeat {rng.randint(0, 9)}"}] for _ in range(7)]
+    responses = [random_response(rng) for _ in prompts]  # lengths differ: batches of 3 are padded
+    rows = worker.inputs(prompts, responses)
+    assert all(row[-1] == eos for row in rows)  # every scored text ends in EOS
+    got, errors = worker.score(prompts, responses)
+    assert errors == [None] * len(rows)
+    assert got == pytest.approx(hf_alone(directory, rows), abs=1e-5)
+    if declared_pad == "none":  # (the control: the token before the EOS, what Relax read, scores otherwise)
+        before = hf_alone(directory, [row[:-1] for row in rows])
+        assert all(abs(a - b) > 1e-3 for a, b in zip(got, before, strict=True))
+
+
+def test_a_batch_holding_every_token_id_scores_each_text_alone(tmp_path):
+    """Without a declared pad id, a batch that holds every id of the vocabulary (no id is free to pad with) is scored
+    one text at a time: still each text's own score."""
+    from relax.models.reward_model import classifier_scores, load_classifier
+
+    directory = eos_terminated(tmp_path / "rm", declared_pad="none")
+    model, _ = load_classifier(str(directory), torch.float32, "cpu")
+    vocab = model.get_input_embeddings().num_embeddings
+    rows = [list(range(vocab)), [3, 5, 2], list(range(vocab - 1, 10, -1))]
+    got, errors = classifier_scores(model, rows, batch_size=3, max_length=4 * vocab, device="cpu")
+    assert errors == [None] * 3
+    assert got == pytest.approx(hf_alone(directory, rows), abs=1e-5)
+
+
 def test_a_text_longer_than_max_length_gets_no_score_rather_than_a_cut_one(untrained):
     from relax.roles.reward_model import ClassifierWorker
 
