@@ -124,6 +124,10 @@ def _shortest_suffixes(targeted: list[str], others: list[str]) -> list[str]:
 # show rank 2r; tested). Only this exact warning is silenced, and only around Relax's own injections.
 _FUSED_PATTERN_WARNING = (r"The following (rank|alpha)_pattern keys did not match any targeted module and were "
                           r"ignored: " + re.escape(repr([r".*\.gate_up_proj"])) + r"\.")
+# PeftModel's constructor reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a
+# FutureWarning on every read: a LoRA run would warn of a feature it may not use, from code that is not Relax's.
+# Silenced only around get_peft_model.
+_CHECKPOINTING_DEPRECATION = r"`is_gradient_checkpointing` is deprecated"
 
 
 def apply_lora(model: torch.nn.Module, model_cfg: Any, *, seed: int) -> Any:
@@ -142,6 +146,7 @@ def apply_lora(model: torch.nn.Module, model_cfg: Any, *, seed: int) -> Any:
     before = [name for name, _ in model.named_modules() if name]
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_FUSED_PATTERN_WARNING, category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=_CHECKPOINTING_DEPRECATION, category=FutureWarning)
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
     if config.exclude_modules:
