@@ -39,8 +39,10 @@ from relax.agents.parsers import (
     H_CALL,
     H_CHANNEL,
     H_CONSTRAIN,
+    H_END,
     H_MESSAGE,
     H_START,
+    HARMONY_TOKENS,
     MISTRAL_CALLS,
     PYTHON_TAG,
     THINK,
@@ -430,6 +432,69 @@ def after_reasoning(spec: GrammarSpec, *, opened: bool) -> GrammarSpec:
         {"type": "structural_tag", "format": {"type": "sequence", "elements": [block, answer]}}, ensure_ascii=False))
 
 
+def harmony_final(spec: GrammarSpec) -> GrammarSpec:
+    """`spec` (a json_schema, json_object, regex or ebnf spec: a response format) as gpt-oss (harmony) answers it: an
+    optional analysis message (its reasoning: any text without `<|end|>`, then `<|end|><|start|>assistant`), then
+    the final channel's header `<|channel|>final<|message|>` and what `spec` admits, which the harmony parser reads as
+    the answer's content; the row's stop token (`<|return|>`) ends it. An `ebnf` spec (xgrammar's dialect); compiled
+    for a harmony vocabulary, each marker is its special token (`Grammars`)."""
+    import xgrammar as xgr
+
+    analysis = f"{H_CHANNEL}analysis{H_MESSAGE}"
+    head = xgr.Grammar.from_ebnf("\n".join([
+        f"root ::= ({_literal(analysis)} {_text_without(H_END)} {_literal(H_END + H_START + 'assistant')})? "
+        f"{_literal(H_CHANNEL + 'final' + H_MESSAGE)}"]))
+    return GrammarSpec("ebnf", str(xgr.Grammar.concat(head, _xgrammar_of(spec))))
+
+
+def harmony_marker_ids(tokenizer: Any) -> dict[str, int]:
+    """{harmony marker: its token id} for a harmony vocabulary (gpt-oss's: `<|channel|>` a special token), the markers
+    that are special tokens of it; {} for any other vocabulary."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, t in added.items() if getattr(t, "special", False)} | set(tokenizer.all_special_ids)
+    vocab = tokenizer.get_vocab()
+    if vocab.get(H_CHANNEL) not in special:
+        return {}
+    return {m: vocab[m] for m in HARMONY_TOKENS if vocab.get(m) in special}
+
+
+def bind_markers(ebnf: str, ids: dict[str, int]) -> str:
+    """`ebnf` with each marker of `ids` inside a string literal required as its token (xgrammar's `Token(id)`), the
+    rest of the literal as text around it: a literal matches text whatever the tokens that spell it, so without this
+    `"<|call|>"` also admits `<|`, `call`, `|>`, which a harmony parser reads as the marker but the model never
+    learnt (the next turn's prompt would hold them)."""
+    if not ids:
+        return ebnf
+    marker = re.compile("|".join(re.escape(m) for m in sorted(ids, key=len, reverse=True)))
+
+    def bound(token: str) -> str:
+        if not (len(token) >= 2 and token[0] == '"' and marker.search(token)):
+            return token
+        body, pieces, at = token[1:-1], [], 0  # (a marker holds no character a literal escapes)
+        for m in marker.finditer(body):
+            pieces += ([f'"{body[at:m.start()]}"'] if m.start() > at else []) + [f"Token({ids[m.group()]})"]
+            at = m.end()
+        pieces += [f'"{body[at:]}"'] if at < len(body) else []
+        return "(" + " ".join(pieces) + ")"
+
+    return "".join(bound(tok) for tok in _EBNF_TOKEN.findall(ebnf))
+
+
+def _bind_tag(node: Any, ids: dict[str, int]) -> Any:
+    """A structural tag (its JSON) with `bind_markers` applied to each grammar in it and each tag's end that is a
+    marker required as its token (a tag's begin stays text: xgrammar triggers a tag on text)."""
+    if isinstance(node, list):
+        return [_bind_tag(v, ids) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _bind_tag(v, ids) for k, v in node.items()}
+    if node.get("type") == "grammar" and isinstance(node.get("grammar"), str):
+        out["grammar"] = bind_markers(node["grammar"], ids)
+    if node.get("type") == "tag" and isinstance(node.get("end"), str) and node["end"] in ids:
+        out["end"] = {"type": "token", "token": ids[node["end"]]}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ matching
 class Matcher:
     """One row's grammar state: `fill` its allowed tokens, `accept` the token drawn, `done` once complete.
@@ -476,11 +541,14 @@ class Matcher:
 
 class Grammars:
     """The grammars of one tokenizer: its vocabulary read once (`vocab_size`: the model's logits width, which may
-    exceed the tokenizer's), each distinct spec compiled once (up to CACHE_SIZE kept). Thread-safe."""
+    exceed the tokenizer's), each distinct spec compiled once (up to CACHE_SIZE kept). On a harmony vocabulary
+    (gpt-oss's) a marker in an ebnf literal, a structural tag's grammar or a tag's end is required as its special
+    token, not as text ordinary tokens could spell (`bind_markers`). Thread-safe."""
 
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self._compiler: Any = None
+        self._markers: dict[str, int] = {}  # a harmony vocabulary's markers: required as their tokens (bind_markers)
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # specs compiled (not found in the cache)
@@ -493,6 +561,7 @@ class Grammars:
                 raise GrammarError("constrained decoding needs the xgrammar package (pip install xgrammar)") from exc
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._markers = harmony_marker_ids(self.tokenizer)
         return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
@@ -512,9 +581,12 @@ class Grammars:
                 elif spec.kind == "regex":
                     compiled = compiler.compile_regex(spec.source)
                 elif spec.kind == "structural_tag":
-                    compiled = compiler.compile_structural_tag(spec.source)
+                    source = spec.source
+                    if self._markers:  # (a harmony vocabulary: its markers as their tokens)
+                        source = json.dumps(_bind_tag(json.loads(source), self._markers), ensure_ascii=False)
+                    compiled = compiler.compile_structural_tag(source)
                 else:
-                    compiled = compiler.compile_grammar(spec.source)
+                    compiled = compiler.compile_grammar(bind_markers(spec.source, self._markers))
             except Exception as exc:  # xgrammar's parse errors are RuntimeError/ValueError with its message
                 detail = _xgrammar_detail(exc)
                 raise GrammarError(f"the {spec.kind} does not compile: {detail}") from None

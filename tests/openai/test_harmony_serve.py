@@ -14,11 +14,15 @@ come; without queued answers the real engine samples.
 
 Negative control: on the code before the harmony parser, auto refused this template (the server did not start), and
 with data.tool_parser=hermes the answers came back as content with the markers stripped, no reasoning_content and
-no tool_calls; without harmony among the grammar's formats the forced and strict calls were a 400.
+no tool_calls; without harmony among the grammar's formats the forced and strict calls were a 400. Before the markers
+were bound to their tokens (`relax.rollout.grammar.bind_markers`), the random model's forced calls spelled
+`<|channel|>` as `<`, `|`, `ch`, `ann`, `el`, ... and the grammars admitted a spelled `<|constrain|>`; before
+`harmony_final`, a response_format's grammar was the bare JSON schema (no channel header: sent as json_schema).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -26,6 +30,7 @@ import pytest
 from tests.agents.templates import gpt_oss_tokenizer
 
 openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -197,16 +202,18 @@ ENUM_TOOLS = [{"type": "function", "function": {"name": "get_weather", "paramete
 def test_a_forced_call_drawn_by_the_real_model_is_a_harmony_call_of_the_tool(served, choice):
     """The tiny random model, constrained by the forced call's grammar (one call: parallel_tool_calls false), writes
     `<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": ...}<|call|>`, which comes
-    back as the tool call. (The grammar admits a marker spelled in ordinary tokens too, as the random model spells
-    some: its text is the same.)"""
+    back as the tool call, each marker its special token (the grammar requires them: `bind_markers`; before, the
+    random model spelled some of them in ordinary tokens, `<|` `constrain` ...)."""
     client, engine, tok = served
     answer = client.chat.completions.create(model="default", messages=USER, tools=ENUM_TOOLS, tool_choice=choice,
                                             parallel_tool_calls=False, max_tokens=200, logprobs=True, seed=1)
     choice_ = answer.choices[0]
     [(name, args)] = _calls(choice_.message)
     assert name == "get_weather" and args["city"] in ("Paris", "Oslo") and choice_.finish_reason == "tool_calls"
-    drawn = "".join(t.token for t in choice_.logprobs.content)
-    assert drawn.startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    tokens = [t.token for t in choice_.logprobs.content]
+    assert "".join(tokens).startswith("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>")
+    markers = [t for t in tokens if "<|" in t or "|>" in t]  # every piece of a marker: the whole special token
+    assert markers == ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"], tokens
     assert "ebnf" in engine.payloads[-1]["sampling_params"]
     assert tok.convert_tokens_to_ids("<|call|>") in engine.payloads[-1]["sampling_params"]["stop_token_ids"]
 
@@ -235,3 +242,79 @@ def test_a_strict_tool_s_calls_are_constrained_by_a_structural_tag(served):
     assert not admitted(CALLING.replace('{"city": "Paris"}', '{"city": 7}'))
     # a call written with the recipient first (history's form) would escape the tag: the free text may not
     assert not admitted(NEXT + ' to=functions.get_weather<|channel|>commentary json<|message|>{"town": 1}')
+
+
+def _spelled(tok, text: str) -> list[int]:
+    """`text`'s tokens with its markers spelled in ordinary tokens (`<`, `|`, `call`, ...), as a model may draw them."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+@functools.cache
+def _grammars(tok):
+    from relax.rollout.grammar import Grammars
+
+    return Grammars(tok, len(tok))
+
+
+def _admits(tok, spec, ids: list[int]) -> bool:
+    """Whether `spec`, compiled on `tok`'s vocabulary, takes the tokens `ids` and is then complete."""
+    stops = (tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|call|>"))
+    matcher = _grammars(tok).matcher(spec, stops)
+    return all(matcher.accept(t) for t in ids) and matcher.done
+
+
+def test_the_call_grammars_require_the_markers_as_their_special_tokens(served):
+    """The forced call's grammar and a strict tool's structural tag, compiled on the gpt-oss vocabulary: a call whose
+    markers are the special tokens is admitted; the same text with `<|constrain|>`, `<|message|>` or `<|call|>`
+    spelled in ordinary tokens is not (before: admitted, a literal matched the text whatever its tokens). The forced
+    call's `<|channel|>` likewise; a structural tag's opener (`<|channel|>commentary to=functions.`) triggers its
+    call on text, which xgrammar's triggered tags match as text only (its `begin` must be a string)."""
+    from relax.rollout.grammar import GrammarSpec, strict_calls, tool_call_ebnf
+
+    _, _, tok = served
+    call = CALLING.split(NEXT)[1]
+    forced = GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "harmony", name="get_weather", parallel=False))
+    strict = strict_calls([{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}], "harmony")
+    head, _, rest = call.partition(" ")  # "<|channel|>commentary", "to=functions.get_weather <|constrain|>..."
+    for spec, text in ((forced, call), (strict, CALLING)):
+        assert _admits(tok, spec, tok(text, add_special_tokens=False)["input_ids"])
+        for marker in ("<|constrain|>", "<|message|>", "<|call|>"):
+            a, _, b = text.rpartition(marker)
+            ids = (tok(a, add_special_tokens=False)["input_ids"] + _spelled(tok, marker)
+                   + tok(b, add_special_tokens=False)["input_ids"])
+            assert not _admits(tok, spec, ids), (spec.kind, marker)
+    assert not _admits(tok, forced, _spelled(tok, head) + tok(" " + rest, add_special_tokens=False)["input_ids"])
+
+
+class City(pydantic.BaseModel):
+    city: str
+
+
+FINAL_JSON = ("<|channel|>analysis<|message|>A city is asked for.<|end|>" + NEXT
+              + '<|channel|>final<|message|>{"city": "Paris"}<|return|>')
+
+
+def test_a_response_format_is_answered_in_the_final_channel(served):
+    """response_format on gpt-oss: the grammar sent is harmony's answer (an optional analysis message, then
+    `<|channel|>final<|message|>` and the JSON), the official client's `parse` reads the final channel's JSON as the
+    content (the analysis as reasoning_content); the grammar admits the answer with or without its analysis and
+    refuses the bare JSON (what was sent before: the answer had no channel header), JSON off the schema, and the
+    header spelled in ordinary tokens."""
+    from relax.rollout.grammar import GrammarSpec
+
+    client, engine, tok = served
+    engine.answer(FINAL_JSON)
+    choice = client.chat.completions.parse(model="default", messages=USER, response_format=City).choices[0]
+    assert choice.message.parsed == City(city="Paris") and choice.finish_reason == "stop"
+    assert choice.message.model_extra["reasoning_content"] == "A city is asked for."
+    sent = engine.payloads[-1]["sampling_params"]
+    spec = GrammarSpec("ebnf", sent["ebnf"])
+    final = FINAL_JSON.split(NEXT)[1]
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    assert _admits(tok, spec, ids(FINAL_JSON)) and _admits(tok, spec, ids(final))
+    assert not _admits(tok, spec, ids('{"city": "Paris"}<|return|>'))
+    assert not _admits(tok, spec, ids(final.replace('"city"', '"town"')))
+    assert not _admits(tok, spec, _spelled(tok, "<|channel|>final<|message|>") + ids('{"city": "Paris"}<|return|>'))

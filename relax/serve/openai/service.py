@@ -35,6 +35,7 @@ from relax.rollout.grammar import (
     after_reasoning,
     at_most_one_call,
     calls_in_text,
+    harmony_final,
     strict_calls,
     tool_call_ebnf,
     tool_calls_or,
@@ -171,6 +172,9 @@ class OpenAIService:
                                                                   if t["function"]["name"] in p.allowed])
         if p.grammar is not None:  # the request's own format compiles, or a 400 naming it
             self._check_format(p.grammar, body)
+            if self.fmt.harmony:  # gpt-oss answers a format in its final channel (reasoning first, or not)
+                final = harmony_final(GrammarSpec(*p.grammar))
+                p.grammar = (final.kind, final.source)
         if p.tool_choice is not None:  # a forced call: the grammar of calls in the tool parser's format
             p.grammar = ("ebnf", self._tool_call_grammar(callable_))
         elif p.tools and p.grammar is not None:  # tool_choice auto and a format: the calls or the format's content
