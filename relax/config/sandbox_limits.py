@@ -41,4 +41,5 @@ def _limits(sandbox: Any, wall_s: float, cpu_s: int) -> dict[str, Any]:
         return {"wall_s": wall_s, "cpu_s": cpu_s}
     return {"wall_s": wall_s if sandbox.wall_s is None else float(sandbox.wall_s),
             "cpu_s": cpu_s if sandbox.cpu_s is None else int(sandbox.cpu_s),
-            "memory_mb": int(sandbox.memory_mb), "file_size_mb": float(sandbox.file_size_mb)}
+            "memory_mb": int(sandbox.memory_mb), "file_size_mb": float(sandbox.file_size_mb),
+            "files_written": int(sandbox.files_written)}

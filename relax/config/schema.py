@@ -363,6 +363,9 @@ class SandboxConfig:
     cpu_s: Optional[int] = positive(None, optional=True)
     memory_mb: int = positive(512)  # the program's address space (RLIMIT_AS)
     file_size_mb: float = positive(1.0)  # the largest file it may write
+    # how many times it may open a file for writing or create a directory or a link: with file_size_mb, what it
+    # may put on disk in all (files_written x file_size_mb)
+    files_written: int = positive(64)
 
 
 @dataclass(frozen=True)

@@ -362,7 +362,8 @@ def _main():
         if created[0] <= most_created:
             return None
         return (f"{what}: the code may open files for writing or create directories and links {most_created} times "
-                f"(SandboxLimits.files_written; each file at most file_size_mb), and that was all of them")
+                f"(SandboxLimits.files_written, a run's data.sandbox.files_written; each file at most file_size_mb), "
+                "and that was all of them")
 
     def inside(p):
         return p == work or p.startswith(work_)
