@@ -445,7 +445,8 @@ def get(name: str) -> Algorithm:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown algorithm {name!r}; known: {', '.join(names())}") from None
+        raise KeyError(f"unknown algorithm {name!r}; known: {', '.join(names())} (one of your own package: name "
+                       f"the module that registers it in plugins=[...])") from None
 
 
 def names() -> list[str]:

@@ -43,8 +43,10 @@ _CREDENTIALS = re.compile(r"(://)[^/@\s]+@")  # the user[:password]@ of a URL
 
 
 def _plain(overrides: Sequence[str]) -> list[str]:
-    """The overrides of the config (Hydra's own, `hydra.*` and `hydra/...`, left out)."""
-    return [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    """The overrides of the config (Hydra's own, `hydra.*` and `hydra/...`, left out), and `hydra.searchpath`, which
+    adds the config groups of a directory (`hydra.searchpath=[file:///dir]`) and so decides what composes."""
+    return [o for o in overrides
+            if o.split("=", 1)[0] == "hydra.searchpath" or not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
 def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True,

@@ -97,6 +97,9 @@ def help_text() -> str:
         "                                      (checkpoints/<tracking.experiment>/<run name>, same MLflow run)",
         "  relax-train -cp <checkpoint> -cn config train.resume=<checkpoint> train.num_rollout=0",
         "                                      evaluate a checkpoint with its run's own config (its config.yaml)",
+        "  relax-train plugins=[mypkg.algos] algorithm=mine",
+        "                                      import modules of your own first (they register algorithms; a conf/",
+        "                                      beside one adds YAML options): docs/adding-an-algorithm.md",
         "  relax-train --hydra-help            Hydra's own flags",
         f"Config files: {conf}",
     ]
@@ -177,6 +180,14 @@ def absolute_config_path(args: list[str]) -> list[str]:
 def main() -> None:
     sys.argv[1:] = absolute_config_path(sys.argv[1:])
     args = sys.argv[1:]
+    from relax.config.store import PluginError, import_plugins, plugin_conf_dirs, plugins_in_overrides, with_search_path
+
+    try:  # the user's modules first: they may register the algorithm (and its `<name>_schema`) the config selects
+        plugin_dirs = plugin_conf_dirs(import_plugins(plugins_in_overrides(args)))
+    except PluginError as exc:
+        _fail(str(exc))
+    if plugin_dirs:  # their conf/ directories' YAML options, for Hydra's main and the check below alike
+        sys.argv[1:] = args = with_search_path(args, plugin_dirs)
     if any(a in ("-h", "--help") for a in args):
         print(help_text())
         return

@@ -12,7 +12,7 @@ from relax import algorithms
 from relax.algorithms.base import Violation
 from relax.config.derive import resolve
 from relax.config.schema import RelaxConfig
-from relax.config.store import register_configs, writable_node
+from relax.config.store import PLUGINS_KEY, PluginError, import_plugins, register_configs, writable_node
 from relax.config.unknown_keys import compose_known, drop_extra_keys, extra_keys, unknown_key
 from relax.config.validate import ConfigError, check, validate
 
@@ -31,6 +31,11 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = ()) -> RelaxC
     """Instantiate the frozen dataclasses, derive the None fields, validate (raises ConfigError). A key the schema
     lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others."""
     found = list(unknown)
+    try:  # the user's modules (relax-train imported those of its command line already): they may register the saved
+        # config's algorithm, and an unimportable one is refused here, before anything starts
+        import_plugins(list(dc.get(PLUGINS_KEY) or ()))
+    except PluginError as exc:
+        raise ConfigError([Violation((PLUGINS_KEY,), str(exc))]) from None
     if OmegaConf.get_type(dc) is not RelaxConfig:  # `-cn` named a YAML file of its own (`-cp <dir> -cn <name>`)
         dc = saved_config(dc)
     if extra_keys(dc):

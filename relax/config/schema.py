@@ -486,5 +486,10 @@ class RelaxConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # Python modules of the user's own (`[mypkg.algos, ...]`) that register algorithms or other components: imported
+    # by relax-train in the driver before the config is composed (read from the command line: `plugins=[...]`) and by
+    # every role process at its start; a `conf/` directory beside a module adds its YAML options. docs/adding-an-
+    # algorithm.md, "Out of tree".
+    plugins: list[str] = field(default_factory=list)
     seed: int = non_negative(1)
     dry_run: bool = False

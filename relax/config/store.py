@@ -7,6 +7,11 @@ turned into `RelaxConfig` instances (`relax.config.compose.to_relax_config`).
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -60,3 +65,93 @@ def register_configs() -> None:
     for name in algorithms.names():
         node = writable_node(algorithms.get(name).config_cls)
         cs.store(group="algorithm", name=schema_name("algorithm", name), node=node)
+
+
+PLUGINS_KEY = "plugins"  # the top-level option (RelaxConfig.plugins) naming the user's modules
+
+
+class PluginError(ValueError):
+    """A module of `plugins` that cannot be imported (or a `plugins=` value that is not a list of module names): the
+    message is one line naming the option and the module, for relax-train to print before anything starts."""
+
+
+_imported: dict[str, ModuleType] = {}
+
+
+def import_plugins(names: Sequence[str]) -> list[ModuleType]:
+    """Import each module of `plugins` (once per process; importing it registers its algorithms and other
+    components), in order. Raises PluginError naming the option and the first module that cannot be imported."""
+    modules = []
+    for name in names:
+        if not isinstance(name, str) or not name.strip() or ":" in name or "/" in name:
+            raise PluginError(f"{PLUGINS_KEY}: {name!r} is not a Python module name (write {PLUGINS_KEY}=[mypkg.algos]"
+                              f", a module importable from PYTHONPATH)")
+        if name not in _imported:
+            try:
+                _imported[name] = importlib.import_module(name)
+            except Exception as exc:  # noqa: BLE001 - any failure of the user's import is the user's to read
+                where = "" if isinstance(exc, ModuleNotFoundError) else " (raised while importing it)"
+                raise PluginError(f"{PLUGINS_KEY}: cannot import module {name!r}: {type(exc).__name__}: {exc}"
+                                  f"{where}") from exc
+        modules.append(_imported[name])
+    return modules
+
+
+def plugin_conf_dirs(modules: Sequence[ModuleType]) -> list[Path]:
+    """The `conf/` directory beside each module (`mypkg/conf` for `mypkg/algos.py` and for the package `mypkg`),
+    where it has one: Hydra searches them for config groups (`conf/algorithm/<name>.yaml`) after Relax's own."""
+    found: list[Path] = []
+    for module in modules:
+        file = getattr(module, "__file__", None)
+        conf = Path(file).resolve().parent / "conf" if file else None
+        if conf is not None and conf.is_dir() and conf not in found:
+            found.append(conf)
+    return found
+
+
+def plugins_in_overrides(overrides: Sequence[str]) -> list[str]:
+    """The modules a command line's `plugins=[...]` names (every value of a sweep's `plugins=[a],[b]`), read before
+    the config is composed: they must be imported first, since they may register the algorithm it selects. Raises
+    PluginError for a value that is not a list of names."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    names: list[str] = []
+    for text in overrides:
+        key = text.split("=", 1)[0].lstrip("+~")
+        if key != PLUGINS_KEY or "=" not in text:
+            continue
+        try:
+            value = OverridesParser.create().parse_override(text).value()
+        except Exception as exc:  # noqa: BLE001 - Hydra's grammar error, said in one line
+            raise PluginError(f"cannot parse {text!r}: {str(exc).splitlines()[0]}") from None
+        values = value.list if isinstance(value, ChoiceSweep) else [value]
+        for v in values:
+            if not isinstance(v, list):
+                raise PluginError(f"{text!r}: {PLUGINS_KEY} is a list of module names: write "
+                                  f"{PLUGINS_KEY}=[{v if isinstance(v, str) else 'mypkg.algos'}]")
+            names += [n for n in v if n not in names]
+    return names
+
+
+SEARCHPATH_KEY = "hydra.searchpath"
+
+
+def with_search_path(overrides: Sequence[str], dirs: Sequence[Path]) -> list[str]:
+    """`overrides` with `dirs` added to Hydra's search path (`hydra.searchpath=[...]`, after the entries a user's own
+    override lists), so that Hydra's main and relax-train's own check both find the config groups in them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out, entries, at = list(overrides), [], None
+    for i, text in enumerate(out):
+        if text.split("=", 1)[0] == SEARCHPATH_KEY and "=" in text:
+            value = OverridesParser.create().parse_override(text).value()
+            entries, at = (list(value) if isinstance(value, list) else [value]), i
+    entries += [f"file://{d}" for d in dirs if f"file://{d}" not in entries]
+    quoted = ",".join('"' + e + '"' if "'" in e else "'" + e + "'" for e in map(str, entries))
+    line = f"{SEARCHPATH_KEY}=[{quoted}]"
+    if at is None:
+        out.append(line)
+    else:
+        out[at] = line
+    return out

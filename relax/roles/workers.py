@@ -20,6 +20,7 @@ from relax.algorithms.base import AdvantageInputs, AdvantageOutput
 from relax.batch import Samples, TrainBatch, continuation, extend_responses
 from relax.config.derive import teacher_model
 from relax.config.schema import ModelConfig, RelaxConfig
+from relax.config.store import import_plugins
 from relax.metrics import ACTOR_COMPUTE_TIME
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.lora import inject_adapters
@@ -58,6 +59,13 @@ def actor_class(cls: type) -> Any:
     return ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(cls)
 
 
+def _user_modules(cfg: RelaxConfig) -> None:
+    """Import the run's `plugins` in this role's process before anything else: they fill its registries (algorithms,
+    components looked up by name) as they fill the driver's. Unpickling the config imports only the module that
+    defines the algorithm's config class, which need not be the one that registers it."""
+    import_plugins(cfg.plugins)
+
+
 def _threads(n: int | None) -> None:
     if pin_role_process() is None and n:  # pinned (cluster.role_cores): its pools sized to its cores
         torch.set_num_threads(n)
@@ -73,6 +81,7 @@ class FrozenModelWorker:
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, model_cfg: ModelConfig, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        _user_modules(cfg)
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
@@ -179,6 +188,7 @@ class PolicyWorker(PolicyForwarding):
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        _user_modules(cfg)
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
@@ -232,6 +242,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        _user_modules(cfg)
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
@@ -332,6 +343,7 @@ class CriticWorker:
 
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, threads: int | None = None,
                  heartbeat: HeartbeatLink | None = None):
+        _user_modules(cfg)
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)

@@ -111,6 +111,9 @@ VALUES: dict[str, Any] = {
     "rollout.max_episode_tokens": 40,  # single-turn data: rejected (the episode options: tests/agents)
     "data.env": "guess_number",
     "data.tools": "[calculator]",
+    # a module that cannot be imported is refused; one that can changes a run only through what it registers and the
+    # config then selects (tests/cli/test_plugins.py runs a plugin's algorithm)
+    "plugins": "[relax_walk_no_such_plugin]",
     "data.tool_parser": "qwen3_coder",  # the tiny model's ChatML template: auto is hermes
     "data.agent": "tests.agents.echo_agent:Echo",
     "data.turn_rewards": "per_turn",
