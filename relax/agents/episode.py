@@ -33,7 +33,7 @@ from typing import Any, Optional
 from relax import progress
 from relax.agents.bounded import Bounded, StepTimeout
 from relax.agents.parsers import harmony_call_names, message_decoder, opened_reasoning
-from relax.agents.protocol import AgentLoop, Reply
+from relax.agents.protocol import AgentLoop, Reply, UserCodeError
 from relax.agents.render import ObservationRenderer
 from relax.batch import FinishReason, plain_reason
 
@@ -174,7 +174,7 @@ class Episode:
         obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(
             reply.messages, stop_token, turn_calls(self.loop, self.actions[-1]))
         if not obs:
-            raise ValueError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
+            raise UserCodeError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
         self.observations.append([dict(m) for m in reply.messages] if reply.tokens is None else
                                  [{"role": "user", "content": self.decode(obs)}])
         self.kv_reused += context

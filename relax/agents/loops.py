@@ -18,7 +18,7 @@ from relax.agents.bounded import Bounded
 from relax.agents.grid_walk import GridWalk
 from relax.agents.guess_number import GuessNumber
 from relax.agents.parsers import CallError, ParsedMessage, ToolParser, parse_hermes, without_reasoning
-from relax.agents.protocol import AgentLoop, Reply, as_step
+from relax.agents.protocol import AgentLoop, Reply, UserCodeError, as_step
 from relax.agents.tools import ToolRunner, get_tools
 from relax.batch import FinishReason
 from relax.imports import resolve_component
@@ -146,7 +146,7 @@ class ToolsAndEnvironment:
         if step.done:
             return Reply(reward=step.reward, done=True, end=FinishReason.ENV_DONE)
         if step.observation is None:
-            raise TypeError(f"{name}.step returned no observation for an episode that is not done")
+            raise UserCodeError(f"{name}.step returned no observation for an episode that is not done")
         return Reply(messages=[{"role": "user", "content": step.observation}], reward=step.reward)
 
     def replay(self, actions: list[str]) -> None:

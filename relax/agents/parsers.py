@@ -920,7 +920,9 @@ def get_parser(spec: str, tokenizer: Any = None) -> ToolParser:
         parsed = fn(text)
         if not isinstance(parsed, ParsedMessage) or not all(isinstance(i, (ToolCall, CallError))
                                                             for i in parsed.items):
-            raise TypeError(f"data.tool_parser={spec!r} returned {type(parsed).__name__}: expected a "
+            from relax.agents.protocol import UserCodeError  # a TypeError relax-train prints in one line
+
+            raise UserCodeError(f"data.tool_parser={spec!r} returned {type(parsed).__name__}: expected a "
                             "relax.agents.parsers.ParsedMessage of ToolCall and CallError items")
         return parsed
 

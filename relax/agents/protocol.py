@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
 from relax.batch import FinishReason
+from relax.rewards.calls import RewardSpecError
 
 # Why an episode ended (`Samples.finish_reason` of its row): the model stopped with no tool call and no environment
 # (its final answer), a token limit cut it (a turn's `rollout.max_response_len` or the episode's
@@ -31,6 +32,13 @@ from relax.batch import FinishReason
 # `rollout.max_tool_errors` tool calls failed.
 END_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ENV_DONE, FinishReason.MAX_TURNS,
                FinishReason.TOOL_ERRORS)
+
+
+class UserCodeError(RewardSpecError, TypeError):
+    """User code (an environment, an agent loop, a tool-call parser of one's own) returned what its interface does not
+    allow; the message names the code and what was expected. A user's mistake, not a bug: relax-train prints the
+    message alone (exit 2), where it was raised in the driver (a RewardSpecError to relax-train) and where a role
+    raised it on Ray (`relax.runner.watchdog` makes it a RunError); still a TypeError to code that catches those."""
 
 
 class Step(NamedTuple):
@@ -70,18 +78,22 @@ class AgentLoop(Protocol):
 
 
 def as_step(value: Any, where: str) -> Step:
-    """An environment's `step` result as a `Step`, checked (a TypeError naming `where` otherwise)."""
+    """An environment's `step` result as a `Step`, checked (a UserCodeError naming `where` otherwise)."""
     try:
         observation, reward, done = value
     except (TypeError, ValueError):
-        raise TypeError(f"{where}.step returned {value!r}; expected (observation, reward, done)") from None
+        raise UserCodeError(f"{where}.step returned {value!r}; expected (observation, reward, done)") from None
     if isinstance(observation, list):  # content parts: text and images (an image observation)
         for part in observation:
             if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
-                raise TypeError(f"{where}.step: an observation given as a list holds content parts "
+                raise UserCodeError(f"{where}.step: an observation given as a list holds content parts "
                                 f"({{'type': 'text', 'text': ...}} or {{'type': 'image', 'image': ...}}), got "
                                 f"{str(part)[:80]!r}")
     elif observation is not None and not isinstance(observation, str):
-        raise TypeError(f"{where}.step: the observation must be a string, a list of content parts or None, got "
+        raise UserCodeError(f"{where}.step: the observation must be a string, a list of content parts or None, got "
                         f"{type(observation).__name__}")
-    return Step(observation, float(reward), bool(done))
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise UserCodeError(f"{where}.step returned the reward {reward!r}; expected a number") from None
+    return Step(observation, reward, bool(done))

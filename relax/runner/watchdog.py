@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from relax.runner.errors import RoleFailure
+from relax.agents.protocol import UserCodeError
+from relax.runner.errors import RoleFailure, RunError
 
 POLL_S = 1.0  # how often a pending wait looks at the heartbeats
 
@@ -62,6 +63,12 @@ class Watchdog:
                                   f"died: {first_line(exc)}") from None
             except ray.exceptions.GetTimeoutError:  # pragma: no cover - answered refs come back at once
                 raise RoleFailure(name, f"did not answer within {self.timeout_s:g} s") from None
+            except ray.exceptions.RayTaskError as exc:
+                # user code broke its contract in the role (an environment's step, a tool parser's result): the
+                # user's mistake, said in one line as relax-train says a RunError, not Ray's traceback of the role
+                if isinstance(exc.cause, UserCodeError):
+                    raise RunError(f"{name}: {exc.cause}") from None
+                raise
         return out
 
     def get_one(self, ref: Any, process: str, *, progress: bool = True) -> Any:
