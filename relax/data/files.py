@@ -1,5 +1,7 @@
 """Reading prompt files: JSONL (one JSON object per line) or Parquet, checked record by record; a malformed file is a
-`DataError` naming the file and line. Values are data, never code."""
+`DataError` naming the file and line. A directory is read as a Hugging Face `datasets` directory
+(`Dataset.save_to_disk`: its Arrow files, in the order its state.json lists them) or as Parquet shards (its
+`*.parquet` files, in name order: a Hub snapshot's split). Values are data, never code."""
 
 from __future__ import annotations
 
@@ -57,10 +59,10 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
     """
     p = Path(path).expanduser()
     if p.is_dir():
-        raise DataError(f"data file {p} is a directory, not a JSONL or Parquet file")
-    if not p.is_file():
+        records = read_directory(p)
+    elif not p.is_file():
         raise DataError(f"data file {p} does not exist")
-    if p.suffix in (".parquet", ".pq"):
+    elif p.suffix in (".parquet", ".pq"):
         records = read_parquet(p)
     else:
         records = _read_jsonl(p)
@@ -74,14 +76,63 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
     return records
 
 
-def read_parquet(p: Path) -> list[Record]:
-    """The rows of a Parquet file (pyarrow>=14.0.1: older versions unpickle extension types)."""
+CONVERT_HINT = ("convert it to one file: python -c \"import datasets; datasets.load_from_disk('{p}')"
+                ".to_parquet('train.parquet')\", then data.path=train.parquet")
+
+
+def read_directory(p: Path) -> list[Record]:
+    """The rows of a directory: a `datasets` `save_to_disk` directory (state.json and its Arrow files, read with
+    pyarrow, rows numbered across the files) or a directory of Parquet shards (rows numbered across the shards). A
+    `DatasetDict` directory (dataset_dict.json) names its splits; anything else is a DataError with the one-line
+    conversion."""
+    state = p / "state.json"
+    if (p / "dataset_dict.json").is_file():
+        splits = sorted(d.name for d in p.iterdir() if (d / "state.json").is_file())
+        raise DataError(f"data file {p} is a datasets DatasetDict directory (splits: {', '.join(splits) or 'none'}): "
+                        f"point data.path at one split's directory, e.g. {p / (splits[0] if splits else 'train')}")
+    if state.is_file():
+        try:
+            listed = json.loads(state.read_text(encoding="utf-8"))["_data_files"]
+            files = [p / entry["filename"] for entry in listed]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"data file {p}: its state.json (a datasets save_to_disk directory) cannot be read "
+                            f"({type(e).__name__}: {e}); " + CONVERT_HINT.format(p=p)) from None
+        rows = [row for f in files for row in _arrow_rows(f, p)]
+        return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+    shards = sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".pq") and f.is_file())
+    if shards:
+        rows = [row for f in shards for row, _ in read_parquet(f)]
+        return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+    raise DataError(f"data file {p} is a directory without Parquet shards (*.parquet) or a datasets save_to_disk "
+                    "state.json; point data.path at a JSONL or Parquet file, or " + CONVERT_HINT.format(p=p))
+
+
+def _arrow_rows(f: Path, directory: Path) -> list[dict[str, Any]]:
+    """The rows of one Arrow file of a `save_to_disk` directory (the Arrow IPC stream format it writes)."""
+    _check_pyarrow(f)
     import pyarrow
-    import pyarrow.parquet as pq
+    import pyarrow.ipc
+
+    try:
+        with pyarrow.memory_map(str(f)) as source:
+            return pyarrow.ipc.open_stream(source).read_all().to_pylist()
+    except Exception as e:
+        raise DataError(f"{f}: cannot read this Arrow file of the datasets directory {directory}: {e}") from None
+
+
+def _check_pyarrow(p: Path) -> None:
+    import pyarrow
 
     if _version(pyarrow.__version__) < (14, 0, 1):  # CVE-2023-47248: older pyarrow unpickles extension types
-        raise DataError(f"{p}: reading Parquet needs pyarrow>=14.0.1 (older versions can run code from a Parquet "
-                        f"file), found {pyarrow.__version__}")
+        raise DataError(f"{p}: reading Parquet or Arrow needs pyarrow>=14.0.1 (older versions can run code from "
+                        f"such a file), found {pyarrow.__version__}")
+
+
+def read_parquet(p: Path) -> list[Record]:
+    """The rows of a Parquet file (pyarrow>=14.0.1: older versions unpickle extension types)."""
+    import pyarrow.parquet as pq
+
+    _check_pyarrow(p)
     try:
         rows = pq.read_table(p).to_pylist()
     except Exception as e:
