@@ -204,3 +204,26 @@ def check_template(tokenizer: Any, model_name: str, roles: Sequence[str] = OBSER
                          f"rollout after a model turn: {'; '.join(problems)}. Give the model a chat template that "
                          "renders tool results and user messages after assistant messages (chat_template in its "
                          "tokenizer_config.json or chat_template.jinja)")
+
+
+def parser_choice(spec: str, tokenizer: Any) -> str:
+    """Which tool-call parser `data.tool_parser=spec` gives for `tokenizer`, and why, in a few words for the pre-start
+    check's line: for `auto`, the marker of the chat template it went by (`relax.agents.parsers.parser_for_template`,
+    first match wins), or that the template has no place for tools (Relax's tools prompt then teaches Hermes'
+    format). A template `auto` refuses raises its ToolParserSpecError."""
+    import json
+
+    from relax.agents.parsers import AUTO, TEMPLATE_MARKERS, TEMPLATE_TOOLS, parser_for_template
+
+    if spec != AUTO:
+        return f"data.tool_parser={spec}"
+    template = getattr(tokenizer, "chat_template", None)
+    name = parser_for_template(template)
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    marker = next((m for m, n in TEMPLATE_MARKERS if m in text and n == name), None)
+    if marker is not None:
+        return f"data.tool_parser=auto -> {name} (the chat template holds {marker!r})"
+    if TEMPLATE_TOOLS not in text:
+        return f"data.tool_parser=auto -> {name} (the chat template has no place for tools: Relax's tools prompt " \
+               "teaches this format)"
+    return f"data.tool_parser=auto -> {name}"

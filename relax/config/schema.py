@@ -41,6 +41,10 @@ class ModelConfig:
     # source=config: the tokenizer of this Hugging Face directory or .gguf file, and a vocabulary its size (a small
     # student for a teacher of that tokenizer, algorithm=opd); None: the built-in tiny tokenizer
     tokenizer: Optional[str] = None
+    # a Jinja chat template file (as TRL's chat_template_path, SGLang's --chat-template) that replaces the tokenizer's
+    # own, for every source (gguf included): prompts, observations, relax-serve and the gateway, relax-export's saved
+    # tokenizer; None: the tokenizer's template (ChatML where it has none). Checked before start.
+    chat_template: Optional[str] = None
     # Architecture of a `source=config` model (Qwen3 layout).
     arch: str = "qwen3"
     hidden_size: int = positive(64, when=("source", "config"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,6 +29,10 @@ from relax.data.images import VisionData, check_text_prompt, draw_vision, prompt
 from relax.data.tasks import generate_task
 
 logger = logging.getLogger(__name__)
+
+# renders a prompt's chat messages (after data.system_prompt) into the text the model sees, in place of the plain
+# chat template: with data.tools, the tools' chat format (relax.runner.preflight.tools_renderer: the gateway's)
+PromptRenderer = Callable[[list[dict]], str]
 
 
 @dataclass(frozen=True, init=False)
@@ -92,11 +96,13 @@ def render_prompt(
     tokenizer: Any,
     apply_chat_template: bool = True,
     system_prompt: Optional[str] = None,
+    render: Optional[PromptRenderer] = None,
 ) -> tuple[str, bool]:
     """The prompt text the model sees and whether the chat template produced it.
 
     With a template (and `apply_chat_template`): the messages (a string becomes one user message) after
-    `system_prompt` as a system message, rendered with `add_generation_prompt=True`. Without: the string
+    `system_prompt` as a system message, rendered with `add_generation_prompt=True`, or by `render` where given (a
+    run with data.tools: the template with the tools' schemas, as the gateway renders them). Without: the string
     itself, or a message list's contents joined by newlines. A `system_prompt` that cannot apply (no template,
     or a message list with its own system message) is a ValueError, never silently dropped.
     """
@@ -106,6 +112,8 @@ def render_prompt(
     if apply_chat_template and has_chat_template(tokenizer):
         messages = prompt_messages(prompt, system_prompt)
         try:
+            if render is not None:
+                return render(messages), True
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:  # e.g. a template that refuses a role the prompt uses (a worked tool example)
             roles = ", ".join(dict.fromkeys(m.get("role", "?") for m in messages))
@@ -161,9 +169,11 @@ class PromptDataset(Sequence[PromptItem]):
         system_prompt: Optional[str] = None,
         name: str = "",
         vision: Optional[VisionData] = None,
+        render: Optional[PromptRenderer] = None,
     ) -> PromptDataset:
         """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`). Records with
-        images need `vision` (the processor of a vision-language model): a DataError naming the field otherwise."""
+        images need `vision` (the processor of a vision-language model): a DataError naming the field otherwise.
+        `render`: the text of a prompt's messages in place of the plain chat template (`render_prompt`)."""
         if prompt_overflow not in ("drop", "error"):
             raise DataError(f"data.prompt_overflow={prompt_overflow!r}: must be drop | error")
         cache: dict[str, tuple[str, list[int], Optional[list[dict]]]] = {}
@@ -197,7 +207,7 @@ class PromptDataset(Sequence[PromptItem]):
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
             if cache_key not in cache:
                 try:
-                    text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt)
+                    text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt, render)
                 except ValueError as exc:
                     raise DataError(f"{where}: {exc}") from None
                 cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated),
@@ -251,10 +261,12 @@ def label_text(label: Any) -> str:
 def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = None,
                      max_prompt_len: Optional[int] = None, limit: Optional[int] = None,
                      vision: Optional[VisionData] = None, keys: Optional[tuple[str, str]] = None,
-                     key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key")) -> PromptDataset:
+                     key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key"),
+                     render: Optional[PromptRenderer] = None) -> PromptDataset:
     """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig); `keys`:
     (prompt key, label key) instead of data_cfg's, `key_fields`: the fields a missing key's message names; `vision`:
-    a vision-language model's processor (relative image paths are read from the file's directory)."""
+    a vision-language model's processor (relative image paths are read from the file's directory); `render`: see
+    `render_prompt`."""
     opts = _data_options(data_cfg)
     if keys is not None:
         opts.update(prompt_key=keys[0], label_key=keys[1])
@@ -264,7 +276,7 @@ def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = Non
     if vision is not None:
         vision = vision.at(Path(path).expanduser().parent)
     return PromptDataset.from_records(records, tokenizer, max_prompt_len=max_prompt_len, name=str(path),
-                                      vision=vision, **opts)
+                                      vision=vision, render=render, **opts)
 
 
 def _data_options(data_cfg: Any) -> dict[str, Any]:
@@ -280,8 +292,11 @@ def _data_options(data_cfg: Any) -> dict[str, Any]:
     }
 
 
-def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[PromptDataset]]:
-    """(train, eval or None) from `cfg.data`, `cfg.rollout.max_prompt_len` and `cfg.seed`.
+def build_datasets(cfg: Any, tokenizer: Any,
+                   render: Optional[PromptRenderer] = None) -> tuple[PromptDataset, Optional[PromptDataset]]:
+    """(train, eval or None) from `cfg.data`, `cfg.rollout.max_prompt_len` and `cfg.seed`; `render`: how prompts'
+    messages become text in place of the plain chat template (`render_prompt`; with data.tools, the tools' chat
+    format).
 
     Sources, in order: `data.path` (eval: `data.eval_path`; required when `data.task=file`);
     `data.task=gsm8k` (prepared from $DATA_DIR, eval: its test split); else the synthetic `data.task`
@@ -307,33 +322,34 @@ def build_datasets(cfg: Any, tokenizer: Any) -> tuple[PromptDataset, Optional[Pr
         # the prepared files are keyed prompt/label (relax.data.gsm8k); data.prompt_key / label_key name the fields
         # of the user's files (data.eval_path, data.eval_sets)
         own = ("prompt", "label")
-        train = load_prompt_file(prepared["train"], tokenizer, data, max_len, vision=vision, keys=own)
+        train = load_prompt_file(prepared["train"], tokenizer, data, max_len, vision=vision, keys=own, render=render)
         evals = None
         if n_eval > 0 and (eval_path is not None or prepared.get("test") is not None):
             evals = load_prompt_file(eval_path or prepared["test"], tokenizer, data, max_len, limit=n_eval,
-                                     vision=vision, keys=None if eval_path is not None else own)
+                                     vision=vision, keys=None if eval_path is not None else own, render=render)
         return train, evals
     if train_path is not None:
-        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision)
+        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision, render=render)
         evals = None
         if eval_path is not None and n_eval > 0:
-            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval, vision=vision)
+            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval, vision=vision, render=render)
         return train, evals
     opts.update(prompt_key="prompt", label_key="label")
     records = [(r, f"{data.task}:train:{i}") for i, r in enumerate(generate_task(data.task, data.num_prompts, seed))]
     if not records:
         raise DataError(f"data.num_prompts={data.num_prompts}: must be > 0")
     train = PromptDataset.from_records(records, tokenizer, max_prompt_len=max_len, name=f"{data.task}/train",
-                                       vision=vision, **opts)
+                                       vision=vision, render=render, **opts)
     evals = None
     if n_eval > 0:
         ev = [(r, f"{data.task}:eval:{i}") for i, r in enumerate(generate_task(data.task, n_eval, seed, "eval"))]
         evals = PromptDataset.from_records(ev, tokenizer, max_prompt_len=max_len, name=f"{data.task}/eval",
-                                           vision=vision, **opts)
+                                           vision=vision, render=render, **opts)
     return train, evals
 
 
-def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset]) -> dict[str, PromptDataset]:
+def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset],
+                    render: Optional[PromptRenderer] = None) -> dict[str, PromptDataset]:
     """The eval sets by name, in evaluation order (names: `relax.config.evaluation`): `default` (the eval set of
     `build_datasets`) under the name of `data.eval_path` or of the task, then each file of `data.eval_sets`, at most
     `data.num_eval_prompts` prompts each, read with the entry's keys (`eval_set_files`). A missing or malformed file
@@ -354,7 +370,7 @@ def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset]) 
         try:
             out[name] = load_prompt_file(entry.path, tokenizer, data, cfg.rollout.max_prompt_len,
                                          limit=data.num_eval_prompts, vision=vision_data(cfg, tokenizer),
-                                         keys=(entry.prompt_key, entry.label_key), key_fields=fields)
+                                         keys=(entry.prompt_key, entry.label_key), key_fields=fields, render=render)
         except DataError as exc:
             problems.append(f"data.eval_sets.{name}: {exc}")
     if problems:

@@ -253,8 +253,9 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
 
 def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     """The tokenizer of `model_cfg`, offline: config -> the tiny tokenizer (or `model.tokenizer`'s), hf -> the
-    directory's tokenizer, gguf -> the tokenizer embedded in the .gguf file. Guarantees a pad token; a model without
-    a chat template gets ChatML."""
+    directory's tokenizer, gguf -> the tokenizer embedded in the .gguf file; with `model.chat_template` (a Jinja
+    file) that template instead of its own (`read_chat_template`), for every source. Guarantees a pad token; a model
+    without a chat template gets ChatML."""
     from transformers import AutoTokenizer
 
     source = _field(model_cfg, "source", "config")
@@ -262,9 +263,11 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         if not _field(model_cfg, "tokenizer"):
             from relax.config.vision_rules import VISION_ARCHS
 
-            if _field(model_cfg, "arch", "qwen3") in VISION_ARCHS:
-                return build_tiny_vl_tokenizer()
-            return build_tiny_tokenizer()
+            tiny = build_tiny_vl_tokenizer() if _field(model_cfg, "arch", "qwen3") in VISION_ARCHS \
+                else build_tiny_tokenizer()
+            if _field(model_cfg, "chat_template"):
+                tiny.chat_template = read_chat_template(_field(model_cfg, "chat_template"))
+            return tiny
         path, source = _tokenizer_path(_field(model_cfg, "tokenizer"))
         key = "model.tokenizer"
     else:
@@ -279,9 +282,38 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelFileError(f"model.source={source}: cannot load the tokenizer of {key}={str(path)!r}: "
                              f"{type(e).__name__}: {detail}") from None
+    own = _field(model_cfg, "chat_template")
+    if own:  # model.chat_template: the user's template replaces the tokenizer's, wherever the tokenizer is loaded
+        tokenizer.chat_template = read_chat_template(own)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
     return ensure_pad_token(tokenizer)
+
+
+def read_chat_template(value: str) -> str:
+    """The text of `model.chat_template` (a Jinja file), checked: it exists, is UTF-8 and parses as Jinja in the
+    environment transformers renders chat templates in. ModelPathError / ModelFileError naming the option and,
+    for a syntax error, the line."""
+    from jinja2 import TemplateSyntaxError
+
+    p = Path(value).expanduser()
+    if not p.is_file():
+        raise ModelPathError(f"model.chat_template={value!r} is not an existing file (expected a Jinja chat template, "
+                             "such as a model directory's chat_template.jinja)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"model.chat_template={value!r} cannot be read as UTF-8 text: {e}") from None
+    if not text.strip():
+        raise ModelFileError(f"model.chat_template={value!r} is empty")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as e:
+        raise ModelFileError(f"model.chat_template={value!r} does not parse as a Jinja template: line {e.lineno}: "
+                             f"{e.message}") from None
+    return text
 
 
 def _tokenizer_path(value: str) -> tuple[Path, str]:
@@ -394,7 +426,8 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
                                      f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
                                      ) from None
     tokenizer_file = _field(model_cfg, "tokenizer")
-    if source == "gguf" or (source == "config" and tokenizer_file and Path(tokenizer_file).expanduser().is_file()):
+    if source == "gguf" or (source == "config" and tokenizer_file and Path(tokenizer_file).expanduser().is_file()) \
+            or _field(model_cfg, "chat_template"):  # a template of one's own: its end-of-turn token ends a response
         ids |= template_stop_tokens(tokenizer)
     if not ids:
         raise ValueError("the tokenizer has no EOS token and the model no generation_config eos_token_id: "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.schema import ModelConfig
@@ -49,8 +50,11 @@ def model_record(model_cfg: ModelConfig) -> Optional[dict[str, Any]]:
     path = resolve_model_path(model_cfg)
     assert path is not None
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    # model.chat_template replaces the files' template (load_tokenizer): its file is part of what is recorded
+    own = [Path(model_cfg.chat_template).expanduser()] if getattr(model_cfg, "chat_template", None) else []
     key = (model_cfg.source, str(path.resolve()),
-           *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+           *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files),
+           *((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in own if p.is_file()))
     if key in _cache:
         return dict(_cache[key])
     tokenizer = load_tokenizer(model_cfg)

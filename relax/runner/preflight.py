@@ -7,13 +7,16 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   (gguf); with `train.backend=megatron`, its architecture and parallel sizes.
 - `tokenizer`: the policy's tokenizer loads.
 - `teacher`: the distillation teacher's files and tokenizer, token for token the policy's (`check_teacher`).
-- `data`: the training prompts and the eval sets (files, task, prompt lengths).
+- `data`: the training prompts and the eval sets (files, task, prompt lengths); with `data.tools` each prompt is
+  rendered with the tools' schemas as relax-serve and the gateway render them (`tools_renderer`).
 - `reward`: the reward function (`data.reward`) imports, takes (response, label), and (with a time limit) can be sent
   to a worker process.
 - `reward_model`: the reward model's files (a sequence-classification head of one label and its tokenizer; a judge's
   model and tokenizer) and the judge's parser (`relax.runner.reward_model.check_reward_model`).
 - `agent`: agentic data: the chat template renders observations (`relax.agents.render.check_template`), and the
-  environment, tools and agent loop load.
+  environment, tools and agent loop load; its line says which tool-call parser `data.tool_parser` gives and why
+  (`relax.agents.render.parser_choice`), and an environment or agent loop with `rollout.max_turns=1` is warned of
+  (each episode one model turn).
 - `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
 - `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
 - `tracking`: a sqlite `tracking.uri`'s database can be opened for writing, or created in a directory that exists
@@ -41,6 +44,7 @@ checks for real. Every problem is reported at once, each as the message the chec
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +52,12 @@ from typing import Any, Optional
 
 from relax.agents.episode import EpisodeMaker
 from relax.agents.parsers import get_parser
-from relax.agents.render import check_template, observation_roles
+from relax.agents.render import check_template, observation_roles, parser_choice
+from relax.agents.tools import get_tools
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import default_eval_set_name, evaluates
 from relax.config.schema import ModelConfig, RelaxConfig
-from relax.data.datasets import DataError, PromptItem, PromptSampler, build_datasets, build_eval_sets
+from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
@@ -68,6 +73,8 @@ from relax.runner.errors import RunError
 from relax.runner.plan import Plan, build_plan
 from relax.runner.reward_model import check_reward_model
 from relax.serve.openai.agents import load_agent
+from relax.serve.openai.chat import ChatFormat
+from relax.serve.openai.protocol import APIError
 from relax.tracking.mlflow_run import file_store_problem, resolve_tracking_uri, sqlite_path, sqlite_store_problem
 from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
@@ -208,11 +215,33 @@ def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any) -> N
                          "log-probs of the same token ids, so the teacher must share the policy's tokenizer")
 
 
+def tools_renderer(cfg: RelaxConfig, tokenizer: Any, eos_token_ids: Sequence[int]) -> Optional[PromptRenderer]:
+    """How a run with `data.tools` renders its prompts: the chat template given the tools' schemas (a template with a
+    place for tools lists them itself; for one without, Relax's tools prompt is added to the system message, unless
+    that message already describes the tools), exactly as relax-serve and the gateway render the same messages and
+    tools (`relax.serve.openai.chat.ChatFormat.render`, with data.tool_parser's format), so that the model is trained
+    on the prompt it is served with. None without data.tools or without the chat template (the plain template)."""
+    d = cfg.data
+    if not d.tools or not d.apply_chat_template:
+        return None
+    schemas = [tool.schema for tool in get_tools(list(d.tools), d.sandbox).values()]
+    fmt = ChatFormat(tokenizer, tuple(eos_token_ids), get_parser(d.tool_parser, tokenizer))
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return fmt.render(messages, schemas)
+        except APIError as exc:  # the template refuses the conversation (its own raise_exception)
+            raise ValueError(f"with data.tools, {str(exc).removeprefix('messages: ')}") from None
+
+    return render
+
+
 def _data(pre: Preflight) -> None:
     cfg = pre.cfg
-    pre.train_set, default_eval = build_datasets(cfg, pre.tokenizer)
+    render = tools_renderer(cfg, pre.tokenizer, pre.info.eos_token_ids if pre.info is not None else ())
+    pre.train_set, default_eval = build_datasets(cfg, pre.tokenizer, render)
     if evaluates(cfg):
-        pre.eval_sets = build_eval_sets(cfg, pre.tokenizer, default_eval)
+        pre.eval_sets = build_eval_sets(cfg, pre.tokenizer, default_eval, render)
         if not pre.eval_sets or (default_eval is None and default_eval_set_name(cfg.data) is not None):
             what = ("train.num_rollout=0 (an evaluation-only run)" if cfg.train.num_rollout == 0
                     else f"train.eval_interval={cfg.train.eval_interval}")
@@ -254,6 +283,18 @@ def _agent(pre: Preflight) -> bool:
     maker = EpisodeMaker.for_config(cfg)
     if maker is not None:
         maker.close()
+    said = ["chat template renders observations; env, tools, agent load"]
+    if cfg.data.tools:
+        said.append(parser_choice(cfg.data.tool_parser, pre.tokenizer))
+    loop = ("data.env", cfg.data.env) if cfg.data.env else ("data.agent", cfg.data.agent) if cfg.data.agent else None
+    if loop is not None and cfg.rollout.max_turns == 1:
+        # a one-turn environment is possible (it scores the answer and says done), so this is said, not refused
+        warning = (f"{loop[0]}={loop[1]} with rollout.max_turns=1: each episode is one model turn (its step's "
+                   "observation is never read; every row ends max_turns unless done); set rollout.max_turns to the "
+                   "turns an episode needs")
+        print(f"relax-train: warning: {warning}", file=sys.stderr, flush=True)
+        said.append(f"warning: {loop[0]} with rollout.max_turns=1 (one turn per episode)")
+    pre.notes["agent"] = "; ".join(said)
     return True
 
 
@@ -262,6 +303,7 @@ def _openai_agent(pre: Preflight) -> bool:
         return False
     load_agent(pre.cfg.data.openai_agent)
     get_parser(pre.cfg.data.tool_parser, pre.tokenizer)
+    pre.notes["openai_agent"] = f"data.openai_agent loads; {parser_choice(pre.cfg.data.tool_parser, pre.tokenizer)}"
     return True
 
 

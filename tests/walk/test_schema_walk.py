@@ -86,6 +86,7 @@ VALUES: dict[str, Any] = {
     "model.source": "hf",  # from $MODEL_DIR/<name>, which the walk does not provide: the run says so at start
     "model.path": "some/model",
     "model.tokenizer": "some/tokenizer",  # not there: the run says so at start (its effect: tests/data)
+    "model.chat_template": "some/template.jinja",  # not there: the run says so at start (its effect: tests/data)
     "cluster.cpus_per_node": 2,
     "cluster.role_cores": {"rollout": "0", "actor": "1"},
     "data.prompt_key": "question",
