@@ -114,24 +114,25 @@ def test_a_fully_async_run_writes_the_samples_of_each_evaluation_as_the_sync_run
     (tests/runner/test_async_training.py), so each evaluation sees the same weights, and its samples draw from the same
     random streams."""
     common = ["cluster.cpus_per_node=1", "train.eval_interval=1", "data.num_eval_prompts=2",
-              "train.eval_save_samples=true"]
+              "train.eval_save_samples=true", "rollout.eval_temperature=1.0", "rollout.eval_n_samples_per_prompt=2",
+              "train.lr=0.05"]  # sampled (not greedy) and weights that move: samples that tell runs apart
     sync = run(load_config(small_run(*common, steps=2)), output_dir=tmp_path / "sync")
     fully = run(load_config(small_run(*common, "train.mode=fully_async", "train.max_staleness=0", steps=2)),
                 output_dir=tmp_path / "async")
     names = ["step_000001.jsonl", "step_000002.jsonl"]
     assert sorted(p.name for p in (tmp_path / "async" / "eval" / "digits").iterdir()) == names
-    for name in names:
-        text = (tmp_path / "async" / "eval" / "digits" / name).read_text()
-        assert text == (tmp_path / "sync" / "eval" / "digits" / name).read_text()
+    texts = [(tmp_path / "async" / "eval" / "digits" / name).read_text() for name in names]
+    assert texts == [(tmp_path / "sync" / "eval" / "digits" / name).read_text() for name in names]
+    assert texts[0] != texts[1]  # the two evaluations' weights differ: the equality pins which ones each used
     artifacts = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").list_artifacts(fully.run_id, "eval/digits")
     assert sorted(Path(a.path).name for a in artifacts) == names
     evaluated = []
     for step, metrics in fully.history:
-        if "eval/digits/mean_at_1" in metrics:
+        if "eval/digits/mean_at_2" in metrics:
             evaluated.append(step)
             text = (tmp_path / "async" / "eval" / "digits" / f"step_{step:06d}.jsonl").read_text()
             rewards = [json.loads(line)["reward"] for line in text.splitlines()]
-            assert metrics["eval/digits/mean_at_1"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+            assert metrics["eval/digits/mean_at_2"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
     assert evaluated == [1, 2]
-    assert [m.get("eval/digits/mean_at_1") for _, m in fully.history] == \
-        [m.get("eval/digits/mean_at_1") for _, m in sync.history]
+    assert [m.get("eval/digits/mean_at_2") for _, m in fully.history] == \
+        [m.get("eval/digits/mean_at_2") for _, m in sync.history]
