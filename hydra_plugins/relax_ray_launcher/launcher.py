@@ -8,11 +8,18 @@ and knows nothing of MLflow. This one, per sweep:
 2. creates the MLflow parent run (and so the sqlite store: jobs never race to create its schema) and
    adds `tracking.parent_run_id`, `tracking.sweep_id` and `tracking.arm` to each job's overrides;
 3. runs each job with Hydra's `run_job` in its own Ray worker process (`max_calls=1`), at most
-   `max_concurrent_jobs` at a time, on the Ray cluster (joined, or started locally); a failing job is
+   `max_concurrent_jobs` at a time, on the Ray cluster joined (`hydra.launcher.address`, `cluster.address`, else
+   `RAY_ADDRESS`), or else on a Ray instance of the sweep's own (`ray.init(address="local")`, as a single run: never
+   one that a stale /tmp/ray/ray_current_cluster or a user's `ray start --head` names); a failing job is
    recorded and the others go on; each job's MLflow run is tagged `relax.sweep_job` (`<sweep id>/<job index>`),
    so that the table names each job's own run;
 4. prints a table of jobs and ends the parent run FINISHED, or FAILED if any job failed (exit 1); a job's run that
    its process left RUNNING (killed, or crashed: kill -9, out of memory) is ended with the job's status in the table.
+   A job that never started (queued behind others at Ctrl-C, or Ray could not be started or joined) is NOT STARTED;
+   the parent run's `relax.sweep_jobs` tag holds each job's status.
+
+Ray that cannot be started or joined is one line, `relax-train: error: cannot start or join Ray ...`, exit 2, after
+the table (every job NOT STARTED; the parent run FAILED).
 
 A tracking store that cannot be opened is refused before any job starts (the precheck's `tracking`, and the parent
 run's start), with relax-train's one-line error and exit 2.
@@ -56,6 +63,12 @@ INVALID_CONFIG_EXIT = 2  # as relax-train's single-run validation
 REWARD_METRIC = RAW_REWARD
 FINAL_REWARD_STEPS = 10  # the table's final reward: the mean of the last 10 steps, as relax-train's summary
 JOB_TAG = "relax.sweep_job"  # on each job's MLflow run: "<sweep id>/<job index>", how the table finds it
+JOBS_TAG = "relax.sweep_jobs"  # on the parent run: each job's status in the table, {"0": "FINISHED", "1": ...}
+NOT_STARTED = "NOT STARTED"  # a job that never ran: no process, no MLflow run
+
+
+class RayUnavailable(Exception):
+    """Ray could not be started or joined: no job started (relax-train's one-line error, exit 2)."""
 
 
 @dataclass
@@ -156,7 +169,8 @@ class RelaxRayLauncher(Launcher):
         self.task_function: Optional[TaskFunction] = None
         self.sweep_id: Optional[str] = None
         self.parent = None  # relax.tracking.Tracker of the sweep's parent run
-        self.started_ray = False
+        self.started_ray = False  # this launcher called ray.init (and so shuts Ray down, or leaves the cluster)
+        self.joined: Optional[str] = None  # the address of the cluster it joined; None: a Ray of its own
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -183,19 +197,29 @@ class RelaxRayLauncher(Launcher):
         print(f"Sweep {self.sweep_id}: {len(jobs)} jobs" + (f", MLflow parent run {parent_id}" if parent_id else ""),
               flush=True)
         outcomes: dict[int, _Outcome] = {}
+        started: set[int] = set()  # the jobs submitted to Ray (the others never started)
         status = "FAILED"
+        unavailable: Optional[RayUnavailable] = None
         try:
-            self._run_all(full, indices, jobs, outcomes, sweep_id)
+            self._run_all(full, indices, jobs, outcomes, sweep_id, started)
             status = "FINISHED" if all(o.error is None for o in outcomes.values()) else "FAILED"
-        except KeyboardInterrupt:
+        except RayUnavailable as exc:
+            unavailable = exc
+        except KeyboardInterrupt as exc:
             status = "KILLED"
+            # what relax-train's last line says stopped: the jobs on a cluster that keeps running, or a Ray of its own
+            exc.joined = self.joined  # type: ignore[attr-defined]
             raise
         finally:
             self._stop_ray()  # also flushes the jobs' forwarded output, so the table comes last
-            rows = self._rows(jobs, indices, outcomes, parent_id)
+            rows = self._rows(jobs, indices, outcomes, parent_id, started)
             print(format_table(rows, sweep_id=self.sweep_id, parent_run_id=parent_id), flush=True)
             if self.parent is not None:
+                self._tag_statuses(rows)
                 self.parent.finish(status)
+        if unavailable is not None:
+            print(f"relax-train: error: {unavailable}", file=sys.stderr, flush=True)
+            sys.exit(INVALID_CONFIG_EXIT)
         failed = [r for r in rows if r.status != "FINISHED"]
         if failed:  # the message alone, exit 1 (a failed JobReturn would add Hydra's "Error executing job ..." and
             # its HYDRA_FULL_ERROR hint, which say nothing about a job that ran in another process)
@@ -302,6 +326,8 @@ class RelaxRayLauncher(Launcher):
         return self.parent.run_id
 
     def _init_ray(self) -> None:
+        """Join the cluster of `address`, `cluster.address` or RAY_ADDRESS, else start a Ray instance of the sweep's
+        own; raises RayUnavailable when neither works."""
         import ray
 
         if ray.is_initialized():
@@ -322,8 +348,16 @@ class RelaxRayLauncher(Launcher):
 
             enable_token_auth()  # a cluster with token authentication refuses a driver that does not send it
         kwargs.update(self.ray_init)
-        ray.init(address=address, **kwargs)
+        try:
+            # "local": a new instance of the sweep's own, as a single run starts (relax.runner.cluster.RayRuntime);
+            # with None, Ray would join the cluster that /tmp/ray/ray_current_cluster names (a user's `ray start
+            # --head`, or a stale file left by a head stopped by a signal) and then refuse num_cpus
+            ray.init(address=address if address is not None else "local", **kwargs)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            where = f"the Ray cluster at {address}" if address is not None else "a local Ray instance"
+            raise RayUnavailable(f"cannot start or join Ray ({where}): {exc}; no sweep job started") from None
         self.started_ray = True
+        self.joined = address
 
     def _stop_ray(self) -> None:
         import ray
@@ -354,7 +388,9 @@ class RelaxRayLauncher(Launcher):
         return max(1, min(fits))
 
     def _run_all(self, full: list[list[str]], indices: list[int], jobs: list[list[str]],
-                 outcomes: dict[int, _Outcome], sweep_id: Optional[str]) -> None:
+                 outcomes: dict[int, _Outcome], sweep_id: Optional[str], started: set[int]) -> None:
+        """Run the jobs, at most `_concurrency` at a time; each job's index goes into `started` as it is submitted
+        to Ray, and its `_Outcome` into `outcomes` as it ends."""
         import ray
 
         assert self.config is not None and self.hydra_context is not None
@@ -406,6 +442,7 @@ class RelaxRayLauncher(Launcher):
                                         state, cwd, key)
                     running[ref] = k
                     submitted[k] = time.time()
+                    started.add(indices[k])
                     log.info(f"\t#{indices[k]} : {' '.join(filter_overrides(jobs[k]))}")
                 done, _ = ray.wait(list(running), num_returns=1)
                 for ref in done:
@@ -447,9 +484,10 @@ class RelaxRayLauncher(Launcher):
                 running.pop(ref)
 
     def _rows(self, jobs: list[list[str]], indices: list[int], outcomes: dict[int, _Outcome],
-              parent_id: Optional[str]) -> list[JobRow]:
+              parent_id: Optional[str], started: set[int]) -> list[JobRow]:
         """The table: each job with its own MLflow run (its `relax.sweep_job` tag, else the run id it returned;
-        '-' when neither) and its final reward, the mean of its last 10 steps."""
+        '-' when neither) and its final reward, the mean of its last 10 steps. A job never submitted to Ray is
+        NOT STARTED; one submitted that returned nothing (stopped, or killed at the second Ctrl-C) is KILLED."""
         runs = self._job_runs(parent_id)
         rows = []
         for job, index in zip(jobs, indices, strict=True):
@@ -462,7 +500,9 @@ class RelaxRayLauncher(Launcher):
             if not isinstance(reward, (int, float)) and run is not None:
                 reward = self._final_reward(run.info.run_id)
             reward = float(reward) if isinstance(reward, (int, float)) and math.isfinite(reward) else None
-            if o is None or o.killed:
+            if o is None and index not in started:
+                status = NOT_STARTED
+            elif o is None or o.killed:
                 status = "KILLED"
             else:
                 status = "FINISHED" if o.error is None else "FAILED"
@@ -475,6 +515,16 @@ class RelaxRayLauncher(Launcher):
             rows.append(JobRow(index, text, status, run_id, reward, seconds, o.error if o is not None else None,
                                tuple(filter_overrides(job))))
         return rows
+
+    def _tag_statuses(self, rows: Sequence[JobRow]) -> None:
+        """The table's status of each job on the parent run (`relax.sweep_jobs`): a job that never started has no
+        run of its own to say it."""
+        assert self.parent is not None
+        text = json.dumps({str(r.index): r.status for r in sorted(rows, key=lambda r: r.index)})
+        try:
+            self.parent.client.set_tag(self.parent.run_id, JOBS_TAG, text)
+        except Exception as exc:  # noqa: BLE001 - the table still says it
+            log.warning(f"could not tag the sweep's parent run with its jobs' statuses: {exc}")
 
     def _mark_ended(self, run_id: str, status: str) -> None:
         """End a job's run that its process left RUNNING with the table's status (KILLED or FAILED)."""

@@ -85,7 +85,7 @@ class JobRow:
 
     index: int
     overrides: str
-    status: str  # FINISHED | FAILED | KILLED
+    status: str  # FINISHED | FAILED | KILLED | NOT STARTED (never submitted: no process, no MLflow run)
     run_id: Optional[str] = None
     final_reward: Optional[float] = None
     seconds: Optional[float] = None

@@ -5,8 +5,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -180,13 +182,16 @@ def test_invalid_jobs_are_all_reported_before_anything_starts(tmp_path):
 def test_ctrl_c_stops_the_running_jobs(tmp_path, mlflow_template):
     """Ctrl-C (SIGINT) on the sweep's driver: each running job gets the interrupt (here the default
     KeyboardInterrupt, which ends its MLflow run KILLED), the parent ends KILLED and the table names each job's run.
+    The third job, queued behind the two (max_concurrent_jobs=2), never starts: NOT STARTED in the table and in the
+    parent run's relax.sweep_jobs tag, with no run of its own (before, it was listed KILLED as if it had run).
     SIGTERM takes the same path (its handler raises the interrupt): a real sweep stopped by SIGTERM is
     tests/experiments/test_relax_sweep.py's, the exit code of each is the test below."""
     from mlflow import MlflowClient
 
     _store(tmp_path, mlflow_template)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(APP), "-m", "lr=0.1,0.2", "seed=1", "sleep_s=300"], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, str(APP), "-m", "lr=0.1,0.2,0.3", "seed=1", "sleep_s=300",
+                             "hydra.launcher.max_concurrent_jobs=2"], cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -205,10 +210,50 @@ def test_ctrl_c_stops_the_running_jobs(tmp_path, mlflow_template):
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = {r.data.tags["overrides"].split()[0]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
     assert parent.info.status == "KILLED" and sorted(children) == ["lr=0.1", "lr=0.2"]
-    rows = {line.split()[1]: line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ")}
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ", "2 ")}
     for lr, run in children.items():
         assert run.info.status == "KILLED", lr
         assert "KILLED" in rows[lr] and run.info.run_id in rows[lr], rows  # its own run
+    assert rows["lr=0.3"][2:] == ["NOT", "STARTED", "-"], rows  # no time, no run, no reward
+    assert json.loads(parent.data.tags["relax.sweep_jobs"]) == {"0": "KILLED", "1": "KILLED", "2": "NOT STARTED"}
+    assert not (tmp_path / "times" / "started-2").exists()
+
+
+def test_a_stale_ray_session_file_does_not_stop_a_sweep(tmp_path, mlflow_template):
+    """A Ray head stopped by a signal leaves its address in <Ray's temp dir>/ray_current_cluster (a user's `ray start
+    --head` writes it too); the sweep starts a Ray instance of its own, as a single run does
+    (docs/operations.md, "A Ray left behind"). Before, ray.init(address=None, num_cpus=...) read that file, tried to
+    join the address and raised `ValueError: When connecting to an existing cluster, num_cpus and num_gpus must not
+    be provided` (a traceback, exit 1, every job listed KILLED). The file is written into a private RAY_TMPDIR, so no
+    other Ray instance on the machine is touched."""
+    from mlflow import MlflowClient
+
+    _store(tmp_path, mlflow_template)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="relax-stale-", dir="/tmp"))  # short: Ray's socket paths (107 bytes)
+    try:
+        (ray_tmp / "ray").mkdir()
+        with socket.socket() as s:  # a port where nothing listens: the head that wrote the file is gone
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(PYTHONUNBUFFERED="1", RAY_TMPDIR=str(ray_tmp))
+        proc = subprocess.run([sys.executable, str(APP), "-m", "seed=1,2", "sleep_s=0"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+        sessions = list((ray_tmp / "ray").glob("session_2*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert sessions, out  # its own instance, in the temp dir it was given
+    rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ")}
+    assert {seed: "FINISHED" in row for seed, row in rows.items()} == {"seed=1": True, "seed=2": True}, out
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "FINISHED"
+    assert json.loads(parent.data.tags["relax.sweep_jobs"]) == {"0": "FINISHED", "1": "FINISHED"}
 
 
 def test_sigterm_on_the_driver_exits_143_as_on_a_single_run(monkeypatch, capsys):
