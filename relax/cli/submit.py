@@ -7,7 +7,9 @@ cluster runs exactly the code and conf/ you have) and sets environment variables
 for KEY's value here; MODEL_DIR, DATA_DIR and the other variables in FORWARDED_ENV are passed on when set here, and
 so are the secrets the run reads from the environment: the variables its `*api_key_env` options name,
 $RELAX_SGLANG_API_KEY with rollout.sglang.urls, MLflow's credentials with an http(s) tracking.uri; `secret_env`).
-A secret's value, and that of any `--env KEY`, is in no command line and shows as `***` in `--dry-run`; a secret
+A secret's value, and that of any `--env KEY`, is in no command line and shows as `***` in `--dry-run`, as does
+the value of every variable whose name holds KEY, TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL (in any case), however
+it was given; a secret
 the run needs that is unset here is named before submitting (the cluster's nodes may set it). The
 entrypoint is `python -m relax.cli.train`, i.e. relax-train, which works from the uploaded checkout
 whether or not Relax is installed on the nodes. With Ray's token authentication (Ray >= 2.52; on
@@ -90,6 +92,17 @@ def parse_env(items: list[str], environ: Optional[dict[str, str]] = None) -> dic
 def env_from_here(items: list[str]) -> set[str]:
     """The variables of `--env KEY` items (no `=`): their values come from this environment, never shown."""
     return {item for item in items if "=" not in item}
+
+
+# words that make a variable's name look like a secret's (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, PGPASSWORD,
+# GOOGLE_APPLICATION_CREDENTIALS): its value is `***` in --dry-run's payload, however it was given
+SECRET_NAME_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def looks_secret(name: str) -> bool:
+    """Whether `name` contains one of SECRET_NAME_WORDS, in any case (`hf_token` too)."""
+    upper = name.upper()
+    return any(word in upper for word in SECRET_NAME_WORDS)
 
 
 # secrets the run reads from variables of fixed names: relax.runner.rollout_driver.sglang_engines.API_KEY_ENV (the
@@ -180,9 +193,10 @@ def forward_secrets(env: dict[str, str], secrets: dict[str, str], environ: Optio
 
 
 def shown_payload(payload: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
-    """`payload` with the values of the `hidden` environment variables replaced by `***` (what --dry-run prints)."""
+    """`payload` with the values of the `hidden` environment variables, and of those whose name looks like a
+    secret's (`looks_secret`), replaced by `***` (what --dry-run prints)."""
     env = payload.get("runtime_env", {}).get("env_vars", {})
-    masked = {k: ("***" if k in hidden else v) for k, v in env.items()}
+    masked = {k: ("***" if k in hidden or looks_secret(k) else v) for k, v in env.items()}
     return {**payload, "runtime_env": {**payload.get("runtime_env", {}), "env_vars": masked}}
 
 
@@ -480,7 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory uploaded as the job's working_dir (default: this Relax checkout, else the cwd)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VAL|KEY",
                    help="environment variable of the job (repeatable); KEY alone passes on KEY's value here, never "
-                        "shown (the keys named by the config's *api_key_env options are passed on without it)")
+                        "shown (the keys named by the config's *api_key_env options are passed on without it); "
+                        "--dry-run shows *** for it, and for a name holding KEY, TOKEN, SECRET, PASSWORD, PASSWD or "
+                        "CREDENTIAL (any case)")
     p.add_argument("--exp-dir", default=None, metavar="DIR",
                    help="absolute directory on the cluster's shared storage where relax-train runs and writes its "
                         "MLflow store, outputs and checkpoints (default: $EXP_DIR); without it every output path "

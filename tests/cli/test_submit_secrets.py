@@ -102,3 +102,26 @@ def test_the_servers_key_and_mlflow_credentials_are_forwarded_when_the_run_reads
     payload, _ = dry_run(capsys, "--", "tracking.uri=sqlite:////shared/mlflow.db", *ABSOLUTE[1:])
     assert "RELAX_SGLANG_API_KEY" not in payload["runtime_env"]["env_vars"]
     assert "MLFLOW_TRACKING_PASSWORD" not in payload["runtime_env"]["env_vars"]
+
+
+def test_a_value_whose_name_looks_like_a_secret_is_masked_however_it_was_given(env, capsys):
+    """`--env NAME=value` of a name holding KEY, TOKEN, SECRET, PASSWORD, PASSWD or CREDENTIAL (any case) is `***` in
+    --dry-run, also where no option of the config names it (before, only the config's *api_key_env names and
+    `--env NAME` were masked: HF_TOKEN=hf_abc was printed as given). The job still gets the values; PLAIN and a
+    value that merely contains such a word are printed (the controls)."""
+    given = {"HF_TOKEN": "hf_abc", "WANDB_API_KEY": "wk-secret", "AWS_SECRET_ACCESS_KEY": "aws-secret",
+             "PGPASSWORD": "pg-secret", "my_db_passwd": "db-secret", "GOOGLE_APPLICATION_CREDENTIALS": "/keys/sa.json"}
+    argv = [a for name, value in given.items() for a in ("--env", f"{name}={value}")]
+    argv += ["--env", "PLAIN=token-key-secret"]
+    payload, err = dry_run(capsys, *argv, "--", *ABSOLUTE)
+    shown = payload["runtime_env"]["env_vars"]
+    assert {name: shown[name] for name in given} == dict.fromkeys(given, "***")
+    assert shown["PLAIN"] == "token-key-secret"
+    for value in given.values():
+        assert value not in json.dumps(payload) + err
+    # --entrypoint (no config read): masked the same
+    payload, _ = dry_run(capsys, "--entrypoint", "python prep.py", "--env", "HF_TOKEN=hf_abc")
+    assert payload["runtime_env"]["env_vars"]["HF_TOKEN"] == "***"
+    main(["--address", "http://head.example:8265", "--no-follow", *argv, "--", *ABSOLUTE])
+    sent = Jobs.submitted[-1]["runtime_env"]["env_vars"]
+    assert {name: sent[name] for name in given} == given
