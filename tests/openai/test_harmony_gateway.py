@@ -9,9 +9,10 @@ rendering: the first prompt is gpt-oss's template applied to the conversation; t
 call as sampled and then exactly the text the template writes after that call (the tool's `functions.get_weather`
 message and the generation prompt). Nothing is re-tokenized.
 
-Negative control: with the reasoning of the call turn not handed to the template (`thinking`) in a copy of the repo,
-the gateway's rendering of the history no longer continued the sampled tokens and the second turn started a new
-segment (segments == 2), failing the test.
+Negative control: in a copy of the repo whose observation after a call is rendered for a probe call instead of the
+turn's own call (`relax.agents.render.ObservationRenderer._after_call` given no names), the tool message sent was
+`<|start|>functions.relax_probe_tool to=assistant...` and the test failed there. (Leaving the call turn's reasoning out
+of the history changes nothing the gateway sends: it continues the sampled tokens and renders only what follows.)
 """
 
 from __future__ import annotations
