@@ -177,6 +177,21 @@ def absolute_config_path(args: list[str]) -> list[str]:
     return out
 
 
+def _multirun(args: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") for a in args)
+
+
+def stopped_text(exc: BaseException, sweep: bool = False) -> str:
+    """What an interrupt stopped, for relax-train's last line: on a cluster the run (or sweep) joined
+    (`exc.joined`, set by the runner and the sweep launcher), only its own processes, the cluster keeps running;
+    otherwise the Ray instance it started, with every process in it."""
+    joined = getattr(exc, "joined", None)
+    if joined:
+        what = "the sweep's jobs and their Ray actors" if sweep else "the run's Ray actors"
+        return f"{what} stopped (the Ray cluster at {joined} keeps running), the MLflow run is marked KILLED"
+    return "Ray and its processes stopped, the MLflow run is marked KILLED"
+
+
 def main() -> None:
     sys.argv[1:] = absolute_config_path(sys.argv[1:])
     args = sys.argv[1:]
@@ -207,15 +222,14 @@ def main() -> None:
     try:
         hydra.main(config_path=str(conf), config_name="config", version_base=None)(_run)()
     except Preempted as exc:  # Ctrl-C or SIGTERM during the run: exit 128 + the signal (130, 143)
-        print(f"relax-train: {exc}. Ray and its processes stopped, the MLflow run is marked KILLED", file=sys.stderr)
+        text = stopped_text(exc)
+        print(f"relax-train: {exc}. {text[:1].upper()}{text[1:]}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except Signalled as exc:  # SIGTERM to a sweep's driver: its jobs stopped as on Ctrl-C (the table above says how)
-        print(f"\nrelax-train: {exc}: interrupted; Ray and its processes stopped, the MLflow run is marked KILLED",
-              file=sys.stderr)
+        print(f"\nrelax-train: {exc}: interrupted; {stopped_text(exc, sweep=True)}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C outside the run (composing the config, starting), or on a sweep's driver
-        print("\nrelax-train: interrupted; Ray and its processes stopped, the MLflow run is marked KILLED",
-              file=sys.stderr)
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the run (composing the config, starting), or on a sweep's driver
+        print(f"\nrelax-train: interrupted; {stopped_text(exc, sweep=_multirun(args))}", file=sys.stderr)
         sys.exit(130)
 
 

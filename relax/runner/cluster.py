@@ -66,6 +66,7 @@ class RayRuntime:
 
     def __init__(self, cfg: RelaxConfig, plan: Plan):
         self.cfg, self.plan, self.started = cfg, plan, False
+        self.joined: str | None = None  # the address of the cluster joined (None: a local instance, or not started)
 
     def __enter__(self) -> RayRuntime:
         import ray
@@ -109,6 +110,7 @@ class RayRuntime:
             raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{source}): "
                            f"{exc}") from None
         self.started = True
+        self.joined = address
         return self
 
     def __exit__(self, *exc) -> None:

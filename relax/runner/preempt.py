@@ -44,6 +44,9 @@ class Signalled(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+        # the address of the Ray cluster the run (or the sweep) joined, which keeps running: only the run's own
+        # processes stopped; None: Ray was an instance of the run's own, stopped with it (relax-train says which)
+        self.joined: Optional[str] = None
 
     @property
     def exit_code(self) -> int:

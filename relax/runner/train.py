@@ -213,6 +213,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
         if not isinstance(exc, Preempted):  # Ctrl-C without our handler (before or after the run's context)
             raise
         exc.latest = checkpoint.latest(checkpoint.resolve_save_dir(cfg))  # for relax-train's message
+        exc.joined = runtime.joined  # what stopped: the run's actors on a cluster that goes on, or its own Ray
         if exc is interrupt:
             raise
         raise exc from None

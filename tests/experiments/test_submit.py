@@ -356,6 +356,11 @@ def test_ray_job_stop_lets_the_submitted_run_commit_its_checkpoint(ray_head, tmp
     assert "relax-train: SIGTERM received: stopping after step 2 with a checkpoint" in out, out + err
     assert "relax-train: SIGTERM received: stopped after 2 steps with a checkpoint; train.resume=auto continues from " \
         in out, out + err
+    # the cluster it joined is still up: only the run's actors stopped, and the last line says so (before: "Ray and
+    # its processes stopped", as if the head had gone down)
+    assert re.search(r"\. The run's Ray actors stopped \(the Ray cluster at \S+ keeps running\), the MLflow run is "
+                     r"marked KILLED$", out, re.M), out
+    assert "Ray and its processes stopped" not in out
     assert f"job {job}: STOPPED (exit code 143)" in err
     assert proc.returncode == 143
     (ckpt,) = [p for p in exp.rglob("step_000002") if p.is_dir()]
