@@ -28,7 +28,7 @@ from relax.config.reward_model_rules import needs_own_gpu, reward_model_violatio
 from relax.config.reward_service_rules import reward_service_violations
 from relax.config.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, python_tool_limits
 from relax.config.sandbox_rules import sandbox_violations
-from relax.config.schema import TOOL_PARSERS, RelaxConfig
+from relax.config.schema import TOOL_PARSERS, RelaxConfig, TrainConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
 
 # fields whose rules read this process's environment (a key's variable is set): true of the process that runs, not
@@ -178,13 +178,31 @@ def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
             "each rollout is split into num_steps_per_rollout global batches",
         )
     dp = data_parallel_size(cfg)
-    r.require(
-        t.global_batch_size % (t.micro_batch_size * dp) == 0,
-        ("train.global_batch_size", "train.micro_batch_size"),
-        f"train.global_batch_size={t.global_batch_size} must be divisible by "
-        "train.micro_batch_size * data-parallel size "
-        f"({t.micro_batch_size}*{dp}={t.micro_batch_size * dp})",
-    )
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        r.require(False, ("train.global_batch_size", "train.micro_batch_size"),
+                  _indivisible(t, ro.rollout_batch_size, ro.n_samples_per_prompt, dp))
+
+
+def _indivisible(t: TrainConfig, prompts: int, n: int, dp: int) -> str:
+    """Why train.global_batch_size does not split into micro-batches, and the fix. It is usually derived (unset: the
+    rollout's samples / train.num_steps_per_rollout), and the rules see it resolved: when it equals that, the
+    message says what it comes from rather than only naming a value the user may never have set."""
+    gbs, unit = t.global_batch_size, t.micro_batch_size * dp
+    dp_text = f"train.micro_batch_size * data-parallel size ({t.micro_batch_size}*{dp}={unit})" if dp > 1 else \
+        f"train.micro_batch_size={t.micro_batch_size}"
+    if gbs % dp == 0:
+        fit = max(d for d in range(1, t.micro_batch_size) if (gbs // dp) % d == 0)
+        lower = f"lower train.micro_batch_size (train.micro_batch_size={fit} fits)"
+    else:
+        lower = f"no train.micro_batch_size splits {gbs} over {dp} data-parallel replicas"
+    if gbs * t.num_steps_per_rollout != prompts * n:  # set apart from the rollout's size: its own value
+        return f"train.global_batch_size={gbs} must be divisible by {dp_text}: {lower}, or set " \
+            f"train.global_batch_size to a multiple of {unit}"
+    steps = f" / train.num_steps_per_rollout={t.num_steps_per_rollout}" if t.num_steps_per_rollout > 1 else ""
+    return (f"train.global_batch_size={gbs} (unset, it is the samples of a rollout: rollout.rollout_batch_size="
+            f"{prompts} x rollout.n_samples_per_prompt={n}{steps}) must be divisible by {dp_text}: {lower}, or "
+            f"raise rollout.rollout_batch_size or rollout.n_samples_per_prompt so that "
+            f"{'each step' if steps else 'a rollout'} holds a multiple of {unit} samples")
 
 
 def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
