@@ -32,12 +32,14 @@ from relax.runner.ledger import (
     count,
     read_checkpoint,
 )
-from relax.tracking.mlflow_run import CHECKPOINT_DIR_TAG
+from relax.tracking.mlflow_run import CHECKPOINT_DIR_TAG, PARENT_RUN_ID_TAG
+from relax.tracking.params import TAG_SWEEP_ID
 from relax.tracking.verify import (
     UNFINISHED,
     RunRecord,
     VerifyError,
     check_metric_steps,
+    child_runs,
     completed_steps,
     default_uri,
     read_run,
@@ -161,6 +163,25 @@ def _evaluation_only(record: RunRecord, report: Report) -> Report:
     return report
 
 
+def _is_sweep_parent(record: RunRecord) -> bool:
+    """A sweep's parent run (relax-train -m): tagged with the sweep's id, nested under no run, and without steps or
+    config of its own (its jobs' runs have them)."""
+    return (TAG_SWEEP_ID in record.tags and PARENT_RUN_ID_TAG not in record.tags and not record.histories
+            and NUM_ROLLOUT_PARAM not in record.params)
+
+
+def _sweep_parent_text(record: RunRecord) -> str:
+    """Nothing to check in a sweep's parent run: say so, and name its jobs' runs to verify instead."""
+    jobs = child_runs(record.uri, record.run_id)
+    head = (f"MLflow run {record.run_id} is the parent run of sweep {record.tags[TAG_SWEEP_ID]}: it has no steps of "
+            "its own (each job of the sweep trains in a run of its own)")
+    if not jobs:
+        return f"{head}, and no run in {record.uri} is nested under it (no job opened one)"
+    listed = "\n".join(f"  {run_id}  {status}" + (f"  job {key.rpartition('/')[2]}" if key else "")
+                        for run_id, status, key in jobs)
+    return f"{head}; verify its jobs' runs, e.g. relax-verify-run {jobs[0][0]}:\n{listed}"
+
+
 def verify(target: str, uri: Optional[str] = None) -> Report:
     """Check the run `target` (an MLflow run id, a checkpoint directory or a save dir) in store `uri` (default:
     $MLFLOW_TRACKING_URI, else the checkpoint's tracking.uri, else sqlite:///mlflow.db). UsageError if there is nothing
@@ -199,6 +220,8 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
         record = read_run(uri, run_id, FILE)
     except VerifyError as exc:
         raise UsageError(str(exc)) from None
+    if _is_sweep_parent(record):
+        raise UsageError(_sweep_parent_text(record))
     report = Report(f"relax-verify-run: MLflow run {record.run_id} ({record.status}) in {record.uri}")
     if record.params.get(NUM_ROLLOUT_PARAM) == "0":
         return _evaluation_only(record, report)
@@ -236,7 +259,8 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
             report.notes.append(f"the run is {record.status}: steps {steps_text(range(ledger_n, metric_n))} are in "
                                 f"MLflow but not yet in its ledger (written at each checkpoint and at the end of the "
                                 f"run); train.resume=auto continues it")
-    report.facts.append(("metrics", f"{len(histories)} keys, {', '.join(EVERY_STEP)} logged at every step"))
+    report.facts.append(("metrics", f"{len(histories)} keys, {', '.join(EVERY_STEP)} logged at every step"
+                         if histories else "none logged"))
     report.violations += check_metric_steps(histories, n, EVERY_STEP)
 
     if ckpt is not None and state is not None:

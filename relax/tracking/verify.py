@@ -103,6 +103,27 @@ def read_run(uri: str, run_id: str, artifact: str) -> RunRecord:
     return RunRecord(run_id, uri, run.info.status, dict(run.data.params), dict(run.data.tags), histories, text)
 
 
+def child_runs(uri: str, run_id: str) -> list[tuple[str, str, Optional[str]]]:
+    """(run id, status, `relax.sweep_job` tag) of each run nested under `run_id` (`mlflow.parentRunId`), in any
+    experiment of store `uri`, oldest first; [] when there are none or the store cannot be searched."""
+    quiet_mlflow_logging()
+    from mlflow import MlflowClient
+
+    from relax.tracking.mlflow_run import PARENT_RUN_ID_TAG
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        try:
+            client = MlflowClient(tracking_uri=resolve_tracking_uri(uri))
+            experiments = [e.experiment_id for e in client.search_experiments()]
+            runs = client.search_runs(experiments, filter_string=f"tags.`{PARENT_RUN_ID_TAG}` = '{run_id}'",
+                                      max_results=5000)
+        except Exception:  # noqa: BLE001 - the caller's message still names the run and its sweep
+            return []
+    return [(r.info.run_id, r.info.status, r.data.tags.get("relax.sweep_job"))  # the sweep launcher's JOB_TAG
+            for r in sorted(runs, key=lambda r: r.info.start_time or 0)]
+
+
 def completed_steps(histories: Mapping[str, Sequence[int]], every_step: Sequence[str]) -> int:
     """1 + the highest step of the keys logged at every step (0 if none was logged)."""
     return 1 + max((s for key in every_step for s in histories.get(key, ())), default=-1)

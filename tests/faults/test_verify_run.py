@@ -268,6 +268,45 @@ def test_usage_errors_name_what_is_missing(tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_sweeps_parent_run_is_named_as_such_with_its_jobs_runs(tmp_path, capsys, mlflow_template):
+    """The id a sweep prints first is its parent run's (`Sweep ...: 2 jobs, MLflow parent run <id>`), which has no
+    steps: relax-verify-run says so and names the jobs' runs to verify (exit 2, nothing to check). Before, it
+    reported `steps 0`, `metrics 0 keys, ... logged at every step` and failed (exit 1) on a missing ledger, as if a
+    training run had lost it. Control: a job's run is verified as a run (its missing ledger is its violation)."""
+    from mlflow import MlflowClient
+
+    shutil.copyfile(mlflow_template, tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("relax")
+    # as the sweep launcher makes them: the parent tagged sweep_id and overrides; each job's run nested under it
+    parent = client.create_run(exp, run_name="sweep-s1", tags={"sweep_id": "s1", "overrides": "seed=1,2"}).info.run_id
+    jobs = []
+    for index, status in ((0, "FINISHED"), (1, "KILLED")):
+        run = client.create_run(exp, tags={"mlflow.parentRunId": parent, "sweep_id": "s1",
+                                           "relax.sweep_job": f"s1/{index}"}).info.run_id
+        client.log_metric(run, STEP_TIME, 1.0, step=0)
+        client.set_terminated(run, status)
+        jobs.append(run)
+    client.set_terminated(parent, "FINISHED")
+    assert verify_run.main([parent, "--uri", uri]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.splitlines() == [
+        f"relax-verify-run: error: MLflow run {parent} is the parent run of sweep s1: it has no steps of its own (each "
+        f"job of the sweep trains in a run of its own); verify its jobs' runs, e.g. relax-verify-run {jobs[0]}:",
+        f"  {jobs[0]}  FINISHED  job 0",
+        f"  {jobs[1]}  KILLED  job 1"]
+    # control: a job's run is a run to verify
+    assert verify_run.main([jobs[0], "--uri", uri]) == 1
+    assert f"the run has no {FILE} artifact" in capsys.readouterr().out
+    # a parent whose jobs opened no run
+    lonely = client.create_run(exp, tags={"sweep_id": "s2"}).info.run_id
+    assert verify_run.main([lonely, "--uri", uri]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(f"and no run in {uri} is nested under it (no job opened one)")
+
+
 # --------------------------------------------------------- the session: the ledger in checkpoints, and resume
 
 
