@@ -116,6 +116,20 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
         _fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
 
 
+def _check_reasoning_secret() -> None:
+    """Exit 2 with one line where $RELAX_SERVE_REASONING_SECRET / $RELAX_SERVE_REASONING_SECRET_FILE cannot give the
+    reasoning items' key (an empty secret, a file that cannot be read, both set): the Responses route reads them
+    only at its first call, which would fail every call as a server error instead of refusing to start. The message
+    names the variable and the file, never the secret."""
+    from relax.serve.openai.protocol import APIError
+    from relax.serve.openai.responses import ReasoningSeal
+
+    try:
+        ReasoningSeal.from_environment()
+    except APIError as exc:
+        _fail(str(exc))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, start the server, serve until SIGINT/SIGTERM."""
     parser = _Parser(prog="relax-serve", description="Relax's embedded rollout engine behind SGLang's HTTP protocol.")
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("give either --config or overrides, not both")
     if args.threads is not None and args.threads < 1:
         _fail(f"--threads={args.threads}: must be >= 1")
+    _check_reasoning_secret()
     cfg = _load(args)
     from relax.models.hf import resolve_model_path
     from relax.serve.http import is_loopback
