@@ -31,7 +31,9 @@ def _broken_template(tmp: Path) -> list[str]:
     tok = build_tiny_tokenizer()
     tok.chat_template = RAISES_ON_TOOL
     tok.save_pretrained(tmp / "tok")
-    return ["data.tools=[calculator]", "rollout.max_turns=2", f"model.tokenizer={tmp / 'tok'}"]
+    # the prompts list the calculator's schema (data.tools), about 300 tiny-tokenizer tokens: room for them
+    return ["data.tools=[calculator]", "rollout.max_turns=2", f"model.tokenizer={tmp / 'tok'}",
+            "rollout.max_prompt_len=400", "model.max_position_embeddings=1024"]
 
 
 def _locked_save_dir(tmp: Path) -> list[str]:
