@@ -44,7 +44,10 @@ NAMES = list(FAMILIES)
 SMALL = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4",
          "model.dtype=float32", "rollout.max_turns=3", "rollout.max_response_len=4", "rollout.max_episode_tokens=120",
          "rollout.temperature=1.0", "data.num_prompts=8", ONE_THREAD,  # 8 generated prompts: each is rendered
-         "train.save=false", "train.save_dir=null", "tracking.enabled=false"]  # no checkpoint or MLflow run checked
+         "train.save=false", "train.save_dir=null", "tracking.enabled=false",  # no checkpoint or MLflow run checked
+         # the calculator prompts list the tool's schema where the template has a place for tools (Qwen3-Coder's:
+         # 466 tokens)
+         "rollout.max_prompt_len=480", "model.max_position_embeddings=1024"]
 TASKS = {
     "guess_number": ["data=guess_number"],
     "tool": ["data=calculator", "data.tool_parser=tests.agents.family_tools:always_calculator",
