@@ -297,7 +297,8 @@ FINAL_JSON = ("<|channel|>analysis<|message|>A city is asked for.<|end|>" + NEXT
 def test_a_response_format_is_answered_in_the_final_channel(served):
     """response_format on gpt-oss: the grammar sent is harmony's answer (an optional analysis message, then
     `<|channel|>final<|message|>` and the JSON), the official client's `parse` reads the final channel's JSON as the
-    content (the analysis as reasoning_content); the grammar admits the answer with or without its analysis and
+    content (the analysis as reasoning_content), as `responses.parse` reads it with the Responses API's text.format
+    (the same grammar sent); the grammar admits the answer with or without its analysis and
     refuses the bare JSON (what was sent before: the answer had no channel header), JSON off the schema, and the
     header spelled in ordinary tokens."""
     from relax.rollout.grammar import GrammarSpec
@@ -318,3 +319,8 @@ def test_a_response_format_is_answered_in_the_final_channel(served):
     assert not _admits(tok, spec, ids('{"city": "Paris"}<|return|>'))
     assert not _admits(tok, spec, ids(final.replace('"city"', '"town"')))
     assert not _admits(tok, spec, _spelled(tok, "<|channel|>final<|message|>") + ids('{"city": "Paris"}<|return|>'))
+    # the Responses API's text.format takes the chat route's: the same grammar, the JSON as the output text
+    engine.answer(FINAL_JSON)
+    response = client.responses.parse(model="default", input="Weather in Paris?", text_format=City)
+    assert response.output_parsed == City(city="Paris")
+    assert engine.payloads[-1]["sampling_params"]["ebnf"] == sent["ebnf"]
