@@ -28,18 +28,11 @@ import json
 import pytest
 
 from tests.agents.templates import gpt_oss_tokenizer
+from tests.openai.harmony_turns import ANSWERING, CALLING, NEXT, TOOLS, USER
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-USER = [{"role": "user", "content": "Weather in Paris?"}]
-NEXT = "<|start|>assistant"
-CALLING = ("<|channel|>analysis<|message|>Need the weather.<|end|>" + NEXT
-           + '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
-ANSWERING = ("<|channel|>analysis<|message|>It is sunny there.<|end|>" + NEXT
-             + "<|channel|>final<|message|>Sunny in Paris.<|return|>")
 PREAMBLE_BAD_CALL = ("<|channel|>commentary<|message|>Checking.<|end|>" + NEXT
                      + "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{bad<|call|>")
 
