@@ -26,7 +26,8 @@ Without it, every place the run writes to must be absolute (or an MLflow server 
 `tracking.uri`, `train.save_dir` (or none) or `hydra.run.dir`/`hydra.sweep.dir` is refused before
 anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
 Before that, the config is composed and validated here exactly as relax-train does (`relax.cli.config_check`; every
-job of a sweep): a config the job would refuse is refused with relax-train's message (exit 2), nothing submitted.
+job of a sweep; the modules of `plugins=[...]` imported first, so they must be importable here too): a config the job
+would refuse is refused with relax-train's message (exit 2), nothing submitted.
 
 Stopping: `ray job stop` sends SIGTERM and SIGKILLs the job RAY_JOB_STOP_WAIT_TIME_S later (Ray's default: 3 s); the
 job gets the longest relax-train takes to stop with a checkpoint (`stop_grace_s`), or `--stop-grace-s`.
@@ -528,9 +529,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--working-dir {working_dir} is not a directory")
     exp_dir = args.exp_dir or os.environ.get(EXP_DIR_ENV) or None
     hidden = env_from_here(args.env)
+    checked = args.overrides  # what the checks here compose: with the plugins' conf/ directories (the job: its own)
     if args.entrypoint is None:
-        check_config(args.overrides, working_dir=working_dir, env=env)
-        secrets = secret_env(args.overrides, _hydra_conf(working_dir))
+        from relax.config.store import PluginError, with_plugins
+
+        try:  # as relax-train does first: `plugins=[...]` may register the algorithm the config selects
+            checked = with_plugins(args.overrides)
+        except PluginError as exc:
+            print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
+            sys.exit(USAGE_EXIT)
+        check_config(checked, working_dir=working_dir, env=env)
+        secrets = secret_env(checked, _hydra_conf(working_dir))
         hidden |= set(secrets)
         for note in forward_secrets(env, secrets):
             print(f"relax-submit: note: {note}", file=sys.stderr)
@@ -546,7 +555,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             sys.exit(USAGE_EXIT)
     else:
         try:
-            problems = check_storage(args.overrides, working_dir=working_dir)
+            problems = check_storage(checked, working_dir=working_dir)
         except ValueError as exc:
             print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
             sys.exit(USAGE_EXIT)
@@ -563,7 +572,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if STOP_WAIT_ENV not in env:  # `--env RAY_JOB_STOP_WAIT_TIME_S=...` wins
         grace = args.stop_grace_s
         if grace is None and args.entrypoint is None:
-            grace = stop_grace_s(args.overrides, _hydra_conf(working_dir))
+            grace = stop_grace_s(checked, _hydra_conf(working_dir))
         if grace is not None:
             env[STOP_WAIT_ENV] = str(grace)
     payload = build_submission(args.overrides, working_dir=working_dir, env=env, entrypoint=args.entrypoint,

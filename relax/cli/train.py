@@ -195,14 +195,13 @@ def stopped_text(exc: BaseException, sweep: bool = False) -> str:
 def main() -> None:
     sys.argv[1:] = absolute_config_path(sys.argv[1:])
     args = sys.argv[1:]
-    from relax.config.store import PluginError, import_plugins, plugin_conf_dirs, plugins_in_overrides, with_search_path
+    from relax.config.store import PluginError, with_plugins
 
-    try:  # the user's modules first: they may register the algorithm (and its `<name>_schema`) the config selects
-        plugin_dirs = plugin_conf_dirs(import_plugins(plugins_in_overrides(args)))
+    try:  # the user's modules first: they may register the algorithm (and its `<name>_schema`) the config selects;
+        # their conf/ directories' YAML options join the search path, for Hydra's main and the check below alike
+        sys.argv[1:] = args = with_plugins(args)
     except PluginError as exc:
         _fail(str(exc))
-    if plugin_dirs:  # their conf/ directories' YAML options, for Hydra's main and the check below alike
-        sys.argv[1:] = args = with_search_path(args, plugin_dirs)
     if any(a in ("-h", "--help") for a in args):
         print(help_text())
         return

@@ -155,3 +155,12 @@ def with_search_path(overrides: Sequence[str], dirs: Sequence[Path]) -> list[str
     else:
         out[at] = line
     return out
+
+
+def with_plugins(overrides: Sequence[str]) -> list[str]:
+    """Import the modules a command line's `plugins=[...]` names (before its config is composed: they may register
+    the algorithm it selects) and return `overrides` with their `conf/` directories on Hydra's search path. What
+    relax-train does first, and relax-submit before its config check. Raises PluginError (one line) for a module that
+    cannot be imported or a value that is not a list of names."""
+    dirs = plugin_conf_dirs(import_plugins(plugins_in_overrides(overrides)))
+    return with_search_path(overrides, dirs) if dirs else list(overrides)

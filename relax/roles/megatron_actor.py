@@ -21,7 +21,7 @@ from relax.models.weight_buffers import WeightBuffers
 from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.tensor_pickling import install as install_tensor_pickling
 from relax.roles.versions import WeightVersions
-from relax.roles.workers import ModelInfo, PolicyForwarding, _threads, actor_class
+from relax.roles.workers import ModelInfo, PolicyForwarding, _threads, _user_modules, actor_class
 
 RANK0_METHODS = frozenset({"push_weights"})  # not collectives: rank 0 holds the gathered weights and sends them
 SETUP_TIMEOUT_S = 900.0
@@ -37,6 +37,7 @@ class MegatronRank(PolicyForwarding):
     def __init__(self, cfg: RelaxConfig, info: ModelInfo, *, rank: int, world_size: int,
                  threads: Optional[int] = None, use_distributed_optimizer: bool = False,
                  heartbeat: Optional[HeartbeatLink] = None) -> None:
+        _user_modules(cfg)  # the run's plugins first, as the torch backend's roles: the algorithm's registry entry
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads or (None if torch.cuda.is_available() else 1))

@@ -377,9 +377,11 @@ def compute_advantages(algo_cfg, inputs: AdvantageInputs) -> AdvantageOutput:
 
 
 class AdvantagesWorker:
-    """PPO's advantages service: GAE from critic values, off the driver."""
+    """PPO's advantages service: GAE from critic values, off the driver. `plugins`: the run's `plugins`, imported
+    first as every role does (the algorithm's `compute_advantages` is looked up by name in this process's registry)."""
 
-    def __init__(self, *, heartbeat: HeartbeatLink | None = None):
+    def __init__(self, *, plugins: list[str] | tuple[str, ...] = (), heartbeat: HeartbeatLink | None = None):
+        import_plugins(plugins)
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         pin_role_process()

@@ -235,7 +235,8 @@ class Cluster:
                 self.teacher = self._remote(TeacherWorker, "teacher", 0, cfg, info, threads=threads("teacher"))
             self.critic = self._remote(CriticWorker, "critic", 0, cfg, info, threads=threads("critic")) \
                 if self.plan.has("critic") else None
-            self.adv = self._remote(AdvantagesWorker, "advantages", 0) if self.plan.has("advantages") else None
+            self.adv = self._remote(AdvantagesWorker, "advantages", 0, plugins=list(cfg.plugins)) \
+                if self.plan.has("advantages") else None
             self.reward_model = None  # reward_model=classifier|judge: the role holding its model (None: no process)
             if (rm_worker := worker_class(cfg)) is not None:
                 self.reward_model = self._remote(rm_worker, "reward_model", 0, cfg, threads=threads("reward_model"))

@@ -153,3 +153,96 @@ def test_a_plugins_algorithm_trains_its_hooks_called_in_the_driver_and_the_actor
     assert advantages == {driver}, (calls, driver)
     assert losses and driver not in losses, (calls, driver)  # the actor's own Ray worker process
     assert {scale for _, _, scale in calls} == {"0.5"}  # toyplug/conf/algorithm/toy.yaml applied
+
+
+def write_plugin(root: Path, pkg: str, algo: str) -> None:
+    """A package `pkg` under `root` whose module `register` registers the algorithm `algo` (config class in the same
+    module) and whose conf/algorithm/<algo>.yaml selects it; a name of its own per test, since a process imports a
+    module once and its registry keeps what was registered."""
+    (root / pkg / "conf" / "algorithm").mkdir(parents=True)
+    (root / pkg / "__init__.py").write_text("")
+    (root / pkg / "register.py").write_text(CONFIG_PY.replace('"toy"', repr(algo)) + f"""
+from relax.algorithms import hooks
+from relax.algorithms.base import Algorithm, register
+
+register(Algorithm(name={algo!r}, config_cls=ToyConfig, compute_advantages=hooks.group_relative_advantages,
+                   policy_loss=hooks.ppo_clip_policy_loss, summary="a plugin's toy algorithm"))
+""")
+    (root / pkg / "conf" / "algorithm" / f"{algo}.yaml").write_text(f"defaults:\n  - {algo}_schema\nscale: 0.5\n")
+
+
+def test_the_megatron_actor_ranks_import_the_plugins_at_start(tmp_path, monkeypatch):
+    """A rank of train.backend=megatron imports `plugins` when it is made (before its process group or model), as the
+    torch backend's roles do. The config is built without them (load_config would import them itself), so only the
+    rank can have imported the module."""
+    import dataclasses
+
+    from relax.roles.megatron_actor import MegatronRank
+    from relax.roles.workers import ModelInfo
+
+    write_plugin(tmp_path, "megplug", "megtoy")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = dataclasses.replace(load_config(["train.backend=megatron"]), plugins=["megplug.register"])
+    assert "megplug.register" not in sys.modules
+    threads = __import__("torch").get_num_threads()
+    try:
+        MegatronRank(cfg, ModelInfo(vocab_size=8, pad_token_id=0, eos_token_ids=(1,)), rank=0, world_size=1)
+    finally:
+        __import__("torch").set_num_threads(threads)
+    assert "megplug.register" in sys.modules
+    from relax import algorithms
+
+    assert algorithms.get("megtoy").name == "megtoy"
+
+
+def test_ppos_advantages_service_imports_the_plugins_at_start(tmp_path, monkeypatch):
+    """PPO's advantages service is given the run's `plugins` and imports them when it is made: it looks the
+    algorithm's compute_advantages up by name in its own process's registry."""
+    import inspect
+
+    from relax.roles.workers import AdvantagesWorker
+    from relax.runner import cluster
+
+    write_plugin(tmp_path, "advplug", "advtoy")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "advplug.register" not in sys.modules
+    AdvantagesWorker(plugins=["advplug.register"])
+    assert "advplug.register" in sys.modules
+    # the runner hands it the run's list (starting a Ray cluster here would cost minutes)
+    assert 'self._remote(AdvantagesWorker, "advantages", 0, plugins=list(cfg.plugins))' in \
+        inspect.getsource(cluster.Cluster)
+
+
+def test_relax_submit_imports_the_plugins_before_its_config_check(tmp_path, monkeypatch, capsys):
+    """relax-submit --dry-run with a plugin's algorithm (selected by the plugin's conf/algorithm/<name>.yaml): the
+    check here imports the plugin first, as relax-train does, and the job's command line is the user's own (the
+    job's relax-train imports it again on the cluster). The control: without plugins= the algorithm is unknown."""
+    import json
+
+    import ray.job_submission
+
+    from relax.cli import submit
+    from tests.cli.jobs_stub import Jobs
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Jobs)
+    monkeypatch.setattr(submit, "enable_token_auth", lambda: False)
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    write_plugin(tmp_path, "subplug", "subtoy")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    absolute = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out"]
+
+    with pytest.raises(SystemExit) as exit_:
+        submit.main(["--dry-run", "--", "algorithm=subtoy", *absolute])
+    assert exit_.value.code == 2 and "algorithm/subtoy" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exit_:
+        submit.main(["--dry-run", "--", "plugins=[no_such_plugin]", "algorithm=subtoy", *absolute])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("relax-submit: error: plugins: cannot import module 'no_such_plugin': "
+                                       "ModuleNotFoundError: No module named 'no_such_plugin'\n"
+                                       "Nothing was submitted.\n")
+
+    submit.main(["--dry-run", "--", "plugins=[subplug.register]", "algorithm=subtoy", *absolute])
+    entrypoint = json.loads(capsys.readouterr().out)["entrypoint"]
+    assert entrypoint == " ".join([submit.TRAIN_ENTRYPOINT, "'plugins=[subplug.register]'", "algorithm=subtoy",
+                                   *absolute])
