@@ -190,7 +190,8 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
                                                         heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s),
                                 rollout=SimpleNamespace(backend=cfg.rollout.backend),
                                 reward_model=SimpleNamespace(kind=cfg.reward_model.kind,
-                                                             engine=cfg.reward_model.engine))
+                                                             engine=cfg.reward_model.engine),
+                                plugins=list(cfg.plugins))  # the advantages service is given them
     cluster = Cluster(forwarded, build_plan(cfg), info=SimpleNamespace(pad_token_id=0))
     try:
         cluster._start_roles(timeout_s=START_TIMEOUT_S)
