@@ -6,7 +6,7 @@ seq-mean-token-mean / seq-mean-token-sum over the responses that have a valid to
 divided by the constant `loss_scale_factor`. Its gradient is autograd through that loop. `compute_loss` must give
 the same loss and gradient for every split of the step into micro-batches (the trainer's denominators of the whole
 step), and a trainer must give the same gradients for every micro-batch size. Megatron against the torch backend:
-tests/megatron/test_megatron_loss_agg.py.
+tests/megatron/test_megatron_cpu.py (`agg_dp2`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,10 @@ many things each:
   two expert-parallel ranks; tests/megatron/moe_scenarios.py): log-prob, gradient and 3-step parity with the torch
   backend; at EP=2 also logits (two experts swapped as the control), resume, and routing replay through
   megatron-core's RouterReplay against the torch backend's replay (record-only as the control).
+- `agg_dp2` (TP=1 x DP=2): algorithm.loss_agg_mode's response-level token sums (seq-mean-token-sum, and -norm over
+  loss_scale_factor), 3 steps equal to the torch backend's, the Megatron trainer on one-row micro-batches split over
+  two ranks, the torch one on three-row micro-batches (the loss against a loop by hand:
+  tests/algorithms/test_loss_agg.py).
 
 Tolerances (fp32): logits 1e-5 absolute at TP=2 (exactly 0 at TP=1 against transformers' eager attention);
 per-step losses, entropy and gradient norm 1e-4 relative: the two backends sum the same float terms in a
@@ -111,9 +115,9 @@ def launch(scenarios: str, world: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    """The TP=2 (without and with sequence parallelism), DP=2 (TP=1) and PP=2 scenarios, in one launch of two rank
-    processes."""
-    return launch("tp2,tp2sp,dp2,pp2,moe_ep1,moe_ep2", 2, tmp_path_factory.mktemp("megatron"))
+    """The TP=2 (without and with sequence parallelism), DP=2 (TP=1), PP=2, MoE and loss-aggregation scenarios, in
+    one launch of two rank processes."""
+    return launch("tp2,tp2sp,dp2,pp2,moe_ep1,moe_ep2,agg_dp2", 2, tmp_path_factory.mktemp("megatron"))
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +244,20 @@ def test_dp2_distributed_optimizer_resume(dp2):
 @pytest.fixture(scope="module")
 def pp2(launched) -> dict:
     return launched["pp2"]
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_dp2_loss_agg_token_sum_modes_step_as_the_torch_backend(launched, mode):
+    rows = launched["agg_dp2"][mode]
+    assert_same_steps(rows, STEP_KEYS)
+    assert rows[0]["torch"]["train/grad_norm"] > 0
+
+
+def test_dp2_loss_agg_norm_divides_the_first_step_by_the_scale_factor(launched):
+    """Same weights and batch at step 0: -norm's loss is the plain token sum's / loss_scale_factor (5)."""
+    agg = launched["agg_dp2"]
+    plain, norm = agg["seq-mean-token-sum"][0]["megatron"], agg["seq-mean-token-sum-norm"][0]["megatron"]
+    assert norm["train/pg_loss"] == pytest.approx(plain["train/pg_loss"] / 5.0, rel=1e-5)
 
 
 def test_pp2_logprobs_train_and_weight_gather(pp2):
