@@ -20,11 +20,8 @@ pytestmark = [pytest.mark.xdist_group("launcher"), pytest.mark.slow]
 APP = Path(__file__).with_name("dummy_app.py")
 
 
-def _start(tmp_path: Path, *overrides: str, ray_tmpdir: Path | None = None) -> subprocess.Popen:
+def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if ray_tmpdir is not None:  # Ray's temp dir of the sweep's own (RAY_TMPDIR), with no cluster named
-        env.pop("RAY_ADDRESS", None)
-        env["RAY_TMPDIR"] = str(ray_tmpdir)
     return subprocess.Popen([sys.executable, str(APP), "-m", *overrides], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -48,39 +45,21 @@ def _store(directory: Path, template: Path) -> None:
     shutil.copyfile(template, directory / "mlflow.db")
 
 
-def _stale_ray_tmpdir() -> Path:
-    """A private Ray temp dir (RAY_TMPDIR) holding what a Ray head stopped by a signal leaves behind:
-    ray/ray_current_cluster naming an address where nothing listens (a user's `ray start --head` writes it too)."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="relax-stale-", dir="/tmp"))  # short: Ray's socket paths (107 bytes)
-    (ray_tmp / "ray").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
-    return ray_tmp
-
-
 @pytest.fixture(scope="module")
 def two_sweeps(tmp_path_factory, mlflow_template):
     """The module's two sweeps (`sweep`, `lost_jobs`), each in its own directory and store, run at the same time:
-    the first's jobs mostly sleep, and each sweep's checks read only its own records, store and output. The second
-    runs with a stale ray_current_cluster in its private Ray temp dir (test_a_stale_ray_session_file_...); the third
-    item: the Ray sessions it started there."""
+    the first's jobs mostly sleep, and each sweep's checks read only its own records, store and output."""
     tmp, lost = tmp_path_factory.mktemp("sweep"), tmp_path_factory.mktemp("lost")
     _store(tmp, mlflow_template)
     _store(lost, mlflow_template)
-    ray_tmp = _stale_ray_tmpdir()
+    first = _start(tmp, "lr=0.1,0.2,0.3", "seed=1", "fail_seed=1", "fail_lr=0.1", "sleep_s=3",
+                   "hydra.launcher.max_concurrent_jobs=2")
+    second = _start(lost, "seed=1,1,2", "fail_job=0", "crash_job=2", "sleep_s=0")
     try:
-        first = _start(tmp, "lr=0.1,0.2,0.3", "seed=1", "fail_seed=1", "fail_lr=0.1", "sleep_s=3",
-                       "hydra.launcher.max_concurrent_jobs=2")
-        second = _start(lost, "seed=1,1,2", "fail_job=0", "crash_job=2", "sleep_s=0", ray_tmpdir=ray_tmp)
-        try:
-            return (tmp, _finish(first)), (lost, _finish(second)), list((ray_tmp / "ray").glob("session_2*"))
-        finally:
-            if second.poll() is None:  # the first timed out: the second is not left running
-                second.kill()
+        return (tmp, _finish(first)), (lost, _finish(second))
     finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        if second.poll() is None:  # the first timed out: the second is not left running
+            second.kill()
 
 
 @pytest.fixture(scope="module")
@@ -240,19 +219,41 @@ def test_ctrl_c_stops_the_running_jobs(tmp_path, mlflow_template):
     assert not (tmp_path / "times" / "started-2").exists()
 
 
-def test_a_stale_ray_session_file_does_not_stop_a_sweep(two_sweeps, lost_jobs):
+def test_a_stale_ray_session_file_does_not_stop_a_sweep(tmp_path, mlflow_template):
     """A Ray head stopped by a signal leaves its address in <Ray's temp dir>/ray_current_cluster (a user's `ray start
     --head` writes it too); the sweep starts a Ray instance of its own, as a single run does
     (docs/operations.md, "A Ray left behind"). Before, ray.init(address=None, num_cpus=...) read that file, tried to
     join the address and raised `ValueError: When connecting to an existing cluster, num_cpus and num_gpus must not
-    be provided` (a traceback, exit 1, every job listed KILLED). The `lost_jobs` sweep runs with such a file in a
-    private RAY_TMPDIR, so no other Ray instance on the machine is touched; its jobs ran (the tests above)."""
-    sessions = two_sweeps[2]
-    _, proc, parent, _, rows = lost_jobs
-    assert sessions, proc.stdout + proc.stderr  # its own instance, in the temp dir it was given
-    assert "num_cpus and num_gpus must not be provided" not in proc.stderr, proc.stderr
-    assert rows["1"][1] == "seed=1" and "FINISHED" in rows["1"], rows
-    assert json.loads(parent.data.tags["relax.sweep_jobs"])["1"] == "FINISHED"
+    be provided` (a traceback, exit 1, every job listed KILLED). The file is written into a private RAY_TMPDIR, so no
+    other Ray instance on the machine is touched."""
+    from mlflow import MlflowClient
+
+    _store(tmp_path, mlflow_template)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="relax-stale-", dir="/tmp"))  # short: Ray's socket paths (107 bytes)
+    try:
+        (ray_tmp / "ray").mkdir()
+        with socket.socket() as s:  # a port where nothing listens: the head that wrote the file is gone
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(PYTHONUNBUFFERED="1", RAY_TMPDIR=str(ray_tmp))
+        proc = subprocess.run([sys.executable, str(APP), "-m", "seed=1,2", "sleep_s=0"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=240)
+        sessions = list((ray_tmp / "ray").glob("session_2*"))
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert sessions, out  # its own instance, in the temp dir it was given
+    rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line[:2] in ("0 ", "1 ")}
+    assert {seed: "FINISHED" in row for seed, row in rows.items()} == {"seed=1": True, "seed=2": True}, out
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("dummy").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "FINISHED"
+    assert json.loads(parent.data.tags["relax.sweep_jobs"]) == {"0": "FINISHED", "1": "FINISHED"}
 
 
 def test_sigterm_on_the_driver_exits_143_as_on_a_single_run(monkeypatch, capsys):
