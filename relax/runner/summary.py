@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 from relax import algorithms
+from relax.algorithms.base import loss_agg_mode
 from relax.config.schema import RelaxConfig
+
+# the loss aggregation's fields: the train line shows the mode the loss uses (`_loss_agg`), not the setting
+_LOSS_AGG_FIELDS = ("loss_agg_mode", "loss_scale_factor")
 
 
 def _changed(obj) -> str:
@@ -14,7 +18,7 @@ def _changed(obj) -> str:
     out = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.name == "name":
+        if f.name == "name" or f.name in _LOSS_AGG_FIELDS:
             continue
         if f.name not in base or value != f.default:
             out.append(f"{f.name}={value}")
@@ -39,6 +43,18 @@ def _reward(cfg: RelaxConfig) -> str:
     return " + ".join(f"{w:g} x {spec}" for w, spec in zip(weights, d.reward, strict=True))
 
 
+def _loss_agg(cfg: RelaxConfig) -> str:
+    """The aggregation the loss uses, by verl's name: algorithm.loss_agg_mode, or for auto the mode
+    train.calculate_per_token_loss (resolved: the algorithm's default when unset) names; with its divisor for
+    seq-mean-token-sum-norm."""
+    a = cfg.algorithm
+    mode = loss_agg_mode(a, bool(cfg.train.calculate_per_token_loss))
+    if getattr(a, "loss_agg_mode", "auto") == "auto":
+        return f"loss_agg_mode={mode} (auto)"
+    factor = getattr(a, "loss_scale_factor", None)
+    return f"loss_agg_mode={mode}" + (f" (loss_scale_factor={factor:g})" if factor is not None else "")
+
+
 def config_summary(cfg: RelaxConfig) -> str:
     a, m, ro, t, d = cfg.algorithm, cfg.model, cfg.rollout, cfg.train, cfg.data
     model = m.path or m.name
@@ -57,7 +73,7 @@ def config_summary(cfg: RelaxConfig) -> str:
         f"train      {t.backend}: {t.num_rollout} rollouts{' (evaluation only)' if t.num_rollout == 0 else ''}, "
         f"global_batch_size={t.global_batch_size}, "
         f"micro_batch_size={t.micro_batch_size}{tokens}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
-        f"per_token_loss={t.calculate_per_token_loss}, mode={t.mode}",
+        f"{_loss_agg(cfg)}, mode={t.mode}",
         f"tracking   {cfg.tracking.uri if cfg.tracking.enabled else 'off'} (experiment {cfg.tracking.experiment})",
         f"seed       {cfg.seed}",
     ]

@@ -239,3 +239,26 @@ def test_config_rules_are_checked_before_start():
     assert "reinforce_pp needs seq-mean-token-mean" in msg
     (msg,) = violations("algorithm.loss_agg_mode=sum")
     assert "must be one of auto, token-mean" in msg
+
+
+@pytest.mark.parametrize("overrides, shown", [
+    ([], "loss_agg_mode=seq-mean-token-mean (auto)"),  # grpo: per response by default
+    (["algorithm=rloo"], "loss_agg_mode=token-mean (auto)"),  # rloo: per token by default
+    (["train.calculate_per_token_loss=true"], "loss_agg_mode=token-mean (auto)"),
+    (["algorithm.loss_agg_mode=seq-mean-token-sum"], "loss_agg_mode=seq-mean-token-sum"),
+    (["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=64"],
+     "loss_agg_mode=seq-mean-token-sum-norm (loss_scale_factor=64)"),
+    (["algorithm=cispo", "algorithm.loss_agg_mode=seq-mean-token-sum", "train.calculate_per_token_loss=false"],
+     "loss_agg_mode=seq-mean-token-sum"),
+])
+def test_the_run_summary_names_the_aggregation_the_loss_uses(overrides, shown):
+    """The summary relax-train prints (dry run, start) names the loss aggregation by verl's name, the mode `reduce`
+    applies (auto resolved through train.calculate_per_token_loss), once, on the train line; not the old
+    per_token_loss flag, which no longer decides it alone."""
+    from relax.config import load_config
+    from relax.runner.summary import config_summary
+
+    text = config_summary(load_config(overrides))
+    (train,) = [line for line in text.splitlines() if line.startswith("train ")]
+    assert f", {shown}, mode=" in train, train
+    assert "per_token_loss" not in text and text.count("loss_agg_mode=") == 1, text
