@@ -17,7 +17,8 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   environment, tools and agent loop load; its line says which tool-call parser `data.tool_parser` gives and why
   (`relax.agents.render.parser_choice`), and an environment or agent loop with `rollout.max_turns=1` is warned of
   (each episode one model turn).
-- `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with.
+- `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with; with
+  `rollout.max_turns=1` it is warned of (one model call per session).
 - `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
 - `tracking`: a sqlite `tracking.uri`'s database can be opened for writing, or created in a directory that exists
   or can be created (`relax.tracking.mlflow_run.sqlite_store_problem`); a file store (a path or `file:`) is one the
@@ -289,13 +290,18 @@ def _agent(pre: Preflight) -> bool:
     loop = ("data.env", cfg.data.env) if cfg.data.env else ("data.agent", cfg.data.agent) if cfg.data.agent else None
     if loop is not None and cfg.rollout.max_turns == 1:
         # a one-turn environment is possible (it scores the answer and says done), so this is said, not refused
-        warning = (f"{loop[0]}={loop[1]} with rollout.max_turns=1: each episode is one model turn (its step's "
-                   "observation is never read; every row ends max_turns unless done); set rollout.max_turns to the "
-                   "turns an episode needs")
-        print(f"relax-train: warning: {warning}", file=sys.stderr, flush=True)
-        said.append(f"warning: {loop[0]} with rollout.max_turns=1 (one turn per episode)")
+        said.append(_one_turn(*loop, "each episode is one model turn (its step's observation is never read; every "
+                              "row ends max_turns unless done); set rollout.max_turns to the turns an episode needs",
+                              "one turn per episode"))
     pre.notes["agent"] = "; ".join(said)
     return True
+
+
+def _one_turn(option: str, value: str, why: str, short: str) -> str:
+    """Warn on the console that `option=value` runs with rollout.max_turns=1 (`why`), and return the pre-start
+    check line's words for it (`short`)."""
+    print(f"relax-train: warning: {option}={value} with rollout.max_turns=1: {why}", file=sys.stderr, flush=True)
+    return f"warning: {option} with rollout.max_turns=1 ({short})"
 
 
 def _openai_agent(pre: Preflight) -> bool:
@@ -303,7 +309,14 @@ def _openai_agent(pre: Preflight) -> bool:
         return False
     load_agent(pre.cfg.data.openai_agent)
     get_parser(pre.cfg.data.tool_parser, pre.tokenizer)
-    pre.notes["openai_agent"] = f"data.openai_agent loads; {parser_choice(pre.cfg.data.tool_parser, pre.tokenizer)}"
+    said = ["data.openai_agent loads", parser_choice(pre.cfg.data.tool_parser, pre.tokenizer)]
+    if pre.cfg.rollout.max_turns == 1:
+        # an agent that makes one call works (a session's first call is answered), so this is said, not refused
+        said.append(_one_turn("data.openai_agent", pre.cfg.data.openai_agent,
+                              "a session allows one model call: an agent's second call is answered 400 (code "
+                              "max_calls), its episode ends max_turns and trains on the first answer alone; set "
+                              "rollout.max_turns to the calls the agent makes", "one model call per session"))
+    pre.notes["openai_agent"] = "; ".join(said)
     return True
 
 

@@ -1,7 +1,7 @@
 """User code that breaks its contract (an environment's step, a tool parser of one's own) is the user's mistake:
 a UserCodeError naming the code and what was expected, which relax-train prints in one line (exit 2), also when a
-Ray role raised it (the watchdog makes it a RunError instead of Ray's traceback of the role). And an environment or
-agent loop with the default rollout.max_turns=1 is warned of at start."""
+Ray role raised it (the watchdog makes it a RunError instead of Ray's traceback of the role). And an environment, an
+agent loop or an OpenAI agent program with the default rollout.max_turns=1 is warned of at start."""
 
 from __future__ import annotations
 
@@ -76,6 +76,22 @@ def test_an_environment_with_one_turn_is_warned_of_at_start(capsys, turns, warne
     line = ("relax-train: warning: data.env=guess_number with rollout.max_turns=1: each episode is one model turn")
     assert (line in err) is warned
     assert ("warning: data.env with rollout.max_turns=1" in pre.render()) is warned
+
+
+@pytest.mark.parametrize("turns, warned", [(1, True), (2, False)])
+def test_an_openai_agent_with_one_call_is_warned_of_at_start(capsys, turns, warned):
+    """data.openai_agent with rollout.max_turns=1, as data.env and data.agent: an agent of one call works (so it is not
+    refused), one that loops is answered 400 on its second call, so the start says so; plan_then_answer makes two."""
+    cfg = load_config(["rollout=sglang", "rollout.sglang.server=embedded", f"rollout.max_turns={turns}",
+                       "data.openai_agent=relax.agents.openai_examples:plan_then_answer"])
+    pre = preflight(cfg, only=("model", "tokenizer", "openai_agent"))
+    assert pre.ok, pre.problems
+    err = capsys.readouterr().err
+    line = ("relax-train: warning: data.openai_agent=relax.agents.openai_examples:plan_then_answer with "
+            "rollout.max_turns=1: a session allows one model call: an agent's second call is answered 400")
+    assert (line in err) is warned, err
+    assert ("warning: data.openai_agent with rollout.max_turns=1 (one model call per session)" in pre.render()) \
+        is warned
 
 
 def test_the_pre_start_check_says_which_parser_auto_picked_and_why():
