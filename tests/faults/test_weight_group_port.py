@@ -15,8 +15,8 @@ import torch
 from relax.config import load_config
 from relax.data.tokenizer import load_tokenizer
 from relax.models.hf import build_model
+from relax.rollout.sglang import broadcast_sync
 from relax.rollout.sglang import process as process_module
-from relax.rollout.sglang import weight_sync
 from relax.rollout.sglang.client import post
 
 pytestmark = pytest.mark.slow  # starts relax-serve
@@ -53,9 +53,9 @@ def test_the_weight_group_rendezvous_port_cannot_be_taken_before_rank_0_binds_it
         taken.listen()
         port = taken.getsockname()[1]
         # "another process took it": every port lookup the sender could make returns the one held here
-        for module in (weight_sync, process_module):
+        for module in (broadcast_sync, process_module):
             monkeypatch.setattr(module, "free_port", lambda host="127.0.0.1": port, raising=False)
-        sync = weight_sync.BroadcastSync([url], master_address="127.0.0.1", backend="gloo", timeout_s=20)
+        sync = broadcast_sync.BroadcastSync([url], master_address="127.0.0.1", backend="gloo", timeout_s=20)
         done: list[Any] = []
         pushing = threading.Thread(target=lambda: done.append(_push_or_error(sync, state)), daemon=True)
         pushing.start()
@@ -68,8 +68,8 @@ def test_the_weight_group_rendezvous_port_cannot_be_taken_before_rank_0_binds_it
             sync.close()
 
 
-def _push_or_error(sync: weight_sync.BroadcastSync, state: dict[str, torch.Tensor]) -> Any:
+def _push_or_error(sync: broadcast_sync.BroadcastSync, state: dict[str, torch.Tensor]) -> Any:
     try:
-        return sync.push(state.items(), 11, bucket_bytes=1 << 20)
+        return sync.broadcast(state.items(), 11, bucket_bytes=1 << 20)
     except BaseException as exc:  # noqa: BLE001 - the test reports it
         return exc

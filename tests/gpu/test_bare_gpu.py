@@ -4,7 +4,7 @@ wheels (hydra-core, omegaconf, antlr4, gguf, megatron-core); no Ray, MLflow or S
 1. the torch trainer on CUDA: bf16 autocast against fp32 on the same GPU (log-probs, one optimizer step);
 2. the embedded rollout engine on CUDA: bf16 against fp32 (greedy tokens, the engine's log-probs against the
    trainer's of the same tokens);
-3. CUDA IPC weight buckets (`weight_sync.push_tensors` with a CUDA device, several buckets) into `relax-serve` on the
+3. CUDA IPC weight buckets (`tensor_sync.push_tensors` with a CUDA device, several buckets) into `relax-serve` on the
    GPU in another process: the server then answers as an engine holding the pushed weights, and differently from
    before the push.
 
@@ -179,7 +179,7 @@ def test_cuda_ipc_weight_buckets_reach_an_engine_in_another_process(tmp_path):
     buckets' CUDA IPC handles and then generates as a local engine holding the pushed weights."""
     from relax.config import load_config
     from relax.models.hf import build_model
-    from relax.rollout.sglang.weight_sync import push_tensors
+    from relax.rollout.sglang.tensor_sync import push_tensors
 
     cfg = load_config(["rollout=sglang", "rollout.sglang.server=embedded", "model.dtype=bfloat16"])
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))

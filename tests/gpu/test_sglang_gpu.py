@@ -9,12 +9,12 @@ same GPU) is the reference. Checks, in order, on the one server:
 1. launch: `/health`, `/get_model_info`, and `/get_weights_by_name` holds the checkpoint's values;
 2. generate through `relax.rollout.sglang.client`: greedy tokens are transformers' argmax up to bf16 near-ties,
    SGLang's log-probs are transformers' (BF16_LOGP_MEAN / BF16_LOGP_MAX), and seeded sampling repeats itself;
-3. `weight_sync.push_tensors` of CUDA bf16 tensors in several buckets (CUDA IPC): the server holds the new values,
+3. `tensor_sync.push_tensors` of CUDA bf16 tensors in several buckets (CUDA IPC): the server holds the new values,
    answers report the version, outputs are transformers' with the same weights, and the sender's GPU memory
    returns to its level once the pushed tensors are dropped;
 4. `/release_memory_occupation` frees most of the weights + KV cache, `/resume_memory_occupation` takes it back,
    and after a push the greedy outputs are the ones before the release;
-5. `weight_sync.BroadcastSync` (the distributed path): gloo from CPU tensors, and nccl from CUDA tensors on a second
+5. `broadcast_sync.BroadcastSync` (the distributed path): gloo from CPU tensors, and nccl from CUDA tensors on a second
    GPU (NCCL refuses two ranks on one GPU);
 6. `weight_sync.WeightSender`, what the actor's process runs: a CPU snapshot (`WeightBuffers`, as the object store
    hands it over) sent as CUDA IPC buckets on the sender's GPU (weight_sync=tensor).
@@ -228,7 +228,7 @@ def assert_server_holds(url: str, named: dict[str, torch.Tensor], names=CHECKED)
 
 
 def push(s, named, *, bucket_bytes: int = 64 << 20) -> int:
-    from relax.rollout.sglang.weight_sync import push_tensors
+    from relax.rollout.sglang.tensor_sync import push_tensors
 
     s.version += 1
     return push_tensors([s.url], named.items(), s.version, bucket_bytes=bucket_bytes, timeout_s=120)
@@ -334,14 +334,14 @@ def test_release_and_resume_memory_then_reload(server, baseline):
 
 def distributed_roundtrip(s, baseline, named: dict[str, torch.Tensor], backend: str) -> None:
     """Changed weights by tensor, then the checkpoint's back through a `BroadcastSync` group."""
-    from relax.rollout.sglang.weight_sync import BroadcastSync
+    from relax.rollout.sglang.broadcast_sync import BroadcastSync
 
     push(s, changed_weights(s))
     assert greedy(s) != baseline
     sync = BroadcastSync([s.url], master_address="127.0.0.1", backend=backend, timeout_s=120)
     try:
         s.version += 1
-        assert sync.push(named.items(), s.version, bucket_bytes=32 << 20) >= 3
+        assert sync.broadcast(named.items(), s.version, bucket_bytes=32 << 20) >= 3
     finally:
         sync.close()
     assert_server_holds(s.url, s.original)

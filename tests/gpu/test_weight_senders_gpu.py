@@ -40,7 +40,7 @@ import json, sys, torch
 from relax.config import load_config
 from relax.data.tokenizer import load_tokenizer
 from relax.models.hf import build_model
-from relax.rollout.sglang.weight_sync import push_tensors
+from relax.rollout.sglang.tensor_sync import push_tensors
 cfg = load_config(json.loads(sys.argv[2]))
 tok = load_tokenizer(cfg.model)
 model = build_model(cfg.model, len(tok), tok.pad_token_id, seed=cfg.seed + 1, dtype=torch.float32, device="cuda")

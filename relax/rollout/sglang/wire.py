@@ -124,6 +124,13 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield current
 
 
+def version_buckets(named: Iterable[tuple[str, torch.Tensor]],
+                    bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """`buckets` of `named`'s tensors (detached, contiguous) for one weight update: at least one, since the last
+    carries the update's version (an update of no tensor is one empty bucket)."""
+    return list(buckets(((k, v.detach().contiguous()) for k, v in named), bucket_bytes)) or [[]]
+
+
 _SHARING_LOCK = threading.Lock()
 # torch's shared-memory manager (`torch_shm_manager`, one per process, started on first use) must answer each
 # registration within 1 s; a loaded machine can miss that. The call is retried with these pauses, then fails.

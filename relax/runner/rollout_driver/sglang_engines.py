@@ -38,6 +38,7 @@ from relax.config.schema import RelaxConfig
 from relax.data.tokenizer import load_tokenizer
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.roles.workers import WEIGHTS_GROUP
+from relax.rollout.sglang.adapter_sync import adapter_name
 from relax.rollout.sglang.client import (
     EngineRequestError,
     GenerateClient,
@@ -55,7 +56,7 @@ from relax.rollout.sglang.process import StartupError, wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.rollout.sglang.routes import decode as decode_routes
 from relax.rollout.sglang.routes import moe_shape
-from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget, adapter_name
+from relax.rollout.sglang.weight_sync import WeightSender, WeightTarget
 from relax.rollout.vision import prompt_vision
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.watchdog import Watchdog, first_line
