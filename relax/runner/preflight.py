@@ -62,6 +62,7 @@ from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSam
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
+from relax.models.peft_merge import adapter_path, ensure_merged
 from relax.rewards.combined import RewardList, reward_of
 from relax.rewards.registry import check_record_fields
 from relax.rewards.remote import is_url
@@ -160,6 +161,14 @@ def _model(pre: Preflight) -> bool:
     cfg = pre.cfg
     if cfg.model.source == "config":
         return False
+    adapters = adapter_path(cfg.model)
+    if adapters is not None and cfg.model.lora_rank > 0 and cfg.train.num_rollout > 0:
+        raise ValueError(f"model.lora_rank={cfg.model.lora_rank} with model.path={str(adapters)!r}, a PEFT adapter "
+                         "directory: continuing to train these adapters is not in this build, and new adapters on "
+                         "the merged model would not be them. Train every parameter of the merged model "
+                         "(model.lora_rank=0), or, for new adapters on it, save it merged (PEFT's merge_and_unload, "
+                         "then save_pretrained) and set model.path to that directory")
+    ensure_merged(cfg.model)  # a PEFT adapter directory: its base with the adapters merged, before any role loads it
     path = resolve_model_path(cfg.model)
     if cfg.train.backend == "megatron":  # the architecture first: the most specific message
         _check_megatron_model(cfg, path)
@@ -200,6 +209,7 @@ def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any) -> N
     log-probs of the same token ids). Raises ValueError naming both models."""
     where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
     try:
+        ensure_merged(teacher)
         resolve_model_path(teacher)
         check_model_files(teacher)
         theirs = load_tokenizer(teacher)

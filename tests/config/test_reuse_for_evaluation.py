@@ -76,16 +76,16 @@ def test_relax_train_reads_a_relative_config_path_from_the_working_directory(tmp
         in out.stderr
 
 
-def test_an_adapter_directory_as_model_path_names_the_ways_to_evaluate_it(tmp_path):
+def test_an_adapter_directory_as_model_path_stands_for_its_merged_model(tmp_path, monkeypatch):
+    """A PEFT adapter directory is its base with the adapters merged (relax.models.peft_merge, which relax-train,
+    relax-serve and relax-export run first; tests/models/test_peft_adapter.py): before that merge the file check
+    says so, rather than reading the adapter directory as a model."""
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4}))
-    (tmp_path / "relax_export.json").write_text(json.dumps({"checkpoint": "/runs/ck/step_000002"}))
     with pytest.raises(ModelPathError) as exc:
         check_model_files(ModelConfig(source="hf", path=str(tmp_path)))
-    message = str(exc.value)
-    assert "is a LoRA adapter directory (adapter_config.json, no config.json)" in message
-    assert "`relax-export /runs/ck/step_000002 <dir> --merge`, then model.path=<dir>" in message
-    assert "`relax-train -cp /runs/ck/step_000002 -cn config train.resume=/runs/ck/step_000002 " \
-           "train.num_rollout=0`" in message
+    assert f"{str(tmp_path)!r} is a PEFT adapter directory (adapter_config.json, no config.json) not yet merged " \
+           "into its base model" in str(exc.value)
     (tmp_path / "adapter_config.json").unlink()  # the control: a directory without either file
     with pytest.raises(ModelPathError, match="has no config.json"):
         check_model_files(ModelConfig(source="hf", path=str(tmp_path)))

