@@ -449,6 +449,8 @@ class EmbeddedEngine:
             out_logp[rows.to(dev), t] = logp
             live = status[rows] == 0  # rows still generating (all of them with drop_finished)
             drawn = live & ~forced
+            if turns.wants_top:  # rows whose episode takes each drawn token's likeliest alternatives
+                turns.note_top(rows, logits, temperature, drawn)
             dropped_mass += dropped[drawn.to(dev)].sum()
             hit_eos = torch.isin(tokens, eos).cpu() & drawn
             if constrained:  # a complete answer ends like a stop token
@@ -521,6 +523,11 @@ class _Turns:
         partial = [len(e.partial) for e in episodes] if episodes is not None else [0] * N
         self.length = torch.tensor(partial, dtype=torch.long)  # model tokens of the current turn (resumed part too)
         self.observed = torch.zeros(N, width if episodes is not None else 0, dtype=torch.long)  # 1 on observations
+        # per row: how many alternatives its episode takes with each drawn token (`wants_top`; 0: none), and those
+        # of its current turn's tokens so far (`note_top`), handed over with the turn (`turn_top`)
+        self.top_wanted = [int(getattr(e, "wants_top", 0) or 0) for e in episodes] if episodes is not None else []
+        self.wants_top = any(self.top_wanted)
+        self.tops: dict[int, list[list[tuple[float, int]]]] = {}
         # told each observation queued: (batch row, output row, its tokens, its images or None); a vision-language
         # model's decoder places and encodes it (relax.rollout.vision)
         self.observer: Optional[Callable[[int, int, list[int], Optional[dict]], None]] = None
@@ -555,13 +562,32 @@ class _Turns:
                     del self.pending[r]
         return forced
 
+    def note_top(self, rows: torch.Tensor, logits: torch.Tensor, temperature: float, drawn: torch.Tensor) -> None:
+        """Record, for each row of `rows[drawn]` whose episode asks (`wants_top` k), the k likeliest (log-prob,
+        token id) of the distribution its token was just drawn from: `logits` (a grammar's mask applied) as
+        `sample_tokens` reads them, log-softmax at `temperature` (greedy: 1), the log-prob it reports for the token
+        drawn. Tokens a grammar disallows (-inf) are none of them: they could not be drawn."""
+        picks = [k for k, r in enumerate(rows.tolist()) if bool(drawn[k]) and self.top_wanted[r]]
+        if not picks:
+            return
+        x = logits.index_select(0, torch.tensor(picks, device=logits.device)).float()
+        if temperature != 0.0 and temperature != 1.0:
+            x = x / temperature
+        k_max = max(self.top_wanted[int(rows[k])] for k in picks)
+        values, ids = torch.log_softmax(x, -1).topk(min(k_max, x.shape[-1]), dim=-1)
+        for j, k in enumerate(picks):
+            r = int(rows[k])
+            pairs = zip(values[j, :self.top_wanted[r]].tolist(), ids[j, :self.top_wanted[r]].tolist(), strict=True)
+            self.tops.setdefault(r, []).append([(v, i) for v, i in pairs if v != float("-inf")])
+
     def continue_after(self, rows: torch.Tensor, turn_over: torch.Tensor, stopped: torch.Tensor,
                        out_ids: torch.Tensor, t: int, budgets: torch.Tensor,
                        out_logp: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[B] bool: the rows whose turn ended at column `t` (`turn_over`: a stop token (`stopped`) or the turn's
         limit) but not their episode (their observation is queued). An observation that leaves no room for a model
         token in the row's budget ends the episode with "length". An episode with `wants_logps` gets its turn's
-        log-probs (`turn_logps`) before `turn_end` (a server's streamed row that reports them as they are drawn)."""
+        log-probs (`turn_logps`) before `turn_end` (a server's streamed row that reports them as they are drawn), one
+        with `wants_top` its tokens' alternatives (`turn_top`, see `note_top`) too."""
         going = torch.zeros(len(rows), dtype=torch.bool)
         if not bool(turn_over.any()):
             return going
@@ -572,6 +598,8 @@ class _Turns:
             turn = out_ids[r, int(self.start[r]):t + 1].tolist()
             if out_logp is not None and getattr(episode, "wants_logps", False):
                 episode.turn_logps(out_logp[r, int(self.start[r]):t + 1].tolist())
+            if self.top_wanted and self.top_wanted[r]:
+                episode.turn_top(self.tops.pop(r, []))
             turns.append((episode, turn, turn[-1] if bool(stopped[k]) else None, int(self.context[r]) + t + 1))
         # the episodes' answers started together: steps that hang together cost one data.env_timeout_s
         for k, obs in zip(ended, turn_ends(turns), strict=True):

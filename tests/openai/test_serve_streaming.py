@@ -4,7 +4,8 @@
   log-probs, finish reasons, usage and n>1 choices; completions; the Responses API's output text;
 - the first delta reaches the client while the engine is still generating: the engine is held after its 4th token
   until the client has read a delta (a barrier, never a sleep; tests/README.md, "Events at a point"), and the test
-  reads whether it had one then;
+  reads whether it had one then; with top_logprobs, a chunk with its tokens' alternatives (chat and the Responses
+  API), each token's the likeliest of a forward pass of the model;
 - a stop string is never sent, not even its start;
 - a call (Hermes, a qwen3 template: tests/agents/templates.py) comes as tool_calls, never as content; a <think>
   block as reasoning_content, also when the generation prompt opened it (qwen3.5).
@@ -100,9 +101,9 @@ def per_choice(chunks: list, i: int, chat: bool) -> list[tuple]:
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_a_stream_with_top_logprobs_is_the_incremental_one_with_the_alternatives(client, chat):
-    """top_logprobs has the stream written once the answer is generated (the engine reports the alternatives with
-    it), by the same writer: per choice its chunks are those of the same request streamed as drawn (same seed), and
-    the alternatives of its chunks put together are the unstreamed answer's, token for token."""
+    """top_logprobs changes nothing in how the stream is cut (the engine reports the alternatives with each token):
+    per choice its chunks are those of the same request streamed without them (same seed), and the alternatives of
+    its chunks put together are the unstreamed answer's, token for token."""
     if chat:
         kw, make = dict(model="tiny", messages=USER, logprobs=True), client.chat.completions.create
         top = {"top_logprobs": 2}
@@ -189,6 +190,60 @@ def test_the_first_delta_arrives_while_the_engine_is_still_generating(server, cl
             text += piece
     assert hold.had == [True], "no delta reached the client while the engine held the request"
     assert text
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "responses"])
+def test_top_logprobs_stream_with_their_tokens_as_drawn(server, client, monkeypatch, endpoint):
+    """stream with top_logprobs=2 (the Responses API: its `output_text.delta` events' logprobs): the first chunk with
+    alternatives reaches the client while the engine holds the request after HELD_AT tokens (the engine draws them
+    with each token, as SGLang streams them). Token by token, each streamed token is the one `/generate` draws with
+    the same seed, its alternatives the two likeliest of a forward pass of the model over the prompt and the tokens
+    before it (log-softmax at the temperature, greedy: 1), its own log-prob its entry where it is among them; put
+    together they are the unstreamed answer's. Before, relax-serve's engine computed the alternatives once the
+    answer ended, and every chunk waited for it: `had == [False]`."""
+    import requests
+    from sglang.test_conformance import direct_logprobs
+
+    tok, seed = server.tokenizer, 5
+    hold = Held(server, monkeypatch)
+    streamed = []
+    if endpoint == "chat":
+        temperature = 0.9
+        kw = dict(model="tiny", messages=USER, seed=seed, max_tokens=12, temperature=temperature, logprobs=True,
+                  top_logprobs=2, extra_body={"ignore_eos": True})
+        for ch in client.chat.completions.create(**kw, stream=True):
+            if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+                hold.seen.set()
+                streamed += ch.choices[0].logprobs.content
+        plain = client.chat.completions.create(**kw).choices[0].logprobs.content
+    else:
+        temperature = 0.0
+        kw = dict(model="tiny", input=USER[0]["content"], temperature=temperature, max_output_tokens=12,
+                  top_logprobs=2, include=["message.output_text.logprobs"], extra_body={"seed": seed})
+        for e in client.responses.create(**kw, stream=True):
+            if e.type == "response.output_text.delta" and e.logprobs:
+                hold.seen.set()
+                streamed += e.logprobs
+        plain = client.responses.create(**kw).output[-1].content[0].logprobs
+    assert hold.had == [True], "no chunk with alternatives reached the client while the engine held the request"
+
+    def entries(content):
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
+
+    assert entries(streamed) == entries(plain) and len(streamed) >= HELD_AT
+    prompt = tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=True, return_dict=False)
+    sp = {"sampling_seed": seed, "temperature": temperature, "max_new_tokens": len(streamed), "ignore_eos": True}
+    ids = requests.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": sp},
+                        timeout=120).json()["output_ids"]
+    every = direct_logprobs(server.engine.model, prompt + ids, temperature or 1.0)[len(prompt) - 1:]
+    for k, (t, i) in enumerate(zip(streamed, ids, strict=True)):
+        best = every[k].topk(2)
+        assert t.token == tok.decode([i])
+        assert [a.token for a in t.top_logprobs] == [tok.decode([int(v)]) for v in best.indices]
+        assert [a.logprob for a in t.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-4)
+        assert t.logprob == pytest.approx(float(every[k, i]), abs=1e-4)
+        if i in best.indices.tolist():
+            assert t.logprob == t.top_logprobs[best.indices.tolist().index(i)].logprob
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "responses"])

@@ -5,9 +5,9 @@ answer was generated. Read by the official `openai` client over real HTTP (relax
 `OpenAIService` over a scripted engine whose answer is drawn from the request's seed: the chunks' content and their
 log-probs with alternatives put together are the unstreamed answer of the same seeded request, token for token, and
 the first chunk with alternatives reaches the client while the engine still holds the answer's last token (a
-barrier: the engine waits for the client's first such chunk, never a sleep). relax-serve's own engine reports the
-alternatives with the finished answer only: its streams keep every chunk's alternatives, written at the end
-(tests/openai/test_serve_streaming.py).
+barrier: the engine waits for the client's first such chunk, never a sleep). relax-serve's own engine draws the
+alternatives with each token and streams them so too (tests/openai/test_serve_streaming.py,
+`test_top_logprobs_stream_with_their_tokens_as_drawn`).
 
 Negative control: with `OpenAIService._incremental` refusing top_logprobs again (the old code), the engine's `send`
 answered the request whole and the client had no chunk before the last token

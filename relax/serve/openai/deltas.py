@@ -26,8 +26,8 @@ A delta falls on token boundaries: each token's text is what it adds to the deco
 of earlier tokens once that is decided. Each delta carries the log-probs of the tokens whose text it completes (with
 their alternatives: top_logprobs), a token with no text of its own with the next delta; the rest come with the
 finished answer. With top_logprobs a token is fed once its alternatives have come too: as it is drawn on an engine
-that streams them with the tokens (SGLang's `output_top_logprobs`), with the finished answer on one that computes
-them when the answer ends (relax-serve's own engine). A stream written once its answer is finished (a training
+that streams them with the tokens (SGLang's `output_top_logprobs`, relax-serve's own engine's), with the finished
+answer on one whose events carry none before the end. A stream written once its answer is finished (a training
 session's, or such an engine's with top_logprobs) feeds the whole answer at once, so it is written by the same rules
 as one whose tokens come as they are drawn.
 """

@@ -333,9 +333,9 @@ class OpenAIService:
         """Each event of a `stream` as its writer reads it (`Drawn`), a finished choice answered by `answer`; an error
         event raises APIError (a 500). Closing it closes `events`. With `top` (top_logprobs), the tokens so far are
         those whose alternatives the event carries too (SGLang's streamed `output_top_logprobs`, one list per token
-        so far), so each chunk is written with its tokens' alternatives as OpenAI and SGLang stream them; an engine
-        whose events carry none before the end (relax-serve's computes them once a row ended) has every chunk
-        written with its final answer."""
+        so far; relax-serve's own engine draws them with each token), so each chunk is written with its tokens'
+        alternatives as OpenAI and SGLang stream them; an engine whose events carry none before the end has every
+        chunk written with its final answer."""
         pieces: dict[int, list[list[tuple[str, float]]]] = {}  # per choice: its tokens' alternatives, as text
         try:
             for event in events:

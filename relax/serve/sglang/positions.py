@@ -3,7 +3,8 @@ tokens (`top_logprobs_num`) and given tokens (`token_ids_logprob`) at each outpu
 the row was sampled from (log-softmax at its temperature, full vocabulary; greedy: temperature 1), and the prompt's
 tokens (`logprob_start_len`) with the same two at temperature 1, as SGLang computes them. One forward pass over
 prompt and output (`relax.models.hf.response_logprobs_all`, the trainer's definition), from the first prompt
-position reported on.
+position reported on. The output's likeliest tokens come from the engine as it drew each token (`Row.top`, what a
+stream sends as it goes); computed here only for a row without them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def row_extras(model: Any, device: torch.device, row: Row) -> Extras:
         outputs = torch.log_softmax(outputs / temperature, dim=-1)
     return Extras(input_tokens=inputs.gather(-1, ids[0, first:len(prompt), None]).squeeze(-1).tolist(),
                   input_top=_top(inputs, o.top_logprobs), input_ids=_given(inputs, o.token_ids),
-                  output_top=_top(outputs, o.top_logprobs), output_ids=_given(outputs, o.token_ids))
+                  output_top=[] if row.engine_top() else _top(outputs, o.top_logprobs),
+                  output_ids=_given(outputs, o.token_ids))
 
 
 def _top(logp: torch.Tensor, k: int) -> list[Alts]:

@@ -35,14 +35,18 @@ stop token, and the token that completed a stop string; `text` leaves out the st
 token; `finish_reason` then is {"type": "stop", "matched": "<the string>"} (a token at the `max_new_tokens` limit
 ends with "length" first, as in SGLang). Log-probs (`meta_info`, with `return_logprob`): `output_token_logprobs`
 are those the engine drew with (full-vocabulary log-softmax at the temperature; greedy: temperature 1),
-`output_top_logprobs` and `output_token_ids_logprobs` are of that same distribution; the prompt's
+`output_top_logprobs` and `output_token_ids_logprobs` are of that same distribution (the alternatives as the engine
+drew each token, so a constrained row's are of its grammar's masked distribution, as SGLang's, a token the grammar
+disallows never among them; the given tokens' from a forward pass once the row ended, no grammar's mask applied);
+the prompt's
 (`input_token_logprobs`, `input_top_logprobs`, `input_token_ids_logprobs`, from `logprob_start_len` on, its first
 entry None as in SGLang) are at temperature 1, as SGLang computes them. Each entry is [log-prob, token id, text or
 None].
 
 Streaming (`stream`: server-sent events, see `relax.serve.sglang.server`): each event is an answer as above for
 one sample so far (text, output ids cumulative, `finish_reason` null until its last event), with `index` (its place
-in the list answer) unless the answer is a dict. With `return_logprob` each event carries the log-probs so far.
+in the list answer) unless the answer is a dict. With `return_logprob` each event carries the log-probs so far, with
+`top_logprobs_num` their alternatives too (`output_top_logprobs`), as SGLang's events do.
 
 Sampling: the engine runs with seed 0, and row k of a request with `sampling_seed` s draws from the random stream
 of sample id `row_stream(s, k)` (`row_stream(s, 0) == s`), so a request gets the same tokens in any batch and
@@ -163,6 +167,10 @@ class Row:
     logps: list[float] = field(default_factory=list)
     live: list[int] = field(default_factory=list)  # tokens drawn by the engine call running now (not in `tokens`)
     live_logps: list[float] = field(default_factory=list)  # their log-probs (a streamed row with return_logprob)
+    # with top_logprobs_num: each output token's likeliest alternatives as the engine drew it (`top`; `live_top`:
+    # those of `live`), the distribution its log-prob is of (`relax.rollout.embedded._Turns.note_top`)
+    top: list[Alts] = field(default_factory=list)
+    live_top: list[Alts] = field(default_factory=list)
     finish: Optional[dict] = None
     matched: Optional[str] = None  # the stop string its output completed
     abort: Optional[str] = None  # set once an abort was asked: the message of its finish_reason
@@ -176,8 +184,18 @@ class Row:
 
     @property
     def watched(self) -> bool:
-        """Whether the engine must show its tokens as they come (stop strings, a stream of its tokens)."""
-        return bool(self.options.stop) or self.request.stream
+        """Whether the engine must show its tokens as they come (stop strings, a stream of its tokens, the likeliest
+        alternatives of each: top_logprobs_num)."""
+        return bool(self.options.stop) or self.request.stream or self.wants_top > 0
+
+    @property
+    def wants_top(self) -> int:
+        """How many alternatives the engine reports with each token it draws (top_logprobs_num; 0: none)."""
+        return self.options.top_logprobs if self.options.return_logprob else 0
+
+    def engine_top(self) -> bool:
+        """Whether the engine reported the alternatives of every output token (`top`)."""
+        return self.wants_top > 0 and len(self.top) == len(self.tokens)
 
     def tail(self, n: int) -> list[int]:
         """The last `n` tokens of its output so far (`tokens`, then `live`)."""
@@ -188,7 +206,7 @@ class Row:
     def needs_extras(self) -> bool:
         """Whether its answer needs log-probs the engine does not give (`Extras`)."""
         o = self.options
-        return o.return_logprob and bool(o.top_logprobs or o.token_ids is not None
+        return o.return_logprob and bool((o.top_logprobs and not self.engine_top()) or o.token_ids is not None
                                          or 0 <= o.logprob_start < len(self.prompt) - 1)
 
 
@@ -510,18 +528,21 @@ class RequestCodec:
         return {"text": text, "output_ids": list(row.tokens), "meta_info": meta}
 
     def progress(self, row: Row, request: Request, tokens: list[int], logps: list[float],
-                 weight_version: str) -> dict:
-        """A stream's answer of a row that has drawn `tokens` (with log-probs `logps`) so far and goes on (a
-        character still incomplete at the end of the text left out). With return_logprob it carries the log-probs
-        of every token so far, as SGLang's events do: `output_token_logprobs`, and `input_token_logprobs` where they
-        need no forward pass (logprob_start_len -1); the prompt's earlier positions, top_logprobs and
-        token_ids_logprob come with the final answer."""
+                 top: Optional[list[Alts]], weight_version: str) -> dict:
+        """A stream's answer of a row that has drawn `tokens` (with log-probs `logps`, and with top_logprobs_num
+        their alternatives `top`) so far and goes on (a character still incomplete at the end of the text left out).
+        With return_logprob it carries the log-probs of every token so far, as SGLang's events do:
+        `output_token_logprobs`, `output_top_logprobs` (the engine draws them with the tokens), and
+        `input_token_logprobs` where they need no forward pass (logprob_start_len -1); the prompt's earlier
+        positions and token_ids_logprob come with the final answer."""
         meta = self._meta(row, request, None, len(tokens), weight_version)
         o = row.options
         with self._tokenizer_lock:
             text = self.tokenizer.decode(tokens, skip_special_tokens=o.skip_special_tokens)
             if o.return_logprob:
                 meta["output_token_logprobs"] = self._entries(zip(logps, tokens, strict=True), o)
+                if top is not None:
+                    meta["output_top_logprobs"] = [self._entries(a, o) for a in top]
                 if o.logprob_start < 0:
                     meta["input_token_logprobs"] = self._entries([(None, row.prompt[-1])], o)
         return {"text": text.rstrip("\ufffd"), "output_ids": list(tokens), "meta_info": meta}
@@ -553,7 +574,9 @@ class RequestCodec:
             "output_token_logprobs": self._entries(zip(row.logps, row.tokens, strict=True), o)}
         if o.top_logprobs:
             meta["input_top_logprobs"] = [None, *(self._entries(a, o) for a in extra.input_top)]
-            meta["output_top_logprobs"] = [self._entries(a, o) for a in extra.output_top]
+            # as the engine drew each token (as the stream sent them), else computed once it ended
+            output_top = row.top if row.engine_top() else extra.output_top
+            meta["output_top_logprobs"] = [self._entries(a, o) for a in output_top]
         if o.token_ids is not None:
             meta["input_token_ids_logprobs"] = [None, *(self._entries(a, o) for a in extra.input_ids)]
             meta["output_token_ids_logprobs"] = [self._entries(a, o) for a in extra.output_ids]

@@ -79,10 +79,15 @@ class _Watch:
         self.partial: list[int] = []  # the engine's episode fields
         self.end: Optional[str] = None
         self.wants_logps = row.options.return_logprob  # a stream reports each token's log-prob as it is drawn
+        self.wants_top = row.wants_top  # and with top_logprobs_num its alternatives
 
     def turn_logps(self, logps: list[float]) -> None:
         """The log-probs of the tokens `turn_end` gets next (before them: a reader never sees a token without)."""
         self.row.live_logps.extend(logps)
+
+    def turn_top(self, top: list[list[tuple[float, int]]]) -> None:
+        """The alternatives of the tokens `turn_end` gets next (before them, as their log-probs)."""
+        self.row.live_top.extend(top)
 
     def turn_end(self, tokens: list[int], stop_token: Optional[int], context: int) -> Optional[list[int]]:
         row = self.row
@@ -242,16 +247,21 @@ class Scheduler:
                         paused=len(self._queue) if self._paused is not None else 0, used_tokens=_size(running),
                         pending_tokens=_size(self._queue), throughput=self._throughput)
 
-    def progress(self, request: Request) -> list[tuple[list[int], list[float], Optional[dict]]]:
-        """(tokens so far, their log-probs, finish_reason or None) of each row of `request`, as they stand together
-        now. Log-probs are those of a row that reports them (return_logprob); the tokens are cut to them then."""
+    def progress(self, request: Request) -> list[tuple[list[int], list[float], Optional[list], Optional[dict]]]:
+        """(tokens so far, their log-probs, their alternatives (None: not asked), finish_reason or None) of each row
+        of `request`, as they stand together now. Log-probs are those of a row that reports them (return_logprob),
+        alternatives those of one with top_logprobs_num; the tokens are cut to them then."""
         with self.cv:
             out = []
             for r in request.rows:
                 tokens, logps = r.tokens + r.live, r.logps + r.live_logps
+                top = r.top + r.live_top if r.wants_top else None
                 if r.options.return_logprob:
                     tokens = tokens[:len(logps)]  # the engine thread appends a token's log-prob first
-                out.append((tokens, logps[:len(tokens)], r.finish))
+                if top is not None:
+                    tokens = tokens[:len(top)]  # and its alternatives
+                    top = top[:len(tokens)]
+                out.append((tokens, logps[:len(tokens)], top, r.finish))
             return out
 
     def set_released(self, tags: set[str], released: bool) -> None:
@@ -349,7 +359,8 @@ class Scheduler:
                             row.routes = torch.cat([out.routed_experts[i, P - fed:P], out.routed_experts[i, P:P + n]])
                         row.tokens.extend(out.response_ids[i, :n].tolist())
                         row.logps.extend(out.rollout_logp[i, :n].tolist())
-                        row.live, row.live_logps, row.version = [], [], version
+                        row.top.extend(row.live_top[:n])
+                        row.live, row.live_logps, row.live_top, row.version = [], [], [], version
                         finish = self._finish_reason(row, out.finish_reason[i])
                         if finish is not None:
                             self._finish(row, finish)

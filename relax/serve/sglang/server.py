@@ -593,8 +593,8 @@ class EmbeddedServer(WeightEndpoints):
         except RequestError as exc:
             raise APIError(str(exc)) from None
         events = answer_events(request, self.scheduler, self._final,
-                               lambda row, tokens, logps: self._codec.progress(row, request, tokens, logps,
-                                                                               self.weight_version))
+                               lambda row, tokens, logps, top: self._codec.progress(row, request, tokens, logps,
+                                                                                    top, self.weight_version))
         return _Aborting(events, request, self.scheduler)
 
     def _send_openai(self, payloads: list[dict]) -> list[dict]:
@@ -652,8 +652,9 @@ class EmbeddedServer(WeightEndpoints):
             yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
             return
         yield from answer_events(request, self.scheduler, self._final,
-                                 lambda row, tokens, logps: self._codec.progress(row, request, tokens, logps,
-                                                                                 self.weight_version))
+                                 lambda row, tokens, logps, top: self._codec.progress(row, request, tokens,
+                                                                                      logps, top,
+                                                                                      self.weight_version))
 
     def _final(self, row: Row) -> dict:
         """The answer of an ended row of a stream."""

@@ -6,10 +6,10 @@ for the next request.
 The events (`answer_events`): each time a sample has drawn new tokens, its answer so far (text and output ids
 cumulative, SGLang's default without --stream-output; `finish_reason` null), and once it has ended its final answer,
 the one the request without `stream` would give. With `return_logprob`, each event carries the log-probs of the
-tokens so far, as SGLang's do (`RequestCodec.progress`). With several samples (inputs, n > 1) each event carries
-`index`, the sample's place in the list answer. An abort or a pause acts on a streamed request as on any other: its
-samples end with the abort's finish_reason (their last event), or wait while paused. A client that leaves aborts its
-samples.
+tokens so far, as SGLang's do (`RequestCodec.progress`), with `top_logprobs_num` their alternatives too. With
+several samples (inputs, n > 1) each event carries `index`, the sample's place in the list answer. An abort or a
+pause acts on a streamed request as on any other: its samples end with the abort's finish_reason (their last event),
+or wait while paused. A client that leaves aborts its samples.
 """
 
 from __future__ import annotations
@@ -55,21 +55,25 @@ def _chunk(handler: BaseHTTPRequestHandler, data: bytes) -> None:
     handler.wfile.flush()
 
 
+# a stream's event of a row that goes on: (row, its tokens so far, their log-probs, their alternatives or None)
+Progress = Callable[[Row, list[int], list[float], Optional[list]], dict]
+
+
 def answer_events(request: Request, scheduler: Scheduler, final: Callable[[Row], dict],
-                  progress: Callable[[Row, list[int], list[float]], dict]) -> Iterator[dict]:
-    """The events of a submitted request: `progress(row, tokens, logps)` as a row draws tokens, `final(row)` once it
-    ended. Closed early (the client left), it aborts the rows still running."""
+                  progress: Progress) -> Iterator[dict]:
+    """The events of a submitted request: `progress(row, tokens, logps, top)` as a row draws tokens, `final(row)`
+    once it ended. Closed early (the client left), it aborts the rows still running."""
     seen = _Seen(request, final, progress)
     try:
         while True:
             request.progress.clear()  # a change from now on sets it again: none is missed
             if scheduler.stopping:
                 scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
-            for i, (tokens, logps, finish) in enumerate(scheduler.progress(request)):
+            for i, (tokens, logps, top, finish) in enumerate(scheduler.progress(request)):
                 if request.error is not None:
                     yield {"error": {"message": request.error}}
                     return
-                event = seen.event(i, tokens, logps, finish)
+                event = seen.event(i, tokens, logps, top, finish)
                 if event is not None:
                     yield event
             if all(seen.ended):
@@ -92,14 +96,15 @@ def abort_rest(request: Request, scheduler: Scheduler, message: str = "the clien
 class _Seen:
     """What a stream has sent of each row of its request: tokens, and whether its final answer."""
 
-    def __init__(self, request: Request, final: Callable[[Row], dict],
-                 progress: Callable[[Row, list[int], list[float]], dict]):
+    def __init__(self, request: Request, final: Callable[[Row], dict], progress: Progress):
         self.request, self.final, self.progress = request, final, progress
         self.sent = [0] * len(request.rows)
         self.ended = [False] * len(request.rows)
 
-    def event(self, i: int, tokens: list[int], logps: list[float], finish: Optional[dict]) -> Optional[dict]:
-        """Row i's next event, given its tokens so far, their log-probs and finish_reason (None: nothing new)."""
+    def event(self, i: int, tokens: list[int], logps: list[float], top: Optional[list],
+              finish: Optional[dict]) -> Optional[dict]:
+        """Row i's next event, given its tokens so far, their log-probs, their alternatives (None: not asked) and
+        finish_reason (None: nothing new)."""
         row = self.request.rows[i]
         if self.ended[i]:
             return None
@@ -108,7 +113,7 @@ class _Seen:
             return self._indexed(self.final(row), i)
         if len(tokens) > self.sent[i]:
             self.sent[i] = len(tokens)
-            return self._indexed(self.progress(row, tokens, logps), i)
+            return self._indexed(self.progress(row, tokens, logps, top), i)
         return None
 
     def _indexed(self, answer: dict[str, Any], i: int) -> dict[str, Any]:
