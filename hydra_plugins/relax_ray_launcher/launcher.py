@@ -18,7 +18,10 @@ and knows nothing of MLflow. This one, per sweep:
    A job that never started (queued behind others at Ctrl-C, or Ray could not be started or joined) is NOT STARTED;
    the parent run's `relax.sweep_jobs` tag holds each job's status.
 
-Ray that cannot be started or joined is one line, `relax-train: error: cannot start or join Ray ...`, exit 2, after
+A cluster to join (`hydra.launcher.address`, `cluster.address`, RAY_ADDRESS) that does not accept a TCP connection
+is refused before anything else, within seconds (`relax.runner.endpoints`): `relax-train: error: cannot join Ray:
+hydra.launcher.address=...: connection to ... refused (...)`, exit 2, no parent run. Any other Ray that cannot be
+started or joined is one line, `relax-train: error: cannot start or join Ray ...`, exit 2, after
 the table (every job NOT STARTED; the parent run FAILED).
 
 A tracking store that cannot be opened is refused before any job starts (the precheck's `tracking`, and the parent
@@ -183,6 +186,7 @@ class RelaxRayLauncher(Launcher):
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         self._check_options()
+        self._check_ray_address()
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         jobs = [list(o) for o in job_overrides]
         indices = [initial_job_idx + i for i in range(len(jobs))]
@@ -242,6 +246,37 @@ class RelaxRayLauncher(Launcher):
         if problems:
             print("relax-train: error: invalid sweep launcher options (nothing started):\n"
                   + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+            sys.exit(INVALID_CONFIG_EXIT)
+
+    def _ray_address(self) -> tuple[str, Optional[str]]:
+        """The Ray cluster the sweep joins, and the option that names it: `hydra.launcher.address`, else
+        `cluster.address`, else RAY_ADDRESS (set for a driver that Ray Jobs started, relax-submit: a submitted
+        sweep joins its cluster); None: a Ray instance of the sweep's own."""
+        assert self.config is not None
+        for option, address in (("hydra.launcher.address", self.address),
+                                ("cluster.address", OmegaConf.select(self.config, "cluster.address", default=None)),
+                                ("RAY_ADDRESS", os.environ.get("RAY_ADDRESS"))):
+            if address:
+                return option, str(address)
+        return "RAY_ADDRESS", None
+
+    def _check_ray_address(self) -> None:
+        """The cluster the sweep joins must accept a TCP connection (`relax.runner.endpoints`, as a single run probes
+        `cluster.address` and RAY_ADDRESS), before its jobs are checked, its MLflow parent run opens or Ray starts:
+        `ray.init` at an address where nothing listens retries in Ray's C++ client for ever, where neither a Python
+        exception nor the driver's SIGTERM handler gets through. Refused with relax-train's one-line error, exit 2."""
+        from relax.runner.endpoints import ray_endpoint, unreachable
+
+        option, address = self._ray_address()
+        what = {"hydra.launcher.address": "the Ray head the sweep joins (ray start --head)",
+                "cluster.address": "a Ray head (ray start --head)",
+                "RAY_ADDRESS": "the Ray head that RAY_ADDRESS names (joined: cluster.address is unset)"}[option]
+        target = ray_endpoint(option, address, what)
+        if target is None:
+            return
+        for problem in unreachable([target]):
+            print(f"relax-train: error: cannot join Ray: {problem}; nothing started (no sweep job, no MLflow run)",
+                  file=sys.stderr, flush=True)
             sys.exit(INVALID_CONFIG_EXIT)
 
     def _tracking_enabled(self) -> bool:
@@ -332,10 +367,7 @@ class RelaxRayLauncher(Launcher):
 
         if ray.is_initialized():
             return
-        assert self.config is not None
-        # RAY_ADDRESS: set for a driver that Ray Jobs started (relax-submit), so a submitted sweep joins its cluster
-        address = (self.address or OmegaConf.select(self.config, "cluster.address", default=None)
-                   or os.environ.get("RAY_ADDRESS") or None)
+        _, address = self._ray_address()
         kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
         if address is None:
             from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG

@@ -48,13 +48,20 @@ def _host_port(address: str, default_port: Optional[int] = None) -> Optional[tup
 
 def _ray_endpoint(cfg: RelaxConfig) -> Optional[Endpoint]:
     """The Ray cluster a start joins (as `relax.runner.cluster.RayRuntime` chooses it: `cluster.address`, else
-    RAY_ADDRESS), or None: a local instance is started, or the address cannot be probed: "auto" (Ray finds the
-    cluster itself, from its session file or a local head) and "local" name no host; an address without a port is
-    not probed either (what it means is Ray's to decide)."""
+    RAY_ADDRESS), or None: a local instance is started, or the address cannot be probed (`ray_endpoint`)."""
     option, address, what = "cluster.address", cfg.cluster.address, "a Ray head (ray start --head)"
     if address is None:
         option, address = "RAY_ADDRESS", os.environ.get("RAY_ADDRESS") or None
         what = "the Ray head that RAY_ADDRESS names (joined: cluster.address is unset)"
+    return ray_endpoint(option, address, what)
+
+
+def ray_endpoint(option: str, address: Optional[str], what: str = "a Ray head (ray start --head)"
+                 ) -> Optional[Endpoint]:
+    """The Ray cluster at `address` that the option `option` names, to probe; None where there is nothing to probe:
+    no address (a local instance is started), "auto" (Ray finds the cluster itself, from its session file or a local
+    head), "local", or an address without a port (what it means is Ray's to decide). Also the sweep launcher's
+    check of `hydra.launcher.address`, which its jobs join instead of `cluster.address` or RAY_ADDRESS."""
     if address is None or address.strip().lower() in ("auto", "local"):
         return None
     # "ray://host:port": the Ray Client server; "host:port": the head's GCS; either accepts TCP at host:port
