@@ -3,7 +3,10 @@
 Each fault is injected from inside the run by `chaos_rewards` (a signal to a role process found on the run's
 heartbeat board) and the outcome is checked against an uninterrupted run of the same config: the run completes
 in the same MLflow run, every step's metrics are recorded exactly once, and the final weights are bit for bit
-those of the uninterrupted run (every sample trained exactly once, none lost or repeated).
+those of the uninterrupted run (every sample trained exactly once, none lost or repeated). The restart policy's
+answers that need no process to die (no checkpoint yet: the restart begins at step 0; the limit reached: the run
+stops) run with the roles in this process, the failure raised where the loop gets a dead actor's (`dies_once`); a
+real process killed, stopped or replaced is each on Ray.
 """
 
 from __future__ import annotations
@@ -91,6 +94,27 @@ def chaos(monkeypatch, tmp_path, process: str, sig: str, step: int) -> None:
     monkeypatch.setenv("RELAX_CHAOS", f"{process}:{sig}:{step * CALLS_PER_STEP + 1}:{tmp_path / 'injected'}")
 
 
+def dies_once(monkeypatch, tmp_path, step: int) -> list[int]:
+    """The actor dies once, at `step`, for a run with its roles in this process: the loop gets the RoleFailure a dead
+    actor's call raises on Ray when it hands that step's batch to the trainer (the restart that follows makes new
+    roles, which start from the checkpoint or from the initial weights, as new processes do). Returns the steps at
+    which it died."""
+    from relax.runner import train
+    from relax.runner.errors import RoleFailure
+
+    original, died = train.train_batch, []
+
+    def dies_once_at(cfg, plan, cluster, samples, rewards, keep, at):
+        if at == step and not died:
+            died.append(at)
+            (tmp_path / "injected").write_text(f"actor died at step {at}\n")
+            raise RoleFailure("actor", "died: killed (injected)")
+        return original(cfg, plan, cluster, samples, rewards, keep, at)
+
+    monkeypatch.setattr(train, "train_batch", dies_once_at)
+    return died
+
+
 def assert_same_as(uninterrupted, tmp_path, client, mlrun) -> None:
     weights, rewards = uninterrupted
     assert (tmp_path / "injected").exists(), "the fault was not injected"
@@ -117,21 +141,10 @@ def test_the_comparison_fails_a_restart_that_loses_the_trained_weights(uninterru
     """Negative control of the test above: a restart that reads the checkpoint's step but does not load its weights
     into the new roles (they start from the initial weights) completes, and the comparison fails it. (The roles in
     this process: the actor's death at step 2 is the RoleFailure that the loop gets from a dead actor.)"""
-    from relax.runner import train
     from relax.runner.cluster import Cluster
-    from relax.runner.errors import RoleFailure
 
     monkeypatch.setattr(Cluster, "load", lambda self, path: checkpoint.read_state(path))
-    original, died = train.train_batch, []
-
-    def dies_once_at_step_2(cfg, plan, cluster, samples, rewards, keep, step):
-        if step == 2 and not died:
-            died.append(step)
-            (tmp_path / "injected").write_text("actor died at step 2\n")
-            raise RoleFailure("actor", "died (injected)")
-        return original(cfg, plan, cluster, samples, rewards, keep, step)
-
-    monkeypatch.setattr(train, "train_batch", dies_once_at_step_2)
+    died = dies_once(monkeypatch, tmp_path, step=2)
     with inprocess_ray():
         run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
@@ -213,21 +226,27 @@ def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(ray_local,
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
-def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_run(ray_local, uninterrupted, monkeypatch,
-                                                                                 tmp_path, overrides):
-    chaos(monkeypatch, tmp_path, "actor", "KILL", step=1)
-    run(load_config(overrides(tmp_path, "train.save_interval=0")), output_dir=tmp_path / "out")
+def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_run(uninterrupted, monkeypatch, tmp_path,
+                                                                                 capfd, overrides):
+    """The actor dies in step 1 before any checkpoint (train.save_interval=0): the new roles start from the initial
+    weights at step 0, in the run's one MLflow run, and end with the uninterrupted run's weights. (Roles in this
+    process: `dies_once`; a real actor's death answered by a restart is the first test's.)"""
+    died = dies_once(monkeypatch, tmp_path, step=1)
+    with inprocess_ray():
+        run(load_config(overrides(tmp_path, "train.save_interval=0")), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
-    assert mlrun.info.status == "FINISHED"
+    assert mlrun.info.status == "FINISHED" and died == [1]
     assert_every_step_once(client, mlrun)
-    assert re.search(r"step [01]: actor died", mlrun.data.tags[RESTARTS_TAG])
+    assert re.search(r"step 1: actor died", mlrun.data.tags[RESTARTS_TAG])
+    assert "restarting the service graph from step 0 (no checkpoint yet)" in capfd.readouterr().err
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
-def test_beyond_max_restarts_the_run_stops_naming_the_role_and_the_cause(ray_local, monkeypatch, tmp_path, overrides):
-    chaos(monkeypatch, tmp_path, "actor", "KILL", step=2)
-    with pytest.raises(RunError, match=r"step [12]: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
-                                       r"already used \(none\)\.") as info:
+def test_beyond_max_restarts_the_run_stops_naming_the_role_and_the_cause(monkeypatch, tmp_path, overrides):
+    """(Roles in this process: `dies_once`; a real actor's death reaches the same policy in the first test.)"""
+    dies_once(monkeypatch, tmp_path, step=2)
+    with pytest.raises(RunError, match=r"step 2: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
+                                       r"already used \(none\)\.") as info, inprocess_ray():
         run(load_config(overrides(tmp_path, "train.max_restarts=0")), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FAILED"
