@@ -15,8 +15,34 @@ MULTIRUN_FLAGS = ("-m", "--multirun")
 CFG_FLAGS = ("-c", "--cfg")
 
 
+# OmegaConf's words for a value that is not a list given to a list option (data.tools, plugins, train.eval_pass_k)
+_NOT_A_LIST = "is not a ListConfig, list or tuple"
+_MERGING = re.compile(r"Error merging override \S+?=(.*)")
+
+
+def _unbracketed_list(exc: BaseException) -> Optional[str]:
+    """The message for an override that gives a list option a bare value (`data.tools=mymod:TOOLS`, which OmegaConf
+    refuses as "str is not a ListConfig, list or tuple"): the option, and the accepted form, the value in brackets.
+    None for any other error."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    match = _MERGING.fullmatch(first)
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and _NOT_A_LIST not in str(cause):
+        cause = cause.__cause__ or cause.__context__
+    key = getattr(cause, "full_key", None)
+    if match is None or not key:
+        return None
+    value = re.sub(r"\\(.)", r"\1", match.group(1))  # a sweep job's override has Hydra's escapes (mymod\:TOOLS)
+    return (f"{key}={value}: {key} is a list, written in brackets: {key}=[{value}] (several items: "
+            f"{key}=[a,b]; in a shell, quote it: '{key}=[{value}]')")
+
+
 def hydra_error_message(exc: BaseException) -> str:
-    """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'")."""
+    """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'"); a list option given
+    without brackets is named with the form it takes (`_unbracketed_list`)."""
+    unbracketed = _unbracketed_list(exc)
+    if unbracketed is not None:
+        return unbracketed
     parts = [str(exc).strip()]
     if getattr(exc, "override", None):  # OverrideParseException: name the override the grammar refused
         parts[0] = f"cannot parse override {exc.override!r}: {parts[0]}"  # type: ignore[attr-defined]

@@ -69,6 +69,28 @@ def test_a_sweep_and_cfg_get_the_same_clean_errors(args, needles, tmp_path, monk
     assert list(tmp_path.iterdir()) == []  # no multirun/ directory: nothing started
 
 
+@pytest.mark.parametrize("args, override, extra", [
+    ([], "data.tools=mymod:TOOLS", ["rollout.max_turns=2"]),
+    (["-m", "seed=1,2"], "data.tools=mymod:TOOLS", ["rollout.max_turns=2"]),
+    ([], "train.eval_pass_k=1", ["train.eval_interval=5"]),
+])
+def test_a_list_option_without_brackets_is_named_with_the_form_it_takes(args, override, extra, tmp_path, monkeypatch,
+                                                                         capfd):
+    """data.tools=mymod:TOOLS (a list option given one bare value) gets one line naming the option and the accepted
+    form, not OmegaConf's "str is not a ListConfig, list or tuple"; the form it shows composes (the control: only
+    the module, which does not exist, is left to refuse, at start)."""
+    from relax.cli.config_check import problems
+
+    monkeypatch.chdir(tmp_path)
+    key, value = override.split("=", 1)
+    err = _refused(*relax_train([*args, override, *extra, "dry_run=true"], capfd))
+    assert f"{override}: {key} is a list, written in brackets: {key}=[{value}]" in err, err
+    assert "ListConfig" not in err and "Error merging" not in err
+    assert f"in a shell, quote it: '{key}=[{value}]'" in err
+    assert problems([f"{key}=[{value}]", *extra]) is None
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_job_with_a_password_in_a_url_is_named_without_it(tmp_path, monkeypatch, capfd):
     """The job's header lists its overrides: a URL's user:password@ is masked there as in the rule's message."""
     monkeypatch.chdir(tmp_path)
