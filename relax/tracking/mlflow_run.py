@@ -27,9 +27,11 @@ then).
 One warning names the store and the spool the first time; later failures are only counted (`stats`). Each step
 (and the writer every `flush_interval_s`) first replays the spool in order, with the original steps and
 timestamps, never writing a value twice; once it is empty, writes go to the store again. `flush()` returns when
-everything is in the store or in the spool, so checkpoints keep being committed during an outage. At `finish`
-the spool is replayed with retries for up to `final_replay_s`; if the store is still down the run ends anyway
-and prints where the spool is and the command that loads it later (`python -m relax.tracking.spool <file>`).
+everything is in the store or in the spool, so checkpoints keep being committed during an outage; with the writer
+thread it waits at most `run_writer.FLUSH_WAIT_S` for the store, then spools (the caller never waits on the network).
+For an http(s) store MLflow's HTTP retries are bounded in this process (`HTTP_POLICY`, unless the user set them).
+At `finish` the spool is replayed with retries for up to `final_replay_s`; if the store is still down the run ends
+anyway and prints where the spool is and the command that loads it later (`python -m relax.tracking.spool <file>`).
 
 The store unavailable at the start (the run cannot be created, or a resumed run cannot be read): `start` and
 `reopen` raise `TrackingUnavailable` naming the URI, before anything is trained. A wrong `tracking.uri` is a
@@ -160,6 +162,25 @@ class RunTracker(Protocol):
     def flush(self) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
     def ui_command(self) -> Optional[str]: ...
+
+
+# MLflow's HTTP client policy for an http(s) store, set in this process where the user has not set it: MLflow's own
+# default (7 retries, backoff factor 2, 120 s a request) holds a write to a store that is down for about 4 minutes,
+# and a write waits on it (the writer thread, the end of the run, a tag or artifact written by the caller). Relax
+# retries through its spool instead, so one retry, no long backoff and 10 s a request (MLflow reads these from the
+# environment at every request: relax.tracking.run_writer is not held by them before a checkpoint in any case)
+HTTP_POLICY = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def bound_http_retries(uri: str) -> dict[str, str]:
+    """For an http(s) tracking `uri`, MLflow's HTTP retry and time-out variables (`HTTP_POLICY`) set in this process,
+    each only where the environment does not set it already (the user's value wins). Returns those it set."""
+    if not uri.lower().startswith(("http://", "https://")):
+        return {}
+    set_here = {k: v for k, v in HTTP_POLICY.items() if not os.environ.get(k)}
+    os.environ.update(set_here)
+    return set_here
 
 
 def quiet_mlflow_logging() -> None:
@@ -410,6 +431,7 @@ class Tracker:
         from mlflow.tracking.context.registry import resolve_tags
 
         uri = resolve_tracking_uri(tracking_cfg.uri)
+        bound_http_retries(uri)
         db = sqlite_path(uri)
         try:
             if db is not None:
@@ -507,6 +529,7 @@ class Tracker:
         from mlflow import MlflowClient
 
         uri = resolve_tracking_uri(tracking_cfg.uri)
+        bound_http_retries(uri)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")

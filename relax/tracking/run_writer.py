@@ -26,6 +26,10 @@ _WRITE_ATTEMPTS = 3  # writes that cannot be spooled (reopen's status update); s
 # write in progress, and the final writes (metrics, tags, run status; plus final_replay_s to replay a spool). A store
 # that hangs longer gets nothing more: the rest goes to the spool, and the printed command replays it
 CLOSE_JOIN_S = 120.0
+# How long a durability flush (`RunWriter.flush`, before each checkpoint) waits for the writer thread to put what was
+# logged into the store. A store that has not taken it by then (down, hung, inside MLflow's own HTTP retries) does
+# not hold training: the metrics go to the spool on disk (fsync'ed) and the writer thread writes them when it answers
+FLUSH_WAIT_S = 5.0
 
 T = TypeVar("T")
 
@@ -60,6 +64,10 @@ class RunWriter:
         self._last_flush = time.monotonic()
         self._flush_failures = 0
         self._outage_warned = False
+        self._slow_warned = False
+        self._handed_off = False  # a flush put the write in progress into the spool: its outcome adds nothing there
+        self._failed = False  # the writer thread's last drain raised an error that is not the store's
+        self._written = threading.Condition(self.lock)  # notified when a write of the writer thread ends
         self._rejection_warned = False
         self._wake = threading.Event()
         self._stop = False
@@ -99,16 +107,45 @@ class RunWriter:
         self._flush_failures += 1
         logger.warning("MLflow flush failed (%d so far), will retry: %s", self._flush_failures, exc)
 
-    def flush(self) -> None:
-        """Everything buffered into the store, or (during an outage) into the spool on disk: durable on return."""
-        if self.spool.pending and self.thread is not None:
-            self.spool_buffer()  # durable now; the writer replays without holding up the caller
-            if self._in_flight:  # but earlier metrics are being written straight to the store: wait for the outcome
-                with self._write_lock:
-                    pass
-            self._wake.set()
+    def flush(self, wait_s: Optional[float] = None) -> None:
+        """Everything buffered into the store, or into the spool on disk: durable on return.
+
+        With the writer thread the caller never talks to the store itself: it wakes the writer and waits up to
+        `wait_s` (FLUSH_WAIT_S) for it to have written everything logged. During an outage (the spool holds records),
+        or when the store has not taken them in that time, the buffer and the write in progress go to the spool
+        (fsync'ed; the write in progress as uncertain, which the replay compares with the store first) and the writer
+        replays them once the store answers. Without the thread, the caller drains (deterministic, for tests)."""
+        if self.thread is None or not self.thread.is_alive():
+            self.drain()
             return
-        self.drain()
+        wait_s = FLUSH_WAIT_S if wait_s is None else wait_s
+        failed = False
+        with self._written:
+            if not self.spool.pending:
+                self._wake.set()
+                written = self._written.wait_for(
+                    lambda: self.spool.pending or self._failed or (not self.buffer and not self._in_flight),
+                    timeout=wait_s)
+                if written and self._failed and not self.spool.pending:
+                    failed = True  # not the store's error (it would be spooled): the caller's drain raises it
+                elif written and not self.spool.pending:
+                    return
+                if not written and not self._slow_warned:
+                    self._slow_warned = True
+                    logger.warning(
+                        "MLflow store %s has not taken the metrics of run %s within %g s (a write is still in "
+                        "progress: the store is down, slow, or inside MLflow's HTTP retries); training goes on: they "
+                        "are kept in %s and written when the store answers (this warning is not repeated)", self.uri,
+                        self.run_id, wait_s, self.spool.path)
+            if not failed:
+                self.spool_buffer()  # durable now; the writer replays without holding up the caller
+                if self._in_flight and not self._handed_off:
+                    self.spool_in_flight()
+                    self._handed_off = True
+        if failed:
+            self.drain()
+            return
+        self._wake.set()
 
     def stop(self, timeout_s: Optional[float] = None) -> bool:
         """End the writer thread (after its current write); later writes happen in the caller. False: the thread is
@@ -165,6 +202,7 @@ class RunWriter:
                 self.replay()
                 return
             with self.lock:
+                self._failed = False
                 pending, self.buffer = self.buffer, []
                 self._steps_since_flush = 0
                 self._last_flush = time.monotonic()
@@ -173,8 +211,8 @@ class RunWriter:
             done = 0
             try:
                 for chunk in chunks(pending, MAX_METRICS_PER_BATCH):
-                    if self._abandoned:  # a hung call came back after the run ended: the spool has the rest
-                        return
+                    if self._abandoned or self._handed_off:  # a hung call came back after the run ended, or after
+                        return  # a flush stopped waiting for it: the spool has the rest
                     t = time.perf_counter()
                     metrics = [Metric(key=k, value=v, timestamp=ts, step=s) for k, v, ts, s in chunk]
                     self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
@@ -184,11 +222,17 @@ class RunWriter:
                     self.stats["write_s"] += time.perf_counter() - t
             except Exception as exc:
                 rest = pending[done:]
-                if self._abandoned:  # in the spool already (`spool_in_flight`)
+                with self.lock:
+                    handed_off = self._abandoned or self._handed_off
+                if handed_off:  # in the spool already (`spool_in_flight`)
+                    if is_store_error(exc) and not self._abandoned:
+                        self.store_failed(exc)
                     return
                 if is_store_error(exc):
                     try:
                         with self.lock:
+                            if self._handed_off:  # a flush spooled them meanwhile
+                                rest = []
                             # the failed chunk may be partly in the store: replay compares it with the store first
                             for part, uncertain in ((rest[:MAX_METRICS_PER_BATCH], True),
                                                     (rest[MAX_METRICS_PER_BATCH:], False)):
@@ -206,6 +250,9 @@ class RunWriter:
                             self.replay()
                         return
                 with self.lock:
+                    if self._handed_off:  # a flush spooled them meanwhile
+                        return
+                    self._failed = True
                     self.buffer[:0] = rest
                     if len(self.buffer) > _MAX_BUFFERED_METRICS:
                         dropped = len(self.buffer) - _MAX_BUFFERED_METRICS
@@ -213,8 +260,11 @@ class RunWriter:
                         logger.warning("dropped the %d oldest buffered metric values", dropped)
                 raise
             finally:
-                self._in_flight = False  # written, spooled or back in the buffer
-                self._writing = []
+                with self.lock:
+                    self._in_flight = False  # written, spooled or back in the buffer
+                    self._writing = []
+                    self._handed_off = False
+                    self._written.notify_all()
 
     def _loop(self) -> None:
         while True:
