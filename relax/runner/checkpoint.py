@@ -29,12 +29,14 @@ values (`weights_only=True`, safetensors, JSON), so a tampered checkpoint cannot
 before manifests is checked by format instead (safetensors headers, weights-only torch files, JSON).
 
 One run at a time per directory: the run holds an exclusive `flock` on `<save_dir>/.lock` (released by the
-kernel when the process dies, `kill -9` included). `<save_dir>/run.json` names the MLflow run of the last job
+kernel when the process dies, `kill -9` included). On a filesystem without flock (ENOLCK, EOPNOTSUPP, ENOSYS) the
+run goes on without it, with a warning (`_flock`). `<save_dir>/run.json` names the MLflow run of the last job
 there, so that the next job can mark it KILLED if it was killed before its first checkpoint (see Session).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -593,6 +595,41 @@ def _in_use(save_dir: Path) -> str:
             "give this run another tracking.run_name or train.save_dir")
 
 
+# flock's errors for a filesystem that has no flock (NFS without its lock daemon: ENOLCK; FUSE mounts such as s3fs or
+# gcsfuse: EOPNOTSUPP or ENOSYS; Lustre mounted without -o flock: ENOSYS); only EWOULDBLOCK means another holder
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+
+def _errno_text(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return f"{exc.strerror or exc} ({name})"
+
+
+def _flock(fd: int, save_dir: Path) -> bool:
+    """An exclusive, non-blocking flock on `fd` (the directory's lock file): True when held. RunError when another
+    process holds it, or for an errno that says neither that nor "no flock here"; False (after a warning) on a
+    filesystem without flock. There the run goes on unlocked rather than being refused: the lock only guards against
+    a second run in the same directory at the same time, while refusing would leave no way to save checkpoints on
+    such a filesystem at all (and "in use by another relax-train", the old message, sent the user after a run that
+    does not exist)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:  # EWOULDBLOCK / EAGAIN: held by another process
+        raise RunError(_in_use(save_dir)) from None
+    except OSError as exc:
+        if exc.errno in NO_FLOCK:
+            print(f"relax-train: warning: cannot lock checkpoint directory {save_dir}: flock on {save_dir / LOCK} "
+                  f"failed with {_errno_text(exc)}: the filesystem of train.save_dir does not support flock; going "
+                  "on without the lock, so nothing stops a second relax-train from writing to this directory at the "
+                  "same time (run one job per train.save_dir, or put it on a filesystem with flock)", file=sys.stderr,
+                  flush=True)
+            return False
+        raise RunError(f"cannot lock checkpoint directory {save_dir}: flock on {save_dir / LOCK} failed with "
+                       f"{_errno_text(exc)}; set train.save_dir to a directory on a local or flock-capable "
+                       "filesystem") from None
+
+
 def _cannot_create(save_dir: Path, exc: OSError) -> str:
     return f"checkpoint directory {save_dir} cannot be created ({exc.strerror or exc}); set train.save_dir"
 
@@ -617,9 +654,7 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
         if (save_dir / LOCK).exists():
             fd = os.open(save_dir / LOCK, os.O_RDONLY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the close below
-            except OSError:
-                raise RunError(_in_use(save_dir)) from None
+                _flock(fd, save_dir)  # released by the close below
             finally:
                 os.close(fd)
         else:
@@ -718,10 +753,13 @@ class Checkpoints:
             raise RunError(_cannot_create(self.save_dir, exc)) from None
         fd = os.open(self.save_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            held = _flock(fd, self.save_dir)
+        except BaseException:
             os.close(fd)
-            raise RunError(_in_use(self.save_dir)) from None
+            raise
+        if not held:  # a filesystem without flock: the run goes on unlocked (warned)
+            os.close(fd)
+            return
         self._lock_fd = fd
 
     @property
