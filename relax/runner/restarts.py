@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 
 from relax.config.schema import RelaxConfig
 from relax.metrics import FAULT_RESTARTS, fault_restarts
@@ -29,6 +30,9 @@ class Restarts:
         self.run_id: str | None = None  # the MLflow run of the attempts (set once the first one opened it)
         self.step = 0  # the step in progress (where a failure happened)
         self._tagged = 0  # events already in the MLflow tag
+        # when the run began (time.monotonic): the summary's wall time and the progress line's elapsed count from
+        # here, across restarts, as the operator's clock does (the hang and the restart included)
+        self.started = time.monotonic()
 
     @property
     def count(self) -> int:
@@ -59,6 +63,12 @@ class Restarts:
         self._take(failure, "replaced in place")
         print(f"step {self.step}: {failure}; replacing it (restart {self.count} of train.max_restarts={self.limit})",
               file=sys.stderr, flush=True)
+
+    def summary(self) -> str | None:
+        """The closing summary's `restarts` line: how many and each event; None when there was none."""
+        if not self.events:
+            return None
+        return f"{self.count} of train.max_restarts={self.limit} ({'; '.join(self.events)})"
 
     def metrics(self) -> dict[str, float]:
         out = {FAULT_RESTARTS: float(self.graph_restarts)}

@@ -24,6 +24,7 @@ from relax.runner.step_metrics import RAW_REWARD, final_eval_summary
 
 if TYPE_CHECKING:
     from relax.data.datasets import PromptDataset
+    from relax.runner.restarts import Restarts
     from relax.tracking.inputs import DatasetRecord
 
 # Seconds between background writes of buffered metrics to MLflow (besides every 10 steps and before each
@@ -113,11 +114,13 @@ class Session:
     """
 
     def __init__(self, cfg: RelaxConfig, plan: Plan, output_dir: Path, dictconfig=None,
-                 checkpoints: Checkpoints | None = None, restart_run_id: str | None = None):
+                 checkpoints: Checkpoints | None = None, restart_run_id: str | None = None,
+                 restarts: Restarts | None = None):
         self.cfg, self.plan, self.output_dir, self.dictconfig = cfg, plan, output_dir, dictconfig
         self.checkpoints = checkpoints
         # a restart with nothing to resume (no checkpoint yet): the MLflow run of the attempt before, from step 0
         self.restart_run_id = restart_run_id
+        self.restarts = restarts  # the run's restarts so far (its start time, the summary's restarts line)
         self.resume = checkpoints.resume if checkpoints is not None else None
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
@@ -169,7 +172,8 @@ class Session:
         from relax.tracking.progress import Progress
 
         cfg = self.cfg
-        self.t0 = time.perf_counter()
+        # the run's wall time counts from its start (time.monotonic), across restarts of the service graph
+        self.t0 = self.restarts.started if self.restarts is not None else time.monotonic()
         print(config_summary(cfg), file=sys.stderr)
         print(self.plan.render(), file=sys.stderr)
         resume = self.resume
@@ -241,7 +245,8 @@ class Session:
                 print(f"relax-train: note: checkpoint {resume.path} has no {LEDGER_FILE} (written before sample "
                       f"ledgers): the run's ledger starts at step {resume.step}, so relax-verify-run reports steps "
                       f"0..{resume.step - 1} as missing from it", file=sys.stderr, flush=True)
-        self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress, start_step=self.start_step)
+        self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress, start_step=self.start_step,
+                                 started=self.t0)
         return self
 
     @property
@@ -530,7 +535,9 @@ class Session:
         best = max(self.rewards) if self.rewards else float("nan")
         first_label = f"first {k} step{'s' if k > 1 else ''} reward"  # 10, or all of a shorter run
         extra = {first_label: first, "steps": self.steps,
-                 "wall time": f"{time.perf_counter() - self.t0:.0f} s", "outputs": str(self.output_dir)}
+                 "wall time": f"{time.monotonic() - self.t0:.0f} s", "outputs": str(self.output_dir)}
+        if self.restarts is not None and (restarted := self.restarts.summary()) is not None:
+            extra["restarts"] = restarted
         if self.checkpoint_failures:  # train.save_failures=continue
             extra["checkpoints not written"] = self.checkpoint_failures
         if self.hf_dir is not None:

@@ -242,8 +242,10 @@ class StepTimer:
 
     def metrics(self, step_time: float, engine_time: float, actor_compute_time: float,
                 tokens: float) -> dict[str, float]:
-        """The step's timings; the overhead is what neither the engines nor the actor's compute account for."""
-        overhead = step_time - engine_time - actor_compute_time
+        """The step's timings; the overhead is what neither the engines nor the actor's compute account for, at least
+        0: the engines' time is measured by the engines, and may overlap the actor's compute or exceed the driver's
+        view of the step by their clocks' and calls' slack (a negative overhead was logged)."""
+        overhead = max(0.0, step_time - engine_time - actor_compute_time)
         return {
             ROLLOUT_TIME: self.spans["rollout"],
             ROLLOUT_ENGINE_TIME: engine_time,
@@ -298,7 +300,8 @@ class Recipe:
         self.cluster = cluster = Cluster(cfg, self.plan, inputs.info, restarts).launch()
         stack.push(cluster)  # the roles stop if opening the run fails (a second Cluster.__exit__ does nothing)
         self.session = session = stack.enter_context(Session(cfg, self.plan, self.output_dir, self.dictconfig,
-                                                             checkpoints, restart_run_id=restarts.run_id))
+                                                             checkpoints, restart_run_id=restarts.run_id,
+                                                             restarts=restarts))
         stack.enter_context(cluster)  # every role answering; stopped before the session closes, as before
         if self.plan.cores:  # cluster.role_cores: where each process runs, as it says (checked against the plan)
             placed = cluster.cpu_placement()

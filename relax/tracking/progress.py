@@ -90,7 +90,8 @@ class Progress:
 
     Call `update(step, metrics)` after each completed step (`step` counts completed steps, 1..total;
     `start_step` is where a resumed run began). Metrics missing from an update keep their last value.
-    `enabled=False` makes every method silent (`tracking.progress=false`).
+    `enabled=False` makes every method silent (`tracking.progress=false`). `started`: when the run began, on `clock`
+    (default: now), if before this loop: `elapsed` counts from it, the eta from this loop's own pace.
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class Progress:
         step_time_key: str = DEFAULT_STEP_TIME_KEY,
         clock: Callable[[], float] = time.monotonic,
         is_tty: Optional[bool] = None,
+        started: Optional[float] = None,
     ) -> None:
         self.total_steps = total_steps
         self.enabled = enabled
@@ -120,7 +122,10 @@ class Progress:
             isatty = getattr(self.stream, "isatty", None)
             is_tty = bool(isatty()) if callable(isatty) else False
         self.is_tty = is_tty
-        self._t0 = clock()
+        self._t0 = clock()  # this loop's start (from start_step): the pace the eta extrapolates
+        # `elapsed` counts from `started` (on `clock`), the run's start, when it began before this loop (a restart of
+        # the service graph: the time lost to the failure is the run's, but not a cost of each step still to come)
+        self._started = self._t0 if started is None else started
         self._last: dict[str, Any] = {}
         self._live_len = 0  # length of the line now shown in place (TTY), 0 when none
         self._live_line = ""
@@ -130,7 +135,8 @@ class Progress:
     def format_line(self, step: int, metrics: Optional[Mapping[str, Any]] = None, now: Optional[float] = None) -> str:
         """The progress line for `step`, with `metrics` merged over the last seen values (no output)."""
         values = {**self._last, **(metrics or {})}
-        elapsed = (self.clock() if now is None else now) - self._t0
+        now = self.clock() if now is None else now
+        elapsed, pace = now - self._started, now - self._t0
         width = len(str(self.total_steps))
         pct = 100.0 * step / self.total_steps if self.total_steps > 0 else 100.0
         parts = [f"step {step:>{width}}/{self.total_steps} {pct:3.0f}%"]
@@ -142,7 +148,7 @@ class Progress:
             except (TypeError, ValueError):
                 pass
         parts.append(f"elapsed {format_duration(elapsed)}")
-        parts.append(f"eta {format_duration(eta_seconds(step, self.total_steps, elapsed, self.start_step))}")
+        parts.append(f"eta {format_duration(eta_seconds(step, self.total_steps, pace, self.start_step))}")
         return " | ".join(parts)
 
     def update(self, step: int, metrics: Optional[Mapping[str, Any]] = None) -> None:
