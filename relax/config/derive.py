@@ -54,6 +54,21 @@ def agentic(cfg: RelaxConfig) -> bool:
     return bool(d.env or d.tools or d.agent or d.openai_agent)
 
 
+def label_reader(cfg: RelaxConfig) -> str | None:
+    """What of the run reads a prompt's label, as the missing-label message names it: `data.reward` (a function or
+    a service is called with it; the eval sets are scored by it too) or a judge whose `reward_model.template` names
+    {label}. None where nothing does (data.reward=none: an environment or agent loop gives the rewards, or a
+    classifier or a judge without {label} scores): a record then needs no label, and its item's label is ""."""
+    from relax.config.reward_model_rules import template_reads  # (it imports this module, through vision_rules)
+
+    d, rm = cfg.data, cfg.reward_model
+    if d.reward != "none":
+        return f"data.reward={d.reward if isinstance(d.reward, str) else list(d.reward)}"
+    if rm.kind == "judge" and template_reads(rm.template, "label"):
+        return "reward_model.template's {label}"
+    return None
+
+
 def data_parallel_size(cfg: RelaxConfig) -> int:
     """Replicas of the actor's gradient: 1 for the torch backend (one device)."""
     if cfg.train.backend != "megatron":

@@ -115,10 +115,10 @@ def reward_model_violations(cfg: RelaxConfig) -> list[Violation]:
     return out
 
 
-def _reads_prompt(template: str | None) -> bool:
-    """Whether a judge's template names {prompt} (an unreadable one: its own rule reports it)."""
+def template_reads(template: str | None, field: str) -> bool:
+    """Whether a judge's template names `{field}` (an unreadable one: its own rule reports it)."""
     try:
-        return any(name == "prompt" for _, name, _, _ in string.Formatter().parse(template or ""))
+        return any(name == field for _, name, _, _ in string.Formatter().parse(template or ""))
     except ValueError:
         return False
 
@@ -138,7 +138,7 @@ def _vision(cfg: RelaxConfig, require) -> None:
                 f"without the prompts' images that {model} sees (a vision-language reward model is not built yet); "
                 "use data.reward (a rule or a function of the response and the record), or reward_model=judge with a "
                 "reward_model.template without {prompt} (a judge of the response alone)")
-    elif rm.kind == "judge" and _reads_prompt(rm.template):
+    elif rm.kind == "judge" and template_reads(rm.template, "prompt"):
         require(False, ("reward_model.template", "model.arch"),
                 f"reward_model.template names {{prompt}}, but the judge reads text only: it would judge the responses "
                 f"without the prompts' images that {model} sees; leave {{prompt}} out of reward_model.template (a "

@@ -1,7 +1,8 @@
 """Prompt datasets and the prompt sampler.
 
 Files are JSONL (one JSON object per line) or Parquet, with the prompt under `data.prompt_key` and the
-label under `data.label_key`. A prompt is a string or a chat message list (`[{"role", "content"}, ...]`).
+label under `data.label_key` (a record may lack it where nothing reads labels, `relax.config.derive.label_reader`:
+its label is then ""). A prompt is a string or a chat message list (`[{"role", "content"}, ...]`).
 Everything is checked when the dataset is built, so malformed data fails at start with a `DataError`
 naming the file and line, never halfway through training.
 
@@ -22,6 +23,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from jinja2 import TemplateError
 
+from relax.config.derive import label_reader
 from relax.config.evaluation import default_eval_set_name, eval_set_files
 from relax.data.files import DataError, Record, check_prompt, read_records
 from relax.data.gsm8k import prepare_gsm8k
@@ -170,10 +172,13 @@ class PromptDataset(Sequence[PromptItem]):
         name: str = "",
         vision: Optional[VisionData] = None,
         render: Optional[PromptRenderer] = None,
+        label_for: Optional[str] = "the reward",
     ) -> PromptDataset:
         """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`). Records with
         images need `vision` (the processor of a vision-language model): a DataError naming the field otherwise.
-        `render`: the text of a prompt's messages in place of the plain chat template (`render_prompt`)."""
+        `render`: the text of a prompt's messages in place of the plain chat template (`render_prompt`).
+        `label_for`: what reads the labels (`relax.config.derive.label_reader`); None: nothing does, and a record
+        without a label gets the label ""."""
         if prompt_overflow not in ("drop", "error"):
             raise DataError(f"data.prompt_overflow={prompt_overflow!r}: must be drop | error")
         cache: dict[str, tuple[str, list[int], Optional[list[dict]]]] = {}
@@ -182,8 +187,9 @@ class PromptDataset(Sequence[PromptItem]):
         image_key = vision.image_key if vision is not None else "images"
         for obj, where in records:
             label = obj.get(label_key)
-            if label is None:
-                raise DataError(f"{where}: missing key {label_key!r} (data.label_key)")
+            if label is None and label_for is not None:
+                raise DataError(f"{where}: missing key {label_key!r} (data.label_key), the label {label_for} reads")
+            label = "" if label is None else label
             pictured = None
             if prompt_has_images(obj, prompt_key, image_key):
                 if vision is None:
@@ -262,21 +268,22 @@ def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = Non
                      max_prompt_len: Optional[int] = None, limit: Optional[int] = None,
                      vision: Optional[VisionData] = None, keys: Optional[tuple[str, str]] = None,
                      key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key"),
-                     render: Optional[PromptRenderer] = None) -> PromptDataset:
+                     render: Optional[PromptRenderer] = None,
+                     label_for: Optional[str] = "the reward") -> PromptDataset:
     """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig); `keys`:
     (prompt key, label key) instead of data_cfg's, `key_fields`: the fields a missing key's message names; `vision`:
     a vision-language model's processor (relative image paths are read from the file's directory); `render`: see
-    `render_prompt`."""
+    `render_prompt`; `label_for`: what reads the labels (None: nothing, a record may have none; `read_records`)."""
     opts = _data_options(data_cfg)
     if keys is not None:
         opts.update(prompt_key=keys[0], label_key=keys[1])
-    records = read_records(path, opts["prompt_key"], opts["label_key"], key_fields)
+    records = read_records(path, opts["prompt_key"], opts["label_key"], key_fields, label_for)
     if limit is not None:
         records = records[:limit]
     if vision is not None:
         vision = vision.at(Path(path).expanduser().parent)
     return PromptDataset.from_records(records, tokenizer, max_prompt_len=max_prompt_len, name=str(path),
-                                      vision=vision, render=render, **opts)
+                                      vision=vision, render=render, label_for=label_for, **opts)
 
 
 def _data_options(data_cfg: Any) -> dict[str, Any]:
@@ -310,6 +317,7 @@ def build_datasets(cfg: Any, tokenizer: Any,
     n_eval = data.num_eval_prompts
     vision = vision_data(cfg, tokenizer)
     opts = _data_options(data)
+    labels = label_reader(cfg)  # None: a record of the user's files may have no label
     train_path: Optional[Any] = data.path
     eval_path: Optional[Any] = data.eval_path
     if train_path is None and data.task == "file":
@@ -326,13 +334,15 @@ def build_datasets(cfg: Any, tokenizer: Any,
         evals = None
         if n_eval > 0 and (eval_path is not None or prepared.get("test") is not None):
             evals = load_prompt_file(eval_path or prepared["test"], tokenizer, data, max_len, limit=n_eval,
-                                     vision=vision, keys=None if eval_path is not None else own, render=render)
+                                     vision=vision, keys=None if eval_path is not None else own, render=render,
+                                     label_for=labels)
         return train, evals
     if train_path is not None:
-        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision, render=render)
+        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision, render=render, label_for=labels)
         evals = None
         if eval_path is not None and n_eval > 0:
-            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval, vision=vision, render=render)
+            evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval, vision=vision, render=render,
+                                     label_for=labels)
         return train, evals
     opts.update(prompt_key="prompt", label_key="label")
     records = [(r, f"{data.task}:train:{i}") for i, r in enumerate(generate_task(data.task, data.num_prompts, seed))]
@@ -370,7 +380,8 @@ def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset],
         try:
             out[name] = load_prompt_file(entry.path, tokenizer, data, cfg.rollout.max_prompt_len,
                                          limit=data.num_eval_prompts, vision=vision_data(cfg, tokenizer),
-                                         keys=(entry.prompt_key, entry.label_key), key_fields=fields, render=render)
+                                         keys=(entry.prompt_key, entry.label_key), key_fields=fields, render=render,
+                                         label_for=label_reader(cfg))
         except DataError as exc:
             problems.append(f"data.eval_sets.{name}: {exc}")
     if problems:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 
 class DataError(ValueError):
@@ -50,9 +50,12 @@ def _content_parts(parts: list, where: str, key: str) -> Union[str, list]:
 
 
 def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: str = "label",
-                 key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key")) -> list[Record]:
-    """Raw records of a JSONL or Parquet file, each checked to have both keys; locations for messages. `key_fields`:
-    what a missing key's message says sets it (the config fields of the prompt key and of the label key).
+                 key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key"),
+                 label_for: Optional[str] = "the reward") -> list[Record]:
+    """Raw records of a JSONL or Parquet file, each checked to have its prompt and, where something reads it, its
+    label; locations for messages. `key_fields`: what a missing key's message says sets it (the config fields of the
+    prompt key and of the label key). `label_for`: what reads the label (`relax.config.derive.label_reader`), named
+    in a missing label's message; None: nothing does, and a record may have none.
 
     Values are data, never code: JSON is parsed with `json.loads`, Parquet read with pyarrow (no extension type is
     unpickled), and no field is imported, evaluated or unpickled here or later.
@@ -69,9 +72,11 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
     if not records:
         raise DataError(f"data file {p} is empty (no records)")
     for obj, where in records:
-        for key, field in zip((prompt_key, label_key), key_fields, strict=True):
-            if key not in obj or obj[key] is None:
-                raise DataError(f"{where}: missing key {key!r} ({field}); record has keys {sorted(obj)}")
+        if obj.get(prompt_key) is None:
+            raise DataError(f"{where}: missing key {prompt_key!r} ({key_fields[0]}); record has keys {sorted(obj)}")
+        if label_for is not None and obj.get(label_key) is None:
+            raise DataError(f"{where}: missing key {label_key!r} ({key_fields[1]}), the label {label_for} reads; "
+                            f"record has keys {sorted(obj)}")
         check_prompt(obj[prompt_key], where, prompt_key)
     return records
 
