@@ -898,12 +898,30 @@ def parser_for_template(template: Any) -> str:
         "relax.agents.parsers.ParsedMessage)")
 
 
+def _check_signature(spec: str, fn: Callable[..., Any]) -> None:
+    """ToolParserSpecError where `fn` cannot be called as every reader of calls calls it, `fn(text)`: found here,
+    before anything starts, rather than as a TypeError at the first model turn a rollout reads."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension without a signature: its first call will tell
+        return
+    try:
+        signature.bind("text")
+    except TypeError as exc:
+        raise ToolParserSpecError(f"data.tool_parser={spec!r}: {spec}{signature} cannot be called with the message's "
+                                  f"text alone ({exc}); a tool-call parser is a function text -> "
+                                  "relax.agents.parsers.ParsedMessage") from None
+
+
 def get_parser(spec: str, tokenizer: Any = None) -> ToolParser:
     """The parser `spec` (the value of data.tool_parser) names: `auto` (the one for `tokenizer`'s chat template,
     `parser_for_template`, which refuses a template with a place for tools in a format it does not know; Hermes
-    without a template), a built-in name, or `package.module:function` (a function text -> ParsedMessage, whose
-    results are checked). Every program that reads calls resolves data.tool_parser here before it starts
-    (relax-train's pre-start checks, the gateway, relax-serve), so a refusal stops it there."""
+    without a template), a built-in name, or `package.module:function` (a function text -> ParsedMessage, refused
+    here when it cannot be called with the text alone; its results are checked). Every program that reads calls
+    resolves data.tool_parser here before it starts (relax-train's pre-start checks, the gateway, relax-serve), so a
+    refusal stops it there."""
     if spec == AUTO:
         return BUILTIN_PARSERS[parser_for_template(getattr(tokenizer, "chat_template", None))]
     fn = resolve_component(BUILTIN_PARSERS, "data.tool_parser", spec, error=ToolParserSpecError,
@@ -915,6 +933,7 @@ def get_parser(spec: str, tokenizer: Any = None) -> ToolParser:
                                   "relax.agents.parsers.ParsedMessage")
     if spec in BUILTIN_PARSERS:
         return fn
+    _check_signature(spec, fn)
 
     def checked(text: str) -> ParsedMessage:
         parsed = fn(text)

@@ -370,6 +370,32 @@ def test_a_custom_parser_loads_from_its_import_path():
         get_parser("tests.agents.test_tool_parsers:TEMPLATES")
 
 
+def parser_wanting_a_tokenizer(text: str, tokenizer) -> ParsedMessage:
+    return ParsedMessage((), text)
+
+
+@pytest.mark.parametrize("overrides, checks", [
+    (["data=calculator", "rollout.max_turns=2"], ("model", "tokenizer", "agent")),  # the built-in tool loop
+    (["rollout=sglang", "rollout.sglang.server=embedded", "rollout.max_turns=2",
+      "data.openai_agent=relax.agents.openai_examples:plan_then_answer"], ("model", "tokenizer", "openai_agent")),
+])
+def test_a_parser_of_ones_own_that_cannot_take_the_text_is_refused_before_start(overrides, checks):
+    """A parser whose signature does not fit `parser(text)` is refused by the pre-start checks (a dry run shows it,
+    a start stops before Ray), naming data.tool_parser and the signature, instead of a TypeError from the rollout
+    at the first turn it reads. A signature that fits (a keyword with a default too) passes."""
+    from relax.config import load_config
+    from relax.runner.preflight import preflight
+
+    spec = f"{__name__}:parser_wanting_a_tokenizer"
+    pre = preflight(load_config([*overrides, f"data.tool_parser={spec}"]), only=checks)
+    assert pre.problems[checks[-1]] == (
+        f"data.tool_parser={spec!r}: {spec}(text: 'str', tokenizer) -> 'ParsedMessage' cannot be called with the "
+        "message's text alone (missing a required argument: 'tokenizer'); a tool-call parser is a function text -> "
+        "relax.agents.parsers.ParsedMessage")
+    pre = preflight(load_config([*overrides, f"data.tool_parser={__name__}:upper_parser"]), only=checks)
+    assert pre.ok, pre.problems
+
+
 def test_validation_rejects_a_name_that_is_not_a_parser():
     from relax.config import ConfigError, load_config
 
