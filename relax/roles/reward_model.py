@@ -20,6 +20,7 @@ import torch
 from relax import progress
 from relax.batch import FinishReason
 from relax.config.schema import ModelConfig, RelaxConfig
+from relax.config.store import import_plugins
 from relax.data.tokenizer import load_tokenizer, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.reward_model import (
@@ -51,6 +52,7 @@ class ClassifierWorker:
     """A frozen sequence-classification reward model (see the module docstring)."""
 
     def __init__(self, cfg: RelaxConfig, *, threads: Optional[int] = None, heartbeat: HeartbeatLink | None = None):
+        import_plugins(cfg.plugins)  # first, as every role: a plugin may register what loading the model needs
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)
@@ -78,6 +80,7 @@ class JudgeWorker:
     """A frozen causal LM that answers judge questions on an embedded engine (see the module docstring)."""
 
     def __init__(self, cfg: RelaxConfig, *, threads: Optional[int] = None, heartbeat: HeartbeatLink | None = None):
+        import_plugins(cfg.plugins)  # first, as every role: a plugin may register what loading the model needs
         install_tensor_pickling()  # this process's Ray calls send tensors as raw buffers
         start_heartbeat(self, heartbeat)
         _threads(threads)

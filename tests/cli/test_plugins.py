@@ -246,3 +246,73 @@ def test_relax_submit_imports_the_plugins_before_its_config_check(tmp_path, monk
     entrypoint = json.loads(capsys.readouterr().out)["entrypoint"]
     assert entrypoint == " ".join([submit.TRAIN_ENTRYPOINT, "'plugins=[subplug.register]'", "algorithm=subtoy",
                                    *absolute])
+
+
+# a plugin that registers an architecture with transformers: a reward model of that architecture loads only in a
+# process that imported it
+RM_PLUGIN = '''
+from transformers import (AutoConfig, AutoModel, AutoModelForSequenceClassification, Qwen3Config,
+                          Qwen3ForSequenceClassification, Qwen3Model)
+
+
+class PlugRMConfig(Qwen3Config):
+    model_type = "plug_rm"
+
+
+class PlugRMModel(Qwen3Model):
+    config_class = PlugRMConfig
+
+
+class PlugRMForSequenceClassification(Qwen3ForSequenceClassification):
+    config_class = PlugRMConfig
+
+
+AutoConfig.register("plug_rm", PlugRMConfig)
+AutoModel.register(PlugRMConfig, PlugRMModel)
+AutoModelForSequenceClassification.register(PlugRMConfig, PlugRMForSequenceClassification)
+'''
+
+
+def test_the_reward_model_roles_import_the_plugins_at_start(tmp_path, monkeypatch):
+    """A classifier of an architecture that a plugin registers with transformers (model_type plug_rm) loads in the
+    reward-model role because the role imports `plugins` first, as every other role does; the control: the same
+    role without them cannot read its config.json. The judge's role imports them too. The configs are built without
+    the plugins (load_config would import them itself), so only the role can have imported them."""
+    import dataclasses
+    import json
+
+    from relax.config.schema import ModelConfig
+    from relax.data.tokenizer import ModelFileError, build_tiny_tokenizer
+    from relax.models.hf import qwen3_config
+    from relax.roles.reward_model import ClassifierWorker, JudgeWorker
+    from tests.rewards.reward_models import tiny_classifier
+
+    model, tokenizer = tiny_classifier(seed=0)
+    rm_dir = tmp_path / "rm"
+    model.save_pretrained(str(rm_dir))
+    tokenizer.save_pretrained(str(rm_dir))
+    config = json.loads((rm_dir / "config.json").read_text())
+    config.update(model_type="plug_rm", architectures=["PlugRMForSequenceClassification"])
+    (rm_dir / "config.json").write_text(json.dumps(config))
+    (tmp_path / "rmplug.py").write_text(RM_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(["reward_model=classifier", f"reward_model.path={rm_dir}", "reward_model.dtype=float32"])
+    with pytest.raises(ModelFileError, match="plug_rm"):
+        ClassifierWorker(cfg)
+    assert "rmplug" not in sys.modules
+    worker = ClassifierWorker(dataclasses.replace(cfg, plugins=["rmplug"]))
+    assert type(worker.model).__name__ == "PlugRMForSequenceClassification"
+    scores, errors = worker.score(["repeat 1"], ["1"])
+    assert errors == [None] and isinstance(scores[0], float)
+
+    from transformers import Qwen3ForCausalLM
+
+    tok = build_tiny_tokenizer()
+    judge_dir = tmp_path / "judge"
+    Qwen3ForCausalLM(qwen3_config(ModelConfig(), len(tok), tok.pad_token_id)).save_pretrained(str(judge_dir))
+    tok.save_pretrained(str(judge_dir))
+    (tmp_path / "judgeplug.py").write_text("")
+    judge = load_config(["reward_model=judge", f"reward_model.path={judge_dir}", "reward_model.dtype=float32",
+                         "reward_model.template='Rate: {response}'"])
+    JudgeWorker(dataclasses.replace(judge, plugins=["judgeplug"]))
+    assert "judgeplug" in sys.modules
