@@ -26,8 +26,9 @@ Without it, every place the run writes to must be absolute (or an MLflow server 
 `tracking.uri`, `train.save_dir` (or none) or `hydra.run.dir`/`hydra.sweep.dir` is refused before
 anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
 Before that, the config is composed and validated here exactly as relax-train does (`relax.cli.config_check`; every
-job of a sweep; the modules of `plugins=[...]` imported first, so they must be importable here too): a config the job
-would refuse is refused with relax-train's message (exit 2), nothing submitted.
+job of a sweep; the modules of `plugins=[...]` imported first, from the working directory as the job imports them or
+from this environment): a config the job would refuse is refused with relax-train's message (exit 2), nothing
+submitted.
 
 Stopping: `ray job stop` sends SIGTERM and SIGKILLs the job RAY_JOB_STOP_WAIT_TIME_S later (Ray's default: 3 s); the
 job gets the longest relax-train takes to stop with a checkpoint (`stop_grace_s`), or `--stop-grace-s`.
@@ -492,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
                    help="Ray dashboard address, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, $RAY_ADDRESS)")
     p.add_argument("--working-dir", type=Path, default=None,
-                   help="directory uploaded as the job's working_dir (default: this Relax checkout, else the cwd)")
+                   help="directory uploaded as the job's working_dir (default: this Relax checkout, else the cwd); "
+                        "the check before submitting imports plugins=[...] from it too, as the job does")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VAL|KEY",
                    help="environment variable of the job (repeatable); KEY alone passes on KEY's value here, never "
                         "shown (the keys named by the config's *api_key_env options are passed on without it); "
@@ -532,6 +534,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     checked = args.overrides  # what the checks here compose: with the plugins' conf/ directories (the job: its own)
     if args.entrypoint is None:
         from relax.config.store import PluginError, with_plugins
+
+        # the job imports from its working_dir (its driver starts there; --exp-dir: on PYTHONPATH), so the check
+        # here does too: `plugins=[mypkg.x]` living in --working-dir is found as the job would find it
+        if str(working_dir) not in sys.path:
+            sys.path.insert(0, str(working_dir))
 
         try:  # as relax-train does first: `plugins=[...]` may register the algorithm the config selects
             checked = with_plugins(args.overrides)

@@ -316,3 +316,36 @@ def test_the_reward_model_roles_import_the_plugins_at_start(tmp_path, monkeypatc
                          "reward_model.template='Rate: {response}'"])
     JudgeWorker(dataclasses.replace(judge, plugins=["judgeplug"]))
     assert "judgeplug" in sys.modules
+
+
+def test_relax_submit_finds_the_plugins_in_its_working_dir(tmp_path, monkeypatch, capsys):
+    """`relax-submit --working-dir DIR` with `plugins=[...]` living in DIR (not importable here otherwise): the job
+    imports them from its working_dir, so the check before submitting finds them there too and the job is
+    submitted with DIR as its working_dir. The control: the same command without --working-dir is refused."""
+    import json
+
+    import ray.job_submission
+
+    from relax.cli import submit
+    from tests.cli.jobs_stub import Jobs
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", Jobs)
+    monkeypatch.setattr(submit, "enable_token_auth", lambda: False)
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what relax-submit adds is taken off after the test
+    work = tmp_path / "project"
+    write_plugin(work, "wdplug", "wdtoy")
+    args = ["--", "plugins=[wdplug.register]", "algorithm=wdtoy", "tracking.uri=sqlite:////shared/mlflow.db",
+            "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out"]
+
+    with pytest.raises(SystemExit) as exit_:
+        submit.main(["--dry-run", *args])
+    assert exit_.value.code == 2
+    assert "plugins: cannot import module 'wdplug.register'" in capsys.readouterr().err
+
+    submit.main(["--dry-run", "--working-dir", str(work), *args])
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["runtime_env"]["working_dir"] == str(work.resolve())
+    assert payload["entrypoint"].endswith("'plugins=[wdplug.register]' algorithm=wdtoy "
+                                          "tracking.uri=sqlite:////shared/mlflow.db train.save_dir=/shared/ckpt "
+                                          "hydra.run.dir=/shared/out")
