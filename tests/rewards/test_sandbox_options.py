@@ -119,6 +119,42 @@ def test_a_run_builds_its_reward_and_its_python_tool_with_the_configured_limits(
     assert (limits.memory_mb, limits.wall_s, limits.cpu_s) == (2048, 9.0, 3)
 
 
+def past_the_floor(**values: float):
+    """SandboxLimits holding values under the floors, which the class refuses: set past its check, to show the
+    sandbox under them (the floors' reason)."""
+    from relax.rewards.sandbox import SandboxLimits
+
+    limits = SandboxLimits()
+    for name, value in values.items():
+        object.__setattr__(limits, name, value)
+    return limits
+
+
+@pytest.mark.parametrize("field, values", [("memory_mb", (1, 63, 64, 65)), ("wall_s", (0.005, 0.49, 0.5, 0.6))])
+def test_the_class_and_the_config_refuse_the_same_values_under_the_floors(field, values):
+    """SandboxLimits itself refuses a memory or wall-clock limit under the floor (so a sandbox built in code cannot
+    get one), exactly where data.sandbox's rule does: one owner of the floors (relax.config.sandbox_limits)."""
+    from relax.config.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
+    from relax.rewards.sandbox import SandboxLimits
+
+    floor = {"memory_mb": MEMORY_FLOOR_MB, "wall_s": WALL_FLOOR_S}[field]
+    assert (MEMORY_FLOOR_MB, WALL_FLOOR_S) == (64, 0.5)  # the values above straddle these
+    for value in values:
+        try:
+            SandboxLimits(**{field: value})
+            class_refuses = None
+        except ValueError as exc:
+            class_refuses = str(exc)
+        try:
+            load_config(["data=code_tests", f"data.sandbox.{field}={value}"])
+            config_refuses = False
+        except ConfigError as exc:
+            config_refuses = f"data.sandbox.{field}={value} is below {floor:g}" in str(exc)
+        assert (class_refuses is not None) == config_refuses == (value < floor), (value, class_refuses)
+        if class_refuses is not None:
+            assert class_refuses.startswith(f"SandboxLimits.{field}={value} is below {floor:g}"), class_refuses
+
+
 def test_limits_under_which_the_sandboxed_interpreter_cannot_start_are_refused():
     """data.sandbox.memory_mb and wall_s below what the sandbox's own interpreter needs to start: every program would
     fail before its first line (seen here on the sandbox itself), so the config refuses them, naming the floor."""
@@ -126,9 +162,9 @@ def test_limits_under_which_the_sandboxed_interpreter_cannot_start_are_refused()
     from relax.rewards.sandbox import SandboxLimits, run_in_sandbox
 
     code, tests = "def f(x):\n    return x + 1\n", ["assert f(1) == 2"]
-    starved = run_in_sandbox(code, tests, limits=SandboxLimits(memory_mb=1))
+    starved = run_in_sandbox(code, tests, limits=past_the_floor(memory_mb=1))
     assert starved.passed == [False] and "MemoryError" in starved.stderr  # before the harness reached the code
-    assert run_in_sandbox(code, tests, limits=SandboxLimits(wall_s=0.005)).status == "timeout"
+    assert run_in_sandbox(code, tests, limits=past_the_floor(wall_s=0.005)).status == "timeout"
     at_floor = run_in_sandbox(code, tests, limits=SandboxLimits(memory_mb=MEMORY_FLOOR_MB))
     assert at_floor.status == "ok" and at_floor.passed == [True]
 
