@@ -120,3 +120,37 @@ def test_a_template_that_does_not_read_reasoning_effort_refuses_an_effort(script
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model="m", input="hi", reasoning={"effort": "low"})
         assert info.value.body["param"] == "reasoning.effort" and script.calls == []
+
+
+def test_the_responses_route_echoes_the_effort_the_template_rendered(gpt_oss):
+    """reasoning.effort echoes the effort applied, as OpenAI echoes the effective value: without one, the template's
+    own default, "medium" (transformers' render without the variable is its render with "medium", and the answer is
+    the one of reasoning.effort "medium", same seed); a given effort, or one inside chat_template_kwargs (which wins,
+    as SGLang takes it from there first), is echoed as rendered; streamed, the first and last events say the same.
+    Before, a request without an effort echoed null."""
+    client, tok = gpt_oss
+    assert rendered(tok) == rendered(tok, reasoning_effort="medium") != rendered(tok, reasoning_effort="high")
+    kw = dict(model="m", input=USER[0]["content"], max_output_tokens=TOKENS, include=["message.output_text.logprobs"])
+    unset = client.responses.create(**kw, extra_body={"seed": SEED})
+    medium = client.responses.create(**kw, reasoning={"effort": "medium"}, extra_body={"seed": SEED})
+    assert unset.reasoning.effort == medium.reasoning.effort == "medium"
+    assert unset.usage.input_tokens == medium.usage.input_tokens == len(rendered(tok))
+    assert [t.logprob for t in unset.output[-1].content[0].logprobs] == pytest.approx(
+        [t.logprob for t in medium.output[-1].content[0].logprobs], abs=1e-6)
+    assert client.responses.create(**kw, reasoning={"effort": "low"}).reasoning.effort == "low"
+    inner = client.responses.create(**kw, reasoning={"effort": "low"},
+                                    extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert inner.reasoning.effort == "high" and inner.usage.input_tokens == len(rendered(tok, reasoning_effort="high"))
+    events = list(client.responses.create(**kw, stream=True))
+    assert events[0].response.reasoning.effort == events[-1].response.reasoning.effort == "medium"
+
+
+def test_a_template_without_reasoning_echoes_no_effort(tmp_path):
+    """A template with neither an effort variable nor <think> blocks (the base ChatML): the model does not reason
+    and no effort is applied, so reasoning.effort echoes null (as OpenAI does for a model without reasoning), and
+    "none", which holds there, echoes "none"."""
+    with tiny_server(tmp_path, base_tokenizer()) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        kw = dict(model="m", input="hi", max_output_tokens=2)
+        assert client.responses.create(**kw).reasoning.effort is None
+        assert client.responses.create(**kw, reasoning={"effort": "none"}).reasoning.effort == "none"

@@ -86,14 +86,16 @@ def test_thinking_off_renders_the_closed_block_and_answers_without_a_reasoning_i
     assert [o.type for o in plain.output] == ["reasoning", "message"]
     assert plain.output[0].content[0].text == "add them" and plain.output_text == "7"
     assert plain.usage.output_tokens_details.reasoning_tokens > 0
+    assert plain.reasoning.effort is None  # thinking on, and the template has no effort control: nothing to echo
     for kw in (dict(extra_body=OFF), dict(reasoning={"effort": "none"}),
                dict(reasoning={"effort": "none"}, extra_body={"chat_template_kwargs": {"enable_thinking": False}})):
         r = client.responses.create(model="m", input=QUESTION, **kw)
         assert tok.decode(engine.payloads[-1]["input_ids"]) == rendered(tok, enable_thinking=False), kw
         assert [o.type for o in r.output] == ["message"] and r.output_text == "7", kw
         assert r.usage.output_tokens_details.reasoning_tokens == 0
-        assert r.reasoning.effort == ("none" if "reasoning" in kw else None)
+        assert r.reasoning.effort == "none", kw  # what was applied: thinking off, by the switch or by the effort
         events = list(client.responses.create(model="m", input=QUESTION, stream=True, **kw))
+        assert events[0].response.reasoning.effort == events[-1].response.reasoning.effort == "none", kw
         assert not any(e.type.startswith("response.reasoning") for e in events), kw
         assert [o.type for o in events[-1].response.output] == ["message"]
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "7"

@@ -53,7 +53,13 @@ from relax.agents.parsers import (
 )
 from relax.agents.render import ObservationRenderer
 from relax.serve.openai.deltas import CALL_STARTS, held_prefix_tail
-from relax.serve.openai.protocol import EFFORT_VARIABLE, TEMPLATE_RESERVED, VERBOSITY_VARIABLE, APIError
+from relax.serve.openai.protocol import (
+    EFFORT_VARIABLE,
+    EFFORTS,
+    TEMPLATE_RESERVED,
+    VERBOSITY_VARIABLE,
+    APIError,
+)
 
 __all__ = ["END_THINK", "THINK", "ChatFormat", "split_reasoning", "tools_prompt"]
 
@@ -341,6 +347,41 @@ class ChatFormat:
                            "read reasoning_effort (no effort control here; \"none\" turns thinking off, null leaves "
                            "the model to reason as it does)", param="reasoning_effort")
         return kwargs
+
+    def applied_effort(self, effort: Optional[str], kwargs: Optional[dict]) -> Optional[str]:
+        """The reasoning effort a chat request is answered with (the Responses API echoes it, as OpenAI echoes the
+        effective value), given its reasoning_effort (None: not asked; already checked, `effort_variables`) and its
+        chat_template_kwargs (those reasoning_effort "none" adds included):
+        - a template that reads `reasoning_effort` renders the request's (one inside chat_template_kwargs first),
+          else its own default: the effort whose render is the template's without one (gpt-oss's "medium"; None
+          where no effort renders alike);
+        - elsewhere "none" where the model does not reason: reasoning_effort "none" (checked to hold), or a <think>
+          template whose generation prompt, rendered with these kwargs, closes the block (Qwen3's `enable_thinking:
+          false`);
+        - else None: the template has no effort control (a model that reasons does as it does; one without
+          reasoning never does, and OpenAI echoes null for such models too).
+        Read from a one-message render, as `relax.serve.openai.service.OpenAIService._check_thinking_off` reads
+        the switch (a template that refuses that probe: None, nothing read)."""
+        kwargs = dict(kwargs or {})
+        probe = [{"role": "user", "content": "hi"}]
+        if self.reads_effort:
+            given = kwargs.get(EFFORT_VARIABLE, effort)
+            if given is not None:
+                return given
+            try:
+                unset = self.prompt(probe, None, kwargs or None)
+                return next((e for e in EFFORTS if self.prompt(probe, None, {**kwargs, EFFORT_VARIABLE: e}) == unset),
+                            None)
+            except APIError:
+                return None
+        if effort is not None:
+            return effort  # "none" (any other is a 400 here): the service checked that the template closes the block
+        try:
+            if self.reasoning and kwargs and self.closes_reasoning(self.prompt(probe, None, kwargs)):
+                return "none"
+        except APIError:
+            pass
+        return None
 
     def verbosity_variables(self, verbosity: str, kwargs: dict) -> dict:
         """The chat template's variables for a request's verbosity (OpenAI's answer length hint), under its own

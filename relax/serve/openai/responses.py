@@ -605,7 +605,8 @@ def echoed(body: dict, *, instructions: Optional[str], prev: Optional[str], verb
     """The request fields a response echoes, as OpenAI echoes them: the value applied, OpenAI's documented default
     where the request left one out or sent null (temperature 1, top_p 1, tool_choice "auto", parallel_tool_calls
     true, store true, top_logprobs 0, text.verbosity "medium", truncation "disabled", background false, service tier
-    "default"). A training session's sampling replaces temperature and top_p (`Responses.create`)."""
+    "default"). A training session's sampling replaces temperature and top_p, and reasoning.effort becomes the effort
+    applied (`Responses.create`, `ChatFormat.applied_effort`)."""
     text = body.get("text") or {}
     return {"instructions": instructions, "previous_response_id": prev, "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
@@ -934,6 +935,15 @@ class Responses:
                 history = shorter
                 chat = {**chat, "messages": head + history}
 
+    def _echo_effort(self, req: Request) -> None:
+        """The response's reasoning.effort: the effort the answer was rendered with (OpenAI echoes the effective
+        value; `ChatFormat.applied_effort`), read once the chat route took the request (so the effort is one it
+        honours)."""
+        fmt = getattr(self.service, "fmt", None)
+        if fmt is not None:
+            req.echo["reasoning"] = {**req.echo["reasoning"], "effort": fmt.applied_effort(
+                req.chat.get("reasoning_effort"), req.chat.get("chat_template_kwargs"))}
+
     def create(self, body: Any, session: Any = None) -> tuple[int, Any]:
         """(status, a `response` object or its event stream); APIError for a refused request."""
         kept = self._kept(session)
@@ -957,10 +967,12 @@ class Responses:
         if req.stream:  # the chat stream's chunks, as they come: the text deltas at their token boundaries
             chat["stream"], chat["stream_options"] = True, {"include_usage": True}
             chunks = self._answered(req, chat, session, self.service.chat_stream)
+            self._echo_effort(req)
             events = response_events(req, chunks, rid=rid, model=str(req.chat["model"]), created=created, done=keep,
                                      seal=self.seal)
             return 200, EventSource(events, also=chunks)
         _, answer = self._answered(req, chat, session, self.service.chat)
+        self._echo_effort(req)
         a = answer_of(answer)
         resp = response_object(req, a, output_items(a, req.logprobs, seal=self.seal if req.encrypted else None),
                                rid=rid, model=str(req.chat["model"]), created=created)
