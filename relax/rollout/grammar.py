@@ -58,11 +58,8 @@ CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3", "mistral")
 HARMONY = "harmony"
 # harmony (gpt-oss): a call is a commentary message to `functions.NAME`, its JSON arguments closed by `<|call|>` (a
-# stop token of gpt-oss: the tag's end, which also ends the row where it is one); the free text may not address a
-# message otherwise (the recipient before the channel, as gpt-oss's template writes history), which no tag would
-# constrain
+# stop token of gpt-oss, which ends the row where it is one)
 H_OPENER = f"{H_CHANNEL}commentary to=functions."
-H_UNTAGGED = "assistant to="
 
 
 class GrammarError(ValueError):
@@ -210,24 +207,38 @@ def _class_without(*chars: str) -> str:
     return "[^" + "".join("\\" + c if c in "]\\^-" else json.dumps(c)[1:-1] for c in chars) + "]"
 
 
-def _piece_without(word: str) -> str:
+def _piece_without(word: str, banned: str = "") -> str:
     """An EBNF expression of what may follow `word`'s first character, up to the next one, where `word` may not
     occur: a proper prefix of the rest of `word`, then nothing or a character that breaks it, then anything but
     that first character. `word`'s first character occurs nowhere else in it (a closing tag, `<|python_tag|>`), so
-    a text without `word` is pieces each opened by that character (`_text_without`)."""
+    a text without `word` is pieces each opened by that character (`_text_without`). The characters of `banned`
+    occur nowhere (none of them in `word`)."""
     first, rest = word[0], word[1:]
     if not rest or first in rest:
         raise ValueError(f"{word!r}: its first character must not occur again in it")
-    free = f"{_class_without(first)}*"
-    piece = f'("" | {_class_without(first, rest[-1])} {free})'  # (the whole rest: `word`, which may not occur)
+    free = f"{_class_without(first, *banned)}*"
+    piece = f'("" | {_class_without(first, rest[-1], *banned)} {free})'  # (the whole rest: `word`, not allowed)
     for ch in reversed(rest[:-1]):
-        piece = f'("" | {_class_without(first, ch)} {free} | {_literal(ch)} {piece})'
+        piece = f'("" | {_class_without(first, ch, *banned)} {free} | {_literal(ch)} {piece})'
     return piece
 
 
-def _text_without(word: str) -> str:
-    """An EBNF expression of any text in which `word` does not occur (`_piece_without`)."""
-    return f"({_class_without(word[0])}* ({_literal(word[0])} {_piece_without(word)})*)"
+def _text_without(word: str, banned: str = "") -> str:
+    """An EBNF expression of any text in which `word` does not occur (`_piece_without`), nor any character of
+    `banned`."""
+    return f"({_class_without(word[0], *banned)}* ({_literal(word[0])} {_piece_without(word, banned)})*)"
+
+
+# a harmony message's text (a body, an answer without markers): no `<|` at all, so that no marker is spelled in it in
+# ordinary tokens (which the parser would read as the marker) nor written as its special token: every marker of an
+# answer is one the grammar places, as its token (`Grammars`); a header's text (before `<|message|>`) holds no `<`
+# and no `to=` either (the parser reads `to=X` anywhere in a header as a recipient: a call)
+_H_TEXT = _text_without("<|")
+_H_HEAD = _text_without("to=", "<")
+# an optional analysis message before what follows (gpt-oss reasons first): `<|channel|>analysis<|message|>`, its
+# text, `<|end|><|start|>assistant`
+_H_ANALYSIS = (f"({_literal(H_CHANNEL + 'analysis' + H_MESSAGE)} {_H_TEXT} "
+               f"{_literal(H_END + H_START + 'assistant')})?")
 
 
 def _call_rules(tools: list[dict], fmt: str, name: Optional[str],
@@ -355,6 +366,8 @@ def calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel
     free text may not spell either): the answer is calls, or text that does not start with "{" or "[" and holds no
     `<|python_tag|>`."""
     body, opener, rest, sep = _call_rules(tools, fmt, None, free)
+    if fmt == HARMONY:
+        return _harmony_in_text(body, parallel)
     if not opener:
         calls = f"relax_calls ({sep} relax_calls)*" if parallel else "relax_calls"
         return GrammarSpec("ebnf", "\n".join([
@@ -365,19 +378,35 @@ def calls_in_text(tools: list[dict], fmt: str, free: frozenset[str], *, parallel
         rest = f"relax_calls ({sep} relax_calls)* {_literal(DS_CALLS_END)}"
     elif parallel and fmt == "mistral":  # one list of calls
         rest = f"{_literal(' [')} relax_calls ({sep} relax_calls)* {_literal(']')}"
-    end = ""
-    if fmt == "harmony":  # <|call|> as the tag's end: where it is a stop token, that ends the row (one call per turn)
-        rest, end = "relax_calls", H_CALL
-    tag = {"type": "tag", "begin": opener, "end": end,
+    tag = {"type": "tag", "begin": opener, "end": "",
            "content": {"type": "grammar", "grammar": "\n".join([f"root ::= {rest}", body])}}
     triggered: dict = {"type": "triggered_tags", "triggers": [opener], "tags": [tag],
                        "stop_after_first": not parallel}
     if fmt == "deepseek_v3":
         triggered["excludes"] = [DS_CALL_BEGIN]
-    if fmt == "harmony":
-        triggered["excludes"] = [H_UNTAGGED]
     return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": triggered},
                                                     ensure_ascii=False))
+
+
+def _harmony_in_text(body: str, parallel: bool) -> GrammarSpec:
+    """`calls_in_text` for harmony (gpt-oss), whose answer is messages rather than text around calls: an EBNF of
+    messages `<|channel|>HEADER<|message|>TEXT`, separated by `<|end|><|start|>assistant`, of which a call
+    (`<|channel|>commentary to=functions.` and one of `body`'s `relax_calls`, then `<|call|>`) is one, after which
+    the answer ends (without `parallel`) or goes on after `<|start|>assistant`; or text without markers. A message's
+    header may not name a recipient otherwise (`_H_HEAD`), and no text holds `<|` (`_H_TEXT`), so every marker is
+    one the grammar places: compiled for a harmony vocabulary each is its special token (`Grammars`), so a call is
+    recognised by its tokens, never by text that spells them (xgrammar's triggered tags trigger on text only). The
+    final message ends at the row's stop token (`<|return|>`), a call at its `<|call|>`."""
+    call = f"{_literal(H_OPENER)} relax_calls {_literal(H_CALL)}"
+    after_call = f" ({_literal(H_START + 'assistant')} relax_msgs)?" if parallel else ""
+    return GrammarSpec("ebnf", "\n".join([
+        "root ::= relax_msgs | relax_plain",
+        f"relax_msgs ::= relax_msg ({_literal(H_END + H_START + 'assistant')} relax_msgs)? | relax_call{after_call}",
+        f"relax_msg ::= {_literal(H_CHANNEL)} relax_head {_literal(H_MESSAGE)} relax_plain",
+        f"relax_head ::= {_H_HEAD} ({_literal(H_CONSTRAIN)} {_H_HEAD})?",
+        f"relax_call ::= {call}",
+        f"relax_plain ::= {_H_TEXT}",
+        body]))
 
 
 def _xgrammar_of(spec: GrammarSpec) -> Any:
@@ -404,10 +433,13 @@ def tool_calls_or(tools: list[dict], fmt: str, other: GrammarSpec, *, parallel: 
     format's content): the EBNF (an `ebnf` spec, xgrammar's dialect, root rule `root`) of an answer that is tool
     calls of `tools` in tool parser `fmt`'s format, as `tool_call_ebnf` writes them (one or more, or exactly one
     without `parallel`), or else what `other` admits (a json_schema, json_object, regex or ebnf spec), nothing
-    else: no text before a call, no text around the JSON."""
+    else: no text before a call, no text around the JSON. Harmony (gpt-oss, which reasons first): the calls after
+    an optional analysis message, as `harmony_final` lets `other` follow one (`other` is then harmony_final's)."""
     import xgrammar as xgr
 
     calls = xgr.Grammar.from_ebnf(tool_call_ebnf(tools, fmt, parallel=parallel))
+    if fmt == HARMONY:
+        calls = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f'root ::= {_H_ANALYSIS} ""'), calls)
     return GrammarSpec("ebnf", str(xgr.Grammar.union(calls, _xgrammar_of(other))))
 
 
@@ -434,16 +466,13 @@ def after_reasoning(spec: GrammarSpec, *, opened: bool) -> GrammarSpec:
 
 def harmony_final(spec: GrammarSpec) -> GrammarSpec:
     """`spec` (a json_schema, json_object, regex or ebnf spec: a response format) as gpt-oss (harmony) answers it: an
-    optional analysis message (its reasoning: any text without `<|end|>`, then `<|end|><|start|>assistant`), then
-    the final channel's header `<|channel|>final<|message|>` and what `spec` admits, which the harmony parser reads as
-    the answer's content; the row's stop token (`<|return|>`) ends it. An `ebnf` spec (xgrammar's dialect); compiled
-    for a harmony vocabulary, each marker is its special token (`Grammars`)."""
+    optional analysis message (its reasoning: any text without `<|`, `_H_TEXT`, then `<|end|><|start|>assistant`),
+    then the final channel's header `<|channel|>final<|message|>` and what `spec` admits, which the harmony parser
+    reads as the answer's content; the row's stop token (`<|return|>`) ends it. An `ebnf` spec (xgrammar's dialect);
+    compiled for a harmony vocabulary, each marker is its special token (`Grammars`)."""
     import xgrammar as xgr
 
-    analysis = f"{H_CHANNEL}analysis{H_MESSAGE}"
-    head = xgr.Grammar.from_ebnf("\n".join([
-        f"root ::= ({_literal(analysis)} {_text_without(H_END)} {_literal(H_END + H_START + 'assistant')})? "
-        f"{_literal(H_CHANNEL + 'final' + H_MESSAGE)}"]))
+    head = xgr.Grammar.from_ebnf(f"root ::= {_H_ANALYSIS} {_literal(H_CHANNEL + 'final' + H_MESSAGE)}")
     return GrammarSpec("ebnf", str(xgr.Grammar.concat(head, _xgrammar_of(spec))))
 
 

@@ -18,6 +18,11 @@ no tool_calls; without harmony among the grammar's formats the forced and strict
 were bound to their tokens (`relax.rollout.grammar.bind_markers`), the random model's forced calls spelled
 `<|channel|>` as `<`, `|`, `ch`, `ann`, `el`, ... and the grammars admitted a spelled `<|constrain|>`; before
 `harmony_final`, a response_format's grammar was the bare JSON schema (no channel header: sent as json_schema).
+Before the free text's grammar was harmony's messages (a structural tag triggered on text), a `<|channel|>` spelled
+in ordinary tokens opened a constrained call too (`test_the_call_grammars_require_the_markers_as_their_special_tokens`
+failed: `('structural_tag', '<|channel|>')`, admitted) and a recipient on the analysis channel escaped the call's
+grammar; with tools, tool_choice auto and a response_format, gpt-oss's analysis before a call was refused
+(`test_a_call_after_its_analysis_with_tools_and_a_response_format` failed at the call's `comment` token).
 """
 
 from __future__ import annotations
@@ -211,9 +216,10 @@ def test_a_forced_call_drawn_by_the_real_model_is_a_harmony_call_of_the_tool(ser
     assert tok.convert_tokens_to_ids("<|call|>") in engine.payloads[-1]["sampling_params"]["stop_token_ids"]
 
 
-def test_a_strict_tool_s_calls_are_constrained_by_a_structural_tag(served):
-    """The structural tag sent for a strict tool (as SGLang takes it), compiled on the vocabulary: free reasoning,
-    then the call of the scripted answer is admitted token by token, arguments outside the schema are not."""
+def test_a_strict_tool_s_calls_are_constrained_in_free_text(served):
+    """The grammar sent for a strict tool (harmony's messages, an ebnf: `relax.rollout.grammar.calls_in_text`),
+    compiled on the vocabulary: free reasoning, then the call of the scripted answer is admitted token by token,
+    arguments outside the schema are not."""
     from relax.rollout.grammar import Grammars, GrammarSpec
 
     client, engine, tok = served
@@ -222,7 +228,7 @@ def test_a_strict_tool_s_calls_are_constrained_by_a_structural_tag(served):
         **TOOLS[0]["function"]["parameters"], "additionalProperties": False}}}]
     choice = client.chat.completions.create(model="default", messages=USER, tools=strict).choices[0]
     assert _calls(choice.message) == [("get_weather", {"city": "Paris"})]
-    spec = GrammarSpec("structural_tag", engine.payloads[-1]["sampling_params"]["structural_tag"])
+    spec = GrammarSpec("ebnf", engine.payloads[-1]["sampling_params"]["ebnf"])
     grammars = Grammars(tok, len(tok))
     stops = (tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|call|>"))
 
@@ -233,8 +239,10 @@ def test_a_strict_tool_s_calls_are_constrained_by_a_structural_tag(served):
     assert admitted(CALLING) and admitted(ANSWERING)
     assert not admitted(CALLING.replace('{"city": "Paris"}', '{"town": "Paris"}'))
     assert not admitted(CALLING.replace('{"city": "Paris"}', '{"city": 7}'))
-    # a call written with the recipient first (history's form) would escape the tag: the free text may not
+    # a call written with the recipient first (history's form), or on another channel, would escape the call's
+    # grammar: the free text may not write either
     assert not admitted(NEXT + ' to=functions.get_weather<|channel|>commentary json<|message|>{"town": 1}')
+    assert not admitted(CALLING.replace('{"city": "Paris"}', '{"town": 1}').replace("commentary to=", "analysis to="))
 
 
 def _spelled(tok, text: str) -> list[int]:
@@ -257,26 +265,34 @@ def _admits(tok, spec, ids: list[int]) -> bool:
 
 
 def test_the_call_grammars_require_the_markers_as_their_special_tokens(served):
-    """The forced call's grammar and a strict tool's structural tag, compiled on the gpt-oss vocabulary: a call whose
-    markers are the special tokens is admitted; the same text with `<|constrain|>`, `<|message|>` or `<|call|>`
-    spelled in ordinary tokens is not (before: admitted, a literal matched the text whatever its tokens). The forced
-    call's `<|channel|>` likewise; a structural tag's opener (`<|channel|>commentary to=functions.`) triggers its
-    call on text, which xgrammar's triggered tags match as text only (its `begin` must be a string)."""
-    from relax.rollout.grammar import GrammarSpec, strict_calls, tool_call_ebnf
+    """The forced call's grammar and the free text's with a strict tool, with one call at most
+    (parallel_tool_calls false) and with allowed_tools, compiled on the gpt-oss vocabulary: a call whose markers are
+    the special tokens is admitted; the same text with `<|channel|>`, `<|constrain|>`, `<|message|>` or `<|call|>`
+    spelled in ordinary tokens is not (before: admitted, a literal matched the text whatever its tokens). In free
+    text the opener too is its tokens: before, a structural tag triggered the call on the text
+    `<|channel|>commentary to=functions.`, which ordinary tokens spelling `<|channel|>` wrote as well (admitted, the
+    call then constrained after it), and a final answer could spell a marker anywhere (the parser reads it as one)."""
+    from relax.rollout.grammar import GrammarSpec, at_most_one_call, calls_in_text, strict_calls, tool_call_ebnf
 
     _, _, tok = served
     call = CALLING.split(NEXT)[1]
     forced = GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "harmony", name="get_weather", parallel=False))
     strict = strict_calls([{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}], "harmony")
-    head, _, rest = call.partition(" ")  # "<|channel|>commentary", "to=functions.get_weather <|constrain|>..."
-    for spec, text in ((forced, call), (strict, CALLING)):
-        assert _admits(tok, spec, tok(text, add_special_tokens=False)["input_ids"])
-        for marker in ("<|constrain|>", "<|message|>", "<|call|>"):
+    free = [strict, at_most_one_call(TOOLS, "harmony"), calls_in_text(TOOLS, "harmony", frozenset(), parallel=True)]
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    for spec, text in ((forced, call), *((s, CALLING) for s in free)):
+        assert _admits(tok, spec, ids(text))
+        for marker in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"):
             a, _, b = text.rpartition(marker)
-            ids = (tok(a, add_special_tokens=False)["input_ids"] + _spelled(tok, marker)
-                   + tok(b, add_special_tokens=False)["input_ids"])
-            assert not _admits(tok, spec, ids), (spec.kind, marker)
-    assert not _admits(tok, forced, _spelled(tok, head) + tok(" " + rest, add_special_tokens=False)["input_ids"])
+            assert not _admits(tok, spec, ids(a) + _spelled(tok, marker) + ids(b)), (spec.kind, marker)
+    final = ANSWERING.split(NEXT)[1]
+    for spec in free:
+        assert _admits(tok, spec, ids(ANSWERING)) and _admits(tok, spec, ids(call))
+        assert not _admits(tok, spec, ids(final[:-len("<|return|>")]) + _spelled(tok, "<|return|>"))
+        assert not _admits(tok, spec, ids(final.replace("Sunny", "<|channel|>Sunny")))
 
 
 class City(pydantic.BaseModel):
@@ -317,3 +333,36 @@ def test_a_response_format_is_answered_in_the_final_channel(served):
     response = client.responses.parse(model="default", input="Weather in Paris?", text_format=City)
     assert response.output_parsed == City(city="Paris")
     assert engine.payloads[-1]["sampling_params"]["ebnf"] == sent["ebnf"]
+
+
+def test_a_call_after_its_analysis_with_tools_and_a_response_format(served):
+    """tools, tool_choice "auto" and a response_format (openai-agents' `Agent(tools=..., output_type=...)`): gpt-oss
+    reasons before it calls, as before a final answer, and the grammar sent lets it (an optional analysis message
+    before the calls, as `harmony_final` before the JSON). The scripted answer, analysis then the call, comes back
+    as the call with its reasoning_content, and the grammar admits its tokens one by one, the call alone, and the
+    final channel's JSON with or without its analysis; not analysis then arguments off the schema, nor analysis
+    then text. Before, the calls' alternative had no analysis: the answer, as gpt-oss writes it, was refused."""
+    from relax.rollout.grammar import GrammarSpec
+
+    client, engine, tok = served
+    engine.answer(CALLING)
+    city = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
+    choice = client.chat.completions.create(model="default", messages=USER, tools=TOOLS, tool_choice="auto",
+                                            response_format=city).choices[0]
+    assert _calls(choice.message) == [("get_weather", {"city": "Paris"})] and choice.finish_reason == "tool_calls"
+    assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+    spec = GrammarSpec("ebnf", engine.payloads[-1]["sampling_params"]["ebnf"])
+    stops = (tok.convert_tokens_to_ids("<|return|>"), tok.convert_tokens_to_ids("<|call|>"))
+    matcher = _grammars(tok).matcher(spec, stops)
+    for t in tok(CALLING, add_special_tokens=False)["input_ids"]:  # token by token, as the engine draws them
+        assert matcher.accept(t), tok.decode([t])
+    assert matcher.done
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    analysis, call = CALLING.split(NEXT)
+    assert _admits(tok, spec, ids(call)) and _admits(tok, spec, ids(FINAL_JSON))
+    assert _admits(tok, spec, ids(FINAL_JSON.split(NEXT)[1]))
+    assert not _admits(tok, spec, ids(CALLING.replace('{"city": "Paris"}', '{"town": "Paris"}')))
+    assert not _admits(tok, spec, ids(analysis + NEXT + "<|channel|>final<|message|>Sunny.<|return|>"))
