@@ -434,7 +434,9 @@ def template_stop_tokens(tokenizer: PreTrainedTokenizerBase) -> set[int]:
 
 
 def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """Token ids that end a response: the tokenizer's EOS plus the model's `generation_config.json` eos ids.
+    """Token ids that end a response: the tokenizer's EOS plus the `generation_config.json` eos ids of the directory
+    the tokenizer comes from (the model's, `source=hf`; `model.tokenizer`'s, a Hugging Face directory, for
+    `source=config`).
 
     Chat models stop on their end-of-turn token (e.g. Qwen3's `<|im_end|>`), which their generation config
     lists while the tokenizer's EOS may be another token (`<|endoftext|>`). A GGUF file carries one EOS (the
@@ -444,18 +446,21 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
     """
     ids = _ids(tokenizer.eos_token_id)
     source = _field(model_cfg, "source", "config")
-    if source == "hf":
-        path = resolve_model_path(model_cfg)
-        if path is not None and (path / "generation_config.json").is_file():
-            from transformers import GenerationConfig
-
-            try:
-                ids |= _ids(GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id)
-            except (OSError, ValueError, TypeError) as e:
-                raise ModelFileError(f"model.source=hf: {path / 'generation_config.json'} cannot be read: "
-                                     f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
-                                     ) from None
     tokenizer_file = _field(model_cfg, "tokenizer")
+    path, key = None, ""
+    if source == "hf":
+        path, key = resolve_model_path(model_cfg), "model.source=hf"
+    elif source == "config" and tokenizer_file and Path(tokenizer_file).expanduser().is_dir():
+        path, key = Path(tokenizer_file).expanduser(), f"model.tokenizer={tokenizer_file}"
+    if path is not None and (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        try:
+            ids |= _ids(GenerationConfig.from_pretrained(str(path), local_files_only=True).eos_token_id)
+        except (OSError, ValueError, TypeError) as e:
+            raise ModelFileError(f"{key}: {path / 'generation_config.json'} cannot be read: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                                 ) from None
     if source == "gguf" or (source == "config" and tokenizer_file and Path(tokenizer_file).expanduser().is_file()) \
             or _field(model_cfg, "chat_template"):  # a template of one's own: its end-of-turn token ends a response
         ids |= template_stop_tokens(tokenizer)
