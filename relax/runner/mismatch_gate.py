@@ -17,7 +17,7 @@ import math
 
 from relax.config.schema import TrainConfig
 from relax.metrics import MISMATCH_GATE_SKIPPED, MISMATCH_GATE_STREAK, MISMATCH_K3, TRAIN_ROLLOUT_LOGP_ABS_DIFF
-from relax.runner.errors import RunError
+from relax.runner.errors import RunError, step_name
 
 GATE_METRICS = {"k3": MISMATCH_K3, "logp_abs_diff": TRAIN_ROLLOUT_LOGP_ABS_DIFF}
 
@@ -51,8 +51,9 @@ class MismatchGate:
         """With `stop`: RunError once the bound was crossed `mismatch_gate_steps` rollouts in a row."""
         if self.mode != "stop" or self.streak < self.steps:
             return
-        raise RunError(f"step {step}: the train/inference parity gate stopped the run: {self.metric}={self.value:.4g} "
-                       f"is above train.mismatch_gate_bound={self.bound:g} for {self.streak} rollout(s) in a row "
+        raise RunError(f"{step_name(step)}: the train/inference parity gate stopped the run: "
+                       f"{self.metric}={self.value:.4g} is above train.mismatch_gate_bound={self.bound:g} for "
+                       f"{self.streak} rollout(s) in a row "
                        f"(train.mismatch_gate_steps={self.steps}; train.mismatch_gate=stop). The engine's log-probs "
                        "are far from the trainer's: check model.dtype, the weight sync, and for MoE models "
                        "rollout.routing_replay.")

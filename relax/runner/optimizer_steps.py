@@ -29,7 +29,7 @@ from relax.metrics import (
 )
 from relax.runner import checkpoint
 from relax.runner.branch_rows import global_batch_rows, run_starts
-from relax.runner.errors import RunError
+from relax.runner.errors import RunError, step_name
 
 if TYPE_CHECKING:
     from relax.runner.cluster import Cluster
@@ -126,9 +126,9 @@ class SkippedSteps:
                            if k in metrics)
         last = checkpoint.latest(checkpoints.save_dir) if checkpoints.uses_dir else None
         kept = f"the last checkpoint is {last}" if last is not None else "no checkpoint was committed before it"
-        raise RunError(f"step {step}: {self.in_a_row} optimizer step(s) in a row were skipped because the loss or the "
-                       f"gradient norm is not finite ({values}); train.max_skipped_steps={self.limit}. The weights "
-                       f"are those of the last applied step; {kept}. Lower train.lr or check the rewards.")
+        raise RunError(f"{step_name(step)}: {self.in_a_row} optimizer step(s) in a row were skipped because the loss "
+                       f"or the gradient norm is not finite ({values}); train.max_skipped_steps={self.limit}. The "
+                       f"weights are those of the last applied step; {kept}. Lower train.lr or check the rewards.")
 
 
 class FailedRewardSteps:
@@ -162,7 +162,7 @@ class FailedRewardSteps:
         else:  # an episode's: the agent program, agent loop or environment named with its value
             failed = "its agent runs failed" if source == "data.openai_agent" else "its episodes failed"
             advice = f"Check {self.first_error.lstrip().split(': ', 1)[0]} (run it by hand on one prompt item)"
-        raise RunError(f"step {step}: in {self.in_a_row} step(s) in a row every group was left out because "
+        raise RunError(f"{step_name(step)}: in {self.in_a_row} step(s) in a row every group was left out because "
                        f"{failed}, so nothing was trained (data.max_failed_reward_steps={self.limit}){why}. "
                        f"{advice}; the warnings above name each step's first failure.")
 

@@ -13,7 +13,7 @@ import time
 from relax.config.schema import RelaxConfig
 from relax.metrics import FAULT_RESTARTS, fault_restarts
 from relax.runner import checkpoint
-from relax.runner.errors import RoleFailure, RunError
+from relax.runner.errors import RoleFailure, RunError, step_name
 
 RESTARTS_TAG = "relax.restarts"  # the MLflow tag of the run's restarts and replacements: step, process, cause
 MAX_TAG_CHARS = 4000  # the newest events are kept when they grow longer (MLflow caps tag values)
@@ -28,7 +28,7 @@ class Restarts:
         self.by_role: dict[str, int] = {}  # restarts caused by each role, and replicas replaced ("rollout")
         self.events: list[str] = []
         self.run_id: str | None = None  # the MLflow run of the attempts (set once the first one opened it)
-        self.step = 0  # the step in progress (where a failure happened)
+        self.step = 0  # the step in progress (where a failure happened), 0-based (messages: `step_name`)
         self._tagged = 0  # events already in the MLflow tag
         # when the run began (time.monotonic): the summary's wall time and the progress line's elapsed count from
         # here, across restarts, as the operator's clock does (the hang and the restart included)
@@ -40,10 +40,10 @@ class Restarts:
 
     def _take(self, failure: RoleFailure, what: str) -> None:
         if self.count >= self.limit:
-            raise RunError(f"step {self.step}: {failure}. The run stops: train.max_restarts={self.limit} "
+            raise RunError(f"{step_name(self.step)}: {failure}. The run stops: train.max_restarts={self.limit} "
                            f"restart(s) already used ({'; '.join(self.events) or 'none'}).") from None
         self.by_role[failure.role] = self.by_role.get(failure.role, 0) + 1
-        self.events.append(f"step {self.step}: {failure}; {what}")
+        self.events.append(f"{step_name(self.step)}: {failure}; {what}")
 
     def next(self, cfg: RelaxConfig, failure: RoleFailure) -> RelaxConfig:
         """The config of the next attempt: resuming the latest checkpoint. RunError once the limit is reached."""
@@ -51,7 +51,7 @@ class Restarts:
         where = f"checkpoint {latest}" if latest is not None else "step 0 (no checkpoint yet)"
         self._take(failure, f"restarted from {where}")
         self.graph_restarts += 1
-        print(f"step {self.step}: {failure}; restarting the service graph from {where} "
+        print(f"{step_name(self.step)}: {failure}; restarting the service graph from {where} "
               f"(restart {self.count} of train.max_restarts={self.limit})", file=sys.stderr, flush=True)
         return dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, resume=str(latest) if latest is not None else None))
@@ -61,8 +61,8 @@ class Restarts:
         if self.count >= self.limit:
             raise failure
         self._take(failure, "replaced in place")
-        print(f"step {self.step}: {failure}; replacing it (restart {self.count} of train.max_restarts={self.limit})",
-              file=sys.stderr, flush=True)
+        print(f"{step_name(self.step)}: {failure}; replacing it (restart {self.count} of "
+              f"train.max_restarts={self.limit})", file=sys.stderr, flush=True)
 
     def summary(self) -> str | None:
         """The closing summary's `restarts` line: how many and each event; None when there was none."""

@@ -15,7 +15,7 @@ from relax.config.schema import RelaxConfig
 from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX, EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
 from relax.models.write_errors import os_write_error
 from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
-from relax.runner.errors import RunError
+from relax.runner.errors import RunError, step_name
 from relax.runner.eval_samples import eval_samples_file, to_jsonl
 from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
@@ -348,7 +348,8 @@ class Session:
         `kept` ([N] bool: the samples it trained; the others were left out with their group) and `set_aside` (ids
         generated for it that dynamic sampling left out of its batch; None: none)."""
         if sample_ids is None:
-            raise RunError(f"step {step}: the rollout's samples carry no sample ids, so the ledger cannot record them")
+            raise RunError(f"{step_name(step)}: the rollout's samples carry no sample ids, so the ledger cannot record "
+                           "them")
         self.ledger.add(step, sample_ids, kept, set_aside)
 
     def log_datasets(self, train_set: PromptDataset, eval_sets: Mapping[str, PromptDataset] | None = None) -> None:
@@ -422,7 +423,7 @@ class Session:
         ckpts = self.checkpoints
         code = errno.errorcode.get(error.errno, str(error.errno))
         text = f"{error.strerror} ({code})" + (f": {error.filename}" if error.filename else "")
-        what = f"step {step - 1}: checkpoint {step_dir(ckpts.save_dir, step).name} could not be written: {text}"
+        what = f"step {step}: checkpoint {step_dir(ckpts.save_dir, step).name} could not be written: {text}"
         if not ckpts.discard(step):
             what += f" (its partial files in {ckpts.staging_path(step)} could not be removed either)"
         kept = latest(ckpts.save_dir)

@@ -42,7 +42,7 @@ from relax.rollout.sampling import NonFiniteLogitsError
 from relax.runner import checkpoint
 from relax.runner.branch_rows import branch_advantages, expand, per_turn_rewards
 from relax.runner.cluster import Cluster, RayRuntime
-from relax.runner.errors import RoleFailure, RunError
+from relax.runner.errors import RoleFailure, RunError, step_name
 from relax.runner.eval_samples import eval_sample_records, response_texts
 from relax.runner.mismatch_gate import MismatchGate
 from relax.runner.optimizer_steps import FailedRewardSteps, SkippedSteps, train_on_rollout
@@ -88,8 +88,8 @@ def filter_note(cfg: RelaxConfig, step: int, stats: FilterStats, batch_groups: i
     a learning signal (its batch filled with groups without one); None when the batch was filled with signal."""
     if not stats.filled_groups:
         return None
-    return (f"step {step}: only {batch_groups - stats.filled_groups} of {batch_groups} groups carry a learning signal "
-            f"after rollout.max_filter_rounds={cfg.rollout.max_filter_rounds} rounds; the batch is filled with "
+    return (f"{step_name(step)}: only {batch_groups - stats.filled_groups} of {batch_groups} groups carry a learning "
+            f"signal after rollout.max_filter_rounds={cfg.rollout.max_filter_rounds} rounds; the batch is filled with "
             f"{stats.filled_groups} group(s) without one")
 
 
@@ -129,7 +129,7 @@ def _refusing_broken_weights(step: int) -> Iterator[None]:
     try:
         yield
     except NonFiniteLogitsError as exc:
-        raise RunError(f"step {step}: the rollout engine stopped: {getattr(exc, 'cause', exc)}") from None
+        raise RunError(f"{step_name(step)}: the rollout engine stopped: {getattr(exc, 'cause', exc)}") from None
 
 
 def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples, rewards: torch.Tensor,
@@ -204,7 +204,7 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
                                   dictconfig=dictconfig).train()
                 except RoleFailure as failure:
                     if preemption.requested is not None:  # stopping anyway: no restart (the signal may have hit it)
-                        print(f"step {restarts.step}: {failure}; not restarted: the run is stopping "
+                        print(f"{step_name(restarts.step)}: {failure}; not restarted: the run is stopping "
                               f"({signal_name(preemption.requested)})", file=sys.stderr, flush=True)
                         raise Preempted(preemption.requested) from None
                     cfg = restarts.next(cfg, failure)

@@ -218,7 +218,7 @@ def test_the_stop_names_the_agent_option_and_a_reward_failure_still_names_data_r
     with pytest.raises(RunError) as info:
         steps.check(0)
     message = str(info.value)
-    assert message == ("step 0: in 1 step(s) in a row every group was left out because its agent runs failed, so "
+    assert message == ("step 1: in 1 step(s) in a row every group was left out because its agent runs failed, so "
                        "nothing was trained (data.max_failed_reward_steps=1); the first failure: RuntimeError: my "
                        "agent broke. Check data.openai_agent=relax.agents.openai_examples:plan_then_answer (run it "
                        "by hand on one prompt item); the warnings above name each step's first failure.")
@@ -260,7 +260,7 @@ def test_a_run_whose_environment_hangs_stops_naming_the_environment(in_process, 
     with caplog.at_level(logging.WARNING), pytest.raises(RunError) as info:
         run(cfg, output_dir=tmp_path / "out")
     message = str(info.value)
-    assert message.startswith("step 1: in 2 step(s) in a row every group was left out because its episodes failed"), \
+    assert message.startswith("step 2: in 2 step(s) in a row every group was left out because its episodes failed"), \
         message
     assert f"the first failure: data.env={spec}: Hangs.step did not return within data.env_timeout_s=0.1 s" in message
     assert f"Check data.env={spec} (run it by hand on one prompt item)" in message

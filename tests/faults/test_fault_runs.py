@@ -24,7 +24,7 @@ def test_a_diverged_run_skips_its_nonfinite_steps_then_stops_keeping_its_checkpo
 
     cfg = load_config(small_run("train.lr=1e30", "train.max_skipped_steps=2", "train.save_interval=1", steps=6))
     t0 = time.perf_counter()
-    with pytest.raises(RunError, match=r"step 2: 2 optimizer step\(s\) in a row were skipped because the loss or the "
+    with pytest.raises(RunError, match=r"step 3: 2 optimizer step\(s\) in a row were skipped because the loss or the "
                                        r"gradient norm is not finite \(.*train/grad_norm=nan\); "
                                        r"train\.max_skipped_steps=2\..*the last checkpoint is .*step_000002"):
         run(cfg, output_dir=tmp_path / "out")
@@ -69,7 +69,7 @@ def test_a_reward_that_fails_every_call_stops_the_run_naming_the_failure(in_proc
 
     cfg = load_config(small_run("data.reward=fault_rewards:always_fails", "data.reward_timeout_s=null",
                                 "data.max_failed_reward_steps=2", steps=5))
-    with pytest.raises(RunError, match=r"step 1: in 2 step\(s\) in a row every group was left out because its reward "
+    with pytest.raises(RunError, match=r"step 2: in 2 step\(s\) in a row every group was left out because its reward "
                                        r"calls failed, so nothing was trained \(data\.max_failed_reward_steps=2\); "
                                        r"the first failure: RuntimeError: the verifier refuses every response"):
         run(cfg, output_dir=tmp_path / "out")
@@ -91,7 +91,7 @@ def test_failed_reward_steps_count_in_a_row_only():
     steps.count(16, False, "RuntimeError: second")
     steps.check(2)
     steps.count(16, False, "RuntimeError: third")
-    with pytest.raises(RunError, match="step 3: in 2 step.*the first failure: RuntimeError: second"):
+    with pytest.raises(RunError, match="step 4: in 2 step.*the first failure: RuntimeError: second"):
         steps.check(3)
     never = FailedRewardSteps(0)
     for step in range(5):

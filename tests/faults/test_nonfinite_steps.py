@@ -178,7 +178,7 @@ def test_skipped_steps_counts_and_stops_after_the_limit_in_a_row():
     m = {CRITIC_SKIPPED_STEPS: 2.0, "critic/value_loss": 0.3, "critic/grad_norm": float("inf")}
     s.count(m, steps=2)  # PPO's critic-only steps count too
     assert s.in_a_row == 4
-    with pytest.raises(RunError, match=r"step 6: 4 optimizer step\(s\) in a row were skipped .*critic/grad_norm=inf.*"
+    with pytest.raises(RunError, match=r"step 7: 4 optimizer step\(s\) in a row were skipped .*critic/grad_norm=inf.*"
                                        r"train\.max_skipped_steps=3.*no checkpoint was committed"):
         s.check(6, m, no_checkpoints())
 

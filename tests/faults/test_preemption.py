@@ -132,7 +132,7 @@ def test_a_role_that_dies_while_the_run_stops_is_not_restarted(tmp_path, monkeyp
     with pytest.raises(Preempted) as info:
         train.run(load_config(["train.max_restarts=3"]), output_dir=tmp_path / "out")
     assert info.value.exit_code == 143 and info.value.latest is None
-    assert capsys.readouterr().err == ("step 4: actor died: the actor died unexpectedly; not restarted: the run is "
+    assert capsys.readouterr().err == ("step 5: actor died: the actor died unexpectedly; not restarted: the run is "
                                        "stopping (SIGTERM)\n")
 
 

@@ -131,7 +131,7 @@ def test_a_killed_actor_restarts_the_graph_from_the_last_checkpoint(ray_local, u
     assert mlrun.info.status == "FINISHED"
     assert_every_step_once(client, mlrun)
     assert history(client, mlrun, fault_restarts("actor"))[-1] == (STEPS - 1, 1.0)
-    assert re.search(r"step [12]: actor died", mlrun.data.tags[RESTARTS_TAG])
+    assert re.search(r"step [23]: actor died", mlrun.data.tags[RESTARTS_TAG])
     assert "restarting the service graph from checkpoint" in capfd.readouterr().err
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
@@ -149,7 +149,7 @@ def test_the_comparison_fails_a_restart_that_loses_the_trained_weights(uninterru
         run(load_config(overrides(tmp_path)), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FINISHED" and died == [2]
-    assert re.search(r"step 2: actor died", mlrun.data.tags[RESTARTS_TAG])
+    assert re.search(r"step 3: actor died", mlrun.data.tags[RESTARTS_TAG])
     with pytest.raises(AssertionError):
         assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
@@ -161,7 +161,7 @@ def test_a_hung_actor_is_declared_hung_and_restarted(ray_local, uninterrupted, m
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FINISHED"
     assert_every_step_once(client, mlrun)
-    assert re.search(r"step [01]: actor hung: no heartbeat for", mlrun.data.tags[RESTARTS_TAG])
+    assert re.search(r"step [12]: actor hung: no heartbeat for", mlrun.data.tags[RESTARTS_TAG])
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 
@@ -220,8 +220,9 @@ def test_a_rollout_replica_killed_mid_generation_is_replaced_in_place(ray_local,
     assert history(client, mlrun, FAULT_RESTARTS_ROLLOUT)[-1] == (STEPS - 1, 1.0)
     assert history(client, mlrun, FAULT_RESTARTS)[-1] == (STEPS - 1, 0.0)  # no restart of the graph
     # the stream generates step 2's rollout as soon as step 1 has published its weights, while the loop may still be
-    # finishing step 1 (its metrics, its checkpoint): the failure is recorded at the step the loop is in
-    assert re.search(r"step [12]: rollout\[1\] died", mlrun.data.tags[RESTARTS_TAG])
+    # finishing step 1 (its metrics, its checkpoint): the failure is recorded at the step the loop is in (0-based
+    # indices here; messages and the tag name steps 1-based, as the progress line: step 2 or 3)
+    assert re.search(r"step [23]: rollout\[1\] died", mlrun.data.tags[RESTARTS_TAG])
     assert mlrun.data.tags[RESTARTS_TAG].endswith("replaced in place")
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
@@ -237,7 +238,7 @@ def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_ru
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FINISHED" and died == [1]
     assert_every_step_once(client, mlrun)
-    assert re.search(r"step 1: actor died", mlrun.data.tags[RESTARTS_TAG])
+    assert re.search(r"step 2: actor died", mlrun.data.tags[RESTARTS_TAG])
     assert "restarting the service graph from step 0 (no checkpoint yet)" in capfd.readouterr().err
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
@@ -245,10 +246,10 @@ def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_ru
 def test_beyond_max_restarts_the_run_stops_naming_the_role_and_the_cause(monkeypatch, tmp_path, overrides):
     """(Roles in this process: `dies_once`; a real actor's death reaches the same policy in the first test.)"""
     dies_once(monkeypatch, tmp_path, step=2)
-    with pytest.raises(RunError, match=r"step 2: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
+    with pytest.raises(RunError, match=r"step 3: actor died: .* The run stops: train\.max_restarts=0 restart\(s\) "
                                        r"already used \(none\)\.") as info, inprocess_ray():
         run(load_config(overrides(tmp_path, "train.max_restarts=0")), output_dir=tmp_path / "out")
     client, mlrun = mlflow_run(tmp_path)
     assert mlrun.info.status == "FAILED"
     step = int(re.match(r"step (\d+)", str(info.value)).group(1))
-    assert checkpoint.latest(tmp_path / "ckpt").name == f"step_{step:06d}"  # the checkpoint before it stays
+    assert checkpoint.latest(tmp_path / "ckpt").name == f"step_{step - 1:06d}"  # the checkpoint before it stays

@@ -119,7 +119,7 @@ def test_a_driver_side_failure_removes_the_staging_directory_and_keeps_the_commi
         with pytest.raises(RunError) as info:
             session.save_checkpoint(WritesThenFails(full), 2, {"sampler": {}})
     message = str(info.value)
-    assert message.startswith("step 1: checkpoint step_000002 could not be written: No space left on device "
+    assert message.startswith("step 2: checkpoint step_000002 could not be written: No space left on device "
                               "(ENOSPC). The run stops (train.save_failures=stop); the latest committed checkpoint, "
                               f"{first}, stays valid.")
     assert message.endswith("run with train.resume=auto to continue from it.")
@@ -222,7 +222,7 @@ def test_stop_keeps_the_previous_checkpoint_intact(ray_local, small_run, tmp_pat
         run(cfg, output_dir=tmp_path / "out")
     save_dir = tmp_path / "ckpt"
     message = str(info.value)
-    assert message.startswith(f"step 1: checkpoint step_000002 could not be written: File too large (EFBIG): "
+    assert message.startswith(f"step 2: checkpoint step_000002 could not be written: File too large (EFBIG): "
                               f"{save_dir}/.tmp-step_000002/policy. The run stops (train.save_failures=stop); the "
                               f"latest committed checkpoint, {save_dir}/step_000001, stays valid."), message
     assert "train.resume=auto" in message
@@ -249,7 +249,7 @@ def test_continue_goes_on_without_the_checkpoint_and_counts_it(ray_local, small_
     assert [s for s, _ in result.history] == [0, 1, 2]
     save_dir = tmp_path / "ckpt"
     err = capfd.readouterr().err
-    assert err.count("step 1: checkpoint step_000002 could not be written: File too large (EFBIG): "
+    assert err.count("step 2: checkpoint step_000002 could not be written: File too large (EFBIG): "
                      f"{save_dir}/.tmp-step_000002/policy; training goes on (train.save_failures=continue), the next "
                      f"checkpoint tries again; latest committed checkpoint: {save_dir}/step_000001") == 1, err[-3000:]
     assert "Traceback" not in err

@@ -211,7 +211,7 @@ def test_the_loop_warns_when_the_round_limit_leaves_groups_without_a_signal():
     cfg = config("sync", None, False, 2, 3)
     stats = FilterStats(rounds=3, generated_groups=6, no_signal_groups=5, filled_groups=1, generated_reward=1.0)
     note = filter_note(cfg, 7, stats, batch_groups=2)
-    assert note == ("step 7: only 1 of 2 groups carry a learning signal after rollout.max_filter_rounds=3 rounds; "
+    assert note == ("step 8: only 1 of 2 groups carry a learning signal after rollout.max_filter_rounds=3 rounds; "
                     "the batch is filled with 1 group(s) without one")
     full = FilterStats(rounds=2, generated_groups=4, no_signal_groups=2, filled_groups=0, generated_reward=0.5)
     assert filter_note(cfg, 7, full, batch_groups=2) is None

@@ -56,7 +56,7 @@ def test_gate_stops_a_run_past_its_bound(in_process, small_run, tmp_path, monkey
         run(cfg, output_dir=tmp_path / "out")
     message = str(err.value)
     k3 = torch.tensor(-0.5).exp().item() - 1 + 0.5  # 0.1065
-    assert message.startswith("step 1: the train/inference parity gate stopped the run: rollout/mismatch_k3=")
+    assert message.startswith("step 2: the train/inference parity gate stopped the run: rollout/mismatch_k3=")
     assert f"{k3:.4g}" in message and "train.mismatch_gate_bound=0.05" in message and "2 rollout(s) in a row" in message
 
 

@@ -297,7 +297,7 @@ def test_aborts_the_run_did_not_ask_for_stop_it_after_a_bounded_backoff(partial)
     from relax.runner.rollout_driver.stream import UNASKED_ABORTS, UNASKED_BACKOFF_S
 
     assert isinstance(raised[0], RunError) and re.search(
-        r"step 0: .*1 response\(s\) as aborted .* without the run asking \(sample ids \[3\]\)", str(raised[0]))
+        r"step 1: .*1 response\(s\) as aborted .* without the run asking \(sample ids \[3\]\)", str(raised[0]))
     assert engines.calls == 1 + UNASKED_ABORTS  # the first call, then one per allowed retry
     assert time.monotonic() - t0 >= UNASKED_BACKOFF_S * (2 ** UNASKED_ABORTS - 1) * 0.9  # it waited, growing
 

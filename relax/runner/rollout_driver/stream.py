@@ -59,7 +59,7 @@ from relax.batch import FinishReason, Samples, concat_samples
 from relax.config.schema import RelaxConfig
 from relax.rewards.registry import Scores
 from relax.runner.branch_rows import fill_saved_old_logprobs
-from relax.runner.errors import RunError
+from relax.runner.errors import RunError, step_name
 from relax.runner.rollout_driver.scoring import (
     FilterStats,
     choose_groups,
@@ -555,8 +555,8 @@ class RolloutStream:
                 cur.unasked += 1
                 if cur.unasked > UNASKED_ABORTS:
                     ids = out.sample_id[aborted].tolist()
-                    raise RunError(f"step {cur.step}: the rollout engine returned {len(ids)} response(s) as aborted "
-                                   f"{cur.unasked} times in a row without the run asking (sample ids "
+                    raise RunError(f"{step_name(cur.step)}: the rollout engine returned {len(ids)} response(s) as "
+                                   f"aborted {cur.unasked} times in a row without the run asking (sample ids "
                                    f"{ids[:8]}{' ...' if len(ids) > 8 else ''}): a request it cannot continue, such "
                                    "as an input past the model's context; see the engine's log")
             cur.partial = out.select(aborted.nonzero().squeeze(-1))
