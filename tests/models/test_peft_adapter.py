@@ -255,3 +255,30 @@ def test_adapters_on_a_gguf_file_merge_into_its_dequantized_weights(tmp_path, mo
     assert (ours - logits(load_gguf_model(gguf, local_files_only=True), ids)).abs().max() > 0.1
     assert AutoTokenizer.from_pretrained(str(merged)).get_vocab() == load_tokenizer(
         ModelConfig(source="gguf", path=str(gguf))).get_vocab()
+
+
+@pytest.mark.slow
+def test_training_from_an_adapter_directory_starts_from_the_merged_weights(dirs, in_process, small_run, tmp_path,
+                                                                            trained_batches):
+    """relax-train (model.lora_rank=0) from the adapter directory: the first rollout was sampled from PEFT's merged
+    model (its log-probs of the sampled tokens at 1e-4), not from the base; the run trains and finishes."""
+    from relax.models.hf import token_logprobs
+    from relax.runner.train import run
+
+    cfg = load_config(small_run("model.source=hf", f"model.path={dirs['adapter']}", "model.dtype=float32", steps=1))
+    result = run(cfg, output_dir=tmp_path / "out")
+    assert len(result.history) == 1  # one step trained
+    samples = trained_batches[0]
+    ids, mask = samples.sequences()
+    start, length = samples.prompt_ids.shape[1], samples.response_ids.shape[1]
+    sampled = samples.response_mask.bool()
+
+    def logp(model) -> torch.Tensor:
+        with torch.no_grad():
+            return token_logprobs(model.eval(), ids, mask, start, length, temperature=cfg.rollout.temperature)[sampled]
+
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
+                                       str(dirs["adapter"])).merge_and_unload()
+    torch.testing.assert_close(samples.rollout_logp[sampled], logp(merged), atol=1e-4, rtol=1e-4)
+    base = logp(AutoModelForCausalLM.from_pretrained(str(dirs["base"])))
+    assert (samples.rollout_logp[sampled] - base).abs().max() > 0.1
