@@ -153,9 +153,9 @@ def test_the_rollout_engine_stops_on_broken_weights_and_the_loop_says_so(fast_pa
     class RayTaskErrorLike(NonFiniteLogitsError):  # what ray.get raises: an instance of the cause's class
         cause = err.value
 
-    with pytest.raises(RunError, match=r"^step 4: the rollout engine stopped: the policy's logits are not finite .* "
+    with pytest.raises(RunError, match=r"^step 5: the rollout engine stopped: the policy's logits are not finite .* "
                                        r"4 of 4 rows: its weights are broken"):
-        with _refusing_broken_weights(4):
+        with _refusing_broken_weights(4):  # the loop's index 4: the fifth step, named 1-based
             raise RayTaskErrorLike("a remote traceback")
 
 
