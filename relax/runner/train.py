@@ -276,6 +276,7 @@ class Recipe:
         with contextlib.ExitStack() as stack:
             self.setup(stack)
             with self.stream:
+                self.session.progress.begin()  # the eta's pace: from the first step on, not the start-up
                 for step in range(self.start_step, self.cfg.train.num_rollout):
                     self.step(step)
                 if evaluates_without_training(self.cfg, self.start_step):

@@ -132,6 +132,11 @@ class Progress:
         self._last_print_step: Optional[int] = None
         self._last_print_time: Optional[float] = None
 
+    def begin(self) -> None:
+        """The loop's first step starts now: the eta extrapolates the pace from here, not from before the start-up (the
+        roles, the engines, the first weights published), which is no cost of each step still to come."""
+        self._t0 = self.clock()
+
     def format_line(self, step: int, metrics: Optional[Mapping[str, Any]] = None, now: Optional[float] = None) -> str:
         """The progress line for `step`, with `metrics` merged over the last seen values (no output)."""
         values = {**self._last, **(metrics or {})}

@@ -68,6 +68,18 @@ def test_elapsed_counts_from_the_runs_start_and_eta_from_this_starts_pace():
         "| elapsed 0:05 | eta 0:20")  # control: without `started`, from the loop's start as before
 
 
+def test_the_eta_leaves_out_the_start_up():
+    """`begin()` at the first step: a start-up of 30 s (roles, engines) then a step of 1 s gives eta 0:09 for the 9
+    steps left, not 4:39 (31 s a step); elapsed still counts the start-up."""
+    now = [0.0]
+    progress = Progress(10, clock=lambda: now[0], is_tty=False)
+    now[0] = 30.0
+    progress.begin()
+    now[0] = 31.0
+    line = progress.format_line(1)
+    assert line.endswith("| elapsed 0:31 | eta 0:09"), line
+
+
 def test_the_overhead_is_never_negative():
     """The engines' time (their own measure) and the actor's compute can add up to more than the driver's step time."""
     from relax.runner.train import StepTimer
