@@ -193,6 +193,7 @@ class ChatFormat:
         self.call_format = parser_format(self.tool_parser) or "hermes"
         # an instance reads calls with its own parser; ChatFormat.tool_calls(text) on the class reads Hermes
         self.tool_calls = functools.partial(ChatFormat.tool_calls, parser=self.tool_parser)
+        self.read_calls = functools.partial(ChatFormat.read_calls, parser=self.tool_parser)
         self.eos_token_ids = frozenset(eos_token_ids)
         template = getattr(tokenizer, "chat_template", None) or ""
         self.native_tools = "tools" in template
@@ -472,6 +473,15 @@ class ChatFormat:
     def tool_calls(text: str, parser: ToolParser = parse_hermes, tools: Optional[list[dict]] = None,
                    cut: bool = False, limited: bool = False,
                    reasoning_in_content: bool = False) -> tuple[str, Optional[list[dict]]]:
+        """(content, OpenAI tool calls) of a model message: `read_calls` without its third value."""
+        content, calls, _ = ChatFormat.read_calls(text, parser, tools, cut=cut, limited=limited,
+                                                  reasoning_in_content=reasoning_in_content)
+        return content, calls
+
+    @staticmethod
+    def read_calls(text: str, parser: ToolParser = parse_hermes, tools: Optional[list[dict]] = None,
+                   cut: bool = False, limited: bool = False,
+                   reasoning_in_content: bool = False) -> tuple[str, Optional[list[dict]], bool]:
         """(content, OpenAI tool calls) of a model message, read by `parser` with the schemas of the `tools` offered
         (`apply_tool_schemas`: string arguments of the XML formats as text, a strict tool's arguments checked): the
         calls taken out of the content when every call is well-formed; a message with a malformed call stays text,
@@ -483,25 +493,41 @@ class ChatFormat:
         is left out, as the stream holds it back (`TextDeltas`), so it is neither content nor the start of an
         unfinished call; the text before it is the content as usual. `cut` (implies `limited`): a forced answer
         (tool_choice required, named or allowed_tools required) that the token limit cut, whose grammar allows
-        calls only: its complete calls before the unfinished one are kept, with no content. `reasoning_in_content`
-        (the harmony parser, separate_reasoning false): the analysis channel's text is content too."""
+        calls only: its complete calls before the unfinished one are kept, with no content. Any other message the
+        limit cut inside a call (a malformed call in a `limited` message of a built-in format but harmony's: under
+        a grammar of calls, strict tools, parallel_tool_calls false or tools with a format, only the cut call can be
+        malformed) is read as SGLang's detectors read it: the text before its first call's marker is the content,
+        and its well-formed calls are kept. `reasoning_in_content` (the harmony parser, separate_reasoning false):
+        the analysis channel's text is content too.
+
+        The third value: whether the limit cut the message inside a call whose complete calls were kept this way
+        (`cut`, or a `limited` message read as SGLang reads it): its finish reason stays "length"."""
+        fmt = parser_format(parser) or ""
         if cut or limited:
-            marks = CALL_STARTS.get(parser_format(parser) or "", ())
-            text = text[:held_prefix_tail(text, marks)]
+            text = text[:held_prefix_tail(text, CALL_STARTS.get(fmt, ()))]
         parsed = apply_tool_schemas(parser(text), tools)
+        rescued = False
         if cut:
             complete = tuple(itertools.takewhile(lambda item: isinstance(item, ToolCall), parsed.items))
             if not complete:  # cut inside its first call: none of it is content (the grammar allowed calls only)
-                return "", None
-            parsed = ParsedMessage(complete, "")
-        harmony = parser_format(parser) == "harmony"
+                return "", None, False
+            parsed, rescued = ParsedMessage(complete, ""), True
+        elif limited and parsed.errors and fmt in CALL_STARTS:
+            # the call the limit cut is no content: SGLang's `normal_text = text[:idx]` and its complete calls
+            found = [at for at in (text.find(m) for m in CALL_STARTS[fmt]) if at >= 0]
+            before = text[:min(found)] if found else ""  # (Llama's call without its tag: the whole message)
+            calls = tuple(item for item in parsed.items if isinstance(item, ToolCall))
+            if not calls:
+                return before.strip(), None, False
+            parsed, rescued = ParsedMessage(calls, before.strip()), True
+        harmony = fmt == "harmony"
         if not parsed.calls or parsed.errors:  # (harmony: the message's text for the user, its calls as written)
-            return (harmony_content(text, reasoning_in_content=reasoning_in_content) if harmony else text), None
+            return (harmony_content(text, reasoning_in_content=reasoning_in_content) if harmony else text), None, False
         if harmony and reasoning_in_content:
             parsed = ParsedMessage(parsed.items, harmony_content(text, reasoning_in_content=True,
                                                                  calls_as_written=False))
         offered = None if tools is None else {t["function"]["name"] for t in tools}
-        calls = [c for c in parsed.calls if offered is None or c.name in offered]
+        kept = [c for c in parsed.calls if offered is None or c.name in offered]
         return parsed.content, [{"id": call_id(parser), "type": "function",
                                  "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                                for c in calls] or None
+                                for c in kept] or None, rescued

@@ -14,7 +14,8 @@ back until it is decided:
   `CALL_STARTS`; Llama 3's call without its tag: a message opening with `{` or `[`; a parser of one's own: all of it)
   and trailing blank (a message with calls is stripped); a message that opens with blank is held whole (it is
   stripped only if it holds calls). Calls come with the finished answer, whole, in one `tool_calls` delta: a malformed
-  call anywhere makes the whole message text (`ChatFormat.tool_calls`);
+  call anywhere makes the whole message text, but in an answer the token limit cut (its content: the text before
+  its first call's marker, already sent or held) (`ChatFormat.read_calls`);
 - the end of the text while a character is incomplete (U+FFFD), and, for a tokenizer that cleans up spaces when
   decoding (" ." -> "."), trailing blank;
 - a harmony answer (gpt-oss, `harmony`): its messages as `relax.agents.parsers.harmony_parts` reads them, each

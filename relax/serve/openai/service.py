@@ -233,11 +233,13 @@ class OpenAIService:
             return self._harmony_choice(s, tokens, text, finish, p)
         split = split_reasoning(text, self._opened(prompt, p)) if self._splits(p) else None
         think, text = (text[:split[1]], text[split[1]:]) if split else ("", text)
-        # a forced answer cut by the token limit keeps its complete calls and says it was cut (finish "length")
+        # a forced answer cut by the token limit keeps its complete calls and says it was cut (finish "length"); so
+        # does any other answer the limit cut inside a call, its content the text before that call's marker
         cut = finish == "length" and p.tool_choice is not None
         limited = finish == "length"  # a cut answer's trailing piece of a call marker is no content
-        content, calls = self.fmt.tool_calls(text, tools=p.tools, cut=cut, limited=limited) if p.tools else (text, None)
-        if calls and not cut:
+        content, calls, rescued = self.fmt.read_calls(text, tools=p.tools, cut=cut, limited=limited) if p.tools \
+            else (text, None, False)
+        if calls and not rescued:
             finish = "tool_calls"
         choice = self._choice(s, tokens, content, finish, calls, p)
         if split:
