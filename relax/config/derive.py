@@ -7,6 +7,7 @@ the rules read (`data_parallel_size`, `actor_world_size`, `needs_reference`, `te
 from __future__ import annotations
 
 import dataclasses
+import string
 
 from relax import algorithms
 from relax.config.schema import ModelConfig, RelaxConfig, TrainConfig
@@ -54,13 +55,19 @@ def agentic(cfg: RelaxConfig) -> bool:
     return bool(d.env or d.tools or d.agent or d.openai_agent)
 
 
+def template_reads(template: str | None, field: str) -> bool:
+    """Whether a judge's template names `{field}` (an unreadable one: its own rule reports it)."""
+    try:
+        return any(name == field for _, name, _, _ in string.Formatter().parse(template or ""))
+    except ValueError:
+        return False
+
+
 def label_reader(cfg: RelaxConfig) -> str | None:
     """What of the run reads a prompt's label, as the missing-label message names it: `data.reward` (a function or
     a service is called with it; the eval sets are scored by it too) or a judge whose `reward_model.template` names
     {label}. None where nothing does (data.reward=none: an environment or agent loop gives the rewards, or a
     classifier or a judge without {label} scores): a record then needs no label, and its item's label is ""."""
-    from relax.config.reward_model_rules import template_reads  # (it imports this module, through vision_rules)
-
     d, rm = cfg.data, cfg.reward_model
     if d.reward != "none":
         return f"data.reward={d.reward if isinstance(d.reward, str) else list(d.reward)}"

@@ -14,6 +14,7 @@ import string
 from urllib.parse import urlparse
 
 from relax.algorithms.base import Violation
+from relax.config.derive import template_reads
 from relax.config.schema import RelaxConfig, RewardModelConfig
 from relax.config.vision_rules import is_vision_model
 
@@ -113,14 +114,6 @@ def reward_model_violations(cfg: RelaxConfig) -> list[Violation]:
         _judge(rm, require)
     _vision(cfg, require)
     return out
-
-
-def template_reads(template: str | None, field: str) -> bool:
-    """Whether a judge's template names `{field}` (an unreadable one: its own rule reports it)."""
-    try:
-        return any(name == field for _, name, _, _ in string.Formatter().parse(template or ""))
-    except ValueError:
-        return False
 
 
 def _vision(cfg: RelaxConfig, require) -> None:
