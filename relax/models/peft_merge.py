@@ -18,14 +18,15 @@ machine (`find_base`), or a ModelPathError names it and where to put it.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,8 +43,6 @@ from relax.data.tokenizer import (
     resolve_model_path,
 )
 from relax.models.gguf_cache import cache_lock
-
-logger = logging.getLogger(__name__)
 
 # the files of a tokenizer (and of a vision-language model's processor) that `save_pretrained` writes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -184,7 +183,8 @@ def ensure_merged(model_cfg: Any) -> Optional[Path]:
               f"({name!r}), once, into {out}", file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            tokenizer_from = merge_into(adapter_dir, base, tmp)
+            with _no_progress_bars():
+                tokenizer_from = merge_into(adapter_dir, base, tmp)
             record = {**wanted, "adapter_dir": str(adapter_dir.resolve()), "base_model_name_or_path": name,
                       "tokenizer_from": str(tokenizer_from)}
             (tmp / MERGE_RECORD).write_text(json.dumps(record, indent=1))  # last: the merge is complete
@@ -196,6 +196,20 @@ def ensure_merged(model_cfg: Any) -> Optional[Path]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Without transformers' progress bars of loading and writing weights, which would garble a run's output."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _save_dtype(config: Any) -> torch.dtype:
@@ -219,16 +233,21 @@ def merge_into(adapter_dir: Path, base: Path, out: Path) -> Path:
     from relax.models.lora import _CHECKPOINTING_DEPRECATION, _FUSED_PATTERN_WARNING, check_merge
     from relax.models.vision import VISION_MODEL_TYPES, load_vision_model
 
-    if base.is_file():  # a .gguf file: de-quantized to fp32 (relax.models.gguf_cache)
-        from relax.models.gguf_cache import load_gguf_model
+    try:
+        if base.is_file():  # a .gguf file: de-quantized to fp32 (relax.models.gguf_cache)
+            from relax.models.gguf_cache import load_gguf_model
 
-        config, model = None, load_gguf_model(base, local_files_only=True)
-    else:
-        config = AutoConfig.from_pretrained(str(base), local_files_only=True)
-        if getattr(config, "model_type", None) in VISION_MODEL_TYPES:
-            model = load_vision_model(base, torch.float32)
+            config, model = None, load_gguf_model(base, local_files_only=True)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True, dtype=torch.float32)
+            config = AutoConfig.from_pretrained(str(base), local_files_only=True)
+            if getattr(config, "model_type", None) in VISION_MODEL_TYPES:
+                model = load_vision_model(base, torch.float32)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001  (transformers', torch's, safetensors' own errors of files they cannot use)
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelFileError(f"the base model {base} of the PEFT adapter directory {str(adapter_dir)!r} cannot be "
+                             f"loaded: {type(e).__name__}: {detail}") from None
     own_tokenizer = (adapter_dir / "tokenizer_config.json").is_file()
     if own_tokenizer:
         n_tokens = len(AutoTokenizer.from_pretrained(str(adapter_dir), local_files_only=True))

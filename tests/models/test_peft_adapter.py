@@ -282,3 +282,10 @@ def test_training_from_an_adapter_directory_starts_from_the_merged_weights(dirs,
     torch.testing.assert_close(samples.rollout_logp[sampled], logp(merged), atol=1e-4, rtol=1e-4)
     base = logp(AutoModelForCausalLM.from_pretrained(str(dirs["base"])))
     assert (samples.rollout_logp[sampled] - base).abs().max() > 0.1
+
+
+def test_a_base_that_does_not_load_is_named_without_a_traceback(dirs):
+    (dirs["base"] / "model.safetensors").write_bytes(b"not safetensors")
+    pre = preflight(load_config(["model.source=hf", f"model.path={dirs['adapter']}"]), only=("model",))
+    assert pre.problems["model"].startswith(f"the base model {dirs['base']} of the PEFT adapter directory "
+                                            f"{str(dirs['adapter'])!r} cannot be loaded: ")
