@@ -1,11 +1,13 @@
-"""The rules of `data.sandbox` (the limits of the code_tests rewards' and the python tool's sandbox) and of
-`data.reward_workers`, reported with the rest of the config's (`relax.config.validate`): each limit in its range,
-the memory and wall-clock limits at least what a sandboxed interpreter needs to start (`MEMORY_FLOOR_MB`,
-`WALL_FLOOR_S`: below them every program would fail before its first line; cpu_s, a whole number of seconds, and
-file_size_mb, which limits only the files a program writes, need no floor), the CPU limit within the wall-clock one,
-and each option refused where nothing reads it (no code_tests reward and no python tool; reward calls that run in the
-driver or on a service). The time limits of the reward and the tool are checked against the configured wall-clock
-limit where they are (`relax.config.reward_service_rules`, validate's agent rules)."""
+"""The rules of `data.sandbox` (the limits of the code_tests rewards' and the python tool's sandbox), of
+`data.reward_workers` and of `data.reward_memory_mb` (the reward worker processes' memory: at least the sandbox's
+memory floor, which a worker, an interpreter that has imported relax, needs as much as a sandboxed one), reported
+with the rest of the config's (`relax.config.validate`): each limit in its range, the memory and wall-clock limits at
+least what a sandboxed interpreter needs to start (`MEMORY_FLOOR_MB`, `WALL_FLOOR_S`: below them every program would
+fail before its first line; cpu_s, a whole number of seconds, and file_size_mb, which limits only the files a program
+writes, need no floor), the CPU limit within the wall-clock one, and each option refused where nothing reads it (no
+code_tests reward and no python tool; reward calls that run in the driver or on a service). The time limits of the
+reward and the tool are checked against the configured wall-clock limit where they are
+(`relax.config.reward_service_rules`, validate's agent rules)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def reward_specs(reward: object) -> list[str]:
 
 
 def sandbox_violations(cfg: RelaxConfig) -> list[Violation]:
-    """Every broken rule of `data.sandbox` and `data.reward_workers` (see the module docstring)."""
+    """Every broken rule of `data.sandbox`, `data.reward_workers` and `data.reward_memory_mb` (see the module
+    docstring)."""
     d, out = cfg.data, []
     box, default = d.sandbox, SandboxConfig()
 
@@ -78,11 +81,22 @@ def sandbox_violations(cfg: RelaxConfig) -> list[Violation]:
                     f"({limits['wall_s']:g} s{'' if box.wall_s is None else ', data.sandbox.wall_s'}): a program is "
                     "stopped at the wall-clock limit first, so the CPU limit would never act; lower data.sandbox.cpu_s "
                     "or raise data.sandbox.wall_s")
+    local = [s for s in specs if s != "none" and not s.lower().startswith(("http://", "https://"))]
+    in_driver = ("data.reward_timeout_s=null calls them in the driver" if d.reward_timeout_s is None else
+                 f"data.reward={d.reward} has no function (a reward service is called from the driver)")
     if d.reward_workers is not None:
-        local = [s for s in specs if s != "none" and not s.lower().startswith(("http://", "https://"))]
         require(d.reward_timeout_s is not None and bool(local), ("data.reward_workers", "data.reward_timeout_s"),
                 f"data.reward_workers={d.reward_workers} has no effect: reward worker processes make the calls of "
-                "data.reward's functions under a time limit (data.reward_timeout_s), and "
-                + ("data.reward_timeout_s=null calls them in the driver" if d.reward_timeout_s is None else
-                   f"data.reward={d.reward} has no function (a reward service is called from the driver)"))
+                f"data.reward's functions under a time limit (data.reward_timeout_s), and {in_driver}")
+    memory = d.reward_memory_mb
+    if memory is not None and range_of(type(d), "reward_memory_mb").admits(memory):
+        # the driver's own memory is never limited: it holds the rollout (and, in process, the model)
+        require(d.reward_timeout_s is not None and bool(local), ("data.reward_memory_mb", "data.reward_timeout_s"),
+                f"data.reward_memory_mb={memory} has no effect: it limits the reward worker processes, which make the "
+                f"calls of data.reward's functions under a time limit (data.reward_timeout_s), and {in_driver}; "
+                "the driver's own memory is not limited")
+        require(memory >= MEMORY_FLOOR_MB, "data.reward_memory_mb",
+                f"data.reward_memory_mb={memory} is below {MEMORY_FLOOR_MB} MB, the least it may be: a reward worker "
+                "process is a Python interpreter that has imported relax (about 27 MB of writable memory) before it "
+                "loads the function, so with less every call would fail for lack of memory")
     return out

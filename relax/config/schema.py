@@ -416,6 +416,9 @@ class DataConfig:
     # Worker processes that make those calls (with reward_timeout_s), each one call at a time; None: as many as the
     # CPUs this process may use, at most 4
     reward_workers: Optional[int] = positive(None, optional=True)
+    # Megabytes of memory each of those worker processes may write (RLIMIT_DATA, its imports included; at least 64):
+    # a call that allocates past it fails (a MemoryError: its group is left out, the worker replaced); None: no limit
+    reward_memory_mb: Optional[int] = positive(None, optional=True)
     # The limits of the sandbox of the code_tests rewards and of the python tool
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     # Text prepended as a system message to string prompts when the chat template is applied; None: none.

@@ -223,6 +223,7 @@ def score_responses(
     timeout_s: Optional[float] = None,
     contexts: Optional[Sequence[RewardContext]] = None,
     workers: Optional[int] = None,
+    memory_mb: Optional[int] = None,
 ) -> Scores:
     """Score each (response, label) pair; a failing call is recorded in `Scores.failed`, never raised.
 
@@ -230,7 +231,8 @@ def score_responses(
     (`relax.rewards.calls.reward_inputs`); without them, `prompts` are the prompts. `timeout_s`: None calls `fn`
     here, one call after the other; a number runs the calls in worker processes (`RewardWorkers`: `workers` of them,
     `data.reward_workers`; None: as many as the CPUs, at most 4), where a call that takes longer fails (and its
-    process is replaced).
+    process is replaced), as does one that allocates past `memory_mb` (`data.reward_memory_mb`, each worker's
+    memory limit; None: none; only with `timeout_s`: the driver's own memory is never limited).
     """
     if len(responses) != len(labels):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(labels)} labels")
@@ -238,6 +240,9 @@ def score_responses(
         raise ValueError(f"score_responses: {len(responses)} responses but {len(prompts)} prompts")
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"score_responses: timeout_s={timeout_s} must be > 0 (or None: no limit)")
+    if memory_mb is not None and timeout_s is None:
+        raise ValueError(f"score_responses: memory_mb={memory_mb} limits the worker processes, and timeout_s=None "
+                         "calls the function here")
     if isinstance(fn, RemoteReward):  # batched requests from here, with their own limits (data.reward_service)
         values, errors = fn.score_batch(responses, labels, prompts, contexts)
         outcomes, timed_out = list(zip(values, errors, strict=True)), [False] * len(values)
@@ -256,7 +261,7 @@ def score_responses(
         timed_out = [False] * len(calls)
     else:
         with POOL_LOCK:
-            outcomes, timed_out = workers_for(fn, workers).run(calls, timeout_s)
+            outcomes, timed_out = workers_for(fn, workers, memory_mb).run(calls, timeout_s)
     return _scores(fn, outcomes, timed_out)
 
 

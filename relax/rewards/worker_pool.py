@@ -1,15 +1,26 @@
 """Worker processes for reward calls with a time limit (`data.reward_timeout_s`): a hung call cannot be stopped
 inside a thread, so limited calls run in fresh interpreters that are killed and replaced when a call runs past its
 limit (see `relax.rewards.registry` for the contract). The agents' tools (`relax.agents.tools`) run in the same
-kind of workers, with their own call function and limit (`data.tool_timeout_s`)."""
+kind of workers, with their own call function and limit (`data.tool_timeout_s`).
+
+Memory (`data.reward_memory_mb`): a reward worker may limit itself, before it loads the function, with
+`RLIMIT_DATA`, the process's writable private memory (the heap and anonymous mappings: what a runaway allocation
+grows, since Linux 4.7). Not `RLIMIT_AS`: that counts address space only reserved, never written (glibc's 64 MB
+malloc arena per thread, torch's and CUDA's reservations, shared libraries' code), several times what a process
+uses once torch is imported, so a limit that stops a runaway call would also fail the worker's own imports. An
+allocation past the limit raises MemoryError in the call: that call fails, naming the limit, and its worker is
+replaced (its state after a failed allocation is not trusted)."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import pickle
+import platform
+import re
 import signal
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -37,12 +48,51 @@ QUEUE_BYTES = 4096
 _PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its parent dies
 
 
+MEMORY_LIMIT = "data.reward_memory_mb"  # the option that sets a reward worker's memory limit (`_limit_memory`)
+
+
+def memory_limit_problem() -> Optional[str]:
+    """Why this system cannot enforce a reward worker's memory limit (`RLIMIT_DATA` covering anonymous mappings: Linux
+    4.7 or later), or None where it can."""
+    if not sys.platform.startswith("linux"):
+        return f"{MEMORY_LIMIT} needs Linux (RLIMIT_DATA), and this is {platform.system() or sys.platform}"
+    numbers = re.match(r"(\d+)\.(\d+)", platform.release())
+    if numbers is not None and (int(numbers[1]), int(numbers[2])) < (4, 7):
+        return (f"{MEMORY_LIMIT} needs Linux 4.7 or later, whose RLIMIT_DATA counts anonymous mappings (where large "
+                f"allocations go); this kernel is {platform.release()}")
+    return None
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """Limit this process's writable private memory to `memory_mb` (`RLIMIT_DATA`, soft and hard: the function
+    cannot lift it); checked: a mapping past the limit must be refused, else RuntimeError (never a limit that is
+    accepted and not applied)."""
+    import mmap
+    import resource
+
+    size = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_DATA, (size, size))
+    try:
+        # private, as malloc's are (a shared mapping is not counted); never written: the refusal is the test
+        probe = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return
+    probe.close()
+    raise RuntimeError(f"{MEMORY_LIMIT}={memory_mb}: this kernel ({platform.release()}) does not apply RLIMIT_DATA to "
+                       "anonymous mappings, so the limit would not hold")
+
+
+def is_memory_error(error: Optional[str]) -> bool:
+    """Whether a call's failure (its traceback) is a MemoryError."""
+    lines = (error or "").strip().splitlines()
+    return bool(lines) and re.match(r"MemoryError\b", lines[-1]) is not None
+
+
 def _worker_main(fd: int) -> None:
     """A worker process (`python -c`, see `_Worker`): on the connection `fd`, receive the driver's sys.path, the
-    pickled function and the pickled caller (`call_once` for rewards), then answer each (index, call) with (index,
-    caller(fn, *call), seconds the call took)."""
-    import sys
-
+    pickled function, the pickled caller (`call_once` for rewards) and the memory limit in MB (None: none), then
+    answer each (index, call) with (index, caller(fn, *call), seconds the call took, whether it ran out of memory
+    under that limit)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     try:  # die with the driver even while stuck in a call
         import ctypes
@@ -52,7 +102,9 @@ def _worker_main(fd: int) -> None:
         pass
     conn = Connection(fd)
     try:
-        path, fn_bytes, caller_bytes = conn.recv()
+        path, fn_bytes, caller_bytes, memory_mb = conn.recv()
+        if memory_mb is not None:  # before the function's module and its imports load: they count
+            _limit_memory(memory_mb)
         sys.path[:] = path + [p for p in sys.path if p not in path]
         fn = pickle.loads(fn_bytes)
         caller = pickle.loads(caller_bytes)
@@ -70,16 +122,19 @@ def _worker_main(fd: int) -> None:
             return
         i, call = msg
         t0 = time.perf_counter()
-        outcome = caller(fn, *call)
-        conn.send((i, outcome, time.perf_counter() - t0))
+        try:
+            outcome = caller(fn, *call)
+        except MemoryError:  # (raised in the caller's own handling of one, formatting its traceback)
+            outcome = (None, traceback.format_exc())
+        exhausted = memory_mb is not None and outcome[0] is None and is_memory_error(outcome[1])
+        conn.send((i, outcome, time.perf_counter() - t0, exhausted))
 
 
 class _Worker:
     """One worker process: a fresh interpreter (`python -c`), so nothing of the driver is inherited or re-run."""
 
-    def __init__(self, fn_bytes: bytes, caller_bytes: bytes):
+    def __init__(self, fn_bytes: bytes, caller_bytes: bytes, memory_mb: Optional[int] = None):
         import subprocess
-        import sys
 
         import relax
 
@@ -91,7 +146,7 @@ class _Worker:
              "_worker_main(int(sys.argv[1]))", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child.close()
-        self.conn.send((list(sys.path), fn_bytes, caller_bytes))
+        self.conn.send((list(sys.path), fn_bytes, caller_bytes, memory_mb))
         self.started = time.monotonic()
         self.starter = threading.current_thread()  # the worker dies with this thread (see `RewardWorkers._fill`)
         self.ready = False
@@ -122,16 +177,18 @@ class RewardWorkers:
     in time; a worker still busy `timeout_s` + `KILL_GRACE_S` after its call was sent is killed and replaced. A
     worker that dies during a call fails that call. Workers are fresh interpreters (not forks of the driver, which
     runs Ray and torch threads; not multiprocessing's spawn, which re-runs the driver's main script) and die with
-    the driver.
+    the driver. With `memory_mb` each worker limits its own memory (see the module docstring): a call that runs out
+    fails naming `MEMORY_LIMIT`, and its worker is replaced.
     """
 
     def __init__(self, fn: RewardFn, processes: Optional[int] = None, *, caller: Callable[..., Outcome] = call_once,
-                 limit_name: str = "data.reward_timeout_s", what: str = "reward"):
+                 limit_name: str = "data.reward_timeout_s", what: str = "reward", memory_mb: Optional[int] = None):
         """`caller(fn, *call)` runs one call in a worker (a module-level function); `limit_name` and `what` name the
-        time limit and the calls in messages."""
+        time limit and the calls in messages; `memory_mb` (`data.reward_memory_mb`): each worker's memory limit
+        (None: none)."""
         self.fn_bytes = pickled(fn, what, limit_name)
         self.caller_bytes = pickle.dumps(caller)
-        self.limit_name, self.what = limit_name, what
+        self.limit_name, self.what, self.memory_mb = limit_name, what, memory_mb
         self.processes = processes or default_processes()
         self._workers: list[_Worker] = []
         self._seconds: deque[float] = deque(maxlen=256)  # the durations of the latest calls, measured in the workers
@@ -143,11 +200,11 @@ class RewardWorkers:
         for w in [w for w in self._workers if w.process.poll() is not None or not w.starter.is_alive()]:
             self._replace(w)
         while len(self._workers) < min(self.processes, n):
-            self._workers.append(_Worker(self.fn_bytes, self.caller_bytes))
+            self._workers.append(_Worker(self.fn_bytes, self.caller_bytes, self.memory_mb))
 
     def _replace(self, w: _Worker) -> None:
         w.stop()
-        self._workers[self._workers.index(w)] = _Worker(self.fn_bytes, self.caller_bytes)
+        self._workers[self._workers.index(w)] = _Worker(self.fn_bytes, self.caller_bytes, self.memory_mb)
 
     def run(self, calls: list[tuple], timeout_s: float) -> tuple[list[Outcome], list[bool]]:
         """Outcomes of `calls` (argument tuples of `_call` after `fn`) in order, and which ran past `timeout_s`.
@@ -188,25 +245,32 @@ class RewardWorkers:
                     code = w.process.wait()
                     if not w.queue:
                         raise RewardSpecError(f"a {self.what} worker process exited while starting (exit code "
-                                              f"{code})") from None
+                                              f"{code}){self._memory_note()}") from None
                     outcomes[w.queue[0]] = (None, f"the {self.what} worker process died during the call (exit code "
-                                                  f"{code})")
+                                                  f"{code}){self._memory_note()}")
                     requeue(w)
                     self._replace(w)
                     continue
                 if msg[0] == "failed":
-                    raise RewardSpecError(f"a {self.what} worker process cannot load the {self.what} function:\n"
-                                          f"{msg[1]}")
+                    raise RewardSpecError(f"a {self.what} worker process cannot load the {self.what} function"
+                                          f"{self._memory_note()}:\n{msg[1]}")
                 if msg[0] == "ready":
                     w.ready = True
                     continue
-                i, outcome, seconds = msg
+                i, outcome, seconds, exhausted = msg
                 w.queue.popleft()  # (== i: a worker answers its calls in order)
                 w.head_since = time.monotonic()  # the next queued call starts now
                 self._seconds.append(seconds)
                 if seconds > timeout_s:
                     outcome, late[i] = (None, self._timeout_message(timeout_s, seconds)), True
+                elif exhausted:  # the error's last line (the run's warning) names the limit
+                    outcome = (None, f"{outcome[1].rstrip()}\n{self.what} call ran out of memory: past {MEMORY_LIMIT}="
+                                     f"{self.memory_mb} MB (its worker process's writable memory, RLIMIT_DATA); the "
+                                     "worker process is replaced")
                 outcomes[i] = outcome
+                if exhausted:
+                    requeue(w)
+                    self._replace(w)
             now = time.monotonic()
             for w in list(self._workers):
                 if w.queue and now > w.head_since + timeout_s + KILL_GRACE_S:
@@ -222,6 +286,12 @@ class RewardWorkers:
     def _fast(self) -> bool:
         """Whether the latest calls were fast enough to queue (`FAST_CALL_S`); none yet: no."""
         return bool(self._seconds) and statistics.median(self._seconds) < FAST_CALL_S
+
+    def _memory_note(self) -> str:
+        """A hint for a worker that failed or died: with a memory limit, running out of it may be why."""
+        if self.memory_mb is None:
+            return ""
+        return f" (it may have run out of memory: {MEMORY_LIMIT}={self.memory_mb} MB limits each worker process)"
 
     def _timeout_message(self, timeout_s: float, seconds: Optional[float]) -> str:
         took = f"it took {seconds:.3g} s" if seconds is not None else "its worker process was killed"
@@ -252,19 +322,20 @@ _POOL: Optional[RewardWorkers] = None
 POOL_LOCK = threading.Lock()
 
 
-def workers_for(fn: RewardFn, processes: Optional[int] = None) -> RewardWorkers:
+def workers_for(fn: RewardFn, processes: Optional[int] = None, memory_mb: Optional[int] = None) -> RewardWorkers:
     """The workers of `fn`, started at its first limited call and reused (one function's workers at a time);
-    `processes` (`data.reward_workers`): how many (None: `RewardWorkers`' default)."""
+    `processes` (`data.reward_workers`): how many (None: `RewardWorkers`' default); `memory_mb`
+    (`data.reward_memory_mb`): each one's memory limit (None: none)."""
     global _POOL
     try:
         same = _POOL is not None and _POOL.fn_bytes == pickle.dumps(fn) and \
-            _POOL.processes == (processes or default_processes())
+            _POOL.processes == (processes or default_processes()) and _POOL.memory_mb == memory_mb
     except Exception:
         same = False  # RewardWorkers(fn) says why it cannot be pickled
     if not same:
         if _POOL is not None:
             _POOL.close()
             _POOL = None
-        _POOL = RewardWorkers(fn, processes)
+        _POOL = RewardWorkers(fn, processes, memory_mb=memory_mb)
         atexit.register(_POOL.close)
     return _POOL

@@ -63,10 +63,11 @@ from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_mode
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
 from relax.models.peft_merge import adapter_path, ensure_merged
+from relax.rewards.calls import RewardSpecError
 from relax.rewards.combined import RewardList, reward_of
 from relax.rewards.registry import check_record_fields
 from relax.rewards.remote import is_url
-from relax.rewards.worker_pool import pickled
+from relax.rewards.worker_pool import memory_limit_problem, pickled
 from relax.roles.workers import ModelInfo
 from relax.runner import checkpoint
 from relax.runner.cluster import local_gpu_problem
@@ -275,6 +276,9 @@ def _reward(pre: Preflight) -> bool:
             check_record_fields(spec, fn, items, what)
     if pre.cfg.data.reward_timeout_s is not None and not is_url(pre.cfg.data.reward):
         pickled(pre.reward_fn)  # a limited call runs in a worker process, which it must reach
+    problem = memory_limit_problem() if pre.cfg.data.reward_memory_mb is not None else None
+    if problem is not None:  # refused here, not accepted and left unapplied
+        raise RewardSpecError(problem)
     return True
 
 

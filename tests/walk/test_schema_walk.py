@@ -189,6 +189,8 @@ VALUES: dict[str, Any] = {
     "data.sandbox.wall_s": 20.0,
     "data.sandbox.cpu_s": 2,
     "data.reward_workers": 2,
+    "data.reward_memory_mb": 256,  # as data.reward_workers: rejected with the base's calls in the driver; its runs:
+    # tests/rewards/test_reward_memory_limit.py
     "model.lora_target_modules": "[q_proj,v_proj]",
     "model.lora_dropout": 0.5,
     "rollout.lora_sync": "adapter",

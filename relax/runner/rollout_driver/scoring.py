@@ -67,10 +67,12 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
         if isinstance(reward_fn, RewardList):
             scores = score_list(reward_fn, cfg.data.reward_weights, texts, labels, prompts,
                                 timeout_s=cfg.data.reward_timeout_s, service_options=cfg.data.reward_service,
-                                contexts=contexts, workers=cfg.data.reward_workers)
+                                contexts=contexts, workers=cfg.data.reward_workers,
+                                memory_mb=cfg.data.reward_memory_mb)
         else:
             scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s,
-                                     contexts=contexts, workers=cfg.data.reward_workers)
+                                     contexts=contexts, workers=cfg.data.reward_workers,
+                                     memory_mb=cfg.data.reward_memory_mb)
     except RewardServiceError as exc:  # past data.reward_service.max_errors: the run stops with its message
         raise RunError(str(exc)) from None
     if episodes is not None:
