@@ -323,12 +323,12 @@ class RelaxRayLauncher(Launcher):
                     owners.setdefault((str(what), str(value)), []).append(index)
         for (what, value), shared in owners.items():
             if len(shared) > 1:
+                advice = self._own_directory_advice([jobs[indices.index(i)] for i in shared])
                 for index in shared:
                     others = ", ".join(str(i) for i in shared if i != index)
                     problems.setdefault(index, []).append(
                         f"{what} {value} is also job {others}'s: two jobs would write the same files (the second "
-                        "would fail on the first's lock); make the jobs differ, e.g. in seed, tracking.run_name or "
-                        "train.save_dir")
+                        f"would fail on the first's lock); {advice}")
         if problems:
             n = len(problems)
             text = [f"job {index} ({' '.join(filter_overrides(job))}):\n"
@@ -337,6 +337,17 @@ class RelaxRayLauncher(Launcher):
             print(f"relax-train: error: invalid config in {n} of {len(jobs)} sweep job{'s' if len(jobs) > 1 else ''}"
                   f" (nothing started):\n" + "\n".join(text), file=sys.stderr)
             sys.exit(INVALID_CONFIG_EXIT)
+
+    def _own_directory_advice(self, jobs: Sequence[Sequence[str]]) -> str:
+        """How jobs that share a checkpoint directory get one each. Without train.save_dir a run's directory is
+        named after its run (tracking.run_name, else the algorithm and seed); jobs that set one train.save_dir and
+        already differ in seed or run name share it all the same: only a train.save_dir of each then helps."""
+        cfgs = [self._compose(job) for job in jobs]
+        named = [tuple(OmegaConf.select(c, key, default=None) for key in ("seed", "tracking.run_name")) for c in cfgs]
+        if all(OmegaConf.select(c, "train.save_dir", default=None) for c in cfgs) and len(set(named)) > 1:
+            return ("the jobs already differ in seed or tracking.run_name, but train.save_dir names this one "
+                    "directory for all of them: give each job a train.save_dir of its own")
+        return "make the jobs differ, e.g. in seed, tracking.run_name or train.save_dir"
 
     def _start_parent(self) -> Optional[str]:
         """The sweep's MLflow parent run, created once per sweep (this also creates a new sqlite store)."""
