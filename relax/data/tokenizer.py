@@ -433,6 +433,30 @@ def template_stop_tokens(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     return ids
 
 
+def _call_probe(n: int) -> list[dict]:
+    """A conversation whose assistant message makes `n` calls, each answered by a tool message."""
+    calls = [{"id": f"call{k}", "type": "function", "function": {"name": f"probe_tool_{k}", "arguments": {}}}
+             for k in range(n)]
+    return [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": f"call{k}", "content": "ok"} for k in range(n))]
+
+
+def template_single_call(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template takes only one tool call per assistant message: it renders an assistant
+    message with one call but raises on one with two (Llama 3.1/3.2's "This model only supports single tool-calls at
+    once!"). Such a model is never let write two calls in one answer (relax-serve and the training gateway constrain
+    it to one, as parallel_tool_calls false does), since its own template could not render that answer back. False
+    where the template renders both, or neither (it says nothing of calls then)."""
+    def renders(n: int) -> bool:
+        try:
+            tokenizer.apply_chat_template(_call_probe(n), tokenize=False)
+        except Exception:  # noqa: BLE001  (jinja's TemplateError, a template's raise_exception, a missing variable)
+            return False
+        return True
+
+    return renders(1) and not renders(2)
+
+
 def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """Token ids that end a response: the tokenizer's EOS plus the `generation_config.json` eos ids of the directory
     the tokenizer comes from (the model's, `source=hf`; `model.tokenizer`'s, a Hugging Face directory, for

@@ -125,7 +125,10 @@ def test_the_gateway_sends_the_strict_grammar_in_every_family_format(family):
         assert not takes(thought + call.replace("expression", "formula"))
         free = dict(CALCULATOR, function=dict(CALCULATOR["function"], strict=False))
         client.chat.completions.create(model="policy", messages=USER, tools=[free], max_tokens=60)
-        assert not {"ebnf", "structural_tag", "json_schema", "regex"} & set(script.calls[1][0]["sampling_params"])
+        grammars_sent = {"ebnf", "structural_tag", "json_schema", "regex"} & set(script.calls[1][0]["sampling_params"])
+        # a template that takes one call per message (Llama 3.x) is held to one call even then
+        # (test_single_call_templates.py)
+        assert grammars_sent == ({kind} if fmt.single_call else set())
     finally:
         gateways.close()
 

@@ -52,6 +52,7 @@ from relax.agents.parsers import (
     write_calls,
 )
 from relax.agents.render import ObservationRenderer
+from relax.data.tokenizer import template_single_call
 from relax.serve.openai.deltas import CALL_STARTS, held_prefix_tail
 from relax.serve.openai.protocol import (
     EFFORT_VARIABLE,
@@ -200,6 +201,8 @@ class ChatFormat:
         self.native_calls = "tool_calls" in template
         self.reasoning = uses_reasoning(template)  # answers may hold a <think> block (split_reasoning)
         self.harmony = uses_harmony(template)  # answers are harmony messages (gpt-oss's channels)
+        # the template refuses an assistant message with two calls (Llama 3.x): answers make one call at most
+        self.single_call = self.native_calls and template_single_call(tokenizer)
         # the template reads the reasoning_effort variable (gpt-oss's: "Reasoning: medium" unless given), which SGLang
         # renders a request's reasoning_effort as; a template that never mentions it cannot honour an effort
         # the variables the template reads (None: it does not parse here; then every key is taken, as before)

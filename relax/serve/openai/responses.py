@@ -938,8 +938,10 @@ class Responses:
     def _echo_effort(self, req: Request) -> None:
         """The response's reasoning.effort: the effort the answer was rendered with (OpenAI echoes the effective
         value; `ChatFormat.applied_effort`), read once the chat route took the request (so the effort is one it
-        honours)."""
+        honours); likewise parallel_tool_calls false for a model whose template takes one call per message."""
         fmt = getattr(self.service, "fmt", None)
+        if getattr(fmt, "single_call", False):  # the chat route made one call at most: the value applied
+            req.echo["parallel_tool_calls"] = False
         if fmt is not None:
             req.echo["reasoning"] = {**req.echo["reasoning"], "effort": fmt.applied_effort(
                 req.chat.get("reasoning_effort"), req.chat.get("chat_template_kwargs"))}

@@ -166,6 +166,8 @@ class OpenAIService:
             p.template_kwargs = self.fmt.verbosity_variables(p.verbosity, p.template_kwargs or {}) or None
         if p.thinking_off:
             self._check_thinking_off(p.template_kwargs or {})
+        if self.fmt.single_call:  # its chat template refuses two calls in a message (Llama 3.x): one call at most
+            p.parallel_tool_calls = False
         # tool_choice allowed_tools: the calls' grammar is written over the listed tools only, while every tool
         # stays in the prompt (OpenAI's: the tools list is left whole for prompt caching)
         callable_ = p if p.allowed is None else replace(p, tools=[t for t in p.tools or []
