@@ -156,11 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     _check_reasoning_secret()
     cfg = _load(args)
     from relax.models.hf import resolve_model_path
+    from relax.models.peft_merge import ensure_merged
     from relax.serve.http import is_loopback
     from relax.serve.sglang.server import EmbeddedServer
 
     if cfg.model.source != "config":
         try:
+            ensure_merged(cfg.model)  # a PEFT adapter directory: its base with the adapters merged, before loading
             resolve_model_path(cfg.model)  # a missing model directory or file: a usage error, before binding
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))

@@ -62,10 +62,7 @@ def pick_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
 
 def resolve_model_path(model_cfg: ModelConfig) -> Path:
     """Where an hf/gguf model lives; fails early (before any loading) when it is not there. A PEFT adapter directory
-    is its base with the adapters merged, written on first use (`relax.models.peft_merge`)."""
-    from relax.models.peft_merge import ensure_merged  # it imports this module's neighbours (lora, vision)
-
-    ensure_merged(model_cfg)
+    is its base with the adapters merged, which each command writes before it starts (`relax.models.peft_merge`)."""
     path = _resolve_model_path(model_cfg)
     if path is None:
         raise ValueError("model.source=config has no model path")

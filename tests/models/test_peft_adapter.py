@@ -26,6 +26,7 @@ from relax.data.tokenizer import (
     load_tokenizer,
 )
 from relax.models.hf import build_model, resolve_model_path
+from relax.models.peft_merge import ensure_merged
 from relax.runner.preflight import preflight
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -54,13 +55,20 @@ def hf(path: Path) -> ModelConfig:
     return ModelConfig(source="hf", path=str(path), dtype="float32")
 
 
+def merged_path(model_cfg) -> Path:
+    """What a command does before it starts (relax-train's preflight, relax-serve, relax-export): the merge, then
+    the model's path, which every reader of model.path resolves to the merged directory."""
+    ensure_merged(model_cfg)
+    return resolve_model_path(model_cfg)
+
+
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids).logits
 
 
 def test_the_merged_model_gives_peft_own_logits(dirs):
-    merged = resolve_model_path(hf(dirs["adapter"]))
+    merged = merged_path(hf(dirs["adapter"]))
     assert (merged / MERGE_RECORD).is_file() and (merged / "config.json").is_file()
     ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
     ours = logits(AutoModelForCausalLM.from_pretrained(str(merged)), ids)
@@ -76,11 +84,11 @@ def test_the_merged_model_gives_peft_own_logits(dirs):
     assert check_model_files(hf(dirs["adapter"])) == merged
     # merged once: a second resolve reuses it; changed adapter files are merged again, into another directory
     stamp = (merged / "model.safetensors").stat().st_mtime_ns
-    assert resolve_model_path(hf(dirs["adapter"])) == merged
+    assert merged_path(hf(dirs["adapter"])) == merged
     assert (merged / "model.safetensors").stat().st_mtime_ns == stamp
     config = json.loads((dirs["adapter"] / "adapter_config.json").read_text())
     (dirs["adapter"] / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 16}))
-    again = resolve_model_path(hf(dirs["adapter"]))
+    again = merged_path(hf(dirs["adapter"]))
     assert again != merged
     doubled = logits(AutoModelForCausalLM.from_pretrained(str(again)), ids)
     assert (doubled - ours).abs().max() > 0.1
@@ -93,7 +101,7 @@ def test_a_base_not_on_this_machine_is_named_with_where_to_put_it(dirs, tmp_path
     monkeypatch.setenv("MODEL_DIR", str(tmp_path / "models"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # an empty Hugging Face cache
     with pytest.raises(ModelPathError) as exc:
-        resolve_model_path(hf(adapter))
+        merged_path(hf(adapter))
     message = str(exc.value)
     assert f"{str(adapter)!r} is a PEFT adapter directory whose base model 'acme/Tiny-0.1B' (adapter_config.json's " \
            "base_model_name_or_path) is not on this machine" in message
@@ -109,7 +117,7 @@ def test_a_base_not_on_this_machine_is_named_with_where_to_put_it(dirs, tmp_path
     assert code.value.code == 2
     # where the message says: $MODEL_DIR/<the id's last part> is found
     shutil.copytree(dirs["base"], tmp_path / "models" / "Tiny-0.1B")
-    merged = resolve_model_path(hf(adapter))
+    merged = merged_path(hf(adapter))
     record = json.loads((merged / MERGE_RECORD).read_text())
     assert record["base"] == str((tmp_path / "models" / "Tiny-0.1B").resolve())
 
@@ -170,7 +178,7 @@ def test_relax_own_lora_export_moved_is_its_merged_export(in_process, small_run,
     export_checkpoint(ckpt, tmp_path / "adapters")
     export_checkpoint(ckpt, tmp_path / "merged", merge=True)
     (tmp_path / "adapters").rename(tmp_path / "moved")  # base_model_name_or_path names a directory gone
-    ours = resolve_model_path(hf(tmp_path / "moved"))
+    ours = merged_path(hf(tmp_path / "moved"))
     ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
     got = logits(AutoModelForCausalLM.from_pretrained(str(ours)), ids)
     torch.testing.assert_close(got, logits(AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")), ids),
@@ -246,7 +254,7 @@ def test_adapters_on_a_gguf_file_merge_into_its_dequantized_weights(tmp_path, mo
     peft_model.save_pretrained(str(tmp_path / "adapter"))
     config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
     (tmp_path / "adapter/adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(gguf)}))
-    merged = resolve_model_path(hf(tmp_path / "adapter"))
+    merged = merged_path(hf(tmp_path / "adapter"))
     ids = torch.tensor([[1, 504, 3458, 314, 260, 2]])
     reference = logits(PeftModel.from_pretrained(load_gguf_model(gguf, local_files_only=True),
                                                  str(tmp_path / "adapter")), ids)
