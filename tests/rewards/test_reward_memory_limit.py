@@ -4,7 +4,7 @@ warning's line too), its worker is replaced, and the next call, in the new worke
 the same limit works (the limit is not one that fails everything). Such a failure is a failed reward call like any
 other: counted by data.max_failed_reward_steps, naming the limit. The option is refused below the sandbox's memory
 floor and where no call runs in a worker (data.reward_timeout_s=null: the driver; a service), and score_responses
-refuses a limit without workers."""
+refuses a limit without workers; a system that cannot enforce it is named (preflight refuses it before start)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,13 @@ def test_the_rules_of_data_reward_memory_mb():
     assert "data.reward_memory_mb=256 has no effect" in message and "calls them in the driver" in message
     message = problems("data.reward=http://127.0.0.1:9/score", "data.reward_memory_mb=256")
     assert "data.reward_memory_mb=256 has no effect" in message and "reward service" in message
+
+
+def test_a_system_that_cannot_enforce_it_is_named(monkeypatch):
+    from relax.rewards import worker_pool
+
+    assert worker_pool.memory_limit_problem() is None  # this Linux applies RLIMIT_DATA (the test above shows it)
+    monkeypatch.setattr(worker_pool.platform, "release", lambda: "4.4.0-210-generic")
+    assert "needs Linux 4.7 or later" in worker_pool.memory_limit_problem()
+    monkeypatch.setattr(worker_pool.sys, "platform", "darwin")
+    assert "needs Linux" in worker_pool.memory_limit_problem()
