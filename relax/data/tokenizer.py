@@ -466,7 +466,8 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
     lists while the tokenizer's EOS may be another token (`<|endoftext|>`). A GGUF file carries one EOS (the
     tokenizer's) and no generation config: a tokenizer read from one (model.source=gguf, or model.tokenizer a .gguf
     file) also stops on the end tokens its chat template writes (`template_stop_tokens`), as llama.cpp stops a GGUF
-    model on its end-of-generation tokens besides the EOS. Never empty.
+    model on its end-of-generation tokens besides the EOS; so does a `model.tokenizer` directory (with or without a
+    generation_config.json) and a `model.chat_template` of one's own. Never empty.
     """
     ids = _ids(tokenizer.eos_token_id)
     source = _field(model_cfg, "source", "config")
@@ -485,8 +486,10 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
             raise ModelFileError(f"{key}: {path / 'generation_config.json'} cannot be read: "
                                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
                                  ) from None
-    if source == "gguf" or (source == "config" and tokenizer_file and Path(tokenizer_file).expanduser().is_file()) \
-            or _field(model_cfg, "chat_template"):  # a template of one's own: its end-of-turn token ends a response
+    # a tokenizer without its model's generation config (a .gguf file, a tokenizer directory, which often has no
+    # generation_config.json: a tokenizer's save_pretrained writes none), or a template of one's own: the end tokens
+    # its template writes (gpt-oss's <|call|> too) end a response
+    if source == "gguf" or (source == "config" and tokenizer_file) or _field(model_cfg, "chat_template"):
         ids |= template_stop_tokens(tokenizer)
     if not ids:
         raise ValueError("the tokenizer has no EOS token and the model no generation_config eos_token_id: "
