@@ -447,14 +447,17 @@ def template_single_call(tokenizer: PreTrainedTokenizerBase) -> bool:
     once!"). Such a model is never let write two calls in one answer (relax-serve and the training gateway constrain
     it to one, as parallel_tool_calls false does), since its own template could not render that answer back. False
     where the template renders both, or neither (it says nothing of calls then)."""
-    def renders(n: int) -> bool:
-        try:
-            tokenizer.apply_chat_template(_call_probe(n), tokenize=False)
-        except Exception:  # noqa: BLE001  (jinja's TemplateError, a template's raise_exception, a missing variable)
-            return False
-        return True
+    return template_call_text(tokenizer, 1) is not None and template_call_text(tokenizer, 2) is None
 
-    return renders(1) and not renders(2)
+
+def template_call_text(tokenizer: PreTrainedTokenizerBase, n: int = 1) -> Optional[str]:
+    """The text the tokenizer's chat template renders for a conversation whose assistant message makes `n` calls
+    (of tools named probe_tool_0, ..., no arguments), each answered: the form its model writes calls in (Mistral v11's
+    `[TOOL_CALLS]probe_tool_0[ARGS]{}`, v3's `[TOOL_CALLS] [{...}]`). None where the template raises on it."""
+    try:
+        return str(tokenizer.apply_chat_template(_call_probe(n), tokenize=False))
+    except Exception:  # noqa: BLE001  (jinja's TemplateError, a template's raise_exception, a missing variable)
+        return None
 
 
 def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -56,6 +56,11 @@ CACHE_SIZE = 256  # compiled grammars kept (a request's schema is usually one of
 # tool parsers (relax.agents.parsers) whose calls tool_call_ebnf can write: every built-in one (the text formats, and
 # HARMONY, whose calls are messages rather than text: tests/openai/test_harmony_serve.py covers it)
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "deepseek_v3", "mistral")
+# Mistral's tokenizer v11+ form (Mistral-Small-3.1/3.2, Magistral, Devstral): `[TOOL_CALLS]NAME[ARGS]{...}`, each call
+# with its own marker; the `mistral` parser reads it too, so it is a grammar form of that parser, chosen where the
+# model's template writes calls so (`relax.data.tokenizer.template_call_text`)
+MISTRAL_V11 = "mistral_v11"
+MISTRAL_ARGS = "[ARGS]"
 HARMONY = "harmony"
 # harmony (gpt-oss): a call is a commentary message to `functions.NAME`, its JSON arguments closed by `<|call|>` (a
 # stop token of gpt-oss, which ends the row where it is one)
@@ -249,9 +254,9 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str],
     in `free` (not strict, tool_choice auto) take any arguments: any JSON object in the JSON formats, any text up to
     the call's closing tag in the XML ones (what the parser then reads of it, as without a grammar); the others'
     arguments follow their `parameters` (a schema xgrammar cannot compile: `ToolSchemaError` naming the tool)."""
-    if fmt not in (*TOOL_CALL_FORMATS, HARMONY):
+    if fmt not in (*TOOL_CALL_FORMATS, HARMONY, MISTRAL_V11):
         raise GrammarError(f"constraining tool calls in the {fmt!r} tool-call format is not supported (covered: "
-                           f"{', '.join((*TOOL_CALL_FORMATS, HARMONY))})")
+                           f"{', '.join((*TOOL_CALL_FORMATS, HARMONY, MISTRAL_V11))})")
     functions = [t["function"] for t in tools]
     if name is not None:
         functions = [f for f in functions if f["name"] == name]
@@ -275,6 +280,8 @@ def _call_rules(tools: list[dict], fmt: str, name: Optional[str],
         return body, DS_CALLS_BEGIN, f"{root} {_literal(DS_CALLS_END)}", _literal("\n")
     if fmt == "mistral":  # one call: a list of it
         return body, MISTRAL_CALLS, f"{_literal(' [')} {root} {_literal(']')}", _literal(", ")
+    if fmt == MISTRAL_V11:  # each call after its own marker, the next one right after it
+        return body, MISTRAL_CALLS, root, '""'
     if fmt == "harmony":  # one call per message, the next one after the next message's start
         return body, H_OPENER, f"{root} {_literal(H_CALL)}", _literal(H_START + "assistant")
     return body, "", root, _literal("; ")
@@ -285,9 +292,12 @@ FREE_OBJECT = {"type": "object"}  # a free tool's arguments in the JSON formats 
 
 def _one_call(f: dict, fmt: str, rule: str, free: bool) -> tuple[str, list[str]]:
     """(one call of function `f` in `fmt`'s format as an EBNF expression, the rules it uses, named from `rule`)."""
-    if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral", "harmony"):
+    if fmt in ("hermes", "llama3_json", "deepseek_v3", "mistral", "harmony", MISTRAL_V11):
         parameters = FREE_OBJECT if free else f.get("parameters") or {"type": "object", "properties": {}}
         what = f"the parameters of tool {f['name']!r}"
+        if fmt == MISTRAL_V11:
+            return (f"{_literal(f['name'] + MISTRAL_ARGS)} {rule}_args",
+                    [_json_rules(parameters, f"{rule}_args", what, strict=not free)])
         if fmt == "harmony":
             return (f"{_literal(f['name'] + ' ' + H_CONSTRAIN + 'json' + H_MESSAGE)} {rule}_args",
                     [_json_rules(parameters, f"{rule}_args", what, strict=not free)])
@@ -320,7 +330,8 @@ def tool_call_ebnf(tools: list[dict], fmt: str, *, name: Optional[str] = None, p
     and Hermes' templates); llama3_json: `{"name": N, "parameters": {...}}`, calls separated by "; ";
     deepseek_v3: the calls' section markers around `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\n{...}
     \\n```<｜tool▁call▁end｜>`, separated by a newline; mistral: `[TOOL_CALLS] [{"name": N, "arguments": {...}}]`,
-    the calls in that one list separated by ", " (tokenizer v3's form, which SGLang's grammar writes); qwen3_coder
+    the calls in that one list separated by ", " (tokenizer v3's form, which SGLang's grammar writes); mistral_v11:
+    `[TOOL_CALLS]N[ARGS]{...}` per call, one right after the other (tokenizer v11+'s form); qwen3_coder
     and glm45 (XML): each argument in the template's tags, a string as its text (no "<" in it), any other value as
     JSON of its schema; the required arguments always, the optional ones each or not, in the schema's order."""
     body, opener, rest, sep = _call_rules(tools, fmt, name)

@@ -52,7 +52,8 @@ from relax.agents.parsers import (
     write_calls,
 )
 from relax.agents.render import ObservationRenderer
-from relax.data.tokenizer import template_single_call
+from relax.data.tokenizer import template_call_text, template_single_call
+from relax.rollout.grammar import MISTRAL_ARGS, MISTRAL_V11
 from relax.serve.openai.deltas import CALL_STARTS, held_prefix_tail
 from relax.serve.openai.protocol import (
     EFFORT_VARIABLE,
@@ -203,6 +204,11 @@ class ChatFormat:
         self.harmony = uses_harmony(template)  # answers are harmony messages (gpt-oss's channels)
         # the template refuses an assistant message with two calls (Llama 3.x): answers make one call at most
         self.single_call = self.native_calls and template_single_call(tokenizer)
+        # the form a grammar of calls writes: the parser's, but Mistral's v11+ form where the template writes calls so
+        # (`[TOOL_CALLS]NAME[ARGS]{...}`; the mistral parser reads both forms)
+        self.grammar_format = parser_format(self.tool_parser)
+        if self.grammar_format == "mistral" and MISTRAL_ARGS in (template_call_text(tokenizer) or ""):
+            self.grammar_format = MISTRAL_V11
         # the template reads the reasoning_effort variable (gpt-oss's: "Reasoning: medium" unless given), which SGLang
         # renders a request's reasoning_effort as; a template that never mentions it cannot honour an effort
         # the variables the template reads (None: it does not parse here; then every key is taken, as before)

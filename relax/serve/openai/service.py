@@ -507,8 +507,9 @@ class OpenAIService:
 
     def _tool_parser_format(self, param: str) -> str:
         """The built-in tool parser this service reads calls with: the format a grammar of calls is written in (a
-        parser of its own, whose format no grammar covers: a 400 naming `param`)."""
-        fmt = parser_format(self.fmt.tool_parser)
+        parser of its own, whose format no grammar covers: a 400 naming `param`); Mistral's v11+ form where the
+        model's template writes calls so (`ChatFormat.grammar_format`)."""
+        fmt = self.fmt.grammar_format
         if fmt is None:
             raise APIError(f"{param}: constraining tool calls needs a built-in tool parser (data.tool_parser)",
                            param=param)
@@ -562,7 +563,7 @@ class OpenAIService:
         /generate sampling parameter. A strict tool whose schema xgrammar cannot compile: a 400 naming it. A parser of
         its own (no built-in format to write the grammar in): None, the answer free and a strict tool's calls checked
         after sampling only (`relax.agents.parsers.apply_tool_schemas`: a call that breaks the schema is malformed)."""
-        fmt = parser_format(self.fmt.tool_parser)
+        fmt = self.fmt.grammar_format
         if fmt is None:
             return None
         try:
