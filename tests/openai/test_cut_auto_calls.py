@@ -154,3 +154,30 @@ def test_a_default_openai_agents_agent_runs_the_complete_call():
     finally:
         gw.close()
     assert (ran, result.final_output) == (["Paris"], "Sunny in Paris.")
+
+
+HARMONY_CUT = ("<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Pa')
+
+
+@pytest.mark.parametrize("mode", ["strict", "plain", "one-call"])
+def test_a_harmony_answer_cut_inside_its_call_has_no_call_markup(mode):
+    """gpt-oss: the preamble's text is the content, the cut call's message none of it (it was its whole markup)."""
+    from tests.agents.templates import gpt_oss_tokenizer
+
+    tok = gpt_oss_tokenizer()
+    fmt = ChatFormat(tok, (tok.convert_tokens_to_ids("<|call|>"), tok.convert_tokens_to_ids("<|return|>")))
+    ids = fmt.encode(HARMONY_CUT)
+    engine = CutEngine(ids)
+    request = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS,
+               "max_tokens": len(ids)} | MODES[mode]
+    gw = Gateway(OpenAIService(fmt, engine.send, model="m", context_length=None, max_tokens=64)).start()
+    try:
+        client = openai.OpenAI(base_url=gw.base_url, api_key=gw.open(0, limits()).key, max_retries=0)
+        choice = client.chat.completions.create(**request).choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == \
+            ("Checking.", None, "length")
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        assert "".join(c.delta.content or "" for ch in chunks for c in ch.choices) == "Checking."
+    finally:
+        gw.close()

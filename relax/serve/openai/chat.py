@@ -503,11 +503,11 @@ class ChatFormat:
         unfinished call; the text before it is the content as usual. `cut` (implies `limited`): a forced answer
         (tool_choice required, named or allowed_tools required) that the token limit cut, whose grammar allows
         calls only: its complete calls before the unfinished one are kept, with no content. Any other message the
-        limit cut inside a call (a malformed call in a `limited` message of a built-in format but harmony's: under
-        a grammar of calls, strict tools, parallel_tool_calls false or tools with a format, only the cut call can be
-        malformed) is read as SGLang's detectors read it: the text before its first call's marker is the content,
-        and its well-formed calls are kept. `reasoning_in_content` (the harmony parser, separate_reasoning false):
-        the analysis channel's text is content too.
+        limit cut inside a call (a malformed call in a `limited` message of a built-in format: under a grammar of
+        calls, strict tools, parallel_tool_calls false or tools with a format, only the cut call can be malformed)
+        is read as SGLang's detectors read it: the text before its first call's marker is the content, and its
+        well-formed calls are kept (harmony: its messages' text, no call written out). `reasoning_in_content` (the
+        harmony parser, separate_reasoning false): the analysis channel's text is content too.
 
         The third value: whether the limit cut the message inside a call whose complete calls were kept this way
         (`cut`, or a `limited` message read as SGLang reads it): its finish reason stays "length"."""
@@ -529,6 +529,12 @@ class ChatFormat:
             if not calls:
                 return before.strip(), None, False
             parsed, rescued = ParsedMessage(calls, before.strip()), True
+        elif limited and parsed.errors and fmt == "harmony":  # its messages' text, no call written out
+            content = harmony_content(text, reasoning_in_content=reasoning_in_content, calls_as_written=False)
+            calls = tuple(item for item in parsed.items if isinstance(item, ToolCall))
+            if not calls:
+                return content, None, False
+            parsed, rescued = ParsedMessage(calls, content), True
         harmony = fmt == "harmony"
         if not parsed.calls or parsed.errors:  # (harmony: the message's text for the user, its calls as written)
             return (harmony_content(text, reasoning_in_content=reasoning_in_content) if harmony else text), None, False

@@ -261,11 +261,12 @@ class OpenAIService:
             # the stop token that ended the answer is its last message's end marker (a call's <|call|>): a call
             # without it is one the token limit cut
             end = self.fmt.pieces(tokens[-1:])[0] if tokens and tokens[-1] in self.fmt.eos_token_ids else ""
-            content, calls = self.fmt.tool_calls(text + (end if end in HARMONY_TOKENS else ""), tools=p.tools,
-                                                 limited=finish == "length", reasoning_in_content=inline)
+            content, calls, rescued = self.fmt.read_calls(text + (end if end in HARMONY_TOKENS else ""),
+                                                          tools=p.tools, limited=finish == "length",
+                                                          reasoning_in_content=inline)
         else:
-            content, calls = harmony_content(text, reasoning_in_content=inline), None
-        choice = self._choice(s, tokens, content, "tool_calls" if calls else finish, calls, p)
+            content, calls, rescued = harmony_content(text, reasoning_in_content=inline), None, False
+        choice = self._choice(s, tokens, content, "tool_calls" if calls and not rescued else finish, calls, p)
         found = None if inline else harmony_reasoning(text)
         if found is not None:
             # the reasoning tokens: the sampled ones up to the end of its last analysis message
