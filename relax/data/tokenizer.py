@@ -8,12 +8,14 @@ directory, `source=gguf` a .gguf file (default: the SmolLM2-135M-Instruct file s
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -498,3 +500,17 @@ def stop_token_ids(model_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[
         raise ValueError("the tokenizer has no EOS token and the model no generation_config eos_token_id: "
                          "responses could never stop")
     return tuple(sorted(ids))
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Without transformers' progress bars of loading and writing weights, which would garble a run's output."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

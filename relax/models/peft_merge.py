@@ -18,7 +18,6 @@ machine (`find_base`), or a ModelPathError names it and where to put it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -26,7 +25,6 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,6 +38,7 @@ from relax.data.tokenizer import (
     ModelPathError,
     is_adapter_dir,
     merged_adapter_dir,
+    quiet_transformers,
     resolve_model_path,
 )
 from relax.models.gguf_cache import cache_lock
@@ -183,7 +182,7 @@ def ensure_merged(model_cfg: Any) -> Optional[Path]:
               f"({name!r}), once, into {out}", file=sys.stderr, flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            with _no_progress_bars():
+            with quiet_transformers():
                 tokenizer_from = merge_into(adapter_dir, base, tmp)
             record = {**wanted, "adapter_dir": str(adapter_dir.resolve()), "base_model_name_or_path": name,
                       "tokenizer_from": str(tokenizer_from)}
@@ -196,20 +195,6 @@ def ensure_merged(model_cfg: Any) -> Optional[Path]:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """Without transformers' progress bars of loading and writing weights, which would garble a run's output."""
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
 
 
 def _save_dtype(config: Any) -> torch.dtype:

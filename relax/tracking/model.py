@@ -21,15 +21,14 @@ Only `MlflowClient` is used (no fluent API, no process-global active run), like 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from relax.data.tokenizer import quiet_transformers
 from relax.tracking.mlflow_run import quiet_mlflow_logging
 
 if TYPE_CHECKING:
@@ -87,20 +86,6 @@ def _components(source: Path) -> dict[str, Any]:
     return {"model": model, "tokenizer": tokenizer}
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Without transformers' progress bars (loading and writing the weights), which would garble the run's output."""
-    from transformers.utils import logging as hf_logging
-
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-
-
 def _requirements() -> list[str]:
     """The model's pip requirements: what loads it (MLflow would otherwise infer them in a subprocess that loads the
     model again)."""
@@ -136,7 +121,7 @@ def log_hf_model(client: MlflowClient, run_id: str, hf_dir: str | Path, *, step:
     logged = client.create_logged_model(run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id,
                                         params=dict(run.data.params), tags=tags)
     try:
-        with tempfile.TemporaryDirectory(prefix="relax-mlflow-model-") as tmp, _quiet_transformers():
+        with tempfile.TemporaryDirectory(prefix="relax-mlflow-model-") as tmp, quiet_transformers():
             local = Path(tmp) / MODEL_NAME
             meta = Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id, run_id=run_id,
                          model_id=logged.model_id)
