@@ -242,6 +242,8 @@ class RunWriter:
                                     self.stats["spooled_records"] += 1
                                     rest = rest[len(part):]
                             self.spool_buffer()  # logged meanwhile: after them
+                            # in the spool now, no longer in flight: a flush before `finally` must not spool them again
+                            self._in_flight, self._writing = False, []
                     except Exception:
                         pass  # the spool failed too (disk): keep them in memory, raise the store's error below
                     else:
@@ -254,6 +256,7 @@ class RunWriter:
                         return
                     self._failed = True
                     self.buffer[:0] = rest
+                    self._in_flight, self._writing = False, []  # back in the buffer: a flush spools them from there
                     if len(self.buffer) > _MAX_BUFFERED_METRICS:
                         dropped = len(self.buffer) - _MAX_BUFFERED_METRICS
                         del self.buffer[:dropped]

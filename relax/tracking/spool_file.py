@@ -448,7 +448,11 @@ def _apply(client: MlflowClient, run_id: str, group: list[dict[str, Any]], files
         if dedup:
             held = {(m.key, int(m.step), int(m.timestamp))
                     for key in sorted({k for k, _, _, _ in values}) for m in client.get_metric_history(run_id, key)}
-            kept = [m for m in values if (m[0], m[3], m[2]) not in held]
+            kept = []
+            for m in values:  # what the store holds, and a value spooled twice (two uncertain copies): once
+                if (m[0], m[3], m[2]) not in held:
+                    held.add((m[0], m[3], m[2]))
+                    kept.append(m)
             duplicates = len(values) - len(kept)
             values = kept
         writing.append(True)

@@ -191,6 +191,38 @@ def test_a_write_that_committed_before_failing_is_not_written_again(
     assert not tracker.spool.path.exists()
 
 
+def test_a_flush_right_after_the_writer_spooled_its_failed_write_spools_nothing_twice(
+        cfg: TrackingConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer thread's write fails; it spools the batch (uncertain) and, before it marks the write finished, a
+    checkpoint's flush comes in (made to happen there: from the hook that reports the outage). The flush must not
+    spool the batch a second time: two uncertain copies in one replay group were both written (seen once in CI,
+    under load). Negative control: without the writer's `_in_flight, _writing = False, []` after spooling and the
+    replay's dedup within a group, `assert_nothing_twice` names the batch's values."""
+    tracker = start(cfg, tmp_path, background=True, flush_interval_s=1e9)
+    flaky = FlakyStore(tracker.client, monkeypatch)
+    writer = tracker.writer
+    real_store_failed = writer.store_failed
+    flushed: list[bool] = []
+
+    def store_failed_then_a_flush(exc: BaseException) -> None:
+        real_store_failed(exc)
+        if not flushed:
+            flushed.append(True)
+            writer.flush()  # the checkpoint's flush, between the writer's spooling and the end of its write
+
+    monkeypatch.setattr(writer, "store_failed", store_failed_then_a_flush)
+    flaky.fail_next = 1
+    tracker.log_metrics({"a": 1.0, "b": 2.0}, 0)
+    writer.flush()  # wakes the writer: its write fails, is spooled, then the hook's flush runs
+    assert flushed == [True]
+    tracker.log_metrics({"a": 3.0, "b": 4.0}, 1)
+    tracker.finish()
+    client = MlflowClient(cfg.uri)
+    for key in ("a", "b"):
+        assert [s for s, _, _ in history(client, tracker.run_id, key)] == [0, 1]
+    flaky.assert_nothing_twice()
+
+
 def test_a_really_locked_sqlite_store(cfg: TrackingConfig, store: Path, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Another connection holds an exclusive transaction: MLflow's own "database is locked" error path."""
