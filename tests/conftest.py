@@ -45,6 +45,15 @@ def small_overrides(tmp_path: Path, *extra: str, steps: int = 2, store: Path | N
 
 
 @pytest.fixture
+def listening():
+    """A port where a socket listens (`ports.listening_port`), for the endpoint checks' controls."""
+    from ports import listening_port
+
+    with listening_port() as port:
+        yield port
+
+
+@pytest.fixture
 def small_run(tmp_path, mlflow_template) -> Callable[..., list[str]]:
     """`small_overrides` in this test's tmp_path: `small_run(*extra, steps=2)`."""
 

@@ -1,9 +1,11 @@
-"""Ports for tests that must name them before a process binds them (Ray heads, rendezvous stores, nodes)."""
+"""Ports for tests that must name them before a process binds them (Ray heads, rendezvous stores, nodes), and the two
+ends of an endpoint check: a port where nothing listens, one where a socket does."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Iterator
 
 
 def free_ports(n: int) -> list[int]:
@@ -14,3 +16,20 @@ def free_ports(n: int) -> list[int]:
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in socks]
+
+
+def closed_port() -> int:
+    """A port where nothing listens: bound by this process, then closed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def listening_port() -> Iterator[int]:
+    """A port where a socket listens while the context lasts (it never accepts: the kernel completes a connection to
+    it all the same, which is what an endpoint check asks)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)
+        yield s.getsockname()[1]

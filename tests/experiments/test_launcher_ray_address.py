@@ -7,32 +7,15 @@ listening socket, passes the check and reaches the parent run, stopped here (exi
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Iterator
 
 import pytest
+from ports import closed_port
 from relax_train_inprocess import relax_train
 
 from relax.runner.endpoints import ENDPOINT_TIMEOUT_S
 
 SMALL = ["seed=1,2", "train.num_rollout=1", "tracking.progress=false"]
-
-
-def closed_port() -> int:
-    """A port where nothing listens: bound by this process, then closed."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def listening() -> Iterator[int]:
-    """A port where a socket listens (the kernel completes a connection to it: what the check asks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        yield s.getsockname()[1]
 
 
 @pytest.fixture

@@ -12,35 +12,19 @@ MLflow's HTTP retries, minutes."""
 from __future__ import annotations
 
 import http.server
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ports import closed_port
 from relax_train_inprocess import relax_train
 
 from relax.config import load_config
 from relax.runner.endpoints import ENDPOINT_TIMEOUT_S, endpoint_targets
 from relax.runner.errors import RunError
 from relax.runner.preflight import preflight
-
-
-def closed_port() -> int:
-    """A port where nothing listens: bound by this process, then closed."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def listening() -> Iterator[int]:
-    """A port where a socket listens (it never accepts: the kernel completes the connection all the same)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(8)
-        yield s.getsockname()[1]
 
 
 class _Answering(http.server.BaseHTTPRequestHandler):
