@@ -34,6 +34,7 @@ def sweep(tmp_path, monkeypatch, capfd):
         raise SystemExit(99)
 
     monkeypatch.setattr(launcher.RelaxRayLauncher, "_start_parent", stop)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.chdir(tmp_path)
 
     def run(*args: str) -> tuple[int, str]:
@@ -72,6 +73,25 @@ def test_two_jobs_with_one_checkpoint_directory_are_both_named(sweep, tmp_path: 
     assert not save_dir.exists() and not (tmp_path / "mlflow.db").exists()
     assert sweep("seed=1,2")[0] == 99  # control: a directory each
     assert sweep("seed=1,1", "train.save=false")[0] == 99  # and none
+
+
+OLD_ADVICE = "make the jobs differ, e.g. in seed, tracking.run_name or train.save_dir"
+OWN_DIR = ("the jobs already differ in seed or tracking.run_name, but train.save_dir names this one directory for all "
+           "of them: give each job a train.save_dir of its own")
+
+
+def test_jobs_that_differ_in_seed_but_share_train_save_dir_are_told_to_give_each_its_own(sweep, tmp_path: Path):
+    """The advice fits the jobs: a seed or run name each would change nothing where train.save_dir names one
+    directory for all (before, every clash was told `e.g. in seed, tracking.run_name or train.save_dir`)."""
+    shared = tmp_path / "shared"
+    code, err = sweep("seed=1,2", f"train.save_dir={shared}")
+    assert code == 2, err
+    assert f"checkpoint directory {shared} is also job 1's: two jobs would write the same files (the second would " \
+           f"fail on the first's lock); {OWN_DIR}" in err, err
+    assert OLD_ADVICE not in err
+    code, err = sweep("seed=1,1")  # control: identical jobs, the directory derived from the run
+    assert code == 2, err
+    assert OLD_ADVICE in err and OWN_DIR not in err
 
 
 def test_a_resume_from_a_checkpoint_of_another_config_is_refused(sweep, tmp_path: Path):
