@@ -31,6 +31,16 @@ def scripted_gateway():
 
 
 @pytest.fixture(scope="module")
+def gateways():
+    """The module's scripted gateways (`ScriptedGateways`: `.make(fmt, texts)`), closed after its last test."""
+    from tests.openai.scripted import ScriptedGateways
+
+    made = ScriptedGateways()
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
 def smol():
     """The chat format of SmolLM2-135M-Instruct's tokenizer (the GGUF's) and its stop tokens."""
     from relax.config import load_config

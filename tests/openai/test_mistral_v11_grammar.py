@@ -20,7 +20,6 @@ import pytest
 
 from relax.serve.openai.chat import ChatFormat
 from tests.agents.test_tool_templates_beyond_fixtures import MISTRAL_SPECIAL, MISTRAL_V3, MISTRAL_V11, tokenizer_with
-from tests.openai.scripted import ScriptedGateways
 
 openai = pytest.importorskip("openai")
 
@@ -72,13 +71,6 @@ def _admits(version: str, sampling: dict, text: str) -> bool:
     matcher = _grammars(version).matcher(GrammarSpec(kind, sampling[kind]), (tok.eos_token_id,))
     ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
     return all(matcher.accept(t) for t in ids) and matcher.done
-
-
-@pytest.fixture(scope="module")
-def gateways():
-    made = ScriptedGateways()
-    yield made
-    made.close()
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

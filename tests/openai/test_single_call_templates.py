@@ -21,7 +21,6 @@ import pytest
 
 from relax.serve.openai.chat import ChatFormat
 from tests.agents.templates import family_tokenizer
-from tests.openai.scripted import ScriptedGateways
 
 openai = pytest.importorskip("openai")
 
@@ -78,13 +77,6 @@ def _admits(family: str, sampling: dict, text: str) -> bool:
     stop = tok.convert_tokens_to_ids(end)
     matcher = _grammars(family).matcher(GrammarSpec(kinds[0], sampling[kinds[0]]), (stop,))
     return all(matcher.accept(t) for t in tok(text, add_special_tokens=False)["input_ids"] + [stop]) and matcher.done
-
-
-@pytest.fixture(scope="module")
-def gateways():
-    made = ScriptedGateways()
-    yield made
-    made.close()
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -19,7 +19,6 @@ from jinja2 import TemplateError
 from relax.serve.openai.chat import ChatFormat, tools_prompt
 from relax.serve.openai.protocol import normalize_message
 from tests.agents.templates import base_tokenizer, family_tokenizer
-from tests.openai.scripted import ScriptedGateways
 
 openai = pytest.importorskip("openai")
 
@@ -51,13 +50,6 @@ def _template_message(tok, messages: list[dict], **kw) -> str:
     with pytest.raises(TemplateError) as info:
         tok.apply_chat_template(own, tokenize=False, add_generation_prompt=True, **kw)
     return str(info.value)
-
-
-@pytest.fixture(scope="module")
-def gateways():
-    made = ScriptedGateways()
-    yield made
-    made.close()
 
 
 @pytest.fixture(scope="module")

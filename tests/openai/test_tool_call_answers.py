@@ -21,7 +21,7 @@ from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway
 from relax.serve.openai.service import OpenAIService
 from tests.agents.templates import family_tokenizer
-from tests.openai.scripted import Script, ScriptedGateways, limits
+from tests.openai.scripted import Script, limits
 
 openai = pytest.importorskip("openai")
 
@@ -38,13 +38,6 @@ def call(name: str, **args) -> str:
 def fmt() -> ChatFormat:
     tok = family_tokenizer("qwen3")
     return ChatFormat(tok, (tok.eos_token_id,))
-
-
-@pytest.fixture(scope="module")
-def gateways():
-    made = ScriptedGateways()
-    yield made
-    made.close()
 
 
 def test_calls_of_functions_not_offered_are_dropped(fmt, gateways):
