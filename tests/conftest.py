@@ -54,6 +54,15 @@ def listening():
 
 
 @pytest.fixture
+def grpc_listening():
+    """A port where a real gRPC server answers (`ports.grpc_port`): the control of a Ray address's check."""
+    from ports import grpc_port
+
+    with grpc_port() as port:
+        yield port
+
+
+@pytest.fixture
 def small_run(tmp_path, mlflow_template) -> Callable[..., list[str]]:
     """`small_overrides` in this test's tmp_path: `small_run(*extra, steps=2)`."""
 

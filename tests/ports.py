@@ -1,5 +1,6 @@
 """Ports for tests that must name them before a process binds them (Ray heads, rendezvous stores, nodes), and the two
-ends of an endpoint check: a port where nothing listens, one where a socket does."""
+ends of an endpoint check: a port where nothing listens, one where a socket does (and one where a real gRPC server
+answers, as a Ray head's does)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def listening_port() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         s.listen(8)
         yield s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def grpc_port() -> Iterator[int]:
+    """A port where a real gRPC server (grpcio, which Ray depends on) listens while the context lasts: what the
+    check of a Ray address asks for is a gRPC server's answer, as a Ray head's GCS and Ray Client server give."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(grace=None)

@@ -31,7 +31,8 @@ class Endpoint:
     host: str
     port: int
     what: str  # what should listen there, for the message
-    scheme: Optional[str] = None  # "http" / "https": an HTTP server, which must also answer a request
+    scheme: Optional[str] = None  # "http" / "https": an HTTP server, which must also answer a request; "grpc": a
+    # gRPC server (a Ray head's GCS, a Ray Client server), which must begin an HTTP/2 exchange
 
 
 def _host_port(address: str, default_port: Optional[int] = None) -> Optional[tuple[str, int]]:
@@ -68,7 +69,7 @@ def ray_endpoint(option: str, address: Optional[str], what: str = "a Ray head (r
     target = _host_port(address.strip())
     if target is None:
         return None
-    return Endpoint(option, address, *target, what=what)
+    return Endpoint(option, address, *target, what=what, scheme="grpc")
 
 
 def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
@@ -105,9 +106,13 @@ def probe(host: str, port: int, timeout_s: float = ENDPOINT_TIMEOUT_S, scheme: O
     """Why a TCP connection to host:port cannot be opened within `timeout_s` (None: it was accepted, and closed).
     With `scheme` ("http", "https") the server must also begin an answer to `GET /` within `timeout_s` more: any
     answer will do (a 404, a TLS alert); one that accepts connections and says nothing (a hung server) would
-    otherwise hold the run for its whole request time-out."""
+    otherwise hold the run for its whole request time-out. With "grpc" it must answer HTTP/2's connection preface
+    with its SETTINGS frame, as every gRPC server does: Ray's client waits for ever on an address where something
+    else listens (a web server, a stopped head), retrying in its C++ loop."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            if scheme == "grpc":
+                return _not_grpc(sock, host, port, timeout_s)
             return None if scheme is None else _silent(sock, host, port, timeout_s, scheme)
     except socket.gaierror as exc:
         return f"cannot resolve {host}: {exc.strerror or exc}"
@@ -136,6 +141,36 @@ def _silent(sock: socket.socket, host: str, port: int, timeout_s: float, scheme:
         return None
     except OSError as exc:
         return f"{host}:{port} accepted the connection, then failed an HTTP request: {exc.strerror or exc}"
+
+
+# HTTP/2's client connection preface, then an empty SETTINGS frame (RFC 9113 3.4, 6.5): a gRPC server answers with
+# a frame header of its own whose type byte (the fourth) is SETTINGS, 0x4
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
+
+
+def _not_grpc(sock: socket.socket, host: str, port: int, timeout_s: float) -> Optional[str]:
+    """Why the server on the connected `sock` is no gRPC server (None: it answered HTTP/2's preface with SETTINGS)."""
+    sock.settimeout(timeout_s)
+    head = b""
+    try:
+        sock.sendall(_H2_PREFACE)
+        while len(head) < 9:
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except TimeoutError:
+        if not head:
+            return f"{host}:{port} accepts connections but did not begin a gRPC exchange within {timeout_s:g} s " \
+                   "(hung?)"
+    except OSError as exc:
+        return f"{host}:{port} accepted the connection, then failed a gRPC exchange: {exc.strerror or exc}"
+    if len(head) == 9 and head[3] == _H2_SETTINGS:
+        return None
+    said = f" (it answered {head[:9]!r})" if head else " (it closed the connection)"
+    return f"{host}:{port} answers, but not as a gRPC server{said}, as a Ray head's GCS port (ray start --head " \
+           "--port, 6379 by default) and its Ray Client server (ray://, 10001) do"
 
 
 def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT_S) -> list[str]:

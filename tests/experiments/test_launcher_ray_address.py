@@ -2,8 +2,8 @@
 `hydra.launcher.address`, exit 2, before the sweep's jobs are checked, its MLflow parent run opens or Ray starts.
 Before, the launcher's own address (which it prefers over `cluster.address` and RAY_ADDRESS) was not probed: the
 parent run opened and `ray.init` retried the address in Ray's C++ client for ever (a SIGTERM took effect only when
-that loop returned to Python). Each case against a real closed port (bound, then closed); the control, a real
-listening socket, passes the check and reaches the parent run, stopped here (exit 99). In process: seconds."""
+that loop returned to Python). Each case against a real closed port (bound, then closed); the control, a real gRPC
+server (as a Ray head is), passes the check and reaches the parent run, stopped here (exit 99). In process: seconds."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def sweep(tmp_path, monkeypatch, capfd):
     return run
 
 
-def test_an_unreachable_launcher_address_is_refused_before_the_parent_run(sweep, tmp_path, listening):
+def test_an_unreachable_launcher_address_is_refused_before_the_parent_run(sweep, tmp_path, grpc_listening):
     port = closed_port()
     code, err, seconds = sweep(f"hydra.launcher.address=127.0.0.1:{port}")
     assert code == 2, err
@@ -54,19 +54,19 @@ def test_an_unreachable_launcher_address_is_refused_before_the_parent_run(sweep,
     assert "nothing started" in line and "invalid config" not in err and "Traceback" not in err
     assert seconds < 2 * ENDPOINT_TIMEOUT_S + 30  # the probe's bound, plus composing the sweep in process
     assert not (tmp_path / "mlflow.db").exists()  # no parent run: the store was not even created
-    code, err, _ = sweep(f"hydra.launcher.address=127.0.0.1:{listening}")  # control: it listens
+    code, err, _ = sweep(f"hydra.launcher.address=127.0.0.1:{grpc_listening}")  # control: it listens
     assert code == 99, err
 
 
-def test_the_launcher_address_is_probed_in_place_of_cluster_address(sweep, listening):
+def test_the_launcher_address_is_probed_in_place_of_cluster_address(sweep, grpc_listening):
     """The launcher joins `hydra.launcher.address` when both are set: that is the address probed and named."""
     port = closed_port()
-    code, err, _ = sweep(f"hydra.launcher.address=127.0.0.1:{port}", f"cluster.address=127.0.0.1:{listening}")
+    code, err, _ = sweep(f"hydra.launcher.address=127.0.0.1:{port}", f"cluster.address=127.0.0.1:{grpc_listening}")
     assert code == 2, err
     assert f"cannot join Ray: hydra.launcher.address=127.0.0.1:{port}: connection to 127.0.0.1:{port} refused" in err
 
 
-def test_an_unreachable_ray_address_is_named_as_ray_not_as_an_invalid_config(sweep, monkeypatch, listening):
+def test_an_unreachable_ray_address_is_named_as_ray_not_as_an_invalid_config(sweep, monkeypatch, grpc_listening):
     """RAY_ADDRESS (joined when neither option is set) gets the same refusal; before, the jobs' own check named it
     under the header `invalid config in 2 of 2 sweep jobs`, which it is not."""
     port = closed_port()
@@ -76,6 +76,6 @@ def test_an_unreachable_ray_address_is_named_as_ray_not_as_an_invalid_config(swe
     assert f"relax-train: error: cannot join Ray: RAY_ADDRESS=127.0.0.1:{port}: connection to 127.0.0.1:{port} " \
            "refused (is the Ray head that RAY_ADDRESS names" in err
     assert "invalid config" not in err
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listening}")  # control
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{grpc_listening}")  # control
     code, err, _ = sweep()
     assert code == 99, err

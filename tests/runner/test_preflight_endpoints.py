@@ -84,7 +84,7 @@ HTTP = {"rollout.sglang.urls[0]", "tracking.uri", "data.reward", "reward_model.u
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(name, listening, answering):
+def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(name, grpc_listening, answering):
     overrides, address = CASES[name]
     option = name.split(" ")[0]
     port = closed_port()
@@ -94,28 +94,44 @@ def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(n
     assert pre.status["endpoints"] == "failed", pre.render()
     expected = f"{option}={address.format(p=port)}: connection to 127.0.0.1:{port} refused"
     assert pre.problems["endpoints"].startswith(expected), pre.problems["endpoints"]
-    # the negative control: the same option at a port where a socket listens (an HTTP server answers)
-    ok = preflight(load_config(overrides(answering if name in HTTP else listening)), only=("endpoints",))
+    # the negative control: the same option at a port where its server answers (HTTP; gRPC, as a Ray head's)
+    ok = preflight(load_config(overrides(answering if name in HTTP else grpc_listening)), only=("endpoints",))
     assert ok.status["endpoints"] == "ok" and ok.ok, ok.render()
 
 
 def test_an_http_server_that_accepts_and_never_answers_is_named_as_hung(listening):
     """A server whose process hangs (stopped, deadlocked) still has its connections completed by the kernel: the
-    run would have waited its whole request time-out (or MLflow's retries). Every option that names an HTTP server,
-    at once (probed together); Ray's address is not HTTP: a connection is all it is asked for."""
+    run would have waited its whole request time-out (or MLflow's retries), Ray's client for ever. Every option that
+    names an HTTP server, and Ray's address, which must begin a gRPC exchange, at once (probed together)."""
     overrides = [o for name in sorted(HTTP) for o in CASES[name][0](listening)]
     t0 = time.monotonic()
     pre = preflight(load_config([*overrides, f"cluster.address=127.0.0.1:{listening}"]), only=("endpoints",))
     assert time.monotonic() - t0 < 2 * ENDPOINT_TIMEOUT_S + 2  # bounded: a connection, then an answer's wait
     text = pre.problems["endpoints"]
-    assert text.startswith(f"{len(HTTP)} addresses cannot be reached: "), text
+    assert text.startswith(f"{len(HTTP) + 1} addresses cannot be reached: "), text
     for name in HTTP:
         assert (f"{name}={CASES[name][1].format(p=listening)}: 127.0.0.1:{listening} accepts connections but did "
                 f"not answer an HTTP request within {ENDPOINT_TIMEOUT_S:g} s (hung?)") in text, name
-    assert "cluster.address" not in text
+    assert (f"cluster.address=127.0.0.1:{listening}: 127.0.0.1:{listening} accepts connections but did not begin "
+            f"a gRPC exchange within {ENDPOINT_TIMEOUT_S:g} s (hung?)") in text
 
 
-def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, listening):
+@pytest.mark.parametrize("ray", ["127.0.0.1:{p}", "ray://127.0.0.1:{p}"])
+def test_a_ray_address_where_another_server_answers_is_refused(ray, answering, grpc_listening):
+    """An address where something else listens (a web server, a dashboard's port given for the GCS's): Ray's client
+    retried it for ever in its C++ loop (no error, no end). It must answer HTTP/2's preface as a gRPC server does;
+    the control is a real gRPC server (grpcio's, as Ray's head is one)."""
+    t0 = time.monotonic()
+    pre = preflight(load_config([f"cluster.address={ray.format(p=answering)}"]), only=("endpoints",))
+    assert time.monotonic() - t0 < ENDPOINT_TIMEOUT_S  # it answered at once: no wait
+    assert pre.problems["endpoints"].startswith(
+        f"cluster.address={ray.format(p=answering)}: 127.0.0.1:{answering} answers, but not as a gRPC server (it "
+        "answered b'<!DOCTYPE'), as a Ray head's GCS port"), pre.render()
+    ok = preflight(load_config([f"cluster.address={ray.format(p=grpc_listening)}"]), only=("endpoints",))
+    assert ok.status["endpoints"] == "ok", ok.render()
+
+
+def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, grpc_listening):
     port = closed_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     pre = preflight(load_config([]), only=("endpoints",))
@@ -123,9 +139,9 @@ def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, listening):
                                                 "refused"), pre.render()
     assert "cluster.address is unset" in pre.problems["endpoints"]
     # cluster.address wins over RAY_ADDRESS (relax.runner.cluster.RayRuntime): only it is probed
-    joined = preflight(load_config([f"cluster.address=127.0.0.1:{listening}"]), only=("endpoints",))
+    joined = preflight(load_config([f"cluster.address=127.0.0.1:{grpc_listening}"]), only=("endpoints",))
     assert joined.ok, joined.render()
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listening}")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{grpc_listening}")
     assert preflight(load_config([]), only=("endpoints",)).status["endpoints"] == "ok"
 
 
