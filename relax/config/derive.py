@@ -111,7 +111,7 @@ def teacher_model(cfg: RelaxConfig) -> ModelConfig | None:
     if not algorithms.get(cfg.algorithm.name).requires_teacher:
         return None
     t = cfg.teacher
-    return ModelConfig(name=t.name, source=t.source, path=t.path, dtype=t.dtype)
+    return ModelConfig(name=t.name, source=t.source, path=t.path, base_path=t.base_path, dtype=t.dtype)
 
 
 def total_optimizer_steps(train: TrainConfig) -> int:

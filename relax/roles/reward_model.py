@@ -13,6 +13,7 @@ scoring thread while the engines generate the next batch (`relax.runner.reward_m
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -21,7 +22,7 @@ from relax import progress
 from relax.batch import FinishReason
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.config.store import import_plugins
-from relax.data.tokenizer import load_tokenizer, stop_token_ids
+from relax.data.tokenizer import is_adapter_dir, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.reward_model import (
     classifier_input_ids,
@@ -43,9 +44,20 @@ def _threads(n: Optional[int]) -> None:
 
 
 def judge_model_config(cfg: RelaxConfig) -> ModelConfig:
-    """The judge's model as a model config (a Hugging Face directory), for `build_model` and `load_tokenizer`."""
+    """The reward model as a model config (a Hugging Face directory), for `build_model` and `load_tokenizer`, and
+    for a classifier's or a judge's PEFT adapter directory, its merge (`relax.models.peft_merge`)."""
     rm = cfg.reward_model
-    return ModelConfig(name="judge", source="hf", path=rm.path, dtype=rm.dtype)
+    return ModelConfig(name="judge" if rm.kind == "judge" else rm.kind, source="hf", path=rm.path,
+                       base_path=rm.base_path, dtype=rm.dtype)
+
+
+def reward_model_dir(cfg: RelaxConfig) -> str:
+    """The directory of the reward model's files: reward_model.path as given (its loaders name what is wrong with
+    it), or for a PEFT adapter directory its merge with its base (written before start)."""
+    path = cfg.reward_model.path
+    if not path or not is_adapter_dir(Path(path).expanduser()):
+        return path
+    return str(resolve_model_path(judge_model_config(cfg)))
 
 
 class ClassifierWorker:
@@ -59,7 +71,7 @@ class ClassifierWorker:
         rm = cfg.reward_model
         self.cfg, self.device = cfg, pick_device()
         dtype = pick_dtype(ModelConfig(dtype=rm.dtype), self.device)
-        self.model, self.tokenizer = load_classifier(rm.path, dtype, self.device)
+        self.model, self.tokenizer = load_classifier(reward_model_dir(cfg), dtype, self.device)
 
     def ping(self) -> str:
         return "ok"
@@ -85,7 +97,7 @@ class JudgeWorker:
         start_heartbeat(self, heartbeat)
         _threads(threads)
         model_cfg = judge_model_config(cfg)
-        judge_config(cfg.reward_model.path)  # a causal LM (a classifier's checkpoint would get a random LM head)
+        judge_config(reward_model_dir(cfg))  # a causal LM (a classifier's checkpoint would get a random LM head)
         self.cfg, device = cfg, pick_device()
         self.tokenizer = load_tokenizer(model_cfg)
         model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,

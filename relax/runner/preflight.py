@@ -57,17 +57,19 @@ from relax.agents.render import check_template, observation_roles, parser_choice
 from relax.agents.tools import get_tools
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import default_eval_set_name, evaluates
+from relax.config.reward_model_rules import has_role
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
-from relax.models.peft_merge import adapter_path, ensure_merged
+from relax.models.peft_merge import CAUSAL_LM, CLASSIFIER, adapter_path, ensure_merged, merge_preview, plan_merge
 from relax.rewards.calls import RewardSpecError
 from relax.rewards.combined import RewardList, reward_of
 from relax.rewards.registry import check_record_fields
 from relax.rewards.remote import is_url
 from relax.rewards.worker_pool import memory_limit_problem, pickled
+from relax.roles.reward_model import judge_model_config
 from relax.roles.workers import ModelInfo
 from relax.runner import checkpoint
 from relax.runner.cluster import local_gpu_problem
@@ -114,6 +116,10 @@ class Preflight:
     info: Optional[ModelInfo] = None
     checkpoints: Optional[checkpoint.Checkpoints] = None
     hash_checkpoints: bool = True  # False: a probed resume point's files are checked by size (`checkpoint.verify`)
+    # True: a PEFT adapter directory is merged into its base (written once); False (a dry run, a sweep's precheck):
+    # the merge is checked and a stand-in of its config and tokenizer read instead (`adapter_merge`)
+    merge: bool = True
+    previews: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
     def ok(self) -> bool:
@@ -169,13 +175,35 @@ def _model(pre: Preflight) -> bool:
                          "the merged model would not be them. Train every parameter of the merged model "
                          "(model.lora_rank=0), or, for new adapters on it, save it merged (PEFT's merge_and_unload, "
                          "then save_pretrained) and set model.path to that directory")
-    ensure_merged(cfg.model)  # a PEFT adapter directory: its base with the adapters merged, before any role loads it
+    # a PEFT adapter directory: its base with the adapters merged, before any role loads it
+    if (note := adapter_merge(pre, cfg.model, "model")) is not None:
+        pre.notes["model"] = note
     path = resolve_model_path(cfg.model)
     if cfg.train.backend == "megatron":  # the architecture first: the most specific message
         _check_megatron_model(cfg, path)
     check_model_files(cfg.model)  # config.json and weights (hf), the GGUF magic (gguf)
     check_moe_checkpoint(cfg, path)  # MoE options need an MoE model (relax.models.moe)
     return True
+
+
+def adapter_merge(pre: Preflight, model_cfg: Any, option: str, task: str = CAUSAL_LM) -> Optional[str]:
+    """A PEFT adapter directory as `<option>.path`: merged into its base (a start, `pre.merge`), or (a dry run) the
+    merge checked (`plan_merge`: the adapters and the base readable) and, where no up-to-date merge is there, a
+    stand-in of the merged model's config and tokenizer read by the later checks (`merge_preview`, removed when the
+    checks end), writing no weights. Returns the dry run's line on it (None: not an adapter directory, or a start).
+    `<option>.base_path` with a model that is no adapter directory is refused (`plan_merge`)."""
+    if adapter_path(model_cfg) is None:
+        plan_merge(model_cfg, task, option)  # refuses a base_path given without adapters
+        return None
+    if pre.merge:
+        ensure_merged(model_cfg, task, option)
+        return None
+    plan = plan_merge(model_cfg, task, option)
+    if plan.fresh:
+        return f"{option}.path is a PEFT adapter directory, merged into {plan.base} at {plan.out} (up to date)"
+    pre.previews.enter_context(merge_preview(plan))
+    return (f"{option}.path is a PEFT adapter directory: a start merges it into its base {plan.base}, once, "
+            f"into {plan.out} (checked readable; the dry run wrote nothing)")
 
 
 def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
@@ -201,16 +229,24 @@ def _teacher(pre: Preflight) -> bool:
     teacher = teacher_model(pre.cfg)
     if teacher is None:
         return False
-    check_teacher(teacher, pre.cfg.model, pre.tokenizer)
+    note = check_teacher(teacher, pre.cfg.model, pre.tokenizer, pre)
+    if note is not None:
+        pre.notes["teacher"] = note
     return True
 
 
-def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any) -> None:
+def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any,
+                  pre: Optional[Preflight] = None) -> Optional[str]:
     """The teacher's files, and its tokenizer: the policy's, token for token (distillation compares the two models'
-    log-probs of the same token ids). Raises ValueError naming both models."""
+    log-probs of the same token ids); a PEFT adapter directory merged first (`adapter_merge`, with `pre`'s dry run
+    or start; without `pre`: merged). Raises ValueError naming both models. Returns the dry run's line on a merge."""
     where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
+    note = None
     try:
-        ensure_merged(teacher)
+        if pre is not None:
+            note = adapter_merge(pre, teacher, "teacher")
+        else:
+            ensure_merged(teacher, option="teacher")
         resolve_model_path(teacher)
         check_model_files(teacher)
         theirs = load_tokenizer(teacher)
@@ -225,6 +261,7 @@ def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any) -> N
         raise ValueError(f"the teacher's tokenizer ({where}: {len(other)} tokens) is not the policy's ({ours}: "
                          f"{len(mine)} tokens; first differences: {example}): distillation compares the two models' "
                          "log-probs of the same token ids, so the teacher must share the policy's tokenizer")
+    return note
 
 
 def tools_renderer(cfg: RelaxConfig, tokenizer: Any, eos_token_ids: Sequence[int]) -> Optional[PromptRenderer]:
@@ -285,6 +322,14 @@ def _reward(pre: Preflight) -> bool:
 def _reward_model(pre: Preflight) -> bool:
     if pre.cfg.reward_model.kind == "none":
         return False
+    rm = pre.cfg.reward_model
+    # a model of this machine's files (a judge at a URL holds none); a path that is no directory: check_reward_model's
+    if has_role(pre.cfg) and rm.path and Path(rm.path).expanduser().is_dir():
+        # a PEFT adapter directory: merged into its base (a classifier's: a sequence-classification model)
+        note = adapter_merge(pre, judge_model_config(pre.cfg), "reward_model",
+                             CLASSIFIER if rm.kind == "classifier" else CAUSAL_LM)
+        if note is not None:
+            pre.notes["reward_model"] = note
     check_reward_model(pre.cfg)  # a classifier's head and tokenizer, a judge's model and parser
     return True
 
@@ -407,12 +452,21 @@ INPUT_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model
 
 
 def preflight(cfg: RelaxConfig, plan: Optional[Plan] = None, *, stack: Optional[contextlib.ExitStack] = None,
-              only: Sequence[str] = (), hash_checkpoints: bool = True) -> Preflight:
+              only: Sequence[str] = (), hash_checkpoints: bool = True, merge: Optional[bool] = None) -> Preflight:
     """Run every check of `CHECKS` on `cfg` (or those named in `only`; a start and a dry run run them all): a dry
     run without `stack`; a real start locks the checkpoint directory into `stack`. `hash_checkpoints=False`: a probed
     resume point's files are checked by their size, not their SHA-256 (a sweep's precheck: each job hashes its own
-    at its start). Never raises for a user's mistake: see `Preflight.problems`."""
-    pre = Preflight(cfg, plan or build_plan(cfg), stack, hash_checkpoints=hash_checkpoints)
+    at its start). `merge`: whether a PEFT adapter directory is merged into its base (written) or its merge only
+    checked (`adapter_merge`); None: merged by a start (with `stack`), checked by a dry run. Never raises for a
+    user's mistake: see `Preflight.problems`."""
+    pre = Preflight(cfg, plan or build_plan(cfg), stack, hash_checkpoints=hash_checkpoints,
+                    merge=stack is not None if merge is None else merge)
+    with pre.previews:  # a dry run's stand-ins of merges not written, removed once every check has read them
+        _run_checks(pre, only)
+    return pre
+
+
+def _run_checks(pre: Preflight, only: Sequence[str]) -> None:
     for check in CHECKS:
         if only and check.name not in only:
             continue
@@ -425,13 +479,12 @@ def preflight(cfg: RelaxConfig, plan: Optional[Plan] = None, *, stack: Optional[
             pre.status[check.name], pre.problems[check.name] = "failed", str(exc)
             continue
         pre.status[check.name] = "n/a" if applies is False else "ok"
-    return pre
 
 
 def prepare(cfg: RelaxConfig) -> Inputs:
     """The user's inputs of `cfg` checked and read (the `INPUT_CHECKS` of `preflight`: model, tokenizer, data,
     reward, ...), or RunError naming every problem; for tools and tests that need them without a start."""
-    pre = preflight(cfg, only=INPUT_CHECKS)
+    pre = preflight(cfg, only=INPUT_CHECKS, merge=True)  # its callers go on to load the models
     if not pre.ok:
         raise pre.error()
     return pre.inputs()

@@ -23,7 +23,7 @@ from relax.metrics import JUDGE_PARSE_FAIL_FRAC, REWARD_MODEL_SCORE_MEAN, REWARD
 from relax.models.reward_model import classifier_config, content_text, judge_config
 from relax.rewards.judge import get_parser, judge_question, read_scores
 from relax.rewards.openai_judge import OpenAIJudge
-from relax.roles.reward_model import ClassifierWorker, JudgeWorker, judge_model_config
+from relax.roles.reward_model import ClassifierWorker, JudgeWorker, judge_model_config, reward_model_dir
 
 # call(method, *args): a method of the reward model's role, answered (the cluster's watched call)
 RoleCall = Callable[..., Any]
@@ -131,7 +131,7 @@ class RewardModelKind:
 def _check_classifier(cfg: RelaxConfig) -> None:
     from transformers import AutoTokenizer
 
-    path = cfg.reward_model.path
+    path = reward_model_dir(cfg)  # a PEFT adapter directory's merge (or a dry run's stand-in of it)
     classifier_config(path)
     try:
         AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -151,7 +151,7 @@ def _check_judge(cfg: RelaxConfig) -> None:
         except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: "
                              f"{str(exc).replace('model.path', 'reward_model.path')}") from None
-        judge_config(cfg.reward_model.path)  # a causal LM, as a classifier's check refuses one
+        judge_config(reward_model_dir(cfg))  # a causal LM, as a classifier's check refuses one
 
 
 def _describe_judge(cfg: RelaxConfig) -> str:

@@ -297,3 +297,238 @@ def test_a_base_that_does_not_load_is_named_without_a_traceback(dirs):
     pre = preflight(load_config(["model.source=hf", f"model.path={dirs['adapter']}"]), only=("model",))
     assert pre.problems["model"].startswith(f"the base model {dirs['base']} of the PEFT adapter directory "
                                             f"{str(dirs['adapter'])!r} cannot be loaded: ")
+
+
+# ------------------------------------------------------------------------ model.base_path, the dry run, other roles
+
+
+def elsewhere(adapter: Path) -> None:
+    """adapter_config.json names a Hub id this machine has not (an adapter made on another machine)."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "acme/Tiny-0.1B"}))
+
+
+def start_checks(overrides: list[str], only: tuple[str, ...] = ("model",)):
+    """The checks a start runs before Ray (it merges: `merge=True`), on the config of `overrides`."""
+    return preflight(load_config(overrides), only=only, merge=True)
+
+
+def test_model_base_path_names_the_base_of_adapters_made_elsewhere(dirs, tmp_path, monkeypatch):
+    """adapter_config.json names a Hub id not on this machine: model.base_path points at the local base, and the
+    merge gives PEFT's own logits on that base; without it the start is refused and says model.base_path."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # an empty Hugging Face cache
+    monkeypatch.delenv("MODEL_DIR", raising=False)
+    elsewhere(dirs["adapter"])
+    model = ["model.source=hf", f"model.path={dirs['adapter']}", "model.dtype=float32"]
+    assert "set model.base_path to its local directory" in start_checks(model).problems["model"]
+    local = tmp_path / "local_base"
+    shutil.copytree(dirs["base"], local)
+    assert start_checks([*model, f"model.base_path={local}"]).problems == {}
+    cfg = load_config([*model, f"model.base_path={local}"])
+    merged = resolve_model_path(cfg.model)
+    assert json.loads((merged / MERGE_RECORD).read_text())["base"] == str(local.resolve())
+    ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
+    reference = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(local)),
+                                                 str(dirs["adapter"])), ids)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(str(merged)), ids), reference,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_model_base_path_is_refused_where_it_would_be_ignored(dirs, tmp_path, capsys):
+    from relax.config import ConfigError
+
+    # another source: refused with the config
+    with pytest.raises(ConfigError, match="model.base_path='/x' has no effect: it names the base model of a PEFT "
+                                          "adapter directory model.path \\(model.source=hf\\), and "
+                                          "model.source=config has none"):
+        load_config(["model.base_path=/x"])
+    # a full model directory as model.path: before start
+    problem = start_checks(["model.source=hf", f"model.path={dirs['base']}", f"model.base_path={dirs['base']}"]
+                           ).problems["model"]
+    assert problem == (f"model.base_path={str(dirs['base'])!r} has no effect: model.path={dirs['base']} is not a "
+                       "PEFT adapter directory (adapter_config.json and no config.json), so it has no base to merge "
+                       "into; leave model.base_path out")
+    # relax-serve too: a usage error before it binds
+    from relax.cli import serve
+
+    with pytest.raises(SystemExit) as code:
+        serve.main(["--port", "0", "model.source=hf", f"model.path={dirs['base']}", f"model.base_path={dirs['base']}"])
+    assert code.value.code == 2
+    assert f"relax-serve: error: model.base_path={str(dirs['base'])!r} has no effect" in capsys.readouterr().err
+    # a base_path that is not there, or not a model directory: named before start, nothing merged
+    adapter = ["model.source=hf", f"model.path={dirs['adapter']}"]
+    problem = start_checks([*adapter, f"model.base_path={tmp_path / 'gone'}"]).problems["model"]
+    assert problem.startswith(f"model.base_path={str(tmp_path / 'gone')!r} does not exist: it must be the local "
+                              f"directory of the base model of the PEFT adapter directory {str(dirs['adapter'])!r}")
+    problem = start_checks([*adapter, f"model.base_path={tmp_path}"]).problems["model"]
+    assert problem.startswith(f"model.base_path={str(tmp_path)!r} has no config.json")
+    assert not (tmp_path / "cache").exists()
+
+
+def files_under(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) if directory.exists() else []
+
+
+def test_a_dry_run_checks_the_merge_and_writes_none(dirs, tmp_path, capfd, ray_not_started):
+    """relax-train dry_run=true of an adapter directory: every check passes on the merged model's config and
+    tokenizer, the model's line says where a start merges it, and nothing is written into the merge cache (nor a
+    stand-in left in the temporary directory); a start then writes it, and the next dry run says it is up to date."""
+    import tempfile
+
+    from relax_train_inprocess import relax_train
+
+    from relax.data.tokenizer import merged_adapter_dir
+
+    temp_before = set(Path(tempfile.gettempdir()).glob(".relax-merge-preview.*"))
+    args = ["dry_run=true", "model.source=hf", f"model.path={dirs['adapter']}", "model.dtype=float32",
+            "tracking.enabled=false", f"train.save_dir={tmp_path}/ckpt", "model.lora_target_modules=[q_proj]",
+            "model.lora_rank=4", "train.num_rollout=0"]  # lora: the architecture check reads the merged config too
+    code, out, err = relax_train(args, capfd)
+    assert code in (0, None), err
+    out_dir = merged_adapter_dir(dirs["adapter"])
+    line = next(line for line in out.splitlines() if line.split()[:2] == ["ok", "model"])
+    assert line.split(None, 2)[2] == (f"model.path is a PEFT adapter directory: a start merges it into its base "
+                                      f"{dirs['base'].resolve()}, once, into {out_dir} (checked readable; the dry run "
+                                      "wrote nothing)")
+    for check in ("tokenizer", "data", "lora"):
+        assert any(line.split()[:2] == ["ok", check] for line in out.splitlines()), out
+    assert files_under(tmp_path / "cache") == []
+    assert set(Path(tempfile.gettempdir()).glob(".relax-merge-preview.*")) == temp_before
+    assert not ray_not_started
+    # what a start merges, then a dry run finds up to date
+    assert start_checks(["model.source=hf", f"model.path={dirs['adapter']}"]).problems == {}
+    assert (out_dir / MERGE_RECORD).is_file()
+    code, out, err = relax_train(args, capfd)
+    assert code in (0, None), err
+    assert (f"model.path is a PEFT adapter directory, merged into {dirs['base'].resolve()} at {out_dir} (up to date)"
+            in out)
+
+
+def test_a_dry_run_names_unreadable_adapters_and_a_missing_base(dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    (dirs["adapter"] / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    dry = preflight(load_config(["model.source=hf", f"model.path={dirs['adapter']}"]), only=("model", "tokenizer"))
+    assert dry.problems["model"].startswith(f"{dirs['adapter'] / 'adapter_model.safetensors'} cannot be read as "
+                                            "safetensors")
+    assert dry.status["tokenizer"] == "skipped"
+    elsewhere(dirs["adapter"])
+    dry = preflight(load_config(["model.source=hf", f"model.path={dirs['adapter']}"]), only=("model",))
+    assert "whose base model 'acme/Tiny-0.1B'" in dry.problems["model"]
+    assert files_under(tmp_path / "cache") == []
+
+
+def test_a_causal_lm_model_path_refuses_a_reward_model_adapter(dirs):
+    config = json.loads((dirs["adapter"] / "adapter_config.json").read_text())
+    (dirs["adapter"] / "adapter_config.json").write_text(json.dumps({**config, "task_type": "SEQ_CLS"}))
+    problem = start_checks(["model.source=hf", f"model.path={dirs['adapter']}"]).problems["model"]
+    assert problem == (f"{dirs['adapter'] / 'adapter_config.json'}: task_type 'SEQ_CLS' is not a causal LM's "
+                       "(task_type CAUSAL_LM) (a reward model's adapters are reward_model.path's with "
+                       "reward_model=classifier)")
+
+
+# --------------------------------------------------------------------------- teacher.path and reward_model.path
+
+
+def test_a_teacher_adapter_directory_is_merged_with_teacher_base_path(dirs, tmp_path, monkeypatch):
+    """teacher.path an adapter directory (on-policy distillation), its base given by teacher.base_path: the teacher
+    role's model is PEFT's (its logits), and a teacher.base_path without adapters is refused naming teacher.*."""
+    from relax.config.derive import teacher_model
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    elsewhere(dirs["adapter"])
+    opd = ["algorithm=opd", f"teacher.path={dirs['adapter']}", "teacher.dtype=float32", "tracking.enabled=false"]
+    checks = ("model", "tokenizer", "teacher")
+    problem = start_checks(opd, checks).problems["teacher"]
+    assert problem.startswith(f"the teacher (teacher.path={dirs['adapter']}) cannot be loaded: ")
+    assert "set teacher.base_path to its local directory" in problem
+    cfg = load_config([*opd, f"teacher.base_path={dirs['base']}"])
+    assert preflight(cfg, only=checks, merge=True).problems == {}
+    teacher = teacher_model(cfg)  # what the teacher role loads (relax.train.torch_reference: build_model)
+    ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
+    reference = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
+                                                 str(dirs["adapter"])), ids)
+    tokenizer = load_tokenizer(teacher)
+    ours = logits(build_model(teacher, len(tokenizer), tokenizer.pad_token_id, seed=0).eval(), ids)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    problem = start_checks(["algorithm=opd", f"teacher.path={dirs['base']}", f"teacher.base_path={dirs['base']}"],
+                           checks).problems["teacher"]
+    assert f"teacher.base_path={str(dirs['base'])!r} has no effect: teacher.path={dirs['base']} is not a PEFT " \
+           "adapter directory" in problem
+
+
+def classifier_adapters(base: Path, out: Path, *, head: bool = True) -> None:
+    """LoRA adapters of a reward model trained from the causal LM `base`, as TRL's RewardTrainer makes them: the base
+    loaded as a sequence-classification model of one label (a new head), PEFT task_type SEQ_CLS (the head saved with
+    the adapters: modules_to_save). `head=False`: adapters alone (no task type: the head is not saved)."""
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False,
+                          task_type="SEQ_CLS" if head else None)
+        get_peft_model(model, lora).save_pretrained(str(out))
+
+
+def test_a_reward_model_adapter_directory_scores_as_peft_model(dirs, tmp_path):
+    """reward_model=classifier with reward_model.path a SEQ_CLS adapter directory on a causal LM base: merged before
+    start (a dry run writes nothing), the role's scores are PEFT's PeftModel's (the adapters and the saved head on
+    the base); adapters without their head are refused (the head would be random)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from relax.data.tokenizer import merged_adapter_dir
+    from relax.models.reward_model import classifier_scores
+    from relax.roles.reward_model import ClassifierWorker
+
+    classifier_adapters(dirs["base"], tmp_path / "rm")
+    rm = ["reward_model=classifier", f"reward_model.path={tmp_path / 'rm'}", "reward_model.dtype=float32",
+          "tracking.enabled=false", "model.dtype=float32"]
+    dry = preflight(load_config(rm), only=("reward_model",))
+    assert dry.problems == {} and "a start merges it into its base" in dry.notes["reward_model"]
+    assert not merged_adapter_dir(tmp_path / "rm").exists()
+    assert start_checks(rm, ("reward_model",)).problems == {}
+    worker = ClassifierWorker(load_config(rm))
+    prompts = [[{"role": "user", "content": "repeat 5"}], [{"role": "user", "content": "repeat 7"}]]
+    responses = ["5 5 5", "the answer"]
+    got, errors = worker.score(prompts, responses)
+    assert errors == [None, None]
+    peft = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(str(dirs["base"]),
+                                                                                        num_labels=1),
+                                     str(tmp_path / "rm")).eval()
+    want, _ = classifier_scores(peft, worker.inputs(prompts, responses), batch_size=2, max_length=1024,
+                                device="cpu")
+    assert got == pytest.approx(want, abs=1e-5)
+    # the head is the one saved with the adapters (a head the merge made up would be a new random one)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "rm" / "adapter_model.safetensors"))
+    assert torch.equal(worker.model.score.weight, next(t for k, t in saved.items() if k.endswith("score.weight")))
+    # adapters without their head: refused before start, nothing written
+    classifier_adapters(dirs["base"], tmp_path / "headless", head=False)
+    headless = ["reward_model=classifier", f"reward_model.path={tmp_path / 'headless'}", "tracking.enabled=false"]
+    problem = start_checks(headless, ("reward_model",)).problems["reward_model"]
+    assert problem.startswith(f"the adapters of {str(tmp_path / 'headless')!r} hold no weights for score.weight, "
+                              f"which the base model {dirs['base'].resolve()} has none of either")
+    assert not merged_adapter_dir(tmp_path / "headless").exists()
+    # a causal LM's adapters are no classifier's
+    config = json.loads((dirs["adapter"] / "adapter_config.json").read_text())
+    (dirs["adapter"] / "adapter_config.json").write_text(json.dumps({**config, "task_type": "CAUSAL_LM"}))
+    lm = ["reward_model=classifier", f"reward_model.path={dirs['adapter']}", "tracking.enabled=false"]
+    assert start_checks(lm, ("reward_model",)).problems["reward_model"] == (
+        f"{dirs['adapter'] / 'adapter_config.json'}: task_type 'CAUSAL_LM' is not a sequence-classification reward "
+        "model's (task_type SEQ_CLS, as TRL's RewardTrainer writes them) (a causal LM's adapters can be a judge's: "
+        "reward_model=judge)")
+
+
+def test_a_judge_adapter_directory_is_merged_as_the_model_is(dirs, tmp_path):
+    """reward_model=judge with reward_model.path a causal LM adapter directory: the judge role's model is PEFT's."""
+    from relax.roles.reward_model import JudgeWorker
+
+    judge = ["reward_model=judge", f"reward_model.path={dirs['adapter']}", "reward_model.template=\"{response}\"",
+             "reward_model.dtype=float32", "tracking.enabled=false", "model.dtype=float32"]
+    assert start_checks(judge, ("reward_model",)).problems == {}
+    worker = JudgeWorker(load_config(judge))
+    ids = torch.tensor([[1, 20, 4, 5, 6, 2, 1, 22, 9]])
+    reference = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
+                                                 str(dirs["adapter"])), ids)
+    torch.testing.assert_close(logits(worker.engine.model, ids), reference, atol=1e-5, rtol=1e-5)

@@ -85,6 +85,7 @@ VALUES: dict[str, Any] = {
     "model.arch": "llama",
     "model.source": "hf",  # from $MODEL_DIR/<name>, which the walk does not provide: the run says so at start
     "model.path": "some/model",
+    "model.base_path": "some/base",  # with model.source=config: rejected (its runs: tests/models/test_peft_adapter.py)
     "model.tokenizer": "some/tokenizer",  # not there: the run says so at start (its effect: tests/data)
     "model.chat_template": "some/template.jinja",  # not there: the run says so at start (its effect: tests/data)
     "cluster.cpus_per_node": 2,
@@ -166,11 +167,15 @@ VALUES: dict[str, Any] = {
     "teacher.name": "walk-teacher",
     "teacher.source": "gguf",
     "teacher.path": "other_teacher",
+    # teacher_model is a full model directory, no PEFT adapters: the run says so at start (its runs:
+    # tests/models/test_peft_adapter.py)
+    "teacher.base_path": "teacher_model",
     "teacher.dtype": "bfloat16",
     "teacher.backend": "megatron",  # not in this build: rejected
     # the reward model's fields: without one (reward_model=none, the base) each is rejected; its runs: tests/rewards
     "reward_model.kind": "classifier",  # without reward_model.path: rejected
     "reward_model.path": "some/reward_model",
+    "reward_model.base_path": "some/base",
     "reward_model.dtype": "bfloat16",
     "reward_model.colocate": True,
     "reward_model.template": "rate it",
