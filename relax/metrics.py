@@ -57,9 +57,15 @@ FILTER_GENERATED_RATIO = "rollout/filter_generated_ratio"
 # mean task reward over every response generated for the step (rollout/raw_reward is over the batch trained, which
 # dynamic sampling tilts towards prompts with mixed outcomes): the policy's reward on the data as drawn
 GENERATED_REWARD = "rollout/generated_reward"
-# train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over valid tokens
+# train/inference mismatch: |old-policy log-prob recomputed by the trainer - rollout log-prob| over the valid tokens
+# no grammar constrained (`Samples.constrained`: their rollout log-prob is the model's own), and its max ratio
 TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
+# the same mean over the valid tokens a grammar constrained (constrained decoding through the OpenAI gateway: strict
+# tools, forced calls, response_format), whose rollout log-prob is of the grammar's masked distribution, so it is
+# larger by the log of the probability the grammar left (logged only in a step with such tokens); their share
+TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED = "rollout/train_rollout_logp_abs_diff_constrained"
+CONSTRAINED_TOKEN_FRAC = "rollout/constrained_token_frac"  # constrained tokens / valid tokens
 # The rollout/trainer mismatch and what the rollout correction does with it (relax.algorithms.rollout_correction):
 # k1 and k3 estimates of KL(rollout || trainer) per token, log-ppl(trainer) - log-ppl(rollout) per response, token
 # ratio quantiles, the share truncated by importance sampling and the shares masked by rejection

@@ -642,6 +642,30 @@ class Grammars:
         after the row's reasoning (`Matcher`)."""
         return Matcher(self.compile(spec), tuple(int(t) for t in stop_token_ids), tuple(int(t) for t in think_end))
 
+    def constrained(self, spec: GrammarSpec, stop_token_ids: tuple[int, ...] | list[int],
+                    tokens: list[int]) -> list[int]:
+        """Which tokens of an answer sampled under `spec` (with stop tokens `stop_token_ids`) the grammar constrained:
+        1 where its mask allowed only part of the tokenizer's vocabulary when the token was drawn (the engine's
+        log-prob of it is then of the masked distribution, not the model's), 0 where it allowed every token of it
+        (the log-prob is the model's own). The answer is replayed through a fresh matcher, so an engine that reports
+        no such thing (SGLang) is read the same way. Ids past the tokenizer's (the padding of a model's logits,
+        which a grammar always masks and no tokenizer writes) do not count. A token the grammar refuses (an engine
+        that did not apply it): that token and the rest count as constrained."""
+        matcher = self.matcher(spec, stop_token_ids)
+        size = min(len(self.tokenizer), self.vocab_size)
+        full, rest = divmod(size, 32)
+        bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        out = []
+        for k, token in enumerate(tokens):
+            matcher.fill(bitmask, 0)
+            words = bitmask[0]
+            every = bool((words[:full] == -1).all()) and (
+                rest == 0 or (int(words[full]) & ((1 << rest) - 1)) == (1 << rest) - 1)
+            if not matcher.accept(int(token)):
+                return out + [1] * (len(tokens) - k)
+            out.append(0 if every else 1)
+        return out
+
 
 def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torch.Tensor:
     """`logits` [B, V] as float32 with the tokens each row's matcher disallows at -inf (rows without one as they

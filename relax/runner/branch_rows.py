@@ -67,6 +67,8 @@ def _lists(samples: Samples, i: int) -> dict:
            "generated": samples.response_mask[i, :n].tolist(), "version": samples.versions()[i, :n].tolist()}
     if samples.saved_old_logp is not None:
         out["saved_old_logp"] = samples.saved_old_logp[i, :n].tolist()
+    if samples.constrained is not None:
+        out["constrained"] = samples.constrained[i, :n].tolist()
     return out
 
 
@@ -77,7 +79,8 @@ def _rows_as_samples(rows: list[dict], base: Samples, run: list[int], records: l
         raise ValueError("branch rows: images and routed experts are not carried by the gateway's rows")
     built = episode_samples(
         [EpisodeRow(r["prompt"], r["ids"], r["logp"], r["generated"],
-                    [v * g for v, g in zip(r["version"], r["generated"], strict=True)], base.finish_reason[j], rec)
+                    [v * g for v, g in zip(r["version"], r["generated"], strict=True)], base.finish_reason[j], rec,
+                    r.get("constrained"))
          for r, j, rec in zip(rows, run, records, strict=True)],
         torch.tensor(run, dtype=torch.long), pad_token_id)
     saved = None
@@ -91,7 +94,7 @@ def _rows_as_samples(rows: list[dict], base: Samples, run: list[int], records: l
                    response_mask=built.response_mask, rollout_logp=built.rollout_logp,
                    finish_reason=built.finish_reason, sample_id=sid, token_version=built.token_version,
                    saved_old_logp=saved, token_mask=built.token_mask, episodes=records, vision=None,
-                   routed_experts=None)
+                   routed_experts=None, constrained=built.constrained)
 
 
 def _row_record(record: dict, turn_rewards: list, layer: int) -> dict:

@@ -13,6 +13,11 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   to a worker process.
 - `reward_model`: the reward model's files (a sequence-classification head of one label and its tokenizer; a judge's
   model and tokenizer) and the judge's parser (`relax.runner.reward_model.check_reward_model`).
+- `tool_parser`: a `data.tool_parser` other than `auto` is read by something of the run: the built-in tool loop
+  (`data.tools`) or the gateway of an agent program (`data.openai_agent`); otherwise (single-turn data, `data.env` or
+  `data.agent` without `data.tools`: an environment answers with its step, an agent loop of one's own reads its turns
+  itself) it is refused, not ignored (`unread_tool_parser`). A rule of relax-train's, not of the config: relax-serve
+  reads data.tool_parser on its own.
 - `agent`: agentic data: the chat template renders observations (`relax.agents.render.check_template`), and the
   environment, tools and agent loop load; its line says which tool-call parser `data.tool_parser` gives and why
   (`relax.agents.render.parser_choice`), and an environment or agent loop with `rollout.max_turns=1` is warned of
@@ -58,7 +63,7 @@ from relax.agents.tools import get_tools
 from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import default_eval_set_name, evaluates
 from relax.config.reward_model_rules import has_role
-from relax.config.schema import ModelConfig, RelaxConfig
+from relax.config.schema import DataConfig, ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.lora import check_targets
@@ -334,6 +339,35 @@ def _reward_model(pre: Preflight) -> bool:
     return True
 
 
+def unread_tool_parser(cfg: RelaxConfig) -> Optional[str]:
+    """The message for a `data.tool_parser` set (not its default, `auto`) where nothing of the run reads tool calls,
+    None where something does or it is unset. Readers: the built-in tool loop (`data.tools`, with or without
+    `data.env`: `relax.agents.episode.EpisodeMaker.for_config`) and the OpenAI gateway of an agent program
+    (`data.openai_agent`: `relax.serve.openai.agents.AgentRollout`). An environment alone answers every turn with its
+    step, and an agent loop of one's own (`data.agent`) is built with no parser; the relax-serve servers a run with
+    rollout.sglang.server=embedded starts resolve it too, but the run only calls their /generate."""
+    d = cfg.data
+    if d.tool_parser == DataConfig().tool_parser or d.tools or d.openai_agent:
+        return None
+    if d.agent:
+        what = f"data.agent={d.agent} is an agent loop of your own, which reads the model's turns itself"
+    elif d.env:
+        what = f"data.env={d.env} without data.tools answers every turn with its step and reads no tool call"
+    else:
+        what = "single-turn data (no data.env, data.tools, data.agent or data.openai_agent) reads no tool call"
+    return (f"data.tool_parser={d.tool_parser} has no effect: {what}; only data.tools (the built-in tool loop) and "
+            "data.openai_agent (its gateway) read tool calls with it. Set data.tools, or leave data.tool_parser "
+            "unset")
+
+
+def _tool_parser(pre: Preflight) -> bool:
+    if pre.cfg.data.tool_parser == DataConfig().tool_parser:
+        return False
+    if (problem := unread_tool_parser(pre.cfg)) is not None:
+        raise ValueError(problem)
+    return True
+
+
 def _agent(pre: Preflight) -> bool:
     cfg = pre.cfg
     if not agentic(cfg):
@@ -438,6 +472,7 @@ CHECKS: tuple[Check, ...] = (
     Check("data", "training prompts and eval sets", _data, ("tokenizer",)),
     Check("reward", "data.reward imports and takes (response, label)", _reward),
     Check("reward_model", "reward_model's files (a classifier's head, a judge's model) and parser", _reward_model),
+    Check("tool_parser", "a data.tool_parser set is read (data.tools, data.openai_agent)", _tool_parser),
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),

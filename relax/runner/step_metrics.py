@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -12,6 +13,7 @@ from relax.algorithms.rollout_correction import mismatch_metrics
 from relax.batch import FinishReason, Samples
 from relax.metrics import (
     ABORTED_TOKENS,
+    CONSTRAINED_TOKEN_FRAC,
     ENV_TIME,
     EPISODE_END,
     EPISODE_LEN,
@@ -48,6 +50,7 @@ from relax.metrics import (
     TOOL_CALLS_MEAN,
     TOOL_ERROR_FRAC,
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED,
     TRAIN_ROLLOUT_RATIO_MAX,
     TRUNCATED_FRAC,
     TRUNCATED_MASKED_FRAC,
@@ -230,15 +233,25 @@ def staleness_metrics(samples: Samples, step: int, max_staleness: int) -> dict[s
     return out
 
 
-def rollout_mismatch(algo_cfg, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
+def rollout_mismatch(algo_cfg, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                     constrained: Optional[torch.Tensor] = None) -> dict[str, float]:
     """The train/rollout mismatch from the actor's log-probs of each token at the weights that generated it
-    (`old_logp`) and the engine's, over the valid tokens: mean |difference|, max ratio, and the rollout correction's
-    diagnostics (`relax.algorithms.rollout_correction.mismatch_metrics`). (TorchPolicy's `rollout_mismatch` measures
-    the first two from the first optimizer step when no old log-probs exist.)"""
+    (`old_logp`) and the engine's: mean |difference| and max ratio over the valid tokens no grammar constrained
+    (`constrained` [N, T]: 1 on those a grammar did, None: none), mean |difference| over those it did and their share
+    of the valid tokens, and the rollout correction's diagnostics over all valid tokens
+    (`relax.algorithms.rollout_correction.mismatch_metrics`). (TorchPolicy's `rollout_mismatch` measures the same
+    from the first optimizer step when no old log-probs exist.)"""
 
-    d = (old_logp.double() - rollout_logp.double())[mask.bool()]
-    if d.numel() == 0:
+    valid = mask.bool()
+    held = valid & constrained.bool() if constrained is not None else torch.zeros_like(valid)
+    diff = old_logp.double() - rollout_logp.double()
+    if not valid.any():
         return {}
-    return {TRAIN_ROLLOUT_LOGP_ABS_DIFF: float(d.abs().mean()), TRAIN_ROLLOUT_RATIO_MAX: float(exp_log_ratio(d).max()),
-            **mismatch_metrics(algo_cfg, old_logp, rollout_logp, mask)}
+    out = {CONSTRAINED_TOKEN_FRAC: float(held.sum()) / float(valid.sum())}
+    d = diff[valid & ~held]
+    if d.numel():
+        out |= {TRAIN_ROLLOUT_LOGP_ABS_DIFF: float(d.abs().mean()),
+                TRAIN_ROLLOUT_RATIO_MAX: float(exp_log_ratio(d).max())}
+    if held.any():
+        out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = float(diff[held].abs().mean())
+    return out | mismatch_metrics(algo_cfg, old_logp, rollout_logp, mask)

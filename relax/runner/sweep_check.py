@@ -21,8 +21,8 @@ from relax.runner.preflight import INPUT_CHECKS, preflight
 # start: hashing every job's checkpoint here too would read each twice before any job starts) and it was written with
 # a config this job may continue). Not
 # `endpoints` (checked here, every address at once) nor `gpus` (the jobs join the sweep's Ray, not a local one).
-SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora",
-                "tracking", "checkpoints")
+SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "tool_parser", "agent",
+                "openai_agent", "lora", "tracking", "checkpoints")
 _INPUTS_CHECKED: dict[tuple[str, str], dict[str, str]] = {}  # one sweep's input problems, by config less the seed
 
 

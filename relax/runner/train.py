@@ -176,7 +176,7 @@ def train_batch(cfg: RelaxConfig, plan: Plan, cluster: Cluster, samples: Samples
     batch.response_mask = mask
     metrics = dict(out.metrics)
     if old_logp is not None and not cfg.algorithm.use_rollout_logprobs:
-        metrics.update(rollout_mismatch(cfg.algorithm, old_logp, samples.rollout_logp, mask))
+        metrics.update(rollout_mismatch(cfg.algorithm, old_logp, samples.rollout_logp, mask, samples.constrained))
     return batch, metrics
 
 

@@ -30,6 +30,7 @@ from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
 from relax.batch import Samples, TrainBatch
 from relax.config.schema import TrainConfig
 from relax.metrics import (
+    CONSTRAINED_TOKEN_FRAC,
     CRITIC_GRAD_NORM,
     CRITIC_LR,
     CRITIC_NONFINITE_GRAD_TENSORS,
@@ -41,6 +42,7 @@ from relax.metrics import (
     NONFINITE_GRAD_TENSORS,
     SKIPPED_STEPS,
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED,
     TRAIN_ROLLOUT_RATIO_MAX,
 )
 from relax.train.packing import response_reach
@@ -161,15 +163,18 @@ def loss_inputs(batch: TrainBatch, rows: Optional[torch.Tensor], logp: torch.Ten
 
 class StepSums:
     """What a step adds up over its micro-batches: the loss metrics (float64, on the CPU) and, with
-    `rollout_mismatch`, the sum of |trainer log-prob - rollout log-prob| and the max of their ratio over valid
-    tokens, and the log-ratios the rollout correction's mismatch diagnostics read (k1, k3, log-ppl difference,
-    ratio quantiles: `relax.algorithms.rollout_correction.mismatch_summary`). A data-parallel trainer calls
-    `all_reduce` over its ranks before `metrics`."""
+    `rollout_mismatch`, the sum of |trainer log-prob - rollout log-prob| and the max of their ratio over the valid
+    tokens no grammar constrained (`Samples.constrained`), the sum of that difference over the constrained ones (whose
+    rollout log-prob is of the grammar's masked distribution), the count of each, and the log-ratios the rollout
+    correction's mismatch diagnostics read over all valid tokens (k1, k3, log-ppl difference, ratio quantiles:
+    `relax.algorithms.rollout_correction.mismatch_summary`). A data-parallel trainer calls `all_reduce` over its ranks
+    before `metrics`."""
 
     def __init__(self, rollout_mismatch: bool) -> None:
         self.totals: dict[str, torch.Tensor] = {}
         self.rollout_mismatch = rollout_mismatch
-        self.mismatch = torch.zeros(2, dtype=torch.float64)
+        self.mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |d| over free tokens, max ratio over them]
+        self.mismatch_counts = torch.zeros(3, dtype=torch.float64)  # [free tokens, sum |d| constrained, constrained]
         # the log-ratios of the valid tokens and their per-response means (rollout_correction.log_ratios), for the
         # mismatch diagnostics; a data-parallel trainer gathers them over its ranks
         self.log_ratios: list[torch.Tensor] = []
@@ -181,13 +186,23 @@ class StepSums:
             self.totals[name] = self.totals[name] + value if name in self.totals else value
 
     @torch.no_grad()
-    def add_mismatch(self, logp: torch.Tensor, lb: LossBatch) -> None:
+    def add_mismatch(self, logp: torch.Tensor, lb: LossBatch, constrained: Optional[torch.Tensor] = None) -> None:
+        """A micro-batch's mismatch; `constrained` [B, t]: 1 on its tokens a grammar constrained (None: none)."""
         if not self.rollout_mismatch:
             return
-        d = (logp.detach().float() - lb.rollout_logp)[lb.mask != 0].double()
+        valid = lb.mask != 0
+        diff = logp.detach().float() - lb.rollout_logp
+        if constrained is not None:
+            held = valid & (constrained != 0)
+            valid = valid & ~held
+            c = diff[held].double()
+            self.mismatch_counts[1] += c.abs().sum().cpu()
+            self.mismatch_counts[2] += c.numel()
+        d = diff[valid].double()
         if d.numel():
             self.mismatch[0] += d.abs().sum().cpu()
             self.mismatch[1] = torch.maximum(self.mismatch[1], F.exp_log_ratio(d).max().cpu())
+            self.mismatch_counts[0] += d.numel()
             tokens, rows = log_ratios(logp.float(), lb.rollout_logp, lb.mask)
             self.log_ratios.append(tokens)
             self.row_means.append(rows)
@@ -210,17 +225,24 @@ class StepSums:
         torch.distributed.all_reduce(m[:1], group=group)
         torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=group)
         self.mismatch = m.cpu()
+        counts = self.mismatch_counts.to(device)
+        torch.distributed.all_reduce(counts, group=group)
+        self.mismatch_counts = counts.cpu()
         if self.rollout_mismatch:  # every rank's log-ratios, for the quantiles of the whole batch
             gathered: list = [None] * size
             torch.distributed.all_gather_object(gathered, (self.log_ratios, self.row_means), group=group)
             self.log_ratios = [t for tokens, _ in gathered for t in tokens]
             self.row_means = [r for _, rows in gathered for r in rows]
 
-    def metrics(self, num_tokens: float, entropy: str) -> dict[str, float]:
+    def metrics(self, entropy: str) -> dict[str, float]:
         out = {name: float(value) for name, value in self.totals.items()}
         if self.rollout_mismatch:
-            out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(self.mismatch[0]) / max(num_tokens, 1.0)
+            free, held_sum, held = (float(x) for x in self.mismatch_counts)
+            out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(self.mismatch[0]) / max(free, 1.0)
             out[TRAIN_ROLLOUT_RATIO_MAX] = float(self.mismatch[1])
+            if held:  # a step with constrained tokens (the OpenAI gateway's calls under a grammar)
+                out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = held_sum / held
+            out[CONSTRAINED_TOKEN_FRAC] = held / max(free + held, 1.0)
             if self.log_ratios:
                 out.update(mismatch_summary(torch.cat(self.log_ratios), torch.cat(self.row_means)))
         if entropy == "none":
@@ -254,7 +276,10 @@ class StepLoss:
         """The loss of the micro-batch `rows` of `batch` (see `loss_inputs`) from its log-probs `logp` [B, t] and
         `entropy`; `stats`: the algorithm's step statistics of the whole step (M2PO), else None."""
         lb = loss_inputs(batch, rows, logp, t, device=device, entropy=entropy, stats=stats)
-        self.sums.add_mismatch(logp, lb)
+        constrained = None
+        if batch.constrained is not None:
+            constrained = (batch.constrained[:, :t] if rows is None else batch.constrained[rows, :t]).to(device)
+        self.sums.add_mismatch(logp, lb, constrained)
         loss, metrics = compute_loss(self.cfg, lb, per_token=self.per_token, denominator=self.denominator,
                                      num_tokens=self.num_tokens)
         self.sums.add(metrics)
@@ -270,7 +295,7 @@ class StepLoss:
 
     def metrics(self) -> dict[str, float]:
         """The step's loss metrics (`StepSums.metrics`)."""
-        return self.sums.metrics(self.num_tokens, self.entropy)
+        return self.sums.metrics(self.entropy)
 
 
 # ---- non-finite steps --------------------------------------------------------------------------------------------

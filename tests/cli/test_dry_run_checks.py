@@ -65,6 +65,9 @@ CASES = {
     "teacher": (lambda tmp: ["algorithm=opd", f"teacher.path={tmp / 'no-teacher'}"], "the teacher (teacher.path="),
     "data": (lambda tmp: ["data=jsonl", f"data.path={tmp / 'missing.jsonl'}"], "missing.jsonl"),
     "reward": (lambda tmp: ["data.reward=no_such_module:fn"], "no_such_module"),
+    # an environment alone reads no tool call (tests/runner/test_unread_tool_parser.py: what reads it)
+    "tool_parser": (lambda tmp: ["data=guess_number", "data.tool_parser=hermes"],
+                    "data.tool_parser=hermes has no effect: data.env=guess_number without data.tools"),
     "agent": (_broken_template, "cannot render the observations"),
     "openai_agent": (lambda tmp: ["data.openai_agent=no_such_module:run", "rollout=sglang",
                                   "rollout.sglang.server=embedded"], "no_such_module"),

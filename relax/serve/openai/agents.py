@@ -121,7 +121,8 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
         # the run's other rows (one per branch beyond the main one), as plain lists: they go wherever the sample
         # goes (dynamic sampling, the buffer, a checkpoint) and become rows of the training batch
         others = [{"prompt": list(r.prompt), "ids": list(r.tokens), "logp": list(r.logprobs),
-                   "generated": list(r.sampled), "version": list(r.versions), "turn_rewards": list(r.rewards)}
+                   "generated": list(r.sampled), "version": list(r.versions), "turn_rewards": list(r.rewards),
+                   "constrained": list(r.constrained)}
                   for r in rows_of_run[1:]]
         episode = {"item": record, "turns": len(t.answers), "tool_calls": s.tool_calls, "tool_errors": 0,
                    "turn_rewards": list(t.rewards), "actions": list(t.answers), "env_time": 0.0, "kv_reused": 0,
@@ -139,5 +140,5 @@ def _samples(rows: list[tuple[Session, dict, Segment, Optional[str]]], sample_id
                                                                                      for o in others)}
         out.append(EpisodeRow(t.prompt, t.tokens, t.logprobs, t.sampled, t.versions,
                               end if end in (FinishReason.MAX_TURNS, FinishReason.LENGTH) else FinishReason.STOP,
-                              episode))
+                              episode, t.constrained))
     return episode_samples(out, sample_ids, pad_token_id)

@@ -29,6 +29,7 @@ from relax.agents.parsers import HARMONY_TOKENS, harmony_content, harmony_reason
 from relax.batch import FinishReason
 from relax.rollout.grammar import (
     GrammarError,
+    Grammars,
     GrammarSpec,
     ToolSchemaError,
     _xgrammar_of,
@@ -79,6 +80,9 @@ class Sampled:
     top: Optional[list[list[tuple[float, int]]]] = None  # per token: (log-prob, token id) of the likeliest
     stop_string: Optional[str] = None  # the stop string that ended it (finish STOP without a stop token)
     prompt_tokens: Optional[int] = None  # the engine's count of the prompt (with images: their image tokens)
+    # per token, 1 where the request's grammar constrained it (`relax.rollout.grammar.Grammars.constrained`); set for
+    # a training session's calls sampled under a grammar, None otherwise (no token constrained)
+    constrained: Optional[list[int]] = None
 
 
 class Session(Protocol):
@@ -125,6 +129,7 @@ class OpenAIService:
         self.fmt, self.send, self.model, self.images, self.stream = fmt, send, model, images, stream
         self.context_length, self.max_tokens, self.default_version = context_length, max_tokens, default_version
         self.created = int(time.time())  # the model object's `created`: when this service began serving it
+        self._grammar_replay: Optional[Grammars] = None  # `_grammars`
 
     def card(self) -> dict:
         """The served model as OpenAI's model object (and SGLang's max_model_len)."""
@@ -203,6 +208,8 @@ class OpenAIService:
             sampled, p = self._generate(prompt, p, session, context, image_data)
         except APIError as exc:
             raise naming_parts(exc, places) from None
+        if session is not None:
+            self._mark_constrained(sampled, p)
         choices = [self._chat_choice(s, prompt, p) for s in sampled]
         if session is not None:
             session.record(context, prompt, [
@@ -307,6 +314,7 @@ class OpenAIService:
         sampled = [self._parse(a) for a in self.send(payloads)]
         choices = [self._completion_choice(s, p) for s in sampled]
         if session is not None:
+            self._mark_constrained(sampled, p)
             session.record(context, prompts[0], [(s, c, None) for s, c in zip(sampled, choices, strict=True)])
         if p.stream:
             return 200, _streamed(list(self._completion_chunks(_answered(sampled, choices), prompt_tokens, p)))
@@ -505,6 +513,27 @@ class OpenAIService:
                 payload["top_logprobs_num"] = p.top_logprobs
             payloads.append(payload)
         return payloads, p
+
+    def _mark_constrained(self, sampled: list[Sampled], p: Params) -> None:
+        """For a training session (its trainer's `rollout/train_rollout_logp_abs_diff` reads it): which tokens of each
+        choice the request's grammar constrained, found by replaying the choice through the grammar, as the engine
+        (relax's or SGLang's, which says nothing of it) masked them. Where the replay cannot run, every token counts
+        as constrained: a grammar was applied, and a free token is only one known to be free."""
+        if p.grammar is None:
+            return
+        stops = () if p.ignore_eos else tuple(sorted(self.fmt.eos_token_ids))
+        for s in sampled:
+            try:
+                s.constrained = self._grammars().constrained(GrammarSpec(*p.grammar), stops, s.tokens)
+            except GrammarError:
+                s.constrained = [1] * len(s.tokens)
+
+    def _grammars(self) -> Grammars:
+        """The grammars of this service's tokenizer (made at the first use: a service without grammars never
+        reads the vocabulary)."""
+        if self._grammar_replay is None:
+            self._grammar_replay = Grammars(self.fmt.tokenizer, len(self.fmt.tokenizer))
+        return self._grammar_replay
 
     def _tool_parser_format(self, param: str) -> str:
         """The built-in tool parser this service reads calls with: the format a grammar of calls is written in (a

@@ -69,6 +69,8 @@ class Segment:
     sampled: list[int] = field(default_factory=list)  # 1: the engine sampled it (trained), 0: appended
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    # 1: a sampled token a grammar constrained (its log-prob is of the masked distribution), 0: any other token
+    constrained: list[int] = field(default_factory=list)
     messages: Optional[list[dict]] = None  # chat: the conversation so far, the last answer included
     text: str = ""  # completions: the text of prompt and tokens
     tools_key: str = ""  # the tools and chat_template_kwargs its conversation was rendered with
@@ -78,11 +80,12 @@ class Segment:
     rewards: list[float] = field(default_factory=list)  # per call
 
     def append(self, tokens: list[int], *, sampled: bool, logprobs: Optional[list[float]] = None,
-               version: int = 0) -> None:
+               version: int = 0, constrained: Optional[list[int]] = None) -> None:
         self.tokens += tokens
         self.sampled += [int(sampled)] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
         self.versions += [version if sampled else 0] * len(tokens)
+        self.constrained += constrained if sampled and constrained is not None else [0] * len(tokens)
 
     @property
     def context(self) -> list[int]:
@@ -100,6 +103,7 @@ class _Node:
     tokens: list[int]  # sampled
     logprobs: list[float]
     version: int
+    constrained: list[int]  # per sampled token, 1 where a grammar constrained it (`Sampled.constrained`)
     call: int  # the session's call number (admission order)
     choice: int
     answer: str  # the answer's text, a <think> block split off included
@@ -301,6 +305,7 @@ class Session:
             new.append(_Node(
                 parent=base, prompt=base.prompt if base is not None else list(prompt), delta=delta,
                 tokens=list(choice.tokens), logprobs=list(choice.logprobs), version=sampled.version, call=c.call,
+                constrained=list(sampled.constrained or [0] * len(sampled.tokens))[:len(choice.tokens)],
                 # a <think> block split off still counts, with the opening the prompt wrote for it (Qwen3.5's): the
                 # text data.reward scores reads as one whose model wrote <think> itself (Qwen3's)
                 choice=k, answer=c.opened + choice.think_text + choice.text,
@@ -360,7 +365,7 @@ class Session:
                           tools_key=row.tools_key, stop_token=row.stop_token, cut=row.cut)
             for n in path:
                 seg.append(n.delta, sampled=False)
-                seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version)
+                seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version, constrained=n.constrained)
                 seg.answers.append(n.answer)
                 seg.rewards.append(self.rewards[n.call])
             on = {n.call for n in path}
@@ -386,7 +391,8 @@ class Session:
                         seg.append(n.tokens, sampled=False)
                         continue
                     owned.add(id(n))
-                    seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version)
+                    seg.append(n.tokens, sampled=True, logprobs=n.logprobs, version=n.version,
+                               constrained=n.constrained)
                     seg.rewards.append(self.rewards[n.call] if n.call not in placed else 0.0)
                     placed.add(n.call)
                 out.append(seg)
