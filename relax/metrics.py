@@ -63,7 +63,7 @@ TRAIN_ROLLOUT_LOGP_ABS_DIFF = "rollout/train_rollout_logp_abs_diff"
 TRAIN_ROLLOUT_RATIO_MAX = "rollout/train_rollout_ratio_max"  # max exp(trainer logp - rollout logp)
 # the same mean over the valid tokens a grammar constrained (constrained decoding through the OpenAI gateway: strict
 # tools, forced calls, response_format), whose rollout log-prob is of the grammar's masked distribution, so it is
-# larger by the log of the probability the grammar left (logged only in a step with such tokens); their share
+# larger by the log of the probability the grammar left; their share (both logged only in a step with such tokens)
 TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED = "rollout/train_rollout_logp_abs_diff_constrained"
 CONSTRAINED_TOKEN_FRAC = "rollout/constrained_token_frac"  # constrained tokens / valid tokens
 # The rollout/trainer mismatch and what the rollout correction does with it (relax.algorithms.rollout_correction):

@@ -247,11 +247,12 @@ def rollout_mismatch(algo_cfg, old_logp: torch.Tensor, rollout_logp: torch.Tenso
     diff = old_logp.double() - rollout_logp.double()
     if not valid.any():
         return {}
-    out = {CONSTRAINED_TOKEN_FRAC: float(held.sum()) / float(valid.sum())}
+    out = {}
     d = diff[valid & ~held]
     if d.numel():
         out |= {TRAIN_ROLLOUT_LOGP_ABS_DIFF: float(d.abs().mean()),
                 TRAIN_ROLLOUT_RATIO_MAX: float(exp_log_ratio(d).max())}
-    if held.any():
+    if held.any():  # a step with constrained tokens (the OpenAI gateway's calls under a grammar)
         out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = float(diff[held].abs().mean())
+        out[CONSTRAINED_TOKEN_FRAC] = float(held.sum()) / float(valid.sum())
     return out | mismatch_metrics(algo_cfg, old_logp, rollout_logp, mask)

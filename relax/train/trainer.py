@@ -242,7 +242,7 @@ class StepSums:
             out[TRAIN_ROLLOUT_RATIO_MAX] = float(self.mismatch[1])
             if held:  # a step with constrained tokens (the OpenAI gateway's calls under a grammar)
                 out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = held_sum / held
-            out[CONSTRAINED_TOKEN_FRAC] = held / max(free + held, 1.0)
+                out[CONSTRAINED_TOKEN_FRAC] = held / (free + held)
             if self.log_ratios:
                 out.update(mismatch_summary(torch.cat(self.log_ratios), torch.cat(self.row_means)))
         if entropy == "none":
