@@ -1,9 +1,9 @@
-"""Mixture-of-experts models: the Qwen3-MoE config of a `source=config` model, and control of the routers.
+"""Mixture-of-experts models: control of the routers, the MoE losses and the expert-load metrics.
 
-Which models: the Hugging Face Qwen3-MoE causal LM (`Qwen3MoeForCausalLM`: Qwen3-30B-A3B, Qwen3-235B-A22B, and
-`model.arch=qwen3_moe` built from config). Its sparse block routes each token by `Qwen3MoeTopKRouter`: logits
-z = h W_r^T, p = softmax(z) in fp32, the top-k experts of p, their weights p[top-k] (renormalised to sum 1 when the
-config says `norm_topk_prob`).
+Which models: those whose routers belong to a registered family (`relax.models.moe_families.FAMILIES`: Qwen3-MoE
+and Qwen2-MoE, Mixtral, gpt-oss, DeepSeek-V3 and GLM-4.5; the family says how to read its router's output and how to
+recompute the weights of given experts). `model.arch=qwen3_moe` builds a Qwen3-MoE model from config; the others are
+read from files (`model.source=hf`).
 
 `RouterControl` puts one forward hook on every router of a model (once; `router_control(model)`), which does
 nothing until asked to:
@@ -11,12 +11,12 @@ nothing until asked to:
 - record: keep the top-k expert ids each router chose (the rollout engine, `relax.rollout.routes`);
 - compare / force (`arm`): given the engine's experts of every token and layer, count how often the router's own
   choice equals them and, forcing, route each token to exactly the engine's experts, with the weights recomputed
-  from this model's own probabilities over those experts (p[forced], renormalised as the config says): rollout
-  routing replay (R3), as megatron-core's `RouterReplay` and slime do. The weights keep their gradient through p;
-  the choice itself has none, forced or not;
+  from this model's own router scores over those experts by the family's formula (`RouterFamily.weights`): rollout
+  routing replay (R3), as megatron-core's `RouterReplay` and slime do. The weights keep their gradient through the
+  scores; the choice itself has none, forced or not;
 - collect the router logits and the experts used in a training forward: the load-balancing loss
-  (`load_balancing_loss`), the router z-loss (`z_loss_sum`) and the expert-load metrics (`expert_counts`,
-  `expert_load_metrics`).
+  (`load_balancing_loss`, over the family's `aux_scores`), the router z-loss (`z_loss_sum`) and the expert-load
+  metrics (`expert_counts`, `expert_load_metrics`).
 
 Routes travel compactly (`route_dtype`): uint8 for up to 255 experts, else int16; a token without a recorded route
 (padding, a token never fed to the engine) holds `route_fill(dtype)`, which `recorded_mask` reads back as missing.
@@ -24,6 +24,7 @@ Routes travel compactly (`route_dtype`): uint8 for up to 255 experts, else int16
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -31,12 +32,27 @@ from torch import nn
 
 from relax.config.schema import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
 from relax.metrics import MOE_LOAD_CV, MOE_LOAD_MAX_OVER_MEAN, MOE_LOAD_MIN_OVER_MEAN, moe_layer_load
+from relax.models.moe_families import (
+    ROUTED_MODEL_TYPES,
+    RouterFamily,
+    family_of_model_type,
+    router_families,
+    softmax_scores,
+)
 
 
 def _router_classes() -> tuple[type, ...]:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    return tuple(router_families())
 
-    return (Qwen3MoeTopKRouter,)
+
+def router_family(router: nn.Module) -> RouterFamily:
+    """The registered family of one router module (a subclass of a registered class: its base's); KeyError for a
+    class no family registers."""
+    families = router_families()
+    for cls in type(router).__mro__:
+        if cls in families:
+            return families[cls]
+    raise KeyError(type(router).__name__)
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
@@ -66,11 +82,14 @@ def recorded_mask(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def load_balancing_loss(logits: torch.Tensor, experts: torch.Tensor, valid: Optional[torch.Tensor],
-                        num_experts: int, top_k: int) -> torch.Tensor:
+                        num_experts: int, top_k: int,
+                        scores: Callable[[torch.Tensor], torch.Tensor] = softmax_scores) -> torch.Tensor:
     """Switch Transformer's load-balancing loss of one MoE layer, normalised as megatron-core's (1 when balanced):
-    E / k * sum_e f_e P_e, f_e = (tokens routed to e) / n, P_e = mean router probability of e, over the n valid
-    tokens. logits [M, E] (with their gradient), experts [M, k] (the ones used), valid [M] bool or None (all)."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    E / k * sum_e f_e P_e, f_e = (tokens routed to e) / n, P_e = mean router score of e, over the n valid
+    tokens. logits [M, E] (with their gradient), experts [M, k] (the ones used), valid [M] bool or None (all);
+    `scores`: the router family's scores of the logits (`RouterFamily.aux_scores`: softmax, or for a sigmoid router
+    the sigmoid over its sum)."""
+    probs = scores(logits)
     if valid is not None:
         probs, experts = probs[valid], experts[valid]
     n = max(1, probs.shape[0])
@@ -126,9 +145,11 @@ class RouterControl:
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no mixture-of-experts router")
         first = self.routers[0]
+        self.family = router_family(first)
+        if any(router_family(r) is not self.family for r in self.routers):
+            raise ValueError(f"{type(model).__name__} mixes routers of several families")
         self.num_layers = len(self.routers)
         self.top_k, self.num_experts = int(first.top_k), int(first.num_experts)
-        self.norm_topk = bool(first.norm_topk_prob)
         self.recording = False
         self.recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._engine: Optional[torch.Tensor] = None  # [M, L, k] long, -1 where missing
@@ -161,7 +182,7 @@ class RouterControl:
 
     def _hook(self, layer: int):
         def hook(module: nn.Module, inputs: tuple, output: tuple) -> Optional[tuple]:
-            logits, scores, chosen = output
+            logits, scores, chosen = self.family.read(output)
             if self.recording:
                 self.recorded[layer].append(chosen.detach())
             if self._engine is None and not self._collect:
@@ -175,11 +196,7 @@ class RouterControl:
                 known = ((engine >= 0) & (engine < self.num_experts)).all(-1)
                 if self._force:
                     used = torch.where(known[:, None], engine, chosen)
-                    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-                    top = probs.gather(1, used)
-                    if self.norm_topk:
-                        top = top / top.sum(-1, keepdim=True)
-                    scores = top.to(logits.dtype)
+                    scores = self.family.weights(module, logits, used)
                 with torch.no_grad():
                     want = engine[known].sort(-1).values
                     same_used = (used[known].sort(-1).values == want).all(-1)
@@ -188,7 +205,7 @@ class RouterControl:
                                                 dtype=torch.float64)
             if self._collect:
                 self.logits[layer], self.used[layer] = logits, used
-            return logits, scores, used
+            return self.family.write(output, scores, used)
 
         return hook
 
@@ -217,8 +234,9 @@ def stack_recorded(control: RouterControl, batch: int, width: int) -> torch.Tens
 
 def check_moe_checkpoint(cfg: Any, path: Any) -> None:
     """MoE options (rollout.routing_replay, rollout.record_routes, train.moe_aux_loss_coef, train.moe_z_loss_coef)
-    against a model read from files, before anything starts: ValueError naming them when its config is not a
-    Qwen3-MoE one. `cfg`: the RelaxConfig; `path`: the model's directory (or .gguf file)."""
+    against a model read from files, before anything starts: ValueError naming them and the model's type when its
+    config is not of a registered router family (`relax.models.moe_families`). `cfg`: the RelaxConfig; `path`: the
+    model's directory (or .gguf file)."""
     ro, t = cfg.rollout, cfg.train
     options = [name for name, on in (("rollout.routing_replay=true", ro.routing_replay),
                                      ("rollout.record_routes=true", ro.record_routes),
@@ -233,6 +251,6 @@ def check_moe_checkpoint(cfg: Any, path: Any) -> None:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if config.model_type not in MOE_ARCHS:
+    if family_of_model_type(config.model_type) is None:
         raise ValueError(f"{', '.join(options)}: the model at {str(path)!r} is {config.model_type!r}, not a "
-                         f"mixture-of-experts model of a supported family ({', '.join(MOE_ARCHS)})")
+                         f"mixture-of-experts model of a supported router family ({', '.join(ROUTED_MODEL_TYPES)})")

@@ -31,6 +31,7 @@ from relax.models.moe import (
     router_control,
     z_loss_sum,
 )
+from relax.models.moe_families import ROUTED_MODEL_TYPES
 from relax.train.packing import pack, trimmed_sequences
 
 
@@ -94,7 +95,8 @@ class TrainerRouting:
                                              ("train.moe_z_loss_coef", train_cfg.moe_z_loss_coef > 0)) if on]
             if options:
                 raise ValueError(f"{' and '.join(options)} need{'s' if len(options) == 1 else ''} a "
-                                 f"mixture-of-experts model ({type(model).__name__} has no MoE router)")
+                                 f"mixture-of-experts model of a supported router family ({type(model).__name__} "
+                                 f"has no MoE router of {', '.join(ROUTED_MODEL_TYPES)})")
             return None
         return TrainerRouting(model, replay=replay, aux_coef=train_cfg.moe_aux_loss_coef,
                               z_coef=train_cfg.moe_z_loss_coef)
@@ -134,7 +136,7 @@ class TrainerRouting:
         if self.z_coef > 0:
             terms.append(self.z_coef * z)
         if self.aux_coef > 0:
-            losses = [load_balancing_loss(logits, used, real, c.num_experts, c.top_k)
+            losses = [load_balancing_loss(logits, used, real, c.num_experts, c.top_k, c.family.aux_scores)
                       for logits, used in zip(c.logits, c.used, strict=True)]
             loss = torch.stack(losses).mean()
             self._aux.append((float(loss.detach()), float(weight)))

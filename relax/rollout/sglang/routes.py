@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from relax.models.moe import route_dtype, route_fill
+from relax.models.moe_families import ROUTED_MODEL_TYPES, family_of_model_type
 
 
 def encode(routes: torch.Tensor) -> str:
@@ -71,7 +72,10 @@ def place(rows: list[tuple[int, int, Optional[torch.Tensor]]], P: int, T: int, n
 
 def moe_shape(model_cfg: Any) -> tuple[int, int, int]:
     """(MoE layers, experts per token, experts) of the run's model (`model.source=config`: its fields; a model read
-    from files: its config.json); ValueError for a model that is not a Qwen3-MoE."""
+    from files: its config.json, of a registered router family, `relax.models.moe_families`); ValueError for a model
+    without routed experts of such a family, or with dense layers among its sparse ones (DeepSeek-V3's and GLM-4.5's
+    first_k_dense_replace, Qwen-MoE's decoder_sparse_step / mlp_only_layers: which layers SGLang's answer would hold
+    is not read)."""
     if model_cfg.source == "config":
         if model_cfg.arch != "qwen3_moe":
             raise ValueError(f"model.arch={model_cfg.arch} has no routed experts")
@@ -85,8 +89,13 @@ def moe_shape(model_cfg: Any) -> tuple[int, int, int]:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if config.model_type != "qwen3_moe":
-        raise ValueError(f"the model at {str(path)!r} ({config.model_type}) has no routed experts")
-    if int(getattr(config, "decoder_sparse_step", 1)) != 1 or list(getattr(config, "mlp_only_layers", []) or []):
-        raise ValueError("routed experts of a model with dense layers among its sparse ones are not read")
-    return int(config.num_hidden_layers), int(config.num_experts_per_tok), int(config.num_experts)
+    if family_of_model_type(config.model_type) is None:
+        raise ValueError(f"the model at {str(path)!r} ({config.model_type}) has no routed experts of a supported "
+                         f"router family ({', '.join(ROUTED_MODEL_TYPES)})")
+    if (int(getattr(config, "decoder_sparse_step", 1) or 1) != 1 or list(getattr(config, "mlp_only_layers", []) or [])
+            or int(getattr(config, "first_k_dense_replace", 0) or 0) > 0):
+        raise ValueError(f"routed experts of a model with dense layers among its sparse ones ({config.model_type} at "
+                         f"{str(path)!r}) are not read over SGLang's protocol (the embedded engine, rollout=embedded, "
+                         "records them)")
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return int(config.num_hidden_layers), int(config.num_experts_per_tok), int(experts)
