@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -97,6 +98,18 @@ def _error_text(exc: BaseException) -> str:
     while tb is not None and f"{os.sep}hydra{os.sep}" in tb.tb_frame.f_code.co_filename:
         tb = tb.tb_next  # Hydra's run_job: not the user's problem
     return "".join(traceback.format_exception(type(exc), exc, tb)).strip()
+
+
+_QUERY = re.compile(r"[?][^'\"\s]*")  # a URL's query, up to a quote or a space
+
+
+def _shown(override: str) -> str:
+    """An override as a message shows it: a tracking.uri's query, which may carry a token, as `?***` (a user or
+    password in a URL is refused by the config's rules before this)."""
+    key, eq, value = override.partition("=")
+    if not eq or key.lstrip("+~") != "tracking.uri":
+        return override
+    return key + "=" + _QUERY.sub("?***", value)
 
 
 def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
@@ -310,13 +323,21 @@ class RelaxRayLauncher(Launcher):
             return
         check = _load_callable(self.precheck)
         problems: dict[int, list[str]] = {}
+        stores: dict[str, list[int]] = {}  # an unreachable tracking store's message -> its jobs (the check's `store`)
         owners: dict[tuple[str, str], list[int]] = {}
         for index, job, arm in zip(indices, jobs, arms, strict=True):
             extra = tracking_overrides(sweep_id=sweep_id, parent_run_id=None, arm=arm) if sweep_id else []
             try:
                 claims = check(self._compose(job + extra))
             except Exception as exc:  # noqa: BLE001 - any failure makes the job invalid
-                problems.setdefault(index, []).append(textwrap.dedent(str(exc).strip("\n")))
+                store = getattr(exc, "store", None)  # relax.runner.sweep_check.SweepJobError: said once, below
+                if store is not None:
+                    stores.setdefault(store, []).append(index)
+                rest = getattr(exc, "problems", None) if store is not None else [str(exc)]
+                if rest:
+                    text = rest[0] if len(rest) == 1 else f"{len(rest)} problems:\n" + "\n".join(
+                        f"  - {t}" for t in rest)
+                    problems.setdefault(index, []).append(textwrap.dedent(text.strip("\n")))
                 continue
             if isinstance(claims, Mapping):
                 for what, value in claims.items():
@@ -329,13 +350,19 @@ class RelaxRayLauncher(Launcher):
                     problems.setdefault(index, []).append(
                         f"{what} {value} is also job {others}'s: two jobs would write the same files (the second "
                         f"would fail on the first's lock); {advice}")
+        for store, where in stores.items():  # not a config's mistake: the store is down or the URI wrong
+            which = "every job" if len(where) == len(jobs) else f"job {', '.join(str(i) for i in where)}"
+            print(f"relax-train: error: {store} ({which}); nothing started (no sweep job, no MLflow run)",
+                  file=sys.stderr)
         if problems:
             n = len(problems)
-            text = [f"job {index} ({' '.join(filter_overrides(job))}):\n"
+            text = [f"job {index} ({' '.join(_shown(o) for o in filter_overrides(job))}):\n"
                     + "\n".join(textwrap.indent(p, "  ") for p in problems[index])
                     for index, job in zip(indices, jobs, strict=True) if index in problems]
             print(f"relax-train: error: invalid config in {n} of {len(jobs)} sweep job{'s' if len(jobs) > 1 else ''}"
                   f" (nothing started):\n" + "\n".join(text), file=sys.stderr)
+            sys.exit(INVALID_CONFIG_EXIT)
+        if stores:
             sys.exit(INVALID_CONFIG_EXIT)
 
     def _own_directory_advice(self, jobs: Sequence[Sequence[str]]) -> str:

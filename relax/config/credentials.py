@@ -16,6 +16,15 @@ def without_credentials(url: str) -> str:
     return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
 
 
+def without_secrets(url: str) -> str:
+    """`url` as a message may name it: its user and password replaced by `***@` (`without_credentials`) and its query
+    and fragment, which may carry a token, by `?***`."""
+    parts = urlsplit(without_credentials(url))
+    if not parts.query and not parts.fragment:
+        return parts.geturl()
+    return parts._replace(query="", fragment="").geturl() + "?***"
+
+
 def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> str | None:
     """The message for a URL option (`option`) whose value holds a user or password (only a password with
     `password_only`: a database's user name is no secret), or None: the URL is logged (MLflow params, train.log, the

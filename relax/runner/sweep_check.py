@@ -5,9 +5,10 @@ directory each job needs to itself. Its own module: preflight runs the endpoints
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 from relax.config import to_relax_config
+from relax.config.credentials import without_secrets
 from relax.config.schema import TrackingConfig
 from relax.runner import checkpoint
 from relax.runner.endpoints import endpoint_targets, unreachable
@@ -26,6 +27,25 @@ SWEEP_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model
 _INPUTS_CHECKED: dict[tuple[str, str], dict[str, str]] = {}  # one sweep's input problems, by config less the seed
 
 
+class SweepJobError(RunError):
+    """What `check_sweep_job` found wrong with a job: `problems`, each a message, and `store`, the message of an
+    MLflow tracking store (tracking.uri) that cannot be reached, kept apart (None: none such): the launcher says it
+    once, as what it is (no invalid config), naming the store without secrets (`without_secrets`)."""
+
+    def __init__(self, problems: list[str], store: Optional[str] = None):
+        every = ([store] if store is not None else []) + problems
+        super().__init__(every[0] if len(every) == 1 else
+                         f"{len(every)} problems:\n" + "\n".join(f"  - {t}" for t in every))
+        self.problems, self.store = problems, store
+
+
+def unreachable_store(uri: str, problem: str) -> str:
+    """The message of tracking store `uri` that cannot be reached, from its `relax.runner.endpoints.unreachable`
+    problem (`tracking.uri=<uri>: <why>`), the URI without secrets."""
+    why = problem.split(": ", 1)[1] if problem.startswith(f"tracking.uri={uri}: ") else problem
+    return f"the MLflow tracking store is unreachable: tracking.uri={without_secrets(uri)}: {why}"
+
+
 def check_sweep_job(dc: Any) -> dict[str, str]:
     """The sweep launcher's check of one job's composed config (`hydra.launcher.precheck`), before any job starts or
     the sweep's MLflow parent run opens: its rules (`relax.config.to_relax_config`, raising ConfigError), the
@@ -37,6 +57,9 @@ def check_sweep_job(dc: Any) -> dict[str, str]:
     per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job."""
     cfg = to_relax_config(dc)
     problems = unreachable(endpoint_targets(cfg))
+    store = next((p for p in problems if p.startswith("tracking.uri=")), None)
+    if store is not None:
+        problems.remove(store)
     sweep_id = cfg.tracking.sweep_id
     key = (str(sweep_id), repr(dataclasses.replace(cfg, seed=0, tracking=TrackingConfig())))
     inputs = [c for c in SWEEP_CHECKS if c in INPUT_CHECKS]
@@ -50,8 +73,7 @@ def check_sweep_job(dc: Any) -> dict[str, str]:
             _INPUTS_CHECKED.clear()  # another sweep's
         _INPUTS_CHECKED[key] = {k: v for k, v in pre.problems.items() if k in inputs}
     problems += [text for name in SWEEP_CHECKS if (text := found.get(name)) is not None and text not in problems]
-    if problems:
-        raise RunError(problems[0] if len(problems) == 1 else
-                       f"{len(problems)} problems:\n" + "\n".join(f"  - {t}" for t in problems))
+    if problems or store is not None:
+        raise SweepJobError(problems, unreachable_store(cfg.tracking.uri, store) if store is not None else None)
     ckpts = checkpoint.Checkpoints(cfg)
     return {"checkpoint directory": str(ckpts.save_dir)} if ckpts.uses_dir else {}

@@ -212,10 +212,32 @@ def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_a
     sweep = ["-m", "seed=1,2", "train.num_rollout=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     code, out, err = relax_train([*sweep, f"tracking.uri=http://127.0.0.1:{port}"], capfd)
     assert code == 2, out + err
-    assert "invalid config in 2 of 2 sweep jobs" in err
-    assert f"tracking.uri=http://127.0.0.1:{port}: connection to 127.0.0.1:{port} refused" in err
+    # said once, as what it is: the store cannot be reached (no config of the jobs is wrong)
+    assert err.strip() == (f"relax-train: error: the MLflow tracking store is unreachable: tracking.uri=http://127.0.0.1:"
+                           f"{port}: connection to 127.0.0.1:{port} refused (is an MLflow tracking server running "
+                           "there, and reachable from this machine?) (every job); nothing started (no sweep job, no "
+                           "MLflow run)"), err
     code, out, err = relax_train([*sweep, f"tracking.uri=http://127.0.0.1:{answering}"], capfd)
     assert code == 99, out + err
+
+
+def test_a_sweep_names_an_unreachable_tracking_store_without_its_secrets_apart_from_a_jobs_own_problem(
+        capfd, tmp_path):
+    """A token in the URI's query is not echoed (users and passwords in URLs are refused by the rules); a job's own
+    problem (a reward that does not import) is still listed as before, under its job."""
+    port = closed_port()
+    code, out, err = relax_train(["-m", "seed=1", "train.num_rollout=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                                  "data.reward='no_such_module:fn',digits",
+                                  f"tracking.uri='http://127.0.0.1:{port}/mlflow?token=s3cr3t'"], capfd)
+    assert code == 2, out + err
+    first, rest = err.split("\n", 1)
+    assert first == (f"relax-train: error: the MLflow tracking store is unreachable: tracking.uri=http://127.0.0.1:"
+                     f"{port}/mlflow?***: connection to 127.0.0.1:{port} refused (is an MLflow tracking server running "
+                     "there, and reachable from this machine?) (every job); nothing started (no sweep job, no MLflow "
+                     "run)"), err
+    assert rest.startswith("relax-train: error: invalid config in 1 of 2 sweep jobs (nothing started):\njob 0 ("), err
+    assert "no_such_module" in rest and "tracking" not in rest.split("\n", 1)[1].split("):", 1)[1], err
+    assert "s3cr3t" not in err and "mlflow?***'" in rest  # nor in the job's line
 
 
 # ---------------------------------------------------------------------------- reachable, but never healthy
