@@ -114,10 +114,15 @@ def _shown(override: str) -> str:
 
 def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
                  task_function: TaskFunction, singleton_state: dict[Any, Any], cwd: str,
-                 key: Optional[str] = None) -> _Outcome:
-    """Body of one Ray task: one Hydra job, as Hydra's own launchers run it (fresh process, same cwd)."""
+                 key: Optional[str] = None, ray_words: Optional[str] = None) -> _Outcome:
+    """Body of one Ray task: one Hydra job, as Hydra's own launchers run it (fresh process, same cwd). `ray_words`:
+    the sweep's Ray, as the job's plan says it (the job runs on that Ray: its own process is one of its workers)."""
     start = time.time()
     os.chdir(cwd)  # relative paths (outputs, sqlite store) mean the same as for the launcher
+    if ray_words is not None:
+        from relax.runner.plan import SWEEP_RAY_ENV
+
+        os.environ[SWEEP_RAY_ENV] = ray_words
     if threading.current_thread() is threading.main_thread():
         # the sweep's Ctrl-C reaches the job as Ray's non-forced cancel, which raises KeyboardInterrupt through the
         # job's SIGINT handler; a worker started under an ignored SIGINT (a sweep run with nohup or `&` from a
@@ -429,6 +434,15 @@ class RelaxRayLauncher(Launcher):
         self.started_ray = True
         self.joined = address
 
+    def _ray_words(self) -> str:
+        """The sweep's Ray in words, for each job's plan line (`relax.runner.plan.ray_source`)."""
+        if self.joined is not None:
+            option, _ = self._ray_address()
+            return f"the sweep's Ray, the cluster at {self.joined} ({option}) that the sweep launcher joined"
+        if self.started_ray:
+            return "the sweep's Ray instance (local, started by the sweep launcher for its jobs)"
+        return "the Ray instance the sweep launcher runs in"
+
     def _stop_ray(self) -> None:
         import ray
 
@@ -469,6 +483,7 @@ class RelaxRayLauncher(Launcher):
         print(f"Running at most {limit} job(s) at once on Ray ({ray.cluster_resources().get('CPU', 0):g} CPUs, "
               f"{ray.cluster_resources().get('GPU', 0):g} GPUs)", flush=True)
         remote = ray.remote(num_cpus=0, num_gpus=0, max_calls=1, max_retries=0)(_execute_job)
+        ray_words = self._ray_words()
         state = Singleton.get_state()
         cwd = os.getcwd()
         pending = list(range(len(full)))
@@ -509,7 +524,7 @@ class RelaxRayLauncher(Launcher):
                     k = pending.pop(0)
                     key = job_key(sweep_id, indices[k]) if sweep_id else None
                     ref = remote.remote(indices[k], full[k], self.hydra_context, self.config, self.task_function,
-                                        state, cwd, key)
+                                        state, cwd, key, ray_words)
                     running[ref] = k
                     submitted[k] = time.time()
                     started.add(indices[k])

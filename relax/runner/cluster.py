@@ -41,7 +41,14 @@ from relax.roles.workers import (
 )
 from relax.runner import checkpoint
 from relax.runner.errors import RoleFailure, RunError
-from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG, ROLE_START_TIMEOUT_S, Plan, ray_options, reserve
+from relax.runner.plan import (
+    LOCAL_RAY_SYSTEM_CONFIG,
+    ROLE_START_TIMEOUT_S,
+    Plan,
+    ray_options,
+    ray_source,
+    reserve,
+)
 from relax.runner.ray_auth import enable_token_auth
 from relax.runner.restarts import Restarts
 from relax.runner.reward_model import worker_class
@@ -61,8 +68,9 @@ def local_gpu_problem(cfg: RelaxConfig, plan: Plan) -> str | None:
 
 
 class RayRuntime:
-    """Ray for a run: a local instance started (`cluster=local`, shut down on exit, Ctrl-C included) or the cluster
-    at `cluster.address` (or RAY_ADDRESS) joined. Lives across restarts of the service graph."""
+    """Ray for a run, as `relax.runner.plan.ray_source` decides it: a local instance started (`cluster=local`, shut
+    down on exit, Ctrl-C included), the cluster at `cluster.address` (or RAY_ADDRESS) joined, or the Ray that this
+    process already runs in (a sweep job's) used as it is. Lives across restarts of the service graph."""
 
     def __init__(self, cfg: RelaxConfig, plan: Plan):
         self.cfg, self.plan, self.started = cfg, plan, False
@@ -72,15 +80,15 @@ class RayRuntime:
         import ray
 
         install_tensor_pickling()  # the driver's calls send tensors as raw buffers, as the roles' replies do
-        if ray.is_initialized():
+        source = ray_source(self.cfg)  # the decision the plan's `Ray:` line states
+        if source.how == "running":  # a sweep job: the sweep's Ray, which the launcher started or joined
             return self
         # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
         os.environ.setdefault("TQDM_DISABLE", "1")
-        address = self.cfg.cluster.address
+        address = source.address
         kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
                       configure_logging=True)
-        env_address = os.environ.get("RAY_ADDRESS") or None
-        if address is None and env_address is not None:
+        if source.option == "RAY_ADDRESS":
             # A Ray job's driver (relax-submit) gets RAY_ADDRESS from Ray's job supervisor; ray.init() would join
             # that cluster anyway and then refuse num_cpus/num_gpus. Join it on purpose, and say so.
             try:
@@ -90,9 +98,8 @@ class RayRuntime:
                 job_id = None
             why = (f"this process runs inside Ray job {job_id}" if job_id is not None
                    else "RAY_ADDRESS is set")
-            print(f"Ray: cluster.address is unset and {why}: joining the Ray cluster at {env_address} "
+            print(f"Ray: cluster.address is unset and {why}: joining the Ray cluster at {address} "
                   "(RAY_ADDRESS), not starting a local Ray instance", file=sys.stderr, flush=True)
-            address = env_address
         if address is None:
             if (problem := local_gpu_problem(self.cfg, self.plan)) is not None:
                 raise RunError(problem)
@@ -106,8 +113,8 @@ class RayRuntime:
             # signal leaves /tmp/ray/ray_current_cluster behind; a user's `ray start --head` writes it too)
             ray.init(address=address if address is not None else "local", **kwargs)
         except (ConnectionError, ValueError, RuntimeError) as exc:
-            source = "" if address == self.cfg.cluster.address else f" from RAY_ADDRESS={address}"
-            raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{source}): "
+            named = "" if source.option != "RAY_ADDRESS" else f" from RAY_ADDRESS={address}"
+            raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{named}): "
                            f"{exc}") from None
         self.started = True
         self.joined = address

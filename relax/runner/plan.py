@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 from relax import algorithms
@@ -67,6 +68,37 @@ ROLE_START_TIMEOUT_S = 1800.0  # how long it waits for every role to load its mo
 # local instance then costs about half the CPU.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "prestart_worker_first_driver": False, "num_workers_soft_limit": 0,
                            "enable_metrics_collection": False}
+
+# Set by the sweep launcher (hydra_plugins.relax_ray_launcher) in each job's process, which runs inside the sweep's
+# Ray: that Ray in words, for the job's plan line (only the launcher knows whether it started it or joined a cluster).
+SWEEP_RAY_ENV = "RELAX_SWEEP_RAY"
+
+
+@dataclass(frozen=True)
+class RaySource:
+    """Which Ray a run in this process runs on: the one decision that both the plan's `Ray:` line and
+    `relax.runner.cluster.RayRuntime` (which acts on it) read, so that the line says what happens."""
+
+    how: str  # "running": Ray is initialized in this process already (a sweep job); "join"; "start": a local instance
+    address: str | None  # the address joined ("join"), else None
+    option: str | None  # what names that address: "cluster.address" or "RAY_ADDRESS" ("join"), else None
+    text: str  # in words, for the plan
+
+
+def ray_source(cfg: RelaxConfig) -> RaySource:
+    """The Ray this process's run uses: the one it already runs in (a sweep job, a Ray task whose Ray the launcher
+    started or joined: RayRuntime uses it as it is), else the cluster at `cluster.address`, else the one RAY_ADDRESS
+    names (the driver of a Ray job, relax-submit), else a local instance of the run's own."""
+    ray = sys.modules.get("ray")  # not imported: not initialized (the plan stays light without Ray)
+    if ray is not None and ray.is_initialized():
+        text = os.environ.get(SWEEP_RAY_ENV) or "the Ray instance this process already runs in (used as it is)"
+        return RaySource("running", None, None, text)
+    if cfg.cluster.address is not None:
+        return RaySource("join", cfg.cluster.address, "cluster.address", cfg.cluster.address)
+    if env_address := os.environ.get("RAY_ADDRESS") or None:
+        return RaySource("join", env_address, "RAY_ADDRESS", f"{env_address} (RAY_ADDRESS)")
+    return RaySource("start", None, None, "a local Ray instance started for this run")
+
 
 # train.layer_spec as the plan says it (resolved on each rank: where a GPU can import transformer_engine)
 LAYER_SPEC_WORDS = {"auto": "Transformer Engine's where the rank's GPU can import it, else megatron-core's local",
@@ -100,7 +132,7 @@ class Plan:
     roles: tuple[RolePlan, ...]
     total_gpus: int
     cpu_threads: int
-    ray_address: str | None
+    ray: str  # the Ray it runs on, in words (`ray_source`)
     data_parallel_size: int
     bundles: tuple[dict[str, float], ...] = ()  # the placement group's bundles; () on a one-node CPU cluster
     strategy: str = PLACEMENT_STRATEGY  # of the placement group: PACK (GPUs) or STRICT_SPREAD (CPU nodes)
@@ -157,11 +189,10 @@ class Plan:
         else:
             device = "CPU, torch threads per process: " + ", ".join(
                 f"{r.role} {self.threads(r.role)}" for r in self.roles if r.role != "advantages")
-        where = self.ray_address or "a local Ray instance started for this run"
         if self.strategy == SPREAD_STRATEGY:
             device += f", {len(self.bundles)} nodes"
         lines = [
-            f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {where}",
+            f"Service graph: algorithm={self.algorithm} mode={self.mode} on {device}; Ray: {self.ray}",
             f"  {'role':<13}{'replicas':>8}  {'backend':<10}{'GPUs':>7}{'CPUs':>7}  {'placement':<31}why",
         ]
         for r in self.roles:
@@ -347,12 +378,11 @@ def build_plan(cfg: RelaxConfig) -> Plan:
                   for x in names)
     weight_path, senders = _weight_senders(cfg, where, total)
     threads = c.cpus_per_node or os.cpu_count() or 1
-    # Inside a Ray job (relax-submit) RAY_ADDRESS names the job's cluster, which the runner joins.
-    address = c.address or (f"{os.environ['RAY_ADDRESS']} (RAY_ADDRESS)" if os.environ.get("RAY_ADDRESS") else None)
     strategy = SPREAD_STRATEGY if total == 0 and bundles else PLACEMENT_STRATEGY
     # validated (relax.config.core_rules): every process role has cores, at least one per process
     cores = tuple((x, split_cores(parse_cores(c.role_cores[x]), replicas[x])) for x in names if x in c.role_cores)
-    return Plan(algo.name, t.mode, roles, total, threads, address, data_parallel_size(cfg), tuple(bundles),
+    return Plan(algo.name, t.mode, roles, total, threads, ray_source(cfg).text, data_parallel_size(cfg),
+                tuple(bundles),
                 strategy=strategy, interruptible_rollout=ro.partial_rollout, reference_on_actor=on_actor,
                 rollout_in_actor=in_actor, staged_weights=bool(ro.stage_weights), weight_path=weight_path,
                 weight_senders=senders, cores=cores)

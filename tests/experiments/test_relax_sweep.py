@@ -53,6 +53,11 @@ def test_relax_train_sweep_with_resume_auto_and_compare(tmp_path, fresh_store, i
     assert proc.returncode == 0, out[-5000:]
     assert "2 of 2 jobs finished" in proc.stdout
     assert f"resuming from {save_dir}/step_000001 (1 steps trained)" in out, out[-5000:]
+    # each job runs inside the sweep's Ray (a worker of the instance the launcher started): its plan says so, and
+    # not that it started a Ray of its own (RayRuntime starts none in a job)
+    sweep_ray = "Ray: the sweep's Ray instance (local, started by the sweep launcher for its jobs)"
+    assert out.count(sweep_ray) == 2, out[-5000:]
+    assert "Ray: a local Ray instance started for this run" not in out
 
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
@@ -78,6 +83,8 @@ def test_relax_train_sweep_with_resume_auto_and_compare(tmp_path, fresh_store, i
     assert rloo.data.params["tracking.sweep_id"] == sweep_id
     assert grpo.info.run_id == crashed.info.run_id  # continued in its own run
     assert "relax.resumed" in grpo.data.tags and "relax.resumed" not in rloo.data.tags
+    plan = client.download_artifacts(rloo.info.run_id, "plan.txt", str(tmp_path / "plan"))
+    assert sweep_ray in open(plan).read()  # the plan the job's MLflow run keeps (grpo's: that of its first start)
 
     from relax.cli.compare import main as compare_main
 
