@@ -125,6 +125,15 @@ class Comparison:
     runs: list[RunData] = field(default_factory=list)  # one per (arm, seed): the runs the numbers come from
     eval_last_k: int = 1
     config_diff: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # param -> arm -> value(s)
+    # a note that says the same of several arms: its text -> (its form in ARM_NOTES, the fields besides its arm and
+    # metric, its arm), so that the report writes it once for all of them (`_merged_notes`)
+    note_forms: dict[str, tuple[str, tuple[tuple[str, str], ...], str]] = field(default_factory=dict)
+
+    def arm_note(self, form: str, metric: str, arm: str, **fields: str) -> None:
+        """Add the note `form` of ARM_NOTES about `arm` (and `metric`), as its text for one arm."""
+        text = f"{metric}: " + ARM_NOTES[form][0].format(arm=arm, **fields)
+        self.notes.append(text)
+        self.note_forms[text] = (form, tuple(sorted(fields.items())), arm)
 
     def k_for(self, metric: str) -> int:
         """How many last values make a run's final value of `metric`."""
@@ -269,6 +278,19 @@ RUN_SPECIFIC_PARAMS = ("seed", "train.resume")
 RUN_SPECIFIC_PREFIXES = ("tracking.",)
 NOT_LOGGED = "(not logged)"
 CONFIG_DIFF_SHOWN = 15  # params listed in the "config" section; the rest are counted
+# the "config" table has a column per arm while it fits this width, else (many arms) a row per arm if that is narrower
+CONFIG_TABLE_WIDTH = 120
+# notes that can say the same of several arms: (the text for one arm, for several: `{arms}` is "3 arms (a, b, c)" or
+# "all 9 arms", the arms of the comparison, or of those with a control, the arms besides it)
+ARM_NOTES = {
+    "single_seed": ("arm {arm} has a single seed: no spread, and any difference is anecdotal",
+                    "{arms} have a single seed each: no spread, and any difference is anecdotal"),
+    "one_pair": ("{arm} vs {control} has one pair: n too small for an interval",
+                 "{arms} vs {control} have one pair each: n too small for an interval"),
+    "no_values": ("arm {arm} has no values for seed(s) {seeds}", "{arms} have no values for seed(s) {seeds}"),
+    "no_shared_seed": ("arm {arm} shares no seed with {control}: no paired difference",
+                       "{arms} share no seed with {control}: no paired difference"),
+}
 
 
 def _when(run: RunData) -> str:
@@ -396,12 +418,11 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                 tails[_seed_key(r)] = [s for s, _ in sorted(history)[-k:]]
                 last_steps.setdefault(tails[_seed_key(r)][-1], []).append(_who(r))
             if missing:
-                comp.notes.append(f"{metric}: arm {arm} has no values for seed(s) "
-                                  f"{', '.join(sorted(missing, key=_natural))}")
+                comp.arm_note("no_values", metric, arm, seeds=", ".join(sorted(missing, key=_natural)))
             finals_by_arm[arm] = finals
             mean, std = mean_std(list(finals.values()))
             if len(finals) == 1:
-                comp.notes.append(f"{metric}: arm {arm} has a single seed: no spread, and any difference is anecdotal")
+                comp.arm_note("single_seed", metric, arm)
             if finals:
                 comp.stats.append(ArmStats(metric, arm, len(finals), mean, std, sorted(finals, key=_natural),
                                            finals, tails))
@@ -433,12 +454,12 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                 comp.notes.append(f"{metric}: arms {arm} and {control} have different seed sets "
                                   f"({'; '.join(parts)}): unpaired seeds are left out of the difference")
             if not common:
-                comp.notes.append(f"{metric}: arm {arm} shares no seed with {control}: no paired difference")
+                comp.arm_note("no_shared_seed", metric, arm, control=control)
                 continue
             diffs = [mine[s] - base[s] for s in common]
             lo, hi, how = paired_interval(diffs, n_boot=n_boot, seed=seed)
             if len(diffs) == 1:
-                comp.notes.append(f"{metric}: {arm} vs {control} has one pair: n too small for an interval")
+                comp.arm_note("one_pair", metric, arm, control=control)
             comp.diffs.append(PairedDiff(metric, arm, control, len(diffs), sum(diffs) / len(diffs), lo, hi, common,
                                          how))
     compared = sorted({d.arm for d in comp.diffs if not math.isnan(d.ci_low)})
@@ -706,16 +727,57 @@ def describe_final(metric: str, k: int, tails: Sequence[Sequence[int]]) -> str:
     return f"final value = mean of each run's last {n} {what}s ({option} {k}; the runs' last steps differ: {lasts})"
 
 
-def _merged_notes(notes: Sequence[str], metrics: Sequence[str]) -> list[str]:
-    """The notes, those that say the same of several metrics (`<metric>: <text>`) written once with all of them."""
-    merged: dict[str, list[str]] = {}  # text -> metrics (an empty list: a note about no metric)
-    for note in notes:
-        metric = next((m for m in metrics if note.startswith(m + ": ")), None)
+def _arms_text(arms: Sequence[str], of: Sequence[str]) -> str:
+    """Several arms in a merged note: every one of `of` (the arms it could be about) by their number, else named."""
+    if list(arms) == list(of):
+        return "both arms" if len(arms) == 2 else f"all {len(arms)} arms"
+    return f"{len(arms)} arms ({', '.join(arms)})"
+
+
+def _merged_notes(comp: Comparison) -> list[str]:
+    """The notes, each written once: one that says the same of several metrics (`<metric>: <text>`) with all of them,
+    one that says the same of several arms (a form of ARM_NOTES) with all of them (per metric; metrics of which it
+    says it of the same arms together)."""
+    merged: dict[Any, Any] = {}  # text -> metrics, or (form, fields) -> arm -> metrics; in the order of first notes
+    for note in comp.notes:
+        metric = next((m for m in comp.metrics if note.startswith(m + ": ")), None)
+        if note in comp.note_forms:
+            form, fields, arm = comp.note_forms[note]
+            merged.setdefault((form, fields), {}).setdefault(arm, []).append(metric)
+            continue
         text = note[len(metric) + 2:] if metric else note
         merged.setdefault(text, [])
         if metric:
             merged[text].append(metric)
-    return [f"{', '.join(ms)}: {text}" if ms else text for text, ms in merged.items()]
+    lines = []
+    for key, value in merged.items():
+        if isinstance(key, str):
+            lines.append(f"{', '.join(value)}: {key}" if value else key)
+            continue
+        form, fields = key
+        of = [a for a in comp.arms if a != dict(fields).get("control")]
+        by_arms: dict[tuple[str, ...], list[str]] = {}  # the metrics of which it says it of the same arms
+        for metric in comp.metrics:
+            if arms := tuple(a for a in of if metric in value.get(a, ())):
+                by_arms.setdefault(arms, []).append(metric)
+        for arms, metrics in by_arms.items():
+            one, several = ARM_NOTES[form]
+            text = one.format(arm=arms[0], **dict(fields)) if len(arms) == 1 else \
+                several.format(arms=_arms_text(arms, of), **dict(fields))
+            lines.append(f"{', '.join(metrics)}: {text}")
+    return lines
+
+
+def _config_table(comp: Comparison) -> list[str]:
+    """The params that differ between the arms: a column per arm while that fits CONFIG_TABLE_WIDTH, else (many
+    arms, long names) a row per arm where that is narrower."""
+    shown = comp.config_diff[:CONFIG_DIFF_SHOWN]
+    by_param = _table(("param", *comp.arms), [(k, *(per_arm.get(a, "-") for a in comp.arms)) for k, per_arm in shown])
+    if len(by_param[1]) + 2 <= CONFIG_TABLE_WIDTH:  # the rule line: as wide as the table
+        return by_param
+    by_arm = _table(("arm", *(k for k, _ in shown)), [(a, *(per_arm.get(a, "-") for _, per_arm in shown))
+                                                     for a in comp.arms])
+    return by_arm if len(by_arm[1]) < len(by_param[1]) else by_param
 
 
 def render(comp: Comparison, *, title: str = "") -> str:
@@ -725,8 +787,7 @@ def render(comp: Comparison, *, title: str = "") -> str:
         lines.append("")
         lines.append(f"config: the arms differ in {len(comp.config_diff)} param(s) (seed, train.resume and tracking.* "
                      "left out)")
-        rows = [(k, *(per_arm.get(a, "-") for a in comp.arms)) for k, per_arm in comp.config_diff[:CONFIG_DIFF_SHOWN]]
-        lines += ["  " + x for x in _table(("param", *comp.arms), rows)]
+        lines += ["  " + x for x in _config_table(comp)]
         if len(comp.config_diff) > CONFIG_DIFF_SHOWN:
             lines.append(f"  ... {len(comp.config_diff) - CONFIG_DIFF_SHOWN} more: "
                          + ", ".join(k for k, _ in comp.config_diff[CONFIG_DIFF_SHOWN:]))
@@ -751,7 +812,7 @@ def render(comp: Comparison, *, title: str = "") -> str:
             lines += [f"  verdict for {d.arm}: {d.verdict}" for d in diffs]
     if comp.notes:
         lines.append("")
-        lines += [f"note: {n}" for n in _merged_notes(comp.notes, comp.metrics)]
+        lines += [f"note: {n}" for n in _merged_notes(comp)]
     return "\n".join(lines)
 
 

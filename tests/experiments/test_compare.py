@@ -451,3 +451,92 @@ def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path,
                                            r"algorithm=rloo \(did you mean algorithm=grpo\?\)$"):
         compare(uri=uri, sweep="NEW", control="grpo", out_dir=tmp_path, log=False)
     assert compare(uri=uri, sweep="NEW", control="algorithm=grpo", out_dir=tmp_path, log=False).comparison.diffs
+
+
+K = "train/ppo_kl_m2_after"
+
+
+GRPO9 = [f"algorithm=grpo,train.max_staleness={k}" for k in range(5)]
+M2PO9 = [f"algorithm=m2po,train.max_staleness={k}" for k in range(4)]
+
+
+def _nine_arms(tmp_path, fresh_store):
+    """Nine arms of one seed each, as a staleness sweep gives: five GRPO ones, four M2PO ones that also log K and
+    `algorithm.kl2_budget`; compared with the first GRPO arm as the control."""
+    grpo, m2po = GRPO9, M2PO9
+    runs = []
+    for arm in grpo + m2po:
+        algo, k = arm.split(",")[0].partition("=")[2], arm[-1]
+        params = {"algorithm.name": algo, "train.max_staleness": k, **({"algorithm.kl2_budget": "0.01"}
+                                                                        if algo == "m2po" else {})}
+        metrics = {R: [(0, 0.1), (1, 0.2 + int(k) / 10)], **({K: [(0, 0.0), (1, 0.01)]} if algo == "m2po" else {})}
+        runs.append(({"arm": arm, "seed": "1"}, params, metrics, "FINISHED"))
+    uri, _ = _runs_store(tmp_path, fresh_store, runs)
+    return compare(uri=uri, experiment="e", metrics=[R, K], last_k=1, control=grpo[0], out_dir=tmp_path / "o",
+                   log=False).comparison
+
+
+def test_a_note_said_of_many_arms_is_one_line_naming_them(tmp_path, fresh_store):
+    """A note that says the same of several arms is one line naming them (every arm of the comparison counted
+    instead: "all 9 arms", "all 8 arms" besides the control), each fact still said, none repeated per arm; the per-arm
+    facts stay in `notes`."""
+    grpo, m2po = GRPO9, M2PO9
+    comp = _nine_arms(tmp_path, fresh_store)
+    # the facts, one per arm, as before
+    assert sum("has a single seed" in n for n in comp.notes) == 9 + 4
+    assert sum("has one pair" in n for n in comp.notes) == 8
+    assert sum("has no values for seed(s) 1" in n for n in comp.notes) == 5
+    text = render(comp)
+    notes = [line for line in text.splitlines() if line.startswith("note: ")]
+    assert notes == [
+        f"note: {R}: all 9 arms have a single seed each: no spread, and any difference is anecdotal",
+        f"note: {K}: 4 arms ({', '.join(m2po)}) have a single seed each: no spread, and any difference is anecdotal",
+        f"note: {R}: all 8 arms vs {grpo[0]} have one pair each: n too small for an interval",
+        f"note: {K}: 5 arms ({', '.join(grpo)}) have no values for seed(s) 1",
+        f"note: {K}: the control arm {grpo[0]} has no values: no paired differences",
+    ], "\n".join(notes)
+
+
+def test_the_config_table_of_many_arms_is_a_row_per_arm(tmp_path, fresh_store):
+    """Nine arms with long names: a column per arm would be over 300 characters wide; the table is a row per arm, a
+    column per param, instead (two arms keep a column per arm: test_one_run_per_seed_for_every_metric_...)."""
+    grpo, m2po = GRPO9, M2PO9
+    text = render(_nine_arms(tmp_path, fresh_store))
+    table = text.split("config: the arms differ in 3 param(s) (seed, train.resume and tracking.* left out)\n")[1]
+    table = table.split("\n\n")[0].splitlines()
+    assert [line.split() for line in table] == [
+        ["arm", "algorithm.kl2_budget", "algorithm.name", "train.max_staleness"],
+        ["-" * 36, "-" * 20, "-" * 14, "-" * 19],
+        *[[a, "(not", "logged)", "grpo", a[-1]] for a in grpo], *[[a, "0.01", "m2po", a[-1]] for a in m2po]]
+    assert max(map(len, table)) < 120
+
+
+def test_the_arm_merged_notes_keep_a_single_arms_note_as_it_was(tmp_path, fresh_store):
+    """One arm of a single seed among arms of several: its note reads as it always did (no "1 arms")."""
+    uri, _ = _runs_store(tmp_path, fresh_store, [
+        ({"arm": "a", "seed": "1"}, {}, {R: [(0, 0.1)]}, "FINISHED"),
+        ({"arm": "a", "seed": "2"}, {}, {R: [(0, 0.2)]}, "FINISHED"),
+        ({"arm": "b", "seed": "1"}, {}, {R: [(0, 0.3)]}, "FINISHED"),
+    ])
+    text = render(compare(uri=uri, experiment="e", last_k=1, out_dir=tmp_path / "o", log=False).comparison)
+    assert f"note: {R}: arm b has a single seed: no spread, and any difference is anecdotal" in text.splitlines()
+
+
+def test_its_default_output_directory_is_ignored_by_git_at_the_repository_root(store, tmp_path, monkeypatch):
+    """relax-compare writes compare/<sweep id or time>/ in the current directory by default; the recipe scripts run
+    from the repository root (docs/experiments.md) must not leave it untracked there, as the runs' own outputs
+    (outputs/, multirun/, mlflow.db, mlruns/, checkpoints/) are not."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    monkeypatch.chdir(tmp_path)
+    _, uri, _ = store
+    result = compare(uri=uri, sweep="S1", last_k=2, log=False)  # the default output directory
+    written = result.csv_path.resolve().relative_to(tmp_path)
+    assert written.parts[0] == "compare"
+    check = subprocess.run(["git", "-C", str(root), "check-ignore", "--no-index", "-q", str(written)])
+    assert check.returncode == 0, f"{written} is not ignored by the repository's .gitignore"
