@@ -196,6 +196,16 @@ def qwen3_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> 
     )
 
 
+def checkpoint_attention(path: Any) -> str:
+    """The attention a checkpoint directory is loaded with: sdpa where its transformers causal-LM class has it, else
+    eager (gpt-oss: transformers runs its attention sinks in eager attention only, and refuses sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def build_model(
     model_cfg: ModelConfig,
     vocab_size: int,
@@ -233,7 +243,7 @@ def build_model(
             cast_parameters(model, dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype,
-                                                         attn_implementation="sdpa")
+                                                         attn_implementation=checkpoint_attention(path))
         n_embed = model.get_input_embeddings().weight.shape[0]
         if vocab_size > n_embed:
             raise ValueError(f"tokenizer vocab_size={vocab_size} exceeds the model's {n_embed} embeddings ({path})")

@@ -346,3 +346,18 @@ def test_routes_of_a_family_shape_the_sglang_answers(tmp_path):
     path = _save(_model("deepseek_v3"), tmp_path / "deepseek_v3")
     with pytest.raises(ValueError, match="dense layers among its sparse ones"):
         moe_shape(ModelConfig(source="hf", path=path))
+
+
+@pytest.mark.parametrize("family,attention", [("gpt_oss", "eager"), ("mixtral", "sdpa")])
+def test_a_checkpoint_loads_with_the_attention_its_class_has(tmp_path, family, attention):
+    """gpt-oss's transformers class refuses sdpa (its attention sinks run in eager attention only): a gpt-oss
+    checkpoint loads with eager attention, the others keep sdpa; the loaded model's logits are the saved model's."""
+    from relax.models.hf import build_model
+
+    model = _model(family)
+    path = _save(model, tmp_path / family)
+    loaded = build_model(ModelConfig(source="hf", path=path, dtype="float32"), V, 0, seed=0)
+    assert loaded.config._attn_implementation == attention
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
