@@ -121,6 +121,7 @@ class Session:
         # a restart with nothing to resume (no checkpoint yet): the MLflow run of the attempt before, from step 0
         self.restart_run_id = restart_run_id
         self.restarts = restarts  # the run's restarts so far (its start time, the summary's restarts line)
+        self._said_empty = False  # a step with every group left out was said (`log`)
         self.resume = checkpoints.resume if checkpoints is not None else None
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
@@ -264,9 +265,21 @@ class Session:
     def note(self, message: str) -> None:
         self.progress.write(message)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """The metrics of training step `step` (0-based)."""
-        self.tracker.log_metrics(metrics, step)
+    def log(self, metrics: dict[str, float], step: int, *, kept: bool = True) -> None:
+        """The metrics of training step `step` (0-based). `kept=False`: every group of the step was left out (its
+        reward calls or episodes failed), so the means over its kept responses (rollout/raw_reward, ...) have no
+        value, NaN: those are not sent to MLflow, whose tracker would warn of each as of a run gone wrong (and count
+        it in relax.nonfinite_metrics); the first such step says so once, with the keys."""
+        logged = metrics
+        if not kept:
+            empty = [k for k, v in metrics.items() if math.isnan(float(v))]
+            logged = {k: v for k, v in metrics.items() if k not in empty}
+            if empty and not self._said_empty:
+                self._said_empty = True
+                self.note(f"{step_name(step)}: every group was left out (the warnings above say why), so "
+                          f"{', '.join(empty)} {'has' if len(empty) == 1 else 'have'} no value: not logged at such "
+                          "a step (rollout/reward_dropped_frac 1.0 marks it; said once)")
+        self.tracker.log_metrics(logged, step)
         self._add_history(step, metrics)
         if math.isfinite(metrics.get(RAW_REWARD, math.nan)):  # NaN: every response of the step was left out
             self.rewards.append(metrics[RAW_REWARD])

@@ -61,14 +61,19 @@ def test_a_hanging_reward_is_cut_off_and_its_groups_dropped(in_process, small_ru
     print(f"hanging reward run: {took:.1f} s")
 
 
-def test_a_reward_that_fails_every_call_stops_the_run_naming_the_failure(in_process, small_run, tmp_path):
+def test_a_reward_that_fails_every_call_stops_the_run_naming_the_failure(in_process, small_run, tmp_path, caplog,
+                                                                         capfd):
     """Every group left out in data.max_failed_reward_steps steps in a row: nothing was trained, and the run stops
     (FAILED, exit 2 from relax-train) with the first failure, its steps' metrics logged; before, it ran to the end
-    and finished with exit 0. (A reward failing on some responses, the control, trains on: the test above.)"""
+    and finished with exit 0. (A reward failing on some responses, the control, trains on: the test above.)
+
+    Such a step has no mean reward: rollout/raw_reward is not logged there, and the run says so once, instead of the
+    tracker's warning `metric rollout/raw_reward is nan at step 0` (as if something broke) and a count in the tag
+    relax.nonfinite_metrics."""
     from mlflow.tracking import MlflowClient
 
     cfg = load_config(small_run("data.reward=fault_rewards:always_fails", "data.reward_timeout_s=null",
-                                "data.max_failed_reward_steps=2", steps=5))
+                                "data.max_failed_reward_steps=2", "tracking.progress=true", steps=5))
     with pytest.raises(RunError, match=r"step 2: in 2 step\(s\) in a row every group was left out because its reward "
                                        r"calls failed, so nothing was trained \(data\.max_failed_reward_steps=2\); "
                                        r"the first failure: RuntimeError: the verifier refuses every response"):
@@ -79,6 +84,13 @@ def test_a_reward_that_fails_every_call_stops_the_run_naming_the_failure(in_proc
     dropped = sorted((m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id,
                                                                           "rollout/reward_dropped_frac"))
     assert dropped == [(0, 1.0), (1, 1.0)]
+    assert client.get_metric_history(mlrun.info.run_id, "rollout/raw_reward") == []
+    assert "relax.nonfinite_metrics" not in mlrun.data.tags
+    assert not [r.message for r in caplog.records if "is nan at step" in r.message]
+    err = capfd.readouterr().err
+    said = [line for line in err.splitlines() if "every group was left out (the warnings above say why)" in line]
+    assert said == ["step 1: every group was left out (the warnings above say why), so rollout/raw_reward has no "
+                    "value: not logged at such a step (rollout/reward_dropped_frac 1.0 marks it; said once)"], err
 
 
 def test_failed_reward_steps_count_in_a_row_only():
