@@ -553,6 +553,9 @@ class Matcher:
             self._m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         self._think_end = tuple(think_end)
         self._tail: tuple[int, ...] = ()  # the last tokens drawn while reasoning (as many as think_end has)
+        # the grammar allowed no token of the vocabulary at a step (`mask_logits`): the tokenizer cannot write what it
+        # requires next, so the row cannot go on (`advance` ends it; its caller answers it as an error, DEAD_END)
+        self.dead = False
 
     @property
     def reasoning(self) -> bool:
@@ -667,9 +670,18 @@ class Grammars:
         return out
 
 
+# what a request whose grammar dead-ended is told (the engine's /generate: HTTP 400; relax-serve's OpenAI routes too)
+DEAD_END = ("constrained decoding: after {n} token(s) of the answer its grammar allows no token of this model's "
+            "vocabulary: the tokenizer cannot write what the grammar requires next (e.g. a character of the JSON, "
+            "such as '\"', that no token holds), so the format, tool schema or grammar asked for cannot be followed "
+            "with this tokenizer")
+
+
 def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torch.Tensor:
     """`logits` [B, V] as float32 with the tokens each row's matcher disallows at -inf (rows without one as they
-    are). The bitmask is filled on the host and unpacked on the logits' device."""
+    are). The bitmask is filled on the host and unpacked on the logits' device. A row whose grammar allows no token
+    at all is marked dead (`Matcher.dead`) and left unmasked, so the other rows sample on (an all -inf row would stop
+    the whole batch as non-finite logits); `advance` then ends it, and the token drawn for it is no answer."""
     logits = logits.float()
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
@@ -681,6 +693,11 @@ def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torc
         matchers[i].fill(bitmask, k)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.to(logits.device)[:, :, None] >> bits) & 1).bool().reshape(len(rows), words * 32)[:, :V]
+    none = ~allowed.any(-1)
+    if bool(none.any()):
+        for k in none.nonzero().flatten().tolist():
+            matchers[rows[k]].dead = True
+        allowed[none] = True
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
@@ -688,10 +705,14 @@ def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torc
 
 def advance(matchers: list[Optional[Matcher]], tokens: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
     """Advance each row's matcher with its token where `drawn` ([B] bool: a token the row sampled); [B] bool: the
-    rows whose answer the grammar now ends. A token the grammar refuses means it was drawn unmasked: an error."""
+    rows whose answer the grammar now ends, a dead one's (`Matcher.dead`) included. A token the grammar refuses
+    otherwise means it was drawn unmasked: an error."""
     done = torch.zeros(len(matchers), dtype=torch.bool)
     for k, (m, token) in enumerate(zip(matchers, tokens.tolist(), strict=True)):
         if m is None or not bool(drawn[k]):
+            continue
+        if m.dead:
+            done[k] = True
             continue
         if not m.accept(token):
             raise RuntimeError(f"constrained decoding: row {k} drew token {token}, which its grammar does not allow")

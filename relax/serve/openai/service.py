@@ -207,6 +207,9 @@ class OpenAIService:
                 return p, _Closing(self._chat_chunks(drawn, prompt, p, bool(image_data)), events)
             sampled, p = self._generate(prompt, p, session, context, image_data)
         except APIError as exc:
+            if exc.code == "grammar_dead_end":  # the engine's 400: name what asked for the grammar
+                param = _grammar_param(body, p)
+                raise APIError(f"{param}: {exc}", param=param, code=exc.code) from None
             raise naming_parts(exc, places) from None
         if session is not None:
             self._mark_constrained(sampled, p)
@@ -696,6 +699,18 @@ class _Closing:
             _close(self.it)
         finally:
             _close(self.also)
+
+
+def _grammar_param(body: dict, p: Params) -> str:
+    """The request field whose grammar constrained a chat answer: a forced call's tool_choice, the response_format,
+    SGLang's regex, json_schema or ebnf, else the tools (strict ones, parallel_tool_calls false, allowed tools)."""
+    fmt = body.get("response_format")
+    if p.tool_choice is not None:
+        return "tool_choice"
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "response_format"
+    given = [k for k in ("regex", "json_schema", "ebnf") if body.get(k) not in (None, "")]
+    return given[0] if given else "tools"
 
 
 def _streamed(chunks: Any) -> Any:

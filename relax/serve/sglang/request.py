@@ -149,6 +149,7 @@ class Request:
     done: threading.Event = field(default_factory=threading.Event)
     progress: threading.Event = field(default_factory=threading.Event)
     error: Optional[str] = None
+    error_status: int = 500  # the HTTP status of `error`: 400 where the request is at fault (a grammar's dead end)
 
 
 @dataclass(eq=False)

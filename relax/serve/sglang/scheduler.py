@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 
 from relax.batch import FinishReason
+from relax.rollout.grammar import DEAD_END
 from relax.serve.sglang.request import NotReady, Request, Row
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class _Watch:
 
     def turn_end(self, tokens: list[int], stop_token: Optional[int], context: int) -> Optional[list[int]]:
         row = self.row
+        if row.matcher is not None and row.matcher.dead:  # drawn where its grammar allowed nothing: no answer's token
+            del row.live_logps[len(row.live):], row.live_top[len(row.live):]
+            self.end = FinishReason.STOP
+            return None
         row.live.extend(tokens)
         row.request.progress.set()
         if stop_token is None and row.options.stop:
@@ -361,6 +366,11 @@ class Scheduler:
                         row.logps.extend(out.rollout_logp[i, :n].tolist())
                         row.top.extend(row.live_top[:n])
                         row.live, row.live_logps, row.live_top, row.version = [], [], [], version
+                        if row.matcher is not None and row.matcher.dead:  # its last token is no answer's
+                            row.request.error = DEAD_END.format(n=len(row.tokens) - 1)
+                            row.request.error_status = 400  # the request's grammar, not the server, is at fault
+                            self._finish(row, {"type": "abort", "message": row.request.error})
+                            continue
                         finish = self._finish_reason(row, out.finish_reason[i])
                         if finish is not None:
                             self._finish(row, finish)

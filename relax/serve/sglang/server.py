@@ -605,6 +605,8 @@ class EmbeddedServer(WeightEndpoints):
             status, answer = self._generate(body)
         except RequestError as exc:
             raise APIError(str(exc)) from None
+        if status == 400:  # the request's grammar cannot be followed with this vocabulary (a dead end)
+            raise APIError(answer["error"]["message"], code="grammar_dead_end")
         if status != 200:
             raise APIError(answer["error"]["message"], status=503 if status == 503 else 500, kind="server_error")
         return answer if isinstance(answer, list) else [answer]
@@ -618,7 +620,7 @@ class EmbeddedServer(WeightEndpoints):
             if self.scheduler.stopping:
                 self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
         if request.error is not None:
-            return 500, {"error": {"message": request.error}}
+            return request.error_status, {"error": {"message": request.error}}
         self._extras([r for r in request.rows if r.needs_extras()])
         answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
         return 200, answers[0] if request.single else answers
