@@ -185,11 +185,13 @@ def test_forced_routes_get_the_family_weights_of_the_perturbed_router(family):
         torch.testing.assert_close(weights.double(), want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_replaying_a_models_own_routes_is_the_identity(family):
+def test_replaying_a_models_own_routes_is_the_identity(family, dtype):
     """Forcing the routes a model just chose reproduces its logits bit for bit, and its gradient on every router
-    weight (the weights keep their gradient through the router's scores)."""
-    model = _model(family)
+    weight (the weights keep their gradient through the router's scores); in bf16 too, where the dtype each family
+    returns its weights in (Qwen-MoE and gpt-oss: the logits', Mixtral and the sigmoid routers: fp32) shows."""
+    model = _model(family).to(dtype)
     ids = _ids()
     plain, routes = _record(model, ids)
     control = router_control(model)
