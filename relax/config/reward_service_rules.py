@@ -60,10 +60,11 @@ def reward_service_violations(cfg: RelaxConfig) -> list[Violation]:
         require(d.reward_timeout_s > limit + CODE_TESTS_MARGIN_S,
                 ("data.reward_timeout_s", "data.reward") if wall is None else
                 ("data.reward_timeout_s", "data.sandbox.wall_s", "data.reward"),
-                f"data.reward_timeout_s={d.reward_timeout_s} must exceed the sandbox's wall-clock limit of "
-                f"{named(code[0])} ({limit:g} s{', data.sandbox.wall_s' if wall is not None else ''}) by "
-                f"{CODE_TESTS_MARGIN_S:g} s: a program the sandbox stops fails its tests; a reward call stopped first "
-                "would be a reward error instead")
+                f"data.reward_timeout_s={d.reward_timeout_s} must be more than {limit + CODE_TESTS_MARGIN_S:g} s, the "
+                f"sandbox's wall-clock limit of {named(code[0])} ({limit:g} s"
+                f"{', data.sandbox.wall_s' if wall is not None else ''}) plus a {CODE_TESTS_MARGIN_S:g} s margin: a "
+                "program the sandbox stops fails its tests; a reward call stopped first would be a reward error "
+                "instead")
     urls = [s for s in specs if is_service(s)]
     if not urls:
         which = f"data.reward={d.reward} is not" if single else f"no entry of data.reward={specs} is"

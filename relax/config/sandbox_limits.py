@@ -11,11 +11,11 @@ from typing import Any
 
 CODE_TESTS_WALL_S = 10.0  # the code_tests rewards' sandbox runs, unless data.sandbox.wall_s is set
 CODE_TESTS_CPU_S = 5
-CODE_TESTS_MARGIN_S = 5.0  # data.reward_timeout_s must exceed the code_tests wall-clock limit by this
+CODE_TESTS_MARGIN_S = 5.0  # data.reward_timeout_s must be more than the code_tests wall-clock limit plus this
 PYTHON_TOOL = "python"  # its name in data.tools (relax.agents.tools.BUILTIN_TOOLS)
 PYTHON_TOOL_WALL_S = 5.0  # the python tool's (data.tools=[python]) sandbox runs, unless data.sandbox.wall_s is set
 PYTHON_TOOL_CPU_S = 3
-PYTHON_TOOL_MARGIN_S = 2.0  # data.tool_timeout_s must exceed the python tool's wall-clock limit by this
+PYTHON_TOOL_MARGIN_S = 2.0  # data.tool_timeout_s must be more than the python tool's wall-clock limit plus this
 # The least data.sandbox.memory_mb and data.sandbox.wall_s may be: a sandboxed program runs in a fresh interpreter
 # that starts and sets up its isolation under these limits, so below what that takes every program fails before its
 # first line (a MemoryError; a time-out) and every code_tests reward or python tool call with it. The interpreter

@@ -779,10 +779,10 @@ def _agents(cfg: RelaxConfig, r: _Rules) -> None:
               or d.tool_timeout_s > wall + PYTHON_TOOL_MARGIN_S,
               ("data.tool_timeout_s", "data.sandbox.wall_s", "data.tools") if set_wall else
               ("data.tool_timeout_s", "data.tools"),
-              f"data.tool_timeout_s={d.tool_timeout_s} must exceed the python tool's sandbox wall-clock limit "
-              f"({wall:g} s{', data.sandbox.wall_s' if set_wall else ''}) by {PYTHON_TOOL_MARGIN_S:g} s: the sandbox "
-              "stops a runaway program with an error the model reads; a call stopped first by data.tool_timeout_s "
-              "kills and respawns its worker")
+              f"data.tool_timeout_s={d.tool_timeout_s} must be more than {wall + PYTHON_TOOL_MARGIN_S:g} s, the python "
+              f"tool's sandbox wall-clock limit ({wall:g} s{', data.sandbox.wall_s' if set_wall else ''}) plus a "
+              f"{PYTHON_TOOL_MARGIN_S:g} s margin: the sandbox stops a runaway program with an error the model reads; "
+              "a call stopped first by data.tool_timeout_s kills and respawns its worker")
     r.require(bool(d.env or d.agent) or not _changed(d, "env_timeout_s"), ("data.env_timeout_s", "data.env"),
               f"data.env_timeout_s={d.env_timeout_s} limits an environment's steps or an agent loop's turns, and "
               "neither is set (data.env, data.agent)")

@@ -29,13 +29,14 @@ def test_the_shipped_tool_config_passes():
 
 @pytest.mark.parametrize("timeout, ok", [(3, False), (PYTHON_TOOL_WALL_S, False), (7, False), (7.5, True),
                                          (10, True), (None, True)])
-def test_the_tool_time_limit_must_exceed_the_python_sandbox_s(timeout, ok):
+def test_the_tool_time_limit_must_be_more_than_the_python_sandbox_s_plus_its_margin(timeout, ok):
     over = ["data.tools=[python]", "rollout.max_turns=2",
             f"data.tool_timeout_s={'null' if timeout is None else timeout}"]
     if ok:
         load_config(over)
         return
-    with pytest.raises(ConfigError, match=r"must exceed the python tool's sandbox wall-clock limit \(5 s\) by 2 s"):
+    with pytest.raises(ConfigError, match=r"must be more than 7 s, the python tool's sandbox wall-clock limit "
+                                          r"\(5 s\) plus a 2 s margin"):
         load_config(over)
     load_config(["data.tools=[calculator]", "rollout.max_turns=2", f"data.tool_timeout_s={timeout}"])  # no sandbox
 

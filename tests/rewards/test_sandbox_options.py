@@ -79,15 +79,31 @@ def test_the_time_limits_are_checked_against_the_configured_wall_clock_limit_eve
     message = problems("data=code_tests", "data.sandbox.wall_s=20", "data.reward_timeout_s=24",
                        "data.tools=[python]", "rollout.max_turns=2", "data.tool_timeout_s=21",
                        "data.sandbox.cpu_s=30", "data.sandbox.memory_mb=0")
-    assert "data.reward_timeout_s=24.0 must exceed the sandbox's wall-clock limit of data.reward=code_tests (20 s, " \
-           "data.sandbox.wall_s) by 5 s" in message
-    assert "data.tool_timeout_s=21.0 must exceed the python tool's sandbox wall-clock limit (20 s, " \
-           "data.sandbox.wall_s) by 2 s" in message
+    assert "data.reward_timeout_s=24.0 must be more than 25 s, the sandbox's wall-clock limit of " \
+           "data.reward=code_tests (20 s, data.sandbox.wall_s) plus a 5 s margin" in message
+    assert "data.tool_timeout_s=21.0 must be more than 22 s, the python tool's sandbox wall-clock limit (20 s, " \
+           "data.sandbox.wall_s) plus a 2 s margin" in message
     assert "data.sandbox.cpu_s=30 exceeds the wall-clock limit of the programs of the code_tests rewards" in message
     assert "data.sandbox.memory_mb=0 must be > 0" in message
     # the defaults: the tool's 5 s (the default data.tool_timeout_s=10 passes), code_tests' 10 s
-    assert "(10 s) by 5 s" in problems("data=code_tests", "data.reward_timeout_s=12")
+    assert "must be more than 15 s, the sandbox's wall-clock limit of data.reward=code_tests (10 s) plus a 5 s " \
+           "margin" in problems("data=code_tests", "data.reward_timeout_s=12")
     load_config(["data.tools=[python]", "rollout.max_turns=2", "data.sandbox.wall_s=7.5"])  # 7.5 + 2 < 10
+
+
+@pytest.mark.parametrize("wall, timeout", [(1, 6), (1, 5.5)])
+def test_a_time_limit_at_or_under_the_wall_clock_limit_plus_the_margin_says_the_least_it_must_exceed(wall, timeout):
+    """The rule is strict (6 s = 1 s + 5 s is refused, 7 s passes), and so is its message: "more than 6 s", not "by
+    5 s", which 6 s already does."""
+    message = problems("data=code_tests", f"data.sandbox.wall_s={wall}", "data.sandbox.cpu_s=1",
+                       f"data.reward_timeout_s={timeout}")
+    assert f"data.reward_timeout_s={float(timeout)} must be more than 6 s, the sandbox's wall-clock limit of " \
+           "data.reward=code_tests (1 s, data.sandbox.wall_s) plus a 5 s margin" in message
+    load_config(["data=code_tests", f"data.sandbox.wall_s={wall}", "data.sandbox.cpu_s=1", "data.reward_timeout_s=7"])
+    message = problems("data.tools=[python]", "rollout.max_turns=2", f"data.sandbox.wall_s={wall}",
+                       "data.sandbox.cpu_s=1", "data.tool_timeout_s=3")
+    assert "data.tool_timeout_s=3.0 must be more than 3 s, the python tool's sandbox wall-clock limit (1 s, " \
+           "data.sandbox.wall_s) plus a 2 s margin" in message
 
 
 def test_options_nothing_reads_are_refused():
