@@ -468,7 +468,7 @@ def harmony_parts(text: str) -> list[HarmonyPart]:
         head, has_message, rest = seg.partition(H_MESSAGE)
         if not has_message:
             plain = not parts and H_CHANNEL not in seg and not seg.startswith(H_START)
-            parts.append(HarmonyPart("", "", seg if plain else None, seg, at, seg_end, False, plain))
+            parts.append(HarmonyPart("", "", _harmony_plain(seg) if plain else None, seg, at, seg_end, False, plain))
             at = seg_end
             continue
         close = _H_ENDS.search(rest)
@@ -479,9 +479,17 @@ def harmony_parts(text: str) -> list[HarmonyPart]:
         parts.append(HarmonyPart(channel.group(1) if channel else "", recipient.group(1) if recipient else "", body,
                                  text[at:end], at, end, close is not None))
         if close is not None and text[end:seg_end].strip():  # text after a message's end: the user's, as is
-            parts.append(HarmonyPart("", "", text[end:seg_end], text[end:seg_end], end, seg_end, False, True))
+            parts.append(HarmonyPart("", "", _harmony_plain(text[end:seg_end]), text[end:seg_end], end, seg_end, False,
+                                     True))
         at = seg_end
     return parts
+
+
+def _harmony_plain(text: str) -> str:
+    """Text outside any harmony message, as content: without the end markers in it (`<|end|>`, `<|call|>`,
+    `<|return|>`: a stop token the route put back after the answer, one after a message already closed), which are
+    the format's tokens, never text a user reads (a harmony grammar's text admits no `<|`)."""
+    return _H_ENDS.sub("", text)
 
 
 def _harmony_call(part: HarmonyPart) -> Item:
