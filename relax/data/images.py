@@ -146,6 +146,7 @@ def load_image(value: Any, where: str, base_dir: Optional[Path] = None) -> Any:
         else:
             raise DataError(f"{where}: an image given as an object needs 'bytes', 'path' or 'url', got keys "
                             f"{sorted(value)}")
+    source = "the image bytes"  # what the bytes were read from, for an error about them
     if isinstance(value, (bytes, bytearray)):
         data = bytes(value)
     elif isinstance(value, str):
@@ -154,28 +155,36 @@ def load_image(value: Any, where: str, base_dir: Optional[Path] = None) -> Any:
                             "or base64 bytes")
         match = _DATA_URL.match(value)
         if match:
-            data = _b64(match.group(1), where)
+            data, source = _b64(match.group(1), where), "the data: URL's image"
         else:
             p = Path(value[len("file://"):] if value.startswith("file://") else value).expanduser()
             if not p.is_absolute() and base_dir is not None:
                 p = base_dir / p
             if len(value) < 4096 and p.is_file():
-                data = p.read_bytes()
+                data, source = p.read_bytes(), f"image file {value!r}"
             elif len(value) >= 64 and re.fullmatch(r"[A-Za-z0-9+/=\s]+", value):
-                data = _b64(value, where)
+                data, source = _b64(value, where), "the base64 image data"
             else:
                 raise DataError(f"{where}: image {value[:60]!r} is neither an existing file nor base64 data")
     else:
         raise DataError(f"{where}: an image must be a path, base64 text, bytes or a data: URL, got "
                         f"{type(value).__name__}")
+    buffer = io.BytesIO(data)
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(buffer)
         image.load()
     except Image.DecompressionBombError as e:  # PIL's pixel limit (Image.MAX_IMAGE_PIXELS): an image too large
-        raise DataError(f"{where}: image too large to read ({type(e).__name__}: {e}); downscale it") from None
+        raise DataError(f"{where}: {source}: too large to read ({type(e).__name__}: {e}); downscale it") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+        # PIL names the buffer it read ("cannot identify image file <_io.BytesIO object at 0x...>"): `source` says
+        why = str(e).replace(f" {buffer!r}", "").replace(repr(buffer), "the bytes")
+        raise DataError(f"{where}: {source}: not a readable image ({type(e).__name__}: {why})") from None
     return image.convert("RGB")
+
+
+def _count(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is 1 ("1 image", "2 images")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _b64(text: str, where: str) -> bytes:
@@ -223,10 +232,10 @@ def image_prompt(obj: dict, prompt_key: str, image_key: str, where: str,
     if slots and len(slots) != len(column):
         markers = sum(1 for p in slots if p["_slot"] == "marker")
         bare = len(slots) - markers
-        what = f"{markers} {IMAGE_MARKER} markers" + (
-            f" and {bare} image parts without an image ({{'type': 'image'}}, each taking the next image of "
+        what = _count(markers, f"{IMAGE_MARKER} marker") + (
+            f" and {_count(bare, 'image part')} without an image ({{'type': 'image'}}, each taking the next image of "
             f"{image_key!r})" if bare else "")
-        raise DataError(f"{where}: the prompt has {what} but {image_key!r} holds {len(column)} images"
+        raise DataError(f"{where}: the prompt has {what} but {image_key!r} holds {_count(len(column), 'image')}"
                         + ("" if column else f" ({image_key!r}, data.image_key, is missing or empty)"))
     if not column:
         return (messages, _ordered(messages, images, [])) if images else None

@@ -75,7 +75,7 @@ def test_bare_image_parts_take_the_columns_images_in_order(tokenizer, vision):
 def test_bare_image_parts_and_the_column_must_agree(tokenizer, vision):
     bare = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, _text(QUESTION)]}]
     with pytest.raises(DataError, match=r"p.jsonl:1: the prompt has 0 <image> markers and 2 image parts without an "
-                                        r"image .* but 'images' holds 1 images"):
+                                        r"image .* but 'images' holds 1 image$"):
         _load({"prompt": bare, "images": ["red.png"], "label": "red"}, tokenizer, vision)
     with pytest.raises(DataError, match=r"p.jsonl:1: .*2 image parts without an image.*holds 0 images .*missing or "
                                         "empty"):
@@ -93,7 +93,7 @@ def test_image_markers_in_text_parts_place_the_images(tokenizer, vision):
     for prompt in (f"first <image> then <image> {QUESTION}",
                    [{"role": "user", "content": f"first <image> then <image> {QUESTION}"}]):
         _same(_load({**record, "prompt": prompt}, tokenizer, vision), item)
-    with pytest.raises(DataError, match="the prompt has 2 <image> markers but 'images' holds 1 images"):
+    with pytest.raises(DataError, match="the prompt has 2 <image> markers but 'images' holds 1 image$"):
         _load({**record, "images": ["red.png"]}, tokenizer, vision)
 
 
@@ -142,3 +142,15 @@ def test_an_oversized_image_is_a_data_error_naming_the_record_and_field(tokenize
     part = {"prompt": [{"role": "user", "content": [_image("huge.png"), _text(QUESTION)]}], "label": "red"}
     with pytest.raises(DataError, match=r"p.jsonl:1 \('prompt' image part\): image too large"):
         _load(part, tokenizer, vision.at(tmp_path))
+
+
+def test_an_unreadable_image_file_is_named_by_its_path_not_by_a_buffer(tokenizer, vision, images):
+    """PIL's own message names the in-memory buffer it read ("<_io.BytesIO object at 0x...>"); the error names the
+    record, the column entry and the file the user wrote."""
+    (images / "notimg.png").write_text("this is text, not a PNG")
+    with pytest.raises(DataError) as exc:
+        _load({"prompt": "<image> what colour?", "images": ["notimg.png"], "label": "red"}, tokenizer, vision)
+    assert str(exc.value) == ("p.jsonl:1 ('images'[0]): image file 'notimg.png': not a readable image "
+                              "(UnidentifiedImageError: cannot identify image file)")
+    with pytest.raises(DataError, match=r"the prompt has 1 <image> marker but 'images' holds 2 images$"):
+        _load({"prompt": "<image> what colour?", "images": ["red.png", "blue.png"], "label": "red"}, tokenizer, vision)

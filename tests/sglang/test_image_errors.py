@@ -40,10 +40,13 @@ def _bomb(width: int = 14000, height: int = 14000) -> bytes:
             + chunk(b"IEND", b""))
 
 
-CASES = [(_png((2000, 3)), "2000x3 pixels.*aspect ratio"), (_bomb(), "DecompressionBombError")]
+CASES = [(_png((2000, 3)), "2000x3 pixels.*aspect ratio"), (_bomb(), "DecompressionBombError"),
+         # PIL's message names its in-memory buffer ("<_io.BytesIO object at 0x...>"): the 400 says what was read
+         (b"not an image" * 8, r"the data: URL's image: not a readable image \(UnidentifiedImageError: cannot "
+                               r"identify image file\)")]
 
 
-@pytest.mark.parametrize("image,message", CASES, ids=["aspect_ratio", "decompression_bomb"])
+@pytest.mark.parametrize("image,message", CASES, ids=["aspect_ratio", "decompression_bomb", "not_an_image"])
 def test_a_refused_image_is_a_400_naming_it(server, image, message):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
     parts = [{"type": "image_url", "image_url": {"url": _url(_png((32, 32)))}},
