@@ -34,6 +34,7 @@ from relax.runner.ledger import (
 )
 from relax.tracking.mlflow_run import CHECKPOINT_DIR_TAG, PARENT_RUN_ID_TAG
 from relax.tracking.params import TAG_SWEEP_ID
+from relax.tracking.progress import steps_name
 from relax.tracking.verify import (
     UNFINISHED,
     RunRecord,
@@ -158,7 +159,7 @@ def _evaluation_only(record: RunRecord, report: Report) -> Report:
         report.violations.append(str(exc))
     else:
         if trained:
-            report.violations.append(f"the run's {FILE} records trained step(s) {steps_text(trained)}, but an "
+            report.violations.append(f"the run's {FILE} records trained {steps_name(trained)}, but an "
                                      "evaluation-only run trains none")
     return report
 
@@ -246,7 +247,7 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
     ledger_n = 1 + max(ledger.steps, default=-1) if ledger is not None else 0
     metric_n = completed_steps(histories, EVERY_STEP)
     n = max(ledger_n, metric_n)
-    report.facts.append(("steps", f"{n} ({steps_text(range(n))})"))
+    report.facts.append(("steps", f"{n}: {steps_name(range(n))}"))
     per_step = _per_step(record.params, report)
 
     if ledger is not None:
@@ -256,7 +257,7 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
         dropped = dict(record.histories.get(REWARD_DROPPED_FRAC, []))
         report.violations += check_dropped(ledger, dropped)
         if not strict and metric_n > ledger_n:
-            report.notes.append(f"the run is {record.status}: steps {steps_text(range(ledger_n, metric_n))} are in "
+            report.notes.append(f"the run is {record.status}: {steps_name(range(ledger_n, metric_n))} are in "
                                 f"MLflow but not yet in its ledger (written at each checkpoint and at the end of the "
                                 f"run); train.resume=auto continues it")
     report.facts.append(("metrics", f"{len(histories)} keys, {', '.join(EVERY_STEP)} logged at every step"

@@ -2,10 +2,7 @@
 that died or hung is a `RoleFailure`: the run restarts its service graph (`train.max_restarts`)."""
 
 
-def step_name(index: int) -> str:
-    """A step as user-facing messages name it, `step <index + 1>` for the loop's 0-based `index`: 1-based, as the
-    progress line shows the step once it is done (`step 3/6`) and its checkpoint is named (`step_000003`)."""
-    return f"step {index + 1}"
+from relax.tracking.progress import step_name  # noqa: F401 - one helper for user-facing step names (its home)
 
 
 class RunError(Exception):

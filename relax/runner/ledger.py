@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from relax.runner.checkpoint import FILES
-from relax.tracking.verify import steps_text
+from relax.tracking.progress import step_name, steps_name
 
 FILE = "ledger.jsonl"  # in each checkpoint, and the MLflow artifact
 MAX_REPORTED = 10  # violations of one kind listed before "... and N more"
@@ -217,13 +217,13 @@ def check_steps(steps: Sequence[int], n: int, what: str) -> list[str]:
         seen[s] = seen.get(s, 0) + 1
     twice = sorted(s for s, k in seen.items() if k > 1)
     if twice:
-        problems.append(f"{what} has step(s) {steps_text(twice)} more than once")
+        problems.append(f"{what} has {steps_name(twice)} more than once")
     missing = [s for s in range(n) if s not in seen]
     if missing:
-        problems.append(f"{what} is missing step(s) {steps_text(missing)} of 0..{n - 1}")
+        problems.append(f"{what} is missing {steps_name(missing)} of its {n}")
     extra = sorted(s for s in seen if s >= n)
     if extra:
-        problems.append(f"{what} has step(s) {steps_text(extra)} beyond the run's {n} steps")
+        problems.append(f"{what} has {steps_name(extra)} beyond the run's {n} steps")
     return problems
 
 
@@ -234,7 +234,7 @@ def check_samples(ledger: Ledger, per_step: int | None = None) -> list[str]:
     if per_step is not None:
         for e in ledger.entries:
             if e.size != per_step:
-                problems.append(f"step {e.step} has {e.size} samples ({count(e.trained)} trained, "
+                problems.append(f"{step_name(e.step)} has {e.size} samples ({count(e.trained)} trained, "
                                 f"{count(e.left_out)} left out), expected {per_step}")
     spans = sorted((a, b, e.step, kind) for e in ledger.entries
                    for kind, ranges in (("trained", e.trained), ("left out", e.left_out), ("set aside", e.set_aside))
@@ -244,8 +244,8 @@ def check_samples(ledger: Ledger, per_step: int | None = None) -> list[str]:
     for a, b, step, kind in spans:
         if owner is not None and a < reach:
             both = "trained twice" if kind == owner[1] == "trained" else "used twice"
-            overlaps.append(f"{_span(a, min(b, reach))} {both}: {owner[1]} at step {owner[0]} and {kind} at step "
-                            f"{step}")
+            overlaps.append(f"{_span(a, min(b, reach))} {both}: {owner[1]} at {step_name(owner[0])} and {kind} at "
+                            f"{step_name(step)}")
         if b > reach:
             reach, owner = b, (step, kind)
     return _listed(problems) + _listed(overlaps)
@@ -260,10 +260,10 @@ def check_prefix(checkpoint: Ledger, checkpoint_step: int, run: Ledger) -> list[
     theirs = {e.step: e for e in head.entries}
     differ = sorted(s for s in mine if s in theirs and mine[s] != theirs[s])
     if differ:
-        problems.append(f"step(s) {steps_text(differ)} differ between the checkpoint's ledger and the run's")
+        problems.append(f"{steps_name(differ)} differ between the checkpoint's ledger and the run's")
     absent = sorted(s for s in mine if s not in theirs)
     if absent:
-        problems.append(f"step(s) {steps_text(absent)} of the checkpoint's ledger are not in the run's")
+        problems.append(f"{steps_name(absent)} of the checkpoint's ledger are not in the run's")
     return problems
 
 
@@ -276,6 +276,6 @@ def check_dropped(ledger: Ledger, dropped: dict[int, float], tolerance: float = 
         if e.step in dropped and e.size:
             share = count(e.left_out) / e.size
             if abs(share - dropped[e.step]) > tolerance:
-                problems.append(f"step {e.step}: the ledger leaves out {count(e.left_out)} of {e.size} samples "
+                problems.append(f"{step_name(e.step)}: the ledger leaves out {count(e.left_out)} of {e.size} samples "
                                 f"({share:.4g}) but the run logged a dropped share of {dropped[e.step]:.4g}")
     return _listed(problems)

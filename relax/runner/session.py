@@ -21,6 +21,7 @@ from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
 from relax.runner.plan import Plan
 from relax.runner.step_metrics import RAW_REWARD, final_eval_summary
+from relax.tracking.progress import steps_name
 
 if TYPE_CHECKING:
     from relax.data.datasets import PromptDataset
@@ -244,8 +245,8 @@ class Session:
             print(f"resuming from {resume.path} ({resume.step} steps trained)", file=sys.stderr, flush=True)
             if self._ledger_missing and resume.step > 0:
                 print(f"relax-train: note: checkpoint {resume.path} has no {LEDGER_FILE} (written before sample "
-                      f"ledgers): the run's ledger starts at step {resume.step}, so relax-verify-run reports steps "
-                      f"0..{resume.step - 1} as missing from it", file=sys.stderr, flush=True)
+                      f"ledgers): the run's ledger starts after step {resume.step}, so relax-verify-run reports "
+                      f"{steps_name(range(resume.step))} as missing from it", file=sys.stderr, flush=True)
         self.progress = Progress(cfg.train.num_rollout, enabled=cfg.tracking.progress, start_step=self.start_step,
                                  started=self.t0)
         return self

@@ -60,6 +60,7 @@ from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
 from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
 from relax.tracking.params import PARAM_VALUE_MAX_LEN, TAG_SWEEP_ID, truncate_value
+from relax.tracking.progress import steps_name
 from relax.tracking.run_options import DEFAULT_RUN_OPTIONS, RunOptions
 from relax.tracking.run_writer import (  # noqa: F401 (MAX_METRICS_PER_BATCH: MLflow's limit, re-exported)
     CLOSE_JOIN_S,
@@ -600,7 +601,7 @@ class Tracker:
             tracker.finish("FAILED")
             raise
         return tracker._running(options, next_system_step, options.announce and (
-            f"MLflow run {run.info.run_name} ({run_id}) reopened at step {from_step} in experiment "
+            f"MLflow run {run.info.run_name} ({run_id}) reopened at {steps_name([from_step])} in experiment "
             f"{tracking_cfg.experiment!r} at {uri}"))
 
     def _running(self, options: RunOptions, first_system_step: int, announcement: str | bool) -> Tracker:

@@ -13,13 +13,47 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional, TextIO
 
 from relax.metrics import RAW_REWARD, STEP_TIME
 
 DEFAULT_REWARD_KEY = RAW_REWARD
 DEFAULT_STEP_TIME_KEY = STEP_TIME
+
+
+def step_name(index: int) -> str:
+    """A step as user-facing messages name it, `step <index + 1>` for the loop's 0-based `index` (MLflow's step of its
+    training metrics): 1-based, as the progress line shows the step once it is done (`step 3/6`) and its checkpoint is
+    named (`step_000003`)."""
+    return f"step {index + 1}"
+
+
+def ranges_text(numbers: Iterable[int]) -> str:
+    """Numbers as compact sorted text: "0..3, 5, 7..9" ("none" if empty)."""
+    out: list[str] = []
+    start = prev = None
+    for s in sorted(set(numbers)):
+        if prev is not None and s == prev + 1:
+            prev = s
+            continue
+        if start is not None:
+            out.append(f"{start}..{prev}" if prev != start else str(start))
+        start = prev = s
+    if start is not None:
+        out.append(f"{start}..{prev}" if prev != start else str(start))
+    return ", ".join(out) or "none"
+
+
+def steps_name(indices: Iterable[int]) -> str:
+    """Training steps of 0-based loop `indices` as `step_name` names them, then MLflow's numbering of the same steps
+    (that of their metrics), for finding them there: "step 3 (MLflow step 2)", "steps 1..3, 5 (MLflow steps 0..2,
+    4)"."""
+    steps = sorted(set(indices))
+    if not steps:
+        return "no step"
+    s = "s" if len(steps) > 1 else ""
+    return f"step{s} {ranges_text(i + 1 for i in steps)} (MLflow step{s} {ranges_text(steps)})"
 
 
 def format_duration(seconds: Optional[float]) -> str:

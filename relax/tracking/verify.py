@@ -16,6 +16,7 @@ from typing import Optional
 
 from relax.metrics import EVAL_PREFIX, SYSTEM_PREFIX
 from relax.tracking.mlflow_run import file_store_refused, quiet_mlflow_logging, resolve_tracking_uri, sqlite_path
+from relax.tracking.progress import ranges_text, steps_name
 from relax.tracking.spool_file import is_rejection, short_error
 
 DEFAULT_URI = "sqlite:///mlflow.db"  # relax-train's default tracking.uri (and relax-compare's --uri)
@@ -130,41 +131,40 @@ def completed_steps(histories: Mapping[str, Sequence[int]], every_step: Sequence
 
 
 def steps_text(steps: Sequence[int]) -> str:
-    """Steps as compact sorted text: "0..3, 5, 7..9" ("none" if empty)."""
-    out, start, prev = [], None, None
-    for s in sorted(set(steps)):
-        if prev is not None and s == prev + 1:
-            prev = s
-            continue
-        if start is not None:
-            out.append(f"{start}..{prev}" if prev != start else str(start))
-        start = prev = s
-    if start is not None:
-        out.append(f"{start}..{prev}" if prev != start else str(start))
-    return ", ".join(out) or "none"
+    """Steps as compact sorted text: "0..3, 5, 7..9" ("none" if empty): MLflow's numbers, as for an evaluation's step
+    (the number of training steps in the weights it evaluated, which the progress line's `step k/N` names too).
+    Training steps (loop indices) are named with `relax.tracking.progress.steps_name`."""
+    return ranges_text(steps)
 
 
 def check_metric_steps(histories: Mapping[str, Sequence[int]], n: int, every_step: Sequence[str]) -> list[str]:
     """Every key (key -> its logged steps) has each step at most once and none from `n` on, but for an evaluation's
     (`eval/...`) at step `n`: an evaluation is logged at the number of training steps in the weights it evaluated
     (`Session.log_evaluation`), so the evaluation after the last step, and that of an evaluation-only run of the
-    final checkpoint, are at `n`; the `every_step` keys have each of steps 0..n-1. The violations, as text."""
+    final checkpoint, are at `n`; the `every_step` keys have each of steps 0..n-1. The violations, as text: a
+    training metric's steps named as the progress line counts them (`steps_name`), an evaluation's by MLflow's step
+    (the number of steps trained, which the progress line's `step k/N` names too)."""
     problems = []
     for key in sorted(histories):
         counts = Counter(histories[key])
+        evaluation = key.startswith(EVAL_PREFIX)
+
+        def at(steps: list[int]) -> str:
+            return f"MLflow step(s) {steps_text(steps)}" if evaluation else steps_name(steps)  # noqa: B023 (now)
+
         twice = sorted(s for s, k in counts.items() if k > 1)
         if twice:
-            problems.append(f"metric {key} is recorded more than once at step(s) {steps_text(twice)}")
-        last = n if key.startswith(EVAL_PREFIX) else n - 1  # the last step a key may be recorded at
+            problems.append(f"metric {key} is recorded more than once at {at(twice)}")
+        last = n if evaluation else n - 1  # the last step a key may be recorded at
         beyond = sorted(s for s in counts if s > last or s < 0)
         if beyond:
-            problems.append(f"metric {key} is recorded at step(s) {steps_text(beyond)}, outside the run's steps "
-                            f"0..{last}")
+            problems.append(f"metric {key} is recorded at {at(beyond)}, outside the run's "
+                            + (f"MLflow steps 0..{last}" if evaluation else f"{n} steps"))
     for key in every_step:
         if n and key not in histories:
             problems.append(f"metric {key} (logged at every step) is not in the run")
             continue
         missing = sorted(set(range(n)) - set(histories.get(key, ())))
         if missing:
-            problems.append(f"metric {key} (logged at every step) is missing step(s) {steps_text(missing)}")
+            problems.append(f"metric {key} (logged at every step) is missing {steps_name(missing)}")
     return problems

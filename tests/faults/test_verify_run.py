@@ -92,17 +92,17 @@ def test_a_good_ledger_passes():
 def test_a_sample_trained_in_two_steps_fails():
     ledger = good_ledger(2)
     ledger.add(2, torch.arange(28, 44), torch.ones(16, dtype=torch.bool))  # 28..31 were trained at step 1
-    assert check_samples(ledger, PER_STEP) == ["sample ids 28..31 trained twice: trained at step 1 and trained at "
-                                               "step 2"]
+    assert check_samples(ledger, PER_STEP) == ["sample ids 28..31 trained twice: trained at step 2 and trained at "
+                                               "step 3"]
 
 
 def test_a_sample_twice_in_one_step_or_trained_after_being_left_out_fails():
     ledger = Ledger()
     ledger.add(0, torch.tensor([0, 1, 2, 2]), torch.ones(4, dtype=torch.bool))
-    assert check_samples(ledger) == ["sample id 2 trained twice: trained at step 0 and trained at step 0"]
+    assert check_samples(ledger) == ["sample id 2 trained twice: trained at step 1 and trained at step 1"]
     ledger = good_ledger(2)  # ids 20..23 were left out at step 1
     ledger.add(2, torch.arange(20, 24), torch.ones(4, dtype=torch.bool))
-    assert check_samples(ledger) == ["sample ids 20..23 used twice: left out at step 1 and trained at step 2"]
+    assert check_samples(ledger) == ["sample ids 20..23 used twice: left out at step 2 and trained at step 3"]
 
 
 def test_samples_set_aside_by_dynamic_sampling_are_recorded_and_never_trained_elsewhere():
@@ -115,36 +115,39 @@ def test_samples_set_aside_by_dynamic_sampling_are_recorded_and_never_trained_el
     assert again.entries == ledger.entries and again.entries[1].size == PER_STEP  # not part of the batch
     assert check_samples(again, PER_STEP) == []
     again.add(2, torch.arange(36, 52), torch.ones(16, dtype=torch.bool))  # 36..39 were set aside at step 1
-    assert check_samples(again, PER_STEP) == ["sample ids 36..39 used twice: set aside at step 1 and trained at "
-                                              "step 2"]
+    assert check_samples(again, PER_STEP) == ["sample ids 36..39 used twice: set aside at step 2 and trained at "
+                                              "step 3"]
 
 
 def test_a_missing_or_repeated_step_and_a_wrong_batch_fail():
     ledger = good_ledger(4)
     ledger.entries.pop(2)
-    assert check_steps(ledger.steps, 4, "the ledger") == ["the ledger is missing step(s) 2 of 0..3"]
+    assert check_steps(ledger.steps, 4, "the ledger") == ["the ledger is missing step 3 (MLflow step 2) of its 4"]
     ledger = good_ledger(3)
     ledger.entries.append(ledger.entries[1])
     problems = check_steps(ledger.steps, 3, "the ledger")
-    assert problems == ["the ledger has step(s) 1 more than once"]
-    assert check_steps([0, 1, 2, 3], 2, "the ledger") == ["the ledger has step(s) 2..3 beyond the run's 2 steps"]
+    assert problems == ["the ledger has step 2 (MLflow step 1) more than once"]
+    assert check_steps([0, 1, 2, 3], 2, "the ledger") == [
+        "the ledger has steps 3..4 (MLflow steps 2..3) beyond the run's 2 steps"]
     short = Ledger()
     short.add(0, torch.arange(12), torch.ones(12, dtype=torch.bool))
-    assert check_samples(short, PER_STEP) == ["step 0 has 12 samples (12 trained, 0 left out), expected 16"]
+    assert check_samples(short, PER_STEP) == ["step 1 has 12 samples (12 trained, 0 left out), expected 16"]
 
 
 def test_a_ledger_that_disagrees_with_the_logged_dropped_share_fails():
     assert check_dropped(good_ledger(), {1: 0.0}) == [
-        "step 1: the ledger leaves out 4 of 16 samples (0.25) but the run logged a dropped share of 0"]
+        "step 2: the ledger leaves out 4 of 16 samples (0.25) but the run logged a dropped share of 0"]
 
 
 def test_the_checkpoint_ledger_must_start_the_runs():
     run = good_ledger(3)
     other = good_ledger(2, left_out_step=None)  # step 1 trained everything here
-    assert check_prefix(other, 2, run) == ["step(s) 1 differ between the checkpoint's ledger and the run's"]
-    assert check_prefix(good_ledger(4), 4, run) == ["step(s) 3 of the checkpoint's ledger are not in the run's"]
+    assert check_prefix(other, 2, run) == ["step 2 (MLflow step 1) differ between the checkpoint's ledger and "
+                                         "the run's"]
+    assert check_prefix(good_ledger(4), 4, run) == ["step 4 (MLflow step 3) of the checkpoint's ledger are not "
+                                                      "in the run's"]
     assert check_prefix(run.before(1), 2, run) == [
-        "the ledger of the checkpoint of step 2 is missing step(s) 1 of 0..1"]
+        "the ledger of the checkpoint of step 2 is missing step 2 (MLflow step 1) of its 2"]
 
 
 # ------------------------------------------------------------------------------------------- metrics
@@ -157,15 +160,18 @@ def test_metric_histories():
     assert completed_steps(good, every) == 3
     assert check_metric_steps(good, 3, every) == []
     twice = {**good, LOSS: [0, 1, 1, 2]}
-    assert check_metric_steps(twice, 3, every) == [f"metric {LOSS} is recorded more than once at step(s) 1"]
+    assert check_metric_steps(twice, 3, every) == [
+        f"metric {LOSS} is recorded more than once at step 2 (MLflow step 1)"]
     gap = {**good, STEP_TIME: [0, 2]}
-    assert check_metric_steps(gap, 3, every) == [f"metric {STEP_TIME} (logged at every step) is missing step(s) 1"]
-    assert f"metric {LOSS} is recorded at step(s) 2, outside the run's steps 0..1" in check_metric_steps(good, 2, every)
+    assert check_metric_steps(gap, 3, every) == [
+        f"metric {STEP_TIME} (logged at every step) is missing step 2 (MLflow step 1)"]
+    assert f"metric {LOSS} is recorded at step 3 (MLflow step 2), outside the run's 2 steps" in check_metric_steps(
+        good, 2, every)
     # an evaluation-only run of the run's end logs its evaluation at step n (relax.runner.train: the checkpoint's
     # step); only an evaluation may be there
     assert check_metric_steps({**good, "eval/digits/mean_reward": [1, 3]}, 3, every) == []
     assert check_metric_steps({**good, "eval/digits/mean_reward": [4]}, 3, every) == [
-        "metric eval/digits/mean_reward is recorded at step(s) 4, outside the run's steps 0..3"]
+        "metric eval/digits/mean_reward is recorded at MLflow step(s) 4, outside the run's MLflow steps 0..3"]
     absent = {k: v for k, v in good.items() if k != REWARD_DROPPED_FRAC}
     assert check_metric_steps(absent, 3, every) == [
         f"metric {REWARD_DROPPED_FRAC} (logged at every step) is not in the run"]
@@ -192,22 +198,24 @@ def test_the_command_passes_a_good_run_and_fails_each_violation(monkeypatch, cap
     code, out = verify_record(monkeypatch, record(), capsys)
     assert code == 0, out
     assert "ledger          3 steps, 44 samples trained, 4 left out" in out and out.rstrip().endswith("a step")
+    # its steps as the progress line counts them (step 1/3 .. 3/3), then as MLflow numbers their metrics
+    assert "  steps           3: steps 1..3 (MLflow steps 0..2)" in out
 
     code, out = verify_record(monkeypatch, record(**{LOSS: [(0, 1.0), (1, 1.0), (1, 2.0), (2, 1.0)]}), capsys)
-    assert code == 1 and f"  - metric {LOSS} is recorded more than once at step(s) 1" in out
+    assert code == 1 and f"  - metric {LOSS} is recorded more than once at step 2 (MLflow step 1)" in out
 
     gap = good_ledger(3)
     gap.entries.pop(1)
     code, out = verify_record(monkeypatch, record(ledger=gap), capsys)
-    assert code == 1 and "  - the run's ledger is missing step(s) 1 of 0..2" in out
+    assert code == 1 and "  - the run's ledger is missing step 2 (MLflow step 1) of its 3" in out
 
     dup = good_ledger(2)
     dup.add(2, torch.arange(0, 16), torch.ones(16, dtype=torch.bool))
     code, out = verify_record(monkeypatch, record(ledger=dup), capsys)
-    assert code == 1 and "  - sample ids 0..15 trained twice: trained at step 0 and trained at step 2" in out
+    assert code == 1 and "  - sample ids 0..15 trained twice: trained at step 1 and trained at step 3" in out
 
     code, out = verify_record(monkeypatch, record(ledger=Ledger()), capsys)  # finished, yet no step in the ledger
-    assert code == 1 and "the run's ledger is missing step(s) 0..2 of 0..2" in out
+    assert code == 1 and "the run's ledger is missing steps 1..3 (MLflow steps 0..2) of its 3" in out
 
     rec = record()
     rec.artifact = None
@@ -220,9 +228,9 @@ def test_a_running_run_may_have_metrics_ahead_of_its_ledger(monkeypatch, capsys)
     MLflow only. A finished run may not."""
     code, out = verify_record(monkeypatch, record("RUNNING", steps=5, ledger=good_ledger(3)), capsys)
     assert code == 0, out
-    assert "note: the run is RUNNING: steps 3..4 are in MLflow but not yet in its ledger" in out
+    assert "note: the run is RUNNING: steps 4..5 (MLflow steps 3..4) are in MLflow but not yet in its ledger" in out
     code, out = verify_record(monkeypatch, record("FINISHED", steps=5, ledger=good_ledger(3)), capsys)
-    assert code == 1 and "the run's ledger is missing step(s) 3..4 of 0..4" in out
+    assert code == 1 and "the run's ledger is missing steps 4..5 (MLflow steps 3..4) of its 5" in out
     early = record("RUNNING", steps=1)
     early.artifact = None  # before its first checkpoint
     code, out = verify_record(monkeypatch, early, capsys)
@@ -249,9 +257,9 @@ def test_an_evaluation_only_run_is_reported_as_one_evaluation(monkeypatch, capsy
                     good_ledger(1).dumps())
     code, out = verify_record(monkeypatch, bad, capsys)
     assert code == 1
-    assert "  - metric eval/digits/pass_at_1 is recorded more than once at step(s) 0" in out
-    assert f"  - metric {STEP_TIME} is recorded at step(s) 0, outside the run's steps 0..-1" in out
-    assert f"  - the run's {FILE} records trained step(s) 0, but an evaluation-only run trains none" in out
+    assert "  - metric eval/digits/pass_at_1 is recorded more than once at MLflow step(s) 0" in out
+    assert f"  - metric {STEP_TIME} is recorded at step 1 (MLflow step 0), outside the run's 0 steps" in out
+    assert f"  - the run's {FILE} records trained step 1 (MLflow step 0), but an evaluation-only run trains none" in out
     # the control: the same metrics on a training run's record are judged as steps (step_time missing, ...)
     code, out = verify_record(monkeypatch, RunRecord("r1", "sqlite:///x.db", "FINISHED", dict(PARAMS), {},
                                                      dict(evals), ""), capsys)

@@ -122,3 +122,20 @@ def test_reopen_reads_only_the_histories_it_needs(tracking_cfg: TrackingConfig, 
     client = MlflowClient(tracking_cfg.uri)
     assert recorded(client, run_id, "new") == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert recorded(client, run_id, "old") == [(0, 1.0), (2, 9.0)]
+
+
+def test_the_reopened_line_names_the_step_the_run_continues_with_as_the_progress_line_does(
+        tracking_cfg: TrackingConfig) -> None:
+    """A run resumed from the checkpoint of 2 steps (step_000002) continues with the step its progress line will show
+    as `step 3/N`: the line says step 3, and MLflow's step 2 of its metrics (before: `reopened at step 2`)."""
+    import io
+
+    from relax.tracking.progress import Progress
+
+    run_id = killed_run(tracking_cfg, steps={0: {"a": 0.0}, 1: {"a": 1.0}}, unflushed={})
+    stream = io.StringIO()
+    tracker = Tracker.reopen(tracking_cfg, run_id, RunOptions(background=False, stream=stream), from_step=2)
+    tracker.finish()
+    (line,) = [x for x in stream.getvalue().splitlines() if "reopened" in x]
+    assert f"({run_id}) reopened at step 3 (MLflow step 2) in experiment" in line, line
+    assert Progress(4, is_tty=False).format_line(3).startswith("step 3/4")  # the progress line after that step
