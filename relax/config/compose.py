@@ -13,7 +13,7 @@ from relax.algorithms.base import Violation
 from relax.config.derive import resolve
 from relax.config.schema import RelaxConfig
 from relax.config.store import PLUGINS_KEY, PluginError, import_plugins, register_configs, writable_node
-from relax.config.unknown_keys import compose_known, drop_extra_keys, extra_keys, unknown_key
+from relax.config.unknown_keys import choice_problems, compose_known, drop_extra_keys, extra_keys, unknown_key
 from relax.config.validate import ConfigError, check, validate
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -100,13 +100,19 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Pa
 
 def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None) -> tuple[DictConfig, list[Violation]]:
     """compose, with each override of a key the schema lacks left out: (config, a violation per unknown key, those
-    left out and those `+` added, each naming what was probably meant)."""
-    dc, dropped = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    left out and those `+` added, each naming what was probably meant; and first a violation per group choice that
+    names no option, `compose_known`)."""
+    dc, dropped, choices = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    if choices:
+        return dc, choice_problems(dc, dropped, choices)
     return dc, [unknown_key(dc, key) for key in dropped] + [unknown_key(dc, key) for key in extra_keys(dc)]
 
 
 def load_config(overrides: Sequence[str] = (), conf: Path | None = None) -> RelaxConfig:
     """compose + to_relax_config: the frozen, validated config of `relax-train <overrides>` (raises ConfigError with
-    every problem, unknown keys included)."""
-    dc, dropped = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    every problem, unknown keys included; a group choice that names no option is reported with the unknown keys,
+    before the rules, which would judge another config: `choice_problems`)."""
+    dc, dropped, choices = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    if choices:
+        raise ConfigError(choice_problems(dc, dropped, choices))
     return to_relax_config(dc, [unknown_key(dc, key) for key in dropped])

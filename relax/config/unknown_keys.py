@@ -4,7 +4,9 @@ meant (the closest fields, or the algorithms whose config has it), reported with
 
 Hydra refuses an override of a key a structured config lacks (with its advice to append it with `+`, which the
 frozen dataclasses then refuse); `compose_known` leaves such overrides out and names them instead, and
-`extra_keys` finds the keys that `+` added.
+`extra_keys` finds the keys that `+` added. It does the same with a group choice that names no option
+(`model=nonexistent`, where Hydra stops at the first with its own message): each is named with the group's options,
+and the rest of the command line is still composed, so that its unknown keys are reported with it.
 """
 
 from __future__ import annotations
@@ -106,16 +108,53 @@ def _unknown_override(exc: BaseException, overrides: Sequence[str]) -> int | Non
     return None
 
 
-def compose_known(compose: Any, overrides: Sequence[str]) -> tuple[DictConfig, list[str]]:
-    """`compose(overrides)`, leaving out each override whose key the schema lacks: (config, the keys left out)."""
+def _missing_choice(exc: BaseException, overrides: Sequence[str]) -> tuple[int, Violation] | None:
+    """(the index of the override, its violation) when Hydra refused a group choice that names no option of its
+    group (`model=nonexistent`: Hydra's MissingConfigException for `model/nonexistent`), else None."""
+    from hydra.errors import MissingConfigException
+
+    missing = getattr(exc, "missing_cfg_file", None) if isinstance(exc, MissingConfigException) else None
+    if not missing or "/" not in missing:
+        return None
+    group, _, value = missing.rpartition("/")
+    for i, o in enumerate(overrides):
+        key, eq, choice = o.partition("=")
+        if eq and key.lstrip("+~").split("@", 1)[0] == group and choice.strip("'\"") == value:
+            options = [n for n in (getattr(exc, "options", None) or ()) if not n.endswith("_schema")]
+            close = difflib.get_close_matches(value, options, n=1)
+            hint = f" (did you mean {group}={close[0]}?)" if close else ""
+            return i, Violation((group,), f"{group}={value}: config group {group} has no option {value!r}{hint}; "
+                                          f"its options: {', '.join(options)}")
+    return None
+
+
+def compose_known(compose: Any, overrides: Sequence[str]) -> tuple[DictConfig, list[str], list[Violation]]:
+    """`compose(overrides)`, leaving out each override whose key the schema lacks and each group choice that names
+    no option: (config, the keys left out, a violation per choice left out). With a choice left out the config is
+    composed with the group's default instead: only for the other overrides' keys to be checked."""
     from hydra.errors import ConfigCompositionException
 
-    kept, dropped = list(overrides), []
+    kept, dropped, choices = list(overrides), [], []
     while True:
         try:
-            return compose(kept), dropped
+            return compose(kept), dropped, choices
         except ConfigCompositionException as exc:
+            missing = _missing_choice(exc, kept)
+            if missing is not None:
+                choices.append(missing[1])
+                kept.pop(missing[0])
+                continue
             i = _unknown_override(exc, kept)
             if i is None:
                 raise
             dropped.append(kept.pop(i).split("=", 1)[0].lstrip("+~"))
+
+
+def choice_problems(dc: DictConfig, dropped: Sequence[str], choices: Sequence[Violation]) -> list[Violation]:
+    """What a command line with group choices that name no option (`choices`, from `compose_known`) gets reported:
+    those, then its unknown keys (`dropped` and the `+`-added ones); not the rules, which would judge the groups'
+    defaults in their place. An unknown key of `algorithm.` is left out when the algorithm choice was: which keys
+    an algorithm has depends on the algorithm."""
+    bad = {v.fields[0] for v in choices}
+    keys = [k for k in [*dropped, *extra_keys(dc)] if not ("algorithm" in bad and k.startswith("algorithm."))]
+    return [*choices, *(unknown_key(dc, k) for k in keys)]
