@@ -157,16 +157,18 @@ class OpenAIJudge:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._session.close()
 
-    def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]], list[bool]]:
-        """(answers, errors, cut): each question's answer text (None: failed), why it failed, and whether the
-        server stopped the answer at `max_new_tokens` (finish_reason "length")."""
+    def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]], list[bool], list[bool]]:
+        """(answers, errors, cut, late): each question's answer text (None: failed), why it failed, whether the
+        server stopped the answer at `max_new_tokens` (finish_reason "length"), and whether it failed by time-out
+        (its last try got no answer within `timeout_s`)."""
         results = list(self._pool.map(self._one, questions))
-        return [a for a, _, _ in results], [e for _, e, _ in results], [c for _, _, c in results]
+        return ([a for a, _, _, _ in results], [e for _, e, _, _ in results], [c for _, _, c, _ in results],
+                [t for _, _, _, t in results])
 
     def _masked(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
 
-    def _one(self, question: str) -> tuple[Optional[str], Optional[str], bool]:
+    def _one(self, question: str) -> tuple[Optional[str], Optional[str], bool, bool]:
         body = {"model": self.model, "messages": [{"role": "user", "content": question}],
                 "max_tokens": self.max_new_tokens, "temperature": self.temperature}
         late = f"{self.endpoint}: no answer within reward_model.timeout_s={self.timeout_s:g}"
@@ -199,5 +201,5 @@ class OpenAIJudge:
                          f"{self._masked(reply.text[:300])}")
                 continue
             cut = isinstance(choice, dict) and choice.get("finish_reason") == FINISH_LENGTH
-            return ("" if content is None else str(content)), None, cut
-        return None, error, False
+            return ("" if content is None else str(content)), None, cut, False
+        return None, error, False, error == late  # (the last try's failure is the call's)

@@ -11,6 +11,7 @@ reward_model.max_length) is a failed score: its group is left out of the step li
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,12 +33,14 @@ RoleCall = Callable[..., Any]
 @dataclass
 class ModelScores:
     """The reward model's scores of a batch: `values[i]` None where response i got none; `parse_failed[i]` where a
-    judge answered without a readable score; `seconds` the batch took."""
+    judge answered without a readable score; `seconds` the batch took; `timed_out[i]` where the call got no answer
+    within its time limit (a judge's reward_model.timeout_s; empty: none did)."""
 
     values: list[Optional[float]] = field(default_factory=list)
     parse_failed: list[bool] = field(default_factory=list)
     first_error: Optional[str] = None
     seconds: float = 0.0
+    timed_out: list[bool] = field(default_factory=list)
 
 
 def prompt_of(item: Any) -> list[dict] | str:
@@ -93,9 +96,11 @@ class JudgeScorer(RewardModelScorer):
         t0 = time.perf_counter()
         questions = [judge_question(self.rm.template, prompt_words(i), r, i.label)
                      for i, r in zip(items, responses, strict=True)]
-        answers, errors, cut = self.http.answer(questions) if self.http is not None else \
-            self.call("answer", questions)
-        return self.verdicts(answers, errors, cut, t0)
+        if self.http is not None:
+            answers, errors, cut, late = self.http.answer(questions)
+        else:  # the role's engine: no time limit of its own (the cluster's watched call bounds the role)
+            (answers, errors, cut), late = self.call("answer", questions), []
+        return dataclasses.replace(self.verdicts(answers, errors, cut, t0), timed_out=list(late))
 
     def verdicts(self, answers: Sequence[Optional[str]], errors: Sequence[Optional[str]], cut: Sequence[bool],
                  t0: float) -> ModelScores:

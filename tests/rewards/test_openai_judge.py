@@ -140,11 +140,11 @@ def test_a_trickling_judge_fails_at_timeout_s_and_its_connection_is_closed(serve
     server = serve(lambda q: how if q == "slow" else ("7", "stop"))
     judge = client(server.url, timeout_s=1.0)
     try:
-        (answers, errors, cut), took = answered_within(judge, ["slow", "fast"], limit_s=20)
+        (answers, errors, cut, late), took = answered_within(judge, ["slow", "fast"], limit_s=20)
     finally:
         judge.close()
     assert 1.0 <= took < 3.0, took
-    assert answers == [None, "7"] and cut == [False, False]
+    assert answers == [None, "7"] and cut == [False, False] and late == [True, False]
     assert "no answer within reward_model.timeout_s=1" in errors[0] and errors[1] is None
     assert server.client_gone.wait(10)  # the try's socket was closed, not left to the server's next write
 
@@ -156,10 +156,10 @@ def test_retries_each_get_the_limit_and_the_pool_serves_on_after_a_timeout(serve
     server = serve(lambda q: seen.append(q) or ("trickle" if q == "slow" else ("3", "stop")))
     judge = client(server.url, timeout_s=0.5, concurrency=1)
     try:
-        (answers, errors, _), took = answered_within(judge, ["slow"], limit_s=20)
-        assert answers == [None] and seen == ["slow", "slow"] and 1.0 <= took < 3.0, took
+        (answers, errors, _, late), took = answered_within(judge, ["slow"], limit_s=20)
+        assert answers == [None] and late == [True] and seen == ["slow", "slow"] and 1.0 <= took < 3.0, took
         # the connection that timed out was discarded: the next requests are answered
-        (answers, errors, _), _ = answered_within(judge, ["a", "b", "c"], limit_s=20)
+        (answers, errors, _, late), _ = answered_within(judge, ["a", "b", "c"], limit_s=20)
     finally:
         judge.close()
     assert answers == ["3", "3", "3"] and errors == [None] * 3
@@ -217,6 +217,19 @@ def test_an_answer_stopped_at_max_tokens_is_a_parse_failure_not_a_score(serve, f
     else:
         assert scores.failed == [False] * 4 and scores.rewards == [2.0, 9.0, 9.0, 9.0]
         assert metrics["rollout/judge_parse_fail_frac"] == 0.0 and scores.first_error is None
+
+
+@pytest.mark.parametrize("slow", ["trickle", 500])
+def test_a_judge_call_that_times_out_counts_in_reward_timeouts(serve, monkeypatch, slow):
+    """A judge call with no answer within reward_model.timeout_s is a reward time-out (rollout/reward_timeouts,
+    train.py's Scores.timeouts), as a data.reward call past data.reward_timeout_s is; the control, a judge that
+    refuses the same calls (HTTP 500), fails them without a time-out."""
+    monkeypatch.setattr(openai_judge, "RETRIES", 0)
+    server = serve(lambda q: slow if "7" in q else ("5", "stop"))
+    scores = score_with(judge_config(server.url, "data.reward=none", "reward_model.timeout_s=1"),
+                        ["7", "is", "7", "is"])
+    assert scores.failed == [True, False, True, False]
+    assert scores.timeouts == (2 if slow == "trickle" else 0)
 
 
 # ------------------------------------------------------------------------------------------- warned

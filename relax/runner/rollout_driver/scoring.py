@@ -110,7 +110,8 @@ def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items:
     reward model's: rule_weight * rule + weight * model score. A response the model gave no score (a failed call, an
     answer without a readable score) fails like a failed reward call: its group is left out, never scored 0, and the
     batch's first such failure is warned of as data.reward's are (`warn_failed_score`); with
-    `data.reward_error=raise` the run stops."""
+    `data.reward_error=raise` the run stops. A call that timed out counts in rollout/reward_timeouts as a reward
+    call's time-out does (unless the response's rule reward had already failed: one failure per response)."""
     episodes = samples.episodes
     if episodes is not None:
         texts = [e["actions"][-1] if e["actions"] else "" for e in episodes]
@@ -126,6 +127,8 @@ def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items:
                                                                                          strict=True)]
     for i, value in enumerate(model.values):
         if value is None:
+            if not scores.failed[i] and i < len(model.timed_out) and model.timed_out[i]:
+                scores.timeouts += 1  # a judge call past reward_model.timeout_s: a reward time-out (and error)
             scores.failed[i], scores.rewards[i] = True, 0.0
         elif not scores.failed[i]:
             scores.rewards[i] = rule_weight * scores.rewards[i] + rm.weight * value
