@@ -415,7 +415,7 @@ def test_a_real_run_and_its_resume_verify(in_process, small_run, tmp_path, monke
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"relax-verify-run: MLflow run {first.run_id} (FINISHED) in {uri}"
-    assert "  steps           2 (0..1)" in lines
+    assert "  steps           2: steps 1..2 (MLflow steps 0..1)" in lines
     assert f"  samples a step  {PER_STEP} (rollout.rollout_batch_size={B} x rollout.n_samples_per_prompt={G})" in lines
     assert f"  checkpoint      {ckpt}/step_000002 (step 2): its ledger starts the run's" in lines
     assert lines[-1].startswith("OK: ")
