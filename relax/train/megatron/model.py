@@ -231,6 +231,15 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of `x` in its own dtype. Under CPU bf16 autocast (fp32 parameters, bf16 activations) the input
+        is bf16 and the weight fp32, which `torch.rms_norm` cannot fuse: it warned ("Mismatch dtype between input and
+        weight ... Cannot dispatch to fused implementation") and normalized in fp32, returning bf16. That arithmetic,
+        done here explicitly (the same values: the fp32 input is exact), and no warning."""
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        return torch.rms_norm(x.to(self.weight.dtype), self.normalized_shape, self.weight, self.eps).to(x.dtype)
+
 
 def layer_spec(spec: ArchSpec, config: Any, which: str) -> Any:
     """What `GPTModel` builds its decoder from: Transformer Engine's layer spec, or the local spec with
