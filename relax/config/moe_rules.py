@@ -30,6 +30,10 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
             require(getattr(m, key) == getattr(defaults, key), f"model.{key}",
                     f"model.{key}={getattr(m, key)} has no effect: it sizes a mixture-of-experts model built from "
                     f"config (model.source=config, model.arch={'|'.join(MOE_ARCHS)})")
+    elif m.arch != "qwen3_moe" and min(getattr(m, key) for key in MOE_FIELDS) <= 0:
+        # the schema checks these for arch=qwen3_moe (its `when`); the other MoE arch (qwen3_vl_moe) here
+        for key in MOE_FIELDS:
+            require(getattr(m, key) > 0, f"model.{key}", f"model.{key}={getattr(m, key)} must be > 0")
     elif m.num_experts_per_tok > m.num_experts:
         require(False, ("model.num_experts_per_tok", "model.num_experts"),
                 f"model.num_experts_per_tok={m.num_experts_per_tok} must be <= model.num_experts={m.num_experts}")
@@ -39,8 +43,8 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
                                         ("train.moe_z_loss_coef", t.moe_z_loss_coef > 0)) if on]
     for name in moe_option:
         require(m.source != "config" or m.arch in MOE_ARCHS, (name, "model.arch"),
-                f"{name} acts on a mixture-of-experts model, but model.arch={m.arch} is dense (model=tiny_moe, or a "
-                "Qwen3-MoE checkpoint such as model=qwen3_30b_a3b)")
+                f"{name} acts on a mixture-of-experts model, but model.arch={m.arch} is dense (model=tiny_moe or "
+                "tiny_vl_moe, or a Qwen3-MoE checkpoint such as model=qwen3_30b_a3b)")
     routes = ro.routing_replay or ro.record_routes
     require(not (ro.routing_replay and ro.record_routes), "rollout.record_routes",
             "rollout.record_routes=true has no effect with rollout.routing_replay=true (replay records the routes "

@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 from relax.algorithms.base import AlgorithmConfig, choice, finite, in_range, non_negative, positive
 
-MOE_ARCHS = ("qwen3_moe",)  # model.arch values that build a mixture-of-experts model from config
+# model.arch values that build a mixture-of-experts model from config (qwen3_vl_moe: Qwen3-VL-MoE, model=tiny_vl_moe)
+MOE_ARCHS = ("qwen3_moe", "qwen3_vl_moe")
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class ModelConfig:
     head_dim: int = positive(16, when=("source", "config"))
     intermediate_size: int = 128
     max_position_embeddings: int = 512
-    # arch=qwen3_moe (docs/training.md, "Mixture of experts"): routed experts per layer, experts per token (top-k),
-    # each expert's hidden size
+    # arch=qwen3_moe (docs/training.md, "Mixture of experts"; arch=qwen3_vl_moe too, checked by
+    # relax.config.moe_rules): routed experts per layer, experts per token (top-k), each expert's hidden size
     num_experts: int = positive(4, when=("arch", "qwen3_moe"))
     num_experts_per_tok: int = positive(2, when=("arch", "qwen3_moe"))
     moe_intermediate_size: int = positive(64, when=("arch", "qwen3_moe"))

@@ -17,8 +17,12 @@ from relax.config.schema import RelaxConfig
 
 # model.arch values built by transformers' vision-language classes (source=config), and the model_type of a
 # config.json that is one (source=hf)
-VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl")
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VL_MOE = "qwen3_vl_moe"  # the vision-language mixture of experts (arch and model_type): Qwen3-VL-MoE
+VL_MOE_SGLANG_ROUTES = ("routed experts of a vision-language mixture-of-experts model (Qwen3-VL-MoE) over SGLang's "
+                        "protocol are not built: how SGLang's answer lines up with the image tokens is not verified; "
+                        "use rollout=embedded, whose engine records every token's experts, image tokens included")
 IMAGE_TASKS = ("shapes", "grid_walk")  # synthetic tasks whose prompts hold images (relax.data.tasks)
 NOT_BUILT = "is not built for vision-language models yet"
 
@@ -68,8 +72,8 @@ def unsupported_model_type(model_cfg: object, key: str = "model") -> Optional[st
             if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or "_vl" in model_type
             else "not a model transformers loads as a causal language model")
     return (f"{where}: model_type {model_type!r} (its config.json) is {kind}. A {key}.source=hf model is either a "
-            f"vision-language model of model_type {' or '.join(VISION_MODEL_TYPES)} (dense Qwen2.5-VL / Qwen3-VL; "
-            "not Qwen3-VL-MoE or Qwen3-Omni) or a text model transformers' AutoModelForCausalLM loads (model_type "
+            f"vision-language model of model_type {' or '.join(VISION_MODEL_TYPES)} (Qwen2.5-VL, Qwen3-VL, "
+            "Qwen3-VL-MoE; not Qwen3-Omni) or a text model transformers' AutoModelForCausalLM loads (model_type "
             "qwen3, qwen3_moe, llama, ...)")
 
 
@@ -98,7 +102,7 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
         image_task = d.path is None and d.task in IMAGE_TASKS
         require(not image_task, ("data.task", "model.arch"),
                 f"data.task={d.task} is an image task but {model} is a text-only model; use a vision-language "
-                "model (model=tiny_vl, qwen2_5_vl_3b, qwen3_vl_2b)")
+                "model (model=tiny_vl, tiny_vl_moe, qwen2_5_vl_3b, qwen3_vl_2b)")
         require(not d.blank_images, ("data.blank_images", "model.arch"),
                 f"data.blank_images=true has no effect: {model} is a text-only model and takes no images")
         require(d.image_key == "images", ("data.image_key", "model.arch"),
@@ -107,6 +111,11 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
                 f"model.freeze_vision_tower={m.freeze_vision_tower} has no effect: {model} has no vision tower")
     if not vision:
         return found
+    ro = cfg.rollout
+    vl_moe = (m.arch if m.source == "config" else hf_model_type(m)) == VL_MOE
+    routes = "rollout.routing_replay" if ro.routing_replay else "rollout.record_routes" if ro.record_routes else None
+    require(not (vl_moe and routes and ro.backend == "sglang"), (str(routes), "rollout.backend"),
+            f"{routes}=true with rollout=sglang: {VL_MOE_SGLANG_ROUTES}")
     require(t.backend != "megatron", ("train.backend", "model.arch"),
             f"train.backend=megatron {NOT_BUILT}: megatron-core's multimodal model is not wired to Relax's trainer; "
             "use train.backend=torch")

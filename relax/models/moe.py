@@ -35,6 +35,8 @@ from relax.metrics import MOE_LOAD_CV, MOE_LOAD_MAX_OVER_MEAN, MOE_LOAD_MIN_OVER
 from relax.models.moe_families import (
     ROUTED_MODEL_TYPES,
     RouterFamily,
+    dense_among_sparse,
+    dense_among_sparse_message,
     family_of_model_type,
     router_families,
     softmax_scores,
@@ -254,3 +256,7 @@ def check_moe_checkpoint(cfg: Any, path: Any) -> None:
     if family_of_model_type(config.model_type) is None:
         raise ValueError(f"{', '.join(options)}: the model at {str(path)!r} is {config.model_type!r}, not a "
                          f"mixture-of-experts model of a supported router family ({', '.join(ROUTED_MODEL_TYPES)})")
+    routes = ro.routing_replay or ro.record_routes
+    if routes and ro.backend == "sglang" and dense_among_sparse(config):  # the engines' start would refuse it
+        why = dense_among_sparse_message(config.model_type, str(path))
+        raise ValueError(f"{options[0]} with rollout=sglang: {why}")

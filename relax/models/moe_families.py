@@ -8,8 +8,9 @@ router's scores, as megatron-core's `RouterReplay` and slime do), and which scor
 `relax.models.moe.RouterControl` hooks every router of a registered class and asks the family; nothing else
 branches on the family. The formulas are transformers' own (5.x; each router's `forward`):
 
-- softmax then top-k (Qwen3-MoE, Qwen2-MoE, Mixtral): p = softmax(z) in fp32, the top-k of p, weights p[top-k],
-  renormalised to sum 1 when `norm_topk_prob` (Mixtral always), then cast to z's dtype (Mixtral keeps fp32);
+- softmax then top-k (Qwen3-MoE, Qwen2-MoE, Mixtral, Qwen3-VL-MoE's text model): p = softmax(z) in fp32, the top-k
+  of p, weights p[top-k], renormalised to sum 1 when `norm_topk_prob` (Mixtral and Qwen3-VL-MoE always: their routers
+  have no such switch), then cast to z's dtype (Mixtral keeps fp32);
 - top-k over the logits then softmax over the k (gpt-oss): z = h W^T + b (the router's bias is in the logits, so it
   moves both the choice and the weights), weights softmax(z[top-k]);
 - sigmoid with a selection-only bias (DeepSeek-V3, GLM-4.5: `deepseek_v3`, `glm4_moe`): s = sigmoid(z) in fp32, the
@@ -71,6 +72,12 @@ def _mixtral_weights(router: nn.Module, logits: torch.Tensor, experts: torch.Ten
     return top / top.sum(-1, keepdim=True)
 
 
+def _qwen3_vl_moe_weights(router: nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    # Qwen3VLMoeTextTopKRouter: softmax(z, dtype=float), p[top-k], always / sum, cast to z's dtype
+    top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, experts)
+    return (top / top.sum(-1, keepdim=True)).to(logits.dtype)
+
+
 def _gpt_oss_weights(router: nn.Module, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     # GptOssTopKRouter: softmax over the k chosen logits (bias included), in z's dtype
     return torch.softmax(logits.gather(1, experts), dim=1, dtype=logits.dtype)
@@ -117,6 +124,9 @@ FAMILIES: tuple[RouterFamily, ...] = (
                  _softmax_topk_weights),
     RouterFamily("Mixtral (softmax, top-k, renormalised)", ("mixtral",),
                  (f"{_T}.mixtral.modeling_mixtral:MixtralTopKRouter",), _mixtral_weights),
+    RouterFamily("Qwen3-VL-MoE (softmax, top-k, renormalised; the text model's routers, image tokens included)",
+                 ("qwen3_vl_moe",),
+                 (f"{_T}.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeTextTopKRouter",), _qwen3_vl_moe_weights),
     RouterFamily("gpt-oss (top-k logits, softmax over k)", ("gpt_oss",),
                  (f"{_T}.gpt_oss.modeling_gpt_oss:GptOssTopKRouter",), _gpt_oss_weights),
     RouterFamily("DeepSeek-V3 / GLM-4.5 (sigmoid, group-limited top-k)", ("deepseek_v3", "glm4_moe"),
@@ -126,6 +136,23 @@ FAMILIES: tuple[RouterFamily, ...] = (
 )
 
 ROUTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def dense_among_sparse(config: object) -> bool:
+    """Whether a transformers config has dense layers among its sparse MoE ones (DeepSeek-V3's and GLM-4.5's
+    first_k_dense_replace, Qwen-MoE's decoder_sparse_step / mlp_only_layers; a vision-language config: its text
+    config's). SGLang's answer of routed experts would then hold layers whose order Relax does not read."""
+    config = getattr(config, "text_config", None) or config
+    return (int(getattr(config, "decoder_sparse_step", 1) or 1) != 1
+            or bool(list(getattr(config, "mlp_only_layers", []) or []))
+            or int(getattr(config, "first_k_dense_replace", 0) or 0) > 0)
+
+
+def dense_among_sparse_message(model_type: str, path: str) -> str:
+    """Why routes of such a model (`dense_among_sparse`) are refused over SGLang's protocol: the same words before
+    start (`relax.models.moe.check_moe_checkpoint`) and where the routes are sized (`relax.rollout.sglang.routes`)."""
+    return (f"routed experts of a model with dense layers among its sparse ones ({model_type} at {path!r}) are not "
+            "read over SGLang's protocol (the embedded engine, rollout=embedded, records them)")
 
 
 def family_of_model_type(model_type: str) -> RouterFamily | None:

@@ -8,8 +8,9 @@ inputs (`Samples.vision`: one `{"pixel_values", "image_grid_thw"}` per row, or N
 once per call through `get_rope_index`, so that a left-padded prompt, a prompt + response in the trainer and a
 KV-cached decode step in the engine all see the positions the model would give the row alone.
 
-Design for what follows on this path: an architecture is a `VisionArch` entry (config builder, transformers class);
-Qwen3-VL-MoE and Qwen3-Omni (audio: `input_features` beside `pixel_values`) add an entry and the inputs they take.
+Qwen3-VL-MoE (`model.arch=qwen3_vl_moe`, model=tiny_vl_moe) is Qwen3-VL with sparse MLPs: the same forward; its
+text model's routers are a registered router family (`relax.models.moe_families`), so the engine records, and the
+trainer replays, the experts of every token it routes, image placeholders included (they go through the text layers).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def _tiny_token_ids() -> dict[str, int]:
 
 
 def vision_config(model_cfg: Any, vocab_size: int, pad_token_id: int) -> Any:
-    """The transformers config of a `source=config` vision-language model (`model.arch`: qwen2_5_vl | qwen3_vl): the
-    text model from the model config's fields (tied embeddings, sdpa attention, mrope sections over head_dim / 2), the
-    tiny vision tower (`TinyVision`), the tiny tokenizer's vision token ids."""
+    """The transformers config of a `source=config` vision-language model (`model.arch`: qwen2_5_vl | qwen3_vl |
+    qwen3_vl_moe): the text model from the model config's fields (tied embeddings, sdpa attention, mrope sections over
+    head_dim / 2; qwen3_vl_moe: every layer a sparse block of `num_experts` experts of `moe_intermediate_size`, top
+    `num_experts_per_tok`), the tiny vision tower (`TinyVision`), the tiny tokenizer's vision token ids."""
     head_dim = model_cfg.head_dim
     half = head_dim // 2
     t = half // 4  # temporal share of the rotary frequencies; the rest split between height and width
@@ -80,13 +82,19 @@ def vision_config(model_cfg: Any, vocab_size: int, pad_token_id: int) -> Any:
                                    "type": "mrope"}
         vision.update(window_size=TINY_PATCH_SIZE * TINY_MERGE_SIZE * 2, fullatt_block_indexes=[v.depth - 1])
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
-    elif model_cfg.arch == "qwen3_vl":
-        from transformers import Qwen3VLConfig
+    elif model_cfg.arch in ("qwen3_vl", "qwen3_vl_moe"):
+        from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": sections,
                                    "mrope_interleaved": True}
         vision.update(num_position_embeddings=64, deepstack_visual_indexes=[0])
-        config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+        if model_cfg.arch == "qwen3_vl_moe":  # the same sizes with sparse MLPs (Qwen3-VL-30B-A3B's layout)
+            text.update(num_experts=model_cfg.num_experts, num_experts_per_tok=model_cfg.num_experts_per_tok,
+                        moe_intermediate_size=model_cfg.moe_intermediate_size, decoder_sparse_step=1,
+                        mlp_only_layers=[])
+            config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+        else:
+            config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
     else:
         raise ValueError(f"model.arch={model_cfg.arch!r}: vision-language archs are {list(VISION_ARCHS)}")
     config.use_cache = False
@@ -103,6 +111,10 @@ def _model_class(config: Any) -> type:
         from transformers import Qwen3VLForConditionalGeneration
 
         return Qwen3VLForConditionalGeneration
+    if config.model_type == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeForConditionalGeneration
+
+        return Qwen3VLMoeForConditionalGeneration
     raise ValueError(f"model_type {config.model_type!r}: vision-language models are {list(VISION_MODEL_TYPES)}")
 
 

@@ -413,6 +413,8 @@ class EmbeddedEngine:
                 raise ValueError(f"generate: {len(vision)} vision inputs for {len(prompts)} prompts")
             decoder = VisionDecoder(self.model, vision)
             turns.observer = decoder.observe  # observations' positions and images (relax.rollout.vision)
+            if self.record_routes:  # a vision-language MoE (Qwen3-VL-MoE): image tokens' experts too
+                decoder = RecordingDecoder(decoder, self.model)
         else:
             decoder = self._decoder()
         logits = decoder.start(ids.to(dev), mask.to(dev), P + T)  # each distinct prompt once

@@ -2,10 +2,12 @@
 (`rollout.routing_replay`, `rollout.record_routes`; docs/training.md, "Mixture of experts").
 
 `RecordingDecoder` wraps the engine's decoder (`_LlamaFamilyDecoder` or `GenericDecoder` of
-`relax.rollout.embedded`): around each of its forwards (the prompts' prefill, a decode step, an observation fed in
-one forward) it reads what every router chose (`relax.models.moe.router_control`, recording) and writes it at the
-columns of `Samples.sequences()` those tokens occupy: the prompt's P columns at prefill, response column t when
-response token t is fed. A token the engine never fed (a row's last token, padding) keeps the missing value.
+`relax.rollout.embedded`, or a vision-language model's `relax.rollout.vision.VisionDecoder`, whose prefill routes the
+image placeholders through the text MoE layers like any token): around each of its forwards (the prompts' prefill,
+a decode step, an observation fed in one forward) it reads what every router chose
+(`relax.models.moe.router_control`, recording) and writes it at the columns of `Samples.sequences()` those tokens
+occupy: the prompt's P columns at prefill (image placeholders included), response column t when response token t is
+fed. A token the engine never fed (a row's last token, padding) keeps the missing value.
 
 Rows: the engine prefills each distinct prompt once and forks it into its group with `keep(rows)` (rows repeated);
 later `keep`s only drop finished rows. So a `keep` with a repeated row is the fork into the output rows 0..N-1 in
@@ -33,6 +35,13 @@ class RecordingDecoder:
         self.out = torch.zeros(0, dtype=torch.long)  # batch row -> table row
         self.col = 0  # the column of the next token fed (every running row is at the same one)
         self.prompt_width = 0
+
+    def __getattr__(self, name: str):
+        # what the engine reads of the decoder beyond start/step/extend/keep (a VisionDecoder's observe, encode_time,
+        # added) is the wrapped decoder's; "inner" itself is never looked up here once set
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def _run(self, fn, tokens: torch.Tensor, *args):
         B, S = tokens.shape

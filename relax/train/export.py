@@ -264,7 +264,8 @@ def _write_lora(policy: Path, out: Path, model_cfg: ModelConfig, tokenizer: PreT
 
 
 # the transformers processor class of each vision-language family (config.json model_type)
-PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
+                     "qwen3_vl_moe": "Qwen3VLProcessor"}  # Qwen3-VL-MoE checkpoints ship Qwen3-VL's processor
 PROCESSOR_FILE = "processor_config.json"
 IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
 

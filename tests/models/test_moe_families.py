@@ -350,6 +350,25 @@ def test_routes_of_a_family_shape_the_sglang_answers(tmp_path):
         moe_shape(ModelConfig(source="hf", path=path))
 
 
+@pytest.mark.parametrize("family", SIGMOID)
+def test_dense_layers_among_sparse_ones_are_refused_before_start_over_sglang(tmp_path, family):
+    """The same model with routes over SGLang's protocol (rollout=sglang, embedded servers) is refused by the pre-Ray
+    checks with the words the engines' start would use (before, only the engines' start refused it); with the
+    embedded rollout the same checkpoint passes them."""
+    from relax.config import load_config
+    from relax.rollout.sglang.routes import moe_shape
+    from relax.runner.preflight import preflight
+
+    path = _save(_model(family), tmp_path / family)
+    with pytest.raises(ValueError) as at_start:
+        moe_shape(ModelConfig(source="hf", path=path))
+    base = ["model.source=hf", f"model.path={path}", "rollout.routing_replay=true"]
+    cfg = load_config([*base, "rollout=sglang", "rollout.sglang.server=embedded"])
+    problem = preflight(cfg, only=("model",)).problems["model"]
+    assert problem == f"rollout.routing_replay=true with rollout=sglang: {at_start.value}", problem
+    assert "model" not in preflight(load_config(base), only=("model",)).problems
+
+
 @pytest.mark.parametrize("family,attention", [("gpt_oss", "eager"), ("mixtral", "sdpa")])
 def test_a_checkpoint_loads_with_the_attention_its_class_has(tmp_path, family, attention):
     """gpt-oss's transformers class refuses sdpa (its attention sinks run in eager attention only): a gpt-oss

@@ -18,8 +18,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from relax.config.vision_rules import VL_MOE_SGLANG_ROUTES
 from relax.models.moe import route_dtype, route_fill
-from relax.models.moe_families import ROUTED_MODEL_TYPES, family_of_model_type
+from relax.models.moe_families import (
+    ROUTED_MODEL_TYPES,
+    dense_among_sparse,
+    dense_among_sparse_message,
+    family_of_model_type,
+)
 
 
 def encode(routes: torch.Tensor) -> str:
@@ -77,6 +83,8 @@ def moe_shape(model_cfg: Any) -> tuple[int, int, int]:
     first_k_dense_replace, Qwen-MoE's decoder_sparse_step / mlp_only_layers: which layers SGLang's answer would hold
     is not read)."""
     if model_cfg.source == "config":
+        if model_cfg.arch == "qwen3_vl_moe":  # refused before start (relax.config.vision_rules)
+            raise ValueError(VL_MOE_SGLANG_ROUTES)
         if model_cfg.arch != "qwen3_moe":
             raise ValueError(f"model.arch={model_cfg.arch} has no routed experts")
         return int(model_cfg.num_layers), int(model_cfg.num_experts_per_tok), int(model_cfg.num_experts)
@@ -92,10 +100,9 @@ def moe_shape(model_cfg: Any) -> tuple[int, int, int]:
     if family_of_model_type(config.model_type) is None:
         raise ValueError(f"the model at {str(path)!r} ({config.model_type}) has no routed experts of a supported "
                          f"router family ({', '.join(ROUTED_MODEL_TYPES)})")
-    if (int(getattr(config, "decoder_sparse_step", 1) or 1) != 1 or list(getattr(config, "mlp_only_layers", []) or [])
-            or int(getattr(config, "first_k_dense_replace", 0) or 0) > 0):
-        raise ValueError(f"routed experts of a model with dense layers among its sparse ones ({config.model_type} at "
-                         f"{str(path)!r}) are not read over SGLang's protocol (the embedded engine, rollout=embedded, "
-                         "records them)")
+    if hasattr(config, "text_config"):  # a vision-language MoE: refused before start (relax.config.vision_rules)
+        raise ValueError(VL_MOE_SGLANG_ROUTES)
+    if dense_among_sparse(config):  # refused before start too (relax.models.moe.check_moe_checkpoint)
+        raise ValueError(dense_among_sparse_message(config.model_type, str(path)))
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     return int(config.num_hidden_layers), int(config.num_experts_per_tok), int(experts)
