@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlsplit
 
+from relax.config.credentials import without_secrets
 from relax.config.schema import RelaxConfig
 from relax.rewards.remote import is_url
 
@@ -194,6 +195,7 @@ def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT
     for i, t in enumerate(targets):
         why = found.get(i, f"no answer from {t.host}:{t.port} within {wait_s:g} s")
         if why is not None:
-            problems.append(f"{t.option}={t.value}: {why} (is {t.what} running there, and reachable from this "
+            value = without_secrets(t.value) if t.scheme in ("http", "https") else t.value  # a query may hold a token
+            problems.append(f"{t.option}={value}: {why} (is {t.what} running there, and reachable from this "
                             "machine?)")
     return problems

@@ -8,7 +8,6 @@ import dataclasses
 from typing import Any, Optional
 
 from relax.config import to_relax_config
-from relax.config.credentials import without_secrets
 from relax.config.schema import TrackingConfig
 from relax.runner import checkpoint
 from relax.runner.endpoints import endpoint_targets, unreachable
@@ -30,7 +29,8 @@ _INPUTS_CHECKED: dict[tuple[str, str], dict[str, str]] = {}  # one sweep's input
 class SweepJobError(RunError):
     """What `check_sweep_job` found wrong with a job: `problems`, each a message, and `store`, the message of an
     MLflow tracking store (tracking.uri) that cannot be reached, kept apart (None: none such): the launcher says it
-    once, as what it is (no invalid config), naming the store without secrets (`without_secrets`)."""
+    once, as what it is (no invalid config), naming the store without secrets (as
+    `relax.runner.endpoints` names every http(s) address)."""
 
     def __init__(self, problems: list[str], store: Optional[str] = None):
         every = ([store] if store is not None else []) + problems
@@ -39,11 +39,10 @@ class SweepJobError(RunError):
         self.problems, self.store = problems, store
 
 
-def unreachable_store(uri: str, problem: str) -> str:
-    """The message of tracking store `uri` that cannot be reached, from its `relax.runner.endpoints.unreachable`
-    problem (`tracking.uri=<uri>: <why>`), the URI without secrets."""
-    why = problem.split(": ", 1)[1] if problem.startswith(f"tracking.uri={uri}: ") else problem
-    return f"the MLflow tracking store is unreachable: tracking.uri={without_secrets(uri)}: {why}"
+def unreachable_store(problem: str) -> str:
+    """The message of a tracking store that cannot be reached, from its `relax.runner.endpoints.unreachable` problem
+    (`tracking.uri=<uri>: <why>`, which names the URI without secrets already)."""
+    return f"the MLflow tracking store is unreachable: {problem}"
 
 
 def check_sweep_job(dc: Any) -> dict[str, str]:
@@ -74,6 +73,6 @@ def check_sweep_job(dc: Any) -> dict[str, str]:
         _INPUTS_CHECKED[key] = {k: v for k, v in pre.problems.items() if k in inputs}
     problems += [text for name in SWEEP_CHECKS if (text := found.get(name)) is not None and text not in problems]
     if problems or store is not None:
-        raise SweepJobError(problems, unreachable_store(cfg.tracking.uri, store) if store is not None else None)
+        raise SweepJobError(problems, unreachable_store(store) if store is not None else None)
     ckpts = checkpoint.Checkpoints(cfg)
     return {"checkpoint directory": str(ckpts.save_dir)} if ckpts.uses_dir else {}

@@ -278,3 +278,14 @@ def test_the_cli_turns_a_startup_error_into_a_message(monkeypatch, capfd, tmp_pa
     assert code == 2, out + err
     assert "relax-train: error: the router at http://127.0.0.1:9/health was not healthy" in err
     assert "Traceback" not in out + err
+
+
+def test_a_token_in_a_url_query_is_not_echoed(answering):
+    """A tracking server or reward service behind a proxy that takes its token in the query (`?token=...`): the
+    message names the address without it (the sweep's lines do the same: `relax.config.credentials.without_secrets`)."""
+    port = closed_port()
+    pre = preflight(load_config([f"tracking.uri='http://127.0.0.1:{port}/mlflow?token=s3cr3t'"]), only=("endpoints",))
+    text = pre.problems["endpoints"]
+    assert text.startswith(f"tracking.uri=http://127.0.0.1:{port}/mlflow?***: connection to 127.0.0.1:{port} "
+                           "refused"), text
+    assert "s3cr3t" not in pre.render()
