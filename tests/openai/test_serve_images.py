@@ -92,3 +92,55 @@ def test_an_image_the_engine_refuses_is_a_400_naming_its_message_part(server, st
     assert info.value.body["param"] == "messages[2].content[1]", info.value.body
     assert info.value.body["message"].startswith("messages[2].content[1]: "), info.value.body
     assert "image_data" not in info.value.body["message"]
+
+
+def _image_url() -> str:
+    return image_data_url(blank_image())
+
+
+def test_top_logprobs_with_an_image_is_refused_naming_top_logprobs(server):
+    """The engine gives an image prompt's sampled tokens' log-probs, not their alternatives: on the chat route the 400
+    names the field the request sent (top_logprobs, its param), not SGLang's top_logprobs_num the route would have
+    sent; /generate keeps SGLang's names. The control: logprobs=true alone is answered."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model="tiny_vl", messages=_message(_image_url()), max_tokens=2,
+                                           logprobs=True, top_logprobs=2, stream=stream)
+        assert exc.value.body["param"] == "top_logprobs", exc.value.body
+        assert exc.value.body["message"].startswith("top_logprobs=2: not supported with image parts")
+        assert "top_logprobs_num" not in exc.value.body["message"] and "image_data" not in exc.value.body["message"]
+    answer = client.chat.completions.create(model="tiny_vl", messages=_message(_image_url()), max_tokens=2,
+                                            logprobs=True)
+    assert answer.choices[0].logprobs.content and answer.choices[0].logprobs.content[0].top_logprobs == []
+    r = requests.post(server.url + "/generate", timeout=60, json={
+        "text": "<|vision_start|><|image_pad|><|vision_end|>what colour?", "image_data": [_image_url()],
+        "return_logprob": True, "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and "top_logprobs_num" in r.json()["error"]["message"], r.text
+
+
+def test_an_image_on_the_responses_route_of_a_vision_model_points_to_chat_completions(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="tiny_vl", input=[{"role": "user", "content": [
+            {"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": _image_url()}]}])
+    body = exc.value.body
+    assert body["param"] == "input[0].content[1]"
+    assert "takes images on /v1/chat/completions, as image_url parts" in body["message"], body
+    assert "text-only" not in body["message"]
+
+
+def test_an_image_for_a_text_model_says_the_served_model_is_text_only(engine):
+    """On both routes of a text model's server: the 400 names the part and the served model, text-only."""
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="-", max_retries=0)
+    served = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=served, messages=_message(_image_url()), max_tokens=2)
+    assert exc.value.body["param"] == "messages[0].content[0]"
+    assert f"an image part, and the served model ({served}) is text-only" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=served, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": _image_url()}]}])
+    assert exc.value.body["param"] == "input[0].content[0]"
+    assert f"an image part, and the served model ({served}) is text-only" in exc.value.body["message"]
+    assert "only text parts (input_text, output_text)" in exc.value.body["message"]

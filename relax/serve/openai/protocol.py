@@ -197,6 +197,25 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
 
 
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # OpenAI's chat and Responses image parts, HF's
+
+
+class ImagePartError(APIError):
+    """A 400 for an image content part where the route takes text only (`where` names the part). The service,
+    which knows the served model, says why (`text_only`: the model is text-only; `ImagePartError` itself: this
+    route)."""
+
+    def __init__(self, where: str, text_parts: str):
+        super().__init__(f"{where}: only text parts ({text_parts}) are supported here, not an image part", param=where)
+        self.where, self.text_parts = where, text_parts
+
+    def text_only(self, model: str) -> APIError:
+        """The refusal on a server of a text-only model (`model`, its name)."""
+        return APIError(f"{self.where}: an image part, and the served model ({model}) is text-only: only text parts "
+                        f"({self.text_parts}) are supported; image parts need a vision-language model (relax-serve "
+                        "model=tiny_vl, or a Qwen2.5-VL / Qwen3-VL checkpoint)", param=self.where)
+
+
 def _empty(v: Any) -> bool:
     return v in ("", [], {}, False)
 
@@ -581,6 +600,8 @@ def _text(content: Any, where: str) -> Optional[str]:
     if isinstance(content, list):
         out = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise ImagePartError(f"{where}.content[{j}]", "{'type': 'text', 'text': ...}")
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _bad(f"{where}.content[{j}]", "only text parts ({'type': 'text', 'text': ...}) are supported")
             out.append(part["text"])

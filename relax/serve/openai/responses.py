@@ -61,7 +61,7 @@ from typing import Any, Optional
 
 from relax.serve.http import EventSource
 from relax.serve.openai.protocol import FIELDS as CHAT_FIELDS
-from relax.serve.openai.protocol import APIError, check_keys
+from relax.serve.openai.protocol import IMAGE_PART_TYPES, APIError, ImagePartError, check_keys
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
 KEEP_PER_SESSION = 16  # per training session
@@ -314,6 +314,8 @@ def _part_text(part: Any, where: str) -> str:
         return part["text"]
     if isinstance(part, dict) and part.get("type") == "refusal" and isinstance(part.get("refusal"), str):
         return part["refusal"]
+    if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+        raise ImagePartError(where, "input_text, output_text")
     raise _bad(where, "only text parts (input_text, output_text) are supported")
 
 
@@ -950,6 +952,17 @@ class Responses:
             req.echo["reasoning"] = {**req.echo["reasoning"], "effort": fmt.applied_effort(
                 req.chat.get("reasoning_effort"), req.chat.get("chat_template_kwargs"))}
 
+    def _image_refusal(self, exc: ImagePartError) -> APIError:
+        """The 400 for an image part in `input`: on a vision-language model's server, where images are taken (chat
+        completions' image_url parts); else that the served model is text-only."""
+        model = getattr(self.service, "model", None)
+        if getattr(self.service, "images", False):
+            return APIError(f"{exc.where}: an image part: the Responses API takes text parts only (input_text, "
+                            f"output_text); this server's model ({model}) takes images on /v1/chat/completions, as "
+                            "image_url parts ({'type': 'image_url', 'image_url': {'url': "
+                            "'data:image/png;base64,...'}})", param=exc.where)
+        return exc.text_only(model) if model else exc
+
     def create(self, body: Any, session: Any = None) -> tuple[int, Any]:
         """(status, a `response` object or its event stream); APIError for a refused request."""
         kept = self._kept(session)
@@ -958,7 +971,10 @@ class Responses:
             with self._lock:
                 return kept.get(rid)
 
-        req = parse_request(body, previous, self.seal)
+        try:
+            req = parse_request(body, previous, self.seal)
+        except ImagePartError as exc:  # why the image is refused: the model, or this route
+            raise self._image_refusal(exc) from None
         limits = getattr(session, "limits", None)
         if limits is not None:  # a training session samples at the run's temperature and top_p: those are applied
             req.echo.update(temperature=float(limits.temperature), top_p=float(limits.top_p))

@@ -48,6 +48,7 @@ from relax.serve.openai.images import naming_parts, take_images
 from relax.serve.openai.protocol import (
     APIError,
     Choice,
+    ImagePartError,
     Params,
     chat_answer,
     check_image_parts,
@@ -162,7 +163,14 @@ class OpenAIService:
         if self.images and session is None:  # image parts: placeholders in the text, the images to the engine
             check_image_parts(body)
             body, image_data, places = take_images(body)
-        messages, p = parse_chat(body)
+        try:
+            messages, p = parse_chat(body)
+        except ImagePartError as exc:  # an image part left in the messages: say why (a text-only model's name)
+            raise (exc if self.images else exc.text_only(self.model)) from None
+        if image_data and p.top_logprobs:  # the engine's limit (relax.serve.sglang.request), in this route's terms
+            raise APIError(f"top_logprobs={p.top_logprobs}: not supported with image parts (relax-serve's engine "
+                           "gives an image prompt's sampled tokens' log-probs, logprobs=true, not their likeliest "
+                           "alternatives)", param="top_logprobs")
         # the request's own keys (not those reasoning_effort "none" adds): each a variable the template reads
         self.fmt.check_template_kwargs(body.get("chat_template_kwargs"))
         if p.reasoning_effort is not None:  # the template variable where the template reads it, else a 400 but "none"
