@@ -62,9 +62,9 @@ def _measure(overrides: list[str], steps: int, log, ray_running: bool) -> dict:
     logged: list[float] = []  # when each step's metrics were logged (right after its step time is taken)
     log_step = Session.log
 
-    def timed_log(self, metrics, step):
+    def timed_log(self, metrics, step, **kwargs):  # kwargs: Session.log's own (kept=)
         logged.append(time.perf_counter())
-        return log_step(self, metrics, step)
+        return log_step(self, metrics, step, **kwargs)
 
     marks: dict[str, float] = {}  # when Ray was up and when every role answered (the first time each)
     streams: list = []  # the run's rollout stream, for its timeline of calls
