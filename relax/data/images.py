@@ -174,7 +174,7 @@ def load_image(value: Any, where: str, base_dir: Optional[Path] = None) -> Any:
         image = Image.open(buffer)
         image.load()
     except Image.DecompressionBombError as e:  # PIL's pixel limit (Image.MAX_IMAGE_PIXELS): an image too large
-        raise DataError(f"{where}: {source}: too large to read ({type(e).__name__}: {e}); downscale it") from None
+        raise DataError(f"{where}: image too large to read ({type(e).__name__}: {e}); downscale it") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         # PIL names the buffer it read ("cannot identify image file <_io.BytesIO object at 0x...>"): `source` says
         why = str(e).replace(f" {buffer!r}", "").replace(repr(buffer), "the bytes")
