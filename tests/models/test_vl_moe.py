@@ -136,6 +136,16 @@ def test_engine_routes_image_tokens_and_replay_forces_them_with_the_family_weigh
         own_differs_on_image |= bool((own != want.sort(-1).values).any(-1)[forced & on_image].any())
     assert own_differs_on_image  # replay moved image tokens' experts, not only text tokens'
 
+    # packed (train.pack_sequences: the rows without their padding, one shorter than the others) the routes line up
+    # too: every recorded token compared and replayed
+    assert bool((s.response_mask == 0).any())  # padding there is to drop
+    packed = TorchPolicy(CFG, TrainConfig(lr=0.0, pack_sequences=True), vocab_size=len(tokenizer),
+                         pad_token_id=tokenizer.pad_token_id, seed=0, device="cpu", num_threads=1,
+                         model=_model(tokenizer), routing_replay=True)
+    packed.compute_logprobs(s, micro_batch_size=len(s))
+    m = packed.routing.metrics()
+    assert m[ROUTER_AGREEMENT] == 1.0 and m[ROUTER_OWN_AGREEMENT] < 1.0
+
     # a training step with the MoE losses on reads the same routes (finite losses, reported)
     batch = TrainBatch.from_samples(s, advantages=torch.zeros(s.response_mask.shape))
     out = TorchPolicy(CFG, TrainConfig(lr=0.0, moe_aux_loss_coef=0.01, moe_z_loss_coef=0.001),
@@ -146,15 +156,17 @@ def test_engine_routes_image_tokens_and_replay_forces_them_with_the_family_weigh
 
 
 @pytest.mark.slow
-def test_tiny_vl_moe_trains_on_an_image_task_with_routing_replay(in_process, small_run, tmp_path):
-    """model=tiny_vl_moe data=shapes, two steps end to end with routing replay and the MoE losses: the engine's
-    routes reach the trainer (router agreement 1 on both steps), the losses and the expert load are reported, and
-    the rollouts held images."""
+@pytest.mark.parametrize("layout", [[], ["train.pack_sequences=true"]])
+def test_tiny_vl_moe_trains_on_an_image_task_with_routing_replay(in_process, small_run, tmp_path, layout):
+    """model=tiny_vl_moe data=shapes, two steps end to end with routing replay and the MoE losses, padded and packed
+    (the packed layout's alignment is checked on rows with padding in the test above): the engine's routes reach the
+    trainer (router agreement 1 on both steps), the losses and the expert load are reported, and the rollouts held
+    images."""
     from relax.runner.train import run
 
     cfg = load_config(small_run("model=tiny_vl_moe", "data=shapes", "rollout.routing_replay=true",
                                 "model.dtype=float32", "train.moe_aux_loss_coef=0.01", "train.moe_z_loss_coef=0.001",
-                                steps=2))
+                                *layout, steps=2))
     result = run(cfg, output_dir=tmp_path / "out")
     assert result.series("rollout/router_agreement") == [1.0, 1.0]
     assert len(result.series("rollout/router_own_agreement")) == 2
