@@ -103,7 +103,7 @@ def test_the_list_and_its_weights_are_validated_before_start_every_problem_at_on
     assert any("weighs the entries of a list data.reward" in m for m in violations("data.reward_weights=[2]"))
     # the rules of one reward apply to each entry: the code_tests time limit, service options without a service
     found = violations("data.reward=[math,code_tests]", "data.reward_timeout_s=12", "data.reward_service.retries=1")
-    assert any("data.reward_timeout_s=12.0 must exceed" in m for m in found)
+    assert any("data.reward_timeout_s=12.0 must be more than 15 s" in m for m in found)
     assert any("data.reward_service.retries=1 has no effect" in m for m in found)
 
 
