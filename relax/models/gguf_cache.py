@@ -27,7 +27,7 @@ import torch
 from relax.data.tokenizer import model_cache_dir
 
 if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,44 @@ def cache_entry(path: Path) -> Path:
 
     stat = path.stat()
     return model_cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}-{FORMAT}"
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    """transformers' config of the .gguf file `path` (`AutoConfig.from_pretrained(its directory, gguf_file=its
+    name)`), from the cache when it holds it. transformers reads it by parsing the whole file (every tensor's and
+    every vocabulary entry's record: seconds for SmolLM2), and a run reads it at several points (the preflight, each
+    process's checkpoint record, the context length); the first read saves it (config.json) in an entry of its own
+    beside the de-quantized model's, keyed alike, atomically, and later reads load that. An unwritable cache only
+    costs speed; a file transformers cannot read raises what `AutoConfig.from_pretrained` raises."""
+    from transformers import AutoConfig
+
+    try:
+        model_entry = cache_entry(path)
+    except OSError:
+        model_entry = None
+    entry = None if model_entry is None else model_entry.with_name(f"{model_entry.name}-config")
+    if entry is not None and (entry / "config.json").is_file():
+        try:
+            config = AutoConfig.from_pretrained(str(entry), local_files_only=True)
+            config._name_or_path = str(path.parent)  # as read from the file: its directory, not the cache's
+            return config
+        except Exception as exc:  # a damaged entry: read the file again
+            logger.warning("ignoring the model config cache entry %s: %s", entry, exc)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    if entry is not None:
+        tmp = None
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+            config.save_pretrained(str(tmp))
+            shutil.rmtree(entry, ignore_errors=True)  # a damaged entry
+            os.replace(tmp, entry)
+        except OSError as exc:  # unwritable, or another process's entry took the place first (then theirs stays)
+            logger.debug("could not cache the config of %s under %s: %s", path, entry, exc)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return config
 
 
 def forget_gguf_quantization(model: PreTrainedModel) -> None:

@@ -19,7 +19,7 @@ from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError
 from relax.data.tokenizer import resolve_model_path as _resolve_model_path
 from relax.models import vision
-from relax.models.gguf_cache import load_gguf_model
+from relax.models.gguf_cache import gguf_config, load_gguf_model
 
 if TYPE_CHECKING:  # modeling_utils costs seconds to import; the driver only needs the names for hints
     from transformers import PreTrainedModel
@@ -78,7 +78,7 @@ def context_length(model_cfg: ModelConfig) -> int | None:
         return model_cfg.max_position_embeddings
     path = resolve_model_path(model_cfg)
     if model_cfg.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     return int(getattr(config, "max_position_embeddings", 0) or 0) or None

@@ -24,6 +24,7 @@ import torch
 
 from relax.models import vision
 from relax.models.checkpoint_files import CheckpointFileError
+from relax.models.gguf_cache import gguf_config
 from relax.models.hf import qwen3_config, resolve_model_path
 from relax.models.weight_buffers import cpu_state
 
@@ -332,8 +333,8 @@ def _empty_model(model_cfg: Any, vocab_size: int, pad_token_id: int) -> torch.nn
                   else qwen3_config(model_cfg, vocab_size, pad_token_id))
     else:
         path = resolve_model_path(model_cfg)
-        config = (AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-                  if model_cfg.source == "gguf" else AutoConfig.from_pretrained(str(path), local_files_only=True))
+        config = (gguf_config(path) if model_cfg.source == "gguf"
+                  else AutoConfig.from_pretrained(str(path), local_files_only=True))
     with torch.device("meta"):
         return vision._model_class(config)(config) if is_vision else AutoModelForCausalLM.from_config(config)
 

@@ -59,7 +59,9 @@ def model_record(model_cfg: ModelConfig) -> Optional[dict[str, Any]]:
         return dict(_cache[key])
     tokenizer = load_tokenizer(model_cfg)
     if model_cfg.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        from relax.models.gguf_cache import gguf_config
+
+        config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)

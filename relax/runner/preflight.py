@@ -217,7 +217,9 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
     from transformers import AutoConfig
 
     if cfg.model.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        from relax.models.gguf_cache import gguf_config
+
+        config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     check_parallel_sizes(arch_from_hf_config(config), tp=cfg.train.tensor_parallel_size,

