@@ -63,7 +63,7 @@ def test_every_violation_reported_at_once(tmp_path):
 
 @pytest.mark.parametrize("args,needle", [
     (["algorithm.kl2_budget=0.1"], "kl2_budget"),  # key of another algorithm
-    (["algorithm=nope"], "algorithm/nope"),  # unknown group option
+    (["algorithm=nope"], "algorithm=nope: config group algorithm has no option 'nope'"),  # unknown group option
     (["rollout.temperature=hot"], "rollout.temperature"),  # bad type
     (["train.no_such_key=1"], "no_such_key"),  # unknown key
 ])
