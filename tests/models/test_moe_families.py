@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from moe_hooks import observe_moe_blocks
 
 from relax.batch import TrainBatch
 from relax.config.schema import ModelConfig, TrainConfig
@@ -108,21 +109,6 @@ def _record(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, to
     return logits, stack_recorded(control, B, S).reshape(B * S, control.num_layers, control.top_k).long()
 
 
-def _observe(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Hooks independent of RouterControl: each router's input (its hidden states) and each experts module's
-    (experts, weights) arguments, the ones the MoE block actually computes with."""
-    inputs: list[torch.Tensor] = []
-    used: list[tuple[torch.Tensor, torch.Tensor]] = []
-    routers = moe_routers(model)
-    for router in routers:
-        router.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
-    for block in model.modules():
-        if any(child is r for child in block.children() for r in routers):
-            block.experts.register_forward_pre_hook(
-                lambda m, args: used.append((args[1].detach().clone(), args[2].detach().clone())))
-    return inputs, used
-
-
 def logits_by_hand(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """z = h W^T (+ b for gpt-oss) in fp64, from the router's input."""
     h = hidden.reshape(-1, router.weight.shape[1]).double()
@@ -165,7 +151,7 @@ def test_forced_routes_get_the_family_weights_of_the_perturbed_router(family):
     ids = _ids()
     _, routes = _record(model, ids)
     _perturb(model, family)
-    inputs, used = _observe(model)
+    inputs, used = observe_moe_blocks(model)
     control = router_control(model)
     control.arm(routes, force=True, collect=False)
     try:
@@ -242,7 +228,7 @@ def test_engine_routes_replay_in_the_trainer_and_the_losses_read_the_family_scor
     m = policy.routing.metrics()
     assert m[ROUTER_AGREEMENT] == 1.0 and m[ROUTER_OWN_AGREEMENT] < 1.0
 
-    inputs, used = _observe(policy.model)
+    inputs, used = observe_moe_blocks(policy.model)
     batch = TrainBatch.from_samples(s, advantages=torch.zeros(s.response_mask.shape))
     from relax.algorithms.grpo import GRPOConfig
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_hooks import observe_moe_blocks
 
 from relax.algorithms.grpo import GRPOConfig
 from relax.batch import TrainBatch
@@ -52,21 +53,6 @@ def _model(tokenizer, perturb: bool = False) -> torch.nn.Module:
     return model
 
 
-def _observe(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Hooks independent of RouterControl: each router's input and each experts module's (experts, weights)
-    arguments, the ones the MoE block actually computes with."""
-    inputs: list[torch.Tensor] = []
-    used: list[tuple[torch.Tensor, torch.Tensor]] = []
-    routers = moe_routers(model)
-    for router in routers:
-        router.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
-    for block in model.modules():
-        if any(child is r for child in block.children() for r in routers):
-            block.experts.register_forward_pre_hook(
-                lambda m, args: used.append((args[1].detach().clone(), args[2].detach().clone())))
-    return inputs, used
-
-
 def test_tiny_vl_moe_is_built_from_config_with_sparse_text_layers(tokenizer):
     model = build_model(CFG, len(tokenizer), tokenizer.pad_token_id, seed=0)
     routers = moe_routers(model)
@@ -106,7 +92,7 @@ def test_engine_routes_image_tokens_and_replay_forces_them_with_the_family_weigh
     model = _model(tokenizer)
     policy = TorchPolicy(CFG, TrainConfig(lr=0.0), vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          seed=0, device="cpu", num_threads=1, model=model, routing_replay=True)
-    inputs, used = _observe(policy.model)
+    inputs, used = observe_moe_blocks(policy.model)
     fed: list[torch.Tensor] = []  # the rows as the trainer feeds them (its micro-batches are sorted by length)
     policy.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"]), with_kwargs=True)
     policy.compute_logprobs(s, micro_batch_size=len(s))
