@@ -196,13 +196,16 @@ def qwen3_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int) -> 
     )
 
 
-def checkpoint_attention(path: Any) -> str:
-    """The attention a checkpoint directory is loaded with: sdpa where its transformers causal-LM class has it, else
-    eager (gpt-oss: transformers runs its attention sinks in eager attention only, and refuses sdpa)."""
-    from transformers import AutoModelForCausalLM
+def checkpoint_attention(path: Any, auto_cls: Any = None) -> str:
+    """The attention a checkpoint directory is loaded with through the transformers Auto class `auto_cls`
+    (AutoModelForCausalLM when None; AutoModelForSequenceClassification for a classifier reward model): sdpa where
+    the class it maps the checkpoint's config to has it, else eager (gpt-oss: transformers runs its attention sinks in
+    eager attention only, and refuses sdpa)."""
+    if auto_cls is None:
+        from transformers import AutoModelForCausalLM as auto_cls
 
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    cls = auto_cls._model_mapping.get(type(config), None)
     return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 

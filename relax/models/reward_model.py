@@ -23,9 +23,14 @@ def load_classifier(path: str, dtype: torch.dtype, device: torch.device | str) -
     score), frozen, in `dtype` on `device`. Raises ModelPathError / ModelFileError naming `reward_model.path`."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    # here, not at the top: relax.models.hf imports transformers at module level, and this module defers transformers
+    # to the functions that use it, like the imports above
+    from relax.models.hf import checkpoint_attention
+
     classifier_config(path)
+    attention = checkpoint_attention(path, AutoModelForSequenceClassification)  # gpt-oss refuses sdpa
     model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=dtype,
-                                                               attn_implementation="sdpa")
+                                                               attn_implementation=attention)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     # the model's pad id stays as saved (None included): it decides which token the head reads
     # (`classifier_scores`); an invented pad = eos would make it skip a text's trailing end-of-turn tokens

@@ -368,3 +368,26 @@ def test_a_checkpoint_loads_with_the_attention_its_class_has(tmp_path, family, a
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_gpt_oss_classifier_reward_model_loads_with_eager_attention(tmp_path):
+    """A gpt-oss sequence-classification reward model (what a merged SEQ_CLS adapter on a gpt-oss base is) loads with
+    eager attention, as build_model's causal LM does (one owner: checkpoint_attention); its scores are the saved
+    model's."""
+    from transformers import GptOssForSequenceClassification
+
+    from relax.data.tokenizer import build_tiny_tokenizer
+    from relax.models.reward_model import load_classifier
+
+    tokenizer = build_tiny_tokenizer()
+    config = _config("gpt_oss")
+    config.vocab_size, config.pad_token_id, config.num_labels = len(tokenizer), tokenizer.pad_token_id, 1
+    torch.manual_seed(0)
+    model = GptOssForSequenceClassification(config).eval()
+    path = _save(model, tmp_path / "gpt_oss_rm")
+    tokenizer.save_pretrained(path)
+    loaded, _ = load_classifier(path, torch.float32, "cpu")
+    assert loaded.config._attn_implementation == "eager"
+    ids = torch.randint(3, len(tokenizer), (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
