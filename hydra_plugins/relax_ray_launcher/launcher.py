@@ -100,14 +100,19 @@ def _error_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb)).strip()
 
 
-_QUERY = re.compile(r"[?][^'\"\s]*")  # a URL's query, up to a quote or a space
+# a URL's query: up to a quote, a space, a bracket, or a comma that starts the list's next URL or quoted item
+_QUERY = re.compile(r"[?].*?(?=,\s*(?:https?://|['\"])|[\]'\"\s]|$)", re.IGNORECASE)
+
+
+_URL = re.compile(r"https?://", re.IGNORECASE)
 
 
 def _shown(override: str) -> str:
-    """An override as a message shows it: a tracking.uri's query, which may carry a token, as `?***` (a user or
-    password in a URL is refused by the config's rules before this)."""
+    """An override as a message shows it: the query of an http(s) URL in its value (tracking.uri, data.reward,
+    reward_model.url, rollout.sglang.urls, ...), which may carry a token, as `?***`, as `relax.runner.endpoints`
+    names addresses (a user or password in a URL is refused by the config's rules before this)."""
     key, eq, value = override.partition("=")
-    if not eq or key.lstrip("+~") != "tracking.uri":
+    if not eq or not _URL.search(value):
         return override
     return key + "=" + _QUERY.sub("?***", value)
 
