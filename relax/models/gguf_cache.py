@@ -48,8 +48,9 @@ def gguf_config(path: Path) -> PretrainedConfig:
     name)`), from the cache when it holds it. transformers reads it by parsing the whole file (every tensor's and
     every vocabulary entry's record: seconds for SmolLM2), and a run reads it at several points (the preflight, each
     process's checkpoint record, the context length); the first read saves it (config.json) in an entry of its own
-    beside the de-quantized model's, keyed alike, atomically, and later reads load that. An unwritable cache only
-    costs speed; a file transformers cannot read raises what `AutoConfig.from_pretrained` raises."""
+    beside the de-quantized model's, keyed alike, atomically (concurrent writers replace it whole, never delete it),
+    and later reads load that. An unwritable cache only costs speed; a file transformers cannot read raises what
+    `AutoConfig.from_pretrained` raises."""
     from transformers import AutoConfig
 
     try:
@@ -68,12 +69,13 @@ def gguf_config(path: Path) -> PretrainedConfig:
     if entry is not None:
         tmp = None
         try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
+            entry.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
             config.save_pretrained(str(tmp))
-            shutil.rmtree(entry, ignore_errors=True)  # a damaged entry
-            os.replace(tmp, entry)
-        except OSError as exc:  # unwritable, or another process's entry took the place first (then theirs stays)
+            # one file replaced atomically, never deleted first: a reader sees the old config.json or this one, whole
+            # (roles starting together on a cold cache each write the same config; a damaged one is overwritten)
+            os.replace(tmp / "config.json", entry / "config.json")
+        except OSError as exc:  # unwritable: only costs speed
             logger.debug("could not cache the config of %s under %s: %s", path, entry, exc)
         finally:
             if tmp is not None:

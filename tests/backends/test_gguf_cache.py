@@ -148,3 +148,67 @@ def test_a_damaged_or_unwritable_config_cache_only_costs_speed(config_reads, tmp
     monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(blocker / "cache"))
     assert gguf_cache.gguf_config(path).to_dict() == first.to_dict()
     assert gguf_cache.gguf_config(path).to_dict() == first.to_dict() and config_reads[-2:] == ["m.gguf", "m.gguf"]
+
+
+def test_a_second_writer_never_hides_the_entry_from_a_reader(config_reads, tmp_path, monkeypatch, caplog):
+    """Roles starting together on a cold cache: writers A and B both read the file; A writes the entry; reader R finds
+    it and, just before loading it, lets B reach its write of the same entry (events, not timing). R loads A's entry
+    with no warning and without reading the file; the entry is then B's, equally good."""
+    from transformers import AutoConfig
+
+    model = tmp_path / "model"
+    qwen3_config(TINY, 40, 0).save_pretrained(str(model))
+    path = model / "m.gguf"
+    path.write_bytes(b"GGUF stand-in")
+    both_cold, a_done = threading.Barrier(2, timeout=60), threading.Event()
+    r_at_load, b_at_replace, r_done = threading.Event(), threading.Event(), threading.Event()
+    spy, real_replace = AutoConfig.from_pretrained, gguf_cache.os.replace
+
+    def from_pretrained(*args, **kwargs):
+        name = threading.current_thread().name
+        if kwargs.get("gguf_file") and name in ("A", "B"):  # a writer read the file: the cache was cold
+            both_cold.wait()
+            if name == "B":  # B writes after A's entry exists and R is about to load it
+                assert a_done.wait(60) and r_at_load.wait(60)
+        elif name == "R":  # R found the entry; B now writes (old code: deleted it first) before R loads it
+            r_at_load.set()
+            assert b_at_replace.wait(60)
+        return spy(*args, **kwargs)
+
+    def replace(src, dst):
+        if threading.current_thread().name == "B" and str(dst).startswith(str(entry)):
+            b_at_replace.set()
+            r_done.wait(60)  # R's load happens here, between B's first touch of the entry and its replace
+        return real_replace(src, dst)
+
+    entry = gguf_cache.cache_entry(path).with_name(gguf_cache.cache_entry(path).name + "-config")
+    monkeypatch.setattr(AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(gguf_cache.os, "replace", replace)
+    got, errors = {}, []
+
+    def run(name):
+        try:
+            got[name] = gguf_cache.gguf_config(path).to_dict()
+        except Exception as exc:  # noqa: BLE001 (reported by the assertion below)
+            errors.append(exc)
+        finally:
+            if name == "A":
+                a_done.set()
+            if name == "R":
+                r_done.set()
+
+    threads = {n: threading.Thread(target=run, args=(n,), name=n) for n in ("A", "B", "R")}
+    with caplog.at_level(logging.WARNING, logger=gguf_cache.__name__):
+        threads["A"].start()
+        threads["B"].start()
+        assert a_done.wait(60)
+        threads["R"].start()
+        for t in threads.values():
+            t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads.values())
+    assert b_at_replace.is_set()  # the interleaving happened
+    assert "ignoring the model config cache entry" not in caplog.text
+    assert config_reads.count("m.gguf") == 2  # A's and B's reads of the file; R read the cache
+    assert got["A"] == got["B"] == got["R"]
+    config_reads.clear()
+    assert gguf_cache.gguf_config(path).to_dict() == got["A"] and config_reads == [None]  # the entry is good
