@@ -37,17 +37,45 @@ def listening_port() -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def grpc_port() -> Iterator[int]:
+def grpc_port(tls: bool = False) -> Iterator[int]:
     """A port where a real gRPC server (grpcio, which Ray depends on) listens while the context lasts: what the
-    check of a Ray address asks for is a gRPC server's answer, as a Ray head's GCS and Ray Client server give."""
+    check of a Ray address asks for is a gRPC server's answer, as a Ray head's GCS and Ray Client server give.
+    `tls`: over TLS, with a self-signed certificate made here (a cluster with RAY_USE_TLS=1)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
 
     server = grpc.server(ThreadPoolExecutor(max_workers=1))
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls:
+        key, cert = _self_signed("127.0.0.1")
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         yield port
     finally:
         server.stop(grace=None)
+
+
+def _self_signed(host: str) -> tuple[bytes, bytes]:
+    """(private key PEM, certificate PEM) of a self-signed certificate for `host`, valid for a day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    return pem, cert.public_bytes(serialization.Encoding.PEM)

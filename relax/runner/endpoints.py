@@ -70,7 +70,13 @@ def ray_endpoint(option: str, address: Optional[str], what: str = "a Ray head (r
     target = _host_port(address.strip())
     if target is None:
         return None
-    return Endpoint(option, address, *target, what=what, scheme="grpc")
+    return Endpoint(option, address, *target, what=what, scheme="grpcs" if ray_uses_tls() else "grpc")
+
+
+def ray_uses_tls() -> bool:
+    """Whether Ray's clients speak TLS to the cluster (RAY_USE_TLS, read as Ray reads it): its gRPC servers then
+    answer only after a TLS handshake."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
 
 
 def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
@@ -112,8 +118,8 @@ def probe(host: str, port: int, timeout_s: float = ENDPOINT_TIMEOUT_S, scheme: O
     else listens (a web server, a stopped head), retrying in its C++ loop."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            if scheme == "grpc":
-                return _not_grpc(sock, host, port, timeout_s)
+            if scheme in ("grpc", "grpcs"):
+                return _not_grpc(sock, host, port, timeout_s, tls=scheme == "grpcs")
             return None if scheme is None else _silent(sock, host, port, timeout_s, scheme)
     except socket.gaierror as exc:
         return f"cannot resolve {host}: {exc.strerror or exc}"
@@ -150,9 +156,22 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 _H2_SETTINGS = 4
 
 
-def _not_grpc(sock: socket.socket, host: str, port: int, timeout_s: float) -> Optional[str]:
-    """Why the server on the connected `sock` is no gRPC server (None: it answered HTTP/2's preface with SETTINGS)."""
+def _not_grpc(sock: socket.socket, host: str, port: int, timeout_s: float, *, tls: bool = False) -> Optional[str]:
+    """Why the server on the connected `sock` is no gRPC server (None: it answered HTTP/2's preface with SETTINGS);
+    `tls` (RAY_USE_TLS): after a TLS handshake (ALPN h2, as gRPC asks; the certificate is Ray's client's to check)."""
     sock.settimeout(timeout_s)
+    if tls:
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        context.set_alpn_protocols(["h2"])
+        try:
+            sock = context.wrap_socket(sock, server_hostname=host)
+        except TimeoutError:
+            return f"{host}:{port} accepts connections but did not complete a TLS handshake within {timeout_s:g} s " \
+                   "(hung?)"
+        except OSError as exc:
+            return f"{host}:{port} answers, but not as a gRPC server over TLS (RAY_USE_TLS is on): the TLS " \
+                   f"handshake failed ({exc.strerror or exc})"
     head = b""
     try:
         sock.sendall(_H2_PREFACE)

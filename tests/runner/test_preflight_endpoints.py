@@ -131,6 +131,24 @@ def test_a_ray_address_where_another_server_answers_is_refused(ray, answering, g
     assert ok.status["endpoints"] == "ok", ok.render()
 
 
+def test_a_ray_cluster_with_tls_is_probed_over_tls(monkeypatch, grpc_listening):
+    """RAY_USE_TLS=1 (Ray's clients speak TLS to the cluster): the check shakes hands in TLS before HTTP/2's preface,
+    as Ray's client does; a plaintext gRPC server is then no Ray head this client can join. Controls: a real gRPC
+    server over TLS (a self-signed certificate) passes with RAY_USE_TLS=1 and is refused without it."""
+    from ports import grpc_port
+
+    with grpc_port(tls=True) as tls_port:
+        monkeypatch.setenv("RAY_USE_TLS", "1")
+        ok = preflight(load_config([f"cluster.address=127.0.0.1:{tls_port}"]), only=("endpoints",))
+        assert ok.status["endpoints"] == "ok", ok.render()
+        plain = preflight(load_config([f"cluster.address=127.0.0.1:{grpc_listening}"]), only=("endpoints",))
+        assert (f"127.0.0.1:{grpc_listening} answers, but not as a gRPC server over TLS (RAY_USE_TLS is on): the TLS "
+                "handshake failed") in plain.problems["endpoints"], plain.render()
+        monkeypatch.delenv("RAY_USE_TLS")
+        clear = preflight(load_config([f"cluster.address=127.0.0.1:{tls_port}"]), only=("endpoints",))
+        assert "answers, but not as a gRPC server" in clear.problems["endpoints"], clear.render()
+
+
 def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, grpc_listening):
     port = closed_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
