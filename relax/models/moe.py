@@ -30,8 +30,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from relax.config.schema import MOE_ARCHS  # noqa: F401 (model.arch values of MoE models built from config)
 from relax.metrics import MOE_LOAD_CV, MOE_LOAD_MAX_OVER_MEAN, MOE_LOAD_MIN_OVER_MEAN, moe_layer_load
+from relax.models.gguf_cache import gguf_config
 from relax.models.moe_families import (
     ROUTED_MODEL_TYPES,
     RouterFamily,
@@ -250,7 +250,7 @@ def check_moe_checkpoint(cfg: Any, path: Any) -> None:
     from transformers import AutoConfig
 
     if cfg.model.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     if family_of_model_type(config.model_type) is None:

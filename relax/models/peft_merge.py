@@ -48,7 +48,7 @@ from relax.data.tokenizer import (
     quiet_transformers,
     resolve_model_path,
 )
-from relax.models.gguf_cache import cache_lock
+from relax.models.gguf_cache import cache_lock, gguf_config
 
 # the files of a tokenizer (and of a vision-language model's processor) that `save_pretrained` writes
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -314,7 +314,7 @@ def _merged_config(base: Path, task: str) -> Any:
     from transformers import AutoConfig
 
     if base.is_file():
-        return AutoConfig.from_pretrained(str(base.parent), gguf_file=base.name, local_files_only=True)
+        return gguf_config(base)
     config = AutoConfig.from_pretrained(str(base), local_files_only=True)
     if task == CLASSIFIER:
         from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES

@@ -59,6 +59,8 @@ def model_record(model_cfg: ModelConfig) -> Optional[dict[str, Any]]:
         return dict(_cache[key])
     tokenizer = load_tokenizer(model_cfg)
     if model_cfg.source == "gguf":
+        # here, like the imports above: gguf_cache imports torch, and this module keeps torch and transformers out of
+        # its own import (it needs them only to read model files)
         from relax.models.gguf_cache import gguf_config
 
         config = gguf_config(path)

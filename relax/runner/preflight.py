@@ -66,6 +66,7 @@ from relax.config.reward_model_rules import has_role
 from relax.config.schema import DataConfig, ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
+from relax.models.gguf_cache import gguf_config
 from relax.models.lora import check_targets
 from relax.models.moe import check_moe_checkpoint
 from relax.models.peft_merge import CAUSAL_LM, CLASSIFIER, adapter_path, ensure_merged, merge_preview, plan_merge
@@ -217,8 +218,6 @@ def _check_megatron_model(cfg: RelaxConfig, path: Path) -> None:
     from transformers import AutoConfig
 
     if cfg.model.source == "gguf":
-        from relax.models.gguf_cache import gguf_config
-
         config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)

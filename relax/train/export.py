@@ -43,6 +43,7 @@ from relax.config.schema import ModelConfig, RolloutConfig
 from relax.config.vision_rules import hf_model_type, is_vision_model
 from relax.data.tokenizer import ModelFileError, ModelPathError, load_tokenizer, stop_token_ids
 from relax.models.checkpoint_files import CheckpointFileError, load_safetensors_file
+from relax.models.gguf_cache import gguf_config
 from relax.models.hf import build_model, qwen3_config, resolve_model_path
 from relax.models.write_errors import os_write_errors
 
@@ -145,7 +146,7 @@ def megatron_hf_config(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerBas
         return qwen3_config(model_cfg, len(tokenizer), int(tokenizer.pad_token_id))
     path = resolve_model_path(model_cfg)
     if model_cfg.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = gguf_config(path)
         if hasattr(config, "quantization_config"):  # the weights are de-quantized (relax.models.gguf_cache)
             del config.quantization_config
     else:

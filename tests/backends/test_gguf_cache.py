@@ -212,3 +212,35 @@ def test_a_second_writer_never_hides_the_entry_from_a_reader(config_reads, tmp_p
     assert got["A"] == got["B"] == got["R"]
     config_reads.clear()
     assert gguf_cache.gguf_config(path).to_dict() == got["A"] and config_reads == [None]  # the entry is good
+
+
+def test_every_reader_of_a_gguf_models_config_reads_the_cache(config_reads, tmp_path):
+    """The MoE check before start, SGLang's route shape, the Megatron export's config and the PEFT merge's base config
+    read a .gguf model's config through gguf_config: once the cache holds it, none of them parses the file. (A MoE
+    stand-in: a .gguf file beside a Qwen3-MoE config.json, which `config_reads` reads in its place.)"""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig
+
+    from relax.models.moe import check_moe_checkpoint
+    from relax.models.peft_merge import CAUSAL_LM, _merged_config
+    from relax.rollout.sglang.routes import moe_shape
+    from relax.train.export import megatron_hf_config
+
+    model = tmp_path / "model"
+    Qwen3MoeConfig(vocab_size=40, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
+                   pad_token_id=0).save_pretrained(str(model))
+    path = model / "m.gguf"
+    path.write_bytes(b"GGUF stand-in")
+    warm = gguf_cache.gguf_config(path)
+    assert config_reads == ["m.gguf"]
+    model_cfg = ModelConfig(source="gguf", path=str(path))
+    cfg = SimpleNamespace(model=model_cfg, train=SimpleNamespace(moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0),
+                          rollout=SimpleNamespace(routing_replay=False, record_routes=True, backend="torch"))
+    check_moe_checkpoint(cfg, path)  # a registered family: no error
+    assert moe_shape(model_cfg) == (3, 2, 6)
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    assert megatron_hf_config(model_cfg, tokenizer).to_dict() == warm.to_dict()
+    assert _merged_config(path, CAUSAL_LM).to_dict() == warm.to_dict()
+    assert config_reads == ["m.gguf"] + [None] * 4  # each from the cache, never the file again

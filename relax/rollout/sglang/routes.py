@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from relax.config.vision_rules import VL_MOE_SGLANG_ROUTES
+from relax.models.gguf_cache import gguf_config
 from relax.models.moe import route_dtype, route_fill
 from relax.models.moe_families import (
     ROUTED_MODEL_TYPES,
@@ -94,7 +95,7 @@ def moe_shape(model_cfg: Any) -> tuple[int, int, int]:
 
     path = resolve_model_path(model_cfg)
     if model_cfg.source == "gguf":
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     if family_of_model_type(config.model_type) is None:
