@@ -144,3 +144,24 @@ def test_an_image_for_a_text_model_says_the_served_model_is_text_only(engine):
     assert exc.value.body["param"] == "input[0].content[0]"
     assert f"an image part, and the served model ({served}) is text-only" in exc.value.body["message"]
     assert "only text parts (input_text, output_text)" in exc.value.body["message"]
+
+
+def test_an_image_in_a_training_sessions_call_says_sessions_take_text_only(scripted_gateway):
+    """The gateway of data.openai_agent (a training session): its episodes record text turns only, so an image part
+    is refused as such on both routes, whatever the model (before: the chat route's plain 'only text parts', and
+    on a vision-language model the Responses route pointed to /v1/chat/completions, which refused it too)."""
+    from relax.data.tokenizer import CHATML_TEMPLATE
+    from relax.serve.openai.chat import ChatFormat
+    from tests.agents.templates import _byte_level_tokenizer
+
+    tok = _byte_level_tokenizer()
+    tok.chat_template = CHATML_TEMPLATE
+    _, _, _, client = scripted_gateway(ChatFormat(tok, (tok.eos_token_id,)), ["fine"])
+    said = "an image part: a training session's calls take text parts only"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="m", messages=_message(_image_url()), max_tokens=2)
+    assert exc.value.body["param"] == "messages[0].content[0]" and said in exc.value.body["message"], exc.value.body
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model="m", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": _image_url()}]}])
+    assert exc.value.body["param"] == "input[0].content[0]" and said in exc.value.body["message"], exc.value.body

@@ -215,6 +215,13 @@ class ImagePartError(APIError):
                         f"({self.text_parts}) are supported; image parts need a vision-language model (relax-serve "
                         "model=tiny_vl, or a Qwen2.5-VL / Qwen3-VL checkpoint)", param=self.where)
 
+    def in_session(self) -> APIError:
+        """The refusal inside a training session (the gateway of `data.openai_agent`), whatever the model: its
+        episodes record text turns only (image parts in agent episodes are not built)."""
+        return APIError(f"{self.where}: an image part: a training session's calls take text parts only "
+                        f"({self.text_parts}): image parts in agent episodes are not built (a vision-language model "
+                        "trains on images of the data's prompts, data.image_key)", param=self.where)
+
 
 def _empty(v: Any) -> bool:
     return v in ("", [], {}, False)

@@ -952,10 +952,13 @@ class Responses:
             req.echo["reasoning"] = {**req.echo["reasoning"], "effort": fmt.applied_effort(
                 req.chat.get("reasoning_effort"), req.chat.get("chat_template_kwargs"))}
 
-    def _image_refusal(self, exc: ImagePartError) -> APIError:
-        """The 400 for an image part in `input`: on a vision-language model's server, where images are taken (chat
-        completions' image_url parts); else that the served model is text-only."""
+    def _image_refusal(self, exc: ImagePartError, session: Any) -> APIError:
+        """The 400 for an image part in `input`: in a training session, that its calls take text only; on a
+        vision-language model's server, where images are taken (chat completions' image_url parts); else that the
+        served model is text-only."""
         model = getattr(self.service, "model", None)
+        if session is not None:
+            return exc.in_session()
         if getattr(self.service, "images", False):
             return APIError(f"{exc.where}: an image part: the Responses API takes text parts only (input_text, "
                             f"output_text); this server's model ({model}) takes images on /v1/chat/completions, as "
@@ -974,7 +977,7 @@ class Responses:
         try:
             req = parse_request(body, previous, self.seal)
         except ImagePartError as exc:  # why the image is refused: the model, or this route
-            raise self._image_refusal(exc) from None
+            raise self._image_refusal(exc, session) from None
         limits = getattr(session, "limits", None)
         if limits is not None:  # a training session samples at the run's temperature and top_p: those are applied
             req.echo.update(temperature=float(limits.temperature), top_p=float(limits.top_p))

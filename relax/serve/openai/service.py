@@ -165,7 +165,9 @@ class OpenAIService:
             body, image_data, places = take_images(body)
         try:
             messages, p = parse_chat(body)
-        except ImagePartError as exc:  # an image part left in the messages: say why (a text-only model's name)
+        except ImagePartError as exc:  # an image part left in the messages: say why (a session; a text-only model)
+            if session is not None:
+                raise exc.in_session() from None
             raise (exc if self.images else exc.text_only(self.model)) from None
         if image_data and p.top_logprobs:  # the engine's limit (relax.serve.sglang.request), in this route's terms
             raise APIError(f"top_logprobs={p.top_logprobs}: not supported with image parts (relax-serve's engine "
