@@ -117,9 +117,11 @@ def moe_layer_load(layer: int) -> str:
     return f"{MOE_LOAD_MAX_OVER_MEAN}/layer_{layer}"
 
 
-# the parity gate (train.mismatch_gate): rollouts in a row past its bound, rollouts it skipped
+# the parity gate (train.mismatch_gate): rollouts in a row past its bound, rollouts it skipped, 1.0 on a rollout
+# without a reading of its metric (logp_abs_diff: no free token; the count is then left as it was)
 MISMATCH_GATE_STREAK = "train/mismatch_gate_streak"
 MISMATCH_GATE_SKIPPED = "train/mismatch_gate_skipped"
+MISMATCH_GATE_UNMEASURED = "train/mismatch_gate_unmeasured"
 EPISODE_LEN = "rollout/episode_len"  # response tokens per episode, observations included
 EPISODE_END = "rollout/episode_end/"  # + reason (relax.agents.protocol.END_REASONS): share of episodes ending so
 ENV_TIME = "perf/env_time"  # seconds in environments and tools (summed over episodes; they run in the rollout)

@@ -29,6 +29,7 @@ import torch
 
 from relax.algorithms.ratios import exp_log_ratio
 from relax.metrics import (
+    CONSTRAINED_TOKEN_FRAC,
     MISMATCH_K1,
     MISMATCH_K3,
     MISMATCH_LOG_PPL_DIFF,
@@ -36,10 +37,56 @@ from relax.metrics import (
     RS_MASKED_SEQ_FRAC,
     RS_MASKED_TOKEN_FRAC,
     TIS_TRUNCATED_FRAC,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED,
+    TRAIN_ROLLOUT_RATIO_MAX,
 )
 
 LEVELS = ("token", "sequence", "geometric")
 QUANTILES = (0.05, 0.5, 0.95)
+
+
+def constrained_split(mask: torch.Tensor,
+                      constrained: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(free, held), bool like `mask`: its valid tokens no grammar constrained (`constrained`: 1 on those one did,
+    `relax.batch.Samples.constrained`; None: none), whose rollout log-prob is the model's own, and those one did,
+    whose rollout log-prob is of the grammar's masked distribution. The one place the split is made (the trainer's
+    first-step mismatch and the runner's, `free_token_sums`)."""
+    valid = mask != 0
+    if constrained is None:
+        return valid, torch.zeros_like(valid)
+    held = valid & (constrained != 0)
+    return valid & ~held, held
+
+
+def free_token_sums(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                    constrained: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float64 [5] on the CPU, what `free_token_metrics` reads: [sum |old_logp - rollout_logp| over the free tokens
+    (`constrained_split`), their count, the sum over the constrained ones, their count, the max ratio
+    `exp(old_logp - rollout_logp)` over the free tokens (0: none)]. The first four add over micro-batches and
+    data-parallel ranks, the last one takes their max."""
+    free, held = constrained_split(mask, constrained)
+    diff = old_logp.detach().double() - rollout_logp.detach().double()
+    d, c = diff[free], diff[held]
+    top = float(exp_log_ratio(d).max()) if d.numel() else 0.0
+    return torch.tensor([float(d.abs().sum()), d.numel(), float(c.abs().sum()), c.numel(), top],
+                        dtype=torch.float64)
+
+
+def free_token_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """From `free_token_sums`' values: `TRAIN_ROLLOUT_LOGP_ABS_DIFF` (mean |difference|) and
+    `TRAIN_ROLLOUT_RATIO_MAX` over the free tokens, only where there are any (a step of constrained tokens only has
+    no reading of them, not a 0.0 that would look like perfect parity); `TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED` and
+    `CONSTRAINED_TOKEN_FRAC` (their share of the valid tokens) only where a grammar constrained some."""
+    free_sum, free, held_sum, held, top = (float(x) for x in sums)
+    out = {}
+    if free:
+        out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = free_sum / free
+        out[TRAIN_ROLLOUT_RATIO_MAX] = top
+    if held:  # a step with constrained tokens (the OpenAI gateway's calls under a grammar)
+        out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = held_sum / held
+        out[CONSTRAINED_TOKEN_FRAC] = held / (free + held)
+    return out
 
 
 def level_log_ratio(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,

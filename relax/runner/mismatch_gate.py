@@ -8,16 +8,28 @@ actor recompute the old log-probs, and `train_batch` reports `rollout/mismatch_k
 logged, before its checkpoint: `RunError`, exit 2, naming the metric, its value, the bound and the step); `skip`
 trains nothing on each such rollout (no optimizer step; the weights and optimizer state stay as they were) and
 counts it in `train/mismatch_gate_skipped`. A rollout below the bound resets the count. The count starts from zero
-after a resume.
+after a resume. A rollout without a reading of the metric (`logp_abs_diff` where every valid token was constrained
+by a grammar: it reads only the free tokens, `relax.algorithms.rollout_correction.free_token_metrics`) neither
+counts nor resets it, neither passes nor is skipped: it is logged as `train/mismatch_gate_unmeasured` 1.0 and a
+warning, and the count goes on with the next measured rollout.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 from relax.config.schema import TrainConfig
-from relax.metrics import MISMATCH_GATE_SKIPPED, MISMATCH_GATE_STREAK, MISMATCH_K3, TRAIN_ROLLOUT_LOGP_ABS_DIFF
+from relax.metrics import (
+    MISMATCH_GATE_SKIPPED,
+    MISMATCH_GATE_STREAK,
+    MISMATCH_GATE_UNMEASURED,
+    MISMATCH_K3,
+    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
+)
 from relax.runner.errors import RunError, step_name
+
+log = logging.getLogger(__name__)
 
 GATE_METRICS = {"k3": MISMATCH_K3, "logp_abs_diff": TRAIN_ROLLOUT_LOGP_ABS_DIFF}
 
@@ -38,9 +50,20 @@ class MismatchGate:
         """Count this rollout (its metrics as `train_batch` measured them); True: skip its optimizer steps."""
         if self.mode == "off":
             return False
-        self.value = metrics.get(self.metric, math.nan)
+        measured = self.metric in metrics
+        metrics[MISMATCH_GATE_UNMEASURED] = float(not measured)
+        if not measured:
+            # no reading (logp_abs_diff of a rollout whose every token a grammar constrained): it is neither
+            # below the bound (no reset) nor above it (no count, no skip); the count goes on with the next reading
+            log.warning("%s: the train/inference parity gate has no %s for this rollout (no valid token outside "
+                        "a grammar's constraint); it neither counts it nor resets its count (%d in a row)",
+                        step_name(step), self.metric, self.streak)
+            metrics[MISMATCH_GATE_STREAK] = float(self.streak)
+            metrics[MISMATCH_GATE_SKIPPED] = 0.0
+            return False
+        self.value = metrics[self.metric]
         past = not (self.value <= self.bound)  # a non-finite mismatch is past any bound
-        self.streak = self.streak + 1 if past and self.metric in metrics else 0
+        self.streak = self.streak + 1 if past else 0
         skip = self.mode == "skip" and self.streak >= self.steps
         self.skipped += int(skip)
         metrics[MISMATCH_GATE_STREAK] = float(self.streak)

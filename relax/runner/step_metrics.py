@@ -8,12 +8,10 @@ from typing import Optional
 import torch
 
 from relax.agents.protocol import END_REASONS
-from relax.algorithms.functional import exp_log_ratio
-from relax.algorithms.rollout_correction import mismatch_metrics
+from relax.algorithms.rollout_correction import free_token_metrics, free_token_sums, mismatch_metrics
 from relax.batch import FinishReason, Samples
 from relax.metrics import (
     ABORTED_TOKENS,
-    CONSTRAINED_TOKEN_FRAC,
     ENV_TIME,
     EPISODE_END,
     EPISODE_LEN,
@@ -49,9 +47,6 @@ from relax.metrics import (
     STALENESS_MEAN,
     TOOL_CALLS_MEAN,
     TOOL_ERROR_FRAC,
-    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
-    TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED,
-    TRAIN_ROLLOUT_RATIO_MAX,
     TRUNCATED_FRAC,
     TRUNCATED_MASKED_FRAC,
     TURNS_MEAN,
@@ -239,20 +234,11 @@ def rollout_mismatch(algo_cfg, old_logp: torch.Tensor, rollout_logp: torch.Tenso
     (`old_logp`) and the engine's: mean |difference| and max ratio over the valid tokens no grammar constrained
     (`constrained` [N, T]: 1 on those a grammar did, None: none), mean |difference| over those it did and their share
     of the valid tokens, and the rollout correction's diagnostics over all valid tokens
-    (`relax.algorithms.rollout_correction.mismatch_metrics`). (TorchPolicy's `rollout_mismatch` measures the same
-    from the first optimizer step when no old log-probs exist.)"""
-
-    valid = mask.bool()
-    held = valid & constrained.bool() if constrained is not None else torch.zeros_like(valid)
-    diff = old_logp.double() - rollout_logp.double()
-    if not valid.any():
+    (`relax.algorithms.rollout_correction.mismatch_metrics`): the mean |difference| and max ratio only where some
+    valid token is free, the constrained ones' only where some is constrained. (TorchPolicy's `rollout_mismatch`
+    measures the same from the first optimizer step when no old log-probs exist, through the same
+    `free_token_sums`/`free_token_metrics`, and the rollout correction's diagnostics from the same log-ratios.)"""
+    if not bool((mask != 0).any()):
         return {}
-    out = {}
-    d = diff[valid & ~held]
-    if d.numel():
-        out |= {TRAIN_ROLLOUT_LOGP_ABS_DIFF: float(d.abs().mean()),
-                TRAIN_ROLLOUT_RATIO_MAX: float(exp_log_ratio(d).max())}
-    if held.any():  # a step with constrained tokens (the OpenAI gateway's calls under a grammar)
-        out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = float(diff[held].abs().mean())
-        out[CONSTRAINED_TOKEN_FRAC] = float(held.sum()) / float(valid.sum())
-    return out | mismatch_metrics(algo_cfg, old_logp, rollout_logp, mask)
+    return (free_token_metrics(free_token_sums(old_logp, rollout_logp, mask, constrained))
+            | mismatch_metrics(algo_cfg, old_logp, rollout_logp, mask))

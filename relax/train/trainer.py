@@ -23,14 +23,12 @@ from typing import Optional, Protocol
 import torch
 
 from relax import algorithms, progress
-from relax.algorithms import functional as F
 from relax.algorithms.base import Algorithm, AlgorithmConfig, LossBatch, choices_of
 from relax.algorithms.loss import ENTROPY, compute_loss
-from relax.algorithms.rollout_correction import log_ratios, mismatch_summary
+from relax.algorithms.rollout_correction import free_token_metrics, free_token_sums, log_ratios, mismatch_summary
 from relax.batch import Samples, TrainBatch
 from relax.config.schema import TrainConfig
 from relax.metrics import (
-    CONSTRAINED_TOKEN_FRAC,
     CRITIC_GRAD_NORM,
     CRITIC_LR,
     CRITIC_NONFINITE_GRAD_TENSORS,
@@ -41,9 +39,6 @@ from relax.metrics import (
     NONFINITE_BATCH_VALUES,
     NONFINITE_GRAD_TENSORS,
     SKIPPED_STEPS,
-    TRAIN_ROLLOUT_LOGP_ABS_DIFF,
-    TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED,
-    TRAIN_ROLLOUT_RATIO_MAX,
 )
 from relax.train.packing import response_reach
 
@@ -163,18 +158,19 @@ def loss_inputs(batch: TrainBatch, rows: Optional[torch.Tensor], logp: torch.Ten
 
 class StepSums:
     """What a step adds up over its micro-batches: the loss metrics (float64, on the CPU) and, with
-    `rollout_mismatch`, the sum of |trainer log-prob - rollout log-prob| and the max of their ratio over the valid
-    tokens no grammar constrained (`Samples.constrained`), the sum of that difference over the constrained ones (whose
-    rollout log-prob is of the grammar's masked distribution), the count of each, and the log-ratios the rollout
-    correction's mismatch diagnostics read over all valid tokens (k1, k3, log-ppl difference, ratio quantiles:
+    `rollout_mismatch`, the free/constrained sums of |trainer log-prob - rollout log-prob| and the free tokens' max
+    ratio (`relax.algorithms.rollout_correction.free_token_sums`, the split the runner's
+    `relax.runner.step_metrics.rollout_mismatch` makes too: `free_token_metrics` reads them, the free tokens' metrics
+    only where the step has free tokens), and the log-ratios of every valid token, constrained or not, that the
+    rollout correction's mismatch diagnostics read (k1, k3, log-ppl difference, ratio quantiles:
     `relax.algorithms.rollout_correction.mismatch_summary`). A data-parallel trainer calls `all_reduce` over its ranks
     before `metrics`."""
 
     def __init__(self, rollout_mismatch: bool) -> None:
         self.totals: dict[str, torch.Tensor] = {}
         self.rollout_mismatch = rollout_mismatch
-        self.mismatch = torch.zeros(2, dtype=torch.float64)  # [sum |d| over free tokens, max ratio over them]
-        self.mismatch_counts = torch.zeros(3, dtype=torch.float64)  # [free tokens, sum |d| constrained, constrained]
+        # free_token_sums' layout: [sum |d| free, free tokens, sum |d| constrained, constrained tokens, max ratio free]
+        self.mismatch = torch.zeros(5, dtype=torch.float64)
         # the log-ratios of the valid tokens and their per-response means (rollout_correction.log_ratios), for the
         # mismatch diagnostics; a data-parallel trainer gathers them over its ranks
         self.log_ratios: list[torch.Tensor] = []
@@ -190,19 +186,10 @@ class StepSums:
         """A micro-batch's mismatch; `constrained` [B, t]: 1 on its tokens a grammar constrained (None: none)."""
         if not self.rollout_mismatch:
             return
-        valid = lb.mask != 0
-        diff = logp.detach().float() - lb.rollout_logp
-        if constrained is not None:
-            held = valid & (constrained != 0)
-            valid = valid & ~held
-            c = diff[held].double()
-            self.mismatch_counts[1] += c.abs().sum().cpu()
-            self.mismatch_counts[2] += c.numel()
-        d = diff[valid].double()
-        if d.numel():
-            self.mismatch[0] += d.abs().sum().cpu()
-            self.mismatch[1] = torch.maximum(self.mismatch[1], F.exp_log_ratio(d).max().cpu())
-            self.mismatch_counts[0] += d.numel()
+        sums = free_token_sums(logp, lb.rollout_logp, lb.mask, constrained)
+        self.mismatch[:4] += sums[:4]
+        self.mismatch[4] = torch.maximum(self.mismatch[4], sums[4])
+        if bool((lb.mask != 0).any()):  # every valid token, constrained or not
             tokens, rows = log_ratios(logp.float(), lb.rollout_logp, lb.mask)
             self.log_ratios.append(tokens)
             self.row_means.append(rows)
@@ -222,12 +209,9 @@ class StepSums:
         torch.distributed.all_reduce(vec, group=group)
         self.totals = dict(zip(names, vec.cpu(), strict=True))
         m = self.mismatch.to(device)
-        torch.distributed.all_reduce(m[:1], group=group)
-        torch.distributed.all_reduce(m[1:], op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(m[:4], group=group)  # the sums and counts
+        torch.distributed.all_reduce(m[4:], op=torch.distributed.ReduceOp.MAX, group=group)  # the max ratio
         self.mismatch = m.cpu()
-        counts = self.mismatch_counts.to(device)
-        torch.distributed.all_reduce(counts, group=group)
-        self.mismatch_counts = counts.cpu()
         if self.rollout_mismatch:  # every rank's log-ratios, for the quantiles of the whole batch
             gathered: list = [None] * size
             torch.distributed.all_gather_object(gathered, (self.log_ratios, self.row_means), group=group)
@@ -237,12 +221,7 @@ class StepSums:
     def metrics(self, entropy: str) -> dict[str, float]:
         out = {name: float(value) for name, value in self.totals.items()}
         if self.rollout_mismatch:
-            free, held_sum, held = (float(x) for x in self.mismatch_counts)
-            out[TRAIN_ROLLOUT_LOGP_ABS_DIFF] = float(self.mismatch[0]) / max(free, 1.0)
-            out[TRAIN_ROLLOUT_RATIO_MAX] = float(self.mismatch[1])
-            if held:  # a step with constrained tokens (the OpenAI gateway's calls under a grammar)
-                out[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] = held_sum / held
-                out[CONSTRAINED_TOKEN_FRAC] = held / (free + held)
+            out.update(free_token_metrics(self.mismatch))
             if self.log_ratios:
                 out.update(mismatch_summary(torch.cat(self.log_ratios), torch.cat(self.row_means)))
         if entropy == "none":

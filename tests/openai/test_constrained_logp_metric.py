@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from relax.algorithms.base import AlgorithmConfig
+from relax.algorithms.rollout_correction import constrained_split
 from relax.metrics import (
     CONSTRAINED_TOKEN_FRAC,
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
@@ -139,6 +140,6 @@ def test_a_run_whose_agent_makes_forced_calls_shows_no_drift_on_its_free_tokens(
     assert m[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED] > 1e-2, m[TRAIN_ROLLOUT_LOGP_ABS_DIFF_CONSTRAINED]
     samples = trained_batches[step]
     assert all(e["error"] is None and e["turns"] == 2 for e in samples.episodes), samples.episodes
-    held, free = samples.constrained.bool(), samples.free_mask().bool()
+    free, held = constrained_split(samples.response_mask, samples.constrained)
     assert held.any() and free.any() and not (held & ~samples.response_mask.bool()).any()
     assert m[CONSTRAINED_TOKEN_FRAC] == pytest.approx(float(held.sum()) / float(samples.response_mask.sum()))
