@@ -50,10 +50,17 @@ class Range:
     also: tuple[float, ...] = ()  # values accepted besides the interval (a sentinel such as top_k=-1)
     finite: bool = False  # nan and +-inf are outside the range even without bounds
     optional: bool = False  # None passes (it means "derived" or "off", or another rule judges it)
-    # (field, value): checked only while another field of the same section holds that value (the architecture
-    # fields act only for model.source=config)
+    # (field, value): checked only while another field of the same section holds that value, or one of them when
+    # value is a tuple (the architecture fields act only for model.source=config)
     when: Optional[tuple[str, Any]] = None
     says: str = ""  # the message's predicate; "" states the bounds ("must be > 0", "must be in [0, 1)")
+
+    def applies(self, section: object) -> bool:
+        """Whether the rule holds for `section` (the config dataclass that has the field): `when` (see above)."""
+        if self.when is None:
+            return True
+        key, wanted = self.when
+        return getattr(section, key) in (wanted if isinstance(wanted, tuple) else (wanted,))
 
     def admits(self, value: Any) -> bool:
         if value is None:

@@ -30,11 +30,8 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
             require(getattr(m, key) == getattr(defaults, key), f"model.{key}",
                     f"model.{key}={getattr(m, key)} has no effect: it sizes a mixture-of-experts model built from "
                     f"config (model.source=config, model.arch={'|'.join(MOE_ARCHS)})")
-    elif m.arch != "qwen3_moe" and min(getattr(m, key) for key in MOE_FIELDS) <= 0:
-        # the schema checks these for arch=qwen3_moe (its `when`); the other MoE arch (qwen3_vl_moe) here
-        for key in MOE_FIELDS:
-            require(getattr(m, key) > 0, f"model.{key}", f"model.{key}={getattr(m, key)} must be > 0")
-    elif m.num_experts_per_tok > m.num_experts:
+    elif min(getattr(m, key) for key in MOE_FIELDS) > 0 and m.num_experts_per_tok > m.num_experts:
+        # (a size <= 0 is the schema's range rule's to name: `positive(..., when=("arch", MOE_ARCHS))`)
         require(False, ("model.num_experts_per_tok", "model.num_experts"),
                 f"model.num_experts_per_tok={m.num_experts_per_tok} must be <= model.num_experts={m.num_experts}")
     moe_option = [name for name, on in (("rollout.routing_replay", ro.routing_replay),

@@ -58,11 +58,11 @@ class ModelConfig:
     head_dim: int = positive(16, when=("source", "config"))
     intermediate_size: int = 128
     max_position_embeddings: int = 512
-    # arch=qwen3_moe (docs/training.md, "Mixture of experts"; arch=qwen3_vl_moe too, checked by
-    # relax.config.moe_rules): routed experts per layer, experts per token (top-k), each expert's hidden size
-    num_experts: int = positive(4, when=("arch", "qwen3_moe"))
-    num_experts_per_tok: int = positive(2, when=("arch", "qwen3_moe"))
-    moe_intermediate_size: int = positive(64, when=("arch", "qwen3_moe"))
+    # arch=qwen3_moe, qwen3_vl_moe (docs/training.md, "Mixture of experts"): routed experts per layer, experts per
+    # token (top-k), each expert's hidden size
+    num_experts: int = positive(4, when=("arch", MOE_ARCHS))
+    num_experts_per_tok: int = positive(2, when=("arch", MOE_ARCHS))
+    moe_intermediate_size: int = positive(64, when=("arch", MOE_ARCHS))
 
 
 @dataclass(frozen=True)

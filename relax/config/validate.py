@@ -105,7 +105,7 @@ def _declared_ranges(section: object, prefix: str, r: _Rules) -> None:
     """The range rule of each field of `section` (a config dataclass) that declares one, keys `<prefix><field>`."""
     for f in dataclasses.fields(section):
         allowed = range_of(type(section), f.name)
-        if allowed is None or (allowed.when is not None and getattr(section, allowed.when[0]) != allowed.when[1]):
+        if allowed is None or not allowed.applies(section):
             continue
         r.within(f"{prefix}{f.name}", getattr(section, f.name), allowed)
 
