@@ -50,6 +50,28 @@ def test_a_json_schema_the_vocabulary_cannot_write_is_a_400_naming_response_form
     assert json.loads(r.choices[0].message.content) == {}
 
 
+def test_a_stream_read_after_the_dead_end_still_sends_the_answer_first(engine, client, monkeypatch):
+    """The stream's reader may first look at the row after the scheduler ended it at its dead end (a loaded machine:
+    seen in CI): it still sends the answer's tokens (`{`), then the error, and never the token drawn at the dead
+    end. The reader is held here until the request is done, so it reads only then."""
+    from relax.serve.sglang.scheduler import Scheduler
+
+    progress = Scheduler.progress
+
+    def late(self, request):
+        assert request.done.wait(60), "the request did not end"
+        return progress(self, request)
+
+    monkeypatch.setattr(Scheduler, "progress", late)
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    seen = []
+    with pytest.raises(openai.APIError, match=DEAD):
+        for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                    response_format=fmt, max_tokens=20, seed=2, stream=True):
+            seen.append(chunk.choices[0].delta.content or "")
+    assert "".join(seen) == "{", seen
+
+
 def test_generate_answers_a_dead_end_grammar_with_a_400(engine):
     body = {"text": "hi", "sampling_params": {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 10}}
     request = urllib.request.Request(f"http://127.0.0.1:{engine.port}/generate", data=json.dumps(body).encode(),

@@ -366,8 +366,11 @@ class Scheduler:
                         row.logps.extend(out.rollout_logp[i, :n].tolist())
                         row.top.extend(row.live_top[:n])
                         row.live, row.live_logps, row.live_top, row.version = [], [], [], version
-                        if row.matcher is not None and row.matcher.dead:  # its last token is no answer's
-                            row.request.error = DEAD_END.format(n=len(row.tokens) - 1)
+                        if row.matcher is not None and row.matcher.dead:  # its last token is no answer's:
+                            # drawn where the grammar allowed none, it leaves the row (a stream never shows it)
+                            del row.tokens[-1:]
+                            del row.logps[len(row.tokens):], row.top[len(row.tokens):]
+                            row.request.error = DEAD_END.format(n=len(row.tokens))
                             row.request.error_status = 400  # the request's grammar, not the server, is at fault
                             self._finish(row, {"type": "abort", "message": row.request.error})
                             continue

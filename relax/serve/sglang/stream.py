@@ -70,12 +70,15 @@ def answer_events(request: Request, scheduler: Scheduler, final: Callable[[Row],
             if scheduler.stopping:
                 scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
             for i, (tokens, logps, top, finish) in enumerate(scheduler.progress(request)):
-                if request.error is not None:
-                    yield {"error": {"message": request.error}}
-                    return
-                event = seen.event(i, tokens, logps, top, finish)
+                failed = request.error is not None
+                # the tokens a row drew before an error are sent first, whenever the stream reads them (a grammar's
+                # dead end: the answer so far, then the error); the row's end is the error's
+                event = seen.event(i, tokens, logps, top, None if failed else finish)
                 if event is not None:
                     yield event
+                if failed:
+                    yield {"error": {"message": request.error}}
+                    return
             if all(seen.ended):
                 return
             request.progress.wait(1.0)
