@@ -13,7 +13,9 @@ The time limit: `requests`' `timeout=` bounds each socket read, not the request,
 (a byte now and then) would hold the run forever. Each try is watched instead (`_Deadline`): at `timeout_s` its timer
 shuts down the socket of the connection the try sends on (`_Watched` connections say which that is), which ends the
 blocked read in the thread that made it; the try fails as timed out and urllib3 discards the connection, so no thread
-or socket outlives it.
+or socket outlives it. A try is also timed out when its socket's own read timeout fires first (`is_timeout`, by the
+exception's type: requests raises its Timeout before the answer's headers, but a ConnectionError wrapping urllib3's
+ReadTimeoutError while the body streams).
 """
 
 from __future__ import annotations
@@ -26,11 +28,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import requests
+import urllib3.exceptions
 from requests.adapters import HTTPAdapter
 
 RETRIES = 2  # more tries of a failed request
 BACKOFF_S = 0.5  # the pause before the first retry; it doubles
 FINISH_LENGTH = "length"  # OpenAI's finish_reason of an answer stopped at max_tokens (SGLang's and vLLM's too)
+
+# what a try that ran out of time raises, or holds as its cause: requests' Timeout (a connect, or a read before the
+# headers), urllib3's TimeoutError (ReadTimeoutError, which requests wraps in a ConnectionError when the read timed out
+# while the body streamed), the socket's own (socket.timeout is TimeoutError). Not urllib3's NewConnectionError, a
+# ConnectTimeoutError by its class only: a refused or unresolvable address (requests leaves it out of its Timeout too)
+NOT_TIMEOUTS: tuple[type[BaseException], ...] = (urllib3.exceptions.NewConnectionError,)
+TIMEOUT_TYPES: tuple[type[BaseException], ...] = (requests.Timeout, urllib3.exceptions.TimeoutError, TimeoutError)
 
 _trying = threading.local()  # .deadline: the _Deadline of the try this thread is making (None: none)
 
@@ -84,6 +94,23 @@ def _shut(sock: Any) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except (OSError, TypeError, ValueError):
         pass
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a try, says that it ran out of time: it or what it wraps (its args, urllib3's
+    `reason`, its cause and context) is one of `TIMEOUT_TYPES` (less `NOT_TIMEOUTS`). By type, never by the
+    message's words."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, TIMEOUT_TYPES) and not isinstance(e, NOT_TIMEOUTS):
+            return True
+        todo += [a for a in (*getattr(e, "args", ()), getattr(e, "reason", None), e.__cause__, e.__context__)
+                 if isinstance(a, BaseException)]
+    return False
 
 
 class _Watched:
@@ -172,20 +199,21 @@ class OpenAIJudge:
         body = {"model": self.model, "messages": [{"role": "user", "content": question}],
                 "max_tokens": self.max_new_tokens, "temperature": self.temperature}
         late = f"{self.endpoint}: no answer within reward_model.timeout_s={self.timeout_s:g}"
-        error = None
+        error, timed_out = None, False  # the last try's failure, and whether it was a time-out
         for attempt in range(RETRIES + 1):
             if attempt:
                 time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            timed_out = False
             with _Deadline(self.timeout_s) as deadline:
                 try:
                     reply = self._session.post(self.endpoint, json=body, headers=self._headers,
                                                timeout=self.timeout_s)
-                except requests.Timeout:
-                    reply, error = None, late
                 except requests.RequestException as exc:
-                    reply, error = None, f"{self.endpoint}: {type(exc).__name__}: {self._masked(str(exc))}"
+                    reply, timed_out = None, is_timeout(exc)
+                    error = late if timed_out else \
+                        f"{self.endpoint}: {type(exc).__name__}: {self._masked(str(exc))}"
             if deadline.expired:  # (what came before the socket was shut, if anything, is no answer)
-                reply, error = None, late
+                reply, error, timed_out = None, late, True
             if reply is None:
                 continue
             if reply.status_code != 200:
@@ -202,4 +230,4 @@ class OpenAIJudge:
                 continue
             cut = isinstance(choice, dict) and choice.get("finish_reason") == FINISH_LENGTH
             return ("" if content is None else str(content)), None, cut, False
-        return None, error, False, error == late  # (the last try's failure is the call's)
+        return None, error, False, timed_out  # (the last try's failure is the call's)

@@ -34,8 +34,9 @@ KEY_ENV = "RELAX_TEST_OPENAI_JUDGE_KEY"
 
 class Judge:
     """A loopback chat-completions server; `behave(question)` is its answer: ("content", finish_reason), an int HTTP
-    status (the body echoes the request's Authorization header, as careless servers do), or "trickle" / "trickle
-    headers" (a byte every `gap_s` until the test ends)."""
+    status (the body echoes the request's Authorization header, as careless servers do), "trickle" / "trickle
+    headers" (a byte every `gap_s` until the test ends), or "cut" (one byte of the answer, then the connection
+    closed)."""
 
     def __init__(self, behave: Callable[[str], object], gap_s: float = 0.05):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -53,6 +54,14 @@ class Judge:
                 try:
                     if answer in ("trickle", "trickle headers"):
                         self._trickle(answer == "trickle headers")
+                        return
+                    if answer == "cut":  # the answer's first byte of 100, then the connection closed
+                        self.send_response(200)
+                        self.send_header("Content-Length", "100")
+                        self.end_headers()
+                        self.wfile.write(b"{")
+                        self.wfile.flush()
+                        self.close_connection = True
                         return
                     if isinstance(answer, int):
                         data, code = json.dumps({"error": f"bad key {self.headers.get('Authorization')}"}), answer
@@ -181,6 +190,47 @@ def test_control_a_slow_answer_within_the_limit_is_answered(serve, monkeypatch):
     finally:
         judge.close()
     assert result[0] == ["8"] * 4 and result[1] == [None] * 4
+
+
+class LateDeadline(openai_judge._Deadline):
+    """The try's wall-clock watch fires a minute late: the socket's own read timeout (timeout_s too) fires first, as
+    it does when the watch's timer thread is not scheduled in time."""
+
+    def __init__(self, seconds: float):
+        super().__init__(seconds + 60.0)
+
+
+def test_a_read_that_times_out_while_the_answer_streams_is_a_time_out(serve, monkeypatch):
+    """The headers arrive, then nothing (the server's next byte is a minute away): the socket's read timeout fires
+    in the body, where requests raises a ConnectionError wrapping urllib3's ReadTimeoutError, not its Timeout. It is
+    a time-out by type (`is_timeout`), counted late, with the time-out's message. Controls: an answer cut short by
+    the server closing (requests' ChunkedEncodingError), and a refused connection (a ConnectionError; urllib3's
+    NewConnectionError in it is a ConnectTimeoutError by class), are failures, not time-outs. Before: late was
+    False, the error 'ConnectionError: ... Read timed out.'."""
+    import socket
+
+    monkeypatch.setattr(openai_judge, "RETRIES", 0)
+    monkeypatch.setattr(openai_judge, "_Deadline", LateDeadline)
+    server = serve(lambda q: "trickle" if q == "slow" else ("7", "stop"), gap_s=60.0)
+    judge = client(server.url, timeout_s=0.5)
+    try:
+        (answers, errors, _, late), took = answered_within(judge, ["slow", "fast"], limit_s=20)
+    finally:
+        judge.close()
+    assert answers == [None, "7"] and late == [True, False], errors
+    assert "no answer within reward_model.timeout_s=0.5" in errors[0] and took < 10
+
+    cut = serve(lambda q: "cut")
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    for url, why in ((cut.url, "ChunkedEncodingError: "), (closed, "ConnectionError: ")):
+        judge = client(url, timeout_s=5.0)
+        try:
+            (answers, errors, _, late), _ = answered_within(judge, ["q"], limit_s=20)
+        finally:
+            judge.close()
+        assert answers == [None] and late == [False] and why in errors[0], errors
 
 
 # ------------------------------------------------------------------------------------------- cut answers
