@@ -34,6 +34,16 @@ class Endpoint:
     what: str  # what should listen there, for the message
     scheme: Optional[str] = None  # "http" / "https": an HTTP server, which must also answer a request; "grpc": a
     # gRPC server (a Ray head's GCS, a Ray Client server), which must begin an HTTP/2 exchange
+    tracking_store: bool = False  # the run's MLflow tracking store (tracking.uri): a sweep says it apart, once
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """One address that `unreachable_endpoints` found not to accept a connection: its `endpoint` (what it is, e.g.
+    `endpoint.tracking_store`) and the `message` naming it with its option."""
+
+    endpoint: Endpoint
+    message: str
 
 
 def _host_port(address: str, default_port: Optional[int] = None) -> Optional[tuple[str, int]]:
@@ -83,12 +93,13 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
     """Every address a start of `cfg` must reach that the user gave (the `endpoints` check)."""
     targets: list[Endpoint] = []
 
-    def url(option: str, value: str, what: str) -> None:
+    def url(option: str, value: str, what: str, tracking_store: bool = False) -> None:
         scheme = urlsplit(value).scheme.lower()
         target = _host_port(value, {"http": 80, "https": 443}.get(scheme))
         if target is not None:  # one the config rules let through unparsed: the start's own error names it
             targets.append(Endpoint(option, value, *target, what=what,
-                                    scheme=scheme if scheme in ("http", "https") else None))
+                                    scheme=scheme if scheme in ("http", "https") else None,
+                                    tracking_store=tracking_store))
 
     if (ray := _ray_endpoint(cfg)) is not None:
         targets.append(ray)
@@ -96,7 +107,7 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
         for i, u in enumerate(cfg.rollout.sglang.urls):
             url(f"rollout.sglang.urls[{i}]", u, "an SGLang server")
     if cfg.tracking.enabled and urlsplit(cfg.tracking.uri).scheme.lower() in ("http", "https"):
-        url("tracking.uri", cfg.tracking.uri, "an MLflow tracking server")
+        url("tracking.uri", cfg.tracking.uri, "an MLflow tracking server", tracking_store=True)
     if is_url(cfg.data.reward):
         url("data.reward", cfg.data.reward.strip(), "a reward service")
     elif not isinstance(cfg.data.reward, str):  # a list: each service of it (relax.rewards.combined)
@@ -194,7 +205,12 @@ def _not_grpc(sock: socket.socket, host: str, port: int, timeout_s: float, *, tl
 
 
 def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT_S) -> list[str]:
-    """A message for each of `targets` that does not accept a connection, probed at once (in threads: together
+    """The message of each of `targets` that does not accept a connection (`unreachable_endpoints`)."""
+    return [u.message for u in unreachable_endpoints(targets, timeout_s)]
+
+
+def unreachable_endpoints(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT_S) -> list[Unreachable]:
+    """Each of `targets` that does not accept a connection, with its message, probed at once (in threads: together
     they take at most about twice `timeout_s` (a connection, then an HTTP server's answer), a name that does not
     resolve at most the resolver's own time-out)."""
     found: dict[int, Optional[str]] = {}
@@ -215,6 +231,6 @@ def unreachable(targets: Sequence[Endpoint], timeout_s: float = ENDPOINT_TIMEOUT
         why = found.get(i, f"no answer from {t.host}:{t.port} within {wait_s:g} s")
         if why is not None:
             value = without_secrets(t.value) if t.scheme in ("http", "https") else t.value  # a query may hold a token
-            problems.append(f"{t.option}={value}: {why} (is {t.what} running there, and reachable from this "
-                            "machine?)")
+            problems.append(Unreachable(t, f"{t.option}={value}: {why} (is {t.what} running there, and reachable "
+                                           "from this machine?)"))
     return problems

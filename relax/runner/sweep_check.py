@@ -10,7 +10,7 @@ from typing import Any, Optional
 from relax.config import to_relax_config
 from relax.config.schema import TrackingConfig
 from relax.runner import checkpoint
-from relax.runner.endpoints import endpoint_targets, unreachable
+from relax.runner.endpoints import endpoint_targets, unreachable_endpoints
 from relax.runner.errors import RunError
 from relax.runner.preflight import INPUT_CHECKS, preflight
 
@@ -40,7 +40,7 @@ class SweepJobError(RunError):
 
 
 def unreachable_store(problem: str) -> str:
-    """The message of a tracking store that cannot be reached, from its `relax.runner.endpoints.unreachable` problem
+    """The message of a tracking store that cannot be reached, from its `relax.runner.endpoints.Unreachable` message
     (`tracking.uri=<uri>: <why>`, which names the URI without secrets already)."""
     return f"the MLflow tracking store is unreachable: {problem}"
 
@@ -55,10 +55,10 @@ def check_sweep_job(dc: Any) -> dict[str, str]:
     The input checks (tokenizer, data, ...) of jobs that differ only in their seed and tracking fields are run once
     per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job."""
     cfg = to_relax_config(dc)
-    problems = unreachable(endpoint_targets(cfg))
-    store = next((p for p in problems if p.startswith("tracking.uri=")), None)
-    if store is not None:
-        problems.remove(store)
+    found_unreachable = unreachable_endpoints(endpoint_targets(cfg))
+    # the tracking store as the endpoints check marks it (`Endpoint.tracking_store`), whatever its message says
+    store = next((u.message for u in found_unreachable if u.endpoint.tracking_store), None)
+    problems = [u.message for u in found_unreachable if not u.endpoint.tracking_store]
     sweep_id = cfg.tracking.sweep_id
     key = (str(sweep_id), repr(dataclasses.replace(cfg, seed=0, tracking=TrackingConfig())))
     inputs = [c for c in SWEEP_CHECKS if c in INPUT_CHECKS]

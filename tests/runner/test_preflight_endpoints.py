@@ -321,3 +321,32 @@ def test_a_token_in_a_url_query_is_not_echoed(answering):
     assert text.startswith(f"tracking.uri=http://127.0.0.1:{port}/mlflow?***: connection to 127.0.0.1:{port} "
                            "refused"), text
     assert "s3cr3t" not in pre.render()
+
+
+def test_a_sweep_job_keeps_its_tracking_store_apart_by_the_endpoints_mark_not_by_the_message(monkeypatch):
+    """`check_sweep_job` says an unreachable MLflow store apart (`SweepJobError.store`, said once by the launcher) by
+    what the endpoints check marks it (`Endpoint.tracking_store`), not by its message's `tracking.uri=` prefix: the
+    store named otherwise (here MLFLOW_TRACKING_URI, as Ray's head is named RAY_ADDRESS when cluster.address is
+    unset) is still the store. The control, an unreachable reward service, stays the job's problem. Before: the
+    store's message was one of the job's problems, and `store` None."""
+    import dataclasses
+
+    from relax.config import compose
+    from relax.runner import sweep_check
+
+    real = sweep_check.endpoint_targets
+
+    def renamed(cfg):
+        return [dataclasses.replace(t, option="MLFLOW_TRACKING_URI") if t.option == "tracking.uri" else t
+                for t in real(cfg)]
+
+    monkeypatch.setattr(sweep_check, "endpoint_targets", renamed)
+    store, service = closed_port(), closed_port()
+    with pytest.raises(sweep_check.SweepJobError) as exc:
+        sweep_check.check_sweep_job(compose([f"tracking.uri=http://127.0.0.1:{store}", "train.num_rollout=1",
+                                             f"data.reward=http://127.0.0.1:{service}/score"]))
+    assert exc.value.store is not None and exc.value.store.startswith(
+        f"the MLflow tracking store is unreachable: MLFLOW_TRACKING_URI=http://127.0.0.1:{store}: connection to "), \
+        (exc.value.store, exc.value.problems)
+    assert len(exc.value.problems) == 1 and exc.value.problems[0].startswith(
+        f"data.reward=http://127.0.0.1:{service}/score: connection to 127.0.0.1:{service} refused"), exc.value.problems
