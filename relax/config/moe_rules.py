@@ -1,9 +1,10 @@
 """Rules of mixture-of-experts models (model.arch=qwen3_moe, rollout.routing_replay, rollout.record_routes,
-train.moe_aux_loss_coef, train.moe_z_loss_coef) and of the parity gate (train.mismatch_gate); docs/training.md,
-"Mixture of experts" and "Parity gate" (MoE models on the Megatron backend, train.expert_parallel_size:
-`relax.config.megatron_rules`). Pure: reads the config only. A model read from files (`model.source=hf`) is checked
-again when the trainer starts, against the model it loaded (`relax.train.routing.TrainerRouting.for_model`: no MoE
-router, no replay and no MoE loss).
+train.moe_aux_loss_coef, train.moe_z_loss_coef, train.moe_expert_bias_update_rate) and of the parity gate
+(train.mismatch_gate); docs/training.md, "Mixture of experts" and "Parity gate" (MoE models on the Megatron backend,
+train.expert_parallel_size: `relax.config.megatron_rules`). Pure: reads the config only. A model read from files
+(`model.source=hf`) is checked before start by the pre-Ray checks (`relax.models.moe.check_moe_checkpoint`, which read
+its config.json) and again when the trainer starts, against the model it loaded
+(`relax.train.routing.TrainerRouting.for_model`: no MoE router, no replay and no MoE loss; no selection bias to update).
 """
 
 from __future__ import annotations
@@ -42,6 +43,23 @@ def moe_violations(cfg: RelaxConfig) -> list[Violation]:
         require(m.source != "config" or m.arch in MOE_ARCHS, (name, "model.arch"),
                 f"{name} acts on a mixture-of-experts model, but model.arch={m.arch} is dense (model=tiny_moe or "
                 "tiny_vl_moe, or a Qwen3-MoE checkpoint such as model=qwen3_30b_a3b)")
+    rate = t.moe_expert_bias_update_rate
+    if rate > 0:
+        name = f"train.moe_expert_bias_update_rate={rate}"
+        # Every router a model built from config has (Qwen3-MoE, Qwen3-VL-MoE; a dense model none) chooses by its
+        # scores alone: there is no selection bias to move. DeepSeek-V3 / GLM-4.5 are read from files, checked by
+        # the pre-Ray checks against their config.json.
+        require(m.source != "config", ("train.moe_expert_bias_update_rate", "model.arch"),
+                f"{name} updates the selection bias (e_score_correction_bias) of DeepSeek-V3 / GLM-4.5 routers "
+                f"(auxiliary-loss-free load balancing), but model.arch={m.arch} built from config has "
+                f"{'no such bias in its routers' if m.arch in MOE_ARCHS else 'no MoE router'} (a deepseek_v3 or "
+                "glm4_moe checkpoint: model.source=hf, model.path=...)")
+        require(t.backend == "torch", ("train.moe_expert_bias_update_rate", "train.backend"),
+                f"{name} with train.backend={t.backend} {NOT_BUILT}: the Megatron backend builds Qwen3-MoE routers "
+                "only, which have no selection bias (use train.backend=torch)")
+        require(m.lora_rank <= 0, ("train.moe_expert_bias_update_rate", "model.lora_rank"),
+                f"{name} with model.lora_rank={m.lora_rank} {NOT_BUILT}: the bias is a buffer of the frozen base "
+                "model, which a LoRA checkpoint (the adapters) and rollout.lora_sync=adapter do not carry")
     routes = ro.routing_replay or ro.record_routes
     require(not (ro.routing_replay and ro.record_routes), "rollout.record_routes",
             "rollout.record_routes=true has no effect with rollout.routing_replay=true (replay records the routes "

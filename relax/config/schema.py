@@ -332,6 +332,13 @@ class TrainConfig:
     # excluded), added to the loss; train/moe_z_loss reports it. megatron-core's moe_z_loss_coeff applies per layer
     # (a sum over layers): the same objective is this = it x the MoE layers. 0: off. Refused on a dense model.
     moe_z_loss_coef: float = non_negative(0.0)
+    # Auxiliary-loss-free load balancing (DeepSeek-V3, section 2.1.2; megatron-core's moe_router_bias_update_rate with
+    # moe_router_enable_expert_bias): after each applied optimizer step, every MoE layer's selection bias
+    # (e_score_correction_bias, fp32) moves by this rate x sign(mean load - load of expert e), the loads counted from
+    # the experts the step's training forwards used (the replayed ones under rollout.routing_replay) over the real
+    # tokens. 0: off (the bias stays as loaded). Torch backend, DeepSeek-V3 / GLM-4.5 checkpoints only: refused
+    # before start for routers without that bias, train.backend=megatron and LoRA (docs/training.md, "Expert bias").
+    moe_expert_bias_update_rate: float = non_negative(0.0)
     # The train/inference parity gate (docs/training.md, "Parity gate"): when mismatch_gate_metric (k3:
     # rollout/mismatch_k3, logp_abs_diff: rollout/train_rollout_logp_abs_diff, measured before the step's update)
     # exceeds mismatch_gate_bound for mismatch_gate_steps rollouts in a row: stop (the run ends, exit 2, naming the

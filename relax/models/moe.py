@@ -34,6 +34,7 @@ from relax.metrics import MOE_LOAD_CV, MOE_LOAD_MAX_OVER_MEAN, MOE_LOAD_MIN_OVER
 from relax.models.gguf_cache import gguf_config
 from relax.models.moe_families import (
     ROUTED_MODEL_TYPES,
+    SELECTION_BIAS_MODEL_TYPES,
     RouterFamily,
     dense_among_sparse,
     dense_among_sparse_message,
@@ -235,15 +236,18 @@ def stack_recorded(control: RouterControl, batch: int, width: int) -> torch.Tens
 
 
 def check_moe_checkpoint(cfg: Any, path: Any) -> None:
-    """MoE options (rollout.routing_replay, rollout.record_routes, train.moe_aux_loss_coef, train.moe_z_loss_coef)
-    against a model read from files, before anything starts: ValueError naming them and the model's type when its
-    config is not of a registered router family (`relax.models.moe_families`). `cfg`: the RelaxConfig; `path`: the
-    model's directory (or .gguf file)."""
+    """MoE options (rollout.routing_replay, rollout.record_routes, train.moe_aux_loss_coef, train.moe_z_loss_coef,
+    train.moe_expert_bias_update_rate) against a model read from files, before anything starts: ValueError naming
+    them and the model's type when its config is not of a registered router family (`relax.models.moe_families`), or
+    the bias update's when its routers have no selection bias. `cfg`: the RelaxConfig; `path`: the model's directory
+    (or .gguf file)."""
     ro, t = cfg.rollout, cfg.train
+    rate = t.moe_expert_bias_update_rate
     options = [name for name, on in (("rollout.routing_replay=true", ro.routing_replay),
                                      ("rollout.record_routes=true", ro.record_routes),
                                      (f"train.moe_aux_loss_coef={t.moe_aux_loss_coef}", t.moe_aux_loss_coef > 0),
-                                     (f"train.moe_z_loss_coef={t.moe_z_loss_coef}", t.moe_z_loss_coef > 0))
+                                     (f"train.moe_z_loss_coef={t.moe_z_loss_coef}", t.moe_z_loss_coef > 0),
+                                     (f"train.moe_expert_bias_update_rate={rate}", rate > 0))
                if on]
     if not options:
         return
@@ -253,9 +257,14 @@ def check_moe_checkpoint(cfg: Any, path: Any) -> None:
         config = gguf_config(path)
     else:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if family_of_model_type(config.model_type) is None:
+    family = family_of_model_type(config.model_type)
+    if family is None:
         raise ValueError(f"{', '.join(options)}: the model at {str(path)!r} is {config.model_type!r}, not a "
                          f"mixture-of-experts model of a supported router family ({', '.join(ROUTED_MODEL_TYPES)})")
+    if rate > 0 and family.selection_bias is None:
+        raise ValueError(f"train.moe_expert_bias_update_rate={rate}: the model at {str(path)!r} is "
+                         f"{config.model_type!r}, whose routers choose by their scores alone (no selection bias to "
+                         f"update; auxiliary-loss-free load balancing: {', '.join(SELECTION_BIAS_MODEL_TYPES)})")
     routes = ro.routing_replay or ro.record_routes
     if routes and ro.backend == "sglang" and dense_among_sparse(config):  # the engines' start would refuse it
         why = dense_among_sparse_message(config.model_type, str(path))

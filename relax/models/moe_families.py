@@ -21,6 +21,10 @@ A forced expert's weight is that formula at the forced expert, whatever the rout
 sigmoid family the group limit and the bias only decide the choice, so a forced expert outside the router's groups
 still gets s[e]. The load-balancing loss averages softmax(z) for the first two families and, as megatron-core does for
 sigmoid routers (`compute_routing_scores_for_aux_loss`), s / sum(s) for the third; the z-loss reads z for all.
+
+`RouterFamily.selection_bias` names the router's buffer that enters the choice only (DeepSeek-V3's and GLM-4.5's
+`e_score_correction_bias`): the one auxiliary-loss-free load balancing moves (`train.moe_expert_bias_update_rate`,
+`relax.train.routing.TrainerRouting.update_selection_bias`); None for a family whose routers have none.
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class RouterFamily:
     the router classes ("module:Class", imported when first needed), the forced-expert weights
     `weights(router, logits [M, E], experts [M, k] long) -> [M, k]` (as the router itself would return them for
     those experts), the load-balancing scores `aux_scores(logits) -> [M, E]`, and how to read / rewrite the router's
-    forward output."""
+    forward output; `selection_bias`: the name of the router's fp32 [E] buffer added to the scores for the choice
+    only (auxiliary-loss-free load balancing updates it), None when its routers have none."""
 
     name: str
     model_types: tuple[str, ...]
@@ -107,6 +112,7 @@ class RouterFamily:
     aux_scores: Callable[[torch.Tensor], torch.Tensor] = softmax_scores
     read: Callable[[tuple], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = read_triple
     write: Callable[[tuple, torch.Tensor, torch.Tensor], tuple] = write_triple
+    selection_bias: str | None = None
 
     def router_classes(self) -> tuple[type, ...]:
         out = []
@@ -132,10 +138,12 @@ FAMILIES: tuple[RouterFamily, ...] = (
     RouterFamily("DeepSeek-V3 / GLM-4.5 (sigmoid, group-limited top-k)", ("deepseek_v3", "glm4_moe"),
                  (f"{_T}.deepseek_v3.modeling_deepseek_v3:DeepseekV3TopkRouter",
                   f"{_T}.glm4_moe.modeling_glm4_moe:Glm4MoeTopkRouter"),
-                 _sigmoid_weights, aux_scores=normalised_sigmoid_scores),
+                 _sigmoid_weights, aux_scores=normalised_sigmoid_scores, selection_bias="e_score_correction_bias"),
 )
 
 ROUTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
+# the model_types whose routers have a selection bias (auxiliary-loss-free load balancing can update it)
+SELECTION_BIAS_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES if f.selection_bias for t in f.model_types)
 
 
 def dense_among_sparse(config: object) -> bool:

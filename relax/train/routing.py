@@ -8,7 +8,9 @@ the routers see whatever the layout (`routes_in_layout`). `TrainerRouting.micro_
 (`relax.models.moe.RouterControl`) for one forward: compare with the engine's routes (`rollout/router_agreement`,
 `rollout/router_own_agreement`), force them (`replay`), keep the logits and experts used of a training forward for
 the load-balancing loss (`train.moe_aux_loss_coef`), the router z-loss (`train.moe_z_loss_coef`) and the expert-load
-metrics (`train/moe_expert_load_*`, `train/moe_z_loss`: measured whatever the coefficients).
+metrics (`train/moe_expert_load_*`, `train/moe_z_loss`: measured whatever the coefficients). After an applied
+optimizer step, `update_selection_bias` moves a DeepSeek-V3 / GLM-4.5 router's selection bias by the step's expert
+loads (auxiliary-loss-free load balancing, `train.moe_expert_bias_update_rate`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import torch
 
 from relax.batch import Samples
 from relax.config.schema import TrainConfig
-from relax.metrics import MOE_AUX_LOSS, MOE_Z_LOSS, ROUTER_AGREEMENT, ROUTER_OWN_AGREEMENT
+from relax.metrics import (
+    MOE_AUX_LOSS,
+    MOE_EXPERT_BIAS_MAX,
+    MOE_EXPERT_BIAS_MIN,
+    MOE_Z_LOSS,
+    ROUTER_AGREEMENT,
+    ROUTER_OWN_AGREEMENT,
+)
 from relax.models.moe import (
     expert_counts,
     expert_load_metrics,
@@ -31,7 +40,7 @@ from relax.models.moe import (
     router_control,
     z_loss_sum,
 )
-from relax.models.moe_families import ROUTED_MODEL_TYPES
+from relax.models.moe_families import ROUTED_MODEL_TYPES, SELECTION_BIAS_MODEL_TYPES
 from relax.train.packing import pack, trimmed_sequences
 
 
@@ -72,15 +81,25 @@ def routed_tokens(samples: Samples) -> int:
 class TrainerRouting:
     """What the trainer does with a mixture-of-experts policy's routers (None of it for a dense model: `for_model`).
     `replay`: force the engine's routes in every log-prob forward; `aux_coef`: the load-balancing loss's
-    coefficient (0: not computed); `z_coef`: the router z-loss's (0: measured, not trained on). Every training
-    forward (one with a gradient) counts the experts each real token used in each layer, for the expert-load
-    metrics."""
+    coefficient (0: not computed); `z_coef`: the router z-loss's (0: measured, not trained on); `bias_rate`: the
+    selection bias's update rate (0: the bias stays as loaded). Every training forward (one with a gradient) counts
+    the experts each real token used in each layer, for the expert-load metrics and the bias update."""
 
-    def __init__(self, model: torch.nn.Module, *, replay: bool, aux_coef: float, z_coef: float = 0.0) -> None:
+    def __init__(self, model: torch.nn.Module, *, replay: bool, aux_coef: float, z_coef: float = 0.0,
+                 bias_rate: float = 0.0) -> None:
         self.control = router_control(model)
         self.replay = replay
         self.aux_coef = float(aux_coef)
         self.z_coef = float(z_coef)
+        self.bias_rate = float(bias_rate)
+        if self.bias_rate < 0:
+            raise ValueError(f"train.moe_expert_bias_update_rate={bias_rate} must be >= 0")
+        if self.bias_rate > 0 and self.control.family.selection_bias is None:
+            raise ValueError(f"train.moe_expert_bias_update_rate={bias_rate}: {type(model).__name__}'s routers "
+                             f"({self.control.family.name}) choose by their scores alone, there is no selection bias "
+                             f"to update (auxiliary-loss-free load balancing: {', '.join(SELECTION_BIAS_MODEL_TYPES)})")
+        # the expert loads [MoE layers, E] of the last step's training forwards, kept by `metrics` for the update
+        self._step_counts: Optional[torch.Tensor] = None
         self._aux: list[tuple[float, float]] = []  # (aux loss, tokens) of each training micro-batch
         self._z = 0.0  # the step's z-loss so far: its micro-batches' sums over layers and tokens / (layers * tokens)
         self._counts = torch.zeros(self.control.num_layers, self.control.num_experts, dtype=torch.float64)
@@ -92,14 +111,16 @@ class TrainerRouting:
         if not is_moe(model):
             options = [name for name, on in (("rollout.routing_replay", replay),
                                              ("train.moe_aux_loss_coef", train_cfg.moe_aux_loss_coef > 0),
-                                             ("train.moe_z_loss_coef", train_cfg.moe_z_loss_coef > 0)) if on]
+                                             ("train.moe_z_loss_coef", train_cfg.moe_z_loss_coef > 0),
+                                             ("train.moe_expert_bias_update_rate",
+                                              train_cfg.moe_expert_bias_update_rate > 0)) if on]
             if options:
                 raise ValueError(f"{' and '.join(options)} need{'s' if len(options) == 1 else ''} a "
                                  f"mixture-of-experts model of a supported router family ({type(model).__name__} "
                                  f"has no MoE router of {', '.join(ROUTED_MODEL_TYPES)})")
             return None
         return TrainerRouting(model, replay=replay, aux_coef=train_cfg.moe_aux_loss_coef,
-                              z_coef=train_cfg.moe_z_loss_coef)
+                              z_coef=train_cfg.moe_z_loss_coef, bias_rate=train_cfg.moe_expert_bias_update_rate)
 
     @contextmanager
     def micro_batch(self, mb: Samples, packed: bool) -> Iterator[None]:
@@ -158,6 +179,7 @@ class TrainerRouting:
         if self._trained:
             out |= expert_load_metrics(self._counts)
             out[MOE_Z_LOSS] = self._z
+            self._step_counts = self._counts.clone()
         self._counts.zero_()
         self._z, self._trained = 0.0, False
         if self._aux:
@@ -165,3 +187,36 @@ class TrainerRouting:
             out[MOE_AUX_LOSS] = sum(v * w for v, w in self._aux) / total if total > 0 else 0.0
             self._aux = []
         return out
+
+    def selection_biases(self) -> list[torch.Tensor]:
+        """Each MoE layer's selection bias buffer (the live tensors; empty for a family without one)."""
+        name = self.control.family.selection_bias
+        return [] if name is None else [getattr(router, name) for router in self.control.routers]
+
+    def selection_bias_names(self, model: torch.nn.Module) -> list[str]:
+        """The `model.state_dict()` names of those buffers."""
+        name = self.control.family.selection_bias
+        if name is None:
+            return []
+        routers = {id(r) for r in self.control.routers}
+        return [f"{path}.{name}" for path, module in model.named_modules() if id(module) in routers]
+
+    @torch.no_grad()
+    def update_selection_bias(self, applied: bool) -> dict[str, float]:
+        """Auxiliary-loss-free load balancing after an optimizer step (DeepSeek-V3, section 2.1.2; megatron-core's
+        `get_updated_expert_bias`): each MoE layer l's selection bias b_l += rate * sign(mean_e c_{l,e} - c_{l,e}),
+        c the tokens each expert got in the step's training forwards (the experts used: the engine's under replay,
+        where the choice is forced and the bias decides nothing in the trainer; real tokens only, summed over the
+        micro-batches: `metrics` keeps them), in fp32. Not `applied` (a skipped, non-finite step): nothing changes,
+        as with the weights. Returns the bias's max and min over layers and experts after the update ({} when the
+        rate is 0 or no training forward counted a token)."""
+        counts, self._step_counts = self._step_counts, None
+        if self.bias_rate <= 0 or counts is None or not applied:
+            return {}
+        biases = self.selection_biases()
+        for layer, bias in enumerate(biases):
+            c = counts[layer]
+            step = torch.sign(c.mean() - c).to(device=bias.device, dtype=torch.float32)
+            bias.copy_(bias.float() + step * self.bias_rate)
+        flat = torch.cat([b.detach().float().reshape(-1).cpu() for b in biases])
+        return {MOE_EXPERT_BIAS_MAX: float(flat.max()), MOE_EXPERT_BIAS_MIN: float(flat.min())}

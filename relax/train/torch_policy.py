@@ -27,6 +27,7 @@ from relax.algorithms.base import AlgorithmConfig
 from relax.batch import Samples, TrainBatch
 from relax.config.derive import total_optimizer_steps
 from relax.config.schema import ModelConfig, TrainConfig
+from relax.metrics import SKIPPED_STEPS
 from relax.models import lora, vision
 from relax.models.checkpoint_files import (
     CheckpointFileError,
@@ -288,7 +289,23 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
         self.temperature = float(temperature)
         self.adapters_only_sync = self.peft is not None and lora_sync == "adapter"
+        if self.peft is not None and train_cfg.moe_expert_bias_update_rate > 0:  # refused before start too
+            raise ValueError("train.moe_expert_bias_update_rate > 0 with model.lora_rank > 0 is not available in this "
+                             "build: the selection bias is a buffer of the frozen base model")
         self.routing = TrainerRouting.for_model(model, train_cfg, replay=routing_replay)  # None: a dense model
+
+    def train_step(self, batch: TrainBatch, algo_cfg: AlgorithmConfig, *, per_token: bool, micro_batch_size: int,
+                   max_tokens: Optional[int] = None, report_entropy: bool = True,
+                   rollout_mismatch: bool = False) -> dict[str, float]:
+        """`PolicyTrainer.train_step`, then (train.moe_expert_bias_update_rate > 0) the routers' selection bias
+        updated from the step's expert loads, unless the step was skipped (`TrainerRouting.update_selection_bias`).
+        This trainer is one process: the step's loads are all its own, nothing to sum over ranks."""
+        out = super().train_step(batch, algo_cfg, per_token=per_token, micro_batch_size=micro_batch_size,
+                                 max_tokens=max_tokens, report_entropy=report_entropy,
+                                 rollout_mismatch=rollout_mismatch)
+        if self.routing is not None and self.routing.bias_rate > 0:
+            out |= self.routing.update_selection_bias(applied=not out.get(SKIPPED_STEPS))
+        return out
 
     def _forward(self, mb: Samples, *, entropy: str) -> tuple[torch.Tensor, Optional[torch.Tensor], int]:
         """(logp [B, T'], entropy [B, T'] or None, T') of a micro-batch; entropy: "grad" | "metric" | "none"."""
@@ -410,7 +427,13 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         """
         if self.peft is not None:
             return lora.rollout_state(self.peft, merged=not self.adapters_only_sync, dtype=dtype)
-        return cpu_state(self.model.state_dict().items(), dtype)
+        state = cpu_state(self.model.state_dict().items(), dtype)
+        if self.routing is not None:
+            # the routers' selection bias stays fp32, as the engine holds it (transformers keeps it fp32 in a bf16
+            # model) and as it is updated: bf16 rounding would move the engine's choice away from the trainer's
+            for name in self.routing.selection_bias_names(self.model):
+                state[name] = self.model.get_buffer(name).detach().float().cpu()
+        return state
 
     def load_weights(self, state_dict: dict[str, Any]) -> None:
         """Load weights (e.g. from `state_dict_for_rollout` or a reference checkpoint); tied keys optional."""
