@@ -235,24 +235,21 @@ def _teacher(pre: Preflight) -> bool:
     teacher = teacher_model(pre.cfg)
     if teacher is None:
         return False
-    note = check_teacher(teacher, pre.cfg.model, pre.tokenizer, pre)
+    note = check_teacher(pre, teacher)
     if note is not None:
         pre.notes["teacher"] = note
     return True
 
 
-def check_teacher(teacher: ModelConfig, model: ModelConfig, tokenizer: Any,
-                  pre: Optional[Preflight] = None) -> Optional[str]:
-    """The teacher's files, and its tokenizer: the policy's, token for token (distillation compares the two models'
-    log-probs of the same token ids); a PEFT adapter directory merged first (`adapter_merge`, with `pre`'s dry run
-    or start; without `pre`: merged). Raises ValueError naming both models. Returns the dry run's line on a merge."""
+def check_teacher(pre: Preflight, teacher: ModelConfig) -> Optional[str]:
+    """The teacher's files, and its tokenizer: the policy's (`pre.tokenizer`, of `pre.cfg.model`), token for token
+    (distillation compares the two models' log-probs of the same token ids); a PEFT adapter directory merged first,
+    or its merge checked, as `pre` does (`adapter_merge`: a start merges, a dry run writes nothing). Raises ValueError
+    naming both models. Returns the dry run's line on a merge."""
+    model, tokenizer = pre.cfg.model, pre.tokenizer
     where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
-    note = None
     try:
-        if pre is not None:
-            note = adapter_merge(pre, teacher, "teacher")
-        else:
-            ensure_merged(teacher, option="teacher")
+        note = adapter_merge(pre, teacher, "teacher")
         resolve_model_path(teacher)
         check_model_files(teacher)
         theirs = load_tokenizer(teacher)

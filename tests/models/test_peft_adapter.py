@@ -463,6 +463,27 @@ def test_a_teacher_adapter_directory_is_merged_with_teacher_base_path(dirs, tmp_
            "adapter directory" in problem
 
 
+def test_a_dry_run_checks_a_teacher_adapter_directory_and_writes_no_merge(dirs, tmp_path):
+    """The teacher check does what the preflight it runs in does (`check_teacher(pre, teacher)`; its form without a
+    preflight, which merged whatever the caller, had no caller and is gone): a dry run (merge=False) checks the
+    teacher's merge, reads its stand-in's tokenizer (the policy's) and writes nothing, its line saying where a start
+    merges it; a start (the control) writes the merge."""
+    from relax.data.tokenizer import merged_adapter_dir
+
+    cfg = load_config(["algorithm=opd", f"teacher.path={dirs['adapter']}", "teacher.dtype=float32",
+                       "tracking.enabled=false"])
+    checks = ("model", "tokenizer", "teacher")
+    dry = preflight(cfg, only=checks, merge=False)
+    out = merged_adapter_dir(dirs["adapter"])
+    assert dry.problems == {} and dry.status["teacher"] == "ok"
+    assert dry.notes["teacher"] == (f"teacher.path is a PEFT adapter directory: a start merges it into its base "
+                                    f"{dirs['base'].resolve()}, once, into {out} (checked readable; the dry run "
+                                    "wrote nothing)")
+    assert files_under(tmp_path / "cache") == []
+    assert preflight(cfg, only=checks, merge=True).problems == {}
+    assert (out / MERGE_RECORD).is_file()
+
+
 def classifier_adapters(base: Path, out: Path, *, head: bool = True) -> None:
     """LoRA adapters of a reward model trained from the causal LM `base`, as TRL's RewardTrainer makes them: the base
     loaded as a sequence-classification model of one label (a new head), PEFT task_type SEQ_CLS (the head saved with
