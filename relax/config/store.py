@@ -7,10 +7,12 @@ turned into `RelaxConfig` instances (`relax.config.compose.to_relax_config`).
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -46,6 +48,27 @@ def writable_node(cls: type) -> DictConfig:
 def schema_name(group: str, option: str | None = None) -> str:
     return f"{option or group}_schema"
 
+
+def _copy_store(self: ConfigStore, memo: dict[int, Any]) -> ConfigStore:
+    """A copy of the ConfigStore that shares its stored nodes: the group dicts and the ConfigNode records are new
+    (a later `store()` on either does not show in the other, as with a deep copy), the DictConfig nodes are the same
+    objects. Hydra deep-copies its config repository on every compose (`CachingConfigRepository`), the store with
+    it: every schema node, Relax's and Hydra's own, which was the largest single part of composing a config. A
+    stored node is never written in place (`store()` replaces it, `ConfigStore.load` hands out a deep copy of it),
+    so sharing it is safe, and `Singleton.get_state()` still gets a store of its own."""
+    new = object.__new__(type(self))
+    memo[id(self)] = new
+
+    def tree(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: tree(v) if isinstance(v, dict) else copy.copy(v) for k, v in d.items()}
+
+    for name, value in vars(self).items():
+        setattr(new, name, tree(value) if name == "repo" else copy.deepcopy(value, memo))
+    return new
+
+
+if "__deepcopy__" not in vars(ConfigStore):  # Hydra's own, should a later version define one, is kept
+    ConfigStore.__deepcopy__ = _copy_store  # type: ignore[attr-defined]
 
 _stored: tuple = ()  # the algorithm config classes the store holds nodes for (empty: nothing stored yet)
 
