@@ -76,10 +76,12 @@ def _plain(overrides: Sequence[str]) -> list[str]:
 
 
 def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True,
-                environment: bool = True) -> Optional[str]:
+                environment: bool = True, start_checks: bool = False) -> Optional[str]:
     """The message of what is wrong with the config of `relax-train <overrides>` (one job), None when it is valid.
     `rules=False`: only whether it composes (every key known, every value of its type). `environment=False`: the
-    job runs elsewhere, so the rules that read this process's environment (`ENVIRONMENT_FIELDS`) are not checked."""
+    job runs elsewhere, so the rules that read this process's environment (`ENVIRONMENT_FIELDS`) are not checked.
+    `start_checks`: a valid config also passes the checks a start runs before Ray that read the config alone
+    (`relax.runner.preflight.CONFIG_CHECKS`), as relax-submit checks a job before it submits it."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -87,9 +89,10 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
     from relax.config.compose import compose_checked
     from relax.config.validate import ENVIRONMENT_FIELDS
 
+    cfg = None
     try:
         if rules:
-            load_config(_plain(overrides), conf)
+            cfg = load_config(_plain(overrides), conf)
         else:
             _, unknown = compose_checked(_plain(overrides), conf)
             if unknown:
@@ -104,6 +107,11 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
         return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}"
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         return hydra_error_message(exc)
+    if start_checks and cfg is not None:
+        from relax.runner.preflight import config_check_problem
+
+        if (problem := config_check_problem(cfg)) is not None:
+            return f"a start would stop before Ray: {problem}"
     return None
 
 
@@ -117,10 +125,11 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
-def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True) -> Optional[str]:
+def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True,
+             start_checks: bool = False) -> Optional[str]:
     """What is wrong with `relax-train <args>` (its command line, Hydra's flags included), None when nothing is
     (or when a Hydra flag other than -m and --cfg makes it something this does not check: --info, --config-name,
-    ...). A sweep: every invalid job, numbered as the sweep numbers them."""
+    ...). A sweep: every invalid job, numbered as the sweep numbers them. `start_checks`: as `job_problem`'s."""
     from hydra.errors import HydraException
 
     args = list(args)
@@ -135,14 +144,14 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     if any(a.startswith("-") for a in overrides):
         return None  # another Hydra flag: Hydra answers it
     if not multirun:
-        return job_problem(overrides, conf, rules=rules, environment=environment)
+        return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks)
     try:
         jobs = sweep_jobs(_plain(overrides))
     except HydraException as exc:
         return hydra_error_message(exc)
     found = []
     for index, job in enumerate(jobs):
-        problem = job_problem(job, conf, rules=rules, environment=environment)
+        problem = job_problem(job, conf, rules=rules, environment=environment, start_checks=start_checks)
         if problem is not None:
             if problem.startswith("invalid config ("):  # the violations alone, as the sweep launcher lists them
                 problem = problem.split("\n", 1)[1]

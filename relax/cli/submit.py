@@ -27,8 +27,11 @@ Without it, every place the run writes to must be absolute (or an MLflow server 
 anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
 Before that, the config is composed and validated here exactly as relax-train does (`relax.cli.config_check`; every
 job of a sweep; the modules of `plugins=[...]` imported first, from the working directory as the job imports them or
-from this environment): a config the job would refuse is refused with relax-train's message (exit 2), nothing
-submitted.
+from this environment), and put through the checks relax-train runs before Ray that read the config alone
+(`relax.runner.preflight.CONFIG_CHECKS`: a `data.tool_parser` that nothing of the run reads): a config the job would
+refuse is refused with relax-train's message (exit 2), nothing submitted. Its other checks before Ray read what only
+the cluster has (the model and data files under its MODEL_DIR and DATA_DIR, the reward and agent modules with its
+packages, the addresses as it reaches them, its GPUs, the checkpoint directory) and run in the job.
 
 Stopping: `ray job stop` sends SIGTERM and SIGKILLs the job RAY_JOB_STOP_WAIT_TIME_S later (Ray's default: 3 s); the
 job gets the longest relax-train takes to stop with a checkpoint (`stop_grace_s`), or `--stop-grace-s`.
@@ -351,7 +354,8 @@ def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
 
 def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]) -> None:
     """Compose and validate `relax-train <overrides>` here, as relax-train would on the cluster (each job of a
-    sweep; the job's environment variables set while the rules read them; no Ray, nothing contacted): a config
+    sweep; the job's environment variables set while the rules read them; no Ray, nothing contacted), with the
+    checks relax-train runs before Ray that read the config alone (`relax.runner.preflight.CONFIG_CHECKS`): a config
     that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
     a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not."""
     from relax.cli.config_check import problems
@@ -359,7 +363,7 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        message = problems(overrides, _hydra_conf(working_dir), environment=False)
+        message = problems(overrides, _hydra_conf(working_dir), environment=False, start_checks=True)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -42,6 +42,10 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   dry run's line says which checkpoint the run continues, or that there is none and it starts at step 0
   (`checkpoint.resume_note`, which the start prints too).
 
+`tool_parser` reads the config alone (`Check.config_only`, `CONFIG_CHECKS`): relax-submit runs it before it submits
+(`config_check_problem`), so that a job it would stop is refused on the submitting machine. The others read what only
+the job's machine has (its MODEL_DIR and DATA_DIR, its packages, its addresses, GPUs and directories), and run there.
+
 A dry run changes nothing: the checkpoint directory is probed, not locked, cleaned or created. A real start enters
 the `Checkpoints` context (lock, clean-up, resume point) into the caller's exit stack instead, which runs the same
 checks for real. Every problem is reported at once, each as the message the check raised.
@@ -168,6 +172,9 @@ class Check:
     what: str  # what it checks, in a few words (the dry run's table)
     run: Callable[[Preflight], Optional[bool]]
     needs: tuple[str, ...] = ()
+    # reads the config alone (no file, address, GPU or module of the run's machine): true wherever the config is
+    # composed, so relax-submit runs it on the submitting machine too (`CONFIG_CHECKS`)
+    config_only: bool = False
 
 
 def _model(pre: Preflight) -> bool:
@@ -470,7 +477,8 @@ CHECKS: tuple[Check, ...] = (
     Check("data", "training prompts and eval sets", _data, ("tokenizer",)),
     Check("reward", "data.reward imports and takes (response, label)", _reward),
     Check("reward_model", "reward_model's files (a classifier's head, a judge's model) and parser", _reward_model),
-    Check("tool_parser", "a data.tool_parser set is read (data.tools, data.openai_agent)", _tool_parser),
+    Check("tool_parser", "a data.tool_parser set is read (data.tools, data.openai_agent)", _tool_parser,
+          config_only=True),
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
@@ -482,6 +490,12 @@ CHECKS: tuple[Check, ...] = (
 
 
 INPUT_CHECKS = ("model", "tokenizer", "teacher", "data", "reward", "reward_model", "agent", "openai_agent", "lora")
+# the checks that read the config alone (`Check.config_only`), which relax-submit runs before it submits
+# (`config_check_problem`); every other reads what only the job's machine holds: the model, data and eval files and
+# the tokenizer (paths under the cluster's MODEL_DIR and DATA_DIR), the reward, agent and tool modules (imported with
+# the cluster's packages), the tracking store's directory, the addresses (reached from the cluster), the GPUs and the
+# checkpoint directory
+CONFIG_CHECKS = tuple(c.name for c in CHECKS if c.config_only)
 
 
 def preflight(cfg: RelaxConfig, plan: Optional[Plan] = None, *, stack: Optional[contextlib.ExitStack] = None,
@@ -512,6 +526,15 @@ def _run_checks(pre: Preflight, only: Sequence[str]) -> None:
             pre.status[check.name], pre.problems[check.name] = "failed", str(exc)
             continue
         pre.status[check.name] = "n/a" if applies is False else "ok"
+
+
+def config_check_problem(cfg: RelaxConfig) -> Optional[str]:
+    """What a start of `cfg` would refuse before Ray that the config alone says (`CONFIG_CHECKS`), as the start says
+    it (`Preflight.error`); None when nothing. Reads no file: relax-submit runs it on the submitting machine."""
+    if not CONFIG_CHECKS:
+        return None
+    pre = preflight(cfg, only=CONFIG_CHECKS, merge=False)
+    return None if pre.ok else str(pre.error())
 
 
 def prepare(cfg: RelaxConfig) -> Inputs:

@@ -197,6 +197,36 @@ def test_submit_validates_the_config_before_submitting(monkeypatch, capsys):
     assert "python -m relax.cli.train train.lr=1e-3" in capsys.readouterr().out
 
 
+def test_submit_runs_relax_trains_config_only_start_checks_before_submitting(monkeypatch, capsys, tmp_path):
+    """A data.tool_parser that nothing of the run reads passes the config rules, and relax-train refuses it before
+    Ray (preflight's tool_parser check): on the cluster, once the job started. relax-submit refuses it before it
+    submits, with the start's message (exit 2, nothing submitted), in every job of a sweep; the checks it runs are
+    preflight's own list of those that read the config alone (CONFIG_CHECKS). Control: the same parser with
+    data.tools, which reads it, is submitted. Before: the first two were submitted."""
+    from relax.cli.submit import main
+    from relax.config import load_config
+    from relax.runner.preflight import CONFIG_CHECKS, preflight
+
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)  # (the start's checks probe the default checkpoint directory, writing nothing)
+    assert CONFIG_CHECKS == ("tool_parser",)
+    bad = ["data.tool_parser=hermes"]
+    start = str(preflight(load_config(bad)).error())  # what the job's start says (the whole preflight, as it runs)
+    assert start.startswith("data.tool_parser=hermes has no effect: single-turn data"), start
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--", *bad])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    assert captured.err == f"relax-submit: error: a start would stop before Ray: {start}\nNothing was submitted.\n"
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--", "-m", "seed=1,2", *bad])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "invalid config in 2 of 2 sweep jobs" in err and err.count(start) == 2, err
+    read = [*bad, "data.tools=[python]", "rollout.max_turns=4"]
+    main(["--dry-run", "--exp-dir", "/shared/exp", "--", *read])
+    assert "data.tool_parser=hermes" in capsys.readouterr().out
+
+
 def test_submit_leaves_a_keys_variable_to_the_cluster(monkeypatch, capsys):
     """Whether a key's environment variable is set is true of the job's machine: relax-submit does not refuse a
     job whose variable only the cluster sets, which relax-train here (the control) refuses."""
