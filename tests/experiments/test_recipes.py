@@ -88,3 +88,37 @@ def test_recipe_script_maps_env_to_overrides(tmp_path):
     assert "algorithm  grpo" in proc.stdout  # the config the overrides made, printed by the dry run
     # without $MODEL_DIR (no Qwen3-0.6B here) the dry run stops where the start would, before Ray
     assert proc.returncode == 2 and "$MODEL_DIR is not set" in proc.stderr, proc.stderr
+
+
+SWEEP_SCRIPTS = ("rloo_vs_grpo_cpu", "m2po_staleness_cpu", "rloo_smollm2_gsm8k_cpu")
+
+
+@pytest.mark.parametrize("script", SWEEP_SCRIPTS)
+@pytest.mark.parametrize("exp_dir", [True, False])
+def test_a_sweep_scripts_comparison_is_written_under_exp_dir(tmp_path, script, exp_dir):
+    """The sweep scripts with EXP_DIR: relax-compare runs in EXP_DIR (its compare/<sweep id or time>/ is relative to
+    where it runs, relax.tracking.compare) and reads EXP_DIR's store. relax-train and relax-compare are stand-ins on
+    PATH that record where they ran and their arguments. Control: without EXP_DIR, both run in the current directory
+    with its mlflow.db, as before. Before: relax-compare ran in the current directory whatever EXP_DIR said."""
+    bin_dir, work, exp = tmp_path / "bin", tmp_path / "work", tmp_path / "exp"
+    bin_dir.mkdir()
+    work.mkdir()
+    for tool in ("relax-train", "relax-compare"):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\necho "{tool} $(pwd) $*" >> "{tmp_path}/calls"\n')
+        stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    if exp_dir:
+        env["EXP_DIR"] = str(exp)
+    proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh")], env=env, cwd=work, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    compare = [c for c in calls if c.startswith("relax-compare ")]
+    trains = [c for c in calls if c.startswith("relax-train ")]
+    assert len(compare) == 1 and trains, calls
+    if exp_dir:
+        assert compare[0].startswith(f"relax-compare {exp} --uri sqlite:///{exp}/mlflow.db "), compare
+        assert all(f"tracking.uri=sqlite:///{exp}/mlflow.db" in t for t in trains), trains
+    else:
+        assert compare[0].startswith(f"relax-compare {work} --uri sqlite:///mlflow.db "), compare
