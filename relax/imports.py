@@ -52,3 +52,22 @@ def resolve_component(builtins: Mapping[str, Any], option: str, spec: str, *, er
         return import_attr(spec)
     except ImportPathError as exc:
         raise error(unloadable.format(**words, exc=exc)) from (exc.__cause__ if keep_cause else None)
+
+
+def call_mismatch(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, str] | None:
+    """Why `fn` cannot be called with `args` and `kwargs`, placeholders of what its caller passes: (its signature as
+    text, `inspect.Signature.bind`'s reason), or None when it can, or when Python cannot read its signature (a builtin
+    or an extension: its first call will tell). The pre-start checks of the options that name a function
+    (`data.tool_parser`, `data.openai_agent`) refuse with it, naming the option, the signature and the call, instead
+    of a TypeError at each call once the run started."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        return str(signature), str(exc)
+    return None

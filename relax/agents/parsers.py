@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from relax.imports import resolve_component
+from relax.imports import call_mismatch, resolve_component
 
 
 @dataclass(frozen=True)
@@ -909,18 +909,12 @@ def parser_for_template(template: Any) -> str:
 def _check_signature(spec: str, fn: Callable[..., Any]) -> None:
     """ToolParserSpecError where `fn` cannot be called as every reader of calls calls it, `fn(text)`: found here,
     before anything starts, rather than as a TypeError at the first model turn a rollout reads."""
-    import inspect
-
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # a builtin or extension without a signature: its first call will tell
-        return
-    try:
-        signature.bind("text")
-    except TypeError as exc:
+    mismatch = call_mismatch(fn, "text")
+    if mismatch is not None:
+        signature, why = mismatch
         raise ToolParserSpecError(f"data.tool_parser={spec!r}: {spec}{signature} cannot be called with the message's "
-                                  f"text alone ({exc}); a tool-call parser is a function text -> "
-                                  "relax.agents.parsers.ParsedMessage") from None
+                                  f"text alone ({why}); a tool-call parser is a function text -> "
+                                  "relax.agents.parsers.ParsedMessage")
 
 
 def get_parser(spec: str, tokenizer: Any = None) -> ToolParser:

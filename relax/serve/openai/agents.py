@@ -35,12 +35,35 @@ from relax.serve.openai.gateway import Gateway, WatchedSend
 from relax.serve.openai.service import OpenAIService
 from relax.serve.openai.sessions import FORMS, Limits, Segment, Session
 
+AGENT_CALL = "run(item, base_url, api_key)"
+
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The function `data.openai_agent` names ('package.module:function'); ValueError naming what is wrong."""
-    from relax.agents.loops import load_callable
+    """The function `data.openai_agent` names ('package.module:function'), checked against how each worker calls it
+    (`relax.serve.openai.agent_call.call_agent`: `fn(item, base_url, api_key)`, synchronously, a number or None back):
+    `AgentSpecError` (a ValueError) naming what is wrong, before anything starts, rather than a TypeError (or a
+    coroutine returned) on every episode of a run that then trains nothing."""
+    import inspect
 
-    return load_callable(spec, "data.openai_agent", {}, "a function run(item, base_url, api_key)")
+    from relax.agents.loops import AgentSpecError, load_callable
+    from relax.imports import call_mismatch
+
+    fn = load_callable(spec, "data.openai_agent", {}, f"a function {AGENT_CALL}")
+    wanted = f"an agent is a function {AGENT_CALL} -> float | None (docs/agents.md)"
+    if inspect.isclass(fn):  # calling it makes an instance, never a reward (a pydantic model, an agent's class)
+        raise AgentSpecError(f"data.openai_agent={spec!r}: {spec} is a class, and Relax calls the agent as "
+                             f"{AGENT_CALL} and takes what it returns as the reward; {wanted}")
+    call = getattr(fn, "__call__", None)  # noqa: B004 (a callable object's own method: async there too)
+    if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)):
+        raise AgentSpecError(f"data.openai_agent={spec!r}: {spec} is async, and Relax calls the agent as "
+                             f"{AGENT_CALL} in a worker process without awaiting it; {wanted}; run an async one "
+                             f"inside it: return asyncio.run(...)")
+    mismatch = call_mismatch(fn, {}, "http://127.0.0.1:1/v1", "key")
+    if mismatch is not None:
+        signature, why = mismatch
+        raise AgentSpecError(f"data.openai_agent={spec!r}: {spec}{signature} cannot be called as {AGENT_CALL} "
+                             f"({why}); {wanted}")
+    return fn
 
 
 class AgentRollout:
