@@ -325,6 +325,26 @@ def _merged_config(base: Path, task: str) -> Any:
     return config
 
 
+def _merged_class_name(config: Any, base: Path, task: str) -> Optional[str]:
+    """The class `merge_into` builds the merged model as, whose name its saved config.json gives as `architectures`
+    (transformers' save_pretrained writes the model's class there, whatever the base's config said; a .gguf base's
+    config says none): a classifier's sequence-classification class, a vision-language model's, else the causal LM
+    that AutoModelForCausalLM picks. None where transformers maps the model type to none (the merge refuses it)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    from relax.models.vision import VISION_MODEL_TYPES, _model_class
+
+    model_type = getattr(config, "model_type", None)
+    if task == CLASSIFIER:
+        return MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type)
+    if not base.is_file() and model_type in VISION_MODEL_TYPES:
+        return _model_class(config).__name__
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
 @contextlib.contextmanager
 def merge_preview(plan: MergePlan) -> Iterator[Path]:
     """A dry run's stand-in for the merge of `plan`, in a temporary directory removed on exit: what the merged
@@ -338,6 +358,10 @@ def merge_preview(plan: MergePlan) -> Iterator[Path]:
     try:
         with quiet_transformers():
             config = _merged_config(plan.base, plan.task)
+            # the merged directory's architectures, as the merge saves them: what a resume compares the checkpoint's
+            # record with (`relax.runner.model_record`), and a dry run does here
+            if (name := _merged_class_name(config, plan.base, plan.task)) is not None:
+                config.architectures = [name]
             own_tokenizer = (plan.adapter_dir / "tokenizer_config.json").is_file()
             if own_tokenizer:
                 n_tokens = len(AutoTokenizer.from_pretrained(str(plan.adapter_dir), local_files_only=True))

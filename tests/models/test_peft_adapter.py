@@ -270,6 +270,16 @@ def test_adapters_on_a_gguf_file_merge_into_its_dequantized_weights(tmp_path, mo
     assert (ours - logits(load_gguf_model(gguf, local_files_only=True), ids)).abs().max() > 0.1
     assert AutoTokenizer.from_pretrained(str(merged)).get_vocab() == load_tokenizer(
         ModelConfig(source="gguf", path=str(gguf))).get_vocab()
+    # a dry run's stand-in of this merge (no merged copy up to date) has the merged model's record, which a resume
+    # compares with its checkpoint's: the .gguf file's config names no architectures, the merge saves its class
+    from relax.models.peft_merge import merge_preview, plan_merge
+    from relax.runner.model_record import differences, model_record
+
+    record = model_record(hf(tmp_path / "adapter"))
+    shutil.rmtree(merged)
+    with merge_preview(plan_merge(hf(tmp_path / "adapter"))):
+        preview = model_record(hf(tmp_path / "adapter"))
+    assert record["architectures"] == ["LlamaForCausalLM"] and differences(record, preview) == [], (record, preview)
 
 
 @pytest.mark.slow
@@ -560,3 +570,54 @@ def test_a_judge_adapter_directory_is_merged_as_the_model_is(dirs, tmp_path):
     reference = logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(dirs["base"])),
                                                  str(dirs["adapter"])), ids)
     torch.testing.assert_close(logits(worker.engine.model, ids), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("base_architectures", [True, False])
+def test_a_dry_run_resume_compares_the_merge_a_start_would_make(dirs, tmp_path, monkeypatch, base_architectures):
+    """B7. model.path a PEFT adapter directory with model.base_path (adapters made elsewhere), train.resume: the
+    checkpoint records the merged model (`relax.runner.model_record`, of what a start resolves model.path to). A dry
+    run where no merged copy is up to date (another machine, a cleared cache) compares the stand-in of the merge
+    (`merge_preview`) with that record: the same record as the merge a start makes, so the dry run passes as the
+    start does; here with the adapter directory's own, larger tokenizer (the merge grows the vocabulary), and with a
+    base whose config.json names no architectures (as a .gguf base's config: the merge saves its class there, which
+    the stand-in took from the base; before, that dry run refused the resume: "config architectures:
+    ['Qwen3ForCausalLM'] in the run, [] now"). Control: adapters whose chat template changed since the run are
+    refused by both, naming the chat template."""
+    from relax.data.tokenizer import merged_adapter_dir
+    from relax.runner import checkpoint, model_record
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    elsewhere(dirs["adapter"])
+    if not base_architectures:
+        config = json.loads((dirs["base"] / "config.json").read_text())
+        del config["architectures"]
+        (dirs["base"] / "config.json").write_text(json.dumps(config))
+    grown = build_tiny_tokenizer()
+    grown.add_tokens(["<extra_a>", "<extra_b>", "<extra_c>"])
+    grown.save_pretrained(str(dirs["adapter"]))  # the adapters' own tokenizer, larger than the base's embeddings
+    model = ["model.source=hf", f"model.path={dirs['adapter']}", f"model.base_path={dirs['base']}",
+             "model.dtype=float32", "tracking.enabled=false", "train.num_rollout=2"]
+    run = load_config([*model, f"train.save_dir={tmp_path / 'ckpt'}"])
+    assert start_checks([*model, f"train.save_dir={tmp_path / 'ckpt'}"]).problems == {}  # the start's merge
+    with checkpoint.Checkpoints(run) as ckpts:
+        staging = ckpts.staging(1)
+        (staging / "policy").mkdir()
+        (staging / "policy" / "weights.json").write_text("{}")
+        path = ckpts.commit(staging, 1, {"sampler": {}})
+    recorded = checkpoint.read_state(path)[model_record.RUN_MODEL]
+    assert recorded["vocab_size"] == len(grown) and recorded["architectures"] == ["Qwen3ForCausalLM"]
+
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "other_cache"))  # no merged copy up to date
+    resume = load_config([*model, f"train.resume={path}", f"train.save_dir={tmp_path / 'ckpt2'}"])
+    dry = preflight(resume, merge=False)
+    assert dry.problems == {} and dry.status["checkpoints"] == "ok", dry.problems
+    assert "a start merges it" in dry.notes["model"] and not merged_adapter_dir(dirs["adapter"]).exists()
+    start = preflight(resume, only=("model", "checkpoints"), merge=True)  # what a start compares
+    assert start.problems == {}
+
+    # the control: the adapters' chat template changed since the run (the merge's is theirs): both refuse
+    (dirs["adapter"] / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    monkeypatch.setenv("RELAX_MODEL_CACHE_DIR", str(tmp_path / "third_cache"))
+    for merge in (False, True):
+        problem = preflight(resume, only=("model", "checkpoints"), merge=merge).problems.get("checkpoints", "")
+        assert "no longer holds the model" in problem and "chat template" in problem, (merge, problem)
