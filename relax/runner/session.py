@@ -123,6 +123,10 @@ class Session:
         self.restart_run_id = restart_run_id
         self.restarts = restarts  # the run's restarts so far (its start time, the summary's restarts line)
         self._said_empty = False  # a step with every group left out was said (`log`)
+        # steps this process logged, and those of them whose every group was left out (`log`; the summary says when
+        # it was all of them: nothing trained, no reward, rather than a bare "final reward nan")
+        self.logged_steps: list[int] = []
+        self.left_out_steps = 0
         self.resume = checkpoints.resume if checkpoints is not None else None
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
@@ -272,6 +276,8 @@ class Session:
         value, NaN: those are not sent to MLflow, whose tracker would warn of each as of a run gone wrong (and count
         it in relax.nonfinite_metrics); the first such step says so once, with the keys."""
         logged = metrics
+        self.logged_steps.append(step)
+        self.left_out_steps += not kept
         if not kept:
             empty = [k for k, v in metrics.items() if math.isnan(float(v))]
             logged = {k: v for k, v in metrics.items() if k not in empty}
@@ -569,14 +575,32 @@ class Session:
             extra = {"evaluated": weights, **extra}
             if not self.rewards:  # no training reward exists (a fresh evaluation-only run): none is shown
                 del extra[first_label]
+        show_rewards = bool(self.rewards) or not self.evaluated_only
+        if not self.evaluated_only and self.logged_steps and self.left_out_steps == len(self.logged_steps):
+            title, extra = self._nothing_trained(extra)
+            show_rewards = bool(self.rewards)  # a resumed run's earlier steps' rewards, else none: no "nan"
+            if not self.rewards:
+                del extra[first_label]
         extra.update(final_eval_summary(self.summary_history()))
         if self.eval_sample_files:  # train.eval_save_samples: where the evaluations' samples are
             n = len(self.eval_sample_files)
             extra["eval samples"] = (f"{self.output_dir}/eval/<set>/step_<k>.jsonl ({n} file{'s' if n > 1 else ''}"
                                      + (", also among the MLflow run's artifacts)" if self.run_id else ")"))
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra,
-                              title=title, rewards=bool(self.rewards) or not self.evaluated_only)
+                              title=title, rewards=show_rewards)
         return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
+
+    def _nothing_trained(self, extra: dict[str, object]) -> tuple[str, dict[str, object]]:
+        """The summary's title and rows of a run whose every step (of this process) left every group out: its reward
+        calls or episodes failed (a run of data.max_failed_reward_steps such steps stops before; a shorter one ends
+        here), so no step trained and it has no reward of its own to show."""
+        first, last = self.logged_steps[0] + 1, self.logged_steps[-1] + 1
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        limit = self.cfg.data.max_failed_reward_steps
+        stops = f"; data.max_failed_reward_steps={limit} in a row stop a run" if limit else ""
+        left = {"left out": f"every group of {steps}: their reward calls or episodes failed (the warnings above name "
+                            f"each step's first failure){stops}"}
+        return "Relax run finished (nothing trained: every group of every step was left out)", {**left, **extra}
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.log_ledger()  # a run that stops or fails: the steps it trained since its last checkpoint
