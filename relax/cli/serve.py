@@ -106,8 +106,13 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
 
     try:
         if args.config:
-            return config_from_json(args.config)
-        return load_config(args.overrides)
+            return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
+        cfg = load_config(args.overrides)
+        if cfg.model.lora_adapter_path:  # a training option: this server would serve the base without them
+            _fail(f"model.lora_adapter_path={cfg.model.lora_adapter_path!r} continues training adapters in "
+                  "relax-train; relax-serve serves model.path: to serve the base with these adapters, set "
+                  "model.path to the adapter directory (merged into its base before start)")
+        return cfg
     except ConfigError as exc:
         _fail("invalid config: " + "; ".join(v.message for v in exc.violations))
     except (HydraException, OmegaConfBaseException) as exc:

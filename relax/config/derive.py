@@ -7,7 +7,10 @@ the rules read (`data_parallel_size`, `actor_world_size`, `needs_reference`, `te
 from __future__ import annotations
 
 import dataclasses
+import json
 import string
+from pathlib import Path
+from typing import Any
 
 from relax import algorithms
 from relax.config.schema import ModelConfig, RelaxConfig, TrainConfig
@@ -46,7 +49,53 @@ def resolve(cfg: RelaxConfig) -> RelaxConfig:
         c = cfg.cluster
         sync = "tensor" if c.colocate and (c.num_nodes == 1 or c.gpus_per_node > 0) else "distributed"
         rollout = dataclasses.replace(rollout, sglang=dataclasses.replace(ro.sglang, weight_sync=sync))
-    return dataclasses.replace(cfg, train=train, rollout=rollout)
+    return dataclasses.replace(cfg, train=train, rollout=rollout, model=adapter_model_config(cfg.model))
+
+
+# model.lora_* -> the key of adapter_config.json that holds it (PEFT's LoraConfig)
+ADAPTER_KEYS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+                "lora_target_modules": "target_modules"}
+
+
+def adapter_lora_settings(adapter_dir: str) -> dict[str, Any] | None:
+    """`model.lora_adapter_path`'s adapter_config.json as model.lora_* values (lora_rank, lora_alpha, lora_dropout,
+    lora_target_modules: a list of names, sorted; "all-linear" as [all-linear]); None where the file cannot be read
+    or a value is not of its kind (the `lora` check refuses the directory before start, naming what is wrong:
+    `relax.models.lora.check_adapter_dir`)."""
+    try:
+        own = json.loads((Path(adapter_dir).expanduser() / "adapter_config.json").read_bytes())
+        targets = own["target_modules"]
+        targets = [targets] if targets == "all-linear" else sorted(targets) if isinstance(targets, list) else None
+        values = {"lora_rank": int(own["r"]), "lora_alpha": float(own["lora_alpha"]),
+                  "lora_dropout": float(own.get("lora_dropout") or 0.0), "lora_target_modules": targets}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if targets is None or not all(isinstance(t, str) for t in targets):
+        return None  # a regular expression: refused by the lora check
+    return values
+
+
+def adapter_model_config(model: ModelConfig) -> ModelConfig:
+    """With model.lora_adapter_path, the model.lora_* options left at their defaults take the adapter's own values
+    (its adapter_config.json wins); one set to another value is left for validation to refuse, naming both
+    (`adapter_conflicts`). Unreadable: unchanged (refused before start by the lora check)."""
+    if not model.lora_adapter_path:
+        return model
+    own = adapter_lora_settings(model.lora_adapter_path)
+    if own is None:
+        return model
+    default = ModelConfig()
+    return dataclasses.replace(model, **{k: v for k, v in own.items() if getattr(model, k) == getattr(default, k)})
+
+
+def adapter_conflicts(model: ModelConfig) -> list[tuple[str, Any, Any]]:
+    """(option, its value, the adapter's value) for each model.lora_* option of a resolved config that is not what
+    model.lora_adapter_path's adapter_config.json says ([] without an adapter, or when it cannot be read)."""
+    own = adapter_lora_settings(model.lora_adapter_path) if model.lora_adapter_path else None
+    if own is None:
+        return []
+    return [(k, getattr(model, k), v) for k, v in own.items()
+            if (sorted(getattr(model, k)) if k == "lora_target_modules" else getattr(model, k)) != v]
 
 
 def agentic(cfg: RelaxConfig) -> bool:

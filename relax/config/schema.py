@@ -39,6 +39,11 @@ class ModelConfig:
     lora_dropout: float = 0.0
     # module names (the last part, e.g. [q_proj,v_proj]) or [all-linear]: every linear layer but the output head
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # a PEFT LoRA adapter directory (adapter_config.json, adapter weights) of model.path's model to continue training
+    # (docs/training.md, "Continuing to train a PEFT adapter"): the adapters start as its weights, and its
+    # adapter_config.json gives model.lora_rank, lora_alpha, lora_dropout and lora_target_modules (`derive.resolve`;
+    # one set to another value is refused). None: new adapters (model.lora_rank > 0) or none.
+    lora_adapter_path: Optional[str] = None
     # A vision-language model (docs/training.md, "Vision-language"): no gradient into the vision tower (its weights,
     # and its LoRA adapters, stay as they are). None: true with LoRA (lora_rank > 0), false otherwise.
     freeze_vision_tower: Optional[bool] = None

@@ -13,7 +13,7 @@ from relax import algorithms
 from relax.algorithms.base import Range, Violation, choices_of, range_of
 from relax.config.core_rules import role_cores_violations
 from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem
-from relax.config.derive import agentic, data_parallel_size, needs_reference
+from relax.config.derive import adapter_conflicts, agentic, data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name, eval_set_problem, evaluates
 from relax.config.megatron_rules import (
     NOT_BUILT,
@@ -697,7 +697,11 @@ def _lora(cfg: RelaxConfig, r: _Rules) -> None:
     """LoRA's options (model.lora_*, rollout.lora_sync). That the target modules exist is checked against the model's
     architecture before Ray starts (`relax.models.lora.check_targets`), naming the layers it has."""
     m, ro = cfg.model, cfg.rollout
+    if m.lora_adapter_path:
+        _adapter(cfg, r)
     if m.lora_rank <= 0:
+        if m.lora_adapter_path:  # its adapter_config.json unreadable: the lora check says why, before start
+            return
         for key in ("lora_alpha", "lora_dropout", "lora_target_modules"):
             r.require(not _changed(m, key), (f"model.{key}", "model.lora_rank"),
                       f"model.{key}={getattr(m, key)} has no effect with model.lora_rank=0 (every parameter trains)")
@@ -711,7 +715,7 @@ def _lora(cfg: RelaxConfig, r: _Rules) -> None:
               f"model.lora_target_modules={targets} must name linear layers (e.g. [q_proj,v_proj]) or be [all-linear]")
     r.require("all-linear" not in targets or targets == ["all-linear"], "model.lora_target_modules",
               f"model.lora_target_modules={targets}: all-linear stands alone (every linear layer but the output head)")
-    r.require(cfg.train.backend == "torch", ("model.lora_rank", "train.backend"),
+    r.require(cfg.train.backend == "torch" or bool(m.lora_adapter_path), ("model.lora_rank", "train.backend"),
               f"model.lora_rank={m.lora_rank} with train.backend={cfg.train.backend} {NOT_BUILT}: LoRA on "
               "megatron-core's tensor-parallel linear layers is not built; train.backend=torch trains the adapters "
               "(PEFT), on one device")
@@ -721,6 +725,21 @@ def _lora(cfg: RelaxConfig, r: _Rules) -> None:
               f"rollout.lora_sync={ro.lora_sync} with rollout=sglang needs servers that read the driver's files: each "
               "update is an adapter directory the servers load (/load_lora_adapter), written on this node; servers "
               "of other nodes or given by rollout.sglang.urls cannot read it (use rollout.lora_sync=merged there)")
+
+
+def _adapter(cfg: RelaxConfig, r: _Rules) -> None:
+    """model.lora_adapter_path (continuing to train a PEFT adapter): its adapter_config.json gives model.lora_*
+    (`derive.resolve`); an option set to another value is refused naming both, never ignored. The directory's files,
+    its PEFT type and its base are checked before start (`relax.models.lora.check_adapter_dir`)."""
+    m = cfg.model
+    for key, value, own in adapter_conflicts(m):
+        r.require(False, (f"model.{key}", "model.lora_adapter_path"),
+                  f"model.{key}={value} with model.lora_adapter_path={m.lora_adapter_path!r}, whose "
+                  f"adapter_config.json says {own}: the adapters are trained as they were saved; leave model.{key} "
+                  "out (it takes the adapter's value)")
+    r.require(cfg.train.backend == "torch", ("model.lora_adapter_path", "train.backend"),
+              f"model.lora_adapter_path with train.backend={cfg.train.backend} {NOT_BUILT}: LoRA on megatron-core's "
+              "tensor-parallel linear layers is not built; train.backend=torch continues training the adapters")
 
 
 def _evaluation(cfg: RelaxConfig, r: _Rules) -> None:

@@ -398,3 +398,147 @@ def read_adapter_dir(directory: Any) -> dict[str, torch.Tensor]:
             name = name.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
         out[name] = v
     return out
+
+
+# ---- continuing to train a PEFT adapter directory (model.lora_adapter_path) ---------------------------------------
+
+ADAPTER_BIN = "adapter_model.bin"  # the older pickle PEFT still reads
+# adapter_config.json fields whose non-default values would change what the adapters compute or which parameters
+# train, beyond r, lora_alpha, lora_dropout and target_modules (what model.lora_* can say): such adapters are refused
+_UNSUPPORTED = {"use_dora": (False, None, "DoRA (use_dora)"), "use_rslora": (False, None, "rank-stabilised scaling "
+                "(use_rslora)"), "lora_bias": (False, None, "trained biases (lora_bias)"),
+                "bias": ("none", None, "trained biases (bias)"), "modules_to_save": (None, [], "fully trained modules "
+                "(modules_to_save)"), "layers_to_transform": (None, [], "layers_to_transform"),
+                "layers_pattern": (None, [], "layers_pattern"), "rank_pattern": ({}, None, "per-layer ranks "
+                "(rank_pattern)"), "alpha_pattern": ({}, None, "per-layer alphas (alpha_pattern)"),
+                "fan_in_fan_out": (False, None, "fan_in_fan_out"), "target_parameters": (None, [], "adapted "
+                "parameters (target_parameters: a mixture-of-experts model's experts)"),
+                "trainable_token_indices": (None, {}, "trained token embeddings (trainable_token_indices)"),
+                "layer_replication": (None, [], "layer_replication"), "use_qalora": (False, None, "QALoRA"),
+                "alora_invocation_tokens": (None, [], "activated LoRA (alora_invocation_tokens)")}
+# what model.lora_adapter_path's config and model report about the base, compared with model.path's
+_BASE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")
+
+
+def _adapter_weights(directory: Any) -> tuple[Any, dict[str, tuple[int, ...]]]:
+    """(the weights file, name -> shape) of an adapter directory, shapes read without loading the tensors where it is
+    safetensors."""
+    from pathlib import Path
+
+    directory = Path(directory)
+    st, binary = directory / ADAPTER_WEIGHTS, directory / ADAPTER_BIN
+    if st.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(st), framework="pt") as f:
+            return st, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    if binary.is_file():
+        weights = torch.load(str(binary), map_location="cpu", weights_only=True, mmap=True)
+        return binary, {k: tuple(v.shape) for k, v in weights.items()}
+    raise ValueError(f"model.lora_adapter_path={str(directory)!r} has no adapter weights ({ADAPTER_WEIGHTS} or "
+                     f"{ADAPTER_BIN}): it is not a PEFT adapter directory")
+
+
+def read_adapter_weights(directory: Any) -> dict[str, torch.Tensor]:
+    """An adapter directory's tensors, as `PeftModel.save_pretrained` named them."""
+    file, _ = _adapter_weights(directory)
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    return torch.load(str(file), map_location="cpu", weights_only=True)
+
+
+def check_adapter_dir(model_cfg: Any, vocab_size: int, pad_token_id: int) -> str:
+    """Raise ValueError unless `model.lora_adapter_path` is a PEFT LoRA adapter directory of a causal LM that Relax
+    trains as it was saved, on model.path's model: adapter_config.json readable, peft_type LORA with nothing but
+    r / lora_alpha / lora_dropout / target_modules set (DoRA, rsLoRA, modules_to_save, per-layer ranks ... refused),
+    and its base the model's: every adapted layer a linear layer of the model of the adapter's shapes (in, out, r), and
+    where adapter_config.json's base_model_name_or_path is a local model directory, its model_type, vocabulary,
+    hidden size and layers the model's (checked on the architecture: no weights read). Returns the dry run's line."""
+    import json
+    from pathlib import Path
+
+    where = f"model.lora_adapter_path={model_cfg.lora_adapter_path!r}"
+    directory = Path(model_cfg.lora_adapter_path).expanduser()
+    file = directory / ADAPTER_CONFIG
+    if not directory.is_dir():
+        raise ValueError(f"{where} is not a directory (a PEFT adapter directory: {ADAPTER_CONFIG} and "
+                         f"{ADAPTER_WEIGHTS}, as PeftModel.save_pretrained writes them)")
+    if not file.is_file():
+        raise ValueError(f"{where} has no {ADAPTER_CONFIG}: it is not a PEFT adapter directory (what "
+                         "PeftModel.save_pretrained, TRL and relax-export of a LoRA run write)")
+    try:
+        own = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file} cannot be read as JSON: {e}") from None
+    if not isinstance(own, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    if own.get("peft_type") != "LORA":
+        raise ValueError(f"{where}: peft_type {own.get('peft_type')!r} in {ADAPTER_CONFIG}; only LoRA adapters "
+                         "(peft_type LORA) can be trained on (model.lora_adapter_path)")
+    unsupported = [what for key, (default, alt, what) in _UNSUPPORTED.items()
+                   if key in own and own[key] != default and own[key] != alt]
+    if unsupported:
+        raise ValueError(f"{where}: its {ADAPTER_CONFIG} uses {', '.join(unsupported)}, which Relax's LoRA does not "
+                         "train (plain LoRA only: r, lora_alpha, lora_dropout, target_modules); the adapters would "
+                         "not compute what they were saved to")
+    if own.get("task_type") not in ("CAUSAL_LM", None):
+        raise ValueError(f"{where}: task_type {own.get('task_type')!r} in {ADAPTER_CONFIG} is not a causal LM's "
+                         "(CAUSAL_LM)")
+    targets = own.get("target_modules")
+    if not (targets == ALL_LINEAR or (isinstance(targets, list) and targets and all(isinstance(t, str)
+                                                                                    for t in targets))):
+        raise ValueError(f"{where}: target_modules {targets!r} in {ADAPTER_CONFIG} is not a list of layer names "
+                         "(a regular expression is not read by model.lora_target_modules)")
+    if not isinstance(own.get("r"), int) or own["r"] <= 0 or model_cfg.lora_rank <= 0:
+        raise ValueError(f"{where}: its {ADAPTER_CONFIG} gives no LoRA settings (r {own.get('r')!r}, lora_alpha "
+                         f"{own.get('lora_alpha')!r}: a positive integer rank and a number are needed)")
+    excluded = own.get("exclude_modules")
+    if excluded not in (None, [], VISION_TOWER if vision.frozen_tower(model_cfg) else None):
+        raise ValueError(f"{where}: exclude_modules {excluded!r} in {ADAPTER_CONFIG} is not read by Relax's LoRA")
+    model = _empty_model(model_cfg, vocab_size, pad_token_id)
+    ours = f"model.path's model ({model_cfg.path or model_cfg.name}, source={model_cfg.source})"
+    base_name = own.get("base_model_name_or_path")
+    if isinstance(base_name, str) and base_name:
+        base_dir = next((p for p in (Path(base_name).expanduser(), directory / base_name)
+                         if (p / "config.json").is_file()), None)
+        if base_dir is not None:
+            from transformers import AutoConfig
+
+            theirs = AutoConfig.from_pretrained(str(base_dir), local_files_only=True)
+            text_ours = getattr(model.config, "text_config", None) or model.config
+            text_theirs = getattr(theirs, "text_config", None) or theirs
+            differ = [f"{k} {getattr(text_theirs, k, None)} (theirs) vs {getattr(text_ours, k, None)}"
+                      for k in _BASE_KEYS if getattr(text_theirs, k, None) != getattr(text_ours, k, None)]
+            if differ:
+                raise ValueError(f"{where} holds adapters of the base {base_name!r} ({ADAPTER_CONFIG}'s "
+                                 f"base_model_name_or_path), which is not {ours}: {'; '.join(differ)}. Set model.path "
+                                 "to the base the adapters were trained on")
+    _, shapes = _adapter_weights(directory)
+    modules = dict(model.named_modules())
+    for key, shape in sorted(shapes.items()):
+        module_name, _, leaf = key.removeprefix(PEFT_PREFIX).partition(".lora_")
+        if leaf not in ("A.weight", "B.weight"):
+            raise ValueError(f"{where}: tensor {key} is not a LoRA A or B weight of a linear layer (embedding "
+                             "adapters and others are not trained by Relax's LoRA)")
+        layer = modules.get(module_name)
+        if not isinstance(layer, torch.nn.Linear):
+            raise ValueError(f"{where}: the adapters adapt {module_name}, which is not a linear layer of {ours}: "
+                             f"they were trained on another base (adapter_config.json names {base_name!r}); set "
+                             "model.path to that base")
+        want = (model_cfg.lora_rank, layer.in_features) if leaf == "A.weight" else \
+            (layer.out_features, model_cfg.lora_rank)
+        if tuple(shape) != want:
+            raise ValueError(f"{where}: {key} is {list(shape)}, but on {ours} layer {module_name} "
+                             f"({layer.in_features} -> {layer.out_features}, rank {model_cfg.lora_rank}) it would "
+                             f"be {list(want)}: the adapters were trained on another base (adapter_config.json names "
+                             f"{base_name!r}); set model.path to that base")
+    return (f"continues training the LoRA adapters of {directory} (rank {model_cfg.lora_rank}, "
+            f"{len(shapes) // 2} layers) on {model_cfg.path or model_cfg.name}")
+
+
+def load_adapter_dir(peft_model: Any, directory: Any) -> None:
+    """The adapter weights of a PEFT adapter directory into `peft_model` (whose config is the directory's, as
+    `derive.resolve` made model.lora_*), every tensor: a missing or an extra one is a KeyError naming it."""
+    load_adapters(peft_model, read_adapter_weights(directory))

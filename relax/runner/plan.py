@@ -290,7 +290,9 @@ def build_plan(cfg: RelaxConfig) -> Plan:
         why["actor"] += (f"; LoRA rank {cfg.model.lora_rank} on {','.join(cfg.model.lora_target_modules)}, the base "
                          f"frozen; weights to the engines: {ro.lora_sync} (rollout.lora_sync)")
     if on_actor:
-        why["actor"] += f"; reference ({why_ref}): the base model with the adapters off, no second copy"
+        why["actor"] += (f"; reference ({why_ref}): the policy at the start, the base with model.lora_adapter_path's "
+                         "adapters as loaded (a copy of the adapters alone)" if cfg.model.lora_adapter_path else
+                         f"; reference ({why_ref}): the base model with the adapters off, no second copy")
     names = ["actor", "rollout"] + (["reference"] if why_ref and not on_actor else []) + \
         (["teacher"] if teacher else []) + \
         (["critic", "advantages"] if algo.requires_critic else []) + \

@@ -24,7 +24,8 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   (each episode one model turn).
 - `openai_agent`: the agent program (`data.openai_agent`) and the tool-call parser its gateway answers with; with
   `rollout.max_turns=1` it is warned of (one model call per session).
-- `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights).
+- `lora`: every `model.lora_target_modules` name is a linear layer of the model (its architecture, no weights); a
+  `model.lora_adapter_path` is a plain LoRA adapter directory of this base (`relax.models.lora.check_adapter_dir`).
 - `tracking`: a sqlite `tracking.uri`'s database can be opened for writing, or created in a directory that exists
   or can be created (`relax.tracking.mlflow_run.sqlite_store_problem`); a file store (a path or `file:`) is one the
   installed MLflow accepts (MLflow 3 refuses it unless MLFLOW_ALLOW_FILE_STORE=true: `file_store_problem`); the store
@@ -71,7 +72,7 @@ from relax.config.schema import DataConfig, ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.gguf_cache import gguf_config
-from relax.models.lora import check_targets
+from relax.models.lora import check_adapter_dir, check_targets
 from relax.models.moe import check_moe_checkpoint
 from relax.models.peft_merge import CAUSAL_LM, CLASSIFIER, adapter_path, ensure_merged, merge_preview, plan_merge
 from relax.rewards.calls import RewardSpecError
@@ -184,10 +185,12 @@ def _model(pre: Preflight) -> bool:
     adapters = adapter_path(cfg.model)
     if adapters is not None and cfg.model.lora_rank > 0 and cfg.train.num_rollout > 0:
         raise ValueError(f"model.lora_rank={cfg.model.lora_rank} with model.path={str(adapters)!r}, a PEFT adapter "
-                         "directory: continuing to train these adapters is not in this build, and new adapters on "
-                         "the merged model would not be them. Train every parameter of the merged model "
-                         "(model.lora_rank=0), or, for new adapters on it, save it merged (PEFT's merge_and_unload, "
-                         "then save_pretrained) and set model.path to that directory")
+                         "directory: continuing to train these adapters is not in this build with model.path naming "
+                         "them (model.path is their merged model, and new adapters on it would not be these). To "
+                         f"continue training them, set model.lora_adapter_path={str(adapters)!r} and model.path to "
+                         "their base model's directory; to train every parameter of the merged model, "
+                         "model.lora_rank=0; for new adapters on it, save it merged (PEFT's merge_and_unload, then "
+                         "save_pretrained) and set model.path to that directory")
     # a PEFT adapter directory: its base with the adapters merged, before any role loads it
     if (note := adapter_merge(pre, cfg.model, "model")) is not None:
         pre.notes["model"] = note
@@ -419,9 +422,12 @@ def _openai_agent(pre: Preflight) -> bool:
 
 
 def _lora(pre: Preflight) -> bool:
-    if pre.cfg.model.lora_rank <= 0:
+    m = pre.cfg.model
+    if m.lora_rank <= 0 and not m.lora_adapter_path:
         return False
-    check_targets(pre.cfg.model, pre.info.vocab_size, pre.info.pad_token_id)  # the architecture only
+    if m.lora_adapter_path:  # continuing to train a PEFT adapter: its files, PEFT type and base
+        pre.notes["lora"] = check_adapter_dir(m, pre.info.vocab_size, pre.info.pad_token_id)
+    check_targets(m, pre.info.vocab_size, pre.info.pad_token_id)  # the architecture only
     return True
 
 

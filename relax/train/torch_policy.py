@@ -281,6 +281,8 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         self.peft = None  # model.lora_rank > 0: the PeftModel around `model`, whose layers carry the adapters
         if model_cfg.lora_rank > 0:
             self.peft = lora.apply_lora(model, model_cfg, seed=seed)
+            if model_cfg.lora_adapter_path:  # continuing a PEFT adapter: its weights, as PeftModel.from_pretrained
+                lora.load_adapter_dir(self.peft, model_cfg.lora_adapter_path)
             if model_cfg.gradient_checkpointing:  # recomputed blocks need an input that requires grad
                 model.enable_input_require_grads()
             self.base_fingerprint = lora.base_fingerprint(self.peft)
@@ -289,6 +291,12 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         super().__init__(model, model_cfg, train_cfg, lr=train_cfg.lr, device=device, total_steps=total_steps)
         self.temperature = float(temperature)
         self.adapters_only_sync = self.peft is not None and lora_sync == "adapter"
+        # model.lora_adapter_path: the reference is the policy at the start, the base with the loaded adapters (as
+        # TRL's GRPOTrainer copies a PEFT model's adapter into a frozen "ref" adapter), not the base alone; a copy of
+        # the adapters as loaded, swapped in for the reference's log-probs (resume keeps it: the directory is read
+        # again, the checkpoint's adapters restored over it)
+        self.start_adapters = ({n: p.detach().clone() for n, p in lora.adapter_params(self.peft).items()}
+                               if self.peft is not None and model_cfg.lora_adapter_path else None)
         if self.peft is not None and train_cfg.moe_expert_bias_update_rate > 0:  # refused before start too
             raise ValueError("train.moe_expert_bias_update_rate > 0 with model.lora_rank > 0 is not available in this "
                              "build: the selection bias is a buffer of the frozen base model")
@@ -381,9 +389,20 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
     @torch.no_grad()
     def compute_reference_logprobs(self, samples: Samples, micro_batch_size: int,
                                    max_tokens: Optional[int] = None) -> torch.Tensor:
-        """A LoRA policy's reference: log-probs of the base model, its adapters switched off (no second copy)."""
+        """A LoRA policy's reference: log-probs of the base model, its adapters switched off (no second copy); with
+        model.lora_adapter_path, of the policy at the start (the base with the adapters as loaded)."""
         if self.peft is None:
             raise ValueError("the reference is the base model with its adapters off: only with model.lora_rank > 0")
+        if self.start_adapters is not None:
+            live = lora.adapter_params(self.peft)
+            now = {n: p.detach().clone() for n, p in live.items()}
+            try:
+                for n, p in live.items():
+                    p.copy_(self.start_adapters[n])
+                return self.compute_logprobs(samples, micro_batch_size, max_tokens)
+            finally:
+                for n, p in live.items():
+                    p.copy_(now[n])
         with self.peft.disable_adapter():
             return self.compute_logprobs(samples, micro_batch_size, max_tokens)
 

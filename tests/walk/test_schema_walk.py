@@ -86,6 +86,8 @@ VALUES: dict[str, Any] = {
     "model.source": "hf",  # from $MODEL_DIR/<name>, which the walk does not provide: the run says so at start
     "model.path": "some/model",
     "model.base_path": "some/base",  # with model.source=config: rejected (its runs: tests/models/test_peft_adapter.py)
+    # not there: the run says so at start (its runs: tests/models/test_lora_continue.py)
+    "model.lora_adapter_path": "some/adapter",
     "model.tokenizer": "some/tokenizer",  # not there: the run says so at start (its effect: tests/data)
     "model.chat_template": "some/template.jinja",  # not there: the run says so at start (its effect: tests/data)
     "cluster.cpus_per_node": 2,
