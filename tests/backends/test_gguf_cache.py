@@ -236,7 +236,8 @@ def test_every_reader_of_a_gguf_models_config_reads_the_cache(config_reads, tmp_
     warm = gguf_cache.gguf_config(path)
     assert config_reads == ["m.gguf"]
     model_cfg = ModelConfig(source="gguf", path=str(path))
-    cfg = SimpleNamespace(model=model_cfg, train=SimpleNamespace(moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0),
+    cfg = SimpleNamespace(model=model_cfg, train=SimpleNamespace(moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0,
+                                                              moe_expert_bias_update_rate=0.0),
                           rollout=SimpleNamespace(routing_replay=False, record_routes=True, backend="torch"))
     check_moe_checkpoint(cfg, path)  # a registered family: no error
     assert moe_shape(model_cfg) == (3, 2, 6)
