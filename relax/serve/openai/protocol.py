@@ -31,6 +31,7 @@ ignored. Inside the request's objects (messages, content parts, tool calls, tool
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -195,6 +196,70 @@ class APIError(Exception):
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
+
+
+def _kind(value: Any) -> str:
+    """The JSON type of a value, as OpenAI's type errors name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def check_function(fn: dict, where: str) -> None:
+    """A function tool's name and parameters as OpenAI requires them, a 400 naming `where.name` or `where.parameters`
+    otherwise (`where`: the chat route's `tools[i].function`, the Responses route's `tools[i]`): the name matches
+    `^[a-zA-Z0-9_-]{1,64}$` (it is written into the prompt, the call format and its grammar, which expect a plain
+    word), and the parameters, when given, are a JSON Schema object, for every tool (strict or not): the templates,
+    the tools prompt and a forced call's grammar read its properties."""
+    name = fn.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise APIError(f"Invalid '{where}.name': {name!r} must match the pattern '^[a-zA-Z0-9_-]{{1,64}}$' (letters, "
+                       "digits, underscores and dashes, at most 64).", param=f"{where}.name", code="invalid_value")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise APIError(f"Invalid type for '{where}.parameters': expected an object (a JSON Schema), but got "
+                       f"{_kind(params)} instead.", param=f"{where}.parameters", code="invalid_type")
+
+
+def check_tool_names(names: list[str], where: str = "tools") -> None:
+    """A 400 naming `where` for two tools of the same name: which schema a call, a forced call's grammar or
+    apply_tool_schemas follows would be a guess."""
+    seen = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise APIError(f"Invalid '{where}': duplicate function name {name!r} ({where}[{i}]); each tool needs "
+                           "its own name.", param=where)
+        seen.add(name)
+
+
+def call_arguments(args: Any, where: str) -> dict:
+    """A history tool call's `arguments` as the object they encode: a JSON string of an object (empty or absent:
+    none, {}), or an object. Anything else (text that is not JSON, JSON that is not an object: "[1, 2]", "5") is a
+    400 naming `where`: every call format Relax renders history in (Hermes' and Llama's JSON objects, the XML
+    key/value formats, DeepSeek's and harmony's JSON) writes an object, the model's tool parser reads nothing else
+    back as a call, and several templates fail on anything else; refused on every model alike."""
+    if args is None or isinstance(args, str) and not args.strip():
+        return {}
+    parsed = args
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise APIError(f"Invalid '{where}': {args[:80]!r} is not JSON ({exc.msg}); a call's arguments must be "
+                           "a JSON object string (Relax writes history calls in the model's call format, which "
+                           "holds an object).", param=where) from None
+    if not isinstance(parsed, dict):
+        raise APIError(f"Invalid '{where}': expected a JSON object string, but got {_kind(parsed)} "
+                       f"({args if isinstance(args, str) else json.dumps(args)}); Relax writes history calls in the "
+                       "model's call format, which holds an object.", param=where)
+    return parsed
 
 
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # OpenAI's chat and Responses image parts, HF's
@@ -424,10 +489,17 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
                 raise _bad(f"tools[{i}]", 'must be {"type": "function", "function": {"name": ..., "parameters": ...}}')
             check_keys(t, f"tools[{i}]", TOOL_KEYS)
             check_keys(fn, f"tools[{i}].function", FUNCTION_KEYS)
+            check_function(fn, f"tools[{i}].function")
             if fn.get("strict") not in (None, True, False):
                 raise _bad(f"tools[{i}].function.strict", f"{fn['strict']!r}: expected true or false")
             if (why := strict_schema_error(fn)) is not None:  # checked against it: it must be a schema
                 raise _bad(f"tools[{i}].function.parameters", f"of a strict function {why}")
+        check_tool_names([t["function"]["name"] for t in tools])
+    if not tools:  # OpenAI's: the tool options need tools (an empty list is none)
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if body.get(name) is not None:
+                raise APIError(f"Invalid value for '{name}': '{name}' is only allowed when 'tools' are specified.",
+                               param=name)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         mode, p.allowed = _allowed_tools(choice, tools)
@@ -634,11 +706,7 @@ def normalize_message(m: Any, where: str = "message") -> dict:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise _bad(f"{where}.tool_calls[{j}]",
                            "must be {'type': 'function', 'function': {'name', 'arguments'}}")
-            args = fn.get("arguments") or "{}"
-            try:
-                parsed = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError:
-                parsed = args  # kept as written: compared and rendered as such
+            parsed = call_arguments(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")
             calls.append({"id": c.get("id"), "name": fn["name"], "arguments": parsed})
         out["tool_calls"] = calls
     elif role != "assistant" and out["content"] is None:

@@ -61,7 +61,15 @@ from typing import Any, Optional
 
 from relax.serve.http import EventSource
 from relax.serve.openai.protocol import FIELDS as CHAT_FIELDS
-from relax.serve.openai.protocol import IMAGE_PART_TYPES, APIError, ImagePartError, check_keys
+from relax.serve.openai.protocol import (
+    IMAGE_PART_TYPES,
+    APIError,
+    ImagePartError,
+    call_arguments,
+    check_function,
+    check_keys,
+    check_tool_names,
+)
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
 KEEP_PER_SESSION = 16  # per training session
@@ -369,6 +377,7 @@ def input_messages(items: Any, where: str = "input", seal: Optional[ReasoningSea
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(args, str) or not isinstance(call_id, str):
                 raise _bad(at, 'a function_call item needs "call_id", "name" and "arguments" (a JSON string)')
+            call_arguments(args, f"{at}.arguments")  # a JSON object string, as on the chat route
             m = out[-1] if calls_open and out else assistant(None)
             m.setdefault("tool_calls", []).append({"id": call_id, "type": "function",
                                                    "function": {"name": name, "arguments": args}})
@@ -417,8 +426,10 @@ def chat_tools(tools: Any) -> Optional[list[dict]]:
             raise _bad(f"tools[{i}]", f"{kind!r}: only function tools "
                                       '({"type": "function", "name": ..., "parameters": ...}) are supported')
         check_keys(t, f"tools[{i}]", TOOL_KEYS, TOOL_NEUTRAL)
+        check_function(t, f"tools[{i}]")
         out.append({"type": "function", "function": {k: v for k, v in t.items()
                                                       if k in ("name", "description", "parameters", "strict")}})
+    check_tool_names([t["name"] for t in tools])
     return out
 
 
@@ -571,10 +582,18 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise _bad("parallel_tool_calls", f"{parallel!r} must be a boolean")
+    if not tools and choice in ("auto", "none"):
+        # the Responses API echoes tool_choice "auto" and parallel_tool_calls on every response, tools or not: without
+        # tools these two change nothing (the chat route, as Chat Completions, refuses them there); a choice that
+        # needs a tool ("required", a function, allowed_tools) goes on and is refused as such
+        choice = None
     if choice is not None:
         chat["tool_choice"] = choice
-    if body.get("parallel_tool_calls") is not None:
-        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if parallel is not None and tools:
+        chat["parallel_tool_calls"] = parallel
     text_format = chat_response_format(body.get("text"))
     if text_format is not None:
         chat["response_format"] = text_format
