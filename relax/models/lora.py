@@ -542,3 +542,33 @@ def load_adapter_dir(peft_model: Any, directory: Any) -> None:
     """The adapter weights of a PEFT adapter directory into `peft_model` (whose config is the directory's, as
     `derive.resolve` made model.lora_*), every tensor: a missing or an extra one is a KeyError naming it."""
     load_adapters(peft_model, read_adapter_weights(directory))
+
+
+def check_adapter_tokenizer(model_cfg: Any, tokenizer: Any) -> None:
+    """Raise ValueError where model.lora_adapter_path holds a tokenizer (SFT runs often save theirs with the
+    adapters) that is not the run's (`tokenizer`, model.path's): another vocabulary (the adapters learned other token
+    ids), or, without model.chat_template, another chat template (the prompts would not be rendered as in SFT). A
+    directory without tokenizer files says nothing: the run's is used."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    directory = Path(model_cfg.lora_adapter_path).expanduser()
+    if not (directory / "tokenizer_config.json").is_file():
+        return
+    where = f"model.lora_adapter_path={model_cfg.lora_adapter_path!r}"
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (transformers' own errors of files it cannot read)
+        raise ValueError(f"{where}: its tokenizer files cannot be loaded: {type(e).__name__}: {e}") from None
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{where} holds a tokenizer of another vocabulary ({len(theirs)} tokens) than the run's, "
+                         f"model.path's ({len(tokenizer)} tokens): the adapters were trained on other token ids; "
+                         "train them on the model and tokenizer they were trained with")
+    from relax.data.tokenizer import CHATML_TEMPLATE
+
+    # without a template of its own a tokenizer gets ChatML in Relax (`load_tokenizer`), the adapters' one too
+    if not model_cfg.chat_template and (theirs.chat_template or CHATML_TEMPLATE) != tokenizer.chat_template:
+        raise ValueError(f"{where} holds a tokenizer whose chat template is not model.path's: the run would render "
+                         "prompts otherwise than the adapters were trained on; set model.chat_template to the "
+                         "template to use (the adapter directory's chat_template.jinja, where it has one)")

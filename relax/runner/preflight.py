@@ -72,7 +72,7 @@ from relax.config.schema import DataConfig, ModelConfig, RelaxConfig
 from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.gguf_cache import gguf_config
-from relax.models.lora import check_adapter_dir, check_targets
+from relax.models.lora import check_adapter_dir, check_adapter_tokenizer, check_targets
 from relax.models.moe import check_moe_checkpoint
 from relax.models.peft_merge import CAUSAL_LM, CLASSIFIER, adapter_path, ensure_merged, merge_preview, plan_merge
 from relax.rewards.calls import RewardSpecError
@@ -427,6 +427,7 @@ def _lora(pre: Preflight) -> bool:
         return False
     if m.lora_adapter_path:  # continuing to train a PEFT adapter: its files, PEFT type and base
         pre.notes["lora"] = check_adapter_dir(m, pre.info.vocab_size, pre.info.pad_token_id)
+        check_adapter_tokenizer(m, pre.tokenizer)
     check_targets(m, pre.info.vocab_size, pre.info.pad_token_id)  # the architecture only
     return True
 

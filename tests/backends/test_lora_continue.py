@@ -197,3 +197,30 @@ def test_relax_serve_refuses_the_training_option(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         _load(argparse.Namespace(config=None, overrides=[f"model.lora_adapter_path={tmp_path / 'a'}"]))
     assert e.value.code == 2 and "set model.path to the adapter directory" in capsys.readouterr().err
+
+
+def test_a_tokenizer_saved_with_the_adapters_must_be_the_runs(tmp_path):
+    """SFT runs save their tokenizer beside the adapters: the run's (model.path's) must be it, vocabulary and chat
+    template (unless model.chat_template says which), else the start is refused, naming why."""
+    from relax.data.tokenizer import load_tokenizer
+
+    cfg = load_config([])
+    tok = load_tokenizer(cfg.model)
+    directory = tmp_path / "a"
+    save_adapter(cfg.model, directory)
+    m = adapter_model_config(dataclasses.replace(cfg.model, lora_adapter_path=str(directory)))
+    lora.check_adapter_tokenizer(m, tok)  # no tokenizer files: nothing to compare
+    tok.save_pretrained(str(directory))
+    lora.check_adapter_tokenizer(m, tok)  # the same tokenizer: accepted
+    other = load_tokenizer(cfg.model)
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    other.save_pretrained(str(directory))
+    with pytest.raises(ValueError, match="chat template is not model.path's"):
+        lora.check_adapter_tokenizer(m, tok)
+    template = tmp_path / "t.jinja"
+    template.write_text(other.chat_template)
+    lora.check_adapter_tokenizer(dataclasses.replace(m, chat_template=str(template)), tok)  # the user chose
+    other.add_tokens(["<extra_sft_token>"])
+    other.save_pretrained(str(directory))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        lora.check_adapter_tokenizer(m, tok)
