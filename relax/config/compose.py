@@ -45,9 +45,9 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = ()) -> RelaxC
     if not isinstance(obj, RelaxConfig):
         raise TypeError(f"composed config is {type(obj).__name__}, expected RelaxConfig")
     if not found:
-        return check(resolve(obj))
+        return check(resolve(obj), given=obj)
     cfg = resolve(obj)
-    raise ConfigError(found + validate(cfg), cfg.algorithm.name)
+    raise ConfigError(found + validate(cfg, given=obj), cfg.algorithm.name)
 
 
 # the sections every saved Relax config holds (a checkpoint's config.yaml, the MLflow run's config.yaml artifact)

@@ -147,7 +147,9 @@ def _combinations(cfg: RelaxConfig, r: _Rules) -> None:
                   f"model.head_dim={m.head_dim} must be even: rotary embeddings rotate pairs of dimensions")
 
 
-def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
+def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules, given: RelaxConfig | None = None) -> None:
+    """The rollout's samples split into global batches, and those into micro-batches. `given`: the config before
+    `derive.resolve` (None: not known), which tells a train.global_batch_size the user set from a derived one."""
     ro, t = cfg.rollout, cfg.train
     sizes = (t.global_batch_size, t.micro_batch_size, t.num_steps_per_rollout)
     if not all(isinstance(x, int) and x > 0 for x in sizes):
@@ -180,14 +182,17 @@ def _batches(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
     dp = data_parallel_size(cfg)
     if t.global_batch_size % (t.micro_batch_size * dp) != 0:
         r.require(False, ("train.global_batch_size", "train.micro_batch_size"),
-                  _indivisible(t, ro.rollout_batch_size, ro.n_samples_per_prompt, dp))
+                  _indivisible(t, ro.rollout_batch_size, ro.n_samples_per_prompt, dp,
+                               None if given is None else given.train))
 
 
-def _indivisible(t: TrainConfig, prompts: int, n: int, dp: int) -> str:
-    """Why train.global_batch_size does not split into micro-batches, and the fix. It is usually derived (unset: the
-    rollout's samples / train.num_steps_per_rollout), and the rules see it resolved: when it equals that, the
-    message says what it comes from rather than only naming a value the user may never have set."""
-    gbs, unit = t.global_batch_size, t.micro_batch_size * dp
+def _indivisible(t: TrainConfig, prompts: int, n: int, dp: int, given: TrainConfig | None = None) -> str:
+    """Why train.global_batch_size does not split into micro-batches, and each fix. `given`: train before
+    `derive.resolve`, whose None fields were derived: a global batch size left unset is the rollout's samples /
+    train.num_steps_per_rollout, and the message says what it comes from rather than only naming a value the user
+    never set; one the user set is named as set. Each fix named loads. Without `given` (a caller that resolved the
+    config itself), a value equal to the rollout's samples / steps may be either: the message says so."""
+    gbs, unit, samples = t.global_batch_size, t.micro_batch_size * dp, prompts * n
     dp_text = f"train.micro_batch_size * data-parallel size ({t.micro_batch_size}*{dp}={unit})" if dp > 1 else \
         f"train.micro_batch_size={t.micro_batch_size}"
     if gbs % dp == 0:
@@ -195,14 +200,45 @@ def _indivisible(t: TrainConfig, prompts: int, n: int, dp: int) -> str:
         lower = f"lower train.micro_batch_size (train.micro_batch_size={fit} fits)"
     else:
         lower = f"no train.micro_batch_size splits {gbs} over {dp} data-parallel replicas"
-    if gbs * t.num_steps_per_rollout != prompts * n:  # set apart from the rollout's size: its own value
+    # the global batch sizes that micro-batches split and that split the rollout into whole steps
+    fitting = [g for g in range(unit, samples + 1, unit) if samples % g == 0]
+    # (without `given`: a value unlike the rollout's samples / steps cannot be derived, so it was set)
+    gbs_set = given.global_batch_size is not None if given is not None else gbs * t.num_steps_per_rollout != samples
+    steps_set = None if given is None else given.num_steps_per_rollout is not None
+    if gbs_set:  # the user's own value: the fix is theirs to change
+        if steps_set is False and fitting:  # train.num_steps_per_rollout (unset) follows it: samples / global batch
+            to = f"a multiple of {unit} that divides the rollout's {samples} samples ({_or(fitting)}; " \
+                 "train.num_steps_per_rollout follows)"
+        elif steps_set is False:
+            to = f"a multiple of {unit} (none divides the rollout's {samples} samples: raise " \
+                 "rollout.rollout_batch_size or rollout.n_samples_per_prompt too)"
+        elif steps_set and fitting:  # both set: they multiply to the rollout's samples
+            to = f"a multiple of {unit} and train.num_steps_per_rollout to match (global batch x steps = the " \
+                 f"rollout's {samples} samples: {_or([f'{g}x{samples // g}' for g in fitting])})"
+        else:
+            to = f"a multiple of {unit}"
         return f"train.global_batch_size={gbs} must be divisible by {dp_text}: {lower}, or set " \
-            f"train.global_batch_size to a multiple of {unit}"
+            f"train.global_batch_size to {to}"
     steps = f" / train.num_steps_per_rollout={t.num_steps_per_rollout}" if t.num_steps_per_rollout > 1 else ""
+    if given is None:  # equal to the rollout's samples / steps: set so, or derived; which fix fits depends on which
+        return (f"train.global_batch_size={gbs} (set, or derived when unset: rollout.rollout_batch_size={prompts} x "
+                f"rollout.n_samples_per_prompt={n}{steps}) must be divisible by {dp_text}: {lower}, or make a "
+                f"global batch a multiple of {unit} samples (train.global_batch_size, train.num_steps_per_rollout "
+                "or the rollout's size)")
+    fixes = [lower, f"raise rollout.rollout_batch_size or rollout.n_samples_per_prompt so that "
+                    f"{'each step' if steps else 'a rollout'} holds a multiple of {unit} samples"]
+    if fitting:  # (steps set: unset they are 1, the global batch the whole rollout, and nothing smaller fits)
+        fixes.append(f"set train.num_steps_per_rollout to {_or([samples // g for g in fitting])} (a global batch "
+                     f"of {_or(fitting)})")
     return (f"train.global_batch_size={gbs} (unset, it is the samples of a rollout: rollout.rollout_batch_size="
-            f"{prompts} x rollout.n_samples_per_prompt={n}{steps}) must be divisible by {dp_text}: {lower}, or "
-            f"raise rollout.rollout_batch_size or rollout.n_samples_per_prompt so that "
-            f"{'each step' if steps else 'a rollout'} holds a multiple of {unit} samples")
+            f"{prompts} x rollout.n_samples_per_prompt={n}{steps}) must be divisible by {dp_text}: "
+            f"{', or '.join(fixes)}")
+
+
+def _or(values: list) -> str:
+    """A few of `values` for a message ("2 or 6", "2, 4 or 8", at most 4 of them, the smallest)."""
+    shown = [str(v) for v in values[:4]]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
 def _resources(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
@@ -864,8 +900,9 @@ def _openai_agent(cfg: RelaxConfig, r: _Rules) -> None:
               "rollout=sglang (on a CPU: rollout=sglang rollout.sglang.server=embedded)")
 
 
-def validate(cfg: RelaxConfig) -> list[Violation]:
-    """All violations of `cfg` (resolved), generic ones first, then the algorithm's own."""
+def validate(cfg: RelaxConfig, given: RelaxConfig | None = None) -> list[Violation]:
+    """All violations of `cfg` (resolved), generic ones first, then the algorithm's own. `given`: `cfg` before
+    `derive.resolve` where the caller has it (which values the user set, which were derived: the messages say)."""
     r = _Rules()
     try:
         algo = algorithms.get(cfg.algorithm.name)
@@ -874,7 +911,7 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     _choices(cfg, r)
     _ranges(cfg, r)
     _combinations(cfg, r)
-    _batches(cfg, algo, r)
+    _batches(cfg, algo, r, given)
     _resources(cfg, algo, r)
     _modes(cfg, r)
     _flags(cfg, algo, r)
@@ -904,9 +941,9 @@ def validate(cfg: RelaxConfig) -> list[Violation]:
     return r.found
 
 
-def check(cfg: RelaxConfig) -> RelaxConfig:
-    """Raise ConfigError with every violation, else return cfg."""
-    found = validate(cfg)
+def check(cfg: RelaxConfig, given: RelaxConfig | None = None) -> RelaxConfig:
+    """Raise ConfigError with every violation, else return cfg. `given`: as for `validate`."""
+    found = validate(cfg, given)
     if found:
         raise ConfigError(found, cfg.algorithm.name)
     return cfg
