@@ -61,8 +61,8 @@ class ModelConfig:
     num_attention_heads: int = positive(4, when=("source", "config"))
     num_key_value_heads: int = positive(2, when=("source", "config"))
     head_dim: int = positive(16, when=("source", "config"))
-    intermediate_size: int = 128
-    max_position_embeddings: int = 512
+    intermediate_size: int = positive(128, when=("source", "config"))
+    max_position_embeddings: int = positive(512, when=("source", "config"))
     # arch=qwen3_moe, qwen3_vl_moe (docs/training.md, "Mixture of experts"): routed experts per layer, experts per
     # token (top-k), each expert's hidden size
     num_experts: int = positive(4, when=("arch", MOE_ARCHS))

@@ -82,6 +82,25 @@ def test_a_conditional_range_is_checked_only_under_its_condition():
     assert messages(dataclasses.replace(RelaxConfig(), seed=-1), "seed") == ["seed=-1 must be >= 0"]
 
 
+# every size of a source=config model's architecture: one <= 0 builds zero-element (or negative-size) layers and
+# failed only after Ray started (load_weights' shape check); it is refused before start, all of them at once
+_ARCH_SIZES = ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_every_architecture_size_must_be_positive_all_reported_at_once(value: int):
+    cfg = RelaxConfig(model=ModelConfig(**{k: value for k in _ARCH_SIZES}))
+    found = [v.message for v in validate(cfg)]
+    for key in _ARCH_SIZES:
+        assert f"model.{key}={value} must be > 0" in found, key
+    with pytest.raises(ConfigError, match="model.intermediate_size=0 must be > 0"):
+        load_config(["model.intermediate_size=0"])
+    # model.source=hf reads its architecture from its files: the field is refused as having no effect, not as a size
+    hf = RelaxConfig(model=ModelConfig(source="hf", intermediate_size=value))
+    assert not any("must be > 0" in m for m in messages(hf, "model.intermediate_size"))
+
+
 def test_sequence_parallel_has_one_statement_for_validation_and_the_policy():
     assert sequence_parallel_violation("megatron", True, 2) is None
     assert sequence_parallel_violation("torch", False, 1) is None
