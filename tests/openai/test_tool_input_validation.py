@@ -4,7 +4,8 @@ chat template renders anything and before anything is generated (`relax.serve.op
 `check_tool_names`, `call_arguments`):
 
 - a tool's `parameters` that is not an object (OpenAI: "Invalid type for 'tools[0].function.parameters': expected an
-  object"), strict or not;
+  object"), or not a JSON Schema by its metaschema, or of a type other than object (OpenAI: "Invalid schema for
+  function ..."), strict or not;
 - a tool name outside OpenAI's `^[a-zA-Z0-9_-]{1,64}$`, and two tools of one name;
 - `tool_choice` or `parallel_tool_calls` without tools on Chat Completions (OpenAI's "'tool_choice' is only allowed
   when 'tools' are specified"); the Responses API echoes both on every response, and takes "auto"/"none" and
@@ -62,6 +63,18 @@ BAD_CHAT = {
                                           "tools[0].function.parameters"),
     "parameters of a second tool a number": (dict(tools=[TOOL, _tool(name="other", parameters=5)]),
                                              "tools[1].function.parameters"),
+    "properties a string": (dict(tools=[_tool(parameters={"type": "object", "properties": "abc"})]),
+                            "tools[0].function.parameters"),
+    "properties a list, forced": (dict(tools=[_tool(parameters={"type": "object", "properties": [1]})],
+                                       tool_choice="required"), "tools[0].function.parameters"),
+    "a property's schema a string": (dict(tools=[_tool(parameters={"type": "object", "properties": {"a": "x"}})]),
+                                     "tools[0].function.parameters"),
+    "required a string, parallel off": (dict(tools=[_tool(parameters={**PARAMS, "required": "a"})],
+                                             parallel_tool_calls=False), "tools[0].function.parameters"),
+    "an unknown type, named": (dict(tools=[_tool(parameters={"type": "bogus"})],
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                               "tools[0].function.parameters"),
+    "a string schema": (dict(tools=[_tool(parameters={"type": "string"})]), "tools[0].function.parameters"),
     "name with a space": (dict(tools=[_tool(name="get weather")]), "tools[0].function.name"),
     "name with a quote": (dict(tools=[_tool(name='get"weather')]), "tools[0].function.name"),
     "name of 65 characters": (dict(tools=[_tool(name="a" * 65)]), "tools[0].function.name"),
@@ -80,6 +93,12 @@ GOOD_CHAT = {
     "parameters an object": dict(tools=[TOOL]),
     "no parameters": dict(tools=[{"type": "function", "function": {"name": "get-weather_2"}}]),
     "name of 64 characters": dict(tools=[_tool(name="a" * 64)]),
+    # what pydantic and the SDKs write: $defs and $ref, anyOf with null, enum, default, no "type" at the top
+    "a pydantic-style schema": dict(tools=[_tool(parameters={
+        "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}},
+        "properties": {"city": {"type": "string"}, "unit": {"anyOf": [{"$ref": "#/$defs/Unit"}, {"type": "null"}],
+                                                            "default": None}},
+        "required": ["city"], "additionalProperties": False})], tool_choice="required"),
     "history arguments an object": dict(messages=_history('{"a": 17}'), tools=[TOOL]),
     "history arguments empty": dict(messages=_history(""), tools=[TOOL]),
 }
@@ -97,6 +116,8 @@ BAD_RESPONSES = {
     "parameters a string": (dict(tools=[{**R_TOOL, "parameters": "abc"}]), "tools[0].parameters"),
     "parameters a list, forced": (dict(tools=[{**R_TOOL, "parameters": [1]}], tool_choice="required"),
                                   "tools[0].parameters"),
+    "properties a string": (dict(tools=[{**R_TOOL, "parameters": {"type": "object", "properties": "abc"}}]),
+                            "tools[0].parameters"),
     "name with a space": (dict(tools=[{**R_TOOL, "name": "get weather"}]), "tools[0].name"),
     "two tools of one name": (dict(tools=[R_TOOL, R_TOOL]), "tools"),
     "tool_choice required without tools": (dict(tool_choice="required"), "tool_choice"),

@@ -216,16 +216,30 @@ def check_function(fn: dict, where: str) -> None:
     """A function tool's name and parameters as OpenAI requires them, a 400 naming `where.name` or `where.parameters`
     otherwise (`where`: the chat route's `tools[i].function`, the Responses route's `tools[i]`): the name matches
     `^[a-zA-Z0-9_-]{1,64}$` (it is written into the prompt, the call format and its grammar, which expect a plain
-    word), and the parameters, when given, are a JSON Schema object, for every tool (strict or not): the templates,
-    the tools prompt and a forced call's grammar read its properties."""
+    word), and the parameters, when given, are a JSON Schema (its metaschema's check, as OpenAI's) of an object, for
+    every tool, strict or not: the templates, the tools prompt and a forced call's grammar read its properties."""
     name = fn.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise APIError(f"Invalid '{where}.name': {name!r} must match the pattern '^[a-zA-Z0-9_-]{{1,64}}$' (letters, "
                        "digits, underscores and dashes, at most 64).", param=f"{where}.name", code="invalid_value")
     params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
+    if params is None:
+        return
+    if not isinstance(params, dict):
         raise APIError(f"Invalid type for '{where}.parameters': expected an object (a JSON Schema), but got "
                        f"{_kind(params)} instead.", param=f"{where}.parameters", code="invalid_type")
+    import jsonschema  # Ray's dependency, so there wherever Relax runs
+
+    why = None
+    try:
+        jsonschema.validators.validator_for(params).check_schema(params)
+    except jsonschema.SchemaError as exc:
+        why = f"{exc.message} (at {'/'.join(map(str, exc.path)) or 'the top'})"
+    if why is None and params.get("type", "object") != "object":
+        why = f"schema must be of type \"object\", got {json.dumps(params['type'])}"
+    if why is not None:  # OpenAI's words and code; the templates and grammars read the properties of an object
+        raise APIError(f"Invalid schema for function '{name}' ('{where}.parameters'): {why}.",
+                       param=f"{where}.parameters", code="invalid_function_parameters")
 
 
 def check_tool_names(names: list[str], where: str = "tools") -> None:
