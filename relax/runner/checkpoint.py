@@ -36,6 +36,7 @@ there, so that the next job can mark it KILLED if it was killed before its first
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -688,6 +689,7 @@ class Checkpoints:
         self.lineage = uuid.uuid4().hex
         self.previous_run_id: Optional[str] = None  # the MLflow run of the last job in this directory
         self._lock_fd: Optional[int] = None
+        self._set_aside: list[tuple[Path, Path]] = []  # (where, where to) of each earlier checkpoint moved aside
         # Files the run adds to every checkpoint it commits, whoever calls `commit`: {file name: the text of the
         # checkpoint of step -> str}, written into the staging directory before its manifest (so a resume checks
         # them like every other file). Session adds the sample ledger.
@@ -735,6 +737,7 @@ class Checkpoints:
             if dest.exists():
                 dest = target / f"{path.name}-{uuid.uuid4().hex[:8]}"
             path.rename(dest)
+            self._set_aside.append((path, dest))
             moved[target] = moved.get(target, 0) + 1
         for target, n in moved.items():
             _fsync(target)
@@ -742,6 +745,26 @@ class Checkpoints:
                   f"{target} (train.resume={target} continues that run)", file=sys.stderr)
         if moved:
             _fsync(self.save_dir)
+
+    def put_back_earlier_runs(self) -> int:
+        """Move the checkpoints `_set_aside_earlier_runs` set aside back where they were (those whose place is still
+        free), and say so; the number moved back. For a fresh run that fails before it starts training (its MLflow
+        run cannot be opened): the directory is left as that run found it, and `train.resume=auto` still continues
+        the earlier run."""
+        back = 0
+        for path, dest in reversed(self._set_aside):
+            if dest.exists() and not path.exists():
+                dest.rename(path)
+                back += 1
+                with contextlib.suppress(OSError):  # earlier/<lineage>/ (and earlier/) emptied: as before the move
+                    dest.parent.rmdir()
+                    dest.parent.parent.rmdir()
+        self._set_aside = []
+        if back:
+            _fsync(self.save_dir)
+            print(f"relax-train: note: the run did not start; {back} checkpoint(s) of the earlier run moved back to "
+                  f"{self.save_dir}", file=sys.stderr)
+        return back
 
     def __exit__(self, *exc: Any) -> None:
         self._unlock()

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from relax.config.credentials import without_secrets
 from relax.config.schema import RelaxConfig
 from relax.rewards.remote import is_url
+from relax.tracking.db_store import DATABASE_PORTS, database_engine
 
 ENDPOINT_TIMEOUT_S = 3.0  # a TCP connect to each address the run must reach (`endpoints`); all are probed at once;
 # an HTTP server has as long again for the first byte of its answer to a GET
@@ -93,9 +94,10 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
     """Every address a start of `cfg` must reach that the user gave (the `endpoints` check)."""
     targets: list[Endpoint] = []
 
-    def url(option: str, value: str, what: str, tracking_store: bool = False) -> None:
+    def url(option: str, value: str, what: str, tracking_store: bool = False,
+            default_port: Optional[int] = None) -> None:
         scheme = urlsplit(value).scheme.lower()
-        target = _host_port(value, {"http": 80, "https": 443}.get(scheme))
+        target = _host_port(value, {"http": 80, "https": 443}.get(scheme, default_port))
         if target is not None:  # one the config rules let through unparsed: the start's own error names it
             targets.append(Endpoint(option, value, *target, what=what,
                                     scheme=scheme if scheme in ("http", "https") else None,
@@ -108,6 +110,11 @@ def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
             url(f"rollout.sglang.urls[{i}]", u, "an SGLang server")
     if cfg.tracking.enabled and urlsplit(cfg.tracking.uri).scheme.lower() in ("http", "https"):
         url("tracking.uri", cfg.tracking.uri, "an MLflow tracking server", tracking_store=True)
+    elif cfg.tracking.enabled and (engine := database_engine(cfg.tracking.uri)) is not None:
+        # MLflow's database store on a server: a TCP connection is all that is asked (its protocol is the driver's);
+        # a URI without a host (a local socket in the query) is left to the driver
+        url("tracking.uri", cfg.tracking.uri.strip(), f"the {engine} server of the MLflow store", tracking_store=True,
+            default_port=DATABASE_PORTS[engine])
     if is_url(cfg.data.reward):
         url("data.reward", cfg.data.reward.strip(), "a reward service")
     elif not isinstance(cfg.data.reward, str):  # a list: each service of it (relax.rewards.combined)
@@ -230,7 +237,8 @@ def unreachable_endpoints(targets: Sequence[Endpoint], timeout_s: float = ENDPOI
     for i, t in enumerate(targets):
         why = found.get(i, f"no answer from {t.host}:{t.port} within {wait_s:g} s")
         if why is not None:
-            value = without_secrets(t.value) if t.scheme in ("http", "https") else t.value  # a query may hold a token
+            # a URL's query may hold a token, a database URL's user part a password
+            value = without_secrets(t.value) if t.scheme in ("http", "https") or t.tracking_store else t.value
             problems.append(Unreachable(t, f"{t.option}={value}: {why} (is {t.what} running there, and reachable "
                                            "from this machine?)"))
     return problems

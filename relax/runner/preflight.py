@@ -91,6 +91,7 @@ from relax.runner.reward_model import check_reward_model
 from relax.serve.openai.agents import load_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
+from relax.tracking.db_store import database_engine, driver_problem
 from relax.tracking.mlflow_run import file_store_problem, resolve_tracking_uri, sqlite_path, sqlite_store_problem
 from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
@@ -459,6 +460,10 @@ def _tracking(pre: Preflight) -> bool:
     if not pre.cfg.tracking.enabled:
         return False
     uri = pre.cfg.tracking.uri
+    if database_engine(uri) is not None:  # a database server: its driver here (the endpoints check probes the server)
+        if (problem := driver_problem(uri)) is not None:
+            raise RunError(problem)
+        return True
     if sqlite_path(resolve_tracking_uri(uri)) is None:
         # a file store MLflow refuses (else it would stop the start once Ray is up); a server is the endpoints check's
         if (problem := file_store_problem(uri)) is not None:
@@ -489,7 +494,8 @@ CHECKS: tuple[Check, ...] = (
     Check("agent", "chat template renders observations; env, tools, agent load", _agent, ("tokenizer",)),
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
-    Check("tracking", "tracking.uri's sqlite store can be created and written; no refused file store", _tracking),
+    Check("tracking", "tracking.uri's sqlite store can be created and written, a database store's driver imports; "
+          "no refused file store", _tracking),
     Check("endpoints", "cluster.address, rollout.sglang.urls, tracking.uri, ... accept connections", _endpoints),
     Check("gpus", "a local Ray instance gets the plan's GPUs", _gpus),
     Check("checkpoints", "save dir free and creatable; train.resume's checkpoint", _checkpoints),

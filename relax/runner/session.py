@@ -225,8 +225,13 @@ class Session:
                 try:
                     self.tracker = Tracker.start(cfg.tracking, options, run_name=cfg.tracking.run_name, tags=tags,
                                                  params=flatten_config(cfg), parent_run_id=cfg.tracking.parent_run_id)
-                except TrackingUnavailable as exc:  # before training: a wrong URI is the user's to fix
-                    raise RunError(str(exc)) from None
+                except BaseException as exc:
+                    # the run never started: an earlier run's checkpoints that this fresh one set aside go back
+                    if self.checkpoints is not None:
+                        self.checkpoints.put_back_earlier_runs()
+                    if isinstance(exc, TrackingUnavailable):  # before training: a wrong URI is the user's to fix
+                        raise RunError(str(exc)) from None
+                    raise
         else:
             self.tracker = NullTracker()
         self.tracker.__enter__()

@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar
 
 from relax.metrics import SYSTEM_PREFIX
+from relax.tracking.db_store import driver_problem
 from relax.tracking.git_info import MLFLOW_GIT_COMMIT_TAG, git_tags
 from relax.tracking.inputs import DatasetRecord
 from relax.tracking.null_tracker import RUN_STATUSES, NullTracker
@@ -474,6 +475,8 @@ class Tracker:
         except Exception as exc:
             if (refused := file_store_refused(uri, exc)) is not None:
                 raise TrackingUnavailable(f"tracking.uri={tracking_cfg.uri}: {refused}") from None
+            if (no_driver := driver_problem(uri)) is not None:  # a database store whose driver does not import
+                raise TrackingUnavailable(no_driver) from None
             if is_store_error(exc) and not is_rejection(exc):
                 raise _unavailable_at_start(uri, exc, "the run starts") from exc
             raise
