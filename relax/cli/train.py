@@ -120,10 +120,11 @@ def _run(dc) -> object:
 
     from relax.config import ConfigError, to_relax_config
 
-    try:
-        cfg = to_relax_config(dc)
+    try:  # the command line's overrides (this job's, in a sweep): what it set, beside a reused run's saved config
+        cfg = to_relax_config(dc, overrides=list(HydraConfig.get().overrides.task))
     except ConfigError as exc:
-        _job_fail(f"invalid config:\n{exc}")
+        n = len(exc.violations)
+        _job_fail(f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}")
     from relax.runner.plan import build_plan
 
     plan = build_plan(cfg)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -11,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from relax import algorithms
 from relax.algorithms.base import Violation
 from relax.config.derive import resolve
-from relax.config.schema import RelaxConfig
+from relax.config.schema import RelaxConfig, TrainConfig
 from relax.config.store import PLUGINS_KEY, PluginError, import_plugins, register_configs, writable_node
 from relax.config.unknown_keys import choice_problems, compose_known, drop_extra_keys, extra_keys, unknown_key
 from relax.config.validate import ConfigError, check, validate
@@ -27,10 +30,19 @@ def conf_dir() -> Path:
     return CONF_DIR
 
 
-def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = ()) -> RelaxConfig:
+# what a run writes: in a reused run's saved config, the run's; an evaluation-only run of it writes none of it
+RUN_SAVING_FIELDS = ("save_interval", "keep_checkpoints", "save_hf")
+
+
+def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
+                    overrides: Optional[Sequence[str]] = None) -> RelaxConfig:
     """Instantiate the frozen dataclasses, derive the None fields, validate (raises ConfigError). A key the schema
-    lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others."""
+    lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others.
+    `overrides`: the command line's (Hydra's syntax), where the caller has them: with a run's saved config as the
+    primary config and train.num_rollout=0, the run's saving options that they do not set (`RUN_SAVING_FIELDS`)
+    are put back to their defaults, with a note (`_evaluation_writes_nothing`); None: every value counts as set."""
     found = list(unknown)
+    typed: Optional[set[str]] = None
     try:  # the user's modules (relax-train imported those of its command line already): they may register the saved
         # config's algorithm, and an unimportable one is refused here, before anything starts
         import_plugins(list(dc.get(PLUGINS_KEY) or ()))
@@ -38,16 +50,46 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = ()) -> RelaxC
         raise ConfigError([Violation((PLUGINS_KEY,), str(exc))]) from None
     if OmegaConf.get_type(dc) is not RelaxConfig:  # `-cn` named a YAML file of its own (`-cp <dir> -cn <name>`)
         dc = saved_config(dc)
+        if overrides is not None:
+            typed = override_keys(overrides)
     if extra_keys(dc):
         dc = dc.copy()
         found += drop_extra_keys(dc)
     obj = OmegaConf.to_object(dc)
     if not isinstance(obj, RelaxConfig):
         raise TypeError(f"composed config is {type(obj).__name__}, expected RelaxConfig")
+    if typed is not None:
+        obj = _evaluation_writes_nothing(obj, typed)
     if not found:
         return check(resolve(obj), given=obj)
     cfg = resolve(obj)
     raise ConfigError(found + validate(cfg, given=obj), cfg.algorithm.name)
+
+
+def _evaluation_writes_nothing(cfg: RelaxConfig, typed: set[str]) -> RelaxConfig:
+    """`cfg`, a reused run's saved config with the command line's overrides (which set the keys `typed`), as an
+    evaluation-only run (train.num_rollout=0) of it: the run's saving options the command line did not set are put
+    back to their defaults, and a note on stderr names them. They say what the training run wrote; this run trains
+    nothing and writes no checkpoint, and its options are checked as any run's (one set on the command line is
+    refused as having no effect: validate). Unchanged for any other run."""
+    if cfg.train.num_rollout != 0:
+        return cfg
+    default = TrainConfig()
+    reset = {k: getattr(default, k) for k in RUN_SAVING_FIELDS
+             if f"train.{k}" not in typed and getattr(cfg.train, k) != getattr(default, k)}
+    if not reset:
+        return cfg
+    was = ", ".join(f"train.{k}={getattr(cfg.train, k)}" for k in reset)
+    print(f"relax-train: note: evaluation only (train.num_rollout=0) writes no checkpoint and exports nothing: the "
+          f"saved config's {was} (the training run's) do not apply to it", file=sys.stderr)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **reset))
+
+
+def override_keys(overrides: Sequence[str]) -> set[str]:
+    """The config keys that Hydra overrides set, add or delete (`train.save_hf=true`, `+a.b=1`, `~a.b`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))}
 
 
 # the sections every saved Relax config holds (a checkpoint's config.yaml, the MLflow run's config.yaml artifact)

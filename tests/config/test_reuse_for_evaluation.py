@@ -72,8 +72,8 @@ def test_relax_train_reads_a_relative_config_path_from_the_working_directory(tmp
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and "TypeError" not in out.stderr
-    assert "relax-train: error: invalid config:\n  - the config file (-cn/--config-name) is not a Relax config" \
-        in out.stderr
+    assert "relax-train: error: invalid config (1 problem):\n  - the config file (-cn/--config-name) is not a " \
+           "Relax config" in out.stderr
 
 
 def test_an_adapter_directory_as_model_path_stands_for_its_merged_model(tmp_path, monkeypatch):
@@ -89,3 +89,47 @@ def test_an_adapter_directory_as_model_path_stands_for_its_merged_model(tmp_path
     (tmp_path / "adapter_config.json").unlink()  # the control: a directory without either file
     with pytest.raises(ModelPathError, match="has no config.json"):
         check_model_files(ModelConfig(source="hf", path=str(tmp_path)))
+
+
+def loaded(directory: Path, *overrides: str):
+    """What relax-train makes of `-cp <directory> -cn config <overrides>`: the overrides passed along (`_run`)."""
+    with initialize_config_dir(config_dir=str(directory), version_base=None):
+        return to_relax_config(compose(config_name="config", overrides=list(overrides)), overrides=list(overrides))
+
+
+def test_evaluating_a_run_with_its_saved_config_needs_none_of_its_saving_options_retyped(tmp_path, capsys):
+    """review-user #4: the documented `-cp <checkpoint> -cn config train.resume=<checkpoint> train.num_rollout=0` was
+    refused for any run that saved every few steps or exported (its own config's saving options 'have no effect')."""
+    cfg, directory = saved(tmp_path, "train.save_interval=2", "train.save_hf=true", "train.keep_checkpoints=3")
+    out = loaded(directory, "train.num_rollout=0")
+    # the evaluation writes nothing: the run's saving options are put back to the defaults, and a note says so
+    default = type(cfg.train)()
+    assert (out.train.num_rollout, out.train.save_interval, out.train.save_hf, out.train.keep_checkpoints) == \
+        (0, default.save_interval, False, default.keep_checkpoints)
+    note = capsys.readouterr().err
+    assert "evaluation only (train.num_rollout=0) writes no checkpoint and exports nothing" in note
+    assert "train.save_interval=2, train.keep_checkpoints=3, train.save_hf=True (the training run's)" in note
+    # every other field is the run's
+    assert out == dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, num_rollout=0, save_interval=default.save_interval, save_hf=False,
+        keep_checkpoints=default.keep_checkpoints))
+    # one set on this command line is the user's for this run: refused, as without a saved config
+    with pytest.raises(ConfigError) as exc:
+        loaded(directory, "train.num_rollout=0", "train.save_hf=true")
+    assert [v.fields for v in exc.value.violations] == [("train.save_hf",)]
+    # continuing the run (steps left) keeps what it writes
+    more = loaded(directory, "train.num_rollout=8")
+    assert (more.train.save_interval, more.train.save_hf, more.train.keep_checkpoints) == (2, True, 3)
+    # the control: without the command line's overrides every value counts as set, and the rule refuses all three
+    with pytest.raises(ConfigError, match="train.save_hf=True has no effect: train.num_rollout=0"):
+        composed(directory, "config", "train.num_rollout=0")
+
+
+def test_relax_train_evaluates_a_saved_config_with_its_saving_options(tmp_path):
+    _, directory = saved(tmp_path, "train.save_interval=2", "train.save_hf=true")
+    run = subprocess.run([sys.executable, "-m", "relax.cli.train", "-cp", str(directory), "-cn", "config",
+                          "train.num_rollout=0", "dry_run=true", f"train.save_dir={tmp_path / 'ck'}"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "train.save_interval=2, train.save_hf=True (the training run's) do not apply" in run.stderr
+    assert "dry run: config valid" in run.stdout
