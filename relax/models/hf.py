@@ -9,6 +9,8 @@ role compute exactly these values through `relax.train.logprobs.response_logprob
 
 from __future__ import annotations
 
+import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -262,9 +264,75 @@ def build_model(
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast weights only: buffers such as RoPE's inv_freq stay fp32, as the trainer's are, so that rollout and
-    trainer log-probs differ only by the weights' precision."""
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
+    trainer log-probs differ only by the weights' precision. The weights the model's class keeps in fp32
+    (`kept_in_fp32`: DeepSeek-V3's and GLM-4.5's routers) stay fp32 too, as `from_pretrained(dtype=...)` keeps them,
+    so that an engine built from a .gguf file or from a config holds what one loaded from a checkpoint holds."""
+    keep = kept_in_fp32(model, dtype)
+    for name, param in model.named_parameters():
+        if name not in keep:
+            param.data = param.data.to(dtype)
+
+
+def kept_in_fp32(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> frozenset[str]:
+    """The `model.state_dict()` names of the tensors transformers keeps in fp32 when it loads `model`'s class in
+    `dtype`: its `_keep_in_fp32_modules_strict` for bf16 or fp16 (DeepSeek-V3 and GLM-4.5: each router's
+    `gate.weight` and `e_score_correction_bias`, whose forward computes in fp32), its `_keep_in_fp32_modules` for fp16
+    (gpt-oss's norms), matched as `from_pretrained` matches them (each pattern searched in the name, `*` any run of
+    characters). The one owner of which tensors a rollout engine of that class holds in fp32: the engine's loading
+    (`from_pretrained`, `cast_parameters`) keeps them, the trainer ships them in fp32 (`with_fp32_kept`). Empty for a
+    module that is not a transformers model, for fp32 and for None (no cast)."""
+    plan_of = getattr(model, "_get_dtype_plan", None)  # transformers' PreTrainedModel: the plan from_pretrained uses
+    if dtype is None or dtype == torch.float32 or plan_of is None:
+        return frozenset()
+    patterns = [p for p, d in plan_of(dtype).items() if d == torch.float32]
+    if not patterns:
+        return frozenset()
+    rx = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
+    return frozenset(name for name in model.state_dict() if rx.search(name))
+
+
+_FP32_COMPUTE = threading.local()  # each thread's stack of the autocast-off contexts `fp32_compute`'s hooks entered
+
+
+def fp32_compute(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Run the modules whose own weights `kept_in_fp32(model, dtype)` names (DeepSeek-V3's / GLM-4.5's routers) with
+    autocast off, once per model: the trainer's fp32 master copy under bf16 autocast would otherwise compute them in
+    bf16 (autocast casts the router's `F.linear` inputs, its weight included), while the engine, whose bf16 model
+    holds them fp32 and runs without autocast, computes them in fp32 as their forward asks (`.type(torch.float32)`).
+    Idempotent; nothing for fp32 or for a model whose class keeps nothing in fp32."""
+    keep = kept_in_fp32(model, dtype)
+    if not keep or getattr(model, "_relax_fp32_compute", False):
+        return
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        ctx = torch.autocast(next(module.parameters()).device.type, enabled=False)
+        ctx.__enter__()
+        _FP32_COMPUTE.__dict__.setdefault("stack", []).append(ctx)
+
+    def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        _FP32_COMPUTE.stack.pop().__exit__(None, None, None)
+
+    for path, module in model.named_modules():
+        own = [f"{path}.{n}" if path else n for n, _ in module.named_parameters(recurse=False)]
+        if own and all(n in keep for n in own):
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave, always_call=True)
+    model._relax_fp32_compute = True
+
+
+def with_fp32_kept(state: dict[str, torch.Tensor], model: torch.nn.Module,
+                   dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """`state` (weights cast to the rollout engine's `dtype`, keyed like `model.state_dict()`) with every tensor the
+    engine keeps in fp32 (`kept_in_fp32`) replaced by an fp32 CPU copy of `model`'s: the engine then holds the
+    trainer's router weights bit for bit, not bf16-rounded ones (its fp32 router would choose experts by rounded
+    weights). Only names `state` holds are replaced (an adapters-only state holds none)."""
+    keep = kept_in_fp32(model, dtype)
+    if not keep:
+        return state
+    own = model.state_dict()
+    for name in keep & state.keys():
+        state[name] = own[name].detach().to(device="cpu", dtype=torch.float32, copy=True)
+    return state
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

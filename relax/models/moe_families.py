@@ -25,6 +25,11 @@ sigmoid routers (`compute_routing_scores_for_aux_loss`), s / sum(s) for the thir
 `RouterFamily.selection_bias` names the router's buffer that enters the choice only (DeepSeek-V3's and GLM-4.5's
 `e_score_correction_bias`): the one auxiliary-loss-free load balancing moves (`train.moe_expert_bias_update_rate`,
 `relax.train.routing.TrainerRouting.update_selection_bias`); None for a family whose routers have none.
+
+Which router tensors a bf16 rollout engine holds in fp32 is not restated here: the model class declares it
+(transformers' `_keep_in_fp32_modules_strict`: DeepSeek-V3's and GLM-4.5's `gate.weight` and
+`e_score_correction_bias`; none for the other families), and `relax.models.hf.kept_in_fp32` reads that declaration for
+the engine's loading, the trainer's weight sync and the trainer's fp32 router compute alike.
 """
 
 from __future__ import annotations

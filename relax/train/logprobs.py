@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 from relax.batch import Samples
-from relax.models.hf import entropy_from_logprobs, response_hidden_states, response_logprobs_all
+from relax.models.hf import entropy_from_logprobs, fp32_compute, response_hidden_states, response_logprobs_all
 from relax.models.vision import is_vision_model, vision_response_logprobs
 from relax.train.packing import Packed, pack, trimmed_sequences
 
@@ -332,8 +332,11 @@ def forward_logprobs(model: torch.nn.Module, mb: Samples, *, device: torch.devic
     `response_logprobs`; with `packed` (train.pack_sequences) as one packed sequence without padding (`pack`), into
     `packed_logprobs`. Log-probs of `softmax(logits / temperature)`, the rollout's sampling distribution. entropy:
     "grad" (with a gradient) | "metric" (detached) | "none". Masked positions hold 0; the values are those of
-    `relax.models.hf.token_logprobs` up to float rounding.
+    `relax.models.hf.token_logprobs` up to float rounding. The modules the model's class keeps in fp32 (the routers
+    of DeepSeek-V3 / GLM-4.5) compute in fp32 under bf16 autocast, as the rollout engine's do (`fp32_compute`).
     """
+    if compute_dtype != torch.float32:
+        fp32_compute(model, compute_dtype)
     if mb.vision is not None or is_vision_model(model):  # the model's own multimodal forward (relax.models.vision)
         if packed:  # one row without padding, each sequence's own 3-D positions (relax.train.vision_packing)
             from relax.train.vision_packing import packed_vision_logprobs

@@ -35,7 +35,7 @@ from relax.models.checkpoint_files import (
     load_safetensors_file,
     load_tensor_file,
 )
-from relax.models.hf import build_model, pick_device, pick_dtype
+from relax.models.hf import build_model, pick_device, pick_dtype, with_fp32_kept
 from relax.models.saved_format import to_model_layout
 from relax.models.weight_buffers import cpu_state
 from relax.models.write_errors import os_write_errors, torch_save
@@ -445,14 +445,12 @@ class TorchPolicy(TorchTrainer, PolicyTrainer):
         (`relax.models.lora.rollout_state`).
         """
         if self.peft is not None:
-            return lora.rollout_state(self.peft, merged=not self.adapters_only_sync, dtype=dtype)
-        state = cpu_state(self.model.state_dict().items(), dtype)
-        if self.routing is not None:
-            # the routers' selection bias stays fp32, as the engine holds it (transformers keeps it fp32 in a bf16
-            # model) and as it is updated: bf16 rounding would move the engine's choice away from the trainer's
-            for name in self.routing.selection_bias_names(self.model):
-                state[name] = self.model.get_buffer(name).detach().float().cpu()
-        return state
+            state = lora.rollout_state(self.peft, merged=not self.adapters_only_sync, dtype=dtype)
+        else:
+            state = cpu_state(self.model.state_dict().items(), dtype)
+        # what the engine keeps in fp32 travels in fp32 (DeepSeek-V3's / GLM-4.5's routers: weight and selection
+        # bias; none in an adapters-only state): bf16 rounding would move its choice away from the trainer's
+        return with_fp32_kept(state, self.model, dtype)
 
     def load_weights(self, state_dict: dict[str, Any]) -> None:
         """Load weights (e.g. from `state_dict_for_rollout` or a reference checkpoint); tied keys optional."""
