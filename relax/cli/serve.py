@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import types
@@ -37,6 +39,37 @@ def _fail(message: str, code: int = USAGE_EXIT) -> NoReturn:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, no usage dump
         _fail(f"{message} (see relax-serve --help)")
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port, 0 to 65535 (0: any free one), refused by the parser, before the model loads (the socket's
+    own check came after it, as a traceback)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0 to 65535; 0: any free port)") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0 to 65535; 0: any free port)")
+    return port
+
+
+def host_problem(host: str) -> str | None:
+    """Why relax-serve cannot bind `host`: neither an IP address nor a name this machine resolves (`0.0.0.0.0`, which
+    the loopback check would otherwise call reachable beyond this machine); None when it can. "" (every interface,
+    as for a socket) passes."""
+    if host == "":
+        return None
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return None
+    except (socket.gaierror, UnicodeError):
+        return (f"--host {host} is not a valid address: give an IP address (127.0.0.1, ::1, 0.0.0.0) or a name "
+                "this machine resolves (localhost)")
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:
@@ -138,7 +171,7 @@ def _check_reasoning_secret() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, start the server, serve until SIGINT/SIGTERM."""
     parser = _Parser(prog="relax-serve", description="Relax's embedded rollout engine behind SGLang's HTTP protocol.")
-    parser.add_argument("--port", type=int, required=True, help="port to listen on (0: any free port)")
+    parser.add_argument("--port", type=_port, required=True, help="port to listen on (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--config", default=None, help="a resolved RelaxConfig as JSON (dataclasses.asdict)")
@@ -158,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail("give either --config or overrides, not both")
     if args.threads is not None and args.threads < 1:
         _fail(f"--threads={args.threads}: must be >= 1")
+    if (problem := host_problem(args.host)) is not None:
+        _fail(problem)
     _check_reasoning_secret()
     cfg = _load(args)
     from relax.models.hf import resolve_model_path
