@@ -92,7 +92,13 @@ from relax.serve.openai.agents import load_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
 from relax.tracking.db_store import database_engine, driver_problem
-from relax.tracking.mlflow_run import file_store_problem, resolve_tracking_uri, sqlite_path, sqlite_store_problem
+from relax.tracking.mlflow_run import (
+    experiment_problem,
+    file_store_problem,
+    resolve_tracking_uri,
+    sqlite_path,
+    sqlite_store_problem,
+)
 from relax.train.megatron.model import arch_from_hf_config, check_parallel_sizes
 
 # what a check raises for a user's mistake (anything else is a bug, and propagates)
@@ -468,8 +474,13 @@ def _tracking(pre: Preflight) -> bool:
         # a file store MLflow refuses (else it would stop the start once Ray is up); a server is the endpoints check's
         if (problem := file_store_problem(uri)) is not None:
             raise RunError(problem)
-        return False
-    if (problem := sqlite_store_problem(uri)) is not None:
+        server = [t for t in endpoint_targets(pre.cfg) if t.tracking_store and t.scheme in ("http", "https")]
+        if not server or unreachable(server):  # an unreachable server: the endpoints check names it
+            return False
+    elif (problem := sqlite_store_problem(uri)) is not None:
+        raise RunError(problem)
+    # a deleted tracking.experiment, in a store there is (a sqlite database that exists, an MLflow server)
+    if (problem := experiment_problem(uri, pre.cfg.tracking.experiment)) is not None:
         raise RunError(problem)
     return True
 
@@ -495,7 +506,7 @@ CHECKS: tuple[Check, ...] = (
     Check("openai_agent", "data.openai_agent and its tool-call parser load", _openai_agent, ("tokenizer",)),
     Check("lora", "model.lora_target_modules are linear layers of the model", _lora, ("tokenizer",)),
     Check("tracking", "tracking.uri's sqlite store can be created and written, a database store's driver imports; "
-          "no refused file store", _tracking),
+          "no refused file store; tracking.experiment not deleted", _tracking),
     Check("endpoints", "cluster.address, rollout.sglang.urls, tracking.uri, ... accept connections", _endpoints),
     Check("gpus", "a local Ray instance gets the plan's GPUs", _gpus),
     Check("checkpoints", "save dir free and creatable; train.resume's checkpoint", _checkpoints),

@@ -109,6 +109,45 @@ class TrackingUnavailable(RuntimeError):
     """The store cannot be reached when a run starts or is reopened (see the module docstring)."""
 
 
+class TrackingRefused(TrackingUnavailable):
+    """The store answers but cannot take the run as configured (tracking.experiment is deleted there): the user's
+    to fix, reported in one line wherever TrackingUnavailable is."""
+
+
+def deleted_experiment(experiment: str, experiment_id: str, uri: str) -> str:
+    """The message for a new run in `experiment` (id `experiment_id`), deleted in store `uri`."""
+    return (f"MLflow experiment {experiment!r} (id {experiment_id}) is deleted in {uri}; restore it (mlflow "
+            f"experiments restore --experiment-id {experiment_id}) or choose another tracking.experiment")
+
+
+def experiment_problem(uri: str, experiment: str, cwd: Optional[str] = None) -> Optional[str]:
+    """Why a new run cannot be opened in `experiment` of the store at tracking.uri `uri`: it is deleted there (what
+    `Tracker.start` refuses, after Ray has started), else None. A check before anything starts
+    (`relax.runner.preflight`'s `tracking`), which changes nothing: only a sqlite database that exists (and is not
+    empty: MLflow would create its tables) or an HTTP(S) server is opened (the caller probes a server first); any
+    other failure to read the store is left to the start, which names it."""
+    resolved = resolve_tracking_uri(uri, cwd)
+    db = sqlite_path(resolved)
+    if db is not None:
+        if not (os.path.isfile(db) and os.path.getsize(db) > 0):
+            return None
+    elif not resolved.lower().startswith(("http://", "https://")):
+        return None
+    bound_http_retries(resolved)
+    quiet_mlflow_logging()
+    from mlflow import MlflowClient
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
+            found = MlflowClient(tracking_uri=resolved).get_experiment_by_name(experiment)
+    except Exception:  # noqa: BLE001 - not this check's to report: the start names it, as before
+        return None
+    if found is None or found.lifecycle_stage != "deleted":
+        return None
+    return f"tracking.experiment={experiment}: " + deleted_experiment(experiment, found.experiment_id, resolved)
+
+
 FILE_STORE_OPT_IN = "MLFLOW_ALLOW_FILE_STORE"  # MLflow 3's opt-in to its file store, named in its refusal
 
 
@@ -424,7 +463,7 @@ class Tracker:
         of earlier runs of the same store left there are replayed first. `options.system_metrics_s`: sample MLflow's
         system metrics every that many seconds (`start_system_metrics`); None: none. The run is tagged with the git
         commit and dirty state of Relax and of the working directory's project (`relax.tracking.git_info`).
-        TrackingUnavailable if the store cannot be reached.
+        TrackingUnavailable if the store cannot be reached; TrackingRefused (one) if tracking.experiment is deleted.
         """
         _check_interval(options.system_metrics_s)
         quiet_mlflow_logging()
@@ -456,11 +495,7 @@ class Tracker:
                     experiment_id = experiment.experiment_id
             else:
                 if experiment.lifecycle_stage == "deleted":
-                    raise RuntimeError(
-                        f"MLflow experiment {tracking_cfg.experiment!r} (id {experiment.experiment_id}) is deleted "
-                        f"in {uri}; restore it (mlflow experiments restore --experiment-id "
-                        f"{experiment.experiment_id}) or choose another tracking.experiment"
-                    )
+                    raise TrackingRefused(deleted_experiment(tracking_cfg.experiment, experiment.experiment_id, uri))
                 experiment_id = experiment.experiment_id
 
             system_tags = {k: str(v) for k, v in resolve_tags({}).items()}  # user, source, git commit
@@ -472,6 +507,8 @@ class Tracker:
             if parent_run_id is not None:
                 system_tags[PARENT_RUN_ID_TAG] = parent_run_id
             run = client.create_run(experiment_id, tags=system_tags, run_name=run_name or tracking_cfg.run_name)
+        except TrackingRefused:
+            raise
         except Exception as exc:
             if (refused := file_store_refused(uri, exc)) is not None:
                 raise TrackingUnavailable(f"tracking.uri={tracking_cfg.uri}: {refused}") from None
@@ -542,6 +579,8 @@ class Tracker:
         except Exception as exc:
             if (refused := file_store_refused(uri, exc)) is not None:
                 raise TrackingUnavailable(f"tracking.uri={tracking_cfg.uri}: {refused}") from None
+            if (no_driver := driver_problem(uri)) is not None:  # a database store whose driver does not import
+                raise TrackingUnavailable(no_driver) from None
             if is_rejection(exc):  # the store answered: no such run
                 raise LookupError(f"MLflow run {run_id} is not in the store {uri}: {exc.message}") from None
             if is_store_error(exc):
