@@ -100,11 +100,16 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
     except ConfigError as exc:
         if not environment:
             kept = [v for v in exc.violations if not set(v.fields) <= ENVIRONMENT_FIELDS]
-            if not kept:
+            if kept:
+                exc = ConfigError(kept)
+            elif not start_checks or exc.config is None:
                 return None
-            exc = ConfigError(kept)
-        n = len(exc.violations)
-        return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}"
+            else:  # only the environment's rules (a key's variable unset here, set where it runs): the config is
+                # otherwise valid, and the start checks that read it alone still apply
+                cfg = exc.config
+        if cfg is None:
+            n = len(exc.violations)
+            return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}"
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         return hydra_error_message(exc)
     if start_checks and cfg is not None:

@@ -39,9 +39,13 @@ ENVIRONMENT_FIELDS = frozenset({"reward_model.api_key_env", "data.reward_service
 class ConfigError(Exception):
     """A config that breaks one or more rules; `str()` lists them all."""
 
-    def __init__(self, violations: list[Violation], algorithm: str | None = None):
+    def __init__(self, violations: list[Violation], algorithm: str | None = None,
+                 config: RelaxConfig | None = None):
         self.violations = violations
         self.algorithm = algorithm
+        # the resolved config the violations are of (`check`'s), so that a caller that exempts some rules
+        # (relax-submit: `ENVIRONMENT_FIELDS`) can still check the rest of it; None where none was built
+        self.config = config
         super().__init__(format_violations(violations))
 
 
@@ -945,5 +949,5 @@ def check(cfg: RelaxConfig, given: RelaxConfig | None = None) -> RelaxConfig:
     """Raise ConfigError with every violation, else return cfg. `given`: as for `validate`."""
     found = validate(cfg, given)
     if found:
-        raise ConfigError(found, cfg.algorithm.name)
+        raise ConfigError(found, cfg.algorithm.name, config=cfg)
     return cfg

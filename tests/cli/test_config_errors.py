@@ -242,6 +242,34 @@ def test_submit_leaves_a_keys_variable_to_the_cluster(monkeypatch, capsys):
     assert "reward_model.api_key_env=RELAX_TEST_UNSET_KEY" in capsys.readouterr().out
 
 
+def test_submit_runs_the_start_checks_when_only_a_keys_variable_is_unset_here(monkeypatch, capsys, tmp_path):
+    """The usual relax-submit case: the judge's key variable is set on the cluster only, which the rules leave to
+    the cluster; the config's other start checks still apply. A data.tool_parser that nothing reads is refused at
+    submit with the start's message (exit 2), as it is with the variable set (the control: the same refusal) and
+    with data.tools, which reads it, the job is submitted. Before: the unset variable made job_problem return None
+    early, so the job was submitted and refused by the cluster's preflight."""
+    from relax.cli.submit import main
+
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    monkeypatch.delenv("RELAX_TEST_UNSET_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    judge = ["reward_model=judge", "reward_model.engine=openai", "reward_model.url=http://10.0.0.1:8000/v1",
+             "reward_model.model=judge", "reward_model.api_key_env=RELAX_TEST_UNSET_KEY"]
+    bad = [*judge, "data.tool_parser=hermes"]
+    refusal = "relax-submit: error: a start would stop before Ray: data.tool_parser=hermes has no effect"
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--", *bad])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == "" and captured.err.startswith(refusal), captured.err
+    monkeypatch.setenv("RELAX_TEST_UNSET_KEY", "k")  # control: the variable set here, the same refusal
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--exp-dir", "/shared/exp", "--", *bad])
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith(refusal)
+    monkeypatch.delenv("RELAX_TEST_UNSET_KEY")
+    main(["--dry-run", "--exp-dir", "/shared/exp", "--", *bad, "data.tools=[python]", "rollout.max_turns=4"])
+    assert "data.tool_parser=hermes" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("n", ["0", "-5"])
 def test_compare_refuses_a_bootstrap_below_1(n, capsys):
     from relax.cli.compare import main
