@@ -376,11 +376,16 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
     if refused:
         lines = "\n".join(f"  {key}: {before} -> {now}" for key, (before, now) in refused.items())
         n = len(refused)
+        if cfg.train.num_rollout == 0:  # evaluating it: its run's own config is the one that fits, none retyped
+            advice = (f"To evaluate it, give its run's own config (its config.yaml) and the options to change: "
+                      f"relax-train -cp {path} -cn config train.resume={path} train.num_rollout=0 ...")
+        else:
+            advice = ("Run with the checkpoint's values to continue it, or start a new run elsewhere "
+                      "(tracking.run_name=... or train.save_dir=...).")
         raise RunError(
             f"train.resume={cfg.train.resume}: checkpoint {path} was written with a different config, so this run "
             f"cannot continue it ({n} field{'s differ' if n > 1 else ' differs'}, checkpoint -> now):\n{lines}\n"
-            f"{why}Only {', '.join(RESUMABLE_CHANGES)} may change on resume. Run with the checkpoint's values to "
-            f"continue it, or start a new run elsewhere (tracking.run_name=... or train.save_dir=...)."
+            f"{why}Only {', '.join(RESUMABLE_CHANGES)} may change on resume. {advice}"
         )
     check_run_model(cfg, path, state)
     verify(path, state, hashes=hashes)
