@@ -598,14 +598,20 @@ class Session:
     def _nothing_trained(self, extra: dict[str, object]) -> tuple[str, dict[str, object]]:
         """The summary's title and rows of a run whose every step (of this process) left every group out: its reward
         calls or episodes failed (a run of data.max_failed_reward_steps such steps stops before; a shorter one ends
-        here), so no step trained and it has no reward of its own to show."""
+        here), so no step of this job trained and it has no reward of its own to show. A resumed run's earlier
+        steps (those of the checkpoint it started from) did train, so its title says so rather than "nothing
+        trained": the checkpoint and the exported model hold their weights."""
         first, last = self.logged_steps[0] + 1, self.logged_steps[-1] + 1
         steps = f"step {first}" if first == last else f"steps {first}-{last}"
         limit = self.cfg.data.max_failed_reward_steps
         stops = f"; data.max_failed_reward_steps={limit} in a row stop a run" if limit else ""
         left = {"left out": f"every group of {steps}: their reward calls or episodes failed (the warnings above name "
                             f"each step's first failure){stops}"}
-        return "Relax run finished (nothing trained: every group of every step was left out)", {**left, **extra}
+        if self.start_step == 0:
+            return "Relax run finished (nothing trained: every group of every step was left out)", {**left, **extra}
+        before = "step 1" if self.start_step == 1 else f"steps 1-{self.start_step}"
+        return (f"Relax run finished (no step of this job trained: every group of {steps} was left out; {before} "
+                f"trained before the resume)", {**left, **extra})
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.log_ledger()  # a run that stops or fails: the steps it trained since its last checkpoint

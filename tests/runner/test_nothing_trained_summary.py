@@ -58,3 +58,30 @@ def test_a_run_with_a_kept_group_has_the_usual_summary(tmp_path):
     assert block.splitlines()[0] == "Relax run finished"
     assert row(block, "left out") is None
     assert row(block, "final reward") == "0.5" and row(block, "best reward") == "0.5"
+
+
+def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_steps_trained(tmp_path):
+    """A run resumed at step 3 (steps 1-3 trained, in the checkpoint it starts from) whose steps 4-5 lose every
+    group: no step of this job trained, but the run did, so the title is not "nothing trained" (which contradicted
+    its own "steps 5" row and the trained weights it exports). The resume is a stand-in `checkpoints` whose
+    `resume.step` is 3, as Checkpoints gives a Session. Before: the "nothing trained" title."""
+    import types
+
+    from relax.runner.plan import build_plan
+    from relax.runner.session import Session
+
+    cfg = load_config(["tracking.enabled=false", "tracking.progress=true", "train.num_rollout=5"])
+    resume = types.SimpleNamespace(step=3, path=tmp_path / "ckpt", tracker_state={}, tracking_uri=None, run_id=None,
+                                   ledger=None, state={})
+    checkpoints = types.SimpleNamespace(resume=resume, uses_dir=True, save_dir=tmp_path / "ckpts", attachments={})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), Session(cfg, build_plan(cfg), tmp_path / "out",
+                                                  checkpoints=checkpoints) as session:
+        for step in (3, 4):
+            session.log({RAW_REWARD: math.nan, "rollout/reward_dropped_frac": 1.0}, step, kept=False)
+        session.finish()
+    block = err.getvalue()[err.getvalue().index("Relax run finished"):]
+    assert block.splitlines()[0] == ("Relax run finished (no step of this job trained: every group of steps 4-5 was "
+                                     "left out; steps 1-3 trained before the resume)"), block
+    assert row(block, "left out").startswith("every group of steps 4-5: ")
+    assert row(block, "steps") == "5" and "nan" not in block
