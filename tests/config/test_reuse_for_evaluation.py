@@ -1,7 +1,7 @@
 """Evaluating what a run left behind (docs/training.md, "Evaluation"): a run's saved config.yaml taken whole with
 `relax-train -cp <dir> -cn config` (the config it composes equals the run's, checked field by field), any other YAML
-as the primary config refused in one line naming what works, and a LoRA adapter directory given as model.path
-refused naming the two ways to evaluate it."""
+as the primary config refused in one line naming what works, a LoRA adapter directory given as model.path standing
+for its merged model, and an evaluation of a run's saved config that needs none of its saving options retyped."""
 
 from __future__ import annotations
 
