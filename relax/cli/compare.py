@@ -69,8 +69,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--eval-last-k must be >= 1 (the number of last evaluations averaged), got {args.eval_last_k}")
     if args.bootstrap < 1:
         parser.error(f"--bootstrap must be >= 1 (the number of bootstrap resamples), got {args.bootstrap}")
+    from relax.config.credentials import without_secrets
+    from relax.runner.endpoints import tracking_store_unreachable
     from relax.tracking.compare import CompareError, compare
+    from relax.tracking.mlflow_run import bound_http_retries
+    from relax.tracking.spool_file import is_store_error, short_error
 
+    # a server that is not there: said in seconds, as relax-train does, where MLflow's client retries for minutes
+    if (why := tracking_store_unreachable(args.uri, "--uri")) is not None:
+        print(f"relax-compare: error: {why}", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
+    bound_http_retries(args.uri)  # one that goes away meanwhile: seconds too (the user's MLFLOW_HTTP_* win)
     try:
         result = compare(uri=args.uri, experiment=args.experiment, sweep=args.sweep, tags=tags,
                          run_ids=args.run_ids, by=args.by, metrics=args.metrics, last_k=args.last_k,
@@ -79,6 +88,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                          eval_last_k=args.eval_last_k)
     except CompareError as exc:
         print(f"relax-compare: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
+    except Exception as exc:
+        if not is_store_error(exc):  # a bug: its traceback is the report
+            raise
+        print(f"relax-compare: error: cannot read the MLflow store {without_secrets(args.uri)}: {short_error(exc)}",
+              file=sys.stderr)
         sys.exit(USAGE_EXIT)
     print(result.text)
     print()

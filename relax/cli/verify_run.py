@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Optional
 from relax.metrics import EVAL_PREFIX, REWARD_DROPPED_FRAC, STEP_TIME
 from relax.runner import checkpoint
 from relax.runner.checkpoint import TRACKING_URI_STATE
+from relax.runner.endpoints import tracking_store_unreachable
 from relax.runner.ledger import (
     FILE,
     Ledger,
@@ -32,11 +34,13 @@ from relax.runner.ledger import (
     count,
     read_checkpoint,
 )
-from relax.tracking.mlflow_run import CHECKPOINT_DIR_TAG, PARENT_RUN_ID_TAG
+from relax.tracking.mlflow_run import CHECKPOINT_DIR_TAG, PARENT_RUN_ID_TAG, bound_http_retries
 from relax.tracking.params import TAG_SWEEP_ID
 from relax.tracking.progress import steps_name
+from relax.tracking.spool_file import is_store_error, short_error
 from relax.tracking.verify import (
     UNFINISHED,
+    URI_ENV,
     RunRecord,
     VerifyError,
     check_metric_steps,
@@ -188,7 +192,7 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
     $MLFLOW_TRACKING_URI, else the checkpoint's tracking.uri, else sqlite:///mlflow.db). UsageError if there is nothing
     to check."""
     path = Path(target).expanduser()
-    ckpt, state, run_id = None, None, target
+    ckpt, state, run_id, given = None, None, target, uri
     if path.exists():
         ckpt, state = _checkpoint_of(path)
         run_id = state.get("mlflow_run_id")
@@ -199,6 +203,11 @@ def verify(target: str, uri: Optional[str] = None) -> Report:
         # a relative one (the default sqlite:///mlflow.db) makes this directory's
         configured = (state.get(TRACKING_URI_STATE) or (state.get("config") or {}).get(URI_PARAM)) if state else None
         uri = default_uri(configured if isinstance(configured, str) else None)
+    if run_id is not None:  # a server that is not there: said in seconds, where MLflow's client retries for minutes
+        option = "--uri" if given else URI_ENV if os.environ.get(URI_ENV) else "the run's tracking.uri"
+        if (why := tracking_store_unreachable(uri, option)) is not None:
+            raise UsageError(why)
+        bound_http_retries(uri)  # one that goes away meanwhile: seconds too (the user's MLFLOW_HTTP_* win)
 
     if run_id is None and ckpt is not None and state is not None:  # tracking.enabled=false: only the checkpoint
         report = Report(f"relax-verify-run: checkpoint {ckpt} (no MLflow run: tracking was off)")
@@ -308,6 +317,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         report = verify(args.run, args.uri)
     except UsageError as exc:
         print(f"relax-verify-run: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
+    except Exception as exc:
+        if not is_store_error(exc):  # a bug: its traceback is the report
+            raise
+        print(f"relax-verify-run: error: cannot read the MLflow store: {short_error(exc)}", file=sys.stderr)
         return USAGE_EXIT
     print(report.text())
     return OK_EXIT if report.ok else VIOLATION_EXIT

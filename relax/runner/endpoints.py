@@ -90,31 +90,57 @@ def ray_uses_tls() -> bool:
     return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
 
 
+def _url_endpoint(option: str, value: str, what: str, tracking_store: bool = False,
+                  default_port: Optional[int] = None) -> Optional[Endpoint]:
+    """The server at URL `value` (of option `option`) to probe; None for one that names no host and port (the
+    config rules let it through unparsed: the start's own error names it)."""
+    scheme = urlsplit(value).scheme.lower()
+    target = _host_port(value, {"http": 80, "https": 443}.get(scheme, default_port))
+    if target is None:
+        return None
+    return Endpoint(option, value, *target, what=what, scheme=scheme if scheme in ("http", "https") else None,
+                    tracking_store=tracking_store)
+
+
+def tracking_endpoint(uri: str, option: str = "tracking.uri") -> Optional[Endpoint]:
+    """The server of MLflow tracking store `uri` (the value of `option`) to probe: an MLflow tracking server
+    (http, https), or a database server (postgresql://, mysql://, mssql://: a TCP connection is all that is asked, its
+    protocol is the driver's); None for a local store (sqlite, a directory) or a URI without a host (a database's
+    local socket named in the query is the driver's). Also what relax-compare and relax-verify-run probe before
+    their first MLflow call."""
+    uri = uri.strip()
+    if urlsplit(uri).scheme.lower() in ("http", "https"):
+        return _url_endpoint(option, uri, "an MLflow tracking server", tracking_store=True)
+    if (engine := database_engine(uri)) is not None:
+        return _url_endpoint(option, uri, f"the {engine} server of the MLflow store", tracking_store=True,
+                             default_port=DATABASE_PORTS[engine])
+    return None
+
+
+def tracking_store_unreachable(uri: str, option: str) -> Optional[str]:
+    """Why the server of MLflow tracking store `uri` (the value of `option`, as the message names it) does not
+    accept a connection (or, an HTTP server, answer a request) within `ENDPOINT_TIMEOUT_S`, else None (it does, or
+    the store is local): a check that takes seconds where MLflow's client retries for minutes."""
+    target = tracking_endpoint(uri, option)
+    problems = unreachable([target]) if target is not None else []
+    return problems[0] if problems else None
+
+
 def endpoint_targets(cfg: RelaxConfig) -> list[Endpoint]:
     """Every address a start of `cfg` must reach that the user gave (the `endpoints` check)."""
     targets: list[Endpoint] = []
 
-    def url(option: str, value: str, what: str, tracking_store: bool = False,
-            default_port: Optional[int] = None) -> None:
-        scheme = urlsplit(value).scheme.lower()
-        target = _host_port(value, {"http": 80, "https": 443}.get(scheme, default_port))
-        if target is not None:  # one the config rules let through unparsed: the start's own error names it
-            targets.append(Endpoint(option, value, *target, what=what,
-                                    scheme=scheme if scheme in ("http", "https") else None,
-                                    tracking_store=tracking_store))
+    def url(option: str, value: str, what: str) -> None:
+        if (target := _url_endpoint(option, value, what)) is not None:
+            targets.append(target)
 
     if (ray := _ray_endpoint(cfg)) is not None:
         targets.append(ray)
     if cfg.rollout.backend == "sglang" and cfg.rollout.sglang.urls:
         for i, u in enumerate(cfg.rollout.sglang.urls):
             url(f"rollout.sglang.urls[{i}]", u, "an SGLang server")
-    if cfg.tracking.enabled and urlsplit(cfg.tracking.uri).scheme.lower() in ("http", "https"):
-        url("tracking.uri", cfg.tracking.uri, "an MLflow tracking server", tracking_store=True)
-    elif cfg.tracking.enabled and (engine := database_engine(cfg.tracking.uri)) is not None:
-        # MLflow's database store on a server: a TCP connection is all that is asked (its protocol is the driver's);
-        # a URI without a host (a local socket in the query) is left to the driver
-        url("tracking.uri", cfg.tracking.uri.strip(), f"the {engine} server of the MLflow store", tracking_store=True,
-            default_port=DATABASE_PORTS[engine])
+    if cfg.tracking.enabled and (store := tracking_endpoint(cfg.tracking.uri)) is not None:
+        targets.append(store)
     if is_url(cfg.data.reward):
         url("data.reward", cfg.data.reward.strip(), "a reward service")
     elif not isinstance(cfg.data.reward, str):  # a list: each service of it (relax.rewards.combined)
