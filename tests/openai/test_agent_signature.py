@@ -37,6 +37,10 @@ async def async_run(item: dict, base_url: str, api_key: str) -> float:
     return 1.0
 
 
+def generator_run(item: dict, base_url: str, api_key: str):
+    yield 1.0
+
+
 class AsyncCallable:
     async def __call__(self, item: dict, base_url: str, api_key: str) -> float:
         return 1.0
@@ -76,6 +80,8 @@ bound_run = functools.partial(run_with_options, max_calls=5)
     ("async_run", "async_run is async, and Relax calls the agent as run(item, base_url, api_key) in a worker "
                   "process without awaiting it"),
     ("async_object", "async_object is async"),
+    ("generator_run", "generator_run is a generator function (it yields), and Relax calls the agent as "
+                      "run(item, base_url, api_key) and takes what it returns as the reward"),
 ])
 def test_an_agent_that_cannot_be_called_as_run_is_refused_naming_its_signature(name, why):
     spec = f"{__name__}:{name}"
@@ -90,6 +96,9 @@ def test_an_agent_that_cannot_be_called_as_run_is_refused_naming_its_signature(n
         made = fn({"messages": []}, "http://127.0.0.1:1/v1", "key")
         assert inspect.iscoroutine(made)
         made.close()
+    elif name == "generator_run":  # a generator, no reward: the run's every episode fails
+        value, error = call_agent(fn, {"messages": []}, "http://127.0.0.1:1/v1", "key")
+        assert value is None and error.startswith("the agent returned a generator: "), error
     else:
         value, error = call_agent(fn, {"messages": []}, "http://127.0.0.1:1/v1", "key")
         assert value is None and "TypeError" in error, error
@@ -100,6 +109,29 @@ def test_an_agent_callable_as_run_loads(name):
     """The control: what `call_agent` calls with a reward back passes, defaults, *args, objects and partials too."""
     fn = load_agent(f"{__name__}:{name}")
     assert call_agent(fn, {"messages": []}, "http://127.0.0.1:1/v1", "key")[0] is not None
+
+
+@functools.wraps(async_run)
+def traced_run(item: dict, base_url: str, api_key: str):  # a tracing decorator's shape over an async agent
+    return async_run(item, base_url, api_key)
+
+
+def test_an_async_agent_behind_a_sync_decorator_fails_each_episode_saying_so(recwarn):
+    """A sync wrapper may run its async function with asyncio.run (legitimate), so it is not refused before start;
+    one that returns the coroutine fails its episode with a message that says what happened and what to do, and the
+    coroutine is closed (no 'was never awaited' warning). Before: "the agent returned <coroutine object ...>" and
+    the RuntimeWarning."""
+    import gc
+    import warnings
+
+    assert load_agent(f"{__name__}:traced_run") is traced_run
+    warnings.simplefilter("always")
+    value, error = call_agent(traced_run, {"messages": []}, "http://127.0.0.1:1/v1", "key")
+    gc.collect()
+    assert value is None and error.startswith("the agent returned a coroutine: an agent must be a synchronous "
+                                              "function"), error
+    assert "asyncio.run" in error
+    assert not [w for w in recwarn if "never awaited" in str(w.message)], [str(w.message) for w in recwarn]
 
 
 def test_dry_run_and_start_refuse_a_wrong_agent_before_ray(monkeypatch, tmp_path, capfd):

@@ -4,6 +4,7 @@ module of its own so that each worker imports only this and the agent's own modu
 
 from __future__ import annotations
 
+import inspect
 import math
 import traceback
 from collections.abc import Callable
@@ -20,6 +21,28 @@ def call_agent(fn: Callable[..., Any], item: dict, base_url: str,
         return None, "the agent raised: " + "\n".join(lines[-12:])
     if value is None:
         return None, None
+    if (lazy := _not_run(value)) is not None:
+        return None, lazy
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None, f"the agent returned {value!r}: expected a finite number or None"
     return float(value), None
+
+
+def _not_run(value: object) -> Optional[str]:
+    """The error for what an agent returned that is work not yet done, a coroutine or generator (closed here, so
+    that it warns of nothing), or None. The pre-start check (`relax.serve.openai.agents.load_agent`) refuses async
+    and generator functions; this is the one it cannot see: an async function behind a synchronous wrapper (a
+    tracing or retry decorator with functools.wraps), which only its call shows."""
+    if inspect.isawaitable(value):
+        what = "a coroutine" if inspect.iscoroutine(value) else f"an awaitable ({type(value).__name__})"
+        if inspect.iscoroutine(value):
+            value.close()
+        return (f"the agent returned {what}: an agent must be a synchronous function, and Relax calls it in a worker "
+                f"process without awaiting what it returns (an async function behind a synchronous decorator "
+                f"returns one); run the async part inside it: return asyncio.run(...)")
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        if inspect.isgenerator(value):
+            value.close()
+        return (f"the agent returned {'an async generator' if inspect.isasyncgen(value) else 'a generator'}: an "
+                f"agent returns its reward (a number or None) and must not yield it")
+    return None

@@ -58,6 +58,10 @@ def load_agent(spec: str) -> Callable[..., Any]:
         raise AgentSpecError(f"data.openai_agent={spec!r}: {spec} is async, and Relax calls the agent as "
                              f"{AGENT_CALL} in a worker process without awaiting it; {wanted}; run an async one "
                              f"inside it: return asyncio.run(...)")
+    if any(inspect.isgeneratorfunction(f) for f in (fn, call)):
+        raise AgentSpecError(f"data.openai_agent={spec!r}: {spec} is a generator function (it yields), and Relax "
+                             f"calls the agent as {AGENT_CALL} and takes what it returns as the reward; {wanted}; "
+                             f"return the reward rather than yield it")
     mismatch = call_mismatch(fn, {}, "http://127.0.0.1:1/v1", "key")
     if mismatch is not None:
         signature, why = mismatch
