@@ -110,7 +110,8 @@ MOE_LOAD_MAX_OVER_MEAN = "train/moe_expert_load_max_over_mean"
 MOE_LOAD_MIN_OVER_MEAN = "train/moe_expert_load_min_over_mean"
 MOE_LOAD_CV = "train/moe_expert_load_cv"
 # Auxiliary-loss-free load balancing (train.moe_expert_bias_update_rate > 0): the routers' selection bias
-# (e_score_correction_bias) after the step's update, largest and smallest over MoE layers and experts
+# (e_score_correction_bias) after the step's update, largest and smallest over MoE layers and experts; a rollout of
+# several optimizer steps logs the bias after its last update (relax.runner.optimizer_steps.LAST), not a mean
 MOE_EXPERT_BIAS_MAX = "train/moe_expert_bias_max"
 MOE_EXPERT_BIAS_MIN = "train/moe_expert_bias_min"
 

@@ -24,6 +24,8 @@ from relax.metrics import (
     CRITIC_SKIPPED_STEPS,
     GRAD_NORM,
     LOSS,
+    MOE_EXPERT_BIAS_MAX,
+    MOE_EXPERT_BIAS_MIN,
     SKIPPED_STEPS,
     VALUE_LOSS,
 )
@@ -34,8 +36,11 @@ from relax.runner.errors import RunError, step_name
 if TYPE_CHECKING:
     from relax.runner.cluster import Cluster
 
-# times and skipped-step counts add up over the optimizer steps of a rollout; other metrics average
+# how a rollout's metric comes from those of its optimizer steps (this is the one place that decides it): times and
+# skipped-step counts add up; a state the steps leave behind (the routers' selection bias after its update) is the
+# last step's that reports it (a skipped step updates nothing and reports none); other metrics average
 SUMMED = frozenset({ACTOR_COMPUTE_TIME, SKIPPED_STEPS, CRITIC_SKIPPED_STEPS})
+LAST = frozenset({MOE_EXPERT_BIAS_MAX, MOE_EXPERT_BIAS_MIN})
 
 
 def global_batches(cfg: RelaxConfig, batch: TrainBatch) -> list[tuple[int, TrainBatch]]:
@@ -75,10 +80,11 @@ def bounds_of_tokens(tokens: list[int], steps: int) -> list[int]:
 
 
 def average_over_steps(metrics: list[dict[str, float]]) -> dict[str, float]:
-    """One rollout's metrics from those of its optimizer steps: `SUMMED` keys add up, the others average over the
-    steps that report them."""
+    """One rollout's metrics from those of its optimizer steps: `SUMMED` keys add up, `LAST` keys are the last
+    step's that reports them, the others average over the steps that report them."""
     keys = {k for m in metrics for k in m}
-    return {k: sum(m[k] for m in metrics if k in m) / (1 if k in SUMMED else sum(1 for m in metrics if k in m))
+    return {k: [m[k] for m in metrics if k in m][-1] if k in LAST
+            else sum(m[k] for m in metrics if k in m) / (1 if k in SUMMED else sum(1 for m in metrics if k in m))
             for k in keys}
 
 

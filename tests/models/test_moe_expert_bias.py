@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from relax.algorithms.grpo import GRPOConfig
 from relax.batch import TrainBatch
 from relax.config.schema import ModelConfig, TrainConfig
-from relax.metrics import MOE_EXPERT_BIAS_MAX, MOE_EXPERT_BIAS_MIN, ROUTER_OWN_AGREEMENT, SKIPPED_STEPS
+from relax.metrics import LOSS, MOE_EXPERT_BIAS_MAX, MOE_EXPERT_BIAS_MIN, ROUTER_OWN_AGREEMENT, SKIPPED_STEPS
 from relax.models.moe import moe_routers
 from relax.rollout.embedded import EmbeddedEngine
 from relax.train.torch_policy import TorchPolicy
@@ -150,6 +150,35 @@ def test_a_skipped_step_leaves_the_bias_and_rate_zero_leaves_it_too():
     out = _step(off, s, micro_batch_size=6)
     assert MOE_EXPERT_BIAS_MAX not in out
     assert all(torch.equal(a, b) for a, b in zip(before, _biases(off.model), strict=True))
+
+
+def test_a_rollout_of_two_optimizer_steps_logs_the_bias_after_the_last_update():
+    """train.num_steps_per_rollout=2: the rollout's logged bias max / min are the bias the model holds after the
+    second step's update (read from the routers' buffers), not the mean of the two steps' readings, as
+    `train_on_rollout` merges the steps' metrics (`relax.runner.optimizer_steps.LAST`); the loss still averages.
+    Before: the mean of the two steps' maxima, which differ by the update."""
+    import types
+
+    from relax.runner.optimizer_steps import train_on_rollout
+
+    s = _samples("deepseek_v3", perturbed=False, record=False)
+    policy = _policy(_model("deepseek_v3"))
+    per_step: list[dict[str, float]] = []
+
+    def train_step(chunk: TrainBatch, actor: bool, rollout_mismatch: bool) -> dict[str, float]:
+        per_step.append(policy.train_step(chunk, GRPOConfig(), per_token=True, micro_batch_size=3))
+        return per_step[-1]
+
+    cfg = types.SimpleNamespace(algorithm=GRPOConfig(), train=types.SimpleNamespace(
+        num_steps_per_rollout=2, global_batch_size=3, use_dynamic_global_batch_size=False))
+    batch = TrainBatch.from_samples(s, advantages=torch.zeros(s.response_mask.shape))
+    out, steps = train_on_rollout(cfg, types.SimpleNamespace(train_step=train_step), batch, step=0)
+    assert steps == 2 and len(per_step) == 2
+    after = torch.stack(_biases(policy.model))
+    assert per_step[0][MOE_EXPERT_BIAS_MAX] != per_step[1][MOE_EXPERT_BIAS_MAX]  # the update moved the max
+    assert out[MOE_EXPERT_BIAS_MAX] == float(after.max()) == per_step[1][MOE_EXPERT_BIAS_MAX]
+    assert out[MOE_EXPERT_BIAS_MIN] == float(after.min()) == per_step[1][MOE_EXPERT_BIAS_MIN]
+    assert out[LOSS] == pytest.approx((per_step[0][LOSS] + per_step[1][LOSS]) / 2)  # the control: still a mean
 
 
 def _hand_topk(router: torch.nn.Module, hidden: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
