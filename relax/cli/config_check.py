@@ -9,7 +9,12 @@ import re
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from relax.algorithms.base import Violation
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 CFG_FLAGS = ("-c", "--cfg")
@@ -75,13 +80,123 @@ def _plain(overrides: Sequence[str]) -> list[str]:
             if o.split("=", 1)[0] == "hydra.searchpath" or not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
 
 
+LAUNCHER_KEY = "hydra.launcher"  # the launcher's options: `hydra.launcher.<name>=...`
+LAUNCHER_GROUP = "hydra/launcher"  # which launcher: `hydra/launcher=relax_ray` (conf/config.yaml's), `basic`
+
+
+def _launcher_override(override: str) -> bool:
+    key = override.split("=", 1)[0].lstrip("+~")
+    return key.split("@", 1)[0] == LAUNCHER_GROUP or key == LAUNCHER_KEY or key.startswith(LAUNCHER_KEY + ".")
+
+
+def _invalid(violations: Sequence[Violation]) -> str:
+    from relax.config.validate import format_violations
+
+    n = len(violations)
+    return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{format_violations(list(violations))}"
+
+
+def _compose_with_hydra(overrides: Sequence[str], conf: Optional[Path]) -> DictConfig:
+    """The config of `overrides` with its `hydra` node (the launcher's options among them), as Hydra's main has it."""
+    from hydra import compose, initialize_config_dir
+
+    from relax.config import conf_dir, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf or conf_dir()), version_base=None):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+def _launcher_options(node: object) -> Optional[list[str]]:
+    """The options of the launcher config dataclass behind `node` (`_target_` left out), None when it has none."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(node, DictConfig):
+        return None
+    t = OmegaConf.get_type(node)
+    return [f.name for f in dataclasses.fields(t) if f.name != "_target_"] if dataclasses.is_dataclass(t) else None
+
+
+def _unknown_launcher_key(key: str, options: list[str], choice: str) -> Violation:
+    """`key` (`hydra.launcher.<name>[...]`), which the launcher `choice`'s config dataclass lacks: named as an unknown
+    key of the config is (`relax.config.unknown_keys`), with the launcher's closest options."""
+    import difflib
+
+    from relax.algorithms.base import Violation
+
+    name, _, rest = key[len(LAUNCHER_KEY) + 1:].partition(".")
+    if name in options:  # a key inside an option that is a mapping (`ray_init`): Hydra adds one only with `+`
+        return Violation((key,), f"unknown key {key}: {LAUNCHER_KEY}.{name} has no key {rest!r} to set; add it with "
+                                 f"+{key}=...")
+    close = difflib.get_close_matches(name, options, n=3)
+    if close:
+        return Violation((key,), f"unknown key {key} (did you mean "
+                                 f"{' or '.join(f'{LAUNCHER_KEY}.{c}' for c in close)}?)")
+    have = f"its options: {', '.join(options)}" if options else "it has no options"
+    return Violation((key,), f"unknown key {key}: the launcher {LAUNCHER_GROUP}={choice} has no option {name!r} "
+                             f"({have})")
+
+
+def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
+                      sweep: bool) -> list[Violation]:
+    """What is wrong with the launcher overrides among `overrides` (`hydra.launcher.<name>=...`, with or without `+`,
+    and `hydra/launcher=...`), which the config's own check leaves to Hydra (`_plain`): a key the launcher's config
+    dataclass lacks (Hydra's own refusal names no alternative, and its advice to `+` it ends in a TypeError from the
+    launcher's constructor), with what was meant; a launcher that is not there. Without `-m` (`sweep=False`) each is
+    refused: a single run starts no launcher, so its options would be accepted and ignored."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.algorithms.base import Violation
+    from relax.config.unknown_keys import compose_known
+
+    given = [o for o in overrides if _launcher_override(o)]
+    if not given:
+        return []
+    if not sweep:
+        return [Violation((o.split("=", 1)[0].lstrip("+~"),),
+                          f"{o}: launcher options ({LAUNCHER_KEY}.*, {LAUNCHER_GROUP}=...) apply to sweeps (-m) "
+                          "only: a run without -m starts no launcher and would ignore it (drop it, or sweep with "
+                          "relax-train -m ...)") for o in given]
+    try:  # one job's overrides: an experiment file (`+experiment=...`) may set the launcher too
+        first = sweep_jobs(list(overrides))[0]
+    except HydraException as exc:
+        return [Violation((LAUNCHER_KEY,), hydra_error_message(exc))]
+    # the whole job's, else (a value of the config that does not compose, which the job's check reports) Hydra's own
+    hydra_only = [o for o in first if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    error: Optional[BaseException] = None
+    for attempt in (first, hydra_only):
+        try:
+            dc, dropped, choices = compose_known(lambda kept: _compose_with_hydra(kept, conf), attempt)
+            break
+        except (HydraException, OmegaConfBaseException, ValueError) as exc:
+            error = exc
+    else:
+        assert error is not None
+        return [Violation((LAUNCHER_KEY,), hydra_error_message(error))]
+    found = [v for v in choices if v.fields[0] == LAUNCHER_GROUP]
+    launcher = OmegaConf.select(dc, LAUNCHER_KEY)
+    options = _launcher_options(launcher)
+    if options is None:  # a launcher without a config dataclass: Hydra checks its keys
+        return found
+    choice = str(OmegaConf.select(dc, "hydra.runtime.choices", default={}).get(LAUNCHER_GROUP, "?"))
+    unknown = [k for k in dropped if k.startswith(LAUNCHER_KEY + ".")]
+    unknown += [f"{LAUNCHER_KEY}.{k}" for k in launcher.keys() if k != "_target_" and k not in options]  # `+`-added
+    return found + [_unknown_launcher_key(k, options, choice) for k in dict.fromkeys(unknown)]
+
+
 def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True,
-                environment: bool = True, start_checks: bool = False) -> Optional[str]:
+                environment: bool = True, start_checks: bool = False,
+                extra: Sequence[Violation] = ()) -> Optional[str]:
     """The message of what is wrong with the config of `relax-train <overrides>` (one job), None when it is valid.
     `rules=False`: only whether it composes (every key known, every value of its type). `environment=False`: the
     job runs elsewhere, so the rules that read this process's environment (`ENVIRONMENT_FIELDS`) are not checked.
     `start_checks`: a valid config also passes the checks a start runs before Ray that read the config alone
-    (`relax.runner.preflight.CONFIG_CHECKS`), as relax-submit checks a job before it submits it."""
+    (`relax.runner.preflight.CONFIG_CHECKS`), as relax-submit checks a job before it submits it. `extra`: problems
+    found elsewhere (`launcher_problems`), listed first among the config's."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -103,15 +218,16 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
             if kept:
                 exc = ConfigError(kept)
             elif not start_checks or exc.config is None:
-                return None
+                return _invalid(extra) if extra else None
             else:  # only the environment's rules (a key's variable unset here, set where it runs): the config is
                 # otherwise valid, and the start checks that read it alone still apply
                 cfg = exc.config
         if cfg is None:
-            n = len(exc.violations)
-            return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{exc}"
+            return _invalid([*extra, *exc.violations])
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        return hydra_error_message(exc)
+        return (_invalid(extra) + "\n" if extra else "") + hydra_error_message(exc)
+    if extra:  # `extra`'s problems (the launcher's options) are the config's, reported with them
+        return _invalid(extra)
     if start_checks and cfg is not None:
         from relax.runner.preflight import config_check_problem
 
@@ -148,12 +264,15 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     overrides = [a for a in args if a not in MULTIRUN_FLAGS]
     if any(a.startswith("-") for a in overrides):
         return None  # another Hydra flag: Hydra answers it
+    # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
+    launcher = launcher_problems(overrides, conf, sweep=multirun or not rules)
     if not multirun:
-        return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks)
+        return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks,
+                           extra=launcher)
     try:
         jobs = sweep_jobs(_plain(overrides))
     except HydraException as exc:
-        return hydra_error_message(exc)
+        return (_invalid(launcher) + "\n" if launcher else "") + hydra_error_message(exc)
     found = []
     for index, job in enumerate(jobs):
         problem = job_problem(job, conf, rules=rules, environment=environment, start_checks=start_checks)
@@ -163,8 +282,9 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
             # a URL's user:password@ masked: the rules refuse credentials in URLs, whose message never echoes them
             header = _CREDENTIALS.sub(r"\1***@", " ".join(job))
             found.append(f"job {index} ({header}):\n" + textwrap.indent(textwrap.dedent(problem), "  "))
+    first = _invalid(launcher) + "\n" if launcher else ""  # the sweep's own options, then its jobs'
     if not found:
-        return None
+        return first.rstrip("\n") or None
     n = len(jobs)
-    return (f"invalid config in {len(found)} of {n} sweep job{'s' if n > 1 else ''} (nothing started):\n"
+    return (first + f"invalid config in {len(found)} of {n} sweep job{'s' if n > 1 else ''} (nothing started):\n"
             + "\n".join(found))
