@@ -15,8 +15,9 @@ RESPONSE_LEN = "rollout/response_len"
 TRUNCATED_FRAC = "rollout/truncated_frac"  # responses that hit max_response_len
 REWARD_ERRORS = "rollout/reward_errors"  # reward calls that raised or returned a non-finite value
 REWARD_DROPPED_FRAC = "rollout/reward_dropped_frac"  # share of responses left out of the loss (reward errors)
-# reward calls stopped at their time limit (also reward errors): data.reward past data.reward_timeout_s, a judge past
-# reward_model.timeout_s (every try), an episode's step or turn past data.env_timeout_s
+# reward calls stopped at their time limit (also reward errors): data.reward past data.reward_timeout_s, a reward
+# service's items whose request's last try got no answer within data.reward_service.timeout_s (or whose batch passed
+# its bound), a judge past reward_model.timeout_s (every try), an episode's step or turn past data.env_timeout_s
 REWARD_TIMEOUTS = "rollout/reward_timeouts"
 # the code_tests rewards: their sandbox runs stopped at the sandbox's wall-clock or CPU limit / sandbox runs (logged
 # when the step's reward calls ran code; a time-out fails the code's tests, it is not a reward error)

@@ -13,9 +13,10 @@ The time limit: `requests`' `timeout=` bounds each socket read, not the request,
 (a byte now and then) would hold the run forever. Each try is watched instead (`_Deadline`): at `timeout_s` its timer
 shuts down the socket of the connection the try sends on (`_Watched` connections say which that is), which ends the
 blocked read in the thread that made it; the try fails as timed out and urllib3 discards the connection, so no thread
-or socket outlives it. A try is also timed out when its socket's own read timeout fires first (`is_timeout`, by the
-exception's type: requests raises its Timeout before the answer's headers, but a ConnectionError wrapping urllib3's
-ReadTimeoutError while the body streams).
+or socket outlives it. A try is also timed out when its socket's own read timeout fires first
+(`relax.rewards.timeouts.is_timeout`, which the reward service's client uses too, by the exception's type: requests
+raises its Timeout before the answer's headers, but a ConnectionError wrapping urllib3's ReadTimeoutError while the
+body streams).
 """
 
 from __future__ import annotations
@@ -28,19 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import requests
-import urllib3.exceptions
 from requests.adapters import HTTPAdapter
+
+from relax.rewards.timeouts import is_timeout
 
 RETRIES = 2  # more tries of a failed request
 BACKOFF_S = 0.5  # the pause before the first retry; it doubles
 FINISH_LENGTH = "length"  # OpenAI's finish_reason of an answer stopped at max_tokens (SGLang's and vLLM's too)
-
-# what a try that ran out of time raises, or holds as its cause: requests' Timeout (a connect, or a read before the
-# headers), urllib3's TimeoutError (ReadTimeoutError, which requests wraps in a ConnectionError when the read timed out
-# while the body streamed), the socket's own (socket.timeout is TimeoutError). Not urllib3's NewConnectionError, a
-# ConnectTimeoutError by its class only: a refused or unresolvable address (requests leaves it out of its Timeout too)
-NOT_TIMEOUTS: tuple[type[BaseException], ...] = (urllib3.exceptions.NewConnectionError,)
-TIMEOUT_TYPES: tuple[type[BaseException], ...] = (requests.Timeout, urllib3.exceptions.TimeoutError, TimeoutError)
 
 _trying = threading.local()  # .deadline: the _Deadline of the try this thread is making (None: none)
 
@@ -94,23 +89,6 @@ def _shut(sock: Any) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except (OSError, TypeError, ValueError):
         pass
-
-
-def is_timeout(exc: BaseException) -> bool:
-    """Whether `exc`, raised by a try, says that it ran out of time: it or what it wraps (its args, urllib3's
-    `reason`, its cause and context) is one of `TIMEOUT_TYPES` (less `NOT_TIMEOUTS`). By type, never by the
-    message's words."""
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, TIMEOUT_TYPES) and not isinstance(e, NOT_TIMEOUTS):
-            return True
-        todo += [a for a in (*getattr(e, "args", ()), getattr(e, "reason", None), e.__cause__, e.__context__)
-                 if isinstance(a, BaseException)]
-    return False
 
 
 class _Watched:

@@ -244,9 +244,8 @@ def score_responses(
         raise ValueError(f"score_responses: memory_mb={memory_mb} limits the worker processes, and timeout_s=None "
                          "calls the function here")
     if isinstance(fn, RemoteReward):  # batched requests from here, with their own limits (data.reward_service)
-        values, errors = fn.score_batch(responses, labels, prompts, contexts)
-        outcomes, timed_out = list(zip(values, errors, strict=True)), [False] * len(values)
-        return _scores(fn, outcomes, timed_out)
+        values, errors, timed_out = fn.score_batch(responses, labels, prompts, contexts)
+        return _scores(fn, list(zip(values, errors, strict=True)), timed_out)
     if contexts is None:
         contexts = [RewardContext(prompt=None if prompts is None else prompts[i]) for i in range(len(responses))]
     elif len(contexts) != len(responses):

@@ -16,6 +16,9 @@ bound on the whole try: a service that trickles its answer has its connection sh
 error, a time-out, a 429 or a 5xx is retried `retries` times after `backoff_s`, 2 * `backoff_s`, ... seconds. A
 request that still fails, an answer that is not such JSON (another 4xx status, a wrong length, a non-number), and a
 null reward fail their items: never a silent zero, their groups are left out and counted in `rollout/reward_errors`.
+An item whose request's last try ran out of time (no complete answer within `timeout_s`: the wall-clock bound fired,
+or the socket's own time limit, `relax.rewards.timeouts.is_timeout`, by type), or whose batch outlived its bound, is
+also a time-out (`score_batch`'s third list): counted in `rollout/reward_timeouts`, as a judge's time-outs are.
 Past `max_errors` failed items over the run, scoring raises `RewardServiceError` and the run stops with its message.
 A batch that outlives its bound shuts the connections of its requests still in flight, so that no thread or socket
 outlives the batch.
@@ -44,6 +47,7 @@ from typing import TYPE_CHECKING, Optional
 from urllib.parse import urlsplit
 
 from relax.rewards.calls import RewardContext
+from relax.rewards.timeouts import is_timeout
 
 if TYPE_CHECKING:  # relax.config imports torch (its algorithms): not at the import of every reward worker
     from relax.config.schema import RewardServiceConfig
@@ -169,10 +173,11 @@ class RemoteReward:
 
     def score_batch(self, responses: Sequence[str], labels: Sequence[str], prompts: Optional[Sequence[str]] = None,
                     contexts: Optional[Sequence[RewardContext]] = None) \
-            -> tuple[list[Optional[float]], list[Optional[str]]]:
-        """(reward or None per item, the error of each failed item or None); raises `RewardServiceError` past
-        `max_errors` failed items over the run. `contexts`: each item's prompt, messages and record fields (they
-        replace `prompts`)."""
+            -> tuple[list[Optional[float]], list[Optional[str]], list[bool]]:
+        """(reward or None per item, the error of each failed item or None, whether each failed item timed out:
+        its request's last try got no complete answer within `timeout_s`, or the batch's bound passed first); raises
+        `RewardServiceError` past `max_errors` failed items over the run. `contexts`: each item's prompt, messages and
+        record fields (they replace `prompts`)."""
         o = self.options
         if contexts is not None:
             items = [{"response": r, "label": lab, "prompt": c.prompt, "messages": c.messages, "fields": dict(c.fields)}
@@ -183,8 +188,9 @@ class RemoteReward:
         chunks = [list(range(i, min(i + o.batch_size, len(items)))) for i in range(0, len(items), o.batch_size)]
         rewards: list[Optional[float]] = [None] * len(items)
         errors: list[Optional[str]] = [None] * len(items)
+        timed_out = [False] * len(items)
         if not items:
-            return rewards, errors
+            return rewards, errors, timed_out
         pool = ThreadPoolExecutor(max_workers=min(o.concurrency, len(chunks)), thread_name_prefix="reward-service")
         batch = _Batch()
         try:
@@ -194,12 +200,14 @@ class RemoteReward:
             deadline = time.monotonic() + per_chunk * math.ceil(len(chunks) / o.concurrency)
             for chunk, future in zip(chunks, futures, strict=True):
                 try:
-                    values, why = future.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
+                    values, why, late = future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:  # (a time-out: the bound is past every try's timeout_s and the backoffs)
                     values, why = [None] * len(chunk), [f"no answer within the batch's bound ({per_chunk:.3g} s)"] * \
                         len(chunk)
-                for i, v, e in zip(chunk, values, why, strict=True):
+                    late = [True] * len(chunk)
+                for i, v, e, t in zip(chunk, values, why, late, strict=True):
                     rewards[i], errors[i] = v, (None if v is not None else e or "no reward")
+                    timed_out[i] = v is None and t
         finally:
             # requests still in flight past the bound are ended (their connections shut), not left to a service that
             # trickles: the workers return at once
@@ -213,7 +221,7 @@ class RemoteReward:
             first = next((e for e in errors if e is not None), "?")
             raise RewardServiceError(f"the reward service {self.url} failed {total} items over the run, more than "
                                      f"data.reward_service.max_errors={o.max_errors}; the last error: {first}")
-        return rewards, errors
+        return rewards, errors, timed_out
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -227,28 +235,33 @@ class RemoteReward:
         return headers
 
     def _call_with_retries(self, items: list[dict], batch: Optional[_Batch] = None) \
-            -> tuple[list[Optional[float]], list[Optional[str]]]:
+            -> tuple[list[Optional[float]], list[Optional[str]], list[bool]]:
+        """(rewards, errors, timed out) of `items`: the first answer's, or the last try's failure for each (a
+        time-out when that try timed out)."""
         o = self.options
         batch = batch or _Batch()
-        error, tries = "the batch's bound passed", 0
+        error, tries, late = "the batch's bound passed", 0, True
         for attempt in range(o.retries + 1):
             # the backoff, cut short (and no further try) once the batch is abandoned
             if batch.abandoned.wait(o.backoff_s * 2 ** (attempt - 1) if attempt else 0):
                 break
             tries += 1
-            retry, outcome, error = self._call(items, batch)
+            retry, outcome, error, late = self._call(items, batch)
             if outcome is not None:
-                return outcome
+                return (*outcome, [False] * len(items))
             if not retry:
                 break
-        return [None] * len(items), [f"{error} (after {tries} tries)"] * len(items)
+        return [None] * len(items), [f"{error} (after {tries} tries)"] * len(items), [late] * len(items)
 
-    def _call(self, items: list[dict], batch: _Batch) -> tuple[bool, Optional[tuple[list, list]], str]:
-        """One request: (retry?, (rewards, errors) when it was answered, the error otherwise). Its connection is shut
-        `timeout_s` after it starts (an answer still arriving then is a time-out) or when `batch` is abandoned."""
+    def _call(self, items: list[dict], batch: _Batch) -> tuple[bool, Optional[tuple[list, list]], str, bool]:
+        """One request: (retry?, (rewards, errors) when it was answered, the error otherwise, whether it failed by
+        time-out). Its connection is shut `timeout_s` after it starts (an answer still arriving then is a time-out) or
+        when `batch` is abandoned; the socket's own time limit (`timeout_s` per read or connect) firing first is a
+        time-out too, by the exception's type (`is_timeout`)."""
         with self._lock:
             self.requests += 1
         timeout = self.options.timeout_s
+        late_error = f"TimeoutError: timed out (no complete answer within data.reward_service.timeout_s={timeout:g} s)"
         body = json.dumps({"items": items}).encode()
         request = urllib.request.Request(self.url, data=body, headers=self._headers(), method="POST")
         mine: list[socket.socket] = []
@@ -284,16 +297,18 @@ class RemoteReward:
                 return False, None, (f"HTTP {exc.code} {exc.reason}: the service redirected to "
                                      f"{without_credentials(location) if location else '(no Location)'}, and "
                                      "redirects are not followed (the request and its key go to data.reward only): "
-                                     "set data.reward to the address that answers")
-            return exc.code in RETRY_STATUS, None, f"HTTP {exc.code} {exc.reason}"
+                                     "set data.reward to the address that answers"), False
+            # (a status the service answered, 408 and 504 included: its failure, not this call's time limit)
+            return exc.code in RETRY_STATUS, None, f"HTTP {exc.code} {exc.reason}", False
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut
             if late.is_set():
-                return True, None, (f"TimeoutError: timed out (no complete answer within "
-                                    f"data.reward_service.timeout_s={timeout:g} s)")
+                return True, None, late_error, True
             if batch.abandoned.is_set():
-                return False, None, "the batch's bound passed"
+                return False, None, "the batch's bound passed", True
+            if is_timeout(exc):  # the socket's own limit fired before the wall-clock bound's timer
+                return True, None, late_error, True
             reason = getattr(exc, "reason", exc)
-            return True, None, f"{type(reason).__name__}: {reason}"
+            return True, None, f"{type(reason).__name__}: {reason}", False
         finally:
             timer.cancel()
             for sock in mine:
@@ -307,13 +322,12 @@ class RemoteReward:
                                  "rewards answered")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if late.is_set():  # an answer without a length, cut at the deadline
-                return True, None, (f"TimeoutError: timed out (no complete answer within "
-                                    f"data.reward_service.timeout_s={timeout:g} s)")
-            return False, None, f"an answer that is not {{'rewards': [...]}} with one per item: {exc}"
+                return True, None, late_error, True
+            return False, None, f"an answer that is not {{'rewards': [...]}} with one per item: {exc}", False
         rewards: list[Optional[float]] = []
         errors: list[Optional[str]] = []
         for v, why in zip(values, whys, strict=True):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             rewards.append(float(v) if ok else None)
             errors.append(None if ok else (str(why) if why else f"the service answered {v!r} for this item"))
-        return False, (rewards, errors), ""
+        return False, (rewards, errors), "", False

@@ -431,6 +431,7 @@ def test_a_batch_past_its_bound_shuts_the_requests_still_in_flight(monkeypatch):
         workers = record_workers(fn)
         scores = score_responses(fn, RESPONSES[:2], LABELS[:2])
         assert scores.failed == [True, True] and "batch's bound" in scores.first_error
+        assert scores.timeouts == 2  # the bound is a time limit: a time-out (rollout/reward_timeouts)
         workers[0].join(timeout=10)
         assert not workers[0].is_alive(), "the worker still reads the trickle"
         assert trickle.cut.wait(10)
@@ -446,3 +447,154 @@ def test_control_a_prompt_answer_within_the_limit_scores_and_leaves_no_worker(se
     assert scores.rewards == [len(r) / 10 for r in RESPONSES[:2]] and not any(scores.failed)
     workers[0].join(timeout=10)
     assert not workers[0].is_alive()
+
+
+# ---------------------------------------------------------------------------------------------- time-outs counted
+TIMER = threading.Timer  # (the real one: a test replaces threading.Timer, which remote.py calls)
+
+
+class Late:
+    """threading.Timer whose function fires a minute late: the per-try wall-clock bound is held off, so the socket's
+    own time limit (timeout_s too) fires first, as it does when the timer's thread is not scheduled in time."""
+
+    def __init__(self, interval, function, *args, **kwargs):
+        self._timer = TIMER(interval + 60.0, function, *args, **kwargs)
+        self.daemon = True
+
+    def start(self):
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self):
+        self._timer.cancel()
+
+
+class Unanswering:
+    """A loopback server that accepts the connection and never answers (`kind` "silent": a listening socket nobody
+    accepts from, the kernel completes the handshake and takes the request), or sends a 200's headers with a
+    Content-Length and then nothing (`kind` "headers"), until the test ends."""
+
+    def __init__(self, kind: str):
+        import socket
+
+        self.stop = threading.Event()
+        self.server = None
+        if kind == "silent":
+            self.sock = socket.socket()
+            self.sock.bind(("127.0.0.1", 0))
+            self.sock.listen(8)
+            self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/score"
+            return
+        self.sock = None
+        stop = self.stop
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Length", "100")
+                self.end_headers()
+                self.wfile.flush()
+                stop.wait(30)
+
+            def log_message(self, *args):
+                pass
+
+        self.server, self.url = serve(Handler)
+
+    def close(self):
+        self.stop.set()
+        if self.sock is not None:
+            self.sock.close()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def refused_url() -> str:
+    """The URL of a loopback port where nothing listens (bound, never listening: a connection is refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/score"
+
+
+@pytest.mark.parametrize("timer", ["on time", "late"])
+@pytest.mark.parametrize("kind", ["silent", "headers"])
+def test_a_service_that_does_not_answer_in_time_counts_in_reward_timeouts(service, monkeypatch, kind, timer):
+    """A service that accepts and never answers, or answers its headers and then nothing: each item fails as a
+    time-out (`Scores.timeouts`, which rollout/reward_timeouts logs), whether the per-try wall-clock bound fired or
+    the socket's own time limit fired first (`timer` late: a TimeoutError from urllib, recognised by type). Controls:
+    a refused port and an HTTP 500 fail their items, and are not time-outs. Before: every item failed with
+    'TimeoutError: timed out', and `timeouts` was 0."""
+    import relax.rewards.remote as remote
+
+    if timer == "late":
+        monkeypatch.setattr(remote.threading, "Timer", Late)
+    server = Unanswering(kind)
+    try:
+        t0 = time.monotonic()
+        scores = score_responses(client(server.url, timeout_s=0.3, retries=0), RESPONSES[:3], LABELS[:3])
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    assert scores.failed == [True] * 3 and scores.timeouts == 3, scores.first_error
+    assert "data.reward_service.timeout_s=0.3" in scores.first_error and took < 10
+
+    failing = service(lambda n, items: 500)
+    for url, why in ((refused_url(), "ConnectionRefusedError"), (failing.url, "HTTP 500")):
+        scores = score_responses(client(url, timeout_s=5.0, retries=1), RESPONSES[:3], LABELS[:3])
+        assert scores.failed == [True] * 3 and scores.timeouts == 0 and why in scores.first_error, scores.first_error
+
+
+@pytest.mark.parametrize("answer", ["none", 500])
+def test_the_rollout_scorer_counts_a_services_time_outs_as_a_judges(monkeypatch, answer):
+    """Through the rollout's scorer (`Scorer.score`, whose Scores.timeouts train.py logs as rollout/reward_timeouts,
+    as it does a judge's), with `data.reward` a service and `data.reward_service.*` from the config: the responses
+    the service leaves unanswered are time-outs; the control, a service that answers them 500, fails them without
+    a time-out."""
+    from relax.config import load_config
+    from relax.data.datasets import PromptItem
+    from relax.data.tokenizer import build_tiny_tokenizer
+    from relax.runner.rollout_driver.scoring import Scorer
+
+    from .reward_models import batch
+
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            items = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["items"]
+            if "7" in items[0]["response"]:
+                if answer == "none":
+                    stop.wait(30)
+                    return
+                self.send_response(500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            data = json.dumps({"rewards": [1.0] * len(items)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server, url = serve(Handler)
+    try:
+        cfg = load_config([f"data.reward={url}", "data.reward_service.batch_size=1",
+                           "data.reward_service.timeout_s=0.5", "data.reward_service.retries=0",
+                           "rollout.n_samples_per_prompt=2", "tracking.enabled=false"])
+        tokenizer = build_tiny_tokenizer()
+        items = [PromptItem([1], "7", "repeat 7", g) for g in range(2)]
+        scores = Scorer(cfg, tokenizer, get_reward_fn(cfg.data.reward), None).score(
+            items, batch(tokenizer, ["7", "is", "7", "is"]))
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert scores.failed == [True, False, True, False] and scores.rewards[1] == 1.0
+    assert scores.timeouts == (2 if answer == "none" else 0), scores.first_error
