@@ -30,7 +30,12 @@ def not_mlflow() -> Iterator[int]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    class Quiet(http.server.ThreadingHTTPServer):
+        def handle_error(self, request: object, client_address: object) -> None:
+            pass  # a client that hangs up before reading the 404's body: socketserver would print its traceback to
+            # stderr, which the test reads as the command's own output
+
+    server = Quiet(("127.0.0.1", 0), NotFound)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
