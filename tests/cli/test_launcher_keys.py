@@ -98,3 +98,26 @@ def test_the_hydra_keys_users_pass_go_on(args, tmp_path, monkeypatch):
     """The control: the launcher's real options in a sweep, and the run/sweep/job keys, are not refused."""
     monkeypatch.chdir(tmp_path)
     assert problems([*(a.replace("{tmp}", str(tmp_path)) for a in args), "train.num_rollout=2"]) is None
+
+
+def test_a_launcher_option_on_a_run_of_its_own_config_is_refused(tmp_path, monkeypatch, capfd):
+    """`relax-train -cp <dir> -cn config ...` (a run's saved config), which the command line's precheck leaves to
+    Hydra: a launcher option there is refused by the run itself, before its dry run (before: accepted, ignored)."""
+    from omegaconf import OmegaConf
+
+    from relax.config.compose import compose
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    for launcher in (["+hydra.launcher.max_concurrent_jobs=1"],
+                     ["hydra/launcher=relax_ray", "hydra.launcher.max_concurrent_jobs=1"]):
+        err = _refused(*relax_train(["-cp", str(saved), "-cn", "config", *launcher, "train.lr=-1", "dry_run=true"],
+                                    capfd))
+        assert err.splitlines()[:2] == [f"relax-train: error: invalid config ({len(launcher) + 1} problems):",
+                                        f"  - {launcher[0]}: {SINGLE}: a run without -m starts no launcher and would "
+                                        "ignore it (drop it, or sweep with relax-train -m ...)"], err
+        assert err.splitlines()[-1] == "  - train.lr=-1.0 must be > 0", err  # with the config's own problems
+    code, out, err = relax_train(["-cp", str(saved), "-cn", "config", "dry_run=true"], capfd)  # the control
+    assert code in (0, None) and "dry run: config valid" in out, err
