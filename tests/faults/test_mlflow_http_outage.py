@@ -182,7 +182,9 @@ def policy_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_flush_before_a_checkpoint_does_not_wait_for_a_store_that_hangs(
         proxy: Proxy, policy_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(run_writer, "FLUSH_WAIT_S", WAIT_S, raising=False)  # raising=False: the negative control
+    # while the store answers, the flush waits as long as a loaded machine needs (a write slower than WAIT_S would be
+    # spooled, as it should, and the "nothing in the spool" check below would fail on the machine, not on the code)
+    monkeypatch.setattr(run_writer, "FLUSH_WAIT_S", 60.0, raising=False)  # raising=False: the negative control
     cfg = TrackingConfig(uri=f"http://127.0.0.1:{proxy.port}", experiment="http-outage")
     tracker = Tracker.start(cfg, RunOptions(announce=False, spool_dir=tmp_path, background=True, flush_every_steps=1,
                                             flush_interval_s=1e9, final_replay_s=60), run_name="outage")
@@ -203,6 +205,7 @@ def test_the_flush_before_a_checkpoint_does_not_wait_for_a_store_that_hangs(
     assert not tracker.spool.pending
 
     caplog.set_level(logging.WARNING, logger=TRACKER_LOGGER)
+    monkeypatch.setattr(run_writer, "FLUSH_WAIT_S", WAIT_S, raising=False)
     proxy.hang()
     tracker.log_metrics({"a": 3.0}, 3)  # a flush is due at each step: the writer takes step 3 to the store
     assert proxy.held.wait(30), "the writer's request never reached the store"
