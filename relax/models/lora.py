@@ -456,8 +456,9 @@ def check_adapter_dir(model_cfg: Any, vocab_size: int, pad_token_id: int) -> str
     and its base the model's: every adapted layer a linear layer of the model of the adapter's shapes (in, out, r), and
     where adapter_config.json's base_model_name_or_path is a local model directory, its model_type, vocabulary,
     hidden size and layers the model's (checked on the architecture: no weights read). Returns the dry run's line."""
-    import json
     from pathlib import Path
+
+    from relax.models.peft_merge import read_json_object
 
     where = f"model.lora_adapter_path={model_cfg.lora_adapter_path!r}"
     directory = Path(model_cfg.lora_adapter_path).expanduser()
@@ -468,12 +469,7 @@ def check_adapter_dir(model_cfg: Any, vocab_size: int, pad_token_id: int) -> str
     if not file.is_file():
         raise ValueError(f"{where} has no {ADAPTER_CONFIG}: it is not a PEFT adapter directory (what "
                          "PeftModel.save_pretrained, TRL and relax-export of a LoRA run write)")
-    try:
-        own = json.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file} cannot be read as JSON: {e}") from None
-    if not isinstance(own, dict):
-        raise ValueError(f"{file} is not a JSON object")
+    own = read_json_object(file)  # ModelFileError, a ValueError, naming the file
     if own.get("peft_type") != "LORA":
         raise ValueError(f"{where}: peft_type {own.get('peft_type')!r} in {ADAPTER_CONFIG}; only LoRA adapters "
                          "(peft_type LORA) can be trained on (model.lora_adapter_path)")

@@ -67,15 +67,21 @@ def adapter_path(model_cfg: Any) -> Optional[Path]:
     return path if path is not None and is_adapter_dir(path) else None
 
 
-def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
-    """adapter_config.json as a dict; ModelFileError naming the file when it is not a JSON object naming a base."""
-    file = adapter_dir / ADAPTER_CONFIG_FILE
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON file holding an object (adapter_config.json), as a dict; ModelFileError naming the file otherwise."""
     try:
         config = json.loads(file.read_bytes())
     except (OSError, ValueError) as e:
         raise ModelFileError(f"{file} cannot be read as JSON: {e}") from None
     if not isinstance(config, dict):
         raise ModelFileError(f"{file} is not a JSON object")
+    return config
+
+
+def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    """adapter_config.json as a dict; ModelFileError naming the file when it is not a JSON object naming a base."""
+    file = adapter_dir / ADAPTER_CONFIG_FILE
+    config = read_json_object(file)
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or not base.strip():
         raise ModelFileError(f"{file} names no base model (base_model_name_or_path is {base!r}): set it to the base "
