@@ -10,6 +10,8 @@ chat template renders anything and before anything is generated (`relax.serve.op
 - `tool_choice` or `parallel_tool_calls` without tools on Chat Completions (OpenAI's "'tool_choice' is only allowed
   when 'tools' are specified"); the Responses API echoes both on every response, and takes "auto"/"none" and
   parallel_tool_calls without tools (they change nothing);
+- `tools: []` on Chat Completions (OpenAI's "[] is too short - 'tools'"), while the Responses API takes it as no tools
+  (as OpenAI's does: openai-agents sends `tools: []` on every Responses call of an agent without tools);
 - a history call's `arguments` that is not a JSON object string ("{not json", "[1, 2]", "5"): refused on every
   family (docs/agents.md, 'Tool calls in the history'): every call format Relax writes history in holds an object,
   and the model's own tool parser reads nothing else back as a call.
@@ -19,7 +21,8 @@ with a scripted engine that records what it is asked; the official `openai` clie
 Negative control, the code before: the parameters cases were a 500 (AttributeError) on ChatML, DeepSeek-V3 and the
 XML families, 200 with the string in the prompt on Qwen3/GLM/gpt-oss, or a 400 naming tool_choice or
 parallel_tool_calls; the arguments cases a 500 (JSONDecodeError, TypeError) on ChatML, Qwen3-Coder, Qwen3.5, a
-"template refuses" 400 on GLM-4.5, and 200 elsewhere; names, duplicates and the tool-less options 200.
+"template refuses" 400 on GLM-4.5, and 200 elsewhere; names, duplicates and the tool-less options 200; `tools: []` on
+Chat Completions 200 (taken as no tools).
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ BAD_CHAT = {
     "two tools of one name": (dict(tools=[TOOL, TOOL]), "tools"),
     "tool_choice none without tools": (dict(tool_choice="none"), "tool_choice"),
     "tool_choice auto without tools": (dict(tool_choice="auto"), "tool_choice"),
-    "tool_choice required with no tools": (dict(tools=[], tool_choice="required"), "tool_choice"),
+    "tools an empty list": (dict(tools=[]), "tools"),  # OpenAI: "[] is too short - 'tools'"
+    "tools an empty list, tool_choice required": (dict(tools=[], tool_choice="required"), "tools"),
+    "tool_choice required without tools": (dict(tool_choice="required"), "tool_choice"),
     "parallel_tool_calls without tools": (dict(parallel_tool_calls=False), "parallel_tool_calls"),
     "history arguments not JSON": (dict(messages=_history("{not json"), tools=[TOOL]), ARGS_AT),
     "history arguments a JSON list": (dict(messages=_history("[1, 2]"), tools=[TOOL]), ARGS_AT),
@@ -128,6 +133,9 @@ GOOD_RESPONSES = {
     "tool_choice auto without tools": dict(tool_choice="auto"),
     "tool_choice none without tools": dict(tool_choice="none"),
     "parallel_tool_calls without tools": dict(parallel_tool_calls=False),
+    # the Responses API takes an empty list (openai-agents sends tools=[] on every call of an agent without tools)
+    "tools an empty list": dict(tools=[]),
+    "tools an empty list, tool_choice auto": dict(tools=[], tool_choice="auto", parallel_tool_calls=True),
     "history arguments an object": dict(input=_r_history('{"a": 17}'), tools=[R_TOOL]),
 }
 
@@ -208,7 +216,8 @@ def _check_routes(client) -> None:
     """Every route's refusals through the official client: a 400 (not a 500 the client retries), the field named."""
     chat = {"model": "policy", "messages": START, "max_tokens": 4}
     for fields, param in (BAD_CHAT["parameters a string"], BAD_CHAT["history arguments not JSON"],
-                          BAD_CHAT["name with a space"], BAD_CHAT["tool_choice none without tools"]):
+                          BAD_CHAT["name with a space"], BAD_CHAT["tool_choice none without tools"],
+                          BAD_CHAT["tools an empty list"]):
         exc = _bad_request(lambda f=fields: client.chat.completions.create(**{**chat, **f}))
         assert exc.status_code == 400 and exc.body["param"] == param and exc.body["type"] == "invalid_request_error"
         assert f"'{param}'" in exc.body["message"], exc.body

@@ -496,6 +496,9 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
     if tools is not None:
         if not isinstance(tools, list):
             raise _bad("tools", "must be a list of function tools")
+        if not tools:  # OpenAI's Chat Completions: at least one tool, or no `tools` (the Responses API takes [])
+            raise APIError("[] is too short - 'tools': give at least one function tool, or leave tools out",
+                           param="tools")
         for i, t in enumerate(tools):
             fn = t.get("function") if isinstance(t, dict) else None
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
@@ -509,7 +512,7 @@ def parse_chat(body: dict) -> tuple[list[dict], Params]:
             if (why := strict_schema_error(fn)) is not None:  # checked against it: it must be a schema
                 raise _bad(f"tools[{i}].function.parameters", f"of a strict function {why}")
         check_tool_names([t["function"]["name"] for t in tools])
-    if not tools:  # OpenAI's: the tool options need tools (an empty list is none)
+    if not tools:  # OpenAI's: the tool options need tools
         for name in ("tool_choice", "parallel_tool_calls"):
             if body.get(name) is not None:
                 raise APIError(f"Invalid value for '{name}': '{name}' is only allowed when 'tools' are specified.",

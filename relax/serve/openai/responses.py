@@ -579,7 +579,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     tools = chat_tools(body.get("tools"))
-    if tools:
+    if tools:  # [] is no tools: the Responses API takes it (openai-agents sends it without tools); Chat Completions not
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
     parallel = body.get("parallel_tool_calls")
