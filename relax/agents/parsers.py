@@ -683,17 +683,10 @@ def _xml_written(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def _arguments_object(arguments: Any) -> Any:
-    """A call's arguments as an object: a JSON string of one decoded (empty: none)."""
-    if isinstance(arguments, str):
-        return json.loads(arguments) if arguments.strip() else {}
-    return arguments
-
-
-def write_call(fmt: str, name: str, arguments: Any) -> str:
+def write_call(fmt: str, name: str, arguments: dict) -> str:
     """One call as the built-in format `fmt` writes it (what its parser reads, and what a forced call's grammar,
-    `relax.rollout.grammar.tool_call_ebnf`, writes): JSON as json.dumps writes it."""
-    arguments = _arguments_object(arguments)
+    `relax.rollout.grammar.tool_call_ebnf`, writes): JSON as json.dumps writes it. `arguments` is the object (a
+    history call's JSON text is decoded and checked before: `relax.serve.openai.protocol.call_arguments`)."""
     if fmt == "qwen3_coder":
         params = "".join(f"<parameter={k}>\n{_xml_written(v)}\n</parameter>\n" for k, v in arguments.items())
         return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
@@ -714,12 +707,12 @@ def write_call(fmt: str, name: str, arguments: Any) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
-def write_calls(fmt: str, calls: Sequence[tuple[str, Any]]) -> str:
+def write_calls(fmt: str, calls: Sequence[tuple[str, dict]]) -> str:
     """Calls (name, arguments) as the built-in format `fmt` writes several of them: one after another (a newline
     between them; "; " for llama3_json), DeepSeek's inside one section of calls, Mistral's in one list, harmony's
     one message each."""
     if fmt == "mistral":  # tokenizer v3's form (SGLang's): one list after one marker; parse_mistral reads every version
-        objects = [{"name": name, "arguments": _arguments_object(args)} for name, args in calls]
+        objects = [{"name": name, "arguments": args} for name, args in calls]
         return f"{MISTRAL_CALLS} [" + ", ".join(json.dumps(o, ensure_ascii=False) for o in objects) + "]"
     written = [write_call(fmt, name, args) for name, args in calls]
     if fmt == "harmony":  # one message per call, each after the next one's start

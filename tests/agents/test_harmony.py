@@ -93,7 +93,7 @@ def test_text_without_markers_is_content():
 
 
 def test_written_calls_read_back():
-    calls = [("get_weather", {"city": "Oslo"}), ("add", '{"a": 1, "b": 2}')]
+    calls = [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]
     assert parse_harmony(write_calls("harmony", calls)).calls == [
         ToolCall("get_weather", {"city": "Oslo"}), ToolCall("add", {"a": 1, "b": 2})]
 

@@ -14,7 +14,9 @@ chat template renders anything and before anything is generated (`relax.serve.op
   (as OpenAI's does: openai-agents sends `tools: []` on every Responses call of an agent without tools);
 - a history call's `arguments` that is not a JSON object string ("{not json", "[1, 2]", "5"): refused on every
   family (docs/agents.md, 'Tool calls in the history'): every call format Relax writes history in holds an object,
-  and the model's own tool parser reads nothing else back as a call.
+  and the model's own tool parser reads nothing else back as a call; and one given as a JSON object instead of a
+  string (OpenAI's "Invalid type ...: expected a string", `code` `invalid_type`: its schema's type, which the SDKs
+  send).
 
 The matrix runs the service itself (`OpenAIService.chat`, `Responses.create`) over each fixture family's tokenizer
 with a scripted engine that records what it is asked; the official `openai` client checks each route over HTTP.
@@ -22,12 +24,14 @@ Negative control, the code before: the parameters cases were a 500 (AttributeErr
 XML families, 200 with the string in the prompt on Qwen3/GLM/gpt-oss, or a 400 naming tool_choice or
 parallel_tool_calls; the arguments cases a 500 (JSONDecodeError, TypeError) on ChatML, Qwen3-Coder, Qwen3.5, a
 "template refuses" 400 on GLM-4.5, and 200 elsewhere; names, duplicates and the tool-less options 200; `tools: []` on
-Chat Completions 200 (taken as no tools).
+Chat Completions 200 (taken as no tools); history arguments given as an object 200 on chat (rendered), a 400 naming
+`input[1]` rather than its `arguments` on Responses.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -50,7 +54,7 @@ def _tool(**fn) -> dict:
     return {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS, **fn}}
 
 
-def _history(args: str) -> list[dict]:
+def _history(args: Any) -> list[dict]:
     return START + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "1"}]
@@ -92,6 +96,9 @@ BAD_CHAT = {
     "history arguments a JSON list": (dict(messages=_history("[1, 2]"), tools=[TOOL]), ARGS_AT),
     "history arguments a JSON number": (dict(messages=_history("5"), tools=[TOOL]), ARGS_AT),
     "history arguments a JSON string": (dict(messages=_history('"a"'), tools=[TOOL]), ARGS_AT),
+    # OpenAI's schema: a string, which every SDK sends (langchain-openai json.dumps the args)
+    "history arguments an object, not a string": (dict(messages=_history({"a": 17}), tools=[TOOL]), ARGS_AT),
+    "history arguments an empty object, not a string": (dict(messages=_history({}), tools=[TOOL]), ARGS_AT),
 }
 # the same requests' valid twins, answered on every family (the prompt rendered, a call generated)
 GOOD_CHAT = {
@@ -112,7 +119,7 @@ R_TOOL = {"type": "function", "name": "get_weather", "parameters": PARAMS}
 R_INPUT = [{"role": "user", "content": "hi"}]
 
 
-def _r_history(args: str) -> list[dict]:
+def _r_history(args: Any) -> list[dict]:
     return R_INPUT + [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": args},
                       {"type": "function_call_output", "call_id": "c1", "output": "1"}]
 
@@ -128,6 +135,8 @@ BAD_RESPONSES = {
     "tool_choice required without tools": (dict(tool_choice="required"), "tool_choice"),
     "history arguments not JSON": (dict(input=_r_history("{not json")), "input[1].arguments"),
     "history arguments a JSON list": (dict(input=_r_history("[1, 2]"), tools=[R_TOOL]), "input[1].arguments"),
+    "history arguments an object, not a string": (dict(input=_r_history({"a": 17}), tools=[R_TOOL]),
+                                                   "input[1].arguments"),
 }
 GOOD_RESPONSES = {
     "tool_choice auto without tools": dict(tool_choice="auto"),
@@ -217,7 +226,7 @@ def _check_routes(client) -> None:
     chat = {"model": "policy", "messages": START, "max_tokens": 4}
     for fields, param in (BAD_CHAT["parameters a string"], BAD_CHAT["history arguments not JSON"],
                           BAD_CHAT["name with a space"], BAD_CHAT["tool_choice none without tools"],
-                          BAD_CHAT["tools an empty list"]):
+                          BAD_CHAT["tools an empty list"], BAD_CHAT["history arguments an object, not a string"]):
         exc = _bad_request(lambda f=fields: client.chat.completions.create(**{**chat, **f}))
         assert exc.status_code == 400 and exc.body["param"] == param and exc.body["type"] == "invalid_request_error"
         assert f"'{param}'" in exc.body["message"], exc.body

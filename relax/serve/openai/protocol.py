@@ -255,24 +255,28 @@ def check_tool_names(names: list[str], where: str = "tools") -> None:
 
 def call_arguments(args: Any, where: str) -> dict:
     """A history tool call's `arguments` as the object they encode: a JSON string of an object (empty or absent:
-    none, {}), or an object. Anything else (text that is not JSON, JSON that is not an object: "[1, 2]", "5") is a
-    400 naming `where`: every call format Relax renders history in (Hermes' and Llama's JSON objects, the XML
+    none, {}). A JSON object given as such rather than as a string is a 400 naming `where`, as OpenAI's schema has it
+    (`arguments` is a string; the SDKs send one: langchain-openai json.dumps its calls' args, openai-agents passes the
+    string its items hold). Anything else (text that is not JSON, JSON that is not an object: "[1, 2]", "5") is a
+    400 naming `where` too: every call format Relax renders history in (Hermes' and Llama's JSON objects, the XML
     key/value formats, DeepSeek's and harmony's JSON) writes an object, the model's tool parser reads nothing else
     back as a call, and several templates fail on anything else; refused on every model alike."""
-    if args is None or isinstance(args, str) and not args.strip():
+    if args is None:
         return {}
-    parsed = args
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except json.JSONDecodeError as exc:
-            raise APIError(f"Invalid '{where}': {args[:80]!r} is not JSON ({exc.msg}); a call's arguments must be "
-                           "a JSON object string (Relax writes history calls in the model's call format, which "
-                           "holds an object).", param=where) from None
+    if not isinstance(args, str):
+        raise APIError(f"Invalid type for '{where}': expected a string (the arguments as JSON text, e.g. "
+                       f"'{{\"city\": \"Paris\"}}'), but got {_kind(args)} instead.", param=where, code="invalid_type")
+    if not args.strip():
+        return {}
+    try:
+        parsed = json.loads(args)
+    except json.JSONDecodeError as exc:
+        raise APIError(f"Invalid '{where}': {args[:80]!r} is not JSON ({exc.msg}); a call's arguments must be "
+                       "a JSON object string (Relax writes history calls in the model's call format, which "
+                       "holds an object).", param=where) from None
     if not isinstance(parsed, dict):
-        raise APIError(f"Invalid '{where}': expected a JSON object string, but got {_kind(parsed)} "
-                       f"({args if isinstance(args, str) else json.dumps(args)}); Relax writes history calls in the "
-                       "model's call format, which holds an object.", param=where)
+        raise APIError(f"Invalid '{where}': expected a JSON object string, but got {_kind(parsed)} ({args}); Relax "
+                       "writes history calls in the model's call format, which holds an object.", param=where)
     return parsed
 
 
