@@ -37,9 +37,9 @@ def _unbracketed_list(exc: BaseException) -> Optional[str]:
     key = getattr(cause, "full_key", None)
     if match is None or not key:
         return None
-    value = re.sub(r"\\(.)", r"\1", match.group(1))  # a sweep job's override has Hydra's escapes (mymod\:TOOLS)
-    return (f"{key}={value}: {key} is a list, written in brackets: {key}=[{value}] (several items: "
-            f"{key}=[a,b]; in a shell, quote it: '{key}=[{value}]')")
+    from relax.config.value_types import list_form
+
+    return list_form(key, re.sub(r"\\(.)", r"\1", match.group(1)))  # a sweep job's override has Hydra's escapes
 
 
 def hydra_error_message(exc: BaseException) -> str:
@@ -170,14 +170,16 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     error: Optional[BaseException] = None
     for attempt in (first, hydra_only):
         try:
-            dc, dropped, choices = compose_known(lambda kept: _compose_with_hydra(kept, conf), attempt)
+            dc, dropped, choices, mistyped = compose_known(lambda kept: _compose_with_hydra(kept, conf), attempt)
             break
         except (HydraException, OmegaConfBaseException, ValueError) as exc:
             error = exc
     else:
         assert error is not None
         return [Violation((LAUNCHER_KEY,), hydra_error_message(error))]
+    # a value not of its option's type (`hydra.launcher.max_concurrent_jobs=abc`); the config's own are the job's
     found = [v for v in choices if v.fields[0] == LAUNCHER_GROUP]
+    found += [v for v in mistyped if v.fields[0].startswith(LAUNCHER_KEY + ".")]
     launcher = OmegaConf.select(dc, LAUNCHER_KEY)
     options = _launcher_options(launcher)
     if options is None:  # a launcher without a config dataclass: Hydra checks its keys

@@ -18,6 +18,7 @@ from relax.config.schema import RelaxConfig, TrainConfig
 from relax.config.store import PLUGINS_KEY, PluginError, import_plugins, register_configs, writable_node
 from relax.config.unknown_keys import choice_problems, compose_known, drop_extra_keys, extra_keys, unknown_key
 from relax.config.validate import ConfigError, check, validate
+from relax.config.value_types import about
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -35,12 +36,14 @@ RUN_SAVING_FIELDS = ("save_interval", "keep_checkpoints", "save_hf")
 
 
 def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
-                    overrides: Optional[Sequence[str]] = None) -> RelaxConfig:
+                    overrides: Optional[Sequence[str]] = None, left_out: Sequence[str] = ()) -> RelaxConfig:
     """Instantiate the frozen dataclasses, derive the None fields, validate (raises ConfigError). A key the schema
     lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others.
     `overrides`: the command line's (Hydra's syntax), where the caller has them: with a run's saved config as the
     primary config and train.num_rollout=0, the run's saving options that they do not set (`RUN_SAVING_FIELDS`)
-    are put back to their defaults, with a note (`_evaluation_writes_nothing`); None: every value counts as set."""
+    are put back to their defaults, with a note (`_evaluation_writes_nothing`); None: every value counts as set.
+    `left_out`: keys whose given value was refused (not of its type, among `unknown`) and so hold their defaults:
+    the rules' verdicts on them are not reported, as they would judge a value nobody gave."""
     found = list(unknown)
     typed: Optional[set[str]] = None
     try:  # the user's modules (relax-train imported those of its command line already): they may register the saved
@@ -63,7 +66,8 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     if not found:
         return check(resolve(obj), given=obj)
     cfg = resolve(obj)
-    raise ConfigError(found + validate(cfg, given=obj), cfg.algorithm.name)
+    rules = [v for v in validate(cfg, given=obj) if not about(v, left_out)]
+    raise ConfigError(found + rules, cfg.algorithm.name)
 
 
 def _evaluation_writes_nothing(cfg: RelaxConfig, typed: set[str]) -> RelaxConfig:
@@ -142,19 +146,20 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Pa
 
 def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None) -> tuple[DictConfig, list[Violation]]:
     """compose, with each override of a key the schema lacks left out: (config, a violation per unknown key, those
-    left out and those `+` added, each naming what was probably meant; and first a violation per group choice that
-    names no option, `compose_known`)."""
-    dc, dropped, choices = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    left out and those `+` added, each naming what was probably meant, and per value not of its key's type; and
+    first a violation per group choice that names no option, `compose_known`)."""
+    dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf), overrides)
     if choices:
-        return dc, choice_problems(dc, dropped, choices)
-    return dc, [unknown_key(dc, key) for key in dropped] + [unknown_key(dc, key) for key in extra_keys(dc)]
+        return dc, choice_problems(dc, dropped, choices, mistyped)
+    return dc, [*mistyped, *(unknown_key(dc, key) for key in [*dropped, *extra_keys(dc)])]
 
 
 def load_config(overrides: Sequence[str] = (), conf: Path | None = None) -> RelaxConfig:
     """compose + to_relax_config: the frozen, validated config of `relax-train <overrides>` (raises ConfigError with
-    every problem, unknown keys included; a group choice that names no option is reported with the unknown keys,
-    before the rules, which would judge another config: `choice_problems`)."""
-    dc, dropped, choices = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    every problem, unknown keys and values not of their key's type included; a group choice that names no option is
+    reported with those, before the rules, which would judge another config: `choice_problems`)."""
+    dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf), overrides)
     if choices:
-        raise ConfigError(choice_problems(dc, dropped, choices))
-    return to_relax_config(dc, [unknown_key(dc, key) for key in dropped])
+        raise ConfigError(choice_problems(dc, dropped, choices, mistyped))
+    return to_relax_config(dc, [*mistyped, *(unknown_key(dc, key) for key in dropped)],
+                           left_out=[v.fields[0] for v in mistyped])

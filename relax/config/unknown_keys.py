@@ -6,7 +6,8 @@ Hydra refuses an override of a key a structured config lacks (with its advice to
 frozen dataclasses then refuse); `compose_known` leaves such overrides out and names them instead, and
 `extra_keys` finds the keys that `+` added. It does the same with a group choice that names no option
 (`model=nonexistent`, where Hydra stops at the first with its own message): each is named with the group's options,
-and the rest of the command line is still composed, so that its unknown keys are reported with it.
+and the rest of the command line is still composed, so that its unknown keys are reported with it; and with a value
+that is not of its key's type (`train.lr=abc`: `relax.config.value_types`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relax import algorithms
 from relax.algorithms.base import Violation
+from relax.config.value_types import mistyped_override, mistyped_violation
 
 
 def _fields(node: Any) -> list[str] | None:
@@ -128,21 +130,29 @@ def _missing_choice(exc: BaseException, overrides: Sequence[str]) -> tuple[int, 
     return None
 
 
-def compose_known(compose: Any, overrides: Sequence[str]) -> tuple[DictConfig, list[str], list[Violation]]:
-    """`compose(overrides)`, leaving out each override whose key the schema lacks and each group choice that names
-    no option: (config, the keys left out, a violation per choice left out). With a choice left out the config is
-    composed with the group's default instead: only for the other overrides' keys to be checked."""
+def compose_known(compose: Any, overrides: Sequence[str]
+                  ) -> tuple[DictConfig, list[str], list[Violation], list[Violation]]:
+    """`compose(overrides)`, leaving out each override whose key the schema lacks, each group choice that names
+    no option and each value that is not of its key's type: (config, the keys left out, a violation per choice left
+    out, a violation per value left out: `relax.config.value_types`). With a choice left out the config is composed
+    with the group's default instead, with a value left out with the key's: only for the other overrides' keys to
+    be checked."""
     from hydra.errors import ConfigCompositionException
 
-    kept, dropped, choices = list(overrides), [], []
+    kept, dropped, choices, mistyped = list(overrides), [], [], []
     while True:
         try:
-            return compose(kept), dropped, choices
+            dc = compose(kept)
+            return dc, dropped, choices, [mistyped_violation(dc, o, exc) for o, exc in mistyped]
         except ConfigCompositionException as exc:
             missing = _missing_choice(exc, kept)
             if missing is not None:
                 choices.append(missing[1])
                 kept.pop(missing[0])
+                continue
+            i = mistyped_override(exc, kept)
+            if i is not None:
+                mistyped.append((kept.pop(i), exc))
                 continue
             i = _unknown_override(exc, kept)
             if i is None:
@@ -150,11 +160,16 @@ def compose_known(compose: Any, overrides: Sequence[str]) -> tuple[DictConfig, l
             dropped.append(kept.pop(i).split("=", 1)[0].lstrip("+~"))
 
 
-def choice_problems(dc: DictConfig, dropped: Sequence[str], choices: Sequence[Violation]) -> list[Violation]:
+def choice_problems(dc: DictConfig, dropped: Sequence[str], choices: Sequence[Violation],
+                    mistyped: Sequence[Violation] = ()) -> list[Violation]:
     """What a command line with group choices that name no option (`choices`, from `compose_known`) gets reported:
-    those, then its unknown keys (`dropped` and the `+`-added ones); not the rules, which would judge the groups'
-    defaults in their place. An unknown key of `algorithm.` is left out when the algorithm choice was: which keys
-    an algorithm has depends on the algorithm."""
+    those, then its values not of their key's type (`mistyped`), then its unknown keys (`dropped` and the `+`-added
+    ones); not the rules, which would judge the groups' defaults in their place. A key of `algorithm.` is left out
+    when the algorithm choice was: which keys an algorithm has, and their types, depend on the algorithm."""
     bad = {v.fields[0] for v in choices}
-    keys = [k for k in [*dropped, *extra_keys(dc)] if not ("algorithm" in bad and k.startswith("algorithm."))]
-    return [*choices, *(unknown_key(dc, k) for k in keys)]
+
+    def judged(key: str) -> bool:
+        return not ("algorithm" in bad and key.startswith("algorithm."))
+
+    keys = [k for k in [*dropped, *extra_keys(dc)] if judged(k)]
+    return [*choices, *(v for v in mistyped if judged(v.fields[0])), *(unknown_key(dc, k) for k in keys)]

@@ -298,3 +298,74 @@ def test_run_summary_names_the_steps_its_first_reward_is_over(in_process, tmp_pa
     assert code in (0, None), err
     out += err
     assert "first 3 steps reward" in out and "first 10 steps" not in out, out
+
+
+def test_values_not_of_their_keys_type_are_reported_together_with_the_other_problems(tmp_path, monkeypatch, capfd):
+    """`train.lr=abc ... train.num_rollout=xyz` names every value not of its key's type, with the key, the value and
+    the type the schema declares, in the one 'invalid config (n problems)' list beside the rules' problems (Hydra
+    stopped at the first, in OmegaConf's words: 'Error merging override train.lr=abc ... could not be converted to
+    Float'). Nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["train.lr=abc", "model=tiny", "train.num_rollout=xyz", "tracking.uri=foo://bar",
+                                 "dry_run=true"], capfd))
+    lines = err.splitlines()
+    assert lines[:3] == ["relax-train: error: invalid config (3 problems):",
+                         "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'",
+                         "  - train.num_rollout=xyz: train.num_rollout takes an int, not the string 'xyz'"], err
+    assert lines[3].startswith("  - tracking.uri='foo://bar'") and len(lines) == 4, err
+    assert "Error merging" not in err and "could not be converted" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.num_rollout=1.5", "train.num_rollout=1.5: train.num_rollout takes an int, not the float 1.5"),
+    ("train.num_rollout=null", "train.num_rollout=null: train.num_rollout takes an int, not null"),
+    ("model.gradient_checkpointing=maybe", "model.gradient_checkpointing=maybe: model.gradient_checkpointing takes a "
+                                           "bool (true or false), not the string 'maybe'"),
+    ("cluster.cpus_per_node=abc", "cluster.cpus_per_node=abc: cluster.cpus_per_node takes an int or null, not the "
+                                  "string 'abc'"),
+    ("train.eval_pass_k=[1,a]", "train.eval_pass_k=[1,a]: train.eval_pass_k takes a list of ints, in brackets "
+                                "([a,b]) or null, not [1,a]: its item [1] is the string 'a'"),
+    ("data.eval_sets=3", "data.eval_sets=3: data.eval_sets takes a mapping, in braces ({key: value}), not the int 3"),
+    # an algorithm's own field, typed by its config class (the override after the choice whose keys merge first)
+    ("algorithm.kl2_budget=x", "algorithm.kl2_budget=x: algorithm.kl2_budget takes a float (a number: 0.5, 1e-5), "
+                               "not the string 'x'"),
+])
+def test_a_value_not_of_its_keys_type_names_the_key_the_value_and_the_type(override, message):
+    from relax.cli.config_check import problems
+
+    assert problems(["algorithm=m2po", override, "train.lrr=1"]) == (
+        "invalid config (2 problems):\n"
+        f"  - {message}\n"
+        "  - unknown key train.lrr (did you mean train.lr?)")
+    assert problems(["algorithm=m2po", "train.num_rollout=2", "algorithm.kl2_budget=0.02"]) is None  # the control
+
+
+def test_the_rules_do_not_judge_the_default_put_in_place_of_a_refused_value():
+    """A refused value leaves its key at the default only so the rest composes: a rule about that key would judge a
+    value nobody gave (train.global_batch_size=7 against the default train.micro_batch_size=8), so it is not
+    reported; the control: with train.micro_batch_size=8 given, the rule is."""
+    from relax.cli.config_check import problems
+
+    refused = problems(["train.micro_batch_size=abc", "train.global_batch_size=7"])
+    assert "train.micro_batch_size=abc: train.micro_batch_size takes an int" in refused, refused
+    assert "divisible by train.micro_batch_size" not in refused, refused
+    given = problems(["train.micro_batch_size=8", "train.global_batch_size=7"])
+    assert "must be divisible by train.micro_batch_size=8" in given, given
+
+
+def test_a_sweeps_launcher_option_and_jobs_values_of_the_wrong_type_are_all_named():
+    from relax.cli.config_check import problems
+
+    found = problems(["-m", "hydra.launcher.max_concurrent_jobs=abc", "train.lr=abc,0.5", "train.num_rollout=x"])
+    assert found == (
+        "invalid config (1 problem):\n"
+        "  - hydra.launcher.max_concurrent_jobs=abc: hydra.launcher.max_concurrent_jobs takes an int or null, not the "
+        "string 'abc'\n"
+        "invalid config in 2 of 2 sweep jobs (nothing started):\n"
+        "job 0 (train.lr=abc train.num_rollout=x):\n"
+        "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'\n"
+        "  - train.num_rollout=x: train.num_rollout takes an int, not the string 'x'\n"
+        "job 1 (train.lr=0.5 train.num_rollout=x):\n"
+        "  - train.num_rollout=x: train.num_rollout takes an int, not the string 'x'"), found
+    assert problems(["-m", "hydra.launcher.max_concurrent_jobs=2", "train.lr=1e-4,1e-5"]) is None  # the control
