@@ -12,9 +12,9 @@ from relax.runner.errors import RunError
 USAGE_EXIT = 2  # bad config or command line, as argparse does
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = USAGE_EXIT) -> None:
     print(f"relax-train: error: {message}", file=sys.stderr)
-    sys.exit(USAGE_EXIT)
+    sys.exit(code)
 
 
 class JobError(Exception):
@@ -28,11 +28,12 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _job_fail(message: str) -> None:
-    """Single run: message on stderr, exit 2. Sweep job: raise JobError for the launcher's table."""
+def _job_fail(message: str, code: int = USAGE_EXIT) -> None:
+    """Single run: message on stderr, exit `code` (2; 1 for a run that trained nothing). Sweep job: raise JobError
+    for the launcher's table (the job FAILED, the sweep's exit 1)."""
     if _in_sweep():
         raise JobError(message)
-    _fail(message)
+    _fail(message, code)
 
 
 def _group_options(conf: Path) -> dict[str, list[str]]:
@@ -160,8 +161,8 @@ def _run(dc) -> object:
         return run(cfg, plan, output_dir=Path(HydraConfig.get().runtime.output_dir), dictconfig=dc)
     # DataError: a resume whose prompts differ from the checkpoint's; RewardSpecError: a reward, tool or agent
     # function that its worker processes cannot load (its `prepare` raised: the message holds that traceback)
-    except (RunError, DataError, RewardSpecError) as exc:
-        _job_fail(str(exc))
+    except (RunError, DataError, RewardSpecError) as exc:  # NothingTrained (a RunError): exit 1, its summary printed
+        _job_fail(str(exc), getattr(exc, "exit_code", USAGE_EXIT))
     except StartupError as exc:  # a server process of the run (the router, an engine) that never became healthy
         _job_fail(str(exc))
     except CheckpointFileError as exc:  # a role refused a checkpoint file (on Ray: the cause of a RayTaskError)

@@ -29,6 +29,9 @@ class Restarts:
         self.events: list[str] = []
         self.run_id: str | None = None  # the MLflow run of the attempts (set once the first one opened it)
         self.step = 0  # the step in progress (where a failure happened), 0-based (messages: `step_name`)
+        # steps of the job that kept a group (trained), over every attempt (Session.log): a restarted attempt whose
+        # steps all lost every group still belongs to a job that trained (Session.finish: NothingTrained)
+        self.trained_steps = 0
         self._tagged = 0  # events already in the MLflow tag
         # when the run began (time.monotonic): the summary's wall time and the progress line's elapsed count from
         # here, across restarts, as the operator's clock does (the hang and the restart included)

@@ -15,7 +15,7 @@ from relax.config.schema import RelaxConfig
 from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX, EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
 from relax.models.write_errors import os_write_error
 from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
-from relax.runner.errors import RunError, step_name
+from relax.runner.errors import NothingTrained, RunError, step_name
 from relax.runner.eval_samples import eval_samples_file, to_jsonl
 from relax.runner.ledger import FILE as LEDGER_FILE
 from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
@@ -283,6 +283,8 @@ class Session:
         logged = metrics
         self.logged_steps.append(step)
         self.left_out_steps += not kept
+        if kept and self.restarts is not None:
+            self.restarts.trained_steps += 1
         if not kept:
             empty = [k for k, v in metrics.items() if math.isnan(float(v))]
             logged = {k: v for k, v in metrics.items() if k not in empty}
@@ -551,7 +553,9 @@ class Session:
 
     def finish(self) -> RunResult:
         """Flush tracking, write the ledger, export the final policy (train.save_hf) and print the summary (final =
-        mean reward of the last 10 steps)."""
+        mean reward of the last 10 steps). A job in which no step trained (`_nothing_trained`; an evaluation-only one
+        aside) then fails: NothingTrained, its message the summary's title, so that relax-train exits 1 and a sweep
+        counts the job FAILED (a run of data.max_failed_reward_steps such steps stops before, with a RunError)."""
         self.tracker.flush()
         self.log_ledger()
         self.export_final()
@@ -581,8 +585,11 @@ class Session:
             if not self.rewards:  # no training reward exists (a fresh evaluation-only run): none is shown
                 del extra[first_label]
         show_rewards = bool(self.rewards) or not self.evaluated_only
+        failed = None  # a job that trained nothing: its one-line error
         if not self.evaluated_only and self.logged_steps and self.left_out_steps == len(self.logged_steps):
-            title, extra = self._nothing_trained(extra)
+            title, extra, error = self._nothing_trained(extra)
+            if self.restarts is None or not self.restarts.trained_steps:  # (an earlier attempt of the job trained)
+                failed = error
             show_rewards = bool(self.rewards)  # a resumed run's earlier steps' rewards, else none: no "nan"
             if not self.rewards:
                 del extra[first_label]
@@ -593,25 +600,32 @@ class Session:
                                      + (", also among the MLflow run's artifacts)" if self.run_id else ")"))
         self.progress.summary(final, best, getattr(self.tracker, "run_id", None), self.tracker.ui_command(), extra,
                               title=title, rewards=show_rewards)
-        return RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
+        result = RunResult(getattr(self.tracker, "run_id", None), self.history, first, final, best)
+        if failed is not None:
+            raise NothingTrained(failed, result)
+        return result
 
-    def _nothing_trained(self, extra: dict[str, object]) -> tuple[str, dict[str, object]]:
+    def _nothing_trained(self, extra: dict[str, object]) -> tuple[str, dict[str, object], str]:
         """The summary's title and rows of a run whose every step (of this process) left every group out: its reward
         calls or episodes failed (a run of data.max_failed_reward_steps such steps stops before; a shorter one ends
-        here), so no step of this job trained and it has no reward of its own to show. A resumed run's earlier
-        steps (those of the checkpoint it started from) did train, so its title says so rather than "nothing
-        trained": the checkpoint and the exported model hold their weights."""
+        here), so no step of this job trained and it has no reward of its own to show; and the job's one-line error
+        (`finish`), the title's words with the steps and why. A resumed run's earlier steps (those of the checkpoint
+        it started from) did train, so its title says so rather than "nothing trained": the checkpoint and the
+        exported model hold their weights."""
         first, last = self.logged_steps[0] + 1, self.logged_steps[-1] + 1
         steps = f"step {first}" if first == last else f"steps {first}-{last}"
         limit = self.cfg.data.max_failed_reward_steps
         stops = f"; data.max_failed_reward_steps={limit} in a row stop a run" if limit else ""
-        left = {"left out": f"every group of {steps}: their reward calls or episodes failed (the warnings above name "
-                            f"each step's first failure){stops}"}
+        why = "their reward calls or episodes failed"
+        left = {"left out": f"every group of {steps}: {why} (the warnings above name each step's first failure){stops}"}
         if self.start_step == 0:
-            return "Relax run finished (nothing trained: every group of every step was left out)", {**left, **extra}
+            what = "nothing trained: every group of every step was left out"
+            return (f"Relax run finished ({what})", {**left, **extra},
+                    f"{what} ({steps}: {why}; the warnings above name each step's first failure)")
         before = "step 1" if self.start_step == 1 else f"steps 1-{self.start_step}"
-        return (f"Relax run finished (no step of this job trained: every group of {steps} was left out; {before} "
-                f"trained before the resume)", {**left, **extra})
+        what = f"no step of this job trained: every group of {steps} was left out; {before} trained before the resume"
+        return (f"Relax run finished ({what})", {**left, **extra},
+                f"{what} ({why}; the warnings above name each step's first failure)")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.log_ledger()  # a run that stops or fails: the steps it trained since its last checkpoint

@@ -248,19 +248,24 @@ def test_relax_train_scores_with_the_judge_on_its_role_and_through_the_url(judge
 
 
 @pytest.mark.slow
-def test_a_garbage_judge_is_counted_and_the_run_goes_on(tmp_path, in_process):
+def test_a_garbage_judge_is_counted_and_the_job_fails_at_its_end(tmp_path, in_process):
     """An untrained judge answers noise: with parser score_tag nothing it says is a score. Every group is left out
     and counted (judge_parse_fail_frac 1, reward_dropped_frac 1, reward_errors), nothing trains on a 0, and the run
-    finishes its steps."""
+    goes through its steps (2, fewer than data.max_failed_reward_steps=3), then fails: no step trained
+    (NothingTrained, relax-train's exit 1; before Dec 6 it finished, exit 0)."""
     from relax.data.tokenizer import build_tiny_tokenizer
     from relax.models.hf import build_model
+    from relax.runner.errors import NothingTrained
 
     garbage = tmp_path / "garbage_judge"
     tokenizer = build_tiny_tokenizer()
     build_model(load_config([]).model, len(tokenizer), 0, seed=5).save_pretrained(str(garbage))
     tokenizer.save_pretrained(str(garbage))
-    result = series_run(tmp_path, f"reward_model.path={garbage}", "reward_model.dtype=float32",
-                        "reward_model.parser=score_tag", steps=2)
+    with pytest.raises(NothingTrained, match=r"^nothing trained: every group of every step was left out \(steps 1-2: "
+                       ) as info:
+        series_run(tmp_path, f"reward_model.path={garbage}", "reward_model.dtype=float32",
+                   "reward_model.parser=score_tag", steps=2)
+    result = info.value.result  # what the run logged
     assert result.series("rollout/judge_parse_fail_frac") == [1.0, 1.0]
     assert result.series("rollout/reward_dropped_frac") == [1.0, 1.0]
     assert result.series("rollout/reward_errors") == [8.0, 8.0]

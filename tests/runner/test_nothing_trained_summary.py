@@ -1,8 +1,10 @@
 """A run shorter than `data.max_failed_reward_steps` whose every step left every group out (an agent program, an
-environment or a reward function failing every episode) finishes, as docs/agents.md says; its closing summary says
-that nothing was trained and which steps lost every group, instead of a bare "final reward nan". Checked on the
-`Session` that logs the steps and prints the summary, without Ray; the control is a run with one step that kept a
-group, whose summary is the usual one."""
+environment or a reward function failing every episode) runs to its end, as docs/agents.md says; its closing summary
+says that nothing was trained and which steps lost every group, instead of a bare "final reward nan", and then the
+job fails (`NothingTrained`, the summary's title as its one-line error): relax-train exits 1 with it, a sweep counts
+the job FAILED. Checked on the `Session` that logs the steps and prints the summary, without Ray, and on relax-train's
+entry point with the runner's `run` replaced; the control is a run with one step that kept a group, whose summary is
+the usual one and which returns its result. Before (the lead's decision of Dec 6): the job exited 0."""
 
 from __future__ import annotations
 
@@ -12,26 +14,44 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from relax.config import load_config
 from relax.metrics import RAW_REWARD
+from relax.runner.errors import NothingTrained, RunError
+
+LINE = ("nothing trained: every group of every step was left out (steps 1-2: their reward calls or episodes failed; "
+        "the warnings above name each step's first failure)")
 
 
 def summary_of(tmp: Path, kept: list[bool], *overrides: str) -> str:
     """The summary block a Session prints after logging one step per `kept` (False: every group left out, so the
-    step's raw reward is NaN, as rollout_metrics gives it)."""
+    step's raw reward is NaN, as rollout_metrics gives it); a job that trained nothing fails after printing it
+    (the error is checked by `failure_of`)."""
+    return _finished(tmp, kept, *overrides)[0]
+
+
+def failure_of(tmp: Path, kept: list[bool], *overrides: str) -> NothingTrained | None:
+    return _finished(tmp, kept, *overrides)[1]
+
+
+def _finished(tmp: Path, kept: list[bool], *overrides: str) -> tuple[str, NothingTrained | None]:
     from relax.runner.plan import build_plan
-    from relax.runner.session import Session
+    from relax.runner.session import RunResult, Session
 
     cfg = load_config(["tracking.enabled=false", "tracking.progress=true", f"train.num_rollout={len(kept)}",
                        *overrides])
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), Session(cfg, build_plan(cfg), tmp / "out") as session:
-        for step, k in enumerate(kept):
-            session.log({RAW_REWARD: 0.5 if k else math.nan, "rollout/reward_dropped_frac": 0.0 if k else 1.0},
-                        step, kept=k)
-        session.finish()
+    err, failure = io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(err), Session(cfg, build_plan(cfg), tmp / "out") as session:
+            for step, k in enumerate(kept):
+                session.log({RAW_REWARD: 0.5 if k else math.nan, "rollout/reward_dropped_frac": 0.0 if k else 1.0},
+                            step, kept=k)
+            assert isinstance(session.finish(), RunResult)  # it returns only when a step trained
+    except NothingTrained as exc:
+        failure = exc
     text = err.getvalue()
-    return text[text.index("Relax run finished"):]
+    return text[text.index("Relax run finished"):], failure
 
 
 def row(block: str, label: str) -> str | None:
@@ -47,6 +67,9 @@ def test_a_run_whose_every_group_was_left_out_says_nothing_was_trained(tmp_path)
                                       "row stop a run")
     assert "nan" not in block and row(block, "final reward") is None, block
     assert row(block, "steps") == "2"
+    failure = failure_of(tmp_path / "f", [False, False])
+    assert failure is not None and str(failure) == LINE and failure.exit_code == 1
+    assert failure.result.series("rollout/reward_dropped_frac") == [1.0, 1.0]  # what the run logged, for callers
     one = summary_of(tmp_path / "b", [False], "data.max_failed_reward_steps=0")
     assert row(one, "left out") == ("every group of step 1: their reward calls or episodes failed (the warnings above "
                                     "name each step's first failure)")
@@ -58,6 +81,7 @@ def test_a_run_with_a_kept_group_has_the_usual_summary(tmp_path):
     assert block.splitlines()[0] == "Relax run finished"
     assert row(block, "left out") is None
     assert row(block, "final reward") == "0.5" and row(block, "best reward") == "0.5"
+    assert failure_of(tmp_path / "f", [False, True]) is None
 
 
 def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_steps_trained(tmp_path):
@@ -75,8 +99,8 @@ def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_ste
                                    ledger=None, state={})
     checkpoints = types.SimpleNamespace(resume=resume, uses_dir=True, save_dir=tmp_path / "ckpts", attachments={})
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), Session(cfg, build_plan(cfg), tmp_path / "out",
-                                                  checkpoints=checkpoints) as session:
+    with pytest.raises(NothingTrained) as failure, contextlib.redirect_stderr(err), \
+            Session(cfg, build_plan(cfg), tmp_path / "out", checkpoints=checkpoints) as session:
         for step in (3, 4):
             session.log({RAW_REWARD: math.nan, "rollout/reward_dropped_frac": 1.0}, step, kept=False)
         session.finish()
@@ -85,3 +109,50 @@ def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_ste
                                      "left out; steps 1-3 trained before the resume)"), block
     assert row(block, "left out").startswith("every group of steps 4-5: ")
     assert row(block, "steps") == "5" and "nan" not in block
+    # this job trained nothing: it fails too, its error the title's words
+    assert str(failure.value) == ("no step of this job trained: every group of steps 4-5 was left out; steps 1-3 "
+                                  "trained before the resume (their reward calls or episodes failed; the warnings "
+                                  "above name each step's first failure)")
+
+
+def test_a_restarted_attempt_of_a_job_that_trained_does_not_fail(tmp_path):
+    """A restart (`Restarts`, shared by the job's attempts) resumes the job's own checkpoint: the attempt before
+    trained a step, so the job did, even though every step of the last attempt lost every group. The control of the
+    same attempt without the earlier one: it fails."""
+    from relax.runner.plan import build_plan
+    from relax.runner.restarts import Restarts
+    from relax.runner.session import Session
+
+    cfg = load_config(["tracking.enabled=false", "tracking.progress=false", "train.num_rollout=2"])
+    for trained_before, fails in ((1, False), (0, True)):
+        restarts = Restarts(1)
+        restarts.trained_steps = trained_before  # as Session.log counted it in the attempt before
+        with contextlib.ExitStack() as stack:
+            if fails:
+                stack.enter_context(pytest.raises(NothingTrained))
+            session = stack.enter_context(Session(cfg, build_plan(cfg), tmp_path / f"out{trained_before}",
+                                                  restarts=restarts))
+            session.log({RAW_REWARD: math.nan, "rollout/reward_dropped_frac": 1.0}, 0, kept=False)
+            session.log({RAW_REWARD: math.nan, "rollout/reward_dropped_frac": 1.0}, 1, kept=False)
+            session.finish()
+
+
+def test_relax_train_exits_1_with_the_one_line_error(tmp_path, capfd, monkeypatch):
+    """relax-train's entry point (in this process, the runner's `run` replaced by one that fails as a job that
+    trained nothing does): exit 1 and the one line, no traceback; a sweep job raises JobError (the launcher's table:
+    FAILED, the sweep's exit 1). The control: another RunError still exits 2."""
+    from relax_train_inprocess import relax_train
+
+    from relax.cli import train as cli
+    from relax.runner import train as runner
+
+    monkeypatch.chdir(tmp_path)
+    for error, code in ((NothingTrained(LINE, None), 1), (RunError("the rollout engine stopped"), 2)):
+        def run(*args, error=error, **kwargs):
+            raise error
+        monkeypatch.setattr(runner, "run", run)
+        got, _, err = relax_train(["tracking.enabled=false", "train.num_rollout=2"], capfd)
+        assert (got, err) == (code, f"relax-train: error: {error}\n"), err
+    monkeypatch.setattr(cli, "_in_sweep", lambda: True)
+    with pytest.raises(cli.JobError, match="^nothing trained: "):
+        cli._job_fail(LINE, NothingTrained.exit_code)
