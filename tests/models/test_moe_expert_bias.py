@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_hooks import observe_moe_blocks
+from moe_hooks import observe_moe_blocks, tiny_moe_model
 from safetensors.torch import load_file
 
 from relax.algorithms.grpo import GRPOConfig
@@ -47,19 +47,12 @@ def _config(family: str):
 
 def _model(family: str, seed: int = 0, bias_std: float = 0.3) -> torch.nn.Module:
     """The tiny model in fp32 (eager attention), routers far from ties, the selection bias nonzero."""
-    from transformers import AutoModelForCausalLM
+    def init(router: torch.nn.Module) -> None:
+        router.weight.normal_(0.0, 0.5)
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.normal_(0.0, bias_std)
 
-    config = _config(family)
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).float().eval()
-        with torch.no_grad():
-            for router in moe_routers(model):
-                router.weight.normal_(0.0, 0.5)
-                if hasattr(router, "e_score_correction_bias"):
-                    router.e_score_correction_bias.normal_(0.0, bias_std)
-    return model
+    return tiny_moe_model(_config(family), init, seed)
 
 
 def _samples(family: str, *, perturbed: bool, record: bool):

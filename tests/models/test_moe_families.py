@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from moe_hooks import observe_moe_blocks
+from moe_hooks import observe_moe_blocks, tiny_moe_model
 
 from relax.batch import TrainBatch
 from relax.config.schema import ModelConfig, TrainConfig
@@ -64,21 +64,14 @@ def _model(family: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model of `family` in fp32 (eager attention), its routers' weights drawn large enough that the
     experts are far from ties, and the biases that enter the routing (gpt-oss's router bias, DeepSeek-V3 / GLM's
     selection bias) nonzero."""
-    from transformers import AutoModelForCausalLM
+    def init(router: torch.nn.Module) -> None:
+        router.weight.normal_(0.0, 0.5)
+        if family == "gpt_oss":
+            router.bias.normal_(0.0, 0.5)
+        if family in SIGMOID:
+            router.e_score_correction_bias.normal_(0.0, 0.3)
 
-    config = _config(family)
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).float().eval()
-        with torch.no_grad():
-            for router in moe_routers(model):
-                router.weight.normal_(0.0, 0.5)
-                if family == "gpt_oss":
-                    router.bias.normal_(0.0, 0.5)
-                if family in SIGMOID:
-                    router.e_score_correction_bias.normal_(0.0, 0.3)
-    return model
+    return tiny_moe_model(_config(family), init, seed)
 
 
 def _perturb(model: torch.nn.Module, family: str, seed: int = 1, scale: float = 0.5) -> None:

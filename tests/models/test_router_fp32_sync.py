@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_hooks import tiny_moe_model
 from test_moe_families import _config as family_config
 
 from relax.config.schema import ModelConfig, TrainConfig
@@ -27,23 +28,16 @@ def _model(family: str, seed: int = 0) -> torch.nn.Module:
     """The tiny fp32 model of `family` built from its config; a sigmoid router's weights drawn OFF the bf16 grid
     (each entry a bf16 value plus up to half a bf16 step), so bf16 rounding moves every entry and, near a tie of two
     experts, the choice."""
-    from transformers import AutoModelForCausalLM
+    def init(router: torch.nn.Module) -> None:
+        w = torch.randn(router.weight.shape) * 0.5
+        grid = w.bfloat16().float()
+        step = (torch.nextafter(grid.bfloat16(), torch.tensor(float("inf"), dtype=torch.bfloat16)).float()
+                - grid).abs()
+        router.weight.copy_(grid + step * torch.empty_like(w).uniform_(-0.49, 0.49))
+        if family in SIGMOID:
+            router.e_score_correction_bias.normal_(0.0, 0.05)
 
-    config = family_config(family)
-    config._attn_implementation = "eager"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config).float().eval()
-        with torch.no_grad():
-            for router in moe_routers(model):
-                w = torch.randn(router.weight.shape) * 0.5
-                grid = w.bfloat16().float()
-                step = (torch.nextafter(grid.bfloat16(), torch.tensor(float("inf"), dtype=torch.bfloat16)).float()
-                        - grid).abs()
-                router.weight.copy_(grid + step * torch.empty_like(w).uniform_(-0.49, 0.49))
-                if family in SIGMOID:
-                    router.e_score_correction_bias.normal_(0.0, 0.05)
-    return model
+    return tiny_moe_model(family_config(family), init, seed)
 
 
 def _fp32_names(model: torch.nn.Module) -> set[str]:
