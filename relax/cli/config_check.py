@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
     from omegaconf import DictConfig
 
     from relax.algorithms.base import Violation
@@ -248,6 +249,47 @@ def sweep_jobs(overrides: Sequence[str]) -> list[list[str]]:
     return [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
 
 
+def _override_name(override: Override) -> str:
+    """The key (or group, with its `@package`) a parsed Hydra override sets: `+train.lr`, `++train.lr`, `~train.lr`
+    and `train.lr` all name train.lr."""
+    return override.key_or_group + (f"@{override.package}" if override.package else "")
+
+
+def duplicate_problems(overrides: Sequence[str], *, sweep: bool) -> tuple[list[Violation], list[str]]:
+    """The keys (and group choices) that `overrides` set more than once (`train.lr=1e-5 train.lr=2e-5`, with or
+    without `+`/`++`), each named with its values: Hydra would take the last silently. A sweep's values are one
+    override (`-m train.lr=1e-5,2e-5`), not a repeat. Also `overrides` with only the last of each repeat, as Hydra
+    would apply them, so that the rest of the command line is still checked (composing `+key` after `key` fails)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from relax.algorithms.base import Violation
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:  # the grammar's refusal is reported where the command line is composed
+        return [], list(overrides)
+    given: dict[str, list[int]] = {}
+    for i, o in enumerate(parsed):
+        given.setdefault(_override_name(o), []).append(i)
+    found, dropped = [], set()
+    for name, where in given.items():
+        if len(where) < 2:
+            continue
+        dropped.update(where[:-1])
+        shown = [_CREDENTIALS.sub(r"\1***@", overrides[i]) for i in where]
+        times = "twice" if len(where) == 2 else f"{len(where)} times"
+        values = [o.split("=", 1)[1] for o in shown if "=" in o]
+        swept = ",".join(values) if len(values) == len(where) and not any(c in v for v in values for c in ",[{") \
+            else "a,b"
+        fix = ("give it once" if name.startswith(("hydra.", "hydra/")) else  # Hydra's own options: one per run
+               f"give it once; to run each value, sweep them in one override: {name}={swept}" if sweep else
+               f"give it once (to run each value: relax-train -m {name}={swept})")
+        found.append(Violation((name,), f"{name} is given {times}: {', '.join(shown[:-1])} and {shown[-1]}; only "
+                                        f"the last would count: {fix}"))
+    return found, [o for i, o in enumerate(overrides) if i not in dropped]
+
+
 def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True,
              start_checks: bool = False) -> Optional[str]:
     """What is wrong with `relax-train <args>` (its command line, Hydra's flags included), None when nothing is
@@ -266,8 +308,10 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     overrides = [a for a in args if a not in MULTIRUN_FLAGS]
     if any(a.startswith("-") for a in overrides):
         return None  # another Hydra flag: Hydra answers it
+    # a key set twice is refused; the rest is checked with the last of each, as Hydra would compose it
+    repeated, overrides = duplicate_problems(overrides, sweep=multirun)
     # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
-    launcher = launcher_problems(overrides, conf, sweep=multirun or not rules)
+    launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules)]
     if not multirun:
         return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks,
                            extra=launcher)

@@ -369,3 +369,36 @@ def test_a_sweeps_launcher_option_and_jobs_values_of_the_wrong_type_are_all_name
         "job 1 (train.lr=0.5 train.num_rollout=x):\n"
         "  - train.num_rollout=x: train.num_rollout takes an int, not the string 'x'"), found
     assert problems(["-m", "hydra.launcher.max_concurrent_jobs=2", "train.lr=1e-4,1e-5"]) is None  # the control
+
+
+def test_a_key_given_twice_is_refused_naming_the_key_and_both_values(tmp_path, monkeypatch, capfd):
+    """`train.lr=1e-5 train.lr=2e-5` no longer runs with the last value silently: refused before anything starts,
+    naming the key and each value, beside the command line's other problems (checked with the last of each, as Hydra
+    would compose it). `+key`/`++key` are the same key; a group choice given twice too."""
+    from relax.cli.config_check import problems
+
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["train.lr=1e-5", "train.lr=2e-5", "dry_run=true"], capfd))
+    assert err.splitlines() == [
+        "relax-train: error: invalid config (1 problem):",
+        "  - train.lr is given twice: train.lr=1e-5 and train.lr=2e-5; only the last would count: give it once (to "
+        "run each value: relax-train -m train.lr=1e-5,2e-5)"], err
+    assert list(tmp_path.iterdir()) == []
+    found = problems(["train.lr=1e-5", "+train.lr=2e-5", "++train.lr=3e-5", "model=tiny", "model=smollm2_135m",
+                      "train.lrr=1"])
+    assert found.startswith("invalid config (3 problems):\n"
+                            "  - train.lr is given 3 times: train.lr=1e-5, +train.lr=2e-5 and ++train.lr=3e-5; "
+                            "only the last would count"), found
+    assert "  - model is given twice: model=tiny and model=smollm2_135m; only the last would count" in found
+    assert "unknown key train.lrr" in found  # the rest of the command line is still checked
+    # a sweep's repeat (a launcher option too) is refused; its values in one override are no repeat (the control)
+    found = problems(["-m", "train.lr=1e-5", "train.lr=2e-5", "hydra.launcher.max_concurrent_jobs=1",
+                      "++hydra.launcher.max_concurrent_jobs=2", "seed=1,2"])
+    assert found == (
+        "invalid config (2 problems):\n"
+        "  - train.lr is given twice: train.lr=1e-5 and train.lr=2e-5; only the last would count: give it once; to "
+        "run each value, sweep them in one override: train.lr=1e-5,2e-5\n"
+        "  - hydra.launcher.max_concurrent_jobs is given twice: hydra.launcher.max_concurrent_jobs=1 and "
+        "++hydra.launcher.max_concurrent_jobs=2; only the last would count: give it once"), found
+    assert problems(["-m", "train.lr=1e-5,2e-5", "hydra.launcher.max_concurrent_jobs=1", "seed=1,2"]) is None
+    assert problems(["train.lr=2e-5", "seed=1"]) is None
