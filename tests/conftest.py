@@ -11,6 +11,12 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread per test process unless the caller says otherwise: under pytest-xdist (CI runs three workers on two
+# cores) torch's default of a thread per core in every worker puts several busy-waiting OpenMP pools on the same
+# cores, where each burns the CPU the others need. Set before anything imports torch; the roles that a test's run
+# starts set their own thread counts (relax.roles.workers), whatever this default is.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Modules holding slow tests first, each module kept whole, in collection order otherwise: under xdist the
