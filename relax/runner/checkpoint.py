@@ -46,7 +46,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -678,6 +678,26 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
     return ckpts.uses_dir or cfg.train.resume is not None
 
 
+def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]]) -> int:
+    """Move earlier runs' checkpoints that a fresh run set aside in `earlier/` (`moves`: (where, where to) of each,
+    `Checkpoints.set_aside`) back where they were, those whose place is still free, and say so; the number moved
+    back. For a fresh run that fails before its first step: the directory is left as that run found it, and
+    `train.resume=auto` still continues the earlier run."""
+    back = 0
+    for path, dest in reversed(list(moves)):
+        if dest.exists() and not path.exists():
+            dest.rename(path)
+            back += 1
+            with contextlib.suppress(OSError):  # earlier/<lineage>/ (and earlier/) emptied: as before the move
+                dest.parent.rmdir()
+                dest.parent.parent.rmdir()
+    if back:
+        _fsync(save_dir)
+        print(f"relax-train: note: the run did not start; {back} checkpoint(s) of the earlier run moved back to "
+              f"{save_dir}", file=sys.stderr)
+    return back
+
+
 class Checkpoints:
     """The checkpoint directory of one run: its lock, what the run resumes from, atomic commits and pruning.
 
@@ -751,24 +771,16 @@ class Checkpoints:
         if moved:
             _fsync(self.save_dir)
 
+    @property
+    def set_aside(self) -> list[tuple[Path, Path]]:
+        """(where, where to) of each earlier run's checkpoint this run moved to `earlier/` (and has not put back)."""
+        return list(self._set_aside)
+
     def put_back_earlier_runs(self) -> int:
-        """Move the checkpoints `_set_aside_earlier_runs` set aside back where they were (those whose place is still
-        free), and say so; the number moved back. For a fresh run that fails before it starts training (its MLflow
-        run cannot be opened): the directory is left as that run found it, and `train.resume=auto` still continues
-        the earlier run."""
-        back = 0
-        for path, dest in reversed(self._set_aside):
-            if dest.exists() and not path.exists():
-                dest.rename(path)
-                back += 1
-                with contextlib.suppress(OSError):  # earlier/<lineage>/ (and earlier/) emptied: as before the move
-                    dest.parent.rmdir()
-                    dest.parent.parent.rmdir()
+        """Move the checkpoints `_set_aside_earlier_runs` set aside back where they were (`put_back`); the number
+        moved back. For a fresh run that fails before its first step (its MLflow run cannot be opened, ...)."""
+        back = put_back(self.save_dir, self._set_aside)
         self._set_aside = []
-        if back:
-            _fsync(self.save_dir)
-            print(f"relax-train: note: the run did not start; {back} checkpoint(s) of the earlier run moved back to "
-                  f"{self.save_dir}", file=sys.stderr)
         return back
 
     def __exit__(self, *exc: Any) -> None:

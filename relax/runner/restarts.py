@@ -41,8 +41,13 @@ class Restarts:
     def count(self) -> int:
         return sum(self.by_role.values())
 
+    @property
+    def can_restart(self) -> bool:
+        """Whether another restart is within train.max_restarts (`next` restarts, rather than stops the run)."""
+        return self.count < self.limit
+
     def _take(self, failure: RoleFailure, what: str) -> None:
-        if self.count >= self.limit:
+        if not self.can_restart:
             raise RunError(f"{step_name(self.step)}: {failure}. The run stops: train.max_restarts={self.limit} "
                            f"restart(s) already used ({'; '.join(self.events) or 'none'}).") from None
         self.by_role[failure.role] = self.by_role.get(failure.role, 0) + 1

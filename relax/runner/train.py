@@ -8,6 +8,7 @@ methods and moves `Samples` / `TrainBatch` between them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -195,13 +196,14 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
     plan = plan or build_plan(cfg)
     runtime = RayRuntime(cfg, plan)  # entered by the first attempt, once the user's inputs are checked
     restarts = Restarts(cfg.train.max_restarts)
+    start = StartState()  # the attempts': earlier runs' checkpoints set aside, whether a step began
     preemption = Preemption.from_config(cfg)  # Ctrl-C / SIGTERM: a checkpoint of the current step, then stop
     try:
         with preemption:
             while True:
                 try:
                     return Recipe(cfg, plan, runtime, restarts, preemption, output_dir=output_dir,
-                                  dictconfig=dictconfig).train()
+                                  dictconfig=dictconfig, start=start).train()
                 except RoleFailure as failure:
                     if preemption.requested is not None:  # stopping anyway: no restart (the signal may have hit it)
                         print(f"{step_name(restarts.step)}: {failure}; not restarted: the run is stopping "
@@ -258,6 +260,15 @@ class StepTimer:
         }
 
 
+@dataclasses.dataclass
+class StartState:
+    """What the attempts of one run share about its start (a restart before any step starts it again)."""
+
+    # (where, where to) of each earlier run's checkpoint that the run's fresh start moved to `earlier/`
+    set_aside: list[tuple[Path, Path]] = dataclasses.field(default_factory=list)
+    began: bool = False  # the first step (or an evaluation-only run's evaluation) began: the run started
+
+
 class Recipe:
     """One start of the service graph, trained to the end, in the manner of torchtune's recipes: `setup` checks the
     user's inputs and starts everything, `step` runs one training step, `train` does both.
@@ -268,13 +279,20 @@ class Recipe:
     """
 
     def __init__(self, cfg: RelaxConfig, plan: Plan, runtime: RayRuntime, restarts: Restarts,
-                 preemption: Preemption, *, output_dir: Path, dictconfig=None):
+                 preemption: Preemption, *, output_dir: Path, dictconfig=None, start: StartState | None = None):
         self.cfg, self.plan, self.runtime, self.restarts, self.preemption = cfg, plan, runtime, restarts, preemption
         self.output_dir, self.dictconfig = output_dir, dictconfig
+        self.start = start if start is not None else StartState()
+        self.checkpoints: checkpoint.Checkpoints | None = None
 
     def train(self) -> RunResult:
         with contextlib.ExitStack() as stack:
-            self.setup(stack)
+            try:
+                self.setup(stack)
+            except BaseException as exc:
+                self._not_started(exc)  # the directory still locked (`stack`), as the move was made
+                raise
+            self.start.began = True
             with self.stream:
                 self.session.progress.begin()  # the eta's pace: from the first step on, not the start-up
                 for step in range(self.start_step, self.cfg.train.num_rollout):
@@ -295,6 +313,8 @@ class Recipe:
             raise pre.error()
         self.inputs = inputs = pre.inputs()
         self.checkpoints = checkpoints = pre.checkpoints
+        if checkpoints is not None:  # a fresh start's moves: put back if the start fails (_not_started)
+            self.start.set_aside += checkpoints.set_aside
         self.runtime.__enter__()
         self.preemption.arm()  # again: ray.init installs its own SIGTERM handler
         # the role processes start (import torch, build their models) while the driver opens its MLflow run
@@ -338,6 +358,19 @@ class Recipe:
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
         self.reward_failures = FailedRewardSteps(cfg.data.max_failed_reward_steps)
         self.gate = MismatchGate(cfg.train)  # train.mismatch_gate
+
+    def _not_started(self, exc: BaseException) -> None:
+        """A start that failed before the run's first step (Ray, a role, the MLflow run, the engines, ...): the
+        earlier runs' checkpoints it set aside go back where they were, so `train.resume=auto` still continues the
+        earlier run. Not when the run goes on: a role failure that it restarts from step 0 (the next attempt must not
+        find them: it would resume the earlier run), nor once a step began."""
+        if self.start.began or not self.start.set_aside:
+            return
+        if isinstance(exc, RoleFailure) and self.preemption.requested is None and self.restarts.can_restart:
+            return  # run() restarts the service graph (`Restarts.next`), with them still aside
+        save_dir = self.checkpoints.save_dir if self.checkpoints is not None else checkpoint.resolve_save_dir(self.cfg)
+        checkpoint.put_back(save_dir, self.start.set_aside)
+        self.start.set_aside.clear()
 
     def step(self, step: int) -> None:
         """One training step: the rollout (scored), rewards, advantages and optimizer steps, the weights published

@@ -1,0 +1,110 @@
+"""A fresh run that moved an earlier run's checkpoints to `earlier/` and then fails before its first step puts them
+back where they were, whichever start step failed (before: only a failure to open the MLflow run did; Ray, a role,
+the engines left them in `earlier/`, so `train.resume=auto` no longer continued the earlier run). A role failure that
+the run restarts from step 0 keeps them aside until the run gives up: the next attempt must not resume the earlier
+run's checkpoint.
+
+The start steps are the real ones (`relax.runner.train.run`: the real preflight locks the directory and sets the
+checkpoint aside) but for Ray and the roles, stand-ins that fail on purpose at a chosen step (a hook, no sleep)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relax.config import load_config
+from relax.runner import train as train_module
+from relax.runner.errors import RoleFailure, RunError
+
+QUICK = ["tracking.enabled=false", "tracking.progress=false", "train.num_rollout=2"]
+
+
+def _earlier_checkpoint(save_dir: Path) -> Path:
+    """A committed checkpoint of an earlier run (what `relax.runner.checkpoint` reads of one: its state.json)."""
+    path = save_dir / "step_000004"
+    path.mkdir(parents=True)
+    (path / "state.json").write_text(json.dumps({"step": 4, "lineage": "feedbeef"}))
+    return path
+
+
+class _Cluster:
+    """Stands in for the roles: `fail(where)` says at which start step the start fails (raises), else None."""
+
+    attempts: list[str] = []
+    fail = staticmethod(lambda where: None)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def launch(self) -> _Cluster:
+        type(self).attempts.append("launch")
+        type(self).fail("launch")
+        return self
+
+    def __enter__(self) -> _Cluster:
+        type(self).fail("roles answer")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.fixture
+def start(monkeypatch, tmp_path):
+    """(save_dir, the earlier checkpoint, what each start step saw) with Ray and the roles stood in for."""
+    save_dir = tmp_path / "ckpt"
+    earlier = _earlier_checkpoint(save_dir)
+    seen: list[tuple[str, bool]] = []  # (start step, the earlier checkpoint in its place)
+    monkeypatch.setattr(train_module.RayRuntime, "__enter__", lambda self: self)
+    monkeypatch.setattr(train_module.RayRuntime, "__exit__", lambda self, *exc: None)
+    monkeypatch.setattr(_Cluster, "attempts", [])
+    monkeypatch.setattr(train_module, "Cluster", _Cluster)
+
+    def hook(where: str, fails):
+        def fail(step: str) -> None:
+            seen.append((step, earlier.exists()))
+            if step == where:
+                raise fails()
+        monkeypatch.setattr(_Cluster, "fail", staticmethod(fail))
+    return save_dir, earlier, seen, hook
+
+
+def _run(save_dir: Path, tmp_path: Path, *extra: str):
+    cfg = load_config([f"train.save_dir={save_dir}", *QUICK, *extra])
+    return train_module.run(cfg, output_dir=tmp_path / "out")
+
+
+@pytest.mark.parametrize("where, fails", [
+    ("engines", lambda: RuntimeError("an engine did not start")),  # after the session opened: the latest step
+    ("roles answer", lambda: RuntimeError("a role's constructor raised")),
+])
+def test_a_start_that_fails_at_a_later_step_puts_the_earlier_checkpoints_back(where, fails, start, tmp_path,
+                                                                               monkeypatch, capsys):
+    save_dir, earlier, seen, hook = start
+    hook(where, fails)
+
+    def engines(cluster):
+        _Cluster.fail("engines")
+        raise AssertionError("the hook raises first")
+    monkeypatch.setattr(train_module, "started_engines", engines)
+    with pytest.raises(RuntimeError, match="did not start|constructor raised"):
+        _run(save_dir, tmp_path)
+    assert seen[-1] == (where, False)  # the start had set it aside when the step failed
+    assert json.loads((earlier / "state.json").read_text())["lineage"] == "feedbeef"
+    assert not (save_dir / "earlier").exists()
+    assert "1 checkpoint(s) of the earlier run moved back" in capsys.readouterr().err
+
+
+def test_a_role_failure_restarted_from_step_0_keeps_them_aside_until_the_run_gives_up(start, tmp_path):
+    """train.max_restarts=1: the first attempt's role failure restarts the run from step 0 with the checkpoint still
+    aside (else the restart would resume it: `Restarts.next` takes the directory's latest); the second's ends the
+    run, and it goes back."""
+    save_dir, earlier, seen, hook = start
+    hook("roles answer", lambda: RoleFailure("actor", "died at start"))
+    with pytest.raises(RunError, match="train.max_restarts=1"):
+        _run(save_dir, tmp_path, "train.max_restarts=1")
+    assert _Cluster.attempts == ["launch", "launch"]
+    assert [s for s in seen if s[0] == "roles answer"] == [("roles answer", False), ("roles answer", False)]
+    assert (earlier / "state.json").is_file() and not (save_dir / "earlier").exists()
