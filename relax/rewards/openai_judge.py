@@ -16,7 +16,8 @@ blocked read in the thread that made it; the try fails as timed out and urllib3 
 or socket outlives it. A try is also timed out when its socket's own read timeout fires first
 (`relax.rewards.timeouts.is_timeout`, which the reward service's client uses too, by the exception's type: requests
 raises its Timeout before the answer's headers, but a ConnectionError wrapping urllib3's ReadTimeoutError while the
-body streams).
+body streams). An answer with status 408 or 504 (the server, or a gateway before it, ran out of time) is a time-out
+too, by its status (`relax.rewards.timeouts.is_timeout_status`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Optional
 import requests
 from requests.adapters import HTTPAdapter
 
-from relax.rewards.timeouts import is_timeout
+from relax.rewards.timeouts import is_timeout, is_timeout_status
 
 RETRIES = 2  # more tries of a failed request
 BACKOFF_S = 0.5  # the pause before the first retry; it doubles
@@ -196,6 +197,7 @@ class OpenAIJudge:
                 continue
             if reply.status_code != 200:
                 error = f"{self.endpoint}: HTTP {reply.status_code}: {self._masked(reply.text[:300])}"
+                timed_out = is_timeout_status(reply.status_code)  # 408, 504: the server ran out of time
                 if reply.status_code in (400, 401, 403, 404, 422):  # the request itself is wrong: no retry helps
                     break
                 continue

@@ -17,8 +17,9 @@ error, a time-out, a 429 or a 5xx is retried `retries` times after `backoff_s`, 
 request that still fails, an answer that is not such JSON (another 4xx status, a wrong length, a non-number), and a
 null reward fail their items: never a silent zero, their groups are left out and counted in `rollout/reward_errors`.
 An item whose request's last try ran out of time (no complete answer within `timeout_s`: the wall-clock bound fired,
-or the socket's own time limit, `relax.rewards.timeouts.is_timeout`, by type), or whose batch outlived its bound, is
-also a time-out (`score_batch`'s third list): counted in `rollout/reward_timeouts`, as a judge's time-outs are.
+or the socket's own time limit, `relax.rewards.timeouts.is_timeout`, by type; or the service answered 408 or 504, by
+the status), or whose batch outlived its bound, is also a time-out (`score_batch`'s third list): counted in
+`rollout/reward_timeouts`, as a judge's time-outs are.
 Past `max_errors` failed items over the run, scoring raises `RewardServiceError` and the run stops with its message.
 A batch that outlives its bound shuts the connections of its requests still in flight, so that no thread or socket
 outlives the batch.
@@ -298,8 +299,9 @@ class RemoteReward:
                                      f"{without_credentials(location) if location else '(no Location)'}, and "
                                      "redirects are not followed (the request and its key go to data.reward only): "
                                      "set data.reward to the address that answers"), False
-            # (a status the service answered, 408 and 504 included: its failure, not this call's time limit)
-            return exc.code in RETRY_STATUS, None, f"HTTP {exc.code} {exc.reason}", False
+            # a status the service answered: a failure; 408 and 504 (it, or a gateway before it, ran out of time) a
+            # time-out too (`is_timeout`, by the status)
+            return exc.code in RETRY_STATUS, None, f"HTTP {exc.code} {exc.reason}", is_timeout(exc)
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut
             if late.is_set():
                 return True, None, late_error, True

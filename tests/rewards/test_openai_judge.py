@@ -233,6 +233,21 @@ def test_a_read_that_times_out_while_the_answer_streams_is_a_time_out(serve, mon
         assert answers == [None] and late == [False] and why in errors[0], errors
 
 
+@pytest.mark.parametrize("status", [408, 504])
+def test_a_408_or_504_answer_is_a_time_out(serve, monkeypatch, status):
+    """The server (or a gateway before it) answers 408 or 504: the question fails as a time-out (late), by the
+    status. The control: a 503 fails it without a time-out. Before: late was False for both."""
+    monkeypatch.setattr(openai_judge, "RETRIES", 0)
+    server = serve(lambda q: status if q == "slow" else (503 if q == "busy" else ("7", "stop")))
+    judge = client(server.url, timeout_s=5.0)
+    try:
+        (answers, errors, _, late), _ = answered_within(judge, ["slow", "busy", "fast"], limit_s=20)
+    finally:
+        judge.close()
+    assert answers == [None, None, "7"] and late == [True, False, False], errors
+    assert f"HTTP {status}:" in errors[0] and "HTTP 503:" in errors[1]
+
+
 # ------------------------------------------------------------------------------------------- cut answers
 
 

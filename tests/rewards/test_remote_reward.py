@@ -26,7 +26,8 @@ def reward_of(item: dict) -> float:
 
 class Service:
     """A loopback reward service; `behave(n, items)` decides the answer of the n-th request (0-based): a dict sent as
-    JSON with 200, an int status sent with an empty body, or None for the correct rewards."""
+    JSON with 200, an int status sent with an empty body, "hang up" (the connection closed without an answer), or
+    None for the correct rewards."""
 
     def __init__(self, behave: Callable[[int, list], object] = lambda n, items: None):
         self.behave, self.requests, self.headers = behave, [], []
@@ -51,6 +52,9 @@ class Service:
                     with service.lock:
                         service.in_flight -= 1
                 try:
+                    if answer == "hang up":
+                        self.close_connection = True
+                        return
                     if answer is None:
                         answer = {"rewards": [reward_of(i) for i in body["items"]]}
                     if isinstance(answer, int):
@@ -598,3 +602,45 @@ def test_the_rollout_scorer_counts_a_services_time_outs_as_a_judges(monkeypatch,
         server.server_close()
     assert scores.failed == [True, False, True, False] and scores.rewards[1] == 1.0
     assert scores.timeouts == (2 if answer == "none" else 0), scores.first_error
+
+
+@pytest.mark.parametrize("status", [408, 504])
+def test_a_services_own_408_or_504_answer_is_a_time_out(service, status):
+    """The service (or a gateway before it) answers 408 Request Timeout or 504 Gateway Timeout: its items fail, as
+    time-outs (Scores.timeouts, rollout/reward_timeouts), by the status. Controls: a 503 and a hang-up without an
+    answer (http.client's RemoteDisconnected) fail their items without a time-out (a refused port and a 500: the
+    test above). Before: 408 and 504 were failures, `timeouts` 0."""
+    timing_out = service(lambda n, items: status)
+    scores = score_responses(client(timing_out.url, timeout_s=5.0, retries=1), RESPONSES[:3], LABELS[:3])
+    assert scores.failed == [True] * 3 and scores.timeouts == 3, scores.first_error
+    assert f"HTTP {status} " in scores.first_error and len(timing_out.requests) == 2  # retried, as before
+    for behave, why in ((lambda n, items: 503, "HTTP 503 "), (lambda n, items: "hang up", "RemoteDisconnected")):
+        scores = score_responses(client(service(behave).url, timeout_s=5.0, retries=0), RESPONSES[:3], LABELS[:3])
+        assert scores.failed == [True] * 3 and scores.timeouts == 0 and why in scores.first_error, scores.first_error
+
+
+def test_is_timeout_reads_the_status_of_an_http_error_not_its_words():
+    """relax.rewards.timeouts.is_timeout, the one rule of both HTTP scorers: urllib's and requests' HTTPError with 408
+    or 504 are time-outs, by the status they carry; another status, or the words 'timed out' in an error of another
+    kind (a refused connection, a reset), are not."""
+    import email.message
+    import urllib.error
+
+    import requests
+
+    from relax.rewards.timeouts import is_timeout
+
+    def urllib_error(code: int, reason: str = "x") -> urllib.error.HTTPError:
+        return urllib.error.HTTPError("http://127.0.0.1:1/score", code, reason, email.message.Message(), None)
+
+    def requests_error(code: int) -> requests.HTTPError:
+        response = requests.Response()
+        response.status_code = code
+        return requests.HTTPError(f"{code} Server Error", response=response)
+
+    assert [is_timeout(urllib_error(c)) for c in (408, 504, 500, 503, 429, 404)] == [True, True] + [False] * 4
+    assert [is_timeout(requests_error(c)) for c in (408, 504, 500, 502)] == [True, True, False, False]
+    assert not is_timeout(urllib_error(500, "Gateway Timeout: timed out"))  # words are not the status
+    assert not is_timeout(urllib.error.URLError(ConnectionRefusedError(111, "Connection refused (timed out)")))
+    assert not is_timeout(ConnectionResetError(104, "Connection reset by peer"))
+    assert not is_timeout(requests.HTTPError("504 Gateway Timeout"))  # no response: no status to read
