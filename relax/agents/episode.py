@@ -264,11 +264,12 @@ class EpisodeMaker:
     """Makes the episodes of a rollout process: fresh ones for prompt items, running ones from records."""
 
     def __init__(self, loops: Callable[[], AgentLoop], tokenizer: Any, *, max_turns: int, max_tool_errors: int,
-                 processor: Any = None, wire: bool = False, turn_timeout_s: Optional[float] = None,
-                 source: str = "data.agent"):
+                 processor: Any = None, wire: bool = False, blank: bool = False,
+                 turn_timeout_s: Optional[float] = None, source: str = "data.agent"):
         self.loops, self.tokenizer = loops, tokenizer
-        # processor: image observations; wire: their images kept as data URLs too (rollout=sglang's image_data)
-        self.renderer = ObservationRenderer(tokenizer, processor, wire=wire)
+        # processor: image observations; wire: their images kept as data URLs too (rollout=sglang's image_data);
+        # blank: data.blank_images, the observations' images grey as the prompts' are
+        self.renderer = ObservationRenderer(tokenizer, processor, wire=wire, blank=blank)
         self._text = message_decoder(tokenizer)  # keeps the tool-call markers a tokenizer makes special
         self.limits = dict(max_turns=max_turns, max_tool_errors=max_tool_errors, turn_timeout_s=turn_timeout_s,
                            source=source)
@@ -280,7 +281,7 @@ class EpisodeMaker:
         from relax.agents.loops import AgentFactory
         from relax.agents.parsers import get_parser, parse_hermes, uses_reasoning
         from relax.config.derive import agentic
-        from relax.data.images import is_vision_model_config, load_processor
+        from relax.data.images import vision_data
         from relax.data.tokenizer import load_tokenizer
 
         if not agentic(cfg) or cfg.data.openai_agent:  # an OpenAI agent program runs its episodes itself
@@ -290,12 +291,14 @@ class EpisodeMaker:
         # auto: the one of the tokenizer's chat template; only data.tools reads calls, so an env-only or data.agent
         # run on a template whose call format Relax cannot read is not refused for it
         parser = get_parser(d.tool_parser, tokenizer) if d.tools else parse_hermes
-        processor = load_processor(cfg.model, tokenizer) if is_vision_model_config(cfg.model) else None
+        # the prompts' VisionData: one reading of the processor, data.blank_images and the rollout's wire format
+        vision = vision_data(cfg, tokenizer)
         loops = AgentFactory(d.env, d.tools, d.agent, d.tool_timeout_s, parser, uses_reasoning(tokenizer),
                              env_timeout_s=d.env_timeout_s, sandbox=d.sandbox)
         return cls(loops, tokenizer,
-                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors, processor=processor,
-                   wire=processor is not None and ro.backend == "sglang",
+                   max_turns=ro.max_turns, max_tool_errors=ro.max_tool_errors,
+                   processor=vision.processor if vision else None, wire=bool(vision and vision.wire),
+                   blank=bool(vision and vision.blank),
                    turn_timeout_s=d.env_timeout_s if d.agent else None, source=f"data.agent={d.agent}")
 
     def new_for(self, items: list, n: int) -> list[Episode]:

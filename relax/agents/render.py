@@ -56,11 +56,14 @@ class VisionTokens(list):
 class ObservationRenderer:
     """`tokens(messages, stop_token)`: the token ids to append after a model turn that ended with `stop_token`;
     `processor`: a vision-language model's (image observations); `wire`: an image observation's vision inputs also
-    keep its images as lossless PNG data URLs (`image_data`), what rollout=sglang sends with every later turn."""
+    keep its images as lossless PNG data URLs (`image_data`), what rollout=sglang sends with every later turn;
+    `blank`: `data.blank_images` (the blind control arm), each observation image replaced by a grey one of its size
+    before both (`relax.data.images.seen_images`), so the policy sees no image on either rollout."""
 
-    def __init__(self, tokenizer: Any, processor: Any = None, *, wire: bool = False):
+    def __init__(self, tokenizer: Any, processor: Any = None, *, wire: bool = False, blank: bool = False):
         self.processor = processor
         self.wire = wire
+        self.blank = blank
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("agentic rollouts render observations with the chat template, and this tokenizer has "
                              "none (model.path's tokenizer_config.json needs a chat_template)")
@@ -132,8 +135,9 @@ class ObservationRenderer:
             raise ValueError("an image observation for a text-only model (a vision-language model's processor reads "
                              "its images)")
         from relax.data.files import DataError
-        from relax.data.images import encode_observation, image_data_url
+        from relax.data.images import encode_observation, image_data_url, seen_images
 
+        images = seen_images(images, self.blank)
         try:
             ids, vision = encode_observation(self.processor, self.text(messages, stop_token, calls), images)
         except DataError:

@@ -387,13 +387,25 @@ def image_token_count(processor: Any, image_grid_thw: torch.Tensor) -> int:
 BLANK_GREY = (128, 128, 128)
 
 
+def seen_images(images: list[Any], blank: bool) -> list[Any]:
+    """The images a policy sees of `images`: themselves, or with `blank` (`data.blank_images`, the blind control
+    arm) each replaced by a grey one of its size. The one place the blind arm's images are made: a dataset prompt's
+    (`VisionData.encode`, `draw_vision`) and an environment's image observations (`relax.agents.render`) alike."""
+    if not blank:
+        return list(images)
+    from PIL import Image
+
+    return [Image.new("RGB", im.size, BLANK_GREY) for im in images]
+
+
 @dataclass(frozen=True)
 class VisionData:
     """How a dataset's records with images become prompt items: the model's `processor`, the image column
     (`data.image_key`), the directory relative image paths are read from, and `blank` (`data.blank_images`: every
-    image replaced by a grey one of its size, the blind control arm). `wire`: the drawn vision inputs also hold each
-    image as a lossless PNG data URL (`vision["image_data"]`), what rollout=sglang sends as SGLang's `image_data` (the
-    server then reads the very pixels the trainer's pixel values come from).
+    image replaced by a grey one of its size, the blind control arm: `seen_images`; the episodes' image
+    observations take it from here too, `relax.agents.episode.EpisodeMaker.for_config`). `wire`: the drawn vision
+    inputs also hold each image as a lossless PNG data URL (`vision["image_data"]`), what rollout=sglang sends as
+    SGLang's `image_data` (the server then reads the very pixels the trainer's pixel values come from).
 
     A dataset keeps no pixels: `encode` runs the processor (the prompt's ids with the image tokens, the grids, the
     length) and keeps a reference to the images (`is_image_reference`); `draw_vision` reads them again and computes
@@ -419,12 +431,9 @@ class VisionData:
             raise DataError(f"{where}: a prompt with images needs the chat template to place them "
                             "(data.apply_chat_template=true)")
         messages, images = found
-        if self.blank:
-            from PIL import Image
-
-            images = [Image.new("RGB", im.size, BLANK_GREY) for im in images]
         try:
-            text, ids, vision = encode_image_prompt(self.processor, messages, images, system_prompt)
+            text, ids, vision = encode_image_prompt(self.processor, messages, seen_images(images, self.blank),
+                                                    system_prompt)
         except ValueError as e:
             raise DataError(f"{where}: {e}") from None
         return text, ids, messages, self.reference(obj, prompt_key, where, vision)
@@ -484,11 +493,7 @@ def draw_vision(ref: dict) -> dict:
     found = image_prompt(ref["record"], ref["prompt_key"], ref["image_key"], where, Path(ref["base_dir"]))
     if found is None:
         raise DataError(f"{where}: the record's images are gone")
-    images = found[1]
-    if ref["blank"]:
-        from PIL import Image
-
-        images = [Image.new("RGB", im.size, BLANK_GREY) for im in images]
+    images = seen_images(found[1], ref["blank"])
     processor = _image_processor(ref["image_processor"])
     try:
         out = processor(images=images, return_tensors="pt")

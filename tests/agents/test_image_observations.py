@@ -162,3 +162,51 @@ def test_an_observation_image_the_processor_refuses_is_a_data_error_naming_the_o
         renderer.tokens(observation(2000, 3), None)
     ok = renderer.tokens(observation(56, 56), None)
     assert ok.vision["image_tokens"] == image_token_count(processor, ok.vision["image_grid_thw"]) > 0
+
+
+@pytest.mark.parametrize("rollout", ["embedded", "sglang"])
+def test_blank_images_makes_the_observations_grey_too(rollout, processor):
+    """`data.blank_images=true` (the blind arm) blanks every image the policy sees: the grid an environment answers
+    with (data=grid_walk) as well as the prompt's. Before, only the prompt's image was grey and the blind policy saw
+    the real grid from its second turn on. Checked against the processor's own pixels of a grey image of the grid's
+    size, and on rollout=sglang against the PNG data URL it sends (decoded). Control: blank_images=false gives the
+    real grid's pixels, which differ from the grey ones."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from relax.config.compose import load_config
+    from relax.data.grid_walk import render_grid
+    from relax.data.images import BLANK_GREY
+
+    def observation(blank: bool) -> tuple[list[dict], object]:
+        cfg = load_config(["model=tiny_vl", "data=grid_walk", f"data.blank_images={str(blank).lower()}",
+                           *(["rollout=sglang", "rollout.sglang.server=embedded"] if rollout == "sglang" else [])])
+        maker = EpisodeMaker.for_config(cfg)
+        try:
+            loop = maker.loops()
+            loop.reset({"label": "0,8"})  # agent top-left, goal bottom-right
+            reply = loop.turn("4")  # one cell right: not at the goal, the new grid comes back
+            return reply.messages, maker.renderer.tokens(reply.messages, None)
+        finally:
+            maker.close()
+
+    messages, blind = observation(True)
+    real = render_grid(1, 8)
+    assert messages[0]["content"][0]["image"].tobytes() == real.tobytes()  # the environment answered the real grid
+    grey = Image.new("RGB", real.size, BLANK_GREY)
+    expected = processor.image_processor(images=[grey], return_tensors="pt")["pixel_values"].float()
+    sighted = processor.image_processor(images=[real], return_tensors="pt")["pixel_values"].float()
+    assert torch.equal(blind.vision["pixel_values"], expected)
+    _, seen = observation(False)  # control: the sighted arm sees the grid
+    assert torch.equal(seen.vision["pixel_values"], sighted)
+    assert not torch.equal(sighted, expected)
+    if rollout == "sglang":
+        def decoded(url: str) -> bytes:
+            return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB").tobytes()
+
+        assert [decoded(u) for u in blind.vision["image_data"]] == [grey.tobytes()]
+        assert [decoded(u) for u in seen.vision["image_data"]] == [real.tobytes()]
+    else:
+        assert "image_data" not in blind.vision
