@@ -713,6 +713,8 @@ class Checkpoints:
         self.resume: ResumePoint | None = None
         self.lineage = uuid.uuid4().hex
         self.previous_run_id: Optional[str] = None  # the MLflow run of the last job in this directory
+        # the store that run is in (resolved tracking.uri); None in a run.json written before stores were recorded
+        self.previous_run_uri: Optional[str] = None
         self._lock_fd: Optional[int] = None
         self._set_aside: list[tuple[Path, Path]] = []  # (where, where to) of each earlier checkpoint moved aside
         # Files the run adds to every checkpoint it commits, whoever calls `commit`: {file name: the text of the
@@ -735,9 +737,11 @@ class Checkpoints:
             self._lock()
             self._clean()
             try:
-                self.previous_run_id = json.loads((self.save_dir / RUN_FILE).read_text()).get("mlflow_run_id")
+                recorded = json.loads((self.save_dir / RUN_FILE).read_text())
+                self.previous_run_id = recorded.get("mlflow_run_id")
+                self.previous_run_uri = recorded.get("tracking_uri")
             except (OSError, ValueError, AttributeError):
-                self.previous_run_id = None
+                self.previous_run_id = self.previous_run_uri = None
         try:
             self.resume = resume_point(self.cfg, self.save_dir)
         except BaseException:
@@ -806,13 +810,15 @@ class Checkpoints:
     def locked(self) -> bool:
         return self._lock_fd is not None
 
-    def record_run(self, run_id: Optional[str]) -> None:
-        """Note the job's MLflow run in the directory, so that a later job there can close it if this one is killed
-        before its first checkpoint (the lock proves that whoever wrote it is gone)."""
+    def record_run(self, run_id: Optional[str], tracking_uri: Optional[str] = None) -> None:
+        """Note the job's MLflow run and its store (`tracking_uri`, resolved) in the directory, so that a later job
+        there can close it if this one is killed before its first checkpoint (the lock proves that whoever wrote it
+        is gone): in that store, which need not be the later job's (train.save_dir's default is shared by runs of
+        every tracking.uri)."""
         if not self.locked or run_id is None:
             return
         tmp = self.save_dir / f"{STAGING_PREFIX}{RUN_FILE}"
-        _write(tmp, json.dumps({"mlflow_run_id": run_id, "lineage": self.lineage}))
+        _write(tmp, json.dumps({"mlflow_run_id": run_id, "tracking_uri": tracking_uri, "lineage": self.lineage}))
         tmp.replace(self.save_dir / RUN_FILE)
 
     def _unlock(self) -> None:

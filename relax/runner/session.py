@@ -239,11 +239,15 @@ class Session:
             previous = self.checkpoints.previous_run_id
             if previous and previous != self.tracker.run_id:
                 # the last job in this directory holds no lock any more: it is gone; if it was killed before its
-                # first checkpoint (nothing to resume), its run would stay RUNNING forever
-                if close_orphan_run(self.tracker, previous):
-                    print(f"MLflow run {previous} of the last job in {self.checkpoints.save_dir} was still RUNNING "
-                          "(that job was killed); marked KILLED", file=sys.stderr, flush=True)
-            self.checkpoints.record_run(self.tracker.run_id)
+                # first checkpoint (nothing to resume), its run would stay RUNNING forever. It is closed in its own
+                # store (run.json records it), which need not be this run's: train.save_dir's default is shared by
+                # the runs of every tracking.uri
+                closed_in = close_orphan_run(self.tracker, previous, self.checkpoints.previous_run_uri)
+                if closed_in is not None:
+                    where = "" if closed_in == self.tracker.uri else f" (in MLflow store {closed_in})"
+                    print(f"MLflow run {previous}{where} of the last job in {self.checkpoints.save_dir} was still "
+                          "RUNNING (that job was killed); marked KILLED", file=sys.stderr, flush=True)
+            self.checkpoints.record_run(self.tracker.run_id, self.tracker.uri)
         resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
         if not reopen:  # a reopened run keeps the config and plan it started with (they are the same but for
             self.tracker.log_text(resolved, "config.yaml")  # the fields in the relax.resumed tag)

@@ -940,20 +940,58 @@ def run_url(uri: str, experiment_id: Optional[str], run_id: Optional[str]) -> Op
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
-def close_orphan_run(tracker: Tracker, run_id: str) -> bool:
-    """Mark `run_id` KILLED if it is still RUNNING (its process is known to be dead); True if it was.
+def local_store_exists(uri: str) -> bool:
+    """Whether resolved tracking URI `uri` is a store on this machine that already exists: a sqlite file, or a file
+    store's directory (`file://...` or a plain path). Opening one waits for no server and creates nothing."""
+    if (db := sqlite_path(uri)) is not None:
+        return os.path.isfile(db)
+    if uri.startswith("file://"):
+        return os.path.isdir(uri[len("file://") :])
+    return os.path.isabs(uri) and os.path.isdir(uri)
 
-    Best effort, in the store of `tracker`: a run that is not there (another store) is left alone.
+
+def close_orphan_run(tracker: Tracker, run_id: str, uri: Optional[str] = None) -> Optional[str]:
+    """Mark `run_id` KILLED if it is still RUNNING (its process is known to be dead); the store it was closed in if
+    it was, else None.
+
+    `uri`: the store (resolved tracking URI) the run was recorded in (`Checkpoints.record_run`); None for a record
+    written before stores were recorded, taken to be `tracker`'s. A run of another store is closed in that store
+    when it is a local one that exists (`local_store_exists`: nothing to wait for); one of another server's store is
+    left alone: this job has no business with that server (it may need other credentials, or be down). Best effort:
+    a run the store does not hold (a record from before stores were recorded whose run is in another store, or a
+    deleted run) is left alone without a word, as is any other; a store error is a warning, never a failure.
     """
+    from mlflow.exceptions import MlflowException
+
+    store = tracker.uri if uri is None else uri
+    if store == tracker.uri:
+        client = tracker.client
+    elif store and local_store_exists(store):
+        from mlflow import MlflowClient
+
+        with warnings.catch_warnings():  # SQLAlchemy deprecation noise from MLflow's models (as in Tracker.start)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"(mlflow|sqlalchemy)\.")
+            client = MlflowClient(tracking_uri=store)
+    else:
+        logger.debug("the earlier run %s is in store %s, not this run's: left alone", run_id, store)
+        return None
     try:
-        run = tracker.client.get_run(run_id)
+        run = client.get_run(run_id)
         if run.info.status != "RUNNING":
-            return False
-        tracker.client.set_terminated(run_id, status="KILLED")
-    except Exception as exc:  # MlflowException: not in this store
-        logger.info("could not close the earlier run %s: %s", run_id, exc)
-        return False
-    return True
+            return None
+        client.set_terminated(run_id, status="KILLED")
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":  # not in this store: nothing of this store to close
+            logger.debug("the earlier run %s is not in store %s: left alone", run_id, store)
+        else:
+            logger.warning("could not mark the earlier job's MLflow run %s KILLED in %s (it may stay RUNNING): %s",
+                           run_id, store, short_error(exc))
+        return None
+    except Exception as exc:  # a store that fails otherwise (a broken database file): the new run goes on
+        logger.warning("could not mark the earlier job's MLflow run %s KILLED in %s (it may stay RUNNING): %s",
+                       run_id, store, short_error(exc))
+        return None
+    return store
 
 
 def replay_leftover_spools(client: MlflowClient, uri: str, spool_dir: str | os.PathLike[str]) -> None:
