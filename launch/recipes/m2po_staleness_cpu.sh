@@ -2,13 +2,13 @@
 # M2PO vs GRPO under staleness on this CPU (tiny model, digits task, train.mode=fully_async): the staleness
 # sweep (2 algorithms x max_staleness 0, 2, 4), M2PO's budget sweep at max_staleness=4, then the comparison.
 #   bash launch/recipes/m2po_staleness_cpu.sh [more overrides, e.g. train.num_rollout=20]
-# EXP_DIR (optional) holds the runs, the MLflow store and compare/; default: the current directory.
+# EXP_DIR (optional) holds the runs, their checkpoints, the MLflow store and compare/; default: the current directory.
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
-sweep_dirs m2po_staleness_cpu
+sweep_dirs m2po_staleness_cpu "$@"
 set -x
-relax-train -m +experiment=m2po_staleness_cpu algorithm=grpo,m2po train.max_staleness=0,2,4 "${extra[@]}" "$@" || true
-relax-train -m +experiment=m2po_staleness_cpu algorithm=m2po train.max_staleness=4 \
+run_train -m +experiment=m2po_staleness_cpu algorithm=grpo,m2po train.max_staleness=0,2,4 "${extra[@]}" "$@" || true
+run_train -m +experiment=m2po_staleness_cpu algorithm=m2po train.max_staleness=4 \
   algorithm.kl2_budget=0.002,0.01,0.05 "${extra[@]}" "$@" || true  # compare what finished
 run_compare --experiment m2po_staleness_cpu --control algorithm=grpo,train.max_staleness=0 \
   --metrics rollout/raw_reward train/ppo_kl_m2_before train/ppo_kl_m2_after rollout/staleness_mean

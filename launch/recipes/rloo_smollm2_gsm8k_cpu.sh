@@ -3,12 +3,12 @@
 # sweep, both arms with the same seed, one job at a time (2 cores), then the comparison (docs/experiments.md, section 8).
 #   DATA_DIR=/data bash launch/recipes/rloo_smollm2_gsm8k_cpu.sh [more overrides, e.g. seed=1,2,3]
 # DATA_DIR holds gsm8k/main/{train,test}-00000-of-00001.parquet (hf download openai/gsm8k --repo-type dataset
-# --include 'main/*' --local-dir $DATA_DIR/gsm8k). EXP_DIR (optional) holds the runs, the MLflow store and
-# compare/; default: the current directory.
+# --include 'main/*' --local-dir $DATA_DIR/gsm8k). EXP_DIR (optional) holds the runs, their checkpoints, the MLflow
+# store and compare/; default: the current directory.
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
-sweep_dirs rloo_smollm2_gsm8k_cpu
+sweep_dirs rloo_smollm2_gsm8k_cpu "$@"
 set -x
-relax-train -m +experiment=rloo_smollm2_gsm8k_cpu algorithm=rloo,grpo hydra.launcher.max_concurrent_jobs=1 \
+run_train -m +experiment=rloo_smollm2_gsm8k_cpu algorithm=rloo,grpo hydra.launcher.max_concurrent_jobs=1 \
   "${extra[@]}" "$@" || true  # compare what finished
 run_compare --control algorithm=grpo

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # RLOO vs GRPO on this CPU (tiny model, digits task): the sweep, 2 arms x 2 seeds, then the comparison.
 #   bash launch/recipes/rloo_vs_grpo_cpu.sh [more overrides, e.g. train.num_rollout=10]
-# EXP_DIR (optional) holds the runs, the MLflow store and compare/; default: the current directory.
+# EXP_DIR (optional) holds the runs, their checkpoints, the MLflow store and compare/; default: the current directory.
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
-sweep_dirs rloo_vs_grpo_cpu
+sweep_dirs rloo_vs_grpo_cpu "$@"
 set -x
-relax-train -m +experiment=rloo_vs_grpo_cpu algorithm=rloo,grpo seed=1,2 "${extra[@]}" "$@" || true  # compare what finished
+run_train -m +experiment=rloo_vs_grpo_cpu algorithm=rloo,grpo seed=1,2 "${extra[@]}" "$@" || true  # compare what finished
 run_compare --control algorithm=grpo

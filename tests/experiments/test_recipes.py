@@ -122,3 +122,42 @@ def test_a_sweep_scripts_comparison_is_written_under_exp_dir(tmp_path, script, e
         assert all(f"tracking.uri=sqlite:///{exp}/mlflow.db" in t for t in trains), trains
     else:
         assert compare[0].startswith(f"relax-compare {work} --uri sqlite:///mlflow.db "), compare
+
+
+@pytest.mark.parametrize("script", ["m2po", *SWEEP_SCRIPTS])
+def test_with_exp_dir_the_recipes_checkpoints_go_under_it(tmp_path, script):
+    """EXP_DIR set (relative, as a user may give it): relax-train runs in EXP_DIR, so its checkpoints
+    (`checkpoints/<experiment>/<run name>`, relax-train's default, relative to where it runs) are under EXP_DIR for
+    a single-run recipe and every job of a sweep; the environment's directories are made absolute first (a relative
+    MODEL_DIR would name a directory in EXP_DIR); an argument that sets tracking.uri replaces the script's (which
+    relax-train would refuse as a key given twice). relax-train is a stand-in on PATH that records where it ran, its
+    arguments and MODEL_DIR. Control: without EXP_DIR it runs where the script was started. Before: relax-train
+    ran in the current directory whatever EXP_DIR said, the checkpoints in ./checkpoints."""
+    from relax.runner.checkpoint import resolve_save_dir
+
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    for tool in ("relax-train", "relax-compare"):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "{tool}" "$(pwd)" "$MODEL_DIR" "$@" > "{tmp_path}/{tool}.$$"\n')
+        stub.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "MODEL_DIR": "models"}
+    for exp_dir in ("exp", None):
+        for old in tmp_path.glob("relax-*.*"):
+            old.unlink()
+        env = {**base, **({"EXP_DIR": exp_dir} if exp_dir else {})}
+        proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), "tracking.uri=sqlite:////srv/m.db"], env=env,
+                              cwd=work, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        trains = [p.read_text().splitlines() for p in tmp_path.glob("relax-train.*")]
+        assert trains, proc.stderr
+        where = work / exp_dir if exp_dir else work
+        for _, cwd, model_dir, *args in trains:
+            assert (cwd, model_dir) == (str(where), str(work / "models") if exp_dir else "models"), (cwd, model_dir)
+            assert [a for a in args if a.startswith("tracking.uri=")] == ["tracking.uri=sqlite:////srv/m.db"], args
+            assert not any(a.startswith("train.save_dir=") for a in args)
+        # where relax-train puts the checkpoints of that recipe, run there
+        cfg = load_config([f"+experiment={script}", "tracking.enabled=false"]) if script != "m2po" else None
+        if cfg is not None:
+            assert resolve_save_dir(cfg, cwd=Path(trains[0][1])).is_relative_to(where / "checkpoints")
