@@ -302,7 +302,7 @@ class Session:
         if math.isfinite(metrics.get(RAW_REWARD, math.nan)):  # NaN: every response of the step was left out
             self.rewards.append(metrics[RAW_REWARD])
         self.steps = step + 1
-        self.progress.update(step + 1, metrics)
+        self.progress.update(step + 1, metrics, left_out=not kept)
 
     def log_evaluation(self, metrics: dict[str, float], trained_steps: int, *, evaluation_only: bool = False,
                        samples: Mapping[str, list[dict]] | None = None) -> None:

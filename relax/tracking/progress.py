@@ -20,6 +20,8 @@ from relax.metrics import RAW_REWARD, STEP_TIME
 
 DEFAULT_REWARD_KEY = RAW_REWARD
 DEFAULT_STEP_TIME_KEY = STEP_TIME
+# the reward of a step whose every group was left out: it has none (its mean over no response is NaN)
+LEFT_OUT = "- (every group left out)"
 
 
 def step_name(index: int) -> str:
@@ -171,15 +173,20 @@ class Progress:
         roles, the engines, the first weights published), which is no cost of each step still to come."""
         self._t0 = self.clock()
 
-    def format_line(self, step: int, metrics: Optional[Mapping[str, Any]] = None, now: Optional[float] = None) -> str:
-        """The progress line for `step`, with `metrics` merged over the last seen values (no output)."""
+    def format_line(self, step: int, metrics: Optional[Mapping[str, Any]] = None, now: Optional[float] = None, *,
+                    left_out: bool = False) -> str:
+        """The progress line for `step`, with `metrics` merged over the last seen values (no output). `left_out`: every
+        group of the step was left out (its reward calls or episodes failed), so its reward has no value: the line
+        says so (`reward - (every group left out)`) instead of showing `nan`, as the summary shows no reward then."""
         values = {**self._last, **(metrics or {})}
         now = self.clock() if now is None else now
         elapsed, pace = now - self._started, now - self._t0
         width = len(str(self.total_steps))
         pct = 100.0 * step / self.total_steps if self.total_steps > 0 else 100.0
         parts = [f"step {step:>{width}}/{self.total_steps} {pct:3.0f}%"]
-        if self.reward_key in values:
+        if left_out:
+            parts.append(f"reward {LEFT_OUT}")
+        elif self.reward_key in values:
             parts.append(f"reward {format_number(values[self.reward_key])}")
         if self.step_time_key in values:
             try:
@@ -190,12 +197,13 @@ class Progress:
         parts.append(f"eta {format_duration(eta_seconds(step, self.total_steps, pace, self.start_step))}")
         return " | ".join(parts)
 
-    def update(self, step: int, metrics: Optional[Mapping[str, Any]] = None) -> None:
-        """Show progress after `step`: rewritten in place on a TTY, else printed every N steps or ~T seconds."""
+    def update(self, step: int, metrics: Optional[Mapping[str, Any]] = None, *, left_out: bool = False) -> None:
+        """Show progress after `step`: rewritten in place on a TTY, else printed every N steps or ~T seconds.
+        `left_out`: every group of the step was left out (`format_line`)."""
         if not self.enabled:
             return
         now = self.clock()
-        line = self.format_line(step, metrics, now)
+        line = self.format_line(step, metrics, now, left_out=left_out)
         if metrics:
             self._last.update({k: v for k, v in metrics.items() if k in (self.reward_key, self.step_time_key)})
         if self.is_tty:

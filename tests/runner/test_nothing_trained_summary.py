@@ -28,7 +28,8 @@ def summary_of(tmp: Path, kept: list[bool], *overrides: str) -> str:
     """The summary block a Session prints after logging one step per `kept` (False: every group left out, so the
     step's raw reward is NaN, as rollout_metrics gives it); a job that trained nothing fails after printing it
     (the error is checked by `failure_of`)."""
-    return _finished(tmp, kept, *overrides)[0]
+    text = _finished(tmp, kept, *overrides)[0]
+    return text[text.index("Relax run finished"):]
 
 
 def failure_of(tmp: Path, kept: list[bool], *overrides: str) -> NothingTrained | None:
@@ -50,8 +51,7 @@ def _finished(tmp: Path, kept: list[bool], *overrides: str) -> tuple[str, Nothin
             assert isinstance(session.finish(), RunResult)  # it returns only when a step trained
     except NothingTrained as exc:
         failure = exc
-    text = err.getvalue()
-    return text[text.index("Relax run finished"):], failure
+    return err.getvalue(), failure
 
 
 def row(block: str, label: str) -> str | None:
@@ -82,6 +82,16 @@ def test_a_run_with_a_kept_group_has_the_usual_summary(tmp_path):
     assert row(block, "left out") is None
     assert row(block, "final reward") == "0.5" and row(block, "best reward") == "0.5"
     assert failure_of(tmp_path / "f", [False, True]) is None
+
+
+def test_the_progress_line_of_a_step_that_left_every_group_out_says_so_as_the_summary_does(tmp_path):
+    """Its reward has no value (NaN, not logged): the line says why instead of `reward nan` (review-vmr #6); the
+    next step's line shows its reward as usual."""
+    text = _finished(tmp_path, [False, True])[0]
+    lines = [line for line in text.splitlines() if re.match(r"step \d+/2 ", line)]
+    assert [line.split(" | elapsed")[0] for line in lines] == [
+        "step 1/2  50% | reward - (every group left out)", "step 2/2 100% | reward 0.5"], text
+    assert "nan" not in text.lower(), text
 
 
 def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_steps_trained(tmp_path):

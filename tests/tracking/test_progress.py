@@ -45,6 +45,18 @@ def test_line_contents() -> None:
     assert progress.format_line(1, {}) == "step  1/60   2% | elapsed 0:36 | eta 35:24"
 
 
+def test_a_step_whose_every_group_was_left_out_shows_no_reward_but_why() -> None:
+    """Its reward is NaN (a mean over no response): the line says why, not `reward nan`; the step time stays."""
+    progress, stream, clock = make(False, every_steps=1)
+    clock.t = 103.0
+    progress.update(1, {"rollout/raw_reward": float("nan"), "perf/step_time": 3.0}, left_out=True)
+    clock.t = 106.0
+    progress.update(2, {"rollout/raw_reward": 0.5, "perf/step_time": 3.0})
+    assert stream.getvalue().splitlines() == [
+        "step  1/60   2% | reward - (every group left out) | step 3.00s | elapsed 0:03 | eta 2:57",
+        "step  2/60   3% | reward 0.5 | step 3.00s | elapsed 0:06 | eta 2:54"]
+
+
 def test_metrics_remembered_between_updates() -> None:
     progress, stream, clock = make(False, every_steps=1)
     clock.t = 103.0
