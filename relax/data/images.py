@@ -534,3 +534,50 @@ def _portable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_portable(v) for v in value]
     return value
+
+
+# ---- images for a reward: OpenAI image_url parts -------------------------------------------------------------------
+
+def reference_images(ref: Optional[dict]) -> list[Any]:
+    """The task's images of a prompt item's image reference (`is_image_reference`), as PIL images in the order of
+    the prompt's image parts: read again from the record, never blanked (`data.blank_images` changes what the policy
+    sees, not the task a reward scores); [] for None. Vision inputs with pixel values only (a checkpoint written
+    before references) no longer hold the images: ValueError."""
+    if ref is None:
+        return []
+    if not is_image_reference(ref):
+        raise ValueError(f"{ref.get('where', 'a prompt')}: its images are kept only as pixel values (a checkpoint "
+                         "written before image references), which a reward cannot be sent")
+    found = image_prompt(ref["record"], ref["prompt_key"], ref["image_key"], ref["where"], Path(ref["base_dir"]))
+    return [] if found is None else found[1]
+
+
+def image_url_messages(messages: list[dict], prompt_images: list[str]) -> list[dict]:
+    """`messages` with each image part as an OpenAI `image_url` part holding a PNG data URL (what a reward service or
+    a reward function reads, as a VLM's OpenAI-protocol server takes it): a bare `{"type": "image"}` part (a dataset
+    prompt's, whose images the item keeps apart) takes the next of `prompt_images` (data URLs, in order); a part
+    holding its image (an environment's observation: `{"type": "image", "image": ...}`) its own image. Other parts
+    and string contents are kept; new dicts, `messages` is not changed. ValueError when the bare parts outnumber
+    `prompt_images`."""
+    pending = iter(prompt_images)
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image":
+                value = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
+                if value is None:
+                    url = next(pending, None)
+                    if url is None:
+                        raise ValueError(f"message {i}: an image part without an image beyond the prompt's "
+                                         f"{_count(len(prompt_images), 'image')}")
+                else:
+                    url = image_data_url(load_image(value, f"message {i} image part"))
+                part = {"type": "image_url", "image_url": {"url": url}}
+            parts.append(part)
+        out.append({**m, "content": parts})
+    return out

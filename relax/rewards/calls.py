@@ -10,8 +10,9 @@ numeric values are logged, each as the batch's mean, rollout/reward/<key>_mean (
 What a reward function receives is decided by its parameters' names (`reward_inputs`, once, when it is named): the
 response (a parameter named `response`, `solution_str` as verl names it, or `completion`; otherwise its first
 positional parameter) and the label (`label`, verl's `ground_truth`; otherwise the next positional parameter);
-`prompt`, the prompt text the model saw (after the chat template); `messages`, the prompt as chat messages (an
-episode: its whole conversation); and any other name, the data record's field of that name (verl's `data_source`,
+`prompt`, the prompt text the model saw (after the chat template; an image is its placeholder text there);
+`messages`, the prompt as chat messages (an episode: its whole conversation; each image an OpenAI `image_url` part
+with a PNG data URL); and any other name, the data record's field of that name (verl's `data_source`,
 `extra_info`; TRL's dataset columns). A `**kwargs` parameter receives `prompt`, `messages` and every field. The
 values travel to the reward worker processes with the call (plain data, pickled).
 """

@@ -6,7 +6,8 @@ Protocol (docs/training.md, "Rewards"): each request is `POST <url>` with `Conte
     {"items": [{"response": "...", "label": "...", "prompt": "...", "messages": [...], "fields": {...}}, ...]}
 
 (at most `batch_size` items; in a run, each item also has `messages`, the prompt's chat messages or an episode's
-conversation, and `fields`, the data record's other fields), and the answer a 200 with
+conversation, each image an OpenAI `image_url` part with a PNG data URL, and `fields`, the data record's other
+fields: `relax.runner.rollout_driver.scoring.reward_contexts`), and the answer a 200 with
 
     {"rewards": [0.5, null, ...], "errors": [null, "why", ...]}
 

@@ -20,7 +20,7 @@ from relax.agents.episode import conversation
 from relax.batch import FinishReason, Samples
 from relax.config.schema import RelaxConfig
 from relax.metrics import RULE_REWARD_MEAN, SANDBOX_TIMEOUT_FRAC
-from relax.rewards.calls import RewardContext
+from relax.rewards.calls import MESSAGES, RewardContext, reward_inputs
 from relax.rewards.combined import RewardList, score_list
 from relax.rewards.registry import Scores, score_responses, warn_failed_score
 from relax.rewards.remote import RemoteReward, RewardServiceError
@@ -60,7 +60,7 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
                  for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     labels = [item.label for item in items for _ in range(n)]
     prompts = [item.prompt_text for item in items for _ in range(n)]
-    contexts = reward_contexts(items, n, episodes)
+    contexts = reward_contexts(items, n, episodes, image_urls=reads_messages(reward_fn))
     if isinstance(reward_fn, RemoteReward):  # batched requests with the run's data.reward_service options
         reward_fn.options = cfg.data.reward_service
     try:
@@ -88,20 +88,52 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
     return scores
 
 
-def reward_contexts(items: Sequence[Any], n: int, episodes: Optional[list[dict]] = None) -> list[RewardContext]:
+def reads_messages(fn: Any) -> bool:
+    """Whether a reward reads `messages` (a service always sends them; a function asks by a parameter's name or
+    `**kwargs`): only then are its images encoded as data URLs (`reward_contexts`), work a reward of the response and
+    label alone (the built-in tasks') does not pay for each step."""
+    if isinstance(fn, RewardList):
+        return any(reads_messages(f) for f in fn.fns)
+    if isinstance(fn, RemoteReward):
+        return True
+    try:
+        inputs = reward_inputs(fn)
+    except ValueError:  # (refused at start; whatever it is, it gets the images)
+        return True
+    return inputs.rest or any(what == MESSAGES for _, what in inputs.named)
+
+
+def reward_contexts(items: Sequence[Any], n: int, episodes: Optional[list[dict]] = None,
+                    image_urls: bool = True) -> list[RewardContext]:
     """What each response's reward may ask for (`relax.rewards.calls.RewardContext`), `n` responses per item: its
     prompt text, its messages (the prompt's; an episode's: its conversation, `relax.agents.episode.conversation`)
-    and its record's fields."""
+    and its record's fields. Images (a vision-language policy's prompts, an environment's image observations) are
+    OpenAI `image_url` parts with PNG data URLs in the messages (`relax.data.images.image_url_messages`): a reward
+    service or function sees the images the task shows, never a bare image part; the prompt's are encoded once per
+    item. `image_urls` False (a reward that reads no messages: `reads_messages`) leaves the image parts as they
+    are."""
+    from relax.data.images import image_data_url, image_url_messages, reference_images
+
     out = []
+    urls: dict[int, list[str]] = {}  # the prompt's images as data URLs, by item
     for i, item in enumerate(item for item in items for _ in range(n)):
         messages = getattr(item, "messages", None)
         if messages is None:
             messages = [{"role": "user", "content": item.prompt_text}]
         if episodes is not None:
             messages = conversation(episodes[i], messages)
+        if image_urls and _has_image_part(messages):
+            if id(item) not in urls:
+                urls[id(item)] = [image_data_url(im) for im in reference_images(getattr(item, "images", None))]
+            messages = image_url_messages(messages, urls[id(item)])
         out.append(RewardContext(prompt=item.prompt_text, messages=copy.deepcopy(list(messages)),
                                  fields=dict(getattr(item, "fields", None) or {})))
     return out
+
+
+def _has_image_part(messages: Sequence[Any]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages)
 
 
 def with_reward_model(cfg: RelaxConfig, tokenizer: Any, samples: Samples, items: Sequence[Any], n: int,
