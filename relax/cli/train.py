@@ -119,13 +119,14 @@ def _run(dc) -> object:
     """Hydra's task function; returns the runner's result (a sweep's table shows its final reward)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from relax.cli.config_check import launcher_problems
+    from relax.cli.config_check import duplicate_problems, launcher_problems
     from relax.config import ConfigError, to_relax_config
     from relax.config.validate import format_violations
 
-    # a run of its own config (`-cp <dir> -cn <name>`, which the precheck leaves to Hydra): its launcher options are
-    # refused here too, as options a run without -m ignores
-    found = [] if _in_sweep() else launcher_problems(list(HydraConfig.get().overrides.hydra), sweep=False)
+    # a run of its own config (`-cp <dir> -cn <name>`, which the precheck leaves to Hydra): a key its command line
+    # gives twice, and its launcher options (which a run without -m ignores), are refused here too
+    found = duplicate_problems(list(HydraConfig.get().overrides.task), sweep=_in_sweep())[0]
+    found += [] if _in_sweep() else launcher_problems(list(HydraConfig.get().overrides.hydra), sweep=False)
     try:  # the command line's overrides (this job's, in a sweep): what it set, beside a reused run's saved config
         cfg = to_relax_config(dc, overrides=list(HydraConfig.get().overrides.task))
     except ConfigError as exc:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from relax import algorithms
 from relax.algorithms.base import Violation
@@ -18,7 +18,7 @@ from relax.config.schema import RelaxConfig, TrainConfig
 from relax.config.store import PLUGINS_KEY, PluginError, import_plugins, register_configs, writable_node
 from relax.config.unknown_keys import choice_problems, compose_known, drop_extra_keys, extra_keys, unknown_key
 from relax.config.validate import ConfigError, check, validate
-from relax.config.value_types import about
+from relax.config.value_types import about, field_key, type_violation
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -52,7 +52,9 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     except PluginError as exc:
         raise ConfigError([Violation((PLUGINS_KEY,), str(exc))]) from None
     if OmegaConf.get_type(dc) is not RelaxConfig:  # `-cn` named a YAML file of its own (`-cp <dir> -cn <name>`)
-        dc = saved_config(dc)
+        dc, mistyped = saved_config(dc)
+        found += mistyped
+        left_out = [*left_out, *(v.fields[0] for v in mistyped)]
         if overrides is not None:
             typed = override_keys(overrides)
     if extra_keys(dc):
@@ -104,11 +106,13 @@ OWN_CONFIG_HINT = ("relax-train composes its own conf/config.yaml: a run's saved
                    "line: `relax-train --config-dir <dir> +experiment=<name> ...` (docs/experiments.md)")
 
 
-def saved_config(dc: DictConfig) -> DictConfig:
+def saved_config(dc: DictConfig) -> tuple[DictConfig, list[Violation]]:
     """`dc`, a config Hydra composed from a YAML file other than Relax's (`-cp <dir> -cn <name>`), as the schema's:
     a run's saved config (every section of `SAVED_CONFIG_SECTIONS`) merged onto the schema's defaults, so that its
     values are type-checked and validated as a composed config's are; anything else is a ConfigError saying what
-    relax-train takes (never a traceback)."""
+    relax-train takes (never a traceback). Also a violation per value not of its key's type (the saved config's or
+    the command line's, which Hydra merged into it untyped), each left at the schema's default (so that the rest is
+    checked), named as `relax.config.value_types` names a composed config's."""
     plain = OmegaConf.to_container(dc, resolve=False)
     if not isinstance(plain, dict):
         raise ConfigError([Violation(("config",), f"the config file is not a mapping. {OWN_CONFIG_HINT}")])
@@ -122,15 +126,52 @@ def saved_config(dc: DictConfig) -> DictConfig:
     if name not in algorithms.names():
         raise ConfigError([Violation(("algorithm.name",), f"the saved config's algorithm.name={name!r} is not one of "
                                                           f"{', '.join(algorithms.names())}")])
-    try:  # the schema's nodes, writable as Hydra's are (relax.config.store), the algorithm's of its own class
-        base = writable_node(RelaxConfig)
-        base.algorithm = writable_node(algorithms.get(name).config_cls)
-        return OmegaConf.merge(base, plain)
-    except OmegaConfBaseException as exc:  # a key the schema lacks (a config saved by another version), a bad value
-        key = getattr(exc, "full_key", None)
-        raise ConfigError([Violation((key or "config",), f"the saved config does not fit this version's schema: "
-                                                         f"{str(exc).splitlines()[0]}"
-                                                         + (f" (key {key})" if key else ""))]) from None
+    # the schema's nodes, writable as Hydra's are (relax.config.store), the algorithm's of its own class
+    base = writable_node(RelaxConfig)
+    base.algorithm = writable_node(algorithms.get(name).config_cls)
+    mistyped: list[Violation] = []
+    while True:
+        try:
+            return OmegaConf.merge(base, plain), mistyped
+        except ValidationError as exc:  # a value not of its key's type: named, left out, the rest merged again
+            key = field_key(str(getattr(exc, "full_key", "") or ""))
+            value = _pop(plain, key) if key else _MISSING
+            if value is _MISSING:
+                raise _does_not_fit(exc) from None
+            mistyped.append(type_violation(base, key, _as_written(value), exc))
+        except OmegaConfBaseException as exc:  # a key the schema lacks (a config saved by another version)
+            raise _does_not_fit(exc) from None
+
+
+_MISSING = object()
+
+
+def _pop(plain: dict, key: str) -> object:
+    """Remove dotted `key` from the nested dict `plain`: its value, `_MISSING` where it holds none."""
+    *parents, leaf = key.split(".")
+    node: object = plain
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node.pop(leaf, _MISSING) if isinstance(node, dict) else _MISSING
+
+
+def _as_written(value: object) -> str:
+    """A value as a command line writes it (`abc`, `1.5`, `[1,a]`, `null`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_as_written(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_as_written(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _does_not_fit(exc: OmegaConfBaseException) -> ConfigError:
+    key = getattr(exc, "full_key", None)
+    why = str(exc).splitlines()[0] + (f" (key {key})" if key else "")
+    return ConfigError([Violation((key or "config",), f"the saved config does not fit this version's schema: {why}")])
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Path | None = None) -> DictConfig:

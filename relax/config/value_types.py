@@ -122,14 +122,24 @@ def _declared(dc: DictConfig, key: str) -> tuple[Any, bool] | None:
 def mistyped_violation(dc: DictConfig, override: str, exc: BaseException) -> Violation:
     """The violation of `override`, refused by Hydra with `exc` (see `mistyped_override`), named against `dc`, the
     config composed without it: the key, the value given, the type the key takes."""
-    key = _override_key(override)
-    text = _ESCAPED.sub(r"\1", override.split("=", 1)[1])
     cause = exc.__cause__ or exc.__context__
+    return type_violation(dc, _override_key(override), _ESCAPED.sub(r"\1", override.split("=", 1)[1]),
+                          cause if cause is not None else exc)
+
+
+def field_key(full_key: str) -> str:
+    """The key of the field that OmegaConf's `full_key` lies in (`train.eval_pass_k[1]` -> train.eval_pass_k)."""
+    return re.sub(r"\[.*$", "", full_key)
+
+
+def type_violation(dc: DictConfig, key: str, text: str, cause: BaseException) -> Violation:
+    """The violation of `key`=`text` (as written), whose value OmegaConf refused with `cause` (a ValidationError:
+    its `full_key`, `value`), named against `dc`, a config that declares `key`: the type the key takes."""
     full_key = str(getattr(cause, "full_key", "") or key)
     value = getattr(cause, "value", None)
     declared = _declared(dc, key)
     if declared is None:  # nothing declares it here: OmegaConf's own words for what it expected
-        reason = str(cause).strip().splitlines()[0] if cause is not None else str(exc)
+        reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         return Violation((key,), f"{key}={text}: {reason}")
     ref_type, optional = declared
     is_list = typing.get_origin(ref_type) in (list, tuple) or any(

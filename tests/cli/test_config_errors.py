@@ -402,3 +402,32 @@ def test_a_key_given_twice_is_refused_naming_the_key_and_both_values(tmp_path, m
         "++hydra.launcher.max_concurrent_jobs=2; only the last would count: give it once"), found
     assert problems(["-m", "train.lr=1e-5,2e-5", "hydra.launcher.max_concurrent_jobs=1", "seed=1,2"]) is None
     assert problems(["train.lr=2e-5", "seed=1"]) is None
+
+
+def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tmp_path, monkeypatch, capfd):
+    """`relax-train -cp <dir> -cn config ...` (a run's saved config, which the command line's precheck leaves to
+    Hydra): every value not of its key's type, the saved config's or the command line's, and a key given twice, in
+    the one list with the rules' problems (before: only the first type problem, in OmegaConf's words as 'the saved
+    config does not fit this version's schema'; a repeated key silently the last)."""
+    from omegaconf import OmegaConf
+
+    from relax.config.compose import compose
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    text = (saved / "config.yaml").read_text()
+    (saved / "config.yaml").write_text(text.replace("  micro_batch_size: 8\n", "  micro_batch_size: eight\n"))
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["-cp", str(saved), "-cn", "config", "train.lr=abc", "train.num_rollout=xyz",
+                                 "seed=1", "seed=2", "tracking.uri=foo://bar", "dry_run=true"], capfd))
+    lines = err.splitlines()
+    assert lines[0] == "relax-train: error: invalid config (5 problems):", err
+    for line in ("  - seed is given twice: seed=1 and seed=2; only the last would count: give it once (to run each "
+                 "value: relax-train -m seed=1,2)",
+                 "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'",
+                 "  - train.num_rollout=xyz: train.num_rollout takes an int, not the string 'xyz'",
+                 "  - train.micro_batch_size=eight: train.micro_batch_size takes an int, not the string 'eight'"):
+        assert line in lines, err
+    assert lines[-1].startswith("  - tracking.uri='foo://bar'"), err
+    assert "does not fit" not in err
