@@ -111,6 +111,14 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
                 f"model.freeze_vision_tower={m.freeze_vision_tower} has no effect: {model} has no vision tower")
     if not vision:
         return found
+    # a built-in image task builds its own images and reads no record column; only a data file (data.eval_sets: a
+    # built-in task's data.eval_path is refused on its own) would read data.image_key
+    builtin = d.task if d.path is None and d.task in IMAGE_TASKS else None
+    require(builtin is None or d.image_key == "images" or bool(d.eval_sets),
+            ("data.image_key", "data.task"),
+            f"data.image_key={d.image_key!r} has no effect: data.task={builtin} builds its own images and reads no "
+            "record column (data.image_key names the image column of a data file: data.path or data.eval_sets); "
+            "leave it unset")
     ro = cfg.rollout
     vl_moe = (m.arch if m.source == "config" else hf_model_type(m)) == VL_MOE
     routes = "rollout.routing_replay" if ro.routing_replay else "rollout.record_routes" if ro.record_routes else None

@@ -119,3 +119,18 @@ def test_packing_on_megatron_needs_transformer_engines_layers():
     assert load_config(["cluster=8xgpu", "train.pack_sequences=true", "train.layer_spec=transformer_engine"]) \
         .train.pack_sequences
     assert load_config(["train.pack_sequences=true"]).train.pack_sequences
+
+
+@pytest.mark.parametrize("task", ["shapes", "grid_walk"])
+def test_image_key_with_a_built_in_image_task_is_rejected(task):
+    """data.image_key names a data file's image column; a built-in image task builds its own images and reads none,
+    so the option was accepted and ignored. Controls: the task without it, and a data file with it."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(["model=tiny_vl", f"data={task}", "data.image_key=pictures"])
+    assert [v.message for v in caught.value.violations] == [
+        f"data.image_key='pictures' has no effect: data.task={task} builds its own images and reads no record column "
+        "(data.image_key names the image column of a data file: data.path or data.eval_sets); leave it unset"]
+    load_config(["model=tiny_vl", f"data={task}"])
+    load_config(["model=tiny_vl", "data=jsonl", "data.path=p.jsonl", "data.image_key=pictures"])
+    load_config(["model=tiny_vl", f"data={task}", "data.image_key=pictures", "train.eval_interval=5",
+                 "+data.eval_sets={held_out: e.jsonl}"])
