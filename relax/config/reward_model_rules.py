@@ -33,6 +33,13 @@ _ENGINE_FIELDS = {"embedded": {"path", "base_path", "dtype", "max_length", "colo
                   "openai": {"url", "api_key_env", "model", "timeout_s"}}
 
 
+def is_gguf_file(path: str | None) -> bool:
+    """Whether reward_model.path names a .gguf file (by its name: whether it exists and is one is checked before
+    start, `relax.runner.reward_model.check_reward_model`): a judge loads it as model.source=gguf loads the policy,
+    de-quantized; a classifier cannot (a GGUF file holds a causal LM, not a classification head)."""
+    return bool(path) and os.path.splitext(str(path))[1].lower() == ".gguf" and not os.path.isdir(str(path))
+
+
 def has_role(cfg: RelaxConfig) -> bool:
     """Whether the reward model is a role of the plan holding a model (a classifier, a judge on the embedded
     engine); a judge at a URL is called from the driver's scoring thread and holds nothing."""
@@ -104,7 +111,13 @@ def reward_model_violations(cfg: RelaxConfig) -> list[Violation]:
     if "path" in reads:
         require(rm.path is not None, "reward_model.path",
                 f"reward_model.kind={rm.kind} needs reward_model.path=<a directory of the "
-                f"{'sequence-classification model' if rm.kind == 'classifier' else 'judge model'} and its tokenizer>")
+                f"{'sequence-classification model' if rm.kind == 'classifier' else 'judge model'} and its tokenizer"
+                f"{'' if rm.kind == 'classifier' else ', or a .gguf file'}>")
+    if rm.kind == "classifier":
+        require(not is_gguf_file(rm.path), ("reward_model.path", "reward_model.kind"),
+                f"reward_model=classifier: reward_model.path={rm.path} is a .gguf file, which holds a causal LM, not a "
+                "sequence-classification model: a classifier is a Hugging Face directory (reward_model=judge can "
+                "load a .gguf file)")
     if rm.colocate is not None and "colocate" in reads:
         c = cfg.cluster
         require(c.num_nodes * c.gpus_per_node > 0, ("reward_model.colocate", "cluster.gpus_per_node"),

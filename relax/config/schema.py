@@ -99,8 +99,9 @@ class RewardModelConfig:
 
     kind: str = choice("none", ("none", "classifier", "judge"))
     # classifier: a directory of a sequence-classification model and its tokenizer; judge with engine=embedded: a
-    # directory of a causal LM and its tokenizer (neither downloads); either may be a PEFT adapter directory, merged
-    # into its base before start (a classifier's: task_type SEQ_CLS, its head saved with the adapters)
+    # directory of a causal LM and its tokenizer, or a .gguf file (de-quantized, as model.source=gguf) (neither
+    # downloads); either directory may be a PEFT adapter directory, merged into its base before start (a
+    # classifier's: task_type SEQ_CLS, its head saved with the adapters)
     path: Optional[str] = None
     # reward_model.path a PEFT adapter directory: the local directory of its base model (as model.base_path)
     base_path: Optional[str] = None

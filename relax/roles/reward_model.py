@@ -20,6 +20,7 @@ import torch
 
 from relax import progress
 from relax.batch import FinishReason
+from relax.config.reward_model_rules import is_gguf_file
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.config.store import import_plugins
 from relax.data.tokenizer import is_adapter_dir, load_tokenizer, resolve_model_path, stop_token_ids
@@ -44,10 +45,12 @@ def _threads(n: Optional[int]) -> None:
 
 
 def judge_model_config(cfg: RelaxConfig) -> ModelConfig:
-    """The reward model as a model config (a Hugging Face directory), for `build_model` and `load_tokenizer`, and
-    for a classifier's or a judge's PEFT adapter directory, its merge (`relax.models.peft_merge`)."""
+    """The reward model as a model config, for `build_model` and `load_tokenizer`, and for a classifier's or a
+    judge's PEFT adapter directory, its merge (`relax.models.peft_merge`): a Hugging Face directory (source=hf), or
+    a judge's .gguf file (source=gguf: loaded, de-quantized, as model.source=gguf loads the policy's)."""
     rm = cfg.reward_model
-    return ModelConfig(name="judge" if rm.kind == "judge" else rm.kind, source="hf", path=rm.path,
+    source = "gguf" if rm.kind == "judge" and is_gguf_file(rm.path) else "hf"
+    return ModelConfig(name="judge" if rm.kind == "judge" else rm.kind, source=source, path=rm.path,
                        base_path=rm.base_path, dtype=rm.dtype)
 
 
@@ -97,7 +100,8 @@ class JudgeWorker:
         start_heartbeat(self, heartbeat)
         _threads(threads)
         model_cfg = judge_model_config(cfg)
-        judge_config(reward_model_dir(cfg))  # a causal LM (a classifier's checkpoint would get a random LM head)
+        if model_cfg.source == "hf":  # a causal LM (a classifier's checkpoint would get a random LM head); a .gguf
+            judge_config(reward_model_dir(cfg))  # file is loaded as one by transformers' GGUF reader
         self.cfg, device = cfg, pick_device()
         self.tokenizer = load_tokenizer(model_cfg)
         model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,

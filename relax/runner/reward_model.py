@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -149,14 +150,18 @@ def _check_judge(cfg: RelaxConfig) -> None:
 
     get_parser(cfg.reward_model.parser)
     if cfg.reward_model.engine == "embedded":
-        model_cfg = judge_model_config(cfg)
+        model_cfg = judge_model_config(cfg)  # source: gguf for a .gguf file, else hf
         try:
             check_model_files(model_cfg)
             load_tokenizer(model_cfg)
         except (FileNotFoundError, ValueError) as exc:
-            raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: "
-                             f"{str(exc).replace('model.path', 'reward_model.path')}") from None
-        judge_config(reward_model_dir(cfg))  # a causal LM, as a classifier's check refuses one
+            # the loaders name the policy's keys: the judge's is reward_model.path, and it has no source option
+            # (the file's name chooses), so their "model.source=...: " prefix would name one the user never set
+            text = re.sub(r"^model\.source=\w+: ", "", str(exc)).replace("model.path", "reward_model.path")
+            raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {text}") \
+                from None
+        if model_cfg.source == "hf":
+            judge_config(reward_model_dir(cfg))  # a causal LM, as a classifier's check refuses one
 
 
 def _describe_judge(cfg: RelaxConfig) -> str:
