@@ -113,6 +113,10 @@ def reward_model_violations(cfg: RelaxConfig) -> list[Violation]:
                 f"reward_model.kind={rm.kind} needs reward_model.path=<a directory of the "
                 f"{'sequence-classification model' if rm.kind == 'classifier' else 'judge model'} and its tokenizer"
                 f"{'' if rm.kind == 'classifier' else ', or a .gguf file'}>")
+    if rm.kind == "judge" and is_gguf_file(rm.path):
+        require(rm.base_path is None, ("reward_model.base_path", "reward_model.path"),
+                f"reward_model.base_path={rm.base_path!r} has no effect: it names the base model of a PEFT adapter "
+                f"directory reward_model.path, and reward_model.path={rm.path} is a .gguf file (a whole model)")
     if rm.kind == "classifier":
         require(not is_gguf_file(rm.path), ("reward_model.path", "reward_model.kind"),
                 f"reward_model=classifier: reward_model.path={rm.path} is a .gguf file, which holds a causal LM, not a "

@@ -16,6 +16,7 @@ QUIET = ["tracking.enabled=false", "tracking.progress=false", "cluster.cpus_per_
 
 
 def test_a_classifier_from_a_gguf_file_is_refused_and_a_judge_without_a_path_is_told_it_may_be_one():
+    """And a .gguf judge's reward_model.base_path (a PEFT adapter directory's base) is refused, not ignored."""
     with pytest.raises(ConfigError) as caught:
         load_config(["reward_model=classifier", "reward_model.path=/models/judge.Q4_1.gguf", *QUIET])
     assert ("reward_model=classifier: reward_model.path=/models/judge.Q4_1.gguf is a .gguf file, which holds a causal "
@@ -23,6 +24,11 @@ def test_a_classifier_from_a_gguf_file_is_refused_and_a_judge_without_a_path_is_
     with pytest.raises(ConfigError, match=r"reward_model.kind=judge needs reward_model.path=<a directory of the judge "
                                           r"model and its tokenizer, or a .gguf file>"):
         load_config(["reward_model=judge", *QUIET])
+    with pytest.raises(ConfigError, match=r"reward_model.base_path='/models/base' has no effect: it names the base "
+                                          r"model of a PEFT adapter directory reward_model.path, and "
+                                          r"reward_model.path=/models/judge.Q4_1.gguf is a .gguf file"):
+        load_config(["reward_model=judge", "reward_model.path=/models/judge.Q4_1.gguf",
+                     "reward_model.base_path=/models/base", *QUIET])
     load_config(["reward_model=judge", "reward_model.path=/models/judge.Q4_1.gguf", *QUIET])  # the control
 
 
