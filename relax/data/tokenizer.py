@@ -61,6 +61,17 @@ class ModelFileError(ValueError):
     message names `model.path` and the file."""
 
 
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON file holding an object (adapter_config.json), as a dict; ModelFileError naming the file otherwise."""
+    try:
+        config = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{file} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{file} is not a JSON object")
+    return config
+
+
 # Weight files `transformers.AutoModelForCausalLM.from_pretrained` reads from a directory.
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                    "pytorch_model.bin.index.json")
@@ -231,6 +242,9 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]
     if source == "hf":
         if path:
             p = Path(path).expanduser()
+            if p.is_file() and p.suffix.lower() == ".gguf":  # the likeliest slip: the file is right, the source not
+                raise ModelPathError(f"model.source=hf: model.path={path!r} is not an existing directory: it is a "
+                                     ".gguf file, which model.source=gguf loads (set model.source=gguf)")
             if not p.is_dir():
                 raise ModelPathError(f"model.source=hf: model.path={path!r} is not an existing directory "
                                      "(expected a local Hugging Face model directory with config.json)")

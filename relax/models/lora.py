@@ -458,7 +458,7 @@ def check_adapter_dir(model_cfg: Any, vocab_size: int, pad_token_id: int) -> str
     hidden size and layers the model's (checked on the architecture: no weights read). Returns the dry run's line."""
     from pathlib import Path
 
-    from relax.models.peft_merge import read_json_object
+    from relax.data.tokenizer import read_json_object
 
     where = f"model.lora_adapter_path={model_cfg.lora_adapter_path!r}"
     directory = Path(model_cfg.lora_adapter_path).expanduser()

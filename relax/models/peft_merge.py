@@ -46,6 +46,7 @@ from relax.data.tokenizer import (
     merged_adapter_dir,
     merged_stand_in,
     quiet_transformers,
+    read_json_object,
     resolve_model_path,
 )
 from relax.models.gguf_cache import cache_lock, gguf_config
@@ -65,17 +66,6 @@ def adapter_path(model_cfg: Any) -> Optional[Path]:
         return None
     path = resolve_model_path(model_cfg, merged=False)
     return path if path is not None and is_adapter_dir(path) else None
-
-
-def read_json_object(file: Path) -> dict[str, Any]:
-    """A JSON file holding an object (adapter_config.json), as a dict; ModelFileError naming the file otherwise."""
-    try:
-        config = json.loads(file.read_bytes())
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{file} cannot be read as JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise ModelFileError(f"{file} is not a JSON object")
-    return config
 
 
 def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
