@@ -63,6 +63,29 @@ def test_resolve_model_path_config_and_errors(tmp_path, monkeypatch):
         resolve_model_path(ModelConfig(source="onnx"))
 
 
+def test_a_gguf_file_with_source_hf_is_refused_naming_source_gguf(tmp_path):
+    """model.path / teacher.path a .gguf file with source=hf: the message names the fix (source=gguf), before start
+    (the policy's and the teacher's pre-Ray checks)."""
+    from relax.config import load_config
+    from relax.runner.preflight import preflight
+
+    gguf = tmp_path / "m.Q4.GGUF"
+    gguf.write_bytes(b"GGUF")
+    hint = "is not an existing directory: it is a .gguf file, which {0}.source=gguf loads (set {0}.source=gguf)"
+    pre = preflight(load_config(["model.source=hf", f"model.path={gguf}"]), only=("model",))
+    assert pre.problems == {"model": f"model.source=hf: model.path='{gguf}' {hint.format('model')}"}
+    pre = preflight(load_config(["algorithm=opd", f"teacher.path={gguf}", "teacher.source=hf"]), only=("teacher",))
+    assert pre.problems == {"teacher": f"the teacher (teacher.path={gguf}) cannot be loaded: teacher.source=hf: "
+                                       f"teacher.path='{gguf}' {hint.format('teacher')}"}
+    # controls: a .gguf name that is not there gets the plain message; a directory so named is a directory
+    with pytest.raises(ModelPathError) as caught:
+        resolve_model_path(ModelConfig(source="hf", path=str(tmp_path / "nope.gguf")))
+    assert str(caught.value).endswith("is not an existing directory (expected a local Hugging Face model directory "
+                                      "with config.json)")
+    (tmp_path / "dir.gguf").mkdir()
+    assert resolve_model_path(ModelConfig(source="hf", path=str(tmp_path / "dir.gguf"))) == tmp_path / "dir.gguf"
+
+
 def test_load_tokenizer_config_source_is_tiny():
     tok = load_tokenizer(ModelConfig())
     assert len(tok) == len(TINY_VOCAB) and tok.chat_template == CHATML_TEMPLATE
