@@ -255,11 +255,13 @@ def _override_name(override: Override) -> str:
     return override.key_or_group + (f"@{override.package}" if override.package else "")
 
 
-def duplicate_problems(overrides: Sequence[str], *, sweep: bool) -> tuple[list[Violation], list[str]]:
+def duplicate_problems(overrides: Sequence[str], *, sweep: bool,
+                       sweeps: bool = True) -> tuple[list[Violation], list[str]]:
     """The keys (and group choices) that `overrides` set more than once (`train.lr=1e-5 train.lr=2e-5`, with or
     without `+`/`++`), each named with its values: Hydra would take the last silently. A sweep's values are one
     override (`-m train.lr=1e-5,2e-5`), not a repeat. Also `overrides` with only the last of each repeat, as Hydra
-    would apply them, so that the rest of the command line is still checked (composing `+key` after `key` fails)."""
+    would apply them, so that the rest of the command line is still checked (composing `+key` after `key` fails).
+    `sweeps=False`: the command runs one config (relax-serve), so the fix is only to give the key once."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -282,7 +284,7 @@ def duplicate_problems(overrides: Sequence[str], *, sweep: bool) -> tuple[list[V
         values = [o.split("=", 1)[1] for o in shown if "=" in o]
         swept = ",".join(values) if len(values) == len(where) and not any(c in v for v in values for c in ",[{") \
             else "a,b"
-        fix = ("give it once" if name.startswith(("hydra.", "hydra/")) else  # Hydra's own options: one per run
+        fix = ("give it once" if not sweeps or name.startswith(("hydra.", "hydra/")) else  # one config, one value
                f"give it once; to run each value, sweep them in one override: {name}={swept}" if sweep else
                f"give it once (to run each value: relax-train -m {name}={swept})")
         found.append(Violation((name,), f"{name} is given {times}: {', '.join(shown[:-1])} and {shown[-1]}; only "

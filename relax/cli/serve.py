@@ -135,21 +135,28 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from relax.cli.config_check import duplicate_problems
     from relax.config import ConfigError, load_config
 
+    # a key given twice is refused (Hydra would take the last silently), beside the config's other problems, which
+    # are found with the last of each
+    repeated, overrides = duplicate_problems(args.overrides, sweep=False, sweeps=False)
     try:
         if args.config:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
-        cfg = load_config(args.overrides)
+        cfg = load_config(overrides)
+        if repeated:
+            _fail("invalid config: " + "; ".join(v.message for v in repeated))
         if cfg.model.lora_adapter_path:  # a training option: this server would serve the base without them
             _fail(f"model.lora_adapter_path={cfg.model.lora_adapter_path!r} continues training adapters in "
                   "relax-train; relax-serve serves model.path: to serve the base with these adapters, set "
                   "model.path to the adapter directory (merged into its base before start)")
         return cfg
     except ConfigError as exc:
-        _fail("invalid config: " + "; ".join(v.message for v in exc.violations))
-    except (HydraException, OmegaConfBaseException) as exc:
-        _fail(_hydra_error_message(exc))
+        _fail("invalid config: " + "; ".join(v.message for v in [*repeated, *exc.violations]))
+    except (HydraException, OmegaConfBaseException) as exc:  # (`+key` after `key`: Hydra's refusal beside them)
+        message = _hydra_error_message(exc)
+        _fail("invalid config: " + "; ".join([*(v.message for v in repeated), message]) if repeated else message)
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         _fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
 

@@ -1,0 +1,49 @@
+"""relax-serve's Hydra overrides: a key given twice is refused, as relax-train refuses it (the one helper,
+relax.cli.config_check.duplicate_problems), beside the config's other problems, before anything loads; Hydra would
+take the last silently. The model named here does not exist, so a command line that passes goes on to that check."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax.cli import serve
+
+MISSING_MODEL = ["model.source=hf", "model.path=/nonexistent/relax-serve-model"]
+REFUSED = "relax-serve: error: invalid config: "
+
+
+def start(capsys, *overrides: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        serve.main(["--port", "0", *MISSING_MODEL, *overrides])
+    return info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["train.lr=1e-5", "train.lr=2e-5"], "train.lr is given twice: train.lr=1e-5 and train.lr=2e-5"),
+    (["train.lr=1e-5", "+train.lr=2e-5", "++train.lr=3e-5"],
+     "train.lr is given 3 times: train.lr=1e-5, +train.lr=2e-5 and ++train.lr=3e-5"),
+    (["model=tiny", "model=smollm2_135m"], "model is given twice: model=tiny and model=smollm2_135m"),
+])
+def test_a_key_given_twice_is_refused_naming_the_key_and_each_value(capsys, overrides, says):
+    code, err = start(capsys, *overrides)
+    assert code == 2
+    assert err.strip().splitlines() == [f"{REFUSED}{says}; only the last would count: give it once"], err
+
+
+def test_a_repeat_is_named_beside_the_configs_other_problems(capsys):
+    code, err = start(capsys, "train.lr=1e-5", "train.lrr=1", "train.lr=2e-5")
+    assert code == 2
+    assert err.strip().splitlines() == [f"{REFUSED}train.lr is given twice: train.lr=1e-5 and train.lr=2e-5; only "
+                                        "the last would count: give it once; unknown key train.lrr (did you mean "
+                                        "train.lr?)"], err
+    code, err = start(capsys, "train.lr=1e-5", "+train.lr=2e-5")  # the last, as Hydra applies it, is refused too
+    assert code == 2
+    assert err.startswith(f"{REFUSED}train.lr is given twice: train.lr=1e-5 and +train.lr=2e-5; only the last would "
+                          "count: give it once; Could not append to config. An item is already at 'train.lr'"), err
+
+
+def test_single_values_go_on_to_the_next_check(capsys):
+    """The control: each key once passes, and the start stops at the missing model."""
+    code, err = start(capsys, "train.lr=1e-5", "++rollout.temperature=0.7")
+    assert code == 2
+    assert "given twice" not in err and "/nonexistent/relax-serve-model" in err, err
