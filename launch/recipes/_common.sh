@@ -33,6 +33,30 @@ _absolute_env() {
     value=${!name:-}
     if [[ -n "${value}" && "${value}" != /* ]]; then export "${name}=${PWD}/${value}"; fi
   done
+  # PYTHONPATH's relative entries too (PYTHONPATH=. is how a project's reward, environment or plugin modules become
+  # importable to relax-train, whose console script does not put its directory on sys.path)
+  if [[ -n "${PYTHONPATH:-}" ]]; then
+    local entry entries=()
+    IFS=: read -r -a entries <<< "${PYTHONPATH}"
+    value=""
+    for entry in "${entries[@]}"; do
+      if [[ -z "${entry}" || "${entry}" == "." ]]; then entry=${PWD}; elif [[ "${entry}" != /* ]]; then entry=${PWD}/${entry}; fi
+      value=${value:+${value}:}${entry}
+    done
+    export PYTHONPATH="${value}"
+  fi
+}
+
+# For the sweep scripts: `own`, the script's own overrides (the arguments before --) less those whose key the
+# arguments after -- set: the caller's value is the one relax-train gets (relax-train refuses a key given twice).
+own_overrides() {
+  own=()
+  local pairs=() pair
+  while [[ $# -gt 0 && "$1" != "--" ]]; do pairs+=("$1"); shift; done
+  if [[ $# -gt 0 ]]; then shift; fi
+  for pair in "${pairs[@]}"; do
+    _given "${pair%%=*}" "$@" || own+=("${pair}")
+  done
 }
 
 run_recipe() {

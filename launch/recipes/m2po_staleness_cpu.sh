@@ -6,9 +6,11 @@
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 sweep_dirs m2po_staleness_cpu "$@"
+own_overrides algorithm=grpo,m2po train.max_staleness=0,2,4 -- "$@"
+first=("${own[@]}")
+own_overrides algorithm=m2po train.max_staleness=4 algorithm.kl2_budget=0.002,0.01,0.05 -- "$@"
 set -x
-run_train -m +experiment=m2po_staleness_cpu algorithm=grpo,m2po train.max_staleness=0,2,4 "${extra[@]}" "$@" || true
-run_train -m +experiment=m2po_staleness_cpu algorithm=m2po train.max_staleness=4 \
-  algorithm.kl2_budget=0.002,0.01,0.05 "${extra[@]}" "$@" || true  # compare what finished
+run_train -m +experiment=m2po_staleness_cpu "${first[@]}" "${extra[@]}" "$@" || true
+run_train -m +experiment=m2po_staleness_cpu "${own[@]}" "${extra[@]}" "$@" || true  # compare what finished
 run_compare --experiment m2po_staleness_cpu --control algorithm=grpo,train.max_staleness=0 \
   --metrics rollout/raw_reward train/ppo_kl_m2_before train/ppo_kl_m2_after rollout/staleness_mean

@@ -8,7 +8,7 @@
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 sweep_dirs rloo_smollm2_gsm8k_cpu "$@"
+own_overrides algorithm=rloo,grpo hydra.launcher.max_concurrent_jobs=1 -- "$@"
 set -x
-run_train -m +experiment=rloo_smollm2_gsm8k_cpu algorithm=rloo,grpo hydra.launcher.max_concurrent_jobs=1 \
-  "${extra[@]}" "$@" || true  # compare what finished
+run_train -m +experiment=rloo_smollm2_gsm8k_cpu "${own[@]}" "${extra[@]}" "$@" || true  # compare what finished
 run_compare --control algorithm=grpo

@@ -5,6 +5,7 @@
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 sweep_dirs rloo_vs_grpo_cpu "$@"
+own_overrides algorithm=rloo,grpo seed=1,2 -- "$@"
 set -x
-run_train -m +experiment=rloo_vs_grpo_cpu algorithm=rloo,grpo seed=1,2 "${extra[@]}" "$@" || true  # compare what finished
+run_train -m +experiment=rloo_vs_grpo_cpu "${own[@]}" "${extra[@]}" "$@" || true  # compare what finished
 run_compare --control algorithm=grpo

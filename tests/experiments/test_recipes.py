@@ -161,3 +161,33 @@ def test_with_exp_dir_the_recipes_checkpoints_go_under_it(tmp_path, script):
         cfg = load_config([f"+experiment={script}", "tracking.enabled=false"]) if script != "m2po" else None
         if cfg is not None:
             assert resolve_save_dir(cfg, cwd=Path(trains[0][1])).is_relative_to(where / "checkpoints")
+
+
+@pytest.mark.parametrize("script", ["m2po", *SWEEP_SCRIPTS])
+def test_the_callers_override_and_pythonpath_reach_relax_train(tmp_path, script):
+    """An argument that sets a key the script sets itself (each sweep script's algorithm axis) replaces the script's:
+    relax-train gets the key once, the caller's value (it refuses a key given twice); with EXP_DIR, where relax-train
+    runs, PYTHONPATH's relative entries are made absolute against the starting directory, so that a project's
+    modules (PYTHONPATH=.) still import. relax-train is a stand-in on PATH that records PYTHONPATH and its arguments.
+    Control: without EXP_DIR, PYTHONPATH is passed on as given. Before: the script's algorithm=... and the caller's
+    both reached relax-train, and PYTHONPATH=. named EXP_DIR."""
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    for tool in ("relax-train", "relax-compare"):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$@" > "{tmp_path}/{tool}.$$"\n')
+        stub.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": "src:."}
+    for exp_dir in ("exp", None):
+        for old in tmp_path.glob("relax-*.*"):
+            old.unlink()
+        env = {**base, **({"EXP_DIR": exp_dir} if exp_dir else {})}
+        proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), "algorithm=grpo"], env=env, cwd=work,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        trains = [p.read_text().splitlines() for p in tmp_path.glob("relax-train.*")]
+        assert trains, proc.stderr
+        for pythonpath, *args in trains:
+            assert pythonpath == (f"{work}/src:{work}" if exp_dir else "src:."), pythonpath
+            assert [a for a in args if a.startswith("algorithm=")] == ["algorithm=grpo"], args
