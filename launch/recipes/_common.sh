@@ -75,6 +75,7 @@ run_recipe() {
     _given hydra.run.dir "$@" || args+=("hydra.run.dir=${exp_dir}/${name}/\${now:%Y-%m-%d_%H-%M-%S}")
     _given hydra.sweep.dir "$@" || args+=("hydra.sweep.dir=${exp_dir}/${name}/multirun/\${now:%Y-%m-%d_%H-%M-%S}")
     _given tracking.uri "$@" || args+=("tracking.uri=sqlite:///${exp_dir}/mlflow.db")
+    export RELAX_PROJECT_DIR="${RELAX_PROJECT_DIR:-${PWD}}"  # the project's git state, recorded as the run's tags
     cd "${exp_dir}"  # the checkpoints (and any other relative output) under EXP_DIR
     echo "+ cd ${exp_dir}" >&2
   fi
@@ -106,7 +107,7 @@ sweep_dirs() {
 # relax-train run in `records_dir` (sweep_dirs): its checkpoints (checkpoints/<experiment>/<run name> of each job)
 # go under EXP_DIR when it is set. Arguments are relax-train's.
 run_train() {
-  (cd "${records_dir}" && relax-train "$@")
+  (export RELAX_PROJECT_DIR="${RELAX_PROJECT_DIR:-${PWD}}" && cd "${records_dir}" && relax-train "$@")
 }
 
 # relax-compare of the sweep's store (`uri`), run in `records_dir` (sweep_dirs): its compare/<sweep id or time>/

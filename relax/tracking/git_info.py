@@ -4,8 +4,9 @@
   `relax.__file__`; the package's files must be tracked there, so an installed copy inside another repository, e.g.
   a virtualenv in a project, does not count). Absent when Relax is not a git checkout (installed from a wheel).
 - `relax.project_git_commit`, `relax.project_git_dirty`, `relax.project_git_root`: the git repository of the
-  working directory (where relax-train was started: the user's rewards, data and configs), when it is one and not
-  Relax's own checkout.
+  working directory (where relax-train was started: the user's rewards, data and configs), or of `$RELAX_PROJECT_DIR`
+  where that is set (the recipe scripts set it to where they were started before running relax-train in EXP_DIR),
+  when it is one and not Relax's own checkout.
 - `mlflow.source.git.commit`: MLflow's tag for the commit of the code that ran (its UI shows it). MLflow sets it
   itself when the entry script lives in a git repository (a Python script of yours that starts the run); otherwise
   (relax-train, whose entry point is an installed script) it is set to Relax's commit.
@@ -34,6 +35,7 @@ PROJECT_GIT_DIRTY_TAG = "relax.project_git_dirty"
 PROJECT_GIT_ROOT_TAG = "relax.project_git_root"
 MLFLOW_GIT_COMMIT_TAG = "mlflow.source.git.commit"  # mlflow.utils.mlflow_tags.MLFLOW_GIT_COMMIT
 GIT_TIMEOUT_S = 5.0
+PROJECT_DIR_ENV = "RELAX_PROJECT_DIR"  # the project directory, where it is not the working directory
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ def _tags(state: GitState, commit_tag: str, dirty_tag: str) -> dict[str, str]:
 
 
 def git_tags(cwd: Optional[str | os.PathLike[str]] = None) -> dict[str, str]:
-    """The git tags of a run started in `cwd` (default: the current directory); see the module docstring.
+    """The git tags of a run started in `cwd` (default: `$RELAX_PROJECT_DIR`, else the current directory); see the
+    module docstring.
 
     `mlflow.source.git.commit` is included (Relax's commit); the caller keeps MLflow's own if it has one.
     """
@@ -104,7 +107,7 @@ def git_tags(cwd: Optional[str | os.PathLike[str]] = None) -> dict[str, str]:
         tags.update(_tags(relax_state, GIT_COMMIT_TAG, GIT_DIRTY_TAG))
         tags[MLFLOW_GIT_COMMIT_TAG] = relax_state.commit
     try:
-        project = git_state(cwd if cwd is not None else os.getcwd())
+        project = git_state(cwd if cwd is not None else os.environ.get(PROJECT_DIR_ENV) or os.getcwd())
     except OSError:  # the working directory was removed
         project = None
     if project is not None and (relax_state is None or os.path.realpath(project.root)

@@ -169,14 +169,15 @@ def test_the_callers_override_and_pythonpath_reach_relax_train(tmp_path, script)
     relax-train gets the key once, the caller's value (it refuses a key given twice); with EXP_DIR, where relax-train
     runs, PYTHONPATH's relative entries are made absolute against the starting directory, so that a project's
     modules (PYTHONPATH=.) still import. relax-train is a stand-in on PATH that records PYTHONPATH and its arguments.
-    Control: without EXP_DIR, PYTHONPATH is passed on as given. Before: the script's algorithm=... and the caller's
-    both reached relax-train, and PYTHONPATH=. named EXP_DIR."""
+    RELAX_PROJECT_DIR names the starting directory (the run's project git tags). Control: without EXP_DIR,
+    PYTHONPATH is passed on as given. Before: the script's algorithm=... and the caller's both reached relax-train,
+    PYTHONPATH=. named EXP_DIR, and the project tags were EXP_DIR's."""
     bin_dir, work = tmp_path / "bin", tmp_path / "work"
     bin_dir.mkdir()
     work.mkdir()
     for tool in ("relax-train", "relax-compare"):
         stub = bin_dir / tool
-        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$@" > "{tmp_path}/{tool}.$$"\n')
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$RELAX_PROJECT_DIR" "$@" > "{tmp_path}/{tool}.$$"\n')
         stub.chmod(0o755)
     base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": "src:."}
     for exp_dir in ("exp", None):
@@ -188,6 +189,9 @@ def test_the_callers_override_and_pythonpath_reach_relax_train(tmp_path, script)
         assert proc.returncode == 0, proc.stderr
         trains = [p.read_text().splitlines() for p in tmp_path.glob("relax-train.*")]
         assert trains, proc.stderr
-        for pythonpath, *args in trains:
+        for pythonpath, project_dir, *args in trains:
             assert pythonpath == (f"{work}/src:{work}" if exp_dir else "src:."), pythonpath
+            # the project's git state is where the script started (git_info reads it), not EXP_DIR (the sweep scripts
+            # name it always, the single-run recipes where they leave that directory)
+            assert project_dir == (str(work) if exp_dir or script != "m2po" else ""), project_dir
             assert [a for a in args if a.startswith("algorithm=")] == ["algorithm=grpo"], args

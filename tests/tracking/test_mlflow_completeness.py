@@ -347,6 +347,22 @@ def test_the_project_repository_is_tagged_next_to_relax(tracking_cfg: TrackingCo
     assert G.PROJECT_GIT_COMMIT_TAG not in G.git_tags(REPO / "relax")  # Relax's own checkout is not a project
 
 
+def test_relax_project_dir_names_the_project_when_the_run_starts_elsewhere(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recipe script runs relax-train in EXP_DIR and names where it was started in RELAX_PROJECT_DIR: the project
+    tags are that directory's repository. Control: the same working directory without the variable has none."""
+    project = _repo(tmp_path / "project")
+    elsewhere = tmp_path / "exp"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv(G.PROJECT_DIR_ENV, raising=False)
+    assert G.PROJECT_GIT_ROOT_TAG not in G.git_tags()
+    monkeypatch.setenv(G.PROJECT_DIR_ENV, str(project))
+    tags = G.git_tags()
+    assert Path(tags[G.PROJECT_GIT_ROOT_TAG]).resolve() == project.resolve()
+    assert tags[G.PROJECT_GIT_COMMIT_TAG] == git("rev-parse", "HEAD", cwd=project).strip()
+
+
 def test_git_tags_without_git_or_outside_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import relax
 
