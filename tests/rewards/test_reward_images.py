@@ -145,3 +145,32 @@ def test_only_a_reward_that_reads_messages_has_the_images_encoded():
     assert reads_messages(chat) and reads_messages(rest) and reads_messages(RemoteReward("http://127.0.0.1:9/x"))
     assert reads_messages(RewardList(["a", "b"], ["a", "b"], [plain, chat]))
     assert not reads_messages(RewardList(["a"], ["a"], [plain]))
+
+
+def test_images_that_cannot_be_given_to_the_reward_stop_the_run_in_one_line(tokenizer):
+    """A prompt item whose images are pixel values only (a checkpoint written before image references) cannot give a
+    reward that reads `messages` its images: the run stops with a RunError naming why (before: a ValueError traceback
+    out of the driver). Control: a reward of the response and label alone scores it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from relax.config import load_config
+    from relax.runner.errors import RunError
+    from relax.runner.rollout_driver.scoring import score
+
+    def chat(response, label, messages):
+        return 1.0
+
+    def plain(response, label):
+        return 1.0
+
+    cfg = load_config(["data.reward_timeout_s=null"])
+    item = SimpleNamespace(prompt_text="q", label="a", fields={}, images={"pixel_values": torch.zeros(4, 8)},
+                           messages=[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "q"}]}])
+    samples = SimpleNamespace(episodes=None, response_ids=torch.tensor([[5, 6]]), response_mask=torch.ones(1, 2),
+                              finish_reasons=None)
+    with pytest.raises(RunError, match=r"the reward reads the conversation \(messages\), whose images cannot be given "
+                                       r"to it: .*kept only as pixel values"):
+        score(cfg, tokenizer, chat, samples, [item], 1)
+    assert score(cfg, tokenizer, plain, samples, [item], 1).rewards == [1.0]

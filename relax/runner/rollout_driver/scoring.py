@@ -60,7 +60,11 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
                  for ids, mask in zip(samples.response_ids, samples.response_mask, strict=True)]
     labels = [item.label for item in items for _ in range(n)]
     prompts = [item.prompt_text for item in items for _ in range(n)]
-    contexts = reward_contexts(items, n, episodes, image_urls=reads_messages(reward_fn))
+    try:
+        contexts = reward_contexts(items, n, episodes, image_urls=reads_messages(reward_fn))
+    except (ValueError, OSError) as e:  # a prompt's images read again for the reward: the record or file is gone
+        raise RunError(f"the reward reads the conversation (messages), whose images cannot be given to it: {e}") \
+            from None
     if isinstance(reward_fn, RemoteReward):  # batched requests with the run's data.reward_service options
         reward_fn.options = cfg.data.reward_service
     try:
