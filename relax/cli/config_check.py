@@ -255,13 +255,14 @@ def _override_name(override: Override) -> str:
     return override.key_or_group + (f"@{override.package}" if override.package else "")
 
 
-def duplicate_problems(overrides: Sequence[str], *, sweep: bool,
-                       sweeps: bool = True) -> tuple[list[Violation], list[str]]:
+def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[Violation], list[str]]:
     """The keys (and group choices) that `overrides` set more than once (`train.lr=1e-5 train.lr=2e-5`, with or
     without `+`/`++`), each named with its values: Hydra would take the last silently. A sweep's values are one
     override (`-m train.lr=1e-5,2e-5`), not a repeat. Also `overrides` with only the last of each repeat, as Hydra
     would apply them, so that the rest of the command line is still checked (composing `+key` after `key` fails).
-    `sweeps=False`: the command runs one config (relax-serve), so the fix is only to give the key once."""
+    `command` chooses the advice beside "give it once": "run" (relax-train without -m: sweep with -m), "sweep"
+    (relax-train -m: one override of the values), "config" (a command of one config, relax-serve: none). A key
+    given with the same value each time gets no sweep advice either."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -284,9 +285,10 @@ def duplicate_problems(overrides: Sequence[str], *, sweep: bool,
         values = [o.split("=", 1)[1] for o in shown if "=" in o]
         swept = ",".join(values) if len(values) == len(where) and not any(c in v for v in values for c in ",[{") \
             else "a,b"
-        fix = ("give it once" if not sweeps or name.startswith(("hydra.", "hydra/")) else  # one config, one value
-               f"give it once; to run each value, sweep them in one override: {name}={swept}" if sweep else
-               f"give it once (to run each value: relax-train -m {name}={swept})")
+        one = command == "config" or name.startswith(("hydra.", "hydra/")) or len(set(values)) < 2
+        fix = ("give it once" if one else  # one config, one value, or the same value again
+               f"give it once; to run each value, sweep them in one override: {name}={swept}" if command == "sweep"
+               else f"give it once (to run each value: relax-train -m {name}={swept})")
         found.append(Violation((name,), f"{name} is given {times}: {', '.join(shown[:-1])} and {shown[-1]}; only "
                                         f"the last would count: {fix}"))
     return found, [o for i, o in enumerate(overrides) if i not in dropped]
@@ -311,7 +313,7 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     if any(a.startswith("-") for a in overrides):
         return None  # another Hydra flag: Hydra answers it
     # a key set twice is refused; the rest is checked with the last of each, as Hydra would compose it
-    repeated, overrides = duplicate_problems(overrides, sweep=multirun)
+    repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
     # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
     launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules)]
     if not multirun:

@@ -140,7 +140,7 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
 
     # a key given twice is refused (Hydra would take the last silently), beside the config's other problems, which
     # are found with the last of each
-    repeated, overrides = duplicate_problems(args.overrides, sweep=False, sweeps=False)
+    repeated, overrides = duplicate_problems(args.overrides, command="config")
     try:
         if args.config:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates

@@ -125,7 +125,8 @@ def _run(dc) -> object:
 
     # a run of its own config (`-cp <dir> -cn <name>`, which the precheck leaves to Hydra): a key its command line
     # gives twice, and its launcher options (which a run without -m ignores), are refused here too
-    found = duplicate_problems(list(HydraConfig.get().overrides.task), sweep=_in_sweep())[0]
+    found = duplicate_problems(list(HydraConfig.get().overrides.task),
+                               command="sweep" if _in_sweep() else "run")[0]
     found += [] if _in_sweep() else launcher_problems(list(HydraConfig.get().overrides.hydra), sweep=False)
     try:  # the command line's overrides (this job's, in a sweep): what it set, beside a reused run's saved config
         cfg = to_relax_config(dc, overrides=list(HydraConfig.get().overrides.task))

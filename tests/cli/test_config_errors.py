@@ -402,6 +402,10 @@ def test_a_key_given_twice_is_refused_naming_the_key_and_both_values(tmp_path, m
         "++hydra.launcher.max_concurrent_jobs=2; only the last would count: give it once"), found
     assert problems(["-m", "train.lr=1e-5,2e-5", "hydra.launcher.max_concurrent_jobs=1", "seed=1,2"]) is None
     assert problems(["train.lr=2e-5", "seed=1"]) is None
+    # the same value twice: give it once, no sweep of the value with itself (before: relax-train -m model=tiny,tiny)
+    assert problems(["model=tiny", "model=tiny"]) == (
+        "invalid config (1 problem):\n"
+        "  - model is given twice: model=tiny and model=tiny; only the last would count: give it once")
 
 
 def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tmp_path, monkeypatch, capfd):
