@@ -29,9 +29,10 @@ class Restarts:
         self.events: list[str] = []
         self.run_id: str | None = None  # the MLflow run of the attempts (set once the first one opened it)
         self.step = 0  # the step in progress (where a failure happened), 0-based (messages: `step_name`)
-        # steps of the job that kept a group (trained), over every attempt (Session.log): a restarted attempt whose
-        # steps all lost every group still belongs to a job that trained (Session.finish: NothingTrained)
-        self.trained_steps = 0
+        # the 0-based steps of the job that kept a group (trained), over its attempts (Session.log), less those a
+        # restart threw away (`keep_trained_before`): a restarted attempt whose steps all lost every group still
+        # belongs to a job that trained when the weights it resumed hold a trained step (Session.finish)
+        self.trained: set[int] = set()
         self._tagged = 0  # events already in the MLflow tag
         # when the run began (time.monotonic): the summary's wall time and the progress line's elapsed count from
         # here, across restarts, as the operator's clock does (the hang and the restart included)
@@ -63,6 +64,11 @@ class Restarts:
               f"(restart {self.count} of train.max_restarts={self.limit})", file=sys.stderr, flush=True)
         return dataclasses.replace(cfg, train=dataclasses.replace(
             cfg.train, resume=str(latest) if latest is not None else None))
+
+    def keep_trained_before(self, start_step: int) -> None:
+        """An attempt starts at `start_step` (0: from scratch; k: from the checkpoint of k steps): the trained steps
+        at or after it, whose weights that attempt does not start from, no longer count as the job's."""
+        self.trained = {s for s in self.trained if s < start_step}
 
     def replace_in_place(self, failure: RoleFailure) -> None:
         """Count the replacement of the failed process (re-raises `failure` once the limit is reached)."""

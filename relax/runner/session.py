@@ -288,7 +288,7 @@ class Session:
         self.logged_steps.append(step)
         self.left_out_steps += not kept
         if kept and self.restarts is not None:
-            self.restarts.trained_steps += 1
+            self.restarts.trained.add(step)
         if not kept:
             empty = [k for k, v in metrics.items() if math.isnan(float(v))]
             logged = {k: v for k, v in metrics.items() if k not in empty}
@@ -592,7 +592,7 @@ class Session:
         failed = None  # a job that trained nothing: its one-line error
         if not self.evaluated_only and self.logged_steps and self.left_out_steps == len(self.logged_steps):
             title, extra, error = self._nothing_trained(extra)
-            if self.restarts is None or not self.restarts.trained_steps:  # (an earlier attempt of the job trained)
+            if self.restarts is None or not self.restarts.trained:  # (else the weights hold an earlier attempt's)
                 failed = error
             show_rewards = bool(self.rewards)  # a resumed run's earlier steps' rewards, else none: no "nan"
             if not self.rewards:
@@ -622,6 +622,11 @@ class Session:
         stops = f"; data.max_failed_reward_steps={limit} in a row stop a run" if limit else ""
         why = "their reward calls or episodes failed"
         left = {"left out": f"every group of {steps}: {why} (the warnings above name each step's first failure){stops}"}
+        if self.restarts is not None and self.restarts.trained:  # the job trained: `finish` does not fail it
+            earlier = len(self.restarts.trained)
+            what = (f"no step of this attempt trained: every group of {steps} was left out; {earlier} step(s) of an "
+                    "earlier attempt of the job trained, whose weights it resumed")
+            return f"Relax run finished ({what})", {**left, **extra}, f"{what} ({why})"
         if self.start_step == 0:
             what = "nothing trained: every group of every step was left out"
             return (f"Relax run finished ({what})", {**left, **extra},

@@ -335,6 +335,7 @@ class Recipe:
         if tag := restarts.new_tag():
             session.tracker.set_tags(tag)
         self.start_step = session.start_step
+        restarts.keep_trained_before(self.start_step)  # a restart from an earlier checkpoint drops the steps after it
         # reward_model=classifier|judge: scored in the stream's scoring thread, through its role (or its URL)
         self.reward_model = make_scorer(cfg, cluster.reward_model_call)
         if self.reward_model is not None:

@@ -125,7 +125,7 @@ def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_ste
                                   "above name each step's first failure)")
 
 
-def test_a_restarted_attempt_of_a_job_that_trained_does_not_fail(tmp_path):
+def test_a_restarted_attempt_of_a_job_that_trained_does_not_fail(tmp_path, capsys):
     """A restart (`Restarts`, shared by the job's attempts) resumes the job's own checkpoint: the attempt before
     trained a step, so the job did, even though every step of the last attempt lost every group. The control of the
     same attempt without the earlier one: it fails."""
@@ -133,10 +133,10 @@ def test_a_restarted_attempt_of_a_job_that_trained_does_not_fail(tmp_path):
     from relax.runner.restarts import Restarts
     from relax.runner.session import Session
 
-    cfg = load_config(["tracking.enabled=false", "tracking.progress=false", "train.num_rollout=2"])
+    cfg = load_config(["tracking.enabled=false", "tracking.progress=true", "train.num_rollout=2"])
     for trained_before, fails in ((1, False), (0, True)):
         restarts = Restarts(1)
-        restarts.trained_steps = trained_before  # as Session.log counted it in the attempt before
+        restarts.trained = set(range(trained_before))  # as Session.log counted them in the attempt before
         with contextlib.ExitStack() as stack:
             if fails:
                 stack.enter_context(pytest.raises(NothingTrained))
@@ -145,6 +145,9 @@ def test_a_restarted_attempt_of_a_job_that_trained_does_not_fail(tmp_path):
             session.log({RAW_REWARD: math.nan, "rollout/reward_dropped_frac": 1.0}, 0, kept=False)
             session.log({RAW_REWARD: math.nan, "rollout/reward_dropped_frac": 1.0}, 1, kept=False)
             session.finish()
+        out = capsys.readouterr()
+        title = "no step of this attempt trained: every group of steps 1-2 was left out; 1 step(s) of an earlier"
+        assert (title in out.out + out.err) == (not fails), out  # its summary says why it does not fail
 
 
 def test_relax_train_exits_1_with_the_one_line_error(tmp_path, capfd, monkeypatch):
@@ -166,3 +169,16 @@ def test_relax_train_exits_1_with_the_one_line_error(tmp_path, capfd, monkeypatc
     monkeypatch.setattr(cli, "_in_sweep", lambda: True)
     with pytest.raises(cli.JobError, match="^nothing trained: "):
         cli._job_fail(LINE, NothingTrained.exit_code)
+
+
+def test_a_restart_keeps_the_trained_steps_its_checkpoint_holds():
+    """A restart from step 0 (no checkpoint yet) throws the earlier attempt's training away, one from the checkpoint
+    of k steps keeps the steps before k: what `Session.finish` then counts as the job's trained steps."""
+    from relax.runner.restarts import Restarts
+
+    restarts = Restarts(2)
+    restarts.trained = {0, 1, 3}
+    restarts.keep_trained_before(2)
+    assert restarts.trained == {0, 1}
+    restarts.keep_trained_before(0)
+    assert restarts.trained == set()
