@@ -166,7 +166,7 @@ class OpenAIJudge:
     def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]], list[bool], list[bool]]:
         """(answers, errors, cut, late): each question's answer text (None: failed), why it failed, whether the
         server stopped the answer at `max_new_tokens` (finish_reason "length"), and whether it failed by time-out
-        (its last try got no answer within `timeout_s`)."""
+        (its last try got no answer within `timeout_s`, or the server's own 408 / 504: `is_timeout_status`)."""
         results = list(self._pool.map(self._one, questions))
         return ([a for a, _, _, _ in results], [e for _, e, _, _ in results], [c for _, _, c, _ in results],
                 [t for _, _, _, t in results])
