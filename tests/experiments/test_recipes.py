@@ -124,6 +124,33 @@ def test_a_sweep_scripts_comparison_is_written_under_exp_dir(tmp_path, script, e
         assert compare[0].startswith(f"relax-compare {work} --uri sqlite:///mlflow.db "), compare
 
 
+def recorded_trains(tmp_path: Path, script: str, shown: str, argument: str,
+                    env: dict[str, str]) -> dict[str | None, tuple[Path, list[list[str]]]]:
+    """`bash <script>.sh <argument>` from tmp_path/work, with EXP_DIR=exp and without (None), relax-train and
+    relax-compare stand-ins on PATH: EXP_DIR -> (the starting directory, each relax-train call's lines: the shell
+    words `shown` (e.g. '"$(pwd)" "$MODEL_DIR"'), then its arguments)."""
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    for tool in ("relax-train", "relax-compare"):
+        stub = bin_dir / tool
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" {shown} "$@" > "{tmp_path}/{tool}.$$"\n')
+        stub.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **env}
+    found: dict[str | None, tuple[Path, list[list[str]]]] = {}
+    for exp_dir in ("exp", None):
+        for old in tmp_path.glob("relax-*.*"):
+            old.unlink()
+        proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), argument],
+                              env={**base, **({"EXP_DIR": exp_dir} if exp_dir else {})}, cwd=work,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        trains = [p.read_text().splitlines() for p in tmp_path.glob("relax-train.*")]
+        assert trains, proc.stderr
+        found[exp_dir] = (work, trains)
+    return found
+
+
 @pytest.mark.parametrize("script", ["m2po", *SWEEP_SCRIPTS])
 def test_with_exp_dir_the_recipes_checkpoints_go_under_it(tmp_path, script):
     """EXP_DIR set (relative, as a user may give it): relax-train runs in EXP_DIR, so its checkpoints
@@ -135,32 +162,18 @@ def test_with_exp_dir_the_recipes_checkpoints_go_under_it(tmp_path, script):
     ran in the current directory whatever EXP_DIR said, the checkpoints in ./checkpoints."""
     from relax.runner.checkpoint import resolve_save_dir
 
-    bin_dir, work = tmp_path / "bin", tmp_path / "work"
-    bin_dir.mkdir()
-    work.mkdir()
-    for tool in ("relax-train", "relax-compare"):
-        stub = bin_dir / tool
-        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "{tool}" "$(pwd)" "$MODEL_DIR" "$@" > "{tmp_path}/{tool}.$$"\n')
-        stub.chmod(0o755)
-    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "MODEL_DIR": "models"}
-    for exp_dir in ("exp", None):
-        for old in tmp_path.glob("relax-*.*"):
-            old.unlink()
-        env = {**base, **({"EXP_DIR": exp_dir} if exp_dir else {})}
-        proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), "tracking.uri=sqlite:////srv/m.db"], env=env,
-                              cwd=work, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        trains = [p.read_text().splitlines() for p in tmp_path.glob("relax-train.*")]
-        assert trains, proc.stderr
+    found = recorded_trains(tmp_path, script, '"$(pwd)" "$MODEL_DIR"', "tracking.uri=sqlite:////srv/m.db",
+                            {"MODEL_DIR": "models"})
+    for exp_dir, (work, trains) in found.items():
         where = work / exp_dir if exp_dir else work
-        for _, cwd, model_dir, *args in trains:
+        for cwd, model_dir, *args in trains:
             assert (cwd, model_dir) == (str(where), str(work / "models") if exp_dir else "models"), (cwd, model_dir)
             assert [a for a in args if a.startswith("tracking.uri=")] == ["tracking.uri=sqlite:////srv/m.db"], args
             assert not any(a.startswith("train.save_dir=") for a in args)
         # where relax-train puts the checkpoints of that recipe, run there
         cfg = load_config([f"+experiment={script}", "tracking.enabled=false"]) if script != "m2po" else None
         if cfg is not None:
-            assert resolve_save_dir(cfg, cwd=Path(trains[0][1])).is_relative_to(where / "checkpoints")
+            assert resolve_save_dir(cfg, cwd=Path(trains[0][0])).is_relative_to(where / "checkpoints")
 
 
 @pytest.mark.parametrize("script", ["m2po", *SWEEP_SCRIPTS])
@@ -172,23 +185,9 @@ def test_the_callers_override_and_pythonpath_reach_relax_train(tmp_path, script)
     RELAX_PROJECT_DIR names the starting directory (the run's project git tags). Control: without EXP_DIR,
     PYTHONPATH is passed on as given. Before: the script's algorithm=... and the caller's both reached relax-train,
     PYTHONPATH=. named EXP_DIR, and the project tags were EXP_DIR's."""
-    bin_dir, work = tmp_path / "bin", tmp_path / "work"
-    bin_dir.mkdir()
-    work.mkdir()
-    for tool in ("relax-train", "relax-compare"):
-        stub = bin_dir / tool
-        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$RELAX_PROJECT_DIR" "$@" > "{tmp_path}/{tool}.$$"\n')
-        stub.chmod(0o755)
-    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": "src:."}
-    for exp_dir in ("exp", None):
-        for old in tmp_path.glob("relax-*.*"):
-            old.unlink()
-        env = {**base, **({"EXP_DIR": exp_dir} if exp_dir else {})}
-        proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), "algorithm=grpo"], env=env, cwd=work,
-                              capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        trains = [p.read_text().splitlines() for p in tmp_path.glob("relax-train.*")]
-        assert trains, proc.stderr
+    found = recorded_trains(tmp_path, script, '"$PYTHONPATH" "$RELAX_PROJECT_DIR"', "algorithm=grpo",
+                            {"PYTHONPATH": "src:."})
+    for exp_dir, (work, trains) in found.items():
         for pythonpath, project_dir, *args in trains:
             assert pythonpath == (f"{work}/src:{work}" if exp_dir else "src:."), pythonpath
             # the project's git state is where the script started (git_info reads it), not EXP_DIR (the sweep scripts
