@@ -42,3 +42,19 @@ def observe_moe_blocks(model: torch.nn.Module) -> tuple[list[torch.Tensor], list
             block.experts.register_forward_pre_hook(
                 lambda m, args: used.append((args[1].detach().clone(), args[2].detach().clone())))
     return inputs, used
+
+
+def hand_group_topk(router: torch.nn.Module, hidden: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [M, k] sorted, margin [M]) of DeepSeek-V3's group-limited choice computed by hand in fp64 from the
+    router's input `hidden` with `weight` and `bias`: s = sigmoid(h W^T) + bias, the topk_group groups of largest
+    top-2 sum, the top-k within them (the router's num_group, num_experts, topk_group, top_k); margin: the k-th chosen
+    score minus the best one left out (near 0: a tie that rounding may break either way)."""
+    h = hidden.reshape(-1, weight.shape[1]).double()
+    s = torch.sigmoid(h @ weight.detach().double().T) + bias.detach().double()
+    G, E, k = router.num_group, router.num_experts, router.top_k
+    groups = s.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(router.topk_group, dim=-1).indices, 1.0)
+    s = s.masked_fill(keep.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
+    top = s.topk(k + 1, dim=-1)
+    return top.indices[:, :k].sort(-1).values, top.values[:, k - 1] - top.values[:, k]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_hooks import observe_moe_blocks, tiny_moe_model
+from moe_hooks import hand_group_topk, observe_moe_blocks, tiny_moe_model
 from safetensors.torch import load_file
 
 from relax.algorithms.grpo import GRPOConfig
@@ -174,20 +174,6 @@ def test_a_rollout_of_two_optimizer_steps_logs_the_bias_after_the_last_update():
     assert out[LOSS] == pytest.approx((per_step[0][LOSS] + per_step[1][LOSS]) / 2)  # the control: still a mean
 
 
-def _hand_topk(router: torch.nn.Module, hidden: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts [M, k] sorted, margin [M]) of DeepSeek-V3's group-limited choice computed in fp64 from the router's
-    input: s = sigmoid(h W^T) + bias, the topk_group groups of largest top-2 sum, the top-k within them; margin: the
-    k-th chosen score minus the best one left out (near 0: a tie rounding may break either way)."""
-    h = hidden.reshape(-1, router.weight.shape[1]).double()
-    s = torch.sigmoid(h @ router.weight.detach().double().T) + bias.double()
-    G, E, k = router.num_group, router.num_experts, router.top_k
-    groups = s.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
-    keep = torch.zeros_like(groups).scatter_(1, groups.topk(router.topk_group, dim=-1).indices, 1.0)
-    s = s.masked_fill(keep.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
-    top = s.topk(k + 1, dim=-1)
-    return top.indices[:, :k].sort(-1).values, top.values[:, k - 1] - top.values[:, k]
-
-
 def test_the_engine_routes_with_the_synced_bias(tmp_path):
     """A bf16 engine (transformers keeps the router and its bias fp32) gets the trainer's updated bias bit for bit
     with the bf16 weight update, and its routers then choose what a top-k computed here by hand with that bias
@@ -222,8 +208,8 @@ def test_the_engine_routes_with_the_synced_bias(tmp_path):
     engine.generate([[5, 6, 7, 8, 9], [20, 21, 22, 23]], n_samples_per_prompt=2, max_new_tokens=6, seed=4)
     compared = changed = 0
     for layer, hidden, chosen in seen:
-        want, margin = _hand_topk(routers[layer], hidden, new[layer])
-        before, _ = _hand_topk(routers[layer], hidden, old[layer])
+        want, margin = hand_group_topk(routers[layer], hidden, routers[layer].weight, new[layer])
+        before, _ = hand_group_topk(routers[layer], hidden, routers[layer].weight, old[layer])
         clear = margin > 1e-4
         assert torch.equal(chosen.long().sort(-1).values[clear], want[clear])
         compared += int(clear.sum())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_hooks import tiny_moe_model
+from moe_hooks import hand_group_topk, tiny_moe_model
 from test_moe_families import _config as family_config
 
 from relax.config.schema import ModelConfig, TrainConfig
@@ -150,19 +150,6 @@ def test_the_policys_rollout_state_carries_the_fp32_router(tmp_path, lora_sync):
         assert torch.equal(state[name], w) and torch.equal(got[name], w), name
 
 
-def _hand_topk(router: torch.nn.Module, weight: torch.Tensor, hidden: torch.Tensor):
-    """(experts [M, k] sorted, margin [M]): DeepSeek-V3's group-limited choice in fp64 from the router's input with
-    `weight`; margin: the k-th chosen score minus the best one left out."""
-    h = hidden.reshape(-1, weight.shape[1]).double()
-    s = torch.sigmoid(h @ weight.double().T) + router.e_score_correction_bias.double()
-    G, E, k = router.num_group, router.num_experts, router.top_k
-    groups = s.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
-    keep = torch.zeros_like(groups).scatter_(1, groups.topk(router.topk_group, dim=-1).indices, 1.0)
-    s = s.masked_fill(keep.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
-    top = s.topk(k + 1, dim=-1)
-    return top.indices[:, :k].sort(-1).values, top.values[:, k - 1] - top.values[:, k]
-
-
 def _observe(routers) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.dtype]]:
     seen = []
     for layer, router in enumerate(routers):
@@ -177,8 +164,9 @@ def _compare(observed, routers, weights) -> tuple[int, int]:
     weights moves them by): (tokens compared, tokens where the bf16-rounded weights choose otherwise)."""
     compared = rounded_differs = 0
     for layer, hidden, chosen, _ in observed:
-        want, margin = _hand_topk(routers[layer], weights[layer], hidden)
-        rounded, _ = _hand_topk(routers[layer], weights[layer].bfloat16().float(), hidden)
+        want, margin = hand_group_topk(routers[layer], hidden, weights[layer], routers[layer].e_score_correction_bias)
+        rounded, _ = hand_group_topk(routers[layer], hidden, weights[layer].bfloat16().float(),
+                                      routers[layer].e_score_correction_bias)
         clear = margin > 1e-5
         assert torch.equal(chosen[clear], want[clear]), (layer, int((chosen != want).any(-1)[clear].sum()))
         compared += int(clear.sum())
