@@ -16,7 +16,10 @@ chat template renders anything and before anything is generated (`relax.serve.op
   family (docs/agents.md, 'Tool calls in the history'): every call format Relax writes history in holds an object,
   and the model's own tool parser reads nothing else back as a call; and one given as a JSON object instead of a
   string (OpenAI's "Invalid type ...: expected a string", `code` `invalid_type`: its schema's type, which the SDKs
-  send).
+  send); one without `arguments` (OpenAI's "Missing required parameter", `missing_required_parameter`) or with null
+  (`invalid_type`), on the Responses API too (`input[i].arguments`), while the empty string, which OpenAI's schema
+  takes (a string without a minimum length; its own answers hold "" for a strict function without parameters), is
+  read as no arguments.
 
 The matrix runs the service itself (`OpenAIService.chat`, `Responses.create`) over each fixture family's tokenizer
 with a scripted engine that records what it is asked; the official `openai` client checks each route over HTTP.
@@ -25,7 +28,8 @@ XML families, 200 with the string in the prompt on Qwen3/GLM/gpt-oss, or a 400 n
 parallel_tool_calls; the arguments cases a 500 (JSONDecodeError, TypeError) on ChatML, Qwen3-Coder, Qwen3.5, a
 "template refuses" 400 on GLM-4.5, and 200 elsewhere; names, duplicates and the tool-less options 200; `tools: []` on
 Chat Completions 200 (taken as no tools); history arguments given as an object 200 on chat (rendered), a 400 naming
-`input[1]` rather than its `arguments` on Responses.
+`input[1]` rather than its `arguments` on Responses; history arguments missing or null 200 on chat (taken as {}),
+a 400 naming `input[1]` rather than its `arguments` on Responses.
 """
 
 from __future__ import annotations
@@ -54,10 +58,14 @@ def _tool(**fn) -> dict:
     return {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS, **fn}}
 
 
+MISSING = object()  # a history call without the "arguments" key
+
+
 def _history(args: Any) -> list[dict]:
-    return START + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    fn = {"name": "get_weather"} if args is MISSING else {"name": "get_weather", "arguments": args}
+    return START + [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                          "function": fn}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "1"}]
 
 
 # name -> (chat request fields, the param its 400 names)
@@ -99,6 +107,9 @@ BAD_CHAT = {
     # OpenAI's schema: a string, which every SDK sends (langchain-openai json.dumps the args)
     "history arguments an object, not a string": (dict(messages=_history({"a": 17}), tools=[TOOL]), ARGS_AT),
     "history arguments an empty object, not a string": (dict(messages=_history({}), tools=[TOOL]), ARGS_AT),
+    # OpenAI's schema: a required string ("Missing required parameter", and null "expected a string")
+    "history arguments missing": (dict(messages=_history(MISSING), tools=[TOOL]), ARGS_AT),
+    "history arguments null": (dict(messages=_history(None), tools=[TOOL]), ARGS_AT),
 }
 # the same requests' valid twins, answered on every family (the prompt rendered, a call generated)
 GOOD_CHAT = {
@@ -120,7 +131,8 @@ R_INPUT = [{"role": "user", "content": "hi"}]
 
 
 def _r_history(args: Any) -> list[dict]:
-    return R_INPUT + [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": args},
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather"}
+    return R_INPUT + [call if args is MISSING else {**call, "arguments": args},
                       {"type": "function_call_output", "call_id": "c1", "output": "1"}]
 
 
@@ -137,6 +149,8 @@ BAD_RESPONSES = {
     "history arguments a JSON list": (dict(input=_r_history("[1, 2]"), tools=[R_TOOL]), "input[1].arguments"),
     "history arguments an object, not a string": (dict(input=_r_history({"a": 17}), tools=[R_TOOL]),
                                                    "input[1].arguments"),
+    "history arguments missing": (dict(input=_r_history(MISSING), tools=[R_TOOL]), "input[1].arguments"),
+    "history arguments null": (dict(input=_r_history(None), tools=[R_TOOL]), "input[1].arguments"),
 }
 GOOD_RESPONSES = {
     "tool_choice auto without tools": dict(tool_choice="auto"),
@@ -146,6 +160,7 @@ GOOD_RESPONSES = {
     "tools an empty list": dict(tools=[]),
     "tools an empty list, tool_choice auto": dict(tools=[], tool_choice="auto", parallel_tool_calls=True),
     "history arguments an object": dict(input=_r_history('{"a": 17}'), tools=[R_TOOL]),
+    "history arguments empty": dict(input=_r_history(""), tools=[R_TOOL]),  # a string: OpenAI's schema takes it
 }
 
 FAMILY_NAMES = [*FAMILIES, "gpt_oss"]
@@ -226,12 +241,16 @@ def _check_routes(client) -> None:
     chat = {"model": "policy", "messages": START, "max_tokens": 4}
     for fields, param in (BAD_CHAT["parameters a string"], BAD_CHAT["history arguments not JSON"],
                           BAD_CHAT["name with a space"], BAD_CHAT["tool_choice none without tools"],
-                          BAD_CHAT["tools an empty list"], BAD_CHAT["history arguments an object, not a string"]):
+                          BAD_CHAT["tools an empty list"], BAD_CHAT["history arguments an object, not a string"],
+                          BAD_CHAT["history arguments missing"], BAD_CHAT["history arguments null"]):
         exc = _bad_request(lambda f=fields: client.chat.completions.create(**{**chat, **f}))
         assert exc.status_code == 400 and exc.body["param"] == param and exc.body["type"] == "invalid_request_error"
         assert f"'{param}'" in exc.body["message"], exc.body
+    for fields, code in ((BAD_CHAT["history arguments missing"][0], "missing_required_parameter"),
+                         (BAD_CHAT["history arguments null"][0], "invalid_type")):  # OpenAI's codes for the two
+        assert _bad_request(lambda f=fields: client.chat.completions.create(**{**chat, **f})).code == code
     for fields, param in (BAD_RESPONSES["parameters a string"], BAD_RESPONSES["history arguments a JSON list"],
-                          BAD_RESPONSES["two tools of one name"]):
+                          BAD_RESPONSES["two tools of one name"], BAD_RESPONSES["history arguments missing"]):
         exc = _bad_request(lambda f=fields: client.responses.create(
             **{"model": "policy", "input": R_INPUT, "max_output_tokens": 16, **f}))
         assert exc.status_code == 400 and exc.body["param"] == param, exc.body
@@ -241,7 +260,11 @@ def test_relax_serve_routes_over_http(tmp_path):
     from tests.openai.serving import tiny_server
 
     with tiny_server(tmp_path, family_tokenizer("qwen3_coder")) as url:
-        _check_routes(openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0))
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        _check_routes(client)
+        # the control: empty arguments (a string, as OpenAI's schema has it) are no arguments, on both routes
+        client.chat.completions.create(model="policy", messages=_history(""), tools=[TOOL], max_tokens=4)
+        client.responses.create(model="policy", input=_r_history(""), tools=[R_TOOL], max_output_tokens=16)
 
 
 def test_gateway_routes_over_http(gateways, formats):

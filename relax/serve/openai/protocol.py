@@ -253,16 +253,21 @@ def check_tool_names(names: list[str], where: str = "tools") -> None:
         seen.add(name)
 
 
-def call_arguments(args: Any, where: str) -> dict:
-    """A history tool call's `arguments` as the object they encode: a JSON string of an object (empty or absent:
-    none, {}). A JSON object given as such rather than as a string is a 400 naming `where`, as OpenAI's schema has it
-    (`arguments` is a string; the SDKs send one: langchain-openai json.dumps its calls' args, openai-agents passes the
-    string its items hold). Anything else (text that is not JSON, JSON that is not an object: "[1, 2]", "5") is a
-    400 naming `where` too: every call format Relax renders history in (Hermes' and Llama's JSON objects, the XML
-    key/value formats, DeepSeek's and harmony's JSON) writes an object, the model's tool parser reads nothing else
-    back as a call, and several templates fail on anything else; refused on every model alike."""
-    if args is None:
-        return {}
+def call_arguments(args: Any, where: str, *, given: bool = True) -> dict:
+    """A history tool call's `arguments` as the object they encode: a JSON string of an object (the empty string:
+    none, {}). `given` False (the key absent) is a 400 naming `where` (OpenAI's "Missing required parameter", `code`
+    `missing_required_parameter`), and null or a JSON object given as such rather than as a string a 400 naming
+    `where` too (OpenAI's "Invalid type ...: expected a string", `code` `invalid_type`), as OpenAI's schema has it:
+    `arguments` is a required string (the SDKs send one: langchain-openai json.dumps its calls' args, openai-agents
+    passes the string its items hold, "{}" for none). The empty string is a string, which OpenAI's schema takes (its
+    own answers carry "" for a strict function without parameters): kept as {}. Anything else (text that is not JSON,
+    JSON that is not an object: "[1, 2]", "5") is a 400 naming `where` too: every call format Relax renders history
+    in (Hermes' and Llama's JSON objects, the XML key/value formats, DeepSeek's and harmony's JSON) writes an object,
+    the model's tool parser reads nothing else back as a call, and several templates fail on anything else; refused
+    on every model alike."""
+    if not given:
+        raise APIError(f"Missing required parameter: '{where}' (the call's arguments as JSON text, '{{}}' for "
+                       "none).", param=where, code="missing_required_parameter")
     if not isinstance(args, str):
         raise APIError(f"Invalid type for '{where}': expected a string (the arguments as JSON text, e.g. "
                        f"'{{\"city\": \"Paris\"}}'), but got {_kind(args)} instead.", param=where, code="invalid_type")
@@ -727,7 +732,8 @@ def normalize_message(m: Any, where: str = "message") -> dict:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise _bad(f"{where}.tool_calls[{j}]",
                            "must be {'type': 'function', 'function': {'name', 'arguments'}}")
-            parsed = call_arguments(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments")
+            parsed = call_arguments(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments",
+                                    given="arguments" in fn)
             calls.append({"id": c.get("id"), "name": fn["name"], "arguments": parsed})
         out["tool_calls"] = calls
     elif role != "assistant" and out["content"] is None:

@@ -375,9 +375,10 @@ def input_messages(items: Any, where: str = "input", seal: Optional[ReasoningSea
         elif kind == "function_call":
             check_keys(item, at, FUNCTION_CALL_KEYS, FUNCTION_CALL_NEUTRAL)
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not isinstance(name, str) or not name or args is None or not isinstance(call_id, str):
+            if not isinstance(name, str) or not name or not isinstance(call_id, str):
                 raise _bad(at, 'a function_call item needs "call_id", "name" and "arguments" (a JSON string)')
-            call_arguments(args, f"{at}.arguments")  # a JSON object string, as on the chat route (not an object)
+            # a JSON object string, as on the chat route: absent, null or an object is a 400 naming input[i].arguments
+            call_arguments(args, f"{at}.arguments", given="arguments" in item)
             m = out[-1] if calls_open and out else assistant(None)
             m.setdefault("tool_calls", []).append({"id": call_id, "type": "function",
                                                    "function": {"name": name, "arguments": args}})
