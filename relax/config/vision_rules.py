@@ -13,6 +13,7 @@ from typing import Optional
 
 from relax.algorithms.base import Violation
 from relax.config.derive import teacher_model
+from relax.config.evaluation import eval_set_problem, evaluates
 from relax.config.schema import RelaxConfig
 
 # model.arch values built by transformers' vision-language classes (source=config), and the model_type of a
@@ -111,10 +112,13 @@ def vision_violations(cfg: RelaxConfig) -> list[Violation]:
                 f"model.freeze_vision_tower={m.freeze_vision_tower} has no effect: {model} has no vision tower")
     if not vision:
         return found
-    # a built-in image task builds its own images and reads no record column; only a data file (data.eval_sets: a
-    # built-in task's data.eval_path is refused on its own) would read data.image_key
+    # a built-in image task builds its own images and reads no record column; only a data file would read
+    # data.image_key: an eval set's file (data.eval_sets: a built-in task's data.eval_path is refused on its own), and
+    # only where the run evaluates and the entry is one (an entry refused on its own, or one of a run that evaluates
+    # nothing, reads no file, so it lets no data.image_key through)
     builtin = d.task if d.path is None and d.task in IMAGE_TASKS else None
-    require(builtin is None or d.image_key == "images" or bool(d.eval_sets),
+    eval_files = evaluates(cfg) and any(eval_set_problem(n, e) is None for n, e in d.eval_sets.items())
+    require(builtin is None or d.image_key == "images" or eval_files,
             ("data.image_key", "data.task"),
             f"data.image_key={d.image_key!r} has no effect: data.task={builtin} builds its own images and reads no "
             "record column (data.image_key names the image column of a data file: data.path or data.eval_sets); "

@@ -134,3 +134,20 @@ def test_image_key_with_a_built_in_image_task_is_rejected(task):
     load_config(["model=tiny_vl", "data=jsonl", "data.path=p.jsonl", "data.image_key=pictures"])
     load_config(["model=tiny_vl", f"data={task}", "data.image_key=pictures", "train.eval_interval=5",
                  "+data.eval_sets={held_out: e.jsonl}"])
+
+
+@pytest.mark.parametrize("eval_sets,interval", [("{held_out: {path: e.jsonl, image_key: pix}}", 5),
+                                                ("{held_out: e.jsonl}", 0)])
+def test_image_key_with_a_built_in_image_task_is_rejected_beside_eval_sets_that_read_no_file(eval_sets, interval):
+    """data.eval_sets lets data.image_key through a built-in image task only where an eval set's file reads it: not
+    for an entry refused on its own (an entry has no image key of its own), nor in a run that evaluates nothing
+    (before: any data.eval_sets let it through, so the refusal came only once eval_sets was mended). The control:
+    a valid entry of a run that evaluates (the test above)."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(["model=tiny_vl", "data=shapes", "data.image_key=pictures", f"train.eval_interval={interval}",
+                     f"+data.eval_sets={eval_sets}"])
+    found = [v.message for v in caught.value.violations]
+    assert ("data.image_key='pictures' has no effect: data.task=shapes builds its own images and reads no record "
+            "column (data.image_key names the image column of a data file: data.path or data.eval_sets); leave it "
+            "unset") in found, found
+    assert len(found) == 2, found  # and the eval set's own problem
