@@ -134,9 +134,13 @@ def reward_model_violations(cfg: RelaxConfig) -> list[Violation]:
 
 
 def _vision(cfg: RelaxConfig, require) -> None:
-    """A reward model reads text only (its tokenizer's, or a judge's question): beside a vision-language policy
-    one that reads the prompt would score the responses without the prompts' images, as a text-only distillation
-    teacher would (refused alike, `relax.config.vision_rules`). A judge whose template leaves {prompt} out reads the
+    """A reward model on its own role reads text only (its tokenizer's, or an embedded judge's question): beside a
+    vision-language policy one that reads the prompt would score the responses without the prompts' images, as a
+    text-only distillation teacher would (refused alike, `relax.config.vision_rules`). A judge at a URL
+    (engine=openai) is sent the prompt's images where its template names {prompt}, as OpenAI `image_url` parts
+    (`relax.runner.reward_model.JudgeScorer`), as a reward service is: allowed, the judge at the URL a
+    vision-language model (one that is not answers each call 400: failed scores, warned of), with a plain {prompt}
+    (a conversion or format spec cannot apply to images). A judge whose template leaves {prompt} out reads the
     response (and the label) alone, as it would with any policy: allowed."""
     m, rm = cfg.model, cfg.reward_model
     if not is_vision_model(m):  # (a source=hf directory not there to read: its own check reports it)
@@ -148,11 +152,21 @@ def _vision(cfg: RelaxConfig, require) -> None:
                 f"without the prompts' images that {model} sees (a vision-language reward model is not built yet); "
                 "use data.reward (a rule or a function of the response and the record), or reward_model=judge with a "
                 "reward_model.template without {prompt} (a judge of the response alone)")
+    elif rm.kind == "judge" and template_reads(rm.template, "prompt") and rm.engine != "openai":
+        require(False, ("reward_model.template", "model.arch", "reward_model.engine"),
+                f"reward_model.template names {{prompt}}, but the judge on reward_model.engine={rm.engine} reads text "
+                f"only: it would judge the responses without the prompts' images that {model} sees; use a "
+                "vision-language judge behind an OpenAI-compatible API (reward_model.engine=openai "
+                "reward_model.url=...: it is sent each image as an image_url part), leave {prompt} out of "
+                "reward_model.template (a judge of the response and the label alone), or use data.reward (a reward "
+                "service or function gets the images as image_url parts)")
     elif rm.kind == "judge" and template_reads(rm.template, "prompt"):
-        require(False, ("reward_model.template", "model.arch"),
-                f"reward_model.template names {{prompt}}, but the judge reads text only: it would judge the responses "
-                f"without the prompts' images that {model} sees; leave {{prompt}} out of reward_model.template (a "
-                "judge of the response and the label alone), or use data.reward")
+        plain = all(not spec and not conv for _, name, spec, conv in string.Formatter().parse(rm.template or "")
+                    if name == "prompt")
+        require(plain, ("reward_model.template", "model.arch"),
+                f"reward_model.template formats {{prompt}} (a conversion or format spec); beside {model} the judge "
+                "is sent the prompt's images as image_url parts in its place, which cannot be formatted: write "
+                "{prompt}")
 
 
 def _judge(rm: RewardModelConfig, require) -> None:

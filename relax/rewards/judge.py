@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -57,6 +58,37 @@ def get_parser(spec: str) -> JudgeParser:
 def judge_question(template: str, prompt: str, response: str, label: str) -> str:
     """The question asked about one response (the template's fields filled; validation checked its fields)."""
     return template.format(prompt=prompt, response=response, label=label)
+
+
+def judge_content(template: str, prompt_parts: Sequence[dict], response: str, label: str) -> list[dict]:
+    """The question asked about one response as OpenAI content parts, for a judge that reads images (an
+    OpenAI-protocol vision-language model): the template's text with {prompt} as the prompt's own parts, its text
+    parts' text and its images as they come (`image_url` parts), where the prompt has them; neighbouring texts are
+    one text part. Its text, each image written IMAGE_PLACEHOLDER, is `judge_question`'s with the prompt read so."""
+    fmt, out = string.Formatter(), []
+
+    def text(value: str) -> None:
+        if not value:
+            return
+        if out and out[-1].get("type") == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + value}
+        else:
+            out.append({"type": "text", "text": value})
+
+    for literal, name, spec, conversion in fmt.parse(template):
+        text(literal)
+        if name is None:
+            continue
+        if name == "prompt":
+            for part in prompt_parts:
+                if part.get("type") == "text":
+                    text(str(part.get("text") or ""))
+                else:
+                    out.append(part)
+            continue
+        value = {"response": response, "label": label}[name]
+        text(fmt.format_field(fmt.convert_field(value, conversion) if conversion else value, spec or ""))
+    return out
 
 
 @dataclass

@@ -163,10 +163,13 @@ class OpenAIJudge:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._session.close()
 
-    def answer(self, questions: list[str]) -> tuple[list[Optional[str]], list[Optional[str]], list[bool], list[bool]]:
+    def answer(self, questions: list[str | list[dict]]) -> tuple[list[Optional[str]], list[Optional[str]], list[bool],
+                                                                 list[bool]]:
         """(answers, errors, cut, late): each question's answer text (None: failed), why it failed, whether the
         server stopped the answer at `max_new_tokens` (finish_reason "length"), and whether it failed by time-out
-        (its last try got no answer within `timeout_s`, or the server's own 408 / 504: `is_timeout_status`)."""
+        (its last try got no answer within `timeout_s`, or the server's own 408 / 504: `is_timeout_status`). A question
+        is the user message's content: its text, or OpenAI content parts (text and `image_url` parts: a judge sent
+        the prompt's images, `relax.rewards.judge.judge_content`)."""
         results = list(self._pool.map(self._one, questions))
         return ([a for a, _, _, _ in results], [e for _, e, _, _ in results], [c for _, _, c, _ in results],
                 [t for _, _, _, t in results])
@@ -174,7 +177,7 @@ class OpenAIJudge:
     def _masked(self, text: str) -> str:
         return text.replace(self._key, "***") if self._key else text
 
-    def _one(self, question: str) -> tuple[Optional[str], Optional[str], bool, bool]:
+    def _one(self, question: str | list[dict]) -> tuple[Optional[str], Optional[str], bool, bool]:
         body = {"model": self.model, "messages": [{"role": "user", "content": question}],
                 "max_tokens": self.max_new_tokens, "temperature": self.temperature}
         late = f"{self.endpoint}: no answer within reward_model.timeout_s={self.timeout_s:g}"

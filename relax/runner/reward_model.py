@@ -19,13 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from relax.config.derive import template_reads
 from relax.config.reward_model_rules import has_role
 from relax.config.schema import RelaxConfig
 from relax.metrics import JUDGE_PARSE_FAIL_FRAC, REWARD_MODEL_SCORE_MEAN, REWARD_MODEL_TIME
 from relax.models.reward_model import classifier_config, content_text, judge_config
-from relax.rewards.judge import get_parser, judge_question, read_scores
+from relax.rewards.judge import get_parser, judge_content, judge_question, read_scores
 from relax.rewards.openai_judge import OpenAIJudge
 from relax.roles.reward_model import ClassifierWorker, JudgeWorker, judge_model_config, reward_model_dir
+from relax.runner.errors import RunError
 
 # call(method, *args): a method of the reward model's role, answered (the cluster's watched call)
 RoleCall = Callable[..., Any]
@@ -58,6 +60,32 @@ def prompt_words(item: Any) -> str:
     return content_text(users[-1]) if users else item.prompt_text
 
 
+def prompt_parts(item: Any) -> Optional[list[dict]]:
+    """The prompt as a judge at a URL reads {prompt} (`relax.rewards.judge.judge_content`) when it holds images: the
+    last user message's parts, each image an OpenAI `image_url` part with a PNG data URL of the task's image (read
+    again from the item's image reference, never blanked: `relax.data.images.reference_images`), as a reward
+    service gets it (`relax.data.images.image_url_messages`); None for a prompt without images (the judge reads
+    `prompt_words`). The images cannot be given (a checkpoint's pixel values only, a record or file gone since the
+    start): RunError, one line, as for a reward that reads messages."""
+    from relax.data.images import image_data_url, image_url_messages, reference_images
+
+    messages = list(getattr(item, "messages", None) or [])
+    users = [k for k, m in enumerate(messages) if m.get("role") == "user"]
+    if not users or not any(isinstance(m.get("content"), list) and any(
+            isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages):
+        return None
+    try:  # (the bare image parts before the last user message take their images first)
+        urls = [image_data_url(im) for im in reference_images(getattr(item, "images", None))]
+        content = image_url_messages(messages, urls)[users[-1]]["content"]
+    except (ValueError, OSError) as e:
+        raise RunError(f"reward_model.template names {{prompt}}, whose images cannot be given to the judge: {e}") \
+            from None
+    if not isinstance(content, list) or not any(p.get("type") == "image_url" for p in content if isinstance(p, dict)):
+        return None
+    return [p if isinstance(p, dict) and p.get("type") in ("text", "image_url")
+            else {"type": "text", "text": content_text([p])} for p in content]
+
+
 class RewardModelScorer:
     """Scores of one kind of reward model; `score(items, responses)`, one item per response."""
 
@@ -82,7 +110,9 @@ class ClassifierScorer(RewardModelScorer):
 
 
 class JudgeScorer(RewardModelScorer):
-    """A judge: questions from the template, answers from the role's engine or the URL, scores by the parser."""
+    """A judge: questions from the template, answers from the role's engine or the URL, scores by the parser. At a
+    URL a question whose {prompt} holds images is OpenAI content parts with them (`prompt_parts`, `judge_content`),
+    as a reward service gets them; the embedded engine reads text (refused beside a vision-language policy)."""
 
     def __init__(self, cfg: RelaxConfig, call: RoleCall | None):
         rm = cfg.reward_model
@@ -95,8 +125,15 @@ class JudgeScorer(RewardModelScorer):
 
     def score(self, items: Sequence[Any], responses: Sequence[str]) -> ModelScores:
         t0 = time.perf_counter()
-        questions = [judge_question(self.rm.template, prompt_words(i), r, i.label)
-                     for i, r in zip(items, responses, strict=True)]
+        questions: list[Any] = [judge_question(self.rm.template, prompt_words(i), r, i.label)
+                                for i, r in zip(items, responses, strict=True)]
+        if self.http is not None and template_reads(self.rm.template, "prompt"):
+            parts: dict[int, Optional[list[dict]]] = {}  # the prompt's parts with its images, once per item
+            for k, (item, response) in enumerate(zip(items, responses, strict=True)):
+                if id(item) not in parts:
+                    parts[id(item)] = prompt_parts(item)
+                if parts[id(item)] is not None:
+                    questions[k] = judge_content(self.rm.template, parts[id(item)], response, item.label)
         if self.http is not None:
             answers, errors, cut, late = self.http.answer(questions)
         else:  # the role's engine: no time limit of its own (the cluster's watched call bounds the role)

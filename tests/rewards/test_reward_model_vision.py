@@ -1,8 +1,9 @@
-"""A reward model beside a vision-language policy: a reward model reads text only, so one that reads the prompt (a
-classifier; a judge whose template names {prompt}) would score the responses without the prompts' images; it is
-refused before anything starts, as a text-only distillation teacher is. A judge of the response alone is allowed
-(the control). And where a reward model reads a message whose content is a list of parts, it reads their text (an
-image part as IMAGE_PLACEHOLDER), never the Python repr of the parts (the reviewer's case)."""
+"""A reward model beside a vision-language policy: a reward model on its own role reads text only, so one that reads
+the prompt (a classifier; an embedded judge whose template names {prompt}) would score the responses without the
+prompts' images; it is refused before anything starts, as a text-only distillation teacher is. A judge of the response
+alone is allowed (the control); a judge at a URL is sent the images (tests/rewards/test_judge_images.py). And where a
+reward model reads a message whose content is a list of parts, it reads their text (an image part as
+IMAGE_PLACEHOLDER), never the Python repr of the parts (the reviewer's case)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def test_a_classifier_beside_a_vision_language_policy_is_refused():
 def test_a_judge_reading_the_prompt_beside_a_vision_language_policy_is_refused_one_of_the_response_alone_is_not():
     judge = ["reward_model=judge", "reward_model.path=/judge"]
     found = refusals(*judge, "reward_model.template='{prompt} answered: {response}'", *VL)
-    assert len(found) == 1 and found[0].startswith("reward_model.template names {prompt}, but the judge reads text "
-                                                   "only: it would judge the responses without the prompts' images")
+    assert len(found) == 1 and found[0].startswith("reward_model.template names {prompt}, but the judge on "
+                                                   "reward_model.engine=embedded reads text only: it would judge the "
+                                                   "responses without the prompts' images")
     assert refusals(*judge, "reward_model.template='is {response} the colour {label}?'", *VL) == []
     assert refusals(*judge, "reward_model.template='{prompt} answered: {response}'") == []
 
