@@ -5,6 +5,7 @@ both say the same thing: every problem at once, as one message, without a traceb
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import textwrap
 from collections.abc import Sequence
@@ -90,11 +91,24 @@ def _launcher_override(override: str) -> bool:
     return key.split("@", 1)[0] == LAUNCHER_GROUP or key == LAUNCHER_KEY or key.startswith(LAUNCHER_KEY + ".")
 
 
-def _invalid(violations: Sequence[Violation]) -> str:
+def invalid_config(violations: Sequence[Violation]) -> str:
+    """The message of a config with `violations` (one or more), as every command of a config says it (relax-train,
+    its sweep jobs, relax-submit, relax-serve): `invalid config (n problems):`, then a line for each."""
     from relax.config.validate import format_violations
 
     n = len(violations)
     return f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{format_violations(list(violations))}"
+
+
+def load_failure(exc: BaseException, extra: Sequence[Violation] = ()) -> str:
+    """The message of a config that did not load, raising `exc`: a `relax.config.ConfigError`'s violations, after
+    `extra` (problems found elsewhere: a key given twice, the launcher's options), in the one list
+    (`invalid_config`); Hydra's or OmegaConf's own refusal (`hydra_error_message`), after the list of `extra`."""
+    from relax.config import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return invalid_config([*extra, *exc.violations])
+    return (invalid_config(extra) + "\n" if extra else "") + hydra_error_message(exc)
 
 
 def _compose_with_hydra(overrides: Sequence[str], conf: Optional[Path]) -> DictConfig:
@@ -191,6 +205,60 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     return found + [_unknown_launcher_key(k, options, choice) for k in dict.fromkeys(unknown)]
 
 
+def _hydra_value_override(override: str) -> bool:
+    """Whether `override` gives one of Hydra's own keys a value (`hydra.job.chdir=true`), the launcher's options
+    (`launcher_problems`) and `hydra.searchpath` (which the config's own check composes with) aside."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return (key.startswith("hydra.") and "=" in override and not override.startswith("~")
+            and key != "hydra.searchpath" and not _launcher_override(override))
+
+
+def _unknown_hydra_key(dc: DictConfig, key: str) -> Violation:
+    """`key` (`hydra.<...>`), which Hydra's config in `dc` lacks: with the close ones, or, in a mapping of free keys
+    (`hydra.job.env_set`), how to add it (`+key=...`), as Hydra's own refusal says."""
+    from omegaconf import DictConfig as Mapping
+    from omegaconf import OmegaConf
+
+    from relax.algorithms.base import Violation
+    from relax.config.unknown_keys import unknown_key
+
+    parent = OmegaConf.select(dc, key.rpartition(".")[0], default=None)
+    if isinstance(parent, Mapping) and not dataclasses.is_dataclass(OmegaConf.get_type(parent)):
+        return Violation((key,), f"unknown key {key}: {key.rpartition('.')[0]} has no key "
+                                 f"{key.rpartition('.')[2]!r} to set; add it with +{key}=...")
+    return unknown_key(dc, key)
+
+
+def hydra_value_problems(overrides: Sequence[str], conf: Optional[Path] = None, *, sweep: bool) -> list[Violation]:
+    """What is wrong with the overrides among `overrides` of Hydra's own keys outside the launcher's, which the
+    config's own check leaves to Hydra (`_plain`): a value not of its key's type (`hydra.job.chdir=abc`), named as
+    every other such value is (`relax.config.value_types`: the key, the value, the type it takes), and a key Hydra's
+    config lacks (`hydra.job.chdirr=true`), named as the config's unknown keys are (with the close ones), for the one
+    list of the config's problems rather than in Hydra's words after it. A sweep's jobs each (one problem once)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.algorithms.base import Violation
+    from relax.config.unknown_keys import compose_known
+
+    given = [o for o in overrides if _hydra_value_override(o)]
+    if not given:
+        return []
+    try:
+        jobs = sweep_jobs(given) if sweep else [given]
+    except HydraException as exc:
+        return [Violation((given[0].split("=", 1)[0].lstrip("+"),), hydra_error_message(exc))]
+    found: dict[str, Violation] = {}
+    for job in dict.fromkeys(tuple(j) for j in jobs):
+        try:
+            dc, dropped, _, mistyped = compose_known(lambda kept: _compose_with_hydra(kept, conf), job)
+        except (HydraException, OmegaConfBaseException, ValueError):
+            continue  # anything else Hydra refuses in these: its own message, when it composes the run
+        for v in [*mistyped, *(_unknown_hydra_key(dc, k) for k in dropped if k.startswith("hydra."))]:
+            found.setdefault(v.message, v)
+    return list(found.values())
+
+
 def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True,
                 environment: bool = True, start_checks: bool = False,
                 extra: Sequence[Violation] = ()) -> Optional[str]:
@@ -221,16 +289,16 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
             if kept:
                 exc = ConfigError(kept)
             elif not start_checks or exc.config is None:
-                return _invalid(extra) if extra else None
+                return invalid_config(extra) if extra else None
             else:  # only the environment's rules (a key's variable unset here, set where it runs): the config is
                 # otherwise valid, and the start checks that read it alone still apply
                 cfg = exc.config
         if cfg is None:
-            return _invalid([*extra, *exc.violations])
+            return load_failure(exc, extra)
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        return (_invalid(extra) + "\n" if extra else "") + hydra_error_message(exc)
+        return load_failure(exc, extra)
     if extra:  # `extra`'s problems (the launcher's options) are the config's, reported with them
-        return _invalid(extra)
+        return invalid_config(extra)
     if start_checks and cfg is not None:
         from relax.runner.preflight import config_check_problem
 
@@ -255,14 +323,27 @@ def _override_name(override: Override) -> str:
     return override.key_or_group + (f"@{override.package}" if override.package else "")
 
 
+def _kept(overrides: Sequence[str], sets: Sequence[int], deletions: Sequence[int]) -> tuple[int, str]:
+    """Where, and as what, the rest of the command line is checked with one override of a key given more than once
+    (`sets`, `deletions`: the indices of its overrides that give it a value and that delete it): the last value,
+    written as the first value was (with its `+`/`++` or without): the last as written may not compose alone
+    (`train.lr=1e-5 +train.lr=2e-5`: `+` appends a key, and the schema has it; a deletion of a schema key), and its
+    refusal, in Hydra's words, would follow the message that already names the repeat. Only deletions: the last."""
+    if not sets:
+        return deletions[-1], overrides[deletions[-1]]
+    first, last = overrides[sets[0]], overrides[sets[-1]]
+    return sets[-1], first[:len(first) - len(first.lstrip("+"))] + last.lstrip("+")
+
+
 def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[Violation], list[str]]:
     """The keys (and group choices) that `overrides` set more than once (`train.lr=1e-5 train.lr=2e-5`, with or
-    without `+`/`++`), each named with its values: Hydra would take the last silently. A sweep's values are one
-    override (`-m train.lr=1e-5,2e-5`), not a repeat. Also `overrides` with only the last of each repeat, as Hydra
-    would apply them, so that the rest of the command line is still checked (composing `+key` after `key` fails).
-    `command` chooses the advice beside "give it once": "run" (relax-train without -m: sweep with -m), "sweep"
-    (relax-train -m: one override of the values), "config" (a command of one config, relax-serve: none). A key
-    given with the same value each time gets no sweep advice either."""
+    without `+`/`++`), each named with its values: Hydra would take the last silently. A key both given a value and
+    deleted (`train.lr=1e-5 ~train.lr`) is a contradiction, named as one with both. A sweep's values are one override
+    (`-m train.lr=1e-5,2e-5`), not a repeat. Also `overrides` with one override for each such key (`_kept`: the last
+    value), so that the rest of the command line is still checked. `command` chooses the advice beside "give it
+    once": "run" (relax-train without -m: sweep with -m), "sweep" (relax-train -m: one override of the values),
+    "config" (a command of one config, relax-serve: none). A key given with the same value each time gets no sweep
+    advice either."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -275,12 +356,25 @@ def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[
     given: dict[str, list[int]] = {}
     for i, o in enumerate(parsed):
         given.setdefault(_override_name(o), []).append(i)
-    found, dropped = [], set()
+    found, kept = [], dict(enumerate(overrides))
     for name, where in given.items():
         if len(where) < 2:
             continue
-        dropped.update(where[:-1])
         shown = [_CREDENTIALS.sub(r"\1***@", overrides[i]) for i in where]
+        sets = [i for i in where if not parsed[i].is_delete()]
+        deletions = [i for i in where if parsed[i].is_delete()]
+        for i in where:
+            del kept[i]
+        at, override = _kept(overrides, sets, deletions)
+        kept[at] = override
+        if sets and deletions:
+            named = dict(zip(where, shown, strict=True))
+            setting, deleting = " and ".join(named[i] for i in sets), " and ".join(named[i] for i in deletions)
+            found.append(Violation((name,), f"{name} is both set and deleted: {setting} "
+                                            f"{'set' if len(sets) > 1 else 'sets'} it, {deleting} "
+                                            f"{'delete' if len(deletions) > 1 else 'deletes'} it; they contradict "
+                                            "each other: give one of them"))
+            continue
         times = "twice" if len(where) == 2 else f"{len(where)} times"
         values = [o.split("=", 1)[1] for o in shown if "=" in o]
         swept = ",".join(values) if len(values) == len(where) and not any(c in v for v in values for c in ",[{") \
@@ -291,7 +385,7 @@ def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[
                else f"give it once (to run each value: relax-train -m {name}={swept})")
         found.append(Violation((name,), f"{name} is given {times}: {', '.join(shown[:-1])} and {shown[-1]}; only "
                                         f"the last would count: {fix}"))
-    return found, [o for i, o in enumerate(overrides) if i not in dropped]
+    return found, [kept[i] for i in sorted(kept)]
 
 
 def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True,
@@ -315,14 +409,15 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     # a key set twice is refused; the rest is checked with the last of each, as Hydra would compose it
     repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
     # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
-    launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules)]
+    launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules),
+                *hydra_value_problems(overrides, conf, sweep=multirun)]
     if not multirun:
         return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks,
                            extra=launcher)
     try:
         jobs = sweep_jobs(_plain(overrides))
     except HydraException as exc:
-        return (_invalid(launcher) + "\n" if launcher else "") + hydra_error_message(exc)
+        return (invalid_config(launcher) + "\n" if launcher else "") + hydra_error_message(exc)
     found = []
     for index, job in enumerate(jobs):
         problem = job_problem(job, conf, rules=rules, environment=environment, start_checks=start_checks)
@@ -332,7 +427,7 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
             # a URL's user:password@ masked: the rules refuse credentials in URLs, whose message never echoes them
             header = _CREDENTIALS.sub(r"\1***@", " ".join(job))
             found.append(f"job {index} ({header}):\n" + textwrap.indent(textwrap.dedent(problem), "  "))
-    first = _invalid(launcher) + "\n" if launcher else ""  # the sweep's own options, then its jobs'
+    first = invalid_config(launcher) + "\n" if launcher else ""  # the sweep's own options, then its jobs'
     if not found:
         return first.rstrip("\n") or None
     n = len(jobs)

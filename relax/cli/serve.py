@@ -23,16 +23,16 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from relax.cli.train import _hydra_error_message
-
 if TYPE_CHECKING:
     from relax.config import RelaxConfig
 
 USAGE_EXIT = 2
 
 
-def _fail(message: str, code: int = USAGE_EXIT) -> NoReturn:
-    print(f"relax-serve: error: {' '.join(message.split())}", file=sys.stderr)
+def _fail(message: str, code: int = USAGE_EXIT, *, lines: bool = False) -> NoReturn:
+    """Exit `code` with `message` on stderr: one line, or with `lines` as written (a config's problems, one a line,
+    as relax-train lists them)."""
+    print(f"relax-serve: error: {message if lines else ' '.join(message.split())}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -131,11 +131,12 @@ def config_from_json(path: str | Path) -> RelaxConfig:
 
 
 def _load(args: argparse.Namespace) -> RelaxConfig:
-    """The config of the command line; exits 2 with one line on a bad one."""
+    """The config of the command line; exits 2 on a bad one: its problems in relax-train's list
+    (`relax.cli.config_check.invalid_config`), any other mistake in one line."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from relax.cli.config_check import duplicate_problems
+    from relax.cli.config_check import duplicate_problems, invalid_config, load_failure
     from relax.config import ConfigError, load_config
 
     # a key given twice is refused (Hydra would take the last silently), beside the config's other problems, which
@@ -146,17 +147,14 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
         cfg = load_config(overrides)
         if repeated:
-            _fail("invalid config: " + "; ".join(v.message for v in repeated))
+            _fail(invalid_config(repeated), lines=True)
         if cfg.model.lora_adapter_path:  # a training option: this server would serve the base without them
             _fail(f"model.lora_adapter_path={cfg.model.lora_adapter_path!r} continues training adapters in "
                   "relax-train; relax-serve serves model.path: to serve the base with these adapters, set "
                   "model.path to the adapter directory (merged into its base before start)")
         return cfg
-    except ConfigError as exc:
-        _fail("invalid config: " + "; ".join(v.message for v in [*repeated, *exc.violations]))
-    except (HydraException, OmegaConfBaseException) as exc:  # (`+key` after `key`: Hydra's refusal beside them)
-        message = _hydra_error_message(exc)
-        _fail("invalid config: " + "; ".join([*(v.message for v in repeated), message]) if repeated else message)
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        _fail(load_failure(exc, repeated), lines=True)
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         _fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import hydra_error_message as _hydra_error_message  # noqa: F401 - relax.cli.serve
 from relax.cli.config_check import problems
 from relax.runner.errors import RunError
 
@@ -119,9 +118,8 @@ def _run(dc) -> object:
     """Hydra's task function; returns the runner's result (a sweep's table shows its final reward)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from relax.cli.config_check import duplicate_problems, launcher_problems
+    from relax.cli.config_check import duplicate_problems, invalid_config, launcher_problems
     from relax.config import ConfigError, to_relax_config
-    from relax.config.validate import format_violations
 
     # a run of its own config (`-cp <dir> -cn <name>`, which the precheck leaves to Hydra): a key its command line
     # gives twice, and its launcher options (which a run without -m ignores), are refused here too
@@ -133,8 +131,7 @@ def _run(dc) -> object:
     except ConfigError as exc:
         found += exc.violations
     if found:
-        n = len(found)
-        _job_fail(f"invalid config ({n} problem{'s' if n > 1 else ''}):\n{format_violations(found)}")
+        _job_fail(invalid_config(found))
     from relax.runner.plan import build_plan
 
     plan = build_plan(cfg)

@@ -45,7 +45,8 @@ def unknown_key(cfg: DictConfig, key: str) -> Violation:
         fields = _fields(node)
         if fields is None:  # a free-form section: its keys are not checked
             break
-        if part in fields:
+        # Hydra's own node, where the config was composed with it (`relax.cli.config_check.hydra_value_problems`)
+        if part in fields or (i == 0 and part == "hydra" and part in node):
             node = node._get_node(part)
             continue
         prefix = ".".join(parts[:i])

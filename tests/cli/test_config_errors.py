@@ -408,6 +408,61 @@ def test_a_key_given_twice_is_refused_naming_the_key_and_both_values(tmp_path, m
         "  - model is given twice: model=tiny and model=tiny; only the last would count: give it once")
 
 
+def test_a_key_set_and_deleted_or_appended_after_its_value_is_one_message_without_hydras(tmp_path, monkeypatch, capfd):
+    """`train.lr=1e-5 ~train.lr` (a deletion beside a value: a contradiction, named with both) and `train.lr=1e-5
+    +train.lr=2e-5`: Relax's one message, exit 2, without Hydra's text after it (before: "TrainConfig (DictConfig)
+    does not support deletion" / "Could not append to config ..." followed the list, since the rest of the command
+    line was composed with the last override as written, which does not compose alone). The rest is checked with the
+    last value, written as the first was."""
+    from relax.cli.config_check import duplicate_problems, problems
+
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["train.lr=1e-5", "~train.lr", "dry_run=true"], capfd))
+    assert err.splitlines() == [
+        "relax-train: error: invalid config (1 problem):",
+        "  - train.lr is both set and deleted: train.lr=1e-5 sets it, ~train.lr deletes it; they contradict each "
+        "other: give one of them"], err
+    assert list(tmp_path.iterdir()) == []
+    assert problems(["train.lr=1e-5", "+train.lr=2e-5"]) == (
+        "invalid config (1 problem):\n"
+        "  - train.lr is given twice: train.lr=1e-5 and +train.lr=2e-5; only the last would count: give it once (to "
+        "run each value: relax-train -m train.lr=1e-5,2e-5)")
+    assert problems(["train.lr=1e-5", "train.lr=2e-5", "~train.lr", "train.lrr=1"]) == (
+        "invalid config (2 problems):\n"
+        "  - train.lr is both set and deleted: train.lr=1e-5 and train.lr=2e-5 set it, ~train.lr deletes it; they "
+        "contradict each other: give one of them\n"
+        "  - unknown key train.lrr (did you mean train.lr?)")
+    assert duplicate_problems(["train.lr=1e-5", "seed=1", "+train.lr=abc", "~train.lr"], command="run")[1] == [
+        "seed=1", "train.lr=abc"]
+    assert problems(["train.lr=1e-5", "+train.lr=abc"]).endswith(  # the last value, checked
+        "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'")
+    assert problems(["train.lr=2e-5"]) is None  # the control
+
+
+def test_a_hydra_key_of_the_wrong_type_or_unknown_is_listed_with_the_others(tmp_path, monkeypatch, capfd):
+    """A value of one of Hydra's own keys outside the launcher's not of its type (`hydra.job.chdir=abc`) is in the
+    one `invalid config` list with every other, naming the key, the value and the type, exit 2 (before: Hydra's own
+    "Error merging override" text, exit 1, after nothing else); an unknown one is named as the config's are."""
+    from relax.cli.config_check import problems
+
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["hydra.job.chdir=abc", "train.lr=abc", "dry_run=true"], capfd))
+    assert err.splitlines() == [
+        "relax-train: error: invalid config (2 problems):",
+        "  - hydra.job.chdir=abc: hydra.job.chdir takes a bool (true or false) or null, not the string 'abc'",
+        "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'"], err
+    assert problems(["-m", "hydra.job.chdir=abc", "seed=1,2"]) == (
+        "invalid config (1 problem):\n"
+        "  - hydra.job.chdir=abc: hydra.job.chdir takes a bool (true or false) or null, not the string 'abc'")
+    assert problems(["hydra.job.chdirr=true", "hydra.job.env_set.FOO=1"]) == (
+        "invalid config (2 problems):\n"
+        "  - unknown key hydra.job.chdirr (did you mean hydra.job.chdir?)\n"
+        "  - unknown key hydra.job.env_set.FOO: hydra.job.env_set has no key 'FOO' to set; add it with "
+        "+hydra.job.env_set.FOO=...")
+    # the controls: values of their type, a key added to a mapping of free keys
+    assert problems(["hydra.job.chdir=true", "+hydra.job.env_set.FOO=1", "hydra.run.dir=out"]) is None
+
+
 def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tmp_path, monkeypatch, capfd):
     """`relax-train -cp <dir> -cn config ...` (a run's saved config, which the command line's precheck leaves to
     Hydra): every value not of its key's type, the saved config's or the command line's, and a key given twice, in

@@ -1,6 +1,7 @@
 """relax-serve's Hydra overrides: a key given twice is refused, as relax-train refuses it (the one helper,
 relax.cli.config_check.duplicate_problems), beside the config's other problems, before anything loads; Hydra would
-take the last silently. The model named here does not exist, so a command line that passes goes on to that check."""
+take the last silently. The problems are listed as relax-train lists them (relax.cli.config_check.invalid_config).
+The model named here does not exist, so a command line that passes goes on to that check."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 from relax.cli import serve
 
 MISSING_MODEL = ["model.source=hf", "model.path=/nonexistent/relax-serve-model"]
-REFUSED = "relax-serve: error: invalid config: "
+REFUSED = "relax-serve: error: invalid config ({} problem{}):"
+
+
+def refused(*problems: str) -> list[str]:
+    """relax-serve's lines for a config with `problems`, relax-train's list (`invalid config (n problems):`)."""
+    n = len(problems)
+    return [REFUSED.format(n, "s" if n > 1 else ""), *(f"  - {p}" for p in problems)]
 
 
 def start(capsys, *overrides: str) -> tuple[int, str]:
@@ -27,19 +34,41 @@ def start(capsys, *overrides: str) -> tuple[int, str]:
 def test_a_key_given_twice_is_refused_naming_the_key_and_each_value(capsys, overrides, says):
     code, err = start(capsys, *overrides)
     assert code == 2
-    assert err.strip().splitlines() == [f"{REFUSED}{says}; only the last would count: give it once"], err
+    assert err.strip().splitlines() == refused(f"{says}; only the last would count: give it once"), err
 
 
 def test_a_repeat_is_named_beside_the_configs_other_problems(capsys):
     code, err = start(capsys, "train.lr=1e-5", "train.lrr=1", "train.lr=2e-5")
     assert code == 2
-    assert err.strip().splitlines() == [f"{REFUSED}train.lr is given twice: train.lr=1e-5 and train.lr=2e-5; only "
-                                        "the last would count: give it once; unknown key train.lrr (did you mean "
-                                        "train.lr?)"], err
-    code, err = start(capsys, "train.lr=1e-5", "+train.lr=2e-5")  # the last, as Hydra applies it, is refused too
+    assert err.strip().splitlines() == refused(
+        "train.lr is given twice: train.lr=1e-5 and train.lr=2e-5; only the last would count: give it once",
+        "unknown key train.lrr (did you mean train.lr?)"), err
+    # `+key` after `key`, a deletion beside a value: Relax's message alone (before: Hydra's refusal of the last as
+    # written, "Could not append to config ...", "... does not support deletion", joined after it in one line)
+    code, err = start(capsys, "train.lr=1e-5", "+train.lr=2e-5")
     assert code == 2
-    assert err.startswith(f"{REFUSED}train.lr is given twice: train.lr=1e-5 and +train.lr=2e-5; only the last would "
-                          "count: give it once; Could not append to config. An item is already at 'train.lr'"), err
+    assert err.strip().splitlines() == refused(
+        "train.lr is given twice: train.lr=1e-5 and +train.lr=2e-5; only the last would count: give it once"), err
+    code, err = start(capsys, "train.lr=1e-5", "~train.lr", "train.num_rollout=x")
+    assert code == 2
+    assert err.strip().splitlines() == refused(
+        "train.lr is both set and deleted: train.lr=1e-5 sets it, ~train.lr deletes it; they contradict each other: "
+        "give one of them",
+        "train.num_rollout=x: train.num_rollout takes an int, not the string 'x'"), err
+
+
+def test_config_problems_are_listed_as_relax_train_lists_them(capsys):
+    """relax-serve's problems in relax-train's `invalid config (n problems)` list, one a line (before: its own
+    `invalid config: a; b` on one line)."""
+    from relax.cli.config_check import problems
+
+    overrides = ["train.lr=abc", "train.num_rollout=x"]
+    code, err = start(capsys, *overrides)
+    assert code == 2
+    assert err.strip() == f"relax-serve: error: {problems(overrides)}", err
+    assert err.strip().splitlines() == refused(
+        "train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'",
+        "train.num_rollout=x: train.num_rollout takes an int, not the string 'x'"), err
 
 
 def test_single_values_go_on_to_the_next_check(capsys):
