@@ -34,10 +34,13 @@ _ENGINE_FIELDS = {"embedded": {"path", "base_path", "dtype", "max_length", "colo
 
 
 def is_gguf_file(path: str | None) -> bool:
-    """Whether reward_model.path names a .gguf file (by its name: whether it exists and is one is checked before
-    start, `relax.runner.reward_model.check_reward_model`): a judge loads it as model.source=gguf loads the policy,
-    de-quantized; a classifier cannot (a GGUF file holds a causal LM, not a classification head)."""
-    return bool(path) and os.path.splitext(str(path))[1].lower() == ".gguf" and not os.path.isdir(str(path))
+    """Whether reward_model.path names a .gguf file, by its name alone (the ending `.gguf`, any case), so that every
+    machine decides alike: the config is validated where it is submitted (relax-submit's machine, which may not have
+    the path) as well as where it runs. Whether it exists and is one is checked before start where it runs
+    (`relax.runner.reward_model.check_reward_model`: a directory so named is refused there as not an existing .gguf
+    file). A judge loads it as model.source=gguf loads the policy, de-quantized; a classifier cannot (a GGUF file
+    holds a causal LM, not a classification head)."""
+    return bool(path) and os.path.splitext(str(path))[1].lower() == ".gguf"
 
 
 def has_role(cfg: RelaxConfig) -> bool:

@@ -6,6 +6,8 @@ file's name chooses). A classifier cannot be a .gguf file (it holds a causal LM)
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,6 +44,30 @@ def test_a_missing_gguf_judge_is_named_by_its_own_option(tmp_path):
         check_reward_model(cfg)
     assert str(caught.value) == (f"the judge (reward_model.path={missing}) cannot be loaded: "
                                  f"reward_model.path={str(missing)!r} is not an existing .gguf file")
+
+
+def test_a_gguf_path_is_decided_by_its_name_on_every_machine(tmp_path):
+    """A path ending in .gguf is a .gguf file by its name alone, whether or not this machine has a directory there
+    (the config is validated where it is submitted, which may not have the path): a classifier of it is refused, a
+    judge of it loads it as a .gguf file, and where a directory is so named the check before start says it is not
+    one. Before: a directory there made it a Hugging Face directory on this machine only (os.path.isdir), so the
+    same config was refused on one machine and accepted on another."""
+    from relax.config.reward_model_rules import is_gguf_file
+    from relax.roles.reward_model import judge_model_config
+    from relax.runner.reward_model import check_reward_model
+
+    named = tmp_path / "judge.GGUF"
+    for there in (False, True):  # not on this machine (relax-submit's), a directory so named (where it runs)
+        if there:
+            named.mkdir()
+        assert is_gguf_file(str(named))
+        with pytest.raises(ConfigError, match=r"reward_model.path=.* is a .gguf file, which holds a causal LM"):
+            load_config(["reward_model=classifier", f"reward_model.path={named}", *QUIET])
+        cfg = load_config(["reward_model=judge", f"reward_model.path={named}", *QUIET])
+        assert judge_model_config(cfg).source == "gguf"
+    with pytest.raises(ValueError, match=re.escape(f"reward_model.path={str(named)!r} is not an existing .gguf file")):
+        check_reward_model(cfg)
+    assert not is_gguf_file(str(tmp_path / "judge")) and not is_gguf_file(None)  # the control: a directory's name
 
 
 @pytest.mark.slow
