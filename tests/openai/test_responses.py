@@ -104,7 +104,7 @@ def test_streaming_events_parse_into_the_same_response(scripted):
 
 def test_previous_response_id_continues_the_conversation(scripted):
     gw, script, session, client = scripted([CALL, FINAL])
-    r = client.responses.create(model="m", input=QUESTION, tools=[TOOL], store=False)
+    r = client.responses.create(model="m", input=QUESTION, tools=[TOOL])
     out = {"type": "function_call_output", "call_id": r.output[1].call_id, "output": "1776"}
     r2 = client.responses.create(model="m", previous_response_id=r.id, input=[out], tools=[TOOL])
     assert r2.output_text == FINAL and r2.previous_response_id == r.id
@@ -113,6 +113,22 @@ def test_previous_response_id_continues_the_conversation(scripted):
         client.responses.create(model="m", previous_response_id="resp_unknown", input="hi")
     assert info.value.body["param"] == "previous_response_id"
     assert info.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_response_created_with_store_false_cannot_be_continued(scripted):
+    """OpenAI keeps nothing of a `store: false` response: its id as previous_response_id is the 400
+    previous_response_not_found, as an unknown id's; the same conversation stored (store true or left out) continues."""
+    gw, script, session, client = scripted([CALL, FINAL])
+    unstored = client.responses.create(model="m", input=QUESTION, tools=[TOOL], store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="m", previous_response_id=unstored.id, input="go on", tools=[TOOL])
+    assert info.value.status_code == 400 and info.value.body["param"] == "previous_response_id"
+    assert info.value.body["code"] == "previous_response_not_found" and "store: false" in info.value.body["message"]
+    for store in (True, None):  # control: stored, the same id continues
+        kw = {} if store is None else {"store": store}
+        r = client.responses.create(model="m", input=QUESTION, tools=[TOOL], **kw)
+        assert client.responses.create(model="m", previous_response_id=r.id, input="go on", tools=[TOOL]).id
 
 
 @pytest.mark.parametrize("kw, param", [

@@ -113,6 +113,9 @@ FIELDS: dict[str, Rule] = {
     "store": Rule(NO_EFFECT, "nothing is stored"),
     "service_tier": Rule(NO_EFFECT, "one tier"),
     "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
+    # as the Responses route takes them (openai-agents sends prompt_cache_retention on chat when ModelSettings sets it)
+    "prompt_cache_retention": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it", CHAT),
+    "prompt_cache_options": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it", CHAT),
     "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "rid": Rule(NO_EFFECT, f"{_SGL}: names the request for /abort_request; the answer is the same without it"),
     "extra_key": Rule(NO_EFFECT, _NO_CACHE),
@@ -164,6 +167,7 @@ FIELDS: dict[str, Rule] = {
     "audio": Rule(NEUTRAL_ONLY, "text only"),
     "prediction": Rule(NEUTRAL_ONLY, "no predicted outputs"),
     "web_search_options": Rule(NEUTRAL_ONLY, "no web search"),
+    "moderation": Rule(NEUTRAL_ONLY, "no moderation", CHAT),
 }
 # reasoning_effort "none" switches thinking off as SGLang's ChatCompletionRequest does: both template variables
 # (Qwen3 and GLM read enable_thinking, DeepSeek and Kimi thinking), under the request's own chat_template_kwargs

@@ -19,8 +19,9 @@ reasoning_content, a `message` with one `output_text` when the answer has text (
 `previous_response_id`: the conversation of each answered response (its input after instructions, its output) is
 kept in memory, bounded (`KEEP_SERVED` responses on relax-serve, `KEEP_PER_SESSION` per training session, oldest
 dropped first), and prepended to the input of a response that names it; an unknown id is a 400
-(`previous_response_not_found`), as OpenAI answers. `store` is accepted either way: nothing outlives the process (or
-the session), and responses cannot be retrieved by id. `include`: `message.output_text.logprobs` (the sampled tokens'
+(`previous_response_not_found`), as OpenAI answers, and so is the id of a response created with `store: false` (OpenAI
+keeps nothing of it). Stored or not, nothing outlives the process (or the session), and responses cannot be retrieved
+by id. `include`: `message.output_text.logprobs` (the sampled tokens'
 log-probs) and `reasoning.encrypted_content` (stateless clients, Codex with `store: false`: the reasoning item also
 carries its text sealed by `ReasoningSeal`, signed with this server's key, which a later input's reasoning item may
 carry alone; servers given the same secret share the key: `ReasoningSeal.from_environment`); the other values the
@@ -122,7 +123,8 @@ FIELDS: dict[str, Rule] = {
                               "built-in tool outputs or input images, which Relax does not have"),
     "top_logprobs": Rule(HONOURED, f"the likeliest tokens' log-probs (with include {LOGPROBS_INCLUDE})"),
     # ------------------------------------------------------------------ accepted without effect
-    "store": Rule(NO_EFFECT, "responses are kept in memory for previous_response_id only, never beyond the process"),
+    "store": Rule(HONOURED, "true (the default): kept in memory for previous_response_id only, never beyond the "
+                            "process; false: not kept (its id as previous_response_id is a 400, as on OpenAI)"),
     "metadata": Rule(NO_EFFECT, "echoed in the response"),
     "user": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
@@ -913,9 +915,14 @@ class Kept:
                            f"{self.size} of this server or session)", param="previous_response_id",
                            code="previous_response_not_found")
         self.items.move_to_end(rid)
+        if self.items[rid] is None:  # OpenAI keeps nothing of a `store: false` response: the same 400 as there
+            raise APIError(f"Previous response with id '{rid}' not found: it was created with store: false, and a "
+                           "response not stored cannot be continued (send its conversation as input, or create it "
+                           "with store: true)", param="previous_response_id", code="previous_response_not_found")
         return list(self.items[rid])
 
-    def put(self, rid: str, conversation: list[dict]) -> None:
+    def put(self, rid: str, conversation: Optional[list[dict]]) -> None:
+        """Keep `conversation` under `rid`; None: a `store: false` response, named as such when continued."""
         self.items[rid] = conversation
         while len(self.items) > self.size:
             self.items.popitem(last=False)
@@ -1007,7 +1014,7 @@ class Responses:
 
         def keep(a: Answer) -> None:
             with self._lock:
-                kept.put(rid, req.history + [_assistant_message(a)])
+                kept.put(rid, req.history + [_assistant_message(a)] if req.echo["store"] is not False else None)
 
         if req.stream:  # the chat stream's chunks, as they come: the text deltas at their token boundaries
             chat["stream"], chat["stream_options"] = True, {"include_usage": True}
