@@ -566,9 +566,10 @@ class _Turns:
 
     def note_top(self, rows: torch.Tensor, logits: torch.Tensor, temperature: float, drawn: torch.Tensor) -> None:
         """Record, for each row of `rows[drawn]` whose episode asks (`wants_top` k), the k likeliest (log-prob,
-        token id) of the distribution its token was just drawn from: `logits` (a grammar's mask applied) as
-        `sample_tokens` reads them, log-softmax at `temperature` (greedy: 1), the log-prob it reports for the token
-        drawn. Tokens a grammar disallows (-inf) are none of them: they could not be drawn."""
+        token id) of the distribution whose log-prob `sample_tokens` reports for the token drawn: `logits` (a
+        grammar's mask applied), log-softmax at `temperature` (greedy: 1), before top-k/top-p truncation (the token
+        itself is drawn from the truncated one). Tokens a grammar disallows (-inf) are none of them: they could not
+        be drawn."""
         picks = [k for k, r in enumerate(rows.tolist()) if bool(drawn[k]) and self.top_wanted[r]]
         if not picks:
             return

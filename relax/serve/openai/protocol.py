@@ -18,7 +18,9 @@ the request's own chat_template_kwargs; each of OpenAI's `EFFORTS` is the templa
 chat template reads it, as SGLang renders it, and one other than "none" is refused where it does not), and `verbosity`
 (chat: the template variable `verbosity` where the template reads it; "medium", OpenAI's default, on every template,
 "low" and "high" refused where it does not read it). Log-probs are
-those of the sampling distribution (the model's at the request's temperature), the ones Relax trains with. Image parts
+the model's log-softmax at the request's temperature over the whole vocabulary (a grammar's mask applied), the ones
+Relax trains with; with top_p < 1 or top_k the token is drawn from the truncated, renormalised distribution, whose
+log-probs are not the ones reported (`relax.rollout.sampling`). Image parts
 (`image_url`) are taken by relax-serve with a vision-language model, outside training sessions
 (`relax.serve.openai.images`, before these rules read the messages). Anything else that would change the output
 (penalties, min_p, `logit_bias`, images elsewhere, adapters, SGLang sessions) is refused with a 400 naming it, never
