@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the tiny model's steps beside a busy process take about a fifth of the CPU; docs/performance.md). Inherited by every
 # process a test starts (relax-train, Ray and the roles, torchrun's ranks).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread_after_each_test():
+    """The next test starts with the one thread the environment says (above), whatever this one set: a TorchPolicy
+    built in the test's process without num_threads sizes torch's pool to every core, for the rest of the worker's
+    tests otherwise."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
