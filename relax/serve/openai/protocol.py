@@ -111,7 +111,8 @@ FIELDS: dict[str, Rule] = {
     "stream_reasoning": Rule(HONOURED, f"{_SGL}: false streams the reasoning as one delta", CHAT),
     # ------------------------------------------------------------------ accepted without effect
     "user": Rule(NO_EFFECT, "an end-user id for the provider's records"),
-    "metadata": Rule(NO_EFFECT, "stored-completion tags; nothing is stored"),
+    "metadata": Rule(NO_EFFECT, "stored-completion tags; nothing is stored (OpenAI's limits checked: at most 16 "
+                                "string values, keys of 64 characters, values of 512)"),
     "store": Rule(NO_EFFECT, "nothing is stored"),
     "service_tier": Rule(NO_EFFECT, "one tier"),
     "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
@@ -202,6 +203,34 @@ class APIError(Exception):
 
 def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
+
+
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits on `metadata`
+
+
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's `metadata` (both APIs): null or an object of at most 16 string values, keys of at most 64 characters,
+    values of at most 512; anything else is a 400 naming the field (OpenAI refuses it so; nothing here reads it)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise _bad("metadata", f"{metadata!r}: expected an object of string values")
+    if len(metadata) > METADATA_KEYS:
+        raise _bad("metadata", f"{len(metadata)} keys: at most {METADATA_KEYS}")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise _bad("metadata", f"the key {key[:METADATA_KEY_CHARS]!r}... is longer than {METADATA_KEY_CHARS} "
+                                   "characters")
+        if not isinstance(value, str):
+            raise _bad(f"metadata.{key}", f"{value!r}: expected a string")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise _bad(f"metadata.{key}", f"a string of {len(value)} characters: at most {METADATA_VALUE_CHARS}")
+
+
+def missing_schema_name(param: str) -> APIError:
+    """OpenAI's 400 for a json_schema format without its required `name`."""
+    return APIError(f"Missing required parameter: '{param}' (the json_schema format's name, e.g. \"answer\")",
+                    param=param, code="missing_required_parameter")
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
@@ -418,6 +447,7 @@ def _common(body: dict, endpoint: str) -> Params:
             raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
         if rule.verdict == NEUTRAL_ONLY and body[name] not in (None, *rule.neutral):
             raise _bad(name, f"{body[name]!r} is not supported by this server ({rule.why})")
+    check_metadata(body.get("metadata"))
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "required: a model name (any name; the served model answers)")
@@ -474,6 +504,8 @@ def _grammar(body: dict) -> Optional[tuple[str, str]]:
             if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
                 raise _bad("response_format", '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, '
                                               '"strict": true}}: the schema must be an object, strict a boolean')
+            if not isinstance(spec.get("name"), str) or not spec["name"]:  # OpenAI requires it
+                raise missing_schema_name("response_format.json_schema.name")
             asked.append(("json_schema", json.dumps(schema)))
         elif kind != "text":
             raise _bad("response_format", f"{fmt!r}: expected type text, json_object or json_schema")

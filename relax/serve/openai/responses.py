@@ -69,7 +69,9 @@ from relax.serve.openai.protocol import (
     call_arguments,
     check_function,
     check_keys,
+    check_metadata,
     check_tool_names,
+    missing_schema_name,
 )
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
@@ -125,7 +127,7 @@ FIELDS: dict[str, Rule] = {
     # ------------------------------------------------------------------ accepted without effect
     "store": Rule(HONOURED, "true (the default): kept in memory for previous_response_id only, never beyond the "
                             "process; false: not kept (its id as previous_response_id is a 400, as on OpenAI)"),
-    "metadata": Rule(NO_EFFECT, "echoed in the response"),
+    "metadata": Rule(NO_EFFECT, "echoed in the response (OpenAI's limits checked, as on the chat route)"),
     "user": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
@@ -482,6 +484,8 @@ def chat_response_format(text: Any) -> Optional[dict]:
         return {"type": "json_object"}
     if kind == "json_schema":
         check_keys(fmt, "text.format", {"type", "name", "schema", "strict", "description"})
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:  # OpenAI requires it
+            raise missing_schema_name("text.format.name")
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise _bad("text.format", f"{fmt!r}: expected type text, json_object or json_schema")
@@ -548,6 +552,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
             raise APIError(f"Unrecognized request argument supplied: {name}", param=name)
         if rule.verdict == NEUTRAL_ONLY and not rule.chat and value is not None and not rule.neutral(value):
             raise _bad(name, f"{value!r} is not supported by this server ({rule.why})")
+    check_metadata(body.get("metadata"))
     effort = reasoning_effort(body.get("reasoning"))
     rid = body.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not rid):
