@@ -325,14 +325,17 @@ def _override_name(override: Override) -> str:
 
 def _kept(overrides: Sequence[str], sets: Sequence[int], deletions: Sequence[int]) -> tuple[int, str]:
     """Where, and as what, the rest of the command line is checked with one override of a key given more than once
-    (`sets`, `deletions`: the indices of its overrides that give it a value and that delete it): the last value,
-    written as the first value was (with its `+`/`++` or without): the last as written may not compose alone
-    (`train.lr=1e-5 +train.lr=2e-5`: `+` appends a key, and the schema has it; a deletion of a schema key), and its
-    refusal, in Hydra's words, would follow the message that already names the repeat. Only deletions: the last."""
+    (`sets`, `deletions`: the indices of its overrides that give it a value and that delete it): the last value, in
+    the form of the first and the last value that composes alone: `++` (sets a key whether or not it is there) if
+    either was written so, else none (a key the schema has) if either was, else `+` (a key it lacks). The last as
+    written may not compose alone (`train.lr=1e-5 +train.lr=2e-5`: `+` appends a key, and the schema has it), nor
+    the first's form (`+train.lr=1e-5 train.lr=2e-5`), and a refusal, in Hydra's words and of an override the user
+    did not write, would follow the message that already names the repeat. Only deletions: the last."""
     if not sets:
         return deletions[-1], overrides[deletions[-1]]
-    first, last = overrides[sets[0]], overrides[sets[-1]]
-    return sets[-1], first[:len(first) - len(first.lstrip("+"))] + last.lstrip("+")
+    forms = {overrides[i][:len(overrides[i]) - len(overrides[i].lstrip("+"))] for i in (sets[0], sets[-1])}
+    form = "++" if "++" in forms else "" if "" in forms else "+"
+    return sets[-1], form + overrides[sets[-1]].lstrip("+")
 
 
 def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[Violation], list[str]]:

@@ -436,6 +436,12 @@ def test_a_key_set_and_deleted_or_appended_after_its_value_is_one_message_withou
         "seed=1", "train.lr=abc"]
     assert problems(["train.lr=1e-5", "+train.lr=abc"]).endswith(  # the last value, checked
         "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'")
+    for first, last in (("+train.lr=1e-5", "train.lr=2e-5"), ("+train.lr=1e-5", "++train.lr=2e-5"),
+                        ("++train.lr=1e-5", "+train.lr=2e-5")):  # either order: only Relax's line
+        assert problems([first, last]) == (
+            "invalid config (1 problem):\n"
+            f"  - train.lr is given twice: {first} and {last}; only the last would count: give it once (to "
+            "run each value: relax-train -m train.lr=1e-5,2e-5)"), (first, last)
     assert problems(["train.lr=2e-5"]) is None  # the control
 
 
