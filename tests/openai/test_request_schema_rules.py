@@ -42,6 +42,13 @@ def test_a_json_schema_format_needs_its_name(client):
     body = refused(lambda: client.responses.create(
         model="m", input="Give x.", text={"format": {"type": "json_schema", "schema": SCHEMA}}), "text.format.name")
     assert body["code"] == "missing_required_parameter"
+    for name, code in ((5, "invalid_type"), ("", "empty_string")):  # given, but not a name: said so, not "missing"
+        body = refused(lambda n=name: client.chat.completions.create(model="m", messages=USER, response_format={
+            "type": "json_schema", "json_schema": {"name": n, "schema": SCHEMA}}), "response_format.json_schema.name")
+        assert body["code"] == code and "Missing" not in body["message"], body
+        body = refused(lambda n=name: client.responses.create(model="m", input="Give x.", text={
+            "format": {"type": "json_schema", "name": n, "schema": SCHEMA}}), "text.format.name")
+        assert body["code"] == code and "Missing" not in body["message"], body
     # controls: named, as every SDK sends it
     named = client.chat.completions.create(model="m", messages=USER, response_format={
         "type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})

@@ -227,10 +227,17 @@ def check_metadata(metadata: Any) -> None:
             raise _bad(f"metadata.{key}", f"a string of {len(value)} characters: at most {METADATA_VALUE_CHARS}")
 
 
-def missing_schema_name(param: str) -> APIError:
-    """OpenAI's 400 for a json_schema format without its required `name`."""
-    return APIError(f"Missing required parameter: '{param}' (the json_schema format's name, e.g. \"answer\")",
-                    param=param, code="missing_required_parameter")
+def check_schema_name(spec: dict, param: str) -> None:
+    """OpenAI's 400 for a json_schema format whose required `name` (at `param`) is absent, not a string or empty."""
+    if "name" not in spec or spec["name"] is None:
+        raise APIError(f"Missing required parameter: '{param}' (the json_schema format's name, e.g. \"answer\")",
+                       param=param, code="missing_required_parameter")
+    if not isinstance(spec["name"], str):
+        raise APIError(f"Invalid type for '{param}': expected a string, but got {_kind(spec['name'])} instead.",
+                       param=param, code="invalid_type")
+    if not spec["name"]:
+        raise APIError(f"Invalid '{param}': empty string. Expected a string with minimum length 1, but got an empty "
+                       "string instead.", param=param, code="empty_string")
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
@@ -504,8 +511,7 @@ def _grammar(body: dict) -> Optional[tuple[str, str]]:
             if not isinstance(schema, dict) or not isinstance(spec.get("strict", False), (bool, type(None))):
                 raise _bad("response_format", '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, '
                                               '"strict": true}}: the schema must be an object, strict a boolean')
-            if not isinstance(spec.get("name"), str) or not spec["name"]:  # OpenAI requires it
-                raise missing_schema_name("response_format.json_schema.name")
+            check_schema_name(spec, "response_format.json_schema.name")  # OpenAI requires it
             asked.append(("json_schema", json.dumps(schema)))
         elif kind != "text":
             raise _bad("response_format", f"{fmt!r}: expected type text, json_object or json_schema")

@@ -70,8 +70,8 @@ from relax.serve.openai.protocol import (
     check_function,
     check_keys,
     check_metadata,
+    check_schema_name,
     check_tool_names,
-    missing_schema_name,
 )
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
@@ -484,8 +484,7 @@ def chat_response_format(text: Any) -> Optional[dict]:
         return {"type": "json_object"}
     if kind == "json_schema":
         check_keys(fmt, "text.format", {"type", "name", "schema", "strict", "description"})
-        if not isinstance(fmt.get("name"), str) or not fmt["name"]:  # OpenAI requires it
-            raise missing_schema_name("text.format.name")
+        check_schema_name(fmt, "text.format.name")  # OpenAI requires it
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise _bad("text.format", f"{fmt!r}: expected type text, json_object or json_schema")
