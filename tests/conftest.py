@@ -20,9 +20,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Idle OpenMP threads sleep at once instead of spinning (GNU OpenMP's default spins after every parallel region): the
 # roles of the runs that tests start size torch's pool to every core, as does an in-process TorchPolicy without
 # num_threads, and CI's two cores are shared by three workers and their runs' processes, where a spinning thread
-# holds a core another process needs and a region waits for a thread that is not running (`python -m bench.omp_wait`:
-# the tiny model's steps beside a busy process take about a fifth of the CPU; docs/performance.md). Inherited by every
-# process a test starts (relax-train, Ray and the roles, torchrun's ranks).
+# holds a core another process needs and a region waits for a thread that is not running (`python -m bench.omp_wait`
+# measures it; docs/performance.md, "OpenMP threads on shared cores"). Inherited by every process a test starts
+# (relax-train, Ray and the roles, torchrun's ranks).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
