@@ -70,9 +70,15 @@ def template_problem(template: str) -> str | None:
     """Why `template` cannot be a judge's question (None: it can): it must be a Python format string naming
     {response} and no field beyond {prompt}, {response}, {label}."""
     try:
-        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        fields = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as exc:
         return f"not a format string ({exc}; write a literal brace as {{{{ or }}}})"
+    names = [name for name, _ in fields]
+    # a field inside a format spec ({response:>{label}}) is filled from the sample's values as each call formats it,
+    # where a value that is no spec fails the run: the spec is written as it is
+    nested = [f"{{{name}:{spec}}}" for name, spec in fields if spec and "{" in spec]
+    if nested:
+        return f"nests a field in the format spec of {nested[0]}; write the spec without braces (e.g. {{response:>20}})"
     unknown = sorted({n for n in names if n not in TEMPLATE_FIELDS})
     if unknown:
         return (f"names {', '.join('{' + n + '}' for n in unknown)}; a template may name only "

@@ -345,6 +345,9 @@ def test_template_problems_name_the_field():
     assert "{answer}" in template_problem("score {answer}")
     assert "no {response}" in template_problem("score it")
     assert "not a format string" in template_problem("score {response")
+    # a field nested in a format spec would be filled by each sample's label as the judge is called
+    assert "{response:>{label}}" in template_problem("score {response:>{label}}")
+    assert template_problem("score {response:>20}") is None  # the control: a spec written as it is
 
 
 def test_the_files_are_checked_before_start(untrained, tmp_path):
