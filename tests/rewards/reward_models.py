@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from relax.batch import Samples
+from relax.config import ConfigError, load_config
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import DIGITS, TINY_VOCAB, build_tiny_tokenizer
 from relax.models.hf import qwen3_config
@@ -156,3 +157,12 @@ def batch(tokenizer, responses: list[str]) -> Samples:
     return Samples(prompt_ids=torch.ones((n, 1), dtype=torch.long), prompt_mask=torch.ones((n, 1), dtype=torch.long),
                    response_ids=ids, response_mask=mask, rollout_logp=torch.zeros(ids.shape),
                    finish_reason=["stop"] * n, sample_id=torch.arange(n))
+
+
+def refusals(*overrides: str) -> list[str]:
+    """The messages validation gives `overrides` (none: accepted)."""
+    try:
+        load_config(list(overrides))
+    except ConfigError as exc:
+        return [v.message for v in exc.violations]
+    return []

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from relax.config import ConfigError, load_config
+from relax.config import load_config
 from relax.data.datasets import PromptDataset, PromptItem
 from relax.data.images import VisionData, build_tiny_vl_processor, build_tiny_vl_tokenizer
 from relax.data.shapes import generate_shapes
@@ -33,7 +33,7 @@ from relax.runner.errors import RunError
 from relax.runner.reward_model import make_scorer, prompt_words
 from relax.runner.rollout_driver.scoring import Scorer
 
-from .reward_models import batch
+from .reward_models import batch, refusals
 
 TEMPLATE = "Q: {prompt} A: {response} (expected {label}). Score 0-9."
 
@@ -142,14 +142,6 @@ def test_images_that_cannot_be_given_to_the_judge_stop_the_run_in_one_line(judge
     finally:
         scorer.close()
     assert bodies == []
-
-
-def refusals(*overrides: str) -> list[str]:
-    try:
-        load_config(list(overrides))
-    except ConfigError as exc:
-        return [v.message for v in exc.violations]
-    return []
 
 
 def test_the_embedded_judge_reading_the_prompt_is_refused_naming_the_options():

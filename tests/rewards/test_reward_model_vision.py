@@ -9,21 +9,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from relax.config import ConfigError, load_config
 from relax.data.shapes import generate_shapes
 from relax.data.tokenizer import build_tiny_tokenizer
 from relax.models.reward_model import IMAGE_PLACEHOLDER, conversation_text, prompt_text
 from relax.runner.reward_model import prompt_words
 
+from .reward_models import refusals
+
 VL = ["model=tiny_vl", "data=shapes"]
-
-
-def refusals(*overrides: str) -> list[str]:
-    try:
-        load_config(list(overrides))
-    except ConfigError as exc:
-        return [v.message for v in exc.violations]
-    return []
 
 
 def test_a_classifier_beside_a_vision_language_policy_is_refused():
