@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +30,7 @@ from relax.runner.errors import RunError
 from relax.runner.reward_model import make_scorer, prompt_words
 from relax.runner.rollout_driver.scoring import Scorer
 
-from .reward_models import batch, refusals
+from .reward_models import batch, recording_server, refusals
 
 TEMPLATE = "Q: {prompt} A: {response} (expected {label}). Score 0-9."
 
@@ -41,31 +38,9 @@ TEMPLATE = "Q: {prompt} A: {response} (expected {label}). Score 0-9."
 @pytest.fixture()
 def judge():
     """A loopback chat-completions server answering "7"; every request body kept."""
-    bodies: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            data = json.dumps({"choices": [{"message": {"role": "assistant", "content": "7"},
-                                            "finish_reason": "stop"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/v1", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    answer = {"choices": [{"message": {"role": "assistant", "content": "7"}, "finish_reason": "stop"}]}
+    with recording_server(lambda body: answer) as (url, bodies):
+        yield f"{url}/v1", bodies
 
 
 def config(url: str, *extra: str):

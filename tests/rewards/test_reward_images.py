@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image
@@ -23,6 +20,8 @@ from relax.data.shapes import generate_shapes
 from relax.rewards.registry import score_responses
 from relax.rewards.remote import RemoteReward
 from relax.runner.rollout_driver.scoring import reward_contexts
+
+from .reward_models import recording_server
 
 
 def pixels(url: str) -> bytes:
@@ -46,31 +45,8 @@ def urls(messages: list[dict]) -> list[str]:
 @pytest.fixture()
 def service():
     """A loopback reward service: rewards 1.0 for each item, every request body kept."""
-    bodies: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            bodies.append(body)
-            data = json.dumps({"rewards": [1.0] * len(body["items"])}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/score", bodies
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with recording_server(lambda body: {"rewards": [1.0] * len(body["items"])}) as (url, bodies):
+        yield f"{url}/score", bodies
 
 
 @pytest.fixture(scope="module")
