@@ -118,7 +118,8 @@ FIELDS: dict[str, Rule] = {
     "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
     # as the Responses route takes them (openai-agents sends prompt_cache_retention on chat when ModelSettings sets it)
     "prompt_cache_retention": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it", CHAT),
-    "prompt_cache_options": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it", CHAT),
+    "prompt_cache_options": Rule(NO_EFFECT, "cache hints (an object: mode, ttl; OpenAI's keys and values checked); "
+                                            "the tokens do not depend on them", CHAT),
     "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "rid": Rule(NO_EFFECT, f"{_SGL}: names the request for /abort_request; the answer is the same without it"),
     "extra_key": Rule(NO_EFFECT, _NO_CACHE),
@@ -227,17 +228,72 @@ def check_metadata(metadata: Any) -> None:
             raise _bad(f"metadata.{key}", f"a string of {len(value)} characters: at most {METADATA_VALUE_CHARS}")
 
 
-def check_schema_name(spec: dict, param: str) -> None:
-    """OpenAI's 400 for a json_schema format whose required `name` (at `param`) is absent, not a string or empty."""
-    if "name" not in spec or spec["name"] is None:
-        raise APIError(f"Missing required parameter: '{param}' (the json_schema format's name, e.g. \"answer\")",
-                       param=param, code="missing_required_parameter")
-    if not isinstance(spec["name"], str):
-        raise APIError(f"Invalid type for '{param}': expected a string, but got {_kind(spec['name'])} instead.",
+def required_string(obj: dict, key: str, param: str, what: str) -> str:
+    """`obj[key]`, a string OpenAI requires (`what` says what it is, for the message), or OpenAI's 400 naming `param`:
+    absent or null "Missing required parameter" (`missing_required_parameter`), another type `invalid_type`, the empty
+    string `empty_string`."""
+    value = obj.get(key)
+    if value is None:
+        raise APIError(f"Missing required parameter: '{param}' ({what}).", param=param,
+                       code="missing_required_parameter")
+    if not isinstance(value, str):
+        raise APIError(f"Invalid type for '{param}': expected a string ({what}), but got {_kind(value)} instead.",
                        param=param, code="invalid_type")
-    if not spec["name"]:
+    if not value:
         raise APIError(f"Invalid '{param}': empty string. Expected a string with minimum length 1, but got an empty "
                        "string instead.", param=param, code="empty_string")
+    return value
+
+
+# OpenAI's PromptCacheOptions (openai.types.chat / responses completion_create_params): the keys each API defines
+PROMPT_CACHE_KEYS = {"chat": {"mode", "ttl"}, "responses": {"mode", "ttl", "prewarm", "comparison_response_id"}}
+PROMPT_CACHE_MODES = ("implicit", "explicit")
+
+
+def check_prompt_cache_options(options: Any, api: str) -> None:
+    """`prompt_cache_options` (`api`: "chat" or "responses") as OpenAI's reference has it: null or an object (an
+    `invalid_type` 400 naming the field otherwise) of the keys OpenAI defines there (`check_keys`); `mode` one of
+    "implicit", "explicit" and `ttl` a string (cache hints: a local model keeps no prompt cache, so the tokens do not
+    depend on them; the lifetimes OpenAI takes vary by API and model, so any string); Responses' `prewarm` true
+    (prepare the cache and generate nothing) is refused, as it would change the answer."""
+    where = "prompt_cache_options"
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise APIError(f"Invalid type for '{where}': expected an object (e.g. {{\"mode\": \"implicit\", \"ttl\": "
+                       f"\"30m\"}}), but got {_kind(options)} instead.", param=where, code="invalid_type")
+    check_keys(options, where, PROMPT_CACHE_KEYS[api],
+               {"prewarm": (lambda v: v is False, "every request generates its answer: no cache to prepare")})
+    mode = options.get("mode")
+    if mode is not None and mode not in PROMPT_CACHE_MODES:
+        raise APIError(f"Invalid value: {mode!r}. Supported values are: 'implicit' and 'explicit'.",
+                       param=f"{where}.mode", code="invalid_value")
+    for key in ("ttl", "comparison_response_id"):
+        if options.get(key) is not None and not isinstance(options[key], str):
+            raise APIError(f"Invalid type for '{where}.{key}': expected a string, but got {_kind(options[key])} "
+                           "instead.", param=f"{where}.{key}", code="invalid_type")
+
+
+SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]+")  # OpenAI's pattern for a json_schema format's name (at most 64 long)
+MAX_SCHEMA_NAME = 64
+
+
+def check_schema_name(spec: dict, param: str) -> None:
+    """OpenAI's 400 for a json_schema format whose required `name` (at `param`) is absent, not a string, empty, or not
+    of OpenAI's pattern: a-z, A-Z, 0-9, underscores and dashes, at most 64 characters (its words and codes:
+    `invalid_value`, `string_above_max_length`). What the SDKs send by default matches it: the openai package's
+    `parse` sends the Pydantic class's name (a Python identifier; a generic model's "Answer[int]" does not, and
+    OpenAI refuses it too), openai-agents "final_output", LangChain the Pydantic class's name or the dict schema's
+    `title` (a title with a space is the user's, and refused as OpenAI refuses it)."""
+    name = required_string(spec, "name", param, 'the json_schema format\'s name, e.g. "answer"')
+    if not SCHEMA_NAME.fullmatch(name):
+        raise APIError(f"Invalid '{param}': string does not match pattern. Expected a string that matches the "
+                       f"pattern '^[a-zA-Z0-9_-]+$' (letters, digits, underscores and dashes), but got {name!r}.",
+                       param=param, code="invalid_value")
+    if len(name) > MAX_SCHEMA_NAME:
+        raise APIError(f"Invalid '{param}': string too long. Expected a string with maximum length "
+                       f"{MAX_SCHEMA_NAME}, but got a string with length {len(name)} instead.", param=param,
+                       code="string_above_max_length")
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for a function's name
@@ -302,19 +358,26 @@ def call_arguments(args: Any, where: str, *, given: bool = True) -> dict:
     `where` too (OpenAI's "Invalid type ...: expected a string", `code` `invalid_type`), as OpenAI's schema has it:
     `arguments` is a required string (the SDKs send one: langchain-openai json.dumps its calls' args, openai-agents
     passes the string its items hold, "{}" for none). The empty string is a string, which OpenAI's schema takes (its
-    own answers carry "" for a strict function without parameters): kept as {}. Anything else (text that is not JSON,
-    JSON that is not an object: "[1, 2]", "5") is a 400 naming `where` too: every call format Relax renders history
-    in (Hermes' and Llama's JSON objects, the XML key/value formats, DeepSeek's and harmony's JSON) writes an object,
-    the model's tool parser reads nothing else back as a call, and several templates fail on anything else; refused
-    on every model alike."""
+    own answers carry "" for a strict function without parameters): kept as {}, the one spelling of no arguments
+    that is not JSON. Anything else (text that is not JSON, whitespace only included, JSON that is not an object:
+    "[1, 2]", "5") is a 400 naming `where` too: every call format Relax renders history in (Hermes' and Llama's JSON
+    objects, the XML key/value formats, DeepSeek's and harmony's JSON) writes an object, the model's tool parser reads
+    nothing else back as a call, and several templates fail on anything else; refused on every model alike. (OpenAI
+    takes `arguments` as an opaque string and a chat template that reads it as one writes it into the prompt as it
+    is: whitespace would be a call with a blank where its JSON goes, which no call format holds and no model wrote;
+    reading it as {} would render a call the client did not send. JSON's own whitespace around an object, ' {} ',
+    is JSON and taken.)"""
     if not given:
         raise APIError(f"Missing required parameter: '{where}' (the call's arguments as JSON text, '{{}}' for "
                        "none).", param=where, code="missing_required_parameter")
     if not isinstance(args, str):
         raise APIError(f"Invalid type for '{where}': expected a string (the arguments as JSON text, e.g. "
                        f"'{{\"city\": \"Paris\"}}'), but got {_kind(args)} instead.", param=where, code="invalid_type")
-    if not args.strip():
+    if args == "":
         return {}
+    if not args.strip():
+        raise APIError(f"Invalid '{where}': {args!r} is whitespace only, not a JSON object string; send '{{}}' (or "
+                       "'') for a call without arguments.", param=where)
     try:
         parsed = json.loads(args)
     except json.JSONDecodeError as exc:
@@ -455,6 +518,8 @@ def _common(body: dict, endpoint: str) -> Params:
         if rule.verdict == NEUTRAL_ONLY and body[name] not in (None, *rule.neutral):
             raise _bad(name, f"{body[name]!r} is not supported by this server ({rule.why})")
     check_metadata(body.get("metadata"))
+    if endpoint == "chat":
+        check_prompt_cache_options(body.get("prompt_cache_options"), "chat")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "required: a model name (any name; the served model answers)")
@@ -672,9 +737,16 @@ def _check_message_keys(m: Any, where: str) -> None:
         for j, part in enumerate(m["content"]):
             if isinstance(part, dict) and part.get("type") == "text":
                 check_keys(part, f"{where}.content[{j}]", TEXT_PART_KEYS)
+        check_text_only_roles(m, where)
     if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list):
         for j, call in enumerate(m["tool_calls"]):
             if isinstance(call, dict):
+                # OpenAI's ChatCompletionMessageFunctionToolCallParam: `type` is required ("function"); the SDKs
+                # send it (openai-agents' converter, langchain-openai's _lc_tool_call_to_openai_tool_call)
+                if call.get("type") is None:
+                    param = f"{where}.tool_calls[{j}].type"
+                    raise APIError(f"Missing required parameter: '{param}' (\"function\").", param=param,
+                                   code="missing_required_parameter")
                 check_keys(call, f"{where}.tool_calls[{j}]", TOOL_CALL_KEYS,
                            {"type": (lambda v: v == "function", "only function tool calls")})
                 if isinstance(call.get("function"), dict):
@@ -682,14 +754,32 @@ def _check_message_keys(m: Any, where: str) -> None:
 
 
 IMAGE_PART_KEYS = {"type", "image_url", "prompt_cache_breakpoint"}
+TEXT_ONLY_ROLES = ("system", "developer")  # OpenAI's content parts of these: text only (ChatCompletionContentPartText)
+
+
+def check_text_only_roles(m: Any, where: str) -> None:
+    """OpenAI's 400 (`invalid_value`, naming `where.content[j].type`) for an image part in a system or developer
+    message, whose content OpenAI's schema holds to text parts: on a vision-language model too, where relax-serve
+    would otherwise take it (`check_image_parts`, before `relax.serve.openai.images.take_images`). openai-agents
+    sends such messages' text only (its converter's extract_text_content)."""
+    if not isinstance(m, dict) or m.get("role") not in TEXT_ONLY_ROLES or not isinstance(m.get("content"), list):
+        return
+    for j, part in enumerate(m["content"]):
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+            param = f"{where}.content[{j}].type"
+            raise APIError(f"Invalid value: {part['type']!r}. Supported values are: 'text' ({param}: a {m['role']} "
+                           "message takes text parts only; send images in a user message).", param=param,
+                           code="invalid_value")
 
 
 def check_image_parts(body: Any) -> None:
     """The keys of a request's image parts (`{"type": "image_url", "image_url": {"url", "detail"}}`), checked before
     `relax.serve.openai.images.take_images` replaces the parts: a key OpenAI does not define there is a 400 naming its
-    path, and so is a `detail` other than "auto" (the image is read at the processor's own resolution)."""
+    path, and so is a `detail` other than "auto" (the image is read at the processor's own resolution), and an image
+    part in a system or developer message (`check_text_only_roles`)."""
     messages = body.get("messages") if isinstance(body, dict) else None
     for i, m in enumerate(messages if isinstance(messages, list) else []):
+        check_text_only_roles(m, f"messages[{i}]")
         content = m.get("content") if isinstance(m, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, dict) and part.get("type") == "image_url":

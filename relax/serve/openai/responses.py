@@ -70,8 +70,10 @@ from relax.serve.openai.protocol import (
     check_function,
     check_keys,
     check_metadata,
+    check_prompt_cache_options,
     check_schema_name,
     check_tool_names,
+    required_string,
 )
 
 KEEP_SERVED = 256  # responses relax-serve keeps for previous_response_id (oldest dropped first)
@@ -132,7 +134,9 @@ FIELDS: dict[str, Rule] = {
     "safety_identifier": Rule(NO_EFFECT, "an end-user id for the provider's records"),
     "prompt_cache_key": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
     "prompt_cache_retention": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
-    "prompt_cache_options": Rule(NO_EFFECT, "a cache hint; the tokens do not depend on it"),
+    "prompt_cache_options": Rule(NO_EFFECT, "cache hints (an object: mode, ttl, comparison_response_id; OpenAI's "
+                                            "keys and values checked); the tokens do not depend on them; prewarm "
+                                            "true (generate nothing) is refused"),
     "service_tier": Rule(NO_EFFECT, "one tier"),
     "max_tool_calls": Rule(NO_EFFECT, "bounds built-in tool calls; there are none"),
     "stream_options": Rule(NO_EFFECT, "include_obfuscation: no obfuscation field is added (only with stream=true, "
@@ -378,9 +382,10 @@ def input_messages(items: Any, where: str = "input", seal: Optional[ReasoningSea
                 calls_open = False
         elif kind == "function_call":
             check_keys(item, at, FUNCTION_CALL_KEYS, FUNCTION_CALL_NEUTRAL)
-            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not isinstance(name, str) or not name or not isinstance(call_id, str):
-                raise _bad(at, 'a function_call item needs "call_id", "name" and "arguments" (a JSON string)')
+            # OpenAI's ResponseFunctionToolCallParam requires both: its 400 naming the field
+            call_id = required_string(item, "call_id", f"{at}.call_id", "the id its function_call_output answers")
+            name = required_string(item, "name", f"{at}.name", "the name of the function called")
+            args = item.get("arguments")
             # a JSON object string, as on the chat route: absent, null or an object is a 400 naming input[i].arguments
             call_arguments(args, f"{at}.arguments", given="arguments" in item)
             m = out[-1] if calls_open and out else assistant(None)
@@ -389,9 +394,8 @@ def input_messages(items: Any, where: str = "input", seal: Optional[ReasoningSea
             calls_open = True
         elif kind == "function_call_output":
             check_keys(item, at, OUTPUT_KEYS, OUTPUT_NEUTRAL)
-            call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str):
-                raise _bad(f"{at}.call_id", "required: the call_id of the function_call it answers")
+            call_id = required_string(item, "call_id", f"{at}.call_id", "the call_id of the function_call it answers")
+            output = item.get("output")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _content(output, f"{at}.output")})
             calls_open = False
         elif kind == "reasoning":
@@ -552,6 +556,7 @@ def parse_request(body: Any, previous: Callable[[str], list[dict]], seal: Option
         if rule.verdict == NEUTRAL_ONLY and not rule.chat and value is not None and not rule.neutral(value):
             raise _bad(name, f"{value!r} is not supported by this server ({rule.why})")
     check_metadata(body.get("metadata"))
+    check_prompt_cache_options(body.get("prompt_cache_options"), "responses")
     effort = reasoning_effort(body.get("reasoning"))
     rid = body.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not rid):
