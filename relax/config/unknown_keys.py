@@ -6,14 +6,17 @@ Hydra refuses an override of a key a structured config lacks (with its advice to
 frozen dataclasses then refuse); `compose_known` leaves such overrides out and names them instead, and
 `extra_keys` finds the keys that `+` added. It does the same with a group choice that names no option
 (`model=nonexistent`, where Hydra stops at the first with its own message): each is named with the group's options,
-and the rest of the command line is still composed, so that its unknown keys are reported with it; and with a value
-that is not of its key's type (`train.lr=abc`: `relax.config.value_types`).
+and the rest of the command line is still composed, so that its unknown keys are reported with it; with a value
+that is not of its key's type (`train.lr=abc`: `relax.config.value_types`); and with an override of a form Hydra
+refuses or that would take a key from the schema (`+train.lr=2e-5` of a key that is there, `~train.lr`:
+`form_violation`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,21 +134,108 @@ def _missing_choice(exc: BaseException, overrides: Sequence[str]) -> tuple[int, 
     return None
 
 
+# Hydra's refusals of an override's form (hydra._internal.config_loader_impl._apply_overrides_to_config)
+_APPEND = re.compile(r"Could not append to config\. An item is already at '(.+)'\.")
+_DELETE = re.compile(r"Could not delete from config\. (?:'(.+)' does not exist|The value of '(.+?)' is .*)\.")
+_MERGING = "Error merging override "
+
+
+def _misformed_override(exc: BaseException, overrides: Sequence[str]) -> int | None:
+    """The index of the override that Hydra refused for its form, else None: `+key=value` (which adds a key) of a
+    key the config has; `~key` (which deletes one) of a key the config lacks or holds null, or with a value other
+    than the key's (`~key=value`), or of a field of a schema section (which OmegaConf refuses to delete)."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    append, delete = _APPEND.match(first), _DELETE.match(first)
+    for i, o in enumerate(overrides):
+        key = o.split("=", 1)[0]
+        if append and o.startswith("+") and not o.startswith("++") and key[1:] == append.group(1):
+            return i
+        if o.startswith("~") and (first == f"{_MERGING}{o}" or (delete and key[1:] in delete.groups())):
+            return i
+    return None
+
+
+def _deleted_field(dc: DictConfig, overrides: Sequence[str]) -> int | None:
+    """The index of a `~key` override that deleted a field of the schema's root (`~train`, `~seed`), else None:
+    Hydra deletes with the root open, so nothing refuses it, and building the config would put the schema's default
+    in its place. (A group's default deleted, `~teacher`, leaves the schema's node: not this.)"""
+    fields = _fields(dc) or []
+    for i, o in enumerate(overrides):
+        key = o[1:].split("=", 1)[0]
+        if o.startswith("~") and key in fields and key not in dc:
+            return i
+    return None
+
+
+def _written(value: Any) -> str:
+    """`value` as an override writes it (null, true, 1e-05, text)."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower() if value is not None else "null"
+    return str(value)
+
+
+def form_violation(dc: DictConfig, override: str) -> Violation:
+    """The violation of `override`, which `_misformed_override` or `_deleted_field` found, named against `dc`, the
+    config composed without it: what it would do, and what to write instead."""
+    key, _, value = override.lstrip("+~").partition("=")
+    if override.startswith("+"):
+        return Violation((key,), f"{override}: {key} is already in the config, and + adds a key it does not have: "
+                                 f"set it with {key}={value} (++{key}={value} sets it whether or not it is there)")
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(dc, parent_key, default=None) if parent_key else dc
+    current = OmegaConf.select(dc, key, default=None, throw_on_missing=False)
+    if leaf in (_fields(parent) or ()):  # a field of the schema: every config has it
+        if isinstance(current, DictConfig):
+            return Violation((key,), f"{override}: {key} is a section of the schema (every config has it), so "
+                                     f"it cannot be deleted: to keep the values the config gives it, leave {override} "
+                                     f"out; to change one: {key}.KEY=VALUE")
+        return Violation((key,), f"{override}: {key} is a key of the schema (every config has it), so it cannot "
+                                 f"be deleted: to keep the value the config gives it ({key}={_written(current)}), "
+                                 f"leave {override} out; to change it: {key}=VALUE")
+    if current is None:
+        found = unknown_key(dc, key)
+        return Violation(found.fields, f"{override}: nothing to delete: {found.message}")
+    return Violation((key,), f"{override}: {key} is {_written(current)}, not {value}: nothing to delete (~{key} "
+                             "deletes it whatever its value)")
+
+
 def compose_known(compose: Any, overrides: Sequence[str]
                   ) -> tuple[DictConfig, list[str], list[Violation], list[Violation]]:
     """`compose(overrides)`, leaving out each override whose key the schema lacks, each group choice that names
-    no option and each value that is not of its key's type: (config, the keys left out, a violation per choice left
-    out, a violation per value left out: `relax.config.value_types`). With a choice left out the config is composed
-    with the group's default instead, with a value left out with the key's: only for the other overrides' keys to
-    be checked."""
-    from hydra.errors import ConfigCompositionException
+    no option, each value that is not of its key's type and each override of a form Hydra refuses or that would
+    delete a field of the schema (`form_violation`): (config, the keys left out, a violation per choice left out, a
+    violation per value or form left out: `relax.config.value_types`, `form_violation`). With a choice left out the
+    config is composed with the group's default instead, with a value or form left out with the key's value: only
+    for the other overrides' keys to be checked."""
+    from hydra.errors import ConfigCompositionException, HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    kept, dropped, choices, mistyped = list(overrides), [], [], []
+    kept, dropped, choices, mistyped, misformed = list(overrides), [], [], [], []
+    # a field of the root deleted (`~train`) changes how every later override of its keys composes: those first,
+    # composed alone (each a key's deletion or a group's default's, which leaves the schema's node: `_deleted_field`)
+    roots = [o for o in kept if o.startswith("~") and "." not in o.split("=", 1)[0]]
+    if roots:
+        try:
+            alone = compose(roots)
+        except (HydraException, OmegaConfBaseException):
+            alone = None  # refused for another reason: found below
+        while alone is not None and (i := _deleted_field(alone, kept)) is not None:
+            misformed.append(kept.pop(i))
     while True:
         try:
             dc = compose(kept)
-            return dc, dropped, choices, [mistyped_violation(dc, o, exc) for o, exc in mistyped]
+            i = _deleted_field(dc, kept)
+            if i is not None:
+                misformed.append(kept.pop(i))
+                continue
+            return dc, dropped, choices, [*(mistyped_violation(dc, o, exc) for o, exc in mistyped),
+                                          *(form_violation(dc, o) for o in sorted(misformed, key=overrides.index))]
         except ConfigCompositionException as exc:
+            i = _misformed_override(exc, kept)
+            if i is not None:
+                misformed.append(kept.pop(i))
+                continue
             missing = _missing_choice(exc, kept)
             if missing is not None:
                 choices.append(missing[1])

@@ -469,6 +469,44 @@ def test_a_hydra_key_of_the_wrong_type_or_unknown_is_listed_with_the_others(tmp_
     assert problems(["hydra.job.chdir=true", "+hydra.job.env_set.FOO=1", "hydra.run.dir=out"]) is None
 
 
+def test_a_plus_on_a_key_there_or_a_deletion_of_a_schema_key_is_one_message_naming_what_to_type(
+        tmp_path, monkeypatch, capfd):
+    """`+train.lr=2e-5` (`+` adds a key: train.lr is there) and `~train.lr` (a schema key: every config has it),
+    each given once: Relax's one line naming the key and what to type instead, with the config's other problems,
+    exit 2 (before: Hydra's "Could not append to config ..." and "TrainConfig (DictConfig) does not support
+    deletion" alone). A root field (`~dry_run`) was deleted silently, its schema default put in its place; a null one
+    (`~model.path`) and an unknown one (`~train.lrr`) got Hydra's "does not exist"."""
+    from relax.cli.config_check import problems
+
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["~train.lr", "dry_run=true"], capfd))
+    assert err.splitlines() == [
+        "relax-train: error: invalid config (1 problem):",
+        "  - ~train.lr: train.lr is a key of the schema (every config has it), so it cannot be deleted: to keep the "
+        "value the config gives it (train.lr=0.001), leave ~train.lr out; to change it: train.lr=VALUE"], err
+    err = _refused(*relax_train(["+train.lr=2e-5", "dry_run=true"], capfd))
+    assert err.splitlines() == [
+        "relax-train: error: invalid config (1 problem):",
+        "  - +train.lr=2e-5: train.lr is already in the config, and + adds a key it does not have: set it with "
+        "train.lr=2e-5 (++train.lr=2e-5 sets it whether or not it is there)"], err
+    assert "Could not" not in err and list(tmp_path.iterdir()) == []
+    assert problems(["~dry_run", "~model.path", "~train", "~train.lrr", "+seed=3", "train.num_rollout=x"]) == (
+        "invalid config (6 problems):\n"
+        "  - train.num_rollout=x: train.num_rollout takes an int, not the string 'x'\n"
+        "  - ~dry_run: dry_run is a key of the schema (every config has it), so it cannot be deleted: to keep the "
+        "value the config gives it (dry_run=false), leave ~dry_run out; to change it: dry_run=VALUE\n"
+        "  - ~model.path: model.path is a key of the schema (every config has it), so it cannot be deleted: to keep "
+        "the value the config gives it (model.path=null), leave ~model.path out; to change it: model.path=VALUE\n"
+        "  - ~train: train is a section of the schema (every config has it), so it cannot be deleted: to keep the "
+        "values the config gives it, leave ~train out; to change one: train.KEY=VALUE\n"
+        "  - ~train.lrr: nothing to delete: unknown key train.lrr (did you mean train.lr?)\n"
+        "  - +seed=3: seed is already in the config, and + adds a key it does not have: set it with seed=3 "
+        "(++seed=3 sets it whether or not it is there)")
+    # the controls: ++ sets a key that is there (as Hydra documents), + adds one to a mapping of free keys, ~ deletes
+    # a group's default (the schema's node stays)
+    assert problems(["++train.lr=2e-5", "+hydra.job.env_set.FOO=1", "~teacher", "train.num_rollout=2"]) is None
+
+
 def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tmp_path, monkeypatch, capfd):
     """`relax-train -cp <dir> -cn config ...` (a run's saved config, which the command line's precheck leaves to
     Hydra): every value not of its key's type, the saved config's or the command line's, and a key given twice, in
