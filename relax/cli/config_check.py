@@ -5,7 +5,6 @@ both say the same thing: every problem at once, as one message, without a traceb
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import textwrap
 from collections.abc import Sequence
@@ -14,9 +13,9 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
-    from omegaconf import DictConfig
 
     from relax.algorithms.base import Violation
+    from relax.config import RelaxConfig
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 CFG_FLAGS = ("-c", "--cfg")
@@ -111,17 +110,6 @@ def load_failure(exc: BaseException, extra: Sequence[Violation] = ()) -> str:
     return (invalid_config(extra) + "\n" if extra else "") + hydra_error_message(exc)
 
 
-def _compose_with_hydra(overrides: Sequence[str], conf: Optional[Path]) -> DictConfig:
-    """The config of `overrides` with its `hydra` node (the launcher's options among them), as Hydra's main has it."""
-    from hydra import compose, initialize_config_dir
-
-    from relax.config import conf_dir, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf or conf_dir()), version_base=None):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
-
-
 def _launcher_options(node: object) -> Optional[list[str]]:
     """The options of the launcher config dataclass behind `node` (`_target_` left out), None when it has none."""
     import dataclasses
@@ -166,6 +154,7 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     from omegaconf.errors import OmegaConfBaseException
 
     from relax.algorithms.base import Violation
+    from relax.config.compose import compose
     from relax.config.unknown_keys import compose_known
 
     given = [o for o in overrides if _launcher_override(o)]
@@ -185,7 +174,7 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     error: Optional[BaseException] = None
     for attempt in (first, hydra_only):
         try:
-            dc, dropped, choices, mistyped = compose_known(lambda kept: _compose_with_hydra(kept, conf), attempt)
+            dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf, hydra=True), attempt)
             break
         except (HydraException, OmegaConfBaseException, ValueError) as exc:
             error = exc
@@ -205,56 +194,52 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     return found + [_unknown_launcher_key(k, options, choice) for k in dict.fromkeys(unknown)]
 
 
-def _hydra_value_override(override: str) -> bool:
-    """Whether `override` gives one of Hydra's own keys a value (`hydra.job.chdir=true`), the launcher's options
-    (`launcher_problems`) and `hydra.searchpath` (which the config's own check composes with) aside."""
+def _hydra_override(override: str) -> bool:
+    """Whether `override` is of one of Hydra's own keys or groups (`hydra.job.chdir=true`, `~hydra.job.chdir`,
+    `hydra/job_logging=disabled`), the launcher's (`launcher_problems`) and `hydra.searchpath` (which the config's
+    own check composes with, as it decides what composes) aside."""
     key = override.split("=", 1)[0].lstrip("+~")
-    return (key.startswith("hydra.") and "=" in override and not override.startswith("~")
-            and key != "hydra.searchpath" and not _launcher_override(override))
+    return (key.startswith(("hydra.", "hydra/")) and key != "hydra.searchpath"
+            and not _launcher_override(override))
 
 
-def _unknown_hydra_key(dc: DictConfig, key: str) -> Violation:
-    """`key` (`hydra.<...>`), which Hydra's config in `dc` lacks: with the close ones, or, in a mapping of free keys
-    (`hydra.job.env_set`), how to add it (`+key=...`), as Hydra's own refusal says."""
-    from omegaconf import DictConfig as Mapping
-    from omegaconf import OmegaConf
+def load(overrides: Sequence[str], conf: Optional[Path] = None) -> RelaxConfig:
+    """`relax.config.load_config` of `overrides` (a job's, a relax-serve's command line), composed with Hydra's own
+    config where they set one of its keys or choose in one of its groups (`_hydra_override`), so that those are
+    checked in the same composition: a value not of its key's type, a key or a choice Hydra's config lacks, in the
+    one list of the config's problems rather than in Hydra's words after it (raises ConfigError)."""
+    from relax.config import load_config
 
-    from relax.algorithms.base import Violation
-    from relax.config.unknown_keys import unknown_key
-
-    parent = OmegaConf.select(dc, key.rpartition(".")[0], default=None)
-    if isinstance(parent, Mapping) and not dataclasses.is_dataclass(OmegaConf.get_type(parent)):
-        return Violation((key,), f"unknown key {key}: {key.rpartition('.')[0]} has no key "
-                                 f"{key.rpartition('.')[2]!r} to set; add it with +{key}=...")
-    return unknown_key(dc, key)
+    return load_config(overrides, conf, hydra=any(_hydra_override(o) for o in overrides))
 
 
 def hydra_value_problems(overrides: Sequence[str], conf: Optional[Path] = None, *, sweep: bool) -> list[Violation]:
-    """What is wrong with the overrides among `overrides` of Hydra's own keys outside the launcher's, which the
-    config's own check leaves to Hydra (`_plain`): a value not of its key's type (`hydra.job.chdir=abc`), named as
-    every other such value is (`relax.config.value_types`: the key, the value, the type it takes), and a key Hydra's
-    config lacks (`hydra.job.chdirr=true`), named as the config's unknown keys are (with the close ones), for the one
-    list of the config's problems rather than in Hydra's words after it. A sweep's jobs each (one problem once)."""
+    """What is wrong with the overrides among `overrides` of Hydra's own keys and groups outside the launcher's
+    (`_hydra_override`), for a sweep, whose jobs' configs are checked without them (`_plain`): each job's Hydra
+    overrides composed with Hydra's config (`relax.config.unknown_keys.hydra_problems`: a value not of its key's type,
+    a key Hydra's config lacks, a choice none of its group's options), one problem once, listed as the sweep's own
+    before its jobs'. (A run's are checked in its config's composition: `load`.)"""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from relax.algorithms.base import Violation
-    from relax.config.unknown_keys import compose_known
+    from relax.config.compose import compose
+    from relax.config.unknown_keys import compose_known, hydra_problems
 
-    given = [o for o in overrides if _hydra_value_override(o)]
+    given = [o for o in overrides if _hydra_override(o)]
     if not given:
         return []
     try:
         jobs = sweep_jobs(given) if sweep else [given]
     except HydraException as exc:
-        return [Violation((given[0].split("=", 1)[0].lstrip("+"),), hydra_error_message(exc))]
+        return [Violation((given[0].split("=", 1)[0].lstrip("+~"),), hydra_error_message(exc))]
     found: dict[str, Violation] = {}
     for job in dict.fromkeys(tuple(j) for j in jobs):
         try:
-            dc, dropped, _, mistyped = compose_known(lambda kept: _compose_with_hydra(kept, conf), job)
+            dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf, hydra=True), job)
         except (HydraException, OmegaConfBaseException, ValueError):
             continue  # anything else Hydra refuses in these: its own message, when it composes the run
-        for v in [*mistyped, *(_unknown_hydra_key(dc, k) for k in dropped if k.startswith("hydra."))]:
+        for v in hydra_problems(dc, dropped, choices, mistyped):
             found.setdefault(v.message, v)
     return list(found.values())
 
@@ -271,16 +256,18 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from relax.config import ConfigError, load_config
+    from relax.config import ConfigError
     from relax.config.compose import compose_checked
     from relax.config.validate import ENVIRONMENT_FIELDS
 
+    # the config's overrides and Hydra's, in one composition (the launcher's are `extra`'s: `launcher_problems`)
+    checked = [o for o in overrides if not _launcher_override(o)]
     cfg = None
     try:
         if rules:
-            cfg = load_config(_plain(overrides), conf)
+            cfg = load(checked, conf)
         else:
-            _, unknown = compose_checked(_plain(overrides), conf)
+            _, unknown = compose_checked(checked, conf, hydra=any(_hydra_override(o) for o in checked))
             if unknown:
                 raise ConfigError(unknown)
     except ConfigError as exc:
@@ -412,8 +399,9 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     # a key set twice is refused; the rest is checked with the last of each, as Hydra would compose it
     repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
     # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
-    launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules),
-                *hydra_value_problems(overrides, conf, sweep=multirun)]
+    launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules)]
+    if multirun:  # a sweep's Hydra overrides, once (a run's are checked with its config: `job_problem`)
+        launcher += hydra_value_problems(overrides, conf, sweep=True)
     if not multirun:
         return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks,
                            extra=launcher)

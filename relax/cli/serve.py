@@ -136,8 +136,8 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from relax.cli.config_check import duplicate_problems, invalid_config, load_failure
-    from relax.config import ConfigError, load_config
+    from relax.cli.config_check import duplicate_problems, invalid_config, load, load_failure
+    from relax.config import ConfigError
 
     # a key given twice is refused (Hydra would take the last silently), beside the config's other problems, which
     # are found with the last of each
@@ -145,7 +145,7 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     try:
         if args.config:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
-        cfg = load_config(overrides)
+        cfg = load(overrides)  # relax-train's check, Hydra's own keys and groups among it
         if repeated:
             _fail(invalid_config(repeated), lines=True)
         if cfg.model.lora_adapter_path:  # a training option: this server would serve the base without them

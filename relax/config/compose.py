@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from relax import algorithms
@@ -16,7 +16,15 @@ from relax.algorithms.base import Violation
 from relax.config.derive import resolve
 from relax.config.schema import RelaxConfig, TrainConfig
 from relax.config.store import PLUGINS_KEY, PluginError, import_plugins, register_configs, writable_node
-from relax.config.unknown_keys import choice_problems, compose_known, drop_extra_keys, extra_keys, unknown_key
+from relax.config.unknown_keys import (
+    choice_problems,
+    compose_known,
+    drop_extra_keys,
+    extra_keys,
+    hydra_problems,
+    is_hydras,
+    unknown_key,
+)
 from relax.config.validate import ConfigError, check, validate
 from relax.config.value_types import about, field_key, type_violation
 
@@ -174,33 +182,55 @@ def _does_not_fit(exc: OmegaConfBaseException) -> ConfigError:
     return ConfigError([Violation((key or "config",), f"the saved config does not fit this version's schema: {why}")])
 
 
-def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Path | None = None) -> DictConfig:
+def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Path | None = None, *,
+            hydra: bool = False) -> DictConfig:
     """Compose `conf/config.yaml` (of `conf`, default this checkout's) with overrides, as `relax-train` does (for
-    tests and notebooks)."""
+    tests and notebooks). `hydra`: with Hydra's own config under `hydra` (the launcher's options among them), as
+    Hydra's main composes it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf or conf_dir()), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=hydra)
 
 
-def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None) -> tuple[DictConfig, list[Violation]]:
+def _composed(overrides: Sequence[str], conf: Path | None, hydra: bool
+              ) -> tuple[DictConfig, list[str], list[Violation], list[Violation], list[Violation]]:
+    """`compose_known` of `overrides`: (the config, without Hydra's node; the keys left out, the choices and the
+    values or forms refused, each of the config's own; the problems of Hydra's keys and groups, `hydra`: composed
+    with Hydra's config, so that its overrides are checked in the same composition)."""
+    dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf, hydra=hydra), overrides)
+    if not hydra:
+        return dc, dropped, choices, mistyped, []
+    found = hydra_problems(dc, dropped, choices, mistyped)
+    with open_dict(dc):  # as Hydra's main gives its task the config
+        del dc["hydra"]
+    return (dc, [k for k in dropped if not is_hydras(k)], [v for v in choices if not is_hydras(v.fields[0])],
+            [v for v in mistyped if not is_hydras(v.fields[0])], found)
+
+
+def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None, *,
+                    hydra: bool = False) -> tuple[DictConfig, list[Violation]]:
     """compose, with each override of a key the schema lacks left out: (config, a violation per unknown key, those
     left out and those `+` added, each naming what was probably meant, and per value not of its key's type; and
-    first a violation per group choice that names no option, `compose_known`)."""
-    dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    first a violation per group choice that names no option, `compose_known`). `hydra`: composed with Hydra's own
+    config, whose overrides' problems come first (the config returned is without it)."""
+    dc, dropped, choices, mistyped, found = _composed(overrides, conf, hydra)
     if choices:
-        return dc, choice_problems(dc, dropped, choices, mistyped)
-    return dc, [*mistyped, *(unknown_key(dc, key) for key in [*dropped, *extra_keys(dc)])]
+        return dc, [*found, *choice_problems(dc, dropped, choices, mistyped)]
+    return dc, [*found, *mistyped, *(unknown_key(dc, key) for key in [*dropped, *extra_keys(dc)])]
 
 
-def load_config(overrides: Sequence[str] = (), conf: Path | None = None) -> RelaxConfig:
+def load_config(overrides: Sequence[str] = (), conf: Path | None = None, *, hydra: bool = False) -> RelaxConfig:
     """compose + to_relax_config: the frozen, validated config of `relax-train <overrides>` (raises ConfigError with
     every problem, unknown keys and values not of their key's type included; a group choice that names no option is
-    reported with those, before the rules, which would judge another config: `choice_problems`)."""
-    dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf), overrides)
+    reported with those, before the rules, which would judge another config: `choice_problems`). `hydra`: composed
+    with Hydra's own config, in the one composition, so that overrides of Hydra's keys and groups
+    (`hydra.job.chdir=...`, `hydra/job_logging=...`) are checked too: their problems first in the list (a choice of
+    Hydra's groups that names no option does not stop the config's rules, which do not read Hydra's config)."""
+    dc, dropped, choices, mistyped, found = _composed(overrides, conf, hydra)
     if choices:
-        raise ConfigError(choice_problems(dc, dropped, choices, mistyped))
-    return to_relax_config(dc, [*mistyped, *(unknown_key(dc, key) for key in dropped)],
+        raise ConfigError([*found, *choice_problems(dc, dropped, choices, mistyped)])
+    return to_relax_config(dc, [*found, *mistyped, *(unknown_key(dc, key) for key in dropped)],
                            left_out=[v.fields[0] for v in mistyped])

@@ -48,7 +48,7 @@ def unknown_key(cfg: DictConfig, key: str) -> Violation:
         fields = _fields(node)
         if fields is None:  # a free-form section: its keys are not checked
             break
-        # Hydra's own node, where the config was composed with it (`relax.cli.config_check.hydra_value_problems`)
+        # Hydra's own node, where the config was composed with it (`load_config(hydra=True)`, `hydra_problems`)
         if part in fields or (i == 0 and part == "hydra" and part in node):
             node = node._get_node(part)
             continue
@@ -249,6 +249,32 @@ def compose_known(compose: Any, overrides: Sequence[str]
             if i is None:
                 raise
             dropped.append(kept.pop(i).split("=", 1)[0].lstrip("+~"))
+
+
+def unknown_hydra_key(dc: DictConfig, key: str) -> Violation:
+    """`key` (`hydra.<...>`), which Hydra's config in `dc` (composed with it) lacks: with the close ones, or, in a
+    mapping of free keys (`hydra.job.env_set`), how to add it (`+key=...`), as Hydra's own refusal says."""
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(dc, parent_key, default=None)
+    if isinstance(parent, DictConfig) and not dataclasses.is_dataclass(OmegaConf.get_type(parent)):
+        return Violation((key,), f"unknown key {key}: {parent_key} has no key {leaf!r} to set; add it with "
+                                 f"+{key}=...")
+    return unknown_key(dc, key)
+
+
+def is_hydras(key: str) -> bool:
+    """Whether `key` (a violation's first field, a key or a group) is one of Hydra's own (`hydra.job.chdir`,
+    `hydra/job_logging`)."""
+    return key.startswith(("hydra.", "hydra/"))
+
+
+def hydra_problems(dc: DictConfig, dropped: Sequence[str], choices: Sequence[Violation],
+                   mistyped: Sequence[Violation]) -> list[Violation]:
+    """Of `compose_known`'s findings for a config composed with Hydra's own (`return_hydra_config`), those of
+    Hydra's keys and groups: a choice of one of its groups that names no option (`hydra/job_logging=bogus`), a value
+    not of its key's type or a form refused (`hydra.job.chdir=abc`), a key its config lacks (`hydra.job.chdirr`)."""
+    return [*(v for v in [*choices, *mistyped] if is_hydras(v.fields[0])),
+            *(unknown_hydra_key(dc, k) for k in dropped if is_hydras(k))]
 
 
 def choice_problems(dc: DictConfig, dropped: Sequence[str], choices: Sequence[Violation],

@@ -507,6 +507,50 @@ def test_a_plus_on_a_key_there_or_a_deletion_of_a_schema_key_is_one_message_nami
     assert problems(["++train.lr=2e-5", "+hydra.job.env_set.FOO=1", "~teacher", "train.num_rollout=2"]) is None
 
 
+def test_a_choice_of_one_of_hydras_groups_is_listed_with_its_options(tmp_path, monkeypatch, capfd):
+    """`hydra/job_logging=bogus` is in the one `invalid config` list with the group's options, as a wrong
+    `algorithm=` is, exit 2 (before: Hydra's "Could not find 'hydra/job_logging/bogus'" and its search path, exit
+    1, after nothing else); valid choices, Relax's own launcher plugin's among them, go on."""
+    from relax.cli.config_check import problems
+
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train(["hydra/job_logging=bogus", "algorithm=grpoo", "dry_run=true"], capfd))
+    assert err.splitlines() == [
+        "relax-train: error: invalid config (2 problems):",
+        "  - hydra/job_logging=bogus: config group hydra/job_logging has no option 'bogus'; its options: default, "
+        "disabled, none, stdout",
+        "  - algorithm=grpoo: config group algorithm has no option 'grpoo' (did you mean algorithm=grpo?); its "
+        "options: cispo, grpo, gspo, m2po, opd, ppo, reinforce_pp, reinforce_pp_baseline, rloo, sapo"], err
+    assert "Config search path" not in err
+    assert problems(["-m", "hydra/output=nope", "seed=1,2"]) == (
+        "invalid config (1 problem):\n"
+        "  - hydra/output=nope: config group hydra/output has no option 'nope'; its options: default")
+    assert problems(["-m", "hydra/launcher=nonexistent", "seed=1,2"]) == (
+        "invalid config (1 problem):\n"
+        "  - hydra/launcher=nonexistent: config group hydra/launcher has no option 'nonexistent'; its options: "
+        "basic, relax_ray")
+    # the controls
+    assert problems(["hydra/job_logging=disabled", "hydra/hydra_logging=disabled", "train.num_rollout=2"]) is None
+    assert problems(["-m", "hydra/launcher=relax_ray", "hydra/job_logging=stdout", "seed=1,2"]) is None
+
+
+def test_a_run_with_hydras_keys_is_checked_in_one_composition(monkeypatch):
+    """A run's Hydra keys and groups are checked in its config's composition (`relax.cli.config_check.load`): one
+    Hydra compose, as for a command line without them (before: a second, with Hydra's config, for their check)."""
+    import hydra
+
+    from relax.cli.config_check import problems
+
+    calls = []
+    real = hydra.compose
+    monkeypatch.setattr(hydra, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))
+    assert problems(["hydra.job.chdir=true", "hydra/job_logging=disabled", "train.lr=1e-5"]) is None
+    assert calls == [["hydra.job.chdir=true", "hydra/job_logging=disabled", "train.lr=1e-5"]]
+    calls.clear()
+    assert problems(["train.lr=1e-5"]) is None  # the control: one, without Hydra's keys
+    assert calls == [["train.lr=1e-5"]]
+
+
 def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tmp_path, monkeypatch, capfd):
     """`relax-train -cp <dir> -cn config ...` (a run's saved config, which the command line's precheck leaves to
     Hydra): every value not of its key's type, the saved config's or the command line's, and a key given twice, in

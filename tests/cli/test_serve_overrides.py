@@ -71,6 +71,33 @@ def test_config_problems_are_listed_as_relax_train_lists_them(capsys):
         "train.num_rollout=x: train.num_rollout takes an int, not the string 'x'"), err
 
 
+def test_hydras_keys_and_groups_are_checked_as_relax_train_checks_them(capsys):
+    """relax-serve runs relax-train's check of Hydra's own keys and groups (relax.cli.config_check.load, one
+    composition): a value not of its key's type, an unknown key, a choice none of its group's options, named as
+    relax-train names them (before: OmegaConf's "Value 'abc' is not a valid bool", "no such section or key", and
+    Hydra's own text for the choice). `+` on a key that is there and `~` of a schema key: the same lines too."""
+    from relax.cli.config_check import problems
+
+    overrides = ["hydra.job.chdir=abc", "hydra.job.chdirr=true", "hydra/job_logging=bogus", "~train.lr"]
+    code, err = start(capsys, *overrides)
+    assert code == 2
+    assert err.strip() == f"relax-serve: error: {problems(overrides)}", err
+    assert err.strip().splitlines() == refused(
+        "hydra/job_logging=bogus: config group hydra/job_logging has no option 'bogus'; its options: default, "
+        "disabled, none, stdout",
+        "hydra.job.chdir=abc: hydra.job.chdir takes a bool (true or false) or null, not the string 'abc'",
+        "unknown key hydra.job.chdirr (did you mean hydra.job.chdir?)",
+        "~train.lr: train.lr is a key of the schema (every config has it), so it cannot be deleted: to keep the "
+        "value the config gives it (train.lr=0.001), leave ~train.lr out; to change it: train.lr=VALUE"), err
+    code, err = start(capsys, "+train.lr=2e-5")
+    assert err.strip().splitlines() == refused(
+        "+train.lr=2e-5: train.lr is already in the config, and + adds a key it does not have: set it with "
+        "train.lr=2e-5 (++train.lr=2e-5 sets it whether or not it is there)"), err
+    # the control: valid ones go on to the missing model
+    code, err = start(capsys, "hydra.job.chdir=true", "hydra/job_logging=disabled", "++train.lr=2e-5")
+    assert code == 2 and "invalid config" not in err and "/nonexistent/relax-serve-model" in err, err
+
+
 def test_single_values_go_on_to_the_next_check(capsys):
     """The control: each key once passes, and the start stops at the missing model."""
     code, err = start(capsys, "train.lr=1e-5", "++rollout.temperature=0.7")
