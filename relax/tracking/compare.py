@@ -4,8 +4,11 @@ Layer 2 (tracking): MLflow, numpy and matplotlib only, imported lazily; no Ray, 
 `relax-compare` (relax/cli/compare.py) is the command line around `compare`.
 
 Runs: one per (arm, seed), the same for every metric (`choose_runs`: the most recent finished one; a note names the
-others). Evaluation-only runs (train.num_rollout=0) selected with training runs form arms of their own. The params
-that differ between arms are listed, and an arm whose runs differ in more than the seed gets a note.
+others). Runs of one arm must be of one config (outside the seed, train.resume, tracking.* and what a resume may
+change): runs of different configs under one arm label are a CompareError naming the params and the `--by` that
+separates them (`config_conflicts`), never a rerun dropped or seeds averaged. Evaluation-only runs
+(train.num_rollout=0) selected with training runs form arms of their own. The params that differ between arms are
+listed, and an arm whose runs differ in what a resume may change (train.num_rollout, ...) gets a note.
 
 Statistics, per metric:
 - a run's *final value* is the mean of its last `last_k` logged values (a single step's training reward is noisy);
@@ -44,7 +47,7 @@ from relax.tracking.mlflow_run import (
     quiet_mlflow_logging,
     resolve_tracking_uri,
 )
-from relax.tracking.params import TAG_ARM, TAG_SEED, TAG_SWEEP_ID
+from relax.tracking.params import RESUMABLE_CHANGES, TAG_ARM, TAG_SEED, TAG_SWEEP_ID
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -321,6 +324,65 @@ def choose_runs(runs: Sequence[RunData]) -> tuple[list[RunData], list[str]]:
     return chosen, notes
 
 
+def _rerun_may_differ(key: str) -> bool:
+    """`key` may differ between runs of one config: run-specific (seed, train.resume, tracking.*) or a field a resume
+    may change (RESUMABLE_CHANGES, or a leaf of one such as `data.eval_sets.<name>`)."""
+    return (key in RUN_SPECIFIC_PARAMS or key.startswith(RUN_SPECIFIC_PREFIXES) or key in RESUMABLE_CHANGES
+            or any(key.startswith(f + ".") for f in RESUMABLE_CHANGES))
+
+
+def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
+    """A CompareError when the runs of one arm differ in a param that a rerun or a resume of one config cannot
+    change: such runs are different experiments that share an arm label (the default arm is the algorithm's name, so
+    a LoRA run and a full fine-tune both have `grpo`), and one seed of them would keep the newest as a rerun and drop
+    the others, or seeds of different configs would be averaged as seed noise. The error names the params, each
+    value with its runs, and the `--by` that tells them apart. A param some runs did not log (another Relax version)
+    is not a difference; differences in what may change (num_rollout, evaluation) stay a note."""
+    by_arm: dict[str, list[RunData]] = {}
+    for r in runs:
+        if r.params:
+            by_arm.setdefault(r.arm, []).append(r)
+    problems, splits = [], []
+    for arm, members in sorted(by_arm.items()):
+        if len(members) < 2:
+            continue
+        keys = sorted(k for k in set().union(*(m.params for m in members)) if not _rerun_may_differ(k)
+                      and all(k in m.params for m in members))
+        differing = [k for k in keys if len({m.params[k] for m in members}) > 1]
+        if not differing:
+            continue
+        configs = len({tuple(m.params[k] for k in differing) for m in members})
+        # the param that alone tells every config of the arm apart (the first), else the one with the most values
+        best = sorted(differing, key=lambda k: -len({m.params[k] for m in members}))[0]
+        splits.append((best, len({m.params[best] for m in members}) == configs))
+        members = sorted(members, key=lambda m: (_natural(_seed_key(m)), m.start_time))
+
+        def runs_with(k: str, v: str, members: list[RunData] = members) -> str:
+            return ", ".join(m.run_id + (f" seed {m.seed}" if m.seed is not None else "")
+                             for m in members if m.params[k] == v)
+
+        text = "; ".join(f"{k}: " + ", ".join(f"{_short(v)} [{runs_with(k, v)}]"
+                                              for v in dict.fromkeys(m.params[k] for m in members))
+                         for k in differing[:6])
+        more = f"; ... {len(differing) - 6} more" if len(differing) > 6 else ""
+        problems.append(f"{by} {arm}: {len(members)} runs of {configs} different configs: {text}{more}")
+    if not problems:
+        return
+    suggest = [k for k, _ in splits if k != by]
+    if not suggest:
+        how = "group them by a param that tells them apart (--by PARAM)"
+    elif all(whole for _, whole in splits):
+        how = f"compare them as arms with --by {suggest[0]}"
+    else:
+        how = (f"--by {suggest[0]} tells some of them apart, but no one param tells every config apart (--by takes "
+               "one key)")
+    raise CompareError(
+        "runs of different configs share an arm, so they are not seeds or reruns of one experiment (the default arm "
+        "is the algorithm's name): " + "; ".join(problems) + ". Runs of one arm may differ only in the seed, "
+        "train.resume, tracking.* and what a resume may change (train.num_rollout, evaluation and saving); "
+        f"{how}, or select the runs of one config (--run-ids, --tag)")
+
+
 def _short(value: str, limit: int = 40) -> str:
     return value if len(value) <= limit else value[:limit - 3] + "..."
 
@@ -376,8 +438,9 @@ def _control_hint(control: str, arms: Sequence[str]) -> str:
 
 
 def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optional[str] = None, last_k: int = 10,
-              n_boot: int = 10_000, seed: int = 0, eval_last_k: int = 1) -> Comparison:
-    """Per-arm statistics and paired differences to `control` for each metric; problems become notes.
+              n_boot: int = 10_000, seed: int = 0, eval_last_k: int = 1, by: str = TAG_ARM) -> Comparison:
+    """Per-arm statistics and paired differences to `control` for each metric; problems become notes, but runs of
+    different configs in one arm (grouped by `by`) are a CompareError (`config_conflicts`).
 
     The numbers of a seed all come from one run (`choose_runs`). A run's final value of an eval/* metric is the mean
     of its last `eval_last_k` evaluations (default 1: the final model's), of any other metric the mean of its last
@@ -387,6 +450,7 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
     if control is not None and control not in arms:
         raise CompareError(f"control arm {control!r} is not among the arms: {', '.join(arms) or '(no runs)'}"
                            f"{_control_hint(control, arms)}")
+    config_conflicts(runs, by)
     chosen, dupe_notes = choose_runs(runs)
     comp = Comparison(list(metrics), arms, control, last_k, n_boot, runs=chosen, eval_last_k=eval_last_k)
     comp.notes += dupe_notes
@@ -950,7 +1014,7 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
         moved = _continued_by(client, _experiment_ids(client, experiment), sweep, some=True)
         raise CompareError(f"no finished runs in {description}{moved}" + "".join(f"\n  {n}" for n in notes))
     comp = summarize(runs, metric_list, control=control, last_k=last_k, n_boot=n_boot, seed=seed,
-                     eval_last_k=eval_last_k)
+                     eval_last_k=eval_last_k, by=by)
     comp.notes[:0] = notes
     if not comp.stats:  # nothing to write: the outputs of an earlier comparison stay as they are
         raise CompareError(f"no finite values of {', '.join(metric_list)} in the {len(runs)} selected runs of "

@@ -34,6 +34,50 @@ TAG_OVERRIDES = "overrides"  # the command-line overrides of the job (or the swe
 # Overrides the sweep launcher adds to every job; bookkeeping, so left out of the overrides tag.
 LAUNCHER_OVERRIDE_KEYS: tuple[str, ...] = ("tracking.parent_run_id", "tracking.sweep_id", "tracking.arm")
 
+# Config fields that may differ between a checkpoint and the run that continues it: they change how long the
+# run goes on, where and how often it saves, what the terminal shows, or which cluster/sweep it runs in, but
+# not what a step computes (except that num_rollout sets the length of a cosine/linear lr schedule). Any other
+# difference makes a resume refuse (relax.runner.checkpoint.config_differences), and runs of one arm that differ
+# elsewhere are not reruns of one config (relax.tracking.compare.config_conflicts). Here, below the runner, so that
+# relax-compare reads the same list; relax/runner/checkpoint.py still has its own copy (a test keeps them equal).
+RESUMABLE_CHANGES: tuple[str, ...] = (
+    "train.resume",
+    "train.num_rollout",
+    "train.save",
+    "train.save_interval",
+    "train.save_dir",
+    "train.keep_checkpoints",
+    "train.save_hf",  # what the run writes besides its checkpoints: the final export, the MLflow model
+    "tracking.log_model",
+    "tracking.progress",
+    "tracking.parent_run_id",
+    "tracking.sweep_id",
+    "cluster.address",
+    "dry_run",
+    # how faults are answered and what the machine reports: not what a step computes
+    "train.max_restarts",
+    "train.save_failures",
+    "train.save_on_preempt",
+    "train.checkpoint_timeout_s",
+    "cluster.heartbeat_timeout_s",
+    "tracking.system_metrics",
+    "tracking.system_metrics_interval_s",
+    # what evaluation runs and how (docs/training.md, "Evaluation"): only evaluation reads these; it samples its own
+    # prompts with its own random streams between two rollout batches, so a training step computes the same with any
+    # of them (but in fully_async with weight_sync_interval > 1, where the weights published before each evaluation
+    # reach the rollouts that follow, `resume_point` refuses a new interval while steps are left)
+    "train.eval_interval",
+    "train.eval_pass_k",
+    "train.eval_correct_threshold",
+    "train.eval_save_samples",
+    "rollout.eval_n_samples_per_prompt",
+    "rollout.eval_temperature",
+    "rollout.eval_top_p",
+    "data.eval_path",
+    "data.eval_sets",
+    "data.num_eval_prompts",
+)
+
 
 def truncate_value(value: str, limit: int = PARAM_VALUE_MAX_LEN) -> str:
     """Cut `value` to `limit` characters, ending with a marker so that a reader sees it was cut."""

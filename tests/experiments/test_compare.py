@@ -375,6 +375,54 @@ def test_one_run_per_seed_for_every_metric_and_config_differences(tmp_path, fres
                                                                                       (E, "a", "1=0.9;2=0.5")]
 
 
+def test_runs_of_different_configs_in_one_arm_are_refused_naming_the_params_and_the_by(tmp_path, fresh_store,
+                                                                                        capsys):
+    """review-exp 3: a full fine-tune and a LoRA run both tagged arm grpo, seed 1, are not a run and its rerun (the
+    older one was dropped with a note); nor are they two seeds of one arm. Refused, exit 2, before any file is
+    written, naming each differing param with its runs and the --by that separates them; --by model.lora_rank then
+    compares them. Control: a rerun that differs only in the run name, where it resumes from, its length and its
+    eval sets (what a resume may change) is still one seed, the newest used."""
+    full = {"algorithm.name": "grpo", "model.lora_rank": "0", "train.lr": "0.001", "train.num_rollout": "2",
+            "seed": "1", "tracking.run_name": "None", "data.eval_sets": "{}"}
+    lora = {**full, "model.lora_rank": "4", "train.lr": "0.01", "tracking.run_name": "lora"}
+    rerun = {**full, "tracking.run_name": "logm", "train.num_rollout": "3", "train.resume": "auto",
+             "data.eval_sets.two": "/x/two.jsonl", "train.eval_interval": "2"}
+    rerun.pop("data.eval_sets")
+    grpo = {"arm": "grpo", "seed": "1"}
+    uri, ids = _runs_store(tmp_path, fresh_store, [
+        (grpo, full, {R: [(0, 0.1), (1, 0.3)]}, "FINISHED"),
+        (grpo, lora, {R: [(0, 0.2), (1, 0.5)]}, "FINISHED"),
+        (grpo, rerun, {R: [(0, 0.1), (1, 0.4)]}, "FINISHED"),
+    ])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--uri", uri, "--run-ids", ids[0], ids[1], "--no-log", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.startswith("relax-compare: error: runs of different configs share an arm"), err
+    assert f"arm grpo: 2 runs of 2 different configs: model.lora_rank: 0 [{ids[0]} seed 1], 4 [{ids[1]} seed 1]; " \
+           f"train.lr: 0.001 [{ids[0]} seed 1], 0.01 [{ids[1]} seed 1]." in err, err
+    assert "; compare them as arms with --by model.lora_rank, or select the runs of one config" in err
+    assert "tracking.run_name" not in err and not out.exists()
+    # the same two as seeds 1 and 2 of the arm: not averaged as seed noise either
+    with pytest.raises(CompareError, match=r"arm grpo: 3 runs of 2 different configs: model\.lora_rank: 0 \["):
+        compare(uri=uri, experiment="e", out_dir=out, log=False)
+    split = compare(uri=uri, run_ids=ids[:2], by="model.lora_rank", last_k=1, out_dir=out, log=False).comparison
+    assert {(s.arm, s.mean) for s in split.stats} == {("0", 0.3), ("4", 0.5)}
+    same = compare(uri=uri, run_ids=[ids[0], ids[2]], last_k=1, out_dir=out, log=False).comparison
+    assert [(s.arm, s.finals) for s in same.stats] == [("grpo", {"1": 0.4})]
+    assert any(n.startswith(f"arm grpo: 2 runs with seed 1: every metric of that seed comes from the most recent "
+                            f"finished one, {ids[2]}") for n in same.notes), same.notes
+
+
+def test_a_rerun_may_differ_in_what_a_resume_may_change():
+    """relax-compare's rerun fields are the resume check's (one list, read by both)."""
+    from relax.runner import checkpoint
+    from relax.tracking import params
+
+    assert params.RESUMABLE_CHANGES == checkpoint.RESUMABLE_CHANGES
+
+
 def test_evaluation_only_runs_are_an_arm_of_their_own(tmp_path, fresh_store):
     """An evaluation-only run (train.num_rollout=0) tagged with a training arm and seed is not that seed's run: next
     to training runs it forms the arm '<arm> (evaluation-only)'; among evaluation-only runs alone, arms are as
