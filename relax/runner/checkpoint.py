@@ -354,6 +354,7 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
     saved = state.get("config")
     if saved is None:  # written before checkpoints recorded their config
         print(f"relax-train: warning: checkpoint {path} records no config; continuing it unchecked", file=sys.stderr)
+        check_num_rollout(cfg, path, state)
         check_run_model(cfg, path, state)
         verify(path, state, hashes=hashes)
         return ResumePoint(path, state)
@@ -387,9 +388,25 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
             f"cannot continue it ({n} field{'s differ' if n > 1 else ' differs'}, checkpoint -> now):\n{lines}\n"
             f"{why}Only {', '.join(RESUMABLE_CHANGES)} may change on resume. {advice}"
         )
+    check_num_rollout(cfg, path, state)
     check_run_model(cfg, path, state)
     verify(path, state, hashes=hashes)
     return ResumePoint(path, state, changed)
+
+
+def check_num_rollout(cfg: RelaxConfig, path: Path, state: dict) -> None:
+    """Refuse a resume whose `train.num_rollout` (the run's total number of training steps, not the steps to add) is
+    above 0 and below the checkpoint's step: such a run has nothing to train and is no evaluation either
+    (`train.num_rollout=0`, or the checkpoint's own step, evaluates it); RunError naming both numbers and what to
+    type instead."""
+    step, n = _int(state.get("step")), cfg.train.num_rollout
+    if not 0 < n < step:
+        return
+    raise RunError(
+        f"train.resume={cfg.train.resume}: train.num_rollout={n} is below the {step} steps checkpoint {path} holds, "
+        f"so this run would train nothing: train.num_rollout is the run's total number of steps, not the steps to "
+        f"add. To train it further give the total, e.g. train.num_rollout={step + n} ({n} more step"
+        f"{'s' if n > 1 else ''}); to evaluate it, train.num_rollout=0 (or {step})")
 
 
 def check_run_model(cfg: RelaxConfig, path: Path, state: dict) -> None:

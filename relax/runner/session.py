@@ -18,7 +18,7 @@ from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
 from relax.runner.errors import NothingTrained, RunError, step_name
 from relax.runner.eval_samples import eval_samples_file, to_jsonl
 from relax.runner.ledger import FILE as LEDGER_FILE
-from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
+from relax.runner.ledger import Ledger, LedgerError, continued, read_checkpoint
 from relax.runner.plan import Plan
 from relax.runner.step_metrics import RAW_REWARD, final_eval_summary
 from relax.tracking.progress import steps_name
@@ -66,6 +66,23 @@ def resume_text(resume: ResumePoint) -> str:
     return text
 
 
+def resume_history_tags(held: Mapping[str, str], text: str) -> dict[str, str]:
+    """The tags that record continuation `text` (`resume_text`, or a restart's) of a reopened run whose tags were
+    `held`: `relax.resumed` (the last one, overwritten) and `relax.resumed.<n>`, the n-th (1-based), so that every
+    continuation stays readable in the run's tags. A run continued by a Relax that kept only the last one has its
+    `relax.resumed` value as `relax.resumed.1` (the earlier ones are lost), this one after it."""
+    from relax.tracking.mlflow_run import RESUMED_TAG
+
+    prefix = RESUMED_TAG + "."
+    numbers = [int(k[len(prefix):]) for k in held if k.startswith(prefix) and k[len(prefix):].isdigit()]
+    tags = {RESUMED_TAG: text}
+    if not numbers and RESUMED_TAG in held:
+        tags[prefix + "1"] = held[RESUMED_TAG]
+        numbers = [1]
+    tags[f"{prefix}{max(numbers, default=0) + 1}"] = text
+    return tags
+
+
 def dataset_record(name: str, context: str, dataset: PromptDataset, task: str) -> DatasetRecord:
     """How a prompt set is logged (`relax.tracking.inputs`): its source is the file it was read from (a dataset read
     from a file is named by its path), else the synthetic task `task` (`synthetic:<task>`); its digest hashes the
@@ -104,7 +121,10 @@ class Session:
     every checkpoint (`ledger.jsonl`, steps before the checkpoint's) and into the MLflow run as the artifact
     `ledger.jsonl`, rewritten whole before each checkpoint and at the end of the run (also a failed or stopped one),
     so that the ledger of any checkpoint is a prefix of the run's. A resumed run continues the ledger of its
-    checkpoint (cut to the steps before it) and rewrites the same artifact.
+    checkpoint (cut to the steps before it). The reopened run's artifact keeps the entry it holds for each step, as
+    MLflow keeps the first value of each metric and step (`relax.runner.ledger.continued`): a job that resumes an
+    older checkpoint writes only the steps the run does not hold, and a job that trains no step (an evaluation of a
+    checkpoint) does not write it.
 
     The end of the run (`finish`), with `train.save_hf=true`: the final checkpoint (that of step `train.num_rollout`,
     committed by this job or the one it resumed) is exported as a Hugging Face model directory to `<save_dir>/hf`
@@ -150,6 +170,9 @@ class Session:
             self._ledger_missing = saved is None
             if saved is not None:
                 self.ledger = saved.truncate(self.start_step)
+        self._ledger_resumed = len(self.ledger)  # entries of the checkpoint resumed (this job's come after)
+        self._ledger_held: Ledger | None = None  # a reopened run's ledger artifact (`log_ledger` keeps its entries)
+        self._reopened = False
         self._ledger_logged: int | None = None  # entries in the MLflow artifact (None: not written by this job)
         # the checkpoint of the last step (train.save_hf exports it): committed by save_checkpoint, or resumed from
         self.final_checkpoint: Path | None = None
@@ -201,6 +224,7 @@ class Session:
                 tags[EVAL_STEP_TAG] = EVAL_STEP_WEIGHTS
             if reopen:
                 tags[RESUMED_TAG] = resume_text(resume) if resume is not None else "step 0 (a restart)"
+                self._reopened = True
                 try:
                     self.tracker = Tracker.reopen(cfg.tracking, reopen_id, options, from_step=self.start_step,
                                                   tags=tags, keep_history=(RAW_REWARD, EVAL_PREFIX),
@@ -212,6 +236,9 @@ class Session:
                     if isinstance(exc, LookupError) and recorded and recorded != resolve_tracking_uri(cfg.tracking.uri):
                         hint = f"; the checkpoint's run was recorded in {recorded}: run with tracking.uri={recorded}"
                     raise RunError(f"cannot continue {what}: {exc}{hint}") from None
+                # every continuation stays readable: relax.resumed.<n> beside relax.resumed (the last)
+                self.tracker.set_tags(resume_history_tags(self.tracker.reopened_tags, tags[RESUMED_TAG]))
+                self._read_held_ledger()
                 counts = (resume.tracker_state.get("nonfinite_counts") or {}) if resume is not None else {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
                 # the rewards of the steps before the resumed one (those from it on are recomputed); the
@@ -398,17 +425,44 @@ class Session:
         except Exception as exc:
             self.note(f"the datasets could not be recorded in MLflow ({type(exc).__name__}: {exc}); training goes on")
 
+    def _read_held_ledger(self) -> None:
+        """A reopened run: the ledger artifact it holds (None if it has none), whose entries `log_ledger` keeps. One
+        that cannot be read or parsed is said, and this job's ledger is then written over it (as before the run
+        kept its own)."""
+        try:
+            text = self.tracker.read_text(LEDGER_FILE)
+            held = Ledger.loads(text, f"artifact {LEDGER_FILE} of MLflow run {self.tracker.run_id}") \
+                if text is not None else None
+        except Exception as exc:
+            print(f"relax-train: warning: the sample ledger of MLflow run {self.tracker.run_id} could not be read "
+                  f"({type(exc).__name__}: {exc}); this job writes the ledger of its own steps over it",
+                  file=sys.stderr, flush=True)
+            return
+        self._ledger_held = held
+        if held is not None:
+            self._ledger_logged = len(held)
+
+    def run_ledger(self) -> Ledger:
+        """The ledger the MLflow run records: this job's, or for a reopened run the entries it holds, then this
+        job's of the steps it does not hold (`relax.runner.ledger.continued`)."""
+        return self.ledger if self._ledger_held is None else continued(self._ledger_held, self.ledger)
+
     def log_ledger(self) -> None:
-        """Write the whole ledger to the MLflow run (artifact `ledger.jsonl`) if it changed since the last write; a
-        failure is noted, never raised (training goes on; a store outage spools it like any other write)."""
-        if self._ledger_logged == len(self.ledger):
+        """Write the run's whole ledger (`run_ledger`) to the MLflow run (artifact `ledger.jsonl`) if it changed since
+        the last write; a failure is noted, never raised (training goes on; a store outage spools it like any other
+        write). A reopened run is not written by a job that recorded no step (an evaluation of a checkpoint, or a
+        resume that stopped before its first step): what it holds stays."""
+        if self._reopened and len(self.ledger) == self._ledger_resumed:
+            return
+        ledger = self.run_ledger()
+        if self._ledger_logged == len(ledger):
             return
         try:
-            self.tracker.log_text(self.ledger.dumps(), LEDGER_FILE)
+            self.tracker.log_text(ledger.dumps(), LEDGER_FILE)
         except Exception as exc:
             self.note(f"the sample ledger could not be written to MLflow ({exc}); it is in the next checkpoint")
             return
-        self._ledger_logged = len(self.ledger)
+        self._ledger_logged = len(ledger)
 
     def save_checkpoint(self, cluster, step: int, state: dict, rollout: dict | None = None) -> Path | None:
         """Flush the metrics of every step so far, then write and commit the checkpoint of `step`.

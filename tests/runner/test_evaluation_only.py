@@ -39,7 +39,8 @@ def test_each_checkpoint_evaluated_alone_logs_the_training_runs_evaluation_of_it
     """Train 2 steps, evaluating after each and saving each (steps 1 and 2 kept); then each checkpoint is resumed with
     nothing left to train, with one more eval set. An evaluation is logged at the number of training steps in the
     weights it evaluated, in both kinds of run: checkpoint k's evaluation alone is logged at step k with, bit for
-    bit, the values the training run logged at step k; the other checkpoint's differ (the control)."""
+    bit, the values the training run logged at step k; the other checkpoint's differ (the control). Evaluating the
+    older checkpoint leaves the run's ledger as the training wrote it: relax-verify-run passes after each."""
     extra = tmp_path / "extra.jsonl"
     extra.write_text("".join(json.dumps({"prompt": f"repeat {d}", "label": str(d)}) + "\n" for d in range(3, 7)))
     trained = run(load_config(small_run(*EVAL, "train.save_interval=1")), output_dir=tmp_path / "out")
@@ -72,6 +73,9 @@ def test_each_checkpoint_evaluated_alone_logs_the_training_runs_evaluation_of_it
         assert summary.startswith("Relax run finished (evaluation only: nothing trained)")
         assert f"the checkpoint of step {k}" in summary and f"eval digits (step {k})" in summary
         assert not any(key.startswith(("train/", "rollout/")) for _, m in again.history for key in m)
+        # the run's record of what it trained stays (checkpoint 1's ledger holds 1 of its 2 steps): it verifies
+        report = verify_run.verify(trained.run_id, f"sqlite:///{tmp_path}/mlflow.db")
+        assert report.ok, (k, report.text())
     assert alone[1] != alone[2]  # the control: the training changed what evaluation measures
     assert sorted(before) == sorted(eval_history(client, trained.run_id)) == [1, 2]  # no evaluation on another step
     tags = client.get_run(trained.run_id).data.tags

@@ -171,6 +171,27 @@ def test_explicit_resume_directory_is_checked_too(tmp_path):
         Checkpoints(load_config([f"train.resume={path}", "seed=2", "train.save=false"]), tmp_path).__enter__()
 
 
+def test_num_rollout_below_the_checkpoints_step_is_refused_naming_both_numbers(tmp_path):
+    """`train.num_rollout` is the run's total: 1 with a checkpoint of 2 steps trains nothing and is no evaluation, so
+    it is refused before anything starts, by the check the dry run makes too (`checkpoint.probe`); 0 and the
+    checkpoint's own step (evaluations of it) and more (training it further) go on."""
+    with Checkpoints(load_config([]), tmp_path) as ckpts:
+        path = fake_save(ckpts, 2)
+    for resume in ("auto", str(path)):
+        below = load_config([f"train.resume={resume}", "train.num_rollout=1"])
+        for attempt in (lambda c: Checkpoints(c, tmp_path).__enter__(), lambda c: checkpoint.probe(c, tmp_path)):
+            with pytest.raises(RunError) as info:
+                attempt(below)
+            assert str(info.value) == (
+                f"train.resume={resume}: train.num_rollout=1 is below the 2 steps checkpoint {path} holds, so this run "
+                "would train nothing: train.num_rollout is the run's total number of steps, not the steps to add. To "
+                "train it further give the total, e.g. train.num_rollout=3 (1 more step); to evaluate it, "
+                "train.num_rollout=0 (or 2)")
+    for n in (0, 2, 3):
+        with Checkpoints(load_config([f"train.resume={path}", f"train.num_rollout={n}"]), tmp_path) as ok:
+            assert ok.resume.step == 2
+
+
 @pytest.mark.slow
 def test_cli_refusal_is_one_message_exit_2_before_anything_starts(tmp_path, capfd, monkeypatch, ray_not_started):
     """`relax-train` runs in this process (tests/relax_train_inprocess.py): the refusal is a pre-Ray `RunError` of
@@ -186,6 +207,13 @@ def test_cli_refusal_is_one_message_exit_2_before_anything_starts(tmp_path, capf
     assert "train.lr: 0.5 -> " in err and "step_000002" in err
     assert "Traceback" not in err + out
     assert not (tmp_path / "mlflow.db").exists() and not ray_not_started  # refused before tracking and Ray started
+    # a num_rollout below the checkpoint's step (the dry run too): one message naming both numbers, exit 2
+    code, out, err = relax_train(["train.resume=auto", "train.lr=0.5", "train.num_rollout=1", "dry_run=true",
+                                  "tracking.progress=false"], capfd)
+    assert code == 2, err[-3000:]
+    assert "train.num_rollout=1 is below the 2 steps checkpoint" in err and "train.num_rollout=3" in err
+    assert "Traceback" not in err + out
+    assert not (tmp_path / "mlflow.db").exists() and not ray_not_started
 
 
 # ------------------------------------------------------------------------- the session: MLflow and commits
@@ -229,6 +257,56 @@ def test_metrics_are_in_the_store_before_the_checkpoint_that_covers_them(tmp_pat
         run_id = s.tracker.run_id
     assert cluster.seen == {2: [0, 1], 4: [0, 1, 2, 3]}  # default flush: every 10 steps or 15 s, yet all there
     assert checkpoint.read_state(checkpoint.latest(ckpts.save_dir))["mlflow_run_id"] == run_id
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_reopened_run_keeps_its_ledger_and_records_every_resume(tmp_path, mlflow_template):
+    """A 3-step run (checkpoints 2 and 3), then its older checkpoint 2 evaluated (trains nothing: the run's 3-step
+    ledger stays), then resumed from checkpoint 2 to 4 steps with step 2 trained again on other samples: the run
+    keeps the entry it holds for step 2, as MLflow keeps the first value of each metric and step, and gets step 3.
+    The relax.resumed.<n> tags keep both continuations, relax.resumed the last."""
+    import torch
+    from mlflow import MlflowClient
+
+    from relax.runner.ledger import Ledger
+
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(mlflow_template, db)
+    client = MlflowClient(f"sqlite:///{db}")
+
+    def artifact(run_id: str) -> Ledger:
+        return Ledger.loads(Path(client.download_artifacts(run_id, "ledger.jsonl", str(tmp_path / "dl"))).read_text())
+
+    def record(s, step: int, first_id: int) -> None:
+        s.log({"x": float(step)}, step)
+        s.record_samples(step, torch.arange(first_id, first_id + 4), torch.ones(4, dtype=torch.bool))
+
+    cluster = RecordingCluster(f"sqlite:///{db}")
+    ckpts, session = _session(["train.num_rollout=3"], tmp_path, db)
+    with ckpts, session() as s:
+        for step in range(3):
+            record(s, step, 4 * step)
+            if step:
+                s.save_checkpoint(cluster, step + 1, {"sampler": {}})
+        run_id = s.tracker.run_id
+    trained = artifact(run_id)
+    assert trained.steps == [0, 1, 2]
+    step2 = checkpoint.step_dir(ckpts.save_dir, 2)
+
+    ckpts, session = _session([f"train.resume={step2}", "train.num_rollout=0"], tmp_path, db)
+    with ckpts, session() as s:
+        s.log_evaluation({"eval/digits/mean_at_1": 0.5}, 2, evaluation_only=True)
+    assert artifact(run_id).entries == trained.entries  # was: checkpoint 2's ledger, steps 0 and 1
+
+    ckpts, session = _session([f"train.resume={step2}", "train.num_rollout=4"], tmp_path, db)
+    with ckpts, session() as s:
+        record(s, 2, 100)  # step 2 again, other samples: the run keeps those it recorded first
+        record(s, 3, 12)
+    assert artifact(run_id).entries == [*trained.entries, s.ledger.entries[3]]
+    tags = client.get_run(run_id).data.tags
+    assert tags["relax.resumed.1"].startswith(f"step 2 from {step2}; changed: train.num_rollout: 3 -> 0")
+    assert tags["relax.resumed.2"] == tags["relax.resumed"] == \
+        f"step 2 from {step2}; changed: train.num_rollout: 3 -> 4"
 
 
 @pytest.mark.slow
