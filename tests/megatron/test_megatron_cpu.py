@@ -1,7 +1,8 @@
 """The Megatron-core backend on CPU processes over gloo, against the torch backend and transformers.
 
-Two multi-process launches (tests/megatron/ranks.py; `bf16` in the second, every other scenario in the first) check
-many things each:
+One multi-process launch (tests/megatron/ranks.py, two rank processes; `shared_launch`) runs every scenario the
+session's selected tests read, this module's and those of test_megatron_moe_aux_loss.py (`moe_aux`) and
+test_megatron_moe_load_and_z_loss.py (`moe_load_z`); each checks many things:
 - `tp2` (TP=2, DP=1, vocabulary padded 33 -> 34): logits vs transformers, the k/v-swap negative control,
   log-prob and post-finalize gradient parity, a 3-step train equal to TorchPolicy's, checkpoint resume, weight
   sync into the embedded rollout engine, HF export.
@@ -113,11 +114,32 @@ def launch(scenarios: str, world: int, out: Path) -> dict:
     return result
 
 
+# The scenarios each fixture reads, in the launch's order: the fixtures' own scenarios first, bf16 last (cpu_compat's
+# re-decoration of megatron-core's autograd Functions for CPU autocast stays in the process after it).
+FIXTURE_SCENARIOS = {"launched": ("tp2", "tp2sp", "dp2", "pp2", "moe_ep1", "moe_ep2", "agg_dp2"),
+                     "aux": ("moe_aux",), "load_z": ("moe_load_z",), "bf16": ("bf16",)}
+_SHARED: dict = {}
+
+
+def shared_launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Rank 0's results of one launch of every scenario that the session's selected tests read (through the fixtures
+    of FIXTURE_SCENARIOS), started by the first fixture that asks: each launch's rank processes import megatron-core,
+    torch and transformers anew, several seconds of CPU each. The three modules that read it are one xdist group, so
+    one worker runs them all and launches once."""
+    if "result" not in _SHARED:
+        used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+        if torch.cuda.is_available():
+            used.discard("bf16")  # the CPU autocast path only (the bf16 fixture skips)
+        scenarios = [s for fixture, names in FIXTURE_SCENARIOS.items() if fixture in used for s in names]
+        _SHARED["result"] = launch(",".join(scenarios), 2, tmp_path_factory.mktemp("megatron"))
+    return _SHARED["result"]
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """The TP=2 (without and with sequence parallelism), DP=2 (TP=1), PP=2, MoE and loss-aggregation scenarios, in
-    one launch of two rank processes."""
-    return launch("tp2,tp2sp,dp2,pp2,moe_ep1,moe_ep2,agg_dp2", 2, tmp_path_factory.mktemp("megatron"))
+def launched(request, tmp_path_factory) -> dict:
+    """The TP=2 (without and with sequence parallelism), DP=2 (TP=1), PP=2, MoE and loss-aggregation scenarios' results
+    (with the other scenarios of the shared launch)."""
+    return shared_launch(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -346,12 +368,12 @@ def test_moe_ep2_routing_replay_through_megatron_router_replay(launched):
 
 
 @pytest.fixture(scope="module")
-def bf16(tmp_path_factory) -> dict:
-    """The bf16 scenario, in a launch of its own (two rank processes). It checks the CPU's autocast path (cpu_compat);
-    on GPUs the Megatron actor trains bf16 parameters without autocast, checked by tests/gpu."""
+def bf16(request, tmp_path_factory) -> dict:
+    """The bf16 scenario, last in the shared launch. It checks the CPU's autocast path (cpu_compat); on GPUs the
+    Megatron actor trains bf16 parameters without autocast, checked by tests/gpu."""
     if torch.cuda.is_available():
         pytest.skip("the CPU autocast path: with CUDA cpu_compat changes nothing and the actor keeps bf16 parameters")
-    return launch("bf16", 2, tmp_path_factory.mktemp("megatron_bf16"))["bf16"]
+    return shared_launch(request, tmp_path_factory)["bf16"]
 
 
 @pytest.mark.parametrize("arch", ["dense", "moe"])

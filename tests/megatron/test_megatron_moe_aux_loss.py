@@ -2,15 +2,15 @@
 tests/models/test_moe.py checks against Hugging Face's load_balancing_loss_func) and a hand computation from
 transformers' router logits, on the same weights and padded batch: DP=2 x EP=2 over gloo, two micro-batches a rank
 holding the same rows as the torch backend's (the loss is a micro-batch's); the torch backend's formula added to each
-router (not megatron-core's aux loss), through megatron-core's MoEAuxLossAutoScaler. One launch of
-tests/megatron/ranks.py's `moe_aux` scenario (tests/megatron/moe_scenarios.py)."""
+router (not megatron-core's aux loss), through megatron-core's MoEAuxLossAutoScaler. The `moe_aux`
+scenario of tests/megatron/ranks.py (tests/megatron/moe_scenarios.py), in test_megatron_cpu's shared launch."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-from test_megatron_cpu import launch  # tests/megatron/test_megatron_cpu.py (this directory is on sys.path)
+from test_megatron_cpu import shared_launch  # tests/megatron/test_megatron_cpu.py (this directory is on sys.path)
 
 pytestmark = [pytest.mark.xdist_group("megatron_cpu"), pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("megatron") is None
@@ -21,8 +21,8 @@ AUX = "train/moe_aux_loss"
 
 
 @pytest.fixture(scope="module")
-def aux(tmp_path_factory) -> dict:
-    return launch("moe_aux", 2, tmp_path_factory.mktemp("megatron_aux"))["moe_aux"]
+def aux(request, tmp_path_factory) -> dict:
+    return shared_launch(request, tmp_path_factory)["moe_aux"]
 
 
 def test_megatron_load_balancing_loss_equals_the_torch_backends_and_a_hand_computation(aux):

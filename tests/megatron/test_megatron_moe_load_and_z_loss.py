@@ -1,15 +1,15 @@
 """The expert-load metrics and the router z-loss (train.moe_z_loss_coef) on the Megatron backend, against the torch
 backend (whose metrics tests/models/test_moe_load_and_z_loss.py checks against a brute-force count and a hand
 computation) on the same weights and padded batch: DP=2 x EP=2 over gloo, three micro-batches a rank, megatron-core's
-own z-loss (moe_z_loss_coeff set for the step, padding_mask from the layout); one launch of tests/megatron/ranks.py's
-`moe_load_z` scenario (tests/megatron/moe_scenarios.py)."""
+own z-loss (moe_z_loss_coeff set for the step, padding_mask from the layout); the `moe_load_z`
+scenario of tests/megatron/ranks.py (tests/megatron/moe_scenarios.py), in test_megatron_cpu's shared launch."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-from test_megatron_cpu import launch  # tests/megatron/test_megatron_cpu.py (this directory is on sys.path)
+from test_megatron_cpu import shared_launch  # tests/megatron/test_megatron_cpu.py (this directory is on sys.path)
 
 pytestmark = [pytest.mark.xdist_group("megatron_cpu"), pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("megatron") is None
@@ -20,8 +20,13 @@ LOAD = ("train/moe_expert_load_max_over_mean", "train/moe_expert_load_min_over_m
         "train/moe_expert_load_max_over_mean/layer_0", "train/moe_expert_load_max_over_mean/layer_1")
 
 
-def test_megatron_expert_load_and_z_loss_equal_the_torch_backends(tmp_path):
-    res = launch("moe_load_z", 2, tmp_path)["moe_load_z"]
+@pytest.fixture(scope="module")
+def load_z(request, tmp_path_factory) -> dict:
+    return shared_launch(request, tmp_path_factory)["moe_load_z"]
+
+
+def test_megatron_expert_load_and_z_loss_equal_the_torch_backends(load_z):
+    res = load_z
     steps = res["steps"]
     for key, row in steps.items():
         mega, torch_ = row["megatron"], row["torch"]
