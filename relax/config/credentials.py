@@ -1,6 +1,7 @@
-"""URL options that must not hold a user or password: Relax logs them (MLflow params and tags, train.log, the
-checkpoint's config), so a secret belongs in an environment variable. The config's rules (`relax.config.validate`,
-`relax.config.reward_list_rules`) and the reward service client (`relax.rewards.remote`) ask the same question here.
+"""URL options that must not hold a user or password: Relax records them (MLflow params and tags, the job's
+config.resolved.yaml and .hydra/, the checkpoint's config), so a secret belongs in an environment variable. The
+config's rules (`relax.config.validate`, `relax.config.reward_list_rules`) and the reward service client
+(`relax.rewards.remote`) ask the same question here.
 """
 
 from __future__ import annotations
@@ -27,17 +28,18 @@ def without_secrets(url: str) -> str:
 
 def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> str | None:
     """The message for a URL option (`option`) whose value holds a user or password (only a password with
-    `password_only`: a database's user name is no secret), or None: the URL is logged (MLflow params, train.log, the
-    checkpoint's config), so a secret belongs in an environment variable (`instead` says which). The message does
-    not echo the credentials (relax.rewards.remote.check_url asks it too)."""
+    `password_only`: a database's user name is no secret), or None: the URL is recorded (MLflow params, the job's
+    config.resolved.yaml and .hydra/, the checkpoint's config), so a secret belongs in an environment variable
+    (`instead` says which). The message does not echo the credentials (relax.rewards.remote.check_url asks it
+    too)."""
     if not isinstance(url, str):
         return None
     netloc = urlsplit(url.strip()).netloc
     if "@" not in netloc or (password_only and ":" not in netloc.rsplit("@", 1)[0]):
         return None
     what, them = ("a password", "it") if password_only else ("a user or password", "them")
-    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is logged (MLflow "
-            f"params, train.log, the checkpoint's config); remove {them} and {instead}")
+    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is recorded "
+            f"(MLflow params, the job's output directory, the checkpoint's config); remove {them} and {instead}")
 
 
 REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "

@@ -611,8 +611,9 @@ MLFLOW_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", 
 
 
 def _url_credentials(cfg: RelaxConfig, r: _Rules) -> None:
-    """No URL option holds a user or password: Relax logs them (MLflow params and tags, train.log, the checkpoint's
-    config.yaml and state.json, Hydra's .hydra/); each secret has an environment variable, which the message names."""
+    """No URL option holds a user or password: Relax records them (MLflow params and tags, the job's
+    config.resolved.yaml, the checkpoint's config.yaml and state.json, Hydra's .hydra/); each secret has an
+    environment variable, which the message names."""
     def url(key: str, value: object, instead: str, password_only: bool = False) -> None:
         problem = credentials_problem(key, value, instead, password_only=password_only)
         r.require(problem is None, key, problem or "")

@@ -1,7 +1,7 @@
-"""No URL option holds a user or password (relax.config.validate._url_credentials): Relax logs its URLs (MLflow params
-and tags, train.log, the checkpoint's config.yaml and state.json, .hydra/), so the config is refused before start with
-a message that names the environment variable to use and never echoes the password; the same URLs without
-credentials are accepted (the controls)."""
+"""No URL option holds a user or password (relax.config.validate._url_credentials): Relax records its URLs (MLflow
+params and tags, config.resolved.yaml, the checkpoint's config.yaml and state.json,
+.hydra/), so the config is refused before start with a message that names the environment variable to use and never
+echoes the password; the same URLs without credentials are accepted (the controls)."""
 
 from __future__ import annotations
 
