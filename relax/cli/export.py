@@ -7,19 +7,20 @@
 CHECKPOINT is a committed checkpoint (`step_NNNNNN/`) or a save dir (its latest checkpoint, as `train.resume=auto`
 finds it). It is checked before anything is read (`relax.runner.checkpoint.verify`: every file's size and SHA-256
 against state.json); an unfinished (`.tmp-`) or changed checkpoint is refused. OUT_DIR must be empty or absent
-(`--force` replaces its contents); the export is written next to it first and renamed into place, so a failed
-export leaves no half-written directory. How: `relax.runner.export` (which `train.save_hf=true` runs on a run's final
-checkpoint); what it writes: `relax.train.export`. The run's tokenizer comes from where the run's model was
-(`model.path`); `--model-path` names where that model is on this machine (refused for a model.source=config run,
-which has no model file). Those files are checked against what the checkpoint records of the run's model
-(`relax.runner.model_record`: architectures, vocab_size, tokenizer and chat template digests): another model is
-refused naming the field; a checkpoint without the record is exported with a note that the check could not be made.
-A LoRA run's adapters are a PEFT directory whose adapter_config.json names the base where it is on this machine (a
-.gguf file: transformers loads it with `gguf_file=`); for a model.source=config run, whose base exists nowhere else,
-the base is written beside them in OUT_DIR/base/ (with the tokenizer, template, processor and generation config, so
-that it can be moved alone) and adapter_config.json names it. The summary says how to load what was written, and
-how the run built its prompts where the exported chat template alone would build others (data.system_prompt,
-data.apply_chat_template=false; relax_export.json records both).
+(`--force` replaces its contents, but never a checkpoint or a save dir that it is or holds); the export is written
+next to it first and renamed into place, so a failed export leaves no half-written directory. How:
+`relax.runner.export` (which `train.save_hf=true` runs on a run's final checkpoint); what it writes:
+`relax.train.export`. The run's tokenizer comes from where the run's model was (`model.path`); `--model-path` names
+where that model is on this machine (refused for a model.source=config run, which has no model file). Those files
+are checked against what the checkpoint records of the run's model (`relax.runner.model_record`: architectures,
+vocab_size, tokenizer and chat template digests): another model is refused naming the field; a checkpoint without
+the record is exported with a note that the check could not be made. A LoRA run's adapters are a PEFT directory
+whose adapter_config.json names the base where it is on this machine (a .gguf file: transformers loads it with
+`gguf_file=`); for a model.source=config run, whose base exists nowhere else, the base is written beside them in
+OUT_DIR/base/ (with the tokenizer, template, processor and generation config, so that it can be moved alone) and
+adapter_config.json names it. The summary says how to load what was written, and how the run built its prompts where
+the exported chat template alone would build others (data.system_prompt, data.apply_chat_template=false;
+relax_export.json records both).
 
 Exit 0 when written, 2 when the checkpoint or the arguments are refused (one message, nothing written), 1 when a
 write fails (disk full, unwritable).
@@ -149,7 +150,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                      "run), or with --merge as a whole model.")
     parser.add_argument("checkpoint", help="a checkpoint directory (step_NNNNNN/) or a save dir (its latest)")
     parser.add_argument("out_dir", help="the directory to write (must be empty or absent unless --force)")
-    parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR")
+    parser.add_argument("--force", action="store_true", help="replace the contents of a non-empty OUT_DIR (never a "
+                        "checkpoint or a run's save dir: refused)")
     parser.add_argument("--model-path", default=None,
                         help="where the run's model.path (HF directory or .gguf file) is on this machine "
                              "(model.source=hf or gguf; refused for a model.source=config run)")

@@ -319,6 +319,26 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
+# the files one of which a Hugging Face directory's tokenizer is read from (fast, sentencepiece, BPE vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _tokenizer_problem(path: Path, source: str, error: Exception) -> str:
+    """Why a tokenizer did not load, whole on one line: a directory without any tokenizer file is said as such (with
+    what it holds: a .gguf file there is model.source=gguf's), else transformers' message with its lines joined (its
+    first line alone can end mid-sentence: "... from one of: ")."""
+    if source == "hf" and path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
+        names = sorted(p.name for p in path.iterdir() if not p.name.startswith((".", "__")))
+        held = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
+        gguf = [n for n in names if n.lower().endswith(".gguf")]
+        hint = (f"; a .gguf file is read with model.source=gguf and the file's path ({path / gguf[0]})"
+                if gguf else "")
+        return (f"it is no Hugging Face model directory: none of {', '.join(TOKENIZER_FILES)} is there (it holds "
+                f"{held}){hint}")
+    detail = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
 def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     """The tokenizer of `model_cfg`, offline: config -> the tiny tokenizer (or `model.tokenizer`'s), hf -> the
     directory's tokenizer, gguf -> the tokenizer embedded in the .gguf file; with `model.chat_template` (a Jinja
@@ -347,9 +367,8 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         else:
             tokenizer = _load_gguf_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # transformers' errors of bad files
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelFileError(f"model.source={source}: cannot load the tokenizer of {key}={str(path)!r}: "
-                             f"{type(e).__name__}: {detail}") from None
+                             f"{_tokenizer_problem(path, source, e)}") from None
     own = _field(model_cfg, "chat_template")
     if own:  # model.chat_template: the user's template replaces the tokenizer's, wherever the tokenizer is loaded
         tokenizer.chat_template = read_chat_template(own)

