@@ -9,7 +9,8 @@ frozen dataclasses then refuse); `compose_known` leaves such overrides out and n
 and the rest of the command line is still composed, so that its unknown keys are reported with it; with a value
 that is not of its key's type (`train.lr=abc`: `relax.config.value_types`); and with an override of a form Hydra
 refuses or that would take a key from the schema (`+train.lr=2e-5` of a key that is there, `~train.lr`:
-`form_violation`).
+`form_violation`), or that gives a mapping of free keys a new key without `+` (`data.eval_sets={two:...}`,
+`data.eval_sets.two=...`: `free_key_message`, naming the `+` form).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def unknown_key(cfg: DictConfig, key: str) -> Violation:
     for i, part in enumerate(parts):
         fields = _fields(node)
         if fields is None:  # a free-form section: its keys are not checked
+            if i > 0 and isinstance(node, DictConfig):  # Hydra refused the key: a new one, given without +
+                return Violation((key,), free_key_message(".".join(parts[:i]), part))
             break
         # Hydra's own node, where the config was composed with it (`load_config(hydra=True)`, `hydra_problems`)
         if part in fields or (i == 0 and part == "hydra" and part in node):
@@ -69,6 +72,19 @@ def unknown_key(cfg: DictConfig, key: str) -> Violation:
         where = f"{prefix} has no key {part!r}" if prefix else "no such section or key"
         return Violation((key,), f"unknown key {key}{hint}" if close else f"unknown key {key}: {where}")
     return Violation((key,), f"unknown key {key}")
+
+
+def free_key_message(mapping: str, name: str = "", override: str = "") -> str:
+    """What to say of keys given to the free mapping `mapping` (`data.eval_sets`, a `dict[str, Any]` field) without
+    `+`: the key `mapping.name` set alone (`data.eval_sets.two=...`, Hydra's 'unknown key'), or a value `override`
+    with keys the mapping lacks (`data.eval_sets={two:...}`, Hydra's 'Key 'two' is not in struct'). A mapping's keys
+    are the user's (no schema names them) and Hydra adds them only with `+`, the form the docs give
+    (docs/training.md, "Eval sets")."""
+    what = (f"{mapping} is a mapping of keys of your own (empty unless a config gives it some), and Hydra adds a "
+            "key to it only with +")
+    if override:
+        return f"{override}: {what}: '+{override}'"
+    return f"unknown key {mapping}.{name}: {what}: '+{mapping}={{{name}:...}}' (or +{mapping}.{name}=...)"
 
 
 def extra_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
@@ -110,6 +126,22 @@ def _unknown_override(exc: BaseException, overrides: Sequence[str]) -> int | Non
     for i, o in enumerate(overrides):
         key = o.split("=", 1)[0].lstrip("+~")
         if key == full_key or key.startswith(full_key + "."):
+            return i
+    return None
+
+
+def _new_mapping_key(exc: BaseException, overrides: Sequence[str]) -> int | None:
+    """The index of an override without `+` that gave a free mapping (`data.eval_sets={two:...}`) a value with a
+    key it does not have, which Hydra refused ('Key 'two' is not in struct'), else None."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = exc.__cause__ or exc.__context__
+    full_key = getattr(cause, "full_key", None)
+    if not isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or not full_key:
+        return None
+    for i, o in enumerate(overrides):
+        key, eq, value = o.partition("=")
+        if eq and not key.startswith(("+", "~")) and full_key.startswith(key + ".") and value.lstrip().startswith("{"):
             return i
     return None
 
@@ -176,9 +208,11 @@ def _written(value: Any) -> str:
 
 
 def form_violation(dc: DictConfig, override: str) -> Violation:
-    """The violation of `override`, which `_misformed_override` or `_deleted_field` found, named against `dc`, the
-    config composed without it: what it would do, and what to write instead."""
+    """The violation of `override`, which `_misformed_override`, `_new_mapping_key` or `_deleted_field` found, named
+    against `dc`, the config composed without it: what it would do, and what to write instead."""
     key, _, value = override.lstrip("+~").partition("=")
+    if not override.startswith(("+", "~")):  # `_new_mapping_key`: a mapping given keys it lacks, without +
+        return Violation((key,), free_key_message(key, override=override))
     if override.startswith("+"):
         return Violation((key,), f"{override}: {key} is already in the config, and + adds a key it does not have: "
                                  f"set it with {key}={value} (++{key}={value} sets it whether or not it is there)")
@@ -233,6 +267,8 @@ def compose_known(compose: Any, overrides: Sequence[str]
                                           *(form_violation(dc, o) for o in sorted(misformed, key=overrides.index))]
         except ConfigCompositionException as exc:
             i = _misformed_override(exc, kept)
+            if i is None:
+                i = _new_mapping_key(exc, kept)
             if i is not None:
                 misformed.append(kept.pop(i))
                 continue
