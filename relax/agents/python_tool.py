@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from relax.config.sandbox_limits import python_tool_limits
 from relax.rewards.sandbox import SandboxLimits, run_in_sandbox
+from relax.sandbox_limits import python_tool_limits
 
 OUTPUT_BYTES = 16 * 1024
 # the defaults; a run's data.sandbox sets its own (`PythonTool`). data.tool_timeout_s must exceed wall_s (checked

@@ -11,10 +11,10 @@ import os
 from urllib.parse import urlsplit
 
 from relax.algorithms.base import Violation, range_of
-from relax.config.sandbox_limits import CODE_TESTS_MARGIN_S, code_tests_limits
 from relax.config.schema import RelaxConfig, RewardServiceConfig
+from relax.sandbox_limits import CODE_TESTS_MARGIN_S, code_tests_limits
 
-# code_tests_limits (relax.config.sandbox_limits): the wall-clock limit of the code_tests rewards' sandbox runs under
+# code_tests_limits (relax.sandbox_limits): the wall-clock limit of the code_tests rewards' sandbox runs under
 # data.sandbox, which relax.rewards.code_tests reads too: a reward call limited to less would turn a program stopped by
 # the sandbox (a counted time-out, reward 0) into a failed reward call (its group left out)
 

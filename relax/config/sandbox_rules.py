@@ -15,14 +15,14 @@ import dataclasses
 
 from relax.algorithms.base import Violation, range_of
 from relax.config.reward_service_rules import CODE_TESTS_REWARDS
-from relax.config.sandbox_limits import (
+from relax.config.schema import RelaxConfig, SandboxConfig
+from relax.sandbox_limits import (
     MEMORY_FLOOR_MB,
     PYTHON_TOOL,
     WALL_FLOOR_S,
     code_tests_limits,
     python_tool_limits,
 )
-from relax.config.schema import RelaxConfig, SandboxConfig
 
 
 def reward_specs(reward: object) -> list[str]:

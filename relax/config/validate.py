@@ -26,10 +26,10 @@ from relax.config.moe_rules import moe_violations
 from relax.config.reward_list_rules import reward_list_violations
 from relax.config.reward_model_rules import needs_own_gpu, reward_model_violations
 from relax.config.reward_service_rules import reward_service_violations
-from relax.config.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, python_tool_limits
 from relax.config.sandbox_rules import sandbox_violations
 from relax.config.schema import TOOL_PARSERS, RelaxConfig, TrainConfig
 from relax.config.vision_rules import VISION_ARCHS, vision_violations
+from relax.sandbox_limits import PYTHON_TOOL, PYTHON_TOOL_MARGIN_S, python_tool_limits
 
 # fields whose rules read this process's environment (a key's variable is set): true of the process that runs, not
 # of one that checks a config for another machine (relax-submit)

@@ -19,9 +19,9 @@ import json
 import re
 from typing import Any, Optional
 
-from relax.config.sandbox_limits import code_tests_limits
 from relax.rewards.calls import RewardValue
 from relax.rewards.sandbox import SandboxLimits, SandboxResult, run_in_sandbox
+from relax.sandbox_limits import code_tests_limits
 
 SANDBOX_RUNS = "sandbox_runs"  # `Scores.counts` keys
 SANDBOX_TIMEOUTS = "sandbox_timeouts"

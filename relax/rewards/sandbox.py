@@ -96,7 +96,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from relax.config.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
+from relax.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
 
 TestCase = Union[str, dict]
 
@@ -119,7 +119,7 @@ class SandboxLimits:
         for name in ("wall_s", "cpu_s", "memory_mb", "file_size_mb", "files_written", "open_files", "output_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name}={getattr(self, name)} must be > 0")
-        # the floors data.sandbox's rules state (relax.config.sandbox_limits, one owner): below them the sandbox's
+        # the floors data.sandbox's rules state (relax.sandbox_limits, one owner): below them the sandbox's
         # own interpreter cannot start, so every program would fail before its first line
         if self.memory_mb < MEMORY_FLOOR_MB:
             raise ValueError(f"SandboxLimits.memory_mb={self.memory_mb} is below {MEMORY_FLOOR_MB} MB, the least the "

@@ -1,13 +1,13 @@
 """Tools need a second turn (data.tools with rollout.max_turns=1 is refused: the model would never read a result), and
 data.tool_timeout_s must leave room for the python tool's sandbox limit, read from the one constant the sandbox reads
-too (relax.config.sandbox_limits)."""
+too (relax.sandbox_limits)."""
 
 from __future__ import annotations
 
 import pytest
 
 from relax.config import ConfigError, load_config
-from relax.config.sandbox_limits import CODE_TESTS_WALL_S, PYTHON_TOOL_CPU_S, PYTHON_TOOL_WALL_S
+from relax.sandbox_limits import CODE_TESTS_WALL_S, PYTHON_TOOL_CPU_S, PYTHON_TOOL_WALL_S
 
 
 @pytest.mark.parametrize("tools", ["[python]", "[calculator]", "[calculator,python]"])

@@ -42,8 +42,8 @@ def test_the_reward_is_the_share_of_tests_passed_in_the_sandbox():
 
 def test_a_reward_time_limit_shorter_than_the_sandbox_s_is_refused_before_start():
     from relax.config import ConfigError, load_config
-    from relax.config.sandbox_limits import CODE_TESTS_WALL_S
     from relax.rewards.code_tests import LIMITS
+    from relax.sandbox_limits import CODE_TESTS_WALL_S
 
     assert CODE_TESTS_WALL_S == LIMITS.wall_s
     with pytest.raises(ConfigError, match="must be more than 15 s, the sandbox's wall-clock limit"):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from relax.config import ConfigError, load_config
-from relax.config.sandbox_limits import MEMORY_FLOOR_MB
 from relax.rewards.registry import get_reward_fn, score_responses
 from relax.runner.errors import RunError
 from relax.runner.optimizer_steps import FailedRewardSteps
+from relax.sandbox_limits import MEMORY_FLOOR_MB
 
 HERE = Path(__file__).resolve().parent
 

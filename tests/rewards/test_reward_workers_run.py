@@ -92,3 +92,17 @@ def test_two_reward_workers_score_as_the_driver_does(in_process, small_run, tmp_
         assert step_a == step_b
         for key in ("rollout/raw_reward", "train/loss"):
             assert b[key] == a[key], (step_a, key)
+
+
+def test_a_reward_workers_interpreter_imports_neither_hydra_nor_relax_config():
+    """A reward worker is a fresh interpreter per worker and per run (relax.rewards.worker_pool): what its start
+    imports is paid again each time. It needs the reward code and the sandbox's limits (relax.sandbox_limits, below
+    every layer), not relax.config, whose package imports Hydra and OmegaConf (was: code_tests -> the limits in
+    relax.config -> Hydra, most of a worker's start)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from relax.rewards.worker_pool import _worker_main; "
+             "print(sorted(m for m in ('hydra', 'omegaconf', 'relax.config', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

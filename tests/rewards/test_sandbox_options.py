@@ -149,9 +149,9 @@ def past_the_floor(**values: float):
 @pytest.mark.parametrize("field, values", [("memory_mb", (1, 63, 64, 65)), ("wall_s", (0.005, 0.49, 0.5, 0.6))])
 def test_the_class_and_the_config_refuse_the_same_values_under_the_floors(field, values):
     """SandboxLimits itself refuses a memory or wall-clock limit under the floor (so a sandbox built in code cannot
-    get one), exactly where data.sandbox's rule does: one owner of the floors (relax.config.sandbox_limits)."""
-    from relax.config.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
+    get one), exactly where data.sandbox's rule does: one owner of the floors (relax.sandbox_limits)."""
     from relax.rewards.sandbox import SandboxLimits
+    from relax.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
 
     floor = {"memory_mb": MEMORY_FLOOR_MB, "wall_s": WALL_FLOOR_S}[field]
     assert (MEMORY_FLOOR_MB, WALL_FLOOR_S) == (64, 0.5)  # the values above straddle these
@@ -174,8 +174,8 @@ def test_the_class_and_the_config_refuse_the_same_values_under_the_floors(field,
 def test_limits_under_which_the_sandboxed_interpreter_cannot_start_are_refused():
     """data.sandbox.memory_mb and wall_s below what the sandbox's own interpreter needs to start: every program would
     fail before its first line (seen here on the sandbox itself), so the config refuses them, naming the floor."""
-    from relax.config.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
     from relax.rewards.sandbox import SandboxLimits, run_in_sandbox
+    from relax.sandbox_limits import MEMORY_FLOOR_MB, WALL_FLOOR_S
 
     code, tests = "def f(x):\n    return x + 1\n", ["assert f(1) == 2"]
     starved = run_in_sandbox(code, tests, limits=past_the_floor(memory_mb=1))

@@ -3,7 +3,11 @@ read them (the code_tests rewards, `relax.rewards.code_tests`; the python tool, 
 the config rules that keep the reward's and the tool's own time limits (`data.reward_timeout_s`,
 `data.tool_timeout_s`) above the sandbox's wall-clock limit, so that the two cannot drift apart. The sandbox, not the
 worker process that calls it, must be what stops a runaway program: its time-out is a counted result (a reward of 0,
-a tool error the model reads), while the worker's is a failed call (a group left out, a worker respawned)."""
+a tool error the model reads), while the worker's is a failed call (a group left out, a worker respawned).
+
+Pure constants and two small functions: this module imports nothing of Relax and sits below every layer (as
+relax/metrics.py does), so that the processes that only run rewards or sandboxes (relax.rewards.worker_pool's
+workers) do not import relax.config, whose package imports Hydra."""
 
 from __future__ import annotations
 
