@@ -57,7 +57,7 @@ from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
 from relax.models.write_errors import torch_save
 from relax.runner.errors import RunError
 from relax.runner.model_record import FIELDS, RUN_MODEL, differences, model_record, recorded_model, shown
-from relax.tracking.params import flatten_config
+from relax.tracking.params import RESUMABLE_CHANGES, flatten_config
 
 PREFIX = "step_"
 STATE = "state.json"
@@ -71,48 +71,6 @@ RUN_FILE = "run.json"  # the MLflow run of the job that last used the directory 
 FILES = "files"  # state.json's manifest: {relative path: {"size": bytes, "sha256": hex}} of every other file
 LOADED_SUFFIXES = (".safetensors", ".pt", ".json", ".bin")  # files a loader would read: never unlisted
 HASH_THREADS = 8
-
-# Config fields that may differ between a checkpoint and the run that continues it: they change how long the
-# run goes on, where and how often it saves, what the terminal shows, or which cluster/sweep it runs in, but
-# not what a step computes (except that num_rollout sets the length of a cosine/linear lr schedule). Any other
-# difference makes a resume refuse (see `config_differences`).
-RESUMABLE_CHANGES: tuple[str, ...] = (
-    "train.resume",
-    "train.num_rollout",
-    "train.save",
-    "train.save_interval",
-    "train.save_dir",
-    "train.keep_checkpoints",
-    "train.save_hf",  # what the run writes besides its checkpoints: the final export, the MLflow model
-    "tracking.log_model",
-    "tracking.progress",
-    "tracking.parent_run_id",
-    "tracking.sweep_id",
-    "cluster.address",
-    "dry_run",
-    # how faults are answered and what the machine reports: not what a step computes
-    "train.max_restarts",
-    "train.save_failures",
-    "train.save_on_preempt",
-    "train.checkpoint_timeout_s",
-    "cluster.heartbeat_timeout_s",
-    "tracking.system_metrics",
-    "tracking.system_metrics_interval_s",
-    # what evaluation runs and how (docs/training.md, "Evaluation"): only evaluation reads these; it samples its own
-    # prompts with its own random streams between two rollout batches, so a training step computes the same with any
-    # of them (but in fully_async with weight_sync_interval > 1, where the weights published before each evaluation
-    # reach the rollouts that follow, `resume_point` refuses a new interval while steps are left)
-    "train.eval_interval",
-    "train.eval_pass_k",
-    "train.eval_correct_threshold",
-    "train.eval_save_samples",
-    "rollout.eval_n_samples_per_prompt",
-    "rollout.eval_temperature",
-    "rollout.eval_top_p",
-    "data.eval_path",
-    "data.eval_sets",
-    "data.num_eval_prompts",
-)
 
 
 def _slug(text: str) -> str:

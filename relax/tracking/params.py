@@ -39,7 +39,7 @@ LAUNCHER_OVERRIDE_KEYS: tuple[str, ...] = ("tracking.parent_run_id", "tracking.s
 # not what a step computes (except that num_rollout sets the length of a cosine/linear lr schedule). Any other
 # difference makes a resume refuse (relax.runner.checkpoint.config_differences), and runs of one arm that differ
 # elsewhere are not reruns of one config (relax.tracking.compare.config_conflicts). Here, below the runner, so that
-# relax-compare reads the same list; relax/runner/checkpoint.py still has its own copy (a test keeps them equal).
+# both read this one list.
 RESUMABLE_CHANGES: tuple[str, ...] = (
     "train.resume",
     "train.num_rollout",

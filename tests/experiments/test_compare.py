@@ -415,14 +415,6 @@ def test_runs_of_different_configs_in_one_arm_are_refused_naming_the_params_and_
                             f"finished one, {ids[2]}") for n in same.notes), same.notes
 
 
-def test_a_rerun_may_differ_in_what_a_resume_may_change():
-    """relax-compare's rerun fields are the resume check's (one list, read by both)."""
-    from relax.runner import checkpoint
-    from relax.tracking import params
-
-    assert params.RESUMABLE_CHANGES == checkpoint.RESUMABLE_CHANGES
-
-
 def test_evaluation_only_runs_are_an_arm_of_their_own(tmp_path, fresh_store):
     """An evaluation-only run (train.num_rollout=0) tagged with a training arm and seed is not that seed's run: next
     to training runs it forms the arm '<arm> (evaluation-only)'; among evaluation-only runs alone, arms are as
