@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
+    from relax.algorithms.base import Violation
     from relax.config import RelaxConfig
 
 USAGE_EXIT = 2
@@ -130,6 +131,23 @@ def config_from_json(path: str | Path) -> RelaxConfig:
     return check(resolve(cfg))
 
 
+def _hydra_key(override: str) -> bool:
+    """Whether `override` sets one of Hydra's own keys or chooses in one of its groups (`hydra.job.chdir=true`,
+    `~hydra.run.dir`, `hydra/job_logging=disabled`, `hydra/launcher=basic`), `hydra.searchpath` aside."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    return key.startswith(("hydra.", "hydra/")) and key != "hydra.searchpath"
+
+
+def _no_hydra_job(override: str) -> Violation:
+    """The problem of `override`, one of Hydra's own (`_hydra_key`): relax-serve runs no Hydra job, so it would do
+    nothing."""
+    from relax.algorithms.base import Violation
+
+    key = override.split("=", 1)[0].lstrip("+~")
+    return Violation((key,), f"{override}: relax-serve runs no Hydra job, so this override has no effect here: "
+                             "leave it out")
+
+
 def _load(args: argparse.Namespace) -> RelaxConfig:
     """The config of the command line; exits 2 on a bad one: its problems in relax-train's list
     (`relax.cli.config_check.invalid_config`), any other mistake in one line."""
@@ -142,19 +160,24 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     # a key given twice is refused (Hydra would take the last silently), beside the config's other problems, which
     # are found with the last of each
     repeated, overrides = duplicate_problems(args.overrides, command="config")
+    # Hydra's own keys and groups (hydra.job.chdir, hydra.run.dir, hydra/job_logging, the launcher's) configure a
+    # Hydra job, and relax-serve runs none: each is refused rather than accepted to do nothing. hydra.searchpath is
+    # kept: it adds config groups to the composition relax-serve's config comes from
+    extra = [*repeated, *(_no_hydra_job(o) for o in overrides if _hydra_key(o))]
+    overrides = [o for o in overrides if not _hydra_key(o)]
     try:
         if args.config:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
-        cfg = load(overrides)  # relax-train's check, Hydra's own keys and groups among it
-        if repeated:
-            _fail(invalid_config(repeated), lines=True)
+        cfg = load(overrides)  # relax-train's check
+        if extra:
+            _fail(invalid_config(extra), lines=True)
         if cfg.model.lora_adapter_path:  # a training option: this server would serve the base without them
             _fail(f"model.lora_adapter_path={cfg.model.lora_adapter_path!r} continues training adapters in "
                   "relax-train; relax-serve serves model.path: to serve the base with these adapters, set "
                   "model.path to the adapter directory (merged into its base before start)")
         return cfg
     except (ConfigError, HydraException, OmegaConfBaseException) as exc:
-        _fail(load_failure(exc, repeated), lines=True)
+        _fail(load_failure(exc, extra), lines=True)
     except (KeyError, ValueError, TypeError, FileNotFoundError) as exc:
         _fail(str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc))
 

@@ -219,12 +219,14 @@ def form_violation(dc: DictConfig, override: str) -> Violation:
     parent_key, _, leaf = key.rpartition(".")
     parent = OmegaConf.select(dc, parent_key, default=None) if parent_key else dc
     current = OmegaConf.select(dc, key, default=None, throw_on_missing=False)
-    if leaf in (_fields(parent) or ()):  # a field of the schema: every config has it
+    if leaf in (_fields(parent) or ()):  # a field of the schema (Relax's, or Hydra's own): every config has it
+        # `~hydra.job.chdir` deletes a key of Hydra's config, not of Relax's schema: named as whose it is
+        owner = "Hydra's config" if key.split(".", 1)[0] == "hydra" else "the schema"
         if isinstance(current, DictConfig):
-            return Violation((key,), f"{override}: {key} is a section of the schema (every config has it), so "
+            return Violation((key,), f"{override}: {key} is a section of {owner} (every config has it), so "
                                      f"it cannot be deleted: to keep the values the config gives it, leave {override} "
                                      f"out; to change one: {key}.KEY=VALUE")
-        return Violation((key,), f"{override}: {key} is a key of the schema (every config has it), so it cannot "
+        return Violation((key,), f"{override}: {key} is a key of {owner} (every config has it), so it cannot "
                                  f"be deleted: to keep the value the config gives it ({key}={_written(current)}), "
                                  f"leave {override} out; to change it: {key}=VALUE")
     if current is None:

@@ -502,6 +502,14 @@ def test_a_plus_on_a_key_there_or_a_deletion_of_a_schema_key_is_one_message_nami
         "  - ~train.lrr: nothing to delete: unknown key train.lrr (did you mean train.lr?)\n"
         "  - +seed=3: seed is already in the config, and + adds a key it does not have: set it with seed=3 "
         "(++seed=3 sets it whether or not it is there)")
+    # a key and a section of Hydra's own config, named as Hydra's (before: "a key of the schema")
+    assert problems(["~hydra.job.chdir", "~hydra.run"]) == (
+        "invalid config (2 problems):\n"
+        "  - ~hydra.job.chdir: hydra.job.chdir is a key of Hydra's config (every config has it), so it cannot be "
+        "deleted: to keep the value the config gives it (hydra.job.chdir=false), leave ~hydra.job.chdir out; to "
+        "change it: hydra.job.chdir=VALUE\n"
+        "  - ~hydra.run: hydra.run is a section of Hydra's config (every config has it), so it cannot be deleted: "
+        "to keep the values the config gives it, leave ~hydra.run out; to change one: hydra.run.KEY=VALUE")
     # the controls: ++ sets a key that is there (as Hydra documents), + adds one to a mapping of free keys, ~ deletes
     # a group's default (the schema's node stays)
     assert problems(["++train.lr=2e-5", "+hydra.job.env_set.FOO=1", "~teacher", "train.num_rollout=2"]) is None

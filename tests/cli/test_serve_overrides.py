@@ -71,31 +71,52 @@ def test_config_problems_are_listed_as_relax_train_lists_them(capsys):
         "train.num_rollout=x: train.num_rollout takes an int, not the string 'x'"), err
 
 
-def test_hydras_keys_and_groups_are_checked_as_relax_train_checks_them(capsys):
-    """relax-serve runs relax-train's check of Hydra's own keys and groups (relax.cli.config_check.load, one
-    composition): a value not of its key's type, an unknown key, a choice none of its group's options, named as
-    relax-train names them (before: OmegaConf's "Value 'abc' is not a valid bool", "no such section or key", and
-    Hydra's own text for the choice). `+` on a key that is there and `~` of a schema key: the same lines too."""
-    from relax.cli.config_check import problems
-
-    overrides = ["hydra.job.chdir=abc", "hydra.job.chdirr=true", "hydra/job_logging=bogus", "~train.lr"]
-    code, err = start(capsys, *overrides)
+def test_hydras_keys_and_groups_are_refused_as_doing_nothing_in_relax_serve(capsys):
+    """relax-serve runs no Hydra job (no chdir, no run directory, no Hydra logging, no launcher), so each override of
+    Hydra's own keys and groups is refused in the one list, beside the config's other problems, rather than accepted
+    to do nothing (before: `hydra.job.chdir=true`, `hydra.run.dir=...`, `hydra/job_logging=disabled` passed the check
+    and went on to start). `+` on a key that is there and `~` of a schema key: relax-train's lines."""
+    no_job = "relax-serve runs no Hydra job, so this override has no effect here: leave it out"
+    code, err = start(capsys, "hydra.job.chdir=true", "hydra.run.dir=/tmp/relax-serve-run",
+                      "hydra/job_logging=disabled", "~hydra.job.name", "hydra/launcher=basic", "~train.lr")
     assert code == 2
-    assert err.strip() == f"relax-serve: error: {problems(overrides)}", err
     assert err.strip().splitlines() == refused(
-        "hydra/job_logging=bogus: config group hydra/job_logging has no option 'bogus'; its options: default, "
-        "disabled, none, stdout",
-        "hydra.job.chdir=abc: hydra.job.chdir takes a bool (true or false) or null, not the string 'abc'",
-        "unknown key hydra.job.chdirr (did you mean hydra.job.chdir?)",
+        f"hydra.job.chdir=true: {no_job}",
+        f"hydra.run.dir=/tmp/relax-serve-run: {no_job}",
+        f"hydra/job_logging=disabled: {no_job}",
+        f"~hydra.job.name: {no_job}",
+        f"hydra/launcher=basic: {no_job}",
         "~train.lr: train.lr is a key of the schema (every config has it), so it cannot be deleted: to keep the "
         "value the config gives it (train.lr=0.001), leave ~train.lr out; to change it: train.lr=VALUE"), err
+    code, err = start(capsys, "hydra.job.chdir=true", "train.lr=1e-5", "train.lr=2e-5")
+    assert err.strip().splitlines() == refused(
+        "train.lr is given twice: train.lr=1e-5 and train.lr=2e-5; only the last would count: give it once",
+        f"hydra.job.chdir=true: {no_job}"), err
     code, err = start(capsys, "+train.lr=2e-5")
     assert err.strip().splitlines() == refused(
         "+train.lr=2e-5: train.lr is already in the config, and + adds a key it does not have: set it with "
         "train.lr=2e-5 (++train.lr=2e-5 sets it whether or not it is there)"), err
-    # the control: valid ones go on to the missing model
-    code, err = start(capsys, "hydra.job.chdir=true", "hydra/job_logging=disabled", "++train.lr=2e-5")
+    # the control: the same config without Hydra's overrides goes on to the missing model
+    code, err = start(capsys, "++train.lr=2e-5")
     assert code == 2 and "invalid config" not in err and "/nonexistent/relax-serve-model" in err, err
+
+
+def test_hydra_searchpath_adds_a_directorys_config_groups_to_relax_serves_config(tmp_path, capsys):
+    """hydra.searchpath does take effect in relax-serve: the config is composed with it, so a group option of the
+    directory is chosen (its value is in the config relax-serve loads), and the start goes on to the missing model.
+    The control: without it, the option is unknown."""
+    import argparse
+
+    conf = tmp_path / "myconf" / "algorithm"
+    conf.mkdir(parents=True)
+    (conf / "grpo_wide.yaml").write_text("defaults:\n  - grpo_schema\neps_clip_high: 0.28\n")
+    searchpath = f"hydra.searchpath=[file://{tmp_path / 'myconf'}]"
+    cfg = serve._load(argparse.Namespace(config=None, overrides=["algorithm=grpo_wide", searchpath]))
+    assert cfg.algorithm.eps_clip_high == 0.28
+    code, err = start(capsys, "algorithm=grpo_wide", searchpath)
+    assert code == 2 and "invalid config" not in err and "/nonexistent/relax-serve-model" in err, err
+    code, err = start(capsys, "algorithm=grpo_wide")
+    assert code == 2 and "invalid config" in err and "grpo_wide" in err, err
 
 
 def test_single_values_go_on_to_the_next_check(capsys):
