@@ -279,6 +279,10 @@ EVAL_ONLY_SUFFIX = " (evaluation-only)"
 # tracking.* (run name, sweep and parent ids, the arm label itself)
 RUN_SPECIFIC_PARAMS = ("seed", "train.resume")
 RUN_SPECIFIC_PREFIXES = ("tracking.",)
+# what an evaluation-only run of exported weights sets to the weights it evaluates (`model.source=hf
+# model.path=<export> train.num_rollout=0`, docs/training.md "Evaluation only"): each seed's export is a directory of
+# its own, so the evaluation-only runs of one arm may differ there (its config note still names them)
+EVAL_ONLY_WEIGHTS_PARAMS = ("model.source", "model.path")
 NOT_LOGGED = "(not logged)"
 CONFIG_DIFF_SHOWN = 15  # params listed in the "config" section; the rest are counted
 # the "config" table has a column per arm while it fits this width, else (many arms) a row per arm if that is narrower
@@ -324,6 +328,11 @@ def choose_runs(runs: Sequence[RunData]) -> tuple[list[RunData], list[str]]:
     return chosen, notes
 
 
+def _evaluation_only(params: Mapping[str, str]) -> bool:
+    """A run that trained nothing and evaluated its starting weights (`train.num_rollout=0`)."""
+    return params.get("train.num_rollout") == "0"
+
+
 def _rerun_may_differ(key: str) -> bool:
     """`key` may differ between runs of one config: run-specific (seed, train.resume, tracking.*) or a field a resume
     may change (RESUMABLE_CHANGES, or a leaf of one such as `data.eval_sets.<name>`)."""
@@ -337,7 +346,8 @@ def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
     a LoRA run and a full fine-tune both have `grpo`), and one seed of them would keep the newest as a rerun and drop
     the others, or seeds of different configs would be averaged as seed noise. The error names the params, each
     value with its runs, and the `--by` that tells them apart. A param some runs did not log (another Relax version)
-    is not a difference; differences in what may change (num_rollout, evaluation) stay a note."""
+    is not a difference; differences in what may change (num_rollout, evaluation), and among evaluation-only runs
+    the weights they evaluate (EVAL_ONLY_WEIGHTS_PARAMS: each seed's export), stay a note."""
     by_arm: dict[str, list[RunData]] = {}
     for r in runs:
         if r.params:
@@ -346,8 +356,9 @@ def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
     for arm, members in sorted(by_arm.items()):
         if len(members) < 2:
             continue
+        weights = EVAL_ONLY_WEIGHTS_PARAMS if all(_evaluation_only(m.params) for m in members) else ()
         keys = sorted(k for k in set().union(*(m.params for m in members)) if not _rerun_may_differ(k)
-                      and all(k in m.params for m in members))
+                      and k not in weights and all(k in m.params for m in members))
         differing = [k for k in keys if len({m.params[k] for m in members}) > 1]
         if not differing:
             continue
@@ -379,7 +390,8 @@ def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
     raise CompareError(
         "runs of different configs share an arm, so they are not seeds or reruns of one experiment (the default arm "
         "is the algorithm's name): " + "; ".join(problems) + ". Runs of one arm may differ only in the seed, "
-        "train.resume, tracking.* and what a resume may change (train.num_rollout, evaluation and saving); "
+        "train.resume, tracking.* and what a resume may change (train.num_rollout, evaluation and saving), and "
+        "evaluation-only runs also in the weights they evaluate (model.source, model.path); "
         f"{how}, or select the runs of one config (--run-ids, --tag)")
 
 
@@ -708,7 +720,7 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
     out = []
     # an evaluation of saved weights (train.num_rollout=0) tagged with a training arm and seed is not another run of
     # that seed: next to training runs, such runs form an arm of their own
-    eval_only = {r.info.run_id for r in kept if r.data.params.get("train.num_rollout") == "0"}
+    eval_only = {r.info.run_id for r in kept if _evaluation_only(r.data.params)}
     split = bool(eval_only) and len(eval_only) < len(kept)
     if split:
         notes.append(f"{len(eval_only)} evaluation-only run(s) (train.num_rollout=0) are an arm of their own, "

@@ -435,6 +435,43 @@ def test_evaluation_only_runs_are_an_arm_of_their_own(tmp_path, fresh_store):
     assert only.arms == ["grpo"]
 
 
+def test_evaluation_only_runs_of_each_seeds_export_are_the_seeds_of_one_arm(tmp_path, fresh_store):
+    """review-code 2: evaluation-only runs of each seed's export (model.source=hf model.path=<that seed's export>,
+    train.num_rollout=0, tagged with the training arm and seed) differ in model.path by design: they are the seeds of
+    'grpo (evaluation-only)', with the note naming the paths (866f17c refused them as runs of different configs).
+    Controls: training runs that differ in model.path, and evaluation-only runs that differ elsewhere, are still
+    refused."""
+    train = {"train.num_rollout": "4", "model.source": "config", "model.path": "None", "rollout.max_response_len": "64"}
+    runs = [({"arm": "grpo", "seed": s}, {**train, "seed": s}, {R: [(3, 0.4)], E: [(4, 0.5)]}, "FINISHED")
+            for s in ("1", "2")]
+    for s, value in (("1", 0.7), ("2", 0.6)):
+        ev = {**train, "train.num_rollout": "0", "model.source": "hf", "model.path": f"/x/hf-seed{s}", "seed": s}
+        runs.append(({"arm": "grpo", "seed": s}, ev, {E: [(0, value)]}, "FINISHED"))
+    another_model = {**train, "model.source": "hf", "model.path": "/x/base", "seed": "3"}
+    runs.append(({"arm": "grpo", "seed": "3"}, another_model, {R: [(3, 0.2)]}, "FINISHED"))
+    longer = {**runs[2][1], "model.path": "/x/hf-seed3", "seed": "3", "rollout.max_response_len": "128"}
+    runs.append(({"arm": "grpo", "seed": "3"}, longer, {E: [(0, 0.1)]}, "FINISHED"))
+    uri, ids = _runs_store(tmp_path, fresh_store, runs)
+    comp = compare(uri=uri, run_ids=ids[:4], out_dir=tmp_path / "o", log=False).comparison
+    assert comp.arms == ["grpo", "grpo (evaluation-only)"]
+    stats = {(s.metric, s.arm): s.finals for s in comp.stats}
+    assert stats[(E, "grpo (evaluation-only)")] == {"1": 0.7, "2": 0.6}
+    assert stats[(E, "grpo")] == {"1": 0.5, "2": 0.5}
+    assert ("arm grpo (evaluation-only): its runs differ in config beyond the seed, so its spread over seeds is not "
+            "seed noise alone: model.path: /x/hf-seed1 (grpo (evaluation-only)/seed 1), /x/hf-seed2 "
+            "(grpo (evaluation-only)/seed 2)") in comp.notes, comp.notes
+    alone = compare(uri=uri, run_ids=ids[2:4], out_dir=tmp_path / "o", log=False).comparison
+    assert alone.arms == ["grpo"] and [s.finals for s in alone.stats] == [{"1": 0.7, "2": 0.6}]
+    # training runs of another model under one arm: still different configs
+    with pytest.raises(CompareError, match=rf"arm grpo: 2 runs of 2 different configs: model\.path: None "
+                                           rf"\[{ids[0]} seed 1\], /x/base \[{ids[4]} seed 3\]; model\.source: "):
+        compare(uri=uri, run_ids=[ids[0], ids[4]], out_dir=tmp_path / "o", log=False)
+    # evaluation-only runs that differ beyond the weights: still refused, naming only that param
+    with pytest.raises(CompareError, match=rf"arm grpo: 2 runs of 2 different configs: rollout\.max_response_len: "
+                                           rf"64 \[{ids[2]} seed 1\], 128 \[{ids[5]} seed 3\]\. Runs"):
+        compare(uri=uri, run_ids=[ids[2], ids[5]], out_dir=tmp_path / "o", log=False)
+
+
 def test_eval_final_is_the_last_evaluation_with_verdicts(tmp_path, fresh_store, capsys):
     """An eval/* metric's final value is the last evaluation by default (--eval-last-k K: the mean of the last K), a
     training metric's the mean of the last --last-k values; the header says how many values at which steps. Each
