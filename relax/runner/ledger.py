@@ -14,7 +14,7 @@ A duplicate id inside a step is kept (as a second range over the same id), so th
 
 The ledger goes into every checkpoint (`ledger.jsonl`, listed in the checkpoint's manifest) and into the MLflow run
 as an artifact of the same name (see `relax.runner.session.Session`); a resumed run continues the ledger of the
-checkpoint it resumes, cut to the steps before it, and the run's artifact keeps the entries it holds (`continued`).
+checkpoint it resumes, cut to the steps before it.
 """
 
 from __future__ import annotations
@@ -164,15 +164,6 @@ class Ledger:
         except (OSError, UnicodeDecodeError) as exc:
             raise LedgerError(f"{path} cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
         return cls.loads(text, str(path))
-
-
-def continued(held: Ledger, own: Ledger) -> Ledger:
-    """The ledger of a reopened run: the entry it holds for each step (`held`, its artifact), as MLflow keeps the
-    first value of each metric and step on reopen, then this job's entries (`own`) of the steps it does not hold. A
-    job that resumes an older checkpoint and trains its steps again thus leaves the run's record of them as it was
-    (both its metrics and its ledger), and adds what goes beyond it."""
-    steps = set(held.steps)
-    return Ledger([*held.entries, *(e for e in own.entries if e.step not in steps)])
 
 
 def read_checkpoint(path: Path, state: dict) -> Ledger | None:

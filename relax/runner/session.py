@@ -18,7 +18,7 @@ from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
 from relax.runner.errors import NothingTrained, RunError, step_name
 from relax.runner.eval_samples import eval_samples_file, to_jsonl
 from relax.runner.ledger import FILE as LEDGER_FILE
-from relax.runner.ledger import Ledger, LedgerError, continued, read_checkpoint
+from relax.runner.ledger import Ledger, LedgerError, read_checkpoint
 from relax.runner.plan import Plan
 from relax.runner.step_metrics import RAW_REWARD, final_eval_summary
 from relax.tracking.progress import steps_name
@@ -121,10 +121,10 @@ class Session:
     every checkpoint (`ledger.jsonl`, steps before the checkpoint's) and into the MLflow run as the artifact
     `ledger.jsonl`, rewritten whole before each checkpoint and at the end of the run (also a failed or stopped one),
     so that the ledger of any checkpoint is a prefix of the run's. A resumed run continues the ledger of its
-    checkpoint (cut to the steps before it). The reopened run's artifact keeps the entry it holds for each step, as
-    MLflow keeps the first value of each metric and step (`relax.runner.ledger.continued`): a job that resumes an
-    older checkpoint writes only the steps the run does not hold, and a job that trains no step (an evaluation of a
-    checkpoint) does not write it.
+    checkpoint (cut to the steps before it), and a reopened run's artifact becomes that job's ledger once it
+    records a step (the checkpoint's steps, then the ones it trained: its own checkpoints hold the same, so that
+    relax-verify-run checks one history); a job that records no step (an evaluation of a checkpoint, an older one
+    included) does not write it, so the run keeps the ledger of the steps it trained.
 
     The end of the run (`finish`), with `train.save_hf=true`: the final checkpoint (that of step `train.num_rollout`,
     committed by this job or the one it resumed) is exported as a Hugging Face model directory to `<save_dir>/hf`
@@ -171,7 +171,6 @@ class Session:
             if saved is not None:
                 self.ledger = saved.truncate(self.start_step)
         self._ledger_resumed = len(self.ledger)  # entries of the checkpoint resumed (this job's come after)
-        self._ledger_held: Ledger | None = None  # a reopened run's ledger artifact (`log_ledger` keeps its entries)
         self._reopened = False
         self._ledger_logged: int | None = None  # entries in the MLflow artifact (None: not written by this job)
         # the checkpoint of the last step (train.save_hf exports it): committed by save_checkpoint, or resumed from
@@ -238,7 +237,6 @@ class Session:
                     raise RunError(f"cannot continue {what}: {exc}{hint}") from None
                 # every continuation stays readable: relax.resumed.<n> beside relax.resumed (the last)
                 self.tracker.set_tags(resume_history_tags(self.tracker.reopened_tags, tags[RESUMED_TAG]))
-                self._read_held_ledger()
                 counts = (resume.tracker_state.get("nonfinite_counts") or {}) if resume is not None else {}
                 self.tracker.nonfinite_counts.update({k: int(v) for k, v in counts.items()})
                 # the rewards of the steps before the resumed one (those from it on are recomputed); the
@@ -425,36 +423,14 @@ class Session:
         except Exception as exc:
             self.note(f"the datasets could not be recorded in MLflow ({type(exc).__name__}: {exc}); training goes on")
 
-    def _read_held_ledger(self) -> None:
-        """A reopened run: the ledger artifact it holds (None if it has none), whose entries `log_ledger` keeps. One
-        that cannot be read or parsed is said, and this job's ledger is then written over it (as before the run
-        kept its own)."""
-        try:
-            text = self.tracker.read_text(LEDGER_FILE)
-            held = Ledger.loads(text, f"artifact {LEDGER_FILE} of MLflow run {self.tracker.run_id}") \
-                if text is not None else None
-        except Exception as exc:
-            print(f"relax-train: warning: the sample ledger of MLflow run {self.tracker.run_id} could not be read "
-                  f"({type(exc).__name__}: {exc}); this job writes the ledger of its own steps over it",
-                  file=sys.stderr, flush=True)
-            return
-        self._ledger_held = held
-        if held is not None:
-            self._ledger_logged = len(held)
-
-    def run_ledger(self) -> Ledger:
-        """The ledger the MLflow run records: this job's, or for a reopened run the entries it holds, then this
-        job's of the steps it does not hold (`relax.runner.ledger.continued`)."""
-        return self.ledger if self._ledger_held is None else continued(self._ledger_held, self.ledger)
-
     def log_ledger(self) -> None:
-        """Write the run's whole ledger (`run_ledger`) to the MLflow run (artifact `ledger.jsonl`) if it changed since
-        the last write; a failure is noted, never raised (training goes on; a store outage spools it like any other
-        write). A reopened run is not written by a job that recorded no step (an evaluation of a checkpoint, or a
-        resume that stopped before its first step): what it holds stays."""
+        """Write this job's whole ledger to the MLflow run (artifact `ledger.jsonl`) if it changed since the last
+        write; a failure is noted, never raised (training goes on; a store outage spools it like any other write). A
+        reopened run is not written by a job that recorded no step (an evaluation of a checkpoint, an older one
+        included, or a resume that stopped before its first step): the ledger of the steps it trained stays."""
         if self._reopened and len(self.ledger) == self._ledger_resumed:
             return
-        ledger = self.run_ledger()
+        ledger = self.ledger
         if self._ledger_logged == len(ledger):
             return
         try:

@@ -770,26 +770,6 @@ class Tracker:
             self.writer.store_write("text", {"text": text, "artifact_file": artifact_file},
                               lambda: self.client.log_text(self.run_id, text, artifact_file))
 
-    def read_text(self, artifact_file: str) -> Optional[str]:
-        """The text of the run's artifact `artifact_file` (at the root of its artifacts, as `log_text` writes it),
-        None when the run holds none so named; an error of the store is raised as it is (an absent file and an
-        unreadable one are told apart: the run's listing says which)."""
-        import tempfile
-        from pathlib import Path
-
-        if artifact_file not in {f.path for f in self.client.list_artifacts(self.run_id) if not f.is_dir}:
-            return None
-        before = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
-        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # no bar on stderr for one small file
-        try:
-            with tempfile.TemporaryDirectory(prefix="relax-artifact-") as tmp:
-                return Path(self.client.download_artifacts(self.run_id, artifact_file, tmp)).read_text()
-        finally:
-            if before is None:
-                os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
-            else:
-                os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = before
-
     def log_artifact(self, path: str, artifact_path: Optional[str] = None) -> None:
         """Copy a local file or directory into the run's artifacts (under `artifact_path` if given)."""
         if not self._closed("log_artifact"):

@@ -262,12 +262,15 @@ def test_metrics_are_in_the_store_before_the_checkpoint_that_covers_them(tmp_pat
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_reopened_run_keeps_its_ledger_and_records_every_resume(tmp_path, mlflow_template):
     """A 3-step run (checkpoints 2 and 3), then its older checkpoint 2 evaluated (trains nothing: the run's 3-step
-    ledger stays), then resumed from checkpoint 2 to 4 steps with step 2 trained again on other samples: the run
-    keeps the entry it holds for step 2, as MLflow keeps the first value of each metric and step, and gets step 3.
-    The relax.resumed.<n> tags keep both continuations, relax.resumed the last."""
+    ledger stays), then resumed from checkpoint 2 to 4 steps with step 2 trained again on other samples and one
+    more prompt drawn (as a step of dynamic sampling that set aside nothing the second time): the run's ledger is
+    that job's, the checkpoint's steps then the two it trained, as its checkpoints hold, and relax-verify-run passes
+    (a ledger that kept the first job's step 2 and added this job's step 3 only would lose ids 24..31). The
+    relax.resumed.<n> tags keep both continuations, relax.resumed the last."""
     import torch
     from mlflow import MlflowClient
 
+    from relax.cli import verify_run
     from relax.runner.ledger import Ledger
 
     db = tmp_path / "mlflow.db"
@@ -277,15 +280,16 @@ def test_a_reopened_run_keeps_its_ledger_and_records_every_resume(tmp_path, mlfl
     def artifact(run_id: str) -> Ledger:
         return Ledger.loads(Path(client.download_artifacts(run_id, "ledger.jsonl", str(tmp_path / "dl"))).read_text())
 
-    def record(s, step: int, first_id: int) -> None:
-        s.log({"x": float(step)}, step)
-        s.record_samples(step, torch.arange(first_id, first_id + 4), torch.ones(4, dtype=torch.bool))
+    def record(s, step: int, first_id: int) -> None:  # a step of one prompt's 8 samples, as relax-verify-run expects
+        s.log({"perf/step_time": 1.0, "rollout/reward_dropped_frac": 0.0}, step)
+        s.record_samples(step, torch.arange(first_id, first_id + 8), torch.ones(8, dtype=torch.bool))
 
     cluster = RecordingCluster(f"sqlite:///{db}")
-    ckpts, session = _session(["train.num_rollout=3"], tmp_path, db)
+    small = ["rollout.rollout_batch_size=1", "train.global_batch_size=8"]
+    ckpts, session = _session(["train.num_rollout=3", *small], tmp_path, db)
     with ckpts, session() as s:
         for step in range(3):
-            record(s, step, 4 * step)
+            record(s, step, 8 * step)
             if step:
                 s.save_checkpoint(cluster, step + 1, {"sampler": {}})
         run_id = s.tracker.run_id
@@ -293,16 +297,24 @@ def test_a_reopened_run_keeps_its_ledger_and_records_every_resume(tmp_path, mlfl
     assert trained.steps == [0, 1, 2]
     step2 = checkpoint.step_dir(ckpts.save_dir, 2)
 
-    ckpts, session = _session([f"train.resume={step2}", "train.num_rollout=0"], tmp_path, db)
+    ckpts, session = _session([f"train.resume={step2}", "train.num_rollout=0", *small], tmp_path, db)
     with ckpts, session() as s:
         s.log_evaluation({"eval/digits/mean_at_1": 0.5}, 2, evaluation_only=True)
     assert artifact(run_id).entries == trained.entries  # was: checkpoint 2's ledger, steps 0 and 1
 
-    ckpts, session = _session([f"train.resume={step2}", "train.num_rollout=4"], tmp_path, db)
+    report = verify_run.verify(run_id, f"sqlite:///{db}")
+    assert report.ok, report.text()
+
+    ckpts, session = _session([f"train.resume={step2}", "train.num_rollout=4", *small], tmp_path, db)
     with ckpts, session() as s:
-        record(s, 2, 100)  # step 2 again, other samples: the run keeps those it recorded first
-        record(s, 3, 12)
-    assert artifact(run_id).entries == [*trained.entries, s.ledger.entries[3]]
+        record(s, 2, 24)  # step 2 again: the first job's drew ids 16..23, this one the next prompt's
+        s.save_checkpoint(cluster, 3, {"sampler": {}})
+        record(s, 3, 32)
+        s.save_checkpoint(cluster, 4, {"sampler": {}})
+    assert artifact(run_id).entries == s.ledger.entries and s.ledger.steps == [0, 1, 2, 3]
+    assert artifact(run_id).entries[:2] == trained.entries[:2]
+    report = verify_run.verify(run_id, f"sqlite:///{db}")
+    assert report.ok, report.text()
     tags = client.get_run(run_id).data.tags
     assert tags["relax.resumed.1"].startswith(f"step 2 from {step2}; changed: train.num_rollout: 3 -> 0")
     assert tags["relax.resumed.2"] == tags["relax.resumed"] == \
