@@ -319,22 +319,27 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
-# the files one of which a Hugging Face directory's tokenizer is read from (fast, sentencepiece, BPE vocabularies)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# the files one of which a Hugging Face directory's tokenizer is read from (fast; sentencepiece: Llama, T5, XLM-R; BPE
+# and WordPiece vocabularies)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.json", "vocab.txt")
 
 
 def _tokenizer_problem(path: Path, source: str, error: Exception) -> str:
-    """Why a tokenizer did not load, whole on one line: a directory without any tokenizer file is said as such (with
-    what it holds: a .gguf file there is model.source=gguf's), else transformers' message with its lines joined (its
-    first line alone can end mid-sentence: "... from one of: ")."""
+    """Why a tokenizer did not load, whole on one line: a directory without any tokenizer file is said as such (a model
+    directory without tokenizer files when config.json is there, else no model directory; with what it holds: a .gguf
+    file there is model.source=gguf's), else transformers' message with its lines joined (its first line alone can end
+    mid-sentence: "... from one of: ")."""
     if source == "hf" and path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
         names = sorted(p.name for p in path.iterdir() if not p.name.startswith((".", "__")))
         held = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
         gguf = [n for n in names if n.lower().endswith(".gguf")]
         hint = (f"; a .gguf file is read with model.source=gguf and the file's path ({path / gguf[0]})"
                 if gguf else "")
-        return (f"it is no Hugging Face model directory: none of {', '.join(TOKENIZER_FILES)} is there (it holds "
-                f"{held}){hint}")
+        # config.json is what makes a save_pretrained directory a model's (weights saved without the tokenizer)
+        what = ("the model directory has no tokenizer files" if (path / "config.json").is_file()
+                else "it is no Hugging Face model directory")
+        return f"{what}: none of {', '.join(TOKENIZER_FILES)} is there (it holds {held}){hint}"
     detail = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 

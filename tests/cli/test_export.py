@@ -354,20 +354,33 @@ def _stub(d: Path) -> None:
     (d / "config.json").write_text("{}")
 
 
-def _stubbed(staging: Path) -> Path:
-    _stub(staging / "policy")
-    return staging
-
-
 def test_force_never_replaces_a_checkpoint_or_a_save_dir(tmp_path, capsys):
     """review-exp 5: `relax-export save save/step_000001 --force` replaced a sibling committed checkpoint by an HF
     export (the overlap check only guards the checkpoint exported). An OUT_DIR that is, or holds at any depth, a
     committed checkpoint or a run's save dir (run.json) is refused, naming it, with or without --force; nothing is
-    touched. Control: a directory of one's own with a state.json that is no checkpoint's passes this check."""
+    touched. Control: a directory of one's own with a state.json that is no checkpoint's passes this check.
+    The latest checkpoint has the tiny model's real weights, so that the export would go through: on the code before,
+    `first` was replaced by the export (the manifest check below failed), not refused for want of weights."""
+    from lora_step import model_info
+
     cfg = load_config(overrides(tmp_path / "save"))
-    with Checkpoints(cfg) as ckpts:  # two checkpoints of one run
-        first, latest = (ckpts.commit(_stubbed(ckpts.staging(s)), s, {"sampler": {}}) for s in (1, 2))
-    sibling = refused([str(tmp_path / "save"), str(first), "--force"], capsys)
+    with Checkpoints(cfg) as ckpts:  # two checkpoints of one run (a second `commit` would be another run's)
+        _stub((staging := ckpts.staging(1)) / "policy")
+        first = ckpts.commit(staging, 1, {"sampler": {}})
+        PolicyWorker(cfg, model_info(cfg), threads=1).save(str((staging := ckpts.staging(2)) / "policy"))
+        latest = ckpts.commit(staging, 2, {"sampler": {}})  # the one `save` exports: it has real weights
+    before = {p.relative_to(first): p.read_bytes() for p in sorted(first.rglob("*")) if p.is_file()}
+    assert "state.json" in {p.name for p in before}
+    capsys.readouterr()
+    try:  # the sibling is checked before the exit code and the message: what the refusal protects comes first
+        export.main([str(tmp_path / "save"), str(first), "--force"])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    assert {p.relative_to(first): p.read_bytes() for p in sorted(first.rglob("*")) if p.is_file()} == before
+    checkpoint.verify(first, checkpoint.read_state(first))  # untouched, manifest and all
+    assert checkpoint.latest(tmp_path / "save") == latest and code == 2
+    sibling = capsys.readouterr().err
     assert sibling == (f"relax-export: error: OUT_DIR {first} is a Relax checkpoint (state.json): relax-export never "
                        "writes over a checkpoint or a save directory, with or without --force (which replaces an "
                        "earlier export or files of your own); choose another directory\n")
@@ -379,7 +392,6 @@ def test_force_never_replaces_a_checkpoint_or_a_save_dir(tmp_path, capsys):
     (saved / checkpoint.RUN_FILE).write_text(json.dumps({"mlflow_run_id": "a" * 32, "lineage": "b" * 32}))
     assert f"OUT_DIR {saved} is a run's save directory (run.json): " in refused([str(latest), str(saved)], capsys)
     assert checkpoint.committed(tmp_path / "save") == [first, latest]
-    checkpoint.verify(first, checkpoint.read_state(first))  # untouched, manifest and all
     assert checkpoint.committed(tmp_path / "proj" / "checkpoints" / "relax" / "other") == [other]
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -387,6 +399,11 @@ def test_force_never_replaces_a_checkpoint_or_a_save_dir(tmp_path, capsys):
     from relax.runner.export import _check_out_dir
 
     _check_out_dir(mine, latest, force=True)
+
+
+# every file a Hugging Face directory's tokenizer is read from, as the refusal lists them
+NO_TOKENIZER = ("tokenizer.json, tokenizer_config.json, tokenizer.model, spiece.model, sentencepiece.bpe.model, "
+                "vocab.json, vocab.txt")
 
 
 def test_a_model_path_that_is_no_model_directory_is_named_as_typed_in_one_whole_line(tmp_path, capsys):
@@ -404,10 +421,19 @@ def test_a_model_path_that_is_no_model_directory_is_named_as_typed_in_one_whole_
     err = refused([str(path), str(tmp_path / "out"), "--model-path", str(package)], capsys)
     assert err == (f"relax-export: error: the run's tokenizer cannot be loaded from --model-path {package}: "
                    f"model.source=hf: cannot load the tokenizer of --model-path '{package}': it is no Hugging Face "
-                   "model directory: none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json is "
-                   f"there (it holds SmolLM2.Q4.gguf); a .gguf file is read with model.source=gguf and the file's "
-                   f"path ({package / 'SmolLM2.Q4.gguf'})\n"), err
+                   f"model directory: none of {NO_TOKENIZER} is there (it holds SmolLM2.Q4.gguf); a .gguf file is "
+                   f"read with model.source=gguf and the file's path ({package / 'SmolLM2.Q4.gguf'})\n"), err
     assert "model.path" not in err and not (tmp_path / "out").exists()
+    # review-code 4: weights saved without their tokenizer (save_pretrained's config.json and weights) are a model
+    # directory, one without tokenizer files
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text("{}")
+    (weights / "model.safetensors").write_bytes(b"")
+    err = refused([str(path), str(tmp_path / "out"), "--model-path", str(weights)], capsys)
+    assert err.endswith(f"--model-path '{weights}': the model directory has no tokenizer files: none of "
+                        f"{NO_TOKENIZER} is there (it holds config.json, model.safetensors)\n"), err
+    assert "no Hugging Face model directory" not in err and not (tmp_path / "out").exists()
     from relax.data.tokenizer import _tokenizer_problem  # any other failure: transformers' message, every line
 
     cut = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` file, \n(2) a slow "
