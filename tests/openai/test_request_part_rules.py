@@ -27,35 +27,17 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
-from pydantic import BaseModel
+
+from tests.openai import request_rules
+from tests.openai.request_rules import ANSWER, Answer, refused
+
+client = request_rules.client  # the shared fixture, which pytest finds under this module's name
 
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}
-ANSWER = '{"x": 1}'
 TOOL = {"type": "function", "function": {"name": "get_x", "parameters": {"type": "object", "properties": {}}}}
 R_TOOL = {"type": "function", "name": "get_x", "parameters": {"type": "object", "properties": {}}}
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-
-
-class Answer(BaseModel):
-    x: int
-
-
-@pytest.fixture
-def client(smol, scripted_gateway):
-    gw, script, session, client = scripted_gateway(smol, [ANSWER])
-    client.gateway = gw
-    return client
-
-
-def refused(call, param: str, code: str | None = None) -> dict:
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    body = info.value.body
-    assert info.value.status_code == 400 and body["param"] == param and body["type"] == "invalid_request_error", body
-    assert code is None or body["code"] == code, body
-    return body
 
 
 def _history(call: dict, args: str = "{}") -> list[dict]:

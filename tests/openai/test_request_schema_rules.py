@@ -7,31 +7,15 @@ and values of at most 512 (a 400 naming the field). What the SDKs send by defaul
 
 from __future__ import annotations
 
-import openai
 import pytest
-from pydantic import BaseModel
+
+from tests.openai import request_rules
+from tests.openai.request_rules import ANSWER, Answer, refused
+
+client = request_rules.client  # the shared fixture, which pytest finds under this module's name
 
 USER = [{"role": "user", "content": "Give x."}]
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-ANSWER = '{"x": 1}'
-
-
-class Answer(BaseModel):
-    x: int
-
-
-@pytest.fixture
-def client(smol, scripted_gateway):
-    gw, script, session, client = scripted_gateway(smol, [ANSWER])
-    client.gateway = gw
-    return client
-
-
-def refused(call, param: str) -> dict:
-    with pytest.raises(openai.BadRequestError) as info:
-        call()
-    assert info.value.status_code == 400 and info.value.body["param"] == param
-    return info.value.body
 
 
 def test_a_json_schema_format_needs_its_name(client):
