@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relax import algorithms
 from relax.algorithms.base import Violation
-from relax.config.value_types import mistyped_override, mistyped_violation
+from relax.config.value_types import mistyped_override, mistyped_violation, type_text
 
 
 def _fields(node: Any) -> list[str] | None:
@@ -200,6 +200,42 @@ def _deleted_field(dc: DictConfig, overrides: Sequence[str]) -> int | None:
     return None
 
 
+def _into_a_value(override: str) -> tuple[str, Any] | None:
+    """(the key, its declared type) of the schema's value that `override` sets a key inside (`model.path.x=1`,
+    `rollout.sglang.extra_args.foo=1`), read off the schema's dataclasses, else None. Hydra and OmegaConf refuse such
+    an override in their own words or with an AssertionError; the algorithm's section (its class is the choice's) and
+    Hydra's config are left to them, as is a key inside a mapping of free keys."""
+    import typing
+
+    from relax.config.schema import RelaxConfig
+
+    if override.startswith("~"):
+        return None
+    parts = override.lstrip("+").split("=", 1)[0].split(".")
+    if parts[0] in ("algorithm", "hydra") or "[" in parts[-1]:
+        return None
+    node: Any = RelaxConfig
+    for i, part in enumerate(parts[:-1]):
+        if not dataclasses.is_dataclass(node):
+            return None
+        try:
+            declared = typing.get_type_hints(node).get(part)
+        except (NameError, TypeError):  # an annotation this check cannot read: left to Hydra
+            return None
+        if declared is None:
+            return None  # a key the schema lacks: unknown_key names it
+        inner = [a for a in typing.get_args(declared) if a is not type(None)] \
+            if typing.get_origin(declared) is typing.Union else [declared]
+        section = inner[0] if len(inner) == 1 else Any
+        if dataclasses.is_dataclass(section):
+            node = section
+            continue
+        if section is Any or section is dict or typing.get_origin(section) is dict:
+            return None  # a mapping of free keys
+        return ".".join(parts[:i + 1]), declared
+    return None
+
+
 def _written(value: Any) -> str:
     """`value` as an override writes it (null, true, 1e-05, text)."""
     if value is None or isinstance(value, bool):
@@ -211,6 +247,10 @@ def form_violation(dc: DictConfig, override: str) -> Violation:
     """The violation of `override`, which `_misformed_override`, `_new_mapping_key` or `_deleted_field` found, named
     against `dc`, the config composed without it: what it would do, and what to write instead."""
     key, _, value = override.lstrip("+~").partition("=")
+    inside = _into_a_value(override)
+    if inside is not None:
+        return Violation((inside[0],), f"{override}: {inside[0]} takes {type_text(inside[1])}, a value without keys of "
+                                       f"its own: set it with {inside[0]}=VALUE")
     if not override.startswith(("+", "~")):  # `_new_mapping_key`: a mapping given keys it lacks, without +
         return Violation((key,), free_key_message(key, override=override))
     if override.startswith("+"):
@@ -248,6 +288,9 @@ def compose_known(compose: Any, overrides: Sequence[str]
     from omegaconf.errors import OmegaConfBaseException
 
     kept, dropped, choices, mistyped, misformed = list(overrides), [], [], [], []
+    # a key set inside a value (`model.path.x=1`): OmegaConf's own words, or an AssertionError, if composed
+    misformed += [o for o in kept if _into_a_value(o) is not None]
+    kept = [o for o in kept if o not in misformed]
     # a field of the root deleted (`~train`) changes how every later override of its keys composes: those first,
     # composed alone (each a key's deletion or a group's default's, which leaves the schema's node: `_deleted_field`)
     roots = [o for o in kept if o.startswith("~") and "." not in o.split("=", 1)[0]]

@@ -608,3 +608,21 @@ def test_a_key_given_to_a_mapping_of_free_keys_without_plus_names_the_plus_form(
     for fine in (["+data.eval_sets={two:/x/two.jsonl}"], ["+data.eval_sets.two=/x/two.jsonl"]):
         assert "has no effect: train.eval_interval=0 runs no evaluation" in problems(fine)  # composed: the rules ran
     assert problems(["data.eval_sets={}"]) is None and problems(["+hydra.job.env_set.FOO=1"]) is None
+
+
+def test_a_key_set_inside_a_value_is_one_line_of_the_list():
+    """`model.path.x=1` got OmegaConf's "Cannot convert 'dict' to string" and `rollout.sglang.extra_args.foo=1` a
+    traceback (AssertionError: Unexpected type for root: NoneType): a key set inside a key the schema declares a value
+    is a line of the list naming the key, its type and the form to write, beside the other problems. Controls: keys
+    inside a mapping of free keys and inside sections pass as before."""
+    from relax.cli.config_check import problems
+
+    assert problems(["model.path.x=1", "rollout.sglang.extra_args.foo=1", "train.lrr=1"]) == (
+        "invalid config (3 problems):\n"
+        "  - model.path.x=1: model.path takes a string or null, a value without keys of its own: set it with "
+        "model.path=VALUE\n"
+        "  - rollout.sglang.extra_args.foo=1: rollout.sglang.extra_args takes a list of strings, in brackets ([a,b]) "
+        "or null, a value without keys of its own: set it with rollout.sglang.extra_args=VALUE\n"
+        "  - unknown key train.lrr (did you mean train.lr?)")
+    assert problems(["+data.eval_sets.two=/x/two.jsonl", "train.eval_interval=1"]) is None
+    assert "without keys of its own" not in (problems(["rollout.sglang.extra_args=[--foo]", "model.path=/x"]) or "")
