@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from relax import algorithms
 from relax.algorithms.base import Violation
+from relax.config.schema import RelaxConfig
 from relax.config.value_types import mistyped_override, mistyped_violation, type_text
 
 
@@ -205,10 +207,6 @@ def _into_a_value(override: str) -> tuple[str, Any] | None:
     `rollout.sglang.extra_args.foo=1`), read off the schema's dataclasses, else None. Hydra and OmegaConf refuse such
     an override in their own words or with an AssertionError; the algorithm's section (its class is the choice's) and
     Hydra's config are left to them, as is a key inside a mapping of free keys."""
-    import typing
-
-    from relax.config.schema import RelaxConfig
-
     if override.startswith("~"):
         return None
     parts = override.lstrip("+").split("=", 1)[0].split(".")
