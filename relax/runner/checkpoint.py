@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -673,6 +674,13 @@ def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]]) -> int:
     return back
 
 
+def config_yaml(cfg: RelaxConfig) -> str:
+    """`cfg` as the YAML a run writes (config.resolved.yaml, each checkpoint's config.yaml)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
 class Checkpoints:
     """The checkpoint directory of one run: its lock, what the run resumes from, atomic commits and pruning.
 
@@ -696,6 +704,11 @@ class Checkpoints:
         # checkpoint of step -> str}, written into the staging directory before its manifest (so a resume checks
         # them like every other file). Session adds the sample ledger.
         self.attachments: dict[str, Callable[[int], str]] = {}
+
+    @functools.cached_property
+    def config_yaml(self) -> str:
+        """The run's config as YAML, each checkpoint's config.yaml (rendered once: the config is frozen)."""
+        return config_yaml(self.cfg)
 
     @property
     def writes(self) -> bool:
@@ -832,15 +845,13 @@ class Checkpoints:
     def commit(self, staging: Path, step: int, state: dict) -> Path:
         """Complete `staging` with the attachments, state.json and config.yaml, make it durable, rename it, then prune
         older ones."""
-        from omegaconf import OmegaConf
-
         existing = _committed(self.save_dir)
         sequence = 1 + max((_int(s.get("sequence")) for _, s in existing), default=0)
         full = {**state, "step": step, "lineage": self.lineage, "sequence": sequence, "config": _flat(self.cfg),
                 RUN_MODEL: recorded_model(self.cfg.model)}  # what relax-export checks its model files against
         for name, text in self.attachments.items():
             _write(staging / name, text(step))
-        _write(staging / CONFIG, OmegaConf.to_yaml(OmegaConf.structured(self.cfg)))
+        _write(staging / CONFIG, self.config_yaml)
         full[FILES] = manifest(staging)
         _write(staging / STATE, json.dumps(full, indent=2))
         _fsync_tree(staging)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from relax.config.schema import RelaxConfig
 from relax.metrics import EVAL_MEAN_AT, EVAL_PREFIX, EVAL_STEP_TAG, EVAL_STEP_WEIGHTS
 from relax.models.write_errors import os_write_error
-from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint
+from relax.runner.checkpoint import TRACKING_URI_STATE, Checkpoints, ResumePoint, config_yaml
 from relax.runner.errors import NothingTrained, RunError, step_name
 from relax.runner.eval_samples import eval_samples_file, to_jsonl
 from relax.runner.ledger import FILE as LEDGER_FILE
@@ -183,7 +183,6 @@ class Session:
             checkpoints.attachments[LEDGER_FILE] = lambda step: self.ledger.before(step).dumps()
 
     def __enter__(self) -> Session:
-        from omegaconf import OmegaConf
 
         from relax.runner.summary import config_summary
         from relax.tracking.mlflow_run import (
@@ -273,7 +272,7 @@ class Session:
                     print(f"MLflow run {previous}{where} of the last job in {self.checkpoints.save_dir} was still "
                           "RUNNING (that job was killed); marked KILLED", file=sys.stderr, flush=True)
             self.checkpoints.record_run(self.tracker.run_id, self.tracker.uri)
-        resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+        resolved = config_yaml(cfg) if self.checkpoints is None else self.checkpoints.config_yaml
         if not reopen:  # a reopened run keeps the config and plan it started with (they are the same but for
             self.tracker.log_text(resolved, "config.yaml")  # the fields in the relax.resumed tag)
             self.tracker.log_text(self.plan.render() + "\n", "plan.txt")

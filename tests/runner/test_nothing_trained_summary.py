@@ -18,6 +18,7 @@ import pytest
 
 from relax.config import load_config
 from relax.metrics import RAW_REWARD
+from relax.runner.checkpoint import config_yaml
 from relax.runner.errors import NothingTrained, RunError
 
 LINE = ("nothing trained: every group of every step was left out (steps 1-2: their reward calls or episodes failed; "
@@ -107,7 +108,8 @@ def test_a_resumed_run_whose_new_steps_left_every_group_out_says_the_earlier_ste
     cfg = load_config(["tracking.enabled=false", "tracking.progress=true", "train.num_rollout=5"])
     resume = types.SimpleNamespace(step=3, path=tmp_path / "ckpt", tracker_state={}, tracking_uri=None, run_id=None,
                                    ledger=None, state={})
-    checkpoints = types.SimpleNamespace(resume=resume, uses_dir=True, save_dir=tmp_path / "ckpts", attachments={})
+    checkpoints = types.SimpleNamespace(resume=resume, uses_dir=True, save_dir=tmp_path / "ckpts", attachments={},
+                                        config_yaml=config_yaml(cfg))
     err = io.StringIO()
     with pytest.raises(NothingTrained) as failure, contextlib.redirect_stderr(err), \
             Session(cfg, build_plan(cfg), tmp_path / "out", checkpoints=checkpoints) as session:
