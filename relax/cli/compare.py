@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--run-ids", nargs="+", default=[], metavar="RUN_ID", help="these runs only")
     sel.add_argument("--include-unfinished", action="store_true", help="keep FAILED/KILLED/RUNNING runs")
     how = p.add_argument_group("how")
-    how.add_argument("--by", default="arm", help="tag or param to group runs by (default: %(default)s)")
+    how.add_argument("--by", action="append", default=None, metavar="KEY[,KEY...]",
+                     help="tag or param to group runs by (default: arm); several keys, as a comma list or the option "
+                          "repeated, make an arm of each combination of their values, named KEY=VALUE,KEY=VALUE")
     how.add_argument("--metrics", nargs="+", default=None, metavar="METRIC",
                      help="default: rollout/raw_reward and every eval/* present")
     how.add_argument("--last-k", type=int, default=10,
@@ -69,9 +71,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--eval-last-k must be >= 1 (the number of last evaluations averaged), got {args.eval_last_k}")
     if args.bootstrap < 1:
         parser.error(f"--bootstrap must be >= 1 (the number of bootstrap resamples), got {args.bootstrap}")
+    from relax.tracking.compare import CompareError, by_keys
+
+    try:
+        by = by_keys(args.by or ["arm"])
+    except CompareError as exc:
+        parser.error(str(exc))
     from relax.config.credentials import without_secrets
     from relax.runner.endpoints import tracking_store_unreachable
-    from relax.tracking.compare import CompareError, compare
+    from relax.tracking.compare import compare
     from relax.tracking.mlflow_run import bound_http_retries
     from relax.tracking.spool_file import is_store_error, short_error
 
@@ -82,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     bound_http_retries(args.uri)  # one that goes away meanwhile: seconds too (the user's MLFLOW_HTTP_* win)
     try:
         result = compare(uri=args.uri, experiment=args.experiment, sweep=args.sweep, tags=tags,
-                         run_ids=args.run_ids, by=args.by, metrics=args.metrics, last_k=args.last_k,
+                         run_ids=args.run_ids, by=by, metrics=args.metrics, last_k=args.last_k,
                          control=args.control, n_boot=args.bootstrap, seed=args.seed, band=args.band,
                          out_dir=args.out, log=not args.no_log, include_unfinished=args.include_unfinished,
                          eval_last_k=args.eval_last_k)

@@ -340,19 +340,22 @@ def _rerun_may_differ(key: str) -> bool:
             or any(key.startswith(f + ".") for f in RESUMABLE_CHANGES))
 
 
-def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
+def config_conflicts(runs: Sequence[RunData], by: str | Sequence[str] = TAG_ARM) -> None:
     """A CompareError when the runs of one arm differ in a param that a rerun or a resume of one config cannot
     change: such runs are different experiments that share an arm label (the default arm is the algorithm's name, so
     a LoRA run and a full fine-tune both have `grpo`), and one seed of them would keep the newest as a rerun and drop
     the others, or seeds of different configs would be averaged as seed noise. The error names the params, each
-    value with its runs, and the `--by` that tells them apart. A param some runs did not log (another Relax version)
+    value with its runs, and the `--by` to type: every differing param (after the `by` keys themselves where the
+    runs have several arms, which grouping by the params alone would merge). A param some runs did not log (another
+    Relax version)
     is not a difference; differences in what may change (num_rollout, evaluation), and among evaluation-only runs
     the weights they evaluate (EVAL_ONLY_WEIGHTS_PARAMS: each seed's export), stay a note."""
+    by = by_keys(by)
     by_arm: dict[str, list[RunData]] = {}
     for r in runs:
         if r.params:
             by_arm.setdefault(r.arm, []).append(r)
-    problems, splits = [], []
+    problems, splits, every = [], [], {}  # every: the params that differ within some arm, in order
     for arm, members in sorted(by_arm.items()):
         if len(members) < 2:
             continue
@@ -366,6 +369,7 @@ def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
         # the param that alone tells every config of the arm apart (the first), else the one with the most values
         best = sorted(differing, key=lambda k: -len({m.params[k] for m in members}))[0]
         splits.append((best, len({m.params[best] for m in members}) == configs))
+        every.update(dict.fromkeys(differing))
         members = sorted(members, key=lambda m: (_natural(_seed_key(m)), m.start_time))
 
         def runs_with(k: str, v: str, members: list[RunData] = members) -> str:
@@ -376,17 +380,15 @@ def config_conflicts(runs: Sequence[RunData], by: str = TAG_ARM) -> None:
                                               for v in dict.fromkeys(m.params[k] for m in members))
                          for k in differing[:6])
         more = f"; ... {len(differing) - 6} more" if len(differing) > 6 else ""
-        problems.append(f"{by} {arm}: {len(members)} runs of {configs} different configs: {text}{more}")
+        label = f"{by[0]} {arm}" if len(by) == 1 else f"arm {arm}"
+        problems.append(f"{label}: {len(members)} runs of {configs} different configs: {text}{more}")
     if not problems:
         return
-    suggest = [k for k, _ in splits if k != by]
-    if not suggest:
-        how = "group them by a param that tells them apart (--by PARAM)"
-    elif all(whole for _, whole in splits):
-        how = f"compare them as arms with --by {suggest[0]}"
-    else:
-        how = (f"--by {suggest[0]} tells some of them apart, but no one param tells every config apart (--by takes "
-               "one key)")
+    several_arms = len({r.arm for r in runs}) > 1
+    keys = [*(by if several_arms else ()), *(k for k in every if k not in by)]
+    how = f"compare them as arms with --by {','.join(keys)}"
+    if len(keys) > 1 and not several_arms and splits[0][1]:
+        how += f" ({splits[0][0]} alone also tells them apart: --by {splits[0][0]})"
     raise CompareError(
         "runs of different configs share an arm, so they are not seeds or reruns of one experiment (the default arm "
         "is the algorithm's name): " + "; ".join(problems) + ". Runs of one arm may differ only in the seed, "
@@ -450,7 +452,8 @@ def _control_hint(control: str, arms: Sequence[str]) -> str:
 
 
 def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optional[str] = None, last_k: int = 10,
-              n_boot: int = 10_000, seed: int = 0, eval_last_k: int = 1, by: str = TAG_ARM) -> Comparison:
+              n_boot: int = 10_000, seed: int = 0, eval_last_k: int = 1,
+              by: str | Sequence[str] = TAG_ARM) -> Comparison:
     """Per-arm statistics and paired differences to `control` for each metric; problems become notes, but runs of
     different configs in one arm (grouped by `by`) are a CompareError (`config_conflicts`).
 
@@ -657,13 +660,46 @@ def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[
             f"belong to now; compare them with --sweep {later[-1]}")
 
 
-def _group_value(run: Any, by: str) -> Optional[str]:
+def by_keys(by: str | Sequence[str]) -> tuple[str, ...]:
+    """The keys of a `--by`: one key, a comma list (`train.lr,model.lora_rank`) or a sequence of either (the option
+    repeated). Tag and param names hold no comma, so a comma only ever separates keys."""
+    parts = [by] if isinstance(by, str) else list(by)
+    keys = tuple(k.strip() for p in parts for k in p.split(","))
+    if not keys or any(not k for k in keys):
+        raise CompareError(f"--by {','.join(parts)}: a key is empty (give tag or param names, e.g. --by "
+                           "train.lr,model.lora_rank)")
+    if len(set(keys)) < len(keys):
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        raise CompareError(f"--by {','.join(keys)}: {', '.join(twice)} given more than once")
+    return keys
+
+
+def _key_value(run: Any, key: str) -> Optional[str]:
     tags, params = run.data.tags, run.data.params
-    if by in tags:
-        return tags[by]
-    if by in params:
-        return params[by]
+    if key in tags:
+        return tags[key]
+    if key in params:
+        return params[key]
     return None
+
+
+def _group_value(run: Any, by: str | Sequence[str]) -> Optional[str]:
+    """The run's arm: the value of its one `--by` key; with several keys `k1=v1,k2=v2` (the form of a sweep's arm
+    tag, so --control takes it as typed), a key the run lacks as `(none)`. None where the run has none of them."""
+    keys = by_keys(by)
+    values = [_key_value(run, k) for k in keys]
+    if all(v is None for v in values):
+        return None
+    if len(keys) == 1:
+        return values[0]
+    return ",".join(f"{k}={NO_VALUE if v is None else v}" for k, v in zip(keys, values, strict=True))
+
+
+def _labelled(run: Any, by: str | Sequence[str]) -> str:
+    """The run's arm as a note names it: `key=value` for one key; with several, the arm already names its keys."""
+    keys = by_keys(by)
+    value = _group_value(run, keys)
+    return f"{keys[0]}={value}" if len(keys) == 1 else f"arm {value if value is not None else NO_VALUE}"
 
 
 def _did_you_mean(name: str, choices: set[str]) -> str:
@@ -688,14 +724,17 @@ def _keys_they_have(runs: Sequence[Any], by: str) -> str:
     return f"{hint.strip()} tags they have: {', '.join(tags) or 'none'}; params: {shown or 'none'}".lstrip()
 
 
-def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, metrics: Optional[Sequence[str]] = None,
+def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str | Sequence[str] = TAG_ARM,
+              metrics: Optional[Sequence[str]] = None,
               include_unfinished: bool = False) -> tuple[list[RunData], list[str], list[str]]:
-    """Histories of the chosen metrics (default: rollout/raw_reward and every eval/* present), runs and notes."""
+    """Histories of the chosen metrics (default: rollout/raw_reward and every eval/* present), runs and notes; a run's
+    arm is the value of its `by` key, or of several keys `k1=v1,k2=v2` (`_group_value`)."""
+    by = by_keys(by)
     notes: list[str] = []
     kept = []
     for r in runs:
         if r.info.status != "FINISHED" and not include_unfinished:
-            notes.append(f"run {r.info.run_id} ({by}={_group_value(r, by)}, seed {r.data.tags.get(TAG_SEED)}) is "
+            notes.append(f"run {r.info.run_id} ({_labelled(r, by)}, seed {r.data.tags.get(TAG_SEED)}) is "
                          f"{r.info.status}: left out (--include-unfinished keeps it)")
             continue
         kept.append(r)
@@ -714,9 +753,10 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
     for m in metrics:
         if kept and m not in present:
             notes.append(f"metric {m} is in none of the selected runs")
-    if kept and not any(_group_value(r, by) is not None for r in kept):
-        raise CompareError(f"--by {by}: none of the {len(kept)} selected runs has a tag or param {by!r} "
-                           f"({_keys_they_have(kept, by)})")
+    for key in by:  # a key no run has would name no arm (one key) or put `(none)` in every arm (several)
+        if kept and not any(_key_value(r, key) is not None for r in kept):
+            raise CompareError(f"--by {','.join(by)}: none of the {len(kept)} selected runs has a tag or param "
+                               f"{key!r} ({_keys_they_have(kept, key)})")
     out = []
     # an evaluation of saved weights (train.num_rollout=0) tagged with a training arm and seed is not another run of
     # that seed: next to training runs, such runs form an arm of their own
@@ -725,12 +765,15 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
     if split:
         notes.append(f"{len(eval_only)} evaluation-only run(s) (train.num_rollout=0) are an arm of their own, "
                      f"'<arm>{EVAL_ONLY_SUFFIX}', not seeds of the training runs' arm: "
-                     + ", ".join(f"{r.info.run_id} ({by}={_group_value(r, by)}, seed {r.data.tags.get(TAG_SEED)})"
+                     + ", ".join(f"{r.info.run_id} ({_labelled(r, by)}, seed {r.data.tags.get(TAG_SEED)})"
                                  for r in kept if r.info.run_id in eval_only))
     for r in kept:
         arm = _group_value(r, by)
         if arm is None:
-            notes.append(f"run {r.info.run_id} has no tag or param {by!r}: grouped as {NO_VALUE}")
+            notes.append(f"run {r.info.run_id} has no tag or param {' or '.join(map(repr, by))}: grouped as "
+                         f"{NO_VALUE}")
+        elif len(by) > 1 and (lacks := [k for k in by if _key_value(r, k) is None]):
+            notes.append(f"run {r.info.run_id} has no tag or param {' or '.join(map(repr, lacks))}: its arm is {arm}")
             arm = NO_VALUE
         if split and r.info.run_id in eval_only:
             arm += EVAL_ONLY_SUFFIX
@@ -745,7 +788,7 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str = TAG_ARM, m
     return out, list(metrics), notes
 
 
-def _eval_step_notes(runs: Sequence[Any], metrics: Sequence[str], by: str) -> list[str]:
+def _eval_step_notes(runs: Sequence[Any], metrics: Sequence[str], by: Sequence[str]) -> list[str]:
     """A note when the selected runs logged their evaluations at different steps: runs without the tag
     EVAL_STEP_TAG (made by a Relax before it) logged the evaluation after 0-based step s at step s, the others at
     s + 1, the number of training steps in the weights evaluated; steps are compared as logged, not moved."""
@@ -755,7 +798,7 @@ def _eval_step_notes(runs: Sequence[Any], metrics: Sequence[str], by: str) -> li
     older = [r for r in evaluated if r.data.tags.get(EVAL_STEP_TAG) != EVAL_STEP_WEIGHTS]
     if not older or len(older) == len(evaluated):
         return []
-    named = "; ".join(f"{r.info.run_id} ({by}={_group_value(r, by)}, seed {r.data.tags.get(TAG_SEED)}, "
+    named = "; ".join(f"{r.info.run_id} ({_labelled(r, by)}, seed {r.data.tags.get(TAG_SEED)}, "
                       f"{EVAL_STEP_TAG}: {r.data.tags.get(EVAL_STEP_TAG, 'none')})" for r in older)
     return [f"eval/* of runs made before Relax logged an evaluation at the number of training steps in the weights "
             f"(tag {EVAL_STEP_TAG}={EVAL_STEP_WEIGHTS}) sit one step early against the other runs' (the evaluation "
@@ -998,14 +1041,16 @@ def log_outputs(client: MlflowClient, runs: Sequence[RunData], files: Sequence[P
 
 def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = None, sweep: Optional[str] = None,
             tags: Mapping[str, str] = {}, run_ids: Sequence[str] = (),  # noqa: B006
-            by: str = TAG_ARM, metrics: Optional[Sequence[str]] = None, last_k: int = 10,
+            by: str | Sequence[str] = TAG_ARM, metrics: Optional[Sequence[str]] = None, last_k: int = 10,
             control: Optional[str] = None, n_boot: int = 10_000, seed: int = 0, band: str = "minmax",
             out_dir: Optional[Path] = None, log: bool = True, include_unfinished: bool = False,
             eval_last_k: int = 1) -> CompareResult:
-    """Select runs, compute the statistics, write the CSV and PNG, log them to MLflow; returns what it did."""
+    """Select runs, compute the statistics, write the CSV and PNG, log them to MLflow; returns what it did. `by`: the
+    tag or param whose value is a run's arm, or several (a comma list or a sequence): arms `k1=v1,k2=v2`."""
     import os
     import warnings
 
+    by = by_keys(by)
     quiet_mlflow_logging()
     from mlflow import MlflowClient
 
@@ -1031,7 +1076,7 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
     if not comp.stats:  # nothing to write: the outputs of an earlier comparison stay as they are
         raise CompareError(f"no finite values of {', '.join(metric_list)} in the {len(runs)} selected runs of "
                            f"{description}")
-    title = f"relax-compare: {len(runs)} runs of {description}, grouped by {by} ({uri})"
+    title = f"relax-compare: {len(runs)} runs of {description}, grouped by {','.join(by)} ({uri})"
     name = sweep or time.strftime("%Y%m%d-%H%M%S")
     out = out_dir or Path("compare") / name.replace("/", "_").replace(" ", "_")
     csv_path = write_csv(comp, out / "compare.csv")

@@ -402,7 +402,8 @@ def test_runs_of_different_configs_in_one_arm_are_refused_naming_the_params_and_
     assert err.startswith("relax-compare: error: runs of different configs share an arm"), err
     assert f"arm grpo: 2 runs of 2 different configs: model.lora_rank: 0 [{ids[0]} seed 1], 4 [{ids[1]} seed 1]; " \
            f"train.lr: 0.001 [{ids[0]} seed 1], 0.01 [{ids[1]} seed 1]." in err, err
-    assert "; compare them as arms with --by model.lora_rank, or select the runs of one config" in err
+    assert "; compare them as arms with --by model.lora_rank,train.lr (model.lora_rank alone also tells them apart: " \
+           "--by model.lora_rank), or select the runs of one config" in err, err
     assert "tracking.run_name" not in err and not out.exists()
     # the same two as seeds 1 and 2 of the arm: not averaged as seed noise either
     with pytest.raises(CompareError, match=r"arm grpo: 3 runs of 2 different configs: model\.lora_rank: 0 \["):
@@ -413,6 +414,46 @@ def test_runs_of_different_configs_in_one_arm_are_refused_naming_the_params_and_
     assert [(s.arm, s.finals) for s in same.stats] == [("grpo", {"1": 0.4})]
     assert any(n.startswith(f"arm grpo: 2 runs with seed 1: every metric of that seed comes from the most recent "
                             f"finished one, {ids[2]}") for n in same.notes), same.notes
+
+
+def test_by_takes_several_keys_and_the_refusal_names_every_differing_one(tmp_path, fresh_store, capsys):
+    """A 2x2 grid (train.lr x model.lora_rank) under one arm label, seeds 1 and 2: no one param tells the four
+    configs apart, so the refusal names --by with both; typed (as a comma list, or the option repeated) it makes
+    four arms `train.lr=...,model.lora_rank=...` of two seeds each, whose means are the hand-computed ones, and
+    --control takes an arm as it is named. Control: --by train.lr alone is still refused (lora_rank differs within
+    its arms), naming the --by with both keys."""
+    runs, grid = [], (("0.001", "0", 0.1), ("0.001", "4", 0.2), ("0.01", "0", 0.3), ("0.01", "4", 0.4))
+    for lr, rank, base in grid:
+        for seed in ("1", "2"):
+            params = {"algorithm.name": "grpo", "train.lr": lr, "model.lora_rank": rank, "seed": seed}
+            runs.append(({"arm": "grpo", "seed": seed}, params, {R: [(0, base + int(seed) / 100)]}, "FINISHED"))
+    uri, ids = _runs_store(tmp_path, fresh_store, runs)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        compare_main(["--uri", uri, "--experiment", "e", "--no-log", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "arm grpo: 8 runs of 4 different configs" in err, err
+    assert "compare them as arms with --by model.lora_rank,train.lr, or select the runs of one config" in err, err
+    assert not out.exists()
+    with pytest.raises(CompareError, match=r"train\.lr 0\.001: 4 runs of 2 different configs: model\.lora_rank: "
+                                           r".*compare them as arms with --by train\.lr,model\.lora_rank, or select"):
+        compare(uri=uri, experiment="e", by="train.lr", out_dir=out, log=False)
+    expected = {f"train.lr={lr},model.lora_rank={rank}": pytest.approx(base + 0.015)
+                for lr, rank, base in grid}
+    for argv in (["--by", "train.lr,model.lora_rank"], ["--by", "train.lr", "--by", "model.lora_rank"]):
+        compare_main(["--uri", uri, "--experiment", "e", "--no-log", "--out", str(out), "--last-k", "1",
+                      "--control", "train.lr=0.001,model.lora_rank=0", *argv])
+        text = capsys.readouterr().out
+        assert "grouped by train.lr,model.lora_rank" in text and "train.lr=0.001,model.lora_rank=0 (control)" in text
+    comp = compare(uri=uri, experiment="e", by=("train.lr", "model.lora_rank"), last_k=1, out_dir=out, log=False,
+                   control="train.lr=0.001,model.lora_rank=0").comparison
+    assert {s.arm: s.mean for s in comp.stats} == expected and all(s.n == 2 for s in comp.stats)
+    assert {d.arm: d.mean for d in comp.diffs} == {"train.lr=0.001,model.lora_rank=4": pytest.approx(0.1),
+                                                   "train.lr=0.01,model.lora_rank=0": pytest.approx(0.2),
+                                                   "train.lr=0.01,model.lora_rank=4": pytest.approx(0.3)}
+    with pytest.raises(SystemExit) as exc:  # a key twice, or an empty one: a usage error before the store is read
+        compare_main(["--uri", uri, "--by", "train.lr,,seed"])
+    assert exc.value.code == 2 and "--by train.lr,,seed: a key is empty" in capsys.readouterr().err
 
 
 def test_evaluation_only_runs_are_an_arm_of_their_own(tmp_path, fresh_store):
