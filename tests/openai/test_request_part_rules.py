@@ -6,8 +6,10 @@ the field:
 
 - a history tool call without `type` (`ChatCompletionMessageFunctionToolCallParam`: required, "function"):
   `messages[i].tool_calls[j].type`, `missing_required_parameter`;
-- an image part in a system or developer message (their content parts are text only):
-  `messages[i].content[j].type`, `invalid_value`, on a vision-language model too;
+- a history tool call without a string `id` (required: the tool message names it): `messages[i].tool_calls[j].id`,
+  `missing_required_parameter` (absent, null) or `invalid_type`;
+- an image part in a system, developer or tool message (their content parts are text only) or an assistant message
+  (text and refusal parts): `messages[i].content[j].type`, `invalid_value`, on a vision-language model too;
 - a history call's `arguments` of whitespace only: not JSON, refused as any text that is not a JSON object is
   (`messages[i].tool_calls[j].function.arguments`, `input[i].arguments`); the empty string stays no arguments;
 - a Responses `function_call` item without `name` or `call_id`: `input[i].name` / `input[i].call_id`,
@@ -18,9 +20,11 @@ the field:
   Responses' `prewarm` true (generate nothing).
 
 What the SDKs send by default passes each rule (the controls): the openai package's `parse` (a Pydantic model's name),
-openai-agents' Chat Completions converter (history calls with their type, system messages as text) and its
-`final_output` format, LangChain's history calls and structured output.
-Negative control: on the code before, each refusal was answered (200) or named another field (`input[1]`).
+openai-agents' Chat Completions converter (history calls with their type and id, system messages as text, a tool
+output's text parts only) and its `final_output` format, LangChain's history calls and structured output. LangChain's
+history call built without an id is sent with a null id, which OpenAI refuses too: it gets the same 400.
+Negative control: on the code before, each refusal was answered (200) or named another field (`input[1]`,
+`messages[i].content[j]`).
 """
 
 from __future__ import annotations
@@ -72,11 +76,16 @@ def test_a_history_tool_call_needs_its_type(client):
     assert llm.bind_tools([TOOL]).invoke(history).content == ANSWER
 
 
+def _vl_service(smol, answer: str):
+    from relax.serve.openai.service import OpenAIService
+    from tests.openai.scripted import Script
+
+    return OpenAIService(smol, Script(smol, [answer]), model="vl", context_length=None, max_tokens=8, images=True)
+
+
 @pytest.mark.parametrize("role", ["system", "developer"])
 def test_an_image_in_a_system_or_developer_message_is_refused(client, smol, role):
     from relax.serve.openai.protocol import APIError
-    from relax.serve.openai.service import OpenAIService
-    from tests.openai.scripted import Script
 
     messages = [{"role": role, "content": [{"type": "text", "text": "Look:"}, IMAGE]},
                 {"role": "user", "content": "What is it?"}]
@@ -84,8 +93,7 @@ def test_an_image_in_a_system_or_developer_message_is_refused(client, smol, role
                    "messages[0].content[1].type", "invalid_value")
     assert "Supported values are: 'text'" in body["message"], body
     # relax-serve with a vision-language model takes image parts: not in a system or developer message
-    service = OpenAIService(smol, Script(smol, ["a cat"]), model="vl", context_length=None, max_tokens=8,
-                            images=True)
+    service = _vl_service(smol, "a cat")
     with pytest.raises(APIError) as info:
         service.chat({"model": "vl", "messages": messages})
     assert info.value.param == "messages[0].content[1].type" and info.value.code == "invalid_value"
@@ -95,6 +103,64 @@ def test_an_image_in_a_system_or_developer_message_is_refused(client, smol, role
     status, answer = service.chat({"model": "vl", "messages": moved})
     assert status == 200 and answer["choices"][0]["message"]["content"] == "a cat"
     assert client.chat.completions.create(model="m", messages=moved[:1] + messages[1:]).choices
+
+
+def test_a_history_tool_call_needs_its_id(client):
+    for call, code in (({"type": "function"}, "missing_required_parameter"),
+                       ({"id": None, "type": "function"}, "missing_required_parameter"),
+                       ({"id": 7, "type": "function"}, "invalid_type")):
+        body = refused(lambda c=call: client.chat.completions.create(model="m", messages=_history(c), tools=[TOOL]),
+                       "messages[1].tool_calls[0].id", code)
+        assert "'messages[1].tool_calls[0].id'" in body["message"], body
+    refused(lambda: client.chat.completions.create(model="m", messages=_history({"type": "function"})[:2],
+                                                   tools=[TOOL]), "messages[1].tool_calls[0].id")  # no tool answer
+    from langchain_core.messages import AIMessage
+    from langchain_openai import ChatOpenAI
+
+    # LangChain sends a call built without an id with "id": null: OpenAI's 400, so Relax's
+    llm = ChatOpenAI(model="m", base_url=client.gateway.base_url, api_key=client.api_key, max_retries=0)
+    refused(lambda: llm.bind_tools([TOOL]).invoke(["x?", AIMessage("", tool_calls=[
+        {"id": None, "name": "get_x", "args": {}}]), "go on"]), "messages[1].tool_calls[0].id")
+    # controls: the ids the SDKs write (openai-agents' and LangChain's are in test_a_history_tool_call_needs_its_type)
+    assert client.chat.completions.create(model="m", messages=_history({"id": "c1", "type": "function"}),
+                                          tools=[TOOL]).choices[0].message.content == ANSWER
+
+
+@pytest.mark.parametrize("role", ["assistant", "tool"])
+def test_an_image_in_an_assistant_or_tool_message_is_refused(client, smol, role):
+    from relax.serve.openai.protocol import APIError
+
+    messages = _history({"id": "c1", "type": "function"}) + [{"role": "user", "content": "And now?"}]
+    at = 1 if role == "assistant" else 2
+    messages[at] = {**messages[at], "content": [{"type": "text", "text": "Here:"}, IMAGE]}
+    supported = "'text' and 'refusal'" if role == "assistant" else "'text' ("
+    body = refused(lambda: client.chat.completions.create(model="m", messages=messages, tools=[TOOL]),
+                   f"messages[{at}].content[1].type", "invalid_value")
+    assert f"Invalid value: 'image_url'. Supported values are: {supported}" in body["message"], body
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    refused(lambda: client.chat.completions.create(model="m", tools=[TOOL], messages=messages[:at] + [
+        {**messages[at], "content": [audio]}] + messages[at + 1:]), f"messages[{at}].content[0].type", "invalid_value")
+    # relax-serve with a vision-language model takes image parts, and would render this one: refused there too
+    service = _vl_service(smol, "a cat")
+    with pytest.raises(APIError) as info:
+        service.chat({"model": "vl", "messages": messages, "tools": [TOOL]})
+    assert info.value.param == f"messages[{at}].content[1].type" and info.value.code == "invalid_value"
+    # controls: the image in a user message is taken; the text alone in the assistant or tool message is answered
+    moved = messages[:at] + [{**messages[at], "content": messages[at]["content"][:1]}] + messages[at + 1:]
+    moved[-1] = {"role": "user", "content": [IMAGE, {"type": "text", "text": "And now?"}]}
+    status, answer = service.chat({"model": "vl", "messages": moved, "tools": [TOOL]})
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "a cat"
+    assert client.chat.completions.create(model="m", messages=moved[:-1] + messages[-1:], tools=[TOOL]).choices
+    # openai-agents' converter sends a tool output's text parts only (its default), so an image output passes
+    from agents.models.chatcmpl_converter import Converter
+
+    converted = Converter.items_to_messages([
+        {"role": "user", "content": "x?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_x", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "1"}, {"type": "input_image", "image_url": IMAGE["image_url"]["url"]}]}])
+    assert converted[2]["content"] == [{"type": "text", "text": "1"}]
+    assert client.chat.completions.create(model="m", messages=converted, tools=[TOOL]).choices
 
 
 def _r_history(call: dict) -> list[dict]:

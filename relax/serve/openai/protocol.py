@@ -749,34 +749,44 @@ def _check_message_keys(m: Any, where: str) -> None:
                                    code="missing_required_parameter")
                 check_keys(call, f"{where}.tool_calls[{j}]", TOOL_CALL_KEYS,
                            {"type": (lambda v: v == "function", "only function tool calls")})
+                # `id` is required too, a string (a tool message names it in tool_call_id); OpenAI's schema sets it
+                # no minimum length, so "" is left to the tool messages' check (`_check_tool_answers`)
+                if not isinstance(call.get("id"), str):
+                    required_string(call, "id", f"{where}.tool_calls[{j}].id", "the id of the call, which the tool "
+                                    "message answering it names in tool_call_id")
                 if isinstance(call.get("function"), dict):
                     check_keys(call["function"], f"{where}.tool_calls[{j}].function", CALLED_FUNCTION_KEYS)
 
 
 IMAGE_PART_KEYS = {"type", "image_url", "prompt_cache_breakpoint"}
-TEXT_ONLY_ROLES = ("system", "developer")  # OpenAI's content parts of these: text only (ChatCompletionContentPartText)
+# the content part types OpenAI's schema takes in a message of these roles (ChatCompletionContentPartText; an
+# assistant's also ChatCompletionContentPartRefusal): a user message's alone may hold images (or audio, files)
+ROLE_PART_TYPES = {"system": ("text",), "developer": ("text",), "tool": ("text",), "assistant": ("text", "refusal")}
 
 
 def check_text_only_roles(m: Any, where: str) -> None:
-    """OpenAI's 400 (`invalid_value`, naming `where.content[j].type`) for an image part in a system or developer
-    message, whose content OpenAI's schema holds to text parts: on a vision-language model too, where relax-serve
-    would otherwise take it (`check_image_parts`, before `relax.serve.openai.images.take_images`). openai-agents
-    sends such messages' text only (its converter's extract_text_content)."""
-    if not isinstance(m, dict) or m.get("role") not in TEXT_ONLY_ROLES or not isinstance(m.get("content"), list):
+    """OpenAI's 400 (`invalid_value`, naming `where.content[j].type`) for a part of a type that OpenAI's schema does
+    not take in a message of its role (`ROLE_PART_TYPES`: an image part in a system, developer, tool or assistant
+    message): on a vision-language model too, where relax-serve would otherwise take it (`check_image_parts`, before
+    `relax.serve.openai.images.take_images`) and render it. openai-agents sends such messages' text only (its
+    converter's extract_text_content; a tool output's text parts unless preserve_tool_output_all_content)."""
+    if not isinstance(m, dict) or m.get("role") not in ROLE_PART_TYPES or not isinstance(m.get("content"), list):
         return
+    allowed = ROLE_PART_TYPES[m["role"]]
     for j, part in enumerate(m["content"]):
-        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-            param = f"{where}.content[{j}].type"
-            raise APIError(f"Invalid value: {part['type']!r}. Supported values are: 'text' ({param}: a {m['role']} "
-                           "message takes text parts only; send images in a user message).", param=param,
-                           code="invalid_value")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in allowed:  # no type at all: `_text` names the part
+            param, article = f"{where}.content[{j}].type", "an" if m["role"] == "assistant" else "a"
+            raise APIError(f"Invalid value: {kind!r}. Supported values are: {' and '.join(map(repr, allowed))} "
+                           f"({param}: {article} {m['role']} message takes {' and '.join(allowed)} parts only; send "
+                           "images in a user message).", param=param, code="invalid_value")
 
 
 def check_image_parts(body: Any) -> None:
     """The keys of a request's image parts (`{"type": "image_url", "image_url": {"url", "detail"}}`), checked before
     `relax.serve.openai.images.take_images` replaces the parts: a key OpenAI does not define there is a 400 naming its
     path, and so is a `detail` other than "auto" (the image is read at the processor's own resolution), and an image
-    part in a system or developer message (`check_text_only_roles`)."""
+    part in a message of another role than user (`check_text_only_roles`)."""
     messages = body.get("messages") if isinstance(body, dict) else None
     for i, m in enumerate(messages if isinstance(messages, list) else []):
         check_text_only_roles(m, f"messages[{i}]")
