@@ -43,15 +43,30 @@ def _algorithms_with(field: str) -> list[str]:
             if any(f.name == field for f in dataclasses.fields(algorithms.get(n).config_cls))]
 
 
-def unknown_key(cfg: DictConfig, key: str) -> Violation:
-    """The violation of `key` (dotted), a key the schema of the composed `cfg` lacks."""
+def _in_free_mapping(cfg: DictConfig, key: str) -> bool:
+    """Whether `key` (dotted) names a key inside a mapping of free keys of the schema (`data.eval_sets.two`): the
+    schema's fields lead to the mapping, as `unknown_key` walks them."""
+    node: Any = cfg
+    for i, part in enumerate(key.split(".")):
+        fields = _fields(node)
+        if fields is None:
+            return i > 0 and isinstance(node, DictConfig)
+        if part not in fields:
+            return False
+        node = node._get_node(part)
+    return False
+
+
+def unknown_key(cfg: DictConfig, key: str, override: str = "") -> Violation:
+    """The violation of `key` (dotted), a key the schema of the composed `cfg` lacks; `override`: the user's text
+    that set it, where one did (named in the `+` form to type, for a new key of a free mapping)."""
     parts = key.split(".")
     node: Any = cfg
     for i, part in enumerate(parts):
         fields = _fields(node)
         if fields is None:  # a free-form section: its keys are not checked
             if i > 0 and isinstance(node, DictConfig):  # Hydra refused the key: a new one, given without +
-                return Violation((key,), free_key_message(".".join(parts[:i]), part))
+                return Violation((key,), free_key_message(".".join(parts[:i]), part, new_key_override=override))
             break
         # Hydra's own node, where the config was composed with it (`load_config(hydra=True)`, `hydra_problems`)
         if part in fields or (i == 0 and part == "hydra" and part in node):
@@ -76,16 +91,19 @@ def unknown_key(cfg: DictConfig, key: str) -> Violation:
     return Violation((key,), f"unknown key {key}")
 
 
-def free_key_message(mapping: str, name: str = "", override: str = "") -> str:
+def free_key_message(mapping: str, name: str = "", override: str = "", new_key_override: str = "") -> str:
     """What to say of keys given to the free mapping `mapping` (`data.eval_sets`, a `dict[str, Any]` field) without
     `+`: the key `mapping.name` set alone (`data.eval_sets.two=...`, Hydra's 'unknown key'), or a value `override`
     with keys the mapping lacks (`data.eval_sets={two:...}`, Hydra's 'Key 'two' is not in struct'). A mapping's keys
     are the user's (no schema names them) and Hydra adds them only with `+`, the form the docs give
-    (docs/training.md, "Eval sets")."""
+    (docs/training.md, "Eval sets"). `new_key_override`: the override that set `mapping.name` alone
+    (`data.eval_sets.two=/x.jsonl`), given back with `+` in front: the exact text to type."""
     what = (f"{mapping} is a mapping of keys of your own (empty unless a config gives it some), and Hydra adds a "
             "key to it only with +")
     if override:
         return f"{override}: {what}: '+{override}'"
+    if new_key_override:
+        return f"unknown key {mapping}.{name}: {what}: '+{new_key_override}'"
     return f"unknown key {mapping}.{name}: {what}: '+{mapping}={{{name}:...}}' (or +{mapping}.{name}=...)"
 
 
@@ -249,8 +267,10 @@ def form_violation(dc: DictConfig, override: str) -> Violation:
     if inside is not None:
         return Violation((inside[0],), f"{override}: {inside[0]} takes {type_text(inside[1])}, a value without keys of "
                                        f"its own: set it with {inside[0]}=VALUE")
-    if not override.startswith(("+", "~")):  # `_new_mapping_key`: a mapping given keys it lacks, without +
-        return Violation((key,), free_key_message(key, override=override))
+    if not override.startswith(("+", "~")):  # a mapping given keys it lacks, without +
+        if _in_free_mapping(dc, key):  # one key of it set alone (`data.eval_sets.two=...`, `compose_known`)
+            return unknown_key(dc, key, override=override)
+        return Violation((key,), free_key_message(key, override=override))  # its value (`_new_mapping_key`)
     if override.startswith("+"):
         return Violation((key,), f"{override}: {key} is already in the config, and + adds a key it does not have: "
                                  f"set it with {key}={value} (++{key}={value} sets it whether or not it is there)")
@@ -286,6 +306,7 @@ def compose_known(compose: Any, overrides: Sequence[str]
     from omegaconf.errors import OmegaConfBaseException
 
     kept, dropped, choices, mistyped, misformed = list(overrides), [], [], [], []
+    dropped_by: list[str] = []  # the overrides of the keys in `dropped`
     # a key set inside a value (`model.path.x=1`): OmegaConf's own words, or an AssertionError, if composed
     misformed += [o for o in kept if _into_a_value(o) is not None]
     kept = [o for o in kept if o not in misformed]
@@ -306,6 +327,12 @@ def compose_known(compose: Any, overrides: Sequence[str]
             if i is not None:
                 misformed.append(kept.pop(i))
                 continue
+            # a new key of a free mapping set alone, without + (`data.eval_sets.two=...`): named with the user's own
+            # override, `+` in front, the text to type (Hydra's config's mappings: `unknown_hydra_key`)
+            for o in [o for o in dropped_by if not o.startswith(("+", "~", "hydra."))
+                      and _in_free_mapping(dc, o.split("=", 1)[0])]:
+                dropped.remove(o.split("=", 1)[0])
+                misformed.append(o)
             return dc, dropped, choices, [*(mistyped_violation(dc, o, exc) for o, exc in mistyped),
                                           *(form_violation(dc, o) for o in sorted(misformed, key=overrides.index))]
         except ConfigCompositionException as exc:
@@ -327,7 +354,8 @@ def compose_known(compose: Any, overrides: Sequence[str]
             i = _unknown_override(exc, kept)
             if i is None:
                 raise
-            dropped.append(kept.pop(i).split("=", 1)[0].lstrip("+~"))
+            dropped_by.append(kept.pop(i))
+            dropped.append(dropped_by[-1].split("=", 1)[0].lstrip("+~"))
 
 
 def unknown_hydra_key(dc: DictConfig, key: str) -> Violation:

@@ -591,7 +591,7 @@ def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tm
 def test_a_key_given_to_a_mapping_of_free_keys_without_plus_names_the_plus_form():
     """review-exp 4: `data.eval_sets={two:...}` got OmegaConf's raw "Could not override 'data.eval_sets'. Key 'two' is
     not in struct" (not in the problems list), `data.eval_sets.two=...` a bare 'unknown key'. Both are now a line of
-    the list naming the form the docs give ('+data.eval_sets={two:...}'), beside the other problems; Hydra's own
+    the list naming the user's own override with + in front, beside the other problems; Hydra's own
     mapping (hydra.job.env_set) likewise. Controls: both + forms and an empty mapping pass."""
     from relax.cli.config_check import problems
 
@@ -601,9 +601,11 @@ def test_a_key_given_to_a_mapping_of_free_keys_without_plus_names_the_plus_form(
         "invalid config (2 problems):\n"
         f"  - data.eval_sets={{two:/x/two.jsonl}}: {mine}: '+data.eval_sets={{two:/x/two.jsonl}}'\n"
         "  - unknown key train.lrr (did you mean train.lr?)")
-    assert problems(["data.eval_sets.two=/x/two.jsonl", "train.eval_interval=1"]) == (
-        "invalid config (1 problem):\n"
-        f"  - unknown key data.eval_sets.two: {mine}: '+data.eval_sets={{two:...}}' (or +data.eval_sets.two=...)")
+    # the user's own override with + in front, the exact text to type (was '+data.eval_sets={two:...}' (or ...))
+    assert problems(["data.eval_sets.two=/x/two.jsonl", "train.eval_interval=1", "train.lrr=1"]) == (
+        "invalid config (2 problems):\n"
+        f"  - unknown key data.eval_sets.two: {mine}: '+data.eval_sets.two=/x/two.jsonl'\n"
+        "  - unknown key train.lrr (did you mean train.lr?)")
     assert "'+hydra.job.env_set={FOO:1}'" in problems(["hydra.job.env_set={FOO:1}"])
     for fine in (["+data.eval_sets={two:/x/two.jsonl}"], ["+data.eval_sets.two=/x/two.jsonl"]):
         assert "has no effect: train.eval_interval=0 runs no evaluation" in problems(fine)  # composed: the rules ran
