@@ -654,21 +654,46 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
     return ckpts.uses_dir or cfg.train.resume is not None
 
 
-def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]]) -> int:
+def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]], *, locked: bool = True) -> int:
     """Move earlier runs' checkpoints that a fresh run set aside in `earlier/` (`moves`: (where, where to) of each,
     `Checkpoints.set_aside`) back where they were, those whose place is still free, and say so; the number moved
     back. For a fresh run that fails before its first step: the directory is left as that run found it, and
-    `train.resume=auto` still continues the earlier run."""
-    back = 0
-    for path, dest in reversed(list(moves)):
-        if dest.exists() and not path.exists():
-            dest.rename(path)
-            back += 1
-            with contextlib.suppress(OSError):  # earlier/<lineage>/ (and earlier/) emptied: as before the move
-                dest.parent.rmdir()
-                dest.parent.parent.rmdir()
+    `train.resume=auto` still continues the earlier run. `locked`: the caller holds the directory's lock; else it is
+    taken here (`relax.runner.train.run` puts them back once an attempt has released it), and when another process
+    holds it (a relax-train that started in the directory since: it found nothing to set aside and writes its own
+    checkpoints there) nothing moves, so theirs never mix with that run's: they stay aside, and the note says where."""
+    fd = None
+    if not locked:
+        with contextlib.suppress(OSError):  # the directory gone since: nothing is there to move back (below)
+            fd = os.open(save_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            where = sorted({str(dest.parent) for _, dest in moves})
+            resume = f"train.resume={where[0]}" if len(where) == 1 else "train.resume=<one of them>"
+            print(f"relax-train: note: the run did not start; another relax-train holds {save_dir} now, so the "
+                  f"{len(moves)} checkpoint(s) of the earlier run stay in {', '.join(where)} ({resume} continues "
+                  "that run)", file=sys.stderr)
+            return 0
+        except OSError:  # no flock on this filesystem (warned at the start, which refuses any other errno)
+            pass
+    try:
+        back = 0
+        for path, dest in reversed(list(moves)):
+            if dest.exists() and not path.exists():
+                dest.rename(path)
+                back += 1
+                with contextlib.suppress(OSError):  # earlier/<lineage>/ (and earlier/) emptied: as before the move
+                    dest.parent.rmdir()
+                    dest.parent.parent.rmdir()
+        if back:
+            _fsync(save_dir)
+    finally:
+        if fd is not None:
+            os.close(fd)
     if back:
-        _fsync(save_dir)
         print(f"relax-train: note: the run did not start; {back} checkpoint(s) of the earlier run moved back to "
               f"{save_dir}", file=sys.stderr)
     return back

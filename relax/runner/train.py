@@ -200,16 +200,19 @@ def run(cfg: RelaxConfig, plan: Plan | None = None, *, output_dir: Path, dictcon
     preemption = Preemption.from_config(cfg)  # Ctrl-C / SIGTERM: a checkpoint of the current step, then stop
     try:
         with preemption:
-            while True:
-                try:
-                    return Recipe(cfg, plan, runtime, restarts, preemption, output_dir=output_dir,
-                                  dictconfig=dictconfig, start=start).train()
-                except RoleFailure as failure:
-                    if preemption.requested is not None:  # stopping anyway: no restart (the signal may have hit it)
-                        print(f"{step_name(restarts.step)}: {failure}; not restarted: the run is stopping "
-                              f"({signal_name(preemption.requested)})", file=sys.stderr, flush=True)
-                        raise Preempted(preemption.requested) from None
-                    cfg = restarts.next(cfg, failure)
+            try:
+                while True:
+                    try:
+                        return Recipe(cfg, plan, runtime, restarts, preemption, output_dir=output_dir,
+                                      dictconfig=dictconfig, start=start).train()
+                    except RoleFailure as failure:
+                        if preemption.requested is not None:  # stopping anyway: no restart (the signal may have hit it)
+                            print(f"{step_name(restarts.step)}: {failure}; not restarted: the run is stopping "
+                                  f"({signal_name(preemption.requested)})", file=sys.stderr, flush=True)
+                            raise Preempted(preemption.requested) from None
+                        cfg = restarts.next(cfg, failure)
+            finally:
+                start.ended()  # before the message's latest checkpoint is read (below)
     except KeyboardInterrupt as interrupt:
         exc = preemption.as_preempted(interrupt)
         if not isinstance(exc, Preempted):  # Ctrl-C without our handler (before or after the run's context)
@@ -266,7 +269,21 @@ class StartState:
 
     # (where, where to) of each earlier run's checkpoint that the run's fresh start moved to `earlier/`
     set_aside: list[tuple[Path, Path]] = dataclasses.field(default_factory=list)
+    save_dir: Path | None = None  # the directory they were moved out of
     began: bool = False  # the first step (or an evaluation-only run's evaluation) began: the run started
+
+    def ended(self) -> None:
+        """The run ends (`run` returns or raises) with no step begun: the earlier runs' checkpoints its fresh start set
+        aside go back where they were (`checkpoint.put_back`), so `train.resume=auto` still continues the earlier
+        run, whatever stopped it: a start step that failed, a role failure past `train.max_restarts`, Ctrl-C or
+        SIGTERM, also between two attempts. The one place that decides it: while `run` restarts the service graph
+        from step 0 they stay aside (the next attempt must not find them: `Restarts.next` would resume the earlier
+        run's checkpoint), and once a step began they are the run's to keep aside. The attempt has released the
+        directory's lock by now, so `put_back` takes it."""
+        if self.began or not self.set_aside or self.save_dir is None:
+            return
+        checkpoint.put_back(self.save_dir, self.set_aside, locked=False)
+        self.set_aside.clear()
 
 
 class Recipe:
@@ -287,11 +304,7 @@ class Recipe:
 
     def train(self) -> RunResult:
         with contextlib.ExitStack() as stack:
-            try:
-                self.setup(stack)
-            except BaseException as exc:
-                self._not_started(exc)  # the directory still locked (`stack`), as the move was made
-                raise
+            self.setup(stack)  # a start that fails puts the moves back once the run ends (`StartState.ended`)
             self.start.began = True
             with self.stream:
                 self.session.progress.begin()  # the eta's pace: from the first step on, not the start-up
@@ -313,8 +326,9 @@ class Recipe:
             raise pre.error()
         self.inputs = inputs = pre.inputs()
         self.checkpoints = checkpoints = pre.checkpoints
-        if checkpoints is not None:  # a fresh start's moves: put back if the start fails (_not_started)
+        if checkpoints is not None:  # a fresh start's moves: put back if the run ends before a step (StartState.ended)
             self.start.set_aside += checkpoints.set_aside
+            self.start.save_dir = checkpoints.save_dir
         self.runtime.__enter__()
         self.preemption.arm()  # again: ray.init installs its own SIGTERM handler
         # the role processes start (import torch, build their models) while the driver opens its MLflow run
@@ -359,19 +373,6 @@ class Recipe:
         self.skipped = SkippedSteps(cfg.train.max_skipped_steps)
         self.reward_failures = FailedRewardSteps(cfg.data.max_failed_reward_steps)
         self.gate = MismatchGate(cfg.train)  # train.mismatch_gate
-
-    def _not_started(self, exc: BaseException) -> None:
-        """A start that failed before the run's first step (Ray, a role, the MLflow run, the engines, ...): the
-        earlier runs' checkpoints it set aside go back where they were, so `train.resume=auto` still continues the
-        earlier run. Not when the run goes on: a role failure that it restarts from step 0 (the next attempt must not
-        find them: it would resume the earlier run), nor once a step began."""
-        if self.start.began or not self.start.set_aside:
-            return
-        if isinstance(exc, RoleFailure) and self.preemption.requested is None and self.restarts.can_restart:
-            return  # run() restarts the service graph (`Restarts.next`), with them still aside
-        save_dir = self.checkpoints.save_dir if self.checkpoints is not None else checkpoint.resolve_save_dir(self.cfg)
-        checkpoint.put_back(save_dir, self.start.set_aside)
-        self.start.set_aside.clear()
 
     def step(self, step: int) -> None:
         """One training step: the rollout (scored), rewards, advantages and optimizer steps, the weights published

@@ -2,14 +2,17 @@
 back where they were, whichever start step failed (before: only a failure to open the MLflow run did; Ray, a role,
 the engines left them in `earlier/`, so `train.resume=auto` no longer continued the earlier run). A role failure that
 the run restarts from step 0 keeps them aside until the run gives up: the next attempt must not resume the earlier
-run's checkpoint.
+run's checkpoint; or until it is stopped, by Ctrl-C or SIGTERM between two attempts too (before: left in earlier/).
 
 The start steps are the real ones (`relax.runner.train.run`: the real preflight locks the directory and sets the
 checkpoint aside) but for Ray and the roles, stand-ins that fail on purpose at a chosen step (a hook, no sleep)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from relax.config import load_config
 from relax.runner import train as train_module
 from relax.runner.errors import RoleFailure, RunError
+from relax.runner.preempt import Preempted
 
 QUICK = ["tracking.enabled=false", "tracking.progress=false", "train.num_rollout=2"]
 
@@ -108,3 +112,59 @@ def test_a_role_failure_restarted_from_step_0_keeps_them_aside_until_the_run_giv
     assert _Cluster.attempts == ["launch", "launch"]
     assert [s for s in seen if s[0] == "roles answer"] == [("roles answer", False), ("roles answer", False)]
     assert (earlier / "state.json").is_file() and not (save_dir / "earlier").exists()
+
+
+def _fails_then_is_interrupted(monkeypatch, hook, where: str, also=lambda: None, send=None) -> None:
+    """The first attempt's roles fail (a RoleFailure the run restarts from step 0), then Ctrl-C arrives at `where`:
+    while that attempt's roles stop (its `Cluster.__exit__`), or while the run restarts (`Restarts.next`): raised
+    there as the default SIGINT handler would, or, with `send`, that signal sent to this process (the run's own
+    handler takes it). `also`: what else happens there first."""
+    hook("roles answer", lambda: RoleFailure("actor", "died at start"))
+
+    def interrupt(*args, **kwargs):
+        also()
+        if send is None:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), send)  # the handler runs before the next line: signals reach the main thread at once
+    if where == "roles stopping":
+        monkeypatch.setattr(_Cluster, "__exit__", lambda self, *exc: interrupt() if exc[0] is RoleFailure else None)
+    else:
+        monkeypatch.setattr(train_module.Restarts, "next", interrupt)
+
+
+@pytest.mark.parametrize("where, send", [("roles stopping", None), ("restart", None),
+                                         ("roles stopping", signal.SIGTERM)])
+def test_ctrl_c_or_sigterm_between_restart_attempts_puts_them_back(where, send, start, tmp_path, monkeypatch,
+                                                                    capsys):
+    """A role failure kept them aside for the restart; Ctrl-C or SIGTERM (train.save_on_preempt: the run stops
+    instead of restarting, `Preempted`) before the next attempt starts ends a run that never began, so they go back
+    as for any other start that fails (before: left in earlier/, the decision having been taken before the signal)."""
+    save_dir, earlier, seen, hook = start
+    _fails_then_is_interrupted(monkeypatch, hook, where, send=send)
+    with pytest.raises(Preempted if send is not None else KeyboardInterrupt):  # the run's stop, not a restart
+        _run(save_dir, tmp_path, "train.max_restarts=1")
+    assert _Cluster.attempts == ["launch"] and seen[-1] == ("roles answer", False)  # aside when the role failed
+    assert json.loads((earlier / "state.json").read_text())["lineage"] == "feedbeef"
+    assert not (save_dir / "earlier").exists()
+    assert "1 checkpoint(s) of the earlier run moved back" in capsys.readouterr().err
+
+
+def test_a_run_that_took_the_directory_meanwhile_keeps_them_aside(start, tmp_path, monkeypatch, capsys):
+    """Between two attempts the directory is not locked: a relax-train that took it then (a lock held on another open
+    file, as another process holds it) found no checkpoint to set aside and writes its own there; the interrupted run
+    leaves the earlier ones in earlier/ rather than mixing them with that run's, and says where."""
+    save_dir, earlier, seen, hook = start
+    other = os.open(save_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        _fails_then_is_interrupted(monkeypatch, hook, "restart",
+                                   also=lambda: fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB))
+        with pytest.raises(KeyboardInterrupt):
+            _run(save_dir, tmp_path, "train.max_restarts=1")
+    finally:
+        os.close(other)
+    aside = save_dir / "earlier" / "feedbeef" / earlier.name
+    assert not earlier.exists() and (aside / "state.json").is_file()
+    err = capsys.readouterr().err
+    assert "moved back" not in err
+    assert (f"another relax-train holds {save_dir} now, so the 1 checkpoint(s) of the earlier run stay in "
+            f"{aside.parent} (train.resume={aside.parent} continues that run)") in err
