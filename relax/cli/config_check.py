@@ -142,6 +142,26 @@ def _unknown_launcher_key(key: str, options: list[str], choice: str) -> Violatio
                              f"({have})")
 
 
+def _no_such_launcher(override: str, conf: Optional[Path]) -> Optional[Violation]:
+    """For `hydra/launcher=NAME` that names no launcher: the violation of the choice, with the group's options, as
+    for the other `hydra/<group>=` choices (`compose_known`); else (a launcher that is there, another launcher
+    override) None. Composed with that override alone: which launchers there are does not depend on the rest."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.config.compose import compose
+    from relax.config.unknown_keys import compose_known
+
+    key, eq, _ = override.partition("=")
+    if not eq or key.startswith("~") or key.lstrip("+").split("@", 1)[0] != LAUNCHER_GROUP:
+        return None
+    try:
+        _, _, choices, _ = compose_known(lambda kept: compose(kept, conf=conf, hydra=True), [override])
+    except (HydraException, OmegaConfBaseException, ValueError):
+        return None  # refused for another reason: the sweeps-only line still says what to do
+    return next((v for v in choices if v.fields[0] == LAUNCHER_GROUP), None)
+
+
 def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
                       sweep: bool) -> list[Violation]:
     """What is wrong with the launcher overrides among `overrides` (`hydra.launcher.<name>=...`, with or without `+`,
@@ -160,8 +180,9 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     given = [o for o in overrides if _launcher_override(o)]
     if not given:
         return []
-    if not sweep:
-        return [Violation((o.split("=", 1)[0].lstrip("+~"),),
+    if not sweep:  # a launcher that is not there is named as such (with the options): -m would not help it
+        return [_no_such_launcher(o, conf) or
+                Violation((o.split("=", 1)[0].lstrip("+~"),),
                           f"{o}: launcher options ({LAUNCHER_KEY}.*, {LAUNCHER_GROUP}=...) apply to sweeps (-m) "
                           "only: a run without -m starts no launcher and would ignore it (drop it, or sweep with "
                           "relax-train -m ...)") for o in given]

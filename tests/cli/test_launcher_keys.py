@@ -85,6 +85,20 @@ def test_a_launcher_option_without_m_is_refused_not_ignored(override, tmp_path, 
     assert SINGLE in problems([override, "train.num_rollout=2"], environment=False, start_checks=True)
 
 
+@pytest.mark.parametrize("choice, hint", [("x", ""), ("relax_rey", " (did you mean hydra/launcher=relax_ray?)")])
+def test_a_launcher_that_is_not_there_without_m_is_named_with_the_options(choice, hint, tmp_path, monkeypatch, capfd):
+    """Before: `hydra/launcher=x` without -m got the sweeps-only advice, which does not say that x is no launcher
+    (and -m would only meet that refusal). Now the line of a choice that names no option, as for the other
+    hydra/<group>= choices and as with -m; a launcher that is there keeps the advice (the test above)."""
+    monkeypatch.chdir(tmp_path)
+    err = _refused(*relax_train([f"hydra/launcher={choice}", "train.lrr=1", "dry_run=true"], capfd))
+    line = (f"  - hydra/launcher={choice}: config group hydra/launcher has no option {choice!r}{hint}; its options: "
+            "basic, relax_ray")
+    assert err.splitlines()[:2] == ["relax-train: error: invalid config (2 problems):", line], err
+    assert SINGLE not in err and "unknown key train.lrr (did you mean train.lr?)" in err
+    assert line[4:] in problems(["-m", "seed=1,2", f"hydra/launcher={choice}"])  # the same words as with -m
+
+
 @pytest.mark.parametrize("args", [
     ["-m", "seed=1,2", "hydra.launcher.max_concurrent_jobs=1", "hydra.launcher.stop_timeout_s=30",
      "hydra.launcher.num_cpus=2", "+hydra.launcher.ray_init.num_cpus=2", "hydra.launcher.address=null"],
