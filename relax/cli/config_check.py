@@ -399,6 +399,82 @@ def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[
     return found, [kept[i] for i in sorted(kept)]
 
 
+OWN_CONFIG_FLAGS = {"-cp": "path", "--config-path": "path", "-cn": "name", "--config-name": "name"}
+
+
+def own_config_deletions(args: Sequence[str]) -> Optional[str]:
+    """For a run of a config of its own (`relax-train -cp <dir> -cn <name> ...`, which `problems` leaves to Hydra):
+    what is wrong with its `~key` overrides, in the words `relax-train ~key` gets (`form_violation`), with the rest
+    of the config's problems; None when they are fine (or there are none, or another flag or -m makes it something
+    this does not check). Hydra deletes a key of such a config (a plain YAML) without a word, and the schema's
+    default then takes its place (`~train.lr` ran with lr=1e-06), and refuses the other deletions in its own text
+    ('Could not delete from config. ...')."""
+    where: dict[str, str] = {}
+    overrides: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        flag, eq, value = arg.partition("=")
+        if flag in OWN_CONFIG_FLAGS:
+            where[OWN_CONFIG_FLAGS[flag]] = value if eq else next(rest, "")
+        elif arg.startswith("-"):
+            return None  # -m, --cfg, ...: Hydra's main (and each job of a sweep) as before
+        else:
+            overrides.append(arg)
+    if "name" not in where or not any(o.startswith("~") for o in overrides):
+        return None
+    import dataclasses
+
+    from hydra.errors import ConfigCompositionException, HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from relax.config import ConfigError, to_relax_config
+    from relax.config.compose import compose, saved_config
+    from relax.config.schema import RelaxConfig
+    from relax.config.unknown_keys import _fields, _misformed_override, form_violation
+
+    # a key set and deleted (`train.lr=-1 ~train.lr`): named as a run of Relax's config names it; the rest is checked
+    # with the last of each, as there
+    repeated, overrides = duplicate_problems(overrides, command="run")
+    conf = Path(where["path"]) if where.get("path") else None
+    # a section deleted (`~train`) is refused before composing: the overrides of its keys would not compose after it
+    sections = {f.name for f in dataclasses.fields(RelaxConfig)}
+    refused = [o for o in overrides if o.startswith("~") and o[1:].split("=", 1)[0] in sections]
+    kept = [o for o in overrides if o not in refused]
+    try:
+        while True:  # the deletions Hydra refuses (of a key the config lacks, of another value): left out, named
+            try:
+                compose(kept, config_name=where["name"], conf=conf)
+                break
+            except ConfigCompositionException as exc:
+                i = _misformed_override(exc, kept)
+                if i is None or not kept[i].startswith("~"):
+                    return None  # another problem: Hydra's main reports it as before
+                refused.append(kept.pop(i))
+        # the config as the deletions find it: the schema's, with the saved config's values
+        typed, _ = saved_config(compose([o for o in kept if not o.startswith("~")], config_name=where["name"],
+                                        conf=conf))
+    except (HydraException, OmegaConfBaseException, ConfigError):
+        return None  # not a Relax config, ...: the run says so as before
+    # deleted by Hydra: a field of the schema, whose default would take its place, is refused
+    for o in [o for o in kept if o.startswith("~")]:
+        parent_key, _, leaf = o[1:].split("=", 1)[0].rpartition(".")
+        parent = OmegaConf.select(typed, parent_key, default=None) if parent_key else typed
+        if leaf in (_fields(parent) or ()):
+            refused.append(o)
+    if not refused and not repeated:
+        return None
+    violations = [*repeated, *(form_violation(typed, o) for o in sorted(refused, key=overrides.index))]
+    fine = [o for o in overrides if o not in refused]
+    try:  # the rest of the config's problems, as the run would list them
+        to_relax_config(compose(fine, config_name=where["name"], conf=conf), overrides=fine)
+    except ConfigError as exc:
+        violations += exc.violations
+    except (HydraException, OmegaConfBaseException):
+        pass
+    return invalid_config(violations)
+
+
 def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True,
              start_checks: bool = False) -> Optional[str]:
     """What is wrong with `relax-train <args>` (its command line, Hydra's flags included), None when nothing is

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import problems
+from relax.cli.config_check import own_config_deletions, problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -110,6 +110,8 @@ def _precheck(args: list[str]) -> None:
     """Compose and validate before Hydra's main runs (each job of a sweep; composition only for --cfg), so that
     every mistake is one clear message (exit 2) before anything starts."""
     message = problems(args)
+    if message is None:  # a run of a config of its own (-cp/-cn): its ~key overrides as a run of Relax's gets them
+        message = own_config_deletions(args)
     if message is not None:
         _fail(message)
 

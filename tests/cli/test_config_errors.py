@@ -628,3 +628,32 @@ def test_a_key_set_inside_a_value_is_one_line_of_the_list():
         "  - unknown key train.lrr (did you mean train.lr?)")
     assert problems(["+data.eval_sets.two=/x/two.jsonl", "train.eval_interval=1"]) is None
     assert "without keys of its own" not in (problems(["rollout.sglang.extra_args=[--foo]", "model.path=/x"]) or "")
+
+
+def test_a_deletion_on_a_run_of_its_own_config_is_the_line_a_run_of_relaxs_gets(tmp_path, monkeypatch, capfd):
+    """`relax-train -cp <dir> -cn config ~train.lr` (a run's saved config) ran with the schema's default lr (1e-06;
+    Hydra deletes a key of a plain YAML without a word), and `~train.lr=5` or `~train.nosuch` printed Hydra's
+    'Could not delete from config. ...': now each is the one line `relax-train ~...` gives, with the config's other
+    problems, exit 2. Control: deleting a key of a free mapping (an eval set added on the same line) goes on."""
+    from omegaconf import OmegaConf
+
+    from relax.cli.config_check import problems
+    from relax.config.compose import compose
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train(["-cp", str(saved), "-cn", "config", "~train.lr", "dry_run=true"], capfd)
+    assert code == 2 and "Traceback" not in out + err and "dry run" not in out, out + err
+    assert err.splitlines() == problems(["~train.lr", "train.num_rollout=2"]).replace(
+        "invalid config", "relax-train: error: invalid config", 1).splitlines(), err
+    from relax.cli.config_check import own_config_deletions
+
+    own = ["-cp", str(saved), "-cn", "config"]
+    for given in (["~train.lr=5", "train.micro_batch_size=-1"], ["~train.nosuch", "train.micro_batch_size=-1"],
+                  ["~train"]):  # Hydra's text before, for the first two; the same lines as a run of Relax's config
+        expected = problems([*given, "train.num_rollout=2"])
+        assert f"  - {given[0]}: " in expected and own_config_deletions([*own, *given]) == expected, given
+    assert own_config_deletions([*own, "+data.eval_sets={two:/x/two.jsonl}", "~data.eval_sets.two"]) is None
+    assert own_config_deletions([*own, "train.lr=1e-5"]) is None  # no deletion: nothing composed here
