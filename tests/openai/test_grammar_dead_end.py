@@ -50,6 +50,38 @@ def test_a_json_schema_the_vocabulary_cannot_write_is_a_400_naming_response_form
     assert json.loads(r.choices[0].message.content) == {}
 
 
+def test_a_streamed_dead_end_is_the_same_error_as_unstreamed_on_chat_and_responses(engine, client):
+    """The error a stream ends with is the one the same request unstreamed is refused with: type
+    invalid_request_error, code grammar_dead_end, the param and the message (clients classify a stream's error by its
+    type and code: pydantic-ai made a server_error a 500, litellm a connection error). Read by the official client
+    (which raises a stream's error with its body) and, for the Responses `error` event's own fields, as sent."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": fmt,
+            "max_tokens": 20, "seed": 1}
+    text = {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}}
+    responses = {"model": "tiny", "input": "hi", "text": text, "max_output_tokens": 20, "extra_body": {"seed": 1}}
+    for create, body, param in ((client.chat.completions.create, chat, "response_format"),
+                                (client.responses.create, responses, "text.format")):
+        with pytest.raises(openai.BadRequestError) as unstreamed:
+            create(**body)
+        expected = unstreamed.value.body
+        assert (expected["type"], expected["code"], expected["param"]) == \
+            ("invalid_request_error", "grammar_dead_end", param), expected
+        with pytest.raises(openai.APIError) as streamed:
+            for _ in create(**body, stream=True):
+                pass
+        assert streamed.value.body == expected, (streamed.value.body, expected)
+        assert (streamed.value.type, streamed.value.code, streamed.value.param) == \
+            ("invalid_request_error", "grammar_dead_end", param)
+    # the Responses `error` event's own code, message and param (what a client reading the event, not the openai
+    # package, sees)
+    with client.responses.with_streaming_response.create(**responses, stream=True) as raw:
+        events = [json.loads(line[len("data: "):]) for line in raw.iter_lines() if line.startswith("data: {")]
+    error = events[-1]
+    assert error["type"] == "error" and (error["code"], error["param"], error["message"]) == \
+        ("grammar_dead_end", "text.format", expected["message"]), error
+
+
 def test_a_stream_read_after_the_dead_end_still_sends_the_answer_first(engine, client, monkeypatch):
     """The stream's reader may first look at the row after the scheduler ended it at its dead end (a loaded machine:
     seen in CI): it still sends the answer's tokens (`{`), then the error, and never the token drawn at the dead

@@ -202,6 +202,16 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class StreamError(dict):
+    """The chunk that ends a stream with `error`: OpenAI's stream error, `error`'s body (the `type`, `code`, `param`
+    and message the same request unstreamed is refused with), keeping `error` for a stream made of these chunks
+    (the Responses API's `error` event names it by its own fields)."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.body())
+        self.error = error
+
+
 def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param)
 

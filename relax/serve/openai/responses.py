@@ -66,6 +66,7 @@ from relax.serve.openai.protocol import (
     IMAGE_PART_TYPES,
     APIError,
     ImagePartError,
+    StreamError,
     call_arguments,
     check_function,
     check_keys,
@@ -843,10 +844,9 @@ def response_events(req: Request, chunks: Iterator[dict], *, rid: str, model: st
 
     opened: Optional[dict] = None  # the message's output_index, item_id and content_index, once it has begun
     for chunk in chunks:
-        if "error" in chunk:
-            error = chunk["error"]
-            yield emit("error", code=error.get("code"), message=error.get("message"), param=error.get("param"),
-                       error=error)
+        if isinstance(chunk, StreamError):  # the error the same request unstreamed is refused with, as named here
+            error = renamed(chunk.error).body()["error"]
+            yield emit("error", code=error["code"], message=error["message"], param=error["param"], error=error)
             return
         for kind, piece, lps in fold.add(chunk):
             if kind == "reasoning":

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Optional, Protocol
 
 from relax.agents.parsers import HARMONY_TOKENS, harmony_content, harmony_reasoning, parser_format
@@ -50,6 +51,7 @@ from relax.serve.openai.protocol import (
     Choice,
     ImagePartError,
     Params,
+    StreamError,
     chat_answer,
     check_image_parts,
     completion_answer,
@@ -107,8 +109,9 @@ class Session(Protocol):
 
 # `OpenAIService`'s `stream`: the /generate payloads submitted at once (APIError for a refused one), and an iterator of
 # their stream's events: each the answer so far of payload `event["index"]` (finish_reason null while it goes on: its
-# tokens and their log-probs so far, cumulative), then its final answer (as `send` returns it), or
-# {"error": {"message"}}; closing it early aborts what still runs.
+# tokens and their log-probs so far, cumulative), then its final answer (as `send` returns it); an error on the way
+# raises the APIError `send` raises for it (an event {"error": {"message"}} is a 500); closing it early aborts what
+# still runs.
 StreamSend = Callable[[list[dict]], Iterator[dict]]
 # What a stream's writer reads of a choice (`OpenAIService._progress`, `_answered`): (its index, its tokens and their
 # log-probs so far, with top_logprobs their alternatives (token text, log-prob) so far (None: none asked), and None
@@ -214,13 +217,12 @@ class OpenAIService:
                 payloads, p = self._payloads(prompt, p, session, context, image_data)
                 events = self.stream(payloads)  # submitted now: a refused request is an error answer, not a stream
                 drawn = self._progress(events, lambda s: self._chat_choice(s, prompt, p), p.top_logprobs)
-                return p, _Closing(self._chat_chunks(drawn, prompt, p, bool(image_data)), events)
+                # an error on the way is the one the same request unstreamed raises (`_refused`)
+                named = partial(_refused, body=body, p=p, places=places)
+                return p, _Closing(self._chat_chunks(drawn, prompt, p, bool(image_data), named), events)
             sampled, p = self._generate(prompt, p, session, context, image_data)
         except APIError as exc:
-            if exc.code == "grammar_dead_end":  # the engine's 400: name what asked for the grammar
-                param = _grammar_param(body, p)
-                raise APIError(f"{param}: {exc}", param=param, code=exc.code) from None
-            raise naming_parts(exc, places) from None
+            raise _refused(exc, body, p, places) from None
         if session is not None:
             self._mark_constrained(sampled, p)
         choices = [self._chat_choice(s, prompt, p) for s in sampled]
@@ -386,11 +388,13 @@ class OpenAIService:
         finally:
             _close(events)
 
-    def _chat_chunks(self, drawn: Iterator[Drawn], prompt: list[int], p: Params, images: bool) -> Iterator[dict]:
+    def _chat_chunks(self, drawn: Iterator[Drawn], prompt: list[int], p: Params, images: bool,
+                     named: Callable[[APIError], APIError] = lambda exc: exc) -> Iterator[dict]:
         """The chunks of a chat stream, as its tokens are drawn or of its finished answer (`relax.serve.openai.deltas`,
         `Drawn`): per choice its role,
         its decided reasoning and content, then with its end the rest, its tool calls and finish_reason; then the
-        usage (stream_options.include_usage)."""
+        usage (stream_options.include_usage). An error on the way ends it with its `StreamError`, `named` by the
+        request's fields."""
         head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": p.model}
         splitters = [self._deltas(p, prompt, chat=True) for _ in range(p.n)]
@@ -430,7 +434,7 @@ class OpenAIService:
             if p.include_usage:
                 yield {**head, "choices": [], "usage": chat_answer(choices, p, prompt_len, model=p.model)["usage"]}
         except APIError as exc:
-            yield exc.body()
+            yield StreamError(named(exc))
         finally:
             _close(drawn)
 
@@ -474,7 +478,7 @@ class OpenAIService:
                 yield {**head, "choices": [], "usage": completion_answer(ordered, p, prompt_tokens,
                                                                          model=p.model)["usage"]}
         except APIError as exc:
-            yield exc.body()
+            yield StreamError(exc)
         finally:
             _close(drawn)
 
@@ -709,6 +713,15 @@ class _Closing:
             _close(self.it)
         finally:
             _close(self.also)
+
+
+def _refused(exc: APIError, body: dict, p: Params, places: list[str]) -> APIError:
+    """The engine's error for a chat request in the request's terms, streamed or not: a grammar's dead end (the
+    engine's 400) names the field that asked for the grammar; an image the engine refuses, its message part."""
+    if exc.code == "grammar_dead_end":
+        param = _grammar_param(body, p)
+        return APIError(f"{param}: {exc}", param=param, code=exc.code)
+    return naming_parts(exc, places)
 
 
 def _grammar_param(body: dict, p: Params) -> str:

@@ -161,9 +161,18 @@ class _Handler(Handler):
                 write_answer(self, status, payload)
 
 
+def _refusal(status: int, message: str) -> APIError:
+    """The OpenAI service's error for this engine's failed request (its HTTP `status` and message), streamed or not:
+    a 400 is the request's grammar's dead end (it cannot be followed with this vocabulary), the rest the server's."""
+    if status == 400:
+        return APIError(message, code="grammar_dead_end")
+    return APIError(message, status=503 if status == 503 else 500, kind="server_error")
+
+
 class _Aborting:
     """A request's stream events (`relax.serve.sglang.stream.answer_events`) that abort what still runs of the request
-    when closed, started or not (a generator closed before it started runs no cleanup)."""
+    when closed, started or not (a generator closed before it started runs no cleanup); an error event is raised as
+    the APIError `_send_openai` raises for it (`_refusal`)."""
 
     def __init__(self, events: Iterator[dict], request: Request, scheduler: Scheduler):
         self.events, self.request, self.scheduler = events, request, scheduler
@@ -172,7 +181,10 @@ class _Aborting:
         return self
 
     def __next__(self) -> dict:
-        return next(self.events)
+        event = next(self.events)
+        if "error" in event:  # the error `send` raises for the same request (a dead end's 400, not a 500)
+            raise _refusal(self.request.error_status, event["error"]["message"])
+        return event
 
     def close(self) -> None:
         try:
@@ -605,10 +617,8 @@ class EmbeddedServer(WeightEndpoints):
             status, answer = self._generate(body)
         except RequestError as exc:
             raise APIError(str(exc)) from None
-        if status == 400:  # the request's grammar cannot be followed with this vocabulary (a dead end)
-            raise APIError(answer["error"]["message"], code="grammar_dead_end")
         if status != 200:
-            raise APIError(answer["error"]["message"], status=503 if status == 503 else 500, kind="server_error")
+            raise _refusal(status, answer["error"]["message"])
         return answer if isinstance(answer, list) else [answer]
 
     def _generate(self, body: dict) -> tuple[int, Any]:
