@@ -485,15 +485,23 @@ class OpenAIService:
     # --------------------------------------------------------------------------------------------- generation
     def _limit(self, p: Params, prompt_len: int) -> int:
         room = None if self.context_length is None else self.context_length - prompt_len
+        # OpenAI's wording of these 400s first (vLLM's too): clients tell a context overflow by it (litellm's
+        # ContextWindowExceededError matches "this model's maximum context length is", langchain-openai's context
+        # overflow "prompt is too long"), then what Relax adds
         if room is not None and room < 1:
-            raise APIError(f"the prompt ({prompt_len} tokens) fills the model's context of {self.context_length} "
-                           "tokens", param="messages", code="context_length_exceeded")
+            raise APIError(f"This model's maximum context length is {self.context_length} tokens. However, your "
+                           f"messages resulted in {prompt_len} tokens. Please reduce the length of the messages. "
+                           "(The prompt is too long: it fills the model's context, leaving no room for an answer.)",
+                           param="messages", code="context_length_exceeded")
         # without max_tokens: the room left under the context, then the cap (a training session's limits come
         # on top in `Session.admit`); SGLang's 128 only where neither is known
         limit = p.max_tokens or room or self.max_tokens or DEFAULT_MAX_TOKENS
         if room is not None and limit > room:
-            raise APIError(f"max_tokens={limit} plus the prompt ({prompt_len} tokens) exceeds the model's context "
-                           f"of {self.context_length} tokens", param="max_tokens", code="context_length_exceeded")
+            raise APIError(f"This model's maximum context length is {self.context_length} tokens. However, you "
+                           f"requested {prompt_len + limit} tokens ({prompt_len} in the messages, {limit} in the "
+                           "completion). Please reduce the length of the messages or completion. (The completion's "
+                           f"tokens are max_tokens={limit}; without max_tokens the answer may take the {room} tokens "
+                           "left.)", param="max_tokens", code="context_length_exceeded")
         return min(limit, self.max_tokens) if self.max_tokens else limit
 
     def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
