@@ -1,11 +1,13 @@
 """A forced answer (`tool_choice` "required") that max_tokens cut inside its first call: its grammar allowed calls
-only, so no part of it is content. Chat, streamed and not, and the Responses API return no call markup: no content,
-no tool calls, finish_reason "length" (Responses: status incomplete, no text). The gateway runs over a scripted engine
-answering the cut call (`tests.openai.scripted.CutEngine`), in every built-in call format's family; openai-agents'
-chat model then raises its own "finish_reason='length' but produced no assistant text" instead of taking the markup
-for the agent's final answer (what data.reward would have scored).
+only, so no part of it is content. Chat, streamed and not, and the Responses API return no call markup: content ""
+(OpenAI's for an answer with no text and no call), no tool calls, finish_reason "length" (Responses: status
+incomplete, no output item, as OpenAI's answer cut before any text has no message item). The gateway runs over a
+scripted engine answering the cut call (`tests.openai.scripted.CutEngine`), in every built-in call format's
+family; openai-agents' chat model then raises its own "finish_reason='length' but produced no assistant text"
+instead of taking the markup for the agent's final answer (what data.reward would have scored).
 
-Negative control: before, the cut call came back as the answer's content (`'<tool_call>\\n{"name": "calculator", ...'`),
+Negative control: before, the Responses answer had a message item of no text (the `output == []` assertions failed);
+before that, the cut call came back as the answer's content (`'<tool_call>\\n{"name": "calculator", ...'`),
 streamed and not, and as the Responses message's text; openai-agents' final_output was that markup.
 """
 
@@ -47,15 +49,21 @@ def test_a_forced_answer_cut_in_its_first_call_has_no_content(name):
     try:
         kw = dict(model="policy", messages=USER, tools=TOOLS, tool_choice="required", max_tokens=64)
         choice = client.chat.completions.create(**kw).choices[0]
-        assert (choice.message.content or "", choice.message.tool_calls, choice.finish_reason) == ("", None, "length")
+        # content "": OpenAI's for an answer with no text and no call (null is for calls only)
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("", None, "length")
         chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        assert chunks[0].choices[0].delta.content == "" and chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
         assert not any(c.choices[0].delta.tool_calls for c in chunks)
         assert chunks[-1].choices[0].finish_reason == "length"
-        resp = client.responses.create(model="policy", input="What is 6 * 7?", tool_choice="required",
-                                       tools=[{"type": "function", **TOOLS[0]["function"]}], max_output_tokens=64)
-        assert resp.status == "incomplete" and resp.output_text == ""
-        assert not [o for o in resp.output if o.type == "function_call"]
+        # Responses: no item at all, as OpenAI's answer cut before any text has no message item
+        rkw = dict(model="policy", input="What is 6 * 7?", tool_choice="required",
+                   tools=[{"type": "function", **TOOLS[0]["function"]}], max_output_tokens=64)
+        resp = client.responses.create(**rkw)
+        assert resp.status == "incomplete" and resp.output_text == "" and resp.output == [], resp.output
+        events = list(client.responses.create(**rkw, stream=True))
+        assert events[-1].type == "response.incomplete" and events[-1].response.output == []
+        assert not [e for e in events if e.type == "response.output_item.added"]
     finally:
         gw.close()
 

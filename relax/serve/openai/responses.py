@@ -766,11 +766,12 @@ def output_items(a: Answer, logprobs: bool, ids: Optional[dict] = None,
     out: list[dict] = []
     if a.reasoning is not None:
         out.append(reasoning_item(ids["reasoning"], a.reasoning, status, seal))
-    # an answer the limit cut inside its reasoning has no message: the reasoning item alone, as OpenAI's reasoning
-    # models answer then (a message of no text would be what a client shows as the answer); but where log-probs were
-    # asked for (message.output_text.logprobs), the message of no text still carries the sampled tokens' log-probs
-    cut_reasoning = a.reasoning is not None and a.finish == "length" and not a.content and not logprobs
-    if (a.content or not a.tool_calls) and not cut_reasoning:
+    # an answer the limit cut before any text has no message: inside its reasoning, the reasoning item alone, as
+    # OpenAI's reasoning models answer then; inside a forced answer's first call, no item (a message of no text would
+    # be what a client shows as the answer); but where log-probs were asked for (message.output_text.logprobs), the
+    # message of no text still carries the sampled tokens' log-probs
+    cut_before_text = a.finish == "length" and not a.content and not logprobs
+    if (a.content or not a.tool_calls) and not cut_before_text:
         part: dict[str, Any] = {"type": "output_text", "text": a.content, "annotations": []}
         if logprobs:
             part["logprobs"] = a.logprobs or []
