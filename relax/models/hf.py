@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from relax.config.schema import ModelConfig
-from relax.data.tokenizer import ModelPathError
+from relax.data.tokenizer import require_hf_config
 from relax.data.tokenizer import resolve_model_path as _resolve_model_path
 from relax.models import vision
 from relax.models.gguf_cache import gguf_config, load_gguf_model
@@ -62,14 +62,15 @@ def pick_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def resolve_model_path(model_cfg: ModelConfig) -> Path:
+def resolve_model_path(model_cfg: ModelConfig, *, key: str = "model.path") -> Path:
     """Where an hf/gguf model lives; fails early (before any loading) when it is not there. A PEFT adapter directory
-    is its base with the adapters merged, which each command writes before it starts (`relax.models.peft_merge`)."""
-    path = _resolve_model_path(model_cfg)
+    is its base with the adapters merged, which each command writes before it starts (`relax.models.peft_merge`).
+    `key`: the option the path was given as, which the messages name (`relax.data.tokenizer.named`)."""
+    path = _resolve_model_path(model_cfg, key=key)
     if path is None:
         raise ValueError("model.source=config has no model path")
-    if model_cfg.source == "hf" and not (path / "config.json").is_file():
-        raise ModelPathError(f"model.path={str(path)!r}: model.source=hf needs a directory with config.json")
+    if model_cfg.source == "hf":
+        require_hf_config(path, key)
     return path
 
 

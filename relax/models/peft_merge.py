@@ -45,6 +45,7 @@ from relax.data.tokenizer import (
     is_adapter_dir,
     merged_adapter_dir,
     merged_stand_in,
+    named,
     quiet_transformers,
     read_json_object,
     resolve_model_path,
@@ -60,11 +61,12 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
-def adapter_path(model_cfg: Any) -> Optional[Path]:
-    """The PEFT adapter directory `model_cfg` names (`source=hf`), None for any other model."""
+def adapter_path(model_cfg: Any, key: str = "model.path") -> Optional[Path]:
+    """The PEFT adapter directory `model_cfg` names (`source=hf`), None for any other model. `key`: the option the
+    path was given as, which a missing path's message names (`relax.data.tokenizer.resolve_model_path`'s)."""
     if getattr(model_cfg, "source", None) != "hf":
         return None
-    path = resolve_model_path(model_cfg, merged=False)
+    path = resolve_model_path(model_cfg, merged=False, key=key)
     return path if path is not None and is_adapter_dir(path) else None
 
 
@@ -241,17 +243,20 @@ def _check_readable(adapter_dir: Path, base: Path, task: str) -> None:
                              f"loaded: {type(e).__name__}: {detail}") from None
 
 
-def plan_merge(model_cfg: Any, task: str = CAUSAL_LM, option: str = "model") -> Optional[MergePlan]:
+def plan_merge(model_cfg: Any, task: str = CAUSAL_LM, option: str = "model",
+               key: str = "model.path") -> Optional[MergePlan]:
     """For a `model_cfg` whose path is a PEFT adapter directory: its merge (the base found, adapter_config.json's
     task_type checked against `task`, the adapter weights' header and the base's config read), nothing written;
     None for any other model (which must not name a `base_path`). `option`: the config section messages name (model,
-    teacher, reward_model). ModelPathError / ModelFileError naming what is wrong."""
-    adapter_dir = adapter_path(model_cfg)
+    teacher, reward_model); `key`: a command-line flag the path was given as instead (relax-export's --model-path),
+    which the messages on the path name. ModelPathError / ModelFileError naming what is wrong."""
+    adapter_dir = adapter_path(model_cfg, key)
     if adapter_dir is None:
         base_path = getattr(model_cfg, "base_path", None)
         if base_path:  # refused rather than ignored, by every command (relax-train, relax-serve, relax-export)
             where = getattr(model_cfg, "path", None) or f"$MODEL_DIR/{model_cfg.name}"
-            raise ModelFileError(f"{option}.base_path={base_path!r} has no effect: {option}.path={where} is not a "
+            path = named(key, where) if key.startswith("--") else f"{option}.path={where}"
+            raise ModelFileError(f"{option}.base_path={base_path!r} has no effect: {path} is not a "
                                  "PEFT adapter directory (adapter_config.json and no config.json), so it has no base "
                                  f"to merge into; leave {option}.base_path out")
         return None
@@ -264,14 +269,15 @@ def plan_merge(model_cfg: Any, task: str = CAUSAL_LM, option: str = "model") -> 
     return MergePlan(adapter_dir, name, base, merged_adapter_dir(adapter_dir), wanted, task)
 
 
-def ensure_merged(model_cfg: Any, task: str = CAUSAL_LM, option: str = "model") -> Optional[Path]:
+def ensure_merged(model_cfg: Any, task: str = CAUSAL_LM, option: str = "model",
+                  key: str = "model.path") -> Optional[Path]:
     """For a `model_cfg` whose path is a PEFT adapter directory: the directory of its base with the adapters merged,
     written now unless an up-to-date one is there (`relax.data.tokenizer.merged_adapter_dir`); None for any other
     model. The base is `model_cfg.base_path` where set, else found from adapter_config.json (`find_base`). `task`:
-    a causal LM, or a sequence-classification reward model (`CLASSIFIER`); `option`: as `plan_merge`'s. Raises
+    a causal LM, or a sequence-classification reward model (`CLASSIFIER`); `option`, `key`: as `plan_merge`'s. Raises
     ModelPathError / ModelFileError naming what is wrong (the base not found, unreadable files, adapters that do not
     fit the base or cannot be merged)."""
-    plan = plan_merge(model_cfg, task, option)
+    plan = plan_merge(model_cfg, task, option, key)
     if plan is None:
         return None
     adapter_dir, base, out = plan.adapter_dir, plan.base, plan.out

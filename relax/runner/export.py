@@ -218,11 +218,12 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
                             f"from config (model.source=config, model.name={run.model.name}), so there is no model "
                             "file to find and the tokenizer is Relax's built-in one; leave --model-path out")
     model = run.model if model_path is None else dataclasses.replace(run.model, path=str(model_path))
+    key = "model.path" if model_path is None else "--model-path"  # what the model-file messages name: as typed
     try:  # a run from a PEFT adapter directory trained its base with the adapters merged: merged again if gone
-        ensure_merged(model)
+        ensure_merged(model, key=key)
     except (ModelPathError, ModelFileError) as e:
         raise ExportRefused(_unloadable(e, model_path)) from None
-    model_check = _check_model(state.get(RUN_MODEL), model, model_path)
+    model_check = _check_model(state.get(RUN_MODEL), model, model_path, key)
     info: dict[str, Any] = {
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "mlflow_run_id": state.get("mlflow_run_id"),
         "lineage": state.get("lineage"), "algorithm": run.algorithm, "train_backend": run.backend,
@@ -238,7 +239,7 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
     try:
         try:
             exported = write_hf_directory(ckpt, staging, model, run.rollout, metadata=info, merge=merge,
-                                          seed=run.seed)
+                                          seed=run.seed, key=key)
         except (ModelPathError, ModelFileError) as e:
             raise ExportRefused(_unloadable(e, model_path)) from None
         except ExportError as e:
@@ -263,16 +264,16 @@ def export_checkpoint(source: str | Path, out_dir: str | Path, *, force: bool = 
 
 
 def _unloadable(error: Exception, model_path: Optional[str]) -> str:
-    """The refusal for model files that cannot be read. The model-file errors name `model.path`, as relax-train's
-    key; here `--model-path` is what the user typed, so they are named so (`--model-path '/x'`)."""
+    """The refusal for model files that cannot be read. The model-file errors name the option the path was given as
+    (`--model-path '/x'` where given, else the run's `model.path='/x'`: the `key` export_checkpoint passes them)."""
     if model_path is None:
         return (f"the run's tokenizer cannot be loaded: {error} (relax-export --model-path names where the run's "
                 "model is on this machine)")
-    text = str(error).replace("model.path=", "--model-path ").replace("model.path", "--model-path")
-    return f"the run's tokenizer cannot be loaded from --model-path {model_path}: {text}"
+    return f"the run's tokenizer cannot be loaded from --model-path {model_path}: {error}"
 
 
-def _check_model(recorded: Any, model: ModelConfig, model_path: Optional[str]) -> Optional[str]:
+def _check_model(recorded: Any, model: ModelConfig, model_path: Optional[str],
+                 key: str = "model.path") -> Optional[str]:
     """Refuse model files (`--model-path`, else the run's model.path) that are not the run's model: their record
     (`relax.runner.model_record`) differs from the one in the checkpoint's state.json, naming the fields. "checked"
     when they agree, None for a model.source=config run (no model files), or why the check could not be made."""
@@ -283,7 +284,7 @@ def _check_model(recorded: Any, model: ModelConfig, model_path: Optional[str]) -
                 "older Relax, or model files it could not read), so the tokenizer and chat template are taken "
                 "from the model files as they are")
     try:
-        now = model_record(model)
+        now = model_record(model, key=key)
     except (ModelPathError, ModelFileError) as e:
         raise ExportRefused(_unloadable(e, model_path)) from None
     except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' errors of a config it cannot read

@@ -38,26 +38,27 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def model_record(model_cfg: ModelConfig) -> Optional[dict[str, Any]]:
+def model_record(model_cfg: ModelConfig, *, key: str = "model.path") -> Optional[dict[str, Any]]:
     """The record of `model_cfg`'s model files (None for model.source=config). Raises what loading them raises
-    (`relax.data.tokenizer`'s ModelPathError / ModelFileError, transformers' OSError / ValueError)."""
+    (`relax.data.tokenizer`'s ModelPathError / ModelFileError, naming `key`, the option the path was given as;
+    transformers' OSError / ValueError)."""
     from transformers import AutoConfig
 
-    from relax.data.tokenizer import load_tokenizer, resolve_model_path
+    from relax.data.tokenizer import load_tokenizer, require_hf_config, resolve_model_path
 
     if model_cfg.source == "config":
         return None
-    path = resolve_model_path(model_cfg)
+    path = resolve_model_path(model_cfg, key=key)
     assert path is not None
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     # model.chat_template replaces the files' template (load_tokenizer): its file is part of what is recorded
     own = [Path(model_cfg.chat_template).expanduser()] if getattr(model_cfg, "chat_template", None) else []
-    key = (model_cfg.source, str(path.resolve()),
-           *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files),
-           *((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in own if p.is_file()))
-    if key in _cache:
-        return dict(_cache[key])
-    tokenizer = load_tokenizer(model_cfg)
+    cache_key = (model_cfg.source, str(path.resolve()),
+                 *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files),
+                 *((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in own if p.is_file()))
+    if cache_key in _cache:
+        return dict(_cache[cache_key])
+    tokenizer = load_tokenizer(model_cfg, key=key)
     if model_cfg.source == "gguf":
         # here, like the imports above: gguf_cache imports torch, and this module keeps torch and transformers out of
         # its own import (it needs them only to read model files)
@@ -65,6 +66,7 @@ def model_record(model_cfg: ModelConfig) -> Optional[dict[str, Any]]:
 
         config = gguf_config(path)
     else:
+        require_hf_config(path, key)  # transformers' own error names neither the option nor the missing file's role
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     vocab_size = getattr(config.get_text_config(), "vocab_size", None)
     special = {name: str(value) for name, value in tokenizer.special_tokens_map.items()}
@@ -74,7 +76,7 @@ def model_record(model_cfg: ModelConfig) -> Optional[dict[str, Any]]:
         "tokenizer_sha256": _digest({"vocab": sorted(tokenizer.get_vocab().items()), "special": special}),
         "chat_template_sha256": _digest(tokenizer.chat_template),
     }
-    _cache[key] = record
+    _cache[cache_key] = record
     return dict(record)
 
 

@@ -298,16 +298,20 @@ def _write_processor(out: Path, model_cfg: ModelConfig, tokenizer: PreTrainedTok
 
 
 def write_hf_directory(checkpoint: Path, out: Path, model_cfg: ModelConfig, rollout: RolloutConfig, *,
-                       metadata: dict[str, Any], merge: bool = False, seed: int = 1) -> Exported:
+                       metadata: dict[str, Any], merge: bool = False, seed: int = 1,
+                       key: str = "model.path") -> Exported:
     """Write the Hugging Face directory of checkpoint `checkpoint` (already verified) into the empty directory `out`.
 
     `model_cfg` / `rollout`: the run's (its config.yaml), for the tokenizer, the stop tokens and the sampling.
     `metadata` goes into relax_export.json with what was exported. Raises ExportError naming the file or field;
-    `relax.data.tokenizer`'s ModelPathError / ModelFileError when the run's tokenizer cannot be loaded here; a
-    failed write (disk full, unwritable) as a plain OSError naming the file.
+    `relax.data.tokenizer`'s ModelPathError / ModelFileError when the run's tokenizer or model config cannot be loaded
+    here, naming `key` (the option the model's path was given as: relax-export's `--model-path`); a failed write (disk
+    full, unwritable) as a plain OSError naming the file.
     """
     try:
-        tokenizer = load_tokenizer(model_cfg)
+        tokenizer = load_tokenizer(model_cfg, key=key)
+        if model_cfg.source != "config":  # config.json, which the conversions below read, checked once, named by key
+            resolve_model_path(model_cfg, key=key)
         stops = stop_token_ids(model_cfg, tokenizer)
     except (ModelPathError, ModelFileError):
         raise
