@@ -19,7 +19,8 @@ class RelaxRayLauncherConf:
     # resources, so the launcher's task reserves none (a reservation would be counted twice).
     num_cpus: float = 1.0
     num_gpus: Optional[float] = None  # None: the job's cluster.num_nodes * cluster.gpus_per_node
-    # "module:function" called with each job's composed config (without `hydra`) before any job starts;
+    # "module:function" called with each job's composed config (without `hydra`) before any job starts, and with
+    # `overrides=` the job's own overrides where it has a parameter of that name;
     # whatever it raises marks the job invalid and the sweep stops with exit code 2. It may return a mapping
     # {what: value} of things the job needs to itself (Relax: its checkpoint directory); jobs that share one are
     # invalid too. None: no check.

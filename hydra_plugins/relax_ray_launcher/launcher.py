@@ -35,6 +35,7 @@ parent run ends KILLED and relax-train exits 130. SIGTERM to the driver does the
 
 
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -213,11 +214,14 @@ class RelaxRayLauncher(Launcher):
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         jobs = [list(o) for o in job_overrides]
         indices = [initial_job_idx + i for i in range(len(jobs))]
+        dry = self._dry_run(jobs, indices)
         self.sweep_id = self.sweep_id or new_sweep_id()
         arms = self._arms(jobs)
-        tracked = self._tracking_enabled()
+        tracked = not dry and self._tracking_enabled()
         sweep_id = self.sweep_id if tracked else None
         self._precheck(jobs, arms, indices, sweep_id)
+        if dry:
+            return self._dry_run_all(jobs, indices)
         parent_id = self._start_parent() if tracked else None
         full = [job + tracking_overrides(sweep_id=sweep_id, parent_run_id=parent_id, arm=arm if tracked else None)
                 for job, arm in zip(jobs, arms, strict=True)]
@@ -302,6 +306,71 @@ class RelaxRayLauncher(Launcher):
                   file=sys.stderr, flush=True)
             sys.exit(INVALID_CONFIG_EXIT)
 
+    def _dry_run(self, jobs: list[list[str]], indices: list[int]) -> bool:
+        """Whether the sweep is a dry run: `dry_run` of each job's composed config (it may be swept). A sweep whose
+        jobs disagree is refused (exit 2, nothing started): a dry run starts nothing, and the other jobs would start
+        Ray and the sweep's MLflow run for it."""
+        # each job's: a swept dry_run (dry_run=true,false) is not in the sweep's own config
+        dry = [bool(OmegaConf.select(self._compose(job), "dry_run", default=False)) for job in jobs]
+        if all(dry) or not any(dry):
+            return any(dry)
+        yes = ", ".join(str(i) for i, d in zip(indices, dry, strict=True) if d)
+        no = ", ".join(str(i) for i, d in zip(indices, dry, strict=True) if not d)
+        print(f"relax-train: error: dry_run is true for job {yes} and false for job {no}: a sweep is a dry run for "
+              "all of its jobs or for none (set dry_run=true or leave it out); nothing started", file=sys.stderr)
+        sys.exit(INVALID_CONFIG_EXIT)
+
+    def _dry_run_all(self, jobs: list[list[str]], indices: list[int]) -> list[JobReturn]:
+        """A sweep's dry run (`dry_run=true`), after the precheck: each job's own dry run, relax-train's task function
+        in this process one job after another (as Hydra's basic launcher runs jobs): its summary, its plan and every
+        check a start runs before Ray. Nothing starts, as for a single run's dry run: no Ray, no MLflow parent run,
+        no job's run, no checkpoint directory. Then one line per job; a job whose checks failed makes the sweep exit
+        2, as a single run's dry run does."""
+        from relax.runner.plan import SWEEP_RAY_ENV
+
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        option, address = self._ray_address()
+        # each job's plan says the Ray the sweep would run it on (the launcher's), not one of the job's own
+        words = (f"the sweep's Ray, the cluster at {address} ({option}) that the sweep launcher joins"
+                 if address is not None else "the sweep's Ray instance (local, started by the sweep launcher for its "
+                 "jobs)")
+        before = os.environ.get(SWEEP_RAY_ENV)
+        os.environ[SWEEP_RAY_ENV] = words
+        returns: list[JobReturn] = []
+        failed: dict[int, str] = {}
+        try:
+            for index, job in zip(indices, jobs, strict=True):
+                print(f"\n== job {index}: {' '.join(_shown(o) for o in filter_overrides(job))}", flush=True)
+                sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
+                with open_dict(sweep_config):
+                    sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{index}"
+                    sweep_config.hydra.job.num = index
+                ret = run_job(hydra_context=self.hydra_context, task_function=self.task_function,
+                              config=sweep_config, job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+                configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+                if ret.status == JobStatus.FAILED:
+                    failed[index] = _error_text(ret._return_value)
+                returns.append(ret)
+        finally:
+            if before is None:
+                os.environ.pop(SWEEP_RAY_ENV, None)
+            else:
+                os.environ[SWEEP_RAY_ENV] = before
+        print(file=sys.stdout)
+        for index, job in zip(indices, jobs, strict=True):
+            word = "FAILED" if index in failed else "passed"
+            print(f"job {index} ({' '.join(_shown(o) for o in filter_overrides(job))}): dry run {word}")
+        if failed:
+            print(f"relax-train: error: sweep dry run: a start would stop before Ray in {len(failed)} of {len(jobs)} "
+                  "jobs (nothing started):\n" + "\n".join(
+                      f"job {i}:\n" + textwrap.indent(text, "  ") for i, text in failed.items()),
+                  file=sys.stderr, flush=True)
+            sys.exit(INVALID_CONFIG_EXIT)
+        print(f"sweep dry run: {len(jobs)} job{'s' if len(jobs) != 1 else ''}, every job's config valid and every "
+              "check a start runs before Ray passed; nothing started (no Ray, no MLflow run, no checkpoint "
+              "directory)", flush=True)
+        return returns
+
     def _tracking_enabled(self) -> bool:
         assert self.config is not None
         if OmegaConf.select(self.config, "dry_run", default=False):
@@ -332,13 +401,17 @@ class RelaxRayLauncher(Launcher):
         if not self.precheck:
             return
         check = _load_callable(self.precheck)
+        takes_overrides = "overrides" in inspect.signature(check).parameters
         problems: dict[int, list[str]] = {}
         stores: dict[str, list[int]] = {}  # an unreachable tracking store's message -> its jobs (the check's `store`)
         owners: dict[tuple[str, str], list[int]] = {}
         for index, job, arm in zip(indices, jobs, arms, strict=True):
             extra = tracking_overrides(sweep_id=sweep_id, parent_run_id=None, arm=arm) if sweep_id else []
             try:
-                claims = check(self._compose(job + extra))
+                # the job's own overrides, where the check takes them: what its command line set, as the job reads
+                # it (Relax: a saved config's saving options an evaluation-only job leaves aside)
+                claims = (check(self._compose(job + extra), overrides=job + extra) if takes_overrides
+                          else check(self._compose(job + extra)))
             except Exception as exc:  # noqa: BLE001 - any failure makes the job invalid
                 store = getattr(exc, "store", None)  # relax.runner.sweep_check.SweepJobError: said once, below
                 if store is not None:

@@ -93,6 +93,10 @@ def ray_source(cfg: RelaxConfig) -> RaySource:
     if ray is not None and ray.is_initialized():
         text = os.environ.get(SWEEP_RAY_ENV) or "the Ray instance this process already runs in (used as it is)"
         return RaySource("running", None, None, text)
+    if cfg.dry_run and (sweep := os.environ.get(SWEEP_RAY_ENV)):
+        # a job of a sweep's dry run, which the launcher runs in its own process and starts no Ray for: the Ray the
+        # sweep would run it on (nothing acts on a dry run's source)
+        return RaySource("running", None, None, sweep)
     if cfg.cluster.address is not None:
         return RaySource("join", cfg.cluster.address, "cluster.address", cfg.cluster.address)
     if env_address := os.environ.get("RAY_ADDRESS") or None:

@@ -5,6 +5,7 @@ directory each job needs to itself. Its own module: preflight runs the endpoints
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from relax.config import to_relax_config
@@ -45,16 +46,18 @@ def unreachable_store(problem: str) -> str:
     return f"the MLflow tracking store is unreachable: {problem}"
 
 
-def check_sweep_job(dc: Any) -> dict[str, str]:
+def check_sweep_job(dc: Any, overrides: Optional[Sequence[str]] = None) -> dict[str, str]:
     """The sweep launcher's check of one job's composed config (`hydra.launcher.precheck`), before any job starts or
     the sweep's MLflow parent run opens: its rules (`relax.config.to_relax_config`, raising ConfigError), the
     addresses it must reach and what a single run checks before Ray (`SWEEP_CHECKS` of `relax.runner.preflight`),
     every problem in one RunError. Returns what the job needs to itself: its checkpoint directory, when it saves or
-    resumes (the launcher refuses two jobs with the same one).
+    resumes (the launcher refuses two jobs with the same one). `overrides`: the job's own command line (Hydra's
+    syntax), read as the job reads it (`to_relax_config`): an evaluation-only job of a run's saved config (`-cp
+    <checkpoint> -cn config train.num_rollout=0`) leaves the run's saving options it does not set aside.
 
     The input checks (tokenizer, data, ...) of jobs that differ only in their seed and tracking fields are run once
     per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job."""
-    cfg = to_relax_config(dc)
+    cfg = to_relax_config(dc, overrides=overrides)
     found_unreachable = unreachable_endpoints(endpoint_targets(cfg))
     # the tracking store as the endpoints check marks it (`Endpoint.tracking_store`), whatever its message says
     store = next((u.message for u in found_unreachable if u.endpoint.tracking_store), None)
