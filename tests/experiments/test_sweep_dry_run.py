@@ -118,3 +118,32 @@ def test_an_evaluation_only_sweep_of_a_saved_config_is_checked_with_each_jobs_ov
                            sets, "train.save_hf=true", "tracking.progress=false")
     assert code == 2, out + err
     assert "invalid config in 2 of 2 sweep jobs" in err and "train.save_hf=True has no effect" in err
+
+
+def test_an_evaluation_sweep_of_a_checkpoint_is_not_refused_for_the_arm_the_sweep_tags_its_jobs_with(sweep,
+                                                                                                     tmp_path: Path):
+    """docs/training.md's evaluation sweep of one checkpoint over eval sets: the launcher adds each job's derived
+    `tracking.arm` (`+data.eval_sets={a:...}`), a tag of the job's MLflow run (a reopened run keeps its own); before,
+    the checkpoint's config (arm None) then differed from every job's, and each job was refused ('was written with a
+    different config ... tracking.arm: None -> ...'). A dry run adds no arm (it records nothing), so it passed."""
+    from relax.runner import checkpoint
+
+    written = load_config(["train.num_rollout=4", "train.save_interval=2", "train.save_hf=true",
+                           "tracking.progress=false"])
+    with checkpoint.Checkpoints(written) as ckpts:
+        staging = ckpts.staging(2)
+        (staging / "weights.bin").write_bytes(b"\0" * 8)
+        ckpts.commit(staging, 2, {"sampler": {}})
+    step = ckpts.save_dir / "step_000002"
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for f in (a, b):
+        f.write_text('{"prompt": "repeat 7", "label": "7"}\n')
+    args = ["-cp", str(step), "-cn", "config", "hydra/launcher=relax_ray", f"train.resume={step}",
+            "train.num_rollout=0", f"+data.eval_sets=choice({{a:{a}}},{{b:{b}}})", "tracking.progress=false"]
+    code, out, err = sweep(*args)
+    assert code == PARENT_STARTED, out + err  # every job passed the check: the sweep went on to its parent run
+    # the control: a field a resume may not change (train.lr) is refused in every job, naming it
+    code, out, err = sweep(*args, "train.lr=0.5")
+    assert code == 2, out + err
+    assert "invalid config in 2 of 2 sweep jobs" in err and "train.lr: 0.001 -> 0.5" in err
+    assert "tracking.arm: None" not in err  # the arm is no difference
