@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail(problem)
     _check_reasoning_secret()
     cfg = _load(args)
+    from relax.data.tokenizer import check_tokenizer_files
     from relax.models.hf import resolve_model_path
     from relax.models.peft_merge import ensure_merged
     from relax.serve.http import is_loopback
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.model.source != "config":
         try:
             ensure_merged(cfg.model)  # a PEFT adapter directory: its base with the adapters merged, before loading
-            resolve_model_path(cfg.model)  # a missing model directory or file: a usage error, before binding
+            path = resolve_model_path(cfg.model)  # a missing model directory or file: a usage error, before binding
+            if cfg.model.source == "hf":  # no tokenizer files: a usage error too, not a failed load's traceback
+                check_tokenizer_files(path)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
     if args.api_key is not None and not args.api_key.strip():

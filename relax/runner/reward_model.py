@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.derive import template_reads
@@ -174,8 +175,13 @@ class RewardModelKind:
 def _check_classifier(cfg: RelaxConfig) -> None:
     from transformers import AutoTokenizer
 
+    from relax.data.tokenizer import missing_tokenizer_files
+
     path = reward_model_dir(cfg)  # a PEFT adapter directory's merge (or a dry run's stand-in of it)
     classifier_config(path)
+    missing = missing_tokenizer_files(Path(path))
+    if missing is not None:  # transformers would give a tokenizer of no vocabulary
+        raise ValueError(f"reward_model.path={path!r}: its tokenizer does not load: {missing}")
     try:
         AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -189,12 +195,12 @@ def _check_judge(cfg: RelaxConfig) -> None:
     if cfg.reward_model.engine == "embedded":
         model_cfg = judge_model_config(cfg)  # source: gguf for a .gguf file, else hf
         try:
-            check_model_files(model_cfg)
-            load_tokenizer(model_cfg)
+            check_model_files(model_cfg, key="reward_model.path")
+            load_tokenizer(model_cfg, key="reward_model.path")
         except (FileNotFoundError, ValueError) as exc:
-            # the loaders name the policy's keys: the judge's is reward_model.path, and it has no source option
-            # (the file's name chooses), so their "model.source=...: " prefix would name one the user never set
-            text = re.sub(r"^model\.source=\w+: ", "", str(exc)).replace("model.path", "reward_model.path")
+            # the loaders name the path's option (key); the judge has no source option (the file's name chooses),
+            # so their "model.source=...: " prefix would name one the user never set
+            text = re.sub(r"^model\.source=\w+: ", "", str(exc))
             raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {text}") \
                 from None
         if model_cfg.source == "hf":
