@@ -53,7 +53,7 @@ def test_export_names_model_path_as_typed_and_relax_train_names_its_key(tmp_path
     gone = root / "gone"
     no_config = _model_dir(root / "no_config", config=False)
     no_tokenizer = _model_dir(root / "no_tokenizer", tokenizer=False)
-    # config.json without a tokenizer class: from a Qwen3 config alone transformers builds an empty tokenizer
+    # a config.json, no tokenizer files (relax.data.tokenizer.missing_tokenizer_files refuses it, whatever the config)
     (no_tokenizer / "config.json").write_text("{}")
     gguf = root / "m.gguf"  # the right file for a model.source=gguf run; this run's is a directory
     gguf.write_bytes(b"GGUF")
