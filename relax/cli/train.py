@@ -191,6 +191,20 @@ def _multirun(args: list[str]) -> bool:
     return any(a in ("-m", "--multirun") for a in args)
 
 
+RELAX_LAUNCHER = "hydra/launcher=relax_ray"  # conf/config.yaml's launcher of a sweep
+
+
+def own_config_launcher(args: list[str]) -> list[str]:
+    """`args`, with Relax's sweep launcher (`hydra/launcher=relax_ray`) added to a sweep (-m) of a config of its own
+    (`-cp <checkpoint> -cn config`: a run's saved config, which names no launcher), so that it is the sweep a sweep of
+    Relax's config is (its jobs checked before any starts, concurrent on Ray, a parent run and a table), not Hydra's
+    basic launcher without a word. A launcher given (`hydra/launcher=basic`) is kept."""
+    names = any(a.partition("=")[0] in ("-cn", "--config-name") for a in args)
+    if not _multirun(args) or not names or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
+        return args
+    return [*args, RELAX_LAUNCHER]
+
+
 def stopped_text(exc: BaseException, sweep: bool = False) -> str:
     """What an interrupt stopped, for relax-train's last line: on a cluster the run (or sweep) joined
     (`exc.joined`, set by the runner and the sweep launcher), only its own processes, the cluster keeps running;
@@ -223,6 +237,7 @@ def main() -> None:
         _fail(str(exc))
     register_configs()
     _precheck(args)  # a Hydra flag other than -m and --cfg (--info, --config-name, ...): left to Hydra
+    sys.argv[1:] = args = own_config_launcher(args)
 
     import hydra
 

@@ -147,3 +147,23 @@ def test_an_evaluation_sweep_of_a_checkpoint_is_not_refused_for_the_arm_the_swee
     assert code == 2, out + err
     assert "invalid config in 2 of 2 sweep jobs" in err and "train.lr: 0.001 -> 0.5" in err
     assert "tracking.arm: None" not in err  # the arm is no difference
+
+
+def test_a_sweep_of_a_saved_config_runs_on_relaxs_launcher_as_a_sweep_of_relaxs_config(sweep, tmp_path: Path):
+    """A run's saved config names no launcher: `-m -cp <checkpoint> -cn config` ran on Hydra's basic launcher (no
+    check of every job before the first starts, jobs one after another, no parent run, no table), while the docs'
+    sweeps run on relax_ray, conf/config.yaml's. Now relax-train adds hydra/launcher=relax_ray; one given is kept."""
+    directory = saved_run(tmp_path)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for f in (a, b):
+        f.write_text('{"prompt": "repeat 7", "label": "7"}\n')
+    args = ["-cp", str(directory), "-cn", "config", "train.num_rollout=0",
+            f"+data.eval_sets=choice({{a:{a}}},{{a:{b}}})", "tracking.progress=false", "dry_run=true"]
+    code, out, err = sweep(*args)
+    assert code == 0, out + err
+    assert "sweep dry run: 2 jobs, every job's config valid" in out  # relax_ray's dry run
+    assert "Launching 2 jobs locally" not in out + err
+    # the control: Hydra's basic launcher, given, runs each job's dry run in turn, and says so
+    code, out, err = sweep(*args, "hydra/launcher=basic")
+    assert code == 0, out + err
+    assert "Launching 2 jobs locally" in out + err and "sweep dry run" not in out
