@@ -772,9 +772,10 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str | Sequence[s
         if arm is None:
             notes.append(f"run {r.info.run_id} has no tag or param {' or '.join(map(repr, by))}: grouped as "
                          f"{NO_VALUE}")
-        elif len(by) > 1 and (lacks := [k for k in by if _key_value(r, k) is None]):
-            notes.append(f"run {r.info.run_id} has no tag or param {' or '.join(map(repr, lacks))}: its arm is {arm}")
             arm = NO_VALUE
+        elif len(by) > 1 and (lacks := [k for k in by if _key_value(r, k) is None]):
+            # its arm names the keys it lacks as (none): runs of other combinations stay apart
+            notes.append(f"run {r.info.run_id} has no tag or param {' or '.join(map(repr, lacks))}: its arm is {arm}")
         if split and r.info.run_id in eval_only:
             arm += EVAL_ONLY_SUFFIX
         history = {}

@@ -456,6 +456,26 @@ def test_by_takes_several_keys_and_the_refusal_names_every_differing_one(tmp_pat
     assert exc.value.code == 2 and "--by train.lr,,seed: a key is empty" in capsys.readouterr().err
 
 
+def test_a_run_lacking_a_by_key_is_grouped_under_none(tmp_path, fresh_store):
+    """Runs made outside relax-train's tagging may lack the --by key: with the default --by arm such a run is the arm
+    `(none)`, with a note (as docs/experiments.md says); with two keys, a run lacking one is the arm that names it
+    `(none)`, apart from the runs of other combinations. Means by hand."""
+    params = {"algorithm.name": "grpo", "train.lr": "0.01"}
+    runs = [({"arm": "a", "seed": "1"}, {**params, "seed": "1"}, {R: [(0, 0.1)]}, "FINISHED"),
+            ({"seed": "1"}, {**params, "seed": "1", "model.lora_rank": "4"}, {R: [(0, 0.3)]}, "FINISHED"),
+            ({"arm": "b", "seed": "1"}, {**params, "seed": "1", "model.lora_rank": "4"}, {R: [(0, 0.5)]}, "FINISHED")]
+    uri, ids = _runs_store(tmp_path, fresh_store, runs)
+    result = compare(uri=uri, experiment="e", last_k=1, out_dir=tmp_path / "one", log=False)
+    assert {s.arm: s.mean for s in result.comparison.stats} == {"a": pytest.approx(0.1), "(none)": pytest.approx(0.3),
+                                                                 "b": pytest.approx(0.5)}
+    assert any(f"run {ids[1]} has no tag or param 'arm': grouped as (none)" in n for n in result.comparison.notes)
+    result = compare(uri=uri, experiment="e", by=("arm", "model.lora_rank"), last_k=1, out_dir=tmp_path / "two",
+                     log=False)
+    assert {s.arm: s.mean for s in result.comparison.stats} == {
+        "arm=a,model.lora_rank=(none)": pytest.approx(0.1), "arm=(none),model.lora_rank=4": pytest.approx(0.3),
+        "arm=b,model.lora_rank=4": pytest.approx(0.5)}
+
+
 def test_evaluation_only_runs_are_an_arm_of_their_own(tmp_path, fresh_store):
     """An evaluation-only run (train.num_rollout=0) tagged with a training arm and seed is not that seed's run: next
     to training runs it forms the arm '<arm> (evaluation-only)'; among evaluation-only runs alone, arms are as
