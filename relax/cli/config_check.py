@@ -402,22 +402,44 @@ def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[
 OWN_CONFIG_FLAGS = {"-cp": "path", "--config-path": "path", "-cn": "name", "--config-name": "name"}
 
 
+def first_of_sweeps(overrides: Sequence[str]) -> list[str]:
+    """The overrides of a sweep's first job (`seed=1,2` -> `seed=1`), the others as written; interval and glob sweeps
+    are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    out = []
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if not o.is_sweep_override():
+            out.append(o.input_line)
+            continue
+        try:
+            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+        except (HydraException, StopIteration):
+            pass
+    return out
+
+
 def own_config_deletions(args: Sequence[str]) -> Optional[str]:
     """For a run of a config of its own (`relax-train -cp <dir> -cn <name> ...`, which `problems` leaves to Hydra):
     what is wrong with its `~key` overrides, in the words `relax-train ~key` gets (`form_violation`), with the rest
-    of the config's problems; None when they are fine (or there are none, or another flag or -m makes it something
-    this does not check). Hydra deletes a key of such a config (a plain YAML) without a word, and the schema's
-    default then takes its place (`~train.lr` ran with lr=1e-06), and refuses the other deletions in its own text
-    ('Could not delete from config. ...')."""
+    of the config's problems; None when they are fine (or there are none, or another flag makes it something this
+    does not check). Hydra deletes a key of such a config (a plain YAML) without a word, and the schema's default
+    then takes its place (`~train.lr` ran with lr=1e-06), and refuses the other deletions in its own text ('Could
+    not delete from config. ...'). A sweep (-m; a deletion is every job's) is checked with its first job's
+    overrides (`first_of_sweeps`), a key it gives twice with the sweep's values."""
     where: dict[str, str] = {}
     overrides: list[str] = []
+    multirun = False
     rest = iter(args)
     for arg in rest:
         flag, eq, value = arg.partition("=")
         if flag in OWN_CONFIG_FLAGS:
             where[OWN_CONFIG_FLAGS[flag]] = value if eq else next(rest, "")
+        elif arg in MULTIRUN_FLAGS:
+            multirun = True
         elif arg.startswith("-"):
-            return None  # -m, --cfg, ...: Hydra's main (and each job of a sweep) as before
+            return None  # --cfg, --info, ...: Hydra's main as before
         else:
             overrides.append(arg)
     if "name" not in where or not any(o.startswith("~") for o in overrides):
@@ -435,7 +457,12 @@ def own_config_deletions(args: Sequence[str]) -> Optional[str]:
 
     # a key set and deleted (`train.lr=-1 ~train.lr`): named as a run of Relax's config names it; the rest is checked
     # with the last of each, as there
-    repeated, overrides = duplicate_problems(overrides, command="run")
+    repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
+    if multirun:  # its first job, the launcher's own options (`hydra/launcher=...`) left to the launcher's check
+        try:
+            overrides = first_of_sweeps(_plain(overrides))
+        except HydraException:
+            return None  # an override Hydra's grammar refuses: its main says so, as before
     conf = Path(where["path"]) if where.get("path") else None
     # a section deleted (`~train`) is refused before composing: the overrides of its keys would not compose after it
     sections = {f.name for f in dataclasses.fields(RelaxConfig)}

@@ -205,23 +205,6 @@ def shown_payload(payload: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
     return {**payload, "runtime_env": {**payload.get("runtime_env", {}), "env_vars": masked}}
 
 
-def _first_of_sweeps(overrides: list[str]) -> list[str]:
-    """The overrides of the sweep's first job (`seed=1,2` -> `seed=1`); interval and glob sweeps are left out."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    out = []
-    for o in OverridesParser.create().parse_overrides(overrides):
-        if not o.is_sweep_override():
-            out.append(o.input_line)
-            continue
-        try:
-            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
-        except (HydraException, StopIteration):
-            pass
-    return out
-
-
 def storage_settings(overrides: list[str], conf: Path) -> dict[str, Any]:
     """What `relax-train <overrides>` would use for the keys that decide where it writes, composed by Hydra from
     `conf` (the conf/ that travels with the job) as relax-train composes it: recipes included, for a sweep its
@@ -229,11 +212,12 @@ def storage_settings(overrides: list[str], conf: Path) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from relax.cli.config_check import first_of_sweeps
     from relax.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose(config_name="config", overrides=_first_of_sweeps(overrides), return_hydra_config=True)
+        cfg = compose(config_name="config", overrides=first_of_sweeps(overrides), return_hydra_config=True)
     out: dict[str, Any] = {}
     for key in ("dry_run", "tracking.enabled", "tracking.uri", "train.save", "train.save_dir", "hydra.run.dir",
                 "hydra.sweep.dir"):
@@ -266,6 +250,7 @@ def stop_grace_s(overrides: list[str], conf: Path) -> Optional[int]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from relax.cli.config_check import first_of_sweeps
     from relax.config import register_configs
     from relax.tracking.run_writer import CLOSE_JOIN_S
 
@@ -277,7 +262,7 @@ def stop_grace_s(overrides: list[str], conf: Path) -> Optional[int]:
         register_configs()
         with initialize_config_dir(config_dir=str(conf), version_base=None):
             if sweep:
-                cfg = compose(config_name="config", overrides=_first_of_sweeps(plain), return_hydra_config=True)
+                cfg = compose(config_name="config", overrides=first_of_sweeps(plain), return_hydra_config=True)
                 wait = float(OmegaConf.select(cfg, "hydra.launcher.stop_timeout_s", default=120.0))
             else:
                 cfg = compose(config_name="config", overrides=plain)
@@ -358,12 +343,14 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     checks relax-train runs before Ray that read the config alone (`relax.runner.preflight.CONFIG_CHECKS`): a config
     that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
     a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not."""
-    from relax.cli.config_check import problems
+    from relax.cli.config_check import own_config_deletions, problems
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         message = problems(overrides, _hydra_conf(working_dir), environment=False, start_checks=True)
+        if message is None:  # a run of a config of its own (-cp/-cn): its ~key overrides, as relax-train checks them
+            message = own_config_deletions(overrides)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -657,3 +657,33 @@ def test_a_deletion_on_a_run_of_its_own_config_is_the_line_a_run_of_relaxs_gets(
         assert f"  - {given[0]}: " in expected and own_config_deletions([*own, *given]) == expected, given
     assert own_config_deletions([*own, "+data.eval_sets={two:/x/two.jsonl}", "~data.eval_sets.two"]) is None
     assert own_config_deletions([*own, "train.lr=1e-5"]) is None  # no deletion: nothing composed here
+
+
+def test_a_deletion_on_a_sweep_of_its_own_config_and_on_relax_submit_is_the_same_line(tmp_path, monkeypatch, capfd):
+    """`relax-train -m -cp <dir> -cn config ~train.lr seed=1,2` ran each job with the schema's default lr (the check
+    above left -m to Hydra), and relax-submit, which checked no -cp run, submitted either form. Now both commands
+    refuse both forms with the line the run without -m gets, exit 2, nothing started or submitted. Control: the same
+    commands without the deletion pass relax-submit's check."""
+    from omegaconf import OmegaConf
+
+    from relax.cli.config_check import problems
+    from relax.cli.submit import check_config
+    from relax.config.compose import compose
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    line = problems(["~train.lr", "train.num_rollout=2"])
+    code, out, err = relax_train(["-m", "-cp", str(saved), "-cn", "config", "~train.lr", "seed=1,2", "dry_run=true"],
+                                 capfd)
+    assert code == 2 and "Traceback" not in out + err and "dry run" not in out, out + err
+    assert err.splitlines() == ("relax-train: error: " + line).splitlines(), err
+    for sweep in (["-m"], []):
+        own = [*sweep, "-cp", str(saved), "-cn", "config"]
+        with pytest.raises(SystemExit) as exited:
+            check_config([*own, "~train.lr", "seed=1,2" if sweep else "seed=1"], working_dir=tmp_path, env={})
+        assert exited.value.code == 2
+        err = capfd.readouterr().err
+        assert err.splitlines() == f"relax-submit: error: {line}\nNothing was submitted.".splitlines(), err
+        check_config([*own, "seed=1,2" if sweep else "seed=1"], working_dir=tmp_path, env={})  # control: goes on
