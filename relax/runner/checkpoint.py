@@ -661,24 +661,32 @@ def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]], *, locked: bool
     `train.resume=auto` still continues the earlier run. `locked`: the caller holds the directory's lock; else it is
     taken here (`relax.runner.train.run` puts them back once an attempt has released it), and when another process
     holds it (a relax-train that started in the directory since: it found nothing to set aside and writes its own
-    checkpoints there) nothing moves, so theirs never mix with that run's: they stay aside, and the note says where."""
+    checkpoints there) nothing moves, so theirs never mix with that run's: they stay aside, and the note says where
+    (and so when flock fails otherwise than for a filesystem without it, `NO_FLOCK`, where they move unlocked)."""
+    moves = [(path, dest) for path, dest in moves if dest.exists()]  # not those already back (the Session's)
+    if not moves:
+        return 0
     fd = None
     if not locked:
         with contextlib.suppress(OSError):  # the directory gone since: nothing is there to move back (below)
             fd = os.open(save_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     if fd is not None:
+        why = None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            why = f"another relax-train holds {save_dir} now"
+        except OSError as exc:
+            if exc.errno not in NO_FLOCK:  # not "no flock here" (warned at the start): moving unlocked is unsafe
+                why = f"the lock of {save_dir} cannot be taken (flock on {save_dir / LOCK} failed with " \
+                      f"{_errno_text(exc)})"
+        if why is not None:
             os.close(fd)
             where = sorted({str(dest.parent) for _, dest in moves})
             resume = f"train.resume={where[0]}" if len(where) == 1 else "train.resume=<one of them>"
-            print(f"relax-train: note: the run did not start; another relax-train holds {save_dir} now, so the "
-                  f"{len(moves)} checkpoint(s) of the earlier run stay in {', '.join(where)} ({resume} continues "
-                  "that run)", file=sys.stderr)
+            print(f"relax-train: note: the run did not start; {why}, so the {len(moves)} checkpoint(s) of the "
+                  f"earlier run stay in {', '.join(where)} ({resume} continues that run)", file=sys.stderr)
             return 0
-        except OSError:  # no flock on this filesystem (warned at the start, which refuses any other errno)
-            pass
     try:
         back = 0
         for path, dest in reversed(list(moves)):

@@ -9,6 +9,7 @@ checkpoint aside) but for Ray and the roles, stand-ins that fail on purpose at a
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -168,3 +169,66 @@ def test_a_run_that_took_the_directory_meanwhile_keeps_them_aside(start, tmp_pat
     assert "moved back" not in err
     assert (f"another relax-train holds {save_dir} now, so the 1 checkpoint(s) of the earlier run stay in "
             f"{aside.parent} (train.resume={aside.parent} continues that run)") in err
+
+
+def _two_aside(save_dir: Path) -> tuple[Path, list[tuple[Path, Path]]]:
+    """Two earlier checkpoints a fresh run set aside (`moves`, as `Checkpoints.set_aside` gives them), the first of
+    which the Session has already put back (`put_back_earlier_runs`, on a tracker failure): earlier/<lineage>."""
+    aside = save_dir / "earlier" / "feedbeef"
+    moves = [(save_dir / name, aside / name) for name in ("step_000004", "step_000008")]
+    _earlier_checkpoint(save_dir)
+    (aside / "step_000008").mkdir(parents=True)
+    (aside / "step_000008" / "state.json").write_text(json.dumps({"step": 8, "lineage": "feedbeef"}))
+    return aside, moves
+
+
+@pytest.mark.parametrize("already_back", [1, 2])
+def test_the_note_of_a_held_directory_counts_only_the_checkpoints_still_aside(already_back, tmp_path, capsys):
+    """Another process holds the lock: the note counts what stays in earlier/, not the moves the Session already put
+    back (before: 'the 2 checkpoint(s) ... stay in earlier/' with 1 there, or with none there)."""
+    from relax.runner import checkpoint
+
+    save_dir = tmp_path / "ckpt"
+    aside, moves = _two_aside(save_dir)
+    if already_back == 2:
+        (aside / "step_000008").rename(save_dir / "step_000008")
+    other = os.open(save_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert checkpoint.put_back(save_dir, moves, locked=False) == 0
+    finally:
+        os.close(other)
+    err = capsys.readouterr().err
+    if already_back == 2:
+        assert err == ""  # nothing aside: nothing to say
+    else:
+        assert (aside / "step_000008" / "state.json").is_file() and not (save_dir / "step_000008").exists()
+        assert err == (f"relax-train: note: the run did not start; another relax-train holds {save_dir} now, so the "
+                       f"1 checkpoint(s) of the earlier run stay in {aside} (train.resume={aside} continues that "
+                       "run)\n")
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOLCK])
+def test_only_a_filesystem_without_flock_puts_them_back_unlocked(code, tmp_path, monkeypatch, capsys):
+    """flock fails: ENOLCK (NFS without its lock daemon, one of `NO_FLOCK`) means no lock can be had there, and they
+    move back unlocked, as the run itself went on unlocked; any other errno (EIO) leaves them aside, with the note
+    (before: moved back unlocked on any errno)."""
+    from relax.runner import checkpoint
+
+    save_dir = tmp_path / "ckpt"
+    aside, moves = _two_aside(save_dir)
+
+    def flock(fd, op):
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(checkpoint.fcntl, "flock", flock)
+    back = checkpoint.put_back(save_dir, moves, locked=False)
+    err = capsys.readouterr().err
+    if code == errno.ENOLCK:  # the control
+        assert back == 1 and (save_dir / "step_000008" / "state.json").is_file() and not aside.exists()
+        assert err == f"relax-train: note: the run did not start; 1 checkpoint(s) of the earlier run moved back to " \
+                      f"{save_dir}\n"
+    else:
+        assert back == 0 and (aside / "step_000008" / "state.json").is_file()
+        assert err == (f"relax-train: note: the run did not start; the lock of {save_dir} cannot be taken (flock on "
+                       f"{save_dir / '.lock'} failed with Input/output error (EIO)), so the 1 checkpoint(s) of the "
+                       f"earlier run stay in {aside} (train.resume={aside} continues that run)\n")
