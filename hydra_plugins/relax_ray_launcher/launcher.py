@@ -216,14 +216,17 @@ class RelaxRayLauncher(Launcher):
         indices = [initial_job_idx + i for i in range(len(jobs))]
         dry = self._dry_run(jobs, indices)
         self.sweep_id = self.sweep_id or new_sweep_id()
-        arms = self._arms(jobs)
-        tracked = not dry and self._tracking_enabled()
+        # the arms the real sweep tags its jobs with, in its dry run too: a job's arm names its default checkpoint
+        # directory (<arm>-seed<seed>), so a dry run without them would check other directories than the sweep's
+        would_track = self._tracking_enabled(dry_run=False)
+        arms = self._arms(jobs) if would_track else [None] * len(jobs)
+        tracked = not dry and would_track
         sweep_id = self.sweep_id if tracked else None
         self._precheck(jobs, arms, indices, sweep_id)
         if dry:
-            return self._dry_run_all(jobs, indices)
+            return self._dry_run_all(jobs, arms, indices)
         parent_id = self._start_parent() if tracked else None
-        full = [job + tracking_overrides(sweep_id=sweep_id, parent_run_id=parent_id, arm=arm if tracked else None)
+        full = [job + tracking_overrides(sweep_id=sweep_id, parent_run_id=parent_id, arm=arm)
                 for job, arm in zip(jobs, arms, strict=True)]
         print(f"Sweep {self.sweep_id}: {len(jobs)} jobs" + (f", MLflow parent run {parent_id}" if parent_id else ""),
               flush=True)
@@ -320,12 +323,12 @@ class RelaxRayLauncher(Launcher):
               "all of its jobs or for none (set dry_run=true or leave it out); nothing started", file=sys.stderr)
         sys.exit(INVALID_CONFIG_EXIT)
 
-    def _dry_run_all(self, jobs: list[list[str]], indices: list[int]) -> list[JobReturn]:
+    def _dry_run_all(self, jobs: list[list[str]], arms: list[Optional[str]], indices: list[int]) -> list[JobReturn]:
         """A sweep's dry run (`dry_run=true`), after the precheck: each job's own dry run, relax-train's task function
         in this process one job after another (as Hydra's basic launcher runs jobs): its summary, its plan and every
         check a start runs before Ray. Nothing starts, as for a single run's dry run: no Ray, no MLflow parent run,
         no job's run, no checkpoint directory. Then one line per job; a job whose checks failed makes the sweep exit
-        2, as a single run's dry run does."""
+        2, as a single run's dry run does. Each job gets the `tracking.arm` the real sweep would give it (`arms`)."""
         from relax.runner.plan import SWEEP_RAY_ENV
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
@@ -339,9 +342,10 @@ class RelaxRayLauncher(Launcher):
         returns: list[JobReturn] = []
         failed: dict[int, str] = {}
         try:
-            for index, job in zip(indices, jobs, strict=True):
+            for index, job, arm in zip(indices, jobs, arms, strict=True):
                 print(f"\n== job {index}: {' '.join(_shown(o) for o in filter_overrides(job))}", flush=True)
-                sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
+                full = [*job, *tracking_overrides(sweep_id=None, parent_run_id=None, arm=arm)]
+                sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, full)
                 with open_dict(sweep_config):
                     sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{index}"
                     sweep_config.hydra.job.num = index
@@ -371,9 +375,11 @@ class RelaxRayLauncher(Launcher):
               "directory)", flush=True)
         return returns
 
-    def _tracking_enabled(self) -> bool:
+    def _tracking_enabled(self, dry_run: bool = True) -> bool:
+        """Whether the sweep's jobs are tracked (a parent run, the launcher's tags); `dry_run=False`: whether they
+        would be without dry_run=true."""
         assert self.config is not None
-        if OmegaConf.select(self.config, "dry_run", default=False):
+        if dry_run and OmegaConf.select(self.config, "dry_run", default=False):
             return False  # a dry run starts nothing, so it records nothing either
         return bool(self.tracking and OmegaConf.select(self.config, "tracking.enabled", default=False))
 
@@ -386,12 +392,20 @@ class RelaxRayLauncher(Launcher):
         return cfg
 
     def _arms(self, jobs: list[list[str]]) -> list[Optional[str]]:
-        """Derived arms, except where the job's config already names one (`tracking.arm` set by the user)."""
+        """Derived arms, except where the job's config already names one (`tracking.arm` set by the user) and where
+        the job continues a checkpoint (`train.resume=<checkpoint directory>`, e.g. an evaluation sweep of a
+        checkpoint): it reopens that run, whose arm stays (a reopened run's tags are set again from its config, and
+        `tracking.arm` may not change on resume). `train.resume=auto` keeps its arm: a job that starts fresh, or
+        continues its own earlier checkpoint, under the arm that named its directory."""
         derived = derive_arms(jobs)
         arms = []
         for job, arm in zip(jobs, derived, strict=True):
-            user_arm = OmegaConf.select(self._compose(job), "tracking.arm", default=None) if arm else None
-            arms.append(None if user_arm else arm)
+            if arm:
+                cfg = self._compose(job)
+                resume = OmegaConf.select(cfg, "train.resume", default=None)
+                if OmegaConf.select(cfg, "tracking.arm", default=None) or (resume and str(resume) != "auto"):
+                    arm = None
+            arms.append(arm)
         return arms
 
     def _precheck(self, jobs: list[list[str]], arms: list[Optional[str]], indices: list[int],
@@ -406,7 +420,7 @@ class RelaxRayLauncher(Launcher):
         stores: dict[str, list[int]] = {}  # an unreachable tracking store's message -> its jobs (the check's `store`)
         owners: dict[tuple[str, str], list[int]] = {}
         for index, job, arm in zip(indices, jobs, arms, strict=True):
-            extra = tracking_overrides(sweep_id=sweep_id, parent_run_id=None, arm=arm) if sweep_id else []
+            extra = tracking_overrides(sweep_id=sweep_id, parent_run_id=None, arm=arm)
             try:
                 # the job's own overrides, where the check takes them: what its command line set, as the job reads
                 # it (Relax: a saved config's saving options an evaluation-only job leaves aside)

@@ -194,13 +194,53 @@ def _multirun(args: list[str]) -> bool:
 RELAX_LAUNCHER = "hydra/launcher=relax_ray"  # conf/config.yaml's launcher of a sweep
 
 
-def own_config_launcher(args: list[str]) -> list[str]:
+def _flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
+    """The value of the last of `flags` in `args` (`-cn x` or `-cn=x`), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        flag, eq, rest = arg.partition("=")
+        if flag in flags and eq:
+            value = rest
+        elif arg in flags and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def chooses_launcher(config_file: Path) -> bool | None:
+    """Whether a config file's own defaults list chooses a `hydra/launcher` (`override hydra/launcher: basic`);
+    None: the file cannot be read as a YAML mapping. Its defaults' own defaults are not followed."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config_file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    defaults = data.get("defaults")
+    for entry in defaults if isinstance(defaults, list) else []:
+        for key in entry if isinstance(entry, dict) else ():
+            words = str(key).split()  # "override hydra/launcher", "optional /hydra/launcher@x"
+            if words and words[-1].lstrip("/").split("@")[0] == "hydra/launcher":
+                return True
+    return False
+
+
+def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
     """`args`, with Relax's sweep launcher (`hydra/launcher=relax_ray`) added to a sweep (-m) of a config of its own
     (`-cp <checkpoint> -cn config`: a run's saved config, which names no launcher), so that it is the sweep a sweep of
     Relax's config is (its jobs checked before any starts, concurrent on Ray, a parent run and a table), not Hydra's
-    basic launcher without a word. A launcher given (`hydra/launcher=basic`) is kept."""
-    names = any(a.partition("=")[0] in ("-cn", "--config-name") for a in args)
-    if not _multirun(args) or not names or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
+    basic launcher without a word. A launcher given (`hydra/launcher=basic`) is kept, and so is one that the config's
+    own defaults list chooses (`override hydra/launcher: basic`): the launcher is added only where the config file
+    (in the -cp directory, else `conf`) is found and chooses none."""
+    name = _flag_value(args, ("-cn", "--config-name"))
+    if not _multirun(args) or not name or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
+        return args
+    directory = _flag_value(args, CONFIG_PATH_FLAGS) or (str(conf) if conf is not None else None)
+    if directory is None or "://" in directory:
+        return args
+    config_file = Path(directory) / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if chooses_launcher(config_file) is not False:
         return args
     return [*args, RELAX_LAUNCHER]
 
@@ -237,7 +277,7 @@ def main() -> None:
         _fail(str(exc))
     register_configs()
     _precheck(args)  # a Hydra flag other than -m and --cfg (--info, --config-name, ...): left to Hydra
-    sys.argv[1:] = args = own_config_launcher(args)
+    sys.argv[1:] = args = own_config_launcher(args, conf)
 
     import hydra
 

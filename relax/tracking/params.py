@@ -52,7 +52,6 @@ RESUMABLE_CHANGES: tuple[str, ...] = (
     "tracking.progress",
     "tracking.parent_run_id",
     "tracking.sweep_id",
-    "tracking.arm",  # the sweep's tag of its job (a reopened run keeps its own tags): a sweep evaluating a checkpoint
     "cluster.address",
     "dry_run",
     # how faults are answered and what the machine reports: not what a step computes

@@ -120,12 +120,27 @@ def test_an_evaluation_only_sweep_of_a_saved_config_is_checked_with_each_jobs_ov
     assert "invalid config in 2 of 2 sweep jobs" in err and "train.save_hf=True has no effect" in err
 
 
-def test_an_evaluation_sweep_of_a_checkpoint_is_not_refused_for_the_arm_the_sweep_tags_its_jobs_with(sweep,
-                                                                                                     tmp_path: Path):
-    """docs/training.md's evaluation sweep of one checkpoint over eval sets: the launcher adds each job's derived
-    `tracking.arm` (`+data.eval_sets={a:...}`), a tag of the job's MLflow run (a reopened run keeps its own); before,
-    the checkpoint's config (arm None) then differed from every job's, and each job was refused ('was written with a
-    different config ... tracking.arm: None -> ...'). A dry run adds no arm (it records nothing), so it passed."""
+def record_arms(monkeypatch) -> list:
+    """The `tracking.arm` of each job's config as the launcher's precheck sees it (the job's, with what the launcher
+    adds), appended to the list returned."""
+    from relax.runner import sweep_check
+
+    arms: list = []
+    real = sweep_check.check_sweep_job
+
+    def check(dc, overrides=None):
+        arms.append(OmegaConf.select(dc, "tracking.arm", default=None))
+        return real(dc, overrides=overrides)
+
+    monkeypatch.setattr(sweep_check, "check_sweep_job", check)
+    return arms
+
+
+def test_an_evaluation_sweep_of_a_checkpoint_keeps_the_arm_of_the_run_it_reopens(sweep, tmp_path: Path, monkeypatch):
+    """docs/training.md's evaluation sweep of one checkpoint over eval sets: each job continues the checkpoint and
+    reopens its run. The launcher adds no derived `tracking.arm` to such a job: a reopened run's tags are set again
+    from the job's config, so `+data.eval_sets={a:...}` would retag the training run's arm (1e84e17 let it, making
+    tracking.arm a change a resume allows); and a resume with another tracking.arm is refused, as any config change."""
     from relax.runner import checkpoint
 
     written = load_config(["train.num_rollout=4", "train.save_interval=2", "train.save_hf=true",
@@ -140,8 +155,16 @@ def test_an_evaluation_sweep_of_a_checkpoint_is_not_refused_for_the_arm_the_swee
         f.write_text('{"prompt": "repeat 7", "label": "7"}\n')
     args = ["-cp", str(step), "-cn", "config", "hydra/launcher=relax_ray", f"train.resume={step}",
             "train.num_rollout=0", f"+data.eval_sets=choice({{a:{a}}},{{b:{b}}})", "tracking.progress=false"]
+    arms = record_arms(monkeypatch)
     code, out, err = sweep(*args)
     assert code == PARENT_STARTED, out + err  # every job passed the check: the sweep went on to its parent run
+    # no derived arm: each job reopens the training run, whose arm tag is set again from the job's config (relax.
+    # tracking.mlflow_run.Tracker.reopen), so it stays the training run's (its saved tracking.arm, None: the algorithm)
+    assert arms == [None, None]
+    # a resume may not change tracking.arm (it would retag the reopened run): one set by the user is refused
+    code, out, err = sweep(*args, "tracking.arm=evalA")
+    assert code == 2, out + err
+    assert "invalid config in 2 of 2 sweep jobs" in err and "tracking.arm: None -> evalA" in err
     # the control: a field a resume may not change (train.lr) is refused in every job, naming it
     code, out, err = sweep(*args, "train.lr=0.5")
     assert code == 2, out + err
@@ -167,3 +190,56 @@ def test_a_sweep_of_a_saved_config_runs_on_relaxs_launcher_as_a_sweep_of_relaxs_
     code, out, err = sweep(*args, "hydra/launcher=basic")
     assert code == 0, out + err
     assert "Launching 2 jobs locally" in out + err and "sweep dry run" not in out
+
+
+def test_a_sweeps_dry_run_gives_each_job_the_arm_and_checkpoint_directory_the_sweep_gives_it(sweep, tmp_path: Path,
+                                                                                              monkeypatch):
+    """A sweep over a key that does not name the run (train.lr): the real sweep tags each job with its derived arm
+    (`tracking.arm=train.lr=1e-05`), which names its default checkpoint directory (<arm>-seed<seed>). Before, the dry
+    run composed the jobs without it, so both claimed `grpo-seed1` and the dry run was refused ('... is also job 1's:
+    two jobs would write the same files') while the sweep itself passes that check."""
+    import os
+
+    from relax.runner import checkpoint
+    from relax.runner.plan import SWEEP_RAY_ENV
+
+    real, seen = checkpoint.resolve_save_dir, []
+
+    def resolve_save_dir(cfg, cwd=None):  # each job's checkpoint directory, in the precheck and in its own dry run
+        path = real(cfg, cwd)
+        seen.append(("dry run" if SWEEP_RAY_ENV in os.environ else "precheck", cfg.train.lr, path.name))
+        return path
+
+    monkeypatch.setattr(checkpoint, "resolve_save_dir", resolve_save_dir)
+    code, out, err = sweep("train.lr=1e-5,2e-5", "dry_run=true", *SMALL)
+    assert code == 0, out + err
+    assert "is also job" not in err and "sweep dry run: 2 jobs" in out
+    expected = {(1e-5, "train.lr=1e-05-seed1"), (2e-5, "train.lr=2e-05-seed1")}
+    for phase in ("precheck", "dry run"):
+        assert {(lr, name) for p, lr, name in seen if p == phase} == expected, seen
+    assert not (tmp_path / "checkpoints").exists()
+    # the control: without tracking the real sweep adds no arm either, and the two jobs do share one directory
+    code, out, err = sweep("train.lr=1e-5,2e-5", "dry_run=true", "tracking.enabled=false", *SMALL)
+    assert code == 2, out + err
+    assert "grpo-seed1 is also job 1's: two jobs would write the same files" in err
+
+
+@pytest.mark.parametrize(("defaults", "added"), [(None, True), (["override hydra/launcher: basic", "_self_"], False),
+                                                 ([{"override /hydra/launcher": "relax_ray"}, "_self_"], False),
+                                                 (["_self_"], True)])
+def test_relax_train_adds_its_launcher_to_a_sweep_of_a_config_that_chooses_none(tmp_path: Path, defaults, added):
+    """A run's saved config (no defaults list) or one whose defaults choose no launcher gets relax_ray; a config whose
+    defaults list chooses one keeps it (before, `override hydra/launcher: basic` was switched to relax_ray)."""
+    import yaml
+
+    from relax.cli.train import RELAX_LAUNCHER, own_config_launcher
+
+    entries = [yaml.safe_load(d) if isinstance(d, str) and ":" in d else d for d in defaults or []]
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump({**({"defaults": entries} if defaults else {}), "seed": 3}))
+    args = ["-m", "-cp", str(tmp_path), "-cn", "exp", "seed=1,2"]
+    assert (own_config_launcher(args) == [*args, RELAX_LAUNCHER]) is added
+    assert own_config_launcher([*args[:3], "--config-name=exp.yaml", *args[5:]])[-1:] == ([RELAX_LAUNCHER] if added
+                                                                                          else ["seed=1,2"])
+    # the control: no -m, or a launcher on the command line, is left alone whatever the config
+    assert own_config_launcher(args[1:]) == args[1:]
+    assert own_config_launcher([*args, "hydra/launcher=basic"]) == [*args, "hydra/launcher=basic"]
