@@ -78,3 +78,52 @@ def test_a_prompt_past_the_context_is_openais_message_with_the_code_and_param():
         # what the message says holds: without max_tokens the answer is sampled within the room left
         r = client.chat.completions.create(model="m", messages=short)
         assert r.choices[0].message.content == "7" and script.calls[-1][0]["sampling_params"]["max_new_tokens"] == room
+
+
+def test_the_responses_and_completions_routes_name_their_own_fields_in_the_text_and_param():
+    """The same 400 on /v1/responses names `input` and `max_output_tokens` (its fields; `max_tokens` is no field of
+    it), streamed or not, and on /v1/completions `prompt` (review-code2 finding 6a): the message's text and its
+    `param` name the same field. Negative control: before, the Responses text said "max_tokens=..., without
+    max_tokens" and "your messages" under param max_output_tokens / input, and completions said "your messages" with
+    param `messages`."""
+    from relax.serve.openai.chat import ChatFormat
+    from relax.serve.openai.service import OpenAIService
+
+    tok = base_tokenizer()
+    fmt = ChatFormat(tok, (tok.eos_token_id,))
+    service = OpenAIService(fmt, Script(fmt, ["7"]), model="m", context_length=CONTEXT)
+    used = len(fmt.prompt([{"role": "user", "content": "Hi"}], None, None))
+    room, asked = CONTEXT - used, CONTEXT - used + 5
+    long_text = "a " * 200
+    long = len(fmt.prompt([{"role": "user", "content": long_text}], None, None))
+    with plain_server(service) as url:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.APIError) as caught:
+                for _ in client.responses.create(model="m", input="Hi", max_output_tokens=asked, stream=stream) \
+                        if stream else [client.responses.create(model="m", input="Hi", max_output_tokens=asked)]:
+                    pass
+            body = caught.value.body
+            assert (body["code"], body["param"]) == ("context_length_exceeded", "max_output_tokens"), body
+            assert body["message"] == (
+                f"This model's maximum context length is {CONTEXT} tokens. However, you requested {used + asked} "
+                f"tokens ({used} in the input, {asked} in the completion). Please reduce the length of the input or "
+                f"completion. (The completion's tokens are max_output_tokens={asked}; without max_output_tokens the "
+                f"answer may take the {room} tokens left.)"), body["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="m", input=long_text)
+        body = caught.value.body
+        assert (body["code"], body["param"]) == ("context_length_exceeded", "input"), body
+        assert body["message"].startswith(
+            f"This model's maximum context length is {CONTEXT} tokens. However, your input resulted in {long} tokens. "
+            "Please reduce the length of the input. (The prompt is too long"), body["message"]
+
+        prompt = len(tok.encode("a " * 200))
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="m", prompt="a " * 200)
+        body = caught.value.body
+        assert (body["code"], body["param"]) == ("context_length_exceeded", "prompt"), body
+        assert body["message"].startswith(
+            f"This model's maximum context length is {CONTEXT} tokens. However, your prompt resulted in {prompt} "
+            "tokens. Please reduce the length of the prompt."), body["message"]
+        assert LITELLM in body["message"].lower() and LANGCHAIN in body["message"]

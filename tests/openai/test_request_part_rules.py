@@ -8,8 +8,9 @@ the field:
   `messages[i].tool_calls[j].type`, `missing_required_parameter`;
 - a history tool call without a string `id` (required: the tool message names it): `messages[i].tool_calls[j].id`,
   `missing_required_parameter` (absent, null) or `invalid_type`;
-- an image part in a system, developer or tool message (their content parts are text only) or an assistant message
-  (text and refusal parts): `messages[i].content[j].type`, `invalid_value`, on a vision-language model too;
+- an image part in a system, developer, tool or assistant message (their content parts are text only; an assistant's
+  refusal part too, which Relax does not render): `messages[i].content[j].type`, `invalid_value`, on a
+  vision-language model too;
 - a history call's `arguments` of whitespace only: not JSON, refused as any text that is not a JSON object is
   (`messages[i].tool_calls[j].function.arguments`, `input[i].arguments`); the empty string stays no arguments;
 - a Responses `function_call` item without `name` or `call_id`: `input[i].name` / `input[i].call_id`,
@@ -133,10 +134,10 @@ def test_an_image_in_an_assistant_or_tool_message_is_refused(client, smol, role)
     messages = _history({"id": "c1", "type": "function"}) + [{"role": "user", "content": "And now?"}]
     at = 1 if role == "assistant" else 2
     messages[at] = {**messages[at], "content": [{"type": "text", "text": "Here:"}, IMAGE]}
-    supported = "'text' and 'refusal'" if role == "assistant" else "'text' ("
     body = refused(lambda: client.chat.completions.create(model="m", messages=messages, tools=[TOOL]),
                    f"messages[{at}].content[1].type", "invalid_value")
-    assert f"Invalid value: 'image_url'. Supported values are: {supported}" in body["message"], body
+    assert "Invalid value: 'image_url'. Supported values are: 'text' (" in body["message"], body
+    assert body["message"].endswith("; send images in a user message)."), body
     audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
     refused(lambda: client.chat.completions.create(model="m", tools=[TOOL], messages=messages[:at] + [
         {**messages[at], "content": [audio]}] + messages[at + 1:]), f"messages[{at}].content[0].type", "invalid_value")
@@ -259,3 +260,31 @@ def test_prompt_cache_options_is_an_object_of_openais_keys(client):
     assert client.chat.completions.create(model="m", messages=user, extra_body={"prompt_cache_options": None}).choices
     assert json.loads(client.chat.completions.create(model="m", messages=user, prompt_cache_options={})
                       .choices[0].message.content) == {"x": 1}
+
+
+def test_a_part_that_is_not_text_is_told_what_relax_takes_and_images_where_to_go():
+    """Review-code2 finding 6b: the 400 for a part other than text in an assistant or tool message offers only what
+    Relax takes ('text'): an assistant's refusal part, which OpenAI's schema takes, is refused too (Relax renders no
+    refusal), so it is not offered; the advice to send images in a user message is given for image parts only.
+    Negative control: before, an image in an assistant message was told "Supported values are: 'text' and
+    'refusal'", a refusal part was then refused by another check ("only text parts ... are supported", param
+    messages[i].content[j]), and an input_text part in a tool message was told to send images in a user message."""
+    from relax.serve.openai.protocol import APIError, parse_chat
+
+    def refusal(message: dict) -> APIError:
+        with pytest.raises(APIError) as info:
+            parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}, message,
+                                                   {"role": "user", "content": "x"}]})
+        return info.value
+
+    for part, role, advice in (({"type": "refusal", "refusal": "no"}, "assistant", ""),
+                               (IMAGE, "assistant", "; send images in a user message"),
+                               ({"type": "input_text", "text": "r"}, "system", "")):
+        err = refusal({"role": role, "content": [part]})
+        assert (err.param, err.code) == ("messages[1].content[0].type", "invalid_value"), (part, err)
+        article = "an" if role == "assistant" else "a"
+        assert str(err) == (f"Invalid value: {part['type']!r}. Supported values are: 'text' (messages[1].content[0]"
+                            f".type: {article} {role} message takes text parts only{advice})."), err
+    # control: the same messages' text parts are taken
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "a"}]}, {"role": "user", "content": "x"}]})[0][1]["content"] == "a"

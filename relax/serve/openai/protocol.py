@@ -202,6 +202,35 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
+class ContextLengthError(APIError):
+    """The 400 of a prompt, or a prompt and its answer's token limit, past the model's context, built with the route's
+    field names: `prompt` the field the prompt comes from (chat: messages; completions: prompt; Responses: input),
+    `limit` the answer's token limit (max_tokens; Responses: max_output_tokens). OpenAI's (and vLLM's) wording
+    first, which clients tell a context overflow by (litellm's ContextWindowExceededError matches "this model's
+    maximum context length is", langchain-openai's context overflow "prompt is too long"), then what Relax adds.
+    `completion` None: the prompt alone fills the context (`param` the prompt's field), else the answer's token
+    limit, with `room` the tokens left under the context (`param` the limit's field)."""
+
+    def __init__(self, context_length: int, prompt_tokens: int, completion: Optional[int] = None,
+                 room: Optional[int] = None, *, prompt: str = "messages", limit: str = "max_tokens"):
+        if completion is None:
+            message = (f"This model's maximum context length is {context_length} tokens. However, your {prompt} "
+                       f"resulted in {prompt_tokens} tokens. Please reduce the length of the {prompt}. (The prompt "
+                       "is too long: it fills the model's context, leaving no room for an answer.)")
+        else:
+            message = (f"This model's maximum context length is {context_length} tokens. However, you requested "
+                       f"{prompt_tokens + completion} tokens ({prompt_tokens} in the {prompt}, {completion} in the "
+                       f"completion). Please reduce the length of the {prompt} or completion. (The completion's "
+                       f"tokens are {limit}={completion}; without {limit} the answer may take the {room} tokens "
+                       "left.)")
+        super().__init__(message, param=prompt if completion is None else limit, code="context_length_exceeded")
+        self.numbers, self.prompt, self.limit = (context_length, prompt_tokens, completion, room), prompt, limit
+
+    def named(self, *, prompt: str, limit: str) -> ContextLengthError:
+        """The same error on a route whose fields are `prompt` and `limit` (the Responses API's)."""
+        return ContextLengthError(*self.numbers, prompt=prompt, limit=limit)
+
+
 class StreamError(dict):
     """The chunk that ends a stream with `error`: OpenAI's stream error, `error`'s body (the `type`, `code`, `param`
     and message the same request unstreamed is refused with), keeping `error` for a stream made of these chunks
@@ -769,27 +798,27 @@ def _check_message_keys(m: Any, where: str) -> None:
 
 
 IMAGE_PART_KEYS = {"type", "image_url", "prompt_cache_breakpoint"}
-# the content part types OpenAI's schema takes in a message of these roles (ChatCompletionContentPartText; an
-# assistant's also ChatCompletionContentPartRefusal): a user message's alone may hold images (or audio, files)
-ROLE_PART_TYPES = {"system": ("text",), "developer": ("text",), "tool": ("text",), "assistant": ("text", "refusal")}
+# the content parts a message of these roles takes: text (OpenAI's ChatCompletionContentPartText; an assistant's
+# refusal parts, which OpenAI's schema takes too, Relax renders not: `_text` refuses them); a user message's alone
+# may hold images
+TEXT_ONLY_ROLES = ("system", "developer", "tool", "assistant")
 
 
 def check_text_only_roles(m: Any, where: str) -> None:
-    """OpenAI's 400 (`invalid_value`, naming `where.content[j].type`) for a part of a type that OpenAI's schema does
-    not take in a message of its role (`ROLE_PART_TYPES`: an image part in a system, developer, tool or assistant
-    message): on a vision-language model too, where relax-serve would otherwise take it (`check_image_parts`, before
-    `relax.serve.openai.images.take_images`) and render it. openai-agents sends such messages' text only (its
-    converter's extract_text_content; a tool output's text parts unless preserve_tool_output_all_content)."""
-    if not isinstance(m, dict) or m.get("role") not in ROLE_PART_TYPES or not isinstance(m.get("content"), list):
+    """OpenAI's 400 (`invalid_value`, naming `where.content[j].type`) for a part other than text in a system,
+    developer, tool or assistant message (`TEXT_ONLY_ROLES`): on a vision-language model too, where relax-serve would
+    otherwise take an image part (`check_image_parts`, before `relax.serve.openai.images.take_images`) and render it;
+    an image part is told to go in a user message. openai-agents sends such messages' text only (its converter's
+    extract_text_content; a tool output's text parts unless preserve_tool_output_all_content)."""
+    if not isinstance(m, dict) or m.get("role") not in TEXT_ONLY_ROLES or not isinstance(m.get("content"), list):
         return
-    allowed = ROLE_PART_TYPES[m["role"]]
     for j, part in enumerate(m["content"]):
         kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind not in allowed:  # no type at all: `_text` names the part
+        if isinstance(kind, str) and kind != "text":  # no type at all: `_text` names the part
             param, article = f"{where}.content[{j}].type", "an" if m["role"] == "assistant" else "a"
-            raise APIError(f"Invalid value: {kind!r}. Supported values are: {' and '.join(map(repr, allowed))} "
-                           f"({param}: {article} {m['role']} message takes {' and '.join(allowed)} parts only; send "
-                           "images in a user message).", param=param, code="invalid_value")
+            advice = "; send images in a user message" if kind in IMAGE_PART_TYPES else ""
+            raise APIError(f"Invalid value: {kind!r}. Supported values are: 'text' ({param}: {article} {m['role']} "
+                           f"message takes text parts only{advice}).", param=param, code="invalid_value")
 
 
 def check_image_parts(body: Any) -> None:

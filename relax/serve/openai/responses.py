@@ -65,6 +65,7 @@ from relax.serve.openai.protocol import FIELDS as CHAT_FIELDS
 from relax.serve.openai.protocol import (
     IMAGE_PART_TYPES,
     APIError,
+    ContextLengthError,
     ImagePartError,
     StreamError,
     call_arguments,
@@ -669,7 +670,10 @@ def drop_earliest(history: list[dict]) -> Optional[list[dict]]:
 
 
 def renamed(exc: APIError) -> APIError:
-    """A chat route's error named by the Responses field it comes from."""
+    """A chat route's error named by the Responses field it comes from (a context-length 400 built again with the
+    Responses fields, its text naming them too)."""
+    if isinstance(exc, ContextLengthError):
+        return exc.named(prompt=_PARAMS[exc.prompt], limit=_PARAMS[exc.limit])
     param = exc.param
     base = param.split("[")[0].split(".")[0] if param else None
     if base not in _PARAMS:

@@ -49,6 +49,7 @@ from relax.serve.openai.images import naming_parts, take_images
 from relax.serve.openai.protocol import (
     APIError,
     Choice,
+    ContextLengthError,
     ImagePartError,
     Params,
     StreamError,
@@ -319,7 +320,7 @@ class OpenAIService:
             prompts, context = [list(r) if isinstance(r, list) else self.fmt.encode(r) for r in raws], None
         payloads = []
         for prompt in prompts:
-            more, p = self._payloads(prompt, p, session, context)
+            more, p = self._payloads(prompt, p, session, context, prompt_field="prompt")
             payloads += more
         prompt_tokens = sum(len(q) for q in prompts)
         if self._incremental(p, session):
@@ -483,25 +484,17 @@ class OpenAIService:
             _close(drawn)
 
     # --------------------------------------------------------------------------------------------- generation
-    def _limit(self, p: Params, prompt_len: int) -> int:
+    def _limit(self, p: Params, prompt_len: int, prompt_field: str) -> int:
+        """The answer's token limit; a context-length 400 naming `prompt_field` (the route's: messages, prompt) where
+        the prompt, or the prompt and max_tokens, do not fit the context."""
         room = None if self.context_length is None else self.context_length - prompt_len
-        # OpenAI's wording of these 400s first (vLLM's too): clients tell a context overflow by it (litellm's
-        # ContextWindowExceededError matches "this model's maximum context length is", langchain-openai's context
-        # overflow "prompt is too long"), then what Relax adds
         if room is not None and room < 1:
-            raise APIError(f"This model's maximum context length is {self.context_length} tokens. However, your "
-                           f"messages resulted in {prompt_len} tokens. Please reduce the length of the messages. "
-                           "(The prompt is too long: it fills the model's context, leaving no room for an answer.)",
-                           param="messages", code="context_length_exceeded")
+            raise ContextLengthError(self.context_length, prompt_len, prompt=prompt_field)
         # without max_tokens: the room left under the context, then the cap (a training session's limits come
         # on top in `Session.admit`); SGLang's 128 only where neither is known
         limit = p.max_tokens or room or self.max_tokens or DEFAULT_MAX_TOKENS
         if room is not None and limit > room:
-            raise APIError(f"This model's maximum context length is {self.context_length} tokens. However, you "
-                           f"requested {prompt_len + limit} tokens ({prompt_len} in the messages, {limit} in the "
-                           "completion). Please reduce the length of the messages or completion. (The completion's "
-                           f"tokens are max_tokens={limit}; without max_tokens the answer may take the {room} tokens "
-                           "left.)", param="max_tokens", code="context_length_exceeded")
+            raise ContextLengthError(self.context_length, prompt_len, limit, room, prompt=prompt_field)
         return min(limit, self.max_tokens) if self.max_tokens else limit
 
     def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
@@ -510,9 +503,10 @@ class OpenAIService:
         return [self._parse(a) for a in self.send(payloads)], p
 
     def _payloads(self, prompt: list[int], p: Params, session: Optional[Session], context: Any = None,
-                  image_data: Optional[list[str]] = None) -> tuple[list[dict], Params]:
-        """The /generate payloads of `prompt`'s n choices, and the parameters they were made with (a session's)."""
-        limit = self._limit(p, len(prompt))
+                  image_data: Optional[list[str]] = None, prompt_field: str = "messages") -> tuple[list[dict], Params]:
+        """The /generate payloads of `prompt`'s n choices, and the parameters they were made with (a session's);
+        `prompt_field`: the request field the prompt comes from, which a context-length 400 names."""
+        limit = self._limit(p, len(prompt), prompt_field)
         if session is not None:
             p, limit, seeds = session.admit(p, len(prompt), limit, context)
         else:
