@@ -133,3 +133,50 @@ def test_a_dead_row_is_left_unmasked_and_ended_while_the_others_are_masked(engin
     assert 0 < int(torch.isfinite(logits[1]).sum()) < len(tok)  # masked as before
     closing = tok.convert_tokens_to_ids("}")
     assert advance([dead, live], torch.tensor([closing, closing]), torch.tensor([True, True])).tolist() == [True, False]
+
+
+def test_the_training_gateway_answers_a_dead_end_as_relax_serve_does(engine, client):
+    """On the training gateway (rollout=sglang: its calls go to the servers' /generate through
+    `SGLangEngines._agent_send`, here over this embedded server's HTTP) a dead end is the 400 relax-serve gives for
+    the same request: code grammar_dead_end, param the field that asked for the grammar, the same message, and not
+    the servers' internal address (review-code2 finding 7). Negative control: before, `_agent_send` made it an
+    APIError without code, so the gateway's 400 had code and param null and the text "POST http://127.0.0.1:<port>/
+    generate: HTTP 400 {...}" (cut at 300 characters)."""
+    from types import SimpleNamespace
+
+    from relax.rollout.sglang.client import GenerateClient
+    from relax.runner.rollout_driver.sglang_engines import SGLangEngines
+    from relax.serve.openai.chat import ChatFormat
+    from relax.serve.openai.gateway import Gateway
+    from relax.serve.openai.service import OpenAIService
+    from relax.serve.openai.sessions import Limits
+
+    servers = GenerateClient(engine.url, request_timeout_s=60)
+    engines = SimpleNamespace(_send_raw=lambda payloads, gen_id: servers.generate(payloads))  # what _agent_send uses
+    fmt = ChatFormat(engine.tokenizer, engine.eos_token_ids)
+    service = OpenAIService(fmt, lambda payloads: SGLangEngines._agent_send(engines, payloads), model="policy",
+                            context_length=None, max_tokens=20)
+    gw = Gateway(service).start()
+    try:
+        session = gw.open(0, Limits(max_calls=4, max_tokens=400, max_new_tokens=20, temperature=1.0, top_p=1.0,
+                                    top_k=-1, seed=1))
+        agent = openai.OpenAI(base_url=gw.base_url, api_key=session.key, max_retries=0, timeout=120)
+        fmt_ = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+        request = {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt_, "max_tokens": 20,
+                   "seed": 1}
+        with pytest.raises(openai.BadRequestError) as at_gateway:
+            agent.chat.completions.create(model="policy", **request)
+        with pytest.raises(openai.BadRequestError) as at_serve:
+            client.chat.completions.create(model="tiny", **request)
+        body = at_gateway.value.body
+        assert (body["type"], body["code"], body["param"]) == \
+            ("invalid_request_error", "grammar_dead_end", "response_format"), body
+        assert body["message"].startswith("response_format: constrained decoding: after ") and DEAD in \
+            body["message"] and engine.url not in body["message"], body["message"]
+        assert body == at_serve.value.body, (body, at_serve.value.body)
+        # control: a format the vocabulary can write is answered through the same path
+        answer = agent.chat.completions.create(model="policy", messages=request["messages"], max_tokens=20,
+                                               response_format={"type": "json_object"})
+        assert json.loads(answer.choices[0].message.content) == {}
+    finally:
+        gw.close()
