@@ -49,7 +49,7 @@ import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -708,10 +708,16 @@ def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]], *, locked: bool
 
 
 def config_yaml(cfg: RelaxConfig) -> str:
-    """`cfg` as the YAML a run writes (config.resolved.yaml, each checkpoint's config.yaml)."""
-    from omegaconf import OmegaConf
+    """`cfg` as the YAML a run writes (config.resolved.yaml, each checkpoint's config.yaml): the text
+    `OmegaConf.to_yaml(OmegaConf.structured(cfg))` gives, which earlier versions wrote and a resume reads, from the
+    frozen dataclass's plain values through the same dumper, without building an OmegaConf node of the whole schema
+    first (the schema holds no enums or tuples, whose text OmegaConf would convert; tests/runner/test_config_yaml.py
+    holds the two renderings equal)."""
+    import yaml
+    from omegaconf._utils import get_omega_conf_dumper
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return yaml.dump(asdict(cfg), default_flow_style=False, allow_unicode=True, sort_keys=False,
+                     Dumper=get_omega_conf_dumper())
 
 
 class Checkpoints:
