@@ -95,6 +95,9 @@ def forget_gguf_quantization(model: PreTrainedModel) -> None:
 def _dequantize(path: Path, **kwargs) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
+    # the file's config from `gguf_config` (its cache, or one parse that fills it): given none, from_pretrained parses
+    # the whole file once for the config and again for the weights
+    kwargs.setdefault("config", gguf_config(path))
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
     forget_gguf_quantization(model)
     return model
