@@ -675,6 +675,7 @@ DEAD_END = ("constrained decoding: after {n} token(s) of the answer its grammar 
             "vocabulary: the tokenizer cannot write what the grammar requires next (e.g. a character of the JSON, "
             "such as '\"', that no token holds), so the format, tool schema or grammar asked for cannot be followed "
             "with this tokenizer")
+DEAD_END_CODE = "grammar_dead_end"  # that error's `code`: the engine's /generate 400 body, relax-serve's OpenAI routes
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torch.Tensor:

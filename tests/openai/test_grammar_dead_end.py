@@ -111,7 +111,9 @@ def test_generate_answers_a_dead_end_grammar_with_a_400(engine):
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=120)
     assert caught.value.code == 400
-    assert DEAD in json.loads(caught.value.read())["error"]["message"]
+    error = json.loads(caught.value.read())["error"]
+    # it says what it is (the training gateway decides on status and code: `agent_refusal`)
+    assert DEAD in error["message"] and (error["type"], error["code"]) == ("invalid_request_error", "grammar_dead_end")
 
 
 def test_a_dead_row_is_left_unmasked_and_ended_while_the_others_are_masked(engine):

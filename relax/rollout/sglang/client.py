@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -32,7 +33,44 @@ FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fin
 
 
 class EngineRequestError(RuntimeError):
-    """A request failed for good (a 4xx answer, or retries ran out of time)."""
+    """A request failed for good (a 4xx answer, or retries ran out of time). Its text names the endpoint and what
+    went wrong, an answer's body cut short (for logs); `status` and `body`: the HTTP status and whole body of the
+    engine's error answer, None and "" where there was none (the connection failed, no answer in time, an answer
+    that is not one), so a caller decides on what the engine answered (`error_code`), not on the text."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: str = ""):
+        super().__init__(message)
+        self.status, self.body = status, body
+
+    @property
+    def error(self) -> dict:
+        """The error object of a JSON body: relax's engine's and the OpenAI API's `{"error": {"message", "type",
+        "param", "code"}}`, SGLang's `{"error": {"message"}}` (`{"error": "..."}` for a missing key: its message)
+        and `{"object": "error", "message", "code"}`; {} for another body."""
+        try:
+            answer = json.loads(self.body) if self.body else None
+        except ValueError:
+            return {}
+        if not isinstance(answer, dict):
+            return {}
+        error = answer.get("error")
+        if isinstance(error, dict):
+            return error
+        if isinstance(error, str):
+            return {"message": error}
+        return answer if answer.get("object") == "error" else {}
+
+    @property
+    def error_message(self) -> str | None:
+        """The message of the body's error, whole; None without one."""
+        message = self.error.get("message")
+        return message if isinstance(message, str) else None
+
+    @property
+    def error_code(self) -> str | int | None:
+        """The code of the body's error (relax's engine: `grammar_dead_end` at a grammar's dead end; SGLang's
+        `{"object": "error"}` repeats the HTTP status there); None without one."""
+        return self.error.get("code")
 
 
 def sample_seed(seed: int, sample_id: int, position: int) -> int:
@@ -159,7 +197,8 @@ def post(url: str, path: str, body: dict | None = None, *, timeout: float = 60.0
     except requests.RequestException as exc:
         raise EngineRequestError(f"POST {url}{path}: {type(exc).__name__}: {exc}") from None
     if r.status_code not in ok:
-        raise EngineRequestError(f"POST {url}{path}: HTTP {r.status_code} {r.text[:500]}")
+        raise EngineRequestError(f"POST {url}{path}: HTTP {r.status_code} {r.text[:500]}", status=r.status_code,
+                                 body=r.text)
     try:
         out = r.json()
     except ValueError:
@@ -231,13 +270,11 @@ class GenerateClient:
                                             timeout=aiohttp.ClientTimeout(total=left)) as r:
                         text = await r.text()
                         if r.status == 200:
-                            import json
-
                             answer = json.loads(text)
                             return answer[0] if isinstance(answer, list) else answer
                         last = f"HTTP {r.status} {text[:300]}"
                         if 400 <= r.status < 500 and r.status not in (404, 408, 429):
-                            raise EngineRequestError(f"POST {self.url}/generate: {last}")
+                            raise EngineRequestError(f"POST {self.url}/generate: {last}", status=r.status, body=text)
                 except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                     last = f"{type(exc).__name__}: {exc}"
                 finally:

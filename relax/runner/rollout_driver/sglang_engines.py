@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import sys
 import threading
@@ -39,7 +38,7 @@ from relax.config.schema import RelaxConfig
 from relax.data.tokenizer import load_tokenizer
 from relax.metrics import ENGINE_RETRIES, FAULT_RESTARTS_ROLLOUT, SYNC_BYTES, WEIGHT_BUCKETS
 from relax.roles.workers import WEIGHTS_GROUP
-from relax.rollout.grammar import DEAD_END
+from relax.rollout.grammar import DEAD_END_CODE
 from relax.rollout.sglang.adapter_sync import adapter_name
 from relax.rollout.sglang.client import (
     EngineRequestError,
@@ -68,10 +67,6 @@ from relax.serve.openai.protocol import APIError
 ABORT_RECHECK_S = 0.2  # an abort sends /abort_request again this often until every request sent is answered
 HEALTH_TIMEOUT_S = 20.0  # SGLang's limit on a /health check's generation (HEALTH_CHECK_TIMEOUT)
 API_KEY_ENV = "RELAX_SGLANG_API_KEY"  # the key of the servers at rollout.sglang.urls (their --api-key)
-# a grammar's dead end as relax's engine answers /generate (HTTP 400, DEAD_END in the body), up to its token count and
-# the words after it: EngineRequestError carries the answer as text only, cut at 300 characters, which this head fits
-_HEAD, _TAIL = DEAD_END.split("{n}")
-_DEAD_END_400 = re.compile(r": HTTP 400 .*?" + re.escape(_HEAD) + r"(\d+)" + re.escape(_TAIL.split(":")[0]))
 Push = Callable[[object, int, list[str], WeightTarget, bool, "list[int] | None"], dict]
 
 
@@ -117,14 +112,15 @@ def actor_push(actor, watch: Watchdog, process: str, ranks: list[tuple[object, s
 
 
 def agent_refusal(exc: EngineRequestError) -> APIError:
-    """The training gateway's error for a /generate request the servers did not answer: a grammar's dead end (relax's
-    engine's HTTP 400) the error relax-serve's engine gives (code grammar_dead_end, which the chat route answers as a
-    400 naming the field that asked for the grammar), without the servers' internal address; another 4xx the
-    agent's bad request (400), the rest the servers' failure (503)."""
-    found = _DEAD_END_400.search(str(exc))
-    if found is not None:
-        return APIError(DEAD_END.format(n=int(found.group(1))), code="grammar_dead_end")
-    refused = "HTTP 4" in str(exc)
+    """The training gateway's error for a /generate request the servers did not answer, decided on what the engine
+    answered (`exc.status`, the code of its error body), not on the error's text: a grammar's dead end (relax's
+    engine's HTTP 400 with code grammar_dead_end) the error relax-serve's engine gives (that code and the engine's
+    message, whole, which the chat route answers as a 400 naming the field that asked for the grammar), without the
+    servers' internal address; another 4xx the agent's bad request (400), the rest (5xx, no answer in time, no
+    connection) the servers' failure (503)."""
+    if exc.status == 400 and exc.error_code == DEAD_END_CODE and exc.error_message:
+        return APIError(exc.error_message, code=DEAD_END_CODE)
+    refused = exc.status is not None and 400 <= exc.status < 500
     return APIError(str(exc), status=400 if refused else 503,
                     kind="invalid_request_error" if refused else "server_error")
 

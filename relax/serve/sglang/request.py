@@ -150,6 +150,7 @@ class Request:
     progress: threading.Event = field(default_factory=threading.Event)
     error: Optional[str] = None
     error_status: int = 500  # the HTTP status of `error`: 400 where the request is at fault (a grammar's dead end)
+    error_code: Optional[str] = None  # the answer's error code (a grammar's dead end: DEAD_END_CODE)
 
 
 @dataclass(eq=False)

@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from relax.batch import FinishReason
-from relax.rollout.grammar import DEAD_END
+from relax.rollout.grammar import DEAD_END, DEAD_END_CODE
 from relax.serve.sglang.request import NotReady, Request, Row
 
 logger = logging.getLogger(__name__)
@@ -372,6 +372,7 @@ class Scheduler:
                             del row.logps[len(row.tokens):], row.top[len(row.tokens):]
                             row.request.error = DEAD_END.format(n=len(row.tokens))
                             row.request.error_status = 400  # the request's grammar, not the server, is at fault
+                            row.request.error_code = DEAD_END_CODE  # what its answer says it is
                             self._finish(row, {"type": "abort", "message": row.request.error})
                             continue
                         finish = self._finish_reason(row, out.finish_reason[i])

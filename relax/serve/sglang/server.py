@@ -629,8 +629,10 @@ class EmbeddedServer(WeightEndpoints):
         while not request.done.wait(1.0):
             if self.scheduler.stopping:
                 self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
-        if request.error is not None:
-            return request.error_status, {"error": {"message": request.error}}
+        if request.error is not None:  # in OpenAI's shape, the code saying what it is (a grammar's dead end)
+            error = APIError(request.error, status=request.error_status, code=request.error_code,
+                             kind="invalid_request_error" if request.error_status < 500 else "server_error")
+            return error.status, error.body()
         self._extras([r for r in request.rows if r.needs_extras()])
         answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
         return 200, answers[0] if request.single else answers
