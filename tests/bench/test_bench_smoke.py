@@ -23,7 +23,9 @@ def bench_main(monkeypatch):
     return main
 
 
-def test_smoke_suite_writes_a_complete_report(bench_main, tmp_path):
+def test_smoke_suite_writes_a_complete_report(bench_main, tmp_path, ray_local):
+    # ray_local: the worker's Ray, which the suite's runs share as they share the one it starts when none runs (the
+    # worker keeps it for its next Ray test rather than starting another after the suite stops its own)
     out = tmp_path / "perf.md"
     bench_main(["--smoke", "--out", str(out)])
     text = out.read_text()

@@ -126,7 +126,7 @@ def test_hydra_searchpath_adds_a_directorys_config_groups(tmp_path, capfd, monke
 
 
 @pytest.mark.slow
-def test_a_plugins_algorithm_trains_its_hooks_called_in_the_driver_and_the_actor(tmp_path):
+def test_a_plugins_algorithm_trains_its_hooks_called_in_the_driver_and_the_actor(tmp_path, monkeypatch, capfd):
     """A real relax-train of one step on the tiny model with the plugin's algorithm (from the plugin's own
     conf/algorithm/toy.yaml): the driver computed the advantages, the actor's Ray process (another pid) the loss,
     both with the YAML's scale. The control: without plugins= the algorithm is unknown, before anything starts."""
@@ -135,8 +135,12 @@ def test_a_plugins_algorithm_trains_its_hooks_called_in_the_driver_and_the_actor
     args = ["algorithm=toy", "train.num_rollout=1", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
             "train.global_batch_size=8", "train.micro_batch_size=8", "tracking.enabled=false",
             f"train.save_dir={tmp_path}/ckpt"]
-    without = relax_train(args, tmp_path, TOYPLUG_LOG=str(log))
-    assert without.returncode == 2 and "group algorithm has no option 'toy'" in without.stderr and not log.exists()
+    # (in this process: it is refused before anything starts; the plugin's directory importable, as below)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TOYPLUG_LOG", str(log))
+    code, _, err = relax_train_here(args, capfd)
+    assert code == 2 and "group algorithm has no option 'toy'" in err and not log.exists(), err
 
     proc = subprocess.Popen([sys.executable, "-c", "import os, sys; print(os.getpid(), flush=True); "
                              "sys.argv = ['relax-train', *sys.argv[1:]]; from relax.cli.train import main; main()",

@@ -174,6 +174,11 @@ def test_token_auth_is_turned_on_when_a_token_is_available(tmp_path, monkeypatch
     assert not enable_token_auth({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "t"})
 
 
+# the runs' steps: small (what they prove is the submission and the join, not the batch), as test_relax_sweep's
+SMALL = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "train.global_batch_size=8",
+         "train.micro_batch_size=8"]
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """`ray start --head --block` on loopback with token auth and ports of its own (other Ray instances on this
@@ -253,7 +258,7 @@ def test_submitted_run_joins_the_cluster_records_in_the_experiment_dir_and_strea
     url, token, home, gcs = ray_head
     exp = tmp_path / "exp"
     fresh_store(exp)  # the run's default store, sqlite:///mlflow.db where it runs (a store it created holds the same)
-    proc = _submit(["--address", url, "--exp-dir", str(exp), "--", "train.num_rollout=2",
+    proc = _submit(["--address", url, "--exp-dir", str(exp), "--", "train.num_rollout=2", *SMALL,
                     "tracking.experiment=submitted"], token=token, home=home, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -381,7 +386,8 @@ def test_relax_train_and_a_sweep_join_a_token_cluster_with_the_token_alone(ray_h
     fresh_store(tmp_path)  # the store both write to
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HOME=str(home), RAY_AUTH_TOKEN=token)
-    common = [f"cluster.address=127.0.0.1:{gcs}", "train.num_rollout=1", "train.save=false", "tracking.progress=false",
+    common = [f"cluster.address=127.0.0.1:{gcs}", "train.num_rollout=1", *SMALL, "train.save=false",
+              "tracking.progress=false",
               f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"hydra.run.dir={tmp_path}/out",
               f"hydra.sweep.dir={tmp_path}/multirun"]
     from mlflow import MlflowClient

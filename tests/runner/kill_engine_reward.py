@@ -11,7 +11,7 @@ import psutil
 
 from relax.rewards.digits import digits_reward
 
-CALLS_BEFORE_KILL = 2 * 16  # 2 rollouts of 4 prompts x 4 samples (the test's batch)
+CALLS_BEFORE_KILL = 2 * 8  # 2 rollouts of 2 prompts x 4 samples (the test's batch)
 REPLACED_WITHIN_S = 120.0  # health checks (rollout.sglang.health_failures of them) notice the kill first
 calls = 0
 killed: list[int] = []

@@ -12,32 +12,21 @@ from relax.runner.plan import build_plan
 
 
 @pytest.mark.slow
-def test_role_processes_run_at_normal_priority(no_ray) -> None:
-    """Ray's default starts every worker process at niceness 15, where the driver scoring rewards (or any other
-    process of normal priority) takes the cores from the roles; a run's own Ray instance starts them at 0."""
+def test_a_runs_own_ray_starts_beside_a_stale_session_file_with_roles_at_normal_priority(no_ray, monkeypatch) -> None:
+    """The instance a run starts itself (one start, two claims):
+    - a Ray head stopped by a signal (or a user's `ray start --head`) leaves <ray temp dir>/ray_current_cluster naming
+      its address, and plain `ray.init()` joins what it names: the local cluster option starts its own instance anyway;
+    - Ray's default starts every worker process at niceness 15, where the driver scoring rewards (or any other process
+      of normal priority) takes the cores from the roles: a run's own instance starts them at 0."""
+    import shutil
+    import tempfile
+
     ray = no_ray  # this test is about the instance a run starts
-    cfg = load_config(["tracking.enabled=false"])
 
     class Probe:
         def niceness(self) -> int:
             return os.nice(0)
 
-    with RayRuntime(cfg, build_plan(cfg)) as runtime:
-        assert runtime.started
-        actor = ray.remote(Probe).options(num_cpus=0.5).remote()
-        task = ray.remote(lambda: os.nice(0)).options(num_cpus=0.25)
-        assert ray.get([actor.niceness.remote(), task.remote()], timeout=120) == [os.nice(0), os.nice(0)]
-    assert not ray.is_initialized()
-
-
-@pytest.mark.slow
-def test_a_stale_session_file_does_not_stop_a_local_run(no_ray, monkeypatch) -> None:
-    """A Ray head stopped by a signal (or a user's `ray start --head`) leaves <ray temp dir>/ray_current_cluster naming
-    its address; plain `ray.init()` joins what it names. The local cluster option starts its own instance anyway."""
-    import shutil
-    import tempfile
-
-    ray = no_ray
     tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
     try:
         monkeypatch.setenv("RAY_TMPDIR", tmp)
@@ -47,7 +36,9 @@ def test_a_stale_session_file_does_not_stop_a_local_run(no_ray, monkeypatch) -> 
         cfg = load_config(["tracking.enabled=false"])
         with RayRuntime(cfg, build_plan(cfg)) as runtime:
             assert runtime.started
-            assert ray.get(ray.remote(lambda: 7).options(num_cpus=0.25).remote(), timeout=120) == 7
+            actor = ray.remote(Probe).options(num_cpus=0.5).remote()
+            task = ray.remote(lambda: os.nice(0)).options(num_cpus=0.25)
+            assert ray.get([actor.niceness.remote(), task.remote()], timeout=120) == [os.nice(0), os.nice(0)]
         assert not ray.is_initialized()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

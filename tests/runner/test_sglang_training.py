@@ -44,8 +44,8 @@ def test_grpo_trains_on_each_steps_weights_through_two_embedded_servers_and_surv
     # for the replacement to load and take its place before the run ends and stops the servers, under load too)
     steps = 6
     cfg = load_config([*SGLANG, *WATCH_CLOSELY, "algorithm=grpo", f"train.num_rollout={steps}", "seed=1",
-                       "model.dtype=float32", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
-                       "train.global_batch_size=16", "train.micro_batch_size=8",
+                       "model.dtype=float32", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
+                       "train.global_batch_size=8", "train.micro_batch_size=8",
                        "data.reward=kill_engine_reward:reward",
                        "data.reward_timeout_s=null",  # the reward runs in this process (its count is the test's)
                        "tracking.enabled=false",
