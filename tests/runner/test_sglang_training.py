@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from relax.config import load_config
 from relax.metrics import (
@@ -246,3 +247,7 @@ def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_loc
     # the driver's own allocations (imports, Ray's buffers) vary by tens of MB from run to run; a copy of the weights
     # would add at least their size (through the driver, each step held them twice: about 4x in all)
     assert rss.peak < 0.4 * sent, (rss.peak, sent)
+    # the control: the same measurement sees an allocation of the weights' size in this process, freed at once
+    with PeakRSS() as control:
+        torch.ones(int(sent) // 4).add_(1)  # written: resident, if only for a moment
+    assert control.peak > 0.9 * sent, (control.peak, sent)
