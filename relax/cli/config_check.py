@@ -224,14 +224,15 @@ def _hydra_override(override: str) -> bool:
             and not _launcher_override(override))
 
 
-def load(overrides: Sequence[str], conf: Optional[Path] = None) -> RelaxConfig:
+def load(overrides: Sequence[str], conf: Optional[Path] = None, config_name: str = "config") -> RelaxConfig:
     """`relax.config.load_config` of `overrides` (a job's, a relax-serve's command line), composed with Hydra's own
     config where they set one of its keys or choose in one of its groups (`_hydra_override`), so that those are
     checked in the same composition: a value not of its key's type, a key or a choice Hydra's config lacks, in the
-    one list of the config's problems rather than in Hydra's words after it (raises ConfigError)."""
+    one list of the config's problems rather than in Hydra's words after it (raises ConfigError). `config_name`:
+    the primary config in `conf` (`-cn`; with `-cp`, a config of its own)."""
     from relax.config import load_config
 
-    return load_config(overrides, conf, hydra=any(_hydra_override(o) for o in overrides))
+    return load_config(overrides, conf, hydra=any(_hydra_override(o) for o in overrides), config_name=config_name)
 
 
 def hydra_value_problems(overrides: Sequence[str], conf: Optional[Path] = None, *, sweep: bool) -> list[Violation]:
@@ -267,13 +268,14 @@ def hydra_value_problems(overrides: Sequence[str], conf: Optional[Path] = None, 
 
 def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules: bool = True,
                 environment: bool = True, start_checks: bool = False,
-                extra: Sequence[Violation] = ()) -> Optional[str]:
+                extra: Sequence[Violation] = (), config_name: str = "config") -> Optional[str]:
     """The message of what is wrong with the config of `relax-train <overrides>` (one job), None when it is valid.
     `rules=False`: only whether it composes (every key known, every value of its type). `environment=False`: the
     job runs elsewhere, so the rules that read this process's environment (`ENVIRONMENT_FIELDS`) are not checked.
     `start_checks`: a valid config also passes the checks a start runs before Ray that read the config alone
     (`relax.runner.preflight.CONFIG_CHECKS`), as relax-submit checks a job before it submits it. `extra`: problems
-    found elsewhere (`launcher_problems`), listed first among the config's."""
+    found elsewhere (`launcher_problems`), listed first among the config's. `config_name`: the primary config in
+    `conf` (`-cn`; with `-cp`, a config of its own: `problems`)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -286,9 +288,10 @@ def job_problem(overrides: Sequence[str], conf: Optional[Path] = None, *, rules:
     cfg = None
     try:
         if rules:
-            cfg = load(checked, conf)
+            cfg = load(checked, conf, config_name)
         else:
-            _, unknown = compose_checked(checked, conf, hydra=any(_hydra_override(o) for o in checked))
+            _, unknown = compose_checked(checked, conf, hydra=any(_hydra_override(o) for o in checked),
+                                         config_name=config_name)
             if unknown:
                 raise ConfigError(unknown)
     except ConfigError as exc:
@@ -402,6 +405,34 @@ def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[
 OWN_CONFIG_FLAGS = {"-cp": "path", "--config-path": "path", "-cn": "name", "--config-name": "name"}
 
 
+def own_config(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The config of its own that `args` (relax-train's command line) name (`-cp <dir> -cn <name>`, `-cn=<name>`,
+    ...): {"path": ..., "name": ...} of those given, and `args` without them."""
+    where: dict[str, str] = {}
+    rest: list[str] = []
+    it = iter(args)
+    for arg in it:
+        flag, eq, value = arg.partition("=")
+        if flag in OWN_CONFIG_FLAGS:
+            where[OWN_CONFIG_FLAGS[flag]] = value if eq else next(it, "")
+        else:
+            rest.append(arg)
+    return where, rest
+
+
+def _chooses_launcher(where: dict[str, str]) -> bool:
+    """Whether the config of its own that `where` names (`own_config`: `-cp <dir> -cn <name>`) may choose a launcher
+    of its own in its defaults list (`relax.cli.train.chooses_launcher`; a file it cannot read: may), so that its
+    sweep's launcher is not Relax's."""
+    if not where.get("path"):
+        return False
+    from relax.cli.train import chooses_launcher
+
+    name = where.get("name") or "config"
+    return chooses_launcher(Path(where["path"]) / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")) \
+        is not False
+
+
 def first_of_sweeps(overrides: Sequence[str]) -> list[str]:
     """The overrides of a sweep's first job (`seed=1,2` -> `seed=1`), the others as written; interval and glob sweeps
     are left out."""
@@ -420,96 +451,25 @@ def first_of_sweeps(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def own_config_deletions(args: Sequence[str]) -> Optional[str]:
-    """For a run of a config of its own (`relax-train -cp <dir> -cn <name> ...`, which `problems` leaves to Hydra):
-    what is wrong with its `~key` overrides, in the words `relax-train ~key` gets (`form_violation`), with the rest
-    of the config's problems; None when they are fine (or there are none, or another flag makes it something this
-    does not check). Hydra deletes a key of such a config (a plain YAML) without a word, and the schema's default
-    then takes its place (`~train.lr` ran with lr=1e-06), and refuses the other deletions in its own text ('Could
-    not delete from config. ...'). A sweep (-m; a deletion is every job's) is checked with its first job's
-    overrides (`first_of_sweeps`), a key it gives twice with the sweep's values."""
-    where: dict[str, str] = {}
-    overrides: list[str] = []
-    multirun = False
-    rest = iter(args)
-    for arg in rest:
-        flag, eq, value = arg.partition("=")
-        if flag in OWN_CONFIG_FLAGS:
-            where[OWN_CONFIG_FLAGS[flag]] = value if eq else next(rest, "")
-        elif arg in MULTIRUN_FLAGS:
-            multirun = True
-        elif arg.startswith("-"):
-            return None  # --cfg, --info, ...: Hydra's main as before
-        else:
-            overrides.append(arg)
-    if "name" not in where or not any(o.startswith("~") for o in overrides):
-        return None
-    import dataclasses
-
-    from hydra.errors import ConfigCompositionException, HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from relax.config import ConfigError, to_relax_config
-    from relax.config.compose import compose, saved_config
-    from relax.config.schema import RelaxConfig
-    from relax.config.unknown_keys import _fields, _misformed_override, form_violation
-
-    # a key set and deleted (`train.lr=-1 ~train.lr`): named as a run of Relax's config names it; the rest is checked
-    # with the last of each, as there
-    repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
-    if multirun:  # its first job, the launcher's own options (`hydra/launcher=...`) left to the launcher's check
-        try:
-            overrides = first_of_sweeps(_plain(overrides))
-        except HydraException:
-            return None  # an override Hydra's grammar refuses: its main says so, as before
-    conf = Path(where["path"]) if where.get("path") else None
-    # a section deleted (`~train`) is refused before composing: the overrides of its keys would not compose after it
-    sections = {f.name for f in dataclasses.fields(RelaxConfig)}
-    refused = [o for o in overrides if o.startswith("~") and o[1:].split("=", 1)[0] in sections]
-    kept = [o for o in overrides if o not in refused]
-    try:
-        while True:  # the deletions Hydra refuses (of a key the config lacks, of another value): left out, named
-            try:
-                compose(kept, config_name=where["name"], conf=conf)
-                break
-            except ConfigCompositionException as exc:
-                i = _misformed_override(exc, kept)
-                if i is None or not kept[i].startswith("~"):
-                    return None  # another problem: Hydra's main reports it as before
-                refused.append(kept.pop(i))
-        # the config as the deletions find it: the schema's, with the saved config's values
-        typed, _ = saved_config(compose([o for o in kept if not o.startswith("~")], config_name=where["name"],
-                                        conf=conf))
-    except (HydraException, OmegaConfBaseException, ConfigError):
-        return None  # not a Relax config, ...: the run says so as before
-    # deleted by Hydra: a field of the schema, whose default would take its place, is refused
-    for o in [o for o in kept if o.startswith("~")]:
-        parent_key, _, leaf = o[1:].split("=", 1)[0].rpartition(".")
-        parent = OmegaConf.select(typed, parent_key, default=None) if parent_key else typed
-        if leaf in (_fields(parent) or ()):
-            refused.append(o)
-    if not refused and not repeated:
-        return None
-    violations = [*repeated, *(form_violation(typed, o) for o in sorted(refused, key=overrides.index))]
-    fine = [o for o in overrides if o not in refused]
-    try:  # the rest of the config's problems, as the run would list them
-        to_relax_config(compose(fine, config_name=where["name"], conf=conf), overrides=fine)
-    except ConfigError as exc:
-        violations += exc.violations
-    except (HydraException, OmegaConfBaseException):
-        pass
-    return invalid_config(violations)
-
-
 def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: bool = True,
              start_checks: bool = False) -> Optional[str]:
     """What is wrong with `relax-train <args>` (its command line, Hydra's flags included), None when nothing is
-    (or when a Hydra flag other than -m and --cfg makes it something this does not check: --info, --config-name,
-    ...). A sweep: every invalid job, numbered as the sweep numbers them. `start_checks`: as `job_problem`'s."""
+    (or when a Hydra flag other than -m, --cfg, -cp/--config-path and -cn/--config-name makes it something this does
+    not check: --info, ...). A sweep: every invalid job, numbered as the sweep numbers them.
+    `start_checks`: as `job_problem`'s. A run of a config of its own (`-cp <dir> -cn <name>`, a run's saved config;
+    `-cn` alone: a config in `conf`) is checked as a run of Relax's: its config composed as relax-train composes it,
+    each problem named as on Relax's config (`relax.config.compose.schema_view`: an unknown key with what was meant,
+    a value not of its key's type, a `~key` of a key the schema has), and a sweep of it by each job. Its launcher's
+    and Hydra's own keys are checked as on Relax's config (a saved config names no launcher: relax-train gives its
+    sweep Relax's, `relax.cli.train.own_config_launcher`); a sweep of a config file that chooses its own launcher
+    leaves that launcher's options to Hydra, as before."""
     from hydra.errors import HydraException
 
-    args = list(args)
+    where, args = own_config(args)
+    if where.get("path") is not None and ("://" in where["path"] or not where["path"]):
+        return None  # a `pkg://` or `file://` search path: Hydra reads it
+    config_name = where.get("name") or "config"
+    job_conf = Path(where["path"]) if where.get("path") else conf
     rules = True
     for flag in CFG_FLAGS:  # `--cfg job`: the config is printed, not run; it must compose
         if flag in args:
@@ -523,19 +483,21 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     # a key set twice is refused; the rest is checked with the last of each, as Hydra would compose it
     repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
     # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
-    launcher = [*repeated, *launcher_problems(overrides, conf, sweep=multirun or not rules)]
+    launcher = [*repeated, *(launcher_problems(overrides, conf, sweep=multirun or not rules)
+                             if not (multirun and _chooses_launcher(where)) else [])]
     if multirun:  # a sweep's Hydra overrides, once (a run's are checked with its config: `job_problem`)
         launcher += hydra_value_problems(overrides, conf, sweep=True)
     if not multirun:
-        return job_problem(overrides, conf, rules=rules, environment=environment, start_checks=start_checks,
-                           extra=launcher)
+        return job_problem(overrides, job_conf, rules=rules, environment=environment, start_checks=start_checks,
+                           extra=launcher, config_name=config_name)
     try:
         jobs = sweep_jobs(_plain(overrides))
     except HydraException as exc:
         return (invalid_config(launcher) + "\n" if launcher else "") + hydra_error_message(exc)
     found = []
     for index, job in enumerate(jobs):
-        problem = job_problem(job, conf, rules=rules, environment=environment, start_checks=start_checks)
+        problem = job_problem(job, job_conf, rules=rules, environment=environment, start_checks=start_checks,
+                              config_name=config_name)
         if problem is not None:
             if problem.startswith("invalid config ("):  # the violations alone, as the sweep launcher lists them
                 problem = problem.split("\n", 1)[1]

@@ -343,14 +343,12 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     checks relax-train runs before Ray that read the config alone (`relax.runner.preflight.CONFIG_CHECKS`): a config
     that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
     a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not."""
-    from relax.cli.config_check import own_config_deletions, problems
+    from relax.cli.config_check import problems
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         message = problems(overrides, _hydra_conf(working_dir), environment=False, start_checks=True)
-        if message is None:  # a run of a config of its own (-cp/-cn): its ~key overrides, as relax-train checks them
-            message = own_config_deletions(overrides)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import own_config_deletions, problems
+from relax.cli.config_check import problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -110,8 +110,6 @@ def _precheck(args: list[str]) -> None:
     """Compose and validate before Hydra's main runs (each job of a sweep; composition only for --cfg), so that
     every mistake is one clear message (exit 2) before anything starts."""
     message = problems(args)
-    if message is None:  # a run of a config of its own (-cp/-cn): its ~key overrides as a run of Relax's gets them
-        message = own_config_deletions(args)
     if message is not None:
         _fail(message)
 
@@ -123,8 +121,8 @@ def _run(dc) -> object:
     from relax.cli.config_check import duplicate_problems, invalid_config, launcher_problems
     from relax.config import ConfigError, to_relax_config
 
-    # a run of its own config (`-cp <dir> -cn <name>`, which the precheck leaves to Hydra): a key its command line
-    # gives twice, and its launcher options (which a run without -m ignores), are refused here too
+    # a run that the precheck leaves to Hydra (a flag it does not check: --info, a `pkg://` -cp, ...): a key
+    # its command line gives twice, and its launcher options (which a run without -m ignores), are refused here too
     found = duplicate_problems(list(HydraConfig.get().overrides.task),
                                command="sweep" if _in_sweep() else "run")[0]
     found += [] if _in_sweep() else launcher_problems(list(HydraConfig.get().overrides.hydra), sweep=False)
@@ -276,7 +274,7 @@ def main() -> None:
     except FileNotFoundError as exc:
         _fail(str(exc))
     register_configs()
-    _precheck(args)  # a Hydra flag other than -m and --cfg (--info, --config-name, ...): left to Hydra
+    _precheck(args)  # a Hydra flag other than -m, --cfg, -cp and -cn (--info, ...): left to Hydra
     sys.argv[1:] = args = own_config_launcher(args, conf)
 
     import hydra

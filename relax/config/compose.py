@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -44,14 +44,16 @@ RUN_SAVING_FIELDS = ("save_interval", "keep_checkpoints", "save_hf")
 
 
 def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
-                    overrides: Optional[Sequence[str]] = None, left_out: Sequence[str] = ()) -> RelaxConfig:
+                    overrides: Optional[Sequence[str]] = None, left_out: Sequence[str] = (), *,
+                    note: bool = True) -> RelaxConfig:
     """Instantiate the frozen dataclasses, derive the None fields, validate (raises ConfigError). A key the schema
     lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others.
     `overrides`: the command line's (Hydra's syntax), where the caller has them: with a run's saved config as the
     primary config and train.num_rollout=0, the run's saving options that they do not set (`RUN_SAVING_FIELDS`)
     are put back to their defaults, with a note (`_evaluation_writes_nothing`); None: every value counts as set.
     `left_out`: keys whose given value was refused (not of its type, among `unknown`) and so hold their defaults:
-    the rules' verdicts on them are not reported, as they would judge a value nobody gave."""
+    the rules' verdicts on them are not reported, as they would judge a value nobody gave. `note=False`: the note on
+    a reused run's saving options is not printed (a check before the run, which prints it)."""
     found = list(unknown)
     typed: Optional[set[str]] = None
     try:  # the user's modules (relax-train imported those of its command line already): they may register the saved
@@ -60,8 +62,8 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     except PluginError as exc:
         raise ConfigError([Violation((PLUGINS_KEY,), str(exc))]) from None
     if OmegaConf.get_type(dc) is not RelaxConfig:  # `-cn` named a YAML file of its own (`-cp <dir> -cn <name>`)
-        dc, mistyped = saved_config(dc)
-        found += mistyped
+        dc, mistyped = saved_config(dc, added_keys(overrides or ()))
+        found = [*mistyped, *found]  # values not of their key's type first, as a composed config's (`compose_known`)
         left_out = [*left_out, *(v.fields[0] for v in mistyped)]
         if overrides is not None:
             typed = override_keys(overrides)
@@ -72,7 +74,7 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     if not isinstance(obj, RelaxConfig):
         raise TypeError(f"composed config is {type(obj).__name__}, expected RelaxConfig")
     if typed is not None:
-        obj = _evaluation_writes_nothing(obj, typed)
+        obj = _evaluation_writes_nothing(obj, typed, note=note)
     if not found:
         return check(resolve(obj), given=obj)
     cfg = resolve(obj)
@@ -80,7 +82,7 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     raise ConfigError(found + rules, cfg.algorithm.name)
 
 
-def _evaluation_writes_nothing(cfg: RelaxConfig, typed: set[str]) -> RelaxConfig:
+def _evaluation_writes_nothing(cfg: RelaxConfig, typed: set[str], *, note: bool = True) -> RelaxConfig:
     """`cfg`, a reused run's saved config with the command line's overrides (which set the keys `typed`), as an
     evaluation-only run (train.num_rollout=0) of it: the run's saving options the command line did not set are put
     back to their defaults, and a note on stderr names them. They say what the training run wrote; this run trains
@@ -94,8 +96,9 @@ def _evaluation_writes_nothing(cfg: RelaxConfig, typed: set[str]) -> RelaxConfig
     if not reset:
         return cfg
     was = ", ".join(f"train.{k}={getattr(cfg.train, k)}" for k in reset)
-    print(f"relax-train: note: evaluation only (train.num_rollout=0) writes no checkpoint and exports nothing: the "
-          f"saved config's {was} (the training run's) do not apply to it", file=sys.stderr)
+    if note:
+        print(f"relax-train: note: evaluation only (train.num_rollout=0) writes no checkpoint and exports nothing: the "
+              f"saved config's {was} (the training run's) do not apply to it", file=sys.stderr)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **reset))
 
 
@@ -106,6 +109,12 @@ def override_keys(overrides: Sequence[str]) -> set[str]:
     return {o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))}
 
 
+def added_keys(overrides: Sequence[str]) -> set[str]:
+    """The config keys that `+`/`++` overrides add (`+train.foo=1`): the only keys a command line can put into a
+    config of its own that its YAML file lacks (Hydra refuses the others)."""
+    return {o.split("=", 1)[0].lstrip("+") for o in overrides if o.startswith("+")}
+
+
 # the sections every saved Relax config holds (a checkpoint's config.yaml, the MLflow run's config.yaml artifact)
 SAVED_CONFIG_SECTIONS = ("algorithm", "model", "rollout", "train", "data")
 OWN_CONFIG_HINT = ("relax-train composes its own conf/config.yaml: a run's saved config (a checkpoint's config.yaml "
@@ -114,13 +123,16 @@ OWN_CONFIG_HINT = ("relax-train composes its own conf/config.yaml: a run's saved
                    "line: `relax-train --config-dir <dir> +experiment=<name> ...` (docs/experiments.md)")
 
 
-def saved_config(dc: DictConfig) -> tuple[DictConfig, list[Violation]]:
+def saved_config(dc: DictConfig, added: Collection[str] = ()) -> tuple[DictConfig, list[Violation]]:
     """`dc`, a config Hydra composed from a YAML file other than Relax's (`-cp <dir> -cn <name>`), as the schema's:
     a run's saved config (every section of `SAVED_CONFIG_SECTIONS`) merged onto the schema's defaults, so that its
     values are type-checked and validated as a composed config's are; anything else is a ConfigError saying what
     relax-train takes (never a traceback). Also a violation per value not of its key's type (the saved config's or
     the command line's, which Hydra merged into it untyped), each left at the schema's default (so that the rest is
-    checked), named as `relax.config.value_types` names a composed config's."""
+    checked), named as `relax.config.value_types` names a composed config's. `added`: the keys the command line
+    added (`added_keys`): one the schema lacks is kept in the node returned, where `extra_keys` finds it, to be named
+    as an unknown key as on Relax's config (`+train.lrr=1`: did you mean train.lr?); one of the file itself (a config
+    saved by another version) is a ConfigError saying so."""
     plain = OmegaConf.to_container(dc, resolve=False)
     if not isinstance(plain, dict):
         raise ConfigError([Violation(("config",), f"the config file is not a mapping. {OWN_CONFIG_HINT}")])
@@ -138,16 +150,29 @@ def saved_config(dc: DictConfig) -> tuple[DictConfig, list[Violation]]:
     base = writable_node(RelaxConfig)
     base.algorithm = writable_node(algorithms.get(name).config_cls)
     mistyped: list[Violation] = []
+    unknown: dict[str, object] = {}  # the command line's keys the schema lacks, put back after the merge
     while True:
         try:
-            return OmegaConf.merge(base, plain), mistyped
+            merged = OmegaConf.merge(base, plain)
+            if unknown:
+                with open_dict(merged):
+                    for key, value in unknown.items():
+                        OmegaConf.update(merged, key, value, force_add=True)
+            return merged, mistyped
         except ValidationError as exc:  # a value not of its key's type: named, left out, the rest merged again
             key = field_key(str(getattr(exc, "full_key", "") or ""))
             value = _pop(plain, key) if key else _MISSING
             if value is _MISSING:
                 raise _does_not_fit(exc) from None
             mistyped.append(type_violation(base, key, _as_written(value), exc))
-        except OmegaConfBaseException as exc:  # a key the schema lacks (a config saved by another version)
+        except OmegaConfBaseException as exc:  # a key the schema lacks: the command line's, or the file's (a config
+            # saved by another version)
+            key = str(getattr(exc, "full_key", "") or "")
+            if key and any(a == key or a.startswith(key + ".") or key.startswith(a + ".") for a in added):
+                value = _pop(plain, key)
+                if value is not _MISSING:
+                    unknown[key] = value
+                    continue
             raise _does_not_fit(exc) from None
 
 
@@ -195,42 +220,69 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config", conf: Pa
         return hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=hydra)
 
 
-def _composed(overrides: Sequence[str], conf: Path | None, hydra: bool
-              ) -> tuple[DictConfig, list[str], list[Violation], list[Violation], list[Violation]]:
-    """`compose_known` of `overrides`: (the config, without Hydra's node; the keys left out, the choices and the
-    values or forms refused, each of the config's own; the problems of Hydra's keys and groups, `hydra`: composed
-    with Hydra's config, so that its overrides are checked in the same composition)."""
-    dc, dropped, choices, mistyped = compose_known(lambda kept: compose(kept, conf=conf, hydra=hydra), overrides)
+def schema_view(dc: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
+    """`dc`, composed by Hydra, as the schema's, to name what is wrong with it against: itself where Hydra composed it
+    from Relax's conf (the schema's nodes); for a config of its own (`-cp <dir> -cn <name>`, a plain YAML that Hydra
+    does not type) `saved_config`'s node, with the keys `overrides` add (`added_keys`) and Hydra's own node, where it
+    was composed with it (raises ConfigError where it is not a Relax config)."""
+    if OmegaConf.get_type(dc) is RelaxConfig:
+        return dc
+    typed, _ = saved_config(dc, added_keys(overrides))
+    if "hydra" in dc:
+        with open_dict(typed):
+            typed["hydra"] = dc.hydra
+    return typed
+
+
+def _composed(overrides: Sequence[str], conf: Path | None, hydra: bool, config_name: str = "config"
+              ) -> tuple[DictConfig, DictConfig, list[str], list[Violation], list[Violation], list[Violation]]:
+    """`compose_known` of `overrides`: (the config, without Hydra's node; the config as the schema's, what its
+    problems are named against (`schema_view`); the keys left out, the choices and the values or forms refused,
+    each of the config's own; the problems of Hydra's keys and groups, `hydra`: composed with Hydra's config, so
+    that its overrides are checked in the same composition). `config_name`: the primary config, `conf`'s
+    config.yaml or a config of its own (`-cp <dir> -cn <name>`), composed as relax-train composes it."""
+    dc, dropped, choices, mistyped = compose_known(
+        lambda kept: compose(kept, config_name=config_name, conf=conf, hydra=hydra), overrides, named=schema_view)
+    named = schema_view(dc, overrides)
     if not hydra:
-        return dc, dropped, choices, mistyped, []
-    found = hydra_problems(dc, dropped, choices, mistyped)
-    with open_dict(dc):  # as Hydra's main gives its task the config
-        del dc["hydra"]
-    return (dc, [k for k in dropped if not is_hydras(k)], [v for v in choices if not is_hydras(v.fields[0])],
+        return dc, named, dropped, choices, mistyped, []
+    found = hydra_problems(named, dropped, choices, mistyped)
+    for node in {id(dc): dc, id(named): named}.values():
+        with open_dict(node):  # as Hydra's main gives its task the config
+            del node["hydra"]
+    return (dc, named, [k for k in dropped if not is_hydras(k)], [v for v in choices if not is_hydras(v.fields[0])],
             [v for v in mistyped if not is_hydras(v.fields[0])], found)
 
 
-def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None, *,
-                    hydra: bool = False) -> tuple[DictConfig, list[Violation]]:
+def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None, *, hydra: bool = False,
+                    config_name: str = "config") -> tuple[DictConfig, list[Violation]]:
     """compose, with each override of a key the schema lacks left out: (config, a violation per unknown key, those
     left out and those `+` added, each naming what was probably meant, and per value not of its key's type; and
     first a violation per group choice that names no option, `compose_known`). `hydra`: composed with Hydra's own
-    config, whose overrides' problems come first (the config returned is without it)."""
-    dc, dropped, choices, mistyped, found = _composed(overrides, conf, hydra)
+    config, whose overrides' problems come first (the config returned is without it). `config_name`: as
+    `load_config`'s (a config of its own: returned as the schema's, `schema_view`)."""
+    dc, named, dropped, choices, mistyped, found = _composed(overrides, conf, hydra, config_name)
+    if named is not dc:  # a config of its own: its values not of their key's type (the file's too), as `saved_config`
+        mistyped = [*saved_config(dc, added_keys(overrides))[1], *mistyped]
     if choices:
-        return dc, [*found, *choice_problems(dc, dropped, choices, mistyped)]
-    return dc, [*found, *mistyped, *(unknown_key(dc, key) for key in [*dropped, *extra_keys(dc)])]
+        return named, [*found, *choice_problems(named, dropped, choices, mistyped)]
+    return named, [*found, *mistyped, *(unknown_key(named, key) for key in [*dropped, *extra_keys(named)])]
 
 
-def load_config(overrides: Sequence[str] = (), conf: Path | None = None, *, hydra: bool = False) -> RelaxConfig:
+def load_config(overrides: Sequence[str] = (), conf: Path | None = None, *, hydra: bool = False,
+                config_name: str = "config") -> RelaxConfig:
     """compose + to_relax_config: the frozen, validated config of `relax-train <overrides>` (raises ConfigError with
     every problem, unknown keys and values not of their key's type included; a group choice that names no option is
     reported with those, before the rules, which would judge another config: `choice_problems`). `hydra`: composed
     with Hydra's own config, in the one composition, so that overrides of Hydra's keys and groups
     (`hydra.job.chdir=...`, `hydra/job_logging=...`) are checked too: their problems first in the list (a choice of
-    Hydra's groups that names no option does not stop the config's rules, which do not read Hydra's config)."""
-    dc, dropped, choices, mistyped, found = _composed(overrides, conf, hydra)
+    Hydra's groups that names no option does not stop the config's rules, which do not read Hydra's config).
+    `config_name`: the primary config in `conf`, as `relax-train -cp <conf> -cn <config_name>` names it: a run's
+    saved config is checked as the run checks it (`to_relax_config` with the overrides, its note not printed: the
+    run prints it), each problem named as on Relax's config (`schema_view`)."""
+    dc, named, dropped, choices, mistyped, found = _composed(overrides, conf, hydra, config_name)
     if choices:
-        raise ConfigError([*found, *choice_problems(dc, dropped, choices, mistyped)])
-    return to_relax_config(dc, [*found, *mistyped, *(unknown_key(dc, key) for key in dropped)],
-                           left_out=[v.fields[0] for v in mistyped])
+        raise ConfigError([*found, *choice_problems(named, dropped, choices, mistyped)])
+    own = named is not dc
+    return to_relax_config(dc, [*found, *mistyped, *(unknown_key(named, key) for key in dropped)],
+                           overrides=overrides if own else None, left_out=[v.fields[0] for v in mistyped], note=not own)

@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -211,11 +211,29 @@ def _misformed_override(exc: BaseException, overrides: Sequence[str]) -> int | N
 def _deleted_field(dc: DictConfig, overrides: Sequence[str]) -> int | None:
     """The index of a `~key` override that deleted a field of the schema's root (`~train`, `~seed`), else None:
     Hydra deletes with the root open, so nothing refuses it, and building the config would put the schema's default
-    in its place. (A group's default deleted, `~teacher`, leaves the schema's node: not this.)"""
-    fields = _fields(dc) or []
+    in its place. (A group's default deleted, `~teacher`, leaves the schema's node: not this.) A config of its own
+    (a plain YAML, `-cp <dir> -cn <name>`) is built on the same schema: its root's fields are RelaxConfig's."""
+    fields = _fields(dc)
+    if fields is None:
+        fields = [f.name for f in dataclasses.fields(RelaxConfig)]
     for i, o in enumerate(overrides):
         key = o[1:].split("=", 1)[0]
         if o.startswith("~") and key in fields and key not in dc:
+            return i
+    return None
+
+
+def _deleted_schema_key(named: DictConfig, overrides: Sequence[str]) -> int | None:
+    """The index of a `~key` override of a key the schema has (`~train.lr`), which Hydra deleted from a config of its
+    own (a plain YAML: nothing refuses it there, and the schema's default would take its place), else None; `named`:
+    the config as the schema's (`relax.config.compose.schema_view`). A key of a mapping of free keys is the user's
+    to delete."""
+    for i, o in enumerate(overrides):
+        if not o.startswith("~"):
+            continue
+        parent_key, _, leaf = o[1:].split("=", 1)[0].rpartition(".")
+        parent = OmegaConf.select(named, parent_key, default=None) if parent_key else named
+        if leaf in (_fields(parent) or ()):
             return i
     return None
 
@@ -294,14 +312,18 @@ def form_violation(dc: DictConfig, override: str) -> Violation:
                              "deletes it whatever its value)")
 
 
-def compose_known(compose: Any, overrides: Sequence[str]
+def compose_known(compose: Any, overrides: Sequence[str],
+                  named: Callable[[DictConfig, Sequence[str]], DictConfig] | None = None
                   ) -> tuple[DictConfig, list[str], list[Violation], list[Violation]]:
     """`compose(overrides)`, leaving out each override whose key the schema lacks, each group choice that names
     no option, each value that is not of its key's type and each override of a form Hydra refuses or that would
     delete a field of the schema (`form_violation`): (config, the keys left out, a violation per choice left out, a
     violation per value or form left out: `relax.config.value_types`, `form_violation`). With a choice left out the
     config is composed with the group's default instead, with a value or form left out with the key's value: only
-    for the other overrides' keys to be checked."""
+    for the other overrides' keys to be checked. `named(config, overrides)`: the config composed as the schema's,
+    for a config Hydra composes untyped (a config of its own, `-cp <dir> -cn <name>`:
+    `relax.config.compose.schema_view`): each problem is named against it as on Relax's config, and a `~key` of a key
+    the schema has, which Hydra deletes from such a config, is refused as Relax's refuses it."""
     from hydra.errors import ConfigCompositionException, HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -324,17 +346,20 @@ def compose_known(compose: Any, overrides: Sequence[str]
         try:
             dc = compose(kept)
             i = _deleted_field(dc, kept)
+            typed = dc if named is None or i is not None else named(dc, kept)
+            if i is None and typed is not dc:
+                i = _deleted_schema_key(typed, kept)
             if i is not None:
                 misformed.append(kept.pop(i))
                 continue
             # a new key of a free mapping set alone, without + (`data.eval_sets.two=...`): named with the user's own
             # override, `+` in front, the text to type (Hydra's config's mappings: `unknown_hydra_key`)
             for o in [o for o in dropped_by if not o.startswith(("+", "~", "hydra."))
-                      and _in_free_mapping(dc, o.split("=", 1)[0])]:
+                      and _in_free_mapping(typed, o.split("=", 1)[0])]:
                 dropped.remove(o.split("=", 1)[0])
                 misformed.append(o)
-            return dc, dropped, choices, [*(mistyped_violation(dc, o, exc) for o, exc in mistyped),
-                                          *(form_violation(dc, o) for o in sorted(misformed, key=overrides.index))]
+            return dc, dropped, choices, [*(mistyped_violation(typed, o, exc) for o, exc in mistyped),
+                                          *(form_violation(typed, o) for o in sorted(misformed, key=overrides.index))]
         except ConfigCompositionException as exc:
             i = _misformed_override(exc, kept)
             if i is None:

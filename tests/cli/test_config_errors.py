@@ -648,22 +648,21 @@ def test_a_deletion_on_a_run_of_its_own_config_is_the_line_a_run_of_relaxs_gets(
     assert code == 2 and "Traceback" not in out + err and "dry run" not in out, out + err
     assert err.splitlines() == problems(["~train.lr", "train.num_rollout=2"]).replace(
         "invalid config", "relax-train: error: invalid config", 1).splitlines(), err
-    from relax.cli.config_check import own_config_deletions
-
     own = ["-cp", str(saved), "-cn", "config"]
     for given in (["~train.lr=5", "train.micro_batch_size=-1"], ["~train.nosuch", "train.micro_batch_size=-1"],
                   ["~train"]):  # Hydra's text before, for the first two; the same lines as a run of Relax's config
         expected = problems([*given, "train.num_rollout=2"])
-        assert f"  - {given[0]}: " in expected and own_config_deletions([*own, *given]) == expected, given
-    assert own_config_deletions([*own, "+data.eval_sets={two:/x/two.jsonl}", "~data.eval_sets.two"]) is None
-    assert own_config_deletions([*own, "train.lr=1e-5"]) is None  # no deletion: nothing composed here
+        assert f"  - {given[0]}: " in expected and problems([*own, *given]) == expected, given
+    assert problems([*own, "+data.eval_sets={two:/x/two.jsonl}", "~data.eval_sets.two"]) is None
+    assert problems([*own, "train.lr=1e-5"]) is None
 
 
 def test_a_deletion_on_a_sweep_of_its_own_config_and_on_relax_submit_is_the_same_line(tmp_path, monkeypatch, capfd):
     """`relax-train -m -cp <dir> -cn config ~train.lr seed=1,2` ran each job with the schema's default lr (the check
     above left -m to Hydra), and relax-submit, which checked no -cp run, submitted either form. Now both commands
-    refuse both forms with the line the run without -m gets, exit 2, nothing started or submitted. Control: the same
-    commands without the deletion pass relax-submit's check."""
+    refuse both forms with the line the run without -m gets (a sweep: in each job, as a sweep of Relax's config
+    lists it), exit 2, nothing started or submitted. Control: the same commands without the deletion pass
+    relax-submit's check."""
     from omegaconf import OmegaConf
 
     from relax.cli.config_check import problems
@@ -675,15 +674,41 @@ def test_a_deletion_on_a_sweep_of_its_own_config_and_on_relax_submit_is_the_same
     OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
     monkeypatch.chdir(tmp_path)
     line = problems(["~train.lr", "train.num_rollout=2"])
+    assert "  - ~train.lr: train.lr is a key of the schema" in line
     code, out, err = relax_train(["-m", "-cp", str(saved), "-cn", "config", "~train.lr", "seed=1,2", "dry_run=true"],
                                  capfd)
     assert code == 2 and "Traceback" not in out + err and "dry run" not in out, out + err
-    assert err.splitlines() == ("relax-train: error: " + line).splitlines(), err
+    jobs = problems(["-m", "~train.lr", "seed=1,2", "dry_run=true"])  # each job's line, as a sweep of Relax's config
+    assert err.splitlines() == ("relax-train: error: " + jobs).splitlines() and jobs.count("is a key of the schema") \
+        == 2, err
     for sweep in (["-m"], []):
         own = [*sweep, "-cp", str(saved), "-cn", "config"]
         with pytest.raises(SystemExit) as exited:
             check_config([*own, "~train.lr", "seed=1,2" if sweep else "seed=1"], working_dir=tmp_path, env={})
         assert exited.value.code == 2
         err = capfd.readouterr().err
-        assert err.splitlines() == f"relax-submit: error: {line}\nNothing was submitted.".splitlines(), err
+        expected = problems(["-m", "~train.lr", "seed=1,2"]) if sweep else line
+        assert err.splitlines() == f"relax-submit: error: {expected}\nNothing was submitted.".splitlines(), err
         check_config([*own, "seed=1,2" if sweep else "seed=1"], working_dir=tmp_path, env={})  # control: goes on
+
+
+def test_an_unknown_key_or_a_mistyped_value_on_a_run_of_its_own_config_is_the_line_a_run_of_relaxs_gets(tmp_path):
+    """`relax-train -cp <dir> -cn config train.lrr=1` (a run's saved config) got Hydra's "Could not override
+    'train.lrr'. ... Key 'lrr' is not in struct" (exit 1), and `+train.foo=1` 'the saved config does not fit this
+    version's schema': `problems` left such a run to Hydra. Now it gets the list a run of Relax's config gets for the
+    same overrides. Control: the saved config with valid overrides passes."""
+    from omegaconf import OmegaConf
+
+    from relax.cli.config_check import problems
+    from relax.config.compose import compose
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    given = ["train.lrr=1", "+train.foo=1", "train.lr=abc"]
+    assert problems(["-cp", str(saved), "-cn", "config", *given]) == problems([*given, "train.num_rollout=2"]) == (
+        "invalid config (3 problems):\n"
+        "  - train.lr=abc: train.lr takes a float (a number: 0.5, 1e-5), not the string 'abc'\n"
+        "  - unknown key train.lrr (did you mean train.lr?)\n"
+        "  - unknown key train.foo: train has no key 'foo'")
+    assert problems([f"--config-path={saved}", "--config-name", "config", "train.lr=1e-5"]) is None  # the control
