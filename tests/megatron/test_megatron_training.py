@@ -67,7 +67,9 @@ def test_megatron_tp2_sequence_parallel_trains_through_ray_like_the_torch_backen
 
 
 def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh_store):
-    """model=tiny_moe on train.backend=megatron through the real loop with routing replay, in bf16 (what
+    """model=tiny_moe on train.backend=megatron through the real loop with routing replay, with PPO (a critic role
+    beside the Megatron actor: the suite's run of test_megatron_moe_algorithms.py, whose other algorithms are the
+    matrix's; GRPO on Megatron through Ray is the TP=2 test's), in bf16 (what
     model.dtype=auto is on a CPU with native bf16: the Megatron trainer under CPU bf16 autocast, which stopped at the
     first optimizer step before cpu_compat decorated megatron-core's autograd Functions for it): the engine's routes
     reach the Megatron trainer (its router agreement, reported only where routes arrived, is 1 on every step), the
@@ -81,9 +83,10 @@ def test_megatron_trains_tiny_moe_with_routing_replay(tmp_path, ray_local, fresh
     from relax.runner.train import run
 
     fresh_store(tmp_path)
-    result = run(load_config(["model=tiny_moe", "train.backend=megatron", "rollout.routing_replay=true",
-                              "model.dtype=bfloat16", "train.num_rollout=2", "rollout.rollout_batch_size=2",
-                              "rollout.n_samples_per_prompt=4", "rollout.max_response_len=8",
+    result = run(load_config(["algorithm=ppo", "model=tiny_moe", "train.backend=megatron",
+                              "rollout.routing_replay=true", "model.dtype=bfloat16", "train.num_rollout=2",
+                              "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4",
+                              "rollout.max_response_len=8",
                               "train.micro_batch_size=4", "data.num_prompts=16", "train.save_hf=true",
                               "train.moe_z_loss_coef=0.001", "train.moe_aux_loss_coef=0.01",
                               f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress=false",
