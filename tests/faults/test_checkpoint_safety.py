@@ -15,9 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,6 @@ from relax.runner.errors import RunError
 from relax.train.torch_policy import TorchPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the raw-pickle files' protocol
-ROOT = Path(__file__).resolve().parents[2]
 VOCAB, PAD = 40, 0  # the tiny tokenizer's vocabulary and pad id
 TINY = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
@@ -309,78 +306,42 @@ def test_relax_train_shows_a_roles_refusal_as_one_message(tmp_path, monkeypatch,
 
 # ------------------------------------------------------------------------------------------------- Megatron
 
-MEGATRON_SCRIPT = textwrap.dedent("""
-    import os, pickle, sys, warnings
-    warnings.filterwarnings("ignore")
-    from pathlib import Path
-    import torch
-    torch.set_num_threads(1)
-    sys.path.insert(0, str(Path.cwd() / "tests" / "backends"))
-    from conftest import random_batch  # tests/backends/conftest.py
-    from relax.algorithms.grpo import GRPOConfig
-    from relax.train.megatron import parallel
-    from relax.train.megatron.policy import MegatronPolicy
-    from relax.models.checkpoint_files import CheckpointFileError
-    from relax.config.schema import ModelConfig, TrainConfig
+@pytest.fixture(scope="module")
+def megatron_checkpoints(request, tmp_path_factory) -> dict:
+    """The `checkpoint_refusal` scenario (tests/megatron/fault_scenarios.py) of test_megatron_cpu's shared launch
+    (TP=1 x DP=2 over gloo; no rank processes of this module's own): each rank's load outcomes, and the directory of
+    the checkpoints."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "megatron"))
+    from test_megatron_cpu import shared_launch  # tests/megatron/test_megatron_cpu.py
 
-    out, port = Path(sys.argv[1]), int(sys.argv[2])
-    model = ModelConfig(name="tiny-test", source="config", dtype="float32", hidden_size=32, num_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                        max_position_embeddings=64)
-    parallel.initialize(0, 1, master_addr="127.0.0.1", master_port=port, seed=0, timeout_s=120)
-
-    class RunsCode:
-        def __reduce__(self):
-            return (open, (str(out / "PWNED"), "w"))
-
-    for dist in (False, True):
-        policy = MegatronPolicy(model, TrainConfig(), vocab_size=33, pad_token_id=0, seed=0,
-                                use_distributed_optimizer=dist)
-        policy.train_step(random_batch(8, seed=1), GRPOConfig(), per_token=True, micro_batch_size=4)
-        ckpt = out / f"ckpt{int(dist)}"
-        policy.save_checkpoint(ckpt)
-        policy.load_checkpoint(ckpt)  # the optimizer state loads with weights_only=True
-        opt = ckpt / "optimizer_tp0_pp0_dp0.pt"
-        saved = opt.read_bytes()
-        torch.save({"common": RunsCode()}, opt)
-        try:
-            policy.load_checkpoint(ckpt)
-            print("LOADED-MALICIOUS")
-        except CheckpointFileError as e:
-            print("REFUSED", e)
-        opt.write_bytes(saved[: len(saved) // 2])
-        try:
-            policy.load_checkpoint(ckpt)
-        except CheckpointFileError as e:
-            print("REFUSED", e)
-        (ckpt / "trainer_state.json").write_text("{")
-        try:
-            policy.load_checkpoint(ckpt)
-        except CheckpointFileError as e:
-            print("REFUSED", e)
-    parallel.shutdown()
-""")
+    return shared_launch(request, tmp_path_factory)["checkpoint_refusal"]
 
 
+MEGATRON_WORLD = 2
+
+
+# the shared launch's group: one xdist worker runs every test that reads it, and launches once
+@pytest.mark.xdist_group("megatron_cpu")
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
                     reason="megatron-core is not installed")
-def test_megatron_checkpoints_load_weights_only_and_refuse_tampered_files(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "megatron_load.py"
-    script.write_text(MEGATRON_SCRIPT)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(port)], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED")]
-    assert "LOADED-MALICIOUS" not in out.stdout and len(refused) == 6, out.stdout
-    assert not (tmp_path / "PWNED").exists()
-    for dist in (0, 1):
-        ckpt = tmp_path / f"ckpt{dist}"
-        opt, meta = ckpt / "optimizer_tp0_pp0_dp0.pt", ckpt / "trainer_state.json"
-        assert f"{opt} holds objects other than tensors" in refused[3 * dist]
-        assert f"{opt} is damaged or truncated" in refused[3 * dist + 1]
-        assert f"{meta} is damaged" in refused[3 * dist + 2]
+def test_megatron_checkpoints_load_weights_only_and_refuse_tampered_files(megatron_checkpoints):
+    """On both data-parallel ranks, with the plain and the distributed optimizer: a code-running pickle, a truncated
+    optimizer file and a damaged trainer_state.json are each refused with a message naming the file, and nothing is
+    unpickled. A tampered file on the last rank only makes every rank refuse (rank 0 naming no file of its own)."""
+    ranks, out = megatron_checkpoints["ranks"], Path(megatron_checkpoints["dir"])
+    assert len(ranks) == MEGATRON_WORLD
+    assert not list(out.glob("PWNED*"))
+    for rank, outcomes in enumerate(ranks):
+        for dist in (0, 1):
+            ckpt = out / f"ckpt{dist}"
+            opt, meta = ckpt / f"optimizer_tp0_pp0_dp{rank}.pt", ckpt / "trainer_state.json"
+            refused = outcomes[f"ckpt{dist}"]
+            assert None not in refused.values(), refused  # a load that went through
+            assert f"{opt} holds objects other than tensors" in refused["malicious"]
+            assert f"{opt} is damaged or truncated" in refused["truncated"]
+            assert f"{meta} is damaged" in refused["meta"]
+            if rank == MEGATRON_WORLD - 1:
+                assert f"{opt} holds objects other than tensors" in refused["last_rank_only"]
+            else:
+                assert "another rank of the trainer could not read its files" in refused["last_rank_only"]
+                assert "optimizer_tp0" not in refused["last_rank_only"]

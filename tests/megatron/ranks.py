@@ -22,8 +22,9 @@ import torch
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "backends")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "backends"), str(ROOT / "tests" / "faults")]
 
+import fault_scenarios  # noqa: E402  (tests/megatron/fault_scenarios.py)
 import moe_scenarios  # noqa: E402  (tests/megatron/moe_scenarios.py)
 from conftest import random_batch, random_samples  # noqa: E402  (tests/backends/conftest.py)
 
@@ -437,6 +438,7 @@ SCENARIOS = {"tp2": (scenario_tp2, 2, 1), "tp2sp": (scenario_tp2sp, 2, 1), "dp2"
              "pp2": (scenario_pp2, 1, 2), "bf16": (scenario_bf16, 1, 1), "agg_dp2": (scenario_agg_dp2, 1, 1),
              "gpu": (scenario_gpu, None, 1)}  # name: (function, TP (None: every rank), PP[, EP])
 SCENARIOS.update(moe_scenarios.scenarios(TRAIN, batches, train_parity))  # mixture of experts, EP=1 and EP=2
+SCENARIOS.update(fault_scenarios.SCENARIOS)  # tests/faults' non-finite skip and checkpoint refusal, TP=1 x DP=2
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """The Megatron-core backend on CPU processes over gloo, against the torch backend and transformers.
 
 One multi-process launch (tests/megatron/ranks.py, two rank processes; `shared_launch`) runs every scenario the
-session's selected tests read, this module's and those of test_megatron_moe_aux_loss.py (`moe_aux`) and
-test_megatron_moe_load_and_z_loss.py (`moe_load_z`); each checks many things:
+session's selected tests read, this module's and those of test_megatron_moe_aux_loss.py (`moe_aux`),
+test_megatron_moe_load_and_z_loss.py (`moe_load_z`), tests/faults/test_megatron_nonfinite.py (`nonfinite`) and
+tests/faults/test_checkpoint_safety.py (`checkpoint_refusal`; both in tests/megatron/fault_scenarios.py); each checks
+many things:
 - `tp2` (TP=2, DP=1, vocabulary padded 33 -> 34): logits vs transformers, the k/v-swap negative control,
   log-prob and post-finalize gradient parity, a 3-step train equal to TorchPolicy's, checkpoint resume, weight
   sync into the embedded rollout engine, HF export.
@@ -117,15 +119,18 @@ def launch(scenarios: str, world: int, out: Path) -> dict:
 # The scenarios each fixture reads, in the launch's order: the fixtures' own scenarios first, bf16 last (cpu_compat's
 # re-decoration of megatron-core's autograd Functions for CPU autocast stays in the process after it).
 FIXTURE_SCENARIOS = {"launched": ("tp2", "tp2sp", "dp2", "pp2", "moe_ep1", "moe_ep2", "agg_dp2"),
-                     "aux": ("moe_aux",), "load_z": ("moe_load_z",), "bf16": ("bf16",)}
+                     "aux": ("moe_aux",), "load_z": ("moe_load_z",),
+                     "megatron_nonfinite": ("nonfinite",),  # tests/faults/test_megatron_nonfinite.py
+                     "megatron_checkpoints": ("checkpoint_refusal",),  # tests/faults/test_checkpoint_safety.py
+                     "bf16": ("bf16",)}
 _SHARED: dict = {}
 
 
 def shared_launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Rank 0's results of one launch of every scenario that the session's selected tests read (through the fixtures
     of FIXTURE_SCENARIOS), started by the first fixture that asks: each launch's rank processes import megatron-core,
-    torch and transformers anew, several seconds of CPU each. The three modules that read it are one xdist group, so
-    one worker runs them all and launches once."""
+    torch and transformers anew, several seconds of CPU each. The tests that read it are one xdist group
+    (`megatron_cpu`), so one worker runs them all and launches once."""
     if "result" not in _SHARED:
         used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
         if torch.cuda.is_available():
