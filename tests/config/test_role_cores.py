@@ -1,7 +1,7 @@
 """cluster.role_cores (relax/config/core_rules.py, the plan, relax.roles.cores): every wrong option rejected at once
 before anything starts, the graph's processes as the plan starts them, and a process pinned by the variable the plan
 sets (read back from /proc, with the unpinned process as the control). The run on Ray:
-tests/runner/test_role_cores_run.py.
+tests/runner/test_async_training.py (its fully_async run on Ray).
 """
 
 from __future__ import annotations

@@ -2,18 +2,22 @@
 the exact resume of the batches generated ahead.
 
 The staleness bound and partial rollout run on a real local Ray (the rollout and the actor in processes of their
-own, as a run has them); the comparisons between runs and the algorithm matrix run the same loop with the roles in
+own, as a run has them); the same run proves cluster.role_cores end to end (each role's process on its core, read
+from /proc by this test). The comparisons between runs and the algorithm matrix run the same loop with the roles in
 this process (`in_process`), with one torch thread everywhere so that two runs compute the same floats."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from relax.batch import Samples
 from relax.config import load_config
+from relax.config.core_rules import parse_cores
 from relax.metrics import (
     ABORTED_TOKENS,
     BUFFER_SIZE,
@@ -29,6 +33,7 @@ from relax.metrics import (
     TRAIN_ROLLOUT_LOGP_ABS_DIFF,
     TRAIN_ROLLOUT_RATIO_MAX,
 )
+from relax.runner.cluster import Cluster
 from relax.runner.rollout_driver import stream as rollout_stream
 from relax.runner.train import run
 
@@ -105,11 +110,44 @@ def test_fully_async_with_max_staleness_0_trains_on_exactly_the_sync_data(in_pro
         assert b[STALENESS_MAX] == 0.0
 
 
-def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray_local, small_run, tmp_path):
+def allowed_cores(pid: int) -> set[tuple[int, ...]]:
+    """The distinct Cpus_allowed_list of every thread of process `pid`, as the kernel reports them."""
+    masks = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:  # the thread ended between the listing and the reading
+            continue
+        for line in status.splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                masks.add(parse_cores(line.split(":", 1)[1]))
+    return masks
+
+
+def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray_local, small_run, tmp_path,
+                                                                              monkeypatch):
+    """Also cluster.role_cores end to end, where this process may use cores 0 and 1: the rollout on core 0, the
+    actor on core 1. While the roles run (when the runner asks them where they are), this test reads every thread's
+    allowed cores of each role process from /proc itself (not from what the roles report), and the thread counts
+    each process reports; the test's own process, which is not pinned, is the control that the same reading sees
+    every core. Pinning a process without and with the variable: tests/config/test_role_cores.py. Without those
+    cores the async claims are checked and the pinning is reported skipped."""
+    pinned = {0, 1} <= os.sched_getaffinity(0)
+    seen: dict[str, tuple[dict, set]] = {}
+    placement = Cluster.cpu_placement
+
+    def read_while_running(self):
+        placed = placement(self)
+        for name, p in placed.items():
+            seen[name] = (p, allowed_cores(p["pid"]))
+        return placed
+
+    monkeypatch.setattr(Cluster, "cpu_placement", read_while_running)
     # weights staged beside generation (rollout.stage_weights, the GPU default) in real Ray engine processes
     cfg = load_config(small_run("algorithm=m2po", "train.mode=fully_async", "train.max_staleness=2",
                                 "rollout.partial_rollout=true", "rollout.max_response_len=16",
-                                "rollout.stage_weights=true", steps=5))
+                                "rollout.stage_weights=true",
+                                *(["+cluster.role_cores={rollout: '0', actor: '1'}"] if pinned else []), steps=5))
     result = run(cfg, output_dir=tmp_path / "out")
     assert [s for s, _ in result.history] == [0, 1, 2, 3, 4]
     check_staleness(result, 2)
@@ -121,6 +159,22 @@ def test_fully_async_m2po_with_partial_rollout_logs_staleness_and_pipelining(ray
     assert stale, "the rollout never ran ahead of the trainer"
     # old log-probs are the generating weights': stale tokens move M2PO's second moment off zero
     assert any(m[M2_BEFORE] > 0 for m in stale) and all(m[M2_AFTER] <= m[M2_BEFORE] + 1e-12 for m in stale)
+
+    if not pinned:
+        pytest.skip("the async claims passed; cluster.role_cores not checked: needs cores 0 and 1")
+    assert set(seen) == {"actor", "rollout"}
+    for name, core in (("rollout", 0), ("actor", 1)):
+        reported, kernel = seen[name]
+        assert kernel == {(core,)}, f"{name}: threads allowed on {kernel}"
+        assert reported["pid"] != os.getpid()
+        assert (reported["intra_op"], reported["inter_op"]) == (1, 1)
+    assert seen["actor"][0]["pid"] != seen["rollout"][0]["pid"]
+    # control: the same reading of this process (not pinned) sees all of its cores, two at least
+    assert allowed_cores(os.getpid()) == {tuple(sorted(os.sched_getaffinity(0)))}
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.run_id).data.tags
+    assert tags["relax.cores.rollout"] == "0 (1 threads)" and tags["relax.cores.actor"] == "1 (1 threads)"
 
 
 def test_staged_weights_change_nothing_but_when_the_copy_happens(in_process, small_run, tmp_path, monkeypatch):
