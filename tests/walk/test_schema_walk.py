@@ -249,7 +249,7 @@ PROBES = {
     # in tests/megatron (real processes: the walk's in-process transport cannot host a process group)
     "train.backend": "probe_actor_backend",
     # each role's process on cores of its own: what the plan starts each process with (its cores, a rollout process of
-    # its own); the processes pinned, read from /proc: tests/runner/test_role_cores_run.py (real processes)
+    # its own); the processes pinned, read from /proc: tests/runner/test_async_training.py (real processes)
     "cluster.role_cores": "probe_role_cores",
     # the untrained tiny model never writes a tool call: the probe gives the tool loop one
     "data.tool_parser": "probe_tool_parser",
