@@ -50,6 +50,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -711,13 +712,24 @@ def config_yaml(cfg: RelaxConfig) -> str:
     """`cfg` as the YAML a run writes (config.resolved.yaml, each checkpoint's config.yaml): the text
     `OmegaConf.to_yaml(OmegaConf.structured(cfg))` gives, which earlier versions wrote and a resume reads, from the
     frozen dataclass's plain values through the same dumper, without building an OmegaConf node of the whole schema
-    first (the schema holds no enums or tuples, whose text OmegaConf would convert; tests/runner/test_config_yaml.py
-    holds the two renderings equal)."""
+    first (tests/runner/test_config_yaml.py holds the two renderings equal)."""
     import yaml
     from omegaconf._utils import get_omega_conf_dumper
 
-    return yaml.dump(asdict(cfg), default_flow_style=False, allow_unicode=True, sort_keys=False,
+    return yaml.dump(_as_omegaconf_gives(asdict(cfg)), default_flow_style=False, allow_unicode=True, sort_keys=False,
                      Dumper=get_omega_conf_dumper())
+
+
+def _as_omegaconf_gives(value: Any) -> Any:
+    """A config's plain value as OmegaConf's container of it holds it: an enum (a plugin's config may declare one) by
+    its name, a tuple as a list (YAML's dumper would tag both as Python objects, which no config loader reads)."""
+    if isinstance(value, Enum):
+        return value.name
+    if isinstance(value, dict):
+        return {_as_omegaconf_gives(k): _as_omegaconf_gives(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_omegaconf_gives(v) for v in value]
+    return value
 
 
 class Checkpoints:

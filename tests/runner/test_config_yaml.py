@@ -6,6 +6,7 @@ rendering is the reference, on values whose text is easy to get wrong."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import pytest
 from omegaconf import OmegaConf
@@ -46,3 +47,26 @@ def test_values_whose_text_could_change_render_as_omegaconf_renders_them(cfg):
     import yaml
 
     assert yaml.safe_dump(dataclasses.asdict(edited), sort_keys=False) != text
+
+
+class Mode(enum.Enum):
+    FAST = 1
+    SAFE = 2
+
+
+def test_a_plugins_enum_field_and_a_tuple_render_as_omegaconf_renders_them(cfg):
+    """A plugin's algorithm config may declare an Enum field (OmegaConf writes its name), and a free-form field may hold
+    a tuple (a list in OmegaConf's text): neither may come out as a Python-tagged object that no loader reads back."""
+    from omegaconf import OmegaConf as oc
+
+    @dataclasses.dataclass(frozen=True)
+    class WithMode(type(cfg.algorithm)):
+        mode: Mode = Mode.SAFE
+
+    algorithm = WithMode(**{f.name: getattr(cfg.algorithm, f.name) for f in dataclasses.fields(cfg.algorithm)})
+    edited = dataclasses.replace(cfg, algorithm=algorithm,
+                                 data=dataclasses.replace(cfg.data, reward=("digits", ("a", 1))))
+    text = config_yaml(edited)
+    assert text == _reference(edited)
+    assert "mode: SAFE" in text and "!!python" not in text
+    assert oc.create(text).algorithm.mode == "SAFE"  # it loads back
