@@ -433,6 +433,46 @@ def _chooses_launcher(where: dict[str, str]) -> bool:
         is not False
 
 
+_CHOICE_VALUE = re.compile(r"[\w.,-]+")  # an option's name (a sweep's: names and commas), not a value of keys
+
+
+def own_config_choices(overrides: Sequence[str], where: dict[str, str], conf: Optional[Path]
+                       ) -> tuple[list[Violation], list[str]]:
+    """For a run of a config of its own (`where`: `own_config`'s, with a `-cp` directory): a violation for each
+    override that chooses an option of one of Relax's config groups (`algorithm=m2po`, `+model=tiny`,
+    `+experiment=gspo`; a group of `conf`'s, Relax's conf/, that the -cp directory has no directory of), and the
+    other overrides. Hydra composes such a run from the -cp directory alone, so the option is not there (Hydra's
+    words: "has no option ... its options:" with none, or its advice to `+` it, which leads there), and a run's
+    saved config has no defaults list: its keys are what to set. Left to the composition where none is given, or
+    where `hydra.searchpath` adds directories to search."""
+    from relax.algorithms.base import Violation
+    from relax.config.compose import conf_dir
+
+    if not where.get("path") or any(o.split("=", 1)[0].lstrip("+") == "hydra.searchpath" for o in overrides):
+        return [], list(overrides)
+    root = conf or conf_dir()
+    groups = {p.name for p in root.iterdir() if p.is_dir()} if root.is_dir() else set()
+    found, rest = [], []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        group = key.lstrip("+").split("@", 1)[0]
+        if not (eq and not key.startswith("~") and group in groups and not (Path(where["path"]) / group).is_dir()
+                and _CHOICE_VALUE.fullmatch(value) and value != "null"):
+            rest.append(o)
+            continue
+        if group == "algorithm":
+            whose = "its" if "," in value else f"{value}'s"  # a sweep's names (`-m +algorithm=m2po,grpo`)
+            keys = f"algorithm.name={value}, and a key of {whose} that the file lacks with +: +algorithm.<key>=..."
+        elif group == "experiment":
+            keys = f"the keys conf/experiment/{value}.yaml sets"
+        else:
+            keys = f"{group}.<key>=..., and a key the file lacks with +: +{group}.<key>=..."
+        found.append(Violation((group,), f"{o}: a run of its own config (-cp/-cn) chooses no option of Relax's config "
+                                         f"groups (Relax's conf/ is not on its search path, and a run's saved config "
+                                         f"has no defaults list): set the saved config's keys instead ({keys})"))
+    return found, rest
+
+
 def first_of_sweeps(overrides: Sequence[str]) -> list[str]:
     """The overrides of a sweep's first job (`seed=1,2` -> `seed=1`), the others as written; interval and glob sweeps
     are left out."""
@@ -468,6 +508,8 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     where, args = own_config(args)
     if where.get("path") is not None and ("://" in where["path"] or not where["path"]):
         return None  # a `pkg://` or `file://` search path: Hydra reads it
+    if where.get("path"):  # a relative one from the current directory, as relax-train reads it (absolute_config_path)
+        where["path"] = str(Path(where["path"]).expanduser().resolve())
     config_name = where.get("name") or "config"
     job_conf = Path(where["path"]) if where.get("path") else conf
     rules = True
@@ -482,8 +524,9 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
         return None  # another Hydra flag: Hydra answers it
     # a key set twice is refused; the rest is checked with the last of each, as Hydra would compose it
     repeated, overrides = duplicate_problems(overrides, command="sweep" if multirun else "run")
+    chosen, overrides = own_config_choices(overrides, where, conf)  # the rest is checked without them
     # `--cfg` prints the config (`--cfg hydra` the launcher's options) rather than running it: nothing ignored
-    launcher = [*repeated, *(launcher_problems(overrides, conf, sweep=multirun or not rules)
+    launcher = [*repeated, *chosen, *(launcher_problems(overrides, conf, sweep=multirun or not rules)
                              if not (multirun and _chooses_launcher(where)) else [])]
     if multirun:  # a sweep's Hydra overrides, once (a run's are checked with its config: `job_problem`)
         launcher += hydra_value_problems(overrides, conf, sweep=True)

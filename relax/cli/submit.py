@@ -337,14 +337,67 @@ def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
     return storage_problems(settings, sweep=sweep)
 
 
-def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]) -> None:
+def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optional[str] = None
+                    ) -> tuple[list[str], Optional[str]]:
+    """`overrides` with a relative `-cp`/`--config-path` made absolute as the job's relax-train reads it: from the
+    directory it runs in, `exp_dir` (--exp-dir, $EXP_DIR), else its copy of `working_dir` (Ray uploads it without
+    EXCLUDES). Also the message of why the check here cannot read that directory (it is not here, or it is not
+    uploaded), else None. An absolute -cp is left as it is (the check reads it where the job does)."""
+    from fnmatch import fnmatch
+
+    from relax.cli.config_check import OWN_CONFIG_FLAGS
+
+    out = list(overrides)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if OWN_CONFIG_FLAGS.get(flag) != "path" or (not eq and i + 1 >= len(out)):
+            continue
+        value = value if eq else out[i + 1]
+        if not value or "://" in value or value.startswith(("/", "~")):
+            continue
+        base = working_dir / exp_dir if exp_dir else working_dir
+        where = (f"the experiment directory {exp_dir} (--exp-dir/${EXP_DIR_ENV}), where the job runs relax-train"
+                 if exp_dir else f"the job's copy of the working_dir (--working-dir {working_dir}), where it runs "
+                                 "relax-train")
+        path = (base / value).resolve()
+        if not exp_dir:
+            rel = path.relative_to(working_dir) if path.is_relative_to(working_dir) else None
+            if rel is None:
+                return out, (f"{flag} {value}: a relative config directory is read from {where}; {path} is outside "
+                             "it, so the job would not have it: give its absolute path on storage the cluster's "
+                             "nodes share")
+            left_out = next((p for part in rel.parts for p in EXCLUDES if fnmatch(part, p.removeprefix("**/"))),
+                            None)
+            if left_out is not None:
+                return out, (f"{flag} {value}: a relative config directory is read from {where}, but {rel} is not "
+                             f"uploaded with it (relax-submit leaves out {left_out!r}: run outputs, stores, "
+                             "checkpoints): give its absolute path on storage the cluster's nodes share, or use "
+                             "--exp-dir with -cp relative to it")
+        if not path.is_dir():
+            return out, (f"{flag} {value}: a relative config directory is read from {where}: {path} is not a "
+                         "directory here, so the config cannot be checked before submitting (give -cp as it is "
+                         "there, or its absolute path)")
+        if eq:
+            out[i] = f"{flag}={path}"
+        else:
+            out[i + 1] = str(path)
+    return out, None
+
+
+def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str],
+                 exp_dir: Optional[str] = None) -> None:
     """Compose and validate `relax-train <overrides>` here, as relax-train would on the cluster (each job of a
     sweep; the job's environment variables set while the rules read them; no Ray, nothing contacted), with the
     checks relax-train runs before Ray that read the config alone (`relax.runner.preflight.CONFIG_CHECKS`): a config
     that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
-    a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not."""
+    a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not.
+    A relative `-cp` is read as the job reads it (`job_config_path`: from `exp_dir`, else `working_dir`)."""
     from relax.cli.config_check import problems
 
+    overrides, message = job_config_path(overrides, working_dir=working_dir, exp_dir=exp_dir)
+    if message is not None:
+        print(f"relax-submit: error: {message}\nNothing was submitted.", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -521,6 +574,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     exp_dir = args.exp_dir or os.environ.get(EXP_DIR_ENV) or None
     hidden = env_from_here(args.env)
     checked = args.overrides  # what the checks here compose: with the plugins' conf/ directories (the job: its own)
+    if args.entrypoint is None and exp_dir is not None and not exp_dir.startswith("/"):  # before the config's
+        # check, which reads a relative -cp from it
+        source = "--exp-dir" if args.exp_dir else EXP_DIR_ENV
+        print(f"relax-submit: error: {source}={exp_dir}: must be an absolute directory on the cluster's shared "
+              "storage (a relative one would be inside the job's temporary working_dir)", file=sys.stderr)
+        sys.exit(USAGE_EXIT)
     if args.entrypoint is None:
         from relax.config.store import PluginError, with_plugins
 
@@ -534,7 +593,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         except PluginError as exc:
             print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
             sys.exit(USAGE_EXIT)
-        check_config(checked, working_dir=working_dir, env=env)
+        check_config(checked, working_dir=working_dir, env=env, exp_dir=exp_dir)
         secrets = secret_env(checked, _hydra_conf(working_dir))
         hidden |= set(secrets)
         for note in forward_secrets(env, secrets):
@@ -543,13 +602,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.exp_dir:
             parser.error("--exp-dir applies to relax-train, not to --entrypoint")
         exp_dir = None
-    elif exp_dir is not None:
-        source = "--exp-dir" if args.exp_dir else EXP_DIR_ENV
-        if not exp_dir.startswith("/"):
-            print(f"relax-submit: error: {source}={exp_dir}: must be an absolute directory on the cluster's shared "
-                  "storage (a relative one would be inside the job's temporary working_dir)", file=sys.stderr)
-            sys.exit(USAGE_EXIT)
-    else:
+    elif exp_dir is None:
         try:
             problems = check_storage(checked, working_dir=working_dir)
         except ValueError as exc:

@@ -132,7 +132,8 @@ def saved_config(dc: DictConfig, added: Collection[str] = ()) -> tuple[DictConfi
     checked), named as `relax.config.value_types` names a composed config's. `added`: the keys the command line
     added (`added_keys`): one the schema lacks is kept in the node returned, where `extra_keys` finds it, to be named
     as an unknown key as on Relax's config (`+train.lrr=1`: did you mean train.lr?); one of the file itself (a config
-    saved by another version) is a ConfigError saying so."""
+    saved by another version) is a ConfigError saying so. The modules of its own `plugins:` are imported before its
+    algorithm is looked up (one that cannot be: a ConfigError naming `plugins`, as `to_relax_config`'s)."""
     plain = OmegaConf.to_container(dc, resolve=False)
     if not isinstance(plain, dict):
         raise ConfigError([Violation(("config",), f"the config file is not a mapping. {OWN_CONFIG_HINT}")])
@@ -142,6 +143,14 @@ def saved_config(dc: DictConfig, added: Collection[str] = ()) -> tuple[DictConfi
         raise ConfigError([Violation(("config",), f"the config file (-cn/--config-name) is not a Relax config: it has "
                                                   f"no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}. "
                                                   f"{OWN_CONFIG_HINT}")])
+    plugins = plain.get(PLUGINS_KEY)
+    if isinstance(plugins, list):  # the file's own modules first, as the run imports them (`to_relax_config`): a
+        # saved config of a plugin's algorithm names the module that registers it (a value of another type is refused
+        # by the merge below, as a value not of its key's type)
+        try:
+            import_plugins(plugins)
+        except PluginError as exc:
+            raise ConfigError([Violation((PLUGINS_KEY,), str(exc))]) from None
     name = plain["algorithm"].get("name")
     if name not in algorithms.names():
         raise ConfigError([Violation(("algorithm.name",), f"the saved config's algorithm.name={name!r} is not one of "

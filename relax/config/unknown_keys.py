@@ -88,7 +88,11 @@ def unknown_key(cfg: DictConfig, key: str, override: str = "") -> Violation:
         hint = f" (did you mean {' or '.join(f'{prefix}.{c}{rest}' if prefix else c + rest for c in close)}?)"
         where = f"{prefix} has no key {part!r}" if prefix else "no such section or key"
         return Violation((key,), f"unknown key {key}{hint}" if close else f"unknown key {key}: {where}")
-    return Violation((key,), f"unknown key {key}")
+    # a key of the schema that the composed YAML lacks: a config of its own (`-cp <dir> -cn config`, a run's saved
+    # config, plain YAML) holds only the keys it was saved with (`algorithm.kl2_budget` after algorithm.name=m2po on
+    # a grpo run's), and Hydra sets a key a config lacks only with +
+    return Violation((key,), f"unknown key {key}: the config file (-cp/-cn) has no such key, though the schema has "
+                             f"it: add it with +{override.lstrip('+') if override else key + '=...'}")
 
 
 def free_key_message(mapping: str, name: str = "", override: str = "", new_key_override: str = "") -> str:

@@ -712,3 +712,24 @@ def test_an_unknown_key_or_a_mistyped_value_on_a_run_of_its_own_config_is_the_li
         "  - unknown key train.lrr (did you mean train.lr?)\n"
         "  - unknown key train.foo: train has no key 'foo'")
     assert problems([f"--config-path={saved}", "--config-name", "config", "train.lr=1e-5"]) is None  # the control
+    # a choice of one of Relax's config groups, which a run of its own config cannot reach (before: "config group
+    # algorithm has no option 'm2po'; its options: " with none, Hydra's advice to `+model=tiny`, which leads there,
+    # or "unknown key experiment"): one line saying what to set instead, with the command line's other problems
+    own = ["-cp", str(saved), "-cn", "config"]
+    for choice, instead in (("+algorithm=m2po", "(algorithm.name=m2po, and a key of m2po's that the file lacks "
+                                                "with +: +algorithm.<key>=...)"),
+                            ("model=tiny", "(model.<key>=..., and a key the file lacks with +: +model.<key>=...)"),
+                            ("+experiment=gspo", "(the keys conf/experiment/gspo.yaml sets)")):
+        assert problems([*own, choice, "train.lrr=1"]) == (
+            "invalid config (2 problems):\n"
+            f"  - {choice}: a run of its own config (-cp/-cn) chooses no option of Relax's config groups (Relax's "
+            "conf/ is not on its search path, and a run's saved config has no defaults list): set the saved "
+            f"config's keys instead {instead}\n"
+            "  - unknown key train.lrr (did you mean train.lr?)"), choice
+    # what it says works: the algorithm's name, and its own key, which the saved grpo config lacks, with + (without
+    # it, before: a bare "unknown key algorithm.kl2_budget")
+    assert problems([*own, "algorithm.name=m2po", "+algorithm.kl2_budget=1"]) is None
+    assert problems([*own, "algorithm.name=m2po", "algorithm.kl2_budget=1"]) == (
+        "invalid config (1 problem):\n"
+        "  - unknown key algorithm.kl2_budget: the config file (-cp/-cn) has no such key, though the schema has it: "
+        "add it with +algorithm.kl2_budget=...")

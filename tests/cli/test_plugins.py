@@ -102,6 +102,29 @@ def test_a_plugin_that_cannot_be_imported_is_refused_by_the_config_check(tmp_pat
                                           r"\(raised while importing it\)"):
         load_config(["plugins=[broken]"])
 
+    # a run's saved config of a plugin's algorithm (`plugins:` and `algorithm.name` in the file), reused without
+    # plugins= on the command line (`relax-train -cp <dir> -cn config`): its check imports the file's own plugins
+    # before it looks the algorithm up (before: "algorithm.name='savedtoy' is not one of ...")
+    from omegaconf import OmegaConf
+
+    from relax.algorithms.base import AlgorithmConfig
+    from relax.config.compose import compose
+
+    write_plugin(tmp_path, "savedplug", "savedtoy")
+    plain = OmegaConf.to_container(compose(["train.num_rollout=2"]))
+    plain["algorithm"] = {**OmegaConf.to_container(OmegaConf.structured(AlgorithmConfig)), "name": "savedtoy",
+                          "scale": 0.25}
+    for name, plugins in (("saved", "savedplug.register"), ("unimportable", "no_such_plugin")):
+        (tmp_path / name).mkdir()
+        OmegaConf.save(OmegaConf.create({**plain, "plugins": [plugins]}), tmp_path / name / "config.yaml")
+    assert "savedplug.register" not in sys.modules  # nothing registered savedtoy before the check
+    assert problems(["-cp", str(tmp_path / "saved"), "-cn", "config", "train.lr=1e-5"]) is None
+    assert load_config(["train.lr=1e-5"], tmp_path / "saved", config_name="config").algorithm.scale == 0.25
+    # the control: a module of the file's that cannot be imported is named as the file's `plugins`
+    assert problems(["-cp", str(tmp_path / "unimportable"), "-cn", "config"]) == (
+        "invalid config (1 problem):\n"
+        "  - plugins: cannot import module 'no_such_plugin': ModuleNotFoundError: No module named 'no_such_plugin'")
+
 
 def test_relax_train_refuses_an_unimportable_plugin_in_one_line_before_anything(tmp_path):
     write_package(tmp_path)

@@ -139,6 +139,54 @@ def test_submit_refuses_relative_outputs_before_contacting_the_cluster(monkeypat
     assert exc.value.code == 2
 
 
+def test_submit_reads_a_relative_config_path_where_the_job_runs_relax_train(tmp_path, monkeypatch, capsys):
+    """`relax-submit -- -cp saved -cn config ...` (a run's saved config, relative -cp): the job's relax-train reads it
+    from the directory it runs in, the job's copy of --working-dir (or --exp-dir), so the check before submitting
+    reads it from there too, whatever the cwd here (before: Hydra's "initialize_config_dir() requires an absolute
+    config_dir", exit 2). Where the job would not have it (not there, or left out of the upload) one line says so.
+    The payload keeps the user's own -cp. Controls: an unknown key on it is still refused with Relax's line."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from relax.config.compose import compose
+
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # relax-submit puts --working-dir on it
+    work, exp, elsewhere = tmp_path / "work", tmp_path / "exp", tmp_path / "elsewhere"
+    for saved in (work / "saved", work / "outputs" / "run", exp / "ckpt"):
+        saved.mkdir(parents=True)
+        OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # no `saved` here: the working_dir's is read
+    absolute = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save=false"]
+
+    def refused(args: list[str]) -> str:
+        with pytest.raises(SystemExit) as exc:
+            main(["--dry-run", *args])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Nothing was submitted." in err and "initialize_config_dir" not in err, err
+        return err
+
+    main(["--dry-run", "--working-dir", str(work), "--", "-cp", "saved", "-cn", "config", *absolute])
+    assert json.loads(capsys.readouterr().out)["entrypoint"] == " ".join(
+        [TRAIN_ENTRYPOINT, "-cp", "saved", "-cn", "config", *absolute])
+    main(["--dry-run", "--working-dir", str(work), "--exp-dir", str(exp), "--", "--config-path=ckpt", "-cn",
+          "config"])  # the job runs in --exp-dir: -cp relative to it
+    assert json.loads(capsys.readouterr().out)["entrypoint"].endswith(" --config-path=ckpt -cn config")
+    assert "  - unknown key train.lrr (did you mean train.lr?)" in refused(
+        ["--working-dir", str(work), "--", "-cp", "saved", "-cn", "config", "train.lrr=1", *absolute])
+    assert refused(["--working-dir", str(work), "--", "-cp", "nosuch", "-cn", "config", *absolute]) == (
+        f"relax-submit: error: -cp nosuch: a relative config directory is read from the job's copy of the "
+        f"working_dir (--working-dir {work.resolve()}), where it runs relax-train: {work.resolve() / 'nosuch'} is "
+        "not a directory here, so the config cannot be checked before submitting (give -cp as it is there, or its "
+        "absolute path)\nNothing was submitted.\n")
+    assert "-cp saved: a relative config directory is read from the experiment directory " in refused(
+        ["--working-dir", str(work), "--exp-dir", str(exp), "--", "-cp", "saved", "-cn", "config"])
+    assert "but outputs/run is not uploaded with it (relax-submit leaves out 'outputs'" in refused(
+        ["--working-dir", str(work), "--", "-cp", "outputs/run", "-cn", "config", *absolute])
+
+
 class _CutStream:
     """A Jobs client whose log stream ends after the header while the job goes on (a dropped websocket)."""
 
