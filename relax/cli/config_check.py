@@ -420,14 +420,32 @@ def own_config(args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     return where, rest
 
 
+def chooses_launcher(config_file: Path) -> bool | None:
+    """Whether a config file's own defaults list chooses a `hydra/launcher` (`override hydra/launcher: basic`);
+    None: the file cannot be read as a YAML mapping. Its defaults' own defaults are not followed."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(config_file.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    defaults = data.get("defaults")
+    for entry in defaults if isinstance(defaults, list) else []:
+        for key in entry if isinstance(entry, dict) else ():
+            words = str(key).split()  # "override hydra/launcher", "optional /hydra/launcher@x"
+            if words and words[-1].lstrip("/").split("@")[0] == "hydra/launcher":
+                return True
+    return False
+
+
 def _chooses_launcher(where: dict[str, str]) -> bool:
     """Whether the config of its own that `where` names (`own_config`: `-cp <dir> -cn <name>`) may choose a launcher
-    of its own in its defaults list (`relax.cli.train.chooses_launcher`; a file it cannot read: may), so that its
+    of its own in its defaults list (`chooses_launcher`; a file it cannot read: may), so that its
     sweep's launcher is not Relax's."""
     if not where.get("path"):
         return False
-    from relax.cli.train import chooses_launcher
-
     name = where.get("name") or "config"
     return chooses_launcher(Path(where["path"]) / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")) \
         is not False

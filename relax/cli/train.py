@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import problems
+from relax.cli.config_check import chooses_launcher, problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -202,26 +202,6 @@ def _flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
         elif arg in flags and i + 1 < len(args):
             value = args[i + 1]
     return value
-
-
-def chooses_launcher(config_file: Path) -> bool | None:
-    """Whether a config file's own defaults list chooses a `hydra/launcher` (`override hydra/launcher: basic`);
-    None: the file cannot be read as a YAML mapping. Its defaults' own defaults are not followed."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(config_file.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    defaults = data.get("defaults")
-    for entry in defaults if isinstance(defaults, list) else []:
-        for key in entry if isinstance(entry, dict) else ():
-            words = str(key).split()  # "override hydra/launcher", "optional /hydra/launcher@x"
-            if words and words[-1].lstrip("/").split("@")[0] == "hydra/launcher":
-                return True
-    return False
 
 
 def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
