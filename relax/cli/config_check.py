@@ -440,15 +440,18 @@ def chooses_launcher(config_file: Path) -> bool | None:
     return False
 
 
+def config_file(directory: str | Path, name: str) -> Path:
+    """The YAML file Hydra reads for `-cp <directory> -cn <name>` (`name` with or without its extension)."""
+    return Path(directory) / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+
+
 def _chooses_launcher(where: dict[str, str]) -> bool:
     """Whether the config of its own that `where` names (`own_config`: `-cp <dir> -cn <name>`) may choose a launcher
     of its own in its defaults list (`chooses_launcher`; a file it cannot read: may), so that its
     sweep's launcher is not Relax's."""
     if not where.get("path"):
         return False
-    name = where.get("name") or "config"
-    return chooses_launcher(Path(where["path"]) / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")) \
-        is not False
+    return chooses_launcher(config_file(where["path"], where.get("name") or "config")) is not False
 
 
 _CHOICE_VALUE = re.compile(r"[\w.,-]+")  # an option's name (a sweep's: names and commas), not a value of keys

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import chooses_launcher, problems
+from relax.cli.config_check import OWN_CONFIG_FLAGS, chooses_launcher, config_file, own_config, problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -169,7 +169,8 @@ def _run(dc) -> object:
     return None
 
 
-CONFIG_PATH_FLAGS = ("-cp", "--config-path")
+# the flags naming the directory of a config of its own (`-cp`), as the check parses them
+CONFIG_PATH_FLAGS = tuple(flag for flag, what in OWN_CONFIG_FLAGS.items() if what == "path")
 
 
 def absolute_config_path(args: list[str]) -> list[str]:
@@ -192,18 +193,6 @@ def _multirun(args: list[str]) -> bool:
 RELAX_LAUNCHER = "hydra/launcher=relax_ray"  # conf/config.yaml's launcher of a sweep
 
 
-def _flag_value(args: list[str], flags: tuple[str, ...]) -> str | None:
-    """The value of the last of `flags` in `args` (`-cn x` or `-cn=x`), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        flag, eq, rest = arg.partition("=")
-        if flag in flags and eq:
-            value = rest
-        elif arg in flags and i + 1 < len(args):
-            value = args[i + 1]
-    return value
-
-
 def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
     """`args`, with Relax's sweep launcher (`hydra/launcher=relax_ray`) added to a sweep (-m) of a config of its own
     (`-cp <checkpoint> -cn config`: a run's saved config, which names no launcher), so that it is the sweep a sweep of
@@ -211,14 +200,14 @@ def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
     basic launcher without a word. A launcher given (`hydra/launcher=basic`) is kept, and so is one that the config's
     own defaults list chooses (`override hydra/launcher: basic`): the launcher is added only where the config file
     (in the -cp directory, else `conf`) is found and chooses none."""
-    name = _flag_value(args, ("-cn", "--config-name"))
+    where, _ = own_config(args)
+    name = where.get("name")
     if not _multirun(args) or not name or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
         return args
-    directory = _flag_value(args, CONFIG_PATH_FLAGS) or (str(conf) if conf is not None else None)
+    directory = where.get("path") or (str(conf) if conf is not None else None)
     if directory is None or "://" in directory:
         return args
-    config_file = Path(directory) / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
-    if chooses_launcher(config_file) is not False:
+    if chooses_launcher(config_file(directory, name)) is not False:
         return args
     return [*args, RELAX_LAUNCHER]
 
