@@ -161,18 +161,20 @@ class _Handler(Handler):
                 write_answer(self, status, payload)
 
 
-def _refusal(status: int, message: str) -> APIError:
-    """The OpenAI service's error for this engine's failed request (its HTTP `status` and message), streamed or not:
-    a 400 is the request's grammar's dead end (it cannot be followed with this vocabulary), the rest the server's."""
-    if status == 400:
-        return APIError(message, code="grammar_dead_end")
-    return APIError(message, status=503 if status == 503 else 500, kind="server_error")
+def _request_error(request: Request, message: Optional[str] = None) -> APIError:
+    """A failed request's error in OpenAI's shape, the one every path gives (`/generate`'s answer, the OpenAI
+    service's call and its stream): its HTTP status and the code saying what it is (a grammar's dead end: 400,
+    grammar_dead_end, which the OpenAI routes answer naming the field that asked for the grammar), the server's own
+    failures server_error. `message`: the stream's, where it ended on another error than the request's."""
+    return APIError(request.error if message is None else message, status=request.error_status,
+                    code=request.error_code,
+                    kind="invalid_request_error" if request.error_status < 500 else "server_error")
 
 
 class _Aborting:
     """A request's stream events (`relax.serve.sglang.stream.answer_events`) that abort what still runs of the request
     when closed, started or not (a generator closed before it started runs no cleanup); an error event is raised as
-    the APIError `_send_openai` raises for it (`_refusal`)."""
+    the APIError `_send_openai` raises for it (`_request_error`)."""
 
     def __init__(self, events: Iterator[dict], request: Request, scheduler: Scheduler):
         self.events, self.request, self.scheduler = events, request, scheduler
@@ -183,7 +185,7 @@ class _Aborting:
     def __next__(self) -> dict:
         event = next(self.events)
         if "error" in event:  # the error `send` raises for the same request (a dead end's 400, not a 500)
-            raise _refusal(self.request.error_status, event["error"]["message"])
+            raise _request_error(self.request, event["error"]["message"])
         return event
 
     def close(self) -> None:
@@ -612,30 +614,39 @@ class EmbeddedServer(WeightEndpoints):
     def _send_openai(self, payloads: list[dict]) -> list[dict]:
         """The OpenAI service's `/generate` payloads as one batched request to this engine."""
 
-        body = self._openai_body(payloads)
+        self._require_ready()
         try:
-            status, answer = self._generate(body)
+            request = self._finished(self._openai_body(payloads))
         except RequestError as exc:
             raise APIError(str(exc)) from None
-        if status != 200:
-            raise _refusal(status, answer["error"]["message"])
+        if request.error is not None:
+            raise _request_error(request)
+        answer = self._answers(request)
         return answer if isinstance(answer, list) else [answer]
 
     def _generate(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
         if body.get("stream"):
             return 200, Events(self._stream(body))
+        request = self._finished(body)
+        if request.error is not None:
+            error = _request_error(request)
+            return error.status, error.body()
+        return 200, self._answers(request)
+
+    def _finished(self, body: dict) -> Request:
+        """The request of a (not streamed) /generate body, submitted and waited for (aborted if the server stops)."""
         request = self._submit(body)
         while not request.done.wait(1.0):
             if self.scheduler.stopping:
                 self.scheduler.abort_where(lambda r: r.request is request, "the server is shutting down")
-        if request.error is not None:  # in OpenAI's shape, the code saying what it is (a grammar's dead end)
-            error = APIError(request.error, status=request.error_status, code=request.error_code,
-                             kind="invalid_request_error" if request.error_status < 500 else "server_error")
-            return error.status, error.body()
+        return request
+
+    def _answers(self, request: Request) -> Any:
+        """A finished request's answer: one object for a single prompt, else a list."""
         self._extras([r for r in request.rows if r.needs_extras()])
         answers = [self._codec.answer(r, request, self.weight_version) for r in request.rows]
-        return 200, answers[0] if request.single else answers
+        return answers[0] if request.single else answers
 
     def _submit(self, body: dict) -> Request:
         """The request of a /generate body, queued."""
