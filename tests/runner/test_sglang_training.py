@@ -183,16 +183,14 @@ def test_lora_adapter_updates_through_sglangs_adapter_endpoints(in_process, smal
 
 class PeakRSS:
     """This process's resident memory above its level at the start, at its highest: the kernel's own high-water mark
-    (VmHWM), reset at the start (`echo 5 > /proc/self/clear_refs`), which sees every peak however short, at no cost
-    during the run. Where that reset is not allowed, sampled every few ms instead (a thread that takes CPU from the
-    driver it measures)."""
+    (VmHWM), reset at the start (`echo 5 > /proc/self/clear_refs`), which sees every peak however short.
+
+    Before the reset, glibc hands the free memory of its heaps back to the kernel (malloc_trim): memory an earlier
+    test freed stays resident in the heap, and an allocation that reuses it raises no peak (a copy of the weights
+    there would go unseen; the control's allocation did, on a CI worker after other tests: a peak of 0)."""
 
     def __init__(self):
-        import threading
-
-        self.peak, self._stop = 0, threading.Event()
-        self._thread: threading.Thread | None = None
-        self.base = self._status("VmRSS")
+        self.peak = 0
 
     @staticmethod
     def _status(field: str) -> int:
@@ -202,28 +200,31 @@ class PeakRSS:
         with open("/proc/self/status") as f:
             return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) << 10
 
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._status("VmRSS") - self.base)
-
     def __enter__(self) -> PeakRSS:
-        import threading
+        import ctypes
+        import ctypes.util
 
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS
-        except OSError:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
+        except OSError as e:
+            pytest.skip(f"the peak needs a resettable high-water mark (/proc/self/clear_refs: {e})")
         self.base = self._status("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._thread is None:
-            self.peak = self._status("VmHWM") - self.base
-        else:
-            self._stop.set()
-            self._thread.join()
+        self.peak = self._status("VmHWM") - self.base
+
+
+def _free_resident_heap(nbytes: int) -> list[torch.Tensor]:
+    """Leaves more than `nbytes` of freed, still resident memory in glibc's heap, as a worker's earlier tests may: 20 MB
+    tensors (after one freed, glibc's mmap threshold rises above their size and they come from the heap), all freed
+    but the last, which holds the heap's top so that the free ones are not trimmed on free. Returns the last."""
+    chunk = 5_000_000  # float32: 20 MB
+    torch.ones(chunk)  # an mmapped one, freed at once: the threshold rises to 20 MB
+    tensors = [torch.ones(chunk) for _ in range(nbytes // (4 * chunk) + 2)]
+    return tensors[-1:]
 
 
 def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_local, small_run, tmp_path):
@@ -247,7 +248,10 @@ def test_weights_go_from_the_actor_to_the_servers_not_through_the_driver(ray_loc
     # the driver's own allocations (imports, Ray's buffers) vary by tens of MB from run to run; a copy of the weights
     # would add at least their size (through the driver, each step held them twice: about 4x in all)
     assert rss.peak < 0.4 * sent, (rss.peak, sent)
-    # the control: the same measurement sees an allocation of the weights' size in this process, freed at once
+    # the control: the same measurement sees an allocation of the weights' size in this process, freed at once, also
+    # where freed memory of that size is still resident in the heap (without the trim, its peak is 0)
+    held = _free_resident_heap(int(sent))
     with PeakRSS() as control:
         torch.ones(int(sent) // 4).add_(1)  # written: resident, if only for a moment
     assert control.peak > 0.9 * sent, (control.peak, sent)
+    del held
