@@ -369,13 +369,25 @@ def missing_tokenizer_files(path: Path) -> Optional[str]:
     return f"{what}: none of {', '.join(TOKENIZER_FILES)} is there (it holds {held}){hint}"
 
 
+# the option of a tokenizer given apart from the model (model.source=config), which names its own files
+TOKENIZER_KEY = "model.tokenizer"
+
+
+def _source_said(key: str, source: str) -> str:
+    """The head of a message on the tokenizer files at the option `key`, read as `source` (hf: a directory, gguf: a
+    file): `model.source=<source>: ` where they are the model's (`model.path`; a teacher's message says
+    teacher.source, a judge's drops it), nothing for `model.tokenizer`: a tokenizer given apart, whose path alone
+    says how it is read, beside a model.source (config) that says nothing of it."""
+    return "" if key == TOKENIZER_KEY else f"model.source={source}: "
+
+
 def check_tokenizer_files(path: Path, *, key: str = "model.path") -> None:
     """Refuses a Hugging Face directory that holds no tokenizer file (`missing_tokenizer_files`), before transformers
     would build a tokenizer of no vocabulary from it: ModelFileError naming `key` (as `named`), the path and the files
     looked for."""
     missing = missing_tokenizer_files(path)
     if missing is not None:
-        raise ModelFileError(f"model.source=hf: cannot load the tokenizer of {named(key, path)}: {missing}")
+        raise ModelFileError(f"{_source_said(key, 'hf')}cannot load the tokenizer of {named(key, path)}: {missing}")
 
 
 def _tokenizer_problem(path: Path, source: str, error: Exception) -> str:
@@ -408,7 +420,7 @@ def load_tokenizer(model_cfg: Any, *, key: str = "model.path") -> PreTrainedToke
                 tiny.chat_template = read_chat_template(_field(model_cfg, "chat_template"))
             return tiny
         path, source = _tokenizer_path(_field(model_cfg, "tokenizer"))
-        key = "model.tokenizer"
+        key = TOKENIZER_KEY
     else:
         path = resolve_model_path(model_cfg, key=key)
     assert path is not None
@@ -420,7 +432,7 @@ def load_tokenizer(model_cfg: Any, *, key: str = "model.path") -> PreTrainedToke
         else:
             tokenizer = _load_gguf_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # transformers' errors of bad files
-        raise ModelFileError(f"model.source={source}: cannot load the tokenizer of {named(key, path)}: "
+        raise ModelFileError(f"{_source_said(key, source)}cannot load the tokenizer of {named(key, path)}: "
                              f"{_tokenizer_problem(path, source, e)}") from None
     own = _field(model_cfg, "chat_template")
     if own:  # model.chat_template: the user's template replaces the tokenizer's, wherever the tokenizer is loaded

@@ -64,10 +64,16 @@ def test_a_model_directory_without_tokenizer_files_is_refused_naming_its_option(
     assert str(classified.value) == (f"reward_model.path='{head}': its tokenizer does not load: the model directory "
                                      f"has no tokenizer files: {NONE_OF}")
 
-    # a tokenizer given apart: model.tokenizer is the option named (model.source=hf: how such a directory is read)
+    # a tokenizer given apart: model.tokenizer is the option named, and no model.source (config: it says nothing of
+    # the tokenizer's files), for a directory as for a .gguf file that does not load
     with pytest.raises(ModelFileError) as apart:
         load_tokenizer(load_config(["model.source=config", f"model.tokenizer={bare}"]).model)
-    assert str(apart.value) == "model.source=hf: " + refusal.format("model.tokenizer")
+    assert str(apart.value) == refusal.format("model.tokenizer")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(20))  # the magic, then version 0
+    with pytest.raises(ModelFileError) as apart:
+        load_tokenizer(load_config(["model.source=config", f"model.tokenizer={bad}"]).model)
+    assert str(apart.value).startswith(f"cannot load the tokenizer of model.tokenizer='{bad}': "), apart.value
 
 
 def test_relax_serve_refuses_it_before_it_binds(tmp_path):
