@@ -25,6 +25,10 @@ MLflow store, outputs and checkpoints land in DIR exactly as a local run in DIR 
 Without it, every place the run writes to must be absolute (or an MLflow server URI): a relative
 `tracking.uri`, `train.save_dir` (or none) or `hydra.run.dir`/`hydra.sweep.dir` is refused before
 anything is submitted (exit 2, each field named). `dry_run=true` writes nothing and is not checked.
+These checks (where the run writes, which secrets it reads, how long it takes to stop) read each job's config,
+composed once for all three (`job_configs`), Relax's or a config of its own (`-cp <dir> -cn <name>`, a run's saved
+config: its values with the command line's, the schema's defaults for a key it lacks). A `-cp` that starts with `~`
+is refused: on the cluster it is the home directory of the user the job runs as, which cannot be read here.
 Before that, the config is composed and validated here exactly as relax-train does (`relax.cli.config_check`; every
 job of a sweep; the modules of `plugins=[...]` imported first, from the working directory as the job imports them or
 from this environment), and put through the checks relax-train runs before Ray that read the config alone
@@ -44,6 +48,7 @@ import asyncio
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -137,15 +142,10 @@ def api_key_options() -> list[str]:
     return found
 
 
-def secret_env(overrides: list[str], conf: Path) -> dict[str, str]:
-    """{variable: the option that makes the run read it} for each secret that `relax-train <overrides>` (each job of
-    a sweep) reads from its environment; {} for a Hydra command that inspects rather than runs, or a config that
-    does not compose (check_config says why)."""
-    from hydra import compose, initialize_config_dir
+def secret_env(configs: Sequence[Any]) -> dict[str, str]:
+    """{variable: the option that makes the run read it} for each secret that the jobs of `configs` (`job_configs`:
+    each job of a sweep, a run's one) read from their environment."""
     from omegaconf import OmegaConf
-
-    from relax.cli.config_check import sweep_jobs
-    from relax.config import register_configs
 
     def value(cfg: Any, key: str) -> Any:
         try:
@@ -153,30 +153,20 @@ def secret_env(overrides: list[str], conf: Path) -> dict[str, str]:
         except Exception:  # noqa: BLE001 - an interpolation that only the cluster can resolve
             return None
 
-    if any(o.startswith("-") and o not in _MULTIRUN_FLAGS for o in overrides):
-        return {}
-    plain = [o for o in overrides if o not in _MULTIRUN_FLAGS]
     options = api_key_options()
     found: dict[str, str] = {}
-    try:
-        jobs = sweep_jobs(plain) if len(plain) != len(overrides) else [plain]
-        register_configs()
-        with initialize_config_dir(config_dir=str(conf), version_base=None):
-            for job in jobs:
-                cfg = compose(config_name="config", overrides=job)
-                for option in options:
-                    name = value(cfg, option)
-                    if isinstance(name, str) and name:
-                        found.setdefault(name, f"{option}={name}")
-                if value(cfg, "rollout.sglang.urls"):
-                    found.setdefault(SGLANG_KEY_ENV, "rollout.sglang.urls (the servers' key)")
-                uri = value(cfg, "tracking.uri")
-                if value(cfg, "tracking.enabled") is not False and isinstance(uri, str) and \
-                        uri.lower().startswith(("http://", "https://")):
-                    for name in MLFLOW_CREDENTIAL_ENV:
-                        found.setdefault(name, f"tracking.uri={uri} (MLflow's credentials, when set)")
-    except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types: check_config reports them
-        return {}
+    for cfg in configs:
+        for option in options:
+            name = value(cfg, option)
+            if isinstance(name, str) and name:
+                found.setdefault(name, f"{option}={name}")
+        if value(cfg, "rollout.sglang.urls"):
+            found.setdefault(SGLANG_KEY_ENV, "rollout.sglang.urls (the servers' key)")
+        uri = value(cfg, "tracking.uri")
+        if value(cfg, "tracking.enabled") is not False and isinstance(uri, str) and \
+                uri.lower().startswith(("http://", "https://")):
+            for name in MLFLOW_CREDENTIAL_ENV:
+                found.setdefault(name, f"tracking.uri={uri} (MLflow's credentials, when set)")
     return found
 
 
@@ -205,19 +195,51 @@ def shown_payload(payload: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
     return {**payload, "runtime_env": {**payload.get("runtime_env", {}), "env_vars": masked}}
 
 
-def storage_settings(overrides: list[str], conf: Path) -> dict[str, Any]:
-    """What `relax-train <overrides>` would use for the keys that decide where it writes, composed by Hydra from
-    `conf` (the conf/ that travels with the job) as relax-train composes it: recipes included, for a sweep its
-    first job. Values are resolved where possible (`${oc.env:...}`, `${now:...}`), else left as written."""
+def _sweep(overrides: Sequence[str]) -> bool:
+    return any(o in _MULTIRUN_FLAGS for o in overrides)
+
+
+def job_configs(overrides: Sequence[str], conf: Path) -> Optional[list[Any]]:
+    """The config of each job of `relax-train <overrides>` (a sweep's in the order it numbers them; a run's one), each
+    composed once, with Hydra's own node, as the job's relax-train composes it: from `conf` (the conf/ that travels
+    with the job), or from the config of its own that `-cp <dir> -cn <name>` name (a run's saved config), read as the
+    schema's (`relax.config.compose.schema_view`: a key the file lacks holds the schema's default; a sweep of it gets
+    Relax's launcher, `relax.cli.train.own_config_launcher`). What relax-submit's checks of where the run writes
+    (`storage_settings`), which secrets it reads (`secret_env`) and how long it takes to stop (`stop_grace_s`) read,
+    whichever config it runs. None for a command that inspects rather than runs (--cfg, --info, ...) and for a
+    `-cp` that Hydra resolves itself (`pkg://`, `file://`): `relax.cli.config_check.problems` checks neither.
+    Raises ValueError when the config does not compose (the job would fail the same way)."""
     from hydra import compose, initialize_config_dir
+
+    from relax.cli.config_check import own_config, sweep_jobs
+    from relax.cli.train import own_config_launcher
+    from relax.config import register_configs
+    from relax.config.compose import schema_view
+
+    where, args = own_config(own_config_launcher(list(overrides), conf))
+    if any(a.startswith("-") and a not in _MULTIRUN_FLAGS for a in args):
+        return None
+    path = where.get("path")
+    if path is not None and (not path or "://" in path):
+        return None
+    plain = [a for a in args if a not in _MULTIRUN_FLAGS]
+    try:
+        jobs = sweep_jobs(plain) if len(plain) != len(args) else [plain]
+        register_configs()
+        # a relative -cp from the current directory, as `problems` reads it (relax-submit's check_config has made
+        # it the job's: `job_config_path`)
+        with initialize_config_dir(config_dir=str(Path(path).resolve() if path else conf), version_base=None):
+            return [schema_view(compose(config_name=where.get("name") or "config", overrides=job,
+                                        return_hydra_config=True), job) for job in jobs]
+    except Exception as exc:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types, a ConfigError
+        raise ValueError(f"relax-train {' '.join(overrides)}: the config does not compose: {exc}") from None
+
+
+def storage_settings(cfg: Any) -> dict[str, Any]:
+    """What the job of `cfg` (`job_configs`'; for a sweep its first job's) would use for the keys that decide where
+    it writes. Values are resolved where possible (`${oc.env:...}`, `${now:...}`), else left as written."""
     from omegaconf import OmegaConf
 
-    from relax.cli.config_check import first_of_sweeps
-    from relax.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose(config_name="config", overrides=first_of_sweeps(overrides), return_hydra_config=True)
     out: dict[str, Any] = {}
     for key in ("dry_run", "tracking.enabled", "tracking.uri", "train.save", "train.save_dir", "hydra.run.dir",
                 "hydra.sweep.dir"):
@@ -235,40 +257,27 @@ def storage_settings(overrides: list[str], conf: Path) -> dict[str, Any]:
     return out
 
 
-def stop_grace_s(overrides: list[str], conf: Path) -> Optional[int]:
-    """Seconds `ray job stop` should give `relax-train <overrides>` between its SIGTERM and Ray's SIGKILL: the longest
-    relax-train itself may take to stop with a checkpoint (docs/operations.md, "Stopping and resuming"), so that
-    Ray's 3 s default does not kill it in the middle of the step's checkpoint.
+def stop_grace_s(configs: Sequence[Any], *, sweep: bool) -> int:
+    """Seconds `ray job stop` should give the job of `configs` (`job_configs`'; a sweep's: its first job's carries
+    the launcher's options) between its SIGTERM and Ray's SIGKILL: the longest relax-train itself may take to stop
+    with a checkpoint (docs/operations.md, "Stopping and resuming"), so that Ray's 3 s default does not kill it in the
+    middle of the step's checkpoint.
 
     A run finishes its step (a role that stops progressing is declared hung after cluster.heartbeat_timeout_s), then
     writes its checkpoint (deadline train.checkpoint_timeout_s), then closes its MLflow run (each wait bounded by
     CLOSE_JOIN_S). A sweep (-m) forwards the signal to its jobs, kills those still running after
-    hydra.launcher.stop_timeout_s, then closes its parent run. None when the command inspects rather than runs
-    (--cfg, --info, ...) or does not compose (check_config says why)."""
+    hydra.launcher.stop_timeout_s, then closes its parent run."""
     import math
 
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from relax.cli.config_check import first_of_sweeps
-    from relax.config import register_configs
     from relax.tracking.run_writer import CLOSE_JOIN_S
 
-    if any(o.startswith("-") and o not in _MULTIRUN_FLAGS for o in overrides):
-        return None
-    plain = [o for o in overrides if o not in _MULTIRUN_FLAGS]
-    sweep = len(plain) != len(overrides)
-    try:
-        register_configs()
-        with initialize_config_dir(config_dir=str(conf), version_base=None):
-            if sweep:
-                cfg = compose(config_name="config", overrides=first_of_sweeps(plain), return_hydra_config=True)
-                wait = float(OmegaConf.select(cfg, "hydra.launcher.stop_timeout_s", default=120.0))
-            else:
-                cfg = compose(config_name="config", overrides=plain)
-                wait = float(cfg.cluster.heartbeat_timeout_s) + float(cfg.train.checkpoint_timeout_s)
-    except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types: check_config reports them
-        return None
+    cfg = configs[0]
+    if sweep:
+        wait = float(OmegaConf.select(cfg, "hydra.launcher.stop_timeout_s", default=120.0))
+    else:
+        wait = float(cfg.cluster.heartbeat_timeout_s) + float(cfg.train.checkpoint_timeout_s)
     return math.ceil(wait + CLOSE_JOIN_S)
 
 
@@ -324,17 +333,15 @@ def _hydra_conf(working_dir: Path) -> Path:
 
 
 def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
-    """storage_problems of `relax-train <overrides>`; [] for a Hydra command that inspects rather than runs
-    (--cfg, --info, ...). Raises ValueError when the config does not compose (the job would fail the same way)."""
-    if any(o.startswith("-") and o not in _MULTIRUN_FLAGS for o in overrides):
-        return []
-    sweep = any(o in _MULTIRUN_FLAGS for o in overrides)
-    plain = [o for o in overrides if o not in _MULTIRUN_FLAGS]
-    try:
-        settings = storage_settings(plain, _hydra_conf(working_dir))
-    except Exception as exc:  # noqa: BLE001 - Hydra's and OmegaConf's own exception types
-        raise ValueError(f"relax-train {' '.join(plain)}: the config does not compose: {exc}") from None
-    return storage_problems(settings, sweep=sweep)
+    """storage_problems of `relax-train <overrides>` (composed by `job_configs`, as `main` checks them); [] for a
+    Hydra command that inspects rather than runs (--cfg, --info, ...). Raises ValueError when the config does not
+    compose (the job would fail the same way)."""
+    return storage_check(job_configs(overrides, _hydra_conf(working_dir)), sweep=_sweep(overrides))
+
+
+def storage_check(configs: Optional[Sequence[Any]], *, sweep: bool) -> list[str]:
+    """storage_problems of the jobs of `configs` (`job_configs`': a sweep's first job's settings, its sweep dir)."""
+    return storage_problems(storage_settings(configs[0]), sweep=sweep) if configs else []
 
 
 def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optional[str] = None
@@ -342,7 +349,9 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
     """`overrides` with a relative `-cp`/`--config-path` made absolute as the job's relax-train reads it: from the
     directory it runs in, `exp_dir` (--exp-dir, $EXP_DIR), else its copy of `working_dir` (Ray uploads it without
     EXCLUDES). Also the message of why the check here cannot read that directory (it is not here, or it is not
-    uploaded), else None. An absolute -cp is left as it is (the check reads it where the job does)."""
+    uploaded), else None. An absolute -cp is left as it is (the check reads it where the job does). A `-cp` that
+    starts with `~` is refused (the message): the job's relax-train would read it in the home directory of the user
+    it runs as on the cluster, which is not the one here (where a check would read it)."""
     from fnmatch import fnmatch
 
     from relax.cli.config_check import OWN_CONFIG_FLAGS
@@ -353,7 +362,11 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
         if OWN_CONFIG_FLAGS.get(flag) != "path" or (not eq and i + 1 >= len(out)):
             continue
         value = value if eq else out[i + 1]
-        if not value or "://" in value or value.startswith(("/", "~")):
+        if value.startswith("~"):  # quoted, or `-cp=~/x`: the shell here left it to the job
+            return out, (f"{flag} {value}: `~` is the home directory of the user the job runs as on the cluster, "
+                         "which relax-submit cannot read here to check the config before submitting (it would read "
+                         "yours): give the directory's absolute path on storage the cluster's nodes share")
+        if not value or "://" in value or value.startswith("/"):
             continue
         base = working_dir / exp_dir if exp_dir else working_dir
         where = (f"the experiment directory {exp_dir} (--exp-dir/${EXP_DIR_ENV}), where the job runs relax-train"
@@ -385,13 +398,14 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
 
 
 def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str],
-                 exp_dir: Optional[str] = None) -> None:
+                 exp_dir: Optional[str] = None) -> list[str]:
     """Compose and validate `relax-train <overrides>` here, as relax-train would on the cluster (each job of a
     sweep; the job's environment variables set while the rules read them; no Ray, nothing contacted), with the
     checks relax-train runs before Ray that read the config alone (`relax.runner.preflight.CONFIG_CHECKS`): a config
     that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
     a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not.
-    A relative `-cp` is read as the job reads it (`job_config_path`: from `exp_dir`, else `working_dir`)."""
+    A relative `-cp` is read as the job reads it (`job_config_path`: from `exp_dir`, else `working_dir`); returns
+    `overrides` with it so (what relax-submit's other checks compose: `job_configs`)."""
     from relax.cli.config_check import problems
 
     overrides, message = job_config_path(overrides, working_dir=working_dir, exp_dir=exp_dir)
@@ -411,6 +425,7 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     if message is not None:
         print(f"relax-submit: error: {message}\nNothing was submitted.", file=sys.stderr)
         sys.exit(USAGE_EXIT)
+    return overrides
 
 
 def build_submission(overrides: list[str], *, working_dir: Path, env: dict[str, str],
@@ -573,6 +588,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--working-dir {working_dir} is not a directory")
     exp_dir = args.exp_dir or os.environ.get(EXP_DIR_ENV) or None
     hidden = env_from_here(args.env)
+    configs: Optional[list[Any]] = None  # `job_configs` of relax-train's command line (None: --entrypoint, --cfg, ...)
     checked = args.overrides  # what the checks here compose: with the plugins' conf/ directories (the job: its own)
     if args.entrypoint is None and exp_dir is not None and not exp_dir.startswith("/"):  # before the config's
         # check, which reads a relative -cp from it
@@ -593,8 +609,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         except PluginError as exc:
             print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
             sys.exit(USAGE_EXIT)
-        check_config(checked, working_dir=working_dir, env=env, exp_dir=exp_dir)
-        secrets = secret_env(checked, _hydra_conf(working_dir))
+        checked = check_config(checked, working_dir=working_dir, env=env, exp_dir=exp_dir)
+        try:  # each job's config, composed once for the checks below, Relax's or a config of its own (-cp/-cn)
+            configs = job_configs(checked, _hydra_conf(working_dir))
+        except ValueError as exc:
+            print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
+            sys.exit(USAGE_EXIT)
+        secrets = secret_env(configs or [])
         hidden |= set(secrets)
         for note in forward_secrets(env, secrets):
             print(f"relax-submit: note: {note}", file=sys.stderr)
@@ -603,11 +624,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             parser.error("--exp-dir applies to relax-train, not to --entrypoint")
         exp_dir = None
     elif exp_dir is None:
-        try:
-            problems = check_storage(checked, working_dir=working_dir)
-        except ValueError as exc:
-            print(f"relax-submit: error: {exc}\nNothing was submitted.", file=sys.stderr)
-            sys.exit(USAGE_EXIT)
+        problems = storage_check(configs, sweep=_sweep(checked))
         if problems:
             print("relax-submit: error: in a Ray job relax-train starts in Ray's temporary copy of the working_dir, "
                   "deleted with the job; these would be written there and lost:\n"
@@ -620,8 +637,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"--stop-grace-s {args.stop_grace_s}: must be a number of seconds >= 0")
     if STOP_WAIT_ENV not in env:  # `--env RAY_JOB_STOP_WAIT_TIME_S=...` wins
         grace = args.stop_grace_s
-        if grace is None and args.entrypoint is None:
-            grace = stop_grace_s(checked, _hydra_conf(working_dir))
+        if grace is None and configs:
+            grace = stop_grace_s(configs, sweep=_sweep(checked))
         if grace is not None:
             env[STOP_WAIT_ENV] = str(grace)
     payload = build_submission(args.overrides, working_dir=working_dir, env=env, entrypoint=args.entrypoint,

@@ -159,7 +159,7 @@ def test_submit_reads_a_relative_config_path_where_the_job_runs_relax_train(tmp_
         OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # no `saved` here: the working_dir's is read
-    absolute = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save=false"]
+    absolute = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save=false", "hydra.run.dir=/shared/out"]
 
     def refused(args: list[str]) -> str:
         with pytest.raises(SystemExit) as exc:
@@ -185,6 +185,72 @@ def test_submit_reads_a_relative_config_path_where_the_job_runs_relax_train(tmp_
         ["--working-dir", str(work), "--exp-dir", str(exp), "--", "-cp", "saved", "-cn", "config"])
     assert "but outputs/run is not uploaded with it (relax-submit leaves out 'outputs'" in refused(
         ["--working-dir", str(work), "--", "-cp", "outputs/run", "-cn", "config", *absolute])
+
+
+def test_a_run_of_its_own_config_gets_the_checks_of_a_run_of_relaxs(tmp_path, monkeypatch, capsys):
+    """`relax-submit -- -cp <checkpoint> -cn config ...` (a run's saved config): where the job writes, the secrets its
+    config names and the grace `ray job stop` gives it are read from that config with the command line's overrides,
+    as for a run of Relax's config (before, each of these checks skipped a command with -cp/-cn: relative outputs
+    were submitted to be lost, the judge's key was not passed on, Ray's 3 s stop grace was left)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from relax.cli.submit import STOP_WAIT_ENV
+    from relax.config.compose import compose
+
+    for name in ("EXP_DIR", STOP_WAIT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RELAX_T_OWN_KEY", "sk-own-secret")
+    saved = tmp_path / "ckpt"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2", "cluster.heartbeat_timeout_s=5", "reward_model=judge",
+                            "reward_model.engine=openai", "reward_model.url=http://127.0.0.1:8000/v1",
+                            "reward_model.api_key_env=RELAX_T_OWN_KEY"]), saved / "config.yaml")
+    own = ["-cp", str(saved), "-cn", "config"]
+    with pytest.raises(SystemExit) as exc:  # the saved config's outputs are relax-train's defaults: relative
+        main(["--dry-run", "--", *own])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Nothing was submitted." in err
+    assert [line.split(":")[0] for line in err.splitlines() if line.startswith("  ")] == [
+        "  tracking.uri=sqlite", "  train.save_dir is unset", "  hydra.run.dir=outputs/${now"]
+    absolute = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/o"]
+    main(["--dry-run", "--", *own, "train.checkpoint_timeout_s=20", *absolute])
+    env = json.loads(capsys.readouterr().out)["runtime_env"]["env_vars"]
+    # the file's heartbeat (5 s), the command line's checkpoint timeout (20 s), 120 s to close MLflow
+    assert env["RELAX_T_OWN_KEY"] == "***" and env[STOP_WAIT_ENV] == str(5 + 20 + 120)
+    # a sweep of it (what main reads, without its check of each job): Relax's launcher, which relax-train gives it,
+    # and so its stop timeout; Hydra's sweep dir
+    from relax.cli.submit import job_configs, stop_grace_s, storage_check
+
+    configs = job_configs(["-m", *own, "seed=1,2", "hydra.launcher.stop_timeout_s=30", *absolute], REPO / "conf")
+    assert [c.seed for c in configs] == [1, 2] and stop_grace_s(configs, sweep=True) == 30 + 120
+    assert storage_check(configs, sweep=True) == [
+        "hydra.sweep.dir=multirun/${now:%Y-%m-%d}/${now:%H-%M-%S}: relative (Hydra's output directory: the resolved "
+        "config and logs); give an absolute directory"]
+
+
+def test_a_config_path_in_the_home_directory_is_refused(tmp_path, monkeypatch, capsys):
+    """`-cp=~/ckpt` (or a quoted `~`): the job's relax-train reads `~` on the cluster, as the user the job runs as;
+    the check here would read this machine's (before: it did, and passed). Control: the same directory by its
+    absolute path is checked and submitted."""
+    from omegaconf import OmegaConf
+
+    from relax.config.compose import compose
+
+    monkeypatch.delenv("EXP_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), tmp_path / "ckpt" / "config.yaml")
+    absolute = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save=false", "hydra.run.dir=/shared/o"]
+    with pytest.raises(SystemExit) as exc:
+        main(["--dry-run", "--", "-cp=~/ckpt", "-cn", "config", *absolute])
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        "relax-submit: error: -cp ~/ckpt: `~` is the home directory of the user the job runs as on the cluster, which "
+        "relax-submit cannot read here to check the config before submitting (it would read yours): give the "
+        "directory's absolute path on storage the cluster's nodes share\nNothing was submitted.\n")
+    main(["--dry-run", "--", f"-cp={tmp_path / 'ckpt'}", "-cn", "config", *absolute])
+    assert f"-cp={tmp_path / 'ckpt'} -cn config" in capsys.readouterr().out
 
 
 class _CutStream:
