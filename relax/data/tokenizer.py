@@ -349,20 +349,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 OTHER_TOKENIZER_FILES = ("spm.model", "tekken.json")
 
 
-def missing_tokenizer_files(path: Path) -> Optional[str]:
+def missing_tokenizer_files(path: Path, key: Optional[str] = "model.path") -> Optional[str]:
     """What a directory without any tokenizer file lacks, on one line (a model directory without tokenizer files when
-    config.json is there, else no model directory; with what it holds: a .gguf file there is model.source=gguf's);
-    None where it holds one (or is no directory). Asked before transformers reads the directory: given a model's
-    config.json and no tokenizer files, `AutoTokenizer.from_pretrained` builds the model type's tokenizer class with
-    no vocabulary (a Qwen3 config.json: a Qwen2Tokenizer of one token) instead of failing, and a run would start on
-    it."""
+    config.json is there, else no model directory; with what it holds, and for a .gguf file there how the option the
+    directory was given as, `key`, takes such a file: `gguf_reading`; `key` None: an option that takes none, such as
+    a classifier's reward_model.path, no such hint); None where it holds one (or is no directory). Asked before
+    transformers reads the directory: given a model's config.json and no tokenizer files,
+    `AutoTokenizer.from_pretrained` builds the model type's tokenizer class with no vocabulary (a Qwen3 config.json: a
+    Qwen2Tokenizer of one token) instead of failing, and a run would start on it."""
     if not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES + OTHER_TOKENIZER_FILES):
         return None
     names = sorted(p.name for p in path.iterdir() if not p.name.startswith((".", "__")))
     held = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "") if names else "nothing"
     gguf = [n for n in names if n.lower().endswith(".gguf")]
-    hint = (f"; a .gguf file is read with model.source=gguf and the file's path ({path / gguf[0]})"
-            if gguf else "")
+    hint = f"; a .gguf file is read with {gguf_reading(key, path / gguf[0])}" if gguf and key is not None else ""
     # config.json is what makes a save_pretrained directory a model's (weights saved without the tokenizer)
     what = ("the model directory has no tokenizer files" if (path / "config.json").is_file()
             else "it is no Hugging Face model directory")
@@ -371,6 +371,18 @@ def missing_tokenizer_files(path: Path) -> Optional[str]:
 
 # the option of a tokenizer given apart from the model (model.source=config), which names its own files
 TOKENIZER_KEY = "model.tokenizer"
+# the options that take a .gguf file for its name alone (they have no source option): model.tokenizer, and a judge's
+# reward_model.path (`relax.config.reward_model_rules.is_gguf_file`)
+GGUF_BY_NAME = (TOKENIZER_KEY, "reward_model.path")
+
+
+def gguf_reading(key: str, file: Path) -> str:
+    """How the option `key`, given a directory, is given the .gguf file `file` there instead: the file as that
+    option's value where the file's name alone says it is one (`GGUF_BY_NAME`), else model.source=gguf and the file's
+    path (the model's source: model.path; a teacher's message says teacher.source)."""
+    if key in GGUF_BY_NAME:
+        return named(key, file)
+    return f"model.source=gguf and the file's path ({file})"
 
 
 def _source_said(key: str, source: str) -> str:
@@ -385,16 +397,16 @@ def check_tokenizer_files(path: Path, *, key: str = "model.path") -> None:
     """Refuses a Hugging Face directory that holds no tokenizer file (`missing_tokenizer_files`), before transformers
     would build a tokenizer of no vocabulary from it: ModelFileError naming `key` (as `named`), the path and the files
     looked for."""
-    missing = missing_tokenizer_files(path)
+    missing = missing_tokenizer_files(path, key)
     if missing is not None:
         raise ModelFileError(f"{_source_said(key, 'hf')}cannot load the tokenizer of {named(key, path)}: {missing}")
 
 
-def _tokenizer_problem(path: Path, source: str, error: Exception) -> str:
+def _tokenizer_problem(path: Path, source: str, error: Exception, key: str = "model.path") -> str:
     """Why a tokenizer did not load, whole on one line: a directory without any tokenizer file is said as such
     (`missing_tokenizer_files`), else transformers' message with its lines joined (its first line alone can end
     mid-sentence: "... from one of: ")."""
-    missing = missing_tokenizer_files(path) if source == "hf" else None
+    missing = missing_tokenizer_files(path, key) if source == "hf" else None
     if missing is not None:
         return missing
     detail = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
@@ -433,7 +445,7 @@ def load_tokenizer(model_cfg: Any, *, key: str = "model.path") -> PreTrainedToke
             tokenizer = _load_gguf_tokenizer(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # transformers' errors of bad files
         raise ModelFileError(f"{_source_said(key, source)}cannot load the tokenizer of {named(key, path)}: "
-                             f"{_tokenizer_problem(path, source, e)}") from None
+                             f"{_tokenizer_problem(path, source, e, key)}") from None
     own = _field(model_cfg, "chat_template")
     if own:  # model.chat_template: the user's template replaces the tokenizer's, wherever the tokenizer is loaded
         tokenizer.chat_template = read_chat_template(own)

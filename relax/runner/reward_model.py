@@ -179,7 +179,7 @@ def _check_classifier(cfg: RelaxConfig) -> None:
 
     path = reward_model_dir(cfg)  # a PEFT adapter directory's merge (or a dry run's stand-in of it)
     classifier_config(path)
-    missing = missing_tokenizer_files(Path(path))
+    missing = missing_tokenizer_files(Path(path), key=None)  # no .gguf hint: a classifier reads no .gguf file
     if missing is not None:  # transformers would give a tokenizer of no vocabulary
         raise ValueError(f"reward_model.path={path!r}: its tokenizer does not load: {missing}")
     try:

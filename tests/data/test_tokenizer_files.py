@@ -76,6 +76,40 @@ def test_a_model_directory_without_tokenizer_files_is_refused_naming_its_option(
     assert str(apart.value).startswith(f"cannot load the tokenizer of model.tokenizer='{bad}': "), apart.value
 
 
+def test_a_gguf_file_in_it_is_named_as_the_option_given_the_directory_takes_one(tmp_path):
+    """A directory without tokenizer files that holds a .gguf file: the refusal says how the option the directory
+    was given as takes that file. A judge's reward_model.path and model.tokenizer take the file itself (its name
+    says it is one: they have no source option), the policy's model.path with model.source=gguf (a teacher's with
+    teacher.source=gguf), and a classifier none (it reads no .gguf file). Before, each said model.source=gguf."""
+    bare = _model_dir(tmp_path / "bare", architectures=["Qwen3ForCausalLM"])
+    gguf = bare / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    held = NONE_OF.replace("config.json, model.safetensors", "config.json, m.gguf, model.safetensors")
+    refusal = f"cannot load the tokenizer of {{0}}='{bare}': the model directory has no tokenizer files: {held}"
+
+    with pytest.raises(ValueError) as judged:
+        check_reward_model(load_config([*QUIET, "reward_model=judge", "reward_model.template=\"{response}\"",
+                                        f"reward_model.path={bare}"]))
+    assert str(judged.value) == (f"the judge (reward_model.path={bare}) cannot be loaded: "
+                                 + refusal.format("reward_model.path")
+                                 + f"; a .gguf file is read with reward_model.path='{gguf}'"), judged.value
+    with pytest.raises(ModelFileError) as apart:
+        load_tokenizer(load_config(["model.source=config", f"model.tokenizer={bare}"]).model)
+    assert str(apart.value) == refusal.format("model.tokenizer") + f"; a .gguf file is read with " \
+                                                                   f"model.tokenizer='{gguf}'", apart.value
+    pre = preflight(load_config([*QUIET, "model.source=hf", f"model.path={bare}"]), only=("model", "tokenizer"))
+    assert pre.problems == {"tokenizer": "model.source=hf: " + refusal.format("model.path") + "; a .gguf file is "
+                                         f"read with model.source=gguf and the file's path ({gguf})"}, pre.problems
+    pre = preflight(load_config([*QUIET, "algorithm=opd", f"teacher.path={bare}"]), only=("tokenizer", "teacher"))
+    assert pre.problems["teacher"].endswith("; a .gguf file is read with teacher.source=gguf and the file's path "
+                                            f"({gguf})"), pre.problems
+    head = _model_dir(tmp_path / "head", architectures=["Qwen3ForSequenceClassification"], num_labels=1)
+    (head / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError) as classified:
+        check_reward_model(load_config([*QUIET, "reward_model=classifier", f"reward_model.path={head}"]))
+    assert str(classified.value).endswith("(it holds config.json, m.gguf, model.safetensors)"), classified.value
+
+
 def test_relax_serve_refuses_it_before_it_binds(tmp_path):
     import subprocess
 
