@@ -56,8 +56,11 @@ def check_sweep_job(dc: Any, overrides: Optional[Sequence[str]] = None) -> dict[
     <checkpoint> -cn config train.num_rollout=0`) leaves the run's saving options it does not set aside.
 
     The input checks (tokenizer, data, ...) of jobs that differ only in their seed and tracking fields are run once
-    per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job."""
-    cfg = to_relax_config(dc, overrides=overrides)
+    per sweep (`tracking.sweep_id`): a sweep over seeds reads and tokenizes its data once, not once per job.
+
+    The note of such a job on the saving options it leaves aside is the job's own to print, as a single run's is
+    (`relax.cli.train._run`, in the job's output): this check, before any job starts, prints none."""
+    cfg = to_relax_config(dc, overrides=overrides, note=False)
     found_unreachable = unreachable_endpoints(endpoint_targets(cfg))
     # the tracking store as the endpoints check marks it (`Endpoint.tracking_store`), whatever its message says
     store = next((u.message for u in found_unreachable if u.endpoint.tracking_store), None)

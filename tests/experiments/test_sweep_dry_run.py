@@ -186,6 +186,10 @@ def test_a_sweep_of_a_saved_config_runs_on_relaxs_launcher_as_a_sweep_of_relaxs_
     assert code == 0, out + err
     assert "sweep dry run: 2 jobs, every job's config valid" in out  # relax_ray's dry run
     assert "Launching 2 jobs locally" not in out + err
+    # the note on the saving options an evaluation leaves aside: once per job, by the job (its dry run), as a single
+    # run prints it; not again by the launcher's check of every job before any starts
+    assert err.count("train.save_interval=2, train.keep_checkpoints=3, train.save_hf=True (the training run's) do "
+                     "not apply") == 2, err
     # the control: Hydra's basic launcher, given, runs each job's dry run in turn, and says so
     code, out, err = sweep(*args, "hydra/launcher=basic")
     assert code == 0, out + err
