@@ -7,7 +7,8 @@ Runs: one per (arm, seed), the same for every metric (`choose_runs`: the most re
 others). Runs of one arm must be of one config (outside the seed, train.resume, tracking.* and what a resume may
 change): runs of different configs under one arm label are a CompareError naming the params and the `--by` that
 separates them (`config_conflicts`), never a rerun dropped or seeds averaged. Evaluation-only runs
-(train.num_rollout=0) selected with training runs form arms of their own. The params that differ between arms are
+(train.num_rollout=0) selected with training runs form arms of their own; those of one arm may differ in the weights
+they evaluate only as the exports of one training arm (one `arm` tag). The params that differ between arms are
 listed, and an arm whose runs differ in what a resume may change (train.num_rollout, ...) gets a note.
 
 Statistics, per metric:
@@ -77,6 +78,8 @@ class RunData:
     experiment_id: Optional[str] = None
     start_time: int = 0
     params: dict[str, str] = field(default_factory=dict)  # the run's config, as MLflow params
+    # its `arm` tag, whatever `--by` groups by: the training arm whose weights an evaluation-only run evaluates
+    arm_tag: Optional[str] = None
 
 
 @dataclass
@@ -349,43 +352,64 @@ def config_conflicts(runs: Sequence[RunData], by: str | Sequence[str] = TAG_ARM)
     runs have several arms, which grouping by the params alone would merge). A param some runs did not log (another
     Relax version)
     is not a difference; differences in what may change (num_rollout, evaluation), and among evaluation-only runs
-    the weights they evaluate (EVAL_ONLY_WEIGHTS_PARAMS: each seed's export), stay a note."""
+    the weights they evaluate (EVAL_ONLY_WEIGHTS_PARAMS: each seed's export), stay a note. That last holds only for
+    evaluation-only runs of one `arm` tag (the exports of one training arm's seeds): a `--by` over params groups them
+    by the evaluation's own config (its train.lr need not be its training arm's: it trains nothing), which may be
+    the same for the evaluations of every training arm, whose weights are different experiments; the `--by` named
+    then adds `arm`, which tells them apart."""
     by = by_keys(by)
     by_arm: dict[str, list[RunData]] = {}
     for r in runs:
         if r.params:
             by_arm.setdefault(r.arm, []).append(r)
     problems, splits, every = [], [], {}  # every: the params that differ within some arm, in order
+    tags_apart = False  # some arm holds evaluations of the weights of several training arms (`arm` tags)
     for arm, members in sorted(by_arm.items()):
         if len(members) < 2:
             continue
-        weights = EVAL_ONLY_WEIGHTS_PARAMS if all(_evaluation_only(m.params) for m in members) else ()
+        evaluations = all(_evaluation_only(m.params) for m in members)
+        tagged = list(dict.fromkeys(m.arm_tag for m in members))
+        weights = EVAL_ONLY_WEIGHTS_PARAMS if evaluations and len(tagged) == 1 else ()
         keys = sorted(k for k in set().union(*(m.params for m in members)) if not _rerun_may_differ(k)
                       and k not in weights and all(k in m.params for m in members))
         differing = [k for k in keys if len({m.params[k] for m in members}) > 1]
         if not differing:
+            continue
+        members = sorted(members, key=lambda m: (_natural(_seed_key(m)), m.start_time))
+
+        def runs_with(k: str, v: Optional[str], members: list[RunData] = members) -> str:
+            """The runs whose param `k` (or, for k=TAG_ARM, whose `arm` tag) is `v`."""
+            return ", ".join(m.run_id + (f" seed {m.seed}" if m.seed is not None else "")
+                             for m in members if (m.arm_tag if k == TAG_ARM else m.params[k]) == v)
+
+        label = f"{by[0]} {arm}" if len(by) == 1 else f"arm {arm}"
+        if evaluations and len(tagged) > 1:
+            tags_apart = True
+            splits.append((TAG_ARM, True))
+            others = [k for k in differing if k not in EVAL_ONLY_WEIGHTS_PARAMS]  # also refused for one arm tag
+            every.update(dict.fromkeys(others))
+            text = "".join(f"; {k}: " + ", ".join(f"{_short(v)} [{runs_with(k, v)}]"
+                                                  for v in dict.fromkeys(m.params[k] for m in members))
+                           for k in others[:6])
+            problems.append(f"{label}: {len(members)} evaluation-only runs of the weights of {len(tagged)} training "
+                            f"arms, {TAG_ARM} tag " + ", ".join(f"{t} [{runs_with(TAG_ARM, t)}]"
+                                                              for t in sorted(tagged, key=str)) + text)
             continue
         configs = len({tuple(m.params[k] for k in differing) for m in members})
         # the param that alone tells every config of the arm apart (the first), else the one with the most values
         best = sorted(differing, key=lambda k: -len({m.params[k] for m in members}))[0]
         splits.append((best, len({m.params[best] for m in members}) == configs))
         every.update(dict.fromkeys(differing))
-        members = sorted(members, key=lambda m: (_natural(_seed_key(m)), m.start_time))
-
-        def runs_with(k: str, v: str, members: list[RunData] = members) -> str:
-            return ", ".join(m.run_id + (f" seed {m.seed}" if m.seed is not None else "")
-                             for m in members if m.params[k] == v)
-
         text = "; ".join(f"{k}: " + ", ".join(f"{_short(v)} [{runs_with(k, v)}]"
                                               for v in dict.fromkeys(m.params[k] for m in members))
                          for k in differing[:6])
         more = f"; ... {len(differing) - 6} more" if len(differing) > 6 else ""
-        label = f"{by[0]} {arm}" if len(by) == 1 else f"arm {arm}"
         problems.append(f"{label}: {len(members)} runs of {configs} different configs: {text}{more}")
     if not problems:
         return
     several_arms = len({r.arm for r in runs}) > 1
-    keys = [*(by if several_arms else ()), *(k for k in every if k not in by)]
+    keys = [*(by if several_arms or tags_apart else ()), *(k for k in every if k not in by),
+            *((TAG_ARM,) if tags_apart and TAG_ARM not in by else ())]
     how = f"compare them as arms with --by {','.join(keys)}"
     if len(keys) > 1 and not several_arms and splits[0][1]:
         how += f" ({splits[0][0]} alone also tells them apart: --by {splits[0][0]})"
@@ -393,7 +417,8 @@ def config_conflicts(runs: Sequence[RunData], by: str | Sequence[str] = TAG_ARM)
         "runs of different configs share an arm, so they are not seeds or reruns of one experiment (the default arm "
         "is the algorithm's name): " + "; ".join(problems) + ". Runs of one arm may differ only in the seed, "
         "train.resume, tracking.* and what a resume may change (train.num_rollout, evaluation and saving), and "
-        "evaluation-only runs also in the weights they evaluate (model.source, model.path); "
+        "evaluation-only runs of one training arm (one arm tag) also in the weights they evaluate (model.source, "
+        "model.path); "
         f"{how}, or select the runs of one config (--run-ids, --tag)")
 
 
@@ -784,7 +809,7 @@ def load_runs(client: MlflowClient, runs: Sequence[Any], *, by: str | Sequence[s
                 history[m] = sorted((h.step, h.value) for h in client.get_metric_history(r.info.run_id, m))
         out.append(RunData(r.info.run_id, arm, r.data.tags.get(TAG_SEED), history, r.info.status,
                            r.data.tags.get(PARENT_RUN_ID_TAG), r.info.experiment_id, r.info.start_time or 0,
-                           dict(r.data.params)))
+                           dict(r.data.params), r.data.tags.get(TAG_ARM)))
     notes += _eval_step_notes(kept, metrics, by)
     return out, list(metrics), notes
 

@@ -315,6 +315,7 @@ def _runs_store(tmp_path, fresh_store, runs):
     """A store with one experiment 'e' holding `runs`: (tags, params, {metric: [(step, value)]}, status), started
     1 s apart in that order; returns its URI and the run ids."""
     from mlflow import MlflowClient
+    from mlflow.entities import Param
 
     fresh_store(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -324,8 +325,8 @@ def _runs_store(tmp_path, fresh_store, runs):
     ids = []
     for i, (tags, params, metrics, status) in enumerate(runs):
         run = client.create_run(exp, tags=tags, start_time=t0 + 1000 * i)
-        for k, v in params.items():
-            client.log_param(run.info.run_id, k, v)
+        if params:  # one write for all of them (a run's own logs them so too)
+            client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
         for metric, points in metrics.items():
             for step, value in points:
                 client.log_metric(run.info.run_id, metric, value, step=step)
@@ -531,6 +532,55 @@ def test_evaluation_only_runs_of_each_seeds_export_are_the_seeds_of_one_arm(tmp_
     with pytest.raises(CompareError, match=rf"arm grpo: 2 runs of 2 different configs: rollout\.max_response_len: "
                                            rf"64 \[{ids[2]} seed 1\], 128 \[{ids[5]} seed 3\]\. Runs"):
         compare(uri=uri, run_ids=[ids[2], ids[5]], out_dir=tmp_path / "o", log=False)
+
+
+def test_by_a_param_never_makes_evaluations_of_different_training_arms_one_arm(tmp_path, fresh_store):
+    """`--by train.lr` over a train.lr sweep (arms tagged train.lr=0.01 / 0.001, seeds 1, 2) and the evaluation-only
+    runs of each seed's export, tagged with its training arm and seed. Evaluations that reuse the training run's
+    config (-cp <checkpoint> -cn config) carry its train.lr: an arm of their own per training arm, never mixed with
+    the training runs of that value. Evaluations started from Relax's config carry the default train.lr (1e-06, the
+    evaluation's own value: it trains nothing): grouped by it, the evaluations of both training arms' weights would be
+    one arm, each seed's newer run kept and the other arm's dropped as a 'rerun' (so it was); they are refused, naming
+    the arm tags and the --by that tells them apart, which then gives each training arm's evaluations as seeds of
+    an arm. Selected alone, the same."""
+    base = {"model.source": "config", "model.path": "None"}
+    train, reused, fresh = [], [], []
+    for lr, rewards, evals in (("0.01", (0.2, 0.3), (0.7, 0.8)), ("0.001", (0.5, 0.6), (0.1, 0.15))):
+        for seed, reward, value in zip(("1", "2"), rewards, evals, strict=True):
+            tags, run = {"arm": f"train.lr={lr}", "seed": seed}, {**base, "train.lr": lr, "seed": seed}
+            export = {"train.num_rollout": "0", "model.source": "hf", "model.path": f"/x/lr{lr}-s{seed}"}
+            train.append((tags, {**run, "train.num_rollout": "4"}, {R: [(3, reward)], E: [(4, reward)]}, "FINISHED"))
+            reused.append((tags, {**run, **export}, {E: [(0, value)]}, "FINISHED"))
+            fresh.append((tags, {**run, **export, "train.lr": "1e-06"}, {E: [(0, value + 0.01)]}, "FINISHED"))
+    uri, ids = _runs_store(tmp_path, fresh_store, train + reused + fresh)
+    trained, evaluated, evaluated_fresh = ids[:4], ids[4:8], ids[8:]
+
+    def finals(comp):
+        return {(s.metric, s.arm): s.finals for s in comp.stats}
+
+    comp = compare(uri=uri, run_ids=trained + evaluated, by="train.lr", out_dir=tmp_path / "o", log=False).comparison
+    assert comp.arms == ["0.001", "0.001 (evaluation-only)", "0.01", "0.01 (evaluation-only)"]
+    assert finals(comp)[(E, "0.01")] == {"1": 0.2, "2": 0.3}
+    assert finals(comp)[(E, "0.01 (evaluation-only)")] == {"1": 0.7, "2": 0.8}
+    assert finals(comp)[(E, "0.001 (evaluation-only)")] == {"1": 0.1, "2": 0.15}
+
+    tags = (rf"arm tag train\.lr=0\.001 \[{evaluated_fresh[2]} seed 1, {evaluated_fresh[3]} seed 2\], "
+            rf"train\.lr=0\.01 \[{evaluated_fresh[0]} seed 1, {evaluated_fresh[1]} seed 2\]")
+    with pytest.raises(CompareError, match=r"train\.lr 1e-06 \(evaluation-only\): 4 evaluation-only runs of the "
+                                           rf"weights of 2 training arms, {tags}\. Runs of one arm .* compare them "
+                                           r"as arms with --by train\.lr,arm, or select"):
+        compare(uri=uri, run_ids=trained + evaluated_fresh, by="train.lr", out_dir=tmp_path / "o", log=False)
+    comp = compare(uri=uri, run_ids=trained + evaluated_fresh, by="train.lr,arm", out_dir=tmp_path / "o",
+                   log=False).comparison
+    assert finals(comp)[(E, "train.lr=1e-06,arm=train.lr=0.01 (evaluation-only)")] == \
+        {"1": pytest.approx(0.71), "2": pytest.approx(0.81)}
+    assert finals(comp)[(E, "train.lr=1e-06,arm=train.lr=0.001 (evaluation-only)")] == \
+        {"1": pytest.approx(0.11), "2": pytest.approx(0.16)}
+    assert finals(comp)[(E, "train.lr=0.01,arm=train.lr=0.01")] == {"1": 0.2, "2": 0.3}
+    with pytest.raises(CompareError, match=rf"train\.lr 1e-06: 4 evaluation-only runs of the weights of 2 training "
+                                           rf"arms, {tags}\. .* --by train\.lr,arm \(arm alone also tells them "
+                                           r"apart: --by arm\)"):
+        compare(uri=uri, run_ids=evaluated_fresh, by="train.lr", out_dir=tmp_path / "o", log=False)
 
 
 def test_eval_final_is_the_last_evaluation_with_verdicts(tmp_path, fresh_store, capsys):
