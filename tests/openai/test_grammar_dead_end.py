@@ -104,16 +104,40 @@ def test_a_stream_read_after_the_dead_end_still_sends_the_answer_first(engine, c
     assert "".join(seen) == "{", seen
 
 
-def test_generate_answers_a_dead_end_grammar_with_a_400(engine):
-    body = {"text": "hi", "sampling_params": {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 10}}
+def _generate(engine, body: dict) -> tuple[int, str]:
+    """(HTTP status, body text) of POST /generate `body` to the engine."""
     request = urllib.request.Request(f"http://127.0.0.1:{engine.port}/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        urllib.request.urlopen(request, timeout=120)
-    assert caught.value.code == 400
-    error = json.loads(caught.value.read())["error"]
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _streamed_error(engine, body: dict) -> dict:
+    """The error event a streamed /generate of `body` ends with (its last event before [DONE])."""
+    status, text = _generate(engine, {**body, "stream": True})
+    events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", (status, text)
+    return json.loads(events[-2])["error"]
+
+
+def test_generate_answers_a_dead_end_grammar_with_a_400(engine):
+    body = {"text": "hi", "sampling_params": {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 10,
+                                              "sampling_seed": 1}}
+    status, text = _generate(engine, body)
+    assert status == 400
+    error = json.loads(text)["error"]
     # it says what it is (the training gateway decides on status and code: `agent_refusal`)
     assert DEAD in error["message"] and (error["type"], error["code"]) == ("invalid_request_error", "grammar_dead_end")
+    # streamed, the answer's error event is the same error, with the status the unstreamed answer has (a stream's
+    # HTTP status is 200, sent before the error); so is a request refused before it starts (past the context)
+    assert _streamed_error(engine, body) == {**error, "status": 400}
+    long = {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}
+    status, text = _generate(engine, long)
+    assert status == 400 and "context" in json.loads(text)["error"]["message"], text
+    assert _streamed_error(engine, long) == {**json.loads(text)["error"], "status": 400}
 
 
 def test_a_dead_row_is_left_unmasked_and_ended_while_the_others_are_masked(engine):

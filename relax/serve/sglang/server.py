@@ -107,7 +107,15 @@ from relax.serve.sglang.request import (
 )
 from relax.serve.sglang.scheduler import PAUSE_MODES, Scheduler
 from relax.serve.sglang.server_args import return_routed_experts, server_args
-from relax.serve.sglang.stream import Events, abort_rest, answer_events, write_events
+from relax.serve.sglang.stream import (
+    Events,
+    abort_rest,
+    answer_events,
+    error_event,
+    failure,
+    request_error,
+    write_events,
+)
 from relax.serve.sglang.weights import WeightEndpoints
 
 __all__ = ["EmbeddedServer", "NotReady", "RequestError", "row_stream"]
@@ -161,20 +169,10 @@ class _Handler(Handler):
                 write_answer(self, status, payload)
 
 
-def _request_error(request: Request, message: Optional[str] = None) -> APIError:
-    """A failed request's error in OpenAI's shape, the one every path gives (`/generate`'s answer, the OpenAI
-    service's call and its stream): its HTTP status and the code saying what it is (a grammar's dead end: 400,
-    grammar_dead_end, which the OpenAI routes answer naming the field that asked for the grammar), the server's own
-    failures server_error. `message`: the stream's, where it ended on another error than the request's."""
-    return APIError(request.error if message is None else message, status=request.error_status,
-                    code=request.error_code,
-                    kind="invalid_request_error" if request.error_status < 500 else "server_error")
-
-
 class _Aborting:
     """A request's stream events (`relax.serve.sglang.stream.answer_events`) that abort what still runs of the request
     when closed, started or not (a generator closed before it started runs no cleanup); an error event is raised as
-    the APIError `_send_openai` raises for it (`_request_error`)."""
+    the APIError `_send_openai` raises for it (`relax.serve.sglang.stream.request_error`)."""
 
     def __init__(self, events: Iterator[dict], request: Request, scheduler: Scheduler):
         self.events, self.request, self.scheduler = events, request, scheduler
@@ -185,7 +183,7 @@ class _Aborting:
     def __next__(self) -> dict:
         event = next(self.events)
         if "error" in event:  # the error `send` raises for the same request (a dead end's 400, not a 500)
-            raise _request_error(self.request, event["error"]["message"])
+            raise request_error(self.request, event["error"]["message"])
         return event
 
     def close(self) -> None:
@@ -404,13 +402,11 @@ class EmbeddedServer(WeightEndpoints):
             return 400, APIError("the body must be a JSON object").body()
         try:
             return route({**dict(parse_qsl(parts.query)), **body} if method == "GET" else body)
-        except NotReady as exc:
-            return 503, APIError(str(exc), status=503, kind="server_error").body()
-        except RequestError as exc:
-            return 400, APIError(str(exc)).body()
-        except Exception as exc:
-            logger.exception("%s %s failed", method, path)
-            return 500, APIError(f"{type(exc).__name__}: {exc}", status=500, kind="server_error").body()
+        except Exception as exc:  # NotReady a 503, RequestError a 400, anything else a 500 (`failure`)
+            if not isinstance(exc, (NotReady, RequestError)):
+                logger.exception("%s %s failed", method, path)
+            error = failure(exc)
+            return error.status, error.body()
 
     @staticmethod
     def methods(target: str) -> tuple[str, ...]:
@@ -620,7 +616,7 @@ class EmbeddedServer(WeightEndpoints):
         except RequestError as exc:
             raise APIError(str(exc)) from None
         if request.error is not None:
-            raise _request_error(request)
+            raise request_error(request)
         answer = self._answers(request)
         return answer if isinstance(answer, list) else [answer]
 
@@ -630,7 +626,7 @@ class EmbeddedServer(WeightEndpoints):
             return 200, Events(self._stream(body))
         request = self._finished(body)
         if request.error is not None:
-            error = _request_error(request)
+            error = request_error(request)
             return error.status, error.body()
         return 200, self._answers(request)
 
@@ -669,12 +665,10 @@ class EmbeddedServer(WeightEndpoints):
         an error event, as in SGLang."""
         try:
             request = self._submit(body)
-        except (RequestError, NotReady) as exc:
-            yield {"error": {"message": str(exc)}}
-            return
-        except Exception as exc:
-            logger.exception("a streamed /generate failed")
-            yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+        except Exception as exc:  # the error event of the answer the same body unstreamed gets (`failure`)
+            if not isinstance(exc, (RequestError, NotReady)):
+                logger.exception("a streamed /generate failed")
+            yield error_event(failure(exc))
             return
         yield from answer_events(request, self.scheduler, self._final,
                                  lambda row, tokens, logps, top: self._codec.progress(row, request, tokens,

@@ -1,7 +1,9 @@
 """A streamed `/generate` answer (`stream: true`), as SGLang's http_server writes it: server-sent events
 (`text/event-stream`), each `data: <json>\\n\\n`, then `data: [DONE]\\n\\n`; an error on the way is one more event,
-`{"error": {"message": ...}}`, before [DONE]. Written with chunked transfer encoding, so the connection stays open
-for the next request.
+before [DONE]: the body the same request unstreamed is answered with, in OpenAI's shape (`{"error": {"message", "type",
+"param", "code"}}`, a superset of SGLang's `{"error": {"message"}}`), with that answer's HTTP status in it (`status`:
+the stream's own said 200 before the error; `error_event`). Written with chunked transfer encoding, so the
+connection stays open for the next request.
 
 The events (`answer_events`): each time a sample has drawn new tokens, its answer so far (text and output ids
 cumulative, SGLang's default without --stream-output; `finish_reason` null), and once it has ended its final answer,
@@ -19,8 +21,38 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 
-from relax.serve.sglang.request import Request, Row
+from relax.serve.openai.protocol import APIError
+from relax.serve.sglang.request import NotReady, Request, RequestError, Row
 from relax.serve.sglang.scheduler import Scheduler
+
+
+def failure(exc: BaseException) -> APIError:
+    """The error of a /generate the engine could not serve, in OpenAI's shape, the one its answer and its stream give:
+    a request it cannot take a 400 (RequestError), a server not ready a 503 (NotReady), anything else the server's
+    own failure, a 500."""
+    if isinstance(exc, NotReady):
+        return APIError(str(exc), status=503, kind="server_error")
+    if isinstance(exc, RequestError):
+        return APIError(str(exc))
+    return APIError(f"{type(exc).__name__}: {exc}", status=500, kind="server_error")
+
+
+def request_error(request: Request, message: Optional[str] = None) -> APIError:
+    """A failed request's error in OpenAI's shape, the one every path gives (`/generate`'s answer and its stream, the
+    OpenAI service's call and its stream): its HTTP status and the code saying what it is (a grammar's dead end: 400,
+    grammar_dead_end, which the OpenAI routes answer naming the field that asked for the grammar), the server's own
+    failures server_error. `message`: the stream's, where it ended on another error than the request's."""
+    return APIError(request.error if message is None else message, status=request.error_status,
+                    code=request.error_code,
+                    kind="invalid_request_error" if request.error_status < 500 else "server_error")
+
+
+def error_event(error: APIError) -> dict:
+    """A stream's error event: `error`'s body, the one an unstreamed answer of the same failure carries, with its
+    HTTP status (`status`), which the stream's own status line (200, sent before the error) cannot say."""
+    body = error.body()
+    body["error"]["status"] = error.status
+    return body
 
 
 class Events:
@@ -77,13 +109,13 @@ def answer_events(request: Request, scheduler: Scheduler, final: Callable[[Row],
                 if event is not None:
                     yield event
                 if failed:
-                    yield {"error": {"message": request.error}}
+                    yield error_event(request_error(request))
                     return
             if all(seen.ended):
                 return
             request.progress.wait(1.0)
     except Exception as exc:  # e.g. the log-probs of an ended row: the stream ends with the error
-        yield {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+        yield error_event(failure(exc))
     finally:
         abort_rest(request, scheduler)
 
