@@ -28,6 +28,7 @@ from relax.metrics import SYSTEM_PREFIX
 from relax.runner import checkpoint
 from relax.runner.checkpoint import Checkpoints
 from relax.runner.errors import RunError
+from relax.tracking.params import STANDARD_TAG_KEYS
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -319,6 +320,50 @@ def test_a_reopened_run_keeps_its_ledger_and_records_every_resume(tmp_path, mlfl
     assert tags["relax.resumed.1"].startswith(f"step 2 from {step2}; changed: train.num_rollout: 3 -> 0")
     assert tags["relax.resumed.2"] == tags["relax.resumed"] == \
         f"step 2 from {step2}; changed: train.num_rollout: 3 -> 4"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_an_evaluation_sweeps_job_keeps_the_arm_of_the_training_run_it_reopens(tmp_path, mlflow_template, monkeypatch):
+    """docs/experiments.md, step 4: a job of an evaluation sweep of a checkpoint (relax-train -m -cp <checkpoint> -cn
+    config train.resume=<checkpoint> train.num_rollout=0 ...) reopens the training run, a job of another sweep. Its
+    config is the training job's saved one with the new sweep's tracking.sweep_id and tracking.parent_run_id, and no
+    tracking.arm of its own (the launcher derives none for a job that continues a checkpoint; a resume may not change
+    it). The reopened run's standard tags are set again from that config, so its arm and seed stay the training
+    job's; the run moves to the evaluation sweep (sweep_id, parent, and the relax.sweep_job that MLflow's run context
+    names for the job), the old sweep and parent kept as relax.previous_*."""
+    import json
+
+    from mlflow import MlflowClient
+
+    db = tmp_path / "mlflow.db"
+    shutil.copyfile(mlflow_template, db)
+    client = MlflowClient(f"sqlite:///{db}")
+    experiment = client.create_experiment("relax")
+    first, evaluation = (client.create_run(experiment, tags={"sweep_id": s}).info.run_id for s in ("S1", "S2"))
+    job = ["seed=1", "train.lr=0.01", "tracking.arm='train.lr=0.01'"]  # a job of -m train.lr=0.01,0.001 seed=1
+    monkeypatch.setenv("MLFLOW_RUN_CONTEXT", json.dumps({"relax.sweep_job": "S1/0"}))  # as the launcher sets it
+    ckpts, session = _session([*job, "train.num_rollout=2", "tracking.sweep_id=S1",
+                               f"tracking.parent_run_id={first}"], tmp_path, db)
+    with ckpts, session() as s:
+        for step in range(2):
+            s.log({"rollout/raw_reward": 0.1 * step}, step)
+        s.save_checkpoint(RecordingCluster(f"sqlite:///{db}"), 2, {"sampler": {}})
+        run_id = s.tracker.run_id
+    trained = client.get_run(run_id).data.tags
+    assert (trained["arm"], trained["sweep_id"], trained["relax.sweep_job"]) == ("train.lr=0.01", "S1", "S1/0")
+
+    step2 = checkpoint.step_dir(ckpts.save_dir, 2)
+    monkeypatch.setenv("MLFLOW_RUN_CONTEXT", json.dumps({"relax.sweep_job": "S2/1"}))
+    ckpts, session = _session([*job, f"train.resume='{step2}'", "train.num_rollout=0", "tracking.sweep_id=S2",
+                               f"tracking.parent_run_id={evaluation}"], tmp_path, db)
+    with ckpts, session() as s:
+        s.log_evaluation({"eval/digits/mean_at_1": 0.5}, 2, evaluation_only=True)
+        assert s.tracker.run_id == run_id
+    tags = client.get_run(run_id).data.tags
+    assert {k: tags[k] for k in STANDARD_TAG_KEYS} == {k: trained[k] for k in STANDARD_TAG_KEYS}
+    assert (tags["sweep_id"], tags["mlflow.parentRunId"], tags["relax.sweep_job"]) == ("S2", evaluation, "S2/1")
+    assert (tags["relax.previous_sweep_id"], tags["relax.previous_parent_run_id"]) == ("S1", first)
+    assert [m.value for m in client.get_metric_history(run_id, "eval/digits/mean_at_1")] == [0.5]
 
 
 @pytest.mark.slow
