@@ -45,7 +45,7 @@ RUN_SAVING_FIELDS = ("save_interval", "keep_checkpoints", "save_hf")
 
 def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
                     overrides: Optional[Sequence[str]] = None, left_out: Sequence[str] = (), *,
-                    note: bool = True) -> RelaxConfig:
+                    note: bool = True, saved: Optional[tuple[DictConfig, list[Violation]]] = None) -> RelaxConfig:
     """Instantiate the frozen dataclasses, derive the None fields, validate (raises ConfigError). A key the schema
     lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others.
     `overrides`: the command line's (Hydra's syntax), where the caller has them: with a run's saved config as the
@@ -53,7 +53,9 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     are put back to their defaults, with a note (`_evaluation_writes_nothing`); None: every value counts as set.
     `left_out`: keys whose given value was refused (not of its type, among `unknown`) and so hold their defaults:
     the rules' verdicts on them are not reported, as they would judge a value nobody gave. `note=False`: the note on
-    a reused run's saving options is not printed (a check before the run, which prints it)."""
+    a reused run's saving options is not printed (a check before the run, which prints it). `saved`: for a config of
+    its own, its `saved_config` (with the keys `overrides` add) where the caller has made it already (`load_config`),
+    not made again."""
     found = list(unknown)
     typed: Optional[set[str]] = None
     try:  # the user's modules (relax-train imported those of its command line already): they may register the saved
@@ -62,7 +64,7 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     except PluginError as exc:
         raise ConfigError([Violation((PLUGINS_KEY,), str(exc))]) from None
     if OmegaConf.get_type(dc) is not RelaxConfig:  # `-cn` named a YAML file of its own (`-cp <dir> -cn <name>`)
-        dc, mistyped = saved_config(dc, added_keys(overrides or ()))
+        dc, mistyped = saved if saved is not None else saved_config(dc, added_keys(overrides or ()))
         found = [*mistyped, *found]  # values not of their key's type first, as a composed config's (`compose_known`)
         left_out = [*left_out, *(v.fields[0] for v in mistyped)]
         if overrides is not None:
@@ -234,33 +236,51 @@ def schema_view(dc: DictConfig, overrides: Sequence[str] = ()) -> DictConfig:
     from Relax's conf (the schema's nodes); for a config of its own (`-cp <dir> -cn <name>`, a plain YAML that Hydra
     does not type) `saved_config`'s node, with the keys `overrides` add (`added_keys`) and Hydra's own node, where it
     was composed with it (raises ConfigError where it is not a Relax config)."""
+    return _schema_view(dc, overrides)[0]
+
+
+def _schema_view(dc: DictConfig, overrides: Sequence[str]) -> tuple[DictConfig, list[Violation]]:
+    """`schema_view`, and the violations of a config of its own's values not of their key's type (`saved_config`'s;
+    none for Relax's config)."""
     if OmegaConf.get_type(dc) is RelaxConfig:
-        return dc
-    typed, _ = saved_config(dc, added_keys(overrides))
+        return dc, []
+    typed, mistyped = saved_config(dc, added_keys(overrides))
     if "hydra" in dc:
         with open_dict(typed):
             typed["hydra"] = dc.hydra
-    return typed
+    return typed, mistyped
 
 
 def _composed(overrides: Sequence[str], conf: Path | None, hydra: bool, config_name: str = "config"
-              ) -> tuple[DictConfig, DictConfig, list[str], list[Violation], list[Violation], list[Violation]]:
+              ) -> tuple[DictConfig, DictConfig, list[str], list[Violation], list[Violation], list[Violation],
+                         list[Violation]]:
     """`compose_known` of `overrides`: (the config, without Hydra's node; the config as the schema's, what its
     problems are named against (`schema_view`); the keys left out, the choices and the values or forms refused,
     each of the config's own; the problems of Hydra's keys and groups, `hydra`: composed with Hydra's config, so
-    that its overrides are checked in the same composition). `config_name`: the primary config, `conf`'s
-    config.yaml or a config of its own (`-cp <dir> -cn <name>`), composed as relax-train composes it."""
+    that its overrides are checked in the same composition; last, a config of its own's values not of their key's
+    type, `saved_config`'s, none for Relax's). `config_name`: the primary config, `conf`'s config.yaml or a config of
+    its own (`-cp <dir> -cn <name>`), composed as relax-train composes it. A config of its own is read as the
+    schema's once (`saved_config`: the view `compose_known` names its problems against is the one returned)."""
+    last: list[tuple[DictConfig, DictConfig, list[Violation]]] = []
+
+    def view(composed: DictConfig, kept: Sequence[str]) -> DictConfig:
+        typed, own = _schema_view(composed, kept)
+        last[:] = [(composed, typed, own)]
+        return typed
+
     dc, dropped, choices, mistyped = compose_known(
-        lambda kept: compose(kept, config_name=config_name, conf=conf, hydra=hydra), overrides, named=schema_view)
-    named = schema_view(dc, overrides)
+        lambda kept: compose(kept, config_name=config_name, conf=conf, hydra=hydra), overrides, named=view)
+    # compose_known views the config it returns, with the overrides it kept: those left out put no key into it, so
+    # the view is the one of every override (`added_keys` only lets the command line's keys through)
+    named, own = (last[0][1], last[0][2]) if last and last[0][0] is dc else _schema_view(dc, overrides)
     if not hydra:
-        return dc, named, dropped, choices, mistyped, []
+        return dc, named, dropped, choices, mistyped, [], own
     found = hydra_problems(named, dropped, choices, mistyped)
     for node in {id(dc): dc, id(named): named}.values():
         with open_dict(node):  # as Hydra's main gives its task the config
             del node["hydra"]
     return (dc, named, [k for k in dropped if not is_hydras(k)], [v for v in choices if not is_hydras(v.fields[0])],
-            [v for v in mistyped if not is_hydras(v.fields[0])], found)
+            [v for v in mistyped if not is_hydras(v.fields[0])], found, own)
 
 
 def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None, *, hydra: bool = False,
@@ -270,9 +290,9 @@ def compose_checked(overrides: Sequence[str] = (), conf: Path | None = None, *, 
     first a violation per group choice that names no option, `compose_known`). `hydra`: composed with Hydra's own
     config, whose overrides' problems come first (the config returned is without it). `config_name`: as
     `load_config`'s (a config of its own: returned as the schema's, `schema_view`)."""
-    dc, named, dropped, choices, mistyped, found = _composed(overrides, conf, hydra, config_name)
+    dc, named, dropped, choices, mistyped, found, own = _composed(overrides, conf, hydra, config_name)
     if named is not dc:  # a config of its own: its values not of their key's type (the file's too), as `saved_config`
-        mistyped = [*saved_config(dc, added_keys(overrides))[1], *mistyped]
+        mistyped = [*own, *mistyped]
     if choices:
         return named, [*found, *choice_problems(named, dropped, choices, mistyped)]
     return named, [*found, *mistyped, *(unknown_key(named, key) for key in [*dropped, *extra_keys(named)])]
@@ -289,9 +309,10 @@ def load_config(overrides: Sequence[str] = (), conf: Path | None = None, *, hydr
     `config_name`: the primary config in `conf`, as `relax-train -cp <conf> -cn <config_name>` names it: a run's
     saved config is checked as the run checks it (`to_relax_config` with the overrides, its note not printed: the
     run prints it), each problem named as on Relax's config (`schema_view`)."""
-    dc, named, dropped, choices, mistyped, found = _composed(overrides, conf, hydra, config_name)
+    dc, named, dropped, choices, mistyped, found, own_mistyped = _composed(overrides, conf, hydra, config_name)
     if choices:
         raise ConfigError([*found, *choice_problems(named, dropped, choices, mistyped)])
     own = named is not dc
     return to_relax_config(dc, [*found, *mistyped, *(unknown_key(named, key) for key in dropped)],
-                           overrides=overrides if own else None, left_out=[v.fields[0] for v in mistyped], note=not own)
+                           overrides=overrides if own else None, left_out=[v.fields[0] for v in mistyped], note=not own,
+                           saved=(named, own_mistyped) if own else None)

@@ -559,6 +559,47 @@ def test_a_run_with_hydras_keys_is_checked_in_one_composition(monkeypatch):
     assert calls == [["train.lr=1e-5"]]
 
 
+def test_a_run_of_its_own_config_is_read_as_the_schemas_once_per_composition(tmp_path, monkeypatch):
+    """`relax-train -cp <dir> -cn config ...`'s check reads the saved config as the schema's (`saved_config`, a merge
+    onto the schema) once for each composition, for naming its problems and for its validation alike (before: two
+    more times, by `_composed` and by to_relax_config, after compose_known's); the problems are the same (an unknown
+    key, a `~key`, a value not of its key's type: the lines below; each costs a composition).
+    Control: a run of Relax's config reads none."""
+    import importlib
+
+    import hydra
+    from omegaconf import OmegaConf
+
+    from relax.cli.config_check import problems
+    from relax.config.compose import compose
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    OmegaConf.save(compose(["train.num_rollout=2"]), saved / "config.yaml")
+    module = importlib.import_module("relax.config.compose")  # relax.config's `compose` is the function
+    views, compositions = [], []
+    real_view, real_compose = module.saved_config, hydra.compose
+    monkeypatch.setattr(module, "saved_config", lambda *a, **k: views.append(1) or real_view(*a, **k))
+
+    def composed(*a, **k):  # a composition that Hydra refuses (the unknown key's first) is not read
+        dc = real_compose(*a, **k)
+        compositions.append(1)
+        return dc
+
+    monkeypatch.setattr(hydra, "compose", composed)
+    own = ["-cp", str(saved), "-cn", "config"]
+    assert problems([*own, "seed=2"]) is None and len(views) == len(compositions) == 1
+    views.clear()
+    compositions.clear()
+    message = problems([*own, "train.lrr=1", "~train.lr", "seed=abc"])
+    for line in ("unknown key train.lrr (did you mean train.lr?)", "~train.lr: train.lr is a key of the schema",
+                 "seed=abc: seed takes an int, not the string 'abc'"):
+        assert line in message, message
+    assert len(views) == len(compositions), (views, compositions)
+    views.clear()
+    assert problems(["seed=2"]) is None and views == []
+
+
 def test_a_run_of_its_own_config_gets_every_type_problem_and_repeated_key_too(tmp_path, monkeypatch, capfd):
     """`relax-train -cp <dir> -cn config ...` (a run's saved config, which the command line's precheck leaves to
     Hydra): every value not of its key's type, the saved config's or the command line's, and a key given twice, in
