@@ -685,6 +685,25 @@ def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[
             f"belong to now; compare them with --sweep {later[-1]}")
 
 
+def _moved_away(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str]) -> list[str]:
+    """A note naming the runs of `sweep` that a later sweep's job reopened (a resumed sweep's, or an evaluation
+    sweep's of a checkpoint: Tracker.reopen moves a run to the sweep of the job that reopens it, keeping the old id as
+    PREVIOUS_SWEEP_TAG): they are that sweep's now, so a comparison of `sweep` would leave them out without a word."""
+    if sweep is None:
+        return []
+    found = client.search_runs(list(exp_ids), filter_string=f"tags.`{PREVIOUS_SWEEP_TAG}` = {_quote(sweep)}",
+                               max_results=1000)
+    moved = [r for r in found if r.data.tags.get(TAG_SWEEP_ID) != sweep]
+    if not moved:
+        return []
+    later = sorted({r.data.tags.get(TAG_SWEEP_ID) or "?" for r in moved})
+    named = ", ".join(f"{r.info.run_id} (arm {r.data.tags.get(TAG_ARM)}, seed {r.data.tags.get(TAG_SEED)}, now in "
+                      f"sweep {r.data.tags.get(TAG_SWEEP_ID)})" for r in moved)
+    return [f"{len(moved)} run(s) of sweep {sweep} are left out: a job of a later sweep reopened them (a resume, or "
+            f"an evaluation of a checkpoint), so they belong to that sweep now: {named}; compare them with --sweep "
+            f"{later[-1]}"]
+
+
 def by_keys(by: str | Sequence[str]) -> tuple[str, ...]:
     """The keys of a `--by`: one key, a comma list (`train.lr,model.lora_rank`) or a sequence of either (the option
     repeated). Tag and param names hold no comma, so a comma only ever separates keys."""
@@ -1098,7 +1117,7 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
         raise CompareError(f"no finished runs in {description}{moved}" + "".join(f"\n  {n}" for n in notes))
     comp = summarize(runs, metric_list, control=control, last_k=last_k, n_boot=n_boot, seed=seed,
                      eval_last_k=eval_last_k, by=by)
-    comp.notes[:0] = notes
+    comp.notes[:0] = notes + _moved_away(client, _experiment_ids(client, experiment), sweep)
     if not comp.stats:  # nothing to write: the outputs of an earlier comparison stay as they are
         raise CompareError(f"no finite values of {', '.join(metric_list)} in the {len(runs)} selected runs of "
                            f"{description}")

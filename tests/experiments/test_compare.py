@@ -617,8 +617,8 @@ def test_eval_final_is_the_last_evaluation_with_verdicts(tmp_path, fresh_store, 
 
 def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path, fresh_store):
     """--sweep <old id> whose finished runs a later sweep took over, and whose crashed job's run stayed KILLED: the
-    error names the later sweep and the KILLED run with the --include-unfinished hint. --control grpo when the arm
-    is algorithm=grpo: 'did you mean'."""
+    error names the later sweep and the KILLED run with the --include-unfinished hint; compared with it, a note
+    names the run the later sweep took. --control grpo when the arm is algorithm=grpo: 'did you mean'."""
     from relax.tracking.mlflow_run import PREVIOUS_SWEEP_TAG
 
     uri, ids = _runs_store(tmp_path, fresh_store, [
@@ -635,6 +635,12 @@ def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path,
         f"  run {ids[0]} (arm=algorithm=grpo, seed 1) is KILLED: left out (--include-unfinished keeps it)")
     kept = compare(uri=uri, sweep="OLD", include_unfinished=True, out_dir=tmp_path, log=False)  # as the hint says
     assert [r.run_id for r in kept.comparison.runs] == [ids[0]]
+    # the run that sweep NEW took over is named where sweep OLD is compared without it
+    assert kept.comparison.notes[0] == (
+        f"1 run(s) of sweep OLD are left out: a job of a later sweep reopened them (a resume, or an evaluation of a "
+        f"checkpoint), so they belong to that sweep now: {ids[1]} (arm algorithm=grpo, seed 2, now in sweep NEW); "
+        "compare them with --sweep NEW")
+    assert kept.comparison.notes[0] in kept.text
     with pytest.raises(CompareError, match=r"control arm 'grpo' is not among the arms: algorithm=grpo, "
                                            r"algorithm=rloo \(did you mean algorithm=grpo\?\)$"):
         compare(uri=uri, sweep="NEW", control="grpo", out_dir=tmp_path, log=False)
