@@ -324,8 +324,10 @@ def test_m2po_step_statistics_cover_the_whole_step(tiny_model_cfg, train_cfg, ma
     (m2, g2), (m8, g8) = results[2], results[8]
     for name in g2:
         torch.testing.assert_close(g2[name], g8[name], atol=1e-6, rtol=1e-4)
+    # rel=1e-5 as the other mbs-2-vs-8 comparisons: fp32 log-probs of 2 rows and of 8 rows need not be the same
+    # bits (MKL's sgemm path depends on the CPU); statistics of one micro-batch would differ far more
     for name in (M2_BEFORE, M2_AFTER, "train/loss", "train/pg_clipfrac"):
-        assert m2[name] == pytest.approx(m8[name], rel=1e-6, abs=1e-9), name
+        assert m2[name] == pytest.approx(m8[name], rel=1e-5, abs=1e-7), name
 
     # the statistics are the spec's water filling over every valid token of the batch
     mask = batch.response_mask.bool()
