@@ -386,7 +386,7 @@ def files_under(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) if directory.exists() else []
 
 
-def test_a_dry_run_checks_the_merge_and_writes_none(dirs, tmp_path, capfd, ray_not_started):
+def test_a_dry_run_checks_the_merge_and_writes_none(dirs, tmp_path, capfd, ray_not_started, monkeypatch):
     """relax-train dry_run=true of an adapter directory: every check passes on the merged model's config and
     tokenizer, the model's line says where a start merges it, and nothing is written into the merge cache (nor a
     stand-in left in the temporary directory); a start then writes it, and the next dry run says it is up to date."""
@@ -396,7 +396,11 @@ def test_a_dry_run_checks_the_merge_and_writes_none(dirs, tmp_path, capfd, ray_n
 
     from relax.data.tokenizer import merged_adapter_dir
 
-    temp_before = set(Path(tempfile.gettempdir()).glob(".relax-merge-preview.*"))
+    # a temporary directory of this test's own: the merge preview is tempfile.mkdtemp() in this process, and the
+    # machine's /tmp holds other xdist workers' previews for the length of their dry runs
+    own_temp = tmp_path / "tmp"
+    own_temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own_temp))
     args = ["dry_run=true", "model.source=hf", f"model.path={dirs['adapter']}", "model.dtype=float32",
             "tracking.enabled=false", f"train.save_dir={tmp_path}/ckpt", "model.lora_target_modules=[q_proj]",
             "model.lora_rank=4", "train.num_rollout=0"]  # lora: the architecture check reads the merged config too
@@ -410,7 +414,7 @@ def test_a_dry_run_checks_the_merge_and_writes_none(dirs, tmp_path, capfd, ray_n
     for check in ("tokenizer", "data", "lora"):
         assert any(line.split()[:2] == ["ok", check] for line in out.splitlines()), out
     assert files_under(tmp_path / "cache") == []
-    assert set(Path(tempfile.gettempdir()).glob(".relax-merge-preview.*")) == temp_before
+    assert list(own_temp.glob(".relax-merge-preview.*")) == []
     assert not ray_not_started
     # what a start merges, then a dry run finds up to date
     assert start_checks(["model.source=hf", f"model.path={dirs['adapter']}"]).problems == {}
