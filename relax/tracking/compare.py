@@ -615,7 +615,7 @@ def select_runs(client: MlflowClient, *, experiment: Optional[str] = None, sweep
     arms; runs that did not finish are left out (see `load_runs`).
     """
     if run_ids:
-        return _runs_by_id(client, run_ids), f"runs {', '.join(run_ids)}", None
+        return _runs_by_id(client, run_ids), f"run{'s' if len(run_ids) != 1 else ''} {', '.join(run_ids)}", None
     exp_ids = _experiment_ids(client, experiment)
     if not exp_ids:
         raise CompareError("the tracking store has no experiments")
@@ -1121,7 +1121,8 @@ def compare(*, uri: str = "sqlite:///mlflow.db", experiment: Optional[str] = Non
     if not comp.stats:  # nothing to write: the outputs of an earlier comparison stay as they are
         raise CompareError(f"no finite values of {', '.join(metric_list)} in the {len(runs)} selected runs of "
                            f"{description}")
-    title = f"relax-compare: {len(runs)} runs of {description}, grouped by {','.join(by)} ({uri})"
+    title = (f"relax-compare: {len(runs)} run{'s' if len(runs) != 1 else ''} of {description}, grouped by "
+             f"{','.join(by)} ({uri})")
     name = sweep or time.strftime("%Y%m%d-%H%M%S")
     out = out_dir or Path("compare") / name.replace("/", "_").replace(" ", "_")
     csv_path = write_csv(comp, out / "compare.csv")

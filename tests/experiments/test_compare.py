@@ -309,6 +309,9 @@ def test_an_unknown_run_id_is_an_error_naming_it(store, tmp_path, capsys):
         compare(uri=uri, run_ids=[*known, "f" * 32], out_dir=tmp_path, log=False)
     r = compare(uri=uri, run_ids=known, last_k=2, out_dir=tmp_path, log=False, metrics=["rollout/raw_reward"])
     assert r.comparison.stats[0].mean == 3.0  # the control: arm A's finals 2, 3, 4
+    assert r.text.startswith(f"relax-compare: 3 runs of runs {', '.join(known)}, grouped by arm ({uri})"), r.text
+    one = compare(uri=uri, run_ids=known[:1], out_dir=tmp_path, log=False, metrics=["rollout/raw_reward"])
+    assert one.text.startswith(f"relax-compare: 1 run of run {known[0]}, grouped by arm ({uri})"), one.text
 
 
 def _runs_store(tmp_path, fresh_store, runs):
