@@ -48,7 +48,8 @@ import asyncio
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
@@ -71,6 +72,22 @@ EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
 # SIGTERM, then SIGKILLs the entrypoint and every process under it; Ray's default is 3 s. The supervisor actor gets
 # the job's runtime_env env_vars, so the job's own value is the one it reads.
 STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+
+
+@contextmanager
+def job_environment(env: dict[str, str]) -> Iterator[None]:
+    """The job's `--env` variables set in this process while its config is read here (`${oc.env:KEY}` then
+    resolves as it will in the job); the environment restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def default_working_dir() -> Path:
@@ -266,18 +283,26 @@ def stop_grace_s(configs: Sequence[Any], *, sweep: bool) -> int:
     A run finishes its step (a role that stops progressing is declared hung after cluster.heartbeat_timeout_s), then
     writes its checkpoint (deadline train.checkpoint_timeout_s), then closes its MLflow run (each wait bounded by
     CLOSE_JOIN_S). A sweep (-m) forwards the signal to its jobs, kills those still running after
-    hydra.launcher.stop_timeout_s, then closes its parent run."""
+    hydra.launcher.stop_timeout_s, then closes its parent run.
+
+    Read with the job's `--env` set (`job_environment`). Raises ValueError naming the option whose value cannot be
+    read here (an `${oc.env:...}` of a variable only the cluster sets)."""
     import math
 
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from relax.tracking.run_writer import CLOSE_JOIN_S
 
     cfg = configs[0]
-    if sweep:
-        wait = float(OmegaConf.select(cfg, "hydra.launcher.stop_timeout_s", default=120.0))
-    else:
-        wait = float(cfg.cluster.heartbeat_timeout_s) + float(cfg.train.checkpoint_timeout_s)
+    keys = (["hydra.launcher.stop_timeout_s"] if sweep
+            else ["cluster.heartbeat_timeout_s", "train.checkpoint_timeout_s"])
+    wait = 0.0
+    for key in keys:
+        try:
+            wait += float(OmegaConf.select(cfg, key, default=120.0) if sweep else OmegaConf.select(cfg, key))
+        except (OmegaConfBaseException, ValueError, TypeError) as exc:
+            raise ValueError(f"{key}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     return math.ceil(wait + CLOSE_JOIN_S)
 
 
@@ -412,16 +437,8 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     if message is not None:
         print(f"relax-submit: error: {message}\nNothing was submitted.", file=sys.stderr)
         sys.exit(USAGE_EXIT)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with job_environment(env):
         message = problems(overrides, _hydra_conf(working_dir), environment=False, start_checks=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     if message is not None:
         print(f"relax-submit: error: {message}\nNothing was submitted.", file=sys.stderr)
         sys.exit(USAGE_EXIT)
@@ -638,7 +655,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     if STOP_WAIT_ENV not in env:  # `--env RAY_JOB_STOP_WAIT_TIME_S=...` wins
         grace = args.stop_grace_s
         if grace is None and configs:
-            grace = stop_grace_s(configs, sweep=_sweep(checked))
+            try:
+                with job_environment(env):
+                    grace = stop_grace_s(configs, sweep=_sweep(checked))
+            except ValueError as exc:  # the job may still resolve it (a variable its nodes set): not refused
+                print(f"relax-submit: note: the job's stop grace cannot be read here ({exc}), so `ray job stop` "
+                      f"gives it Ray's default ({STOP_WAIT_ENV}, 3 s) before SIGKILL, which may cut its checkpoint: "
+                      "pass --stop-grace-s SECONDS (or --env with the variable)", file=sys.stderr)
         if grace is not None:
             env[STOP_WAIT_ENV] = str(grace)
     payload = build_submission(args.overrides, working_dir=working_dir, env=env, entrypoint=args.entrypoint,

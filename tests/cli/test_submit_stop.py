@@ -54,6 +54,24 @@ def test_the_grace_is_the_longest_relax_train_takes_to_stop_with_a_checkpoint(en
     assert grace(capsys, "--", "-m", "seed=1,2", "hydra.launcher.stop_timeout_s=30", *ABSOLUTE) == str(30 + 120)
 
 
+def test_a_timeout_read_from_the_jobs_environment(env, capsys):
+    """`${oc.env:HB}` is read with the job's --env set, as the config check reads it; one that only the cluster can
+    resolve leaves Ray's default with a note (the job is still submitted), not a traceback."""
+    import os
+
+    env.delenv("HB", raising=False)
+    heartbeat = "cluster.heartbeat_timeout_s=${oc.env:HB}"
+    assert grace(capsys, "--env", "HB=30", "--", heartbeat, *ABSOLUTE) == str(30 + 1800 + 120)
+    assert "HB" not in os.environ  # restored after the read
+    stop = "hydra.launcher.stop_timeout_s=${oc.env:HB}"
+    assert grace(capsys, "--env", "HB=30", "--", "-m", "seed=1,2", stop, *ABSOLUTE) == str(30 + 120)
+    main(["--dry-run", "--", "-m", "seed=1,2", stop, *ABSOLUTE])  # HB set on the cluster's nodes only
+    out, err = capsys.readouterr()
+    assert STOP_WAIT_ENV not in json.loads(out)["runtime_env"]["env_vars"]
+    assert ("relax-submit: note: the job's stop grace cannot be read here (hydra.launcher.stop_timeout_s: "
+            "InterpolationResolutionError: ") in err and "pass --stop-grace-s SECONDS" in err
+
+
 def test_the_users_grace_wins(env, capsys):
     assert grace(capsys, "--stop-grace-s", "60", "--", *ABSOLUTE) == "60"
     assert grace(capsys, "--env", f"{STOP_WAIT_ENV}=7", "--stop-grace-s", "60", "--", *ABSOLUTE) == "7"
