@@ -670,38 +670,42 @@ def _runs_by_id(client: MlflowClient, run_ids: Sequence[str]) -> list[Any]:
     return runs
 
 
-def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str], some: bool = False) -> str:
-    """For a sweep whose runs were resumed by a later sweep (they moved to its parent run): which one. `some`: the
-    sweep still has runs (e.g. a crashed job's, which the later sweep restarted in a new run)."""
-    if sweep is None:
-        return ""
-    moved = client.search_runs(list(exp_ids), filter_string=f"tags.`{PREVIOUS_SWEEP_TAG}` = {_quote(sweep)}",
-                               max_results=1000)
-    later = sorted({r.data.tags.get(TAG_SWEEP_ID) for r in moved} - {None, sweep})
-    if not later:
-        return ""
-    return (f": {'some of its' if some else 'its'} runs were resumed by sweep {', '.join(later)} "
-            "(relax-train -m ... train.resume=...), which they "
-            f"belong to now; compare them with --sweep {later[-1]}")
-
-
-def _moved_away(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str]) -> list[str]:
-    """A note naming the runs of `sweep` that a later sweep's job reopened (a resumed sweep's, or an evaluation
-    sweep's of a checkpoint: Tracker.reopen moves a run to the sweep of the job that reopens it, keeping the old id as
-    PREVIOUS_SWEEP_TAG): they are that sweep's now, so a comparison of `sweep` would leave them out without a word."""
+def _moved_runs(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str]) -> list[Any]:
+    """The runs of `sweep` that a later sweep's job reopened (a resumed sweep's, or an evaluation sweep's of a
+    checkpoint: Tracker.reopen moves a run to the sweep of the job that reopens it, keeping the old id as
+    PREVIOUS_SWEEP_TAG, the last earlier sweep only): they are that sweep's now, so `--sweep <sweep>` leaves them
+    out."""
     if sweep is None:
         return []
     found = client.search_runs(list(exp_ids), filter_string=f"tags.`{PREVIOUS_SWEEP_TAG}` = {_quote(sweep)}",
                                max_results=1000)
-    moved = [r for r in found if r.data.tags.get(TAG_SWEEP_ID) != sweep]
+    return [r for r in found if r.data.tags.get(TAG_SWEEP_ID) != sweep]
+
+
+def _why_moved(moved: Sequence[Any]) -> str:
+    """Why `moved` (`_moved_runs`) are another sweep's, and how to compare them: one wording for every message."""
+    later = sorted({r.data.tags.get(TAG_SWEEP_ID) or "?" for r in moved})
+    return (f"reopened by a job of sweep {', '.join(later)} (a resume, or an evaluation of a checkpoint), so they "
+            f"belong to {'that sweep' if len(later) == 1 else 'those sweeps'} now; compare them with --sweep "
+            f"{later[-1]}")
+
+
+def _continued_by(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str], some: bool = False) -> str:
+    """The suffix of the error for a sweep none of whose runs are left to compare, when a later sweep took some
+    (`_moved_runs`). `some`: the sweep still has runs (e.g. a crashed job's, which the later sweep restarted in a new
+    run)."""
+    moved = _moved_runs(client, exp_ids, sweep)
+    return f": {'some of its' if some else 'its'} runs were {_why_moved(moved)}" if moved else ""
+
+
+def _moved_away(client: MlflowClient, exp_ids: Sequence[str], sweep: Optional[str]) -> list[str]:
+    """The note naming the runs of a compared sweep that a later sweep took (`_moved_runs`)."""
+    moved = _moved_runs(client, exp_ids, sweep)
     if not moved:
         return []
-    later = sorted({r.data.tags.get(TAG_SWEEP_ID) or "?" for r in moved})
     named = ", ".join(f"{r.info.run_id} (arm {r.data.tags.get(TAG_ARM)}, seed {r.data.tags.get(TAG_SEED)}, now in "
                       f"sweep {r.data.tags.get(TAG_SWEEP_ID)})" for r in moved)
-    return [f"{len(moved)} run(s) of sweep {sweep} are left out: a job of a later sweep reopened them (a resume, or "
-            f"an evaluation of a checkpoint), so they belong to that sweep now: {named}; compare them with --sweep "
-            f"{later[-1]}"]
+    return [f"{len(moved)} run(s) of sweep {sweep} are left out: {named}; they were {_why_moved(moved)}"]
 
 
 def by_keys(by: str | Sequence[str]) -> tuple[str, ...]:

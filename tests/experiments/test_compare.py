@@ -633,16 +633,16 @@ def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path,
     with pytest.raises(CompareError) as exc:
         compare(uri=uri, sweep="OLD", out_dir=tmp_path, log=False)
     assert str(exc.value) == (
-        "no finished runs in sweep OLD: some of its runs were resumed by sweep NEW (relax-train -m ... "
-        "train.resume=...), which they belong to now; compare them with --sweep NEW\n"
+        "no finished runs in sweep OLD: some of its runs were reopened by a job of sweep NEW (a resume, or an "
+        "evaluation of a checkpoint), so they belong to that sweep now; compare them with --sweep NEW\n"
         f"  run {ids[0]} (arm=algorithm=grpo, seed 1) is KILLED: left out (--include-unfinished keeps it)")
     kept = compare(uri=uri, sweep="OLD", include_unfinished=True, out_dir=tmp_path, log=False)  # as the hint says
     assert [r.run_id for r in kept.comparison.runs] == [ids[0]]
     # the run that sweep NEW took over is named where sweep OLD is compared without it
     assert kept.comparison.notes[0] == (
-        f"1 run(s) of sweep OLD are left out: a job of a later sweep reopened them (a resume, or an evaluation of a "
-        f"checkpoint), so they belong to that sweep now: {ids[1]} (arm algorithm=grpo, seed 2, now in sweep NEW); "
-        "compare them with --sweep NEW")
+        f"1 run(s) of sweep OLD are left out: {ids[1]} (arm algorithm=grpo, seed 2, now in sweep NEW); they were "
+        "reopened by a job of sweep NEW (a resume, or an evaluation of a checkpoint), so they belong to that sweep "
+        "now; compare them with --sweep NEW")
     assert kept.comparison.notes[0] in kept.text
     with pytest.raises(CompareError, match=r"control arm 'grpo' is not among the arms: algorithm=grpo, "
                                            r"algorithm=rloo \(did you mean algorithm=grpo\?\)$"):

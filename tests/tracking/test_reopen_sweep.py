@@ -60,7 +60,8 @@ def test_a_resumed_sweeps_runs_move_to_its_parent_and_compare_follows(tracking_c
     assert {f.path for f in client.list_artifacts(new, "compare")} == {"compare/compare.csv", "compare/compare.png"}
     assert client.list_artifacts(old, "compare") == []
     # the old sweep id says where its runs went
-    with pytest.raises(CompareError, match="no runs match sweep S1: its runs were resumed by sweep S2 .* --sweep S2"):
+    with pytest.raises(CompareError,
+                       match="no runs match sweep S1: its runs were reopened by a job of sweep S2 .* --sweep S2$"):
         compare(uri=tracking_cfg.uri, sweep="S1", out_dir=tmp_path / "cmp1", log=False)
 
 
