@@ -59,7 +59,14 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hydra_plugins.relax_ray_launcher.sweep import JobRow, derive_arms, format_table, new_sweep_id, tracking_overrides
+from hydra_plugins.relax_ray_launcher.sweep import (
+    JobRow,
+    derive_arms,
+    format_table,
+    new_sweep_id,
+    plain_ray_log_prefix,
+    tracking_overrides,
+)
 from relax.metrics import RAW_REWARD
 from relax.runner.preempt import Signalled
 
@@ -504,6 +511,7 @@ class RelaxRayLauncher(Launcher):
             return
         _, address = self._ray_address()
         kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        plain_ray_log_prefix(os.environ, (sys.stdout, sys.stderr))  # jobs' lines go to either; no colour in a file
         if address is None:
             from relax.runner.plan import LOCAL_RAY_SYSTEM_CONFIG
 

@@ -1,5 +1,6 @@
 """The launcher's pure parts: arm names, per-job overrides, the table; the sweep tags of a run."""
 
+import io
 from types import SimpleNamespace
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -8,6 +9,7 @@ from hydra_plugins.relax_ray_launcher.sweep import (
     JobRow,
     derive_arms,
     format_table,
+    plain_ray_log_prefix,
     quote,
     swept_keys,
     tracking_overrides,
@@ -86,3 +88,42 @@ def test_table_shows_in_full_the_overrides_that_tell_jobs_apart():
         assert body[str(i)][1:4] == [f"algorithm={a}", f"seed={s}", "FINISHED"], body[str(i)]
     same = format_table([JobRow(0, "seed=1 x=2", "FAILED"), JobRow(1, "seed=1 x=2", "FINISHED")]).splitlines()
     assert [line.split()[:3] for line in same if line[:1].isdigit()] == [["0", "seed=1", "x=2"], ["1", "seed=1", "x=2"]]
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_ray_prints_the_jobs_line_prefix_without_colour_unless_both_streams_are_terminals(monkeypatch):
+    """A sweep's output sent to a file carries no ANSI codes around Ray's `(_execute_job pid=...)` prefix; on a
+    terminal, and where the user set RAY_COLOR_PREFIX, Ray's own choice stays. Checked with Ray's printer itself."""
+    from ray._private.worker import print_worker_logs
+
+    line = {"pid": "4242", "ip": "127.0.0.1", "localhost": "127.0.0.1", "task_name": "_execute_job",
+            "lines": ["step 1"]}
+
+    def printed(environ: dict) -> str:
+        monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+        for k, v in environ.items():
+            monkeypatch.setenv(k, v)
+        out = io.StringIO()
+        print_worker_logs(line, out)
+        return out.getvalue()
+
+    for streams in [(_Stream(False), _Stream(True)), (_Stream(True), _Stream(False)), (object(), object())]:
+        env: dict = {}
+        plain_ray_log_prefix(env, streams)
+        assert env == {"RAY_COLOR_PREFIX": "0"}
+        assert printed(env) == "(_execute_job pid=4242) step 1\n"
+    env = {}
+    plain_ray_log_prefix(env, (_Stream(True), _Stream(True)))  # a terminal: Ray colours the prefix, as before
+    assert env == {} and "\x1b[" in printed(env)
+    env = {"RAY_COLOR_PREFIX": "1"}
+    plain_ray_log_prefix(env, (_Stream(False), _Stream(False)))  # the user's setting wins
+    assert env == {"RAY_COLOR_PREFIX": "1"}
+
