@@ -338,7 +338,7 @@ def test_an_evaluation_sweeps_job_keeps_the_arm_of_the_training_run_it_reopens(t
     db = tmp_path / "mlflow.db"
     shutil.copyfile(mlflow_template, db)
     client = MlflowClient(f"sqlite:///{db}")
-    experiment = client.create_experiment("relax")
+    experiment = client.create_experiment("relax", artifact_location=str(tmp_path / "artifacts"))  # not ./mlruns
     first, evaluation = (client.create_run(experiment, tags={"sweep_id": s}).info.run_id for s in ("S1", "S2"))
     job = ["seed=1", "train.lr=0.01", "tracking.arm='train.lr=0.01'"]  # a job of -m train.lr=0.01,0.001 seed=1
     monkeypatch.setenv("MLFLOW_RUN_CONTEXT", json.dumps({"relax.sweep_job": "S1/0"}))  # as the launcher sets it
