@@ -6,6 +6,7 @@ import dataclasses
 
 from relax import algorithms
 from relax.algorithms.base import loss_agg_mode
+from relax.config.derive import agentic
 from relax.config.schema import RelaxConfig
 
 # the loss aggregation's fields: the train line shows the mode the loss uses (`_loss_agg`), not the setting
@@ -55,6 +56,15 @@ def _loss_agg(cfg: RelaxConfig) -> str:
     return f"loss_agg_mode={mode}" + (f" (loss_scale_factor={factor:g})" if factor is not None else "")
 
 
+def _agent(cfg: RelaxConfig) -> str:
+    """What answers the model's turns in an agentic run (data.env, data.tools, data.agent, data.openai_agent), for the
+    data line: runs of one data set with different agents must not print the same header."""
+    d = cfg.data
+    parts = [f"env={d.env}" if d.env else "", f"tools=[{','.join(d.tools)}]" if d.tools else "",
+             f"agent={d.agent}" if d.agent else "", f"openai_agent={d.openai_agent}" if d.openai_agent else ""]
+    return "".join(f", {p}" for p in parts if p)
+
+
 def config_summary(cfg: RelaxConfig) -> str:
     a, m, ro, t, d = cfg.algorithm, cfg.model, cfg.rollout, cfg.train, cfg.data
     model = m.path or m.name
@@ -62,14 +72,16 @@ def config_summary(cfg: RelaxConfig) -> str:
                if d.overlong_buffer_len else "")
     filtering = (f", filter_groups (rounds of {ro.over_sampling_batch_size} prompts, at most {ro.max_filter_rounds})"
                  if ro.filter_groups else "")
+    # an episode's limits (the derived config's max_episode_tokens: the default resolved) only where there are turns
+    episodes = (f", max_turns={ro.max_turns}, max_episode_tokens={ro.max_episode_tokens}" if agentic(cfg) else "")
     tokens = f" (<= {t.max_tokens_per_micro_batch} tokens)" if t.max_tokens_per_micro_batch is not None else ""
     tokens += " packed" if t.pack_sequences else ""
     lines = [
         f"algorithm  {a.name}  {_changed(a)}".rstrip(),
         f"model      {model} (source={m.source}, dtype={m.dtype})",
-        f"data       {d.name} (reward={_reward(cfg)}{shaping}{_reward_model(cfg)})",
+        f"data       {d.name} (reward={_reward(cfg)}{shaping}{_reward_model(cfg)}{_agent(cfg)})",
         f"rollout    {ro.backend}: {ro.rollout_batch_size} prompts x {ro.n_samples_per_prompt} samples, "
-        f"max_response_len={ro.max_response_len}, temperature={ro.temperature}{filtering}",
+        f"max_response_len={ro.max_response_len}{episodes}, temperature={ro.temperature}{filtering}",
         f"train      {t.backend}: {t.num_rollout} rollouts{' (evaluation only)' if t.num_rollout == 0 else ''}, "
         f"global_batch_size={t.global_batch_size}, "
         f"micro_batch_size={t.micro_batch_size}{tokens}, steps/rollout={t.num_steps_per_rollout}, lr={t.lr}, "
