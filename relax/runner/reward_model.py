@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -198,10 +197,8 @@ def _check_judge(cfg: RelaxConfig) -> None:
             check_model_files(model_cfg, key="reward_model.path")
             load_tokenizer(model_cfg, key="reward_model.path")
         except (FileNotFoundError, ValueError) as exc:
-            # the loaders name the path's option (key); the judge has no source option (the file's name chooses),
-            # so their "model.source=...: " prefix would name one the user never set
-            text = re.sub(r"^model\.source=\w+: ", "", str(exc))
-            raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {text}") \
+            # the loaders name the path's option (key), with no model.source (the judge's file's name chooses)
+            raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {exc}") \
                 from None
         if model_cfg.source == "hf":
             judge_config(reward_model_dir(cfg))  # a causal LM, as a classifier's check refuses one
