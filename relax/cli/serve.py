@@ -4,7 +4,9 @@
     relax-serve --port 30000 --config resolved_config.json
 
 The model is the one `relax-train` with the same overrides would build (or the one a resolved config JSON, as
-`dataclasses.asdict(cfg)` writes it, describes). See `relax.serve.sglang.server` for the protocol.
+`dataclasses.asdict(cfg)` writes it, describes). An override of a key relax-serve does not read (`READ_KEYS`: a
+training option such as train.lr or rollout.temperature) is refused before the model loads, as Hydra's own keys are.
+See `relax.serve.sglang.server` for the protocol.
 """
 
 from __future__ import annotations
@@ -131,21 +133,82 @@ def config_from_json(path: str | Path) -> RelaxConfig:
     return check(resolve(cfg))
 
 
+# What relax-serve reads of Relax's config, traced in its code (relax/serve/sglang/server.py `_build`, `_server_info`
+# and `_openai`; server_args.py; weights.py): the model it builds and serves (model.*, and seed: a model built from
+# its config is initialised under it, and /get_server_info reports it), data.tool_parser (the OpenAI routes' calls),
+# the SGLang server flags of a run's servers (rollout.lora_sync with LoRA: --enable-lora; rollout.routing_replay and
+# rollout.record_routes: --enable-return-routed-experts; cluster.colocate: --enable-memory-saver), and what composes
+# the config (plugins' config groups, an experiment's model; hydra.searchpath: `_hydra_key`). The OpenAI routes
+# sample with each request's own parameters, not rollout.*; nothing here trains, evaluates or logs to MLflow.
+READ_KEYS = ("model", "seed", "plugins", "experiment", "data.tool_parser", "rollout.lora_sync",
+             "rollout.routing_replay", "rollout.record_routes", "cluster.colocate")
+# model.* keys no server reads: activation recompute saves the trainer's memory in a backward; the engine has none
+# (transformers recomputes only in training mode). model.lora_adapter_path has its own refusal (`_load`).
+UNREAD_MODEL_KEYS = ("model.gradient_checkpointing",)
+
+
+def _override_key(override: str) -> str:
+    """The key (or config group) `override` sets or deletes: `train.lr` of `+train.lr=1`, `~train.lr`, `++train.lr=1`;
+    `model` of `model=tiny` and `model@x=tiny`."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0].strip()
+
+
 def _hydra_key(override: str) -> bool:
     """Whether `override` sets one of Hydra's own keys or chooses in one of its groups (`hydra.job.chdir=true`,
     `~hydra.run.dir`, `hydra/job_logging=disabled`, `hydra/launcher=basic`), `hydra.searchpath` aside."""
-    key = override.split("=", 1)[0].lstrip("+~")
+    key = _override_key(override)
     return key.startswith(("hydra.", "hydra/")) and key != "hydra.searchpath"
 
 
-def _no_hydra_job(override: str) -> Violation:
-    """The problem of `override`, one of Hydra's own (`_hydra_key`): relax-serve runs no Hydra job, so it would do
-    nothing."""
+def _in_schema(key: str) -> bool:
+    """Whether `key` (dotted) names a field of Relax's schema, a key of one of its free mappings (data.eval_sets.x) or
+    an algorithm's option (algorithm.*: the algorithm chosen decides which)."""
+    from relax.config.schema import RelaxConfig
+
+    tp: Any = RelaxConfig
+    for part in key.split("."):
+        if tp is Any or typing.get_origin(tp) is dict or tp is dict:
+            return True
+        if not dataclasses.is_dataclass(tp):
+            return False
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            return False
+        tp = hints[part]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):  # Optional[X]: X
+            tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+    return True
+
+
+def _unread_key(override: str) -> bool:
+    """Whether `override` sets (or deletes) a key of Relax's config that relax-serve never reads (`READ_KEYS`), or
+    chooses in one of its groups that set only such keys (algorithm=, rollout=, data=, cluster=, teacher=,
+    reward_model=). A key the schema lacks is not one: the config's check names it (`unknown key train.lrr (did you
+    mean train.lr?)`), as Hydra's own keys are `_hydra_key`'s."""
+    key = _override_key(override)
+    if key in UNREAD_MODEL_KEYS:
+        return True
+    if key.startswith(("hydra.", "hydra/")):
+        return False
+    if any(key == read or key.startswith(read + ".") for read in READ_KEYS):
+        return False
+    return _in_schema(key)
+
+
+def _no_effect(override: str) -> Violation | None:
+    """The problem of `override` where it would do nothing in relax-serve: one of Hydra's own keys (`_hydra_key`:
+    relax-serve runs no Hydra job) or a key relax-serve does not read (`_unread_key`); None where it acts."""
     from relax.algorithms.base import Violation
 
-    key = override.split("=", 1)[0].lstrip("+~")
-    return Violation((key,), f"{override}: relax-serve runs no Hydra job, so this override has no effect here: "
-                             "leave it out")
+    key = _override_key(override)
+    if _hydra_key(override):
+        why = "relax-serve runs no Hydra job"
+    elif _unread_key(override):
+        read = ", ".join(f"{k}.*" if k == "model" else k for k in READ_KEYS)
+        why = f"relax-serve does not read {key} (it reads {read})"
+    else:
+        return None
+    return Violation((key,), f"{override}: {why}, so this override has no effect here: leave it out")
 
 
 def _load(args: argparse.Namespace) -> RelaxConfig:
@@ -161,10 +224,14 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     # are found with the last of each
     repeated, overrides = duplicate_problems(args.overrides, command="config")
     # Hydra's own keys and groups (hydra.job.chdir, hydra.run.dir, hydra/job_logging, the launcher's) configure a
-    # Hydra job, and relax-serve runs none: each is refused rather than accepted to do nothing. hydra.searchpath is
-    # kept: it adds config groups to the composition relax-serve's config comes from
-    extra = [*repeated, *(_no_hydra_job(o) for o in overrides if _hydra_key(o))]
-    overrides = [o for o in overrides if not _hydra_key(o)]
+    # Hydra job, which relax-serve does not run, and the keys it does not read (train.lr, rollout.temperature: see
+    # READ_KEYS) would do nothing: each is refused in one line rather than accepted (or checked) to do nothing, and
+    # left out of the composition, so that rollout.temperature=0 is named for doing nothing here, not for being 0.
+    # hydra.searchpath is kept: it adds config groups to the composition relax-serve's config comes from
+    unused = {o: v for o in overrides if (v := _no_effect(o)) is not None}
+    refused = {v.fields[0] for v in unused.values()}
+    extra = [*(r for r in repeated if r.fields[0] not in refused), *unused.values()]  # one line per such key
+    overrides = [o for o in overrides if o not in unused]
     try:
         if args.config:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
