@@ -387,8 +387,9 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
         if OWN_CONFIG_FLAGS.get(flag) != "path" or (not eq and i + 1 >= len(out)):
             continue
         value = value if eq else out[i + 1]
+        given = f"{flag}{'=' if eq else ' '}{value}"  # as the user typed it, in the messages
         if value.startswith("~"):  # quoted, or `-cp=~/x`: the shell here left it to the job
-            return out, (f"{flag} {value}: `~` is the home directory of the user the job runs as on the cluster, "
+            return out, (f"{given}: `~` is the home directory of the user the job runs as on the cluster, "
                          "which relax-submit cannot read here to check the config before submitting (it would read "
                          "yours): give the directory's absolute path on storage the cluster's nodes share")
         if not value or "://" in value or value.startswith("/"):
@@ -401,18 +402,18 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
         if not exp_dir:
             rel = path.relative_to(working_dir) if path.is_relative_to(working_dir) else None
             if rel is None:
-                return out, (f"{flag} {value}: a relative config directory is read from {where}; {path} is outside "
+                return out, (f"{given}: a relative config directory is read from {where}; {path} is outside "
                              "it, so the job would not have it: give its absolute path on storage the cluster's "
                              "nodes share")
             left_out = next((p for part in rel.parts for p in EXCLUDES if fnmatch(part, p.removeprefix("**/"))),
                             None)
             if left_out is not None:
-                return out, (f"{flag} {value}: a relative config directory is read from {where}, but {rel} is not "
+                return out, (f"{given}: a relative config directory is read from {where}, but {rel} is not "
                              f"uploaded with it (relax-submit leaves out {left_out!r}: run outputs, stores, "
                              "checkpoints): give its absolute path on storage the cluster's nodes share, or use "
                              "--exp-dir with -cp relative to it")
         if not path.is_dir():
-            return out, (f"{flag} {value}: a relative config directory is read from {where}: {path} is not a "
+            return out, (f"{given}: a relative config directory is read from {where}: {path} is not a "
                          "directory here, so the config cannot be checked before submitting (give -cp as it is "
                          "there, or its absolute path)")
         if eq:

@@ -246,9 +246,13 @@ def test_a_config_path_in_the_home_directory_is_refused(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit) as exc:
         main(["--dry-run", "--", "-cp=~/ckpt", "-cn", "config", *absolute])
     assert exc.value.code == 2 and capsys.readouterr().err == (
-        "relax-submit: error: -cp ~/ckpt: `~` is the home directory of the user the job runs as on the cluster, which "
+        "relax-submit: error: -cp=~/ckpt: `~` is the home directory of the user the job runs as on the cluster, which "
         "relax-submit cannot read here to check the config before submitting (it would read yours): give the "
         "directory's absolute path on storage the cluster's nodes share\nNothing was submitted.\n")
+    with pytest.raises(SystemExit) as exc:  # the flag is quoted as typed: here with a space
+        main(["--dry-run", "--", "--config-path", "~/ckpt", "-cn", "config", *absolute])
+    assert exc.value.code == 2 and capsys.readouterr().err.startswith(
+        "relax-submit: error: --config-path ~/ckpt: `~` is the home directory")
     main(["--dry-run", "--", f"-cp={tmp_path / 'ckpt'}", "-cn", "config", *absolute])
     assert f"-cp={tmp_path / 'ckpt'} -cn config" in capsys.readouterr().out
 
