@@ -199,6 +199,10 @@ def test_the_gateway_serves_the_model_object_by_id(gateway, smol):
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-4o")
     assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    # ...while a chat request may name any model, as on SGLang (agent frameworks send the name their user
+    # configured): the served model answers, and the answer echoes the request's name (docs/agents.md)
+    r = client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert (r.model, r.choices[0].message.content) == ("gpt-4o", "hi")
     bad_key = openai.OpenAI(base_url=gw.base_url, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.models.retrieve("policy")
