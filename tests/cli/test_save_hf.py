@@ -269,7 +269,9 @@ def test_lora_with_log_model_is_refused_before_the_run_and_the_way_it_names_logs
     fresh_store(tmp_path)
     cfg = committed_final(tmp_path, "model.lora_rank=4", "train.lr=0.05")
     client = MlflowClient(cfg.tracking.uri)
-    run_id = client.create_run(client.create_experiment("lora")).info.run_id
+    # its artifacts under tmp_path: MLflow's default artifact root is ./mlruns of the cwd
+    experiment = client.create_experiment("lora", artifact_location=str(tmp_path / "artifacts"))
+    run_id = client.create_run(experiment).info.run_id
     export.main([str(tmp_path / "ckpt"), str(tmp_path / "adapters")])
     capsys.readouterr()
     assert model.main([str(tmp_path / "adapters"), "--run-id", run_id, "--uri", cfg.tracking.uri]) == 2
