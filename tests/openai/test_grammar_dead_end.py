@@ -137,7 +137,26 @@ def test_generate_answers_a_dead_end_grammar_with_a_400(engine):
     long = {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}
     status, text = _generate(engine, long)
     assert status == 400 and "context" in json.loads(text)["error"]["message"], text
+    # the request's fault, with no code of its own (OpenAI's context overflow is a plain invalid_request_error)
+    assert (json.loads(text)["error"]["type"], json.loads(text)["error"]["code"]) == ("invalid_request_error", None)
     assert _streamed_error(engine, long) == {**json.loads(text)["error"], "status": 400}
+
+
+def test_a_streamed_error_is_raised_as_its_event_says():
+    """The OpenAI service reads relax-serve's engine stream through `_Aborting`: an error event is raised with the
+    event's own status, type and code, not rebuilt from the request's (here a 500 without a code)."""
+    from types import SimpleNamespace
+
+    from relax.serve.openai.protocol import APIError
+    from relax.serve.sglang.server import _Aborting
+    from relax.serve.sglang.stream import error_event
+
+    request = SimpleNamespace(error=None, error_status=500, error_code=None)
+    sent = error_event(APIError("the engine is loading", status=503, kind="server_error", code="not_ready"))
+    with pytest.raises(APIError) as raised:
+        next(_Aborting(iter([sent]), request, None))
+    assert (str(raised.value), raised.value.status, raised.value.kind, raised.value.code, raised.value.param) == \
+        ("the engine is loading", 503, "server_error", "not_ready", None)
 
 
 def test_a_dead_row_is_left_unmasked_and_ended_while_the_others_are_masked(engine):

@@ -112,6 +112,7 @@ from relax.serve.sglang.stream import (
     abort_rest,
     answer_events,
     error_event,
+    event_error,
     failure,
     request_error,
     write_events,
@@ -172,7 +173,7 @@ class _Handler(Handler):
 class _Aborting:
     """A request's stream events (`relax.serve.sglang.stream.answer_events`) that abort what still runs of the request
     when closed, started or not (a generator closed before it started runs no cleanup); an error event is raised as
-    the APIError `_send_openai` raises for it (`relax.serve.sglang.stream.request_error`)."""
+    the APIError `_send_openai` raises for it (`relax.serve.sglang.stream.event_error`)."""
 
     def __init__(self, events: Iterator[dict], request: Request, scheduler: Scheduler):
         self.events, self.request, self.scheduler = events, request, scheduler
@@ -183,7 +184,7 @@ class _Aborting:
     def __next__(self) -> dict:
         event = next(self.events)
         if "error" in event:  # the error `send` raises for the same request (a dead end's 400, not a 500)
-            raise request_error(self.request, event["error"]["message"])
+            raise event_error(event)
         return event
 
     def close(self) -> None:

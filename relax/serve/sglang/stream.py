@@ -55,6 +55,14 @@ def error_event(error: APIError) -> dict:
     return body
 
 
+def event_error(event: dict) -> APIError:
+    """The APIError of a stream's error event (`error_event`'s), built from the event's own fields, so that the
+    error raised for it is the one the stream's client reads."""
+    error = event["error"]
+    return APIError(error["message"], status=int(error.get("status", 500)), param=error.get("param"),
+                    kind=error.get("type", "server_error"), code=error.get("code"))
+
+
 class Events:
     """An answer sent as server-sent events, one per dict `events` yields."""
 
