@@ -129,7 +129,7 @@ def test_relax_train_evaluates_a_saved_config_with_its_saving_options(tmp_path):
     _, directory = saved(tmp_path, "train.save_interval=2", "train.save_hf=true")
     run = subprocess.run([sys.executable, "-m", "relax.cli.train", "-cp", str(directory), "-cn", "config",
                           "train.num_rollout=0", "dry_run=true", f"train.save_dir={tmp_path / 'ck'}"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)  # Hydra's outputs/ here
     assert run.returncode == 0, run.stderr
     assert "train.save_interval=2, train.save_hf=True (the training run's) do not apply" in run.stderr
     assert "dry run: config valid" in run.stdout
