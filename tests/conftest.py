@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,6 +76,16 @@ def listening():
 
     with listening_port() as port:
         yield port
+
+
+@pytest.fixture
+def closed_port() -> Iterator[Callable[[], int]]:
+    """`closed_port()` gives a port where nothing listens, held (bound, never listening) until the test ends
+    (`ports.closed_ports`): a connection to it is refused, and no other process can take it meanwhile."""
+    from ports import closed_ports
+
+    with closed_ports() as take:
+        yield take
 
 
 @pytest.fixture

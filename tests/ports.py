@@ -1,12 +1,12 @@
 """Ports for tests that must name them before a process binds them (Ray heads, rendezvous stores, nodes), and the two
-ends of an endpoint check: a port where nothing listens, one where a socket does (and one where a real gRPC server
+ends of an endpoint check: ports where nothing listens, one where a socket does (and one where a real gRPC server
 answers, as a Ray head's does)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 def free_ports(n: int) -> list[int]:
@@ -19,11 +19,20 @@ def free_ports(n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
-def closed_port() -> int:
-    """A port where nothing listens: bound by this process, then closed."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def closed_ports() -> Iterator[Callable[[], int]]:
+    """`take()` gives a port where nothing listens, each held until the context ends: its socket stays bound (without
+    SO_REUSEADDR) and never listens, so a connection to it is refused and nobody else can bind it meanwhile. A port
+    picked free and closed could be taken at once by another process (another xdist worker's Ray or server), and the
+    check that expects "refused" would reach that server."""
+    with contextlib.ExitStack() as stack:
+
+        def take() -> int:
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+        yield take
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from ports import closed_port
 
 from relax.cli import compare as compare_cli
 from relax.cli import verify_run as verify_cli
@@ -53,7 +52,7 @@ def _compare(argv: list[str], capsys) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("uri", ["http://127.0.0.1:{port}", "postgresql://relax@127.0.0.1:{port}/mlflow"])
-def test_an_unreachable_store_is_one_line_in_seconds(uri, capsys):
+def test_an_unreachable_store_is_one_line_in_seconds(closed_port, uri, capsys):
     port = closed_port()
     uri = uri.format(port=port)
     t0 = time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from ports import closed_port
 from relax_train_inprocess import relax_train
 
 from relax.runner.endpoints import ENDPOINT_TIMEOUT_S
@@ -44,7 +43,7 @@ def sweep(tmp_path, monkeypatch, capfd):
     return run
 
 
-def test_an_unreachable_launcher_address_is_refused_before_the_parent_run(sweep, tmp_path, grpc_listening):
+def test_an_unreachable_launcher_address_is_refused_before_the_parent_run(closed_port, sweep, tmp_path, grpc_listening):
     port = closed_port()
     code, err, seconds = sweep(f"hydra.launcher.address=127.0.0.1:{port}")
     assert code == 2, err
@@ -58,7 +57,7 @@ def test_an_unreachable_launcher_address_is_refused_before_the_parent_run(sweep,
     assert code == 99, err
 
 
-def test_the_launcher_address_is_probed_in_place_of_cluster_address(sweep, grpc_listening):
+def test_the_launcher_address_is_probed_in_place_of_cluster_address(closed_port, sweep, grpc_listening):
     """The launcher joins `hydra.launcher.address` when both are set: that is the address probed and named."""
     port = closed_port()
     code, err, _ = sweep(f"hydra.launcher.address=127.0.0.1:{port}", f"cluster.address=127.0.0.1:{grpc_listening}")
@@ -66,7 +65,8 @@ def test_the_launcher_address_is_probed_in_place_of_cluster_address(sweep, grpc_
     assert f"cannot join Ray: hydra.launcher.address=127.0.0.1:{port}: connection to 127.0.0.1:{port} refused" in err
 
 
-def test_an_unreachable_ray_address_is_named_as_ray_not_as_an_invalid_config(sweep, monkeypatch, grpc_listening):
+def test_an_unreachable_ray_address_is_named_as_ray_not_as_an_invalid_config(closed_port, sweep, monkeypatch,
+                                                                              grpc_listening):
     """RAY_ADDRESS (joined when neither option is set) gets the same refusal; before, the jobs' own check named it
     under the header `invalid config in 2 of 2 sweep jobs`, which it is not."""
     port = closed_port()

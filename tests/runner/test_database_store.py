@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-from ports import closed_port
 from relax_train_inprocess import relax_train
 
 from relax.config import load_config
@@ -51,7 +50,8 @@ def test_what_is_no_database_server_is_not_the_drivers_check():
     assert "no driver 'postgresql+nosuch'" in driver_problem("postgresql+nosuch://h/db")
 
 
-def test_the_database_server_is_probed_at_its_port_and_a_refused_one_is_named_without_its_secrets(tmp_path):
+def test_the_database_server_is_probed_at_its_port_and_a_refused_one_is_named_without_its_secrets(
+        closed_port, tmp_path):
     port = closed_port()
     cfg = load_config([f"tracking.uri='mysql://relax@127.0.0.1:{port}/mlflow?token=s3cret'"])
     [target] = endpoint_targets(cfg)
@@ -67,7 +67,7 @@ def test_the_database_server_is_probed_at_its_port_and_a_refused_one_is_named_wi
 
 
 @pytest.mark.skipif(importlib.util.find_spec("psycopg") is not None, reason="needs postgresql's driver missing")
-def test_relax_train_refuses_a_database_store_before_anything_moves(capfd, tmp_path):
+def test_relax_train_refuses_a_database_store_before_anything_moves(closed_port, capfd, tmp_path):
     """The reviewer's case: one line, exit 2, the earlier run's checkpoint where it was, for the dry run and the real
     start alike."""
     save_dir = tmp_path / "ckpt"
@@ -90,7 +90,7 @@ def _earlier_checkpoint(save_dir: Path) -> None:
     (save_dir / "step_000004" / "state.json").write_text(json.dumps({"step": 4, "lineage": "feedbeef"}))
 
 
-def test_a_run_whose_store_fails_at_start_moves_the_earlier_checkpoints_back(tmp_path, capsys):
+def test_a_run_whose_store_fails_at_start_moves_the_earlier_checkpoints_back(closed_port, tmp_path, capsys):
     """Past the checks (the store's driver uninstalled, or its server gone, in between): `Session` fails to open the
     MLflow run with a one-line RunError, and the checkpoints the fresh run set aside are back in place. Negative
     control: on the code before, Tracker.start raised the driver's ModuleNotFoundError and `earlier/` kept them."""

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ports import closed_port
 from relax_train_inprocess import relax_train
 
 from relax.config import load_config
@@ -84,7 +83,8 @@ HTTP = {"rollout.sglang.urls[0]", "tracking.uri", "data.reward", "reward_model.u
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(name, grpc_listening, answering):
+def test_a_refused_address_is_named_with_its_option_and_a_listening_one_passes(closed_port, name, grpc_listening,
+                                                                                answering):
     overrides, address = CASES[name]
     option = name.split(" ")[0]
     port = closed_port()
@@ -149,7 +149,7 @@ def test_a_ray_cluster_with_tls_is_probed_over_tls(monkeypatch, grpc_listening):
         assert "answers, but not as a gRPC server" in clear.problems["endpoints"], clear.render()
 
 
-def test_ray_address_is_probed_when_it_will_be_joined(monkeypatch, grpc_listening):
+def test_ray_address_is_probed_when_it_will_be_joined(closed_port, monkeypatch, grpc_listening):
     port = closed_port()
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     pre = preflight(load_config([]), only=("endpoints",))
@@ -171,7 +171,7 @@ def test_what_cannot_be_probed_is_left_to_ray_and_local_stores_are_not_probed(mo
     assert endpoint_targets(load_config([])) == []
 
 
-def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(answering):
+def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(closed_port, answering):
     a, b = closed_port(), closed_port()
     cfg = load_config([f"cluster.address=127.0.0.1:{a}", "rollout=sglang", "rollout.num_replicas=2",
                        f"rollout.sglang.urls=[http://127.0.0.1:{answering},http://127.0.0.1:{b}]",
@@ -187,7 +187,7 @@ def test_every_unreachable_address_is_reported_at_once_with_the_other_problems(a
     assert message.startswith("2 problems:") and "no_such_proj" in message and f"127.0.0.1:{b}" in message
 
 
-def test_the_real_start_stops_before_ray_and_relax_train_exits_2(monkeypatch, capfd, tmp_path):
+def test_the_real_start_stops_before_ray_and_relax_train_exits_2(closed_port, monkeypatch, capfd, tmp_path):
     """`relax-train train.num_rollout=3 tracking.uri=http://127.0.0.1:P`: no MLflow retries, no Ray, exit 2."""
     from relax.runner.cluster import RayRuntime
 
@@ -205,7 +205,7 @@ def test_the_real_start_stops_before_ray_and_relax_train_exits_2(monkeypatch, ca
     assert time.monotonic() - t0 < 60  # the check itself: milliseconds; the rest is the tokenizer and data
 
 
-def test_relax_train_dry_run_names_an_unreachable_ray_cluster(capfd):
+def test_relax_train_dry_run_names_an_unreachable_ray_cluster(closed_port, capfd):
     port = closed_port()
     code, out, err = relax_train(["dry_run=true", "train.num_rollout=3", f"cluster.address=127.0.0.1:{port}"], capfd)
     assert code == 2, out + err
@@ -215,8 +215,8 @@ def test_relax_train_dry_run_names_an_unreachable_ray_cluster(capfd):
     assert "Traceback" not in out + err
 
 
-def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_any_job(capfd, tmp_path, answering,
-                                                                                      monkeypatch):
+def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_any_job(closed_port, capfd, tmp_path,
+                                                                                      answering, monkeypatch):
     """`relax-train -m`: the launcher checks each job (`check_sweep_job`: rules and addresses) before it opens the
     sweep's MLflow parent run (MLflow's retries: minutes) or starts Ray; the same sweep at a listening port (the
     control) passes the check and goes on to the parent run, which is stopped here."""
@@ -240,7 +240,7 @@ def test_a_sweep_names_an_unreachable_tracking_server_before_its_parent_run_or_a
 
 
 def test_a_sweep_names_an_unreachable_tracking_store_without_its_secrets_apart_from_a_jobs_own_problem(
-        capfd, tmp_path):
+        closed_port, capfd, tmp_path):
     """A token in the URI's query is not echoed (users and passwords in URLs are refused by the rules); a job's own
     problem (a reward that does not import) is still listed as before, under its job."""
     port = closed_port()
@@ -312,7 +312,7 @@ def test_the_cli_turns_a_startup_error_into_a_message(monkeypatch, capfd, tmp_pa
     assert "Traceback" not in out + err
 
 
-def test_a_token_in_a_url_query_is_not_echoed(answering):
+def test_a_token_in_a_url_query_is_not_echoed(closed_port, answering):
     """A tracking server or reward service behind a proxy that takes its token in the query (`?token=...`): the
     message names the address without it (the sweep's lines do the same: `relax.config.credentials.without_secrets`)."""
     port = closed_port()
@@ -323,7 +323,7 @@ def test_a_token_in_a_url_query_is_not_echoed(answering):
     assert "s3cr3t" not in pre.render()
 
 
-def test_a_sweep_job_keeps_its_tracking_store_apart_by_the_endpoints_mark_not_by_the_message(monkeypatch):
+def test_a_sweep_job_keeps_its_tracking_store_apart_by_the_endpoints_mark_not_by_the_message(closed_port, monkeypatch):
     """`check_sweep_job` says an unreachable MLflow store apart (`SweepJobError.store`, said once by the launcher) by
     what the endpoints check marks it (`Endpoint.tracking_store`), not by its message's `tracking.uri=` prefix: the
     store named otherwise (here MLFLOW_TRACKING_URI, as Ray's head is named RAY_ADDRESS when cluster.address is
