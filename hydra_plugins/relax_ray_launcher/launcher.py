@@ -64,11 +64,11 @@ from hydra_plugins.relax_ray_launcher.sweep import (
     derive_arms,
     format_table,
     new_sweep_id,
-    plain_ray_log_prefix,
     tracking_overrides,
 )
 from relax.metrics import RAW_REWARD
 from relax.runner.preempt import Signalled
+from relax.runner.ray_logs import plain_ray_log_prefix
 
 log = logging.getLogger(__name__)
 INVALID_CONFIG_EXIT = 2  # as relax-train's single-run validation

@@ -8,7 +8,7 @@ import math
 import textwrap
 import time
 import uuid
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,18 +59,6 @@ def derive_arms(job_overrides: Sequence[Sequence[str]],
         parts = [f"{k}={values[k]}" for k in keys if k in values]
         arms.append(",".join(parts) or None)
     return arms
-
-
-def plain_ray_log_prefix(environ: MutableMapping[str, str], streams: Sequence[object]) -> None:
-    """RAY_COLOR_PREFIX=0 in `environ` unless every one of `streams` is a terminal (or the user set it): Ray wraps the
-    `(_execute_job pid=...)` prefix of each job's forwarded line in ANSI colour codes, which a log file keeps raw.
-    Ray's driver reads the variable at each line it prints (ray._private.worker.print_worker_logs)."""
-    def tty(stream: object) -> bool:
-        isatty = getattr(stream, "isatty", None)
-        return bool(isatty()) if callable(isatty) else False
-
-    if not all(tty(s) for s in streams):
-        environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def quote(value: str) -> str:

@@ -50,6 +50,7 @@ from relax.runner.plan import (
     reserve,
 )
 from relax.runner.ray_auth import enable_token_auth
+from relax.runner.ray_logs import plain_ray_log_prefix
 from relax.runner.restarts import Restarts
 from relax.runner.reward_model import worker_class
 from relax.runner.watchdog import Watchdog
@@ -85,6 +86,7 @@ class RayRuntime:
             return self
         # roles inherit the driver's environment on a local Ray: no per-file progress bars from model loading
         os.environ.setdefault("TQDM_DISABLE", "1")
+        plain_ray_log_prefix(os.environ, (sys.stdout, sys.stderr))  # roles' lines go to either; no colour in a file
         address = source.address
         kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
                       configure_logging=True)

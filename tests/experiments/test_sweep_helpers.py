@@ -1,6 +1,8 @@
 """The launcher's pure parts: arm names, per-job overrides, the table; the sweep tags of a run."""
 
 import io
+import os
+import sys
 from types import SimpleNamespace
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -9,11 +11,11 @@ from hydra_plugins.relax_ray_launcher.sweep import (
     JobRow,
     derive_arms,
     format_table,
-    plain_ray_log_prefix,
     quote,
     swept_keys,
     tracking_overrides,
 )
+from relax.runner.ray_logs import plain_ray_log_prefix
 from relax.tracking.params import TAG_OVERRIDES, TAG_SWEEP_ID, overrides_text, standard_tags
 
 
@@ -127,3 +129,27 @@ def test_ray_prints_the_jobs_line_prefix_without_colour_unless_both_streams_are_
     plain_ray_log_prefix(env, (_Stream(False), _Stream(False)))  # the user's setting wins
     assert env == {"RAY_COLOR_PREFIX": "1"}
 
+
+def test_the_sweeps_ray_starts_without_colour_when_output_is_not_a_terminal(monkeypatch):
+    """The launcher decides through plain_ray_log_prefix (relax.runner.ray_logs, which a single run's RayRuntime
+    also calls: tests/runner/test_ray_runtime.py): with stdout a file, ray.init runs with RAY_COLOR_PREFIX=0; on a
+    terminal, it stays unset."""
+    import ray
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.relax_ray_launcher.launcher import RelaxRayLauncher
+
+    seen: list = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda address=None, **kwargs: seen.append(os.environ.get("RAY_COLOR_PREFIX")))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sweep = RelaxRayLauncher()
+    sweep.config = OmegaConf.create({})
+    for tty, expected in ((False, "0"), (True, None)):
+        monkeypatch.setenv("RAY_COLOR_PREFIX", "unset")
+        monkeypatch.delenv("RAY_COLOR_PREFIX")  # restored (unset) after the test, whatever the start sets
+        monkeypatch.setattr(sys, "stdout", _Stream(tty))
+        monkeypatch.setattr(sys, "stderr", _Stream(tty))
+        sweep._init_ray()
+        assert seen[-1] == expected, tty
+    assert len(seen) == 2
