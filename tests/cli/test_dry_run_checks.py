@@ -25,7 +25,7 @@ RAISES_ON_TOOL = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _broken_template(tmp: Path) -> list[str]:
+def _broken_template(tmp: Path, _: object) -> list[str]:
     from relax.data.tokenizer import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
@@ -36,7 +36,7 @@ def _broken_template(tmp: Path) -> list[str]:
             "rollout.max_prompt_len=400", "model.max_position_embeddings=1024"]
 
 
-def _locked_save_dir(tmp: Path) -> list[str]:
+def _locked_save_dir(tmp: Path, _: object) -> list[str]:
     """A save directory another relax-train holds (its flock on .lock, taken here as that run would)."""
     save = tmp / "ckpt"
     save.mkdir()
@@ -49,35 +49,27 @@ def _locked_save_dir(tmp: Path) -> list[str]:
 _HELD: list[int] = []
 
 
-def _closed_port() -> int:
-    """A port where nothing listens (bound, then closed): a Ray cluster there cannot be joined
-    (tests/runner/test_preflight_endpoints.py: every address the check probes)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-# check name -> (overrides of a config that breaks it, given this test's tmp dir; a text its problem contains)
+# check name -> (overrides of a config that breaks it, given this test's tmp dir and its `closed_port` (a port where
+# nothing listens, held for the test: a Ray cluster there cannot be joined); a text its problem contains)
 CASES = {
-    "model": (lambda tmp: ["model=qwen3_0.6b"], "$MODEL_DIR is not set"),  # a new user's first try
-    "tokenizer": (lambda tmp: [f"model.tokenizer={tmp / 'missing'}"], "model.tokenizer="),
-    "teacher": (lambda tmp: ["algorithm=opd", f"teacher.path={tmp / 'no-teacher'}"], "the teacher (teacher.path="),
-    "data": (lambda tmp: ["data=jsonl", f"data.path={tmp / 'missing.jsonl'}"], "missing.jsonl"),
-    "reward": (lambda tmp: ["data.reward=no_such_module:fn"], "no_such_module"),
+    "model": (lambda tmp, _: ["model=qwen3_0.6b"], "$MODEL_DIR is not set"),  # a new user's first try
+    "tokenizer": (lambda tmp, _: [f"model.tokenizer={tmp / 'missing'}"], "model.tokenizer="),
+    "teacher": (lambda tmp, _: ["algorithm=opd", f"teacher.path={tmp / 'no-teacher'}"], "the teacher (teacher.path="),
+    "data": (lambda tmp, _: ["data=jsonl", f"data.path={tmp / 'missing.jsonl'}"], "missing.jsonl"),
+    "reward": (lambda tmp, _: ["data.reward=no_such_module:fn"], "no_such_module"),
     # an environment alone reads no tool call (tests/runner/test_unread_tool_parser.py: what reads it)
-    "tool_parser": (lambda tmp: ["data=guess_number", "data.tool_parser=hermes"],
+    "tool_parser": (lambda tmp, _: ["data=guess_number", "data.tool_parser=hermes"],
                     "data.tool_parser=hermes has no effect: data.env=guess_number without data.tools"),
     "agent": (_broken_template, "cannot render the observations"),
-    "openai_agent": (lambda tmp: ["data.openai_agent=no_such_module:run", "rollout=sglang",
-                                  "rollout.sglang.server=embedded"], "no_such_module"),
-    "lora": (lambda tmp: ["model.lora_rank=4", "model.lora_target_modules=[q_proj,no_such_proj]"],
+    "openai_agent": (lambda tmp, _: ["data.openai_agent=no_such_module:run", "rollout=sglang",
+                                     "rollout.sglang.server=embedded"], "no_such_module"),
+    "lora": (lambda tmp, _: ["model.lora_rank=4", "model.lora_target_modules=[q_proj,no_such_proj]"],
              "['no_such_proj'] are not linear layers of tiny"),
-    "reward_model": (lambda tmp: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
+    "reward_model": (lambda tmp, _: ["reward_model=classifier", f"reward_model.path={tmp / 'no-rm'}"],
                      "reward_model.path="),
-    "tracking": (lambda tmp: ["tracking.uri=sqlite:////proc/nope/mlflow.db"], "nothing can be created in /proc"),
-    "endpoints": (lambda tmp: [f"cluster.address=127.0.0.1:{_closed_port()}"], "cluster.address=127.0.0.1:"),
-    "gpus": (lambda tmp: ["cluster=1xgpu"], "torch sees 0 CUDA device(s)"),
+    "tracking": (lambda tmp, _: ["tracking.uri=sqlite:////proc/nope/mlflow.db"], "nothing can be created in /proc"),
+    "endpoints": (lambda tmp, port: [f"cluster.address=127.0.0.1:{port()}"], "cluster.address=127.0.0.1:"),
+    "gpus": (lambda tmp, _: ["cluster=1xgpu"], "torch sees 0 CUDA device(s)"),
     "checkpoints": (_locked_save_dir, "is in use by another running relax-train"),
 }
 RESUME_NOWHERE = "no checkpoint there"  # the resume point, the checkpoints check's other half
@@ -119,14 +111,14 @@ def test_every_pre_ray_check_has_a_case():
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_dry_run_reports_what_the_real_start_refuses(name, tmp_path, ray_never_starts):
+def test_dry_run_reports_what_the_real_start_refuses(name, tmp_path, ray_never_starts, closed_port):
     if name == "gpus":
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU: cluster=1xgpu fits")
     overrides, needle = CASES[name]
-    cfg = load_config(overrides(tmp_path))
+    cfg = load_config(overrides(tmp_path, closed_port))
     dry = preflight(cfg)  # what dry_run=true runs: it changes nothing
     assert dry.status[name] == "failed", dry.render()
     assert needle in dry.problems[name]

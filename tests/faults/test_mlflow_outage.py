@@ -9,14 +9,13 @@ from __future__ import annotations
 import atexit
 import http.server
 import logging
-import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -384,17 +383,11 @@ def test_a_torn_last_line_is_skipped_and_later_appends_stay_whole(tmp_path: Path
 
 
 # ---------------------------------------------------------------------------- store down at the start
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def unreachable_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+def unreachable_server(monkeypatch: pytest.MonkeyPatch, closed_port: Callable[[], int]) -> Iterator[str]:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    yield f"http://127.0.0.1:{_closed_port()}"
+    yield f"http://127.0.0.1:{closed_port()}"
 
 
 class _HungStore(http.server.BaseHTTPRequestHandler):
