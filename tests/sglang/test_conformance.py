@@ -736,11 +736,12 @@ def test_a_partial_update_loads_and_a_bad_name_or_shape_fails_naming_it(url, mod
 @embedded_only
 def test_update_weights_from_distributed_through_a_gloo_group(url, models, restore):
     other = models["other"]
-    port = free_port()
+    # rank 0's store binds port 0 first (as BroadcastSync does): a port picked free and bound later could be taken
+    store, port = wire.host_update_store("127.0.0.1", 60)
     join = in_thread(post, url, "/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
         "group_name": "conformance", "backend": "gloo"})
-    group = wire.init_update_group("127.0.0.1", port, 0, 2, "conformance", "gloo", 60)
+    group = wire.init_update_group("127.0.0.1", port, 0, 2, "conformance", "gloo", 60, store=store)
     try:
         assert join.result(timeout=60).status_code == 200
         named = state_dict(other)
