@@ -37,6 +37,10 @@ from relax.roles.heartbeat import HeartbeatLink, start_heartbeat
 from relax.roles.tensor_pickling import install as install_tensor_pickling
 from relax.rollout.embedded import EmbeddedEngine
 
+# The option the reward model's files are given as: what a load error of its role names (a ModelConfig's loaders say
+# model.path unless told), as relax.runner.reward_model's preflight of the same files does.
+PATH_KEY = "reward_model.path"
+
 
 def _threads(n: Optional[int]) -> None:
     if pin_role_process() is None and n:  # pinned (cluster.role_cores): its pools sized to its cores
@@ -60,7 +64,7 @@ def reward_model_dir(cfg: RelaxConfig) -> str:
     path = cfg.reward_model.path
     if not path or not is_adapter_dir(Path(path).expanduser()):
         return path
-    return str(resolve_model_path(judge_model_config(cfg)))
+    return str(resolve_model_path(judge_model_config(cfg), key=PATH_KEY))
 
 
 class ClassifierWorker:
@@ -103,7 +107,7 @@ class JudgeWorker:
         if model_cfg.source == "hf":  # a causal LM (a classifier's checkpoint would get a random LM head); a .gguf
             judge_config(reward_model_dir(cfg))  # file is loaded as one by transformers' GGUF reader
         self.cfg, device = cfg, pick_device()
-        self.tokenizer = load_tokenizer(model_cfg)
+        self.tokenizer = load_tokenizer(model_cfg, key=PATH_KEY)  # its errors name the judge's option
         model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,
                             dtype=pick_dtype(model_cfg, device), device=device)
         model.requires_grad_(False)

@@ -37,7 +37,7 @@ def _model_dir(directory: Path, *, tokenizer: bool = False, **config: object) ->
     return directory
 
 
-def test_a_model_directory_without_tokenizer_files_is_refused_naming_its_option(tmp_path):
+def test_a_model_directory_without_tokenizer_files_is_refused_naming_its_option(tmp_path, monkeypatch):
     bare = _model_dir(tmp_path / "bare", architectures=["Qwen3ForCausalLM"])  # a judge's check reads it too
     refusal = f"cannot load the tokenizer of {{}}='{bare}': the model directory has no tokenizer files: {NONE_OF}"
 
@@ -56,6 +56,13 @@ def test_a_model_directory_without_tokenizer_files_is_refused_naming_its_option(
         check_reward_model(load_config(judge))
     assert str(judged.value) == (f"the judge (reward_model.path={bare}) cannot be loaded: "
                                  + refusal.format("reward_model.path"))
+    # the judge's role, should a run get past the preflight (the directory changed meanwhile): the same option
+    from relax.roles.reward_model import JudgeWorker
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the role sets it for its process: restored after
+    with pytest.raises(ModelFileError) as role:
+        JudgeWorker(load_config(judge))
+    assert str(role.value) == refusal.format("reward_model.path")
 
     # a classifier (which reads its tokenizer with transformers itself)
     head = _model_dir(tmp_path / "head", architectures=["Qwen3ForSequenceClassification"], num_labels=1)
