@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,38 +40,37 @@ TRACKER_LOGGER = "relax.tracking.mlflow_run"
 WAIT_S = 1.0  # FLUSH_WAIT_S in these tests
 # MLflow's variables for its HTTP client (mlflow.environment_variables), read at each request
 HTTP_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# what `mlflow server` (uvicorn) logs once it listens: the port it bound
+RUNNING_ON = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory, mlflow_template) -> Iterator[int]:
-    """`mlflow server` on a copy of the migrated empty store; its port."""
+    """`mlflow server` on a copy of the migrated empty store; its port. It binds port 0 and its uvicorn says the
+    port the kernel gave it: a port picked free and bound later could be taken by another worker's process."""
     import shutil
 
     directory = tmp_path_factory.mktemp("mlflow-server")
     shutil.copyfile(mlflow_template, directory / "mlflow.db")
-    port = _free_port()
     log = open(directory / "server.log", "w")
     # close_fds (Popen's default): the server must not inherit the CPU lock's descriptor of a flock'ed test run
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                              f"sqlite:///{directory / 'mlflow.db'}", "--default-artifact-root",
-                             str(directory / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+                             str(directory / "artifacts"), "--host", "127.0.0.1", "--port", "0",
                              "--workers", "1"], cwd=directory, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # its readiness: polled (not placing an event: waiting for one)
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
+        deadline, port = time.monotonic() + 120, None
+        while True:  # its port, then its readiness: polled (not placing an event: waiting for one)
+            if port is None and (said := RUNNING_ON.search((directory / "server.log").read_text(errors="replace"))):
+                port = int(said.group(1))
+            if port is not None:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                        if answer.status == 200:
+                            break
+                except OSError:
+                    pass
             assert proc.poll() is None, (directory / "server.log").read_text()
             assert time.monotonic() < deadline, "mlflow server did not start"
             time.sleep(0.2)
@@ -237,8 +237,8 @@ def test_the_flush_before_a_checkpoint_does_not_wait_for_a_store_that_hangs(
     assert not tracker.spool.path.exists()
 
 
-def test_relax_bounds_mlflow_http_retries_unless_the_user_set_them(policy_env: None,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_relax_bounds_mlflow_http_retries_unless_the_user_set_them(policy_env: None, monkeypatch: pytest.MonkeyPatch,
+                                                                   closed_port: Callable[[], int]) -> None:
     """Relax's HTTP policy is set where the user set nothing, and MLflow reads it: a request to a port where nothing
     listens fails within seconds (MLflow's default, 7 retries with backoff up to 120 s: minutes). A value the user
     set is kept; a sqlite store gets none."""
@@ -256,5 +256,5 @@ def test_relax_bounds_mlflow_http_retries_unless_the_user_set_them(policy_env: N
     assert all(os.environ[k] == v for k, v in set_here.items())
     t0 = time.monotonic()
     with pytest.raises(MlflowException):
-        MlflowClient(f"http://127.0.0.1:{_free_port()}").get_run("0" * 32)
+        MlflowClient(f"http://127.0.0.1:{closed_port()}").get_run("0" * 32)
     assert time.monotonic() - t0 < 15
