@@ -229,20 +229,20 @@ def test_an_actor_that_dies_while_its_weights_are_sent_restarts_the_graph(server
         engines.close()
 
 
-def test_request_timeout_bounds_the_retries():
-    client = GenerateClient(f"http://127.0.0.1:{free_port()}", request_timeout_s=1.0)  # nobody listens
+def test_request_timeout_bounds_the_retries(closed_port):
+    client = GenerateClient(f"http://127.0.0.1:{closed_port()}", request_timeout_s=1.0)  # nobody listens
     t0 = time.monotonic()
     with pytest.raises(EngineRequestError, match="request_timeout_s"):
         client.generate([{"input_ids": [1, 2]}])
     assert 1.0 <= time.monotonic() - t0 < 10 and client.retries > 1
 
 
-def test_startup_timeout_fails_with_the_servers_log(tmp_path):
+def test_startup_timeout_fails_with_the_servers_log(tmp_path, closed_port):
     proc = start_process([sys.executable, "-c", "print('loading forever', flush=True); import time; time.sleep(60)"],
                          tmp_path / "slow.log")
     try:
         with pytest.raises(StartupError, match="(?s)not healthy within 1 s.*loading forever"):
-            wait_healthy(f"http://127.0.0.1:{free_port()}/health", proc, 1.0, what="engine",
+            wait_healthy(f"http://127.0.0.1:{closed_port()}/health", proc, 1.0, what="engine",
                          log_path=tmp_path / "slow.log")
     finally:
         proc.kill()
@@ -275,10 +275,10 @@ def test_a_given_server_that_dies_stops_the_run_with_its_url(weights, tmp_path):
             engines.close()
 
 
-def test_a_server_that_exits_at_start_names_its_exit_code(tmp_path):
+def test_a_server_that_exits_at_start_names_its_exit_code(tmp_path, closed_port):
     proc = start_process([sys.executable, "-c", "raise SystemExit('bad model directory')"], tmp_path / "bad.log")
     with pytest.raises(StartupError, match="(?s)exited with code 1.*bad model directory"):
-        wait_healthy(f"http://127.0.0.1:{free_port()}/health", proc, 30, what="engine", log_path=tmp_path / "bad.log")
+        wait_healthy(f"http://127.0.0.1:{closed_port()}/health", proc, 30, what="engine", log_path=tmp_path / "bad.log")
     assert proc.wait() == 1 and isinstance(proc, subprocess.Popen)
 
 
