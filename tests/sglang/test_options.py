@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from relax.metrics import WEIGHT_BUCKETS
 from relax.models.hf import build_model
 from relax.roles.sglang_server import server_command
 from relax.rollout.sglang.client import EngineRequestError, GenerateClient
-from relax.rollout.sglang.process import StartupError, free_port, start_process, start_server, wait_healthy
+from relax.rollout.sglang.process import StartupError, start_process, start_server, wait_healthy
 from relax.rollout.sglang.router import Router
 from relax.runner.errors import RoleFailure, RunError
 from relax.runner.rollout_driver.sglang_engines import SGLangEngines, actor_push
@@ -252,15 +253,22 @@ def test_a_given_server_that_dies_stops_the_run_with_its_url(weights, tmp_path):
     """Health checks every health_check_interval_s; after health_failures misses the server is declared dead, and
     one from rollout.sglang.urls cannot be restarted."""
     (state, _), eos, pad = weights
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cfg = config(url, "rollout.sglang.health_check_interval_s=0.2", "rollout.sglang.health_failures=2")
-    (tmp_path / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    proc = start_process([sys.executable, "-m", "relax.cli.serve", "--port", str(port), "--threads", "1",
-                          "--config", str(tmp_path / "cfg.json")], tmp_path / "serve.log")
+    health = ("rollout.sglang.health_check_interval_s=0.2", "rollout.sglang.health_failures=2")
+    # --port 0: the server binds a port the kernel picks and prints its URL (a port picked free here could be taken by
+    # another xdist worker's process before the server binds it); the config it serves names no URL it uses
+    (tmp_path / "cfg.json").write_text(json.dumps(dataclasses.asdict(config("http://127.0.0.1:1", *health))))
+    log = tmp_path / "serve.log"
+    proc = start_process([sys.executable, "-m", "relax.cli.serve", "--port", "0", "--threads", "1",
+                          "--config", str(tmp_path / "cfg.json")], log)
     engines = None
     try:
-        wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=tmp_path / "serve.log")
+        deadline = time.monotonic() + 120
+        while not (found := re.search(r"relax-serve: listening on (http://\S+)", log.read_text(errors="replace"))):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        url = found.group(1)
+        cfg = config(url, *health)
+        wait_healthy(url + "/health", proc, 120, what="relax-serve", log_path=log)
         engines = engines_for(cfg, eos, pad, tmp_path)
         engines.load_weights(state, 1)
         engines.generate(PROMPTS, IDS, seed=1)
