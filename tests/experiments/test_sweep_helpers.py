@@ -6,6 +6,7 @@ import sys
 from types import SimpleNamespace
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from terminal_streams import TerminalOrNot
 
 from hydra_plugins.relax_ray_launcher.sweep import (
     JobRow,
@@ -92,15 +93,6 @@ def test_table_shows_in_full_the_overrides_that_tell_jobs_apart():
     assert [line.split()[:3] for line in same if line[:1].isdigit()] == [["0", "seed=1", "x=2"], ["1", "seed=1", "x=2"]]
 
 
-class _Stream(io.StringIO):
-    def __init__(self, tty: bool):
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
 def test_ray_prints_the_jobs_line_prefix_without_colour_unless_both_streams_are_terminals(monkeypatch):
     """A sweep's output sent to a file carries no ANSI codes around Ray's `(_execute_job pid=...)` prefix; on a
     terminal, and where the user set RAY_COLOR_PREFIX, Ray's own choice stays. Checked with Ray's printer itself."""
@@ -117,16 +109,17 @@ def test_ray_prints_the_jobs_line_prefix_without_colour_unless_both_streams_are_
         print_worker_logs(line, out)
         return out.getvalue()
 
-    for streams in [(_Stream(False), _Stream(True)), (_Stream(True), _Stream(False)), (object(), object())]:
+    tty, pipe = TerminalOrNot(True), TerminalOrNot(False)
+    for streams in [(pipe, tty), (tty, pipe), (object(), object())]:
         env: dict = {}
         plain_ray_log_prefix(env, streams)
         assert env == {"RAY_COLOR_PREFIX": "0"}
         assert printed(env) == "(_execute_job pid=4242) step 1\n"
     env = {}
-    plain_ray_log_prefix(env, (_Stream(True), _Stream(True)))  # a terminal: Ray colours the prefix, as before
+    plain_ray_log_prefix(env, (tty, tty))  # a terminal: Ray colours the prefix, as before
     assert env == {} and "\x1b[" in printed(env)
     env = {"RAY_COLOR_PREFIX": "1"}
-    plain_ray_log_prefix(env, (_Stream(False), _Stream(False)))  # the user's setting wins
+    plain_ray_log_prefix(env, (pipe, pipe))  # the user's setting wins
     assert env == {"RAY_COLOR_PREFIX": "1"}
 
 
@@ -148,8 +141,8 @@ def test_the_sweeps_ray_starts_without_colour_when_output_is_not_a_terminal(monk
     for tty, expected in ((False, "0"), (True, None)):
         monkeypatch.setenv("RAY_COLOR_PREFIX", "unset")
         monkeypatch.delenv("RAY_COLOR_PREFIX")  # restored (unset) after the test, whatever the start sets
-        monkeypatch.setattr(sys, "stdout", _Stream(tty))
-        monkeypatch.setattr(sys, "stderr", _Stream(tty))
+        monkeypatch.setattr(sys, "stdout", TerminalOrNot(tty))
+        monkeypatch.setattr(sys, "stderr", TerminalOrNot(tty))
         sweep._init_ray()
         assert seen[-1] == expected, tty
     assert len(seen) == 2

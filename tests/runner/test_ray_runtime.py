@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 
 import pytest
+from terminal_streams import TerminalOrNot
 
 from relax.config.compose import load_config
 from relax.runner.cluster import RayRuntime
@@ -67,15 +67,6 @@ def test_joining_a_cluster_sends_the_auth_token_when_one_is_available(monkeypatc
         assert seen[-1] == (address or "local", mode)
 
 
-class _Stream(io.StringIO):
-    def __init__(self, tty: bool):
-        super().__init__()
-        self.tty = tty
-
-    def isatty(self) -> bool:
-        return self.tty
-
-
 def test_a_runs_own_ray_starts_without_colour_when_output_is_not_a_terminal(monkeypatch) -> None:
     """relax-train's output to a file or a pipe carries no ANSI codes around Ray's `(Role pid=...)` prefixes: the
     run's Ray starts with RAY_COLOR_PREFIX=0 (relax.runner.ray_logs, the sweep launcher's decision too) unless both
@@ -91,8 +82,8 @@ def test_a_runs_own_ray_starts_without_colour_when_output_is_not_a_terminal(monk
     for tty, expected in ((False, "0"), (True, None)):
         monkeypatch.setenv("RAY_COLOR_PREFIX", "unset")
         monkeypatch.delenv("RAY_COLOR_PREFIX")  # restored (unset) after the test, whatever the start sets
-        monkeypatch.setattr(sys, "stdout", _Stream(tty))
-        monkeypatch.setattr(sys, "stderr", _Stream(tty))
+        monkeypatch.setattr(sys, "stdout", TerminalOrNot(tty))
+        monkeypatch.setattr(sys, "stderr", TerminalOrNot(tty))
         RayRuntime(cfg, build_plan(cfg)).__enter__()
         assert seen[-1] == expected, tty
     assert len(seen) == 2
