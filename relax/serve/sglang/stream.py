@@ -37,13 +37,12 @@ def failure(exc: BaseException) -> APIError:
     return APIError(f"{type(exc).__name__}: {exc}", status=500, kind="server_error")
 
 
-def request_error(request: Request, message: Optional[str] = None) -> APIError:
+def request_error(request: Request) -> APIError:
     """A failed request's error in OpenAI's shape, the one every path gives (`/generate`'s answer and its stream, the
     OpenAI service's call and its stream): its HTTP status and the code saying what it is (a grammar's dead end: 400,
     grammar_dead_end, which the OpenAI routes answer naming the field that asked for the grammar), the server's own
-    failures server_error. `message`: the stream's, where it ended on another error than the request's."""
-    return APIError(request.error if message is None else message, status=request.error_status,
-                    code=request.error_code,
+    failures server_error."""
+    return APIError(request.error, status=request.error_status, code=request.error_code,
                     kind="invalid_request_error" if request.error_status < 500 else "server_error")
 
 
