@@ -197,7 +197,10 @@ def test_gguf_lora_adapters_name_the_gguf_file_and_load_with_transformers_gguf_l
     line = f'AutoModelForCausalLM.from_pretrained("{gguf.parent.as_posix()}", gguf_file="{gguf.name}")'
     assert base_model["load"] == line and f'PeftModel.from_pretrained({line}, "{out}")' in printed
 
-    base = eval(base_model["load"], {"AutoModelForCausalLM": AutoModelForCausalLM}).eval()  # the recorded line
+    # the recorded line; in float64 so that the two sums below (x W + (alpha/r) x A^T B^T and x (W + (alpha/r) B A)),
+    # equal in exact arithmetic, round alike on every CPU: in float32 their logits differ by up to 1.8e-4 with one BLAS
+    # code path (the project CI's Xeon) and 5e-5 with another, against an adapter effect of 4e-2
+    base = eval(base_model["load"], {"AutoModelForCausalLM": AutoModelForCausalLM}).eval().double()
     ids = torch.tensor([[1, 15, 230, 4, 99, 1000, 7]])
     q = base.model.layers[0].self_attn.q_proj
     w = q.weight.detach().clone()
@@ -207,11 +210,11 @@ def test_gguf_lora_adapters_name_the_gguf_file_and_load_with_transformers_gguf_l
         with model.disable_adapter():
             plain = model(ids).logits
             saved = load_file(str(out / "adapter_model.safetensors"))
-            a = next(v for k, v in saved.items() if "layers.0.self_attn.q_proj.lora_A" in k)
-            b = next(v for k, v in saved.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+            a = next(v for k, v in saved.items() if "layers.0.self_attn.q_proj.lora_A" in k).double()
+            b = next(v for k, v in saved.items() if "layers.0.self_attn.q_proj.lora_B" in k).double()
             q.weight.copy_(w + (4 / 2) * b @ a)  # the hand merge (q: the base layer PEFT wrapped)
             hand = model(ids).logits
-    torch.testing.assert_close(adapted, hand, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(adapted, hand, atol=1e-9, rtol=0)
     assert float((adapted - plain).abs().max()) > 1e-3  # the control: the adapters change the logits
 
 
