@@ -238,8 +238,11 @@ def test_tp2_sequence_parallel_norms_unmarked_give_partial_gradients(tp2sp):
 # ---- TP=1 x DP=2 ------------------------------------------------------------------------------------
 
 
-def test_tp1_logits_exactly_equal_transformers(dp2):
-    assert dp2["logits_max_diff"] == 0.0
+def test_tp1_logits_equal_transformers(dp2):
+    # Not bitwise: Megatron multiplies by the fused QKV and gate-up weights, transformers by each part; with MKL's
+    # default sgemm path on both of our CPUs the bits agree, with another (MKL_CBWR=COMPATIBLE) they differ by 1e-7.
+    # A wrong architecture detail (norm, rotary, bias, tied head) moves logits by 1e-2 or more: the control below.
+    assert dp2["logits_max_diff"] < 1e-5
     assert dp2["negative_control_diff"] > 0.1
 
 
