@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from relax.algorithms.base import Violation
-    from relax.config import RelaxConfig
+    from relax.config import ConfigError, RelaxConfig
 
 USAGE_EXIT = 2
 
@@ -211,6 +211,29 @@ def _no_effect(override: str) -> Violation | None:
     return Violation((key,), f"{override}: {why}, so this override has no effect here: leave it out")
 
 
+def _placement_rule(violation: Violation) -> bool:
+    """Whether `violation` is one of the training cluster's placement rules: all its keys are cluster.*, one of them
+    beside cluster.colocate (`cluster.colocate=false has no effect without GPUs (cluster.gpus_per_node=0)`). Those
+    judge where relax-train places its roles; relax-serve places none (cluster.colocate is only its SGLang flag
+    --enable-memory-saver here) and refuses the other cluster.* keys they name, so they would refuse
+    cluster.colocate=false with no way out."""
+    return all(f.startswith("cluster.") for f in violation.fields) and \
+        any(f != "cluster.colocate" for f in violation.fields)
+
+
+def _without_placement_rules(exc: ConfigError) -> RelaxConfig:
+    """The config of `exc` when the placement rules (`_placement_rule`) are all it breaks; else raises ConfigError
+    with its other problems (all of them where its values did not compose: no config was built)."""
+    from relax.config import ConfigError
+
+    kept = [v for v in exc.violations if not _placement_rule(v)]
+    if exc.config is None:
+        raise exc
+    if kept:
+        raise ConfigError(kept, exc.algorithm) from None
+    return exc.config
+
+
 def _load(args: argparse.Namespace) -> RelaxConfig:
     """The config of the command line; exits 2 on a bad one: its problems in relax-train's list
     (`relax.cli.config_check.invalid_config`), any other mistake in one line."""
@@ -235,7 +258,10 @@ def _load(args: argparse.Namespace) -> RelaxConfig:
     try:
         if args.config:
             return config_from_json(args.config)  # a run's own server: the adapters arrive with its weight updates
-        cfg = load(overrides)  # relax-train's check
+        try:
+            cfg = load(overrides)  # relax-train's check
+        except ConfigError as exc:
+            cfg = _without_placement_rules(exc)  # cluster.colocate=false: no GPUs to place on here
         if extra:
             _fail(invalid_config(extra), lines=True)
         if cfg.model.lora_adapter_path:  # a training option: this server would serve the base without them

@@ -179,3 +179,32 @@ def test_the_keys_relax_serve_reads_are_taken(capsys):
     code, err = start(capsys, "+experiment=smollm2_arithmetic_cpu")  # an experiment's model
     assert code == 2 and "invalid config" not in err and "/nonexistent/relax-serve-model" in err, err
     assert all(serve._in_schema(k) for k in serve.READ_KEYS if k != "experiment")  # no key renamed away
+
+
+def test_cluster_colocate_false_serves_as_a_non_colocated_runs_server(capsys):
+    """cluster.colocate is one of the server flags relax-serve reads (SGLang's --enable-memory-saver, which a
+    colocated run's servers have), yet `cluster.colocate=false` was refused by relax-train's placement rule
+    ("cluster.colocate=false has no effect without GPUs (cluster.gpus_per_node=0)"), naming a key relax-serve itself
+    refuses: no command line could give it. relax-serve places no roles, so it now serves without the memory saver
+    (what /get_server_info reports, and /release_memory_occupation is refused), its value still checked."""
+    import argparse
+
+    import torch
+
+    from relax.serve.sglang.server_args import memory_saver, server_args
+
+    def load(*overrides: str):
+        return serve._load(argparse.Namespace(config=None, overrides=["model=tiny", *overrides]))
+
+    apart = load("cluster.colocate=false")
+    assert apart.cluster.colocate is False and not memory_saver(apart)
+    assert server_args(apart, torch.device("cpu"))["enable_memory_saver"] is False
+    assert memory_saver(load()) and memory_saver(load("cluster.colocate=true"))  # the control: the default
+    code, err = start(capsys, "cluster.colocate=false")
+    assert code == 2 and "invalid config" not in err and "/nonexistent/relax-serve-model" in err, err
+    # a value not of its type, and the placement keys relax-serve does not read, are refused as before
+    code, err = start(capsys, "cluster.colocate=maybe")
+    assert code == 2 and err.strip().splitlines() == refused(
+        "cluster.colocate=maybe: cluster.colocate takes a bool (true or false), not the string 'maybe'"), err
+    code, err = start(capsys, "cluster.colocate=false", "cluster.gpus_per_node=1")
+    assert code == 2 and "relax-serve does not read cluster.gpus_per_node" in err, err
