@@ -220,8 +220,10 @@ def build_model(
     seed: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    key: str = "model.path",
 ) -> PreTrainedModel:
-    """A causal LM as `model_cfg` describes it, parameters in `dtype` on `device`.
+    """A causal LM as `model_cfg` describes it, parameters in `dtype` on `device`. `key`: the option its path was
+    given as, which a missing path's message names (a judge's `reward_model.path`).
 
     `source=config` is initialised on the CPU under `seed` (global RNG untouched), so the same seed
     gives the same weights on every device and in every process. `hf`/`gguf` load local files only.
@@ -243,7 +245,7 @@ def build_model(
     elif model_cfg.source in ("hf", "gguf"):
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model_path(model_cfg)
+        path = resolve_model_path(model_cfg, key=key)
         if model_cfg.source == "gguf":  # de-quantised to fp32 once (relax.models.gguf_cache), then cast
             model = load_gguf_model(path, local_files_only=True, attn_implementation="sdpa")
             cast_parameters(model, dtype)

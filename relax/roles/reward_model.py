@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 
 from relax import progress
 from relax.batch import FinishReason
 from relax.config.reward_model_rules import is_gguf_file
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.config.store import import_plugins
-from relax.data.tokenizer import is_adapter_dir, load_tokenizer, resolve_model_path, stop_token_ids
+from relax.data.tokenizer import ModelFileError, is_adapter_dir, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.reward_model import (
     classifier_input_ids,
@@ -108,8 +109,14 @@ class JudgeWorker:
             judge_config(reward_model_dir(cfg))  # file is loaded as one by transformers' GGUF reader
         self.cfg, device = cfg, pick_device()
         self.tokenizer = load_tokenizer(model_cfg, key=PATH_KEY)  # its errors name the judge's option
-        model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,
-                            dtype=pick_dtype(model_cfg, device), device=device)
+        try:
+            model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,
+                                dtype=pick_dtype(model_cfg, device), device=device, key=PATH_KEY)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            # weights the preflight finds present but that do not load (transformers' or safetensors' words name
+            # neither the option nor the path): named as the preflight names the judge's files
+            raise ModelFileError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {exc}") \
+                from None
         model.requires_grad_(False)
         model.eval()
         self.engine = EmbeddedEngine(model, eos_token_ids=list(stop_token_ids(model_cfg, self.tokenizer)),

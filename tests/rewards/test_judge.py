@@ -172,6 +172,33 @@ def test_an_answer_cut_at_max_new_tokens_is_a_parse_failure_whatever_it_says(jud
     assert got.values == expected and got.parse_failed == [False] * 6 and got.first_error is None
 
 
+def test_a_judge_whose_weights_do_not_load_is_named_by_its_option_and_path(tmp_path, monkeypatch):
+    """A judge directory the preflight passes (a causal LM's config.json, its tokenizer, a weights file: present, not
+    read) whose weights do not load: the judge's role names reward_model.path and the path, as the preflight names
+    the judge's files (before: safetensors' words alone, "Error while deserializing header: header too large"). The
+    control: the same directory with the model's weights saved in it loads."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from relax.data.tokenizer import ModelFileError, build_tiny_tokenizer
+    from relax.roles.reward_model import JudgeWorker
+    from relax.runner.reward_model import check_reward_model
+
+    tok, judge = build_tiny_tokenizer(), tmp_path / "judge"
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, architectures=["Qwen3ForCausalLM"])
+    config.save_pretrained(str(judge))
+    tok.save_pretrained(str(judge))
+    (judge / "model.safetensors").write_bytes(b"not safetensors")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the role sets it for its process: restored after
+    cfg = judge_config(f"reward_model.path={judge}", "reward_model.dtype=float32")
+    check_reward_model(cfg)  # the preflight: the files are there
+    with pytest.raises(ModelFileError) as info:
+        JudgeWorker(cfg)
+    assert str(info.value).startswith(f"the judge (reward_model.path={judge}) cannot be loaded: "), info.value
+    Qwen3ForCausalLM(config).save_pretrained(str(judge))  # (model.safetensors, loadable)
+    assert JudgeWorker(cfg).tokenizer is not None
+
+
 # ---------------------------------------------------------------------------------------------- a URL
 
 
