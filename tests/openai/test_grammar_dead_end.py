@@ -36,6 +36,9 @@ def test_a_json_schema_the_vocabulary_cannot_write_is_a_400_naming_response_form
     assert body["param"] == "response_format" and body["code"] == "grammar_dead_end", body
     assert body["message"].startswith("response_format: constrained decoding: after 1 token(s)") and DEAD in \
         body["message"], body["message"]
+    # and says why: this vocabulary has no '"', so no JSON can be written, and what to serve instead
+    assert "this model's vocabulary has no token holding '\"', so no JSON" in body["message"] and \
+        "serve a model whose tokenizer has one" in body["message"], body["message"]
     # streamed: the answer's tokens up to the dead end (the token drawn there is no answer's), then the error
     for seed in range(4):
         seen = []
