@@ -68,6 +68,13 @@ def _by_hand(critic: TorchCritic, samples, row: int, t: int) -> float:
         return float(critic.critic.value_head(h.float()))
 
 
+# The value head is N(0, 1) over the hidden state, so the values reach 22 here, where float32's step is 1.9e-6: the
+# batched, packed and by-hand forwards (different matmul shapes) round differently by two or three steps (3.8e-6 on
+# MKL's default path, 5.7e-6 on MKL_CBWR=COMPATIBLE's). 1e-4 leaves room for another CPU's kernels; a value that
+# misses its image moves by 4 or more (the control below), one wrong token in its prefix by 0.6 or more (measured).
+VALUE_TOL = 1e-4
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_critic_values_see_the_images(arch, tokenizer, samples):
     critic = _critic(arch, tokenizer)
@@ -76,15 +83,15 @@ def test_critic_values_see_the_images(arch, tokenizer, samples):
         values = critic.compute_values(samples, micro_batch_size=mbs)
         for row in range(len(samples)):
             for t in range(int(mask[row].sum())):
-                assert abs(float(values[row, t]) - _by_hand(critic, samples, row, t)) < 1e-5, (mbs, row, t)
+                assert abs(float(values[row, t]) - _by_hand(critic, samples, row, t)) < VALUE_TOL, (mbs, row, t)
     packed = _critic(arch, tokenizer, packed=True).compute_values(samples, micro_batch_size=len(samples))
-    assert float((packed - values)[mask].abs().max()) < 1e-5
+    assert float((packed - values)[mask].abs().max()) < VALUE_TOL
     blank = [None if v is None else {**v, "pixel_values": torch.zeros_like(v["pixel_values"])} for v in samples.vision]
     other = critic.compute_values(TrainBatch.from_samples(samples).with_(vision=blank), micro_batch_size=len(samples))
     pictured = mask.clone()
     pictured[6:] = False  # the text-only prompt's two rows: no image to blank
     assert float((other - values)[pictured].abs().max()) > 1e-3
-    assert float((other - values)[mask & ~pictured].abs().max()) < 1e-5
+    assert float((other - values)[mask & ~pictured].abs().max()) < VALUE_TOL
 
 
 def test_critic_trains_on_image_prompts(tokenizer, samples):
@@ -100,4 +107,6 @@ def test_critic_trains_on_image_prompts(tokenizer, samples):
         second = critic.train_step(batch, algo, per_token=True, micro_batch_size=3)
         assert second["critic/value_loss"] < first["critic/value_loss"]
         losses[packed] = first["critic/value_loss"]
-    assert abs(losses[True] - losses[False]) < 1e-5
+    # the first value loss is about 24 (float32's step there: 1.9e-6); packed and padded differ by up to three steps
+    # (5.7e-6 measured, 2.4e-7 relative), one token left out of the loss moves it by 7% (measured)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=0)
