@@ -2,8 +2,12 @@
 
 Two tiny models: Relax's `source=config` Qwen3 (tied embeddings) and a transformers `LlamaForCausalLM` with
 `tie_word_embeddings=True` (SmolLM2's architecture). Rows have left-padded prompts and right-padded responses;
-chunk sizes do not divide the number of valid tokens. fp32: log-probs and entropies to 1e-5, every parameter's
-gradient to rtol 1e-4 (measured: <= 1e-6, <= 4e-6, <= 2e-6 of the gradient's largest entry). bf16 autocast,
+chunk sizes do not divide the number of valid tokens. fp32: log-probs to 1e-5, entropies to 5e-5, every parameter's
+gradient to rtol 1e-4 (measured: <= 1e-6, <= 4e-6, <= 2e-6 of the gradient's largest entry; the entropy, a sum over
+the 1031 tokens of each row's distribution, is 6.92 here, where float32's step is 4.8e-7: the chunked and unchunked
+sums differ by up to 7 steps, 3.3e-6, too close to 1e-5 for another CPU's kernels; a wrong temperature moves it by
+6e-3; these near-uniform models' entropies hardly depend on the tokens, so wrong rows or tokens are the log-probs'
+check). bf16 autocast,
 measured on these models (CPU, torch 2.13): log-probs and entropies identical (both paths run the same bf16 matmul,
 upcast and log-softmax), per-parameter gradient differences <= 0.3% of the gradient's norm (<= 0.6% of its largest
 entry) while either bf16 path is up to 0.8% (Llama) / 2.7% (Qwen3) from the fp32 gradient; the tolerances are
@@ -91,7 +95,7 @@ def test_fp32_equals_the_unchunked_definition(models, make_samples, name, temper
     if entropy == "none":
         assert ent is None
     else:
-        torch.testing.assert_close(ent[valid], ref_ent[valid], atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent[valid], ref_ent[valid], atol=5e-5, rtol=0)  # module docstring
         assert (ent[~valid] == 0).all()
     assert grads.keys() == ref_grads.keys() and len(grads) == len(list(model.parameters()))
     for n, g in grads.items():
