@@ -64,7 +64,10 @@ def test_chat_choices_are_the_engines_seeded_samples_with_the_trainers_logprobs(
         ended = choice.finish_reason == "stop"
         assert ended == (ref["meta_info"]["finish_reason"]["type"] == "stop")
         assert choice.message.content == tok.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
-        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(logps(ref), abs=1e-6)
+        # the n=3 request runs its choices as one batch, /generate one row: float32 rounds the two matmul shapes
+        # apart by up to one step (4.8e-7 at these log-probs' size, measured), too close to the 1e-6 this compared
+        # at; 1e-5 still holds them ten times closer than the trainer's log-probs below
+        assert [t.logprob for t in choice.logprobs.content] == pytest.approx(logps(ref), abs=1e-5)
         assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
             trainer_logprobs(model, prompt, ids, 0.7).tolist(), abs=1e-4)
         assert [t.token for t in choice.logprobs.content] == [tok.decode([i]) for i in ids]
