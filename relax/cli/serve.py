@@ -299,8 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
     parser.add_argument("--api-key", default=os.environ.get("RELAX_SERVE_API_KEY"),
                         help="the key every endpoint but /health* and /metrics requires (Authorization: Bearer), "
-                             "as SGLang's --api-key; required beyond loopback (default: "
-                             "$RELAX_SERVE_API_KEY, which keeps it out of the process list)")
+                             "as SGLang's --api-key; required beyond loopback. Prefer setting $RELAX_SERVE_API_KEY "
+                             "(the default) to this flag: a key on the command line shows in the process list and "
+                             "the shell's history")
     parser.add_argument("--weight-dir", action="append", default=[], metavar="DIR",
                         help="a directory (besides the model's own) whose files /update_weights_from_disk and "
                              "/load_lora_adapter may load; repeatable (default: the model's directory only)")
