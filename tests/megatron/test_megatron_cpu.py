@@ -28,7 +28,8 @@ many things:
   two ranks, the torch one on three-row micro-batches (the loss against a loop by hand:
   tests/algorithms/test_loss_agg.py).
 
-Tolerances (fp32): logits 1e-5 absolute at TP=2 (exactly 0 at TP=1 against transformers' eager attention);
+Tolerances (fp32): logits 1e-5 absolute at TP=2 and TP=1 (at TP=1 bitwise equal to transformers' eager attention
+with MKL's default sgemm path on our CPUs, 1e-7 apart with another: fused against separate projections);
 per-step losses, entropy and gradient norm 1e-4 relative: the two backends sum the same float terms in a
 different order (vocab-parallel log-softmax, tensor-parallel matmul partial sums, data-parallel gradient sums),
 observed differences are around 1e-7.
@@ -43,8 +44,10 @@ bit.
 - step 0 (same weights, same batch): loss and gradient norm within 1e-2 relative, a few bf16 roundings (observed
   at most 2.1e-3, the MoE gradient norm).
 - all 3 steps (Adam amplifies the first step's rounding differences into different weights): gradient norm within
-  5e-2 relative, entropy 1e-3 relative, loss 5e-3 absolute, against a loss of magnitude 0.1 to 0.4 (observed at
-  most 2.0e-2, 3e-5 and 7.2e-4; the torch backend's own bf16 run is up to 2.2e-2, 5e-5 and 1.4e-3 from its fp32 one).
+  1e-1 relative, entropy 1e-3 relative, loss 5e-3 absolute, against a loss of magnitude 0.1 to 0.4 (observed at
+  most 2.0e-2, 3e-5 and 7.2e-4; the torch backend's own bf16 run is up to 2.2e-2, 5e-5 and 1.4e-3 from its fp32 one:
+  the gradient norm's distance is bf16's own, so its bound leaves room for another CPU's roundings; step 0's 1e-2,
+  same weights and batch, is the bound that catches a wrong gradient).
 - activation recompute in bf16 repeats the layers' forward under the same autocast: equal to no recompute, exactly.
 """
 
@@ -401,7 +404,7 @@ def test_bf16_autocast_log_probs_and_steps_agree_with_the_torch_backends_bf16(bf
     for i, (m, t) in enumerate(zip(steps["megatron"], steps["torch"], strict=True)):
         loss = dict(rel=1e-2, abs=0) if i == 0 else dict(rel=0, abs=5e-3)
         assert m["train/loss"] == pytest.approx(t["train/loss"], **loss), i
-        assert m["train/grad_norm"] == pytest.approx(t["train/grad_norm"], rel=1e-2 if i == 0 else 5e-2), i
+        assert m["train/grad_norm"] == pytest.approx(t["train/grad_norm"], rel=1e-2 if i == 0 else 1e-1), i
         assert m["train/entropy"] == pytest.approx(t["train/entropy"], rel=1e-3), i
         assert m["train/lr"] == t["train/lr"]
 
