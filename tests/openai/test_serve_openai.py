@@ -159,7 +159,8 @@ def test_malformed_bodies_and_unknown_paths_are_refused(served):
 def test_beyond_loopback_every_endpoint_but_health_and_info_needs_the_servers_key():
     """With a key, a request without it (or with another) is a 401 and one with it is answered, on the OpenAI
     endpoints and SGLang's own alike (the ones that generate, load weights, join a weight-update group, pause); bound to
-    every address without a key, they refuse (403). Health and read-only information answer either way."""
+    every address without a key, they refuse (403). Health alone answers either way: information (/get_model_info,
+    /get_server_info) needs the key too, as on SGLang."""
     from relax.config import load_config
     from relax.serve.sglang.server import EmbeddedServer
 

@@ -75,6 +75,8 @@ def events_of(response: requests.Response, on_event=None) -> list:
 def test_v1_models_by_id_is_the_served_models_card_and_404_for_another(served):
     _, server = served
     listed = requests.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
+    # `root` the served name, as SGLang's (root=served_model_name), not the server's model directory
+    assert listed["root"] == listed["id"] == server.served_model_name, listed
     one = requests.get(f"{server.url}/v1/models/{listed['id']}", timeout=30)
     assert one.status_code == 200 and one.json() == listed
     other = requests.get(f"{server.url}/v1/models/no-such-model", timeout=30)

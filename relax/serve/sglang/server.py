@@ -509,8 +509,10 @@ class EmbeddedServer(WeightEndpoints):
         return 200, loads.v1_loads(self.scheduler.load(), body, accelerator)
 
     def _card(self) -> dict[str, Any]:
+        # `root` is the served name, as SGLang's ModelCard gives it (root=served_model_name), not the model's
+        # directory: a client has no use for a path on this host (model=tiny's is a temporary directory)
         return {"id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "relax",
-                "root": self.model_path, "max_model_len": self.context_length}
+                "root": self.served_model_name, "max_model_len": self.context_length}
 
     def _models(self, body: dict) -> tuple[int, Any]:
         self._require_ready()
