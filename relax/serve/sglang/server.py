@@ -53,6 +53,7 @@ maps only the shared-memory segments of the process that sent the request (`rela
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -142,6 +143,55 @@ def is_open(path: str) -> bool:
 OPENAI_METHODS = {"/v1/chat/completions": ("POST",), "/v1/completions": ("POST",), "/v1/responses": ("POST",),
                   "/v1/models": ("GET",), "/v1/loads": ("GET",)}
 SGLANG_METHODS = ("GET", "POST", "PUT")
+MODEL_DIR_PREFIX = "relax-serve-model-"  # the directory of a model not read from an HF directory (model=tiny, .gguf)
+MODEL_DIR_LOCK = ".relax-serve.lock"  # held (flock) by the directory's server for its whole life
+
+
+def make_model_dir(parent: Optional[str] = None) -> tuple[str, int]:
+    """A new private (0700) `MODEL_DIR_PREFIX` directory under `parent` (the temp dir by default) and the descriptor
+    of its lock file, locked (`fcntl.flock`, exclusive) until it is closed or this process dies, SIGKILL included:
+    the kernel drops the lock, so a directory whose lock can be taken has no server left.
+
+    First removes the sibling directories whose servers died without `shutdown()` (the OOM killer, Ray killing an
+    engine): those whose lock file exists and can be locked. Directories without one (older versions, or one being
+    made: the lock file appears only once locked), others' (another user's) and those that cannot be removed are left.
+    """
+    parent = parent or tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        entries = []
+    uid = os.getuid()
+    for entry in entries:
+        if not entry.name.startswith(MODEL_DIR_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            fd = os.open(os.path.join(entry.path, MODEL_DIR_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # no lock file (an older version's, or being made), or not ours to read
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its server lives
+            shutil.rmtree(entry.path, ignore_errors=True)  # removed while locked: no other sweep races it
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    path = tempfile.mkdtemp(prefix=MODEL_DIR_PREFIX, dir=parent)
+    # locked under another name, then renamed: a sweep never finds the lock file unlocked while its server lives
+    pending = os.path.join(path, MODEL_DIR_LOCK + ".new")
+    fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(pending, os.path.join(path, MODEL_DIR_LOCK))
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path, fd
+
+
 class _Handler(Handler):
     server_version = "relax-embedded-sglang"
 
@@ -231,6 +281,7 @@ class EmbeddedServer(WeightEndpoints):
         self._responses: Any = None  # /v1/responses over them (it keeps responses for previous_response_id)
         self._init_weights()
         self._model_dir: Optional[str] = None
+        self._model_dir_lock: Optional[int] = None  # its lock's descriptor (`make_model_dir`)
         self._routes: dict[str, Callable[[dict], tuple[int, Any]]] = self._route_table()
 
     # ---------------------------------------------------------------------------------------------- lifecycle
@@ -273,6 +324,9 @@ class EmbeddedServer(WeightEndpoints):
         self._destroy_groups()
         if self._model_dir is not None:
             shutil.rmtree(self._model_dir, ignore_errors=True)
+        if self._model_dir_lock is not None:  # after the removal: until then no other server's sweep may take it
+            os.close(self._model_dir_lock)
+            self._model_dir_lock = None
 
     def _load(self) -> None:
         try:
@@ -319,8 +373,8 @@ class EmbeddedServer(WeightEndpoints):
             self.model_path = self.tokenizer_path = str(path)
             self.weight_dirs.add(path)  # the model's own weights may be loaded again (/update_weights_from_disk)
         else:  # built from the config or read from a .gguf file: its config and tokenizer saved for clients (the
-            # router loads the tokenizer from model_path)
-            self._model_dir = tempfile.mkdtemp(prefix="relax-serve-model-")
+            # router loads the tokenizer from model_path); a killed server's is removed by the next one's
+            self._model_dir, self._model_dir_lock = make_model_dir()
             model.config.save_pretrained(self._model_dir)
             tokenizer.save_pretrained(self._model_dir)
             self.model_path = self.tokenizer_path = self._model_dir
