@@ -546,7 +546,7 @@ class Matcher:
     (`--reasoning-parser`, a request's `require_reasoning`) defers it."""
 
     def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...], think_end: tuple[int, ...] = (),
-                 dead_end: Optional[Callable[[int], str]] = None):
+                 has_quote: Optional[Callable[[], bool]] = None):
         import xgrammar as xgr
 
         if stop_token_ids:  # the row's own stop tokens end the answer once the grammar is complete
@@ -558,13 +558,18 @@ class Matcher:
         # the grammar allowed no token of the vocabulary at a step (`mask_logits`): the tokenizer cannot write what it
         # requires next, so the row cannot go on (`advance` ends it; its caller answers it as an error, DEAD_END)
         self.dead = False
-        self._dead_end = dead_end  # the error of such a row (`dead_end_error`); from its Grammars, which knows why
+        # whether the vocabulary has a token holding '"' (`Grammars.has_quote`), asked only at a dead end that needs it
+        self._has_quote = has_quote
 
     def dead_end_error(self, n: int) -> str:
-        """What a row of this matcher that dead-ended after `n` tokens of its answer is told: DEAD_END, or
-        DEAD_END_NO_QUOTE where the grammar writes JSON (a '"') and the vocabulary has no token holding '"'
-        (`Grammars.dead_end_error`)."""
-        return self._dead_end(n) if self._dead_end is not None else DEAD_END.format(n=n)
+        """What a row of this matcher that dead-ended after `n` tokens of its answer is told: DEAD_END_NO_QUOTE where
+        the grammar's state at the dead end accepts a '"' next and the vocabulary has no token holding '"' (then
+        the cause: no JSON string or key can be written), DEAD_END otherwise. Decided by the matcher's state, not the
+        grammar's source: a regex `[^"]:` that dead-ends at ':' gets DEAD_END."""
+        if self._has_quote is not None and not self.reasoning and self._m.fork().accept_string('"') \
+                and not self._has_quote():  # (a fork: the row's own state stays as it is)
+            return DEAD_END_NO_QUOTE.format(n=n)
+        return DEAD_END.format(n=n)
 
     @property
     def reasoning(self) -> bool:
@@ -604,6 +609,7 @@ class Grammars:
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0  # specs compiled (not found in the cache)
+        self._info: Any = None  # xgrammar's TokenizerInfo, kept for `has_quote`
         self._quote: Optional[bool] = None  # whether a token of the vocabulary holds '"' (`has_quote`), read once
 
     def _backend(self) -> Any:
@@ -613,11 +619,8 @@ class Grammars:
             except ImportError as exc:
                 raise GrammarError("constrained decoding needs the xgrammar package (pip install xgrammar)") from exc
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self._info = info
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            # the tokens as the bytes they write (what xgrammar matches grammars on), special tokens left out: a
-            # grammar's text never uses them. Read here, once per tokenizer, not per request
-            special = set(info.special_token_ids)
-            self._quote = any(b'"' in b for i, b in enumerate(info.decoded_vocab) if i not in special)
             self._markers = harmony_marker_ids(self.tokenizer)
         return self._compiler
 
@@ -658,24 +661,26 @@ class Grammars:
         """A fresh matcher of `spec` for one row whose stop tokens are `stop_token_ids`; with `think_end`, applied
         after the row's reasoning (`Matcher`)."""
         return Matcher(self.compile(spec), tuple(int(t) for t in stop_token_ids), tuple(int(t) for t in think_end),
-                       dead_end=lambda n: self.dead_end_error(spec, n))
+                       has_quote=lambda: self.has_quote)
 
     @property
     def has_quote(self) -> bool:
-        """Whether a token of the vocabulary (special tokens aside) holds '"', which JSON cannot be written without
-        (read once, with the vocabulary)."""
-        with self._lock:
-            self._backend()
-            return bool(self._quote)
-
-    def dead_end_error(self, spec: GrammarSpec, n: int) -> str:
-        """The error of a row whose grammar `spec` allowed no token of the vocabulary after `n` tokens of its answer:
-        DEAD_END_NO_QUOTE when the grammar writes a '"' (JSON: a json_schema, json_object or structural tag; an ebnf
-        or regex with a literal '"') and no token of the vocabulary holds one, which is then why (the tiny model's
-        built-in vocabulary); DEAD_END otherwise."""
-        if not self.has_quote and _writes_quote(spec):
-            return DEAD_END_NO_QUOTE.format(n=n)
-        return DEAD_END.format(n=n)
+        """Whether a token of the vocabulary (special tokens aside) holds '"', which JSON cannot be written without.
+        Read the first time it is asked (a dead end that needs a '"': a rare event, so a server's first grammar does
+        not pay the scan of a large vocabulary) and kept. Without the compile lock once a grammar has compiled: a dead
+        end, on the engine's loop, does not wait on another request's compile; two threads may read it at once, both
+        getting the same answer."""
+        if self._quote is None:
+            info = self._info
+            if info is None:  # no grammar compiled yet (so no Matcher asks): the tokenizer's info made now
+                with self._lock:
+                    self._backend()
+                info = self._info
+            # the tokens as the bytes they write (what xgrammar matches grammars on), special tokens left out: a
+            # grammar's text never uses them
+            special = set(info.special_token_ids)
+            self._quote = any(b'"' in b for i, b in enumerate(info.decoded_vocab) if i not in special)
+        return self._quote
 
     def constrained(self, spec: GrammarSpec, stop_token_ids: tuple[int, ...] | list[int],
                     tokens: list[int]) -> list[int]:
@@ -707,22 +712,15 @@ DEAD_END = ("constrained decoding: after {n} token(s) of the answer its grammar 
             "vocabulary: the tokenizer cannot write what the grammar requires next (e.g. a character of the JSON, "
             "such as '\"', that no token holds), so the format, tool schema or grammar asked for cannot be followed "
             "with this tokenizer")
-# the same where the vocabulary has no token holding '"' and the grammar writes one (`Grammars.dead_end_error`): JSON
-# cannot be written at all with such a tokenizer, whatever the request, so the message says that and what to do
+# the same where the grammar accepts a '"' next and the vocabulary has no token holding one (`Matcher.dead_end_error`):
+# no JSON string or key can be written with such a tokenizer, whatever the request, so the message says that and what
+# to do
 DEAD_END_NO_QUOTE = ("constrained decoding: after {n} token(s) of the answer its grammar allows no token of this "
-                     "model's vocabulary: this model's vocabulary has no token holding '\"', so no JSON "
-                     "(response_format json_schema, or json_object with a schema; forced tool calls) can be written: "
-                     "serve a model whose tokenizer has one (e.g. model=smollm2_135m; the tiny model's built-in "
-                     "vocabulary has none)")
+                     "model's vocabulary: it allows a '\"' there, and this model's vocabulary has no token "
+                     "holding '\"', so no JSON strings or keys (response_format json_schema, forced tool calls) can "
+                     "be written: serve a model whose tokenizer has one (e.g. model=smollm2_135m; the tiny model's "
+                     "built-in vocabulary has none)")
 DEAD_END_CODE = "grammar_dead_end"  # that error's `code`: the engine's /generate 400 body, relax-serve's OpenAI routes
-
-
-def _writes_quote(spec: GrammarSpec) -> bool:
-    """Whether answers of `spec` hold a '"': JSON ones (json_schema, json_object, a structural tag's calls) do; an
-    ebnf or regex where its source has one as a literal character (ebnf: escaped, `\\"`)."""
-    if spec.kind in ("json_schema", "json_object", "structural_tag"):
-        return True
-    return '\\"' in spec.source if spec.kind == "ebnf" else '"' in spec.source
 
 
 def mask_logits(logits: torch.Tensor, matchers: list[Optional[Matcher]]) -> torch.Tensor:

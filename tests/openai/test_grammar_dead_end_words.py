@@ -2,7 +2,9 @@
 why and what to serve instead; on a vocabulary that has one, or for a grammar that writes no '"', the generic words
 stay. The dead end is reached by sampling under `mask_logits` and `advance` as the engine does (every token of the
 vocabulary tried in turn, greedily), not assumed. Negative control: before, every dead end read DEAD_END's generic
-"(e.g. a character of the JSON, such as '\"', that no token holds)"."""
+"(e.g. a character of the JSON, such as '\"', that no token holds)"; and a regex whose source has a '"' only in a
+negated class, `[^"]:`, got the specific words at ':' (the choice read the grammar's source, not what it allows at the
+dead end)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def _sample_to_dead_end(grammars: Grammars, spec: GrammarSpec, limit: int = 40) 
     raise AssertionError("no dead end within the limit")
 
 
-@pytest.mark.parametrize("spec", [ANSWER, GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "hermes"))],
+@pytest.mark.parametrize("spec", [ANSWER, GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "llama3_json"))],
                          ids=["json_schema", "forced_tool_call"])
 def test_a_vocabulary_without_a_quote_is_named_as_the_cause(spec):
     tok = build_tiny_tokenizer()
@@ -70,8 +72,28 @@ def test_a_vocabulary_with_a_quote_keeps_the_generic_words():
     assert SPECIFIC not in message
 
 
-def test_a_grammar_that_writes_no_quote_keeps_the_generic_words():
+@pytest.mark.parametrize("spec, at", [(GrammarSpec("regex", "[0-9]x"), 1),
+                                      (GrammarSpec("ebnf", tool_call_ebnf(TOOLS, "hermes")), 0)],
+                         ids=["regex", "hermes_tool_call"])
+def test_a_dead_end_before_any_quote_keeps_the_generic_words(spec, at):
+    """A grammar that writes no '"', and a hermes forced tool call, which dead-ends on the tiny vocabulary at its
+    first character, the '<' of `<tool_call>` (no token holds '<'), before any '"'."""
     tok = build_tiny_tokenizer()
+    assert not any("<" in t for t in tok.get_vocab() if t not in tok.all_special_tokens)
     grammars = Grammars(tok, len(tok))
-    message, n = _sample_to_dead_end(grammars, GrammarSpec("regex", "[0-9]x"))
-    assert (n, message) == (1, DEAD_END.format(n=1))
+    message, n = _sample_to_dead_end(grammars, spec)
+    assert (n, message) == (at, DEAD_END.format(n=at)), (n, message)
+
+
+def test_a_dead_end_that_allows_no_quote_keeps_the_generic_words_and_reads_no_vocabulary():
+    """`[^"]:` on the tiny vocabulary: its first character is written, and it dead-ends at ':' (no token holds one),
+    where a '"' is not allowed either: the missing '"' is not why, so the generic words. The vocabulary is not scanned
+    for '"' at such a dead end (nor at compile): only a dead end that allows a '"' asks."""
+    tok = build_tiny_tokenizer()
+    assert not any(":" in t for t in tok.get_vocab())
+    grammars = Grammars(tok, len(tok))
+    grammars.compile(GrammarSpec("regex", '[^"]:'))
+    assert grammars._quote is None  # not read at compile
+    message, n = _sample_to_dead_end(grammars, GrammarSpec("regex", '[^"]:'))
+    assert (n, message) == (1, DEAD_END.format(n=1)), (n, message)
+    assert grammars._quote is None  # nor at a dead end that allows no '"'

@@ -370,7 +370,7 @@ class Scheduler:
                             # drawn where the grammar allowed none, it leaves the row (a stream never shows it)
                             del row.tokens[-1:]
                             del row.logps[len(row.tokens):], row.top[len(row.tokens):]
-                            row.request.error = row.matcher.dead_end_error(len(row.tokens))  # DEAD_END's words
+                            row.request.error = row.matcher.dead_end_error(len(row.tokens))  # DEAD_END(_NO_QUOTE)
                             row.request.error_status = 400  # the request's grammar, not the server, is at fault
                             row.request.error_code = DEAD_END_CODE  # what its answer says it is
                             self._finish(row, {"type": "abort", "message": row.request.error})
