@@ -211,26 +211,33 @@ def _no_effect(override: str) -> Violation | None:
     return Violation((key,), f"{override}: {why}, so this override has no effect here: leave it out")
 
 
+# The training cluster's placement rules (relax.config.validate's `_resources`, named by their keys) that
+# cluster.colocate=false breaks without GPUs: "cluster.colocate=false has no effect without GPUs
+# (cluster.gpus_per_node=0)", and "the roles need N GPU(s): ... + 1 for the teacher" (apart, a teacher algorithm's
+# teacher gets a GPU of its own). They judge where relax-train places its roles; relax-serve places none
+# (cluster.colocate is only its SGLang flag --enable-memory-saver here) and refuses the other cluster.* keys they
+# name, so they would refuse cluster.colocate=false with no way out. Named one by one, so that another rule on
+# cluster.* keys (one about something the server uses) is not exempted with them.
+PLACEMENT_RULES = (
+    frozenset({"cluster.colocate", "cluster.gpus_per_node"}),
+    frozenset({"cluster.actor_gpus", "cluster.num_nodes", "cluster.gpus_per_node", "cluster.rollout_gpus"}),
+)
+
+
 def _placement_rule(violation: Violation) -> bool:
-    """Whether `violation` is one of the training cluster's placement rules: all its keys are cluster.*, one of them
-    beside cluster.colocate (`cluster.colocate=false has no effect without GPUs (cluster.gpus_per_node=0)`). Those
-    judge where relax-train places its roles; relax-serve places none (cluster.colocate is only its SGLang flag
-    --enable-memory-saver here) and refuses the other cluster.* keys they name, so they would refuse
-    cluster.colocate=false with no way out."""
-    return all(f.startswith("cluster.") for f in violation.fields) and \
-        any(f != "cluster.colocate" for f in violation.fields)
+    """Whether `violation` is one of the placement rules relax-serve exempts (`PLACEMENT_RULES`)."""
+    return frozenset(violation.fields) in PLACEMENT_RULES
 
 
 def _without_placement_rules(exc: ConfigError) -> RelaxConfig:
     """The config of `exc` when the placement rules (`_placement_rule`) are all it breaks; else raises ConfigError
-    with its other problems (all of them where its values did not compose: no config was built)."""
+    with its other problems, also where its values did not compose (no config was built: `seed=abc` beside
+    cluster.colocate=false is refused for seed alone)."""
     from relax.config import ConfigError
 
     kept = [v for v in exc.violations if not _placement_rule(v)]
-    if exc.config is None:
-        raise exc
-    if kept:
-        raise ConfigError(kept, exc.algorithm) from None
+    if exc.config is None or kept:
+        raise ConfigError(kept or exc.violations, exc.algorithm) from None
     return exc.config
 
 

@@ -181,30 +181,40 @@ def test_the_keys_relax_serve_reads_are_taken(capsys):
     assert all(serve._in_schema(k) for k in serve.READ_KEYS if k != "experiment")  # no key renamed away
 
 
-def test_cluster_colocate_false_serves_as_a_non_colocated_runs_server(capsys):
+def test_cluster_colocate_false_serves_as_a_non_colocated_runs_server(capsys, monkeypatch):
     """cluster.colocate is one of the server flags relax-serve reads (SGLang's --enable-memory-saver, which a
     colocated run's servers have), yet `cluster.colocate=false` was refused by relax-train's placement rule
     ("cluster.colocate=false has no effect without GPUs (cluster.gpus_per_node=0)"), naming a key relax-serve itself
     refuses: no command line could give it. relax-serve places no roles, so it now serves without the memory saver
-    (what /get_server_info reports, and /release_memory_occupation is refused), its value still checked."""
+    (what /get_server_info reports, and /release_memory_occupation is refused), its value still checked; a mistake
+    beside it is refused alone (before: `cluster.colocate=false seed=abc` listed the placement rule too, whose value
+    is accepted once seed is right)."""
     import argparse
 
     import torch
 
     from relax.serve.sglang.server_args import memory_saver, server_args
 
-    def load(*overrides: str):
-        return serve._load(argparse.Namespace(config=None, overrides=["model=tiny", *overrides]))
+    loaded = []  # the config relax-serve's start loads, which goes on to the missing model
 
-    apart = load("cluster.colocate=false")
-    assert apart.cluster.colocate is False and not memory_saver(apart)
-    assert server_args(apart, torch.device("cpu"))["enable_memory_saver"] is False
-    assert memory_saver(load()) and memory_saver(load("cluster.colocate=true"))  # the control: the default
+    def load(args: argparse.Namespace):
+        loaded.append(real_load(args))
+        return loaded[-1]
+
+    real_load = serve._load
+    monkeypatch.setattr(serve, "_load", load)
     code, err = start(capsys, "cluster.colocate=false")
     assert code == 2 and "invalid config" not in err and "/nonexistent/relax-serve-model" in err, err
+    [apart] = loaded
+    assert apart.cluster.colocate is False and not memory_saver(apart)
+    assert server_args(apart, torch.device("cpu"))["enable_memory_saver"] is False
+    assert memory_saver(real_load(argparse.Namespace(config=None, overrides=["model=tiny"])))  # the control: default
     # a value not of its type, and the placement keys relax-serve does not read, are refused as before
-    code, err = start(capsys, "cluster.colocate=maybe")
-    assert code == 2 and err.strip().splitlines() == refused(
-        "cluster.colocate=maybe: cluster.colocate takes a bool (true or false), not the string 'maybe'"), err
-    code, err = start(capsys, "cluster.colocate=false", "cluster.gpus_per_node=1")
-    assert code == 2 and "relax-serve does not read cluster.gpus_per_node" in err, err
+    code, err = start(capsys, "cluster.colocate=maybe", "cluster.gpus_per_node=1")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 3 and "relax-serve does not read cluster.gpus_per_node" in lines[1], err
+    assert lines[2] == "  - cluster.colocate=maybe: cluster.colocate takes a bool (true or false), not the string " \
+        "'maybe'", err
+    # another key's mistake beside it is refused alone, the placement rule not among them
+    code, err = start(capsys, "cluster.colocate=false", "seed=abc")
+    assert code == 2 and err.strip().splitlines() == refused("seed=abc: seed takes an int, not the string 'abc'"), err
