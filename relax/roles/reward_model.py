@@ -24,7 +24,14 @@ from relax.batch import FinishReason
 from relax.config.reward_model_rules import is_gguf_file
 from relax.config.schema import ModelConfig, RelaxConfig
 from relax.config.store import import_plugins
-from relax.data.tokenizer import ModelFileError, is_adapter_dir, load_tokenizer, resolve_model_path, stop_token_ids
+from relax.data.tokenizer import (
+    ModelFileError,
+    ModelPathError,
+    is_adapter_dir,
+    load_tokenizer,
+    resolve_model_path,
+    stop_token_ids,
+)
 from relax.models.hf import build_model, pick_device, pick_dtype
 from relax.models.reward_model import (
     classifier_input_ids,
@@ -112,11 +119,15 @@ class JudgeWorker:
         try:
             model = build_model(model_cfg, len(self.tokenizer), self.tokenizer.pad_token_id, seed=cfg.seed,
                                 dtype=pick_dtype(model_cfg, device), device=device, key=PATH_KEY)
+        except (ModelPathError, ModelFileError, torch.OutOfMemoryError):
+            raise  # the first two name reward_model.path and the file already; out of memory is no bad file
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-            # weights the preflight finds present but that do not load (transformers' or safetensors' words name
-            # neither the option nor the path): named as the preflight names the judge's files
+            # weights the preflight finds present but that do not load (safetensors' SafetensorError, torch.load's
+            # RuntimeError or transformers' OSError/ValueError for a bad .bin, .gguf or shapes: their words name
+            # neither the option nor the path): named as the preflight names the judge's files; the cause is kept,
+            # with its traceback, for a RuntimeError of another kind
             raise ModelFileError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {exc}") \
-                from None
+                from exc
         model.requires_grad_(False)
         model.eval()
         self.engine = EmbeddedEngine(model, eos_token_ids=list(stop_token_ids(model_cfg, self.tokenizer)),

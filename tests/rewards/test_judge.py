@@ -175,12 +175,15 @@ def test_an_answer_cut_at_max_new_tokens_is_a_parse_failure_whatever_it_says(jud
 def test_a_judge_whose_weights_do_not_load_is_named_by_its_option_and_path(tmp_path, monkeypatch):
     """A judge directory the preflight passes (a causal LM's config.json, its tokenizer, a weights file: present, not
     read) whose weights do not load: the judge's role names reward_model.path and the path, as the preflight names
-    the judge's files (before: safetensors' words alone, "Error while deserializing header: header too large"). The
-    control: the same directory with the model's weights saved in it loads."""
+    the judge's files (before: safetensors' words alone, "Error while deserializing header: header too large"), the
+    cause kept. What names the path already (relax's ModelFileError) and running out of memory (no bad file) pass
+    as they are, not wrapped. The control: the same directory with the model's weights saved in it loads."""
+    from safetensors import SafetensorError
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from relax.data.tokenizer import ModelFileError, build_tiny_tokenizer
-    from relax.roles.reward_model import JudgeWorker
+    from relax.models.hf import build_model
+    from relax.roles import reward_model as role
     from relax.runner.reward_model import check_reward_model
 
     tok, judge = build_tiny_tokenizer(), tmp_path / "judge"
@@ -193,10 +196,21 @@ def test_a_judge_whose_weights_do_not_load_is_named_by_its_option_and_path(tmp_p
     cfg = judge_config(f"reward_model.path={judge}", "reward_model.dtype=float32")
     check_reward_model(cfg)  # the preflight: the files are there
     with pytest.raises(ModelFileError) as info:
-        JudgeWorker(cfg)
+        role.JudgeWorker(cfg)
     assert str(info.value).startswith(f"the judge (reward_model.path={judge}) cannot be loaded: "), info.value
+    assert isinstance(info.value.__cause__, SafetensorError), info.value.__cause__
+    named, oom = ModelFileError(f"reward_model.path={str(judge)!r}: no weights"), torch.OutOfMemoryError("CUDA OOM")
+    for error in (named, oom):
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(role, "build_model", fail)
+        with pytest.raises(type(error)) as raised:
+            role.JudgeWorker(cfg)
+        assert raised.value is error  # as it was raised
     Qwen3ForCausalLM(config).save_pretrained(str(judge))  # (model.safetensors, loadable)
-    assert JudgeWorker(cfg).tokenizer is not None
+    model = build_model(role.judge_model_config(cfg), len(tok), tok.pad_token_id, seed=0, key=role.PATH_KEY)
+    assert model.config.num_hidden_layers == 1
 
 
 # ---------------------------------------------------------------------------------------------- a URL
