@@ -269,7 +269,9 @@ class SGLangEngines:
     def _stop_servers(self, timeout_s: float = 15.0) -> None:
         """Each server actor stops its process; an actor still busy after `timeout_s` (a replacement still starting:
         its stop waits behind the start) is killed, and its server process with it (PR_SET_PDEATHSIG,
-        `relax.rollout.sglang.process`): no server outlives the run, also where the Ray instance does."""
+        `relax.rollout.sglang.process`): no server outlives the run, also where the Ray instance does. ray.kill only
+        asks: the killed actors' stop calls are waited for (they fail once the actor is dead), so that their servers
+        are going when the run returns, not some time after."""
         import ray
 
         refs = [s.stop.remote() for s in self.servers]
@@ -277,6 +279,8 @@ class SGLangEngines:
         for server, ref in zip(self.servers, refs, strict=True):
             if ref in pending:
                 ray.kill(server)
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
 
     def _restore(self) -> None:
         """The user's servers resident with the last weights (`close`); the lock is waited for as long as a weight
