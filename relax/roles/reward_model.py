@@ -103,6 +103,12 @@ class ClassifierWorker:
                                  on_batch=progress.tick)
 
 
+def judge_load_error(cfg: RelaxConfig, exc: BaseException) -> str:
+    """What a judge that cannot be loaded is refused with, before start (the preflight) and in its role: the option
+    and its path first, then the loader's own words."""
+    return f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {exc}"
+
+
 class JudgeWorker:
     """A frozen causal LM that answers judge questions on an embedded engine (see the module docstring)."""
 
@@ -126,8 +132,7 @@ class JudgeWorker:
             # RuntimeError or transformers' OSError/ValueError for a bad .bin, .gguf or shapes: their words name
             # neither the option nor the path): named as the preflight names the judge's files; the cause is kept,
             # with its traceback, for a RuntimeError of another kind
-            raise ModelFileError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {exc}") \
-                from exc
+            raise ModelFileError(judge_load_error(cfg, exc)) from exc
         model.requires_grad_(False)
         model.eval()
         self.engine = EmbeddedEngine(model, eos_token_ids=list(stop_token_ids(model_cfg, self.tokenizer)),

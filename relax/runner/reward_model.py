@@ -26,7 +26,13 @@ from relax.metrics import JUDGE_PARSE_FAIL_FRAC, REWARD_MODEL_SCORE_MEAN, REWARD
 from relax.models.reward_model import classifier_config, content_text, judge_config
 from relax.rewards.judge import get_parser, judge_content, judge_question, read_scores
 from relax.rewards.openai_judge import OpenAIJudge
-from relax.roles.reward_model import ClassifierWorker, JudgeWorker, judge_model_config, reward_model_dir
+from relax.roles.reward_model import (
+    ClassifierWorker,
+    JudgeWorker,
+    judge_load_error,
+    judge_model_config,
+    reward_model_dir,
+)
 from relax.runner.errors import RunError
 
 # call(method, *args): a method of the reward model's role, answered (the cluster's watched call)
@@ -198,8 +204,7 @@ def _check_judge(cfg: RelaxConfig) -> None:
             load_tokenizer(model_cfg, key="reward_model.path")
         except (FileNotFoundError, ValueError) as exc:
             # the loaders name the path's option (key), with no model.source (the judge's file's name chooses)
-            raise ValueError(f"the judge (reward_model.path={cfg.reward_model.path}) cannot be loaded: {exc}") \
-                from None
+            raise ValueError(judge_load_error(cfg, exc)) from None
         if model_cfg.source == "hf":
             judge_config(reward_model_dir(cfg))  # a causal LM, as a classifier's check refuses one
 
