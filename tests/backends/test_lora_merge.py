@@ -167,12 +167,11 @@ def test_an_adapter_on_a_tied_output_head_is_not_merged(tmp_path):
             assert (out / "config.json").is_file()
 
 
-def test_moe_adapters_load_in_peft_at_the_fused_experts_rank_despite_peft_s_warning(tmp_path):
-    """PEFT 0.21 adapts the fused gate_up_proj at rank 2r through a rank_pattern it writes itself, then warns that
-    the pattern matched no targeted module (its check looks at modules, not parameters). Relax's own injection does
-    not show that warning; loading the saved directory in PEFT does (docs/training.md says it is expected), and the
-    pattern is applied all the same: the loaded adapters have rank 2r per expert and give the adapted model's
-    logits."""
+def test_moe_adapters_load_in_peft_at_the_fused_experts_rank(tmp_path):
+    """PEFT adapts the fused gate_up_proj at rank 2r through a rank_pattern it writes itself. PEFT 0.21 then warns,
+    when it loads the saved directory, that the pattern matched no targeted module (its check looked at modules, not
+    parameters; 0.22 no longer warns); Relax's own injection shows no such warning. The pattern is applied all the
+    same: the loaded adapters have rank 2r per expert and give the adapted model's logits."""
     import warnings
 
     from peft import PeftModel
@@ -182,8 +181,11 @@ def test_moe_adapters_load_in_peft_at_the_fused_experts_rank_despite_peft_s_warn
         peft_model = adapted(MOE)
     assert not [w for w in seen if "rank_pattern" in str(w.message) or "alpha_pattern" in str(w.message)]
     peft_model.save_pretrained(str(tmp_path))
-    with pytest.warns(RuntimeWarning, match=r"rank_pattern keys did not match any targeted module.*gate_up_proj"):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         loaded = PeftModel.from_pretrained(build_model(MOE, V, PAD, seed=0), str(tmp_path)).eval()
+    patterns = [str(w.message) for w in seen if "rank_pattern" in str(w.message)]
+    assert all("gate_up_proj" in m for m in patterns), patterns  # PEFT 0.21's false warning, about this one key
     E, r, H = MOE.num_experts, 4, MOE.hidden_size
     a = dict(loaded.named_parameters())["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.default.weight"]
     assert tuple(a.shape) == (2 * r * E, H)
