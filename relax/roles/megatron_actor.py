@@ -47,16 +47,19 @@ class MegatronRank(PolicyForwarding):
         self.rank, self.world_size = rank, world_size
         self.use_distributed_optimizer = use_distributed_optimizer
         self.policy: Any = None
+        self._store: Any = None  # rank 0's rendezvous store, from `rendezvous`
 
     def rendezvous(self) -> tuple[str, int]:
-        """(address, port) for the process group: this node's IP and a port free on it (rank 0 only; its store
-        listens on that address alone)."""
+        """(address, port) for the process group (rank 0 only): this node's IP and the port of the store this rank
+        hosts, listening on that address alone. The store binds port 0, so the kernel picks a free port as it binds:
+        no other process can take it before the ranks meet (a port found free and bound later can be)."""
         import ray
 
-        from relax.train.megatron.parallel import free_port
+        from relax.models.rendezvous import listening_store
 
         address = ray.util.get_node_ip_address()
-        return address, free_port(address)
+        self._store = listening_store(address, 0, world_size=self.world_size)
+        return address, int(self._store.port)
 
     def setup(self, master_addr: str, master_port: int) -> str:
         """Join the process group and build the policy (all ranks at once: it is a rendezvous)."""
@@ -65,6 +68,7 @@ class MegatronRank(PolicyForwarding):
 
         cfg, t = self.cfg, self.cfg.train
         parallel.initialize(self.rank, self.world_size, master_addr=master_addr, master_port=master_port,
+                            store=self._store,
                             tensor_parallel_size=t.tensor_parallel_size,
                             pipeline_parallel_size=t.pipeline_parallel_size,
                             expert_parallel_size=t.expert_parallel_size, seed=cfg.seed)

@@ -64,6 +64,25 @@ def test_the_weight_senders_store_listens_on_its_address_only():
         del store
 
 
+def test_the_megatron_rank_0_holds_its_rendezvous_port_before_the_ranks_meet(monkeypatch):
+    """The port rank 0 hands the other ranks is already its store's when they get it: no other process can take it
+    between the choice and the bind (a port found free and bound a moment later could be lost)."""
+    import ray.util
+
+    from relax.roles.megatron_actor import MegatronRank
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    rank = object.__new__(MegatronRank)  # rendezvous alone: no process group, no model
+    rank.world_size = 1
+    address, port = rank.rendezvous()
+    try:
+        assert address == "127.0.0.1" and listening(port) == {LOOPBACK}
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))
+    finally:
+        rank.__dict__.pop("_store", None)  # the store closes its socket as it goes
+
+
 MEGATRON_RANK = textwrap.dedent("""
     import sys
     from relax.train.megatron import parallel

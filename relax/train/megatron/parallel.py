@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that was free on `host` ("": any address) a moment ago (for the rendezvous of rank 0)."""
-    from relax.models.rendezvous import free_port as free
-
-    return free(host)
 
 
 def initialize(
@@ -29,13 +22,16 @@ def initialize(
     seed: int = 0,
     backend: Optional[str] = None,
     timeout_s: float = 600.0,
+    store: Any = None,
 ) -> None:
     """Join the trainer's process group and set up megatron-core's parallel state on this rank.
 
     `backend`: "nccl" when CUDA is available (one GPU per rank: the visible device `LOCAL_RANK`, else 0), else
     "gloo". Data parallel size = world_size / (TP * PP). `expert_parallel_size` (MoE models): the experts spread over
     that many ranks, which are data-parallel ranks of the rest of the model (it divides the data-parallel size at
-    TP=1). Call once per process.
+    TP=1). `store`: rank 0's rendezvous store, already listening on `master_addr:master_port`
+    (`relax.models.rendezvous.listening_store` with port 0); without it rank 0 binds `master_port` here. Call once per
+    process.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -52,8 +48,9 @@ def initialize(
         # rank 0's store listens on master_addr only (torch's own, from a tcp:// init_method, on every interface)
         from relax.models.rendezvous import client_store, listening_store
 
-        make = listening_store if rank == 0 else client_store
-        store = make(master_addr, master_port, world_size=world_size, timeout_s=timeout_s)
+        if store is None:
+            make = listening_store if rank == 0 else client_store
+            store = make(master_addr, master_port, world_size=world_size, timeout_s=timeout_s)
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                              timeout=timedelta(seconds=timeout_s))
     if (world_size // pipeline_parallel_size) % expert_parallel_size:
