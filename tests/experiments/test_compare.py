@@ -33,11 +33,23 @@ HISTORIES = {
 }
 
 
+def _metrics(points: dict[str, list[tuple[int, float]]]) -> list:
+    """MLflow metric entities of `points` (metric -> [(step, value)]), written with one log_batch per run: a
+    log_metric call per point is a store transaction of its own; what is stored (key, step, value) is the same."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    return [Metric(key, value, now, step) for key, series in points.items() for step, value in series]
+
+
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(tmp_path_factory, mlflow_template):
+    import shutil
+
     from mlflow import MlflowClient
 
     tmp = tmp_path_factory.mktemp("store")
+    shutil.copyfile(mlflow_template, tmp / "mlflow.db")  # an empty migrated store (migrations take seconds)
     uri = f"sqlite:///{tmp}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("cmp", artifact_location=str(tmp / "artifacts"))
@@ -50,10 +62,10 @@ def store(tmp_path_factory):
         for seed, values in seeds.items():
             run = client.create_run(exp, start_time=t0 + 2000 + i, tags={
                 "mlflow.parentRunId": pid, "sweep_id": "S1", "arm": arm, "seed": seed, "algorithm": arm.lower()})
-            for step, v in enumerate(values):
-                client.log_metric(run.info.run_id, "rollout/raw_reward", v, step=step)
+            points = {"rollout/raw_reward": list(enumerate(values))}
             if arm == "A":
-                client.log_metric(run.info.run_id, "eval/digits/pass_at_1", 0.5, step=4)
+                points["eval/digits/pass_at_1"] = [(4, 0.5)]
+            client.log_batch(run.info.run_id, metrics=_metrics(points))
             client.set_terminated(run.info.run_id, "FINISHED")
     failed = client.create_run(exp, start_time=t0 + 3000, tags={
         "mlflow.parentRunId": pid, "sweep_id": "S1", "arm": "B", "seed": "9"})
@@ -328,11 +340,8 @@ def _runs_store(tmp_path, fresh_store, runs):
     ids = []
     for i, (tags, params, metrics, status) in enumerate(runs):
         run = client.create_run(exp, tags=tags, start_time=t0 + 1000 * i)
-        if params:  # one write for all of them (a run's own logs them so too)
-            client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
-        for metric, points in metrics.items():
-            for step, value in points:
-                client.log_metric(run.info.run_id, metric, value, step=step)
+        # one write for all of them (a run's own logs its params so too)
+        client.log_batch(run.info.run_id, metrics=_metrics(metrics), params=[Param(k, v) for k, v in params.items()])
         client.set_terminated(run.info.run_id, status)
         ids.append(run.info.run_id)
     return uri, ids

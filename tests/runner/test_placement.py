@@ -186,8 +186,10 @@ def _start(cfg, monkeypatch, device: bool = False) -> dict[str, dict]:
                                                       tensor_parallel_size=t.tensor_parallel_size,
                                                       pipeline_parallel_size=t.pipeline_parallel_size,
                                                       max_restarts=t.max_restarts),
-                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus,
-                                                        heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s),
+                                # no heartbeat board: an actor of its own (a process start per case) outside the
+                                # plan (no CPU, no GPU, no placement group; not among cluster.actors), which no
+                                # case looks at (tests/faults/test_heartbeats.py and the runs on Ray start it)
+                                cluster=SimpleNamespace(actor_gpus=cfg.cluster.actor_gpus, heartbeat_timeout_s=None),
                                 rollout=SimpleNamespace(backend=cfg.rollout.backend),
                                 reward_model=SimpleNamespace(kind=cfg.reward_model.kind,
                                                              engine=cfg.reward_model.engine),

@@ -290,7 +290,7 @@ def test_a_server_that_exits_at_start_names_its_exit_code(tmp_path, closed_port)
     assert proc.wait() == 1 and isinstance(proc, subprocess.Popen)
 
 
-def test_a_paused_server_keeps_its_place_though_its_health_check_fails(server, weights, tmp_path):
+def test_a_paused_server_keeps_its_place_though_its_health_check_fails(server, weights, tmp_path, monkeypatch):
     """SGLang's /health generates a token, so it fails while generation is paused (partial rollout) or weights load,
     and relax-serve's does the same. The watchdog then checks that the server answers at all, instead of replacing a
     healthy server (this one is given by URL: a replacement would stop the run)."""
@@ -312,7 +312,18 @@ def test_a_paused_server_keeps_its_place_though_its_health_check_fails(server, w
         engines.abort(7)  # partial rollout's pause: the servers hold generation until the next weight update
         job.join(60)
         assert done and requests.get(url + "/health", timeout=10).status_code == 503  # paused: no token comes
-        time.sleep(3)  # 15 check intervals: far beyond health_failures misses of /health
+        # three times health_failures (2) checks of the paused server by the watchdog, counted where it makes them:
+        # had each been a miss, the server would have been replaced (and, given by URL, the run stopped) twice by now
+        checks, alive = threading.Semaphore(0), engines._alive
+
+        def counted(i: int, u: str) -> bool:
+            answer = alive(i, u)
+            checks.release()
+            return answer
+
+        monkeypatch.setattr(engines, "_alive", counted)
+        for _ in range(3 * 2):
+            assert checks.acquire(timeout=60), "the watchdog stopped checking the server"
         assert engines._failed is None and engines.restarts == 0
         engines.load_weights(state, 2)  # continues generation
         assert requests.get(url + "/health", timeout=10).status_code == 200
