@@ -253,8 +253,8 @@ def job_configs(overrides: Sequence[str], conf: Path) -> Optional[list[Any]]:
 
 
 def storage_settings(cfg: Any) -> dict[str, Any]:
-    """What the job of `cfg` (`job_configs`'; for a sweep its first job's) would use for the keys that decide where
-    it writes. Values are resolved where possible (`${oc.env:...}`, `${now:...}`), else left as written."""
+    """What the job of `cfg` (one of `job_configs`') would use for the keys that decide where it writes. Values are
+    resolved where possible (`${oc.env:...}`, `${now:...}`), else left as written."""
     from omegaconf import OmegaConf
 
     out: dict[str, Any] = {}
@@ -365,8 +365,16 @@ def check_storage(overrides: list[str], *, working_dir: Path) -> list[str]:
 
 
 def storage_check(configs: Optional[Sequence[Any]], *, sweep: bool) -> list[str]:
-    """storage_problems of the jobs of `configs` (`job_configs`': a sweep's first job's settings, its sweep dir)."""
-    return storage_problems(storage_settings(configs[0]), sweep=sweep) if configs else []
+    """storage_problems of every job of `configs` (`job_configs`'), each problem once: a sweep's problem that only
+    some of its jobs have names them (Hydra's job numbers, from 0), so that the order of swept values cannot decide
+    whether a submission is refused."""
+    jobs_of: dict[str, list[int]] = {}
+    for job, cfg in enumerate(configs or ()):
+        for problem in storage_problems(storage_settings(cfg), sweep=sweep):
+            jobs_of.setdefault(problem, []).append(job)
+    return [problem if len(jobs) == len(configs) else
+            f"{problem} (job{'s' if len(jobs) > 1 else ''} {', '.join(map(str, jobs))} of the sweep)"
+            for problem, jobs in jobs_of.items()]
 
 
 def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optional[str] = None

@@ -95,10 +95,18 @@ def test_storage_check_composes_what_relax_train_composes():
     assert "hydra.run.dir=outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}: relative" in problems[2]  # as written in conf/
     good = ["tracking.uri=http://mlflow:5000", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out"]
     assert check_storage(["+experiment=rloo_vs_grpo_cpu", *good], working_dir=REPO) == []
-    # a sweep: the first job's values are composed, and Hydra's sweep dir is the one checked
+    # a sweep: every job's values are composed, and Hydra's sweep dir is the one checked; a problem of some jobs only
+    # names them (Hydra's job numbers: the last override varies fastest)
     problems = check_storage(["-m", "algorithm=rloo,grpo", "seed=1,2", "train.save_dir=ckpt,/abs",
                               "tracking.uri=http://mlflow:5000"], working_dir=REPO)
     assert [p.split(":")[0] for p in problems] == ["train.save_dir=ckpt", "hydra.sweep.dir=multirun/${now"]
+    assert problems[0].endswith("relative; give an absolute directory (jobs 0, 2, 4, 6 of the sweep)")
+    assert not problems[1].endswith("of the sweep)")  # every job's
+    # the order of the swept values does not decide: the job that saves is named either way
+    shared = ["tracking.uri=sqlite:////shared/m.db", "hydra.sweep.dir=/shared/sw"]
+    for values, job in (("false,true", 1), ("true,false", 0)):
+        (problem,) = check_storage(["-m", f"train.save={values}", *shared], working_dir=REPO)
+        assert problem.startswith("train.save_dir is unset") and problem.endswith(f"(job {job} of the sweep)")
     assert check_storage(["algorithm=rloo", "dry_run=true"], working_dir=REPO) == []
     assert check_storage(["--cfg", "job"], working_dir=REPO) == []  # prints the config, runs nothing
     with pytest.raises(ValueError, match="does not compose.*nokey"):
