@@ -313,7 +313,8 @@ def _who(run: RunData) -> str:
 
 def choose_runs(runs: Sequence[RunData]) -> tuple[list[RunData], list[str]]:
     """One run per (arm, seed), the same for every metric: the most recently started FINISHED one (the most recent
-    of any status when none finished, with --include-unfinished); a note names the runs left out."""
+    of any status when none finished, with --include-unfinished); a note names the runs left out, and one the chosen
+    runs that did not finish."""
     groups: dict[tuple[str, str], list[RunData]] = {}
     for r in runs:
         groups.setdefault((r.arm, _seed_key(r)), []).append(r)
@@ -328,6 +329,12 @@ def choose_runs(runs: Sequence[RunData]) -> tuple[list[RunData], list[str]]:
                          f"{which} one, {used.run_id} (started {_when(used)}); left out: "
                          + ", ".join(f"{m.run_id} ({m.status}, started {_when(m)})" for m in members[1:]))
     chosen.sort(key=lambda r: r.start_time)
+    unfinished = [r for r in chosen if r.status != "FINISHED"]  # kept by --include-unfinished
+    if unfinished:
+        notes.append(f"{len(unfinished)} run(s) did not finish (--include-unfinished): their final values are where "
+                     "they stopped: " + ", ".join(f"{r.run_id} ({_who(r)}, {r.status}, last step "
+                                                  f"{max((h[-1][0] for h in r.history.values() if h), default='-')})"
+                                                  for r in unfinished))
     return chosen, notes
 
 

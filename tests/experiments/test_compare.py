@@ -371,6 +371,7 @@ def test_one_run_per_seed_for_every_metric_and_config_differences(tmp_path, fres
     assert stats[(E, "a")].finals == {"1": 0.9, "2": 0.5}
     assert {r.run_id for r in comp.runs} == {ids[1], ids[2], ids[3]}  # the curves too
     notes = "\n".join(comp.notes)
+    assert "did not finish" not in notes  # the KILLED run kept by the flag is not a chosen one
     assert f"arm a: 2 runs with seed 1: every metric of that seed comes from the most recent finished one, {ids[2]}" \
            in notes and f"left out: {ids[0]} (FINISHED" in notes
     assert f"arm a: 2 runs with seed 2: every metric of that seed comes from the most recent finished one, {ids[1]}" \
@@ -647,6 +648,9 @@ def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path,
         f"  run {ids[0]} (arm=algorithm=grpo, seed 1) is KILLED: left out (--include-unfinished keeps it)")
     kept = compare(uri=uri, sweep="OLD", include_unfinished=True, out_dir=tmp_path, log=False)  # as the hint says
     assert [r.run_id for r in kept.comparison.runs] == [ids[0]]
+    # a number from a run that did not finish says so (a note), with where it stopped
+    assert f"1 run(s) did not finish (--include-unfinished): their final values are where they stopped: {ids[0]} " \
+           "(algorithm=grpo/seed 1, KILLED, last step 0)" in kept.comparison.notes
     # the run that sweep NEW took over is named where sweep OLD is compared without it
     assert kept.comparison.notes[0] == (
         f"1 run(s) of sweep OLD are left out: {ids[1]} (arm algorithm=grpo, seed 2, now in sweep NEW); they were "
