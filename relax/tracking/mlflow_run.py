@@ -159,7 +159,9 @@ def file_store_refused(uri: str, exc: BaseException) -> Optional[str]:
     import mlflow
 
     path = uri[len("file://"):] if uri.startswith("file://") else uri
-    return (f"the MLflow store {uri} is a file store (a directory), which MLflow {mlflow.__version__} refuses: use a "
+    what = ("is a file store (a directory)" if os.path.isdir(path) else
+            "does not exist; as a path it names a file store (a directory)")
+    return (f"the MLflow store {uri} {what}, which MLflow {mlflow.__version__} refuses: use a "
             f"database store, e.g. sqlite:///{os.path.join(path, 'mlflow.db')} (`mlflow migrate-filestore` moves an "
             f"existing one), or set {FILE_STORE_OPT_IN}=true to use it anyway")
 

@@ -23,8 +23,10 @@ def no_opt_in(monkeypatch):
     return monkeypatch
 
 
-def _advice(text: str, store: str) -> bool:
-    return (f"the MLflow store {store} is a file store (a directory), which MLflow " in text
+def _advice(text: str, store: str, exists: bool = False) -> bool:
+    what = ("is a file store (a directory)" if exists
+            else "does not exist; as a path it names a file store (a directory)")
+    return (f"the MLflow store {store} {what}, which MLflow " in text
             and f"use a database store, e.g. sqlite:///{store.removeprefix('file://')}/mlflow.db" in text
             and "or set MLFLOW_ALLOW_FILE_STORE=true to use it anyway" in text)
 
@@ -47,6 +49,10 @@ def test_a_file_store_is_refused_with_what_to_use_instead(no_opt_in, tmp_path, f
     with pytest.raises(CompareError) as comp:
         compare(uri=uri, out_dir=str(tmp_path / "compare"), log=False)
     assert _advice(str(comp.value), shown)
+    (tmp_path / "store").mkdir()  # a directory there: it is a file store
+    with pytest.raises(TrackingUnavailable) as start:
+        Tracker.start(cfg, QUIET)
+    assert _advice(str(start.value), shown, exists=True)
 
 
 def test_control_with_mlflows_opt_in_the_file_store_works(no_opt_in, tmp_path):
