@@ -5,12 +5,14 @@ The function gets the prompt item as a dict (`messages`: the prompt as chat mess
 `index`, `source`), the gateway's `base_url` and its session's key, and uses any OpenAI client with them. Runs go
 to worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time
 limit (`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample
-counts as a failed reward call (its group is left out, as for any failed reward). A run that made no call fails
-the same way. When a run returns, its session's main row (`relax.serve.openai.sessions`: the branch holding the most
-sampled tokens) becomes the sample: the first prompt as the prompt, then every later token, trained where the engine
-sampled it. A run that forked (a side call, parallel calls, a choice not continued, a segment left by an edit) has
-more rows (`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns); they travel in the
-sample's episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
+counts as a failed reward call (its group is left out, as for any failed reward), unless it raised after its last
+answer was cut (it ends "length") or after all the calls `rollout.max_turns` allows, the last one answered (it ends
+"max_turns"; `_end_of_run`): those keep their trajectory. A run that made no call fails the same way. When a run
+returns, its session's main row (`relax.serve.openai.sessions`: the branch holding the most sampled tokens) becomes
+the sample: the first prompt as the prompt, then every later token, trained where the engine sampled it. A run
+that forked (a side call, parallel calls, a choice not continued, a segment left by an edit) has more rows
+(`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns); they travel in the sample's
+episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
 (`relax.runner.branch_rows`), so that every sampled token is trained exactly once; the record counts them
 (`sampled_tokens`, `trained_tokens`, `branches`: `rollout/gateway_untrained_tokens`,
 `rollout/gateway_branches_per_run`). Its reward: what the function returned (None: nothing), plus the rewards given
@@ -109,23 +111,49 @@ class AgentRollout:
                                           d.agent_timeout_s)
         rows = []
         for s, record, (value, error), was_late in zip(sessions, records, outcomes, late, strict=True):
-            # a run that raised after its last answer was cut ends "length", as one its session's limit stopped:
-            # openai-agents raises on every answer cut by max_tokens (Responses: `incomplete`; chat: one left with
-            # no text, a Qwen3 answer cut inside <think>), and such a run is a truncated episode, not a failed one
-            self.gateway.close_session(s, FinishReason.TIMEOUT if was_late else FinishReason.LENGTH
-                                       if error and _ended_on_a_cut_answer(s) else FinishReason.ERROR if error
-                                       else FinishReason.DONE)
+            self.gateway.close_session(s, _end_of_run(s, error, was_late))
             trajectory = s.trajectory()
             if trajectory is None:  # nothing to train: a failed sample
                 error = error or "the agent made no call through the gateway"
                 trajectory = Segment(prompt=[self.pad_token_id])
             elif error is not None and s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH):
-                error = None  # a run stopped by its session's limit or a cut answer: its trajectory is the sample
+                # a run stopped by its session's limit (a call past it, or all its calls made: `_end_of_run`) or a
+                # cut answer: its trajectory is the sample
+                error = None
             if value is not None:
                 trajectory.rewards[-1] += value
             rows.append((s, record, trajectory, error))
         self._previous = sessions
         return _samples(rows, sample_ids, self.pad_token_id)
+
+
+def _end_of_run(s: Session, error: Optional[str], was_late: bool) -> str:
+    """Why the run's session ends, once its run is over (a session its limit already ended keeps that reason).
+
+    A run that raised after its last answer was cut ends "length", as one its session's limit stopped: openai-agents
+    raises on every answer cut by max_tokens (Responses: `incomplete`; chat: one left with no text, a Qwen3 answer
+    cut inside <think>), and such a run is a truncated episode, not a failed one. A run that raised after its session
+    made all the calls `rollout.max_turns` allows, the last one answered, ends "max_turns", as a call past the limit
+    would have ended it: a framework whose own turn limit equals rollout.max_turns (openai-agents'
+    `Runner.run(max_turns=...)` raises MaxTurnsExceeded, LangGraph's `recursion_limit`, pydantic-ai's request limit)
+    stops itself and raises instead of making that call, and such a run reached its limit, it did not fail. A run
+    that raised after fewer calls, or whose last call was not answered, failed."""
+    if was_late:
+        return FinishReason.TIMEOUT
+    if error is None:
+        return FinishReason.DONE
+    if _ended_on_a_cut_answer(s):
+        return FinishReason.LENGTH
+    if _used_every_call(s):
+        return FinishReason.MAX_TURNS
+    return FinishReason.ERROR
+
+
+def _used_every_call(s: Session) -> bool:
+    """Whether the session made every call its limit allows (`limits.max_calls`) and its last admitted call was
+    answered (recorded)."""
+    last = s.calls - 1
+    return s.calls >= s.limits.max_calls and any(n.call == last for n in s.nodes)
 
 
 def _ended_on_a_cut_answer(s: Session) -> bool:

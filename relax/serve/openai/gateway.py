@@ -8,7 +8,7 @@ it makes with that key (`Authorization: Bearer <key>`, as the `openai` client se
 (`relax.serve.openai.responses`: recorded as the chat call it translates to), and `POST /v1/relax/reward` {"reward":
 x}, which adds x to the reward of the session's latest call. Errors have OpenAI's shape; another method on a route's
 path is a 405 with Allow, as relax-serve answers it. The gateway binds to loopback unless configured otherwise
-(`rollout.gateway_host`); each session's key is a fresh random secret, so a reachable gateway still serves only the
+(`rollout.sglang.host`); each session's key is a fresh random secret, so a reachable gateway still serves only the
 runs it started. A call whose agent leaves before its answer (killed at `data.agent_timeout_s`, a client that timed
 out) has its generation aborted on the engines (`WatchedSend`), as relax-serve aborts its own.
 """
