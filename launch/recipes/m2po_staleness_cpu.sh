@@ -10,7 +10,12 @@ own_overrides algorithm=grpo,m2po train.max_staleness=0,2,4 -- "$@"
 first=("${own[@]}")
 own_overrides algorithm=m2po train.max_staleness=4 algorithm.kl2_budget=0.002,0.01,0.05 -- "$@"
 set -x
-run_train -m +experiment=m2po_staleness_cpu "${first[@]}" "${extra[@]}" "$@" || true
-run_train -m +experiment=m2po_staleness_cpu "${own[@]}" "${extra[@]}" "$@" || true  # compare what finished
-run_compare --experiment m2po_staleness_cpu --control algorithm=grpo,train.max_staleness=0 \
+run_sweep -m +experiment=m2po_staleness_cpu "${first[@]}" "${extra[@]}" "$@"
+stop_if_not_run  # nothing started or interrupted: relax-train's exit code, no second sweep, no comparison
+run_sweep -m +experiment=m2po_staleness_cpu "${own[@]}" "${extra[@]}" "$@"
+stop_unless_comparable "$@"  # the same, or a dry run: no comparison
+# the runs of the two sweeps just run (what finished of them), not older ones of the experiment in the store
+if (( ${#sweep_runs[@]} == 0 )); then echo "the sweeps' tables name no MLflow run: no comparison" >&2; exit 1; fi
+run_compare --run-ids "${sweep_runs[@]}" --control algorithm=grpo,train.max_staleness=0 \
   --metrics rollout/raw_reward train/ppo_kl_m2_before train/ppo_kl_m2_after rollout/staleness_mean
+exit "${sweep_rc}"

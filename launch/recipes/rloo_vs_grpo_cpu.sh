@@ -7,5 +7,7 @@ source "$(dirname "$0")/_common.sh"
 sweep_dirs rloo_vs_grpo_cpu "$@"
 own_overrides algorithm=rloo,grpo seed=1,2 -- "$@"
 set -x
-run_train -m +experiment=rloo_vs_grpo_cpu "${own[@]}" "${extra[@]}" "$@" || true  # compare what finished
-run_compare --control algorithm=grpo
+run_sweep -m +experiment=rloo_vs_grpo_cpu "${own[@]}" "${extra[@]}" "$@"
+stop_unless_comparable "$@"  # nothing started, interrupted, a dry run: relax-train's exit code, no comparison
+run_compare --sweep "${sweep_ids[0]}" --control algorithm=grpo  # what finished
+exit "${sweep_rc}"

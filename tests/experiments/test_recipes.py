@@ -91,6 +91,10 @@ def test_recipe_script_maps_env_to_overrides(tmp_path):
 
 
 SWEEP_SCRIPTS = ("rloo_vs_grpo_cpu", "m2po_staleness_cpu", "rloo_smollm2_gsm8k_cpu")
+# what a stand-in relax-train prints for a sweep that ran (the sweep launcher's first line and its final table), so
+# that the sweep scripts compare it
+SWEEP_RAN = ('echo "Sweep 20260101-000000-abcdef: 1 jobs"; echo "Sweep 20260101-000000-abcdef: 1 of 1 jobs finished"; '
+             'echo "0  seed=1  FINISHED  1 s  0123456789abcdef0123456789abcdef  0.5"\n')
 
 
 @pytest.mark.parametrize("script", SWEEP_SCRIPTS)
@@ -105,7 +109,7 @@ def test_a_sweep_scripts_comparison_is_written_under_exp_dir(tmp_path, script, e
     work.mkdir()
     for tool in ("relax-train", "relax-compare"):
         stub = bin_dir / tool
-        stub.write_text(f'#!/bin/sh\necho "{tool} $(pwd) $*" >> "{tmp_path}/calls"\n')
+        stub.write_text(f'#!/bin/sh\necho "{tool} $(pwd) $*" >> "{tmp_path}/calls"\n' + SWEEP_RAN)
         stub.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
     if exp_dir:
@@ -134,7 +138,7 @@ def recorded_trains(tmp_path: Path, script: str, shown: str, argument: str,
     work.mkdir()
     for tool in ("relax-train", "relax-compare"):
         stub = bin_dir / tool
-        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" {shown} "$@" > "{tmp_path}/{tool}.$$"\n')
+        stub.write_text(f'#!/bin/sh\nprintf "%s\\n" {shown} "$@" > "{tmp_path}/{tool}.$$"\n' + SWEEP_RAN)
         stub.chmod(0o755)
     base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **env}
     found: dict[str | None, tuple[Path, list[list[str]]]] = {}
@@ -194,3 +198,89 @@ def test_the_callers_override_and_pythonpath_reach_relax_train(tmp_path, script)
             # name it always, the single-run recipes where they leave that directory)
             assert project_dir == (str(work) if exp_dir or script != "m2po" else ""), project_dir
             assert [a for a in args if a.startswith("algorithm=")] == ["algorithm=grpo"], args
+
+
+# A stand-in relax-train for the sweep scripts, by FAKE_TRAIN: `nothing` (exit 2, the launcher's invalid config before
+# anything starts), `dry` (a passing dry run: no `Sweep` line, exit 0), `interrupted` (the first line, then exit
+# 130, as a Ctrl-C), `failed` (one job FAILED, exit 1) and `ok`. Each sweep that starts prints the launcher's first
+# line with a new id and ends with its table (hydra_plugins/relax_ray_launcher/sweep.py format_table); it appends
+# the id to `ids` and its jobs' run ids to `runs`, and its arguments to `trains`.
+FAKE_TRAIN = r'''#!/bin/sh
+T=$(dirname "$0")/..
+n=$(( $(cat "$T/count" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$T/count"
+echo "$*" >> "$T/trains"
+case "$FAKE_TRAIN" in
+  nothing) echo "relax-train: error: invalid config in 4 of 4 sweep jobs (nothing started)" >&2; exit 2 ;;
+  dry) echo "Dry run of 4 jobs: all valid (nothing started)"; exit 0 ;;
+esac
+id=20261207-17000$n-5eed0$n
+run1=$(printf 'a%031d' "$n"); run2=$(printf 'b%031d' "$n")
+echo "$id" >> "$T/ids"
+echo "Sweep $id: 2 jobs, MLflow parent run $(printf 'c%031d' "$n")"
+if [ "$FAKE_TRAIN" = interrupted ]; then echo "KeyboardInterrupt" >&2; exit 130; fi
+echo "(a job's output) Sweep 20200101-000000-0ld0ld: 9 jobs"
+status=FINISHED; [ "$FAKE_TRAIN" = failed ] && status=FAILED
+echo "Sweep $id: 1 of 2 jobs finished (MLflow parent run $(printf 'c%031d' "$n"))"
+echo "#  overrides (those that differ)  status    time  mlflow run                        final reward"
+echo "-  -----------------------------  --------  ----  --------------------------------  ------------"
+echo "0  algorithm=rloo seed=1          FINISHED  3 s   $run1  0.5000"
+echo "1  algorithm=grpo seed=1          $status  2 s   $run2"
+printf '%s\n%s\n' "$run1" "$run2" >> "$T/runs"
+[ "$FAKE_TRAIN" = failed ] && exit 1
+exit 0
+'''
+OLD_SWEEP = "20261206-090000-01d5ee"  # the store's earlier sweep: what relax-compare reads without --sweep
+
+
+@pytest.mark.parametrize("script", SWEEP_SCRIPTS)
+@pytest.mark.parametrize(("mode", "argument", "rc", "compared"), [
+    ("nothing", "train.lrr=1", 2, False),
+    ("dry", "dry_run=true", 0, False),
+    ("interrupted", "train.num_rollout=2", 130, False),
+    ("failed", "train.num_rollout=2", 1, True),
+    ("ok", "train.num_rollout=2", 0, True),
+    ("ok", "tracking.uri=sqlite:///other.db", 0, True),
+])
+def test_a_sweep_script_compares_the_sweep_it_ran(tmp_path, script, mode, argument, rc, compared):
+    """The sweep scripts keep relax-train's exit code and compare exactly the sweep(s) they just ran, in the store the
+    sweep wrote to. relax-train is a stand-in on PATH (FAKE_TRAIN) that records the ids and run ids it printed;
+    relax-compare one that records its arguments; the store holds an older sweep (OLD_SWEEP), the one relax-compare
+    reads when no sweep is selected (relax/tracking/compare.py select_runs). Nothing started (2), interrupted (130):
+    that exit code, no comparison (m2po_staleness_cpu: no second sweep); a dry run: its output, exit 0, no
+    comparison; some job failed (1): what finished is compared, exit 1. The comparison names the sweep relax-train
+    printed (m2po_staleness_cpu: the run ids of both its sweeps' tables), never the older one, and reads the store
+    of a caller's tracking.uri. Before: `|| true` and a comparison without --sweep: exit 0 after comparing the older
+    sweep, and the script's store whatever tracking.uri said."""
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    (work / "mlflow.db").write_text(OLD_SWEEP)  # not read by the stand-in: the store an older sweep ran into
+    (bin_dir / "relax-train").write_text(FAKE_TRAIN)
+    (bin_dir / "relax-compare").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/compare.$$"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "FAKE_TRAIN": mode}
+    proc = subprocess.run(["bash", str(SCRIPTS / f"{script}.sh"), argument], env=env, cwd=work,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == rc, (proc.stdout, proc.stderr)
+    trains = (tmp_path / "trains").read_text().splitlines()
+    two = script == "m2po_staleness_cpu" and mode not in ("nothing", "interrupted")
+    assert len(trains) == (2 if two else 1), trains
+    calls = [p.read_text().splitlines() for p in tmp_path.glob("compare.*")]
+    if mode == "dry":
+        assert "Dry run of 4 jobs: all valid (nothing started)" in proc.stdout
+    if not compared:
+        assert calls == [], calls
+        return
+    assert len(calls) == 1, calls
+    args = calls[0]
+    ids = (tmp_path / "ids").read_text().split()
+    runs = (tmp_path / "runs").read_text().split()
+    assert OLD_SWEEP not in args and "20200101-000000-0ld0ld" not in args, args
+    assert args[:2] == ["--uri", "sqlite:///other.db" if argument.startswith("tracking.uri=") else
+                        "sqlite:///mlflow.db"], args
+    if script == "m2po_staleness_cpu":
+        assert "--sweep" not in args and "--experiment" not in args, args
+        assert args[args.index("--run-ids") + 1:args.index("--control")] == runs and len(runs) == 4, args
+    else:
+        assert args[args.index("--sweep") + 1] == ids[0] and len(ids) == 1, (args, ids)
