@@ -38,8 +38,22 @@ def credentials_problem(option: str, url: object, instead: str, *, password_only
     if "@" not in netloc or (password_only and ":" not in netloc.rsplit("@", 1)[0]):
         return None
     what, them = ("a password", "it") if password_only else ("a user or password", "them")
-    return (f"{option}={without_credentials(url.strip())!r} holds {what} (user:password@): the URL is recorded "
+    return (f"{option}={without_secrets(url.strip())!r} holds {what} (user:password@): the URL is recorded "
             f"(MLflow params, the job's output directory, the checkpoint's config); remove {them} and {instead}")
+
+
+def query_problem(option: str, url: object, instead: str, *, base: str = "http(s)://host:port/v1") -> str | None:
+    """The message for a URL option that names an API's base (`option`: reward_model.url, rollout.sglang.urls)
+    whose value has a query or a fragment (`?api_key=...`, `#...`), or None. A key there would be recorded as
+    `credentials_problem` says, and the client appends its paths to the base (`/chat/completions`), which would land
+    in the query; `base` is the shape the option takes, `instead` where the key goes. The message shows the URL
+    with its query and fragment masked (`without_secrets`)."""
+    if not isinstance(url, str) or not any(c in url for c in "?#"):
+        return None
+    shown = without_credentials(url.strip()).split("#", 1)[0].split("?", 1)[0] + "?***"
+    return (f"{option}={shown!r} has a query or fragment (?...#...): {option} is the API's base URL ({base}) "
+            f"without one, and the URL is recorded (MLflow params, the job's output directory, the checkpoint's "
+            f"config); remove it and {instead}")
 
 
 REWARD_KEY_INSTEAD = ("put the key in an environment variable named by data.reward_service.api_key_env (sent as a "

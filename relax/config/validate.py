@@ -12,7 +12,7 @@ import dataclasses
 from relax import algorithms
 from relax.algorithms.base import Range, Violation, choices_of, range_of
 from relax.config.core_rules import role_cores_violations
-from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem
+from relax.config.credentials import REWARD_KEY_INSTEAD, credentials_problem, query_problem
 from relax.config.derive import adapter_conflicts, agentic, data_parallel_size, needs_reference
 from relax.config.evaluation import EVAL_SET_NAME, default_eval_set_name, eval_set_problem, evaluates
 from relax.config.megatron_rules import (
@@ -613,17 +613,25 @@ MLFLOW_SCHEMES = ("", "file", "sqlite", "postgresql", "mysql", "mssql", "http", 
 def _url_credentials(cfg: RelaxConfig, r: _Rules) -> None:
     """No URL option holds a user or password: Relax records them (MLflow params and tags, the job's
     config.resolved.yaml, the checkpoint's config.yaml and state.json, Hydra's .hydra/); each secret has an
-    environment variable, which the message names."""
-    def url(key: str, value: object, instead: str, password_only: bool = False) -> None:
+    environment variable, which the message names. An option that names an API's base (reward_model.url,
+    rollout.sglang.urls) takes no query or fragment either (`?api_key=...`: `query_problem`)."""
+    def url(key: str, value: object, instead: str, password_only: bool = False, base: str | None = None) -> bool:
+        """`base`: the option names an API's base (`base`: its shape), which takes no query or fragment either
+        (`query_problem`). True when the value was refused."""
         problem = credentials_problem(key, value, instead, password_only=password_only)
+        if problem is None and base is not None:
+            problem = query_problem(key, value, instead, base=base)
         r.require(problem is None, key, problem or "")
+        return problem is not None
 
     url("data.reward", cfg.data.reward, REWARD_KEY_INSTEAD)
     url("reward_model.url", cfg.reward_model.url, "put the key in an environment variable named by "
-        "reward_model.api_key_env (sent as a Bearer key)")
+        "reward_model.api_key_env (sent as a Bearer key)", base="http(s)://host:port/v1")
     for u in cfg.rollout.sglang.urls or ():
-        # relax.runner.rollout_driver.sglang_engines.API_KEY_ENV (a test checks they agree)
-        url("rollout.sglang.urls", u, "put the servers' key (their --api-key) in $RELAX_SGLANG_API_KEY")
+        # relax.runner.rollout_driver.sglang_engines.API_KEY_ENV (a test checks they agree); one message for the option
+        if url("rollout.sglang.urls", u, "put the servers' key (their --api-key) in $RELAX_SGLANG_API_KEY",
+               base="http(s)://host:port each"):
+            break
     web = tracking_uri_scheme(cfg.tracking.uri) in ("http", "https")
     url("tracking.uri", cfg.tracking.uri,
         "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from relax import algorithms
 from relax.config.core_rules import ROLE_CORES_ENV, format_cores, parse_cores, split_cores
+from relax.config.credentials import without_secrets
 from relax.config.derive import actor_world_size, data_parallel_size, needs_reference, teacher_model
 from relax.config.reward_model_rules import has_role as reward_model_has_role
 from relax.config.reward_model_rules import on_actor_gpu as reward_model_on_actor_gpu
@@ -265,7 +266,7 @@ def _reward_model_why(cfg: RelaxConfig) -> str:
         what = f"judge {rm.path} on an embedded engine (parser {rm.parser})"
     else:
         key = f", key from ${rm.api_key_env}" if rm.api_key_env else ""
-        what = f"judge at {rm.url}, HTTP (parser {rm.parser}{key})"
+        what = f"judge at {without_secrets(rm.url or '')}, HTTP (parser {rm.parser}{key})"
     rule = f"{rm.rule_weight:g} x data.reward={cfg.data.reward} + " if cfg.data.reward != "none" else ""
     return f"{what}, frozen, beside generation; reward = {rule}{rm.weight:g} x score"
 
