@@ -6,7 +6,12 @@ it ended (`status`), its output (capped), and a pass/fail verdict per test case.
 - A fresh process: `python -I -S -B` (no environment variables read, no site-packages, no .pyc written), started in
   its own session (process group) with an environment of PATH and LANG only (nothing of the driver's, its keys
   included), stdin at /dev/null; it is killed when the process that started it dies (`PR_SET_PDEATHSIG`: a reward
-  worker killed at its time limit takes its sandbox with it).
+  worker killed at its time limit takes its sandbox with it). In two stages: the first interpreter sets up what takes
+  ctypes (the namespaces, the change of user, the seccomp filter) and execs a second, fresh `python -I -S -B` (the
+  namespaces, user, cwd, umask and filter carry over) that sets the limits, installs the audit hook and runs the code.
+  The code's interpreter has never loaded ctypes nor any module the hook refuses (it checks so): a module deleted from
+  `sys.modules` stays in CPython's cache of extension modules, from which the extension loader would hand it back with
+  no `import` audit event. Its job (the verdicts' token) comes in a memfd, closed before the code runs.
 - A temporary private working directory (`tempfile.mkdtemp`, mode 0700), the process's cwd, removed afterwards.
 - Not root: a child started as root gives up root before the code runs (it becomes `nobody`, 65534, with no groups,
   and owns its directory), so that the kernel's file permissions hold whatever the code does (`/proc/<parent>/environ`
@@ -20,19 +25,23 @@ it ended (`status`), its output (capped), and a pass/fail verdict per test case.
   (`RLIMIT_NOFILE`), no core dumps, and no new processes or threads (`RLIMIT_NPROC=0`, which the kernel does not apply
   to root); `SandboxResult.isolation["processes"]` says which applies.
 - A seccomp filter (x86_64, aarch64; `isolation` names it where it was set up) on which the kernel refuses (EPERM):
-  new processes and threads, exec, sockets, `fchdir`, `mknod` (FIFOs), pidfds (signals to other processes), file
-  handles, and every `*at` system call given a directory fd (`openat`, `mkdirat`, `renameat`, `linkat`, `unlinkat`,
-  `fchmodat`, ...: only `AT_FDCWD` passes, so a relative path is resolved from the cwd, as the audit hook resolves it).
+  new processes and threads, exec (but the first stage's one execve of the second, told by the address of its path
+  buffer, which a program without native code cannot fill), sockets, `fchdir`, `mknod` (FIFOs), pidfds (signals to
+  other processes), file handles, and every `*at` system call given a directory fd (`openat`, `mkdirat`, `renameat`,
+  `linkat`, `unlinkat`, `fchmodat`, ...: only `AT_FDCWD` passes, so a relative path is resolved from the cwd, as the
+  audit hook resolves it).
 - The network: a new, empty network namespace (`unshare(CLONE_NEWNET)`, or with `CLONE_NEWUSER` when unprivileged)
   where the OS allows it: no interface but a downed loopback, so nothing can be reached. Where it does not, only the
   audit hook below refuses sockets; `isolation["network"]` says which (`namespace` or `audit-hook`).
 - An audit hook (`sys.addaudithook`, installed before the code runs; it cannot be removed) refuses with a
   `PermissionError`: opening a path outside the working directory (reading the standard library's own files
-  excepted, so that imports work), listing, creating, renaming, removing or changing paths outside it (a path is
-  resolved as the kernel resolves it: symlinks followed, a relative one from the cwd, which can only be changed to a
-  path inside); any directory fd (opening a directory, `O_DIRECTORY`, `O_PATH`; the `open` event does not carry
-  `dir_fd`, so no directory fd may exist), every call given a `dir_fd`, changing to or listing a directory by its fd,
-  changing a file by its fd (`fchmod`, `fchown`, `futimens`, `ftruncate`, xattrs) unless it is inside the directory;
+  excepted, so that imports work, but not its site-packages or dist-packages: only the standard library is
+  importable), listing, creating, renaming, removing or changing paths outside it (a path is resolved as the kernel
+  resolves it: symlinks followed, a relative one from the cwd, which can only be changed to a path inside; `os.stat`
+  and the like raise no audit event: the existence, size and times of a file outside can be read); any directory fd
+  (opening a directory, `O_DIRECTORY`, `O_PATH`; the `open` event does not carry `dir_fd`, so no directory fd may
+  exist), every call given a `dir_fd`, changing to or listing a directory by its fd, changing a file by its fd
+  (`fchmod`, `fchown`, `futimens`, `ftruncate`, xattrs) unless it is inside the directory;
   every `socket.*` event, `subprocess.Popen`, `os.system`, `os.exec*`, `os.spawn*`, `os.posix_spawn*`, `os.fork`,
   `os.forkpty`, `os.kill*`, `ctypes` (its import and every call), the frame and object introspection that would
   reach the harness (`sys._getframe`, `sys._current_frames`, `gc.get_objects/referrers/referents`, the audited
@@ -57,7 +66,7 @@ allowed. With no directory fd, what needs one fails: `os.fwalk`, and on the secc
 (`futimens` is `utimensat` given the fd); `shutil.rmtree` is set to remove a tree by its paths.
 
 Verdicts: the harness in the child runs the code, then each test case in the code's namespace, and writes each
-verdict, tagged with a random token it read from stdin before the code ran, to a pipe of its own; a verdict without
+verdict, tagged with a random token it read (its memfd) before the code ran, to a pipe of its own; a verdict without
 the token, or no verdict (the code exited early, was killed, or closed the pipe), is a fail. A test case is either a
 statement (`"assert f(2) == 4"`: passes when it runs without an exception) or `{"call": "f(2)", "expected": 4}`
 (passes when the call's value equals the JSON value with the same type: an object that claims to equal everything
@@ -157,30 +166,57 @@ NOBODY = 65534  # the user (and group) a child started as root becomes
 
 
 def _read_roots() -> list[str]:
-    """Directories the code may read (not write): the standard library, so that its imports work."""
+    """Directories the code may read (not write): the standard library, so that its imports work (less
+    `_unreadable()`, the third-party packages installed in it)."""
     paths = sysconfig.get_paths()
     roots = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if k in paths}
     return sorted(roots)
 
 
-# The child's harness: `python -I -S -B -c _HARNESS`, its job as JSON on stdin. Written for the child only (it reads
-# nothing of Relax, which -S and -I keep off its path).
-_HARNESS = r'''
+def _unreadable() -> list[str]:
+    """Directories under the read roots that the code may not read nor list: where third-party packages are
+    installed (the interpreter's site-packages, which a pyenv or any non-venv layout keeps inside the standard
+    library's directory, and every site-packages or dist-packages there), so that only the standard library is
+    importable."""
+    paths = sysconfig.get_paths()
+    out = {os.path.realpath(paths[k]) for k in ("purelib", "platlib") if k in paths}
+    for root in _read_roots():
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        out.update(os.path.realpath(os.path.join(root, n)) for n in names if n in ("site-packages", "dist-packages"))
+    return sorted(out)
+
+
+def _exec_paths() -> list[str]:
+    """The files the sandbox's second interpreter is started from (the executable, and its shared libpython where
+    there is one): a child that becomes nobody makes them reachable, as it does the read roots."""
+    out = [os.path.abspath(sys.executable), os.path.realpath(sys.executable)]  # (a venv's: a link to its base's)
+    lib = sysconfig.get_config_var("INSTSONAME") if sysconfig.get_config_var("Py_ENABLE_SHARED") else None
+    if lib and sysconfig.get_config_var("LIBDIR"):
+        path = os.path.realpath(os.path.join(sysconfig.get_config_var("LIBDIR"), lib))
+        if os.path.exists(path):
+            out.append(path)
+    return out
+
+
+# The child's harness, in two stages, each written for the child only (they read nothing of Relax, which -S and -I keep
+# off the path). Stage 1, `python -I -S -B -c _STAGE1`, its job as JSON on stdin: the isolation that takes ctypes
+# (namespaces, the change of user, the seccomp filter), then it execs stage 2, `python -I -S -B -c _STAGE2 <fd>`, a
+# fresh interpreter that never loaded ctypes (a module deleted from sys.modules stays in CPython's cache of extension
+# modules, from which `ExtensionFileLoader.create_module` returns it with no "import" audit event), its job in a
+# memfd whose number is its argument, read and closed before the program runs. The seccomp filter lets execve
+# through only with the address of stage 1's own buffer holding the interpreter's path as its first argument.
+_STAGE1 = r'''
 def _main():
-    import json, math, os, sys
+    import json, os, sys
     job = json.loads(sys.stdin.read())
-    fd, nonce, write = job["fd"], job["nonce"], os.write
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
 
-    def say(text):
-        try:
-            write(fd, (nonce + " " + text.replace("\n", " ")[:400] + "\n").encode())
-        except OSError:
-            pass
-
-    import ctypes, platform, resource, stat, struct
+    import ctypes, platform, struct
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
     net, procs, files = [], [], []
@@ -237,7 +273,7 @@ def _main():
         user = "root"
         if nobody is not None:
             try:
-                reachable(job["read_roots"] + [work])
+                reachable(job["read_roots"] + job["exec_paths"] + [work])
                 os.setgroups([])
                 os.setgid(nobody)
                 os.setuid(nobody)
@@ -250,32 +286,30 @@ def _main():
         os._exit(1)                    # wall-clock limit can no longer be enforced
     os.chdir(work)
     os.umask(0o077)
-    lim = job["limits"]
-    for what, value in ((resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
-                        (resource.RLIMIT_AS, (lim["memory_mb"] << 20,) * 2),
-                        (resource.RLIMIT_FSIZE, (int(lim["file_size_mb"] * (1 << 20)),) * 2),
-                        (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
-                        (resource.RLIMIT_CORE, (0, 0)),
-                        (resource.RLIMIT_NPROC, (0, 0))):
-        resource.setrlimit(what, value)
-    # seccomp: the kernel refuses (EPERM), root or not: new processes and threads, exec, sockets, fchdir, FIFOs and
-    # device nodes, pidfds (signals to other processes), file handles, and every *at call given a directory fd
-    # (only AT_FDCWD passes: a path is then resolved as the audit hook resolves it, from the cwd)
+    # seccomp: the kernel refuses (EPERM), root or not: new processes and threads, exec (but stage 1's own execve of
+    # stage 2: its first argument the address of `exe`, which a program without ctypes cannot fill), sockets,
+    # fchdir, FIFOs and device nodes, pidfds (signals to other processes), file handles, and every *at call given a
+    # directory fd (only AT_FDCWD passes: a path is then resolved as the audit hook resolves it, from the cwd)
+    exe = ctypes.create_string_buffer(os.fsencode(job["python"]))
+    exe_at = ctypes.addressof(exe)
     syscalls = {
-        # clone fork vfork execve execveat clone3 socket socketpair fchdir mknod mknodat pidfd_open
-        # pidfd_send_signal pidfd_getfd name_to_handle_at open_by_handle_at
-        "x86_64": (0xC000003E, (56, 57, 58, 59, 322, 435, 41, 53, 81, 133, 259, 434, 424, 438, 303, 304),
+        # clone fork vfork execveat clone3 socket socketpair fchdir mknod mknodat pidfd_open
+        # pidfd_send_signal pidfd_getfd name_to_handle_at open_by_handle_at; execve
+        "x86_64": (0xC000003E, (56, 57, 58, 322, 435, 41, 53, 81, 133, 259, 434, 424, 438, 303, 304), 59,
                    # openat openat2 mkdirat fchownat futimesat unlinkat renameat linkat symlinkat fchmodat
                    # utimensat renameat2 fchmodat2: (number, the arguments that are directory fds)
                    ((257, (0,)), (437, (0,)), (258, (0,)), (260, (0,)), (261, (0,)), (263, (0,)), (264, (0, 2)),
                     (265, (0, 2)), (266, (1,)), (268, (0,)), (280, (0,)), (316, (0, 2)), (452, (0,)))),
-        "aarch64": (0xC00000B7, (220, 221, 281, 435, 198, 199, 50, 33, 434, 424, 438, 264, 265),
+        "aarch64": (0xC00000B7, (220, 281, 435, 198, 199, 50, 33, 434, 424, 438, 264, 265), 221,
                     ((56, (0,)), (437, (0,)), (34, (0,)), (54, (0,)), (35, (0,)), (38, (0, 2)), (37, (0, 2)),
                      (36, (1,)), (53, (0,)), (88, (0,)), (276, (0, 2)), (452, (0,))))}
     if platform.machine() in syscalls:
-        arch, denied, dirfd_calls = syscalls[platform.machine()]
+        arch, denied, execve, dirfd_calls = syscalls[platform.machine()]
         code = [("ld", 4), ("jeq", arch, None, "deny"), ("ld", 0), ("jge", 0x40000000, "deny", None)]  # x32: denied
         code += [("jeq", nr, "deny", None) for nr in denied]
+        # execve: its pathname argument (both 32-bit halves) is `exe`'s address, or denied
+        code += [("jeq", execve, None, "not_execve"), ("ld", 16), ("jeq", exe_at & 0xFFFFFFFF, None, "deny"),
+                 ("ld", 20), ("jeq", exe_at >> 32, None, "deny"), ("ret", 0x7FFF0000), ("label", "not_execve")]
         for i, (nr, args) in enumerate(dirfd_calls):
             code.append(("jeq", nr, None, f"next{i}"))
             for a in args:  # the low 32 bits of the argument (the kernel reads an int): AT_FDCWD or denied
@@ -310,14 +344,56 @@ def _main():
             procs.append("seccomp")
             net.append("seccomp")
             files.append("seccomp")
-        del buf, fprog, Prog
-    del libc
-    for m in [m for m in sys.modules if m == "ctypes" or m.startswith("ctypes.") or m == "_ctypes"]:
-        del sys.modules[m]
-    if os.getuid() != 0:  # the kernel exempts root from RLIMIT_NPROC
-        procs.append("rlimit")
     if user == "nobody":  # the kernel's file permissions: a root-owned file reads as for any user
         files.insert(0, "nobody")
+    # stage 2: a fresh interpreter (rlimits, namespaces, user, cwd, umask, the seccomp filter and PR_SET_PDEATHSIG
+    # hold across the exec), its job (the nonce) in a memfd it reads and closes before the program runs
+    stage2 = job.pop("stage2")
+    job["dir"], job["isolation"] = work, {"network": net, "processes": procs, "files": files, "user": user}
+    mem = os.memfd_create("relax-sandbox-job", 0)
+    os.write(mem, json.dumps(job).encode())
+    os.lseek(mem, 0, os.SEEK_SET)
+    os.set_inheritable(mem, True)
+    del job
+    args = [exe_at] + [ctypes.c_char_p(os.fsencode(a)) for a in ("-I", "-S", "-B", "-c", stage2, str(mem))]
+    argv = (ctypes.c_void_p * (len(args) + 1))(*[a if type(a) is int else ctypes.cast(a, ctypes.c_void_p).value
+                                                  for a in args], None)
+    env = [ctypes.c_char_p(os.fsencode(k) + b"=" + os.fsencode(v)) for k, v in os.environ.items()]
+    envp = (ctypes.c_void_p * (len(env) + 1))(*[ctypes.cast(e, ctypes.c_void_p).value for e in env], None)
+    libc.execve.argtypes = [ctypes.c_void_p] * 3
+    libc.execve(exe_at, argv, envp)
+    os.write(2, ("the sandbox could not start its interpreter: %s\n" % os.strerror(ctypes.get_errno())).encode())
+    os._exit(1)
+
+
+_main()
+'''
+
+_STAGE2 = r'''
+def _main():
+    import json, math, os, resource, stat, sys
+    with open(int(sys.argv[1]), "rb") as f:  # the job stage 1 wrote (and the memfd closed: nothing else holds it)
+        job = json.loads(f.read())
+    del sys.argv[1:]
+    fd, nonce, write = job["fd"], job["nonce"], os.write
+    work, lim, isolation = job["dir"], job["limits"], job["isolation"]
+    net, procs, files, user = (isolation[k] for k in ("network", "processes", "files", "user"))
+
+    def say(text):
+        try:
+            write(fd, (nonce + " " + text.replace("\n", " ")[:400] + "\n").encode())
+        except OSError:
+            pass
+
+    for what, value in ((resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
+                        (resource.RLIMIT_AS, (lim["memory_mb"] << 20,) * 2),
+                        (resource.RLIMIT_FSIZE, (int(lim["file_size_mb"] * (1 << 20)),) * 2),
+                        (resource.RLIMIT_NOFILE, (lim["open_files"],) * 2),
+                        (resource.RLIMIT_CORE, (0, 0)),
+                        (resource.RLIMIT_NPROC, (0, 0))):
+        resource.setrlimit(what, value)
+    if os.getuid() != 0:  # the kernel exempts root from RLIMIT_NPROC
+        procs.append("rlimit")
     import shutil  # its rmtree without directory fds (refused below): a tree in the working directory can be removed
     shutil._use_fd_functions = False
     say("isolation " + json.dumps({"network": "+".join(net + ["audit-hook"]),
@@ -328,7 +404,7 @@ def _main():
     # program could replace a module's function, a builtin, or a method of a Python class, and the hook would call
     # it with the checks off) and reads only arguments of exact builtin types (str, bytes, int, None); the error is
     # made after the checks are back on.
-    roots = tuple(job["read_roots"])
+    roots, unreadable = tuple(job["read_roots"]), tuple(job["unreadable"])
     work_ = work + "/"
     lstat_, readlink_, getcwd_, fstat_ = os.lstat, os.readlink, os.getcwd, os.stat
     str_, bytes_, int_, type_, tuple_, tlen_, issubclass_ = str, bytes, int, type, tuple, tuple.__len__, issubclass
@@ -378,7 +454,10 @@ def _main():
     def inside(p):
         return p == work or p.startswith(work_)
 
-    def readable(p):
+    def readable(p):  # under the standard library, not under its site-packages
+        for u in unreadable:
+            if p == u or p.startswith(u + "/"):
+                return False
         for r in roots:
             if p == r or p.startswith(r + "/"):
                 return True
@@ -698,6 +777,12 @@ def _main():
             compiled.append("the test does not compile: " + describe(e))
     harness = {"__relax_compare__": compare, "__relax_truth__": truth, "__relax_plain__": plain}
 
+    # this interpreter never loaded a banned module (nothing here deletes one from sys.modules: absent is never
+    # loaded), so none can come back from the extension cache; posix is the os module's, built in, loaded at start
+    loaded = sorted(m for m in banned_imports if m in sys.modules and m != "posix")
+    if loaded:
+        stderr_write("the sandbox's interpreter has loaded " + ", ".join(loaded) + ": the program is not run\n")
+        exit_(1)
     sys.addaudithook(hook)
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
     failed = None
@@ -772,11 +857,12 @@ def run_in_sandbox(code: str, tests: Sequence[TestCase] = (), *,
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-I", "-S", "-B", "-c", _STAGE1], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, pass_fds=(w,), start_new_session=True, cwd=work,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"})
         job = {"fd": w, "nonce": nonce, "parent": os.getpid(), "code": code, "tests": tests, "dir": work,
-               "nobody": nobody, "read_roots": _read_roots(), "limits": {k: getattr(limits, k) for k in
+               "nobody": nobody, "read_roots": _read_roots(), "unreadable": _unreadable(), "python": sys.executable,
+               "exec_paths": _exec_paths(), "stage2": _STAGE2, "limits": {k: getattr(limits, k) for k in
                                                          ("cpu_s", "memory_mb", "file_size_mb", "files_written",
                                                           "open_files")}}
         os.close(w)

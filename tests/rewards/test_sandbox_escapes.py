@@ -259,3 +259,126 @@ def test_a_program_ignoring_sigxcpu_is_a_cpu_time_out():
     # the control: a program killing itself with SIGKILL before its CPU limit is "killed", not a time-out
     r = run("import os, signal\nsignal.raise_signal(signal.SIGKILL)", limits=SandboxLimits(wall_s=30.0, cpu_s=5))
     assert r.status == "killed" and not r.timed_out, r
+
+
+# -- the harness's own ctypes, from CPython's cache of extension modules ----------------------------------------------
+
+# The tryout's escape (report-tryout-models, item 1): the harness imported ctypes and deleted it from sys.modules, but
+# CPython keeps an extension module it loaded in a cache, from which ExtensionFileLoader.create_module returns it with
+# no "import" audit event. With _ctypes: memory reads and writes with no audited call, the hook found through a
+# refusal's traceback, and its closure cells emptied (CPython 3.11's layouts).
+ESCAPE = r'''
+import importlib.machinery as m, sysconfig, os
+d = sysconfig.get_paths()["stdlib"] + "/lib-dynload"
+f = [x for x in os.listdir(d) if x.startswith("_ctypes.")][0]
+l = m.ExtensionFileLoader("_ctypes", d + "/" + f)
+C = l.create_module(m.ModuleSpec("_ctypes", l, origin=d + "/" + f)); l.exec_module(C)
+print("STEP 1 PASSED: _ctypes loaded", flush=True)
+class c_void_p(C._SimpleCData): _type_ = "P"
+class c_u64(C._SimpleCData): _type_ = "Q"
+class U(C.Union): _fields_ = [("v", c_void_p), ("p", C.POINTER(c_u64))]
+u = U()
+def rd(a): u.v = a; return u.p[0]
+def wr(a, x): u.v = a; u.p[0] = x
+def ref(a):  # a Python reference to the object at address a
+    L = [None]; wr(a, rd(a) + 1); wr(rd(id(L) + 24), a); return L[0]
+try:
+    open(SECRET)
+except Exception as e:
+    tb = e.__traceback__
+while tb.tb_next is not None:
+    tb = tb.tb_next
+hook = ref(rd(rd(rd(id(tb) + 24) + 24)))  # tb_frame, its f_frame, its f_func: the hook
+for c in hook.__closure__:
+    v = c.cell_contents
+    if callable(v) and getattr(v, "__name__", "") == "check":
+        for c2 in v.__closure__:
+            v2 = c2.cell_contents
+            if isinstance(v2, str) and v2.startswith("/tmp/"):
+                c2.cell_contents = "/"
+            if isinstance(v2, tuple) and "socket." in v2:
+                c2.cell_contents = ()
+            if callable(v2) and getattr(v2, "__name__", "") == "inside":
+                for c3 in v2.__closure__:
+                    if isinstance(c3.cell_contents, str) and c3.cell_contents.startswith("/"):
+                        c3.cell_contents = "/"
+print("READ", open(SECRET).read(), flush=True)
+open(TARGET, "w").write("written from the sandbox")
+print("WROTE", flush=True)
+'''
+
+
+def test_the_harness_ctypes_cannot_be_had_back_from_the_extension_cache(outside):
+    """The program's interpreter never loaded _ctypes (the harness's ctypes work is done in a first interpreter that
+    execs a fresh one): the extension loader's load is a fresh one, whose "import" event the hook refuses, at the
+    escape's first step."""
+    secret, target = os.path.join(outside, "secret.txt"), os.path.join(outside, "escaped.txt")
+    code = f"SECRET, TARGET = {secret!r}, {target!r}\n" + ESCAPE
+    step1 = 1 + next(i for i, line in enumerate(code.splitlines()) if "create_module" in line)
+    r = run(code, ["assert True"])
+    assert "STEP 1 PASSED" not in r.stdout and "the key" not in r.stdout, (r.stdout, r.stderr)
+    assert refused(r, f"line {step1}: SandboxImportError: importing _ctypes is refused"), (r.stdout, r.stderr)
+    assert not os.path.exists(target) and r.passed == [False]
+
+
+def test_the_kernel_lets_only_the_harness_exec_its_second_interpreter(monkeypatch):
+    """The seccomp filter lets execve through only with the first stage's own buffer as the path: a second stage
+    with no audit hook (a test's stand-in) that execs again, by path (execve) or by fd (execveat), gets EPERM."""
+    import relax.rewards.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_STAGE2", (
+        "import json, os, sys\nwith open(int(sys.argv[1])) as f:\n    job = json.load(f)\n"
+        "print(job['isolation']['processes'], flush=True)\n"
+        "for how in ('path', 'fd'):\n    try:\n"
+        "        if how == 'path':\n            os.execv(sys.executable, [sys.executable, '-c', 'print(1)'])\n"
+        "        os.execve(os.open(sys.executable, os.O_RDONLY), [sys.executable, '-c', 'print(1)'], {})\n"
+        "    except OSError as e:\n        print(how, 'refused', e.errno, flush=True)\n"))
+    r = run("")
+    if "seccomp" not in r.stdout:
+        pytest.skip("no seccomp filter here")
+    assert r.stdout.splitlines()[1:] == ["path refused 1", "fd refused 1"], (r.stdout, r.stderr)
+
+
+def test_the_second_stage_runs_no_program_in_an_interpreter_that_loaded_a_refused_module(monkeypatch):
+    """Its check at the hook's installation: a second stage that imported ctypes (a stand-in: the harness's own with
+    one import more) runs no code and gives no verdict; the control, the harness as it is, runs it."""
+    import relax.rewards.sandbox as sandbox
+
+    r = run("print('RAN')", ["assert True"])
+    assert r.status == "ok" and r.stdout == "RAN\n" and r.passed == [True], (r.stdout, r.stderr)
+    monkeypatch.setattr(sandbox, "_STAGE2", sandbox._STAGE2.replace("def _main():\n", "def _main():\n"
+                                                                     "    import ctypes\n", 1))
+    r = run("print('RAN')", ["assert True"])
+    assert r.status == "error" and r.stdout == "" and r.passed == [False], (r.stdout, r.stderr)
+    assert "the sandbox's interpreter has loaded _ctypes, ctypes: the program is not run" in r.stderr, r.stderr
+
+
+def test_the_program_holds_no_file_descriptor_of_the_harness_but_its_verdict_pipe():
+    """The job (with the verdicts' token) reached the program's interpreter in a memfd, closed before the program
+    runs: of fds 0-63, the program has stdin (/dev/null), stdout, stderr and the verdict pipe only."""
+    r = run("import os, stat\nopen_fds = []\nfor i in range(64):\n    try:\n        m = os.fstat(i).st_mode\n"
+            "    except OSError:\n        continue\n    open_fds.append((i, stat.S_ISFIFO(m), stat.S_ISREG(m)))\n"
+            "print([x for x in open_fds if x[0] > 2])")
+    assert r.status == "ok", r.stderr
+    assert r.stdout.count("(") == 1 and ", True, False)" in r.stdout, r.stdout  # one fd past stdio, a pipe
+
+
+# -- third-party packages -------------------------------------------------------------------------------------------
+
+def test_site_packages_can_be_neither_listed_nor_read_nor_imported():
+    """Only the standard library is importable (docs/training.md), also where site-packages is inside the standard
+    library's directory (pyenv, any non-venv layout): a pure-Python package installed here, put on sys.path by the
+    program, does not import."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("packaging")  # the control: installed, pure Python, importable here
+    assert spec is not None and spec.origin.endswith(".py")
+    site = os.path.dirname(os.path.dirname(spec.origin))
+    r = run(f"import sys\nsys.path.append({site!r})\nimport packaging\nprint('IMPORTED', packaging.__file__)")
+    assert r.status == "error" and "ModuleNotFoundError: No module named 'packaging'" in r.stderr, (r.stdout, r.stderr)
+    r = run(f"import os\nprint(len(os.listdir({site!r})))")
+    assert refused(r, "os.listdir", site), (r.stdout, r.stderr)
+    r = run(f"print(open({spec.origin!r}).read()[:20])")
+    assert refused(r, "opening", spec.origin), (r.stdout, r.stderr)
+    r = run("import json, email.parser, collections\nprint('ok')")  # the standard library does
+    assert r.status == "ok" and r.stdout == "ok\n", r.stderr
