@@ -52,3 +52,11 @@ def test_the_plan_masks_a_query_of_the_judge_url():
     assert "judge at http://127.0.0.1:8000/v1?***," in text, text
     assert SECRET not in text
     assert "judge at http://127.0.0.1:8000/v1," in build_plan(cfg).render()  # control: a plain URL as it is
+
+
+def test_a_sweep_jobs_header_masks_a_query_too():
+    """A sweep's refusal heads each job with its overrides: a URL's query is masked there as in the rule's message
+    (the header masked only user:password@)."""
+    message = problems(["-m", *JUDGE, "seed=1,2", f"reward_model.url='http://127.0.0.1:8000/v1?api_key={SECRET}'"])
+    assert message is not None and "job 0 (" in message and "v1?***" in message, message
+    assert SECRET not in message, message
