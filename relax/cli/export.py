@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -167,7 +168,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fail(str(e), USAGE_EXIT)
     except OSError as e:
         _fail(f"writing {args.out_dir} failed, nothing was exported: {e}", WRITE_EXIT)
-    print(summary(result))
+    try:
+        print(summary(result), flush=True)
+    except BrokenPipeError:  # `relax-export ... | head`: the export is written (exit 0), its reader gone
+        # stdout pointed at /dev/null, so that Python's flush at exit does not fail on the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

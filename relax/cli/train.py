@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -112,6 +113,54 @@ def _precheck(args: list[str]) -> None:
     message = problems(args)
     if message is not None:
         _fail(message)
+
+
+def output_dir_problem(args: list[str], conf: Path) -> str | None:
+    """Why Hydra could not make the output directory of `relax-train <args>` (`hydra.run.dir`; a sweep's
+    `hydra.sweep.dir`), which it makes before Relax runs (a dry run's too) and fails on with a traceback: its nearest
+    existing directory cannot be written (a read-only working directory, whose `outputs/...` is the default). One
+    line naming the key to set; None when it can be made, or when that is not known here (a flag Hydra answers, a
+    config that does not compose: the precheck or Hydra names that). Tried by creating a file, as the checkpoint
+    directory's check does: permission bits say yes to root and nothing of a read-only filesystem."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    from relax.cli.config_check import sweep_jobs
+    from relax.config.compose import compose
+
+    where, rest = own_config(args)
+    path = where.get("path")
+    if path is not None and (not path or "://" in path):
+        return None
+    sweep = _multirun(rest)
+    plain = [a for a in rest if a not in ("-m", "--multirun")]
+    if any(a.startswith("-") for a in plain):  # --cfg, --info, ...: no job runs, or Hydra answers the flag
+        return None
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    try:
+        job = sweep_jobs(plain)[0] if sweep else plain  # a sweep's directory is its first job's (the same for all)
+        composed = compose(job, config_name=where.get("name") or "config", conf=Path(path) if path else conf,
+                           hydra=True)
+        directory = OmegaConf.select(composed, key)
+    except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own errors: Hydra's main names them as before
+        return None
+    if not directory:
+        return None
+    existing = Path(str(directory)).expanduser()  # a relative one: from the working directory (hydra.job.chdir)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        fd, probe = tempfile.mkstemp(prefix=".relax-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror if exc.strerror else str(exc)
+        return (f"{key}={directory}: Hydra's output directory (the job's resolved config and log) cannot be made, "
+                f"{existing.absolute()} is not writable ({why}); set {key}=<a writable directory>")
+    return None
 
 
 def _run(dc) -> object:
@@ -245,6 +294,8 @@ def main() -> None:
     register_configs()
     _precheck(args)  # a Hydra flag other than -m, --cfg, -cp and -cn (--info, ...): left to Hydra
     sys.argv[1:] = args = own_config_launcher(args, conf)
+    if (problem := output_dir_problem(args, conf)) is not None:
+        _fail(problem)
 
     import hydra
 

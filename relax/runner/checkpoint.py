@@ -617,6 +617,12 @@ def _cannot_create(save_dir: Path, exc: OSError) -> str:
     return f"checkpoint directory {save_dir} cannot be created ({exc.strerror or exc}); set train.save_dir"
 
 
+def _cannot_write(save_dir: Path, exc: OSError) -> str:
+    return (f"checkpoint directory {save_dir} cannot be written ({exc.strerror or exc}), and this run saves "
+            "checkpoints there; set train.save_dir to a writable directory (to evaluate its checkpoint where it is, "
+            "train.num_rollout=0)")
+
+
 def _try_writing(directory: Path) -> None:
     """Create an empty file in `directory` and remove it (OSError if it cannot be created): whether the directory can
     be written is tried, not read from permission bits, which say yes to root and nothing of a read-only filesystem.
@@ -640,6 +646,11 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
                 _flock(fd, save_dir)  # released by the close below
             finally:
                 os.close(fd)
+            if ckpts.writes:  # a directory used before, now read-only (a read-only mount, chattr +i): as `_lock`
+                try:
+                    _try_writing(save_dir)
+                except OSError as exc:
+                    raise RunError(_cannot_write(save_dir, exc)) from None
         else:
             existing = save_dir
             while not existing.exists() and existing.parent != existing:
@@ -750,6 +761,8 @@ class Checkpoints:
         # the store that run is in (resolved tracking.uri); None in a run.json written before stores were recorded
         self.previous_run_uri: Optional[str] = None
         self._lock_fd: Optional[int] = None
+        # the directory cannot be written, and the run only reads it (`_lock`): nothing is cleaned or recorded there
+        self.read_only = False
         self._set_aside: list[tuple[Path, Path]] = []  # (where, where to) of each earlier checkpoint moved aside
         # Files the run adds to every checkpoint it commits, whoever calls `commit`: {file name: the text of the
         # checkpoint of step -> str}, written into the staging directory before its manifest (so a resume checks
@@ -774,7 +787,8 @@ class Checkpoints:
     def __enter__(self) -> Checkpoints:
         if self.uses_dir:
             self._lock()
-            self._clean()
+            if not self.read_only:
+                self._clean()
             try:
                 recorded = json.loads((self.save_dir / RUN_FILE).read_text())
                 self.previous_run_id = recorded.get("mlflow_run_id")
@@ -834,7 +848,23 @@ class Checkpoints:
             self.save_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RunError(_cannot_create(self.save_dir, exc)) from None
-        fd = os.open(self.save_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        lock = self.save_dir / LOCK
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if self.writes:
+                raise RunError(_cannot_write(self.save_dir, exc)) from None
+            if not lock.exists():
+                raise RunError(f"cannot lock checkpoint directory {self.save_dir}: {lock} cannot be created "
+                               f"({exc.strerror or exc}); set train.save_dir") from None
+            # a run that commits nothing (`writes`: an evaluation of the checkpoint, train.num_rollout=0) in a
+            # directory it cannot write (a read-only mount): its lock file read-only, which flock locks all the same
+            try:
+                fd = os.open(lock, os.O_RDONLY)
+            except OSError as again:
+                raise RunError(f"cannot lock checkpoint directory {self.save_dir}: {lock} cannot be opened "
+                               f"({again.strerror or again}); set train.save_dir") from None
+            self.read_only = True
         try:
             held = _flock(fd, self.save_dir)
         except BaseException:
@@ -854,7 +884,7 @@ class Checkpoints:
         there can close it if this one is killed before its first checkpoint (the lock proves that whoever wrote it
         is gone): in that store, which need not be the later job's (train.save_dir's default is shared by runs of
         every tracking.uri)."""
-        if not self.locked or run_id is None:
+        if not self.locked or run_id is None or self.read_only:
             return
         tmp = self.save_dir / f"{STAGING_PREFIX}{RUN_FILE}"
         _write(tmp, json.dumps({"mlflow_run_id": run_id, "tracking_uri": tracking_uri, "lineage": self.lineage}))

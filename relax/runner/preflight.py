@@ -55,6 +55,7 @@ checks for real. Every problem is reported at once, each as the message the chec
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -161,7 +162,7 @@ class Preflight:
         lines = ["Checks before Ray (what a start runs before any process starts):"]
         for check in CHECKS:
             status = self.status.get(check.name, "n/a")
-            note = self.notes[check.name] if status == "ok" and check.name in self.notes else check.what
+            note = self.notes[check.name] if status in ("ok", "n/a") and check.name in self.notes else check.what
             if status == "failed":
                 note = self.problems[check.name].splitlines()[0]
             elif status == "skipped":
@@ -489,6 +490,12 @@ def _tracking(pre: Preflight) -> bool:
 
 def _gpus(pre: Preflight) -> bool:
     if not pre.plan.total_gpus:
+        return False
+    # a Ray cluster joined (as `local_gpu_problem` reads it): its GPUs are its nodes', which only Ray sees
+    joined = (f"cluster.address={pre.cfg.cluster.address}" if pre.cfg.cluster.address is not None else
+              f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else None)
+    if joined is not None:
+        pre.notes["gpus"] = f"not checked: the run joins a Ray cluster ({joined}), whose GPUs are its nodes'"
         return False
     if (problem := local_gpu_problem(pre.cfg, pre.plan)) is not None:
         raise RunError(problem)
