@@ -70,6 +70,25 @@ def _copy_store(self: ConfigStore, memo: dict[int, Any]) -> ConfigStore:
 if "__deepcopy__" not in vars(ConfigStore):  # Hydra's own, should a later version define one, is kept
     ConfigStore.__deepcopy__ = _copy_store  # type: ignore[attr-defined]
 
+EPISODE_TOKENS_RESOLVER = "relax.episode_tokens"
+
+
+def episode_tokens(turns: Any, response: Any, observation: Any, at_least: Any = 0) -> int | None:
+    """`${relax.episode_tokens:${rollout.max_turns},${rollout.max_response_len},OBS[,AT_LEAST]}`, a data group's
+    `rollout.max_episode_tokens` that follows its turns: `turns` turns of `response` tokens and the `turns - 1`
+    observations of at most `observation` tokens between them, or `at_least` where that is more. None (the derived
+    default, `relax.config.derive`) where a value is not a positive integer: the rules then name that value."""
+    values = (turns, response, observation, at_least)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values) or turns < 1 or response < 1:
+        return None
+    return max(at_least, turns * response + (turns - 1) * observation)
+
+
+# registered on import: every composition (relax-train, its dry run and sweep jobs, relax-submit, relax-serve,
+# load_config) imports this module before it resolves a config
+if not OmegaConf.has_resolver(EPISODE_TOKENS_RESOLVER):
+    OmegaConf.register_new_resolver(EPISODE_TOKENS_RESOLVER, episode_tokens)
+
 _stored: tuple = ()  # the algorithm config classes the store holds nodes for (empty: nothing stored yet)
 
 
