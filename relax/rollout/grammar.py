@@ -466,14 +466,61 @@ def after_reasoning(spec: GrammarSpec, *, opened: bool) -> GrammarSpec:
         answer = json.loads(spec.source)["format"]
     else:
         answer = {"type": "grammar", "grammar": str(_xgrammar_of(spec))}
+    return GrammarSpec("structural_tag", json.dumps(
+        {"type": "structural_tag", "format": {"type": "sequence", "elements": [_reasoning_block(opened), answer]}},
+        ensure_ascii=False))
+
+
+def _reasoning_block(opened: bool) -> dict:
+    """The reasoning block `after_reasoning` puts before the answer (a structural tag's element)."""
     blanks = {"type": "regex", "pattern": "[ \\n]{0,2}"}
     block: dict = {"type": "sequence", "elements": [
         {"type": "tag", "begin": "" if opened else THINK,
          "content": {"type": "any_text", "excludes": [THINK, END_THINK]}, "end": END_THINK}, blanks]}
     if not opened:  # (GLM-4.5's model writes a newline before its <think>)
         block = {"type": "optional", "content": {"type": "sequence", "elements": [blanks, block]}}
-    return GrammarSpec("structural_tag", json.dumps(
-        {"type": "structural_tag", "format": {"type": "sequence", "elements": [block, answer]}}, ensure_ascii=False))
+    return block
+
+
+def reasoning_opened(spec: GrammarSpec) -> Optional[bool]:
+    """For a spec `after_reasoning` wrote: its `opened`; None for any other spec."""
+    if spec.kind != "structural_tag":
+        return None
+    try:
+        first = json.loads(spec.source)["format"]["elements"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    for opened in (True, False):
+        if first == _reasoning_block(opened):
+            return opened
+    return None
+
+
+def reasoning_span(pieces: list[bytes], opened: bool) -> int:
+    """How many of an answer's leading tokens (`pieces`: the bytes each writes) are its reasoning block under a spec
+    `after_reasoning` wrote: up to and including the `</think>` that closes it and the (at most two) blanks the grammar
+    allows after it; every token of an answer still reasoning at its end (unclosed); 0 where the answer opens no block
+    (`opened` False and no `<think>` after at most two blanks). A token that reaches past the blanks into the answer
+    is the answer's."""
+    text = b"".join(pieces)
+    start = 0
+    if not opened:
+        head = re.match(rb"[ \n]{0,2}" + re.escape(THINK.encode()), text)
+        if head is None:
+            return 0
+        start = head.end()
+    close = text.find(END_THINK.encode(), start)
+    if close < 0:
+        return len(pieces)
+    end = close + len(END_THINK)
+    end += len(re.match(rb"[ \n]{0,2}", text[end:]).group())
+    at, n = 0, 0
+    for piece in pieces:
+        at += len(piece)
+        if at > end:
+            break
+        n += 1
+    return n
 
 
 def harmony_final(spec: GrammarSpec) -> GrammarSpec:
@@ -611,6 +658,7 @@ class Grammars:
         self.compiles = 0  # specs compiled (not found in the cache)
         self._info: Any = None  # xgrammar's TokenizerInfo, kept for `has_quote`
         self._quote: Optional[bool] = None  # whether a token of the vocabulary holds '"' (`has_quote`), read once
+        self._pieces: Optional[list[bytes]] = None  # the bytes each token writes (`_piece`), read once
 
     def _backend(self) -> Any:
         if self._compiler is None:
@@ -682,6 +730,15 @@ class Grammars:
             self._quote = any(b'"' in b for i, b in enumerate(info.decoded_vocab) if i not in special)
         return self._quote
 
+    def _piece(self, token: int) -> bytes:
+        """The bytes token `token` writes, as xgrammar matches grammars on them (b"" for an id past the tokenizer's);
+        the vocabulary's read once, the first time it is asked."""
+        if self._pieces is None:
+            with self._lock:
+                self._backend()
+            self._pieces = list(self._info.decoded_vocab)
+        return self._pieces[token] if 0 <= token < len(self._pieces) else b""
+
     def constrained(self, spec: GrammarSpec, stop_token_ids: tuple[int, ...] | list[int],
                     tokens: list[int]) -> list[int]:
         """Which tokens of an answer sampled under `spec` (with stop tokens `stop_token_ids`) the grammar constrained:
@@ -690,8 +747,14 @@ class Grammars:
         (the log-prob is the model's own). The answer is replayed through a fresh matcher, so an engine that reports
         no such thing (SGLang) is read the same way. Ids past the tokenizer's (the padding of a model's logits,
         which a grammar always masks and no tokenizer writes) do not count. A token the grammar refuses (an engine
-        that did not apply it): that token and the rest count as constrained."""
+        that did not apply it): that token and the rest count as constrained. Under a spec `after_reasoning` wrote,
+        the answer's leading reasoning block (`reasoning_span`: up to its `</think>` and the blanks after it) counts
+        as free: the grammar forbids there only a second `<think>` and the stop tokens, which leaves the reasoning
+        the model's own (its log-probs differ from the model's by the little probability those tokens had), and what
+        it constrains is the answer after it."""
         matcher = self.matcher(spec, stop_token_ids)
+        opened = reasoning_opened(spec)
+        free = 0 if opened is None else reasoning_span([self._piece(t) for t in tokens], opened)
         size = min(len(self.tokenizer), self.vocab_size)
         full, rest = divmod(size, 32)
         bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
@@ -703,7 +766,7 @@ class Grammars:
                 rest == 0 or (int(words[full]) & ((1 << rest) - 1)) == (1 << rest) - 1)
             if not matcher.accept(int(token)):
                 return out + [1] * (len(tokens) - k)
-            out.append(0 if every else 1)
+            out.append(0 if every or k < free else 1)
         return out
 
 
