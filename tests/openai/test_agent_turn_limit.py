@@ -2,8 +2,10 @@
 (openai-agents' `Runner.run(max_turns=8)` beside `rollout.max_turns=8`, docs/agents.md's example, raises
 MaxTurnsExceeded rather than make a 9th call): the gateway never sees a call past its limit, yet the run reached it.
 Such a run ends "max_turns" and keeps its trajectory, with no error, as one the gateway's 400 `max_calls` stopped
-(`relax.serve.openai.agents._end_of_run`). A run that raises after fewer calls, or after all of them with the last
-one not answered (the engine failed it), still fails.
+(`relax.serve.openai.agents._end_of_run`), when its exception is a framework's turn-limit one (by class name:
+`relax.serve.openai.agent_call.TURN_LIMIT_EXCEPTIONS`). A run that raises another exception after all its calls (an
+agent that crashed after its last answer), one that raises after fewer calls, or after all of them with the last one
+not answered (the engine failed it), still fails.
 
 `AgentRollout` as relax-train builds it (its agent worker processes, the gateway), over a scripted engine with
 Qwen3's tokenizer; the agents are plain functions with the official client and openai-agents as docs/agents.md writes
@@ -23,7 +25,8 @@ from tests.agents.templates import family_tokenizer
 from tests.openai.turn_limit_agents import CALLS, MAX_TURNS
 
 SDK = importlib.util.find_spec("agents") is not None  # openai-agents (an optional dependency)
-LABELS = ["all_then_raise", "fewer_then_raise", "last_unanswered"] + (["sdk_equal_limits"] if SDK else [])
+LABELS = ["all_then_limit", "all_then_crash", "fewer_then_raise", "last_unanswered"] + (
+    ["sdk_equal_limits"] if SDK else [])
 
 
 class Script:
@@ -66,7 +69,7 @@ def test_a_run_that_raises_after_its_last_allowed_call_ends_max_turns():
         rollout.close()
     got = {e["item"]["label"]: (e["end"], e["error"], samples.finish_reason[i], e["calls"], e["turns"])
            for i, e in enumerate(samples.episodes)}
-    for label in ("all_then_raise", "sdk_equal_limits")[:1 + SDK]:  # kept: every call's answer trained, no error
+    for label in ("all_then_limit", "sdk_equal_limits")[:1 + SDK]:  # kept: every call's answer trained, no error
         end, error, finish, calls, turns = got[label]
         assert (end, error, finish, calls, turns) == ("max_turns", None, FinishReason.MAX_TURNS, MAX_TURNS,
                                                       MAX_TURNS), got[label]
@@ -79,5 +82,7 @@ def test_a_run_that_raises_after_its_last_allowed_call_ends_max_turns():
     # the controls: still failed runs, with nothing wrong but the agent's own error
     end, error, _, calls, _ = got["fewer_then_raise"]
     assert (end, calls) == ("error", CALLS["fewer_then_raise"]) and "own turn limit (fewer_then_raise)" in error
+    end, error, _, calls, _ = got["all_then_crash"]  # all calls answered, then an exception that is no turn limit
+    assert (end, calls) == ("error", MAX_TURNS) and "ValueError: the agent's own bug" in error, got["all_then_crash"]
     end, error, _, calls, _ = got["last_unanswered"]  # all calls admitted, the last one failed by the engine
     assert (end, calls) == ("error", MAX_TURNS) and "InternalServerError" in error, got["last_unanswered"]

@@ -11,7 +11,12 @@ from openai import AsyncOpenAI, OpenAI
 
 MAX_TURNS = 3
 
-CALLS = {"all_then_raise": MAX_TURNS, "fewer_then_raise": MAX_TURNS - 1, "last_unanswered": MAX_TURNS}
+CALLS = {"all_then_limit": MAX_TURNS, "all_then_crash": MAX_TURNS, "fewer_then_raise": MAX_TURNS - 1,
+         "last_unanswered": MAX_TURNS}
+
+
+class GraphRecursionError(RecursionError):
+    """Named as LangGraph's turn-limit exception (its recursion_limit), which Relax recognises by its class name."""
 
 
 def _sdk_loop(item: dict, base_url: str, api_key: str) -> None:
@@ -47,4 +52,6 @@ def run(item: dict, base_url: str, api_key: str) -> float | None:
             messages.append({"role": "user", "content": "explode" if last else f"go on ({k})"})
         answer = c.chat.completions.create(model="policy", messages=messages).choices[0].message
         messages.append({"role": "assistant", "content": answer.content})
-    raise RuntimeError(f"the agent's own turn limit ({label})")
+    if label == "all_then_crash":  # an agent that fails after its last answer: not a turn limit
+        raise ValueError(f"the agent's own bug ({label})")
+    raise GraphRecursionError(f"the agent's own turn limit ({label})")

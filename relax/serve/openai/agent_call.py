@@ -10,15 +10,23 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
+# The exceptions agent frameworks raise when a run reaches their own turn limit, by class name (the frameworks are
+# not imported here): openai-agents' Runner.run(max_turns=), LangGraph's recursion_limit, pydantic-ai's request limit
+TURN_LIMIT_EXCEPTIONS = ("MaxTurnsExceeded", "GraphRecursionError", "UsageLimitExceeded")
+TURN_LIMIT_ERROR = "the agent stopped at its framework's turn limit: "  # how such an error starts (else: RAISED)
+RAISED = "the agent raised: "
+
 
 def call_agent(fn: Callable[..., Any], item: dict, base_url: str,
                api_key: str) -> tuple[Optional[float], Optional[str]]:
-    """One agent run (the worker processes' caller): (reward or None, None), or (None, the error)."""
+    """One agent run (the worker processes' caller): (reward or None, None), or (None, the error). An error that
+    is one of `TURN_LIMIT_EXCEPTIONS` (a subclass too) starts with `TURN_LIMIT_ERROR`, any other with `RAISED`."""
     try:
         value = fn(item, base_url, api_key)
-    except Exception:
+    except Exception as exc:
         lines = traceback.format_exc().strip().splitlines()
-        return None, "the agent raised: " + "\n".join(lines[-12:])
+        limit = any(c.__name__ in TURN_LIMIT_EXCEPTIONS for c in type(exc).__mro__)
+        return None, (TURN_LIMIT_ERROR if limit else RAISED) + "\n".join(lines[-12:])
     if value is None:
         return None, None
     if (lazy := _not_run(value)) is not None:

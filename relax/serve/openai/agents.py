@@ -2,23 +2,22 @@
 function `run(item, base_url, api_key) -> reward or None`, in its own session of the training gateway.
 
 The function gets the prompt item as a dict (`messages`: the prompt as chat messages, `label`, `prompt_text`,
-`index`, `source`), the gateway's `base_url` and its session's key, and uses any OpenAI client with them. Runs go
-to worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time
-limit (`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample
-counts as a failed reward call (its group is left out, as for any failed reward), unless it raised after its last
-answer was cut (it ends "length") or after all the calls `rollout.max_turns` allows, the last one answered (it ends
-"max_turns"; `_end_of_run`): those keep their trajectory. A run that made no call fails the same way. When a run
-returns, its session's main row (`relax.serve.openai.sessions`: the branch holding the most sampled tokens) becomes
-the sample: the first prompt as the prompt, then every later token, trained where the engine sampled it. A run
-that forked (a side call, parallel calls, a choice not continued, a segment left by an edit) has more rows
-(`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns); they travel in the sample's
-episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
+`index`, `source`), the gateway's `base_url` and its session's key, and uses any OpenAI client with them. Runs go to
+worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time limit
+(`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample counts as a
+failed reward call (its group is left out, as for any failed reward), unless it raised after its last answer was cut
+(it ends "length") or with its framework's turn-limit exception after all the calls `rollout.max_turns` allows, the
+last one answered (it ends "max_turns"; `_end_of_run`): those keep their trajectory. A run that made no call fails
+the same way. When a run returns, its session's main row (`relax.serve.openai.sessions`: the branch holding the most
+sampled tokens) becomes the sample: the first prompt as the prompt, then every later token, trained where the engine
+sampled it. A run that forked (a side call, parallel calls, a choice not continued, a segment left by an edit) has
+more rows (`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns); they travel in the
+sample's episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
 (`relax.runner.branch_rows`), so that every sampled token is trained exactly once; the record counts them
 (`sampled_tokens`, `trained_tokens`, `branches`: `rollout/gateway_untrained_tokens`,
 `rollout/gateway_branches_per_run`). Its reward: what the function returned (None: nothing), plus the rewards given
-per call (`POST /v1/relax/reward`), plus `data.reward` on the last answer (unless `data.reward=none`); every row of a
-run trains with it (docs/agents.md).
-"""
+per call (`POST /v1/relax/reward`), plus `data.reward` on the last answer (unless `data.reward=none`); every row of
+a run trains with it (docs/agents.md). """
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from relax.agents.episode import item_record
 from relax.agents.parsers import get_parser
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plain_reason
 from relax.models.hf import context_length
-from relax.serve.openai.agent_call import call_agent
+from relax.serve.openai.agent_call import TURN_LIMIT_ERROR, call_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway, WatchedSend
 from relax.serve.openai.service import OpenAIService
@@ -132,19 +131,20 @@ def _end_of_run(s: Session, error: Optional[str], was_late: bool) -> str:
 
     A run that raised after its last answer was cut ends "length", as one its session's limit stopped: openai-agents
     raises on every answer cut by max_tokens (Responses: `incomplete`; chat: one left with no text, a Qwen3 answer
-    cut inside <think>), and such a run is a truncated episode, not a failed one. A run that raised after its session
-    made all the calls `rollout.max_turns` allows, the last one answered, ends "max_turns", as a call past the limit
-    would have ended it: a framework whose own turn limit equals rollout.max_turns (openai-agents'
-    `Runner.run(max_turns=...)` raises MaxTurnsExceeded, LangGraph's `recursion_limit`, pydantic-ai's request limit)
-    stops itself and raises instead of making that call, and such a run reached its limit, it did not fail. A run
-    that raised after fewer calls, or whose last call was not answered, failed."""
+    cut inside <think>), and such a run is a truncated episode, not a failed one. A run that raised its framework's
+    turn-limit exception (`agent_call.TURN_LIMIT_EXCEPTIONS`: openai-agents' MaxTurnsExceeded, LangGraph's
+    GraphRecursionError, pydantic-ai's UsageLimitExceeded) after its session made all the calls `rollout.max_turns`
+    allows, the last one answered, ends "max_turns", as a call past the limit would have ended it: the framework's
+    own limit equals rollout.max_turns, it stopped itself instead of making that call, and the run reached its limit,
+    it did not fail. Any other exception (an agent that crashed after its last answer), or a turn-limit exception
+    after fewer calls or with the last call not answered, is a failed run."""
     if was_late:
         return FinishReason.TIMEOUT
     if error is None:
         return FinishReason.DONE
     if _ended_on_a_cut_answer(s):
         return FinishReason.LENGTH
-    if _used_every_call(s):
+    if error.startswith(TURN_LIMIT_ERROR) and _used_every_call(s):
         return FinishReason.MAX_TURNS
     return FinishReason.ERROR
 
