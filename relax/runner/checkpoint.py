@@ -849,22 +849,22 @@ class Checkpoints:
         except OSError as exc:
             raise RunError(_cannot_create(self.save_dir, exc)) from None
         lock = self.save_dir / LOCK
+        if not self.writes and lock.exists():
+            # a run that commits nothing (`writes`: an evaluation of the checkpoint, train.num_rollout=0) in a
+            # directory it cannot write (a read-only mount; chattr +i, where its .lock itself may still open for
+            # writing): it locks the lock file read-only, which flock locks all the same, and writes nothing there
+            try:
+                _try_writing(self.save_dir)
+            except OSError:
+                self.read_only = True
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDONLY if self.read_only else os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             if self.writes:
                 raise RunError(_cannot_write(self.save_dir, exc)) from None
-            if not lock.exists():
-                raise RunError(f"cannot lock checkpoint directory {self.save_dir}: {lock} cannot be created "
-                               f"({exc.strerror or exc}); set train.save_dir") from None
-            # a run that commits nothing (`writes`: an evaluation of the checkpoint, train.num_rollout=0) in a
-            # directory it cannot write (a read-only mount): its lock file read-only, which flock locks all the same
-            try:
-                fd = os.open(lock, os.O_RDONLY)
-            except OSError as again:
-                raise RunError(f"cannot lock checkpoint directory {self.save_dir}: {lock} cannot be opened "
-                               f"({again.strerror or again}); set train.save_dir") from None
-            self.read_only = True
+            raise RunError(f"cannot lock checkpoint directory {self.save_dir}: {lock} cannot be "
+                           f"{'opened' if self.read_only else 'created'} ({exc.strerror or exc}); set train.save_dir"
+                           ) from None
         try:
             held = _flock(fd, self.save_dir)
         except BaseException:

@@ -132,3 +132,25 @@ def test_an_output_directory_that_cannot_be_made_is_one_line(tmp_path: Path, mon
     # control: a directory that can be made, and one that exists and can be written
     assert output_dir_problem(plain, conf_dir()) is None
     assert output_dir_problem([f"hydra.run.dir={tmp_path}", *plain], conf_dir()) is None
+
+
+def test_an_evaluation_where_only_the_directory_is_unwritable_writes_nothing_there(tmp_path: Path, monkeypatch):
+    """A directory whose entries cannot change while its .lock still opens for writing (chattr +i on the directory
+    alone): whether the run may write there is tried (`_try_writing`, made to fail here as it does there), not read
+    from the lock file's open, so the evaluation locks read-only and records nothing (record_run would fail)."""
+    save_dir = tmp_path / "ck"
+    run = [f"train.save_dir={save_dir}", *QUIET]
+    with checkpoint.Checkpoints(load_config([*run, "train.num_rollout=1"])) as ckpts:
+        staging = ckpts.staging(1)
+        (staging / "weights.bin").write_bytes(b"\0" * 8)
+        ckpts.commit(staging, 1, {"sampler": {}})
+    before = _listing(save_dir)
+
+    def refused(directory: Path) -> None:
+        raise PermissionError(1, "Operation not permitted", str(directory))
+
+    monkeypatch.setattr(checkpoint, "_try_writing", refused)
+    with checkpoint.Checkpoints(load_config([*run, "train.resume=auto", "train.num_rollout=0"])) as ckpts:
+        assert ckpts.locked and ckpts.read_only
+        ckpts.record_run("run-id", "sqlite:///x.db")
+    assert _listing(save_dir) == before
