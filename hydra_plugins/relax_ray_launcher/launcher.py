@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import sys
 import textwrap
@@ -66,6 +65,7 @@ from hydra_plugins.relax_ray_launcher.sweep import (
     new_sweep_id,
     tracking_overrides,
 )
+from relax.config.credentials import masked_override
 from relax.metrics import RAW_REWARD
 from relax.runner.preempt import Signalled
 from relax.runner.ray_logs import plain_ray_log_prefix
@@ -106,23 +106,6 @@ def _error_text(exc: BaseException) -> str:
     while tb is not None and f"{os.sep}hydra{os.sep}" in tb.tb_frame.f_code.co_filename:
         tb = tb.tb_next  # Hydra's run_job: not the user's problem
     return "".join(traceback.format_exception(type(exc), exc, tb)).strip()
-
-
-# a URL's query: up to a quote, a space, a bracket, or a comma that starts the list's next URL or quoted item
-_QUERY = re.compile(r"[?].*?(?=,\s*(?:https?://|['\"])|[\]'\"\s]|$)", re.IGNORECASE)
-
-
-_URL = re.compile(r"https?://", re.IGNORECASE)
-
-
-def _shown(override: str) -> str:
-    """An override as a message shows it: the query of an http(s) URL in its value (tracking.uri, data.reward,
-    reward_model.url, rollout.sglang.urls, ...), which may carry a token, as `?***`, as `relax.runner.endpoints`
-    names addresses (a user or password in a URL is refused by the config's rules before this)."""
-    key, eq, value = override.partition("=")
-    if not eq or not _URL.search(value):
-        return override
-    return key + "=" + _QUERY.sub("?***", value)
 
 
 def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraContext, config: DictConfig,
@@ -350,7 +333,7 @@ class RelaxRayLauncher(Launcher):
         failed: dict[int, str] = {}
         try:
             for index, job, arm in zip(indices, jobs, arms, strict=True):
-                print(f"\n== job {index}: {' '.join(_shown(o) for o in filter_overrides(job))}", flush=True)
+                print(f"\n== job {index}: {' '.join(masked_override(o) for o in filter_overrides(job))}", flush=True)
                 full = [*job, *tracking_overrides(sweep_id=None, parent_run_id=None, arm=arm)]
                 sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, full)
                 with open_dict(sweep_config):
@@ -370,7 +353,7 @@ class RelaxRayLauncher(Launcher):
         print(file=sys.stdout)
         for index, job in zip(indices, jobs, strict=True):
             word = "FAILED" if index in failed else "passed"
-            print(f"job {index} ({' '.join(_shown(o) for o in filter_overrides(job))}): dry run {word}")
+            print(f"job {index} ({' '.join(masked_override(o) for o in filter_overrides(job))}): dry run {word}")
         if failed:
             print(f"relax-train: error: sweep dry run: a start would stop before Ray in {len(failed)} of {len(jobs)} "
                   "jobs (nothing started):\n" + "\n".join(
@@ -460,7 +443,7 @@ class RelaxRayLauncher(Launcher):
                   file=sys.stderr)
         if problems:
             n = len(problems)
-            text = [f"job {index} ({' '.join(_shown(o) for o in filter_overrides(job))}):\n"
+            text = [f"job {index} ({' '.join(masked_override(o) for o in filter_overrides(job))}):\n"
                     + "\n".join(textwrap.indent(p, "  ") for p in problems[index])
                     for index, job in zip(indices, jobs, strict=True) if index in problems]
             print(f"relax-train: error: invalid config in {n} of {len(jobs)} sweep job{'s' if len(jobs) > 1 else ''}"

@@ -71,16 +71,6 @@ def hydra_error_message(exc: BaseException) -> str:
     return "\n".join(keep).strip()
 
 
-_CREDENTIALS = re.compile(r"(://)[^/@\s]+@")  # the user[:password]@ of a URL
-_QUERY = re.compile(r"(://[^?#\s]*)[?#][^\s'\"\],]*")  # a URL's query and fragment (?api_key=...)
-
-
-def _masked(text: str) -> str:
-    """`text` (overrides) with each URL's user:password@ and query masked, as `without_secrets` shows one URL: the
-    rules refuse both in URL options, and their messages never echo them."""
-    return _QUERY.sub(r"\1?***", _CREDENTIALS.sub(r"\1***@", text))
-
-
 def _plain(overrides: Sequence[str]) -> list[str]:
     """The overrides of the config (Hydra's own, `hydra.*` and `hydra/...`, left out), and `hydra.searchpath`, which
     adds the config groups of a directory (`hydra.searchpath=[file:///dir]`) and so decides what composes."""
@@ -381,7 +371,9 @@ def duplicate_problems(overrides: Sequence[str], *, command: str) -> tuple[list[
     for name, where in given.items():
         if len(where) < 2:
             continue
-        shown = [_masked(overrides[i]) for i in where]
+        from relax.config.credentials import masked_override
+
+        shown = [masked_override(overrides[i]) for i in where]
         sets = [i for i in where if not parsed[i].is_delete()]
         deletions = [i for i in where if parsed[i].is_delete()]
         for i in where:
@@ -572,7 +564,9 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
         if problem is not None:
             if problem.startswith("invalid config ("):  # the violations alone, as the sweep launcher lists them
                 problem = problem.split("\n", 1)[1]
-            header = _masked(" ".join(job))  # a URL's secrets masked
+            from relax.config.credentials import masked_override
+
+            header = " ".join(map(masked_override, job))  # a URL's secrets masked
             found.append(f"job {index} ({header}):\n" + textwrap.indent(textwrap.dedent(problem), "  "))
     first = invalid_config(launcher) + "\n" if launcher else ""  # the sweep's own options, then its jobs'
     if not found:

@@ -6,6 +6,7 @@ config's rules (`relax.config.validate`, `relax.config.reward_list_rules`) and t
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 
@@ -24,6 +25,23 @@ def without_secrets(url: str) -> str:
     if not parts.query and not parts.fragment:
         return parts.geturl()
     return parts._replace(query="", fragment="").geturl() + "?***"
+
+
+_USERINFO = re.compile(r"(://)[^/@\s]+@")  # a URL's user[:password]@
+# a URL's query or fragment: up to a quote, a space, a bracket, or a comma that starts a list's next URL or quoted item
+# (a sweep job's overrides hold Hydra's escapes: `http\://`)
+_QUERY = re.compile(r"[?#].*?(?=,\s*(?:[a-z][a-z0-9+.-]*\\?://|['\"])|[\]'\"\s]|$)", re.IGNORECASE)
+_URL = re.compile(r"://")
+
+
+def masked_override(override: str) -> str:
+    """An override as a message shows it (a sweep's job headers, a duplicate's refusal): where its value holds URLs,
+    each one's user:password@ as `***@` and its query or fragment as `?***`, as `without_secrets` shows one URL (the
+    rules refuse both in URL options, and their messages never echo them); any other override as written."""
+    key, eq, value = override.partition("=")
+    if not eq or not _URL.search(value):
+        return override
+    return key + "=" + _QUERY.sub("?***", _USERINFO.sub(r"\1***@", value))
 
 
 def credentials_problem(option: str, url: object, instead: str, *, password_only: bool = False) -> str | None:

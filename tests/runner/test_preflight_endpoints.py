@@ -263,13 +263,14 @@ def test_a_sweep_names_an_unreachable_tracking_store_without_its_secrets_apart_f
     ("reward_model.url=http://h:2/v1?token=k3y", "reward_model.url=http://h:2/v1?***"),
     ("rollout.sglang.urls=[http://h:3?a=k3y,http://h:4]", "rollout.sglang.urls=[http://h:3?***,http://h:4]"),
     ("data.prompt_key=what?", "data.prompt_key=what?"),  # no URL: as written
+    ("reward_model.url=https://me:pw@h:5/v1#k3y", "reward_model.url=https://***@h:5/v1?***"),  # a fragment, a user
 ])
 def test_a_sweep_jobs_header_hides_every_urls_query(override, shown):
     """The sweep's job headers show an override as the user wrote it, but the query of any http(s) URL in it (a
     token of a reward service, a judge or a server behind a proxy) as `?***`, as the endpoint lines do."""
-    from hydra_plugins.relax_ray_launcher import launcher
+    from relax.config.credentials import masked_override
 
-    assert launcher._shown(override) == shown
+    assert masked_override(override) == shown
 
 
 # ---------------------------------------------------------------------------- reachable, but never healthy
