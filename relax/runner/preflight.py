@@ -55,6 +55,7 @@ checks for real. Every problem is reported at once, each as the message the chec
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ from relax.runner import checkpoint
 from relax.runner.cluster import local_gpu_problem
 from relax.runner.endpoints import endpoint_targets, unreachable
 from relax.runner.errors import RunError
-from relax.runner.plan import Plan, build_plan, ray_source
+from relax.runner.plan import Plan, build_plan
 from relax.runner.reward_model import check_reward_model
 from relax.serve.openai.agents import load_agent
 from relax.serve.openai.chat import ChatFormat
@@ -490,13 +491,11 @@ def _tracking(pre: Preflight) -> bool:
 def _gpus(pre: Preflight) -> bool:
     if not pre.plan.total_gpus:
         return False
-    # a Ray the run does not start (`ray_source`: joined, or a sweep's already running): its GPUs are its nodes',
-    # which only Ray sees
-    source = ray_source(pre.cfg)
-    if source.how != "start":
-        what = (f"joins a Ray cluster ({source.option}={source.address})" if source.how == "join"
-                else f"runs on {source.text}")
-        pre.notes["gpus"] = f"not checked: the run {what}, whose GPUs are its nodes'"
+    # a Ray cluster joined (as `local_gpu_problem` reads it): its GPUs are its nodes', which only Ray sees
+    joined = (f"cluster.address={pre.cfg.cluster.address}" if pre.cfg.cluster.address is not None else
+              f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else None)
+    if joined is not None:
+        pre.notes["gpus"] = f"not checked: the run joins a Ray cluster ({joined}), whose GPUs are its nodes'"
         return False
     if (problem := local_gpu_problem(pre.cfg, pre.plan)) is not None:
         raise RunError(problem)

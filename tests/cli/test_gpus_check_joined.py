@@ -33,18 +33,3 @@ def test_a_joined_cluster_is_not_said_to_give_a_local_instance_its_gpus(tmp_path
         assert code == 2 and "torch sees 0 CUDA device(s)" in line, line
     else:
         assert line.split()[0] == "ok" and "a local Ray instance gets the plan's GPUs" in line, line
-
-
-def test_a_sweep_job_on_the_sweeps_ray_is_not_checked_against_this_machines_gpus(tmp_path: Path, monkeypatch,
-                                                                                   capfd):
-    """A job of a sweep runs on the Ray the sweep launcher started or joined (`relax.runner.plan.ray_source`, the
-    one owner of which Ray a run uses): its GPUs are that Ray's, not a local instance's."""
-    from relax.runner.plan import SWEEP_RAY_ENV
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setenv(SWEEP_RAY_ENV, "the sweep's Ray instance (at 10.0.0.1:6379, joined by the sweep launcher)")
-    code, out, err = relax_train(["cluster=1xgpu", "dry_run=true", *QUIET], capfd)
-    line = _gpus_line(out)
-    assert code == 0 and line.split()[0] == "n/a", out + err
-    assert "runs on the sweep's Ray instance (at 10.0.0.1:6379" in line, line
