@@ -355,8 +355,9 @@ def test_the_second_stage_runs_no_program_in_an_interpreter_that_loaded_a_refuse
 
 def test_the_program_holds_no_file_descriptor_of_the_harness_but_its_verdict_pipe():
     """The job (with the verdicts' token) reached the program's interpreter in a memfd, closed before the program
-    runs: of fds 0-63, the program has stdin (/dev/null), stdout, stderr and the verdict pipe only."""
-    r = run("import os, stat\nopen_fds = []\nfor i in range(64):\n    try:\n        m = os.fstat(i).st_mode\n"
+    runs: of fds 0-65535, the program has stdin (/dev/null), stdout, stderr and the verdict pipe only (whose number is
+    the driver's: past 63 in a test process that opened many)."""
+    r = run("import os, stat\nopen_fds = []\nfor i in range(1 << 16):\n    try:\n        m = os.fstat(i).st_mode\n"
             "    except OSError:\n        continue\n    open_fds.append((i, stat.S_ISFIFO(m), stat.S_ISREG(m)))\n"
             "print([x for x in open_fds if x[0] > 2])")
     assert r.status == "ok", r.stderr
