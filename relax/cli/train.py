@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import OWN_CONFIG_FLAGS, chooses_launcher, config_file, own_config, problems
+from relax.cli.config_check import MULTIRUN_FLAGS, OWN_CONFIG_FLAGS, chooses_launcher, config_file, own_config, problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -121,20 +120,21 @@ def output_dir_problem(args: list[str], conf: Path) -> str | None:
     existing directory cannot be written (a read-only working directory, whose `outputs/...` is the default). One
     line naming the key to set; None when it can be made, or when that is not known here (a flag Hydra answers, a
     config that does not compose: the precheck or Hydra names that). Tried by creating a file, as the checkpoint
-    directory's check does: permission bits say yes to root and nothing of a read-only filesystem."""
-    import tempfile
-
+    directory's check does (`relax.writable`): permission bits say yes to root and nothing of a read-only
+    filesystem."""
     from omegaconf import OmegaConf
 
     from relax.cli.config_check import sweep_jobs
     from relax.config.compose import compose
+    from relax.writable import nearest_existing, try_writing
 
     where, rest = own_config(args)
     path = where.get("path")
     if path is not None and (not path or "://" in path):
         return None
-    sweep = _multirun(rest)
-    plain = [a for a in rest if a not in ("-m", "--multirun")]
+    rest = multirun_flag(rest)
+    sweep = sweeps(rest)
+    plain = [a for a in rest if a not in MULTIRUN_FLAGS]
     if any(a.startswith("-") for a in plain):  # --cfg, --info, ...: no job runs, or Hydra answers the flag
         return None
     key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
@@ -147,15 +147,12 @@ def output_dir_problem(args: list[str], conf: Path) -> str | None:
         return None
     if not directory:
         return None
-    existing = Path(str(directory)).expanduser()  # a relative one: from the working directory (hydra.job.chdir)
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
+    # a relative one: from the working directory (hydra.job.chdir)
+    existing = nearest_existing(Path(str(directory)).expanduser())
     try:
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a directory")
-        fd, probe = tempfile.mkstemp(prefix=".relax-probe-", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
+        try_writing(existing)
     except OSError as exc:
         why = exc.strerror if exc.strerror else str(exc)
         return (f"{key}={directory}: Hydra's output directory (the job's resolved config and log) cannot be made, "
@@ -235,8 +232,55 @@ def absolute_config_path(args: list[str]) -> list[str]:
     return out
 
 
-def _multirun(args: list[str]) -> bool:
-    return any(a in ("-m", "--multirun") for a in args)
+MODE_KEY = "hydra.mode"  # Hydra's run mode: hydra.mode=MULTIRUN sweeps as -m does (Hydra >= 1.2)
+
+
+def _mode_overrides(args: list[str]) -> list[tuple[int, str | None]]:
+    """The overrides among `args` (relax-train's command line, its flags included) that give `hydra.mode`, in any
+    form (`hydra.mode=...`, `++hydra.mode=...`, `+hydra.mode=...`, `~hydra.mode`): (the index of each, the mode it
+    sets where it sets one as Hydra reads it, `MULTIRUN` or `RUN`, quoted or not; else None)."""
+    flags = {i for i, a in enumerate(args) if a in OWN_CONFIG_FLAGS}  # `-cp DIR`, `-cn NAME`: a flag's value
+    given = [(i, a) for i, a in enumerate(args) if MODE_KEY in a and not a.startswith("-") and i - 1 not in flags]
+    if not given:
+        return []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    found: list[tuple[int, str | None]] = []
+    for i, arg in given:
+        try:
+            (override,) = OverridesParser.create().parse_overrides([arg])
+        except HydraException:  # not an override Hydra reads: the precheck or Hydra names it
+            continue
+        if override.key_or_group != MODE_KEY or override.package is not None:
+            continue
+        value = override.value() if override.type != OverrideType.DEL else None
+        found.append((i, value if isinstance(value, str) and not override.is_sweep_override() else None))
+    return found
+
+
+def multirun_flag(args: list[str]) -> list[str]:
+    """`args` (relax-train's command line), a sweep given as Hydra's `hydra.mode=MULTIRUN` (`+`/`++`, quoted or not)
+    given as `-m` instead, first (before the overrides, which Hydra's parser takes as one block): Hydra sweeps the same
+    on either, and every check of relax-train (the precheck, which reads -m alone; the launcher's options of a config
+    of its own; Hydra's output directory) reads the one form. As they are where Hydra would not sweep on it (another
+    flag: `--cfg` prints a config, and with -m Hydra refuses it), or where `hydra.mode` is given more than once (the
+    precheck names that)."""
+    modes = _mode_overrides(args)
+    if len(modes) != 1 or modes[0][1] != "MULTIRUN":
+        return list(args)
+    _, rest = own_config(args)
+    if any(a.startswith("-") and a not in MULTIRUN_FLAGS for a in rest):
+        return list(args)
+    kept = [a for i, a in enumerate(args) if i != modes[0][0]]
+    return kept if any(a in MULTIRUN_FLAGS for a in kept) else ["-m", *kept]
+
+
+def sweeps(args: list[str]) -> bool:
+    """Whether `relax-train <args>` runs a sweep (Hydra's multirun): with -m/--multirun, or with `hydra.mode=MULTIRUN`
+    (`multirun_flag`). The one answer relax-train's checks and messages read."""
+    return any(a in MULTIRUN_FLAGS for a in multirun_flag(args))
 
 
 RELAX_LAUNCHER = "hydra/launcher=relax_ray"  # conf/config.yaml's launcher of a sweep
@@ -251,7 +295,7 @@ def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
     (in the -cp directory, else `conf`) is found and chooses none."""
     where, _ = own_config(args)
     name = where.get("name")
-    if not _multirun(args) or not name or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
+    if not sweeps(args) or not name or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
         return args
     directory = where.get("path") or (str(conf) if conf is not None else None)
     if directory is None or "://" in directory:
@@ -292,6 +336,7 @@ def main() -> None:
     except FileNotFoundError as exc:
         _fail(str(exc))
     register_configs()
+    sys.argv[1:] = args = multirun_flag(args)  # a sweep by hydra.mode=MULTIRUN: -m, for every check below and Hydra
     _precheck(args)  # a Hydra flag other than -m, --cfg, -cp and -cn (--info, ...): left to Hydra
     sys.argv[1:] = args = own_config_launcher(args, conf)
     if (problem := output_dir_problem(args, conf)) is not None:
@@ -311,7 +356,7 @@ def main() -> None:
         print(f"\nrelax-train: {exc}: interrupted; {stopped_text(exc, sweep=True)}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:  # Ctrl-C outside the run (composing the config, starting), or on a sweep's driver
-        print(f"\nrelax-train: interrupted; {stopped_text(exc, sweep=_multirun(args))}", file=sys.stderr)
+        print(f"\nrelax-train: interrupted; {stopped_text(exc, sweep=sweeps(args))}", file=sys.stderr)
         sys.exit(130)
 
 

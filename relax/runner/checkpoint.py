@@ -60,6 +60,7 @@ from relax.models.write_errors import torch_save
 from relax.runner.errors import RunError
 from relax.runner.model_record import FIELDS, RUN_MODEL, differences, model_record, recorded_model, shown
 from relax.tracking.params import RESUMABLE_CHANGES, flatten_config
+from relax.writable import nearest_existing, try_writing
 
 PREFIX = "step_"
 STATE = "state.json"
@@ -623,15 +624,6 @@ def _cannot_write(save_dir: Path, exc: OSError) -> str:
             "train.num_rollout=0)")
 
 
-def _try_writing(directory: Path) -> None:
-    """Create an empty file in `directory` and remove it (OSError if it cannot be created): whether the directory can
-    be written is tried, not read from permission bits, which say yes to root and nothing of a read-only filesystem.
-    The file is new by its unique name (O_EXCL) and empty, so nothing half-written can be left or clobbered."""
-    path = directory / f".relax-probe-{uuid.uuid4().hex}"
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    os.unlink(path)
-
-
 def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) -> bool:
     """What entering `Checkpoints` checks, changing nothing (`dry_run=true`, `relax.runner.preflight`): the save
     directory is not locked by another run and can be created, and the resume point is valid (RunError naming the
@@ -648,17 +640,15 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
                 os.close(fd)
             if ckpts.writes:  # a directory used before, now read-only (a read-only mount, chattr +i): as `_lock`
                 try:
-                    _try_writing(save_dir)
+                    try_writing(save_dir)
                 except OSError as exc:
                     raise RunError(_cannot_write(save_dir, exc)) from None
         else:
-            existing = save_dir
-            while not existing.exists() and existing.parent != existing:
-                existing = existing.parent
+            existing = nearest_existing(save_dir)
             if not existing.is_dir():
                 raise RunError(_cannot_create(save_dir, OSError(f"{existing} is not a directory")))
             try:
-                _try_writing(existing)
+                try_writing(existing)
             except OSError as exc:
                 why = OSError(f"{existing} is not writable ({exc.strerror or exc})")
                 raise RunError(_cannot_create(save_dir, why)) from None
@@ -854,7 +844,7 @@ class Checkpoints:
             # directory it cannot write (a read-only mount; chattr +i, where its .lock itself may still open for
             # writing): it locks the lock file read-only, which flock locks all the same, and writes nothing there
             try:
-                _try_writing(self.save_dir)
+                try_writing(self.save_dir)
             except OSError:
                 self.read_only = True
         try:

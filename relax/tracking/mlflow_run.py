@@ -53,6 +53,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TypeVar
 
 from relax.metrics import SYSTEM_PREFIX
@@ -80,6 +81,7 @@ from relax.tracking.spool_file import (
     spool_path,
 )
 from relax.tracking.system_metrics import SystemMetrics
+from relax.writable import nearest_existing, try_writing
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -281,10 +283,8 @@ def sqlite_store_problem(uri: str, cwd: Optional[str] = None) -> Optional[str]:
     no problem): its file is not a writable regular file, or its directory cannot be created or written (sqlite
     writes its journal beside the database). A check before anything starts (`relax.runner.preflight`'s
     `tracking`): what `Tracker.start` would find later, after Ray has started. It changes nothing: the database is
-    opened without writing, and writability is tried with an empty directory made and removed at once (permission
-    bits say nothing for root, nor for a read-only or virtual filesystem such as /proc)."""
-    import tempfile
-
+    opened without writing, and writability is tried with an empty file made and removed at once (`relax.writable`:
+    permission bits say nothing for root, nor for a read-only or virtual filesystem such as /proc)."""
     db = sqlite_path(resolve_tracking_uri(uri, cwd))
     if db is None:
         return None
@@ -294,13 +294,11 @@ def sqlite_store_problem(uri: str, cwd: Optional[str] = None) -> Optional[str]:
     directory = os.path.dirname(db) or "."
     if os.path.isdir(db):
         return f"{where} is a directory, not a database file{fix}"
-    existing = directory
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
+    existing = str(nearest_existing(Path(directory)))
     if not os.path.isdir(existing):
         return f"{where} cannot be created: {existing} is not a directory{fix}"
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".relax-probe-", dir=existing))
+        try_writing(Path(existing))
     except OSError as exc:
         what = "cannot be written" if existing == directory else f"cannot be created ({directory} does not exist)"
         return f"{where} {what}: nothing can be created in {existing} ({exc.strerror or exc}){fix}"
@@ -999,8 +997,6 @@ def close_orphan_run(tracker: Tracker, run_id: str, uri: Optional[str] = None) -
 def replay_leftover_spools(client: MlflowClient, uri: str, spool_dir: str | os.PathLike[str]) -> None:
     """Best effort: replay the spools of earlier runs of store `uri` left in `spool_dir` (the store was down at
     their end); those that still fail stay, with a warning."""
-    from pathlib import Path
-
     for path in sorted(Path(spool_dir).glob(f"{SPOOL_PREFIX}*{SPOOL_SUFFIX}")):
         if path.name.endswith(".rejected.jsonl"):
             continue

@@ -114,7 +114,9 @@ def test_an_output_directory_that_cannot_be_made_is_one_line(tmp_path: Path, mon
     with tmpfs(tmp_path / "ro") as ro:
         read_only(ro)
         plain = ["train.save=false", "tracking.enabled=false", *QUIET]
-        for flags, key in (([], "hydra.run.dir"), (["-m", "seed=1,2"], "hydra.sweep.dir")):
+        # a sweep by -m, or by Hydra's hydra.mode=MULTIRUN (which Hydra sweeps on as on -m)
+        for flags, key in (([], "hydra.run.dir"), (["-m", "seed=1,2"], "hydra.sweep.dir"),
+                           (["hydra.mode=MULTIRUN", "seed=1,2"], "hydra.sweep.dir")):
             code, out, err = relax_train([*flags, f"{key}={ro}/out", *plain, "dry_run=true"], capfd)
             assert code == 2, out + err
             assert err.strip() == (f"relax-train: error: {key}={ro}/out: Hydra's output directory (the job's resolved "
@@ -136,7 +138,7 @@ def test_an_output_directory_that_cannot_be_made_is_one_line(tmp_path: Path, mon
 
 def test_an_evaluation_where_only_the_directory_is_unwritable_writes_nothing_there(tmp_path: Path, monkeypatch):
     """A directory whose entries cannot change while its .lock still opens for writing (chattr +i on the directory
-    alone): whether the run may write there is tried (`_try_writing`, made to fail here as it does there), not read
+    alone): whether the run may write there is tried (`try_writing`, made to fail here as it does there), not read
     from the lock file's open, so the evaluation locks read-only and records nothing (record_run would fail)."""
     save_dir = tmp_path / "ck"
     run = [f"train.save_dir={save_dir}", *QUIET]
@@ -149,7 +151,7 @@ def test_an_evaluation_where_only_the_directory_is_unwritable_writes_nothing_the
     def refused(directory: Path) -> None:
         raise PermissionError(1, "Operation not permitted", str(directory))
 
-    monkeypatch.setattr(checkpoint, "_try_writing", refused)
+    monkeypatch.setattr(checkpoint, "try_writing", refused)
     with checkpoint.Checkpoints(load_config([*run, "train.resume=auto", "train.num_rollout=0"])) as ckpts:
         assert ckpts.locked and ckpts.read_only
         ckpts.record_run("run-id", "sqlite:///x.db")
