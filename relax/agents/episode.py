@@ -33,7 +33,7 @@ from typing import Any, Optional
 from relax import progress
 from relax.agents.bounded import Bounded, StepTimeout
 from relax.agents.parsers import harmony_call_names, message_decoder, opened_reasoning
-from relax.agents.protocol import AgentLoop, Reply, UserCodeError
+from relax.agents.protocol import AgentLoop, Reply, as_reply, observation_problem
 from relax.agents.render import ObservationRenderer
 from relax.batch import FinishReason, plain_reason
 
@@ -152,6 +152,7 @@ class Episode:
             return None
         finally:
             self.env_time += pending.seconds
+        reply = as_reply(reply, type(self.loop).__name__)
         self.turn_rewards.append(float(reply.reward))
         self.tool_calls += reply.tool_calls
         self.tool_errors += reply.tool_errors
@@ -169,12 +170,12 @@ class Episode:
         if self.turns >= self.max_turns:
             self.end = FinishReason.MAX_TURNS
             return None
+        if (problem := observation_problem(reply, type(self.loop).__name__)) is not None:
+            raise problem  # checked before rendering: the template would wrap no messages in a turn of its markers
         # (an image observation's tokens come with its images: relax.agents.render.VisionTokens)
         # (a harmony template names a tool result by the call it answers: `turn_calls`)
         obs = list(reply.tokens) if reply.tokens is not None else self.renderer.tokens(
             reply.messages, stop_token, turn_calls(self.loop, self.actions[-1]))
-        if not obs:
-            raise UserCodeError(f"{type(self.loop).__name__}: an empty observation for an episode that is not done")
         self.observations.append([dict(m) for m in reply.messages] if reply.tokens is None else
                                  [{"role": "user", "content": self.decode(obs)}])
         self.kv_reused += context

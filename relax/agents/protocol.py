@@ -77,6 +77,32 @@ class AgentLoop(Protocol):
     def turn(self, text: str) -> Reply: ...
 
 
+def as_reply(value: Any, where: str) -> Reply:
+    """An agent loop's `turn` result, checked (a UserCodeError naming `where`, the loop's class, otherwise): a
+    `Reply` whose reward is a number and that does not give both `messages` and `tokens`. (Whether it carries an
+    observation is `observation_problem`'s: only a turn that the episode goes on after needs one.)"""
+    if not isinstance(value, Reply):
+        raise UserCodeError(f"{where}.turn returned {value!r:.200}; expected a relax.agents.protocol.Reply")
+    try:
+        float(value.reward)
+    except (TypeError, ValueError):
+        raise UserCodeError(f"{where}.turn returned a Reply with the reward {value.reward!r:.80}; expected a "
+                            "number") from None
+    if value.tokens is not None and value.messages:
+        raise UserCodeError(f"{where}.turn returned a Reply with both messages and tokens; give one of them")
+    return value
+
+
+def observation_problem(reply: Reply, where: str) -> Optional[UserCodeError]:
+    """Why `reply`, a turn the episode goes on after, has no observation for the model's next turn (no messages and
+    no tokens: the easy bug of a loop that forgets its observation, which the chat template would otherwise render
+    as an empty turn), else None."""
+    if (reply.tokens is not None and len(reply.tokens) == 0) or (reply.tokens is None and not reply.messages):
+        return UserCodeError(f"{where}: an empty observation for an episode that is not done (a Reply without "
+                             "messages or tokens, and not done)")
+    return None
+
+
 def as_step(value: Any, where: str) -> Step:
     """An environment's `step` result as a `Step`, checked (a UserCodeError naming `where` otherwise)."""
     try:

@@ -15,7 +15,7 @@ import torch
 
 from relax.agents.episode import EpisodeMaker
 from relax.agents.loops import AgentFactory
-from relax.agents.protocol import Reply
+from relax.agents.protocol import Reply, UserCodeError
 from relax.batch import continuation, extend_responses
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import build_tiny_tokenizer
@@ -145,6 +145,43 @@ def test_max_turns_and_the_episode_token_limit_end_episodes(engine, tok):
     assert all(len(segments(out.response_mask[r])) == 3 for r in range(len(out)))
     short = run(engine, tok, EpisodeMaker(lambda: _Env(Never()), tok, max_turns=50, max_tool_errors=3), limit=30)
     assert set(short.finish_reason) == {"length"} and int(short.present().sum(1).max()) <= 30
+
+
+class _Says:
+    """An agent loop whose every turn answers `reply` (a user's loop with a bug, below)."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def reset(self, item):
+        pass
+
+    def turn(self, text):
+        return self.reply
+
+
+@pytest.mark.parametrize("reply, says", [
+    ("hi", "_Says.turn returned 'hi'; expected a relax.agents.protocol.Reply"),
+    (Reply(messages=[{"role": "user", "content": "?"}], reward="high"),
+     "_Says.turn returned a Reply with the reward 'high'; expected a number"),
+    (Reply(messages=[{"role": "user", "content": "?"}], tokens=[1, 2]),
+     "_Says.turn returned a Reply with both messages and tokens; give one of them"),
+    # the loop forgot its observation: without the check, the template rendered an empty turn of its markers and
+    # every episode went on to rollout.max_turns
+    (Reply(), "_Says: an empty observation for an episode that is not done"),
+    (Reply(tokens=[]), "_Says: an empty observation for an episode that is not done"),
+])
+def test_an_agent_loops_wrong_reply_is_a_user_code_error(engine, tok, reply, says):
+    """A `turn` that returns what `Reply` does not allow stops the rollout with one line naming the loop (a
+    UserCodeError: relax-train prints it alone, exit 2), not an AttributeError deep in the episode."""
+    m = EpisodeMaker(lambda: _Says(reply), tok, max_turns=3, max_tool_errors=3)
+    with pytest.raises(UserCodeError) as caught:
+        run(engine, tok, m)
+    assert str(caught.value).startswith(says), str(caught.value)
+    # the same answers that end the episode are fine: an ending needs no observation
+    ended = run(engine, tok, EpisodeMaker(lambda: _Says(Reply(reward=1.0, done=True)), tok, max_turns=3,
+                                          max_tool_errors=3))
+    assert ended.finish_reason == ["env_done"] * len(ended)
 
 
 class _Env:
