@@ -147,6 +147,10 @@ class Session:
         # it was all of them: nothing trained, no reward, rather than a bare "final reward nan")
         self.logged_steps: list[int] = []
         self.left_out_steps = 0
+        # steps that kept groups but none of whose responses entered the loss: every kept one ended by length and
+        # algorithm.mask_truncated left it out (`log`); they trained nothing either
+        self.masked_steps = 0
+        self._said_masked = False
         self.resume = checkpoints.resume if checkpoints is not None else None
         self.start_step = self.resume.step if self.resume is not None else 0
         self.rewards: list[float] = []
@@ -303,15 +307,24 @@ class Session:
     def note(self, message: str) -> None:
         self.progress.write(message)
 
-    def log(self, metrics: dict[str, float], step: int, *, kept: bool = True) -> None:
+    def log(self, metrics: dict[str, float], step: int, *, kept: bool = True, trained: bool = True) -> None:
         """The metrics of training step `step` (0-based). `kept=False`: every group of the step was left out (its
         reward calls or episodes failed), so the means over its kept responses (rollout/raw_reward, ...) have no
         value, NaN: those are not sent to MLflow, whose tracker would warn of each as of a run gone wrong (and count
-        it in relax.nonfinite_metrics); the first such step says so once, with the keys."""
+        it in relax.nonfinite_metrics); the first such step says so once, with the keys. `trained=False` (groups
+        kept): no response entered the loss, every kept one ended by length and algorithm.mask_truncated left it
+        out; the first such step says so once."""
         logged = metrics
         self.logged_steps.append(step)
         self.left_out_steps += not kept
-        if kept and self.restarts is not None:
+        masked = kept and not trained
+        self.masked_steps += masked
+        if masked and not self._said_masked:
+            self._said_masked = True
+            self.note(f"{step_name(step)}: every kept response ended by length, and algorithm.mask_truncated leaves "
+                      "those out of the loss: the step trained nothing (rollout/truncated_masked_frac 1.0 marks it; "
+                      "said once); raise rollout.max_response_len, or set algorithm.mask_truncated=false")
+        if kept and trained and self.restarts is not None:
             self.restarts.trained.add(step)
         if not kept:
             empty = [k for k, v in metrics.items() if math.isnan(float(v))]
@@ -619,7 +632,8 @@ class Session:
                 del extra[first_label]
         show_rewards = bool(self.rewards) or not self.evaluated_only
         failed = None  # a job that trained nothing: its one-line error
-        if not self.evaluated_only and self.logged_steps and self.left_out_steps == len(self.logged_steps):
+        if (not self.evaluated_only and self.logged_steps
+                and self.left_out_steps + self.masked_steps == len(self.logged_steps)):
             title, extra, error = self._nothing_trained(extra)
             if self.restarts is None or not self.restarts.trained:  # (else the weights hold an earlier attempt's)
                 failed = error
@@ -641,29 +655,38 @@ class Session:
     def _nothing_trained(self, extra: dict[str, object]) -> tuple[str, dict[str, object], str]:
         """The summary's title and rows of a run whose every step (of this process) left every group out: its reward
         calls or episodes failed (a run of data.max_failed_reward_steps such steps stops before; a shorter one ends
-        here), so no step of this job trained and it has no reward of its own to show; and the job's one-line error
+        here), or kept groups whose every response ended by length and algorithm.mask_truncated left out of the
+        loss; so no step of this job trained and it has no reward of its own to show; and the job's one-line error
         (`finish`), the title's words with the steps and why. A resumed run's earlier steps (those of the checkpoint
         it started from) did train, so its title says so rather than "nothing trained": the checkpoint and the
         exported model hold their weights."""
         first, last = self.logged_steps[0] + 1, self.logged_steps[-1] + 1
         steps = f"step {first}" if first == last else f"steps {first}-{last}"
         limit = self.cfg.data.max_failed_reward_steps
-        stops = f"; data.max_failed_reward_steps={limit} in a row stop a run" if limit else ""
+        stops = f"; data.max_failed_reward_steps={limit} in a row stop a run" if limit and self.left_out_steps else ""
         why = "their reward calls or episodes failed"
-        left = {"left out": f"every group of {steps}: {why} (the warnings above name each step's first failure){stops}"}
+        lost = "every group"
+        if self.masked_steps:  # (some) steps kept groups whose every response algorithm.mask_truncated left out
+            lost = "every response"
+            cut = ("every kept response ended by length, which algorithm.mask_truncated leaves out of the loss (raise "
+                   "rollout.max_response_len, or set algorithm.mask_truncated=false)")
+            why = cut if not self.left_out_steps else f"their reward calls or episodes failed, or {cut}"
+        said = ("the warnings above name each step's first failure" if self.left_out_steps else
+                "a note above says so at the first such step")
+        left = {"left out": f"{lost} of {steps}: {why} ({said}){stops}"}
         if self.restarts is not None and self.restarts.trained:  # the job trained: `finish` does not fail it
             earlier = len(self.restarts.trained)
-            what = (f"no step of this attempt trained: every group of {steps} was left out; {earlier} step(s) of an "
+            what = (f"no step of this attempt trained: {lost} of {steps} was left out; {earlier} step(s) of an "
                     "earlier attempt of the job trained, whose weights it resumed")
             return f"Relax run finished ({what})", {**left, **extra}, f"{what} ({why})"
         if self.start_step == 0:
-            what = "nothing trained: every group of every step was left out"
+            what = f"nothing trained: {lost} of every step was left out"
             return (f"Relax run finished ({what})", {**left, **extra},
-                    f"{what} ({steps}: {why}; the warnings above name each step's first failure)")
+                    f"{what} ({steps}: {why}; {said})")
         before = "step 1" if self.start_step == 1 else f"steps 1-{self.start_step}"
-        what = f"no step of this job trained: every group of {steps} was left out; {before} trained before the resume"
+        what = f"no step of this job trained: {lost} of {steps} was left out; {before} trained before the resume"
         return (f"Relax run finished ({what})", {**left, **extra},
-                f"{what} ({why}; the warnings above name each step's first failure)")
+                f"{what} ({why}; {said})")
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.log_ledger()  # a run that stops or fails: the steps it trained since its last checkpoint

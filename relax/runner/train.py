@@ -436,7 +436,7 @@ class Recipe:
             session.tracker.set_tags(tag)
         metrics.update(timer.metrics(step_time, samples.engine_time, metrics.get(ACTOR_COMPUTE_TIME, 0.0),
                                      float(samples.response_mask.sum())))
-        session.log(metrics, step, kept=bool(keep.any()))
+        session.log(metrics, step, kept=bool(keep.any()), trained=bool(trained.any()))
         if evaluation:
             session.log_evaluation(evaluation, step + 1, samples=eval_samples)
         self.gate.stop_if_crossed(step)  # (train.mismatch_gate=stop) after the step's metrics, before its checkpoint

@@ -25,7 +25,7 @@ LINE = ("nothing trained: every group of every step was left out (steps 1-2: the
         "the warnings above name each step's first failure)")
 
 
-def summary_of(tmp: Path, kept: list[bool], *overrides: str) -> str:
+def summary_of(tmp: Path, kept: list, *overrides: str) -> str:
     """The summary block a Session prints after logging one step per `kept` (False: every group left out, so the
     step's raw reward is NaN, as rollout_metrics gives it); a job that trained nothing fails after printing it
     (the error is checked by `failure_of`)."""
@@ -33,11 +33,11 @@ def summary_of(tmp: Path, kept: list[bool], *overrides: str) -> str:
     return text[text.index("Relax run finished"):]
 
 
-def failure_of(tmp: Path, kept: list[bool], *overrides: str) -> NothingTrained | None:
+def failure_of(tmp: Path, kept: list, *overrides: str) -> NothingTrained | None:
     return _finished(tmp, kept, *overrides)[1]
 
 
-def _finished(tmp: Path, kept: list[bool], *overrides: str) -> tuple[str, NothingTrained | None]:
+def _finished(tmp: Path, kept: list, *overrides: str) -> tuple[str, NothingTrained | None]:
     from relax.runner.plan import build_plan
     from relax.runner.session import RunResult, Session
 
@@ -46,13 +46,16 @@ def _finished(tmp: Path, kept: list[bool], *overrides: str) -> tuple[str, Nothin
     err, failure = io.StringIO(), None
     try:
         with contextlib.redirect_stderr(err), Session(cfg, build_plan(cfg), tmp / "out") as session:
-            for step, k in enumerate(kept):
+            for step, k in enumerate(kept):  # MASKED: groups kept, every response masked (mask_truncated)
                 session.log({RAW_REWARD: 0.5 if k else math.nan, "rollout/reward_dropped_frac": 0.0 if k else 1.0},
-                            step, kept=k)
+                            step, kept=bool(k), trained=k is not MASKED)
             assert isinstance(session.finish(), RunResult)  # it returns only when a step trained
     except NothingTrained as exc:
         failure = exc
     return err.getvalue(), failure
+
+
+MASKED = "masked"  # a step that kept groups but whose every kept response algorithm.mask_truncated left out
 
 
 def row(block: str, label: str) -> str | None:
@@ -83,6 +86,28 @@ def test_a_run_with_a_kept_group_has_the_usual_summary(tmp_path):
     assert row(block, "left out") is None
     assert row(block, "final reward") == "0.5" and row(block, "best reward") == "0.5"
     assert failure_of(tmp_path / "f", [False, True]) is None
+
+
+def test_a_run_whose_every_kept_response_was_truncated_and_masked_says_nothing_was_trained(tmp_path):
+    """algorithm.mask_truncated with every kept response ended by length (rollout.max_response_len too short): no
+    response enters the loss, so no step trains; the first such step says so once, and the summary and the job's
+    error say nothing was trained and why (before: a run that never trained finished with exit 0 and a reward)."""
+    text, failure = _finished(tmp_path, [MASKED, MASKED], "algorithm.mask_truncated=true")
+    block = text[text.index("Relax run finished"):]
+    assert block.splitlines()[0] == "Relax run finished (nothing trained: every response of every step was left out)"
+    cut = ("every kept response ended by length, which algorithm.mask_truncated leaves out of the loss (raise "
+           "rollout.max_response_len, or set algorithm.mask_truncated=false)")
+    assert row(block, "left out") == f"every response of steps 1-2: {cut} (a note above says so at the first such step)"
+    assert text.count("the step trained nothing") == 1 and "step 1: every kept response ended by length" in text
+    assert failure is not None and failure.exit_code == 1
+    assert str(failure) == (f"nothing trained: every response of every step was left out (steps 1-2: {cut}; a note "
+                            "above says so at the first such step)")
+    # with a step whose groups were all left out beside it: both causes named
+    mixed = summary_of(tmp_path / "m", [False, MASKED], "algorithm.mask_truncated=true")
+    assert row(mixed, "left out").startswith("every response of steps 1-2: their reward calls or episodes failed, or "
+                                             "every kept response ended by length")
+    # the control: one step of them trained
+    assert failure_of(tmp_path / "c", [MASKED, True], "algorithm.mask_truncated=true") is None
 
 
 def test_the_progress_line_of_a_step_that_left_every_group_out_says_so_as_the_summary_does(tmp_path):
