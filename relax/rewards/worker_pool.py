@@ -51,6 +51,11 @@ _PR_SET_PDEATHSIG = 1  # Linux prctl option: a signal for this process when its 
 MEMORY_LIMIT = "data.reward_memory_mb"  # the option that sets a reward worker's memory limit (`_limit_memory`)
 
 
+class CallsCancelled(Exception):
+    """`RewardWorkers.run` stopped before its calls ended: `cancel` was called (the run that asked for them stops at
+    once: a second Ctrl-C, `relax.runner.rollout_driver.stream.RolloutStream` closing)."""
+
+
 def memory_limit_problem() -> Optional[str]:
     """Why this system cannot enforce a reward worker's memory limit (`RLIMIT_DATA` covering anonymous mappings: Linux
     4.7 or later), or None where it can."""
@@ -192,6 +197,11 @@ class RewardWorkers:
         self.processes = processes or default_processes()
         self._workers: list[_Worker] = []
         self._seconds: deque[float] = deque(maxlen=256)  # the durations of the latest calls, measured in the workers
+        # `cancel` from another thread: the flag, and a pipe whose byte wakes `run` from its wait on the workers
+        self._state = threading.Lock()
+        self._running = False
+        self._cancelled = False
+        self._wake_r, self._wake_w = Pipe(duplex=False)
 
     def _fill(self, n: int) -> None:
         # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
@@ -212,6 +222,39 @@ class RewardWorkers:
         A worker runs the calls sent to it in order: its running call started when it was sent (an idle worker) or
         when the answer to the call before it arrived, and is killed `timeout_s` + `KILL_GRACE_S` after that; the calls
         queued behind it (see `FAST_CALL_S`) never started and go to the other workers."""
+        with self._state:
+            self._running, self._cancelled = True, False
+        try:
+            return self._run(calls, timeout_s)
+        finally:
+            with self._state:
+                self._running = False
+            self._drain_wake()
+
+    def cancel(self) -> None:
+        """From another thread: stop the `run` in progress, if one is (none: nothing happens): its busy workers are
+        killed (replaced at the next run) and it raises CallsCancelled. A call that hangs would otherwise hold the
+        caller up to its time limit."""
+        with self._state:
+            if not self._running or self._cancelled:
+                return
+            self._cancelled = True
+            self._wake_w.send_bytes(b"x")  # (one byte a run: `run` reads it before it returns)
+
+    def _drain_wake(self) -> None:
+        while self._wake_r.poll():
+            self._wake_r.recv_bytes()
+
+    def _check_cancelled(self) -> None:
+        with self._state:
+            cancelled = self._cancelled
+        if cancelled:
+            for w in [w for w in self._workers if w.queue or not w.ready]:  # their calls (or start) are abandoned
+                w.stop()
+                self._workers.remove(w)
+            raise CallsCancelled(f"the {self.what} calls were cancelled: the run stops")
+
+    def _run(self, calls: list[tuple], timeout_s: float) -> tuple[list[Outcome], list[bool]]:
         outcomes: list[Optional[Outcome]] = [None] * len(calls)
         late = [False] * len(calls)
         todo = deque(range(len(calls)))
@@ -223,6 +266,7 @@ class RewardWorkers:
 
         depth = QUEUE_DEPTH if self._fast() else 1  # (the calls of earlier runs decide)
         while todo or any(w.queue for w in self._workers):
+            self._check_cancelled()
             for w in self._workers:
                 while w.ready and todo and len(w.queue) < depth:
                     i = todo[0]
@@ -237,7 +281,10 @@ class RewardWorkers:
             waiting = [w for w in self._workers if w.queue or not w.ready]
             deadline = min(w.head_since + timeout_s + KILL_GRACE_S if w.queue else w.started + WORKER_START_TIMEOUT_S
                            for w in waiting)
-            for conn in wait([w.conn for w in waiting], timeout=max(0.0, deadline - time.monotonic())):
+            for conn in wait([*(w.conn for w in waiting), self._wake_r], timeout=max(0.0, deadline - time.monotonic())):
+                if conn is self._wake_r:
+                    self._check_cancelled()
+                    continue
                 w = next(w for w in waiting if w.conn is conn)
                 try:
                     msg = conn.recv()
@@ -320,6 +367,14 @@ def _available_cpus() -> int:
 
 _POOL: Optional[RewardWorkers] = None
 POOL_LOCK = threading.Lock()
+
+
+def cancel_calls() -> None:
+    """From another thread: stop the limited reward calls in progress in this process (the pool's `run`, which then
+    raises CallsCancelled), if any are."""
+    pool = _POOL
+    if pool is not None:
+        pool.cancel()
 
 
 def workers_for(fn: RewardFn, processes: Optional[int] = None, memory_mb: Optional[int] = None) -> RewardWorkers:

@@ -76,6 +76,50 @@ def test_slow_calls_go_one_at_a_time():
         pool.close()
 
 
+def test_cancel_stops_a_hung_call_at_once_and_the_pool_scores_again(monkeypatch):
+    """`cancel` from another thread (the rollout stream closing: a run stopped at once) wakes `run` from its wait on a
+    call that would hang until its limit (600 s here): the busy worker is killed, `run` raises CallsCancelled, and
+    the next run scores on a new worker. The cancel lands while `run` waits for the hung call's answer (a hook on
+    the pool's wait, once the call was sent)."""
+    import threading
+
+    ok, hung = (("17", "7"), {}), (("7", "7"), {})  # `hangs` hangs on "7"
+    pool = RewardWorkers(get_reward_fn("fault_rewards:hangs"), processes=1)
+    waiting, real_wait = threading.Event(), worker_pool.wait
+
+    def spy(objects, timeout=None):
+        if any(w.queue for w in pool._workers):  # the hung call was sent: run waits for its answer
+            waiting.set()
+        return real_wait(objects, timeout)
+
+    monkeypatch.setattr(worker_pool, "wait", spy)
+    raised: list[BaseException] = []
+
+    def score() -> None:
+        try:
+            pool.run([hung], 600.0)
+        except BaseException as exc:  # noqa: BLE001 - what run raised, for the assertions
+            raised.append(exc)
+
+    try:
+        thread = threading.Thread(target=score)
+        thread.start()
+        assert waiting.wait(60)
+        busy = [w.process for w in pool._workers]
+        t0 = time.perf_counter()
+        pool.cancel()
+        thread.join(30)
+        assert not thread.is_alive() and time.perf_counter() - t0 < 10
+        assert len(raised) == 1 and isinstance(raised[0], worker_pool.CallsCancelled), raised
+        assert [p.poll() is not None for p in busy] == [True]  # the hung call's worker is gone
+        outcomes, late = pool.run([ok] * 2, 60.0)  # a new worker; no cancel left over
+        assert [o[0] for o in outcomes] == [1.0, 1.0] and late == [False, False]
+        pool.cancel()  # no run in progress: nothing happens
+        assert [o[0] for o in pool.run([ok], 60.0)[0]] == [1.0]
+    finally:
+        pool.close()
+
+
 def test_a_raising_call_keeps_its_traceback_and_is_no_timeout():
     scores = score_responses(get_reward_fn("fault_rewards:raises"), ["ab", "abc"], ["a", "a"], timeout_s=5)
     assert scores.failed == [False, True] and scores.timeouts == 0

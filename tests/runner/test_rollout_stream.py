@@ -330,6 +330,38 @@ class SlowScorer:
         self.scored.append(samples.sample_id.tolist())
         return Scores([i / 1000 for i in samples.sample_id.tolist()], [False] * len(samples))
 
+    def cancel(self):
+        pass
+
+
+class HeldScorer:
+    """Reward calls held until `cancel` (a hung verifier): `entered` is set once the first batch is being scored."""
+
+    def __init__(self):
+        self.entered, self.cancelled = threading.Event(), threading.Event()
+
+    def score(self, items, samples):
+        self.entered.set()
+        self.cancelled.wait(30)  # (bounded: the code before never cancels, and its close waits for this)
+        raise RuntimeError("the reward calls were cancelled")
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_closing_the_stream_stops_the_reward_calls_in_progress_rather_than_waiting_for_them():
+    """A run stopped at once (a second Ctrl-C) leaves the stream while a batch is being scored: the stream cancels
+    those calls (`Scoring.cancel`) and closes at once, instead of waiting for the slowest of them (before: up to 60 s
+    a thread, however long a hung reward call took)."""
+    cfg = config("sync", None, steps=2)
+    scorer = HeldScorer()
+    stream = RolloutStream(cfg, FakeEngines(random.Random(0)), Prompts(), start_step=0, scorer=scorer)
+    stream.publish(0, "w0")
+    with stream:
+        assert scorer.entered.wait(30)  # the first batch is being scored
+        t0 = time.perf_counter()
+    assert scorer.cancelled.is_set() and time.perf_counter() - t0 < 10
+
 
 def overlap_s(stream: RolloutStream) -> float:
     """Seconds during which the stream generated and scored at the same time (its timeline's spans)."""

@@ -25,6 +25,7 @@ from relax.rewards.combined import RewardList, score_list
 from relax.rewards.registry import Scores, score_responses, warn_failed_score
 from relax.rewards.remote import RemoteReward, RewardServiceError
 from relax.rewards.shaping import overlong_penalty
+from relax.rewards.worker_pool import cancel_calls
 from relax.runner.errors import RunError
 
 
@@ -370,6 +371,11 @@ class Scorer:
 
     def score(self, items: Sequence[Any], samples: Samples) -> Scores:
         return score(self.cfg, self.tokenizer, self.reward_fn, samples, items, self.group_size, self.reward_model)
+
+    def cancel(self) -> None:
+        """From another thread: stop the reward calls of the `score` in progress (those in worker processes, under
+        data.reward_timeout_s; it raises CallsCancelled)."""
+        cancel_calls()
 
     def signal(self, samples: Samples, scores: Scores) -> list[bool]:
         rewards, _ = trained_rewards(self.cfg, samples, scores)

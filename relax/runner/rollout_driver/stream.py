@@ -110,6 +110,9 @@ class Scoring(Protocol):
     def signal(self, samples: Samples, scores: Scores) -> list[bool]:
         """Per group: whether it carries a learning signal (dynamic sampling keeps those)."""
 
+    def cancel(self) -> None:
+        """From another thread: stop the `score` in progress (it may raise); the stream is closing."""
+
 
 @dataclass
 class Job:
@@ -238,6 +241,10 @@ class RolloutStream:
             if self._running is not None:
                 self._asked.add(self._running)
                 self.engines.abort(self._running)
+            # a batch being scored is never taken now: its reward calls are stopped rather than waited for (a run
+            # stopped at once, by a second Ctrl-C, would otherwise wait for the slowest of them)
+            if self._scoring is not None and self.scorer is not None:
+                self.scorer.cancel()
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=60)
