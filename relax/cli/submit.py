@@ -213,7 +213,10 @@ def shown_payload(payload: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
 
 
 def _sweep(overrides: Sequence[str]) -> bool:
-    return any(o in _MULTIRUN_FLAGS for o in overrides)
+    """Whether the job runs a sweep: with -m, or with Hydra's `hydra.mode=MULTIRUN` (relax-train's one answer)."""
+    from relax.cli.train import sweeps
+
+    return sweeps(list(overrides))
 
 
 def job_configs(overrides: Sequence[str], conf: Path) -> Optional[list[Any]]:
@@ -379,21 +382,24 @@ def storage_check(configs: Optional[Sequence[Any]], *, sweep: bool) -> list[str]
 
 def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optional[str] = None
                     ) -> tuple[list[str], Optional[str]]:
-    """`overrides` with a relative `-cp`/`--config-path` made absolute as the job's relax-train reads it: from the
-    directory it runs in, `exp_dir` (--exp-dir, $EXP_DIR), else its copy of `working_dir` (Ray uploads it without
-    EXCLUDES). Also the message of why the check here cannot read that directory (it is not here, or it is not
-    uploaded), else None. An absolute -cp is left as it is (the check reads it where the job does). A `-cp` that
-    starts with `~` is refused (the message): the job's relax-train would read it in the home directory of the user
-    it runs as on the cluster, which is not the one here (where a check would read it)."""
+    """`overrides` with a relative `-cp`/`--config-path` (or `-cd`/`--config-dir`) made absolute as the job's
+    relax-train reads it: from the directory it runs in, `exp_dir` (--exp-dir, $EXP_DIR), else its copy of
+    `working_dir` (Ray uploads it without EXCLUDES). Also the message of why the check here cannot read that
+    directory (it is not here, or it is not uploaded), else None. An absolute one is left as it is (the check reads
+    it where the job does). One that starts with `~` is refused (the message): the job's relax-train would read it
+    in the home directory of the user it runs as on the cluster, which is not the one here (where a check would read
+    it)."""
     from fnmatch import fnmatch
 
     from relax.cli.config_check import OWN_CONFIG_FLAGS
+    from relax.cli.train import CONFIG_DIR_FLAGS
 
     out = list(overrides)
     for i, arg in enumerate(out):
         flag, eq, value = arg.partition("=")
-        if OWN_CONFIG_FLAGS.get(flag) != "path" or (not eq and i + 1 >= len(out)):
+        if (OWN_CONFIG_FLAGS.get(flag) != "path" and flag not in CONFIG_DIR_FLAGS) or (not eq and i + 1 >= len(out)):
             continue
+        short = "-cd" if flag in CONFIG_DIR_FLAGS else "-cp"
         value = value if eq else out[i + 1]
         given = f"{flag}{'=' if eq else ' '}{value}"  # as the user typed it, in the messages
         if value.startswith("~"):  # quoted, or `-cp=~/x`: the shell here left it to the job
@@ -419,11 +425,11 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
                 return out, (f"{given}: a relative config directory is read from {where}, but {rel} is not "
                              f"uploaded with it (relax-submit leaves out {left_out!r}: run outputs, stores, "
                              "checkpoints): give its absolute path on storage the cluster's nodes share, or use "
-                             "--exp-dir with -cp relative to it")
+                             f"--exp-dir with {short} relative to it")
         if not path.is_dir():
             return out, (f"{given}: a relative config directory is read from {where}: {path} is not a "
-                         "directory here, so the config cannot be checked before submitting (give -cp as it is "
-                         "there, or its absolute path)")
+                         f"directory here, so the config cannot be checked before submitting (give {short} as it "
+                         "is there, or its absolute path)")
         if eq:
             out[i] = f"{flag}={path}"
         else:
@@ -439,10 +445,18 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     that the job would refuse is refused before anything is submitted, with relax-train's message (exit 2). Whether
     a key's variable is set is the job's to say: the cluster's nodes may set it where this machine does not.
     A relative `-cp` is read as the job reads it (`job_config_path`: from `exp_dir`, else `working_dir`); returns
-    `overrides` with it so (what relax-submit's other checks compose: `job_configs`)."""
+    `overrides` with it so (what relax-submit's other checks compose: `job_configs`), and as relax-train normalises
+    them before its own check: a `-cd` directory (read as a relative -cp is) as `hydra.searchpath`, a sweep by
+    `hydra.mode=MULTIRUN` as -m (`relax.cli.train.config_dir_searchpath`, `multirun_flag`)."""
     from relax.cli.config_check import problems
+    from relax.cli.train import CommandLineError, config_dir_searchpath, multirun_flag
 
     overrides, message = job_config_path(overrides, working_dir=working_dir, exp_dir=exp_dir)
+    if message is None:
+        try:
+            overrides = multirun_flag(config_dir_searchpath(overrides, _hydra_conf(working_dir)))
+        except CommandLineError as exc:
+            message = str(exc)
     if message is not None:
         print(f"relax-submit: error: {message}\nNothing was submitted.", file=sys.stderr)
         sys.exit(USAGE_EXIT)

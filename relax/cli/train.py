@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,28 @@ def _group_options(conf: Path) -> dict[str, list[str]]:
     }
 
 
+def searchpath_dirs(args: list[str]) -> list[Path]:
+    """The directories a `hydra.searchpath=[file://...]` override among `args` adds to Hydra's search path (a plugin's
+    conf/, a -cd directory: `config_dir_searchpath`), those that exist; a `pkg://` entry is not read here."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from relax.config.store import SEARCHPATH_KEY, override_positions
+
+    found: list[Path] = []
+    for i in override_positions(args):
+        if args[i].split("=", 1)[0] != SEARCHPATH_KEY or "=" not in args[i]:
+            continue
+        try:
+            value = OverridesParser.create().parse_override(args[i]).value()
+        except HydraException:  # Hydra names it
+            continue
+        for entry in value if isinstance(value, list) else [value]:
+            if isinstance(entry, str) and entry.startswith("file://") and Path(entry[len("file://"):]).is_dir():
+                found.append(Path(entry[len("file://"):]))
+    return found
+
+
 def config_keys() -> list[str]:
     """The schema's top-level keys as `--help` lists them, in the schema's order: a section as `name.*` (with its own
     sections: `data.* (data.reward_service.*)`), a plain key by its name."""
@@ -62,7 +85,9 @@ def config_keys() -> list[str]:
     return out
 
 
-def help_text() -> str:
+def help_text(args: list[str] | None = None) -> str:
+    """`relax-train --help`: with the options of the directories that `args` (its command line) add to Hydra's search
+    path (a plugin's conf/, `-cd`, `hydra.searchpath`) among the config groups' options."""
     import textwrap
 
     from relax import algorithms
@@ -80,6 +105,9 @@ def help_text() -> str:
     defaults = {"algorithm": "grpo", "model": "tiny", "teacher": "none", "reward_model": "none", "cluster": "local",
                 "rollout": "embedded", "data": "digits"}
     groups = _group_options(conf)
+    for directory in searchpath_dirs(list(args or [])):  # a group of Relax's, or one of the directory's own
+        for group, options in _group_options(directory).items():
+            groups[group] = sorted({*groups.get(group, []), *options})
     width = max(map(len, groups), default=0)
     for group, options in groups.items():
         shown = [f"[{o}]" if o == defaults.get(group) else o for o in options]
@@ -232,6 +260,63 @@ def absolute_config_path(args: list[str]) -> list[str]:
     return out
 
 
+CONFIG_DIR_FLAGS = ("-cd", "--config-dir")  # Hydra's flag adding a directory of YAML options to its search path
+
+
+class CommandLineError(ValueError):
+    """A flag of relax-train's command line that cannot be given as it is: the message is one line."""
+
+
+def config_dir_searchpath(args: list[str], conf: Path | None = None) -> list[str]:
+    """`args` with `-cd DIR` / `--config-dir DIR` / `--config-dir=DIR` given as Hydra's equivalent override,
+    `hydra.searchpath=[file://<DIR, absolute>]` (its entry first, before those of a `hydra.searchpath` the command line
+    gives: Hydra searches the -cd directory after the primary config's and before hydra.searchpath's; the directory
+    made absolute from the working directory, as Hydra makes it), so that relax-train's own config check (which leaves
+    a command line with a flag it does not read to Hydra) composes and checks it as Hydra does. Raises
+    CommandLineError for a directory that does not exist (Hydra: "Additional config directory ... not found") or a
+    flag given twice (Hydra reads the last alone). Left to Hydra as it is where the primary config (`-cn NAME`) is the
+    -cd directory's alone (not in `conf`, Relax's conf/, nor in the -cp directory): Hydra finds it there, while a
+    `hydra.searchpath` is read only after the primary config (relax-train's check then leaves it to Hydra)."""
+    from relax.config.store import with_search_path
+
+    given: list[tuple[int, int, str]] = []  # (index of the flag, arguments it takes, the directory)
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in CONFIG_DIR_FLAGS and eq:
+            given.append((i, 1, value))
+        elif arg in CONFIG_DIR_FLAGS and i + 1 < len(args):
+            given.append((i, 2, args[i + 1]))
+    given = [g for g in given if not any(h[1] == 2 and g[0] == h[0] + 1 for h in given)]  # `-cd -cd`: a value
+    if not given:
+        return list(args)
+    shown = [f"{args[i]} {args[i + 1]}" if n == 2 else args[i] for i, n, _ in given]
+    if len(given) > 1:
+        raise CommandLineError(f"{' and '.join(shown)}: -cd/--config-dir is given {len(given)} times and Hydra reads "
+                               "the last alone: give it once (several directories: hydra.searchpath=[file:///a,"
+                               "file:///b])")
+    (i, n, value), = given
+    directory = Path(os.path.abspath(Path(value).expanduser()))  # as Hydra reads it (os.path.abspath)
+    if not value or not directory.is_dir():
+        raise CommandLineError(f"{shown[0]}: {directory} is not a directory (-cd/--config-dir adds a directory of "
+                               "YAML options to Hydra's search path)")
+    rest = [*args[:i], *args[i + n:]]
+    where, _ = own_config(rest)
+    if where.get("name"):
+        if where.get("path") is not None and (not where["path"] or "://" in where["path"]):
+            return list(args)  # a `pkg://` -cp: Hydra reads it (the check too leaves it to Hydra)
+        if conf is None:
+            from relax.config import conf_dir
+
+            try:
+                conf = conf_dir()
+            except FileNotFoundError:  # relax-train names it next
+                return list(args)
+        primary = Path(where["path"]) if where.get("path") else conf
+        if not config_file(primary, where["name"]).is_file() and config_file(directory, where["name"]).is_file():
+            return list(args)
+    return with_search_path(rest, [directory], first=True)
+
+
 MODE_KEY = "hydra.mode"  # Hydra's run mode: hydra.mode=MULTIRUN sweeps as -m does (Hydra >= 1.2)
 
 
@@ -302,7 +387,9 @@ def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
         return args
     if chooses_launcher(config_file(directory, name)) is not False:
         return args
-    return [*args, RELAX_LAUNCHER]
+    from relax.config.store import with_override
+
+    return with_override(args, RELAX_LAUNCHER)  # among the overrides: before a flag (`--info`) that follows them
 
 
 def stopped_text(exc: BaseException, sweep: bool = False) -> str:
@@ -317,7 +404,10 @@ def stopped_text(exc: BaseException, sweep: bool = False) -> str:
 
 
 def main() -> None:
-    sys.argv[1:] = absolute_config_path(sys.argv[1:])
+    try:  # -cd DIR: given as Hydra's hydra.searchpath, which relax-train's check reads (and Hydra the same)
+        sys.argv[1:] = config_dir_searchpath(absolute_config_path(sys.argv[1:]))
+    except CommandLineError as exc:
+        _fail(str(exc))
     args = sys.argv[1:]
     from relax.config.store import PluginError, with_plugins
 
@@ -327,7 +417,7 @@ def main() -> None:
     except PluginError as exc:
         _fail(str(exc))
     if any(a in ("-h", "--help") for a in args):
-        print(help_text())
+        print(help_text(args))
         return
     from relax.config import conf_dir, register_configs
 

@@ -178,24 +178,65 @@ def plugins_in_overrides(overrides: Sequence[str]) -> list[str]:
 
 SEARCHPATH_KEY = "hydra.searchpath"
 
+# Hydra's command-line flags that take a value (`--cfg job`, `-cp DIR`; hydra/_internal/utils.py, get_args_parser),
+# and `--info`, whose value is optional (one of INFO_CHOICES)
+HYDRA_VALUE_FLAGS = ("-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                     "--config-dir", "--experimental-rerun")
+HYDRA_INFO_FLAGS = ("-i", "--info")
+INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
-def with_search_path(overrides: Sequence[str], dirs: Sequence[Path]) -> list[str]:
+
+def override_positions(args: Sequence[str]) -> list[int]:
+    """The indices of the overrides among `args` (a command line of Hydra's, its flags included): each argument that
+    is neither a flag nor a flag's value (`-cp DIR`'s DIR, `--cfg job`'s job, `--info searchpath`'s searchpath)."""
+    found: list[int] = []
+    value = False
+    for i, arg in enumerate(args):
+        if value:
+            value = False
+            continue
+        if arg.startswith("-"):
+            value = arg in HYDRA_VALUE_FLAGS or (arg in HYDRA_INFO_FLAGS and i + 1 < len(args)
+                                                 and args[i + 1] in INFO_CHOICES)
+            continue
+        found.append(i)
+    return found
+
+
+def with_override(args: Sequence[str], line: str) -> list[str]:
+    """`args` (a command line of Hydra's, its flags included) with the override `line` added among the user's own:
+    right after the block of overrides (Hydra's parser takes them as one block: an override after `--cfg job` is an
+    "unrecognized argument"), or first where there is none (after a bare `--info` it would be read as its value)."""
+    out = list(args)
+    positions = override_positions(out)
+    if not positions:
+        return [line, *out]
+    end = positions[0]
+    while end + 1 in positions:
+        end += 1
+    out.insert(end + 1, line)
+    return out
+
+
+def with_search_path(overrides: Sequence[str], dirs: Sequence[Path], *, first: bool = False) -> list[str]:
     """`overrides` with `dirs` added to Hydra's search path (`hydra.searchpath=[...]`, after the entries a user's own
-    override lists), so that Hydra's main and relax-train's own check both find the config groups in them."""
+    override lists; `first`: before them, where Hydra puts -cd/--config-dir's), so that Hydra's main and relax-train's
+    own check both find the config groups in them. A new override joins the user's (`with_override`)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out, entries, at = list(overrides), [], None
     for i, text in enumerate(out):
-        if text.split("=", 1)[0] == SEARCHPATH_KEY and "=" in text:
+        if text.split("=", 1)[0] == SEARCHPATH_KEY and "=" in text and i in override_positions(out):
             value = OverridesParser.create().parse_override(text).value()
             entries, at = (list(value) if isinstance(value, list) else [value]), i
-    entries += [f"file://{d}" for d in dirs if f"file://{d}" not in entries]
+    added = [f"file://{d}" for d in dirs]
+    entries = ([*added, *(e for e in entries if e not in added)] if first
+               else [*entries, *(e for e in added if e not in entries)])
     quoted = ",".join('"' + e + '"' if "'" in e else "'" + e + "'" for e in map(str, entries))
     line = f"{SEARCHPATH_KEY}=[{quoted}]"
     if at is None:
-        out.append(line)
-    else:
-        out[at] = line
+        return with_override(out, line)
+    out[at] = line
     return out
 
 

@@ -64,7 +64,7 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
     if p.is_dir():
         records = read_directory(p)
     elif not p.is_file():
-        raise DataError(f"data file {p} does not exist")
+        raise DataError(f"data file {p} does not exist{_relative_to_job_directory(p)}")
     elif p.suffix in (".parquet", ".pq"):
         records = read_parquet(p)
     else:
@@ -79,6 +79,22 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
                             f"record has keys {sorted(obj)}")
         check_prompt(obj[prompt_key], where, prompt_key)
     return records
+
+
+def _relative_to_job_directory(p: Path) -> str:
+    """For a relative path read in a Hydra job with `hydra.job.chdir=true` (which makes the job's output directory the
+    working directory): the words saying so, for a message; else ""."""
+    if p.is_absolute():
+        return ""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return ""
+    if not HydraConfig.initialized() or not HydraConfig.get().job.chdir:
+        return ""
+    started = HydraConfig.get().runtime.cwd
+    return (f" (a relative path is read from the job's directory {Path.cwd()}, not from {started} where relax-train "
+            f"started, because hydra.job.chdir=true: give an absolute path, e.g. {Path(started) / p})")
 
 
 CONVERT_HINT = ("convert it to one file: python -c \"import datasets; datasets.load_from_disk('{p}')"
