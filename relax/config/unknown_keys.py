@@ -185,6 +185,8 @@ def _missing_choice(exc: BaseException, overrides: Sequence[str]) -> tuple[int, 
             options = [n for n in (getattr(exc, "options", None) or ()) if not n.endswith("_schema")]
             close = difflib.get_close_matches(value, options, n=1)
             hint = f" (did you mean {group}={close[0]}?)" if close else ""
+            if not close and group == "algorithm":  # registered by a module Hydra has not seen: plugins= imports it
+                hint = " (an algorithm a plugin registers: give plugins=[its module] on the command line)"
             return i, Violation((group,), f"{group}={value}: config group {group} has no option {value!r}{hint}; "
                                           f"its options: {', '.join(options)}")
     return None

@@ -65,6 +65,10 @@ def test_a_group_choice_that_names_no_option_is_reported_with_the_other_problems
                    "unknown key train.lrr (did you mean train.lr?)"):
         assert needle in err, err
     assert "kl2_budget" not in err and "train.lr=-1" not in err
+    # an algorithm no option is close to: perhaps a plugin's, registered only when plugins= imports its module
+    err = _refused(*relax_train(["algorithm=vanilla_pg", "dry_run=true"], capfd))
+    assert ("algorithm=vanilla_pg: config group algorithm has no option 'vanilla_pg' (an algorithm a plugin "
+            "registers: give plugins=[its module] on the command line); its options: ") in err, err
     # the control: with the choice valid, the same keys are judged as before (the rules too)
     err = _refused(*relax_train(["model=tiny", "algorithm.foo=1", "data.bar=2", "train.lr=-1", "dry_run=true"],
                                 capfd))
