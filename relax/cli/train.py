@@ -134,9 +134,18 @@ def help_text(args: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+# Hydra's flags that each choose what its main does: one of them at most (else Hydra's ValueError, a traceback)
+MODE_FLAGS = {"-m": "-m", "--multirun": "-m", "-c": "--cfg", "--cfg": "--cfg", "-i": "--info", "--info": "--info",
+              "-sc": "--shell-completion", "--shell-completion": "--shell-completion"}
+
+
 def _precheck(args: list[str]) -> None:
     """Compose and validate before Hydra's main runs (each job of a sweep; composition only for --cfg), so that
     every mistake is one clear message (exit 2) before anything starts."""
+    given = list(dict.fromkeys(MODE_FLAGS[a] for a in args if a in MODE_FLAGS))
+    if len(given) > 1:
+        _fail(f"{' and '.join(given)} cannot be given together: Hydra does one of them (to see a sweep job's config, "
+              "give that job's values with --cfg job, without -m)")
     message = problems(args)
     if message is not None:
         _fail(message)

@@ -279,3 +279,20 @@ def test_help_lists_the_options_of_the_directories_on_the_search_path(tmp_path, 
         assert set(shown["model"]) == {*plain["model"], "mytiny"}, given  # "[tiny]": the default, marked
         assert shown["mygroup"] == ["one"] and shown["algorithm"] == plain["algorithm"]
     assert set(groups("plugins=[helpplug.register]")["algorithm"]) == {*plain["algorithm"], "helptoy"}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["-m", "seed=1,2", "--cfg", "job"], "-m and --cfg cannot be given together"),
+    (["--cfg", "job", "seed=1", "--info"], "--cfg and --info cannot be given together"),
+])
+def test_flags_that_each_choose_what_hydra_does_are_refused_together_in_one_line(tmp_path, capfd, monkeypatch,
+                                                                                 args, says):
+    """Hydra's main does one of -m, --cfg, --info, --shell-completion; given two, it raised a ValueError with its
+    traceback ("Only one of --run, --multirun, --cfg, --info and --shell_completion can be specified"). The control:
+    --cfg alone prints the config."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = relax_train(args, capfd)
+    assert code == 2 and err.strip().startswith(f"relax-train: error: {says}: Hydra does one of them"), err
+    assert "Traceback" not in err
+    code, out, err = relax_train(["seed=1", "--cfg", "job"], capfd)
+    assert code == 0 and "algorithm:" in out, err
