@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from relax.config import ConfigError, RelaxConfig
 
 USAGE_EXIT = 2
+KEY_ENV = "RELAX_SERVE_API_KEY"  # the key, where --api-key is not given
 
 
 def _fail(message: str, code: int = USAGE_EXIT, *, lines: bool = False) -> NoReturn:
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--config", default=None, help="a resolved RelaxConfig as JSON (dataclasses.asdict)")
     parser.add_argument("--weight-version", default="default", help="the initial weight_version (default: default)")
-    parser.add_argument("--api-key", default=os.environ.get("RELAX_SERVE_API_KEY"),
+    parser.add_argument("--api-key", default=None,
                         help="the key every endpoint but /health* and /metrics requires (Authorization: Bearer), "
                              "as SGLang's --api-key; required beyond loopback. Prefer setting $RELAX_SERVE_API_KEY "
                              "(the default) to this flag: a key on the command line shows in the process list and "
@@ -338,8 +339,12 @@ def main(argv: list[str] | None = None) -> None:
                 check_tokenizer_files(path)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
+    key_source = "--api-key"
+    if args.api_key is None:  # the flag not given: the variable, named where it is wrong
+        args.api_key, key_source = os.environ.get(KEY_ENV), f"${KEY_ENV}"
     if args.api_key is not None and not args.api_key.strip():
-        _fail("--api-key: an empty key")
+        _fail("--api-key: an empty key" if key_source == "--api-key" else
+              f"${KEY_ENV} is set but empty (--api-key not given): an empty key; set it to the key, or unset it")
     if args.api_key is None and not is_loopback(args.host):
         # such a server would refuse every request but health (403), from loopback too: refused before it binds
         _fail(f"--host {args.host} is reachable beyond this machine: give a key (--api-key, or "

@@ -14,19 +14,31 @@ from typing import Any, Optional
 # not imported here): openai-agents' Runner.run(max_turns=), LangGraph's recursion_limit, pydantic-ai's request limit
 TURN_LIMIT_EXCEPTIONS = ("MaxTurnsExceeded", "GraphRecursionError", "UsageLimitExceeded")
 TURN_LIMIT_ERROR = "the agent stopped at its framework's turn limit: "  # how such an error starts (else: RAISED)
+# The exceptions agent frameworks raise on an answer its token limit cut (finish "length"), by class name, each read
+# in the framework's code: openai-agents' ModelBehaviorError (a Responses answer `incomplete`, a chat answer cut with
+# no text, an output_type's JSON cut short); the openai SDK's LengthFinishReasonError (its parse helpers,
+# `chat.completions.parse` and `.stream`, on finish_reason "length"; langchain-openai's `with_structured_output`
+# raises it too, by json_schema, its default, and json_mode); pydantic-ai's IncompleteToolCall (a tool call cut by the
+# token limit; pydantic_ai/exceptions.py, not installed here). Only these, after a cut last answer, end a run "length"
+# (`relax.serve.openai.agents._end_of_run`); any other exception there (the agent's own) fails the run.
+CUT_ANSWER_EXCEPTIONS = ("ModelBehaviorError", "LengthFinishReasonError", "IncompleteToolCall")
+CUT_ANSWER_ERROR = "the agent raised its framework's error on a model answer: "  # how such an error starts
 RAISED = "the agent raised: "
 
 
 def call_agent(fn: Callable[..., Any], item: dict, base_url: str,
                api_key: str) -> tuple[Optional[float], Optional[str]]:
     """One agent run (the worker processes' caller): (reward or None, None), or (None, the error). An error that
-    is one of `TURN_LIMIT_EXCEPTIONS` (a subclass too) starts with `TURN_LIMIT_ERROR`, any other with `RAISED`."""
+    is one of `TURN_LIMIT_EXCEPTIONS` (a subclass too) starts with `TURN_LIMIT_ERROR`, one of `CUT_ANSWER_EXCEPTIONS`
+    with `CUT_ANSWER_ERROR`, any other with `RAISED`."""
     try:
         value = fn(item, base_url, api_key)
     except Exception as exc:
         lines = traceback.format_exc().strip().splitlines()
-        limit = any(c.__name__ in TURN_LIMIT_EXCEPTIONS for c in type(exc).__mro__)
-        return None, (TURN_LIMIT_ERROR if limit else RAISED) + "\n".join(lines[-12:])
+        names = {c.__name__ for c in type(exc).__mro__}
+        prefix = TURN_LIMIT_ERROR if names.intersection(TURN_LIMIT_EXCEPTIONS) \
+            else CUT_ANSWER_ERROR if names.intersection(CUT_ANSWER_EXCEPTIONS) else RAISED
+        return None, prefix + "\n".join(lines[-12:])
     if value is None:
         return None, None
     if (lazy := _not_run(value)) is not None:

@@ -1,23 +1,23 @@
 """Agent programs that speak the OpenAI API as a rollout (`data.openai_agent`): each sample is one run of the user's
 function `run(item, base_url, api_key) -> reward or None`, in its own session of the training gateway.
 
-The function gets the prompt item as a dict (`messages`: the prompt as chat messages, `label`, `prompt_text`,
-`index`, `source`), the gateway's `base_url` and its session's key, and uses any OpenAI client with them. Runs go to
-worker processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time limit
+The function gets the prompt item as a dict (`messages`: the prompt as chat messages, `label`, `prompt_text`, `index`,
+`source`), the gateway's `base_url` and its session's key, and uses any OpenAI client with them. Runs go to worker
+processes (`relax.rewards.worker_pool.RewardWorkers`, `data.agent_workers` of them), each with a time limit
 (`data.agent_timeout_s`): a run that raises or runs past it is killed, its session ended, and the sample counts as a
-failed reward call (its group is left out, as for any failed reward), unless it raised after its last answer was cut
-(it ends "length") or with its framework's turn-limit exception after all the calls `rollout.max_turns` allows, the
-last one answered (it ends "max_turns"; `_end_of_run`): those keep their trajectory. A run that made no call fails
-the same way. When a run returns, its session's main row (`relax.serve.openai.sessions`: the branch holding the most
-sampled tokens) becomes the sample: the first prompt as the prompt, then every later token, trained where the engine
-sampled it. A run that forked (a side call, parallel calls, a choice not continued, a segment left by an edit) has
-more rows (`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns); they travel in the
-sample's episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
+failed reward call (its group is left out, as for any failed reward), unless it raised its framework's exception for a
+cut answer after its last answer was cut (it ends "length") or its framework's turn-limit exception after all the calls
+`rollout.max_turns` allows, the last one answered (it ends "max_turns"; `_end_of_run`): those keep their trajectory. A
+run that made no call fails the same way. When a run returns, its session's main row (`relax.serve.openai.sessions`: the
+branch holding the most sampled tokens) becomes the sample: the first prompt as the prompt, then every later token,
+trained where the engine sampled it. A run that forked (a side call, parallel calls, a choice not continued, a segment
+left by an edit) has more rows (`Session.rows`, one per branch, each owning the sampled tokens no earlier row owns);
+they travel in the sample's episode record (`branch_rows`, plain lists) and the trainer trains them with the main row
 (`relax.runner.branch_rows`), so that every sampled token is trained exactly once; the record counts them
 (`sampled_tokens`, `trained_tokens`, `branches`: `rollout/gateway_untrained_tokens`,
-`rollout/gateway_branches_per_run`). Its reward: what the function returned (None: nothing), plus the rewards given
-per call (`POST /v1/relax/reward`), plus `data.reward` on the last answer (unless `data.reward=none`); every row of
-a run trains with it (docs/agents.md). """
+`rollout/gateway_branches_per_run`). Its reward: what the function returned (None: nothing), plus the rewards given per
+call (`POST /v1/relax/reward`), plus `data.reward` on the last answer (unless `data.reward=none`); every row of a run
+trains with it (docs/agents.md). """
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from relax.agents.episode import item_record
 from relax.agents.parsers import get_parser
 from relax.batch import EpisodeRow, FinishReason, Samples, episode_samples, plain_reason
 from relax.models.hf import context_length
-from relax.serve.openai.agent_call import TURN_LIMIT_ERROR, call_agent
+from relax.serve.openai.agent_call import CUT_ANSWER_ERROR, TURN_LIMIT_ERROR, call_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.gateway import Gateway, WatchedSend
 from relax.serve.openai.service import OpenAIService
@@ -116,8 +116,8 @@ class AgentRollout:
                 error = error or "the agent made no call through the gateway"
                 trajectory = Segment(prompt=[self.pad_token_id])
             elif error is not None and s.ended in (FinishReason.MAX_TURNS, FinishReason.LENGTH):
-                # a run stopped by its session's limit (a call past it, or all its calls made: `_end_of_run`) or a
-                # cut answer: its trajectory is the sample
+                # a run stopped by its session's limit (a call past it, or all its calls made: `_end_of_run`) or
+                # by its framework's exception on a cut answer: its trajectory is the sample
                 error = None
             if value is not None:
                 trajectory.rewards[-1] += value
@@ -129,20 +129,22 @@ class AgentRollout:
 def _end_of_run(s: Session, error: Optional[str], was_late: bool) -> str:
     """Why the run's session ends, once its run is over (a session its limit already ended keeps that reason).
 
-    A run that raised after its last answer was cut ends "length", as one its session's limit stopped: openai-agents
-    raises on every answer cut by max_tokens (Responses: `incomplete`; chat: one left with no text, a Qwen3 answer
-    cut inside <think>), and such a run is a truncated episode, not a failed one. A run that raised its framework's
-    turn-limit exception (`agent_call.TURN_LIMIT_EXCEPTIONS`: openai-agents' MaxTurnsExceeded, LangGraph's
-    GraphRecursionError, pydantic-ai's UsageLimitExceeded) after its session made all the calls `rollout.max_turns`
-    allows, the last one answered, ends "max_turns", as a call past the limit would have ended it: the framework's
-    own limit equals rollout.max_turns, it stopped itself instead of making that call, and the run reached its limit,
-    it did not fail. Any other exception (an agent that crashed after its last answer), or a turn-limit exception
-    after fewer calls or with the last call not answered, is a failed run."""
+    A run that raised a framework's exception for a cut answer (`agent_call.CUT_ANSWER_EXCEPTIONS`: openai-agents'
+    ModelBehaviorError, the openai SDK's LengthFinishReasonError, ...) after its last answer was cut ends "length",
+    as one its session's limit stopped: openai-agents raises on every answer cut by max_tokens (Responses:
+    `incomplete`; chat: one left with no text, a Qwen3 answer cut inside <think>), and such a run is a truncated
+    episode, not a failed one; any other exception there (the agent's own: a RuntimeError in its code) is a failed
+    run. A run that raised its framework's turn-limit exception (`agent_call.TURN_LIMIT_EXCEPTIONS`: openai-agents'
+    MaxTurnsExceeded, LangGraph's GraphRecursionError, pydantic-ai's UsageLimitExceeded) after its session made all
+    the calls `rollout.max_turns` allows, the last one answered, ends "max_turns", as a call past the limit would
+    have ended it: the framework's own limit equals rollout.max_turns, it stopped itself instead of making that call,
+    and the run reached its limit, it did not fail. Any other exception (an agent that crashed after its last
+    answer), or a turn-limit exception after fewer calls or with the last call not answered, is a failed run."""
     if was_late:
         return FinishReason.TIMEOUT
     if error is None:
         return FinishReason.DONE
-    if _ended_on_a_cut_answer(s):
+    if error.startswith(CUT_ANSWER_ERROR) and _ended_on_a_cut_answer(s):
         return FinishReason.LENGTH
     if error.startswith(TURN_LIMIT_ERROR) and _used_every_call(s):
         return FinishReason.MAX_TURNS

@@ -495,6 +495,9 @@ class Params:
 
     n: int = 1
     max_tokens: Optional[int] = None  # None: the server's limit
+    # the request's field that gave max_tokens, which a context-length 400 names (chat: max_completion_tokens where
+    # that one sent the limit, the smaller of the two when both came)
+    max_tokens_field: str = "max_tokens"
     temperature: Optional[float] = None  # None: not given (1.0, unless a training session sets the run's)
     top_p: Optional[float] = None  # None: not given (1.0)
     stop: list[str] = field(default_factory=list)
@@ -564,8 +567,9 @@ def _common(body: dict, endpoint: str) -> Params:
         raise _bad("model", "required: a model name (any name; the served model answers)")
     p = Params(model=model)
     p.n = _integer(body, "n", 1, MAX_N) or 1
-    limits = [v for v in (_integer(body, "max_tokens", 1), _integer(body, "max_completion_tokens", 1)) if v]
-    p.max_tokens = min(limits) if limits else None
+    limits = [(v, name) for name in ("max_tokens", "max_completion_tokens") if (v := _integer(body, name, 1))]
+    if limits:  # the smaller of the two, named by its field
+        p.max_tokens, p.max_tokens_field = min(limits, key=lambda limit: limit[0])
     p.temperature = _number(body, "temperature", None, 0.0, 2.0)
     p.top_p = _number(body, "top_p", None, 0.0, 1.0)
     if p.top_p == 0.0:

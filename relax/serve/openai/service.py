@@ -486,7 +486,8 @@ class OpenAIService:
     # --------------------------------------------------------------------------------------------- generation
     def _limit(self, p: Params, prompt_len: int, prompt_field: str) -> int:
         """The answer's token limit; a context-length 400 naming `prompt_field` (the route's: messages, prompt) where
-        the prompt, or the prompt and max_tokens, do not fit the context."""
+        the prompt, or the prompt and max_tokens, do not fit the context (naming the field the request sent the
+        limit in: `Params.max_tokens_field`)."""
         room = None if self.context_length is None else self.context_length - prompt_len
         if room is not None and room < 1:
             raise ContextLengthError(self.context_length, prompt_len, prompt=prompt_field)
@@ -494,7 +495,8 @@ class OpenAIService:
         # on top in `Session.admit`); SGLang's 128 only where neither is known
         limit = p.max_tokens or room or self.max_tokens or DEFAULT_MAX_TOKENS
         if room is not None and limit > room:
-            raise ContextLengthError(self.context_length, prompt_len, limit, room, prompt=prompt_field)
+            raise ContextLengthError(self.context_length, prompt_len, limit, room, prompt=prompt_field,
+                                     limit=p.max_tokens_field if p.max_tokens else "max_tokens")
         return min(limit, self.max_tokens) if self.max_tokens else limit
 
     def _generate(self, prompt: list[int], p: Params, session: Optional[Session],
