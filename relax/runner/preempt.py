@@ -89,8 +89,10 @@ class Preemption:
     progress, for the message (which says it 1-based).
     """
 
-    def __init__(self, save: bool):
-        self.save = save
+    def __init__(self, save: bool, waits: Optional[str] = None):
+        """`waits`: what finishing the step waits for beyond the step's own work, said with the first signal (the
+        agent runs in flight, up to their time limit), else None."""
+        self.save, self.waits = save, waits
         self.requested: Optional[int] = None
         self.step: Optional[int] = None
         self.raised: Optional[int] = None  # the signal whose handler raised Preempted (a stop at once)
@@ -98,8 +100,12 @@ class Preemption:
 
     @classmethod
     def from_config(cls, cfg: RelaxConfig) -> Preemption:
-        """`train.save_on_preempt`, when the run writes checkpoints (`train.save`)."""
-        return cls(save=bool(cfg.train.save and cfg.train.save_on_preempt))
+        """`train.save_on_preempt`, when the run writes checkpoints (`train.save`); an agent program's runs
+        (`data.openai_agent`), which the step waits for up to `data.agent_timeout_s`."""
+        d = cfg.data
+        waits = (f"its agent runs in flight are waited for, up to data.agent_timeout_s={d.agent_timeout_s:g} s"
+                 if d.openai_agent else None)
+        return cls(save=bool(cfg.train.save and cfg.train.save_on_preempt), waits=waits)
 
     def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():
@@ -130,7 +136,9 @@ class Preemption:
         # 1-based, as the progress line shows the step once it is done (`step 13/30`) and its checkpoint is named
         where = f"step {self.step + 1}" if self.step is not None else "the current step"
         again = "press Ctrl-C" if signum == signal.SIGINT else f"send {name}"
-        message = f"relax-train: {name} received: stopping after {where} with a checkpoint; {again} again to stop now\n"
+        waits = f" ({self.waits})" if self.waits else ""
+        message = (f"relax-train: {name} received: stopping after {where} with a checkpoint{waits}; {again} again to "
+                   "stop now\n")
         # os.write, not print: the handler may run while the main thread is inside a write to sys.stderr
         try:
             fd = sys.stderr.fileno()

@@ -59,6 +59,21 @@ def test_the_first_signal_requests_a_stop_the_second_stops_at_once(capfd):
         "SIGTERM received: stopped after 1 step (its checkpoint could not be written)")
 
 
+def test_the_first_signal_of_an_agent_program_run_says_its_runs_are_waited_for(capfd):
+    """An agent program's step waits for its runs in flight (up to data.agent_timeout_s, 300 s by default): the first
+    signal says so, so that a stop that takes minutes is not taken for a hang (found by an outside-in tryout: 206 s
+    with a hung agent and no word of why). A run without one says nothing of it (the test above)."""
+    cfg = load_config(["data.openai_agent=tests.agents:run", "data.agent_timeout_s=45", "rollout=sglang",
+                       "rollout.sglang.server=embedded"])
+    with Preemption.from_config(cfg) as preemption:
+        preemption.step = 0
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.requested == signal.SIGINT
+    assert capfd.readouterr().err == ("relax-train: SIGINT received: stopping after step 1 with a checkpoint (its "
+                                      "agent runs in flight are waited for, up to data.agent_timeout_s=45 s); press "
+                                      "Ctrl-C again to stop now\n")
+
+
 def test_without_save_on_preempt_a_signal_stops_at_once():
     with Preemption.from_config(load_config(["train.save_on_preempt=false"])) as preemption:
         with pytest.raises(Preempted) as info:
