@@ -521,7 +521,7 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     each problem named as on Relax's config (`relax.config.compose.schema_view`: an unknown key with what was meant,
     a value not of its key's type, a `~key` of a key the schema has), and a sweep of it by each job. Its launcher's
     and Hydra's own keys are checked as on Relax's config (a saved config names no launcher: relax-train gives its
-    sweep Relax's, `relax.cli.train.own_config_launcher`); a sweep of a config file that chooses its own launcher
+    sweep Relax's, `relax.cli.command_line.own_config_launcher`); a sweep of a config file that chooses its own launcher
     leaves that launcher's options to Hydra, as before."""
     from hydra.errors import HydraException
 

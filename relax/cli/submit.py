@@ -214,7 +214,7 @@ def shown_payload(payload: dict[str, Any], hidden: set[str]) -> dict[str, Any]:
 
 def _sweep(overrides: Sequence[str]) -> bool:
     """Whether the job runs a sweep: with -m, or with Hydra's `hydra.mode=MULTIRUN` (relax-train's one answer)."""
-    from relax.cli.train import sweeps
+    from relax.cli.command_line import sweeps
 
     return sweeps(list(overrides))
 
@@ -224,15 +224,15 @@ def job_configs(overrides: Sequence[str], conf: Path) -> Optional[list[Any]]:
     composed once, with Hydra's own node, as the job's relax-train composes it: from `conf` (the conf/ that travels
     with the job), or from the config of its own that `-cp <dir> -cn <name>` name (a run's saved config), read as the
     schema's (`relax.config.compose.schema_view`: a key the file lacks holds the schema's default; a sweep of it gets
-    Relax's launcher, `relax.cli.train.own_config_launcher`). What relax-submit's checks of where the run writes
+    Relax's launcher, `relax.cli.command_line.own_config_launcher`). What relax-submit's checks of where the run writes
     (`storage_settings`), which secrets it reads (`secret_env`) and how long it takes to stop (`stop_grace_s`) read,
     whichever config it runs. None for a command that inspects rather than runs (--cfg, --info, ...) and for a
     `-cp` that Hydra resolves itself (`pkg://`, `file://`): `relax.cli.config_check.problems` checks neither.
     Raises ValueError when the config does not compose (the job would fail the same way)."""
     from hydra import compose, initialize_config_dir
 
+    from relax.cli.command_line import own_config_launcher
     from relax.cli.config_check import own_config, sweep_jobs
-    from relax.cli.train import own_config_launcher
     from relax.config import register_configs
     from relax.config.compose import schema_view
 
@@ -391,8 +391,8 @@ def job_config_path(overrides: list[str], *, working_dir: Path, exp_dir: Optiona
     it)."""
     from fnmatch import fnmatch
 
+    from relax.cli.command_line import CONFIG_DIR_FLAGS
     from relax.cli.config_check import OWN_CONFIG_FLAGS
-    from relax.cli.train import CONFIG_DIR_FLAGS
 
     out = list(overrides)
     for i, arg in enumerate(out):
@@ -447,9 +447,9 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     A relative `-cp` is read as the job reads it (`job_config_path`: from `exp_dir`, else `working_dir`); returns
     `overrides` with it so (what relax-submit's other checks compose: `job_configs`), and as relax-train normalises
     them before its own check: a `-cd` directory (read as a relative -cp is) as `hydra.searchpath`, a sweep by
-    `hydra.mode=MULTIRUN` as -m (`relax.cli.train.config_dir_searchpath`, `multirun_flag`)."""
+    `hydra.mode=MULTIRUN` as -m (`relax.cli.command_line.config_dir_searchpath`, `multirun_flag`)."""
+    from relax.cli.command_line import CommandLineError, config_dir_searchpath, multirun_flag
     from relax.cli.config_check import problems
-    from relax.cli.train import CommandLineError, config_dir_searchpath, multirun_flag
 
     overrides, message = job_config_path(overrides, working_dir=working_dir, exp_dir=exp_dir)
     if message is None:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from relax.cli.config_check import MULTIRUN_FLAGS, OWN_CONFIG_FLAGS, chooses_launcher, config_file, own_config, problems
+from relax.cli.command_line import (
+    MODE_FLAGS,
+    CommandLineError,
+    absolute_config_path,
+    config_dir_searchpath,
+    multirun_flag,
+    own_config_launcher,
+    searchpath_dirs,
+    sweeps,
+)
+from relax.cli.config_check import MULTIRUN_FLAGS, own_config, problems
 from relax.runner.errors import RunError
 
 USAGE_EXIT = 2  # bad config or command line, as argparse does
@@ -42,28 +51,6 @@ def _group_options(conf: Path) -> dict[str, list[str]]:
         for d in sorted(conf.iterdir())
         if d.is_dir() and any(d.glob("*.yaml"))
     }
-
-
-def searchpath_dirs(args: list[str]) -> list[Path]:
-    """The directories a `hydra.searchpath=[file://...]` override among `args` adds to Hydra's search path (a plugin's
-    conf/, a -cd directory: `config_dir_searchpath`), those that exist; a `pkg://` entry is not read here."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    from relax.config.store import SEARCHPATH_KEY, override_positions
-
-    found: list[Path] = []
-    for i in override_positions(args):
-        if args[i].split("=", 1)[0] != SEARCHPATH_KEY or "=" not in args[i]:
-            continue
-        try:
-            value = OverridesParser.create().parse_override(args[i]).value()
-        except HydraException:  # Hydra names it
-            continue
-        for entry in value if isinstance(value, list) else [value]:
-            if isinstance(entry, str) and entry.startswith("file://") and Path(entry[len("file://"):]).is_dir():
-                found.append(Path(entry[len("file://"):]))
-    return found
 
 
 def config_keys() -> list[str]:
@@ -132,11 +119,6 @@ def help_text(args: list[str] | None = None) -> str:
         f"Config files: {conf}",
     ]
     return "\n".join(lines)
-
-
-# Hydra's flags that each choose what its main does: one of them at most (else Hydra's ValueError, a traceback)
-MODE_FLAGS = {"-m": "-m", "--multirun": "-m", "-c": "--cfg", "--cfg": "--cfg", "-i": "--info", "--info": "--info",
-              "-sc": "--shell-completion", "--shell-completion": "--shell-completion"}
 
 
 def _precheck(args: list[str]) -> None:
@@ -250,155 +232,6 @@ def _run(dc) -> object:
     except CheckpointFileError as exc:  # a role refused a checkpoint file (on Ray: the cause of a RayTaskError)
         _job_fail(str(getattr(exc, "cause", exc)))
     return None
-
-
-# the flags naming the directory of a config of its own (`-cp`), as the check parses them
-CONFIG_PATH_FLAGS = tuple(flag for flag, what in OWN_CONFIG_FLAGS.items() if what == "path")
-
-
-def absolute_config_path(args: list[str]) -> list[str]:
-    """`args` with the directory of `-cp`/`--config-path` made absolute: Hydra reads a relative one from the
-    directory of relax-train's own module, where a user's `-cp checkpoints/.../step_000002` is not."""
-    out = list(args)
-    for i, arg in enumerate(out):
-        flag, eq, value = arg.partition("=")
-        if flag in CONFIG_PATH_FLAGS and eq and value and "://" not in value:
-            out[i] = f"{flag}={Path(value).expanduser().resolve()}"
-        elif arg in CONFIG_PATH_FLAGS and i + 1 < len(out) and "://" not in out[i + 1]:
-            out[i + 1] = str(Path(out[i + 1]).expanduser().resolve())
-    return out
-
-
-CONFIG_DIR_FLAGS = ("-cd", "--config-dir")  # Hydra's flag adding a directory of YAML options to its search path
-
-
-class CommandLineError(ValueError):
-    """A flag of relax-train's command line that cannot be given as it is: the message is one line."""
-
-
-def config_dir_searchpath(args: list[str], conf: Path | None = None) -> list[str]:
-    """`args` with `-cd DIR` / `--config-dir DIR` / `--config-dir=DIR` given as Hydra's equivalent override,
-    `hydra.searchpath=[file://<DIR, absolute>]` (its entry first, before those of a `hydra.searchpath` the command line
-    gives: Hydra searches the -cd directory after the primary config's and before hydra.searchpath's; the directory
-    made absolute from the working directory, as Hydra makes it), so that relax-train's own config check (which leaves
-    a command line with a flag it does not read to Hydra) composes and checks it as Hydra does. Raises
-    CommandLineError for a directory that does not exist (Hydra: "Additional config directory ... not found") or a
-    flag given twice (Hydra reads the last alone). Left to Hydra as it is where the primary config (`-cn NAME`) is the
-    -cd directory's alone (not in `conf`, Relax's conf/, nor in the -cp directory): Hydra finds it there, while a
-    `hydra.searchpath` is read only after the primary config (relax-train's check then leaves it to Hydra)."""
-    from relax.config.store import with_search_path
-
-    given: list[tuple[int, int, str]] = []  # (index of the flag, arguments it takes, the directory)
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if flag in CONFIG_DIR_FLAGS and eq:
-            given.append((i, 1, value))
-        elif arg in CONFIG_DIR_FLAGS and i + 1 < len(args):
-            given.append((i, 2, args[i + 1]))
-    given = [g for g in given if not any(h[1] == 2 and g[0] == h[0] + 1 for h in given)]  # `-cd -cd`: a value
-    if not given:
-        return list(args)
-    shown = [f"{args[i]} {args[i + 1]}" if n == 2 else args[i] for i, n, _ in given]
-    if len(given) > 1:
-        raise CommandLineError(f"{' and '.join(shown)}: -cd/--config-dir is given {len(given)} times and Hydra reads "
-                               "the last alone: give it once (several directories: hydra.searchpath=[file:///a,"
-                               "file:///b])")
-    (i, n, value), = given
-    directory = Path(os.path.abspath(Path(value).expanduser()))  # as Hydra reads it (os.path.abspath)
-    if not value or not directory.is_dir():
-        raise CommandLineError(f"{shown[0]}: {directory} is not a directory (-cd/--config-dir adds a directory of "
-                               "YAML options to Hydra's search path)")
-    rest = [*args[:i], *args[i + n:]]
-    where, _ = own_config(rest)
-    if where.get("name"):
-        if where.get("path") is not None and (not where["path"] or "://" in where["path"]):
-            return list(args)  # a `pkg://` -cp: Hydra reads it (the check too leaves it to Hydra)
-        if conf is None:
-            from relax.config import conf_dir
-
-            try:
-                conf = conf_dir()
-            except FileNotFoundError:  # relax-train names it next
-                return list(args)
-        primary = Path(where["path"]) if where.get("path") else conf
-        if not config_file(primary, where["name"]).is_file() and config_file(directory, where["name"]).is_file():
-            return list(args)
-    return with_search_path(rest, [directory], first=True)
-
-
-MODE_KEY = "hydra.mode"  # Hydra's run mode: hydra.mode=MULTIRUN sweeps as -m does (Hydra >= 1.2)
-
-
-def _mode_overrides(args: list[str]) -> list[tuple[int, str | None]]:
-    """The overrides among `args` (relax-train's command line, its flags included) that give `hydra.mode`, in any
-    form (`hydra.mode=...`, `++hydra.mode=...`, `+hydra.mode=...`, `~hydra.mode`): (the index of each, the mode it
-    sets where it sets one as Hydra reads it, `MULTIRUN` or `RUN`, quoted or not; else None)."""
-    flags = {i for i, a in enumerate(args) if a in OWN_CONFIG_FLAGS}  # `-cp DIR`, `-cn NAME`: a flag's value
-    given = [(i, a) for i, a in enumerate(args) if MODE_KEY in a and not a.startswith("-") and i - 1 not in flags]
-    if not given:
-        return []
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import OverrideType
-    from hydra.errors import HydraException
-
-    found: list[tuple[int, str | None]] = []
-    for i, arg in given:
-        try:
-            (override,) = OverridesParser.create().parse_overrides([arg])
-        except HydraException:  # not an override Hydra reads: the precheck or Hydra names it
-            continue
-        if override.key_or_group != MODE_KEY or override.package is not None:
-            continue
-        value = override.value() if override.type != OverrideType.DEL else None
-        found.append((i, value if isinstance(value, str) and not override.is_sweep_override() else None))
-    return found
-
-
-def multirun_flag(args: list[str]) -> list[str]:
-    """`args` (relax-train's command line), a sweep given as Hydra's `hydra.mode=MULTIRUN` (`+`/`++`, quoted or not)
-    given as `-m` instead, first (before the overrides, which Hydra's parser takes as one block): Hydra sweeps the same
-    on either, and every check of relax-train (the precheck, which reads -m alone; the launcher's options of a config
-    of its own; Hydra's output directory) reads the one form. As they are where Hydra would not sweep on it (another
-    flag: `--cfg` prints a config, and with -m Hydra refuses it), or where `hydra.mode` is given more than once (the
-    precheck names that)."""
-    modes = _mode_overrides(args)
-    if len(modes) != 1 or modes[0][1] != "MULTIRUN":
-        return list(args)
-    _, rest = own_config(args)
-    if any(a.startswith("-") and a not in MULTIRUN_FLAGS for a in rest):
-        return list(args)
-    kept = [a for i, a in enumerate(args) if i != modes[0][0]]
-    return kept if any(a in MULTIRUN_FLAGS for a in kept) else ["-m", *kept]
-
-
-def sweeps(args: list[str]) -> bool:
-    """Whether `relax-train <args>` runs a sweep (Hydra's multirun): with -m/--multirun, or with `hydra.mode=MULTIRUN`
-    (`multirun_flag`). The one answer relax-train's checks and messages read."""
-    return any(a in MULTIRUN_FLAGS for a in multirun_flag(args))
-
-
-RELAX_LAUNCHER = "hydra/launcher=relax_ray"  # conf/config.yaml's launcher of a sweep
-
-
-def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
-    """`args`, with Relax's sweep launcher (`hydra/launcher=relax_ray`) added to a sweep (-m) of a config of its own
-    (`-cp <checkpoint> -cn config`: a run's saved config, which names no launcher), so that it is the sweep a sweep of
-    Relax's config is (its jobs checked before any starts, concurrent on Ray, a parent run and a table), not Hydra's
-    basic launcher without a word. A launcher given (`hydra/launcher=basic`) is kept, and so is one that the config's
-    own defaults list chooses (`override hydra/launcher: basic`): the launcher is added only where the config file
-    (in the -cp directory, else `conf`) is found and chooses none."""
-    where, _ = own_config(args)
-    name = where.get("name")
-    if not sweeps(args) or not name or any(a.lstrip("+~").startswith("hydra/launcher=") for a in args):
-        return args
-    directory = where.get("path") or (str(conf) if conf is not None else None)
-    if directory is None or "://" in directory:
-        return args
-    if chooses_launcher(config_file(directory, name)) is not False:
-        return args
-    from relax.config.store import with_override
-
-    return with_override(args, RELAX_LAUNCHER)  # among the overrides: before a flag (`--info`) that follows them
 
 
 def stopped_text(exc: BaseException, sweep: bool = False) -> str:

@@ -1,11 +1,11 @@
 """Hydra's flags on relax-train's (and relax-submit's) command line, beside the overrides:
-- `-cd DIR` / `--config-dir DIR` reaches relax-train's own config check, given as Hydra's equivalent
-  `hydra.searchpath=[file://DIR]` (`relax.cli.train.config_dir_searchpath`); before, the check left any command line
-  with a flag it does not read to Hydra (its raw "Could not override" text, exit 1).
+- `-cd DIR` / `--config-dir DIR` reaches relax-train's own config check, given as Hydra's
+  equivalent `hydra.searchpath=[file://DIR]` (`relax.cli.command_line.config_dir_searchpath`); before, the check left
+  any command line with a flag it does not read to Hydra (its raw "Could not override" text, exit 1).
 - An override relax-train adds (a plugin's conf/ on `hydra.searchpath`, Relax's sweep launcher) joins the user's
   block of overrides (`relax.config.store.with_override`); before, it was appended after `--cfg job` / `--info`, and
   Hydra's parser refused it as an "unrecognized argument" the user never typed.
-- relax-submit reads `hydra.mode=MULTIRUN` as a sweep, as relax-train does (`relax.cli.train.sweeps`).
+- relax-submit reads `hydra.mode=MULTIRUN` as a sweep, as relax-train does (`relax.cli.command_line.sweeps`).
 - A relative `data.path` that is missing under `hydra.job.chdir=true` says where it was looked for."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_config_dir_is_searched_where_hydra_searches_it(tmp_path):
     """Hydra puts the -cd directory after the primary config's directory and before hydra.searchpath's entries; the
     rewrite keeps that order. Checked against Hydra's own main reading the -cd flag itself: an option in both conf/
     and the -cd directory is conf/'s, one in both the -cd directory and a hydra.searchpath directory is -cd's."""
-    from relax.cli.train import config_dir_searchpath
+    from relax.cli.command_line import config_dir_searchpath
 
     cd = model_dir(tmp_path / "cd", tiny=40, mytiny=48)
     other = model_dir(tmp_path / "other", mytiny=56)
@@ -175,7 +175,7 @@ def test_a_plugins_conf_directory_leaves_flags_after_the_overrides_working(tmp_p
                                   "--cfg", "job"], capfd)
     assert code == 0, err
     assert "  scale: 0.5\n" in out and "  hidden_size: 48\n" in out
-    from relax.cli.train import config_dir_searchpath
+    from relax.cli.command_line import config_dir_searchpath
 
     assert config_dir_searchpath(["plugins=[x]", "-cd", str(mine), "hydra.searchpath=[file:///p]"]) == [
         "plugins=[x]", f"hydra.searchpath=['file://{mine}','file:///p']"]

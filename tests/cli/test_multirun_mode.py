@@ -1,6 +1,6 @@
 """`hydra.mode=MULTIRUN` on relax-train's command line: Hydra (>= 1.2) sweeps on it as on -m, and relax-train's checks
-read it as a sweep too (`relax.cli.train.sweeps`, the one answer; `multirun_flag` gives it to them as -m). Before,
-relax-train decided run or sweep from -m alone: its precheck composed a sweep's values as one run's (`seed=1,2`:
+read it as a sweep too (`relax.cli.command_line.sweeps`, the one answer; `multirun_flag` gives it to them as -m).
+Before, relax-train decided run or sweep from -m alone: its precheck composed a sweep's values as one run's (`seed=1,2`:
 Hydra's "Ambiguous value"), refused the launcher's options as a run's, and checked Hydra's output directory at
 hydra.run.dir while Hydra made hydra.sweep.dir (the read-only case: tests/faults/test_unwritable_dirs.py)."""
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from relax.cli.command_line import multirun_flag, sweeps
 from relax.cli.config_check import problems
-from relax.cli.train import multirun_flag, output_dir_problem, sweeps
+from relax.cli.train import output_dir_problem
 from relax.config import conf_dir, register_configs
 
 # each way of giving Hydra's run mode, beside -m (Hydra's own verdict on each is what the test compares against)

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from relax.cli.train import absolute_config_path
+from relax.cli.command_line import absolute_config_path
 from relax.config import ConfigError, load_config, to_relax_config
 from relax.config.schema import ModelConfig
 from relax.data.tokenizer import ModelPathError, check_model_files

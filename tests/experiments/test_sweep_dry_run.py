@@ -236,7 +236,7 @@ def test_relax_train_adds_its_launcher_to_a_sweep_of_a_config_that_chooses_none(
     defaults list chooses one keeps it (before, `override hydra/launcher: basic` was switched to relax_ray)."""
     import yaml
 
-    from relax.cli.train import RELAX_LAUNCHER, own_config_launcher
+    from relax.cli.command_line import RELAX_LAUNCHER, own_config_launcher
 
     entries = [yaml.safe_load(d) if isinstance(d, str) and ":" in d else d for d in defaults or []]
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump({**({"defaults": entries} if defaults else {}), "seed": 3}))
