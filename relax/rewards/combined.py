@@ -11,6 +11,7 @@ that its mean is logged (rollout/reward/<name>_mean, `relax.metrics.reward_mean`
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -76,13 +77,15 @@ def reward_list(specs: Sequence[Any], sandbox: Any = None) -> RewardList:
 def score_list(rewards: RewardList, weights: Optional[Sequence[float]], responses: Sequence[str],
                labels: Sequence[str], prompts: Optional[Sequence[str]] = None, *, timeout_s: Optional[float] = None,
                service_options: Any = None, contexts: Optional[Sequence[RewardContext]] = None,
-               workers: Optional[int] = None, memory_mb: Optional[int] = None) -> Scores:
+               workers: Optional[int] = None, memory_mb: Optional[int] = None,
+               cancel: Optional[threading.Event] = None) -> Scores:
     """Score each response with every entry (`score_responses`, each entry as it is scored alone) and add the
     rewards up by `weights` (None: 1.0 each). A response fails when any entry's call failed (its reward is then the
     0.0 placeholder); time-outs and counts add up; the first error is the first failing entry's. `Scores.extras`
     holds each entry's rewards (NaN where its call failed) and its dict returns' other keys, as <name>/<key>.
     `service_options` (`data.reward_service`) go to the entries that are services; `contexts`, what each entry's
-    parameters ask for (`score_responses`); `workers`, `data.reward_workers`; `memory_mb`, `data.reward_memory_mb`."""
+    parameters ask for (`score_responses`); `workers`, `data.reward_workers`; `memory_mb`, `data.reward_memory_mb`;
+    `cancel` stops the calls in worker processes (`score_responses`)."""
     weights = [1.0] * len(rewards.fns) if weights is None else [float(w) for w in weights]
     if len(weights) != len(rewards.fns):
         raise ValueError(f"score_list: {len(weights)} weights for {len(rewards.fns)} rewards")
@@ -91,7 +94,7 @@ def score_list(rewards: RewardList, weights: Optional[Sequence[float]], response
         if isinstance(fn, RemoteReward) and service_options is not None:
             fn.options = service_options
         parts.append(score_responses(fn, responses, labels, prompts, timeout_s=timeout_s, contexts=contexts,
-                                     workers=workers, memory_mb=memory_mb))
+                                     workers=workers, memory_mb=memory_mb, cancel=cancel))
     out = Scores()
     for i in range(len(responses)):
         failed = any(p.failed[i] for p in parts)

@@ -29,6 +29,7 @@ import inspect
 import logging
 import re
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,7 @@ def score_responses(
     contexts: Optional[Sequence[RewardContext]] = None,
     workers: Optional[int] = None,
     memory_mb: Optional[int] = None,
+    cancel: Optional[threading.Event] = None,
 ) -> Scores:
     """Score each (response, label) pair; a failing call is recorded in `Scores.failed`, never raised.
 
@@ -232,7 +234,8 @@ def score_responses(
     here, one call after the other; a number runs the calls in worker processes (`RewardWorkers`: `workers` of them,
     `data.reward_workers`; None: as many as the CPUs, at most 4), where a call that takes longer fails (and its
     process is replaced), as does one that allocates past `memory_mb` (`data.reward_memory_mb`, each worker's
-    memory limit; None: none; only with `timeout_s`: the driver's own memory is never limited).
+    memory limit; None: none; only with `timeout_s`: the driver's own memory is never limited). `cancel`, set by
+    another thread (then `relax.rewards.worker_pool.wake_calls`), stops the calls in worker processes: CallsCancelled.
     """
     if len(responses) != len(labels):
         raise ValueError(f"score_responses: {len(responses)} responses but {len(labels)} labels")
@@ -260,7 +263,7 @@ def score_responses(
         timed_out = [False] * len(calls)
     else:
         with POOL_LOCK:
-            outcomes, timed_out = workers_for(fn, workers, memory_mb).run(calls, timeout_s)
+            outcomes, timed_out = workers_for(fn, workers, memory_mb).run(calls, timeout_s, cancel)
     return _scores(fn, outcomes, timed_out)
 
 

@@ -197,11 +197,10 @@ class RewardWorkers:
         self.processes = processes or default_processes()
         self._workers: list[_Worker] = []
         self._seconds: deque[float] = deque(maxlen=256)  # the durations of the latest calls, measured in the workers
-        # `cancel` from another thread: the flag, and a pipe whose byte wakes `run` from its wait on the workers
+        # the write end of the pipe whose byte wakes the `run` in progress from its wait on the workers (`wake`), so
+        # that it reads its `cancel` event at once; None between runs
         self._state = threading.Lock()
-        self._running = False
-        self._cancelled = False
-        self._wake_r, self._wake_w = Pipe(duplex=False)
+        self._wake: Optional[Connection] = None
 
     def _fill(self, n: int) -> None:
         # A worker dies with the thread that started it (PR_SET_PDEATHSIG follows the parent thread): one started by
@@ -216,45 +215,49 @@ class RewardWorkers:
         w.stop()
         self._workers[self._workers.index(w)] = _Worker(self.fn_bytes, self.caller_bytes, self.memory_mb)
 
-    def run(self, calls: list[tuple], timeout_s: float) -> tuple[list[Outcome], list[bool]]:
+    def run(self, calls: list[tuple], timeout_s: float,
+            cancel: Optional[threading.Event] = None) -> tuple[list[Outcome], list[bool]]:
         """Outcomes of `calls` (argument tuples of `_call` after `fn`) in order, and which ran past `timeout_s`.
 
         A worker runs the calls sent to it in order: its running call started when it was sent (an idle worker) or
         when the answer to the call before it arrived, and is killed `timeout_s` + `KILL_GRACE_S` after that; the calls
-        queued behind it (see `FAST_CALL_S`) never started and go to the other workers."""
+        queued behind it (see `FAST_CALL_S`) never started and go to the other workers.
+
+        `cancel`, set by another thread (which then calls `wake`), stops the run (set before it started too): its busy
+        workers are killed (replaced at the next run) and it raises CallsCancelled; a call that hangs would otherwise
+        hold the caller up to its time limit."""
+        if cancel is None:
+            return self._run(calls, timeout_s, None, None)
+        wake_r, wake_w = Pipe(duplex=False)  # this run's own: nothing is left open after it
         with self._state:
-            self._running, self._cancelled = True, False
+            self._wake = wake_w
         try:
-            return self._run(calls, timeout_s)
+            return self._run(calls, timeout_s, cancel, wake_r)
         finally:
             with self._state:
-                self._running = False
-            self._drain_wake()
+                self._wake = None
+                wake_w.close()
+            wake_r.close()
 
-    def cancel(self) -> None:
-        """From another thread: stop the `run` in progress, if one is (none: nothing happens): its busy workers are
-        killed (replaced at the next run) and it raises CallsCancelled. A call that hangs would otherwise hold the
-        caller up to its time limit."""
+    def wake(self) -> None:
+        """From another thread: the `run` in progress, if any, reads its `cancel` event now rather than at its next
+        answer."""
         with self._state:
-            if not self._running or self._cancelled:
-                return
-            self._cancelled = True
-            self._wake_w.send_bytes(b"x")  # (one byte a run: `run` reads it before it returns)
+            if self._wake is not None:
+                try:
+                    self._wake.send_bytes(b"x")
+                except OSError:  # its pipe is full: a byte is waiting already
+                    pass
 
-    def _drain_wake(self) -> None:
-        while self._wake_r.poll():
-            self._wake_r.recv_bytes()
-
-    def _check_cancelled(self) -> None:
-        with self._state:
-            cancelled = self._cancelled
-        if cancelled:
+    def _stop_if_cancelled(self, cancel: Optional[threading.Event]) -> None:
+        if cancel is not None and cancel.is_set():
             for w in [w for w in self._workers if w.queue or not w.ready]:  # their calls (or start) are abandoned
                 w.stop()
                 self._workers.remove(w)
             raise CallsCancelled(f"the {self.what} calls were cancelled: the run stops")
 
-    def _run(self, calls: list[tuple], timeout_s: float) -> tuple[list[Outcome], list[bool]]:
+    def _run(self, calls: list[tuple], timeout_s: float, cancel: Optional[threading.Event],
+             wake: Optional[Connection]) -> tuple[list[Outcome], list[bool]]:
         outcomes: list[Optional[Outcome]] = [None] * len(calls)
         late = [False] * len(calls)
         todo = deque(range(len(calls)))
@@ -266,7 +269,7 @@ class RewardWorkers:
 
         depth = QUEUE_DEPTH if self._fast() else 1  # (the calls of earlier runs decide)
         while todo or any(w.queue for w in self._workers):
-            self._check_cancelled()
+            self._stop_if_cancelled(cancel)
             for w in self._workers:
                 while w.ready and todo and len(w.queue) < depth:
                     i = todo[0]
@@ -281,9 +284,10 @@ class RewardWorkers:
             waiting = [w for w in self._workers if w.queue or not w.ready]
             deadline = min(w.head_since + timeout_s + KILL_GRACE_S if w.queue else w.started + WORKER_START_TIMEOUT_S
                            for w in waiting)
-            for conn in wait([*(w.conn for w in waiting), self._wake_r], timeout=max(0.0, deadline - time.monotonic())):
-                if conn is self._wake_r:
-                    self._check_cancelled()
+            woken = [wake] if wake is not None else []
+            for conn in wait([*(w.conn for w in waiting), *woken], timeout=max(0.0, deadline - time.monotonic())):
+                if conn is wake:
+                    self._stop_if_cancelled(cancel)
                     continue
                 w = next(w for w in waiting if w.conn is conn)
                 try:
@@ -369,12 +373,12 @@ _POOL: Optional[RewardWorkers] = None
 POOL_LOCK = threading.Lock()
 
 
-def cancel_calls() -> None:
-    """From another thread: stop the limited reward calls in progress in this process (the pool's `run`, which then
-    raises CallsCancelled), if any are."""
+def wake_calls() -> None:
+    """From another thread, after setting the `cancel` event a reward pool's `run` was given: that run reads it now
+    (and raises CallsCancelled), rather than at its next answer."""
     pool = _POOL
     if pool is not None:
-        pool.cancel()
+        pool.wake()
 
 
 def workers_for(fn: RewardFn, processes: Optional[int] = None, memory_mb: Optional[int] = None) -> RewardWorkers:
@@ -390,6 +394,7 @@ def workers_for(fn: RewardFn, processes: Optional[int] = None, memory_mb: Option
     if not same:
         if _POOL is not None:
             _POOL.close()
+            atexit.unregister(_POOL.close)  # (held by atexit, a replaced pool would stay alive until exit)
             _POOL = None
         _POOL = RewardWorkers(fn, processes, memory_mb=memory_mb)
         atexit.register(_POOL.close)

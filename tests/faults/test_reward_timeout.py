@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
@@ -77,10 +78,11 @@ def test_slow_calls_go_one_at_a_time():
 
 
 def test_cancel_stops_a_hung_call_at_once_and_the_pool_scores_again(monkeypatch):
-    """`cancel` from another thread (the rollout stream closing: a run stopped at once) wakes `run` from its wait on a
-    call that would hang until its limit (600 s here): the busy worker is killed, `run` raises CallsCancelled, and
-    the next run scores on a new worker. The cancel lands while `run` waits for the hung call's answer (a hook on
-    the pool's wait, once the call was sent)."""
+    """The `cancel` event of a run, set from another thread (the rollout stream closing: a run stopped at once) and
+    then `wake`, wakes `run` from its wait on a call that would hang until its limit (600 s here): the busy worker
+    is killed, `run` raises CallsCancelled, and the next run scores on a new worker. The cancel lands while `run`
+    waits for the hung call's answer (a hook on the pool's wait, once the call was sent); one set before `run` starts
+    stops it too (none is lost between the two); a run leaves no descriptor open."""
     import threading
 
     ok, hung = (("17", "7"), {}), (("7", "7"), {})  # `hangs` hangs on "7"
@@ -92,30 +94,36 @@ def test_cancel_stops_a_hung_call_at_once_and_the_pool_scores_again(monkeypatch)
             waiting.set()
         return real_wait(objects, timeout)
 
-    monkeypatch.setattr(worker_pool, "wait", spy)
     raised: list[BaseException] = []
+    cancel = threading.Event()
 
     def score() -> None:
         try:
-            pool.run([hung], 600.0)
+            pool.run([hung], 600.0, cancel)
         except BaseException as exc:  # noqa: BLE001 - what run raised, for the assertions
             raised.append(exc)
 
     try:
+        pool.run([ok], 60.0)  # the worker started (its descriptors are the pool's from now on)
+        fds = len(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(worker_pool, "wait", spy)
         thread = threading.Thread(target=score)
         thread.start()
         assert waiting.wait(60)
         busy = [w.process for w in pool._workers]
         t0 = time.perf_counter()
-        pool.cancel()
+        cancel.set()
+        pool.wake()
         thread.join(30)
         assert not thread.is_alive() and time.perf_counter() - t0 < 10
         assert len(raised) == 1 and isinstance(raised[0], worker_pool.CallsCancelled), raised
         assert [p.poll() is not None for p in busy] == [True]  # the hung call's worker is gone
-        outcomes, late = pool.run([ok] * 2, 60.0)  # a new worker; no cancel left over
+        with pytest.raises(worker_pool.CallsCancelled):  # set before the run: it sends nothing
+            pool.run([hung], 600.0, cancel)
+        pool.wake()  # no run in progress: nothing happens
+        outcomes, late = pool.run([ok] * 2, 60.0, threading.Event())  # a new worker; a new event
         assert [o[0] for o in outcomes] == [1.0, 1.0] and late == [False, False]
-        pool.cancel()  # no run in progress: nothing happens
-        assert [o[0] for o in pool.run([ok], 60.0)[0]] == [1.0]
+        assert len(os.listdir("/proc/self/fd")) == fds  # each run's wake pipe is closed with it
     finally:
         pool.close()
 

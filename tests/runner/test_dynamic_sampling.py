@@ -65,6 +65,9 @@ class FakeScorer:
     def signal(self, samples, scores):
         return group_signal(torch.tensor(scores.rewards), scores.failed, G)
 
+    def cancel(self):
+        pass
+
 
 def expected(steps: int, round_prompts: int, max_rounds: int) -> list[tuple[list[int], list[int], int, int]]:
     """Brute force over the draw order: per step (chosen prompts, prompts set aside, rounds, groups filled in)."""

@@ -345,15 +345,21 @@ class HeldScorer:
         self.cancelled.wait(30)  # (bounded: the code before never cancels, and its close waits for this)
         raise RuntimeError("the reward calls were cancelled")
 
+    def signal(self, samples, scores):
+        return [True] * (len(samples) // 4)
+
     def cancel(self):
         self.cancelled.set()
 
 
-def test_closing_the_stream_stops_the_reward_calls_in_progress_rather_than_waiting_for_them():
+@pytest.mark.parametrize("filtered", [False, True])
+def test_closing_the_stream_stops_the_reward_calls_in_progress_rather_than_waiting_for_them(filtered):
     """A run stopped at once (a second Ctrl-C) leaves the stream while a batch is being scored: the stream cancels
     those calls (`Scoring.cancel`) and closes at once, instead of waiting for the slowest of them (before: up to 60 s
-    a thread, however long a hung reward call took)."""
-    cfg = config("sync", None, steps=2)
+    a thread, however long a hung reward call took). Scored by the scoring thread, or by the pump with dynamic
+    sampling (`filtered`: rollout.filter_groups)."""
+    cfg = load_config([*CONFIG_BASE, "train.mode=sync", "train.num_rollout=2", *(
+        ["rollout.filter_groups=true", "rollout.over_sampling_batch_size=2"] if filtered else [])])
     scorer = HeldScorer()
     stream = RolloutStream(cfg, FakeEngines(random.Random(0)), Prompts(), start_step=0, scorer=scorer)
     stream.publish(0, "w0")

@@ -10,6 +10,7 @@ with the same function.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,12 +26,12 @@ from relax.rewards.combined import RewardList, score_list
 from relax.rewards.registry import Scores, score_responses, warn_failed_score
 from relax.rewards.remote import RemoteReward, RewardServiceError
 from relax.rewards.shaping import overlong_penalty
-from relax.rewards.worker_pool import cancel_calls
+from relax.rewards.worker_pool import wake_calls
 from relax.runner.errors import RunError
 
 
 def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, items: Sequence[Any], n: int,
-          reward_model: Any = None) -> Scores:
+          reward_model: Any = None, cancel: Optional[threading.Event] = None) -> Scores:
     """Decode the responses and score them against their prompt's label (`n` responses per item); with
     `data.reward_error=raise` the first failing call stops the run, with its traceback.
 
@@ -41,9 +42,12 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
     added by weight (`with_reward_model`).
 
     A list `data.reward` (`reward_fn` a `relax.rewards.combined.RewardList`): the weighted sum of its entries
-    (`data.reward_weights`), each entry's rewards kept for its metric (`score_list`)."""
+    (`data.reward_weights`), each entry's rewards kept for its metric (`score_list`).
+
+    `cancel` (`Scorer.cancel`): set from another thread, it stops the reward calls in worker processes
+    (CallsCancelled)."""
     if reward_model is not None:
-        scores = score(cfg, tokenizer, reward_fn, samples, items, n) if reward_fn is not None or \
+        scores = score(cfg, tokenizer, reward_fn, samples, items, n, cancel=cancel) if reward_fn is not None or \
             samples.episodes is not None else Scores(rewards=[0.0] * len(samples), failed=[False] * len(samples))
         return with_reward_model(cfg, tokenizer, samples, items, n, scores, reward_model)
 
@@ -73,11 +77,11 @@ def score(cfg: RelaxConfig, tokenizer: Any, reward_fn: Any, samples: Samples, it
             scores = score_list(reward_fn, cfg.data.reward_weights, texts, labels, prompts,
                                 timeout_s=cfg.data.reward_timeout_s, service_options=cfg.data.reward_service,
                                 contexts=contexts, workers=cfg.data.reward_workers,
-                                memory_mb=cfg.data.reward_memory_mb)
+                                memory_mb=cfg.data.reward_memory_mb, cancel=cancel)
         else:
             scores = score_responses(reward_fn, texts, labels, prompts, timeout_s=cfg.data.reward_timeout_s,
                                      contexts=contexts, workers=cfg.data.reward_workers,
-                                     memory_mb=cfg.data.reward_memory_mb)
+                                     memory_mb=cfg.data.reward_memory_mb, cancel=cancel)
     except RewardServiceError as exc:  # past data.reward_service.max_errors: the run stops with its message
         raise RunError(str(exc)) from None
     if episodes is not None:
@@ -368,14 +372,17 @@ class Scorer:
         self.cfg, self.tokenizer, self.reward_fn = cfg, tokenizer, reward_fn
         self.reward_model = reward_model
         self.group_size = cfg.rollout.n_samples_per_prompt
+        self.cancelled = threading.Event()  # `cancel`: the stream closes, no batch is scored after
 
     def score(self, items: Sequence[Any], samples: Samples) -> Scores:
-        return score(self.cfg, self.tokenizer, self.reward_fn, samples, items, self.group_size, self.reward_model)
+        return score(self.cfg, self.tokenizer, self.reward_fn, samples, items, self.group_size, self.reward_model,
+                     cancel=self.cancelled)
 
     def cancel(self) -> None:
-        """From another thread: stop the reward calls of the `score` in progress (those in worker processes, under
-        data.reward_timeout_s; it raises CallsCancelled)."""
-        cancel_calls()
+        """From another thread: stop the reward calls of the `score` in progress, or of one about to start (those in
+        worker processes, under data.reward_timeout_s: it raises CallsCancelled); for good, the stream is closing."""
+        self.cancelled.set()
+        wake_calls()
 
     def signal(self, samples: Samples, scores: Scores) -> list[bool]:
         rewards, _ = trained_rewards(self.cfg, samples, scores)

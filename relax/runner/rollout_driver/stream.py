@@ -241,9 +241,10 @@ class RolloutStream:
             if self._running is not None:
                 self._asked.add(self._running)
                 self.engines.abort(self._running)
-            # a batch being scored is never taken now: its reward calls are stopped rather than waited for (a run
-            # stopped at once, by a second Ctrl-C, would otherwise wait for the slowest of them)
-            if self._scoring is not None and self.scorer is not None:
+            # a batch being scored (by the scoring thread, or by the pump for dynamic sampling) is never taken now:
+            # its reward calls are stopped rather than waited for (a run stopped at once, by a second Ctrl-C, would
+            # otherwise wait for the slowest of them), and so are those of a batch about to be scored
+            if self.scorer is not None:
                 self.scorer.cancel()
             self._cond.notify_all()
         for thread in self._threads:
