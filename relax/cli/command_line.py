@@ -34,8 +34,23 @@ def searchpath_dirs(args: list[str]) -> list[Path]:
 
 
 # Hydra's flags that each choose what its main does: one of them at most (else Hydra's ValueError, a traceback)
-MODE_FLAGS = {"-m": "-m", "--multirun": "-m", "-c": "--cfg", "--cfg": "--cfg", "-i": "--info", "--info": "--info",
-              "-sc": "--shell-completion", "--shell-completion": "--shell-completion"}
+MODE_FLAGS = {"-m": "-m", "--multirun": "-m", "-r": "--run", "--run": "--run", "-c": "--cfg", "--cfg": "--cfg",
+              "-i": "--info", "--info": "--info", "-sc": "--shell-completion",
+              "--shell-completion": "--shell-completion"}
+# Hydra's other flags that start as a mode flag does (`-cp` is not `-c p`)
+_NOT_MODE = ("-cp", "-cn", "-cd", "-sc")
+
+
+def mode_flag(arg: str) -> str | None:
+    """The mode flag (`MODE_FLAGS`' long form) that the argument `arg` gives as argparse reads it: the flag itself,
+    a long one with its value (`--cfg=job`), a short one with its value attached (`-cjob`); else None."""
+    if arg in MODE_FLAGS:
+        return MODE_FLAGS[arg]
+    if arg.startswith("--"):
+        return MODE_FLAGS.get(arg.partition("=")[0])
+    if arg.startswith(("-c", "-i")) and not arg.startswith(_NOT_MODE):
+        return MODE_FLAGS[arg[:2]]
+    return None
 
 
 # the flags naming the directory of a config of its own (`-cp`), as the check parses them
@@ -91,7 +106,10 @@ def config_dir_searchpath(args: list[str], conf: Path | None = None) -> list[str
                                "file:///b])")
     (i, n, value), = given
     directory = Path(os.path.abspath(Path(value).expanduser()))  # as Hydra reads it (os.path.abspath)
-    if not value or not directory.is_dir():
+    if not value:
+        raise CommandLineError(f"{shown[0]}: no directory given (-cd/--config-dir adds a directory of YAML options to "
+                               "Hydra's search path)")
+    if not directory.is_dir():
         raise CommandLineError(f"{shown[0]}: {directory} is not a directory (-cd/--config-dir adds a directory of "
                                "YAML options to Hydra's search path)")
     rest = [*args[:i], *args[i + n:]]

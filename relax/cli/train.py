@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 from relax.cli.command_line import (
-    MODE_FLAGS,
     CommandLineError,
     absolute_config_path,
     config_dir_searchpath,
+    mode_flag,
     multirun_flag,
     own_config_launcher,
     searchpath_dirs,
@@ -124,7 +124,7 @@ def help_text(args: list[str] | None = None) -> str:
 def _precheck(args: list[str]) -> None:
     """Compose and validate before Hydra's main runs (each job of a sweep; composition only for --cfg), so that
     every mistake is one clear message (exit 2) before anything starts."""
-    given = list(dict.fromkeys(MODE_FLAGS[a] for a in args if a in MODE_FLAGS))
+    given = list(dict.fromkeys(flag for a in args if (flag := mode_flag(a)) is not None))
     if len(given) > 1:
         _fail(f"{' and '.join(given)} cannot be given together: Hydra does one of them (to see a sweep job's config, "
               "give that job's values with --cfg job, without -m)")

@@ -322,8 +322,9 @@ class Session:
         if masked and not self._said_masked:
             self._said_masked = True
             self.note(f"{step_name(step)}: every kept response ended by length, and algorithm.mask_truncated leaves "
-                      "those out of the loss: the step trained nothing (rollout/truncated_masked_frac 1.0 marks it; "
-                      "said once); raise rollout.max_response_len, or set algorithm.mask_truncated=false")
+                      "those out of the loss: the step trained nothing (rollout/truncated_masked_frac plus "
+                      "rollout/reward_dropped_frac is 1.0 at such a step; said once); raise rollout.max_response_len, "
+                      "or set algorithm.mask_truncated=false")
         if kept and trained and self.restarts is not None:
             self.restarts.trained.add(step)
         if not kept:

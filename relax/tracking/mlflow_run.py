@@ -300,7 +300,8 @@ def sqlite_store_problem(uri: str, cwd: Optional[str] = None) -> Optional[str]:
     try:
         try_writing(Path(existing))
     except OSError as exc:
-        what = "cannot be written" if existing == directory else f"cannot be created ({directory} does not exist)"
+        what = ("cannot be written" if Path(existing) == Path(directory)
+                else f"cannot be created ({directory} does not exist)")
         return f"{where} {what}: nothing can be created in {existing} ({exc.strerror or exc}){fix}"
     if os.path.exists(db):
         try:

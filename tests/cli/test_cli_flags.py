@@ -118,6 +118,9 @@ def test_a_config_dir_that_is_not_there_or_given_twice_is_one_line(tmp_path, cap
     assert code == 2, err
     assert err.strip() == (f"relax-train: error: -cd nope: {tmp_path / 'nope'} is not a directory (-cd/--config-dir "
                            "adds a directory of YAML options to Hydra's search path)")
+    code, _, err = relax_train(["--config-dir=", "seed=1"], capfd)  # no directory: not "the working directory"
+    assert code == 2 and err.strip() == ("relax-train: error: --config-dir=: no directory given (-cd/--config-dir adds "
+                                         "a directory of YAML options to Hydra's search path)"), err
     code, _, err = relax_train(["-cd", "a", "--config-dir=a", "seed=1"], capfd)
     assert code == 2, err
     assert err.startswith("relax-train: error: -cd a and --config-dir=a: -cd/--config-dir is given 2 times and Hydra "
@@ -284,6 +287,11 @@ def test_help_lists_the_options_of_the_directories_on_the_search_path(tmp_path, 
 @pytest.mark.parametrize("args, says", [
     (["-m", "seed=1,2", "--cfg", "job"], "-m and --cfg cannot be given together"),
     (["--cfg", "job", "seed=1", "--info"], "--cfg and --info cannot be given together"),
+    # the forms argparse reads too: Hydra's --run, a long flag's =value, a short flag's attached value
+    (["-r", "seed=1", "--cfg", "job"], "--run and --cfg cannot be given together"),
+    (["--cfg=job", "-m", "seed=1,2"], "--cfg and -m cannot be given together"),
+    (["-cjob", "seed=1", "--info"], "--cfg and --info cannot be given together"),
+    (["--info=config", "-m", "seed=1,2"], "--info and -m cannot be given together"),
 ])
 def test_flags_that_each_choose_what_hydra_does_are_refused_together_in_one_line(tmp_path, capfd, monkeypatch,
                                                                                  args, says):
