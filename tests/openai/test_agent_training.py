@@ -32,10 +32,10 @@ GATEWAY = ["rollout=sglang", "rollout.sglang.server=embedded", "rollout.num_repl
 
 def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path, trained_batches, monkeypatch):
     # five prompts, all of them in each rollout: every kind of agent in every step (the time limit leaves the agents
-    # that answer room on a loaded machine; one that still runs past it counts as a time-out, nothing else). The
-    # agent that hangs does so in step 0 only (a hang costs its step the whole time limit) and raises in step 1,
-    # which runs on the agent workers that replaced the ones killed at the limit: the driver tells the agents which
-    # job runs
+    # that answer room on a loaded machine: each of their runs is a few calls of at most 6 new tokens of the tiny
+    # model, a small fraction of it; one that still runs past it counts as a time-out, nothing else). The agent that
+    # hangs does so in step 0 only (a hang costs its step the whole time limit) and raises in step 1, which runs on
+    # the agent workers that replaced the ones killed at the limit: the driver tells the agents which job runs
     from gateway_agents import BARRIER_ENV
 
     from relax.serve.openai.agents import AgentRollout
@@ -50,7 +50,7 @@ def test_agent_programs_train_through_the_gateway(ray_local, small_run, tmp_path
         return agent_run(self, items, sample_ids, **kw)
 
     monkeypatch.setattr(AgentRollout, "run", run_job)
-    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:mixed", "data.agent_timeout_s=20",
+    cfg = load_config(small_run(*GATEWAY, "data.openai_agent=gateway_agents:mixed", "data.agent_timeout_s=8",
                                 "algorithm.use_tis=true", "rollout.max_turns=8", "data.num_prompts=5",
                                 "rollout.rollout_batch_size=5", "train.micro_batch_size=5", steps=2))
     result = run(cfg, output_dir=tmp_path / "out")
