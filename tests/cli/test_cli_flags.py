@@ -11,20 +11,16 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
-import hydra
 import pytest
 from hydra._internal.utils import get_args_parser
-from hydra.core.hydra_config import HydraConfig
+from hydra_inprocess import hydra_main
 from relax_train_inprocess import relax_train
 
-from relax.config import conf_dir, register_configs
 from tests.cli.test_plugins import write_plugin
 
 ABSOLUTE = ["tracking.uri=sqlite:////shared/mlflow.db", "train.save_dir=/shared/ckpt", "hydra.run.dir=/shared/out"]
@@ -42,25 +38,11 @@ def model_dir(root: Path, **options: int) -> Path:
 def hydras_hidden_size(args: list[str], where: Path) -> int:
     """model.hidden_size of the config Hydra's own main composes for `relax-train <args>` (its -cd read by Hydra),
     with a task that only records it."""
-    register_configs()
     seen: list[int] = []
-    argv, root = sys.argv, logging.getLogger()
-    handlers, level = list(root.handlers), root.level
     extra = ["hydra/launcher=basic", f"hydra.run.dir={where}", "hydra/job_logging=disabled",
              "hydra/hydra_logging=disabled"]
     at = next(i for i, a in enumerate(args) if "=" in a and not a.startswith("-"))  # beside the overrides
-    sys.argv = ["relax-train", *args[:at], *extra, *args[at:]]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(
-                lambda cfg: seen.append(cfg.model.hidden_size))()
-    finally:
-        sys.argv = argv
-        HydraConfig.instance().cfg = None
-        for handler in set(root.handlers) - set(handlers):
-            root.removeHandler(handler)
-        root.setLevel(level)
+    hydra_main([*args[:at], *extra, *args[at:]], lambda cfg: seen.append(cfg.model.hidden_size))
     (hidden,) = seen
     return hidden
 

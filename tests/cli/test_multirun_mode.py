@@ -6,18 +6,15 @@ hydra.run.dir while Hydra made hydra.sweep.dir (the read-only case: tests/faults
 
 from __future__ import annotations
 
-import logging
-import sys
-import warnings
 from pathlib import Path
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra_inprocess import hydra_main
 
 from relax.cli.command_line import multirun_flag, sweeps
 from relax.cli.config_check import problems
 from relax.cli.train import output_dir_problem
-from relax.config import conf_dir, register_configs
+from relax.config import conf_dir
 
 # each way of giving Hydra's run mode, beside -m (Hydra's own verdict on each is what the test compares against)
 COMMAND_LINES = [
@@ -38,26 +35,13 @@ COMMAND_LINES = [
 def hydra_mode(args: list[str], where: Path) -> str:
     """How Hydra's own main runs `relax-train <args>` (RUN or MULTIRUN, as the job sees it in HydraConfig), with
     Hydra's basic launcher in this process and a task that only records it."""
-    register_configs()
     seen: list[str] = []
 
     def task(_) -> None:
         seen.append(HydraConfig.get().mode.name)
 
-    argv, root = sys.argv, logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    sys.argv = ["relax-train", *args, "hydra/launcher=basic", f"hydra.run.dir={where / 'run'}",
-                f"hydra.sweep.dir={where / 'sweep'}", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-    try:
-        with warnings.catch_warnings():  # -m with hydra.mode=RUN: Hydra warns that -m wins
-            warnings.filterwarnings("ignore", r"\s*Running Hydra app with --multirun", UserWarning)
-            hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(task)()
-    finally:
-        sys.argv = argv
-        HydraConfig.instance().cfg = None
-        for handler in set(root.handlers) - set(handlers):
-            root.removeHandler(handler)
-        root.setLevel(level)
+    hydra_main([*args, "hydra/launcher=basic", f"hydra.run.dir={where / 'run'}", f"hydra.sweep.dir={where / 'sweep'}",
+                "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"], task)
     (mode,) = seen
     return mode
 
