@@ -78,7 +78,7 @@ class Preempted(Signalled):
             text = f"{name} received: stopped at once"
         if self.latest is not None:
             return f"{text}; train.resume=auto continues from {self.latest}"
-        return f"{text}; no checkpoint was committed (a new run starts from step 0)"
+        return f"{text}; no checkpoint was committed (a new run starts from step 1)"
 
 
 class Preemption:

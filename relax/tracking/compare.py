@@ -49,6 +49,7 @@ from relax.tracking.mlflow_run import (
     resolve_tracking_uri,
 )
 from relax.tracking.params import RESUMABLE_CHANGES, TAG_ARM, TAG_SEED, TAG_SWEEP_ID
+from relax.tracking.progress import steps_name
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -538,8 +539,9 @@ def summarize(runs: Sequence[RunData], metrics: Sequence[str], *, control: Optio
                 comp.stats.append(ArmStats(metric, arm, len(finals), mean, std, sorted(finals, key=_natural),
                                            finals, tails))
         if len(last_steps) > 1:
-            where = "; ".join(f"step {s}: " + (", ".join(who[:4]) + (f" and {len(who) - 4} more" if len(who) > 4
-                                                                       else ""))
+            where = "; ".join(f"{_step_name(metric, s)}: " + (", ".join(who[:4])
+                                                                  + (f" and {len(who) - 4} more" if len(who) > 4
+                                                                     else ""))
                               for s, who in sorted(last_steps.items()))
             comp.notes.append(f"{metric}: the runs' last values are at different steps ({where}): their final values "
                               "are not of the same point in training")
@@ -879,9 +881,30 @@ def _steps_text(steps: Sequence[int]) -> str:
     return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}..{steps[-1]}"
 
 
+def _steps_named(metric: str, steps: Sequence[int], listed: bool = False, word: bool = True) -> str:
+    """Steps of `metric` (MLflow's numbers, sorted) as the output names them: an evaluation's as logged (the number
+    of steps trained in the weights it evaluated); a training metric's as the progress line counts them (MLflow's
+    step + 1, `step 3/3` once done), then as MLflow numbers them, to find them there (docs/operations.md, "Training
+    steps are named ..."): "steps 1, 2, 3 (MLflow steps 0..2)". `listed`: every step, comma-separated; `word`: with
+    the leading "step(s)"."""
+    text = (lambda xs: ", ".join(map(str, xs))) if listed else _steps_text
+    s = "s" if len(steps) > 1 else ""
+    lead = f"step{s} " if word else ""
+    if metric.startswith(EVAL_PREFIX):
+        return lead + text(steps)
+    consecutive = not listed and len(steps) > 1 and steps[-1] - steps[0] == len(steps) - 1
+    mlflow = f"{steps[0]}..{steps[-1]}" if consecutive else text(steps)
+    return f"{lead}{text([x + 1 for x in steps])} (MLflow step{s} {mlflow})"
+
+
+def _step_name(metric: str, step: int) -> str:
+    """One step of `metric` (MLflow's number) as `_steps_named` names it: "step 3 (MLflow step 2)", "step 4"."""
+    return f"step {step}" if metric.startswith(EVAL_PREFIX) else steps_name([step])
+
+
 def describe_final(metric: str, k: int, tails: Sequence[Sequence[int]]) -> str:
     """What a run's final value of `metric` is, with how many values went in and at which steps (`tails`: each
-    run's steps that were averaged)."""
+    run's steps that were averaged, MLflow's numbers; named as `_steps_named` names them)."""
     what = "evaluation" if metric.startswith(EVAL_PREFIX) else "value"
     option = "--eval-last-k" if what == "evaluation" else "--last-k"
     distinct = sorted({tuple(t) for t in tails})
@@ -890,12 +913,12 @@ def describe_final(metric: str, k: int, tails: Sequence[Sequence[int]]) -> str:
     if len(distinct) == 1:
         steps = list(distinct[0])
         if len(steps) == 1:
-            return f"final value = each run's last {what} (step {steps[0]}; {option} {k})"
+            return f"final value = each run's last {what} ({_steps_named(metric, steps)}; {option} {k})"
         fewer = ", all there are" if len(steps) < k else ""
-        return f"final value = mean of each run's last {len(steps)} {what}s (steps {_steps_text(steps)}{fewer}; " \
+        return f"final value = mean of each run's last {len(steps)} {what}s ({_steps_named(metric, steps)}{fewer}; " \
                f"{option} {k})"
     counts = sorted({len(t) for t in distinct})
-    lasts = ", ".join(map(str, sorted({t[-1] for t in distinct})))
+    lasts = _steps_named(metric, sorted({t[-1] for t in distinct}), listed=True, word=False)
     if counts == [1]:
         return f"final value = each run's last {what} ({option} {k}; the runs' last steps differ: {lasts})"
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
@@ -997,8 +1020,8 @@ def _csv_num(x: float) -> str:
 
 def write_csv(comp: Comparison, path: Path) -> Path:
     """One row per (metric, arm): n, mean, std, seeds, per-seed finals, the number of last values each is the mean
-    of (`last_k`) and their steps per seed (`final_steps`), and the paired difference to the control with its
-    verdict."""
+    of (`last_k`) and their steps per seed (`final_steps`, MLflow's step numbers: a training metric's step 1 of the
+    progress line is 0 there), and the paired difference to the control with its verdict."""
     path.parent.mkdir(parents=True, exist_ok=True)
     diffs = {(d.metric, d.arm): d for d in comp.diffs}
     with open(path, "w", newline="") as f:

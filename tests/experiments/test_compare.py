@@ -612,7 +612,8 @@ def test_eval_final_is_the_last_evaluation_with_verdicts(tmp_path, fresh_store, 
     compare_main(["--uri", uri, "--experiment", "e", "--control", "c", "--out", str(tmp_path / "o"), "--no-log"])
     out = capsys.readouterr().out
     assert f"{E}: final value = each run's last evaluation (step 30; --eval-last-k 1); mean and std" in out
-    assert f"{R}: final value = mean of each run's last 10 values (steps 20..29; --last-k 10); mean and std" in out
+    assert f"{R}: final value = mean of each run's last 10 values (steps 21..30 (MLflow steps 20..29); --last-k 10); " \
+        "mean and std" in out
     # last evaluations: c 0.3, 0.5 (mean 0.4); x 0.6, 0.7: differences 0.3, 0.2, mean 0.25, sd 0.0707, t(1 dof) CI
     # 0.25 +- 12.706 * 0.05 = [-0.385, 0.885]: contains 0. Rewards: x - c = 1 for both seeds (sd 0): CI [1, 1]
     assert re.search(r"^  x\s+2\s+\+0\.2500\s+-0\.3853\s+\+0\.8853\s+t, 1 dof\s+1,2$", out, re.M), out
@@ -626,6 +627,55 @@ def test_eval_final_is_the_last_evaluation_with_verdicts(tmp_path, fresh_store, 
     x = next(s for s in comp.stats if s.metric == E and s.arm == "x")
     assert x.finals == pytest.approx({"1": 0.3, "2": 1 / 3}) and x.tails == {"1": [10, 20, 30], "2": [10, 20, 30]}
     assert "mean of each run's last 3 evaluations (steps 10, 20, 30; --eval-last-k 3)" in render(comp)
+
+
+def _header_steps(text: str) -> list[int]:
+    """`a, b, c` or `a..b` of a header: the numbers it names (a range: every one of them)."""
+    if ".." in text:
+        first, last = map(int, text.split(".."))
+        return list(range(first, last + 1))
+    return [int(x) for x in text.split(", ")]
+
+
+def test_training_steps_are_named_as_the_progress_line_counts_them_then_as_mlflow(tmp_path, fresh_store):
+    """relax-compare names a training metric's steps as the progress line does (its MLflow step + 1: `step 3/3` is
+    MLflow step 2), then MLflow's numbers (docs/operations.md, "Verifying a run"); an evaluation's step is MLflow's
+    (the number of steps trained), as logged; the CSV's final_steps keeps MLflow's numbers. Checked against the
+    steps the runs were logged at: the header's numbers are those + 1. Before, the header printed MLflow's steps
+    bare (`steps 0, 1, 2`) beside the evaluation's `step 3`."""
+    T, L = "rollout/turns_mean", "train/loss"
+    logged = {R: [0, 1, 2], T: [0, 2], E: [3]}  # turns_mean at every other step; the evaluation after 3 steps
+    ends = {("c", "1"): 2, ("c", "2"): 2, ("x", "1"): 2, ("x", "2"): 4}  # x seed 2's loss runs 2 steps longer
+
+    def run(arm, seed):
+        points = {m: [(s, 0.1 * s + (arm == "x")) for s in steps] for m, steps in logged.items()}
+        points[L] = [(s, 1.0 - 0.1 * s) for s in range(ends[arm, seed] + 1)]
+        return {"arm": arm, "seed": seed}, {}, points, "FINISHED"
+
+    uri, _ = _runs_store(tmp_path, fresh_store, [run(a, s) for a, s in ends])
+    result = compare(uri=uri, experiment="e", control="c", metrics=[R, T, E], last_k=10, out_dir=tmp_path / "o",
+                     log=False)
+    text = render(result.comparison)
+    for metric in (R, T):
+        header = next(line for line in text.splitlines() if line.startswith(f"{metric}: final value = "))
+        m = re.search(r"\(steps ([\d., ]+) \(MLflow steps ([\d., ]+)\)(, all there are)?; --last-k 10\)", header)
+        assert m, header
+        assert _header_steps(m[2]) == logged[metric], header  # MLflow's numbers, as logged
+        assert _header_steps(m[1]) == [s + 1 for s in logged[metric]], header  # the progress line's: + 1
+    assert f"{R}: final value = mean of each run's last 3 values (steps 1, 2, 3 (MLflow steps 0..2), all there are; " \
+        "--last-k 10)" in text
+    assert f"{T}: final value = mean of each run's last 2 values (steps 1, 3 (MLflow steps 0, 2), all there are; " \
+        "--last-k 10)" in text
+    assert f"{E}: final value = each run's last evaluation (step 3; --eval-last-k 1)" in text  # as logged
+    rows = list(csv.DictReader(open(result.csv_path)))
+    assert {r["final_steps"] for r in rows if r["metric"] == R} == {"1=0, 1, 2;2=0, 1, 2"}  # MLflow's numbers
+    # runs that end at different steps: the header and the note name them so too
+    one = render(compare(uri=uri, experiment="e", control="c", metrics=[L], last_k=1, out_dir=tmp_path / "o1",
+                         log=False).comparison)
+    assert f"{L}: final value = each run's last value (--last-k 1; the runs' last steps differ: 3, 5 (MLflow " \
+        "steps 2, 4))" in one
+    note = next(line for line in one.splitlines() if "last values are at different steps" in line)
+    assert "(step 3 (MLflow step 2): " in note and "; step 5 (MLflow step 4): " in note, note
 
 
 def test_a_sweep_continued_by_another_and_a_control_named_by_its_value(tmp_path, fresh_store):

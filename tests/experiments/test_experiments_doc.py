@@ -125,12 +125,13 @@ def test_the_compare_output_shown_is_what_relax_compare_prints(page):
     assert len(headers) >= COMPARE_OUTPUTS[page], headers
     for line in headers:
         metric, _, rest = line.partition(": ")
-        m = re.fullmatch(r"final value = .*\(steps? ([\d., ]+?)(?:, all there are)?; --(?:eval-)?last-k (\d+)\)"
-                         r"; mean and std over seeds", rest)
+        # a training metric's steps as the progress line counts them, then MLflow's (which the runs logged)
+        m = re.fullmatch(r"final value = .*\(steps? ([\d., ]+?)(?: \(MLflow steps? ([\d., ]+)\))?"
+                         r"(?:, all there are)?; --(?:eval-)?last-k (\d+)\); mean and std over seeds", rest)
         assert m, f"not a header relax-compare prints: {line}"
         count = re.match(r"final value = mean of each run's last (\d+) ", rest)
-        steps = _steps(m[1], int(count[1]) if count else None)
-        assert f"{metric}: {describe_final(metric, int(m[2]), [steps])}; mean and std over seeds" == line
+        steps = _steps(m[2] or m[1], int(count[1]) if count else None)
+        assert f"{metric}: {describe_final(metric, int(m[3]), [steps])}; mean and std over seeds" == line
     verdicts = [line for line in lines if line.startswith("verdict for ")]
     assert verdicts
     for line in verdicts:

@@ -81,7 +81,7 @@ def test_without_save_on_preempt_a_signal_stops_at_once():
             time.sleep(5)
     assert preemption.requested is None
     assert info.value.exit_code == 130 and str(info.value) == ("SIGINT received: stopped at once; no checkpoint was "
-                                                               "committed (a new run starts from step 0)")
+                                                               "committed (a new run starts from step 1)")
     # train.save=false writes no checkpoint to stop with: at once too
     assert not Preemption.from_config(load_config(["train.save=false"])).save
 
