@@ -182,10 +182,12 @@ def observation_roles(data: Any) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def check_template(tokenizer: Any, model_name: str, roles: Sequence[str] = OBSERVATION_ROLES) -> None:
+def check_template(tokenizer: Any, model_name: str, roles: Sequence[str] = OBSERVATION_ROLES,
+                   template: Optional[str] = None) -> None:
     """Raises ValueError, one message naming `model_name` and what its chat template does wrong, unless observations
     of every role in `roles` (`tool`, `user`) can be rendered after a model turn: the template renders without an
-    error, keeps the assistant's content, and writes the observation's content after it."""
+    error, keeps the assistant's content, and writes the observation's content after it. `template`: the option that
+    gave the template (`model.chat_template='<path>'`), which the message names in place of the model's files."""
     problems: list[str] = []
     try:
         renderer = ObservationRenderer(tokenizer)
@@ -204,10 +206,14 @@ def check_template(tokenizer: Any, model_name: str, roles: Sequence[str] = OBSER
     except ValueError as exc:  # no chat template
         problems.append(str(exc))
     if problems:
+        if template is not None:
+            raise ValueError(f"{template} (the chat template of model {model_name!r}) cannot render the "
+                             f"observations of an agentic rollout after a model turn: {'; '.join(problems)}. Change "
+                             "that file so that it renders tool results and user messages after assistant messages")
         raise ValueError(f"model {model_name!r}: its chat template cannot render the observations of an agentic "
                          f"rollout after a model turn: {'; '.join(problems)}. Give the model a chat template that "
                          "renders tool results and user messages after assistant messages (chat_template in its "
-                         "tokenizer_config.json or chat_template.jinja)")
+                         "tokenizer_config.json or chat_template.jinja, or model.chat_template=<file>)")
 
 
 def parser_choice(spec: str, tokenizer: Any) -> str:

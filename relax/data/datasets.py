@@ -93,6 +93,11 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+# how a prompt's message names the template; a run with model.chat_template names the option and its file instead
+# (`relax.runner.preflight._data`)
+TEMPLATE_WORDS = "the model's chat template"
+
+
 def render_prompt(
     prompt: Union[str, list[dict[str, str]]],
     tokenizer: Any,
@@ -106,7 +111,8 @@ def render_prompt(
     `system_prompt` as a system message, rendered with `add_generation_prompt=True`, or by `render` where given (a
     run with data.tools: the template with the tools' schemas, as the gateway renders them). Without: the string
     itself, or a message list's contents joined by newlines. A `system_prompt` that cannot apply (no template,
-    or a message list with its own system message) is a ValueError, never silently dropped.
+    or a message list with its own system message) is a ValueError, never silently dropped; so is a template that
+    fails on the prompt or renders it as an empty text (blank, or reading a key the messages lack).
     """
     if system_prompt and not (apply_chat_template and has_chat_template(tokenizer)):
         raise ValueError("data.system_prompt needs the chat template (data.apply_chat_template=true and a tokenizer "
@@ -115,11 +121,15 @@ def render_prompt(
         messages = prompt_messages(prompt, system_prompt)
         try:
             if render is not None:
-                return render(messages), True
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = render(messages)
+            else:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:  # e.g. a template that refuses a role the prompt uses (a worked tool example)
             roles = ", ".join(dict.fromkeys(m.get("role", "?") for m in messages))
-            raise ValueError(f"the model's chat template cannot render this prompt (roles: {roles}): {exc}") from None
+            raise ValueError(f"{TEMPLATE_WORDS} cannot render this prompt (roles: {roles}): {exc}") from None
+        if not text.strip():  # a template that reads no message (a typo'd key renders as ''): nothing to generate after
+            raise ValueError(f"{TEMPLATE_WORDS} renders this prompt as an empty text (does it read "
+                             "message['content']?)")
         return text, True
     if isinstance(prompt, str):
         return prompt, False
@@ -216,8 +226,11 @@ class PromptDataset(Sequence[PromptItem]):
                     text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt, render)
                 except ValueError as exc:
                     raise DataError(f"{where}: {exc}") from None
-                cache[cache_key] = (text, tokenize_prompt(text, tokenizer, templated),
-                                    prompt_messages(prompt, system_prompt) if templated else None)
+                ids = tokenize_prompt(text, tokenizer, templated)
+                if templated and not ids:
+                    raise DataError(f"{where}: {TEMPLATE_WORDS} renders this prompt as no token (does it read "
+                                    "message['content']?)")
+                cache[cache_key] = (text, ids, prompt_messages(prompt, system_prompt) if templated else None)
             text, ids, messages = cache[cache_key]
             check_text_prompt(vision, text, ids, where)  # no vision tokens, no <image> markers without images
             if max_prompt_len is not None and len(ids) > max_prompt_len:

@@ -70,7 +70,15 @@ from relax.config.derive import agentic, teacher_model
 from relax.config.evaluation import default_eval_set_name, evaluates
 from relax.config.reward_model_rules import has_role
 from relax.config.schema import DataConfig, ModelConfig, RelaxConfig
-from relax.data.datasets import DataError, PromptItem, PromptRenderer, PromptSampler, build_datasets, build_eval_sets
+from relax.data.datasets import (
+    TEMPLATE_WORDS,
+    DataError,
+    PromptItem,
+    PromptRenderer,
+    PromptSampler,
+    build_datasets,
+    build_eval_sets,
+)
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.gguf_cache import gguf_config
 from relax.models.lora import check_adapter_dir, check_adapter_tokenizer, check_targets
@@ -308,7 +316,22 @@ def tools_renderer(cfg: RelaxConfig, tokenizer: Any, eos_token_ids: Sequence[int
     return render
 
 
+def template_name(cfg: RelaxConfig) -> Optional[str]:
+    """`model.chat_template='<path>'` where the run sets it (the template the messages about it name, in place of the
+    model's own), else None."""
+    return f"model.chat_template={cfg.model.chat_template!r}" if cfg.model.chat_template else None
+
+
 def _data(pre: Preflight) -> None:
+    try:
+        _load_data(pre)
+    except (DataError, ValueError) as exc:
+        if (name := template_name(pre.cfg)) is None or TEMPLATE_WORDS not in str(exc):
+            raise
+        raise DataError(str(exc).replace(TEMPLATE_WORDS, name)) from None
+
+
+def _load_data(pre: Preflight) -> None:
     cfg = pre.cfg
     render = tools_renderer(cfg, pre.tokenizer, pre.info.eos_token_ids if pre.info is not None else ())
     pre.train_set, default_eval = build_datasets(cfg, pre.tokenizer, render)
@@ -391,11 +414,16 @@ def _agent(pre: Preflight) -> bool:
     if not agentic(cfg):
         return False
     # observations render after a turn; the environment, tools or agent loop load here, so a bad name fails now
-    check_template(pre.tokenizer, cfg.model.name, observation_roles(cfg.data))
+    name = template_name(cfg)
+    if name is not None and name in pre.problems.get("data", ""):
+        # the data check failed on the same file: one cause, one line (the observations are not tried)
+        said = [f"chat template not checked ({name} failed the data check); env, tools, agent load"]
+    else:
+        check_template(pre.tokenizer, cfg.model.name, observation_roles(cfg.data), name)
+        said = ["chat template renders observations; env, tools, agent load"]
     maker = EpisodeMaker.for_config(cfg)
     if maker is not None:
         maker.close()
-    said = ["chat template renders observations; env, tools, agent load"]
     if cfg.data.tools:
         said.append(parser_choice(cfg.data.tool_parser, pre.tokenizer))
     loop = ("data.env", cfg.data.env) if cfg.data.env else ("data.agent", cfg.data.agent) if cfg.data.agent else None
