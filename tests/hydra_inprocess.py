@@ -31,6 +31,9 @@ def hydra_state() -> Iterator[None]:
         for handler in set(root.handlers) - set(handlers):
             root.removeHandler(handler)
             handler.close()
+        for handler in handlers:  # (Hydra's logging config removes the ones it finds)
+            if handler not in root.handlers:
+                root.addHandler(handler)
         root.setLevel(level)
         for name, lg in list(logging.Logger.manager.loggerDict.items()):
             if isinstance(lg, logging.Logger):

@@ -14,7 +14,6 @@ unpickled, Parquet extension metadata included).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pickle
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hydra_inprocess import hydra_state
 
 from relax.runner.cluster import RayRuntime
 
@@ -177,28 +177,13 @@ CASES = [
 
 
 def relax_train(args: list[str], capfd) -> tuple[int, str]:
-    """`relax-train ARGS` in this process: (exit code, stdout + stderr). What Hydra's main leaves behind (its job
-    config, the root logger's handlers and level) is put back, so later tests in this process do not see it."""
-    from hydra.core.hydra_config import HydraConfig
-
+    """`relax-train ARGS` in this process: (exit code, stdout + stderr). What Hydra's main leaves behind is put back
+    (`hydra_state`), so later tests in this process do not see it."""
     from relax.cli import train as cli
 
-    argv, root = sys.argv, logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    sys.argv = ["relax-train", *args]
-    try:
-        with pytest.raises(SystemExit) as info:
-            cli.main()
-    finally:
-        sys.argv = argv
-        HydraConfig.instance().cfg = None
-        for handler in set(root.handlers) - set(handlers):
-            root.removeHandler(handler)
-            handler.close()
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
-        root.setLevel(level)
+    with hydra_state(), pytest.raises(SystemExit) as info:
+        sys.argv = ["relax-train", *args]
+        cli.main()
     out, err = capfd.readouterr()
     return info.value.code, out + err
 
