@@ -11,6 +11,13 @@ from relax.serve.openai.service import OpenAIService
 from relax.serve.openai.sessions import Limits
 
 
+def answer(ids: list[int], finish: str, logprob: float = -0.5) -> dict:
+    """One /generate answer of `ids`, each token with `logprob`, ended as `finish` ("stop": the caller ends `ids` with
+    the stop token; "length": cut by max_tokens)."""
+    return {"meta_info": {"output_token_logprobs": [[logprob, t, None] for t in ids], "finish_reason": {"type": finish},
+                          "weight_version": "0"}}
+
+
 def limits(**kw) -> Limits:
     return Limits(**{"max_calls": 8, "max_tokens": 400, "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0,
                      "top_k": -1, "seed": 0, **kw})

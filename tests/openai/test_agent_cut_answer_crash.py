@@ -19,6 +19,7 @@ import importlib.util
 import logging
 
 import torch
+from scripted import answer
 
 from relax.batch import FinishReason
 from tests.agents.templates import family_tokenizer
@@ -43,9 +44,7 @@ class CutScript:
             whole = prompt[prompt.rfind("<|im_start|>user"):].startswith("<|im_start|>user\nwhole")
             ids = self.tok.encode("Done." if whole else "The answer is", add_special_tokens=False) + (
                 [self.tok.eos_token_id] if whole else [])
-            out.append({"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],
-                                      "finish_reason": {"type": "stop" if whole else "length"},
-                                      "weight_version": "0"}})
+            out.append(answer(ids, "stop" if whole else "length"))
         return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scripted import answer
 
 from relax.batch import FinishReason
 from tests.agents.templates import family_tokenizer
@@ -41,9 +42,7 @@ class CutScript:
             whole = "whole" in tail
             text = "Done." if whole else "<think>\nLet me" if "think" in tail else "The answer is"
             ids = self.tok.encode(text, add_special_tokens=False) + ([self.tok.eos_token_id] if whole else [])
-            out.append({"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],
-                                      "finish_reason": {"type": "stop" if whole else "length"},
-                                      "weight_version": "0"}})
+            out.append(answer(ids, "stop" if whole else "length"))
         return out
 
 

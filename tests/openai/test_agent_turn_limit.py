@@ -19,6 +19,7 @@ import importlib.util
 import json
 
 import torch
+from scripted import answer
 
 from relax.batch import FinishReason
 from tests.agents.templates import family_tokenizer
@@ -45,8 +46,7 @@ class Script:
             text = ("<tool_call>\n" + json.dumps({"name": "step", "arguments": {}}) + "\n</tool_call>"
                     if "<tools>" in prompt else "Fine.")
             ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.eos_token_id]
-            out.append({"meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],
-                                      "finish_reason": {"type": "stop"}, "weight_version": "0"}})
+            out.append(answer(ids, "stop"))
         return out
 
 
