@@ -415,7 +415,7 @@ _SIBLINGS_SHOWN = 3
 
 def resume_note(cfg: RelaxConfig, cwd: Optional[Path] = None) -> Optional[str]:
     """What `train.resume=auto` will do, in one line (None for any other train.resume): which checkpoint it continues,
-    or that there is none in the save directory, so that the run starts at step 0 as a new run. A new run is what
+    or that there is none in the save directory, so that the run starts at step 1 as a new run. A new run is what
     `auto` means then (as in verl and TRL), but the directory is named by the seed and run name: a changed seed starts
     afresh. So the note also names checkpoints of the same experiment whose config differs from this run's only in
     the seed or run name (`_NAMING_FIELDS`): most often the run the user meant to continue. The dry run's checkpoints
@@ -427,7 +427,7 @@ def resume_note(cfg: RelaxConfig, cwd: Optional[Path] = None) -> Optional[str]:
     if done:
         path, state = done[-1]
         return f"train.resume=auto continues {path} (step {_int(state.get('step'))})"
-    text = f"train.resume=auto: no checkpoint in {save_dir}, so this run starts at step 0 as a new run"
+    text = f"train.resume=auto: no checkpoint in {save_dir}, so this run starts at step 1 as a new run"
     others = _same_run_elsewhere(cfg, save_dir)
     if others:
         listed = "; ".join(f"{path} (step {step}, {how})" for path, step, how in others[:_SIBLINGS_SHOWN])

@@ -57,7 +57,7 @@ class Restarts:
     def next(self, cfg: RelaxConfig, failure: RoleFailure) -> RelaxConfig:
         """The config of the next attempt: resuming the latest checkpoint. RunError once the limit is reached."""
         latest = checkpoint.latest(checkpoint.resolve_save_dir(cfg)) if cfg.train.save else None
-        where = f"checkpoint {latest}" if latest is not None else "step 0 (no checkpoint yet)"
+        where = f"checkpoint {latest}" if latest is not None else "the first step (no checkpoint yet)"
         self._take(failure, f"restarted from {where}")
         self.graph_restarts += 1
         print(f"{step_name(self.step)}: {failure}; restarting the service graph from {where} "

@@ -139,7 +139,8 @@ class Session:
                  restarts: Restarts | None = None):
         self.cfg, self.plan, self.output_dir, self.dictconfig = cfg, plan, output_dir, dictconfig
         self.checkpoints = checkpoints
-        # a restart with nothing to resume (no checkpoint yet): the MLflow run of the attempt before, from step 0
+        # a restart with nothing to resume (no checkpoint yet): the MLflow run of the attempt before, from the first
+        # step
         self.restart_run_id = restart_run_id
         self.restarts = restarts  # the run's restarts so far (its start time, the summary's restarts line)
         self._said_empty = False  # a step with every group left out was said (`log`)
@@ -225,7 +226,8 @@ class Session:
             if not reopen:  # a reopened run's is decided from what it holds (`_eval_step_tag`)
                 tags[EVAL_STEP_TAG] = EVAL_STEP_WEIGHTS
             if reopen:
-                tags[RESUMED_TAG] = resume_text(resume) if resume is not None else "step 0 (a restart)"
+                tags[RESUMED_TAG] = resume_text(resume) if resume is not None else \
+                    "no checkpoint (a restart from the first step)"
                 self._reopened = True
                 try:
                     self.tracker = Tracker.reopen(cfg.tracking, reopen_id, options, from_step=self.start_step,
@@ -504,7 +506,7 @@ class Session:
         if self.cfg.train.save_failures == "stop":
             intact = f"the latest committed checkpoint, {kept}, stays valid" if kept is not None else \
                 "no checkpoint was committed before it"
-            then = "to continue from it" if kept is not None else "(it starts from step 0 without a checkpoint)"
+            then = "to continue from it" if kept is not None else "(it starts from the first step without a checkpoint)"
             raise RunError(f"{what}. The run stops (train.save_failures=stop); {intact}. Once {ckpts.save_dir} has "
                            f"space and is writable again, run with train.resume=auto {then}.")
         self.checkpoint_failures += 1

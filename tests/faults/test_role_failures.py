@@ -25,6 +25,7 @@ from relax.runner.errors import RunError
 from relax.runner.restarts import RESTARTS_TAG
 from relax.runner.step_metrics import RAW_REWARD
 from relax.runner.train import run
+from relax.tracking.mlflow_run import RESUMED_TAG
 
 # its tests share module-scoped fixtures: one xdist worker runs them in a row
 pytestmark = [pytest.mark.xdist_group("role_failures"),
@@ -239,7 +240,8 @@ def test_without_a_checkpoint_the_restart_begins_at_step_0_in_the_same_mlflow_ru
     assert mlrun.info.status == "FINISHED" and died == [1]
     assert_every_step_once(client, mlrun)
     assert re.search(r"step 2: actor died", mlrun.data.tags[RESTARTS_TAG])
-    assert "restarting the service graph from step 0 (no checkpoint yet)" in capfd.readouterr().err
+    assert "restarting the service graph from the first step (no checkpoint yet)" in capfd.readouterr().err
+    assert mlrun.data.tags[RESUMED_TAG] == "no checkpoint (a restart from the first step)"
     assert_same_as(uninterrupted, tmp_path, client, mlrun)
 
 

@@ -44,12 +44,12 @@ def test_a_restarted_run_counts_its_time_from_its_start_and_says_it_restarted(in
     result = train.run(cfg, output_dir=tmp_path / "out")
     assert failed == [0] and [s for s, _ in result.history] == [0, 1]
     err = capsys.readouterr().err
-    assert "restarting the service graph from step" in err, err
+    assert "restarting the service graph from the first step" in err, err
     (wall,) = re.findall(r"^  wall time +(\d+) s$", err, re.M)
     assert HOUR <= int(wall) < HOUR + 600, err
     (restarts,) = re.findall(r"^  restarts +(.*)$", err, re.M)
     assert restarts.startswith("1 of train.max_restarts=") and "actor died: injected by the test; restarted from " \
-        "step 0 (no checkpoint yet)" in restarts, restarts
+        "the first step (no checkpoint yet)" in restarts, restarts
     progress = re.findall(r"^step +2/2 .*\| elapsed (\S+) \| eta (\S+)$", err, re.M)
     assert progress and progress[-1][0].startswith("1:0"), err  # h:mm:ss past the hour
     assert all(m[OVERHEAD_TIME] >= 0 for _, m in result.history if OVERHEAD_TIME in m)

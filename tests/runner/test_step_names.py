@@ -38,8 +38,9 @@ def test_the_restart_messages_name_the_step_the_progress_line_would_show(capsys)
     restarts.next(cfg, RoleFailure("actor", "hung: no heartbeat for 10 s"))
     err = capsys.readouterr().err
     assert err.startswith(f"{progress_name(0)}: actor hung: no heartbeat for 10 s; restarting the service graph from "
-                          "step 0 (no checkpoint yet) (restart 1 of train.max_restarts=3)"), err
-    assert restarts.events == ["step 1: actor hung: no heartbeat for 10 s; restarted from step 0 (no checkpoint yet)"]
+                          "the first step (no checkpoint yet) (restart 1 of train.max_restarts=3)"), err
+    assert restarts.events == ["step 1: actor hung: no heartbeat for 10 s; restarted from the first step "
+                               "(no checkpoint yet)"]
     restarts.step = 4
     restarts.replace_in_place(RoleFailure("rollout[1]", "died"))
     assert capsys.readouterr().err.startswith("step 5: rollout[1] died; replacing it (restart 2 of ")
