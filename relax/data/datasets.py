@@ -93,9 +93,23 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-# how a prompt's message names the template; a run with model.chat_template names the option and its file instead
-# (`relax.runner.preflight._data`)
+# how a prompt's message names the model's own chat template; a run with model.chat_template names the option and
+# its file instead (`template_words`)
 TEMPLATE_WORDS = "the model's chat template"
+# the check that the chat template reads the messages (`_reads_messages`) gives each message the first of these texts
+# that differs from its own
+_PROBE_TEXTS = ("What is 7 + 5?", "Name a colour.")
+
+
+def template_words(chat_template: Optional[str]) -> str:
+    """How a message names the chat template prompts are rendered with: `model.chat_template='<path>'` where the
+    run sets it (the template that replaces the model's own), else `TEMPLATE_WORDS`."""
+    return f"model.chat_template={chat_template!r}" if chat_template else TEMPLATE_WORDS
+
+
+def config_template_words(cfg: Any) -> str:
+    """`template_words` of a run's config (its `model.chat_template`)."""
+    return template_words(getattr(getattr(cfg, "model", None), "chat_template", None))
 
 
 def render_prompt(
@@ -104,6 +118,8 @@ def render_prompt(
     apply_chat_template: bool = True,
     system_prompt: Optional[str] = None,
     render: Optional[PromptRenderer] = None,
+    template: str = TEMPLATE_WORDS,
+    check_reads: bool = False,
 ) -> tuple[str, bool]:
     """The prompt text the model sees and whether the chat template produced it.
 
@@ -112,7 +128,10 @@ def render_prompt(
     run with data.tools: the template with the tools' schemas, as the gateway renders them). Without: the string
     itself, or a message list's contents joined by newlines. A `system_prompt` that cannot apply (no template,
     or a message list with its own system message) is a ValueError, never silently dropped; so is a template that
-    fails on the prompt or renders it as an empty text (blank, or reading a key the messages lack).
+    fails on the prompt or renders it as an empty text (blank, or reading a key the messages lack), and, with
+    `check_reads` (a data set's first prompt), one that reads no message's text (a fixed text): it renders the
+    prompt with other texts in its messages as the same text, so it would render every prompt alike. `template`: how
+    the messages name the template (`template_words`).
     """
     if system_prompt and not (apply_chat_template and has_chat_template(tokenizer)):
         raise ValueError("data.system_prompt needs the chat template (data.apply_chat_template=true and a tokenizer "
@@ -120,20 +139,40 @@ def render_prompt(
     if apply_chat_template and has_chat_template(tokenizer):
         messages = prompt_messages(prompt, system_prompt)
         try:
-            if render is not None:
-                text = render(messages)
-            else:
-                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = _render_messages(messages, tokenizer, render)
         except TemplateError as exc:  # e.g. a template that refuses a role the prompt uses (a worked tool example)
             roles = ", ".join(dict.fromkeys(m.get("role", "?") for m in messages))
-            raise ValueError(f"{TEMPLATE_WORDS} cannot render this prompt (roles: {roles}): {exc}") from None
+            raise ValueError(f"{template} cannot render this prompt (roles: {roles}): {exc}") from None
         if not text.strip():  # a template that reads no message (a typo'd key renders as ''): nothing to generate after
-            raise ValueError(f"{TEMPLATE_WORDS} renders this prompt as an empty text (does it read "
+            raise ValueError(f"{template} renders this prompt as an empty text (does it read "
                              "message['content']?)")
+        if check_reads and not _reads_messages(messages, text, tokenizer, render):  # a fixed text: `{{ "hello" }}`
+            raise ValueError(f"{template} renders this prompt as the same text whatever its messages say, so every "
+                             "prompt alike (does it read message['content']?)")
         return text, True
     if isinstance(prompt, str):
         return prompt, False
     return "\n".join(m["content"] for m in prompt), False
+
+
+def _render_messages(messages: list[dict], tokenizer: Any, render: Optional[PromptRenderer]) -> str:
+    if render is not None:
+        return render(messages)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _reads_messages(messages: list[dict], text: str, tokenizer: Any, render: Optional[PromptRenderer]) -> bool:
+    """Whether the chat template reads the messages' texts: the same messages with another text in each render
+    otherwise than `text` (their render). A template that fails on those is taken to read them (the prompts'
+    own renders are what the check before ensures)."""
+    other = [{**m, "content": next(t for t in _PROBE_TEXTS if t != m["content"])} if isinstance(m.get("content"), str)
+             else m for m in messages]
+    if other == messages:  # no text to change (content parts alone)
+        return True
+    try:
+        return _render_messages(other, tokenizer, render) != text
+    except (TemplateError, ValueError):
+        return True
 
 
 def prompt_messages(prompt: Union[str, list[dict[str, str]]], system_prompt: Optional[str]) -> list[dict[str, str]]:
@@ -183,12 +222,14 @@ class PromptDataset(Sequence[PromptItem]):
         vision: Optional[VisionData] = None,
         render: Optional[PromptRenderer] = None,
         label_for: Optional[str] = "the reward",
+        template: str = TEMPLATE_WORDS,
     ) -> PromptDataset:
         """Render, tokenize and length-check records (see the module docstring for `prompt_overflow`). Records with
         images need `vision` (the processor of a vision-language model): a DataError naming the field otherwise.
         `render`: the text of a prompt's messages in place of the plain chat template (`render_prompt`).
         `label_for`: what reads the labels (`relax.config.derive.label_reader`); None: nothing does, and a record
-        without a label gets the label ""."""
+        without a label gets the label "". `template`: how messages name the chat template (`template_words`); the
+        first prompt rendered also checks that the template reads the messages (`render_prompt`'s `check_reads`)."""
         if prompt_overflow not in ("drop", "error"):
             raise DataError(f"data.prompt_overflow={prompt_overflow!r}: must be drop | error")
         cache: dict[str, tuple[str, list[int], Optional[list[dict]]]] = {}
@@ -223,12 +264,13 @@ class PromptDataset(Sequence[PromptItem]):
             cache_key = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
             if cache_key not in cache:
                 try:
-                    text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt, render)
+                    text, templated = render_prompt(prompt, tokenizer, apply_chat_template, system_prompt, render,
+                                                    template, check_reads=not cache)
                 except ValueError as exc:
                     raise DataError(f"{where}: {exc}") from None
                 ids = tokenize_prompt(text, tokenizer, templated)
                 if templated and not ids:
-                    raise DataError(f"{where}: {TEMPLATE_WORDS} renders this prompt as no token (does it read "
+                    raise DataError(f"{where}: {template} renders this prompt as no token (does it read "
                                     "message['content']?)")
                 cache[cache_key] = (text, ids, prompt_messages(prompt, system_prompt) if templated else None)
             text, ids, messages = cache[cache_key]
@@ -282,11 +324,12 @@ def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = Non
                      vision: Optional[VisionData] = None, keys: Optional[tuple[str, str]] = None,
                      key_fields: tuple[str, str] = ("data.prompt_key", "data.label_key"),
                      render: Optional[PromptRenderer] = None,
-                     label_for: Optional[str] = "the reward") -> PromptDataset:
+                     label_for: Optional[str] = "the reward", template: str = TEMPLATE_WORDS) -> PromptDataset:
     """A `PromptDataset` from a JSONL/Parquet file, with keys and options from `data_cfg` (a DataConfig); `keys`:
     (prompt key, label key) instead of data_cfg's, `key_fields`: the fields a missing key's message names; `vision`:
     a vision-language model's processor (relative image paths are read from the file's directory); `render`: see
-    `render_prompt`; `label_for`: what reads the labels (None: nothing, a record may have none; `read_records`)."""
+    `render_prompt`; `label_for`: what reads the labels (None: nothing, a record may have none; `read_records`);
+    `template`: how messages name the chat template (`template_words`)."""
     opts = _data_options(data_cfg)
     if keys is not None:
         opts.update(prompt_key=keys[0], label_key=keys[1])
@@ -296,7 +339,7 @@ def load_prompt_file(path: Union[str, Path], tokenizer: Any, data_cfg: Any = Non
     if vision is not None:
         vision = vision.at(Path(path).expanduser().parent)
     return PromptDataset.from_records(records, tokenizer, max_prompt_len=max_prompt_len, name=str(path),
-                                      vision=vision, render=render, label_for=label_for, **opts)
+                                      vision=vision, render=render, label_for=label_for, template=template, **opts)
 
 
 def _data_options(data_cfg: Any) -> dict[str, Any]:
@@ -316,7 +359,8 @@ def build_datasets(cfg: Any, tokenizer: Any,
                    render: Optional[PromptRenderer] = None) -> tuple[PromptDataset, Optional[PromptDataset]]:
     """(train, eval or None) from `cfg.data`, `cfg.rollout.max_prompt_len` and `cfg.seed`; `render`: how prompts'
     messages become text in place of the plain chat template (`render_prompt`; with data.tools, the tools' chat
-    format).
+    format). Messages about the chat template name it as `config_template_words` does (model.chat_template's file
+    where the run sets one).
 
     Sources, in order: `data.path` (eval: `data.eval_path`; required when `data.task=file`);
     `data.task=gsm8k` (prepared from $DATA_DIR, eval: its test split); else the synthetic `data.task`
@@ -330,6 +374,7 @@ def build_datasets(cfg: Any, tokenizer: Any,
     n_eval = data.num_eval_prompts
     vision = vision_data(cfg, tokenizer)
     opts = _data_options(data)
+    template = config_template_words(cfg)
     labels = label_reader(cfg)  # None: a record of the user's files may have no label
     train_path: Optional[Any] = data.path
     eval_path: Optional[Any] = data.eval_path
@@ -343,31 +388,33 @@ def build_datasets(cfg: Any, tokenizer: Any,
         # the prepared files are keyed prompt/label (relax.data.gsm8k); data.prompt_key / label_key name the fields
         # of the user's files (data.eval_path, data.eval_sets)
         own = ("prompt", "label")
-        train = load_prompt_file(prepared["train"], tokenizer, data, max_len, vision=vision, keys=own, render=render)
+        train = load_prompt_file(prepared["train"], tokenizer, data, max_len, vision=vision, keys=own, render=render,
+                                 template=template)
         evals = None
         if n_eval > 0 and (eval_path is not None or prepared.get("test") is not None):
             evals = load_prompt_file(eval_path or prepared["test"], tokenizer, data, max_len, limit=n_eval,
                                      vision=vision, keys=None if eval_path is not None else own, render=render,
-                                     label_for=labels)
+                                     label_for=labels, template=template)
         return train, evals
     if train_path is not None:
-        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision, render=render, label_for=labels)
+        train = load_prompt_file(train_path, tokenizer, data, max_len, vision=vision, render=render, label_for=labels,
+                                 template=template)
         evals = None
         if eval_path is not None and n_eval > 0:
             evals = load_prompt_file(eval_path, tokenizer, data, max_len, limit=n_eval, vision=vision, render=render,
-                                     label_for=labels)
+                                     label_for=labels, template=template)
         return train, evals
     opts.update(prompt_key="prompt", label_key="label")
     records = [(r, f"{data.task}:train:{i}") for i, r in enumerate(generate_task(data.task, data.num_prompts, seed))]
     if not records:
         raise DataError(f"data.num_prompts={data.num_prompts}: must be > 0")
     train = PromptDataset.from_records(records, tokenizer, max_prompt_len=max_len, name=f"{data.task}/train",
-                                       vision=vision, render=render, **opts)
+                                       vision=vision, render=render, template=template, **opts)
     evals = None
     if n_eval > 0:
         ev = [(r, f"{data.task}:eval:{i}") for i, r in enumerate(generate_task(data.task, n_eval, seed, "eval"))]
         evals = PromptDataset.from_records(ev, tokenizer, max_prompt_len=max_len, name=f"{data.task}/eval",
-                                           vision=vision, render=render, **opts)
+                                           vision=vision, render=render, template=template, **opts)
     return train, evals
 
 
@@ -394,7 +441,7 @@ def build_eval_sets(cfg: Any, tokenizer: Any, default: Optional[PromptDataset],
             out[name] = load_prompt_file(entry.path, tokenizer, data, cfg.rollout.max_prompt_len,
                                          limit=data.num_eval_prompts, vision=vision_data(cfg, tokenizer),
                                          keys=(entry.prompt_key, entry.label_key), key_fields=fields, render=render,
-                                         label_for=label_reader(cfg))
+                                         label_for=label_reader(cfg), template=config_template_words(cfg))
         except DataError as exc:
             problems.append(f"data.eval_sets.{name}: {exc}")
     if problems:

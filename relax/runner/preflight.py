@@ -40,7 +40,7 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
 - `gpus`: a local Ray instance gets the GPUs the plan needs from this machine.
 - `checkpoints`: the save directory is not in use by another run and can be created; the resume point
   (`train.resume`) exists, is intact and was written with a config this run may continue. With train.resume=auto the
-  dry run's line says which checkpoint the run continues, or that there is none and it starts at step 0
+  dry run's line says which checkpoint the run continues, or that there is none and it starts at step 1
   (`checkpoint.resume_note`, which the start prints too).
 
 `tool_parser` reads the config alone (`Check.config_only`, `CONFIG_CHECKS`): relax-submit runs it before it submits
@@ -71,13 +71,13 @@ from relax.config.evaluation import default_eval_set_name, evaluates
 from relax.config.reward_model_rules import has_role
 from relax.config.schema import DataConfig, ModelConfig, RelaxConfig
 from relax.data.datasets import (
-    TEMPLATE_WORDS,
     DataError,
     PromptItem,
     PromptRenderer,
     PromptSampler,
     build_datasets,
     build_eval_sets,
+    template_words,
 )
 from relax.data.tokenizer import check_model_files, load_tokenizer, resolve_model_path, stop_token_ids
 from relax.models.gguf_cache import gguf_config
@@ -319,19 +319,12 @@ def tools_renderer(cfg: RelaxConfig, tokenizer: Any, eos_token_ids: Sequence[int
 def template_name(cfg: RelaxConfig) -> Optional[str]:
     """`model.chat_template='<path>'` where the run sets it (the template the messages about it name, in place of the
     model's own), else None."""
-    return f"model.chat_template={cfg.model.chat_template!r}" if cfg.model.chat_template else None
+    return template_words(cfg.model.chat_template) if cfg.model.chat_template else None
 
 
 def _data(pre: Preflight) -> None:
-    try:
-        _load_data(pre)
-    except (DataError, ValueError) as exc:
-        if (name := template_name(pre.cfg)) is None or TEMPLATE_WORDS not in str(exc):
-            raise
-        raise DataError(str(exc).replace(TEMPLATE_WORDS, name)) from None
-
-
-def _load_data(pre: Preflight) -> None:
+    """The training prompts and eval sets load; a message about the chat template names model.chat_template's file
+    where the run sets one (`build_datasets` writes it)."""
     cfg = pre.cfg
     render = tools_renderer(cfg, pre.tokenizer, pre.info.eos_token_ids if pre.info is not None else ())
     pre.train_set, default_eval = build_datasets(cfg, pre.tokenizer, render)
