@@ -700,7 +700,7 @@ class Tracker:
                 v = float(value)
                 if not math.isfinite(v):
                     if key not in self.nonfinite_counts:
-                        logger.warning("metric %s is %s at step %d (%s)", key, v, step, self._nonfinite_action())
+                        logger.warning("metric %s is %s at MLflow step %d (%s)", key, v, step, self._nonfinite_action())
                     self.nonfinite_counts[key] = self.nonfinite_counts.get(key, 0) + 1
                     if self.nonfinite == "skip":
                         continue

@@ -192,6 +192,16 @@ def test_nonfinite_logged_on_request(tracking_cfg: TrackingConfig) -> None:
         start(tracking_cfg, nonfinite="drop")
 
 
+def test_a_nonfinite_metric_is_named_with_mlflows_step(tracking_cfg: TrackingConfig, caplog) -> None:
+    """The warning names the step as MLflow records it (0-based; the progress line's step 1 is MLflow's step 0)."""
+    with caplog.at_level("WARNING", logger="relax.tracking.mlflow_run"):
+        with start(tracking_cfg, nonfinite="log", background=False) as tracker:
+            tracker.log_metrics({"x": 1.0}, step=0)
+            tracker.log_metrics({"x": math.inf}, step=1)
+    assert [r.getMessage() for r in caplog.records if "is inf" in r.getMessage()] == \
+        ["metric x is inf at MLflow step 1 (logged)"]
+
+
 def test_text_and_file_artifacts(tracking_cfg: TrackingConfig, tmp_path: Path) -> None:
     local = tmp_path / "plan.json"
     local.write_text('{"roles": ["actor"]}')
