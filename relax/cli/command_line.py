@@ -1,5 +1,6 @@
 """relax-train's command line in the one form its checks and Hydra read: a relative `-cp` made absolute, `-cd DIR`
-given as Hydra's `hydra.searchpath`, a sweep by `hydra.mode=MULTIRUN` given as `-m`, a `-cp` config's sweep given
+given as Hydra's `hydra.searchpath`, a sweep by `hydra.mode=MULTIRUN` given as `-m`, a sweep that a config file sets
+(`hydra.mode: MULTIRUN`, `hydra.sweeper.params`) given as `-m` and its values, a `-cp` config's sweep given
 Relax's launcher; and the answers read off it (is it a sweep, which directories are on the search path). relax-train
 and relax-submit (which checks a job's command line as the job's relax-train will) both normalise with these."""
 
@@ -203,3 +204,105 @@ def own_config_launcher(args: list[str], conf: Path | None = None) -> list[str]:
     from relax.config.store import with_override
 
     return with_override(args, RELAX_LAUNCHER)  # among the overrides: before a flag (`--info`) that follows them
+
+
+SWEEPER_PARAMS_KEY = "hydra.sweeper.params"  # Hydra's BasicSweeper: a config's own sweep values, swept before the
+# command line's (a key the command line gives replaces its value, in its place)
+
+
+# the overrides that bring config files of the user's (or a plugin's) into the composition, where a sweep may be set:
+# a search path (-cd too, given as one), a plugin's conf, an experiment file; Relax's own conf/ sets none
+# (tests/cli/test_config_file_sweep.py), nor does a config of its own's absence
+SWEEP_FILE_KEYS = ("hydra.searchpath", "plugins", "experiment")
+
+
+def _override_key(override: str) -> str:
+    """An override's key, without Hydra's `+`/`++`/`~` and a group's `@package`."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+
+
+def _override_positions(args: list[str]) -> list[int]:
+    """The indices of the overrides in `args` (relax-train's command line): neither a flag (-m, -cp/-cn) nor a
+    flag's value."""
+    found, i = [], 0
+    while i < len(args):
+        if args[i] in OWN_CONFIG_FLAGS:
+            i += 2
+            continue
+        if args[i] not in MULTIRUN_FLAGS and args[i].split("=", 1)[0] not in OWN_CONFIG_FLAGS:
+            found.append(i)
+        i += 1
+    return found
+
+
+def config_sweep(args: list[str], conf: Path | None = None) -> list[str]:
+    """`args` (relax-train's command line, as `multirun_flag` gives it), with a sweep that its composed config sets
+    rather than the command line (a config of its own, `-cp <dir> -cn <name>`; an experiment file, `+experiment=...`;
+    a plugin's conf: `hydra.mode: MULTIRUN`, `hydra.sweeper.params: {seed: 1,2}`) given on the command line, as Hydra
+    runs it: Hydra's main reads the composed config's hydra.mode (Hydra >= 1.2) and its sweeper sweeps the params,
+    while every check of relax-train (and relax-submit's) reads the command line alone. A composed hydra.mode of
+    MULTIRUN is given as -m (`multirun_flag`'s form), and each param as `key=values` before the command line's
+    overrides, or the command line's override of its key moved there (Hydra's BasicSweeper sweeps the params first,
+    then the command line's, a key given again replacing the param's value in its place): the same jobs, in the same
+    order with the same overrides. Raises CommandLineError for a config's hydra.sweeper.params in a run (no -m and
+    no hydra.mode MULTIRUN), which Hydra ignores without a word. As given where another flag makes Hydra answer it
+    (--cfg, --info, ...), for a `pkg://` -cp, and where the config does not compose (the precheck names why)."""
+    from relax.cli.config_check import _launcher_override, first_of_sweeps
+
+    where, rest = own_config(args)
+    path = where.get("path")
+    if path is not None and (not path or "://" in path):
+        return list(args)
+    if any(a.startswith("-") and a not in MULTIRUN_FLAGS for a in rest):
+        return list(args)
+    sweep = any(a in MULTIRUN_FLAGS for a in rest)
+    overrides = [a for a in rest if a not in MULTIRUN_FLAGS]
+    if not where and not any(_override_key(o) in SWEEP_FILE_KEYS for o in overrides):
+        return list(args)  # Relax's own conf sets no sweep: nothing to compose (a compose costs every relax-train)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from relax.config.compose import compose
+    from relax.config.unknown_keys import compose_known
+
+    def composed_with(kept: list[str]):
+        return compose(kept, config_name=where.get("name") or "config", conf=Path(path) if path else conf, hydra=True)
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        # the first job's values; the launcher's options aside (a config of its own gets Relax's launcher after this:
+        # `own_config_launcher`), and a key or value it refuses left out (the precheck names it next)
+        first = [o for o in first_of_sweeps(overrides) if not _launcher_override(o)]
+        try:
+            composed = composed_with(first)
+        except Exception:  # noqa: BLE001 - the keys and values that compose, as the precheck composes them
+            composed = compose_known(composed_with, first)[0]
+        mode = OmegaConf.select(composed, MODE_KEY)
+        params = OmegaConf.select(composed, SWEEPER_PARAMS_KEY)
+    except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own errors: the precheck (or Hydra) names them
+        return list(args)
+    out = list(args)
+    if not sweep and getattr(mode, "name", mode) == "MULTIRUN":
+        out, sweep = ["-m", *out], True
+    if not params:
+        return out
+    given = [f"{key}={value}" for key, value in params.items()]  # as Hydra's BasicSweeper writes them
+    if not sweep:
+        raise CommandLineError(f"{SWEEPER_PARAMS_KEY} ({', '.join(given)}), set in the config, applies to sweeps only: "
+                               f"a run without -m ignores it (sweep with relax-train -m ..., or drop it)")
+    # each param in its place, or the command line's overrides of its key there (Hydra's sweeper keeps a key where it
+    # first comes, with its last value), then the command line's other overrides in their order
+    at = _override_positions(out)
+    block: list[str] = []
+    moved: set[int] = set()
+    try:
+        params_parsed = OverridesParser.create().parse_overrides(given)
+    except HydraException:  # Hydra's sweeper names it
+        return out
+    for param, override in zip(given, params_parsed, strict=True):
+        same = [j for j, o in enumerate(parsed) if o.get_key_element() == override.get_key_element()]
+        block += [out[at[j]] for j in same] if same else [param]
+        moved.update(same)
+    block += [out[at[j]] for j in range(len(at)) if j not in moved]
+    return [*(a for i, a in enumerate(out) if i not in set(at)), *block]

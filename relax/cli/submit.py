@@ -447,14 +447,17 @@ def check_config(overrides: list[str], *, working_dir: Path, env: dict[str, str]
     A relative `-cp` is read as the job reads it (`job_config_path`: from `exp_dir`, else `working_dir`); returns
     `overrides` with it so (what relax-submit's other checks compose: `job_configs`), and as relax-train normalises
     them before its own check: a `-cd` directory (read as a relative -cp is) as `hydra.searchpath`, a sweep by
-    `hydra.mode=MULTIRUN` as -m (`relax.cli.command_line.config_dir_searchpath`, `multirun_flag`)."""
-    from relax.cli.command_line import CommandLineError, config_dir_searchpath, multirun_flag
+    `hydra.mode=MULTIRUN` as -m, a sweep that the composed config sets (`hydra.mode: MULTIRUN`,
+    `hydra.sweeper.params`) on the command line (`relax.cli.command_line.config_dir_searchpath`, `multirun_flag`,
+    `config_sweep`)."""
+    from relax.cli.command_line import CommandLineError, config_dir_searchpath, config_sweep, multirun_flag
     from relax.cli.config_check import problems
 
     overrides, message = job_config_path(overrides, working_dir=working_dir, exp_dir=exp_dir)
     if message is None:
         try:
-            overrides = multirun_flag(config_dir_searchpath(overrides, _hydra_conf(working_dir)))
+            overrides = config_sweep(multirun_flag(config_dir_searchpath(overrides, _hydra_conf(working_dir))),
+                                     _hydra_conf(working_dir))
         except CommandLineError as exc:
             message = str(exc)
     if message is not None:

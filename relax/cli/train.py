@@ -9,6 +9,7 @@ from relax.cli.command_line import (
     CommandLineError,
     absolute_config_path,
     config_dir_searchpath,
+    config_sweep,
     mode_flag,
     multirun_flag,
     own_config_launcher,
@@ -269,6 +270,10 @@ def main() -> None:
         _fail(str(exc))
     register_configs()
     sys.argv[1:] = args = multirun_flag(args)  # a sweep by hydra.mode=MULTIRUN: -m, for every check below and Hydra
+    try:  # a sweep that a config file sets (hydra.mode: MULTIRUN, hydra.sweeper.params): on the command line too
+        sys.argv[1:] = args = config_sweep(args, conf)
+    except CommandLineError as exc:
+        _fail(str(exc))
     _precheck(args)  # a Hydra flag other than -m, --cfg, -cp and -cn (--info, ...): left to Hydra
     sys.argv[1:] = args = own_config_launcher(args, conf)
     if (problem := output_dir_problem(args, conf)) is not None:
