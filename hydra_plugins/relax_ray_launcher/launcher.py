@@ -77,6 +77,65 @@ FINAL_REWARD_STEPS = 10  # the table's final reward: the mean of the last 10 ste
 JOB_TAG = "relax.sweep_job"  # on each job's MLflow run: "<sweep id>/<job index>", how the table finds it
 JOBS_TAG = "relax.sweep_jobs"  # on the parent run: each job's status in the table, {"0": "FINISHED", "1": ...}
 NOT_STARTED = "NOT STARTED"  # a job that never ran: no process, no MLflow run
+# the last line a job writes to its stdout and to its stderr, with its index: the driver, which Ray forwards the jobs'
+# output to (log_to_driver), waits to see both for each job that returned before it leaves Ray (ray.shutdown drops
+# what Ray's log monitor has not yet forwarded), and keeps it from the output it prints
+OUTPUT_END = "relax-sweep-job-output-end"
+OUTPUT_END_WAIT_S = 30.0  # at most, for jobs whose last lines never come (a node lost after the job returned)
+
+
+class _OutputEnds:
+    """The ends of the jobs' forwarded output (`OUTPUT_END`), seen by Ray's handler of the forwarded lines in the
+    driver (`ray._private.worker.global_worker_stdstream_dispatcher`'s "ray_print_logs", there only with
+    log_to_driver), which this wraps so that the marks are not printed."""
+
+    NAME = "ray_print_logs"
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, bool]] = set()
+        self.changed = threading.Condition()
+        self.printer: Optional[Callable[[dict[str, Any]], None]] = None
+
+    def install(self) -> None:
+        from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
+
+        with dispatcher._lock:  # in place: no forwarded line is handled by neither
+            printers = [h for name, h in dispatcher.handlers if name == self.NAME]
+            if len(printers) != 1 or self.printer is not None:  # log_to_driver=False: nothing is forwarded
+                return
+            self.printer = printers[0]
+            dispatcher.handlers = [(n, self._handle if n == self.NAME else h) for n, h in dispatcher.handlers]
+
+    def uninstall(self) -> None:
+        """Ray's own handler back, where this one is still there (a Ray that goes on forwarding)."""
+        from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
+
+        with dispatcher._lock:
+            dispatcher.handlers = [(n, self.printer if h == self._handle else h) for n, h in dispatcher.handlers]
+        self.printer = None
+
+    def _handle(self, data: dict[str, Any]) -> None:
+        lines = data.get("lines") or []
+        ends = [line for line in lines if line.startswith(OUTPUT_END)]
+        if ends:
+            with self.changed:
+                self.seen.update((line, bool(data.get("is_err"))) for line in ends)
+                self.changed.notify_all()
+            lines = [line for line in lines if not line.startswith(OUTPUT_END)]
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        assert self.printer is not None
+        self.printer(data)
+
+    def wait(self, indices: Sequence[int], timeout: float) -> bool:
+        """Whether the end of each of the jobs `indices`' stdout and stderr arrived within `timeout` seconds (at
+        once: nothing is forwarded, or no job returned)."""
+        if self.printer is None:
+            return True
+        wanted = {(f"{OUTPUT_END} {i}", err) for i in indices for err in (False, True)}
+        with self.changed:
+            return self.changed.wait_for(lambda: wanted <= self.seen, timeout)
 
 
 class RayUnavailable(Exception):
@@ -145,8 +204,8 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
     if ret.status == JobStatus.FAILED:
         error = _error_text(ret._return_value)
         ret._return_value = None  # exceptions may not pickle; the text travels instead
-    sys.stdout.flush()
-    sys.stderr.flush()
+    print(f"{OUTPUT_END} {index}", flush=True)  # the job's last lines (`_OutputEnds`)
+    print(f"{OUTPUT_END} {index}", file=sys.stderr, flush=True)
     return _Outcome(index, ret, error, start, time.time())
 
 
@@ -188,6 +247,8 @@ class RelaxRayLauncher(Launcher):
         self.parent = None  # relax.tracking.Tracker of the sweep's parent run
         self.started_ray = False  # this launcher called ray.init (and so shuts Ray down, or leaves the cluster)
         self.joined: Optional[str] = None  # the address of the cluster it joined; None: a Ray of its own
+        self.output_ends = _OutputEnds()
+        self.returned: list[int] = []  # the jobs whose task returned (and so wrote the end of its output)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -491,6 +552,7 @@ class RelaxRayLauncher(Launcher):
         import ray
 
         if ray.is_initialized():
+            self.output_ends.install()
             return
         _, address = self._ray_address()
         kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
@@ -516,6 +578,7 @@ class RelaxRayLauncher(Launcher):
             raise RayUnavailable(f"cannot start or join Ray ({where}): {exc}; no sweep job started") from None
         self.started_ray = True
         self.joined = address
+        self.output_ends.install()
 
     def _ray_words(self) -> str:
         """The sweep's Ray in words, for each job's plan line (`relax.runner.plan.ray_source`)."""
@@ -529,10 +592,13 @@ class RelaxRayLauncher(Launcher):
     def _stop_ray(self) -> None:
         import ray
 
+        # the jobs' last lines, which Ray's log monitor forwards after the job returned (bounded: a lost node's never)
+        self.output_ends.wait(self.returned, OUTPUT_END_WAIT_S)
+        self.returned = []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
-        elif ray.is_initialized():
-            time.sleep(1.0)  # a joined cluster: give the forwarded job output a moment to arrive
+        # Ray's own printer back (a Ray this launcher did not start is left running; a shutdown removed it)
+        self.output_ends.uninstall()
         self.started_ray = False
 
     def _concurrency(self, n_jobs: int) -> int:
@@ -577,6 +643,7 @@ class RelaxRayLauncher(Launcher):
             k = running.pop(ref)
             try:
                 outcome = ray.get(ref)
+                self.returned.append(indices[k])
             except Exception as exc:  # noqa: BLE001 - a crashed worker, an unpicklable result, a cancelled task ...
                 if killed:
                     outcome = _Outcome(indices[k], None, None, submitted[k], time.time(), killed=True)
