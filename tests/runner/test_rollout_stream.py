@@ -73,7 +73,7 @@ class FakeEngines:
                        rollout_logp=-mask.float(), finish_reason=finish, weight_version=self.version,
                        sample_id=ids.clone(), token_version=mask * self.version)
 
-    def generate(self, prompts, sample_ids, *, seed, gen_id, items=None):
+    def generate(self, prompts, sample_ids, *, seed, gen_id, items=None, cancel=None):
         with self.lock:
             self.calls += 1
             G = len(sample_ids) // len(prompts)
@@ -89,6 +89,9 @@ class FakeEngines:
 
     def abort(self, gen_id):
         self.aborted.add(gen_id)
+
+    def wake(self):
+        pass
 
     def load_weights(self, weights, version):
         with self.lock:
@@ -367,6 +370,43 @@ def test_closing_the_stream_stops_the_reward_calls_in_progress_rather_than_waiti
         assert scorer.entered.wait(30)  # the first batch is being scored
         t0 = time.perf_counter()
     assert scorer.cancelled.is_set() and time.perf_counter() - t0 < 10
+
+
+class HeldAgentRuns(FakeEngines):
+    """An agent program's runs that no abort ends (they hang in their worker processes until data.agent_timeout_s):
+    `generate` holds until its `cancel` event is set and `wake` called, then raises as `AgentRollout.run` does;
+    `entered` once it holds."""
+
+    def __init__(self):
+        super().__init__(random.Random(0))
+        self.entered, self.woken = threading.Event(), threading.Event()
+        self.cancel: threading.Event | None = None
+
+    def generate(self, prompts, sample_ids, *, seed, gen_id, items=None, cancel=None):
+        self.cancel = cancel
+        self.entered.set()
+        self.woken.wait(30)  # (bounded: the code before never wakes it, and its close waits for this)
+        if cancel is not None and cancel.is_set():
+            raise RuntimeError("the agent calls were cancelled: the run stops")
+        return super().generate(prompts, sample_ids, seed=seed, gen_id=gen_id, items=items)
+
+    def wake(self):
+        self.woken.set()
+
+
+def test_closing_the_stream_cancels_the_agent_runs_in_flight_rather_than_waiting_for_them():
+    """A run stopped at once (a second Ctrl-C) leaves the stream while an agent program's runs are in flight, which an
+    abort does not end: the stream sets its engine call's `cancel` event and wakes the engines, and closes at once
+    (before: it aborted the call, which the runs ignore, and waited up to 60 s for the pump)."""
+    cfg = load_config([*CONFIG_BASE, "train.mode=sync", "train.num_rollout=2"])
+    engines = HeldAgentRuns()
+    stream = RolloutStream(cfg, engines, Prompts(), start_step=0)
+    stream.publish(0, "w0")
+    with stream:
+        assert engines.entered.wait(30)  # the first job's agent runs are in flight
+        assert engines.cancel is not None and not engines.cancel.is_set()
+        t0 = time.perf_counter()
+    assert engines.cancel.is_set() and time.perf_counter() - t0 < 10
 
 
 def overlap_s(stream: RolloutStream) -> float:

@@ -49,7 +49,8 @@ class ReplicaEngines:
         return self  # the replicas are Ray actors the cluster started and pinged
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
-                 evaluation: bool = False, items: list | None = None) -> Samples:
+                 evaluation: bool = False, items: list | None = None,
+                 cancel: threading.Event | None = None) -> Samples:
         n, G = len(self.replicas), len(sample_ids) // len(prompts)
         groups = sample_ids.view(len(prompts), G)
 
@@ -100,6 +101,9 @@ class ReplicaEngines:
     def abort(self, gen_id: int) -> None:
         for r in self.replicas:
             r.abort.remote(gen_id)
+
+    def wake(self) -> None:
+        """Nothing to wake: the embedded engines' calls end at their abort (`cancel` is for agent programs' runs)."""
 
     def stage_weights(self, weights, version: int) -> None:
         """Have every replica copy `weights` of `version` beside its generation (`RolloutWorker.stage_weights`);

@@ -424,8 +424,10 @@ class SGLangEngines:
         return self._done(out, t0)
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int, gen_id: int | None = None,
-                 evaluation: bool = False, items: list | None = None) -> Samples:
-        """Responses to `prompts`, a group each; with agentic data, episodes that start from `items`."""
+                 evaluation: bool = False, items: list | None = None,
+                 cancel: threading.Event | None = None) -> Samples:
+        """Responses to `prompts`, a group each; with agentic data, episodes that start from `items`. `cancel`: stops
+        an agent program's runs (`AgentRollout.run`), which no abort ends."""
         G = len(sample_ids) // len(prompts)
         rows = [p for p in prompts for _ in range(G)]
         sampling = self._sampling(evaluation)
@@ -434,7 +436,7 @@ class SGLangEngines:
                 raise ValueError("SGLangEngines.generate: an agent rollout needs the prompt items")
             t0 = time.perf_counter()
             return self._done(self.agents.run(items, sample_ids, seed=seed, temperature=sampling.temperature,
-                                              top_p=sampling.top_p, top_k=sampling.top_k), t0)
+                                              top_p=sampling.top_p, top_k=sampling.top_k, cancel=cancel), t0)
         vision = prompt_vision(items)
         if self.episodes is not None:
             if items is None:
@@ -460,6 +462,12 @@ class SGLangEngines:
         more = self._run(job.prompts, [int(b) for b in job.budgets], seeds, job.sample_ids, self._sampling(False),
                          gen_id, vision=partial.vision)
         return extend_responses(partial, more, pad_token_id=self.pad_token_id)
+
+    def wake(self) -> None:
+        """From another thread, once it set the `cancel` event of the `generate` in progress: the agent programs' runs
+        (data.openai_agent), which no abort ends, are cancelled now (`AgentRollout.wake`)."""
+        if self.agents is not None:
+            self.agents.wake()
 
     def abort(self, gen_id: int) -> None:
         """Interrupt generation `gen_id`: requests not sent yet return empty, the servers abort the rest (their

@@ -83,15 +83,21 @@ class Engines(Protocol):
     module docstring)."""
 
     def generate(self, prompts: list[list[int]], sample_ids: torch.Tensor, *, seed: int,
-                 gen_id: int | None, evaluation: bool = False, items: list | None = None) -> Samples:
+                 gen_id: int | None, evaluation: bool = False, items: list | None = None,
+                 cancel: threading.Event | None = None) -> Samples:
         """Responses for `prompts` (a group per prompt), rows in `sample_ids` order (`evaluation`: with the eval
-        sampling, rollout.eval_*); `items`: the prompts' items (an agentic rollout's episodes start from them)."""
+        sampling, rollout.eval_*); `items`: the prompts' items (an agentic rollout's episodes start from them);
+        `cancel`, set (then `wake`) from another thread, stops what no abort ends (an agent program's runs): the call
+        raises."""
 
     def resume(self, partial: Samples, *, seed: int, gen_id: int | None) -> Samples:
         """`partial`'s interrupted responses continued with the current weights, rows in the same order."""
 
     def abort(self, gen_id: int) -> None:
         """Interrupt call `gen_id` after its current token (returns at once)."""
+
+    def wake(self) -> None:
+        """From another thread, once it set the `cancel` event of the `generate` in progress: that call reads it now."""
 
     def load_weights(self, weights: Any, version: int) -> None:
         """Load `weights` (what `publish` received) into every engine."""
@@ -219,6 +225,7 @@ class RolloutStream:
         self._paused = 0
         self._at_rest = True  # the pump is not inside an engine call
         self._closed = False
+        self._cancel = threading.Event()  # set when the stream closes: its engine calls' `cancel`
         self._error: BaseException | None = None
         self._scoring: int | None = None  # the step whose batch the scoring thread is scoring
         self.busy_s = 0.0  # seconds the engines spent generating (for the idle fraction)
@@ -241,6 +248,9 @@ class RolloutStream:
             if self._running is not None:
                 self._asked.add(self._running)
                 self.engines.abort(self._running)
+            # what no abort ends, an agent program's runs in flight, is cancelled rather than waited for
+            self._cancel.set()
+            self.engines.wake()
             # a batch being scored (by the scoring thread, or by the pump for dynamic sampling) is never taken now:
             # its reward calls are stopped rather than waited for (a run stopped at once, by a second Ctrl-C, would
             # otherwise wait for the slowest of them), and so are those of a batch about to be scored
@@ -485,7 +495,8 @@ class RolloutStream:
                         out = self.engines.resume(cur.partial, seed=self.seed, gen_id=gen_id)
                     else:
                         out = self.engines.generate([i.prompt_ids for i in cur.items], cur.sample_ids,
-                                                    seed=self.seed, gen_id=gen_id, items=cur.items)
+                                                    seed=self.seed, gen_id=gen_id, items=cur.items,
+                                                    cancel=self._cancel)
                     t1 = time.perf_counter()
                     self.busy_s += t1 - t0
                     with self._cond:

@@ -21,6 +21,7 @@ trains with it (docs/agents.md). """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -95,19 +96,27 @@ class AgentRollout:
         self.workers.close()
         self.gateway.close()
 
+    def wake(self) -> None:
+        """From another thread, once it set the `cancel` event of the `run` in progress: that run reads it now."""
+        self.workers.wake()
+
     def run(self, items: list, sample_ids: torch.Tensor, *, seed: int, temperature: float, top_p: float,
-            top_k: int) -> Samples:
-        """One agent run per sample (`len(sample_ids) // len(items)` per item, in order)."""
+            top_k: int, cancel: Optional[threading.Event] = None) -> Samples:
+        """One agent run per sample (`len(sample_ids) // len(items)` per item, in order). `cancel`, set by another
+        thread (which then calls `wake`), stops the runs in flight, also when set before this call: their worker
+        processes are killed and it raises CallsCancelled (a run stopped at once would otherwise wait for them up to
+        data.agent_timeout_s)."""
         ro, d = self.cfg.rollout, self.cfg.data
         G = len(sample_ids) // len(items)
         self.gateway.forget(self._previous)
         limits = Limits(max_calls=ro.max_turns, max_tokens=ro.max_episode_tokens, max_new_tokens=ro.max_response_len,
                         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         sessions = [self.gateway.open(int(s), limits) for s in sample_ids]
+        self._previous = sessions  # forgotten at the next run, also when this one is cancelled
         records = [item_record(items[i // G]) for i in range(len(sessions))]
         outcomes, late = self.workers.run([(r, self.gateway.base_url, s.key) for r, s in zip(records, sessions,
                                                                                                 strict=True)],
-                                          d.agent_timeout_s)
+                                          d.agent_timeout_s, cancel=cancel)
         rows = []
         for s, record, (value, error), was_late in zip(sessions, records, outcomes, late, strict=True):
             self.gateway.close_session(s, _end_of_run(s, error, was_late))
@@ -122,7 +131,6 @@ class AgentRollout:
             if value is not None:
                 trajectory.rewards[-1] += value
             rows.append((s, record, trajectory, error))
-        self._previous = sessions
         return _samples(rows, sample_ids, self.pad_token_id)
 
 
