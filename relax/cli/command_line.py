@@ -216,25 +216,6 @@ SWEEPER_PARAMS_KEY = "hydra.sweeper.params"  # Hydra's BasicSweeper: a config's 
 SWEEP_FILE_KEYS = ("hydra.searchpath", "plugins", "experiment")
 
 
-def _override_key(override: str) -> str:
-    """An override's key, without Hydra's `+`/`++`/`~` and a group's `@package`."""
-    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
-
-
-def _override_positions(args: list[str]) -> list[int]:
-    """The indices of the overrides in `args` (relax-train's command line): neither a flag (-m, -cp/-cn) nor a
-    flag's value."""
-    found, i = [], 0
-    while i < len(args):
-        if args[i] in OWN_CONFIG_FLAGS:
-            i += 2
-            continue
-        if args[i] not in MULTIRUN_FLAGS and args[i].split("=", 1)[0] not in OWN_CONFIG_FLAGS:
-            found.append(i)
-        i += 1
-    return found
-
-
 def config_sweep(args: list[str], conf: Path | None = None) -> list[str]:
     """`args` (relax-train's command line, as `multirun_flag` gives it), with a sweep that its composed config sets
     rather than the command line (a config of its own, `-cp <dir> -cn <name>`; an experiment file, `+experiment=...`;
@@ -247,7 +228,8 @@ def config_sweep(args: list[str], conf: Path | None = None) -> list[str]:
     order with the same overrides. Raises CommandLineError for a config's hydra.sweeper.params in a run (no -m and
     no hydra.mode MULTIRUN), which Hydra ignores without a word. As given where another flag makes Hydra answer it
     (--cfg, --info, ...), for a `pkg://` -cp, and where the config does not compose (the precheck names why)."""
-    from relax.cli.config_check import _launcher_override, first_of_sweeps
+    from relax.cli.config_check import _launcher_override
+    from relax.config.store import override_key, override_positions
 
     where, rest = own_config(args)
     path = where.get("path")
@@ -257,7 +239,7 @@ def config_sweep(args: list[str], conf: Path | None = None) -> list[str]:
         return list(args)
     sweep = any(a in MULTIRUN_FLAGS for a in rest)
     overrides = [a for a in rest if a not in MULTIRUN_FLAGS]
-    if not where and not any(_override_key(o) in SWEEP_FILE_KEYS for o in overrides):
+    if not where and not any(override_key(o) in SWEEP_FILE_KEYS for o in overrides):
         return list(args)  # Relax's own conf sets no sweep: nothing to compose (a compose costs every relax-train)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -271,13 +253,15 @@ def config_sweep(args: list[str], conf: Path | None = None) -> list[str]:
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        # the first job's values; the launcher's options aside (a config of its own gets Relax's launcher after this:
-        # `own_config_launcher`), and a key or value it refuses left out (the precheck names it next)
-        first = [o for o in first_of_sweeps(overrides) if not _launcher_override(o)]
+        # as Hydra composes the config it reads its mode and sweeper from (`Hydra.get_mode`, multirun): without the
+        # sweep overrides (`+experiment=a,b` sweeps the files, it does not compose them); the launcher's options aside
+        # (a config of its own gets Relax's launcher after this: `own_config_launcher`), and a key or value it refuses
+        # left out (the precheck names it next)
+        base = [o.input_line for o in parsed if not o.is_sweep_override() and not _launcher_override(o.input_line)]
         try:
-            composed = composed_with(first)
+            composed = composed_with(base)
         except Exception:  # noqa: BLE001 - the keys and values that compose, as the precheck composes them
-            composed = compose_known(composed_with, first)[0]
+            composed = compose_known(composed_with, base)[0]
         mode = OmegaConf.select(composed, MODE_KEY)
         params = OmegaConf.select(composed, SWEEPER_PARAMS_KEY)
     except Exception:  # noqa: BLE001 - Hydra's and OmegaConf's own errors: the precheck (or Hydra) names them
@@ -290,10 +274,11 @@ def config_sweep(args: list[str], conf: Path | None = None) -> list[str]:
     given = [f"{key}={value}" for key, value in params.items()]  # as Hydra's BasicSweeper writes them
     if not sweep:
         raise CommandLineError(f"{SWEEPER_PARAMS_KEY} ({', '.join(given)}), set in the config, applies to sweeps only: "
-                               f"a run without -m ignores it (sweep with relax-train -m ..., or drop it)")
+                               f"a run without -m ignores it (sweep with relax-train -m ..., or run once with "
+                               f"hydra.sweeper.params=null)")
     # each param in its place, or the command line's overrides of its key there (Hydra's sweeper keeps a key where it
     # first comes, with its last value), then the command line's other overrides in their order
-    at = _override_positions(out)
+    at = override_positions(out)
     block: list[str] = []
     moved: set[int] = set()
     try:

@@ -83,8 +83,10 @@ LAUNCHER_GROUP = "hydra/launcher"  # which launcher: `hydra/launcher=relax_ray` 
 
 
 def _launcher_override(override: str) -> bool:
-    key = override.split("=", 1)[0].lstrip("+~")
-    return key.split("@", 1)[0] == LAUNCHER_GROUP or key == LAUNCHER_KEY or key.startswith(LAUNCHER_KEY + ".")
+    from relax.config.store import override_key
+
+    key = override_key(override)
+    return key == LAUNCHER_GROUP or key == LAUNCHER_KEY or key.startswith(LAUNCHER_KEY + ".")
 
 
 def invalid_config(violations: Sequence[Violation]) -> str:

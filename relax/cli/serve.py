@@ -148,16 +148,14 @@ READ_KEYS = ("model", "seed", "plugins", "experiment", "data.tool_parser", "roll
 UNREAD_MODEL_KEYS = ("model.gradient_checkpointing",)
 
 
-def _override_key(override: str) -> str:
-    """The key (or config group) `override` sets or deletes: `train.lr` of `+train.lr=1`, `~train.lr`, `++train.lr=1`;
-    `model` of `model=tiny` and `model@x=tiny`."""
-    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0].strip()
 
 
 def _hydra_key(override: str) -> bool:
     """Whether `override` sets one of Hydra's own keys or chooses in one of its groups (`hydra.job.chdir=true`,
     `~hydra.run.dir`, `hydra/job_logging=disabled`, `hydra/launcher=basic`), `hydra.searchpath` aside."""
-    key = _override_key(override)
+    from relax.config.store import override_key
+
+    key = override_key(override)
     return key.startswith(("hydra.", "hydra/")) and key != "hydra.searchpath"
 
 
@@ -186,7 +184,9 @@ def _unread_key(override: str) -> bool:
     chooses in one of its groups that set only such keys (algorithm=, rollout=, data=, cluster=, teacher=,
     reward_model=). A key the schema lacks is not one: the config's check names it (`unknown key train.lrr (did you
     mean train.lr?)`), as Hydra's own keys are `_hydra_key`'s."""
-    key = _override_key(override)
+    from relax.config.store import override_key
+
+    key = override_key(override)
     if key in UNREAD_MODEL_KEYS:
         return True
     if key.startswith(("hydra.", "hydra/")):
@@ -200,8 +200,9 @@ def _no_effect(override: str) -> Violation | None:
     """The problem of `override` where it would do nothing in relax-serve: one of Hydra's own keys (`_hydra_key`:
     relax-serve runs no Hydra job) or a key relax-serve does not read (`_unread_key`); None where it acts."""
     from relax.algorithms.base import Violation
+    from relax.config.store import override_key
 
-    key = _override_key(override)
+    key = override_key(override)
     if _hydra_key(override):
         why = "relax-serve runs no Hydra job"
     elif _unread_key(override):

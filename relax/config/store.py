@@ -186,6 +186,12 @@ HYDRA_INFO_FLAGS = ("-i", "--info")
 INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
+def override_key(override: str) -> str:
+    """The key (or config group) `override` sets or deletes: `train.lr` of `+train.lr=1`, `~train.lr`, `++train.lr=1`;
+    `model` of `model=tiny` and `model@x=tiny`."""
+    return override.split("=", 1)[0].lstrip("+~").split("@", 1)[0].strip()
+
+
 def override_positions(args: Sequence[str]) -> list[int]:
     """The indices of the overrides among `args` (a command line of Hydra's, its flags included): each argument that
     is neither a flag nor a flag's value (`-cp DIR`'s DIR, `--cfg job`'s job, `--info searchpath`'s searchpath)."""

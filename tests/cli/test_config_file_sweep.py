@@ -80,6 +80,8 @@ def test_relax_train_reads_a_config_files_sweep_as_hydra_runs_it(tmp_path: Path)
     own_config(own, "params", {"sweeper": {"params": {"seed": "1,2"}}})
     own_config(own, "plain", None)
     exp = experiment(tmp_path / "exp", "sweep", SWEEP)
+    experiment(exp, "mode", {"mode": "MULTIRUN"})
+    (exp / "experiment" / "plain.yaml").write_text("# @package _global_\nseed: 5\n")  # sets no sweep
     search = f"hydra.searchpath=[file://{exp}]"
     cases = [
         (["-cp", str(own), "-cn", "sweep", "train.lr=1e-4"], 2),
@@ -88,6 +90,9 @@ def test_relax_train_reads_a_config_files_sweep_as_hydra_runs_it(tmp_path: Path)
         (["-m", "-cp", str(own), "-cn", "params", "seed=7"], 1),  # the command line's value replaces the file's
         ([search, "+experiment=sweep"], 2),
         ([search, "+experiment=sweep", "seed=3"], 1),
+        # a sweep over experiment files: Hydra composes its mode and sweeper without them (one job per file, whatever
+        # one of them sets)
+        (["-m", search, "+experiment=sweep,plain"], 2),
         # the controls: no sweep in the file, or the command line's hydra.mode=RUN over the file's MULTIRUN
         (["-cp", str(own), "-cn", "plain", "seed=3"], 1),
         (["-cp", str(own), "-cn", "mode", "hydra.mode=RUN"], 1),
@@ -105,6 +110,10 @@ def test_relax_train_reads_a_config_files_sweep_as_hydra_runs_it(tmp_path: Path)
             assert hydra_runs(normal, tmp_path / f"{i}-normal") == (mode, jobs), (args, normal)
         else:
             assert normal == args
+    # a sweep over experiment files without -m: Hydra refuses it (a run's ambiguous value), whatever a file sets; it
+    # stays a run here too (the precheck names the value)
+    args = [search, "+experiment=mode,plain"]
+    assert config_sweep(args, conf_dir()) == args
     # a file's params in a run: Hydra ignores them without a word; refused
     for args in (["-cp", str(own), "-cn", "params"], [search, "+experiment=sweep", "hydra.mode=RUN"]):
         assert len(hydra_runs(args, tmp_path / "ignored")[1]) == 1
@@ -145,7 +154,12 @@ def test_a_config_files_sweep_gets_the_sweeps_checks_and_its_params_in_a_run_are
                 tmp_path)
     assert (out.returncode, out.stdout) == (2, ""), out.stdout + out.stderr
     assert out.stderr == ("relax-train: error: hydra.sweeper.params (seed=1,abc), set in the config, applies to sweeps "
-                          "only: a run without -m ignores it (sweep with relax-train -m ..., or drop it)\n")
+                          "only: a run without -m ignores it (sweep with relax-train -m ..., or run once with "
+                          "hydra.sweeper.params=null)\n")
+    # as the message says: one run, of the file's other values
+    out = relax("relax.cli.train", ["-cd", str(exp), "+experiment=bad", "hydra.mode=RUN", "hydra.sweeper.params=null",
+                                    "dry_run=true", *QUIET], tmp_path)
+    assert out.returncode == 0 and "dry run: config valid" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
 def test_relax_submit_checks_a_config_files_sweep_where_the_sweep_writes(tmp_path: Path):
@@ -168,7 +182,8 @@ def test_relax_submit_checks_a_config_files_sweep_where_the_sweep_writes(tmp_pat
 def test_relaxs_own_conf_sets_no_sweep():
     """`config_sweep` composes only where a file of the user's (or a plugin's) comes in (`SWEEP_FILE_KEYS`, a config
     of its own): Relax's own conf/ sets no hydra.mode and no sweeper params in any of its files."""
-    from relax.cli.command_line import SWEEP_FILE_KEYS, _override_key
+    from relax.cli.command_line import SWEEP_FILE_KEYS
+    from relax.config.store import override_key
 
     setting = []
     for path in sorted(conf_dir().rglob("*.yaml")):
@@ -179,6 +194,6 @@ def test_relaxs_own_conf_sets_no_sweep():
                 flat & {"hydra.mode", "hydra.sweeper.params"}:
             setting.append(path.relative_to(conf_dir()))
     assert setting == []
-    assert [_override_key(o) for o in ("+experiment=x", "++plugins=[a]", "hydra.searchpath=[d]", "experiment@e=x")] \
+    assert [override_key(o) for o in ("+experiment=x", "++plugins=[a]", "hydra.searchpath=[d]", "experiment@e=x")] \
         == ["experiment", "plugins", "hydra.searchpath", "experiment"]
     assert {"experiment", "plugins", "hydra.searchpath"} <= set(SWEEP_FILE_KEYS)
