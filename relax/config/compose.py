@@ -50,7 +50,8 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
     lacks (`+train.foo=1`; `unknown`: those `compose_known` left out) is a violation, reported with all the others.
     `overrides`: the command line's (Hydra's syntax), where the caller has them: with a run's saved config as the
     primary config and train.num_rollout=0, the run's saving options that they do not set (`RUN_SAVING_FIELDS`)
-    are put back to their defaults, with a note (`_evaluation_writes_nothing`); None: every value counts as set.
+    are put back to their defaults, with a note (`_evaluation_writes_nothing`), and, whatever the run, the sweep it
+    names that they do not set (`_no_sweep_of_its_own`); None: every value counts as set.
     `left_out`: keys whose given value was refused (not of its type, among `unknown`) and so hold their defaults:
     the rules' verdicts on them are not reported, as they would judge a value nobody gave. `note=False`: the note on
     a reused run's saving options is not printed (a check before the run, which prints it). `saved`: for a config of
@@ -77,6 +78,7 @@ def to_relax_config(dc: DictConfig, unknown: Sequence[Violation] = (),
         raise TypeError(f"composed config is {type(obj).__name__}, expected RelaxConfig")
     if typed is not None:
         obj = _evaluation_writes_nothing(obj, typed, note=note)
+        obj = _no_sweep_of_its_own(obj, typed, note=note)
     if not found:
         return check(resolve(obj), given=obj)
     cfg = resolve(obj)
@@ -102,6 +104,30 @@ def _evaluation_writes_nothing(cfg: RelaxConfig, typed: set[str], *, note: bool 
         print(f"relax-train: note: evaluation only (train.num_rollout=0) writes no checkpoint and exports nothing: the "
               f"saved config's {was} (the training run's) do not apply to it", file=sys.stderr)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **reset))
+
+
+# which sweep a run is of: in a reused run's saved config, the sweep that ran it (its launcher's overrides); a run
+# is of the sweep whose launcher sets them on its own command line, as each job's (tracking_overrides), or of none
+RUN_SWEEP_FIELDS = ("sweep_id", "parent_run_id")
+
+
+def _no_sweep_of_its_own(cfg: RelaxConfig, typed: set[str], *, note: bool = True) -> RelaxConfig:
+    """`cfg`, a reused run's saved config with the command line's overrides (which set the keys `typed`): the
+    sweep the saved config names (`tracking.sweep_id`, `tracking.parent_run_id`: the one whose launcher ran the
+    training run, or the job that last saved it) is not this run's unless its command line sets it, as a sweep
+    launcher does for each of its jobs. So a run started without `-m` is of no sweep: a run it reopens
+    (`train.resume`) keeps the sweep and parent it has (docs/training.md, "MLflow across a resume"), a new run
+    joins no sweep; a job of a sweep joins its own (the launcher's overrides). A note on stderr names what is put
+    back. `tracking.arm` stays: a resume may not change it, and it named the run's save directory."""
+    reset = {k: None for k in RUN_SWEEP_FIELDS if f"tracking.{k}" not in typed and getattr(cfg.tracking, k)}
+    if not reset:
+        return cfg
+    was = ", ".join(f"tracking.{k}={getattr(cfg.tracking, k)}" for k in reset)
+    if note:
+        print(f"relax-train: note: the saved config's {was} (the sweep that ran it) do not apply to this run, which "
+              "no sweep launched: a run it reopens keeps its own sweep and parent run, a new run joins no sweep",
+              file=sys.stderr)
+    return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, **reset))
 
 
 def override_keys(overrides: Sequence[str]) -> set[str]:

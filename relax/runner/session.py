@@ -57,6 +57,11 @@ def _hydra_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
+def _eval_set_of(key: str) -> str:
+    """The eval set of an eval/<set>/<metric> key (`relax.metrics.eval_metric`)."""
+    return key.removeprefix(EVAL_PREFIX).rpartition("/")[0]
+
+
 def resume_text(resume: ResumePoint) -> str:
     """The `relax.resumed` tag: where the run was last continued from, and the config fields that changed."""
     text = f"step {resume.step} from {resume.path}"
@@ -359,23 +364,32 @@ class Session:
         # never on another's (verl steps its validation the same way: before training at 0, after step n at n).
         # Runs made before logged the training-time evaluation at s, one less: EVAL_STEP_TAG tells them apart.
         step = trained_steps
+        logged = metrics
+        held_sets: set[str] = set()
         if evaluation_only:
-            # a reopened run keeps the first value of each (key, step) it holds (Tracker.reopen): an earlier
-            # evaluation of these weights at this step stays, and this one is not recorded; say so rather than show
-            # unlogged values
+            # a reopened run keeps the first value of each (key, step) it holds (Tracker.reopen): where it holds an
+            # earlier evaluation of an eval set at this step (of these weights), none of this evaluation of that set
+            # is recorded, neither the keys it shares with the earlier one nor its new ones (pass@4 of a sampled
+            # evaluation beside pass@1 of a greedy one would be a mix of two evaluations at one step): a set is
+            # recorded whole or not at all; its samples go to the output directory only. Its values are shown in the
+            # summary (history)
             held = sorted(set(metrics) & getattr(self.tracker, "_recorded", {}).get(step, set()))
-            # the samples of a set whose metrics the run already holds at this step would stand beside another
-            # evaluation's values: they go to the output directory only
-            held_sets = {key[len(EVAL_PREFIX):].rpartition("/")[0] for key in held}
+            held_sets = {_eval_set_of(key) for key in held}
+            logged = {k: v for k, v in metrics.items() if _eval_set_of(k) not in held_sets}
             if held:
                 ckpt = self.resume.path if self.resume is not None else "<checkpoint>"
-                self._say(f"relax-train: warning: MLflow run {self.run_id} already holds {len(held)} of these metrics "
-                          f"at step {step} ({held[0]}, ...: an earlier evaluation of these weights); MLflow keeps the "
-                          "first value of a step, so this evaluation's values of them are shown in the summary but not "
-                          f"recorded. To record them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, "
-                          "then `relax-train model.source=hf model.path=<dir> train.num_rollout=0 ...`")
+                left = len(metrics) - len(logged)
+                names = ", ".join(sorted(held_sets))
+                kept_local = ", its samples are in the output directory only" if held_sets & set(samples or ()) else ""
+                self._say(f"relax-train: warning: MLflow run {self.run_id} already holds an earlier evaluation of "
+                          f"these weights at step {step} for eval set(s) {names} ({len(held)} of this evaluation's "
+                          f"metrics: {held[0]}, ...); MLflow keeps the first value of a step, so none of this "
+                          f"evaluation's {left} metric(s) of {names} is recorded (its values are shown in the summary "
+                          f"only{kept_local}) and the earlier values stay. To record "
+                          f"them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, then `relax-train "
+                          "model.source=hf model.path=<dir> train.num_rollout=0 ...`")
             self.evaluated_only = True
-        self.tracker.log_metrics(metrics, step)
+        self.tracker.log_metrics(logged, step)
         self._add_history(step, metrics)
         for eval_set, records in (samples or {}).items():
             relative = eval_samples_file(eval_set, step)
@@ -383,7 +397,7 @@ class Session:
             local = self.output_dir / relative
             local.parent.mkdir(parents=True, exist_ok=True)
             local.write_text(text, encoding="utf-8")
-            if not evaluation_only or eval_set not in held_sets:
+            if eval_set not in held_sets:
                 self.tracker.log_text(text, relative)
             self.eval_sample_files.append(local)
 

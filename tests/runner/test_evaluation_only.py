@@ -65,7 +65,8 @@ def test_each_checkpoint_evaluated_alone_logs_the_training_runs_evaluation_of_it
         # MLflow keeps the training run's values at step k (the same ones) and the run says so; the added set is new
         # there, and recorded at step k
         err = capsys.readouterr().err
-        assert f"MLflow run {trained.run_id} already holds {len(before[k])} of these metrics at step {k}" in err
+        assert f"MLflow run {trained.run_id} already holds an earlier evaluation of these weights at step {k} for " \
+               f"eval set(s) digits ({len(before[k])} of this evaluation's metrics" in err
         after = eval_history(client, trained.run_id)
         assert {key: v for key, v in after[k].items() if key.startswith("eval/extra/")} == \
             {key: v for key, v in again.history[0][1].items() if key.startswith("eval/extra/")} != {}
