@@ -43,15 +43,64 @@ def _unbracketed_list(exc: BaseException) -> Optional[str]:
     return list_form(key, re.sub(r"\\(.)", r"\1", match.group(1)))  # a sweep job's override has Hydra's escapes
 
 
-def hydra_error_message(exc: BaseException) -> str:
+_PLAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./")
+# a value meant as one of the grammar's own forms: a list, a dict, a quoted value, a function (`choice(...)`,
+# `range(...)`), an interpolation; quoting it whole would make it a string, which is not what was meant
+_GRAMMAR_FORM = re.compile(r"[\[{'\"]|\w+\(|.*\$\{")
+_SHELL_SPECIAL = frozenset('"$`\\!')
+
+
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
+        return False
+    return True
+
+
+def _quoting_hint(override: str, *, sweep: bool) -> Optional[str]:
+    """For an override `key=value` Hydra's grammar refused because its value holds a character the grammar reads
+    as syntax unquoted (`=`, as every sweep job's checkpoint directory holds: `checkpoints/<exp>/algorithm=rloo-seed1`;
+    `[`, `#`, `~` ...): how to write it, the value quoted for Hydra inside the shell's quotes
+    (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`), a form checked to parse. In a sweep (`sweep`) each of
+    a value's comma-separated choices is quoted on its own, so that they stay the sweep's choices. None for any other
+    override, and for a value written as one of the grammar's own forms (a list, a dict, a function, quoted)."""
+    import shlex
+
+    key, sep, value = override.partition("=")
+    if not sep or not value or _GRAMMAR_FORM.match(value):
+        return None
+    culprit = next((c for c in dict.fromkeys(value) if c not in _PLAIN_CHARS and not _parses(f"k=a{c}a")), None)
+    if culprit is None:
+        return None
+    choices = value.split(",") if sweep else [value]
+    quote = next((q for q in ("'", '"') if not any(q in c for c in choices)), None)
+    if quote is None:
+        return None
+    written = f"{key}={','.join(quote + c + quote for c in choices)}"
+    if not _parses(written):
+        return None
+    shell = f'"{written}"' if quote == "'" and not _SHELL_SPECIAL & set(written) else shlex.quote(written)
+    what = "each value" if len(choices) > 1 else "a value"
+    return f"{what} holding {culprit!r} must be quoted for Hydra: {shell}"
+
+
+def hydra_error_message(exc: BaseException, *, sweep: bool = False) -> str:
     """Hydra's exception plus its cause (the useful part, e.g. "Key 'x' not in 'GRPOConfig'"); a list option given
-    without brackets is named with the form it takes (`_unbracketed_list`)."""
+    without brackets is named with the form it takes (`_unbracketed_list`); an override whose value needs quoting
+    for Hydra's grammar (a path holding `=`) in one line, with the quoted form (`_quoting_hint`; `sweep`: the
+    override is a sweep's, whose comma-separated values are its choices)."""
     unbracketed = _unbracketed_list(exc)
     if unbracketed is not None:
         return unbracketed
     parts = [str(exc).strip()]
     if getattr(exc, "override", None):  # OverrideParseException: name the override the grammar refused
         parts[0] = f"cannot parse override {exc.override!r}: {parts[0]}"  # type: ignore[attr-defined]
+        hint = _quoting_hint(exc.override, sweep=sweep)  # type: ignore[attr-defined]
+        if hint is not None:  # the way to write it, rather than Hydra's pointer to its grammar
+            return f"{parts[0].splitlines()[0]}; {hint}"
     cause = exc.__cause__ or exc.__context__
     while cause is not None and len(parts) < 4:
         text = str(cause).strip()
@@ -188,7 +237,7 @@ def launcher_problems(overrides: Sequence[str], conf: Optional[Path] = None, *,
     try:  # one job's overrides: an experiment file (`+experiment=...`) may set the launcher too
         first = sweep_jobs(list(overrides))[0]
     except HydraException as exc:
-        return [Violation((LAUNCHER_KEY,), hydra_error_message(exc))]
+        return [Violation((LAUNCHER_KEY,), hydra_error_message(exc, sweep=True))]
     # the whole job's, else (a value of the config that does not compose, which the job's check reports) Hydra's own
     hydra_only = [o for o in first if o.lstrip("+~").startswith(("hydra.", "hydra/"))]
     error: Optional[BaseException] = None
@@ -253,7 +302,7 @@ def hydra_value_problems(overrides: Sequence[str], conf: Optional[Path] = None, 
     try:
         jobs = sweep_jobs(given) if sweep else [given]
     except HydraException as exc:
-        return [Violation((given[0].split("=", 1)[0].lstrip("+~"),), hydra_error_message(exc))]
+        return [Violation((given[0].split("=", 1)[0].lstrip("+~"),), hydra_error_message(exc, sweep=sweep))]
     found: dict[str, Violation] = {}
     for job in dict.fromkeys(tuple(j) for j in jobs):
         try:
@@ -558,7 +607,7 @@ def problems(args: Sequence[str], conf: Optional[Path] = None, *, environment: b
     try:
         jobs = sweep_jobs(_plain(overrides))
     except HydraException as exc:
-        return (invalid_config(launcher) + "\n" if launcher else "") + hydra_error_message(exc)
+        return (invalid_config(launcher) + "\n" if launcher else "") + hydra_error_message(exc, sweep=True)
     found = []
     for index, job in enumerate(jobs):
         problem = job_problem(job, job_conf, rules=rules, environment=environment, start_checks=start_checks,

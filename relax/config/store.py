@@ -186,6 +186,21 @@ HYDRA_INFO_FLAGS = ("-i", "--info")
 INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
+def override_text(key: str, value: object) -> str:
+    """`key=value` as a shell's command line gives it to Hydra, for a message to paste: as is where Hydra's grammar
+    reads the value as written, else quoted for Hydra inside the shell's quotes, as a sweep job's checkpoint
+    directory needs (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`: Hydra reads an unquoted `=` as syntax)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain = f"{key}={value}"
+    try:
+        if str(OverridesParser.create().parse_override(plain).value()) == str(value):
+            return plain
+    except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
+        pass
+    return f"\"{key}='{value}'\"" if "'" not in str(value) and '"' not in str(value) else plain
+
+
 def override_key(override: str) -> str:
     """The key (or config group) `override` sets or deletes: `train.lr` of `+train.lr=1`, `~train.lr`, `++train.lr=1`;
     `model` of `model=tiny` and `model@x=tiny`."""

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from relax.config.schema import RelaxConfig
+from relax.config.store import override_text
 from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
 from relax.models.write_errors import torch_save
 from relax.runner.errors import RunError
@@ -340,7 +341,8 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
         n = len(refused)
         if cfg.train.num_rollout == 0:  # evaluating it: its run's own config is the one that fits, none retyped
             advice = (f"To evaluate it, give its run's own config (its config.yaml) and the options to change: "
-                      f"relax-train -cp {path} -cn config train.resume={path} train.num_rollout=0 ...")
+                      f"relax-train -cp {path} -cn config {override_text('train.resume', path)} "
+                      "train.num_rollout=0 ...")
         else:
             advice = ("Run with the checkpoint's values to continue it, or start a new run elsewhere "
                       "(tracking.run_name=... or train.save_dir=...).")
@@ -685,7 +687,7 @@ def put_back(save_dir: Path, moves: Sequence[tuple[Path, Path]], *, locked: bool
         if why is not None:
             os.close(fd)
             where = sorted({str(dest.parent) for _, dest in moves})
-            resume = f"train.resume={where[0]}" if len(where) == 1 else "train.resume=<one of them>"
+            resume = override_text("train.resume", where[0]) if len(where) == 1 else "train.resume=<one of them>"
             print(f"relax-train: note: the run did not start; {why}, so the {len(moves)} checkpoint(s) of the "
                   f"earlier run stay in {', '.join(where)} ({resume} continues that run)", file=sys.stderr)
             return 0
@@ -814,7 +816,7 @@ class Checkpoints:
         for target, n in moved.items():
             _fsync(target)
             print(f"relax-train: note: this fresh run moved {n} checkpoint(s) of an earlier run in {self.save_dir} to "
-                  f"{target} (train.resume={target} continues that run)", file=sys.stderr)
+                  f"{target} ({override_text('train.resume', target)} continues that run)", file=sys.stderr)
         if moved:
             _fsync(self.save_dir)
 

@@ -59,6 +59,9 @@ MIN_BOOTSTRAP_PAIRS = 5  # fewer pairs: Student t interval instead of the bootst
 CI_BOOTSTRAP = "bootstrap"
 CI_TOO_SMALL = "n too small"
 COMPARE_TAG = "relax.compare"  # runs created by relax-compare itself (never selected as arms)
+# on every sweep's parent run, whatever became of its jobs: the launcher's table of their statuses (JOBS_TAG of
+# hydra_plugins/relax_ray_launcher/launcher.py, which this layer does not import), set when the sweep ends, Ctrl-C too
+SWEEP_PARENT_TAG = "relax.sweep_jobs"
 NO_VALUE = "(none)"
 
 
@@ -621,7 +624,9 @@ def select_runs(client: MlflowClient, *, experiment: Optional[str] = None, sweep
     """MLflow runs to compare, a description of the selection and the sweep id (found when none is given).
 
     No selector: the most recent sweep. A sweep's parent run and relax-compare's own runs are never
-    arms; runs that did not finish are left out (see `load_runs`).
+    arms, whatever the selector: a parent is the `mlflow.parentRunId` of a selected run, or carries the launcher's
+    SWEEP_PARENT_TAG (a parent whose jobs' runs later sweeps reopened, so that none of them names it any more); runs
+    that did not finish are left out (see `load_runs`).
     """
     if run_ids:
         return _runs_by_id(client, run_ids), f"run{'s' if len(run_ids) != 1 else ''} {', '.join(run_ids)}", None
@@ -647,6 +652,7 @@ def select_runs(client: MlflowClient, *, experiment: Optional[str] = None, sweep
             break
     parents = {r.data.tags.get(PARENT_RUN_ID_TAG) for r in runs}
     runs = [r for r in runs if r.info.run_id not in parents and COMPARE_TAG not in r.data.tags
+            and SWEEP_PARENT_TAG not in r.data.tags
             and not (sweep is not None and PARENT_RUN_ID_TAG not in r.data.tags and TAG_SEED not in r.data.tags)]
     parts = []
     if experiment:
