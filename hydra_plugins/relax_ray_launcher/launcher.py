@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -77,28 +78,44 @@ FINAL_REWARD_STEPS = 10  # the table's final reward: the mean of the last 10 ste
 JOB_TAG = "relax.sweep_job"  # on each job's MLflow run: "<sweep id>/<job index>", how the table finds it
 JOBS_TAG = "relax.sweep_jobs"  # on the parent run: each job's status in the table, {"0": "FINISHED", "1": ...}
 NOT_STARTED = "NOT STARTED"  # a job that never ran: no process, no MLflow run
-# the last line a job writes to its stdout and to its stderr, with its index: the driver, which Ray forwards the jobs'
-# output to (log_to_driver), waits to see both for each job that returned before it leaves Ray (ray.shutdown drops
-# what Ray's log monitor has not yet forwarded), and keeps it from the output it prints
-OUTPUT_END = "relax-sweep-job-output-end"
+# the marks a job writes: first on its stdout (`begin`), last on its stdout and its stderr (`end`, also when it stops
+# at the sweep's Ctrl-C), with its index. The driver, which Ray forwards the jobs' output to (log_to_driver), waits to
+# see the end of each job that returned, or stopped once it had begun, before it leaves Ray (ray.shutdown drops what
+# Ray's log monitor has not yet forwarded), and keeps the marks from the output it prints
+OUTPUT_MARK = "relax-sweep-job-output"
 OUTPUT_END_WAIT_S = 30.0  # at most, for jobs whose last lines never come (a node lost after the job returned)
+_MARK = re.compile(rf"{OUTPUT_MARK} (\d+) (begin|end)")
+
+
+def _mark(index: int, what: str) -> str:
+    return f"{OUTPUT_MARK} {index} {what}"
 
 
 class _OutputEnds:
-    """The ends of the jobs' forwarded output (`OUTPUT_END`), seen by Ray's handler of the forwarded lines in the
+    """The marks of the jobs' forwarded output (`OUTPUT_MARK`), seen by Ray's handler of the forwarded lines in the
     driver (`ray._private.worker.global_worker_stdstream_dispatcher`'s "ray_print_logs", there only with
-    log_to_driver), which this wraps so that the marks are not printed."""
+    log_to_driver), which this wraps so that the marks are not printed. Ray's private names (Ray is pinned in
+    constraints.txt; tests/experiments/test_sweep_output_ends.py runs them): where they differ, nothing is waited for
+    and nothing is hidden."""
 
     NAME = "ray_print_logs"
 
     def __init__(self) -> None:
-        self.seen: set[tuple[str, bool]] = set()
+        self.seen: set[tuple[int, str, bool]] = set()  # (job index, begin | end, on stderr)
         self.changed = threading.Condition()
         self.printer: Optional[Callable[[dict[str, Any]], None]] = None
 
-    def install(self) -> None:
-        from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
+    @staticmethod
+    def _dispatcher() -> Any:
+        try:
+            from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:
+            return None
+        return dispatcher if hasattr(dispatcher, "_lock") and hasattr(dispatcher, "handlers") else None
 
+    def install(self) -> None:
+        if (dispatcher := self._dispatcher()) is None:
+            return
         with dispatcher._lock:  # in place: no forwarded line is handled by neither
             printers = [h for name, h in dispatcher.handlers if name == self.NAME]
             if len(printers) != 1 or self.printer is not None:  # log_to_driver=False: nothing is forwarded
@@ -108,34 +125,45 @@ class _OutputEnds:
 
     def uninstall(self) -> None:
         """Ray's own handler back, where this one is still there (a Ray that goes on forwarding)."""
-        from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
-
+        if (dispatcher := self._dispatcher()) is None:
+            return
         with dispatcher._lock:
             dispatcher.handlers = [(n, self.printer if h == self._handle else h) for n, h in dispatcher.handlers]
         self.printer = None
 
     def _handle(self, data: dict[str, Any]) -> None:
         lines = data.get("lines") or []
-        ends = [line for line in lines if line.startswith(OUTPUT_END)]
-        if ends:
+        if any(OUTPUT_MARK in line for line in lines):
+            kept, err = [], bool(data.get("is_err"))
             with self.changed:
-                self.seen.update((line, bool(data.get("is_err"))) for line in ends)
+                for line in lines:
+                    # a mark may follow a job's last text without a newline, which Ray forwards as one line
+                    for m in _MARK.finditer(line):
+                        self.seen.add((int(m.group(1)), m.group(2), err))
+                    text = _MARK.sub("", line)
+                    if text or OUTPUT_MARK not in line:
+                        kept.append(text)
                 self.changed.notify_all()
-            lines = [line for line in lines if not line.startswith(OUTPUT_END)]
-            if not lines:
+            if not kept:
                 return
-            data = {**data, "lines": lines}
+            data = {**data, "lines": kept}
         assert self.printer is not None
         self.printer(data)
 
-    def wait(self, indices: Sequence[int], timeout: float) -> bool:
-        """Whether the end of each of the jobs `indices`' stdout and stderr arrived within `timeout` seconds (at
-        once: nothing is forwarded, or no job returned)."""
+    def wait(self, returned: Sequence[int], stopped: Sequence[int], timeout: float) -> list[int]:
+        """The jobs whose output's end did not arrive within `timeout` seconds: of `returned`, each; of `stopped` (at
+        the sweep's Ctrl-C), each that had begun (one cancelled before it ran writes nothing). At once where nothing
+        is forwarded."""
         if self.printer is None:
-            return True
-        wanted = {(f"{OUTPUT_END} {i}", err) for i in indices for err in (False, True)}
+            return []
+
+        def missing() -> list[int]:
+            begun = [i for i in stopped if (i, "begin", False) in self.seen]
+            return [i for i in [*returned, *begun] if not {(i, "end", False), (i, "end", True)} <= self.seen]
+
         with self.changed:
-            return self.changed.wait_for(lambda: wanted <= self.seen, timeout)
+            self.changed.wait_for(lambda: not missing(), timeout)
+            return missing()
 
 
 class RayUnavailable(Exception):
@@ -193,6 +221,7 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
         sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{index}"
         sweep_config.hydra.job.num = index
     HydraConfig.instance().set_config(sweep_config)
+    print(_mark(index, "begin"), flush=True)  # (`_OutputEnds`)
     try:
         ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
@@ -200,12 +229,13 @@ def _execute_job(index: int, overrides: Sequence[str], hydra_context: HydraConte
         if str(exc):  # the job stopped and where it continues from, as relax-train says it for a single run
             print(f"relax-train: {exc}", file=sys.stderr, flush=True)
         raise
+    finally:  # the job's last lines, also those of a job stopped by the sweep's Ctrl-C (`_OutputEnds`)
+        print(_mark(index, "end"), flush=True)
+        print(_mark(index, "end"), file=sys.stderr, flush=True)
     error = None
     if ret.status == JobStatus.FAILED:
         error = _error_text(ret._return_value)
         ret._return_value = None  # exceptions may not pickle; the text travels instead
-    print(f"{OUTPUT_END} {index}", flush=True)  # the job's last lines (`_OutputEnds`)
-    print(f"{OUTPUT_END} {index}", file=sys.stderr, flush=True)
     return _Outcome(index, ret, error, start, time.time())
 
 
@@ -249,6 +279,7 @@ class RelaxRayLauncher(Launcher):
         self.joined: Optional[str] = None  # the address of the cluster it joined; None: a Ray of its own
         self.output_ends = _OutputEnds()
         self.returned: list[int] = []  # the jobs whose task returned (and so wrote the end of its output)
+        self.stopped: list[int] = []  # those the sweep's Ctrl-C stopped within stop_timeout_s (not killed)
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
@@ -593,8 +624,12 @@ class RelaxRayLauncher(Launcher):
         import ray
 
         # the jobs' last lines, which Ray's log monitor forwards after the job returned (bounded: a lost node's never)
-        self.output_ends.wait(self.returned, OUTPUT_END_WAIT_S)
-        self.returned = []
+        late = self.output_ends.wait(self.returned, self.stopped, OUTPUT_END_WAIT_S)
+        if late:
+            print(f"relax-train: the last output lines of job(s) {', '.join(map(str, late))} did not reach this "
+                  f"process within {OUTPUT_END_WAIT_S:g} s; Ray's log files of the job's worker hold them "
+                  "(session_latest/logs in Ray's temporary directory on the job's node)", file=sys.stderr, flush=True)
+        self.returned, self.stopped = [], []
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
         # Ray's own printer back (a Ray this launcher did not start is left running; a shutdown removed it)
@@ -647,6 +682,7 @@ class RelaxRayLauncher(Launcher):
             except Exception as exc:  # noqa: BLE001 - a crashed worker, an unpicklable result, a cancelled task ...
                 if killed:
                     outcome = _Outcome(indices[k], None, None, submitted[k], time.time(), killed=True)
+                    self.stopped.append(indices[k])  # it ended its own way: its output's end was written, if begun
                 else:
                     outcome = _Outcome(indices[k], None, f"{type(exc).__name__}: {exc}", submitted[k], time.time())
             outcomes[indices[k]] = outcome

@@ -3,7 +3,7 @@ and stderr to the driver (log_to_driver) from its log monitor, after the job wro
 returned, and `ray.shutdown` drops what has not arrived. Before, the launcher shut Ray down as soon as the last job
 returned (its fixed one-second wait was in a branch a sweep that starts or joins Ray never took): the last lines of
 the jobs that ended last were lost. Now each job ends its output with a mark on stdout and stderr (the launcher's
-`OUTPUT_END`) that the driver waits to see, bounded, and does not print. A real sweep of a tiny Hydra app on the
+`OUTPUT_MARK`) that the driver waits to see, bounded, and does not print. A real sweep of a tiny Hydra app on the
 launcher's own local Ray (the same shutdown as on a joined cluster), in a subprocess."""
 
 from __future__ import annotations
@@ -82,4 +82,22 @@ def test_each_jobs_last_lines_reach_the_sweeps_output_before_its_table(tmp_path:
             assert not missing, (seed, stream, f"{len(missing)} of {LINES} lines missing, the first {missing[:5]}")
         assert out.stdout.index(f"job {seed} out {LINES - 1}") < table
     # the marks are the driver's, not printed
-    assert "relax-sweep-job-output-end" not in out.stdout + out.stderr
+    assert "relax-sweep-job-output" not in out.stdout + out.stderr
+
+
+def test_the_marks_are_found_inside_a_line_and_a_stopped_job_is_waited_for_once_it_began():
+    """A job's last text without a newline and its end mark arrive as one forwarded line: the text is printed, the
+    mark is not, and it counts. A job the sweep's Ctrl-C stopped is waited for once it began (one cancelled before it
+    ran writes nothing), and what never arrives is named (bounded)."""
+    from hydra_plugins.relax_ray_launcher.launcher import _mark, _OutputEnds
+
+    ends, printed = _OutputEnds(), []
+    ends.printer = printed.append
+    ends._handle({"lines": ["step 3 done", f"no newline{_mark(0, 'end')}", _mark(1, "begin")], "is_err": False})
+    ends._handle({"lines": [_mark(0, "end")], "is_err": True})
+    assert printed == [{"lines": ["step 3 done", "no newline"], "is_err": False}]
+    assert ends.wait([0], [], 5) == []  # job 0 returned, both its ends seen
+    assert ends.wait([], [1, 2], 0.2) == [1]  # job 1 began and its end never came; job 2 never began
+    ends._handle({"lines": [_mark(1, "end")], "is_err": False})
+    ends._handle({"lines": [_mark(1, "end")], "is_err": True})
+    assert ends.wait([], [1, 2], 5) == [] and len(printed) == 1
