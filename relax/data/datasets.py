@@ -167,7 +167,9 @@ def _reads_messages(messages: list[dict], text: str, tokenizer: Any, render: Opt
     own renders are what the check before ensures)."""
     other = [{**m, "content": next(t for t in _PROBE_TEXTS if t != m["content"])} if isinstance(m.get("content"), str)
              else m for m in messages]
-    if other == messages:  # no text to change (content parts alone)
+    # no text of the conversation's own to change (a system prompt beside content parts alone): a template that drops
+    # the system message would render both alike, yet reads the conversation
+    if all(m.get("role") == "system" or not isinstance(m.get("content"), str) for m in messages):
         return True
     try:
         return _render_messages(other, tokenizer, render) != text

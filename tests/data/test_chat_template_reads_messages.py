@@ -80,3 +80,23 @@ def test_relax_train_dry_run_refuses_a_fixed_text_template(tmp_path, capfd):
     assert f"model.chat_template={str(path)!r} renders this prompt as the same text whatever its messages say" \
         in out + err, out + err
     assert "Traceback" not in out + err
+
+
+def test_a_template_that_drops_the_system_message_is_not_refused_where_only_the_system_text_could_change():
+    """Messages whose only text is the system prompt's (the user's content parts alone: an image prompt): a template
+    that drops system messages renders the probe alike, yet reads the conversation; it is not refused (the check
+    cannot tell, and says nothing)."""
+    from relax.data.datasets import _reads_messages
+
+    tok = load_tokenizer(ModelConfig())
+    drops_system = ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] }}{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    tok.chat_template = drops_system
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert _reads_messages(messages, text, tok, None)
+    # the control: with a user text to change, the same template (which reads no content at all) is caught
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What colour?"}]
+    assert not _reads_messages(plain, tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False),
+                               tok, None)
