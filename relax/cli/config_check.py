@@ -47,17 +47,6 @@ _PLAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 # a value meant as one of the grammar's own forms: a list, a dict, a quoted value, a function (`choice(...)`,
 # `range(...)`), an interpolation; quoting it whole would make it a string, which is not what was meant
 _GRAMMAR_FORM = re.compile(r"[\[{'\"]|\w+\(|.*\$\{")
-_SHELL_SPECIAL = frozenset('"$`\\!')
-
-
-def _parses(override: str) -> bool:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        OverridesParser.create().parse_override(override)
-    except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
-        return False
-    return True
 
 
 def _quoting_hint(override: str, *, sweep: bool) -> Optional[str]:
@@ -67,22 +56,18 @@ def _quoting_hint(override: str, *, sweep: bool) -> Optional[str]:
     (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`), a form checked to parse. In a sweep (`sweep`) each of
     a value's comma-separated choices is quoted on its own, so that they stay the sweep's choices. None for any other
     override, and for a value written as one of the grammar's own forms (a list, a dict, a function, quoted)."""
-    import shlex
+    from relax.config.store import parses, quoted_override
 
     key, sep, value = override.partition("=")
     if not sep or not value or _GRAMMAR_FORM.match(value):
         return None
-    culprit = next((c for c in dict.fromkeys(value) if c not in _PLAIN_CHARS and not _parses(f"k=a{c}a")), None)
+    culprit = next((c for c in dict.fromkeys(value) if c not in _PLAIN_CHARS and not parses(f"k=a{c}a")), None)
     if culprit is None:
         return None
     choices = value.split(",") if sweep else [value]
-    quote = next((q for q in ("'", '"') if not any(q in c for c in choices)), None)
-    if quote is None:
+    shell = quoted_override(key, choices)
+    if shell is None:
         return None
-    written = f"{key}={','.join(quote + c + quote for c in choices)}"
-    if not _parses(written):
-        return None
-    shell = f'"{written}"' if quote == "'" and not _SHELL_SPECIAL & set(written) else shlex.quote(written)
     what = "each value" if len(choices) > 1 else "a value"
     return f"{what} holding {culprit!r} must be quoted for Hydra: {shell}"
 

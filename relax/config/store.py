@@ -186,10 +186,39 @@ HYDRA_INFO_FLAGS = ("-i", "--info")
 INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
 
+_SHELL_SPECIAL = frozenset('"$`\\!')  # what a shell's double quotes do not keep as written
+
+
+def parses(override: str) -> bool:
+    """Whether Hydra's override grammar reads `override`."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
+        return False
+    return True
+
+
+def quoted_override(key: str, values: Sequence[str]) -> str | None:
+    """`key=v1,v2,...` with each value quoted for Hydra's grammar (so that a `=` in it is text, and a sweep's choices
+    stay choices), written for a shell (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`); None where no quote
+    character fits the values or Hydra would not read the result."""
+    import shlex
+
+    quote = next((q for q in ("'", '"') if not any(q in v for v in values)), None)
+    if quote is None:
+        return None
+    written = f"{key}={','.join(quote + v + quote for v in values)}"
+    if not parses(written):
+        return None
+    return f'"{written}"' if quote == "'" and not _SHELL_SPECIAL & set(written) else shlex.quote(written)
+
+
 def override_text(key: str, value: object) -> str:
     """`key=value` as a shell's command line gives it to Hydra, for a message to paste: as is where Hydra's grammar
-    reads the value as written, else quoted for Hydra inside the shell's quotes, as a sweep job's checkpoint
-    directory needs (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`: Hydra reads an unquoted `=` as syntax)."""
+    reads the value as written, else quoted (`quoted_override`), as a sweep job's checkpoint directory needs
+    (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`: Hydra reads an unquoted `=` as syntax)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     plain = f"{key}={value}"
@@ -198,7 +227,7 @@ def override_text(key: str, value: object) -> str:
             return plain
     except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
         pass
-    return f"\"{key}='{value}'\"" if "'" not in str(value) and '"' not in str(value) else plain
+    return quoted_override(key, [str(value)]) or plain
 
 
 def override_key(override: str) -> str:
