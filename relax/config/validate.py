@@ -555,9 +555,9 @@ def _overlong(cfg: RelaxConfig, r: _Rules) -> None:
               "penalty); set data.overlong_buffer_len")
 
 
-def _dynamic_sampling(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -> None:
+def _dynamic_sampling(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules, own_refused: set[str]) -> None:
     """DAPO's dynamic sampling (rollout.filter_groups, over_sampling_batch_size, max_filter_rounds; docs/training.md,
-    "Dynamic sampling")."""
+    "Dynamic sampling"). `own_refused`: the fields the algorithm's own rules refuse."""
     ro = cfg.rollout
     if not ro.filter_groups:
         for key in ("over_sampling_batch_size", "max_filter_rounds"):
@@ -568,6 +568,18 @@ def _dynamic_sampling(cfg: RelaxConfig, algo: algorithms.Algorithm, r: _Rules) -
               f"algorithm={algo.name}: rollout.filter_groups=true is not supported: it drops groups whose rewards are "
               f"all equal because a group baseline gives them no advantage, but {algo.name}'s advantages do not come "
               "from a group baseline (such groups still carry a learning signal)")
+    # Where the algorithm reads normalize_rewards (GRPO's hook and those built on it), false means raw rewards as
+    # advantages: no group baseline, so an all-equal group has a signal too. REINFORCE++-baseline ignores the key
+    # (its baseline is always the group mean; `_ignored` refuses a change) and RLOO refuses false with its own rule.
+    raw_rewards = (algo.group_relative and "normalize_rewards" not in algo.ignores
+                   and not cfg.algorithm.normalize_rewards
+                   and "algorithm.normalize_rewards" not in own_refused)
+    r.require(not raw_rewards, ("rollout.filter_groups", "algorithm.normalize_rewards"),
+              f"algorithm={algo.name}: rollout.filter_groups=true is not supported with "
+              "algorithm.normalize_rewards=false: it drops groups whose rewards are all equal because a group "
+              f"baseline gives them no advantage, but with normalize_rewards=false {algo.name}'s advantages are the "
+              "raw rewards, not relative to a group baseline (such groups still carry a learning signal); set "
+              "algorithm.normalize_rewards=true or leave rollout.filter_groups off")
     over = ro.over_sampling_batch_size
     r.require(over is not None and over >= ro.rollout_batch_size,
               ("rollout.over_sampling_batch_size", "rollout.rollout_batch_size"),
@@ -921,6 +933,7 @@ def validate(cfg: RelaxConfig, given: RelaxConfig | None = None) -> list[Violati
         algo = algorithms.get(cfg.algorithm.name)
     except KeyError as exc:
         return [Violation(("algorithm.name",), str(exc.args[0]))]
+    own = algo.check(cfg)  # the algorithm's own rules, reported last
     _choices(cfg, r)
     _ranges(cfg, r)
     _combinations(cfg, r)
@@ -934,7 +947,7 @@ def validate(cfg: RelaxConfig, given: RelaxConfig | None = None) -> list[Violati
     _lora(cfg, r)
     _evaluation(cfg, r)
     _overlong(cfg, r)
-    _dynamic_sampling(cfg, algo, r)
+    _dynamic_sampling(cfg, algo, r, {f for v in own for f in v.fields})
     _tracking(cfg, r)
     _url_credentials(cfg, r)
     _sglang(cfg, r)
@@ -948,7 +961,7 @@ def validate(cfg: RelaxConfig, given: RelaxConfig | None = None) -> list[Violati
     r.found.extend(vision_violations(cfg))
     r.found.extend(reward_model_violations(cfg))
     r.found.extend(role_cores_violations(cfg))
-    for v in algo.check(cfg):
+    for v in own:
         prefix = f"algorithm={algo.name}: "
         r.found.append(v if v.message.startswith(prefix) else Violation(v.fields, prefix + v.message))
     return r.found

@@ -269,7 +269,10 @@ def turn_token_rewards(samples: Samples, rewards: torch.Tensor) -> torch.Tensor:
 
 def group_signal(rewards: torch.Tensor, failed: Sequence[bool], group_size: int) -> list[bool]:
     """Per group: whether it carries a learning signal for a group baseline, i.e. every reward call succeeded and
-    its rewards are not all equal (an all-right or all-wrong group has zero advantage everywhere)."""
+    its rewards are not all equal. A group baseline gives an all-right or all-wrong group advantage 0 on every token;
+    a batch-wide normalization after it (REINFORCE++-baseline always, algorithm.normalize_advantages=true) turns that
+    0 into the batch's constant shift -mu/sigma, the same on all of the group's tokens, so it still ranks none of its
+    responses above another (and dropping the group moves mu and sigma for the rest of the batch)."""
     r = rewards.view(-1, group_size)
     varied = r.amax(-1) > r.amin(-1)
     ok = ~torch.tensor(list(failed), dtype=torch.bool).view(-1, group_size).any(-1)
