@@ -114,7 +114,8 @@ class RayRuntime:
             # "local": a new instance of this run's own, never one that a session file names (a head stopped by a
             # signal leaves /tmp/ray/ray_current_cluster behind; a user's `ray start --head` writes it too)
             ray.init(address=address if address is not None else "local", **kwargs)
-        except (ConnectionError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 Ray raises a bare Exception too ("The current node timed out
+            # during startup": its raylet's 30 s under heavy load); every failure of its start is this one line
             named = "" if source.option != "RAY_ADDRESS" else f" from RAY_ADDRESS={address}"
             raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{named}): "
                            f"{exc}") from None

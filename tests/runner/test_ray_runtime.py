@@ -67,6 +67,26 @@ def test_joining_a_cluster_sends_the_auth_token_when_one_is_available(monkeypatc
         assert seen[-1] == (address or "local", mode)
 
 
+def test_a_ray_that_cannot_start_is_one_line_naming_rays_reason(monkeypatch) -> None:
+    """Ray's own start can fail with a bare Exception (its raylet not up within its fixed 30 s on a loaded machine):
+    that is the run's one-line error (RunError: `relax-train: error: ...`, exit 2), not a traceback."""
+    import ray
+
+    from relax.runner.errors import RunError
+
+    def init(address=None, **kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # RayRuntime sets it for its roles: restored after the test
+    cfg = load_config(["cluster=local"])
+    with pytest.raises(RunError, match=r"^cannot start or join Ray \(cluster.address=None\): The current node timed "
+                                       r"out during startup"):
+        RayRuntime(cfg, build_plan(cfg)).__enter__()
+
+
 def test_a_runs_own_ray_starts_without_colour_when_output_is_not_a_terminal(monkeypatch) -> None:
     """relax-train's output to a file or a pipe carries no ANSI codes around Ray's `(Role pid=...)` prefixes: the
     run's Ray starts with RAY_COLOR_PREFIX=0 (relax.runner.ray_logs, the sweep launcher's decision too) unless both
