@@ -1,8 +1,9 @@
 """Prompt datasets and the prompt sampler.
 
 Files are JSONL (one JSON object per line) or Parquet, with the prompt under `data.prompt_key` and the
-label under `data.label_key` (a record may lack it where nothing reads labels, `relax.config.derive.label_reader`:
-its label is then ""). A prompt is a string or a chat message list (`[{"role", "content"}, ...]`).
+label under `data.label_key` (a dotted path reaches a nested field: `relax.data.files.record_field`; a record may
+lack it where nothing reads labels, `relax.config.derive.label_reader`: its label is then ""). A prompt is a
+string or a chat message list (`[{"role", "content"}, ...]`).
 Everything is checked when the dataset is built, so malformed data fails at start with a `DataError`
 naming the file and line, never halfway through training.
 
@@ -25,7 +26,7 @@ from jinja2 import TemplateError
 
 from relax.config.derive import label_reader
 from relax.config.evaluation import default_eval_set_name, eval_set_files
-from relax.data.files import DataError, Record, check_prompt, read_records
+from relax.data.files import DataError, Record, check_prompt, read_records, record_field
 from relax.data.gsm8k import prepare_gsm8k
 from relax.data.images import VisionData, check_text_prompt, draw_vision, prompt_has_images, vision_data
 from relax.data.tasks import generate_task
@@ -239,7 +240,7 @@ class PromptDataset(Sequence[PromptItem]):
         dropped = 0
         image_key = vision.image_key if vision is not None else "images"
         for obj, where in records:
-            label = obj.get(label_key)
+            label = record_field(obj, label_key)
             if label is None and label_for is not None:
                 raise DataError(f"{where}: missing key {label_key!r} (data.label_key), the label {label_for} reads")
             label = "" if label is None else label
@@ -274,6 +275,11 @@ class PromptDataset(Sequence[PromptItem]):
                 if templated and not ids:
                     raise DataError(f"{where}: {template} renders this prompt as no token (does it read "
                                     "message['content']?)")
+                if not templated and not text.strip():  # nothing to generate after: refused here, not mid-rollout
+                    what = (("is empty" if not prompt else "is only white space") if isinstance(prompt, str)
+                            else "has messages whose contents are empty")
+                    raise DataError(f"{where}: the prompt {prompt_key!r} {what}, and without a chat template the "
+                                    "model gets no text to answer: give it text or drop the record")
                 cache[cache_key] = (text, ids, prompt_messages(prompt, system_prompt) if templated else None)
             text, ids, messages = cache[cache_key]
             check_text_prompt(vision, text, ids, where)  # no vision tokens, no <image> markers without images

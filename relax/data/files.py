@@ -1,7 +1,9 @@
 """Reading prompt files: JSONL (one JSON object per line) or Parquet, checked record by record; a malformed file is a
 `DataError` naming the file and line. A directory is read as a Hugging Face `datasets` directory
 (`Dataset.save_to_disk`: its Arrow files, in the order its state.json lists them) or as Parquet shards (its
-`*.parquet` files, in name order: a Hub snapshot's split). Values are data, never code."""
+`*.parquet` files, in name order: a Hub snapshot's split). Values are data, never code. A file in a form not read
+(CSV or TSV, a compressed file, a `.json` file holding one JSON array) is a `DataError` naming the form and the
+one-line pandas conversion. The label key may be a dotted path into nested fields (`record_field`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,21 @@ class DataError(ValueError):
 
 
 Record = tuple[dict[str, Any], str]  # a raw record and its location for error messages
+
+
+def record_field(record: dict[str, Any], key: str) -> Any:
+    """The value of `key` in a record (None: missing): its top-level field of that name where it has one (a name with
+    a dot in it included); else, for a dotted key, the path into nested mappings (a Parquet struct, a JSON object):
+    `reward_model.ground_truth` is `record["reward_model"]["ground_truth"]` (verl's parquet keeps its label there).
+    The one reader of `data.label_key` (an eval set's `label_key` too)."""
+    if key in record or "." not in key:
+        return record.get(key)
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def check_prompt(prompt: Any, where: str, key: str) -> Union[str, list[dict[str, str]]]:
@@ -68,13 +85,14 @@ def read_records(path: Union[str, Path], prompt_key: str = "prompt", label_key: 
     elif p.suffix in (".parquet", ".pq"):
         records = read_parquet(p)
     else:
+        _refuse_unread_form(p)
         records = _read_jsonl(p)
     if not records:
         raise DataError(f"data file {p} is empty (no records)")
     for obj, where in records:
         if obj.get(prompt_key) is None:
             raise DataError(f"{where}: missing key {prompt_key!r} ({key_fields[0]}); record has keys {sorted(obj)}")
-        if label_for is not None and obj.get(label_key) is None:
+        if label_for is not None and record_field(obj, label_key) is None:
             raise DataError(f"{where}: missing key {label_key!r} ({key_fields[1]}), the label {label_for} reads; "
                             f"record has keys {sorted(obj)}")
         check_prompt(obj[prompt_key], where, prompt_key)
@@ -109,8 +127,9 @@ def read_directory(p: Path) -> list[Record]:
     state = p / "state.json"
     if (p / "dataset_dict.json").is_file():
         splits = sorted(d.name for d in p.iterdir() if (d / "state.json").is_file())
+        example = "train" if "train" in splits or not splits else splits[0]
         raise DataError(f"data file {p} is a datasets DatasetDict directory (splits: {', '.join(splits) or 'none'}): "
-                        f"point data.path at one split's directory, e.g. {p / (splits[0] if splits else 'train')}")
+                        f"point data.path at one split's directory, e.g. {p / example}")
     if state.is_file():
         try:
             listed = json.loads(state.read_text(encoding="utf-8"))["_data_files"]
@@ -159,6 +178,66 @@ def read_parquet(p: Path) -> list[Record]:
     except Exception as e:
         raise DataError(f"{p}: cannot read Parquet: {e}") from None
     return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
+
+
+# a compressed file's name ends so, or its first bytes are so: the compression's name
+_COMPRESSED = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+_PANDAS = {"gzip": "gzip", "bzip2": "bz2", "xz": "xz", "zstd": "zstd"}  # pandas' names of them
+_MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+
+
+def _refuse_unread_form(p: Path) -> None:
+    """A DataError for a file in a form that is not read (JSONL and Parquet are), naming the form and the one-line
+    pandas conversion to a form that is: CSV or TSV (by its name), a compressed file (by its name or its first
+    bytes), a `.json` file holding one JSON array (its first character other than white space is `[`)."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise DataError(f"data file {p} cannot be read: {e.strerror or e}") from None
+    suffix = p.suffix.lower()
+    compression = _COMPRESSED.get(suffix) or next((name for magic, name in _MAGIC if head.startswith(magic)), None)
+    inner = p.with_suffix("").suffix.lower() if suffix in _COMPRESSED else suffix
+    base = p.name
+    while Path(base).suffix.lower() in (*_COMPRESSED, ".jsonl", ".json", ".csv", ".tsv", ".txt"):
+        base = Path(base).stem
+    target = p.with_name(base + (".parquet" if inner in (".csv", ".tsv") else ".jsonl"))
+    if target.exists():  # never one to overwrite (x.jsonl holding gzip; x.jsonl beside x.json)
+        target = target.with_name(base + ".converted" + target.suffix)
+    # pandas infers a compression from the name's ending; a file whose name does not say gets it named
+    named = f", compression={_PANDAS[compression]!r}" if compression and suffix not in _COMPRESSED else ""
+    if inner in (".csv", ".tsv"):
+        sep = ", sep='\\t'" if inner == ".tsv" else ""
+        read, write = f"pd.read_csv({str(p)!r}{sep}{named}, dtype=str)", f"to_parquet({str(target)!r})"
+        form = inner[1:].upper() + (f" ({compression}-compressed)" if compression else "")
+    elif compression is not None or (suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")):
+        array = compression is None or (inner == ".json" and _compressed_array(p, compression))
+        read = f"pd.read_json({str(p)!r}{'' if array else ', lines=True'}{named}, dtype=False)"
+        write = f"to_json({str(target)!r}, orient='records', lines=True, force_ascii=False)"
+        form = " ".join(w for w in (f"{compression}-compressed" if compression else "",
+                                    "one JSON array" if array else "JSONL") if w)
+    else:
+        return
+    raise DataError(f"data file {p} is {form}, which is not read: data files are JSONL (one JSON object per line, "
+                    f"uncompressed) or Parquet; convert it: python -c \"import pandas as pd; {read}.{write}\", then "
+                    f"data.path={target}")
+
+
+def _compressed_array(p: Path, compression: str) -> bool:
+    """Whether a compressed `.json` file holds one JSON array (its first text other than white space is `[`);
+    False where the compression cannot be read here (zstd)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open}.get(compression)
+    if opener is None:
+        return False
+    try:
+        with opener(p, "rb") as f:
+            return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+    except (OSError, EOFError, lzma.LZMAError):
+        return False
 
 
 def _read_jsonl(p: Path) -> list[Record]:
