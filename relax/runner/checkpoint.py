@@ -11,8 +11,10 @@ generated but not yet trained, the batch in flight with its partial responses, t
 `ledger.jsonl` (the samples steps 0..39 trained, `relax.runner.ledger`, added through `Checkpoints.attachments`) and
 `state.json`: the step, the sampler's position, the MLflow run id, the tracker's counters, the flattened config
 (what a resume is checked against), the lineage (one id per run from its fresh start, kept across resumes),
-the commit sequence number and what identifies the run's model files (`relax.runner.model_record`, which a resume
-and relax-export check model.path against: `check_run_model`). Every sample draws from the random stream of (seed,
+the commit sequence number, what identifies the run's model files (`relax.runner.model_record`, which a resume
+and relax-export check model.path against: `check_run_model`) and its prompt sets (`run_data`: the training set's
+and each eval set's digest and size, as the MLflow dataset log records them; a resume checks the files against it:
+`check_run_data`). Every sample draws from the random stream of (seed,
 sample id, position), so no other RNG state is needed to resume exactly.
 
 Commit: everything is written to `.tmp-step_NNNNNN/`, every file and directory is fsync'ed, the directory is
@@ -54,6 +56,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
+from relax.config.evaluation import default_eval_set_name
 from relax.config.schema import RelaxConfig
 from relax.config.store import override_text
 from relax.models.checkpoint_files import CheckpointFileError, load_tensor_file
@@ -271,6 +274,10 @@ def _flat(cfg: RelaxConfig) -> dict[str, str]:
 # state.json: the run's MLflow store as the run resolved it (tracking.uri is often relative to where relax-train
 # ran, e.g. the default sqlite:///mlflow.db, which names another store from any other directory)
 TRACKING_URI_STATE = "tracking_uri"
+# state.json's record of the run's prompt sets: a list of `relax.tracking.inputs.DatasetRecord.to_dict()` (the training
+# set, context train, and each eval set, context eval: name, source, digest, num_prompts, ...), those the run logs to
+# MLflow (`relax.runner.session.dataset_records`); a resume compares their digest and size (`check_run_data`)
+RUN_DATA = "run_data"
 
 
 @dataclass
@@ -304,9 +311,11 @@ class ResumePoint:
         return self.state.get("tracker") or {}
 
 
-def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> ResumePoint | None:
+def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True,
+                 data: Optional[Sequence[Mapping[str, Any]]] = None) -> ResumePoint | None:
     """The checkpoint `train.resume` designates, checked against `cfg` and `verify`'d (`hashes`: with its files'
-    SHA-256); RunError naming the fields if it differs."""
+    SHA-256); RunError naming the fields if it differs. `data`: the run's prompt sets as it reads them now (`RUN_DATA`
+    records), checked against the checkpoint's (`check_run_data`); None: not checked (not read)."""
     path = find(cfg.train.resume, save_dir)
     if path is None:
         return None
@@ -318,6 +327,7 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
         print(f"relax-train: warning: checkpoint {path} records no config; continuing it unchecked", file=sys.stderr)
         check_num_rollout(cfg, path, state)
         check_run_model(cfg, path, state)
+        check_run_data(cfg, path, state, data)
         verify(path, state, hashes=hashes)
         return ResumePoint(path, state)
     if not isinstance(saved, dict):
@@ -353,6 +363,7 @@ def resume_point(cfg: RelaxConfig, save_dir: Path, *, hashes: bool = True) -> Re
         )
     check_num_rollout(cfg, path, state)
     check_run_model(cfg, path, state)
+    check_run_data(cfg, path, state, data, changed)
     verify(path, state, hashes=hashes)
     return ResumePoint(path, state, changed)
 
@@ -407,6 +418,58 @@ def check_run_model(cfg: RelaxConfig, path: Path, state: dict) -> None:
         raise RunError(f"train.resume={cfg.train.resume}: {where} no longer holds the model that checkpoint {path} was "
                        f"trained from ({fields}): its files were replaced since the run; point model.path at the "
                        "run's model to continue it, or start a new run")
+
+
+def check_run_data(cfg: RelaxConfig, path: Path, state: dict, data: Optional[Sequence[Mapping[str, Any]]],
+                   changed: Optional[Mapping[str, Any]] = None) -> None:
+    """Refuse a resume whose prompt files (`data.path`, an eval set's file, whose names the config check found
+    unchanged) no longer hold the prompts the run used: a prompt set's digest or size (`RUN_DATA`, those of the MLflow
+    dataset log: the prompts as the model sees them and their labels) differs from the checkpoint's. The run would go
+    on from the sampler's position on other prompts and labels (a file regenerated at the same path). `data`: the
+    records now (None: the prompt sets were not read, nothing is checked). RunError in one line naming the set, its
+    option and file, both sizes and digests, and what to do. An eval set whose options changed on this resume
+    (`changed`: data.num_eval_prompts, its data.eval_sets entry, data.eval_path for the default set; changes a resume
+    allows) is meant to differ and is not compared. A checkpoint without the record (an older Relax's) continues with
+    a note that the check could not be made."""
+    if data is None:
+        return
+    recorded = state.get(RUN_DATA)
+    current = {(r.get("context"), r.get("name")): r for r in data}
+    where = (f"data.path={cfg.data.path}" if cfg.data.path else f"data={cfg.data.name}")
+    if not isinstance(recorded, list):
+        print(f"relax-train: note: checkpoint {path} was written by an older Relax: it does not say which prompts the "
+              f"run used, so {where} is not checked against it", file=sys.stderr, flush=True)
+        return
+    changed = changed or {}
+    default_eval = default_eval_set_name(cfg.data)
+    for before in recorded:
+        if not isinstance(before, dict):
+            continue
+        context, name = before.get("context"), before.get("name")
+        now = current.get((context, name))
+        if now is None or (before.get("digest"), before.get("num_prompts")) == (now.get("digest"),
+                                                                                 now.get("num_prompts")):
+            continue
+        if context == "train":
+            what, option, used = f"the training set {name!r}", where, "trained on"
+        else:
+            entry = f"data.eval_sets.{name}"
+            if "data.num_eval_prompts" in changed or any(k == entry or k.startswith(entry + ".") for k in changed) \
+                    or (name == default_eval and name not in cfg.data.eval_sets and "data.eval_path" in changed):
+                continue  # its options changed on this resume: another set, which a resume may evaluate
+            option = (entry if name in cfg.data.eval_sets else
+                      f"data.eval_path={cfg.data.eval_path}" if cfg.data.eval_path else f"data={cfg.data.name}")
+            what, used = f"the eval set {name!r}", "evaluated on"
+        local = now.get("source_type") == "local"
+        source = f" (file {now.get('source')})" if local and str(now.get("source")) not in option else ""
+        why = ("the file was rewritten since the run; put the run's file back to continue it" if local else
+               "its prompts changed since the run (its files, or the Relax that makes them); continue it with the "
+               "run's")
+        raise RunError(
+            f"train.resume={cfg.train.resume}: {option}{source} no longer holds the prompts that checkpoint {path} was "
+            f"{used} ({what}: {before.get('num_prompts')} prompts, digest {before.get('digest')} in the run, "
+            f"{now.get('num_prompts')} prompts, digest {now.get('digest')} now): {why}, or start a new run "
+            "(tracking.run_name=... or train.save_dir=...)")
 
 
 # what names a run's default checkpoint directory (`run_name`): a checkpoint of the experiment that differs from a run
@@ -626,7 +689,8 @@ def _cannot_write(save_dir: Path, exc: OSError) -> str:
             "train.num_rollout=0)")
 
 
-def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) -> bool:
+def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True,
+          data: Optional[Sequence[Mapping[str, Any]]] = None) -> bool:
     """What entering `Checkpoints` checks, changing nothing (`dry_run=true`, `relax.runner.preflight`): the save
     directory is not locked by another run and can be created, and the resume point is valid (RunError naming the
     problem; `hashes=False`: its files' sizes, not their SHA-256, as `verify` says). False when the run neither saves
@@ -654,7 +718,7 @@ def probe(cfg: RelaxConfig, cwd: Optional[Path] = None, *, hashes: bool = True) 
             except OSError as exc:
                 why = OSError(f"{existing} is not writable ({exc.strerror or exc})")
                 raise RunError(_cannot_create(save_dir, why)) from None
-    resume_point(cfg, save_dir, hashes=hashes)
+    resume_point(cfg, save_dir, hashes=hashes, data=data)
     return ckpts.uses_dir or cfg.train.resume is not None
 
 
@@ -742,9 +806,13 @@ class Checkpoints:
     from it), deletes what interrupted saves left behind, and finds and checks the resume point (`resume`).
     """
 
-    def __init__(self, cfg: RelaxConfig, cwd: Optional[Path] = None):
+    def __init__(self, cfg: RelaxConfig, cwd: Optional[Path] = None,
+                 data: Optional[Sequence[Mapping[str, Any]]] = None):
         self.cfg = cfg
         self.cwd = cwd
+        # the run's prompt sets (`RUN_DATA` records): the resume point is checked against them and every checkpoint
+        # records them; None: not read (nothing checked, nothing recorded)
+        self.data = [dict(r) for r in data] if data is not None else None
         self.save_dir = resolve_save_dir(cfg, cwd)
         self.keep = cfg.train.keep_checkpoints  # >= 1 (validation)
         self.resume: ResumePoint | None = None
@@ -788,7 +856,7 @@ class Checkpoints:
             except (OSError, ValueError, AttributeError):
                 self.previous_run_id = self.previous_run_uri = None
         try:
-            self.resume = resume_point(self.cfg, self.save_dir)
+            self.resume = resume_point(self.cfg, self.save_dir, data=self.data)
         except BaseException:
             self._unlock()
             raise
@@ -922,6 +990,8 @@ class Checkpoints:
         sequence = 1 + max((_int(s.get("sequence")) for _, s in existing), default=0)
         full = {**state, "step": step, "lineage": self.lineage, "sequence": sequence, "config": _flat(self.cfg),
                 RUN_MODEL: recorded_model(self.cfg.model)}  # what relax-export checks its model files against
+        if self.data is not None:
+            full[RUN_DATA] = self.data  # what a resume checks the prompt files against (`check_run_data`)
         for name, text in self.attachments.items():
             _write(staging / name, text(step))
         _write(staging / CONFIG, self.config_yaml)

@@ -39,7 +39,8 @@ The checks (`CHECKS`, in order; each names the checks whose result it reads, and
   the start's own bounded waits.
 - `gpus`: a local Ray instance gets the GPUs the plan needs from this machine.
 - `checkpoints`: the save directory is not in use by another run and can be created; the resume point
-  (`train.resume`) exists, is intact and was written with a config this run may continue. With train.resume=auto the
+  (`train.resume`) exists, is intact and was written with a config this run may continue, on the model files and the
+  prompt sets (the data check's, by their MLflow dataset digest and size) it recorded. With train.resume=auto the
   dry run's line says which checkpoint the run continues, or that there is none and it starts at step 1
   (`checkpoint.resume_note`, which the start prints too).
 
@@ -97,6 +98,7 @@ from relax.runner.endpoints import endpoint_targets, unreachable
 from relax.runner.errors import RunError
 from relax.runner.plan import Plan, build_plan
 from relax.runner.reward_model import check_reward_model
+from relax.runner.session import dataset_records
 from relax.serve.openai.agents import load_agent
 from relax.serve.openai.chat import ChatFormat
 from relax.serve.openai.protocol import APIError
@@ -477,12 +479,17 @@ def _endpoints(pre: Preflight) -> bool:
 def _checkpoints(pre: Preflight) -> bool:
     # the last check: a start locks the directory (and sets earlier runs' checkpoints aside) only once every other
     # check passed; otherwise, and in a dry run, it is probed
+    # the prompt sets read (the data check passed): the resume point's are checked against them, and every
+    # checkpoint records them (`checkpoint.check_run_data`)
+    data = None
+    if pre.train_set is not None:
+        data = [r.to_dict() for r in dataset_records(pre.cfg, pre.train_set, pre.eval_sets)]
     if pre.stack is None or pre.problems:
-        applies = checkpoint.probe(pre.cfg, hashes=pre.hash_checkpoints)
+        applies = checkpoint.probe(pre.cfg, hashes=pre.hash_checkpoints, data=data)
         if (note := checkpoint.resume_note(pre.cfg)) is not None:
             pre.notes["checkpoints"] = note  # the dry run's line: where train.resume=auto starts
         return applies
-    pre.checkpoints = pre.stack.enter_context(checkpoint.Checkpoints(pre.cfg))
+    pre.checkpoints = pre.stack.enter_context(checkpoint.Checkpoints(pre.cfg, data=data))
     return True
 
 

@@ -104,6 +104,15 @@ def dataset_record(name: str, context: str, dataset: PromptDataset, task: str) -
                          num_prompts=len(dataset), num_dropped=dataset.num_dropped)
 
 
+def dataset_records(cfg: RelaxConfig, train_set: PromptDataset,
+                    eval_sets: Mapping[str, PromptDataset] | None = None) -> list[DatasetRecord]:
+    """The run's prompt sets as it logs them to MLflow (`dataset_record`): `train_set` under `data.name` (context
+    train), each of `eval_sets` under its eval set name (context eval). Each checkpoint records them too
+    (`checkpoint.RUN_DATA`), and a resume checks the files against them (`checkpoint.check_run_data`)."""
+    records = [dataset_record(cfg.data.name, "train", train_set, cfg.data.task)]
+    return records + [dataset_record(name, "eval", ds, cfg.data.task) for name, ds in (eval_sets or {}).items()]
+
+
 @dataclass
 class RunResult:
     run_id: str | None
@@ -446,9 +455,7 @@ class Session:
         if not self.cfg.tracking.enabled:
             return
         try:
-            records = [dataset_record(self.cfg.data.name, "train", train_set, self.cfg.data.task)]
-            records += [dataset_record(name, "eval", ds, self.cfg.data.task) for name, ds in (eval_sets or {}).items()]
-            self.tracker.log_inputs(records)
+            self.tracker.log_inputs(dataset_records(self.cfg, train_set, eval_sets))
         except Exception as exc:
             self.note(f"the datasets could not be recorded in MLflow ({type(exc).__name__}: {exc}); training goes on")
 

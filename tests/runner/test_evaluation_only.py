@@ -47,6 +47,14 @@ def test_each_checkpoint_evaluated_alone_logs_the_training_runs_evaluation_of_it
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     before = eval_history(client, trained.run_id)
     assert client.get_run(trained.run_id).data.tags[EVAL_STEP_TAG] == EVAL_STEP_WEIGHTS
+    # each checkpoint records the prompt sets as the MLflow run's dataset log holds them (name, digest, size), which
+    # the resumes below are checked against (`checkpoint.check_run_data`: the files are unchanged, so they continue)
+    logged = {(i.dataset.name, i.dataset.digest, json.loads(i.dataset.profile)["num_prompts"])
+              for i in client.get_run(trained.run_id).inputs.dataset_inputs}
+    for k in (1, 2):
+        recorded = json.loads((step_dir(tmp_path / "ckpt", k) / STATE).read_text())["run_data"]
+        assert {(r["name"], r["digest"], r["num_prompts"]) for r in recorded} == logged
+        assert {r["context"] for r in recorded} == {"train", "eval"}
 
     alone: dict[int, dict[str, float]] = {}
     # checkpoint 2 with another interval: it may change on resume (only evaluation reads it)
