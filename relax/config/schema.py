@@ -408,7 +408,9 @@ class DataConfig:
     # data.prompt_key / data.label_key say), or name -> {path: <file>, prompt_key: <key>, label_key: <key>} for a
     # file with keys of its own (each key optional: data.prompt_key / data.label_key otherwise)
     eval_sets: dict[str, Any] = field(default_factory=dict)
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # a record's top-level key
+    # a record's top-level key, or a dotted path into nested fields where no top-level key has that name (verl's
+    # parquet: reward_model.ground_truth; a top-level key with a dot in its name wins)
     label_key: str = "label"
     # digits | arithmetic | math | code_tests | code_tests_all | package.module:function | http(s)://... (a reward
     # service, options in reward_service) | none (an environment or agent loop gives the rewards); or a list of those
@@ -495,7 +497,8 @@ class TrackingConfig:
     arm: Optional[str] = None  # None: derived from the swept keys (sweeps) or the algorithm
     sweep_id: Optional[str] = None  # set by the sweep launcher for each job of a multirun
     parent_run_id: Optional[str] = None  # the sweep's parent MLflow run (set by the launcher)
-    progress: bool = True  # live progress line in the terminal
+    # the live progress line in the terminal; false hides that line only (the closing summary and notes are printed)
+    progress: bool = True
     # MLflow's system metrics (system/cpu_utilization_percentage, memory, disk, network, GPU with nvidia-ml-py) of the
     # driver's machine, sampled every system_metrics_interval_s seconds (and once at the end) into the run
     system_metrics: bool = True

@@ -57,6 +57,73 @@ def _in_free_mapping(cfg: DictConfig, key: str) -> bool:
     return False
 
 
+def _joined(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _has(node: Any, path: Sequence[str]) -> bool:
+    """Whether the schema's sections from `node` lead along `path` to a key (a section or a value)."""
+    for part in path:
+        if part not in (_fields(node) or ()):
+            return False
+        node = node._get_node(part)
+    return True
+
+
+def _no_section(node: Any, prefix: str, tail: Sequence[str], close: Sequence[str], key: str) -> str:
+    """What to say of `key`, whose part `tail[0]` names no section of `node` (at `prefix`) and `tail[1:]` follows it:
+    "did you mean" naming only keys the schema has: the rest of the key in a close section (`trian.lr`: train.lr);
+    else the rest of the key where `tail[0]` stands (`trainer.seed`: seed); else keys close to `tail[1]` in the close
+    sections and here (`trainr.lrr`: train.lr); else the close sections alone (`trainer.foo`: train or tracking)."""
+    sections = [c for c in close if _fields(node._get_node(c)) is not None]
+    found = [_joined(prefix, c, *tail[1:]) for c in sections if _has(node._get_node(c), tail[1:])]
+    if not found and _has(node, tail[1:]):
+        found = [_joined(prefix, *tail[1:])]
+    if not found:
+        for where, at in [*((node._get_node(c), _joined(prefix, c)) for c in sections), (node, prefix)]:
+            found += [_joined(at, m, *tail[2:]) for m in difflib.get_close_matches(tail[1], _fields(where) or [], n=2)
+                      if _has(where._get_node(m), tail[2:])]
+        found = list(dict.fromkeys(found))[:3]
+    if found:
+        return f"unknown key {key} (did you mean {' or '.join(found)}?)"
+    where = f"{prefix} has no section {tail[0]!r}" if prefix else f"no section {tail[0]!r}"
+    hint = f" (did you mean {' or '.join(_joined(prefix, c) for c in sections)}?)" if sections else ""
+    return f"unknown key {key}: {where}{hint}"
+
+
+# verl's names of what Relax names otherwise (verl's trainer config: ppo_trainer.yaml), where one Relax key does the
+# same: (the key's last parts, what to say). Checked on a key the schema lacks, whatever section it is given in
+# (`trainer.total_epochs`, `actor_rollout_ref.actor.clip_ratio`), before the close matches, which would name unrelated
+# keys; a name that says what it is only with its section (`rollout.n`, `trainer.save_freq`) is matched with it. An
+# epoch: `relax.data.datasets.PromptSampler` draws rollout.rollout_batch_size prompts per rollout and goes on into the
+# next epoch's order, so an epoch is (prompts) / rollout_batch_size rollouts.
+VERL_NAMES: tuple[tuple[str, str], ...] = (
+    ("total_epochs", "verl's total_epochs: Relax counts rollouts, not epochs: set train.num_rollout, the number of "
+                     "training steps; an epoch is the number of prompts / rollout.rollout_batch_size rollouts"),
+    ("total_training_steps", "verl's total_training_steps is train.num_rollout here: one rollout is one training step"),
+    ("train_batch_size", "verl's data.train_batch_size, prompts per training step, is rollout.rollout_batch_size here"),
+    ("ppo_mini_batch_size", "verl's ppo_mini_batch_size counts prompts, train.global_batch_size counts the responses "
+                            "of an optimizer step: set it to ppo_mini_batch_size x rollout.n_samples_per_prompt"),
+    ("clip_ratio", "verl's clip_ratio is algorithm.eps_clip here"),
+    ("clip_ratio_low", "verl's clip_ratio_low is algorithm.eps_clip here"),
+    ("clip_ratio_high", "verl's clip_ratio_high is algorithm.eps_clip_high here"),
+    ("rollout.n", "verl's rollout.n is rollout.n_samples_per_prompt here"),
+    ("entropy_coeff", "verl's entropy_coeff is algorithm.entropy_coef here"),
+    ("max_prompt_length", "verl's data.max_prompt_length is rollout.max_prompt_len here, in tokens too"),
+    ("max_response_length", "verl's data.max_response_length is rollout.max_response_len here, in tokens too"),
+    ("trainer.save_freq", "verl's trainer.save_freq, a checkpoint every N steps, is train.save_interval here: 0 saves "
+                          "only at the end, train.save=false never"),
+    ("trainer.test_freq", "verl's trainer.test_freq, an evaluation every N steps, is train.eval_interval here"),
+    ("trainer.project_name", "verl's trainer.project_name is tracking.experiment here, the MLflow experiment"),
+    ("trainer.experiment_name", "verl's trainer.experiment_name is tracking.run_name here, the MLflow run's name"),
+)
+
+
+def verl_hint(key: str) -> str | None:
+    """What `VERL_NAMES` says of `key` (dotted, a key the schema lacks) when it ends with one of verl's names."""
+    return next((text for name, text in VERL_NAMES if key == name or key.endswith("." + name)), None)
+
+
 def unknown_key(cfg: DictConfig, key: str, override: str = "") -> Violation:
     """The violation of `key` (dotted), a key the schema of the composed `cfg` lacks; `override`: the user's text
     that set it, where one did (named in the `+` form to type, for a new key of a free mapping)."""
@@ -81,11 +148,13 @@ def unknown_key(cfg: DictConfig, key: str, override: str = "") -> Violation:
                 fix = f"set algorithm={owners[0]}" if len(owners) == 1 else "set one of them"
                 return Violation((key, "algorithm"),
                                  f"{key} is an option of {options}, not of algorithm={current} ({fix})")
+        verl = verl_hint(key)
+        if verl is not None:
+            return Violation((key,), f"unknown key {key} ({verl})")
         close = difflib.get_close_matches(part, fields, n=3)
-        rest = "".join(f".{p}" for p in parts[i + 1:])  # `trian.lr`: did you mean train.lr?
-        if rest:  # a misspelled section: the close ones that have the rest of the key
-            close = [c for c in close if parts[i + 1] in (_fields(node._get_node(c)) or ())] or close
-        hint = f" (did you mean {' or '.join(f'{prefix}.{c}{rest}' if prefix else c + rest for c in close)}?)"
+        if i + 1 < len(parts):  # a section the schema lacks (`trian.lr`, `trainer.seed`)
+            return Violation((key,), _no_section(node, prefix, parts[i:], close, key))
+        hint = f" (did you mean {' or '.join(_joined(prefix, c) for c in close)}?)"
         where = f"{prefix} has no key {part!r}" if prefix else "no such section or key"
         return Violation((key,), f"unknown key {key}{hint}" if close else f"unknown key {key}: {where}")
     # a key of the schema that the composed YAML lacks: a config of its own (`-cp <dir> -cn config`, a run's saved

@@ -81,6 +81,10 @@ def get_reward_fn(spec: str, sandbox: Any = None) -> RewardFn:
         raise RewardSpecError(f"data.reward={spec!r}: only http:// and https:// URLs are reward services; a "
                               f"{scheme.group(1)}:// URL is neither a service nor a function (a function is named "
                               "'package.module:function' or '/path/to/file.py:function')")
+    if ":" not in spec and (spec.endswith(".py") or "/" in spec):  # verl's custom_reward_function.path, alone
+        raise RewardSpecError(f"data.reward={spec!r}: a reward named by its file needs the function's name too: "
+                              f"data.reward=<path>:function, e.g. data.reward={spec}:compute_score (the name verl "
+                              "calls by default)")
     target = _import_file(spec) if _names_a_file(spec) else spec
     fn = resolve_component(BUILTIN_REWARDS, "data.reward", target, error=RewardSpecError,
                            unknown="{option}={spec!r}: unknown reward; expected one of {builtins} "
@@ -144,11 +148,15 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
         return
     batched = [p.name for p in signature.parameters.values() if p.name in BATCHED_NAMES]
     if batched:
+        wrapper, label_by_keyword = batched_wrapper(fn, signature)
+        how = (" (TRL passes each data set column, the label's too, as a keyword named as the column: for label= "
+               "write data.label_key's name, solution=[label] with data.label_key=solution)"
+               if label_by_keyword else "")
         raise RewardSpecError(f"data.reward={spec!r}: {spec}{signature} looks batched (its parameter {batched[0]!r} "
                               "names a list, as TRL's and verl's batched reward functions do), and Relax calls a "
-                              "reward function once per response: fn(response, label) -> float (with a keyword "
-                              "`prompt` if it takes one). Wrap it: def reward(response, label): return "
-                              f"{getattr(fn, '__name__', 'fn')}([response], [label])[0]")
+                              "reward function once per response: fn(response, label) -> float, with the prompt, "
+                              "the messages and the data record's other fields passed by their parameters' names "
+                              f"(all of them to a **kwargs). Wrap it (beside it, or importing it): {wrapper}{how}")
     try:
         reward_inputs(fn, signature)
     except ValueError as exc:
@@ -156,6 +164,54 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
                               f"function takes the response text and the label (and, by their names, `prompt`, "
                               f"`messages` and the data record's fields), and returns a float: {spec}{signature}") \
             from None
+
+
+# a batched function's list parameters (`BATCHED_NAMES`, verl's batched compute_score's) -> what the wrapper
+# `batched_wrapper` writes puts in each list: the wrapper's parameter of that name (the response, the label, the prompt
+# or a record field)
+_BATCH_ITEMS = {"responses": "completion", "completions": "completion", "solution_strs": "completion",
+                "labels": "label", "ground_truths": "label", "prompts": "prompt",
+                "data_sources": "data_source", "extra_infos": "extra_info"}
+
+
+def batched_wrapper(fn: RewardFn, signature: inspect.Signature) -> tuple[str, bool]:
+    """(the one-line per-response reward that calls the batched `fn` with one-item lists, as `signature` takes them;
+    whether it passes the label by a keyword only because `fn` has no parameter for it but a `**kwargs`). A list
+    parameter gets its item (`_BATCH_ITEMS`); the first other parameter gets the label when none of those took it
+    (TRL's `(completions, solution, **kwargs)`), the rest the record's field of their name; a `**kwargs` gets every
+    field the run passes the wrapper's own `**fields` (prompt, messages, the record's other fields), and the label
+    as `label=` when no parameter took it (TRL's `(completions, **kwargs)`, which reads its columns from kwargs)."""
+    name = getattr(fn, "__name__", "fn")
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    rest = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    items = {p.name: _BATCH_ITEMS.get(p.name) for p in params}
+    if "label" not in items.values():
+        first = next((p.name for p in params if items[p.name] is None and p.default is inspect.Parameter.empty),
+                     None) or next((p.name for p in params if items[p.name] is None), None)
+        if first is not None:
+            items[first] = "label"
+    for p in params:
+        if items[p.name] is None:
+            items[p.name] = p.name  # a record field of that name
+    # the wrapper's other parameters: a field a parameter with a default asks for may be missing (`=None`, last)
+    optional = {v for v in items.values()
+                if all(p.default is not inspect.Parameter.empty for p in params if items[p.name] == v)}
+    others = [v for v in dict.fromkeys(items.values()) if v not in ("completion", "label")]
+    own = ["completion", "label", *(v for v in others if v not in optional), *(f"{v}=None" for v in others
+                                                                               if v in optional)]
+    args = [f"[{items[p.name]}]" if p.kind is inspect.Parameter.POSITIONAL_ONLY else f"{p.name}=[{items[p.name]}]"
+            for p in params]
+    label_by_keyword = rest and "label" not in items.values()
+    if label_by_keyword:
+        args.append("label=[label]")
+    if rest:
+        args.append("**{k: [v] for k, v in fields.items()}")
+        own.append("**fields")
+    call = f"{name}({', '.join(args)})"
+    if inspect.iscoroutinefunction(fn):
+        return f"async def reward({', '.join(own)}): return (await {call})[0]", label_by_keyword
+    return f"def reward({', '.join(own)}): return {call}[0]", label_by_keyword
 
 
 def check_record_fields(spec: object, fn: RewardFn, items: Sequence[object], what: str) -> None:

@@ -126,7 +126,8 @@ class Progress:
 
     Call `update(step, metrics)` after each completed step (`step` counts completed steps, 1..total;
     `start_step` is where a resumed run began). Metrics missing from an update keep their last value.
-    `enabled=False` makes every method silent (`tracking.progress=false`). `started`: when the run began, on `clock`
+    `enabled=False` (`tracking.progress=false`) hides the live line only: `update` prints nothing, while `write`'s
+    messages and the closing `summary` are printed as plain lines. `started`: when the run began, on `clock`
     (default: now), if before this loop: `elapsed` counts from it, the eta from this loop's own pace.
     """
 
@@ -229,10 +230,9 @@ class Progress:
         self._live_line = line
 
     def write(self, message: str) -> None:
-        """Print a message without garbling the live line (it is redrawn below the message)."""
-        if not self.enabled:
-            return
-        if self.is_tty and self._live_len:
+        """Print a message without garbling the live line (it is redrawn below the message); without the live line
+        (`enabled=False`), as a plain line."""
+        if self.enabled and self.is_tty and self._live_len:
             self.stream.write("\r" + message.ljust(self._live_len) + "\n")
             self._live_len = 0
             self._draw(self._live_line)
@@ -258,10 +258,10 @@ class Progress:
         title: str = "Relax run finished",
         rewards: bool = True,
     ) -> str:
-        """Close the live line, print the end-of-run block (when enabled) and return it."""
+        """Close the live line, print the end-of-run block and return it. The block is printed whether or not the live
+        line is on (`tracking.progress` hides the live line only): it gives the run's outputs and MLflow run."""
         text = summary(final_reward, best_reward, run_id, ui_command, extra, title=title, rewards=rewards)
         self.close()
-        if self.enabled:
-            self.stream.write(text + "\n")
-            self.stream.flush()
+        self.stream.write(text + "\n")
+        self.stream.flush()
         return text

@@ -4,6 +4,7 @@ another scheme are refused at start, each with a message that says what to do.""
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -84,7 +85,69 @@ def test_a_batched_function_is_refused_at_start(reward_file, name, param):
         get_reward_fn(f"{reward_file}:{name}")
     text = str(err.value)
     assert f"looks batched (its parameter {param!r}" in text and "once per response" in text
-    assert f"return {name}([response], [label])[0]" in text
+    # its wrapper, called as the run calls a reward, calls it with one-item lists (verl's: data_source, extra_info)
+    from relax.rewards.calls import RewardContext, call_once, reward_inputs
+
+    namespace: dict = {}
+    exec(REWARDS, namespace)
+    exec(re.search(r"def reward\(.*?\)\[0\]", text).group(0), namespace)
+    fields = {"data_source": "openai/gsm8k", "extra_info": {"index": 3}}
+    args, kwargs = reward_inputs(namespace["reward"]).arguments("4", "4", RewardContext(prompt="2+2?", fields=fields))
+    assert call_once(namespace["reward"], args, kwargs) == (0.0, None)
+
+
+TRL_REWARDS = textwrap.dedent("""
+    # TRL's two canonical batched forms: each data set column (the label's too) comes as a keyword list
+    def trl_kwargs(completions, **kwargs):
+        return [float(s in c) + 0.5 * (t == "easy") for c, s, t in zip(completions, kwargs["solution"], kwargs["tag"])]
+
+    def trl_solution(completions, solution, **kwargs):
+        return [float(s in c) + 0.25 * len(kwargs["tag"][0]) for c, s in zip(completions, solution)]
+""")
+
+
+@pytest.fixture(scope="module")
+def trl_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trl") / "trl_rw_wrap_h4.py"  # one file: a second of its name would be refused
+    path.write_text(TRL_REWARDS)
+    return path
+
+
+@pytest.mark.parametrize("name", ["trl_kwargs", "trl_solution"])
+def test_the_printed_wrapper_of_a_trl_batched_function_returns_its_value(trl_file, name):
+    """The wrapper the refusal prints, written as given (label= as it says, with the label column's name) and called
+    as the run calls a reward (by its parameters' names: `reward_inputs`), returns what TRL's own call of the batched
+    function (every column as a keyword list) returns for that response."""
+    from relax.rewards.calls import RewardContext, call_once, reward_inputs
+
+    namespace: dict = {}
+    exec(compile(TRL_REWARDS, str(trl_file), "exec"), namespace)
+    with pytest.raises(RewardSpecError) as err:
+        get_reward_fn(f"{trl_file}:{name}")
+    text = str(err.value)
+    wrapper = re.search(r"(?:async )?def reward\(.*?\)\[0\]", text).group(0)
+    if "label=[label]" in wrapper:  # the label column's name, as the message says to write (data.label_key=solution)
+        assert "for label= write data.label_key's name" in text
+        wrapper = wrapper.replace("label=[label]", "solution=[label]")
+    exec(wrapper, namespace)
+    reward = namespace["reward"]
+    fields = {"tag": "easy", "id": 7}
+    for completion, label in [("the answer is 42", "42"), ("no idea", "42")]:
+        want = namespace[name]([completion], solution=[label], prompt=["q?"], **{k: [v] for k, v in fields.items()})[0]
+        args, kwargs = reward_inputs(reward).arguments(completion, label, RewardContext(prompt="q?", fields=fields))
+        value, error = call_once(reward, args, kwargs)
+        assert error is None, error
+        assert value == want
+
+
+@pytest.mark.parametrize("spec", ["/srv/rewards/verl_reward.py", "rewards/mine.py", "verl_reward.py"])
+def test_a_file_without_its_function_names_the_file_form(spec):
+    """verl's custom_reward_function.path is the file alone (its function name defaults to compute_score)."""
+    with pytest.raises(RewardSpecError) as err:
+        get_reward_fn(spec)
+    text = str(err.value)
+    assert "needs the function's name too: data.reward=<path>:function" in text
+    assert f"data.reward={spec}:compute_score" in text and "unknown reward" not in text
 
 
 def test_an_async_single_response_function_is_not_refused(reward_file):

@@ -107,15 +107,22 @@ def test_write_keeps_live_line() -> None:
     assert "checkpoint saved" in out and out.endswith(progress.format_line(1, {}))
 
 
-def test_disabled_is_silent() -> None:
+def test_disabled_hides_only_the_live_line() -> None:
+    """tracking.progress=false (docs/experiments.md, section 7; schema.py: "live progress line") hides the progress
+    line, and nothing else: a note and the closing summary (where the run's outputs and HF model are named) are
+    printed as plain lines, as they are with the line on."""
     stream = io.StringIO()
-    progress = Progress(10, enabled=False, stream=stream)
-    progress.update(1, {"rollout/raw_reward": 1.0})
-    progress.write("x")
-    text = progress.summary(1.0, 1.0, "abc", "mlflow ui")
+    progress = Progress(10, enabled=False, stream=stream, is_tty=True)
+    for step in range(1, 11):
+        progress.update(step, {"rollout/raw_reward": 1.0})
+    assert stream.getvalue() == ""  # no progress line, neither drawn in place nor printed
+    progress.write("checkpoint saved")
+    text = progress.summary(1.0, 1.0, "abc", "mlflow ui", {"outputs": "/x/out", "HF model": "/x/hf"})
     progress.close()
-    assert stream.getvalue() == ""
-    assert "abc" in text
+    assert "abc" in text and "/x/hf" in text
+    # the same as a run with the line on prints below its line: the message, then the block, nothing else
+    assert stream.getvalue() == "checkpoint saved\n" + text + "\n"
+    assert "step " not in stream.getvalue() and "\r" not in stream.getvalue()
 
 
 def test_summary_block() -> None:
