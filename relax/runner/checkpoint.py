@@ -182,10 +182,6 @@ def _committed(save_dir: Path, strict: bool = False) -> list[tuple[Path, dict]]:
     return found
 
 
-def _int(value: Any) -> int:
-    return value if type(value) is int else 0
-
-
 def committed(save_dir: Path) -> list[Path]:
     return [p for p, _ in _committed(save_dir)]
 
@@ -278,6 +274,11 @@ TRACKING_URI_STATE = "tracking_uri"
 # set, context train, and each eval set, context eval: name, source, digest, num_prompts, ...), those the run logs to
 # MLflow (`relax.runner.session.dataset_records`); a resume compares their digest and size (`check_run_data`)
 RUN_DATA = "run_data"
+# what RUN_DATA's digests mean: bump it when the digest (`relax.tracking.inputs.prompts_digest`) or how a prompt is
+# rendered before it (chat template application, system prompt, tool schemas) changes, so that checkpoints written
+# before continue with a note instead of a refusal
+RUN_DATA_VERSION = 1
+RUN_DATA_VERSION_KEY = "run_data_version"
 
 
 @dataclass
@@ -429,17 +430,21 @@ def check_run_data(cfg: RelaxConfig, path: Path, state: dict, data: Optional[Seq
     records now (None: the prompt sets were not read, nothing is checked). RunError in one line naming the set, its
     option and file, both sizes and digests, and what to do. An eval set whose options changed on this resume
     (`changed`: data.num_eval_prompts, its data.eval_sets entry, data.eval_path for the default set; changes a resume
-    allows) is meant to differ and is not compared. A checkpoint without the record (an older Relax's) continues with
-    a note that the check could not be made."""
+    allows) is meant to differ and is not compared; an evaluation-only resume (train.num_rollout=0, or the
+    checkpoint's step) trains nothing and does not compare the training set. The digest covers the prompts as rendered
+    and their labels, not a record's other fields (what a reward reads by name) or its images. A checkpoint without
+    the record, or with one of another RUN_DATA_VERSION (an older Relax's), continues with a note that the check
+    could not be made."""
     if data is None:
         return
     recorded = state.get(RUN_DATA)
     current = {(r.get("context"), r.get("name")): r for r in data}
     where = (f"data.path={cfg.data.path}" if cfg.data.path else f"data={cfg.data.name}")
-    if not isinstance(recorded, list):
+    if not isinstance(recorded, list) or state.get(RUN_DATA_VERSION_KEY) != RUN_DATA_VERSION:
         print(f"relax-train: note: checkpoint {path} was written by an older Relax: it does not say which prompts the "
               f"run used, so {where} is not checked against it", file=sys.stderr, flush=True)
         return
+    trains = cfg.train.num_rollout > _int(state.get("step"))
     changed = changed or {}
     default_eval = default_eval_set_name(cfg.data)
     for before in recorded:
@@ -451,7 +456,10 @@ def check_run_data(cfg: RelaxConfig, path: Path, state: dict, data: Optional[Seq
                                                                                  now.get("num_prompts")):
             continue
         if context == "train":
+            if not trains:
+                continue  # an evaluation: no training prompt is read
             what, option, used = f"the training set {name!r}", where, "trained on"
+            instead = ""
         else:
             entry = f"data.eval_sets.{name}"
             if "data.num_eval_prompts" in changed or any(k == entry or k.startswith(entry + ".") for k in changed) \
@@ -460,15 +468,19 @@ def check_run_data(cfg: RelaxConfig, path: Path, state: dict, data: Optional[Seq
             option = (entry if name in cfg.data.eval_sets else
                       f"data.eval_path={cfg.data.eval_path}" if cfg.data.eval_path else f"data={cfg.data.name}")
             what, used = f"the eval set {name!r}", "evaluated on"
+            # another set under its own name is what a resume may evaluate (its options changed: skipped above)
+            instead = ", give the new file under another path (data.eval_path or a data.eval_sets entry)"
         local = now.get("source_type") == "local"
         source = f" (file {now.get('source')})" if local and str(now.get("source")) not in option else ""
-        why = ("the file was rewritten since the run; put the run's file back to continue it" if local else
+        # the digest is of the prompts as rendered: the file, or what renders them, changed
+        why = ("the file, or what renders its prompts (the chat template, data.system_prompt, tools), changed since "
+               "the run; put the run's file and settings back to continue it" if local else
                "its prompts changed since the run (its files, or the Relax that makes them); continue it with the "
                "run's")
         raise RunError(
             f"train.resume={cfg.train.resume}: {option}{source} no longer holds the prompts that checkpoint {path} was "
             f"{used} ({what}: {before.get('num_prompts')} prompts, digest {before.get('digest')} in the run, "
-            f"{now.get('num_prompts')} prompts, digest {now.get('digest')} now): {why}, or start a new run "
+            f"{now.get('num_prompts')} prompts, digest {now.get('digest')} now): {why}{instead}, or start a new run "
             "(tracking.run_name=... or train.save_dir=...)")
 
 
@@ -992,6 +1004,7 @@ class Checkpoints:
                 RUN_MODEL: recorded_model(self.cfg.model)}  # what relax-export checks its model files against
         if self.data is not None:
             full[RUN_DATA] = self.data  # what a resume checks the prompt files against (`check_run_data`)
+            full[RUN_DATA_VERSION_KEY] = RUN_DATA_VERSION
         for name, text in self.attachments.items():
             _write(staging / name, text(step))
         _write(staging / CONFIG, self.config_yaml)

@@ -70,11 +70,12 @@ def run_checkpoint(tmp_path, mlflow_template) -> tuple[Path, str]:
     return path, run.info.run_id
 
 
-def _resume(tmp_path: Path, path: Path, *extra: str) -> dict[str, str]:
+def _resume(tmp_path: Path, path: Path, *extra: str, num_rollout: int = 3) -> dict[str, str]:
     """The problems of the checks a start runs before Ray for a resume of `path` (as a start runs them: the save
     directory locked and the resume point found by the `Checkpoints` it enters), and the same from a dry run's (the
-    directory probed); {} when it starts, at the checkpoint's step."""
-    cfg = load_config(_overrides(tmp_path, f"train.resume={path}", "train.num_rollout=3", *extra))
+    directory probed); {} when it starts, at the checkpoint's step. `num_rollout` 0 or 2 (the checkpoint's step): an
+    evaluation of the checkpoint."""
+    cfg = load_config(_overrides(tmp_path, f"train.resume={path}", f"train.num_rollout={num_rollout}", *extra))
     with contextlib.ExitStack() as stack:
         pre = preflight(cfg, stack=stack)
         if pre.ok:
@@ -102,9 +103,10 @@ def test_a_training_file_regenerated_with_as_many_rows_is_refused_before_anythin
     _write(tmp_path / "train.jsonl", changed, LABELS)  # the same row count: the sampler's size check passes
     expected = (f"train.resume={path}: data.path={tmp_path / 'train.jsonl'} no longer holds the prompts that "
                 f"checkpoint {path} was trained on (the training set 'jsonl': 8 prompts, digest "
-                f"{_digest(PROMPTS, LABELS)} in the run, 8 prompts, digest {_digest(changed, LABELS)} now): the file "
-                "was rewritten since the run; put the run's file back to continue it, or start a new run "
-                "(tracking.run_name=... or train.save_dir=...)")
+                f"{_digest(PROMPTS, LABELS)} in the run, 8 prompts, digest {_digest(changed, LABELS)} now): the file, "
+                "or what renders its prompts (the chat template, data.system_prompt, tools), changed since the run; "
+                "put the run's file and settings back to continue it, or start a new run (tracking.run_name=... or "
+                "train.save_dir=...)")
     assert _resume(tmp_path, path) == {"checkpoints": expected}
 
     # the start itself (relax-train in this process): exit 2 with that line, before MLflow reopens the run and
@@ -134,14 +136,37 @@ def test_a_changed_eval_file_is_refused_unless_its_options_changed(run_checkpoin
     assert (f"data.eval_path={tmp_path / 'test.jsonl'} no longer holds the prompts that checkpoint {path} was "
             f"evaluated on (the eval set 'test': 4 prompts, digest {_digest(EVAL, EVAL_LABELS)} in the run, 4 prompts, "
             f"digest {_digest(EVAL, labels)} now)") in problem
+    assert problem.endswith(": the file, or what renders its prompts (the chat template, data.system_prompt, tools), "
+                            "changed since the run; put the run's file and settings back to continue it, give the new "
+                            "file under another path (data.eval_path or a data.eval_sets entry), or start a new run "
+                            "(tracking.run_name=... or train.save_dir=...)")
     # a resume may change the eval options (data.num_eval_prompts here): the set is then meant to differ
     assert _resume(tmp_path, path, "data.num_eval_prompts=2") == {}
+    # an evaluation of the checkpoint is checked the same way: its numbers at step 2 would mix two sets under one name
+    assert "evaluated on (the eval set 'test'" in _resume(tmp_path, path, num_rollout=0)["checkpoints"]
 
 
-def test_an_older_checkpoint_without_the_record_resumes_with_a_note(run_checkpoint, tmp_path, capsys):
+def test_an_evaluation_of_the_checkpoint_does_not_check_the_training_file(run_checkpoint, tmp_path):
+    """train.num_rollout=0, or the checkpoint's step: nothing is trained and no training prompt is read, so a training
+    file regenerated since (for the next experiment) does not stop the evaluation; a resume that trains is refused."""
+    path, _ = run_checkpoint
+    _write(tmp_path / "train.jsonl", [p.upper() for p in PROMPTS], LABELS)
+    assert _resume(tmp_path, path, num_rollout=0) == {}
+    assert _resume(tmp_path, path, num_rollout=2) == {}
+    assert "was trained on (the training set 'jsonl'" in _resume(tmp_path, path)["checkpoints"]  # the control
+
+
+@pytest.mark.parametrize("older", ["without the record", "with another digest version"])
+def test_an_older_checkpoint_resumes_with_a_note(run_checkpoint, tmp_path, capsys, older):
+    """A checkpoint an older Relax wrote: without the record, or with digests of another RUN_DATA_VERSION (what a
+    changed digest or prompt rendering bumps: its digests would differ from any computed now)."""
     path, _ = run_checkpoint
     state = checkpoint.read_state(path)
-    del state[checkpoint.RUN_DATA]  # as an older Relax wrote it (state.json is not in its own manifest)
+    if older == "without the record":
+        del state[checkpoint.RUN_DATA]  # as an older Relax wrote it (state.json is not in its own manifest)
+        del state[checkpoint.RUN_DATA_VERSION_KEY]
+    else:
+        state[checkpoint.RUN_DATA_VERSION_KEY] = checkpoint.RUN_DATA_VERSION - 1
     (path / checkpoint.STATE).write_text(json.dumps(state))
     _write(tmp_path / "train.jsonl", [p.upper() for p in PROMPTS], LABELS)
     capsys.readouterr()
