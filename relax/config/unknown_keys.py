@@ -81,7 +81,9 @@ def _no_section(node: Any, prefix: str, tail: Sequence[str], close: Sequence[str
         found = [_joined(prefix, *tail[1:])]
     if not found:
         for where, at in [*((node._get_node(c), _joined(prefix, c)) for c in sections), (node, prefix)]:
-            found += [_joined(at, m, *tail[2:]) for m in difflib.get_close_matches(tail[1], _fields(where) or [], n=2)
+            # closer than difflib's default: the section was a guess already (`trainer.nnodes` is not train.mode)
+            found += [_joined(at, m, *tail[2:])
+                      for m in difflib.get_close_matches(tail[1], _fields(where) or [], n=2, cutoff=0.75)
                       if _has(where._get_node(m), tail[2:])]
         found = list(dict.fromkeys(found))[:3]
     if found:
@@ -111,6 +113,7 @@ VERL_NAMES: tuple[tuple[str, str], ...] = (
     ("entropy_coeff", "verl's entropy_coeff is algorithm.entropy_coef here"),
     ("max_prompt_length", "verl's data.max_prompt_length is rollout.max_prompt_len here, in tokens too"),
     ("max_response_length", "verl's data.max_response_length is rollout.max_response_len here, in tokens too"),
+    ("actor.optim.lr", "verl's actor.optim.lr is train.lr here"),
     ("trainer.save_freq", "verl's trainer.save_freq, a checkpoint every N steps, is train.save_interval here: 0 saves "
                           "only at the end, train.save=false never"),
     ("trainer.test_freq", "verl's trainer.test_freq, an evaluation every N steps, is train.eval_interval here"),

@@ -114,8 +114,12 @@ class RayRuntime:
             # "local": a new instance of this run's own, never one that a session file names (a head stopped by a
             # signal leaves /tmp/ray/ray_current_cluster behind; a user's `ray start --head` writes it too)
             ray.init(address=address if address is not None else "local", **kwargs)
+        except (TypeError, AttributeError):
+            raise  # a mistake in this call (Relax's own), not a Ray that cannot start
         except Exception as exc:  # noqa: BLE001 Ray raises a bare Exception too ("The current node timed out
             # during startup": its raylet's 30 s under heavy load); every failure of its start is this one line
+            if ray.is_initialized():  # a start that failed half-way: nothing of it is left for the next job
+                ray.shutdown()
             named = "" if source.option != "RAY_ADDRESS" else f" from RAY_ADDRESS={address}"
             raise RunError(f"cannot start or join Ray (cluster.address={self.cfg.cluster.address}{named}): "
                            f"{exc}") from None

@@ -390,13 +390,14 @@ class Session:
                 left = len(metrics) - len(logged)
                 names = ", ".join(sorted(held_sets))
                 kept_local = ", its samples are in the output directory only" if held_sets & set(samples or ()) else ""
-                self._say(f"relax-train: warning: MLflow run {self.run_id} already holds an earlier evaluation of "
-                          f"these weights at step {step} for eval set(s) {names} ({len(held)} of this evaluation's "
-                          f"metrics: {held[0]}, ...); MLflow keeps the first value of a step, so none of this "
-                          f"evaluation's {left} metric(s) of {names} is recorded (its values are shown in the summary "
-                          f"only{kept_local}) and the earlier values stay. To record "
-                          f"them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, then `relax-train "
-                          "model.source=hf model.path=<dir> train.num_rollout=0 ...`")
+                self.progress.write(
+                    f"relax-train: warning: MLflow run {self.run_id} already holds an earlier evaluation of "
+                    f"these weights at step {step} for eval set(s) {names} ({len(held)} of this evaluation's "
+                    f"metrics: {held[0]}, ...); MLflow keeps the first value of a step, so none of this "
+                    f"evaluation's {left} metric(s) of {names} is recorded (its values are shown in the summary "
+                    f"only{kept_local}) and the earlier values stay. To record "
+                    f"them, evaluate the policy in a new run: `relax-export {ckpt} <dir>`, then `relax-train "
+                    "model.source=hf model.path=<dir> train.num_rollout=0 ...`")
             self.evaluated_only = True
         self.tracker.log_metrics(logged, step)
         self._add_history(step, metrics)
@@ -536,14 +537,7 @@ class Session:
             self.history[-1][1][FAULT_CHECKPOINT_FAILURES] = float(self.checkpoint_failures)
         message = (f"relax-train: warning: {what}; training goes on (train.save_failures=continue), the next "
                    f"checkpoint tries again; latest committed checkpoint: {kept or 'none'}")
-        self._say(message)
-
-    def _say(self, message: str) -> None:
-        """A line on stderr whether or not the progress line is on (below it when it is)."""
-        if self.progress.enabled:
-            self.progress.write(message)
-        else:
-            print(message, file=sys.stderr, flush=True)
+        self.progress.write(message)
 
     def export_final(self) -> None:
         """train.save_hf=true: the final checkpoint as a Hugging Face directory, `<save_dir>/hf` (replaced if there),
@@ -573,7 +567,7 @@ class Session:
                            "--force`") from None
         self.hf_dir = out
         self.tracker.set_tags({HF_DIR_TAG: str(out)})
-        self._say(f"final policy (step {result.step}, {ckpt.name}) exported as a Hugging Face model to {out}")
+        self.progress.write(f"final policy (step {result.step}, {ckpt.name}) exported as a Hugging Face model to {out}")
         if cfg.tracking.log_model:
             self._log_model(result.out_dir, result.step, result.checkpoint)
 
@@ -585,8 +579,8 @@ class Session:
             existing = logged_model_of_step(self.tracker.client, run_id, step)
             if existing is not None:
                 self.model_uri = existing
-                self._say(f"MLflow run {run_id} already holds the model of step {step}, {existing}: not logged "
-                          "again")
+                self.progress.write(f"MLflow run {run_id} already holds the model of step {step}, {existing}: "
+                                    "not logged again")
                 return
         try:
             self.model_uri = log_hf_model(self.tracker.client, run_id, hf_dir, step=step, checkpoint=str(ckpt))
@@ -596,7 +590,7 @@ class Session:
                            f"into MLflow run {run_id} as a model ({type(exc).__name__}: {detail}). Once the store "
                            f"takes it, log it with `{retry_command(hf_dir, run_id, self.tracker.uri)}`") from None
         self.tracker.set_tags({MODEL_URI_TAG: self.model_uri})
-        self._say(f"logged into MLflow run {run_id} as the model {self.model_uri} (mlflow.transformers)")
+        self.progress.write(f"logged into MLflow run {run_id} as the model {self.model_uri} (mlflow.transformers)")
 
     def summary_history(self) -> list[tuple[int, dict[str, float]]]:
         """The history the closing summary reads its eval line from: this process's, after the evaluations a reopened

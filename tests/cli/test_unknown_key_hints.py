@@ -53,6 +53,7 @@ def cfg():
     ("actor_rollout_ref.rollout.n=4", "rollout.n_samples_per_prompt"),
     ("data.max_prompt_length=512", "rollout.max_prompt_len"),
     ("data.max_response_length=512", "rollout.max_response_len"),
+    ("actor_rollout_ref.actor.optim.lr=1e-6", "train.lr"),
     ("trian.lr=1e-3", "train.lr"),
     ("trainr.lrr=1e-3", "train.lr"),
     ("train.lrr=1e-3", "train.lr"),
@@ -70,6 +71,8 @@ def test_every_key_a_hint_names_is_one_the_config_has(cfg, override, meant):
 def test_a_section_that_holds_no_such_key_is_named_alone(cfg):
     message = _message("trainer.foo=1")
     assert message == "trainer.foo: no section 'trainer' (did you mean train or tracking?)"
+    # a key only loosely like one of a guessed section's is not offered (nnodes ~ mode at difflib's default cutoff)
+    assert _message("trainer.nnodes=1") == "trainer.nnodes: no section 'trainer' (did you mean train or tracking?)"
     assert _exists(cfg, "train") and _exists(cfg, "tracking") and not _exists(cfg, "train.foo")
 
 

@@ -74,16 +74,26 @@ def test_a_ray_that_cannot_start_is_one_line_naming_rays_reason(monkeypatch) -> 
 
     from relax.runner.errors import RunError
 
+    started: list[str] = []
+
     def init(address=None, **kwargs):
+        started.append("half")  # its GCS up, its raylet not: what is left is shut down before the error
         raise Exception("The current node timed out during startup. This could happen because some of the raylet "
                         "failed to startup or the GCS has become overloaded.")
 
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
     monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", started.clear)
     monkeypatch.setenv("TQDM_DISABLE", "1")  # RayRuntime sets it for its roles: restored after the test
     cfg = load_config(["cluster=local"])
     with pytest.raises(RunError, match=r"^cannot start or join Ray \(cluster.address=None\): The current node timed "
                                        r"out during startup"):
+        RayRuntime(cfg, build_plan(cfg)).__enter__()
+    assert not started  # shut down
+
+    # a mistake in the call itself (Relax's, a keyword Ray does not take) is not blamed on Ray: it propagates
+    monkeypatch.setattr(ray, "init", lambda address=None, **kwargs: (_ for _ in ()).throw(TypeError("bad kwarg")))
+    with pytest.raises(TypeError, match="bad kwarg"):
         RayRuntime(cfg, build_plan(cfg)).__enter__()
 
 
