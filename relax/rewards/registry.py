@@ -148,15 +148,13 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
         return
     batched = [p.name for p in signature.parameters.values() if p.name in BATCHED_NAMES]
     if batched:
-        wrapper, label_by_keyword = batched_wrapper(fn, signature)
-        how = (" (TRL passes each data set column, the label's too, as a keyword named as the column: for label= "
-               "write data.label_key's name, solution=[label] with data.label_key=solution)"
-               if label_by_keyword else "")
+        wrapper, notes = batched_wrapper(fn, signature)
         raise RewardSpecError(f"data.reward={spec!r}: {spec}{signature} looks batched (its parameter {batched[0]!r} "
                               "names a list, as TRL's and verl's batched reward functions do), and Relax calls a "
                               "reward function once per response: fn(response, label) -> float, with the prompt, "
                               "the messages and the data record's other fields passed by their parameters' names "
-                              f"(all of them to a **kwargs). Wrap it (beside it, or importing it): {wrapper}{how}")
+                              f"(all of them to a **kwargs). Wrap it (beside it, or importing it): {wrapper}"
+                              + "".join(f"; {note}" for note in notes))
     try:
         reward_inputs(fn, signature)
     except ValueError as exc:
@@ -172,46 +170,60 @@ def _check_signature(spec: str, fn: RewardFn) -> None:
 _BATCH_ITEMS = {"responses": "completion", "completions": "completion", "solution_strs": "completion",
                 "labels": "label", "ground_truths": "label", "prompts": "prompt",
                 "data_sources": "data_source", "extra_infos": "extra_info"}
+# what TRL passes a reward function besides the data set's columns and the lists above, and Relax has no value for
+TRL_ARGUMENTS = ("completion_ids", "trainer_state")
 
 
-def batched_wrapper(fn: RewardFn, signature: inspect.Signature) -> tuple[str, bool]:
-    """(the one-line per-response reward that calls the batched `fn` with one-item lists, as `signature` takes them;
-    whether it passes the label by a keyword only because `fn` has no parameter for it but a `**kwargs`). A list
-    parameter gets its item (`_BATCH_ITEMS`); the first other parameter gets the label when none of those took it
-    (TRL's `(completions, solution, **kwargs)`), the rest the record's field of their name; a `**kwargs` gets every
-    field the run passes the wrapper's own `**fields` (prompt, messages, the record's other fields), and the label
-    as `label=` when no parameter took it (TRL's `(completions, **kwargs)`, which reads its columns from kwargs)."""
+def batched_wrapper(fn: RewardFn, signature: inspect.Signature) -> tuple[str, list[str]]:
+    """(the one-line per-response reward that calls the batched `fn` as TRL or verl calls it, with one-item lists;
+    what the message says about it). The wrapper is `reward(completion, label, <record fields>, **fields)`: the run
+    gives its `**fields` the prompt, the messages and the record's fields (the label's column is not among them: it
+    is `label`). Each parameter of `fn`:
+    - a list parameter (`_BATCH_ITEMS`) gets its item: the response, the label, the prompt or a record field;
+    - any other with a default is left out: its default applies (a field of its name still reaches a **kwargs);
+    - TRL's own `TRL_ARGUMENTS` get None (and a note): Relax has no token ids or trainer state;
+    - the first other one, when no list parameter took the label, gets the record's field of its name or, where the
+      record has none (data.label_key names that column), the label: TRL's `solution` in `(completions, solution,
+      **kwargs)`; any other one, the record's field of its name.
+    A **kwargs gets the fields no parameter was given, and `label=` when no parameter took the label (TRL's
+    `(completions, **kwargs)`, which reads the label's column from kwargs under the column's name)."""
     name = getattr(fn, "__name__", "fn")
-    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_POSITIONAL]
-    rest = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    items = {p.name: _BATCH_ITEMS.get(p.name) for p in params}
-    if "label" not in items.values():
-        first = next((p.name for p in params if items[p.name] is None and p.default is inspect.Parameter.empty),
-                     None) or next((p.name for p in params if items[p.name] is None), None)
-        if first is not None:
-            items[first] = "label"
-    for p in params:
-        if items[p.name] is None:
-            items[p.name] = p.name  # a record field of that name
-    # the wrapper's other parameters: a field a parameter with a default asks for may be missing (`=None`, last)
-    optional = {v for v in items.values()
-                if all(p.default is not inspect.Parameter.empty for p in params if items[p.name] == v)}
-    others = [v for v in dict.fromkeys(items.values()) if v not in ("completion", "label")]
-    own = ["completion", "label", *(v for v in others if v not in optional), *(f"{v}=None" for v in others
-                                                                               if v in optional)]
-    args = [f"[{items[p.name]}]" if p.kind is inspect.Parameter.POSITIONAL_ONLY else f"{p.name}=[{items[p.name]}]"
-            for p in params]
-    label_by_keyword = rest and "label" not in items.values()
-    if label_by_keyword:
-        args.append("label=[label]")
-    if rest:
-        args.append("**{k: [v] for k, v in fields.items()}")
-        own.append("**fields")
-    call = f"{name}({', '.join(args)})"
+    labelled = any(_BATCH_ITEMS.get(p.name) == "label" for p in signature.parameters.values())
+    own: dict[str, str] = {}  # the wrapper's parameters besides completion and label -> "" or "=None" (a default)
+    args: dict[str, str] = {}  # fn's parameter -> what it is passed
+    notes = []
+    for p in signature.parameters.values():
+        item = _BATCH_ITEMS.get(p.name)
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) or \
+                (item is None and p.default is not inspect.Parameter.empty):
+            continue
+        if p.name in TRL_ARGUMENTS:
+            args[p.name] = "None"
+            notes.append(f"Relax has no {p.name} to give (a reward function gets the text of one response), so the "
+                         f"wrapper passes {p.name}=None: if {name} reads it, it cannot be wrapped as it is")
+        elif item is None and not labelled:
+            args[p.name], labelled = f"[fields.get({p.name!r}, label)]", True
+        else:
+            item = item or p.name
+            args[p.name] = f"[{item}]"
+            if item not in ("completion", "label"):
+                own[item] = "" if p.default is inspect.Parameter.empty else own.get(item, "=None")
+    positional = {p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_ONLY}
+    passed = [v if k in positional else f"{k}={v}" for k, v in args.items()]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        if not labelled:
+            args["label"] = "[label]"
+            passed.append("label=[label]")
+            notes.append("TRL passes each data set column, the label's too, as a keyword named as the column: "
+                         "label=[label] is data.label_key's default column; with another, write its name there "
+                         "(solution=[label] with data.label_key=solution)")
+        passed.append(f"**{{k: [v] for k, v in fields.items() if k not in {tuple(args)!r}}}")
+    params = ["completion", "label", *(k for k, d in own.items() if not d), *(k + d for k, d in own.items() if d),
+              "**fields"]
+    wrapper, call = f"reward({', '.join(params)})", f"{name}({', '.join(passed)})"
     if inspect.iscoroutinefunction(fn):
-        return f"async def reward({', '.join(own)}): return (await {call})[0]", label_by_keyword
-    return f"def reward({', '.join(own)}): return {call}[0]", label_by_keyword
+        return f"async def {wrapper}: return (await {call})[0]", notes
+    return f"def {wrapper}: return {call}[0]", notes
 
 
 def check_record_fields(spec: object, fn: RewardFn, items: Sequence[object], what: str) -> None:

@@ -4,12 +4,24 @@ another scheme are refused at start, each with a message that says what to do.""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import json
 import re
 import textwrap
 
 import pytest
 
+from relax.data.datasets import load_prompt_file
+from relax.data.tokenizer import build_tiny_tokenizer
 from relax.rewards import RewardSpecError, get_reward_fn, score_responses
+from relax.rewards.registry import check_record_fields
+from relax.runner.rollout_driver.scoring import reward_contexts
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 REWARDS = textwrap.dedent("""
     def exact(response, label):
@@ -97,13 +109,57 @@ def test_a_batched_function_is_refused_at_start(reward_file, name, param):
 
 
 TRL_REWARDS = textwrap.dedent("""
-    # TRL's two canonical batched forms: each data set column (the label's too) comes as a keyword list
-    def trl_kwargs(completions, **kwargs):
-        return [float(s in c) + 0.5 * (t == "easy") for c, s, t in zip(completions, kwargs["solution"], kwargs["tag"])]
+    # batched reward functions as TRL's GRPOTrainer and verl's BatchRewardManager call them: one list per argument
+    def trl_kwargs(completions, **kwargs):  # reads the label's column (data.label_key's default, label) from kwargs
+        return [float(s in c) + 0.5 * (t == "easy") for c, s, t in zip(completions, kwargs["label"], kwargs["tag"])]
 
-    def trl_solution(completions, solution, **kwargs):
-        return [float(s in c) + 0.25 * len(kwargs["tag"][0]) for c, s in zip(completions, solution)]
+    def trl_solution(completions, solution, **kwargs):  # TRL's accuracy_reward form
+        return [float(s in c) + len(s) / 100 + 0.25 * (t == "easy") for c, s, t in zip(completions, solution,
+                                                                                        kwargs["tag"])]
+
+    def trl_ids(prompts, completions, completion_ids, **kwargs):  # TRL's documented form (the ids unread here)
+        return [float(s in c) + 0.5 * ("q?" in p) for p, c, s in zip(prompts, completions, kwargs["label"])]
+
+    def trl_state(completions, trainer_state=None, **kwargs):
+        return [float(s in c) + 0.5 * isinstance(trainer_state, list) for c, s in zip(completions, kwargs["label"])]
+
+    def keyword_only(completions, *, solution, scale=1.0):
+        return [scale * float(s in c) + len(s) / 100 for c, s in zip(completions, solution)]
+
+    def verl_batch(data_sources, solution_strs, ground_truths, extra_infos):
+        return [float(g in s) + (d == "openai/gsm8k") + e["index"] / 100
+                for d, s, g, e in zip(data_sources, solution_strs, ground_truths, extra_infos)]
+
+    async def trl_async(completions, solution, **kwargs):
+        return [float(s in c) + 0.25 * (t == "easy") for c, s, t in zip(completions, solution, kwargs["tag"])]
 """)
+
+COLUMNS = {  # a data set's records (two prompts) and its data.label_key
+    "label": ([{"prompt": "q?", "label": "42", "tag": t} for t in ("easy", "hard")], "label"),
+    # MATH's problem/solution/answer: a `solution` column that is not the label
+    "math": ([{"prompt": "q?", "solution": "x = 42 as 6 * 7 = 42", "answer": "42", "tag": t} for t in ("easy", "hard")],
+             "answer"),
+    "solution": ([{"prompt": "q?", "solution": "42", "tag": t} for t in ("easy", "hard")], "solution"),
+    "verl": ([{"prompt": "q?", "data_source": s, "reward_model": {"ground_truth": "42"}, "extra_info": {"index": i}}
+              for i, s in enumerate(("openai/gsm8k", "other"))], "reward_model.ground_truth"),
+}
+
+
+def batch_call(fn, record: dict, completion: str) -> float:
+    """`fn`'s value for one response as TRL calls it (GRPOTrainer: prompts, completions, completion_ids, every other
+    column as a keyword of its name, trainer_state; only the names `fn` takes when it has no **kwargs), or verl
+    (BatchRewardManager: data_sources, solution_strs, ground_truths, extra_infos), with lists of one item."""
+    params = inspect.signature(fn).parameters
+    if "solution_strs" in params:
+        kwargs = {"data_sources": [record["data_source"]], "solution_strs": [completion],
+                  "ground_truths": [record["reward_model"]["ground_truth"]], "extra_infos": [record["extra_info"]]}
+    else:
+        kwargs = {"prompts": [record["prompt"]], "completions": [completion], "completion_ids": [[7, 8, 9]],
+                  **{k: [v] for k, v in record.items() if k != "prompt"}, "trainer_state": object()}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+    value = fn(**kwargs)
+    return (asyncio.run(value) if inspect.iscoroutine(value) else value)[0]
 
 
 @pytest.fixture(scope="module")
@@ -113,31 +169,41 @@ def trl_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("name", ["trl_kwargs", "trl_solution"])
-def test_the_printed_wrapper_of_a_trl_batched_function_returns_its_value(trl_file, name):
-    """The wrapper the refusal prints, written as given (label= as it says, with the label column's name) and called
-    as the run calls a reward (by its parameters' names: `reward_inputs`), returns what TRL's own call of the batched
-    function (every column as a keyword list) returns for that response."""
-    from relax.rewards.calls import RewardContext, call_once, reward_inputs
-
+@pytest.mark.parametrize("name, columns", [
+    ("trl_kwargs", "label"), ("trl_solution", "math"), ("trl_solution", "solution"), ("trl_ids", "label"),
+    ("trl_state", "label"), ("keyword_only", "solution"), ("verl_batch", "verl"), ("trl_async", "solution")])
+def test_the_printed_wrapper_of_a_batched_function_returns_its_value(trl_file, tmp_path, name, columns):
+    """The wrapper the refusal prints, pasted as it is beside the batched function, is accepted as data.reward and,
+    called as a run calls a reward (its items' contexts, `score_responses`), returns what TRL's (verl's) own call of
+    the batched function returns for that response."""
     namespace: dict = {}
     exec(compile(TRL_REWARDS, str(trl_file), "exec"), namespace)
     with pytest.raises(RewardSpecError) as err:
         get_reward_fn(f"{trl_file}:{name}")
     text = str(err.value)
     wrapper = re.search(r"(?:async )?def reward\(.*?\)\[0\]", text).group(0)
-    if "label=[label]" in wrapper:  # the label column's name, as the message says to write (data.label_key=solution)
-        assert "for label= write data.label_key's name" in text
-        wrapper = wrapper.replace("label=[label]", "solution=[label]")
-    exec(wrapper, namespace)
-    reward = namespace["reward"]
-    fields = {"tag": "easy", "id": 7}
-    for completion, label in [("the answer is 42", "42"), ("no idea", "42")]:
-        want = namespace[name]([completion], solution=[label], prompt=["q?"], **{k: [v] for k, v in fields.items()})[0]
-        args, kwargs = reward_inputs(reward).arguments(completion, label, RewardContext(prompt="q?", fields=fields))
-        value, error = call_once(reward, args, kwargs)
-        assert error is None, error
-        assert value == want
+    if name == "trl_ids":  # Relax has no token ids: said, and never the label in their place
+        assert "completion_ids=None" in wrapper and "Relax has no completion_ids to give" in text
+    pasted = tmp_path / f"wf_{name}_{columns}.py"  # a module name no other test's file has
+    pasted.write_text(f"{TRL_REWARDS}\n{wrapper}\n")
+    spec = f"{pasted}:reward"
+    reward = get_reward_fn(spec)
+    records, label_key = COLUMNS[columns]
+    items = load_prompt_file(write_jsonl(tmp_path / "p.jsonl", records), build_tiny_tokenizer(),
+                             keys=("prompt", label_key))
+    check_record_fields(spec, reward, items, "data")  # every field it asks for is there
+    completions = ["the answer is 42", "no idea"]
+    scores = score_responses(reward, completions * len(items), [i.label for i in items for _ in completions],
+                             contexts=reward_contexts(items, len(completions)))
+    assert not any(scores.failed), scores.first_error
+    assert scores.rewards == [batch_call(namespace[name], r, c) for r in records for c in completions]
+
+
+def test_the_label_keyword_note_names_data_label_key(trl_file):
+    """A (completions, **kwargs) function reads the label's column by its name, which Relax passes as label=."""
+    with pytest.raises(RewardSpecError) as err:
+        get_reward_fn(f"{trl_file}:trl_state")
+    assert "label=[label] is data.label_key's default column" in str(err.value)
 
 
 @pytest.mark.parametrize("spec", ["/srv/rewards/verl_reward.py", "rewards/mine.py", "verl_reward.py"])
