@@ -3,7 +3,8 @@
 (`Dataset.save_to_disk`: its Arrow files, in the order its state.json lists them) or as Parquet shards (its
 `*.parquet` files, in name order: a Hub snapshot's split). Values are data, never code. A file in a form not read
 (CSV or TSV, a compressed file, a `.json` file holding one JSON array) is a `DataError` naming the form and the
-one-line pandas conversion. The label key may be a dotted path into nested fields (`record_field`)."""
+one-line conversion, quoted for a shell (`_conversion`). The label key may be a dotted path into nested fields
+(`record_field`)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,35 @@ def _relative_to_job_directory(p: Path) -> str:
             f"started, because hydra.job.chdir=true: give an absolute path, e.g. {Path(started) / p})")
 
 
+def _conversion(program: str, target: Path | str, needs: str = "") -> str:
+    """`python -c <program>, then data.path=<target>` for a message to paste: the program quoted for a shell (its
+    paths written as `_py_str` writes them), the override quoted for Hydra and the shell (relax.config.store, its one
+    owner); `needs`: the package it needs beyond pandas or the standard library, named after the command."""
+    import shlex
+
+    from relax.config.store import override_text, quoted_override
+
+    target = str(target)
+    override = override_text("data.path", target)
+    if shlex.quote(override) != override and not override.startswith(('"', "'")):  # Hydra's as written, not a shell's
+        override = quoted_override("data.path", [target]) or ""
+    then = (f"then {override}" if override else
+            f"then point data.path at {target} (a config file's data.path: a path holding both ' and \" is not "
+            "quoted for a command line here)")
+    return f"python -c {shlex.quote(program)}{f' (it needs the {needs} package)' if needs else ''}, {then}"
+
+
+def _py_str(s: str) -> str:
+    """`s` as a Python string literal in double quotes (JSON's escapes, which are Python's too; a character that is
+    not UTF-8 text, a file name's undecodable byte, as its escape), for a program a message prints."""
+    text = json.dumps(s, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(s)
+    return text
+
+
 CONVERT_HINT = ("convert it to one file: python -c \"import datasets; datasets.load_from_disk('{p}')"
                 ".to_parquet('train.parquet')\", then data.path=train.parquet")
 
@@ -184,12 +214,15 @@ def read_parquet(p: Path) -> list[Record]:
 _COMPRESSED = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
 _PANDAS = {"gzip": "gzip", "bzip2": "bz2", "xz": "xz", "zstd": "zstd"}  # pandas' names of them
 _MAGIC = ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"))
+_MODULES = {"gzip": "gzip", "bzip2": "bz2", "xz": "lzma", "zstd": "zstandard"}  # the module that opens each
 
 
 def _refuse_unread_form(p: Path) -> None:
     """A DataError for a file in a form that is not read (JSONL and Parquet are), naming the form and the one-line
-    pandas conversion to a form that is: CSV or TSV (by its name), a compressed file (by its name or its first
-    bytes), a `.json` file holding one JSON array (its first character other than white space is `[`)."""
+    conversion to a form that is (`_conversion`): CSV or TSV (by its name; pandas to Parquet, every value as its
+    text), a compressed file (by its name or its first bytes), a `.json` file holding one JSON array (its first
+    character other than white space is `[`). JSON text is converted with the standard library's json, value for value
+    (pandas would give every row every column and turn a number of a column some row lacks into a float)."""
     try:
         with open(p, "rb") as f:
             head = f.read(4096)
@@ -204,39 +237,43 @@ def _refuse_unread_form(p: Path) -> None:
     target = p.with_name(base + (".parquet" if inner in (".csv", ".tsv") else ".jsonl"))
     if target.exists():  # never one to overwrite (x.jsonl holding gzip; x.jsonl beside x.json)
         target = target.with_name(base + ".converted" + target.suffix)
-    # pandas infers a compression from the name's ending; a file whose name does not say gets it named
-    named = f", compression={_PANDAS[compression]!r}" if compression and suffix not in _COMPRESSED else ""
+    source, written = _py_str(str(p)), _py_str(str(target))
     if inner in (".csv", ".tsv"):
-        sep = ", sep='\\t'" if inner == ".tsv" else ""
-        read, write = f"pd.read_csv({str(p)!r}{sep}{named}, dtype=str)", f"to_parquet({str(target)!r})"
+        sep = ', sep="\\t"' if inner == ".tsv" else ""
+        # pandas infers a compression from the name's ending; a file whose name does not say gets it named
+        named = f", compression={json.dumps(_PANDAS[compression])}" if compression and suffix not in _COMPRESSED else ""
+        program = f"import pandas as pd; pd.read_csv({source}{sep}{named}, dtype=str).to_parquet({written})"
         form = inner[1:].upper() + (f" ({compression}-compressed)" if compression else "")
     elif compression is not None or (suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")):
         array = compression is None or (inner == ".json" and _compressed_array(p, compression))
-        read = f"pd.read_json({str(p)!r}{'' if array else ', lines=True'}{named}, dtype=False)"
-        write = f"to_json({str(target)!r}, orient='records', lines=True, force_ascii=False)"
+        module = _MODULES[compression] if compression else ""
+        opened = f"{module}.open({source}, \"rt\"" if module else f"open({source}"
+        # the text, a JSON array's objects one a line (a JSONL file's text as it is)
+        program = (f"import json{', ' + module if module else ''}; t = {opened}, encoding=\"utf-8-sig\").read(); "
+                   f"open({written}, \"x\", encoding=\"utf-8\").write(\"\".join(json.dumps(r, ensure_ascii=False) "
+                   f"+ \"\\n\" for r in json.loads(t)) if t.lstrip().startswith(\"[\") else t)")
         form = " ".join(w for w in (f"{compression}-compressed" if compression else "",
                                     "one JSON array" if array else "JSONL") if w)
     else:
         return
     raise DataError(f"data file {p} is {form}, which is not read: data files are JSONL (one JSON object per line, "
-                    f"uncompressed) or Parquet; convert it: python -c \"import pandas as pd; {read}.{write}\", then "
-                    f"data.path={target}")
+                    f"uncompressed) or Parquet; convert it: "
+                    + _conversion(program, target, "zstandard" if compression == "zstd" else ""))
 
 
 def _compressed_array(p: Path, compression: str) -> bool:
     """Whether a compressed `.json` file holds one JSON array (its first text other than white space is `[`);
-    False where the compression cannot be read here (zstd)."""
-    import bz2
-    import gzip
-    import lzma
+    False where the compression cannot be read here (zstd without the zstandard package)."""
+    import importlib
 
-    opener = {"gzip": gzip.open, "bzip2": bz2.open, "xz": lzma.open}.get(compression)
-    if opener is None:
+    try:
+        opener = importlib.import_module(_MODULES[compression]).open
+    except ImportError:
         return False
     try:
         with opener(p, "rb") as f:
             return f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
-    except (OSError, EOFError, lzma.LZMAError):
+    except Exception:  # noqa: BLE001 - a damaged file: each module raises its own error types
         return False
 
 

@@ -11,17 +11,7 @@ import pytest
 
 from relax.config.schema import DataConfig, RelaxConfig, RolloutConfig
 from relax.data.datasets import DataError, PromptDataset, PromptSampler, build_datasets, load_prompt_file
-from relax.data.tokenizer import build_tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.data.conftest import write_jsonl
 
 
 def cfg(**data):

@@ -1,8 +1,9 @@
 """What a verl / TRL user's data files get (docs/training.md, "Data and rewards"): an empty prompt without the chat
 template is refused at start naming its file and line (it used to pass every check and crash the rollout); a dotted
 `data.label_key` reads a nested field (verl's `reward_model.ground_truth`), a top-level key of that exact name winning;
-a CSV/TSV, compressed or JSON-array file is refused naming its form with a pandas conversion that, run as printed,
-writes a file that reads as the original rows; a `DatasetDict` directory's refusal names its `train` split."""
+a CSV/TSV, compressed or JSON-array file is refused naming its form with a conversion that, run as printed in bash
+from any folder (a space, quotes, `$`, a backtick, a backslash in its name), writes a file that reads as the original
+rows value for value, named by the `data.path=` printed; a `DatasetDict` directory's refusal names its `train` split."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import bz2
 import gzip
 import json
 import lzma
+import os
 import re
 import subprocess
 import sys
@@ -21,19 +23,9 @@ import pytest
 from relax.config.schema import DataConfig, RelaxConfig, RolloutConfig
 from relax.data.datasets import DataError, build_datasets, load_prompt_file
 from relax.data.files import read_records
-from relax.data.tokenizer import build_tiny_tokenizer
+from tests.data.conftest import write_jsonl
 
 ROWS = [{"prompt": f"repeat {i}", "label": str(i)} for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer()
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 # --- an empty prompt without the chat template
@@ -112,11 +104,21 @@ def test_a_missing_label_path_is_refused_naming_the_key_and_the_records_keys(tmp
 
 
 def run_conversion(message, cwd):
-    """Runs the `python -c "..."` the message prints (with this interpreter) and returns the `data.path` it names."""
-    found = re.search(r'convert it: python (-c ".*"), then data\.path=(\S+)$', message)
+    """Runs the `python -c ...` the message prints, exactly as printed, in bash (`python` is this interpreter) and
+    returns the `data.path` its `data.path=...` gives Hydra after the shell (Hydra's own override parser reads it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    found = re.search(r"convert it: (python -c .*?)(?: \(it needs the \w+ package\))?, then ([^ ]*data\.path=.*)$",
+                      message)
     assert found, message
-    subprocess.run(f"{sys.executable} {found.group(1)}", shell=True, cwd=cwd, check=True, timeout=120)
-    return found.group(2)
+    path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    subprocess.run(["bash", "-c", found.group(1)], cwd=cwd, check=True, timeout=120, env={**os.environ, "PATH": path})
+    args = subprocess.run(["bash", "-c", f"printf '%s\\0' {found.group(2)}"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.split("\0")[:-1]
+    assert len(args) == 1, args  # one word for the shell
+    override = OverridesParser.create().parse_override(args[0])
+    assert override.key_or_group == "data.path"
+    return override.value()
 
 
 def csv_text(sep):
@@ -154,6 +156,75 @@ def test_a_conversion_never_overwrites_a_file_beside_it(tmp_path):
         read_records(tmp_path / "p.json")
     assert run_conversion(str(e.value), tmp_path).endswith("p.converted.jsonl")
     assert (tmp_path / "p.jsonl").read_text() == "mine\n"
+
+
+# a path that a shell or Hydra reads otherwise than as written: a space, either quote, $, a backtick, a backslash
+AWKWARD = ["a b", "it's", 'say "hi"', "$HOME", "`date`", "back\\slash", "ü 中 $x `y` \\z 'q'"]
+# values pandas would change: a row without a column (pandas: null there, 12 -> 12.0), types, text beyond ASCII
+TYPED = [{"prompt": "p", "label": 12}, {"prompt": "y"}, {"prompt": "ü 中", "label": "12", "n": [1, 2.5, None, True],
+                                                        "m": {"k": "v"}}]
+
+
+ARRAY = json.dumps(TYPED).encode()
+LINES = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in TYPED).encode()
+
+
+@pytest.mark.parametrize("folder, name, content", [
+    ("plain", "p.json", ARRAY),  # the values alone
+    *((folder, "p.json", ARRAY) for folder in AWKWARD),
+    (AWKWARD[-1], "p.json.gz", gzip.compress(ARRAY)),
+    (AWKWARD[-1], "p.jsonl.xz", lzma.compress(LINES)),
+], ids=["json-array", *(f"json-array-{i}" for i in range(len(AWKWARD))), "json.gz", "jsonl.xz"])
+def test_the_printed_conversion_survives_any_path_and_keeps_every_value(tmp_path, folder, name, content):
+    """The command runs as printed (bash) whatever the folder's name holds, and data.path= as printed names the file
+    it wrote, whose rows are the original rows, value for value and type for type (no column added, no float)."""
+    (tmp_path / folder).mkdir()
+    path = tmp_path / folder / name
+    path.write_bytes(content)
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    converted = run_conversion(str(e.value), tmp_path)
+    assert converted == str(tmp_path / folder / "p.jsonl")
+    rows = [r for r, _ in read_records(converted, label_for=None)]
+    assert rows == TYPED and [type(r.get("label")) for r in rows] == [int, type(None), str]
+    assert "ü 中" in (tmp_path / folder / "p.jsonl").read_text(encoding="utf-8")  # written as text, not \u escapes
+
+
+@pytest.mark.parametrize("folder", ["a b", AWKWARD[-1]])
+def test_the_printed_csv_conversion_survives_any_path(tmp_path, folder):
+    (tmp_path / folder).mkdir()
+    path = tmp_path / folder / "p.tsv"
+    path.write_text(csv_text("\t"))
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    converted = run_conversion(str(e.value), tmp_path)
+    assert converted == str(tmp_path / folder / "p.parquet")
+    assert [r for r, _ in read_records(converted)] == ROWS
+
+
+def test_a_path_holding_both_quotes_gets_a_command_that_runs_and_the_file_to_point_at(tmp_path):
+    (tmp_path / "it's \"x\"").mkdir()
+    path = tmp_path / "it's \"x\"" / "p.json"
+    path.write_bytes(ARRAY)
+    with pytest.raises(DataError) as e:
+        read_records(path)
+    command = re.search(r"convert it: (python -c .*), then point data\.path at (.*) \(a config file's", str(e.value))
+    assert command and command.group(2) == str(path.with_suffix(".jsonl")), str(e.value)
+    path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+    subprocess.run(["bash", "-c", command.group(1)], cwd=tmp_path, check=True, timeout=120,
+                   env={**os.environ, "PATH": path})
+    assert [r for r, _ in read_records(command.group(2), label_for=None)] == TYPED
+
+
+def test_a_zst_files_conversion_names_the_zstandard_package(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    (tmp_path / "it's $x").mkdir()
+    path = tmp_path / "it's $x" / "p.json.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(json.dumps(TYPED).encode()))
+    with pytest.raises(DataError, match=r"is zstd-compressed one JSON array, .* \(it needs the zstandard package\), "
+                                        r"then ") as e:
+        read_records(path)
+    assert [r for r, _ in read_records(run_conversion(str(e.value), tmp_path), label_for=None)] == TYPED
 
 
 def test_a_json_file_of_json_lines_is_read(tmp_path):
