@@ -145,8 +145,10 @@ def _py_str(s: str) -> str:
     return text
 
 
-CONVERT_HINT = ("convert it to one file: python -c \"import datasets; datasets.load_from_disk('{p}')"
-                ".to_parquet('train.parquet')\", then data.path=train.parquet")
+def _directory_conversion(p: Path) -> str:
+    """The one-line conversion of a `datasets` directory to one Parquet file, for a message to paste."""
+    return "convert it to one file: " + _conversion(
+        f'import datasets; datasets.load_from_disk({_py_str(str(p))}).to_parquet("train.parquet")', "train.parquet")
 
 
 def read_directory(p: Path) -> list[Record]:
@@ -166,7 +168,7 @@ def read_directory(p: Path) -> list[Record]:
             files = [p / entry["filename"] for entry in listed]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"data file {p}: its state.json (a datasets save_to_disk directory) cannot be read "
-                            f"({type(e).__name__}: {e}); " + CONVERT_HINT.format(p=p)) from None
+                            f"({type(e).__name__}: {e}); " + _directory_conversion(p)) from None
         rows = [row for f in files for row in _arrow_rows(f, p)]
         return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
     shards = sorted(f for f in p.iterdir() if f.suffix in (".parquet", ".pq") and f.is_file())
@@ -174,7 +176,7 @@ def read_directory(p: Path) -> list[Record]:
         rows = [row for f in shards for row, _ in read_parquet(f)]
         return [(r, f"{p} row {i + 1}") for i, r in enumerate(rows)]
     raise DataError(f"data file {p} is a directory without Parquet shards (*.parquet) or a datasets save_to_disk "
-                    "state.json; point data.path at a JSONL or Parquet file, or " + CONVERT_HINT.format(p=p))
+                    "state.json; point data.path at a JSONL or Parquet file, or " + _directory_conversion(p))
 
 
 def _arrow_rows(f: Path, directory: Path) -> list[dict[str, Any]]:

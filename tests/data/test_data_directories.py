@@ -5,6 +5,7 @@ DataError with the one-line conversion."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -56,6 +57,10 @@ def test_a_dataset_dict_names_its_splits(tmp_path):
 
 def test_another_directory_says_how_to_convert_it(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"directory without Parquet shards .* datasets.load_from_disk\('.*empty'\)"
-                                        r".to_parquet\('train.parquet'\)"):
+    with pytest.raises(DataError, match=r"directory without Parquet shards .* datasets.load_from_disk\(\".*empty\"\)"
+                                        r".to_parquet\(\"train.parquet\"\)") as exc:
         read_records(tmp_path / "empty", "question", "answer")
+    # the command as printed is one shell word after -c, whatever the path holds (tests/data/test_data_file_forms.py
+    # runs the file forms' commands through bash)
+    program = shlex.split(str(exc.value).split("python -c ", 1)[1].split(", then ", 1)[0])[0]
+    assert f"datasets.load_from_disk({json.dumps(str(tmp_path / 'empty'))})" in program
