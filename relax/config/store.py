@@ -217,13 +217,16 @@ def quoted_override(key: str, values: Sequence[str]) -> str | None:
 
 def override_text(key: str, value: object) -> str:
     """`key=value` as a shell's command line gives it to Hydra, for a message to paste: as is where Hydra's grammar
-    reads the value as written, else quoted (`quoted_override`), as a sweep job's checkpoint directory needs
-    (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`: Hydra reads an unquoted `=` as syntax)."""
+    reads the value as written and a shell keeps it one word as written, else quoted (`quoted_override`), as a sweep
+    job's checkpoint directory needs (`"train.resume='checkpoints/x/algorithm=rloo-seed1'"`: Hydra reads an unquoted
+    `=` as syntax) and a path holding a space. Unquoted where no quoting can hold the value (both quote marks)."""
+    import shlex
+
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     plain = f"{key}={value}"
     try:
-        if str(OverridesParser.create().parse_override(plain).value()) == str(value):
+        if str(OverridesParser.create().parse_override(plain).value()) == str(value) and shlex.quote(plain) == plain:
             return plain
     except Exception:  # noqa: BLE001 - Hydra's grammar errors are of several types
         pass

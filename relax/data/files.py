@@ -122,13 +122,12 @@ def _conversion(program: str, target: Path | str, needs: str = "") -> str:
     owner); `needs`: the package it needs beyond pandas or the standard library, named after the command."""
     import shlex
 
-    from relax.config.store import override_text, quoted_override
+    from relax.config.store import override_text
 
     target = str(target)
     override = override_text("data.path", target)
-    if shlex.quote(override) != override and not override.startswith(('"', "'")):  # Hydra's as written, not a shell's
-        override = quoted_override("data.path", [target]) or ""
-    then = (f"then {override}" if override else
+    quoted = shlex.quote(override) == override or override.startswith(('"', "'"))  # else: no quoting holds it
+    then = (f"then {override}" if quoted else
             f"then point data.path at {target} (a config file's data.path: a path holding both ' and \" is not "
             "quoted for a command line here)")
     return f"python -c {shlex.quote(program)}{f' (it needs the {needs} package)' if needs else ''}, {then}"

@@ -156,14 +156,16 @@ def test_relax_serve_names_the_quoted_form_and_serves_the_directory_with_it(tmp_
 
 def test_the_resume_advice_relax_prints_is_pasteable():
     """The train.resume=<path> Relax prints for the user to paste (a checkpoint's advice, a set-aside run's note)
-    parses as that path in Hydra's grammar: quoted where a sweep job's directory holds '='."""
+    parses as that path in Hydra's grammar, one word to the shell: quoted where a sweep job's directory holds '=', or
+    a path holding a space, a $ or a quote."""
     import shlex
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from relax.config.store import override_text
 
-    for path in ("checkpoints/relax/grpo-seed1/step_000002", "checkpoints/x/algorithm=rloo-seed1/step_000016"):
+    for path in ("checkpoints/relax/grpo-seed1/step_000002", "checkpoints/x/algorithm=rloo-seed1/step_000016",
+                 "/data/my runs/grpo-seed1/step_000002", "/data/$HOME's/step_000002"):  # a space, $ and a quote
         text = override_text("train.resume", path)
         (arg,) = shlex.split(text)  # as the shell hands it to relax-train
         assert OverridesParser.create().parse_override(arg).value() == path, text
