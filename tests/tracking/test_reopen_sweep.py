@@ -55,14 +55,16 @@ def test_a_resumed_sweeps_runs_move_to_its_parent_and_compare_follows(tracking_c
                                   filter_string=f"tags.`{PARENT_RUN_ID_TAG}` = '{new}'")
     assert sorted(r.info.run_id for r in children) == sorted(runs)
     # relax-compare: the new sweep has both runs and logs to its parent
-    r = compare(uri=tracking_cfg.uri, sweep="S2", last_k=2, out_dir=tmp_path / "cmp")
+    # within this test's experiment: the store is the worker's, where another test may have run a sweep S2 too
+    mine = {"uri": tracking_cfg.uri, "experiment": tracking_cfg.experiment}
+    r = compare(**mine, sweep="S2", last_k=2, out_dir=tmp_path / "cmp")
     assert r.logged_to == new and r.comparison.stats[0].n == 2
     assert {f.path for f in client.list_artifacts(new, "compare")} == {"compare/compare.csv", "compare/compare.png"}
     assert client.list_artifacts(old, "compare") == []
     # the old sweep id says where its runs went
-    with pytest.raises(CompareError,
-                       match="no runs match sweep S1: its runs were reopened by a job of sweep S2 .* --sweep S2$"):
-        compare(uri=tracking_cfg.uri, sweep="S1", out_dir=tmp_path / "cmp1", log=False)
+    with pytest.raises(CompareError, match="no runs match experiment .* and sweep S1: its runs were reopened by a "
+                                           "job of sweep S2 .* --sweep S2$"):
+        compare(**mine, sweep="S1", out_dir=tmp_path / "cmp1", log=False)
 
 
 def test_control_a_run_reopened_without_a_parent_keeps_its_sweep_and_parent(tracking_cfg: TrackingConfig):
